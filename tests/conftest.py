@@ -1,0 +1,79 @@
+"""Test fixtures: one private Postgres (wal_level=logical) per session, a fresh database per test."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from pgstream_dagster.devdb import LocalPostgres, ensure_running
+from pgstream_dagster.migrations import migrate
+
+TEMPLATE = "pgstream_template"
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    server = ensure_running(
+        tmp_path_factory.mktemp("pg") / "data",
+        extra_settings={"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off",
+                        "max_slot_wal_keep_size": "-1"},
+    )
+    yield server
+    server.destroy()
+
+
+@pytest.fixture(scope="session")
+def template_db(pg: LocalPostgres) -> str:
+    pg.create_database(TEMPLATE)
+    migrate(pg.url_for(TEMPLATE))
+    return TEMPLATE
+
+
+def _fresh_database(pg: LocalPostgres, template: str) -> str:
+    name = f"t{next(_counter)}"
+    with psycopg.connect(pg.url, autocommit=True) as conn:
+        conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("create database {} template {}").format(sql.Identifier(name),
+                                                                      sql.Identifier(template)))
+    return name
+
+
+def _drop_database(pg: LocalPostgres, name: str) -> None:
+    with psycopg.connect(pg.url_for(name), autocommit=True) as conn:
+        for (slot,) in conn.execute("select slot_name from pg_replication_slots where database = %s",
+                                    [name]).fetchall():
+            conn.execute("select pg_drop_replication_slot(%s)", [slot])
+    with psycopg.connect(pg.url, autocommit=True) as conn:
+        conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def db_url(pg: LocalPostgres, template_db: str) -> Iterator[str]:
+    """A freshly migrated database of its own."""
+    name = _fresh_database(pg, template_db)
+    yield pg.url_for(name)
+    _drop_database(pg, name)
+
+
+@pytest.fixture
+def empty_db_url(pg: LocalPostgres) -> Iterator[str]:
+    """A database without pgstream installed."""
+    name = _fresh_database(pg, "template1")
+    yield pg.url_for(name)
+    _drop_database(pg, name)
+
+
+@pytest.fixture
+def conn(db_url: str) -> Iterator[psycopg.Connection]:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        yield c
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent

@@ -1,0 +1,586 @@
+"""The database core: migrations, subscriptions -> triggers, payloads, validation, drift guard,
+set_subscriptions, partitions, privileges and tear-down, against a real Postgres."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from pgstream_dagster.cli import main as cli_main
+from pgstream_dagster.migrations import MigrationError, migrate, sql_dir, tear_down
+
+USERS = """
+create table public.users (
+    id serial primary key,
+    name text,
+    email text,
+    email_verified boolean not null default false,
+    age integer,
+    created_at timestamptz not null default '2024-12-12T10:30:00Z'
+)
+"""
+
+
+def subscribe(conn: psycopg.Connection, key: str, *, op: str = "INSERT", table: str = "users",
+              schema: str = "public", when: str | None = None, columns: list[str] | None = None,
+              extensions: list[dict[str, str]] | None = None, stream_id: int = 1,
+              metadata: dict[str, Any] | None = None) -> None:
+    conn.execute(
+        """insert into pgstream.subscriptions
+           (key, stream_id, operation, schema_name, table_name, when_clause, column_names,
+            payload_extensions, metadata)
+           values (%s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+        [key, stream_id, op, schema, table, when, columns if columns is not None else ["id", "email"],
+         Jsonb(extensions or []), Jsonb(metadata) if metadata is not None else None],
+    )
+
+
+def events(conn: psycopg.Connection) -> list[tuple[int, int, dict[str, Any], Any]]:
+    return conn.execute("select id, stream_id, payload, metadata from pgstream.events order by id").fetchall()
+
+
+def trigger_state(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    """Everything generated: triggers (oid, table, definition) and trigger functions (source)."""
+    return conn.execute(
+        """
+        select 'trigger', t.oid::bigint, t.tgrelid::regclass::text, pg_get_triggerdef(t.oid)
+        from pg_trigger t join pg_proc p on p.oid = t.tgfoid
+        where p.pronamespace = 'pgstream'::regnamespace and not t.tgisinternal
+          and t.tgrelid <> 'pgstream.streams'::regclass and t.tgrelid <> 'pgstream.subscriptions'::regclass
+        union all
+        select 'function', p.oid::bigint, p.proname::text, p.prosrc
+        from pg_proc p where p.pronamespace = 'pgstream'::regnamespace and p.proname like '\\_publish\\_%'
+        order by 1, 3, 2
+        """
+    ).fetchall()
+
+
+@pytest.fixture
+def users(conn: psycopg.Connection) -> psycopg.Connection:
+    conn.execute(USERS)
+    return conn
+
+
+# --------------------------------------------------------------------------------------------
+# migrations
+
+
+def test_migrate_is_idempotent_and_recorded(db_url: str) -> None:
+    assert migrate(db_url) == []
+    with psycopg.connect(db_url) as c:
+        versions = [r[0] for r in c.execute("select version from pgstream.schema_migrations order by 1")]
+    assert versions == sorted(int(p.name[:3]) for p in sql_dir().glob("[0-9]*.sql") if p.name[:3] != "000")
+
+
+def test_concurrent_migrators_apply_each_migration_once(empty_db_url: str) -> None:
+    results: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(migrate(empty_db_url))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    applied = [name for r in results for name in r]
+    assert len(applied) == len(set(applied)) == len(list(sql_dir().glob("00[1-9]_*.sql")))
+
+
+def test_changed_migration_is_refused(db_url: str, tmp_path: Path) -> None:
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    (copy / "001_core.sql").write_text((copy / "001_core.sql").read_text() + "\n-- edited\n")
+    with pytest.raises(MigrationError, match=r"001_core\.sql was changed after it was applied"):
+        migrate(db_url, directory=copy)
+
+
+def test_migrate_creates_today_and_the_week_ahead(conn: psycopg.Connection) -> None:
+    today = dt.datetime.now(dt.UTC).date()
+    names = {r[0] for r in conn.execute(
+        "select c.relname from pg_inherits i join pg_class c on c.oid = i.inhrelid "
+        "where i.inhparent = 'pgstream.events'::regclass")}
+    for d in range(8):
+        assert f"events_{(today + dt.timedelta(days=d)):%Y%m%d}" in names
+    assert "events_default" in names
+
+
+def test_cli_migrate_and_missing_url(db_url: str, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cli_main(["migrate", "--database-url", db_url]) == 0
+    assert "up to date" in capsys.readouterr().out
+    monkeypatch.delenv("PGSTREAM_DATABASE_URL", raising=False)
+    with pytest.raises(SystemExit, match="PGSTREAM_DATABASE_URL"):
+        cli_main(["migrate"])
+
+
+# --------------------------------------------------------------------------------------------
+# streams and publications
+
+
+def test_stream_row_owns_its_publication(conn: psycopg.Connection) -> None:
+    conn.execute("insert into pgstream.streams (id) values (7)")
+    row = conn.execute(
+        "select p.pubinsert, p.pubupdate, p.pubdelete, p.pubviaroot, pg_get_expr(r.prqual, r.prrelid) "
+        "from pg_publication p join pg_publication_rel r on r.prpubid = p.oid "
+        "where p.pubname = 'pgstream_stream_7'").fetchone()
+    assert row is not None
+    assert row[:4] == (True, False, False, True)
+    assert "stream_id = 7" in row[4]
+    conn.execute("delete from pgstream.streams where id = 7")
+    assert conn.execute("select count(*) from pg_publication where pubname = 'pgstream_stream_7'").fetchone() == (0,)
+
+
+def test_subscription_creates_its_stream(users: psycopg.Connection) -> None:
+    subscribe(users, "s", stream_id=42)
+    assert users.execute("select id from pgstream.streams").fetchall() == [(42,)]
+    assert users.execute("select count(*) from pg_publication where pubname = 'pgstream_stream_42'").fetchone() == (1,)
+
+
+# --------------------------------------------------------------------------------------------
+# seed scenarios: payloads
+
+
+def test_insert_payload_matches_the_seed_contract(users: psycopg.Connection) -> None:
+    subscribe(users, "user-signup", when="new.email_verified = true", columns=["id", "email", "created_at"])
+    users.execute("insert into users (email, email_verified) values ('user@example.com', true)")
+    [(_, stream_id, payload, _)] = events(users)
+    assert stream_id == 1
+    ts = payload.pop("timestamp")
+    assert isinstance(ts, int) and abs(ts / 1000 - dt.datetime.now(dt.UTC).timestamp()) < 60
+    assert payload == {
+        "tg_name": "user-signup", "tg_op": "INSERT", "tg_table_name": "users", "tg_table_schema": "public",
+        "new": {"id": 1, "email": "user@example.com", "created_at": "2024-12-12T10:30:00+00:00"},
+        "old": None,
+    }
+
+
+def test_update_and_delete_payloads(users: psycopg.Connection) -> None:
+    subscribe(users, "user-updated", op="UPDATE", columns=["id", "email"])
+    subscribe(users, "user-deleted", op="DELETE", columns=["id", "email"])
+    users.execute("insert into users (email) values ('a@x')")
+    users.execute("update users set email = 'b@x'")
+    users.execute("delete from users")
+    got = [(p["tg_name"], p["tg_op"], p["new"], p["old"]) for _, _, p, _ in events(users)]
+    assert got == [
+        ("user-updated", "UPDATE", {"id": 1, "email": "b@x"}, {"id": 1, "email": "a@x"}),
+        ("user-deleted", "DELETE", None, {"id": 1, "email": "b@x"}),
+    ]
+
+
+def test_when_clause_filters(users: psycopg.Connection) -> None:
+    subscribe(users, "verified", when="new.email_verified = true")
+    users.execute("insert into users (email, email_verified) values ('no@x', false), ('yes@x', true)")
+    assert [p["new"]["email"] for _, _, p, _ in events(users)] == ["yes@x"]
+
+
+def test_two_subscriptions_on_one_table(users: psycopg.Connection) -> None:
+    subscribe(users, "adults", when="new.age >= 18", columns=["id"])
+    subscribe(users, "all-signups", columns=["email"])
+    trig = users.execute("select pg_get_triggerdef(oid) from pg_trigger where tgname = 'pgstream_insert'").fetchone()
+    assert trig is not None and "WHEN" not in trig[0]  # one subscription has no filter -> no WHEN
+    users.execute("insert into users (email, age) values ('kid@x', 10), ('grown@x', 40)")
+    got = [(p["tg_name"], p["new"]) for _, _, p, _ in events(users)]
+    assert got == [("all-signups", {"email": "kid@x"}), ("adults", {"id": 2}), ("all-signups", {"email": "grown@x"})]
+
+
+def test_when_clauses_are_ored_in_the_trigger(users: psycopg.Connection) -> None:
+    subscribe(users, "a", when="new.age > 60")
+    subscribe(users, "b", when="new.email_verified")
+    (definition,) = users.execute(
+        "select pg_get_triggerdef(oid) from pg_trigger where tgname = 'pgstream_insert'").fetchone()
+    assert "WHEN" in definition and " OR " in definition
+    users.execute("insert into users (email, age, email_verified) values ('x', 10, false), ('y', 70, false), "
+                  "('z', 1, true)")
+    assert [p["new"]["email"] for _, _, p, _ in events(users)] == ["y", "z"]
+
+
+def test_nested_extensions_with_expressions(users: psycopg.Connection) -> None:
+    subscribe(users, "ext", columns=["id"], extensions=[
+        {"json_path": "group_id", "expression": "new.id::text"},
+        {"json_path": "queue_name", "expression": "'orders-high-priority'"},
+        {"json_path": "info.name_upper", "expression": "upper(new.name)"},
+        {"json_path": "info.flags.senior", "expression": "new.age >= 30"},
+        {"json_path": "info.flags.verified", "expression": "new.email_verified"},
+    ])
+    users.execute("insert into users (name, age) values ('ada', 36)")
+    [(_, _, p, _)] = events(users)
+    assert p["group_id"] == "1"
+    assert p["queue_name"] == "orders-high-priority"
+    assert p["info"] == {"name_upper": "ADA", "flags": {"senior": True, "verified": False}}
+    assert p["new"] == {"id": 1}
+
+
+def test_subscription_metadata_goes_to_the_event(users: psycopg.Connection) -> None:
+    subscribe(users, "m", metadata={"team": "growth"})
+    users.execute("insert into users (email) values ('a')")
+    assert events(users)[0][3] == {"team": "growth"}
+
+
+def test_deleting_a_subscription_removes_its_trigger(users: psycopg.Connection) -> None:
+    subscribe(users, "a")
+    assert len(trigger_state(users)) == 2
+    users.execute("delete from pgstream.subscriptions where key = 'a'")
+    assert trigger_state(users) == []
+    users.execute("insert into users (email) values ('a')")
+    assert events(users) == []
+
+
+def test_events_carry_an_lsn(users: psycopg.Connection) -> None:
+    subscribe(users, "a")
+    before = users.execute("select pg_current_wal_insert_lsn()").fetchone()[0]
+    users.execute("insert into users (email) values ('a')")
+    (lsn,) = users.execute("select lsn from pgstream.events").fetchone()
+    assert lsn is not None
+    assert users.execute("select %s::pg_lsn >= %s::pg_lsn", [lsn, before]).fetchone() == (True,)
+
+
+def test_application_insert_into_events_directly(conn: psycopg.Connection) -> None:
+    conn.execute("insert into pgstream.streams (id) values (3)")
+    conn.execute("""insert into pgstream.events (payload, stream_id) values ('{"kind": "manual"}', 3)""")
+    [(_, stream_id, payload, _)] = events(conn)
+    assert (stream_id, payload) == (3, {"kind": "manual"})
+
+
+def test_wide_tables_beyond_jsonb_build_object_argument_limit(conn: psycopg.Connection) -> None:
+    cols = [f"c{i}" for i in range(80)]
+    conn.execute(sql.SQL("create table public.wide ({})").format(sql.SQL(", ").join(
+        sql.SQL("{} int default {}").format(sql.Identifier(c), sql.Literal(i)) for i, c in enumerate(cols))))
+    subscribe(conn, "wide", table="wide", columns=cols)
+    conn.execute("insert into wide default values")
+    assert events(conn)[0][2]["new"] == {c: i for i, c in enumerate(cols)}
+
+
+# --------------------------------------------------------------------------------------------
+# the fixes
+
+
+def test_same_table_name_in_two_schemas(users: psycopg.Connection) -> None:
+    users.execute("create schema auth")
+    users.execute("create table auth.users (id int, email text)")
+    subscribe(users, "public-users")
+    subscribe(users, "auth-users", schema="auth")
+    users.execute("insert into public.users (email) values ('p')")
+    users.execute("insert into auth.users values (1, 'a')")
+    assert [(p["tg_table_schema"], p["tg_name"]) for _, _, p, _ in events(users)] == [
+        ("public", "public-users"), ("auth", "auth-users")]
+    users.execute("delete from pgstream.subscriptions where key = 'auth-users'")
+    users.execute("insert into public.users (email) values ('p2')")
+    users.execute("insert into auth.users values (2, 'a2')")
+    assert [p["tg_name"] for _, _, p, _ in events(users)][-1] == "public-users"
+    assert len(events(users)) == 3
+
+
+def test_each_subscription_writes_to_its_own_stream(users: psycopg.Connection) -> None:
+    subscribe(users, "to-one", stream_id=1)
+    subscribe(users, "to-two", stream_id=2, when="new.age > 10")
+    users.execute("insert into users (email, age) values ('a', 5), ('b', 50)")
+    got = [(s, p["tg_name"], p["new"]["email"]) for _, s, p, _ in events(users)]
+    assert got == [(1, "to-one", "a"), (1, "to-one", "b"), (2, "to-two", "b")]
+
+
+def test_events_of_one_statement_keep_row_then_subscription_order(users: psycopg.Connection) -> None:
+    for key in ["c", "a", "b"]:
+        subscribe(users, key, columns=["name"])
+    users.execute("insert into users (name) select 'n' || g from generate_series(1, 50) g")
+    got = [(p["new"]["name"], p["tg_name"]) for _, _, p, _ in events(users)]
+    assert got == [(f"n{g}", k) for g in range(1, 51) for k in ["a", "b", "c"]]
+
+
+# --------------------------------------------------------------------------------------------
+# validation: rejected input changes nothing
+
+BAD = [
+    ({"table": "nope"}, "table", "does not exist"),
+    ({"columns": ["id", "emial"]}, "column_names", 'column emial does not exist'),
+    ({"when": "new.nope = 1"}, "when_clause", "does not exist"),
+    ({"when": "new.name"}, "when_clause", "must be a boolean expression, got type text"),
+    ({"when": "old.id = 1"}, "when_clause", 'missing FROM-clause entry for table "old"'),
+    ({"when": "true; drop table users"}, "when_clause", 'statement separator ";"'),
+    ({"when": "true) ; drop table users; select (1"}, "when_clause", "unbalanced parentheses"),
+    ({"when": "true) or (true"}, "when_clause", "unbalanced parentheses"),
+    ({"when": "true -- and false"}, "when_clause", "comments"),
+    ({"when": "true /* x */"}, "when_clause", "comments"),
+    ({"when": "new.name = 'x"}, "when_clause", "unterminated quoted string"),
+    ({"when": "new.name = $$x$$"}, "when_clause", "dollar quoting"),
+    ({"when": "new.name = E'\\''; drop table users; --'"}, "when_clause", "statement separator"),
+    ({"when": "(new.age > 1"}, "when_clause", "unbalanced parentheses"),
+    ({"extensions": [{"json_path": "x", "expression": "new.nope"}]}, "payload_extensions[1].expression",
+     "does not exist"),
+    ({"extensions": [{"json_path": "x", "expression": "1 +"}]}, "payload_extensions[1].expression", "syntax error"),
+    ({"extensions": [{"json_path": "x", "expression": "new.age + 'a'::text"}]},
+     "payload_extensions[1].expression", "operator does not exist"),
+    ({"extensions": [{"json_path": "x..y", "expression": "1"}]}, "payload_extensions[1].json_path", "malformed"),
+    ({"extensions": [{"json_path": "x y", "expression": "1"}]}, "payload_extensions[1].json_path", "malformed"),
+    ({"extensions": [{"json_path": "new.id", "expression": "1"}]}, "payload_extensions[1].json_path",
+     "overwrite the payload key"),
+    ({"extensions": [{"json_path": "a", "expression": "1"}, {"json_path": "a.b", "expression": "2"}]},
+     "payload_extensions[2].json_path", "conflicts"),
+    ({"extensions": [{"path": "a", "expression": "1"}]}, "payload_extensions[1]", "expected"),
+    ({"extensions": [{"json_path": "a", "expression": "1; drop table users"}]},
+     "payload_extensions[1].expression", "statement separator"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "part", "message"), BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_subscription_is_rejected_and_changes_nothing(users: psycopg.Connection, kwargs: dict[str, Any],
+                                                          part: str, message: str) -> None:
+    subscribe(users, "good", when="new.age > 1")
+    before = trigger_state(users)
+    subs_before = users.execute("select * from pgstream.subscriptions order by id").fetchall()
+    with pytest.raises(psycopg.Error) as err:
+        subscribe(users, "the-bad-one", **kwargs)
+    text = str(err.value)
+    assert 'subscription "the-bad-one"' in text
+    assert f": {part}: " in text
+    assert message in text
+    assert trigger_state(users) == before
+    assert users.execute("select * from pgstream.subscriptions order by id").fetchall() == subs_before
+    assert users.execute("select to_regclass('public.users') is not null").fetchone() == (True,)
+
+
+def test_bad_update_of_existing_subscription_keeps_old_trigger(users: psycopg.Connection) -> None:
+    subscribe(users, "a", when="new.age > 1")
+    before = trigger_state(users)
+    with pytest.raises(psycopg.Error, match=r'subscription "a".*when_clause'):
+        users.execute("update pgstream.subscriptions set when_clause = 'new.missing > 1'")
+    assert trigger_state(users) == before
+
+
+# --------------------------------------------------------------------------------------------
+# schema-drift guard (policy: refuse)
+
+DRIFT = [
+    ("alter table users drop column email", "email"),
+    ("alter table users drop column age cascade", "age"),
+    ("alter table users rename column email to mail", "email"),
+    ("alter table users rename column age to years", "age"),
+    ("alter table users alter column age type text", "age"),
+    ("drop table users", "users"),
+    ("alter table users rename to people", "users"),
+    ("alter schema public rename to app", "users"),
+    ("drop trigger pgstream_insert on users", "pgstream_insert"),
+]
+
+
+@pytest.mark.parametrize(("ddl", "what"), DRIFT, ids=[d[0] for d in DRIFT])
+def test_drift_guard_refuses_ddl_that_breaks_a_trigger(users: psycopg.Connection, ddl: str, what: str) -> None:
+    subscribe(users, "guarded", when="new.email_verified", columns=["id", "email"],
+              extensions=[{"json_path": "next_age", "expression": "new.age + 1"}])
+    before = trigger_state(users)
+    with pytest.raises(psycopg.Error) as err:
+        users.execute(ddl)
+    assert "pgstream: refusing" in str(err.value)
+    assert "guarded" in str(err.value) or "pgstream_insert" in str(err.value)
+    assert trigger_state(users) == before
+    users.execute("insert into public.users (email, email_verified, age) values ('ok', true, 5)")
+    assert len(events(users)) == 1
+
+
+def test_drift_guard_allows_harmless_ddl(users: psycopg.Connection) -> None:
+    subscribe(users, "guarded", columns=["id", "email"])
+    users.execute("alter table users add column nickname text")
+    users.execute("alter table users drop column nickname")
+    users.execute("alter table users alter column name type varchar(50)")
+    users.execute("create table other (id int)")
+    users.execute("drop table other")
+    users.execute("insert into users (email) values ('still works')")
+    assert len(events(users)) == 1
+
+
+def test_ddl_after_removing_the_subscription_goes_through(users: psycopg.Connection) -> None:
+    subscribe(users, "guarded", columns=["email"])
+    users.execute("delete from pgstream.subscriptions")
+    users.execute("alter table users drop column email")
+    users.execute("drop table users")
+
+
+# --------------------------------------------------------------------------------------------
+# set_subscriptions
+
+def _set(conn: psycopg.Connection, stream_id: int, subs: list[dict[str, Any]],
+         managed_by: str | None = None) -> list[tuple[Any, ...]]:
+    rows = [
+        (s["key"], s.get("operation", "INSERT"), s.get("schema_name", "public"), s["table_name"],
+         s.get("when_clause"), s.get("column_names", ["id"]), Jsonb(s["metadata"]) if s.get("metadata") else None,
+         Jsonb(s.get("payload_extensions", [])))
+        for s in subs
+    ]
+    one = sql.SQL("row(null, %s, null, %s::pgstream.operation_type, %s, %s, %s, %s::text[], %s::jsonb, "
+                  "%s::jsonb, null, null, null)::pgstream.subscriptions")
+    query = sql.SQL("select action, key from pgstream.set_subscriptions(%s, array[{}]::pgstream.subscriptions[], %s)"
+                    ).format(sql.SQL(", ").join([one] * len(rows)))
+    return conn.execute(query, [stream_id, *[v for r in rows for v in r], managed_by]).fetchall()
+
+
+def test_set_subscriptions_applies_a_set_and_noop_keeps_trigger_oids(users: psycopg.Connection) -> None:
+    users.execute("create table orders (id int, user_id int, total numeric)")
+    desired = [
+        {"key": "signup", "table_name": "users", "when_clause": "new.email_verified"},
+        {"key": "bye", "table_name": "users", "operation": "DELETE"},
+        {"key": "order", "table_name": "orders", "column_names": ["id", "total"],
+         "payload_extensions": [{"json_path": "group_id", "expression": "new.user_id::text"}]},
+    ]
+    assert sorted(_set(users, 1, desired)) == [("inserted", "bye"), ("inserted", "order"), ("inserted", "signup")]
+    state = trigger_state(users)
+    assert len(state) == 6
+    assert _set(users, 1, desired) == []
+    assert trigger_state(users) == state  # no-op: same trigger and function oids
+
+    desired[0]["when_clause"] = "new.email_verified and new.age > 17"
+    assert _set(users, 1, desired) == [("updated", "signup")]
+    after = trigger_state(users)
+    changed = {(r[0], r[2]) for r in after if r not in state}
+    assert ("trigger", "users") in changed
+    unchanged = [r for r in state if r[2] == "orders"]
+    assert unchanged and all(r in after for r in unchanged)
+
+    assert _set(users, 1, desired[1:]) == [("deleted", "signup")]
+    assert users.execute("select count(*) from pg_trigger where tgname = 'pgstream_insert' "
+                         "and tgrelid = 'public.users'::regclass").fetchone() == (0,)
+
+
+def test_set_subscriptions_rejects_bad_input_atomically(users: psycopg.Connection) -> None:
+    _set(users, 1, [{"key": "a", "table_name": "users"}])
+    state = trigger_state(users)
+    with pytest.raises(psycopg.Error, match=r'subscription "b".*column_names'):
+        _set(users, 1, [{"key": "a", "table_name": "users", "when_clause": "new.age > 3"},
+                        {"key": "b", "table_name": "users", "column_names": ["nope"]}])
+    assert trigger_state(users) == state
+    assert users.execute("select key, when_clause from pgstream.subscriptions").fetchall() == [("a", None)]
+    with pytest.raises(psycopg.Error, match='"a" appears more than once'):
+        _set(users, 1, [{"key": "a", "table_name": "users"}, {"key": "a", "table_name": "users"}])
+
+
+def test_set_subscriptions_managed_by_leaves_hand_made_ones(users: psycopg.Connection) -> None:
+    subscribe(users, "by-hand")
+    _set(users, 1, [{"key": "from-yaml", "table_name": "users"}], managed_by="yaml")
+    assert _set(users, 1, [], managed_by="yaml") == [("deleted", "from-yaml")]
+    assert users.execute("select key from pgstream.subscriptions").fetchall() == [("by-hand",)]
+
+
+def test_set_subscriptions_touches_only_its_stream(users: psycopg.Connection) -> None:
+    subscribe(users, "other-stream", stream_id=2)
+    _set(users, 1, [{"key": "mine", "table_name": "users"}])
+    _set(users, 1, [])
+    assert users.execute("select key from pgstream.subscriptions").fetchall() == [("other-stream",)]
+
+
+# --------------------------------------------------------------------------------------------
+# partitions
+
+
+def _partitions(conn: psycopg.Connection) -> list[str]:
+    return [r[0] for r in conn.execute(
+        "select c.relname from pg_inherits i join pg_class c on c.oid = i.inhrelid "
+        "where i.inhparent = 'pgstream.events'::regclass and c.relname <> 'events_default' order by 1")]
+
+
+def test_partition_maintenance_across_a_simulated_date_change(conn: psycopg.Connection) -> None:
+    conn.execute("insert into pgstream.streams (id) values (1)")
+    for name in _partitions(conn):
+        conn.execute(sql.SQL("drop table pgstream.{}").format(sql.Identifier(name)))  # a known calendar
+    day0 = dt.date(2030, 1, 1)
+    created = [r[0] for r in conn.execute("select pgstream.create_partitions(2, %s)", [day0])]
+    assert created == ["events_20300101", "events_20300102", "events_20300103"]
+    assert conn.execute("select pgstream.create_partitions(2, %s)", [day0]).fetchall() == []
+    for day in ["2030-01-01 12:00", "2030-01-02 23:59:59", "2030-01-03 00:00"]:
+        conn.execute("insert into pgstream.events (payload, stream_id, created_at) values ('{}', 1, %s::timestamptz)",
+                     [day + "+00"])
+    assert conn.execute("select tableoid::regclass::text, count(*) from pgstream.events group by 1 order by 1"
+                        ).fetchall() == [("pgstream.events_20300101", 1), ("pgstream.events_20300102", 1),
+                                         ("pgstream.events_20300103", 1)]
+    # ten days later: housekeeping drops the expired days and creates the new ones
+    day10 = day0 + dt.timedelta(days=10)
+    conn.execute("select pgstream.create_partitions(1, %s)", [day10])
+    dropped = [r[0] for r in conn.execute("select pgstream.drop_partitions(7, %s)", [day10])]
+    assert dropped == ["events_20300101", "events_20300102", "events_20300103"]
+    assert _partitions(conn) == ["events_20300111", "events_20300112"]
+    assert conn.execute("select count(*) from pgstream.events").fetchone() == (0,)
+
+
+def test_insert_never_fails_for_a_missing_partition(users: psycopg.Connection) -> None:
+    subscribe(users, "a")
+    for name in _partitions(users):
+        users.execute(sql.SQL("drop table pgstream.{}").format(sql.Identifier(name)))
+    users.execute("insert into users (email) values ('a')")  # lands in the default partition
+    assert users.execute("select tableoid::regclass::text from pgstream.events").fetchall() == [
+        ("pgstream.events_default",)]
+    # the day that has rows parked in default is not partitioned (moving them would replay them)
+    today = users.execute("select pgstream.utc_today()").fetchone()[0]
+    created = [r[0] for r in users.execute("select pgstream.create_partitions(1)")]
+    assert created == [f"events_{today + dt.timedelta(days=1):%Y%m%d}"]
+    # expired rows in the default partition are deleted by drop_partitions
+    users.execute("select pgstream.drop_partitions(7, %s)", [today + dt.timedelta(days=8)])
+    assert users.execute("select count(*) from pgstream.events").fetchone() == (0,)
+
+
+def test_partition_functions_reject_bad_arguments(conn: psycopg.Connection) -> None:
+    with pytest.raises(psycopg.Error, match="p_days_ahead must be >= 0"):
+        conn.execute("select pgstream.create_partitions(-1)")
+    with pytest.raises(psycopg.Error, match="p_retention_days must be >= 1"):
+        conn.execute("select pgstream.drop_partitions(0)")
+
+
+# --------------------------------------------------------------------------------------------
+# privileges
+
+
+def test_application_role_cannot_escalate(users: psycopg.Connection, db_url: str) -> None:
+    subscribe(users, "a", when="new.age > 0")
+    users.execute("do $$ begin create role pgstream_test_app login; exception when duplicate_object then null; end $$")
+    users.execute("grant usage on schema public to pgstream_test_app")
+    users.execute("grant insert, select on public.users to pgstream_test_app")
+    users.execute("grant usage on sequence public.users_id_seq to pgstream_test_app")
+    app_url = db_url.replace("postgres@", "pgstream_test_app@")
+    with psycopg.connect(app_url, autocommit=True) as app:
+        app.execute("insert into public.users (email, age) values ('from app', 3)")
+        for stmt in [
+            "insert into pgstream.subscriptions (key, stream_id, operation, table_name) "
+            "values ('x', 1, 'INSERT', 'users')",
+            "select * from pgstream.events",
+            "insert into pgstream.events (payload, stream_id) values ('{}', 1)",
+            "select pgstream.regenerate_trigger('public', 'users', 'INSERT')",
+            "select pgstream.set_subscriptions(1, '{}')",
+            "create function pgstream.evil() returns int language sql as 'select 1'",
+        ]:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                app.execute(stmt)
+    assert [p["new"]["email"] for _, _, p, _ in events(users)] == ["from app"]
+
+
+# --------------------------------------------------------------------------------------------
+# tear-down
+
+
+def test_tear_down_removes_everything_and_says_what(users: psycopg.Connection, db_url: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    subscribe(users, "a")
+    users.execute("select pg_create_logical_replication_slot('pgstream_stream_1', 'pgoutput')")
+    assert cli_main(["tear-down", "--database-url", db_url]) == 2  # needs --yes
+    assert cli_main(["tear-down", "--yes", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    for item in ["event trigger pgstream_drift_guard_drop", "trigger pgstream_insert on public.users",
+                 "publication pgstream_stream_1", "schema pgstream", "replication slot pgstream_stream_1"]:
+        assert f"removed {item}" in out
+    assert users.execute("select to_regnamespace('pgstream')").fetchone() == (None,)
+    assert users.execute("select count(*) from pg_trigger where tgrelid = 'public.users'::regclass").fetchone() == (0,)
+    users.execute("insert into users (email) values ('plain table again')")
+    assert tear_down(db_url) == []
+    # and it can be installed again
+    migrate(db_url)
+    assert json.dumps(users.execute("select count(*) from pgstream.subscriptions").fetchone()) == "[0]"
