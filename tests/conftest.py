@@ -21,7 +21,7 @@ _counter = itertools.count()
 def pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
     server = ensure_running(
         tmp_path_factory.mktemp("pg") / "data",
-        extra_settings={"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off",
+        extra_settings={"fsync": "off", "full_page_writes": "off",
                         "max_slot_wal_keep_size": "-1"},
     )
     yield server

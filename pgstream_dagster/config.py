@@ -1,0 +1,198 @@
+"""``pgstream.yaml``: streams, their batching and sink, subscriptions, housekeeping.
+
+The file is read from ``$PGSTREAM_CONFIG`` (default ``./pgstream.yaml``). ``${VAR}`` and
+``${VAR:-default}`` are replaced from the environment in every string value. Every error names the
+file, the key and what is wrong. Secrets (database URL, sink credentials, header values) are
+``SecretStr`` and never printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from .sinks import SinkConfig
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class ConfigError(ValueError):
+    """The configuration file is missing, unreadable or invalid."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BatchConfig(_Model):
+    max_size: int = Field(1000, ge=1, le=1_000_000, description="events per delivery run at most")
+    max_fill_secs: float = Field(5.0, ge=0, le=3600, description="wait at most this long to fill a batch")
+
+
+class DeliveryConfig(_Model):
+    ordering: Literal["global", "by_key"] = "global"
+    routing_key: str = Field("group_id", pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+                             description="payload path used to partition deliveries when ordering=by_key")
+    parallelism: int = Field(4, ge=1, le=256)
+    chunk_size: int = Field(500, ge=1, le=100_000, description="events handed to the sink per publish call")
+
+
+class SensorConfig(_Model):
+    interval_secs: int = Field(1, ge=1, le=3600)
+    tick_budget_secs: float = Field(10.0, gt=0, le=50, description="time one tick may spend filling batches")
+
+
+class RetryConfig(_Model):
+    initial_backoff_secs: float = Field(5.0, ge=0)
+    max_backoff_secs: float = Field(300.0, ge=0)
+
+
+class StreamConfig(_Model):
+    id: int = Field(ge=1)
+    batch: BatchConfig = BatchConfig()
+    sink: SinkConfig
+    delivery: DeliveryConfig = DeliveryConfig()
+    sensor: SensorConfig = SensorConfig()
+    retry: RetryConfig = RetryConfig()
+    slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$")
+
+    @property
+    def slot(self) -> str:
+        return self.slot_name or f"pgstream_stream_{self.id}"
+
+    @property
+    def publication(self) -> str:
+        return f"pgstream_stream_{self.id}"
+
+
+class PayloadExtension(_Model):
+    json_path: str
+    expression: str
+
+
+class SubscriptionConfig(_Model):
+    key: str = Field(min_length=1, max_length=200)
+    stream_id: int = Field(ge=1)
+    operation: Literal["INSERT", "UPDATE", "DELETE"]
+    schema_name: str = "public"
+    table_name: str = Field(min_length=1)
+    when_clause: str | None = None
+    column_names: list[str] = Field(default_factory=list)
+    payload_extensions: list[PayloadExtension] = Field(default_factory=list)
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("operation", mode="before")
+    @classmethod
+    def _upper(cls, v: object) -> object:
+        return v.upper() if isinstance(v, str) else v
+
+
+class HousekeepingConfig(_Model):
+    cron: str = "0 3 * * *"
+    days_ahead: int = Field(7, ge=0, le=365)
+    retention_days: int = Field(7, ge=1, le=3650)
+    ledger_keep_days: int = Field(7, ge=1, le=3650)
+
+
+class SparkConfig(_Model):
+    master: str = "local[*]"
+    remote: str | None = Field(None, description="Spark Connect URL (sc://host:15002); overrides master")
+    conf: dict[str, str] = Field(default_factory=dict)
+
+
+class PgstreamConfig(_Model):
+    database_url: SecretStr
+    streams: list[StreamConfig] = Field(min_length=1)
+    subscriptions: list[SubscriptionConfig] = Field(default_factory=list)
+    housekeeping: HousekeepingConfig = HousekeepingConfig()
+    spark: SparkConfig = SparkConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PgstreamConfig:
+        ids = [s.id for s in self.streams]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
+        for i, sub in enumerate(self.subscriptions):
+            if sub.stream_id not in ids:
+                raise ValueError(f"subscriptions[{i}] ({sub.key!r}) uses stream_id {sub.stream_id}, "
+                                 f"which is not in streams {ids}")
+        seen: set[tuple[object, ...]] = set()
+        for i, sub in enumerate(self.subscriptions):
+            ident = (sub.stream_id, sub.key, sub.schema_name, sub.table_name, sub.operation)
+            if ident in seen:
+                raise ValueError(f"subscriptions[{i}] ({sub.key!r}) is declared twice for "
+                                 f"{sub.operation} on {sub.schema_name}.{sub.table_name}")
+            seen.add(ident)
+        return self
+
+    def stream(self, stream_id: int) -> StreamConfig:
+        for s in self.streams:
+            if s.id == stream_id:
+                return s
+        raise ConfigError(f"stream {stream_id} is not configured")
+
+
+def _substitute(value: Any, path: str, source: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _substitute(v, f"{path}.{k}" if path else str(k), source) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, f"{path}[{i}]", source) for i, v in enumerate(value)]
+    if isinstance(value, str):
+        def repl(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in os.environ:
+                return os.environ[name]
+            if default is not None:
+                return default
+            raise ConfigError(f"{source}: {path}: environment variable {name} is not set")
+
+        return _VAR.sub(repl, value)
+    return value
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def parse_config(data: Any, source: str = "<config>") -> PgstreamConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    data = _substitute(data, "", source)
+    try:
+        return PgstreamConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = _location(tuple(p for p in err["loc"] if not (isinstance(p, str) and p in _SINK_TAGS)))
+            problems.append(f"{source}: {where}: {err['msg']}")
+        raise ConfigError("\n".join(problems)) from None
+
+
+_SINK_TAGS = {"memory", "file", "http", "redis", "rabbitmq", "nats", "kafka"}
+
+
+def config_path() -> Path:
+    return Path(os.environ.get("PGSTREAM_CONFIG", "pgstream.yaml"))
+
+
+def load_config(path: Path | str | None = None) -> PgstreamConfig:
+    """Read and validate the configuration file."""
+    p = Path(path) if path is not None else config_path()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the pgstream configuration: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    return parse_config(data, str(p))

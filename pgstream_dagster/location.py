@@ -1,0 +1,48 @@
+"""Builds the Dagster definitions from a ``pgstream.yaml``: one sensor and one deliveries asset per
+stream, the delivery job, and the resources."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+from dagster_pyspark import PySparkResource
+
+from .config import PgstreamConfig, config_path, load_config
+from .jobs import deliveries_asset_key, delivery_job
+from .resources import PgstreamResource
+from .sensors import stream_sensor
+from .spark import spark_conf
+
+
+def deliveries_assets(config: PgstreamConfig) -> list[dg.AssetSpec]:
+    return [
+        dg.AssetSpec(
+            key=deliveries_asset_key(s.id),
+            group_name="pgstream",
+            description=f"Events of stream {s.id} delivered to its {s.sink.type} sink; one materialization "
+                        f"per delivered batch.",
+            metadata={"stream_id": s.id, "sink_type": s.sink.type, "slot": s.slot,
+                      "batch_max_size": s.batch.max_size, "ordering": s.delivery.ordering},
+            kinds={"postgres", "spark"},
+        )
+        for s in config.streams
+    ]
+
+
+def build_definitions(path: Path | None = None) -> dg.Definitions:
+    path = (path or config_path()).resolve()
+    config = load_config(path)
+    return dg.Definitions(
+        assets=deliveries_assets(config),
+        jobs=[delivery_job],
+        sensors=[stream_sensor(s) for s in config.streams],
+        resources={
+            # ops hand a Spark DataFrame to each other inside one process
+            "io_manager": dg.mem_io_manager,
+            "pgstream": PgstreamResource(config_path=str(path)),
+            "pyspark": PySparkResource(spark_config=spark_conf(config.spark.master, config.spark.remote,
+                                                               dict(config.spark.conf))),
+        },
+    )
+

@@ -1,0 +1,158 @@
+"""Reading a stream's logical replication slot through the SQL slot functions.
+
+psycopg 3 has no replication protocol, so the sensor *peeks* committed transactions with
+``pg_logical_slot_peek_binary_changes`` (pgoutput, the stream's publication), records what it
+read in the ledger, and only then *advances* the slot with ``pg_replication_slot_advance``.
+Logical decoding returns transactions in commit order, whole; that order is the delivery order.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import struct
+from dataclasses import dataclass, field
+
+import psycopg
+
+_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True)
+class DecodedEvent:
+    id: int
+    created_at: dt.datetime
+
+
+@dataclass
+class Transaction:
+    """One committed transaction of the events table, as decoded from the WAL."""
+
+    xid: int
+    commit_lsn: int = 0
+    end_lsn: int = 0
+    commit_time: dt.datetime = _PG_EPOCH
+    events: list[DecodedEvent] = field(default_factory=list)
+
+
+def lsn_to_int(lsn: str) -> int:
+    hi, lo = lsn.split("/")
+    return (int(hi, 16) << 32) | int(lo, 16)
+
+
+def int_to_lsn(value: int) -> str:
+    return f"{value >> 32:X}/{value & 0xFFFFFFFF:X}"
+
+
+class PgOutputDecoder:
+    """Decodes pgoutput protocol v1 messages; keeps relation metadata across messages."""
+
+    def __init__(self) -> None:
+        self._relations: dict[int, list[str]] = {}
+        self._current: Transaction | None = None
+
+    def feed(self, data: bytes) -> Transaction | None:
+        """Consume one message; returns the transaction when its COMMIT arrives."""
+        kind = data[:1]
+        if kind == b"B":
+            _final_lsn, ts_us, xid = struct.unpack_from("!qqI", data, 1)
+            self._current = Transaction(xid=xid, commit_time=_PG_EPOCH + dt.timedelta(microseconds=ts_us))
+        elif kind == b"R":
+            self._relation(data)
+        elif kind == b"I":
+            assert self._current is not None, "INSERT outside a transaction"
+            (rel_id,) = struct.unpack_from("!I", data, 1)
+            values = self._tuple(data, 6)
+            columns = self._relations[rel_id]
+            row = dict(zip(columns, values, strict=True))
+            self._current.events.append(DecodedEvent(
+                id=int(row["id"]),  # type: ignore[arg-type]
+                created_at=dt.datetime.fromisoformat(str(row["created_at"])),
+            ))
+        elif kind == b"C":
+            assert self._current is not None, "COMMIT outside a transaction"
+            _flags, commit_lsn, end_lsn, _ts = struct.unpack_from("!bqqq", data, 1)
+            txn, self._current = self._current, None
+            txn.commit_lsn, txn.end_lsn = commit_lsn, end_lsn
+            return txn
+        # Y (type), O (origin), T (truncate), M (message): nothing to do for an insert-only stream
+        return None
+
+    def _relation(self, data: bytes) -> None:
+        (rel_id,) = struct.unpack_from("!I", data, 1)
+        pos = 5
+        for _ in range(2):  # namespace, relation name
+            pos = data.index(b"\0", pos) + 1
+        pos += 1  # replica identity
+        (ncols,) = struct.unpack_from("!h", data, pos)
+        pos += 2
+        names = []
+        for _ in range(ncols):
+            pos += 1  # flags
+            end = data.index(b"\0", pos)
+            names.append(data[pos:end].decode())
+            pos = end + 1 + 8  # type oid + typmod
+        self._relations[rel_id] = names
+
+    @staticmethod
+    def _tuple(data: bytes, pos: int) -> list[str | None]:
+        (ncols,) = struct.unpack_from("!h", data, pos)
+        pos += 2
+        values: list[str | None] = []
+        for _ in range(ncols):
+            kind = data[pos:pos + 1]
+            pos += 1
+            if kind == b"t":
+                (length,) = struct.unpack_from("!i", data, pos)
+                pos += 4
+                values.append(data[pos:pos + length].decode())
+                pos += length
+            else:  # n (null) / u (unchanged toast: never for inserts)
+                values.append(None)
+        return values
+
+
+def slot_exists(conn: psycopg.Connection, slot: str) -> bool:
+    row = conn.execute("select 1 from pg_replication_slots where slot_name = %s and database = current_database()",
+                       [slot]).fetchone()
+    return row is not None
+
+
+def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
+    """Slot state: confirmed position, retained WAL bytes, WAL status (reserved/lost...)."""
+    row = conn.execute(
+        """select confirmed_flush_lsn::text, wal_status,
+                  pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, active
+           from pg_replication_slots where slot_name = %s and database = current_database()""",
+        [slot]).fetchone()
+    if row is None:
+        return None
+    return {"confirmed_flush_lsn": row[0], "wal_status": row[1], "retained_bytes": row[2], "active": row[3]}
+
+
+def create_slot(conn: psycopg.Connection, slot: str) -> str:
+    """Create the pgoutput slot; returns its consistent point. Must not run inside a transaction
+    that has written anything (Postgres requires a fresh snapshot)."""
+    row = conn.execute("select lsn::text from pg_create_logical_replication_slot(%s, 'pgoutput')", [slot]).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def peek(conn: psycopg.Connection, slot: str, publication: str, max_changes: int) -> list[Transaction]:
+    """Committed transactions waiting in the slot, in commit order (does not consume them)."""
+    decoder = PgOutputDecoder()
+    txns: list[Transaction] = []
+    cur = conn.execute(
+        "select data from pg_logical_slot_peek_binary_changes(%s, null, %s, "
+        "'proto_version', '1', 'publication_names', %s)",
+        [slot, max_changes, publication],
+    )
+    for (data,) in cur:
+        txn = decoder.feed(bytes(data))
+        if txn is not None:  # empty transactions are kept: they still move the slot forward
+            txns.append(txn)
+    return txns
+
+
+def advance(conn: psycopg.Connection, slot: str, lsn: int) -> None:
+    """Release WAL up to ``lsn`` (an end LSN of a recorded transaction)."""
+    conn.execute("select pg_replication_slot_advance(%s, %s::pg_lsn)", [slot, int_to_lsn(lsn)])

@@ -1,0 +1,71 @@
+"""Sinks: where change events are delivered.
+
+``SinkConfig`` is a pydantic discriminated union (on ``type``) of every sink config; ``build_sink`` turns
+a config (or a plain mapping) into a :class:`Sink`. Importing this package never imports the optional
+client libraries (redis, pika, nats-py): they are loaded when the matching sink is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Union
+
+from pydantic import Field, TypeAdapter
+
+from .base import Event, MissingExtraError, Sink, SinkConfigBase, SinkError
+from .file import FileSink, FileSinkConfig
+from .http import HttpSink, HttpSinkConfig
+from .memory import MemorySink, MemorySinkConfig
+from .nats import NatsSink, NatsSinkConfig
+from .rabbitmq import RabbitMqSink, RabbitMqSinkConfig
+from .redis import RedisSink, RedisSinkConfig
+
+__all__ = [
+    "Event",
+    "FileSink",
+    "FileSinkConfig",
+    "HttpSink",
+    "HttpSinkConfig",
+    "MemorySink",
+    "MemorySinkConfig",
+    "MissingExtraError",
+    "NatsSink",
+    "NatsSinkConfig",
+    "RabbitMqSink",
+    "RabbitMqSinkConfig",
+    "RedisSink",
+    "RedisSinkConfig",
+    "Sink",
+    "SinkConfig",
+    "SinkConfigBase",
+    "SinkError",
+    "build_sink",
+    "parse_sink_config",
+]
+
+SinkConfig = Annotated[
+    Union[  # noqa: UP007 - an explicit Union reads best for a discriminated union
+        MemorySinkConfig,
+        FileSinkConfig,
+        HttpSinkConfig,
+        RedisSinkConfig,
+        RabbitMqSinkConfig,
+        NatsSinkConfig,
+    ],
+    Field(discriminator="type"),
+]
+"""Any sink config, chosen by its ``type`` field."""
+
+_adapter: TypeAdapter[SinkConfigBase] = TypeAdapter(SinkConfig)
+
+
+def parse_sink_config(data: SinkConfigBase | Mapping[str, Any]) -> SinkConfigBase:
+    """Validate a mapping such as ``{"type": "http", "url": ...}`` into its config model."""
+    if isinstance(data, SinkConfigBase):
+        return data
+    return _adapter.validate_python(dict(data))
+
+
+def build_sink(config: SinkConfigBase | Mapping[str, Any]) -> Sink:
+    """Build the sink described by ``config`` (a config model or a mapping with a ``type`` key)."""
+    return parse_sink_config(config).build()

@@ -1,0 +1,229 @@
+"""The sink interface: an :class:`Event`, the :class:`Sink` contract and the config base model."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import json
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar, Self
+
+from pydantic import BaseModel, ConfigDict, SecretStr
+
+__all__ = [
+    "Event",
+    "MissingExtraError",
+    "Sink",
+    "SinkConfigBase",
+    "SinkError",
+    "describe_events",
+    "describe_exception",
+    "dumps",
+    "excerpt",
+    "redact_url",
+    "scrub",
+    "url_secrets",
+]
+
+_EXCERPT_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change event. ``id`` is the idempotency key: delivering the same id twice is a duplicate."""
+
+    id: int
+    stream_id: int
+    payload: dict[str, Any]
+    metadata: dict[str, Any] | None
+    created_at: dt.datetime
+
+    def as_json_dict(self) -> dict[str, Any]:
+        """The event as a JSON-ready dict (``created_at`` as ISO 8601)."""
+        return {
+            "id": self.id,
+            "stream_id": self.stream_id,
+            "created_at": self.created_at.isoformat(),
+            "payload": self.payload,
+            "metadata": self.metadata,
+        }
+
+
+class SinkError(Exception):
+    """A destination did not confirm delivery. The message names the sink, the event id(s) and the reason.
+
+    Messages never contain secrets (header values, passwords): sinks scrub them before raising.
+    """
+
+    def __init__(self, message: str, *, sink: str | None = None, event_ids: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.sink = sink
+        self.event_ids: tuple[int, ...] = tuple(event_ids)
+
+    @classmethod
+    def for_events(cls, sink: str, events: Sequence[Event], reason: str, secrets: Iterable[str] = ()) -> Self:
+        """Build ``"<sink> sink: <event id(s)>: <reason>"`` with every secret value masked."""
+        message = f"{sink} sink: {describe_events(events)}: {reason}"
+        return cls(scrub(message, secrets), sink=sink, event_ids=[e.id for e in events])
+
+
+class MissingExtraError(SinkError, ImportError):
+    """The client library of a sink is not installed (install the matching ``pgstream-dagster[extra]``)."""
+
+    def __init__(self, sink: str, extra: str, library: str) -> None:
+        super().__init__(
+            f"{sink} sink: the {library!r} package is not installed; "
+            f"run `pip install pgstream-dagster[{extra}]`",
+            sink=sink,
+        )
+
+
+def describe_events(events: Sequence[Event]) -> str:
+    """``"event 7"`` or ``"events 7..42 (36 events)"``."""
+    if not events:
+        return "no events"
+    if len(events) == 1:
+        return f"event {events[0].id}"
+    return f"events {events[0].id}..{events[-1].id} ({len(events)} events)"
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """Replace every non-empty secret value occurring in ``text`` with ``***``."""
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def excerpt(text: str, limit: int = _EXCERPT_CHARS) -> str:
+    """A one-line, length-limited excerpt of ``text`` for error messages."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"ExceptionType: message"`` (or its repr/type when the message is empty), shortened."""
+    text = str(exc)
+    if text:
+        return excerpt(f"{type(exc).__name__}: {text}")
+    # some libraries (pika) put the details in args/repr only
+    return excerpt(repr(exc)) if exc.args else type(exc).__name__
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal | uuid.UUID):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON text; datetimes, decimals and UUIDs are written as strings."""
+    return json.dumps(value, default=_json_default, ensure_ascii=False, separators=(",", ":"))
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user info and query string (for messages): ``scheme://host:port/path``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    except ValueError:
+        return "<invalid url>"
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secret parts of a URL (the whole URL and its password, if any) for :func:`scrub`."""
+    from urllib.parse import unquote, urlsplit
+
+    secrets = [url]
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    if password:
+        secrets += [password, unquote(password)]
+    return secrets
+
+
+class Sink(ABC):
+    """Delivers events to a destination.
+
+    ``publish`` returns only once the destination confirmed every event, delivered in the given order,
+    and raises :class:`SinkError` otherwise (some events may then have been delivered: callers retry
+    the whole batch and rely on the event id being an idempotency key). A sink is used from one thread.
+    A pickled sink unpickles as a fresh sink built from the same config (connections are not shipped).
+    """
+
+    type_name: ClassVar[str]
+    config: SinkConfigBase
+
+    def __init__(self, config: SinkConfigBase) -> None:
+        self.config = config
+
+    @abstractmethod
+    def publish(self, events: Sequence[Event]) -> None:
+        """Deliver ``events`` in order; return once all are confirmed, else raise :class:`SinkError`."""
+
+    def close(self) -> None:
+        """Release connections/files. Idempotent. The default does nothing."""
+        return None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.config,))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+
+class SinkConfigBase(BaseModel):
+    """Base of every sink config: immutable, strict about unknown keys, picklable.
+
+    Subclasses declare a ``type: Literal[...]`` discriminator and keep secrets in ``SecretStr`` fields.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def build(self) -> Sink:
+        """Instantiate the sink described by this config."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement build()")
+
+    def secret_values(self) -> list[str]:
+        """Plain-text secret values of this config, masked out of error messages."""
+        found: list[str] = []
+        for name in type(self).model_fields:
+            found += _secret_strings(getattr(self, name))
+        return found
+
+
+def _secret_strings(value: Any) -> list[str]:
+    if isinstance(value, SecretStr):
+        text = value.get_secret_value()
+        return url_secrets(text) if "://" in text else [text]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _secret_strings(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _secret_strings(v)]
+    return []

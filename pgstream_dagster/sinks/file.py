@@ -1,0 +1,96 @@
+"""File sink: appends one JSON line per event and fsyncs before ``publish`` returns."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, dumps
+
+__all__ = ["FileSink", "FileSinkConfig"]
+
+
+class FileSinkConfig(SinkConfigBase):
+    """Append JSON lines ``{"id", "stream_id", "created_at", "payload", "metadata"}`` to ``path``."""
+
+    type: Literal["file"] = "file"
+    path: str
+
+    def build(self) -> FileSink:
+        return FileSink(self)
+
+
+class FileSink(Sink):
+    """Appends events as JSON lines (UTF-8); the file and its parent directories are created on demand.
+
+    A batch is written with unbuffered appends, then fsynced. If writing fails, the file is truncated
+    back to its previous size (best effort) so it only ever holds whole lines.
+    """
+
+    type_name: ClassVar[str] = "file"
+    config: FileSinkConfig
+
+    def __init__(self, config: FileSinkConfig) -> None:
+        super().__init__(config)
+        self._fd: int | None = None
+
+    def _open(self) -> int:
+        if self._fd is None:
+            path = Path(self.config.path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            created = not path.exists()
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if created:
+                _fsync_dir(path.parent)
+        return self._fd
+
+    def publish(self, events: Sequence[Event]) -> None:
+        if not events:
+            return
+        data = memoryview(b"".join(dumps(event.as_json_dict()).encode() + b"\n" for event in events))
+        start: int | None = None
+        try:
+            fd = self._open()
+            start = os.lseek(fd, 0, os.SEEK_END)
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        except OSError as exc:
+            if start is not None and self._fd is not None:
+                _truncate(self._fd, start)
+            self.close()
+            raise SinkError.for_events(
+                "file", events, f"cannot append to {self.config.path}: {describe_exception(exc)}"
+            ) from exc
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _truncate(fd: int, size: int) -> None:
+    """Drop a partially written batch (best effort)."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        pass
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a newly created directory entry durable (best effort; not supported everywhere)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,216 @@
+"""NATS sink (extra ``nats``, library nats-py): JetStream publish with acks, or core NATS + flush.
+
+nats-py is asyncio-only while sinks are called synchronously, so each sink owns a private event loop
+running in a daemon thread (keeping the connection's pings and reconnects alive between publish calls);
+``publish`` submits a coroutine to it and blocks until it finishes. This also works when the caller's
+own thread already runs an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+
+from pydantic import Field, SecretStr
+
+from .base import (
+    Event,
+    MissingExtraError,
+    Sink,
+    SinkConfigBase,
+    SinkError,
+    describe_exception,
+    dumps,
+    redact_url,
+    url_secrets,
+)
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+    from nats.js import JetStreamContext
+
+__all__ = ["NatsSink", "NatsSinkConfig"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class NatsSinkConfig(SinkConfigBase):
+    """Publish each event payload (JSON) to ``subject``.
+
+    ``jetstream=True``: JetStream publish, each message acknowledged by the stream before the next one is
+    sent; header ``Nats-Msg-Id: <stream_id>-<event id>`` lets the stream drop duplicates. A subject no
+    stream captures raises :class:`SinkError`. ``jetstream=False``: core NATS publish followed by a
+    flush (the server received the messages; no persistence). Credentials go in ``user``/``password``
+    or ``token`` rather than in ``servers`` URLs.
+    """
+
+    type: Literal["nats"] = "nats"
+    servers: list[str] = Field(default_factory=lambda: ["nats://127.0.0.1:4222"], min_length=1)
+    subject: str = Field(min_length=1)
+    jetstream: bool = True
+    timeout_secs: float = Field(default=10, gt=0)
+    user: str | None = None
+    password: SecretStr | None = None
+    token: SecretStr | None = None
+
+    def build(self) -> NatsSink:
+        return NatsSink(self)
+
+    def secret_values(self) -> list[str]:
+        return super().secret_values() + [s for server in self.servers for s in url_secrets(server)[1:]]
+
+
+def _import_nats() -> Any:
+    try:
+        import nats
+        import nats.errors
+        import nats.js.errors
+    except ImportError:
+        raise MissingExtraError("nats", "nats", "nats-py") from None
+    return nats
+
+
+class NatsSink(Sink):
+    """Connects on first publish; the private loop thread stops on :meth:`close`."""
+
+    type_name: ClassVar[str] = "nats"
+    config: NatsSinkConfig
+
+    def __init__(self, config: NatsSinkConfig) -> None:
+        super().__init__(config)
+        self._nats = _import_nats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._nc: NatsClient | None = None
+        self._js: JetStreamContext | None = None
+        self._connecting = False
+        self._last_error: Exception | None = None
+
+    # -- the private loop ------------------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name=f"pgstream-nats-sink-{id(self):x}", daemon=True
+            )
+            self._thread.start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # -- publishing ------------------------------------------------------------------------------------
+
+    def publish(self, events: Sequence[Event]) -> None:
+        if events:
+            self._run(self._publish(events))
+
+    async def _publish(self, events: Sequence[Event]) -> None:
+        errors = (self._nats.errors.Error, self._nats.js.errors.Error, OSError, asyncio.TimeoutError)
+        try:
+            nc = await self._connected()
+        except errors as exc:
+            servers = ", ".join(redact_url(server) for server in self.config.servers)
+            if isinstance(exc, asyncio.TimeoutError):
+                last = f"; last error: {describe_exception(self._last_error)}" if self._last_error else ""
+                reason = f"cannot connect to NATS ({servers}) within {self.config.timeout_secs:g}s{last}"
+            else:
+                reason = f"cannot connect to NATS ({servers}): {describe_exception(exc)}"
+            raise self._error(events, reason) from None
+        timeout = self.config.timeout_secs
+        subject = self.config.subject
+        for event in events:
+            headers = {
+                "Nats-Msg-Id": f"{event.stream_id}-{event.id}",
+                "Pgstream-Event-Id": str(event.id),
+                "Pgstream-Stream-Id": str(event.stream_id),
+                "Content-Type": "application/json",
+            }
+            data = dumps(event.payload).encode()
+            try:
+                if self._js is not None:
+                    await self._js.publish(subject, data, timeout=timeout, headers=headers)
+                else:
+                    await nc.publish(subject, data, headers=headers)
+            except self._nats.js.errors.NoStreamResponseError:
+                raise self._error([event], f"no JetStream stream captures subject {subject!r}") from None
+            except errors as exc:
+                reason = f"publish to {subject!r} failed: {describe_exception(exc)}"
+                raise self._error([event], reason) from None
+        if self._js is None:
+            try:
+                await nc.flush(timeout=timeout)
+            except errors as exc:
+                reason = f"flush after publish to {subject!r} failed: {describe_exception(exc)}"
+                raise self._error(events, reason) from None
+
+    async def _connected(self) -> NatsClient:
+        if self._nc is not None and not self._nc.is_closed:
+            return self._nc
+        self._nc = self._js = None
+        options: dict[str, Any] = {
+            "servers": list(self.config.servers),
+            "name": "pgstream-dagster",
+            "connect_timeout": self.config.timeout_secs,
+            "error_cb": self._on_error,
+            "disconnected_cb": _log_disconnected,
+        }
+        if self.config.user is not None:
+            options["user"] = self.config.user
+        if self.config.password is not None:
+            options["password"] = self.config.password.get_secret_value()
+        if self.config.token is not None:
+            options["token"] = self.config.token.get_secret_value()
+        # nats-py keeps retrying the initial connection; bound it by the configured timeout.
+        self._connecting, self._last_error = True, None
+        try:
+            nc = await asyncio.wait_for(self._nats.connect(**options), timeout=self.config.timeout_secs)
+        finally:
+            self._connecting = False
+        self._nc = nc
+        if self.config.jetstream:
+            self._js = nc.jetstream(timeout=self.config.timeout_secs)
+        return nc
+
+    async def _on_error(self, exc: Exception) -> None:
+        self._last_error = exc
+        # failed attempts of the initial connect end up in the SinkError; later errors are worth a warning
+        log.log(
+            logging.DEBUG if self._connecting else logging.WARNING,
+            "NATS client error: %s",
+            describe_exception(exc),
+        )
+
+    def _error(self, events: Sequence[Event], reason: str) -> SinkError:
+        return SinkError.for_events("nats", events, reason, self.config.secret_values())
+
+    # -- shutdown --------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None:
+            return
+        try:
+            if self._nc is not None:
+                self._run(self._close_connection())
+        finally:
+            self._loop = self._thread = None
+            loop.call_soon_threadsafe(loop.stop)
+            if thread is not None:
+                thread.join(timeout=self.config.timeout_secs)
+            if not loop.is_running():
+                loop.close()
+
+    async def _close_connection(self) -> None:
+        nc, self._nc, self._js = self._nc, None, None
+        if nc is not None and not nc.is_closed:
+            try:
+                await asyncio.wait_for(nc.close(), timeout=self.config.timeout_secs)
+            except Exception as exc:  # best effort: the connection may already be broken
+                log.debug("closing NATS connection failed: %s", describe_exception(exc))
+
+
+async def _log_disconnected() -> None:
+    log.info("NATS client disconnected")

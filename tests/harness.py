@@ -1,0 +1,59 @@
+"""Drives a stream the way the daemon does, in-process: evaluate the sensor tick, execute every
+run it requests against the real Dagster instance, repeat."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import yaml
+
+from pgstream_dagster.jobs import DELIVERY_JOB
+from pgstream_dagster.location import build_definitions
+from pgstream_dagster.resources import PgstreamResource
+
+
+def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
+                 subscriptions: list[dict[str, Any]] | None = None) -> Path:
+    path.write_text(yaml.safe_dump({"database_url": database_url, "streams": streams,
+                                    "subscriptions": subscriptions or [],
+                                    "spark": {"master": "local[2]"}}))
+    return path
+
+
+class Driver:
+    def __init__(self, config_path: Path, instance: dg.DagsterInstance) -> None:
+        self.defs = build_definitions(config_path)
+        self.config_path = config_path
+        self.instance = instance
+        self.cursors: dict[int, str | None] = {}
+        self.results: list[dg.ExecuteInProcessResult] = []
+
+    def tick(self, stream_id: int) -> dg.SensorResult:
+        sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
+        ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursors.get(stream_id),
+                                      sensor_name=sensor.name,
+                                      resources={"pgstream": PgstreamResource(config_path=str(self.config_path))})
+        result = sensor.evaluate_tick(ctx)
+        self.cursors[stream_id] = result.cursor
+        return result  # type: ignore[return-value]
+
+    def execute(self, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
+        job = self.defs.resolve_job_def(DELIVERY_JOB)
+        tags = {**request.tags, "dagster/run_key": request.run_key or ""}
+        result = job.execute_in_process(run_config=request.run_config, instance=self.instance, tags=tags,
+                                        raise_on_error=False)
+        self.results.append(result)
+        return result
+
+    def run_until(self, stream_id: int, done: Callable[[], bool], timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stream {stream_id} did not finish in {timeout}s")
+            tick = self.tick(stream_id)
+            for request in tick.run_requests or []:
+                self.execute(request)

@@ -1,0 +1,629 @@
+"""Sinks against real destinations: files, a real HTTP server, Redis, RabbitMQ and NATS JetStream on loopback.
+
+Every test counts events end to end: what went in equals what came out, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import nats
+import pika
+import pytest
+import redis
+from pydantic import SecretStr, ValidationError
+
+from pgstream_dagster.sinks import (
+    Event,
+    FileSink,
+    FileSinkConfig,
+    HttpSink,
+    HttpSinkConfig,
+    MemorySink,
+    MemorySinkConfig,
+    NatsSink,
+    NatsSinkConfig,
+    RabbitMqSink,
+    RabbitMqSinkConfig,
+    RedisSink,
+    RedisSinkConfig,
+    Sink,
+    SinkError,
+    build_sink,
+    parse_sink_config,
+)
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+NATS_URL = "nats://127.0.0.1:4222"
+BASE_TIME = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def make_events(n: int, *, first_id: int = 101, stream_id: int = 7) -> list[Event]:
+    """``n`` events with increasing, non-trivial ids and varied payloads."""
+    return [
+        Event(
+            id=first_id + i,
+            stream_id=stream_id,
+            payload={"seq": i, "name": f"row-{i}", "tags": ["a", i], "nested": {"ünïcode": "✓", "n": None}},
+            metadata={"op": "insert", "txid": 1000 + i} if i % 2 == 0 else None,
+            created_at=BASE_TIME + timedelta(seconds=i),
+        )
+        for i in range(n)
+    ]
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def free_port() -> int:
+    """A loopback port with nothing listening on it (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_python(code: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, "-c", code], input=stdin, capture_output=True, cwd=root, timeout=60, check=False
+    )
+
+
+# -- config union -------------------------------------------------------------------------------------
+
+
+def test_config_union_parses_every_type_and_rejects_unknown_keys(tmp_path: Path) -> None:
+    cases: dict[str, tuple[dict[str, Any], type[Sink]]] = {
+        "memory": ({"type": "memory", "name": "x"}, MemorySink),
+        "file": ({"type": "file", "path": str(tmp_path / "f.jsonl")}, FileSink),
+        "http": ({"type": "http", "url": "http://127.0.0.1:1/", "headers": {"A": "b"}}, HttpSink),
+        "redis": ({"type": "redis", "stream": "s"}, RedisSink),
+        "rabbitmq": ({"type": "rabbitmq", "routing_key": "q"}, RabbitMqSink),
+        "nats": ({"type": "nats", "subject": "s"}, NatsSink),
+    }
+    for type_name, (data, sink_class) in cases.items():
+        config = parse_sink_config(data)
+        assert config.type == type_name  # type: ignore[attr-defined]
+        assert pickle.loads(pickle.dumps(config)) == config
+        with build_sink(data) as sink:
+            assert type(sink) is sink_class
+            assert sink.type_name == type_name
+            assert pickle.loads(pickle.dumps(sink)).config == config
+    with pytest.raises(ValidationError):
+        parse_sink_config({"type": "file", "path": "x", "unexpected": 1})
+    with pytest.raises(ValidationError):
+        parse_sink_config({"type": "carrier-pigeon"})
+    with pytest.raises(ValidationError):
+        parse_sink_config({"type": "http", "url": "http://x", "mode": "sometimes"})
+
+
+def test_package_imports_without_optional_client_libraries() -> None:
+    code = """
+import sys
+for name in ("redis", "pika", "nats"):
+    sys.modules[name] = None  # makes `import name` raise ImportError
+from pgstream_dagster.sinks import SinkError, build_sink, parse_sink_config
+assert build_sink({"type": "memory"}).type_name == "memory"
+for data, extra in [({"type": "redis", "stream": "s"}, "redis"),
+                    ({"type": "rabbitmq", "routing_key": "q"}, "rabbitmq"),
+                    ({"type": "nats", "subject": "s"}, "nats")]:
+    config = parse_sink_config(data)
+    try:
+        config.build()
+    except ImportError as exc:
+        assert isinstance(exc, SinkError), exc
+        assert f"pip install pgstream-dagster[{extra}]" in str(exc), exc
+    else:
+        raise AssertionError(f"{extra}: no ImportError")
+print("ok")
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().strip() == "ok"
+
+
+# -- memory -------------------------------------------------------------------------------------------
+
+
+def test_memory_sink_delivers_in_order() -> None:
+    name = unique("mem")
+    events = make_events(25)
+    try:
+        with MemorySinkConfig(name=name).build() as sink:
+            sink.publish(events[:10])
+            sink.publish([])
+            sink.publish(events[10:])
+        assert MemorySink.delivered(name) == events
+        assert MemorySink.delivered(unique("other")) == []
+    finally:
+        MemorySink.reset(name)
+    assert MemorySink.delivered(name) == []
+
+
+def test_memory_sink_fail_times_raises_then_succeeds() -> None:
+    name = unique("mem")
+    events = make_events(3)
+    sink = build_sink({"type": "memory", "name": name, "fail_times": 2})
+    try:
+        for attempt in (1, 2):
+            with pytest.raises(SinkError) as err:
+                sink.publish(events)
+            assert "memory" in str(err.value) and "101..103" in str(err.value), attempt
+            assert err.value.event_ids == (101, 102, 103)
+            assert MemorySink.delivered(name) == []
+        sink.publish(events)
+        assert MemorySink.delivered(name) == events
+        # the failure budget is per name, so a rebuilt sink (a retry) does not fail again
+        MemorySinkConfig(name=name, fail_times=2).build().publish(events)
+        assert MemorySink.delivered(name) == events + events
+    finally:
+        MemorySink.reset(name)
+
+
+# -- file ---------------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_file_sink_appends_json_lines(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "er" / "events.jsonl"
+    events = make_events(12)
+    with FileSinkConfig(path=str(path)).build() as sink:
+        sink.publish(events[:7])
+    rows = read_jsonl(path)
+    assert len(rows) == 7
+    assert rows == [e.as_json_dict() for e in events[:7]]
+    assert list(rows[0]) == ["id", "stream_id", "created_at", "payload", "metadata"]
+    assert [datetime.fromisoformat(r["created_at"]) for r in rows] == [e.created_at for e in events[:7]]
+    assert rows[0]["payload"]["nested"]["ünïcode"] == "✓"
+
+    # a second sink on the same file appends; publishing nothing writes nothing
+    with build_sink({"type": "file", "path": str(path)}) as sink:
+        sink.publish([])
+        sink.publish(events[7:])
+    rows = read_jsonl(path)
+    assert [r["id"] for r in rows] == [e.id for e in events]
+    assert rows == [e.as_json_dict() for e in events]
+
+
+def test_file_sink_unwritable_path_raises(tmp_path: Path) -> None:
+    with FileSinkConfig(path=str(tmp_path)).build() as sink:  # a directory, not a file
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(2))
+    assert "file sink" in str(err.value) and "events 101..102" in str(err.value)
+
+
+def test_configs_and_sinks_work_in_another_process(tmp_path: Path) -> None:
+    path = tmp_path / "child.jsonl"
+    events = make_events(9)
+    config = FileSinkConfig(path=str(path))
+    payload = pickle.dumps((config, FileSink(config), events))
+    code = """
+import pickle, sys
+config, sink, events = pickle.loads(sys.stdin.buffer.read())
+with config.build() as built:
+    built.publish(events[:4])
+with sink:
+    sink.publish(events[4:])
+"""
+    result = run_python(code, payload)
+    assert result.returncode == 0, result.stderr.decode()
+    assert read_jsonl(path) == [e.as_json_dict() for e in events]
+
+
+# -- http ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+@dataclass
+class HttpRecorder:
+    """State shared by the test server's handler threads."""
+
+    url: str = ""
+    mode: str = "ok"  # ok | fail | sleep
+    fail_on_event_id: int | None = None  # with mode "ok": answer 500 to the request carrying this event id
+    sleep_secs: float = 0.0
+    received: list[Received] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _RecordingServer
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        recorder = self.server.recorder
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        with recorder.lock:
+            recorder.received.append(Received(self.path, headers, json.loads(body)))
+        ids = headers.get("x-pgstream-event-ids", headers.get("x-pgstream-event-id", ""))
+        if recorder.mode == "sleep":
+            time.sleep(recorder.sleep_secs)
+        failing = recorder.mode == "fail" or (
+            recorder.fail_on_event_id is not None and str(recorder.fail_on_event_id) in ids.split(",")
+        )
+        if failing:
+            # echo the Authorization header back: the sink must still keep it out of its error message
+            self._answer(500, f"boom: database on fire (auth was {headers.get('authorization')})\n" * 20)
+        else:
+            self._answer(204 if recorder.received and len(recorder.received) % 2 else 200, "")
+
+    def _answer(self, status: int, text: str) -> None:
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if data:
+            self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _RecordingServer(ThreadingHTTPServer):
+    daemon_threads = True
+    recorder: HttpRecorder
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients that time out close their socket mid-answer; that is expected here
+
+
+@pytest.fixture
+def http_server() -> Iterator[HttpRecorder]:
+    server = _RecordingServer(("127.0.0.1", 0), _Handler)
+    server.recorder = HttpRecorder(url=f"http://127.0.0.1:{server.server_address[1]}/hook")
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server.recorder
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_http_per_event_posts_payloads_in_order(http_server: HttpRecorder) -> None:
+    events = make_events(15, stream_id=3)
+    config = HttpSinkConfig(url=http_server.url, headers={"Authorization": SecretStr("Bearer t0ken-abc")})
+    with config.build() as sink:
+        sink.publish(events[:6])
+        sink.publish(events[6:])
+    received = http_server.received
+    assert len(received) == len(events)
+    assert [r.body for r in received] == [e.payload for e in events]
+    for request, event in zip(received, events, strict=True):
+        assert request.path == "/hook"
+        assert request.headers["idempotency-key"] == f"3-{event.id}"
+        assert request.headers["x-pgstream-event-id"] == str(event.id)
+        assert request.headers["x-pgstream-stream-id"] == "3"
+        assert request.headers["authorization"] == "Bearer t0ken-abc"
+        assert request.headers["content-type"] == "application/json"
+
+
+def test_http_batch_mode_chunks_in_order(http_server: HttpRecorder) -> None:
+    events = make_events(10)
+    config = HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=4)
+    with config.build() as sink:
+        sink.publish(events)
+    received = http_server.received
+    assert [len(r.body) for r in received] == [4, 4, 2]
+    assert [p for r in received for p in r.body] == [e.payload for e in events]
+    assert [r.headers["x-pgstream-event-ids"] for r in received] == [
+        "101,102,103,104",
+        "105,106,107,108",
+        "109,110",
+    ]
+
+
+def test_http_500_names_event_and_status_and_stops(http_server: HttpRecorder) -> None:
+    events = make_events(6)
+    http_server.fail_on_event_id = 103
+    with HttpSinkConfig(url=http_server.url).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+    message = str(err.value)
+    assert "http sink" in message and "event 103" in message
+    assert "500" in message and "database on fire" in message
+    assert len(message) < 600  # only an excerpt of the body
+    assert err.value.event_ids == (103,)
+    # events before the failure were delivered in order, nothing after it was attempted
+    assert [r.body["seq"] for r in http_server.received] == [0, 1, 2]
+
+
+def test_http_batch_500_names_the_id_range(http_server: HttpRecorder) -> None:
+    http_server.fail_on_event_id = 106
+    with HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=4).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(10))
+    assert "events 105..108" in str(err.value) and "HTTP 500" in str(err.value)
+    assert [len(r.body) for r in http_server.received] == [4, 4]
+
+
+def test_http_timeout_raises(http_server: HttpRecorder) -> None:
+    http_server.mode, http_server.sleep_secs = "sleep", 1.5
+    started = time.monotonic()
+    with HttpSinkConfig(url=http_server.url, timeout_secs=0.3).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(3))
+    assert time.monotonic() - started < 1.4
+    assert "event 101" in str(err.value) and "timed out" in str(err.value)
+    assert len(http_server.received) == 1
+
+
+def test_http_connection_refused_raises() -> None:
+    url = f"http://127.0.0.1:{free_port()}/hook"
+    with HttpSinkConfig(url=url, mode="batch", timeout_secs=2).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(5))
+    message = str(err.value)
+    assert "events 101..105" in message and "connection failed" in message.lower()
+    assert "refused" in message.lower()
+
+
+def test_http_secrets_never_leak(http_server: HttpRecorder) -> None:
+    secret = "Bearer s3cr3t-" + uuid.uuid4().hex
+    http_server.mode = "fail"
+    config = HttpSinkConfig(
+        url=http_server.url, headers={"Authorization": SecretStr(secret), "X-Api-Key": SecretStr("k3y-42")}
+    )
+    for text in (repr(config), str(config), config.model_dump_json(), repr(config.build())):
+        assert secret not in text and "k3y-42" not in text
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(1))
+    # the server really got (and echoed) the secret; the error message masks it
+    assert http_server.received[0].headers["authorization"] == secret
+    assert secret not in str(err.value) and "s3cr3t" not in str(err.value)
+    assert "***" in str(err.value) and "event 101" in str(err.value)
+    assert secret not in repr(err.value)
+
+    refused_url = f"http://127.0.0.1:{free_port()}/"
+    refused = HttpSinkConfig(url=refused_url, headers={"Authorization": SecretStr(secret)})
+    with refused.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(make_events(1))
+    assert secret not in str(err.value)
+
+
+def test_http_config_secret_survives_pickling_into_another_process(http_server: HttpRecorder) -> None:
+    config = HttpSinkConfig(url=http_server.url, headers={"Authorization": SecretStr("Bearer pickled")})
+    events = make_events(4)
+    code = """
+import pickle, sys
+config, events = pickle.loads(sys.stdin.buffer.read())
+with config.build() as sink:
+    sink.publish(events)
+"""
+    result = run_python(code, pickle.dumps((config, events)))
+    assert result.returncode == 0, result.stderr.decode()
+    assert [r.body for r in http_server.received] == [e.payload for e in events]
+    assert {r.headers["authorization"] for r in http_server.received} == {"Bearer pickled"}
+
+
+# -- redis --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    yield client
+    client.close()
+
+
+def test_redis_sink_xadds_in_order(redis_client: redis.Redis) -> None:
+    key = unique("pgstream-test")
+    events = make_events(40)
+    try:
+        with RedisSinkConfig(stream=key).build() as sink:
+            sink.publish(events[:25])
+            sink.publish(events[25:])
+        entries = redis_client.xrange(key)
+        assert len(entries) == len(events)
+        assert redis_client.xlen(key) == len(events)
+        for (_entry_id, fields), event in zip(entries, events, strict=True):
+            assert fields[b"id"] == str(event.id).encode()
+            assert fields[b"stream_id"] == b"7"
+            assert json.loads(fields[b"payload"]) == event.payload
+    finally:
+        redis_client.delete(key)
+
+
+def test_redis_sink_errors_are_sink_errors(redis_client: redis.Redis) -> None:
+    key = unique("pgstream-test")
+    redis_client.set(key, "not a stream")
+    try:
+        with RedisSinkConfig(stream=key).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(make_events(3))
+        assert "redis sink" in str(err.value) and "events 101..103" in str(err.value)
+        assert "WRONGTYPE" in str(err.value)
+    finally:
+        redis_client.delete(key)
+
+    url = SecretStr(f"redis://:hunter2pw@127.0.0.1:{free_port()}/0")
+    config = RedisSinkConfig(url=url, stream=key, timeout_secs=2)
+    assert "hunter2pw" not in repr(config)
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(1))
+    assert "event 101" in str(err.value) and "hunter2pw" not in str(err.value)
+
+
+# -- rabbitmq -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def amqp_channel() -> Iterator[Any]:
+    connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+    yield connection.channel()
+    connection.close()
+
+
+def drain_queue(channel: Any, queue: str) -> list[tuple[Any, bytes]]:
+    messages = []
+    while True:
+        method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
+        if method is None:
+            return messages
+        messages.append((properties, body))
+
+
+def test_rabbitmq_sink_publishes_confirmed_persistent_messages(amqp_channel: Any) -> None:
+    queue = unique("pgstream-test")
+    events = make_events(30)
+    try:
+        config = RabbitMqSinkConfig(routing_key=queue, declare_queue=queue)
+        with config.build() as sink:
+            sink.publish(events[:12])
+            sink.publish(events[12:])
+        assert amqp_channel.queue_declare(queue=queue, passive=True).method.message_count == len(events)
+        messages = drain_queue(amqp_channel, queue)
+        assert [p.message_id for p, _ in messages] == [str(e.id) for e in events]
+        assert [json.loads(body) for _, body in messages] == [e.payload for e in events]
+        assert {p.delivery_mode for p, _ in messages} == {2}
+        assert {p.content_type for p, _ in messages} == {"application/json"}
+        assert {p.headers["x-pgstream-stream-id"] for p, _ in messages} == {7}
+    finally:
+        amqp_channel.queue_delete(queue=queue)
+
+
+def test_rabbitmq_unroutable_and_nacked_raise(amqp_channel: Any) -> None:
+    with RabbitMqSinkConfig(routing_key=unique("no-such-queue")).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(2))
+    assert "event 101" in str(err.value) and "unroutable" in str(err.value)
+
+    # a full queue with overflow=reject-publish makes the broker nack the third message
+    queue = unique("pgstream-test")
+    amqp_channel.queue_declare(queue=queue, arguments={"x-max-length": 2, "x-overflow": "reject-publish"})
+    try:
+        with RabbitMqSinkConfig(routing_key=queue).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(make_events(4))
+        assert "event 103" in str(err.value) and "nack" in str(err.value)
+        assert err.value.event_ids == (103,)
+        assert [p.message_id for p, _ in drain_queue(amqp_channel, queue)] == ["101", "102"]
+    finally:
+        amqp_channel.queue_delete(queue=queue)
+
+
+def test_rabbitmq_bad_credentials_do_not_leak() -> None:
+    config = RabbitMqSinkConfig(url=SecretStr("amqp://guest:wr0ngpass@127.0.0.1:5672/%2F"), routing_key="q")
+    assert "wr0ngpass" not in repr(config)
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(2))
+    assert "events 101..102" in str(err.value) and "wr0ngpass" not in str(err.value)
+
+
+# -- nats ---------------------------------------------------------------------------------------------
+
+
+async def _nats_admin(action: str, stream: str, subject: str = "", expected: int = 0) -> list[Any]:
+    nc = await nats.connect(NATS_URL)
+    try:
+        js = nc.jetstream()
+        if action == "create":
+            await js.add_stream(name=stream, subjects=[subject])
+            return []
+        if action == "delete":
+            await js.delete_stream(stream)
+            return []
+        info = await js.stream_info(stream)
+        sub = await js.pull_subscribe(subject, stream=stream)
+        messages: list[Any] = []
+        deadline = time.monotonic() + 10
+        while len(messages) < expected and time.monotonic() < deadline:
+            batch = await sub.fetch(expected - len(messages), timeout=2)
+            for msg in batch:
+                await msg.ack()
+            messages += batch
+        await sub.unsubscribe()
+        return [info.state.messages, messages]
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+def nats_stream() -> Iterator[tuple[str, str]]:
+    name = unique("PGSTREAM_TEST").replace("-", "_")
+    subject = f"pgstream.test.{name}"
+    asyncio.run(_nats_admin("create", name, subject))
+    yield name, subject
+    asyncio.run(_nats_admin("delete", name))
+
+
+def test_nats_jetstream_publish_acked_in_order_and_deduplicated(nats_stream: tuple[str, str]) -> None:
+    stream, subject = nats_stream
+    events = make_events(30)
+    with NatsSinkConfig(servers=[NATS_URL], subject=subject).build() as sink:
+        sink.publish(events[:10])
+        sink.publish(events)  # a retry of a batch partly delivered: Nats-Msg-Id drops the duplicates
+    count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=len(events)))
+    assert count == len(events)
+    assert [json.loads(m.data) for m in messages] == [e.payload for e in events]
+    assert [m.headers["Nats-Msg-Id"] for m in messages] == [f"7-{e.id}" for e in events]
+    assert [m.metadata.sequence.stream for m in messages] == list(range(1, len(events) + 1))
+
+
+def test_nats_core_publish_with_flush(nats_stream: tuple[str, str]) -> None:
+    stream, subject = nats_stream
+    events = make_events(8)
+    with build_sink({"type": "nats", "subject": subject, "jetstream": False}) as sink:
+        sink.publish(events)
+    count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=len(events)))
+    assert count == len(events)
+    assert [json.loads(m.data) for m in messages] == [e.payload for e in events]
+
+
+def test_nats_subject_without_stream_raises() -> None:
+    subject = f"pgstream.nostream.{uuid.uuid4().hex}"
+    with NatsSinkConfig(subject=subject, timeout_secs=3).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(3))
+    assert "nats sink" in str(err.value) and "event 101" in str(err.value)
+    assert "no JetStream stream" in str(err.value)
+
+
+def test_nats_connection_refused_raises() -> None:
+    config = NatsSinkConfig(
+        servers=[f"nats://127.0.0.1:{free_port()}"],
+        subject="x",
+        timeout_secs=1,
+        password=SecretStr("natspw-9"),
+        user="u",
+    )
+    assert "natspw-9" not in repr(config)
+    started = time.monotonic()
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(2))
+    assert time.monotonic() - started < 5
+    assert "events 101..102" in str(err.value) and "natspw-9" not in str(err.value)
