@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+import psycopg
 
 
 def _database_url(args: argparse.Namespace) -> str:
@@ -42,6 +45,64 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def init(config_path: Path | None = None) -> list[str]:
+    """Migrate, create today's partitions, the streams, their slots, and apply YAML subscriptions."""
+    from . import ledger
+    from .config import load_config
+    from .migrations import migrate
+    from .sensors import ConsumeResult, ensure_slot
+    from .subscriptions import apply_subscriptions
+
+    config = load_config(config_path)
+    url = config.database_url.get_secret_value()
+    out = [f"applied migration {m}" for m in migrate(url, partitions_ahead=config.housekeeping.days_ahead)]
+    with psycopg.connect(url, autocommit=True) as conn:
+        for stream in config.streams:
+            ledger.ensure_stream(conn, stream.id)
+            result = ConsumeResult()
+            ensure_slot(conn, stream, result)
+            if result.slot_created:
+                out.append(f"created slot {stream.slot} for stream {stream.id} "
+                           f"(recovered {sum(1 for _ in result.recovered)} batches from the table)")
+        for action, key, stream_id in apply_subscriptions(conn, config):
+            out.append(f"{action} subscription {key!r} (stream {stream_id})")
+    return out
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    for line in init(Path(args.config) if args.config else None):
+        print(line)
+    print("ready")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from .status import render_status, stream_status
+
+    url = _database_url(args)
+    with psycopg.connect(url, autocommit=True) as conn:
+        print(render_status(stream_status(conn)))
+    return 0
+
+
+def _set_paused(args: argparse.Namespace, paused: bool) -> int:
+    url = _database_url(args)
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("update pgstream.streams set paused = %s where id = %s returning id",
+                           [paused, args.stream]).fetchone()
+    if row is None:
+        print(f"error: stream {args.stream} does not exist", file=sys.stderr)
+        return 1
+    print(f"stream {args.stream} {'paused' if paused else 'resumed'}")
+    return 0
+
+
+def _cmd_dev(args: argparse.Namespace) -> int:
+    from .dev import run_dev
+
+    return run_dev(port=args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pgstream-dagster", description=__doc__)
     common = argparse.ArgumentParser(add_help=False)
@@ -56,6 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="remove the pgstream schema, generated triggers, publications and slots")
     p.add_argument("--yes", action="store_true", help="confirm: all events are deleted")
     p.set_defaults(func=_cmd_tear_down)
+
+    p = sub.add_parser("init", help="migrate, create streams, slots and the YAML subscriptions")
+    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
+    p.set_defaults(func=_cmd_init)
+
+    p = sub.add_parser("status", parents=[common], help="state, backlog and slot lag of every stream")
+    p.set_defaults(func=_cmd_status)
+
+    for name, paused in (("pause", True), ("resume", False)):
+        p = sub.add_parser(name, parents=[common], help=f"{name} deliveries of a stream (the slot keeps "
+                                                        "being consumed, so WAL is still released)")
+        p.add_argument("stream", type=int)
+        p.set_defaults(func=lambda a, _p=paused: _set_paused(a, _p))
+
+    p = sub.add_parser("dev", help="local Postgres + migrations + demo + `dagster dev` (what `make dev` runs)")
+    p.add_argument("--port", type=int, default=3000)
+    p.set_defaults(func=_cmd_dev)
     return parser
 
 
@@ -64,9 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
+        from .config import ConfigError
         from .migrations import MigrationError
 
-        if isinstance(exc, MigrationError) or type(exc).__module__.startswith("psycopg"):
+        if isinstance(exc, MigrationError | ConfigError) or type(exc).__module__.startswith("psycopg"):
             print(f"error: {exc}", file=sys.stderr)
             return 1
         raise

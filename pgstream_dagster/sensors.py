@@ -113,6 +113,10 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
     batch = ledger.head(conn, stream.id)
     if batch is None:
         return None
+    paused = conn.execute("select paused from pgstream.streams where id = %s", [stream.id]).fetchone()
+    if paused and paused[0]:
+        log.append(f"stream {stream.id} is paused: batch {batch.id} waits (`pgstream-dagster resume {stream.id}`)")
+        return None
     now = dt.datetime.now(dt.UTC)
     if batch.status == "pending":
         ledger.mark_launched(conn, batch.id, run_key(batch, batch.attempts + 1))
