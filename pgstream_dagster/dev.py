@@ -52,8 +52,9 @@ def run_dev(port: int = 3000, root: Path | None = None) -> int:
     shutil.copy(root / "dagster.yaml", home / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(home)
     if demo:
+        demo_insert = "insert into demo.users (email, email_verified) values ('ada@example.com', true)"
         print("\nTry it: insert a row, then watch the event arrive and the run show in the UI:\n"
-              f"  psql '{url}' -c \"insert into demo.users (email, email_verified) values ('ada@example.com', true)\"\n"
+              f"  psql '{url}' -c \"{demo_insert}\"\n"
               f"  tail -f {os.environ['PGSTREAM_DEMO_SINK']}\n"
               f"  open http://127.0.0.1:{port}\n")
     dagster = Path(sys.executable).with_name("dagster")

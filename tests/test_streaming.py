@@ -75,7 +75,8 @@ def test_tick_records_batches_and_rerun_requests_nothing_twice(db_url: str, tmp_
                                                                instance: dg.DagsterInstance) -> None:
     out = tmp_path / "sink.jsonl"
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": 1, "batch": {"max_size": 10, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1}, "sink": {"type": "file", "path": str(out)}}])
+        {"id": 1, "batch": {"max_size": 10, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
+         "sink": {"type": "file", "path": str(out)}}])
     driver = Driver(cfg, instance)
     first = driver.tick(1)  # creates the slot
     assert not first.run_requests

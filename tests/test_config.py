@@ -1,0 +1,62 @@
+"""pgstream.yaml validation: every error names the file, the key and the problem; secrets stay secret."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pgstream_dagster.config import ConfigError, load_config
+
+GOOD = """
+database_url: ${TEST_PG_URL}
+streams:
+  - id: 1
+    sink: {type: http, url: http://127.0.0.1:9/hook, headers: {Authorization: "Bearer ${TEST_TOKEN}"}}
+subscriptions:
+  - {key: a, stream_id: 1, operation: insert, table_name: users, column_names: [id]}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "pgstream.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_good_config_substitutes_env_and_hides_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://u:hunter2@db/x")
+    monkeypatch.setenv("TEST_TOKEN", "s3cr3t")
+    cfg = load_config(write(tmp_path, GOOD))
+    assert cfg.database_url.get_secret_value() == "postgresql://u:hunter2@db/x"
+    assert cfg.subscriptions[0].operation == "INSERT"
+    assert cfg.stream(1).batch.max_size == 1000
+    assert "hunter2" not in repr(cfg) and "s3cr3t" not in repr(cfg)
+    assert cfg.stream(1).slot == "pgstream_stream_1"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("streams: [", "invalid YAML"),
+    ("- a\n- b", "expected a mapping"),
+    (GOOD.replace("${TEST_PG_URL}", "${NOT_SET_ANYWHERE}"), "database_url: environment variable NOT_SET_ANYWHERE"),
+    (GOOD.replace("id: 1\n", "id: 1\n    colour: blue\n"), "streams[0].colour: Extra inputs are not permitted"),
+    (GOOD.replace("id: 1\n", "id: 1\n    batch: {max_size: 0}\n"), "streams[0].batch.max_size"),
+    (GOOD.replace("type: http", "type: carrier-pigeon"), "streams[0].sink"),
+    (GOOD.replace("stream_id: 1, operation", "stream_id: 2, operation"), "uses stream_id 2"),
+    (GOOD.replace("operation: insert", "operation: upsert"), "subscriptions[0].operation"),
+])
+def test_bad_config_names_file_key_and_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str,
+                                              message: str) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_TOKEN", "s3cr3t")
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+    assert message in str(err.value)
+    assert "s3cr3t" not in str(err.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the pgstream configuration"):
+        load_config(tmp_path / "nope.yaml")
