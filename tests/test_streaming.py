@@ -244,3 +244,23 @@ def test_paused_stream_keeps_releasing_wal_but_launches_nothing(db_url: str, tmp
         assert [t for t in replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100) if t.events] == []
     assert cli_main(["resume", "1", "--database-url", db_url]) == 0
     assert len(driver.tick(1).run_requests) == 1
+
+
+def test_by_key_delivery_keeps_order_per_routing_key(db_url: str, tmp_path: Path,
+                                                     instance: dg.DagsterInstance) -> None:
+    out = tmp_path / "by_key.jsonl"
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": 1, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
+         "delivery": {"ordering": "by_key", "routing_key": "group_id", "parallelism": 3, "chunk_size": 7},
+         "sink": {"type": "file", "path": str(out)}}])
+    driver = Driver(cfg, instance)
+    driver.tick(1)
+    with psycopg.connect(db_url) as c:
+        c.execute("insert into pgstream.events (payload, stream_id) "
+                  "select jsonb_build_object('group_id', (g % 5)::text, 'n', g), 1 from generate_series(1, 300) g")
+    driver.run_until(1, lambda: len(read_jsonl(out)) >= 300, timeout=180)
+    got = read_jsonl(out)
+    assert sorted(e["id"] for e in got) == list(range(1, 301))
+    for key in map(str, range(5)):
+        ids = [e["id"] for e in got if e["payload"]["group_id"] == key]
+        assert ids == sorted(ids) and len(ids) == 60
