@@ -75,16 +75,16 @@ def load_batch(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgstre
 def deliver_batch(context: dg.OpExecutionContext, loaded: LoadedBatch, pgstream: PgstreamResource) -> DeliveryReport:
     stream = pgstream.stream(loaded.batch.stream_id)
     if stream.delivery.ordering == "by_key":
-        result = spark.deliver_by_key(loaded.frame, stream.sink, stream.delivery.chunk_size,
-                                      stream.delivery.parallelism)
+        delivered = spark.deliver_by_key(loaded.frame, stream.sink, stream.delivery.chunk_size,
+                                         stream.delivery.parallelism)
     else:
-        result = spark.deliver_in_order(loaded.frame, stream.sink, stream.delivery.chunk_size)
-    if result.count != loaded.batch.event_count:
+        delivered = spark.deliver_in_order(loaded.frame, stream.sink, stream.delivery.chunk_size)
+    if delivered != loaded.batch.event_count:
         raise dg.Failure(
             f"batch {loaded.batch.id}: the ledger lists {loaded.batch.event_count} events but "
-            f"{result.count} were found in pgstream.events and delivered; refusing to mark it delivered")
-    context.log.info(f"batch {loaded.batch.id}: sink {stream.sink.type} confirmed {result.count} events")
-    return DeliveryReport(loaded.batch, result.count, loaded.started)
+            f"{delivered} were found in pgstream.events and delivered; refusing to mark it delivered")
+    context.log.info(f"batch {loaded.batch.id}: sink {stream.sink.type} confirmed {delivered} events")
+    return DeliveryReport(loaded.batch, delivered, loaded.started)
 
 
 @dg.op(description="Mark the batch delivered in the ledger and report the deliveries materialization.")

@@ -126,59 +126,40 @@ def _event(row: Any) -> Event:
                  metadata=json.loads(row["metadata"]) if row["metadata"] else None, created_at=created)
 
 
-@dataclass
-class Delivered:
-    count: int
-    first_id: int | None
-    last_id: int | None
-
-
-def deliver_in_order(df: DataFrame, sink_config: SinkConfig, chunk_size: int) -> Delivered:
-    """Global commit order: stream the ordered rows to the driver and publish chunk by chunk."""
+def _publish_rows(sink_config: SinkConfig, rows: Iterator[Any], chunk_size: int) -> int:
+    """Publish rows (already in the order owed) in chunks through a fresh sink; returns the count
+    the sink confirmed. Raises on the first chunk the sink rejects."""
     sink = sink_config.build()
-    count, first, last = 0, None, None
+    count = 0
     try:
         chunk: list[Event] = []
-        for row in df.orderBy("ord").toLocalIterator():
+        for row in rows:
             chunk.append(_event(row))
             if len(chunk) >= chunk_size:
                 sink.publish(chunk)
                 count += len(chunk)
-                first = first if first is not None else chunk[0].id
-                last = chunk[-1].id
                 chunk = []
         if chunk:
             sink.publish(chunk)
             count += len(chunk)
-            first = first if first is not None else chunk[0].id
-            last = chunk[-1].id
     finally:
         sink.close()
-    return Delivered(count, first, last)
+    return count
 
 
-def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int) -> Delivered:
+def deliver_in_order(df: DataFrame, sink_config: SinkConfig, chunk_size: int) -> int:
+    """Global commit order: stream the ordered rows to the driver and publish chunk by chunk."""
+    return _publish_rows(sink_config, df.orderBy("ord").toLocalIterator(), chunk_size)
+
+
+def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int) -> int:
     """Per routing key order: partitions by the key, each partition publishes its events in
     commit order on an executor. Events of one key never reorder; keys proceed in parallel."""
-    spark = df.sparkSession
-    counter = spark.sparkContext.accumulator(0)
+    counter = df.sparkSession.sparkContext.accumulator(0)
 
     def publish_partition(rows: Iterator[Any]) -> None:
-        sink = sink_config.build()
-        try:
-            chunk: list[Event] = []
-            for row in rows:
-                chunk.append(_event(row))
-                if len(chunk) >= chunk_size:
-                    sink.publish(chunk)
-                    counter.add(len(chunk))
-                    chunk = []
-            if chunk:
-                sink.publish(chunk)
-                counter.add(len(chunk))
-        finally:
-            sink.close()
+        counter.add(_publish_rows(sink_config, rows, chunk_size))
 
     (df.repartition(parallelism, "routing_key").sortWithinPartitions("ord")
        .foreachPartition(publish_partition))
-    return Delivered(int(counter.value), None, None)
+    return int(counter.value)
