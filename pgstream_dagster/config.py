@@ -40,6 +40,9 @@ class DeliveryConfig(_Model):
                              description="payload path used to partition deliveries when ordering=by_key")
     parallelism: int = Field(4, ge=1, le=256)
     chunk_size: int = Field(500, ge=1, le=100_000, description="events handed to the sink per publish call")
+    max_events_per_run: int = Field(100_000, ge=1, le=10_000_000,
+                                    description="a run takes every pending batch behind the head, up to this many "
+                                                "events (adaptive batching; a backlog drains in few runs)")
 
 
 class SensorConfig(_Model):
@@ -97,6 +100,9 @@ class HousekeepingConfig(_Model):
     days_ahead: int = Field(7, ge=0, le=365)
     retention_days: int = Field(7, ge=1, le=3650)
     ledger_keep_days: int = Field(7, ge=1, le=3650)
+    undelivered_policy: Literal["keep", "fail"] = Field(
+        "keep", description="a partition past retention that holds undelivered events: keep it (warning) or "
+                            "fail the housekeeping run and drop nothing")
 
 
 class SparkConfig(_Model):

@@ -1,9 +1,11 @@
-"""The delivery job: one run delivers one ledger batch through the stream's sink.
+"""The delivery job: one run delivers one or more consecutive ledger batches of a stream, in
+order, through the stream's sink.
 
-``load_batch`` checks the batch may run (it is the stream's oldest undelivered one) and loads it
-with PySpark; ``deliver_batch`` publishes it in commit order (or per routing key); ``confirm_batch``
-marks it delivered, only after the sink confirmed every event, and reports the materialization of
-the stream's deliveries asset.
+``load_batches`` checks the batches may run (the first is the stream's oldest open batch; the
+range holds only the stream's open batches) and loads them with PySpark; ``deliver_batches``
+publishes them in commit order (or per routing key) and marks each batch delivered as soon as the
+sink confirmed its last event, so a run that fails half-way keeps the progress it made;
+``report_deliveries`` reports the materialization of the stream's deliveries asset.
 """
 
 
@@ -30,89 +32,118 @@ def deliveries_asset_key(stream_id: int) -> dg.AssetKey:
 class DeliveryRunConfig(dg.Config):
     stream_id: int
     batch_id: int
+    through_batch_id: int | None = None
 
 
 @dataclass
-class LoadedBatch:
-    batch: ledger.Batch
+class LoadedBatches:
+    stream_id: int
+    batches: list[ledger.Batch]
     frame: Any  # pyspark.sql.DataFrame
     started: float
 
 
 @dataclass
 class DeliveryReport:
-    batch: ledger.Batch
+    stream_id: int
+    batches: list[ledger.Batch]
     delivered: int
     started: float
 
 
-@dg.op(description="Load the batch's events from pgstream.events with PySpark, in commit order.")
-def load_batch(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgstream: PgstreamResource,
-               pyspark: PySparkResource) -> LoadedBatch:
+@dg.op(description="Check the batches may run and load their events from pgstream.events with PySpark.")
+def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgstream: PgstreamResource,
+                 pyspark: PySparkResource) -> LoadedBatches:
     started = time.monotonic()
+    last = config.through_batch_id or config.batch_id
     with pgstream.connect() as conn:
-        batch = ledger.get(conn, config.batch_id)
-        if batch is None or batch.stream_id != config.stream_id:
+        batches = ledger.batches_between(conn, config.stream_id, config.batch_id, last)
+        if not batches or batches[0].id != config.batch_id:
             raise dg.Failure(f"batch {config.batch_id} of stream {config.stream_id} does not exist")
-        if batch.status == "delivered":
-            raise dg.Failure(f"batch {batch.id} is already delivered (run {batch.run_id})")
-        earlier = ledger.earlier_undelivered(conn, batch)
+        done = [b.id for b in batches if b.status in ("delivered", "skipped")]
+        if done:
+            raise dg.Failure(f"batches {done} of stream {config.stream_id} are already delivered or skipped")
+        earlier = ledger.earlier_open(conn, config.stream_id, config.batch_id)
         if earlier is not None:
-            raise dg.Failure(f"batch {batch.id} would overtake undelivered batch {earlier} of stream "
-                             f"{batch.stream_id}; batches are delivered in order")
+            raise dg.Failure(f"batch {config.batch_id} would overtake open batch {earlier} of stream "
+                             f"{config.stream_id}; batches are delivered in order")
     stream = pgstream.stream(config.stream_id)
-    frame = spark.load_batch(
-        pyspark.spark_session, pgstream.database_url, batch.id, batch.event_count,
-        stream.delivery.routing_key,
-        stream.delivery.parallelism if stream.delivery.ordering == "by_key" else 1,
-    )
-    context.log.info(f"batch {batch.id}: {batch.event_count} events, ids {batch.first_event_id}.."
-                     f"{batch.last_event_id} ({batch.kind})")
-    return LoadedBatch(batch, frame, started)
+    frame = spark.load_batches(pyspark.spark_session, pgstream.database_url,
+                               [(b.id, b.event_count) for b in batches], stream.delivery.routing_key)
+    total = sum(b.event_count for b in batches)
+    kinds = sorted({b.kind for b in batches})
+    context.log.info(f"stream {config.stream_id}: {len(batches)} batches {batches[0].id}..{batches[-1].id}, "
+                     f"{total} events ({', '.join(kinds)})")
+    return LoadedBatches(config.stream_id, batches, frame, started)
 
 
-@dg.op(description="Publish the batch through the stream's sink; fails unless every event was confirmed.")
-def deliver_batch(context: dg.OpExecutionContext, loaded: LoadedBatch, pgstream: PgstreamResource) -> DeliveryReport:
-    stream = pgstream.stream(loaded.batch.stream_id)
-    if stream.delivery.ordering == "by_key":
-        delivered = spark.deliver_by_key(loaded.frame, stream.sink, stream.delivery.chunk_size,
-                                         stream.delivery.parallelism)
-    else:
-        delivered = spark.deliver_in_order(loaded.frame, stream.sink, stream.delivery.chunk_size)
-    if delivered != loaded.batch.event_count:
-        raise dg.Failure(
-            f"batch {loaded.batch.id}: the ledger lists {loaded.batch.event_count} events but "
-            f"{delivered} were found in pgstream.events and delivered; refusing to mark it delivered")
-    context.log.info(f"batch {loaded.batch.id}: sink {stream.sink.type} confirmed {delivered} events")
-    return DeliveryReport(loaded.batch, delivered, loaded.started)
+@dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
+                   "as soon as the sink confirmed all its events.")
+def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches,
+                    pgstream: PgstreamResource) -> DeliveryReport:
+    stream = pgstream.stream(loaded.stream_id)
+    expected = {b.id: b.event_count for b in loaded.batches}
+    total = sum(expected.values())
+    step = max(stream.delivery.chunk_size, total // 10)
+    next_log = [step]
 
-
-@dg.op(description="Mark the batch delivered in the ledger and report the deliveries materialization.")
-def confirm_batch(context: dg.OpExecutionContext, report: DeliveryReport, pgstream: PgstreamResource) -> None:
-    batch = report.batch
     with pgstream.connect() as conn:
-        if not ledger.mark_delivered(conn, batch.id, context.run_id):
-            raise dg.Failure(f"batch {batch.id} was already marked delivered by another run")
+        def batch_done(batch_id: int, events: int) -> None:
+            if events != expected[batch_id]:
+                raise dg.Failure(f"batch {batch_id}: the ledger lists {expected[batch_id]} events but {events} "
+                                 f"were found in pgstream.events; refusing to mark it delivered")
+            if not ledger.mark_delivered(conn, batch_id, context.run_id):
+                raise dg.Failure(f"batch {batch_id} was already marked delivered by another run")
+
+        def progress(count: int) -> None:
+            if count >= next_log[0] and count < total:
+                context.log.info(f"stream {stream.id}: {count}/{total} events confirmed by the sink")
+                next_log[0] = count + step
+
+        if stream.delivery.ordering == "by_key":
+            delivered = spark.deliver_by_key(loaded.frame, stream.sink, stream.delivery.chunk_size,
+                                             stream.delivery.parallelism)
+            if delivered != total:
+                raise dg.Failure(f"the ledger lists {total} events but {delivered} were found in pgstream.events "
+                                 f"and delivered; refusing to mark batches delivered")
+            for b in loaded.batches:
+                batch_done(b.id, b.event_count)
+        else:
+            delivered = spark.deliver_in_order(loaded.frame, stream.sink, stream.delivery.chunk_size,
+                                               batch_done, progress)
+        missing = ledger.not_delivered(conn, [b.id for b in loaded.batches])
+    if missing:
+        raise dg.Failure(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
+    context.log.info(f"stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
+                     f"of {len(loaded.batches)} batches")
+    return DeliveryReport(loaded.stream_id, loaded.batches, delivered, loaded.started)
+
+
+@dg.op(description="Report the deliveries materialization of the stream.")
+def report_deliveries(context: dg.OpExecutionContext, report: DeliveryReport) -> None:
+    first, last = report.batches[0], report.batches[-1]
     now = dt.datetime.now(dt.UTC)
     metadata: dict[str, Any] = {
-        "batch_id": batch.id,
-        "kind": batch.kind,
+        "batches": len(report.batches),
+        "first_batch_id": first.id,
+        "last_batch_id": last.id,
+        "kinds": ", ".join(sorted({b.kind for b in report.batches})),
         "events": report.delivered,
-        "first_event_id": batch.first_event_id,
-        "last_event_id": batch.last_event_id,
+        "first_event_id": first.first_event_id,
+        "last_event_id": last.last_event_id,
         "duration_secs": round(time.monotonic() - report.started, 3),
     }
-    if batch.first_commit_at is not None:
-        metadata["commit_to_delivery_lag_secs"] = round((now - batch.first_commit_at).total_seconds(), 3)
-    context.log_event(dg.AssetMaterialization(asset_key=deliveries_asset_key(batch.stream_id),
-                                              description=f"batch {batch.id} delivered",
-                                              metadata=metadata))
+    if first.first_commit_at is not None:
+        metadata["commit_to_delivery_lag_secs"] = round((now - first.first_commit_at).total_seconds(), 3)
+    context.log_event(dg.AssetMaterialization(
+        asset_key=deliveries_asset_key(report.stream_id),
+        description=f"batches {first.id}..{last.id} delivered", metadata=metadata))
 
 
 @dg.job(
     name=DELIVERY_JOB,
-    description="Deliver one batch of a stream's events to its sink (requested by the stream's sensor).",
+    description="Deliver consecutive batches of a stream's events to its sink (requested by the stream's sensor).",
     executor_def=dg.in_process_executor,
 )
 def delivery_job() -> None:
-    confirm_batch(deliver_batch(load_batch()))
+    report_deliveries(deliver_batches(load_batches()))

@@ -5,7 +5,8 @@ Invariants:
   transaction, before the slot is advanced past it; a crash in between re-reads it from the slot
   and the ledger's last ``end_lsn`` makes that harmless;
 * a batch's ``event_ids`` are in commit order; batches of a stream are delivered in id order;
-* a batch is ``delivered`` only once the sink confirmed every event.
+* a batch is ``delivered`` only once the sink confirmed every event; ``skipped`` only by an
+  operator (``pgstream.skip_batch``). Both count as done; everything else is *open*.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ _BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b
                   "b.attempts, b.run_key, s.incarnation, b.run_id, b.error, b.next_attempt_at, b.first_commit_at, "
                   "b.created_at")
 _BATCH_FROM = "from pgstream.batches b join pgstream.streams s on s.id = b.stream_id"
+
 
 
 def _batch(row: dict[str, Any] | None) -> Batch | None:
@@ -104,18 +106,27 @@ def recovered_ids_since(conn: psycopg.Connection, stream_id: int, lsn: int) -> s
 
 def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) -> list[int]:
     """Record every event of the stream that no batch covers yet, in id order (they are all
-    committed), as ``recovery`` batches whose ``end_lsn`` is the WAL position of the snapshot."""
+    committed), as ``recovery`` batches whose ``end_lsn`` is the WAL position of the snapshot.
+
+    Events older than the stream's ``ledger_horizon`` were delivered by batches pruned since and
+    are not looked at. The anti-join is a hash join over the ledger's ids: linear, not
+    events x batches. Clears ``streams.recovery_pending`` in the same transaction.
+    """
     with conn.transaction():
         conn.execute("set transaction isolation level repeatable read")
         (lsn,) = conn.execute("select pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
         rows = conn.execute(
-            """select e.id, e.created_at from pgstream.events e
-               where e.stream_id = %s
-                 and not exists (select 1 from pgstream.batches b
-                                 where b.stream_id = e.stream_id and e.id = any (b.event_ids))
+            """with covered as materialized (
+                   select distinct unnest(event_ids) as id from pgstream.batches where stream_id = %(s)s)
+               select e.id, e.created_at from pgstream.events e
+               left join covered c on c.id = e.id
+               where e.stream_id = %(s)s and c.id is null
+                 and e.created_at > coalesce((select ledger_horizon from pgstream.streams where id = %(s)s),
+                                             '-infinity')
                order by e.id""",
-            [stream_id],
+            {"s": stream_id},
         ).fetchall()
+        conn.execute("update pgstream.streams set recovery_pending = false where id = %s", [stream_id])
         if not rows:
             return []
         txn = Transaction(xid=0, commit_lsn=replication.lsn_to_int(lsn), end_lsn=replication.lsn_to_int(lsn),
@@ -124,12 +135,27 @@ def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) 
         return record(conn, stream_id, [txn], max_size, kind="recovery")
 
 
+def set_recovery_pending(conn: psycopg.Connection, stream_id: int) -> None:
+    conn.execute("update pgstream.streams set recovery_pending = true where id = %s", [stream_id])
+
+
+def recovery_pending(conn: psycopg.Connection, stream_id: int) -> bool:
+    row = conn.execute("select recovery_pending from pgstream.streams where id = %s", [stream_id]).fetchone()
+    return bool(row and row[0])
+
+
+def mark_consumed(conn: psycopg.Connection, stream_id: int, through: dt.datetime) -> None:
+    """Everything committed before ``through`` has been read from the slot (see retention)."""
+    conn.execute("update pgstream.streams set consumed_through = greatest(consumed_through, %s) where id = %s",
+                 [through, stream_id])
+
+
 def head(conn: psycopg.Connection, stream_id: int) -> Batch | None:
     """The oldest batch of the stream that is not delivered: the only one that may run."""
     with conn.cursor(row_factory=dict_row) as cur:
         return _batch(cur.execute(
             f"select {_BATCH_COLUMNS} {_BATCH_FROM} "
-            "where b.stream_id = %s and b.status <> 'delivered' order by b.id limit 1",
+            "where b.stream_id = %s and b.status not in ('delivered', 'skipped') order by b.id limit 1",
             [stream_id]).fetchone())
 
 
@@ -140,21 +166,58 @@ def get(conn: psycopg.Connection, batch_id: int) -> Batch | None:
             [batch_id]).fetchone())
 
 
+def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: int) -> list[Batch]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return [Batch(**r) for r in cur.execute(
+            f"select {_BATCH_COLUMNS} {_BATCH_FROM} where b.stream_id = %s and b.id between %s and %s "
+            "order by b.id", [stream_id, first, last]).fetchall()]
+
+
+def not_delivered(conn: psycopg.Connection, batch_ids: list[int]) -> list[int]:
+    return [int(r[0]) for r in conn.execute(
+        "select id from pgstream.batches where id = any(%s) and status <> 'delivered' order by id",
+        [batch_ids]).fetchall()]
+
+
 def undelivered_count(conn: psycopg.Connection, stream_id: int) -> tuple[int, int]:
     row = conn.execute("select count(*), coalesce(sum(event_count), 0) from pgstream.batches "
-                       "where stream_id = %s and status <> 'delivered'", [stream_id]).fetchone()
+                       "where stream_id = %s and status not in ('delivered', 'skipped')", [stream_id]).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
 
 
-def mark_launched(conn: psycopg.Connection, batch_id: int, run_key: str) -> None:
+def open_range(conn: psycopg.Connection, head: Batch, max_events: int) -> list[int]:
+    """The head batch and the pending batches right behind it, up to ``max_events`` events in all
+    (always at least the head): what one delivery run takes."""
+    rows = conn.execute(
+        """select id, event_count, status from pgstream.batches
+           where stream_id = %s and id >= %s and status not in ('delivered', 'skipped')
+           order by id limit 10000""",
+        [head.stream_id, head.id]).fetchall()
+    ids: list[int] = []
+    total = 0
+    for batch_id, count, status in rows:
+        if ids and (status != "pending" or total + count > max_events):
+            break
+        ids.append(int(batch_id))
+        total += int(count)
+    return ids
+
+
+def mark_launched(conn: psycopg.Connection, batch_ids: list[int], run_key: str) -> None:
     conn.execute("update pgstream.batches set status = 'launched', run_key = %s, attempts = attempts + 1, "
-                 "launched_at = now(), next_attempt_at = null where id = %s", [run_key, batch_id])
+                 "launched_at = now(), next_attempt_at = null where id = any(%s)", [run_key, batch_ids])
 
 
-def mark_failed(conn: psycopg.Connection, batch_id: int, error: str, retry_at: dt.datetime) -> None:
-    conn.execute("update pgstream.batches set status = 'failed', error = %s, next_attempt_at = %s "
-                 "where id = %s and status <> 'delivered'", [error[:2000], retry_at, batch_id])
+def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, retry_at: dt.datetime) -> None:
+    """A delivery run failed: its first undelivered batch waits for ``retry_at`` and the stream
+    enters failover; the run's other batches go back to pending (they were not refused)."""
+    with conn.transaction():
+        conn.execute("update pgstream.batches set status = 'pending', run_key = null "
+                     "where run_key = %s and status = 'launched' and id <> %s", [run_key, head.id])
+        conn.execute("update pgstream.batches set status = 'failed', error = %s, next_attempt_at = %s "
+                     "where id = %s and status not in ('delivered', 'skipped')", [error[:2000], retry_at, head.id])
+        conn.execute("select pgstream.enter_failover(%s, %s, %s, %s)", [head.stream_id, head.id, error, retry_at])
 
 
 def mark_delivered(conn: psycopg.Connection, batch_id: int, run_id: str) -> bool:
@@ -164,7 +227,26 @@ def mark_delivered(conn: psycopg.Connection, batch_id: int, run_id: str) -> bool
     return row is not None
 
 
-def earlier_undelivered(conn: psycopg.Connection, batch: Batch) -> int | None:
+def earlier_open(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int | None:
     row = conn.execute("select min(id) from pgstream.batches where stream_id = %s and id < %s "
-                       "and status <> 'delivered'", [batch.stream_id, batch.id]).fetchone()
+                       "and status not in ('delivered', 'skipped')",
+                       [stream_id, batch_id]).fetchone()
     return int(row[0]) if row and row[0] is not None else None
+
+
+def failover_since(conn: psycopg.Connection, stream_id: int) -> dt.datetime | None:
+    row = conn.execute("select failover_since from pgstream.streams where id = %s", [stream_id]).fetchone()
+    return row[0] if row else None
+
+
+def caught_up(conn: psycopg.Connection, stream_id: int, head: Batch | None) -> bool:
+    """Failover is over once every batch that existed when the last successful run was
+    requested has been delivered: what is left is fresh, not backlog."""
+    if head is None:
+        return True
+    if head.status != "pending":
+        return False
+    row = conn.execute("select max(launched_at) from pgstream.batches where stream_id = %s and status = 'delivered'",
+                       [stream_id]).fetchone()
+    last_launch = row[0] if row else None
+    return last_launch is not None and head.created_at >= last_launch

@@ -139,18 +139,32 @@ def create_slot(conn: psycopg.Connection, slot: str) -> str:
 
 def peek(conn: psycopg.Connection, slot: str, publication: str, max_changes: int) -> list[Transaction]:
     """Committed transactions waiting in the slot, in commit order (does not consume them)."""
+    return peek_rows(conn, slot, publication, max_changes)[0]
+
+
+def peek_rows(conn: psycopg.Connection, slot: str, publication: str,
+              max_changes: int) -> tuple[list[Transaction], int]:
+    """Like :func:`peek`, with the number of decoded messages: fewer than ``max_changes`` means
+    the peek reached the end of what was committed when it started."""
     decoder = PgOutputDecoder()
     txns: list[Transaction] = []
+    rows = 0
     cur = conn.execute(
         "select data from pg_logical_slot_peek_binary_changes(%s, null, %s, "
         "'proto_version', '1', 'publication_names', %s)",
         [slot, max_changes, publication],
     )
     for (data,) in cur:
+        rows += 1
         txn = decoder.feed(bytes(data))
         if txn is not None:  # empty transactions are kept: they still move the slot forward
             txns.append(txn)
-    return txns
+    return txns, rows
+
+
+def drop_slot(conn: psycopg.Connection, slot: str) -> None:
+    conn.execute("select pg_drop_replication_slot(slot_name) from pg_replication_slots "
+                 "where slot_name = %s and database = current_database()", [slot])
 
 
 def advance(conn: psycopg.Connection, slot: str, lsn: int) -> None:

@@ -1,12 +1,17 @@
 """One sensor per stream: it reads the stream's slot, cuts and records batches, and decides which
-single batch may be delivered next. The sensor decides; the delivery run does the work.
+delivery run may start next. The sensor decides; the delivery run does the work.
 
-A tick: (1) make sure the slot exists (creating it recovers every event the ledger does not
-cover from the table); (2) peek committed transactions, and once ``max_size`` events are waiting
-or the oldest waited ``max_fill_secs``, record them in the ledger and advance the slot; (3) look at
-the stream's oldest undelivered batch and request its run (``run_key`` = stream, batch, attempt, so
-a re-evaluated tick requests nothing twice), or wait for the run in flight, or schedule a retry
-with exponential backoff when it failed.
+A tick: (1) make sure the slot exists and is usable: a missing or invalidated slot is (re)created
+and every event the ledger does not cover is recovered from the table; (2) peek committed
+transactions, and once ``max_size`` events are waiting or the oldest waited ``max_fill_secs``,
+record them in the ledger and advance the slot, so WAL is released whatever the sink does;
+(3) look at the stream's oldest open batch and request its run (``run_key`` = stream, batches,
+attempt, so a re-evaluated tick requests nothing twice), or wait for the run in flight.
+
+Failover: when a run fails, its first open batch becomes the checkpoint and the stream enters
+failover (``pgstream.enter_failover``). Only that batch is retried, alone, with exponential
+backoff; once the sink accepts it, runs drain the recorded backlog from the table in commit order
+(many batches per run) and the stream leaves failover when it has caught up.
 """
 
 
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 import psycopg
+from dagster._core.events import DagsterEventType
 from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
 
 from . import ledger, replication
@@ -34,17 +40,32 @@ class ConsumeResult:
     last_event_id: int | None = None
     last_lsn: str | None = None
     slot_created: bool = False
+    slot_lost: bool = False
     recovered: list[int] = field(default_factory=list)
 
 
 def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult) -> None:
-    """Create the stream row, publication and slot when missing; a new slot is followed by a
-    recovery pass so that events committed before it existed are not lost."""
+    """Create the stream row, publication and slot when missing. A slot that was dropped or
+    invalidated (``wal_status = 'lost'``, e.g. ``max_slot_wal_keep_size`` exceeded) is replaced,
+    then every event no batch covers is recovered from the table.
+
+    Crash-safe: ``recovery_pending`` is set before the slot is touched and cleared in the
+    transaction that records the recovery, so an interruption anywhere makes the next tick
+    recover again (duplicates possible, losses not).
+    """
     ledger.ensure_stream(conn, stream.id)
-    if replication.slot_exists(conn, stream.slot):
+    info = replication.slot_info(conn, stream.slot)
+    pending = ledger.recovery_pending(conn, stream.id)
+    if info is not None and info["wal_status"] != "lost" and not pending:
         return
-    replication.create_slot(conn, stream.slot)
-    result.slot_created = True
+    ledger.set_recovery_pending(conn, stream.id)
+    if info is not None and info["wal_status"] == "lost":
+        replication.drop_slot(conn, stream.slot)
+        result.slot_lost = True
+        info = None
+    if info is None:
+        replication.create_slot(conn, stream.slot)
+        result.slot_created = True
     result.recovered = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
 
 
@@ -55,7 +76,15 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float) 
     deadline = time.monotonic() + budget_secs
     cap = max(stream.batch.max_size * 4, 1000)
     while True:
-        txns = replication.peek(conn, stream.slot, stream.publication, cap)
+        peeked_at = dt.datetime.now(dt.UTC)
+        try:
+            txns, rows = replication.peek_rows(conn, stream.slot, stream.publication, cap)
+        except psycopg.errors.ObjectNotInPrerequisiteState:
+            # invalidated between the check and the peek: the next tick replaces it and recovers
+            ledger.set_recovery_pending(conn, stream.id)
+            result.slot_lost = True
+            return result
+        complete = rows < cap  # the peek saw everything committed before peeked_at
         recorded_to = ledger.last_end_lsn(conn, stream.id)
         if recorded_to is not None:
             txns = [t for t in txns if t.end_lsn > recorded_to]
@@ -69,19 +98,24 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float) 
         now = dt.datetime.now(dt.UTC)
         full = waiting >= stream.batch.max_size
         ripe = oldest is not None and (now - oldest).total_seconds() >= stream.batch.max_fill_secs
-        if txns and (full or ripe or waiting == 0):
+        if not txns or full or ripe or waiting == 0:
             with_events = [t for t in txns if t.events]
             if with_events:
                 result.batches += ledger.record(conn, stream.id, with_events, stream.batch.max_size)
                 result.events += waiting
                 result.last_event_id = with_events[-1].events[-1].id
-            replication.advance(conn, stream.slot, txns[-1].end_lsn)
-            result.last_lsn = replication.int_to_lsn(txns[-1].end_lsn)
+            if txns:
+                replication.advance(conn, stream.slot, txns[-1].end_lsn)
+                result.last_lsn = replication.int_to_lsn(txns[-1].end_lsn)
+            if complete:
+                ledger.mark_consumed(conn, stream.id, peeked_at)
             if full and time.monotonic() < deadline:
                 continue  # more may be waiting behind the peek cap
             break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            if oldest is not None:
+                ledger.mark_consumed(conn, stream.id, oldest)
             break
         wait = 0.2
         if oldest is not None:
@@ -94,54 +128,89 @@ def backoff_secs(stream: StreamConfig, attempts: int) -> float:
     return min(stream.retry.max_backoff_secs, stream.retry.initial_backoff_secs * 2 ** max(0, attempts - 1))
 
 
-def run_key(batch: ledger.Batch, attempt: int) -> str:
-    return f"pgstream-s{batch.stream_id}-{batch.incarnation}-b{batch.id}-a{attempt}"
+def run_key(stream_id: int, incarnation: str, batch_ids: list[int], attempt: int) -> str:
+    span = f"b{batch_ids[0]}" if len(batch_ids) == 1 else f"b{batch_ids[0]}-{batch_ids[-1]}"
+    return f"pgstream-s{stream_id}-{incarnation}-{span}-a{attempt}"
 
 
-def _request(batch: ledger.Batch, attempt: int) -> dg.RunRequest:
+def _request(head: ledger.Batch, batch_ids: list[int], attempt: int) -> dg.RunRequest:
+    config: dict[str, int] = {"stream_id": head.stream_id, "batch_id": batch_ids[0]}
+    if len(batch_ids) > 1:
+        config["through_batch_id"] = batch_ids[-1]
     return dg.RunRequest(
-        run_key=run_key(batch, attempt),
+        run_key=run_key(head.stream_id, head.incarnation, batch_ids, attempt),
         job_name=DELIVERY_JOB,
-        run_config={"ops": {"load_batch": {"config": {"stream_id": batch.stream_id, "batch_id": batch.id}}}},
-        tags={STREAM_TAG: str(batch.stream_id), BATCH_TAG: str(batch.id), "pgstream/attempt": str(attempt)},
+        run_config={"ops": {"load_batches": {"config": config}}},
+        tags={STREAM_TAG: str(head.stream_id), BATCH_TAG: str(head.id), "pgstream/attempt": str(attempt),
+              "pgstream/batches": str(len(batch_ids))},
     )
+
+
+def _launch(conn: psycopg.Connection, stream: StreamConfig, head: ledger.Batch) -> dg.RunRequest:
+    # a batch that failed is retried alone (the failover probe); otherwise take the pending backlog
+    ids = [head.id] if head.status == "failed" else ledger.open_range(conn, head, stream.delivery.max_events_per_run)
+    attempt = head.attempts + 1
+    ledger.mark_launched(conn, ids, run_key(head.stream_id, head.incarnation, ids, attempt))
+    return _request(head, ids, attempt)
+
+
+def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None:
+    """The error of the run's failed step (e.g. the sink's answer), for status and the UI."""
+    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.STEP_FAILURE, limit=1).records
+    for record in records:
+        event = record.event_log_entry.dagster_event
+        data = event.step_failure_data if event else None
+        if data is not None and data.error is not None:
+            return data.error.message.strip().splitlines()[-1][:500] if data.error.message else None
+    return None
 
 
 def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
            log: list[str]) -> dg.RunRequest | None:
-    """The run to request for the stream's oldest undelivered batch, if any may start now."""
-    batch = ledger.head(conn, stream.id)
-    if batch is None:
+    """The run to request for the stream's oldest open batch, if one may start now; also moves the
+    stream into and out of failover."""
+    head = ledger.head(conn, stream.id)
+    in_failover = ledger.failover_since(conn, stream.id) is not None
+    if in_failover and ledger.caught_up(conn, stream.id, head):
+        conn.execute("select pgstream.leave_failover(%s)", [stream.id])
+        log.append(f"stream {stream.id} caught up: failover over")
+        in_failover = False
+    if head is None:
         return None
     paused = conn.execute("select paused from pgstream.streams where id = %s", [stream.id]).fetchone()
     if paused and paused[0]:
-        log.append(f"stream {stream.id} is paused: batch {batch.id} waits (`pgstream-dagster resume {stream.id}`)")
+        log.append(f"stream {stream.id} is paused: batch {head.id} waits (`pgstream-dagster resume {stream.id}`)")
         return None
     now = dt.datetime.now(dt.UTC)
-    if batch.status == "pending":
-        ledger.mark_launched(conn, batch.id, run_key(batch, batch.attempts + 1))
-        return _request(batch, batch.attempts + 1)
-    if batch.status == "failed":
-        if batch.next_attempt_at is not None and batch.next_attempt_at > now:
-            log.append(f"batch {batch.id} failed ({batch.error}); retry at {batch.next_attempt_at:%H:%M:%S}")
+    if head.status == "pending":
+        return _launch(conn, stream, head)
+    if head.status == "failed":
+        if head.next_attempt_at is not None and head.next_attempt_at > now:
+            log.append(f"stream {stream.id} in failover at batch {head.id} ({head.error}); "
+                       f"retry at {head.next_attempt_at:%H:%M:%S}")
             return None
-        ledger.mark_launched(conn, batch.id, run_key(batch, batch.attempts + 1))
-        return _request(batch, batch.attempts + 1)
+        return _launch(conn, stream, head)
     # launched: find its run
-    runs = instance.get_runs(RunsFilter(tags={"dagster/run_key": batch.run_key or ""}), limit=1)
+    runs = instance.get_runs(RunsFilter(tags={"dagster/run_key": head.run_key or ""}), limit=1)
     if not runs:
         # the tick that requested it may have died before Dagster created the run: asking again
         # with the same run_key is harmless (Dagster skips run keys it has seen)
-        return _request(batch, batch.attempts)
+        ids = [int(r[0]) for r in conn.execute(
+            "select id from pgstream.batches where run_key = %s and status = 'launched' order by id",
+            [head.run_key]).fetchall()] or [head.id]
+        return _request(head, ids, head.attempts)
     run = runs[0]
     if run.status in _FAILED:
-        retry_at = now + dt.timedelta(seconds=backoff_secs(stream, batch.attempts))
-        ledger.mark_failed(conn, batch.id, f"run {run.run_id} {run.status.value}", retry_at)
-        log.append(f"batch {batch.id}: run {run.run_id} {run.status.value}; retry at {retry_at:%H:%M:%S}")
+        retry_at = now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
+        reason = run_failure_message(instance, run.run_id) or run.status.value
+        ledger.fail_run(conn, head, head.run_key or "", f"run {run.run_id}: {reason}", retry_at)
+        log.append(f"stream {stream.id} in failover at batch {head.id}: run {run.run_id} {run.status.value} "
+                   f"({reason}); retry at {retry_at:%H:%M:%S}")
         return None
     if run.status == DagsterRunStatus.SUCCESS:
-        # a successful run marks its batch delivered; a success without it is an inconsistency
-        ledger.mark_failed(conn, batch.id, f"run {run.run_id} succeeded without confirming the batch", now)
+        # a successful run delivers all its batches; a success without it is an inconsistency
+        ledger.fail_run(conn, head, head.run_key or "", f"run {run.run_id} succeeded without confirming "
+                        f"batch {head.id}", now)
     return None
 
 
@@ -163,6 +232,9 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
             consumed = consume(conn, stream, stream.sensor.tick_budget_secs)
             request = decide(conn, context.instance, stream, log)
             pending_batches, pending_events = ledger.undelivered_count(conn, stream.id)
+        if consumed.slot_lost:
+            context.log.warning(f"slot {stream.slot} was invalidated (WAL limit); replacing it and recovering "
+                                "undelivered events from pgstream.events")
         if consumed.slot_created:
             context.log.info(f"created slot {stream.slot}; recovered {len(consumed.recovered)} batches from the table")
         if consumed.batches:

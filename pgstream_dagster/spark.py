@@ -1,6 +1,14 @@
-"""PySpark side of delivery: a Python data source that reads a ledger batch from
-``pgstream.events`` (psycopg on the executors; no JDBC jar, nothing downloaded), and the two
-delivery strategies: global commit order from the driver, or parallel per routing key.
+"""PySpark side of delivery: Python data sources that read events from ``pgstream.events``
+(psycopg on the executors; no JDBC jar, nothing downloaded) and the two delivery strategies:
+global order from the driver, or parallel per routing key.
+
+* ``pgstream_batches``: the events of ledger batches, in commit order (``batch_id``, ``ord``);
+* ``pgstream_events``: events selected by id range / time range / subscription key, in id order
+  (replay).
+
+Both split their input into partitions of at most ``rows_per_partition`` rows, read with a
+server-side cursor; the driver pulls one partition at a time, so memory stays bounded whatever
+the size of the backlog.
 """
 
 from __future__ import annotations
@@ -9,7 +17,7 @@ import datetime as dt
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,15 +28,17 @@ from .sinks import Event, SinkConfig
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-SOURCE_NAME = "pgstream_batch"
-SCHEMA = ("ord long, id long, stream_id long, created_at timestamp, payload string, metadata string, "
-          "routing_key string")
+BATCHES_SOURCE = "pgstream_batches"
+EVENTS_SOURCE = "pgstream_events"
+SCHEMA = ("batch_id long, ord long, id long, stream_id long, created_at timestamp, payload string, "
+          "metadata string, routing_key string")
 # Spark redacts option values whose key matches spark.redaction.regex ("secret", "password", ...),
 # so the database URL never shows in plans or the Spark UI.
 URL_OPTION = "secret.database_url"
+ROWS_PER_PARTITION = 20_000
 
-_QUERY = """
-select o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
+_BATCH_QUERY = """
+select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
        e.payload #>> %(path)s::text[] as routing_key
 from pgstream.batches b
 cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
@@ -39,49 +49,98 @@ where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
 order by o.ord
 """
 
+_EVENTS_QUERY = """
+select 0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
+       e.payload #>> %(path)s::text[] as routing_key
+from pgstream.events e
+where e.stream_id = %(stream_id)s and e.id between %(lo)s and %(hi)s
+  and (%(from_time)s::timestamptz is null or e.created_at >= %(from_time)s::timestamptz)
+  and (%(to_time)s::timestamptz is null or e.created_at < %(to_time)s::timestamptz)
+  and (%(keys)s::text[] is null or e.payload ->> 'tg_name' = any (%(keys)s::text[]))
+order by e.id
+"""
+
 
 @dataclass(frozen=True)
-class _Range(InputPartition):
+class _Slice(InputPartition):
+    """Batch ``key``'s ordinals ``lo..hi`` (pgstream_batches) or event ids ``lo..hi`` (pgstream_events)."""
+    key: int
     lo: int
     hi: int
 
 
-class BatchEventsReader(DataSourceReader):
+def _read(url: str, query: str, params: dict[str, Any]) -> Iterator[tuple[Any, ...]]:
+    import psycopg
+
+    with psycopg.connect(url) as conn, conn.cursor(name="pgstream_read") as cur:
+        cur.itersize = 2000
+        cur.execute(query, params)
+        yield from cur
+
+
+class BatchesReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.url = options[URL_OPTION]
-        self.batch_id = int(options["batch_id"])
-        self.count = int(options["event_count"])
-        self.parts = max(1, min(int(options.get("num_partitions", "1")), self.count))
+        self.batches: list[tuple[int, int]] = [(int(b), int(c)) for b, c in json.loads(options["batches"])]
+        self.size = int(options.get("rows_per_partition", ROWS_PER_PARTITION))
         self.path = options.get("routing_key", "group_id").split(".")
 
     def partitions(self) -> list[InputPartition]:
-        step = -(-self.count // self.parts)
-        return [_Range(lo, min(lo + step - 1, self.count)) for lo in range(1, self.count + 1, step)]
+        return [_Slice(batch_id, lo, min(lo + self.size - 1, count))
+                for batch_id, count in self.batches for lo in range(1, count + 1, self.size)]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        import psycopg
-
-        assert isinstance(partition, _Range)
-        with psycopg.connect(self.url) as conn, conn.cursor(name="pgstream_batch_read") as cur:
-            cur.itersize = 2000
-            cur.execute(_QUERY, {"path": self.path, "batch_id": self.batch_id,
-                                 "lo": partition.lo, "hi": partition.hi})
-            yield from cur
+        assert isinstance(partition, _Slice)
+        yield from _read(self.url, _BATCH_QUERY, {"path": self.path, "batch_id": partition.key,
+                                                  "lo": partition.lo, "hi": partition.hi})
 
 
-class BatchEventsDataSource(DataSource):
-    """``spark.read.format("pgstream_batch")``: the events of one ledger batch, with their
-    commit-order ordinal ``ord``."""
+class EventsReader(DataSourceReader):
+    def __init__(self, options: dict[str, str]) -> None:
+        self.url = options[URL_OPTION]
+        self.ranges: list[tuple[int, int]] = [(int(lo), int(hi)) for lo, hi in json.loads(options["ranges"])]
+        self.params: dict[str, Any] = {
+            "stream_id": int(options["stream_id"]),
+            "from_time": options.get("from_time") or None,
+            "to_time": options.get("to_time") or None,
+            "keys": json.loads(options["keys"]) if options.get("keys") else None,
+            "path": options.get("routing_key", "group_id").split("."),
+        }
+
+    def partitions(self) -> list[InputPartition]:
+        return [_Slice(0, lo, hi) for lo, hi in self.ranges]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        assert isinstance(partition, _Slice)
+        yield from _read(self.url, _EVENTS_QUERY, {**self.params, "lo": partition.lo, "hi": partition.hi})
+
+
+class BatchesDataSource(DataSource):
+    """``spark.read.format("pgstream_batches")``: the events of ledger batches, in commit order."""
 
     @classmethod
     def name(cls) -> str:
-        return SOURCE_NAME
+        return BATCHES_SOURCE
 
     def schema(self) -> str:
         return SCHEMA
 
     def reader(self, schema: Any) -> DataSourceReader:
-        return BatchEventsReader(dict(self.options))
+        return BatchesReader(dict(self.options))
+
+
+class EventsDataSource(DataSource):
+    """``spark.read.format("pgstream_events")``: a stream's events by id ranges and filters, in id order."""
+
+    @classmethod
+    def name(cls) -> str:
+        return EVENTS_SOURCE
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return EventsReader(dict(self.options))
 
 
 def spark_conf(master: str, remote: str | None, extra: dict[str, str]) -> dict[str, str]:
@@ -106,15 +165,31 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str]) -> dict[s
     return conf
 
 
-def load_batch(spark: SparkSession, database_url: str, batch_id: int, event_count: int,
-               routing_key: str, num_partitions: int) -> DataFrame:
-    spark.dataSource.register(BatchEventsDataSource)
-    return (spark.read.format(SOURCE_NAME)
+def load_batches(spark: SparkSession, database_url: str, batches: list[tuple[int, int]], routing_key: str,
+                 rows_per_partition: int = ROWS_PER_PARTITION) -> DataFrame:
+    """The events of ``batches`` (``(batch_id, event_count)`` in delivery order)."""
+    spark.dataSource.register(BatchesDataSource)
+    return (spark.read.format(BATCHES_SOURCE)
             .option(URL_OPTION, database_url)
-            .option("batch_id", str(batch_id))
-            .option("event_count", str(event_count))
+            .option("batches", json.dumps(batches))
             .option("routing_key", routing_key)
-            .option("num_partitions", str(num_partitions))
+            .option("rows_per_partition", str(rows_per_partition))
+            .load())
+
+
+def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: list[tuple[int, int]],
+                routing_key: str, from_time: str | None = None, to_time: str | None = None,
+                keys: list[str] | None = None) -> DataFrame:
+    """A stream's events with ids in ``ranges`` (one partition each, in order) passing the filters."""
+    spark.dataSource.register(EventsDataSource)
+    return (spark.read.format(EVENTS_SOURCE)
+            .option(URL_OPTION, database_url)
+            .option("stream_id", str(stream_id))
+            .option("ranges", json.dumps(ranges))
+            .option("from_time", from_time or "")
+            .option("to_time", to_time or "")
+            .option("keys", json.dumps(keys) if keys else "")
+            .option("routing_key", routing_key)
             .load())
 
 
@@ -126,30 +201,69 @@ def _event(row: Any) -> Event:
                  metadata=json.loads(row["metadata"]) if row["metadata"] else None, created_at=created)
 
 
-def _publish_rows(sink_config: SinkConfig, rows: Iterator[Any], chunk_size: int) -> int:
+BatchDone = Callable[[int, int], None]
+"""Called with ``(batch_id, events)`` once the sink confirmed every event of a batch."""
+
+
+class OrderError(RuntimeError):
+    """Rows reached the driver out of order: nothing after them is published."""
+
+
+def _publish_rows(sink_config: SinkConfig, rows: Iterator[Any], chunk_size: int,
+                  on_batch_done: BatchDone | None = None, on_progress: Callable[[int], None] | None = None) -> int:
     """Publish rows (already in the order owed) in chunks through a fresh sink; returns the count
-    the sink confirmed. Raises on the first chunk the sink rejects."""
+    the sink confirmed. Raises on the first chunk the sink rejects. A batch is reported done only
+    after the publish call that carried its last event returned."""
     sink = sink_config.build()
     count = 0
-    try:
-        chunk: list[Event] = []
-        for row in rows:
-            chunk.append(_event(row))
-            if len(chunk) >= chunk_size:
-                sink.publish(chunk)
-                count += len(chunk)
-                chunk = []
+    chunk: list[Event] = []
+    finished: list[tuple[int, int]] = []  # batches whose last event is in ``chunk``
+    current: int | None = None
+    in_current = 0
+    last: tuple[int, int] | None = None
+
+    def flush() -> None:
+        nonlocal count, chunk, finished
         if chunk:
             sink.publish(chunk)
             count += len(chunk)
+            chunk = []
+            if on_progress is not None:
+                on_progress(count)
+        for batch_id, n in finished:
+            if on_batch_done is not None:
+                on_batch_done(batch_id, n)
+        finished = []
+
+    try:
+        for row in rows:
+            position = (row["batch_id"], row["ord"])
+            if last is not None and position <= last:
+                raise OrderError(f"row {position} arrived after {last}: refusing to publish out of order")
+            last = position
+            if row["batch_id"] != current:
+                if current is not None:
+                    finished.append((current, in_current))
+                current, in_current = row["batch_id"], 0
+            chunk.append(_event(row))
+            in_current += 1
+            if len(chunk) >= chunk_size:
+                flush()
+        if current is not None:
+            finished.append((current, in_current))
+        flush()
     finally:
         sink.close()
     return count
 
 
-def deliver_in_order(df: DataFrame, sink_config: SinkConfig, chunk_size: int) -> int:
-    """Global commit order: stream the ordered rows to the driver and publish chunk by chunk."""
-    return _publish_rows(sink_config, df.orderBy("ord").toLocalIterator(), chunk_size)
+def deliver_in_order(df: DataFrame, sink_config: SinkConfig, chunk_size: int,
+                     on_batch_done: BatchDone | None = None,
+                     on_progress: Callable[[int], None] | None = None) -> int:
+    """Global order: the partitions come to the driver one at a time, in order (no shuffle, so
+    memory is bounded by one partition), and are published chunk by chunk."""
+    return _publish_rows(sink_config, df.toLocalIterator(prefetchPartitions=False), chunk_size,
+                         on_batch_done, on_progress)
 
 
 def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int) -> int:
@@ -160,6 +274,6 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
     def publish_partition(rows: Iterator[Any]) -> None:
         counter.add(_publish_rows(sink_config, rows, chunk_size))
 
-    (df.repartition(parallelism, "routing_key").sortWithinPartitions("ord")
+    (df.repartition(parallelism, "routing_key").sortWithinPartitions("batch_id", "ord")
        .foreachPartition(publish_partition))
     return int(counter.value)

@@ -84,21 +84,23 @@ def test_tick_records_batches_and_rerun_requests_nothing_twice(db_url: str, tmp_
     tick = driver.tick(1)
     with psycopg.connect(db_url) as c:
         (inc,) = c.execute("select incarnation from pgstream.streams where id = 1").fetchone()
-    assert [r.run_key for r in tick.run_requests] == [f"pgstream-s1-{inc}-b1-a1"]
+    # adaptive batching: one run takes every pending batch (up to max_events_per_run)
+    assert [r.run_key for r in tick.run_requests] == [f"pgstream-s1-{inc}-b1-3-a1"]
     with psycopg.connect(db_url) as c:
         rows = c.execute("select id, event_count, status from pgstream.batches order by id").fetchall()
-        assert rows == [(1, 10, "launched"), (2, 10, "pending"), (3, 5, "pending")]
+        assert rows == [(1, 10, "launched"), (2, 10, "launched"), (3, 5, "launched")]
         # WAL released at once: nothing left in the slot
         assert [t for t in replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100) if t.events] == []
     # re-evaluating (the same cursor, as after a crash of the tick) asks for the same run key only
     again = driver.tick(1)
-    assert [r.run_key for r in again.run_requests] == [f"pgstream-s1-{inc}-b1-a1"]
-    driver.execute(tick.run_requests[0])
+    assert [r.run_key for r in again.run_requests] == [f"pgstream-s1-{inc}-b1-3-a1"]
+    assert driver.execute(tick.run_requests[0]).success
+    insert_events(db_url, 1, 3)
     again2 = driver.tick(1)
-    assert [r.run_key for r in again2.run_requests] == [f"pgstream-s1-{inc}-b2-a1"]
+    assert [r.run_key for r in again2.run_requests] == [f"pgstream-s1-{inc}-b4-a1"]
     cursor = json.loads(driver.cursors[1] or "{}")
-    assert cursor["last_event_id"] == 25
-    assert len(read_jsonl(out)) == 10
+    assert cursor["last_event_id"] == 28
+    assert [e["id"] for e in read_jsonl(out)] == list(range(1, 26))
 
 
 def _commit_in_shuffled_order(url: str, rounds: int, conns: int, per_txn: int, seed: int = 7) -> list[int]:
@@ -192,17 +194,27 @@ def test_failed_batch_is_retried_and_never_overtaken(db_url: str, tmp_path: Path
     # a run for the *next* batch is refused while the first is undelivered
     with psycopg.connect(db_url) as c:
         (inc,) = c.execute("select incarnation from pgstream.streams where id = 1").fetchone()
-    sneaky = dg.RunRequest(run_key="sneaky", run_config={"ops": {"load_batch": {"config": {
+    sneaky = dg.RunRequest(run_key="sneaky", run_config={"ops": {"load_batches": {"config": {
         "stream_id": 1, "batch_id": 2}}}}, tags={})
     refused = driver.execute(sneaky)
     assert not refused.success
-    assert "would overtake undelivered batch 1" in str(refused.all_events)
+    assert "would overtake open batch 1" in str(refused.all_events)
     driver.run_until(1, lambda: len(MemorySink.delivered("retry")) >= 15, timeout=120)
     assert [e.id for e in MemorySink.delivered("retry")] == list(range(1, 16))
     with psycopg.connect(db_url) as c:
         rows = c.execute("select id, status, attempts, run_key from pgstream.batches order by id").fetchall()
-    assert [(r[0], r[1], r[2]) for r in rows] == [(1, "delivered", 3), (2, "delivered", 1), (3, "delivered", 1)]
+    # run 1 took batches 1-3 and failed; batch 1 was probed alone twice (failover) and the
+    # backlog 2-3 went in one run
+    assert [(r[0], r[1], r[2]) for r in rows] == [(1, "delivered", 3), (2, "delivered", 2), (3, "delivered", 2)]
     assert rows[0][3] == f"pgstream-s1-{inc}-b1-a3"
+    assert rows[1][3] == rows[2][3] == f"pgstream-s1-{inc}-b2-3-a2"
+    driver.tick(1)  # caught up: failover over
+    with psycopg.connect(db_url) as c:
+        stream = c.execute("select failover_since, failover_attempts from pgstream.streams where id = 1").fetchone()
+        history = c.execute("select checkpoint_batch_id, checkpoint_event_id, attempts, ended_at is not null "
+                            "from pgstream.failovers").fetchall()
+    assert stream == (None, 0)
+    assert history == [(1, 1, 2, True)]
 
 
 def test_events_written_before_the_slot_existed_are_recovered(db_url: str, tmp_path: Path,
