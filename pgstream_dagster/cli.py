@@ -1,4 +1,4 @@
-"""``pgstream-dagster`` command line: migrate, tear-down, init, status, pause, resume, dev."""
+"""``pgstream-dagster`` command line: migrate, tear-down, init, status, pause, resume, retry-now, skip, dev."""
 
 from __future__ import annotations
 
@@ -81,19 +81,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     url = _database_url(args)
     with psycopg.connect(url, autocommit=True) as conn:
-        print(render_status(stream_status(conn)))
+        print(render_status(stream_status(conn, args.stream, args.batches)))
     return 0
 
 
-def _set_paused(args: argparse.Namespace, paused: bool) -> int:
-    url = _database_url(args)
-    with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute("update pgstream.streams set paused = %s where id = %s returning id",
-                           [paused, args.stream]).fetchone()
-    if row is None:
-        print(f"error: stream {args.stream} does not exist", file=sys.stderr)
-        return 1
-    print(f"stream {args.stream} {'paused' if paused else 'resumed'}")
+def _control(args: argparse.Namespace, action: str) -> int:
+    from .controls import ControlError, apply_control
+
+    if action == "skip_batch" and not args.yes:
+        print(f"error: skipping batch {args.batch} means its events are not delivered (they stay in "
+              "pgstream.events for a replay); pass --yes", file=sys.stderr)
+        return 2
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        try:
+            print(apply_control(conn, args.stream, action, getattr(args, "batch", None)))  # type: ignore[arg-type]
+        except ControlError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -122,14 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
     p.set_defaults(func=_cmd_init)
 
-    p = sub.add_parser("status", parents=[common], help="state, backlog and slot lag of every stream")
+    p = sub.add_parser("status", parents=[common], help="state, failover checkpoint, backlog, slot lag and last "
+                                                        "batches of every stream")
+    p.add_argument("stream", type=int, nargs="?", help="only this stream")
+    p.add_argument("--batches", type=int, default=5, help="last batches to show per stream")
     p.set_defaults(func=_cmd_status)
 
-    for name, paused in (("pause", True), ("resume", False)):
-        p = sub.add_parser(name, parents=[common], help=f"{name} deliveries of a stream (the slot keeps "
-                                                        "being consumed, so WAL is still released)")
+    controls = (
+        ("pause", "pause", "stop starting deliveries (the slot keeps being consumed, so WAL is still released)"),
+        ("resume", "resume", "start deliveries again"),
+        ("retry-now", "retry_now", "retry the failover checkpoint now instead of after the backoff"),
+        ("skip", "skip_batch", "give up on an undelivered batch (its events stay in the table for a replay)"),
+    )
+    for name, action, text in controls:
+        p = sub.add_parser(name, parents=[common], help=text)
         p.add_argument("stream", type=int)
-        p.set_defaults(func=lambda a, _p=paused: _set_paused(a, _p))
+        if action == "skip_batch":
+            p.add_argument("batch", type=int)
+            p.add_argument("--yes", action="store_true", help="confirm: the batch's events are not delivered")
+        p.set_defaults(func=lambda a, _action=action: _control(a, _action))
 
     p = sub.add_parser("dev", help="local Postgres + migrations + demo + `dagster dev` (what `make dev` runs)")
     p.add_argument("--port", type=int, default=3000)

@@ -43,6 +43,9 @@ class DeliveryConfig(_Model):
     max_events_per_run: int = Field(100_000, ge=1, le=10_000_000,
                                     description="a run takes every pending batch behind the head, up to this many "
                                                 "events (adaptive batching; a backlog drains in few runs)")
+    run_grace_secs: float = Field(120, ge=1, le=3600,
+                                  description="a started run that holds no delivery lease after this long is "
+                                              "dead (process killed): it is marked failed and its batches retried")
 
 
 class SensorConfig(_Model):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
+import psycopg
 from dagster_pyspark import PySparkResource
 
 from . import ledger, spark
@@ -41,6 +42,7 @@ class LoadedBatches:
     batches: list[ledger.Batch]
     frame: Any  # pyspark.sql.DataFrame
     started: float
+    lease: psycopg.Connection  # holds the stream's delivery lease until the batches are marked
 
 
 @dataclass
@@ -56,25 +58,33 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgst
                  pyspark: PySparkResource) -> LoadedBatches:
     started = time.monotonic()
     last = config.through_batch_id or config.batch_id
-    with pgstream.connect() as conn:
-        batches = ledger.batches_between(conn, config.stream_id, config.batch_id, last)
+    try:
+        lease = ledger.acquire_lease(pgstream.database_url, config.stream_id, context.run_id)
+    except ledger.LeaseTaken as exc:
+        raise dg.Failure(str(exc)) from None
+    try:
+        batches = ledger.batches_between(lease, config.stream_id, config.batch_id, last)
         if not batches or batches[0].id != config.batch_id:
             raise dg.Failure(f"batch {config.batch_id} of stream {config.stream_id} does not exist")
         done = [b.id for b in batches if b.status in ("delivered", "skipped")]
         if done:
             raise dg.Failure(f"batches {done} of stream {config.stream_id} are already delivered or skipped")
-        earlier = ledger.earlier_open(conn, config.stream_id, config.batch_id)
+        earlier = ledger.earlier_open(lease, config.stream_id, config.batch_id)
         if earlier is not None:
             raise dg.Failure(f"batch {config.batch_id} would overtake open batch {earlier} of stream "
                              f"{config.stream_id}; batches are delivered in order")
-    stream = pgstream.stream(config.stream_id)
-    frame = spark.load_batches(pyspark.spark_session, pgstream.database_url,
-                               [(b.id, b.event_count) for b in batches], stream.delivery.routing_key)
+        stream = pgstream.stream(config.stream_id)
+        frame = spark.load_batches(pyspark.spark_session, pgstream.database_url,
+                                   [(b.id, b.event_count, b.confirmed_count if stream.delivery.ordering == "global"
+                                     else 0) for b in batches], stream.delivery.routing_key)
+    except BaseException:
+        lease.close()
+        raise
     total = sum(b.event_count for b in batches)
     kinds = sorted({b.kind for b in batches})
     context.log.info(f"stream {config.stream_id}: {len(batches)} batches {batches[0].id}..{batches[-1].id}, "
                      f"{total} events ({', '.join(kinds)})")
-    return LoadedBatches(config.stream_id, batches, frame, started)
+    return LoadedBatches(config.stream_id, batches, frame, started, lease)
 
 
 @dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
@@ -82,16 +92,18 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgst
 def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches,
                     pgstream: PgstreamResource) -> DeliveryReport:
     stream = pgstream.stream(loaded.stream_id)
-    expected = {b.id: b.event_count for b in loaded.batches}
+    by_key = stream.delivery.ordering == "by_key"
+    # a retry resumes after the events the sink already confirmed (global order only)
+    expected = {b.id: b.event_count - (0 if by_key else b.confirmed_count) for b in loaded.batches}
     total = sum(expected.values())
     step = max(stream.delivery.chunk_size, total // 10)
     next_log = [step]
 
-    with pgstream.connect() as conn:
+    with loaded.lease as conn:  # released when the batches are marked (or the process dies)
         def batch_done(batch_id: int, events: int) -> None:
             if events != expected[batch_id]:
-                raise dg.Failure(f"batch {batch_id}: the ledger lists {expected[batch_id]} events but {events} "
-                                 f"were found in pgstream.events; refusing to mark it delivered")
+                raise dg.Failure(f"batch {batch_id}: {expected[batch_id]} events were owed but {events} were "
+                                 f"found in pgstream.events; refusing to mark it delivered")
             if not ledger.mark_delivered(conn, batch_id, context.run_id):
                 raise dg.Failure(f"batch {batch_id} was already marked delivered by another run")
 
@@ -100,17 +112,20 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches,
                 context.log.info(f"stream {stream.id}: {count}/{total} events confirmed by the sink")
                 next_log[0] = count + step
 
-        if stream.delivery.ordering == "by_key":
+        for batch_id in [b for b, owed in expected.items() if owed == 0]:
+            batch_done(batch_id, 0)  # confirmed in full by an earlier run that died before marking it
+        if by_key:
             delivered = spark.deliver_by_key(loaded.frame, stream.sink, stream.delivery.chunk_size,
                                              stream.delivery.parallelism)
             if delivered != total:
                 raise dg.Failure(f"the ledger lists {total} events but {delivered} were found in pgstream.events "
                                  f"and delivered; refusing to mark batches delivered")
             for b in loaded.batches:
-                batch_done(b.id, b.event_count)
+                batch_done(b.id, expected[b.id])
         else:
             delivered = spark.deliver_in_order(loaded.frame, stream.sink, stream.delivery.chunk_size,
-                                               batch_done, progress)
+                                               batch_done, progress,
+                                               lambda batch_id, ord: ledger.mark_confirmed(conn, batch_id, ord))
         missing = ledger.not_delivered(conn, [b.id for b in loaded.batches])
     if missing:
         raise dg.Failure(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")

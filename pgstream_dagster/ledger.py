@@ -39,11 +39,12 @@ class Batch:
     next_attempt_at: dt.datetime | None
     first_commit_at: dt.datetime | None
     created_at: dt.datetime
+    confirmed_count: int = 0
 
 
 _BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b.last_event_id, b.status, "
                   "b.attempts, b.run_key, s.incarnation, b.run_id, b.error, b.next_attempt_at, b.first_commit_at, "
-                  "b.created_at")
+                  "b.created_at, b.confirmed_count")
 _BATCH_FROM = "from pgstream.batches b join pgstream.streams s on s.id = b.stream_id"
 
 
@@ -220,6 +221,12 @@ def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, re
         conn.execute("select pgstream.enter_failover(%s, %s, %s, %s)", [head.stream_id, head.id, error, retry_at])
 
 
+def mark_confirmed(conn: psycopg.Connection, batch_id: int, count: int) -> None:
+    """The sink confirmed the first ``count`` events of the batch (a retry resumes after them)."""
+    conn.execute("update pgstream.batches set confirmed_count = greatest(confirmed_count, %s) "
+                 "where id = %s and status <> 'delivered'", [count, batch_id])
+
+
 def mark_delivered(conn: psycopg.Connection, batch_id: int, run_id: str) -> bool:
     row = conn.execute("update pgstream.batches set status = 'delivered', delivered_at = now(), run_id = %s, "
                        "error = null where id = %s and status <> 'delivered' returning id",
@@ -250,3 +257,34 @@ def caught_up(conn: psycopg.Connection, stream_id: int, head: Batch | None) -> b
                        [stream_id]).fetchone()
     last_launch = row[0] if row else None
     return last_launch is not None and head.created_at >= last_launch
+
+
+#: advisory lock class of the per-stream delivery lease (objid = stream id)
+LEASE_LOCK_CLASS = 0x70677364  # "pgsd"
+
+
+def lease_name(run_id: str) -> str:
+    return f"pgstream run {run_id}"
+
+
+class LeaseTaken(RuntimeError):
+    """Another live run holds the stream's delivery lease."""
+
+
+def acquire_lease(database_url: str, stream_id: int, run_id: str) -> psycopg.Connection:
+    """A connection holding the stream's delivery lease (a session advisory lock), named after the
+    run. It lasts as long as the run's process: if the process dies, Postgres drops the
+    connection and the lease with it, which is how the sensor tells a dead run from a slow one.
+    Two runs of one stream can never deliver at the same time."""
+    conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
+    row = conn.execute("select pg_try_advisory_lock(%s, %s)", [LEASE_LOCK_CLASS, stream_id]).fetchone()
+    if not (row and row[0]):
+        conn.close()
+        raise LeaseTaken(f"another run is delivering stream {stream_id}")
+    return conn
+
+
+def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:
+    row = conn.execute("select exists (select 1 from pg_stat_activity where application_name = %s)",
+                       [lease_name(run_id)]).fetchone()
+    return bool(row and row[0])

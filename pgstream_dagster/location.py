@@ -1,5 +1,5 @@
-"""Builds the Dagster definitions from a ``pgstream.yaml``: one sensor and one deliveries asset per
-stream, the delivery job, and the resources."""
+"""Builds the Dagster definitions from a ``pgstream.yaml``: per stream a sensor, a deliveries asset
+and a replay job; the delivery job, the operator control job, and the resources."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import dagster as dg
 from dagster_pyspark import PySparkResource
 
 from .config import PgstreamConfig, config_path, load_config
+from .controls import control_job
 from .jobs import deliveries_asset_key, delivery_job
+from .replay import replay_job
 from .resources import PgstreamResource
 from .sensors import stream_sensor
 from .spark import spark_conf
@@ -35,7 +37,7 @@ def build_definitions(path: Path | None = None) -> dg.Definitions:
     config = load_config(path)
     return dg.Definitions(
         assets=deliveries_assets(config),
-        jobs=[delivery_job],
+        jobs=[delivery_job, control_job, *[replay_job(s) for s in config.streams]],
         sensors=[stream_sensor(s) for s in config.streams],
         resources={
             # ops hand a Spark DataFrame to each other inside one process

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import dagster as dg
 import psycopg
 from dagster._core.events import DagsterEventType
-from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
+from dagster._core.storage.dagster_run import DagsterRun, DagsterRunStatus, RunsFilter
 
 from . import ledger, replication
 from .config import StreamConfig
@@ -160,9 +160,21 @@ def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None
     for record in records:
         event = record.event_log_entry.dagster_event
         data = event.step_failure_data if event else None
-        if data is not None and data.error is not None:
-            return data.error.message.strip().splitlines()[-1][:500] if data.error.message else None
+        error = data.error if data is not None else None
+        while error is not None and error.cause is not None:  # the root cause, e.g. the sink's answer
+            error = error.cause
+        if error is not None and error.message.strip():
+            return error.message.strip().splitlines()[0][:500]
     return None
+
+
+def _run_is_dead(conn: psycopg.Connection, instance: dg.DagsterInstance, run: DagsterRun,
+                 stream: StreamConfig, now: dt.datetime) -> bool:
+    record = instance.get_run_record_by_id(run.run_id)
+    started = record.start_time if record else None
+    if started is None or now.timestamp() - started < stream.delivery.run_grace_secs:
+        return False
+    return not ledger.lease_alive(conn, run.run_id)
 
 
 def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
@@ -200,6 +212,11 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
             [head.run_key]).fetchall()] or [head.id]
         return _request(head, ids, head.attempts)
     run = runs[0]
+    if run.status == DagsterRunStatus.STARTED and _run_is_dead(conn, instance, run, stream, now):
+        instance.report_run_failed(run, f"pgstream: run {run.run_id} holds no delivery lease "
+                                        f"{stream.delivery.run_grace_secs:.0f}s after it started: its process died")
+        run = instance.get_run_by_id(run.run_id) or run
+        log.append(f"stream {stream.id}: run {run.run_id} died (no delivery lease); marked failed")
     if run.status in _FAILED:
         retry_at = now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
         reason = run_failure_message(instance, run.run_id) or run.status.value

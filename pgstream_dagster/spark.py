@@ -49,14 +49,19 @@ where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
 order by o.ord
 """
 
+#: the replay selection (shared with replay.plan, which counts and splits it)
+EVENTS_WHERE = """
+    e.stream_id = %(stream_id)s
+    and e.id between %(lo)s and %(hi)s
+    and (%(from_time)s::timestamptz is null or e.created_at >= %(from_time)s::timestamptz)
+    and (%(to_time)s::timestamptz is null or e.created_at < %(to_time)s::timestamptz)
+    and (%(keys)s::text[] is null or e.payload ->> 'tg_name' = any (%(keys)s::text[]))"""
+
 _EVENTS_QUERY = """
 select 0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
        e.payload #>> %(path)s::text[] as routing_key
 from pgstream.events e
-where e.stream_id = %(stream_id)s and e.id between %(lo)s and %(hi)s
-  and (%(from_time)s::timestamptz is null or e.created_at >= %(from_time)s::timestamptz)
-  and (%(to_time)s::timestamptz is null or e.created_at < %(to_time)s::timestamptz)
-  and (%(keys)s::text[] is null or e.payload ->> 'tg_name' = any (%(keys)s::text[]))
+where""" + EVENTS_WHERE + """
 order by e.id
 """
 
@@ -81,13 +86,15 @@ def _read(url: str, query: str, params: dict[str, Any]) -> Iterator[tuple[Any, .
 class BatchesReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.url = options[URL_OPTION]
-        self.batches: list[tuple[int, int]] = [(int(b), int(c)) for b, c in json.loads(options["batches"])]
+        # (batch id, event count, events already confirmed: reading starts after them)
+        self.batches: list[tuple[int, int, int]] = [(int(b), int(c), int(d))
+                                                    for b, c, d in json.loads(options["batches"])]
         self.size = int(options.get("rows_per_partition", ROWS_PER_PARTITION))
         self.path = options.get("routing_key", "group_id").split(".")
 
     def partitions(self) -> list[InputPartition]:
         return [_Slice(batch_id, lo, min(lo + self.size - 1, count))
-                for batch_id, count in self.batches for lo in range(1, count + 1, self.size)]
+                for batch_id, count, done in self.batches for lo in range(done + 1, count + 1, self.size)]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, _Slice)
@@ -165,9 +172,10 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str]) -> dict[s
     return conf
 
 
-def load_batches(spark: SparkSession, database_url: str, batches: list[tuple[int, int]], routing_key: str,
+def load_batches(spark: SparkSession, database_url: str, batches: list[tuple[int, int, int]], routing_key: str,
                  rows_per_partition: int = ROWS_PER_PARTITION) -> DataFrame:
-    """The events of ``batches`` (``(batch_id, event_count)`` in delivery order)."""
+    """The events of ``batches`` (``(batch_id, event_count, confirmed_count)`` in delivery order),
+    without the first ``confirmed_count`` of each."""
     spark.dataSource.register(BatchesDataSource)
     return (spark.read.format(BATCHES_SOURCE)
             .option(URL_OPTION, database_url)
@@ -203,6 +211,8 @@ def _event(row: Any) -> Event:
 
 BatchDone = Callable[[int, int], None]
 """Called with ``(batch_id, events)`` once the sink confirmed every event of a batch."""
+Confirmed = Callable[[int, int], None]
+"""Called after every confirmed publish with the ``(batch_id, ord)`` of its last event."""
 
 
 class OrderError(RuntimeError):
@@ -210,7 +220,8 @@ class OrderError(RuntimeError):
 
 
 def _publish_rows(sink_config: SinkConfig, rows: Iterator[Any], chunk_size: int,
-                  on_batch_done: BatchDone | None = None, on_progress: Callable[[int], None] | None = None) -> int:
+                  on_batch_done: BatchDone | None = None, on_progress: Callable[[int], None] | None = None,
+                  on_confirmed: Confirmed | None = None) -> int:
     """Publish rows (already in the order owed) in chunks through a fresh sink; returns the count
     the sink confirmed. Raises on the first chunk the sink rejects. A batch is reported done only
     after the publish call that carried its last event returned."""
@@ -228,6 +239,8 @@ def _publish_rows(sink_config: SinkConfig, rows: Iterator[Any], chunk_size: int,
             sink.publish(chunk)
             count += len(chunk)
             chunk = []
+            if on_confirmed is not None and last is not None:
+                on_confirmed(*last)
             if on_progress is not None:
                 on_progress(count)
         for batch_id, n in finished:
@@ -259,11 +272,12 @@ def _publish_rows(sink_config: SinkConfig, rows: Iterator[Any], chunk_size: int,
 
 def deliver_in_order(df: DataFrame, sink_config: SinkConfig, chunk_size: int,
                      on_batch_done: BatchDone | None = None,
-                     on_progress: Callable[[int], None] | None = None) -> int:
+                     on_progress: Callable[[int], None] | None = None,
+                     on_confirmed: Confirmed | None = None) -> int:
     """Global order: the partitions come to the driver one at a time, in order (no shuffle, so
     memory is bounded by one partition), and are published chunk by chunk."""
     return _publish_rows(sink_config, df.toLocalIterator(prefetchPartitions=False), chunk_size,
-                         on_batch_done, on_progress)
+                         on_batch_done, on_progress, on_confirmed)
 
 
 def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int) -> int:

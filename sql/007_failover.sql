@@ -34,6 +34,10 @@ create table if not exists pgstream.failovers (
 );
 create unique index if not exists failovers_open_idx on pgstream.failovers (stream_id) where ended_at is null;
 
+-- Events of a batch the sink already confirmed (a prefix, in commit order): a retry resumes
+-- after them, so a sink that fails every other call still makes progress.
+alter table pgstream.batches add column if not exists confirmed_count integer not null default 0;
+
 -- Batch kinds: 'stream' (cut from the slot), 'recovery' (read from the table after a slot was
 -- lost or created); statuses gain 'skipped' (an operator gave up on a batch, see skip_batch).
 alter table pgstream.batches drop constraint if exists batches_status_check;

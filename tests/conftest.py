@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
+import dagster as dg
 import psycopg
 import pytest
 from psycopg import sql
@@ -67,6 +68,22 @@ def empty_db_url(pg: LocalPostgres) -> Iterator[str]:
     name = _fresh_database(pg, "template1")
     yield pg.url_for(name)
     _drop_database(pg, name)
+
+
+@pytest.fixture(scope="session")
+def dagster_storage_url(pg: LocalPostgres) -> str:
+    pg.create_database("dagster_storage")
+    # SQLAlchemy 2.1 defaults to psycopg 3 for postgresql://; Dagster's storage wants psycopg2
+    return pg.url_for("dagster_storage").replace("postgresql://", "postgresql+psycopg2://")
+
+
+@pytest.fixture
+def instance(dagster_storage_url: str, tmp_path: Path) -> Iterator[dg.DagsterInstance]:
+    """A real Dagster instance with Postgres storage (shared by the tests: filter by run)."""
+    (tmp_path / "dagster_home").mkdir()
+    with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": dagster_storage_url}}},
+                              temp_dir=str(tmp_path / "dagster_home")) as inst:
+        yield inst
 
 
 @pytest.fixture

@@ -3,12 +3,14 @@ run it requests against the real Dagster instance, repeat."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import psycopg
 import yaml
 
 from pgstream_dagster.jobs import DELIVERY_JOB
@@ -22,6 +24,19 @@ def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
                                     "subscriptions": subscriptions or [],
                                     "spark": {"master": "local[2]"}}))
     return path
+
+
+def insert_events(url: str, stream_id: int, n: int, start: int = 0) -> None:
+    with psycopg.connect(url) as conn:
+        conn.execute("insert into pgstream.events (payload, stream_id) "
+                     "select jsonb_build_object('n', g), %s from generate_series(%s::int, %s::int) g",
+                     [stream_id, start, start + n - 1])
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 class Driver:

@@ -6,47 +6,16 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 import psycopg
-import pytest
 
 from pgstream_dagster import ledger, replication
-from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.jobs import deliveries_asset_key
 from pgstream_dagster.sinks import MemorySink
 
-from .harness import Driver, write_config
-
-
-@pytest.fixture(scope="session")
-def dagster_storage_url(pg: LocalPostgres) -> str:
-    pg.create_database("dagster_storage")
-    # SQLAlchemy 2.1 defaults to psycopg 3 for postgresql://; Dagster's storage wants psycopg2
-    return pg.url_for("dagster_storage").replace("postgresql://", "postgresql+psycopg2://")
-
-
-@pytest.fixture
-def instance(dagster_storage_url: str, tmp_path: Path) -> Iterator[dg.DagsterInstance]:
-    (tmp_path / "dagster_home").mkdir()
-    with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": dagster_storage_url}}},
-                              temp_dir=str(tmp_path / "dagster_home")) as inst:
-        yield inst
-
-
-def insert_events(url: str, stream_id: int, n: int, start: int = 0) -> None:
-    with psycopg.connect(url) as conn:
-        conn.execute("insert into pgstream.events (payload, stream_id) "
-                     "select jsonb_build_object('n', g), %s from generate_series(%s::int, %s::int) g",
-                     [stream_id, start, start + n - 1])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from .harness import Driver, insert_events, read_jsonl, write_config
 
 
 def test_decoder_returns_transactions_in_commit_order(db_url: str) -> None:

@@ -1,0 +1,95 @@
+"""A real HTTP endpoint for fault tests: it records the event ids it accepted and can answer 500,
+flap (every other request fails), hang for a while, run a hook, or go down (connection refused)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Literal
+
+from pgstream_dagster.devdb import free_port
+
+Mode = Literal["ok", "error", "flap"]
+
+
+class Endpoint:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.mode: Mode = "ok"
+        self.delay = 0.0
+        self.accepted: list[int] = []  # event ids, in the order the endpoint confirmed them
+        self.requests = 0
+        self.refused_answers = 0
+        self.hook: Callable[[int], None] | None = None  # called with the request number, before answering
+        self._lock = threading.Lock()
+        self._server: ThreadingHTTPServer | None = None
+        self.up()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/events"
+
+    def up(self) -> None:
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                ids = self.headers.get("X-Pgstream-Event-Ids") or self.headers.get("X-Pgstream-Event-Id") or ""
+                with endpoint._lock:
+                    endpoint.requests += 1
+                    n = endpoint.requests
+                    fail = endpoint.mode == "error" or (endpoint.mode == "flap" and n % 2 == 1)
+                if endpoint.hook is not None:
+                    endpoint.hook(n)
+                if endpoint.delay:
+                    time.sleep(endpoint.delay)
+                if fail:
+                    with endpoint._lock:
+                        endpoint.refused_answers += 1
+                    self.send_response(500)
+                    self.end_headers()
+                    self.wfile.write(b"injected failure")
+                    return
+                with endpoint._lock:
+                    endpoint.accepted.extend(int(i) for i in ids.split(",") if i)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def down(self) -> None:
+        """Stop listening: clients get connection refused."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def sink(self, mode: str = "batch") -> dict[str, Any]:
+        return {"type": "http", "url": self.url, "mode": mode, "timeout_secs": 30}
+
+    def unique(self) -> set[int]:
+        with self._lock:
+            return set(self.accepted)
+
+    def duplicates(self) -> int:
+        with self._lock:
+            return sum(c - 1 for c in Counter(self.accepted).values())
+
+    def first_seen_order(self) -> list[int]:
+        seen: set[int] = set()
+        order: list[int] = []
+        with self._lock:
+            for i in self.accepted:
+                if i not in seen:
+                    seen.add(i)
+                    order.append(i)
+        return order

@@ -1,0 +1,418 @@
+"""The fault matrix: each row injects a fault into a real pipeline (real Postgres with logical
+replication, real Dagster instance storage, real runs on Spark, a real HTTP endpoint) and counts
+events end to end: every event sent is delivered, duplicates are counted (at-least-once), the
+first delivery of each event follows the ledger's commit order, and the stream recovers.
+
+Each row prints ``FAULT-MATRIX {...}`` (sent, delivered, duplicates, seconds to recover) for the
+closing note: ``pytest tests/test_failover.py -s | grep FAULT-MATRIX``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pgstream_dagster import replication
+from pgstream_dagster.devdb import LocalPostgres, ensure_running
+from pgstream_dagster.migrations import migrate
+
+from .endpoint import Endpoint
+from .harness import Driver, insert_events, write_config
+
+STREAM = 1
+SLOT = "pgstream_stream_1"
+
+
+def _stream_config(endpoint: Endpoint, **over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
+        "retry": {"initial_backoff_secs": 0.5, "max_backoff_secs": 2},
+        "delivery": {"chunk_size": 20, "run_grace_secs": 2}, "sink": endpoint.sink(),
+    }
+    cfg.update(over)
+    return cfg
+
+
+def sent_ids(url: str) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [STREAM])]
+
+
+def ledger_order(url: str) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute(
+            "select unnest(event_ids) from pgstream.batches where stream_id = %s order by id", [STREAM])]
+
+
+def stream_row(url: str) -> dict[str, Any]:
+    with psycopg.connect(url) as c, c.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        row = cur.execute("select * from pgstream.streams where id = %s", [STREAM]).fetchone()
+    assert row is not None
+    return row
+
+
+def slot_has_events(url: str) -> bool:
+    with psycopg.connect(url) as c:
+        return any(t.events for t in replication.peek(c, SLOT, SLOT, 100_000))
+
+
+def in_failover(url: str) -> bool:
+    return stream_row(url)["failover_since"] is not None
+
+
+def drive(driver: Driver, done: Callable[[], bool], timeout: float = 300) -> float:
+    """Tick and execute until ``done``; returns the seconds it took."""
+    started = time.monotonic()
+    while not done():
+        assert time.monotonic() - started < timeout, "the stream did not recover in time"
+        for request in driver.tick(STREAM).run_requests or []:
+            driver.execute(request)
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def delivered_all(endpoint: Endpoint, url: str) -> Callable[[], bool]:
+    return lambda: endpoint.unique() >= set(sent_ids(url)) and not in_failover(url)
+
+
+def check_and_report(row: str, endpoint: Endpoint, url: str, recover_secs: float, **extra: Any) -> None:
+    sent = sent_ids(url)
+    assert endpoint.unique() == set(sent), f"lost: {sorted(set(sent) - endpoint.unique())[:20]}"
+    order = ledger_order(url)
+    assert sorted(order) == sorted(set(order)) and set(order) == set(sent)  # the ledger holds each event once
+    assert endpoint.first_seen_order() == order  # first deliveries follow commit order
+    assert not in_failover(url)
+    print("FAULT-MATRIX " + json.dumps({"row": row, "sent": len(sent), "delivered": len(endpoint.unique()),
+                                        "duplicates": endpoint.duplicates(),
+                                        "recover_secs": round(recover_secs, 1), **extra}))
+
+
+@pytest.fixture
+def endpoint() -> Iterator[Endpoint]:
+    ep = Endpoint()
+    yield ep
+    ep.down()
+
+
+def test_sink_down_500_then_refused_then_back(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                              endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 100)
+    drive(driver, lambda: len(endpoint.unique()) >= 100)
+
+    endpoint.mode = "error"
+    insert_events(db_url, STREAM, 100, 100)
+    first_failed = min(set(sent_ids(db_url)) - endpoint.unique())
+    for request in driver.tick(STREAM).run_requests:
+        assert not driver.execute(request).success
+    driver.tick(STREAM)  # sees the failed run: checkpoint + failover
+    state = stream_row(db_url)
+    assert state["failover_since"] is not None
+    assert state["failover_checkpoint_id"] == first_failed
+    assert "500" in state["failover_error"]
+    assert state["failover_retry_at"] > dt.datetime.now(dt.UTC)
+    # the backoff is honoured: nothing is launched before the retry time
+    assert not driver.tick(STREAM).run_requests
+
+    endpoint.down()  # now connection refused; events keep coming and WAL keeps being released
+    for wave in range(3):
+        insert_events(db_url, STREAM, 100, 200 + 100 * wave)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for request in driver.tick(STREAM).run_requests:
+                assert not driver.execute(request).success
+            time.sleep(0.1)
+        assert not slot_has_events(db_url)  # recorded in the ledger, released from the slot
+    state = stream_row(db_url)
+    assert state["failover_attempts"] >= 2 and state["failover_checkpoint_id"] == first_failed
+    assert "refused" in state["failover_error"].lower() or "connect" in state["failover_error"].lower()
+    with psycopg.connect(db_url) as c:
+        probes = c.execute("select count(*) from pgstream.batches where status in ('failed', 'launched')").fetchone()
+        waiting = c.execute("select count(*) from pgstream.batches where status = 'pending'").fetchone()
+    assert probes == (1,) and waiting[0] >= 6  # only the checkpoint batch is retried; the rest waits
+
+    endpoint.mode = "ok"
+    endpoint.up()
+    recover = drive(driver, delivered_all(endpoint, db_url))
+    check_and_report("sink down (500, then refused), then back", endpoint, db_url, recover)
+    with psycopg.connect(db_url) as c:
+        history = c.execute("select checkpoint_event_id, attempts, ended_at is not null from pgstream.failovers"
+                            ).fetchall()
+    assert len(history) == 1 and history[0][0] == first_failed and history[0][2]
+
+
+def test_flapping_sink_makes_progress(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                      endpoint: Endpoint) -> None:
+    cfg = _stream_config(endpoint, retry={"initial_backoff_secs": 0, "max_backoff_secs": 0})
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
+    driver.tick(STREAM)
+    endpoint.mode = "flap"  # every other request fails
+    insert_events(db_url, STREAM, 300)
+    recover = drive(driver, delivered_all(endpoint, db_url))
+    assert endpoint.refused_answers >= 5
+    check_and_report("sink flapping (every other call fails)", endpoint, db_url, recover,
+                     failed_calls=endpoint.refused_answers)
+
+
+def test_postgres_restarted_in_the_middle_of_a_batch(db_url: str, pg: LocalPostgres, tmp_path: Path,
+                                                     instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 200)
+
+    def restart_once(n: int) -> None:
+        if n == 3:
+            pg.restart()  # while the run waits for this answer
+    endpoint.hook = restart_once
+    started = time.monotonic()
+    for _ in range(5):
+        try:
+            for request in driver.tick(STREAM).run_requests:
+                driver.execute(request)
+        except (psycopg.OperationalError, dg.DagsterError):
+            time.sleep(0.5)  # the tick itself lost its connection: the daemon would tick again
+        if endpoint.requests >= 3:
+            break
+    endpoint.hook = None
+    recover = drive(driver, delivered_all(endpoint, db_url))
+    check_and_report("Postgres restarted mid-batch", endpoint, db_url, time.monotonic() - started,
+                     after_restart_secs=round(recover, 1))
+
+
+_RUN_SCRIPT = """
+import json, os, sys
+import dagster as dg
+from pgstream_dagster.jobs import DELIVERY_JOB
+from pgstream_dagster.location import build_definitions
+config_path, storage_url, home, request = sys.argv[1:5]
+request = json.loads(request)
+with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": storage_url}}}, temp_dir=home) as inst:
+    job = build_definitions(__import__("pathlib").Path(config_path)).resolve_job_def(DELIVERY_JOB)
+    job.execute_in_process(run_config=request["run_config"], instance=inst, tags=request["tags"],
+                           raise_on_error=False)
+"""
+
+
+def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                         dagster_storage_url: str, endpoint: Endpoint) -> None:
+    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)])
+    driver = Driver(config_path, instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 300)
+    (request,) = driver.tick(STREAM).run_requests
+    endpoint.delay = 0.2
+    (tmp_path / "home").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN_SCRIPT, str(config_path), dagster_storage_url, str(tmp_path / "home"),
+         json.dumps({"run_config": request.run_config,
+                     "tags": {**request.tags, "dagster/run_key": request.run_key}})],
+        env={**os.environ}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(endpoint.accepted) < 60:  # part of the way through
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # the run process and its Spark JVM
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    endpoint.delay = 0
+    delivered_before_kill = len(endpoint.unique())
+    assert delivered_before_kill < 300
+    recover = drive(driver, delivered_all(endpoint, db_url))
+    (run,) = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""}))
+    assert run.status == dg.DagsterRunStatus.FAILURE  # the sensor saw the lease gone and failed it
+    check_and_report("run process SIGKILLed mid-delivery", endpoint, db_url, time.monotonic() - killed_at,
+                     delivered_before_kill=delivered_before_kill, drive_secs=round(recover, 1))
+
+
+def test_sensor_restarted_and_crashing_between_steps(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                                     endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)])
+    driver = Driver(config_path, instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 120)
+    # crash 1: after the ledger recorded the batches, before the slot advanced
+    real_advance = replication.advance
+
+    def crash(*args: Any) -> None:
+        raise RuntimeError("injected crash before advance")
+    monkeypatch.setattr(replication, "advance", crash)
+    with pytest.raises(Exception, match="injected crash"):
+        driver.tick(STREAM)
+    monkeypatch.setattr(replication, "advance", real_advance)
+    # the daemon restarts: a new sensor evaluation with no cursor
+    driver = Driver(config_path, instance)
+    (request,) = driver.tick(STREAM).run_requests
+    # crash 2: the tick requested a run but the daemon died before Dagster created it
+    driver = Driver(config_path, instance)
+    (again,) = driver.tick(STREAM).run_requests
+    assert again.run_key == request.run_key  # same run key: Dagster would run it once
+    insert_events(db_url, STREAM, 80, 1000)
+    started = time.monotonic()
+    drive(driver, delivered_all(endpoint, db_url))
+    check_and_report("sensor/daemon restarted, crashes between record/advance and request/run", endpoint, db_url,
+                     time.monotonic() - started)
+    assert endpoint.duplicates() == 0
+
+
+def _writer(url: str, stop: threading.Event, n_per_txn: int = 5) -> threading.Thread:
+    def run() -> None:
+        with psycopg.connect(url, autocommit=True) as c:
+            while not stop.is_set():
+                c.execute("insert into pgstream.events (payload, stream_id) "
+                          "select jsonb_build_object('n', g), 1 from generate_series(1, %s) g", [n_per_txn])
+                time.sleep(0.01)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_slot_dropped_while_events_flow(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                        endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    stop = threading.Event()
+    writer = _writer(db_url, stop)
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for request in driver.tick(STREAM).run_requests:
+                driver.execute(request)
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute("select pg_drop_replication_slot(%s)", [SLOT])
+        dropped_at = time.monotonic()
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for request in driver.tick(STREAM).run_requests:
+                driver.execute(request)
+    finally:
+        stop.set()
+        writer.join()
+    drive(driver, delivered_all(endpoint, db_url))
+    with psycopg.connect(db_url) as c:
+        kinds = dict(c.execute("select kind, count(*) from pgstream.batches group by 1").fetchall())
+    assert kinds.get("recovery", 0) >= 1
+    check_and_report("slot dropped while events flow", endpoint, db_url, time.monotonic() - dropped_at)
+
+
+@pytest.fixture
+def small_wal_pg(tmp_path: Path) -> Iterator[LocalPostgres]:
+    """A Postgres of its own whose slots are invalidated past 1 MB of retained WAL."""
+    server = ensure_running(tmp_path / "smallwal", extra_settings={
+        "fsync": "off", "max_slot_wal_keep_size": "1MB", "wal_keep_size": "0", "min_wal_size": "32MB",
+        "max_wal_size": "32MB"})
+    server.create_database("app")
+    migrate(server.url_for("app"))
+    yield server
+    server.destroy()
+
+
+def test_slot_invalidated_by_wal_limit(small_wal_pg: LocalPostgres, tmp_path: Path,
+                                       instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    url = small_wal_pg.url_for("app")
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", url, [_stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    insert_events(url, STREAM, 100)
+    drive(driver, lambda: len(endpoint.unique()) >= 100)
+    insert_events(url, STREAM, 150, 100)  # committed, not yet read from the slot...
+    with psycopg.connect(url, autocommit=True) as c:  # ...when the WAL runs past the limit
+        c.execute("create table filler (x text)")
+        for _ in range(6):
+            c.execute("insert into filler select repeat('x', 1000) from generate_series(1, 10000)")
+            c.execute("select pg_switch_wal()")
+            c.execute("checkpoint")
+        status = c.execute("select wal_status from pg_replication_slots where slot_name = %s", [SLOT]).fetchone()
+    assert status == ("lost",)
+    started = time.monotonic()
+    drive(driver, delivered_all(endpoint, url))
+    with psycopg.connect(url) as c:
+        assert c.execute("select wal_status from pg_replication_slots where slot_name = %s",
+                         [SLOT]).fetchone() == ("reserved",)
+        recovered = c.execute("select coalesce(sum(event_count), 0) from pgstream.batches "
+                              "where kind = 'recovery'").fetchone()
+    assert recovered == (150,)
+    check_and_report("slot invalidated by max_slot_wal_keep_size", endpoint, url, time.monotonic() - started)
+
+
+def test_out_of_order_commits_straddling_failover(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                                  endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    early = psycopg.connect(db_url)  # takes the low ids, commits last
+    low = [r[0] for r in early.execute(
+        "insert into pgstream.events (payload, stream_id) select jsonb_build_object('early', g), 1 "
+        "from generate_series(1, 30) g returning id")]
+    insert_events(db_url, STREAM, 40)  # higher ids, committed first
+    endpoint.mode = "error"
+    for _ in range(3):
+        for request in driver.tick(STREAM).run_requests:
+            driver.execute(request)
+    assert in_failover(db_url)
+    checkpoint = stream_row(db_url)["failover_checkpoint_id"]
+    assert checkpoint > max(low)  # an id-range replay from the checkpoint would skip the early ones
+    early.commit()  # the low ids commit during the failover
+    early.close()
+    insert_events(db_url, STREAM, 20, 100)
+    for _ in range(3):
+        for request in driver.tick(STREAM).run_requests:
+            driver.execute(request)
+    endpoint.mode = "ok"
+    started = time.monotonic()
+    drive(driver, delivered_all(endpoint, db_url))
+    assert set(low) <= endpoint.unique()
+    order = endpoint.first_seen_order()
+    assert order.index(low[0]) > order.index(checkpoint)  # delivered in commit order, not id order
+    check_and_report("out-of-order commits straddling failover", endpoint, db_url, time.monotonic() - started)
+
+
+def test_backlog_spanning_midnight_survives_housekeeping(db_url: str, tmp_path: Path,
+                                                         instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    today = dt.datetime.now(dt.UTC).date()
+    midnight = dt.datetime.combine(today, dt.time(), dt.UTC)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pgstream.create_partitions(2, %s)", [today - dt.timedelta(days=1)])
+    driver.tick(STREAM)
+    endpoint.mode = "error"
+    with psycopg.connect(db_url) as c:  # a backlog from 23:59:59 yesterday to 00:00:01 today
+        c.execute("insert into pgstream.events (payload, stream_id, created_at) "
+                  "select jsonb_build_object('n', g), 1, %s + (g - 100) * interval '10 milliseconds' "
+                  "from generate_series(0, 199) g", [midnight])
+    for _ in range(3):
+        for request in driver.tick(STREAM).run_requests:
+            driver.execute(request)
+    assert in_failover(db_url)
+    yesterday = "events_" + (today - dt.timedelta(days=1)).strftime("%Y%m%d")
+    with psycopg.connect(db_url, autocommit=True) as c:
+        # "tomorrow + 1" makes yesterday's partition expire under a 1-day retention: it is kept...
+        dropped = c.execute("select pgstream.drop_partitions(1, %s)", [today + dt.timedelta(days=1)]).fetchall()
+        assert (yesterday,) not in dropped
+        # ...and the fail policy refuses to drop anything, naming the stream
+        with pytest.raises(psycopg.errors.RaiseException) as err:
+            c.execute("select pgstream.drop_partitions(1, %s, 'fail')", [today + dt.timedelta(days=1)])
+        assert "undelivered" in str(err.value) and "stream 1" in (err.value.diag.message_detail or "")
+    endpoint.mode = "ok"
+    started = time.monotonic()
+    drive(driver, delivered_all(endpoint, db_url))
+    with psycopg.connect(db_url) as c:
+        days = c.execute("select count(distinct (created_at at time zone 'UTC')::date) from pgstream.events"
+                         ).fetchone()
+    assert days == (2,)
+    check_and_report("backlog spanning midnight (+ retention edge)", endpoint, db_url, time.monotonic() - started)
