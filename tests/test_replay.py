@@ -1,0 +1,185 @@
+"""Replay jobs (by id range, time range, subscription keys, dry run) and the operator controls
+(pause, resume, retry-now, skip) through Dagster jobs and the CLI, against real Postgres and a real
+Dagster instance; replays go through Spark to a real file sink and are counted."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pgstream_dagster.cli import main as cli_main
+from pgstream_dagster.controls import CONTROL_JOB
+from pgstream_dagster.jobs import STREAM_TAG
+from pgstream_dagster.location import build_definitions
+from pgstream_dagster.replay import replay_job_name
+
+from .endpoint import Endpoint
+from .harness import Driver, read_jsonl, write_config
+
+YESTERDAY = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(days=1)
+
+
+@pytest.fixture
+def replay_setup(db_url: str, tmp_path: Path) -> tuple[Path, Path]:
+    """Stream 1 (file sink): 100 events of subscription 'a' created yesterday, 100 of 'b' today,
+    and 50 events of stream 2 that a replay of stream 1 must never touch."""
+    out = tmp_path / "replayed.jsonl"
+    with psycopg.connect(db_url) as c:
+        c.execute("select pgstream.create_partitions(2, %s)", [YESTERDAY.date()])
+        c.execute("insert into pgstream.events (payload, stream_id, created_at) "
+                  "select jsonb_build_object('tg_name', 'a', 'n', g), 1, %s + g * interval '1 second' "
+                  "from generate_series(1, 100) g", [YESTERDAY])
+        c.execute("insert into pgstream.events (payload, stream_id) "
+                  "select jsonb_build_object('tg_name', 'b', 'n', g), 1 from generate_series(1, 100) g")
+        c.execute("insert into pgstream.events (payload, stream_id) "
+                  "select jsonb_build_object('tg_name', 'a', 'n', g), 2 from generate_series(1, 50) g")
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": 1, "sink": {"type": "file", "path": str(out)}, "delivery": {"chunk_size": 7}},
+        {"id": 2, "sink": {"type": "file", "path": str(tmp_path / "other.jsonl")}}])
+    return cfg, out
+
+
+def _replay(cfg: Path, instance: dg.DagsterInstance, **config: Any) -> dg.ExecuteInProcessResult:
+    job = build_definitions(cfg).resolve_job_def(replay_job_name(1))
+    return job.execute_in_process(run_config={"ops": {"replay_stream_1": {"config": config}}}, instance=instance,
+                                  raise_on_error=False)
+
+
+def _ids_before(url: str, before: dt.date) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute(
+            "select id from pgstream.events where stream_id = 1 and created_at < %s order by id", [before])]
+
+
+def run_log(instance: dg.DagsterInstance, result: dg.ExecuteInProcessResult) -> str:
+    """Everything the run logged, failures' error messages included."""
+    lines = []
+    for entry in instance.all_logs(result.run_id):
+        lines.append(entry.user_message)
+        event = entry.dagster_event
+        if event is not None and event.is_step_failure and event.step_failure_data.error:
+            lines.append(event.step_failure_data.error.to_string())
+    return "\n".join(lines)
+
+
+def test_replay_by_id_range_time_range_and_keys(replay_setup: tuple[Path, Path], db_url: str,
+                                                instance: dg.DagsterInstance) -> None:
+    cfg, out = replay_setup
+    job = build_definitions(cfg).resolve_job_def(replay_job_name(1))
+    assert job.tags[STREAM_TAG] == "1"  # queued behind the stream's deliveries, never interleaved
+
+    assert _replay(cfg, instance, from_event_id=20, to_event_id=150).success
+    assert [e["id"] for e in read_jsonl(out)] == list(range(20, 151))
+
+    out.unlink()
+    today = dt.datetime.now(dt.UTC).date()
+    assert _replay(cfg, instance, to_time=today.isoformat()).success  # yesterday's only
+    assert [e["id"] for e in read_jsonl(out)] == _ids_before(db_url, today)
+    assert len(read_jsonl(out)) == 100
+
+    out.unlink()
+    assert _replay(cfg, instance, subscription_keys=["b"], from_event_id=150).success
+    got = read_jsonl(out)
+    assert [e["id"] for e in got] == list(range(150, 201))
+    assert {e["payload"]["tg_name"] for e in got} == {"b"}
+
+    out.unlink()
+    result = _replay(cfg, instance, all_events=True, chunk_size=3)
+    assert result.success
+    assert [e["id"] for e in read_jsonl(out)] == list(range(1, 201))  # stream 2's events are not in it
+    materialization = result.asset_materializations_for_node("replay_stream_1")[0]
+    assert materialization.metadata["events"].value == 200
+    assert materialization.metadata["kind"].value == "replay"
+
+
+def test_replay_dry_run_counts_and_bad_requests_deliver_nothing(replay_setup: tuple[Path, Path],
+                                                                instance: dg.DagsterInstance) -> None:
+    cfg, out = replay_setup
+    dry = _replay(cfg, instance, subscription_keys=["a"], dry_run=True)
+    assert dry.success
+    assert dry.output_for_node("replay_stream_1") == 0 and not out.exists()
+    assert "replay of stream 1: 100 events" in run_log(instance, dry)
+    for config, message in (
+        ({}, "give an event-id range, a time range or subscription keys"),
+        ({"from_event_id": 9, "to_event_id": 3}, "from_event_id 9 is after to_event_id 3"),
+        ({"from_time": "yesterday"}, "from_time: 'yesterday' is not an ISO 8601 timestamp"),
+        ({"from_time": "2026-01-02", "to_time": "2026-01-01"}, "is not before to_time"),
+    ):
+        result = _replay(cfg, instance, **config)
+        assert not result.success
+        assert message in run_log(instance, result), config
+    assert not out.exists()
+
+
+def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    endpoint = Endpoint()
+    try:
+        cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
+            {"id": 1, "batch": {"max_size": 10, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
+             "retry": {"initial_backoff_secs": 3600, "max_backoff_secs": 3600}, "sink": endpoint.sink()}])
+        driver = Driver(cfg, instance)
+        control = driver.defs.resolve_job_def(CONTROL_JOB)
+
+        def run_control(**config: Any) -> dg.ExecuteInProcessResult:
+            return control.execute_in_process(run_config={"ops": {"stream_control": {"config": config}}},
+                                              instance=instance, raise_on_error=False)
+
+        driver.tick(1)
+        assert run_control(stream_id=1, action="pause").success
+        with psycopg.connect(db_url) as c:
+            c.execute("insert into pgstream.events (payload, stream_id) "
+                      "select jsonb_build_object('n', g), 1 from generate_series(1, 30) g")
+        assert not driver.tick(1).run_requests  # paused
+        assert run_control(stream_id=1, action="resume").success
+        endpoint.mode = "error"
+        for request in driver.tick(1).run_requests:
+            driver.execute(request)
+        driver.tick(1)
+        assert not driver.tick(1).run_requests  # failover, next retry in an hour
+
+        assert cli_main(["status", "--database-url", db_url]) == 0
+        status = capsys.readouterr().out
+        assert "stream 1: FAILOVER" in status and "checkpoint event 1" in status and "HTTP 500" in status
+        assert "30 undelivered events in 3 batches" in status
+
+        endpoint.mode = "ok"
+        assert cli_main(["retry-now", "1", "--database-url", db_url]) == 0  # no need to wait an hour
+        assert "will be retried at the next sensor tick" in capsys.readouterr().out
+        deadline = 60
+        while len(endpoint.unique()) < 30 and deadline:
+            for request in driver.tick(1).run_requests:
+                driver.execute(request)
+            deadline -= 1
+        driver.tick(1)
+        assert endpoint.unique() == set(range(1, 31))
+        assert cli_main(["status", "1", "--database-url", db_url]) == 0
+        assert "stream 1: HEALTHY" in capsys.readouterr().out
+
+        # skip: refused without confirmation, then a poison batch is given up on
+        with psycopg.connect(db_url) as c:
+            c.execute("insert into pgstream.events (payload, stream_id) values ('{\"poison\": true}', 1)")
+        endpoint.mode = "error"
+        for request in driver.tick(1).run_requests:
+            driver.execute(request)
+        driver.tick(1)
+        with psycopg.connect(db_url) as c:
+            (poison_batch,) = c.execute("select id from pgstream.batches where status = 'failed'").fetchone()
+        assert not run_control(stream_id=1, action="skip_batch", batch_id=poison_batch).success  # no confirm
+        assert cli_main(["skip", "1", str(poison_batch), "--database-url", db_url]) == 2  # no --yes
+        assert run_control(stream_id=1, action="skip_batch", batch_id=poison_batch, confirm="skip").success
+        driver.tick(1)
+        assert cli_main(["status", "1", "--database-url", db_url]) == 0
+        out = capsys.readouterr().out
+        assert "stream 1: HEALTHY" in out and "skipped" in out
+        # errors are clear and change nothing
+        assert not run_control(stream_id=9, action="pause").success
+        assert cli_main(["pause", "9", "--database-url", db_url]) == 1
+        assert "stream 9 does not exist" in capsys.readouterr().err
+    finally:
+        endpoint.down()
