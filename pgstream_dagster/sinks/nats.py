@@ -61,7 +61,7 @@ class NatsSinkConfig(SinkConfigBase):
         return NatsSink(self)
 
     def secret_values(self) -> list[str]:
-        return super().secret_values() + [s for server in self.servers for s in url_secrets(server)[1:]]
+        return super().secret_values() + [s for server in self.servers for s in url_secrets(server)]
 
 
 def _import_nats() -> Any:
