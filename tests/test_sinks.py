@@ -715,8 +715,45 @@ def test_redis_sink_xadds_in_order(redis_client: redis.Redis) -> None:
             assert fields[b"id"] == str(event.id).encode()
             assert fields[b"stream_id"] == b"7"
             assert json.loads(fields[b"payload"]) == event.payload
+            assert datetime.fromisoformat(fields[b"created_at"].decode()) == event.created_at
+            assert json.loads(fields.get(b"metadata", b"null")) == event.metadata
     finally:
         redis_client.delete(key)
+
+
+def test_redis_stream_from_payload_path_and_maxlen(redis_client: redis.Redis) -> None:
+    prefix = unique("pgstream-test") + ":"
+    fallback = prefix + "fallback"
+    tenants = ["acme", "globex", None]  # None: no tenant in the payload -> the fallback stream
+    events = [
+        Event(id=900 + i, stream_id=2, payload={"seq": i, "data": {"tenant": tenants[i % 3]} if tenants[i % 3] else {}},
+              metadata=None, created_at=BASE_TIME)
+        for i in range(30)
+    ]
+    config = RedisSinkConfig(stream=fallback, stream_from="data.tenant", stream_prefix=prefix)
+    try:
+        with config.build() as sink:
+            sink.publish(events)
+        for tenant, name in (("acme", prefix + "acme"), ("globex", prefix + "globex"), (None, fallback)):
+            expected = [str(e.id).encode() for e in events if e.payload["data"].get("tenant") == tenant]
+            assert [f[b"id"] for _, f in redis_client.xrange(name)] == expected, name
+
+        capped = prefix + "capped"
+        with RedisSinkConfig(stream=capped, maxlen=7, maxlen_approximate=False).build() as sink:
+            sink.publish(events)
+        assert [f[b"id"] for _, f in redis_client.xrange(capped)] == [str(e.id).encode() for e in events[-7:]]
+
+        # no tenant and no fallback: the event is refused before anything is sent
+        strict = RedisSinkConfig(stream_from="data.tenant", stream_prefix=prefix + "strict:")
+        with strict.build() as sink, pytest.raises(SinkError) as err:
+            sink.publish(events[:3])
+        assert "event 902" in str(err.value) and "'data.tenant' is missing" in str(err.value)
+        assert redis_client.keys(prefix + "strict:*") == []
+    finally:
+        for name in redis_client.keys(prefix + "*"):
+            redis_client.delete(name)
+    with pytest.raises(ValidationError):
+        RedisSinkConfig()
 
 
 def test_redis_sink_errors_are_sink_errors(redis_client: redis.Redis) -> None:
@@ -731,13 +768,26 @@ def test_redis_sink_errors_are_sink_errors(redis_client: redis.Redis) -> None:
     finally:
         redis_client.delete(key)
 
-    url = SecretStr(f"redis://:hunter2pw@127.0.0.1:{free_port()}/0")
+    port = free_port()
+    url = SecretStr(f"redis://:hunter2pw@127.0.0.1:{port}/0")
     config = RedisSinkConfig(url=url, stream=key, timeout_secs=2)
     assert "hunter2pw" not in repr(config)
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(1))
     assert "event 101" in str(err.value) and "hunter2pw" not in str(err.value)
+    assert f"redis://127.0.0.1:{port}/0" in str(err.value) and "refused" in str(err.value).lower()
+    assert redis_client.exists(key) == 0  # nothing was written anywhere
+
+
+def test_redis_wrong_password_does_not_leak(redis_client: redis.Redis) -> None:
+    key = unique("pgstream-test")
+    config = RedisSinkConfig(url=SecretStr("redis://pgstream-no-such-user:wr0ng-redis-pw@127.0.0.1:6379/0"), stream=key)
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(make_events(2))
+    assert "events 101..102" in str(err.value) and "redis://127.0.0.1:6379/0" in str(err.value)
+    assert "wr0ng-redis-pw" not in str(err.value) and "wr0ng-redis-pw" not in repr(err.value)
+    assert redis_client.exists(key) == 0
 
 
 # -- rabbitmq -----------------------------------------------------------------------------------------
@@ -778,6 +828,62 @@ def test_rabbitmq_sink_publishes_confirmed_persistent_messages(amqp_channel: Any
         amqp_channel.queue_delete(queue=queue)
 
 
+def test_rabbitmq_exchange_and_routing_key_from_payload(amqp_channel: Any) -> None:
+    prefix = unique("pgstream-test") + "."
+    exchange = prefix + "exchange"
+    queues = {tenant: prefix + tenant for tenant in ("acme", "globex", "fallback")}
+    amqp_channel.exchange_declare(exchange=exchange, exchange_type="direct", auto_delete=True)
+    for queue in queues.values():
+        amqp_channel.queue_declare(queue=queue)
+        amqp_channel.queue_bind(queue=queue, exchange=exchange, routing_key=queue)
+    tenants = ["acme", "globex", None]
+    events = [
+        Event(id=300 + i, stream_id=1, payload={"seq": i, "route": {"ex": exchange}, "tenant": tenants[i % 3]},
+              metadata={"i": i}, created_at=BASE_TIME)
+        for i in range(24)
+    ]
+    config = RabbitMqSinkConfig(
+        exchange_from="route.ex", routing_key_from="tenant", routing_key_prefix=prefix, routing_key=queues["fallback"]
+    )
+    try:
+        with config.build() as sink:
+            sink.publish(events)
+        for tenant, queue in (("acme", queues["acme"]), ("globex", queues["globex"]), (None, queues["fallback"])):
+            messages = drain_queue(amqp_channel, queue)
+            expected = [e for e in events if e.payload["tenant"] == tenant]
+            assert [p.message_id for p, _ in messages] == [str(e.id) for e in expected], tenant
+            assert [json.loads(p.headers["x-pgstream-metadata"]) for p, _ in messages] == [e.metadata for e in expected]
+    finally:
+        for queue in queues.values():
+            amqp_channel.queue_delete(queue=queue)
+        amqp_channel.exchange_delete(exchange=exchange)
+    with pytest.raises(ValidationError):
+        RabbitMqSinkConfig()
+
+
+def test_rabbitmq_missing_exchange_and_refused_connection_raise(amqp_channel: Any) -> None:
+    queue = unique("pgstream-test")
+    amqp_channel.queue_declare(queue=queue)
+    try:
+        missing = unique("no-such-exchange")
+        with RabbitMqSinkConfig(exchange=missing, routing_key=queue).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(make_events(3))
+        assert "rabbitmq sink" in str(err.value) and "event 101" in str(err.value)
+        assert missing in str(err.value) and "NOT_FOUND" in str(err.value)
+        assert amqp_channel.queue_declare(queue=queue, passive=True).method.message_count == 0
+    finally:
+        amqp_channel.queue_delete(queue=queue)
+
+    port = free_port()
+    url = SecretStr(f"amqp://guest:refusedpw@127.0.0.1:{port}/%2F")
+    with RabbitMqSinkConfig(url=url, routing_key=queue, timeout_secs=3).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(2))
+    assert "events 101..102" in str(err.value) and f"amqp://127.0.0.1:{port}/%2F" in str(err.value)
+    assert "refusedpw" not in str(err.value)
+
+
 def test_rabbitmq_unroutable_and_nacked_raise(amqp_channel: Any) -> None:
     with RabbitMqSinkConfig(routing_key=unique("no-such-queue")).build() as sink:
         with pytest.raises(SinkError) as err:
@@ -815,7 +921,7 @@ async def _nats_admin(action: str, stream: str, subject: str = "", expected: int
     try:
         js = nc.jetstream()
         if action == "create":
-            await js.add_stream(name=stream, subjects=[subject])
+            await js.add_stream(name=stream, subjects=[subject, subject + ".>"])
             return []
         if action == "delete":
             await js.delete_stream(stream)
@@ -853,7 +959,8 @@ def test_nats_jetstream_publish_acked_in_order_and_deduplicated(nats_stream: tup
     count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=len(events)))
     assert count == len(events)
     assert [json.loads(m.data) for m in messages] == [e.payload for e in events]
-    assert [m.headers["Nats-Msg-Id"] for m in messages] == [f"7-{e.id}" for e in events]
+    assert [m.headers["Nats-Msg-Id"] for m in messages] == [str(e.id) for e in events]
+    assert [json.loads(m.headers.get("Pgstream-Metadata", "null")) for m in messages] == [e.metadata for e in events]
     assert [m.metadata.sequence.stream for m in messages] == list(range(1, len(events) + 1))
 
 
@@ -865,6 +972,32 @@ def test_nats_core_publish_with_flush(nats_stream: tuple[str, str]) -> None:
     count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=len(events)))
     assert count == len(events)
     assert [json.loads(m.data) for m in messages] == [e.payload for e in events]
+
+
+def test_nats_subject_from_payload_path(nats_stream: tuple[str, str]) -> None:
+    stream, subject = nats_stream
+    tables = ["orders", "users", None]  # None: no table in the payload -> the fallback subject
+    events = [
+        Event(id=400 + i, stream_id=1, payload={"seq": i, "table": tables[i % 3]} if tables[i % 3] else {"seq": i},
+              metadata=None, created_at=BASE_TIME)
+        for i in range(21)
+    ]
+    config = NatsSinkConfig(subject=subject, subject_from="table", subject_prefix=subject + ".")
+    with config.build() as sink:
+        sink.publish(events)
+    count, messages = asyncio.run(_nats_admin("read", stream, ">", expected=len(events)))
+    assert count == len(events)
+    assert [m.headers["Nats-Msg-Id"] for m in messages] == [str(e.id) for e in events]
+    expected = [f"{subject}.{e.payload['table']}" if "table" in e.payload else subject for e in events]
+    assert [m.subject for m in messages] == expected
+
+    bad = [Event(id=1, stream_id=1, payload={"table": "has space"}, metadata=None, created_at=BASE_TIME)]
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(events[:2] + bad)
+    assert "event 1:" in str(err.value) and "invalid subject" in str(err.value)
+    assert asyncio.run(_nats_admin("read", stream, ">", expected=0))[0] == len(events)  # nothing more sent
+    with pytest.raises(ValidationError):
+        NatsSinkConfig()
 
 
 def test_nats_subject_without_stream_raises() -> None:
@@ -889,5 +1022,6 @@ def test_nats_connection_refused_raises() -> None:
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(2))
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30
     assert "events 101..102" in str(err.value) and "natspw-9" not in str(err.value)
+    assert "nats://127.0.0.1:" in str(err.value)
