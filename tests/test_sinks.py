@@ -904,13 +904,16 @@ def test_rabbitmq_unroutable_and_nacked_raise(amqp_channel: Any) -> None:
         amqp_channel.queue_delete(queue=queue)
 
 
-def test_rabbitmq_bad_credentials_do_not_leak() -> None:
+def test_rabbitmq_bad_credentials_do_not_leak(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     config = RabbitMqSinkConfig(url=SecretStr("amqp://guest:wr0ngpass@127.0.0.1:5672/%2F"), routing_key="q")
     assert "wr0ngpass" not in repr(config)
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(2))
     assert "events 101..102" in str(err.value) and "wr0ngpass" not in str(err.value)
+    assert "ACCESS_REFUSED" in str(err.value) and "amqp://127.0.0.1:5672/%2F" in str(err.value)
+    assert caplog.records and "wr0ngpass" not in caplog.text  # pika logs a lot; never the password
 
 
 # -- nats ---------------------------------------------------------------------------------------------
@@ -1009,7 +1012,8 @@ def test_nats_subject_without_stream_raises() -> None:
     assert "no JetStream stream" in str(err.value)
 
 
-def test_nats_connection_refused_raises() -> None:
+def test_nats_connection_refused_raises(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     config = NatsSinkConfig(
         servers=[f"nats://127.0.0.1:{free_port()}"],
         subject="x",
@@ -1025,3 +1029,4 @@ def test_nats_connection_refused_raises() -> None:
     assert time.monotonic() - started < 30
     assert "events 101..102" in str(err.value) and "natspw-9" not in str(err.value)
     assert "nats://127.0.0.1:" in str(err.value)
+    assert "natspw-9" not in caplog.text

@@ -28,6 +28,7 @@ from .base import (
     dumps,
     redact_url,
     route_name,
+    scrub,
     url_secrets,
 )
 
@@ -209,7 +210,7 @@ class NatsSink(Sink):
         log.log(
             logging.DEBUG if self._connecting else logging.WARNING,
             "NATS client error: %s",
-            describe_exception(exc),
+            scrub(describe_exception(exc), self.config.secret_values()),
         )
 
     def _error(self, events: Sequence[Event], reason: str) -> SinkError:
