@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
@@ -163,7 +163,6 @@ class _LaneResult:
     failed: Sequence[Event] = ()
     reason: str = ""
     secondary: bool = False  # failed only because another lane's failure aborted it
-    unsent: list[Event] = field(default_factory=list)
 
 
 class HttpSink(Sink):
@@ -242,9 +241,8 @@ class HttpSink(Sink):
     def _send_lane(self, lane: list[_Request], abort: threading.Event) -> _LaneResult:
         """Send a lane's requests in order; stop at the first failure (or when another lane failed)."""
         result = _LaneResult()
-        for index, request in enumerate(lane):
+        for request in lane:
             if abort.is_set():
-                result.unsent = [e for r in lane[index:] for e in r.events]
                 break
             try:
                 self._send(request, abort)
@@ -252,7 +250,6 @@ class HttpSink(Sink):
                 result.secondary = abort.is_set()
                 abort.set()
                 result.failed, result.reason = request.events, exc.reason
-                result.unsent = [e for r in lane[index + 1 :] for e in r.events]
                 break
             result.confirmed += len(request.events)
         return result
@@ -311,7 +308,7 @@ class HttpSink(Sink):
             raise _Failure(reason, retryable=True) from None
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise _Failure(f"{self._target} connection failed: {describe_exception(exc)}", retryable=True) from None
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise _Failure(f"{self._target} failed: {describe_exception(exc)}", retryable=False) from None
         status = response.status_code
         if response.is_success:
