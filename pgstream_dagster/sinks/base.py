@@ -110,7 +110,10 @@ def route_name(event: Event, fixed: str | None, path: str | None, prefix: str = 
         if isinstance(value, bool | int | float):
             return prefix + dumps(value)
         if fixed is None:
-            found = "is missing" if value is None else f"is {type(value).__name__}, not a scalar"
+            if value is None or value == "":
+                found = "is missing" if value is None else "is empty"
+            else:
+                found = f"is {type(value).__name__}, not a scalar"
             raise RoutingError(f"payload path {path!r} {found} and no fixed name is configured")
     if fixed is None:
         raise RoutingError("no destination name configured")
