@@ -186,7 +186,7 @@ def parse_config(data: Any, source: str = "<config>") -> PgstreamConfig:
         raise ConfigError("\n".join(problems)) from None
 
 
-_SINK_TAGS = {"memory", "file", "http", "redis", "rabbitmq", "nats", "kafka"}
+_SINK_TAGS = {"memory", "file", "http", "webhook", "redis", "rabbitmq", "nats", "kafka"}
 
 
 def config_path() -> Path:

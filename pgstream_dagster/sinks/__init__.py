@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Union
 
-from pydantic import Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter
 
 from .base import Event, MissingExtraError, Sink, SinkConfigBase, SinkError
 from .file import FileSink, FileSinkConfig
@@ -56,7 +56,7 @@ SinkConfig = Annotated[
 ]
 """Any sink config, chosen by its ``type`` field."""
 
-_adapter: TypeAdapter[SinkConfigBase] = TypeAdapter(SinkConfig)
+_adapter: TypeAdapter[SinkConfigBase] = TypeAdapter(SinkConfig, config=ConfigDict(hide_input_in_errors=True))
 
 
 def parse_sink_config(data: SinkConfigBase | Mapping[str, Any]) -> SinkConfigBase:

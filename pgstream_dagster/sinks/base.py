@@ -10,13 +10,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 __all__ = [
     "Event",
     "MissingExtraError",
+    "PayloadPath",
+    "RoutingError",
     "Sink",
     "SinkConfigBase",
     "SinkError",
@@ -24,7 +26,9 @@ __all__ = [
     "describe_exception",
     "dumps",
     "excerpt",
+    "lookup_path",
     "redact_url",
+    "route_name",
     "scrub",
     "url_secrets",
 ]
@@ -69,6 +73,51 @@ class SinkError(Exception):
         """Build ``"<sink> sink: <event id(s)>: <reason>"`` with every secret value masked."""
         message = f"{sink} sink: {describe_events(events)}: {reason}"
         return cls(scrub(message, secrets), sink=sink, event_ids=[e.id for e in events])
+
+
+class RoutingError(ValueError):
+    """An event's destination name (stream, subject, routing key) cannot be derived from its payload."""
+
+
+PayloadPath = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*$")]
+"""A dotted path into an event payload: ``table`` or ``data.tenant``."""
+
+_MISSING: Any = object()
+
+
+def lookup_path(payload: Any, path: str) -> Any:
+    """The value at dotted ``path`` in ``payload``, or ``None`` when any step is missing or not an object."""
+    value = payload
+    for part in path.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part, _MISSING)
+        if value is _MISSING:
+            return None
+    return value
+
+
+def route_name(event: Event, fixed: str | None, path: str | None, prefix: str = "") -> str:
+    """A destination name for ``event``: ``prefix`` + the scalar at payload ``path`` if present, else ``fixed``.
+
+    Strings are used as they are, other scalars as JSON text (``42``, ``true``), like Postgres ``#>>``.
+    Raises :class:`RoutingError` when the path gives no usable value and there is no ``fixed`` fallback.
+    """
+    if path is not None:
+        value = lookup_path(event.payload, path)
+        if isinstance(value, str) and value:
+            return prefix + value
+        if isinstance(value, bool | int | float):
+            return prefix + dumps(value)
+        if fixed is None:
+            if value is None or value == "":
+                found = "is missing" if value is None else "is empty"
+            else:
+                found = f"is {type(value).__name__}, not a scalar"
+            raise RoutingError(f"payload path {path!r} {found} and no fixed name is configured")
+    if fixed is None:
+        raise RoutingError("no destination name configured")
+    return fixed
 
 
 class MissingExtraError(SinkError, ImportError):
@@ -144,16 +193,19 @@ def redact_url(url: str) -> str:
 
 
 def url_secrets(url: str) -> list[str]:
-    """The secret parts of a URL (the whole URL and its password, if any) for :func:`scrub`."""
+    """The secret parts of a URL for :func:`scrub`: password, query string, and the whole URL if it has them."""
     from urllib.parse import unquote, urlsplit
 
-    secrets = [url]
     try:
-        password = urlsplit(url).password
+        parts = urlsplit(url)
+        password, query = parts.password, parts.query
     except ValueError:
-        password = None
+        return [url]
+    secrets = [url] if redact_url(url) != url else []
     if password:
         secrets += [password, unquote(password)]
+    if query:
+        secrets += [query, unquote(query)]
     return secrets
 
 
@@ -204,7 +256,8 @@ class SinkConfigBase(BaseModel):
     Subclasses declare a ``type: Literal[...]`` discriminator and keep secrets in ``SecretStr`` fields.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # validation errors never echo input values (they may be secrets)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     def build(self) -> Sink:
         """Instantiate the sink described by this config."""

@@ -12,19 +12,23 @@ import asyncio
 import logging
 import threading
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from .base import (
     Event,
     MissingExtraError,
+    PayloadPath,
+    RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
     describe_exception,
     dumps,
     redact_url,
+    route_name,
+    scrub,
     url_secrets,
 )
 
@@ -39,29 +43,42 @@ T = TypeVar("T")
 
 
 class NatsSinkConfig(SinkConfigBase):
-    """Publish each event payload (JSON) to ``subject``.
+    """Publish each event payload (JSON) to ``subject``, or to ``subject_prefix`` + the value at payload path
+    ``subject_from`` (falling back to ``subject``).
 
     ``jetstream=True``: JetStream publish, each message acknowledged by the stream before the next one is
-    sent; header ``Nats-Msg-Id: <stream_id>-<event id>`` lets the stream drop duplicates. A subject no
-    stream captures raises :class:`SinkError`. ``jetstream=False``: core NATS publish followed by a
-    flush (the server received the messages; no persistence). Credentials go in ``user``/``password``
-    or ``token`` rather than in ``servers`` URLs.
+    sent; header ``Nats-Msg-Id: <event id>`` lets the stream drop duplicates (within its duplicate
+    window, 2 minutes by default). A subject no stream captures raises :class:`SinkError`.
+    ``jetstream=False``: core NATS publish followed by a flush (the server received the messages; no
+    persistence, no acks). Credentials go in ``user``/``password`` or ``token`` rather than in ``servers``
+    URLs. Headers ``Pgstream-Event-Id``, ``Pgstream-Stream-Id`` and, when present, ``Pgstream-Metadata``.
     """
 
     type: Literal["nats"] = "nats"
     servers: list[str] = Field(default_factory=lambda: ["nats://127.0.0.1:4222"], min_length=1)
-    subject: str = Field(min_length=1)
+    subject: str | None = Field(default=None, min_length=1)
+    subject_from: PayloadPath | None = None
+    subject_prefix: str = ""
     jetstream: bool = True
     timeout_secs: float = Field(default=10, gt=0)
     user: str | None = None
     password: SecretStr | None = None
     token: SecretStr | None = None
 
+    @model_validator(mode="after")
+    def _has_subject(self) -> Self:
+        if self.subject is None and self.subject_from is None:
+            raise ValueError("set subject, subject_from, or both (subject is the fallback)")
+        return self
+
     def build(self) -> NatsSink:
         return NatsSink(self)
 
     def secret_values(self) -> list[str]:
-        return super().secret_values() + [s for server in self.servers for s in url_secrets(server)[1:]]
+        return super().secret_values() + [s for server in self.servers for s in url_secrets(server)]
+
+
+_BAD_SUBJECT_CHARS = frozenset(" \t\r\n*>")
 
 
 def _import_nats() -> Any:
@@ -89,6 +106,7 @@ class NatsSink(Sink):
         self._js: JetStreamContext | None = None
         self._connecting = False
         self._last_error: Exception | None = None
+        self._target = ", ".join(redact_url(server) for server in config.servers)
 
     # -- the private loop ------------------------------------------------------------------------------
 
@@ -105,14 +123,25 @@ class NatsSink(Sink):
 
     def publish(self, events: Sequence[Event]) -> None:
         if events:
-            self._run(self._publish(events))
+            subjects = [self._subject_of(event) for event in events]  # all first: nothing sent on a bad one
+            self._run(self._publish(events, subjects))
 
-    async def _publish(self, events: Sequence[Event]) -> None:
+    def _subject_of(self, event: Event) -> str:
+        config = self.config
+        try:
+            subject = route_name(event, config.subject, config.subject_from, config.subject_prefix)
+        except RoutingError as exc:
+            raise self._error([event], f"no subject: {exc}") from None
+        if _BAD_SUBJECT_CHARS.intersection(subject) or subject.startswith(".") or subject.endswith("."):
+            raise self._error([event], f"invalid subject {subject!r} (whitespace, wildcard or empty token)")
+        return subject
+
+    async def _publish(self, events: Sequence[Event], subjects: Sequence[str]) -> None:
         errors = (self._nats.errors.Error, self._nats.js.errors.Error, OSError, asyncio.TimeoutError)
         try:
             nc = await self._connected()
         except errors as exc:
-            servers = ", ".join(redact_url(server) for server in self.config.servers)
+            servers = self._target
             if isinstance(exc, asyncio.TimeoutError):
                 last = f"; last error: {describe_exception(self._last_error)}" if self._last_error else ""
                 reason = f"cannot connect to NATS ({servers}) within {self.config.timeout_secs:g}s{last}"
@@ -120,14 +149,15 @@ class NatsSink(Sink):
                 reason = f"cannot connect to NATS ({servers}): {describe_exception(exc)}"
             raise self._error(events, reason) from None
         timeout = self.config.timeout_secs
-        subject = self.config.subject
-        for event in events:
+        for event, subject in zip(events, subjects, strict=True):
             headers = {
-                "Nats-Msg-Id": f"{event.stream_id}-{event.id}",
+                "Nats-Msg-Id": str(event.id),
                 "Pgstream-Event-Id": str(event.id),
                 "Pgstream-Stream-Id": str(event.stream_id),
                 "Content-Type": "application/json",
             }
+            if event.metadata is not None:
+                headers["Pgstream-Metadata"] = dumps(event.metadata)
             data = dumps(event.payload).encode()
             try:
                 if self._js is not None:
@@ -137,13 +167,13 @@ class NatsSink(Sink):
             except self._nats.js.errors.NoStreamResponseError:
                 raise self._error([event], f"no JetStream stream captures subject {subject!r}") from None
             except errors as exc:
-                reason = f"publish to {subject!r} failed: {describe_exception(exc)}"
+                reason = f"publish to {subject!r} at {self._target} failed: {describe_exception(exc)}"
                 raise self._error([event], reason) from None
         if self._js is None:
             try:
                 await nc.flush(timeout=timeout)
             except errors as exc:
-                reason = f"flush after publish to {subject!r} failed: {describe_exception(exc)}"
+                reason = f"flush after publish at {self._target} failed: {describe_exception(exc)}"
                 raise self._error(events, reason) from None
 
     async def _connected(self) -> NatsClient:
@@ -180,7 +210,7 @@ class NatsSink(Sink):
         log.log(
             logging.DEBUG if self._connecting else logging.WARNING,
             "NATS client error: %s",
-            describe_exception(exc),
+            scrub(describe_exception(exc), self.config.secret_values()),
         )
 
     def _error(self, events: Sequence[Event], reason: str) -> SinkError:

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
-from .base import Event, MissingExtraError, Sink, SinkConfigBase, SinkError, describe_exception, dumps
+from .base import (
+    Event,
+    MissingExtraError,
+    PayloadPath,
+    RoutingError,
+    Sink,
+    SinkConfigBase,
+    SinkError,
+    describe_exception,
+    dumps,
+    redact_url,
+    route_name,
+)
 
 if TYPE_CHECKING:
     from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
@@ -16,20 +28,34 @@ __all__ = ["RabbitMqSink", "RabbitMqSinkConfig"]
 
 
 class RabbitMqSinkConfig(SinkConfigBase):
-    """Publish each event payload (JSON) to ``exchange`` with ``routing_key``.
+    """Publish each event payload (JSON) to an exchange with a routing key.
 
-    Messages are persistent (``delivery_mode=2``) with ``message_id`` = event id and
-    ``content_type=application/json``; each publish waits for the broker's confirm and is ``mandatory``,
-    so a nack or an unroutable message raises :class:`SinkError`. ``declare_queue``: declare a durable
-    queue of that name on connect (with the default exchange ``""`` the routing key is the queue name).
+    Messages are persistent (``delivery_mode=2``) with ``message_id`` = event id (the idempotency key),
+    ``content_type=application/json``, ``timestamp`` = event time and headers ``x-pgstream-stream-id``
+    (and ``x-pgstream-metadata`` when present). Each publish waits for the broker's confirm and is
+    ``mandatory``, so a nack or an unroutable message raises :class:`SinkError`.
+
+    Routing key: ``routing_key``, or ``routing_key_prefix`` + the value at payload path ``routing_key_from``
+    (falling back to ``routing_key``). Exchange: ``exchange`` (default: the default exchange ``""``, where
+    the routing key is the queue name), or the value at payload path ``exchange_from`` (falling back to
+    ``exchange``). ``declare_queue``: declare a durable queue of that name on connect.
     """
 
     type: Literal["rabbitmq"] = "rabbitmq"
     url: SecretStr = SecretStr("amqp://guest:guest@127.0.0.1:5672/%2F")
     exchange: str = ""
-    routing_key: str
+    exchange_from: PayloadPath | None = None
+    routing_key: str | None = None
+    routing_key_from: PayloadPath | None = None
+    routing_key_prefix: str = ""
     declare_queue: str | None = None
     timeout_secs: float = Field(default=10, gt=0)
+
+    @model_validator(mode="after")
+    def _has_routing_key(self) -> Self:
+        if self.routing_key is None and self.routing_key_from is None:
+            raise ValueError("set routing_key, routing_key_from, or both (routing_key is the fallback)")
+        return self
 
     def build(self) -> RabbitMqSink:
         return RabbitMqSink(self)
@@ -55,6 +81,7 @@ class RabbitMqSink(Sink):
         self._pika = _import_pika()
         self._connection: BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
+        self._target = redact_url(config.url.get_secret_value())
 
     def _ensure_channel(self) -> BlockingChannel:
         if self._connection is not None and self._channel is not None:
@@ -79,39 +106,51 @@ class RabbitMqSink(Sink):
         self._channel = channel
         return channel
 
+    def _route(self, event: Event) -> tuple[str, str]:
+        config = self.config
+        try:
+            exchange = route_name(event, config.exchange, config.exchange_from)
+            routing_key = route_name(event, config.routing_key, config.routing_key_from, config.routing_key_prefix)
+        except RoutingError as exc:
+            raise self._error([event], f"no destination: {exc}") from None
+        return exchange, routing_key
+
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
             return
+        routes = [self._route(event) for event in events]  # all first: nothing sent on a bad one
         exceptions = self._pika.exceptions
         failing: Sequence[Event] = events  # until connected, the whole batch is at stake
+        route = routes[0]
         try:
             channel = self._ensure_channel()
             for index, event in enumerate(events):
-                failing = events[index : index + 1]
+                failing, route = events[index : index + 1], routes[index]
+                headers: dict[str, Any] = {"x-pgstream-stream-id": event.stream_id}
+                if event.metadata is not None:
+                    headers["x-pgstream-metadata"] = dumps(event.metadata)
                 properties = self._pika.BasicProperties(
                     content_type="application/json",
                     delivery_mode=2,
                     message_id=str(event.id),
                     timestamp=int(event.created_at.timestamp()),
-                    headers={"x-pgstream-stream-id": event.stream_id},
+                    headers=headers,
                 )
                 channel.basic_publish(
-                    exchange=self.config.exchange,
-                    routing_key=self.config.routing_key,
+                    exchange=route[0],
+                    routing_key=route[1],
                     body=dumps(event.payload).encode(),
                     properties=properties,
                     mandatory=True,
                 )
         except exceptions.UnroutableError:
-            raise self._error(failing, f"unroutable: no queue bound for {self._destination()}") from None
+            raise self._error(failing, f"unroutable: no queue bound for {_describe(route)}") from None
         except exceptions.NackError:
-            raise self._error(failing, f"nacked by the broker ({self._destination()})") from None
+            raise self._error(failing, f"nacked by the broker ({_describe(route)})") from None
         except (exceptions.AMQPError, OSError) as exc:
             self.close()
-            raise self._error(failing, f"{self._destination()}: {describe_exception(exc)}") from None
-
-    def _destination(self) -> str:
-        return f"exchange {self.config.exchange!r} routing key {self.config.routing_key!r}"
+            reason = f"{self._target} {_describe(route)}: {describe_exception(exc)}"
+            raise self._error(failing, reason) from None
 
     def _error(self, events: Sequence[Event], reason: str) -> SinkError:
         return SinkError.for_events("rabbitmq", events, reason, self.config.secret_values())
@@ -123,3 +162,7 @@ class RabbitMqSink(Sink):
                 connection.close()
             except Exception:  # closing a broken connection must not mask the original error
                 pass
+
+
+def _describe(route: tuple[str, str]) -> str:
+    return f"exchange {route[0]!r} routing key {route[1]!r}"

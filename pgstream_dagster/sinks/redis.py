@@ -1,13 +1,25 @@
-"""Redis Streams sink (extra ``redis``): XADD one entry per event, a whole batch in one MULTI/EXEC."""
+"""Redis Streams sink (extra ``redis``, library redis-py): XADD per event, a whole chunk in one pipelined MULTI/EXEC."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
-from .base import Event, MissingExtraError, Sink, SinkConfigBase, SinkError, describe_exception, dumps
+from .base import (
+    Event,
+    MissingExtraError,
+    PayloadPath,
+    RoutingError,
+    Sink,
+    SinkConfigBase,
+    SinkError,
+    describe_exception,
+    dumps,
+    redact_url,
+    route_name,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -16,16 +28,28 @@ __all__ = ["RedisSink", "RedisSinkConfig"]
 
 
 class RedisSinkConfig(SinkConfigBase):
-    """XADD to the Redis Stream ``stream``: fields ``id`` (event id), ``stream_id``, ``payload`` (JSON text).
+    """XADD each event to a Redis Stream; entry fields ``id`` (event id: the idempotency key consumers dedupe
+    on), ``stream_id``, ``created_at``, ``payload`` (JSON text) and, when present, ``metadata`` (JSON text).
 
-    ``maxlen``: trim the stream to about that many entries (``MAXLEN ~``); ``None`` keeps everything.
+    The stream is ``stream``, or ``stream_prefix`` + the value at payload path ``stream_from`` (e.g.
+    ``table`` or ``data.tenant``), falling back to ``stream`` when the payload has no such value.
+    ``maxlen``: trim each stream to that many entries (``MAXLEN ~`` when ``maxlen_approximate``).
     """
 
     type: Literal["redis"] = "redis"
     url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
-    stream: str = Field(min_length=1)
+    stream: str | None = Field(default=None, min_length=1)
+    stream_from: PayloadPath | None = None
+    stream_prefix: str = ""
     maxlen: int | None = Field(default=None, ge=1)
+    maxlen_approximate: bool = True
     timeout_secs: float = Field(default=10, gt=0)
+
+    @model_validator(mode="after")
+    def _has_stream(self) -> Self:
+        if self.stream is None and self.stream_from is None:
+            raise ValueError("set stream, stream_from, or both (stream is the fallback)")
+        return self
 
     def build(self) -> RedisSink:
         return RedisSink(self)
@@ -40,9 +64,10 @@ def _import_redis() -> Any:
 
 
 class RedisSink(Sink):
-    """Each publish is one pipelined ``MULTI; XADD ...; EXEC`` round trip.
+    """Each publish is one pipelined ``MULTI; XADD ...; EXEC`` round trip per ``chunk_size`` events, in order.
 
-    Batches above ``chunk_size`` events are split into several transactions, in order.
+    Redis runs every command of a transaction even if one fails (e.g. WRONGTYPE), so a failed publish may
+    have added some entries: the caller retries and consumers dedupe on the ``id`` field.
     """
 
     type_name: ClassVar[str] = "redis"
@@ -53,6 +78,7 @@ class RedisSink(Sink):
         super().__init__(config)
         self._redis_mod = _import_redis()
         self._client: redis.Redis | None = None
+        self._target = redact_url(config.url.get_secret_value())
 
     def _conn(self) -> redis.Redis:
         if self._client is None:
@@ -67,34 +93,38 @@ class RedisSink(Sink):
         for start in range(0, len(events), self.chunk_size):
             self._publish_chunk(events[start : start + self.chunk_size])
 
+    def _stream_of(self, event: Event) -> str:
+        config = self.config
+        try:
+            return route_name(event, config.stream, config.stream_from, config.stream_prefix)
+        except RoutingError as exc:
+            raise self._error([event], f"no stream name: {exc}") from None
+
     def _publish_chunk(self, events: Sequence[Event]) -> None:
+        streams = [self._stream_of(event) for event in events]  # all names first: nothing sent on a bad one
         try:
             with self._conn().pipeline(transaction=True) as pipe:
-                for event in events:
+                for event, stream in zip(events, streams, strict=True):
                     fields = {
                         "id": str(event.id),
                         "stream_id": str(event.stream_id),
+                        "created_at": event.created_at.isoformat(),
                         "payload": dumps(event.payload),
                     }
-                    pipe.xadd(
-                        self.config.stream,
-                        fields,
-                        maxlen=self.config.maxlen,
-                        approximate=True,
-                    )
+                    if event.metadata is not None:
+                        fields["metadata"] = dumps(event.metadata)
+                    pipe.xadd(stream, fields, maxlen=self.config.maxlen, approximate=self.config.maxlen_approximate)
                 results = pipe.execute(raise_on_error=True)
         except self._redis_mod.RedisError as exc:
             self.close()
-            raise SinkError.for_events(
-                "redis",
-                events,
-                f"XADD to stream {self.config.stream!r} failed: {describe_exception(exc)}",
-                self.config.secret_values(),
-            ) from None
+            names = sorted(set(streams))
+            where = f"stream {names[0]!r}" if len(names) == 1 else f"{len(names)} streams"
+            raise self._error(events, f"XADD to {where} at {self._target} failed: {describe_exception(exc)}") from None
         if len(results) != len(events):
-            raise SinkError.for_events(
-                "redis", events, f"expected {len(events)} XADD replies, got {len(results)}"
-            )
+            raise self._error(events, f"expected {len(events)} XADD replies from {self._target}, got {len(results)}")
+
+    def _error(self, events: Sequence[Event], reason: str) -> SinkError:
+        return SinkError.for_events("redis", events, reason, self.config.secret_values())
 
     def close(self) -> None:
         client, self._client = self._client, None
