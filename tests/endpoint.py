@@ -74,7 +74,9 @@ class Endpoint:
             self._server = None
 
     def sink(self, mode: str = "batch") -> dict[str, Any]:
-        return {"type": "http", "url": self.url, "mode": mode, "timeout_secs": 30}
+        # one attempt per publish call: the fault tests exercise the pipeline's failover, not the
+        # sink's own retries (tested in test_sinks.py)
+        return {"type": "http", "url": self.url, "mode": mode, "timeout_secs": 30, "max_attempts": 1}
 
     def unique(self) -> set[int]:
         with self._lock:

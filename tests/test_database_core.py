@@ -507,6 +507,13 @@ def test_partition_maintenance_across_a_simulated_date_change(conn: psycopg.Conn
     # ten days later: housekeeping drops the expired days and creates the new ones
     day10 = day0 + dt.timedelta(days=10)
     conn.execute("select pgstream.create_partitions(1, %s)", [day10])
+    # simulated calendar: stream 1's sensor has read its slot only up to day 0...
+    conn.execute("update pgstream.streams set consumed_through = %s", [dt.datetime(2030, 1, 1, tzinfo=dt.UTC)])
+    assert conn.execute("select pgstream.drop_partitions(7, %s)", [day10]).fetchall() == []  # may be unread
+    with pytest.raises(psycopg.errors.RaiseException, match="hold undelivered events; nothing dropped"):
+        conn.execute("select pgstream.drop_partitions(7, %s, 'fail')", [day10])
+    # the sensor read its slot up to day 10: the expired days go
+    conn.execute("update pgstream.streams set consumed_through = %s", [dt.datetime(2030, 1, 11, tzinfo=dt.UTC)])
     dropped = [r[0] for r in conn.execute("select pgstream.drop_partitions(7, %s)", [day10])]
     assert dropped == ["events_20300101", "events_20300102", "events_20300103"]
     assert _partitions(conn) == ["events_20300111", "events_20300112"]
@@ -524,7 +531,10 @@ def test_insert_never_fails_for_a_missing_partition(users: psycopg.Connection) -
     today = users.execute("select pgstream.utc_today()").fetchone()[0]
     created = [r[0] for r in users.execute("select pgstream.create_partitions(1)")]
     assert created == [f"events_{today + dt.timedelta(days=1):%Y%m%d}"]
-    # expired rows in the default partition are deleted by drop_partitions
+    # expired rows in the default partition are deleted by drop_partitions (once the stream's
+    # sensor has read its slot past them, here simulated)
+    users.execute("update pgstream.streams set consumed_through = %s",
+                  [dt.datetime.combine(today + dt.timedelta(days=8), dt.time(), dt.UTC)])
     users.execute("select pgstream.drop_partitions(7, %s)", [today + dt.timedelta(days=8)])
     assert users.execute("select count(*) from pgstream.events").fetchone() == (0,)
 
