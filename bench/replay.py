@@ -74,7 +74,7 @@ def main() -> None:
             with psycopg.connect(url) as c:
                 c.execute("insert into pgstream.events (payload, stream_id) "
                           "select jsonb_build_object('tg_name', 'orders_insert', 'tg_op', 'INSERT', 'new', "
-                          "jsonb_build_object('id', g, 'customer', 'c-' || (g % 1000), 'amount', g * 1.5)), 1 "
+                          "jsonb_build_object('id', g, 'customer', 'c-' || (g %% 1000), 'amount', g * 1.5)), 1 "
                           "from generate_series(1, %s) g", [n])
             print(f"inserted {n} events in {time.monotonic() - t0:.1f}s")
             sinks = {
