@@ -51,6 +51,8 @@ class DeliveryConfig(_Model):
 class SensorConfig(_Model):
     interval_secs: int = Field(1, ge=1, le=3600)
     tick_budget_secs: float = Field(10.0, gt=0, le=50, description="time one tick may spend filling batches")
+    status_every_secs: float = Field(60, ge=1, le=86400, description="observe the stream status asset at least "
+                                                                     "this often (and whenever the state changes)")
 
 
 class RetryConfig(_Model):

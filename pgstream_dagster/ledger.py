@@ -53,8 +53,12 @@ def _batch(row: dict[str, Any] | None) -> Batch | None:
     return Batch(**row) if row else None
 
 
-def ensure_stream(conn: psycopg.Connection, stream_id: int) -> None:
+def ensure_stream(conn: psycopg.Connection, stream_id: int, slot: str | None = None) -> None:
+    """The stream row (and so its publication) exists; ``slot`` is recorded for status views."""
     conn.execute("select pgstream.ensure_stream(%s)", [stream_id])
+    if slot is not None:
+        conn.execute("update pgstream.streams set slot_name = %s where id = %s and slot_name is distinct from %s",
+                     [slot, stream_id, slot])
 
 
 def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:

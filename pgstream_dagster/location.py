@@ -15,6 +15,7 @@ from .replay import replay_job
 from .resources import PgstreamResource
 from .sensors import stream_sensor
 from .spark import spark_conf
+from .status import status_asset_spec
 
 
 def deliveries_assets(config: PgstreamConfig) -> list[dg.AssetSpec]:
@@ -32,11 +33,15 @@ def deliveries_assets(config: PgstreamConfig) -> list[dg.AssetSpec]:
     ]
 
 
+def status_assets(config: PgstreamConfig) -> list[dg.AssetSpec]:
+    return [status_asset_spec(s.id, deliveries_asset_key(s.id)) for s in config.streams]
+
+
 def build_definitions(path: Path | None = None) -> dg.Definitions:
     path = (path or config_path()).resolve()
     config = load_config(path)
     return dg.Definitions(
-        assets=deliveries_assets(config),
+        assets=[*deliveries_assets(config), *status_assets(config)],
         jobs=[delivery_job, control_job, *[replay_job(s) for s in config.streams]],
         sensors=[stream_sensor(s) for s in config.streams],
         resources={

@@ -29,6 +29,7 @@ from . import ledger, replication
 from .config import StreamConfig
 from .jobs import BATCH_TAG, DELIVERY_JOB, STREAM_TAG
 from .resources import PgstreamResource
+from .status import status_observation, stream_status
 
 _FAILED = {DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
 
@@ -53,7 +54,7 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
     transaction that records the recovery, so an interruption anywhere makes the next tick
     recover again (duplicates possible, losses not).
     """
-    ledger.ensure_stream(conn, stream.id)
+    ledger.ensure_stream(conn, stream.id, stream.slot)
     info = replication.slot_info(conn, stream.slot)
     pending = ledger.recovery_pending(conn, stream.id)
     if info is not None and info["wal_status"] != "lost" and not pending:
@@ -231,6 +232,20 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
     return None
 
 
+def _observe_status(conn: psycopg.Connection, stream: StreamConfig,
+                    cursor: dict[str, object]) -> dg.AssetObservation | None:
+    """An observation of the stream status asset when the state changed or it is due."""
+    (row,) = stream_status(conn, stream.id) or [None]
+    if row is None:
+        return None
+    due = time.time() - float(cursor.get("status_at", 0)) >= stream.sensor.status_every_secs  # type: ignore[arg-type]
+    if not due and cursor.get("status_state") == row["state"]:
+        return None
+    cursor["status_at"] = time.time()
+    cursor["status_state"] = row["state"]
+    return status_observation(row, cursor)
+
+
 def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
     """The sensor of one stream."""
 
@@ -249,6 +264,13 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
             consumed = consume(conn, stream, stream.sensor.tick_budget_secs)
             request = decide(conn, context.instance, stream, log)
             pending_batches, pending_events = ledger.undelivered_count(conn, stream.id)
+            if consumed.last_event_id is not None:
+                cursor["last_event_id"] = consumed.last_event_id
+            if consumed.last_lsn is not None:
+                cursor["last_lsn"] = consumed.last_lsn
+            cursor["undelivered_batches"] = pending_batches
+            cursor["undelivered_events"] = pending_events
+            observed = _observe_status(conn, stream, cursor)
         if consumed.slot_lost:
             context.log.warning(f"slot {stream.slot} was invalidated (WAL limit); replacing it and recovering "
                                 "undelivered events from pgstream.events")
@@ -258,16 +280,12 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
             context.log.info(f"recorded batches {consumed.batches} ({consumed.events} events)")
         for line in log:
             context.log.warning(line)
-        if consumed.last_event_id is not None:
-            cursor["last_event_id"] = consumed.last_event_id
-        if consumed.last_lsn is not None:
-            cursor["last_lsn"] = consumed.last_lsn
-        cursor["undelivered_batches"] = pending_batches
-        cursor["undelivered_events"] = pending_events
-        new_cursor = json.dumps(cursor, sort_keys=True)
+        new_cursor = json.dumps(cursor, sort_keys=True, default=str)
+        events = [observed] if observed is not None else []
         if request is None:
             return dg.SensorResult(skip_reason=dg.SkipReason(
-                f"{pending_events} undelivered events in {pending_batches} batches"), cursor=new_cursor)
-        return dg.SensorResult(run_requests=[request], cursor=new_cursor)
+                f"{pending_events} undelivered events in {pending_batches} batches"), cursor=new_cursor,
+                asset_events=events)
+        return dg.SensorResult(run_requests=[request], cursor=new_cursor, asset_events=events)
 
     return _sensor

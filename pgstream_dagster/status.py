@@ -3,40 +3,17 @@ stream (``pgstream-dagster status`` and the UI)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
+import dagster as dg
 import psycopg
 from psycopg.rows import dict_row
 
 _STREAMS = """
-select s.id, s.paused, s.failover_since, s.failover_checkpoint_id, s.failover_checkpoint_ts,
-       s.failover_error, s.failover_retry_at, s.failover_attempts, s.consumed_through, s.recovery_pending,
-       case when s.paused then 'paused'
-            when s.recovery_pending then 'recovering'
-            when s.failover_since is not null and exists (
-                 select 1 from pgstream.batches b where b.stream_id = s.id and b.status = 'failed') then 'failover'
-            when s.failover_since is not null then 'catching up'
-            else 'healthy' end as state,
-       o.batches as undelivered_batches, o.events as undelivered_events,
-       o.oldest_event_id as oldest_undelivered_event_id, o.oldest_commit_at as oldest_undelivered_at,
-       (select coalesce(sum(event_count), 0) from pgstream.batches b
-         where b.stream_id = s.id and b.status = 'delivered'
-           and b.delivered_at >= date_trunc('day', now() at time zone 'UTC') at time zone 'UTC')
-           as delivered_today,
-       (select max(b.last_event_id) from pgstream.batches b where b.stream_id = s.id) as last_recorded_event_id,
-       r.slot_name, r.wal_status,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), r.restart_lsn)::bigint as slot_retained_bytes,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), r.confirmed_flush_lsn)::bigint as slot_lag_bytes
-from pgstream.streams s
-cross join lateral (
-    select count(*) as batches, coalesce(sum(b.event_count), 0) as events,
-           min(b.first_event_id) as oldest_event_id, min(b.first_commit_at) as oldest_commit_at
-    from pgstream.batches b
-    where b.stream_id = s.id and b.status not in ('delivered', 'skipped')) o
-left join pg_replication_slots r
-  on r.slot_name = %(slot_prefix)s || s.id and r.database = current_database()
-where %(stream_id)s::bigint is null or s.id = %(stream_id)s::bigint
-order by s.id
+select * from pgstream.stream_status
+where %(stream_id)s::bigint is null or id = %(stream_id)s::bigint
+order by id
 """
 
 _LAST_BATCHES = """
@@ -48,7 +25,7 @@ from pgstream.batches where stream_id = %s order by id desc limit %s
 def stream_status(conn: psycopg.Connection, stream_id: int | None = None, last: int = 5) -> list[dict[str, Any]]:
     """One dict per stream (all, or ``stream_id``) with its state and the ``last`` batches."""
     with conn.cursor(row_factory=dict_row) as cur:
-        streams = cur.execute(_STREAMS, {"slot_prefix": "pgstream_stream_", "stream_id": stream_id}).fetchall()
+        streams = cur.execute(_STREAMS, {"stream_id": stream_id}).fetchall()
         for s in streams:
             s["last_batches"] = cur.execute(_LAST_BATCHES, [s["id"], last]).fetchall()
     return streams
@@ -70,7 +47,8 @@ def render_status(streams: list[dict[str, Any]]) -> str:
     lines: list[str] = []
     for s in streams:
         slot = (f"slot {s['slot_name']} ({s['wal_status']}, lag {_bytes(s['slot_lag_bytes'])}, "
-                f"retains {_bytes(s['slot_retained_bytes'])} of WAL)" if s["slot_name"] else "slot MISSING")
+                f"retains {_bytes(s['slot_retained_bytes'])} of WAL)" if s["slot_exists"]
+                else f"slot {s['slot_name']} MISSING")
         lines.append(f"stream {s['id']}: {s['state'].upper()}")
         lines.append(f"  backlog: {s['undelivered_events']} undelivered events in {s['undelivered_batches']} "
                      f"batches; oldest undelivered event {s['oldest_undelivered_event_id'] or '-'} "
@@ -88,3 +66,53 @@ def render_status(streams: list[dict[str, Any]]) -> str:
             lines.append(f"  batch {b['id']} {b['kind']} {b['status']}: {b['event_count']} events "
                          f"{b['first_event_id']}..{b['last_event_id']}, attempts {b['attempts']}{err}")
     return "\n".join(lines)
+
+
+# --- the stream status asset: observed by the stream's sensor ---------------------------------
+
+def status_asset_key(stream_id: int) -> dg.AssetKey:
+    return dg.AssetKey(["pgstream", f"stream_{stream_id}", "status"])
+
+
+def status_asset_spec(stream_id: int, deliveries_key: dg.AssetKey) -> dg.AssetSpec:
+    return dg.AssetSpec(
+        key=status_asset_key(stream_id), group_name="pgstream", deps=[deliveries_key], kinds={"postgres"},
+        description=f"Health of stream {stream_id}, observed by its sensor when the state changes and at least "
+                    f"every sensor.status_every_secs: healthy / failover since when, checkpoint, cursor, slot lag, "
+                    f"backlog, events delivered today, last batches.",
+        metadata={"stream_id": stream_id})
+
+
+def _markdown_batches(batches: list[dict[str, Any]]) -> str:
+    rows = ["| batch | kind | status | events | ids | attempts | delivered at |", "|---|---|---|---|---|---|---|"]
+    for b in batches:
+        rows.append(f"| {b['id']} | {b['kind']} | {b['status']} | {b['event_count']} | "
+                    f"{b['first_event_id']}..{b['last_event_id']} | {b['attempts']} | {b['delivered_at'] or ''} |")
+    return "\n".join(rows)
+
+
+def status_observation(s: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObservation:
+    """The stream's status row (``stream_status``) as an observation of its status asset."""
+    now = dt.datetime.now(dt.UTC)
+    oldest = s["oldest_undelivered_at"]
+    metadata: dict[str, Any] = {
+        "state": s["state"],
+        "undelivered_events": int(s["undelivered_events"]),
+        "undelivered_batches": int(s["undelivered_batches"]),
+        "oldest_undelivered_event_id": s["oldest_undelivered_event_id"],
+        "oldest_undelivered_age_secs": round((now - oldest).total_seconds(), 1) if oldest else 0.0,
+        "delivered_today": int(s["delivered_today"]),
+        "cursor_last_event_id": cursor.get("last_event_id"),
+        "cursor_last_lsn": cursor.get("last_lsn"),
+        "slot": f"{s['slot_name']} ({s['wal_status']})" if s["slot_exists"] else f"{s['slot_name']} (missing)",
+        "slot_lag_bytes": s["slot_lag_bytes"],
+        "slot_retained_wal_bytes": s["slot_retained_bytes"],
+        "failover_since": dg.MetadataValue.timestamp(s["failover_since"]) if s["failover_since"] else None,
+        "failover_checkpoint_event_id": s["failover_checkpoint_id"],
+        "failover_attempts": s["failover_attempts"],
+        "failover_next_retry": dg.MetadataValue.timestamp(s["failover_retry_at"]) if s["failover_retry_at"] else None,
+        "failover_error": s["failover_error"],
+        "last_batches": dg.MetadataValue.md(_markdown_batches(s["last_batches"])),
+    }
+    return dg.AssetObservation(asset_key=status_asset_key(s["id"]), description=f"stream {s['id']}: {s['state']}",
+                               metadata={k: v for k, v in metadata.items() if v is not None})

@@ -46,6 +46,7 @@ class Driver:
         self.instance = instance
         self.cursors: dict[int, str | None] = {}
         self.results: list[dg.ExecuteInProcessResult] = []
+        self.observations: list[dg.AssetObservation] = []  # of the stream status assets
 
     def tick(self, stream_id: int) -> dg.SensorResult:
         sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
@@ -54,6 +55,7 @@ class Driver:
                                       resources={"pgstream": PgstreamResource(config_path=str(self.config_path))})
         result = sensor.evaluate_tick(ctx)
         self.cursors[stream_id] = result.cursor
+        self.observations += [e for e in result.asset_events or [] if isinstance(e, dg.AssetObservation)]
         return result  # type: ignore[return-value]
 
     def execute(self, request: dg.RunRequest) -> dg.ExecuteInProcessResult:

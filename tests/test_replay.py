@@ -160,6 +160,14 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
         assert endpoint.unique() == set(range(1, 31))
         assert cli_main(["status", "1", "--database-url", db_url]) == 0
         assert "stream 1: HEALTHY" in capsys.readouterr().out
+        # the stream status asset was observed at every change of state, with the checkpoint
+        states = [o.metadata["state"].value for o in driver.observations]
+        assert states[0] == "healthy" and "failover" in states and states[-1] == "healthy"
+        failover = next(o for o in driver.observations if o.metadata["state"].value == "failover")
+        assert failover.asset_key == dg.AssetKey(["pgstream", "stream_1", "status"])
+        assert failover.metadata["failover_checkpoint_event_id"].value == 1
+        assert "HTTP 500" in failover.metadata["failover_error"].value
+        assert "| 1 | stream |" in failover.metadata["last_batches"].value
 
         # skip: refused without confirmation, then a poison batch is given up on
         with psycopg.connect(db_url) as c:
