@@ -14,6 +14,8 @@ from psycopg import sql
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.migrations import migrate
 
+from .dagster_dev import Databases, drop_databases, make_databases
+
 TEMPLATE = "pgstream_template"
 _counter = itertools.count()
 
@@ -94,3 +96,13 @@ def conn(db_url: str) -> Iterator[psycopg.Connection]:
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def databases(pg: LocalPostgres) -> Iterator[Databases]:
+    """An application database and a Dagster storage database of their own (for `dagster dev`)."""
+    dbs = make_databases(pg)
+    try:
+        yield dbs
+    finally:
+        drop_databases(pg, dbs)

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,14 +20,13 @@ import httpx
 import psycopg
 import pytest
 from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
-from psycopg import sql
 
 from pgstream_dagster.cli import init
-from pgstream_dagster.devdb import LocalPostgres, free_port
 from pgstream_dagster.jobs import DELIVERY_JOB, STREAM_TAG
 from pgstream_dagster.migrations import migrate
 
 from .conftest import repo_root
+from .dagster_dev import Databases, start_dagster_dev, stop_process_group, wait_for
 from .harness import write_config
 
 EVENTS_TIMEOUT_SECS = 240  # the first run starts Spark
@@ -100,162 +94,6 @@ def hook() -> Iterator[Hook]:
         server.shutdown()
         server.server_close()
         thread.join(10)
-
-
-# --------------------------------------------------------------------------------------------
-# databases of their own: the app's and Dagster's storage
-
-
-@dataclass
-class Databases:
-    app_url: str
-    dagster_url: str  # postgresql+psycopg2:// (Dagster's storage breaks on SQLAlchemy's psycopg 3 default)
-
-
-def _drop(pg: LocalPostgres, name: str) -> None:
-    with psycopg.connect(pg.url, autocommit=True) as conn:
-        for (slot,) in conn.execute("select slot_name from pg_replication_slots where database = %s",
-                                    [name]).fetchall():
-            conn.execute("select pg_drop_replication_slot(%s)", [slot])
-        conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
-
-
-@pytest.fixture
-def databases(pg: LocalPostgres) -> Iterator[Databases]:
-    suffix = uuid.uuid4().hex[:8]
-    app, storage = f"e2e_app_{suffix}", f"e2e_dagster_{suffix}"
-    pg.create_database(app)
-    pg.create_database(storage)
-    try:
-        yield Databases(pg.url_for(app), pg.url_for(storage).replace("postgresql://", "postgresql+psycopg2://", 1))
-    finally:
-        _drop(pg, app)
-        _drop(pg, storage)
-
-
-# --------------------------------------------------------------------------------------------
-# `dagster dev`, as a user starts it
-
-
-@dataclass
-class DagsterDev:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-    def tail(self, lines: int = 150) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def graphql(self, query: str, variables: dict[str, Any]) -> dict[str, Any]:
-        response = httpx.post(f"http://127.0.0.1:{self.port}/graphql", timeout=10,
-                              json={"query": query, "variables": variables})
-        response.raise_for_status()
-        return response.json()
-
-
-def start_dagster_dev(tmp_path: Path, env: dict[str, str]) -> DagsterDev:
-    port = free_port()
-    log = tmp_path / "dagster-dev.log"
-    dagster = Path(sys.executable).with_name("dagster")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(dagster), "dev", "-w", str(repo_root() / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
-            cwd=repo_root(), env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-    return DagsterDev(proc, port, log)
-
-
-def _proc_stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time) of a live process (zombies count as dead), from /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-    return None if fields[0] in ("Z", "X") else (int(fields[1]), int(fields[19]))
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-def descendants(root: int) -> dict[int, int]:
-    """Every live descendant of ``root``: pid -> start time (to tell a reused pid apart)."""
-    parents: dict[int, tuple[int, int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) is not None:
-            parents[int(entry.name)] = stat
-    found: dict[int, int] = {}
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, started) in parents.items():
-            if ppid == parent and pid not in found:
-                found[pid] = started
-                frontier.append(pid)
-    return found
-
-
-def stop_process_group(proc: subprocess.Popen[bytes]) -> list[int]:
-    """SIGTERM the whole group (webserver, daemon, code servers, run workers, Spark), wait up to
-    20 s, then SIGKILL whatever is left of it, and of the descendants that left the group (PySpark's
-    worker daemons make sessions of their own). Returns the pids that survived all that."""
-    pgid = proc.pid  # start_new_session: the leader's pid is the group id
-    tree = descendants(proc.pid)
-    outside = [pid for pid in tree if _pgid(pid) not in (None, pgid)]
-    print(f"stopping `dagster dev`: {len(tree)} descendants, {len(outside)} outside its process group")
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:  # the children may outlive the leader for a moment
-        proc.poll()
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.25)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
-
-    def alive() -> list[int]:
-        return [pid for pid, started in tree.items() if (stat := _proc_stat(pid)) and stat[1] == started]
-
-    for pid in alive():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive()
-
-
-def wait_for(what: str, done: Callable[[], bool], timeout: float, dev: DagsterDev,
-             details: Callable[[], str] = lambda: "") -> float:
-    """Poll ``done`` until true; returns the seconds waited. On timeout (or when ``dagster dev``
-    dies) fail with the tail of its log."""
-    started = time.monotonic()
-    while True:
-        if done():
-            return time.monotonic() - started
-        if dev.proc.poll() is not None:
-            pytest.fail(f"`dagster dev` exited with {dev.proc.returncode} while waiting for {what}\n"
-                        f"{details()}\n--- tail of {dev.log} ---\n{dev.tail()}")
-        if time.monotonic() - started > timeout:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{details()}\n"
-                        f"--- tail of {dev.log} ---\n{dev.tail()}")
-        time.sleep(0.5)
 
 
 # --------------------------------------------------------------------------------------------
