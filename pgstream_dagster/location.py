@@ -1,5 +1,5 @@
 """Builds the Dagster definitions from a ``pgstream.yaml``: one sensor and one deliveries asset per
-stream, the delivery job, and the resources."""
+stream, the delivery job, the subscription assets and their checks, housekeeping, and the resources."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ from pathlib import Path
 import dagster as dg
 from dagster_pyspark import PySparkResource
 
+from .assets import deliveries_deps, events_partitions, subscription_assets
+from .checks import stream_checks
 from .config import PgstreamConfig, config_path, load_config
 from .jobs import deliveries_asset_key, delivery_job
 from .resources import PgstreamResource
+from .schedules import checks_job, housekeeping_job, schedules, subscriptions_sensor
 from .sensors import stream_sensor
 from .spark import spark_conf
 
@@ -25,6 +28,7 @@ def deliveries_assets(config: PgstreamConfig) -> list[dg.AssetSpec]:
             metadata={"stream_id": s.id, "sink_type": s.sink.type, "slot": s.slot,
                       "batch_max_size": s.batch.max_size, "ordering": s.delivery.ordering},
             kinds={"postgres", "spark"},
+            deps=deliveries_deps(config, s.id),
         )
         for s in config.streams
     ]
@@ -34,9 +38,11 @@ def build_definitions(path: Path | None = None) -> dg.Definitions:
     path = (path or config_path()).resolve()
     config = load_config(path)
     return dg.Definitions(
-        assets=deliveries_assets(config),
-        jobs=[delivery_job],
-        sensors=[stream_sensor(s) for s in config.streams],
+        assets=[*deliveries_assets(config), *subscription_assets(config), events_partitions],
+        asset_checks=stream_checks(config),
+        jobs=[delivery_job, housekeeping_job, checks_job],
+        schedules=schedules(config),
+        sensors=[*(stream_sensor(s) for s in config.streams), subscriptions_sensor(config)],
         resources={
             # ops hand a Spark DataFrame to each other inside one process
             "io_manager": dg.mem_io_manager,
