@@ -33,13 +33,35 @@ from .subscriptions import (
 
 EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
 
-#: New (missing) or edited (code version changed) subscriptions are applied; a failed apply is
-#: retried once the YAML changes again, not in a loop.
+class CodeVersionOutdated(dg.AutomationCondition):
+    """True when the asset's latest materialization was made with another code version than its
+    current one: state-based, so an edit is never missed (unlike ``code_version_changed``, which
+    only compares consecutive evaluations and loses to a materialization in between)."""
+
+    @property
+    def name(self) -> str:
+        return "code_version_outdated"
+
+    def evaluate(self, context: dg.AutomationContext) -> dg.AutomationResult:  # type: ignore[override]
+        key = context.key
+        current = context.asset_graph.get(key).code_version
+        latest = context.asset_graph_view.instance.get_latest_materialization_code_versions([key]).get(key)
+        outdated = latest is not None and latest != current
+        return dg.AutomationResult(context, context.candidate_subset if outdated else context.get_empty_subset())
+
+
+#: A failed apply is retried on the next edit of the subscription, else every 5 minutes (the
+#: cause may be another subscription of the file, or a table not created yet): never in a loop.
+RETRY_CRON = "*/5 * * * *"
+
+#: Apply a subscription that was never applied (new) or whose definition changed (edited).
 SUBSCRIPTION_CONDITION = (
-    ((dg.AutomationCondition.missing() & ~dg.AutomationCondition.execution_failed())
-     | dg.AutomationCondition.code_version_changed().since_last_handled())
+    (dg.AutomationCondition.missing() | CodeVersionOutdated())
+    & (~dg.AutomationCondition.execution_failed()
+       | dg.AutomationCondition.code_version_changed().since_last_handled()
+       | dg.AutomationCondition.cron_tick_passed(RETRY_CRON).since_last_handled())
     & ~dg.AutomationCondition.in_progress()
-).with_label("subscription missing or changed")
+).with_label("subscription new or changed")
 
 
 def source_table_key(schema: str, table: str) -> dg.AssetKey:

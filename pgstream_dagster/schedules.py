@@ -41,4 +41,5 @@ def subscriptions_sensor(config: PgstreamConfig) -> dg.AutomationConditionSensor
     return dg.AutomationConditionSensorDefinition(
         SUBSCRIPTIONS_SENSOR, target=dg.AssetSelection.assets(*keys),
         default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=15,
+        use_user_code_server=True,  # the condition has a custom part (CodeVersionOutdated)
         description="Applies new and edited subscriptions of pgstream.yaml (and removes deleted ones).")
