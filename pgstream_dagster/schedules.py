@@ -7,6 +7,8 @@
   default, so a new or edited subscription in pgstream.yaml is applied without anyone clicking.
 """
 
+import warnings
+
 import dagster as dg
 
 from .assets import EVENTS_PARTITIONS_KEY, subscription_keys, subscription_set_key
@@ -38,8 +40,10 @@ def schedules(config: PgstreamConfig) -> list[dg.ScheduleDefinition]:
 
 def subscriptions_sensor(config: PgstreamConfig) -> dg.AutomationConditionSensorDefinition:
     keys = [k for s in config.streams for k in [*subscription_keys(config, s.id).values(), subscription_set_key(s.id)]]
-    return dg.AutomationConditionSensorDefinition(
-        SUBSCRIPTIONS_SENSOR, target=dg.AssetSelection.assets(*keys),
-        default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=15,
-        use_user_code_server=True,  # the condition has a custom part (CodeVersionOutdated)
-        description="Applies new and edited subscriptions of pgstream.yaml (and removes deleted ones).")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.BetaWarning)  # use_user_code_server
+        return dg.AutomationConditionSensorDefinition(
+            SUBSCRIPTIONS_SENSOR, target=dg.AssetSelection.assets(*keys),
+            default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=15,
+            use_user_code_server=True,  # the condition has a custom part (CodeVersionOutdated)
+            description="Applies new and edited subscriptions of pgstream.yaml (and removes deleted ones).")
