@@ -229,3 +229,29 @@ def test_bad_subscription_changes_nothing(app: str, tmp_path: Path, instance: dg
     assert result.success, step_failure(result)
     assert subscriptions(app)[(1, "user-signup", "INSERT")][0] == "not new.verified"
     assert subscriptions(app)[(2, "audit", "DELETE")][1] == ["id", "email"]
+
+
+def test_demo_location_loads_with_assets_checks_and_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    from .conftest import repo_root
+
+    monkeypatch.setenv("PGSTREAM_DATABASE_URL", "postgresql://demo:s3cr3t@127.0.0.1:1/demo")
+    defs = build_definitions(repo_root() / "pgstream.yaml")
+    dg.Definitions.validate_loadable(defs)
+    repo = defs.get_repository_def()
+    graph = repo.asset_graph
+    signup = dg.AssetKey(["pgstream", "stream_1", "subscriptions", "user_signup_insert_demo_users"])
+    changed = dg.AssetKey(["pgstream", "stream_1", "subscriptions", "user_email_changed_update_demo_users"])
+    assert {signup, changed, subscription_set_key(1), deliveries_asset_key(1),
+            dg.AssetKey(["postgres", "demo", "users"]),
+            dg.AssetKey(["pgstream", "events_partitions"])} <= set(graph.get_all_asset_keys())
+    assert graph.get(deliveries_asset_key(1)).parent_keys == {signup, changed}
+    node = graph.get(signup)
+    assert node.code_version and node.automation_condition is not None
+    assert node.group_name == "stream_1_subscriptions"
+    assert node.metadata["table"] == "demo.users" and node.metadata["filter"] == "new.email_verified = true"
+    assert {(c.asset_key, c.name) for c in graph.asset_check_keys} == {
+        (signup, "trigger_matches"), (changed, "trigger_matches"), (deliveries_asset_key(1), "undelivered_age"),
+        (deliveries_asset_key(1), "slot_retained_wal"), (deliveries_asset_key(1), "not_in_failover")}
+    assert {s.name for s in repo.schedule_defs} == {"pgstream_housekeeping", "pgstream_checks"}
+    assert {s.name for s in repo.sensor_defs} == {"pgstream_stream_1", "pgstream_subscriptions"}
+    assert "s3cr3t" not in str([graph.get(k).metadata for k in graph.get_all_asset_keys()])
