@@ -43,6 +43,7 @@ def build_definitions(path: Path | None = None) -> dg.Definitions:
         jobs=[delivery_job, housekeeping_job, checks_job],
         schedules=schedules(config),
         sensors=[*(stream_sensor(s) for s in config.streams), subscriptions_sensor(config)],
+        executor=dg.in_process_executor,  # asset and check runs are small; io_manager is in-memory
         resources={
             # ops hand a Spark DataFrame to each other inside one process
             "io_manager": dg.mem_io_manager,
