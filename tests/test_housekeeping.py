@@ -150,3 +150,14 @@ def test_init_runs_housekeeping_so_today_always_has_a_partition(db_url: str, tmp
         got = partitions(c)
     assert d0 in got and d0 - dt.timedelta(days=30) not in got
     assert not any(line.startswith("housekeeping") for line in init(cfg))  # nothing more to do
+
+
+@pytest.mark.parametrize(("extra", "where"), [("housekeeping: {cron: 'daily'}", "housekeeping.cron"),
+                                              ("checks: {cron: '61 * * * *'}", "checks.cron")])
+def test_bad_cron_names_file_and_key(tmp_path: Path, extra: str, where: str) -> None:
+    from pgstream_dagster.config import ConfigError
+
+    cfg = write_config(tmp_path / "pgstream.yaml", "postgresql://x", [{"id": 1, "sink": {"type": "memory"}}])
+    cfg.write_text(cfg.read_text() + extra + "\n")
+    with pytest.raises(ConfigError, match=rf"{cfg}: {where}: Value error, not a valid cron expression"):
+        build_definitions(cfg)
