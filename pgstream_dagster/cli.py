@@ -46,9 +46,11 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
 
 
 def init(config_path: Path | None = None) -> list[str]:
-    """Migrate, create today's partitions, the streams, their slots, and apply YAML subscriptions."""
+    """Migrate, run housekeeping once (today's partitions), create the streams, their slots, and apply
+    YAML subscriptions."""
     from . import ledger
     from .config import load_config
+    from .housekeeping import run_housekeeping
     from .migrations import migrate
     from .sensors import ConsumeResult, ensure_slot
     from .subscriptions import apply_subscriptions
@@ -57,6 +59,9 @@ def init(config_path: Path | None = None) -> list[str]:
     url = config.database_url.get_secret_value()
     out = [f"applied migration {m}" for m in migrate(url, partitions_ahead=config.housekeeping.days_ahead)]
     with psycopg.connect(url, autocommit=True) as conn:
+        report = run_housekeeping(conn, config.housekeeping)
+        if report.created or report.dropped or report.kept or report.batches_pruned or report.default_rows_deleted:
+            out.append(report.summary())
         for stream in config.streams:
             ledger.ensure_stream(conn, stream.id)
             result = ConsumeResult()

@@ -60,6 +60,13 @@ class RetryConfig(_Model):
     max_backoff_secs: float = Field(300.0, ge=0)
 
 
+class StreamChecksConfig(_Model):
+    """Thresholds of the stream's asset checks (on its deliveries asset)."""
+
+    max_undelivered_age_secs: float = Field(900.0, gt=0, description="SLA: oldest undelivered event at most this old")
+    max_retained_wal_bytes: int = Field(1024**3, ge=0, description="WAL the stream's slot may hold back")
+
+
 class StreamConfig(_Model):
     id: int = Field(ge=1)
     batch: BatchConfig = BatchConfig()
@@ -67,6 +74,7 @@ class StreamConfig(_Model):
     delivery: DeliveryConfig = DeliveryConfig()
     sensor: SensorConfig = SensorConfig()
     retry: RetryConfig = RetryConfig()
+    checks: StreamChecksConfig = StreamChecksConfig()
     slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$")
 
     @property
@@ -100,14 +108,30 @@ class SubscriptionConfig(_Model):
         return v.upper() if isinstance(v, str) else v
 
 
+def _cron(v: str) -> str:
+    from dagster._utils.schedules import is_valid_cron_string
+
+    if not is_valid_cron_string(v):
+        raise ValueError(f"not a valid cron expression: {v!r}")
+    return v
+
+
 class HousekeepingConfig(_Model):
-    cron: str = "0 3 * * *"
+    cron: str = Field("0 3 * * *", description="schedule of the pgstream_housekeeping job (UTC)")
     days_ahead: int = Field(7, ge=0, le=365)
     retention_days: int = Field(7, ge=1, le=3650)
     ledger_keep_days: int = Field(7, ge=1, le=3650)
     undelivered_policy: Literal["keep", "fail"] = Field(
         "keep", description="a partition past retention that holds undelivered events: keep it (warning) or "
                             "fail the housekeeping run and drop nothing")
+
+    _valid_cron = field_validator("cron")(_cron)
+
+
+class ChecksConfig(_Model):
+    cron: str = Field("*/5 * * * *", description="schedule of the pgstream_checks job (UTC)")
+
+    _valid_cron = field_validator("cron")(_cron)
 
 
 class SparkConfig(_Model):
@@ -121,6 +145,7 @@ class PgstreamConfig(_Model):
     streams: list[StreamConfig] = Field(min_length=1)
     subscriptions: list[SubscriptionConfig] = Field(default_factory=list)
     housekeeping: HousekeepingConfig = HousekeepingConfig()
+    checks: ChecksConfig = ChecksConfig()
     spark: SparkConfig = SparkConfig()
 
     @model_validator(mode="after")
@@ -184,8 +209,19 @@ def parse_config(data: Any, source: str = "<config>") -> PgstreamConfig:
         problems = []
         for err in exc.errors():
             where = _location(tuple(p for p in err["loc"] if not (isinstance(p, str) and p in _SINK_TAGS)))
-            problems.append(f"{source}: {where}: {err['msg']}")
+            problems.append(f"{source}: {where}: {err['msg']}{_subscription_hint(data, err['loc'])}")
         raise ConfigError("\n".join(problems)) from None
+
+
+def _subscription_hint(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
+    """`` (subscription 'key')`` for an error inside ``subscriptions[i]`` whose key is readable."""
+    if len(loc) < 2 or loc[0] != "subscriptions" or not isinstance(loc[1], int):
+        return ""
+    subs = data.get("subscriptions")
+    if not isinstance(subs, list) or loc[1] >= len(subs) or not isinstance(subs[loc[1]], dict):
+        return ""
+    key = subs[loc[1]].get("key")
+    return f" (subscription {key!r})" if isinstance(key, str) else ""
 
 
 _SINK_TAGS = {"memory", "file", "http", "webhook", "redis", "rabbitmq", "nats", "kafka"}

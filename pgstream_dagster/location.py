@@ -1,5 +1,6 @@
-"""Builds the Dagster definitions from a ``pgstream.yaml``: per stream a sensor, a deliveries asset
-and a replay job; the delivery job, the operator control job, and the resources."""
+"""Builds the Dagster definitions from a ``pgstream.yaml``: per stream a sensor, a deliveries asset,
+a status asset and a replay job; the subscription assets and their checks, housekeeping, the
+delivery and operator control jobs, and the resources."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from pathlib import Path
 import dagster as dg
 from dagster_pyspark import PySparkResource
 
+from .assets import deliveries_deps, events_partitions, subscription_assets
+from .checks import stream_checks
 from .config import PgstreamConfig, config_path, load_config
 from .controls import control_job
 from .jobs import deliveries_asset_key, delivery_job
 from .replay import replay_job
 from .resources import PgstreamResource
+from .schedules import checks_job, housekeeping_job, schedules, subscriptions_sensor
 from .sensors import stream_sensor
 from .spark import spark_conf
 from .status import status_asset_spec
@@ -28,6 +32,7 @@ def deliveries_assets(config: PgstreamConfig) -> list[dg.AssetSpec]:
             metadata={"stream_id": s.id, "sink_type": s.sink.type, "slot": s.slot,
                       "batch_max_size": s.batch.max_size, "ordering": s.delivery.ordering},
             kinds={"postgres", "spark"},
+            deps=deliveries_deps(config, s.id),
         )
         for s in config.streams
     ]
@@ -41,9 +46,13 @@ def build_definitions(path: Path | None = None) -> dg.Definitions:
     path = (path or config_path()).resolve()
     config = load_config(path)
     return dg.Definitions(
-        assets=[*deliveries_assets(config), *status_assets(config)],
-        jobs=[delivery_job, control_job, *[replay_job(s) for s in config.streams]],
-        sensors=[stream_sensor(s) for s in config.streams],
+        assets=[*deliveries_assets(config), *status_assets(config), *subscription_assets(config),
+                events_partitions],
+        asset_checks=stream_checks(config),
+        jobs=[delivery_job, control_job, *[replay_job(s) for s in config.streams], housekeeping_job, checks_job],
+        schedules=schedules(config),
+        sensors=[*(stream_sensor(s) for s in config.streams), subscriptions_sensor(config)],
+        executor=dg.in_process_executor,  # asset and check runs are small; io_manager is in-memory
         resources={
             # ops hand a Spark DataFrame to each other inside one process
             "io_manager": dg.mem_io_manager,

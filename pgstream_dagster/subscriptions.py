@@ -8,7 +8,12 @@ rolls the whole set back.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -48,3 +53,199 @@ def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> lis
             params = [stream.id, *[p for s in subs for p in _params(s)], MANAGED_BY]
             changes += [(a, k, stream.id) for a, k in conn.execute(query, params).fetchall()]
     return changes
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-stream, per-subscription application (the subscription assets) and trigger inspection.
+
+#: (key, schema_name, table_name, operation): a subscription's identity within its stream.
+Identity = tuple[str, str, str, str]
+
+
+class SubscriptionError(ValueError):
+    """A YAML subscription the database refuses; the message names the file, the key and the reason."""
+
+
+def identity(sub: SubscriptionConfig) -> Identity:
+    return (sub.key, sub.schema_name, sub.table_name, sub.operation)
+
+
+def definition(sub: SubscriptionConfig) -> dict[str, Any]:
+    """The subscription as the JSON object ``jsonb_populate_record`` turns into a table row."""
+    return {"key": sub.key, "stream_id": sub.stream_id, "operation": sub.operation,
+            "schema_name": sub.schema_name, "table_name": sub.table_name, "when_clause": sub.when_clause,
+            "column_names": list(sub.column_names), "metadata": sub.metadata,
+            "payload_extensions": [e.model_dump() for e in sub.payload_extensions]}
+
+
+def code_version(sub: SubscriptionConfig) -> str:
+    """A digest of everything that defines the subscription: changes iff its trigger code may change."""
+    text = json.dumps(definition(sub), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def set_code_version(subs: list[SubscriptionConfig]) -> str:
+    """A digest of which subscriptions a stream's YAML declares (membership, not content)."""
+    text = json.dumps(sorted(identity(s) for s in subs), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def asset_name(sub: SubscriptionConfig, siblings: list[SubscriptionConfig]) -> str:
+    """``<key>_<operation>_<schema>_<table>`` made a valid Dagster name (lower case, ``[a-z0-9_]``);
+    a digest of the identity is appended only when two subscriptions of a stream would collide."""
+
+    def slug(s: SubscriptionConfig) -> str:
+        raw = "_".join((s.key, s.operation, s.schema_name, s.table_name)).lower()
+        return re.sub(r"_+", "_", re.sub(r"[^a-z0-9_]", "_", raw)).strip("_") or "subscription"
+
+    name = slug(sub)
+    if sum(1 for s in siblings if slug(s) == name) > 1:
+        name += "_" + hashlib.sha256(json.dumps(identity(sub)).encode()).hexdigest()[:8]
+    return name
+
+
+def _db_error(exc: psycopg.Error) -> str:
+    diag = exc.diag
+    return diag.message_primary or str(exc).strip().splitlines()[0]
+
+
+def validate_all(conn: psycopg.Connection, config: PgstreamConfig, source: str) -> None:
+    """Validate every YAML subscription against the database (tables, columns, expressions) without
+    writing anything. Raises ``SubscriptionError`` naming the file, the subscription and the reason."""
+    with conn.transaction(force_rollback=True):
+        for i, sub in enumerate(config.subscriptions):
+            try:
+                with conn.transaction():
+                    conn.execute("select pgstream.validate_subscription("
+                                 "jsonb_populate_record(null::pgstream.subscriptions, %s))", [Jsonb(definition(sub))])
+            except psycopg.Error as exc:
+                raise SubscriptionError(f"{source}: subscriptions[{i}] (subscription {sub.key!r}, stream "
+                                        f"{sub.stream_id}): {_db_error(exc)}") from None
+
+
+@dataclass(frozen=True)
+class StreamApply:
+    """What one ``set_subscriptions`` call changed: action per identity (inserted/updated/deleted)."""
+
+    changes: dict[Identity, str]
+    hand_made: int  # subscriptions of the stream not managed by the YAML (left alone)
+
+
+def apply_stream(conn: psycopg.Connection, config: PgstreamConfig, stream_id: int, source: str,
+                 selected: set[Identity] | None = None, remove_absent: bool = True) -> StreamApply:
+    """Apply the YAML subscriptions of one stream in one transaction through ``set_subscriptions``.
+
+    ``selected`` (default: all) are written from the YAML; the stream's other YAML-managed
+    subscriptions are passed back unchanged, so a partial apply never drops them. With
+    ``remove_absent``, YAML-managed subscriptions no longer in the YAML are deleted. Subscriptions
+    created in SQL are never touched. The whole file is validated first: any invalid subscription
+    raises ``SubscriptionError`` and nothing changes.
+    """
+    validate_all(conn, config, source)
+    yaml_subs = [s for s in config.subscriptions if s.stream_id == stream_id]
+    declared = {identity(s) for s in yaml_subs}
+    written = [s for s in yaml_subs if selected is None or identity(s) in selected]
+    written_ids = {identity(s) for s in written}
+    with conn.transaction():
+        # set_subscriptions' own lock, taken before we read what to keep (re-entrant in this transaction)
+        conn.execute("select pg_advisory_xact_lock(pg_catalog.hashtext('pgstream.regenerate'))")
+        rows = conn.execute("select key, schema_name, table_name, operation::text, managed_by is not distinct from %s "
+                            "from pgstream.subscriptions where stream_id = %s", [MANAGED_BY, stream_id]).fetchall()
+        current = {(r[0], r[1], r[2], r[3]) for r in rows if r[4]}
+        keep = [list(c) for c in sorted(current)
+                if c not in written_ids and (c in declared or not remove_absent)]
+        try:
+            changed = conn.execute(
+                """select action, key, schema_name, table_name, operation::text
+                   from pgstream.set_subscriptions(%s,
+                       array(select s from pgstream.subscriptions s
+                             where s.stream_id = %s and s.managed_by is not distinct from %s
+                               and exists (select 1 from jsonb_array_elements(%s::jsonb) k
+                                           where k ->> 0 = s.key and k ->> 1 = s.schema_name
+                                             and k ->> 2 = s.table_name and k ->> 3 = s.operation::text))
+                       || array(select jsonb_populate_record(null::pgstream.subscriptions, x)
+                                from jsonb_array_elements(%s::jsonb) x),
+                       %s)""",
+                [stream_id, stream_id, MANAGED_BY, Jsonb(keep), Jsonb([definition(s) for s in written]), MANAGED_BY],
+            ).fetchall()
+        except psycopg.Error as exc:
+            raise SubscriptionError(f"{source}: stream {stream_id}: {_db_error(exc)}") from None
+    return StreamApply(changes={(r[1], r[2], r[3], r[4]): r[0] for r in changed},
+                       hand_made=sum(1 for r in rows if not r[4]))
+
+
+@dataclass(frozen=True)
+class TriggerState:
+    """The installed trigger of one (schema, table, operation) compared with what pgstream generates."""
+
+    trigger_name: str
+    function_name: str
+    expected_hash: str | None  # null: no subscription targets it
+    function_body: str | None
+    when_clause: str | None
+    trigger_oid: int | None = None
+    installed_hash: str | None = None
+    installed_function: str | None = None
+    installed_source: str | None = None
+    enabled: str | None = None  # pg_trigger.tgenabled: O/A/R fire, D disabled
+
+    def problems(self) -> list[str]:
+        """Why the installed trigger does not match its definition (empty: it matches)."""
+        if self.expected_hash is None:
+            return ["no subscription targets this table and operation"]
+        if self.trigger_oid is None:
+            return [f"trigger {self.trigger_name} does not exist"]
+        out: list[str] = []
+        if self.installed_hash != self.expected_hash:
+            out.append(f"trigger {self.trigger_name} was not generated from the current subscriptions "
+                       f"(comment {self.installed_hash!r}, expected {self.expected_hash!r})")
+        if self.installed_function != self.function_name:
+            out.append(f"trigger calls pgstream.{self.installed_function}(), expected pgstream.{self.function_name}()")
+        elif self.installed_source != self.function_body:
+            out.append(f"function pgstream.{self.function_name}() was changed by hand")
+        if self.enabled == "D":
+            out.append(f"trigger {self.trigger_name} is disabled")
+        return out
+
+
+def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: str) -> TriggerState:
+    row = conn.execute(
+        """select pgstream.trigger_name(%(op)s::pgstream.operation_type),
+                  pgstream.trigger_function_name(%(schema)s, %(table)s, %(op)s::pgstream.operation_type),
+                  g.function_body, g.when_clause,
+                  case when g.function_body is not null then 'pgstream generated '
+                       || md5(coalesce(g.function_body, '') || '|' || coalesce(g.when_clause, '')) end
+           from pgstream.generated_trigger(%(schema)s, %(table)s, %(op)s::pgstream.operation_type) g""",
+        {"schema": schema, "table": table, "op": operation}).fetchone()
+    assert row is not None
+    state = TriggerState(trigger_name=row[0], function_name=row[1], function_body=row[2], when_clause=row[3],
+                         expected_hash=row[4])
+    installed = conn.execute(
+        """select t.oid::bigint, obj_description(t.oid, 'pg_trigger'), p.proname::text, p.prosrc, t.tgenabled::text
+           from pg_catalog.pg_trigger t join pg_catalog.pg_proc p on p.oid = t.tgfoid
+           where t.tgrelid = to_regclass(format('%%I.%%I', %s::text, %s::text)) and t.tgname = %s""",
+        [schema, table, state.trigger_name]).fetchone()
+    if installed is None:
+        return state
+    return replace(state, trigger_oid=installed[0], installed_hash=installed[1], installed_function=installed[2],
+                   installed_source=installed[3], enabled=installed[4])
+
+
+def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity) -> dict[str, Any] | None:
+    """The subscription row as stored (normalised like ``definition``), or None."""
+    row = conn.execute(
+        """select when_clause, column_names, metadata, payload_extensions, managed_by
+           from pgstream.subscriptions
+           where stream_id = %s and key = %s and schema_name = %s and table_name = %s and operation::text = %s""",
+        [stream_id, *ident]).fetchone()
+    if row is None:
+        return None
+    return {"when_clause": row[0], "column_names": list(row[1]), "metadata": row[2], "payload_extensions": row[3],
+            "managed_by": row[4]}
+
+
+def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:
+    """Fields where the stored subscription differs from the YAML (as ``set_subscriptions`` stores it)."""
+    want = definition(sub)
+    want["when_clause"] = (sub.when_clause or "").strip() or None
+    return [f for f in ("when_clause", "column_names", "metadata", "payload_extensions") if stored[f] != want[f]]

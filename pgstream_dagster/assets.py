@@ -1,0 +1,223 @@
+"""Assets: the YAML subscriptions (one multi-asset per stream), their source tables, and the
+partition housekeeping of ``pgstream.events``.
+
+Each subscription of ``pgstream.yaml`` is an asset ``pgstream/stream_<id>/subscriptions/<name>``
+whose code version is a digest of its definition. Its automation condition materializes it when it
+is missing (new) or its code version changed (edited), so the automation sensor applies YAML edits
+without anyone clicking. Applying goes through ``pgstream.set_subscriptions`` (one call per stream,
+one transaction): unchanged subscriptions never recreate their trigger, and a subset materialization
+passes the stream's other subscriptions back unchanged. The stream's ``subscription_set`` asset
+(code version = which subscriptions the YAML declares) removes the ones deleted from the YAML.
+"""
+
+import datetime as dt
+from collections.abc import Iterator
+
+import dagster as dg
+from pydantic import Field
+
+from . import housekeeping
+from .config import PgstreamConfig, SubscriptionConfig
+from .resources import PgstreamResource
+from .subscriptions import (
+    Identity,
+    SubscriptionError,
+    TriggerState,
+    apply_stream,
+    asset_name,
+    code_version,
+    identity,
+    set_code_version,
+    trigger_state,
+)
+
+EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
+
+class CodeVersionOutdated(dg.AutomationCondition):
+    """True when the asset's latest materialization was made with another code version than its
+    current one: state-based, so an edit is never missed (unlike ``code_version_changed``, which
+    only compares consecutive evaluations and loses to a materialization in between)."""
+
+    @property
+    def name(self) -> str:
+        return "code_version_outdated"
+
+    def evaluate(self, context: dg.AutomationContext) -> dg.AutomationResult:  # type: ignore[override]
+        key = context.key
+        current = context.asset_graph.get(key).code_version
+        latest = context.asset_graph_view.instance.get_latest_materialization_code_versions([key]).get(key)
+        outdated = latest is not None and latest != current
+        return dg.AutomationResult(context, context.candidate_subset if outdated else context.get_empty_subset())
+
+
+#: A failed apply is retried on the next edit of the subscription, else every 5 minutes (the
+#: cause may be another subscription of the file, or a table not created yet): never in a loop.
+RETRY_CRON = "*/5 * * * *"
+
+#: Apply a subscription that was never applied (new) or whose definition changed (edited).
+SUBSCRIPTION_CONDITION = (
+    (dg.AutomationCondition.missing() | CodeVersionOutdated())
+    & (~dg.AutomationCondition.execution_failed()
+       | dg.AutomationCondition.code_version_changed().since_last_handled()
+       | dg.AutomationCondition.cron_tick_passed(RETRY_CRON).since_last_handled())
+    & ~dg.AutomationCondition.in_progress()
+).with_label("subscription new or changed")
+
+
+def source_table_key(schema: str, table: str) -> dg.AssetKey:
+    return dg.AssetKey(["postgres", schema, table])
+
+
+def subscription_group(stream_id: int) -> str:
+    return f"stream_{stream_id}_subscriptions"
+
+
+def subscription_set_key(stream_id: int) -> dg.AssetKey:
+    return dg.AssetKey(["pgstream", f"stream_{stream_id}", "subscription_set"])
+
+
+def subscription_keys(config: PgstreamConfig, stream_id: int) -> dict[Identity, dg.AssetKey]:
+    """The asset key of every YAML subscription of the stream, by identity."""
+    subs = [s for s in config.subscriptions if s.stream_id == stream_id]
+    return {identity(s): dg.AssetKey(["pgstream", f"stream_{stream_id}", "subscriptions", asset_name(s, subs)])
+            for s in subs}
+
+
+def _describe(sub: SubscriptionConfig) -> str:
+    where = f" where `{sub.when_clause}`" if sub.when_clause else " (every row)"
+    return (f"Subscription `{sub.key}`: {sub.operation} on `{sub.schema_name}.{sub.table_name}`{where} "
+            f"→ stream {sub.stream_id}. Applied from pgstream.yaml through `pgstream.set_subscriptions`; "
+            f"its materialization shows the generated trigger.")
+
+
+def _spec_metadata(sub: SubscriptionConfig) -> dict[str, object]:
+    return {
+        "key": sub.key,
+        "stream_id": sub.stream_id,
+        "table": f"{sub.schema_name}.{sub.table_name}",
+        "operation": sub.operation,
+        "filter": sub.when_clause or "(every row)",
+        "columns": dg.MetadataValue.json(list(sub.column_names)),
+        "payload_extensions": dg.MetadataValue.json([e.model_dump() for e in sub.payload_extensions]),
+        "event_metadata": dg.MetadataValue.json(sub.metadata or {}),
+    }
+
+
+def _trigger_metadata(state: TriggerState) -> dict[str, object]:
+    body = state.function_body or ""
+    return {
+        "trigger": state.trigger_name,
+        "trigger_oid": state.trigger_oid if state.trigger_oid is not None else dg.MetadataValue.null(),
+        "trigger_function": f"pgstream.{state.function_name}()",
+        "trigger_when": state.when_clause or "(none: some subscription on this table has no filter)",
+        "trigger_hash": state.installed_hash or "",
+        "trigger_definition": dg.MetadataValue.md(f"```sql\n{body.strip()}\n```"),
+    }
+
+
+def _stream_subscriptions(config: PgstreamConfig, stream_id: int) -> dg.AssetsDefinition:
+    subs = [s for s in config.subscriptions if s.stream_id == stream_id]
+    keys = subscription_keys(config, stream_id)
+    set_key = subscription_set_key(stream_id)
+    group = subscription_group(stream_id)
+    specs = [
+        dg.AssetSpec(
+            key=keys[identity(s)], group_name=group, description=_describe(s), metadata=_spec_metadata(s),
+            code_version=code_version(s), automation_condition=SUBSCRIPTION_CONDITION, kinds={"postgres"},
+            deps=[source_table_key(s.schema_name, s.table_name)], skippable=True,
+        )
+        for s in subs
+    ]
+    specs.append(dg.AssetSpec(
+        key=set_key, group_name=group, kinds={"postgres"}, skippable=True,
+        code_version=set_code_version(subs), automation_condition=SUBSCRIPTION_CONDITION,
+        description=f"The set of stream {stream_id}'s YAML subscriptions: materializing it deletes the "
+                    f"subscriptions removed from pgstream.yaml (those created in SQL are left alone).",
+        metadata={"stream_id": stream_id, "declared": dg.MetadataValue.json(sorted(s.key for s in subs))},
+    ))
+
+    @dg.multi_asset(name=f"pgstream_stream_{stream_id}_subscriptions", specs=specs, can_subset=True,
+                    description=f"Apply stream {stream_id}'s subscriptions from pgstream.yaml (one transaction).")
+    def _apply(context: dg.AssetExecutionContext, pgstream: PgstreamResource) -> Iterator[dg.MaterializeResult]:
+        selected = context.selected_asset_keys
+        chosen = {ident for ident, key in keys.items() if key in selected}
+        with pgstream.connect() as conn:
+            try:
+                result = apply_stream(conn, config, stream_id, pgstream.config_path, selected=chosen,
+                                      remove_absent=set_key in selected)
+            except SubscriptionError as exc:
+                raise dg.Failure(description=str(exc), metadata={"file": pgstream.config_path}) from None
+            states = {ident: trigger_state(conn, ident[1], ident[2], ident[3]) for ident in chosen}
+        for (key, schema, table, op), action in sorted(result.changes.items()):
+            context.log.info(f"{action} subscription {key!r} ({op} on {schema}.{table}, stream {stream_id})")
+        for sub in subs:
+            ident = identity(sub)
+            if ident not in chosen:
+                continue
+            yield dg.MaterializeResult(asset_key=keys[ident], metadata={
+                "action": result.changes.get(ident, "unchanged"), **_trigger_metadata(states[ident])})
+        if set_key in selected:
+            deleted = sorted(f"{k} ({op} on {s}.{t})" for (k, s, t, op), a in result.changes.items()
+                             if a == "deleted")
+            yield dg.MaterializeResult(asset_key=set_key, metadata={
+                "declared": len(subs), "deleted": dg.MetadataValue.json(deleted),
+                "created_in_sql": result.hand_made})
+
+    return _apply
+
+
+def subscription_assets(config: PgstreamConfig) -> list[dg.AssetsDefinition | dg.AssetSpec]:
+    """The source tables (external) and one subscriptions multi-asset per stream."""
+    tables = sorted({(s.schema_name, s.table_name) for s in config.subscriptions})
+    sources: list[dg.AssetsDefinition | dg.AssetSpec] = [
+        dg.AssetSpec(key=source_table_key(schema, table), group_name="postgres", kinds={"postgres"},
+                     description=f"Table {schema}.{table}: its changes feed pgstream subscriptions.")
+        for schema, table in tables
+    ]
+    return sources + [_stream_subscriptions(config, s.id) for s in config.streams]
+
+
+def deliveries_deps(config: PgstreamConfig, stream_id: int) -> list[dg.AssetKey]:
+    """Lineage: the subscriptions whose events the stream's deliveries carry."""
+    return list(subscription_keys(config, stream_id).values())
+
+
+# ---------------------------------------------------------------------------------------------
+# housekeeping
+
+
+class HousekeepingRunConfig(dg.Config):
+    today: str | None = Field(default=None, description="UTC day to act as (YYYY-MM-DD); default: today")
+
+
+@dg.asset(
+    key=EVENTS_PARTITIONS_KEY,
+    group_name="pgstream",
+    kinds={"postgres"},
+    description="Daily partitions of pgstream.events and the batch ledger: creates partitions ahead, drops "
+                "expired ones (never those holding undelivered events), prunes delivered batches. Run by the "
+                "pgstream_housekeeping schedule (housekeeping.cron) and at start-up.",
+)
+def events_partitions(context: dg.AssetExecutionContext, config: HousekeepingRunConfig,
+                      pgstream: PgstreamResource) -> dg.MaterializeResult:
+    today = dt.date.fromisoformat(config.today) if config.today else None
+    with pgstream.connect() as conn:
+        report = housekeeping.run_housekeeping(conn, pgstream.config.housekeeping, today)
+    context.log.info(report.summary())
+    for warning in report.warnings:
+        context.log.warning(warning)
+    return dg.MaterializeResult(metadata={
+        "today": report.today.isoformat(),
+        "partitions_created": dg.MetadataValue.json(report.created),
+        "partitions_dropped": dg.MetadataValue.json(report.dropped),
+        "partitions_kept": dg.MetadataValue.json(report.kept),
+        "created_count": len(report.created),
+        "dropped_count": len(report.dropped),
+        "kept_count": len(report.kept),
+        "rows_dropped": report.rows_dropped,
+        "bytes_dropped": report.bytes_dropped,
+        "default_rows_deleted": report.default_rows_deleted,
+        "batches_pruned": report.batches_pruned,
+        "warnings": dg.MetadataValue.text("\n".join(report.warnings)),
+        "report": dg.MetadataValue.json(report.as_dict()),
+    })

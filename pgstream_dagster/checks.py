@@ -1,0 +1,165 @@
+"""Asset checks, one multi-asset check per stream (run by the ``pgstream_checks`` schedule, or ad hoc
+from the UI):
+
+* on each subscription asset, ``trigger_matches`` (blocking): the subscription is in the database as
+  the YAML declares it, and its table's generated trigger exists, is enabled, carries the md5 of
+  what ``pgstream.generated_trigger`` produces now and calls the unmodified generated function;
+* on the stream's deliveries asset: ``undelivered_age`` (oldest undelivered event younger than
+  ``streams[].checks.max_undelivered_age_secs``), ``slot_retained_wal`` (the slot exists, is not
+  lost and holds back at most ``streams[].checks.max_retained_wal_bytes`` of WAL) and
+  ``not_in_failover`` (``pgstream.streams.failover_since`` is null; WARN).
+"""
+
+from collections.abc import Iterator
+
+import dagster as dg
+import psycopg
+
+from .assets import subscription_keys
+from .config import PgstreamConfig, StreamConfig, SubscriptionConfig
+from .jobs import deliveries_asset_key
+from .resources import PgstreamResource
+from .subscriptions import differences, identity, stored_definition, trigger_state
+
+TRIGGER_CHECK = "trigger_matches"
+UNDELIVERED_AGE_CHECK = "undelivered_age"
+SLOT_WAL_CHECK = "slot_retained_wal"
+FAILOVER_CHECK = "not_in_failover"
+
+
+def check_subscription(conn: psycopg.Connection, sub: SubscriptionConfig, key: dg.AssetKey) -> dg.AssetCheckResult:
+    """The subscription is stored as declared and its trigger matches its generated definition."""
+    problems: list[str] = []
+    stored = stored_definition(conn, sub.stream_id, identity(sub))
+    if stored is None:
+        problems.append("the subscription is not in pgstream.subscriptions (not applied yet?)")
+    else:
+        problems += [f"{field} differs from pgstream.yaml (not applied yet?)" for field in differences(sub, stored)]
+    state = trigger_state(conn, sub.schema_name, sub.table_name, sub.operation)
+    problems += state.problems() if stored is not None else []
+    return dg.AssetCheckResult(
+        asset_key=key, check_name=TRIGGER_CHECK, passed=not problems, severity=dg.AssetCheckSeverity.ERROR,
+        description="; ".join(problems) or f"{state.trigger_name} on {sub.schema_name}.{sub.table_name} matches",
+        metadata={"table": f"{sub.schema_name}.{sub.table_name}", "operation": sub.operation,
+                  "trigger": state.trigger_name,
+                  "trigger_oid": state.trigger_oid if state.trigger_oid is not None else dg.MetadataValue.null(),
+                  "expected_hash": state.expected_hash or "", "installed_hash": state.installed_hash or "",
+                  "problems": dg.MetadataValue.json(problems)},
+    )
+
+
+def check_undelivered_age(conn: psycopg.Connection, stream: StreamConfig,
+                          ledger_keep_days: int = 7) -> dg.AssetCheckResult:
+    """Oldest undelivered event (ledger batches not delivered, plus events newer than anything the
+    ledger recorded, i.e. still waiting in the slot) is younger than the SLA."""
+    row = conn.execute(
+        """with ledger as (
+               select min(min_created_at) filter (where status not in ('delivered', 'skipped')) as oldest_batch,
+                      count(*) filter (where status not in ('delivered', 'skipped')) as undelivered_batches,
+                      coalesce(sum(event_count) filter (where status not in ('delivered', 'skipped')), 0) as undelivered_events,
+                      max(max_created_at) as newest_recorded
+               from pgstream.batches where stream_id = %(id)s
+           ), waiting as (
+               select min(e.created_at) as oldest, count(*) as events
+               from pgstream.events e, ledger l
+               where e.stream_id = %(id)s
+                 and e.created_at > greatest(l.newest_recorded, now() - make_interval(days => %(keep)s))
+           )
+           select extract(epoch from now() - least(l.oldest_batch, w.oldest))::float8,
+                  l.undelivered_batches, l.undelivered_events, w.events
+           from ledger l, waiting w""",
+        {"id": stream.id, "keep": ledger_keep_days}).fetchone()
+    assert row is not None
+    age, batches, events, waiting = row[0], int(row[1]), int(row[2]), int(row[3])
+    limit = stream.checks.max_undelivered_age_secs
+    passed = age is None or age <= limit
+    return dg.AssetCheckResult(
+        asset_key=deliveries_asset_key(stream.id), check_name=UNDELIVERED_AGE_CHECK, passed=passed,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=("nothing undelivered" if age is None else
+                     f"oldest undelivered event is {age:.0f}s old (SLA {limit:.0f}s)"),
+        metadata={"oldest_undelivered_age_secs": round(age, 3) if age is not None else dg.MetadataValue.null(),
+                  "max_undelivered_age_secs": limit, "undelivered_batches": batches,
+                  "undelivered_events": events, "events_waiting_in_slot": waiting},
+    )
+
+
+def check_slot_wal(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCheckResult:
+    """The stream's slot exists, is not lost, and retains at most the configured WAL."""
+    row = conn.execute(
+        """select wal_status, pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, active
+           from pg_catalog.pg_replication_slots where slot_name = %s and database = current_database()""",
+        [stream.slot]).fetchone()
+    limit = stream.checks.max_retained_wal_bytes
+    if row is None:
+        passed, description, metadata = False, f"slot {stream.slot} does not exist", {}
+    else:
+        status, retained, active = row[0], int(row[1] or 0), bool(row[2])
+        passed = status != "lost" and retained <= limit
+        description = (f"slot {stream.slot} is lost: its WAL was removed" if status == "lost" else
+                       f"slot {stream.slot} retains {retained} bytes of WAL (limit {limit})")
+        metadata = {"wal_status": status or "", "retained_bytes": retained, "active": active}
+    return dg.AssetCheckResult(
+        asset_key=deliveries_asset_key(stream.id), check_name=SLOT_WAL_CHECK, passed=passed,
+        severity=dg.AssetCheckSeverity.ERROR, description=description,
+        metadata={"slot": stream.slot, "max_retained_wal_bytes": limit, **metadata},
+    )
+
+
+def check_failover(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCheckResult:
+    """The stream is not in failover (``pgstream.streams.failover_since`` is null)."""
+    row = conn.execute("select failover_since, failover_checkpoint_id from pgstream.streams where id = %s",
+                       [stream.id]).fetchone()
+    if row is None:
+        passed, description = False, f"stream {stream.id} is not in pgstream.streams (run pgstream-dagster init)"
+        metadata: dict[str, object] = {}
+    else:
+        passed = row[0] is None
+        description = "not in failover" if passed else f"in failover since {row[0].isoformat()}"
+        metadata = {"failover_since": row[0].isoformat() if row[0] else dg.MetadataValue.null(),
+                    "failover_checkpoint_id": row[1] if row[1] is not None else dg.MetadataValue.null()}
+    return dg.AssetCheckResult(
+        asset_key=deliveries_asset_key(stream.id), check_name=FAILOVER_CHECK, passed=passed,
+        severity=dg.AssetCheckSeverity.WARN, description=description, metadata=metadata,
+    )
+
+
+def _stream_checks(config: PgstreamConfig, stream: StreamConfig) -> dg.AssetChecksDefinition:
+    subs = [s for s in config.subscriptions if s.stream_id == stream.id]
+    keys = subscription_keys(config, stream.id)
+    deliveries = deliveries_asset_key(stream.id)
+    specs = [dg.AssetCheckSpec(TRIGGER_CHECK, asset=keys[identity(s)], blocking=True,
+                               description="The subscription is applied and its generated trigger exists, is "
+                                           "enabled and matches its definition.")
+             for s in subs]
+    specs += [
+        dg.AssetCheckSpec(UNDELIVERED_AGE_CHECK, asset=deliveries,
+                          description=f"Oldest undelivered event younger than "
+                                      f"{stream.checks.max_undelivered_age_secs:.0f}s."),
+        dg.AssetCheckSpec(SLOT_WAL_CHECK, asset=deliveries,
+                          description=f"Slot {stream.slot} exists and retains at most "
+                                      f"{stream.checks.max_retained_wal_bytes} bytes of WAL."),
+        dg.AssetCheckSpec(FAILOVER_CHECK, asset=deliveries, description="The stream is not in failover."),
+    ]
+
+    @dg.multi_asset_check(name=f"pgstream_stream_{stream.id}_checks", specs=specs, can_subset=True,
+                          description=f"Health of stream {stream.id}: subscription triggers, backlog, slot, failover.")
+    def _checks(context: dg.AssetCheckExecutionContext, pgstream: PgstreamResource) -> Iterator[dg.AssetCheckResult]:
+        selected = context.selected_asset_check_keys
+        with pgstream.connect() as conn:
+            for sub in subs:
+                key = keys[identity(sub)]
+                if dg.AssetCheckKey(key, TRIGGER_CHECK) in selected:
+                    yield check_subscription(conn, sub, key)
+            if dg.AssetCheckKey(deliveries, UNDELIVERED_AGE_CHECK) in selected:
+                yield check_undelivered_age(conn, stream, config.housekeeping.ledger_keep_days)
+            if dg.AssetCheckKey(deliveries, SLOT_WAL_CHECK) in selected:
+                yield check_slot_wal(conn, stream)
+            if dg.AssetCheckKey(deliveries, FAILOVER_CHECK) in selected:
+                yield check_failover(conn, stream)
+
+    return _checks
+
+
+def stream_checks(config: PgstreamConfig) -> list[dg.AssetChecksDefinition]:
+    return [_stream_checks(config, s) for s in config.streams]

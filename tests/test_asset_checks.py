@@ -1,0 +1,190 @@
+"""Asset checks against a real database and a real Dagster instance: each fails when it should
+(trigger dropped/disabled/altered by hand, old undelivered events, failover, slot WAL) and passes
+otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pgstream_dagster.checks import check_undelivered_age
+from pgstream_dagster.cli import init
+from pgstream_dagster.config import load_config
+from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.jobs import deliveries_asset_key
+from pgstream_dagster.location import build_definitions
+from pgstream_dagster.schedules import CHECKS_JOB
+
+from .dagster_instance import postgres_instance
+from .harness import write_config
+
+SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
+          "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
+AGE, WAL, FAILOVER = "undelivered_age", "slot_retained_wal", "not_in_failover"
+
+
+@pytest.fixture
+def instance(pg: LocalPostgres, tmp_path: Path) -> Iterator[dg.DagsterInstance]:
+    with postgres_instance(pg, tmp_path) as inst:
+        yield inst
+
+
+def stream(**checks: Any) -> list[dict[str, Any]]:
+    return [{"id": 1, "sink": {"type": "memory"}, "checks": checks}]
+
+
+class Checks:
+    """Runs the ``pgstream_checks`` job (what the schedule launches) and reads its evaluations."""
+
+    def __init__(self, cfg: Path, instance: dg.DagsterInstance) -> None:
+        self.defs = build_definitions(cfg)
+        self.instance = instance
+
+    def run(self) -> dict[str, dg.AssetCheckEvaluation]:
+        result = self.defs.resolve_job_def(CHECKS_JOB).execute_in_process(instance=self.instance,
+                                                                          raise_on_error=False)
+        out: dict[str, dg.AssetCheckEvaluation] = {}
+        for ev in result.get_asset_check_evaluations():
+            name = "trigger" if ev.check_name == "trigger_matches" else ev.check_name
+            assert name not in out
+            out[name] = ev
+        # the trigger check is blocking: its failure (only) fails the run, after every check reported
+        assert result.success == out["trigger"].passed
+        return out
+
+    def failing(self) -> set[str]:
+        return {name for name, ev in self.run().items() if not ev.passed}
+
+
+def execute(url: str, *statements: str) -> None:
+    with psycopg.connect(url, autocommit=True) as c:
+        for statement in statements:
+            c.execute(statement)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def app(db_url: str) -> str:
+    execute(db_url, "create table public.users (id serial primary key, email text, verified bool default false)")
+    return db_url
+
+
+def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_path: Path,
+                                                                   instance: dg.DagsterInstance) -> None:
+    cfg = write_config(tmp_path / "pgstream.yaml", app, stream(), [SIGNUP])
+    init(cfg)  # stream, slot, subscription
+    checks = Checks(cfg, instance)
+    first = checks.run()
+    assert set(first) == {"trigger", AGE, WAL, FAILOVER}
+    assert all(ev.passed for ev in first.values()), {n: ev.description for n, ev in first.items()}
+    assert first["trigger"].asset_key == dg.AssetKey(
+        ["pgstream", "stream_1", "subscriptions", "user_signup_insert_public_users"])
+    assert first[AGE].asset_key == deliveries_asset_key(1)
+    assert first["trigger"].severity == dg.AssetCheckSeverity.ERROR
+    assert first[FAILOVER].severity == dg.AssetCheckSeverity.WARN
+
+    # trigger disabled by hand
+    execute(app, "alter table public.users disable trigger pgstream_insert")
+    assert checks.failing() == {"trigger"}
+    execute(app, "alter table public.users enable trigger pgstream_insert")
+    assert checks.failing() == set()
+
+    # trigger function replaced by hand (the trigger's comment still matches: only its source tells)
+    with psycopg.connect(app) as c:
+        (fn,) = c.execute("select p.proname from pg_trigger t join pg_proc p on p.oid = t.tgfoid "
+                          "where t.tgname = 'pgstream_insert'").fetchone()  # type: ignore[misc]
+    execute(app, f"create or replace function pgstream.{fn}() returns trigger language plpgsql "
+                 "as $$ begin return null; end $$")
+    ev = checks.run()["trigger"]
+    assert not ev.passed and "changed by hand" in (ev.description or "")
+
+    # trigger dropped by hand (past the drift guard) -> missing
+    with psycopg.connect(app) as c:
+        c.execute("select set_config('pgstream.internal_ddl', 'on', true)")
+        c.execute("drop trigger pgstream_insert on public.users")
+    ev = checks.run()["trigger"]
+    assert not ev.passed and "does not exist" in (ev.description or "")
+
+    # regenerate it (re-applying the subscriptions fixes both)
+    with psycopg.connect(app, autocommit=True) as c:
+        c.execute("select pgstream.regenerate_trigger('public', 'users', 'INSERT')")
+    assert checks.failing() == set()
+
+    # the subscription edited in SQL behind the YAML's back
+    execute(app, "update pgstream.subscriptions set column_names = '{id}' where key = 'user-signup'")
+    ev = checks.run()["trigger"]
+    assert not ev.passed and "column_names differs" in (ev.description or "")
+    execute(app, "update pgstream.subscriptions set column_names = '{id,email}' where key = 'user-signup'")
+    assert checks.failing() == set()
+
+    # an undelivered batch older than the SLA (default 900 s); delivered, it no longer counts
+    execute(app, "insert into pgstream.events (id, payload, stream_id, created_at) "
+                 "values (1000, '{}', 1, now() - interval '2 hours')",
+            "insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
+            "min_created_at, max_created_at) values (1, '{1000}', 1, 1000, 1000, now() - interval '2 hours', "
+            "now() - interval '2 hours')")
+    ev = checks.run()[AGE]
+    assert not ev.passed
+    assert ev.metadata["undelivered_batches"].value == 1
+    assert 7100 < ev.metadata["oldest_undelivered_age_secs"].value < 7300
+    execute(app, "update pgstream.batches set status = 'delivered', delivered_at = now()")
+    assert checks.failing() == set()
+
+    # events the ledger has not recorded yet (still waiting in the slot) count too
+    execute(app, "insert into pgstream.events (payload, stream_id, created_at) "
+                 "values ('{}', 1, now() - interval '30 minutes')")
+    ev = checks.run()[AGE]
+    assert not ev.passed and ev.metadata["events_waiting_in_slot"].value == 1
+    execute(app, "delete from pgstream.events where created_at > now() - interval '1 hour'")
+    assert checks.failing() == set()
+
+    # failover (set by the failover machinery; here by hand)
+    execute(app, "update pgstream.streams set failover_since = now() where id = 1")
+    ev = checks.run()[FAILOVER]
+    assert not ev.passed and "in failover since" in (ev.description or "")
+    execute(app, "update pgstream.streams set failover_since = null where id = 1")
+    assert checks.failing() == set()
+
+
+def test_slot_wal_check(app: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    # WAL is cluster-wide (other tests write it too): thresholds far from what one test can cause
+    roomy = write_config(tmp_path / "roomy.yaml", app, stream(max_retained_wal_bytes=1024**3), [SIGNUP])
+    tight = write_config(tmp_path / "tight.yaml", app, stream(max_retained_wal_bytes=64 * 1024), [SIGNUP])
+    init(roomy)
+    assert Checks(roomy, instance).failing() == set()
+    # WAL the slot holds back: nobody consumes it while the table changes (~1 MB)
+    execute(app, "insert into public.users (email) select 'u' || g || '@example.com' from generate_series(1, 10000) g")
+    ev = Checks(tight, instance).run()[WAL]
+    assert not ev.passed
+    assert ev.metadata["retained_bytes"].value > 64 * 1024
+    assert ev.metadata["max_retained_wal_bytes"].value == 64 * 1024
+    # the same state under the generous threshold passes
+    ev = Checks(roomy, instance).run()[WAL]
+    assert ev.passed and ev.metadata["retained_bytes"].value > 64 * 1024
+    # no slot at all fails
+    execute(app, "select pg_drop_replication_slot('pgstream_stream_1')")
+    ev = Checks(roomy, instance).run()[WAL]
+    assert not ev.passed and "does not exist" in (ev.description or "")
+
+
+def test_checks_schedule_and_sla_from_config(app: str, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "pgstream.yaml", app, stream(max_undelivered_age_secs=60), [SIGNUP])
+    cfg.write_text(cfg.read_text() + "checks: {cron: '*/15 * * * *'}\n")
+    defs = build_definitions(cfg)
+    schedule = defs.resolve_schedule_def(CHECKS_JOB)
+    assert schedule.cron_schedule == "*/15 * * * *"
+    assert schedule.job_name == CHECKS_JOB
+    assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
+    # an event waiting 2 minutes breaks a 60 s SLA, not the default 900 s one
+    init(cfg)
+    execute(app, "insert into pgstream.events (payload, stream_id, created_at) "
+                 "values ('{}', 1, now() - interval '2 minutes')")
+    strict = load_config(cfg)
+    with psycopg.connect(app) as conn:
+        assert not check_undelivered_age(conn, strict.stream(1)).passed
+        default = write_config(tmp_path / "default.yaml", app, stream(), [SIGNUP])
+        assert check_undelivered_age(conn, load_config(default).stream(1)).passed

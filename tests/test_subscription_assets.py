@@ -1,0 +1,257 @@
+"""Subscriptions of pgstream.yaml as Dagster assets: materializing applies them through
+set_subscriptions, the automation condition picks exactly the new/edited ones, removal and
+hand-made subscriptions behave, a bad YAML changes nothing."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pgstream_dagster.assets import subscription_keys, subscription_set_key
+from pgstream_dagster.config import ConfigError
+from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.jobs import deliveries_asset_key
+from pgstream_dagster.location import build_definitions
+
+from .dagster_instance import materializations, materialize, postgres_instance, step_failure
+from .harness import write_config
+
+STREAMS = [{"id": 1, "sink": {"type": "memory"}}, {"id": 2, "sink": {"type": "memory"}}]
+SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
+          "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"],
+          "payload_extensions": [{"json_path": "group_id", "expression": "new.id::text"}]}
+EMAIL = {"key": "email-changed", "stream_id": 1, "operation": "UPDATE", "schema_name": "public",
+         "table_name": "users", "when_clause": "new.email is distinct from old.email", "column_names": ["id", "email"]}
+ORDER = {"key": "order-placed", "stream_id": 1, "operation": "INSERT", "schema_name": "shop",
+         "table_name": "orders", "column_names": ["id", "total"], "metadata": {"team": "billing"}}
+AUDIT = {"key": "audit", "stream_id": 2, "operation": "DELETE", "schema_name": "public", "table_name": "users",
+         "column_names": ["id"]}
+
+
+@pytest.fixture
+def instance(pg: LocalPostgres, tmp_path: Path) -> Iterator[dg.DagsterInstance]:
+    with postgres_instance(pg, tmp_path) as inst:
+        yield inst
+
+
+@pytest.fixture
+def app(db_url: str) -> str:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create table public.users (id serial primary key, email text, verified bool default false)")
+        c.execute("create schema shop")
+        c.execute("create table shop.orders (id serial primary key, total numeric)")
+        # created by hand in SQL: the YAML must leave it alone
+        c.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
+                  "values ('by-hand', 1, 'DELETE', 'users', '{id}')")
+    return db_url
+
+
+def triggers(url: str) -> dict[str, int]:
+    """Generated triggers: "schema.table pgstream_op" -> trigger oid."""
+    with psycopg.connect(url) as c:
+        rows = c.execute("select n.nspname || '.' || c.relname || ' ' || t.tgname, t.oid::bigint from pg_trigger t "
+                         "join pg_class c on c.oid = t.tgrelid join pg_namespace n on n.oid = c.relnamespace "
+                         "where t.tgname like 'pgstream\\_%' and not t.tgisinternal").fetchall()
+    return dict(rows)
+
+
+def subscriptions(url: str) -> dict[tuple[int, str, str], tuple[Any, ...]]:
+    with psycopg.connect(url) as c:
+        rows = c.execute("select stream_id, key, operation::text, when_clause, column_names, managed_by "
+                         "from pgstream.subscriptions").fetchall()
+    return {(r[0], r[1], r[2]): r[3:] for r in rows}
+
+
+def requested(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: Any = None,
+              evaluation_time: dt.datetime | None = None) -> tuple[set[dg.AssetKey], Any]:
+    """What the automation sensor would materialize now (or at ``evaluation_time``)."""
+    result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor,
+                                               evaluation_time=evaluation_time)
+    return {r.key for r in result.results if r.true_subset.size > 0}, result.cursor
+
+
+def keys(cfg: Path) -> dict[str, dg.AssetKey]:
+    from pgstream_dagster.config import load_config
+
+    config = load_config(cfg)
+    out = {ident[0]: key for s in config.streams for ident, key in subscription_keys(config, s.id).items()}
+    return out | {f"set{s.id}": subscription_set_key(s.id) for s in config.streams}
+
+
+def test_subscription_assets_apply_edit_and_remove(app: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS, [SIGNUP, EMAIL, ORDER, AUDIT])
+    defs = build_definitions(cfg)
+    k = keys(cfg)
+    assert k["user-signup"] == dg.AssetKey(["pgstream", "stream_1", "subscriptions", "user_signup_insert_public_users"])
+    graph = defs.get_repository_def().asset_graph
+    # lineage: source table -> subscription -> the stream's deliveries
+    assert graph.get(k["order-placed"]).parent_keys == {dg.AssetKey(["postgres", "shop", "orders"])}
+    assert graph.get(deliveries_asset_key(1)).parent_keys == {k["user-signup"], k["email-changed"], k["order-placed"]}
+    assert graph.get(deliveries_asset_key(2)).parent_keys == {k["audit"]}
+
+    # 1. a fresh location: the automation sensor asks for every subscription (missing)
+    wanted, cursor = requested(defs, instance)
+    assert wanted == set(k.values())
+    result = materialize(defs, instance, sorted(wanted, key=str))
+    assert result.success, step_failure(result)
+    installed = triggers(app)
+    assert set(installed) == {"public.users pgstream_insert", "public.users pgstream_update",
+                              "public.users pgstream_delete", "shop.orders pgstream_insert"}
+    mats = materializations(result)
+    assert mats[k["user-signup"]]["action"] == "inserted"
+    assert mats[k["user-signup"]]["trigger_oid"] == installed["public.users pgstream_insert"]
+    assert "pgstream.events" in mats[k["user-signup"]]["trigger_definition"]
+    assert mats[k["set1"]]["created_in_sql"] == 1
+    assert subscriptions(app)[(1, "by-hand", "DELETE")][-1] is None
+    assert subscriptions(app)[(1, "user-signup", "INSERT")][-1] == "yaml"
+    # blocking trigger checks ran with the materialization and passed
+    checks = {(c.asset_key, c.check_name): c.passed for c in result.get_asset_check_evaluations()}
+    assert checks[(k["order-placed"], "trigger_matches")] is True
+
+    # 2. nothing changed: nothing requested; materializing anyway recreates no trigger
+    wanted, cursor = requested(defs, instance, cursor)
+    assert wanted == set()
+    again = materialize(defs, instance, sorted(k.values(), key=str))
+    assert again.success, step_failure(again)
+    assert triggers(app) == installed
+    assert {m["action"] for key, m in materializations(again).items() if key not in (k["set1"], k["set2"])} \
+        == {"unchanged"}
+
+    # 3. edit one subscription: exactly it is requested, exactly one trigger is recreated
+    edited = {**EMAIL, "when_clause": "new.email is distinct from old.email and new.verified"}
+    cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS, [SIGNUP, edited, ORDER, AUDIT])
+    defs = build_definitions(cfg)
+    wanted, cursor = requested(defs, instance, cursor)
+    assert wanted == {k["email-changed"]}
+    result = materialize(defs, instance, [k["email-changed"]])
+    assert result.success, step_failure(result)
+    assert materializations(result)[k["email-changed"]]["action"] == "updated"
+    after = triggers(app)
+    changed = {name for name in installed if after.get(name) != installed[name]}
+    assert changed == {"public.users pgstream_update"}
+    assert subscriptions(app)[(1, "email-changed", "UPDATE")][0] == edited["when_clause"]
+
+    # 4. a subset materialization never drops the unselected subscriptions, even ones the YAML changed
+    renamed_cols = {**SIGNUP, "column_names": ["id"]}
+    cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS, [renamed_cols, edited, ORDER, AUDIT])
+    defs = build_definitions(cfg)
+    result = materialize(defs, instance, [k["order-placed"]])
+    assert result.success, step_failure(result)
+    assert triggers(app) == after
+    assert subscriptions(app)[(1, "user-signup", "INSERT")][1] == ["id", "email"]  # not applied: not selected
+    wanted, cursor = requested(defs, instance, cursor)
+    assert wanted == {k["user-signup"]}
+    assert materialize(defs, instance, [k["user-signup"]]).success
+    assert subscriptions(app)[(1, "user-signup", "INSERT")][1] == ["id"]
+    after = triggers(app)
+
+    # 5. remove one from the YAML: the stream's subscription set is requested and drops it (and
+    #    its trigger); the other stream and the hand-made subscription are untouched
+    cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS, [renamed_cols, edited, AUDIT])
+    defs = build_definitions(cfg)
+    wanted, cursor = requested(defs, instance, cursor)
+    assert wanted == {k["set1"]}
+    result = materialize(defs, instance, [k["set1"]])
+    assert result.success, step_failure(result)
+    assert materializations(result)[k["set1"]]["deleted"] == ["order-placed (INSERT on shop.orders)"]
+    assert set(subscriptions(app)) == {(1, "user-signup", "INSERT"), (1, "email-changed", "UPDATE"),
+                                       (2, "audit", "DELETE"), (1, "by-hand", "DELETE")}
+    assert triggers(app) == {name: oid for name, oid in after.items() if name != "shop.orders pgstream_insert"}
+    wanted, cursor = requested(defs, instance, cursor)
+    assert wanted == set()
+
+
+@pytest.mark.parametrize(("bad", "reason"), [
+    ({**ORDER, "colour": "blue"}, "Extra inputs are not permitted"),
+    ({**ORDER, "column_names": "id"}, "Input should be a valid list"),
+])
+def test_bad_yaml_fails_to_load_naming_file_key_and_reason(app: str, tmp_path: Path, bad: dict[str, Any],
+                                                           reason: str) -> None:
+    cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS, [SIGNUP, bad])
+    with pytest.raises(ConfigError) as err:
+        build_definitions(cfg)
+    message = str(err.value)
+    assert str(cfg) in message and "subscriptions[1]" in message and "'order-placed'" in message
+    assert reason in message
+
+
+@pytest.mark.parametrize(("bad", "reason"), [
+    ({**ORDER, "column_names": ["id", "nope"]}, "column_names: column nope does not exist on shop.orders"),
+    ({**ORDER, "when_clause": "new.total > 'x"}, "when_clause: unterminated quoted string"),
+    ({**ORDER, "when_clause": "new.total + 1"}, "when_clause: must be a boolean expression, got type numeric"),
+    ({**ORDER, "payload_extensions": [{"json_path": "a", "expression": "new.missing"}]},
+     "payload_extensions"),
+])
+def test_bad_subscription_changes_nothing(app: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                          bad: dict[str, Any], reason: str) -> None:
+    good = write_config(tmp_path / "good.yaml", app, STREAMS, [SIGNUP, AUDIT])
+    assert materialize(build_definitions(good), instance, sorted(keys(good).values(), key=str)).success
+    before_triggers, before_subs = triggers(app), subscriptions(app)
+
+    # an edit of a good one plus a broken new one in the same file: neither is applied, not even
+    # the good stream-2 change in another run
+    cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS,
+                       [{**SIGNUP, "when_clause": "not new.verified"}, {**AUDIT, "column_names": ["id", "email"]}, bad])
+    defs = build_definitions(cfg)
+    k = keys(cfg)
+    # simulated evaluation times, 30 s into a 5-minute window (the retry cron is */5)
+    now = dt.datetime.now(dt.UTC).replace(second=30, microsecond=0)
+    now += dt.timedelta(minutes=5 - now.minute % 5)
+    wanted, cursor = requested(defs, instance, evaluation_time=now)
+    assert wanted == {k["user-signup"], k["order-placed"], k["set1"], k["audit"]}
+    for selection in ([k["user-signup"], k["order-placed"], k["set1"]], [k["audit"]]):
+        result = materialize(defs, instance, selection)
+        assert not result.success
+        message = step_failure(result)
+        assert str(cfg) in message and "subscriptions[2]" in message and "'order-placed'" in message, message
+        assert reason in message, message
+    assert triggers(app) == before_triggers
+    assert subscriptions(app) == before_subs
+    # the failed applies are not retried in a loop...
+    wanted, cursor = requested(defs, instance, cursor, evaluation_time=now + dt.timedelta(seconds=20))
+    assert wanted == set()
+
+    # ...but once the file is fixed, the next retry tick applies what failed because of it
+    fixed = write_config(tmp_path / "pgstream.yaml", app, STREAMS,
+                         [{**SIGNUP, "when_clause": "not new.verified"}, {**AUDIT, "column_names": ["id", "email"]}])
+    defs = build_definitions(fixed)
+    wanted, cursor = requested(defs, instance, cursor, evaluation_time=now + dt.timedelta(seconds=40))
+    assert wanted == set()  # the failed edits wait for the retry tick; set1 is back to its applied membership
+    wanted, cursor = requested(defs, instance, cursor, evaluation_time=now + dt.timedelta(minutes=6))
+    assert wanted == {k["user-signup"], k["audit"]}
+    result = materialize(defs, instance, sorted(wanted, key=str))
+    assert result.success, step_failure(result)
+    assert subscriptions(app)[(1, "user-signup", "INSERT")][0] == "not new.verified"
+    assert subscriptions(app)[(2, "audit", "DELETE")][1] == ["id", "email"]
+
+
+def test_demo_location_loads_with_assets_checks_and_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    from .conftest import repo_root
+
+    monkeypatch.setenv("PGSTREAM_DATABASE_URL", "postgresql://demo:s3cr3t@127.0.0.1:1/demo")
+    defs = build_definitions(repo_root() / "pgstream.yaml")
+    dg.Definitions.validate_loadable(defs)
+    repo = defs.get_repository_def()
+    graph = repo.asset_graph
+    signup = dg.AssetKey(["pgstream", "stream_1", "subscriptions", "user_signup_insert_demo_users"])
+    changed = dg.AssetKey(["pgstream", "stream_1", "subscriptions", "user_email_changed_update_demo_users"])
+    assert {signup, changed, subscription_set_key(1), deliveries_asset_key(1),
+            dg.AssetKey(["postgres", "demo", "users"]),
+            dg.AssetKey(["pgstream", "events_partitions"])} <= set(graph.get_all_asset_keys())
+    assert graph.get(deliveries_asset_key(1)).parent_keys == {signup, changed}
+    node = graph.get(signup)
+    assert node.code_version and node.automation_condition is not None
+    assert node.group_name == "stream_1_subscriptions"
+    assert node.metadata["table"] == "demo.users" and node.metadata["filter"] == "new.email_verified = true"
+    assert {(c.asset_key, c.name) for c in graph.asset_check_keys} == {
+        (signup, "trigger_matches"), (changed, "trigger_matches"), (deliveries_asset_key(1), "undelivered_age"),
+        (deliveries_asset_key(1), "slot_retained_wal"), (deliveries_asset_key(1), "not_in_failover")}
+    assert {s.name for s in repo.schedule_defs} == {"pgstream_housekeeping", "pgstream_checks"}
+    assert {s.name for s in repo.sensor_defs} == {"pgstream_stream_1", "pgstream_subscriptions"}
+    assert "s3cr3t" not in str([graph.get(k).metadata for k in graph.get_all_asset_keys()])
