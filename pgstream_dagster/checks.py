@@ -56,7 +56,8 @@ def check_undelivered_age(conn: psycopg.Connection, stream: StreamConfig,
         """with ledger as (
                select min(min_created_at) filter (where status not in ('delivered', 'skipped')) as oldest_batch,
                       count(*) filter (where status not in ('delivered', 'skipped')) as undelivered_batches,
-                      coalesce(sum(event_count) filter (where status not in ('delivered', 'skipped')), 0) as undelivered_events,
+                      coalesce(sum(event_count) filter (where status not in ('delivered', 'skipped')), 0)
+                          as undelivered_events,
                       max(max_created_at) as newest_recorded
                from pgstream.batches where stream_id = %(id)s
            ), waiting as (

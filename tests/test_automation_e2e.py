@@ -17,15 +17,9 @@ from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
 from pgstream_dagster.migrations import migrate
 
 from .conftest import repo_root
+from .dagster_dev import Databases, start_dagster_dev, stop_process_group, wait_for
 from .harness import write_config
-from .test_code_location import (  # noqa: F401 (databases is a fixture)
-    READY_TIMEOUT_SECS,
-    Databases,
-    databases,
-    start_dagster_dev,
-    stop_process_group,
-    wait_for,
-)
+from .test_code_location import READY_TIMEOUT_SECS
 
 RELOAD = """
 mutation ($name: String!) {
@@ -53,7 +47,7 @@ def _trigger_oid(url: str) -> int | None:
     return row[0] if row else None
 
 
-def test_daemon_applies_new_and_edited_subscriptions(databases: Databases, tmp_path: Path,  # noqa: F811
+def test_daemon_applies_new_and_edited_subscriptions(databases: Databases, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     app = databases.app_url
     migrate(app)

@@ -56,6 +56,13 @@ def add_events(conn: psycopg.Connection, day: dt.date, n: int, status: str) -> N
         [ids, n, ids[0], ids[-1], day, day, status, status])
 
 
+def sensor_read_up_to(conn: psycopg.Connection, day: dt.date) -> None:
+    """On the simulated calendar, the streams' sensors have read their slots up to ``day``
+    (housekeeping never drops what a stream may not have read yet)."""
+    conn.execute("update pgstream.streams set consumed_through = %s",
+                 [dt.datetime.combine(day, dt.time(), dt.UTC)])
+
+
 def test_housekeeping_on_a_simulated_calendar(conn: psycopg.Connection) -> None:
     (d0,) = conn.execute("select pgstream.utc_today()").fetchone()  # type: ignore[misc]
     conn.execute("select pgstream.ensure_stream(1)")
@@ -69,6 +76,7 @@ def test_housekeeping_on_a_simulated_calendar(conn: psycopg.Connection) -> None:
     add_events(conn, d0 + dt.timedelta(days=3), 2, "pending")  # undelivered: protects its day onwards
     # ten days later: three partitions ahead, everything before day +7 expired
     later = d0 + dt.timedelta(days=10)
+    sensor_read_up_to(conn, later)
     report = run_housekeeping(conn, cfg, today=later)
     assert report.today == later
     assert report.created == [name(later + dt.timedelta(days=i)) for i in range(3)]
@@ -121,6 +129,8 @@ def test_schedule_job_reports_metadata(db_url: str, tmp_path: Path, instance: dg
         c.execute("select pgstream.ensure_stream(1)")
         add_events(c, d0, 50, "delivered")
     today = d0 + dt.timedelta(days=30)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        sensor_read_up_to(c, today)
     job = defs.resolve_job_def(HOUSEKEEPING_JOB)
     result = job.execute_in_process(instance=instance, raise_on_error=False, run_config={
         "ops": {"pgstream__events_partitions": {"config": {"today": today.isoformat()}}}})
