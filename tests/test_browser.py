@@ -6,6 +6,8 @@ taken with `PGSTREAM_SCREENSHOTS=docs/screenshots`."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import json
 import os
 import shutil
@@ -17,7 +19,9 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
+from pgstream_dagster.assets import subscription_keys
 from pgstream_dagster.cli import init
+from pgstream_dagster.config import load_config
 
 from .dagster_dev import DagsterDev, Databases, repo_root, start_dagster_dev, stop_process_group, wait_for
 from .harness import read_jsonl
@@ -31,9 +35,30 @@ TIMEOUT_MS = 240_000
 REPLAY_CONFIG = """ops:
   replay_stream_1:
     config:
-      from_event_id: 1
+      from_time: "{since}"
       subscription_keys: [user-signup]
 """
+CONTROL_CONFIG = """ops:
+  stream_control:
+    config:
+      stream_id: 1
+      action: retry_now
+"""
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """The demo's environment, as `make dev` sets it, for in-process calls."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture
@@ -55,6 +80,21 @@ def _body(page: Page) -> str:
     return page.inner_text("body")
 
 
+def _launch(page: Page, url: str, config: str, shot: Path) -> str:
+    """Open the job's Launchpad, put ``config`` in the editor, launch; returns the run page's text
+    once the run succeeded."""
+    page.goto(url, wait_until="networkidle")
+    page.wait_for_selector(".CodeMirror")
+    assert page.evaluate("(y) => { const cm = document.querySelector('.CodeMirror').CodeMirror;"
+                         " cm.setValue(y); return cm.getValue(); }", config) == config
+    page.wait_for_timeout(1000)  # the config is validated as typed
+    page.screenshot(path=str(shot))
+    page.get_by_role("button", name="Launch Run").click()
+    page.wait_for_url("**/runs/**")
+    page.get_by_text("RUN_SUCCESS").first.wait_for()
+    return _body(page)
+
+
 def test_the_ui_shows_the_demo_and_launches_a_replay(databases: Databases, tmp_path: Path, browser: Browser,
                                                      shots: Path) -> None:
     sink = tmp_path / "demo-events.jsonl"
@@ -63,16 +103,9 @@ def test_the_ui_shows_the_demo_and_launches_a_replay(databases: Databases, tmp_p
            "DAGSTER_HOME": str(tmp_path / "dagster_home"), "PYTHONUNBUFFERED": "1"}
     with psycopg.connect(databases.app_url, autocommit=True) as conn:
         conn.execute((repo_root() / "sql" / "demo" / "demo_schema.sql").read_text())
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with _environ(env):
         print("\n".join(init(repo_root() / "pgstream.yaml")))
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        demo = load_config(repo_root() / "pgstream.yaml")
     (tmp_path / "dagster_home").mkdir()
     shutil.copy(repo_root() / "dagster.yaml", tmp_path / "dagster_home" / "dagster.yaml")
     dev: DagsterDev = start_dagster_dev(tmp_path, env)
@@ -118,23 +151,34 @@ def test_the_ui_shows_the_demo_and_launches_a_replay(databases: Databases, tmp_p
         page.get_by_text("healthy").first.wait_for()
         page.screenshot(path=str(shots / "04-stream-status.png"))
 
-        # replay from the Launchpad
-        page.goto(f"{base}/locations/pgstream/jobs/pgstream_replay_stream_1/playground", wait_until="networkidle")
-        page.wait_for_selector(".CodeMirror")
-        assert page.evaluate("(y) => { const cm = document.querySelector('.CodeMirror').CodeMirror;"
-                             " cm.setValue(y); return cm.getValue(); }", REPLAY_CONFIG) == REPLAY_CONFIG
-        page.wait_for_timeout(1000)  # the config is validated as typed
-        page.screenshot(path=str(shots / "05-launchpad-replay.png"))
+        # lineage: table -> subscription -> deliveries -> status
+        page.goto(f"{base}/assets/pgstream/stream_1/deliveries?view=lineage&lineageScope=upstream",
+                  wait_until="networkidle")
+        page.get_by_text("users").first.wait_for()
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(shots / "02b-lineage.png"))
+
+        # a subscription: its definition and the trigger it generated
+        signup = next(k for k in subscription_keys(demo, 1).values() if "insert" in k.path[-1])
+        page.goto(f"{base}/assets/{'/'.join(signup.path)}", wait_until="networkidle")
+        page.get_by_text("user-signup").first.wait_for()
+        page.screenshot(path=str(shots / "07-subscription.png"))
+
+        # replay a time range of one subscription from the Launchpad
         before = len(read_jsonl(sink))
-        page.get_by_role("button", name="Launch Run").click()
-        page.wait_for_url("**/runs/**")
-        run_id = page.url.rstrip("/").rsplit("/", 1)[1]
-        page.get_by_text("RUN_SUCCESS").first.wait_for()
+        since = (dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)).isoformat(timespec="seconds")
+        run_page = _launch(page, f"{base}/locations/pgstream/jobs/pgstream_replay_stream_1/playground",
+                           REPLAY_CONFIG.format(since=since), shots / "05-launchpad-replay.png")
         page.screenshot(path=str(shots / "06-replay-run.png"))
-        assert "replay of stream 1: 5 events" in _body(page)
+        assert "replay of stream 1: 5 events" in run_page
         replayed = read_jsonl(sink)[before:]
         assert [e["id"] for e in replayed] == [e["id"] for e in read_jsonl(sink)[:5]]  # the same 5, in order
-        print(json.dumps({"replay_run": run_id, "replayed": len(replayed), "screenshots": str(shots)}))
+
+        # operator control: retry the failover checkpoint now (nothing failed here: it says so)
+        control_page = _launch(page, f"{base}/locations/pgstream/jobs/pgstream_stream_control/playground",
+                               CONTROL_CONFIG, shots / "08-control-retry-now.png")
+        assert "stream 1 has no failed batch to retry" in control_page
+        print(json.dumps({"replayed": len(replayed), "screenshots": str(shots)}))
     finally:
         survivors = stop_process_group(dev.proc)
         time.sleep(0.5)
