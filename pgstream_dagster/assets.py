@@ -100,6 +100,7 @@ def _spec_metadata(sub: SubscriptionConfig) -> dict[str, object]:
         "columns": dg.MetadataValue.json(list(sub.column_names)),
         "payload_extensions": dg.MetadataValue.json([e.model_dump() for e in sub.payload_extensions]),
         "event_metadata": dg.MetadataValue.json(sub.metadata or {}),
+        "trigger_mode": sub.trigger_mode,
     }
 
 
@@ -147,7 +148,8 @@ def _stream_subscriptions(config: PgstreamConfig, stream_id: int) -> dg.AssetsDe
                                       remove_absent=set_key in selected)
             except SubscriptionError as exc:
                 raise dg.Failure(description=str(exc), metadata={"file": pgstream.config_path}) from None
-            states = {ident: trigger_state(conn, ident[1], ident[2], ident[3]) for ident in chosen}
+            modes = {identity(s): s.trigger_mode for s in subs}
+            states = {ident: trigger_state(conn, ident[1], ident[2], ident[3], modes[ident]) for ident in chosen}
         for (key, schema, table, op), action in sorted(result.changes.items()):
             context.log.info(f"{action} subscription {key!r} ({op} on {schema}.{table}, stream {stream_id})")
         for sub in subs:

@@ -35,7 +35,7 @@ def check_subscription(conn: psycopg.Connection, sub: SubscriptionConfig, key: d
         problems.append("the subscription is not in pgstream.subscriptions (not applied yet?)")
     else:
         problems += [f"{field} differs from pgstream.yaml (not applied yet?)" for field in differences(sub, stored)]
-    state = trigger_state(conn, sub.schema_name, sub.table_name, sub.operation)
+    state = trigger_state(conn, sub.schema_name, sub.table_name, sub.operation, sub.trigger_mode)
     problems += state.problems() if stored is not None else []
     return dg.AssetCheckResult(
         asset_key=key, check_name=TRIGGER_CHECK, passed=not problems, severity=dg.AssetCheckSeverity.ERROR,

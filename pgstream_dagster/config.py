@@ -101,6 +101,9 @@ class SubscriptionConfig(_Model):
     column_names: list[str] = Field(default_factory=list)
     payload_extensions: list[PayloadExtension] = Field(default_factory=list)
     metadata: dict[str, Any] | None = None
+    trigger_mode: Literal["row", "statement"] = Field(
+        "row", description="row: a deferred FOR EACH ROW trigger (events written at commit); statement: one "
+                           "FOR EACH STATEMENT trigger with a transition table (INSERT and DELETE only)")
 
     @field_validator("operation", mode="before")
     @classmethod

@@ -22,24 +22,12 @@ from .config import PgstreamConfig, SubscriptionConfig
 
 MANAGED_BY = "yaml"
 
-_ROW = ("row(null, %s, null, %s::pgstream.operation_type, %s, %s, %s, %s::text[], %s::jsonb, %s::jsonb, "
-        "null, null, null)::pgstream.subscriptions")
-
-
-def _params(sub: SubscriptionConfig) -> list[object]:
-    return [sub.key, sub.operation, sub.schema_name, sub.table_name, sub.when_clause, sub.column_names,
-            Jsonb(sub.metadata) if sub.metadata is not None else None,
-            Jsonb([e.model_dump() for e in sub.payload_extensions])]
-
-
 def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> list[tuple[str, str, int]]:
     """Make the database's YAML-managed subscriptions equal to ``config.subscriptions``.
 
     Returns ``(action, key, stream_id)`` for every change. Raises ``psycopg.Error`` naming the
     subscription on any invalid one; nothing is changed then.
     """
-    from psycopg import sql
-
     by_stream: dict[int, list[SubscriptionConfig]] = defaultdict(list)
     for sub in config.subscriptions:
         by_stream[sub.stream_id].append(sub)
@@ -47,11 +35,14 @@ def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> lis
     with conn.transaction():
         for stream in config.streams:
             subs = by_stream.get(stream.id, [])
-            query = sql.SQL(
-                "select action, key from pgstream.set_subscriptions(%s, array[{}]::pgstream.subscriptions[], %s)"
-            ).format(sql.SQL(", ").join([sql.SQL(_ROW)] * len(subs)))
-            params = [stream.id, *[p for s in subs for p in _params(s)], MANAGED_BY]
-            changes += [(a, k, stream.id) for a, k in conn.execute(query, params).fetchall()]
+            # jsonb_populate_record, not a row(...) constructor: robust to columns added to the table
+            rows = conn.execute(
+                """select action, key from pgstream.set_subscriptions(%s,
+                       array(select jsonb_populate_record(null::pgstream.subscriptions, x)
+                             from jsonb_array_elements(%s::jsonb) with ordinality as t(x, o) order by o),
+                       %s)""",
+                [stream.id, Jsonb([definition(s) for s in subs]), MANAGED_BY]).fetchall()
+            changes += [(a, k, stream.id) for a, k in rows]
     return changes
 
 
@@ -75,12 +66,16 @@ def definition(sub: SubscriptionConfig) -> dict[str, Any]:
     return {"key": sub.key, "stream_id": sub.stream_id, "operation": sub.operation,
             "schema_name": sub.schema_name, "table_name": sub.table_name, "when_clause": sub.when_clause,
             "column_names": list(sub.column_names), "metadata": sub.metadata,
-            "payload_extensions": [e.model_dump() for e in sub.payload_extensions]}
+            "payload_extensions": [e.model_dump() for e in sub.payload_extensions],
+            "trigger_mode": sub.trigger_mode}
 
 
 def code_version(sub: SubscriptionConfig) -> str:
     """A digest of everything that defines the subscription: changes iff its trigger code may change."""
-    text = json.dumps(definition(sub), sort_keys=True, separators=(",", ":"))
+    d = definition(sub)
+    if d["trigger_mode"] == "row":  # the default: digests from before trigger_mode existed stay valid
+        del d["trigger_mode"]
+    text = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -208,15 +203,17 @@ class TriggerState:
         return out
 
 
-def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: str) -> TriggerState:
+def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: str,
+                  mode: str = "row") -> TriggerState:
+    """The installed ``mode`` ('row' or 'statement') trigger of a table and operation vs its definition."""
     row = conn.execute(
-        """select pgstream.trigger_name(%(op)s::pgstream.operation_type),
-                  pgstream.trigger_function_name(%(schema)s, %(table)s, %(op)s::pgstream.operation_type),
+        """select pgstream.trigger_name(%(op)s::pgstream.operation_type, %(mode)s),
+                  pgstream.trigger_function_name(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s),
                   g.function_body, g.when_clause,
                   case when g.function_body is not null then 'pgstream generated '
                        || md5(coalesce(g.function_body, '') || '|' || coalesce(g.when_clause, '')) end
-           from pgstream.generated_trigger(%(schema)s, %(table)s, %(op)s::pgstream.operation_type) g""",
-        {"schema": schema, "table": table, "op": operation}).fetchone()
+           from pgstream.generated_trigger(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s) g""",
+        {"schema": schema, "table": table, "op": operation, "mode": mode}).fetchone()
     assert row is not None
     state = TriggerState(trigger_name=row[0], function_name=row[1], function_body=row[2], when_clause=row[3],
                          expected_hash=row[4])
@@ -234,18 +231,19 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
 def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity) -> dict[str, Any] | None:
     """The subscription row as stored (normalised like ``definition``), or None."""
     row = conn.execute(
-        """select when_clause, column_names, metadata, payload_extensions, managed_by
+        """select when_clause, column_names, metadata, payload_extensions, managed_by, trigger_mode
            from pgstream.subscriptions
            where stream_id = %s and key = %s and schema_name = %s and table_name = %s and operation::text = %s""",
         [stream_id, *ident]).fetchone()
     if row is None:
         return None
     return {"when_clause": row[0], "column_names": list(row[1]), "metadata": row[2], "payload_extensions": row[3],
-            "managed_by": row[4]}
+            "managed_by": row[4], "trigger_mode": row[5]}
 
 
 def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:
     """Fields where the stored subscription differs from the YAML (as ``set_subscriptions`` stores it)."""
     want = definition(sub)
     want["when_clause"] = (sub.when_clause or "").strip() or None
-    return [f for f in ("when_clause", "column_names", "metadata", "payload_extensions") if stored[f] != want[f]]
+    return [f for f in ("when_clause", "column_names", "metadata", "payload_extensions", "trigger_mode")
+            if stored[f] != want[f]]
