@@ -44,6 +44,7 @@ def test_good_config_substitutes_env_and_hides_secrets(tmp_path: Path, monkeypat
     (GOOD.replace("type: http", "type: carrier-pigeon"), "streams[0].sink"),
     (GOOD.replace("stream_id: 1, operation", "stream_id: 2, operation"), "uses stream_id 2"),
     (GOOD.replace("operation: insert", "operation: upsert"), "subscriptions[0].operation"),
+    (GOOD.replace("operation: insert", "operation: insert, trigger_mode: rows"), "subscriptions[0].trigger_mode"),
 ])
 def test_bad_config_names_file_key_and_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str,
                                               message: str) -> None:

@@ -187,6 +187,8 @@ def test_bad_yaml_fails_to_load_naming_file_key_and_reason(app: str, tmp_path: P
     ({**ORDER, "when_clause": "new.total + 1"}, "when_clause: must be a boolean expression, got type numeric"),
     ({**ORDER, "payload_extensions": [{"json_path": "a", "expression": "new.missing"}]},
      "payload_extensions"),
+    ({**ORDER, "operation": "UPDATE", "trigger_mode": "statement"},
+     "trigger_mode: statement mode supports INSERT and DELETE only"),
 ])
 def test_bad_subscription_changes_nothing(app: str, tmp_path: Path, instance: dg.DagsterInstance,
                                           bad: dict[str, Any], reason: str) -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
+import dagster as dg
 import psycopg
 import pytest
 
+from pgstream_dagster.checks import check_subscription
 from pgstream_dagster.cli import init
+from pgstream_dagster.config import SubscriptionConfig, load_config
+from pgstream_dagster.subscriptions import code_version, definition
 
 from .harness import write_config
 
@@ -38,3 +44,43 @@ def test_init_applies_yaml_and_a_bad_yaml_changes_nothing(db_url: str, tmp_path:
         keys = c.execute("select key from pgstream.subscriptions").fetchall()
         assert keys == [("by-hand",)]  # hand-made subscriptions are left alone
         assert len(oids) == 2
+
+
+def test_yaml_trigger_mode_statement_round_trip(db_url: str, tmp_path: Path) -> None:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create table public.users (id serial primary key, email text, verified bool)")
+    streams = [{"id": 1, "sink": {"type": "memory"}}]
+    stmt = {**SUB, "trigger_mode": "statement"}
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, streams, [stmt])
+    assert "inserted subscription 'signup' (stream 1)" in init(cfg)
+    sub = load_config(cfg).subscriptions[0]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select tgname from pg_trigger where tgrelid = 'users'::regclass").fetchall() == [
+            ("pgstream_insert_stmt",)]
+        assert c.execute("select trigger_mode from pgstream.subscriptions").fetchone() == ("statement",)
+        check = check_subscription(c, sub, dg.AssetKey("x"))
+        assert check.passed, check.description
+        assert "pgstream_insert_stmt" in (check.description or "")
+        c.execute("insert into users (email, verified) values ('a', true), ('b', false), ('c', true)")
+        assert [r[0] for r in c.execute("select payload->'new'->>'email' from pgstream.events order by id")] == [
+            "a", "c"]
+        # the check notices a subscription whose mode differs from the YAML
+        c.execute("update pgstream.subscriptions set trigger_mode = 'row'")
+        check = check_subscription(c, sub, dg.AssetKey("x"))
+        assert not check.passed and "trigger_mode differs from pgstream.yaml" in (check.description or "")
+    assert init(cfg) == ["updated subscription 'signup' (stream 1)"]
+    assert init(cfg) == []
+    bad = write_config(tmp_path / "bad.yaml", db_url, streams,
+                       [stmt, {**SUB, "key": "upd", "operation": "UPDATE", "trigger_mode": "statement"}])
+    with pytest.raises(psycopg.Error, match=r'subscription "upd".*statement mode supports INSERT and DELETE only'):
+        init(bad)
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select key, trigger_mode from pgstream.subscriptions").fetchall() == [("signup", "statement")]
+
+
+def test_code_version_of_row_mode_subscriptions_is_unchanged_by_the_new_field() -> None:
+    sub = SubscriptionConfig.model_validate(SUB)
+    old = {k: v for k, v in definition(sub).items() if k != "trigger_mode"}
+    text = json.dumps(old, sort_keys=True, separators=(",", ":"))
+    assert code_version(sub) == hashlib.sha256(text.encode()).hexdigest()[:16]
+    assert code_version(sub.model_copy(update={"trigger_mode": "statement"})) != code_version(sub)
