@@ -613,6 +613,19 @@ def _subscribe_all(conn: psycopg.Connection, subs: list[dict[str, Any]], mode: s
         subscribe(conn, **{**sub, "mode": mode})
 
 
+@pytest.mark.parametrize("subs", [[MIXED_SUBS[1], MIXED_SUBS[3]], [MIXED_SUBS[0], MIXED_SUBS[4]]],
+                         ids=["one-per-operation-filtered", "one-per-operation-unfiltered"])
+def test_statement_mode_single_subscription_matches_row_mode(users: psycopg.Connection,
+                                                             subs: list[dict[str, Any]]) -> None:
+    _subscribe_all(users, subs, "row")
+    by_row = _run_workload(users)
+    assert {p["tg_op"] for _, p, _ in by_row} == {"INSERT", "DELETE"}
+    users.execute("update pgstream.subscriptions set trigger_mode = 'statement'")
+    bodies = [r[0] for r in users.execute("select prosrc from pg_proc where proname like '\\_publish\\_%\\_stmt\\_%'")]
+    assert len(bodies) == 2 and not any("lateral" in b for b in bodies)  # the one-subscription form
+    assert _run_workload(users) == by_row
+
+
 def test_statement_mode_produces_the_row_modes_events(users: psycopg.Connection) -> None:
     _subscribe_all(users, MIXED_SUBS, "row")
     by_row = _run_workload(users)
