@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test lint bench bench-replay clean
+.PHONY: dev test lint bench bench-replay bench-write clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ bench: $(STAMP)
 
 bench-replay: $(STAMP)
 	$(BIN)/python bench/replay.py
+
+bench-write: $(STAMP)
+	$(BIN)/python bench/write_overhead.py
 
 clean:
 	rm -rf .pgstream .dagster_home

