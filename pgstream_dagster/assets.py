@@ -110,7 +110,10 @@ def _trigger_metadata(state: TriggerState) -> dict[str, object]:
         "trigger": state.trigger_name,
         "trigger_oid": state.trigger_oid if state.trigger_oid is not None else dg.MetadataValue.null(),
         "trigger_function": f"pgstream.{state.function_name}()",
-        "trigger_when": state.when_clause or "(none: some subscription on this table has no filter)",
+        "trigger_mode": state.mode,
+        "trigger_when": state.when_clause or ("(statement trigger: filters are applied in its INSERT ... SELECT)"
+                                              if state.mode == "statement"
+                                              else "(none: some subscription on this table has no filter)"),
         "trigger_hash": state.installed_hash or "",
         "trigger_definition": dg.MetadataValue.md(f"```sql\n{body.strip()}\n```"),
     }

@@ -183,6 +183,7 @@ class TriggerState:
     installed_function: str | None = None
     installed_source: str | None = None
     enabled: str | None = None  # pg_trigger.tgenabled: O/A/R fire, D disabled
+    mode: str = "row"  # 'row' or 'statement' (trigger_mode)
 
     def problems(self) -> list[str]:
         """Why the installed trigger does not match its definition (empty: it matches)."""
@@ -216,7 +217,7 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
         {"schema": schema, "table": table, "op": operation, "mode": mode}).fetchone()
     assert row is not None
     state = TriggerState(trigger_name=row[0], function_name=row[1], function_body=row[2], when_clause=row[3],
-                         expected_hash=row[4])
+                         expected_hash=row[4], mode=mode)
     installed = conn.execute(
         """select t.oid::bigint, obj_description(t.oid, 'pg_trigger'), p.proname::text, p.prosrc, t.tgenabled::text
            from pg_catalog.pg_trigger t join pg_catalog.pg_proc p on p.oid = t.tgfoid

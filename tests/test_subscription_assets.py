@@ -166,6 +166,26 @@ def test_subscription_assets_apply_edit_and_remove(app: str, tmp_path: Path, ins
     wanted, cursor = requested(defs, instance, cursor)
     assert wanted == set()
 
+    # 6. switch one subscription to statement mode: exactly it is requested; it moves to a statement
+    #    trigger, the row trigger is regenerated for the hand-made DELETE subscription, nothing else changes
+    before = triggers(app)
+    cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS,
+                       [renamed_cols, edited, {**AUDIT, "trigger_mode": "statement"}])
+    defs = build_definitions(cfg)
+    wanted, cursor = requested(defs, instance, cursor)
+    assert wanted == {k["audit"]}
+    result = materialize(defs, instance, [k["audit"]])
+    assert result.success, step_failure(result)
+    mats = materializations(result)
+    assert (mats[k["audit"]]["action"], mats[k["audit"]]["trigger"], mats[k["audit"]]["trigger_mode"]) == (
+        "updated", "pgstream_delete_stmt", "statement")
+    now = triggers(app)
+    assert set(now) == set(before) | {"public.users pgstream_delete_stmt"}
+    assert now["public.users pgstream_delete_stmt"] == mats[k["audit"]]["trigger_oid"]
+    assert {name for name in before if now[name] != before[name]} == {"public.users pgstream_delete"}
+    checks = {(c.asset_key, c.check_name): c.passed for c in result.get_asset_check_evaluations()}
+    assert checks[(k["audit"], "trigger_matches")] is True
+
 
 @pytest.mark.parametrize(("bad", "reason"), [
     ({**ORDER, "colour": "blue"}, "Extra inputs are not permitted"),
