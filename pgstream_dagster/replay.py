@@ -103,7 +103,7 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
         started = time.monotonic()
         try:
             with pgstream.connect() as conn:
-                count, ranges, params = plan(conn, stream.id, config)
+                count, ranges, params = plan(conn, stream.id, config, stream.delivery.rows_per_partition)
         except ReplayError as exc:
             raise dg.Failure(f"replay of stream {stream.id}: {exc}") from None
         what = (f"events {config.from_event_id or 'first'}..{config.to_event_id or 'last'}, "
@@ -118,7 +118,7 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
             pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,
             from_time=params["from_time"].isoformat() if params["from_time"] else None,  # type: ignore[attr-defined]
             to_time=params["to_time"].isoformat() if params["to_time"] else None,  # type: ignore[attr-defined]
-            keys=config.subscription_keys or None)
+            keys=config.subscription_keys or None, packed=True)
         step = max(10_000, count // 20)
         next_log = [step]
 
@@ -129,7 +129,7 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
                 next_log[0] = done + step
 
         delivered = spark.deliver_in_order(frame, stream.sink, config.chunk_size or stream.delivery.chunk_size,
-                                           on_progress=progress)
+                                           on_progress=progress, prefetch=stream.delivery.prefetch_partitions)
         elapsed = time.monotonic() - started
         context.log.info(f"replay of stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
                          f"in {elapsed:.1f}s")
