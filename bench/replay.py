@@ -132,6 +132,7 @@ def main() -> None:
                           "select jsonb_build_object('tg_name', 'orders_insert', 'tg_op', 'INSERT', 'new', "
                           "jsonb_build_object('id', g, 'customer', 'c-' || (g %% 1000), 'amount', g * 1.5)), 1 "
                           "from generate_series(1, %s) g", [n])
+            with psycopg.connect(url, autocommit=True) as c:
                 c.execute("vacuum analyze pgstream.events")
             print(f"inserted {n} events in {time.monotonic() - t0:.1f}s")
             sinks = {
