@@ -31,7 +31,7 @@ class _Model(BaseModel):
 
 class BatchConfig(_Model):
     max_size: int = Field(1000, ge=1, le=1_000_000, description="events per delivery run at most")
-    max_fill_secs: float = Field(5.0, ge=0, le=3600, description="wait at most this long to fill a batch")
+    max_fill_secs: float = Field(0.5, ge=0, le=3600, description="wait at most this long to fill a batch")
 
 
 class DeliveryConfig(_Model):
