@@ -102,7 +102,8 @@ def write_config(path: Path, url: str, stream: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump({
         "database_url": url, "spark": {"master": "local[2]"}, "streams": [stream],
         "subscriptions": [{"key": "bench-orders", "stream_id": stream["id"], "operation": "INSERT",
-                           "table_name": "bench_orders"}]}))
+                           "table_name": "bench_orders",
+                           "column_names": ["id", "seq", "customer", "amount"]}]}))
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(TABLE_SQL)
         apply_subscriptions(conn, load_config(path))
