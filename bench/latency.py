@@ -6,7 +6,8 @@ run via ``execute_in_process``, ephemeral Dagster instance, warm Spark session),
 ``--fill`` value of ``batch.max_fill_secs``, side by side.
 
 Reports p50/p95/p99/max of receipt - commit, and a breakdown from the ledger (per batch: commit ->
-recorded, recorded -> run launched, launched -> delivered). Appended to bench/RESULTS.md.
+recorded (the batch's oldest event), recorded -> run launched,
+launched -> delivered). Appended to bench/RESULTS.md.
 Usage: python bench/latency.py [--duration 60] [--interval 0.2] [--fill 5,0.5]
 """
 
@@ -61,7 +62,7 @@ def _phase(fill: float, pg: Any, tmpdir: Path, webhook: Webhook, args: argparse.
     pg.create_database(name)
     url = pg.url_for(name)
     migrate(url)
-    stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"},
+    stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"}, "slot_name": name,
               "batch": {"max_size": 1000, "max_fill_secs": fill}, "sensor": {"tick_budget_secs": 10}}
     config = write_config(tmpdir / f"{name}.yaml", url, stream)
     before = {seq for seq, _ in webhook.received()}
@@ -85,8 +86,8 @@ def _phase(fill: float, pg: Any, tmpdir: Path, webhook: Webhook, args: argparse.
             while delivered_events(conn, 1) < len(committed) + 1 and time.time() < deadline:
                 driver.step(1)
             rows = conn.execute(
-                """select extract(epoch from created_at - last_commit_at), extract(epoch from launched_at - created_at),
-                          extract(epoch from delivered_at - launched_at)
+                """select extract(epoch from created_at - first_commit_at),
+                          extract(epoch from launched_at - created_at), extract(epoch from delivered_at - launched_at)
                    from pgstream.batches where stream_id = 1 and first_commit_at >= to_timestamp(%s)""",
                 [start - 0.5]).fetchall()
     received = {seq: t for seq, t in webhook.received() if seq >= 0 and seq not in before}
@@ -124,7 +125,7 @@ def main() -> None:
              "subscription; latency = webhook receipt (batch mode, receiver in a child process) - commit returned "
              "to the writer; stream driven in-process (sensor tick then execute_in_process of the requested run, "
              "back to back; ephemeral Dagster instance; Spark session warm after one warm-up event). Breakdown = "
-             "medians over batches from the ledger: commit -> batch recorded, recorded -> run launched, "
+             "medians over batches from the ledger: first commit -> batch recorded, recorded -> run launched, "
              "launched -> marked delivered."]
     for fill, r in results.items():
         b = r["breakdown"]

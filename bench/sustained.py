@@ -57,7 +57,8 @@ def _phase(name: str, url: str, tmpdir: Path, args: argparse.Namespace, webhook:
     else:
         assert webhook is not None
         sink = {"type": "http", "url": webhook.url, "mode": "batch", "max_batch_size": 1000}
-    stream = {"id": 1, "sink": sink, "batch": {"max_size": args.batch_size, "max_fill_secs": args.max_fill_secs},
+    stream = {"id": 1, "sink": sink, "slot_name": f"sustained_{name}",
+              "batch": {"max_size": args.batch_size, "max_fill_secs": args.max_fill_secs},
               "sensor": {"tick_budget_secs": 2},
               "delivery": {"chunk_size": 5000, "max_events_per_run": args.max_events_per_run}}
     config = write_config(tmpdir / f"{name}.yaml", url, stream)
