@@ -37,7 +37,7 @@ from pgstream_dagster.migrations import migrate
 HERE = Path(__file__).resolve().parent
 
 
-def _writer(url: str, start: float, duration: float, interval: float, out: str) -> None:
+def _writer(url: str, start: float, duration: float, interval: float, out: str, base: int) -> None:
     committed: dict[int, float] = {}
     with psycopg.connect(url, autocommit=True) as conn:
         seq = 0
@@ -46,8 +46,8 @@ def _writer(url: str, start: float, duration: float, interval: float, out: str) 
             if due > start + duration:
                 break
             time.sleep(max(0.0, due - time.time()))
-            conn.execute("insert into public.bench_orders (seq, customer, amount) values (%s, 'c', 1)", [seq])
-            committed[seq] = time.time()
+            conn.execute("insert into public.bench_orders (seq, customer, amount) values (%s, 'c', 1)", [base + seq])
+            committed[base + seq] = time.time()
             seq += 1
     Path(out).write_text(json.dumps(committed))
 
@@ -57,7 +57,8 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _phase(fill: float, pg: Any, tmpdir: Path, webhook: Webhook, args: argparse.Namespace) -> dict[str, Any]:
+def _phase(fill: float, pg: Any, tmpdir: Path, webhook: Webhook, args: argparse.Namespace,
+           base: int) -> dict[str, Any]:
     name = f"latency_{str(fill).replace('.', '_')}"
     pg.create_database(name)
     url = pg.url_for(name)
@@ -75,7 +76,8 @@ def _phase(fill: float, pg: Any, tmpdir: Path, webhook: Webhook, args: argparse.
                 driver.step(1)
         out = tmpdir / f"{name}.json"
         start = time.time() + 1
-        writer = multiprocessing.Process(target=_writer, args=(url, start, args.duration, args.interval, str(out)))
+        writer = multiprocessing.Process(target=_writer,
+                                         args=(url, start, args.duration, args.interval, str(out), base))
         writer.start()
         while writer.is_alive() or time.time() < start + args.duration + 1:
             driver.step(1)
@@ -114,7 +116,7 @@ def main() -> None:
         webhook = Webhook()
         try:
             for fill in [float(x) for x in args.fill.split(",")]:
-                r = results[fill] = _phase(fill, pg, tmpdir, webhook, args)
+                r = results[fill] = _phase(fill, pg, tmpdir, webhook, args, base=len(results) * 10_000_000)
                 print(f"max_fill_secs {fill}: {r}")
         finally:
             webhook.stop()
