@@ -188,11 +188,6 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str]) -> dict[s
         "spark.pyspark.python": sys.executable,
         "spark.pyspark.driver.python": sys.executable,
         "spark.sql.shuffle.partitions": "8",
-        # the driver holds at most ~two partitions of packed events: a small heap keeps the JVM's
-        # RSS under 1 GiB (Spark's default 1g heap grows to ~1.3 GB RSS on a long replay), and a
-        # partition's result (~10 MB packed) goes straight to the driver, not through the block manager
-        "spark.driver.memory": "512m",
-        "spark.task.maxDirectResultSize": "64m",
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
     }
     if remote:
