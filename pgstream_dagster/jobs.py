@@ -76,7 +76,9 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgst
         stream = pgstream.stream(config.stream_id)
         frame = spark.load_batches(pyspark.spark_session, pgstream.database_url,
                                    [(b.id, b.event_count, b.confirmed_count if stream.delivery.ordering == "global"
-                                     else 0) for b in batches], stream.delivery.routing_key)
+                                     else 0) for b in batches], stream.delivery.routing_key,
+                                   rows_per_partition=stream.delivery.rows_per_partition,
+                                   packed=stream.delivery.ordering == "global")
     except BaseException:
         lease.close()
         raise
@@ -125,7 +127,8 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches,
         else:
             delivered = spark.deliver_in_order(loaded.frame, stream.sink, stream.delivery.chunk_size,
                                                batch_done, progress,
-                                               lambda batch_id, ord: ledger.mark_confirmed(conn, batch_id, ord))
+                                               lambda batch_id, ord: ledger.mark_confirmed(conn, batch_id, ord),
+                                               prefetch=stream.delivery.prefetch_partitions)
         missing = ledger.not_delivered(conn, [b.id for b in loaded.batches])
     if missing:
         raise dg.Failure(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")

@@ -7,8 +7,14 @@ global order from the driver, or parallel per routing key.
   (replay).
 
 Both split their input into partitions of at most ``rows_per_partition`` rows, read with a
-server-side cursor; the driver pulls one partition at a time, so memory stays bounded whatever
-the size of the backlog.
+server-side cursor; the driver pulls one partition at a time (Spark computes at most the next one
+meanwhile), so memory stays bounded whatever the size of the backlog.
+
+With ``packed`` (the ordered path), a partition is not a row per event but a row per fetch of
+``FETCH_ROWS`` events holding the fetched columns pickled together (:data:`PACKED_SCHEMA`): Spark
+then moves a few large binary values instead of converting every event to a Spark row and back
+(the driver-side ``Row`` conversion was most of the cost of a replay). Payloads stay JSON text all
+the way to the sink (:attr:`Event.payload_json`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import pickle
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,7 +42,12 @@ SCHEMA = ("batch_id long, ord long, id long, stream_id long, created_at timestam
 # Spark redacts option values whose key matches spark.redaction.regex ("secret", "password", ...),
 # so the database URL never shows in plans or the Spark UI.
 URL_OPTION = "secret.database_url"
-ROWS_PER_PARTITION = 20_000
+ROWS_PER_PARTITION = 50_000
+#: rows per server-side cursor FETCH, and per packed row
+FETCH_ROWS = 5_000
+#: one row per fetch: the position of its first event, its event count, and the pickled columns
+#: (batch_ids, ords, ids, stream_ids, created_ats, payloads, metadatas) of its events, in order
+PACKED_SCHEMA = "batch_id long, ord long, events int, data binary"
 
 _BATCH_QUERY = """
 select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
@@ -74,13 +86,24 @@ class _Slice(InputPartition):
     hi: int
 
 
-def _read(url: str, query: str, params: dict[str, Any]) -> Iterator[tuple[Any, ...]]:
+def _fetch(url: str, query: str, params: dict[str, Any]) -> Iterator[list[tuple[Any, ...]]]:
     import psycopg
 
-    with psycopg.connect(url) as conn, conn.cursor(name="pgstream_read") as cur:
-        cur.itersize = 2000
+    # UTC: created_at comes back as an aware UTC datetime, the same on every machine
+    with (psycopg.connect(url, options="-c TimeZone=UTC") as conn,
+          conn.cursor(name="pgstream_read") as cur):
         cur.execute(query, params)
-        yield from cur
+        while rows := cur.fetchmany(FETCH_ROWS):
+            yield rows
+
+
+def _read(url: str, query: str, params: dict[str, Any], packed: bool) -> Iterator[tuple[Any, ...]]:
+    for rows in _fetch(url, query, params):
+        if packed:
+            columns = tuple(zip(*rows, strict=True))[:7]  # without routing_key
+            yield rows[0][0], rows[0][1], len(rows), pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            yield from rows
 
 
 class BatchesReader(DataSourceReader):
@@ -91,6 +114,7 @@ class BatchesReader(DataSourceReader):
                                                     for b, c, d in json.loads(options["batches"])]
         self.size = int(options.get("rows_per_partition", ROWS_PER_PARTITION))
         self.path = options.get("routing_key", "group_id").split(".")
+        self.packed = options.get("packed") == "true"
 
     def partitions(self) -> list[InputPartition]:
         return [_Slice(batch_id, lo, min(lo + self.size - 1, count))
@@ -99,7 +123,7 @@ class BatchesReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, _Slice)
         yield from _read(self.url, _BATCH_QUERY, {"path": self.path, "batch_id": partition.key,
-                                                  "lo": partition.lo, "hi": partition.hi})
+                                                  "lo": partition.lo, "hi": partition.hi}, self.packed)
 
 
 class EventsReader(DataSourceReader):
@@ -113,13 +137,15 @@ class EventsReader(DataSourceReader):
             "keys": json.loads(options["keys"]) if options.get("keys") else None,
             "path": options.get("routing_key", "group_id").split("."),
         }
+        self.packed = options.get("packed") == "true"
 
     def partitions(self) -> list[InputPartition]:
         return [_Slice(0, lo, hi) for lo, hi in self.ranges]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, _Slice)
-        yield from _read(self.url, _EVENTS_QUERY, {**self.params, "lo": partition.lo, "hi": partition.hi})
+        yield from _read(self.url, _EVENTS_QUERY, {**self.params, "lo": partition.lo, "hi": partition.hi},
+                         self.packed)
 
 
 class BatchesDataSource(DataSource):
@@ -130,7 +156,7 @@ class BatchesDataSource(DataSource):
         return BATCHES_SOURCE
 
     def schema(self) -> str:
-        return SCHEMA
+        return PACKED_SCHEMA if self.options.get("packed") == "true" else SCHEMA
 
     def reader(self, schema: Any) -> DataSourceReader:
         return BatchesReader(dict(self.options))
@@ -144,7 +170,7 @@ class EventsDataSource(DataSource):
         return EVENTS_SOURCE
 
     def schema(self) -> str:
-        return SCHEMA
+        return PACKED_SCHEMA if self.options.get("packed") == "true" else SCHEMA
 
     def reader(self, schema: Any) -> DataSourceReader:
         return EventsReader(dict(self.options))
@@ -173,22 +199,24 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str]) -> dict[s
 
 
 def load_batches(spark: SparkSession, database_url: str, batches: list[tuple[int, int, int]], routing_key: str,
-                 rows_per_partition: int = ROWS_PER_PARTITION) -> DataFrame:
+                 rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False) -> DataFrame:
     """The events of ``batches`` (``(batch_id, event_count, confirmed_count)`` in delivery order),
-    without the first ``confirmed_count`` of each."""
+    without the first ``confirmed_count`` of each; ``packed``: in :data:`PACKED_SCHEMA` rows."""
     spark.dataSource.register(BatchesDataSource)
     return (spark.read.format(BATCHES_SOURCE)
             .option(URL_OPTION, database_url)
             .option("batches", json.dumps(batches))
             .option("routing_key", routing_key)
             .option("rows_per_partition", str(rows_per_partition))
+            .option("packed", "true" if packed else "false")
             .load())
 
 
 def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: list[tuple[int, int]],
                 routing_key: str, from_time: str | None = None, to_time: str | None = None,
-                keys: list[str] | None = None) -> DataFrame:
-    """A stream's events with ids in ``ranges`` (one partition each, in order) passing the filters."""
+                keys: list[str] | None = None, packed: bool = False) -> DataFrame:
+    """A stream's events with ids in ``ranges`` (one partition each, in order) passing the filters;
+    ``packed``: in :data:`PACKED_SCHEMA` rows."""
     spark.dataSource.register(EventsDataSource)
     return (spark.read.format(EVENTS_SOURCE)
             .option(URL_OPTION, database_url)
@@ -198,15 +226,35 @@ def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: 
             .option("to_time", to_time or "")
             .option("keys", json.dumps(keys) if keys else "")
             .option("routing_key", routing_key)
+            .option("packed", "true" if packed else "false")
             .load())
 
 
-def _event(row: Any) -> Event:
-    created = row["created_at"]
-    if created.tzinfo is None:
-        created = created.replace(tzinfo=dt.UTC)
-    return Event(id=row["id"], stream_id=row["stream_id"], payload=json.loads(row["payload"]),
-                 metadata=json.loads(row["metadata"]) if row["metadata"] else None, created_at=created)
+Positioned = tuple[int, int, Event]
+"""``(batch_id, ord, event)``: an event and its place in the delivery order."""
+
+
+def _row_events(rows: Iterator[Any]) -> Iterator[Positioned]:
+    """Events of rows in :data:`SCHEMA` (payload and metadata stay JSON text until a sink parses them)."""
+    for row in rows:
+        created = row["created_at"]
+        if created.tzinfo is None:
+            created = created.replace(tzinfo=dt.UTC)
+        yield row["batch_id"], row["ord"], Event(row["id"], row["stream_id"], None, None, created,
+                                                 payload_json=row["payload"], metadata_json=row["metadata"] or None)
+
+
+def _packed_events(rows: Iterator[Any]) -> Iterator[Positioned]:
+    """Events of rows in :data:`PACKED_SCHEMA`, in order."""
+    for row in rows:
+        batch_ids, ords, ids, stream_ids, created, payloads, metadatas = pickle.loads(row["data"])
+        for i in range(len(ids)):
+            yield batch_ids[i], ords[i], Event(ids[i], stream_ids[i], None, None, created[i],
+                                               payload_json=payloads[i], metadata_json=metadatas[i])
+
+
+def is_packed(df: DataFrame) -> bool:
+    return "data" in df.columns
 
 
 BatchDone = Callable[[int, int], None]
@@ -219,12 +267,13 @@ class OrderError(RuntimeError):
     """Rows reached the driver out of order: nothing after them is published."""
 
 
-def _publish_rows(sink_config: SinkConfig, rows: Iterator[Any], chunk_size: int,
+def _publish_rows(sink_config: SinkConfig, rows: Iterator[Positioned], chunk_size: int,
                   on_batch_done: BatchDone | None = None, on_progress: Callable[[int], None] | None = None,
                   on_confirmed: Confirmed | None = None) -> int:
-    """Publish rows (already in the order owed) in chunks through a fresh sink; returns the count
-    the sink confirmed. Raises on the first chunk the sink rejects. A batch is reported done only
-    after the publish call that carried its last event returned."""
+    """Publish events (already in the order owed) in chunks through a fresh sink; returns the count
+    the sink confirmed. An event out of order stops everything before it is published. Raises on
+    the first chunk the sink rejects. A batch is reported done only after the publish call that
+    carried its last event returned."""
     sink = sink_config.build()
     count = 0
     chunk: list[Event] = []
@@ -249,16 +298,16 @@ def _publish_rows(sink_config: SinkConfig, rows: Iterator[Any], chunk_size: int,
         finished = []
 
     try:
-        for row in rows:
-            position = (row["batch_id"], row["ord"])
+        for batch_id, ord, event in rows:
+            position = (batch_id, ord)
             if last is not None and position <= last:
                 raise OrderError(f"row {position} arrived after {last}: refusing to publish out of order")
             last = position
-            if row["batch_id"] != current:
+            if batch_id != current:
                 if current is not None:
                     finished.append((current, in_current))
-                current, in_current = row["batch_id"], 0
-            chunk.append(_event(row))
+                current, in_current = batch_id, 0
+            chunk.append(event)
             in_current += 1
             if len(chunk) >= chunk_size:
                 flush()
@@ -273,11 +322,13 @@ def _publish_rows(sink_config: SinkConfig, rows: Iterator[Any], chunk_size: int,
 def deliver_in_order(df: DataFrame, sink_config: SinkConfig, chunk_size: int,
                      on_batch_done: BatchDone | None = None,
                      on_progress: Callable[[int], None] | None = None,
-                     on_confirmed: Confirmed | None = None) -> int:
-    """Global order: the partitions come to the driver one at a time, in order (no shuffle, so
-    memory is bounded by one partition), and are published chunk by chunk."""
-    return _publish_rows(sink_config, df.toLocalIterator(prefetchPartitions=False), chunk_size,
-                         on_batch_done, on_progress, on_confirmed)
+                     on_confirmed: Confirmed | None = None, prefetch: bool = True) -> int:
+    """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
+    are published chunk by chunk. ``prefetch``: Spark computes the next partition while the
+    driver publishes the current one (memory: two partitions instead of one)."""
+    rows = df.toLocalIterator(prefetchPartitions=prefetch)
+    events = _packed_events(rows) if is_packed(df) else _row_events(rows)
+    return _publish_rows(sink_config, events, chunk_size, on_batch_done, on_progress, on_confirmed)
 
 
 def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int) -> int:
@@ -286,7 +337,7 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
     counter = df.sparkSession.sparkContext.accumulator(0)
 
     def publish_partition(rows: Iterator[Any]) -> None:
-        counter.add(_publish_rows(sink_config, rows, chunk_size))
+        counter.add(_publish_rows(sink_config, _row_events(rows), chunk_size))
 
     (df.repartition(parallelism, "routing_key").sortWithinPartitions("batch_id", "ord")
        .foreachPartition(publish_partition))

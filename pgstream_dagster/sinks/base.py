@@ -8,7 +8,7 @@ import json
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError
 from types import TracebackType
 from typing import Annotated, Any, ClassVar, Self
 
@@ -36,15 +36,73 @@ __all__ = [
 _EXCERPT_CHARS = 200
 
 
-@dataclass(frozen=True)
-class Event:
-    """One change event. ``id`` is the idempotency key: delivering the same id twice is a duplicate."""
+_UNSET: Any = object()
 
-    id: int
-    stream_id: int
-    payload: dict[str, Any]
-    metadata: dict[str, Any] | None
-    created_at: dt.datetime
+
+class Event:
+    """One change event. ``id`` is the idempotency key: delivering the same id twice is a duplicate.
+
+    Immutable. Built either from parsed values (``payload=...``) or from the JSON text read from
+    Postgres (``payload_json=...``): the text is then parsed only when ``payload`` is first read,
+    and the built-in sinks send it as it is (``payload_json``) without parsing it at all.
+    """
+
+    __slots__ = ("_created_at", "_id", "_metadata", "_metadata_json", "_payload", "_payload_json", "_stream_id")
+
+    def __init__(self, id: int, stream_id: int, payload: dict[str, Any] | None = None,
+                 metadata: dict[str, Any] | None = None, created_at: dt.datetime | None = None, *,
+                 payload_json: str | None = None, metadata_json: str | None = None) -> None:
+        if created_at is None:
+            raise TypeError("Event() missing required argument: 'created_at'")
+        if payload is None and payload_json is None:
+            raise TypeError("Event() needs payload or payload_json")
+        setter = object.__setattr__
+        setter(self, "_id", id)
+        setter(self, "_stream_id", stream_id)
+        setter(self, "_created_at", created_at)
+        setter(self, "_payload", _UNSET if payload is None else payload)
+        setter(self, "_payload_json", payload_json)
+        setter(self, "_metadata", _UNSET if metadata is None and metadata_json is not None else metadata)
+        setter(self, "_metadata_json", metadata_json)
+
+    @property
+    def id(self) -> int:
+        return self._id  # type: ignore[no-any-return]
+
+    @property
+    def stream_id(self) -> int:
+        return self._stream_id  # type: ignore[no-any-return]
+
+    @property
+    def created_at(self) -> dt.datetime:
+        return self._created_at  # type: ignore[no-any-return]
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The payload as a dict (parsed from ``payload_json`` on first use)."""
+        if self._payload is _UNSET:
+            object.__setattr__(self, "_payload", json.loads(self._payload_json))
+        return self._payload  # type: ignore[no-any-return]
+
+    @property
+    def metadata(self) -> dict[str, Any] | None:
+        if self._metadata is _UNSET:
+            object.__setattr__(self, "_metadata", json.loads(self._metadata_json))
+        return self._metadata  # type: ignore[no-any-return]
+
+    @property
+    def payload_json(self) -> str:
+        """The payload as JSON text: as read from Postgres, else :func:`dumps` of ``payload``."""
+        if self._payload_json is None:
+            object.__setattr__(self, "_payload_json", dumps(self._payload))
+        return self._payload_json  # type: ignore[no-any-return]
+
+    @property
+    def metadata_json(self) -> str | None:
+        """The metadata as JSON text, ``None`` when there is none."""
+        if self._metadata_json is None and self._metadata is not None:
+            object.__setattr__(self, "_metadata_json", dumps(self._metadata))
+        return self._metadata_json  # type: ignore[no-any-return]
 
     def as_json_dict(self) -> dict[str, Any]:
         """The event as a JSON-ready dict (``created_at`` as ISO 8601)."""
@@ -55,6 +113,43 @@ class Event:
             "payload": self.payload,
             "metadata": self.metadata,
         }
+
+    def to_json(self) -> str:
+        """``as_json_dict()`` as compact JSON text, built around the payload text without parsing it."""
+        metadata = self.metadata_json
+        return (f'{{"id":{self._id},"stream_id":{self._stream_id},"created_at":"{self._created_at.isoformat()}",'
+                f'"payload":{self.payload_json},"metadata":{"null" if metadata is None else metadata}}}')
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.id, self.stream_id, self.payload, self.metadata, self.created_at)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key() == other._key()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # payloads are dicts, like the former frozen dataclass
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make_event, (self.id, self.stream_id, None if self._payload is _UNSET else self._payload,
+                              None if self._metadata is _UNSET else self._metadata, self.created_at,
+                              self._payload_json, self._metadata_json))
+
+    def __repr__(self) -> str:
+        return (f"Event(id={self.id!r}, stream_id={self.stream_id!r}, payload={self.payload!r}, "
+                f"metadata={self.metadata!r}, created_at={self.created_at!r})")
+
+
+def _make_event(id: int, stream_id: int, payload: dict[str, Any] | None, metadata: dict[str, Any] | None,
+                created_at: dt.datetime, payload_json: str | None, metadata_json: str | None) -> Event:
+    return Event(id, stream_id, payload, metadata, created_at, payload_json=payload_json,
+                 metadata_json=metadata_json)
 
 
 class SinkError(Exception):

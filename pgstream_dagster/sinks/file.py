@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, dumps
+from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception
 
 __all__ = ["FileSink", "FileSinkConfig"]
 
@@ -49,7 +49,7 @@ class FileSink(Sink):
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
             return
-        data = memoryview(b"".join(dumps(event.as_json_dict()).encode() + b"\n" for event in events))
+        data = memoryview(("\n".join(event.to_json() for event in events) + "\n").encode())
         start: int | None = None
         try:
             fd = self._open()

@@ -218,20 +218,20 @@ class HttpSink(Sink):
         ]
 
     def _request(self, events: Sequence[Event]) -> _Request:
-        def body_of(event: Event) -> object:
-            return event.payload if self.config.body == "payload" else event.as_json_dict()
+        def body_of(event: Event) -> str:  # JSON text, the payload as read from Postgres
+            return event.payload_json if self.config.body == "payload" else event.to_json()
 
         headers = {name: value.get_secret_value() for name, value in self.config.headers.items()}
         headers["Content-Type"] = "application/json"
         if self.config.mode == "per_event":
             event = events[0]
             msg_id = str(event.id)
-            body = dumps(body_of(event))
+            body = body_of(event)
             headers["X-Pgstream-Event-Id"] = msg_id
             headers["X-Pgstream-Stream-Id"] = str(event.stream_id)
         else:
             msg_id = str(events[0].id) if len(events) == 1 else f"{events[0].id}-{events[-1].id}"
-            body = dumps([body_of(event) for event in events])
+            body = "[" + ",".join(body_of(event) for event in events) + "]"
             headers["X-Pgstream-Event-Ids"] = ",".join(str(event.id) for event in events)
             headers["X-Pgstream-Stream-Id"] = str(events[0].stream_id)
         headers["Idempotency-Key"] = msg_id

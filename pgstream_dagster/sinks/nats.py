@@ -25,7 +25,6 @@ from .base import (
     SinkConfigBase,
     SinkError,
     describe_exception,
-    dumps,
     redact_url,
     route_name,
     scrub,
@@ -156,9 +155,9 @@ class NatsSink(Sink):
                 "Pgstream-Stream-Id": str(event.stream_id),
                 "Content-Type": "application/json",
             }
-            if event.metadata is not None:
-                headers["Pgstream-Metadata"] = dumps(event.metadata)
-            data = dumps(event.payload).encode()
+            if event.metadata_json is not None:
+                headers["Pgstream-Metadata"] = event.metadata_json
+            data = event.payload_json.encode()
             try:
                 if self._js is not None:
                     await self._js.publish(subject, data, timeout=timeout, headers=headers)

@@ -16,7 +16,6 @@ from .base import (
     SinkConfigBase,
     SinkError,
     describe_exception,
-    dumps,
     redact_url,
     route_name,
 )
@@ -127,8 +126,8 @@ class RabbitMqSink(Sink):
             for index, event in enumerate(events):
                 failing, route = events[index : index + 1], routes[index]
                 headers: dict[str, Any] = {"x-pgstream-stream-id": event.stream_id}
-                if event.metadata is not None:
-                    headers["x-pgstream-metadata"] = dumps(event.metadata)
+                if event.metadata_json is not None:
+                    headers["x-pgstream-metadata"] = event.metadata_json
                 properties = self._pika.BasicProperties(
                     content_type="application/json",
                     delivery_mode=2,
@@ -139,7 +138,7 @@ class RabbitMqSink(Sink):
                 channel.basic_publish(
                     exchange=route[0],
                     routing_key=route[1],
-                    body=dumps(event.payload).encode(),
+                    body=event.payload_json.encode(),
                     properties=properties,
                     mandatory=True,
                 )

@@ -16,7 +16,6 @@ from .base import (
     SinkConfigBase,
     SinkError,
     describe_exception,
-    dumps,
     redact_url,
     route_name,
 )
@@ -109,10 +108,11 @@ class RedisSink(Sink):
                         "id": str(event.id),
                         "stream_id": str(event.stream_id),
                         "created_at": event.created_at.isoformat(),
-                        "payload": dumps(event.payload),
+                        "payload": event.payload_json,
                     }
-                    if event.metadata is not None:
-                        fields["metadata"] = dumps(event.metadata)
+                    metadata = event.metadata_json
+                    if metadata is not None:
+                        fields["metadata"] = metadata
                     pipe.xadd(stream, fields, maxlen=self.config.maxlen, approximate=self.config.maxlen_approximate)
                 results = pipe.execute(raise_on_error=True)
         except self._redis_mod.RedisError as exc:

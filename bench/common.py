@@ -1,0 +1,149 @@
+"""Shared pieces of the streaming benchmarks (bench/sustained.py, bench/latency.py): a private
+Postgres, a webhook receiver in a child process that records when each event arrived, and the
+in-process driver (sensor tick, then every requested run with ``execute_in_process``, repeat) that
+``tests/harness.py`` uses, against a real (ephemeral) Dagster instance."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import yaml
+
+from pgstream_dagster.config import load_config
+from pgstream_dagster.jobs import DELIVERY_JOB
+from pgstream_dagster.location import build_definitions
+from pgstream_dagster.resources import PgstreamResource
+from pgstream_dagster.subscriptions import apply_subscriptions
+
+TABLE_SQL = """create table if not exists public.bench_orders (
+    id bigserial primary key, seq bigint not null, customer text not null, amount numeric not null,
+    committed_at double precision)"""
+
+
+def machine() -> str:
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{platform.platform()}, {os.cpu_count()} CPUs, load average {load} at start, "
+            f"Python {platform.python_version()}")
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    received: list[tuple[int, float]]  # (payload new.seq, receipt time)
+    lock: threading.Lock
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        now = time.time()
+        items = body if isinstance(body, list) else [body]
+        with self.lock:
+            self.received.extend((int(p["new"]["seq"]), now) for p in items)
+        self.send_response(204)
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        with self.lock:
+            data = (json.dumps(self.received) if self.path == "/received" else json.dumps(len(self.received))).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+def _serve(ports: Any) -> None:
+    _Receiver.received = []
+    _Receiver.lock = threading.Lock()
+    server = _Server(("127.0.0.1", 0), _Receiver)
+    ports.put(server.server_address[1])
+    server.serve_forever()
+
+
+class Webhook:
+    """A webhook receiver (answers 204) in its own process; records ``(seq, receipt time)``."""
+
+    def __init__(self) -> None:
+        ports: Any = multiprocessing.Queue()
+        self.process = multiprocessing.Process(target=_serve, args=(ports,), daemon=True)
+        self.process.start()
+        self.url = f"http://127.0.0.1:{ports.get(timeout=30)}/hook"
+
+    def count(self) -> int:
+        with urllib.request.urlopen(self.url.replace("/hook", "/count"), timeout=30) as r:
+            return int(json.loads(r.read()))
+
+    def received(self) -> list[tuple[int, float]]:
+        with urllib.request.urlopen(self.url.replace("/hook", "/received"), timeout=60) as r:
+            return [(int(s), float(t)) for s, t in json.loads(r.read())]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.join(10)
+
+
+def write_config(path: Path, url: str, stream: dict[str, Any]) -> Path:
+    """One stream subscribed to inserts into ``bench_orders``; the table and subscription are created."""
+    path.write_text(yaml.safe_dump({
+        "database_url": url, "spark": {"master": "local[2]"}, "streams": [stream],
+        "subscriptions": [{"key": "bench-orders", "stream_id": stream["id"], "operation": "INSERT",
+                           "table_name": "bench_orders",
+                           "column_names": ["id", "seq", "customer", "amount"]}]}))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(TABLE_SQL)
+        apply_subscriptions(conn, load_config(path))
+    return path
+
+
+class Driver:
+    """The daemon's loop, in-process: evaluate the stream's sensor tick, execute the run it requests."""
+
+    def __init__(self, config_path: Path, instance: dg.DagsterInstance) -> None:
+        self.defs = build_definitions(config_path)
+        self.config_path = config_path
+        self.instance = instance
+        self.cursor: str | None = None
+        self.runs = 0
+        self.failed = 0
+
+    def step(self, stream_id: int) -> bool:
+        """One tick and its runs; True if a run was executed."""
+        sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
+        ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursor, sensor_name=sensor.name,
+                                      resources={"pgstream": PgstreamResource(config_path=str(self.config_path))})
+        tick: Any = sensor.evaluate_tick(ctx)
+        self.cursor = tick.cursor
+        job = self.defs.resolve_job_def(DELIVERY_JOB)
+        for request in tick.run_requests or []:
+            tags = {**request.tags, "dagster/run_key": request.run_key or ""}
+            result = job.execute_in_process(run_config=request.run_config, instance=self.instance, tags=tags,
+                                            raise_on_error=False)
+            self.runs += 1
+            self.failed += 0 if result.success else 1
+        return bool(tick.run_requests)
+
+
+def delivered_events(conn: psycopg.Connection, stream_id: int) -> int:
+    row = conn.execute("select coalesce(sum(event_count), 0) from pgstream.batches "
+                       "where stream_id = %s and status = 'delivered'", [stream_id]).fetchone()
+    return int(row[0]) if row else 0
+
+
+def written_events(conn: psycopg.Connection, stream_id: int) -> int:
+    row = conn.execute("select count(*) from pgstream.events where stream_id = %s", [stream_id]).fetchone()
+    return int(row[0]) if row else 0

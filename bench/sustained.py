@@ -1,0 +1,176 @@
+"""Sustained throughput benchmark (P1, run by hand): a load generator inserts into a subscribed
+table (real subscription trigger) as fast as Postgres accepts, for a fixed duration; the stream is
+driven in-process (bench/common.py ``Driver``: sensor tick, then the requested delivery run with
+``execute_in_process`` against an ephemeral Dagster instance, repeat) and delivers to Redis Streams,
+then (a fresh database) to a webhook (batch mode, receiver in a child process).
+
+Reports events/s written vs events/s delivered (ledger ``delivered``) during the write window, the
+drain time after it, and the backlog (written - delivered) sampled every ``--sample-secs``.
+Results are appended to bench/RESULTS.md.
+Usage: python bench/sustained.py [--duration 300] [--sinks redis,webhook] [--writers 2] [--rows 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Driver, Webhook, delivered_events, machine, write_config, written_events
+
+from pgstream_dagster.devdb import ensure_running
+from pgstream_dagster.migrations import migrate
+
+HERE = Path(__file__).resolve().parent
+
+
+def _writer(url: str, until: float, rows: int, counter: Any) -> None:
+    """Insert ``rows`` rows per transaction until ``until`` (wall clock)."""
+    seq = 0
+    with psycopg.connect(url, autocommit=True) as conn:
+        while time.time() < until:
+            conn.execute("insert into public.bench_orders (seq, customer, amount) "
+                         "select g, 'c-' || (g %% 1000), g * 1.5 from generate_series(%s::bigint, %s::bigint) g",
+                         [seq, seq + rows - 1])
+            seq += rows
+            with counter.get_lock():
+                counter.value += rows
+
+
+def _phase(name: str, url: str, tmpdir: Path, args: argparse.Namespace, webhook: Webhook | None) -> dict[str, Any]:
+    sink: dict[str, Any]
+    if name == "redis":
+        sink = {"type": "redis", "url": "redis://127.0.0.1:6379/0",
+                "stream": f"pgstream-sustained-{uuid.uuid4().hex[:8]}", "maxlen": 100_000}
+    else:
+        assert webhook is not None
+        sink = {"type": "http", "url": webhook.url, "mode": "batch", "max_batch_size": 1000}
+    stream = {"id": 1, "sink": sink, "slot_name": f"sustained_{name}",
+              "batch": {"max_size": args.batch_size, "max_fill_secs": args.max_fill_secs},
+              "sensor": {"tick_budget_secs": 2},
+              "delivery": {"chunk_size": 5000, "max_events_per_run": args.max_events_per_run}}
+    config = write_config(tmpdir / f"{name}.yaml", url, stream)
+    counter: Any = multiprocessing.Value("q", 0)
+    samples: list[tuple[float, int, int]] = []
+    with dg.DagsterInstance.ephemeral() as instance:
+        driver = Driver(config, instance)
+        # warm-up, as a long-running deployment is: slot, Spark session, Python workers
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("insert into public.bench_orders (seq, customer, amount) values (-1, 'warm-up', 0)")
+            while delivered_events(conn, 1) < 1:
+                driver.step(1)
+        started = time.time()
+        until = started + args.duration
+        writers = [multiprocessing.Process(target=_writer, args=(url, until, args.rows, counter))
+                   for _ in range(args.writers)]
+        for w in writers:
+            w.start()
+        stop = threading.Event()
+
+        def sample() -> None:
+            with psycopg.connect(url, autocommit=True) as conn:
+                while not stop.is_set():
+                    samples.append((time.time() - started, counter.value + 1, delivered_events(conn, 1)))
+                    stop.wait(args.sample_secs)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        while time.time() < until:
+            if not driver.step(1):
+                time.sleep(0.05)
+        for w in writers:
+            w.join()
+        with psycopg.connect(url, autocommit=True) as conn:
+            written = written_events(conn, 1)
+            delivered_in_window = delivered_events(conn, 1)
+        drain_deadline = time.time() + args.drain_secs
+        while time.time() < drain_deadline:
+            with psycopg.connect(url, autocommit=True) as conn:
+                if delivered_events(conn, 1) >= written:
+                    break
+            if not driver.step(1):
+                time.sleep(0.05)
+        drained_at = time.time()
+        stop.set()
+        sampler.join()
+        with psycopg.connect(url, autocommit=True) as conn:
+            delivered = delivered_events(conn, 1)
+        if webhook is not None:
+            assert webhook.count() >= delivered, (webhook.count(), delivered)
+    return {"written": written, "window": args.duration, "delivered_in_window": delivered_in_window,
+            "delivered": delivered, "drain_secs": drained_at - until, "runs": driver.runs, "failed": driver.failed,
+            "samples": samples}
+
+
+def _curve(samples: list[tuple[float, int, int]], points: int = 16) -> str:
+    step = max(1, len(samples) // points)
+    picked = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
+    return ", ".join(f"{t:.0f}s {w - d:,}" for t, w, d in picked)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--duration", type=float, default=300, help="seconds of writing per sink")
+    parser.add_argument("--sinks", default="redis,webhook")
+    parser.add_argument("--writers", type=int, default=2, help="writer processes")
+    parser.add_argument("--rows", type=int, default=100, help="rows per writer transaction")
+    parser.add_argument("--batch-size", type=int, default=10_000, help="batch.max_size")
+    parser.add_argument("--max-fill-secs", type=float, default=1.0, help="batch.max_fill_secs")
+    parser.add_argument("--max-events-per-run", type=int, default=200_000)
+    parser.add_argument("--sample-secs", type=float, default=5)
+    parser.add_argument("--drain-secs", type=float, default=600)
+    args = parser.parse_args()
+    header = machine()
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pgstream-sustained-") as tmp:
+        tmpdir = Path(tmp)
+        os.chmod(tmpdir, 0o755)
+        pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off"})
+        webhook = Webhook()
+        try:
+            for name in args.sinks.split(","):
+                pg.create_database(f"sustained_{name}")
+                url = pg.url_for(f"sustained_{name}")
+                migrate(url)
+                r = results[name] = _phase(name, url, tmpdir, args, webhook if name == "webhook" else None)
+                print(f"{name}: written {r['written'] / r['window']:,.0f} events/s, delivered "
+                      f"{r['delivered_in_window'] / r['window']:,.0f} events/s in the window; drained in "
+                      f"{r['drain_secs']:.1f}s; {r['runs']} runs ({r['failed']} failed); "
+                      f"backlog {_curve(r['samples'])}")
+        finally:
+            webhook.stop()
+            pg.destroy()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"\n## Sustained (P1) {stamp}, {args.duration:.0f}s of writing per sink",
+             f"Machine: {header}. Method: bench/sustained.py; {args.writers} writer processes inserting "
+             f"{args.rows} rows per transaction into a table with a real INSERT subscription (Postgres fsync off, "
+             "synchronous_commit off), as fast as Postgres accepts; the stream is driven in-process (sensor tick, "
+             "then the requested delivery run via execute_in_process, ephemeral Dagster instance, one warm Spark "
+             f"session local[2]); batch.max_size {args.batch_size}, max_fill_secs {args.max_fill_secs}, "
+             f"max_events_per_run {args.max_events_per_run}, chunk 5000; delivered = ledger batches marked "
+             "delivered (sink-confirmed); writers, driver, Spark, Postgres and the sink share the 2 CPUs; "
+             f"backlog = written - delivered, sampled every {args.sample_secs:.0f}s."]
+    for name, r in results.items():
+        w, d = r["written"] / r["window"], r["delivered_in_window"] / r["window"]
+        lines.append(f"- {name}: written {w:,.0f} events/s, delivered {d:,.0f} events/s in the window "
+                     f"(ratio {d / w if w else 0:.2f}), all {r['delivered']:,} delivered {r['drain_secs']:.0f}s after "
+                     f"writing stopped, {r['runs']} runs ({r['failed']} failed); backlog: {_curve(r['samples'])}")
+    with (HERE / "RESULTS.md").open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
