@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test lint bench bench-replay clean
+.PHONY: dev test lint bench bench-replay bench-sustained bench-latency clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ bench: $(STAMP)
 
 bench-replay: $(STAMP)
 	$(BIN)/python bench/replay.py
+
+bench-sustained: $(STAMP)
+	$(BIN)/python bench/sustained.py
+
+bench-latency: $(STAMP)
+	$(BIN)/python bench/latency.py
 
 clean:
 	rm -rf .pgstream .dagster_home
