@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test lint bench bench-replay bench-write clean
+.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ bench-replay: $(STAMP)
 
 bench-write: $(STAMP)
 	$(BIN)/python bench/write_overhead.py
+
+bench-sustained: $(STAMP)
+	$(BIN)/python bench/sustained.py
+
+bench-latency: $(STAMP)
+	$(BIN)/python bench/latency.py
 
 clean:
 	rm -rf .pgstream .dagster_home

@@ -115,7 +115,7 @@ def _phase(name: str, url: str, tmpdir: Path, args: argparse.Namespace, webhook:
 
 
 def _curve(samples: list[tuple[float, int, int]], points: int = 16) -> str:
-    step = max(1, len(samples) // points)
+    step = max(1, -(-len(samples) // points))  # at most ~points values
     picked = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
     return ", ".join(f"{t:.0f}s {w - d:,}" for t, w, d in picked)
 
