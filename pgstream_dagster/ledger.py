@@ -184,13 +184,6 @@ def not_delivered(conn: psycopg.Connection, batch_ids: list[int]) -> list[int]:
         [batch_ids]).fetchall()]
 
 
-def undelivered_count(conn: psycopg.Connection, stream_id: int) -> tuple[int, int]:
-    row = conn.execute("select count(*), coalesce(sum(event_count), 0) from pgstream.batches "
-                       "where stream_id = %s and status not in ('delivered', 'skipped')", [stream_id]).fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1])
-
-
 def open_range(conn: psycopg.Connection, head: Batch, max_events: int) -> list[int]:
     """The head batch and the pending batches right behind it, up to ``max_events`` events in all
     (always at least the head): what one delivery run takes."""

@@ -29,7 +29,7 @@ from . import ledger, replication
 from .config import StreamConfig
 from .jobs import BATCH_TAG, DELIVERY_JOB, STREAM_TAG
 from .resources import PgstreamResource
-from .status import status_observation, stream_status
+from .status import last_batches, status_observation, stream_status
 
 _FAILED = {DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
 
@@ -232,18 +232,15 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
     return None
 
 
-def _observe_status(conn: psycopg.Connection, stream: StreamConfig,
+def _observe_status(conn: psycopg.Connection, stream: StreamConfig, row: dict[str, object],
                     cursor: dict[str, object]) -> dg.AssetObservation | None:
     """An observation of the stream status asset when the state changed or it is due."""
-    (row,) = stream_status(conn, stream.id) or [None]
-    if row is None:
-        return None
     due = time.time() - float(cursor.get("status_at", 0)) >= stream.sensor.status_every_secs  # type: ignore[arg-type]
     if not due and cursor.get("status_state") == row["state"]:
         return None
     cursor["status_at"] = time.time()
     cursor["status_state"] = row["state"]
-    return status_observation(row, cursor)
+    return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, cursor)
 
 
 def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
@@ -263,14 +260,15 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         with pgstream.connect() as conn:
             consumed = consume(conn, stream, stream.sensor.tick_budget_secs)
             request = decide(conn, context.instance, stream, log)
-            pending_batches, pending_events = ledger.undelivered_count(conn, stream.id)
+            (row,) = stream_status(conn, stream.id, last=0)  # the tick's one read of the stream's state
+            pending_batches, pending_events = int(row["undelivered_batches"]), int(row["undelivered_events"])
             if consumed.last_event_id is not None:
                 cursor["last_event_id"] = consumed.last_event_id
             if consumed.last_lsn is not None:
                 cursor["last_lsn"] = consumed.last_lsn
             cursor["undelivered_batches"] = pending_batches
             cursor["undelivered_events"] = pending_events
-            observed = _observe_status(conn, stream, cursor)
+            observed = _observe_status(conn, stream, row, cursor)
         if consumed.slot_lost:
             context.log.warning(f"slot {stream.slot} was invalidated (WAL limit); replacing it and recovering "
                                 "undelivered events from pgstream.events")

@@ -23,12 +23,18 @@ from pgstream.batches where stream_id = %s order by id desc limit %s
 
 
 def stream_status(conn: psycopg.Connection, stream_id: int | None = None, last: int = 5) -> list[dict[str, Any]]:
-    """One dict per stream (all, or ``stream_id``) with its state and the ``last`` batches."""
+    """One dict per stream (all, or ``stream_id``) with its state and the ``last`` batches
+    (``last = 0``: no batches are read)."""
     with conn.cursor(row_factory=dict_row) as cur:
         streams = cur.execute(_STREAMS, {"stream_id": stream_id}).fetchall()
-        for s in streams:
-            s["last_batches"] = cur.execute(_LAST_BATCHES, [s["id"], last]).fetchall()
+    for s in streams:
+        s["last_batches"] = last_batches(conn, s["id"], last) if last else []
     return streams
+
+
+def last_batches(conn: psycopg.Connection, stream_id: int, last: int) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(_LAST_BATCHES, [stream_id, last]).fetchall()
 
 
 def _bytes(n: int | None) -> str:

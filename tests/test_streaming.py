@@ -11,9 +11,10 @@ from pathlib import Path
 import dagster as dg
 import psycopg
 
-from pgstream_dagster import ledger, replication
+from pgstream_dagster import replication
 from pgstream_dagster.jobs import deliveries_asset_key
 from pgstream_dagster.sinks import MemorySink
+from pgstream_dagster.status import stream_status
 
 from .harness import Driver, insert_events, read_jsonl, write_config
 
@@ -221,7 +222,8 @@ def test_paused_stream_keeps_releasing_wal_but_launches_nothing(db_url: str, tmp
     insert_events(db_url, 1, 10)
     assert not driver.tick(1).run_requests
     with psycopg.connect(db_url) as c:
-        assert ledger.undelivered_count(c, 1) == (1, 10)  # consumed and recorded while paused
+        (status,) = stream_status(c, 1)
+        assert (status["undelivered_batches"], status["undelivered_events"]) == (1, 10)  # recorded while paused
         assert [t for t in replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100) if t.events] == []
     assert cli_main(["resume", "1", "--database-url", db_url]) == 0
     assert len(driver.tick(1).run_requests) == 1
