@@ -98,7 +98,10 @@ class Webhook:
 
 
 def write_config(path: Path, url: str, stream: dict[str, Any]) -> Path:
-    """One stream subscribed to inserts into ``bench_orders``; the table and subscription are created."""
+    """One stream subscribed to inserts into ``bench_orders``; the table and subscription are created.
+    Runs do not linger unless the stream sets ``delivery.linger_secs`` (the in-process driver runs
+    them between ticks)."""
+    stream = {**stream, "delivery": {"linger_secs": 0, **stream.get("delivery", {})}}
     path.write_text(yaml.safe_dump({
         "database_url": url, "spark": {"master": "local[2]"}, "streams": [stream],
         "subscriptions": [{"key": "bench-orders", "stream_id": stream["id"], "operation": "INSERT",

@@ -48,6 +48,13 @@ class DeliveryConfig(_Model):
                                                 "in order; the driver holds about two partitions)")
     prefetch_partitions: bool = Field(True, description="ordered delivery: Spark reads the next partition while "
                                                         "the sink publishes the current one")
+    linger_secs: float = Field(120, ge=0, le=86400,
+                               description="a run stays open this long after its last batch, and the sensor hands it "
+                                           "every new batch: fresh events skip run start-up and Spark start "
+                                           "(0: a run ends as soon as its batches are delivered)")
+    max_run_secs: float = Field(1800, ge=1, le=7 * 86400,
+                                description="an open run takes no new batch after this long (a fresh run picks "
+                                            "up configuration changes)")
     run_grace_secs: float = Field(120, ge=1, le=3600,
                                   description="a started run that holds no delivery lease after this long is "
                                               "dead (process killed): it is marked failed and its batches retried")

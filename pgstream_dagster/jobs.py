@@ -1,11 +1,13 @@
-"""The delivery job: one run delivers one or more consecutive ledger batches of a stream, in
-order, through the stream's sink.
+"""The delivery job: one run delivers consecutive ledger batches of a stream, in order, through
+the stream's sink.
 
 ``load_batches`` checks the batches may run (the first is the stream's oldest open batch; the
 range holds only the stream's open batches) and loads them with PySpark; ``deliver_batches``
 publishes them in commit order (or per routing key) and marks each batch delivered as soon as the
-sink confirmed its last event, so a run that fails half-way keeps the progress it made;
-``report_deliveries`` reports the materialization of the stream's deliveries asset.
+sink confirmed its last event, so a run that fails half-way keeps the progress it made. A run then
+stays open for ``delivery.linger_secs``: the sensor hands it every batch it records meanwhile, so
+fresh events are delivered by a warm process and Spark session. Each round of batches is a
+materialization of the stream's deliveries asset.
 """
 
 
@@ -16,9 +18,12 @@ from typing import Any
 
 import dagster as dg
 import psycopg
+from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
 from dagster_pyspark import PySparkResource
+from psycopg import sql
 
 from . import ledger, spark
+from .config import StreamConfig
 from .resources import PgstreamResource
 
 STREAM_TAG = "pgstream/stream"
@@ -45,14 +50,6 @@ class LoadedBatches:
     lease: psycopg.Connection  # holds the stream's delivery lease until the batches are marked
 
 
-@dataclass
-class DeliveryReport:
-    stream_id: int
-    batches: list[ledger.Batch]
-    delivered: int
-    started: float
-
-
 @dg.op(description="Check the batches may run and load their events from pgstream.events with PySpark.")
 def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgstream: PgstreamResource,
                  pyspark: PySparkResource) -> LoadedBatches:
@@ -73,12 +70,7 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgst
         if earlier is not None:
             raise dg.Failure(f"batch {config.batch_id} would overtake open batch {earlier} of stream "
                              f"{config.stream_id}; batches are delivered in order")
-        stream = pgstream.stream(config.stream_id)
-        frame = spark.load_batches(pyspark.spark_session, pgstream.database_url,
-                                   [(b.id, b.event_count, b.confirmed_count if stream.delivery.ordering == "global"
-                                     else 0) for b in batches], stream.delivery.routing_key,
-                                   rows_per_partition=stream.delivery.rows_per_partition,
-                                   packed=stream.delivery.ordering == "global")
+        frame = _load(pyspark, pgstream.database_url, pgstream.stream(config.stream_id), batches)
     except BaseException:
         lease.close()
         raise
@@ -90,71 +82,151 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgst
 
 
 @dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
-                   "as soon as the sink confirmed all its events.")
-def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches,
-                    pgstream: PgstreamResource) -> DeliveryReport:
+                   "as soon as the sink confirmed all its events. While the run is open (delivery.linger_secs) "
+                   "it also delivers every batch the sensor hands it; each round is a materialization.")
+def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstream: PgstreamResource,
+                    pyspark: PySparkResource) -> None:
     stream = pgstream.stream(loaded.stream_id)
+    run_key = loaded.batches[0].run_key or ""
+    with loaded.lease as conn:  # released when the run ends (or its process dies)
+        conn.execute(sql.SQL("listen {}").format(sql.Identifier(ledger.run_channel(stream.id))))
+        linger = _Linger(context, conn, stream, run_key)
+        batches, frame, started = loaded.batches, loaded.frame, loaded.started
+        while True:
+            delivered = _deliver_round(context, conn, stream, batches, frame)
+            _report_round(context, stream.id, batches, delivered, started)
+            batches = linger.next_batches(batches[-1].id)
+            if not batches:
+                break
+            started = time.monotonic()
+            context.log.info(f"stream {stream.id}: {len(batches)} more batches {batches[0].id}..{batches[-1].id}, "
+                             f"{sum(b.event_count for b in batches)} events")
+            frame = _load(pyspark, pgstream.database_url, stream, batches)
+
+
+class _Linger:
+    """Keeps a run open after its batches (sql/010_open_runs.sql): it waits for batches the sensor
+    assigns to it and closes once idle ``delivery.linger_secs``, open ``delivery.max_run_secs``, or
+    when the stream is paused, no longer hands it batches (failover) or another run of the stream
+    (a replay) is queued behind it."""
+
+    def __init__(self, context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig,
+                 run_key: str) -> None:
+        self.context, self.conn, self.stream, self.run_key = context, conn, stream, run_key
+        self.opened = time.monotonic()
+
+    def next_batches(self, after: int) -> list[ledger.Batch]:
+        """The batches assigned to the run after batch ``after``; empty once the run is closed."""
+        delivery = self.stream.delivery
+        idle_since = time.monotonic()
+        checked_at = 0.0
+        while True:
+            batches = ledger.assigned_after(self.conn, self.run_key, after)
+            if batches:
+                return batches
+            now = time.monotonic()
+            reason = None
+            if now - idle_since >= delivery.linger_secs:
+                reason = f"idle for {delivery.linger_secs:g}s"
+            elif now - self.opened >= delivery.max_run_secs:
+                reason = f"open for {delivery.max_run_secs:g}s (delivery.max_run_secs)"
+            elif now - checked_at >= 1.0:
+                checked_at = now
+                reason = self._stop_reason()
+            if reason is not None:
+                if ledger.close_run(self.conn, self.stream.id, self.run_key):
+                    if delivery.linger_secs > 0:
+                        self.context.log.info(f"stream {self.stream.id}: run closed ({reason})")
+                    return []
+                continue  # the sensor assigned batches just before: deliver them first
+            wait = min(0.5, max(0.01, delivery.linger_secs - (now - idle_since)))
+            for _ in self.conn.notifies(timeout=wait, stop_after=1):
+                pass
+
+    def _stop_reason(self) -> str | None:
+        if not ledger.run_is_open(self.conn, self.stream.id, self.run_key):
+            return "the sensor hands it no more batches (failover or catch-up)"
+        row = self.conn.execute("select paused from pgstream.streams where id = %s", [self.stream.id]).fetchone()
+        if row and row[0]:
+            return "the stream is paused"
+        if self.context.instance.get_runs_count(RunsFilter(tags={STREAM_TAG: str(self.stream.id)},
+                                                           statuses=[DagsterRunStatus.QUEUED])):
+            return "another run of the stream is queued"
+        return None
+
+
+def _load(pyspark: PySparkResource, database_url: str, stream: StreamConfig, batches: list[ledger.Batch]) -> Any:
+    ordered = stream.delivery.ordering == "global"
+    return spark.load_batches(pyspark.spark_session, database_url,
+                              [(b.id, b.event_count, b.confirmed_count if ordered else 0) for b in batches],
+                              stream.delivery.routing_key, rows_per_partition=stream.delivery.rows_per_partition,
+                              packed=ordered)
+
+
+def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig,
+                   batches: list[ledger.Batch], frame: Any) -> int:
+    """Deliver ``batches`` (loaded as ``frame``), marking each delivered; returns the events confirmed."""
     by_key = stream.delivery.ordering == "by_key"
     # a retry resumes after the events the sink already confirmed (global order only)
-    expected = {b.id: b.event_count - (0 if by_key else b.confirmed_count) for b in loaded.batches}
+    expected = {b.id: b.event_count - (0 if by_key else b.confirmed_count) for b in batches}
     total = sum(expected.values())
     step = max(stream.delivery.chunk_size, total // 10)
     next_log = [step]
 
-    with loaded.lease as conn:  # released when the batches are marked (or the process dies)
-        def batch_done(batch_id: int, events: int) -> None:
-            if events != expected[batch_id]:
-                raise dg.Failure(f"batch {batch_id}: {expected[batch_id]} events were owed but {events} were "
-                                 f"found in pgstream.events; refusing to mark it delivered")
-            if not ledger.mark_delivered(conn, batch_id, context.run_id):
-                raise dg.Failure(f"batch {batch_id} was already marked delivered by another run")
+    def batch_done(batch_id: int, events: int) -> None:
+        if events != expected[batch_id]:
+            raise dg.Failure(f"batch {batch_id}: {expected[batch_id]} events were owed but {events} were "
+                             f"found in pgstream.events; refusing to mark it delivered")
+        if not ledger.mark_delivered(conn, batch_id, context.run_id):
+            raise dg.Failure(f"batch {batch_id} was already marked delivered by another run")
 
-        def progress(count: int) -> None:
-            if count >= next_log[0] and count < total:
-                context.log.info(f"stream {stream.id}: {count}/{total} events confirmed by the sink")
-                next_log[0] = count + step
+    def progress(count: int) -> None:
+        if count >= next_log[0] and count < total:
+            context.log.info(f"stream {stream.id}: {count}/{total} events confirmed by the sink")
+            next_log[0] = count + step
 
-        for batch_id in [b for b, owed in expected.items() if owed == 0]:
-            batch_done(batch_id, 0)  # confirmed in full by an earlier run that died before marking it
-        if by_key:
-            delivered = spark.deliver_by_key(loaded.frame, stream.sink, stream.delivery.chunk_size,
-                                             stream.delivery.parallelism)
-            if delivered != total:
-                raise dg.Failure(f"the ledger lists {total} events but {delivered} were found in pgstream.events "
-                                 f"and delivered; refusing to mark batches delivered")
-            for b in loaded.batches:
-                batch_done(b.id, expected[b.id])
-        else:
-            delivered = spark.deliver_in_order(loaded.frame, stream.sink, stream.delivery.chunk_size,
-                                               batch_done, progress,
-                                               lambda batch_id, ord: ledger.mark_confirmed(conn, batch_id, ord),
-                                               prefetch=stream.delivery.prefetch_partitions)
-        missing = ledger.not_delivered(conn, [b.id for b in loaded.batches])
+    for batch_id in [b for b, owed in expected.items() if owed == 0]:
+        batch_done(batch_id, 0)  # confirmed in full by an earlier run that died before marking it
+    if by_key:
+        delivered = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size,
+                                         stream.delivery.parallelism)
+        if delivered != total:
+            raise dg.Failure(f"the ledger lists {total} events but {delivered} were found in pgstream.events "
+                             f"and delivered; refusing to mark batches delivered")
+        for b in batches:
+            batch_done(b.id, expected[b.id])
+    else:
+        delivered = spark.deliver_in_order(frame, stream.sink, stream.delivery.chunk_size,
+                                           batch_done, progress,
+                                           lambda batch_id, ord: ledger.mark_confirmed(conn, batch_id, ord),
+                                           prefetch=stream.delivery.prefetch_partitions)
+    missing = ledger.not_delivered(conn, [b.id for b in batches])
     if missing:
         raise dg.Failure(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
     context.log.info(f"stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
-                     f"of {len(loaded.batches)} batches")
-    return DeliveryReport(loaded.stream_id, loaded.batches, delivered, loaded.started)
+                     f"of {len(batches)} batches")
+    return delivered
 
 
-@dg.op(description="Report the deliveries materialization of the stream.")
-def report_deliveries(context: dg.OpExecutionContext, report: DeliveryReport) -> None:
-    first, last = report.batches[0], report.batches[-1]
+def _report_round(context: dg.OpExecutionContext, stream_id: int, batches: list[ledger.Batch], delivered: int,
+                  started: float) -> None:
+    """A materialization of the stream's deliveries asset for one round of batches."""
+    first, last = batches[0], batches[-1]
     now = dt.datetime.now(dt.UTC)
     metadata: dict[str, Any] = {
-        "batches": len(report.batches),
+        "batches": len(batches),
         "first_batch_id": first.id,
         "last_batch_id": last.id,
-        "kinds": ", ".join(sorted({b.kind for b in report.batches})),
-        "events": report.delivered,
+        "kinds": ", ".join(sorted({b.kind for b in batches})),
+        "events": delivered,
         "first_event_id": first.first_event_id,
         "last_event_id": last.last_event_id,
-        "duration_secs": round(time.monotonic() - report.started, 3),
+        "duration_secs": round(time.monotonic() - started, 3),
     }
     if first.first_commit_at is not None:
         metadata["commit_to_delivery_lag_secs"] = round((now - first.first_commit_at).total_seconds(), 3)
     context.log_event(dg.AssetMaterialization(
-        asset_key=deliveries_asset_key(report.stream_id),
+        asset_key=deliveries_asset_key(stream_id),
         description=f"batches {first.id}..{last.id} delivered", metadata=metadata))
 
 
@@ -164,4 +236,4 @@ def report_deliveries(context: dg.OpExecutionContext, report: DeliveryReport) ->
     executor_def=dg.in_process_executor,
 )
 def delivery_job() -> None:
-    report_deliveries(deliver_batches(load_batches()))
+    deliver_batches(load_batches())

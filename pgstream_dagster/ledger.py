@@ -202,15 +202,99 @@ def open_range(conn: psycopg.Connection, head: Batch, max_events: int) -> list[i
     return ids
 
 
-def mark_launched(conn: psycopg.Connection, batch_ids: list[int], run_key: str) -> None:
-    conn.execute("update pgstream.batches set status = 'launched', run_key = %s, attempts = attempts + 1, "
-                 "launched_at = now(), next_attempt_at = null where id = any(%s)", [run_key, batch_ids])
+def mark_launched(conn: psycopg.Connection, batch_ids: list[int], run_key: str,
+                  open_for: int | None = None) -> None:
+    """Assign ``batch_ids`` to the run ``run_key``; ``open_for`` (a stream id): the run stays open
+    for more batches of that stream (see :func:`extend_run`)."""
+    with conn.transaction():
+        conn.execute("update pgstream.batches set status = 'launched', run_key = %s, attempts = attempts + 1, "
+                     "launched_at = now(), next_attempt_at = null where id = any(%s)", [run_key, batch_ids])
+        if open_for is not None:
+            conn.execute("update pgstream.streams set open_run_key = %s where id = %s", [run_key, open_for])
+
+
+def run_channel(stream_id: int) -> str:
+    """The NOTIFY channel on which an open run hears that batches were assigned to it."""
+    return f"pgstream_stream_{stream_id}_runs"
+
+
+def open_run_key(conn: psycopg.Connection, stream_id: int) -> str | None:
+    row = conn.execute("select open_run_key from pgstream.streams where id = %s", [stream_id]).fetchone()
+    return row[0] if row else None
+
+
+def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
+    """Forget an open run that is gone (finished or failed without closing)."""
+    conn.execute("update pgstream.streams set open_run_key = null where id = %s and open_run_key = %s",
+                 [stream_id, run_key])
+
+
+def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
+    """Assign the stream's pending batches to the open run ``run_key`` (oldest first, while nothing
+    else is in between, up to ``max_events`` undelivered events assigned to it) and wake it up.
+    Nothing happens unless ``run_key`` is the stream's open run: the stream row's lock orders this
+    against :func:`close_run`, so a run that closed is never handed a batch."""
+    with conn.transaction():
+        row = conn.execute("select open_run_key from pgstream.streams where id = %s for update",
+                           [stream_id]).fetchone()
+        if row is None or row[0] is None or row[0] != run_key:
+            return []
+        rows = conn.execute(
+            """select id, event_count, status, run_key from pgstream.batches
+               where stream_id = %s and status not in ('delivered', 'skipped')
+               order by id limit 10000""", [stream_id]).fetchall()
+        outstanding = 0
+        ids: list[int] = []
+        for batch_id, count, status, key in rows:
+            if status == "launched" and key == run_key and not ids:
+                outstanding += int(count)
+                continue
+            if status != "pending" or (outstanding and outstanding + int(count) > max_events):
+                break
+            ids.append(int(batch_id))
+            outstanding += int(count)
+        if ids:
+            conn.execute("update pgstream.batches set status = 'launched', run_key = %s, attempts = attempts + 1, "
+                         "launched_at = now(), next_attempt_at = null where id = any(%s)", [run_key, ids])
+            conn.execute("select pg_notify(%s, %s)", [run_channel(stream_id), run_key])
+    return ids
+
+
+def assigned_after(conn: psycopg.Connection, run_key: str, after_batch_id: int) -> list[Batch]:
+    """Batches assigned to the run ``run_key`` since it loaded ``after_batch_id``, in order."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return [Batch(**r) for r in cur.execute(
+            f"select {_BATCH_COLUMNS} {_BATCH_FROM} where b.run_key = %s and b.id > %s and b.status = 'launched' "
+            "order by b.id", [run_key, after_batch_id]).fetchall()]
+
+
+def close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+    """The run ``run_key`` stops taking batches: true unless batches were assigned to it and not
+    delivered yet (then it must deliver them first and try again)."""
+    with conn.transaction():
+        conn.execute("select 1 from pgstream.streams where id = %s for update", [stream_id])
+        # a statement after the lock: sees every assignment committed before it was granted
+        row = conn.execute("select exists (select 1 from pgstream.batches where run_key = %s "
+                           "and status = 'launched')", [run_key]).fetchone()
+        if row and row[0]:
+            return False
+        conn.execute("update pgstream.streams set open_run_key = null where id = %s and open_run_key = %s",
+                     [stream_id, run_key])
+    return True
+
+
+def run_is_open(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+    row = conn.execute("select open_run_key = %s from pgstream.streams where id = %s",
+                       [run_key, stream_id]).fetchone()
+    return bool(row and row[0])
 
 
 def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, retry_at: dt.datetime) -> None:
     """A delivery run failed: its first undelivered batch waits for ``retry_at`` and the stream
     enters failover; the run's other batches go back to pending (they were not refused)."""
     with conn.transaction():
+        conn.execute("update pgstream.streams set open_run_key = null where id = %s and open_run_key = %s",
+                     [head.stream_id, run_key])
         conn.execute("update pgstream.batches set status = 'pending', run_key = null "
                      "where run_key = %s and status = 'launched' and id <> %s", [run_key, head.id])
         conn.execute("update pgstream.batches set status = 'failed', error = %s, next_attempt_at = %s "

@@ -170,3 +170,16 @@ def drop_slot(conn: psycopg.Connection, slot: str) -> None:
 def advance(conn: psycopg.Connection, slot: str, lsn: int) -> None:
     """Release WAL up to ``lsn`` (an end LSN of a recorded transaction)."""
     conn.execute("select pg_replication_slot_advance(%s, %s::pg_lsn)", [slot, int_to_lsn(lsn)])
+
+
+def flush_lsn(conn: psycopg.Connection) -> int:
+    """The WAL position flushed now: a peek that starts later sees every commit before it."""
+    (lsn,) = conn.execute("select pg_current_wal_flush_lsn()::text").fetchone()  # type: ignore[misc]
+    return lsn_to_int(str(lsn))
+
+
+def advance_at_least(conn: psycopg.Connection, slot: str, lsn: int) -> None:
+    """Advance the slot to ``lsn`` unless it is there already (after a peek that found nothing)."""
+    conn.execute("select pg_replication_slot_advance(slot_name, %s::pg_lsn) from pg_replication_slots "
+                 "where slot_name = %s and database = current_database() and confirmed_flush_lsn < %s::pg_lsn",
+                 [int_to_lsn(lsn), slot, int_to_lsn(lsn)])

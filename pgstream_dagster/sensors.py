@@ -6,7 +6,10 @@ and every event the ledger does not cover is recovered from the table; (2) peek 
 transactions, and once ``max_size`` events are waiting or the oldest waited ``max_fill_secs``,
 record them in the ledger and advance the slot, so WAL is released whatever the sink does;
 (3) look at the stream's oldest open batch and request its run (``run_key`` = stream, batches,
-attempt, so a re-evaluated tick requests nothing twice), or wait for the run in flight.
+attempt, so a re-evaluated tick requests nothing twice), or, while the run in flight is *open*
+(``delivery.linger_secs``), hand it the batches recorded behind its own. A tick repeats (2) and
+(3) for up to ``sensor.tick_budget_secs`` and ends early only to request a run: with an open run,
+an event reaches the sink a fraction of a second after ``max_fill_secs``.
 
 Failover: when a run fails, its first open batch becomes the checkpoint and the stream enters
 failover (``pgstream.enter_failover``). Only that batch is retried, alone, with exponential
@@ -32,6 +35,10 @@ from .resources import PgstreamResource
 from .status import last_batches, status_observation, stream_status
 
 _FAILED = {DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
+_LIVE = {DagsterRunStatus.NOT_STARTED, DagsterRunStatus.QUEUED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED}
+#: how often a tick looks at the slot when nothing is waiting, and at the run in flight
+POLL_SECS = 0.1
+DECIDE_EVERY_SECS = 1.0
 
 
 @dataclass
@@ -43,6 +50,16 @@ class ConsumeResult:
     slot_created: bool = False
     slot_lost: bool = False
     recovered: list[int] = field(default_factory=list)
+
+
+    def add(self, other: "ConsumeResult") -> None:
+        self.batches += other.batches
+        self.events += other.events
+        self.last_event_id = other.last_event_id if other.last_event_id is not None else self.last_event_id
+        self.last_lsn = other.last_lsn or self.last_lsn
+        self.slot_created |= other.slot_created
+        self.slot_lost |= other.slot_lost
+        self.recovered += other.recovered
 
 
 def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult) -> None:
@@ -70,18 +87,23 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
     result.recovered = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
 
 
-def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float) -> ConsumeResult:
-    """Move committed events from the slot into the ledger (see module docstring)."""
+def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, *, check_slot: bool = True,
+            mark: bool = True) -> ConsumeResult:
+    """Move committed events from the slot into the ledger (see module docstring). ``check_slot``:
+    first make sure the slot is usable (once per tick is enough: a slot lost later fails the peek);
+    ``mark``: record how far the slot was read (``streams.consumed_through``)."""
     result = ConsumeResult()
-    ensure_slot(conn, stream, result)
+    if check_slot:
+        ensure_slot(conn, stream, result)
     deadline = time.monotonic() + budget_secs
     cap = max(stream.batch.max_size * 4, 1000)
     while True:
         peeked_at = dt.datetime.now(dt.UTC)
+        flushed = replication.flush_lsn(conn)
         try:
             txns, rows = replication.peek_rows(conn, stream.slot, stream.publication, cap)
-        except psycopg.errors.ObjectNotInPrerequisiteState:
-            # invalidated between the check and the peek: the next tick replaces it and recovers
+        except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject):
+            # invalidated or dropped since the check: the next tick replaces it and recovers
             ledger.set_recovery_pending(conn, stream.id)
             result.slot_lost = True
             return result
@@ -108,14 +130,18 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float) 
             if txns:
                 replication.advance(conn, stream.slot, txns[-1].end_lsn)
                 result.last_lsn = replication.int_to_lsn(txns[-1].end_lsn)
-            if complete:
+            elif complete:
+                # nothing of the stream committed before ``flushed``: skip the other tables' WAL so
+                # the next peek does not decode it again
+                replication.advance_at_least(conn, stream.slot, flushed)
+            if complete and (mark or with_events):
                 ledger.mark_consumed(conn, stream.id, peeked_at)
             if full and time.monotonic() < deadline:
                 continue  # more may be waiting behind the peek cap
             break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            if oldest is not None:
+            if oldest is not None and mark:
                 ledger.mark_consumed(conn, stream.id, oldest)
             break
         wait = 0.2
@@ -147,11 +173,14 @@ def _request(head: ledger.Batch, batch_ids: list[int], attempt: int) -> dg.RunRe
     )
 
 
-def _launch(conn: psycopg.Connection, stream: StreamConfig, head: ledger.Batch) -> dg.RunRequest:
+def _launch(conn: psycopg.Connection, stream: StreamConfig, head: ledger.Batch, in_failover: bool) -> dg.RunRequest:
     # a batch that failed is retried alone (the failover probe); otherwise take the pending backlog
     ids = [head.id] if head.status == "failed" else ledger.open_range(conn, head, stream.delivery.max_events_per_run)
     attempt = head.attempts + 1
-    ledger.mark_launched(conn, ids, run_key(head.stream_id, head.incarnation, ids, attempt))
+    # a run stays open for new batches only on a healthy stream: catch-up runs end when done
+    linger = stream.delivery.linger_secs > 0 and not in_failover
+    ledger.mark_launched(conn, ids, run_key(head.stream_id, head.incarnation, ids, attempt),
+                         open_for=head.stream_id if linger else None)
     return _request(head, ids, attempt)
 
 
@@ -167,6 +196,19 @@ def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None
         if error is not None and error.message.strip():
             return error.message.strip().splitlines()[0][:500]
     return None
+
+
+def _hand_to_open_run(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig) -> bool:
+    """Assign the pending batches to the stream's open run, if it is still there; true if it took them."""
+    key = ledger.open_run_key(conn, stream.id)
+    if key is None:
+        return False
+    runs = instance.get_runs(RunsFilter(tags={"dagster/run_key": key}), limit=1)
+    if runs and runs[0].status in _LIVE:
+        # empty if it closed meanwhile: then a new run is requested
+        return bool(ledger.extend_run(conn, stream.id, key, stream.delivery.max_events_per_run))
+    ledger.clear_open_run(conn, stream.id, key)  # it ended without closing (failed, canceled)
+    return False
 
 
 def _run_is_dead(conn: psycopg.Connection, instance: dg.DagsterInstance, run: DagsterRun,
@@ -196,13 +238,15 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
         return None
     now = dt.datetime.now(dt.UTC)
     if head.status == "pending":
-        return _launch(conn, stream, head)
+        if _hand_to_open_run(conn, instance, stream):
+            return None
+        return _launch(conn, stream, head, in_failover)
     if head.status == "failed":
         if head.next_attempt_at is not None and head.next_attempt_at > now:
             log.append(f"stream {stream.id} in failover at batch {head.id} ({head.error}); "
                        f"retry at {head.next_attempt_at:%H:%M:%S}")
             return None
-        return _launch(conn, stream, head)
+        return _launch(conn, stream, head, in_failover)
     # launched: find its run
     runs = instance.get_runs(RunsFilter(tags={"dagster/run_key": head.run_key or ""}), limit=1)
     if not runs:
@@ -225,11 +269,41 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
         log.append(f"stream {stream.id} in failover at batch {head.id}: run {run.run_id} {run.status.value} "
                    f"({reason}); retry at {retry_at:%H:%M:%S}")
         return None
+    if run.status in _LIVE:
+        # the run may still be open: hand it what was recorded behind its batches
+        ledger.extend_run(conn, stream.id, head.run_key or "", stream.delivery.max_events_per_run)
+        return None
     if run.status == DagsterRunStatus.SUCCESS:
         # a successful run delivers all its batches; a success without it is an inconsistency
         ledger.fail_run(conn, head, head.run_key or "", f"run {run.run_id} succeeded without confirming "
                         f"batch {head.id}", now)
     return None
+
+
+def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
+         log: list[str]) -> tuple[ConsumeResult, dg.RunRequest | None]:
+    """One sensor evaluation: keep recording what commits (and handing it to the open run) until a
+    new run must be requested or ``sensor.tick_budget_secs`` is spent. A long tick is what lets an
+    open run deliver an event well under a second after its commit: the daemon starts ticks every
+    few seconds at best."""
+    total = ConsumeResult()
+    deadline = time.monotonic() + stream.sensor.tick_budget_secs
+    decided_at = 0.0
+    first = True
+    while True:
+        consumed = consume(conn, stream, max(0.0, deadline - time.monotonic()), check_slot=first,
+                           mark=first or time.monotonic() - decided_at >= DECIDE_EVERY_SECS)
+        first = False
+        total.add(consumed)
+        request = None
+        if consumed.batches or time.monotonic() - decided_at >= DECIDE_EVERY_SECS:
+            request = decide(conn, instance, stream, log)
+            decided_at = time.monotonic()
+        remaining = deadline - time.monotonic()
+        if request is not None or consumed.slot_lost or remaining <= 0:
+            return total, request
+        if not consumed.batches:
+            time.sleep(min(POLL_SECS, remaining))
 
 
 def _observe_status(conn: psycopg.Connection, stream: StreamConfig, row: dict[str, object],
@@ -258,8 +332,7 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         cursor = json.loads(context.cursor) if context.cursor else {}
         log: list[str] = []
         with pgstream.connect() as conn:
-            consumed = consume(conn, stream, stream.sensor.tick_budget_secs)
-            request = decide(conn, context.instance, stream, log)
+            consumed, request = tick(conn, context.instance, stream, log)
             (row,) = stream_status(conn, stream.id, last=0)  # the tick's one read of the stream's state
             pending_batches, pending_events = int(row["undelivered_batches"]), int(row["undelivered_events"])
             if consumed.last_event_id is not None:
@@ -270,8 +343,8 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
             cursor["undelivered_events"] = pending_events
             observed = _observe_status(conn, stream, row, cursor)
         if consumed.slot_lost:
-            context.log.warning(f"slot {stream.slot} was invalidated (WAL limit); replacing it and recovering "
-                                "undelivered events from pgstream.events")
+            context.log.warning(f"slot {stream.slot} was invalidated (WAL limit) or dropped; replacing it and "
+                                "recovering undelivered events from pgstream.events")
         if consumed.slot_created:
             context.log.info(f"created slot {stream.slot}; recovered {len(consumed.recovered)} batches from the table")
         if consumed.batches:
