@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency clean
+.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ bench-sustained: $(STAMP)
 
 bench-latency: $(STAMP)
 	$(BIN)/python bench/latency.py
+
+bench-latency-dev: $(STAMP)
+	$(BIN)/python bench/latency_dev.py
 
 clean:
 	rm -rf .pgstream .dagster_home

@@ -111,7 +111,8 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
         tmp_path / "pgstream.yaml", app,
         streams=[{"id": 1, "sink": {"type": "http", "url": hook.url, "mode": "per_event"},
                   "batch": {"max_size": 100, "max_fill_secs": 0.5},
-                  "sensor": {"interval_secs": 1, "tick_budget_secs": 3}}],
+                  "sensor": {"interval_secs": 1, "tick_budget_secs": 3},
+                  "delivery": {"linger_secs": 60}}],
         subscriptions=[{"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
                         "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}],
     )
@@ -188,11 +189,24 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
         first_latency = got[0].at - first_commit_at
         last_latency = got[-1].at - last_commit_at
 
+        # 3b. the run stays open: a second wave is handed to it by the sensor, no new run
+        with psycopg.connect(app, autocommit=True) as conn:
+            conn.execute("insert into public.users (email, verified) select 'late' || g || '@example.com', true "
+                         "from generate_series(1, 5) g")
+            second_commit_at = time.time()
+        wait_for("5 more events at the HTTP endpoint", lambda: len(hook.snapshot()) >= 25, 60, dev, state)
+        warm_latency = hook.snapshot()[-1].at - second_commit_at
+        expected += [f"late{g}@example.com" for g in range(1, 6)]
+        assert [r.body["new"]["email"] for r in hook.snapshot()] == expected, state()
+        with psycopg.connect(app, autocommit=True) as conn:
+            assert len({r[0] for r in conn.execute("select run_key from pgstream.batches")}) == 1, state()
+            conn.execute("select pgstream.set_paused(1, true)")  # the open run closes within a second
+
         # 4. the ledger and Dagster agree: every batch delivered by a successful run
         wait_for("every batch of stream 1 to be delivered",
                  lambda: bool(batches()) and all(b[1] == "delivered" for b in batches()), 60, dev, state)
         recorded = batches()
-        assert sum(b[2] for b in recorded) == 20, recorded
+        assert sum(b[2] for b in recorded) == 25, recorded
 
         monkeypatch.setenv("DAGSTER_HOME", str(home))
         monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
@@ -202,15 +216,17 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
                                                          statuses=[DagsterRunStatus.SUCCESS])))
 
             # the batch is marked delivered inside the run, a moment before the run itself succeeds
-            wait_for(f"a successful {DELIVERY_JOB} run", lambda: len(succeeded()) >= len(recorded), 60, dev,
+            wait_for(f"a successful {DELIVERY_JOB} run", lambda: len(succeeded()) >= 1, 60, dev,
                      lambda: f"runs: {[(r.run_id, r.status) for r in instance.get_runs()]}")
             runs = succeeded()
+            assert len(runs) == 1  # one open run delivered both waves
             assert all(r.tags.get(STREAM_TAG) == "1" for r in runs)
             assert not instance.get_runs(RunsFilter(job_name=DELIVERY_JOB, statuses=[DagsterRunStatus.FAILURE]))
 
         print(f"{len(recorded)} batches {[b[2] for b in recorded]} delivered by {len(runs)} successful runs")
         print(f"latency insert commit -> arrival: first event {first_latency:.2f}s, "
-              f"last event {last_latency:.2f}s (last commit -> last arrival)")
+              f"last event {last_latency:.2f}s (last commit -> last arrival), "
+              f"second wave {warm_latency:.2f}s (open run)")
     finally:
         survivors = stop_process_group(dev.proc)
     assert not survivors, f"processes of `dagster dev` survived SIGKILL: {survivors}"

@@ -1,0 +1,143 @@
+"""Latency through `dagster dev` (P4, run by hand: `make bench-latency-dev`): commit -> webhook
+receipt with the real daemon, run launcher (a run is a subprocess), Dagster's Postgres storage and
+a Spark session per run, as `make dev` runs it. Side by side in one run: ``delivery.linger_secs``
+0 (every batch waits for a new run: process start + Spark start) and the default (the run stays
+open and the sensor hands it each new batch).
+
+Per phase: fresh databases, `dagster dev` started with the repo's dagster.yaml and workspace.yaml;
+once the sensor has created the slot, one warm-up row (its latency is the cold start: run launch +
+Spark start), then a writer commits one row every ``--interval`` s for ``--duration`` s. Reports
+p50/p95/p99/max of receipt - commit, the number of delivery runs, and appends to bench/RESULTS.md.
+Usage: python bench/latency_dev.py [--duration 60] [--interval 0.2] [--linger 0,120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import Webhook, machine, write_config
+from latency import _pct, _writer
+
+from pgstream_dagster.devdb import LocalPostgres, ensure_running
+from pgstream_dagster.migrations import migrate
+from tests.dagster_dev import start_dagster_dev, stop_process_group
+
+HERE = Path(__file__).resolve().parent
+
+
+def _wait(what: str, done: Any, timeout: float) -> float:
+    started = time.monotonic()
+    while not done():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _phase(linger: float, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: argparse.Namespace,
+           base: int) -> dict[str, Any]:
+    name = f"latency_dev_{int(linger)}"
+    pg.create_database(name)
+    pg.create_database(f"{name}_dagster")
+    url = pg.url_for(name)
+    migrate(url)
+    stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"}, "slot_name": name,
+              "delivery": {"linger_secs": linger}}
+    config = write_config(tmpdir / f"{name}.yaml", url, stream)
+    home = tmpdir / f"{name}_home"
+    home.mkdir()
+    shutil.copy(HERE.parent / "dagster.yaml", home / "dagster.yaml")
+    dagster_url = pg.url_for(f"{name}_dagster").replace("postgresql://", "postgresql+psycopg2://", 1)
+    env = {"PGSTREAM_CONFIG": str(config), "DAGSTER_HOME": str(home), "DAGSTER_POSTGRES_URL": dagster_url,
+           "PYTHONUNBUFFERED": "1"}
+    before = {seq for seq, _ in webhook.received()}
+    (tmpdir / name).mkdir()
+    dev = start_dagster_dev(tmpdir / name, env)
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            def slot() -> bool:
+                return conn.execute("select count(*) from pg_replication_slots where slot_name = %s",
+                                    [name]).fetchone() == (1,)
+
+            ready = _wait("the sensor to create the slot", slot, 300)
+            conn.execute("insert into public.bench_orders (seq, customer, amount) values (%s, 'warm-up', 0)",
+                         [base - 1])
+            committed_at = time.time()
+            _wait("the warm-up event", lambda: any(s == base - 1 for s, _ in webhook.received()), 300)
+            cold = next(t for s, t in webhook.received() if s == base - 1) - committed_at
+        out = tmpdir / f"{name}.json"
+        start = time.time() + 1
+        writer = multiprocessing.Process(target=_writer,
+                                         args=(url, start, args.duration, args.interval, str(out), base))
+        writer.start()
+        writer.join()
+        committed = {int(k): v for k, v in json.loads(out.read_text()).items()}
+        _wait("every event at the webhook",
+              lambda: set(committed) <= {s for s, _ in webhook.received()}, args.duration + 300)
+        with psycopg.connect(dagster_url.replace("+psycopg2", ""), autocommit=True) as conn:
+            (runs,) = conn.execute("select count(*) from runs where pipeline_name = 'pgstream_delivery'").fetchone()
+    finally:
+        stop_process_group(dev.proc)
+    received = {seq: t for seq, t in webhook.received() if seq >= base and seq not in before}
+    lat = [received[s] - committed[s] for s in committed if s in received]
+    return {"events": len(committed), "missing": len(committed) - len(lat), "p50": _pct(lat, 0.5),
+            "p95": _pct(lat, 0.95), "p99": _pct(lat, 0.99), "max": max(lat), "runs": runs, "cold": cold,
+            "ready": ready}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--duration", type=float, default=60)
+    parser.add_argument("--interval", type=float, default=0.2)
+    parser.add_argument("--linger", default="0,120", help="delivery.linger_secs values to compare")
+    args = parser.parse_args()
+    header = machine()
+    results: dict[float, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pgstream-latency-dev-") as tmp:
+        tmpdir = Path(tmp)
+        os.chmod(tmpdir, 0o755)
+        pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off"})
+        webhook = Webhook()
+        try:
+            for i, linger in enumerate(float(x) for x in args.linger.split(",")):
+                r = results[linger] = _phase(linger, pg, tmpdir, webhook, args, base=(i + 1) * 10_000_000)
+                print(f"linger_secs {linger:g}: {r}", flush=True)
+        finally:
+            webhook.stop()
+            pg.destroy()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"\n## Latency through `dagster dev` (P4) {stamp}, 1 event every {args.interval}s for "
+             f"{args.duration:.0f}s",
+             f"Machine: {header}. Method: bench/latency_dev.py; `dagster dev` with the repo's dagster.yaml (daemon, "
+             "QueuedRunCoordinator, DefaultRunLauncher: a run is a subprocess with its own Spark session local[2], "
+             "Postgres storage); one row per transaction into a table with an INSERT subscription; latency = "
+             "webhook receipt (batch mode, receiver in a child process) - commit returned to the writer; cold = "
+             "the warm-up event's latency (run launch + Spark start); defaults otherwise (max_fill_secs 0.5, "
+             "tick_budget_secs 10). Phases one after the other in one run."]
+    first = next(iter(results.values()))
+    for linger, r in results.items():
+        lines.append(f"- linger_secs {linger:g}: p50 {r['p50']:.2f}s ({first['p50'] / r['p50']:.1f}x faster than "
+                     f"linger_secs {next(iter(results)):g}), p95 {r['p95']:.2f}s, p99 {r['p99']:.2f}s, "
+                     f"max {r['max']:.2f}s over {r['events']} events ({r['missing']} missing); {r['runs']} delivery "
+                     f"runs; cold start (first event) {r['cold']:.1f}s")
+    with (HERE / "RESULTS.md").open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
