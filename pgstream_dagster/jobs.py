@@ -98,6 +98,9 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
             batches = linger.next_batches(batches[-1].id)
             if not batches:
                 break
+            earlier = ledger.earlier_open(conn, stream.id, batches[0].id)
+            if earlier is not None:  # the sensor hands over only what is next in line; never overtake
+                raise dg.Failure(f"batch {batches[0].id} would overtake open batch {earlier} of stream {stream.id}")
             started = time.monotonic()
             context.log.info(f"stream {stream.id}: {len(batches)} more batches {batches[0].id}..{batches[-1].id}, "
                              f"{sum(b.event_count for b in batches)} events")
