@@ -114,31 +114,51 @@ def write_config(path: Path, url: str, stream: dict[str, Any]) -> Path:
 
 
 class Driver:
-    """The daemon's loop, in-process: evaluate the stream's sensor tick, execute the run it requests."""
+    """The daemon's loop, in-process: evaluate the stream's sensor tick, execute the run it requests.
 
-    def __init__(self, config_path: Path, instance: dg.DagsterInstance) -> None:
+    ``background``: runs execute in a thread, one at a time (as the run queue allows one run per
+    stream), while the ticks go on: the sensor records and hands batches to the open run
+    (``delivery.linger_secs``) at the same time, as with the daemon and a run worker."""
+
+    def __init__(self, config_path: Path, instance: dg.DagsterInstance, background: bool = False) -> None:
         self.defs = build_definitions(config_path)
         self.config_path = config_path
         self.instance = instance
+        self.background = background
         self.cursor: str | None = None
         self.runs = 0
         self.failed = 0
+        self._thread: threading.Thread | None = None
 
     def step(self, stream_id: int) -> bool:
-        """One tick and its runs; True if a run was executed."""
+        """One tick and its runs; True if a run was started or executed."""
         sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
         ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursor, sensor_name=sensor.name,
                                       resources={"pgstream": PgstreamResource(config_path=str(self.config_path))})
         tick: Any = sensor.evaluate_tick(ctx)
         self.cursor = tick.cursor
-        job = self.defs.resolve_job_def(DELIVERY_JOB)
         for request in tick.run_requests or []:
-            tags = {**request.tags, "dagster/run_key": request.run_key or ""}
-            result = job.execute_in_process(run_config=request.run_config, instance=self.instance, tags=tags,
-                                            raise_on_error=False)
-            self.runs += 1
-            self.failed += 0 if result.success else 1
+            self.wait()  # the run queue: one run of the stream at a time
+            if self.background:
+                self._thread = threading.Thread(target=self._execute, args=(request,), daemon=True)
+                self._thread.start()
+            else:
+                self._execute(request)
         return bool(tick.run_requests)
+
+    def _execute(self, request: dg.RunRequest) -> None:
+        job = self.defs.resolve_job_def(DELIVERY_JOB)
+        tags = {**request.tags, "dagster/run_key": request.run_key or ""}
+        result = job.execute_in_process(run_config=request.run_config, instance=self.instance, tags=tags,
+                                        raise_on_error=False)
+        self.runs += 1
+        self.failed += 0 if result.success else 1
+
+    def wait(self) -> None:
+        """Until the run in flight (background) has ended."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def delivered_events(conn: psycopg.Connection, stream_id: int) -> int:

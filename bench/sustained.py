@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import multiprocessing
 import os
 import sys
@@ -49,7 +50,8 @@ def _writer(url: str, until: float, rows: int, counter: Any) -> None:
                 counter.value += rows
 
 
-def _phase(name: str, url: str, tmpdir: Path, args: argparse.Namespace, webhook: Webhook | None) -> dict[str, Any]:
+def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespace,
+           webhook: Webhook | None) -> dict[str, Any]:
     sink: dict[str, Any]
     if name == "redis":
         sink = {"type": "redis", "url": "redis://127.0.0.1:6379/0",
@@ -57,15 +59,17 @@ def _phase(name: str, url: str, tmpdir: Path, args: argparse.Namespace, webhook:
     else:
         assert webhook is not None
         sink = {"type": "http", "url": webhook.url, "mode": "batch", "max_batch_size": 1000}
-    stream = {"id": 1, "sink": sink, "slot_name": f"sustained_{name}",
+    open_runs = mode == "open"
+    stream = {"id": 1, "sink": sink, "slot_name": f"sustained_{name}_{mode}",
               "batch": {"max_size": args.batch_size, "max_fill_secs": args.max_fill_secs},
               "sensor": {"tick_budget_secs": 2},
-              "delivery": {"chunk_size": 5000, "max_events_per_run": args.max_events_per_run}}
-    config = write_config(tmpdir / f"{name}.yaml", url, stream)
+              "delivery": {"chunk_size": 5000, "max_events_per_run": args.max_events_per_run,
+                           "linger_secs": 3 if open_runs else 0}}
+    config = write_config(tmpdir / f"{name}_{mode}.yaml", url, stream)
     counter: Any = multiprocessing.Value("q", 0)
     samples: list[tuple[float, int, int]] = []
     with dg.DagsterInstance.ephemeral() as instance:
-        driver = Driver(config, instance)
+        driver = Driver(config, instance, background=open_runs)
         # warm-up, as a long-running deployment is: slot, Spark session, Python workers
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("insert into public.bench_orders (seq, customer, amount) values (-1, 'warm-up', 0)")
@@ -103,6 +107,7 @@ def _phase(name: str, url: str, tmpdir: Path, args: argparse.Namespace, webhook:
             if not driver.step(1):
                 time.sleep(0.05)
         drained_at = time.time()
+        driver.wait()  # the open run closes once idle
         stop.set()
         sampler.join()
         with psycopg.connect(url, autocommit=True) as conn:
@@ -124,6 +129,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=300, help="seconds of writing per sink")
     parser.add_argument("--sinks", default="redis,webhook")
+    parser.add_argument("--modes", default="serial,open",
+                        help="serial: runs between ticks, linger_secs 0 (the first method); open: runs in a thread "
+                             "while the sensor ticks and hands batches to the open run (linger_secs 3)")
     parser.add_argument("--writers", type=int, default=2, help="writer processes")
     parser.add_argument("--rows", type=int, default=100, help="rows per writer transaction")
     parser.add_argument("--batch-size", type=int, default=10_000, help="batch.max_size")
@@ -140,12 +148,13 @@ def main() -> None:
         pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off"})
         webhook = Webhook()
         try:
-            for name in args.sinks.split(","):
-                pg.create_database(f"sustained_{name}")
-                url = pg.url_for(f"sustained_{name}")
+            for name, mode in itertools.product(args.sinks.split(","), args.modes.split(",")):
+                pg.create_database(f"sustained_{name}_{mode}")
+                url = pg.url_for(f"sustained_{name}_{mode}")
                 migrate(url)
-                r = results[name] = _phase(name, url, tmpdir, args, webhook if name == "webhook" else None)
-                print(f"{name}: written {r['written'] / r['window']:,.0f} events/s, delivered "
+                r = results[f"{name} ({mode})"] = _phase(name, mode, url, tmpdir, args,
+                                                         webhook if name == "webhook" else None)
+                print(f"{name} ({mode}): written {r['written'] / r['window']:,.0f} events/s, delivered "
                       f"{r['delivered_in_window'] / r['window']:,.0f} events/s in the window; drained in "
                       f"{r['drain_secs']:.1f}s; {r['runs']} runs ({r['failed']} failed); "
                       f"backlog {_curve(r['samples'])}")
@@ -156,9 +165,11 @@ def main() -> None:
     lines = [f"\n## Sustained (P1) {stamp}, {args.duration:.0f}s of writing per sink",
              f"Machine: {header}. Method: bench/sustained.py; {args.writers} writer processes inserting "
              f"{args.rows} rows per transaction into a table with a real INSERT subscription (Postgres fsync off, "
-             "synchronous_commit off), as fast as Postgres accepts; the stream is driven in-process (sensor tick, "
-             "then the requested delivery run via execute_in_process, ephemeral Dagster instance, one warm Spark "
-             f"session local[2]); batch.max_size {args.batch_size}, max_fill_secs {args.max_fill_secs}, "
+             "synchronous_commit off), as fast as Postgres accepts; the stream is driven in-process (ephemeral "
+             "Dagster instance, one warm Spark session local[2]): *serial* = sensor tick, then the requested run "
+             "via execute_in_process, one after the other, linger_secs 0; *open* = runs in a thread while the "
+             "sensor keeps ticking and hands new batches to the open run (linger_secs 3), as the daemon and a run "
+             f"worker overlap; batch.max_size {args.batch_size}, max_fill_secs {args.max_fill_secs}, "
              f"max_events_per_run {args.max_events_per_run}, chunk 5000; delivered = ledger batches marked "
              "delivered (sink-confirmed); writers, driver, Spark, Postgres and the sink share the 2 CPUs; "
              f"backlog = written - delivered, sampled every {args.sample_secs:.0f}s."]

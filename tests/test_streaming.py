@@ -247,3 +247,33 @@ def test_by_key_delivery_keeps_order_per_routing_key(db_url: str, tmp_path: Path
     for key in map(str, range(5)):
         ids = [e["id"] for e in got if e["payload"]["group_id"] == key]
         assert ids == sorted(ids) and len(ids) == 60
+
+
+def test_tick_skips_other_tables_wal_without_losing_events(db_url: str, tmp_path: Path,
+                                                           instance: dg.DagsterInstance) -> None:
+    """A peek that finds nothing of the stream moves the slot past the WAL it read (other tables,
+    other streams), so the next peek does not decode it again; events committed meanwhile stay."""
+    out = tmp_path / "sink.jsonl"
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": 1, "batch": {"max_size": 100, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
+         "sink": {"type": "file", "path": str(out)}}])
+    driver = Driver(cfg, instance)
+    driver.tick(1)
+
+    def confirmed() -> int:
+        with psycopg.connect(db_url) as c:
+            (lsn,) = c.execute("select confirmed_flush_lsn::text from pg_replication_slots "
+                               "where slot_name = 'pgstream_stream_1'").fetchone()
+        return replication.lsn_to_int(lsn)
+
+    before = confirmed()
+    with psycopg.connect(db_url) as c:
+        c.execute("create table public.noise (id bigint)")
+        c.execute("insert into public.noise select generate_series(1, 20000)")
+        insert_events(db_url, 2, 500)  # another stream's events: filtered out by the publication
+        (written,) = c.execute("select pg_current_wal_lsn()::text").fetchone()
+    assert not driver.tick(1).run_requests
+    assert confirmed() >= replication.lsn_to_int(written) > before
+    insert_events(db_url, 1, 7)
+    driver.run_until(1, lambda: len(read_jsonl(out)) >= 7)
+    assert [e["payload"]["n"] for e in read_jsonl(out)] == list(range(7))
