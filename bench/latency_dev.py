@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import Webhook, machine, write_config
 from latency import _pct, _writer
 
+from pgstream_dagster.config import BatchConfig, SensorConfig
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.migrations import migrate
 from tests.dagster_dev import start_dagster_dev, stop_process_group
@@ -126,12 +127,13 @@ def main() -> None:
              "QueuedRunCoordinator, DefaultRunLauncher: a run is a subprocess with its own Spark session local[2], "
              "Postgres storage); one row per transaction into a table with an INSERT subscription; latency = "
              "webhook receipt (batch mode, receiver in a child process) - commit returned to the writer; cold = "
-             "the warm-up event's latency (run launch + Spark start); defaults otherwise (max_fill_secs 0.5, "
-             "tick_budget_secs 10). Phases one after the other in one run."]
+             "the warm-up event's latency (run launch + Spark start); defaults otherwise (max_fill_secs "
+             f"{BatchConfig().max_fill_secs:g}, tick_budget_secs {SensorConfig().tick_budget_secs:g}). Phases one after "
+             "the other in one run."]
     first = next(iter(results.values()))
     for linger, r in results.items():
-        lines.append(f"- linger_secs {linger:g}: p50 {r['p50']:.2f}s ({first['p50'] / r['p50']:.1f}x faster than "
-                     f"linger_secs {next(iter(results)):g}), p95 {r['p95']:.2f}s, p99 {r['p99']:.2f}s, "
+        ratio = "baseline" if r is first else f"{first['p50'] / r['p50']:.1f}x faster than the first"
+        lines.append(f"- linger_secs {linger:g}: p50 {r['p50']:.2f}s ({ratio}), p95 {r['p95']:.2f}s, p99 {r['p99']:.2f}s, "
                      f"max {r['max']:.2f}s over {r['events']} events ({r['missing']} missing); {r['runs']} delivery "
                      f"runs; cold start (first event) {r['cold']:.1f}s")
     with (HERE / "RESULTS.md").open("a") as f:
