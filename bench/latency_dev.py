@@ -128,12 +128,13 @@ def main() -> None:
              "Postgres storage); one row per transaction into a table with an INSERT subscription; latency = "
              "webhook receipt (batch mode, receiver in a child process) - commit returned to the writer; cold = "
              "the warm-up event's latency (run launch + Spark start); defaults otherwise (max_fill_secs "
-             f"{BatchConfig().max_fill_secs:g}, tick_budget_secs {SensorConfig().tick_budget_secs:g}). Phases one after "
-             "the other in one run."]
+             f"{BatchConfig().max_fill_secs:g}, tick_budget_secs {SensorConfig().tick_budget_secs:g}). "
+             "Phases one after the other in one run."]
     first = next(iter(results.values()))
     for linger, r in results.items():
         ratio = "baseline" if r is first else f"{first['p50'] / r['p50']:.1f}x faster than the first"
-        lines.append(f"- linger_secs {linger:g}: p50 {r['p50']:.2f}s ({ratio}), p95 {r['p95']:.2f}s, p99 {r['p99']:.2f}s, "
+        lines.append(f"- linger_secs {linger:g}: p50 {r['p50']:.2f}s ({ratio}), p95 {r['p95']:.2f}s, "
+                     f"p99 {r['p99']:.2f}s, "
                      f"max {r['max']:.2f}s over {r['events']} events ({r['missing']} missing); {r['runs']} delivery "
                      f"runs; cold start (first event) {r['cold']:.1f}s")
     with (HERE / "RESULTS.md").open("a") as f:
