@@ -39,4 +39,5 @@ bench-latency-dev: $(STAMP)
 	$(BIN)/python bench/latency_dev.py
 
 clean:
+	-test -x $(BIN)/pgstream-dagster && $(BIN)/pgstream-dagster spark-connect --stop
 	rm -rf .pgstream .dagster_home

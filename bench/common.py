@@ -97,13 +97,13 @@ class Webhook:
         self.process.join(10)
 
 
-def write_config(path: Path, url: str, stream: dict[str, Any]) -> Path:
+def write_config(path: Path, url: str, stream: dict[str, Any], spark: dict[str, Any] | None = None) -> Path:
     """One stream subscribed to inserts into ``bench_orders``; the table and subscription are created.
     Runs do not linger unless the stream sets ``delivery.linger_secs`` (the in-process driver runs
     them between ticks)."""
     stream = {**stream, "delivery": {"linger_secs": 0, **stream.get("delivery", {})}}
     path.write_text(yaml.safe_dump({
-        "database_url": url, "spark": {"master": "local[2]"}, "streams": [stream],
+        "database_url": url, "spark": spark or {"master": "local[2]"}, "streams": [stream],
         "subscriptions": [{"key": "bench-orders", "stream_id": stream["id"], "operation": "INSERT",
                            "table_name": "bench_orders",
                            "column_names": ["id", "seq", "customer", "amount"]}]}))

@@ -1,14 +1,15 @@
 """Latency through `dagster dev` (P4, run by hand: `make bench-latency-dev`): commit -> webhook
 receipt with the real daemon, run launcher (a run is a subprocess), Dagster's Postgres storage and
 a Spark session per run, as `make dev` runs it. Side by side in one run: ``delivery.linger_secs``
-0 (every batch waits for a new run: process start + Spark start) and the default (the run stays
-open and the sensor hands it each new batch).
+0 (every batch waits for a new run: process start + Spark start), the default (the run stays
+open and the sensor hands it each new batch), and the default with a Spark Connect server
+(``spark.remote``: a run opens a session on a warm server instead of starting Spark).
 
 Per phase: fresh databases, `dagster dev` started with the repo's dagster.yaml and workspace.yaml;
 once the sensor has created the slot, one warm-up row (its latency is the cold start: run launch +
 Spark start), then a writer commits one row every ``--interval`` s for ``--duration`` s. Reports
 p50/p95/p99/max of receipt - commit, the number of delivery runs, and appends to bench/RESULTS.md.
-Usage: python bench/latency_dev.py [--duration 60] [--interval 0.2] [--linger 0,120]
+Usage: python bench/latency_dev.py [--duration 60] [--interval 0.2] [--phases 0,120,120+connect]
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import Webhook, machine, write_config
 from latency import _pct, _writer
 
+from pgstream_dagster import sparkserver
 from pgstream_dagster.config import BatchConfig, SensorConfig
-from pgstream_dagster.devdb import LocalPostgres, ensure_running
+from pgstream_dagster.devdb import LocalPostgres, ensure_running, free_port
 from pgstream_dagster.migrations import migrate
 from tests.dagster_dev import start_dagster_dev, stop_process_group
 
@@ -49,16 +51,24 @@ def _wait(what: str, done: Any, timeout: float) -> float:
     return time.monotonic() - started
 
 
-def _phase(linger: float, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: argparse.Namespace,
+def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: argparse.Namespace,
            base: int) -> dict[str, Any]:
-    name = f"latency_dev_{int(linger)}"
+    linger = float(spec.split("+")[0])
+    connect = spec.endswith("+connect")
+    name = f"latency_dev_{int(linger)}{'_connect' if connect else ''}"
     pg.create_database(name)
     pg.create_database(f"{name}_dagster")
     url = pg.url_for(name)
     migrate(url)
     stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"}, "slot_name": name,
               "delivery": {"linger_secs": linger}}
-    config = write_config(tmpdir / f"{name}.yaml", url, stream)
+    server = None
+    spark: dict[str, Any] = {"master": "local[2]"}
+    if connect:
+        port = free_port()
+        server = sparkserver.start(port, "local[2]", log=tmpdir / f"{name}-spark.log")
+        spark = {"remote": f"sc://127.0.0.1:{port}"}
+    config = write_config(tmpdir / f"{name}.yaml", url, stream, spark)
     home = tmpdir / f"{name}_home"
     home.mkdir()
     shutil.copy(HERE.parent / "dagster.yaml", home / "dagster.yaml")
@@ -93,6 +103,8 @@ def _phase(linger: float, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, arg
             (runs,) = conn.execute("select count(*) from runs where pipeline_name = 'pgstream_delivery'").fetchone()
     finally:
         stop_process_group(dev.proc)
+        if server is not None:
+            sparkserver.stop(server)
     received = {seq: t for seq, t in webhook.received() if seq >= base and seq not in before}
     lat = [received[s] - committed[s] for s in committed if s in received]
     return {"events": len(committed), "missing": len(committed) - len(lat), "p50": _pct(lat, 0.5),
@@ -104,19 +116,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=60)
     parser.add_argument("--interval", type=float, default=0.2)
-    parser.add_argument("--linger", default="0,120", help="delivery.linger_secs values to compare")
+    parser.add_argument("--phases", default="0,120,120+connect",
+                        help="delivery.linger_secs values to compare; +connect: runs use a Spark Connect server "
+                             "started for the phase (spark.remote)")
     args = parser.parse_args()
     header = machine()
-    results: dict[float, dict[str, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pgstream-latency-dev-") as tmp:
         tmpdir = Path(tmp)
         os.chmod(tmpdir, 0o755)
         pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off"})
         webhook = Webhook()
         try:
-            for i, linger in enumerate(float(x) for x in args.linger.split(",")):
-                r = results[linger] = _phase(linger, pg, tmpdir, webhook, args, base=(i + 1) * 10_000_000)
-                print(f"linger_secs {linger:g}: {r}", flush=True)
+            for i, spec in enumerate(args.phases.split(",")):
+                r = results[spec] = _phase(spec, pg, tmpdir, webhook, args, base=(i + 1) * 10_000_000)
+                print(f"{spec}: {r}", flush=True)
         finally:
             webhook.stop()
             pg.destroy()
@@ -131,9 +145,10 @@ def main() -> None:
              f"{BatchConfig().max_fill_secs:g}, tick_budget_secs {SensorConfig().tick_budget_secs:g}). "
              "Phases one after the other in one run."]
     first = next(iter(results.values()))
-    for linger, r in results.items():
+    for spec, r in results.items():
         ratio = "baseline" if r is first else f"{first['p50'] / r['p50']:.1f}x faster than the first"
-        lines.append(f"- linger_secs {linger:g}: p50 {r['p50']:.2f}s ({ratio}), p95 {r['p95']:.2f}s, "
+        label = f"linger_secs {spec.split('+')[0]}" + (", Spark Connect server" if spec.endswith("+connect") else "")
+        lines.append(f"- {label}: p50 {r['p50']:.2f}s ({ratio}), p95 {r['p95']:.2f}s, "
                      f"p99 {r['p99']:.2f}s, "
                      f"max {r['max']:.2f}s over {r['events']} events ({r['missing']} missing); {r['runs']} delivery "
                      f"runs; cold start (first event) {r['cold']:.1f}s")

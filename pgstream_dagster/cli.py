@@ -109,7 +109,31 @@ def _control(args: argparse.Namespace, action: str) -> int:
 def _cmd_dev(args: argparse.Namespace) -> int:
     from .dev import run_dev
 
-    return run_dev(port=args.port)
+    return run_dev(port=args.port, spark_server=not args.no_spark_server)
+
+
+def _cmd_spark_connect(args: argparse.Namespace) -> int:
+    """Run a Spark Connect server in the foreground until interrupted (for a service manager)."""
+    import signal
+    import subprocess
+
+    from . import sparkserver
+
+    if args.stop:
+        stopped = sparkserver.stop_recorded(Path(".pgstream"))
+        print("stopped the Spark Connect server of `make dev`" if stopped else "no Spark Connect server recorded")
+        return 0
+    proc = subprocess.Popen(sparkserver.command(args.port, args.master, host=args.host), env=sparkserver.environment(),
+                            start_new_session=True)
+    print(f"Spark Connect server (pid {proc.pid}) on sc://{args.host}:{args.port}; set spark.remote to it")
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if proc.poll() is None:
+            sparkserver.stop(proc)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,7 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dev", help="local Postgres + migrations + demo + `dagster dev` (what `make dev` runs)")
     p.add_argument("--port", type=int, default=3000)
+    p.add_argument("--no-spark-server", action="store_true",
+                   help="runs start their own Spark instead of using a Spark Connect server kept in .pgstream/")
     p.set_defaults(func=_cmd_dev)
+
+    p = sub.add_parser("spark-connect", help="run a Spark Connect server for the runs (spark.remote) in the "
+                                             "foreground, from PySpark's own jars")
+    p.add_argument("--port", type=int, default=15002)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (Spark Connect has no authentication: keep it private)")
+    p.add_argument("--master", default="local[*]")
+    p.add_argument("--stop", action="store_true", help="stop the server `make dev` started in .pgstream/")
+    p.set_defaults(func=_cmd_spark_connect)
     return parser
 
 

@@ -154,8 +154,16 @@ class ChecksConfig(_Model):
 
 class SparkConfig(_Model):
     master: str = "local[*]"
-    remote: str | None = Field(None, description="Spark Connect URL (sc://host:15002); overrides master")
+    remote: str | None = Field(None, pattern=r"^sc://\S+$",
+                               description="Spark Connect URL (sc://host:15002): runs use a long-lived server "
+                                           "(`pgstream-dagster spark-connect`) instead of starting Spark; overrides "
+                                           "master; empty = none")
     conf: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("remote", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: object) -> object:
+        return None if isinstance(v, str) and not v.strip() else v
 
 
 class PgstreamConfig(_Model):
@@ -169,6 +177,11 @@ class PgstreamConfig(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> PgstreamConfig:
         ids = [s.id for s in self.streams]
+        if self.spark.remote:
+            by_key = [s.id for s in self.streams if s.delivery.ordering == "by_key"]
+            if by_key:
+                raise ValueError(f"streams {by_key}: delivery.ordering by_key needs a classic Spark (spark.master); "
+                                 "it is not available with spark.remote (Spark Connect)")
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ValueError(f"stream ids must be unique, duplicated: {dupes}")

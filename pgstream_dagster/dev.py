@@ -1,8 +1,10 @@
 """``make dev``: a working local demo in one command.
 
 Starts (once) a Postgres with ``wal_level=logical`` under ``.pgstream/`` unless
-``PGSTREAM_DATABASE_URL`` is set, creates the ``pgstream`` and ``dagster`` databases, migrates,
-creates the demo schema, applies ``pgstream.yaml`` and runs ``dagster dev``.
+``PGSTREAM_DATABASE_URL`` is set, and a Spark Connect server for the runs unless
+``PGSTREAM_SPARK_REMOTE`` is set (``--no-spark-server``: runs start their own Spark); creates the
+``pgstream`` and ``dagster`` databases, migrates, creates the demo schema, applies
+``pgstream.yaml`` and runs ``dagster dev``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def _dagster_url(url: str) -> str:
     return url.replace("postgresql://", "postgresql+psycopg2://", 1).replace("postgres://", "postgresql+psycopg2://", 1)
 
 
-def run_dev(port: int = 3000, root: Path | None = None) -> int:
+def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = True) -> int:
     from .cli import init
     from .devdb import ensure_running
     from .migrations import migrate, sql_dir
@@ -44,6 +46,14 @@ def run_dev(port: int = 3000, root: Path | None = None) -> int:
         migrate(url)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute((sql_dir() / "demo" / "demo_schema.sql").read_text())
+    if spark_server and not os.environ.get("PGSTREAM_SPARK_REMOTE"):
+        from . import sparkserver
+
+        remote = sparkserver.ensure_running(state, port=int(os.environ.get("PGSTREAM_SPARK_PORT",
+                                                                           sparkserver.DEFAULT_PORT)))
+        os.environ["PGSTREAM_SPARK_REMOTE"] = remote
+        print(f"Spark Connect server for the runs: {remote} (log: {state / 'spark-connect.log'}; "
+              "stop it with `pgstream-dagster spark-connect --stop`)")
     for line in init(Path(os.environ["PGSTREAM_CONFIG"])):
         print(line)
 

@@ -178,6 +178,10 @@ class EventsDataSource(DataSource):
 
 def spark_conf(master: str, remote: str | None, extra: dict[str, str]) -> dict[str, str]:
     """Spark settings for the delivery runs: offline, UTC, and the workers use this interpreter."""
+    if remote:
+        # Spark Connect: the server owns the JVM and its Python workers (pgstream_dagster.sparkserver);
+        # a session may only set session settings
+        return {"spark.remote": remote, "spark.sql.session.timeZone": "UTC", **extra}
     # Python workers of a local Spark are started from the environment, not only from the conf
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -190,10 +194,7 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str]) -> dict[s
         "spark.sql.shuffle.partitions": "8",
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
     }
-    if remote:
-        conf["spark.remote"] = remote
-    else:
-        conf["spark.master"] = master
+    conf["spark.master"] = master
     conf.update(extra)
     return conf
 

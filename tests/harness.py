@@ -19,13 +19,13 @@ from pgstream_dagster.resources import PgstreamResource
 
 
 def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
-                 subscriptions: list[dict[str, Any]] | None = None) -> Path:
+                 subscriptions: list[dict[str, Any]] | None = None, spark: dict[str, Any] | None = None) -> Path:
     """``streams`` as in pgstream.yaml; runs do not linger unless a stream sets ``delivery.linger_secs``
     (the in-process driver executes a run before the next tick, so an open run would only wait)."""
     streams = [{**s, "delivery": {"linger_secs": 0, **s.get("delivery", {})}} for s in streams]
     path.write_text(yaml.safe_dump({"database_url": database_url, "streams": streams,
                                     "subscriptions": subscriptions or [],
-                                    "spark": {"master": "local[2]"}}))
+                                    "spark": spark or {"master": "local[2]"}}))
     return path
 
 

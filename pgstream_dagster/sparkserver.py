@@ -1,0 +1,135 @@
+"""A Spark Connect server for the delivery and replay runs (``spark.remote`` in pgstream.yaml).
+
+Each Dagster run is a process of its own; with a local Spark it starts a JVM and Spark's Python
+workers before its first event (10-35 s on 2 CPUs). A long-lived Spark Connect server keeps both
+warm: a run then only opens a session (~0.3 s). The server comes with PySpark (its jars and
+``spark-submit``); nothing is downloaded. Its Python workers run this interpreter, so they import
+pgstream-dagster's data sources from the same environment.
+
+Used by ``pgstream-dagster spark-connect`` (foreground, for a service manager) and ``make dev``
+(in the background, kept under ``.pgstream/`` like the local Postgres).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+DEFAULT_PORT = 15002
+
+
+class SparkServerError(RuntimeError):
+    """The Spark Connect server did not start."""
+
+
+def spark_home() -> str:
+    from pyspark.find_spark_home import _find_spark_home
+
+    return str(_find_spark_home())
+
+
+def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127.0.0.1",
+            conf: dict[str, str] | None = None) -> list[str]:
+    """The ``spark-submit`` command line of a Spark Connect server listening on ``host:port``."""
+    settings = {
+        "spark.connect.grpc.binding.address": host,
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.ui.enabled": "false",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.pyspark.python": sys.executable,
+        "spark.pyspark.driver.python": sys.executable,
+        "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
+        **(conf or {}),
+    }
+    args = [str(Path(spark_home()) / "bin" / "spark-submit"), "--class", SERVER_CLASS,
+            "--name", "pgstream spark connect", "--master", master]
+    for key, value in settings.items():
+        args += ["--conf", f"{key}={value}"]
+    return args
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, "SPARK_HOME": spark_home(), "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable}
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None = None,
+          timeout: float = 120, conf: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a server in a session of its own and wait until it accepts connections."""
+    out = log.open("ab") if log is not None else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(command(port, master, conf=conf), env=environment(), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        if log is not None:
+            out.close()  # type: ignore[union-attr]
+    deadline = time.monotonic() + timeout
+    while not listening(port):
+        if proc.poll() is not None:
+            raise SparkServerError(f"the Spark Connect server exited with {proc.returncode} before listening on "
+                                   f"port {port}" + (f"; see {log}" if log else ""))
+        if time.monotonic() > deadline:
+            stop(proc)
+            raise SparkServerError(f"the Spark Connect server did not listen on port {port} within {timeout:.0f}s")
+        time.sleep(0.2)
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes] | int, timeout: float = 20) -> None:
+    """Stop a server started by :func:`start` (its whole process group: JVM and Python workers)."""
+    pid = proc if isinstance(proc, int) else proc.pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if isinstance(proc, subprocess.Popen):
+                if proc.poll() is not None:
+                    return
+            else:
+                try:
+                    os.killpg(pid, 0)
+                except ProcessLookupError:
+                    return
+            time.sleep(0.2)
+
+
+def ensure_running(state: Path, port: int = DEFAULT_PORT, master: str = "local[*]") -> str:
+    """A server for ``make dev``: reuse the one recorded in ``state/spark-connect.pid`` if it still
+    listens, else start one in the background. Returns its ``sc://`` URL."""
+    pid_file = state / "spark-connect.pid"
+    url = f"sc://127.0.0.1:{port}"
+    if pid_file.exists() and listening(port):
+        return url
+    if listening(port):
+        raise SparkServerError(f"port {port} is taken by another process: set PGSTREAM_SPARK_PORT")
+    proc = start(port, master, log=state / "spark-connect.log")
+    pid_file.write_text(str(proc.pid))
+    return url
+
+
+def stop_recorded(state: Path) -> bool:
+    """Stop the server ``make dev`` started (``state/spark-connect.pid``); true if one was running."""
+    pid_file = state / "spark-connect.pid"
+    if not pid_file.exists():
+        return False
+    pid = int(pid_file.read_text().strip() or 0)
+    pid_file.unlink()
+    if pid <= 0:
+        return False
+    stop(pid)
+    return True
