@@ -11,9 +11,10 @@ import psycopg
 from psycopg.rows import dict_row
 
 _STREAMS = """
-select * from pgstream.stream_status
-where %(stream_id)s::bigint is null or id = %(stream_id)s::bigint
-order by id
+select ss.*, st.open_run_key
+from pgstream.stream_status ss join pgstream.streams st on st.id = ss.id
+where %(stream_id)s::bigint is null or ss.id = %(stream_id)s::bigint
+order by ss.id
 """
 
 _LAST_BATCHES = """
@@ -61,6 +62,8 @@ def render_status(streams: list[dict[str, Any]]) -> str:
                      f"(committed {s['oldest_undelivered_at'] or '-'})")
         lines.append(f"  delivered today: {s['delivered_today']}; last recorded event "
                      f"{s['last_recorded_event_id'] or '-'}; {slot}")
+        if s.get("open_run_key"):
+            lines.append(f"  open run: {s['open_run_key']} (the sensor hands it every new batch)")
         if s["failover_since"]:
             lines.append(f"  failover since {s['failover_since']}: checkpoint event {s['failover_checkpoint_id']} "
                          f"(committed {s['failover_checkpoint_ts']}), {s['failover_attempts']} failed attempts, "
@@ -118,6 +121,7 @@ def status_observation(s: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObs
         "failover_attempts": s["failover_attempts"],
         "failover_next_retry": dg.MetadataValue.timestamp(s["failover_retry_at"]) if s["failover_retry_at"] else None,
         "failover_error": s["failover_error"],
+        "open_run_key": s.get("open_run_key"),
         "last_batches": dg.MetadataValue.md(_markdown_batches(s["last_batches"])),
     }
     return dg.AssetObservation(asset_key=status_asset_key(s["id"]), description=f"stream {s['id']}: {s['state']}",

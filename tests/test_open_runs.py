@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster import ledger
+from pgstream_dagster.status import render_status, stream_status
 
 from .endpoint import Endpoint
 from .harness import Driver, insert_events, write_config
@@ -89,6 +90,7 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
         assert open_key == request.run_key
         keys = {r[0] for r in c.execute("select distinct run_key from pgstream.batches")}
         assert keys == {request.run_key}
+        assert f"open run: {request.run_key}" in render_status(stream_status(c, STREAM))
     result = run.wait(timeout=30)  # idle for linger_secs: it closes and succeeds
     assert result.success
     sent = _ids(db_url)
