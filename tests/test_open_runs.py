@@ -19,6 +19,7 @@ from pgstream_dagster.status import render_status, stream_status
 
 from .endpoint import Endpoint
 from .harness import Driver, insert_events, write_config
+from .test_failover import stream_row
 
 STREAM = 1
 
@@ -130,26 +131,19 @@ def test_sink_failure_in_a_later_round_enters_failover_and_loses_nothing(db_url:
     insert_events(db_url, STREAM, 40, 100)
     _tick_until(driver, lambda: not run.thread.is_alive())
     assert not run.wait(timeout=5).success
-    _tick_until(driver, lambda: _stream(db_url)["failover_since"] is not None)
-    state = _stream(db_url)
+    _tick_until(driver, lambda: stream_row(db_url)["failover_since"] is not None)
+    state = stream_row(db_url)
     assert state["open_run_key"] is None  # a failed run is closed: nothing is handed to it again
     endpoint.mode = "ok"
     insert_events(db_url, STREAM, 10, 500)
     deadline = time.monotonic() + 120
-    while endpoint.unique() != set(_ids(db_url)) or _stream(db_url)["failover_since"] is not None:
+    while endpoint.unique() != set(_ids(db_url)) or stream_row(db_url)["failover_since"] is not None:
         assert time.monotonic() < deadline, "did not recover"
         for req in driver.tick(STREAM).run_requests or []:
             Background(driver, req).wait(timeout=120)  # catch-up runs do not linger: they end
     assert endpoint.unique() == set(_ids(db_url))
     order = endpoint.first_seen_order()
     assert order == sorted(order)
-
-
-def _stream(url: str) -> dict[str, Any]:
-    with psycopg.connect(url) as c, c.cursor(row_factory=psycopg.rows.dict_row) as cur:
-        row = cur.execute("select * from pgstream.streams where id = %s", [STREAM]).fetchone()
-    assert row is not None
-    return row
 
 
 def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
