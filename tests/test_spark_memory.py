@@ -1,0 +1,53 @@
+"""Ordered delivery does not keep what it delivered on the Spark driver's heap: an open run or a
+large replay delivers many partitions through one long-lived session (toLocalIterator, used
+before, kept every served partition on the JVM heap until an OutOfMemoryError)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psycopg
+from pyspark.sql import SparkSession
+
+from pgstream_dagster import spark
+from pgstream_dagster.sinks.file import FileSinkConfig
+
+
+def _heap_used_mb(session: SparkSession) -> float:
+    jvm = session.sparkContext._jvm  # type: ignore[attr-defined]
+    runtime = jvm.java.lang.Runtime.getRuntime()
+    for _ in range(3):
+        jvm.java.lang.System.gc()
+        time.sleep(0.3)
+    return float(runtime.totalMemory() - runtime.freeMemory()) / 1e6
+
+
+def test_ordered_delivery_keeps_the_driver_heap_flat(db_url: str, tmp_path: Path) -> None:
+    with psycopg.connect(db_url) as c:
+        c.execute("select pgstream.ensure_stream(1)")
+        c.execute("insert into pgstream.events (payload, stream_id) "
+                  "select jsonb_build_object('n', g, 'pad', repeat('x', 2000)), 1 from generate_series(1, 2000) g")
+        (batch,) = c.execute(
+            "insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
+            "min_created_at, max_created_at) select 1, array_agg(id order by id), count(*), min(id), max(id), "
+            "min(created_at), max(created_at) from pgstream.events returning id").fetchone()
+    builder = SparkSession.builder
+    for key, value in spark.spark_conf("local[2]", None, {}).items():  # as the runs' resource does
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    sink = FileSinkConfig(path=str(tmp_path / "out.jsonl"))
+    frames = spark.load_batches(session, db_url, [(batch, 2000, 0)], "group_id", rows_per_partition=500,
+                                packed=True)
+    assert isinstance(frames, list) and len(frames) == 4  # one single-partition DataFrame per 500 events
+    assert spark.deliver_in_order(frames, sink, 500) == 2000  # warm-up
+    before = _heap_used_mb(session)
+    rounds = 25  # 100 partitions, ~400 MB of payload moved through the driver
+    for _ in range(rounds):
+        frames = spark.load_batches(session, db_url, [(batch, 2000, 0)], "group_id", rows_per_partition=500,
+                                    packed=True)
+        assert spark.deliver_in_order(frames, sink, 500) == 2000
+    grown = _heap_used_mb(session) - before
+    lines = (tmp_path / "out.jsonl").read_text().count("\n")
+    assert lines == 2000 * (rounds + 1)
+    assert grown < 60, f"the driver heap grew {grown:.0f} MB over {rounds} rounds"
