@@ -41,6 +41,7 @@ from pgstream_dagster.sinks import (
     FileSinkConfig,
     HttpSink,
     HttpSinkConfig,
+    KafkaSink,
     MemorySink,
     MemorySinkConfig,
     NatsSink,
@@ -105,6 +106,7 @@ def test_config_union_parses_every_type_and_rejects_unknown_keys(tmp_path: Path)
         "redis": ({"type": "redis", "stream": "s"}, RedisSink),
         "rabbitmq": ({"type": "rabbitmq", "routing_key": "q"}, RabbitMqSink),
         "nats": ({"type": "nats", "subject": "s"}, NatsSink),
+        "kafka": ({"type": "kafka", "topic": "t"}, KafkaSink),
     }
     for type_name, (data, sink_class) in cases.items():
         config = parse_sink_config(data)
@@ -125,13 +127,14 @@ def test_config_union_parses_every_type_and_rejects_unknown_keys(tmp_path: Path)
 def test_package_imports_without_optional_client_libraries() -> None:
     code = """
 import sys
-for name in ("redis", "pika", "nats"):
+for name in ("redis", "pika", "nats", "confluent_kafka"):
     sys.modules[name] = None  # makes `import name` raise ImportError
 from pgstream_dagster.sinks import SinkError, build_sink, parse_sink_config
 assert build_sink({"type": "memory"}).type_name == "memory"
 for data, extra in [({"type": "redis", "stream": "s"}, "redis"),
                     ({"type": "rabbitmq", "routing_key": "q"}, "rabbitmq"),
-                    ({"type": "nats", "subject": "s"}, "nats")]:
+                    ({"type": "nats", "subject": "s"}, "nats"),
+                    ({"type": "kafka", "topic": "t"}, "kafka")]:
     config = parse_sink_config(data)
     try:
         config.build()

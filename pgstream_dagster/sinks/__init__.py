@@ -2,7 +2,7 @@
 
 ``SinkConfig`` is a pydantic discriminated union (on ``type``) of every sink config; ``build_sink`` turns
 a config (or a plain mapping) into a :class:`Sink`. Importing this package never imports the optional
-client libraries (redis, pika, nats-py): they are loaded when the matching sink is built.
+client libraries (redis, pika, nats-py, confluent-kafka): they are loaded when the matching sink is built.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, TypeAdapter
 from .base import Event, MissingExtraError, Sink, SinkConfigBase, SinkError
 from .file import FileSink, FileSinkConfig
 from .http import HttpSink, HttpSinkConfig
+from .kafka import KafkaSink, KafkaSinkConfig
 from .memory import MemorySink, MemorySinkConfig
 from .nats import NatsSink, NatsSinkConfig
 from .rabbitmq import RabbitMqSink, RabbitMqSinkConfig
@@ -26,6 +27,8 @@ __all__ = [
     "FileSinkConfig",
     "HttpSink",
     "HttpSinkConfig",
+    "KafkaSink",
+    "KafkaSinkConfig",
     "MemorySink",
     "MemorySinkConfig",
     "MissingExtraError",
@@ -51,6 +54,7 @@ SinkConfig = Annotated[
         RedisSinkConfig,
         RabbitMqSinkConfig,
         NatsSinkConfig,
+        KafkaSinkConfig,
     ],
     Field(discriminator="type"),
 ]

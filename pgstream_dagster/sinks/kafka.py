@@ -1,0 +1,198 @@
+"""Kafka sink (extra ``kafka``, library confluent-kafka): an idempotent producer, each publish
+confirmed by the broker before it returns.
+
+Order: Kafka keeps order within a partition. The message key picks the partition: by default the
+stream id (every event of a stream in one partition: commit order, end to end), or the value at
+payload path ``key_from`` (order per key, keys spread over partitions). The idempotent producer
+(``enable.idempotence``, ``acks=all``) keeps that order through its own retries, and the broker
+drops the duplicates those retries would cause.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal, Self
+
+from pydantic import Field, SecretStr, model_validator
+
+from .base import (
+    Event,
+    MissingExtraError,
+    PayloadPath,
+    RoutingError,
+    Sink,
+    SinkConfigBase,
+    SinkError,
+    describe_events,
+    route_name,
+    scrub,
+)
+
+__all__ = ["KafkaSink", "KafkaSinkConfig"]
+
+log = logging.getLogger(__name__)
+
+#: settings the sink owns: changing them would break ordering or the confirmation guarantee
+_OWNED = {"enable.idempotence", "acks", "bootstrap.servers", "message.timeout.ms", "on_delivery", "error_cb"}
+
+
+class KafkaSinkConfig(SinkConfigBase):
+    """Produce each event payload (JSON) to ``topic``, or to ``topic_prefix`` + the value at payload
+    path ``topic_from`` (falling back to ``topic``). Key: the stream id, or the value at payload path
+    ``key_from`` (falling back to the stream id). Headers ``pgstream-event-id`` (the idempotency
+    key), ``pgstream-stream-id``, ``content-type`` and, when present, ``pgstream-metadata``.
+
+    ``options``: more librdkafka producer settings (``compression.type``, ``linger.ms``,
+    ``security.protocol``, ``sasl.mechanism``, ``sasl.username``, ``ssl.ca.location``...);
+    ``secret_options``: the ones that are secrets (``sasl.password``, ``ssl.key.password``), kept out
+    of logs and the UI. ``timeout_secs``: a publish call fails unless the broker confirmed every
+    message within this time.
+    """
+
+    type: Literal["kafka"] = "kafka"
+    bootstrap_servers: str = Field(default="127.0.0.1:9092", min_length=1)
+    topic: str | None = Field(default=None, min_length=1)
+    topic_from: PayloadPath | None = None
+    topic_prefix: str = ""
+    key_from: PayloadPath | None = None
+    timeout_secs: float = Field(default=30, gt=0)
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    secret_options: dict[str, SecretStr] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _valid(self) -> Self:
+        if self.topic is None and self.topic_from is None:
+            raise ValueError("set topic, topic_from, or both (topic is the fallback)")
+        owned = sorted(_OWNED & (set(self.options) | set(self.secret_options)))
+        if owned:
+            raise ValueError(f"options {owned} are set by the sink (idempotent producer, acks=all, timeout_secs, "
+                             "bootstrap_servers)")
+        return self
+
+    def build(self) -> KafkaSink:
+        return KafkaSink(self)
+
+
+def _import_kafka() -> Any:
+    try:
+        import confluent_kafka
+    except ImportError:
+        raise MissingExtraError("kafka", "kafka", "confluent-kafka") from None
+    return confluent_kafka
+
+
+class _LibrdkafkaLog:
+    """librdkafka's own log lines (a refused connection is logged on every retry) at DEBUG: the
+    failure that matters reaches the caller as a :class:`SinkError`."""
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        log.debug("librdkafka: " + msg, *args)
+
+
+class KafkaSink(Sink):
+    """One producer per sink, created on first publish, flushed and dropped on :meth:`close`."""
+
+    type_name: ClassVar[str] = "kafka"
+    config: KafkaSinkConfig
+
+    def __init__(self, config: KafkaSinkConfig) -> None:
+        super().__init__(config)
+        self._kafka = _import_kafka()
+        self._producer: Any = None
+        self._client_error: str | None = None
+
+    def _producer_for(self) -> Any:
+        if self._producer is None:
+            config = self.config
+            settings: dict[str, Any] = {
+                "client.id": "pgstream-dagster",
+                "linger.ms": 5,
+                **config.options,
+                **{k: v.get_secret_value() for k, v in config.secret_options.items()},
+                "bootstrap.servers": config.bootstrap_servers,
+                "enable.idempotence": True,
+                "acks": "all",
+                "message.timeout.ms": int(config.timeout_secs * 1000),
+                "error_cb": self._on_client_error,
+                "logger": _LibrdkafkaLog(),
+            }
+            self._producer = self._kafka.Producer(settings)
+        return self._producer
+
+    def _on_client_error(self, error: Any) -> None:
+        self._client_error = scrub(str(error), self.config.secret_values())
+        log.debug("kafka client error: %s", self._client_error)
+
+    def publish(self, events: Sequence[Event]) -> None:
+        if not events:
+            return
+        routes = [self._route(event) for event in events]  # all first: nothing sent on a bad one
+        producer = self._producer_for()
+        failures: list[tuple[Event, str, str]] = []
+        confirmed = 0
+
+        def delivered(event: Event, topic: str) -> Any:
+            def callback(error: Any, _message: Any) -> None:
+                nonlocal confirmed
+                if error is None:
+                    confirmed += 1
+                else:
+                    failures.append((event, topic, str(error)))
+            return callback
+
+        for event, (topic, key) in zip(events, routes, strict=True):
+            headers = [("pgstream-event-id", str(event.id).encode()),
+                       ("pgstream-stream-id", str(event.stream_id).encode()),
+                       ("content-type", b"application/json")]
+            if event.metadata_json is not None:
+                headers.append(("pgstream-metadata", event.metadata_json.encode()))
+            while True:
+                try:
+                    producer.produce(topic, value=event.payload_json.encode(), key=key.encode(), headers=headers,
+                                     on_delivery=delivered(event, topic))
+                    break
+                except BufferError:  # the local queue is full: let deliveries drain it
+                    producer.poll(0.1)
+                except self._kafka.KafkaException as exc:
+                    self._reset()
+                    raise self._error(events, f"produce to {topic!r} failed: {exc}") from None
+        remaining = producer.flush(self.config.timeout_secs)
+        if failures or remaining or confirmed != len(events):
+            self._reset()
+            first = ""
+            if failures:
+                event, topic, reason = failures[0]
+                first = f" (first: {describe_events([event])} on topic {topic!r}: {reason})"
+            detail = f"; last client error: {self._client_error}" if self._client_error else ""
+            raise self._error(events, f"{len(events) - confirmed} of {len(events)} messages were not confirmed by "
+                                      f"{self.config.bootstrap_servers} within {self.config.timeout_secs:g}s"
+                                      f"{first}{detail}")
+
+    def _route(self, event: Event) -> tuple[str, str]:
+        config = self.config
+        try:
+            topic = route_name(event, config.topic, config.topic_from, config.topic_prefix)
+            key = route_name(event, str(event.stream_id), config.key_from) if config.key_from else str(event.stream_id)
+        except RoutingError as exc:
+            raise self._error([event], f"no topic: {exc}") from None
+        return topic, key
+
+    def _reset(self) -> None:
+        """Drop a producer after a failure: what it still holds is not delivered later, behind the
+        failover's back (the retry sends it again, in order)."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            try:
+                producer.purge(in_queue=True, in_flight=True)
+                producer.flush(0)
+            except Exception as exc:  # best effort: the producer may be broken
+                log.debug("purging the kafka producer failed: %s", exc)
+
+    def _error(self, events: Sequence[Event], reason: str) -> SinkError:
+        return SinkError.for_events("kafka", events, reason, self.config.secret_values())
+
+    def close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.flush(self.config.timeout_secs)

