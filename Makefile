@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev clean
+.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ bench-latency: $(STAMP)
 
 bench-latency-dev: $(STAMP)
 	$(BIN)/python bench/latency_dev.py
+
+bench-record: $(STAMP)
+	$(BIN)/python bench/record.py
 
 clean:
 	-test -x $(BIN)/pgstream-dagster && $(BIN)/pgstream-dagster spark-connect --stop

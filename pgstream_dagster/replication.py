@@ -44,11 +44,17 @@ def int_to_lsn(value: int) -> str:
 
 
 class PgOutputDecoder:
-    """Decodes pgoutput protocol v1 messages; keeps relation metadata across messages."""
+    """Decodes pgoutput protocol v1 messages; keeps relation metadata across messages.
+
+    Only what the ledger needs is read from an INSERT: the ``id`` and ``created_at`` columns (their
+    positions come from the Relation message); other values are skipped without decoding, and a
+    ``created_at`` equal to the previous one (rows of one transaction share ``now()``) is not
+    parsed again."""
 
     def __init__(self) -> None:
-        self._relations: dict[int, list[str]] = {}
+        self._relations: dict[int, tuple[int, int]] = {}  # relation id -> (id column, created_at column)
         self._current: Transaction | None = None
+        self._last_ts: tuple[bytes, dt.datetime] | None = None
 
     def feed(self, data: bytes) -> Transaction | None:
         """Consume one message; returns the transaction when its COMMIT arrives."""
@@ -61,13 +67,15 @@ class PgOutputDecoder:
         elif kind == b"I":
             assert self._current is not None, "INSERT outside a transaction"
             (rel_id,) = struct.unpack_from("!I", data, 1)
-            values = self._tuple(data, 6)
-            columns = self._relations[rel_id]
-            row = dict(zip(columns, values, strict=True))
-            self._current.events.append(DecodedEvent(
-                id=int(row["id"]),  # type: ignore[arg-type]
-                created_at=dt.datetime.fromisoformat(str(row["created_at"])),
-            ))
+            id_col, ts_col = self._relations[rel_id]
+            raw_id, raw_ts = self._values(data, 6, id_col, ts_col)
+            last = self._last_ts
+            if last is not None and last[0] == raw_ts:
+                created = last[1]
+            else:
+                created = dt.datetime.fromisoformat(raw_ts.decode())
+                self._last_ts = (raw_ts, created)
+            self._current.events.append(DecodedEvent(id=int(raw_id), created_at=created))
         elif kind == b"C":
             assert self._current is not None, "COMMIT outside a transaction"
             _flags, commit_lsn, end_lsn, _ts = struct.unpack_from("!bqqq", data, 1)
@@ -91,24 +99,28 @@ class PgOutputDecoder:
             end = data.index(b"\0", pos)
             names.append(data[pos:end].decode())
             pos = end + 1 + 8  # type oid + typmod
-        self._relations[rel_id] = names
+        missing = {"id", "created_at"} - set(names)
+        if missing:
+            raise ValueError(f"the publication does not carry column(s) {sorted(missing)} of pgstream.events")
+        self._relations[rel_id] = (names.index("id"), names.index("created_at"))
 
     @staticmethod
-    def _tuple(data: bytes, pos: int) -> list[str | None]:
-        (ncols,) = struct.unpack_from("!h", data, pos)
-        pos += 2
-        values: list[str | None] = []
-        for _ in range(ncols):
-            kind = data[pos:pos + 1]
+    def _values(data: bytes, pos: int, first: int, second: int) -> tuple[bytes, bytes]:
+        """The raw text of columns ``first`` and ``second`` of a TupleData (both not null)."""
+        wanted = max(first, second)
+        found: dict[int, bytes] = {}
+        pos += 2  # column count
+        for column in range(wanted + 1):
+            kind = data[pos]
             pos += 1
-            if kind == b"t":
+            if kind == 0x74:  # 't': text value
                 (length,) = struct.unpack_from("!i", data, pos)
                 pos += 4
-                values.append(data[pos:pos + length].decode())
+                if column == first or column == second:
+                    found[column] = data[pos:pos + length]
                 pos += length
-            else:  # n (null) / u (unchanged toast: never for inserts)
-                values.append(None)
-        return values
+            # 'n' (null), 'u' (unchanged toast: never for inserts) carry no value
+        return found[first], found[second]
 
 
 def slot_exists(conn: psycopg.Connection, slot: str) -> bool:
