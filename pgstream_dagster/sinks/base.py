@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import importlib
 import json
 import uuid
 from abc import ABC, abstractmethod
@@ -26,6 +27,7 @@ __all__ = [
     "describe_exception",
     "dumps",
     "excerpt",
+    "import_extra",
     "lookup_path",
     "redact_url",
     "route_name",
@@ -224,6 +226,17 @@ class MissingExtraError(SinkError, ImportError):
             f"run `pip install pgstream-dagster[{extra}]`",
             sink=sink,
         )
+
+
+def import_extra(sink: str, extra: str, library: str, *modules: str) -> Any:
+    """Import the client library of a sink: ``modules[0]`` (returned) and the submodules after it;
+    a missing one raises :class:`MissingExtraError` naming the extra to install."""
+    try:
+        for name in reversed(modules):
+            found = importlib.import_module(name)
+    except ImportError:
+        raise MissingExtraError(sink, extra, library) from None
+    return found
 
 
 def describe_events(events: Sequence[Event]) -> str:

@@ -18,13 +18,13 @@ from pydantic import Field, SecretStr, model_validator
 
 from .base import (
     Event,
-    MissingExtraError,
     PayloadPath,
     RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
     describe_events,
+    import_extra,
     route_name,
     scrub,
 )
@@ -74,14 +74,6 @@ class KafkaSinkConfig(SinkConfigBase):
         return KafkaSink(self)
 
 
-def _import_kafka() -> Any:
-    try:
-        import confluent_kafka
-    except ImportError:
-        raise MissingExtraError("kafka", "kafka", "confluent-kafka") from None
-    return confluent_kafka
-
-
 class _LibrdkafkaLog:
     """librdkafka's own log lines (a refused connection is logged on every retry) at DEBUG: the
     failure that matters reaches the caller as a :class:`SinkError`."""
@@ -98,7 +90,7 @@ class KafkaSink(Sink):
 
     def __init__(self, config: KafkaSinkConfig) -> None:
         super().__init__(config)
-        self._kafka = _import_kafka()
+        self._kafka = import_extra("kafka", "kafka", "confluent-kafka", "confluent_kafka")
         self._producer: Any = None
         self._client_error: str | None = None
 

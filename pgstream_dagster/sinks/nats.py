@@ -18,13 +18,13 @@ from pydantic import Field, SecretStr, model_validator
 
 from .base import (
     Event,
-    MissingExtraError,
     PayloadPath,
     RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
     describe_exception,
+    import_extra,
     redact_url,
     route_name,
     scrub,
@@ -80,16 +80,6 @@ class NatsSinkConfig(SinkConfigBase):
 _BAD_SUBJECT_CHARS = frozenset(" \t\r\n*>")
 
 
-def _import_nats() -> Any:
-    try:
-        import nats
-        import nats.errors
-        import nats.js.errors
-    except ImportError:
-        raise MissingExtraError("nats", "nats", "nats-py") from None
-    return nats
-
-
 class NatsSink(Sink):
     """Connects on first publish; the private loop thread stops on :meth:`close`."""
 
@@ -98,7 +88,7 @@ class NatsSink(Sink):
 
     def __init__(self, config: NatsSinkConfig) -> None:
         super().__init__(config)
-        self._nats = _import_nats()
+        self._nats = import_extra("nats", "nats", "nats-py", "nats", "nats.errors", "nats.js.errors")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._nc: NatsClient | None = None

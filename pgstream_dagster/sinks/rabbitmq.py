@@ -9,13 +9,13 @@ from pydantic import Field, SecretStr, model_validator
 
 from .base import (
     Event,
-    MissingExtraError,
     PayloadPath,
     RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
     describe_exception,
+    import_extra,
     redact_url,
     route_name,
 )
@@ -60,15 +60,6 @@ class RabbitMqSinkConfig(SinkConfigBase):
         return RabbitMqSink(self)
 
 
-def _import_pika() -> Any:
-    try:
-        import pika
-        import pika.exceptions
-    except ImportError:
-        raise MissingExtraError("rabbitmq", "rabbitmq", "pika") from None
-    return pika
-
-
 class RabbitMqSink(Sink):
     """Uses a pika ``BlockingConnection`` (opened on first publish, reopened after a failure)."""
 
@@ -77,7 +68,7 @@ class RabbitMqSink(Sink):
 
     def __init__(self, config: RabbitMqSinkConfig) -> None:
         super().__init__(config)
-        self._pika = _import_pika()
+        self._pika = import_extra("rabbitmq", "rabbitmq", "pika", "pika", "pika.exceptions")
         self._connection: BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
         self._target = redact_url(config.url.get_secret_value())

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, ClassVar, Literal, Self
 
 from pydantic import Field, SecretStr, model_validator
 
 from .base import (
     Event,
-    MissingExtraError,
     PayloadPath,
     RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
     describe_exception,
+    import_extra,
     redact_url,
     route_name,
 )
@@ -54,14 +54,6 @@ class RedisSinkConfig(SinkConfigBase):
         return RedisSink(self)
 
 
-def _import_redis() -> Any:
-    try:
-        import redis
-    except ImportError:
-        raise MissingExtraError("redis", "redis", "redis") from None
-    return redis
-
-
 class RedisSink(Sink):
     """Each publish is one pipelined ``MULTI; XADD ...; EXEC`` round trip per ``chunk_size`` events, in order.
 
@@ -75,7 +67,7 @@ class RedisSink(Sink):
 
     def __init__(self, config: RedisSinkConfig) -> None:
         super().__init__(config)
-        self._redis_mod = _import_redis()
+        self._redis_mod = import_extra("redis", "redis", "redis", "redis")
         self._client: redis.Redis | None = None
         self._target = redact_url(config.url.get_secret_value())
 
