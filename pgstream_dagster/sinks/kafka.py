@@ -11,6 +11,7 @@ drops the duplicates those retries would cause.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, Self
 
@@ -33,8 +34,16 @@ __all__ = ["KafkaSink", "KafkaSinkConfig"]
 
 log = logging.getLogger(__name__)
 
-#: settings the sink owns: changing them would break ordering or the confirmation guarantee
-_OWNED = {"enable.idempotence", "acks", "bootstrap.servers", "message.timeout.ms", "on_delivery", "error_cb"}
+#: settings the sink owns (and their librdkafka aliases): changing them would break ordering or the
+#: confirmation guarantee; the sink produces without transactions
+_OWNED = {"enable.idempotence", "acks", "request.required.acks", "bootstrap.servers", "metadata.broker.list",
+          "message.timeout.ms", "delivery.timeout.ms", "transactional.id", "on_delivery", "error_cb", "logger"}
+
+#: client errors after which waiting for the timeout is pointless: the publish fails at once
+_FAIL_FAST = {"_AUTHENTICATION"}
+
+#: how often a publish that waits for delivery reports checks for a fatal client error
+_FLUSH_SLICE_SECS = 0.25
 
 
 class KafkaSinkConfig(SinkConfigBase):
@@ -75,11 +84,15 @@ class KafkaSinkConfig(SinkConfigBase):
 
 
 class _LibrdkafkaLog:
-    """librdkafka's own log lines (a refused connection is logged on every retry) at DEBUG: the
-    failure that matters reaches the caller as a :class:`SinkError`."""
+    """librdkafka's own log lines (a refused connection is logged on every retry) at DEBUG, secrets
+    masked: the failure that matters reaches the caller as a :class:`SinkError`."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        self._secrets = secrets
 
     def log(self, level: int, msg: str, *args: Any) -> None:
-        log.debug("librdkafka: " + msg, *args)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("librdkafka: %s", scrub(msg % args if args else msg, self._secrets))
 
 
 class KafkaSink(Sink):
@@ -93,6 +106,7 @@ class KafkaSink(Sink):
         self._kafka = import_extra("kafka", "kafka", "confluent-kafka", "confluent_kafka")
         self._producer: Any = None
         self._client_error: str | None = None
+        self._fatal_error: str | None = None
 
     def _producer_for(self) -> Any:
         if self._producer is None:
@@ -107,14 +121,22 @@ class KafkaSink(Sink):
                 "acks": "all",
                 "message.timeout.ms": int(config.timeout_secs * 1000),
                 "error_cb": self._on_client_error,
-                "logger": _LibrdkafkaLog(),
+                "logger": _LibrdkafkaLog(config.secret_values()),
             }
-            self._producer = self._kafka.Producer(settings)
+            self._client_error = self._fatal_error = None
+            try:
+                self._producer = self._kafka.Producer(settings)
+            except (self._kafka.KafkaException, TypeError, ValueError) as exc:
+                # e.g. an unknown setting, max.in.flight > 5 (idempotence), an unsupported SASL mechanism
+                raise SinkError(scrub(f"kafka sink: invalid producer settings: {_describe_kafka_error(exc)}",
+                                      config.secret_values()), sink="kafka") from None
         return self._producer
 
     def _on_client_error(self, error: Any) -> None:
         self._client_error = scrub(str(error), self.config.secret_values())
         log.debug("kafka client error: %s", self._client_error)
+        if _is_fatal(error):
+            self._fatal_error = self._client_error
 
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
@@ -149,17 +171,31 @@ class KafkaSink(Sink):
                 except self._kafka.KafkaException as exc:
                     self._reset()
                     raise self._error(events, f"produce to {topic!r} failed: {exc}") from None
-        remaining = producer.flush(self.config.timeout_secs)
+        remaining = self._flush(producer)
         if failures or remaining or confirmed != len(events):
             self._reset()
             first = ""
             if failures:
                 event, topic, reason = failures[0]
                 first = f" (first: {describe_events([event])} on topic {topic!r}: {reason})"
-            detail = f"; last client error: {self._client_error}" if self._client_error else ""
-            raise self._error(events, f"{len(events) - confirmed} of {len(events)} messages were not confirmed by "
-                                      f"{self.config.bootstrap_servers} within {self.config.timeout_secs:g}s"
-                                      f"{first}{detail}")
+            topics = sorted({topic for topic, _key in routes})
+            where = f"topic {topics[0]!r}" if len(topics) == 1 else f"{len(topics)} topics"
+            if self._fatal_error is not None:
+                detail, within = f"; gave up on client error: {self._fatal_error}", ""
+            else:
+                detail = f"; last client error: {self._client_error}" if self._client_error else ""
+                within = f" within {self.config.timeout_secs:g}s"
+            raise self._error(events, f"{len(events) - confirmed} of {len(events)} messages to {where} were not "
+                                      f"confirmed by {self.config.bootstrap_servers}{within}{first}{detail}")
+
+    def _flush(self, producer: Any) -> int:
+        """Wait up to ``timeout_secs`` for every delivery report, in slices so that a fatal client error
+        (an authentication failure, a fenced idempotent producer) fails the publish at once."""
+        deadline = time.monotonic() + self.config.timeout_secs
+        while True:
+            remaining = int(producer.flush(min(_FLUSH_SLICE_SECS, max(0.0, deadline - time.monotonic()))))
+            if not remaining or self._fatal_error is not None or time.monotonic() >= deadline:
+                return remaining
 
     def _route(self, event: Event) -> tuple[str, str]:
         config = self.config
@@ -174,6 +210,7 @@ class KafkaSink(Sink):
         """Drop a producer after a failure: what it still holds is not delivered later, behind the
         failover's back (the retry sends it again, in order)."""
         producer, self._producer = self._producer, None
+        self._fatal_error = None
         if producer is not None:
             try:
                 producer.purge(in_queue=True, in_flight=True)
@@ -188,3 +225,20 @@ class KafkaSink(Sink):
         producer, self._producer = self._producer, None
         if producer is not None:
             producer.flush(self.config.timeout_secs)
+
+
+def _is_fatal(error: Any) -> bool:
+    """A client error after which this producer cannot deliver: fatal for librdkafka, or an
+    authentication failure (retrying with the same credentials fails the same way)."""
+    try:
+        return bool(error.fatal()) or error.name() in _FAIL_FAST
+    except AttributeError:  # not a KafkaError
+        return False
+
+
+def _describe_kafka_error(exc: BaseException) -> str:
+    """The librdkafka message of a ``KafkaException`` (``str()`` of its ``KafkaError``), else the exception."""
+    args = getattr(exc, "args", ())
+    if args and hasattr(args[0], "str") and callable(args[0].str):
+        return str(args[0].str())
+    return f"{type(exc).__name__}: {exc}"
