@@ -307,3 +307,43 @@ def test_sasl_credentials_from_the_environment_fail_fast_without_leaking(
     assert elapsed < 10  # an authentication failure does not wait for timeout_secs (20 s)
     for text in (message, repr(info.value), caplog.text):
         assert password not in text
+
+
+def test_a_cleanly_closed_producer_serves_the_next_sink_and_a_failed_one_never_does(broker: str) -> None:
+    from pgstream_dagster.sinks import kafka
+
+    topic = create_topic(broker)
+    events = make_events(40)
+    config = {"type": "kafka", "bootstrap_servers": broker, "topic": topic, "options": {"client.id": unique("pool")}}
+    first = build_sink(config)
+    started = time.monotonic()
+    first.publish(events[:10])
+    cold = time.monotonic() - started
+    producer = first._producer  # type: ignore[attr-defined]
+    first.close()
+    first.close()  # idempotent
+
+    second = build_sink(config)  # a new round of the same stream: same producer settings
+    started = time.monotonic()
+    second.publish(events[10:20])
+    warm = time.monotonic() - started
+    assert second._producer is producer  # type: ignore[attr-defined]
+    assert warm < cold  # a new idempotent producer waits 0.5-1 s for its producer id
+    with build_sink({**config, "reuse_producer": False}) as third:  # not from the pool, not into it
+        third.publish(events[20:30])
+        assert third._producer is not producer  # type: ignore[attr-defined]
+    second.close()
+    with build_sink(config) as fourth:
+        fourth.publish(events[30:])
+        assert fourth._producer is producer  # type: ignore[attr-defined]
+    messages = read_topic(broker, topic, 1, len(events))
+    assert [int(header(m, "pgstream-event-id")) for m in messages] == [e.id for e in events]
+
+    dead = {"type": "kafka", "bootstrap_servers": f"127.0.0.1:{free_port()}", "topic": topic, "timeout_secs": 1,
+            "options": {"client.id": unique("pool")}}
+    failing = build_sink(dead)
+    assert isinstance(failing, KafkaSink)
+    with pytest.raises(SinkError):
+        failing.publish(make_events(2))
+    failing.close()
+    assert kafka._POOL.take(failing._pool_key()) is None  # a failed producer was purged and dropped
