@@ -180,6 +180,11 @@ def test_owned_settings_and_missing_topic_are_refused() -> None:
     assert isinstance(sink, KafkaSink)
     with pytest.raises(SinkError, match="no topic: payload path 'dest' is missing"):
         sink.publish(make_events(1))
+    bad = [Event(id=1, stream_id=1, payload={"dest": "ok"}, created_at=make_events(1)[0].created_at),
+           Event(id=2, stream_id=1, payload={"dest": "has space"}, created_at=make_events(1)[0].created_at)]
+    with pytest.raises(SinkError, match=r"kafka sink: event 2: invalid topic 'has space'"):
+        sink.publish(bad)  # refused before anything of the chunk is sent
+    assert sink._producer is None  # type: ignore[attr-defined]
 
 
 def test_delivery_runs_to_kafka_count_every_event(broker: str, db_url: str, tmp_path: Path,

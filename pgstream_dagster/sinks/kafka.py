@@ -14,6 +14,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -48,6 +49,9 @@ _FAIL_FAST = {"_AUTHENTICATION"}
 
 #: how often a publish that waits for delivery reports checks for a fatal client error
 _FLUSH_SLICE_SECS = 0.25
+
+#: a legal Kafka topic name
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
 
 class KafkaSinkConfig(SinkConfigBase):
@@ -275,7 +279,7 @@ class KafkaSink(Sink):
                 detail, within = f"; gave up on client error: {fatal}", ""
             else:
                 detail = f"; last client error: {self._client_error}" if self._client_error else ""
-                within = f" within {self.config.timeout_secs:g}s"
+                within = f" within {self.config.timeout_secs:g}s" if remaining else ""
             raise self._error(events, f"{len(events) - confirmed} of {len(events)} messages to {where} were not "
                                       f"confirmed by {self.config.bootstrap_servers}{within}{first}{detail}")
 
@@ -295,6 +299,8 @@ class KafkaSink(Sink):
             key = route_name(event, str(event.stream_id), config.key_from) if config.key_from else str(event.stream_id)
         except RoutingError as exc:
             raise self._error([event], f"no topic: {exc}") from None
+        if not _TOPIC.fullmatch(topic) or topic in (".", ".."):
+            raise self._error([event], f"invalid topic {topic[:300]!r} (1-249 of a-z A-Z 0-9 . _ -)")
         return topic, key
 
     def _reset(self) -> None:
