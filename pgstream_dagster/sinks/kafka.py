@@ -237,7 +237,7 @@ class KafkaSink(Sink):
             return
         routes = [self._route(event) for event in events]  # all first: nothing sent on a bad one
         producer = self._producer_for()
-        failures: list[tuple[Event, str, str]] = []
+        failures: list[tuple[Event, str, str, bool]] = []  # event, topic, error, timed out
         confirmed = 0
 
         def delivered(event: Event, topic: str) -> Any:
@@ -246,7 +246,7 @@ class KafkaSink(Sink):
                 if error is None:
                     confirmed += 1
                 else:
-                    failures.append((event, topic, str(error)))
+                    failures.append((event, topic, str(error), _timed_out(error)))
             return callback
 
         for event, (topic, key) in zip(events, routes, strict=True):
@@ -271,7 +271,7 @@ class KafkaSink(Sink):
             self._reset()
             first = ""
             if failed:
-                event, topic, reason = failed[0]
+                event, topic, reason, _ = failed[0]
                 first = f" (first: {describe_events([event])} on topic {topic!r}: {reason})"
             topics = sorted({topic for topic, _key in routes})
             where = f"topic {topics[0]!r}" if len(topics) == 1 else f"{len(topics)} topics"
@@ -279,7 +279,8 @@ class KafkaSink(Sink):
                 detail, within = f"; gave up on client error: {fatal}", ""
             else:
                 detail = f"; last client error: {self._client_error}" if self._client_error else ""
-                within = f" within {self.config.timeout_secs:g}s" if remaining else ""
+                timed_out = remaining or any(f[3] for f in failed)
+                within = f" within {self.config.timeout_secs:g}s" if timed_out else ""
             raise self._error(events, f"{len(events) - confirmed} of {len(events)} messages to {where} were not "
                                       f"confirmed by {self.config.bootstrap_servers}{within}{first}{detail}")
 
@@ -344,6 +345,13 @@ def _is_fatal(error: Any) -> bool:
     try:
         return bool(error.fatal()) or error.name() in _FAIL_FAST
     except AttributeError:  # not a KafkaError
+        return False
+
+
+def _timed_out(error: Any) -> bool:
+    try:
+        return bool(error.name() == "_MSG_TIMED_OUT")
+    except AttributeError:
         return False
 
 
