@@ -352,3 +352,28 @@ def test_a_cleanly_closed_producer_serves_the_next_sink_and_a_failed_one_never_d
         failing.publish(make_events(2))
     failing.close()
     assert kafka._POOL.take(failing._pool_key()) is None  # a failed producer was purged and dropped
+
+
+def test_a_forked_child_never_uses_the_parents_pooled_producer(broker: str) -> None:
+    import multiprocessing
+
+    topic = create_topic(broker)
+    config = {"type": "kafka", "bootstrap_servers": broker, "topic": topic, "options": {"client.id": unique("fork")}}
+    with build_sink(config) as sink:
+        sink.publish(make_events(1))
+        key = sink._pool_key()  # type: ignore[attr-defined]
+    # the parent's producer is pooled now; a fork (multiprocessing's default on Linux) must not take it
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=_child_takes_nothing_from_the_pool, args=(key,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    from pgstream_dagster.sinks import kafka
+
+    assert kafka._POOL.take(key) is not None  # still the parent's
+
+
+def _child_takes_nothing_from_the_pool(key: str) -> None:
+    from pgstream_dagster.sinks import kafka
+
+    raise SystemExit(0 if kafka._POOL.take(key) is None else 3)
