@@ -1,127 +1,175 @@
 """Recording benchmark (P1's first stage, run by hand: `make bench-record`): how fast the sensor
-moves committed events from the slot into the ledger (peek + pgoutput decoding + ledger insert +
-slot advance), with the publication of sql/011 (id, stream_id, created_at) against the earlier
-publication of every column and the pgoutput decoder of git ``--baseline`` (before both changes),
-side by side in one run.
+moves committed events from the slot into the ledger (``sensors.consume``: peek + pgoutput decoding
++ ledger insert + slot advance), for the code of this tree and of git ``--baselines``, side by side
+in one run.
 
-Two streams in one private Postgres (wal_level=logical), each with its own slot; stream 1's
-publication is put back to every column (as before sql/011) and read with the baseline's
-``replication`` module, stream 2 keeps the column list and the current decoder. Each
-round inserts ``--events`` events of ~250-byte payloads for both streams (interleaved
-transactions of ``--per-txn`` rows), then times ``sensors.consume`` for each stream, in alternating
-order. Appends medians and the ratio to bench/RESULTS.md.
-Usage: python bench/record.py [--events 200000] [--per-txn 100] [--rounds 3] [--baseline 033ca0e]
+Each version is a package tree of its own (``git archive`` of the ref into a temporary directory)
+and reads a stream of its own, with its own slot, in one private Postgres (wal_level=logical,
+fsync off). A table with one INSERT subscription per stream (real triggers) gets ``--events`` rows
+per round in transactions of ``--rows`` rows, so every stream has the same events waiting in the
+same WAL. Then each version, in a child process of its own (``PYTHONPATH`` = its tree), runs
+``consume`` until it recorded all of them; only that is timed. The order of the versions rotates
+per round. A baseline without sql/011 gets the publication of every column, as it had.
+Appends medians, ratios and the raw rounds to bench/RESULTS.md.
+Usage: python bench/record.py [--events 200000] [--rows 100] [--rounds 3] [--max-size 1000]
+                              [--baselines 39370c2,033ca0e]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
+import io
+import json
+import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 import psycopg
+import yaml
+from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine
+from common import TABLE_SQL, machine
 
+import pgstream_dagster
 from pgstream_dagster import ledger, replication, sensors
-from pgstream_dagster.config import StreamConfig
+from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.migrations import migrate
+from pgstream_dagster.subscriptions import apply_subscriptions
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 
-def _baseline_replication(ref: str, tmp: Path) -> object:
-    """``pgstream_dagster/replication.py`` as of git ``ref``, imported as a module of its own."""
-    source = subprocess.run(["git", "show", f"{ref}:pgstream_dagster/replication.py"], cwd=HERE.parent,
-                            check=True, capture_output=True, text=True).stdout
-    path = tmp / "baseline_replication.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("baseline_replication", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def _tree(ref: str, into: Path) -> Path:
+    """The package and its sql/ as of git ``ref``."""
+    archive = subprocess.run(["git", "archive", ref, "pgstream_dagster", "sql"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
 
 
-def _stream(stream_id: int) -> StreamConfig:
-    return StreamConfig.model_validate({
-        "id": stream_id, "sink": {"type": "file", "path": "/dev/null"},
-        "batch": {"max_size": 10_000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 50}})
+def _stream(stream_id: int, max_size: int) -> StreamConfig:
+    return StreamConfig.model_validate({"id": stream_id, "sink": {"type": "file", "path": "/dev/null"},
+                                        "batch": {"max_size": max_size, "max_fill_secs": 0}})
 
 
-def _fill(url: str, events: int, per_txn: int) -> None:
+def _worker(url: str, stream_id: int, events: int, max_size: int) -> None:
+    """Child process: record ``events`` events of the stream; prints the time it took (JSON)."""
+    stream = _stream(stream_id, max_size)
     with psycopg.connect(url, autocommit=True) as conn:
-        for start in range(0, events, per_txn):
-            for stream_id in (1, 2):
-                conn.execute(
-                    "insert into pgstream.events (payload, stream_id) "
-                    "select jsonb_build_object('tg_name', 'orders', 'tg_op', 'INSERT', 'timestamp', 1700000000000 + g, "
-                    "'new', jsonb_build_object('id', g, 'customer', 'c-' || (g %% 1000), 'amount', g * 1.5, "
-                    "'note', repeat('x', 120)), 'old', null), %s from generate_series(%s::int, %s::int) g",
-                    [stream_id, start, start + per_txn - 1])
+        started = time.perf_counter()
+        recorded = 0
+        while recorded < events:
+            recorded += sensors.consume(conn, stream, 0).events
+            if time.perf_counter() - started > 600:
+                raise RuntimeError(f"only {recorded} of {events} events recorded in 600s")
+        secs = time.perf_counter() - started
+    print(json.dumps({"secs": secs, "events": recorded, "package": str(Path(pgstream_dagster.__file__).parent)}))
+
+
+def _setup(url: str, config: Path, versions: dict[int, tuple[str, Path]]) -> None:
+    """One INSERT subscription on ``bench_orders`` per stream, a slot per stream."""
+    config.write_text(yaml.safe_dump({
+        "database_url": url,
+        "streams": [{"id": i, "sink": {"type": "file", "path": "/dev/null"}} for i in versions],
+        "subscriptions": [{"key": f"bench-orders-{i}", "stream_id": i, "operation": "INSERT",
+                           "table_name": "bench_orders", "column_names": ["id", "seq", "customer", "amount"]}
+                          for i in versions]}))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(TABLE_SQL)
+        apply_subscriptions(conn, load_config(config))
+        for stream_id, (_, tree) in versions.items():
+            ledger.ensure_stream(conn, stream_id)
+            replication.create_slot(conn, f"pgstream_stream_{stream_id}")
+            if not (tree / "sql" / "011_publication_columns.sql").exists():  # before 011: every column
+                conn.execute(sql.SQL("alter publication {} set table pgstream.events where (stream_id = {})").format(
+                    sql.Identifier(f"pgstream_stream_{stream_id}"), sql.Literal(stream_id)))
+
+
+def _fill(url: str, events: int, rows: int, seq: int) -> None:
+    """``events`` rows into bench_orders (an event per stream each), ~250-byte payloads."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        for start in range(seq, seq + events, rows):
+            conn.execute("insert into public.bench_orders (seq, customer, amount) "
+                         "select g, 'customer-' || (g %% 1000) || '-' || repeat('x', 100), g * 1.5 "
+                         "from generate_series(%s::bigint, %s::bigint) g", [start, start + rows - 1])
+        with conn.transaction():  # a synchronous commit: the WAL above is flushed, decoding sees it
+            conn.execute("set local synchronous_commit = on")
+            conn.execute("select pg_current_xact_id()")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=200_000)
-    parser.add_argument("--per-txn", type=int, default=100)
+    parser.add_argument("--rows", type=int, default=100, help="rows per writer transaction")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--baseline", default="033ca0e", help="git ref whose decoder stream 1 uses")
+    parser.add_argument("--max-size", type=int, default=1000, help="batch.max_size of the streams (default 1000)")
+    parser.add_argument("--baselines", default="39370c2,033ca0e", help="git refs to compare with, comma-separated")
+    parser.add_argument("--worker", nargs=2, metavar=("URL", "STREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        _worker(args.worker[0], int(args.worker[1]), args.events, args.max_size)
+        return
     header = machine()
-    timings: dict[int, list[float]] = {1: [], 2: []}
+    refs = [r for r in args.baselines.split(",") if r]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "pgstream_dagster", "sql"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="pgstream-record-") as tmp:
-        current = replication.peek_rows
-        decoders = {1: _baseline_replication(args.baseline, Path(tmp)).peek_rows, 2: current}  # type: ignore[attr-defined]
+        # stream 1: this tree; 2, 3...: the baselines
+        versions: dict[int, tuple[str, Path]] = {1: (f"current ({commit}{', uncommitted changes' if dirty else ''})",
+                                                     ROOT)}
+        for i, ref in enumerate(refs, start=2):
+            versions[i] = (ref, _tree(ref, Path(tmp) / f"tree-{i}"))
+        timings: dict[int, list[float]] = {i: [] for i in versions}
         pg = ensure_running(Path(tmp) / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off"})
         try:
             pg.create_database("record")
             url = pg.url_for("record")
             migrate(url)
-            streams = {i: _stream(i) for i in (1, 2)}
-            with psycopg.connect(url, autocommit=True) as conn:
-                for stream in streams.values():
-                    ledger.ensure_stream(conn, stream.id, stream.slot)
-                    replication.create_slot(conn, stream.slot)
-                # stream 1: the publication as it was before sql/011, every column
-                conn.execute("alter publication pgstream_stream_1 set table pgstream.events where (stream_id = 1)")
+            _setup(url, Path(tmp) / "pgstream.yaml", versions)
+            ids = list(versions)
             for rnd in range(args.rounds):
-                _fill(url, args.events, args.per_txn)
-                order = (1, 2) if rnd % 2 == 0 else (2, 1)
-                with psycopg.connect(url, autocommit=True) as conn:
-                    for stream_id in order:
-                        replication.peek_rows = decoders[stream_id]  # the decoder consume() uses
-                        started = time.perf_counter()
-                        recorded = 0
-                        while recorded < args.events:
-                            recorded += sensors.consume(conn, streams[stream_id], 0).events
-                        timings[stream_id].append(time.perf_counter() - started)
-                print(f"round {rnd}: before {timings[1][-1]:.2f}s, after {timings[2][-1]:.2f}s",
-                      flush=True)
+                _fill(url, args.events, args.rows, rnd * args.events)
+                order = ids[rnd % len(ids):] + ids[:rnd % len(ids)]
+                for stream_id in order:
+                    tree = versions[stream_id][1]
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--worker", url, str(stream_id), "--events", str(args.events),
+                         "--max-size", str(args.max_size)],
+                        env={**os.environ, "PYTHONPATH": str(tree)}, check=True, capture_output=True, text=True)
+                    result = json.loads(out.stdout.strip().splitlines()[-1])
+                    assert Path(result["package"]) == tree / "pgstream_dagster", result
+                    timings[stream_id].append(result["secs"])
+                print(f"round {rnd}: " + ", ".join(f"{versions[i][0]} {timings[i][-1]:.2f}s" for i in ids), flush=True)
         finally:
             pg.destroy()
-    old, new = statistics.median(timings[1]), statistics.median(timings[2])
+    now = statistics.median(timings[1])
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"\n## Recording (P1) {stamp}, {args.events:,} events per stream per round, {args.rounds} rounds",
-             f"Machine: {header}. Method: bench/record.py; two streams with their own slots in one private Postgres "
-             f"(fsync off), ~250-byte payloads in transactions of {args.per_txn} rows, interleaved; time for "
-             "sensors.consume to peek, decode, record and advance all of a stream's events; order alternated per "
-             "round; medians.",
-             f"- before (every column published, decoder of {args.baseline}): {old:.2f}s = "
-             f"{args.events / old:,.0f} events/s "
-             f"(rounds {', '.join(f'{t:.2f}' for t in timings[1])})",
-             f"- after (id, stream_id, created_at published by sql/011; decoder reading only id and created_at): "
-             f"{new:.2f}s = {args.events / new:,.0f} events/s "
-             f"({old / new:.2f}x faster; rounds {', '.join(f'{t:.2f}' for t in timings[2])})"]
+    lines = [f"\n## Recording (P1) {stamp}, {args.events:,} events per stream per round, {args.rounds} rounds, "
+             f"batch.max_size {args.max_size:,}",
+             f"Machine: {header}. Method: bench/record.py; each version a package tree of its own (git archive) "
+             f"reading a stream of its own (own slot, own publication: every column for a version before sql/011) "
+             f"in one private Postgres (fsync off); a table with one INSERT subscription per stream (real triggers, "
+             f"~250-byte payloads), {args.rows} rows per transaction, so every stream has the same events in the "
+             "same WAL; time for sensors.consume, in a child process per version, to peek, decode, record and "
+             "advance all of them; order rotated per round; medians.",
+             f"- {versions[1][0]}: {now:.2f}s = {args.events / now:,.0f} events/s "
+             f"(rounds {', '.join(f'{t:.2f}' for t in timings[1])})"]
+    for i in ids[1:]:
+        old = statistics.median(timings[i])
+        lines.append(f"- baseline {versions[i][0]}: {old:.2f}s = {args.events / old:,.0f} events/s; current is "
+                     f"{old / now:.2f}x faster (rounds {', '.join(f'{t:.2f}' for t in timings[i])})")
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -78,18 +78,23 @@ def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], ma
     the transactions it covers; the last batch's ``end_lsn`` is the end of the last transaction.
     """
     ids: list[int] = []
+    events = [e for t in txns for e in t.events]
+    # the transaction of each position where a chunk may start or end
+    txn_at: list[Transaction] = []
+    for t in txns:
+        txn_at.extend([t] * len(t.events))
     with conn.transaction():
-        pending: list[tuple[DecodedEvent, Transaction]] = [(e, t) for t in txns for e in t.events]
-        for chunk in [pending[i:i + max_size] for i in range(0, len(pending), max_size)]:
-            events = [e for e, _ in chunk]
-            first_txn, last_txn = chunk[0][1], chunk[-1][1]
+        for start in range(0, len(events), max_size):
+            chunk = events[start:start + max_size]
+            first_txn, last_txn = txn_at[start], txn_at[start + len(chunk) - 1]
+            created = [e.created_at for e in chunk]
             row = conn.execute(
                 """insert into pgstream.batches
                    (stream_id, kind, event_ids, event_count, first_event_id, last_event_id, min_created_at,
                     max_created_at, start_lsn, end_lsn, first_commit_at, last_commit_at)
                    values (%s, %s, %s, %s, %s, %s, %s, %s, %s::pg_lsn, %s::pg_lsn, %s, %s) returning id""",
-                [stream_id, kind, [e.id for e in events], len(events), events[0].id, events[-1].id,
-                 min(e.created_at for e in events), max(e.created_at for e in events),
+                [stream_id, kind, [e.id for e in chunk], len(chunk), chunk[0].id, chunk[-1].id,
+                 min(created), max(created),
                  replication.int_to_lsn(first_txn.commit_lsn), replication.int_to_lsn(last_txn.end_lsn),
                  first_txn.commit_time, last_txn.commit_time],
             ).fetchone()

@@ -96,7 +96,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
     if check_slot:
         ensure_slot(conn, stream, result)
     deadline = time.monotonic() + budget_secs
-    cap = max(stream.batch.max_size * 4, 1000)
+    cap = max(stream.batch.max_size * 4, 100_000)
     while True:
         peeked_at = dt.datetime.now(dt.UTC)
         flushed = replication.flush_lsn(conn)

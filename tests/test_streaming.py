@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import random
+import struct
 import threading
 import time
 from pathlib import Path
 
 import dagster as dg
 import psycopg
+import pytest
 
 from pgstream_dagster import replication
 from pgstream_dagster.jobs import deliveries_asset_key
@@ -36,9 +39,57 @@ def test_decoder_returns_transactions_in_commit_order(db_url: str) -> None:
         txns = replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100)
         ids = [e.id for t in txns for e in t.events]
         assert ids == [2, 1]
+        created = dict(c.execute("select id, created_at from pgstream.events where stream_id = 1").fetchall())
+        assert [e.created_at for t in txns for e in t.events] == [created[2], created[1]]
         assert txns[0].commit_lsn < txns[1].commit_lsn
         replication.advance(c, "pgstream_stream_1", txns[-1].end_lsn)
         assert [t for t in replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100) if t.events] == []
+
+
+def _relation(rel_id: int, columns: list[str]) -> bytes:
+    body = b"".join(b"\x00" + name.encode() + b"\x00" + struct.pack("!Ii", 20, -1) for name in columns)
+    return b"R" + struct.pack("!I", rel_id) + b"pgstream\x00events\x00d" + struct.pack("!h", len(columns)) + body
+
+
+def _insert(rel_id: int, values: list[str | None]) -> bytes:
+    cols = b"".join(b"n" if v is None else b"t" + struct.pack("!i", len(v.encode())) + v.encode() for v in values)
+    return b"I" + struct.pack("!I", rel_id) + b"N" + struct.pack("!h", len(values)) + cols
+
+
+def test_decoder_reads_id_and_created_at_wherever_the_relation_puts_them() -> None:
+    """Column positions come from the Relation message (any order, other columns and NULLs in
+    between); a value is parsed once per distinct text; feed() and decode() agree."""
+    begin = b"B" + struct.pack("!qqI", 100, 0, 7)
+    commit = b"C" + struct.pack("!bqqq", 0, 100, 120, 0)
+    messages = [
+        begin,
+        _relation(16400, ["metadata", "created_at", "stream_id", "id", "payload"]),
+        _insert(16400, [None, "2026-11-22 10:00:00.5+00", "3", "41", "{}"]),
+        _insert(16400, ['{"a": 1}', "2026-11-22 10:00:00.5+00", None, "42", None]),
+        _insert(16400, [None, "2026-11-22 11:00:00+01", "3", "40", None]),
+        _relation(16401, ["id", "created_at"]),  # a second relation (e.g. a partition)
+        _insert(16401, ["43", "2026-11-22 10:00:01.000123+00"]),
+        commit,
+        b"B" + struct.pack("!qqI", 130, 0, 8), b"C" + struct.pack("!bqqq", 0, 130, 140, 0),  # empty
+    ]
+    utc = dt.UTC
+    expected = [(41, dt.datetime(2026, 11, 22, 10, 0, 0, 500000, tzinfo=utc)),
+                (42, dt.datetime(2026, 11, 22, 10, 0, 0, 500000, tzinfo=utc)),
+                (40, dt.datetime(2026, 11, 22, 10, 0, 0, tzinfo=utc)),
+                (43, dt.datetime(2026, 11, 22, 10, 0, 1, 123, tzinfo=utc))]
+    txns = replication.PgOutputDecoder().decode(messages)
+    assert [(t.xid, t.commit_lsn, t.end_lsn) for t in txns] == [(7, 100, 120), (8, 130, 140)]
+    assert [(e.id, e.created_at) for e in txns[0].events] == expected and txns[1].events == []
+    one_by_one = replication.PgOutputDecoder()
+    fed = [t for t in (one_by_one.feed(m) for m in messages) if t is not None]
+    assert [(e.id, e.created_at) for t in fed for e in t.events] == expected
+    # in parts: the decoder keeps the open transaction and the relations between calls
+    split = replication.PgOutputDecoder()
+    assert split.decode(messages[:3]) == []
+    assert [(e.id, e.created_at) for t in split.decode(messages[3:]) for e in t.events] == expected
+    # an id or created_at that is NULL (cannot happen for pgstream.events) is an error, not a guess
+    with pytest.raises(ValueError, match="without id or created_at"):
+        replication.PgOutputDecoder().decode([begin, _relation(1, ["id", "created_at"]), _insert(1, ["1", None])])
 
 
 def test_tick_records_batches_and_rerun_requests_nothing_twice(db_url: str, tmp_path: Path,
