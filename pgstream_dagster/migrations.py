@@ -16,6 +16,9 @@ from pathlib import Path
 
 import psycopg
 
+#: The NOLOGIN role that owns the generated trigger functions (sql/012_least_privilege.sql).
+WRITER_ROLE = "pgstream_writer"
+
 #: Key of the session-independent advisory lock that serialises concurrent migrators.
 MIGRATION_LOCK_KEY = 0x70677374  # "pgst"
 
@@ -118,8 +121,11 @@ def tear_down(database_url: str) -> list[str]:
 
     removed: list[str] = []
     with psycopg.connect(database_url, autocommit=True) as conn:
+        had_schema = _schema_exists(conn)
         with conn.transaction():
-            conn.execute("select set_config('pgstream.internal_ddl', 'on', true)")
+            if conn.execute("select to_regprocedure('pgstream._internal_ddl_begin()') is not null").fetchone() == (True,):
+                # pgstream's own DDL in this transaction: the drift guard lets it through
+                conn.execute("select pgstream._internal_ddl_begin()")
             for (name,) in conn.execute(
                 "select evtname from pg_event_trigger where evtname like 'pgstream\\_%' order by 1"
             ).fetchall():
@@ -160,6 +166,14 @@ def tear_down(database_url: str) -> list[str]:
                 conn.execute("select pg_terminate_backend(%s)", [pid])
             conn.execute("select pg_drop_replication_slot(%s)", [slot])
             removed.append(f"replication slot {slot}")
+        # the role is the cluster's: it stays while pgstream in another database uses it
+        if had_schema and conn.execute("select 1 from pg_roles where rolname = %s", [WRITER_ROLE]).fetchone():
+            try:
+                with conn.transaction():
+                    conn.execute(sql.SQL("drop role {}").format(sql.Identifier(WRITER_ROLE)))
+                removed.append(f"role {WRITER_ROLE}")
+            except (psycopg.errors.DependentObjectsStillExist, psycopg.errors.InsufficientPrivilege):
+                pass
     return removed
 
 

@@ -87,10 +87,16 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     assert first["trigger"].severity == dg.AssetCheckSeverity.ERROR
     assert first[FAILOVER].severity == dg.AssetCheckSeverity.WARN
 
-    # trigger disabled by hand
-    execute(app, "alter table public.users disable trigger pgstream_insert")
+    # the drift guard refuses to disable the trigger; with the guard off (an install without
+    # superuser has none), the check sees it
+    with pytest.raises(psycopg.errors.DependentObjectsStillExist, match="would be disabled"):
+        execute(app, "alter table public.users disable trigger pgstream_insert")
+    assert checks.failing() == set()
+    execute(app, "alter event trigger pgstream_drift_guard_alter disable",
+            "alter table public.users disable trigger pgstream_insert")
     assert checks.failing() == {"trigger"}
-    execute(app, "alter table public.users enable trigger pgstream_insert")
+    execute(app, "alter table public.users enable trigger pgstream_insert",
+            "alter event trigger pgstream_drift_guard_alter enable")
     assert checks.failing() == set()
 
     # trigger function replaced by hand (the trigger's comment still matches: only its source tells)
@@ -102,10 +108,10 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     ev = checks.run()["trigger"]
     assert not ev.passed and "changed by hand" in (ev.description or "")
 
-    # trigger dropped by hand (past the drift guard) -> missing
-    with psycopg.connect(app) as c:
-        c.execute("select set_config('pgstream.internal_ddl', 'on', true)")
-        c.execute("drop trigger pgstream_insert on public.users")
+    # trigger dropped by hand (past the drift guard, switched off by a superuser) -> missing
+    execute(app, "alter event trigger pgstream_drift_guard_drop disable",
+            "drop trigger pgstream_insert on public.users",
+            "alter event trigger pgstream_drift_guard_drop enable")
     ev = checks.run()["trigger"]
     assert not ev.passed and "does not exist" in (ev.description or "")
 

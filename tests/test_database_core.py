@@ -338,7 +338,7 @@ BAD = [
     ({"when": "true /* x */"}, "when_clause", "comments"),
     ({"when": "new.name = 'x"}, "when_clause", "unterminated quoted string"),
     ({"when": "new.name = $$x$$"}, "when_clause", "dollar quoting"),
-    ({"when": "new.name = E'\\''; drop table users; --'"}, "when_clause", "statement separator"),
+    ({"when": "new.name = E'\\''; drop table users; --'"}, "when_clause", "ambiguous string literal"),
     ({"when": "(new.age > 1"}, "when_clause", "unbalanced parentheses"),
     ({"extensions": [{"json_path": "x", "expression": "new.nope"}]}, "payload_extensions[1].expression",
      "does not exist"),
