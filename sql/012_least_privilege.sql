@@ -286,13 +286,20 @@ begin
         -- are pinned and never recorded): pgstream_writer must be able to use each of them
         if v_reason is null then
             select pg_catalog.format(
-                       'uses %s %s, which role pgstream_writer may not use: grant usage on schema %I%s to pgstream_writer',
-                       o.type, o.identity, o.schema,
-                       case when d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
-                            then pg_catalog.format(' and execute on function %s', o.identity) else '' end)
+                       'uses %s %s, which role pgstream_writer may not use: %s',
+                       o.type, v_name, pg_catalog.concat_ws('; ',
+                           case when o.schema is not null
+                                     and not pg_catalog.has_schema_privilege('pgstream_writer', o.schema, 'USAGE')
+                                then pg_catalog.format('grant usage on schema %I to pgstream_writer', o.schema) end,
+                           case when d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+                                     and not pg_catalog.has_function_privilege('pgstream_writer', d.refobjid, 'EXECUTE')
+                                then pg_catalog.format('grant execute on function %s to pgstream_writer', v_name) end))
             into v_reason
             from pg_catalog.pg_depend d
             cross join lateral pg_catalog.pg_identify_object(d.refclassid, d.refobjid, 0) o
+            cross join lateral (select case when d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+                                            then d.refobjid::pg_catalog.regprocedure::text
+                                            else o.identity end) as n(v_name)
             where d.classid = 'pg_catalog.pg_rewrite'::pg_catalog.regclass and d.objid = v_rule
               and not (d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass and d.refobjid in (v_rel, v_table))
               and ((o.schema is not null

@@ -1,0 +1,516 @@
+"""Attacks on what pgstream runs in the database, each from a fresh connection as an unprivileged role.
+
+Every test asserts afterwards that no role gained ``rolsuper`` (or another privilege it did not
+have) and that an ordinary INSERT by a role holding nothing but INSERT on the table still produces
+its event. PL/pgSQL caches compiled functions per session, so attacks run in new sessions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from pgstream_dagster.migrations import WRITER_ROLE, migrate, sql_dir
+
+_ids = itertools.count()
+
+# PL/pgSQL that tries to make ROLE superuser and swallows the failure, so that the attacker's
+# statement goes on and the test can tell "ran, but without privilege" from "did not run".
+ESCALATE = "begin execute 'alter role {role} superuser'; exception when others then null; end;"
+
+
+def connect(url: str, role: str | None = None) -> psycopg.Connection[Any]:
+    if role is None:
+        return psycopg.connect(url, autocommit=True)
+    return psycopg.connect(url, user=role, autocommit=True)
+
+
+def run(url: str, *statements: str, role: str | None = None) -> None:
+    with connect(url, role) as c:
+        for statement in statements:
+            c.execute(statement)  # type: ignore[arg-type]
+
+
+def is_super(url: str, role: str) -> bool:
+    with connect(url) as c:
+        row = c.execute("select rolsuper from pg_roles where rolname = %s", [role]).fetchone()
+    assert row is not None
+    return bool(row[0])
+
+
+def superusers(url: str) -> set[str]:
+    with connect(url) as c:
+        return {r[0] for r in c.execute("select rolname from pg_roles where rolsuper").fetchall()}
+
+
+def events(url: str) -> list[dict[str, Any]]:
+    with connect(url) as c:
+        return [r[0] for r in c.execute("select payload from pgstream.events order by id").fetchall()]
+
+
+def subscribe(url: str, key: str, table: str, *, schema: str = "public", op: str = "INSERT",
+              columns: list[str] | None = None, when: str | None = None,
+              extensions: list[dict[str, str]] | None = None, metadata: dict[str, Any] | None = None,
+              mode: str = "row") -> None:
+    sub = {"key": key, "stream_id": 1, "operation": op, "schema_name": schema, "table_name": table,
+           "when_clause": when, "column_names": columns or [], "payload_extensions": extensions or [],
+           "metadata": metadata, "trigger_mode": mode}
+    cols = ", ".join(sub)
+    run(url, f"insert into pgstream.subscriptions ({cols}) select {cols} from "
+             f"jsonb_populate_record(null::pgstream.subscriptions, {sql.quote(json.dumps(sub))}::jsonb)")
+
+
+@pytest.fixture
+def roles(db_url: str) -> Iterator[Callable[..., str]]:
+    """Creates LOGIN roles with nothing but what the test grants; drops them afterwards."""
+    made: list[str] = []
+
+    def make(*grants: str) -> str:
+        name = f"attacker_{next(_ids)}_{db_url.rsplit('/', 1)[1]}"
+        run(db_url, f"create role {name} login")
+        for grant in grants:
+            run(db_url, grant.format(role=name))
+        made.append(name)
+        return name
+
+    yield make
+    with connect(db_url) as c:
+        c.execute("delete from pgstream.subscriptions")  # else the drift guard refuses DROP OWNED
+        for name in made:
+            c.execute(sql.SQL("alter role {} nosuperuser").format(sql.Identifier(name)))
+            c.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(name)))
+            c.execute(sql.SQL("drop role {}").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def table(db_url: str) -> str:
+    """public.t, owned by the pgstream owner, subscribed on INSERT (columns id, note; metadata null)."""
+    run(db_url, "create table public.t (id bigint generated always as identity primary key, note text)")
+    subscribe(db_url, "t-insert", "t", columns=["id", "note"])
+    return "public.t"
+
+
+def app_role(roles: Callable[..., str]) -> str:
+    """A role with nothing but INSERT on public.t."""
+    return roles("grant insert on public.t to {role}")
+
+
+def assert_insert_still_produces_its_event(db_url: str, roles: Callable[..., str]) -> None:
+    plain = app_role(roles)
+    before = [e for e in events(db_url) if e["tg_name"] == "t-insert"]
+    run(db_url, "insert into public.t (note) values ('plain')", role=plain)
+    after = [e for e in events(db_url) if e["tg_name"] == "t-insert"]
+    assert len(after) == len(before) + 1
+    assert after[-1]["new"]["note"] == "plain"
+
+
+# --------------------------------------------------------------------------------------------
+# 1. pg_temp cannot shadow the types of owner-run or generated code
+
+
+@pytest.mark.parametrize("shadowed", ["jsonb", "text", "int8", "numeric", "bool", "name"])
+def test_pg_temp_types_do_not_shadow_generated_trigger_code(db_url: str, table: str, roles: Callable[..., str],
+                                                            shadowed: str) -> None:
+    app = app_role(roles)
+    before = superusers(db_url)
+    with connect(db_url, app) as c:  # a new session: nothing compiled yet
+        c.execute(f"create type pg_temp.{shadowed} as enum ('{{}}', 'x', 'true')")
+        for src, dst in ((f"pg_catalog.{shadowed}", f"pg_temp.{shadowed}"),
+                         (f"pg_temp.{shadowed}", f"pg_catalog.{shadowed}")):
+            fn = f"pg_temp.esc_{next(_ids)}"
+            value = "'{}'" if dst.startswith("pg_temp") else "null"
+            c.execute(f"create function {fn}({src}) returns {dst} language plpgsql called on null input as "
+                      f"$$ begin {ESCALATE.format(role=app)} return {value}; end $$")
+            c.execute(f"create cast ({src} as {dst}) with function {fn}({src}) as implicit")
+        c.execute("insert into public.t (note) values ('from a shadowing session')")
+    assert not is_super(db_url, app)
+    assert superusers(db_url) == before
+    assert events(db_url)[-1]["new"]["note"] == "from a shadowing session"
+    assert_insert_still_produces_its_event(db_url, roles)
+
+
+def test_pg_temp_text_does_not_shadow_the_drift_guard(db_url: str, table: str, roles: Callable[..., str]) -> None:
+    """Dropping any table the role owns runs the (superuser-owned) drift guard: no subscription needed."""
+    app = roles()
+    run(db_url, f"create schema own_{app} authorization {app}")
+    run(db_url, f"create table own_{app}.mine (id int, x int)", f"alter table own_{app}.mine owner to {app}")
+    with connect(db_url, app) as c:
+        c.execute("create type pg_temp.text as enum ('x')")
+        c.execute("create function pg_temp.esc(pg_catalog.text) returns pg_temp.text language plpgsql as "
+                  f"$$ begin {ESCALATE.format(role=app)} return 'x'; end $$")
+        c.execute("create cast (pg_catalog.text as pg_temp.text) with function pg_temp.esc(pg_catalog.text) "
+                  "as implicit")
+        c.execute(f"alter table own_{app}.mine drop column x")  # ddl_command_end and sql_drop
+        c.execute(f"alter table own_{app}.mine rename to mine2")
+        c.execute(f"drop table own_{app}.mine2")
+    assert not is_super(db_url, app)
+    assert_insert_still_produces_its_event(db_url, roles)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. casts of the table owner's own types run as pgstream_writer
+
+
+def test_user_cast_on_the_table_owners_type_runs_without_privilege(db_url: str, roles: Callable[..., str]) -> None:
+    app = roles()
+    schema = f"own_{app}"
+    run(db_url, f"create schema {schema} authorization {app}")
+    run(db_url, f"create type {schema}.st as enum ('new', 'paid')", f"alter type {schema}.st owner to {app}",
+        f"create table {schema}.orders (id int primary key, status {schema}.st, note text)",
+        f"alter table {schema}.orders owner to {app}")
+    subscribe(db_url, "orders", "orders", schema=schema, columns=["id", "status"])
+    with connect(db_url, app) as c:
+        c.execute(f"create function {schema}.st_json({schema}.st) returns json language plpgsql as "
+                  f"$$ begin {ESCALATE.format(role=app)} return '\"cast ran\"'::json; end $$")
+        c.execute(f"create cast ({schema}.st as json) with function {schema}.st_json({schema}.st)")
+    with connect(db_url, app) as c:
+        c.execute(f"insert into {schema}.orders values (1, 'new', 'a')")
+    assert not is_super(db_url, app)
+    got = events(db_url)
+    assert len(got) == 1 and got[0]["new"]["id"] == 1  # the event is written (by pgstream_writer)
+
+    # retyping a published column to the attacker's type is refused, as documented
+    run(db_url, f"create table {schema}.other (id int primary key, status text)",
+        f"alter table {schema}.other owner to {app}")
+    subscribe(db_url, "other", "other", schema=schema, columns=["id", "status"])
+    with pytest.raises(psycopg.errors.DependentObjectsStillExist, match=r"column status of .* type would change"):
+        run(db_url, f"alter table {schema}.other alter column status type {schema}.st using status::{schema}.st",
+            role=app)
+    with connect(db_url) as c:
+        assert c.execute(f"select atttypid::regtype::text from pg_attribute where attrelid = '{schema}.other'::regclass "
+                         "and attname = 'status'").fetchone() == ("text",)
+    # a column no subscription publishes may change type
+    run(db_url, f"alter table {schema}.orders alter column note type varchar(10)", role=app)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. functions called from expressions run as pgstream_writer, who must be allowed to call them
+
+
+def test_function_in_an_expression_replaced_by_its_owner_runs_without_privilege(
+        db_url: str, table: str, roles: Callable[..., str]) -> None:
+    app = roles("grant insert on public.t to {role}")
+    schema = f"fn_{app}"
+    run(db_url, f"create schema {schema} authorization {app}")
+    run(db_url, f"create function {schema}.tag(bigint) returns text language sql as $$ select 'id-' || $1 $$",
+        f"alter function {schema}.tag(bigint) owner to {app}")
+    # pgstream_writer evaluates it and has no USAGE on the schema yet: refused, naming what to grant
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as err:
+        subscribe(db_url, "tagged", "t", columns=["id"], extensions=[{"json_path": "tag",
+                                                                      "expression": f"{schema}.tag(new.id)"}])
+    assert f"grant usage on schema {schema}" in str(err.value) and "pgstream_writer" in str(err.value)
+    assert 'subscription "tagged"' in str(err.value) and "payload_extensions[1].expression" in str(err.value)
+    run(db_url, f"grant usage on schema {schema} to {WRITER_ROLE}")
+    subscribe(db_url, "tagged", "t", columns=["id"], extensions=[{"json_path": "tag",
+                                                                  "expression": f"{schema}.tag(new.id)"}])
+    run(db_url, "insert into public.t (note) values ('x')", role=app)
+    assert events(db_url)[-1]["tag"].startswith("id-")
+
+    # the function's owner replaces its body
+    run(db_url, f"create or replace function {schema}.tag(bigint) returns text language plpgsql as "
+                f"$$ begin {ESCALATE.format(role=app)} return 'replaced'; end $$", role=app)
+    with connect(db_url, app) as c:
+        c.execute("insert into public.t (note) values ('y')")
+    assert not is_super(db_url, app)
+    tagged = [e for e in events(db_url) if e["tg_name"] == "tagged"]
+    assert [e.get("tag") for e in tagged] == [tagged[0]["tag"], "replaced"]
+    assert_insert_still_produces_its_event(db_url, roles)
+
+
+def test_when_clause_with_a_function_only_the_writer_may_execute(db_url: str, roles: Callable[..., str]) -> None:
+    """Validated for, and evaluated as, pgstream_writer: an application role needs no EXECUTE on it."""
+    run(db_url, "create table public.t (id bigint generated always as identity primary key, note text)",
+        "create schema ops",
+        "create function ops.wanted(text) returns boolean language sql as $$ select $1 like 'keep%' $$",
+        "revoke execute on function ops.wanted(text) from public")
+    with pytest.raises(psycopg.errors.InvalidParameterValue,
+                       match=r"when_clause: uses function ops.wanted\(text\), which role pgstream_writer may not use: "
+                             r"grant usage on schema ops to pgstream_writer; grant execute on function ops.wanted"):
+        subscribe(db_url, "t-insert", "t", columns=["id", "note"], when="ops.wanted(new.note)")
+    run(db_url, f"grant usage on schema ops to {WRITER_ROLE}")
+    with pytest.raises(psycopg.errors.InvalidParameterValue,
+                       match=r"grant execute on function ops.wanted\(text\) to pgstream_writer"):
+        subscribe(db_url, "t-insert", "t", columns=["id", "note"], when="ops.wanted(new.note)")
+    run(db_url, f"grant execute on function ops.wanted(text) to {WRITER_ROLE}")
+    subscribe(db_url, "t-insert", "t", columns=["id", "note"], when="ops.wanted(new.note)")
+    with connect(db_url) as c:
+        (definition,) = c.execute("select pg_get_triggerdef(oid) from pg_trigger "
+                                  "where tgname = 'pgstream_insert'").fetchone()  # type: ignore[misc]
+    assert " WHEN " not in definition  # evaluated inside the function, as pgstream_writer
+    app = app_role(roles)
+    run(db_url, "insert into public.t (note) values ('keep me'), ('drop me'), ('keep too')", role=app)
+    assert [e["new"]["note"] for e in events(db_url)] == ["keep me", "keep too"]
+
+
+def test_builtin_when_clause_stays_in_the_trigger_when(db_url: str, table: str) -> None:
+    subscribe(db_url, "filtered", "t", op="UPDATE", columns=["id"], when="old.note is distinct from new.note")
+    with connect(db_url) as c:
+        (definition,) = c.execute("select pg_get_triggerdef(oid) from pg_trigger "
+                                  "where tgname = 'pgstream_update'").fetchone()  # type: ignore[misc]
+    assert "WHEN ((old.note IS DISTINCT FROM new.note))" in definition
+
+
+# --------------------------------------------------------------------------------------------
+# 4. validation executes nothing but the expression under test
+
+
+def test_lexer_cannot_be_fooled_into_running_a_second_statement(db_url: str) -> None:
+    # the server runs as another user: a place it could write to
+    marker = Path(f"/tmp/pgstream-pwned-{uuid.uuid4().hex}")
+    run(db_url, "create table public.t (id int primary key, note text)", 'create domain public."ée" as text')
+    # Read as an escape string (old lexer: "é" is no identifier character), the text is two string
+    # literals; Postgres reads a standard string '\' and then code: ") as v; copy ... to program ..."
+    expression = f"public.ée'\\') as v; copy (select 1) to program 'touch {marker}'; select 1 --'"
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="ambiguous string literal") as err:
+        subscribe(db_url, "smuggler", "t", extensions=[{"json_path": "x", "expression": expression}])
+    assert 'pgstream: subscription "smuggler" (stream 1, INSERT on public.t): payload_extensions[1].expression:' \
+        in str(err.value)
+    assert not marker.exists()
+    with connect(db_url) as c:
+        assert c.execute("select count(*) from pgstream.subscriptions").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("ée'\\' = 'x'", "ambiguous string literal"),
+    ("e'\\'' = ''", "ambiguous string literal"),
+    ("x = 'a\\'", "ambiguous string literal"),
+    ("1e'\\'' = 'x'", "ambiguous string literal"),
+    ("a$b", '"$"'),
+    ("'a'; select 1", "statement separator"),
+    ("\"a;b\" = 1 and 1 = 1; select", "statement separator"),
+    ("true --x", "comments"),
+    ("true /* */", "comments"),
+    ("(true", "unbalanced"),
+    ("true)", "unbalanced"),
+    ("'abc", "unterminated quoted string"),
+    ("\"abc", "unterminated quoted identifier"),
+    ("", "empty"),
+])
+def test_lexer_refuses(conn: psycopg.Connection[Any], text: str, reason: str) -> None:
+    (got,) = conn.execute("select pgstream._expression_lexical_error(%s)", [text]).fetchone()  # type: ignore[misc]
+    assert got is not None and reason in got
+
+
+@pytest.mark.parametrize("text", [
+    "new.note ~ '\\d+'",                 # a backslash that is not before a quote: same in both readings
+    "new.note = 'it''s'",
+    "new.note = E'tab\\there'",
+    "new.note = U&'d\\0061t\\+000061'",
+    "\"weird;name\" is null",
+    "new.note = 'a;b--c/*d$e'",
+    "ée = 1",
+])
+def test_lexer_accepts(conn: psycopg.Connection[Any], text: str) -> None:
+    assert conn.execute("select pgstream._expression_lexical_error(%s)", [text]).fetchone() == (None,)
+
+
+BAD_EXPRESSIONS = [
+    ("when", "count(*) > 0", "aggregate functions are not allowed"),
+    ("when", "sum(new.id) over () > 0", "window functions are not allowed"),
+    ("when", "generate_series(1, new.id) > 0", "set-returning functions are not allowed"),
+    ("when", "exists (select 1)", "subqueries are not allowed"),
+    ("when", "new.id in (select 1)", "subqueries are not allowed"),
+    ("extension", "array_agg(new.id)", "aggregate functions are not allowed"),
+    ("extension", "row_number() over ()", "window functions are not allowed"),
+    ("extension", "jsonb_array_elements('[1, 2]')", "set-returning functions are not allowed"),
+    ("extension", "(select 1)", "subqueries are not allowed"),
+    ("extension", "array(select 1)", "subqueries are not allowed"),
+]
+
+
+@pytest.mark.parametrize("mode", ["row", "statement"])
+@pytest.mark.parametrize(("where", "expression", "reason"), BAD_EXPRESSIONS)
+def test_aggregates_windows_srfs_and_subqueries_are_refused(db_url: str, mode: str, where: str, expression: str,
+                                                            reason: str) -> None:
+    run(db_url, "create table public.t (id int primary key, note text)")
+    subscribe(db_url, "good", "t", columns=["id"], mode=mode)
+    with connect(db_url) as c:
+        before = c.execute("select t.oid, p.prosrc from pg_trigger t join pg_proc p on p.oid = t.tgfoid "
+                           "where t.tgrelid = 'public.t'::regclass").fetchall()
+    kwargs: dict[str, Any] = ({"when": expression} if where == "when"
+                              else {"extensions": [{"json_path": "x", "expression": expression}]})
+    part = "when_clause" if where == "when" else "payload_extensions[1].expression"
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as err:
+        subscribe(db_url, "bad", "t", columns=["id"], mode=mode, **kwargs)
+    assert f'pgstream: subscription "bad" (stream 1, INSERT on public.t): {part}: {reason}' in str(err.value)
+    with connect(db_url) as c:
+        assert c.execute("select t.oid, p.prosrc from pg_trigger t join pg_proc p on p.oid = t.tgfoid "
+                         "where t.tgrelid = 'public.t'::regclass").fetchall() == before
+        assert c.execute("select key from pgstream.subscriptions").fetchall() == [("good",)]
+        c.execute("insert into public.t values (1, 'a'), (2, 'b')")
+    assert len(events(db_url)) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# 5. the drift guard cannot be switched off or walked around
+
+
+def test_drift_guard_has_no_session_bypass_and_protects_the_triggers(db_url: str, roles: Callable[..., str]) -> None:
+    app = roles()
+    schema = f"own_{app}"
+    run(db_url, f"create schema {schema} authorization {app}",
+        f"create table {schema}.t (id int primary key, note text)", f"alter table {schema}.t owner to {app}")
+    subscribe(db_url, "mine", "t", schema=schema, columns=["id", "note"])
+    subscribe(db_url, "mine-bulk", "t", schema=schema, op="DELETE", columns=["id"], mode="statement")
+    attempts = [
+        f"drop table {schema}.t",
+        f"drop schema {schema} cascade",
+        f"alter table {schema}.t disable trigger pgstream_insert",
+        f"alter table {schema}.t disable trigger all",
+        f"alter table {schema}.t disable trigger user",
+        f"alter table {schema}.t enable replica trigger pgstream_insert",
+        f"alter table {schema}.t disable trigger pgstream_delete_stmt",
+        f"alter trigger pgstream_insert on {schema}.t rename to renamed",
+        f"drop trigger pgstream_insert on {schema}.t",
+        f"drop trigger pgstream_delete_stmt on {schema}.t",
+        f"alter table {schema}.t rename to t2",
+        f"alter table {schema}.t alter column note type varchar(5)",
+        f"alter table {schema}.t drop column note",
+        f"alter table {schema}.t rename column note to note2",
+    ]
+    for attempt in attempts:
+        with connect(db_url, app) as c:
+            c.execute("set pgstream.internal_ddl = on")
+            c.execute("select set_config('pgstream.internal_ddl', 'on', false)")
+            with pytest.raises(psycopg.errors.DependentObjectsStillExist, match="pgstream: refusing") as err:
+                c.execute(attempt)  # type: ignore[arg-type]
+            assert '"mine"' in str(err.value) or '"mine-bulk"' in str(err.value) or "generated trigger" in str(err.value)
+    # renaming the schema needs CREATE on the database: the database owner tries
+    with pytest.raises(psycopg.errors.DependentObjectsStillExist, match=f"refusing ALTER SCHEMA .*{schema}.t"):
+        run(db_url, f"alter schema {schema} rename to elsewhere_{app}")
+    with connect(db_url) as c:
+        rows = c.execute("select tgname, tgenabled from pg_trigger where tgrelid = %s::regclass order by 1",
+                         [f"{schema}.t"]).fetchall()
+    assert rows == [("pgstream_delete_stmt", "O"), ("pgstream_insert", "O")]
+    run(db_url, f"insert into {schema}.t values (1, 'a')", f"delete from {schema}.t", role=app)
+    assert [e["tg_op"] for e in events(db_url)] == ["INSERT", "DELETE"]
+    # harmless DDL still passes
+    run(db_url, f"alter table {schema}.t add column extra int", f"alter table {schema}.t drop column extra",
+        role=app)
+
+
+def test_code_running_as_the_writer_cannot_break_the_triggers(db_url: str, roles: Callable[..., str]) -> None:
+    """A cast function (run by pgstream_writer inside the trigger) tries to drop or alter what it owns."""
+    app = roles()
+    schema = f"own_{app}"
+    run(db_url, f"create schema {schema} authorization {app}")
+    run(db_url, f"create type {schema}.st as enum ('a')", f"alter type {schema}.st owner to {app}",
+        f"create table {schema}.t (id int primary key, status {schema}.st)", f"alter table {schema}.t owner to {app}")
+    subscribe(db_url, "mine", "t", schema=schema, columns=["id", "status"])
+    with connect(db_url) as c:
+        (fn,) = c.execute(f"select tgfoid::regprocedure::text from pg_trigger where tgrelid = '{schema}.t'::regclass"
+                          ).fetchone()  # type: ignore[misc]
+    sabotage = [f"drop function {fn} cascade", f"alter function {fn} security invoker",
+                f"alter function {fn} set search_path = {schema}", f"alter function {fn} rename to gone",
+                f"drop owned by {WRITER_ROLE} cascade",
+                "alter role pgstream_writer superuser", f"grant {WRITER_ROLE} to {app}",
+                "delete from pgstream.events", "update pgstream.streams set paused = true"]
+    attempts = " ".join(f"begin execute {sql.quote(s)}; raise notice 'sabotage ran: %', {sql.quote(s)}; "
+                        "exception when others then null; end;" for s in sabotage)
+    run(db_url, f"create function {schema}.st_json({schema}.st) returns json language plpgsql as "
+                f"$$ begin {attempts} return '\"a\"'::json; end $$",
+        f"create cast ({schema}.st as json) with function {schema}.st_json({schema}.st)", role=app)
+    notices: list[str] = []
+    with connect(db_url, app) as c:
+        c.add_notice_handler(lambda d: notices.append(d.message_primary or ""))  # type: ignore[arg-type]
+        c.execute(f"insert into {schema}.t values (1, 'a')")
+        c.execute(f"insert into {schema}.t values (2, 'a')")
+    assert [n for n in notices if n.startswith("sabotage ran")] == []
+    assert not is_super(db_url, app) and not is_super(db_url, WRITER_ROLE)
+    with connect(db_url) as c:
+        assert c.execute("select tgfoid::regprocedure::text, tgenabled from pg_trigger "
+                         f"where tgrelid = '{schema}.t'::regclass").fetchall() == [(fn, "O")]
+        assert c.execute("select prosecdef, proconfig from pg_proc where oid = %s::regprocedure",
+                         [fn]).fetchone() == (True, ["search_path=pg_catalog, pg_temp"])
+        assert c.execute("select pg_has_role(%s, %s, 'member')", [app, WRITER_ROLE]).fetchone() == (False,)
+    assert [e["new"]["id"] for e in events(db_url)] == [1, 2]
+
+
+def test_a_stale_subscription_does_not_block_ddl_on_other_tables(db_url: str, table: str,
+                                                                 roles: Callable[..., str]) -> None:
+    app = roles()
+    run(db_url, f"create schema own_{app} authorization {app}")
+    run(db_url, "alter event trigger pgstream_drift_guard_drop disable",
+        "drop table public.t",  # the guard was off: the subscription is stale now
+        "alter event trigger pgstream_drift_guard_drop enable")
+    run(db_url, f"create table own_{app}.x (id int)", f"alter table own_{app}.x add column y int",
+        f"alter table own_{app}.x rename to z", role=app)
+    run(db_url, "create table public.unrelated (id int)", "alter table public.unrelated add column y int")
+
+
+# --------------------------------------------------------------------------------------------
+# 6. the privilege model as installed
+
+
+def test_writer_role_and_function_settings(db_url: str, table: str) -> None:
+    with connect(db_url) as c:
+        assert c.execute(
+            "select rolsuper, rolcanlogin, rolinherit, rolcreaterole, rolcreatedb, rolreplication, rolbypassrls "
+            "from pg_roles where rolname = %s", [WRITER_ROLE]).fetchone() == (False,) * 7
+        assert c.execute("select count(*) from pg_auth_members where member = %s::regrole",
+                         [WRITER_ROLE]).fetchone() == (0,)
+        privileges = {
+            (rel, priv): c.execute("select has_table_privilege(%s, %s, %s)", [WRITER_ROLE, rel, priv]).fetchone()[0]
+            for rel in ("pgstream.events", "pgstream.subscriptions", "pgstream.streams", "pgstream.batches",
+                        "pgstream.internal_ddl", "public.t")
+            for priv in ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE")}
+        assert {k for k, v in privileges.items() if v} == {("pgstream.events", "INSERT")}
+        assert c.execute("select has_schema_privilege(%s, 'pgstream', 'CREATE')", [WRITER_ROLE]).fetchone() == (False,)
+        # every function of the schema: temporary schema last; none executable by PUBLIC
+        bad = c.execute(
+            "select p.oid::regprocedure::text, p.proconfig from pg_proc p "
+            "where p.pronamespace = 'pgstream'::regnamespace "
+            "and (p.proconfig is null or not 'search_path=pg_catalog, pg_temp' = any (p.proconfig) "
+            "     or has_function_privilege('public', p.oid, 'EXECUTE'))").fetchall()
+        assert bad == []
+        owners = c.execute("select p.proname, p.proowner::regrole::text from pg_proc p "
+                           "where p.pronamespace = 'pgstream'::regnamespace and p.proname like '\\_publish\\_%'"
+                           ).fetchall()
+        assert owners and {o for _, o in owners} == {WRITER_ROLE}
+        # generated code qualifies every function and type it names
+        (src,) = c.execute("select prosrc from pg_proc where proname = %s", [owners[0][0]]).fetchone()  # type: ignore[misc]
+        assert "pg_catalog.jsonb_build_object(" in src and "::pg_catalog.jsonb" in src
+        assert " jsonb_build_object(" not in src and "::jsonb" not in src and "bigint" not in src
+
+
+def test_upgrade_from_the_last_released_schema_regenerates_triggers(empty_db_url: str, tmp_path: Path) -> None:
+    released = tmp_path / "sql"
+    released.mkdir()
+    for path in sorted(sql_dir().glob("0*.sql")):
+        if int(path.name[:3]) <= 11:
+            shutil.copy(path, released / path.name)
+    migrate(empty_db_url, directory=released)
+    run(empty_db_url, "create table public.t (id int primary key, note text)")
+    subscribe(empty_db_url, "t-insert", "t", columns=["id", "note"], when="new.note <> 'skip'",
+              extensions=[{"json_path": "a.b", "expression": "upper(new.note)"}], metadata={"team": "x"})
+    run(empty_db_url, "insert into public.t values (1, 'old')")
+    with connect(empty_db_url) as c:
+        (old_owner,) = c.execute("select p.proowner::regrole::text from pg_trigger t join pg_proc p "
+                                 "on p.oid = t.tgfoid where t.tgname = 'pgstream_insert'").fetchone()  # type: ignore[misc]
+    assert old_owner != WRITER_ROLE
+
+    assert migrate(empty_db_url)[-1] == "012_least_privilege.sql"
+    with connect(empty_db_url) as c:
+        row = c.execute("select p.proowner::regrole::text, p.proconfig, obj_description(t.oid, 'pg_trigger'), "
+                        "pg_get_triggerdef(t.oid) from pg_trigger t join pg_proc p on p.oid = t.tgfoid "
+                        "where t.tgname = 'pgstream_insert'").fetchone()
+        assert row is not None
+        assert row[0] == WRITER_ROLE and row[1] == ["search_path=pg_catalog, pg_temp"]
+        expected = c.execute("select pgstream.generated_trigger_hash(g.function_body, g.when_clause) "
+                             "from pgstream.generated_trigger('public', 't', 'INSERT', 'row') g").fetchone()
+        assert expected == (row[2],)
+        assert "WHEN ((new.note <> 'skip'::text))" in row[3]
+    run(empty_db_url, "insert into public.t values (2, 'new'), (3, 'skip')")
+    got = events(empty_db_url)
+    assert [(e["new"]["id"], e["a"]["b"]) for e in got] == [(1, "OLD"), (2, "NEW")]
+    strip = {"timestamp"}
+    assert ({k for k in got[0] if k not in strip} == {k for k in got[1] if k not in strip})
