@@ -123,7 +123,8 @@ def tear_down(database_url: str) -> list[str]:
     with psycopg.connect(database_url, autocommit=True) as conn:
         had_schema = _schema_exists(conn)
         with conn.transaction():
-            if conn.execute("select to_regprocedure('pgstream._internal_ddl_begin()') is not null").fetchone() == (True,):
+            marker = conn.execute("select to_regprocedure('pgstream._internal_ddl_begin()') is not null").fetchone()
+            if marker == (True,):
                 # pgstream's own DDL in this transaction: the drift guard lets it through
                 conn.execute("select pgstream._internal_ddl_begin()")
             for (name,) in conn.execute(
