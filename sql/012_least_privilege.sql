@@ -48,7 +48,12 @@ begin
     -- do that anyway, anyone else must be a member
     if not pg_catalog.pg_has_role(current_user, 'pgstream_writer', 'USAGE')
        and not (select rolsuper from pg_catalog.pg_roles where rolname = current_user) then
-        execute pg_catalog.format('grant pgstream_writer to %I', current_user);
+        begin
+            execute pg_catalog.format('grant pgstream_writer to %I', current_user);
+        exception when insufficient_privilege then
+            raise exception 'pgstream: role % must be a member of pgstream_writer to manage the generated trigger functions, and cannot grant that to itself', current_user
+                using hint = pg_catalog.format('As a superuser: grant pgstream_writer to %I;', current_user);
+        end;
     end if;
 end
 $$;

@@ -516,3 +516,30 @@ def test_upgrade_from_the_last_released_schema_regenerates_triggers(empty_db_url
     assert [(e["new"]["id"], e["a"]["b"]) for e in got] == [(1, "OLD"), (2, "NEW")]
     strip = {"timestamp"}
     assert ({k for k in got[0] if k not in strip} == {k for k in got[1] if k not in strip})
+
+
+def test_a_non_superuser_owner_installs_the_same_model(pg: Any, roles: Callable[..., str]) -> None:
+    """Without superuser there is no drift guard (event triggers), but the execution model is the same:
+    generated functions belong to pgstream_writer, which never keeps CREATE on the schema."""
+    owner = roles("alter role {role} createrole replication")
+    name = f"nosuper_{owner}"
+    run(pg.url, f"create database {name} owner {owner}")
+    url = pg.url_for(name)
+    try:
+        with pytest.raises(Exception, match=f"As a superuser: grant pgstream_writer to {owner}"):
+            migrate(url.replace("postgres@", f"{owner}@", 1))
+        run(pg.url, f"grant {WRITER_ROLE} to {owner}")
+        assert migrate(url.replace("postgres@", f"{owner}@", 1)) == ["012_least_privilege.sql"]
+        owner_url = url.replace("postgres@", f"{owner}@", 1)
+        run(owner_url, "create table public.t (id int primary key, note text)")
+        subscribe(owner_url, "t-insert", "t", columns=["id", "note"], when="new.note <> 'skip'")
+        with connect(owner_url) as c:
+            assert c.execute("select p.proowner::regrole::text from pg_trigger t join pg_proc p on p.oid = t.tgfoid "
+                             "where t.tgname = 'pgstream_insert'").fetchone() == (WRITER_ROLE,)
+            assert c.execute("select has_schema_privilege(%s, 'pgstream', 'CREATE')",
+                             [WRITER_ROLE]).fetchone() == (False,)
+            c.execute("insert into public.t values (1, 'a'), (2, 'skip')")
+        assert [e["new"]["id"] for e in events(owner_url)] == [1]
+        assert not is_super(owner_url, owner)
+    finally:
+        run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}")
