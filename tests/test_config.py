@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pgstream_dagster.config import ConfigError, load_config
-from pgstream_dagster.sinks import HttpSinkConfig
+from pgstream_dagster.sinks import HttpSinkConfig, KafkaSinkConfig
 
 GOOD = """
 database_url: ${TEST_PG_URL}
@@ -103,3 +103,23 @@ def test_bad_header_name_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         in str(err.value)
     assert "s3cr3t" not in str(err.value)
 
+
+def test_kafka_credentials_in_options_point_to_secret_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_KAFKA_PASSWORD", "kafka-s3cr3t")
+    kafka = ("database_url: ${TEST_PG_URL}\n"
+             "streams:\n"
+             "  - id: 1\n"
+             "    sink: {type: kafka, topic: t, options: {sasl.username: alice, OPTION: '${TEST_KAFKA_PASSWORD}'}}\n")
+    path = write(tmp_path, kafka.replace("OPTION", "sasl.password"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert (f"{path}: streams[0].sink: Value error, options ['sasl.password'] are credentials: "
+            "put them in secret_options") in str(err.value)
+    assert "kafka-s3cr3t" not in str(err.value) and "kafka-s3cr3t" not in repr(err.value)
+    moved = kafka.replace("alice, OPTION:", "alice}, secret_options: {sasl.password:")
+    cfg = load_config(write(tmp_path, moved))
+    sink = cfg.stream(1).sink
+    assert isinstance(sink, KafkaSinkConfig)
+    assert sink.secret_options["sasl.password"].get_secret_value() == "kafka-s3cr3t"
+    assert "kafka-s3cr3t" not in repr(cfg) and "kafka-s3cr3t" not in str(cfg)
