@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from pgstream_dagster.config import ConfigError, load_config
+from pgstream_dagster.sinks import HttpSinkConfig, KafkaSinkConfig
 
 GOOD = """
 database_url: ${TEST_PG_URL}
@@ -61,3 +62,64 @@ def test_bad_config_names_file_key_and_reason(tmp_path: Path, monkeypatch: pytes
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read the pgstream configuration"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_a_file_mounted_header_secret_loses_its_trailing_line_break(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://u:hunter2@db/x")
+    monkeypatch.setenv("TEST_TOKEN", "s3cr3t-t0ken\r\n")  # e.g. a mounted secret file exposed as is
+    cfg = load_config(write(tmp_path, GOOD))
+    sink = cfg.stream(1).sink
+    assert isinstance(sink, HttpSinkConfig)
+    assert sink.headers["Authorization"].get_secret_value() == "Bearer s3cr3t-t0ken"
+    assert "s3cr3t" not in repr(cfg) and "s3cr3t" not in str(cfg)
+
+
+@pytest.mark.parametrize(("token", "message"), [
+    ("s3cr3t\r\nX-Injected: yes", "header 'Authorization': the value contains a line break"),
+    ("s3cr3t\nmore", "header 'Authorization': the value contains a line break"),
+    ("s3cr3t\tok\x1b", "header 'Authorization': the value contains a line break or another control character"),
+    ("s3cr3t-tökén", "header 'Authorization': the value contains non-ASCII characters"),
+])
+def test_bad_header_secret_names_the_header_never_the_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            token: str, message: str) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_TOKEN", token)
+    path = write(tmp_path, GOOD)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"{path}: streams[0].sink.headers: Value error, {message}" in str(err.value)
+    for text in (str(err.value), repr(err.value)):
+        assert "s3cr3t" not in text and "X-Injected" not in text and "more" not in text
+
+
+def test_bad_header_name_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_TOKEN", "s3cr3t")
+    path = write(tmp_path, GOOD.replace("{Authorization:", "{'Auth orization':"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "streams[0].sink.headers: Value error, header name 'Auth orization' is not a valid HTTP header name" \
+        in str(err.value)
+    assert "s3cr3t" not in str(err.value)
+
+
+def test_kafka_credentials_in_options_point_to_secret_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_KAFKA_PASSWORD", "kafka-s3cr3t")
+    kafka = ("database_url: ${TEST_PG_URL}\n"
+             "streams:\n"
+             "  - id: 1\n"
+             "    sink: {type: kafka, topic: t, options: {sasl.username: alice, OPTION: '${TEST_KAFKA_PASSWORD}'}}\n")
+    path = write(tmp_path, kafka.replace("OPTION", "sasl.password"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert (f"{path}: streams[0].sink: Value error, options ['sasl.password'] are credentials: "
+            "put them in secret_options") in str(err.value)
+    assert "kafka-s3cr3t" not in str(err.value) and "kafka-s3cr3t" not in repr(err.value)
+    moved = kafka.replace("alice, OPTION:", "alice}, secret_options: {sasl.password:")
+    cfg = load_config(write(tmp_path, moved))
+    sink = cfg.stream(1).sink
+    assert isinstance(sink, KafkaSinkConfig)
+    assert sink.secret_options["sasl.password"].get_secret_value() == "kafka-s3cr3t"
+    assert "kafka-s3cr3t" not in repr(cfg) and "kafka-s3cr3t" not in str(cfg)

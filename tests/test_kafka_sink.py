@@ -18,10 +18,11 @@ import psycopg
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
+from pydantic import ValidationError
 
 from pgstream_dagster.config import load_config
 from pgstream_dagster.devdb import free_port
-from pgstream_dagster.sinks import Event, KafkaSink, SinkError, build_sink, parse_sink_config
+from pgstream_dagster.sinks import Event, KafkaSink, KafkaSinkConfig, SinkError, build_sink, parse_sink_config
 
 from .harness import Driver, insert_events, write_config
 from .test_sinks import make_events, unique
@@ -281,6 +282,58 @@ def test_invalid_producer_settings_raise_a_sink_error_without_the_values() -> No
     for owned in ("request.required.acks", "delivery.timeout.ms", "metadata.broker.list", "transactional.id"):
         with pytest.raises(ValueError, match="set by the sink"):
             parse_sink_config({"type": "kafka", "topic": "t", "options": {owned: "1"}})
+
+
+CREDENTIAL_KEYS = ["sasl.password", "ssl.key.password", "ssl.key.pem", "ssl_key", "ssl.keystore.password",
+                   "sasl.oauthbearer.client.secret", "sasl.oauthbearer.config",
+                   "sasl.oauthbearer.assertion.private.key.pem", "sasl.oauthbearer.assertion.private.key.passphrase",
+                   "SASL.Password", "vendor.api.secret", "some.password.value"]
+
+
+@pytest.mark.parametrize("key", CREDENTIAL_KEYS)
+def test_credentials_in_options_are_refused_and_belong_in_secret_options(key: str) -> None:
+    value = "cr3d-" + unique("v")
+    with pytest.raises(ValidationError) as info:
+        parse_sink_config({"type": "kafka", "topic": "t", "options": {key: value, "linger.ms": 1}})
+    message = str(info.value)
+    assert f"options [{key!r}] are credentials: put them in secret_options" in message
+    assert value not in message and value not in repr(info.value)
+    config = parse_sink_config({"type": "kafka", "topic": "t", "secret_options": {key: value}})  # the right place
+    assert isinstance(config, KafkaSinkConfig) and value not in repr(config)
+
+
+def test_non_secret_settings_stay_in_options() -> None:
+    options = {"sasl.username": "alice", "sasl.mechanism": "SCRAM-SHA-512", "security.protocol": "SASL_SSL",
+               "ssl.key.location": "/etc/kafka/client.key", "ssl.keystore.location": "/etc/kafka/client.p12",
+               "ssl.ca.location": "/etc/kafka/ca.pem", "sasl.oauthbearer.client.id": "pgstream",
+               "sasl.oauthbearer.token.endpoint.url": "https://idp.example/token", "compression.type": "zstd"}
+    config = parse_sink_config({"type": "kafka", "topic": "t", "options": options})
+    assert isinstance(config, KafkaSinkConfig) and config.options == options
+    with pytest.raises(ValidationError, match=r"options \['sasl.password', 'ssl.key.password'\] are credentials"):
+        parse_sink_config({"type": "kafka", "topic": "t",
+                           "options": {**options, "ssl.key.password": "x", "sasl.password": "y"}})
+
+
+def test_secret_options_never_show_in_repr_str_dumps_or_logs(broker: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    topic = create_topic(broker)
+    secrets = {"sasl.password": "sasl-" + unique("pw"), "ssl.key.password": "key-" + unique("pw"),
+               "sasl.oauthbearer.client.secret": "oidc-" + unique("pw")}
+    config = parse_sink_config({"type": "kafka", "bootstrap_servers": broker, "topic": topic,
+                                "options": {"security.protocol": "plaintext", "client.id": unique("secret")},
+                                "secret_options": secrets})
+    sink = config.build()
+    assert isinstance(sink, KafkaSink)
+    settings = sink._settings()  # the producer does get them
+    assert {k: settings[k] for k in secrets} == secrets
+    with sink:
+        sink.publish(make_events(5))
+        texts = [repr(config), str(config), config.model_dump_json(), str(config.model_dump()), repr(sink), str(sink)]
+    assert len(read_topic(broker, topic, 1, 5)) == 5
+    texts += [repr(sink), caplog.text]
+    assert "secret_options" in repr(config) and "**********" in repr(config)
+    for text in texts:
+        assert not [value for value in secrets.values() if value in text], text
 
 
 def test_sasl_credentials_from_the_environment_fail_fast_without_leaking(

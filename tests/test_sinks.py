@@ -34,7 +34,7 @@ import pytest
 import redis
 from pydantic import SecretStr, ValidationError
 
-from pgstream_dagster.config import load_config
+from pgstream_dagster.config import ConfigError, load_config, parse_config
 from pgstream_dagster.sinks import (
     Event,
     FileSink,
@@ -352,8 +352,8 @@ class _Handler(BaseHTTPRequestHandler):
         marked = rec.fail_on_event_id is not None and str(rec.fail_on_event_id) in ids.split(",")
         failing = rec.mode == "fail" or marked
         if failing:
-            # echo the Authorization header back: the sink must still keep it out of its error message
-            return 500, {}, f"boom: database on fire (auth was {headers.get('authorization')})\n" * 20
+            # echo the Authorization header and the path back: the sink must keep them out of its error message
+            return 500, {}, f"boom: database on fire (auth was {headers.get('authorization')} at {self.path})\n" * 20
         return (204 if len(rec.received) % 2 else 200), {}, ""
 
     def _answer(self, status: int, text: str, extra: dict[str, str]) -> None:
@@ -693,6 +693,191 @@ with config.build() as sink:
     assert result.returncode == 0, result.stderr.decode()
     assert [r.body for r in http_server.received] == [e.payload for e in events]
     assert {r.headers["authorization"] for r in http_server.received} == {"Bearer pickled"}
+
+
+# -- http: secrets in headers and URL paths ---------------------------------------------------------
+
+
+def escaped(value: str) -> list[str]:
+    """``value`` and the escaped forms a library message may show it in (``'tok\\n'``, ``b'tok\\n'``)."""
+    return [value, repr(value)[1:-1], repr(value.encode())[2:-1]]
+
+
+def assert_nowhere(secrets: list[str], *texts: str) -> None:
+    for text in texts:
+        found = [s for secret in secrets for s in escaped(secret) if s in text]
+        assert not found, (found, text)
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n", " \r\n\n"])
+def test_http_header_secret_loses_its_trailing_newline_and_never_leaks(
+    http_server: HttpRecorder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    ending: str,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    token = "t0k-" + uuid.uuid4().hex
+    raw = f"Bearer {token}{ending}"  # as read from a file-mounted secret
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_HOOK_TOKEN", raw)
+    monkeypatch.setenv("TEST_HOOK_URL", http_server.url + ending)  # the URL may come from a file too
+    path = tmp_path / "pgstream.yaml"
+    path.write_text(
+        "database_url: ${TEST_PG_URL}\n"
+        "streams:\n"
+        "  - {id: 1, sink: {type: http, url: '${TEST_HOOK_URL}', max_attempts: 2, initial_backoff_secs: 0.01,\n"
+        "                   headers: {Authorization: '${TEST_HOOK_TOKEN}', X-Plain: '  spaced\tvalue  '}}}\n"
+    )
+    config = load_config(path)
+    sink_config = config.stream(1).sink
+    assert isinstance(sink_config, HttpSinkConfig)
+    assert sink_config.headers["Authorization"].get_secret_value() == f"Bearer {token}"
+    assert sink_config.headers["X-Plain"].get_secret_value() == "spaced\tvalue"  # a tab inside is legal HTTP
+    assert sink_config.url.get_secret_value() == http_server.url
+    with sink_config.build() as sink:
+        sink.publish(make_events(2))
+        http_server.mode = "fail"  # the server echoes the Authorization header in its error body
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(1, first_id=200))
+        sink_repr = repr(sink)
+    assert [r.headers["authorization"] for r in http_server.received] == [f"Bearer {token}"] * 4
+    assert "event 200" in str(err.value) and "HTTP 500" in str(err.value) and "***" in str(err.value)
+    assert "attempt 1 failed" in caplog.text  # the retry was logged
+    assert_nowhere([raw, raw.strip(), token], str(err.value), repr(err.value), repr(config), str(config),
+                   repr(sink_config), str(sink_config), sink_config.model_dump_json(), sink_repr, caplog.text)
+
+
+@pytest.mark.parametrize("value", [
+    "Bearer abc\r\nX-Injected: 1", "abc\ndef", "abc\rdef", "abc\x00def", "abc\x7fdef", "\nabc", "abc\x1b[31m",
+])
+def test_http_header_with_a_control_character_inside_is_refused_naming_the_header(value: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        HttpSinkConfig(url="http://127.0.0.1:1/", headers={"X-Api-Key": SecretStr(value)})
+    message = str(err.value)
+    assert "header 'X-Api-Key'" in message and "control character" in message
+    assert_nowhere([value, "abc", "def", "X-Injected"], message, repr(err.value))
+
+    data = {"database_url": "postgresql://x",
+            "streams": [{"id": 1, "sink": {"type": "http", "url": "http://127.0.0.1:1/",
+                                           "headers": {"X-Api-Key": value}}}]}
+    with pytest.raises(ConfigError) as config_err:
+        parse_config(data, "pgstream.yaml")
+    message = str(config_err.value)
+    assert "pgstream.yaml: streams[0].sink.headers: " in message and "header 'X-Api-Key'" in message
+    assert_nowhere([value, "abc", "def", "X-Injected"], message, repr(config_err.value))
+
+
+@pytest.mark.parametrize("name", ["Bad Name", "X-Colon:", "Ümlaut", "", "X-A\r\nX-B", "(comment)", 'Say"hi"'])
+def test_http_header_names_must_be_http_tokens(name: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        parse_sink_config({"type": "http", "url": "http://127.0.0.1:1/", "headers": {name: "v4lue-s3cret"}})
+    assert f"header name {name!r} is not a valid HTTP header name" in str(err.value)
+    assert "v4lue-s3cret" not in str(err.value)
+    token_chars = "!#$%&'*+-.^_`|~09azAZ"
+    assert HttpSinkConfig(url="http://x/", headers={token_chars: SecretStr("v")}).headers[token_chars]
+
+
+def test_http_non_ascii_header_value_is_refused_at_config_time_without_echo() -> None:
+    value = "Bearer tök-" + uuid.uuid4().hex
+    with pytest.raises(ValidationError) as err:
+        HttpSinkConfig(url="http://127.0.0.1:1/", headers={"Authorization": SecretStr(value)})
+    assert "header 'Authorization'" in str(err.value) and "non-ASCII" in str(err.value)
+    assert_nowhere([value, value[-32:]], str(err.value), repr(err.value))
+
+
+def test_http_unvalidated_non_ascii_header_gives_a_sink_error_not_a_unicode_error(
+    http_server: HttpRecorder, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    value = "Bearer tök-" + uuid.uuid4().hex
+    # model_construct skips validation: the send-time guard must still hold
+    config = HttpSinkConfig.model_construct(url=SecretStr(http_server.url), headers={"X-Token": SecretStr(value)})
+    for concurrency in (1, 4):  # inline, and inside the thread pool of parallel routing keys
+        sink = config.model_copy(update={"max_concurrency": concurrency, "routing_key": "name"}).build()
+        with sink, pytest.raises(SinkError) as err:
+            sink.publish(make_events(3))
+        assert type(err.value) is SinkError
+        assert "header 'X-Token' has a non-ASCII value" in str(err.value)
+        assert re.search(r"http sink: event 10[123]: POST ", str(err.value)), str(err.value)
+        assert err.value.__cause__ is None and err.value.__context__ is None
+        assert_nowhere([value, value[-32:]], str(err.value), repr(err.value), caplog.text)
+    assert http_server.received == []  # nothing was sent
+
+
+SLACK_PATH = "/services/T0PGSTREAM/B0PGSTREAM/" + "Xk9" * 8
+DISCORD_PATH = "/api/webhooks/123456789012345678/" + "aB3-_" * 13
+
+
+@pytest.mark.parametrize(("path", "shown"), [(SLACK_PATH, "/services/***"), (DISCORD_PATH, "/api/webhooks/***")])
+def test_http_url_path_tokens_are_masked_in_messages_reprs_and_logs(
+    http_server: HttpRecorder, caplog: pytest.LogCaptureFixture, path: str, shown: str,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    base = http_server.url.removesuffix("/hook")
+    url = base + path
+    config = HttpSinkConfig(url=url, max_attempts=2, **FAST_RETRY)
+    tokens = [segment for segment in path.split("/") if len(segment) >= 8 and segment not in ("services", "webhooks")]
+    secrets = [url, path, *tokens]
+    with config.build() as sink:
+        sink.publish(make_events(1))
+        http_server.mode = "fail"  # the error body echoes the request path
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(1, first_id=300))
+        sink_repr = repr(sink)
+    assert [r.path for r in http_server.received] == [path] * 3  # the real URL was used
+    message = str(err.value)
+    assert f"POST {base}{shown} answered HTTP 500" in message and f"at {shown.removesuffix('***')}***)" in message
+    assert f"{base}{shown}" in caplog.text  # httpx's request log line, redacted
+    assert_nowhere(secrets, message, repr(err.value), repr(config), str(config), config.model_dump_json(),
+                   sink_repr, caplog.text)
+
+    refused = base.rsplit(":", 1)[0] + f":{free_port()}" + path  # httpx's own errors
+    with HttpSinkConfig(url=refused, max_attempts=1).build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(make_events(1))
+    assert "connection failed" in str(err.value) and shown in str(err.value)
+    assert_nowhere([refused, *tokens], str(err.value), repr(err.value), caplog.text)
+
+
+@pytest.mark.parametrize(("url", "redacted", "secrets"), [
+    ("https://hooks.slack.com/services/T0ABCDEFG/B0ABCDEFG/xoxb1234567890abcdefghij",
+     "https://hooks.slack.com/services/***",
+     ["T0ABCDEFG/B0ABCDEFG/xoxb1234567890abcdefghij", "T0ABCDEFG", "B0ABCDEFG", "xoxb1234567890abcdefghij"]),
+    ("https://discord.com/api/webhooks/123456789012345678/abcDEF-ghi_jkl",
+     "https://discord.com/api/webhooks/***", ["123456789012345678/abcDEF-ghi_jkl", "123456789012345678"]),
+    ("https://api.telegram.org/bot123456:ABC-DEF1234/sendMessage", "https://api.telegram.org/***",
+     ["bot123456:ABC-DEF1234/sendMessage", "bot123456:ABC-DEF1234", "sendMessage"]),
+    ("https://u:pw%40x@h.example:8443/v1/events/ingest?key=q%20s#frag", "https://h.example:8443/v1/events/ingest",
+     ["pw%40x", "pw@x", "key=q%20s", "key=q s", "frag"]),
+    ("https://example.com/hooks/abcdefghijklmnopqrstuvwxyz", "https://example.com/hooks/***",
+     ["abcdefghijklmnopqrstuvwxyz"]),  # 16+ characters: masked even when lower case
+    ("https://example.com/Hook/x", "https://example.com/***", ["Hook/x"]),
+    ("http://[::1]:8080/hook/", "http://[::1]:8080/hook/", []),
+    ("http://127.0.0.1:8080", "http://127.0.0.1:8080", []),
+    ("redis://:pw@127.0.0.1:6379/0", "redis://127.0.0.1:6379/0", ["pw"]),  # other schemes keep their path
+    ("amqp://guest:guest@127.0.0.1:5672/%2F", "amqp://127.0.0.1:5672/%2F", ["guest"]),
+])
+def test_redact_url_masks_path_tokens_and_url_secrets_lists_them(url: str, redacted: str, secrets: list[str]) -> None:
+    from pgstream_dagster.sinks.base import redact_url, scrub, url_secrets
+
+    assert redact_url(url) == redacted
+    listed = url_secrets(url)
+    assert [s for s in secrets if s not in listed] == []
+    assert (url in listed) == (redacted != url)
+    text = f"GET {url} failed; path {urlsplit(url).path}; " + "; ".join(secrets)
+    assert_nowhere(secrets, scrub(text, listed))
+    if redacted != url:
+        assert url not in scrub(text, listed)
+
+
+def test_scrub_masks_escaped_forms_and_describe_exception_never_cuts_a_secret() -> None:
+    from pgstream_dagster.sinks.base import describe_exception, scrub
+
+    secret = "tök\r\nen"
+    text = f"Illegal header value {secret.encode()!r}; also {secret!r} and {secret}"
+    assert scrub(text, [secret]) == "Illegal header value b'***'; also '***' and ***"
+    spaced = "two  spaces  " + uuid.uuid4().hex  # excerpt() collapses whitespace: scrub must come first
+    described = describe_exception(RuntimeError("x" * 180 + spaced), [spaced])
+    assert described.endswith("***") and "two spaces" not in described and spaced[-8:] not in described
+
 
 # -- redis --------------------------------------------------------------------------------------------
 

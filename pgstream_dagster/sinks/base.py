@@ -6,6 +6,7 @@ import datetime as dt
 import decimal
 import importlib
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -27,6 +28,7 @@ __all__ = [
     "describe_exception",
     "dumps",
     "excerpt",
+    "header_value",
     "import_extra",
     "lookup_path",
     "redact_url",
@@ -249,10 +251,21 @@ def describe_events(events: Sequence[Event]) -> str:
 
 
 def scrub(text: str, secrets: Iterable[str]) -> str:
-    """Replace every non-empty secret value occurring in ``text`` with ``***``."""
-    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+    """Replace every non-empty secret value occurring in ``text`` with ``***``, also in the escaped forms
+    a library's message may show it in (``repr`` of the text or of its UTF-8 bytes: ``b'tok\\n'``)."""
+    forms = {form for s in secrets if s for form in _escaped_forms(s)}
+    for secret in sorted(forms, key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
+
+
+def _escaped_forms(secret: str) -> set[str]:
+    forms = {secret, repr(secret)[1:-1]}
+    try:
+        forms.add(repr(secret.encode())[2:-1])
+    except UnicodeEncodeError:  # lone surrogates
+        pass
+    return {form for form in forms if form}
 
 
 def excerpt(text: str, limit: int = _EXCERPT_CHARS) -> str:
@@ -261,13 +274,14 @@ def excerpt(text: str, limit: int = _EXCERPT_CHARS) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def describe_exception(exc: BaseException) -> str:
-    """``"ExceptionType: message"`` (or its repr/type when the message is empty), shortened."""
+def describe_exception(exc: BaseException, secrets: Iterable[str] = ()) -> str:
+    """``"ExceptionType: message"`` (or its repr/type when the message is empty), shortened; ``secrets``
+    are masked before shortening (an excerpt never shows half a secret, even one holding whitespace)."""
     text = str(exc)
     if text:
-        return excerpt(f"{type(exc).__name__}: {text}")
+        return excerpt(scrub(f"{type(exc).__name__}: {text}", secrets))
     # some libraries (pika) put the details in args/repr only
-    return excerpt(repr(exc)) if exc.args else type(exc).__name__
+    return excerpt(scrub(repr(exc), secrets)) if exc.args else type(exc).__name__
 
 
 def _json_default(value: Any) -> Any:
@@ -285,8 +299,36 @@ def dumps(value: Any) -> str:
     return json.dumps(value, default=_json_default, ensure_ascii=False, separators=(",", ":"))
 
 
+#: schemes whose URL path may carry a token (webhooks): their path is masked from the first segment
+#: that does not look like a plain word; other schemes keep their path (a Redis database number, an
+#: AMQP virtual host)
+_TOKEN_PATH_SCHEMES = frozenset({"http", "https", "ws", "wss"})
+
+#: a path segment shown in messages: a short lower-case word (``services``, ``api``, ``hook``, ``index.php``)
+#: or a version (``v1``); anything with digits, upper case, other characters or 16+ characters is masked
+_PLAIN_SEGMENT = re.compile(r"[a-z][a-z._-]{0,14}|v[0-9]{1,3}")
+
+#: masked path segments at least this long are also masked on their own wherever they occur (shorter
+#: ones would mask unrelated text such as event ids; they are masked as part of the masked path)
+_MIN_SEGMENT_SECRET = 8
+
+
+def _split_path(path: str) -> tuple[str, str]:
+    """``path`` as (shown part, masked rest): the rest starts at the first segment that is not a plain word."""
+    segments = path.split("/")
+    for i, segment in enumerate(segments):
+        if segment and not _PLAIN_SEGMENT.fullmatch(segment):
+            return "/".join(segments[:i]) + "/", "/".join(segments[i:])
+    return path, ""
+
+
 def redact_url(url: str) -> str:
-    """``url`` without user info and query string (for messages): ``scheme://host:port/path``."""
+    """``url`` for messages: ``scheme://host:port/path`` without user info, query string and fragment.
+
+    For http(s) and ws(s) URLs the path is shown up to the first segment that is not a plain word
+    (a short lower-case word or ``v1``), the rest is ``***``: webhook tokens live in the path
+    (``https://hooks.slack.com/services/***``, ``https://discord.com/api/webhooks/***``).
+    """
     from urllib.parse import urlsplit, urlunsplit
 
     try:
@@ -295,18 +337,24 @@ def redact_url(url: str) -> str:
         if ":" in host:
             host = f"[{host}]"
         netloc = f"{host}:{parts.port}" if parts.port else host
-        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        path = parts.path
+        if parts.scheme in _TOKEN_PATH_SCHEMES:
+            shown, masked = _split_path(path)
+            path = shown + "***" if masked else path
+        return urlunsplit((parts.scheme, netloc, path, "", ""))
     except ValueError:
         return "<invalid url>"
 
 
 def url_secrets(url: str) -> list[str]:
-    """The secret parts of a URL for :func:`scrub`: password, query string, and the whole URL if it has them."""
+    """The secret parts of a URL for :func:`scrub`: the whole URL when :func:`redact_url` hides anything of
+    it, its password, query string and fragment, and the masked part of an http(s) path (as a whole and
+    each segment of 8+ characters), each also percent-decoded."""
     from urllib.parse import unquote, urlsplit
 
     try:
         parts = urlsplit(url)
-        password, query = parts.password, parts.query
+        password, query, fragment = parts.password, parts.query, parts.fragment
     except ValueError:
         return [url]
     secrets = [url] if redact_url(url) != url else []
@@ -314,7 +362,42 @@ def url_secrets(url: str) -> list[str]:
         secrets += [password, unquote(password)]
     if query:
         secrets += [query, unquote(query)]
-    return secrets
+    if fragment:
+        secrets += [fragment, unquote(fragment)]
+    if parts.scheme in _TOKEN_PATH_SCHEMES:
+        _shown, masked = _split_path(parts.path)
+        if masked:
+            secrets += [masked, unquote(masked)]
+            for segment in masked.split("/"):
+                if len(segment) >= _MIN_SEGMENT_SECRET:
+                    secrets += [segment, unquote(segment)]
+    return list(dict.fromkeys(secrets))
+
+
+#: an HTTP header name (RFC 9110 token)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def header_value(name: str, value: str) -> str:
+    """A configured header ``value`` ready to send, or :class:`ValueError` naming the header, never the value.
+
+    Trailing whitespace (a file-mounted secret's ``\\n`` or ``\\r\\n``, spaces, tabs) and leading spaces
+    and tabs are stripped (RFC 9110: they are not part of a field value). What remains must be printable
+    ASCII, spaces and tabs: a CR, LF or other control character inside the value is refused (it would
+    split or break the request), and so is a non-ASCII character (the HTTP client sends ASCII only).
+    ``name`` must be an HTTP token.
+    """
+    if not _HEADER_NAME.fullmatch(name):
+        raise ValueError(f"header name {name[:100]!r} is not a valid HTTP header name "
+                         "(letters, digits and !#$%&'*+-.^_`|~ only)")
+    cleaned = value.rstrip(" \t\r\n").lstrip(" \t")
+    if any((char < " " and char != "\t") or char == "\x7f" for char in cleaned):
+        raise ValueError(f"header {name!r}: the value contains a line break or another control character "
+                         "(only a trailing line break is allowed: it is stripped)")
+    if not cleaned.isascii():
+        raise ValueError(f"header {name!r}: the value contains non-ASCII characters (header values are sent "
+                         "as ASCII)")
+    return cleaned
 
 
 class Sink(ABC):

@@ -43,6 +43,7 @@ from .base import (
     describe_exception,
     dumps,
     excerpt,
+    header_value,
     lookup_path,
     redact_url,
     scrub,
@@ -56,7 +57,8 @@ _RETRY_AFTER_STATUSES = frozenset({429, 503})
 
 
 class _RedactUrls(logging.Filter):
-    """httpx logs each request's full URL at INFO; drop user info and query string (they may hold tokens)."""
+    """httpx logs each request's full URL at INFO; show it as :func:`redact_url` does (no user info, query
+    string or fragment, path tokens masked)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
@@ -97,8 +99,12 @@ class HttpSinkConfig(SinkConfigBase):
     id, stream_id, created_at, payload, metadata). ``batch``: a JSON array of up to ``max_batch_size``
     of those, header ``X-Pgstream-Event-Ids``. The event id is the idempotency key: headers
     ``webhook-id``, ``Idempotency-Key`` and ``X-Pgstream-Event-Id`` (a batch uses ``<first>-<last>``).
-    Any 2xx confirms. ``url`` (tokens in query strings), ``headers`` values and ``signing_secret`` are
-    secrets; messages show the URL without user info and query string.
+    Any 2xx confirms. ``url`` (tokens in query strings or the path), ``headers`` values and
+    ``signing_secret`` are secrets; messages show the URL without user info and query string, and with
+    its path masked from the first segment that is not a short lower-case word (:func:`redact_url`).
+    Header names must be HTTP tokens; header values (and the URL) lose trailing whitespace such as
+    the line break of a file-mounted secret, and are refused when a control character (CR, LF...)
+    or, for header values, a non-ASCII character remains: the error names the header, never the value.
 
     ``routing_key``: a payload path; events with the same key are sent one after another in order,
     different keys in parallel up to ``max_concurrency``. Without it every event is sent in order.
@@ -124,9 +130,17 @@ class HttpSinkConfig(SinkConfigBase):
     @field_validator("url")
     @classmethod
     def _http_url(cls, url: SecretStr) -> SecretStr:
-        if urlsplit(url.get_secret_value()).scheme not in ("http", "https"):
+        text = url.get_secret_value().strip()  # a file-mounted secret often ends in a line break
+        if any(char < " " or char == "\x7f" for char in text):
+            raise ValueError("url contains a line break or another control character")
+        if urlsplit(text).scheme not in ("http", "https"):
             raise ValueError("url must start with http:// or https://")
-        return url
+        return SecretStr(text)
+
+    @field_validator("headers")
+    @classmethod
+    def _valid_headers(cls, headers: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        return {name: SecretStr(header_value(name, value.get_secret_value())) for name, value in headers.items()}
 
     @field_validator("signing_secret")
     @classmethod
@@ -301,15 +315,23 @@ class HttpSink(Sink):
         headers["webhook-timestamp"] = str(timestamp)
         if self._key is not None:
             headers["webhook-signature"] = sign(self._key, request.msg_id, timestamp, request.body)
+        secrets = self._secrets
         try:
             response = self._http().post(self.config.url.get_secret_value(), content=request.body, headers=headers)
         except httpx.TimeoutException as exc:
             reason = f"{self._target} timed out after {self.config.timeout_secs:g}s ({type(exc).__name__})"
             raise _Failure(reason, retryable=True) from None
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            raise _Failure(f"{self._target} connection failed: {describe_exception(exc)}", retryable=True) from None
+            reason = f"{self._target} connection failed: {describe_exception(exc, secrets)}"
+            raise _Failure(reason, retryable=True) from None
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise _Failure(f"{self._target} failed: {describe_exception(exc)}", retryable=False) from None
+            raise _Failure(f"{self._target} failed: {describe_exception(exc, secrets)}", retryable=False) from None
+        except UnicodeEncodeError:
+            # httpx encodes header values as ASCII; the config refuses others, this guards unvalidated ones
+            # (model_construct): the exception carries the whole value, so none of it is shown
+            names = [name for name, value in headers.items() if not value.isascii()]
+            what = f"header {names[0]!r} has a non-ASCII value" if names else "a non-ASCII header or URL"
+            raise _Failure(f"{self._target} not sent: {what}", retryable=False) from None
         status = response.status_code
         if response.is_success:
             return
@@ -330,7 +352,7 @@ class HttpSink(Sink):
     def _log_retry(self, request: _Request) -> Callable[[RetryCallState], None]:
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome is not None else None
-            reason = exc.reason if isinstance(exc, _Failure) else describe_exception(exc) if exc else "?"
+            reason = exc.reason if isinstance(exc, _Failure) else describe_exception(exc, self._secrets) if exc else "?"
             log.warning(
                 "%s",
                 scrub(

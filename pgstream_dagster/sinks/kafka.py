@@ -44,6 +44,13 @@ log = logging.getLogger(__name__)
 _OWNED = {"enable.idempotence", "acks", "request.required.acks", "bootstrap.servers", "metadata.broker.list",
           "message.timeout.ms", "delivery.timeout.ms", "transactional.id", "on_delivery", "error_cb", "logger"}
 
+#: librdkafka settings that hold credentials or key material: refused in ``options`` (shown in repr and
+#: the UI), accepted in ``secret_options``; so is every key naming a password, secret or passphrase
+#: (``_is_credential``). Key *locations* (``ssl.key.location``) are paths, not secrets.
+_CREDENTIALS = {"sasl.password", "sasl.oauthbearer.config", "sasl.oauthbearer.client.secret", "ssl.key.pem",
+                "ssl_key", "ssl.key.password", "ssl.keystore.password", "sasl.oauthbearer.assertion.private.key.pem"}
+_CREDENTIAL_WORDS = ("password", "secret", "passphrase")
+
 #: client errors after which waiting for the timeout is pointless: the publish fails at once
 _FAIL_FAST = {"_AUTHENTICATION"}
 
@@ -63,10 +70,12 @@ class KafkaSinkConfig(SinkConfigBase):
     ``options``: more librdkafka producer settings (``compression.type``, ``linger.ms``,
     ``security.protocol``, ``sasl.mechanism``, ``sasl.username``, ``ssl.ca.location``...);
     ``secret_options``: the ones that are secrets (``sasl.password``, ``ssl.key.password``), kept out
-    of logs and the UI. ``timeout_secs``: a publish call fails unless the broker confirmed every
-    message within this time. ``reuse_producer``: :meth:`KafkaSink.close` hands a producer that
-    ended cleanly to the next sink of this process with the same producer settings (a new idempotent
-    producer needs 0.5-1 s before its first message is sent; delivery builds a sink per round).
+    of logs, messages and the UI; ``options`` refuses them (every key naming a password, secret or
+    passphrase, and ``sasl.oauthbearer.config``, ``ssl.key.pem``, the private key PEMs).
+    ``timeout_secs``: a publish call fails unless the broker confirmed every message within this
+    time. ``reuse_producer``: :meth:`KafkaSink.close` hands a producer that ended cleanly to the
+    next sink of this process with the same producer settings (a new idempotent producer needs
+    0.5-1 s before its first message is sent; delivery builds a sink per round).
     """
 
     type: Literal["kafka"] = "kafka"
@@ -88,6 +97,10 @@ class KafkaSinkConfig(SinkConfigBase):
         if owned:
             raise ValueError(f"options {owned} are set by the sink (idempotent producer, acks=all, timeout_secs, "
                              "bootstrap_servers)")
+        credentials = sorted(key for key in self.options if _is_credential(key))
+        if credentials:
+            raise ValueError(f"options {credentials} are credentials: put them in secret_options (masked in "
+                             "logs, messages and the UI), e.g. secret_options: {sasl.password: \"${KAFKA_PASSWORD}\"}")
         return self
 
     def build(self) -> KafkaSink:
@@ -337,6 +350,12 @@ class KafkaSink(Sink):
         relay.target = None
         if not (self.config.reuse_producer and _POOL.give(self._pool_key(), producer, relay)):
             producer.flush(0)  # dropped: librdkafka destroys it with the last reference
+
+
+def _is_credential(key: str) -> bool:
+    """A librdkafka setting holding a credential or key material (it belongs in ``secret_options``)."""
+    name = key.strip().lower()
+    return name in _CREDENTIALS or any(word in name for word in _CREDENTIAL_WORDS)
 
 
 def _is_fatal(error: Any) -> bool:
