@@ -709,8 +709,11 @@ $$;
 
 drop function if exists pgstream._regenerate_trigger_mode(text, text, pgstream.operation_type, text);
 
-create or replace function pgstream.regenerate_trigger(
-    p_schema text, p_table text, p_op pgstream.operation_type
+-- Both modes of one (schema, table, operation), and the recorded types of its published columns.
+-- p_force recreates them even when their comment matches (a function changed by hand, a trigger
+-- dropped while the guard was off).
+create or replace function pgstream._regenerate_triggers(
+    p_schema text, p_table text, p_op pgstream.operation_type, p_force boolean
 )
 returns boolean
 language plpgsql
@@ -722,34 +725,27 @@ declare
     v_stmt boolean;
 begin
     perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('pgstream.regenerate'));
-    v_row := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'row');
-    v_stmt := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'statement');
+    v_row := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'row', p_force);
+    v_stmt := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'statement', p_force);
     perform pgstream._record_subscribed_columns(p_schema, p_table);
     return v_row or v_stmt;
 end
 $$;
 
--- Recreates the triggers of one (schema, table, operation) even when their comment matches:
--- repairs a trigger function changed by hand or a trigger dropped while the guard was off.
-create or replace function pgstream.repair_trigger(
-    p_schema text, p_table text, p_op pgstream.operation_type
-)
+create or replace function pgstream.regenerate_trigger(p_schema text, p_table text, p_op pgstream.operation_type)
 returns boolean
-language plpgsql
+language sql
 security definer
 set search_path = pg_catalog, pg_temp
-as $$
-declare
-    v_row  boolean;
-    v_stmt boolean;
-begin
-    perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('pgstream.regenerate'));
-    v_row := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'row', true);
-    v_stmt := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'statement', true);
-    perform pgstream._record_subscribed_columns(p_schema, p_table);
-    return v_row or v_stmt;
-end
-$$;
+as $$ select pgstream._regenerate_triggers(p_schema, p_table, p_op, false) $$;
+
+-- Recreates the triggers of one (schema, table, operation) even when their comment matches.
+create or replace function pgstream.repair_trigger(p_schema text, p_table text, p_op pgstream.operation_type)
+returns boolean
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select pgstream._regenerate_triggers(p_schema, p_table, p_op, true) $$;
 
 -- ---------------------------------------------------------------------------------------------
 -- Drift guard.
