@@ -123,10 +123,7 @@ def tear_down(database_url: str) -> list[str]:
     with psycopg.connect(database_url, autocommit=True) as conn:
         had_schema = _schema_exists(conn)
         with conn.transaction():
-            marker = conn.execute("select to_regprocedure('pgstream._internal_ddl_begin()') is not null").fetchone()
-            if marker == (True,):
-                # pgstream's own DDL in this transaction: the drift guard lets it through
-                conn.execute("select pgstream._internal_ddl_begin()")
+            # the drift guard goes first (dropping an event trigger fires none), so nothing below meets it
             for (name,) in conn.execute(
                 "select evtname from pg_event_trigger where evtname like 'pgstream\\_%' order by 1"
             ).fetchall():
@@ -143,7 +140,7 @@ def tear_down(database_url: str) -> list[str]:
                   and n.nspname <> 'pgstream'
                 order by 2, 3, 1
                 """
-            ).fetchall() if _schema_exists(conn) else []
+            ).fetchall() if had_schema else []
             for tgname, schema, table in rows:
                 conn.execute(
                     sql.SQL("drop trigger {} on {}.{}").format(
@@ -156,7 +153,7 @@ def tear_down(database_url: str) -> list[str]:
             ).fetchall():
                 conn.execute(sql.SQL("drop publication {}").format(sql.Identifier(pub)))
                 removed.append(f"publication {pub}")
-            if _schema_exists(conn):
+            if had_schema:
                 conn.execute("drop schema pgstream cascade")
                 removed.append("schema pgstream (events, streams, subscriptions, functions)")
         for slot, pid in conn.execute(

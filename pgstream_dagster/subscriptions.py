@@ -210,9 +210,7 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
     row = conn.execute(
         """select pgstream.trigger_name(%(op)s::pgstream.operation_type, %(mode)s),
                   pgstream.trigger_function_name(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s),
-                  g.function_body, g.when_clause,
-                  case when g.function_body is not null then 'pgstream generated '
-                       || md5(coalesce(g.function_body, '') || '|' || coalesce(g.when_clause, '')) end
+                  g.function_body, g.when_clause, pgstream.generated_trigger_hash(g.function_body, g.when_clause)
            from pgstream.generated_trigger(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s) g""",
         {"schema": schema, "table": table, "op": operation, "mode": mode}).fetchone()
     assert row is not None

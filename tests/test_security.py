@@ -524,13 +524,12 @@ def test_a_non_superuser_owner_installs_the_same_model(pg: Any, roles: Callable[
     owner = roles("alter role {role} createrole replication")
     name = f"nosuper_{owner}"
     run(pg.url, f"create database {name} owner {owner}")
-    url = pg.url_for(name)
+    owner_url = pg.url_for(name).replace("postgres@", f"{owner}@", 1)
     try:
         with pytest.raises(Exception, match=f"As a superuser: grant pgstream_writer to {owner}"):
-            migrate(url.replace("postgres@", f"{owner}@", 1))
+            migrate(owner_url)
         run(pg.url, f"grant {WRITER_ROLE} to {owner}")
-        assert migrate(url.replace("postgres@", f"{owner}@", 1)) == ["012_least_privilege.sql"]
-        owner_url = url.replace("postgres@", f"{owner}@", 1)
+        assert migrate(owner_url) == ["012_least_privilege.sql"]
         run(owner_url, "create table public.t (id int primary key, note text)")
         subscribe(owner_url, "t-insert", "t", columns=["id", "note"], when="new.note <> 'skip'")
         with connect(owner_url) as c:
