@@ -36,6 +36,17 @@ def insert_events(url: str, stream_id: int, n: int, start: int = 0) -> None:
                      [stream_id, start, start + n - 1])
 
 
+def backdated(conn: psycopg.Connection, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+    """Run ``query`` (an insert of events with a chosen ``created_at`` or ``id``) the only way the
+    database allows it: as a superuser with triggers off (``session_replication_role = replica``
+    skips ``pgstream._check_event``) for one transaction. Tests use it to simulate a calendar or a
+    hostile superuser; returns the rows of a ``returning`` clause."""
+    with conn.transaction():
+        conn.execute("set local session_replication_role = replica")
+        cur = conn.execute(query, params)  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description else []
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

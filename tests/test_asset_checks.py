@@ -21,7 +21,7 @@ from pgstream_dagster.location import build_definitions
 from pgstream_dagster.schedules import CHECKS_JOB
 
 from .dagster_instance import postgres_instance
-from .harness import write_config
+from .harness import backdated, write_config
 
 SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
@@ -65,6 +65,12 @@ def execute(url: str, *statements: str) -> None:
     with psycopg.connect(url, autocommit=True) as c:
         for statement in statements:
             c.execute(statement)  # type: ignore[arg-type]
+
+
+def execute_backdated(url: str, *statements: str) -> None:
+    with psycopg.connect(url, autocommit=True) as c:
+        for statement in statements:
+            backdated(c, statement)
 
 
 @pytest.fixture
@@ -128,7 +134,7 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     assert checks.failing() == set()
 
     # an undelivered batch older than the SLA (default 900 s); delivered, it no longer counts
-    execute(app, "insert into pgstream.events (id, payload, stream_id, created_at) "
+    execute_backdated(app, "insert into pgstream.events (id, payload, stream_id, created_at) "
                  "values (1000, '{}', 1, now() - interval '2 hours')",
             "insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
             "min_created_at, max_created_at) values (1, '{1000}', 1, 1000, 1000, now() - interval '2 hours', "
@@ -141,7 +147,7 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     assert checks.failing() == set()
 
     # events the ledger has not recorded yet (still waiting in the slot) count too
-    execute(app, "insert into pgstream.events (payload, stream_id, created_at) "
+    execute_backdated(app, "insert into pgstream.events (payload, stream_id, created_at) "
                  "values ('{}', 1, now() - interval '30 minutes')")
     ev = checks.run()[AGE]
     assert not ev.passed and ev.metadata["events_waiting_in_slot"].value == 1
@@ -187,7 +193,7 @@ def test_checks_schedule_and_sla_from_config(app: str, tmp_path: Path) -> None:
     assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
     # an event waiting 2 minutes breaks a 60 s SLA, not the default 900 s one
     init(cfg)
-    execute(app, "insert into pgstream.events (payload, stream_id, created_at) "
+    execute_backdated(app, "insert into pgstream.events (payload, stream_id, created_at) "
                  "values ('{}', 1, now() - interval '2 minutes')")
     strict = load_config(cfg)
     with psycopg.connect(app) as conn:

@@ -18,6 +18,8 @@ from psycopg.types.json import Jsonb
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.migrations import MigrationError, discover, migrate, sql_dir, tear_down
 
+from .harness import backdated
+
 USERS = """
 create table public.users (
     id serial primary key,
@@ -53,9 +55,9 @@ def trigger_state(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
     return conn.execute(
         """
         select 'trigger', t.oid::bigint, t.tgrelid::regclass::text, pg_get_triggerdef(t.oid)
-        from pg_trigger t join pg_proc p on p.oid = t.tgfoid
+        from pg_trigger t join pg_proc p on p.oid = t.tgfoid join pg_class c on c.oid = t.tgrelid
         where p.pronamespace = 'pgstream'::regnamespace and not t.tgisinternal
-          and t.tgrelid <> 'pgstream.streams'::regclass and t.tgrelid <> 'pgstream.subscriptions'::regclass
+          and c.relnamespace <> 'pgstream'::regnamespace
         union all
         select 'function', p.oid::bigint, p.proname::text, p.prosrc
         from pg_proc p where p.pronamespace = 'pgstream'::regnamespace and p.proname like '\\_publish\\_%'
@@ -518,8 +520,8 @@ def test_partition_maintenance_across_a_simulated_date_change(conn: psycopg.Conn
     assert created == ["events_20300101", "events_20300102", "events_20300103"]
     assert conn.execute("select pgstream.create_partitions(2, %s)", [day0]).fetchall() == []
     for day in ["2030-01-01 12:00", "2030-01-02 23:59:59", "2030-01-03 00:00"]:
-        conn.execute("insert into pgstream.events (payload, stream_id, created_at) values ('{}', 1, %s::timestamptz)",
-                     [day + "+00"])
+        backdated(conn, "insert into pgstream.events (payload, stream_id, created_at) "
+                        "values ('{}', 1, %s::timestamptz)", [day + "+00"])
     assert conn.execute("select tableoid::regclass::text, count(*) from pgstream.events group by 1 order by 1"
                         ).fetchall() == [("pgstream.events_20300101", 1), ("pgstream.events_20300102", 1),
                                          ("pgstream.events_20300103", 1)]

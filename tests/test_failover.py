@@ -30,7 +30,7 @@ from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.migrations import migrate
 
 from .endpoint import Endpoint
-from .harness import Driver, insert_events, write_config
+from .harness import Driver, backdated, insert_events, write_config
 
 STREAM = 1
 SLOT = "pgstream_stream_1"
@@ -392,7 +392,7 @@ def test_backlog_spanning_midnight_survives_housekeeping(db_url: str, tmp_path: 
     driver.tick(STREAM)
     endpoint.mode = "error"
     with psycopg.connect(db_url) as c:  # a backlog from 23:59:59 yesterday to 00:00:01 today
-        c.execute("insert into pgstream.events (payload, stream_id, created_at) "
+        backdated(c, "insert into pgstream.events (payload, stream_id, created_at) "
                   "select jsonb_build_object('n', g), 1, %s + (g - 100) * interval '10 milliseconds' "
                   "from generate_series(0, 199) g", [midnight])
     for _ in range(3):

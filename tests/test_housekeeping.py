@@ -22,7 +22,7 @@ from pgstream_dagster.location import build_definitions
 from pgstream_dagster.schedules import HOUSEKEEPING_JOB
 
 from .dagster_instance import materializations, postgres_instance, step_failure
-from .harness import write_config
+from .harness import backdated, write_config
 
 
 @pytest.fixture
@@ -44,10 +44,10 @@ def name(day: dt.date) -> str:
 
 def add_events(conn: psycopg.Connection, day: dt.date, n: int, status: str) -> None:
     """``n`` events at noon UTC of ``day`` in one batch of the ledger with ``status``."""
-    ids = [r[0] for r in conn.execute(
-        "insert into pgstream.events (payload, stream_id, created_at) "
+    ids = [r[0] for r in backdated(
+        conn, "insert into pgstream.events (payload, stream_id, created_at) "
         "select jsonb_build_object('n', g), 1, (%s::date + time '12:00') at time zone 'UTC' "
-        "from generate_series(1, %s) g returning id", [day, n]).fetchall()]
+        "from generate_series(1, %s) g returning id", [day, n])]
     conn.execute(
         "insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
         "min_created_at, max_created_at, status, delivered_at) "

@@ -19,7 +19,7 @@ from pgstream_dagster.location import build_definitions
 from pgstream_dagster.replay import replay_job_name
 
 from .endpoint import Endpoint
-from .harness import Driver, read_jsonl, write_config
+from .harness import Driver, backdated, read_jsonl, write_config
 
 YESTERDAY = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(days=1)
 
@@ -31,7 +31,8 @@ def replay_setup(db_url: str, tmp_path: Path) -> tuple[Path, Path]:
     out = tmp_path / "replayed.jsonl"
     with psycopg.connect(db_url) as c:
         c.execute("select pgstream.create_partitions(2, %s)", [YESTERDAY.date()])
-        c.execute("insert into pgstream.events (payload, stream_id, created_at) "
+        c.execute("insert into pgstream.streams (id) values (1), (2)")
+        backdated(c, "insert into pgstream.events (payload, stream_id, created_at) "
                   "select jsonb_build_object('tg_name', 'a', 'n', g), 1, %s + g * interval '1 second' "
                   "from generate_series(1, 100) g", [YESTERDAY])
         c.execute("insert into pgstream.events (payload, stream_id) "

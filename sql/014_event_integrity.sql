@@ -1,0 +1,245 @@
+-- 014: event integrity. No single bad event stalls a stream or is lost silently.
+--
+--   * An event's id and created_at are the database's. Roles that insert events (pgstream_writer,
+--     and the roles an operator lets insert manual events) may set payload, metadata and stream_id
+--     only (column privileges), and every insert not made by the generated triggers goes through
+--     pgstream._check_event(): its id is taken from the sequence whatever was given, a created_at
+--     that is not the insert's own clock time is refused, and so is a stream that does not exist.
+--   * Dead letters: an event a sink rejected for good (stage 'deliver') or that the sensor could
+--     not read (stage 'read', e.g. a created_at outside what a client can represent) is set aside
+--     in pgstream.dead_letters with the reason and its position, and the stream goes on. Delivery
+--     never sends an event that has a dead letter; operators redeliver (replay path) or discard it.
+--   * Retention never deletes a row of the default partition that no batch has delivered.
+
+-- ---------------------------------------------------------------------------------------------
+-- Column privileges: nobody but the owner may choose an event's id, created_at or lsn.
+revoke insert on pgstream.events from pgstream_writer;
+grant insert (payload, metadata, stream_id) on pgstream.events to pgstream_writer;
+
+-- Roles an operator granted INSERT on the whole table (the manual-event grant documented before
+-- this migration) keep inserting, on the same three columns.
+do $$
+declare
+    v_grantee text;
+begin
+    for v_grantee in
+        select distinct case when a.grantee = 0 then 'public'
+                             else pg_catalog.quote_ident(r.rolname) end
+        from pg_catalog.pg_class c
+        cross join lateral pg_catalog.aclexplode(c.relacl) a
+        left join pg_catalog.pg_roles r on r.oid = a.grantee
+        where c.oid = 'pgstream.events'::pg_catalog.regclass
+          and a.privilege_type = 'INSERT'
+          and a.grantee <> c.relowner
+    loop
+        execute pg_catalog.format('revoke insert on pgstream.events from %s', v_grantee);
+        execute pg_catalog.format('grant insert (payload, metadata, stream_id) on pgstream.events to %s', v_grantee);
+        raise notice 'pgstream: % may now insert events with payload, metadata and stream_id only', v_grantee;
+    end loop;
+end
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Every event not written by a generated trigger (manual events, the owner's own inserts).
+create or replace function pgstream._check_event()
+returns trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_now pg_catalog.timestamptz := pg_catalog.clock_timestamp();
+begin
+    if not exists (select 1 from pgstream.streams s where s.id operator(pg_catalog.=) new.stream_id) then
+        raise exception 'pgstream: stream % does not exist: no sensor would ever read this event', new.stream_id
+            using errcode = 'foreign_key_violation',
+                  hint = 'declare the stream in pgstream.yaml and run pgstream-dagster init, or insert with an existing stream_id';
+    end if;
+    -- created_at defaults to the insert's clock_timestamp(), evaluated just before this trigger
+    if new.created_at is null
+       or new.created_at operator(pg_catalog.<) (v_now operator(pg_catalog.-) '5 minutes'::pg_catalog.interval)
+       or new.created_at operator(pg_catalog.>) v_now then
+        raise exception 'pgstream: created_at of an event is set by the database; got %', new.created_at
+            using errcode = 'check_violation',
+                  hint = 'insert payload, metadata and stream_id only; put your own timestamps in the payload';
+    end if;
+    -- a fresh id whatever was given: ids stay unique and increasing (the default's id is a gap)
+    new.id := pg_catalog.nextval('pgstream.events_id_seq'::pg_catalog.regclass);
+    return new;
+end
+$$;
+revoke all on function pgstream._check_event() from public;
+
+drop trigger if exists check_event on pgstream.events;
+create trigger check_event
+before insert on pgstream.events
+for each row
+when (current_user operator(pg_catalog.<>) 'pgstream_writer'::pg_catalog.name)
+execute function pgstream._check_event();
+
+-- ---------------------------------------------------------------------------------------------
+-- Dead letters.
+create table if not exists pgstream.dead_letters (
+    id               bigint generated always as identity primary key,
+    stream_id        bigint not null references pgstream.streams (id) on delete cascade,
+    event_id         bigint not null,
+    -- 'read': the sensor could not record it (it is in no batch); 'deliver': the sink rejected it
+    stage            text not null check (stage in ('read', 'deliver')),
+    -- its place in the delivery order: the batch and the ordinal in it ('deliver'), the commit LSN
+    -- of its transaction ('read')
+    batch_id         bigint,
+    ord              integer,
+    lsn              pg_lsn,
+    event_created_at timestamptz,
+    -- a copy, so that retention never makes a dead letter undeliverable (null: the row was gone)
+    payload          jsonb,
+    metadata         jsonb,
+    sink             text,
+    error            text not null,
+    attempts         integer not null default 1 check (attempts >= 0),
+    status           text not null default 'open' check (status in ('open', 'redelivered', 'discarded')),
+    created_at       timestamptz not null default now(),
+    updated_at       timestamptz not null default now(),
+    resolved_at      timestamptz,
+    resolved_by      text,
+    check ((status = 'open') = (resolved_at is null)),
+    check (stage = 'read' or batch_id is not null)
+);
+-- an event is set aside at most once: delivery skips it from then on
+create unique index if not exists dead_letters_event_idx on pgstream.dead_letters (stream_id, event_id);
+create index if not exists dead_letters_batch_idx on pgstream.dead_letters (batch_id) where batch_id is not null;
+create index if not exists dead_letters_open_idx on pgstream.dead_letters (stream_id, id) where status = 'open';
+revoke all on pgstream.dead_letters from public;
+
+-- Operator: set aside events of the stream's open batches (the one a failover is blocked on, an
+-- event that vanished from pgstream.events): each becomes an open dead letter (payload copied)
+-- and delivery goes on without it. Returns the number set aside; refuses, changing nothing, ids
+-- that are in no open batch of the stream or already set aside.
+create or replace function pgstream.set_aside_events(p_stream_id bigint, p_event_ids bigint[], p_reason text)
+returns integer
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_missing bigint[];
+    v_count   integer;
+begin
+    if p_event_ids is null or pg_catalog.cardinality(p_event_ids) operator(pg_catalog.=) 0 then
+        raise exception 'pgstream: no event ids given' using errcode = 'invalid_parameter_value';
+    end if;
+    if p_reason is null or pg_catalog.btrim(p_reason) operator(pg_catalog.=) '' then
+        raise exception 'pgstream: a reason is required (it is kept with the dead letters)'
+            using errcode = 'invalid_parameter_value';
+    end if;
+    if not exists (select 1 from pgstream.streams where id operator(pg_catalog.=) p_stream_id) then
+        raise exception 'pgstream: stream % does not exist', p_stream_id using errcode = 'no_data_found';
+    end if;
+    create temporary table if not exists pg_temp.pgstream_set_aside (
+        event_id bigint primary key, batch_id bigint, ord integer) on commit drop;
+    truncate pg_temp.pgstream_set_aside;
+    insert into pg_temp.pgstream_set_aside (event_id, batch_id, ord)
+    select distinct on (x.event_id) x.event_id, b.id, o.ord::integer
+    from pg_catalog.unnest(p_event_ids) as x(event_id)
+    join pgstream.batches b
+      on b.stream_id operator(pg_catalog.=) p_stream_id and b.status not in ('delivered', 'skipped')
+     and x.event_id operator(pg_catalog.=) any (b.event_ids)
+    cross join lateral pg_catalog.unnest(b.event_ids) with ordinality as o(id, ord)
+    where o.id operator(pg_catalog.=) x.event_id
+    order by x.event_id, b.id;
+    select pg_catalog.array_agg(x.event_id order by x.event_id) into v_missing
+    from (select distinct pg_catalog.unnest(p_event_ids) as event_id) x
+    where not exists (select 1 from pg_temp.pgstream_set_aside a where a.event_id operator(pg_catalog.=) x.event_id)
+       or exists (select 1 from pgstream.dead_letters d
+                  where d.stream_id operator(pg_catalog.=) p_stream_id and d.event_id operator(pg_catalog.=) x.event_id);
+    if v_missing is not null then
+        raise exception 'pgstream: events % are not undelivered events of stream % (or are already dead letters)',
+            v_missing, p_stream_id using errcode = 'no_data_found';
+    end if;
+    insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at, payload,
+                                       metadata, error, attempts)
+    select p_stream_id, a.event_id, 'deliver', a.batch_id, a.ord, e.created_at, e.payload, e.metadata,
+           pg_catalog.left('set aside by an operator: ' operator(pg_catalog.||) p_reason, 2000), 0
+    from pg_temp.pgstream_set_aside a
+    left join pgstream.events e
+      on e.id operator(pg_catalog.=) a.event_id and e.stream_id operator(pg_catalog.=) p_stream_id;
+    get diagnostics v_count = row_count;
+    return v_count;
+end
+$$;
+revoke all on function pgstream.set_aside_events(bigint, bigint[], text) from public;
+
+-- Operator: give up on open dead letters (p_ids null: all of the stream's). Returns how many;
+-- refuses, changing nothing, ids that are not open dead letters of the stream.
+create or replace function pgstream.discard_dead_letters(p_stream_id bigint, p_ids bigint[], p_by text)
+returns integer
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_wrong bigint[];
+    v_count integer;
+begin
+    if p_ids is not null then
+        select pg_catalog.array_agg(i order by i) into v_wrong
+        from (select distinct pg_catalog.unnest(p_ids) as i) x
+        where not exists (select 1 from pgstream.dead_letters d
+                          where d.id operator(pg_catalog.=) x.i and d.stream_id operator(pg_catalog.=) p_stream_id
+                            and d.status operator(pg_catalog.=) 'open');
+        if v_wrong is not null then
+            raise exception 'pgstream: dead letters % are not open dead letters of stream %', v_wrong, p_stream_id
+                using errcode = 'no_data_found';
+        end if;
+    end if;
+    update pgstream.dead_letters
+       set status = 'discarded', resolved_at = pg_catalog.now(), updated_at = pg_catalog.now(),
+           resolved_by = pg_catalog.left(coalesce(p_by, 'sql'), 200)
+     where stream_id operator(pg_catalog.=) p_stream_id and status operator(pg_catalog.=) 'open'
+       and (p_ids is null or id operator(pg_catalog.=) any (p_ids));
+    get diagnostics v_count = row_count;
+    return v_count;
+end
+$$;
+revoke all on function pgstream.discard_dead_letters(bigint, bigint[], text) from public;
+
+-- ---------------------------------------------------------------------------------------------
+-- Status: open dead letters per stream (appended: create or replace view keeps the old columns).
+create or replace view pgstream.stream_status as
+select s.id,
+       case when s.paused then 'paused'
+            when s.recovery_pending then 'recovering'
+            when s.failover_since is not null and exists (
+                 select 1 from pgstream.batches b where b.stream_id = s.id and b.status = 'failed') then 'failover'
+            when s.failover_since is not null then 'catching up'
+            else 'healthy' end as state,
+       s.paused, s.failover_since, s.failover_checkpoint_id, s.failover_checkpoint_ts, s.failover_error,
+       s.failover_retry_at, s.failover_attempts, s.consumed_through, s.recovery_pending,
+       o.batches as undelivered_batches, o.events as undelivered_events,
+       o.oldest_event_id as oldest_undelivered_event_id, o.oldest_commit_at as oldest_undelivered_at,
+       (select coalesce(sum(b.event_count), 0) from pgstream.batches b
+         where b.stream_id = s.id and b.status = 'delivered'
+           and b.delivered_at >= (pgstream.utc_today()::timestamp at time zone 'UTC')) as delivered_today,
+       (select max(b.last_event_id) from pgstream.batches b where b.stream_id = s.id) as last_recorded_event_id,
+       (select max(b.delivered_at) from pgstream.batches b where b.stream_id = s.id) as last_delivered_at,
+       coalesce(s.slot_name, 'pgstream_stream_' || s.id) as slot_name,
+       r.slot_name is not null as slot_exists,
+       r.wal_status,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), r.restart_lsn)::bigint as slot_retained_bytes,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), r.confirmed_flush_lsn)::bigint as slot_lag_bytes,
+       d.open as open_dead_letters,
+       d.oldest as oldest_dead_letter_at
+from pgstream.streams s
+cross join lateral (
+    select count(*) as batches, coalesce(sum(b.event_count), 0) as events,
+           min(b.first_event_id) as oldest_event_id, min(b.first_commit_at) as oldest_commit_at
+    from pgstream.batches b
+    where b.stream_id = s.id and b.status not in ('delivered', 'skipped')) o
+cross join lateral (
+    select count(*) as open, min(dl.created_at) as oldest
+    from pgstream.dead_letters dl
+    where dl.stream_id = s.id and dl.status = 'open') d
+left join pg_catalog.pg_replication_slots r
+  on r.slot_name = coalesce(s.slot_name, 'pgstream_stream_' || s.id) and r.database = current_database();
+
+revoke all on pgstream.stream_status from public;
