@@ -55,6 +55,16 @@ class DeliveryConfig(_Model):
     max_run_secs: float = Field(1800, ge=1, le=7 * 86400,
                                 description="an open run takes no new batch after this long (a fresh run picks "
                                             "up configuration changes)")
+    on_reject: Literal["block", "dead_letter"] = Field(
+        "block", description="an event the sink rejects for good (see each sink's permanent rejections): block: the "
+                             "stream waits for it (failover, retried with backoff) until the sink accepts it or an "
+                             "operator sets it aside; dead_letter: after max_attempts it is moved to "
+                             "pgstream.dead_letters with the sink's answer and the stream goes on")
+    max_attempts: int = Field(3, ge=1, le=100, description="on_reject: dead_letter: attempts of a rejected event "
+                                                           "before it is set aside")
+    max_consecutive_rejects: int = Field(
+        20, ge=1, le=1_000_000, description="on_reject: dead_letter: once this many events in a row are rejected, the "
+                                            "stream blocks instead (a sink that rejects everything is misconfigured)")
     run_grace_secs: float = Field(120, ge=1, le=3600,
                                   description="a started run that holds no delivery lease after this long is "
                                               "dead (process killed): it is marked failed and its batches retried")

@@ -24,6 +24,7 @@ from psycopg import sql
 
 from . import ledger, spark
 from .config import StreamConfig
+from .publish import MissingEventsError, Owed, RejectPolicy
 from .resources import PgstreamResource
 
 STREAM_TAG = "pgstream/stream"
@@ -93,7 +94,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
         linger = _Linger(context, conn, stream, run_key)
         batches, frame, started = loaded.batches, loaded.frame, loaded.started
         while True:
-            delivered = _deliver_round(context, conn, stream, batches, frame)
+            delivered = _deliver_round(context, conn, stream, batches, frame, pgstream.database_url)
             _report_round(context, stream.id, batches, delivered, started)
             batches = linger.next_batches(batches[-1].id)
             if not batches:
@@ -166,48 +167,94 @@ def _load(pyspark: PySparkResource, database_url: str, stream: StreamConfig, bat
                               packed=ordered)
 
 
+def _reject_policy(stream: StreamConfig, database_url: str) -> RejectPolicy | None:
+    delivery = stream.delivery
+    if delivery.on_reject != "dead_letter":
+        return None
+    writer = ledger.DeadLetterWriter(database_url, stream.id, stream.sink.type,
+                                     resumes=delivery.ordering == "global")
+    return RejectPolicy(writer, max_attempts=delivery.max_attempts,
+                        max_consecutive=delivery.max_consecutive_rejects,
+                        backoff_secs=min(stream.retry.initial_backoff_secs, 5.0))
+
+
+def _vanished_failure(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> dg.Failure:
+    """The run stops at events that vanished from pgstream.events: say which, and how to go on."""
+    skip = ledger.dead_letter_positions(conn, stream_id, batch_ids)
+    gone = [(b, o, e) for b, o, e in ledger.vanished(conn, batch_ids) if (b, o) not in skip]
+    ids = [e for _b, _o, e in gone]
+    shown = ", ".join(f"{e} (batch {b} #{o})" for b, o, e in gone[:20]) + (" ..." if len(gone) > 20 else "")
+    return dg.Failure(
+        f"stream {stream_id}: {len(gone)} events the ledger owes are no longer in pgstream.events: {shown}. "
+        f"Nothing after the first of them was delivered. To go on without them, set them aside (they become dead "
+        f"letters without payload): `pgstream-dagster dead-letters set-aside {stream_id} "
+        f"{' '.join(map(str, ids[:20]))} --reason vanished --yes`, or the pgstream_stream_control job with "
+        f"action set_aside; or skip their batch.",
+        metadata={"vanished_event_ids": dg.MetadataValue.json(ids[:1000])})
+
+
 def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig,
-                   batches: list[ledger.Batch], frame: Any) -> int:
-    """Deliver ``batches`` (loaded as ``frame``), marking each delivered; returns the events confirmed."""
+                   batches: list[ledger.Batch], frame: Any, database_url: str) -> int:
+    """Deliver ``batches`` (loaded as ``frame``), marking each delivered; returns the events handled
+    (confirmed by the sink, or set aside as dead letters)."""
     by_key = stream.delivery.ordering == "by_key"
+    batch_ids = [b.id for b in batches]
     # a retry resumes after the events the sink already confirmed (global order only)
     expected = {b.id: b.event_count - (0 if by_key else b.confirmed_count) for b in batches}
     total = sum(expected.values())
     step = max(stream.delivery.chunk_size, total // 10)
     next_log = [step]
+    skip = ledger.dead_letter_positions(conn, stream.id, batch_ids)
+    reject = _reject_policy(stream, database_url)
+    before = ledger.count_dead_letters(conn, stream.id) if reject is not None else 0
 
     def batch_done(batch_id: int, events: int) -> None:
         if events != expected[batch_id]:
             raise dg.Failure(f"batch {batch_id}: {expected[batch_id]} events were owed but {events} were "
-                             f"found in pgstream.events; refusing to mark it delivered")
+                             f"handled; refusing to mark it delivered")
         if not ledger.mark_delivered(conn, batch_id, context.run_id):
             raise dg.Failure(f"batch {batch_id} was already marked delivered by another run")
 
     def progress(count: int) -> None:
         if count >= next_log[0] and count < total:
-            context.log.info(f"stream {stream.id}: {count}/{total} events confirmed by the sink")
+            context.log.info(f"stream {stream.id}: {count}/{total} events handled")
             next_log[0] = count + step
 
     for batch_id in [b for b, owed in expected.items() if owed == 0]:
         batch_done(batch_id, 0)  # confirmed in full by an earlier run that died before marking it
-    if by_key:
-        delivered = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size,
-                                         stream.delivery.parallelism)
-        if delivered != total:
-            raise dg.Failure(f"the ledger lists {total} events but {delivered} were found in pgstream.events "
-                             f"and delivered; refusing to mark batches delivered")
-        for b in batches:
-            batch_done(b.id, expected[b.id])
-    else:
-        delivered = spark.deliver_in_order(frame, stream.sink, stream.delivery.chunk_size,
-                                           batch_done, progress,
-                                           lambda batch_id, ord: ledger.mark_confirmed(conn, batch_id, ord),
-                                           prefetch=stream.delivery.prefetch_partitions)
-    missing = ledger.not_delivered(conn, [b.id for b in batches])
+    try:
+        if by_key:
+            # no resume point per batch: every event must be there (or set aside) before anything is sent
+            gone = [(b, o) for b, o, _e in ledger.vanished(conn, batch_ids)]
+            if any(p not in skip for p in gone):
+                raise MissingEventsError([p for p in gone if p not in skip])
+            gone_and_skipped = len(gone)
+            delivered = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size,
+                                             stream.delivery.parallelism, skip=skip, reject=reject)
+            if delivered + gone_and_skipped != total:
+                raise dg.Failure(f"the ledger lists {total} events but {delivered} were found in pgstream.events "
+                                 f"and handled; refusing to mark batches delivered")
+            for b in batches:
+                batch_done(b.id, expected[b.id])
+        else:
+            owed = Owed(tuple((b.id, b.confirmed_count + 1, b.event_count) for b in batches if expected[b.id] > 0))
+            delivered = spark.deliver_in_order(frame, stream.sink, stream.delivery.chunk_size,
+                                               batch_done, progress,
+                                               lambda batch_id, ord: ledger.mark_confirmed(conn, batch_id, ord),
+                                               prefetch=stream.delivery.prefetch_partitions,
+                                               skip=skip, reject=reject, owed=owed)
+    except MissingEventsError:
+        raise _vanished_failure(conn, stream.id, batch_ids) from None
+    missing = ledger.not_delivered(conn, batch_ids)
     if missing:
         raise dg.Failure(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
-    context.log.info(f"stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
-                     f"of {len(batches)} batches")
+    set_aside = ledger.count_dead_letters(conn, stream.id) - before if reject is not None else 0
+    context.log.info(f"stream {stream.id}: sink {stream.sink.type} confirmed {delivered - set_aside} events "
+                     f"of {len(batches)} batches" + (f"; {set_aside} rejected events set aside as dead letters "
+                                                      f"(pgstream-dagster dead-letters list {stream.id})"
+                                                      if set_aside else ""))
+    if set_aside:
+        context.log.warning(f"stream {stream.id}: {set_aside} events were rejected by the sink and set aside")
     return delivered
 
 

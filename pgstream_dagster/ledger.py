@@ -20,6 +20,7 @@ from psycopg.rows import dict_row
 
 from . import replication
 from .replication import DecodedEvent, Transaction
+from .sinks import Event
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ def _chunks(events: list[DecodedEvent], size: int) -> list[list[DecodedEvent]]:
 
 def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], max_size: int,
            kind: str = "stream") -> list[int]:
-    """Record the events of ``txns`` (commit order) as batches of at most ``max_size``.
+    """Record the events of ``txns`` (commit order) as batches of at most ``max_size``, and their
+    unreadable events as dead letters (stage 'read').
 
     Runs in its own database transaction. Every batch carries the LSN range and commit times of
     the transactions it covers; the last batch's ``end_lsn`` is the end of the last transaction.
@@ -100,7 +102,28 @@ def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], ma
             ).fetchone()
             assert row is not None
             ids.append(int(row[0]))
+        record_unreadable(conn, stream_id, txns)
     return ids
+
+
+def record_unreadable(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> int:
+    """Dead letters (stage 'read') for the events of ``txns`` the sensor could not record, with the
+    reason and the commit LSN of their transaction; the payload is copied when the row is still
+    there. Idempotent (a transaction read twice sets nothing aside twice). Returns the rows added."""
+    added = 0
+    for t in txns:
+        for bad in t.unreadable:
+            cur = conn.execute(
+                """insert into pgstream.dead_letters
+                          (stream_id, event_id, stage, lsn, payload, metadata, error, attempts)
+                   select %(s)s, %(e)s, 'read', %(lsn)s::pg_lsn, e.payload, e.metadata, %(error)s, 0
+                   from (select 1) one
+                   left join lateral (select payload, metadata from pgstream.events
+                                      where id = %(e)s and stream_id = %(s)s limit 1) e on true
+                   on conflict (stream_id, event_id) do nothing""",
+                {"s": stream_id, "e": bad.id, "lsn": replication.int_to_lsn(t.commit_lsn), "error": bad.reason})
+            added += cur.rowcount
+    return added
 
 
 def recovered_ids_since(conn: psycopg.Connection, stream_id: int, lsn: int) -> set[int]:
@@ -128,21 +151,30 @@ def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) 
         rows = conn.execute(
             """with covered as materialized (
                    select distinct unnest(event_ids) as id from pgstream.batches where stream_id = %(s)s)
-               select e.id, e.created_at from pgstream.events e
+               select e.id, e.created_at::text from pgstream.events e
                left join covered c on c.id = e.id
                where e.stream_id = %(s)s and c.id is null
                  and e.created_at > coalesce((select ledger_horizon from pgstream.streams where id = %(s)s),
                                              '-infinity')
+                 and not exists (select 1 from pgstream.dead_letters d where d.stream_id = %(s)s and d.event_id = e.id)
                order by e.id""",
             {"s": stream_id},
         ).fetchall()
         conn.execute("update pgstream.streams set recovery_pending = false where id = %s", [stream_id])
         if not rows:
             return []
-        txn = Transaction(xid=0, commit_lsn=replication.lsn_to_int(lsn), end_lsn=replication.lsn_to_int(lsn),
-                          commit_time=max(r[1] for r in rows),
-                          events=[DecodedEvent(int(r[0]), r[1]) for r in rows])
-        return record(conn, stream_id, [txn], max_size, kind="recovery")
+        txn = Transaction(xid=0, commit_lsn=replication.lsn_to_int(lsn), end_lsn=replication.lsn_to_int(lsn))
+        for event_id, created in rows:
+            parsed = replication.parse_timestamp(created)
+            if parsed is None:
+                txn.unreadable.append(replication.unreadable_timestamp(int(event_id), created))
+            else:
+                txn.events.append(DecodedEvent(int(event_id), parsed))
+        if txn.events:
+            txn.commit_time = max(e.created_at for e in txn.events)
+            return record(conn, stream_id, [txn], max_size, kind="recovery")
+        record_unreadable(conn, stream_id, [txn])
+        return []
 
 
 def set_recovery_pending(conn: psycopg.Connection, stream_id: int) -> None:
@@ -374,3 +406,57 @@ def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:
     row = conn.execute("select exists (select 1 from pg_stat_activity where application_name = %s)",
                        [lease_name(run_id)]).fetchone()
     return bool(row and row[0])
+
+
+# --- dead letters (sql/014_event_integrity.sql) ----------------------------------------------------
+
+def dead_letter_positions(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> frozenset[tuple[int, int]]:
+    """The ``(batch_id, ord)`` of the events of ``batch_ids`` that have a dead letter: delivery
+    skips them."""
+    rows = conn.execute("select batch_id, ord from pgstream.dead_letters where stream_id = %s and batch_id = any(%s)",
+                        [stream_id, batch_ids]).fetchall()
+    return frozenset((int(b), int(o)) for b, o in rows)
+
+
+def vanished(conn: psycopg.Connection, batch_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(batch_id, ord, event_id)`` of the events of ``batch_ids`` that are no longer in
+    ``pgstream.events`` (the join the delivery loader uses), in delivery order."""
+    return [(int(b), int(o), int(e)) for b, o, e in conn.execute(
+        """select b.id, o.ord, o.id from pgstream.batches b
+           cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+           where b.id = any(%s) and not exists (
+               select 1 from pgstream.events e
+               where e.id = o.id and e.stream_id = b.stream_id
+                 and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at)
+           order by b.id, o.ord""", [batch_ids]).fetchall()]
+
+
+class DeadLetterWriter:
+    """Records an event the sink rejected for good as a dead letter (``on_reject: dead_letter``),
+    durably, before the next event is published; moves the batch's confirmed prefix past it so a
+    retry resumes after it. Picklable (``ordering: by_key`` calls it on Spark executors): each call
+    uses its own short connection; set-asides are rare."""
+
+    def __init__(self, database_url: str, stream_id: int, sink: str, *, resumes: bool = True) -> None:
+        self.database_url, self.stream_id, self.sink = database_url, stream_id, sink
+        self.resumes = resumes  # ordered delivery resumes after the confirmed prefix; by_key does not
+
+    def __call__(self, batch_id: int, ord: int, event: Event, error: str, attempts: int) -> None:
+        with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
+            conn.execute(
+                """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
+                                                      payload, metadata, sink, error, attempts)
+                   values (%s, %s, 'deliver', %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s)
+                   on conflict (stream_id, event_id) do nothing""",
+                [self.stream_id, event.id, batch_id, ord, event.created_at, event.payload_json,
+                 event.metadata_json, self.sink, error[:2000], attempts])
+            if self.resumes:
+                mark_confirmed(conn, batch_id, ord)
+
+    def __repr__(self) -> str:  # never the URL
+        return f"DeadLetterWriter(stream {self.stream_id}, sink {self.sink})"
+
+
+def count_dead_letters(conn: psycopg.Connection, stream_id: int) -> int:
+    row = conn.execute("select count(*) from pgstream.dead_letters where stream_id = %s", [stream_id]).fetchone()
+    return int(row[0]) if row else 0

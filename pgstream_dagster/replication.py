@@ -24,6 +24,14 @@ class DecodedEvent(NamedTuple):
     created_at: dt.datetime
 
 
+class Unreadable(NamedTuple):
+    """An event the sensor cannot record: it becomes a dead letter (stage 'read') with ``reason``."""
+
+    id: int
+    raw_created_at: str
+    reason: str
+
+
 @dataclass
 class Transaction:
     """One committed transaction of the events table, as decoded from the WAL."""
@@ -33,6 +41,21 @@ class Transaction:
     end_lsn: int = 0
     commit_time: dt.datetime = _PG_EPOCH
     events: list[DecodedEvent] = field(default_factory=list)
+    unreadable: list[Unreadable] = field(default_factory=list)
+
+
+def parse_timestamp(text: str) -> dt.datetime | None:
+    """A ``timestamptz`` in Postgres's ISO output, or None when Python cannot represent it
+    (``infinity``, ``-infinity``, years after 9999, BC dates)."""
+    try:
+        return dt.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+
+
+def unreadable_timestamp(event_id: int, raw: str) -> Unreadable:
+    return Unreadable(event_id, raw, f"created_at {raw[:60]!r} cannot be represented by clients (years 1-9999 "
+                                     "only): the event was not recorded in a batch")
 
 
 def lsn_to_int(lsn: str) -> int:
@@ -67,6 +90,7 @@ class PgOutputDecoder:
         txns: list[Transaction] = []
         relations = self._relations
         append = self._current.events.append if self._current is not None else None
+        unreadable = self._current.unreadable.append if self._current is not None else None
         last = self._last_ts
         for data in messages:
             if data[0] == _INSERT and append is not None:
@@ -92,13 +116,18 @@ class PgOutputDecoder:
                 if raw_id is None or raw_ts is None:
                     raise ValueError("an event without id or created_at in the WAL")
                 if last[0] != raw_ts:
-                    last = (raw_ts, dt.datetime.fromisoformat(raw_ts.decode()))
+                    parsed = parse_timestamp(raw_ts.decode(errors="replace"))
+                    if parsed is None:
+                        unreadable(unreadable_timestamp(int(raw_id), raw_ts.decode(errors="replace")))  # type: ignore[misc]
+                        continue
+                    last = (raw_ts, parsed)
                 append(DecodedEvent(int(raw_id), last[1]))
             else:
                 txn = self.feed(data)
                 if txn is not None:
                     txns.append(txn)
                 append = self._current.events.append if self._current is not None else None
+                unreadable = self._current.unreadable.append if self._current is not None else None
         self._last_ts = last
         return txns
 

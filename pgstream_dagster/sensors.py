@@ -50,7 +50,7 @@ class ConsumeResult:
     slot_created: bool = False
     slot_lost: bool = False
     recovered: list[int] = field(default_factory=list)
-
+    unreadable: int = 0  # events set aside as dead letters (stage 'read')
 
     def add(self, other: "ConsumeResult") -> None:
         self.batches += other.batches
@@ -60,6 +60,7 @@ class ConsumeResult:
         self.slot_created |= other.slot_created
         self.slot_lost |= other.slot_lost
         self.recovered += other.recovered
+        self.unreadable += other.unreadable
 
 
 def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult) -> None:
@@ -122,11 +123,13 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
         full = waiting >= stream.batch.max_size
         ripe = oldest is not None and (now - oldest).total_seconds() >= stream.batch.max_fill_secs
         if not txns or full or ripe or waiting == 0:
-            with_events = [t for t in txns if t.events]
+            with_events = [t for t in txns if t.events or t.unreadable]
             if with_events:
                 result.batches += ledger.record(conn, stream.id, with_events, stream.batch.max_size)
                 result.events += waiting
-                result.last_event_id = with_events[-1].events[-1].id
+                result.unreadable += sum(len(t.unreadable) for t in with_events)
+                last = next((t.events[-1].id for t in reversed(with_events) if t.events), None)
+                result.last_event_id = last if last is not None else result.last_event_id
             if txns:
                 replication.advance(conn, stream.slot, txns[-1].end_lsn)
                 result.last_lsn = replication.int_to_lsn(txns[-1].end_lsn)
@@ -349,6 +352,9 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
             context.log.info(f"created slot {stream.slot}; recovered {len(consumed.recovered)} batches from the table")
         if consumed.batches:
             context.log.info(f"recorded batches {consumed.batches} ({consumed.events} events)")
+        if consumed.unreadable:
+            context.log.error(f"{consumed.unreadable} events could not be recorded and were set aside as dead letters "
+                              f"(stage 'read'): `pgstream-dagster dead-letters list {stream.id}`")
         for line in log:
             context.log.warning(line)
         new_cursor = json.dumps(cursor, sort_keys=True, default=str)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
+from .publish import BatchDone, Confirmed, Owed, Position, Positioned, RejectPolicy, publish
 from .sinks import Event, SinkConfig
 
 if TYPE_CHECKING:
@@ -255,10 +256,6 @@ def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: 
     return [frame([r]) for r in ranges] if packed else frame(ranges)
 
 
-Positioned = tuple[int, int, Event]
-"""``(batch_id, ord, event)``: an event and its place in the delivery order."""
-
-
 def _row_events(rows: Iterator[Any]) -> Iterator[Positioned]:
     """Events of rows in :data:`SCHEMA` (payload and metadata stay JSON text until a sink parses them)."""
     for row in rows:
@@ -281,68 +278,6 @@ def _packed_events(rows: Iterator[Any]) -> Iterator[Positioned]:
 def is_packed(df: DataFrame) -> bool:
     return "data" in df.columns
 
-
-
-BatchDone = Callable[[int, int], None]
-"""Called with ``(batch_id, events)`` once the sink confirmed every event of a batch."""
-Confirmed = Callable[[int, int], None]
-"""Called after every confirmed publish with the ``(batch_id, ord)`` of its last event."""
-
-
-class OrderError(RuntimeError):
-    """Rows reached the driver out of order: nothing after them is published."""
-
-
-def _publish_rows(sink_config: SinkConfig, rows: Iterator[Positioned], chunk_size: int,
-                  on_batch_done: BatchDone | None = None, on_progress: Callable[[int], None] | None = None,
-                  on_confirmed: Confirmed | None = None) -> int:
-    """Publish events (already in the order owed) in chunks through a fresh sink; returns the count
-    the sink confirmed. An event out of order stops everything before it is published. Raises on
-    the first chunk the sink rejects. A batch is reported done only after the publish call that
-    carried its last event returned."""
-    sink = sink_config.build()
-    count = 0
-    chunk: list[Event] = []
-    finished: list[tuple[int, int]] = []  # batches whose last event is in ``chunk``
-    current: int | None = None
-    in_current = 0
-    last: tuple[int, int] | None = None
-
-    def flush() -> None:
-        nonlocal count, chunk, finished
-        if chunk:
-            sink.publish(chunk)
-            count += len(chunk)
-            chunk = []
-            if on_confirmed is not None and last is not None:
-                on_confirmed(*last)
-            if on_progress is not None:
-                on_progress(count)
-        for batch_id, n in finished:
-            if on_batch_done is not None:
-                on_batch_done(batch_id, n)
-        finished = []
-
-    try:
-        for batch_id, ord, event in rows:
-            position = (batch_id, ord)
-            if last is not None and position <= last:
-                raise OrderError(f"row {position} arrived after {last}: refusing to publish out of order")
-            last = position
-            if batch_id != current:
-                if current is not None:
-                    finished.append((current, in_current))
-                current, in_current = batch_id, 0
-            chunk.append(event)
-            in_current += 1
-            if len(chunk) >= chunk_size:
-                flush()
-        if current is not None:
-            finished.append((current, in_current))
-        flush()
-    finally:
-        sink.close()
-    return count
 
 
 def _collected(frames: list[DataFrame], prefetch: bool) -> Iterator[Any]:
@@ -370,12 +305,16 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Iterator[Any]:
 def deliver_in_order(frames: DataFrame | list[DataFrame], sink_config: SinkConfig, chunk_size: int,
                      on_batch_done: BatchDone | None = None,
                      on_progress: Callable[[int], None] | None = None,
-                     on_confirmed: Confirmed | None = None, prefetch: bool = True) -> int:
+                     on_confirmed: Confirmed | None = None, prefetch: bool = True, *,
+                     skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
+                     owed: Owed | None = None) -> int:
     """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
-    are published chunk by chunk. ``frames``: one single-partition DataFrame per partition (as
+    are published chunk by chunk (:func:`pgstream_dagster.publish.publish`: ``skip``, ``reject``
+    and ``owed`` are explained there). ``frames``: one single-partition DataFrame per partition (as
     :func:`load_batches` / :func:`load_events` return them packed), or one DataFrame whose
     partitions are served in order. ``prefetch``: Spark computes the next partition while the
-    driver publishes the current one (memory: two partitions instead of one)."""
+    driver publishes the current one (memory: two partitions instead of one). Returns the events
+    handled (confirmed, set aside or skipped)."""
     if isinstance(frames, list):
         rows: Iterator[Any] = _collected(frames, prefetch)
         packed = bool(frames) and is_packed(frames[0])
@@ -383,16 +322,19 @@ def deliver_in_order(frames: DataFrame | list[DataFrame], sink_config: SinkConfi
         rows = frames.toLocalIterator(prefetchPartitions=prefetch)
         packed = is_packed(frames)
     events = _packed_events(rows) if packed else _row_events(rows)
-    return _publish_rows(sink_config, events, chunk_size, on_batch_done, on_progress, on_confirmed)
+    return publish(sink_config, events, chunk_size, on_batch_done=on_batch_done, on_progress=on_progress,
+                   on_confirmed=on_confirmed, skip=skip, reject=reject, owed=owed)
 
 
-def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int) -> int:
+def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int, *,
+                   skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None) -> int:
     """Per routing key order: partitions by the key, each partition publishes its events in
-    commit order on an executor. Events of one key never reorder; keys proceed in parallel."""
+    commit order on an executor. Events of one key never reorder; keys proceed in parallel.
+    ``reject.set_aside`` runs on the executors (it must be picklable). Returns the events handled."""
     counter = df.sparkSession.sparkContext.accumulator(0)
 
     def publish_partition(rows: Iterator[Any]) -> None:
-        counter.add(_publish_rows(sink_config, _row_events(rows), chunk_size))
+        counter.add(publish(sink_config, _row_events(rows), chunk_size, skip=skip, reject=reject))
 
     (df.repartition(parallelism, "routing_key").sortWithinPartitions("batch_id", "ord")
        .foreachPartition(publish_partition))

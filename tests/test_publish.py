@@ -1,0 +1,217 @@
+"""The publisher (pgstream_dagster/publish.py) on its own: order, vanished events, set-aside
+positions and permanent rejections, against an in-process sink that rejects chosen events."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pgstream_dagster.publish import (
+    MissingEventsError,
+    OrderError,
+    Owed,
+    Positioned,
+    RejectPolicy,
+    RejectStormError,
+    publish,
+)
+from pgstream_dagster.sinks import Event, SinkError
+
+NOW = dt.datetime(2026, 11, 23, tzinfo=dt.UTC)
+
+
+@dataclass
+class Rejecting:
+    """A sink config for these tests: rejects ``permanent`` ids for good, ``transient`` ids once; with
+    ``whole``, a call is rejected as a whole (like an HTTP batch request answered 400)."""
+
+    permanent: set[int] = field(default_factory=set)
+    transient: set[int] = field(default_factory=set)
+    whole: bool = False
+    delivered: list[int] = field(default_factory=list)
+    calls: list[list[int]] = field(default_factory=list)
+
+    def build(self) -> Rejecting.Sink:
+        return Rejecting.Sink(self)
+
+    class Sink:
+        def __init__(self, config: Rejecting) -> None:
+            self.config = config
+
+        def publish(self, events: Sequence[Event]) -> None:
+            cfg = self.config
+            cfg.calls.append([e.id for e in events])
+            if cfg.whole and any(e.id in cfg.permanent for e in events):
+                error = SinkError("test sink: request rejected (400)", sink="test", event_ids=[e.id for e in events])
+                error.permanent = True
+                raise error
+            for e in events:
+                if e.id in cfg.transient:
+                    cfg.transient.discard(e.id)
+                    raise SinkError(f"test sink: event {e.id}: timed out", sink="test", event_ids=[e.id])
+                if e.id in cfg.permanent:
+                    error = SinkError(f"test sink: event {e.id}: 422 invalid", sink="test", event_ids=[e.id])
+                    error.permanent = True
+                    raise error
+                cfg.delivered.append(e.id)
+
+        def close(self) -> None:
+            pass
+
+
+def rows(batches: dict[int, list[int | None]]) -> Iterator[Positioned]:
+    """Rows of ``batches`` {batch_id: [event id, or None for a vanished event]} in delivery order."""
+    for batch_id, ids in batches.items():
+        for ord, event_id in enumerate(ids, start=1):
+            if event_id is not None:
+                yield batch_id, ord, Event(event_id, 1, {"n": event_id}, None, NOW)
+
+
+@dataclass
+class Recorder:
+    done: list[tuple[int, int]] = field(default_factory=list)
+    confirmed: list[tuple[int, int]] = field(default_factory=list)
+    aside: list[tuple[int, int, int, str, int]] = field(default_factory=list)
+
+    def set_aside(self, batch_id: int, ord: int, event: Event, error: str, attempts: int) -> None:
+        self.aside.append((batch_id, ord, event.id, error, attempts))
+
+    def kwargs(self, **more: Any) -> dict[str, Any]:
+        return {"on_batch_done": lambda b, n: self.done.append((b, n)),
+                "on_confirmed": lambda b, o: self.confirmed.append((b, o)), **more}
+
+
+def policy(rec: Recorder, **over: Any) -> RejectPolicy:
+    return RejectPolicy(rec.set_aside, **{"max_attempts": 2, "max_consecutive": 5, "backoff_secs": 0, **over})
+
+
+def test_in_order_with_batches_done_after_their_last_event() -> None:
+    sink, rec = Rejecting(), Recorder()
+    owed = Owed(((1, 1, 3), (2, 1, 2)))
+    assert publish(sink, rows({1: [10, 11, 12], 2: [13, 14]}), 2, owed=owed, **rec.kwargs()) == 5
+    assert sink.delivered == [10, 11, 12, 13, 14]
+    assert rec.done == [(1, 3), (2, 2)]
+    assert rec.confirmed[-1] == (2, 2)
+
+
+def test_rows_out_of_order_stop_before_publishing() -> None:
+    sink = Rejecting()
+
+    def bad() -> Iterator[Positioned]:
+        yield 1, 1, Event(1, 1, {}, None, NOW)
+        yield 1, 1, Event(1, 1, {}, None, NOW)
+
+    with pytest.raises(OrderError, match=r"arrived after"):
+        publish(sink, bad(), 10)
+    assert sink.delivered == []
+
+
+def test_a_vanished_event_stops_the_run_at_the_gap() -> None:
+    sink, rec = Rejecting(), Recorder()
+    owed = Owed(((1, 1, 2), (2, 1, 3), (3, 1, 1)))
+    with pytest.raises(MissingEventsError) as info:
+        publish(sink, rows({1: [10, 11], 2: [12, None, 14], 3: [15]}), 100, owed=owed, **rec.kwargs())
+    assert info.value.positions == [(2, 2)]
+    # what came before the gap is delivered and confirmed; batch 1 is done; nothing after the gap is sent
+    assert sink.delivered == [10, 11, 12]
+    assert rec.done == [(1, 2)]
+    assert rec.confirmed[-1] == (2, 1)
+
+
+def test_vanished_events_at_the_end_and_whole_batches() -> None:
+    sink, rec = Rejecting(), Recorder()
+    owed = Owed(((1, 1, 2), (2, 1, 2)))
+    with pytest.raises(MissingEventsError) as info:
+        publish(sink, rows({1: [10, 11], 2: [None, None]}), 100, owed=owed, **rec.kwargs())
+    assert info.value.positions == [(2, 1), (2, 2)]
+    assert sink.delivered == [10, 11] and rec.done == [(1, 2)]
+
+
+def test_set_aside_positions_are_skipped_whether_their_row_is_there_or_not() -> None:
+    sink, rec = Rejecting(), Recorder()
+    owed = Owed(((1, 1, 3), (2, 1, 2)))
+    skip = frozenset({(1, 2), (2, 1)})  # (1, 2) is still in the table, (2, 1) vanished
+    handled = publish(sink, rows({1: [10, 11, 12], 2: [None, 14]}), 100, owed=owed, skip=skip, **rec.kwargs())
+    assert handled == 5
+    assert sink.delivered == [10, 12, 14]
+    assert rec.done == [(1, 3), (2, 2)]
+
+
+def test_resuming_after_a_confirmed_prefix() -> None:
+    sink, rec = Rejecting(), Recorder()
+
+    def resumed() -> Iterator[Positioned]:
+        for ord, event_id in ((3, 12), (4, 13)):
+            yield 1, ord, Event(event_id, 1, {}, None, NOW)
+
+    assert publish(sink, resumed(), 10, owed=Owed(((1, 3, 4),)), **rec.kwargs()) == 2
+    assert rec.done == [(1, 2)]
+
+
+def test_block_policy_stops_at_a_permanent_rejection() -> None:
+    sink, rec = Rejecting(permanent={12}), Recorder()
+    with pytest.raises(SinkError, match="422"):
+        publish(sink, rows({1: [10, 11, 12, 13]}), 100, **rec.kwargs())
+    assert sink.delivered == [10, 11] and rec.aside == [] and rec.done == []
+
+
+def test_dead_letter_policy_retries_then_sets_aside_and_goes_on_in_order() -> None:
+    sink, rec = Rejecting(permanent={12, 15}), Recorder()
+    owed = Owed(((1, 1, 4), (2, 1, 3)))
+    handled = publish(sink, rows({1: [10, 11, 12, 13], 2: [14, 15, 16]}), 3, owed=owed,
+                      reject=policy(rec, max_attempts=3), **rec.kwargs())
+    assert handled == 7
+    assert sink.delivered == [10, 11, 13, 14, 16]
+    assert [(b, o, e, n) for b, o, e, _err, n in rec.aside] == [(1, 3, 12, 3), (2, 2, 15, 3)]
+    assert "422 invalid" in rec.aside[0][3]
+    assert rec.done == [(1, 4), (2, 3)]
+    assert sink.calls.count([12]) == 3  # the first rejection came with its chunk, then 3 attempts alone
+    # the confirmed prefix moves past a set-aside event
+    assert (1, 3) in rec.confirmed and rec.confirmed[-1] == (2, 3)
+
+
+def test_a_request_rejected_as_a_whole_is_split_to_find_the_bad_event() -> None:
+    sink, rec = Rejecting(permanent={12}, whole=True), Recorder()
+    handled = publish(sink, rows({1: [10, 11, 12, 13]}), 10, reject=policy(rec), **rec.kwargs())
+    assert handled == 4
+    assert sorted(set(sink.delivered)) == [10, 11, 13]
+    assert [e for _b, _o, e, _err, _n in rec.aside] == [12]
+    # 13 is delivered after 12 was set aside, never before
+    assert sink.delivered.index(13) > sink.delivered.index(11)
+
+
+def test_a_transient_error_while_isolating_stops_the_run() -> None:
+    sink, rec = Rejecting(permanent={11}, transient=set()), Recorder()
+
+    class Flaky(Rejecting.Sink):
+        def publish(self, events: Sequence[Event]) -> None:
+            if len(events) == 1 and events[0].id == 11 and len(self.config.calls) > 1:
+                self.config.calls.append([11])
+                raise SinkError("test sink: connection refused", sink="test", event_ids=[11])
+            super().publish(events)
+
+    class Config(Rejecting):
+        def build(self) -> Rejecting.Sink:  # type: ignore[override]
+            return Flaky(self)
+
+    flaky = Config(permanent={11})
+    with pytest.raises(SinkError, match="refused"):
+        publish(flaky, rows({1: [10, 11, 12]}), 10, reject=policy(rec), **rec.kwargs())
+    assert flaky.delivered == [10] and rec.aside == []
+    del sink
+
+
+def test_a_sink_that_rejects_everything_blocks_instead_of_setting_all_aside() -> None:
+    sink, rec = Rejecting(permanent=set(range(10, 30))), Recorder()
+    with pytest.raises(RejectStormError, match="5 events in a row"):
+        publish(sink, rows({1: list(range(10, 30))}), 10, reject=policy(rec, max_consecutive=5), **rec.kwargs())
+    assert len(rec.aside) == 4 and sink.delivered == []
+    # a delivered event in between resets the count
+    sink, rec = Rejecting(permanent={10, 11, 12, 14, 15, 16}), Recorder()
+    assert publish(sink, rows({1: list(range(10, 18))}), 10, reject=policy(rec, max_consecutive=4),
+                   **rec.kwargs()) == 8
+    assert sink.delivered == [13, 17] and len(rec.aside) == 6
