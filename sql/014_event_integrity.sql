@@ -243,3 +243,50 @@ left join pg_catalog.pg_replication_slots r
   on r.slot_name = coalesce(s.slot_name, 'pgstream_stream_' || s.id) and r.database = current_database();
 
 revoke all on pgstream.stream_status from public;
+
+-- ---------------------------------------------------------------------------------------------
+-- Retention of the default partition: a row past retention is deleted only once it is done with:
+-- a closed (delivered or skipped) batch holds it, or it is a dead letter (its payload was copied),
+-- or it is older than its stream's ledger horizon (delivered by batches pruned since) and in no
+-- open batch. A row no batch holds yet (not read from the slot, whatever its date) stays.
+-- (A batch holding a row has min_created_at <= its created_at: only batches older than the
+-- cutoff are looked at.) Called by pgstream.drop_partitions; returns the rows deleted.
+create or replace function pgstream._delete_expired_default(p_before timestamptz)
+returns bigint
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_count bigint;
+begin
+    with closed as materialized (
+        select distinct b.stream_id, o.id
+        from pgstream.batches b
+        cross join lateral pg_catalog.unnest(b.event_ids) as o(id)
+        where b.status in ('delivered', 'skipped') and b.min_created_at operator(pg_catalog.<) p_before
+    ), open as materialized (
+        select distinct b.stream_id, o.id
+        from pgstream.batches b
+        cross join lateral pg_catalog.unnest(b.event_ids) as o(id)
+        where b.status not in ('delivered', 'skipped') and b.min_created_at operator(pg_catalog.<) p_before
+    ), gone as (
+        delete from pgstream.events_default e
+        where e.created_at operator(pg_catalog.<) p_before
+          and not exists (select 1 from open x
+                          where x.stream_id operator(pg_catalog.=) e.stream_id and x.id operator(pg_catalog.=) e.id)
+          and (exists (select 1 from closed x
+                       where x.stream_id operator(pg_catalog.=) e.stream_id and x.id operator(pg_catalog.=) e.id)
+               or exists (select 1 from pgstream.dead_letters d
+                          where d.stream_id operator(pg_catalog.=) e.stream_id
+                            and d.event_id operator(pg_catalog.=) e.id)
+               or exists (select 1 from pgstream.streams s
+                          where s.id operator(pg_catalog.=) e.stream_id
+                            and e.created_at operator(pg_catalog.<=) s.ledger_horizon))
+        returning 1
+    )
+    select pg_catalog.count(*) into v_count from gone;
+    return v_count;
+end
+$$;
+revoke all on function pgstream._delete_expired_default(timestamptz) from public;

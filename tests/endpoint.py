@@ -24,6 +24,8 @@ class Endpoint:
         self.requests = 0
         self.refused_answers = 0
         self.hook: Callable[[int], None] | None = None  # called with the request number, before answering
+        self.reject_ids: set[int] = set()  # a request carrying one of these is answered 422 (a poison event)
+        self.rejected: list[int] = []  # event ids of the requests answered 422
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self.up()
@@ -47,6 +49,15 @@ class Endpoint:
                     endpoint.hook(n)
                 if endpoint.delay:
                     time.sleep(endpoint.delay)
+                carried = [int(i) for i in ids.split(",") if i]
+                poison = [i for i in carried if i in endpoint.reject_ids]
+                if poison and not fail:
+                    with endpoint._lock:
+                        endpoint.rejected.extend(carried)
+                    self.send_response(422)
+                    self.end_headers()
+                    self.wfile.write(f"invalid event {poison[0]}".encode())
+                    return
                 if fail:
                     with endpoint._lock:
                         endpoint.refused_answers += 1

@@ -1,0 +1,241 @@
+"""The fault matrix, part 2: bad input and operator slips (issue 12). Each row feeds a real
+pipeline (real Postgres with logical replication, real Dagster instance, real runs on Spark, a
+real HTTP endpoint) something a hostile or careless user would, and counts events end to end:
+every event sent is delivered or, where the policy says so, set aside as a dead letter with the
+reason; nothing is lost, order holds, and the stream keeps running.
+
+Rows print ``FAULT-MATRIX {...}`` like tests/test_failover.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+from psycopg import sql
+
+from pgstream_dagster.config import HousekeepingConfig
+from pgstream_dagster.housekeeping import run_housekeeping
+
+from .endpoint import Endpoint
+from .harness import Driver, backdated, insert_events, write_config
+from .test_failover import STREAM, _stream_config, drive, in_failover, ledger_order, sent_ids, slot_has_events
+
+_ids = itertools.count(1)
+
+
+@pytest.fixture
+def endpoint() -> Iterator[Endpoint]:
+    ep = Endpoint()
+    yield ep
+    ep.down()
+
+
+@pytest.fixture
+def manual_role(db_url: str) -> Iterator[str]:
+    """A LOGIN role with the documented manual-event grant, and nothing else."""
+    name = f"manual_{next(_ids)}_{db_url.rsplit('/', 1)[1]}"
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(sql.SQL("create role {} login").format(sql.Identifier(name)))
+        c.execute(sql.SQL("grant usage on schema pgstream to {}").format(sql.Identifier(name)))
+        c.execute(sql.SQL("grant insert (payload, metadata, stream_id) on pgstream.events to {}").format(
+            sql.Identifier(name)))
+        c.execute(sql.SQL("grant usage on sequence pgstream.events_id_seq to {}").format(sql.Identifier(name)))
+    yield name
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(name)))
+        c.execute(sql.SQL("drop role {}").format(sql.Identifier(name)))
+
+
+def as_role(db_url: str, role: str) -> psycopg.Connection:
+    """A fresh connection logged in as ``role``."""
+    return psycopg.connect(db_url.replace("postgres@", f"{role}@", 1), autocommit=True)
+
+
+def dead_letters(url: str) -> list[dict[str, Any]]:
+    with psycopg.connect(url) as c, c.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        return cur.execute("select * from pgstream.dead_letters where stream_id = %s order by id", [STREAM]).fetchall()
+
+
+def open_dead_letters(url: str) -> int:
+    with psycopg.connect(url) as c:
+        row = c.execute("select open_dead_letters from pgstream.stream_status where id = %s", [STREAM]).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def report(row: str, endpoint: Endpoint, url: str, **extra: Any) -> None:
+    sent = sent_ids(url)
+    aside = {d["event_id"] for d in dead_letters(url) if d["status"] == "open"}
+    delivered = endpoint.unique()
+    assert delivered | aside == set(sent), f"lost: {sorted(set(sent) - delivered - aside)[:20]}"
+    assert not delivered & aside
+    order = [i for i in ledger_order(url) if i not in aside]
+    assert endpoint.first_seen_order() == order  # first deliveries follow commit order
+    print("FAULT-MATRIX " + json.dumps({"row": row, "sent": len(sent), "delivered": len(delivered),
+                                        "dead_letters": len(aside), "duplicates": endpoint.duplicates(), **extra}))
+
+
+def until(driver: Driver, done: Callable[[], bool]) -> float:
+    return drive(driver, done, timeout=240)
+
+
+# --------------------------------------------------------------------------------------------
+# event ids, created_at and stream ids are the database's
+
+
+def test_manual_events_cannot_choose_id_created_at_or_an_unknown_stream(db_url: str, tmp_path: Path,
+                                                                        instance: dg.DagsterInstance,
+                                                                        endpoint: Endpoint,
+                                                                        manual_role: str) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    with as_role(db_url, manual_role) as app:
+        for column, value in (("id", "5"), ("created_at", "'infinity'"), ("created_at", "'10000-01-01'"),
+                              ("created_at", "'0044-03-15 BC'"), ("lsn", "'0/0'")):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied"):
+                app.execute(sql.SQL("insert into pgstream.events ({}, payload, stream_id) values ({}, '{{}}', {})")
+                            .format(sql.Identifier(column), sql.SQL(value), STREAM))
+        with pytest.raises(psycopg.errors.ForeignKeyViolation, match="stream 99 does not exist"):
+            app.execute("insert into pgstream.events (payload, stream_id) values ('{}', 99)")
+        app.execute("insert into pgstream.events (payload, stream_id) select jsonb_build_object('n', g), %s "
+                    "from generate_series(1, 20) g", [STREAM])
+    # the owner slips: explicit duplicate ids and dates are not taken either
+    with psycopg.connect(db_url, autocommit=True) as owner:
+        with pytest.raises(psycopg.errors.CheckViolation, match="created_at of an event is set by the database"):
+            owner.execute("insert into pgstream.events (payload, stream_id, created_at) "
+                          "values ('{}', %s, '-infinity')", [STREAM])
+        with pytest.raises(psycopg.errors.ForeignKeyViolation):
+            owner.execute("insert into pgstream.events (payload, stream_id) values ('{}', 99)")
+        (top,) = owner.execute("select max(id) from pgstream.events").fetchone()  # type: ignore[misc]
+        forged = owner.execute("insert into pgstream.events (id, payload, stream_id) values (%s, '{}', %s), "
+                               "(%s, '{}', %s), (1, '{}', %s) returning id",
+                               [top + 1000, STREAM, top + 1000, STREAM, STREAM]).fetchall()
+    forged_ids = [r[0] for r in forged]
+    assert len(set(forged_ids)) == 3 and min(forged_ids) > top and top + 1000 not in forged_ids
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select count(*) from pgstream.events where stream_id = 99").fetchone() == (0,)
+        ids = [r[0] for r in c.execute("select id from pgstream.events order by created_at, id")]
+    assert ids == sorted(ids) and len(ids) == len(set(ids)) == 23
+    until(driver, lambda: endpoint.unique() >= set(sent_ids(db_url)))
+    report("manual events: forged ids, dates, unknown stream", endpoint, db_url)
+    assert dead_letters(db_url) == []
+
+
+def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str, tmp_path: Path,
+                                                                    instance: dg.DagsterInstance,
+                                                                    endpoint: Endpoint) -> None:
+    """Only a superuser with triggers off can write such a row; the sensor must not stall on it."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 30)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        for value in ("infinity", "-infinity", "10000-01-01", "0044-03-15 BC"):
+            backdated(c, "insert into pgstream.events (payload, stream_id, created_at) "
+                         "values (jsonb_build_object('bad', %s::text), %s, %s::timestamptz)", [value, STREAM, value])
+    insert_events(db_url, STREAM, 30, 30)
+    until(driver, lambda: len(endpoint.unique()) >= 60 and not slot_has_events(db_url))
+    aside = dead_letters(db_url)
+    assert [d["stage"] for d in aside] == ["read"] * 4
+    assert all("cannot be represented" in d["error"] and d["payload"]["bad"] for d in aside)
+    assert all(d["lsn"] is not None and d["batch_id"] is None for d in aside)
+    assert open_dead_letters(db_url) == 4
+    report("created_at infinity / -infinity / year 10000 / BC", endpoint, db_url)
+    # the slot was read past them (nothing retained for them) and a new event still flows
+    insert_events(db_url, STREAM, 5, 60)
+    until(driver, lambda: len(endpoint.unique()) >= 65)
+    # a lost slot recovers from the table without recording them again
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+    insert_events(db_url, STREAM, 5, 65)
+    until(driver, lambda: len(endpoint.unique()) >= 70)
+    assert len(dead_letters(db_url)) == 4
+    report("created_at unreadable, then slot lost", endpoint, db_url)
+
+
+# --------------------------------------------------------------------------------------------
+# retention
+
+
+def test_housekeeping_keeps_an_old_event_nobody_delivered(db_url: str, tmp_path: Path,
+                                                          instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 10)
+    until(driver, lambda: len(endpoint.unique()) >= 10)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        # delivered and expired: may go; dated 40 days ago and not read yet: must stay
+        backdated(c, "update pgstream.events set created_at = created_at - interval '40 days' "
+                     "where id = (select min(id) from pgstream.events)")
+        backdated(c, "insert into pgstream.events (payload, stream_id, created_at) "
+                     "values ('{\"old\": true}', %s, now() - interval '40 days')", [STREAM])
+        report_ = run_housekeeping(c, HousekeepingConfig(retention_days=7))
+        left = c.execute("select count(*) from pgstream.events_default").fetchone()
+    assert report_.default_rows_deleted == 0 and left == (2,)
+    until(driver, lambda: len(endpoint.unique()) >= 11)
+    report("undelivered old event across housekeeping", endpoint, db_url)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        # once delivered (and its batch closed), it is deleted like any expired row
+        final = run_housekeeping(c, HousekeepingConfig(retention_days=7))
+    assert final.default_rows_deleted == 2
+
+
+# --------------------------------------------------------------------------------------------
+# a poison event for the sink
+
+
+def test_poison_event_with_block_waits_until_the_operator_sets_it_aside(db_url: str, tmp_path: Path,
+                                                                        instance: dg.DagsterInstance,
+                                                                        endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 100)
+    poison = sent_ids(db_url)[42]
+    endpoint.reject_ids = {poison}
+    for _ in range(6):
+        for request in driver.tick(STREAM).run_requests or []:
+            driver.execute(request)
+    assert in_failover(db_url)
+    assert poison not in endpoint.unique() and max(endpoint.unique()) < poison  # nothing overtook it
+    with psycopg.connect(db_url) as c:
+        (error,) = c.execute("select failover_error from pgstream.streams where id = %s", [STREAM]).fetchone()  # type: ignore[misc]
+    assert "422" in error and f"invalid event {poison}" in error
+    # the operator's choice: set the one event aside (not the whole batch) and go on
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select pgstream.set_aside_events(%s, %s, 'the receiver refuses it')",
+                         [STREAM, [poison]]).fetchone() == (1,)
+        c.execute("select pgstream.retry_now(%s)", [STREAM])
+    until(driver, lambda: len(endpoint.unique()) >= 99 and not in_failover(db_url))
+    (letter,) = dead_letters(db_url)
+    assert letter["event_id"] == poison and letter["stage"] == "deliver"
+    assert "the receiver refuses it" in letter["error"]
+    report("poison event, on_reject: block, then set aside", endpoint, db_url)
+
+
+def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_url: str, tmp_path: Path,
+                                                                          instance: dg.DagsterInstance,
+                                                                          endpoint: Endpoint) -> None:
+    cfg = _stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "on_reject": "dead_letter",
+                                             "max_attempts": 2})
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 100)
+    ids = sent_ids(db_url)
+    poison = {ids[0], ids[42], ids[99]}  # first, middle (mid-chunk) and last
+    endpoint.reject_ids = set(poison)
+    until(driver, lambda: len(endpoint.unique()) >= 97)
+    assert not in_failover(db_url)
+    letters = dead_letters(db_url)
+    assert {d["event_id"] for d in letters} == poison
+    for d in letters:
+        assert d["stage"] == "deliver" and d["status"] == "open" and d["attempts"] == 2
+        assert "HTTP 422" in d["error"] and f"invalid event {d['event_id']}" in d["error"]
+        assert d["payload"] is not None and d["batch_id"] is not None and d["ord"] >= 1
+    assert open_dead_letters(db_url) == 3
+    report("poison events, on_reject: dead_letter", endpoint, db_url, rejected_requests=len(endpoint.rejected))
