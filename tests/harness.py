@@ -36,6 +36,14 @@ def insert_events(url: str, stream_id: int, n: int, start: int = 0) -> None:
                      [stream_id, start, start + n - 1])
 
 
+def event_ids(url: str, stream_id: int) -> list[int]:
+    """The ids of the stream's events in ``pgstream.events``, in id order (the database chooses ids:
+    a manual insert's id is not the next integer, see ``pgstream._check_event``)."""
+    with psycopg.connect(url) as conn:
+        return [r[0] for r in conn.execute("select id from pgstream.events where stream_id = %s order by id",
+                                           [stream_id])]
+
+
 def backdated(conn: psycopg.Connection, query: str, params: Any = None) -> list[tuple[Any, ...]]:
     """Run ``query`` (an insert of events with a chosen ``created_at`` or ``id``) the only way the
     database allows it: as a superuser with triggers off (``session_replication_role = replica``

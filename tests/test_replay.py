@@ -19,7 +19,7 @@ from pgstream_dagster.location import build_definitions
 from pgstream_dagster.replay import replay_job_name
 
 from .endpoint import Endpoint
-from .harness import Driver, backdated, read_jsonl, write_config
+from .harness import Driver, backdated, event_ids, read_jsonl, write_config
 
 YESTERDAY = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(days=1)
 
@@ -35,9 +35,10 @@ def replay_setup(db_url: str, tmp_path: Path) -> tuple[Path, Path]:
         backdated(c, "insert into pgstream.events (payload, stream_id, created_at) "
                   "select jsonb_build_object('tg_name', 'a', 'n', g), 1, %s + g * interval '1 second' "
                   "from generate_series(1, 100) g", [YESTERDAY])
-        c.execute("insert into pgstream.events (payload, stream_id) "
+        # as the same superuser, so that ids are 1..250 (a manual insert's id is not the next integer)
+        backdated(c, "insert into pgstream.events (payload, stream_id) "
                   "select jsonb_build_object('tg_name', 'b', 'n', g), 1 from generate_series(1, 100) g")
-        c.execute("insert into pgstream.events (payload, stream_id) "
+        backdated(c, "insert into pgstream.events (payload, stream_id) "
                   "select jsonb_build_object('tg_name', 'a', 'n', g), 2 from generate_series(1, 50) g")
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "sink": {"type": "file", "path": str(out)}, "delivery": {"chunk_size": 7}},
@@ -146,7 +147,8 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
 
         assert cli_main(["status", "--database-url", db_url]) == 0
         status = capsys.readouterr().out
-        assert "stream 1: FAILOVER" in status and "checkpoint event 1" in status and "HTTP 500" in status
+        ids = event_ids(db_url, 1)
+        assert "stream 1: FAILOVER" in status and f"checkpoint event {ids[0]}" in status and "HTTP 500" in status
         assert "30 undelivered events in 3 batches" in status
 
         endpoint.mode = "ok"
@@ -158,7 +160,7 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
                 driver.execute(request)
             deadline -= 1
         driver.tick(1)
-        assert endpoint.unique() == set(range(1, 31))
+        assert endpoint.unique() == set(ids) and len(ids) == 30
         assert cli_main(["status", "1", "--database-url", db_url]) == 0
         assert "stream 1: HEALTHY" in capsys.readouterr().out
         # the stream status asset was observed at every change of state, with the checkpoint

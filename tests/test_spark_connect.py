@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from pgstream_dagster import sparkserver
@@ -16,7 +17,7 @@ from pgstream_dagster.config import ConfigError, load_config
 from pgstream_dagster.devdb import free_port
 
 from .conftest import repo_root
-from .harness import insert_events, read_jsonl, write_config
+from .harness import event_ids, insert_events, read_jsonl, write_config
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +39,19 @@ def test_delivery_and_replay_through_spark_connect(db_url: str, tmp_path: Path, 
          "delivery": {"chunk_size": 100, "rows_per_partition": 300}, "sink": {"type": "file", "path": str(out)}}],
         spark={"remote": connect_url})
     Path(str(cfg) + ".sink").write_text(json.dumps(str(out)))
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pgstream.ensure_stream(1)")
     insert_events(db_url, 1, 1000)
     insert_events(db_url, 1, 500, 1000)
+    ids = event_ids(db_url, 1)
     child = subprocess.run([sys.executable, "-m", "tests.spark_connect_child", str(cfg), "1500"],
                            cwd=repo_root(), capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
     result = json.loads(Path(str(cfg) + ".out").read_text())
     assert all(result["runs"]) and result["replay"], result
     got = [e["id"] for e in read_jsonl(out)]
-    assert got[:1500] == list(range(1, 1501))  # delivered once each, in commit order
-    assert got[1500:] == list(range(1, 1501))  # then replayed, in id order
+    assert got[:1500] == ids and len(ids) == 1500  # delivered once each, in commit order
+    assert got[1500:] == ids  # then replayed, in id order
     assert [e["payload"]["n"] for e in read_jsonl(out)[:3]] == [0, 1, 2]
 
 
