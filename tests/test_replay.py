@@ -168,7 +168,7 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
         assert states[0] == "healthy" and "failover" in states and states[-1] == "healthy"
         failover = next(o for o in driver.observations if o.metadata["state"].value == "failover")
         assert failover.asset_key == dg.AssetKey(["pgstream", "stream_1", "status"])
-        assert failover.metadata["failover_checkpoint_event_id"].value == 1
+        assert failover.metadata["failover_checkpoint_event_id"].value == ids[0]
         assert "HTTP 500" in failover.metadata["failover_error"].value
         assert "| 1 | stream |" in failover.metadata["last_batches"].value
 
