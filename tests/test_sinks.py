@@ -188,6 +188,85 @@ def test_memory_sink_fail_times_raises_then_succeeds() -> None:
         MemorySink.reset(name)
 
 
+def test_memory_sink_reject_ids_rejects_permanently_after_delivering_the_events_before() -> None:
+    name = unique("mem")
+    events = make_events(5)
+    config = MemorySinkConfig(name=name, reject_ids=[103])
+    try:
+        with config.build() as sink:
+            for attempt in (1, 2, 3):  # reject_times 0: every time
+                with pytest.raises(SinkError) as err:
+                    sink.publish(events if attempt == 1 else events[2:])
+                assert err.value.permanent and err.value.event_ids == (103,) and err.value.sink == "memory"
+                assert str(err.value).startswith(f"memory sink: event 103: injected permanent rejection {attempt} ")
+            assert MemorySink.rejections(name) == {103: 3}
+            assert MemorySink.delivered(name) == events[:2]  # the events before it, once; nothing after it
+            sink.publish(events[3:])  # the caller set 103 aside and goes on
+        assert MemorySink.delivered(name) == events[:2] + events[3:]
+    finally:
+        MemorySink.reset(name)
+    assert MemorySink.rejections(name) == {}
+
+
+def test_memory_sink_reject_times_rejects_only_the_first_n_times_across_instances() -> None:
+    name = unique("mem")
+    events = make_events(4)
+    config = {"type": "memory", "name": name, "reject_ids": [102, 104], "reject_times": 2, "fail_times": 1}
+    try:
+        with pytest.raises(SinkError) as err:
+            build_sink(config).publish(events)
+        assert not err.value.permanent and err.value.event_ids == (101, 102, 103, 104)  # fail_times comes first
+        rejected = []
+        for _ in range(4):  # a fresh sink each time, like a retried delivery
+            with build_sink(config) as sink, pytest.raises(SinkError) as err:
+                sink.publish(events[1:])
+            assert err.value.permanent
+            rejected += err.value.event_ids
+        assert rejected == [102, 102, 104, 104]  # 102 twice, then accepted; then 104 twice
+        assert MemorySink.rejections(name) == {102: 2, 104: 2}
+        build_sink(config).publish(events[1:])
+        assert [e.id for e in MemorySink.delivered(name)] == [102, 103, 102, 103, 102, 103, 104]
+    finally:
+        MemorySink.reset(name)
+
+
+def test_memory_sink_reject_whole_call_names_every_event_until_published_alone() -> None:
+    name = unique("mem")
+    events = make_events(3)
+    try:
+        with MemorySinkConfig(name=name, reject_ids=[102], reject_whole_call=True).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(events)
+            assert err.value.permanent and err.value.event_ids == (101, 102, 103)
+            assert "events 101..103" in str(err.value) and "event 102" in str(err.value)
+            assert MemorySink.delivered(name) == []  # a rejected request delivers nothing
+            outcomes = []
+            for event in events:  # the caller isolates the bad one
+                try:
+                    sink.publish([event])
+                    outcomes.append("ok")
+                except SinkError as exc:
+                    outcomes.append(exc.event_ids)
+                    assert exc.permanent
+        assert outcomes == ["ok", (102,), "ok"]
+        assert MemorySink.delivered(name) == [events[0], events[2]]
+        assert MemorySink.rejections(name) == {102: 2}
+    finally:
+        MemorySink.reset(name)
+
+
+def test_sink_error_permanent_defaults_to_false_and_survives_pickling() -> None:
+    events = make_events(2)
+    plain = SinkError.for_events("x", events, "down")
+    assert plain.permanent is False and plain.event_ids == (101, 102)
+    rejected = SinkError.for_events("x", events[1:], "too large: tok3n", ["tok3n"], permanent=True)
+    assert str(rejected) == "x sink: event 102: too large: ***"
+    copy = pickle.loads(pickle.dumps(rejected))  # a Spark task's error reaches the driver pickled
+    assert (type(copy), str(copy), copy.sink, copy.event_ids, copy.permanent) == (
+        SinkError, "x sink: event 102: too large: ***", "x", (102,), True)
+    assert SinkError("m", permanent=True).permanent
+
+
 # -- file ---------------------------------------------------------------------------------------------
 
 
