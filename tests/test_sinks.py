@@ -361,7 +361,8 @@ class HttpRecorder:
 
     url: str = ""
     mode: str = "ok"  # ok | fail | sleep
-    fail_on_event_id: int | None = None  # with mode "ok": answer 500 to the request carrying this event id
+    fail_on_event_id: int | None = None  # with mode "ok": answer fail_status to the request carrying this event id
+    fail_status: int = 500  # the status of "fail" answers (their body echoes the Authorization header and path)
     sleep_secs: float = 0.0
     signing_secret: str | None = None  # verify Standard Webhooks signatures; a bad one gets 401
     # webhook-id -> answers to its successive attempts: (status, headers or a function making them)
@@ -432,7 +433,8 @@ class _Handler(BaseHTTPRequestHandler):
         failing = rec.mode == "fail" or marked
         if failing:
             # echo the Authorization header and the path back: the sink must keep them out of its error message
-            return 500, {}, f"boom: database on fire (auth was {headers.get('authorization')} at {self.path})\n" * 20
+            text = f"boom: database on fire (auth was {headers.get('authorization')} at {self.path})\n" * 20
+            return rec.fail_status, {}, text
         return (204 if len(rec.received) % 2 else 200), {}, ""
 
     def _answer(self, status: int, text: str, extra: dict[str, str]) -> None:
@@ -551,6 +553,7 @@ def test_http_timeout_raises(http_server: HttpRecorder) -> None:
     assert time.monotonic() - started < 2.9  # the sink gave up before the server answered
     assert "event 101" in str(err.value) and "timed out" in str(err.value)
     assert len(http_server.received) == 1
+    assert not err.value.permanent
 
 
 def test_http_connection_refused_is_retried_then_raises() -> None:
@@ -562,6 +565,7 @@ def test_http_connection_refused_is_retried_then_raises() -> None:
     message = str(err.value)
     assert "events 101..105" in message and "connection failed" in message.lower()
     assert "refused" in message.lower() and "gave up after 3 attempts" in message
+    assert not err.value.permanent
     assert f"127.0.0.1:{urlsplit(url).port}/hook" in message  # names the target
 
 
@@ -594,7 +598,7 @@ def test_http_retries_5xx_but_not_other_4xx(http_server: HttpRecorder) -> None:
             sink.publish(make_events(4, first_id=105))
     assert [r.headers["webhook-id"] for r in http_server.received] == ["105", "106"]  # 422 once, nothing after
     assert "event 106" in str(err.value) and "HTTP 422" in str(err.value) and "gave up" not in str(err.value)
-    assert err.value.event_ids == (106,)
+    assert err.value.event_ids == (106,) and err.value.permanent
 
 
 def test_http_honours_retry_after_seconds_and_http_date(http_server: HttpRecorder) -> None:
@@ -667,6 +671,130 @@ def test_http_one_failing_key_fails_publish_and_stops_that_key(http_server: Http
     assert a_ids == list(range(700, 700 + 2 * len(a_ids), 2))  # key a in order (possibly stopped early)
 
 
+PERMANENT_STATUSES = [400, 409, 412, 413, 422]
+CONFIG_STATUSES = [301, 401, 403, 404, 405, 407, 410, 415, 421, 426, 431]
+
+
+@pytest.mark.parametrize("status", PERMANENT_STATUSES + CONFIG_STATUSES + [500, 503])
+def test_http_rejection_classes(http_server: HttpRecorder, status: int) -> None:
+    """A 4xx about the request's content is a permanent rejection of that event, after the events
+    before it were confirmed; a 4xx about the configuration (credentials, URL...), a 3xx or a 5xx
+    is not. The message stays scrubbed either way."""
+    token = "hook-t0ken-" + uuid.uuid4().hex[:8]
+    http_server.fail_on_event_id, http_server.fail_status = 103, status
+    config = HttpSinkConfig(url=http_server.url, headers={"Authorization": SecretStr(token)}, max_attempts=1)
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(make_events(5))
+    assert err.value.permanent is (status in PERMANENT_STATUSES)
+    assert err.value.event_ids == (103,) and f"HTTP {status}" in str(err.value)
+    assert [r.headers["webhook-id"] for r in http_server.received] == ["101", "102", "103"]  # 101, 102 confirmed
+    assert http_server.received[-1].headers["authorization"] == token  # echoed by the server...
+    assert token not in str(err.value) and "database on fire" in str(err.value)  # ...and masked
+
+
+@pytest.mark.parametrize("status", [408, 429])
+def test_http_408_and_429_are_retried_not_rejected(http_server: HttpRecorder, status: int) -> None:
+    http_server.script["102"] = [(status, {})]
+    with HttpSinkConfig(url=http_server.url, **FAST_RETRY).build() as sink:
+        sink.publish(make_events(3))
+    assert [r.headers["webhook-id"] for r in http_server.received] == ["101", "102", "102", "103"]
+
+    http_server.received.clear()
+    http_server.script["104"] = [(status, {}), (status, {})]
+    with HttpSinkConfig(url=http_server.url, max_attempts=2, **FAST_RETRY).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(2, first_id=104))
+    assert not err.value.permanent and "gave up after 2 attempts" in str(err.value)
+
+
+def test_http_batch_rejected_as_a_whole_names_its_events_then_one_at_a_time_isolates_the_bad_one(
+        http_server: HttpRecorder) -> None:
+    http_server.fail_on_event_id, http_server.fail_status = 106, 400
+    events = make_events(10)
+    config = HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=4, max_attempts=1)
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+        assert err.value.permanent and err.value.event_ids == (105, 106, 107, 108)  # the rejected request
+        assert "events 105..108" in str(err.value) and "HTTP 400" in str(err.value)
+        assert [r.headers["webhook-id"] for r in http_server.received] == ["101-104", "105-108"]
+        outcomes: dict[int, tuple[int, ...] | None] = {}
+        for event in events[4:8]:  # what the caller does: one at a time
+            try:
+                sink.publish([event])
+                outcomes[event.id] = None
+            except SinkError as exc:
+                assert exc.permanent
+                outcomes[event.id] = exc.event_ids
+    assert outcomes == {105: None, 106: (106,), 107: None, 108: None}
+
+
+def test_http_max_body_bytes_refuses_an_oversized_event_without_sending_it(http_server: HttpRecorder) -> None:
+    events = make_events(6)
+    big = Event(id=104, stream_id=7, payload={"blob": "x" * 2000}, created_at=BASE_TIME)
+    events[3] = big
+    with HttpSinkConfig(url=http_server.url, max_body_bytes=1000).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+    assert err.value.permanent and err.value.event_ids == (104,)
+    assert f"not sent: the body is {len(big.payload_json)} bytes, more than max_body_bytes (1000)" in str(err.value)
+    assert [r.headers["webhook-id"] for r in http_server.received] == ["101", "102", "103"]  # 104 never sent
+
+
+def test_http_batch_is_cut_to_max_body_bytes_and_only_an_event_too_large_alone_is_refused(
+        http_server: HttpRecorder) -> None:
+    events = [Event(id=200 + i, stream_id=1, payload={"pad": "y" * 80}, created_at=BASE_TIME) for i in range(10)]
+    size = len(events[0].payload_json)  # every payload has this size
+    limit = 2 + 3 * size + 2  # three payloads in a JSON array, and no more
+    config = HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=5, max_body_bytes=limit)
+    with config.build() as sink:
+        sink.publish(events)
+        bodies = [r.body for r in http_server.received]
+        assert [len(b) for b in bodies] == [3, 3, 3, 1]
+        assert [p for b in bodies for p in b] == [e.payload for e in events]
+
+        http_server.received.clear()
+        big = Event(id=300, stream_id=1, payload={"pad": "z" * (limit)}, created_at=BASE_TIME)
+        with pytest.raises(SinkError) as err:
+            sink.publish([*events[:4], big, *events[4:6]])
+    assert err.value.permanent and err.value.event_ids == (300,)  # alone in its request: exactly that event
+    assert [r.headers["x-pgstream-event-ids"] for r in http_server.received] == ["200,201,202", "203"]
+
+
+def test_http_permanent_rejection_lets_the_other_keys_send_what_comes_before_it(http_server: HttpRecorder) -> None:
+    events = [
+        Event(id=700 + i, stream_id=1, payload={"seq": i, "g": "ab"[i % 2]}, metadata=None, created_at=BASE_TIME)
+        for i in range(12)
+    ]
+    http_server.script["703"] = [(422, {})]  # key "b", its second event
+    # key "a" waits a second before its first retry: "b" is rejected meanwhile, yet "a" goes on up to 702
+    http_server.script["700"] = [(503, {"Retry-After": "1"})]
+    config = HttpSinkConfig(url=http_server.url, routing_key="g", max_concurrency=2, **FAST_RETRY)
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+    assert err.value.permanent and err.value.event_ids == (703,) and "HTTP 422" in str(err.value)
+    sent = [int(r.headers["webhook-id"]) for r in http_server.received]
+    assert {700, 701, 702} <= set(sent)  # every event before the rejected one was confirmed
+    assert [i for i in sent if i % 2] == [701, 703]  # nothing of key b after it
+    assert sent.count(703) == 1  # a permanent rejection is not retried
+
+
+def test_http_a_failure_before_a_permanent_rejection_makes_the_publish_not_permanent(
+        http_server: HttpRecorder) -> None:
+    events = [
+        Event(id=700 + i, stream_id=1, payload={"seq": i, "g": "ab"[i % 2]}, metadata=None, created_at=BASE_TIME)
+        for i in range(6)
+    ]
+    http_server.script["700"] = [(500, {})]  # key a, the first event: not confirmed
+    http_server.script["701"] = [(422, {})]  # key b: rejected
+    config = HttpSinkConfig(url=http_server.url, routing_key="g", max_concurrency=2, max_attempts=1)
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+    assert not err.value.permanent and 700 in err.value.event_ids
+
+
 def test_http_standard_webhooks_signatures_verify(http_server: HttpRecorder) -> None:
     http_server.signing_secret = WEBHOOK_SECRET
     events = make_events(6)
@@ -685,6 +813,7 @@ def test_http_standard_webhooks_signatures_verify(http_server: HttpRecorder) -> 
         with pytest.raises(SinkError) as err:
             sink.publish(events)
     assert "HTTP 401" in str(err.value) and len(http_server.received) == 1
+    assert not err.value.permanent  # a wrong secret would reject every event: not the event's fault
     assert http_server.received[0].signature_ok is False
 
 
