@@ -1139,12 +1139,14 @@ def test_redis_stream_from_payload_path_and_maxlen(redis_client: redis.Redis) ->
             sink.publish(events)
         assert [f[b"id"] for _, f in redis_client.xrange(capped)] == [str(e.id).encode() for e in events[-7:]]
 
-        # no tenant and no fallback: the event is refused before anything is sent
+        # no tenant and no fallback: a permanent rejection of that event, after the events before it
         strict = RedisSinkConfig(stream_from="data.tenant", stream_prefix=prefix + "strict:")
         with strict.build() as sink, pytest.raises(SinkError) as err:
-            sink.publish(events[:3])
+            sink.publish(events[:6])
         assert "event 902" in str(err.value) and "'data.tenant' is missing" in str(err.value)
-        assert redis_client.keys(prefix + "strict:*") == []
+        assert err.value.permanent and err.value.event_ids == (902,)
+        assert sorted(redis_client.keys(prefix + "strict:*")) == [f"{prefix}strict:{t}".encode() for t in tenants[:2]]
+        assert [f[b"id"] for _, f in redis_client.xrange(prefix + "strict:acme")] == [b"900"]  # 903: not sent
     finally:
         for name in redis_client.keys(prefix + "*"):
             redis_client.delete(name)
@@ -1160,7 +1162,7 @@ def test_redis_sink_errors_are_sink_errors(redis_client: redis.Redis) -> None:
             with pytest.raises(SinkError) as err:
                 sink.publish(make_events(3))
         assert "redis sink" in str(err.value) and "events 101..103" in str(err.value)
-        assert "WRONGTYPE" in str(err.value)
+        assert "WRONGTYPE" in str(err.value) and not err.value.permanent  # the key's fault, not the events'
     finally:
         redis_client.delete(key)
 
@@ -1173,7 +1175,44 @@ def test_redis_sink_errors_are_sink_errors(redis_client: redis.Redis) -> None:
             sink.publish(make_events(1))
     assert "event 101" in str(err.value) and "hunter2pw" not in str(err.value)
     assert f"redis://127.0.0.1:{port}/0" in str(err.value) and "refused" in str(err.value).lower()
+    assert not err.value.permanent
     assert redis_client.exists(key) == 0  # nothing was written anywhere
+
+
+def test_redis_max_message_bytes_rejects_a_large_entry_after_sending_the_ones_before(
+        redis_client: redis.Redis) -> None:
+    key = unique("pgstream-test")
+    events = make_events(5)
+    events[2] = Event(id=103, stream_id=7, payload={"blob": "x" * 3000}, created_at=BASE_TIME)
+    try:
+        with RedisSinkConfig(stream=key, max_message_bytes=1000).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(events)
+            assert err.value.permanent and err.value.event_ids == (103,)
+            assert f"event 103: not sent to stream {key!r}: the entry is " in str(err.value)
+            assert "more than max_message_bytes (1000)" in str(err.value)
+            assert [f[b"id"] for _, f in redis_client.xrange(key)] == [b"101", b"102"]  # confirmed; 104: not sent
+            sink.publish(events[3:])  # the caller set 103 aside
+        assert [f[b"id"] for _, f in redis_client.xrange(key)] == [b"101", b"102", b"104", b"105"]
+
+        redis_client.delete(key)
+        chunked = RedisSinkConfig(stream=key, max_message_bytes=1000).build()
+        chunked.chunk_size = 3  # type: ignore[misc]  # the 4 events before the rejected one: two transactions
+        more = make_events(7, first_id=201)
+        more[4] = events[2]
+        with chunked, pytest.raises(SinkError) as err:
+            chunked.publish(more)
+        assert err.value.permanent and err.value.event_ids == (103,)
+        assert [f[b"id"] for _, f in redis_client.xrange(key)] == [b"201", b"202", b"203", b"204"]
+
+        # rejected before anything is sent: no connection, and the URL's password stays out of the message
+        url = SecretStr("redis://:r3dis-pw-9@127.0.0.1:6379/0")
+        with RedisSinkConfig(url=url, stream=key, max_message_bytes=1000).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(events[2:])
+        assert err.value.permanent and err.value.event_ids == (103,) and "r3dis-pw-9" not in str(err.value)
+    finally:
+        redis_client.delete(key)
 
 
 def test_redis_wrong_password_does_not_leak(redis_client: redis.Redis) -> None:
