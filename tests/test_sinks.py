@@ -302,6 +302,15 @@ def test_file_sink_unwritable_path_raises(tmp_path: Path) -> None:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(2))
     assert "file sink" in str(err.value) and "events 101..102" in str(err.value)
+    assert not err.value.permanent
+
+
+def test_file_sink_disk_full_is_not_a_permanent_rejection() -> None:
+    with FileSinkConfig(path="/dev/full").build() as sink:  # every write fails with ENOSPC
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(3))
+    assert "No space left on device" in str(err.value) and err.value.event_ids == (101, 102, 103)
+    assert not err.value.permanent  # the file system's problem: the same events succeed once there is room
 
 
 def test_configs_and_sinks_work_in_another_process(tmp_path: Path) -> None:
