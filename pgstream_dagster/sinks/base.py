@@ -9,10 +9,10 @@ import json
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import FrozenInstanceError
 from types import TracebackType
-from typing import Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -31,13 +31,17 @@ __all__ = [
     "header_value",
     "import_extra",
     "lookup_path",
+    "prepare_until_rejected",
     "redact_url",
+    "route",
     "route_name",
     "scrub",
     "url_secrets",
 ]
 
 _EXCERPT_CHARS = 200
+
+T = TypeVar("T")
 
 
 _UNSET: Any = object()
@@ -160,18 +164,33 @@ class SinkError(Exception):
     """A destination did not confirm delivery. The message names the sink, the event id(s) and the reason.
 
     Messages never contain secrets (header values, passwords): sinks scrub them before raising.
+
+    ``permanent`` (keyword-only, default ``False``): the destination *rejected* the event(s) in
+    ``event_ids`` for what they are, so sending the same bytes again fails the same way (a payload
+    over a size limit, an HTTP 422, a destination name taken from the payload that is missing or
+    invalid). Then ``event_ids`` names the rejected event(s), ideally exactly one: the first
+    rejected event in publish order; and every event before it in the publish call was confirmed.
+    When a sink cannot tell which event of a multi-event request was rejected (an HTTP batch
+    answered 400), ``event_ids`` holds the events of that request, the first rejected request in
+    publish order: the caller re-publishes them one at a time to isolate the bad one(s). Failures
+    that are transient or concern the whole configuration (destination down, timeouts,
+    authentication, a missing topic/stream/queue) are never permanent: retrying can succeed once
+    they are fixed, and classifying them permanent would reject every event.
     """
 
-    def __init__(self, message: str, *, sink: str | None = None, event_ids: Sequence[int] = ()) -> None:
+    def __init__(self, message: str, *, sink: str | None = None, event_ids: Sequence[int] = (),
+                 permanent: bool = False) -> None:
         super().__init__(message)
         self.sink = sink
         self.event_ids: tuple[int, ...] = tuple(event_ids)
+        self.permanent = permanent
 
     @classmethod
-    def for_events(cls, sink: str, events: Sequence[Event], reason: str, secrets: Iterable[str] = ()) -> Self:
+    def for_events(cls, sink: str, events: Sequence[Event], reason: str, secrets: Iterable[str] = (), *,
+                   permanent: bool = False) -> Self:
         """Build ``"<sink> sink: <event id(s)>: <reason>"`` with every secret value masked."""
         message = f"{sink} sink: {describe_events(events)}: {reason}"
-        return cls(scrub(message, secrets), sink=sink, event_ids=[e.id for e in events])
+        return cls(scrub(message, secrets), sink=sink, event_ids=[e.id for e in events], permanent=permanent)
 
 
 class RoutingError(ValueError):
@@ -202,12 +221,21 @@ def route_name(event: Event, fixed: str | None, path: str | None, prefix: str = 
     Strings are used as they are, other scalars as JSON text (``42``, ``true``), like Postgres ``#>>``.
     Raises :class:`RoutingError` when the path gives no usable value and there is no ``fixed`` fallback.
     """
+    return route(event, fixed, path, prefix)[0]
+
+
+def route(event: Event, fixed: str | None, path: str | None, prefix: str = "") -> tuple[str, bool]:
+    """:func:`route_name` and whether the name came from the payload (``False``: the fixed name).
+
+    A name taken from the payload that the destination cannot accept is the event's fault (a
+    permanent rejection); the same problem with the fixed name is the configuration's.
+    """
     if path is not None:
         value = lookup_path(event.payload, path)
         if isinstance(value, str) and value:
-            return prefix + value
+            return prefix + value, True
         if isinstance(value, bool | int | float):
-            return prefix + dumps(value)
+            return prefix + dumps(value), True
         if fixed is None:
             if value is None or value == "":
                 found = "is missing" if value is None else "is empty"
@@ -216,7 +244,25 @@ def route_name(event: Event, fixed: str | None, path: str | None, prefix: str = 
             raise RoutingError(f"payload path {path!r} {found} and no fixed name is configured")
     if fixed is None:
         raise RoutingError("no destination name configured")
-    return fixed
+    return fixed, False
+
+
+def prepare_until_rejected(events: Sequence[Event], prepare: Callable[[Event], T]) -> tuple[list[T], SinkError | None]:
+    """``prepare(event)`` for each event in order until one raises a permanent :class:`SinkError` (a
+    payload that cannot be routed or is too large): the prepared values of the events before it, and
+    that error (``None`` when every event was prepared). A sink publishes the prepared events, then
+    raises the error: every event before a permanently rejected one is confirmed (:class:`Sink`).
+    Other exceptions propagate.
+    """
+    prepared: list[T] = []
+    for event in events:
+        try:
+            prepared.append(prepare(event))
+        except SinkError as exc:
+            if not exc.permanent:
+                raise
+            return prepared, exc
+    return prepared, None
 
 
 class MissingExtraError(SinkError, ImportError):
@@ -407,6 +453,12 @@ class Sink(ABC):
     and raises :class:`SinkError` otherwise (some events may then have been delivered: callers retry
     the whole batch and rely on the event id being an idempotency key). A sink is used from one thread.
     A pickled sink unpickles as a fresh sink built from the same config (connections are not shipped).
+
+    Permanent rejections: a :class:`SinkError` with ``permanent=True`` says the destination refused
+    the event(s) in ``event_ids`` for what they are (retrying the same bytes fails again), and that
+    every event before the first of them in the call was confirmed; the caller may then set them
+    aside (dead letters) and go on with the events after them. Each sink documents what it treats
+    as permanent; everything else (destination down, timeouts, authentication, configuration) is not.
     """
 
     type_name: ClassVar[str]
@@ -417,7 +469,12 @@ class Sink(ABC):
 
     @abstractmethod
     def publish(self, events: Sequence[Event]) -> None:
-        """Deliver ``events`` in order; return once all are confirmed, else raise :class:`SinkError`."""
+        """Deliver ``events`` in order; return once all are confirmed, else raise :class:`SinkError`.
+
+        A permanent rejection (``SinkError.permanent``) names the first rejected event (or the events
+        of the first rejected request when the destination does not say which one) after every event
+        before it was confirmed.
+        """
 
     def close(self) -> None:
         """Release connections/files. Idempotent. The default does nothing."""

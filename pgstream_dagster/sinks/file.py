@@ -1,4 +1,9 @@
-"""File sink: appends one JSON line per event and fsyncs before ``publish`` returns."""
+"""File sink: appends one JSON line per event and fsyncs before ``publish`` returns.
+
+Permanent rejections: none. Any event can be written as a line; what fails (a full disk, a quota,
+permissions, a missing mount) is about the file system and can succeed once it is fixed, so every
+:class:`SinkError` of this sink has ``permanent=False``.
+"""
 
 from __future__ import annotations
 

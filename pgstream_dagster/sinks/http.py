@@ -2,8 +2,18 @@
 
 Requests carry the Standard Webhooks headers (``webhook-id``, ``webhook-timestamp`` and, with a signing
 secret, ``webhook-signature``: ``v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">``). Each request is
-retried with exponential backoff and jitter on connection errors, timeouts, 5xx and 429, honouring
+retried with exponential backoff and jitter on connection errors, timeouts, 5xx, 408 and 429, honouring
 ``Retry-After`` on 429/503, within a bounded budget (attempts and seconds); other 4xx fail at once.
+
+Permanent rejections (``SinkError.permanent``): a 4xx answer other than those below, i.e. the receiver
+refused this request's content (400, 409, 413, 422...), and a body over ``max_body_bytes`` (refused
+before sending). Not permanent, because they say nothing about the event and would reject every
+one: 401, 403 and 407 (credentials, signature), 404, 405, 410 and 421 (wrong URL or method), 415
+and 431 (content type and headers are the same for every request), 426 (needs another protocol),
+408 and 429 (retried: time and rate); and 3xx, 5xx, timeouts and connection errors. A batch request
+(``mode: batch``) refused as a whole names all its events; the caller isolates the bad one by
+publishing them one at a time. With ``routing_key``, the other keys' requests that come before
+the rejected event in the call are still sent, so that every event before it is confirmed.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
@@ -54,6 +64,14 @@ __all__ = ["HttpSink", "HttpSinkConfig", "decode_signing_secret", "sign"]
 log = logging.getLogger(__name__)
 
 _RETRY_AFTER_STATUSES = frozenset({429, 503})
+
+#: 4xx answers that are retried: the request took too long (408), too many requests (429)
+_RETRY_4XX = frozenset({408, 429})
+
+#: 4xx answers about the configuration, not about the request's content: they would reject every event,
+#: so they are not permanent rejections: credentials or signature (401, 403, 407), URL or method (404,
+#: 405, 410, 421), content type and headers sent with every request (415, 431), protocol (426)
+_CONFIG_4XX = frozenset({401, 403, 404, 405, 407, 410, 415, 421, 426, 431})
 
 
 class _RedactUrls(logging.Filter):
@@ -110,6 +128,10 @@ class HttpSinkConfig(SinkConfigBase):
     different keys in parallel up to ``max_concurrency``. Without it every event is sent in order.
     Each request: at most ``max_attempts`` attempts within ``max_retry_secs`` (plus one request
     timeout); ``timeout_secs`` bounds each network operation (connect, write, read).
+
+    ``max_body_bytes``: refuse (permanently, without sending) a request whose body is larger; a batch
+    is cut before it would exceed it, so only an event too large on its own is refused. Permanent
+    rejections: see the module docstring.
     """
 
     type: Literal["http", "webhook"] = "http"
@@ -126,6 +148,7 @@ class HttpSinkConfig(SinkConfigBase):
     max_retry_secs: float = Field(default=60, ge=0)
     initial_backoff_secs: float = Field(default=0.5, ge=0)
     max_backoff_secs: float = Field(default=30, ge=0)
+    max_body_bytes: int | None = Field(default=None, ge=1)
 
     @field_validator("url")
     @classmethod
@@ -154,13 +177,16 @@ class HttpSinkConfig(SinkConfigBase):
 
 
 class _Failure(Exception):
-    """One attempt failed: ``reason`` is safe to show; ``retryable`` decides whether tenacity retries."""
+    """One attempt failed: ``reason`` is safe to show; ``retryable`` decides whether tenacity retries;
+    ``permanent``: the receiver refused this request's content (never retried)."""
 
-    def __init__(self, reason: str, *, retryable: bool, retry_after: float | None = None) -> None:
+    def __init__(self, reason: str, *, retryable: bool, retry_after: float | None = None,
+                 permanent: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retryable = retryable
         self.retry_after = retry_after
+        self.permanent = permanent
 
 
 @dataclass
@@ -169,14 +195,50 @@ class _Request:
     msg_id: str
     body: bytes
     headers: dict[str, str]
+    start: int  # position in the publish call of the request's first event
 
 
 @dataclass
 class _LaneResult:
-    confirmed: int = 0
+    confirmed: list[int] = field(default_factory=list)  # positions in the call of the confirmed events
     failed: Sequence[Event] = ()
+    start: int = 0  # position of the failed request
     reason: str = ""
-    secondary: bool = False  # failed only because another lane's failure aborted it
+    permanent: bool = False  # the failed request was refused for its content
+    secondary: bool = False  # failed only because another lane's failure stopped it
+
+
+class _Control:
+    """Shared by the lanes of one publish call. A failure that is not a permanent rejection stops every
+    lane; a permanent rejection at position ``p`` stops only the requests that start after ``p``, so
+    that every event before the rejected one is still sent (and confirmed, or the publish is not a
+    permanent rejection)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._aborted = False
+        self._limit: int | None = None
+
+    def stops(self, start: int) -> bool:
+        """Whether a request starting at ``start`` must not be sent (or retried)."""
+        return self._aborted or (self._limit is not None and start > self._limit)
+
+    def failed(self, start: int, permanent: bool) -> None:
+        with self._cond:
+            if permanent:
+                self._limit = start if self._limit is None else min(self._limit, start)
+            else:
+                self._aborted = True
+            self._cond.notify_all()
+
+    def sleeper(self, start: int) -> Callable[[float], None]:
+        """tenacity's sleep for a request at ``start``: wakes early when the request must stop."""
+
+        def sleep(secs: float) -> None:
+            with self._cond:
+                self._cond.wait_for(lambda: self.stops(start), timeout=secs)
+
+        return sleep
 
 
 class HttpSink(Sink):
@@ -204,37 +266,59 @@ class HttpSink(Sink):
         if not events:
             return
         lanes = self._lanes(events)
-        abort = threading.Event()
+        control = _Control()
         if len(lanes) == 1 or self.config.max_concurrency == 1:
-            results = [self._send_lane(lane, abort) for lane in lanes]
+            results = [self._send_lane(lane, control) for lane in lanes]
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="pgstream-http")
-            futures = [self._pool.submit(self._send_lane, lane, abort) for lane in lanes]
+            futures = [self._pool.submit(self._send_lane, lane, control) for lane in lanes]
             results = [future.result() for future in futures]
         failures = [r for r in results if r.failed]
         if failures:
-            raise self._summarize(events, failures, sum(r.confirmed for r in results))
+            raise self._summarize(events, failures, [p for r in results for p in r.confirmed])
 
     def _lanes(self, events: Sequence[Event]) -> list[list[_Request]]:
         """Requests grouped by routing key (first-seen key order), each group in event order."""
         path = self.config.routing_key
-        groups: dict[str, list[Event]] = {}
+        groups: dict[str, list[tuple[int, Event]]] = {}
         if path is None or self.config.max_concurrency == 1:
-            groups[""] = list(events)
+            groups[""] = list(enumerate(events))
         else:
-            for event in events:
-                groups.setdefault(dumps(lookup_path(event.payload, path)), []).append(event)
-        size = 1 if self.config.mode == "per_event" else self.config.max_batch_size
-        return [
-            [self._request(group[start : start + size]) for start in range(0, len(group), size)]
-            for group in groups.values()
-        ]
+            for position, event in enumerate(events):
+                groups.setdefault(dumps(lookup_path(event.payload, path)), []).append((position, event))
+        return [[self._request(chunk) for chunk in self._chunks(group)] for group in groups.values()]
 
-    def _request(self, events: Sequence[Event]) -> _Request:
-        def body_of(event: Event) -> str:  # JSON text, the payload as read from Postgres
-            return event.payload_json if self.config.body == "payload" else event.to_json()
+    def _body_of(self, event: Event) -> str:
+        """The JSON text of one event in a body: the payload as read from Postgres, or the whole event."""
+        return event.payload_json if self.config.body == "payload" else event.to_json()
 
+    def _chunks(self, group: list[tuple[int, Event]]) -> list[list[tuple[int, Event]]]:
+        """A lane's events cut into requests: one event each (``per_event``), else up to ``max_batch_size``
+        events whose JSON array stays within ``max_body_bytes`` (an event too large alone is a request of
+        its own, refused when it is sent)."""
+        if self.config.mode == "per_event":
+            return [[item] for item in group]
+        size, limit = self.config.max_batch_size, self.config.max_body_bytes
+        if limit is None:
+            return [group[start : start + size] for start in range(0, len(group), size)]
+        chunks: list[list[tuple[int, Event]]] = []
+        chunk: list[tuple[int, Event]] = []
+        used = 2  # "[" and "]"
+        for item in group:
+            length = len(self._body_of(item[1]).encode()) + (1 if chunk else 0)  # "," before all but the first
+            if chunk and (len(chunk) >= size or used + length > limit):
+                chunks.append(chunk)
+                chunk, used, length = [], 2, length - 1
+            chunk.append(item)
+            used += length
+        if chunk:
+            chunks.append(chunk)
+        return chunks
+
+    def _request(self, items: Sequence[tuple[int, Event]]) -> _Request:
+        events = [event for _position, event in items]
+        body_of = self._body_of
         headers = {name: value.get_secret_value() for name, value in self.config.headers.items()}
         headers["Content-Type"] = "application/json"
         if self.config.mode == "per_event":
@@ -250,38 +334,46 @@ class HttpSink(Sink):
             headers["X-Pgstream-Stream-Id"] = str(events[0].stream_id)
         headers["Idempotency-Key"] = msg_id
         headers["webhook-id"] = msg_id
-        return _Request(events, msg_id, body.encode(), headers)
+        return _Request(events, msg_id, body.encode(), headers, items[0][0])
 
-    def _send_lane(self, lane: list[_Request], abort: threading.Event) -> _LaneResult:
-        """Send a lane's requests in order; stop at the first failure (or when another lane failed)."""
+    def _send_lane(self, lane: list[_Request], control: _Control) -> _LaneResult:
+        """Send a lane's requests in order; stop at the first failure (or when another lane's failure
+        stops this lane: see :class:`_Control`)."""
         result = _LaneResult()
         for request in lane:
-            if abort.is_set():
+            if control.stops(request.start):
                 break
             try:
-                self._send(request, abort)
+                self._send(request, control)
             except _Failure as exc:
-                result.secondary = abort.is_set()
-                abort.set()
-                result.failed, result.reason = request.events, exc.reason
+                result.secondary = control.stops(request.start)
+                if not result.secondary:  # a lane stopped by another's failure does not stop the others
+                    control.failed(request.start, exc.permanent)
+                result.failed, result.start, result.reason = request.events, request.start, exc.reason
+                result.permanent = exc.permanent
                 break
-            result.confirmed += len(request.events)
+            result.confirmed += range(request.start, request.start + len(request.events))
         return result
 
-    def _send(self, request: _Request, abort: threading.Event) -> None:
+    def _send(self, request: _Request, control: _Control) -> None:
         """One request with retries; raises :class:`_Failure` (with a full reason) when it is not confirmed."""
         config = self.config
+        limit = config.max_body_bytes
+        if limit is not None and len(request.body) > limit:
+            reason = (f"{self._target} not sent: the body is {len(request.body)} bytes, more than max_body_bytes "
+                      f"({limit})")
+            raise _Failure(reason, retryable=False, permanent=True)
         started = time.monotonic()
         attempts = 0
         retrying = Retrying(
             stop=(
                 stop_after_attempt(config.max_attempts)
                 | stop_before_delay(config.max_retry_secs)
-                | (lambda _state: abort.is_set())
+                | (lambda _state: control.stops(request.start))
             ),
             wait=self._wait,
             retry=retry_if_exception(lambda exc: isinstance(exc, _Failure) and exc.retryable),
-            sleep=abort.wait,
+            sleep=control.sleeper(request.start),
             before_sleep=self._log_retry(request),
             reraise=True,
         )
@@ -289,7 +381,7 @@ class HttpSink(Sink):
         try:
             for attempt in retrying:
                 with attempt:
-                    if last is not None and abort.is_set():
+                    if last is not None and control.stops(request.start):
                         raise last  # woken from the backoff sleep because another lane failed: stop now
                     attempts += 1
                     try:
@@ -304,10 +396,10 @@ class HttpSink(Sink):
                 reason += f" (gave up after {attempts} attempt{'s' if attempts > 1 else ''} in {elapsed:.1f}s"
                 if exc.retry_after is not None and elapsed + exc.retry_after >= config.max_retry_secs:
                     reason += f"; Retry-After {exc.retry_after:g}s is beyond the {config.max_retry_secs:g}s budget"
-                elif abort.is_set() and attempts < config.max_attempts:
+                elif control.stops(request.start) and attempts < config.max_attempts:
                     reason += "; another routing key failed"
                 reason += ")"
-            raise _Failure(reason, retryable=False) from None
+            raise _Failure(reason, retryable=False, permanent=exc.permanent) from None
 
     def _attempt(self, request: _Request) -> None:
         headers = dict(request.headers)
@@ -340,7 +432,9 @@ class HttpSink(Sink):
         if body_excerpt:
             reason += f": {body_excerpt}"
         retry_after = _retry_after(response.headers.get("Retry-After")) if status in _RETRY_AFTER_STATUSES else None
-        raise _Failure(reason, retryable=status >= 500 or status == 429, retry_after=retry_after)
+        retryable = status >= 500 or status in _RETRY_4XX
+        permanent = 400 <= status < 500 and status not in _RETRY_4XX and status not in _CONFIG_4XX
+        raise _Failure(reason, retryable=retryable, retry_after=retry_after, permanent=permanent)
 
     def _wait(self, state: RetryCallState) -> float:
         """``Retry-After`` when the server sent one, else exponential backoff with jitter."""
@@ -364,11 +458,20 @@ class HttpSink(Sink):
 
         return before_sleep
 
-    def _summarize(self, events: Sequence[Event], failures: list[_LaneResult], confirmed: int) -> SinkError:
-        failures = sorted(failures, key=lambda r: r.secondary)  # stable: root causes first, in lane order
-        failed = [e for r in failures for e in r.failed]
+    def _summarize(self, events: Sequence[Event], failures: list[_LaneResult], confirmed: list[int]) -> SinkError:
+        """The publish call's error: a permanent rejection when the earliest failed request (in call order)
+        was refused for its content and every event before it was confirmed; else the root causes, in
+        lane order, naming every unconfirmed request."""
+        roots = [r for r in failures if not r.secondary]
+        earliest = min(roots or failures, key=lambda r: r.start)
+        if earliest.permanent and set(range(earliest.start)) <= set(confirmed):
+            failures = [earliest] + [r for r in failures if r is not earliest]
+            permanent = True
+        else:
+            failures = sorted(failures, key=lambda r: r.secondary)  # stable: root causes first, in lane order
+            permanent = False
         first = failures[0]
-        unconfirmed = len(events) - confirmed
+        unconfirmed = len(events) - len(confirmed)
         reason = first.reason
         others = sum(1 for r in failures[1:] if not r.secondary)
         if others:
@@ -376,7 +479,8 @@ class HttpSink(Sink):
         if unconfirmed > len(first.failed):
             reason += f"; {unconfirmed} of {len(events)} events not confirmed"
         message = scrub(f"http sink: {describe_events(first.failed)}: {reason}", self._secrets)
-        return SinkError(message, sink="http", event_ids=[e.id for e in failed])
+        failed = first.failed if permanent else [e for r in failures for e in r.failed]
+        return SinkError(message, sink="http", event_ids=[e.id for e in failed], permanent=permanent)
 
     def _http(self) -> httpx.Client:
         if self._client is None:

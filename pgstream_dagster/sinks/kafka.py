@@ -6,6 +6,18 @@ stream id (every event of a stream in one partition: commit order, end to end), 
 payload path ``key_from`` (order per key, keys spread over partitions). The idempotent producer
 (``enable.idempotence``, ``acks=all``) keeps that order through its own retries, and the broker
 drops the duplicates those retries would cause.
+
+Permanent rejections (``SinkError.permanent``): a message the client refuses when it is produced
+because it is larger than the producer's ``message.max.bytes`` (librdkafka's default: 1,000,000
+bytes), a delivery report with a per-record error (MSG_SIZE_TOO_LARGE: over the topic's or broker's
+``max.message.bytes``; RECORD_LIST_TOO_LARGE; INVALID_RECORD: e.g. a broker-side schema check) when
+every event before it was confirmed, and an event whose topic cannot be taken from its payload
+(missing with no fixed ``topic``, or not a legal topic name). The broker refuses a whole record
+batch at once, so the reports cannot tell which message was at fault: the error then names every
+consecutive refused event from the first one, and the caller isolates the bad one by publishing
+them one at a time.
+Not permanent: an unreachable broker, timeouts, authentication and other fatal client errors,
+invalid producer settings, an unknown topic (create it), and every other delivery error.
 """
 
 from __future__ import annotations
@@ -31,6 +43,8 @@ from .base import (
     SinkError,
     describe_events,
     import_extra,
+    prepare_until_rejected,
+    route,
     route_name,
     scrub,
 )
@@ -59,6 +73,12 @@ _FLUSH_SLICE_SECS = 0.25
 
 #: a legal Kafka topic name
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+#: per-record errors: the client or the broker refused the message itself (retrying it fails again)
+_REJECTING = frozenset({"MSG_SIZE_TOO_LARGE", "RECORD_LIST_TOO_LARGE", "INVALID_RECORD"})
+
+#: librdkafka's default message.max.bytes
+_DEFAULT_MESSAGE_MAX_BYTES = 1_000_000
 
 
 class KafkaSinkConfig(SinkConfigBase):
@@ -248,21 +268,29 @@ class KafkaSink(Sink):
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
             return
-        routes = [self._route(event) for event in events]  # all first: nothing sent on a bad one
-        producer = self._producer_for()
-        failures: list[tuple[Event, str, str, bool]] = []  # event, topic, error, timed out
-        confirmed = 0
+        # every route first: the events before a rejected one are sent, then it is rejected
+        routes, rejection = prepare_until_rejected(events, self._route)
+        if routes:
+            self._produce(events[: len(routes)], routes)
+        if rejection is not None:
+            raise rejection
 
-        def delivered(event: Event, topic: str) -> Any:
+    def _produce(self, events: Sequence[Event], routes: Sequence[tuple[str, str]]) -> None:
+        """Produce ``events`` in order and wait until every one is confirmed, else raise."""
+        producer = self._producer_for()
+        failures: list[tuple[int, Event, str, Any]] = []  # position, event, topic, error
+        confirmed: set[int] = set()
+
+        def delivered(position: int, event: Event, topic: str) -> Any:
             def callback(error: Any, _message: Any) -> None:
-                nonlocal confirmed
                 if error is None:
-                    confirmed += 1
+                    confirmed.add(position)
                 else:
-                    failures.append((event, topic, str(error), _timed_out(error)))
+                    failures.append((position, event, topic, error))
             return callback
 
-        for event, (topic, key) in zip(events, routes, strict=True):
+        refused: SinkError | None = None  # produce() refused a message for what it is (too large)
+        for position, (event, (topic, key)) in enumerate(zip(events, routes, strict=True)):
             headers = [("pgstream-event-id", str(event.id).encode()),
                        ("pgstream-stream-id", str(event.stream_id).encode()),
                        ("content-type", b"application/json")]
@@ -271,31 +299,61 @@ class KafkaSink(Sink):
             while True:
                 try:
                     producer.produce(topic, value=event.payload_json.encode(), key=key.encode(), headers=headers,
-                                     on_delivery=delivered(event, topic))
+                                     on_delivery=delivered(position, event, topic))
                     break
                 except BufferError:  # the local queue is full: let deliveries drain it
                     producer.poll(0.1)
                 except self._kafka.KafkaException as exc:
+                    if _rejects(exc.args[0] if exc.args else None):
+                        limit = self._settings().get("message.max.bytes", _DEFAULT_MESSAGE_MAX_BYTES)
+                        refused = self._error([event], f"not sent to topic {topic!r}: {_describe_kafka_error(exc)} "
+                                                       f"(the producer's message.max.bytes is {limit})", permanent=True)
+                        break
                     self._reset()
                     raise self._error(events, f"produce to {topic!r} failed: {exc}") from None
+            if refused is not None:
+                events, routes = events[:position], routes[:position]  # what was produced before it
+                break
         remaining = self._flush(producer)
-        if failures or remaining or confirmed != len(events):
-            fatal, failed = self._fatal_error, list(failures)  # before the purge adds "Purged" reports
+        if failures or remaining or len(confirmed) != len(events):
+            fatal, failed = self._fatal_error, sorted(failures, key=lambda f: f[0])  # before the purge's reports
             self._reset()
-            first = ""
-            if failed:
-                event, topic, reason, _ = failed[0]
-                first = f" (first: {describe_events([event])} on topic {topic!r}: {reason})"
-            topics = sorted({topic for topic, _key in routes})
-            where = f"topic {topics[0]!r}" if len(topics) == 1 else f"{len(topics)} topics"
-            if fatal is not None:
-                detail, within = f"; gave up on client error: {fatal}", ""
-            else:
-                detail = f"; last client error: {self._client_error}" if self._client_error else ""
-                timed_out = remaining or any(f[3] for f in failed)
-                within = f" within {self.config.timeout_secs:g}s" if timed_out else ""
-            raise self._error(events, f"{len(events) - confirmed} of {len(events)} messages to {where} were not "
-                                      f"confirmed by {self.config.bootstrap_servers}{within}{first}{detail}")
+            raise self._delivery_error(events, routes, failed, confirmed, remaining, fatal)
+        if refused is not None:
+            raise refused
+
+    def _delivery_error(self, events: Sequence[Event], routes: Sequence[tuple[str, str]],
+                        failed: list[tuple[int, Event, str, Any]], confirmed: set[int], remaining: int,
+                        fatal: str | None) -> SinkError:
+        """The error of a publish whose messages were not all confirmed: a permanent rejection when the first
+        failed message (in publish order) was refused for what it is and every message before it was
+        confirmed, naming the consecutive refused events from it; else every event of the call."""
+        # a fatal client error or an unconfirmed message after it does not change what the broker said about it
+        # (a broker may fence an idempotent producer after a rejection; this producer is dropped anyway)
+        if failed and _rejects(failed[0][3]) and set(range(failed[0][0])) <= confirmed:
+            position, event, topic, error = failed[0]
+            by_position = {f[0]: f for f in failed}
+            rejected = [event]
+            while position + len(rejected) in by_position and _rejects(by_position[position + len(rejected)][3]):
+                rejected.append(by_position[position + len(rejected)][1])
+            what = "the message" if len(rejected) == 1 else \
+                f"{len(rejected)} messages (a record batch is refused whole: which message is at fault is not known)"
+            return self._error(rejected, f"topic {topic!r} at {self.config.bootstrap_servers} refused {what}: "
+                                         f"{error}", permanent=True)
+        first = ""
+        if failed:
+            _position, event, topic, error = failed[0]
+            first = f" (first: {describe_events([event])} on topic {topic!r}: {error})"
+        topics = sorted({topic for topic, _key in routes})
+        where = f"topic {topics[0]!r}" if len(topics) == 1 else f"{len(topics)} topics"
+        if fatal is not None:
+            detail, within = f"; gave up on client error: {fatal}", ""
+        else:
+            detail = f"; last client error: {self._client_error}" if self._client_error else ""
+            timed_out = remaining or any(_timed_out(f[3]) for f in failed)
+            within = f" within {self.config.timeout_secs:g}s" if timed_out else ""
+        return self._error(events, f"{len(events) - len(confirmed)} of {len(events)} messages to {where} were not "
+                                   f"confirmed by {self.config.bootstrap_servers}{within}{first}{detail}")
 
     def _flush(self, producer: Any) -> int:
         """Wait up to ``timeout_secs`` for every delivery report, in slices so that a fatal client error
@@ -309,12 +367,14 @@ class KafkaSink(Sink):
     def _route(self, event: Event) -> tuple[str, str]:
         config = self.config
         try:
-            topic = route_name(event, config.topic, config.topic_from, config.topic_prefix)
+            topic, from_payload = route(event, config.topic, config.topic_from, config.topic_prefix)
             key = route_name(event, str(event.stream_id), config.key_from) if config.key_from else str(event.stream_id)
         except RoutingError as exc:
-            raise self._error([event], f"no topic: {exc}") from None
+            raise self._error([event], f"no topic: {exc}", permanent=True) from None
         if not _TOPIC.fullmatch(topic) or topic in (".", ".."):
-            raise self._error([event], f"invalid topic {topic[:300]!r} (1-249 of a-z A-Z 0-9 . _ -)")
+            # from the payload: the event's fault; the fixed topic: the configuration's
+            raise self._error([event], f"invalid topic {topic[:300]!r} (1-249 of a-z A-Z 0-9 . _ -)",
+                              permanent=from_payload)
         return topic, key
 
     def _reset(self) -> None:
@@ -331,8 +391,8 @@ class KafkaSink(Sink):
             except Exception as exc:  # best effort: the producer may be broken
                 log.debug("purging the kafka producer failed: %s", exc)
 
-    def _error(self, events: Sequence[Event], reason: str) -> SinkError:
-        return SinkError.for_events("kafka", events, reason, self.config.secret_values())
+    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
+        return SinkError.for_events("kafka", events, reason, self.config.secret_values(), permanent=permanent)
 
     def close(self) -> None:
         """Flush; then pool the producer (``reuse_producer``, nothing pending, no fatal error) or drop it."""
@@ -364,6 +424,14 @@ def _is_fatal(error: Any) -> bool:
     try:
         return bool(error.fatal()) or error.name() in _FAIL_FAST
     except AttributeError:  # not a KafkaError
+        return False
+
+
+def _rejects(error: Any) -> bool:
+    """A per-record error: the client or the broker refused the message itself."""
+    try:
+        return bool(error.name() in _REJECTING)
+    except AttributeError:
         return False
 
 

@@ -15,6 +15,7 @@ __all__ = ["MemorySink", "MemorySinkConfig"]
 _lock = threading.Lock()
 _delivered: dict[str, list[Event]] = {}
 _failed_calls: dict[str, int] = {}
+_rejections: dict[str, dict[int, int]] = {}
 
 
 class MemorySinkConfig(SinkConfigBase):
@@ -22,18 +23,33 @@ class MemorySinkConfig(SinkConfigBase):
 
     ``fail_times``: the first N publish calls on this ``name`` (counted per process, across sink
     instances, until :meth:`MemorySink.reset`) raise :class:`SinkError` without delivering anything.
+
+    Permanent rejections (simulated): a publish call holding an event whose id is in ``reject_ids``
+    delivers the events before it, then raises ``SinkError(permanent=True)`` naming that event; the
+    events after it are not delivered. ``reject_times``: reject each of those ids only the first N
+    times it is published (counted per ``name`` and id, across sink instances, until
+    :meth:`MemorySink.reset`); ``0`` rejects it every time. ``reject_whole_call``: like a destination
+    that cannot say which event of a request it refused (an HTTP batch answered 400): a call of
+    several events holding a rejected id delivers nothing and the error names every event of the
+    call (a call of that one event is rejected as above). ``fail_times`` is checked first.
     """
 
     type: Literal["memory"] = "memory"
     name: str = "default"
     fail_times: int = Field(default=0, ge=0)
+    reject_ids: list[int] = Field(default_factory=list)
+    reject_times: int = Field(default=0, ge=0)
+    reject_whole_call: bool = False
 
     def build(self) -> MemorySink:
         return MemorySink(self)
 
 
 class MemorySink(Sink):
-    """Appends events to a process-global list; read it back with :meth:`delivered`. Unit tests only."""
+    """Appends events to a process-global list; read it back with :meth:`delivered`. Unit tests only.
+
+    Permanent rejections: only the simulated ones of ``reject_ids`` (see :class:`MemorySinkConfig`).
+    """
 
     type_name: ClassVar[str] = "memory"
     config: MemorySinkConfig
@@ -52,7 +68,32 @@ class MemorySink(Sink):
                     events,
                     f"injected failure {failed + 1} of {self.config.fail_times} (fail_times) for {name!r}",
                 )
-            _delivered.setdefault(name, []).extend(events)
+            rejected = self._first_rejected(events)
+            if rejected is None:
+                _delivered.setdefault(name, []).extend(events)
+                return
+            index, count = rejected
+            event = events[index]
+            times = self.config.reject_times
+            what = f"injected permanent rejection {count}" + (f" of {times} (reject_times)" if times else "")
+            if self.config.reject_whole_call and len(events) > 1:
+                reason = f"{what} of event {event.id} for {name!r}; the whole call is rejected (reject_whole_call)"
+                raise SinkError.for_events("memory", events, reason, permanent=True)
+            _delivered.setdefault(name, []).extend(events[:index])
+            raise SinkError.for_events("memory", [event], f"{what} for {name!r} (reject_ids)", permanent=True)
+
+    def _first_rejected(self, events: Sequence[Event]) -> tuple[int, int] | None:
+        """(index, rejection number) of the first event rejected this time, counting the rejection."""
+        reject = set(self.config.reject_ids)
+        if not reject:
+            return None
+        counts = _rejections.setdefault(self.config.name, {})
+        times = self.config.reject_times
+        for index, event in enumerate(events):
+            if event.id in reject and (times == 0 or counts.get(event.id, 0) < times):
+                counts[event.id] = counts.get(event.id, 0) + 1
+                return index, counts[event.id]
+        return None
 
     @staticmethod
     def delivered(name: str = "default") -> list[Event]:
@@ -61,8 +102,15 @@ class MemorySink(Sink):
             return list(_delivered.get(name, ()))
 
     @staticmethod
+    def rejections(name: str = "default") -> dict[int, int]:
+        """How many times each event id was rejected so far under ``name`` (``reject_ids``)."""
+        with _lock:
+            return dict(_rejections.get(name, {}))
+
+    @staticmethod
     def reset(name: str = "default") -> None:
-        """Forget the events delivered under ``name`` and its injected-failure count."""
+        """Forget the events delivered under ``name``, its injected-failure and rejection counts."""
         with _lock:
             _delivered.pop(name, None)
             _failed_calls.pop(name, None)
+            _rejections.pop(name, None)

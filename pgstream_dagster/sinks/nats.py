@@ -4,6 +4,16 @@ nats-py is asyncio-only while sinks are called synchronously, so each sink owns 
 running in a daemon thread (keeping the connection's pings and reconnects alive between publish calls);
 ``publish`` submits a coroutine to it and blocks until it finishes. This also works when the caller's
 own thread already runs an event loop.
+
+Permanent rejections (``SinkError.permanent``), after the events before it were acknowledged (core
+NATS: published and flushed): a message larger than the server's ``max_payload`` (payload and
+headers; 1 MiB by default), refused before sending (a server receiving one would close the
+connection), also when the client raises ``MaxPayloadError``; a JetStream answer "message size
+exceeds maximum allowed" (the stream's ``max_msg_size``, err_code 10054) or "header size exceeds
+maximum allowed" (10097); an event whose subject cannot be taken from its payload (missing with
+no fixed ``subject``, or invalid: whitespace, wildcard, empty token). Not permanent: a subject no
+stream captures (create or extend the stream), timeouts, connection and authorization errors,
+other JetStream errors (a full stream, no quorum).
 """
 
 from __future__ import annotations
@@ -25,8 +35,9 @@ from .base import (
     SinkError,
     describe_exception,
     import_extra,
+    prepare_until_rejected,
     redact_url,
-    route_name,
+    route,
     scrub,
     url_secrets,
 )
@@ -79,6 +90,19 @@ class NatsSinkConfig(SinkConfigBase):
 
 _BAD_SUBJECT_CHARS = frozenset(" \t\r\n*>")
 
+#: JetStream publish errors that refuse the message itself: message size exceeds the stream's
+#: max_msg_size (10054), headers exceed 64 KiB (10097)
+_REJECTING_ERR_CODES = frozenset({10054, 10097})
+
+#: "NATS/1.0\r\n" before the header lines and "\r\n" after them (nats-py's encoding)
+_HEADER_FRAMING_BYTES = 12
+
+
+def _message_bytes(data: bytes, headers: dict[str, str]) -> int:
+    """The size the server compares with its ``max_payload``: payload and encoded headers."""
+    lines = sum(len(key.encode()) + len(value.strip().encode()) + 4 for key, value in headers.items())  # ": ", CRLF
+    return len(data) + _HEADER_FRAMING_BYTES + lines
+
 
 class NatsSink(Sink):
     """Connects on first publish; the private loop thread stops on :meth:`close`."""
@@ -112,17 +136,24 @@ class NatsSink(Sink):
 
     def publish(self, events: Sequence[Event]) -> None:
         if events:
-            subjects = [self._subject_of(event) for event in events]  # all first: nothing sent on a bad one
-            self._run(self._publish(events, subjects))
+            # every subject first: the events before a rejected one are sent, then it is rejected
+            subjects, rejection = prepare_until_rejected(events, self._subject_of)
+            if subjects:
+                self._run(self._publish(events[: len(subjects)], subjects))
+            if rejection is not None:
+                raise rejection
 
     def _subject_of(self, event: Event) -> str:
         config = self.config
         try:
-            subject = route_name(event, config.subject, config.subject_from, config.subject_prefix)
+            subject, from_payload = route(event, config.subject, config.subject_from, config.subject_prefix)
         except RoutingError as exc:
-            raise self._error([event], f"no subject: {exc}") from None
-        if _BAD_SUBJECT_CHARS.intersection(subject) or subject.startswith(".") or subject.endswith("."):
-            raise self._error([event], f"invalid subject {subject!r} (whitespace, wildcard or empty token)")
+            raise self._error([event], f"no subject: {exc}", permanent=True) from None
+        if (_BAD_SUBJECT_CHARS.intersection(subject) or subject.startswith(".") or subject.endswith(".")
+                or ".." in subject):
+            # from the payload: the event's fault; the fixed subject: the configuration's
+            raise self._error([event], f"invalid subject {subject!r} (whitespace, wildcard or empty token)",
+                              permanent=from_payload)
         return subject
 
     async def _publish(self, events: Sequence[Event], subjects: Sequence[str]) -> None:
@@ -138,6 +169,8 @@ class NatsSink(Sink):
                 reason = f"cannot connect to NATS ({servers}): {describe_exception(exc)}"
             raise self._error(events, reason) from None
         timeout = self.config.timeout_secs
+        rejection: SinkError | None = None
+        sent = 0
         for event, subject in zip(events, subjects, strict=True):
             headers = {
                 "Nats-Msg-Id": str(event.id),
@@ -148,6 +181,12 @@ class NatsSink(Sink):
             if event.metadata_json is not None:
                 headers["Pgstream-Metadata"] = event.metadata_json
             data = event.payload_json.encode()
+            size, max_payload = _message_bytes(data, headers), nc.max_payload
+            if size > max_payload:  # the server would close the connection: refuse it here
+                reason = (f"not sent to {subject!r}: the message is {size} bytes with its headers, more than the "
+                          f"server's max_payload ({max_payload}) at {self._target}")
+                rejection = self._error([event], reason, permanent=True)
+                break
             try:
                 if self._js is not None:
                     await self._js.publish(subject, data, timeout=timeout, headers=headers)
@@ -155,15 +194,23 @@ class NatsSink(Sink):
                     await nc.publish(subject, data, headers=headers)
             except self._nats.js.errors.NoStreamResponseError:
                 raise self._error([event], f"no JetStream stream captures subject {subject!r}") from None
+            except self._nats.errors.MaxPayloadError:
+                reason = f"not sent to {subject!r}: larger than the server's max_payload at {self._target}"
+                rejection = self._error([event], reason, permanent=True)
+                break
             except errors as exc:
                 reason = f"publish to {subject!r} at {self._target} failed: {describe_exception(exc)}"
-                raise self._error([event], reason) from None
-        if self._js is None:
+                permanent = isinstance(exc, self._nats.js.errors.APIError) and exc.err_code in _REJECTING_ERR_CODES
+                raise self._error([event], reason, permanent=permanent) from None
+            sent += 1
+        if self._js is None and sent:
             try:
                 await nc.flush(timeout=timeout)
             except errors as exc:
                 reason = f"flush after publish at {self._target} failed: {describe_exception(exc)}"
-                raise self._error(events, reason) from None
+                raise self._error(events[:sent], reason) from None
+        if rejection is not None:
+            raise rejection
 
     async def _connected(self) -> NatsClient:
         if self._nc is not None and not self._nc.is_closed:
@@ -202,8 +249,8 @@ class NatsSink(Sink):
             scrub(describe_exception(exc), self.config.secret_values()),
         )
 
-    def _error(self, events: Sequence[Event], reason: str) -> SinkError:
-        return SinkError.for_events("nats", events, reason, self.config.secret_values())
+    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
+        return SinkError.for_events("nats", events, reason, self.config.secret_values(), permanent=permanent)
 
     # -- shutdown --------------------------------------------------------------------------------------
 

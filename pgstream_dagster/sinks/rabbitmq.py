@@ -1,7 +1,21 @@
-"""RabbitMQ sink (extra ``rabbitmq``, library pika): persistent messages with publisher confirms."""
+"""RabbitMQ sink (extra ``rabbitmq``, library pika): persistent messages with publisher confirms.
+
+Permanent rejections (``SinkError.permanent``): a message over the broker's ``max_message_size``
+(128 MiB by default; the broker closes the channel with 406 PRECONDITION_FAILED "message size ...
+is larger than configured max size"), a body over ``max_message_bytes`` (refused before sending),
+and an event whose exchange or routing key cannot be taken from its payload (missing with no
+fixed fallback, or longer than AMQP's 255 bytes). The events before it are confirmed first.
+
+Not permanent: an unroutable message (``mandatory``: no queue bound for the routing key), even when
+the routing key comes from the payload, because binding a queue makes the same message routable and
+a wrong ``routing_key_prefix`` or a forgotten binding would otherwise reject every event (like a
+missing Kafka topic or a subject no NATS stream captures); a missing exchange (404), a nack (a full
+queue with ``overflow: reject-publish``), authentication, connection and other channel errors.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
@@ -16,14 +30,21 @@ from .base import (
     SinkError,
     describe_exception,
     import_extra,
+    prepare_until_rejected,
     redact_url,
-    route_name,
+    route,
 )
 
 if TYPE_CHECKING:
     from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 __all__ = ["RabbitMqSink", "RabbitMqSinkConfig"]
+
+#: AMQP short strings (exchange names, routing keys) hold at most this many bytes
+_SHORT_STRING_BYTES = 255
+
+#: the reply text of the channel error (406) for a message over the broker's max_message_size
+_TOO_LARGE = re.compile(r"message size \d+ is larger than configured max size")
 
 
 class RabbitMqSinkConfig(SinkConfigBase):
@@ -38,6 +59,9 @@ class RabbitMqSinkConfig(SinkConfigBase):
     (falling back to ``routing_key``). Exchange: ``exchange`` (default: the default exchange ``""``, where
     the routing key is the queue name), or the value at payload path ``exchange_from`` (falling back to
     ``exchange``). ``declare_queue``: declare a durable queue of that name on connect.
+    ``max_message_bytes``: refuse (permanently, without sending) a larger body; set it below the
+    broker's ``max_message_size`` to keep oversized payloads off the connection. Permanent
+    rejections: see the module docstring.
     """
 
     type: Literal["rabbitmq"] = "rabbitmq"
@@ -48,6 +72,7 @@ class RabbitMqSinkConfig(SinkConfigBase):
     routing_key_from: PayloadPath | None = None
     routing_key_prefix: str = ""
     declare_queue: str | None = None
+    max_message_bytes: int | None = Field(default=None, ge=1)
     timeout_secs: float = Field(default=10, gt=0)
 
     @model_validator(mode="after")
@@ -96,26 +121,48 @@ class RabbitMqSink(Sink):
         self._channel = channel
         return channel
 
-    def _route(self, event: Event) -> tuple[str, str]:
+    def _message(self, event: Event) -> tuple[tuple[str, str], bytes]:
+        """The route and body of ``event``; a permanent :class:`SinkError` when it cannot be sent."""
         config = self.config
         try:
-            exchange = route_name(event, config.exchange, config.exchange_from)
-            routing_key = route_name(event, config.routing_key, config.routing_key_from, config.routing_key_prefix)
+            exchange, exchange_from_payload = route(event, config.exchange, config.exchange_from)
+            routing_key, key_from_payload = route(event, config.routing_key, config.routing_key_from,
+                                                  config.routing_key_prefix)
         except RoutingError as exc:
-            raise self._error([event], f"no destination: {exc}") from None
-        return exchange, routing_key
+            raise self._error([event], f"no destination: {exc}", permanent=True) from None
+        for what, name, from_payload in (("exchange", exchange, exchange_from_payload),
+                                         ("routing key", routing_key, key_from_payload)):
+            if from_payload and len(name.encode()) > _SHORT_STRING_BYTES:
+                reason = f"{what} {name[:100]!r}... from the payload is longer than {_SHORT_STRING_BYTES} bytes"
+                raise self._error([event], reason, permanent=True)
+        body = event.payload_json.encode()
+        limit = config.max_message_bytes
+        if limit is not None and len(body) > limit:
+            reason = (f"not sent ({_describe((exchange, routing_key))}): the body is {len(body)} bytes, more than "
+                      f"max_message_bytes ({limit})")
+            raise self._error([event], reason, permanent=True)
+        return (exchange, routing_key), body
 
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
             return
-        routes = [self._route(event) for event in events]  # all first: nothing sent on a bad one
+        # every message first: the events before a rejected one are sent, then it is rejected
+        messages, rejection = prepare_until_rejected(events, self._message)
+        if messages:
+            self._publish(events[: len(messages)], messages)
+        if rejection is not None:
+            raise rejection
+
+    def _publish(self, events: Sequence[Event], messages: Sequence[tuple[tuple[str, str], bytes]]) -> None:
         exceptions = self._pika.exceptions
         failing: Sequence[Event] = events  # until connected, the whole batch is at stake
-        route = routes[0]
+        destination = messages[0][0]
+        publishing = False
         try:
             channel = self._ensure_channel()
+            publishing = True
             for index, event in enumerate(events):
-                failing, route = events[index : index + 1], routes[index]
+                failing, (destination, body) = events[index : index + 1], messages[index]
                 headers: dict[str, Any] = {"x-pgstream-stream-id": event.stream_id}
                 if event.metadata_json is not None:
                     headers["x-pgstream-metadata"] = event.metadata_json
@@ -127,23 +174,26 @@ class RabbitMqSink(Sink):
                     headers=headers,
                 )
                 channel.basic_publish(
-                    exchange=route[0],
-                    routing_key=route[1],
-                    body=event.payload_json.encode(),
+                    exchange=destination[0],
+                    routing_key=destination[1],
+                    body=body,
                     properties=properties,
                     mandatory=True,
                 )
         except exceptions.UnroutableError:
-            raise self._error(failing, f"unroutable: no queue bound for {_describe(route)}") from None
+            raise self._error(failing, f"unroutable: no queue bound for {_describe(destination)}") from None
         except exceptions.NackError:
-            raise self._error(failing, f"nacked by the broker ({_describe(route)})") from None
+            raise self._error(failing, f"nacked by the broker ({_describe(destination)})") from None
         except (exceptions.AMQPError, OSError) as exc:
             self.close()
-            reason = f"{self._target} {_describe(route)}: {describe_exception(exc)}"
-            raise self._error(failing, reason) from None
+            # the broker refused this message for its size: only then is it the event's fault
+            too_large = (publishing and isinstance(exc, exceptions.ChannelClosedByBroker) and exc.reply_code == 406
+                         and _TOO_LARGE.search(str(exc.reply_text)) is not None)
+            reason = f"{self._target} {_describe(destination)}: {describe_exception(exc)}"
+            raise self._error(failing, reason, permanent=too_large) from None
 
-    def _error(self, events: Sequence[Event], reason: str) -> SinkError:
-        return SinkError.for_events("rabbitmq", events, reason, self.config.secret_values())
+    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
+        return SinkError.for_events("rabbitmq", events, reason, self.config.secret_values(), permanent=permanent)
 
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None

@@ -1,4 +1,12 @@
-"""Redis Streams sink (extra ``redis``, library redis-py): XADD per event, a whole chunk in one pipelined MULTI/EXEC."""
+"""Redis Streams sink (extra ``redis``, library redis-py): XADD per event, a whole chunk in one pipelined MULTI/EXEC.
+
+Permanent rejections (``SinkError.permanent``), each found before anything is sent for that event
+(the events before it are sent first): an entry larger than ``max_message_bytes``, and an event
+whose stream name cannot be taken from its payload (``stream_from`` missing, no ``stream``
+fallback). Redis itself accepts any entry: its errors (connection, authentication, OOM under
+``maxmemory``, WRONGTYPE for a key that is not a stream, READONLY replica) are about the server
+or its data, never about the event, and are not permanent.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ from .base import (
     SinkError,
     describe_exception,
     import_extra,
+    prepare_until_rejected,
     redact_url,
     route_name,
 )
@@ -33,6 +42,8 @@ class RedisSinkConfig(SinkConfigBase):
     The stream is ``stream``, or ``stream_prefix`` + the value at payload path ``stream_from`` (e.g.
     ``table`` or ``data.tenant``), falling back to ``stream`` when the payload has no such value.
     ``maxlen``: trim each stream to that many entries (``MAXLEN ~`` when ``maxlen_approximate``).
+    ``max_message_bytes``: refuse (permanently, without sending) an event whose entry (field names
+    and values, in bytes) is larger; Redis has no limit of its own below 512 MB per value.
     """
 
     type: Literal["redis"] = "redis"
@@ -42,6 +53,7 @@ class RedisSinkConfig(SinkConfigBase):
     stream_prefix: str = ""
     maxlen: int | None = Field(default=None, ge=1)
     maxlen_approximate: bool = True
+    max_message_bytes: int | None = Field(default=None, ge=1)
     timeout_secs: float = Field(default=10, gt=0)
 
     @model_validator(mode="after")
@@ -81,30 +93,44 @@ class RedisSink(Sink):
         return self._client
 
     def publish(self, events: Sequence[Event]) -> None:
-        for start in range(0, len(events), self.chunk_size):
-            self._publish_chunk(events[start : start + self.chunk_size])
+        # every entry first: the events before a rejected one are sent, then it is rejected
+        entries, rejection = prepare_until_rejected(events, self._entry)
+        for start in range(0, len(entries), self.chunk_size):
+            end = min(start + self.chunk_size, len(entries))
+            self._publish_chunk(events[start:end], entries[start:end])
+        if rejection is not None:
+            raise rejection
 
-    def _stream_of(self, event: Event) -> str:
+    def _entry(self, event: Event) -> tuple[str, dict[str, str]]:
+        """The stream and fields of ``event``; a permanent :class:`SinkError` when it cannot be sent."""
         config = self.config
         try:
-            return route_name(event, config.stream, config.stream_from, config.stream_prefix)
+            stream = route_name(event, config.stream, config.stream_from, config.stream_prefix)
         except RoutingError as exc:
-            raise self._error([event], f"no stream name: {exc}") from None
+            raise self._error([event], f"no stream name: {exc}", permanent=True) from None
+        fields = {
+            "id": str(event.id),
+            "stream_id": str(event.stream_id),
+            "created_at": event.created_at.isoformat(),
+            "payload": event.payload_json,
+        }
+        metadata = event.metadata_json
+        if metadata is not None:
+            fields["metadata"] = metadata
+        limit = config.max_message_bytes
+        if limit is not None:
+            size = sum(len(name) + len(value.encode()) for name, value in fields.items())
+            if size > limit:
+                reason = (f"not sent to stream {stream!r}: the entry is {size} bytes, more than max_message_bytes "
+                          f"({limit})")
+                raise self._error([event], reason, permanent=True)
+        return stream, fields
 
-    def _publish_chunk(self, events: Sequence[Event]) -> None:
-        streams = [self._stream_of(event) for event in events]  # all names first: nothing sent on a bad one
+    def _publish_chunk(self, events: Sequence[Event], entries: Sequence[tuple[str, dict[str, str]]]) -> None:
+        streams = [stream for stream, _fields in entries]
         try:
             with self._conn().pipeline(transaction=True) as pipe:
-                for event, stream in zip(events, streams, strict=True):
-                    fields = {
-                        "id": str(event.id),
-                        "stream_id": str(event.stream_id),
-                        "created_at": event.created_at.isoformat(),
-                        "payload": event.payload_json,
-                    }
-                    metadata = event.metadata_json
-                    if metadata is not None:
-                        fields["metadata"] = metadata
+                for stream, fields in entries:
                     pipe.xadd(stream, fields, maxlen=self.config.maxlen, approximate=self.config.maxlen_approximate)
                 results = pipe.execute(raise_on_error=True)
         except self._redis_mod.RedisError as exc:
@@ -115,8 +141,8 @@ class RedisSink(Sink):
         if len(results) != len(events):
             raise self._error(events, f"expected {len(events)} XADD replies from {self._target}, got {len(results)}")
 
-    def _error(self, events: Sequence[Event], reason: str) -> SinkError:
-        return SinkError.for_events("redis", events, reason, self.config.secret_values())
+    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
+        return SinkError.for_events("redis", events, reason, self.config.secret_values(), permanent=permanent)
 
     def close(self) -> None:
         client, self._client = self._client, None
