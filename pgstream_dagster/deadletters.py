@@ -56,6 +56,7 @@ __all__ = [
     "DeadLetter",
     "DeadLetterError",
     "RedeliveryReport",
+    "count_open",
     "discard",
     "get_dead_letter",
     "list_dead_letters",
