@@ -7,24 +7,33 @@ from the UI):
 * on the stream's deliveries asset: ``undelivered_age`` (oldest undelivered event younger than
   ``streams[].checks.max_undelivered_age_secs``), ``slot_retained_wal`` (the slot exists, is not
   lost and holds back at most ``streams[].checks.max_retained_wal_bytes`` of WAL) and
-  ``not_in_failover`` (``pgstream.streams.failover_since`` is null; WARN).
+  ``not_in_failover`` (``pgstream.streams.failover_since`` is null; WARN) and ``no_dead_letters`` (no
+  open dead letter: an event the stream went on without waits for an operator to redeliver or discard it).
 """
 
+import datetime as dt
 from collections.abc import Iterator
 
 import dagster as dg
 import psycopg
 
+from . import deadletters
 from .assets import subscription_keys
 from .config import PgstreamConfig, StreamConfig, SubscriptionConfig
+from .controls import CONTROL_JOB
 from .jobs import deliveries_asset_key
+from .replay import replay_job_name
 from .resources import PgstreamResource
+from .sinks.base import excerpt
 from .subscriptions import differences, identity, stored_definition, trigger_state
 
 TRIGGER_CHECK = "trigger_matches"
 UNDELIVERED_AGE_CHECK = "undelivered_age"
 SLOT_WAL_CHECK = "slot_retained_wal"
 FAILOVER_CHECK = "not_in_failover"
+DEAD_LETTERS_CHECK = "no_dead_letters"
+#: open dead letters shown in the check's metadata
+DEAD_LETTERS_SHOWN = 20
 
 
 def check_subscription(conn: psycopg.Connection, sub: SubscriptionConfig, key: dg.AssetKey) -> dg.AssetCheckResult:
@@ -125,6 +134,37 @@ def check_failover(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCh
     )
 
 
+_DEAD_LETTER_COLUMNS = dg.TableSchema(columns=[
+    dg.TableColumn("id", "int"), dg.TableColumn("event_id", "int"), dg.TableColumn("stage", "string"),
+    dg.TableColumn("position", "string"), dg.TableColumn("attempts", "int"), dg.TableColumn("since", "string"),
+    dg.TableColumn("error", "string")])
+
+
+def check_dead_letters(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCheckResult:
+    """No open dead letter: every event the stream went on without was redelivered or discarded."""
+    count, oldest = deadletters.count_open(conn, stream.id)
+    first = deadletters.list_dead_letters(conn, stream.id, "open", limit=DEAD_LETTERS_SHOWN) if count else []
+    metadata: dict[str, object] = {"open_dead_letters": count}
+    if oldest is not None:
+        metadata["oldest_dead_letter_at"] = dg.MetadataValue.timestamp(oldest)
+        metadata["oldest_dead_letter_age_secs"] = round((dt.datetime.now(dt.UTC) - oldest).total_seconds(), 1)
+        metadata["dead_letters"] = dg.MetadataValue.table(
+            [dg.TableRecord({"id": d.id, "event_id": d.event_id, "stage": d.stage, "position": d.position,
+                             "attempts": d.attempts, "since": d.created_at.isoformat(),
+                             "error": excerpt(d.error, 200)}) for d in first],
+            schema=_DEAD_LETTER_COLUMNS)
+    shown = f" (first {len(first)} in the metadata)" if count > len(first) else ""
+    return dg.AssetCheckResult(
+        asset_key=deliveries_asset_key(stream.id), check_name=DEAD_LETTERS_CHECK, passed=count == 0,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=("no open dead letters" if count == 0 else
+                     f"{count} open dead letters{shown}, oldest since {oldest:%Y-%m-%d %H:%M:%S%z}: redeliver them "
+                     f"(job {replay_job_name(stream.id)}, dead_letters: true) or discard them (job "
+                     f"{CONTROL_JOB}, action discard_dead_letters)"),
+        metadata=metadata,
+    )
+
+
 def _stream_checks(config: PgstreamConfig, stream: StreamConfig) -> dg.AssetChecksDefinition:
     subs = [s for s in config.subscriptions if s.stream_id == stream.id]
     keys = subscription_keys(config, stream.id)
@@ -141,10 +181,14 @@ def _stream_checks(config: PgstreamConfig, stream: StreamConfig) -> dg.AssetChec
                           description=f"Slot {stream.slot} exists and retains at most "
                                       f"{stream.checks.max_retained_wal_bytes} bytes of WAL."),
         dg.AssetCheckSpec(FAILOVER_CHECK, asset=deliveries, description="The stream is not in failover."),
+        dg.AssetCheckSpec(DEAD_LETTERS_CHECK, asset=deliveries,
+                          description="No open dead letter: every event the stream went on without (rejected by "
+                                      "the sink, unreadable, set aside) was redelivered or discarded."),
     ]
 
     @dg.multi_asset_check(name=f"pgstream_stream_{stream.id}_checks", specs=specs, can_subset=True,
-                          description=f"Health of stream {stream.id}: subscription triggers, backlog, slot, failover.")
+                          description=f"Health of stream {stream.id}: subscription triggers, backlog, slot, failover, "
+                                      f"dead letters.")
     def _checks(context: dg.AssetCheckExecutionContext, pgstream: PgstreamResource) -> Iterator[dg.AssetCheckResult]:
         selected = context.selected_asset_check_keys
         with pgstream.connect() as conn:
@@ -158,6 +202,8 @@ def _stream_checks(config: PgstreamConfig, stream: StreamConfig) -> dg.AssetChec
                 yield check_slot_wal(conn, stream)
             if dg.AssetCheckKey(deliveries, FAILOVER_CHECK) in selected:
                 yield check_failover(conn, stream)
+            if dg.AssetCheckKey(deliveries, DEAD_LETTERS_CHECK) in selected:
+                yield check_dead_letters(conn, stream)
 
     return _checks
 

@@ -1,4 +1,5 @@
-"""``pgstream-dagster`` command line: migrate, tear-down, init, status, pause, resume, retry-now, skip, dev."""
+"""``pgstream-dagster`` command line: migrate, tear-down, init, status, pause, resume, retry-now, skip,
+dead-letters, dev."""
 
 from __future__ import annotations
 
@@ -106,6 +107,153 @@ def _control(args: argparse.Namespace, action: str) -> int:
     return 0
 
 
+def _operator() -> str:
+    """Who runs the command, kept with the dead letters it resolves."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment
+        user = str(os.getuid()) if hasattr(os, "getuid") else "unknown"
+    return f"cli {user}"
+
+
+def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
+    from .deadletters import list_dead_letters
+
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        letters = list_dead_letters(conn, args.stream, None if args.all else "open", args.limit)
+    which = "dead letters" if args.all else "open dead letters"
+    if not letters:
+        print(f"no {which}" + (f" in stream {args.stream}" if args.stream is not None else ""))
+        return 0
+    for letter in letters:
+        print(letter.describe())
+    if len(letters) == args.limit:
+        print(f"(first {args.limit} {which}; --limit N for more)")
+    return 0
+
+
+def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
+    import json
+
+    from .deadletters import get_dead_letter
+
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        d = get_dead_letter(conn, args.id)
+    print(f"dead letter {d.id}: stream {d.stream_id}, event {d.event_id}, {d.status}")
+    print(f"  stage: {d.stage} (" + ("the sink rejected it, or an operator set it aside" if d.stage == "deliver"
+                                     else "the sensor could not record it") + ")")
+    print(f"  position: {d.position}")
+    print(f"  overtaken by: {d.overtaken} delivered events of stream {d.stream_id} after its position")
+    if d.status == "open" and d.waiting_for_batch is not None:
+        print(f"  redelivery waits for batch {d.waiting_for_batch} (not delivered yet)")
+    print(f"  event created at: {d.event_created_at or '- (unreadable)'}")
+    print(f"  set aside at: {d.created_at}; updated {d.updated_at}; attempts {d.attempts}; sink {d.sink or '-'}")
+    if d.resolved_at is not None:
+        print(f"  {d.status} at {d.resolved_at} by {d.resolved_by}")
+    print(f"  error: {d.error}")
+    if d.undeliverable and d.status == "open":
+        print(f"  cannot be redelivered: {d.undeliverable}; discard it")
+    print("  payload: " + ("-" if d.payload_json is None else json.dumps(d.payload, indent=2, ensure_ascii=False)
+                           .replace("\n", "\n  ")))
+    print(f"  metadata: {d.metadata_json or '-'}")
+    return 0
+
+
+def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .deadletters import redeliver
+
+    config = load_config(Path(args.config) if args.config else None)
+    stream = config.stream(args.stream)
+    url = args.database_url or config.database_url.get_secret_value()
+    with psycopg.connect(url, autocommit=True) as conn:
+        report = redeliver(conn, stream, args.ids or None, _operator(), args.chunk_size, dry_run=args.dry_run)
+    first, *problems = report.lines()
+    print(first)
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 0 if report.complete else 1
+
+
+def _cmd_dead_letters_discard(args: argparse.Namespace) -> int:
+    if bool(args.ids) == args.all:
+        print("error: give dead letter ids or --all (one of them)", file=sys.stderr)
+        return 2
+    if not args.yes:
+        what = "every open dead letter" if args.all else f"dead letters {', '.join(map(str, args.ids))}"
+        print(f"error: discarding {what} of stream {args.stream} means their events are never delivered; "
+              "pass --yes", file=sys.stderr)
+        return 2
+    return _dead_letter_control(args, "discard_dead_letters", dead_letter_ids=args.ids, all_dead_letters=args.all,
+                                by=_operator())
+
+
+def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> int:
+    if not args.yes:
+        print(f"error: setting events aside means delivery goes on without them (they wait as dead letters of "
+              f"stream {args.stream}); pass --yes", file=sys.stderr)
+        return 2
+    return _dead_letter_control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
+
+
+def _dead_letter_control(args: argparse.Namespace, action: str, **kwargs: object) -> int:
+    from .controls import ControlError, apply_control
+
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        try:
+            print(apply_control(conn, args.stream, action, **kwargs))  # type: ignore[arg-type]
+        except ControlError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _add_dead_letter_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    group = sub.add_parser("dead-letters", help="list, show, redeliver, discard dead letters; set events aside")
+    dl = group.add_subparsers(dest="dead_letters_command", required=True)
+
+    p = dl.add_parser("list", parents=[common], help="open dead letters (all streams, or STREAM), in delivery order")
+    p.add_argument("stream", type=int, nargs="?", help="only this stream")
+    p.add_argument("--all", action="store_true", help="also redelivered and discarded ones")
+    p.add_argument("--limit", type=int, default=100, help="show at most N (default 100)")
+    p.set_defaults(func=_cmd_dead_letters_list)
+
+    p = dl.add_parser("show", parents=[common], help="everything about one dead letter: payload, error, position, "
+                                                     "how many later events overtook it")
+    p.add_argument("id", type=int)
+    p.set_defaults(func=_cmd_dead_letters_show)
+
+    p = dl.add_parser("redeliver", parents=[common],
+                      help="publish open dead letters of STREAM (all, or the IDs) through its sink, in delivery "
+                           "order; stops at the first one the sink refuses")
+    p.add_argument("stream", type=int)
+    p.add_argument("ids", type=int, nargs="*", metavar="ID", help="only these dead letters (default: all open)")
+    p.add_argument("--config", help="pgstream.yaml with the stream's sink (default: $PGSTREAM_CONFIG or "
+                                    "./pgstream.yaml); its database_url unless --database-url is given")
+    p.add_argument("--chunk-size", type=int, default=None, help="events per publish call (default: the stream's "
+                                                                "delivery.chunk_size)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be redelivered, send nothing")
+    p.set_defaults(func=_cmd_dead_letters_redeliver)
+
+    p = dl.add_parser("discard", parents=[common], help="give up on open dead letters of STREAM (IDs, or --all)")
+    p.add_argument("stream", type=int)
+    p.add_argument("ids", type=int, nargs="*", metavar="ID")
+    p.add_argument("--all", action="store_true", help="every open dead letter of the stream")
+    p.add_argument("--yes", action="store_true", help="confirm: their events are never delivered")
+    p.set_defaults(func=_cmd_dead_letters_discard)
+
+    p = dl.add_parser("set-aside", parents=[common],
+                      help="make undelivered events of STREAM's open batches dead letters: delivery goes on "
+                           "without them")
+    p.add_argument("stream", type=int)
+    p.add_argument("event_ids", type=int, nargs="+", metavar="EVENT_ID")
+    p.add_argument("--reason", required=True, help="why (kept with the dead letters)")
+    p.add_argument("--yes", action="store_true", help="confirm: delivery goes on without these events")
+    p.set_defaults(func=_cmd_dead_letters_set_aside)
+
+
 def _cmd_dev(args: argparse.Namespace) -> int:
     from .dev import run_dev
 
@@ -175,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--yes", action="store_true", help="confirm: the batch's events are not delivered")
         p.set_defaults(func=lambda a, _action=action: _control(a, _action))
 
+    _add_dead_letter_commands(sub, common)
+
     p = sub.add_parser("dev", help="local Postgres + migrations + demo + `dagster dev` (what `make dev` runs)")
     p.add_argument("--port", type=int, default=3000)
     p.add_argument("--no-spark-server", action="store_true",
@@ -198,9 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
         from .config import ConfigError
+        from .deadletters import DeadLetterError
         from .migrations import MigrationError
 
-        if isinstance(exc, MigrationError | ConfigError) or type(exc).__module__.startswith("psycopg"):
+        if isinstance(exc, MigrationError | ConfigError | DeadLetterError) or \
+                type(exc).__module__.startswith("psycopg"):
             print(f"error: {exc}", file=sys.stderr)
             return 1
         raise

@@ -5,6 +5,11 @@ queue never lets a replay interleave with the stream's deliveries. ``dry_run`` o
 
 Replays are at-least-once by nature: the sink sees the events again, with the same ids as
 idempotency keys. The ledger is not touched.
+
+The same job redelivers the stream's open dead letters (``dead_letters: true`` or
+``dead_letter_ids``), in their delivery-order position, through the stream's sink
+(:func:`pgstream_dagster.deadletters.redeliver`; no Spark involved): so a redelivery is queued like
+any replay and never interleaves with the stream's deliveries.
 """
 
 
@@ -17,7 +22,7 @@ from dagster_pyspark import PySparkResource
 from psycopg import sql
 from pydantic import Field
 
-from . import spark
+from . import deadletters, spark
 from .config import StreamConfig
 from .jobs import STREAM_TAG, deliveries_asset_key
 from .resources import PgstreamResource
@@ -42,6 +47,11 @@ class ReplayConfig(dg.Config):
     dry_run: bool = Field(False, description="count what would be replayed, deliver nothing")
     chunk_size: int | None = Field(None, ge=1, le=100_000, description="events per publish call (default: "
                                                                      "the stream's delivery.chunk_size)")
+    dead_letters: bool = Field(False, description="instead of events from the table: redeliver every open dead "
+                                                  "letter of the stream, in delivery order (dry_run lists them)")
+    dead_letter_ids: list[int] = Field(default_factory=list,
+                                       description="instead of events from the table: redeliver these open dead "
+                                                   "letters of the stream, in delivery order")
 
 
 class ReplayError(ValueError):
@@ -59,6 +69,55 @@ def _timestamp(name: str, value: str | None) -> dt.datetime | None:
 
 
 _FILTER = sql.SQL(spark.EVENTS_WHERE)
+
+
+def _dead_letter_selection(config: ReplayConfig) -> list[int] | None:
+    """The dead letters ``config`` selects (``None``: all open ones of the stream)."""
+    others = [name for name, value in (("from_event_id", config.from_event_id), ("to_event_id", config.to_event_id),
+                                       ("from_time", config.from_time), ("to_time", config.to_time),
+                                       ("subscription_keys", config.subscription_keys),
+                                       ("all_events", config.all_events)) if value not in (None, [], False)]
+    if others:
+        raise ReplayError(f"dead_letters/dead_letter_ids redeliver dead letters and take no event filter: "
+                          f"remove {', '.join(others)}")
+    if config.dead_letters and config.dead_letter_ids:
+        raise ReplayError("give dead_letters: true (every open dead letter) or dead_letter_ids, not both")
+    return None if config.dead_letters else list(config.dead_letter_ids)
+
+
+def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig, config: ReplayConfig,
+                            pgstream: PgstreamResource) -> int:
+    started = time.monotonic()
+    try:
+        ids = _dead_letter_selection(config)
+        with pgstream.connect() as conn:
+            report = deadletters.redeliver(conn, stream, ids, f"dagster run {context.run_id}", config.chunk_size,
+                                           dry_run=config.dry_run)
+    except (ReplayError, deadletters.DeadLetterError) as exc:
+        raise dg.Failure(f"redelivery of stream {stream.id}'s dead letters: {exc}") from None
+    for letter in report.planned:
+        context.log.info(letter.describe())
+    first, *problems = report.lines()
+    context.log.info(first)
+    for line in problems:
+        context.log.warning(line)
+    elapsed = time.monotonic() - started
+    metadata: dict[str, object] = {
+        "kind": "dead_letters", "dry_run": config.dry_run, "planned": len(report.planned),
+        "redelivered": len(report.redelivered),
+        "redelivered_ids": dg.MetadataValue.json(report.redelivered),
+        "undeliverable_ids": dg.MetadataValue.json([i for i, _ in report.undeliverable]),
+        "waiting_ids": dg.MetadataValue.json(report.waiting)}
+    if report.redelivered and not config.dry_run:
+        context.log_event(dg.AssetMaterialization(
+            asset_key=deliveries_asset_key(stream.id), description=f"redelivery of {len(report.redelivered)} "
+                                                                   f"dead letters",
+            metadata={**metadata, "events": len(report.redelivered), "duration_secs": round(elapsed, 3)}))
+    context.add_output_metadata(metadata)
+    if report.failed is not None:
+        raise dg.Failure(f"redelivery of stream {stream.id}'s dead letters stopped: {report.summary()}",
+                         metadata=metadata)
+    return 0 if config.dry_run else len(report.redelivered)
 
 
 def plan(conn: psycopg.Connection, stream_id: int, config: ReplayConfig,
@@ -100,6 +159,8 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
            description=f"Replay events of stream {stream.id} from pgstream.events through its {stream.sink.type} sink.")
     def _op(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: PgstreamResource,
             pyspark: PySparkResource) -> int:
+        if config.dead_letters or config.dead_letter_ids:
+            return _redeliver_dead_letters(context, stream, config, pgstream)
         started = time.monotonic()
         try:
             with pgstream.connect() as conn:
@@ -157,8 +218,8 @@ def replay_job(stream: StreamConfig) -> dg.JobDefinition:
     op = _replay_op(stream)
 
     @dg.job(name=replay_job_name(stream.id),
-            description=f"Replay events of stream {stream.id} by id range, time range or subscription keys "
-                        f"(launch from the Launchpad; dry_run only counts).",
+            description=f"Replay events of stream {stream.id} by id range, time range or subscription keys, or "
+                        f"redeliver its dead letters (launch from the Launchpad; dry_run only counts).",
             tags={STREAM_TAG: str(stream.id), REPLAY_TAG: "true"},
             executor_def=dg.in_process_executor)
     def _job() -> None:

@@ -1,5 +1,5 @@
-"""Stream status: state, failover checkpoint, backlog, slot lag and the last batches of every
-stream (``pgstream-dagster status`` and the UI)."""
+"""Stream status: state, failover checkpoint, backlog, slot lag, open dead letters and the last
+batches of every stream (``pgstream-dagster status`` and the UI)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,12 @@ def render_status(streams: list[dict[str, Any]]) -> str:
                      f"(committed {s['oldest_undelivered_at'] or '-'})")
         lines.append(f"  delivered today: {s['delivered_today']}; last recorded event "
                      f"{s['last_recorded_event_id'] or '-'}; {slot}")
+        open_letters = int(s.get("open_dead_letters") or 0)
+        if open_letters:
+            lines.append(f"  dead letters: {open_letters} open (oldest since {s['oldest_dead_letter_at']}): "
+                         f"pgstream-dagster dead-letters list {s['id']}")
+        else:
+            lines.append("  dead letters: none open")
         if s.get("open_run_key"):
             lines.append(f"  open run: {s['open_run_key']} (the sensor hands it every new batch)")
         if s["failover_since"]:
@@ -88,7 +94,7 @@ def status_asset_spec(stream_id: int, deliveries_key: dg.AssetKey) -> dg.AssetSp
         key=status_asset_key(stream_id), group_name="pgstream", deps=[deliveries_key], kinds={"postgres"},
         description=f"Health of stream {stream_id}, observed by its sensor when the state changes and at least "
                     f"every sensor.status_every_secs: healthy / failover since when, checkpoint, cursor, slot lag, "
-                    f"backlog, events delivered today, last batches.",
+                    f"backlog, events delivered today, open dead letters, last batches.",
         metadata={"stream_id": stream_id})
 
 
@@ -122,6 +128,9 @@ def status_observation(s: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObs
         "failover_next_retry": dg.MetadataValue.timestamp(s["failover_retry_at"]) if s["failover_retry_at"] else None,
         "failover_error": s["failover_error"],
         "open_run_key": s.get("open_run_key"),
+        "open_dead_letters": int(s.get("open_dead_letters") or 0),
+        "oldest_dead_letter_at": (dg.MetadataValue.timestamp(s["oldest_dead_letter_at"])
+                                  if s.get("oldest_dead_letter_at") else None),
         "last_batches": dg.MetadataValue.md(_markdown_batches(s["last_batches"])),
     }
     return dg.AssetObservation(asset_key=status_asset_key(s["id"]), description=f"stream {s['id']}: {s['state']}",

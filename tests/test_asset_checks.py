@@ -25,7 +25,7 @@ from .harness import backdated, write_config
 
 SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
-AGE, WAL, FAILOVER = "undelivered_age", "slot_retained_wal", "not_in_failover"
+AGE, WAL, FAILOVER, DEAD = "undelivered_age", "slot_retained_wal", "not_in_failover", "no_dead_letters"
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     init(cfg)  # stream, slot, subscription
     checks = Checks(cfg, instance)
     first = checks.run()
-    assert set(first) == {"trigger", AGE, WAL, FAILOVER}
+    assert set(first) == {"trigger", AGE, WAL, FAILOVER, DEAD}
     assert all(ev.passed for ev in first.values()), {n: ev.description for n, ev in first.items()}
     assert first["trigger"].asset_key == dg.AssetKey(
         ["pgstream", "stream_1", "subscriptions", "user_signup_insert_public_users"])
@@ -159,6 +159,42 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     ev = checks.run()[FAILOVER]
     assert not ev.passed and "in failover since" in (ev.description or "")
     execute(app, "update pgstream.streams set failover_since = null where id = 1")
+    assert checks.failing() == set()
+
+
+def test_dead_letters_check_is_red_while_any_is_open(app: str, tmp_path: Path,
+                                                      instance: dg.DagsterInstance) -> None:
+    cfg = write_config(tmp_path / "pgstream.yaml", app, stream(), [SIGNUP])
+    init(cfg)
+    checks = Checks(cfg, instance)
+    ev = checks.run()[DEAD]
+    assert ev.passed and ev.description == "no open dead letters" and ev.metadata["open_dead_letters"].value == 0
+    assert ev.severity == dg.AssetCheckSeverity.ERROR and ev.asset_key == deliveries_asset_key(1)
+
+    # 25 events of an undelivered batch set aside (a sink rejected them for good): red, with the first 20
+    with psycopg.connect(app, autocommit=True) as c:
+        ids = [r[0] for r in c.execute("insert into pgstream.events (payload, stream_id) "
+                                       "select jsonb_build_object('n', g), 1 from generate_series(1, 25) g "
+                                       "returning id").fetchall()]
+        c.execute("insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
+                  "min_created_at, max_created_at) values (1, %s, 25, %s, %s, now(), now())",
+                  [ids, ids[0], ids[-1]])
+        c.execute("select pgstream.set_aside_events(1, %s, 'HTTP 422 from the consumer')", [ids])
+    ev = checks.run()[DEAD]
+    assert not ev.passed and ev.severity == dg.AssetCheckSeverity.ERROR
+    assert (ev.description or "").startswith("25 open dead letters (first 20 in the metadata), oldest since")
+    assert "pgstream_replay_stream_1" in (ev.description or "")
+    assert ev.metadata["open_dead_letters"].value == 25
+    assert ev.metadata["oldest_dead_letter_age_secs"].value >= 0
+    table = ev.metadata["dead_letters"].value
+    assert [r.data["event_id"] for r in table.records] == ids[:20]  # in delivery order
+    assert table.records[0].data["stage"] == "deliver" and table.records[0].data["position"].endswith("#1")
+    assert table.records[0].data["error"] == "set aside by an operator: HTTP 422 from the consumer"
+    assert checks.failing() == {DEAD}  # the others are not affected
+
+    # discarded (or redelivered), green again
+    with psycopg.connect(app, autocommit=True) as c:
+        c.execute("select pgstream.discard_dead_letters(1, null, 'test')")
     assert checks.failing() == set()
 
 

@@ -1,0 +1,410 @@
+"""Dead letters (``pgstream.dead_letters``): events a stream went on without. The operator surface,
+shared by the CLI, the replay and control jobs and the asset check: list, inspect, set aside,
+redeliver, discard. No Dagster here.
+
+A dead letter is either
+
+* stage ``deliver``: an event of a batch that the sink rejected for good (or that an operator set
+  aside); its position is ``(batch_id, ord)``, its place in the batch's commit order (1-based);
+* stage ``read``: an event the sensor could not record (it is in no batch); its position is the
+  commit LSN of its transaction.
+
+**Delivery order of dead letters** (the order :func:`redeliver` publishes them in, and the order
+:func:`list_dead_letters` lists them in): deliver-stage ones by ``(batch_id, ord)``; a read-stage one
+sits right after the last batch of its stream that starts at or before its LSN (``start_lsn <=
+lsn``: the batches holding transactions committed before it), i.e. after the deliver-stage ones of
+that batch and before those of later batches; read-stage ones after the same batch by LSN, then
+event id. With no such batch (none recorded yet, or pruned) it comes first.
+
+**Overtaken**: the number of events of the stream after a dead letter's position that have been
+delivered (delivered batches after its position, plus, for a deliver-stage one, the rest of its
+own batch once that batch is delivered; other dead letters there that were not delivered do not
+count). A dead letter is out of order by definition; this says by how much.
+
+**Redelivery waits for the stream**: a dead letter is redelivered only once every batch of the
+stream up to its position is delivered or skipped, so it never overtakes an event that was before
+it; the first one that must wait stops the redelivery (later ones wait too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import psycopg
+from psycopg.rows import dict_row
+
+from .config import StreamConfig
+from .sinks import Event, Sink, SinkError
+from .sinks.base import excerpt
+
+Status = Literal["open", "redelivered", "discarded"]
+STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")
+
+#: advisory lock class of a stream's dead-letter redelivery (objid = stream id): two redeliveries of
+#: one stream (a UI run and a shell) never interleave
+REDELIVERY_LOCK_CLASS = 0x7067646C  # "pgdl"
+
+#: longest error text stored with a dead letter (the SQL functions use the same limit)
+ERROR_CHARS = 2000
+
+__all__ = [
+    "DeadLetter",
+    "DeadLetterError",
+    "RedeliveryReport",
+    "count_open",
+    "discard",
+    "get_dead_letter",
+    "list_dead_letters",
+    "redeliver",
+    "redelivery_plan",
+    "set_aside",
+]
+
+
+class DeadLetterError(RuntimeError):
+    """The dead-letter operation was refused (unknown ids, nothing given...); nothing changed."""
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: int
+    stream_id: int
+    event_id: int
+    stage: Literal["read", "deliver"]
+    batch_id: int | None
+    ord: int | None
+    lsn: str | None
+    event_created_at: dt.datetime | None
+    payload_json: str | None  # jsonb::text; None when the event had vanished when it was set aside
+    metadata_json: str | None
+    sink: str | None
+    error: str
+    attempts: int
+    status: Status
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    resolved_at: dt.datetime | None
+    resolved_by: str | None
+    #: the batch its position is relative to: its own (deliver) or the last one starting at or
+    #: before its LSN (read; 0 when there is none)
+    anchor_batch_id: int = 0
+    #: the first batch up to its position that is neither delivered nor skipped: it waits for it
+    waiting_for_batch: int | None = None
+    #: delivered events of the stream after its position (only :func:`get_dead_letter` computes it)
+    overtaken: int | None = None
+
+    @property
+    def payload(self) -> Any:
+        return None if self.payload_json is None else json.loads(self.payload_json)
+
+    @property
+    def metadata(self) -> Any:
+        return None if self.metadata_json is None else json.loads(self.metadata_json)
+
+    @property
+    def position(self) -> str:
+        """``batch 12 #3`` (deliver) or ``lsn 0/16B3F28`` (read)."""
+        if self.stage == "deliver":
+            return f"batch {self.batch_id} #{self.ord}"
+        return f"lsn {self.lsn}" + (f" (after batch {self.anchor_batch_id})" if self.anchor_batch_id else "")
+
+    @property
+    def undeliverable(self) -> str | None:
+        """Why it can never be redelivered (discard it), or None."""
+        if self.payload_json is None:
+            return "its event had vanished from pgstream.events when it was set aside: there is no payload to send"
+        if self.event_created_at is None:
+            return "the sensor could not read the event's created_at: there is no timestamp to send"
+        return None
+
+    def event(self) -> Event:
+        assert self.payload_json is not None and self.event_created_at is not None
+        return Event(self.event_id, self.stream_id, created_at=self.event_created_at,
+                     payload_json=self.payload_json, metadata_json=self.metadata_json)
+
+    def describe(self) -> str:
+        """One line for lists and logs."""
+        resolved = (f", {self.status} {self.resolved_at:%Y-%m-%d %H:%M:%S} by {self.resolved_by}"
+                    if self.resolved_at else "")
+        return (f"dead letter {self.id}: stream {self.stream_id} event {self.event_id} {self.stage} "
+                f"{self.position}, {self.status}, {self.attempts} attempts, since "
+                f"{self.created_at:%Y-%m-%d %H:%M:%S%z}{resolved}: {excerpt(self.error, 120)}")
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+_SELECT = """
+select d.id, d.stream_id, d.event_id, d.stage, d.batch_id, d.ord, d.lsn::text as lsn, d.event_created_at,
+       d.payload::text as payload_json, d.metadata::text as metadata_json, d.sink, d.error, d.attempts,
+       d.status, d.created_at, d.updated_at, d.resolved_at, d.resolved_by,
+       a.anchor_batch_id,
+       (select min(b.id) from pgstream.batches b
+         where b.stream_id = d.stream_id and b.id <= a.anchor_batch_id
+           and b.status not in ('delivered', 'skipped')) as waiting_for_batch
+from pgstream.dead_letters d
+cross join lateral (
+    select case when d.stage = 'deliver' then d.batch_id
+                else coalesce(d.batch_id,
+                              (select max(b.id) from pgstream.batches b
+                                where b.stream_id = d.stream_id and b.start_lsn <= d.lsn), 0)
+           end as anchor_batch_id) a
+"""
+
+#: the delivery order of dead letters (see the module docstring)
+_ORDER = " order by d.stream_id, a.anchor_batch_id, d.stage = 'read', d.ord, d.lsn, d.event_id, d.id"
+
+
+def _row(row: dict[str, Any]) -> DeadLetter:
+    return DeadLetter(**{**row, "anchor_batch_id": int(row["anchor_batch_id"] or 0)})
+
+
+def list_dead_letters(conn: psycopg.Connection, stream_id: int | None = None, status: str | None = "open",
+                      limit: int | None = 100) -> list[DeadLetter]:
+    """Dead letters of one stream (or all), with ``status`` (``None``: any), in delivery order, at most
+    ``limit`` (``None``: all)."""
+    if status is not None and status not in STATUSES:
+        raise DeadLetterError(f"status must be one of {', '.join(STATUSES)} (or None for all), not {status!r}")
+    if limit is not None and limit < 1:
+        raise DeadLetterError(f"limit must be at least 1, not {limit}")
+    query = (_SELECT + " where (%(stream)s::bigint is null or d.stream_id = %(stream)s::bigint)"
+             " and (%(status)s::text is null or d.status = %(status)s::text)" + _ORDER +
+             " limit %(limit)s")
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(query, {"stream": stream_id, "status": status, "limit": limit}).fetchall()
+    return [_row(r) for r in rows]
+
+
+def count_open(conn: psycopg.Connection, stream_id: int) -> tuple[int, dt.datetime | None]:
+    """How many dead letters of the stream are open, and when the oldest was created."""
+    row = conn.execute("select count(*), min(created_at) from pgstream.dead_letters "
+                       "where stream_id = %s and status = 'open'", [stream_id]).fetchone()
+    assert row is not None
+    return int(row[0]), row[1]
+
+
+_OVERTAKEN = """
+with p as (select %(stream)s::bigint as stream_id, %(anchor)s::bigint as anchor, %(batch)s::bigint as batch,
+                  %(ord)s::int as ord),
+after as (  -- delivered batches after the position, and the rest of its own batch once delivered
+    select b.id, case when b.id = p.batch then p.ord else 0 end as from_ord,
+           b.event_count - case when b.id = p.batch then p.ord else 0 end as events
+    from pgstream.batches b, p
+    where b.stream_id = p.stream_id and b.status = 'delivered'
+      and (b.id > p.anchor or (b.id = p.batch and p.batch is not null)))
+select coalesce((select sum(events) from after), 0)
+     - (select count(*) from pgstream.dead_letters o join after on o.batch_id = after.id
+        where o.stream_id = %(stream)s and o.id <> %(id)s and o.stage = 'deliver' and o.ord > after.from_ord
+          and o.status <> 'redelivered')
+"""
+
+
+def get_dead_letter(conn: psycopg.Connection, dead_letter_id: int) -> DeadLetter:
+    """Everything about one dead letter, with how many later events of its stream were delivered
+    (``overtaken``)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(_SELECT + " where d.id = %s", [dead_letter_id]).fetchone()
+    if row is None:
+        raise DeadLetterError(f"dead letter {dead_letter_id} does not exist")
+    letter = _row(row)
+    found = conn.execute(_OVERTAKEN, {"stream": letter.stream_id, "anchor": letter.anchor_batch_id,
+                                      "batch": letter.batch_id if letter.stage == "deliver" else None,
+                                      "ord": letter.ord or 0, "id": letter.id}).fetchone()
+    assert found is not None
+    return dataclasses.replace(letter, overtaken=int(found[0]))
+
+
+# --- operator actions (thin wrappers of the SQL functions) --------------------------------------
+
+def _refused(exc: psycopg.Error) -> DeadLetterError:
+    diag = exc.diag
+    message = diag.message_primary or str(exc)
+    return DeadLetterError(f"{message} ({diag.message_hint})" if diag.message_hint else message)
+
+
+def set_aside(conn: psycopg.Connection, stream_id: int, event_ids: Sequence[int], reason: str) -> int:
+    """Move undelivered events of the stream's open batches into dead letters (delivery goes on
+    without them); returns how many. Refuses, changing nothing, ids that are in no open batch of the
+    stream or already dead letters."""
+    try:
+        row = conn.execute("select pgstream.set_aside_events(%s, %s, %s)",
+                           [stream_id, list(event_ids), reason]).fetchone()
+    except (psycopg.errors.NoDataFound, psycopg.errors.InvalidParameterValue) as exc:
+        raise _refused(exc) from None
+    assert row is not None
+    return int(row[0])
+
+
+def discard(conn: psycopg.Connection, stream_id: int, ids: Sequence[int] | None, by: str) -> int:
+    """Give up on open dead letters of the stream (``ids``, or all when None); returns how many.
+    Refuses, changing nothing, ids that are not open dead letters of the stream."""
+    if ids is not None and not ids:
+        raise DeadLetterError("no dead letter ids given (give ids, or discard all of the stream's)")
+    try:
+        row = conn.execute("select pgstream.discard_dead_letters(%s, %s, %s)",
+                           [stream_id, None if ids is None else list(ids), by]).fetchone()
+    except (psycopg.errors.NoDataFound, psycopg.errors.InvalidParameterValue) as exc:
+        raise _refused(exc) from None
+    assert row is not None
+    return int(row[0])
+
+
+# --- redelivery ---------------------------------------------------------------------------------
+
+@dataclass
+class RedeliveryReport:
+    """What :func:`redeliver` did. ``planned`` is every selected open dead letter, in order."""
+
+    stream_id: int
+    planned: list[DeadLetter]
+    dry_run: bool = False
+    redelivered: list[int] = field(default_factory=list)
+    #: dead letters that can never be redelivered: (id, why); left open for the operator to discard
+    undeliverable: list[tuple[int, str]] = field(default_factory=list)
+    #: the dead letter the sink refused (its error and attempts were recorded), and why
+    failed: int | None = None
+    error: str | None = None
+    #: the first batch up to the position of ``waiting[0]`` that the stream has not delivered yet
+    waiting_for_batch: int | None = None
+    #: selected dead letters left open after a failure or behind an undelivered batch, in order
+    waiting: list[int] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Every selected dead letter was redelivered (or, in a dry run, could be)."""
+        return self.failed is None and not self.undeliverable and not self.waiting
+
+    def lines(self) -> list[str]:
+        """The report, one line per fact (for the run log and the CLI)."""
+        s = self.stream_id
+        if not self.planned:
+            return [f"stream {s}: no open dead letters to redeliver"]
+        ids = [d.id for d in self.planned]
+        if self.dry_run:
+            out = [f"stream {s}: would redeliver {len(self.redelivered)} of {len(ids)} open dead letters, in this "
+                   f"order: {_ids(self.redelivered)}"]
+        else:
+            out = [f"stream {s}: redelivered {len(self.redelivered)} of {len(ids)} dead letters"
+                   + (f": {_ids(self.redelivered)}" if self.redelivered else "")]
+        for letter_id, why in self.undeliverable:
+            out.append(f"dead letter {letter_id} cannot be redelivered: {why}; it stays open (discard it)")
+        if self.failed is not None:
+            out.append(f"dead letter {self.failed} was refused by the sink (error recorded, attempts + 1): "
+                       f"{self.error}")
+        if self.waiting and self.failed is not None:
+            out.append(f"dead letters {_ids(self.waiting)} stay open, in order behind dead letter {self.failed}; "
+                       f"redeliver again once the sink accepts it")
+        elif self.waiting:
+            out.append(f"dead letters {_ids(self.waiting)} wait: batch {self.waiting_for_batch} of stream {s} "
+                       f"(at or before their position) is neither delivered nor skipped yet; redeliver them once "
+                       f"the stream has delivered it")
+        return out
+
+    def summary(self) -> str:
+        return "; ".join(self.lines())
+
+
+def _ids(ids: Sequence[int]) -> str:
+    shown = ", ".join(str(i) for i in ids[:50])
+    return shown + (f", ... ({len(ids)} in all)" if len(ids) > 50 else "")
+
+
+def _array(ids: Sequence[int]) -> str:
+    """Ids as the SQL functions show them in their errors: ``{3,5}``."""
+    return "{" + ",".join(map(str, ids)) + "}"
+
+
+def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int] | None = None) -> list[DeadLetter]:
+    """The stream's open dead letters (all, or ``ids``) in delivery order. Ids that are not open dead
+    letters of the stream are refused."""
+    if ids is not None and not ids:
+        raise DeadLetterError("no dead letter ids given (give ids, or redeliver all of the stream's)")
+    letters = list_dead_letters(conn, stream_id, "open", limit=None)
+    if ids is None:
+        return letters
+    wanted = set(ids)
+    wrong = sorted(wanted - {d.id for d in letters})
+    if wrong:
+        raise DeadLetterError(f"dead letters {_array(wrong)} are not open dead letters of stream {stream_id}")
+    return [d for d in letters if d.id in wanted]
+
+
+def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int] | None, by: str,
+              chunk_size: int | None = None, *, dry_run: bool = False) -> RedeliveryReport:
+    """Publish the stream's open dead letters (all, or ``ids``) through its sink in delivery order,
+    ``chunk_size`` events per publish call (default: the stream's ``delivery.chunk_size``), marking each
+    chunk ``redelivered`` only once the sink confirmed it.
+
+    * A dead letter with no payload or no event timestamp cannot be redelivered: it is reported and
+      left open (the others go on: waiting would not make it deliverable).
+    * A dead letter whose position the stream has not passed yet (a batch up to it is neither
+      delivered nor skipped) is not sent: it and every later one wait.
+    * On a :class:`SinkError` the error (already free of secrets) and attempts + 1 are recorded on the
+      first dead letter of the refused chunk, and redelivery stops: later ones wait, order is kept.
+
+    ``conn`` should be in autocommit mode (each confirmed chunk is marked in a transaction of its own).
+    Two redeliveries of one stream never run at once (an advisory lock)."""
+    size = chunk_size or stream.delivery.chunk_size
+    if size < 1:
+        raise DeadLetterError(f"chunk_size must be at least 1, not {size}")
+    row = conn.execute("select pg_try_advisory_lock(%s, %s)", [REDELIVERY_LOCK_CLASS, stream.id]).fetchone()
+    if not (row and row[0]):
+        raise DeadLetterError(f"another redelivery of stream {stream.id}'s dead letters is running")
+    try:
+        report = RedeliveryReport(stream.id, redelivery_plan(conn, stream.id, ids), dry_run=dry_run)
+        sendable: list[DeadLetter] = []
+        for i, letter in enumerate(report.planned):
+            if letter.waiting_for_batch is not None:
+                report.waiting_for_batch = letter.waiting_for_batch
+                report.waiting = [d.id for d in report.planned[i:] if d.undeliverable is None]
+                report.undeliverable += [(d.id, why) for d in report.planned[i:] if (why := d.undeliverable)]
+                break
+            why = letter.undeliverable
+            if why is not None:
+                report.undeliverable.append((letter.id, why))
+            else:
+                sendable.append(letter)
+        if dry_run or not sendable:
+            report.redelivered = [d.id for d in sendable] if dry_run else []
+            return report
+        _publish(conn, stream, sendable, size, by, report)
+        return report
+    finally:
+        conn.execute("select pg_advisory_unlock(%s, %s)", [REDELIVERY_LOCK_CLASS, stream.id])
+
+
+def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadLetter], size: int, by: str,
+             report: RedeliveryReport) -> None:
+    sink: Sink | None = None
+    try:
+        for start in range(0, len(letters), size):
+            chunk = letters[start:start + size]
+            try:
+                if sink is None:
+                    sink = stream.sink.build()
+                sink.publish([d.event() for d in chunk])
+            except SinkError as exc:
+                first = chunk[0]
+                message = excerpt(f"redelivery failed: {exc}", ERROR_CHARS)
+                with conn.transaction():
+                    conn.execute("update pgstream.dead_letters set error = %s, attempts = attempts + 1, "
+                                 "sink = %s, updated_at = now() where id = %s and status = 'open'",
+                                 [message, stream.sink.type, first.id])
+                report.failed, report.error = first.id, str(exc)
+                report.waiting = [d.id for d in letters[start + 1:]] + report.waiting
+                return
+            with conn.transaction():
+                marked = conn.execute(
+                    "update pgstream.dead_letters set status = 'redelivered', resolved_at = now(), "
+                    "updated_at = now(), resolved_by = left(%s, 200), sink = %s "
+                    "where id = any(%s) and status = 'open' returning id",
+                    [by, stream.sink.type, [d.id for d in chunk]]).fetchall()
+            done = {r[0] for r in marked}  # one discarded meanwhile stays discarded
+            report.redelivered += [d.id for d in chunk if d.id in done]
+    finally:
+        if sink is not None:
+            sink.close()
