@@ -313,10 +313,12 @@ def _observe_status(conn: psycopg.Connection, stream: StreamConfig, row: dict[st
                     cursor: dict[str, object]) -> dg.AssetObservation | None:
     """An observation of the stream status asset when the state changed or it is due."""
     due = time.time() - float(cursor.get("status_at", 0)) >= stream.sensor.status_every_secs  # type: ignore[arg-type]
-    if not due and cursor.get("status_state") == row["state"]:
+    dead_letters = int(row.get("open_dead_letters") or 0)  # type: ignore[call-overload]
+    if not due and cursor.get("status_state") == row["state"] and cursor.get("status_dead_letters", 0) == dead_letters:
         return None
     cursor["status_at"] = time.time()
     cursor["status_state"] = row["state"]
+    cursor["status_dead_letters"] = dead_letters
     return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, cursor)
 
 
