@@ -22,6 +22,7 @@ from psycopg import sql
 
 from pgstream_dagster.config import HousekeepingConfig
 from pgstream_dagster.housekeeping import run_housekeeping
+from pgstream_dagster.replay import replay_job_name
 
 from .endpoint import Endpoint
 from .harness import Driver, backdated, insert_events, write_config
@@ -239,3 +240,13 @@ def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_ur
         assert d["payload"] is not None and d["batch_id"] is not None and d["ord"] >= 1
     assert open_dead_letters(db_url) == 3
     report("poison events, on_reject: dead_letter", endpoint, db_url, rejected_requests=len(endpoint.rejected))
+    # the receiver is fixed: the operator redelivers them from the Launchpad (the replay job), in order
+    endpoint.reject_ids = set()
+    before = len(endpoint.accepted)
+    job = driver.defs.resolve_job_def(replay_job_name(STREAM))
+    result = job.execute_in_process(run_config={"ops": {f"replay_stream_{STREAM}": {"config": {"dead_letters": True}}}},
+                                    instance=instance, raise_on_error=False)
+    assert result.success
+    assert endpoint.accepted[before:] == sorted(poison)
+    assert {d["status"] for d in dead_letters(db_url)} == {"redelivered"} and open_dead_letters(db_url) == 0
+    assert endpoint.unique() == set(sent_ids(db_url))
