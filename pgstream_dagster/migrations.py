@@ -22,6 +22,10 @@ WRITER_ROLE = "pgstream_writer"
 #: Key of the session-independent advisory lock that serialises concurrent migrators.
 MIGRATION_LOCK_KEY = 0x70677374  # "pgst"
 
+#: Key of the transaction-level advisory lock that serialises ``pgstream.create_partitions`` and
+#: ``pgstream.drop_partitions`` (sql/013_collisions.sql): concurrent callers deadlocked attaching.
+PARTITION_LOCK_KEY = 0x70677370  # "pgsp" = 1885827952
+
 _FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
 
 
