@@ -59,11 +59,13 @@ def init(config_path: Path | None = None) -> list[str]:
     url = config.database_url.get_secret_value()
     out = [f"applied migration {m}" for m in migrate(url, partitions_ahead=config.housekeeping.days_ahead)]
     with psycopg.connect(url, autocommit=True) as conn:
+        # a slot another stream reads is refused before anything changes
+        ledger.check_slots(conn, [(s.id, s.slot) for s in config.streams])
         report = run_housekeeping(conn, config.housekeeping)
         if report.created or report.dropped or report.kept or report.batches_pruned or report.default_rows_deleted:
             out.append(report.summary())
         for stream in config.streams:
-            ledger.ensure_stream(conn, stream.id)
+            ledger.ensure_stream(conn, stream.id, stream.slot)
             result = ConsumeResult()
             ensure_slot(conn, stream, result)
             if result.slot_created:
@@ -198,9 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
         from .config import ConfigError
+        from .ledger import SlotInUse
         from .migrations import MigrationError
 
-        if isinstance(exc, MigrationError | ConfigError) or type(exc).__module__.startswith("psycopg"):
+        if isinstance(exc, MigrationError | ConfigError | SlotInUse) or type(exc).__module__.startswith("psycopg"):
             print(f"error: {exc}", file=sys.stderr)
             return 1
         raise

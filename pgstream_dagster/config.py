@@ -185,6 +185,14 @@ class PgstreamConfig(_Model):
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
+        # one slot, one stream: two streams on a slot each advance it past the other's events
+        readers: dict[str, int] = {}
+        for s in self.streams:
+            if s.slot in readers:
+                raise ValueError(f"streams {readers[s.slot]} and {s.id} both read replication slot {s.slot} "
+                                 f"(streams[].slot_name, default pgstream_stream_<id>): a slot belongs to one "
+                                 f"stream; give one of them another slot_name")
+            readers[s.slot] = s.id
         for i, sub in enumerate(self.subscriptions):
             if sub.stream_id not in ids:
                 raise ValueError(f"subscriptions[{i}] ({sub.key!r}) uses stream_id {sub.stream_id}, "

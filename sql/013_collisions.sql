@@ -12,6 +12,72 @@
 --     to the default partition, or fail creating the same day twice.
 
 -- ---------------------------------------------------------------------------------------------
+-- One slot, one stream.
+do $$
+declare
+    v_clash text;
+begin
+    select pg_catalog.string_agg(pg_catalog.format('slot %s is used by streams %s', c.slot, c.ids), '; '
+                                 order by c.slot)
+      into v_clash
+      from (select coalesce(s.slot_name, 'pgstream_stream_' operator(pg_catalog.||) s.id::pg_catalog.text) as slot,
+                   pg_catalog.string_agg(s.id::pg_catalog.text, ', ' order by s.id) as ids
+              from pgstream.streams s
+             group by 1
+            having pg_catalog.count(*) operator(pg_catalog.>) 1) c;
+    if v_clash is not null then
+        raise exception 'pgstream: streams share a replication slot (%): only one of them would see its events', v_clash
+            using hint = 'Give each stream its own streams[].slot_name in pgstream.yaml and set the same in '
+                         'pgstream.streams.slot_name (null means pgstream_stream_<id>), or delete the stream that is '
+                         'no longer used (delete from pgstream.streams where id = N); then migrate again.';
+    end if;
+end
+$$;
+
+create unique index if not exists streams_slot_key on pgstream.streams
+    ((coalesce(slot_name, 'pgstream_stream_' operator(pg_catalog.||) id::pg_catalog.text)));
+
+-- The stream that holds a slot name, other than p_stream_id (null if none).
+create or replace function pgstream.slot_holder(p_slot text, p_stream_id bigint)
+returns bigint
+language sql
+stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select s.id from pgstream.streams s
+    where coalesce(s.slot_name, 'pgstream_stream_' || s.id::text) = p_slot and s.id <> p_stream_id
+    order by s.id
+    limit 1
+$$;
+
+-- A subscription for a stream that has no row yet creates the row (and so its publication), with
+-- the default slot name: refused, naming the stream, when another stream already reads that slot.
+create or replace function pgstream.ensure_stream(p_stream_id bigint)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_slot   text := 'pgstream_stream_' || p_stream_id::text;
+    v_holder bigint;
+begin
+    if exists (select 1 from pgstream.streams where id = p_stream_id) then
+        return;
+    end if;
+    v_holder := pgstream.slot_holder(v_slot, p_stream_id);
+    if v_holder is not null then
+        raise exception 'pgstream: stream %: slot % is already used by stream %', p_stream_id, v_slot, v_holder
+            using errcode = 'unique_violation', constraint = 'streams_slot_key',
+                  hint = pg_catalog.format('A slot belongs to one stream. Give stream %s another slot_name, or '
+                                           'delete stream %s if it is no longer used.', v_holder, v_holder);
+    end if;
+    insert into pgstream.streams (id) values (p_stream_id) on conflict (id) do nothing;
+end
+$$;
+
+-- ---------------------------------------------------------------------------------------------
 -- Partition maintenance, serialised. Same behaviour as 002 (create) and 007 (drop).
 
 -- Creates the partitions for p_today .. p_today + p_days_ahead that do not exist yet and returns
@@ -130,5 +196,7 @@ begin
 end
 $$;
 
+revoke all on function pgstream.slot_holder(text, bigint) from public;
+revoke all on function pgstream.ensure_stream(bigint) from public;
 revoke all on function pgstream.create_partitions(integer, date) from public;
 revoke all on function pgstream.drop_partitions(integer, date, text) from public;

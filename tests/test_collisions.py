@@ -5,10 +5,127 @@ maintenance. Against a real Postgres."""
 from __future__ import annotations
 
 import datetime as dt
+import shutil
 import threading
 from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import psycopg
+import pytest
+
+from pgstream_dagster import ledger
+from pgstream_dagster.cli import init
+from pgstream_dagster.cli import main as cli_main
+from pgstream_dagster.config import load_config
+from pgstream_dagster.ledger import SlotInUse
+from pgstream_dagster.migrations import MigrationError, migrate, sql_dir
+from pgstream_dagster.sensors import consume
+
+from .harness import insert_events, write_config
+
+MEMORY = {"type": "memory"}
+
+
+def _streams_and_slots(url: str) -> dict[str, Any]:
+    """Everything a stream is made of: rows, slots and their positions, publications, ledger."""
+    with psycopg.connect(url) as c:
+        return {
+            "streams": c.execute("select id, slot_name, recovery_pending from pgstream.streams order by 1").fetchall(),
+            "slots": c.execute("select slot_name, confirmed_flush_lsn::text, restart_lsn::text from "
+                               "pg_replication_slots where database = current_database() order by 1").fetchall(),
+            "publications": c.execute("select pubname from pg_publication order by 1").fetchall(),
+            "batches": c.execute("select stream_id, event_ids from pgstream.batches order by id").fetchall(),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# one slot, one stream
+
+
+def test_init_refuses_a_slot_another_stream_reads_and_changes_nothing(db_url: str, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    v1 = write_config(tmp_path / "v1.yaml", db_url, [{"id": 1, "sink": MEMORY}, {"id": 2, "sink": MEMORY}])
+    init(v1)
+    insert_events(db_url, 1, 3)
+    insert_events(db_url, 2, 2)
+    before = _streams_and_slots(db_url)
+    assert [r[:2] for r in before["streams"]] == [(1, "pgstream_stream_1"), (2, "pgstream_stream_2")]
+    # pgstream.yaml changed: stream 1 left it, stream 2 now names stream 1's slot, stream 3 is new
+    # (each file alone is consistent, so only the database can tell)
+    v2 = write_config(tmp_path / "v2.yaml", db_url, [{"id": 3, "sink": MEMORY},
+                                                     {"id": 2, "sink": MEMORY, "slot_name": "pgstream_stream_1"}])
+    with pytest.raises(SlotInUse, match=r"^stream 2: slot pgstream_stream_1 is already used by stream 1; ") as err:
+        init(v2)
+    assert "delete from pgstream.streams where id = 1" in str(err.value)
+    assert _streams_and_slots(db_url) == before  # not even stream 3 was created
+    assert cli_main(["init", "--config", str(v2)]) == 1
+    assert "error: stream 2: slot pgstream_stream_1 is already used by stream 1" in capsys.readouterr().err
+    assert _streams_and_slots(db_url) == before
+
+    # a sensor tick of stream 2 (it checks its slot first) fails loudly instead of reading stream 1's slot
+    stream2 = load_config(v2).stream(2)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        with pytest.raises(SlotInUse, match="stream 2: slot pgstream_stream_1 is already used by stream 1"):
+            consume(conn, stream2, 0.1)
+        # and the database refuses it whoever writes
+        with pytest.raises(psycopg.errors.UniqueViolation, match="streams_slot_key"):
+            conn.execute("update pgstream.streams set slot_name = 'pgstream_stream_1' where id = 2")
+    assert _streams_and_slots(db_url) == before
+
+    # once stream 1 is really gone (row and slot), stream 2 may take the name: a new slot, recovered
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("delete from pgstream.streams where id = 1")
+        conn.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+    out = init(v2)
+    assert any(line.startswith("created slot pgstream_stream_1 for stream 2") for line in out), out
+    assert [r[:2] for r in _streams_and_slots(db_url)["streams"]] == [(2, "pgstream_stream_1"),
+                                                                      (3, "pgstream_stream_3")]
+
+
+def test_a_new_stream_whose_default_slot_is_taken_is_refused(conn: psycopg.Connection) -> None:
+    conn.execute("create table public.users (id serial primary key, email text)")
+    ledger.ensure_stream(conn, 1, "pgstream_stream_2")  # stream 1 reads a slot named like stream 2's default
+    with pytest.raises(psycopg.errors.UniqueViolation,
+                       match="stream 2: slot pgstream_stream_2 is already used by stream 1"):
+        conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
+                     "values ('a', 2, 'INSERT', 'users', '{id}')")
+    with pytest.raises(SlotInUse, match="stream 2: slot pgstream_stream_2 is already used by stream 1"):
+        ledger.ensure_stream(conn, 2)
+    assert conn.execute("select id from pgstream.streams").fetchall() == [(1,)]
+    assert conn.execute("select count(*) from pgstream.subscriptions").fetchone() == (0,)
+    # a stream created with its own slot name is fine, and so is the largest stream id
+    ledger.ensure_stream(conn, 2, "users_slot")
+    ledger.ensure_stream(conn, 2**63 - 1, None)
+    assert conn.execute("select id, coalesce(slot_name, '-') from pgstream.streams order by 1").fetchall() == [
+        (1, "pgstream_stream_2"), (2, "users_slot"), (2**63 - 1, "-")]
+    assert conn.execute("select count(*) from pg_publication where pubname = %s",
+                        [f"pgstream_stream_{2**63 - 1}"]).fetchone() == (1,)
+
+
+def test_migration_refuses_an_install_where_streams_share_a_slot(empty_db_url: str, tmp_path: Path) -> None:
+    released = tmp_path / "sql"
+    released.mkdir()
+    for path in sorted(sql_dir().glob("0*.sql")):
+        if int(path.name[:3]) <= 12:
+            shutil.copy(path, released / path.name)
+    migrate(empty_db_url, directory=released)
+    with psycopg.connect(empty_db_url, autocommit=True) as c:
+        c.execute("insert into pgstream.streams (id, slot_name) values (1, null), (2, 'pgstream_stream_1'), "
+                  "(3, 'x'), (4, 'x'), (5, null)")
+    with pytest.raises(MigrationError) as err:
+        migrate(empty_db_url)
+    message = str(err.value)
+    assert "013_collisions.sql failed" in message
+    assert ("streams share a replication slot (slot pgstream_stream_1 is used by streams 1, 2; "
+            "slot x is used by streams 3, 4)") in message
+    with psycopg.connect(empty_db_url, autocommit=True) as c:
+        assert c.execute("select max(version) from pgstream.schema_migrations").fetchone() == (12,)
+        assert c.execute("select to_regclass('pgstream.streams_slot_key')").fetchone() == (None,)
+        # the operator fixes it; the migration goes on
+        c.execute("delete from pgstream.streams where id = 2")
+        c.execute("update pgstream.streams set slot_name = 'y' where id = 4")
+    assert "013_collisions.sql" in migrate(empty_db_url)
 
 # --------------------------------------------------------------------------------------------
 # partition maintenance is serialised

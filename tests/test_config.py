@@ -123,3 +123,35 @@ def test_kafka_credentials_in_options_point_to_secret_options(tmp_path: Path, mo
     assert isinstance(sink, KafkaSinkConfig)
     assert sink.secret_options["sasl.password"].get_secret_value() == "kafka-s3cr3t"
     assert "kafka-s3cr3t" not in repr(cfg) and "kafka-s3cr3t" not in str(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# collisions and ranges (issue 12): refused when the file is read, not when the database or a
+# sensor meets them
+
+
+TWO_STREAMS = """
+database_url: postgresql://x
+streams:
+  - {id: 1, sink: {type: memory}SLOT1}
+  - {id: 2, sink: {type: memory}SLOT2}
+"""
+
+
+@pytest.mark.parametrize(("slot1", "slot2", "slot"), [
+    (", slot_name: shared", ", slot_name: shared", "shared"),
+    ("", ", slot_name: pgstream_stream_1", "pgstream_stream_1"),  # stream 1's default name
+    (", slot_name: pgstream_stream_2", "", "pgstream_stream_2"),  # stream 2's default name
+])
+def test_two_streams_on_one_slot_are_refused(tmp_path: Path, slot1: str, slot2: str, slot: str) -> None:
+    path = write(tmp_path, TWO_STREAMS.replace("SLOT1", slot1).replace("SLOT2", slot2))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"{path}: (top level): Value error, streams 1 and 2 both read replication slot {slot} " in str(err.value)
+    assert "a slot belongs to one stream" in str(err.value)
+
+
+def test_distinct_slots_are_accepted(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, TWO_STREAMS.replace("SLOT1", ", slot_name: pgstream_stream_2")
+                            .replace("SLOT2", ", slot_name: pgstream_stream_1")))
+    assert [s.slot for s in cfg.streams] == ["pgstream_stream_2", "pgstream_stream_1"]
