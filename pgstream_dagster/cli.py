@@ -31,13 +31,22 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_tear_down(args: argparse.Namespace) -> int:
-    from .migrations import tear_down
+    from .migrations import TearDownRefused, tear_down
 
     if not args.yes:
         print("error: tear-down deletes all pgstream state, undelivered events included; pass --yes",
               file=sys.stderr)
         return 2
-    removed = tear_down(_database_url(args))
+    try:
+        removed = tear_down(_database_url(args), cascade=args.cascade)
+    except TearDownRefused as exc:
+        print("error: tear-down would also drop these objects outside schema pgstream, which depend on it "
+              "(nothing was changed):", file=sys.stderr)
+        for obj in exc.objects:
+            print(obj, file=sys.stderr)
+        print("remove them (or their dependency on pgstream) first, or pass --cascade to drop them too",
+              file=sys.stderr)
+        return 2
     for item in removed:
         print(f"removed {item}")
     if not removed:
@@ -151,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tear-down", parents=[common],
                        help="remove the pgstream schema, generated triggers, publications and slots")
     p.add_argument("--yes", action="store_true", help="confirm: all events are deleted")
+    p.add_argument("--cascade", action="store_true",
+                   help="also drop the objects outside schema pgstream that depend on it (listed without it)")
     p.set_defaults(func=_cmd_tear_down)
 
     p = sub.add_parser("init", help="migrate, create streams, slots and the YAML subscriptions")

@@ -19,7 +19,7 @@ from pgstream_dagster.cli import init
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import load_config
 from pgstream_dagster.ledger import SlotInUse
-from pgstream_dagster.migrations import MigrationError, migrate, sql_dir
+from pgstream_dagster.migrations import MigrationError, TearDownRefused, migrate, sql_dir, tear_down
 from pgstream_dagster.sensors import consume
 
 from .harness import insert_events, write_config
@@ -186,3 +186,104 @@ def test_concurrent_drop_and_create_partitions_drop_each_partition_once(db_url: 
         assert dropped == Counter(made)  # each dropped exactly once
         created = Counter(name for r in results[2:] for name in r)  # type: ignore[union-attr]
         assert created == Counter(f"events_{ahead + dt.timedelta(days=d):%Y%m%d}" for d in range(6))
+
+
+# --------------------------------------------------------------------------------------------
+# tear-down: every slot pgstream made, and none of the user's objects without --cascade
+
+USER_OBJECTS = [
+    "function public.op_label(pgstream.operation_type)",
+    "table column public.audit.op",
+    "view public.recent_events",
+    "view public.recent_ids",
+]
+
+
+def _install_with_user_objects(conn: psycopg.Connection) -> None:
+    conn.execute("create table public.users (id serial primary key, email text)")
+    conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
+                 "values ('a', 1, 'INSERT', 'users', '{id}')")  # a generated trigger: pgstream's own
+    ledger.ensure_stream(conn, 1, "orders_cdc")  # a custom slot name
+    ledger.ensure_stream(conn, 2, None)
+    for slot in ("orders_cdc", "pgstream_stream_2", "pgstream_peer"):  # pgstream_peer: not ours
+        conn.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [slot])
+    conn.execute("insert into public.users (email) values ('a')")
+    # the user's objects that depend on pgstream
+    conn.execute("create table public.audit (id int primary key, op pgstream.operation_type)")
+    conn.execute("insert into public.audit values (1, 'INSERT')")
+    conn.execute("create view public.recent_events as select id, payload from pgstream.events")
+    conn.execute("create view public.recent_ids as select id from public.recent_events")
+    conn.execute("create function public.op_label(o pgstream.operation_type) returns text "
+                 "language sql as $$ select o::text $$")
+
+
+def _everything(conn: psycopg.Connection) -> dict[str, Any]:
+    return {
+        "schema": conn.execute("select to_regnamespace('pgstream') is not null").fetchone(),
+        "slots": conn.execute("select slot_name from pg_replication_slots where database = current_database() "
+                              "order by 1").fetchall(),
+        "publications": conn.execute("select pubname from pg_publication order by 1").fetchall(),
+        "triggers": conn.execute("select tgname, tgrelid::regclass::text from pg_trigger where not tgisinternal "
+                                 "and tgrelid::regclass::text not like 'pgstream.%' order by 1, 2").fetchall(),
+        "event_triggers": conn.execute("select evtname from pg_event_trigger order by 1").fetchall(),
+        "public": conn.execute("select relname, relkind from pg_class where relnamespace = 'public'::regnamespace "
+                               "order by 1").fetchall(),
+        "functions": conn.execute("select oid::regprocedure::text from pg_proc "
+                                  "where pronamespace = 'public'::regnamespace").fetchall(),
+        "audit": conn.execute("select * from public.audit").fetchall(),
+    }
+
+
+def test_tear_down_refuses_to_drop_user_objects_and_changes_nothing(conn: psycopg.Connection, db_url: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    _install_with_user_objects(conn)
+    before = _everything(conn)
+    assert before["slots"] == [("orders_cdc",), ("pgstream_peer",), ("pgstream_stream_2",)]
+    with pytest.raises(TearDownRefused) as err:
+        tear_down(db_url)
+    assert err.value.objects == USER_OBJECTS
+    assert "--cascade" in str(err.value)
+    assert _everything(conn) == before
+
+    assert cli_main(["tear-down", "--yes", "--database-url", db_url]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("error: tear-down would also drop these objects outside schema pgstream")
+    assert lines[1:-1] == USER_OBJECTS  # one per line
+    assert "--cascade" in lines[-1]
+    assert _everything(conn) == before  # schema, slots, publications, triggers all still there
+    conn.execute("insert into public.users (email) values ('b')")
+    assert conn.execute("select count(*) from pgstream.events").fetchone() == (2,)
+
+
+def test_tear_down_cascade_drops_and_lists_them_and_every_slot_of_a_stream(conn: psycopg.Connection, db_url: str,
+                                                                            capsys: pytest.CaptureFixture[str]
+                                                                            ) -> None:
+    _install_with_user_objects(conn)
+    assert cli_main(["tear-down", "--yes", "--cascade", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    for obj in USER_OBJECTS:
+        assert f"removed {obj} (it depended on schema pgstream)" in out
+    for item in ["trigger pgstream_insert on public.users", "publication pgstream_stream_1",
+                 "publication pgstream_stream_2", "replication slot orders_cdc", "replication slot pgstream_stream_2",
+                 "event trigger pgstream_drift_guard_drop", "schema pgstream (events, streams, subscriptions, "
+                 "functions)"]:
+        assert f"removed {item}" in out, out
+    after = _everything(conn)
+    assert after["schema"] == (False,)
+    assert after["slots"] == [("pgstream_peer",)]  # a slot pgstream did not make stays
+    assert after["publications"] == [] and after["triggers"] == [] and after["event_triggers"] == []
+    assert after["functions"] == []
+    assert after["audit"] == [(1,)]  # the table stays, without its pgstream column
+    assert {r[0] for r in after["public"]} == {"users", "users_pkey", "users_id_seq", "audit", "audit_pkey"}
+    conn.execute("insert into public.users (email) values ('plain table again')")
+    assert tear_down(db_url) == []
+
+
+def test_tear_down_without_dependents_needs_no_cascade(conn: psycopg.Connection, db_url: str) -> None:
+    ledger.ensure_stream(conn, 7, "custom_slot")
+    conn.execute("select pg_create_logical_replication_slot('custom_slot', 'pgoutput')")
+    removed = tear_down(db_url)
+    assert "replication slot custom_slot" in removed and "publication pgstream_stream_7" in removed
+    assert not any("depended on" in item for item in removed)
+    assert conn.execute("select count(*) from pg_replication_slots where database = current_database()"
+                        ).fetchone() == (0,)
