@@ -37,12 +37,12 @@ $$;
 create unique index if not exists streams_slot_key on pgstream.streams
     ((coalesce(slot_name, 'pgstream_stream_' operator(pg_catalog.||) id::pg_catalog.text)));
 
--- The stream that holds a slot name, other than p_stream_id (null if none).
+-- The stream that holds a slot name, other than p_stream_id (null if none). Runs as its caller:
+-- the owner, or ensure_stream.
 create or replace function pgstream.slot_holder(p_slot text, p_stream_id bigint)
 returns bigint
 language sql
 stable
-security definer
 set search_path = pg_catalog, pg_temp
 as $$
     select s.id from pgstream.streams s
