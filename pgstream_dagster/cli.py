@@ -32,13 +32,22 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_tear_down(args: argparse.Namespace) -> int:
-    from .migrations import tear_down
+    from .migrations import TearDownRefused, tear_down
 
     if not args.yes:
         print("error: tear-down deletes all pgstream state, undelivered events included; pass --yes",
               file=sys.stderr)
         return 2
-    removed = tear_down(_database_url(args))
+    try:
+        removed = tear_down(_database_url(args), cascade=args.cascade)
+    except TearDownRefused as exc:
+        print("error: tear-down would also drop these objects outside schema pgstream, which depend on it "
+              "(nothing was changed):", file=sys.stderr)
+        for obj in exc.objects:
+            print(obj, file=sys.stderr)
+        print("remove them (or their dependency on pgstream) first, or pass --cascade to drop them too",
+              file=sys.stderr)
+        return 2
     for item in removed:
         print(f"removed {item}")
     if not removed:
@@ -60,11 +69,13 @@ def init(config_path: Path | None = None) -> list[str]:
     url = config.database_url.get_secret_value()
     out = [f"applied migration {m}" for m in migrate(url, partitions_ahead=config.housekeeping.days_ahead)]
     with psycopg.connect(url, autocommit=True) as conn:
+        # a slot another stream reads is refused before anything changes
+        ledger.check_slots(conn, [(s.id, s.slot) for s in config.streams])
         report = run_housekeeping(conn, config.housekeeping)
         if report.created or report.dropped or report.kept or report.batches_pruned or report.default_rows_deleted:
             out.append(report.summary())
         for stream in config.streams:
-            ledger.ensure_stream(conn, stream.id)
+            ledger.ensure_stream(conn, stream.id, stream.slot)
             result = ConsumeResult()
             ensure_slot(conn, stream, result)
             if result.slot_created:
@@ -297,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tear-down", parents=[common],
                        help="remove the pgstream schema, generated triggers, publications and slots")
     p.add_argument("--yes", action="store_true", help="confirm: all events are deleted")
+    p.add_argument("--cascade", action="store_true",
+                   help="also drop the objects outside schema pgstream that depend on it (listed without it)")
     p.set_defaults(func=_cmd_tear_down)
 
     p = sub.add_parser("init", help="migrate, create streams, slots and the YAML subscriptions")
@@ -349,9 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
         from .config import ConfigError
         from .deadletters import DeadLetterError
+        from .ledger import SlotInUse
         from .migrations import MigrationError
 
-        if isinstance(exc, MigrationError | ConfigError | DeadLetterError) or \
+        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse) or \
                 type(exc).__module__.startswith("psycopg"):
             print(f"error: {exc}", file=sys.stderr)
             return 1

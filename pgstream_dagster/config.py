@@ -25,8 +25,13 @@ class ConfigError(ValueError):
     """The configuration file is missing, unreadable or invalid."""
 
 
+#: The largest stream id: ids are ``bigint`` in the database.
+MAX_STREAM_ID = 2**63 - 1
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # every float is finite: they reach time arithmetic (timedelta, backoff) and SQL
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class BatchConfig(_Model):
@@ -81,19 +86,27 @@ class SensorConfig(_Model):
 
 
 class RetryConfig(_Model):
-    initial_backoff_secs: float = Field(5.0, ge=0)
-    max_backoff_secs: float = Field(300.0, ge=0)
+    initial_backoff_secs: float = Field(5.0, ge=0, le=7 * 86400, description="first failover retry after this long")
+    max_backoff_secs: float = Field(300.0, ge=0, le=7 * 86400, description="the backoff doubles up to this")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RetryConfig:
+        if self.initial_backoff_secs > self.max_backoff_secs:
+            raise ValueError(f"initial_backoff_secs ({self.initial_backoff_secs:g}) must not exceed "
+                             f"max_backoff_secs ({self.max_backoff_secs:g})")
+        return self
 
 
 class StreamChecksConfig(_Model):
     """Thresholds of the stream's asset checks (on its deliveries asset)."""
 
-    max_undelivered_age_secs: float = Field(900.0, gt=0, description="SLA: oldest undelivered event at most this old")
-    max_retained_wal_bytes: int = Field(1024**3, ge=0, description="WAL the stream's slot may hold back")
+    max_undelivered_age_secs: float = Field(900.0, gt=0, le=366 * 86400,
+                                            description="SLA: oldest undelivered event at most this old")
+    max_retained_wal_bytes: int = Field(1024**3, ge=0, le=2**63 - 1, description="WAL the stream's slot may hold back")
 
 
 class StreamConfig(_Model):
-    id: int = Field(ge=1)
+    id: int = Field(ge=1, le=MAX_STREAM_ID)
     batch: BatchConfig = BatchConfig()
     sink: SinkConfig
     delivery: DeliveryConfig = DeliveryConfig()
@@ -118,7 +131,7 @@ class PayloadExtension(_Model):
 
 class SubscriptionConfig(_Model):
     key: str = Field(min_length=1, max_length=200)
-    stream_id: int = Field(ge=1)
+    stream_id: int = Field(ge=1, le=MAX_STREAM_ID)
     operation: Literal["INSERT", "UPDATE", "DELETE"]
     schema_name: str = "public"
     table_name: str = Field(min_length=1)
@@ -195,6 +208,14 @@ class PgstreamConfig(_Model):
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
+        # one slot, one stream: two streams on a slot each advance it past the other's events
+        readers: dict[str, int] = {}
+        for s in self.streams:
+            if s.slot in readers:
+                raise ValueError(f"streams {readers[s.slot]} and {s.id} both read replication slot {s.slot} "
+                                 f"(streams[].slot_name, default pgstream_stream_<id>): a slot belongs to one "
+                                 f"stream; give one of them another slot_name")
+            readers[s.slot] = s.id
         for i, sub in enumerate(self.subscriptions):
             if sub.stream_id not in ids:
                 raise ValueError(f"subscriptions[{i}] ({sub.key!r}) uses stream_id {sub.stream_id}, "

@@ -54,12 +54,64 @@ def _batch(row: dict[str, Any] | None) -> Batch | None:
     return Batch(**row) if row else None
 
 
+#: The unique index on a stream's effective slot name (sql/013_collisions.sql).
+SLOT_INDEX = "streams_slot_key"
+
+
+class SlotInUse(RuntimeError):
+    """A stream was to read a replication slot that another stream already reads."""
+
+    def __init__(self, stream_id: int, slot: str, holder: int | None) -> None:
+        self.stream_id, self.slot, self.holder = stream_id, slot, holder
+        other = f"stream {holder}" if holder is not None else "another stream"
+        advice = f"give stream {stream_id} another streams[].slot_name in pgstream.yaml"
+        if holder is not None:  # advice for the operator, never executed
+            advice += (f", or, if stream {holder} is no longer used, delete it (delete from pgstream.streams "  # noqa: S608
+                       f"where id = {holder}) and drop its slot (select pg_drop_replication_slot('{slot}'))")
+        super().__init__(f"stream {stream_id}: slot {slot} is already used by {other}; a slot belongs to one "
+                         f"stream (each would advance it past the other's events): {advice}")
+
+
+def default_slot(stream_id: int) -> str:
+    return f"pgstream_stream_{stream_id}"
+
+
+def slot_holder(conn: psycopg.Connection, slot: str, stream_id: int) -> int | None:
+    """The stream other than ``stream_id`` whose slot (``slot_name``, default ``pgstream_stream_<id>``)
+    is ``slot``."""
+    row = conn.execute("select pgstream.slot_holder(%s, %s)", [slot, stream_id]).fetchone()
+    return int(row[0]) if row and row[0] is not None else None
+
+
+def check_slots(conn: psycopg.Connection, streams: list[tuple[int, str]]) -> None:
+    """Raise :class:`SlotInUse` if a stream (``(id, slot)``) would read a slot that another stream row
+    already reads; before anything changes (``pgstream-dagster init``)."""
+    for stream_id, slot in streams:
+        holder = slot_holder(conn, slot, stream_id)
+        if holder is not None:
+            raise SlotInUse(stream_id, slot, holder)
+
+
 def ensure_stream(conn: psycopg.Connection, stream_id: int, slot: str | None = None) -> None:
-    """The stream row (and so its publication) exists; ``slot`` is recorded for status views."""
-    conn.execute("select pgstream.ensure_stream(%s)", [stream_id])
-    if slot is not None:
-        conn.execute("update pgstream.streams set slot_name = %s where id = %s and slot_name is distinct from %s",
-                     [slot, stream_id, slot])
+    """The stream row (and so its publication) exists; ``slot`` is recorded as the slot it reads.
+
+    Raises :class:`SlotInUse` (nothing changed) when another stream row already has that slot.
+    """
+    try:
+        with conn.transaction():
+            if slot is None:
+                conn.execute("select pgstream.ensure_stream(%s)", [stream_id])
+            else:
+                # neither statement locks the row when nothing changes (a run may hold its lock)
+                conn.execute("insert into pgstream.streams (id, slot_name) values (%s, %s) on conflict (id) do nothing",
+                             [stream_id, slot])
+                conn.execute("update pgstream.streams set slot_name = %s where id = %s and slot_name is distinct "
+                             "from %s", [slot, stream_id, slot])
+    except psycopg.errors.UniqueViolation as exc:
+        if exc.diag.constraint_name != SLOT_INDEX:
+            raise
+        wanted = slot or default_slot(stream_id)
+        raise SlotInUse(stream_id, wanted, slot_holder(conn, wanted, stream_id)) from None
 
 
 def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:

@@ -22,6 +22,10 @@ WRITER_ROLE = "pgstream_writer"
 #: Key of the session-independent advisory lock that serialises concurrent migrators.
 MIGRATION_LOCK_KEY = 0x70677374  # "pgst"
 
+#: Key of the transaction-level advisory lock that serialises ``pgstream.create_partitions`` and
+#: ``pgstream.drop_partitions`` (sql/013_collisions.sql): concurrent callers deadlocked attaching.
+PARTITION_LOCK_KEY = 0x70677370  # "pgsp" = 1885827952
+
 _FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
 
 
@@ -111,18 +115,117 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
     return applied
 
 
-def tear_down(database_url: str) -> list[str]:
+class TearDownRefused(RuntimeError):
+    """Objects outside schema ``pgstream`` depend on it: dropping the schema would drop them too."""
+
+    def __init__(self, objects: list[str]) -> None:
+        self.objects = objects
+        super().__init__(
+            "tear-down would also drop these objects outside schema pgstream, which depend on it "
+            "(nothing was changed):\n" + "\n".join(f"  {o}" for o in objects)
+            + "\nremove them (or their dependency on pgstream) first, or pass --cascade to drop them too")
+
+
+#: What pgstream itself puts outside its schema, and tear-down drops by name: the generated triggers
+#: (pgstream_<op>[_stmt] calling pgstream._publish_*), the drift-guard event triggers, the stream
+#: publications.
+_GENERATED_TRIGGER = """
+    t.tgname like 'pgstream\\_%' and p.pronamespace = 'pgstream'::pg_catalog.regnamespace
+    and p.proname like '\\_publish\\_%' and not t.tgisinternal"""
+_OWN_PUBLICATION = r"^pgstream_stream_[0-9]+$"
+
+#: Every object that ``drop schema pgstream cascade`` would drop, found the way Postgres finds
+#: them (pg_depend from the schema on, a part taking its whole: a view's rule takes the view), less
+#: what lives in the schema and what pgstream created outside it. One row per object:
+#: "<type> <identity>" of pg_identify_object, e.g. "view public.v", "table column public.t.op".
+_DEPENDENTS = f"""
+with recursive closure(classid, objid, objsubid) as (
+    select 'pg_catalog.pg_namespace'::pg_catalog.regclass::pg_catalog.oid, n.oid, 0
+    from pg_catalog.pg_namespace n where n.nspname = 'pgstream'
+  union
+    select x.classid, x.objid, x.objsubid
+    from closure c
+    join pg_catalog.pg_depend d
+      on d.refclassid = c.classid and d.refobjid = c.objid and (c.objsubid = 0 or d.refobjsubid = c.objsubid)
+    cross join lateral (
+        select d.classid, d.objid, d.objsubid
+        union all
+        select o.refclassid, o.refobjid, 0 from pg_catalog.pg_depend o
+        where o.classid = d.classid and o.objid = d.objid and o.objsubid = d.objsubid and o.deptype in ('i', 'P')
+    ) x
+    where d.deptype <> 'e'
+), described as (
+    select c.classid, c.objid, c.objsubid, i.type, i.identity,
+           coalesce(i.schema, case c.classid
+               when 'pg_catalog.pg_trigger'::pg_catalog.regclass then
+                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_trigger t
+                    join pg_catalog.pg_class r on r.oid = t.tgrelid where t.oid = c.objid)
+               when 'pg_catalog.pg_rewrite'::pg_catalog.regclass then
+                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_rewrite w
+                    join pg_catalog.pg_class r on r.oid = w.ev_class where w.oid = c.objid)
+               when 'pg_catalog.pg_attrdef'::pg_catalog.regclass then
+                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_attrdef a
+                    join pg_catalog.pg_class r on r.oid = a.adrelid where a.oid = c.objid)
+               when 'pg_catalog.pg_policy'::pg_catalog.regclass then
+                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_policy p
+                    join pg_catalog.pg_class r on r.oid = p.polrelid where p.oid = c.objid)
+               when 'pg_catalog.pg_default_acl'::pg_catalog.regclass then
+                   (select a.defaclnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_default_acl a
+                    where a.oid = c.objid)
+               when 'pg_catalog.pg_namespace'::pg_catalog.regclass then
+                   (select n.nspname::text from pg_catalog.pg_namespace n where n.oid = c.objid)
+           end) as schema
+    from closure c
+    cross join lateral pg_catalog.pg_identify_object(c.classid, c.objid, c.objsubid) i
+)
+select distinct d.type || ' ' || d.identity
+from described d
+where d.schema is distinct from 'pgstream' and d.schema is distinct from 'pg_toast'
+  and not exists (select 1 from pg_catalog.pg_depend o  -- a part: its whole is listed
+                  where o.classid = d.classid and o.objid = d.objid and o.objsubid = d.objsubid
+                    and o.deptype in ('i', 'P'))
+  and not (d.classid = 'pg_catalog.pg_event_trigger'::pg_catalog.regclass and exists (
+           select 1 from pg_catalog.pg_event_trigger e where e.oid = d.objid and e.evtname like 'pgstream\\_%'))
+  and not (d.classid = 'pg_catalog.pg_trigger'::pg_catalog.regclass and exists (
+           select 1 from pg_catalog.pg_trigger t join pg_catalog.pg_proc p on p.oid = t.tgfoid
+           where t.oid = d.objid and {_GENERATED_TRIGGER}))
+  and not (d.classid = 'pg_catalog.pg_publication_rel'::pg_catalog.regclass and exists (
+           select 1 from pg_catalog.pg_publication_rel r join pg_catalog.pg_publication p on p.oid = r.prpubid
+           where r.oid = d.objid and p.pubname ~ '{_OWN_PUBLICATION}'))
+order by 1
+"""  # noqa: S608 - constants only
+
+
+def dependent_objects(conn: psycopg.Connection) -> list[str]:
+    """The objects outside schema ``pgstream`` that dropping it would drop too (a user table's column
+    of a pgstream type, a view over ``pgstream.events``, a function whose signature uses a pgstream
+    type, ...), as ``"<type> <identity>"``. pgstream's own generated triggers, event triggers and
+    publications are not listed: tear-down drops them itself."""
+    if not _schema_exists(conn):
+        return []
+    return [r[0] for r in conn.execute(_DEPENDENTS).fetchall()]
+
+
+def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
     """Remove every trace of pgstream from the database and return what was removed.
 
     Drops the drift-guard event triggers, the generated triggers on user tables, the stream
-    publications, the ``pgstream`` schema (events included) and the stream replication slots.
+    publications, the ``pgstream`` schema (events included) and every slot a stream used (its
+    ``slot_name``, whatever it is, and any slot named ``pgstream_stream_<id>``). Objects outside the
+    schema that depend on it (``dependent_objects``) make it refuse with :class:`TearDownRefused`,
+    changing nothing, unless ``cascade``: then they are dropped with the schema and listed.
     """
     from psycopg import sql
 
     removed: list[str] = []
     with psycopg.connect(database_url, autocommit=True) as conn:
         had_schema = _schema_exists(conn)
+        slots: set[str] = set()
         with conn.transaction():
+            dependents = dependent_objects(conn)
+            if dependents and not cascade:
+                raise TearDownRefused(dependents)
+            slots = _stream_slots(conn) if had_schema else set()
             # the drift guard goes first (dropping an event trigger fires none), so nothing below meets it
             for (name,) in conn.execute(
                 "select evtname from pg_event_trigger where evtname like 'pgstream\\_%' order by 1"
@@ -130,16 +233,15 @@ def tear_down(database_url: str) -> list[str]:
                 conn.execute(sql.SQL("drop event trigger {}").format(sql.Identifier(name)))
                 removed.append(f"event trigger {name}")
             rows = conn.execute(
-                """
+                f"""
                 select t.tgname, n.nspname, c.relname
                 from pg_trigger t
                 join pg_class c on c.oid = t.tgrelid
                 join pg_namespace n on n.oid = c.relnamespace
                 join pg_proc p on p.oid = t.tgfoid
-                where p.pronamespace = 'pgstream'::regnamespace and not t.tgisinternal
-                  and n.nspname <> 'pgstream'
+                where n.nspname <> 'pgstream' and {_GENERATED_TRIGGER}
                 order by 2, 3, 1
-                """
+                """  # noqa: S608 - a constant
             ).fetchall() if had_schema else []
             for tgname, schema, table in rows:
                 conn.execute(
@@ -149,16 +251,18 @@ def tear_down(database_url: str) -> list[str]:
                 )
                 removed.append(f"trigger {tgname} on {schema}.{table}")
             for (pub,) in conn.execute(
-                "select pubname from pg_publication where pubname like 'pgstream\\_stream\\_%' order by 1"
+                "select pubname from pg_publication where pubname ~ %s order by 1", [_OWN_PUBLICATION]
             ).fetchall():
                 conn.execute(sql.SQL("drop publication {}").format(sql.Identifier(pub)))
                 removed.append(f"publication {pub}")
             if had_schema:
                 conn.execute("drop schema pgstream cascade")
                 removed.append("schema pgstream (events, streams, subscriptions, functions)")
+                removed += [f"{obj} (it depended on schema pgstream)" for obj in dependents]
         for slot, pid in conn.execute(
             "select slot_name, active_pid from pg_replication_slots "
-            "where slot_name like 'pgstream\\_%' and database = current_database() order by 1"
+            "where (slot_name = any(%s) or slot_name ~ '^pgstream_stream_[0-9]+$') "
+            "and database = current_database() order by 1", [sorted(slots)]
         ).fetchall():
             if pid is not None:
                 conn.execute("select pg_terminate_backend(%s)", [pid])
@@ -173,6 +277,17 @@ def tear_down(database_url: str) -> list[str]:
             except (psycopg.errors.DependentObjectsStillExist, psycopg.errors.InsufficientPrivilege):
                 pass
     return removed
+
+
+def _stream_slots(conn: psycopg.Connection) -> set[str]:
+    """The slot of every stream row (``slot_name``, from migration 008 on; else the default name)."""
+    if conn.execute("select to_regclass('pgstream.streams') is null").fetchone() == (True,):
+        return set()
+    has_name = conn.execute(
+        "select 1 from pg_attribute where attrelid = 'pgstream.streams'::regclass and attname = 'slot_name' "
+        "and not attisdropped").fetchone()
+    column = "coalesce(slot_name, 'pgstream_stream_' || id)" if has_name else "'pgstream_stream_' || id"
+    return {r[0] for r in conn.execute(f"select {column} from pgstream.streams").fetchall()}  # noqa: S608
 
 
 def _schema_exists(conn: psycopg.Connection) -> bool:

@@ -155,7 +155,9 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
 
 
 def backoff_secs(stream: StreamConfig, attempts: int) -> float:
-    return min(stream.retry.max_backoff_secs, stream.retry.initial_backoff_secs * 2 ** max(0, attempts - 1))
+    # the exponent is capped: 2 ** 1024 no longer converts to a float (a sink down for weeks)
+    doubled = stream.retry.initial_backoff_secs * 2 ** min(max(0, attempts - 1), 64)
+    return min(stream.retry.max_backoff_secs, doubled)
 
 
 def run_key(stream_id: int, incarnation: str, batch_ids: list[int], attempt: int) -> str:

@@ -123,3 +123,95 @@ def test_kafka_credentials_in_options_point_to_secret_options(tmp_path: Path, mo
     assert isinstance(sink, KafkaSinkConfig)
     assert sink.secret_options["sasl.password"].get_secret_value() == "kafka-s3cr3t"
     assert "kafka-s3cr3t" not in repr(cfg) and "kafka-s3cr3t" not in str(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# collisions and ranges (issue 12): refused when the file is read, not when the database or a
+# sensor meets them
+
+
+TWO_STREAMS = """
+database_url: postgresql://x
+streams:
+  - {id: 1, sink: {type: memory}SLOT1}
+  - {id: 2, sink: {type: memory}SLOT2}
+"""
+
+
+@pytest.mark.parametrize(("slot1", "slot2", "slot"), [
+    (", slot_name: shared", ", slot_name: shared", "shared"),
+    ("", ", slot_name: pgstream_stream_1", "pgstream_stream_1"),  # stream 1's default name
+    (", slot_name: pgstream_stream_2", "", "pgstream_stream_2"),  # stream 2's default name
+])
+def test_two_streams_on_one_slot_are_refused(tmp_path: Path, slot1: str, slot2: str, slot: str) -> None:
+    path = write(tmp_path, TWO_STREAMS.replace("SLOT1", slot1).replace("SLOT2", slot2))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"{path}: (top level): Value error, streams 1 and 2 both read replication slot {slot} " in str(err.value)
+    assert "a slot belongs to one stream" in str(err.value)
+
+
+def test_distinct_slots_are_accepted(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, TWO_STREAMS.replace("SLOT1", ", slot_name: pgstream_stream_2")
+                            .replace("SLOT2", ", slot_name: pgstream_stream_1")))
+    assert [s.slot for s in cfg.streams] == ["pgstream_stream_2", "pgstream_stream_1"]
+
+
+BIG = 2**63  # one past the largest bigint
+
+
+@pytest.mark.parametrize(("old", "new", "message"), [
+    ("id: 1\n", f"id: {BIG}\n", "streams[0].id: Input should be less than or equal to 9223372036854775807"),
+    ("stream_id: 1,", f"stream_id: {BIG},",
+     "subscriptions[0].stream_id: Input should be less than or equal to 9223372036854775807 (subscription 'a')"),
+    ("id: 1\n", "id: 1\n    retry: {initial_backoff_secs: .inf}\n",
+     "streams[0].retry.initial_backoff_secs: Input should be a finite number"),
+    ("id: 1\n", "id: 1\n    retry: {max_backoff_secs: .nan}\n",
+     "streams[0].retry.max_backoff_secs: Input should be a finite number"),
+    ("id: 1\n", "id: 1\n    retry: {max_backoff_secs: 1e300}\n",
+     "streams[0].retry.max_backoff_secs: Input should be less than or equal to 604800"),
+    ("id: 1\n", "id: 1\n    retry: {initial_backoff_secs: 600, max_backoff_secs: 300}\n",
+     "streams[0].retry: Value error, initial_backoff_secs (600) must not exceed max_backoff_secs (300)"),
+    ("id: 1\n", "id: 1\n    batch: {max_fill_secs: .nan}\n",
+     "streams[0].batch.max_fill_secs: Input should be a finite"),
+    ("id: 1\n", "id: 1\n    delivery: {linger_secs: .inf}\n",
+     "streams[0].delivery.linger_secs: Input should be a finite"),
+    ("id: 1\n", "id: 1\n    sensor: {tick_budget_secs: .nan}\n",
+     "streams[0].sensor.tick_budget_secs: Input should be a finite"),
+    ("id: 1\n", "id: 1\n    checks: {max_undelivered_age_secs: .inf}\n",
+     "streams[0].checks.max_undelivered_age_secs: Input should be a finite number"),
+    ("id: 1\n", f"id: 1\n    checks: {{max_retained_wal_bytes: {BIG}}}\n",
+     "streams[0].checks.max_retained_wal_bytes: Input should be less than or equal to 9223372036854775807"),
+    ("subscriptions:", f"housekeeping: {{days_ahead: {2**31}}}\nsubscriptions:",
+     "housekeeping.days_ahead: Input should be less than or equal to 365"),
+    ("subscriptions:", f"housekeeping: {{retention_days: {2**31}}}\nsubscriptions:",
+     "housekeeping.retention_days: Input should be less than or equal to 3650"),
+])
+def test_numbers_the_database_or_the_clock_cannot_take_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   old: str, new: str, message: str) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_TOKEN", "s3cr3t")
+    assert old in GOOD
+    path = write(tmp_path, GOOD.replace(old, new, 1))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"{path}: {message}" in str(err.value)
+
+
+def test_the_largest_stream_id_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_TOKEN", "s3cr3t")
+    top = 2**63 - 1
+    cfg = load_config(write(tmp_path, GOOD.replace("id: 1\n", f"id: {top}\n").replace("stream_id: 1,",
+                                                                                      f"stream_id: {top},")))
+    assert cfg.stream(top).slot == f"pgstream_stream_{top}"
+
+
+def test_failover_backoff_stays_finite_after_any_number_of_attempts(tmp_path: Path) -> None:
+    from pgstream_dagster.sensors import backoff_secs
+
+    cfg = load_config(write(tmp_path, TWO_STREAMS.replace("SLOT1", ", retry: {initial_backoff_secs: 5, "
+                                                                   "max_backoff_secs: 604800}").replace("SLOT2", "")))
+    stream = cfg.stream(1)
+    assert [backoff_secs(stream, n) for n in (0, 1, 2, 3)] == [5, 5, 10, 20]
+    assert backoff_secs(stream, 2000) == backoff_secs(stream, 10**9) == 604800  # 2 ** 1999 is no float

@@ -504,7 +504,7 @@ def test_upgrade_from_the_last_released_schema_regenerates_triggers(empty_db_url
                                  "on p.oid = t.tgfoid where t.tgname = 'pgstream_insert'").fetchone()  # type: ignore[misc]
     assert old_owner != WRITER_ROLE
 
-    assert "012_least_privilege.sql" in migrate(empty_db_url)
+    assert "012_least_privilege.sql" in migrate(empty_db_url)  # and what came after it
     with connect(empty_db_url) as c:
         row = c.execute("select p.proowner::regrole::text, p.proconfig, obj_description(t.oid, 'pg_trigger'), "
                         "pg_get_triggerdef(t.oid) from pg_trigger t join pg_proc p on p.oid = t.tgfoid "
@@ -533,7 +533,7 @@ def test_a_non_superuser_owner_installs_the_same_model(pg: Any, roles: Callable[
         with pytest.raises(Exception, match=f"As a superuser: grant pgstream_writer to {owner}"):
             migrate(owner_url)
         run(pg.url, f"grant {WRITER_ROLE} to {owner}")
-        assert migrate(owner_url)[0] == "012_least_privilege.sql"
+        assert migrate(owner_url)[0] == "012_least_privilege.sql"  # then the later ones
         run(owner_url, "create table public.t (id int primary key, note text)")
         subscribe(owner_url, "t-insert", "t", columns=["id", "note"], when="new.note <> 'skip'")
         with connect(owner_url) as c:

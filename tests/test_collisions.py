@@ -1,0 +1,289 @@
+"""Operator slips and configuration collisions (issue 12): slot names shared by two streams, a
+tear-down that would drop the user's own objects or leave a slot behind, concurrent partition
+maintenance. Against a real Postgres."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from pgstream_dagster import ledger
+from pgstream_dagster.cli import init
+from pgstream_dagster.cli import main as cli_main
+from pgstream_dagster.config import load_config
+from pgstream_dagster.ledger import SlotInUse
+from pgstream_dagster.migrations import MigrationError, TearDownRefused, migrate, sql_dir, tear_down
+from pgstream_dagster.sensors import consume
+
+from .harness import insert_events, write_config
+
+MEMORY = {"type": "memory"}
+
+
+def _streams_and_slots(url: str) -> dict[str, Any]:
+    """Everything a stream is made of: rows, slots and their positions, publications, ledger."""
+    with psycopg.connect(url) as c:
+        return {
+            "streams": c.execute("select id, slot_name, recovery_pending from pgstream.streams order by 1").fetchall(),
+            "slots": c.execute("select slot_name, confirmed_flush_lsn::text, restart_lsn::text from "
+                               "pg_replication_slots where database = current_database() order by 1").fetchall(),
+            "publications": c.execute("select pubname from pg_publication order by 1").fetchall(),
+            "batches": c.execute("select stream_id, event_ids from pgstream.batches order by id").fetchall(),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# one slot, one stream
+
+
+def test_init_refuses_a_slot_another_stream_reads_and_changes_nothing(db_url: str, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    v1 = write_config(tmp_path / "v1.yaml", db_url, [{"id": 1, "sink": MEMORY}, {"id": 2, "sink": MEMORY}])
+    init(v1)
+    insert_events(db_url, 1, 3)
+    insert_events(db_url, 2, 2)
+    before = _streams_and_slots(db_url)
+    assert [r[:2] for r in before["streams"]] == [(1, "pgstream_stream_1"), (2, "pgstream_stream_2")]
+    # pgstream.yaml changed: stream 1 left it, stream 2 now names stream 1's slot, stream 3 is new
+    # (each file alone is consistent, so only the database can tell)
+    v2 = write_config(tmp_path / "v2.yaml", db_url, [{"id": 3, "sink": MEMORY},
+                                                     {"id": 2, "sink": MEMORY, "slot_name": "pgstream_stream_1"}])
+    with pytest.raises(SlotInUse, match=r"^stream 2: slot pgstream_stream_1 is already used by stream 1; ") as err:
+        init(v2)
+    assert "delete from pgstream.streams where id = 1" in str(err.value)
+    assert _streams_and_slots(db_url) == before  # not even stream 3 was created
+    assert cli_main(["init", "--config", str(v2)]) == 1
+    assert "error: stream 2: slot pgstream_stream_1 is already used by stream 1" in capsys.readouterr().err
+    assert _streams_and_slots(db_url) == before
+
+    # a sensor tick of stream 2 (it checks its slot first) fails loudly instead of reading stream 1's slot
+    stream2 = load_config(v2).stream(2)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        with pytest.raises(SlotInUse, match="stream 2: slot pgstream_stream_1 is already used by stream 1"):
+            consume(conn, stream2, 0.1)
+        # and the database refuses it whoever writes
+        with pytest.raises(psycopg.errors.UniqueViolation, match="streams_slot_key"):
+            conn.execute("update pgstream.streams set slot_name = 'pgstream_stream_1' where id = 2")
+    assert _streams_and_slots(db_url) == before
+
+    # once stream 1 is really gone (row and slot), stream 2 may take the name: a new slot, recovered
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("delete from pgstream.streams where id = 1")
+        conn.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+    out = init(v2)
+    assert any(line.startswith("created slot pgstream_stream_1 for stream 2") for line in out), out
+    assert [r[:2] for r in _streams_and_slots(db_url)["streams"]] == [(2, "pgstream_stream_1"),
+                                                                      (3, "pgstream_stream_3")]
+
+
+def test_a_new_stream_whose_default_slot_is_taken_is_refused(conn: psycopg.Connection) -> None:
+    conn.execute("create table public.users (id serial primary key, email text)")
+    ledger.ensure_stream(conn, 1, "pgstream_stream_2")  # stream 1 reads a slot named like stream 2's default
+    with pytest.raises(psycopg.errors.UniqueViolation,
+                       match="stream 2: slot pgstream_stream_2 is already used by stream 1"):
+        conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
+                     "values ('a', 2, 'INSERT', 'users', '{id}')")
+    with pytest.raises(SlotInUse, match="stream 2: slot pgstream_stream_2 is already used by stream 1"):
+        ledger.ensure_stream(conn, 2)
+    assert conn.execute("select id from pgstream.streams").fetchall() == [(1,)]
+    assert conn.execute("select count(*) from pgstream.subscriptions").fetchone() == (0,)
+    # a stream created with its own slot name is fine, and so is the largest stream id
+    ledger.ensure_stream(conn, 2, "users_slot")
+    ledger.ensure_stream(conn, 2**63 - 1, None)
+    assert conn.execute("select id, coalesce(slot_name, '-') from pgstream.streams order by 1").fetchall() == [
+        (1, "pgstream_stream_2"), (2, "users_slot"), (2**63 - 1, "-")]
+    assert conn.execute("select count(*) from pg_publication where pubname = %s",
+                        [f"pgstream_stream_{2**63 - 1}"]).fetchone() == (1,)
+
+
+def test_migration_refuses_an_install_where_streams_share_a_slot(empty_db_url: str, tmp_path: Path) -> None:
+    released = tmp_path / "sql"
+    released.mkdir()
+    for path in sorted(sql_dir().glob("0*.sql")):
+        if int(path.name[:3]) <= 12:
+            shutil.copy(path, released / path.name)
+    migrate(empty_db_url, directory=released)
+    with psycopg.connect(empty_db_url, autocommit=True) as c:
+        c.execute("insert into pgstream.streams (id, slot_name) values (1, null), (2, 'pgstream_stream_1'), "
+                  "(3, 'x'), (4, 'x'), (5, null)")
+    with pytest.raises(MigrationError) as err:
+        migrate(empty_db_url)
+    message = str(err.value)
+    assert "013_collisions.sql failed" in message
+    assert ("streams share a replication slot (slot pgstream_stream_1 is used by streams 1, 2; "
+            "slot x is used by streams 3, 4)") in message
+    with psycopg.connect(empty_db_url, autocommit=True) as c:
+        assert c.execute("select max(version) from pgstream.schema_migrations").fetchone() == (12,)
+        assert c.execute("select to_regclass('pgstream.streams_slot_key')").fetchone() == (None,)
+        # the operator fixes it; the migration goes on
+        c.execute("delete from pgstream.streams where id = 2")
+        c.execute("update pgstream.streams set slot_name = 'y' where id = 4")
+    assert "013_collisions.sql" in migrate(empty_db_url)
+
+# --------------------------------------------------------------------------------------------
+# partition maintenance is serialised
+
+
+def _concurrently(db_url: str, calls: list[tuple[str, list[object]]]) -> list[list[str] | BaseException]:
+    """Run each (query, params) on its own connection, all released at once by a barrier."""
+    barrier = threading.Barrier(len(calls))
+    results: list[list[str] | BaseException] = [[] for _ in calls]
+
+    def work(i: int, query: str, params: list[object]) -> None:
+        try:
+            with psycopg.connect(db_url, autocommit=True) as c:
+                barrier.wait()
+                results[i] = [r[0] for r in c.execute(query, params).fetchall()]
+        except BaseException as exc:  # reported by the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=work, args=(i, q, p)) for i, (q, p) in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_concurrent_create_partitions_never_deadlock(db_url: str) -> None:
+    base = dt.date(2040, 1, 1)
+    for rep in range(8):
+        start = base + dt.timedelta(days=40 * rep)
+        # four callers, overlapping ranges: start .. start+9, start+2 .. start+11, ...
+        calls = [("select * from pgstream.create_partitions(%s, %s)", [9, start + dt.timedelta(days=2 * i)])
+                 for i in range(4)]
+        results = _concurrently(db_url, calls)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors
+        created = Counter(name for r in results for name in r)  # type: ignore[union-attr]
+        expected = {f"events_{start + dt.timedelta(days=d):%Y%m%d}" for d in range(16)}
+        assert set(created) == expected
+        assert all(n == 1 for n in created.values()), created
+
+
+def test_concurrent_drop_and_create_partitions_drop_each_partition_once(db_url: str) -> None:
+    old = dt.date(2001, 1, 1)
+    for rep in range(4):
+        start = old + dt.timedelta(days=100 * rep)
+        with psycopg.connect(db_url, autocommit=True) as c:
+            made = [r[0] for r in c.execute("select * from pgstream.create_partitions(9, %s)", [start])]
+        assert len(made) == 10
+        today = start + dt.timedelta(days=30)  # retention 1: all ten expired
+        ahead = dt.date(2060, 1, 1) + dt.timedelta(days=100 * rep)  # never expires here
+        calls = [("select * from pgstream.drop_partitions(1, %s)", [today]) for _ in range(2)]
+        calls += [("select * from pgstream.create_partitions(4, %s)", [ahead + dt.timedelta(days=i)]) for i in range(2)]
+        results = _concurrently(db_url, calls)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors
+        dropped = Counter(name for r in results[:2] for name in r)  # type: ignore[union-attr]
+        assert dropped == Counter(made)  # each dropped exactly once
+        created = Counter(name for r in results[2:] for name in r)  # type: ignore[union-attr]
+        assert created == Counter(f"events_{ahead + dt.timedelta(days=d):%Y%m%d}" for d in range(6))
+
+
+# --------------------------------------------------------------------------------------------
+# tear-down: every slot pgstream made, and none of the user's objects without --cascade
+
+USER_OBJECTS = [
+    "function public.op_label(pgstream.operation_type)",
+    "table column public.audit.op",
+    "view public.recent_events",
+    "view public.recent_ids",
+]
+
+
+def _install_with_user_objects(conn: psycopg.Connection) -> None:
+    conn.execute("create table public.users (id serial primary key, email text)")
+    conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
+                 "values ('a', 1, 'INSERT', 'users', '{id}')")  # a generated trigger: pgstream's own
+    ledger.ensure_stream(conn, 1, "orders_cdc")  # a custom slot name
+    ledger.ensure_stream(conn, 2, None)
+    for slot in ("orders_cdc", "pgstream_stream_2", "pgstream_peer"):  # pgstream_peer: not ours
+        conn.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [slot])
+    conn.execute("insert into public.users (email) values ('a')")
+    # the user's objects that depend on pgstream
+    conn.execute("create table public.audit (id int primary key, op pgstream.operation_type)")
+    conn.execute("insert into public.audit values (1, 'INSERT')")
+    conn.execute("create view public.recent_events as select id, payload from pgstream.events")
+    conn.execute("create view public.recent_ids as select id from public.recent_events")
+    conn.execute("create function public.op_label(o pgstream.operation_type) returns text "
+                 "language sql as $$ select o::text $$")
+
+
+def _everything(conn: psycopg.Connection) -> dict[str, Any]:
+    return {
+        "schema": conn.execute("select to_regnamespace('pgstream') is not null").fetchone(),
+        "slots": conn.execute("select slot_name from pg_replication_slots where database = current_database() "
+                              "order by 1").fetchall(),
+        "publications": conn.execute("select pubname from pg_publication order by 1").fetchall(),
+        "triggers": conn.execute("select tgname, tgrelid::regclass::text from pg_trigger where not tgisinternal "
+                                 "and tgrelid::regclass::text not like 'pgstream.%' order by 1, 2").fetchall(),
+        "event_triggers": conn.execute("select evtname from pg_event_trigger order by 1").fetchall(),
+        "public": conn.execute("select relname, relkind from pg_class where relnamespace = 'public'::regnamespace "
+                               "order by 1").fetchall(),
+        "functions": conn.execute("select oid::regprocedure::text from pg_proc "
+                                  "where pronamespace = 'public'::regnamespace").fetchall(),
+        "audit": conn.execute("select * from public.audit").fetchall(),
+    }
+
+
+def test_tear_down_refuses_to_drop_user_objects_and_changes_nothing(conn: psycopg.Connection, db_url: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    _install_with_user_objects(conn)
+    before = _everything(conn)
+    assert before["slots"] == [("orders_cdc",), ("pgstream_peer",), ("pgstream_stream_2",)]
+    with pytest.raises(TearDownRefused) as err:
+        tear_down(db_url)
+    assert err.value.objects == USER_OBJECTS
+    assert "--cascade" in str(err.value)
+    assert _everything(conn) == before
+
+    assert cli_main(["tear-down", "--yes", "--database-url", db_url]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("error: tear-down would also drop these objects outside schema pgstream")
+    assert lines[1:-1] == USER_OBJECTS  # one per line
+    assert "--cascade" in lines[-1]
+    assert _everything(conn) == before  # schema, slots, publications, triggers all still there
+    conn.execute("insert into public.users (email) values ('b')")
+    assert conn.execute("select count(*) from pgstream.events").fetchone() == (2,)
+
+
+def test_tear_down_cascade_drops_and_lists_them_and_every_slot_of_a_stream(conn: psycopg.Connection, db_url: str,
+                                                                            capsys: pytest.CaptureFixture[str]
+                                                                            ) -> None:
+    _install_with_user_objects(conn)
+    assert cli_main(["tear-down", "--yes", "--cascade", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    for obj in USER_OBJECTS:
+        assert f"removed {obj} (it depended on schema pgstream)" in out
+    for item in ["trigger pgstream_insert on public.users", "publication pgstream_stream_1",
+                 "publication pgstream_stream_2", "replication slot orders_cdc", "replication slot pgstream_stream_2",
+                 "event trigger pgstream_drift_guard_drop", "schema pgstream (events, streams, subscriptions, "
+                 "functions)"]:
+        assert f"removed {item}" in out, out
+    after = _everything(conn)
+    assert after["schema"] == (False,)
+    assert after["slots"] == [("pgstream_peer",)]  # a slot pgstream did not make stays
+    assert after["publications"] == [] and after["triggers"] == [] and after["event_triggers"] == []
+    assert after["functions"] == []
+    assert after["audit"] == [(1,)]  # the table stays, without its pgstream column
+    assert {r[0] for r in after["public"]} == {"users", "users_pkey", "users_id_seq", "audit", "audit_pkey"}
+    conn.execute("insert into public.users (email) values ('plain table again')")
+    assert tear_down(db_url) == []
+
+
+def test_tear_down_without_dependents_needs_no_cascade(conn: psycopg.Connection, db_url: str) -> None:
+    ledger.ensure_stream(conn, 7, "custom_slot")
+    conn.execute("select pg_create_logical_replication_slot('custom_slot', 'pgoutput')")
+    removed = tear_down(db_url)
+    assert "replication slot custom_slot" in removed and "publication pgstream_stream_7" in removed
+    assert not any("depended on" in item for item in removed)
+    assert conn.execute("select count(*) from pg_replication_slots where database = current_database()"
+                        ).fetchone() == (0,)
