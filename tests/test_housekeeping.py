@@ -106,11 +106,23 @@ def test_housekeeping_on_a_simulated_calendar(conn: psycopg.Connection) -> None:
 def test_expired_rows_of_the_default_partition(conn: psycopg.Connection) -> None:
     (d0,) = conn.execute("select pgstream.utc_today()").fetchone()  # type: ignore[misc]
     # a day with no partition lands in events_default
-    conn.execute("insert into pgstream.events (payload, stream_id, created_at) "
-                 "select '{}', 1, now() - interval '40 days' from generate_series(1, 4)")
+    conn.execute("insert into pgstream.streams (id) values (1) on conflict do nothing")
+    ids = [r[0] for r in backdated(conn, "insert into pgstream.events (payload, stream_id, created_at) "
+                                         "select '{}', 1, now() - interval '40 days' from generate_series(1, 4) "
+                                         "returning id")]
+    # no batch holds them: not read from the slot yet, whatever their date, so they stay
     report = run_housekeeping(conn, HousekeepingConfig(retention_days=7), today=d0)
-    assert report.default_rows_deleted == 4
-    assert conn.execute("select count(*) from pgstream.events_default").fetchone() == (0,)
+    assert report.default_rows_deleted == 0
+    assert any("4 expired rows of events_default are kept" in w for w in report.warnings)
+    # three delivered, one still in an open batch: the delivered ones go
+    conn.execute("insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
+                 "min_created_at, max_created_at, status, delivered_at) "
+                 "values (1, %s, 3, %s, %s, now() - interval '40 days', now() - interval '40 days', 'delivered', "
+                 "now()), (1, %s, 1, %s, %s, now() - interval '40 days', now() - interval '40 days', 'pending', null)",
+                 [ids[:3], ids[0], ids[2], ids[3:], ids[3], ids[3]])
+    report = run_housekeeping(conn, HousekeepingConfig(retention_days=7), today=d0)
+    assert report.default_rows_deleted == 3
+    assert conn.execute("select id from pgstream.events_default").fetchall() == [(ids[3],)]
 
 
 def test_schedule_job_reports_metadata(db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
