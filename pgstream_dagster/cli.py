@@ -6,10 +6,30 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psycopg
+
+
+def _ranged(name: str, low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``low..high`` (what the database's column takes)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{name} must be between {low} and {high}, got {value}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in its messages
+    return parse
+
+
+_ID = _ranged("id", 1, 2**63 - 1)
+_COUNT = _ranged("count", 0, 2**31 - 1)
 
 
 def _database_url(args: argparse.Namespace) -> str:
@@ -226,31 +246,31 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction, common: argparse.
     dl = group.add_subparsers(dest="dead_letters_command", required=True)
 
     p = dl.add_parser("list", parents=[common], help="open dead letters (all streams, or STREAM), in delivery order")
-    p.add_argument("stream", type=int, nargs="?", help="only this stream")
+    p.add_argument("stream", type=_ID, nargs="?", help="only this stream")
     p.add_argument("--all", action="store_true", help="also redelivered and discarded ones")
-    p.add_argument("--limit", type=int, default=100, help="show at most N (default 100)")
+    p.add_argument("--limit", type=_COUNT, default=100, help="show at most N (default 100)")
     p.set_defaults(func=_cmd_dead_letters_list)
 
     p = dl.add_parser("show", parents=[common], help="everything about one dead letter: payload, error, position, "
                                                      "how many later events overtook it")
-    p.add_argument("id", type=int)
+    p.add_argument("id", type=_ID)
     p.set_defaults(func=_cmd_dead_letters_show)
 
     p = dl.add_parser("redeliver", parents=[common],
                       help="publish open dead letters of STREAM (all, or the IDs) through its sink, in delivery "
                            "order; stops at the first one the sink refuses")
-    p.add_argument("stream", type=int)
-    p.add_argument("ids", type=int, nargs="*", metavar="ID", help="only these dead letters (default: all open)")
+    p.add_argument("stream", type=_ID)
+    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="only these dead letters (default: all open)")
     p.add_argument("--config", help="pgstream.yaml with the stream's sink (default: $PGSTREAM_CONFIG or "
                                     "./pgstream.yaml); its database_url unless --database-url is given")
-    p.add_argument("--chunk-size", type=int, default=None, help="events per publish call (default: the stream's "
+    p.add_argument("--chunk-size", type=_COUNT, default=None, help="events per publish call (default: the stream's "
                                                                 "delivery.chunk_size)")
     p.add_argument("--dry-run", action="store_true", help="list what would be redelivered, send nothing")
     p.set_defaults(func=_cmd_dead_letters_redeliver)
 
     p = dl.add_parser("discard", parents=[common], help="give up on open dead letters of STREAM (IDs, or --all)")
-    p.add_argument("stream", type=int)
-    p.add_argument("ids", type=int, nargs="*", metavar="ID")
+    p.add_argument("stream", type=_ID)
+    p.add_argument("ids", type=_ID, nargs="*", metavar="ID")
     p.add_argument("--all", action="store_true", help="every open dead letter of the stream")
     p.add_argument("--yes", action="store_true", help="confirm: their events are never delivered")
     p.set_defaults(func=_cmd_dead_letters_discard)
@@ -258,8 +278,8 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction, common: argparse.
     p = dl.add_parser("set-aside", parents=[common],
                       help="make undelivered events of STREAM's open batches dead letters: delivery goes on "
                            "without them")
-    p.add_argument("stream", type=int)
-    p.add_argument("event_ids", type=int, nargs="+", metavar="EVENT_ID")
+    p.add_argument("stream", type=_ID)
+    p.add_argument("event_ids", type=_ID, nargs="+", metavar="EVENT_ID")
     p.add_argument("--reason", required=True, help="why (kept with the dead letters)")
     p.add_argument("--yes", action="store_true", help="confirm: delivery goes on without these events")
     p.set_defaults(func=_cmd_dead_letters_set_aside)
@@ -302,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("migrate", parents=[common], help="apply the sql/ migrations (idempotent)")
-    p.add_argument("--days-ahead", type=int, default=7, help="daily partitions to create ahead")
+    p.add_argument("--days-ahead", type=_ranged("days", 0, 365), default=7, help="daily partitions to create ahead")
     p.set_defaults(func=_cmd_migrate)
 
     p = sub.add_parser("tear-down", parents=[common],
@@ -318,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", parents=[common], help="state, failover checkpoint, backlog, slot lag and last "
                                                         "batches of every stream")
-    p.add_argument("stream", type=int, nargs="?", help="only this stream")
-    p.add_argument("--batches", type=int, default=5, help="last batches to show per stream")
+    p.add_argument("stream", type=_ID, nargs="?", help="only this stream")
+    p.add_argument("--batches", type=_COUNT, default=5, help="last batches to show per stream")
     p.set_defaults(func=_cmd_status)
 
     controls = (
@@ -330,9 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, action, text in controls:
         p = sub.add_parser(name, parents=[common], help=text)
-        p.add_argument("stream", type=int)
+        p.add_argument("stream", type=_ID)
         if action == "skip_batch":
-            p.add_argument("batch", type=int)
+            p.add_argument("batch", type=_ID)
             p.add_argument("--yes", action="store_true", help="confirm: the batch's events are not delivered")
         p.set_defaults(func=lambda a, _action=action: _control(a, _action))
 

@@ -215,3 +215,24 @@ def test_failover_backoff_stays_finite_after_any_number_of_attempts(tmp_path: Pa
     stream = cfg.stream(1)
     assert [backoff_secs(stream, n) for n in (0, 1, 2, 3)] == [5, 5, 10, 20]
     assert backoff_secs(stream, 2000) == backoff_secs(stream, 10**9) == 604800  # 2 ** 1999 is no float
+
+
+@pytest.mark.parametrize("argv", [["status", "9223372036854775808"], ["skip", "1", "0", "--yes"],
+                                  ["pause", "-1"], ["dead-letters", "show", "x"], ["migrate", "--days-ahead", "366"]])
+def test_cli_numbers_out_of_range_are_refused_before_any_connection(argv: list[str],
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from pgstream_dagster.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--database-url", "postgresql://nobody@127.0.0.1:1/none"])
+    assert exc.value.code == 2
+    assert "must be" in capsys.readouterr().err
+
+
+def test_sink_numbers_must_be_finite() -> None:
+    from pgstream_dagster.config import ConfigError, parse_config
+
+    for value in (float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"streams\[0\]\.sink\.timeout_secs"):
+            parse_config({"database_url": "postgresql://x", "streams": [
+                {"id": 1, "sink": {"type": "http", "url": "http://127.0.0.1/hook", "timeout_secs": value}}]})

@@ -505,7 +505,8 @@ class SinkConfigBase(BaseModel):
     """
 
     # validation errors never echo input values (they may be secrets)
-    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+    # numbers are finite (a timeout of inf/nan would never end or never start)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True, allow_inf_nan=False)
 
     def build(self) -> Sink:
         """Instantiate the sink described by this config."""
