@@ -128,75 +128,8 @@ begin
 end
 $$;
 
--- Drops the daily partitions older than p_retention_days (and deletes expired rows of the
--- default partition). Returns the dropped partition names. A partition past retention that still
--- holds events a stream has not delivered (pgstream.oldest_protected_day()) is handled by policy:
---   'keep' (default): kept, with a WARNING naming it; dropped by a later run once delivered;
---   'fail': nothing is dropped and an error names the streams that hold it back.
--- Events are never dropped silently.
-create or replace function pgstream.drop_partitions(
-    p_retention_days integer default 7,
-    p_today date default pgstream.utc_today(),
-    p_policy text default 'keep'
-)
-returns setof text
-language plpgsql
-security definer
-set search_path = pg_catalog, pg_temp
-as $$
-declare
-    v_cutoff    date;
-    v_protected date;
-    v_rel       record;
-    v_day       date;
-    v_held      text;
-begin
-    if p_retention_days is null or p_retention_days < 1 then
-        raise exception 'pgstream.drop_partitions: p_retention_days must be >= 1, got %', p_retention_days;
-    end if;
-    if p_policy is null or p_policy not in ('keep', 'fail') then
-        raise exception 'pgstream.drop_partitions: p_policy must be ''keep'' or ''fail'', got %', p_policy;
-    end if;
-    perform pg_catalog.pg_advisory_xact_lock(1885827952);
-    v_protected := pgstream.oldest_protected_day();
-    v_cutoff := p_today - p_retention_days;
-    if p_policy = 'fail' and v_protected is not null and v_protected < v_cutoff then
-        select pg_catalog.string_agg(pg_catalog.format('stream %s (oldest undelivered %s, slot consumed through %s)',
-                                                       stream_id, coalesce(oldest_undelivered::text, 'none'),
-                                                       consumed_through), '; ')
-          into v_held
-          from pgstream.protected_streams()
-         where (oldest_undelivered at time zone 'UTC')::date < v_cutoff
-            or ((consumed_through - interval '1 day') at time zone 'UTC')::date < v_cutoff;
-        raise exception 'pgstream: partitions before % hold undelivered events; nothing dropped', v_cutoff
-            using detail = coalesce(v_held, ''),
-                  hint = 'deliver or replay the backlog, skip_batch() what will never be delivered, '
-                         'or run housekeeping with the keep policy';
-    end if;
-    for v_rel in
-        select c.relname
-        from pg_catalog.pg_inherits i
-        join pg_catalog.pg_class c on c.oid = i.inhrelid
-        where i.inhparent = 'pgstream.events'::pg_catalog.regclass
-          and c.relname ~ '^events_[0-9]{8}$'
-        order by c.relname
-    loop
-        v_day := pg_catalog.to_date(pg_catalog.substr(v_rel.relname, 8), 'YYYYMMDD');
-        continue when v_day >= v_cutoff;
-        if v_protected is not null and v_day >= v_protected then
-            raise warning 'pgstream: keeping partition % past retention: it holds undelivered events', v_rel.relname;
-            continue;
-        end if;
-        execute pg_catalog.format('alter table pgstream.events detach partition pgstream.%I', v_rel.relname);
-        execute pg_catalog.format('drop table pgstream.%I', v_rel.relname);
-        return next v_rel.relname;
-    end loop;
-    delete from pgstream.events_default
-    where created_at < (least(v_cutoff, coalesce(v_protected, v_cutoff))::timestamp at time zone 'UTC');
-end
-$$;
+-- drop_partitions takes the same lock: see 014_event_integrity.sql, which redefines it.
 
 revoke all on function pgstream.slot_holder(text, bigint) from public;
 revoke all on function pgstream.ensure_stream(bigint) from public;
 revoke all on function pgstream.create_partitions(integer, date) from public;
-revoke all on function pgstream.drop_partitions(integer, date, text) from public;

@@ -291,8 +291,14 @@ end
 $$;
 revoke all on function pgstream._delete_expired_default(timestamptz) from public;
 
--- drop_partitions as in 013, the default partition's expired rows now going through
--- _delete_expired_default (and the ones kept counted in a WARNING).
+-- Drops the daily partitions older than p_retention_days and the expired rows of the default
+-- partition that are done with (_delete_expired_default; the ones kept are counted in a WARNING).
+-- Returns the dropped partition names. Serialised with create_partitions (013's advisory lock). A
+-- partition past retention that still holds events a stream has not delivered
+-- (pgstream.oldest_protected_day()) is handled by policy:
+--   'keep' (default): kept, with a WARNING naming it; dropped by a later run once delivered;
+--   'fail': nothing is dropped and an error names the streams that hold it back.
+-- Events are never dropped silently.
 create or replace function pgstream.drop_partitions(
     p_retention_days integer default 7,
     p_today date default pgstream.utc_today(),
