@@ -247,8 +247,9 @@ revoke all on pgstream.stream_status from public;
 -- ---------------------------------------------------------------------------------------------
 -- Retention of the default partition: a row past retention is deleted only once it is done with:
 -- a closed (delivered or skipped) batch holds it, or it is a dead letter (its payload was copied),
--- or it is older than its stream's ledger horizon (delivered by batches pruned since) and in no
--- open batch. A row no batch holds yet (not read from the slot, whatever its date) stays.
+-- or it is older than its stream's ledger horizon (delivered by batches pruned since), was read
+-- from the slot (a day of slack, as for partitions) and is in no open batch. A row no batch holds
+-- yet (not read from the slot, whatever its date) stays.
 -- (A batch holding a row has min_created_at <= its created_at: only batches older than the
 -- cutoff are looked at.) Called by pgstream.drop_partitions; returns the rows deleted.
 create or replace function pgstream._delete_expired_default(p_before timestamptz)
@@ -282,7 +283,9 @@ begin
                             and d.event_id operator(pg_catalog.=) e.id)
                or exists (select 1 from pgstream.streams s
                           where s.id operator(pg_catalog.=) e.stream_id
-                            and e.created_at operator(pg_catalog.<=) s.ledger_horizon))
+                            and e.created_at operator(pg_catalog.<=) s.ledger_horizon
+                            and e.created_at operator(pg_catalog.<)
+                                (s.consumed_through operator(pg_catalog.-) '1 day'::pg_catalog.interval)))
         returning 1
     )
     select pg_catalog.count(*) into v_count from gone;
@@ -315,7 +318,6 @@ declare
     v_rel       record;
     v_day       date;
     v_held      text;
-    v_before    timestamptz;
     v_undone    bigint;
 begin
     if p_retention_days is null or p_retention_days < 1 then
@@ -358,8 +360,8 @@ begin
         execute pg_catalog.format('drop table pgstream.%I', v_rel.relname);
         return next v_rel.relname;
     end loop;
-    v_before := least(v_cutoff, coalesce(v_protected, v_cutoff))::timestamp at time zone 'UTC';
-    perform pgstream._delete_expired_default(v_before);
+    -- row by row: the protected day (which holds whole partitions back) does not apply
+    perform pgstream._delete_expired_default(v_cutoff::timestamp at time zone 'UTC');
     select pg_catalog.count(*) into v_undone from pgstream.events_default
      where created_at < (v_cutoff::timestamp at time zone 'UTC');
     if v_undone > 0 then
