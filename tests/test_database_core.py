@@ -552,10 +552,16 @@ def test_insert_never_fails_for_a_missing_partition(users: psycopg.Connection) -
     today = users.execute("select pgstream.utc_today()").fetchone()[0]
     created = [r[0] for r in users.execute("select pgstream.create_partitions(1)")]
     assert created == [f"events_{today + dt.timedelta(days=1):%Y%m%d}"]
-    # expired rows in the default partition are deleted by drop_partitions (once the stream's
-    # sensor has read its slot past them, here simulated)
+    # expired rows in the default partition are deleted by drop_partitions once a batch delivered
+    # them (here simulated), not before: read past by the sensor is not enough
     users.execute("update pgstream.streams set consumed_through = %s",
                   [dt.datetime.combine(today + dt.timedelta(days=8), dt.time(), dt.UTC)])
+    users.execute("select pgstream.drop_partitions(7, %s)", [today + dt.timedelta(days=8)])
+    assert users.execute("select count(*) from pgstream.events").fetchone() == (1,)
+    users.execute("insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
+                  "min_created_at, max_created_at, status, delivered_at) "
+                  "select stream_id, array[id], 1, id, id, created_at, created_at, 'delivered', now() "
+                  "from pgstream.events")
     users.execute("select pgstream.drop_partitions(7, %s)", [today + dt.timedelta(days=8)])
     assert users.execute("select count(*) from pgstream.events").fetchone() == (0,)
 
