@@ -15,6 +15,7 @@ any replay and never interleaves with the stream's deliveries.
 
 import datetime as dt
 import time
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -102,7 +103,7 @@ def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig
     for line in problems:
         context.log.warning(line)
     elapsed = time.monotonic() - started
-    metadata: dict[str, object] = {
+    metadata: dict[str, Any] = {
         "kind": "dead_letters", "dry_run": config.dry_run, "planned": len(report.planned),
         "redelivered": len(report.redelivered),
         "redelivered_ids": dg.MetadataValue.json(report.redelivered),
@@ -200,8 +201,9 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
         if delivered != count:
             # events deleted (retention) while the replay ran: say so, the sink got what was there
             context.log.warning(f"{count} events were planned but {delivered} were read: rows were removed meanwhile")
-        metadata = {"kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
-                    "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
+        metadata: dict[str, Any] = {
+            "kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
+            "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
         if first:  # the rate once events flow (without Spark start-up and the first partition's read)
             metadata["first_chunk_secs"] = round(first[0][0] - started, 3)
             metadata["streaming_events_per_sec"] = round((delivered - first[0][1]) /
