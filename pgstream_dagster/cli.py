@@ -241,7 +241,8 @@ def _dead_letter_control(args: argparse.Namespace, action: str, **kwargs: object
     return 0
 
 
-def _add_dead_letter_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                              common: argparse.ArgumentParser) -> None:
     group = sub.add_parser("dead-letters", help="list, show, redeliver, discard dead letters; set events aside")
     dl = group.add_subparsers(dest="dead_letters_command", required=True)
 

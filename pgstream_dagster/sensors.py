@@ -156,7 +156,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
 
 def backoff_secs(stream: StreamConfig, attempts: int) -> float:
     # the exponent is capped: 2 ** 1024 no longer converts to a float (a sink down for weeks)
-    doubled = stream.retry.initial_backoff_secs * 2 ** min(max(0, attempts - 1), 64)
+    doubled: float = stream.retry.initial_backoff_secs * 2 ** min(max(0, attempts - 1), 64)
     return min(stream.retry.max_backoff_secs, doubled)
 
 
