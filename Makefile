@@ -18,6 +18,7 @@ dev: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check pgstream_dagster tests bench
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -12,6 +12,7 @@ passes the stream's other subscriptions back unchanged. The stream's ``subscript
 
 import datetime as dt
 from collections.abc import Iterator
+from typing import Any, TypeAlias, cast
 
 import dagster as dg
 from pydantic import Field
@@ -33,7 +34,7 @@ from .subscriptions import (
 
 EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
 
-class CodeVersionOutdated(dg.AutomationCondition):
+class CodeVersionOutdated(dg.AutomationCondition[dg.AssetKey]):
     """True when the asset's latest materialization was made with another code version than its
     current one: state-based, so an edit is never missed (unlike ``code_version_changed``, which
     only compares consecutive evaluations and loses to a materialization in between)."""
@@ -42,7 +43,7 @@ class CodeVersionOutdated(dg.AutomationCondition):
     def name(self) -> str:
         return "code_version_outdated"
 
-    def evaluate(self, context: dg.AutomationContext) -> dg.AutomationResult:  # type: ignore[override]
+    def evaluate(self, context: dg.AutomationContext[dg.AssetKey]) -> dg.AutomationResult[dg.AssetKey]:
         key = context.key
         current = context.asset_graph.get(key).code_version
         latest = context.asset_graph_view.instance.get_latest_materialization_code_versions([key]).get(key)
@@ -54,12 +55,17 @@ class CodeVersionOutdated(dg.AutomationCondition):
 #: cause may be another subscription of the file, or a table not created yet): never in a loop.
 RETRY_CRON = "*/5 * * * *"
 
+# dagster 1.13 types ``since_last_handled`` for asset-or-check conditions only (and its type parameter is
+# invariant), while code_version_changed and cron_tick_passed are typed as asset conditions: it works on
+# both, hence the casts below.
+_AssetOrCheckCondition: TypeAlias = "dg.AutomationCondition[dg.AssetKey | dg.AssetCheckKey]"
+
 #: Apply a subscription that was never applied (new) or whose definition changed (edited).
 SUBSCRIPTION_CONDITION = (
     (dg.AutomationCondition.missing() | CodeVersionOutdated())
     & (~dg.AutomationCondition.execution_failed()
-       | dg.AutomationCondition.code_version_changed().since_last_handled()
-       | dg.AutomationCondition.cron_tick_passed(RETRY_CRON).since_last_handled())
+       | cast(_AssetOrCheckCondition, dg.AutomationCondition.code_version_changed()).since_last_handled()
+       | cast(_AssetOrCheckCondition, dg.AutomationCondition.cron_tick_passed(RETRY_CRON)).since_last_handled())
     & ~dg.AutomationCondition.in_progress()
 ).with_label("subscription new or changed")
 
@@ -104,7 +110,7 @@ def _spec_metadata(sub: SubscriptionConfig) -> dict[str, object]:
     }
 
 
-def _trigger_metadata(state: TriggerState) -> dict[str, object]:
+def _trigger_metadata(state: TriggerState) -> dict[str, Any]:
     body = state.function_body or ""
     return {
         "trigger": state.trigger_name,
@@ -142,7 +148,7 @@ def _stream_subscriptions(config: PgstreamConfig, stream_id: int) -> dg.AssetsDe
 
     @dg.multi_asset(name=f"pgstream_stream_{stream_id}_subscriptions", specs=specs, can_subset=True,
                     description=f"Apply stream {stream_id}'s subscriptions from pgstream.yaml (one transaction).")
-    def _apply(context: dg.AssetExecutionContext, pgstream: PgstreamResource) -> Iterator[dg.MaterializeResult]:
+    def _apply(context: dg.AssetExecutionContext, pgstream: PgstreamResource) -> Iterator[dg.MaterializeResult[Any]]:
         selected = context.selected_asset_keys
         chosen = {ident for ident, key in keys.items() if key in selected}
         with pgstream.connect() as conn:
@@ -204,7 +210,7 @@ class HousekeepingRunConfig(dg.Config):
                 "pgstream_housekeeping schedule (housekeeping.cron) and at start-up.",
 )
 def events_partitions(context: dg.AssetExecutionContext, config: HousekeepingRunConfig,
-                      pgstream: PgstreamResource) -> dg.MaterializeResult:
+                      pgstream: PgstreamResource) -> dg.MaterializeResult[Any]:
     today = dt.date.fromisoformat(config.today) if config.today else None
     with pgstream.connect() as conn:
         report = housekeeping.run_housekeeping(conn, pgstream.config.housekeeping, today)

@@ -13,6 +13,7 @@ from the UI):
 
 import datetime as dt
 from collections.abc import Iterator
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -122,7 +123,7 @@ def check_failover(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCh
                        [stream.id]).fetchone()
     if row is None:
         passed, description = False, f"stream {stream.id} is not in pgstream.streams (run pgstream-dagster init)"
-        metadata: dict[str, object] = {}
+        metadata: dict[str, Any] = {}
     else:
         passed = row[0] is None
         description = "not in failover" if passed else f"in failover since {row[0].isoformat()}"
@@ -144,7 +145,7 @@ def check_dead_letters(conn: psycopg.Connection, stream: StreamConfig) -> dg.Ass
     """No open dead letter: every event the stream went on without was redelivered or discarded."""
     count, oldest = deadletters.count_open(conn, stream.id)
     first = deadletters.list_dead_letters(conn, stream.id, "open", limit=DEAD_LETTERS_SHOWN) if count else []
-    metadata: dict[str, object] = {"open_dead_letters": count}
+    metadata: dict[str, Any] = {"open_dead_letters": count}
     if oldest is not None:
         metadata["oldest_dead_letter_at"] = dg.MetadataValue.timestamp(oldest)
         metadata["oldest_dead_letter_age_secs"] = round((dt.datetime.now(dt.UTC) - oldest).total_seconds(), 1)

@@ -8,8 +8,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import psycopg
+
+if TYPE_CHECKING:
+    from .controls import Action
 
 
 def _ranged(name: str, low: int, high: int) -> Callable[[str], int]:
@@ -122,7 +126,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _control(args: argparse.Namespace, action: str) -> int:
+def _control(args: argparse.Namespace, action: Action) -> int:
     from .controls import ControlError, apply_control
 
     if action == "skip_batch" and not args.yes:
@@ -131,7 +135,7 @@ def _control(args: argparse.Namespace, action: str) -> int:
         return 2
     with psycopg.connect(_database_url(args), autocommit=True) as conn:
         try:
-            print(apply_control(conn, args.stream, action, getattr(args, "batch", None)))  # type: ignore[arg-type]
+            print(apply_control(conn, args.stream, action, getattr(args, "batch", None)))
         except ControlError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -229,19 +233,20 @@ def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> int:
     return _dead_letter_control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
 
 
-def _dead_letter_control(args: argparse.Namespace, action: str, **kwargs: object) -> int:
+def _dead_letter_control(args: argparse.Namespace, action: Action, **kwargs: Any) -> int:
     from .controls import ControlError, apply_control
 
     with psycopg.connect(_database_url(args), autocommit=True) as conn:
         try:
-            print(apply_control(conn, args.stream, action, **kwargs))  # type: ignore[arg-type]
+            print(apply_control(conn, args.stream, action, **kwargs))
         except ControlError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     return 0
 
 
-def _add_dead_letter_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                              common: argparse.ArgumentParser) -> None:
     group = sub.add_parser("dead-letters", help="list, show, redeliver, discard dead letters; set events aside")
     dl = group.add_subparsers(dest="dead_letters_command", required=True)
 

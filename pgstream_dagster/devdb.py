@@ -16,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _RUN_AS = "embedded_postgres"
 
@@ -78,9 +79,9 @@ class LocalPostgres:
     def url_for(self, dbname: str) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
 
-    def _run(self, args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    def _run(self, args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         ids = _demote()
-        extra: dict[str, object] = {}
+        extra: dict[str, Any] = {}
         if ids is not None:
             extra = {"user": ids[0], "group": ids[1], "extra_groups": []}
         return subprocess.run(
@@ -89,8 +90,8 @@ class LocalPostgres:
             capture_output=True,
             text=True,
             cwd="/",
-            **extra,  # type: ignore[arg-type]
-            **kw,  # type: ignore[arg-type]
+            **extra,
+            **kw,
         )
 
     def init(self) -> None:

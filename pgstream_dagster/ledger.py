@@ -199,6 +199,7 @@ def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) 
     """
     with conn.transaction():
         conn.execute("set transaction isolation level repeatable read")
+        # fetchone() is typed optional; a select without from returns one row
         (lsn,) = conn.execute("select pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
         rows = conn.execute(
             """with covered as materialized (

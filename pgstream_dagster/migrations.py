@@ -70,7 +70,7 @@ def discover(directory: Path | None = None) -> list[Migration]:
 
 
 def _iter_pending(conn: psycopg.Connection, migrations: list[Migration]) -> Iterator[Migration]:
-    applied = dict(conn.execute("select version, checksum from pgstream.schema_migrations").fetchall())
+    applied: dict[int, str] = dict(conn.execute("select version, checksum from pgstream.schema_migrations").fetchall())
     for m in migrations:
         if m.version == 0:
             continue

@@ -15,6 +15,7 @@ any replay and never interleaves with the stream's deliveries.
 
 import datetime as dt
 import time
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -102,7 +103,7 @@ def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig
     for line in problems:
         context.log.warning(line)
     elapsed = time.monotonic() - started
-    metadata: dict[str, object] = {
+    metadata: dict[str, Any] = {
         "kind": "dead_letters", "dry_run": config.dry_run, "planned": len(report.planned),
         "redelivered": len(report.redelivered),
         "redelivered_ids": dg.MetadataValue.json(report.redelivered),
@@ -121,7 +122,7 @@ def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig
 
 
 def plan(conn: psycopg.Connection, stream_id: int, config: ReplayConfig,
-         rows_per_partition: int = spark.ROWS_PER_PARTITION) -> tuple[int, list[tuple[int, int]], dict[str, object]]:
+         rows_per_partition: int = spark.ROWS_PER_PARTITION) -> tuple[int, list[tuple[int, int]], dict[str, Any]]:
     """Validate ``config`` and count the events: ``(count, id ranges of at most
     rows_per_partition events each, in order, query parameters)``."""
     if not (config.all_events or config.subscription_keys or any(
@@ -136,7 +137,7 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplayConfig,
     hi = config.to_event_id if config.to_event_id is not None else 2**63 - 1
     if lo > hi:
         raise ReplayError(f"from_event_id {lo} is after to_event_id {hi}")
-    params: dict[str, object] = {"stream_id": stream_id, "lo": lo, "hi": hi, "from_time": from_time,
+    params: dict[str, Any] = {"stream_id": stream_id, "lo": lo, "hi": hi, "from_time": from_time,
                                  "to_time": to_time, "keys": config.subscription_keys or None,
                                  "size": rows_per_partition}
     # every rows_per_partition-th id starts a partition: balanced ranges whatever the id gaps
@@ -177,8 +178,8 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
             return 0
         frame = spark.load_events(
             pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,
-            from_time=params["from_time"].isoformat() if params["from_time"] else None,  # type: ignore[attr-defined]
-            to_time=params["to_time"].isoformat() if params["to_time"] else None,  # type: ignore[attr-defined]
+            from_time=params["from_time"].isoformat() if params["from_time"] else None,
+            to_time=params["to_time"].isoformat() if params["to_time"] else None,
             keys=config.subscription_keys or None, packed=True)
         step = max(10_000, count // 20)
         next_log = [step]
@@ -200,8 +201,9 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
         if delivered != count:
             # events deleted (retention) while the replay ran: say so, the sink got what was there
             context.log.warning(f"{count} events were planned but {delivered} were read: rows were removed meanwhile")
-        metadata = {"kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
-                    "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
+        metadata: dict[str, Any] = {
+            "kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
+            "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
         if first:  # the rate once events flow (without Spark start-up and the first partition's read)
             metadata["first_chunk_secs"] = round(first[0][0] - started, 3)
             metadata["streaming_events_per_sec"] = round((delivered - first[0][1]) /

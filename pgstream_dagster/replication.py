@@ -117,7 +117,7 @@ class PgOutputDecoder:
                     raise ValueError("an event without id or created_at in the WAL")
                 if last[0] != raw_ts:
                     parsed = parse_timestamp(raw_ts.decode(errors="replace"))
-                    if parsed is None:
+                    if parsed is None:  # (unreadable is set with append, tested above: not None)
                         unreadable(unreadable_timestamp(int(raw_id), raw_ts.decode(errors="replace")))  # type: ignore[misc]
                         continue
                     last = (raw_ts, parsed)
@@ -226,6 +226,7 @@ def advance(conn: psycopg.Connection, slot: str, lsn: int) -> None:
 
 def flush_lsn(conn: psycopg.Connection) -> int:
     """The WAL position flushed now: a peek that starts later sees every commit before it."""
+    # fetchone() is typed optional; a select without from returns one row
     (lsn,) = conn.execute("select pg_current_wal_flush_lsn()::text").fetchone()  # type: ignore[misc]
     return lsn_to_int(str(lsn))
 

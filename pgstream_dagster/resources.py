@@ -14,7 +14,8 @@ import psycopg
 from .config import PgstreamConfig, StreamConfig, load_config
 
 
-class PgstreamResource(dg.ConfigurableResource):
+# not ConfigurableResource[...]: subscripting the pydantic generic makes another class at runtime
+class PgstreamResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     """The pgstream configuration file and a way to connect to its database."""
 
     config_path: str

@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -156,7 +157,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
 
 def backoff_secs(stream: StreamConfig, attempts: int) -> float:
     # the exponent is capped: 2 ** 1024 no longer converts to a float (a sink down for weeks)
-    doubled = stream.retry.initial_backoff_secs * 2 ** min(max(0, attempts - 1), 64)
+    doubled: float = stream.retry.initial_backoff_secs * 2 ** min(max(0, attempts - 1), 64)
     return min(stream.retry.max_backoff_secs, doubled)
 
 
@@ -311,11 +312,11 @@ def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
             time.sleep(min(POLL_SECS, remaining))
 
 
-def _observe_status(conn: psycopg.Connection, stream: StreamConfig, row: dict[str, object],
-                    cursor: dict[str, object]) -> dg.AssetObservation | None:
+def _observe_status(conn: psycopg.Connection, stream: StreamConfig, row: dict[str, Any],
+                    cursor: dict[str, Any]) -> dg.AssetObservation | None:
     """An observation of the stream status asset when the state changed or it is due."""
-    due = time.time() - float(cursor.get("status_at", 0)) >= stream.sensor.status_every_secs  # type: ignore[arg-type]
-    dead_letters = int(row.get("open_dead_letters") or 0)  # type: ignore[call-overload]
+    due = time.time() - float(cursor.get("status_at", 0)) >= stream.sensor.status_every_secs
+    dead_letters = int(row.get("open_dead_letters") or 0)
     if not due and cursor.get("status_state") == row["state"] and cursor.get("status_dead_letters", 0) == dead_letters:
         return None
     cursor["status_at"] = time.time()

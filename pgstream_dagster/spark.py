@@ -129,7 +129,7 @@ class BatchesReader(DataSourceReader):
         self.packed = options.get("packed") == "true"
         self.slices = [_Slice(*s) for s in json.loads(options["slices"])] if options.get("slices") else None
 
-    def partitions(self) -> list[InputPartition]:
+    def partitions(self) -> list[_Slice]:
         return list(self.slices) if self.slices is not None else batch_slices(self.batches, self.size)
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:

@@ -73,8 +73,8 @@ def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None =
         proc = subprocess.Popen(command(port, master, conf=conf), env=environment(), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     finally:
-        if log is not None:
-            out.close()  # type: ignore[union-attr]
+        if not isinstance(out, int):  # the log file (DEVNULL is an int)
+            out.close()
     deadline = time.monotonic() + timeout
     while not listening(port):
         if proc.poll() is not None:

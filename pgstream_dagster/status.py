@@ -38,13 +38,13 @@ def last_batches(conn: psycopg.Connection, stream_id: int, last: int) -> list[di
         return cur.execute(_LAST_BATCHES, [stream_id, last]).fetchall()
 
 
-def _bytes(n: int | None) -> str:
+def _bytes(n: float | None) -> str:
     if n is None:
         return "?"
     for unit in ("B", "kB", "MB", "GB"):
         if abs(n) < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return str(n)
 
 

@@ -56,6 +56,14 @@ class Event:
     """
 
     __slots__ = ("_created_at", "_id", "_metadata", "_metadata_json", "_payload", "_payload_json", "_stream_id")
+    # the slots' types (``_payload`` and ``_metadata`` hold ``_UNSET`` until parsed from their JSON text)
+    _id: int
+    _stream_id: int
+    _created_at: dt.datetime
+    _payload: dict[str, Any]
+    _payload_json: str | None
+    _metadata: dict[str, Any] | None
+    _metadata_json: str | None
 
     def __init__(self, id: int, stream_id: int, payload: dict[str, Any] | None = None,
                  metadata: dict[str, Any] | None = None, created_at: dt.datetime | None = None, *,
@@ -75,42 +83,46 @@ class Event:
 
     @property
     def id(self) -> int:
-        return self._id  # type: ignore[no-any-return]
+        return self._id
 
     @property
     def stream_id(self) -> int:
-        return self._stream_id  # type: ignore[no-any-return]
+        return self._stream_id
 
     @property
     def created_at(self) -> dt.datetime:
-        return self._created_at  # type: ignore[no-any-return]
+        return self._created_at
 
     @property
     def payload(self) -> dict[str, Any]:
         """The payload as a dict (parsed from ``payload_json`` on first use)."""
         if self._payload is _UNSET:
+            assert self._payload_json is not None  # __init__ keeps the text when there is no dict
             object.__setattr__(self, "_payload", json.loads(self._payload_json))
-        return self._payload  # type: ignore[no-any-return]
+        return self._payload
 
     @property
     def metadata(self) -> dict[str, Any] | None:
         if self._metadata is _UNSET:
+            assert self._metadata_json is not None  # __init__ unsets the dict only when there is text
             object.__setattr__(self, "_metadata", json.loads(self._metadata_json))
-        return self._metadata  # type: ignore[no-any-return]
+        return self._metadata
 
     @property
     def payload_json(self) -> str:
         """The payload as JSON text: as read from Postgres, else :func:`dumps` of ``payload``."""
-        if self._payload_json is None:
-            object.__setattr__(self, "_payload_json", dumps(self._payload))
-        return self._payload_json  # type: ignore[no-any-return]
+        text = self._payload_json
+        if text is None:
+            text = dumps(self._payload)
+            object.__setattr__(self, "_payload_json", text)
+        return text
 
     @property
     def metadata_json(self) -> str | None:
         """The metadata as JSON text, ``None`` when there is none."""
         if self._metadata_json is None and self._metadata is not None:
             object.__setattr__(self, "_metadata_json", dumps(self._metadata))
-        return self._metadata_json  # type: ignore[no-any-return]
+        return self._metadata_json
 
     def as_json_dict(self) -> dict[str, Any]:
         """The event as a JSON-ready dict (``created_at`` as ISO 8601)."""
@@ -140,7 +152,7 @@ class Event:
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return self._key() == other._key()  # type: ignore[attr-defined]
+        return self._key() == other._key()
 
     __hash__ = None  # type: ignore[assignment]  # payloads are dicts, like the former frozen dataclass
 

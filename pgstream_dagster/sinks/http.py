@@ -369,7 +369,8 @@ class HttpSink(Sink):
             stop=(
                 stop_after_attempt(config.max_attempts)
                 | stop_before_delay(config.max_retry_secs)
-                | (lambda _state: control.stops(request.start))
+                # tenacity types | for stop_base only; stop_any calls any callable (StopBaseT) alike
+                | (lambda _state: control.stops(request.start))  # type: ignore[operator]
             ),
             wait=self._wait,
             retry=retry_if_exception(lambda exc: isinstance(exc, _Failure) and exc.retryable),

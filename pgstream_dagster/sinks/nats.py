@@ -205,7 +205,7 @@ class NatsSink(Sink):
             sent += 1
         if self._js is None and sent:
             try:
-                await nc.flush(timeout=timeout)
+                await nc.flush(timeout=timeout)  # type: ignore[arg-type]  # annotated int, a float works (wait_for)
             except errors as exc:
                 reason = f"flush after publish at {self._target} failed: {describe_exception(exc)}"
                 raise self._error(events[:sent], reason) from None
@@ -232,7 +232,7 @@ class NatsSink(Sink):
         # nats-py keeps retrying the initial connection; bound it by the configured timeout.
         self._connecting, self._last_error = True, None
         try:
-            nc = await asyncio.wait_for(self._nats.connect(**options), timeout=self.config.timeout_secs)
+            nc: NatsClient = await asyncio.wait_for(self._nats.connect(**options), timeout=self.config.timeout_secs)
         finally:
             self._connecting = False
         self._nc = nc

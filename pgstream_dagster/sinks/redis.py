@@ -131,7 +131,9 @@ class RedisSink(Sink):
         try:
             with self._conn().pipeline(transaction=True) as pipe:
                 for stream, fields in entries:
-                    pipe.xadd(stream, fields, maxlen=self.config.maxlen, approximate=self.config.maxlen_approximate)
+                    # redis-py types fields as an (invariant) Dict of its key/value unions, which takes a dict[str, str]
+                    pipe.xadd(stream, fields, maxlen=self.config.maxlen,  # type: ignore[arg-type]
+                              approximate=self.config.maxlen_approximate)
                 results = pipe.execute(raise_on_error=True)
         except self._redis_mod.RedisError as exc:
             self.close()
