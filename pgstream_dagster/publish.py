@@ -14,7 +14,7 @@ rows in delivery order from the driver, ``ordering: by_key`` partitions from the
   :class:`RejectPolicy` (``on_reject: block``) the error stops the run, as any other. With one
   (``on_reject: dead_letter``), the rejected event is isolated (the events before it in its
   chunk were confirmed, per the sink contract; a multi-event request the sink rejected as a whole
-  is split one event at a time), published alone up to ``max_attempts`` times, then handed to
+  is bisected), published alone up to ``max_attempts`` times, then handed to
   ``set_aside`` (which records the dead letter durably) and the next event goes on. More than
   ``max_consecutive`` events set aside in a row stops the run instead: a sink that rejects every
   event is misconfigured, and its events must wait, not be set aside.
@@ -189,22 +189,35 @@ class _Publisher:
             return
         events, where = self.chunk, self.where
         self.chunk, self.where = [], []
-        start = 0
-        while start < len(events):
+        self._publish(events, where, 0, len(events))
+
+    def _publish(self, events: list[Event], where: list[Position], lo: int, hi: int) -> None:
+        """Publish ``events[lo:hi]``; with a reject policy, isolate and set aside what the sink rejects
+        for good. A request the sink refused as a whole (it names several events) is bisected: about
+        log2(n) calls find the bad event instead of one call per event."""
+        while lo < hi:
             try:
-                self.sink.publish(events[start:] if start else events)
+                self.sink.publish(events[lo:hi] if lo or hi < len(events) else events)
             except SinkError as exc:
                 if self.reject is None or not exc.permanent:
                     raise
                 # the events before the first rejected one were confirmed (sink contract)
                 ids = set(exc.event_ids)
-                first = next((i for i in range(start, len(events)) if events[i].id in ids), start)
-                self._confirmed(where, start, first)
-                self._alone(events[first], where[first], exc)
-                start = first + 1
+                named = [i for i in range(lo, hi) if events[i].id in ids]
+                first = named[0] if named else lo
+                self._confirmed(where, lo, first)
+                if len(named) <= 1:
+                    self._alone(events[first], where[first], exc)
+                    lo = first + 1
+                    continue
+                end = named[-1] + 1
+                mid = (first + end) // 2
+                self._publish(events, where, first, mid)
+                self._publish(events, where, mid, end)
+                lo = end
                 continue
-            self._confirmed(where, start, len(events))
-            break
+            self._confirmed(where, lo, hi)
+            return
 
     def _confirmed(self, where: list[Position], start: int, end: int) -> None:
         if end <= start:

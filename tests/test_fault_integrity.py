@@ -238,7 +238,7 @@ def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_ur
         assert "HTTP 422" in d["error"] and f"invalid event {d['event_id']}" in d["error"]
         assert d["payload"] is not None and d["batch_id"] is not None and d["ord"] >= 1
     assert open_dead_letters(db_url) == 3
-    report("poison events, on_reject: dead_letter", endpoint, db_url, rejected_requests=len(endpoint.rejected))
+    report("poison events, on_reject: dead_letter", endpoint, db_url, ids_in_refused_requests=len(endpoint.rejected))
     # the receiver is fixed: the operator redelivers them from the Launchpad (the replay job), in order
     endpoint.reject_ids = set()
     before = len(endpoint.accepted)

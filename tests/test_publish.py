@@ -184,6 +184,15 @@ def test_a_request_rejected_as_a_whole_is_split_to_find_the_bad_event() -> None:
     assert sink.delivered.index(13) > sink.delivered.index(11)
 
 
+def test_bisecting_a_large_refused_request_takes_few_calls() -> None:
+    sink, rec = Rejecting(permanent={1000 + 300}, whole=True), Recorder()
+    ids = list(range(1000, 1512))
+    assert publish(sink, rows({1: ids}), 512, reject=policy(rec, max_attempts=1), **rec.kwargs()) == 512
+    assert sink.delivered == [i for i in ids if i != 1300]  # once each, in order
+    assert [e for _b, _o, e, _err, _n in rec.aside] == [1300]
+    assert len(sink.calls) <= 2 * 10 + 2  # ~2 calls per halving of 512, not one per event
+
+
 def test_a_transient_error_while_isolating_stops_the_run() -> None:
     sink, rec = Rejecting(permanent={11}, transient=set()), Recorder()
 
