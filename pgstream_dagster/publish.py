@@ -76,11 +76,6 @@ class Owed:
 
     batches: tuple[tuple[int, int, int], ...]  # (batch_id, first_ord, last_ord)
 
-    def positions(self) -> Iterator[Position]:
-        for batch_id, first, last in self.batches:
-            for ord in range(first, last + 1):
-                yield batch_id, ord
-
 
 @dataclass
 class _State:
@@ -119,9 +114,15 @@ class _Publisher:
         self.where: list[Position] = []  # the position of each event of ``chunk``
         self.finished: list[int] = []  # batches whose last event is in ``chunk`` (or before)
         self.current: int | None = None  # the batch of the last position accounted for
+        self.owed: list[tuple[int, int, int]] | None = None
+        self.oi = 0
+        self.next_ord = 0
 
     def run(self, rows: Iterator[Positioned], owed: Owed | None) -> None:
-        expect = owed.positions() if owed is not None else None
+        self.owed = list(owed.batches) if owed is not None else None
+        self.oi = 0  # the owed batch of the next position owed
+        self.next_ord = self.owed[0][1] if self.owed else 0
+        owed_list = self.owed
         last: Position | None = None
         skip = self.skip
         counts = self.state.counts
@@ -129,8 +130,13 @@ class _Publisher:
             position = (batch_id, ord)
             if last is not None and position <= last:
                 raise OrderError(f"row {position} arrived after {last}: refusing to publish out of order")
-            if expect is not None:
-                self._account(expect, position)
+            if owed_list is not None:
+                # fast path: the row is the next position owed
+                entry = owed_list[self.oi] if self.oi < len(owed_list) else None
+                if entry is not None and entry[0] == batch_id and self.next_ord == ord:
+                    self._advance()
+                else:
+                    self._account(position)
             last = position
             if batch_id != self.current:
                 self._batch_ends()
@@ -143,28 +149,41 @@ class _Publisher:
             self.where.append(position)
             if len(self.chunk) >= self.chunk_size:
                 self.flush()
-        if expect is not None:
-            self._account(expect, None)
+        if owed_list is not None:
+            self._account(None)
         self._batch_ends()
         self.flush()
+
+    def _advance(self) -> None:
+        """Move to the next position owed."""
+        assert self.owed is not None
+        if self.next_ord < self.owed[self.oi][2]:
+            self.next_ord += 1
+            return
+        self.oi += 1
+        self.next_ord = self.owed[self.oi][1] if self.oi < len(self.owed) else 0
 
     def _batch_ends(self) -> None:
         if self.current is not None and self.current not in self.finished:
             self.finished.append(self.current)
 
-    def _account(self, expect: Iterator[Position], upto: Position | None) -> None:
+    def _account(self, upto: Position | None) -> None:
         """Walk the owed positions up to ``upto`` (the row just read; None: to the end). Each one
         passed over without a row must be set aside (``skip``), else it vanished."""
+        assert self.owed is not None
         missing: list[Position] = []
         counts = self.state.counts
-        for position in expect:
+        while self.oi < len(self.owed):
+            position = (self.owed[self.oi][0], self.next_ord)
             if position == upto:
+                self._advance()
                 break
             if upto is not None and position > upto:
                 raise OrderError(f"row {upto} is not a position this run owes")
             if position[0] != self.current and not missing:
                 self._batch_ends()  # every earlier position of the batch before was accounted for
                 self.current = position[0]
+            self._advance()
             if position in self.skip:
                 self.state.handled += 1
                 counts[position[0]] = counts.get(position[0], 0) + 1
