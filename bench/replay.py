@@ -128,6 +128,9 @@ def main() -> None:
             migrate(url)
             t0 = time.monotonic()
             with psycopg.connect(url) as c:
+                c.execute("select pgstream.ensure_stream(1)")
+                # as the generated triggers write (a manual insert would go through pgstream._check_event)
+                c.execute("set local role pgstream_writer")
                 c.execute("insert into pgstream.events (payload, stream_id) "
                           "select jsonb_build_object('tg_name', 'orders_insert', 'tg_op', 'INSERT', 'new', "
                           "jsonb_build_object('id', g, 'customer', 'c-' || (g %% 1000), 'amount', g * 1.5)), 1 "
