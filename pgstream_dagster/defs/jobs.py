@@ -24,7 +24,7 @@ from dagster_pyspark import PySparkResource
 from ..config import StreamConfig
 from ..engine import ledger, spark
 from ..engine.publish import MissingEventsError, Owed, RejectPolicy
-from .names import DELIVERY_JOB, STREAM_TAG, deliveries_asset_key
+from .names import CONTROL_JOB, DELIVERY_JOB, STREAM_TAG, deliveries_asset_key
 from .resources import PgstreamResource
 
 
@@ -179,7 +179,7 @@ def _vanished_failure(conn: psycopg.Connection, stream_id: int, batch_ids: list[
         f"stream {stream_id}: {len(gone)} events the ledger owes are no longer in pgstream.events: {shown}. "
         f"Nothing after the first of them was delivered. To go on without them, set them aside (they become dead "
         f"letters without payload): `pgstream-dagster dead-letters set-aside {stream_id} "
-        f"{' '.join(map(str, ids[:20]))} --reason vanished --yes`, or the pgstream_stream_control job with "
+        f"{' '.join(map(str, ids[:20]))} --reason vanished --yes`, or the {CONTROL_JOB} job with "
         f"action set_aside; or skip their batch.",
         metadata={"vanished_event_ids": dg.MetadataValue.json(ids[:1000])})
 

@@ -6,6 +6,8 @@ import dagster as dg
 STREAM_TAG = "pgstream/stream"
 BATCH_TAG = "pgstream/batch"
 REPLAY_TAG = "pgstream/replay"
+ATTEMPT_TAG = "pgstream/attempt"
+BATCHES_TAG = "pgstream/batches"
 
 #: jobs
 DELIVERY_JOB = "pgstream_delivery"

@@ -33,7 +33,7 @@ from ..config import StreamConfig
 from ..engine import ledger
 from ..engine.ingest import ConsumeResult, consume
 from ..engine.status import last_batches, stream_status
-from .names import BATCH_TAG, DELIVERY_JOB, STREAM_TAG, stream_sensor_name
+from .names import ATTEMPT_TAG, BATCH_TAG, BATCHES_TAG, DELIVERY_JOB, STREAM_TAG, stream_sensor_name
 from .resources import PgstreamResource
 from .status import status_observation
 
@@ -63,8 +63,8 @@ def _request(head: ledger.Batch, batch_ids: list[int], attempt: int) -> dg.RunRe
         run_key=run_key(head.stream_id, head.incarnation, batch_ids, attempt),
         job_name=DELIVERY_JOB,
         run_config={"ops": {"load_batches": {"config": config}}},
-        tags={STREAM_TAG: str(head.stream_id), BATCH_TAG: str(head.id), "pgstream/attempt": str(attempt),
-              "pgstream/batches": str(len(batch_ids))},
+        tags={STREAM_TAG: str(head.stream_id), BATCH_TAG: str(head.id), ATTEMPT_TAG: str(attempt),
+              BATCHES_TAG: str(len(batch_ids))},
     )
 
 
