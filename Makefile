@@ -19,6 +19,7 @@ dev: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check pgstream_dagster tests bench
 	$(BIN)/python -m mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

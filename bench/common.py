@@ -21,10 +21,10 @@ import psycopg
 import yaml
 
 from pgstream_dagster.config import load_config
-from pgstream_dagster.jobs import DELIVERY_JOB
-from pgstream_dagster.location import build_definitions
-from pgstream_dagster.resources import PgstreamResource
-from pgstream_dagster.subscriptions import apply_subscriptions
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import DELIVERY_JOB
+from pgstream_dagster.defs.resources import PgstreamResource
+from pgstream_dagster.engine.subscriptions import apply_subscriptions
 
 TABLE_SQL = """create table if not exists public.bench_orders (
     id bigserial primary key, seq bigint not null, customer text not null, amount numeric not null,

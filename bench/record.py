@@ -1,5 +1,5 @@
 """Recording benchmark (P1's first stage, run by hand: `make bench-record`): how fast the sensor
-moves committed events from the slot into the ledger (``sensors.consume``: peek + pgoutput decoding
+moves committed events from the slot into the ledger (``engine.ingest.consume``: peek + pgoutput decoding
 + ledger insert + slot advance), for the code of this tree and of git ``--baselines``, side by side
 in one run.
 
@@ -38,11 +38,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import TABLE_SQL, machine
 
 import pgstream_dagster
-from pgstream_dagster import ledger, replication, sensors
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import ensure_running
-from pgstream_dagster.migrations import migrate
-from pgstream_dagster.subscriptions import apply_subscriptions
+
+try:
+    from pgstream_dagster.engine import ingest, ledger, replication
+    from pgstream_dagster.engine.migrations import migrate
+    from pgstream_dagster.engine.subscriptions import apply_subscriptions
+except ImportError:  # a --ref from before pgstream_dagster/engine/ (the worker runs that tree)
+    from pgstream_dagster.migrations import migrate
+    from pgstream_dagster.subscriptions import apply_subscriptions
+
+    from pgstream_dagster import ledger, replication
+    from pgstream_dagster import sensors as ingest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -69,7 +77,7 @@ def _worker(url: str, stream_id: int, events: int, max_size: int) -> None:
         started = time.perf_counter()
         recorded = 0
         while recorded < events:
-            recorded += sensors.consume(conn, stream, 0).events
+            recorded += ingest.consume(conn, stream, 0).events
             if time.perf_counter() - started > 600:
                 raise RuntimeError(f"only {recorded} of {events} events recorded in 600s")
         secs = time.perf_counter() - started
@@ -162,7 +170,7 @@ def main() -> None:
              f"reading a stream of its own (own slot, own publication: every column for a version before sql/011) "
              f"in one private Postgres (fsync off); a table with one INSERT subscription per stream (real triggers, "
              f"~250-byte payloads), {args.rows} rows per transaction, so every stream has the same events in the "
-             "same WAL; time for sensors.consume, in a child process per version, to peek, decode, record and "
+             "same WAL; time for ingest.consume, in a child process per version, to peek, decode, record and "
              "advance all of them; order rotated per round; medians.",
              f"- {versions[1][0]}: {now:.2f}s = {args.events / now:,.0f} events/s "
              f"(rounds {', '.join(f'{t:.2f}' for t in timings[1])})"]

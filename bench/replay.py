@@ -32,7 +32,7 @@ import psycopg
 import yaml
 
 from pgstream_dagster.devdb import ensure_running
-from pgstream_dagster.migrations import migrate
+from pgstream_dagster.engine.migrations import migrate
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -43,8 +43,12 @@ import json, resource, sys, time
 from pathlib import Path
 import dagster as dg
 import pgstream_dagster
-from pgstream_dagster.location import build_definitions
-from pgstream_dagster.replay import replay_job_name
+try:
+    from pgstream_dagster.defs.location import build_definitions
+    from pgstream_dagster.defs.names import replay_job_name
+except ImportError:  # a --baseline from before pgstream_dagster/defs/
+    from pgstream_dagster.location import build_definitions
+    from pgstream_dagster.replay import replay_job_name
 
 config_path = Path(sys.argv[1])
 defs = build_definitions(config_path)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Driver, Webhook, delivered_events, machine, write_config, written_events
 
 from pgstream_dagster.devdb import ensure_running
-from pgstream_dagster.migrations import migrate
+from pgstream_dagster.engine.migrations import migrate
 
 HERE = Path(__file__).resolve().parent
 

@@ -39,7 +39,7 @@ import psycopg
 from psycopg import sql
 
 from pgstream_dagster.devdb import _bin_dir, ensure_running
-from pgstream_dagster.migrations import migrate
+from pgstream_dagster.engine.migrations import migrate
 
 HERE = Path(__file__).resolve().parent
 TABLES = {"bare": "orders_bare", "row": "orders_row", "statement": "orders_stmt",

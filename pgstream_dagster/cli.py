@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 if TYPE_CHECKING:
-    from .controls import Action
+    from .engine.controls import Action
 
 
 def _ranged(name: str, low: int, high: int) -> Callable[[str], int]:
@@ -44,7 +44,7 @@ def _database_url(args: argparse.Namespace) -> str:
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    from .migrations import migrate
+    from .engine.migrations import migrate
 
     applied = migrate(_database_url(args), partitions_ahead=args.days_ahead)
     if applied:
@@ -56,7 +56,7 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_tear_down(args: argparse.Namespace) -> int:
-    from .migrations import TearDownRefused, tear_down
+    from .engine.migrations import TearDownRefused, tear_down
 
     if not args.yes:
         print("error: tear-down deletes all pgstream state, undelivered events included; pass --yes",
@@ -79,38 +79,9 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def init(config_path: Path | None = None) -> list[str]:
-    """Migrate, run housekeeping once (today's partitions), create the streams, their slots, and apply
-    YAML subscriptions."""
-    from . import ledger
-    from .config import load_config
-    from .housekeeping import run_housekeeping
-    from .migrations import migrate
-    from .sensors import ConsumeResult, ensure_slot
-    from .subscriptions import apply_subscriptions
-
-    config = load_config(config_path)
-    url = config.database_url.get_secret_value()
-    out = [f"applied migration {m}" for m in migrate(url, partitions_ahead=config.housekeeping.days_ahead)]
-    with psycopg.connect(url, autocommit=True) as conn:
-        # a slot another stream reads is refused before anything changes
-        ledger.check_slots(conn, [(s.id, s.slot) for s in config.streams])
-        report = run_housekeeping(conn, config.housekeeping)
-        if report.created or report.dropped or report.kept or report.batches_pruned or report.default_rows_deleted:
-            out.append(report.summary())
-        for stream in config.streams:
-            ledger.ensure_stream(conn, stream.id, stream.slot)
-            result = ConsumeResult()
-            ensure_slot(conn, stream, result)
-            if result.slot_created:
-                out.append(f"created slot {stream.slot} for stream {stream.id} "
-                           f"(recovered {sum(1 for _ in result.recovered)} batches from the table)")
-        for action, key, stream_id in apply_subscriptions(conn, config):
-            out.append(f"{action} subscription {key!r} (stream {stream_id})")
-    return out
-
-
 def _cmd_init(args: argparse.Namespace) -> int:
+    from .engine.bootstrap import init
+
     for line in init(Path(args.config) if args.config else None):
         print(line)
     print("ready")
@@ -118,7 +89,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .status import render_status, stream_status
+    from .engine.status import render_status, stream_status
 
     url = _database_url(args)
     with psycopg.connect(url, autocommit=True) as conn:
@@ -127,7 +98,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _control(args: argparse.Namespace, action: Action) -> int:
-    from .controls import ControlError, apply_control
+    from .engine.controls import ControlError, apply_control
 
     if action == "skip_batch" and not args.yes:
         print(f"error: skipping batch {args.batch} means its events are not delivered (they stay in "
@@ -154,7 +125,7 @@ def _operator() -> str:
 
 
 def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
-    from .deadletters import list_dead_letters
+    from .engine.deadletters import list_dead_letters
 
     with psycopg.connect(_database_url(args), autocommit=True) as conn:
         letters = list_dead_letters(conn, args.stream, None if args.all else "open", args.limit)
@@ -172,7 +143,7 @@ def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
 def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
     import json
 
-    from .deadletters import get_dead_letter
+    from .engine.deadletters import get_dead_letter
 
     with psycopg.connect(_database_url(args), autocommit=True) as conn:
         d = get_dead_letter(conn, args.id)
@@ -198,7 +169,7 @@ def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
 
 def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .deadletters import redeliver
+    from .engine.deadletters import redeliver
 
     config = load_config(Path(args.config) if args.config else None)
     stream = config.stream(args.stream)
@@ -234,7 +205,7 @@ def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> int:
 
 
 def _dead_letter_control(args: argparse.Namespace, action: Action, **kwargs: Any) -> int:
-    from .controls import ControlError, apply_control
+    from .engine.controls import ControlError, apply_control
 
     with psycopg.connect(_database_url(args), autocommit=True) as conn:
         try:
@@ -386,9 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
         from .config import ConfigError
-        from .deadletters import DeadLetterError
-        from .ledger import SlotInUse
-        from .migrations import MigrationError
+        from .engine.deadletters import DeadLetterError
+        from .engine.ledger import SlotInUse
+        from .engine.migrations import MigrationError
 
         if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse) or \
                 type(exc).__module__.startswith("psycopg"):

@@ -3,6 +3,6 @@
 Everything is derived from ``pgstream.yaml`` (``$PGSTREAM_CONFIG``, default ``./pgstream.yaml``).
 """
 
-from .location import build_definitions
+from .defs.location import build_definitions
 
 defs = build_definitions()

@@ -22,9 +22,9 @@ def _dagster_url(url: str) -> str:
 
 
 def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = True) -> int:
-    from .cli import init
     from .devdb import ensure_running
-    from .migrations import migrate, sql_dir
+    from .engine.bootstrap import init
+    from .engine.migrations import migrate, sql_dir
 
     root = (root or Path.cwd()).resolve()
     state = root / ".pgstream"

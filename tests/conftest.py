@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
-from pgstream_dagster.migrations import migrate
+from pgstream_dagster.engine.migrations import migrate
 
 from .dagster_dev import Databases, drop_databases, make_databases
 

@@ -13,9 +13,9 @@ import dagster as dg
 import psycopg
 import yaml
 
-from pgstream_dagster.jobs import DELIVERY_JOB
-from pgstream_dagster.location import build_definitions
-from pgstream_dagster.resources import PgstreamResource
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import DELIVERY_JOB
+from pgstream_dagster.defs.resources import PgstreamResource
 
 
 def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from pgstream_dagster.location import build_definitions
-from pgstream_dagster.replay import replay_job_name
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import replay_job_name
 
 from .harness import Driver, read_jsonl
 

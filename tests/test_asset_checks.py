@@ -12,13 +12,12 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster.checks import check_undelivered_age
-from pgstream_dagster.cli import init
 from pgstream_dagster.config import load_config
+from pgstream_dagster.defs.checks import check_undelivered_age
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import CHECKS_JOB, deliveries_asset_key
 from pgstream_dagster.devdb import LocalPostgres
-from pgstream_dagster.jobs import deliveries_asset_key
-from pgstream_dagster.location import build_definitions
-from pgstream_dagster.schedules import CHECKS_JOB
+from pgstream_dagster.engine.bootstrap import init
 
 from .dagster_instance import postgres_instance
 from .harness import backdated, write_config

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
 
-from pgstream_dagster.migrations import migrate
+from pgstream_dagster.engine.migrations import migrate
 
 from .conftest import repo_root
 from .dagster_dev import Databases, start_dagster_dev, stop_process_group, wait_for

@@ -19,9 +19,9 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from pgstream_dagster.assets import subscription_keys
-from pgstream_dagster.cli import init
 from pgstream_dagster.config import load_config
+from pgstream_dagster.defs.assets import subscription_keys
+from pgstream_dagster.engine.bootstrap import init
 
 from .dagster_dev import DagsterDev, Databases, repo_root, start_dagster_dev, stop_process_group, wait_for
 from .harness import read_jsonl

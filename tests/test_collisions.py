@@ -14,13 +14,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgstream_dagster import ledger
-from pgstream_dagster.cli import init
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import load_config
-from pgstream_dagster.ledger import SlotInUse
-from pgstream_dagster.migrations import MigrationError, TearDownRefused, migrate, sql_dir, tear_down
-from pgstream_dagster.sensors import consume
+from pgstream_dagster.engine import ledger
+from pgstream_dagster.engine.bootstrap import init
+from pgstream_dagster.engine.ingest import consume
+from pgstream_dagster.engine.ledger import SlotInUse
+from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, sql_dir, tear_down
 
 from .harness import insert_events, write_config
 

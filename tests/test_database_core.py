@@ -16,7 +16,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from pgstream_dagster.cli import main as cli_main
-from pgstream_dagster.migrations import MigrationError, discover, migrate, sql_dir, tear_down
+from pgstream_dagster.engine.migrations import MigrationError, discover, migrate, sql_dir, tear_down
 
 from .harness import backdated
 

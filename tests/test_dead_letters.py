@@ -15,15 +15,15 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster import deadletters
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import load_config
-from pgstream_dagster.controls import CONTROL_JOB
-from pgstream_dagster.deadletters import DeadLetterError
-from pgstream_dagster.location import build_definitions
-from pgstream_dagster.replay import replay_job_name
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import CONTROL_JOB, replay_job_name
+from pgstream_dagster.defs.status import status_observation
+from pgstream_dagster.engine import deadletters
+from pgstream_dagster.engine.deadletters import DeadLetterError
+from pgstream_dagster.engine.status import render_status, stream_status
 from pgstream_dagster.sinks import MemorySink
-from pgstream_dagster.status import render_status, status_observation, stream_status
 
 from .endpoint import Endpoint
 from .harness import read_jsonl, write_config
@@ -482,6 +482,6 @@ def test_cli_dead_letter_commands(conn: psycopg.Connection, db_url: str, ledger:
 def test_engine_module_does_not_import_dagster() -> None:
     import subprocess
 
-    code = ("import sys, pgstream_dagster.deadletters; "
+    code = ("import sys, pgstream_dagster.engine.deadletters; "
             "sys.exit(1 if any(m == 'dagster' or m.startswith('dagster.') for m in sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent).returncode == 0

@@ -25,9 +25,9 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster import replication
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
-from pgstream_dagster.migrations import migrate
+from pgstream_dagster.engine import replication
+from pgstream_dagster.engine.migrations import migrate
 
 from .endpoint import Endpoint
 from .harness import Driver, backdated, insert_events, write_config
@@ -196,8 +196,8 @@ def test_postgres_restarted_in_the_middle_of_a_batch(db_url: str, pg: LocalPostg
 _RUN_SCRIPT = """
 import json, os, sys
 import dagster as dg
-from pgstream_dagster.jobs import DELIVERY_JOB
-from pgstream_dagster.location import build_definitions
+from pgstream_dagster.defs.names import DELIVERY_JOB
+from pgstream_dagster.defs.location import build_definitions
 config_path, storage_url, home, request = sys.argv[1:5]
 request = json.loads(request)
 with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": storage_url}}}, temp_dir=home) as inst:

@@ -21,8 +21,8 @@ import pytest
 from psycopg import sql
 
 from pgstream_dagster.config import HousekeepingConfig
-from pgstream_dagster.housekeeping import run_housekeeping
-from pgstream_dagster.replay import replay_job_name
+from pgstream_dagster.defs.names import replay_job_name
+from pgstream_dagster.engine.housekeeping import run_housekeeping
 
 from .endpoint import Endpoint
 from .harness import Driver, backdated, insert_events, write_config

@@ -13,13 +13,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pgstream_dagster.assets import EVENTS_PARTITIONS_KEY
-from pgstream_dagster.cli import init
 from pgstream_dagster.config import HousekeepingConfig
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import EVENTS_PARTITIONS_KEY, HOUSEKEEPING_JOB
 from pgstream_dagster.devdb import LocalPostgres
-from pgstream_dagster.housekeeping import run_housekeeping
-from pgstream_dagster.location import build_definitions
-from pgstream_dagster.schedules import HOUSEKEEPING_JOB
+from pgstream_dagster.engine.bootstrap import init
+from pgstream_dagster.engine.housekeeping import run_housekeeping
 
 from .dagster_instance import materializations, postgres_instance, step_failure
 from .harness import backdated, write_config

@@ -14,8 +14,8 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster import ledger
-from pgstream_dagster.status import render_status, stream_status
+from pgstream_dagster.engine import ledger
+from pgstream_dagster.engine.status import render_status, stream_status
 
 from .endpoint import Endpoint
 from .harness import Driver, insert_events, write_config

@@ -1,4 +1,4 @@
-"""The publisher (pgstream_dagster/publish.py) on its own: order, vanished events, set-aside
+"""The publisher (pgstream_dagster/engine/publish.py) on its own: order, vanished events, set-aside
 positions and permanent rejections, against an in-process sink that rejects chosen events."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pgstream_dagster.publish import (
+from pgstream_dagster.engine.publish import (
     MissingEventsError,
     OrderError,
     Owed,

@@ -13,10 +13,8 @@ import psycopg
 import pytest
 
 from pgstream_dagster.cli import main as cli_main
-from pgstream_dagster.controls import CONTROL_JOB
-from pgstream_dagster.jobs import STREAM_TAG
-from pgstream_dagster.location import build_definitions
-from pgstream_dagster.replay import replay_job_name
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import CONTROL_JOB, STREAM_TAG, replay_job_name
 
 from .endpoint import Endpoint
 from .harness import Driver, backdated, event_ids, read_jsonl, write_config

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pgstream_dagster.migrations import WRITER_ROLE, migrate, sql_dir
+from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate, sql_dir
 
 _ids = itertools.count()
 

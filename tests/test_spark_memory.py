@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 from pyspark.sql import SparkSession
 
-from pgstream_dagster import spark
+from pgstream_dagster.engine import spark
 from pgstream_dagster.sinks.file import FileSinkConfig
 
 

@@ -14,10 +14,10 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster import replication
-from pgstream_dagster.jobs import deliveries_asset_key
+from pgstream_dagster.defs.names import deliveries_asset_key
+from pgstream_dagster.engine import replication
+from pgstream_dagster.engine.status import stream_status
 from pgstream_dagster.sinks import MemorySink
-from pgstream_dagster.status import stream_status
 
 from .harness import Driver, event_ids, insert_events, read_jsonl, write_config
 

@@ -13,11 +13,11 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster.assets import subscription_keys, subscription_set_key
 from pgstream_dagster.config import ConfigError
+from pgstream_dagster.defs.assets import subscription_keys, subscription_set_key
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import deliveries_asset_key
 from pgstream_dagster.devdb import LocalPostgres
-from pgstream_dagster.jobs import deliveries_asset_key
-from pgstream_dagster.location import build_definitions
 
 from .dagster_instance import materializations, materialize, postgres_instance, step_failure
 from .harness import write_config

@@ -10,10 +10,10 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster.checks import check_subscription
-from pgstream_dagster.cli import init
 from pgstream_dagster.config import SubscriptionConfig, load_config
-from pgstream_dagster.subscriptions import code_version, definition
+from pgstream_dagster.defs.checks import check_subscription
+from pgstream_dagster.engine.bootstrap import init
+from pgstream_dagster.engine.subscriptions import code_version, definition
 
 from .harness import write_config
 

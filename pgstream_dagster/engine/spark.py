@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
+from ..sinks import Event, SinkConfig
 from .publish import BatchDone, Confirmed, Owed, Position, Positioned, RejectPolicy, publish
-from .sinks import Event, SinkConfig
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -309,7 +309,7 @@ def deliver_in_order(frames: DataFrame | list[DataFrame], sink_config: SinkConfi
                      skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
                      owed: Owed | None = None) -> int:
     """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
-    are published chunk by chunk (:func:`pgstream_dagster.publish.publish`: ``skip``, ``reject``
+    are published chunk by chunk (:func:`pgstream_dagster.engine.publish.publish`: ``skip``, ``reject``
     and ``owed`` are explained there). ``frames``: one single-partition DataFrame per partition (as
     :func:`load_batches` / :func:`load_events` return them packed), or one DataFrame whose
     partitions are served in order. ``prefetch``: Spark computes the next partition while the

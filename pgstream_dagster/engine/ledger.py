@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
 
+from ..sinks import Event
 from . import replication
 from .replication import DecodedEvent, Transaction
-from .sinks import Event
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,18 @@ def run_channel(stream_id: int) -> str:
     return f"pgstream_stream_{stream_id}_runs"
 
 
+def listen_runs(conn: psycopg.Connection, stream_id: int) -> None:
+    """LISTEN on the stream's :func:`run_channel` (an open run waits there for batches)."""
+    conn.execute(sql.SQL("listen {}").format(sql.Identifier(run_channel(stream_id))))
+
+
+def launched_batch_ids(conn: psycopg.Connection, run_key: str | None) -> list[int]:
+    """The batches launched with ``run_key``, in order."""
+    return [int(r[0]) for r in conn.execute(
+        "select id from pgstream.batches where run_key = %s and status = 'launched' order by id",
+        [run_key]).fetchall()]
+
+
 def open_run_key(conn: psycopg.Connection, stream_id: int) -> str | None:
     row = conn.execute("select open_run_key from pgstream.streams where id = %s", [stream_id]).fetchone()
     return row[0] if row else None
@@ -415,6 +428,15 @@ def earlier_open(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int
 def failover_since(conn: psycopg.Connection, stream_id: int) -> dt.datetime | None:
     row = conn.execute("select failover_since from pgstream.streams where id = %s", [stream_id]).fetchone()
     return row[0] if row else None
+
+
+def leave_failover(conn: psycopg.Connection, stream_id: int) -> None:
+    conn.execute("select pgstream.leave_failover(%s)", [stream_id])
+
+
+def is_paused(conn: psycopg.Connection, stream_id: int) -> bool:
+    row = conn.execute("select paused from pgstream.streams where id = %s", [stream_id]).fetchone()
+    return bool(row and row[0])
 
 
 def caught_up(conn: psycopg.Connection, stream_id: int, head: Batch | None) -> bool:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .sinks import Event, SinkConfig, SinkError
+from ..sinks import Event, SinkConfig, SinkError
 
 Position = tuple[int, int]
 """``(batch_id, ord)``: an event's place in the delivery order (ledger batch, 1-based ordinal in it)."""

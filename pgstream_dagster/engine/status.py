@@ -3,10 +3,8 @@ batches of every stream (``pgstream-dagster status`` and the UI)."""
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
-import dagster as dg
 import psycopg
 from psycopg.rows import dict_row
 
@@ -83,55 +81,44 @@ def render_status(streams: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# --- the stream status asset: observed by the stream's sensor ---------------------------------
+# --- the queries of the stream's asset checks (defs/checks.py) ---------------------------------
 
-def status_asset_key(stream_id: int) -> dg.AssetKey:
-    return dg.AssetKey(["pgstream", f"stream_{stream_id}", "status"])
-
-
-def status_asset_spec(stream_id: int, deliveries_key: dg.AssetKey) -> dg.AssetSpec:
-    return dg.AssetSpec(
-        key=status_asset_key(stream_id), group_name="pgstream", deps=[deliveries_key], kinds={"postgres"},
-        description=f"Health of stream {stream_id}, observed by its sensor when the state changes and at least "
-                    f"every sensor.status_every_secs: healthy / failover since when, checkpoint, cursor, slot lag, "
-                    f"backlog, events delivered today, open dead letters, last batches.",
-        metadata={"stream_id": stream_id})
-
-
-def _markdown_batches(batches: list[dict[str, Any]]) -> str:
-    rows = ["| batch | kind | status | events | ids | attempts | delivered at |", "|---|---|---|---|---|---|---|"]
-    for b in batches:
-        rows.append(f"| {b['id']} | {b['kind']} | {b['status']} | {b['event_count']} | "
-                    f"{b['first_event_id']}..{b['last_event_id']} | {b['attempts']} | {b['delivered_at'] or ''} |")
-    return "\n".join(rows)
+_UNDELIVERED_AGE = """with ledger as (
+       select min(min_created_at) filter (where status not in ('delivered', 'skipped')) as oldest_batch,
+              count(*) filter (where status not in ('delivered', 'skipped')) as undelivered_batches,
+              coalesce(sum(event_count) filter (where status not in ('delivered', 'skipped')), 0)
+                  as undelivered_events,
+              max(max_created_at) as newest_recorded
+       from pgstream.batches where stream_id = %(id)s
+   ), waiting as (
+       select min(e.created_at) as oldest, count(*) as events
+       from pgstream.events e, ledger l
+       where e.stream_id = %(id)s
+         and e.created_at > greatest(l.newest_recorded, now() - make_interval(days => %(keep)s))
+   )
+   select extract(epoch from now() - least(l.oldest_batch, w.oldest))::float8,
+          l.undelivered_batches, l.undelivered_events, w.events
+   from ledger l, waiting w"""
 
 
-def status_observation(s: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObservation:
-    """The stream's status row (``stream_status``) as an observation of its status asset."""
-    now = dt.datetime.now(dt.UTC)
-    oldest = s["oldest_undelivered_at"]
-    metadata: dict[str, Any] = {
-        "state": s["state"],
-        "undelivered_events": int(s["undelivered_events"]),
-        "undelivered_batches": int(s["undelivered_batches"]),
-        "oldest_undelivered_event_id": s["oldest_undelivered_event_id"],
-        "oldest_undelivered_age_secs": round((now - oldest).total_seconds(), 1) if oldest else 0.0,
-        "delivered_today": int(s["delivered_today"]),
-        "cursor_last_event_id": cursor.get("last_event_id"),
-        "cursor_last_lsn": cursor.get("last_lsn"),
-        "slot": f"{s['slot_name']} ({s['wal_status']})" if s["slot_exists"] else f"{s['slot_name']} (missing)",
-        "slot_lag_bytes": s["slot_lag_bytes"],
-        "slot_retained_wal_bytes": s["slot_retained_bytes"],
-        "failover_since": dg.MetadataValue.timestamp(s["failover_since"]) if s["failover_since"] else None,
-        "failover_checkpoint_event_id": s["failover_checkpoint_id"],
-        "failover_attempts": s["failover_attempts"],
-        "failover_next_retry": dg.MetadataValue.timestamp(s["failover_retry_at"]) if s["failover_retry_at"] else None,
-        "failover_error": s["failover_error"],
-        "open_run_key": s.get("open_run_key"),
-        "open_dead_letters": int(s.get("open_dead_letters") or 0),
-        "oldest_dead_letter_at": (dg.MetadataValue.timestamp(s["oldest_dead_letter_at"])
-                                  if s.get("oldest_dead_letter_at") else None),
-        "last_batches": dg.MetadataValue.md(_markdown_batches(s["last_batches"])),
-    }
-    return dg.AssetObservation(asset_key=status_asset_key(s["id"]), description=f"stream {s['id']}: {s['state']}",
-                               metadata={k: v for k, v in metadata.items() if v is not None})
+def undelivered_age(conn: psycopg.Connection, stream_id: int, ledger_keep_days: int) -> tuple[Any, ...]:
+    """``(age of the oldest undelivered event in seconds or None, undelivered batches, undelivered
+    events, events waiting in the slot)``: ledger batches not delivered, plus events newer than
+    anything the ledger recorded."""
+    row = conn.execute(_UNDELIVERED_AGE, {"id": stream_id, "keep": ledger_keep_days}).fetchone()
+    assert row is not None
+    return row
+
+
+def slot_wal(conn: psycopg.Connection, slot: str) -> tuple[Any, ...] | None:
+    """``(wal_status, retained WAL bytes, active)`` of the slot in this database; ``None`` if missing."""
+    return conn.execute(
+        """select wal_status, pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, active
+           from pg_catalog.pg_replication_slots where slot_name = %s and database = current_database()""",
+        [slot]).fetchone()
+
+
+def failover_state(conn: psycopg.Connection, stream_id: int) -> tuple[Any, ...] | None:
+    """``(failover_since, failover_checkpoint_id)`` of the stream; ``None`` if it is not in pgstream.streams."""
+    return conn.execute("select failover_since, failover_checkpoint_id from pgstream.streams where id = %s",
+                        [stream_id]).fetchone()

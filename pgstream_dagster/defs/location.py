@@ -9,16 +9,17 @@ from pathlib import Path
 import dagster as dg
 from dagster_pyspark import PySparkResource
 
+from ..config import PgstreamConfig, config_path, load_config
+from ..engine.spark import spark_conf
 from .assets import deliveries_deps, events_partitions, subscription_assets
 from .checks import stream_checks
-from .config import PgstreamConfig, config_path, load_config
 from .controls import control_job
-from .jobs import deliveries_asset_key, delivery_job
+from .jobs import delivery_job
+from .names import deliveries_asset_key
 from .replay import replay_job
 from .resources import PgstreamResource
 from .schedules import checks_job, housekeeping_job, schedules, subscriptions_sensor
 from .sensors import stream_sensor
-from .spark import spark_conf
 from .status import status_asset_spec
 
 

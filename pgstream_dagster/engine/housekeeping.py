@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .config import HousekeepingConfig
+from ..config import HousekeepingConfig
 
 _PARTITION = re.compile(r"^events_(\d{8})$")
 _KEEPING = re.compile(r"keeping partition (\S+)")

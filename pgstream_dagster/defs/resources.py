@@ -11,7 +11,7 @@ from functools import cached_property
 import dagster as dg
 import psycopg
 
-from .config import PgstreamConfig, StreamConfig, load_config
+from ..config import PgstreamConfig, StreamConfig, load_config
 
 
 # not ConfigurableResource[...]: subscripting the pydantic generic makes another class at runtime

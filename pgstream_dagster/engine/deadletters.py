@@ -38,9 +38,9 @@ from typing import Any, Literal
 import psycopg
 from psycopg.rows import dict_row
 
-from .config import StreamConfig
-from .sinks import Event, Sink, SinkError
-from .sinks.base import excerpt
+from ..config import StreamConfig
+from ..sinks import Event, Sink, SinkError
+from ..sinks.base import excerpt
 
 Status = Literal["open", "redelivered", "discarded"]
 STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")

@@ -18,15 +18,13 @@ from typing import Any
 import dagster as dg
 import psycopg
 
-from . import deadletters
+from ..config import PgstreamConfig, StreamConfig, SubscriptionConfig
+from ..engine import deadletters, status
+from ..engine.subscriptions import differences, identity, stored_definition, trigger_state
+from ..sinks.base import excerpt
 from .assets import subscription_keys
-from .config import PgstreamConfig, StreamConfig, SubscriptionConfig
-from .controls import CONTROL_JOB
-from .jobs import deliveries_asset_key
-from .replay import replay_job_name
+from .names import CONTROL_JOB, deliveries_asset_key, replay_job_name
 from .resources import PgstreamResource
-from .sinks.base import excerpt
-from .subscriptions import differences, identity, stored_definition, trigger_state
 
 TRIGGER_CHECK = "trigger_matches"
 UNDELIVERED_AGE_CHECK = "undelivered_age"
@@ -62,25 +60,7 @@ def check_undelivered_age(conn: psycopg.Connection, stream: StreamConfig,
                           ledger_keep_days: int = 7) -> dg.AssetCheckResult:
     """Oldest undelivered event (ledger batches not delivered, plus events newer than anything the
     ledger recorded, i.e. still waiting in the slot) is younger than the SLA."""
-    row = conn.execute(
-        """with ledger as (
-               select min(min_created_at) filter (where status not in ('delivered', 'skipped')) as oldest_batch,
-                      count(*) filter (where status not in ('delivered', 'skipped')) as undelivered_batches,
-                      coalesce(sum(event_count) filter (where status not in ('delivered', 'skipped')), 0)
-                          as undelivered_events,
-                      max(max_created_at) as newest_recorded
-               from pgstream.batches where stream_id = %(id)s
-           ), waiting as (
-               select min(e.created_at) as oldest, count(*) as events
-               from pgstream.events e, ledger l
-               where e.stream_id = %(id)s
-                 and e.created_at > greatest(l.newest_recorded, now() - make_interval(days => %(keep)s))
-           )
-           select extract(epoch from now() - least(l.oldest_batch, w.oldest))::float8,
-                  l.undelivered_batches, l.undelivered_events, w.events
-           from ledger l, waiting w""",
-        {"id": stream.id, "keep": ledger_keep_days}).fetchone()
-    assert row is not None
+    row = status.undelivered_age(conn, stream.id, ledger_keep_days)
     age, batches, events, waiting = row[0], int(row[1]), int(row[2]), int(row[3])
     limit = stream.checks.max_undelivered_age_secs
     passed = age is None or age <= limit
@@ -97,19 +77,16 @@ def check_undelivered_age(conn: psycopg.Connection, stream: StreamConfig,
 
 def check_slot_wal(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCheckResult:
     """The stream's slot exists, is not lost, and retains at most the configured WAL."""
-    row = conn.execute(
-        """select wal_status, pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, active
-           from pg_catalog.pg_replication_slots where slot_name = %s and database = current_database()""",
-        [stream.slot]).fetchone()
+    row = status.slot_wal(conn, stream.slot)
     limit = stream.checks.max_retained_wal_bytes
     if row is None:
         passed, description, metadata = False, f"slot {stream.slot} does not exist", {}
     else:
-        status, retained, active = row[0], int(row[1] or 0), bool(row[2])
-        passed = status != "lost" and retained <= limit
-        description = (f"slot {stream.slot} is lost: its WAL was removed" if status == "lost" else
+        wal_status, retained, active = row[0], int(row[1] or 0), bool(row[2])
+        passed = wal_status != "lost" and retained <= limit
+        description = (f"slot {stream.slot} is lost: its WAL was removed" if wal_status == "lost" else
                        f"slot {stream.slot} retains {retained} bytes of WAL (limit {limit})")
-        metadata = {"wal_status": status or "", "retained_bytes": retained, "active": active}
+        metadata = {"wal_status": wal_status or "", "retained_bytes": retained, "active": active}
     return dg.AssetCheckResult(
         asset_key=deliveries_asset_key(stream.id), check_name=SLOT_WAL_CHECK, passed=passed,
         severity=dg.AssetCheckSeverity.ERROR, description=description,
@@ -119,8 +96,7 @@ def check_slot_wal(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCh
 
 def check_failover(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCheckResult:
     """The stream is not in failover (``pgstream.streams.failover_since`` is null)."""
-    row = conn.execute("select failover_since, failover_checkpoint_id from pgstream.streams where id = %s",
-                       [stream.id]).fetchone()
+    row = status.failover_state(conn, stream.id)
     if row is None:
         passed, description = False, f"stream {stream.id} is not in pgstream.streams (run pgstream-dagster init)"
         metadata: dict[str, Any] = {}

@@ -11,12 +11,9 @@ import warnings
 
 import dagster as dg
 
-from .assets import EVENTS_PARTITIONS_KEY, subscription_keys, subscription_set_key
-from .config import PgstreamConfig
-
-HOUSEKEEPING_JOB = "pgstream_housekeeping"
-CHECKS_JOB = "pgstream_checks"
-SUBSCRIPTIONS_SENSOR = "pgstream_subscriptions"
+from ..config import PgstreamConfig
+from .assets import subscription_keys, subscription_set_key
+from .names import CHECKS_JOB, EVENTS_PARTITIONS_KEY, HOUSEKEEPING_JOB, SUBSCRIPTIONS_SENSOR
 
 housekeeping_job = dg.define_asset_job(
     HOUSEKEEPING_JOB, selection=dg.AssetSelection.assets(EVENTS_PARTITIONS_KEY),

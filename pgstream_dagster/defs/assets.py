@@ -17,10 +17,9 @@ from typing import Any, TypeAlias, cast
 import dagster as dg
 from pydantic import Field
 
-from . import housekeeping
-from .config import PgstreamConfig, SubscriptionConfig
-from .resources import PgstreamResource
-from .subscriptions import (
+from ..config import PgstreamConfig, SubscriptionConfig
+from ..engine import housekeeping
+from ..engine.subscriptions import (
     Identity,
     SubscriptionError,
     TriggerState,
@@ -31,8 +30,9 @@ from .subscriptions import (
     set_code_version,
     trigger_state,
 )
+from .names import EVENTS_PARTITIONS_KEY
+from .resources import PgstreamResource
 
-EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
 
 class CodeVersionOutdated(dg.AutomationCondition[dg.AssetKey]):
     """True when the asset's latest materialization was made with another code version than its

@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from .config import PgstreamConfig, SubscriptionConfig
+from ..config import PgstreamConfig, SubscriptionConfig
 
 MANAGED_BY = "yaml"
 

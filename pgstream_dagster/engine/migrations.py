@@ -50,7 +50,7 @@ class MigrationError(RuntimeError):
 
 def sql_dir() -> Path:
     """The ``sql/`` directory: beside the package in a checkout, inside it when installed."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the package (this module is in engine/)
     for candidate in (here.parent / "sql", here / "sql"):
         if (candidate / "000_bootstrap.sql").exists():
             return candidate

@@ -1,10 +1,11 @@
 """One sensor per stream: it reads the stream's slot, cuts and records batches, and decides which
 delivery run may start next. The sensor decides; the delivery run does the work.
 
-A tick: (1) make sure the slot exists and is usable: a missing or invalidated slot is (re)created
-and every event the ledger does not cover is recovered from the table; (2) peek committed
-transactions, and once ``max_size`` events are waiting or the oldest waited ``max_fill_secs``,
-record them in the ledger and advance the slot, so WAL is released whatever the sink does;
+A tick ((1) and (2) are ``engine/ingest.py``): (1) make sure the slot exists and is usable: a
+missing or invalidated slot is (re)created and every event the ledger does not cover is
+recovered from the table; (2) peek committed transactions, and once ``max_size`` events are
+waiting or the oldest waited ``max_fill_secs``, record them in the ledger and advance the slot,
+so WAL is released whatever the sink does;
 (3) look at the stream's oldest open batch and request its run (``run_key`` = stream, batches,
 attempt, so a re-evaluated tick requests nothing twice), or, while the run in flight is *open*
 (``delivery.linger_secs``), hand it the batches recorded behind its own. A tick repeats (2) and
@@ -21,7 +22,6 @@ backoff; once the sink accepts it, runs drain the recorded backlog from the tabl
 import datetime as dt
 import json
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
@@ -29,130 +29,19 @@ import psycopg
 from dagster._core.events import DagsterEventType
 from dagster._core.storage.dagster_run import DagsterRun, DagsterRunStatus, RunsFilter
 
-from . import ledger, replication
-from .config import StreamConfig
-from .jobs import BATCH_TAG, DELIVERY_JOB, STREAM_TAG
+from ..config import StreamConfig
+from ..engine import ledger
+from ..engine.ingest import ConsumeResult, consume
+from ..engine.status import last_batches, stream_status
+from .names import ATTEMPT_TAG, BATCH_TAG, BATCHES_TAG, DELIVERY_JOB, STREAM_TAG, stream_sensor_name
 from .resources import PgstreamResource
-from .status import last_batches, status_observation, stream_status
+from .status import status_observation
 
 _FAILED = {DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
 _LIVE = {DagsterRunStatus.NOT_STARTED, DagsterRunStatus.QUEUED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED}
 #: how often a tick looks at the slot when nothing is waiting, and at the run in flight
 POLL_SECS = 0.1
 DECIDE_EVERY_SECS = 1.0
-
-
-@dataclass
-class ConsumeResult:
-    batches: list[int] = field(default_factory=list)
-    events: int = 0
-    last_event_id: int | None = None
-    last_lsn: str | None = None
-    slot_created: bool = False
-    slot_lost: bool = False
-    recovered: list[int] = field(default_factory=list)
-    unreadable: int = 0  # events set aside as dead letters (stage 'read')
-
-    def add(self, other: "ConsumeResult") -> None:
-        self.batches += other.batches
-        self.events += other.events
-        self.last_event_id = other.last_event_id if other.last_event_id is not None else self.last_event_id
-        self.last_lsn = other.last_lsn or self.last_lsn
-        self.slot_created |= other.slot_created
-        self.slot_lost |= other.slot_lost
-        self.recovered += other.recovered
-        self.unreadable += other.unreadable
-
-
-def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult) -> None:
-    """Create the stream row, publication and slot when missing. A slot that was dropped or
-    invalidated (``wal_status = 'lost'``, e.g. ``max_slot_wal_keep_size`` exceeded) is replaced,
-    then every event no batch covers is recovered from the table.
-
-    Crash-safe: ``recovery_pending`` is set before the slot is touched and cleared in the
-    transaction that records the recovery, so an interruption anywhere makes the next tick
-    recover again (duplicates possible, losses not).
-    """
-    ledger.ensure_stream(conn, stream.id, stream.slot)
-    info = replication.slot_info(conn, stream.slot)
-    pending = ledger.recovery_pending(conn, stream.id)
-    if info is not None and info["wal_status"] != "lost" and not pending:
-        return
-    ledger.set_recovery_pending(conn, stream.id)
-    if info is not None and info["wal_status"] == "lost":
-        replication.drop_slot(conn, stream.slot)
-        result.slot_lost = True
-        info = None
-    if info is None:
-        replication.create_slot(conn, stream.slot)
-        result.slot_created = True
-    result.recovered = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
-
-
-def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, *, check_slot: bool = True,
-            mark: bool = True) -> ConsumeResult:
-    """Move committed events from the slot into the ledger (see module docstring). ``check_slot``:
-    first make sure the slot is usable (once per tick is enough: a slot lost later fails the peek);
-    ``mark``: record how far the slot was read (``streams.consumed_through``)."""
-    result = ConsumeResult()
-    if check_slot:
-        ensure_slot(conn, stream, result)
-    deadline = time.monotonic() + budget_secs
-    cap = max(stream.batch.max_size * 4, 100_000)
-    while True:
-        peeked_at = dt.datetime.now(dt.UTC)
-        flushed = replication.flush_lsn(conn)
-        try:
-            txns, rows = replication.peek_rows(conn, stream.slot, stream.publication, cap)
-        except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject):
-            # invalidated or dropped since the check: the next tick replaces it and recovers
-            ledger.set_recovery_pending(conn, stream.id)
-            result.slot_lost = True
-            return result
-        complete = rows < cap  # the peek saw everything committed before peeked_at
-        recorded_to = ledger.last_end_lsn(conn, stream.id)
-        if recorded_to is not None:
-            txns = [t for t in txns if t.end_lsn > recorded_to]
-        if txns:
-            seen = ledger.recovered_ids_since(conn, stream.id, txns[0].commit_lsn)
-            if seen:
-                for t in txns:
-                    t.events = [e for e in t.events if e.id not in seen]
-        waiting = sum(len(t.events) for t in txns)
-        oldest = next((t.commit_time for t in txns if t.events), None)
-        now = dt.datetime.now(dt.UTC)
-        full = waiting >= stream.batch.max_size
-        ripe = oldest is not None and (now - oldest).total_seconds() >= stream.batch.max_fill_secs
-        if not txns or full or ripe or waiting == 0:
-            with_events = [t for t in txns if t.events or t.unreadable]
-            if with_events:
-                result.batches += ledger.record(conn, stream.id, with_events, stream.batch.max_size)
-                result.events += waiting
-                result.unreadable += sum(len(t.unreadable) for t in with_events)
-                last = next((t.events[-1].id for t in reversed(with_events) if t.events), None)
-                result.last_event_id = last if last is not None else result.last_event_id
-            if txns:
-                replication.advance(conn, stream.slot, txns[-1].end_lsn)
-                result.last_lsn = replication.int_to_lsn(txns[-1].end_lsn)
-            elif complete:
-                # nothing of the stream committed before ``flushed``: skip the other tables' WAL so
-                # the next peek does not decode it again
-                replication.advance_at_least(conn, stream.slot, flushed)
-            if complete and (mark or with_events):
-                ledger.mark_consumed(conn, stream.id, peeked_at)
-            if full and time.monotonic() < deadline:
-                continue  # more may be waiting behind the peek cap
-            break
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            if oldest is not None and mark:
-                ledger.mark_consumed(conn, stream.id, oldest)
-            break
-        wait = 0.2
-        if oldest is not None:
-            wait = max(0.05, min(wait, stream.batch.max_fill_secs - (now - oldest).total_seconds()))
-        time.sleep(min(wait, remaining))
-    return result
 
 
 def backoff_secs(stream: StreamConfig, attempts: int) -> float:
@@ -174,8 +63,8 @@ def _request(head: ledger.Batch, batch_ids: list[int], attempt: int) -> dg.RunRe
         run_key=run_key(head.stream_id, head.incarnation, batch_ids, attempt),
         job_name=DELIVERY_JOB,
         run_config={"ops": {"load_batches": {"config": config}}},
-        tags={STREAM_TAG: str(head.stream_id), BATCH_TAG: str(head.id), "pgstream/attempt": str(attempt),
-              "pgstream/batches": str(len(batch_ids))},
+        tags={STREAM_TAG: str(head.stream_id), BATCH_TAG: str(head.id), ATTEMPT_TAG: str(attempt),
+              BATCHES_TAG: str(len(batch_ids))},
     )
 
 
@@ -233,13 +122,12 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
     head = ledger.head(conn, stream.id)
     in_failover = ledger.failover_since(conn, stream.id) is not None
     if in_failover and ledger.caught_up(conn, stream.id, head):
-        conn.execute("select pgstream.leave_failover(%s)", [stream.id])
+        ledger.leave_failover(conn, stream.id)
         log.append(f"stream {stream.id} caught up: failover over")
         in_failover = False
     if head is None:
         return None
-    paused = conn.execute("select paused from pgstream.streams where id = %s", [stream.id]).fetchone()
-    if paused and paused[0]:
+    if ledger.is_paused(conn, stream.id):
         log.append(f"stream {stream.id} is paused: batch {head.id} waits (`pgstream-dagster resume {stream.id}`)")
         return None
     now = dt.datetime.now(dt.UTC)
@@ -258,9 +146,7 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
     if not runs:
         # the tick that requested it may have died before Dagster created the run: asking again
         # with the same run_key is harmless (Dagster skips run keys it has seen)
-        ids = [int(r[0]) for r in conn.execute(
-            "select id from pgstream.batches where run_key = %s and status = 'launched' order by id",
-            [head.run_key]).fetchall()] or [head.id]
+        ids = ledger.launched_batch_ids(conn, head.run_key) or [head.id]
         return _request(head, ids, head.attempts)
     run = runs[0]
     if run.status == DagsterRunStatus.STARTED and _run_is_dead(conn, instance, run, stream, now):
@@ -329,7 +215,7 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
     """The sensor of one stream."""
 
     @dg.sensor(
-        name=f"pgstream_stream_{stream.id}",
+        name=stream_sensor_name(stream.id),
         job_name=DELIVERY_JOB,
         minimum_interval_seconds=stream.sensor.interval_secs,
         default_status=dg.DefaultSensorStatus.RUNNING,

@@ -20,20 +20,12 @@ import dagster as dg
 import psycopg
 from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
 from dagster_pyspark import PySparkResource
-from psycopg import sql
 
-from . import ledger, spark
-from .config import StreamConfig
-from .publish import MissingEventsError, Owed, RejectPolicy
+from ..config import StreamConfig
+from ..engine import ledger, spark
+from ..engine.publish import MissingEventsError, Owed, RejectPolicy
+from .names import CONTROL_JOB, DELIVERY_JOB, STREAM_TAG, deliveries_asset_key
 from .resources import PgstreamResource
-
-STREAM_TAG = "pgstream/stream"
-BATCH_TAG = "pgstream/batch"
-DELIVERY_JOB = "pgstream_delivery"
-
-
-def deliveries_asset_key(stream_id: int) -> dg.AssetKey:
-    return dg.AssetKey(["pgstream", f"stream_{stream_id}", "deliveries"])
 
 
 class DeliveryRunConfig(dg.Config):
@@ -90,7 +82,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
     stream = pgstream.stream(loaded.stream_id)
     run_key = loaded.batches[0].run_key or ""
     with loaded.lease as conn:  # released when the run ends (or its process dies)
-        conn.execute(sql.SQL("listen {}").format(sql.Identifier(ledger.run_channel(stream.id))))
+        ledger.listen_runs(conn, stream.id)
         linger = _Linger(context, conn, stream, run_key)
         batches, frame, started = loaded.batches, loaded.frame, loaded.started
         while True:
@@ -150,8 +142,7 @@ class _Linger:
     def _stop_reason(self) -> str | None:
         if not ledger.run_is_open(self.conn, self.stream.id, self.run_key):
             return "the sensor hands it no more batches (failover or catch-up)"
-        row = self.conn.execute("select paused from pgstream.streams where id = %s", [self.stream.id]).fetchone()
-        if row and row[0]:
+        if ledger.is_paused(self.conn, self.stream.id):
             return "the stream is paused"
         if self.context.instance.get_runs_count(RunsFilter(tags={STREAM_TAG: str(self.stream.id)},
                                                            statuses=[DagsterRunStatus.QUEUED])):
@@ -188,7 +179,7 @@ def _vanished_failure(conn: psycopg.Connection, stream_id: int, batch_ids: list[
         f"stream {stream_id}: {len(gone)} events the ledger owes are no longer in pgstream.events: {shown}. "
         f"Nothing after the first of them was delivered. To go on without them, set them aside (they become dead "
         f"letters without payload): `pgstream-dagster dead-letters set-aside {stream_id} "
-        f"{' '.join(map(str, ids[:20]))} --reason vanished --yes`, or the pgstream_stream_control job with "
+        f"{' '.join(map(str, ids[:20]))} --reason vanished --yes`, or the {CONTROL_JOB} job with "
         f"action set_aside; or skip their batch.",
         metadata={"vanished_event_ids": dg.MetadataValue.json(ids[:1000])})
 

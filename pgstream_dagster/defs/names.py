@@ -1,0 +1,36 @@
+"""The names the Dagster definitions share, defined once: jobs, run tags, asset keys, sensors."""
+
+import dagster as dg
+
+#: run tags
+STREAM_TAG = "pgstream/stream"
+BATCH_TAG = "pgstream/batch"
+REPLAY_TAG = "pgstream/replay"
+ATTEMPT_TAG = "pgstream/attempt"
+BATCHES_TAG = "pgstream/batches"
+
+#: jobs
+DELIVERY_JOB = "pgstream_delivery"
+CONTROL_JOB = "pgstream_stream_control"
+HOUSEKEEPING_JOB = "pgstream_housekeeping"
+CHECKS_JOB = "pgstream_checks"
+SUBSCRIPTIONS_SENSOR = "pgstream_subscriptions"
+
+#: assets
+EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
+
+
+def replay_job_name(stream_id: int) -> str:
+    return f"pgstream_replay_stream_{stream_id}"
+
+
+def stream_sensor_name(stream_id: int) -> str:
+    return f"pgstream_stream_{stream_id}"
+
+
+def deliveries_asset_key(stream_id: int) -> dg.AssetKey:
+    return dg.AssetKey(["pgstream", f"stream_{stream_id}", "deliveries"])
+
+
+def status_asset_key(stream_id: int) -> dg.AssetKey:
+    return dg.AssetKey(["pgstream", f"stream_{stream_id}", "status"])

@@ -1,0 +1,58 @@
+"""The stream status asset, observed by the stream's sensor (the queries: ``engine/status.py``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import dagster as dg
+
+from .names import status_asset_key
+
+
+def status_asset_spec(stream_id: int, deliveries_key: dg.AssetKey) -> dg.AssetSpec:
+    return dg.AssetSpec(
+        key=status_asset_key(stream_id), group_name="pgstream", deps=[deliveries_key], kinds={"postgres"},
+        description=f"Health of stream {stream_id}, observed by its sensor when the state changes and at least "
+                    f"every sensor.status_every_secs: healthy / failover since when, checkpoint, cursor, slot lag, "
+                    f"backlog, events delivered today, open dead letters, last batches.",
+        metadata={"stream_id": stream_id})
+
+
+def _markdown_batches(batches: list[dict[str, Any]]) -> str:
+    rows = ["| batch | kind | status | events | ids | attempts | delivered at |", "|---|---|---|---|---|---|---|"]
+    for b in batches:
+        rows.append(f"| {b['id']} | {b['kind']} | {b['status']} | {b['event_count']} | "
+                    f"{b['first_event_id']}..{b['last_event_id']} | {b['attempts']} | {b['delivered_at'] or ''} |")
+    return "\n".join(rows)
+
+
+def status_observation(s: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObservation:
+    """The stream's status row (``stream_status``) as an observation of its status asset."""
+    now = dt.datetime.now(dt.UTC)
+    oldest = s["oldest_undelivered_at"]
+    metadata: dict[str, Any] = {
+        "state": s["state"],
+        "undelivered_events": int(s["undelivered_events"]),
+        "undelivered_batches": int(s["undelivered_batches"]),
+        "oldest_undelivered_event_id": s["oldest_undelivered_event_id"],
+        "oldest_undelivered_age_secs": round((now - oldest).total_seconds(), 1) if oldest else 0.0,
+        "delivered_today": int(s["delivered_today"]),
+        "cursor_last_event_id": cursor.get("last_event_id"),
+        "cursor_last_lsn": cursor.get("last_lsn"),
+        "slot": f"{s['slot_name']} ({s['wal_status']})" if s["slot_exists"] else f"{s['slot_name']} (missing)",
+        "slot_lag_bytes": s["slot_lag_bytes"],
+        "slot_retained_wal_bytes": s["slot_retained_bytes"],
+        "failover_since": dg.MetadataValue.timestamp(s["failover_since"]) if s["failover_since"] else None,
+        "failover_checkpoint_event_id": s["failover_checkpoint_id"],
+        "failover_attempts": s["failover_attempts"],
+        "failover_next_retry": dg.MetadataValue.timestamp(s["failover_retry_at"]) if s["failover_retry_at"] else None,
+        "failover_error": s["failover_error"],
+        "open_run_key": s.get("open_run_key"),
+        "open_dead_letters": int(s.get("open_dead_letters") or 0),
+        "oldest_dead_letter_at": (dg.MetadataValue.timestamp(s["oldest_dead_letter_at"])
+                                  if s.get("oldest_dead_letter_at") else None),
+        "last_batches": dg.MetadataValue.md(_markdown_batches(s["last_batches"])),
+    }
+    return dg.AssetObservation(asset_key=status_asset_key(s["id"]), description=f"stream {s['id']}: {s['state']}",
+                               metadata={k: v for k, v in metadata.items() if v is not None})

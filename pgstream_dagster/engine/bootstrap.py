@@ -1,0 +1,39 @@
+"""Bootstrap a database for ``pgstream.yaml`` (``pgstream-dagster init``): migrations, today's
+partitions, the streams and their slots, the YAML subscriptions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psycopg
+
+
+def init(config_path: Path | None = None) -> list[str]:
+    """Migrate, run housekeeping once (today's partitions), create the streams, their slots, and apply
+    YAML subscriptions."""
+    from ..config import load_config
+    from . import ledger
+    from .housekeeping import run_housekeeping
+    from .ingest import ConsumeResult, ensure_slot
+    from .migrations import migrate
+    from .subscriptions import apply_subscriptions
+
+    config = load_config(config_path)
+    url = config.database_url.get_secret_value()
+    out = [f"applied migration {m}" for m in migrate(url, partitions_ahead=config.housekeeping.days_ahead)]
+    with psycopg.connect(url, autocommit=True) as conn:
+        # a slot another stream reads is refused before anything changes
+        ledger.check_slots(conn, [(s.id, s.slot) for s in config.streams])
+        report = run_housekeeping(conn, config.housekeeping)
+        if report.created or report.dropped or report.kept or report.batches_pruned or report.default_rows_deleted:
+            out.append(report.summary())
+        for stream in config.streams:
+            ledger.ensure_stream(conn, stream.id, stream.slot)
+            result = ConsumeResult()
+            ensure_slot(conn, stream, result)
+            if result.slot_created:
+                out.append(f"created slot {stream.slot} for stream {stream.id} "
+                           f"(recovered {sum(1 for _ in result.recovered)} batches from the table)")
+        for action, key, stream_id in apply_subscriptions(conn, config):
+            out.append(f"{action} subscription {key!r} (stream {stream_id})")
+    return out
