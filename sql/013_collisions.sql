@@ -7,7 +7,7 @@
 --     streams named, before anything changes.
 --   * Partition maintenance is serialised: create_partitions and drop_partitions take one
 --     transaction-level advisory lock (key 1885827952 = 0x70677370, "pgsp";
---     pgstream_dagster.migrations.PARTITION_LOCK_KEY) before they look at the catalog. Concurrent
+--     pgstream_dagster.engine.migrations.PARTITION_LOCK_KEY) before they look at the catalog. Concurrent
 --     callers (housekeeping next to migrate or init) used to deadlock attaching partitions next
 --     to the default partition, or fail creating the same day twice.
 
