@@ -18,7 +18,6 @@ from typing import Any
 
 import dagster as dg
 import psycopg
-from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
 from dagster_pyspark import PySparkResource
 
 from ..config import StreamConfig
@@ -144,8 +143,8 @@ class _Linger:
             return "the sensor hands it no more batches (failover or catch-up)"
         if ledger.is_paused(self.conn, self.stream.id):
             return "the stream is paused"
-        if self.context.instance.get_runs_count(RunsFilter(tags={STREAM_TAG: str(self.stream.id)},
-                                                           statuses=[DagsterRunStatus.QUEUED])):
+        if self.context.instance.get_runs_count(dg.RunsFilter(tags={STREAM_TAG: str(self.stream.id)},
+                                                           statuses=[dg.DagsterRunStatus.QUEUED])):
             return "another run of the stream is queued"
         return None
 

@@ -120,6 +120,7 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
                 context.log.info(f"replayed {done}/{count} events ({100 * done // count}%, {rate:.0f} events/s)")
                 next_log[0] = done + step
 
+        assert isinstance(frame, list)  # packed: one single-partition DataFrame per id range
         delivered = spark.deliver_in_order(frame, stream.sink, config.chunk_size or stream.delivery.chunk_size,
                                            on_progress=progress, prefetch=stream.delivery.prefetch_partitions)
         elapsed = time.monotonic() - started

@@ -26,8 +26,6 @@ from typing import Any
 
 import dagster as dg
 import psycopg
-from dagster._core.events import DagsterEventType
-from dagster._core.storage.dagster_run import DagsterRun, DagsterRunStatus, RunsFilter
 
 from ..config import StreamConfig
 from ..engine import ledger
@@ -37,8 +35,9 @@ from .names import ATTEMPT_TAG, BATCH_TAG, BATCHES_TAG, DELIVERY_JOB, STREAM_TAG
 from .resources import PgstreamResource
 from .status import status_observation
 
-_FAILED = {DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
-_LIVE = {DagsterRunStatus.NOT_STARTED, DagsterRunStatus.QUEUED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED}
+_FAILED = {dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
+_LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
+         dg.DagsterRunStatus.STARTED}
 #: how often a tick looks at the slot when nothing is waiting, and at the run in flight
 POLL_SECS = 0.1
 DECIDE_EVERY_SECS = 1.0
@@ -81,7 +80,7 @@ def _launch(conn: psycopg.Connection, stream: StreamConfig, head: ledger.Batch, 
 
 def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None:
     """The error of the run's failed step (e.g. the sink's answer), for status and the UI."""
-    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.STEP_FAILURE, limit=1).records
+    records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE, limit=1).records
     for record in records:
         event = record.event_log_entry.dagster_event
         data = event.step_failure_data if event else None
@@ -98,7 +97,7 @@ def _hand_to_open_run(conn: psycopg.Connection, instance: dg.DagsterInstance, st
     key = ledger.open_run_key(conn, stream.id)
     if key is None:
         return False
-    runs = instance.get_runs(RunsFilter(tags={"dagster/run_key": key}), limit=1)
+    runs = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": key}), limit=1)
     if runs and runs[0].status in _LIVE:
         # empty if it closed meanwhile: then a new run is requested
         return bool(ledger.extend_run(conn, stream.id, key, stream.delivery.max_events_per_run))
@@ -106,7 +105,7 @@ def _hand_to_open_run(conn: psycopg.Connection, instance: dg.DagsterInstance, st
     return False
 
 
-def _run_is_dead(conn: psycopg.Connection, instance: dg.DagsterInstance, run: DagsterRun,
+def _run_is_dead(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun,
                  stream: StreamConfig, now: dt.datetime) -> bool:
     record = instance.get_run_record_by_id(run.run_id)
     started = record.start_time if record else None
@@ -142,14 +141,14 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
             return None
         return _launch(conn, stream, head, in_failover)
     # launched: find its run
-    runs = instance.get_runs(RunsFilter(tags={"dagster/run_key": head.run_key or ""}), limit=1)
+    runs = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": head.run_key or ""}), limit=1)
     if not runs:
         # the tick that requested it may have died before Dagster created the run: asking again
         # with the same run_key is harmless (Dagster skips run keys it has seen)
         ids = ledger.launched_batch_ids(conn, head.run_key) or [head.id]
         return _request(head, ids, head.attempts)
     run = runs[0]
-    if run.status == DagsterRunStatus.STARTED and _run_is_dead(conn, instance, run, stream, now):
+    if run.status == dg.DagsterRunStatus.STARTED and _run_is_dead(conn, instance, run, stream, now):
         instance.report_run_failed(run, f"pgstream: run {run.run_id} holds no delivery lease "
                                         f"{stream.delivery.run_grace_secs:.0f}s after it started: its process died")
         run = instance.get_run_by_id(run.run_id) or run
@@ -165,7 +164,7 @@ def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: Strea
         # the run may still be open: hand it what was recorded behind its batches
         ledger.extend_run(conn, stream.id, head.run_key or "", stream.delivery.max_events_per_run)
         return None
-    if run.status == DagsterRunStatus.SUCCESS:
+    if run.status == dg.DagsterRunStatus.SUCCESS:
         # a successful run delivers all its batches; a success without it is an inconsistency
         ledger.fail_run(conn, head, head.run_key or "", f"run {run.run_id} succeeded without confirming "
                         f"batch {head.id}", now)

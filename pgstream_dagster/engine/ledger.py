@@ -120,10 +120,6 @@ def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
     return replication.lsn_to_int(row[0]) if row and row[0] else None
 
 
-def _chunks(events: list[DecodedEvent], size: int) -> list[list[DecodedEvent]]:
-    return [events[i:i + size] for i in range(0, len(events), size)]
-
-
 def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], max_size: int,
            kind: str = "stream") -> list[int]:
     """Record the events of ``txns`` (commit order) as batches of at most ``max_size``, and their
@@ -253,13 +249,6 @@ def head(conn: psycopg.Connection, stream_id: int) -> Batch | None:
             f"select {_BATCH_COLUMNS} {_BATCH_FROM} "
             "where b.stream_id = %s and b.status not in ('delivered', 'skipped') order by b.id limit 1",
             [stream_id]).fetchone())
-
-
-def get(conn: psycopg.Connection, batch_id: int) -> Batch | None:
-    with conn.cursor(row_factory=dict_row) as cur:
-        return _batch(cur.execute(
-            f"select {_BATCH_COLUMNS} {_BATCH_FROM} where b.id = %s",
-            [batch_id]).fetchone())
 
 
 def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: int) -> list[Batch]:

@@ -171,12 +171,6 @@ class PgOutputDecoder:
         self._relations[data[1:5]] = (id_col, ts_col, max(id_col, ts_col))
 
 
-def slot_exists(conn: psycopg.Connection, slot: str) -> bool:
-    row = conn.execute("select 1 from pg_replication_slots where slot_name = %s and database = current_database()",
-                       [slot]).fetchone()
-    return row is not None
-
-
 def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
     """Slot state: confirmed position, retained WAL bytes, WAL status (reserved/lost...)."""
     row = conn.execute(

@@ -302,7 +302,7 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Iterator[Any]:
                 ahead = pool.submit(frames[i + 1].collect)
 
 
-def deliver_in_order(frames: DataFrame | list[DataFrame], sink_config: SinkConfig, chunk_size: int,
+def deliver_in_order(frames: list[DataFrame], sink_config: SinkConfig, chunk_size: int,
                      on_batch_done: BatchDone | None = None,
                      on_progress: Callable[[int], None] | None = None,
                      on_confirmed: Confirmed | None = None, prefetch: bool = True, *,
@@ -310,17 +310,12 @@ def deliver_in_order(frames: DataFrame | list[DataFrame], sink_config: SinkConfi
                      owed: Owed | None = None) -> int:
     """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
     are published chunk by chunk (:func:`pgstream_dagster.engine.publish.publish`: ``skip``, ``reject``
-    and ``owed`` are explained there). ``frames``: one single-partition DataFrame per partition (as
-    :func:`load_batches` / :func:`load_events` return them packed), or one DataFrame whose
-    partitions are served in order. ``prefetch``: Spark computes the next partition while the
-    driver publishes the current one (memory: two partitions instead of one). Returns the events
-    handled (confirmed, set aside or skipped)."""
-    if isinstance(frames, list):
-        rows: Iterator[Any] = _collected(frames, prefetch)
-        packed = bool(frames) and is_packed(frames[0])
-    else:
-        rows = frames.toLocalIterator(prefetchPartitions=prefetch)
-        packed = is_packed(frames)
+    and ``owed`` are explained there). ``frames``: one single-partition DataFrame per partition, as
+    :func:`load_batches` / :func:`load_events` return them packed. ``prefetch``: Spark computes the
+    next partition while the driver publishes the current one (memory: two partitions instead of
+    one). Returns the events handled (confirmed, set aside or skipped)."""
+    rows: Iterator[Any] = _collected(frames, prefetch)
+    packed = bool(frames) and is_packed(frames[0])
     events = _packed_events(rows) if packed else _row_events(rows)
     return publish(sink_config, events, chunk_size, on_batch_done=on_batch_done, on_progress=on_progress,
                    on_confirmed=on_confirmed, skip=skip, reject=reject, owed=owed)
