@@ -261,23 +261,22 @@ as $$
 declare
     v_count bigint;
 begin
-    with closed as materialized (
-        select distinct b.stream_id, o.id
+    -- every (stream, event) a batch old enough holds, and whether an open batch holds it
+    with held as materialized (
+        select b.stream_id, o.id, pg_catalog.bool_or(b.status not in ('delivered', 'skipped')) as open
         from pgstream.batches b
         cross join lateral pg_catalog.unnest(b.event_ids) as o(id)
-        where b.status in ('delivered', 'skipped') and b.min_created_at operator(pg_catalog.<) p_before
-    ), open as materialized (
-        select distinct b.stream_id, o.id
-        from pgstream.batches b
-        cross join lateral pg_catalog.unnest(b.event_ids) as o(id)
-        where b.status not in ('delivered', 'skipped') and b.min_created_at operator(pg_catalog.<) p_before
+        where b.min_created_at operator(pg_catalog.<) p_before
+        group by b.stream_id, o.id
     ), gone as (
         delete from pgstream.events_default e
         where e.created_at operator(pg_catalog.<) p_before
-          and not exists (select 1 from open x
-                          where x.stream_id operator(pg_catalog.=) e.stream_id and x.id operator(pg_catalog.=) e.id)
-          and (exists (select 1 from closed x
-                       where x.stream_id operator(pg_catalog.=) e.stream_id and x.id operator(pg_catalog.=) e.id)
+          and not exists (select 1 from held h
+                          where h.stream_id operator(pg_catalog.=) e.stream_id and h.id operator(pg_catalog.=) e.id
+                            and h.open)
+          and (exists (select 1 from held h
+                       where h.stream_id operator(pg_catalog.=) e.stream_id and h.id operator(pg_catalog.=) e.id
+                         and not h.open)
                or exists (select 1 from pgstream.dead_letters d
                           where d.stream_id operator(pg_catalog.=) e.stream_id
                             and d.event_id operator(pg_catalog.=) e.id)

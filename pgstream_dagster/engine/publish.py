@@ -81,7 +81,6 @@ class Owed:
 class _State:
     handled: int = 0  # published + set aside + skipped
     consecutive_rejects: int = 0
-    last_published: Position | None = None
     # per batch: events handled (for on_batch_done)
     counts: dict[int, int] = field(default_factory=dict)
 
