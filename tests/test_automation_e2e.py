@@ -12,7 +12,7 @@ import dagster as dg
 import httpx
 import psycopg
 import pytest
-from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
+from dagster import DagsterRunStatus, RunsFilter
 
 from pgstream_dagster.engine.migrations import migrate
 
