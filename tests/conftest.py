@@ -14,7 +14,9 @@ from psycopg import sql
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine.migrations import migrate
 
-from .dagster_dev import Databases, drop_databases, make_databases
+from .support.dagster_dev import Databases, drop_databases, make_databases
+from .support.endpoint import Endpoint
+from .support.http_recorder import HttpRecorder, recording_server
 
 TEMPLATE = "pgstream_template"
 _counter = itertools.count()
@@ -94,10 +96,6 @@ def conn(db_url: str) -> Iterator[psycopg.Connection]:
         yield c
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
-
-
 @pytest.fixture
 def databases(pg: LocalPostgres) -> Iterator[Databases]:
     """An application database and a Dagster storage database of their own (for `dagster dev`)."""
@@ -106,3 +104,18 @@ def databases(pg: LocalPostgres) -> Iterator[Databases]:
         yield dbs
     finally:
         drop_databases(pg, dbs)
+
+
+@pytest.fixture
+def endpoint() -> Iterator[Endpoint]:
+    """A recording HTTP endpoint (tests/support/endpoint.py), taken down after the test."""
+    ep = Endpoint()
+    yield ep
+    ep.down()
+
+
+@pytest.fixture
+def http_server() -> Iterator[HttpRecorder]:
+    """A real HTTP server on loopback that records what a sink sends (tests/support/http_recorder.py)."""
+    with recording_server() as recorder:
+        yield recorder

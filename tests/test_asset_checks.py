@@ -19,8 +19,8 @@ from pgstream_dagster.defs.names import CHECKS_JOB, deliveries_asset_key
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine.bootstrap import init
 
-from .dagster_instance import postgres_instance
-from .harness import backdated, write_config
+from .support.dagster_instance import postgres_instance
+from .support.harness import backdated, write_config
 
 SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}

@@ -16,10 +16,15 @@ from dagster import DagsterRunStatus, RunsFilter
 
 from pgstream_dagster.engine.migrations import migrate
 
-from .conftest import repo_root
-from .dagster_dev import Databases, start_dagster_dev, stop_process_group, wait_for
-from .harness import write_config
-from .test_code_location import READY_TIMEOUT_SECS
+from .support.dagster_dev import (
+    READY_TIMEOUT_SECS,
+    Databases,
+    repo_root,
+    start_dagster_dev,
+    stop_process_group,
+    wait_for,
+)
+from .support.harness import write_config
 
 RELOAD = """
 mutation ($name: String!) {

@@ -23,8 +23,8 @@ from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.assets import subscription_keys
 from pgstream_dagster.engine.bootstrap import init
 
-from .dagster_dev import DagsterDev, Databases, repo_root, start_dagster_dev, stop_process_group, wait_for
-from .harness import read_jsonl
+from .support.dagster_dev import DagsterDev, Databases, repo_root, start_dagster_dev, stop_process_group, wait_for
+from .support.harness import read_jsonl
 
 CHROMIUM = os.environ.get("PGSTREAM_CHROMIUM", "/usr/bin/chromium")
 # as the machine's own probe starts it: no sandbox as root, no background network (the network is closed)

@@ -25,12 +25,17 @@ from pgstream_dagster.defs.names import DELIVERY_JOB, STREAM_TAG
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import migrate
 
-from .conftest import repo_root
-from .dagster_dev import Databases, start_dagster_dev, stop_process_group, wait_for
-from .harness import write_config
+from .support.dagster_dev import (
+    READY_TIMEOUT_SECS,
+    Databases,
+    repo_root,
+    start_dagster_dev,
+    stop_process_group,
+    wait_for,
+)
+from .support.harness import write_config
 
 EVENTS_TIMEOUT_SECS = 240  # the first run starts Spark
-READY_TIMEOUT_SECS = 180
 
 SENSOR_QUERY = """
 query ($selector: SensorSelector!) {

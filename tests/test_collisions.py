@@ -22,7 +22,7 @@ from pgstream_dagster.engine.ingest import consume
 from pgstream_dagster.engine.ledger import SlotInUse
 from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, sql_dir, tear_down
 
-from .harness import insert_events, write_config
+from .support.harness import insert_events, write_config
 
 MEMORY = {"type": "memory"}
 

@@ -18,7 +18,7 @@ from psycopg.types.json import Jsonb
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.engine.migrations import MigrationError, discover, migrate, sql_dir, tear_down
 
-from .harness import backdated
+from .support.harness import backdated
 
 USERS = """
 create table public.users (

@@ -25,8 +25,8 @@ from pgstream_dagster.engine.deadletters import DeadLetterError
 from pgstream_dagster.engine.status import render_status, stream_status
 from pgstream_dagster.sinks import MemorySink
 
-from .endpoint import Endpoint
-from .harness import read_jsonl, write_config
+from .support.endpoint import Endpoint
+from .support.harness import read_jsonl, write_config
 from .test_replay import run_log
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,87 +29,25 @@ from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.migrations import migrate
 
-from .endpoint import Endpoint
-from .harness import Driver, backdated, insert_events, write_config
-
-STREAM = 1
-SLOT = "pgstream_stream_1"
-
-
-def _stream_config(endpoint: Endpoint, **over: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
-        "retry": {"initial_backoff_secs": 0.5, "max_backoff_secs": 2},
-        "delivery": {"chunk_size": 20, "run_grace_secs": 2}, "sink": endpoint.sink(),
-    }
-    cfg.update(over)
-    return cfg
-
-
-def sent_ids(url: str) -> list[int]:
-    with psycopg.connect(url) as c:
-        return [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [STREAM])]
-
-
-def ledger_order(url: str) -> list[int]:
-    with psycopg.connect(url) as c:
-        return [r[0] for r in c.execute(
-            "select unnest(event_ids) from pgstream.batches where stream_id = %s order by id", [STREAM])]
-
-
-def stream_row(url: str) -> dict[str, Any]:
-    with psycopg.connect(url) as c, c.cursor(row_factory=psycopg.rows.dict_row) as cur:
-        row = cur.execute("select * from pgstream.streams where id = %s", [STREAM]).fetchone()
-    assert row is not None
-    return row
-
-
-def slot_has_events(url: str) -> bool:
-    with psycopg.connect(url) as c:
-        return any(t.events for t in replication.peek(c, SLOT, SLOT, 100_000))
-
-
-def in_failover(url: str) -> bool:
-    return stream_row(url)["failover_since"] is not None
-
-
-def drive(driver: Driver, done: Callable[[], bool], timeout: float = 300) -> float:
-    """Tick and execute until ``done``; returns the seconds it took."""
-    started = time.monotonic()
-    while not done():
-        assert time.monotonic() - started < timeout, "the stream did not recover in time"
-        for request in driver.tick(STREAM).run_requests or []:
-            driver.execute(request)
-        time.sleep(0.05)
-    return time.monotonic() - started
-
-
-def delivered_all(endpoint: Endpoint, url: str) -> Callable[[], bool]:
-    return lambda: endpoint.unique() >= set(sent_ids(url)) and not in_failover(url)
-
-
-def check_and_report(row: str, endpoint: Endpoint, url: str, recover_secs: float, **extra: Any) -> None:
-    sent = sent_ids(url)
-    assert endpoint.unique() == set(sent), f"lost: {sorted(set(sent) - endpoint.unique())[:20]}"
-    order = ledger_order(url)
-    assert sorted(order) == sorted(set(order)) and set(order) == set(sent)  # the ledger holds each event once
-    assert endpoint.first_seen_order() == order  # first deliveries follow commit order
-    assert not in_failover(url)
-    print("FAULT-MATRIX " + json.dumps({"row": row, "sent": len(sent), "delivered": len(endpoint.unique()),
-                                        "duplicates": endpoint.duplicates(),
-                                        "recover_secs": round(recover_secs, 1), **extra}))
-
-
-@pytest.fixture
-def endpoint() -> Iterator[Endpoint]:
-    ep = Endpoint()
-    yield ep
-    ep.down()
+from .support.endpoint import Endpoint
+from .support.faults import (
+    SLOT,
+    STREAM,
+    check_and_report,
+    delivered_all,
+    drive,
+    in_failover,
+    sent_ids,
+    slot_has_events,
+    stream_config,
+    stream_row,
+)
+from .support.harness import Driver, backdated, insert_events, write_config
 
 
 def test_sink_down_500_then_refused_then_back(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                               endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 100)
     drive(driver, lambda: len(endpoint.unique()) >= 100)
@@ -157,7 +95,7 @@ def test_sink_down_500_then_refused_then_back(db_url: str, tmp_path: Path, insta
 
 def test_flapping_sink_makes_progress(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                       endpoint: Endpoint) -> None:
-    cfg = _stream_config(endpoint, retry={"initial_backoff_secs": 0, "max_backoff_secs": 0})
+    cfg = stream_config(endpoint, retry={"initial_backoff_secs": 0, "max_backoff_secs": 0})
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
     driver.tick(STREAM)
     endpoint.mode = "flap"  # every other request fails
@@ -170,7 +108,7 @@ def test_flapping_sink_makes_progress(db_url: str, tmp_path: Path, instance: dg.
 
 def test_postgres_restarted_in_the_middle_of_a_batch(db_url: str, pg: LocalPostgres, tmp_path: Path,
                                                      instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 200)
 
@@ -209,7 +147,7 @@ with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": st
 
 def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                          dagster_storage_url: str, endpoint: Endpoint) -> None:
-    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)])
+    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)])
     driver = Driver(config_path, instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 300)
@@ -244,7 +182,7 @@ def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: 
 
 def test_sensor_restarted_and_crashing_between_steps(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                                      endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)])
+    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)])
     driver = Driver(config_path, instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 120)
@@ -286,7 +224,7 @@ def _writer(url: str, stop: threading.Event, n_per_txn: int = 5) -> threading.Th
 
 def test_slot_dropped_while_events_flow(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                         endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
     driver.tick(STREAM)
     stop = threading.Event()
     writer = _writer(db_url, stop)
@@ -327,7 +265,7 @@ def small_wal_pg(tmp_path: Path) -> Iterator[LocalPostgres]:
 def test_slot_invalidated_by_wal_limit(small_wal_pg: LocalPostgres, tmp_path: Path,
                                        instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
     url = small_wal_pg.url_for("app")
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", url, [stream_config(endpoint)]), instance)
     driver.tick(STREAM)
     insert_events(url, STREAM, 100)
     drive(driver, lambda: len(endpoint.unique()) >= 100)
@@ -353,7 +291,7 @@ def test_slot_invalidated_by_wal_limit(small_wal_pg: LocalPostgres, tmp_path: Pa
 
 def test_out_of_order_commits_straddling_failover(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                                   endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
     driver.tick(STREAM)
     early = psycopg.connect(db_url)  # takes the low ids, commits last
     low = [r[0] for r in early.execute(
@@ -384,7 +322,7 @@ def test_out_of_order_commits_straddling_failover(db_url: str, tmp_path: Path, i
 
 def test_backlog_spanning_midnight_survives_housekeeping(db_url: str, tmp_path: Path,
                                                          instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
     today = dt.datetime.now(dt.UTC).date()
     midnight = dt.datetime.combine(today, dt.time(), dt.UTC)
     with psycopg.connect(db_url, autocommit=True) as c:

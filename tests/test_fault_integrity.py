@@ -24,18 +24,11 @@ from pgstream_dagster.config import HousekeepingConfig
 from pgstream_dagster.defs.names import replay_job_name
 from pgstream_dagster.engine.housekeeping import run_housekeeping
 
-from .endpoint import Endpoint
-from .harness import Driver, backdated, insert_events, write_config
-from .test_failover import STREAM, _stream_config, drive, in_failover, ledger_order, sent_ids, slot_has_events
+from .support.endpoint import Endpoint
+from .support.faults import STREAM, drive, in_failover, ledger_order, sent_ids, slot_has_events, stream_config
+from .support.harness import Driver, backdated, insert_events, write_config
 
 _ids = itertools.count(1)
-
-
-@pytest.fixture
-def endpoint() -> Iterator[Endpoint]:
-    ep = Endpoint()
-    yield ep
-    ep.down()
 
 
 @pytest.fixture
@@ -95,7 +88,7 @@ def test_manual_events_cannot_choose_id_created_at_or_an_unknown_stream(db_url: 
                                                                         instance: dg.DagsterInstance,
                                                                         endpoint: Endpoint,
                                                                         manual_role: str) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
     driver.tick(STREAM)
     with as_role(db_url, manual_role) as app:
         for column, value in (("id", "5"), ("created_at", "'infinity'"), ("created_at", "'10000-01-01'"),
@@ -133,7 +126,7 @@ def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str,
                                                                     instance: dg.DagsterInstance,
                                                                     endpoint: Endpoint) -> None:
     """Only a superuser with triggers off can write such a row; the sensor must not stall on it."""
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 30)
     with psycopg.connect(db_url, autocommit=True) as c:
@@ -166,7 +159,7 @@ def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str,
 
 def test_housekeeping_keeps_an_old_event_nobody_delivered(db_url: str, tmp_path: Path,
                                                           instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 10)
     until(driver, lambda: len(endpoint.unique()) >= 10)
@@ -193,7 +186,7 @@ def test_housekeeping_keeps_an_old_event_nobody_delivered(db_url: str, tmp_path:
 def test_poison_event_with_block_waits_until_the_operator_sets_it_aside(db_url: str, tmp_path: Path,
                                                                         instance: dg.DagsterInstance,
                                                                         endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_stream_config(endpoint)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 100)
     poison = sent_ids(db_url)[42]
@@ -221,7 +214,7 @@ def test_poison_event_with_block_waits_until_the_operator_sets_it_aside(db_url: 
 def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_url: str, tmp_path: Path,
                                                                           instance: dg.DagsterInstance,
                                                                           endpoint: Endpoint) -> None:
-    cfg = _stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "on_reject": "dead_letter",
+    cfg = stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "on_reject": "dead_letter",
                                              "max_attempts": 2})
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
     driver.tick(STREAM)

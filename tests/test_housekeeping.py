@@ -20,8 +20,8 @@ from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.housekeeping import run_housekeeping
 
-from .dagster_instance import materializations, postgres_instance, step_failure
-from .harness import backdated, write_config
+from .support.dagster_instance import materializations, postgres_instance, step_failure
+from .support.harness import backdated, write_config
 
 
 @pytest.fixture

@@ -25,8 +25,8 @@ from pgstream_dagster.config import load_config
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.sinks import Event, KafkaSink, KafkaSinkConfig, SinkError, build_sink, parse_sink_config
 
-from .harness import Driver, insert_events, write_config
-from .test_sinks import make_events, unique
+from .support.harness import Driver, insert_events, write_config
+from .support.sinks import make_events, unique
 
 
 class Tansu:

@@ -6,29 +6,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import psycopg
-import pytest
 
 from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.status import render_status, stream_status
 
-from .endpoint import Endpoint
-from .harness import Driver, insert_events, write_config
-from .test_failover import stream_row
+from .support.endpoint import Endpoint
+from .support.faults import stream_row
+from .support.harness import Driver, insert_events, write_config
 
 STREAM = 1
-
-
-@pytest.fixture
-def endpoint() -> Iterator[Endpoint]:
-    ep = Endpoint()
-    yield ep
-    ep.down()
 
 
 def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any]:

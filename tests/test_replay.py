@@ -16,8 +16,8 @@ from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CONTROL_JOB, STREAM_TAG, replay_job_name
 
-from .endpoint import Endpoint
-from .harness import Driver, backdated, event_ids, read_jsonl, write_config
+from .support.endpoint import Endpoint
+from .support.harness import Driver, backdated, event_ids, read_jsonl, write_config
 
 YESTERDAY = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(days=1)
 

@@ -16,8 +16,8 @@ from pgstream_dagster import sparkserver
 from pgstream_dagster.config import ConfigError, load_config
 from pgstream_dagster.devdb import free_port
 
-from .conftest import repo_root
-from .harness import event_ids, insert_events, read_jsonl, write_config
+from .support.dagster_dev import repo_root
+from .support.harness import event_ids, insert_events, read_jsonl, write_config
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_delivery_and_replay_through_spark_connect(db_url: str, tmp_path: Path, 
     insert_events(db_url, 1, 1000)
     insert_events(db_url, 1, 500, 1000)
     ids = event_ids(db_url, 1)
-    child = subprocess.run([sys.executable, "-m", "tests.spark_connect_child", str(cfg), "1500"],
+    child = subprocess.run([sys.executable, "-m", "tests.support.spark_connect_child", str(cfg), "1500"],
                            cwd=repo_root(), capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
     result = json.loads(Path(str(cfg) + ".out").read_text())

@@ -19,7 +19,7 @@ from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.status import stream_status
 from pgstream_dagster.sinks import MemorySink
 
-from .harness import Driver, event_ids, insert_events, read_jsonl, write_config
+from .support.harness import Driver, event_ids, insert_events, read_jsonl, write_config
 
 
 def test_decoder_returns_transactions_in_commit_order(db_url: str) -> None:

@@ -19,8 +19,8 @@ from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import deliveries_asset_key
 from pgstream_dagster.devdb import LocalPostgres
 
-from .dagster_instance import materializations, materialize, postgres_instance, step_failure
-from .harness import write_config
+from .support.dagster_instance import materializations, materialize, postgres_instance, step_failure
+from .support.harness import write_config
 
 STREAMS = [{"id": 1, "sink": {"type": "memory"}}, {"id": 2, "sink": {"type": "memory"}}]
 SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
@@ -254,7 +254,7 @@ def test_bad_subscription_changes_nothing(app: str, tmp_path: Path, instance: dg
 
 
 def test_demo_location_loads_with_assets_checks_and_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
-    from .conftest import repo_root
+    from .support.dagster_dev import repo_root
 
     monkeypatch.setenv("PGSTREAM_DATABASE_URL", "postgresql://demo:s3cr3t@127.0.0.1:1/demo")
     defs = build_definitions(repo_root() / "pgstream.yaml")

@@ -15,7 +15,7 @@ from pgstream_dagster.defs.checks import check_subscription
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.subscriptions import code_version, definition
 
-from .harness import write_config
+from .support.harness import write_config
 
 SUB = {"key": "signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public", "table_name": "users",
        "when_clause": "new.verified", "column_names": ["id", "email"]}

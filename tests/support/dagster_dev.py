@@ -73,8 +73,12 @@ class DagsterDev:
         return response.json()
 
 
+#: how long `dagster dev` may take until the first sensor tick completed (the first run starts Spark)
+READY_TIMEOUT_SECS = 180
+
+
 def repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def start_dagster_dev(tmp_path: Path, env: dict[str, str]) -> DagsterDev:

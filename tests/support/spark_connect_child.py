@@ -2,7 +2,7 @@
 Connect server. A process of its own because PySpark switches a whole process to Connect mode
 (``SPARK_CONNECT_MODE_ENABLED``), which would leak into the classic-Spark tests of the session.
 
-Usage: python -m tests.spark_connect_child CONFIG EXPECTED_EVENTS
+Usage: python -m tests.support.spark_connect_child CONFIG EXPECTED_EVENTS
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""The fault matrix's shared pieces: the stream every row drives (stream 1 to an HTTP endpoint),
+what was sent and in which order the ledger holds it, and ``check_and_report``, which asserts that
+every event sent was delivered in commit order and prints the row's ``FAULT-MATRIX`` line."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from pgstream_dagster.engine import replication
+
+from .endpoint import Endpoint
+from .harness import Driver
+
+STREAM = 1
+SLOT = "pgstream_stream_1"
+
+
+def stream_config(endpoint: Endpoint, **over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
+        "retry": {"initial_backoff_secs": 0.5, "max_backoff_secs": 2},
+        "delivery": {"chunk_size": 20, "run_grace_secs": 2}, "sink": endpoint.sink(),
+    }
+    cfg.update(over)
+    return cfg
+
+
+def sent_ids(url: str) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [STREAM])]
+
+
+def ledger_order(url: str) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute(
+            "select unnest(event_ids) from pgstream.batches where stream_id = %s order by id", [STREAM])]
+
+
+def stream_row(url: str) -> dict[str, Any]:
+    with psycopg.connect(url) as c, c.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        row = cur.execute("select * from pgstream.streams where id = %s", [STREAM]).fetchone()
+    assert row is not None
+    return row
+
+
+def slot_has_events(url: str) -> bool:
+    with psycopg.connect(url) as c:
+        return any(t.events for t in replication.peek(c, SLOT, SLOT, 100_000))
+
+
+def in_failover(url: str) -> bool:
+    return stream_row(url)["failover_since"] is not None
+
+
+def drive(driver: Driver, done: Callable[[], bool], timeout: float = 300) -> float:
+    """Tick and execute until ``done``; returns the seconds it took."""
+    started = time.monotonic()
+    while not done():
+        assert time.monotonic() - started < timeout, "the stream did not recover in time"
+        for request in driver.tick(STREAM).run_requests or []:
+            driver.execute(request)
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def delivered_all(endpoint: Endpoint, url: str) -> Callable[[], bool]:
+    return lambda: endpoint.unique() >= set(sent_ids(url)) and not in_failover(url)
+
+
+def check_and_report(row: str, endpoint: Endpoint, url: str, recover_secs: float, **extra: Any) -> None:
+    sent = sent_ids(url)
+    assert endpoint.unique() == set(sent), f"lost: {sorted(set(sent) - endpoint.unique())[:20]}"
+    order = ledger_order(url)
+    assert sorted(order) == sorted(set(order)) and set(order) == set(sent)  # the ledger holds each event once
+    assert endpoint.first_seen_order() == order  # first deliveries follow commit order
+    assert not in_failover(url)
+    print("FAULT-MATRIX " + json.dumps({"row": row, "sent": len(sent), "delivered": len(endpoint.unique()),
+                                        "duplicates": endpoint.duplicates(),
+                                        "recover_secs": round(recover_secs, 1), **extra}))
