@@ -85,9 +85,7 @@ _REPEATABLE_FILE = re.compile(r"^(\d{2})_([a-z0-9_]+)\.sql$")
 
 
 @dataclass(frozen=True)
-class Migration:
-    version: int
-    name: str
+class _SqlFile:
     path: Path
 
     @property
@@ -100,19 +98,18 @@ class Migration:
 
 
 @dataclass(frozen=True)
-class Repeatable:
+class Migration(_SqlFile):
+    """A versioned migration ``sql/NNN_name.sql``."""
+
+    version: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Repeatable(_SqlFile):
     """A file of ``sql/repeatable/``, known by its name there (``04_subscriptions.sql``)."""
 
     name: str
-    path: Path
-
-    @property
-    def sql(self) -> str:
-        return self.path.read_text(encoding="utf-8")
-
-    @property
-    def checksum(self) -> str:
-        return hashlib.sha256(self.path.read_bytes()).hexdigest()
 
 
 class MigrationError(RuntimeError):
@@ -133,7 +130,7 @@ def discover(directory: Path | None = None) -> list[Migration]:
     for path in sorted((directory or sql_dir()).glob("*.sql")):
         m = _FILE.match(path.name)
         if m:
-            found.append(Migration(int(m.group(1)), m.group(2), path))
+            found.append(Migration(path, int(m.group(1)), m.group(2)))
     versions = [m.version for m in found]
     if len(versions) != len(set(versions)):
         raise MigrationError(f"duplicate migration versions in {directory or sql_dir()}")
@@ -143,7 +140,7 @@ def discover(directory: Path | None = None) -> list[Migration]:
 def discover_repeatables(directory: Path | None = None) -> list[Repeatable]:
     """The repeatable files of ``<directory>/repeatable/``, in the order they are applied (none for
     a directory without one, such as a release from before repeatable files)."""
-    found = [Repeatable(p.name, p) for p in sorted(((directory or sql_dir()) / REPEATABLE_DIR).glob("*.sql"))]
+    found = [Repeatable(p, p.name) for p in sorted(((directory or sql_dir()) / REPEATABLE_DIR).glob("*.sql"))]
     misnamed = [r.name for r in found if not _REPEATABLE_FILE.match(r.name)]
     if misnamed:
         raise MigrationError(f"repeatable files must be named NN_name.sql: {', '.join(misnamed)}")
@@ -177,6 +174,16 @@ def _iter_changed(conn: psycopg.Connection, repeatables: list[Repeatable]) -> It
             yield r
 
 
+def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, params: list[object]) -> None:
+    """Runs one file and records it, in one transaction."""
+    try:
+        with conn.transaction():
+            conn.execute(file.sql)
+            conn.execute(record, params)
+    except psycopg.Error as exc:
+        raise MigrationError(f"{label} failed: {exc}") from exc
+
+
 def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | None = None) -> list[str]:
     """Apply the pending versioned migrations, then the repeatable files that changed, and create
     today's and the next partitions.
@@ -195,28 +202,15 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
             with conn.transaction():
                 conn.execute(migrations[0].sql)
             for m in list(_iter_pending(conn, migrations)):
-                try:
-                    with conn.transaction():
-                        conn.execute(m.sql)
-                        conn.execute(
-                            "insert into pgstream.schema_migrations (version, name, checksum) "
-                            "values (%s, %s, %s)",
-                            [m.version, m.name, m.checksum],
-                        )
-                except psycopg.Error as exc:
-                    raise MigrationError(f"migration {m.path.name} failed: {exc}") from exc
+                _apply(conn, m, f"migration {m.path.name}",
+                       "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
+                       [m.version, m.name, m.checksum])
                 applied.append(m.path.name)
             for r in list(_iter_changed(conn, repeatables)):
-                try:
-                    with conn.transaction():
-                        conn.execute(r.sql)
-                        conn.execute(
-                            "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
-                            "on conflict (name) do update set checksum = excluded.checksum, applied_at = now()",
-                            [r.name, r.checksum],
-                        )
-                except psycopg.Error as exc:
-                    raise MigrationError(f"repeatable {REPEATABLE_DIR}/{r.name} failed: {exc}") from exc
+                _apply(conn, r, f"repeatable {REPEATABLE_DIR}/{r.name}",
+                       "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
+                       "on conflict (name) do update set checksum = excluded.checksum, applied_at = now()",
+                       [r.name, r.checksum])
                 applied.append(f"{REPEATABLE_DIR}/{r.name}")
             conn.execute("select pgstream.create_partitions(%s)", [partitions_ahead])
         finally:
