@@ -267,8 +267,12 @@ def test_batch_is_open_is_the_spelled_out_predicate_and_queries_with_it_use_the_
         def plan(query: str) -> str:
             return "\n".join(r[0] for r in c.execute(f"explain (verbose, costs off) {query}").fetchall())
 
-        queries = [
-            "select id from pgstream.batches where stream_id = 1 and pgstream.batch_is_open(status) order by id",
+        queries = [  # the shapes of the ledger's queries (engine/ledger.py) and of the functions above
+            "select * from pgstream.batches b where b.stream_id = 1 and pgstream.batch_is_open(b.status) "
+            "order by b.id limit 1",
+            "select id, event_count from pgstream.batches where stream_id = 2 and id >= 500 "
+            "and pgstream.batch_is_open(status) order by id limit 10000",
+            "select min(id) from pgstream.batches where stream_id = 1 and id < 9000 and pgstream.batch_is_open(status)",
             "select min(min_created_at) from pgstream.batches where pgstream.batch_is_open(status)",
             "select count(*) from pgstream.batches b where b.stream_id = 2 and pgstream.batch_is_open(b.status)",
         ]

@@ -14,11 +14,13 @@
 -- Whether a batch still has to be delivered: every status but 'delivered' and 'skipped' (pending,
 -- launched, failed). The one definition of an open batch: views, functions and the Python code
 -- call it rather than spelling the statuses out.
--- A SQL-standard body and no SET clause: its names are bound when it is created (pg_catalog's
--- operators, pg_catalog being searched first) and Postgres inlines it into the calling query, so
+-- A SQL-standard body and no SET clause: its names are bound once, when it is created, under the
+-- search_path set here (for this file's transaction only: pg_catalog's operators, whatever the
+-- migrating role's search_path), and Postgres inlines it into the calling query, so
 -- `where stream_id = $1 and pgstream.batch_is_open(status)` is planned exactly like the spelled-out
 -- predicate and uses the partial index batches_open_idx (007_failover.sql). That index spells the
 -- predicate out: it is created by a versioned migration, before this function exists.
+set local search_path = pg_catalog, pg_temp;
 create or replace function pgstream.batch_is_open(p_status text)
 returns boolean
 language sql
