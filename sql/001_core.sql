@@ -1,5 +1,6 @@
--- 001: streams, events (daily range partitions + default catch-all), subscriptions, and the
--- publication that follows each stream row.
+-- 001: streams, events (daily range partitions + default catch-all) and subscriptions.
+-- The publication that follows each stream row (a trigger on pgstream.streams) is in
+-- repeatable/01_streams.sql.
 
 create table if not exists pgstream.streams (
     id                     bigint primary key check (id > 0),
@@ -55,59 +56,3 @@ create table if not exists pgstream.subscriptions (
     updated_at         timestamptz not null default now(),
     unique (stream_id, key, schema_name, table_name, operation)
 );
-
--- Publication per stream: insert-only, published through the partition root, filtered on the
--- stream's id. Created when a streams row appears, dropped when it goes.
-create or replace function pgstream.publication_name(p_stream_id bigint)
-returns text language sql immutable
-as $$ select 'pgstream_stream_' || p_stream_id $$;
-
-create or replace function pgstream._sync_publication()
-returns trigger
-language plpgsql
-security definer
-set search_path = ''
-as $$
-begin
-    if tg_op = 'INSERT' then
-        if not exists (select 1 from pg_catalog.pg_publication
-                       where pubname = pgstream.publication_name(new.id)) then
-            execute format(
-                'create publication %I for table pgstream.events where (stream_id = %s) '
-                'with (publish = %L, publish_via_partition_root = true)',
-                pgstream.publication_name(new.id), new.id, 'insert');
-        end if;
-        return new;
-    end if;
-    execute format('drop publication if exists %I', pgstream.publication_name(old.id));
-    return old;
-end
-$$;
-
-drop trigger if exists sync_publication on pgstream.streams;
-create trigger sync_publication
-after insert or delete on pgstream.streams
-for each row execute function pgstream._sync_publication();
-
-create or replace function pgstream._touch_updated_at()
-returns trigger language plpgsql set search_path = '' as $$
-begin
-    new.updated_at := now();
-    return new;
-end
-$$;
-
-drop trigger if exists touch_updated_at on pgstream.streams;
-create trigger touch_updated_at before update on pgstream.streams
-for each row execute function pgstream._touch_updated_at();
-
--- A subscription for a stream that has no row yet creates the row (and so its publication),
--- so events are never written for a stream nobody can read.
-create or replace function pgstream.ensure_stream(p_stream_id bigint)
-returns void
-language sql
-security definer
-set search_path = ''
-as $$
-    insert into pgstream.streams (id) values (p_stream_id) on conflict (id) do nothing;
-$$;

@@ -1,6 +1,7 @@
 -- 006: the batch ledger. The sensor records every batch it cuts from a stream's replication
 -- slot here, durably, before it advances the slot; the delivery run marks it delivered only after
 -- the sink confirmed every event. event_ids are in commit order (the order of the WAL).
+-- The ledger's functions are in repeatable/02_ledger.sql and repeatable/03_partitions.sql.
 
 create table if not exists pgstream.batches (
     id              bigint generated always as identity primary key,
@@ -37,33 +38,4 @@ create index if not exists batches_delivered_at_idx on pgstream.batches (deliver
 alter table pgstream.streams add column if not exists incarnation text not null
     default substr(md5(gen_random_uuid()::text), 1, 10);
 
--- Partitions that hold events of an undelivered batch are never dropped by housekeeping.
-create or replace function pgstream.oldest_protected_day()
-returns date
-language sql
-stable
-security definer
-set search_path = ''
-as $$
-    select (min(min_created_at) at time zone 'UTC')::date
-    from pgstream.batches
-    where status <> 'delivered'
-$$;
-
--- Ledger housekeeping: delivered batches older than p_keep are removed. Returns rows removed.
-create or replace function pgstream.prune_batches(p_keep interval default interval '7 days')
-returns bigint
-language sql
-security definer
-set search_path = ''
-as $$
-    with gone as (
-        delete from pgstream.batches
-        where status = 'delivered' and delivered_at < now() - p_keep
-        returning 1
-    )
-    select count(*) from gone
-$$;
-
 revoke all on all tables in schema pgstream from public;
-revoke all on all functions in schema pgstream from public;

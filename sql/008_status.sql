@@ -1,38 +1,5 @@
--- 008: pgstream.stream_status, one row per stream: state, failover checkpoint, backlog, slot lag.
--- Read by `pgstream-dagster status`, the stream status asset and the asset checks; usable from psql.
+-- 008: the slot each stream reads. The view pgstream.stream_status (one row per stream: state,
+-- failover checkpoint, backlog, slot lag) is in repeatable/08_status.sql.
 
 -- The slot a stream's sensor reads (streams[].slot_name in pgstream.yaml, default pgstream_stream_<id>).
 alter table pgstream.streams add column if not exists slot_name text;
-
-create or replace view pgstream.stream_status as
-select s.id,
-       case when s.paused then 'paused'
-            when s.recovery_pending then 'recovering'
-            when s.failover_since is not null and exists (
-                 select 1 from pgstream.batches b where b.stream_id = s.id and b.status = 'failed') then 'failover'
-            when s.failover_since is not null then 'catching up'
-            else 'healthy' end as state,
-       s.paused, s.failover_since, s.failover_checkpoint_id, s.failover_checkpoint_ts, s.failover_error,
-       s.failover_retry_at, s.failover_attempts, s.consumed_through, s.recovery_pending,
-       o.batches as undelivered_batches, o.events as undelivered_events,
-       o.oldest_event_id as oldest_undelivered_event_id, o.oldest_commit_at as oldest_undelivered_at,
-       (select coalesce(sum(b.event_count), 0) from pgstream.batches b
-         where b.stream_id = s.id and b.status = 'delivered'
-           and b.delivered_at >= (pgstream.utc_today()::timestamp at time zone 'UTC')) as delivered_today,
-       (select max(b.last_event_id) from pgstream.batches b where b.stream_id = s.id) as last_recorded_event_id,
-       (select max(b.delivered_at) from pgstream.batches b where b.stream_id = s.id) as last_delivered_at,
-       coalesce(s.slot_name, 'pgstream_stream_' || s.id) as slot_name,
-       r.slot_name is not null as slot_exists,
-       r.wal_status,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), r.restart_lsn)::bigint as slot_retained_bytes,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), r.confirmed_flush_lsn)::bigint as slot_lag_bytes
-from pgstream.streams s
-cross join lateral (
-    select count(*) as batches, coalesce(sum(b.event_count), 0) as events,
-           min(b.first_event_id) as oldest_event_id, min(b.first_commit_at) as oldest_commit_at
-    from pgstream.batches b
-    where b.stream_id = s.id and b.status not in ('delivered', 'skipped')) o
-left join pg_catalog.pg_replication_slots r
-  on r.slot_name = coalesce(s.slot_name, 'pgstream_stream_' || s.id) and r.database = current_database();
-
-revoke all on pgstream.stream_status from public;

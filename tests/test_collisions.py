@@ -5,7 +5,6 @@ maintenance. Against a real Postgres."""
 from __future__ import annotations
 
 import datetime as dt
-import shutil
 import threading
 from collections import Counter
 from pathlib import Path
@@ -20,9 +19,10 @@ from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import consume
 from pgstream_dagster.engine.ledger import SlotInUse
-from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, sql_dir, tear_down
+from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, tear_down
 
 from .support.harness import insert_events, write_config
+from .support.releases import released_sql
 
 MEMORY = {"type": "memory"}
 
@@ -104,12 +104,7 @@ def test_a_new_stream_whose_default_slot_is_taken_is_refused(conn: psycopg.Conne
 
 
 def test_migration_refuses_an_install_where_streams_share_a_slot(empty_db_url: str, tmp_path: Path) -> None:
-    released = tmp_path / "sql"
-    released.mkdir()
-    for path in sorted(sql_dir().glob("0*.sql")):
-        if int(path.name[:3]) <= 12:
-            shutil.copy(path, released / path.name)
-    migrate(empty_db_url, directory=released)
+    migrate(empty_db_url, directory=released_sql(tmp_path / "sql", upto=12))
     with psycopg.connect(empty_db_url, autocommit=True) as c:
         c.execute("insert into pgstream.streams (id, slot_name) values (1, null), (2, 'pgstream_stream_1'), "
                   "(3, 'x'), (4, 'x'), (5, null)")

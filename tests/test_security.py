@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +19,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate, sql_dir
+from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
+
+from .support.releases import released_sql
 
 _ids = itertools.count()
 
@@ -471,13 +472,19 @@ def test_writer_role_and_function_settings(db_url: str, table: str) -> None:
                    for col in ("id", "payload", "metadata", "stream_id", "created_at", "lsn")}
         assert {col for col, ok in columns.items() if ok} == {"payload", "metadata", "stream_id"}
         assert c.execute("select has_schema_privilege(%s, 'pgstream', 'CREATE')", [WRITER_ROLE]).fetchone() == (False,)
-        # every function of the schema: temporary schema last; none executable by PUBLIC
+        # every function of the schema: temporary schema last; none executable by PUBLIC. The one
+        # function with a SQL-standard body, pgstream.batch_is_open, had its names bound when it was
+        # created: it needs no search_path (and a SET would keep Postgres from inlining it)
         bad = c.execute(
             "select p.oid::regprocedure::text, p.proconfig from pg_proc p "
             "where p.pronamespace = 'pgstream'::regnamespace "
-            "and (p.proconfig is null or not 'search_path=pg_catalog, pg_temp' = any (p.proconfig) "
+            "and ((p.prosqlbody is null and (p.proconfig is null "
+            "                                or not 'search_path=pg_catalog, pg_temp' = any (p.proconfig))) "
             "     or has_function_privilege('public', p.oid, 'EXECUTE'))").fetchall()
         assert bad == []
+        assert c.execute("select array_agg(p.oid::regprocedure::text) from pg_proc p "
+                         "where p.pronamespace = 'pgstream'::regnamespace and p.prosqlbody is not null"
+                         ).fetchone() == (["pgstream.batch_is_open(text)"],)
         owners = c.execute("select p.proname, p.proowner::regrole::text from pg_proc p "
                            "where p.pronamespace = 'pgstream'::regnamespace and p.proname like '\\_publish\\_%'"
                            ).fetchall()
@@ -489,12 +496,7 @@ def test_writer_role_and_function_settings(db_url: str, table: str) -> None:
 
 
 def test_upgrade_from_the_last_released_schema_regenerates_triggers(empty_db_url: str, tmp_path: Path) -> None:
-    released = tmp_path / "sql"
-    released.mkdir()
-    for path in sorted(sql_dir().glob("0*.sql")):
-        if int(path.name[:3]) <= 11:
-            shutil.copy(path, released / path.name)
-    migrate(empty_db_url, directory=released)
+    migrate(empty_db_url, directory=released_sql(tmp_path / "sql", upto=11))
     run(empty_db_url, "create table public.t (id int primary key, note text)")
     subscribe(empty_db_url, "t-insert", "t", columns=["id", "note"], when="new.note <> 'skip'",
               extensions=[{"json_path": "a.b", "expression": "upper(new.note)"}], metadata={"team": "x"})

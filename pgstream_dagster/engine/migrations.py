@@ -1,9 +1,38 @@
-"""Apply the versioned SQL in ``sql/`` in order, once, under an advisory lock.
+"""Install and upgrade the pgstream schema from ``sql/``, under an advisory lock.
 
-Each file ``NNN_name.sql`` is a migration with version ``NNN``; ``000_bootstrap.sql`` creates the
-schema and the ``pgstream.schema_migrations`` ledger and runs on every pass. Files are idempotent,
-so re-running is harmless; the ledger makes it a no-op. A checksum mismatch for an applied
-version is an error: released migrations are never edited, new behaviour gets a new file.
+``sql/`` holds two kinds of files, and every object is defined in exactly one of them:
+
+* **Versioned migrations**, ``sql/NNN_name.sql`` (version ``NNN``): what has state. The schema,
+  tables, types, sequences, indexes, constraints, roles, privileges on the schema, tables and
+  sequences, data changes, and the removal of functions that no longer exist (``drop function if
+  exists``). Each is applied once, in version order, in its own transaction together with its row
+  in ``pgstream.schema_migrations`` (version, name, checksum). ``000_bootstrap.sql`` creates the
+  schema and both ledgers and runs on every pass. An applied version is never run again, and its
+  file must keep its checksum (a changed file is an error), except for the versions rewritten when
+  functions moved to repeatable files: :data:`RELEASED_CHECKSUMS`.
+* **Repeatable files**, ``sql/repeatable/NN_concern.sql``: every function, view and trigger (event
+  triggers included), grouped by concern, each with its privileges next to it (``revoke ... from
+  public``, owner), so that a drop and re-create keeps them. Every statement is idempotent (``create
+  or replace``). After the versioned migrations, each file whose checksum differs from the one
+  recorded in ``pgstream.schema_repeatables`` (all of them on a fresh install) is applied, in file
+  order, each in its own transaction together with its row.
+
+The rule that keeps the two apart: **a versioned migration never creates a function, view or
+trigger and never calls a pgstream function.** On a fresh install none exists yet when it runs; on
+an upgrade it would run the previous release's code. It spells out what it needs instead
+(``011_publication_columns.sql`` names publications itself; the partial index of
+``007_failover.sql`` spells out ``pgstream.batch_is_open``). A data step that needs a pgstream
+function is an idempotent statement at the end of the repeatable file that defines the function
+(``repeatable/04_subscriptions.sql`` ends by regenerating every generated trigger that differs from
+what the current code generates). A repeatable file may use what earlier files and the versioned
+migrations define. A versioned migration that must drop a view or function to change a table
+under it comes with a change to the repeatable file that defines it, which re-creates it.
+
+Upgrading an install: the versioned migrations it lacks run first (its repeatable objects, from
+the previous release, are still in place meanwhile), then every repeatable file it has not applied
+in its current form. An install from before repeatable files (versions 000-014 applied from the
+released files) gets all of them: every function, view and trigger is replaced by its one
+definition, and ends up as on a fresh install.
 """
 
 from __future__ import annotations
@@ -23,16 +52,40 @@ WRITER_ROLE = "pgstream_writer"
 MIGRATION_LOCK_KEY = 0x70677374  # "pgst"
 
 #: Key of the transaction-level advisory lock that serialises ``pgstream.create_partitions`` and
-#: ``pgstream.drop_partitions`` (sql/013_collisions.sql): concurrent callers deadlocked attaching.
+#: ``pgstream.drop_partitions`` (sql/repeatable/03_partitions.sql): concurrent callers deadlocked attaching.
 PARTITION_LOCK_KEY = 0x70677370  # "pgsp" = 1885827952
 
+#: Where the repeatable files are, under the ``sql/`` directory.
+REPEATABLE_DIR = "repeatable"
+
+#: The checksums (sha256) of the versioned migrations as released in 0.1.0 (commit 7ed30b0, the
+#: last release whose versioned files defined functions, views and triggers), for the versions
+#: rewritten since to leave those definitions to the repeatable files. Installs in the field
+#: recorded these: an applied version is accepted with its released or its current checksum, and
+#: is never run again. Never add a version whose file is unchanged, nor change an entry.
+#: (tests/fixtures/sql-0.1-014.tar.gz holds those files; a test checks this table against it.)
+RELEASED_CHECKSUMS: dict[int, str] = {
+    1: "ef2c8b8114b6cd70125e7c8faf9bd992c195179a38cc5f73f564b2bb1ad64093",  # 001_core.sql
+    2: "9f20fc7fb1a0a47c8e80db698a6e867d58c81b07ded038f9d9c6d026732386d7",  # 002_partitions.sql
+    3: "55d3642f9a06febe3b1459b0c34edc10f590067f5504b7e1603663eb43e26cc1",  # 003_subscriptions.sql
+    4: "1c4bb804fc933b6713c588fb18ac54d888b7f1ec96e7252d3a3770326988b3f5",  # 004_drift_guard.sql
+    5: "9a16653f6f5aa7fea286b4df43bea568700be16c4b03f6b868481832a92655d9",  # 005_privileges.sql
+    6: "003ecd05656da28e4569328d0161a30d7c4416545239472a19b6444e390b4ad2",  # 006_ledger.sql
+    7: "ea4d9abc4e600d0e46a5d4c2c2e5be8284915f8b69a86313f2270ac3cf2d5906",  # 007_failover.sql
+    8: "c659deeab63fd79401bbd10ad797dd6c1c02a06fa65f4f83a9e57de38edfe213",  # 008_status.sql
+    9: "92386fd4d3a0f9202c9cfd5bcf7d18486c5280bfad641d5d4a8e94b65f1beb7f",  # 009_statement_triggers.sql
+    11: "2427dbed7a3003e7cc340cc79271637d37e482f292be801a22962f3c1de69706",  # 011_publication_columns.sql
+    12: "d8d5df4462f257e2f8407fe7ec038abf28dd817762d1f8b08d27614376aaf3d9",  # 012_least_privilege.sql
+    13: "4682ca18d939cd73297afdc6a8c38261d88399c3becee81a83e9bfc532e8caaa",  # 013_collisions.sql
+    14: "fd6a8b10da122461b04fccad280fa4a214b405ac83e1e333bce38b0bf75f12f9",  # 014_event_integrity.sql
+}
+
 _FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
+_REPEATABLE_FILE = re.compile(r"^(\d{2})_([a-z0-9_]+)\.sql$")
 
 
 @dataclass(frozen=True)
-class Migration:
-    version: int
-    name: str
+class _SqlFile:
     path: Path
 
     @property
@@ -42,6 +95,21 @@ class Migration:
     @property
     def checksum(self) -> str:
         return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Migration(_SqlFile):
+    """A versioned migration ``sql/NNN_name.sql``."""
+
+    version: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Repeatable(_SqlFile):
+    """A file of ``sql/repeatable/``, known by its name there (``04_subscriptions.sql``)."""
+
+    name: str
 
 
 class MigrationError(RuntimeError):
@@ -62,10 +130,23 @@ def discover(directory: Path | None = None) -> list[Migration]:
     for path in sorted((directory or sql_dir()).glob("*.sql")):
         m = _FILE.match(path.name)
         if m:
-            found.append(Migration(int(m.group(1)), m.group(2), path))
+            found.append(Migration(path, int(m.group(1)), m.group(2)))
     versions = [m.version for m in found]
     if len(versions) != len(set(versions)):
         raise MigrationError(f"duplicate migration versions in {directory or sql_dir()}")
+    return found
+
+
+def discover_repeatables(directory: Path | None = None) -> list[Repeatable]:
+    """The repeatable files of ``<directory>/repeatable/``, in the order they are applied (none for
+    a directory without one, such as a release from before repeatable files)."""
+    found = [Repeatable(p, p.name) for p in sorted(((directory or sql_dir()) / REPEATABLE_DIR).glob("*.sql"))]
+    misnamed = [r.name for r in found if not _REPEATABLE_FILE.match(r.name)]
+    if misnamed:
+        raise MigrationError(f"repeatable files must be named NN_name.sql: {', '.join(misnamed)}")
+    numbers = [r.name[:2] for r in found]
+    if len(numbers) != len(set(numbers)):
+        raise MigrationError(f"duplicate repeatable file numbers in {(directory or sql_dir()) / REPEATABLE_DIR}")
     return found
 
 
@@ -75,7 +156,7 @@ def _iter_pending(conn: psycopg.Connection, migrations: list[Migration]) -> Iter
         if m.version == 0:
             continue
         if m.version in applied:
-            if applied[m.version] != m.checksum:
+            if applied[m.version] not in (m.checksum, RELEASED_CHECKSUMS.get(m.version)):
                 raise MigrationError(
                     f"migration {m.path.name} was changed after it was applied "
                     f"(checksum {applied[m.version][:12]} in the database, {m.checksum[:12]} on disk)"
@@ -84,13 +165,36 @@ def _iter_pending(conn: psycopg.Connection, migrations: list[Migration]) -> Iter
         yield m
 
 
-def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | None = None) -> list[str]:
-    """Apply pending migrations and create today's and the next partitions.
+def _iter_changed(conn: psycopg.Connection, repeatables: list[Repeatable]) -> Iterator[Repeatable]:
+    if not repeatables:  # a directory of released files, from before repeatable files
+        return
+    applied: dict[str, str] = dict(conn.execute("select name, checksum from pgstream.schema_repeatables").fetchall())
+    for r in repeatables:
+        if applied.get(r.name) != r.checksum:
+            yield r
 
-    Returns the names of the migrations applied (empty when already up to date). Each migration
-    runs in its own transaction together with its ledger row.
+
+def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, params: list[object]) -> None:
+    """Runs one file and records it, in one transaction."""
+    try:
+        with conn.transaction():
+            conn.execute(file.sql)
+            conn.execute(record, params)
+    except psycopg.Error as exc:
+        raise MigrationError(f"{label} failed: {exc}") from exc
+
+
+def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | None = None) -> list[str]:
+    """Apply the pending versioned migrations, then the repeatable files that changed, and create
+    today's and the next partitions.
+
+    Returns the names of the files applied, versioned ones first (``012_least_privilege.sql``,
+    ``repeatable/04_subscriptions.sql``); empty when already up to date. Each file runs in its own
+    transaction together with its ledger row: a failing file changes nothing, and the files before
+    it stay applied.
     """
     migrations = discover(directory)
+    repeatables = discover_repeatables(directory)
     applied: list[str] = []
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute("select pg_advisory_lock(%s)", [MIGRATION_LOCK_KEY])
@@ -98,17 +202,16 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
             with conn.transaction():
                 conn.execute(migrations[0].sql)
             for m in list(_iter_pending(conn, migrations)):
-                try:
-                    with conn.transaction():
-                        conn.execute(m.sql)
-                        conn.execute(
-                            "insert into pgstream.schema_migrations (version, name, checksum) "
-                            "values (%s, %s, %s)",
-                            [m.version, m.name, m.checksum],
-                        )
-                except psycopg.Error as exc:
-                    raise MigrationError(f"migration {m.path.name} failed: {exc}") from exc
+                _apply(conn, m, f"migration {m.path.name}",
+                       "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
+                       [m.version, m.name, m.checksum])
                 applied.append(m.path.name)
+            for r in list(_iter_changed(conn, repeatables)):
+                _apply(conn, r, f"repeatable {REPEATABLE_DIR}/{r.name}",
+                       "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
+                       "on conflict (name) do update set checksum = excluded.checksum, applied_at = now()",
+                       [r.name, r.checksum])
+                applied.append(f"{REPEATABLE_DIR}/{r.name}")
             conn.execute("select pgstream.create_partitions(%s)", [partitions_ahead])
         finally:
             conn.execute("select pg_advisory_unlock(%s)", [MIGRATION_LOCK_KEY])

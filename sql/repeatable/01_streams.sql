@@ -1,0 +1,105 @@
+-- Repeatable: streams. The publication that follows each pgstream.streams row, updated_at, and
+-- the stream a subscription creates (one slot, one stream).
+--
+-- Applied by `pgstream-dagster migrate` after the versioned migrations (sql/NNN_*.sql), and again
+-- whenever this file changes, in its own transaction: every statement is idempotent (create or
+-- replace, followed by the function's privileges, which a replace keeps and a first create sets).
+
+-- ---------------------------------------------------------------------------------------------
+-- Publication per stream: insert-only, published through the partition root, filtered on the
+-- stream's id, carrying only what the sensor reads: the event id and created_at (and stream_id,
+-- the row filter's column). The sensor records ids in commit order and the delivery run loads
+-- payloads from the table, so logical decoding never turns a payload into text for nothing.
+-- Created when a streams row appears, dropped when it goes.
+create or replace function pgstream.publication_name(p_stream_id bigint)
+returns text language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select 'pgstream_stream_' || p_stream_id $$;
+revoke all on function pgstream.publication_name(bigint) from public;
+
+create or replace function pgstream._sync_publication()
+returns trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if tg_op = 'INSERT' then
+        if not exists (select 1 from pg_catalog.pg_publication
+                       where pubname = pgstream.publication_name(new.id)) then
+            execute format(
+                'create publication %I for table pgstream.events (id, stream_id, created_at) '
+                'where (stream_id = %s) with (publish = %L, publish_via_partition_root = true)',
+                pgstream.publication_name(new.id), new.id, 'insert');
+        end if;
+        return new;
+    end if;
+    execute format('drop publication if exists %I', pgstream.publication_name(old.id));
+    return old;
+end
+$$;
+revoke all on function pgstream._sync_publication() from public;
+
+create or replace trigger sync_publication
+after insert or delete on pgstream.streams
+for each row execute function pgstream._sync_publication();
+
+create or replace function pgstream._touch_updated_at()
+returns trigger
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    new.updated_at := now();
+    return new;
+end
+$$;
+revoke all on function pgstream._touch_updated_at() from public;
+
+create or replace trigger touch_updated_at before update on pgstream.streams
+for each row execute function pgstream._touch_updated_at();
+
+-- ---------------------------------------------------------------------------------------------
+-- One slot, one stream (the unique index streams_slot_key is in 013_collisions.sql).
+
+-- The stream that holds a slot name, other than p_stream_id (null if none). Runs as its caller:
+-- the owner, or ensure_stream.
+create or replace function pgstream.slot_holder(p_slot text, p_stream_id bigint)
+returns bigint
+language sql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select s.id from pgstream.streams s
+    where coalesce(s.slot_name, 'pgstream_stream_' || s.id::text) = p_slot and s.id <> p_stream_id
+    order by s.id
+    limit 1
+$$;
+revoke all on function pgstream.slot_holder(text, bigint) from public;
+
+-- A subscription for a stream that has no row yet creates the row (and so its publication), with
+-- the default slot name: refused, naming the stream, when another stream already reads that slot.
+create or replace function pgstream.ensure_stream(p_stream_id bigint)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_slot   text := 'pgstream_stream_' || p_stream_id::text;
+    v_holder bigint;
+begin
+    if exists (select 1 from pgstream.streams where id = p_stream_id) then
+        return;
+    end if;
+    v_holder := pgstream.slot_holder(v_slot, p_stream_id);
+    if v_holder is not null then
+        raise exception 'pgstream: stream %: slot % is already used by stream %', p_stream_id, v_slot, v_holder
+            using errcode = 'unique_violation', constraint = 'streams_slot_key',
+                  hint = pg_catalog.format('A slot belongs to one stream. Give stream %s another slot_name, or '
+                                           'delete stream %s if it is no longer used.', v_holder, v_holder);
+    end if;
+    insert into pgstream.streams (id) values (p_stream_id) on conflict (id) do nothing;
+end
+$$;
+revoke all on function pgstream.ensure_stream(bigint) from public;

@@ -1,0 +1,1122 @@
+-- Repeatable: subscriptions. Validation, trigger generation, the triggers on
+-- pgstream.subscriptions and set_subscriptions(): everything that turns a subscription into
+-- generated code, in one file, so that whatever changes how a trigger is generated re-applies
+-- this file, whose last step brings every generated trigger up to date.
+--
+-- Applied by `pgstream-dagster migrate` after the versioned migrations (sql/NNN_*.sql), and again
+-- whenever this file changes, in its own transaction: every statement is idempotent.
+--
+-- Every change to pgstream.subscriptions is validated row by row *before* it is written, then the
+-- trigger of each affected (schema, table, operation) is regenerated once per statement. Any error
+-- aborts the statement, so triggers stay exactly as they were. Least privilege:
+--   * Generated trigger functions are owned by pgstream_writer, a NOLOGIN, non-superuser role that
+--     may do nothing but insert into pgstream.events (plus what an operator grants it for the
+--     functions that expressions call). Everything a trigger runs (when_clause, payload
+--     extensions, casts of column types to json, functions those call) runs as pgstream_writer.
+--   * Generated code qualifies every function, type and operator.
+--   * Expressions are checked by a lexer that refuses anything whose token boundaries Postgres
+--     could read differently, then by Postgres's parser in an always-rolled-back subtransaction
+--     (a temporary view; nothing is evaluated). Aggregates, window functions, set-returning
+--     functions and subqueries are refused; every function an expression calls must be
+--     executable by pgstream_writer.
+--   * A when_clause is put into the trigger's WHEN (evaluated as the writing role, before the
+--     trigger function is queued) only when it calls nothing but built-in functions that PUBLIC
+--     may execute; otherwise it is evaluated inside the trigger function, as pgstream_writer.
+--
+-- Statement mode (subscriptions.trigger_mode = 'statement', INSERT and DELETE only): an AFTER ...
+-- FOR EACH STATEMENT trigger with a transition table whose function writes all events of the
+-- statement with one INSERT ... SELECT. Same payloads, same order (rows of the statement, then
+-- subscriptions in (stream_id, key, id) order). Events are written at the end of the statement
+-- rather than at commit; tg_table_name/tg_table_schema name the subscribed table. A table's
+-- subscriptions for one operation may mix modes: each mode gets its own trigger (pgstream_<op>,
+-- pgstream_<op>_stmt) and trigger function.
+
+-- ---------------------------------------------------------------------------------------------
+-- Transactions running pgstream's own DDL (trigger regeneration) are recorded in
+-- pgstream.internal_ddl, a table only the owner can write, so no session can pretend to be
+-- pgstream to the drift guard.
+create or replace function pgstream._internal_ddl_begin()
+returns boolean
+language sql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+    insert into pgstream.internal_ddl (xid) values (pg_catalog.pg_current_xact_id())
+    on conflict (xid) do nothing
+    returning true
+$$;
+revoke all on function pgstream._internal_ddl_begin() from public;
+
+create or replace function pgstream._internal_ddl_end(p_begun boolean)
+returns void
+language sql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+    delete from pgstream.internal_ddl where p_begun and xid = pg_catalog.pg_current_xact_id()
+$$;
+revoke all on function pgstream._internal_ddl_end(boolean) from public;
+
+create or replace function pgstream._in_internal_ddl()
+returns boolean
+language sql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select 1 from pgstream.internal_ddl
+                   where xid = pg_catalog.pg_current_xact_id_if_assigned())
+$$;
+revoke all on function pgstream._in_internal_ddl() from public;
+
+-- ---------------------------------------------------------------------------------------------
+-- Error helper: every validation error names the subscription and the offending part.
+create or replace function pgstream._subscription_error(
+    p_key text, p_stream_id bigint, p_op pgstream.operation_type, p_schema text, p_table text,
+    p_part text, p_message text
+)
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    raise exception 'pgstream: subscription "%" (stream %, % on %.%): %: %',
+        p_key, p_stream_id, p_op, p_schema, p_table, p_part, p_message
+        using errcode = 'invalid_parameter_value',
+              hint = 'Fix the subscription; nothing was changed.';
+end
+$$;
+revoke all on function pgstream._subscription_error(text, bigint, pgstream.operation_type, text, text, text, text) from public;
+
+-- ---------------------------------------------------------------------------------------------
+-- Lexical guard. The text is embedded in generated code, so it must be exactly one expression:
+-- no statement separator, comment, dollar quote or parameter; balanced parentheses that never
+-- close more than they opened; and every string literal must end at the same place whether
+-- Postgres reads it as an escape string (E'...', or any string with standard_conforming_strings
+-- off) or as a standard one, so that no prefix rule can make Postgres see a token boundary this
+-- check did not see. Returns null when acceptable, else the reason.
+create or replace function pgstream._string_literal_end(p_text text, p_start integer, p_escapes boolean)
+returns integer
+language plpgsql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_len integer := pg_catalog.length(p_text);
+    v_i   integer := p_start + 1;
+    v_c   text;
+begin
+    while v_i <= v_len loop
+        v_c := pg_catalog.substr(p_text, v_i, 1);
+        if p_escapes and v_c = E'\\' then
+            v_i := v_i + 2;
+        elsif v_c = '''' then
+            if pg_catalog.substr(p_text, v_i + 1, 1) = '''' then
+                v_i := v_i + 2;
+            else
+                return v_i;
+            end if;
+        else
+            v_i := v_i + 1;
+        end if;
+    end loop;
+    return null;
+end
+$$;
+revoke all on function pgstream._string_literal_end(text, integer, boolean) from public;
+
+create or replace function pgstream._expression_lexical_error(p_text text)
+returns text
+language plpgsql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_len   integer := pg_catalog.length(p_text);
+    v_i     integer := 1;
+    v_c     text;
+    v_depth integer := 0;
+    v_std   integer;
+    v_esc   integer;
+begin
+    if p_text is null or pg_catalog.btrim(p_text) = '' then
+        return 'the expression is empty';
+    end if;
+    while v_i <= v_len loop
+        v_c := pg_catalog.substr(p_text, v_i, 1);
+        if v_c = '''' then
+            v_std := pgstream._string_literal_end(p_text, v_i, false);
+            v_esc := pgstream._string_literal_end(p_text, v_i, true);
+            if v_std is null and v_esc is null then
+                return 'unterminated quoted string';
+            end if;
+            if v_std is distinct from v_esc then
+                return pg_catalog.format(
+                    'ambiguous string literal at character %s: a backslash before a quote ends the string in '
+                    '''...'' but not in E''...'' (or with standard_conforming_strings off); write '''' for a quote',
+                    v_i);
+            end if;
+            v_i := v_std + 1;
+            continue;
+        elsif v_c = '"' then
+            v_i := v_i + 1;
+            loop
+                if v_i > v_len then
+                    return 'unterminated quoted identifier';
+                end if;
+                if pg_catalog.substr(p_text, v_i, 1) = '"' then
+                    if pg_catalog.substr(p_text, v_i + 1, 1) = '"' then
+                        v_i := v_i + 2;
+                        continue;
+                    end if;
+                    exit;
+                end if;
+                v_i := v_i + 1;
+            end loop;
+        elsif v_c = ';' then
+            return 'statement separator ";" is not allowed';
+        elsif v_c = '$' then
+            return 'dollar quoting, parameters and "$" in names are not allowed';
+        elsif v_c = '-' and pg_catalog.substr(p_text, v_i + 1, 1) = '-' then
+            return 'comments ("--") are not allowed';
+        elsif v_c = '/' and pg_catalog.substr(p_text, v_i + 1, 1) = '*' then
+            return 'comments ("/*") are not allowed';
+        elsif v_c = '(' then
+            v_depth := v_depth + 1;
+        elsif v_c = ')' then
+            v_depth := v_depth - 1;
+            if v_depth < 0 then
+                return 'unbalanced parentheses: ")" without "("';
+            end if;
+        end if;
+        v_i := v_i + 1;
+    end loop;
+    if v_depth <> 0 then
+        return 'unbalanced parentheses: "(" without ")"';
+    end if;
+    return null;
+end
+$$;
+revoke all on function pgstream._expression_lexical_error(text) from public;
+
+-- The FROM clause that gives an expression the row variables its trigger has:
+-- INSERT -> new, DELETE -> old, UPDATE -> new and old.
+create or replace function pgstream._row_sources(p_op pgstream.operation_type, p_schema text, p_table text)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case p_op
+        when 'INSERT' then format('from %I.%I as new', p_schema, p_table)
+        when 'DELETE' then format('from %I.%I as old', p_schema, p_table)
+        else format('from %I.%I as new cross join %I.%I as old', p_schema, p_table, p_schema, p_table)
+    end
+$$;
+revoke all on function pgstream._row_sources(pgstream.operation_type, text, text) from public;
+
+-- ---------------------------------------------------------------------------------------------
+-- Parses and type-checks one expression against the table's row without evaluating it, in an
+-- always-rolled-back subtransaction: the expression becomes the single column of a temporary
+-- view, whose stored query tree tells what it contains. Raises a subscription error (naming the
+-- part) when it does not parse, when it contains an aggregate, window function, set-returning
+-- function or subquery, or when pgstream_writer, which evaluates it, may not use an object it
+-- references. Returns the expression's type and whether it calls nothing but built-in functions
+-- that PUBLIC may execute (then it may go into a trigger's WHEN, evaluated as the writing role).
+create or replace function pgstream._expression_check(
+    p_sub pgstream.subscriptions, p_part text, p_expr text,
+    out expr_type pg_catalog.regtype, out builtin_only boolean
+)
+language plpgsql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_reason text := pgstream._expression_lexical_error(p_expr);
+    v_view   text := 'pgstream_check_' || pg_catalog.replace(pg_catalog.gen_random_uuid()::text, '-', '');
+    v_table  pg_catalog.oid := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_sub.schema_name, p_sub.table_name));
+    v_rel    pg_catalog.oid;
+    v_rule   pg_catalog.oid;
+    v_query  text;
+    v_funcs  pg_catalog.oid[];  -- every function it calls, built-ins and operators' functions included
+begin
+    if v_reason is null then
+        begin
+            execute pg_catalog.format('create temporary view %I as select (%s) as v %s limit 0',
+                                      v_view, p_expr,
+                                      pgstream._row_sources(p_sub.operation, p_sub.schema_name, p_sub.table_name));
+            select c.oid into v_rel from pg_catalog.pg_class c
+            where c.relname = v_view and c.relnamespace = pg_catalog.pg_my_temp_schema();
+            select a.atttypid::pg_catalog.regtype into expr_type
+            from pg_catalog.pg_attribute a where a.attrelid = v_rel and a.attname = 'v';
+            select r.oid, r.ev_action::text into v_rule, v_query
+            from pg_catalog.pg_rewrite r where r.ev_class = v_rel;
+            v_funcs := array(
+                select m[1]::pg_catalog.oid
+                from pg_catalog.regexp_matches(v_query, ':(?:funcid|opfuncid|hashfuncid|negfuncid) ([0-9]+)', 'g') m);
+
+            v_reason := case
+                when v_query ~ ':hasAggs true' then 'aggregate functions are not allowed'
+                when v_query ~ ':hasWindowFuncs true' then 'window functions are not allowed'
+                when v_query ~ ':hasTargetSRFs true' then 'set-returning functions are not allowed'
+                when v_query ~ ':hasSubLinks true' then 'subqueries are not allowed'
+            end;
+
+            -- objects the expression references other than the subscribed table (built-in objects
+            -- are pinned and never recorded), and every function it calls: pgstream_writer, which
+            -- evaluates it, must be able to use each of them
+            if v_reason is null then
+                select pg_catalog.format('uses %s %s, which role pgstream_writer may not use: %s',
+                                         o.type, n.name, pg_catalog.concat_ws('; ', g.usage, g.execute))
+                into v_reason
+                from pg_catalog.pg_depend d
+                cross join lateral pg_catalog.pg_identify_object(d.refclassid, d.refobjid, 0) o
+                cross join lateral (select case when d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+                                                then d.refobjid::pg_catalog.regprocedure::text
+                                                else o.identity end) as n(name)
+                cross join lateral (
+                    select case when o.schema is not null
+                                     and not pg_catalog.has_schema_privilege('pgstream_writer', o.schema, 'USAGE')
+                                then pg_catalog.format('grant usage on schema %I to pgstream_writer', o.schema) end,
+                           case when d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+                                     and not pg_catalog.has_function_privilege('pgstream_writer', d.refobjid, 'EXECUTE')
+                                then pg_catalog.format('grant execute on function %s to pgstream_writer', n.name) end
+                ) as g(usage, execute)
+                where d.classid = 'pg_catalog.pg_rewrite'::pg_catalog.regclass and d.objid = v_rule
+                  and not (d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass and d.refobjid in (v_rel, v_table))
+                  and coalesce(g.usage, g.execute) is not null
+                limit 1;
+            end if;
+            if v_reason is null then
+                select pg_catalog.format(
+                           'calls %s, which role pgstream_writer may not execute: grant execute on function %s to pgstream_writer',
+                           f::pg_catalog.regprocedure, f::pg_catalog.regprocedure)
+                into v_reason
+                from pg_catalog.unnest(v_funcs) f
+                where not pg_catalog.has_function_privilege('pgstream_writer', f, 'EXECUTE')
+                limit 1;
+            end if;
+
+            builtin_only := not exists (
+                    select 1 from pg_catalog.pg_depend d
+                    where d.classid = 'pg_catalog.pg_rewrite'::pg_catalog.regclass and d.objid = v_rule
+                      and not (d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass
+                               and d.refobjid in (v_rel, v_table)))
+                and not exists (
+                    select 1 from pg_catalog.unnest(v_funcs) f
+                    join pg_catalog.pg_proc p on p.oid = f
+                    where p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace
+                       or not pg_catalog.has_function_privilege('public', f, 'EXECUTE'));
+
+            -- roll back: the view never outlives the check, whatever the expression did to the parser
+            raise exception using errcode = 'PGSRB', message = 'pgstream expression check rolled back';
+        exception
+            when sqlstate 'PGSRB' then
+                null;
+            when others then
+                get stacked diagnostics v_reason = message_text;
+        end;
+    end if;
+    if v_reason is not null then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, p_part, v_reason);
+    end if;
+end
+$$;
+revoke all on function pgstream._expression_check(pgstream.subscriptions, text, text) from public;
+
+-- The type of an expression (used by _validate_subscription_003).
+create or replace function pgstream._expression_type(
+    p_sub pgstream.subscriptions, p_part text, p_expr text
+)
+returns pg_catalog.regtype
+language sql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+    select c.expr_type from pgstream._expression_check(p_sub, p_part, p_expr) c
+$$;
+revoke all on function pgstream._expression_type(pgstream.subscriptions, text, text) from public;
+
+-- Validates a subscription's table, columns, when_clause and payload extensions without changing
+-- anything. Raises on the first problem, naming the subscription and the part. (Its name is the
+-- one installs have carried since statement mode: validate_subscription below adds the mode.)
+create or replace function pgstream._validate_subscription_003(p_sub pgstream.subscriptions)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_rel      oid;
+    v_col      text;
+    v_ext      jsonb;
+    v_path     text;
+    v_type     regtype;
+    v_paths    text[] := '{}';
+    v_reserved constant text[] := array['tg_name', 'tg_op', 'tg_table_name', 'tg_table_schema',
+                                        'timestamp', 'new', 'old'];
+    v_i        integer := 0;
+begin
+    select c.oid into v_rel
+    from pg_catalog.pg_class c
+    join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+    where n.nspname = p_sub.schema_name and c.relname = p_sub.table_name and c.relkind in ('r', 'p');
+    if v_rel is null then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, 'table',
+            format('table %I.%I does not exist', p_sub.schema_name, p_sub.table_name));
+    end if;
+    if p_sub.schema_name = 'pgstream' then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, 'table', 'tables in the pgstream schema cannot be subscribed');
+    end if;
+
+    foreach v_col in array coalesce(p_sub.column_names, '{}') loop
+        if v_col is null or not exists (
+            select 1 from pg_catalog.pg_attribute
+            where attrelid = v_rel and attname = v_col and attnum > 0 and not attisdropped
+        ) then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, 'column_names',
+                format('column %s does not exist on %I.%I', coalesce(quote_ident(v_col), 'NULL'),
+                       p_sub.schema_name, p_sub.table_name));
+        end if;
+    end loop;
+
+    if p_sub.when_clause is not null then
+        v_type := pgstream._expression_type(p_sub, 'when_clause', p_sub.when_clause);
+        if v_type <> 'boolean'::regtype then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, 'when_clause',
+                format('must be a boolean expression, got type %s', v_type));
+        end if;
+    end if;
+
+    if jsonb_typeof(p_sub.payload_extensions) is distinct from 'array' then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, 'payload_extensions',
+            'must be a JSON array of {"json_path": ..., "expression": ...} objects');
+    end if;
+    for v_ext in select e from jsonb_array_elements(p_sub.payload_extensions) e loop
+        v_i := v_i + 1;
+        if jsonb_typeof(v_ext) <> 'object'
+           or jsonb_typeof(v_ext -> 'json_path') is distinct from 'string'
+           or jsonb_typeof(v_ext -> 'expression') is distinct from 'string'
+           or exists (select 1 from jsonb_object_keys(v_ext) k where k not in ('json_path', 'expression')) then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, format('payload_extensions[%s]', v_i),
+                format('expected {"json_path": "<a.b.c>", "expression": "<sql>"}, got %s', v_ext));
+        end if;
+        v_path := v_ext ->> 'json_path';
+        if v_path !~ '^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$' then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, format('payload_extensions[%s].json_path', v_i),
+                format('malformed json_path %L: use dot-separated names of letters, digits and "_"', v_path));
+        end if;
+        if split_part(v_path, '.', 1) = any (v_reserved) then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, format('payload_extensions[%s].json_path', v_i),
+                format('json_path %L would overwrite the payload key %L', v_path, split_part(v_path, '.', 1)));
+        end if;
+        if exists (select 1 from unnest(v_paths) p
+                   where p = v_path or p like v_path || '.%' or v_path like p || '.%') then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, format('payload_extensions[%s].json_path', v_i),
+                format('json_path %L conflicts with another extension path', v_path));
+        end if;
+        v_paths := v_paths || v_path;
+        perform pgstream._expression_type(p_sub, format('payload_extensions[%s].expression', v_i),
+                                          v_ext ->> 'expression');
+    end loop;
+end
+$$;
+revoke all on function pgstream._validate_subscription_003(pgstream.subscriptions) from public;
+
+-- Validates a subscription completely (its trigger mode, then the rest) without changing anything.
+create or replace function pgstream.validate_subscription(p_sub pgstream.subscriptions)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_sub.trigger_mode is null or p_sub.trigger_mode not in ('row', 'statement') then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, 'trigger_mode',
+            format('must be ''row'' or ''statement'', got %s', coalesce(quote_literal(p_sub.trigger_mode), 'NULL')));
+    end if;
+    if p_sub.trigger_mode = 'statement' and p_sub.operation = 'UPDATE' then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, 'trigger_mode',
+            'statement mode supports INSERT and DELETE only: an UPDATE statement''s old and new rows '
+            'cannot be paired without a key; use trigger_mode ''row''');
+    end if;
+    perform pgstream._validate_subscription_003(p_sub);
+end
+$$;
+revoke all on function pgstream.validate_subscription(pgstream.subscriptions) from public;
+
+-- ---------------------------------------------------------------------------------------------
+-- Code generation: every function, type and operator qualified.
+create or replace function pgstream._jsonb_object_sql(p_pairs text[])
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce(
+        pg_catalog.string_agg(pg_catalog.format('pg_catalog.jsonb_build_object(%s)', chunk),
+                              ' operator(pg_catalog.||) ' order by n),
+        '''{}''::pg_catalog.jsonb')
+    from (
+        select (ord - 1) / 50 as n, pg_catalog.string_agg(pair, ', ' order by ord) as chunk
+        from pg_catalog.unnest(p_pairs) with ordinality as t(pair, ord)
+        group by 1
+    ) chunks
+$$;
+revoke all on function pgstream._jsonb_object_sql(text[]) from public;
+
+create or replace function pgstream._row_object_sql(p_alias text, p_columns text[])
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pgstream._jsonb_object_sql(coalesce(
+        array(select pg_catalog.format('%L::pg_catalog.text, %s.%I', c, p_alias, c)
+              from pg_catalog.unnest(p_columns) with ordinality as t(c, ord) order by ord),
+        '{}'))
+$$;
+revoke all on function pgstream._row_object_sql(text, text[]) from public;
+
+create or replace function pgstream._extensions_sql(p_items jsonb)
+returns text
+language plpgsql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_group record;
+    v_pairs text[] := '{}';
+begin
+    for v_group in
+        select e -> 'parts' ->> 0 as k,
+               pg_catalog.bool_or(pg_catalog.jsonb_array_length(e -> 'parts') = 1) as leaf,
+               pg_catalog.min(e ->> 'expr') as expr,
+               pg_catalog.jsonb_agg(pg_catalog.jsonb_build_object('parts', (e -> 'parts') - 0, 'expr', e -> 'expr')) as rest
+        from pg_catalog.jsonb_array_elements(p_items) e
+        group by 1
+        order by 1
+    loop
+        if v_group.leaf then
+            v_pairs := v_pairs || pg_catalog.format('%L::pg_catalog.text, (%s)', v_group.k, v_group.expr);
+        else
+            v_pairs := v_pairs || pg_catalog.format('%L::pg_catalog.text, %s', v_group.k,
+                                                    pgstream._extensions_sql(v_group.rest));
+        end if;
+    end loop;
+    return pgstream._jsonb_object_sql(v_pairs);
+end
+$$;
+revoke all on function pgstream._extensions_sql(jsonb) from public;
+
+-- The extensions expression of one subscription.
+create or replace function pgstream._subscription_extensions_sql(p_sub pgstream.subscriptions)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pgstream._extensions_sql(coalesce((
+        select jsonb_agg(jsonb_build_object('parts', to_jsonb(string_to_array(x ->> 'json_path', '.')),
+                                            'expr', x ->> 'expression') order by o)
+        from jsonb_array_elements(p_sub.payload_extensions) with ordinality as e(x, o)), '[]'::jsonb))
+$$;
+revoke all on function pgstream._subscription_extensions_sql(pgstream.subscriptions) from public;
+
+-- The payload expression of one subscription (row and statement mode; p_op_sql and the table
+-- names are SQL: tg_* variables in row mode, literals in statement mode).
+create or replace function pgstream._payload_sql(
+    p_sub pgstream.subscriptions, p_name_sql text, p_op_sql text, p_table_sql text, p_schema_sql text, p_ts_sql text
+)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format(
+        'pg_catalog.jsonb_build_object(''tg_name''::pg_catalog.text, %s, ''tg_op''::pg_catalog.text, %s, '
+        '''tg_table_name''::pg_catalog.text, %s, ''tg_table_schema''::pg_catalog.text, %s, '
+        '''timestamp''::pg_catalog.text, %s, ''new''::pg_catalog.text, %s, ''old''::pg_catalog.text, %s)%s',
+        p_name_sql, p_op_sql, p_table_sql, p_schema_sql, p_ts_sql,
+        case when p_sub.operation = 'DELETE' then 'null::pg_catalog.jsonb'
+             else pgstream._row_object_sql('new', p_sub.column_names) end,
+        case when p_sub.operation = 'INSERT' then 'null::pg_catalog.jsonb'
+             else pgstream._row_object_sql('old', p_sub.column_names) end,
+        case when pg_catalog.jsonb_array_length(p_sub.payload_extensions) = 0 then ''
+             else ' operator(pg_catalog.||) ' || pgstream._subscription_extensions_sql(p_sub) end)
+$$;
+revoke all on function pgstream._payload_sql(pgstream.subscriptions, text, text, text, text, text) from public;
+
+-- Whether a subscription's when_clause may go into the trigger's WHEN (evaluated as the writing
+-- role): it calls only built-in functions that PUBLIC may execute.
+create or replace function pgstream._when_in_trigger(p_sub pgstream.subscriptions)
+returns boolean
+language plpgsql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_sub.when_clause is null then
+        return false;
+    end if;
+    return (select c.builtin_only from pgstream._expression_check(p_sub, 'when_clause', p_sub.when_clause) c);
+exception when others then
+    -- an expression that no longer checks (its table changed while the guard was off) stays out of
+    -- the WHEN: the trigger function reports the error when it runs
+    return false;
+end
+$$;
+revoke all on function pgstream._when_in_trigger(pgstream.subscriptions) from public;
+
+-- ---------------------------------------------------------------------------------------------
+-- Names. The row-mode names without a mode argument are the original signatures, still callable.
+create or replace function pgstream.trigger_name(p_op pgstream.operation_type)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$ select 'pgstream_' || lower(p_op::text) $$;
+revoke all on function pgstream.trigger_name(pgstream.operation_type) from public;
+
+-- Names per mode: row mode has the names above, statement mode adds "_stmt".
+create or replace function pgstream.trigger_name(p_op pgstream.operation_type, p_mode text)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$ select 'pgstream_' || lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end $$;
+revoke all on function pgstream.trigger_name(pgstream.operation_type, text) from public;
+
+create or replace function pgstream.trigger_function_name(
+    p_schema text, p_table text, p_op pgstream.operation_type
+)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    -- hashed on the quoted, schema-qualified name: public.users and auth.users never collide
+    select '_publish_' || lower(p_op::text) || '_' || substr(md5(format('%I.%I', p_schema, p_table)), 1, 16)
+$$;
+revoke all on function pgstream.trigger_function_name(text, text, pgstream.operation_type) from public;
+
+create or replace function pgstream.trigger_function_name(
+    p_schema text, p_table text, p_op pgstream.operation_type, p_mode text
+)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select '_publish_' || lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end
+           || '_' || substr(md5(format('%I.%I', p_schema, p_table)), 1, 16)
+$$;
+revoke all on function pgstream.trigger_function_name(text, text, pgstream.operation_type, text) from public;
+
+-- The generated trigger for one target and mode, or null when no subscription of that mode
+-- targets it. Deterministic: subscriptions in (stream_id, key, id) order. Row mode: the WHEN is
+-- the OR of the when_clauses when every subscription has one and each calls only built-ins;
+-- each subscription's when_clause is (also) evaluated inside the function. Statement mode: no
+-- WHEN; the filters go into the INSERT ... SELECT.
+create or replace function pgstream.generated_trigger(
+    p_schema text, p_table text, p_op pgstream.operation_type, p_mode text,
+    out function_body text, out when_clause text
+)
+language plpgsql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_blocks text;
+    v_count  integer;
+    v_when   boolean;
+    v_src    text := case p_op when 'DELETE' then 'old' else 'new' end;
+    v_ts     constant text := '(pg_catalog.extract(''epoch''::pg_catalog.text, pg_catalog.now()) '
+                              'operator(pg_catalog.*) 1000::pg_catalog.numeric)::pg_catalog.int8';
+begin
+    if p_mode = 'row' then
+        select pg_catalog.bool_and(pgstream._when_in_trigger(s)),
+               pg_catalog.string_agg(pg_catalog.format('(%s)', s.when_clause), ' or ' order by s.stream_id, s.key, s.id),
+               pg_catalog.string_agg(pg_catalog.format(
+$b$    if %s then
+        insert into pgstream.events (payload, stream_id, metadata)
+        values (%s,
+                %s::pg_catalog.int8, %L::pg_catalog.jsonb);
+    end if;
+$b$,
+                   case when s.when_clause is null then 'true' else pg_catalog.format('(%s)', s.when_clause) end,
+                   pgstream._payload_sql(s, pg_catalog.format('%L::pg_catalog.text', s.key), 'tg_op', 'tg_table_name',
+                                         'tg_table_schema', 'v_ts'),
+                   s.stream_id,
+                   s.metadata), '' order by s.stream_id, s.key, s.id)
+        into v_when, when_clause, v_blocks
+        from pgstream.subscriptions s
+        where s.schema_name = p_schema and s.table_name = p_table and s.operation = p_op
+          and s.trigger_mode = 'row';
+
+        if v_blocks is null then
+            function_body := null;
+            when_clause := null;
+            return;
+        end if;
+        if not v_when then
+            when_clause := null;
+        end if;
+        function_body := pg_catalog.format(
+$f$
+declare
+    v_ts pg_catalog.int8 := %s;
+begin
+%s    return null;
+end
+$f$, v_ts, v_blocks);
+        return;
+    end if;
+
+    when_clause := null;
+    if p_mode is distinct from 'statement' or p_op = 'UPDATE' then
+        function_body := null;
+        return;
+    end if;
+
+    -- Per subscription: one row of (payload or null when filtered out, stream_id, metadata) for the
+    -- VALUES list, and the whole body for when it is the only one (a plain filtered INSERT ... SELECT,
+    -- about a third cheaper than the VALUES list).
+    select pg_catalog.count(*),
+           pg_catalog.string_agg(pg_catalog.format(
+               '(case when %s then %s end, %s::pg_catalog.int8, %L::pg_catalog.jsonb)',
+               x.filter, x.payload, s.stream_id, s.metadata), E',\n            ' order by s.stream_id, s.key, s.id),
+           pg_catalog.min(pg_catalog.format(
+$f$
+#variable_conflict use_column
+begin
+    insert into pgstream.events (payload, stream_id, metadata)
+    select %s,
+           %s::pg_catalog.int8, %L::pg_catalog.jsonb
+    from (select %s) as pgstream_ts(pgstream_ts_ms)
+    cross join pgstream_%s as %s
+    where %s;
+    return null;
+end
+$f$, x.payload, s.stream_id, s.metadata, v_ts, v_src, v_src, x.filter))
+    into v_count, v_blocks, function_body
+    from pgstream.subscriptions s
+    cross join lateral (select
+        case when s.when_clause is null then 'true' else pg_catalog.format('(%s)', s.when_clause) end,
+        pgstream._payload_sql(s, pg_catalog.format('%L::pg_catalog.text', s.key),
+                              pg_catalog.format('%L::pg_catalog.text', p_op::text),
+                              pg_catalog.format('%L::pg_catalog.text', p_table),
+                              pg_catalog.format('%L::pg_catalog.text', p_schema), 'pgstream_ts.pgstream_ts_ms')
+    ) as x(filter, payload)
+    where s.schema_name = p_schema and s.table_name = p_table and s.operation = p_op
+      and s.trigger_mode = 'statement';
+
+    if v_count <= 1 then
+        return;  -- none: null (min of no rows); one: its plain INSERT ... SELECT
+    end if;
+    function_body := pg_catalog.format(
+$f$
+#variable_conflict use_column
+begin
+    insert into pgstream.events (payload, stream_id, metadata)
+    select e.payload, e.stream_id, e.metadata
+    from (select %s) as pgstream_ts(pgstream_ts_ms)
+    cross join pgstream_%s as %s
+    cross join lateral (values
+            %s
+    ) as e(payload, stream_id, metadata)
+    where e.payload is not null;
+    return null;
+end
+$f$, v_ts, v_src, v_src, v_blocks);
+end
+$$;
+revoke all on function pgstream.generated_trigger(text, text, pgstream.operation_type, text) from public;
+
+-- The row-mode trigger (the original signature).
+create or replace function pgstream.generated_trigger(
+    p_schema text, p_table text, p_op pgstream.operation_type,
+    out function_body text, out when_clause text
+)
+language sql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+    select g.function_body, g.when_clause from pgstream.generated_trigger(p_schema, p_table, p_op, 'row') g
+$$;
+revoke all on function pgstream.generated_trigger(text, text, pgstream.operation_type) from public;
+
+-- The hash stored in the generated trigger's comment.
+create or replace function pgstream.generated_trigger_hash(p_function_body text, p_when_clause text)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when p_function_body is not null
+                then 'pgstream generated ' || pg_catalog.md5(p_function_body || '|' || coalesce(p_when_clause, ''))
+           end
+$$;
+revoke all on function pgstream.generated_trigger_hash(text, text) from public;
+
+-- The types of the columns subscriptions publish (column_names), as they are when the table's
+-- triggers are generated: the drift guard refuses a change.
+create or replace function pgstream._record_subscribed_columns(p_schema text, p_table text)
+returns void
+language sql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+    delete from pgstream.subscribed_columns where schema_name = p_schema and table_name = p_table;
+    insert into pgstream.subscribed_columns (schema_name, table_name, column_name, type_oid, typmod)
+    select distinct p_schema, p_table, a.attname::text, a.atttypid, a.atttypmod
+    from pgstream.subscriptions s
+    cross join lateral pg_catalog.unnest(s.column_names) as c(name)
+    join pg_catalog.pg_attribute a
+      on a.attrelid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table))
+     and a.attname = c.name and a.attnum > 0 and not a.attisdropped
+    where s.schema_name = p_schema and s.table_name = p_table;
+$$;
+revoke all on function pgstream._record_subscribed_columns(text, text) from public;
+
+-- Regenerates the trigger of one (schema, table, operation, mode). An identical definition is
+-- left untouched (same trigger oid) unless p_force. The function belongs to pgstream_writer.
+create or replace function pgstream._regenerate_trigger_mode(
+    p_schema text, p_table text, p_op pgstream.operation_type, p_mode text, p_force boolean default false
+)
+returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+as $$
+declare
+    v_fn      text := pgstream.trigger_function_name(p_schema, p_table, p_op, p_mode);
+    v_trg     text := pgstream.trigger_name(p_op, p_mode);
+    v_rel     pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_gen     record;
+    v_hash    text;
+    v_current text;
+    v_owner   pg_catalog.name;
+    v_begun   boolean;
+    v_super   boolean := (select r.rolsuper from pg_catalog.pg_roles r where r.rolname = current_user);
+begin
+    select * into v_gen from pgstream.generated_trigger(p_schema, p_table, p_op, p_mode);
+
+    if v_rel is not null then
+        select pg_catalog.obj_description(t.oid, 'pg_trigger') into v_current
+        from pg_catalog.pg_trigger t where t.tgrelid = v_rel and t.tgname = v_trg;
+    end if;
+    select r.rolname into v_owner
+    from pg_catalog.pg_proc p join pg_catalog.pg_roles r on r.oid = p.proowner
+    where p.oid = pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', v_fn));
+    v_hash := pgstream.generated_trigger_hash(v_gen.function_body, v_gen.when_clause);
+    if not p_force and v_gen.function_body is not null and v_current is not distinct from v_hash
+       and v_owner = 'pgstream_writer' then
+        return false;
+    end if;
+    if v_gen.function_body is null and v_current is null and v_owner is null then
+        return false;
+    end if;
+
+    v_begun := pgstream._internal_ddl_begin();
+    if v_rel is not null then
+        execute pg_catalog.format('drop trigger if exists %I on %s', v_trg, v_rel);
+    end if;
+    execute pg_catalog.format('drop function if exists pgstream.%I()', v_fn);
+    if v_gen.function_body is not null then
+        execute pg_catalog.format(
+            'create function pgstream.%I() returns trigger language plpgsql '
+            'security definer set search_path = pg_catalog, pg_temp as %L', v_fn, v_gen.function_body);
+        execute pg_catalog.format('revoke all on function pgstream.%I() from public', v_fn);
+        execute pg_catalog.format('comment on function pgstream.%I() is %L', v_fn,
+            pg_catalog.format('pgstream %s-mode trigger function for %s on %I.%I', p_mode, p_op, p_schema, p_table));
+        -- a non-superuser owner needs CREATE on the schema for the new owner, for this moment only
+        if not v_super then
+            execute 'grant create on schema pgstream to pgstream_writer';
+        end if;
+        execute pg_catalog.format('alter function pgstream.%I() owner to pgstream_writer', v_fn);
+        if not v_super then
+            execute 'revoke create on schema pgstream from pgstream_writer';
+        end if;
+        if p_mode = 'row' then
+            execute pg_catalog.format(
+                'create constraint trigger %I after %s on %s deferrable initially deferred '
+                'for each row %s execute function pgstream.%I()',
+                v_trg, p_op, v_rel,
+                case when v_gen.when_clause is null then '' else pg_catalog.format('when (%s)', v_gen.when_clause) end,
+                v_fn);
+        else
+            execute pg_catalog.format(
+                'create trigger %I after %s on %s referencing %s table as %I '
+                'for each statement execute function pgstream.%I()',
+                v_trg, p_op, v_rel,
+                case p_op when 'DELETE' then 'old' else 'new' end,
+                case p_op when 'DELETE' then 'pgstream_old' else 'pgstream_new' end,
+                v_fn);
+        end if;
+        execute pg_catalog.format('comment on trigger %I on %s is %L', v_trg, v_rel, v_hash);
+    end if;
+    perform pgstream._internal_ddl_end(v_begun);
+    return true;
+end
+$$;
+revoke all on function pgstream._regenerate_trigger_mode(text, text, pgstream.operation_type, text, boolean) from public;
+
+-- Both modes of one (schema, table, operation), and the recorded types of its published columns.
+-- p_force recreates them even when their comment matches (a function changed by hand, a trigger
+-- dropped while the guard was off).
+create or replace function pgstream._regenerate_triggers(
+    p_schema text, p_table text, p_op pgstream.operation_type, p_force boolean
+)
+returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_row  boolean;
+    v_stmt boolean;
+begin
+    perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('pgstream.regenerate'));
+    v_row := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'row', p_force);
+    v_stmt := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'statement', p_force);
+    perform pgstream._record_subscribed_columns(p_schema, p_table);
+    return v_row or v_stmt;
+end
+$$;
+revoke all on function pgstream._regenerate_triggers(text, text, pgstream.operation_type, boolean) from public;
+
+-- Regenerates the triggers of one (schema, table, operation) from its subscriptions.
+create or replace function pgstream.regenerate_trigger(p_schema text, p_table text, p_op pgstream.operation_type)
+returns boolean
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select pgstream._regenerate_triggers(p_schema, p_table, p_op, false) $$;
+revoke all on function pgstream.regenerate_trigger(text, text, pgstream.operation_type) from public;
+
+-- Recreates the triggers of one (schema, table, operation) even when their comment matches.
+create or replace function pgstream.repair_trigger(p_schema text, p_table text, p_op pgstream.operation_type)
+returns boolean
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select pgstream._regenerate_triggers(p_schema, p_table, p_op, true) $$;
+revoke all on function pgstream.repair_trigger(text, text, pgstream.operation_type) from public;
+
+-- ---------------------------------------------------------------------------------------------
+-- Triggers on pgstream.subscriptions: validate each row before it is written, then regenerate the
+-- triggers of every (schema, table, operation) the statement touched.
+
+create or replace function pgstream._subscription_before_write()
+returns trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    new.schema_name := coalesce(nullif(btrim(new.schema_name), ''), 'public');
+    new.when_clause := nullif(btrim(new.when_clause), '');
+    new.column_names := coalesce(new.column_names, '{}');
+    new.payload_extensions := coalesce(new.payload_extensions, '[]'::jsonb);
+    new.trigger_mode := coalesce(new.trigger_mode, 'row');
+    if tg_op = 'UPDATE' then
+        new.updated_at := now();
+    end if;
+    perform pgstream.validate_subscription(new);
+    perform pgstream.ensure_stream(new.stream_id);
+    return new;
+end
+$$;
+revoke all on function pgstream._subscription_before_write() from public;
+
+create or replace trigger validate_subscription
+before insert or update on pgstream.subscriptions
+for each row execute function pgstream._subscription_before_write();
+
+create or replace function pgstream._subscriptions_changed()
+returns trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_target record;
+begin
+    -- transition tables exist per trigger event: new_rows for INSERT/UPDATE, old_rows for UPDATE/DELETE
+    for v_target in execute format(
+        'select distinct schema_name, table_name, operation from (%s) t order by 1, 2, 3',
+        case tg_op
+            when 'INSERT' then 'select schema_name, table_name, operation from new_rows'
+            when 'DELETE' then 'select schema_name, table_name, operation from old_rows'
+            else 'select schema_name, table_name, operation from new_rows
+                  union all select schema_name, table_name, operation from old_rows'
+        end)
+    loop
+        perform pgstream.regenerate_trigger(v_target.schema_name, v_target.table_name, v_target.operation);
+    end loop;
+    return null;
+end
+$$;
+revoke all on function pgstream._subscriptions_changed() from public;
+
+create or replace trigger subscriptions_inserted after insert on pgstream.subscriptions
+referencing new table as new_rows
+for each statement execute function pgstream._subscriptions_changed();
+
+create or replace trigger subscriptions_updated after update on pgstream.subscriptions
+referencing old table as old_rows new table as new_rows
+for each statement execute function pgstream._subscriptions_changed();
+
+create or replace trigger subscriptions_deleted after delete on pgstream.subscriptions
+referencing old table as old_rows
+for each statement execute function pgstream._subscriptions_changed();
+
+-- ---------------------------------------------------------------------------------------------
+-- set_subscriptions: make the subscriptions of one stream exactly p_subscriptions, in one
+-- transaction. Identity is (stream_id, key, schema_name, table_name, operation), the table's
+-- unique key; trigger_mode is part of the definition. Unchanged subscriptions are not written, so
+-- their triggers are not recreated. With p_managed_by set, only subscriptions carrying that marker
+-- are removed when absent, and written ones get the marker; subscriptions created by hand are left
+-- alone. Returns one row per change: action in ('inserted', 'updated', 'deleted').
+create or replace function pgstream.set_subscriptions(
+    p_stream_id bigint,
+    p_subscriptions pgstream.subscriptions[],
+    p_managed_by text default null
+)
+returns table (action text, key text, schema_name text, table_name text, operation pgstream.operation_type)
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+#variable_conflict use_column
+declare
+    v_bad record;
+begin
+    if p_stream_id is null then
+        raise exception 'pgstream.set_subscriptions: p_stream_id must not be null'
+            using errcode = 'invalid_parameter_value';
+    end if;
+    perform pg_advisory_xact_lock(pg_catalog.hashtext('pgstream.regenerate'));
+
+    select s.key, s.stream_id into v_bad
+    from unnest(coalesce(p_subscriptions, '{}')) s
+    where s.stream_id is not null and s.stream_id <> p_stream_id
+    limit 1;
+    if found then
+        raise exception 'pgstream.set_subscriptions: subscription "%" has stream_id % but the set is for stream %',
+            v_bad.key, v_bad.stream_id, p_stream_id using errcode = 'invalid_parameter_value';
+    end if;
+
+    select s.key into v_bad
+    from unnest(coalesce(p_subscriptions, '{}')) s
+    group by s.key, coalesce(nullif(btrim(s.schema_name), ''), 'public'), s.table_name, s.operation
+    having count(*) > 1
+    limit 1;
+    if found then
+        raise exception 'pgstream.set_subscriptions: subscription "%" appears more than once for the same table and operation',
+            v_bad.key using errcode = 'unique_violation';
+    end if;
+
+    perform pgstream.ensure_stream(p_stream_id);
+
+    create temporary table if not exists pgstream_set_subscriptions_input_v2 (
+        key text, operation pgstream.operation_type, schema_name text, table_name text,
+        when_clause text, column_names text[], metadata jsonb, payload_extensions jsonb,
+        managed_by text, trigger_mode text
+    ) on commit drop;
+    truncate pg_temp.pgstream_set_subscriptions_input_v2;
+    insert into pg_temp.pgstream_set_subscriptions_input_v2
+    select s.key, s.operation, coalesce(nullif(btrim(s.schema_name), ''), 'public'), s.table_name,
+           nullif(btrim(s.when_clause), ''), coalesce(s.column_names, '{}'), s.metadata,
+           coalesce(s.payload_extensions, '[]'::jsonb), coalesce(p_managed_by, s.managed_by),
+           coalesce(s.trigger_mode, 'row')
+    from unnest(coalesce(p_subscriptions, '{}')) s;
+
+    return query
+    delete from pgstream.subscriptions t
+    where t.stream_id = p_stream_id
+      and (p_managed_by is null or t.managed_by is not distinct from p_managed_by)
+      and not exists (
+          select 1 from pg_temp.pgstream_set_subscriptions_input_v2 i
+          where i.key = t.key and i.schema_name = t.schema_name
+            and i.table_name = t.table_name and i.operation = t.operation)
+    returning 'deleted'::text, t.key, t.schema_name, t.table_name, t.operation;
+
+    return query
+    update pgstream.subscriptions t
+    set when_clause = i.when_clause,
+        column_names = i.column_names,
+        metadata = i.metadata,
+        payload_extensions = i.payload_extensions,
+        managed_by = i.managed_by,
+        trigger_mode = i.trigger_mode
+    from pg_temp.pgstream_set_subscriptions_input_v2 i
+    where t.stream_id = p_stream_id
+      and i.key = t.key and i.schema_name = t.schema_name
+      and i.table_name = t.table_name and i.operation = t.operation
+      and (t.when_clause is distinct from i.when_clause
+           or t.column_names is distinct from i.column_names
+           or t.metadata is distinct from i.metadata
+           or t.payload_extensions is distinct from i.payload_extensions
+           or t.managed_by is distinct from i.managed_by
+           or t.trigger_mode is distinct from i.trigger_mode)
+    returning 'updated'::text, t.key, t.schema_name, t.table_name, t.operation;
+
+    return query
+    insert into pgstream.subscriptions as t
+        (key, stream_id, operation, schema_name, table_name, when_clause, column_names,
+         metadata, payload_extensions, managed_by, trigger_mode)
+    select i.key, p_stream_id, i.operation, i.schema_name, i.table_name, i.when_clause,
+           i.column_names, i.metadata, i.payload_extensions, i.managed_by, i.trigger_mode
+    from pg_temp.pgstream_set_subscriptions_input_v2 i
+    where not exists (
+        select 1 from pgstream.subscriptions t
+        where t.stream_id = p_stream_id and t.key = i.key and t.schema_name = i.schema_name
+          and t.table_name = i.table_name and t.operation = i.operation)
+    order by i.key, i.schema_name, i.table_name, i.operation
+    returning 'inserted'::text, t.key, t.schema_name, t.table_name, t.operation;
+
+    truncate pg_temp.pgstream_set_subscriptions_input_v2;
+end
+$$;
+revoke all on function pgstream.set_subscriptions(bigint, pgstream.subscriptions[], text) from public;
+
+-- ---------------------------------------------------------------------------------------------
+-- Every generated trigger up to date with the code above. Runs each time this file is applied:
+-- on an install that predates a change to trigger generation (or to the execution model: owner
+-- pgstream_writer, search_path), each trigger whose generated text, WHEN or owner differs is
+-- recreated; the others are left untouched (same trigger oid). A generated function whose target
+-- has no subscription any more is dropped.
+do $$
+declare
+    v_target record;
+    v_begun  boolean := pgstream._internal_ddl_begin();
+begin
+    for v_target in select p.oid::pg_catalog.regprocedure as fn from pg_catalog.pg_proc p
+                    where p.pronamespace = 'pgstream'::pg_catalog.regnamespace and p.proname like '\_publish\_%'
+                      and not exists (select 1 from pgstream.subscriptions s
+                                      where pgstream.trigger_function_name(s.schema_name, s.table_name, s.operation,
+                                                                           s.trigger_mode) = p.proname) loop
+        execute pg_catalog.format('drop function %s cascade', v_target.fn);
+    end loop;
+    for v_target in select distinct s.schema_name, s.table_name, s.operation from pgstream.subscriptions s
+                    where pg_catalog.to_regclass(pg_catalog.format('%I.%I', s.schema_name, s.table_name)) is not null
+                    order by 1, 2, 3 loop
+        perform pgstream.regenerate_trigger(v_target.schema_name, v_target.table_name, v_target.operation);
+    end loop;
+    perform pgstream._internal_ddl_end(v_begun);
+end
+$$;

@@ -1,0 +1,263 @@
+-- Repeatable: the schema-drift guard. Policy: REFUSE. DDL that would make a generated trigger
+-- fail at commit time or silently stop publishing is rolled back with an error that names the
+-- subscriptions in the way:
+--   * DROP TABLE / DROP SCHEMA / DROP OWNED of a subscribed table;
+--   * dropping, renaming or retyping a column a subscription uses (column_names, when_clause,
+--     payload extension expressions), and changing the type of a column_names column;
+--   * renaming or moving a subscribed table or its schema;
+--   * dropping, renaming or disabling a generated trigger, dropping or altering a generated
+--     function.
+-- Change or delete the subscriptions first, then run the DDL. There is no session-settable bypass:
+-- pgstream's own DDL (trigger regeneration) marks its transaction in pgstream.internal_ddl, a table
+-- only the owner can write. A stale subscription (its table gone while the guard was off) does not
+-- block DDL on other tables. Event triggers need superuser: without it the guard is not installed,
+-- with a warning.
+--
+-- Applied by `pgstream-dagster migrate` after the versioned migrations (sql/NNN_*.sql), and again
+-- whenever this file changes, in its own transaction: every statement is idempotent.
+
+-- The subscriptions of one table, for messages.
+create or replace function pgstream._drift_subscription_list(p_schema text, p_table text)
+returns text
+language sql
+stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.string_agg(pg_catalog.format('"%s" (stream %s, %s)', key, stream_id, operation),
+                                 ', ' order by stream_id, key)
+    from pgstream.subscriptions where schema_name = p_schema and table_name = p_table
+$$;
+revoke all on function pgstream._drift_subscription_list(text, text) from public;
+
+-- Why the generated triggers of one table no longer serve its subscriptions, or null: each
+-- (operation, mode) that has subscriptions needs its trigger, enabled, calling its function.
+create or replace function pgstream._drift_trigger_problem(p_rel pg_catalog.oid)
+returns text
+language sql
+stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format('the generated trigger %I of %s on %s %s',
+                             pgstream.trigger_name(w.operation, w.trigger_mode), w.operation,
+                             p_rel::pg_catalog.regclass,
+                             case when t.oid is null then 'would be missing (dropped or renamed)'
+                                  when t.tgenabled not in ('O', 'A') then 'would be disabled'
+                                  else 'would call another function' end)
+    from pg_catalog.pg_class c
+    join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+    join lateral (select distinct s.operation, s.trigger_mode from pgstream.subscriptions s
+                  where s.schema_name = n.nspname and s.table_name = c.relname) w on true
+    left join pg_catalog.pg_trigger t
+      on t.tgrelid = c.oid and t.tgname = pgstream.trigger_name(w.operation, w.trigger_mode)
+    where c.oid = p_rel
+      and (t.oid is null or t.tgenabled not in ('O', 'A')
+           or t.tgfoid is distinct from pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()',
+                  pgstream.trigger_function_name(n.nspname, c.relname, w.operation, w.trigger_mode))))
+    order by w.operation, w.trigger_mode
+    limit 1
+$$;
+revoke all on function pgstream._drift_trigger_problem(oid) from public;
+
+-- Revalidates every subscription on one table and checks its generated triggers and the types of
+-- its published columns; raises, naming the subscriptions, if any no longer holds.
+create or replace function pgstream._drift_check_table(p_schema text, p_table text, p_what text)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_sub   pgstream.subscriptions;
+    v_msg   text;
+    v_rel   pg_catalog.oid := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_col   record;
+begin
+    if v_rel is null or not exists (select 1 from pgstream.subscriptions
+                                    where schema_name = p_schema and table_name = p_table) then
+        return;
+    end if;
+    for v_sub in
+        select * from pgstream.subscriptions
+        where schema_name = p_schema and table_name = p_table
+        order by stream_id, key
+    loop
+        begin
+            perform pgstream.validate_subscription(v_sub);
+        exception when others then
+            get stacked diagnostics v_msg = message_text;
+            raise exception 'pgstream: refusing % because it breaks a subscription. %', p_what, v_msg
+                using errcode = 'dependent_objects_still_exist',
+                      hint = 'Update or delete the subscription first (pgstream.subscriptions / set_subscriptions), then repeat the DDL.';
+        end;
+    end loop;
+    select sc.column_name, sc.type_oid::pg_catalog.regtype as was, a.atttypid::pg_catalog.regtype as now
+    into v_col
+    from pgstream.subscribed_columns sc
+    join pg_catalog.pg_attribute a on a.attrelid = v_rel and a.attname = sc.column_name
+                                  and a.attnum > 0 and not a.attisdropped
+    where sc.schema_name = p_schema and sc.table_name = p_table
+      and (a.atttypid <> sc.type_oid or a.atttypmod <> sc.typmod)
+    order by 1
+    limit 1;
+    if found then
+        raise exception 'pgstream: refusing %: column % of %.% is published by subscriptions % and its type would change (% to %)',
+            p_what, pg_catalog.quote_ident(v_col.column_name), pg_catalog.quote_ident(p_schema),
+            pg_catalog.quote_ident(p_table), pgstream._drift_subscription_list(p_schema, p_table), v_col.was, v_col.now
+            using errcode = 'dependent_objects_still_exist',
+                  hint = 'Remove the column from the subscriptions'' column_names first, then repeat the DDL.';
+    end if;
+    v_msg := pgstream._drift_trigger_problem(v_rel);
+    if v_msg is not null then
+        raise exception 'pgstream: refusing %: % and subscriptions % would silently stop producing events',
+            p_what, v_msg, pgstream._drift_subscription_list(p_schema, p_table)
+            using errcode = 'dependent_objects_still_exist',
+                  hint = 'Delete or change the subscriptions instead; the trigger follows them.';
+    end if;
+end
+$$;
+revoke all on function pgstream._drift_check_table(text, text, text) from public;
+
+-- A table that carries generated triggers but whose name no longer matches a subscription was
+-- renamed or moved (itself or its schema).
+create or replace function pgstream._drift_check_renamed(p_rel pg_catalog.oid, p_what text)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_old record;
+begin
+    select s.schema_name, s.table_name into v_old
+    from pg_catalog.pg_trigger t
+    join pg_catalog.pg_proc p on p.oid = t.tgfoid
+    join pg_catalog.pg_class c on c.oid = t.tgrelid
+    join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+    join pgstream.subscriptions s
+      on pgstream.trigger_function_name(s.schema_name, s.table_name, s.operation, s.trigger_mode) = p.proname
+    where t.tgrelid = p_rel and p.pronamespace = 'pgstream'::pg_catalog.regnamespace
+      and (s.schema_name <> n.nspname::text or s.table_name <> c.relname::text)
+    order by 1, 2
+    limit 1;
+    if found then
+        raise exception 'pgstream: refusing %: table %.% is subscribed by %', p_what,
+            pg_catalog.quote_ident(v_old.schema_name), pg_catalog.quote_ident(v_old.table_name),
+            pgstream._drift_subscription_list(v_old.schema_name, v_old.table_name)
+            using errcode = 'dependent_objects_still_exist',
+                  hint = 'Update or delete the subscriptions first, then repeat the DDL.';
+    end if;
+end
+$$;
+revoke all on function pgstream._drift_check_renamed(oid, text) from public;
+
+create or replace function pgstream._drift_guard_sql_drop()
+returns event_trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_obj  record;
+    v_subs text;
+begin
+    if pg_catalog.to_regclass('pgstream.subscriptions') is null or pgstream._in_internal_ddl() then
+        return;
+    end if;
+    for v_obj in select * from pg_catalog.pg_event_trigger_dropped_objects() d
+                 where d.object_type = 'table' and not d.is_temporary loop
+        v_subs := pgstream._drift_subscription_list(v_obj.schema_name, v_obj.object_name);
+        if v_subs is not null then
+            raise exception 'pgstream: refusing % of %: subscriptions % depend on it', tg_tag, v_obj.object_identity, v_subs
+                using errcode = 'dependent_objects_still_exist',
+                      hint = pg_catalog.format('Delete them first: delete from pgstream.subscriptions where schema_name = %L and table_name = %L;',
+                                               v_obj.schema_name, v_obj.object_name);
+        end if;
+    end loop;
+    for v_obj in select * from pg_catalog.pg_event_trigger_dropped_objects() d
+                 where d.object_type = 'trigger' and not d.is_temporary
+                   and d.object_identity ~ '^pgstream_(insert|update|delete)(_stmt)? on ' loop
+        raise exception 'pgstream: refusing % that drops the generated trigger %: its subscriptions would silently stop producing events',
+            tg_tag, v_obj.object_identity
+            using errcode = 'dependent_objects_still_exist',
+                  hint = 'Delete or change the subscriptions instead; the trigger follows them.';
+    end loop;
+    for v_obj in select * from pg_catalog.pg_event_trigger_dropped_objects() d
+                 where d.object_type = 'function' and d.schema_name = 'pgstream'
+                   and d.object_name like '\_publish\_%' loop
+        raise exception 'pgstream: refusing % that drops the generated function %', tg_tag, v_obj.object_identity
+            using errcode = 'dependent_objects_still_exist',
+                  hint = 'Delete or change the subscriptions instead; the function follows them.';
+    end loop;
+    for v_obj in select * from pg_catalog.pg_event_trigger_dropped_objects() d
+                 where d.object_type = 'table column' and not d.is_temporary loop
+        perform pgstream._drift_check_table(v_obj.address_names[1], v_obj.address_names[2],
+            pg_catalog.format('%s dropping column %s', tg_tag, v_obj.object_identity));
+    end loop;
+end
+$$;
+revoke all on function pgstream._drift_guard_sql_drop() from public;
+
+create or replace function pgstream._drift_guard_ddl_end()
+returns event_trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_cmd record;
+    v_rel record;
+    v_what text;
+begin
+    if pg_catalog.to_regclass('pgstream.subscriptions') is null or pgstream._in_internal_ddl() then
+        return;
+    end if;
+    for v_cmd in select * from pg_catalog.pg_event_trigger_ddl_commands() c where not c.in_extension loop
+        v_what := pg_catalog.format('%s on %s', tg_tag, v_cmd.object_identity);
+        if v_cmd.object_type in ('table', 'table column') then
+            for v_rel in select c.oid, n.nspname, c.relname from pg_catalog.pg_class c
+                         join pg_catalog.pg_namespace n on n.oid = c.relnamespace where c.oid = v_cmd.objid loop
+                perform pgstream._drift_check_renamed(v_rel.oid, v_what);
+                perform pgstream._drift_check_table(v_rel.nspname, v_rel.relname, v_what);
+            end loop;
+        elsif v_cmd.object_type = 'schema' then
+            for v_rel in select distinct c.oid from pg_catalog.pg_class c
+                         join pg_catalog.pg_trigger t on t.tgrelid = c.oid
+                         join pg_catalog.pg_proc p on p.oid = t.tgfoid
+                         where c.relnamespace = v_cmd.objid and p.pronamespace = 'pgstream'::pg_catalog.regnamespace loop
+                perform pgstream._drift_check_renamed(v_rel.oid, v_what);
+            end loop;
+        elsif v_cmd.object_type = 'trigger' then
+            for v_rel in select c.oid, n.nspname, c.relname from pg_catalog.pg_trigger t
+                         join pg_catalog.pg_class c on c.oid = t.tgrelid
+                         join pg_catalog.pg_namespace n on n.oid = c.relnamespace where t.oid = v_cmd.objid loop
+                perform pgstream._drift_check_table(v_rel.nspname, v_rel.relname, v_what);
+            end loop;
+        elsif v_cmd.object_type in ('function', 'procedure', 'routine') and v_cmd.schema_name = 'pgstream'
+              and exists (select 1 from pg_catalog.pg_proc p where p.oid = v_cmd.objid
+                          and p.proname like '\_publish\_%') then
+            raise exception 'pgstream: refusing % of a generated trigger function: its subscriptions define it', v_what
+                using errcode = 'dependent_objects_still_exist',
+                      hint = 'Change the subscriptions instead; pgstream.repair_trigger(schema, table, operation) recreates it.';
+        end if;
+    end loop;
+end
+$$;
+revoke all on function pgstream._drift_guard_ddl_end() from public;
+
+-- The event triggers (dropped and created again: there is no create or replace for them).
+do $$
+begin
+    drop event trigger if exists pgstream_drift_guard_drop;
+    drop event trigger if exists pgstream_drift_guard_alter;
+    create event trigger pgstream_drift_guard_drop on sql_drop
+        execute function pgstream._drift_guard_sql_drop();
+    create event trigger pgstream_drift_guard_alter on ddl_command_end
+        when tag in ('ALTER TABLE', 'ALTER SCHEMA', 'ALTER TRIGGER', 'ALTER FUNCTION', 'ALTER ROUTINE',
+                     'ALTER PROCEDURE')
+        execute function pgstream._drift_guard_ddl_end();
+exception when insufficient_privilege then
+    raise warning 'pgstream: the schema-drift guard needs superuser to install event triggers; it is NOT active';
+end
+$$;
