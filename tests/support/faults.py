@@ -13,8 +13,8 @@ import psycopg
 
 from pgstream_dagster.engine import replication
 
-from .support.endpoint import Endpoint
-from .support.harness import Driver
+from .endpoint import Endpoint
+from .harness import Driver
 
 STREAM = 1
 SLOT = "pgstream_stream_1"

@@ -16,7 +16,7 @@ import dagster as dg
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import replay_job_name
 
-from .support.harness import Driver, read_jsonl
+from .harness import Driver, read_jsonl
 
 
 def main() -> None:
