@@ -548,3 +548,16 @@ def test_a_non_superuser_owner_installs_the_same_model(pg: Any, roles: Callable[
         assert not is_super(owner_url, owner)
     finally:
         run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}")
+
+
+def test_a_monitoring_role_granted_the_status_view_reads_it_and_nothing_else(db_url: str, table: str,
+                                                                               roles: Callable[..., str]) -> None:
+    """stream_status calls pgstream.batch_is_open as the reading role: a role granted only the view
+    (and the schema) reads it; the batches behind it stay closed to that role."""
+    run(db_url, f"insert into {table} (note) values ('a'), ('b')")
+    monitor = roles("grant usage on schema pgstream to {role}", "grant select on pgstream.stream_status to {role}")
+    with connect(db_url, monitor) as c:
+        (row,) = c.execute("select * from pgstream.stream_status").fetchall()
+        assert row[0] == 1, row
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            c.execute("select * from pgstream.batches")

@@ -27,7 +27,9 @@ language sql
 immutable
 parallel safe
 return p_status not in ('delivered', 'skipped');
-revoke all on function pgstream.batch_is_open(text) from public;
+-- A pure comparison that reads nothing: any role may run it, so that a role granted SELECT on a
+-- view that uses it (pgstream.stream_status, for monitoring) can read the view.
+grant execute on function pgstream.batch_is_open(text) to public;
 
 -- ---------------------------------------------------------------------------------------------
 -- Failover.

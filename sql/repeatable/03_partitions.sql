@@ -20,7 +20,9 @@ create or replace function pgstream.utc_today()
 returns date language sql stable
 set search_path = pg_catalog, pg_temp
 as $$ select (now() at time zone 'UTC')::date $$;
-revoke all on function pgstream.utc_today() from public;
+-- Reads only the clock: any role may run it, so that a role granted SELECT on pgstream.stream_status
+-- (which counts today's deliveries with it) can read the view.
+grant execute on function pgstream.utc_today() to public;
 
 -- ---------------------------------------------------------------------------------------------
 -- What retention must keep.
