@@ -23,7 +23,6 @@ import yaml
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import DELIVERY_JOB
-from pgstream_dagster.defs.resources import PgstreamResource
 from pgstream_dagster.engine.subscriptions import apply_subscriptions
 
 TABLE_SQL = """create table if not exists public.bench_orders (
@@ -134,7 +133,7 @@ class Driver:
         """One tick and its runs; True if a run was started or executed."""
         sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
         ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursor, sensor_name=sensor.name,
-                                      resources={"pgstream": PgstreamResource(config_path=str(self.config_path))})
+                                      resources={"pgstream": self.defs.resources["pgstream"]})
         tick: Any = sensor.evaluate_tick(ctx)
         self.cursor = tick.cursor
         for request in tick.run_requests or []:
