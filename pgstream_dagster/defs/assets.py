@@ -197,16 +197,17 @@ def _stream_subscriptions(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefi
     return _apply
 
 
-def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> list[dg.AssetsDefinition | dg.AssetSpec]:
-    """The stream's subscriptions multi-asset and the tables they watch (external assets; a table
-    two streams watch is the same spec twice, which Dagster merges)."""
-    tables = sorted({(s.schema_name, s.table_name) for s in declared.of_stream(stream_id)})
-    sources: list[dg.AssetsDefinition | dg.AssetSpec] = [
-        dg.AssetSpec(key=source_table_key(schema, table), group_name="postgres", kinds={"postgres"},
-                     description=f"Table {schema}.{table}: its changes feed pgstream subscriptions.")
-        for schema, table in tables
-    ]
-    return [*sources, _stream_subscriptions(stream_id, declared)]
+def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefinition:
+    """The stream's subscriptions multi-asset."""
+    return _stream_subscriptions(stream_id, declared)
+
+
+def source_table_specs(config: PgstreamConfig) -> list[dg.AssetSpec]:
+    """The tables the subscriptions of every stream watch (external assets, defined once: two
+    streams may watch one table)."""
+    return [dg.AssetSpec(key=source_table_key(schema, table), group_name="postgres", kinds={"postgres"},
+                         description=f"Table {schema}.{table}: its changes feed pgstream subscriptions.")
+            for schema, table in sorted({(s.schema_name, s.table_name) for s in config.subscriptions})]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ Streams come from ``pgstream.yaml`` and from ``pgstream_dagster.StreamComponent`
 in the defs folder). Each stream has the same definitions wherever it is declared
 (:func:`stream_definitions`): a sensor, a deliveries asset, a status asset, a replay job, its
 subscription assets and its checks. The rest is defined once (:func:`shared_definitions`): the
-delivery, control, housekeeping and checks jobs, the housekeeping asset, the schedules, the
-subscriptions sensor, the executor and the resources.
+delivery, control, housekeeping and checks jobs, the housekeeping asset, the subscribed tables, the
+schedules, the subscriptions sensor, the executor and the resources.
 
 The configuration is read once, when the definitions are loaded: the ``pgstream`` resource holds
 ``pgstream.yaml`` plus the streams of every StreamComponent of the project, validated together
@@ -27,7 +27,13 @@ from dagster_pyspark import PySparkResource
 
 from ..config import PgstreamConfig, StreamConfig, config_path, load_config, with_streams
 from ..engine.spark import spark_conf
-from .assets import DeclaredIn, events_partitions, stream_subscription_assets, stream_subscription_keys
+from .assets import (
+    DeclaredIn,
+    events_partitions,
+    source_table_specs,
+    stream_subscription_assets,
+    stream_subscription_keys,
+)
 from .checks import stream_checks
 from .controls import control_job
 from .jobs import delivery_job
@@ -61,7 +67,7 @@ def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definit
     deliveries = _deliveries_asset(stream, list(stream_subscription_keys(stream.id, subs).values()))
     return dg.Definitions(
         assets=[deliveries, status_asset_spec(stream.id, deliveries.key),
-                *stream_subscription_assets(stream.id, declared)],
+                stream_subscription_assets(stream.id, declared)],
         asset_checks=[stream_checks(stream, subs)],
         jobs=[replay_job(stream)],
         sensors=[stream_sensor(stream)],
@@ -72,7 +78,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
     """The definitions of the location, defined once, for every stream of ``config`` (read from
     ``path`` and the StreamComponents)."""
     return dg.Definitions(
-        assets=[events_partitions],
+        assets=[events_partitions, *source_table_specs(config)],
         jobs=[delivery_job, control_job, housekeeping_job, checks_job],
         schedules=schedules(config),
         sensors=[subscriptions_sensor(config)],
