@@ -138,7 +138,8 @@ def test_dg_scaffold_check_and_a_bad_defs_yaml_in_a_users_project(tmp_path: Path
 
 
 def _spec_view(spec: dg.AssetSpec) -> dict[str, Any]:
-    return {"group": spec.group_name, "kinds": spec.kinds, "deps": sorted(d.asset_key.to_user_string() for d in spec.deps),
+    return {"group": spec.group_name, "kinds": spec.kinds,
+            "deps": sorted(d.asset_key.to_user_string() for d in spec.deps),
             "code_version": spec.code_version, "skippable": spec.skippable,
             "condition": spec.automation_condition.get_label() if spec.automation_condition else None,
             "metadata": {k: v for k, v in spec.metadata.items() if k not in COMPONENT_METADATA}}
@@ -149,7 +150,8 @@ def _view(defs: dg.Definitions) -> dict[str, Any]:
     graph = repo.asset_graph
     return {
         "assets": {spec.key.to_user_string(): _spec_view(spec) for spec in defs.resolve_all_asset_specs()},
-        "checks": sorted((k.asset_key.to_user_string(), k.name, graph.get_check_spec(k).blocking) for k in graph.asset_check_keys),
+        "checks": sorted((k.asset_key.to_user_string(), k.name, graph.get_check_spec(k).blocking)
+                         for k in graph.asset_check_keys),
         "jobs": sorted(j.name for j in repo.get_all_jobs()),
         "replay_tags": {j.name: dict(j.tags) for j in repo.get_all_jobs() if j.name.startswith("pgstream_replay")},
         "schedules": sorted((s.name, str(s.cron_schedule)) for s in repo.schedule_defs),
