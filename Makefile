@@ -1,5 +1,5 @@
-# make dev  - venv + local Postgres (wal_level=logical) + migrations + demo + `dagster dev`
-# make test - venv + the whole test suite (what CI runs)
+# make dev  - venv + local Postgres (wal_level=logical) + migrations + demo + `dg dev`
+# make test - venv + lint + `dg check defs` / `dg list defs` + the whole test suite (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,10 +16,16 @@ $(STAMP): pyproject.toml
 dev: $(STAMP)
 	$(BIN)/pgstream-dagster dev
 
+# the code location loads (defs folder, StreamComponents, pgstream.yaml): on a throw-away Dagster
+# instance (the repo's dagster.yaml wants a Postgres), without a database (nothing connects at load)
+DG_LOAD_ENV = PGSTREAM_DATABASE_URL=$${PGSTREAM_DATABASE_URL:-postgresql://localhost/pgstream} DAGSTER_HOME=$$home
+
 test: $(STAMP)
 	$(BIN)/ruff check pgstream_dagster tests bench
 	$(BIN)/python -m mypy
 	$(BIN)/lint-imports
+	home=$$(mktemp -d) && printf 'telemetry:\n  enabled: false\n' >"$$home/dagster.yaml" && $(DG_LOAD_ENV) $(BIN)/dg check defs && $(DG_LOAD_ENV) $(BIN)/dg list defs >/dev/null; \
+	  status=$$?; rm -rf "$$home"; exit $$status
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

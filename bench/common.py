@@ -1,7 +1,7 @@
 """Shared pieces of the streaming benchmarks (bench/sustained.py, bench/latency.py): a private
 Postgres, a webhook receiver in a child process that records when each event arrived, and the
 in-process driver (sensor tick, then every requested run with ``execute_in_process``, repeat) that
-``tests/harness.py`` uses, against a real (ephemeral) Dagster instance."""
+``tests/support/harness.py`` uses, against a real (ephemeral) Dagster instance."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import yaml
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import DELIVERY_JOB
-from pgstream_dagster.defs.resources import PgstreamResource
 from pgstream_dagster.engine.subscriptions import apply_subscriptions
 
 TABLE_SQL = """create table if not exists public.bench_orders (
@@ -134,7 +133,7 @@ class Driver:
         """One tick and its runs; True if a run was started or executed."""
         sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
         ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursor, sensor_name=sensor.name,
-                                      resources={"pgstream": PgstreamResource(config_path=str(self.config_path))})
+                                      resources={"pgstream": self.defs.resources["pgstream"]})
         tick: Any = sensor.evaluate_tick(ctx)
         self.cursor = tick.cursor
         for request in tick.run_requests or []:

@@ -37,7 +37,7 @@ from pgstream_dagster import sparkserver
 from pgstream_dagster.config import BatchConfig, SensorConfig
 from pgstream_dagster.devdb import LocalPostgres, ensure_running, free_port
 from pgstream_dagster.engine.migrations import migrate
-from tests.dagster_dev import start_dagster_dev, stop_process_group
+from tests.support.dagster_dev import start_dagster_dev, stop_process_group
 
 HERE = Path(__file__).resolve().parent
 

@@ -4,16 +4,24 @@ The file is read from ``$PGSTREAM_CONFIG`` (default ``./pgstream.yaml``). ``${VA
 ``${VAR:-default}`` are replaced from the environment in every string value. Every error names the
 file, the key and what is wrong. Secrets (database URL, sink credentials, header values) are
 ``SecretStr`` and never printed.
+
+A stream may also be declared on its own, with its subscriptions (:class:`StreamDeclaration`, the
+attributes of a ``pgstream_dagster.StreamComponent`` in a ``defs.yaml``): :func:`parse_stream`
+validates it with the same models and reports errors the same way, and :func:`with_streams` adds
+such streams to a configuration under the same checks (ids and slots unique, ``by_key`` and Spark
+Connect) as the streams of one file.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
+from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .sinks import SinkConfig
@@ -150,9 +158,12 @@ class SubscriptionConfig(_Model):
 
 
 def _cron(v: str) -> str:
-    from dagster._utils.schedules import is_valid_cron_string
-
-    if not is_valid_cron_string(v):
+    """A cron expression Dagster's schedules accept: what croniter parses, five fields (no seconds),
+    and not a day that never comes (30 or 31 February)."""
+    if not croniter.is_valid(v):
+        raise ValueError(f"not a valid cron expression: {v!r}")
+    fields = croniter.expand(v)[0]
+    if len(fields) != 5 or (fields[3] == [2] and fields[2] in ([30], [31])):
         raise ValueError(f"not a valid cron expression: {v!r}")
     return v
 
@@ -189,6 +200,71 @@ class SparkConfig(_Model):
         return None if isinstance(v, str) and not v.strip() else v
 
 
+def _check_streams(streams: Sequence[StreamConfig], spark_remote: bool) -> None:
+    ids = [s.id for s in streams]
+    if spark_remote:
+        by_key = [s.id for s in streams if s.delivery.ordering == "by_key"]
+        if by_key:
+            raise ValueError(f"streams {by_key}: delivery.ordering by_key needs a classic Spark (spark.master); "
+                             "it is not available with spark.remote (Spark Connect)")
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
+    # one slot, one stream: two streams on a slot each advance it past the other's events
+    readers: dict[str, int] = {}
+    for s in streams:
+        if s.slot in readers:
+            raise ValueError(f"streams {readers[s.slot]} and {s.id} both read replication slot {s.slot} "
+                             f"(streams[].slot_name, default pgstream_stream_<id>): a slot belongs to one "
+                             f"stream; give one of them another slot_name")
+        readers[s.slot] = s.id
+
+
+def _check_subscriptions(ids: list[int], subscriptions: Sequence[SubscriptionConfig]) -> None:
+    for i, sub in enumerate(subscriptions):
+        if sub.stream_id not in ids:
+            raise ValueError(f"subscriptions[{i}] ({sub.key!r}) uses stream_id {sub.stream_id}, "
+                             f"which is not in streams {ids}")
+    seen: set[tuple[object, ...]] = set()
+    for i, sub in enumerate(subscriptions):
+        ident = (sub.stream_id, sub.key, sub.schema_name, sub.table_name, sub.operation)
+        if ident in seen:
+            raise ValueError(f"subscriptions[{i}] ({sub.key!r}) is declared twice for "
+                             f"{sub.operation} on {sub.schema_name}.{sub.table_name}")
+        seen.add(ident)
+
+
+class StreamDeclaration(StreamConfig):
+    """A stream declared on its own, with its subscriptions: the attributes of a
+    ``pgstream_dagster.StreamComponent``. The fields are :class:`StreamConfig`'s (a stream of
+    ``pgstream.yaml``) plus ``subscriptions`` (:class:`SubscriptionConfig`; ``stream_id`` may be
+    left out: it is the stream's ``id``)."""
+
+    subscriptions: list[SubscriptionConfig] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_stream_id(cls, data: object) -> object:
+        if isinstance(data, dict) and isinstance(data.get("id"), int) and isinstance(data.get("subscriptions"), list):
+            data = {**data, "subscriptions": [{"stream_id": data["id"], **s} if isinstance(s, dict) else s
+                                              for s in data["subscriptions"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StreamDeclaration:
+        for i, sub in enumerate(self.subscriptions):
+            if sub.stream_id != self.id:
+                raise ValueError(f"subscriptions[{i}] ({sub.key!r}) uses stream_id {sub.stream_id}, which is not "
+                                 f"this stream's id {self.id} (leave stream_id out)")
+        _check_subscriptions([self.id], self.subscriptions)
+        return self
+
+    @property
+    def stream(self) -> StreamConfig:
+        """The stream without its subscriptions, as a stream of ``pgstream.yaml``."""
+        return StreamConfig.model_validate({name: getattr(self, name) for name in StreamConfig.model_fields})
+
+
 class PgstreamConfig(_Model):
     database_url: SecretStr
     streams: list[StreamConfig] = Field(min_length=1)
@@ -199,34 +275,8 @@ class PgstreamConfig(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> PgstreamConfig:
-        ids = [s.id for s in self.streams]
-        if self.spark.remote:
-            by_key = [s.id for s in self.streams if s.delivery.ordering == "by_key"]
-            if by_key:
-                raise ValueError(f"streams {by_key}: delivery.ordering by_key needs a classic Spark (spark.master); "
-                                 "it is not available with spark.remote (Spark Connect)")
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
-        # one slot, one stream: two streams on a slot each advance it past the other's events
-        readers: dict[str, int] = {}
-        for s in self.streams:
-            if s.slot in readers:
-                raise ValueError(f"streams {readers[s.slot]} and {s.id} both read replication slot {s.slot} "
-                                 f"(streams[].slot_name, default pgstream_stream_<id>): a slot belongs to one "
-                                 f"stream; give one of them another slot_name")
-            readers[s.slot] = s.id
-        for i, sub in enumerate(self.subscriptions):
-            if sub.stream_id not in ids:
-                raise ValueError(f"subscriptions[{i}] ({sub.key!r}) uses stream_id {sub.stream_id}, "
-                                 f"which is not in streams {ids}")
-        seen: set[tuple[object, ...]] = set()
-        for i, sub in enumerate(self.subscriptions):
-            ident = (sub.stream_id, sub.key, sub.schema_name, sub.table_name, sub.operation)
-            if ident in seen:
-                raise ValueError(f"subscriptions[{i}] ({sub.key!r}) is declared twice for "
-                                 f"{sub.operation} on {sub.schema_name}.{sub.table_name}")
-            seen.add(ident)
+        _check_streams(self.streams, spark_remote=bool(self.spark.remote))
+        _check_subscriptions([s.id for s in self.streams], self.subscriptions)
         return self
 
     def stream(self, stream_id: int) -> StreamConfig:
@@ -261,18 +311,52 @@ def _location(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
-def parse_config(data: Any, source: str = "<config>") -> PgstreamConfig:
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validated(model: type[_M], data: Any, source: str, at: str = "") -> _M:
+    """``data`` (read from ``source``, at key ``at`` of it) with ``${VAR}`` replaced, validated by
+    ``model``; a :class:`ConfigError` names the source, the key of every problem and what is wrong
+    (never the value: it may be a secret)."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-    data = _substitute(data, "", source)
+        raise ConfigError(f"{source}: expected a mapping at {at or 'the top level'}, got {type(data).__name__}")
+    data = _substitute(data, at, source)
     try:
-        return PgstreamConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            where = _location(tuple(p for p in err["loc"] if not (isinstance(p, str) and p in _SINK_TAGS)))
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in _SINK_TAGS))
+            where = _location(((at,) if at else ()) + loc)
             problems.append(f"{source}: {where}: {err['msg']}{_subscription_hint(data, err['loc'])}")
         raise ConfigError("\n".join(problems)) from None
+
+
+def parse_config(data: Any, source: str = "<config>") -> PgstreamConfig:
+    return _validated(PgstreamConfig, data, source)
+
+
+def parse_stream(data: Any, source: str = "<stream>", at: str = "") -> StreamDeclaration:
+    """A stream declared on its own (``at`` the key holding it in ``source``, e.g. ``attributes``
+    in a ``defs.yaml``): the same validation and messages as a stream of ``pgstream.yaml``."""
+    return _validated(StreamDeclaration, data, source, at)
+
+
+def with_streams(config: PgstreamConfig, declared: Sequence[StreamDeclaration], source: str) -> PgstreamConfig:
+    """``config`` with the ``declared`` streams and their subscriptions added, under the checks of
+    one file: ids and slots unique, ``by_key`` not with ``spark.remote``. ``source`` names where the
+    streams come from, for the error."""
+    if not declared:
+        return config
+    try:
+        return PgstreamConfig.model_validate({
+            **dict(config),
+            "streams": [*config.streams, *(d.stream for d in declared)],
+            "subscriptions": [*config.subscriptions, *(s for d in declared for s in d.subscriptions)],
+        })
+    except ValidationError as exc:
+        raise ConfigError("\n".join(f"{source}: {_location(tuple(e['loc']))}: {e['msg']}" for e in exc.errors())
+                          ) from None
 
 
 def _subscription_hint(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:

@@ -4,7 +4,7 @@ Starts (once) a Postgres with ``wal_level=logical`` under ``.pgstream/`` unless
 ``PGSTREAM_DATABASE_URL`` is set, and a Spark Connect server for the runs unless
 ``PGSTREAM_SPARK_REMOTE`` is set (``--no-spark-server``: runs start their own Spark); creates the
 ``pgstream`` and ``dagster`` databases, migrates, creates the demo schema, applies
-``pgstream.yaml`` and runs ``dagster dev``.
+``pgstream.yaml`` and runs ``dg dev``.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = Tru
               f"  psql '{url}' -c \"{demo_insert}\"\n"
               f"  tail -f {os.environ['PGSTREAM_DEMO_SINK']}\n"
               f"  open http://127.0.0.1:{port}\n")
-    dagster = Path(sys.executable).with_name("dagster")
-    os.execv(str(dagster), [str(dagster), "dev", "-w", str(root / "workspace.yaml"),
-                            "-h", "127.0.0.1", "-p", str(port)])
+    # `dg dev` (dagster-dg-cli): `dagster dev` is superseded by it and says so at every start
+    dg = Path(sys.executable).with_name("dg")
+    os.execv(str(dg), [str(dg), "dev", "--workspace", str(root / "workspace.yaml"),
+                       "--host", "127.0.0.1", "--port", str(port)])
     return 0  # not reached

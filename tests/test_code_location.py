@@ -1,4 +1,4 @@
-"""End to end, the way a user runs it: ``init`` + ``dagster dev`` on the repo's workspace.yaml and
+"""End to end, the way a user runs it: ``init`` + ``dg dev`` on the repo's workspace.yaml and
 dagster.yaml; a row inserted in Postgres reaches a real HTTP endpoint through the real sensor daemon
 and a real delivery run on Spark."""
 
@@ -150,7 +150,7 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
 
         ready_secs = wait_for("the sensor's first completed tick", sensor_ticked, READY_TIMEOUT_SECS, dev,
                               lambda: f"last GraphQL answer: {last_answer[0]!r}")
-        print(f"dagster dev up and sensor ticking after {time.monotonic() - test_started:.1f}s "
+        print(f"dg dev up and sensor ticking after {time.monotonic() - test_started:.1f}s "
               f"(waited {ready_secs:.1f}s)")
 
         # 2. 20 verified and 5 unverified users, in 5 transactions
@@ -234,5 +234,5 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
               f"second wave {warm_latency:.2f}s (open run)")
     finally:
         survivors = stop_process_group(dev.proc)
-    assert not survivors, f"processes of `dagster dev` survived SIGKILL: {survivors}"
+    assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
     print(f"test took {time.monotonic() - test_started:.1f}s")

@@ -11,7 +11,8 @@ passes the stream's other subscriptions back unchanged. The stream's ``subscript
 """
 
 import datetime as dt
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
 
 import dagster as dg
@@ -70,6 +71,19 @@ SUBSCRIPTION_CONDITION = (
 ).with_label("subscription new or changed")
 
 
+@dataclass(frozen=True)
+class DeclaredIn:
+    """Where streams' subscriptions are declared: every subscription of that file, validated
+    together when one of its streams is applied, and the file (named in errors)."""
+
+    subscriptions: Sequence[SubscriptionConfig]
+    source: str  # the file's path
+    origin: str  # what descriptions call it: pgstream.yaml, or the component's defs.yaml
+
+    def of_stream(self, stream_id: int) -> list[SubscriptionConfig]:
+        return [s for s in self.subscriptions if s.stream_id == stream_id]
+
+
 def source_table_key(schema: str, table: str) -> dg.AssetKey:
     return dg.AssetKey(["postgres", schema, table])
 
@@ -82,17 +96,21 @@ def subscription_set_key(stream_id: int) -> dg.AssetKey:
     return dg.AssetKey(["pgstream", f"stream_{stream_id}", "subscription_set"])
 
 
-def subscription_keys(config: PgstreamConfig, stream_id: int) -> dict[Identity, dg.AssetKey]:
-    """The asset key of every YAML subscription of the stream, by identity."""
-    subs = [s for s in config.subscriptions if s.stream_id == stream_id]
-    return {identity(s): dg.AssetKey(["pgstream", f"stream_{stream_id}", "subscriptions", asset_name(s, subs)])
+def stream_subscription_keys(stream_id: int, subs: Sequence[SubscriptionConfig]) -> dict[Identity, dg.AssetKey]:
+    """The asset key of every YAML subscription of the stream (``subs``: the stream's), by identity."""
+    return {identity(s): dg.AssetKey(["pgstream", f"stream_{stream_id}", "subscriptions", asset_name(s, list(subs))])
             for s in subs}
 
 
-def _describe(sub: SubscriptionConfig) -> str:
+def subscription_keys(config: PgstreamConfig, stream_id: int) -> dict[Identity, dg.AssetKey]:
+    """The asset key of every YAML subscription of the stream, by identity."""
+    return stream_subscription_keys(stream_id, [s for s in config.subscriptions if s.stream_id == stream_id])
+
+
+def _describe(sub: SubscriptionConfig, origin: str) -> str:
     where = f" where `{sub.when_clause}`" if sub.when_clause else " (every row)"
     return (f"Subscription `{sub.key}`: {sub.operation} on `{sub.schema_name}.{sub.table_name}`{where} "
-            f"→ stream {sub.stream_id}. Applied from pgstream.yaml through `pgstream.set_subscriptions`; "
+            f"→ stream {sub.stream_id}. Applied from {origin} through `pgstream.set_subscriptions`; "
             f"its materialization shows the generated trigger.")
 
 
@@ -125,14 +143,15 @@ def _trigger_metadata(state: TriggerState) -> dict[str, Any]:
     }
 
 
-def _stream_subscriptions(config: PgstreamConfig, stream_id: int) -> dg.AssetsDefinition:
-    subs = [s for s in config.subscriptions if s.stream_id == stream_id]
-    keys = subscription_keys(config, stream_id)
+def _stream_subscriptions(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefinition:
+    subs = declared.of_stream(stream_id)
+    keys = stream_subscription_keys(stream_id, subs)
+    origin = declared.origin
     set_key = subscription_set_key(stream_id)
     group = subscription_group(stream_id)
     specs = [
         dg.AssetSpec(
-            key=keys[identity(s)], group_name=group, description=_describe(s), metadata=_spec_metadata(s),
+            key=keys[identity(s)], group_name=group, description=_describe(s, origin), metadata=_spec_metadata(s),
             code_version=code_version(s), automation_condition=SUBSCRIPTION_CONDITION, kinds={"postgres"},
             deps=[source_table_key(s.schema_name, s.table_name)], skippable=True,
         )
@@ -142,21 +161,22 @@ def _stream_subscriptions(config: PgstreamConfig, stream_id: int) -> dg.AssetsDe
         key=set_key, group_name=group, kinds={"postgres"}, skippable=True,
         code_version=set_code_version(subs), automation_condition=SUBSCRIPTION_CONDITION,
         description=f"The set of stream {stream_id}'s YAML subscriptions: materializing it deletes the "
-                    f"subscriptions removed from pgstream.yaml (those created in SQL are left alone).",
+                    f"subscriptions removed from {origin} (those created in SQL are left alone).",
         metadata={"stream_id": stream_id, "declared": dg.MetadataValue.json(sorted(s.key for s in subs))},
     ))
 
     @dg.multi_asset(name=f"pgstream_stream_{stream_id}_subscriptions", specs=specs, can_subset=True,
-                    description=f"Apply stream {stream_id}'s subscriptions from pgstream.yaml (one transaction).")
-    def _apply(context: dg.AssetExecutionContext, pgstream: PgstreamResource) -> Iterator[dg.MaterializeResult[Any]]:
+                    description=f"Apply stream {stream_id}'s subscriptions from {origin} (one transaction).")
+    def _apply(context: dg.AssetExecutionContext,
+               pgstream: dg.ResourceParam[PgstreamResource]) -> Iterator[dg.MaterializeResult[Any]]:
         selected = context.selected_asset_keys
         chosen = {ident for ident, key in keys.items() if key in selected}
         with pgstream.connect() as conn:
             try:
-                result = apply_stream(conn, config, stream_id, pgstream.config_path, selected=chosen,
+                result = apply_stream(conn, declared.subscriptions, stream_id, declared.source, selected=chosen,
                                       remove_absent=set_key in selected)
             except SubscriptionError as exc:
-                raise dg.Failure(description=str(exc), metadata={"file": pgstream.config_path}) from None
+                raise dg.Failure(description=str(exc), metadata={"file": declared.source}) from None
             modes = {identity(s): s.trigger_mode for s in subs}
             states = {ident: trigger_state(conn, ident[1], ident[2], ident[3], modes[ident]) for ident in chosen}
         for (key, schema, table, op), action in sorted(result.changes.items()):
@@ -177,20 +197,17 @@ def _stream_subscriptions(config: PgstreamConfig, stream_id: int) -> dg.AssetsDe
     return _apply
 
 
-def subscription_assets(config: PgstreamConfig) -> list[dg.AssetsDefinition | dg.AssetSpec]:
-    """The source tables (external) and one subscriptions multi-asset per stream."""
-    tables = sorted({(s.schema_name, s.table_name) for s in config.subscriptions})
-    sources: list[dg.AssetsDefinition | dg.AssetSpec] = [
-        dg.AssetSpec(key=source_table_key(schema, table), group_name="postgres", kinds={"postgres"},
-                     description=f"Table {schema}.{table}: its changes feed pgstream subscriptions.")
-        for schema, table in tables
-    ]
-    return sources + [_stream_subscriptions(config, s.id) for s in config.streams]
+def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefinition:
+    """The stream's subscriptions multi-asset."""
+    return _stream_subscriptions(stream_id, declared)
 
 
-def deliveries_deps(config: PgstreamConfig, stream_id: int) -> list[dg.AssetKey]:
-    """Lineage: the subscriptions whose events the stream's deliveries carry."""
-    return list(subscription_keys(config, stream_id).values())
+def source_table_specs(config: PgstreamConfig) -> list[dg.AssetSpec]:
+    """The tables the subscriptions of every stream watch (external assets, defined once: two
+    streams may watch one table)."""
+    return [dg.AssetSpec(key=source_table_key(schema, table), group_name="postgres", kinds={"postgres"},
+                         description=f"Table {schema}.{table}: its changes feed pgstream subscriptions.")
+            for schema, table in sorted({(s.schema_name, s.table_name) for s in config.subscriptions})]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +227,7 @@ class HousekeepingRunConfig(dg.Config):
                 "pgstream_housekeeping schedule (housekeeping.cron) and at start-up.",
 )
 def events_partitions(context: dg.AssetExecutionContext, config: HousekeepingRunConfig,
-                      pgstream: PgstreamResource) -> dg.MaterializeResult[Any]:
+                      pgstream: dg.ResourceParam[PgstreamResource]) -> dg.MaterializeResult[Any]:
     today = dt.date.fromisoformat(config.today) if config.today else None
     with pgstream.connect() as conn:
         report = housekeeping.run_housekeeping(conn, pgstream.config.housekeeping, today)

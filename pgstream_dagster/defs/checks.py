@@ -12,17 +12,17 @@ from the UI):
 """
 
 import datetime as dt
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import dagster as dg
 import psycopg
 
-from ..config import PgstreamConfig, StreamConfig, SubscriptionConfig
+from ..config import StreamConfig, SubscriptionConfig
 from ..engine import deadletters, status
 from ..engine.subscriptions import differences, identity, stored_definition, trigger_state
 from ..sinks.base import excerpt
-from .assets import subscription_keys
+from .assets import stream_subscription_keys
 from .names import CONTROL_JOB, deliveries_asset_key, replay_job_name
 from .resources import PgstreamResource
 
@@ -142,9 +142,9 @@ def check_dead_letters(conn: psycopg.Connection, stream: StreamConfig) -> dg.Ass
     )
 
 
-def _stream_checks(config: PgstreamConfig, stream: StreamConfig) -> dg.AssetChecksDefinition:
-    subs = [s for s in config.subscriptions if s.stream_id == stream.id]
-    keys = subscription_keys(config, stream.id)
+def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> dg.AssetChecksDefinition:
+    """The stream's checks (``subs``: its subscriptions)."""
+    keys = stream_subscription_keys(stream.id, subs)
     deliveries = deliveries_asset_key(stream.id)
     specs = [dg.AssetCheckSpec(TRIGGER_CHECK, asset=keys[identity(s)], blocking=True,
                                description="The subscription is applied and its generated trigger exists, is "
@@ -166,7 +166,8 @@ def _stream_checks(config: PgstreamConfig, stream: StreamConfig) -> dg.AssetChec
     @dg.multi_asset_check(name=f"pgstream_stream_{stream.id}_checks", specs=specs, can_subset=True,
                           description=f"Health of stream {stream.id}: subscription triggers, backlog, slot, failover, "
                                       f"dead letters.")
-    def _checks(context: dg.AssetCheckExecutionContext, pgstream: PgstreamResource) -> Iterator[dg.AssetCheckResult]:
+    def _checks(context: dg.AssetCheckExecutionContext,
+                pgstream: dg.ResourceParam[PgstreamResource]) -> Iterator[dg.AssetCheckResult]:
         selected = context.selected_asset_check_keys
         with pgstream.connect() as conn:
             for sub in subs:
@@ -174,7 +175,7 @@ def _stream_checks(config: PgstreamConfig, stream: StreamConfig) -> dg.AssetChec
                 if dg.AssetCheckKey(key, TRIGGER_CHECK) in selected:
                     yield check_subscription(conn, sub, key)
             if dg.AssetCheckKey(deliveries, UNDELIVERED_AGE_CHECK) in selected:
-                yield check_undelivered_age(conn, stream, config.housekeeping.ledger_keep_days)
+                yield check_undelivered_age(conn, stream, pgstream.config.housekeeping.ledger_keep_days)
             if dg.AssetCheckKey(deliveries, SLOT_WAL_CHECK) in selected:
                 yield check_slot_wal(conn, stream)
             if dg.AssetCheckKey(deliveries, FAILOVER_CHECK) in selected:
@@ -183,7 +184,3 @@ def _stream_checks(config: PgstreamConfig, stream: StreamConfig) -> dg.AssetChec
                 yield check_dead_letters(conn, stream)
 
     return _checks
-
-
-def stream_checks(config: PgstreamConfig) -> list[dg.AssetChecksDefinition]:
-    return [_stream_checks(config, s) for s in config.streams]

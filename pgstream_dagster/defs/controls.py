@@ -31,7 +31,8 @@ class StreamControlConfig(dg.Config):
 
 @dg.op(description="Pause, resume, retry-now or skip a batch of a stream; set events aside as dead letters, "
                    "discard dead letters.")
-def stream_control(context: dg.OpExecutionContext, config: StreamControlConfig, pgstream: PgstreamResource) -> None:
+def stream_control(context: dg.OpExecutionContext, config: StreamControlConfig,
+                   pgstream: dg.ResourceParam[PgstreamResource]) -> None:
     expected = CONFIRM.get(config.action)
     if expected is not None and config.confirm != expected:
         raise dg.Failure(f"{config.action} takes events out of delivery: set confirm: {expected}")

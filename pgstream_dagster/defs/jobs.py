@@ -43,8 +43,8 @@ class LoadedBatches:
 
 
 @dg.op(description="Check the batches may run and load their events from pgstream.events with PySpark.")
-def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgstream: PgstreamResource,
-                 pyspark: PySparkResource) -> LoadedBatches:
+def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
+                 pgstream: dg.ResourceParam[PgstreamResource], pyspark: PySparkResource) -> LoadedBatches:
     started = time.monotonic()
     last = config.through_batch_id or config.batch_id
     try:
@@ -76,7 +76,7 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig, pgst
 @dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
                    "as soon as the sink confirmed all its events. While the run is open (delivery.linger_secs) "
                    "it also delivers every batch the sensor hands it; each round is a materialization.")
-def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstream: PgstreamResource,
+def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstream: dg.ResourceParam[PgstreamResource],
                     pyspark: PySparkResource) -> None:
     stream = pgstream.stream(loaded.stream_id)
     run_key = loaded.batches[0].run_key or ""

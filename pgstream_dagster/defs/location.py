@@ -1,17 +1,39 @@
-"""Builds the Dagster definitions from a ``pgstream.yaml``: per stream a sensor, a deliveries asset,
-a status asset and a replay job; the subscription assets and their checks, housekeeping, the
-delivery and operator control jobs, and the resources."""
+"""The code location's definitions.
 
-from __future__ import annotations
+Streams come from ``pgstream.yaml`` and from ``pgstream_dagster.StreamComponent``s (a ``defs.yaml``
+in the defs folder). Each stream has the same definitions wherever it is declared
+(:func:`stream_definitions`): a sensor, a deliveries asset, a status asset, a replay job, its
+subscription assets and its checks. The rest is defined once (:func:`shared_definitions`): the
+delivery, control, housekeeping and checks jobs, the housekeeping asset, the subscribed tables, the
+schedules, the subscriptions sensor, the executor and the resources.
 
+The configuration is read once, when the definitions are loaded: the ``pgstream`` resource holds
+``pgstream.yaml`` plus the streams of every StreamComponent of the project, validated together
+(ids and slots unique), so the sensors, the shared delivery job and the checks all see the same
+streams, and no run reads a file.
+
+:func:`pgstream_location` is what ``dg.load_from_defs_folder`` loads from this folder: it finds the
+StreamComponents with ``context.component_tree.get_all_components``; each component builds its own
+stream's definitions. :func:`build_definitions` builds everything from a ``pgstream.yaml`` alone
+(tests, scripts).
+"""
+
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 from dagster_pyspark import PySparkResource
 
-from ..config import PgstreamConfig, config_path, load_config
+from ..config import PgstreamConfig, StreamConfig, config_path, load_config, with_streams
 from ..engine.spark import spark_conf
-from .assets import deliveries_deps, events_partitions, subscription_assets
+from .assets import (
+    DeclaredIn,
+    events_partitions,
+    source_table_specs,
+    stream_subscription_assets,
+    stream_subscription_keys,
+)
 from .checks import stream_checks
 from .controls import control_job
 from .jobs import delivery_job
@@ -22,44 +44,78 @@ from .schedules import checks_job, housekeeping_job, schedules, subscriptions_se
 from .sensors import stream_sensor
 from .status import status_asset_spec
 
-
-def deliveries_assets(config: PgstreamConfig) -> list[dg.AssetSpec]:
-    return [
-        dg.AssetSpec(
-            key=deliveries_asset_key(s.id),
-            group_name="pgstream",
-            description=f"Events of stream {s.id} delivered to its {s.sink.type} sink; one materialization "
-                        f"per delivered batch.",
-            metadata={"stream_id": s.id, "sink_type": s.sink.type, "slot": s.slot,
-                      "batch_max_size": s.batch.max_size, "ordering": s.delivery.ordering},
-            kinds={"postgres", "spark"},
-            deps=deliveries_deps(config, s.id),
-        )
-        for s in config.streams
-    ]
+if TYPE_CHECKING:
+    from .components import StreamComponent
 
 
-def status_assets(config: PgstreamConfig) -> list[dg.AssetSpec]:
-    return [status_asset_spec(s.id, deliveries_asset_key(s.id)) for s in config.streams]
+def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.AssetSpec:
+    return dg.AssetSpec(
+        key=deliveries_asset_key(stream.id),
+        group_name="pgstream",
+        description=f"Events of stream {stream.id} delivered to its {stream.sink.type} sink; one materialization "
+                    f"per delivered batch.",
+        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "slot": stream.slot,
+                  "batch_max_size": stream.batch.max_size, "ordering": stream.delivery.ordering},
+        kinds={"postgres", "spark"},
+        deps=deps,
+    )
 
 
-def build_definitions(path: Path | None = None) -> dg.Definitions:
-    path = (path or config_path()).resolve()
-    config = load_config(path)
+def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definitions:
+    """Everything of one stream (``declared``: the file that declares it, with its subscriptions)."""
+    subs = declared.of_stream(stream.id)
+    deliveries = _deliveries_asset(stream, list(stream_subscription_keys(stream.id, subs).values()))
     return dg.Definitions(
-        assets=[*deliveries_assets(config), *status_assets(config), *subscription_assets(config),
-                events_partitions],
-        asset_checks=stream_checks(config),
-        jobs=[delivery_job, control_job, *[replay_job(s) for s in config.streams], housekeeping_job, checks_job],
+        assets=[deliveries, status_asset_spec(stream.id, deliveries.key),
+                stream_subscription_assets(stream.id, declared)],
+        asset_checks=[stream_checks(stream, subs)],
+        jobs=[replay_job(stream)],
+        sensors=[stream_sensor(stream)],
+    )
+
+
+def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
+    """The definitions of the location, defined once, for every stream of ``config`` (read from
+    ``path`` and the StreamComponents)."""
+    return dg.Definitions(
+        assets=[events_partitions, *source_table_specs(config)],
+        jobs=[delivery_job, control_job, housekeeping_job, checks_job],
         schedules=schedules(config),
-        sensors=[*(stream_sensor(s) for s in config.streams), subscriptions_sensor(config)],
+        sensors=[subscriptions_sensor(config)],
         executor=dg.in_process_executor,  # asset and check runs are small; io_manager is in-memory
         resources={
             # ops hand a Spark DataFrame to each other inside one process
             "io_manager": dg.mem_io_manager,
-            "pgstream": PgstreamResource(config_path=str(path)),
+            "pgstream": PgstreamResource(config, str(path)),
             "pyspark": PySparkResource(spark_config=spark_conf(config.spark.master, config.spark.remote,
                                                                dict(config.spark.conf))),
         },
     )
 
+
+def location_definitions(path: Path, components: Sequence["StreamComponent"] = ()) -> dg.Definitions:
+    """The streams of ``pgstream.yaml`` at ``path`` and the shared definitions, whose resource also
+    holds the streams of ``components`` (validated with pgstream.yaml's: ids and slots unique). The
+    components' own definitions are theirs to build (:meth:`StreamComponent.build_defs`)."""
+    config = load_config(path)
+    merged = with_streams(config, [c.declaration for c in components],
+                          f"{path} + {', '.join(sorted({c.source for c in components}))}")
+    declared = DeclaredIn(config.subscriptions, str(path), "pgstream.yaml")
+    return dg.Definitions.merge(shared_definitions(merged, path),
+                                *(stream_definitions(s, declared) for s in config.streams))
+
+
+def build_definitions(path: Path | None = None) -> dg.Definitions:
+    """Everything of a ``pgstream.yaml`` (default ``$PGSTREAM_CONFIG``): its streams and the shared
+    definitions."""
+    return location_definitions((path or config_path()).resolve())
+
+
+@dg.definitions
+def pgstream_location(context: dg.ComponentLoadContext) -> dg.Definitions:
+    """``pgstream.yaml`` ($PGSTREAM_CONFIG) and the shared definitions, for every StreamComponent of
+    the project too (import this into a module of your own project's defs folder to get them)."""
+    from .components import StreamComponent
+
+    components = context.component_tree.get_all_components(of_type=StreamComponent)
+    return location_definitions(config_path().resolve(), components)

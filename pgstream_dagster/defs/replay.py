@@ -85,7 +85,7 @@ def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig
 def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
     @dg.op(name=f"replay_stream_{stream.id}",
            description=f"Replay events of stream {stream.id} from pgstream.events through its {stream.sink.type} sink.")
-    def _op(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: PgstreamResource,
+    def _op(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: dg.ResourceParam[PgstreamResource],
             pyspark: PySparkResource) -> int:
         if config.dead_letters or config.dead_letter_ids:
             return _redeliver_dead_letters(context, stream, config, pgstream)

@@ -1,28 +1,29 @@
-"""Dagster resources: access to the pgstream configuration and database.
+"""The ``pgstream`` resource: the location's configuration, read once with the definitions, and
+connections to its database.
 
-The resource's own config is only the path of ``pgstream.yaml``: the database URL and the sink
-credentials stay inside that file / the environment and never appear in run config or the UI.
+A plain object handed to ops, sensors, assets and checks as it is (``dg.ResourceParam``): it has no
+config schema, so nothing of it appears in run config or the UI; the database URL and the sink
+credentials stay ``SecretStr`` inside it. Every definition of the location sees the same
+configuration: ``pgstream.yaml`` plus the streams declared as ``StreamComponent``s.
 """
 
 from __future__ import annotations
 
-from functools import cached_property
-
-import dagster as dg
 import psycopg
 
-from ..config import PgstreamConfig, StreamConfig, load_config
+from ..config import PgstreamConfig, StreamConfig
 
 
-# not ConfigurableResource[...]: subscripting the pydantic generic makes another class at runtime
-class PgstreamResource(dg.ConfigurableResource):  # type: ignore[type-arg]
-    """The pgstream configuration file and a way to connect to its database."""
+class PgstreamResource:
+    """The pgstream configuration of the code location and a way to connect to its database."""
 
-    config_path: str
+    def __init__(self, config: PgstreamConfig, config_path: str) -> None:
+        self.config = config
+        #: the pgstream.yaml the configuration was read from (named in messages)
+        self.config_path = config_path
 
-    @cached_property
-    def config(self) -> PgstreamConfig:
-        return load_config(self.config_path)
+    def __repr__(self) -> str:  # never the URL
+        return f"PgstreamResource({self.config_path!r}, streams {[s.id for s in self.config.streams]})"
 
     def stream(self, stream_id: int) -> StreamConfig:
         return self.config.stream(stream_id)

@@ -221,7 +221,7 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         description=f"Reads slot {stream.slot}, records batches of stream {stream.id} and requests "
                     f"one delivery run at a time, in order.",
     )
-    def _sensor(context: dg.SensorEvaluationContext, pgstream: PgstreamResource) -> dg.SensorResult:
+    def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         log: list[str] = []
         with pgstream.connect() as conn:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,11 +105,12 @@ def _db_error(exc: psycopg.Error) -> str:
     return diag.message_primary or str(exc).strip().splitlines()[0]
 
 
-def validate_all(conn: psycopg.Connection, config: PgstreamConfig, source: str) -> None:
-    """Validate every YAML subscription against the database (tables, columns, expressions) without
-    writing anything. Raises ``SubscriptionError`` naming the file, the subscription and the reason."""
+def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], source: str) -> None:
+    """Validate the subscriptions of a file (``source``) against the database (tables, columns,
+    expressions) without writing anything. Raises ``SubscriptionError`` naming the file, the
+    subscription and the reason."""
     with conn.transaction(force_rollback=True):
-        for i, sub in enumerate(config.subscriptions):
+        for i, sub in enumerate(subscriptions):
             try:
                 with conn.transaction():
                     conn.execute("select pgstream.validate_subscription("
@@ -126,18 +128,19 @@ class StreamApply:
     hand_made: int  # subscriptions of the stream not managed by the YAML (left alone)
 
 
-def apply_stream(conn: psycopg.Connection, config: PgstreamConfig, stream_id: int, source: str,
+def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int, source: str,
                  selected: set[Identity] | None = None, remove_absent: bool = True) -> StreamApply:
     """Apply the YAML subscriptions of one stream in one transaction through ``set_subscriptions``.
 
     ``selected`` (default: all) are written from the YAML; the stream's other YAML-managed
     subscriptions are passed back unchanged, so a partial apply never drops them. With
     ``remove_absent``, YAML-managed subscriptions no longer in the YAML are deleted. Subscriptions
-    created in SQL are never touched. The whole file is validated first: any invalid subscription
-    raises ``SubscriptionError`` and nothing changes.
+    created in SQL are never touched. ``subscriptions`` are those of the file that declares the
+    stream (``source``: pgstream.yaml, or a StreamComponent's defs.yaml), all validated first: any
+    invalid subscription raises ``SubscriptionError`` and nothing changes.
     """
-    validate_all(conn, config, source)
-    yaml_subs = [s for s in config.subscriptions if s.stream_id == stream_id]
+    validate_all(conn, subscriptions, source)
+    yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
     declared = {identity(s) for s in yaml_subs}
     written = [s for s in yaml_subs if selected is None or identity(s) in selected]
     written_ids = {identity(s) for s in written}

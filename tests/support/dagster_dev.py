@@ -1,4 +1,4 @@
-"""Running `dagster dev` the way a user does, for end-to-end tests: databases of its own, the
+"""Running `dg dev` (`make dev`) the way a user does, for end-to-end tests: databases of its own, the
 process group, GraphQL, and a clean stop (no process of it may survive)."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def drop_databases(pg: LocalPostgres, dbs: Databases) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# `dagster dev`, as a user starts it
+# `dg dev`, as a user starts it
 
 
 @dataclass
@@ -84,10 +84,11 @@ def repo_root() -> Path:
 def start_dagster_dev(tmp_path: Path, env: dict[str, str]) -> DagsterDev:
     port = free_port()
     log = tmp_path / "dagster-dev.log"
-    dagster = Path(sys.executable).with_name("dagster")
+    dg = Path(sys.executable).with_name("dg")  # what `make dev` runs (`dagster dev` is superseded by it)
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(dagster), "dev", "-w", str(repo_root() / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
+            [str(dg), "dev", "--workspace", str(repo_root() / "workspace.yaml"), "--host", "127.0.0.1",
+             "--port", str(port)],
             cwd=repo_root(), env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -135,7 +136,7 @@ def stop_process_group(proc: subprocess.Popen[bytes]) -> list[int]:
     pgid = proc.pid  # start_new_session: the leader's pid is the group id
     tree = descendants(proc.pid)
     outside = [pid for pid in tree if _pgid(pid) not in (None, pgid)]
-    print(f"stopping `dagster dev`: {len(tree)} descendants, {len(outside)} outside its process group")
+    print(f"stopping `dg dev`: {len(tree)} descendants, {len(outside)} outside its process group")
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
@@ -170,14 +171,14 @@ def stop_process_group(proc: subprocess.Popen[bytes]) -> list[int]:
 
 def wait_for(what: str, done: Callable[[], bool], timeout: float, dev: DagsterDev,
              details: Callable[[], str] = lambda: "") -> float:
-    """Poll ``done`` until true; returns the seconds waited. On timeout (or when ``dagster dev``
+    """Poll ``done`` until true; returns the seconds waited. On timeout (or when ``dg dev``
     dies) fail with the tail of its log."""
     started = time.monotonic()
     while True:
         if done():
             return time.monotonic() - started
         if dev.proc.poll() is not None:
-            pytest.fail(f"`dagster dev` exited with {dev.proc.returncode} while waiting for {what}\n"
+            pytest.fail(f"`dg dev` exited with {dev.proc.returncode} while waiting for {what}\n"
                         f"{details()}\n--- tail of {dev.log} ---\n{dev.tail()}")
         if time.monotonic() - started > timeout:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{details()}\n"

@@ -15,7 +15,6 @@ import yaml
 
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import DELIVERY_JOB
-from pgstream_dagster.defs.resources import PgstreamResource
 
 
 def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
@@ -74,7 +73,7 @@ class Driver:
         sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
         ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursors.get(stream_id),
                                       sensor_name=sensor.name,
-                                      resources={"pgstream": PgstreamResource(config_path=str(self.config_path))})
+                                      resources={"pgstream": self.defs.resources["pgstream"]})
         result = sensor.evaluate_tick(ctx)
         self.cursors[stream_id] = result.cursor
         self.observations += [e for e in result.asset_events or [] if isinstance(e, dg.AssetObservation)]

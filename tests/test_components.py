@@ -1,0 +1,268 @@
+"""The definitions layer the Dagster way: the defs folder loads with ``dg check defs`` / ``dg list
+defs``; a stream declared as a ``pgstream_dagster.StreamComponent`` in a ``defs.yaml`` gives the
+same definitions as the same stream in ``pgstream.yaml``, is validated by the same models (same
+messages) and may collide with no pgstream.yaml stream; the resource holds every stream."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+import yaml
+
+import pgstream_dagster
+from pgstream_dagster.config import ConfigError, HousekeepingConfig, load_config
+from pgstream_dagster.defs.components import StreamComponent
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.resources import PgstreamResource
+
+from .conftest import repo_root
+
+DG = Path(sys.executable).with_name("dg")
+URL = "postgresql://app:hunter2@127.0.0.1:1/pgstream"
+SECRET = "s3cr3t-token"
+#: what Dagster adds to the assets of any component (where it was declared), not pgstream's
+COMPONENT_METADATA = {"dagster/code_references", "dagster/component_origin"}
+
+STREAM_1: dict[str, Any] = {"id": 1, "sink": {"type": "memory", "name": "one"}}
+STREAM_2: dict[str, Any] = {
+    "id": 2, "slot_name": "orders_slot", "batch": {"max_size": 50, "max_fill_secs": 0.2},
+    "sink": {"type": "http", "url": "http://127.0.0.1:9/hook", "headers": {"Authorization": "Bearer ${HOOK_TOKEN}"}},
+    "delivery": {"linger_secs": 30, "on_reject": "dead_letter"}, "sensor": {"interval_secs": 2},
+    "checks": {"max_undelivered_age_secs": 60},
+}
+SUBS_1 = [{"key": "signup", "stream_id": 1, "operation": "INSERT", "table_name": "users", "column_names": ["id"]}]
+SUBS_2 = [{"key": "order-paid", "operation": "UPDATE", "schema_name": "shop", "table_name": "orders",
+           "when_clause": "new.paid and not old.paid", "column_names": ["id", "total"],
+           "payload_extensions": [{"json_path": "group_id", "expression": "new.customer_id::text"}]},
+          {"key": "signup", "operation": "INSERT", "table_name": "users", "trigger_mode": "statement"}]
+
+
+def _project(root: Path, component: dict[str, Any] | str | None, streams: list[dict[str, Any]] | None = None,
+             subscriptions: list[dict[str, Any]] | None = None) -> str:
+    """A dg project of a user of pgstream-dagster: pgstream.yaml, a defs folder with pgstream's
+    shared definitions and (``component``) ``defs/orders/defs.yaml`` declaring a StreamComponent
+    (attributes, or the file's text). Returns its root module (unique: it is imported)."""
+    module = f"pgstream_user_{uuid.uuid4().hex[:8]}"
+    (root / "pyproject.toml").write_text(f'[tool.dg]\ndirectory_type = "project"\n\n[tool.dg.project]\n'
+                                         f'root_module = "{module}"\nregistry_modules = ["pgstream_dagster"]\n')
+    defs = root / module / "defs"
+    defs.mkdir(parents=True)
+    (root / module / "__init__.py").write_text("")
+    (root / module / "definitions.py").write_text(
+        "from pathlib import Path\n\nimport dagster as dg\n\n\n@dg.definitions\ndef defs() -> dg.Definitions:\n"
+        "    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)\n")
+    (defs / "__init__.py").write_text("")
+    (defs / "pgstream.py").write_text("from pgstream_dagster.defs.location import pgstream_location  # noqa: F401\n")
+    (root / "pgstream.yaml").write_text(yaml.safe_dump({
+        "database_url": "${TEST_PG_URL}", "streams": streams or [STREAM_1],
+        "subscriptions": SUBS_1 if subscriptions is None else subscriptions, "spark": {"master": "local[1]"}}))
+    if component is not None:
+        (defs / "orders").mkdir()
+        text = component if isinstance(component, str) else yaml.safe_dump(
+            {"type": "pgstream_dagster.StreamComponent", "attributes": component})
+        (defs / "orders" / "defs.yaml").write_text(text)
+    return module
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
+    monkeypatch.setenv("TEST_PG_URL", URL)
+    monkeypatch.setenv("HOOK_TOKEN", SECRET)
+    monkeypatch.setenv("PGSTREAM_CONFIG", str(tmp_path / "pgstream.yaml"))
+    return {"TEST_PG_URL": URL, "HOOK_TOKEN": SECRET, "PGSTREAM_CONFIG": str(tmp_path / "pgstream.yaml")}
+
+
+def _load(root: Path, module: str, monkeypatch: pytest.MonkeyPatch) -> dg.Definitions:
+    monkeypatch.syspath_prepend(str(root))
+    return dg.load_from_defs_folder(project_root=root)
+
+
+def _dg(args: list[str], cwd: Path, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``dg`` as a user runs it in a project; this checkout's package first on the path, a
+    throw-away Dagster instance (the repo's dagster.yaml wants a Postgres)."""
+    home = tmp_path / f"dagster_home_{uuid.uuid4().hex[:6]}"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    path = os.pathsep.join([str(repo_root()), str(cwd)])
+    run_env = {**os.environ, **env, "DAGSTER_HOME": str(home), "PYTHONPATH": path, "NO_COLOR": "1",
+               "COLUMNS": "250"}
+    return subprocess.run([str(DG), *args], cwd=cwd, env=run_env, capture_output=True, text=True, timeout=600)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_dg_check_and_list_defs_of_this_project(tmp_path: Path) -> None:
+    env = {"PGSTREAM_DATABASE_URL": URL}
+    checked = _dg(["check", "defs"], repo_root(), env, tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "All definitions loaded successfully" in checked.stdout + checked.stderr
+    listed = _dg(["list", "defs"], repo_root(), env, tmp_path)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    for name in ("pgstream_stream_1", "pgstream_delivery", "pgstream_stream_control", "pgstream_replay_stream_1",
+                 "pgstream_housekeeping", "pgstream_checks", "pgstream_subscriptions",
+                 "pgstream/stream_1/deliveries", "pgstream/events_partitions"):
+        assert name in listed.stdout, (name, listed.stdout)
+    assert "hunter2" not in listed.stdout + listed.stderr
+
+
+def test_dg_scaffold_check_and_a_bad_defs_yaml_in_a_users_project(tmp_path: Path, env: dict[str, str]) -> None:
+    _project(tmp_path, None)
+    scaffolded = _dg(["scaffold", "defs", "pgstream_dagster.StreamComponent", "orders", "--id", "7",
+                      "--table-name", "orders"], tmp_path, env, tmp_path)
+    assert scaffolded.returncode == 0, scaffolded.stdout + scaffolded.stderr
+    (written,) = tmp_path.glob("*/defs/orders/defs.yaml")
+    text = written.read_text()
+    assert text.startswith("# A pgstream stream and its subscriptions")
+    attributes = yaml.safe_load(text)["attributes"]
+    assert attributes["id"] == 7 and attributes["subscriptions"][0]["table_name"] == "orders"
+    checked = _dg(["check", "defs"], tmp_path, env, tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    listed = _dg(["list", "defs"], tmp_path, env, tmp_path)
+    assert "pgstream_stream_7" in listed.stdout and "pgstream_stream_1" in listed.stdout, listed.stdout
+
+    written.write_text(text.replace("max_size: 1000", "max_size: 0").replace("operation: INSERT", "operation: UPSERT"))
+    broken = _dg(["check", "defs"], tmp_path, env, tmp_path)
+    out = broken.stdout + broken.stderr
+    assert broken.returncode != 0
+    assert f"{written}: attributes.batch.max_size: Input should be greater than or equal to 1" in out, out
+    assert (f"{written}: attributes.subscriptions[0].operation: Input should be 'INSERT', 'UPDATE' or 'DELETE' "
+            f"(subscription 'orders-insert')") in out, out
+
+
+def _spec_view(spec: dg.AssetSpec) -> dict[str, Any]:
+    return {"group": spec.group_name, "kinds": spec.kinds,
+            "deps": sorted(d.asset_key.to_user_string() for d in spec.deps),
+            "code_version": spec.code_version, "skippable": spec.skippable,
+            "condition": spec.automation_condition.get_label() if spec.automation_condition else None,
+            "metadata": {k: v for k, v in spec.metadata.items() if k not in COMPONENT_METADATA}}
+
+
+def _view(defs: dg.Definitions) -> dict[str, Any]:
+    repo = defs.get_repository_def()
+    graph = repo.asset_graph
+    return {
+        "assets": {spec.key.to_user_string(): _spec_view(spec) for spec in defs.resolve_all_asset_specs()},
+        "checks": sorted((k.asset_key.to_user_string(), k.name, graph.get_check_spec(k).blocking)
+                         for k in graph.asset_check_keys),
+        "jobs": sorted(j.name for j in repo.get_all_jobs()),
+        "replay_tags": {j.name: dict(j.tags) for j in repo.get_all_jobs() if j.name.startswith("pgstream_replay")},
+        "schedules": sorted((s.name, str(s.cron_schedule)) for s in repo.schedule_defs),
+        "sensors": sorted((s.name, s.minimum_interval_seconds, s.description, s.default_status)
+                          for s in repo.sensor_defs),
+        "subscriptions_target": sorted(k.to_user_string() for k in repo.get_sensor_def("pgstream_subscriptions")
+                                       .asset_selection.resolve(graph)),  # type: ignore[union-attr]
+        "resources": sorted(defs.resources or {}),
+    }
+
+
+def test_stream_component_gives_the_definitions_of_the_same_stream_in_pgstream_yaml(
+        tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    project, single = tmp_path / "project", tmp_path / "single"
+    project.mkdir()
+    single.mkdir()
+    module = _project(project, {**STREAM_2, "subscriptions": SUBS_2})
+    monkeypatch.setenv("PGSTREAM_CONFIG", str(project / "pgstream.yaml"))
+    from_component = _load(project, module, monkeypatch)
+
+    # the same two streams, both in one pgstream.yaml
+    _project(single, None, streams=[STREAM_1, STREAM_2],
+             subscriptions=[*SUBS_1, *({**s, "stream_id": 2} for s in SUBS_2)])
+    from_yaml = build_definitions(single / "pgstream.yaml")
+
+    component_view, yaml_view = _view(from_component), _view(from_yaml)
+    assert component_view == yaml_view
+    assert "pgstream_stream_2" in {s[0] for s in yaml_view["sensors"]}
+    assert {"pgstream/stream_2/deliveries", "pgstream/stream_2/status", "pgstream/stream_2/subscription_set",
+            "pgstream/stream_2/subscriptions/order_paid_update_shop_orders", "postgres/shop/orders",
+            "postgres/public/users"} <= set(yaml_view["assets"])
+
+    # one resource, read once, holding every stream: the shared delivery job finds the component's
+    resource = from_component.resources["pgstream"]  # type: ignore[index]
+    assert isinstance(resource, PgstreamResource)
+    assert resource.config == from_yaml.resources["pgstream"].config  # type: ignore[index]
+    assert resource.stream(2).sink.type == "http" and resource.stream(2).slot == "orders_slot"
+    assert [s.key for s in resource.config.subscriptions if s.stream_id == 2] == ["order-paid", "signup"]
+    # nothing secret in what Dagster shows
+    assert "hunter2" not in repr(resource) and SECRET not in repr(resource)
+    meta = str([spec.metadata for spec in from_component.resolve_all_asset_specs()])
+    assert SECRET not in meta and "hunter2" not in meta
+    component = dg.ComponentTree.for_project(project).load_component("orders")
+    assert isinstance(component, pgstream_dagster.StreamComponent) and SECRET not in repr(component)
+
+
+def test_a_bad_defs_yaml_gives_the_pgstream_yaml_error(tmp_path: Path, env: dict[str, str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = {**STREAM_2, "batch": {"max_size": 0}, "delivery": {"ordering": "sideways"},
+           "subscriptions": [{"key": "x", "operation": "INSERT", "table_name": "t", "trigger_mode": "sometimes"}]}
+    module = _project(tmp_path, bad)
+    with pytest.raises(Exception) as raised:
+        _load(tmp_path, module, monkeypatch)
+    error = raised.value.__cause__
+    assert isinstance(error, ConfigError), raised.value
+    defs_yaml = tmp_path / module / "defs" / "orders" / "defs.yaml"
+    assert str(error).splitlines() == [
+        f"{defs_yaml}: attributes.batch.max_size: Input should be greater than or equal to 1",
+        f"{defs_yaml}: attributes.delivery.ordering: Input should be 'global' or 'by_key'",
+        f"{defs_yaml}: attributes.subscriptions[0].trigger_mode: Input should be 'row' or 'statement' "
+        f"(subscription 'x')",
+    ]
+    assert SECRET not in str(raised.value)
+
+    # the same mistakes in pgstream.yaml: the same messages
+    in_yaml = tmp_path / "in_yaml.yaml"
+    in_yaml.write_text(yaml.safe_dump({"database_url": URL, "streams": [{k: v for k, v in bad.items()
+                                                                          if k != "subscriptions"}],
+                                       "subscriptions": [{**bad["subscriptions"][0], "stream_id": 2}]}))
+    with pytest.raises(ConfigError) as from_yaml:
+        load_config(in_yaml)
+    assert [line.split(": ", 2)[2] for line in str(from_yaml.value).splitlines()] == \
+        [line.split(": ", 2)[2] for line in str(error).splitlines()]
+
+
+@pytest.mark.parametrize(("component", "message"), [
+    ({"id": 1, "sink": {"type": "memory"}}, "stream ids must be unique, duplicated: [1]"),
+    ({"id": 3, "slot_name": "pgstream_stream_1", "sink": {"type": "memory"}},
+     "streams 1 and 3 both read replication slot pgstream_stream_1"),
+    ({"id": 3, "sink": {"type": "memory"}, "subscriptions": [{"key": "k", "stream_id": 4, "operation": "INSERT",
+                                                              "table_name": "t"}]},
+     "subscriptions[0] ('k') uses stream_id 4, which is not this stream's id 3 (leave stream_id out)"),
+])
+def test_component_streams_collide_with_nothing(tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                                                component: dict[str, Any], message: str) -> None:
+    module = _project(tmp_path, component)
+    with pytest.raises(Exception) as raised:
+        _load(tmp_path, module, monkeypatch)
+    assert isinstance(raised.value.__cause__, ConfigError), raised.value
+    assert message in str(raised.value.__cause__)
+    if "subscriptions" not in component:  # the collision names both sources
+        assert f"{tmp_path / 'pgstream.yaml'} + {tmp_path / module / 'defs' / 'orders' / 'defs.yaml'}" in \
+            str(raised.value.__cause__)
+
+
+def test_stream_component_is_exported_without_importing_dagster_for_the_engine() -> None:
+    assert pgstream_dagster.StreamComponent is StreamComponent
+    assert "StreamComponent" in dir(pgstream_dagster)
+    code = "import sys, pgstream_dagster.engine.spark, pgstream_dagster.sinks; print('dagster' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(repo_root())})
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("cron", ["0 3 * * *", "*/5 * * * *", "@daily", "0 0 1-7 * mon", "15 2 L * *"])
+def test_cron_accepted(cron: str) -> None:
+    assert HousekeepingConfig(cron=cron).cron == cron
+    dg.ScheduleDefinition(name="s", cron_schedule=cron, target=dg.AssetSelection.all())  # Dagster agrees
+
+
+@pytest.mark.parametrize("cron", ["daily", "61 * * * *", "* * * * * *", "0 0 30 2 *", "0 0 31 feb *", ""])
+def test_cron_refused(cron: str) -> None:
+    with pytest.raises(ValueError, match="not a valid cron expression"):
+        HousekeepingConfig(cron=cron)
