@@ -1,16 +1,21 @@
 """The Dagster code location (``workspace.yaml``, ``[tool.dagster]`` and ``[tool.dg]`` point here).
 
-``dg.load_from_defs_folder`` loads ``pgstream_dagster/defs/``: ``pgstream.yaml``
-(``$PGSTREAM_CONFIG``, default ``./pgstream.yaml``) and the shared definitions
-(``defs/location.py``), and every ``pgstream_dagster.StreamComponent`` declared in a ``defs.yaml``
-below it.
+It loads the defs folder ``pgstream_dagster/defs/``: ``pgstream.yaml`` (``$PGSTREAM_CONFIG``,
+default ``./pgstream.yaml``) and the shared definitions (``defs/location.py``), and every
+``pgstream_dagster.StreamComponent`` declared in a ``defs.yaml`` below it.
+
+This is what ``dg.load_from_defs_folder`` does, given the defs module itself instead of a path to
+search for ``pyproject.toml``: an installed wheel has no ``pyproject.toml`` beside the package.
 """
 
 from pathlib import Path
 
 import dagster as dg
 
+from . import defs as defs_module
+
 
 @dg.definitions
 def defs() -> dg.Definitions:
-    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
+    tree = dg.ComponentTree.from_module(defs_module=defs_module, project_root=Path(__file__).resolve().parent)
+    return tree.build_defs()

@@ -6,6 +6,7 @@ messages) and may collide with no pgstream.yaml stream; the resource holds every
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -22,7 +23,7 @@ from pgstream_dagster.defs.components import StreamComponent
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.resources import PgstreamResource
 
-from .conftest import repo_root
+from .support.dagster_dev import repo_root
 
 DG = Path(sys.executable).with_name("dg")
 URL = "postgresql://app:hunter2@127.0.0.1:1/pgstream"
@@ -266,3 +267,28 @@ def test_cron_accepted(cron: str) -> None:
 def test_cron_refused(cron: str) -> None:
     with pytest.raises(ValueError, match="not a valid cron expression"):
         HousekeepingConfig(cron=cron)
+
+
+def test_the_code_location_loads_from_an_installed_package_without_pyproject(tmp_path: Path) -> None:
+    """As a wheel installs it: the package (with sql/ inside, as [tool.hatch...force-include] puts
+    it) in a site directory with no pyproject.toml or dg.toml above it."""
+    site = tmp_path / "site"
+    shutil.copytree(repo_root() / "pgstream_dagster", site / "pgstream_dagster",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo_root() / "sql", site / "pgstream_dagster" / "sql")
+    config = tmp_path / "pgstream.yaml"
+    config.write_text(yaml.safe_dump({"database_url": "postgresql://127.0.0.1:1/none",
+                                      "streams": [{"id": 3, "sink": {"type": "memory"}}]}))
+    code = ("import pgstream_dagster, pgstream_dagster.engine.migrations as m\n"
+            "from pgstream_dagster.definitions import defs\n"
+            "d = defs()\n"
+            "print(pgstream_dagster.__file__, m.sql_dir())\n"
+            "print(sorted({j.name for j in d.jobs}), sorted(s.name for s in d.sensors))\n")
+    env = {**os.environ, "PYTHONPATH": str(site), "PGSTREAM_CONFIG": str(config)}
+    env.pop("DAGSTER_HOME", None)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    where, names = result.stdout.strip().splitlines()[-2:]
+    assert where.startswith(str(site / "pgstream_dagster")) and str(site / "pgstream_dagster" / "sql") in where
+    assert "'pgstream_delivery'" in names and "'pgstream_replay_stream_3'" in names and "'pgstream_stream_3'" in names
