@@ -1,0 +1,82 @@
+"""A delivery run owns one sink for its whole life: every round of an open (lingering) run publishes
+through it, and it is closed when the run ends, whether the run succeeds or fails."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from pgstream_dagster.sinks import MemorySink
+
+from .harness import Driver, insert_events, write_config
+from .test_failover import stream_row
+from .test_open_runs import STREAM, Background, _ids, _tick_until
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    """The memory sink's name for this test (its deliveries and sink counts)."""
+    sink = f"run-sink-{uuid.uuid4().hex[:8]}"
+    yield sink
+    MemorySink.reset(sink)
+
+
+def _config(name: str, linger: float) -> dict[str, Any]:
+    return {"id": STREAM, "batch": {"max_size": 20, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
+            "retry": {"initial_backoff_secs": 0.2, "max_backoff_secs": 0.5},
+            "delivery": {"linger_secs": linger, "chunk_size": 10}, "sink": {"type": "memory", "name": name}}
+
+
+def _delivered(name: str) -> list[int]:
+    return [e.id for e in MemorySink.delivered(name)]
+
+
+def test_an_open_run_delivers_every_round_through_one_sink(db_url: str, tmp_path: Path,
+                                                           instance: dg.DagsterInstance, name: str) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(name, linger=4)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 30)
+    (request,) = driver.tick(STREAM).run_requests
+    run = Background(driver, request)
+    _tick_until(driver, lambda: len(_delivered(name)) >= 30)
+    for wave in range(3):  # each wave is a round of the open run
+        insert_events(db_url, STREAM, 25, 1000 * (wave + 1))
+        expected = len(_ids(db_url))
+        assert _tick_until(driver, lambda expected=expected: len(_delivered(name)) >= expected) == []
+        assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 0)  # the same sink, still open
+    result = run.wait(timeout=30)  # idle for linger_secs: the run closes and succeeds
+    assert result.success
+    rounds = [e for e in result.all_events if e.event_type_value == "ASSET_MATERIALIZATION"]
+    assert len(rounds) >= 4  # the first load and a round per wave at least
+    assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 1)  # closed when the run ended
+    assert _delivered(name) == _ids(db_url)  # each event once, in commit order (one writer: id order)
+
+
+def test_a_run_that_fails_in_a_later_round_closes_its_sink(db_url: str, tmp_path: Path,
+                                                           instance: dg.DagsterInstance, name: str) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(name, linger=30)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 20)
+    (request,) = driver.tick(STREAM).run_requests
+    run = Background(driver, request)
+    _tick_until(driver, lambda: len(_delivered(name)) >= 20)
+    MemorySink.fail_next(name)  # the open run's next publish call fails
+    insert_events(db_url, STREAM, 40, 100)
+    _tick_until(driver, lambda: not run.thread.is_alive())
+    assert not run.wait(timeout=5).success
+    assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 1)  # closed on failure too
+    # failover: catch-up runs (which do not linger) deliver the rest, each through a sink of its own
+    deadline = time.monotonic() + 120
+    while _delivered(name) != _ids(db_url) or stream_row(db_url)["failover_since"] is not None:
+        assert time.monotonic() < deadline, "did not recover"
+        for req in driver.tick(STREAM).run_requests or []:
+            assert Background(driver, req).wait(timeout=120).success
+    runs = len(driver.results)
+    assert runs >= 2 and MemorySink.opened(name) == MemorySink.closed(name) == runs
+    assert _delivered(name) == _ids(db_url)  # nothing lost or repeated: the failed call delivered nothing
