@@ -37,14 +37,21 @@ def _delivered(name: str) -> list[int]:
     return [e.id for e in MemorySink.delivered(name)]
 
 
-def test_an_open_run_delivers_every_round_through_one_sink(db_url: str, tmp_path: Path,
-                                                           instance: dg.DagsterInstance, name: str) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(name, linger=4)]), instance)
+def _open_run(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, name: str, linger: float,
+              events: int) -> tuple[Driver, Background]:
+    """A run of ``events`` events, in the background, once it delivered them (it stays open)."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(name, linger)]), instance)
     driver.tick(STREAM)
-    insert_events(db_url, STREAM, 30)
+    insert_events(db_url, STREAM, events)
     (request,) = driver.tick(STREAM).run_requests
     run = Background(driver, request)
-    _tick_until(driver, lambda: len(_delivered(name)) >= 30)
+    _tick_until(driver, lambda: len(_delivered(name)) >= events)
+    return driver, run
+
+
+def test_an_open_run_delivers_every_round_through_one_sink(db_url: str, tmp_path: Path,
+                                                           instance: dg.DagsterInstance, name: str) -> None:
+    driver, run = _open_run(db_url, tmp_path, instance, name, linger=4, events=30)
     for wave in range(3):  # each wave is a round of the open run
         insert_events(db_url, STREAM, 25, 1000 * (wave + 1))
         expected = len(_ids(db_url))
@@ -60,12 +67,7 @@ def test_an_open_run_delivers_every_round_through_one_sink(db_url: str, tmp_path
 
 def test_a_run_that_fails_in_a_later_round_closes_its_sink(db_url: str, tmp_path: Path,
                                                            instance: dg.DagsterInstance, name: str) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(name, linger=30)]), instance)
-    driver.tick(STREAM)
-    insert_events(db_url, STREAM, 20)
-    (request,) = driver.tick(STREAM).run_requests
-    run = Background(driver, request)
-    _tick_until(driver, lambda: len(_delivered(name)) >= 20)
+    driver, run = _open_run(db_url, tmp_path, instance, name, linger=30, events=20)
     MemorySink.fail_next(name)  # the open run's next publish call fails
     insert_events(db_url, STREAM, 40, 100)
     _tick_until(driver, lambda: not run.thread.is_alive())
