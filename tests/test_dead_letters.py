@@ -25,9 +25,9 @@ from pgstream_dagster.engine.deadletters import DeadLetterError
 from pgstream_dagster.engine.status import render_status, stream_status
 from pgstream_dagster.sinks import MemorySink
 
+from .support.dagster_instance import run_log
 from .support.endpoint import Endpoint
 from .support.harness import read_jsonl, write_config
-from .test_replay import run_log
 
 
 def events(conn: psycopg.Connection, stream_id: int, n: int, tag: str = "e") -> list[int]:

@@ -472,66 +472,46 @@ def test_sasl_credentials_from_the_environment_fail_fast_without_leaking(
         assert password not in text
 
 
-def test_a_cleanly_closed_producer_serves_the_next_sink_and_a_failed_one_never_does(broker: str) -> None:
-    from pgstream_dagster.sinks import kafka
-
+def test_a_sink_keeps_its_producer_for_its_whole_life_and_drops_a_failed_one(broker: str) -> None:
     topic = create_topic(broker)
     events = make_events(40)
-    config = {"type": "kafka", "bootstrap_servers": broker, "topic": topic, "options": {"client.id": unique("pool")}}
-    first = build_sink(config)
+    config = {"type": "kafka", "bootstrap_servers": broker, "topic": topic, "options": {"client.id": unique("life")}}
+    sink = build_sink(config)  # a delivery run keeps one sink for all its rounds
+    assert isinstance(sink, KafkaSink)
     started = time.monotonic()
-    first.publish(events[:10])
+    sink.publish(events[:10])
     cold = time.monotonic() - started
-    producer = first._producer  # type: ignore[attr-defined]
-    first.close()
-    first.close()  # idempotent
-
-    second = build_sink(config)  # a new round of the same stream: same producer settings
+    producer = sink._producer
     started = time.monotonic()
-    second.publish(events[10:20])
+    sink.publish(events[10:20])  # a later round of the run
     warm = time.monotonic() - started
-    assert second._producer is producer  # type: ignore[attr-defined]
+    assert sink._producer is producer
     assert warm < cold  # a new idempotent producer waits 0.5-1 s for its producer id
-    with build_sink({**config, "reuse_producer": False}) as third:  # not from the pool, not into it
-        third.publish(events[20:30])
-        assert third._producer is not producer  # type: ignore[attr-defined]
-    second.close()
-    with build_sink(config) as fourth:
-        fourth.publish(events[30:])
-        assert fourth._producer is producer  # type: ignore[attr-defined]
+    sink.close()
+    assert sink._producer is None  # flushed and dropped
+    sink.close()  # idempotent
+    with build_sink(config) as other:  # another run: a producer of its own
+        other.publish(events[20:30])
+        assert other._producer is not None and other._producer is not producer  # type: ignore[attr-defined]
+    sink.publish(events[30:])  # a closed sink starts a new producer if used again
+    sink.close()
     messages = read_topic(broker, topic, 1, len(events))
     assert [int(header(m, "pgstream-event-id")) for m in messages] == [e.id for e in events]
 
     dead = {"type": "kafka", "bootstrap_servers": f"127.0.0.1:{free_port()}", "topic": topic, "timeout_secs": 1,
-            "options": {"client.id": unique("pool")}}
+            "options": {"client.id": unique("life")}}
     failing = build_sink(dead)
     assert isinstance(failing, KafkaSink)
     with pytest.raises(SinkError):
         failing.publish(make_events(2))
+    assert failing._producer is None  # purged and dropped: what it held is never delivered later
     failing.close()
-    assert kafka._POOL.take(failing._pool_key()) is None  # a failed producer was purged and dropped
 
 
-def test_a_forked_child_never_uses_the_parents_pooled_producer(broker: str) -> None:
-    import multiprocessing
-
-    topic = create_topic(broker)
-    config = {"type": "kafka", "bootstrap_servers": broker, "topic": topic, "options": {"client.id": unique("fork")}}
-    with build_sink(config) as sink:
-        sink.publish(make_events(1))
-        key = sink._pool_key()  # type: ignore[attr-defined]
-    # the parent's producer is pooled now; a fork (multiprocessing's default on Linux) must not take it
-    context = multiprocessing.get_context("fork")
-    child = context.Process(target=_child_takes_nothing_from_the_pool, args=(key,))
-    child.start()
-    child.join(30)
-    assert child.exitcode == 0
-    from pgstream_dagster.sinks import kafka
-
-    assert kafka._POOL.take(key) is not None  # still the parent's
-
-
-def _child_takes_nothing_from_the_pool(key: str) -> None:
-    from pgstream_dagster.sinks import kafka
-
-    raise SystemExit(0 if kafka._POOL.take(key) is None else 3)
+def test_reuse_producer_of_0_1_configs_is_accepted_and_ignored() -> None:
+    """A pgstream.yaml written for 0.1 still loads: the producer pool is gone, the key is ignored."""
+    config = parse_sink_config({"type": "kafka", "bootstrap_servers": "127.0.0.1:9", "topic": "t",
+                                "reuse_producer": False})
+    assert isinstance(config, KafkaSinkConfig)
+    with pytest.raises(ValidationError, match="reuse_producr"):
+        parse_sink_config({"type": "kafka", "bootstrap_servers": "127.0.0.1:9", "topic": "t", "reuse_producr": 1})

@@ -16,8 +16,8 @@ from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.status import render_status, stream_status
 
 from .support.endpoint import Endpoint
-from .support.faults import stream_row
-from .support.harness import Driver, insert_events, write_config
+from .support.faults import sent_ids, stream_row
+from .support.harness import Background, Driver, insert_events, tick_until, write_config
 
 STREAM = 1
 
@@ -28,39 +28,6 @@ def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any
             "delivery": {"linger_secs": linger, "chunk_size": 10, **delivery}, "sink": endpoint.sink()}
 
 
-class Background:
-    """Executes one requested run in a thread (as the run launcher would), while the test ticks."""
-
-    def __init__(self, driver: Driver, request: dg.RunRequest) -> None:
-        self.result: dg.ExecuteInProcessResult | None = None
-        self.thread = threading.Thread(target=self._run, args=(driver, request), daemon=True)
-        self.thread.start()
-
-    def _run(self, driver: Driver, request: dg.RunRequest) -> None:
-        self.result = driver.execute(request)
-
-    def wait(self, timeout: float) -> dg.ExecuteInProcessResult:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the run did not end"
-        assert self.result is not None
-        return self.result
-
-
-def _ids(url: str) -> list[int]:
-    with psycopg.connect(url) as c:
-        return [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [STREAM])]
-
-
-def _tick_until(driver: Driver, done: Any, timeout: float = 120) -> list[dg.RunRequest]:
-    """Tick until ``done()``; returns the run requests the ticks made (none are executed)."""
-    requests: list[dg.RunRequest] = []
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "timed out"
-        requests += driver.tick(STREAM).run_requests or []
-    return requests
-
-
 def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_path: Path,
                                                               instance: dg.DagsterInstance,
                                                               endpoint: Endpoint) -> None:
@@ -69,13 +36,13 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
     insert_events(db_url, STREAM, 30)
     (request,) = driver.tick(STREAM).run_requests
     run = Background(driver, request)
-    _tick_until(driver, lambda: len(endpoint.unique()) >= 30)
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 30)
     latencies = []
     for wave in range(4):  # the run is open: each wave is delivered by it, no new run is requested
         insert_events(db_url, STREAM, 25, 1000 * (wave + 1))
         committed = time.monotonic()
-        expected = len(_ids(db_url))
-        assert _tick_until(driver, lambda expected=expected: len(endpoint.unique()) >= expected) == []
+        expected = len(sent_ids(db_url))
+        assert tick_until(driver, STREAM, lambda expected=expected: len(endpoint.unique()) >= expected) == []
         latencies.append(time.monotonic() - committed)
     with psycopg.connect(db_url) as c:
         (open_key,) = c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone()
@@ -85,7 +52,7 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
         assert f"open run: {request.run_key}" in render_status(stream_status(c, STREAM))
     result = run.wait(timeout=30)  # idle for linger_secs: it closes and succeeds
     assert result.success
-    sent = _ids(db_url)
+    sent = sent_ids(db_url)
     assert endpoint.unique() == set(sent) and endpoint.duplicates() == 0
     assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
     with psycopg.connect(db_url) as c:
@@ -98,10 +65,10 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
 
     # once closed, a new batch gets a new run
     insert_events(db_url, STREAM, 5, 9000)
-    requests = _tick_until(driver, lambda: bool(driver.cursors) and _pending_launched(db_url))
+    requests = tick_until(driver, STREAM, lambda: bool(driver.cursors) and _pending_launched(db_url))
     assert len(requests) == 1 and requests[0].run_key != request.run_key
     assert driver.execute(requests[0]).success
-    assert endpoint.unique() == set(_ids(db_url))
+    assert endpoint.unique() == set(sent_ids(db_url))
 
 
 def _pending_launched(url: str) -> bool:
@@ -117,22 +84,22 @@ def test_sink_failure_in_a_later_round_enters_failover_and_loses_nothing(db_url:
     insert_events(db_url, STREAM, 20)
     (request,) = driver.tick(STREAM).run_requests
     run = Background(driver, request)
-    _tick_until(driver, lambda: len(endpoint.unique()) >= 20)
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 20)
     endpoint.mode = "error"  # the open run's next round fails
     insert_events(db_url, STREAM, 40, 100)
-    _tick_until(driver, lambda: not run.thread.is_alive())
+    tick_until(driver, STREAM, lambda: not run.thread.is_alive())
     assert not run.wait(timeout=5).success
-    _tick_until(driver, lambda: stream_row(db_url)["failover_since"] is not None)
+    tick_until(driver, STREAM, lambda: stream_row(db_url)["failover_since"] is not None)
     state = stream_row(db_url)
     assert state["open_run_key"] is None  # a failed run is closed: nothing is handed to it again
     endpoint.mode = "ok"
     insert_events(db_url, STREAM, 10, 500)
     deadline = time.monotonic() + 120
-    while endpoint.unique() != set(_ids(db_url)) or stream_row(db_url)["failover_since"] is not None:
+    while endpoint.unique() != set(sent_ids(db_url)) or stream_row(db_url)["failover_since"] is not None:
         assert time.monotonic() < deadline, "did not recover"
         for req in driver.tick(STREAM).run_requests or []:
             Background(driver, req).wait(timeout=120)  # catch-up runs do not linger: they end
-    assert endpoint.unique() == set(_ids(db_url))
+    assert endpoint.unique() == set(sent_ids(db_url))
     order = endpoint.first_seen_order()
     assert order == sorted(order)
 

@@ -1,5 +1,6 @@
 """The publisher (pgstream_dagster/engine/publish.py) on its own: order, vanished events, set-aside
-positions and permanent rejections, against an in-process sink that rejects chosen events."""
+positions and permanent rejections, against an in-process sink that rejects chosen events; what it
+yields (what the delivery run writes to the ledger), and when."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ from typing import Any
 import pytest
 
 from pgstream_dagster.engine.publish import (
+    BatchDone,
+    Confirmed,
+    Finished,
     MissingEventsError,
     OrderError,
-    Owed,
     Positioned,
+    Progress,
     RejectPolicy,
     RejectStormError,
+    Span,
+    drain,
+    owed_spans,
     publish,
 )
 from pgstream_dagster.sinks import Event, SinkError
@@ -80,9 +87,21 @@ class Recorder:
     def set_aside(self, batch_id: int, ord: int, event: Event, error: str, attempts: int) -> None:
         self.aside.append((batch_id, ord, event.id, error, attempts))
 
-    def kwargs(self, **more: Any) -> dict[str, Any]:
-        return {"on_batch_done": lambda b, n: self.done.append((b, n)),
-                "on_confirmed": lambda b, o: self.confirmed.append((b, o)), **more}
+    def run(self, config: Rejecting, rows: Iterator[Positioned], chunk_size: int, **options: Any) -> int:
+        """Publish through a sink of ``config``, consuming the deliveries as the delivery run does;
+        returns the events handled."""
+        handled = None
+        for delivery in publish(config.build(), rows, chunk_size, **options):
+            assert handled is None, "Finished is the last delivery"
+            match delivery:
+                case Confirmed(batch_id, ord):
+                    self.confirmed.append((batch_id, ord))
+                case BatchDone(batch_id, events):
+                    self.done.append((batch_id, events))
+                case Finished(count):
+                    handled = count
+        assert handled is not None
+        return handled
 
 
 def policy(rec: Recorder, **over: Any) -> RejectPolicy:
@@ -91,8 +110,8 @@ def policy(rec: Recorder, **over: Any) -> RejectPolicy:
 
 def test_in_order_with_batches_done_after_their_last_event() -> None:
     sink, rec = Rejecting(), Recorder()
-    owed = Owed(((1, 1, 3), (2, 1, 2)))
-    assert publish(sink, rows({1: [10, 11, 12], 2: [13, 14]}), 2, owed=owed, **rec.kwargs()) == 5
+    owed = [Span(1, 1, 3), Span(2, 1, 2)]
+    assert rec.run(sink, rows({1: [10, 11, 12], 2: [13, 14]}), 2, owed=owed) == 5
     assert sink.delivered == [10, 11, 12, 13, 14]
     assert rec.done == [(1, 3), (2, 2)]
     assert rec.confirmed[-1] == (2, 2)
@@ -106,15 +125,15 @@ def test_rows_out_of_order_stop_before_publishing() -> None:
         yield 1, 1, Event(1, 1, {}, None, NOW)
 
     with pytest.raises(OrderError, match=r"arrived after"):
-        publish(sink, bad(), 10)
+        drain(publish(sink.build(), bad(), 10))
     assert sink.delivered == []
 
 
 def test_a_vanished_event_stops_the_run_at_the_gap() -> None:
     sink, rec = Rejecting(), Recorder()
-    owed = Owed(((1, 1, 2), (2, 1, 3), (3, 1, 1)))
+    owed = [Span(1, 1, 2), Span(2, 1, 3), Span(3, 1, 1)]
     with pytest.raises(MissingEventsError) as info:
-        publish(sink, rows({1: [10, 11], 2: [12, None, 14], 3: [15]}), 100, owed=owed, **rec.kwargs())
+        rec.run(sink, rows({1: [10, 11], 2: [12, None, 14], 3: [15]}), 100, owed=owed)
     assert info.value.positions == [(2, 2)]
     # what came before the gap is delivered and confirmed; batch 1 is done; nothing after the gap is sent
     assert sink.delivered == [10, 11, 12]
@@ -124,18 +143,18 @@ def test_a_vanished_event_stops_the_run_at_the_gap() -> None:
 
 def test_vanished_events_at_the_end_and_whole_batches() -> None:
     sink, rec = Rejecting(), Recorder()
-    owed = Owed(((1, 1, 2), (2, 1, 2)))
+    owed = [Span(1, 1, 2), Span(2, 1, 2)]
     with pytest.raises(MissingEventsError) as info:
-        publish(sink, rows({1: [10, 11], 2: [None, None]}), 100, owed=owed, **rec.kwargs())
+        rec.run(sink, rows({1: [10, 11], 2: [None, None]}), 100, owed=owed)
     assert info.value.positions == [(2, 1), (2, 2)]
     assert sink.delivered == [10, 11] and rec.done == [(1, 2)]
 
 
 def test_set_aside_positions_are_skipped_whether_their_row_is_there_or_not() -> None:
     sink, rec = Rejecting(), Recorder()
-    owed = Owed(((1, 1, 3), (2, 1, 2)))
+    owed = [Span(1, 1, 3), Span(2, 1, 2)]
     skip = frozenset({(1, 2), (2, 1)})  # (1, 2) is still in the table, (2, 1) vanished
-    handled = publish(sink, rows({1: [10, 11, 12], 2: [None, 14]}), 100, owed=owed, skip=skip, **rec.kwargs())
+    handled = rec.run(sink, rows({1: [10, 11, 12], 2: [None, 14]}), 100, owed=owed, skip=skip)
     assert handled == 5
     assert sink.delivered == [10, 12, 14]
     assert rec.done == [(1, 3), (2, 2)]
@@ -148,22 +167,22 @@ def test_resuming_after_a_confirmed_prefix() -> None:
         for ord, event_id in ((3, 12), (4, 13)):
             yield 1, ord, Event(event_id, 1, {}, None, NOW)
 
-    assert publish(sink, resumed(), 10, owed=Owed(((1, 3, 4),)), **rec.kwargs()) == 2
+    assert rec.run(sink, resumed(), 10, owed=[Span(1, 3, 4)]) == 2
     assert rec.done == [(1, 2)]
 
 
 def test_block_policy_stops_at_a_permanent_rejection() -> None:
     sink, rec = Rejecting(permanent={12}), Recorder()
     with pytest.raises(SinkError, match="422"):
-        publish(sink, rows({1: [10, 11, 12, 13]}), 100, **rec.kwargs())
+        rec.run(sink, rows({1: [10, 11, 12, 13]}), 100)
     assert sink.delivered == [10, 11] and rec.aside == [] and rec.done == []
 
 
 def test_dead_letter_policy_retries_then_sets_aside_and_goes_on_in_order() -> None:
     sink, rec = Rejecting(permanent={12, 15}), Recorder()
-    owed = Owed(((1, 1, 4), (2, 1, 3)))
-    handled = publish(sink, rows({1: [10, 11, 12, 13], 2: [14, 15, 16]}), 3, owed=owed,
-                      reject=policy(rec, max_attempts=3), **rec.kwargs())
+    owed = [Span(1, 1, 4), Span(2, 1, 3)]
+    handled = rec.run(sink, rows({1: [10, 11, 12, 13], 2: [14, 15, 16]}), 3, owed=owed,
+                      reject=policy(rec, max_attempts=3))
     assert handled == 7
     assert sink.delivered == [10, 11, 13, 14, 16]
     assert [(b, o, e, n) for b, o, e, _err, n in rec.aside] == [(1, 3, 12, 3), (2, 2, 15, 3)]
@@ -176,7 +195,7 @@ def test_dead_letter_policy_retries_then_sets_aside_and_goes_on_in_order() -> No
 
 def test_a_request_rejected_as_a_whole_is_split_to_find_the_bad_event() -> None:
     sink, rec = Rejecting(permanent={12}, whole=True), Recorder()
-    handled = publish(sink, rows({1: [10, 11, 12, 13]}), 10, reject=policy(rec), **rec.kwargs())
+    handled = rec.run(sink, rows({1: [10, 11, 12, 13]}), 10, reject=policy(rec))
     assert handled == 4
     assert sorted(set(sink.delivered)) == [10, 11, 13]
     assert [e for _b, _o, e, _err, _n in rec.aside] == [12]
@@ -187,7 +206,7 @@ def test_a_request_rejected_as_a_whole_is_split_to_find_the_bad_event() -> None:
 def test_bisecting_a_large_refused_request_takes_few_calls() -> None:
     sink, rec = Rejecting(permanent={1000 + 300}, whole=True), Recorder()
     ids = list(range(1000, 1512))
-    assert publish(sink, rows({1: ids}), 512, reject=policy(rec, max_attempts=1), **rec.kwargs()) == 512
+    assert rec.run(sink, rows({1: ids}), 512, reject=policy(rec, max_attempts=1)) == 512
     assert sink.delivered == [i for i in ids if i != 1300]  # once each, in order
     assert [e for _b, _o, e, _err, _n in rec.aside] == [1300]
     assert len(sink.calls) <= 2 * 10 + 2  # ~2 calls per halving of 512, not one per event
@@ -209,7 +228,7 @@ def test_a_transient_error_while_isolating_stops_the_run() -> None:
 
     flaky = Config(permanent={11})
     with pytest.raises(SinkError, match="refused"):
-        publish(flaky, rows({1: [10, 11, 12]}), 10, reject=policy(rec), **rec.kwargs())
+        rec.run(flaky, rows({1: [10, 11, 12]}), 10, reject=policy(rec))
     assert flaky.delivered == [10] and rec.aside == []
     del sink
 
@@ -217,10 +236,118 @@ def test_a_transient_error_while_isolating_stops_the_run() -> None:
 def test_a_sink_that_rejects_everything_blocks_instead_of_setting_all_aside() -> None:
     sink, rec = Rejecting(permanent=set(range(10, 30))), Recorder()
     with pytest.raises(RejectStormError, match="5 events in a row"):
-        publish(sink, rows({1: list(range(10, 30))}), 10, reject=policy(rec, max_consecutive=5), **rec.kwargs())
+        rec.run(sink, rows({1: list(range(10, 30))}), 10, reject=policy(rec, max_consecutive=5))
     assert len(rec.aside) == 4 and sink.delivered == []
     # a delivered event in between resets the count
     sink, rec = Rejecting(permanent={10, 11, 12, 14, 15, 16}), Recorder()
-    assert publish(sink, rows({1: list(range(10, 18))}), 10, reject=policy(rec, max_consecutive=4),
-                   **rec.kwargs()) == 8
+    assert rec.run(sink, rows({1: list(range(10, 18))}), 10, reject=policy(rec, max_consecutive=4)) == 8
     assert sink.delivered == [13, 17] and len(rec.aside) == 6
+
+
+# -- what the publish loop yields: what the delivery run writes to the ledger, and when ---------------
+
+
+class Timeline(Rejecting):
+    """A sink config whose sinks write each publish call into ``timeline``, next to the deliveries
+    the test consumes: it shows what was published before each delivery reached the caller."""
+
+    def __init__(self, timeline: list[Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.timeline = timeline
+
+    class Sink(Rejecting.Sink):
+        closed = False
+
+        def publish(self, events: Sequence[Event]) -> None:
+            assert isinstance(self.config, Timeline)
+            self.config.timeline.append(("publish", [e.id for e in events]))
+            super().publish(events)
+
+        def close(self) -> None:
+            self.closed = True
+
+    def build(self) -> Timeline.Sink:  # type: ignore[override]
+        return Timeline.Sink(self)
+
+
+def test_each_delivery_reaches_the_caller_before_anything_more_is_published() -> None:
+    timeline: list[Any] = []
+    sink = Timeline(timeline).build()
+    owed = [Span(1, 1, 3), Span(2, 1, 2)]
+    for delivery in publish(sink, rows({1: [10, 11, 12], 2: [13, 14]}), 2, owed=owed):
+        timeline.append(delivery)
+    assert timeline == [
+        ("publish", [10, 11]), Confirmed(1, 2), Progress(2),
+        ("publish", [12, 13]), Confirmed(2, 1), Progress(4), BatchDone(1, 3),  # batch 1 done with the call
+        ("publish", [14]), Confirmed(2, 2), Progress(5), BatchDone(2, 2),      # carrying its last event
+        Finished(5),
+    ]
+    assert not sink.closed  # the caller's sink: a run keeps it for its next round
+    assert drain(publish(sink, rows({3: [15]}), 2)) == 1 and timeline[-1] == ("publish", [15])
+
+
+def test_closing_the_publish_loop_publishes_nothing_more() -> None:
+    timeline: list[Any] = []
+    sink = Timeline(timeline).build()
+    deliveries = publish(sink, rows({1: [10, 11, 12, 13]}), 2)
+    assert next(deliveries) == Confirmed(1, 2)
+    deliveries.close()
+    assert timeline == [("publish", [10, 11])] and not sink.closed
+
+
+@dataclass
+class LedgerBatch:
+    """What the publish loop's caller knows of a ledger batch (engine.ledger.Batch's fields that matter)."""
+
+    id: int
+    event_count: int
+    confirmed_count: int = 0
+    delivered: bool = False
+
+
+def _deliver(sink: Rejecting.Sink, batches: dict[int, LedgerBatch], table: dict[int, list[int]]) -> None:
+    """One attempt of a run over the batches not delivered, applying the deliveries to ``batches`` as
+    the run applies them to the ledger (mark_confirmed, mark_delivered)."""
+    owed = owed_spans([b for b in batches.values() if not b.delivered], resume=True)
+
+    def read() -> Iterator[Positioned]:  # what Spark reads: each span's ordinals
+        for span in owed:
+            for ord in range(span.first, span.last + 1):
+                yield span.batch_id, ord, Event(table[span.batch_id][ord - 1], 1, {}, None, NOW)
+
+    for delivery in publish(sink, read(), 2, owed=owed):
+        match delivery:
+            case Confirmed(batch_id, ord):
+                batch = batches[batch_id]
+                batch.confirmed_count = max(batch.confirmed_count, ord)
+            case BatchDone(batch_id, events):
+                assert events == next(s for s in owed if s.batch_id == batch_id).events
+                batches[batch_id].delivered = True
+
+
+def test_the_ledger_gets_what_the_sink_confirmed_and_a_retry_resumes_after_it() -> None:
+    table = {1: [10, 11, 12], 2: [13, 14, 15], 3: [16]}
+    batches = {b: LedgerBatch(b, len(ids)) for b, ids in table.items()}
+    config = Rejecting(transient={14})
+    with pytest.raises(SinkError, match="timed out"):
+        _deliver(config.build(), batches, table)  # [10, 11], [12, 13] confirmed; [14, 15] fails
+    assert (batches[1].delivered, batches[1].confirmed_count) == (True, 2)  # done: its prefix no longer matters
+    assert (batches[2].delivered, batches[2].confirmed_count) == (False, 1)
+    assert (batches[3].delivered, batches[3].confirmed_count) == (False, 0)
+    _deliver(config.build(), batches, table)  # the retry owes batch 2 from #2 on, and batch 3
+    assert all(b.delivered for b in batches.values())
+    assert config.delivered == [10, 11, 12, 13, 14, 15, 16]  # each once, in order: nothing lost, nothing repeated
+
+
+def test_a_batch_confirmed_in_full_is_owed_nothing() -> None:
+    owed = owed_spans([LedgerBatch(1, 3, confirmed_count=3), LedgerBatch(2, 2, confirmed_count=1)],
+                      resume=True)
+    assert owed == [Span(1, 4, 3), Span(2, 2, 2)] and [s.events for s in owed] == [0, 1]
+    assert owed_spans([LedgerBatch(2, 2, confirmed_count=1)], resume=False) == [Span(2, 1, 2)]
+    sink, rec = Rejecting(), Recorder()
+
+    def resumed() -> Iterator[Positioned]:
+        yield 2, 2, Event(14, 1, {}, None, NOW)
+
+    assert rec.run(sink, resumed(), 10, owed=owed) == 1
+    assert rec.done == [(2, 1)] and rec.confirmed == [(2, 2)]

@@ -16,6 +16,7 @@ from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CONTROL_JOB, STREAM_TAG, replay_job_name
 
+from .support.dagster_instance import run_log
 from .support.endpoint import Endpoint
 from .support.harness import Driver, backdated, event_ids, read_jsonl, write_config
 
@@ -54,17 +55,6 @@ def _ids_before(url: str, before: dt.date) -> list[int]:
     with psycopg.connect(url) as c:
         return [r[0] for r in c.execute(
             "select id from pgstream.events where stream_id = 1 and created_at < %s order by id", [before])]
-
-
-def run_log(instance: dg.DagsterInstance, result: dg.ExecuteInProcessResult) -> str:
-    """Everything the run logged, failures' error messages included."""
-    lines = []
-    for entry in instance.all_logs(result.run_id):
-        lines.append(entry.user_message)
-        event = entry.dagster_event
-        if event is not None and event.is_step_failure and event.step_failure_data.error:
-            lines.append(event.step_failure_data.error.to_string())
-    return "\n".join(lines)
 
 
 def test_replay_by_id_range_time_range_and_keys(replay_setup: tuple[Path, Path], db_url: str,

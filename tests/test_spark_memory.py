@@ -11,6 +11,7 @@ import psycopg
 from pyspark.sql import SparkSession
 
 from pgstream_dagster.engine import spark
+from pgstream_dagster.engine.publish import Span, drain
 from pgstream_dagster.sinks.file import FileSinkConfig
 
 
@@ -36,17 +37,18 @@ def test_ordered_delivery_keeps_the_driver_heap_flat(db_url: str, tmp_path: Path
     for key, value in spark.spark_conf("local[2]", None, {}).items():  # as the runs' resource does
         builder = builder.config(key, value)
     session = builder.getOrCreate()
-    sink = FileSinkConfig(path=str(tmp_path / "out.jsonl"))
-    frames = spark.load_batches(session, db_url, [(batch, 2000, 0)], "group_id", rows_per_partition=500,
+    sink = FileSinkConfig(path=str(tmp_path / "out.jsonl")).build()  # one sink for every round, as a run's
+    frames = spark.load_batches(session, db_url, [Span(batch, 1, 2000)], "group_id", rows_per_partition=500,
                                 packed=True)
     assert isinstance(frames, list) and len(frames) == 4  # one single-partition DataFrame per 500 events
-    assert spark.deliver_in_order(frames, sink, 500) == 2000  # warm-up
+    assert drain(spark.deliver_in_order(frames, sink, 500)) == 2000  # warm-up
     before = _heap_used_mb(session)
     rounds = 25  # 100 partitions, ~400 MB of payload moved through the driver
     for _ in range(rounds):
-        frames = spark.load_batches(session, db_url, [(batch, 2000, 0)], "group_id", rows_per_partition=500,
+        frames = spark.load_batches(session, db_url, [Span(batch, 1, 2000)], "group_id", rows_per_partition=500,
                                     packed=True)
-        assert spark.deliver_in_order(frames, sink, 500) == 2000
+        assert drain(spark.deliver_in_order(frames, sink, 500)) == 2000
+    sink.close()
     grown = _heap_used_mb(session) - before
     lines = (tmp_path / "out.jsonl").read_text().count("\n")
     assert lines == 2000 * (rounds + 1)

@@ -3,16 +3,23 @@ the stream's sink.
 
 ``load_batches`` checks the batches may run (the first is the stream's oldest open batch; the
 range holds only the stream's open batches) and loads them with PySpark; ``deliver_batches``
-publishes them in commit order (or per routing key) and marks each batch delivered as soon as the
-sink confirmed its last event, so a run that fails half-way keeps the progress it made. A run then
-stays open for ``delivery.linger_secs``: the sensor hands it every batch it records meanwhile, so
-fresh events are delivered by a warm process and Spark session. Each round of batches is a
+opens the stream's sink, publishes the batches in commit order (or per routing key) and marks each
+batch delivered as soon as the sink confirmed its last event, so a run that fails half-way keeps
+the progress it made. A run then stays open for ``delivery.linger_secs``: the sensor hands it
+every batch it records meanwhile, so fresh events are delivered by a warm process, Spark session
+and sink (one sink per run, closed when the run ends, however it ends). Each round of batches is a
 materialization of the stream's deliveries asset.
+
+The ordered publish loop (:func:`pgstream_dagster.engine.spark.deliver_in_order`) yields what the
+sink confirmed; the run writes it to the ledger before anything more is published:
+``Confirmed`` → ``ledger.mark_confirmed`` (a retry resumes after it), ``BatchDone`` →
+``ledger.mark_delivered``, ``Progress`` → the run log.
 """
 
 
 import datetime as dt
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +29,17 @@ from dagster_pyspark import PySparkResource
 
 from ..config import StreamConfig
 from ..engine import ledger, spark
-from ..engine.publish import MissingEventsError, Owed, RejectPolicy
+from ..engine.publish import (
+    BatchDone,
+    Confirmed,
+    Finished,
+    MissingEventsError,
+    Progress,
+    RejectPolicy,
+    Span,
+    owed_spans,
+)
+from ..sinks import Sink, build_sink
 from .names import CONTROL_JOB, DELIVERY_JOB, STREAM_TAG, deliveries_asset_key
 from .resources import PgstreamResource
 
@@ -75,17 +92,20 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
 
 @dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
                    "as soon as the sink confirmed all its events. While the run is open (delivery.linger_secs) "
-                   "it also delivers every batch the sensor hands it; each round is a materialization.")
+                   "it also delivers every batch the sensor hands it, through the same sink; each round is a "
+                   "materialization.")
 def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstream: dg.ResourceParam[PgstreamResource],
                     pyspark: PySparkResource) -> None:
     stream = pgstream.stream(loaded.stream_id)
     run_key = loaded.batches[0].run_key or ""
-    with loaded.lease as conn:  # released when the run ends (or its process dies)
+    # the lease is released when the run ends (or its process dies); the sink serves every round of the
+    # run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
+    with loaded.lease as conn, build_sink(stream.sink) as sink:
         ledger.listen_runs(conn, stream.id)
         linger = _Linger(context, conn, stream, run_key)
         batches, frame, started = loaded.batches, loaded.frame, loaded.started
         while True:
-            delivered = _deliver_round(context, conn, stream, batches, frame, pgstream.database_url)
+            delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream.database_url)
             _report_round(context, stream.id, batches, delivered, started)
             batches = linger.next_batches(batches[-1].id)
             if not batches:
@@ -149,12 +169,16 @@ class _Linger:
         return None
 
 
+def _owed(stream: StreamConfig, batches: list[ledger.Batch]) -> list[Span]:
+    """What the run owes of ``batches``: a retry resumes after the events the sink already confirmed
+    (global order only: ``by_key`` has no resume point)."""
+    return owed_spans(batches, resume=stream.delivery.ordering == "global")
+
+
 def _load(pyspark: PySparkResource, database_url: str, stream: StreamConfig, batches: list[ledger.Batch]) -> Any:
-    ordered = stream.delivery.ordering == "global"
-    return spark.load_batches(pyspark.spark_session, database_url,
-                              [(b.id, b.event_count, b.confirmed_count if ordered else 0) for b in batches],
+    return spark.load_batches(pyspark.spark_session, database_url, _owed(stream, batches),
                               stream.delivery.routing_key, rows_per_partition=stream.delivery.rows_per_partition,
-                              packed=ordered)
+                              packed=stream.delivery.ordering == "global")
 
 
 def _reject_policy(stream: StreamConfig, database_url: str) -> RejectPolicy | None:
@@ -183,56 +207,25 @@ def _vanished_failure(conn: psycopg.Connection, stream_id: int, batch_ids: list[
         metadata={"vanished_event_ids": dg.MetadataValue.json(ids[:1000])})
 
 
-def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig,
+def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig, sink: Sink,
                    batches: list[ledger.Batch], frame: Any, database_url: str) -> int:
-    """Deliver ``batches`` (loaded as ``frame``), marking each delivered; returns the events handled
-    (confirmed by the sink, or set aside as dead letters)."""
-    by_key = stream.delivery.ordering == "by_key"
+    """Deliver ``batches`` (loaded as ``frame``) through the run's ``sink``, marking each delivered;
+    returns the events handled (confirmed by the sink, or set aside as dead letters)."""
     batch_ids = [b.id for b in batches]
-    # a retry resumes after the events the sink already confirmed (global order only)
-    expected = {b.id: b.event_count - (0 if by_key else b.confirmed_count) for b in batches}
-    total = sum(expected.values())
-    step = max(stream.delivery.chunk_size, total // 10)
-    next_log = [step]
+    owed = _owed(stream, batches)
+    expected = {span.batch_id: span.events for span in owed}
     skip = ledger.dead_letter_positions(conn, stream.id, batch_ids)
     reject = _reject_policy(stream, database_url)
     before = ledger.count_dead_letters(conn, stream.id) if reject is not None else 0
-
-    def batch_done(batch_id: int, events: int) -> None:
-        if events != expected[batch_id]:
-            raise dg.Failure(f"batch {batch_id}: {expected[batch_id]} events were owed but {events} were "
-                             f"handled; refusing to mark it delivered")
-        if not ledger.mark_delivered(conn, batch_id, context.run_id):
-            raise dg.Failure(f"batch {batch_id} was already marked delivered by another run")
-
-    def progress(count: int) -> None:
-        if count >= next_log[0] and count < total:
-            context.log.info(f"stream {stream.id}: {count}/{total} events handled")
-            next_log[0] = count + step
-
-    for batch_id in [b for b, owed in expected.items() if owed == 0]:
-        batch_done(batch_id, 0)  # confirmed in full by an earlier run that died before marking it
+    for batch_id in [b for b, events in expected.items() if events == 0]:
+        _mark_delivered(context, conn, expected, batch_id, 0)  # confirmed in full by a run that died before marking it
     try:
-        if by_key:
-            # no resume point per batch: every event must be there (or set aside) before anything is sent
-            gone = [(b, o) for b, o, _e in ledger.vanished(conn, batch_ids)]
-            if any(p not in skip for p in gone):
-                raise MissingEventsError([p for p in gone if p not in skip])
-            gone_and_skipped = len(gone)
-            delivered = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size,
-                                             stream.delivery.parallelism, skip=skip, reject=reject)
-            if delivered + gone_and_skipped != total:
-                raise dg.Failure(f"the ledger lists {total} events but {delivered} were found in pgstream.events "
-                                 f"and handled; refusing to mark batches delivered")
+        if stream.delivery.ordering == "by_key":
+            delivered = _deliver_by_key(conn, stream, frame, batch_ids, sum(expected.values()), skip, reject)
             for b in batches:
-                batch_done(b.id, expected[b.id])
+                _mark_delivered(context, conn, expected, b.id, expected[b.id])
         else:
-            owed = Owed(tuple((b.id, b.confirmed_count + 1, b.event_count) for b in batches if expected[b.id] > 0))
-            delivered = spark.deliver_in_order(frame, stream.sink, stream.delivery.chunk_size,
-                                               batch_done, progress,
-                                               lambda batch_id, ord: ledger.mark_confirmed(conn, batch_id, ord),
-                                               prefetch=stream.delivery.prefetch_partitions,
-                                               skip=skip, reject=reject, owed=owed)
+            delivered = _deliver_in_order(context, conn, stream, sink, frame, owed, skip, reject)
     except MissingEventsError:
         raise _vanished_failure(conn, stream.id, batch_ids) from None
     missing = ledger.not_delivered(conn, batch_ids)
@@ -245,6 +238,58 @@ def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, str
                                                       if set_aside else ""))
     if set_aside:
         context.log.warning(f"stream {stream.id}: {set_aside} events were rejected by the sink and set aside")
+    return delivered
+
+
+def _mark_delivered(context: dg.OpExecutionContext, conn: psycopg.Connection, expected: dict[int, int],
+                    batch_id: int, handled: int) -> None:
+    """Every event the run owed of the batch was handled: mark it delivered."""
+    if handled != expected[batch_id]:
+        raise dg.Failure(f"batch {batch_id}: {expected[batch_id]} events were owed but {handled} were "
+                         f"handled; refusing to mark it delivered")
+    if not ledger.mark_delivered(conn, batch_id, context.run_id):
+        raise dg.Failure(f"batch {batch_id} was already marked delivered by another run")
+
+
+def _deliver_in_order(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig, sink: Sink,
+                      frame: Any, owed: list[Span], skip: frozenset[tuple[int, int]],
+                      reject: RejectPolicy | None) -> int:
+    """Global order: the publish loop yields what the sink confirmed and the run records each step in
+    the ledger before the loop publishes anything more. Returns the events handled."""
+    expected = {span.batch_id: span.events for span in owed}
+    total = sum(expected.values())
+    step = max(stream.delivery.chunk_size, total // 10)
+    next_log, delivered = step, 0
+    with closing(spark.deliver_in_order(frame, sink, stream.delivery.chunk_size,
+                                        prefetch=stream.delivery.prefetch_partitions,
+                                        skip=skip, reject=reject, owed=owed)) as deliveries:
+        for delivery in deliveries:
+            match delivery:
+                case Confirmed(batch_id, ord):  # a retry resumes after it
+                    ledger.mark_confirmed(conn, batch_id, ord)
+                case BatchDone(batch_id, events):
+                    _mark_delivered(context, conn, expected, batch_id, events)
+                case Progress(handled) if next_log <= handled < total:
+                    context.log.info(f"stream {stream.id}: {handled}/{total} events handled")
+                    next_log = handled + step
+                case Finished(handled):
+                    delivered = handled
+    return delivered
+
+
+def _deliver_by_key(conn: psycopg.Connection, stream: StreamConfig, frame: Any, batch_ids: list[int], total: int,
+                    skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
+    """Per routing key, on the executors (each Spark task with a sink of its own); nothing is marked
+    until every task is done. Returns the events handled."""
+    # no resume point per batch: every event must be there (or set aside) before anything is sent
+    gone = [(b, o) for b, o, _e in ledger.vanished(conn, batch_ids)]
+    if any(p not in skip for p in gone):
+        raise MissingEventsError([p for p in gone if p not in skip])
+    delivered = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size, stream.delivery.parallelism,
+                                     skip=skip, reject=reject)
+    if delivered + len(gone) != total:
+        raise dg.Failure(f"the ledger lists {total} events but {delivered} were found in pgstream.events "
+                         f"and handled; refusing to mark batches delivered")
     return delivered
 
 

@@ -14,6 +14,7 @@ any replay and never interleaves with the stream's deliveries.
 
 
 import time
+from contextlib import closing
 from typing import Any
 
 import dagster as dg
@@ -22,7 +23,9 @@ from pydantic import Field
 
 from ..config import StreamConfig
 from ..engine import deadletters, spark
+from ..engine.publish import Finished, Progress
 from ..engine.replay import ReplayError, dead_letter_selection, plan
+from ..sinks import build_sink
 from .names import REPLAY_TAG, STREAM_TAG, deliveries_asset_key, replay_job_name
 from .resources import PgstreamResource
 
@@ -109,20 +112,23 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
             to_time=params["to_time"].isoformat() if params["to_time"] else None,
             keys=config.subscription_keys or None, packed=True)
         step = max(10_000, count // 20)
-        next_log = [step]
-        first: list[tuple[float, int]] = []  # (time, count) of the first confirmed chunk
-
-        def progress(done: int) -> None:
-            if not first:
-                first.append((time.monotonic(), done))
-            if done >= next_log[0] and done < count:
-                rate = done / max(time.monotonic() - started, 1e-6)
-                context.log.info(f"replayed {done}/{count} events ({100 * done // count}%, {rate:.0f} events/s)")
-                next_log[0] = done + step
-
+        next_log, delivered = step, 0
+        first: tuple[float, int] | None = None  # (time, count) of the first confirmed chunk
         assert isinstance(frame, list)  # packed: one single-partition DataFrame per id range
-        delivered = spark.deliver_in_order(frame, stream.sink, config.chunk_size or stream.delivery.chunk_size,
-                                           on_progress=progress, prefetch=stream.delivery.prefetch_partitions)
+        with build_sink(stream.sink) as sink, closing(spark.deliver_in_order(
+                frame, sink, config.chunk_size or stream.delivery.chunk_size,
+                prefetch=stream.delivery.prefetch_partitions)) as deliveries:
+            for delivery in deliveries:
+                if isinstance(delivery, Progress):
+                    done = delivery.handled
+                    first = first or (time.monotonic(), done)
+                    if next_log <= done < count:
+                        rate = done / max(time.monotonic() - started, 1e-6)
+                        context.log.info(f"replayed {done}/{count} events ({100 * done // count}%, "
+                                         f"{rate:.0f} events/s)")
+                        next_log = done + step
+                elif isinstance(delivery, Finished):
+                    delivered = delivery.handled
         elapsed = time.monotonic() - started
         context.log.info(f"replay of stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
                          f"in {elapsed:.1f}s")
@@ -133,9 +139,9 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
             "kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
             "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
         if first:  # the rate once events flow (without Spark start-up and the first partition's read)
-            metadata["first_chunk_secs"] = round(first[0][0] - started, 3)
-            metadata["streaming_events_per_sec"] = round((delivered - first[0][1]) /
-                                                         max(time.monotonic() - first[0][0], 1e-6))
+            metadata["first_chunk_secs"] = round(first[0] - started, 3)
+            metadata["streaming_events_per_sec"] = round((delivered - first[1]) /
+                                                         max(time.monotonic() - first[0], 1e-6))
         context.log_event(dg.AssetMaterialization(asset_key=deliveries_asset_key(stream.id),
                                                   description=f"replay of {delivered} events", metadata=metadata))
         context.add_output_metadata({"events": delivered, "dry_run": False})

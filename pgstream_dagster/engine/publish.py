@@ -2,10 +2,17 @@
 permanent rejections. Plain Python (no Spark, no Dagster): the delivery job and replays feed it
 rows in delivery order from the driver, ``ordering: by_key`` partitions from the executors.
 
+The caller owns the sink (a delivery run opens one for its whole life) and :func:`publish` is a
+generator of what happened, in order: :class:`Confirmed` after every publish call the sink
+confirmed, :class:`Progress`, :class:`BatchDone` once a batch's last event is confirmed, and
+:class:`Finished` at the end. The generator is suspended while the caller handles an event, so
+nothing more is published until the caller has recorded it (the delivery run writes each one to
+the ledger).
+
 * **Order.** Rows carry their position ``(batch_id, ord)``; one that is not after the previous
   one stops everything before it is published (:class:`OrderError`).
-* **Nothing vanishes unnoticed.** Given the positions a run owes (:class:`Owed`), a position that
-  is neither read nor set aside stops the run before anything after it is published
+* **Nothing vanishes unnoticed.** Given the positions a run owes (:class:`Span` per batch), a
+  position that is neither read nor set aside stops the run before anything after it is published
   (:class:`MissingEventsError`, naming the positions): the events before it are confirmed, the
   rest waits for the operator (set the vanished events aside, or skip the batch).
 * **Set aside.** Positions in ``skip`` (events with a dead letter) are not published and count as
@@ -23,22 +30,86 @@ rows in delivery order from the driver, ``ordering: by_key`` partitions from the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
-from ..sinks import Event, SinkConfig, SinkError
+from ..sinks import Event, Sink, SinkError
+
+if TYPE_CHECKING:
+    from .ledger import Batch
 
 Position = tuple[int, int]
 """``(batch_id, ord)``: an event's place in the delivery order (ledger batch, 1-based ordinal in it)."""
 Positioned = tuple[int, int, Event]
 """``(batch_id, ord, event)``: an event and its place in the delivery order."""
-BatchDone = Callable[[int, int], None]
-"""Called with ``(batch_id, events)`` once every event of a batch in the run is handled."""
-Confirmed = Callable[[int, int], None]
-"""Called after every confirmed publish with the ``(batch_id, ord)`` of its last event."""
 SetAside = Callable[[int, int, Event, str, int], None]
 """``(batch_id, ord, event, error, attempts)``: record the event as a dead letter, durably, before
 the next event is published."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Ordinals ``first..last`` (1-based, inclusive) of ledger batch ``batch_id``, in its commit
+    order: what a run owes of a batch, and what one Spark partition reads of it. Empty when
+    ``first > last`` (an earlier attempt confirmed the whole batch)."""
+
+    batch_id: int
+    first: int
+    last: int
+
+    @property
+    def events(self) -> int:
+        return max(0, self.last - self.first + 1)
+
+    def split(self, size: int) -> list[Span]:
+        """The span in pieces of at most ``size`` ordinals, in order."""
+        return [Span(self.batch_id, lo, min(lo + size - 1, self.last)) for lo in range(self.first, self.last + 1, size)]
+
+
+def owed_spans(batches: Iterable[Batch], *, resume: bool) -> list[Span]:
+    """What a run owes of ``batches``, one span each, in delivery order: every event, or with
+    ``resume`` (ordered delivery) the events after the prefix an earlier attempt confirmed."""
+    return [Span(b.id, (b.confirmed_count if resume else 0) + 1, b.event_count) for b in batches]
+
+
+# --- what the publisher yields ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Confirmed:
+    """Every position owed up to ``(batch_id, ord)`` is handled (the sink confirmed it, or it was set
+    aside): a retry of the batch may resume after ``ord``."""
+
+    batch_id: int
+    ord: int
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """Every event of batch ``batch_id`` read or owed in this call is handled: ``events`` of them."""
+
+    batch_id: int
+    events: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Events handled so far (confirmed by the sink, set aside, or skipped)."""
+
+    handled: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Every row was handled: ``handled`` events in all. Always the last event."""
+
+    handled: int
+
+
+Delivery: TypeAlias = Confirmed | BatchDone | Progress | Finished
+"""What :func:`publish` yields."""
+Deliveries: TypeAlias = Generator[Delivery, None, None]
+"""A publish loop: close it to stop it (nothing more is published)."""
 
 
 class OrderError(RuntimeError):
@@ -70,110 +141,101 @@ class RejectPolicy:
     backoff_secs: float = 0.5
 
 
-@dataclass(frozen=True)
-class Owed:
-    """The positions a run owes, in delivery order: per batch its first and last ordinal."""
+def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: frozenset[Position] = frozenset(),
+            reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None) -> Deliveries:
+    """Publish ``rows`` (in the order owed) in chunks through ``sink`` (the caller's: it is not
+    closed here), yielding what happened (see the module docstring). A batch is reported done only
+    after the publish call that carried its last event returned. ``owed``: the spans the rows must
+    cover (a position missing from the rows and not in ``skip`` vanished)."""
+    return _Publisher(sink, chunk_size, skip, reject, owed).run(rows)
 
-    batches: tuple[tuple[int, int, int], ...]  # (batch_id, first_ord, last_ord)
+
+def drain(deliveries: Iterable[Delivery]) -> int:
+    """Run ``deliveries`` to the end; the events handled."""
+    handled = 0
+    for delivery in deliveries:
+        if isinstance(delivery, Finished):
+            handled = delivery.handled
+    return handled
 
 
 @dataclass
-class _State:
+class _Publisher:
+    sink: Sink
+    chunk_size: int
+    skip: frozenset[Position]
+    reject: RejectPolicy | None
+    owed: Sequence[Span] | None
     handled: int = 0  # published + set aside + skipped
     consecutive_rejects: int = 0
-    # per batch: events handled (for on_batch_done)
-    counts: dict[int, int] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)  # per batch: events handled (for BatchDone)
+    chunk: list[Event] = field(default_factory=list)
+    where: list[Position] = field(default_factory=list)  # the position of each event of ``chunk``
+    finished: list[int] = field(default_factory=list)  # batches whose last event is in ``chunk`` (or before)
+    current: int | None = None  # the batch of the last position accounted for
+    oi: int = 0  # the owed span of the next position owed
+    next_ord: int = 0
 
+    def __post_init__(self) -> None:
+        if self.owed is not None:
+            self.owed = [s for s in self.owed if s.events]
+            self.next_ord = self.owed[0].first if self.owed else 0
 
-def publish(sink_config: SinkConfig, rows: Iterator[Positioned], chunk_size: int, *,
-            on_batch_done: BatchDone | None = None, on_progress: Callable[[int], None] | None = None,
-            on_confirmed: Confirmed | None = None, skip: frozenset[Position] = frozenset(),
-            reject: RejectPolicy | None = None, owed: Owed | None = None) -> int:
-    """Publish ``rows`` (in the order owed) in chunks through a fresh sink; returns the events
-    handled (confirmed by the sink, set aside, or skipped). A batch is reported done only after
-    the publish call that carried its last event returned. See the module docstring."""
-    publisher = _Publisher(sink_config, chunk_size, on_batch_done, on_progress, on_confirmed, skip, reject)
-    try:
-        publisher.run(rows, owed)
-    finally:
-        publisher.sink.close()
-    return publisher.state.handled
-
-
-class _Publisher:
-    def __init__(self, sink_config: SinkConfig, chunk_size: int, on_batch_done: BatchDone | None,
-                 on_progress: Callable[[int], None] | None, on_confirmed: Confirmed | None,
-                 skip: frozenset[Position], reject: RejectPolicy | None) -> None:
-        self.sink = sink_config.build()
-        self.chunk_size = chunk_size
-        self.on_batch_done, self.on_progress, self.on_confirmed = on_batch_done, on_progress, on_confirmed
-        self.skip, self.reject = skip, reject
-        self.state = _State()
-        self.chunk: list[Event] = []
-        self.where: list[Position] = []  # the position of each event of ``chunk``
-        self.finished: list[int] = []  # batches whose last event is in ``chunk`` (or before)
-        self.current: int | None = None  # the batch of the last position accounted for
-        self.owed: list[tuple[int, int, int]] | None = None
-        self.oi = 0
-        self.next_ord = 0
-
-    def run(self, rows: Iterator[Positioned], owed: Owed | None) -> None:
-        self.owed = list(owed.batches) if owed is not None else None
-        self.oi = 0  # the owed batch of the next position owed
-        self.next_ord = self.owed[0][1] if self.owed else 0
-        owed_list = self.owed
+    def run(self, rows: Iterable[Positioned]) -> Deliveries:
+        owed = self.owed
         last: Position | None = None
         skip = self.skip
-        counts = self.state.counts
+        counts = self.counts
         for batch_id, ord, event in rows:
             position = (batch_id, ord)
             if last is not None and position <= last:
                 raise OrderError(f"row {position} arrived after {last}: refusing to publish out of order")
-            if owed_list is not None:
+            if owed is not None:
                 # fast path: the row is the next position owed
-                entry = owed_list[self.oi] if self.oi < len(owed_list) else None
-                if entry is not None and entry[0] == batch_id and self.next_ord == ord:
+                span = owed[self.oi] if self.oi < len(owed) else None
+                if span is not None and span.batch_id == batch_id and self.next_ord == ord:
                     self._advance()
-                else:
-                    self._account(position)
+                elif missing := self._account(position):
+                    yield from self._stop(missing)
             last = position
             if batch_id != self.current:
                 self._batch_ends()
                 self.current = batch_id
             counts[batch_id] = counts.get(batch_id, 0) + 1
             if skip and position in skip:
-                self.state.handled += 1
+                self.handled += 1
                 continue
             self.chunk.append(event)
             self.where.append(position)
             if len(self.chunk) >= self.chunk_size:
-                self.flush()
-        if owed_list is not None:
-            self._account(None)
+                yield from self._flush()
+        if owed is not None and (missing := self._account(None)):
+            yield from self._stop(missing)
         self._batch_ends()
-        self.flush()
+        yield from self._flush()
+        yield Finished(self.handled)
 
     def _advance(self) -> None:
         """Move to the next position owed."""
         assert self.owed is not None
-        if self.next_ord < self.owed[self.oi][2]:
+        if self.next_ord < self.owed[self.oi].last:
             self.next_ord += 1
             return
         self.oi += 1
-        self.next_ord = self.owed[self.oi][1] if self.oi < len(self.owed) else 0
+        self.next_ord = self.owed[self.oi].first if self.oi < len(self.owed) else 0
 
     def _batch_ends(self) -> None:
         if self.current is not None and self.current not in self.finished:
             self.finished.append(self.current)
 
-    def _account(self, upto: Position | None) -> None:
+    def _account(self, upto: Position | None) -> list[Position]:
         """Walk the owed positions up to ``upto`` (the row just read; None: to the end). Each one
-        passed over without a row must be set aside (``skip``), else it vanished."""
+        passed over without a row must be set aside (``skip``), else it vanished: returns those."""
         assert self.owed is not None
         missing: list[Position] = []
-        counts = self.state.counts
+        counts = self.counts
         while self.oi < len(self.owed):
-            position = (self.owed[self.oi][0], self.next_ord)
+            position = (self.owed[self.oi].batch_id, self.next_ord)
             if position == upto:
                 self._advance()
                 break
@@ -184,32 +246,30 @@ class _Publisher:
                 self.current = position[0]
             self._advance()
             if position in self.skip:
-                self.state.handled += 1
+                self.handled += 1
                 counts[position[0]] = counts.get(position[0], 0) + 1
                 continue
             missing.append(position)
         else:
             if upto is not None:
                 raise OrderError(f"row {upto} is not a position this run owes")
-        if missing:
-            self.flush()  # what came before the first gap is delivered (and its batches done); nothing after
-            raise MissingEventsError(missing)
+        return missing
 
-    def flush(self) -> None:
-        self.flush_chunk()
-        if self.on_batch_done is not None:
-            for batch_id in self.finished:
-                self.on_batch_done(batch_id, self.state.counts.get(batch_id, 0))
-        self.finished = []
+    def _stop(self, missing: list[Position]) -> Iterator[Delivery]:
+        """What came before the first gap is delivered (and its batches done); nothing after."""
+        yield from self._flush()
+        raise MissingEventsError(missing)
 
-    def flush_chunk(self) -> None:
-        if not self.chunk:
-            return
-        events, where = self.chunk, self.where
-        self.chunk, self.where = [], []
-        self._publish(events, where, 0, len(events))
+    def _flush(self) -> Iterator[Delivery]:
+        if self.chunk:
+            events, where = self.chunk, self.where
+            self.chunk, self.where = [], []
+            yield from self._publish(events, where, 0, len(events))
+        finished, self.finished = self.finished, []
+        for batch_id in finished:
+            yield BatchDone(batch_id, self.counts.get(batch_id, 0))
 
-    def _publish(self, events: list[Event], where: list[Position], lo: int, hi: int) -> None:
+    def _publish(self, events: list[Event], where: list[Position], lo: int, hi: int) -> Iterator[Delivery]:
         """Publish ``events[lo:hi]``; with a reject policy, isolate and set aside what the sink rejects
         for good. A request the sink refused as a whole (it names several events) is bisected: about
         log2(n) calls find the bad event instead of one call per event."""
@@ -219,35 +279,34 @@ class _Publisher:
             except SinkError as exc:
                 if self.reject is None or not exc.permanent:
                     raise
-                # the events before the first rejected one were confirmed (sink contract)
-                ids = set(exc.event_ids)
-                named = [i for i in range(lo, hi) if events[i].id in ids]
-                first = named[0] if named else lo
-                self._confirmed(where, lo, first)
-                if len(named) <= 1:
-                    self._alone(events[first], where[first], exc)
-                    lo = first + 1
-                    continue
-                end = named[-1] + 1
-                mid = (first + end) // 2
-                self._publish(events, where, first, mid)
-                self._publish(events, where, mid, end)
-                lo = end
+                rejected = exc
+            else:
+                yield from self._confirmed(where, lo, hi)
+                return
+            # the events before the first rejected one were confirmed (sink contract)
+            ids = set(rejected.event_ids)
+            named = [i for i in range(lo, hi) if events[i].id in ids]
+            first = named[0] if named else lo
+            yield from self._confirmed(where, lo, first)
+            if len(named) <= 1:
+                yield from self._alone(events[first], where[first], rejected)
+                lo = first + 1
                 continue
-            self._confirmed(where, lo, hi)
-            return
+            end = named[-1] + 1
+            mid = (first + end) // 2
+            yield from self._publish(events, where, first, mid)
+            yield from self._publish(events, where, mid, end)
+            lo = end
 
-    def _confirmed(self, where: list[Position], start: int, end: int) -> None:
+    def _confirmed(self, where: list[Position], start: int, end: int) -> Iterator[Delivery]:
         if end <= start:
             return
-        self.state.handled += end - start
-        self.state.consecutive_rejects = 0
-        if self.on_confirmed is not None:
-            self.on_confirmed(*where[end - 1])
-        if self.on_progress is not None:
-            self.on_progress(self.state.handled)
+        self.handled += end - start
+        self.consecutive_rejects = 0
+        yield Confirmed(*where[end - 1])
+        yield Progress(self.handled)
 
-    def _alone(self, event: Event, position: Position, first_error: SinkError) -> None:
+    def _alone(self, event: Event, position: Position, first_error: SinkError) -> Iterator[Delivery]:
         """Publish a rejected event on its own, retrying; set it aside when the sink keeps rejecting it."""
         policy = self.reject
         assert policy is not None
@@ -264,15 +323,14 @@ class _Publisher:
                     raise
                 error = exc
                 continue
-            self._confirmed([position], 0, 1)
+            yield from self._confirmed([position], 0, 1)
             return
-        if self.state.consecutive_rejects + 1 >= policy.max_consecutive:
+        if self.consecutive_rejects + 1 >= policy.max_consecutive:
             raise RejectStormError(
                 f"{policy.max_consecutive} events in a row were rejected (the last: event {event.id}, {error}); "
                 f"a sink that rejects everything is misconfigured: the stream waits instead of setting them aside",
                 sink=error.sink, event_ids=[event.id])
         policy.set_aside(position[0], position[1], event, str(error), attempts)
-        self.state.consecutive_rejects += 1
-        self.state.handled += 1
-        if self.on_confirmed is not None:
-            self.on_confirmed(*position)
+        self.consecutive_rejects += 1
+        self.handled += 1
+        yield Confirmed(*position)

@@ -19,20 +19,20 @@ the way to the sink (:attr:`Event.payload_json`).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from ..sinks import Event, SinkConfig
-from .publish import BatchDone, Confirmed, Owed, Position, Positioned, RejectPolicy, publish
+from ..sinks import Event, Sink, SinkConfig, build_sink
+from .publish import Deliveries, Position, Positioned, RejectPolicy, Span, drain, publish
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -83,19 +83,9 @@ order by e.id
 """
 
 
-@dataclass(frozen=True)
-class _Slice(InputPartition):
-    """Batch ``key``'s ordinals ``lo..hi`` (pgstream_batches) or event ids ``lo..hi`` (pgstream_events)."""
-    key: int
-    lo: int
-    hi: int
-
-
-def batch_slices(batches: list[tuple[int, int, int]], size: int) -> list[_Slice]:
-    """Partitions of ``batches`` ``(batch_id, event_count, confirmed)``: ordinals after the
-    confirmed ones, at most ``size`` each, in delivery order."""
-    return [_Slice(batch_id, lo, min(lo + size - 1, count))
-            for batch_id, count, done in batches for lo in range(done + 1, count + 1, size)]
+def partition_spans(spans: Sequence[Span], size: int) -> list[Span]:
+    """The partitions of ``spans``: at most ``size`` ordinals each, in delivery order."""
+    return [part for span in spans for part in span.split(size)]
 
 
 def _fetch(url: str, query: str, params: dict[str, Any]) -> Iterator[list[tuple[Any, ...]]]:
@@ -121,21 +111,19 @@ def _read(url: str, query: str, params: dict[str, Any], packed: bool) -> Iterato
 class BatchesReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.url = options[URL_OPTION]
-        # (batch id, event count, events already confirmed: reading starts after them)
-        self.batches: list[tuple[int, int, int]] = [(int(b), int(c), int(d))
-                                                    for b, c, d in json.loads(options["batches"])]
-        self.size = int(options.get("rows_per_partition", ROWS_PER_PARTITION))
+        # one partition per span (``spans``: the JSON of a list of Span fields)
+        self.spans = [Span(**fields) for fields in json.loads(options["spans"])]
         self.path = options.get("routing_key", "group_id").split(".")
         self.packed = options.get("packed") == "true"
-        self.slices = [_Slice(*s) for s in json.loads(options["slices"])] if options.get("slices") else None
 
-    def partitions(self) -> list[_Slice]:
-        return list(self.slices) if self.slices is not None else batch_slices(self.batches, self.size)
+    def partitions(self) -> list[InputPartition]:
+        return [InputPartition(span) for span in self.spans]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        assert isinstance(partition, _Slice)
-        yield from _read(self.url, _BATCH_QUERY, {"path": self.path, "batch_id": partition.key,
-                                                  "lo": partition.lo, "hi": partition.hi}, self.packed)
+        span = partition.value
+        assert isinstance(span, Span)
+        yield from _read(self.url, _BATCH_QUERY, {"path": self.path, "batch_id": span.batch_id,
+                                                  "lo": span.first, "hi": span.last}, self.packed)
 
 
 class EventsReader(DataSourceReader):
@@ -152,12 +140,11 @@ class EventsReader(DataSourceReader):
         self.packed = options.get("packed") == "true"
 
     def partitions(self) -> list[InputPartition]:
-        return [_Slice(0, lo, hi) for lo, hi in self.ranges]
+        return [InputPartition(r) for r in self.ranges]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        assert isinstance(partition, _Slice)
-        yield from _read(self.url, _EVENTS_QUERY, {**self.params, "lo": partition.lo, "hi": partition.hi},
-                         self.packed)
+        lo, hi = partition.value
+        yield from _read(self.url, _EVENTS_QUERY, {**self.params, "lo": lo, "hi": hi}, self.packed)
 
 
 class BatchesDataSource(DataSource):
@@ -211,27 +198,24 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str]) -> dict[s
     return conf
 
 
-def load_batches(spark: SparkSession, database_url: str, batches: list[tuple[int, int, int]], routing_key: str,
+def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
                  rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False) -> Frames:
-    """The events of ``batches`` (``(batch_id, event_count, confirmed_count)`` in delivery order),
-    without the first ``confirmed_count`` of each. ``packed``: in :data:`PACKED_SCHEMA` rows, as
-    one single-partition DataFrame per partition, in order (see :func:`deliver_in_order`)."""
+    """The events of ``spans`` (what a run owes of each batch, in delivery order: see
+    :func:`~pgstream_dagster.engine.publish.owed_spans`), in partitions of at most
+    ``rows_per_partition`` events. ``packed``: in :data:`PACKED_SCHEMA` rows, as one
+    single-partition DataFrame per partition, in order (see :func:`deliver_in_order`)."""
     spark.dataSource.register(BatchesDataSource)
 
-    def frame(slices: list[_Slice] | None) -> DataFrame:
-        reader = (spark.read.format(BATCHES_SOURCE)
-                  .option(URL_OPTION, database_url)
-                  .option("batches", json.dumps(batches))
-                  .option("routing_key", routing_key)
-                  .option("rows_per_partition", str(rows_per_partition))
-                  .option("packed", "true" if packed else "false"))
-        if slices is not None:
-            reader = reader.option("slices", json.dumps([[x.key, x.lo, x.hi] for x in slices]))
-        return reader.load()
+    def frame(parts: list[Span]) -> DataFrame:
+        return (spark.read.format(BATCHES_SOURCE)
+                .option(URL_OPTION, database_url)
+                .option("spans", json.dumps([dataclasses.asdict(part) for part in parts]))
+                .option("routing_key", routing_key)
+                .option("packed", "true" if packed else "false")
+                .load())
 
-    if not packed:
-        return frame(None)
-    return [frame([x]) for x in batch_slices(batches, rows_per_partition)]
+    parts = partition_spans(spans, rows_per_partition)
+    return [frame([part]) for part in parts] if packed else frame(parts)
 
 
 def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: list[tuple[int, int]],
@@ -302,34 +286,34 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Iterator[Any]:
                 ahead = pool.submit(frames[i + 1].collect)
 
 
-def deliver_in_order(frames: list[DataFrame], sink_config: SinkConfig, chunk_size: int,
-                     on_batch_done: BatchDone | None = None,
-                     on_progress: Callable[[int], None] | None = None,
-                     on_confirmed: Confirmed | None = None, prefetch: bool = True, *,
+def deliver_in_order(frames: list[DataFrame], sink: Sink, chunk_size: int, *, prefetch: bool = True,
                      skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
-                     owed: Owed | None = None) -> int:
+                     owed: Sequence[Span] | None = None) -> Deliveries:
     """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
-    are published chunk by chunk (:func:`pgstream_dagster.engine.publish.publish`: ``skip``, ``reject``
-    and ``owed`` are explained there). ``frames``: one single-partition DataFrame per partition, as
-    :func:`load_batches` / :func:`load_events` return them packed. ``prefetch``: Spark computes the
-    next partition while the driver publishes the current one (memory: two partitions instead of
-    one). Returns the events handled (confirmed, set aside or skipped)."""
+    are published chunk by chunk through ``sink`` (the caller's; a run keeps one for its whole life)
+    by :func:`pgstream_dagster.engine.publish.publish`, whose deliveries this yields (``skip``,
+    ``reject`` and ``owed`` are explained there). ``frames``: one single-partition DataFrame per
+    partition, as :func:`load_batches` / :func:`load_events` return them packed. ``prefetch``: Spark
+    computes the next partition while the driver publishes the current one (memory: two partitions
+    instead of one)."""
     rows: Iterator[Any] = _collected(frames, prefetch)
     packed = bool(frames) and is_packed(frames[0])
     events = _packed_events(rows) if packed else _row_events(rows)
-    return publish(sink_config, events, chunk_size, on_batch_done=on_batch_done, on_progress=on_progress,
-                   on_confirmed=on_confirmed, skip=skip, reject=reject, owed=owed)
+    yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed)
 
 
 def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int, *,
                    skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None) -> int:
     """Per routing key order: partitions by the key, each partition publishes its events in
-    commit order on an executor. Events of one key never reorder; keys proceed in parallel.
-    ``reject.set_aside`` runs on the executors (it must be picklable). Returns the events handled."""
+    commit order on an executor, through a sink of its own (built from ``sink_config`` by
+    :func:`~pgstream_dagster.sinks.build_sink`, as the run's, and closed when the partition is
+    done). Events of one key never reorder; keys proceed in parallel. ``reject.set_aside`` runs on
+    the executors (it must be picklable). Returns the events handled."""
     counter = df.sparkSession.sparkContext.accumulator(0)
 
     def publish_partition(rows: Iterator[Any]) -> None:
-        counter.add(publish(sink_config, _row_events(rows), chunk_size, skip=skip, reject=reject))
+        with build_sink(sink_config) as sink:
+            counter.add(drain(publish(sink, _row_events(rows), chunk_size, skip=skip, reject=reject)))
 
     (df.repartition(parallelism, "routing_key").sortWithinPartitions("batch_id", "ord")
        .foreachPartition(publish_partition))

@@ -465,6 +465,9 @@ class Sink(ABC):
     and raises :class:`SinkError` otherwise (some events may then have been delivered: callers retry
     the whole batch and rely on the event id being an idempotency key). A sink is used from one thread.
     A pickled sink unpickles as a fresh sink built from the same config (connections are not shipped).
+    A delivery run keeps one sink for its whole life (every round of an open run) and closes it when
+    the run ends: between calls a sink may sit idle for a while, and must notice a connection the
+    server closed meanwhile.
 
     Permanent rejections: a :class:`SinkError` with ``permanent=True`` says the destination refused
     the event(s) in ``event_ids`` for what they are (retrying the same bytes fails again), and that

@@ -22,12 +22,8 @@ invalid producer settings, an unknown topic (create it), and every other deliver
 
 from __future__ import annotations
 
-import atexit
-import json
 import logging
-import os
 import re
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, Self
@@ -93,9 +89,7 @@ class KafkaSinkConfig(SinkConfigBase):
     of logs, messages and the UI; ``options`` refuses them (every key naming a password, secret or
     passphrase, and ``sasl.oauthbearer.config``, ``ssl.key.pem``, the private key PEMs).
     ``timeout_secs``: a publish call fails unless the broker confirmed every message within this
-    time. ``reuse_producer``: :meth:`KafkaSink.close` hands a producer that ended cleanly to the
-    next sink of this process with the same producer settings (a new idempotent producer needs
-    0.5-1 s before its first message is sent; delivery builds a sink per round).
+    time.
     """
 
     type: Literal["kafka"] = "kafka"
@@ -107,7 +101,10 @@ class KafkaSinkConfig(SinkConfigBase):
     timeout_secs: float = Field(default=30, gt=0)
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     secret_options: dict[str, SecretStr] = Field(default_factory=dict)
-    reuse_producer: bool = True
+    #: accepted and ignored, so that configs written for 0.1 still load: a run keeps one sink (and its
+    #: producer) for all its rounds, which is what the producer pool of 0.1 approximated
+    reuse_producer: bool = Field(default=True, deprecated="ignored since a delivery run keeps one sink for its "
+                                                          "whole life; remove it")
 
     @model_validator(mode="after")
     def _valid(self) -> Self:
@@ -139,71 +136,11 @@ class _LibrdkafkaLog:
             log.debug("librdkafka: %s", scrub(msg % args if args else msg, self._secrets))
 
 
-class _Relay:
-    """The producer's ``error_cb``: forwards client errors to the sink using the producer, if any
-    (a pooled producer outlives the sink that created it)."""
-
-    def __init__(self) -> None:
-        self.target: KafkaSink | None = None
-
-    def __call__(self, error: Any) -> None:
-        target = self.target
-        if target is not None:
-            target._on_client_error(error)
-        else:
-            log.debug("kafka client error of an idle producer: %s", error)
-
-
-class _ProducerPool:
-    """Idle producers of this process, at most one per set of producer settings.
-
-    Kafka producers are meant to be long-lived; delivery builds a sink per round (every batch an
-    open run is handed), and a new idempotent producer waits 0.5-1 s for its producer id before it
-    sends anything. A producer enters the pool only from :meth:`KafkaSink.close` after a clean flush
-    (nothing pending, no fatal error): a failed producer is purged and dropped, never reused. Keyed
-    by process id too: a forked child never uses its parent's producers (librdkafka's threads do
-    not survive a fork), and keeps them referenced rather than destroying them.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: dict[tuple[int, str], tuple[Any, _Relay]] = {}
-        self._abandoned: list[Any] = []
-
-    def take(self, key: str) -> tuple[Any, _Relay] | None:
-        with self._lock:
-            return self._idle.pop((os.getpid(), key), None)
-
-    def give(self, key: str, producer: Any, relay: _Relay) -> bool:
-        with self._lock:
-            slot = (os.getpid(), key)
-            if slot in self._idle:
-                return False
-            self._idle[slot] = (producer, relay)
-            return True
-
-    def clear(self) -> None:
-        """Drop this process's idle producers (they hold nothing: each was flushed before it was pooled)."""
-        with self._lock:
-            mine = [k for k in self._idle if k[0] == os.getpid()]
-            for k in mine:
-                del self._idle[k]
-
-    def after_fork_in_child(self) -> None:
-        with self._lock:
-            self._abandoned += [producer for producer, _relay in self._idle.values()]
-            self._idle.clear()
-
-
-_POOL = _ProducerPool()
-atexit.register(_POOL.clear)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_POOL.after_fork_in_child)
-
-
 class KafkaSink(Sink):
-    """One producer per sink, created on first publish (or taken from the process's pool of idle
-    producers), flushed on :meth:`close` and then pooled (``reuse_producer``) or dropped."""
+    """One producer per sink, created on first publish and kept for the sink's whole life (a delivery
+    run keeps one sink for all its rounds: a new idempotent producer waits 0.5-1 s for its producer
+    id before it sends anything); replaced only after a failure (purged and dropped), flushed and
+    dropped on :meth:`close`."""
 
     type_name: ClassVar[str] = "kafka"
     config: KafkaSinkConfig
@@ -212,7 +149,6 @@ class KafkaSink(Sink):
         super().__init__(config)
         self._kafka = import_extra("kafka", "kafka", "confluent-kafka", "confluent_kafka")
         self._producer: Any = None
-        self._relay: _Relay | None = None
         self._client_error: str | None = None
         self._fatal_error: str | None = None
 
@@ -230,29 +166,17 @@ class KafkaSink(Sink):
             "message.timeout.ms": int(config.timeout_secs * 1000),
         }
 
-    def _pool_key(self) -> str:
-        return json.dumps(self._settings(), sort_keys=True, default=str)
-
     def _producer_for(self) -> Any:
         if self._producer is None:
             config = self.config
             self._client_error = self._fatal_error = None
-            pooled = _POOL.take(self._pool_key()) if config.reuse_producer else None
-            if pooled is not None:
-                producer, relay = pooled
-                producer.poll(0)  # what happened while it was idle is no news for this sink
-                relay.target = self
-                self._producer, self._relay = producer, relay
-                return producer
-            relay = _Relay()
             settings: dict[str, Any] = {
                 **self._settings(),
-                "error_cb": relay,
+                "error_cb": self._on_client_error,
                 "logger": _LibrdkafkaLog(config.secret_values()),
             }
             try:
                 self._producer = self._kafka.Producer(settings)
-                relay.target, self._relay = self, relay
             except (self._kafka.KafkaException, TypeError, ValueError) as exc:
                 # e.g. an unknown setting, max.in.flight > 5 (idempotence), an unsupported SASL mechanism
                 raise SinkError(scrub(f"kafka sink: invalid producer settings: {_describe_kafka_error(exc)}",
@@ -260,6 +184,10 @@ class KafkaSink(Sink):
         return self._producer
 
     def _on_client_error(self, error: Any) -> None:
+        """The producer's ``error_cb`` (served from its ``poll``/``flush``)."""
+        if self._producer is None:  # the last words of a producer being dropped (:meth:`_reset`)
+            log.debug("kafka client error of a dropped producer: %s", scrub(str(error), self.config.secret_values()))
+            return
         self._client_error = scrub(str(error), self.config.secret_values())
         log.debug("kafka client error: %s", self._client_error)
         if _is_fatal(error):
@@ -382,8 +310,6 @@ class KafkaSink(Sink):
         failover's back (the retry sends it again, in order)."""
         producer, self._producer = self._producer, None
         self._fatal_error = None
-        if self._relay is not None:
-            self._relay.target, self._relay = None, None
         if producer is not None:
             try:
                 producer.purge(in_queue=True, in_flight=True)
@@ -395,21 +321,16 @@ class KafkaSink(Sink):
         return SinkError.for_events("kafka", events, reason, self.config.secret_values(), permanent=permanent)
 
     def close(self) -> None:
-        """Flush; then pool the producer (``reuse_producer``, nothing pending, no fatal error) or drop it."""
-        producer, relay = self._producer, self._relay
-        if producer is None or relay is None:
+        """Flush, then drop the producer (librdkafka destroys it with the last reference); what it
+        could not deliver in ``timeout_secs`` is purged."""
+        producer = self._producer
+        if producer is None:
             return
         remaining = producer.flush(self.config.timeout_secs)
-        if remaining or self._fatal_error is not None:
-            if remaining:
-                log.warning("kafka sink: %d message(s) not confirmed by %s when closing; dropped", remaining,
-                            self.config.bootstrap_servers)
-            self._reset()
-            return
-        self._producer = self._relay = None
-        relay.target = None
-        if not (self.config.reuse_producer and _POOL.give(self._pool_key(), producer, relay)):
-            producer.flush(0)  # dropped: librdkafka destroys it with the last reference
+        if remaining:
+            log.warning("kafka sink: %d message(s) not confirmed by %s when closing; dropped", remaining,
+                        self.config.bootstrap_servers)
+        self._reset()
 
 
 def _is_credential(key: str) -> bool:

@@ -16,6 +16,9 @@ _lock = threading.Lock()
 _delivered: dict[str, list[Event]] = {}
 _failed_calls: dict[str, int] = {}
 _rejections: dict[str, dict[int, int]] = {}
+_injected: dict[str, int] = {}
+_opened: dict[str, int] = {}
+_closed: dict[str, int] = {}
 
 
 class MemorySinkConfig(SinkConfigBase):
@@ -32,6 +35,9 @@ class MemorySinkConfig(SinkConfigBase):
     that cannot say which event of a request it refused (an HTTP batch answered 400): a call of
     several events holding a rejected id delivers nothing and the error names every event of the
     call (a call of that one event is rejected as above). ``fail_times`` is checked first.
+
+    :meth:`MemorySink.fail_next` breaks the sinks of a ``name`` at run time, and
+    :meth:`MemorySink.opened` / :meth:`MemorySink.closed` count the sinks built and closed.
     """
 
     type: Literal["memory"] = "memory"
@@ -56,10 +62,15 @@ class MemorySink(Sink):
 
     def __init__(self, config: MemorySinkConfig) -> None:
         super().__init__(config)
+        self._closed = False
+        with _lock:
+            _opened[config.name] = _opened.get(config.name, 0) + 1
 
     def publish(self, events: Sequence[Event]) -> None:
         name = self.config.name
         with _lock:
+            if self._closed:
+                raise SinkError.for_events("memory", events, f"the sink {name!r} is closed")
             failed = _failed_calls.get(name, 0)
             if failed < self.config.fail_times:
                 _failed_calls[name] = failed + 1
@@ -68,6 +79,9 @@ class MemorySink(Sink):
                     events,
                     f"injected failure {failed + 1} of {self.config.fail_times} (fail_times) for {name!r}",
                 )
+            if _injected.get(name, 0) > 0:
+                _injected[name] -= 1
+                raise SinkError.for_events("memory", events, f"injected failure (fail_next) for {name!r}")
             rejected = self._first_rejected(events)
             if rejected is None:
                 _delivered.setdefault(name, []).extend(events)
@@ -95,6 +109,31 @@ class MemorySink(Sink):
                 return index, counts[event.id]
         return None
 
+    def close(self) -> None:
+        with _lock:
+            if not self._closed:
+                self._closed = True
+                _closed[self.config.name] = _closed.get(self.config.name, 0) + 1
+
+    @staticmethod
+    def fail_next(name: str = "default", times: int = 1) -> None:
+        """The next ``times`` publish calls on ``name`` (any sink of it) raise :class:`SinkError`
+        without delivering anything (not permanent)."""
+        with _lock:
+            _injected[name] = times
+
+    @staticmethod
+    def opened(name: str = "default") -> int:
+        """How many sinks of ``name`` were built (unpickled ones included)."""
+        with _lock:
+            return _opened.get(name, 0)
+
+    @staticmethod
+    def closed(name: str = "default") -> int:
+        """How many sinks of ``name`` were closed (each counted once)."""
+        with _lock:
+            return _closed.get(name, 0)
+
     @staticmethod
     def delivered(name: str = "default") -> list[Event]:
         """A copy of everything delivered so far under ``name``, in delivery order."""
@@ -109,8 +148,7 @@ class MemorySink(Sink):
 
     @staticmethod
     def reset(name: str = "default") -> None:
-        """Forget the events delivered under ``name``, its injected-failure and rejection counts."""
+        """Forget the events delivered under ``name``, its injected failures, rejection and sink counts."""
         with _lock:
-            _delivered.pop(name, None)
-            _failed_calls.pop(name, None)
-            _rejections.pop(name, None)
+            for state in (_delivered, _failed_calls, _rejections, _injected, _opened, _closed):
+                state.pop(name, None)

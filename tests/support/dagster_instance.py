@@ -56,3 +56,14 @@ def step_failure(result: dg.ExecuteInProcessResult) -> str:
     """The messages of the run's failed steps."""
     return "\n".join(e.step_failure_data.error.message for e in result.all_events
                      if e.is_step_failure and e.step_failure_data.error is not None)
+
+
+def run_log(instance: dg.DagsterInstance, result: dg.ExecuteInProcessResult) -> str:
+    """Everything the run logged, failures' error messages included."""
+    lines = []
+    for entry in instance.all_logs(result.run_id):
+        lines.append(entry.user_message)
+        event = entry.dagster_event
+        if event is not None and event.is_step_failure and event.step_failure_data.error:
+            lines.append(event.step_failure_data.error.to_string())
+    return "\n".join(lines)

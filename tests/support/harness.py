@@ -4,6 +4,7 @@ run it requests against the real Dagster instance, repeat."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,3 +96,31 @@ class Driver:
             tick = self.tick(stream_id)
             for request in tick.run_requests or []:
                 self.execute(request)
+
+
+class Background:
+    """Executes one requested run in a thread (as the run launcher would), while the test ticks."""
+
+    def __init__(self, driver: Driver, request: dg.RunRequest) -> None:
+        self.result: dg.ExecuteInProcessResult | None = None
+        self.thread = threading.Thread(target=self._run, args=(driver, request), daemon=True)
+        self.thread.start()
+
+    def _run(self, driver: Driver, request: dg.RunRequest) -> None:
+        self.result = driver.execute(request)
+
+    def wait(self, timeout: float) -> dg.ExecuteInProcessResult:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the run did not end"
+        assert self.result is not None
+        return self.result
+
+
+def tick_until(driver: Driver, stream_id: int, done: Callable[[], bool], timeout: float = 120) -> list[dg.RunRequest]:
+    """Tick until ``done()``; returns the run requests the ticks made (none are executed)."""
+    requests: list[dg.RunRequest] = []
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        requests += driver.tick(stream_id).run_requests or []
+    return requests
