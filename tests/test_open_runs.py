@@ -159,7 +159,7 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
             return int(bid)
 
         first = batch(1)
-        ledger.mark_launched(c, [first], "run-a", open_for=STREAM)
+        ledger.launch(c, STREAM, [first], "run-a", keep_open=True)
         second = batch(2)
         assert ledger.extend_run(c, STREAM, "run-a", 1000) == [second]
         assert ledger.extend_run(c, STREAM, "run-x", 1000) == []  # not the open run
@@ -172,9 +172,9 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
         assert ledger.extend_run(c, STREAM, "run-a", 1000) == []  # closed: never handed a batch again
 
         # the lock: a close waiting behind an assignment sees it and refuses
-        third = ledger.head(c, STREAM)
+        third = ledger.stream_state(c, STREAM, 1000).head
         assert third is not None
-        ledger.mark_launched(c, [third.id], "run-b", open_for=STREAM)
+        ledger.launch(c, STREAM, [third.id], "run-b", keep_open=True)
         fourth = batch(3)
         with psycopg.connect(db_url) as sensor:
             sensor.execute("select 1 from pgstream.streams where id = %s for update", [STREAM])
