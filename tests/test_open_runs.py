@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster.engine import ledger
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.status import render_status, stream_status
 
 from .endpoint import Endpoint
@@ -99,7 +100,8 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
     assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
     with psycopg.connect(db_url) as c:
         assert c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone() == (None,)
-        assert c.execute("select count(*) from pgstream.batches where status <> 'delivered'").fetchone() == (0,)
+        assert c.execute("select count(*) from pgstream.batches where status <> %s",
+                         [BatchStatus.DELIVERED]).fetchone() == (0,)
     rounds = [e for e in result.all_events if e.event_type_value == "ASSET_MATERIALIZATION"]
     assert len(rounds) >= 5  # the first load plus one round per wave at least
     assert sum(e.event_specific_data.materialization.metadata["events"].value for e in rounds) == len(sent)
@@ -115,7 +117,8 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
 
 def _pending_launched(url: str) -> bool:
     with psycopg.connect(url) as c:
-        return c.execute("select count(*) from pgstream.batches where status = 'launched'").fetchone() != (0,)
+        return c.execute("select count(*) from pgstream.batches where status = %s",
+                         [BatchStatus.LAUNCHED]).fetchone() != (0,)
 
 
 def test_sink_failure_in_a_later_round_enters_failover_and_loses_nothing(db_url: str, tmp_path: Path,
@@ -178,8 +181,8 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
         fourth = batch(3)
         with psycopg.connect(db_url) as sensor:
             sensor.execute("select 1 from pgstream.streams where id = %s for update", [STREAM])
-            sensor.execute("update pgstream.batches set status = 'launched', run_key = 'run-b' where id = %s",
-                           [fourth])
+            sensor.execute("update pgstream.batches set status = %s, run_key = 'run-b' where id = %s",
+                           [BatchStatus.LAUNCHED, fourth])
             ledger.mark_delivered(c, third.id, "r")
             outcome: list[bool] = []
             closer = threading.Thread(target=lambda: outcome.append(_close(db_url, "run-b")))

@@ -135,8 +135,8 @@ class RunStatus(StrEnum):
 
     NOT_FOUND = "not found"  # no run has the key (the tick that requested it died first)
     LIVE = "live"  # queued, starting or started
-    DEAD = "dead"  # started, but no delivery lease ``delivery.run_grace_secs`` after it started: its process died
-    FAILED = "failed"  # failed or canceled
+    DEAD = "started but dead"  # no delivery lease ``delivery.run_grace_secs`` after it started: its process died
+    FAILED = "failed or canceled"
     SUCCEEDED = "succeeded"
     OTHER = "other"  # between states (canceling): looked at again next time
 
