@@ -1,4 +1,11 @@
-"""The batch ledger (``pgstream.batches``) and the slot cursor that feeds it.
+"""The batch ledger (``pgstream.batches``) and the slot cursor that feeds it: recording batches,
+reading a stream's state in one query (:func:`stream_state`, for ``batches.decide``), the batch
+transitions (one function and one UPDATE each: :func:`assign`, :func:`open_run`,
+:func:`clear_open_run`, :func:`release`, :func:`mark_failed`, :func:`mark_confirmed`,
+:func:`mark_delivered`, :func:`enter_failover`, :func:`leave_failover`, :func:`retry_now`,
+:func:`skip_batch`), the run operations made of them (:func:`launch`, :func:`extend_run`,
+:func:`close_run`, :func:`fail_run`), :func:`apply` (a decision's action), and the delivery lease.
+Statuses are :class:`~.batches.BatchStatus` members; "open" is ``pgstream.batch_is_open(status)``.
 
 Invariants:
 * a transaction read from the slot is recorded in the ledger *whole*, in one database
