@@ -17,6 +17,7 @@ from pgstream_dagster.defs.checks import check_undelivered_age
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CHECKS_JOB, deliveries_asset_key
 from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
 
 from .support.dagster_instance import postgres_instance
@@ -142,7 +143,8 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     assert not ev.passed
     assert ev.metadata["undelivered_batches"].value == 1
     assert 7100 < ev.metadata["oldest_undelivered_age_secs"].value < 7300
-    execute(app, "update pgstream.batches set status = 'delivered', delivered_at = now()")
+    with psycopg.connect(app, autocommit=True) as c:
+        c.execute("update pgstream.batches set status = %s, delivered_at = now()", [BatchStatus.DELIVERED])
     assert checks.failing() == set()
 
     # events the ledger has not recorded yet (still waiting in the slot) count too

@@ -22,6 +22,7 @@ import pytest
 from dagster import DagsterRunStatus, RunsFilter
 
 from pgstream_dagster.defs.names import DELIVERY_JOB, STREAM_TAG
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import migrate
 
@@ -209,7 +210,7 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
 
         # 4. the ledger and Dagster agree: every batch delivered by a successful run
         wait_for("every batch of stream 1 to be delivered",
-                 lambda: bool(batches()) and all(b[1] == "delivered" for b in batches()), 60, dev, state)
+                 lambda: bool(batches()) and all(b[1] == BatchStatus.DELIVERED for b in batches()), 60, dev, state)
         recorded = batches()
         assert sum(b[2] for b in recorded) == 25, recorded
 

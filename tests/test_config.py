@@ -208,7 +208,7 @@ def test_the_largest_stream_id_is_accepted(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_failover_backoff_stays_finite_after_any_number_of_attempts(tmp_path: Path) -> None:
-    from pgstream_dagster.defs.sensors import backoff_secs
+    from pgstream_dagster.engine.batches import backoff_secs
 
     cfg = load_config(write(tmp_path, TWO_STREAMS.replace("SLOT1", ", retry: {initial_backoff_secs: 5, "
                                                                    "max_backoff_secs: 604800}").replace("SLOT2", "")))

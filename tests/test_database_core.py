@@ -16,6 +16,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from pgstream_dagster.cli import main as cli_main
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.migrations import (
     MigrationError,
     discover,
@@ -568,8 +569,8 @@ def test_insert_never_fails_for_a_missing_partition(users: psycopg.Connection) -
     assert users.execute("select count(*) from pgstream.events").fetchone() == (1,)
     users.execute("insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
                   "min_created_at, max_created_at, status, delivered_at) "
-                  "select stream_id, array[id], 1, id, id, created_at, created_at, 'delivered', now() "
-                  "from pgstream.events")
+                  "select stream_id, array[id], 1, id, id, created_at, created_at, %s, now() "
+                  "from pgstream.events", [BatchStatus.DELIVERED])
     users.execute("select pgstream.drop_partitions(7, %s)", [today + dt.timedelta(days=8)])
     assert users.execute("select count(*) from pgstream.events").fetchone() == (0,)
 

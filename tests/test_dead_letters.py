@@ -21,6 +21,7 @@ from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CONTROL_JOB, replay_job_name
 from pgstream_dagster.defs.status import status_observation
 from pgstream_dagster.engine import deadletters
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.deadletters import DeadLetterError
 from pgstream_dagster.engine.status import render_status, stream_status
 from pgstream_dagster.sinks import MemorySink
@@ -51,8 +52,8 @@ def batch(conn: psycopg.Connection, stream_id: int, ids: Sequence[int], start_ls
 
 def delivered(conn: psycopg.Connection, *batch_ids: int) -> None:
     """Mark batches delivered, as a delivery run does once the sink confirmed them."""
-    conn.execute("update pgstream.batches set status = 'delivered', delivered_at = now(), launched_at = now() "
-                 "where id = any(%s)", [list(batch_ids)])
+    conn.execute("update pgstream.batches set status = %s, delivered_at = now(), launched_at = now() "
+                 "where id = any(%s)", [BatchStatus.DELIVERED, list(batch_ids)])
 
 
 def read_letter(conn: psycopg.Connection, stream_id: int, event_id: int, lsn: str, error: str = "unreadable",

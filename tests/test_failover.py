@@ -27,6 +27,7 @@ import pytest
 
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import replication
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.migrations import migrate
 
 from .support.endpoint import Endpoint
@@ -79,8 +80,9 @@ def test_sink_down_500_then_refused_then_back(db_url: str, tmp_path: Path, insta
     assert state["failover_attempts"] >= 2 and state["failover_checkpoint_id"] == first_failed
     assert "refused" in state["failover_error"].lower() or "connect" in state["failover_error"].lower()
     with psycopg.connect(db_url) as c:
-        probes = c.execute("select count(*) from pgstream.batches where status in ('failed', 'launched')").fetchone()
-        waiting = c.execute("select count(*) from pgstream.batches where status = 'pending'").fetchone()
+        probes = c.execute("select count(*) from pgstream.batches where status in (%s, %s)",
+                           [BatchStatus.FAILED, BatchStatus.LAUNCHED]).fetchone()
+        waiting = c.execute("select count(*) from pgstream.batches where status = %s", [BatchStatus.PENDING]).fetchone()
     assert probes == (1,) and waiting[0] >= 6  # only the checkpoint batch is retried; the rest waits
 
     endpoint.mode = "ok"

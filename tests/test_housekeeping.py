@@ -17,6 +17,7 @@ from pgstream_dagster.config import HousekeepingConfig
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import EVENTS_PARTITIONS_KEY, HOUSEKEEPING_JOB
 from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.housekeeping import run_housekeeping
 
@@ -41,7 +42,7 @@ def name(day: dt.date) -> str:
     return f"events_{day:%Y%m%d}"
 
 
-def add_events(conn: psycopg.Connection, day: dt.date, n: int, status: str) -> None:
+def add_events(conn: psycopg.Connection, day: dt.date, n: int, status: BatchStatus) -> None:
     """``n`` events at noon UTC of ``day`` in one batch of the ledger with ``status``."""
     ids = [r[0] for r in backdated(
         conn, "insert into pgstream.events (payload, stream_id, created_at) "
@@ -51,8 +52,8 @@ def add_events(conn: psycopg.Connection, day: dt.date, n: int, status: str) -> N
         "insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
         "min_created_at, max_created_at, status, delivered_at) "
         "values (1, %s, %s, %s, %s, (%s::date + time '12:00') at time zone 'UTC', "
-        "(%s::date + time '12:00') at time zone 'UTC', %s, case when %s = 'delivered' then now() end)",
-        [ids, n, ids[0], ids[-1], day, day, status, status])
+        "(%s::date + time '12:00') at time zone 'UTC', %s, case when %s then now() end)",
+        [ids, n, ids[0], ids[-1], day, day, status, status is BatchStatus.DELIVERED])
 
 
 def sensor_read_up_to(conn: psycopg.Connection, day: dt.date) -> None:
@@ -71,8 +72,8 @@ def test_housekeeping_on_a_simulated_calendar(conn: psycopg.Connection) -> None:
     assert (report.created, report.dropped, report.kept, report.batches_pruned) == ([], [], [], 0)
     assert partitions(conn) == {d0 + dt.timedelta(days=i) for i in range(8)}
 
-    add_events(conn, d0 + dt.timedelta(days=1), 300, "delivered")
-    add_events(conn, d0 + dt.timedelta(days=3), 2, "pending")  # undelivered: protects its day onwards
+    add_events(conn, d0 + dt.timedelta(days=1), 300, BatchStatus.DELIVERED)
+    add_events(conn, d0 + dt.timedelta(days=3), 2, BatchStatus.PENDING)  # undelivered: protects its day onwards
     # ten days later: three partitions ahead, everything before day +7 expired
     later = d0 + dt.timedelta(days=10)
     sensor_read_up_to(conn, later)
@@ -94,7 +95,7 @@ def test_housekeeping_on_a_simulated_calendar(conn: psycopg.Connection) -> None:
     again = run_housekeeping(conn, cfg, today=later)
     assert (again.created, again.dropped, again.rows_dropped) == ([], [], 0)
     assert again.kept == report.kept
-    conn.execute("update pgstream.batches set status = 'delivered', delivered_at = now()")
+    conn.execute("update pgstream.batches set status = %s, delivered_at = now()", [BatchStatus.DELIVERED])
     final = run_housekeeping(conn, cfg, today=later)
     assert final.dropped == report.kept and final.kept == []
     assert final.rows_dropped == 2
@@ -116,9 +117,9 @@ def test_expired_rows_of_the_default_partition(conn: psycopg.Connection) -> None
     # three delivered, one still in an open batch: the delivered ones go
     conn.execute("insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
                  "min_created_at, max_created_at, status, delivered_at) "
-                 "values (1, %s, 3, %s, %s, now() - interval '40 days', now() - interval '40 days', 'delivered', "
-                 "now()), (1, %s, 1, %s, %s, now() - interval '40 days', now() - interval '40 days', 'pending', null)",
-                 [ids[:3], ids[0], ids[2], ids[3:], ids[3], ids[3]])
+                 "values (1, %s, 3, %s, %s, now() - interval '40 days', now() - interval '40 days', %s, "
+                 "now()), (1, %s, 1, %s, %s, now() - interval '40 days', now() - interval '40 days', %s, null)",
+                 [ids[:3], ids[0], ids[2], BatchStatus.DELIVERED, ids[3:], ids[3], ids[3], BatchStatus.PENDING])
     report = run_housekeeping(conn, HousekeepingConfig(retention_days=7), today=d0)
     assert report.default_rows_deleted == 3
     assert conn.execute("select id from pgstream.events_default").fetchall() == [(ids[3],)]
@@ -138,7 +139,7 @@ def test_schedule_job_reports_metadata(db_url: str, tmp_path: Path, instance: dg
     with psycopg.connect(db_url, autocommit=True) as c:
         (d0,) = c.execute("select pgstream.utc_today()").fetchone()  # type: ignore[misc]
         c.execute("select pgstream.ensure_stream(1)")
-        add_events(c, d0, 50, "delivered")
+        add_events(c, d0, 50, BatchStatus.DELIVERED)
     today = d0 + dt.timedelta(days=30)
     with psycopg.connect(db_url, autocommit=True) as c:
         sensor_read_up_to(c, today)

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from pgstream_dagster.config import load_config
 from pgstream_dagster.devdb import free_port
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.sinks import Event, KafkaSink, KafkaSinkConfig, SinkError, build_sink, parse_sink_config
 
 from .support.harness import Driver, insert_events, write_config
@@ -305,7 +306,8 @@ def test_delivery_runs_to_kafka_count_every_event(broker: str, db_url: str, tmp_
 
     def delivered() -> bool:
         with psycopg.connect(db_url) as c:
-            return c.execute("select count(*) from pgstream.batches where status <> 'delivered'").fetchone() == (0,) \
+            return c.execute("select count(*) from pgstream.batches where status <> %s",
+                             [BatchStatus.DELIVERED]).fetchone() == (0,) \
                 and c.execute("select count(*) from pgstream.batches").fetchone() != (0,)
 
     driver.run_until(1, delivered)

@@ -13,6 +13,7 @@ import dagster as dg
 import psycopg
 
 from pgstream_dagster.engine import ledger
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.status import render_status, stream_status
 
 from .support.endpoint import Endpoint
@@ -57,7 +58,8 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
     assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
     with psycopg.connect(db_url) as c:
         assert c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone() == (None,)
-        assert c.execute("select count(*) from pgstream.batches where status <> 'delivered'").fetchone() == (0,)
+        assert c.execute("select count(*) from pgstream.batches where status <> %s",
+                         [BatchStatus.DELIVERED]).fetchone() == (0,)
     rounds = [e for e in result.all_events if e.event_type_value == "ASSET_MATERIALIZATION"]
     assert len(rounds) >= 5  # the first load plus one round per wave at least
     assert sum(e.event_specific_data.materialization.metadata["events"].value for e in rounds) == len(sent)
@@ -73,7 +75,8 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
 
 def _pending_launched(url: str) -> bool:
     with psycopg.connect(url) as c:
-        return c.execute("select count(*) from pgstream.batches where status = 'launched'").fetchone() != (0,)
+        return c.execute("select count(*) from pgstream.batches where status = %s",
+                         [BatchStatus.LAUNCHED]).fetchone() != (0,)
 
 
 def test_sink_failure_in_a_later_round_enters_failover_and_loses_nothing(db_url: str, tmp_path: Path,
@@ -117,7 +120,7 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
             return int(bid)
 
         first = batch(1)
-        ledger.mark_launched(c, [first], "run-a", open_for=STREAM)
+        ledger.launch(c, STREAM, [first], "run-a", keep_open=True)
         second = batch(2)
         assert ledger.extend_run(c, STREAM, "run-a", 1000) == [second]
         assert ledger.extend_run(c, STREAM, "run-x", 1000) == []  # not the open run
@@ -130,14 +133,14 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
         assert ledger.extend_run(c, STREAM, "run-a", 1000) == []  # closed: never handed a batch again
 
         # the lock: a close waiting behind an assignment sees it and refuses
-        third = ledger.head(c, STREAM)
+        third = ledger.stream_state(c, STREAM, 1000).head
         assert third is not None
-        ledger.mark_launched(c, [third.id], "run-b", open_for=STREAM)
+        ledger.launch(c, STREAM, [third.id], "run-b", keep_open=True)
         fourth = batch(3)
         with psycopg.connect(db_url) as sensor:
             sensor.execute("select 1 from pgstream.streams where id = %s for update", [STREAM])
-            sensor.execute("update pgstream.batches set status = 'launched', run_key = 'run-b' where id = %s",
-                           [fourth])
+            sensor.execute("update pgstream.batches set status = %s, run_key = 'run-b' where id = %s",
+                           [BatchStatus.LAUNCHED, fourth])
             ledger.mark_delivered(c, third.id, "r")
             outcome: list[bool] = []
             closer = threading.Thread(target=lambda: outcome.append(_close(db_url, "run-b")))

@@ -15,6 +15,7 @@ import pytest
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CONTROL_JOB, STREAM_TAG, replay_job_name
+from pgstream_dagster.engine.batches import BatchStatus
 
 from .support.dagster_instance import run_log
 from .support.endpoint import Endpoint
@@ -168,14 +169,15 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
             driver.execute(request)
         driver.tick(1)
         with psycopg.connect(db_url) as c:
-            (poison_batch,) = c.execute("select id from pgstream.batches where status = 'failed'").fetchone()
+            (poison_batch,) = c.execute("select id from pgstream.batches where status = %s",
+                                        [BatchStatus.FAILED]).fetchone()
         assert not run_control(stream_id=1, action="skip_batch", batch_id=poison_batch).success  # no confirm
         assert cli_main(["skip", "1", str(poison_batch), "--database-url", db_url]) == 2  # no --yes
         assert run_control(stream_id=1, action="skip_batch", batch_id=poison_batch, confirm="skip").success
         driver.tick(1)
         assert cli_main(["status", "1", "--database-url", db_url]) == 0
         out = capsys.readouterr().out
-        assert "stream 1: HEALTHY" in out and "skipped" in out
+        assert "stream 1: HEALTHY" in out and BatchStatus.SKIPPED in out
         # errors are clear and change nothing
         assert not run_control(stream_id=9, action="pause").success
         assert cli_main(["pause", "9", "--database-url", db_url]) == 1

@@ -16,6 +16,7 @@ import pytest
 
 from pgstream_dagster.defs.names import deliveries_asset_key
 from pgstream_dagster.engine import replication
+from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.status import stream_status
 from pgstream_dagster.sinks import MemorySink
 
@@ -112,7 +113,7 @@ def test_tick_records_batches_and_rerun_requests_nothing_twice(db_url: str, tmp_
     assert [r.run_key for r in tick.run_requests] == [f"pgstream-s1-{inc}-b1-3-a1"]
     with psycopg.connect(db_url) as c:
         rows = c.execute("select id, event_count, status from pgstream.batches order by id").fetchall()
-        assert rows == [(1, 10, "launched"), (2, 10, "launched"), (3, 5, "launched")]
+        assert rows == [(1, 10, BatchStatus.LAUNCHED), (2, 10, BatchStatus.LAUNCHED), (3, 5, BatchStatus.LAUNCHED)]
         # WAL released at once: nothing left in the slot
         assert [t for t in replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100) if t.events] == []
     # re-evaluating (the same cursor, as after a crash of the tick) asks for the same run key only
@@ -193,7 +194,8 @@ def test_end_to_end_10k_events_in_commit_order(db_url: str, tmp_path: Path, inst
     with psycopg.connect(db_url) as c:
         ledger_order = [r[0] for r in c.execute(
             "select unnest(event_ids) from pgstream.batches where stream_id = 1 order by id")]
-        assert c.execute("select count(*) from pgstream.batches where status <> 'delivered'").fetchone() == (0,)
+        assert c.execute("select count(*) from pgstream.batches where status <> %s",
+                         [BatchStatus.DELIVERED]).fetchone() == (0,)
     assert delivered == ledger_order
     runs = {r.run_id for r in driver.results}
     materializations = [m for m in instance.fetch_materializations(deliveries_asset_key(1), limit=1000).records
@@ -230,7 +232,8 @@ def test_failed_batch_is_retried_and_never_overtaken(db_url: str, tmp_path: Path
         rows = c.execute("select id, status, attempts, run_key from pgstream.batches order by id").fetchall()
     # run 1 took batches 1-3 and failed; batch 1 was probed alone twice (failover) and the
     # backlog 2-3 went in one run
-    assert [(r[0], r[1], r[2]) for r in rows] == [(1, "delivered", 3), (2, "delivered", 2), (3, "delivered", 2)]
+    assert [(r[0], r[1], r[2]) for r in rows] == [(1, BatchStatus.DELIVERED, 3), (2, BatchStatus.DELIVERED, 2),
+                                                  (3, BatchStatus.DELIVERED, 2)]
     assert rows[0][3] == f"pgstream-s1-{inc}-b1-a3"
     assert rows[1][3] == rows[2][3] == f"pgstream-s1-{inc}-b2-3-a2"
     driver.tick(1)  # caught up: failover over

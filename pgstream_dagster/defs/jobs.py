@@ -72,7 +72,7 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
         batches = ledger.batches_between(lease, config.stream_id, config.batch_id, last)
         if not batches or batches[0].id != config.batch_id:
             raise dg.Failure(f"batch {config.batch_id} of stream {config.stream_id} does not exist")
-        done = [b.id for b in batches if b.status in ("delivered", "skipped")]
+        done = [b.id for b in batches if not b.status.is_open]
         if done:
             raise dg.Failure(f"batches {done} of stream {config.stream_id} are already delivered or skipped")
         earlier = ledger.earlier_open(lease, config.stream_id, config.batch_id)

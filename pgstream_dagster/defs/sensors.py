@@ -1,21 +1,27 @@
-"""One sensor per stream: it reads the stream's slot, cuts and records batches, and decides which
-delivery run may start next. The sensor decides; the delivery run does the work.
+"""One sensor per stream: it records what commits on the stream's slot as ledger batches and
+requests the stream's delivery runs, one at a time, in order; the delivery runs do the work.
 
-A tick ((1) and (2) are ``engine/ingest.py``): (1) make sure the slot exists and is usable: a
-missing or invalidated slot is (re)created and every event the ledger does not cover is
-recovered from the table; (2) peek committed transactions, and once ``max_size`` events are
-waiting or the oldest waited ``max_fill_secs``, record them in the ledger and advance the slot,
-so WAL is released whatever the sink does;
-(3) look at the stream's oldest open batch and request its run (``run_key`` = stream, batches,
-attempt, so a re-evaluated tick requests nothing twice), or, while the run in flight is *open*
-(``delivery.linger_secs``), hand it the batches recorded behind its own. A tick repeats (2) and
-(3) for up to ``sensor.tick_budget_secs`` and ends early only to request a run: with an open run,
-an event reaches the sink a fraction of a second after ``max_fill_secs``.
+A tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to request a run):
 
-Failover: when a run fails, its first open batch becomes the checkpoint and the stream enters
-failover (``pgstream.enter_failover``). Only that batch is retried, alone, with exponential
-backoff; once the sink accepts it, runs drain the recorded backlog from the table in commit order
-(many batches per run) and the stream leaves failover when it has caught up.
+1. **ingest** (``engine/ingest.py``): make sure the slot exists and is usable (a missing or
+   invalidated slot is recreated and every event the ledger does not cover is recovered from the
+   table); record the transactions waiting on it as batches once ``batch.max_size`` events wait or
+   the oldest waited ``batch.max_fill_secs``, and advance the slot, so WAL is released whatever the
+   sink does;
+2. **decide**, after recording a batch and at least every second: read the stream's state in one
+   query (``ledger.stream_state``), ask Dagster about the run that state points at (the head
+   batch's run, or the open run a pending head would be handed to) as an engine
+   :class:`~..engine.batches.RunView` (a started run with no delivery lease after
+   ``delivery.run_grace_secs`` is *dead*), and let the pure :func:`~..engine.batches.decide` choose
+   the action: wait (paused, failover backoff, run busy), launch a run (the pending backlog, or the
+   failed checkpoint alone), hand new batches to the open run, request a lost run again, fail a
+   run (failover), leave failover once caught up;
+3. **apply** it: a dead run is reported failed to Dagster first; ``ledger.apply`` makes the
+   ledger's transitions; a run to request becomes the ``RunRequest`` (``run_key`` = stream,
+   installation, batches, attempt: a re-evaluated tick requests nothing twice).
+
+Each tick also updates the cursor (last event and LSN recorded, backlog) and observes the stream
+status asset when the state changed or it is due.
 """
 
 
@@ -29,6 +35,7 @@ import psycopg
 
 from ..config import StreamConfig
 from ..engine import ledger
+from ..engine.batches import NO_RUN, FailRun, RunOrder, RunStatus, RunView, decide, notes
 from ..engine.ingest import ConsumeResult, consume
 from ..engine.status import last_batches, stream_status
 from .names import ATTEMPT_TAG, BATCH_TAG, BATCHES_TAG, DELIVERY_JOB, STREAM_TAG, stream_sensor_name
@@ -43,39 +50,18 @@ POLL_SECS = 0.1
 DECIDE_EVERY_SECS = 1.0
 
 
-def backoff_secs(stream: StreamConfig, attempts: int) -> float:
-    # the exponent is capped: 2 ** 1024 no longer converts to a float (a sink down for weeks)
-    doubled: float = stream.retry.initial_backoff_secs * 2 ** min(max(0, attempts - 1), 64)
-    return min(stream.retry.max_backoff_secs, doubled)
-
-
-def run_key(stream_id: int, incarnation: str, batch_ids: list[int], attempt: int) -> str:
-    span = f"b{batch_ids[0]}" if len(batch_ids) == 1 else f"b{batch_ids[0]}-{batch_ids[-1]}"
-    return f"pgstream-s{stream_id}-{incarnation}-{span}-a{attempt}"
-
-
-def _request(head: ledger.Batch, batch_ids: list[int], attempt: int) -> dg.RunRequest:
+def _request(order: RunOrder) -> dg.RunRequest:
+    head, batch_ids = order.head, order.batch_ids
     config: dict[str, int] = {"stream_id": head.stream_id, "batch_id": batch_ids[0]}
     if len(batch_ids) > 1:
         config["through_batch_id"] = batch_ids[-1]
     return dg.RunRequest(
-        run_key=run_key(head.stream_id, head.incarnation, batch_ids, attempt),
+        run_key=order.run_key,
         job_name=DELIVERY_JOB,
         run_config={"ops": {"load_batches": {"config": config}}},
-        tags={STREAM_TAG: str(head.stream_id), BATCH_TAG: str(head.id), ATTEMPT_TAG: str(attempt),
+        tags={STREAM_TAG: str(head.stream_id), BATCH_TAG: str(head.id), ATTEMPT_TAG: str(order.attempt),
               BATCHES_TAG: str(len(batch_ids))},
     )
-
-
-def _launch(conn: psycopg.Connection, stream: StreamConfig, head: ledger.Batch, in_failover: bool) -> dg.RunRequest:
-    # a batch that failed is retried alone (the failover probe); otherwise take the pending backlog
-    ids = [head.id] if head.status == "failed" else ledger.open_range(conn, head, stream.delivery.max_events_per_run)
-    attempt = head.attempts + 1
-    # a run stays open for new batches only on a healthy stream: catch-up runs end when done
-    linger = stream.delivery.linger_secs > 0 and not in_failover
-    ledger.mark_launched(conn, ids, run_key(head.stream_id, head.incarnation, ids, attempt),
-                         open_for=head.stream_id if linger else None)
-    return _request(head, ids, attempt)
 
 
 def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None:
@@ -92,21 +78,18 @@ def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None
     return None
 
 
-def _hand_to_open_run(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig) -> bool:
-    """Assign the pending batches to the stream's open run, if it is still there; true if it took them."""
-    key = ledger.open_run_key(conn, stream.id)
-    if key is None:
-        return False
-    runs = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": key}), limit=1)
-    if runs and runs[0].status in _LIVE:
-        # empty if it closed meanwhile: then a new run is requested
-        return bool(ledger.extend_run(conn, stream.id, key, stream.delivery.max_events_per_run))
-    ledger.clear_open_run(conn, stream.id, key)  # it ended without closing (failed, canceled)
-    return False
+def _find_run(instance: dg.DagsterInstance, run_key: str | None) -> dg.DagsterRun | None:
+    if run_key is None:
+        return None
+    runs = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": run_key}), limit=1)
+    return runs[0] if runs else None
 
 
 def _run_is_dead(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun,
                  stream: StreamConfig, now: dt.datetime) -> bool:
+    """A started run whose process died: no delivery lease ``delivery.run_grace_secs`` after it started."""
+    if run.status != dg.DagsterRunStatus.STARTED:
+        return False
     record = instance.get_run_record_by_id(run.run_id)
     started = record.start_time if record else None
     if started is None or now.timestamp() - started < stream.delivery.run_grace_secs:
@@ -114,61 +97,43 @@ def _run_is_dead(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg
     return not ledger.lease_alive(conn, run.run_id)
 
 
-def decide(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-           log: list[str]) -> dg.RunRequest | None:
-    """The run to request for the stream's oldest open batch, if one may start now; also moves the
-    stream into and out of failover."""
-    head = ledger.head(conn, stream.id)
-    in_failover = ledger.failover_since(conn, stream.id) is not None
-    if in_failover and ledger.caught_up(conn, stream.id, head):
-        ledger.leave_failover(conn, stream.id)
-        log.append(f"stream {stream.id} caught up: failover over")
-        in_failover = False
-    if head is None:
-        return None
-    if ledger.is_paused(conn, stream.id):
-        log.append(f"stream {stream.id} is paused: batch {head.id} waits (`pgstream-dagster resume {stream.id}`)")
-        return None
-    now = dt.datetime.now(dt.UTC)
-    if head.status == "pending":
-        if _hand_to_open_run(conn, instance, stream):
-            return None
-        return _launch(conn, stream, head, in_failover)
-    if head.status == "failed":
-        if head.next_attempt_at is not None and head.next_attempt_at > now:
-            log.append(f"stream {stream.id} in failover at batch {head.id} ({head.error}); "
-                       f"retry at {head.next_attempt_at:%H:%M:%S}")
-            return None
-        return _launch(conn, stream, head, in_failover)
-    # launched: find its run
-    runs = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": head.run_key or ""}), limit=1)
-    if not runs:
-        # the tick that requested it may have died before Dagster created the run: asking again
-        # with the same run_key is harmless (Dagster skips run keys it has seen)
-        ids = ledger.launched_batch_ids(conn, head.run_key) or [head.id]
-        return _request(head, ids, head.attempts)
-    run = runs[0]
-    if run.status == dg.DagsterRunStatus.STARTED and _run_is_dead(conn, instance, run, stream, now):
-        instance.report_run_failed(run, f"pgstream: run {run.run_id} holds no delivery lease "
-                                        f"{stream.delivery.run_grace_secs:.0f}s after it started: its process died")
-        run = instance.get_run_by_id(run.run_id) or run
-        log.append(f"stream {stream.id}: run {run.run_id} died (no delivery lease); marked failed")
-    if run.status in _FAILED:
-        retry_at = now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
-        reason = run_failure_message(instance, run.run_id) or run.status.value
-        ledger.fail_run(conn, head, head.run_key or "", f"run {run.run_id}: {reason}", retry_at)
-        log.append(f"stream {stream.id} in failover at batch {head.id}: run {run.run_id} {run.status.value} "
-                   f"({reason}); retry at {retry_at:%H:%M:%S}")
-        return None
+def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun | None,
+              stream: StreamConfig, now: dt.datetime) -> RunView:
+    """What :func:`decide` needs to know of the Dagster run ``run``."""
+    if run is None:
+        return NO_RUN
+    if _run_is_dead(conn, instance, run, stream, now):
+        # reported failed once the decision is to fail it (see _report_dead)
+        return RunView(RunStatus.DEAD, run.run_id, dg.DagsterRunStatus.FAILURE.value,
+                       run_failure_message(instance, run.run_id))
     if run.status in _LIVE:
-        # the run may still be open: hand it what was recorded behind its batches
-        ledger.extend_run(conn, stream.id, head.run_key or "", stream.delivery.max_events_per_run)
-        return None
+        return RunView(RunStatus.LIVE, run.run_id)
+    if run.status in _FAILED:
+        return RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id))
     if run.status == dg.DagsterRunStatus.SUCCESS:
-        # a successful run delivers all its batches; a success without it is an inconsistency
-        ledger.fail_run(conn, head, head.run_key or "", f"run {run.run_id} succeeded without confirming "
-                        f"batch {head.id}", now)
-    return None
+        return RunView(RunStatus.SUCCEEDED, run.run_id)
+    return RunView(RunStatus.OTHER, run.run_id)
+
+
+def _report_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, stream: StreamConfig, log: list[str]) -> None:
+    instance.report_run_failed(run, f"pgstream: run {run.run_id} holds no delivery lease "
+                                    f"{stream.delivery.run_grace_secs:.0f}s after it started: its process died")
+    log.append(f"stream {stream.id}: run {run.run_id} died (no delivery lease); marked failed")
+
+
+def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
+         log: list[str]) -> dg.RunRequest | None:
+    """One decision: read the stream's state, look at its run in Dagster, decide, apply; the run to
+    request, if any. ``log`` receives what the tick log should say (why nothing was launched)."""
+    state = ledger.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
+    now = dt.datetime.now(dt.UTC)
+    run = _find_run(instance, state.watched_run_key)
+    action = decide(state, _run_view(conn, instance, run, stream, now), now, stream)
+    if isinstance(action, FailRun) and action.died and run is not None:
+        _report_dead(instance, run, stream, log)
+    log.extend(notes(action))
+    order = ledger.apply(conn, stream, action)
+    return _request(order) if order is not None else None
 
 
 def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
@@ -188,7 +153,7 @@ def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         total.add(consumed)
         request = None
         if consumed.batches or time.monotonic() - decided_at >= DECIDE_EVERY_SECS:
-            request = decide(conn, instance, stream, log)
+            request = step(conn, instance, stream, log)
             decided_at = time.monotonic()
         remaining = deadline - time.monotonic()
         if request is not None or consumed.slot_lost or remaining <= 0:

@@ -11,7 +11,7 @@ from typing import Literal
 
 import psycopg
 
-from . import deadletters
+from . import deadletters, ledger
 
 Action = Literal["pause", "resume", "retry_now", "skip_batch", "set_aside", "discard_dead_letters"]
 #: what an operator types to confirm an action that takes events out of delivery
@@ -50,16 +50,15 @@ def apply_control(conn: psycopg.Connection, stream_id: int, action: Action, batc
             return (f"stream {stream_id} paused: the slot is still consumed (WAL released), no deliveries start"
                     if action == "pause" else f"stream {stream_id} resumed")
         if action == "retry_now":
-            row = conn.execute("select pgstream.retry_now(%s)", [stream_id]).fetchone()
-            if row is None or row[0] is None:
+            due = ledger.retry_now(conn, stream_id)
+            if due is None:
                 return f"stream {stream_id} has no failed batch to retry"
-            return (f"stream {stream_id}: batch {row[0]} will be retried at the next sensor tick; failover ends "
+            return (f"stream {stream_id}: batch {due} will be retried at the next sensor tick; failover ends "
                     f"once the backlog is delivered")
         if batch_id is None:
             raise ControlError("skip_batch needs batch_id")
-        row = conn.execute("select pgstream.skip_batch(%s, %s)", [stream_id, batch_id]).fetchone()
-        assert row is not None
-        return (f"stream {stream_id}: batch {batch_id} skipped ({row[0]} events will not be delivered; they stay in "
+        skipped = ledger.skip_batch(conn, stream_id, batch_id)
+        return (f"stream {stream_id}: batch {batch_id} skipped ({skipped} events will not be delivered; they stay in "
                 f"pgstream.events and can be replayed by id range)")
     except psycopg.errors.NoDataFound as exc:
         raise ControlError(str(exc.diag.message_primary or exc)) from None

@@ -41,6 +41,7 @@ from psycopg.rows import dict_row
 from ..config import StreamConfig
 from ..sinks import Event, Sink, SinkError
 from ..sinks.base import excerpt
+from .batches import BatchStatus
 
 Status = Literal["open", "redelivered", "discarded"]
 STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")
@@ -145,7 +146,7 @@ select d.id, d.stream_id, d.event_id, d.stage, d.batch_id, d.ord, d.lsn::text as
        a.anchor_batch_id,
        (select min(b.id) from pgstream.batches b
          where b.stream_id = d.stream_id and b.id <= a.anchor_batch_id
-           and b.status not in ('delivered', 'skipped')) as waiting_for_batch
+           and pgstream.batch_is_open(b.status)) as waiting_for_batch
 from pgstream.dead_letters d
 cross join lateral (
     select case when d.stage = 'deliver' then d.batch_id
@@ -194,7 +195,7 @@ after as (  -- delivered batches after the position, and the rest of its own bat
     select b.id, case when b.id = p.batch then p.ord else 0 end as from_ord,
            b.event_count - case when b.id = p.batch then p.ord else 0 end as events
     from pgstream.batches b, p
-    where b.stream_id = p.stream_id and b.status = 'delivered'
+    where b.stream_id = p.stream_id and b.status = %(delivered)s
       and (b.id > p.anchor or (b.id = p.batch and p.batch is not null)))
 select coalesce((select sum(events) from after), 0)
      - (select count(*) from pgstream.dead_letters o join after on o.batch_id = after.id
@@ -213,7 +214,8 @@ def get_dead_letter(conn: psycopg.Connection, dead_letter_id: int) -> DeadLetter
     letter = _row(row)
     found = conn.execute(_OVERTAKEN, {"stream": letter.stream_id, "anchor": letter.anchor_batch_id,
                                       "batch": letter.batch_id if letter.stage == "deliver" else None,
-                                      "ord": letter.ord or 0, "id": letter.id}).fetchone()
+                                      "ord": letter.ord or 0, "id": letter.id,
+                                      "delivered": BatchStatus.DELIVERED}).fetchone()
     assert found is not None
     return dataclasses.replace(letter, overtaken=int(found[0]))
 

@@ -8,6 +8,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from .batches import BatchStatus
+
 _STREAMS = """
 select ss.*, st.open_run_key
 from pgstream.stream_status ss join pgstream.streams st on st.id = ss.id
@@ -75,7 +77,7 @@ def render_status(streams: list[dict[str, Any]]) -> str:
             if s["failover_error"]:
                 lines.append(f"  last error: {s['failover_error']}")
         for b in s["last_batches"]:
-            err = f" error: {b['error']}" if b["error"] and b["status"] != "delivered" else ""
+            err = f" error: {b['error']}" if b["error"] and b["status"] != BatchStatus.DELIVERED else ""
             lines.append(f"  batch {b['id']} {b['kind']} {b['status']}: {b['event_count']} events "
                          f"{b['first_event_id']}..{b['last_event_id']}, attempts {b['attempts']}{err}")
     return "\n".join(lines)
@@ -84,10 +86,9 @@ def render_status(streams: list[dict[str, Any]]) -> str:
 # --- the queries of the stream's asset checks (defs/checks.py) ---------------------------------
 
 _UNDELIVERED_AGE = """with ledger as (
-       select min(min_created_at) filter (where status not in ('delivered', 'skipped')) as oldest_batch,
-              count(*) filter (where status not in ('delivered', 'skipped')) as undelivered_batches,
-              coalesce(sum(event_count) filter (where status not in ('delivered', 'skipped')), 0)
-                  as undelivered_events,
+       select min(min_created_at) filter (where pgstream.batch_is_open(status)) as oldest_batch,
+              count(*) filter (where pgstream.batch_is_open(status)) as undelivered_batches,
+              coalesce(sum(event_count) filter (where pgstream.batch_is_open(status)), 0) as undelivered_events,
               max(max_created_at) as newest_recorded
        from pgstream.batches where stream_id = %(id)s
    ), waiting as (

@@ -1,0 +1,285 @@
+"""The batch state machine, without I/O: what a batch's status means (:class:`BatchStatus`), the
+batch model (:class:`Batch`), what the sensor reads of a stream (:class:`StreamState`, one query:
+``ledger.stream_state``) and sees of its run in Dagster (:class:`RunView`), and :func:`decide`,
+which turns them into one :class:`Action`. ``ledger.py`` reads the state and applies the action
+(``ledger.apply``: one function per transition); ``defs/sensors.py`` asks Dagster about the run and
+turns the run to request into a ``RunRequest``.
+
+A ledger batch moves through these statuses (``pgstream.batches.status``)::
+
+    pending --(launch, extend: assigned to a run)--> launched --(the sink confirmed it)--> delivered
+    launched --(its run failed, the first open batch of the run)--> failed   (the failover checkpoint)
+    launched --(its run failed, the others)--> pending
+    failed --(launch: the probe, alone, once next_attempt_at has come)--> launched
+    pending, launched, failed --(an operator: pgstream.skip_batch)--> skipped
+
+``pending``, ``launched`` and ``failed`` are *open*; ``delivered`` and ``skipped`` are done. Only the
+oldest open batch of a stream (its *head*) may start a run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from ..config import StreamConfig
+
+
+class BatchStatus(StrEnum):
+    PENDING = "pending"  # recorded, waiting for a run
+    LAUNCHED = "launched"  # assigned to the run ``run_key``
+    FAILED = "failed"  # its run failed: the failover checkpoint, retried alone at ``next_attempt_at``
+    DELIVERED = "delivered"  # the sink confirmed every event
+    SKIPPED = "skipped"  # an operator gave up on it (``pgstream.skip_batch``)
+
+    @property
+    def is_open(self) -> bool:
+        """Not done yet: neither delivered nor skipped (in SQL: ``pgstream.batch_is_open(status)``)."""
+        return self not in (BatchStatus.DELIVERED, BatchStatus.SKIPPED)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A row of the ledger (with its stream's ``incarnation``)."""
+
+    id: int
+    stream_id: int
+    kind: str
+    event_count: int
+    first_event_id: int
+    last_event_id: int
+    status: BatchStatus
+    attempts: int
+    run_key: str | None
+    incarnation: str
+    run_id: str | None
+    error: str | None
+    next_attempt_at: dt.datetime | None
+    first_commit_at: dt.datetime | None
+    created_at: dt.datetime
+    confirmed_count: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", BatchStatus(self.status))  # the database gives text
+
+
+def backoff_secs(stream: StreamConfig, attempts: int) -> float:
+    """How long a failed batch waits before its next attempt (doubling, capped)."""
+    # the exponent is capped: 2 ** 1024 no longer converts to a float (a sink down for weeks)
+    doubled: float = stream.retry.initial_backoff_secs * 2 ** min(max(0, attempts - 1), 64)
+    return min(stream.retry.max_backoff_secs, doubled)
+
+
+def run_key(stream_id: int, incarnation: str, batch_ids: tuple[int, ...], attempt: int) -> str:
+    """The run key of a delivery run: stream, installation, batches, attempt (Dagster launches a run
+    key once, so a re-evaluated tick requests nothing twice)."""
+    span = f"b{batch_ids[0]}" if len(batch_ids) == 1 else f"b{batch_ids[0]}-{batch_ids[-1]}"
+    return f"pgstream-s{stream_id}-{incarnation}-{span}-a{attempt}"
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """What one decision needs to know of a stream, read at once (``ledger.stream_state``)."""
+
+    stream_id: int
+    head: Batch | None = None  # the oldest open batch: the only one that may start a run
+    paused: bool = False
+    failover_since: dt.datetime | None = None
+    open_run_key: str | None = None  # the run that takes every new batch while it is open
+    #: the batches a new run takes: the head and the pending batches right behind it, up to
+    #: ``delivery.max_events_per_run`` events (read while the head is pending and the stream not paused)
+    next_run: tuple[int, ...] = ()
+    #: when the newest delivered batch was launched (read in failover while the head is pending)
+    last_delivered_launch: dt.datetime | None = None
+
+    def __post_init__(self) -> None:
+        head = self.head
+        if head is not None and not head.status.is_open:
+            raise ValueError(f"batch {head.id} is {head.status}: a stream's head is an open batch")
+        if head is not None and head.status is BatchStatus.PENDING and not self.paused and \
+                self.next_run[:1] != (head.id,):
+            raise ValueError(f"the next run of stream {self.stream_id} must start at its head, batch {head.id}")
+
+    @property
+    def in_failover(self) -> bool:
+        return self.failover_since is not None
+
+    @property
+    def caught_up(self) -> bool:
+        """Failover is over once every batch that existed when the last successful run was
+        requested has been delivered: what is left is fresh, not backlog."""
+        head = self.head
+        if head is None:
+            return True
+        if head.status is not BatchStatus.PENDING:
+            return False
+        return self.last_delivered_launch is not None and head.created_at >= self.last_delivered_launch
+
+    @property
+    def watched_run_key(self) -> str | None:
+        """The run :func:`decide` needs a :class:`RunView` of (``None``: none): the head's run, or the
+        open run a pending head would be handed to."""
+        head = self.head
+        if head is None or self.paused:
+            return None
+        if head.status is BatchStatus.LAUNCHED:
+            return head.run_key or ""
+        if head.status is BatchStatus.PENDING:
+            return self.open_run_key
+        return None
+
+
+class RunStatus(StrEnum):
+    """A delivery run as the sensor sees it in Dagster."""
+
+    NOT_FOUND = "not found"  # no run has the key (the tick that requested it died first)
+    LIVE = "live"  # queued, starting or started
+    DEAD = "started but dead"  # no delivery lease ``delivery.run_grace_secs`` after it started: its process died
+    FAILED = "failed or canceled"
+    SUCCEEDED = "succeeded"
+    OTHER = "other"  # between states (canceling): looked at again next time
+
+
+@dataclass(frozen=True)
+class RunView:
+    status: RunStatus
+    run_id: str = ""
+    outcome: str = ""  # how it ended in Dagster's words (FAILURE, CANCELED; a dead run: FAILURE)
+    error: str | None = None  # the root cause of its failure, if Dagster recorded one
+
+
+NO_RUN = RunView(RunStatus.NOT_FOUND)
+
+
+# --- actions --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunOrder:
+    """A delivery run to request: ``batch_ids`` (the first is ``head``), as attempt ``attempt``."""
+
+    head: Batch
+    batch_ids: tuple[int, ...]
+    attempt: int
+
+    @property
+    def run_key(self) -> str:
+        return run_key(self.head.stream_id, self.head.incarnation, self.batch_ids, self.attempt)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do now; ``reason`` goes to the tick log (``None``: nothing worth saying)."""
+
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Assign the order's batches to a new run and request it. ``keep_open``: it becomes the stream's
+    open run (it takes the batches recorded behind its own); ``replaces``: an open run that ended
+    without closing, forgotten first."""
+
+    order: RunOrder
+    keep_open: bool
+    replaces: str | None = None
+
+
+@dataclass(frozen=True)
+class Extend:
+    """Hand the open run ``run_key`` the pending batches behind its own; ``otherwise``: what to do if
+    it closed meanwhile (it takes nothing then)."""
+
+    run_key: str
+    otherwise: Launch | None = None
+
+
+@dataclass(frozen=True)
+class Reissue:
+    """The head's run was never created (the tick that requested it died before Dagster made it):
+    request it again under the same run key, with the batches assigned to it."""
+
+    head: Batch
+
+
+@dataclass(frozen=True)
+class FailRun:
+    """The head's run failed: the head becomes the failover checkpoint (retried alone at
+    ``retry_at``), the run's other batches go back to pending. ``died``: Dagster still shows the run
+    started, the sensor reports it failed first."""
+
+    head: Batch
+    run_id: str
+    error: str
+    retry_at: dt.datetime
+    died: bool = False
+    note: str | None = None  # for the tick log
+
+
+@dataclass(frozen=True)
+class LeaveFailover:
+    """The stream caught up: failover ends, then ``then`` (decided as for a healthy stream)."""
+
+    then: Action
+    note: str
+
+
+Action = Wait | Launch | Extend | Reissue | FailRun | LeaveFailover
+
+
+def decide(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig) -> Action:
+    """What the sensor does next for the stream: ``run`` is the view of ``state.watched_run_key``
+    (:data:`NO_RUN` when that is ``None``)."""
+    if state.in_failover and state.caught_up:
+        return LeaveFailover(_next(state, run, now, stream, in_failover=False),
+                             note=f"stream {state.stream_id} caught up: failover over")
+    return _next(state, run, now, stream, in_failover=state.in_failover)
+
+
+def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *, in_failover: bool) -> Action:
+    head = state.head
+    if head is None:
+        return Wait()
+    sid = state.stream_id
+    if state.paused:
+        return Wait(f"stream {sid} is paused: batch {head.id} waits (`pgstream-dagster resume {sid}`)")
+    # a run stays open for new batches only on a healthy stream: catch-up runs end when done
+    keep_open = stream.delivery.linger_secs > 0 and not in_failover
+    if head.status is BatchStatus.PENDING:
+        launch = Launch(RunOrder(head, state.next_run, head.attempts + 1), keep_open)
+        if state.open_run_key is None:
+            return launch
+        if run.status in (RunStatus.LIVE, RunStatus.DEAD):
+            return Extend(state.open_run_key, otherwise=launch)
+        return replace(launch, replaces=state.open_run_key)  # it ended without closing (failed, canceled)
+    if head.status is BatchStatus.FAILED:
+        if head.next_attempt_at is not None and head.next_attempt_at > now:
+            return Wait(f"stream {sid} in failover at batch {head.id} ({head.error}); "
+                        f"retry at {head.next_attempt_at:%H:%M:%S}")
+        # the failover probe: the failed batch is retried alone
+        return Launch(RunOrder(head, (head.id,), head.attempts + 1), keep_open)
+    # launched: what became of its run
+    if run.status is RunStatus.NOT_FOUND:
+        return Reissue(head)
+    if run.status is RunStatus.LIVE:
+        return Extend(head.run_key or "")  # it may be open: hand it what was recorded behind its batches
+    if run.status in (RunStatus.FAILED, RunStatus.DEAD):
+        retry_at = now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
+        reason = run.error or run.outcome
+        return FailRun(head, run.run_id, f"run {run.run_id}: {reason}", retry_at, died=run.status is RunStatus.DEAD,
+                       note=f"stream {sid} in failover at batch {head.id}: run {run.run_id} {run.outcome} "
+                            f"({reason}); retry at {retry_at:%H:%M:%S}")
+    if run.status is RunStatus.SUCCEEDED:
+        # a successful run delivers all its batches; a success without it is an inconsistency
+        return FailRun(head, run.run_id, f"run {run.run_id} succeeded without confirming batch {head.id}", now)
+    return Wait()
+
+
+def notes(action: Action) -> list[str]:
+    """What the tick log says about ``action``: why nothing was launched, failover entered or left."""
+    match action:
+        case LeaveFailover(then=then, note=note):
+            return [note, *notes(then)]
+        case Wait(reason=note) | FailRun(note=note) if note is not None:
+            return [note]
+    return []

@@ -1,0 +1,241 @@
+"""The batch state machine alone (engine/batches.py): every decision of the sensor as a row of a
+table, without a database or a Dagster instance."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Any
+
+import pytest
+
+from pgstream_dagster.config import StreamConfig
+from pgstream_dagster.engine.batches import (
+    NO_RUN,
+    Action,
+    Batch,
+    BatchStatus,
+    Extend,
+    FailRun,
+    Launch,
+    LeaveFailover,
+    Reissue,
+    RunOrder,
+    RunStatus,
+    RunView,
+    StreamState,
+    Wait,
+    decide,
+    notes,
+)
+
+NOW = dt.datetime(2026, 3, 4, 12, 0, 0, tzinfo=dt.UTC)
+SID = 7
+HEAD = 10
+RUN_KEY = "pgstream-s7-inc0-b10-a1"
+OPEN_KEY = "pgstream-s7-inc0-b9-a1"
+
+
+def stream_config(**delivery: Any) -> StreamConfig:
+    return StreamConfig.model_validate({
+        "id": SID, "sink": {"type": "file", "path": "/dev/null"},
+        "retry": {"initial_backoff_secs": 5, "max_backoff_secs": 300},
+        "delivery": {"linger_secs": 120, **delivery}})
+
+
+LINGER = stream_config()
+NO_LINGER = stream_config(linger_secs=0)
+
+
+def batch(status: BatchStatus, **over: Any) -> Batch:
+    fields: dict[str, Any] = {
+        "id": HEAD, "stream_id": SID, "kind": "stream", "event_count": 3, "first_event_id": 100,
+        "last_event_id": 102, "status": status, "attempts": 0, "run_key": None, "incarnation": "inc0",
+        "run_id": None, "error": None, "next_attempt_at": None, "first_commit_at": NOW,
+        "created_at": NOW - dt.timedelta(minutes=1)}
+    return Batch(**{**fields, **over})
+
+
+PENDING = batch(BatchStatus.PENDING)
+PENDING_RETRIED = batch(BatchStatus.PENDING, attempts=2)  # its run failed at an earlier batch
+LAUNCHED = batch(BatchStatus.LAUNCHED, attempts=1, run_key=RUN_KEY)
+LAUNCHED_3 = batch(BatchStatus.LAUNCHED, attempts=3, run_key=RUN_KEY)
+FAILED_LATER = batch(BatchStatus.FAILED, attempts=1, run_key=RUN_KEY, error="run r1: HTTP 500",
+                     next_attempt_at=NOW + dt.timedelta(seconds=30))
+FAILED_DUE = batch(BatchStatus.FAILED, attempts=1, run_key=RUN_KEY, error="run r1: HTTP 500", next_attempt_at=NOW)
+FAILED_NOW = batch(BatchStatus.FAILED, attempts=1, run_key=RUN_KEY, error="run r1: HTTP 500")  # retry_now
+
+NEXT_RUN = (HEAD, 11, 12)
+SINCE = NOW - dt.timedelta(hours=1)
+
+
+def state(head: Batch | None, **over: Any) -> StreamState:
+    if head is not None and head.status is BatchStatus.PENDING and not over.get("paused"):
+        over.setdefault("next_run", NEXT_RUN)
+    return StreamState(SID, head=head, **over)
+
+
+def run(status: RunStatus, outcome: str = "", error: str | None = None) -> RunView:
+    return RunView(status, "r1", outcome, error)
+
+
+def launch(head: Batch, ids: tuple[int, ...], *, keep_open: bool, replaces: str | None = None) -> Launch:
+    return Launch(RunOrder(head, ids, head.attempts + 1), keep_open, replaces)
+
+
+PAUSED = "stream 7 is paused: batch 10 waits (`pgstream-dagster resume 7`)"
+CAUGHT_UP = "stream 7 caught up: failover over"
+
+
+def failed(head: Batch, after_secs: float, reason: str, outcome: str, *, died: bool = False) -> FailRun:
+    retry_at = NOW + dt.timedelta(seconds=after_secs)
+    return FailRun(head, "r1", f"run r1: {reason}", retry_at, died=died,
+                   note=f"stream 7 in failover at batch 10: run r1 {outcome} ({reason}); retry at {retry_at:%H:%M:%S}")
+
+
+# (what happens, the stream's state, its run as Dagster shows it, the configuration, the action)
+ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
+    # nothing recorded
+    ("empty stream", state(None), NO_RUN, LINGER, Wait()),
+    ("empty stream in failover: failover ends", state(None, failover_since=SINCE), NO_RUN, LINGER,
+     LeaveFailover(Wait(), CAUGHT_UP)),
+    # paused: nothing starts, whatever the head and its run
+    ("paused, pending head", state(PENDING, paused=True), NO_RUN, LINGER, Wait(PAUSED)),
+    ("paused, launched head (its run is not looked at)", state(LAUNCHED, paused=True), NO_RUN, LINGER,
+     Wait(PAUSED)),
+    ("paused, failed head due", state(FAILED_DUE, paused=True, failover_since=SINCE), NO_RUN, LINGER, Wait(PAUSED)),
+    # pending head: a new run takes the backlog, or the open run does
+    ("pending, no open run: launch, open", state(PENDING), NO_RUN, LINGER,
+     launch(PENDING, NEXT_RUN, keep_open=True)),
+    ("pending, no open run, linger_secs 0: launch, not open", state(PENDING), NO_RUN, NO_LINGER,
+     launch(PENDING, NEXT_RUN, keep_open=False)),
+    ("pending after a failed run: the next attempt", state(PENDING_RETRIED), NO_RUN, LINGER,
+     launch(PENDING_RETRIED, NEXT_RUN, keep_open=True)),
+    ("pending, open run live: hand it the batches", state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.LIVE),
+     LINGER, Extend(OPEN_KEY, otherwise=launch(PENDING, NEXT_RUN, keep_open=True))),
+    ("pending, open run started but dead: still handed them (its death shows once it holds the head)",
+     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.DEAD, "FAILURE"), LINGER,
+     Extend(OPEN_KEY, otherwise=launch(PENDING, NEXT_RUN, keep_open=True))),
+    ("pending, open run failed without closing: forget it, launch",
+     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.FAILED, "FAILURE", "boom"), LINGER,
+     launch(PENDING, NEXT_RUN, keep_open=True, replaces=OPEN_KEY)),
+    ("pending, open run succeeded without closing: forget it, launch",
+     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.SUCCEEDED), LINGER,
+     launch(PENDING, NEXT_RUN, keep_open=True, replaces=OPEN_KEY)),
+    ("pending, open run unknown to Dagster: forget it, launch",
+     state(PENDING, open_run_key=OPEN_KEY), NO_RUN, LINGER,
+     launch(PENDING, NEXT_RUN, keep_open=True, replaces=OPEN_KEY)),
+    ("pending, open run canceling: forget it, launch",
+     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.OTHER), LINGER,
+     launch(PENDING, NEXT_RUN, keep_open=True, replaces=OPEN_KEY)),
+    # pending head in failover: catch-up runs never stay open; caught up ends failover
+    ("failover, nothing delivered since: catch-up run", state(PENDING, failover_since=SINCE), NO_RUN, LINGER,
+     launch(PENDING, NEXT_RUN, keep_open=False)),
+    ("failover, head older than the last successful launch: catch-up run",
+     state(PENDING, failover_since=SINCE, last_delivered_launch=PENDING.created_at + dt.timedelta(seconds=1)),
+     NO_RUN, LINGER, launch(PENDING, NEXT_RUN, keep_open=False)),
+    ("failover, head recorded after the last successful launch: failover ends, the run may stay open",
+     state(PENDING, failover_since=SINCE, last_delivered_launch=PENDING.created_at), NO_RUN, LINGER,
+     LeaveFailover(launch(PENDING, NEXT_RUN, keep_open=True), CAUGHT_UP)),
+    ("failover caught up, paused: failover ends, then the pause",
+     state(PENDING, paused=True, failover_since=SINCE, last_delivered_launch=PENDING.created_at), NO_RUN, LINGER,
+     LeaveFailover(Wait(PAUSED), CAUGHT_UP)),
+    # failed head: the failover checkpoint, retried alone after its backoff
+    ("failed, backoff not over", state(FAILED_LATER, failover_since=SINCE), NO_RUN, LINGER,
+     Wait("stream 7 in failover at batch 10 (run r1: HTTP 500); retry at 12:00:30")),
+    ("failed, backoff over: the probe, alone, not open", state(FAILED_DUE, failover_since=SINCE), NO_RUN, LINGER,
+     launch(FAILED_DUE, (HEAD,), keep_open=False)),
+    ("failed, made due by retry_now", state(FAILED_NOW, failover_since=SINCE), NO_RUN, LINGER,
+     launch(FAILED_NOW, (HEAD,), keep_open=False)),
+    ("failed, outside failover: the probe may stay open", state(FAILED_DUE), NO_RUN, LINGER,
+     launch(FAILED_DUE, (HEAD,), keep_open=True)),
+    # launched head: what became of its run
+    ("launched, run never created: request it again", state(LAUNCHED), NO_RUN, LINGER, Reissue(LAUNCHED)),
+    ("launched, run live: hand it what was recorded behind", state(LAUNCHED), run(RunStatus.LIVE), LINGER,
+     Extend(RUN_KEY)),
+    ("launched in failover (catching up), run live", state(LAUNCHED, failover_since=SINCE), run(RunStatus.LIVE),
+     LINGER, Extend(RUN_KEY)),
+    ("launched, run failed: failover, backoff of attempt 1",
+     state(LAUNCHED), run(RunStatus.FAILED, "FAILURE", "HTTP 500 from sink"), LINGER,
+     failed(LAUNCHED, 5, "HTTP 500 from sink", "FAILURE")),
+    ("launched, run canceled (no step failed)", state(LAUNCHED), run(RunStatus.FAILED, "CANCELED"), LINGER,
+     failed(LAUNCHED, 5, "CANCELED", "CANCELED")),
+    ("launched, third attempt failed: backoff doubled twice",
+     state(LAUNCHED_3, failover_since=SINCE), run(RunStatus.FAILED, "FAILURE", "refused"), LINGER,
+     failed(LAUNCHED_3, 20, "refused", "FAILURE")),
+    ("launched, run died (no lease): reported, then failover",
+     state(LAUNCHED), run(RunStatus.DEAD, "FAILURE"), LINGER, failed(LAUNCHED, 5, "FAILURE", "FAILURE", died=True)),
+    ("launched, run succeeded without confirming: failed, due now", state(LAUNCHED), run(RunStatus.SUCCEEDED),
+     LINGER, FailRun(LAUNCHED, "r1", "run r1 succeeded without confirming batch 10", NOW)),
+    ("launched, run canceling: wait", state(LAUNCHED), run(RunStatus.OTHER), LINGER, Wait()),
+]
+
+
+@pytest.mark.parametrize(("state", "run", "stream", "expected"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_decide(state: StreamState, run: RunView, stream: StreamConfig, expected: Action) -> None:
+    assert decide(state, run, NOW, stream) == expected
+
+
+def test_every_status_is_covered() -> None:
+    """Every open status is the head of some row; a done batch is never a stream's head."""
+    heads = {r[1].head.status for r in ROWS if r[1].head is not None}
+    assert heads == {s for s in BatchStatus if s.is_open}
+    for status in BatchStatus:
+        if not status.is_open:
+            with pytest.raises(ValueError, match="a stream's head is an open batch"):
+                state(batch(status))
+    assert {s for s in BatchStatus if not s.is_open} == {BatchStatus.DELIVERED, BatchStatus.SKIPPED}
+
+
+def test_every_run_status_and_action_is_covered() -> None:
+    assert {r[2].status for r in ROWS} == set(RunStatus)
+    kinds = {type(r[4]) for r in ROWS} | {type(r[4].then) for r in ROWS if isinstance(r[4], LeaveFailover)}
+    assert kinds == {Wait, Launch, Extend, Reissue, FailRun, LeaveFailover}
+
+
+@pytest.mark.parametrize(("state", "watched"), [
+    (state(None), None),
+    (state(PENDING), None),
+    (state(PENDING, open_run_key=OPEN_KEY), OPEN_KEY),
+    (state(PENDING, open_run_key=OPEN_KEY, paused=True), None),
+    (state(LAUNCHED), RUN_KEY),
+    (state(LAUNCHED, paused=True), None),
+    (state(FAILED_DUE, open_run_key=OPEN_KEY), None),
+])
+def test_watched_run(state: StreamState, watched: str | None) -> None:
+    """The run the sensor asks Dagster about: the one decide looks at."""
+    assert state.watched_run_key == watched
+
+
+def test_the_next_run_starts_at_the_head() -> None:
+    with pytest.raises(ValueError, match="must start at its head"):
+        StreamState(SID, head=PENDING, next_run=(11, 12))
+    with pytest.raises(ValueError, match="must start at its head"):
+        StreamState(SID, head=PENDING)
+    assert StreamState(SID, head=PENDING, paused=True).next_run == ()  # not read while paused
+
+
+def test_run_keys() -> None:
+    assert RunOrder(PENDING, NEXT_RUN, 1).run_key == "pgstream-s7-inc0-b10-12-a1"
+    assert RunOrder(FAILED_DUE, (HEAD,), 2).run_key == "pgstream-s7-inc0-b10-a2"
+
+
+def test_notes() -> None:
+    """What the tick log says: why nothing started, failover entered or left."""
+    by_name = {r[0]: decide(r[1], r[2], NOW, r[3]) for r in ROWS}
+    assert notes(by_name["paused, pending head"]) == [PAUSED]
+    assert notes(by_name["failover caught up, paused: failover ends, then the pause"]) == [CAUGHT_UP, PAUSED]
+    assert notes(by_name["launched, run failed: failover, backoff of attempt 1"]) == [
+        "stream 7 in failover at batch 10: run r1 FAILURE (HTTP 500 from sink); retry at 12:00:05"]
+    for name in ("empty stream", "pending, no open run: launch, open", "launched, run live: hand it what was "
+                 "recorded behind", "launched, run never created: request it again",
+                 "launched, run succeeded without confirming: failed, due now"):
+        assert notes(by_name[name]) == [], name
+
+
+def test_batch_status_from_the_database() -> None:
+    """The ledger gives statuses as text; a batch holds the enum member."""
+    row = dataclasses.asdict(PENDING) | {"status": "launched"}
+    assert Batch(**row).status is BatchStatus.LAUNCHED
+    with pytest.raises(ValueError):
+        Batch(**(row | {"status": "lost"}))
