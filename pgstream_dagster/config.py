@@ -25,6 +25,7 @@ from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .sinks import SinkConfig
+from .sinks.base import PayloadPath
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -49,8 +50,8 @@ class BatchConfig(_Model):
 
 class DeliveryConfig(_Model):
     ordering: Literal["global", "by_key"] = "global"
-    routing_key: str = Field("group_id", pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
-                             description="payload path used to partition deliveries when ordering=by_key")
+    routing_key: PayloadPath = Field("group_id",
+                                     description="payload path used to partition deliveries when ordering=by_key")
     parallelism: int = Field(4, ge=1, le=256)
     chunk_size: int = Field(500, ge=1, le=100_000, description="events handed to the sink per publish call")
     max_events_per_run: int = Field(100_000, ge=1, le=10_000_000,
@@ -113,6 +114,17 @@ class StreamChecksConfig(_Model):
     max_retained_wal_bytes: int = Field(1024**3, ge=0, le=2**63 - 1, description="WAL the stream's slot may hold back")
 
 
+#: The prefix of the names pgstream gives a stream's objects: its default replication slot and its
+#: publication are ``pgstream_stream_<id>`` (so is its Dagster sensor), an open run's NOTIFY channel
+#: ``pgstream_stream_<id>_runs``. Tear-down recognises the slots and publications by it.
+STREAM_NAME_PREFIX = "pgstream_stream_"
+
+
+def stream_object_name(stream_id: int) -> str:
+    """``pgstream_stream_<id>``: the stream's publication, its default slot and its sensor."""
+    return f"{STREAM_NAME_PREFIX}{stream_id}"
+
+
 class StreamConfig(_Model):
     id: int = Field(ge=1, le=MAX_STREAM_ID)
     batch: BatchConfig = BatchConfig()
@@ -125,11 +137,11 @@ class StreamConfig(_Model):
 
     @property
     def slot(self) -> str:
-        return self.slot_name or f"pgstream_stream_{self.id}"
+        return self.slot_name or stream_object_name(self.id)
 
     @property
     def publication(self) -> str:
-        return f"pgstream_stream_{self.id}"
+        return stream_object_name(self.id)
 
 
 class PayloadExtension(_Model):

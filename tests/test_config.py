@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from pgstream_dagster.config import ConfigError, load_config
-from pgstream_dagster.sinks import HttpSinkConfig, KafkaSinkConfig
+from pgstream_dagster.config import ConfigError, DeliveryConfig, load_config
+from pgstream_dagster.sinks import HttpSinkConfig, KafkaSinkConfig, parse_sink_config
 
 GOOD = """
 database_url: ${TEST_PG_URL}
@@ -236,3 +237,18 @@ def test_sink_numbers_must_be_finite() -> None:
         with pytest.raises(ConfigError, match=r"streams\[0\]\.sink\.timeout_secs"):
             parse_config({"database_url": "postgresql://x", "streams": [
                 {"id": 1, "sink": {"type": "http", "url": "http://127.0.0.1/hook", "timeout_secs": value}}]})
+
+
+@pytest.mark.parametrize("path", ["group_id", "data.tenant-id", "a.b_c.d"])
+def test_routing_key_accepts_what_a_sink_payload_path_accepts(path: str) -> None:
+    """delivery.routing_key and the sinks' payload paths are one definition (sinks.base.PayloadPath)."""
+    assert DeliveryConfig(routing_key=path).routing_key == path
+    assert parse_sink_config({"type": "redis", "stream_from": path}) is not None
+
+
+@pytest.mark.parametrize("path", ["", "a..b", ".a", "a.", "1a", "a b", "a/b"])
+def test_routing_key_refuses_what_a_sink_payload_path_refuses(path: str) -> None:
+    with pytest.raises(ValidationError):
+        DeliveryConfig(routing_key=path)
+    with pytest.raises(ValidationError):
+        parse_sink_config({"type": "redis", "stream_from": path})

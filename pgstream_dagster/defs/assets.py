@@ -31,7 +31,7 @@ from ..engine.subscriptions import (
     set_code_version,
     trigger_state,
 )
-from .names import EVENTS_PARTITIONS_KEY
+from .names import EVENTS_PARTITIONS_KEY, subscriptions_op_name
 from .resources import PgstreamResource
 
 
@@ -165,7 +165,7 @@ def _stream_subscriptions(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefi
         metadata={"stream_id": stream_id, "declared": dg.MetadataValue.json(sorted(s.key for s in subs))},
     ))
 
-    @dg.multi_asset(name=f"pgstream_stream_{stream_id}_subscriptions", specs=specs, can_subset=True,
+    @dg.multi_asset(name=subscriptions_op_name(stream_id), specs=specs, can_subset=True,
                     description=f"Apply stream {stream_id}'s subscriptions from {origin} (one transaction).")
     def _apply(context: dg.AssetExecutionContext,
                pgstream: dg.ResourceParam[PgstreamResource]) -> Iterator[dg.MaterializeResult[Any]]:

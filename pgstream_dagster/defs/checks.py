@@ -23,7 +23,7 @@ from ..engine import deadletters, status
 from ..engine.subscriptions import differences, identity, stored_definition, trigger_state
 from ..sinks.base import excerpt
 from .assets import stream_subscription_keys
-from .names import CONTROL_JOB, deliveries_asset_key, replay_job_name
+from .names import CONTROL_JOB, checks_op_name, deliveries_asset_key, replay_job_name
 from .resources import PgstreamResource
 
 TRIGGER_CHECK = "trigger_matches"
@@ -163,7 +163,7 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                                       "the sink, unreadable, set aside) was redelivered or discarded."),
     ]
 
-    @dg.multi_asset_check(name=f"pgstream_stream_{stream.id}_checks", specs=specs, can_subset=True,
+    @dg.multi_asset_check(name=checks_op_name(stream.id), specs=specs, can_subset=True,
                           description=f"Health of stream {stream.id}: subscription triggers, backlog, slot, failover, "
                                       f"dead letters.")
     def _checks(context: dg.AssetCheckExecutionContext,

@@ -2,6 +2,8 @@
 
 import dagster as dg
 
+from ..config import stream_object_name
+
 #: run tags
 STREAM_TAG = "pgstream/stream"
 BATCH_TAG = "pgstream/batch"
@@ -25,7 +27,17 @@ def replay_job_name(stream_id: int) -> str:
 
 
 def stream_sensor_name(stream_id: int) -> str:
-    return f"pgstream_stream_{stream_id}"
+    return stream_object_name(stream_id)
+
+
+def subscriptions_op_name(stream_id: int) -> str:
+    """The multi-asset that materializes a stream's subscription assets."""
+    return f"{stream_object_name(stream_id)}_subscriptions"
+
+
+def checks_op_name(stream_id: int) -> str:
+    """The multi-asset check of a stream's asset checks."""
+    return f"{stream_object_name(stream_id)}_checks"
 
 
 def deliveries_asset_key(stream_id: int) -> dg.AssetKey:

@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from ..config import StreamConfig
+from ..config import StreamConfig, stream_object_name
 from ..sinks import Event
 from . import replication
 from .batches import Action, BatchStatus, Extend, FailRun, Launch, LeaveFailover, Reissue, RunOrder, StreamState, Wait
@@ -62,7 +62,7 @@ class SlotInUse(RuntimeError):
 
 
 def default_slot(stream_id: int) -> str:
-    return f"pgstream_stream_{stream_id}"
+    return stream_object_name(stream_id)
 
 
 def slot_holder(conn: psycopg.Connection, slot: str, stream_id: int) -> int | None:
@@ -321,7 +321,7 @@ def is_paused(conn: psycopg.Connection, stream_id: int) -> bool:
 
 def run_channel(stream_id: int) -> str:
     """The NOTIFY channel on which an open run hears that batches were assigned to it."""
-    return f"pgstream_stream_{stream_id}_runs"
+    return f"{stream_object_name(stream_id)}_runs"
 
 
 def listen_runs(conn: psycopg.Connection, stream_id: int) -> None:

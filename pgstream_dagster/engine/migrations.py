@@ -45,6 +45,8 @@ from pathlib import Path
 
 import psycopg
 
+from ..config import STREAM_NAME_PREFIX
+
 #: The NOLOGIN role that owns the generated trigger functions (sql/012_least_privilege.sql).
 WRITER_ROLE = "pgstream_writer"
 
@@ -235,7 +237,7 @@ class TearDownRefused(RuntimeError):
 _GENERATED_TRIGGER = """
     t.tgname like 'pgstream\\_%' and p.pronamespace = 'pgstream'::pg_catalog.regnamespace
     and p.proname like '\\_publish\\_%' and not t.tgisinternal"""
-_OWN_PUBLICATION = r"^pgstream_stream_[0-9]+$"
+_OWN_NAME = rf"^{STREAM_NAME_PREFIX}[0-9]+$"  # a stream's publication or default slot
 
 #: Every object that ``drop schema pgstream cascade`` would drop, found the way Postgres finds
 #: them (pg_depend from the schema on, a part taking its whole: a view's rule takes the view), less
@@ -294,7 +296,7 @@ where d.schema is distinct from 'pgstream' and d.schema is distinct from 'pg_toa
            where t.oid = d.objid and {_GENERATED_TRIGGER}))
   and not (d.classid = 'pg_catalog.pg_publication_rel'::pg_catalog.regclass and exists (
            select 1 from pg_catalog.pg_publication_rel r join pg_catalog.pg_publication p on p.oid = r.prpubid
-           where r.oid = d.objid and p.pubname ~ '{_OWN_PUBLICATION}'))
+           where r.oid = d.objid and p.pubname ~ '{_OWN_NAME}'))
 order by 1
 """  # noqa: S608 - constants only
 
@@ -354,7 +356,7 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
                 )
                 removed.append(f"trigger {tgname} on {schema}.{table}")
             for (pub,) in conn.execute(
-                "select pubname from pg_publication where pubname ~ %s order by 1", [_OWN_PUBLICATION]
+                "select pubname from pg_publication where pubname ~ %s order by 1", [_OWN_NAME]
             ).fetchall():
                 conn.execute(sql.SQL("drop publication {}").format(sql.Identifier(pub)))
                 removed.append(f"publication {pub}")
@@ -364,8 +366,8 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
                 removed += [f"{obj} (it depended on schema pgstream)" for obj in dependents]
         for slot, pid in conn.execute(
             "select slot_name, active_pid from pg_replication_slots "
-            "where (slot_name = any(%s) or slot_name ~ '^pgstream_stream_[0-9]+$') "
-            "and database = current_database() order by 1", [sorted(slots)]
+            "where (slot_name = any(%s) or slot_name ~ %s) "
+            "and database = current_database() order by 1", [sorted(slots), _OWN_NAME]
         ).fetchall():
             if pid is not None:
                 conn.execute("select pg_terminate_backend(%s)", [pid])
@@ -389,8 +391,9 @@ def _stream_slots(conn: psycopg.Connection) -> set[str]:
     has_name = conn.execute(
         "select 1 from pg_attribute where attrelid = 'pgstream.streams'::regclass and attname = 'slot_name' "
         "and not attisdropped").fetchone()
-    column = "coalesce(slot_name, 'pgstream_stream_' || id)" if has_name else "'pgstream_stream_' || id"
-    return {r[0] for r in conn.execute(f"select {column} from pgstream.streams").fetchall()}  # noqa: S608
+    column = "coalesce(slot_name, %(prefix)s || id)" if has_name else "%(prefix)s || id"
+    return {r[0] for r in conn.execute(f"select {column} from pgstream.streams",  # noqa: S608
+                                       {"prefix": STREAM_NAME_PREFIX}).fetchall()}
 
 
 def _schema_exists(conn: psycopg.Connection) -> bool:
