@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import platform
+import subprocess
 import threading
 import time
 import urllib.request
@@ -21,9 +22,17 @@ import psycopg
 import yaml
 
 from pgstream_dagster.config import load_config
-from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import DELIVERY_JOB
-from pgstream_dagster.engine.subscriptions import apply_subscriptions
+
+try:
+    from pgstream_dagster.defs.location import build_definitions
+    from pgstream_dagster.defs.names import DELIVERY_JOB
+    from pgstream_dagster.engine.subscriptions import apply_subscriptions
+except ImportError:  # a --baseline tree from before pgstream_dagster/engine and defs/ (ecb0130 and older)
+    from pgstream_dagster.jobs import DELIVERY_JOB  # type: ignore[no-redef]
+    from pgstream_dagster.location import build_definitions  # type: ignore[no-redef]
+    from pgstream_dagster.subscriptions import apply_subscriptions  # type: ignore[no-redef]
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TABLE_SQL = """create table if not exists public.bench_orders (
     id bigserial primary key, seq bigint not null, customer text not null, amount numeric not null,
@@ -169,3 +178,13 @@ def delivered_events(conn: psycopg.Connection, stream_id: int) -> int:
 def written_events(conn: psycopg.Connection, stream_id: int) -> int:
     row = conn.execute("select count(*) from pgstream.events where stream_id = %s", [stream_id]).fetchone()
     return int(row[0]) if row else 0
+
+
+def extract_tree(ref: str, into: Path) -> Path:
+    """The package and its SQL as of git ``ref`` (``git archive``), for a ``--baseline`` child
+    process (``PYTHONPATH`` = the returned directory)."""
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "pgstream_dagster", "sql"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into

@@ -8,7 +8,10 @@ run via ``execute_in_process``, ephemeral Dagster instance, warm Spark session),
 Reports p50/p95/p99/max of receipt - commit, and a breakdown from the ledger (per batch: commit ->
 recorded (the batch's oldest event), recorded -> run launched,
 launched -> delivered). Appended to bench/RESULTS.md.
-Usage: python bench/latency.py [--duration 60] [--interval 0.2] [--fill 5,0.5]
+``--baseline REF`` measures the package as of git ``REF`` too, side by side: each (fill, tree) phase
+runs in a child process of its own (own Postgres, webhook and Spark), alternating baseline and
+current for each fill value, and the results give the current/baseline ratios.
+Usage: python bench/latency.py [--duration 60] [--interval 0.2] [--fill 5,0.5] [--baseline REF]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,10 +33,14 @@ import dagster as dg
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Driver, Webhook, delivered_events, machine, write_config
+from common import Driver, Webhook, delivered_events, extract_tree, machine, write_config
 
 from pgstream_dagster.devdb import ensure_running
-from pgstream_dagster.engine.migrations import migrate
+
+try:
+    from pgstream_dagster.engine.migrations import migrate
+except ImportError:  # a --baseline tree from before pgstream_dagster/engine (ecb0130 and older)
+    from pgstream_dagster.migrations import migrate  # type: ignore[no-redef]
 
 HERE = Path(__file__).resolve().parent
 
@@ -101,26 +109,75 @@ def _phase(fill: float, pg: Any, tmpdir: Path, webhook: Webhook, args: argparse.
             "breakdown": breakdown}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--duration", type=float, default=60)
-    parser.add_argument("--interval", type=float, default=0.2)
-    parser.add_argument("--fill", default="5,0.5", help="batch.max_fill_secs values to compare")
-    args = parser.parse_args()
-    header = machine()
-    results: dict[float, dict[str, Any]] = {}
+def _measure(fill: float, args: argparse.Namespace, base: int) -> dict[str, Any]:
+    """One phase in this process: its own Postgres and webhook receiver."""
     with tempfile.TemporaryDirectory(prefix="pgstream-latency-") as tmp:
         tmpdir = Path(tmp)
         os.chmod(tmpdir, 0o755)
         pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off"})
         webhook = Webhook()
         try:
-            for fill in [float(x) for x in args.fill.split(",")]:
-                r = results[fill] = _phase(fill, pg, tmpdir, webhook, args, base=len(results) * 10_000_000)
-                print(f"max_fill_secs {fill}: {r}")
+            return _phase(fill, pg, tmpdir, webhook, args, base=base)
         finally:
             webhook.stop()
             pg.destroy()
+
+
+def _child(fill: float, args: argparse.Namespace, base: int, tree: Path | None) -> dict[str, Any]:
+    """One phase in a child process, with the package of ``tree`` (None: this checkout's)."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    command = [sys.executable, str(HERE / "latency.py"), "--phase", str(fill), "--base", str(base),
+               "--duration", str(args.duration), "--interval", str(args.interval)]
+    # cwd outside the repository: Spark's Python workers put the cwd first on sys.path
+    out = subprocess.run(command, capture_output=True, text=True, check=False, cwd=tempfile.gettempdir(), env=env)
+    line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
+    if out.returncode != 0 or line is None:
+        print(out.stdout[-3000:], out.stderr[-3000:])
+        raise SystemExit(f"latency phase {fill} ({tree or 'current'}) failed")
+    result: dict[str, Any] = json.loads(line)
+    if tree is not None and not result["module"].startswith(str(tree)):
+        raise SystemExit(f"baseline phase imported {result['module']}, not the baseline package")
+    return result
+
+
+def _line(label: str, r: dict[str, Any], base: dict[str, Any] | None) -> str:
+    b = r["breakdown"]
+    parts = (f"; breakdown {b[0]:.2f}s + {b[1]:.2f}s + {b[2]:.2f}s" if b else "")
+    ratio = (f" (p50 {r['p50'] / base['p50']:.2f}x, p99 {r['p99'] / base['p99']:.2f}x baseline)"
+             if base and base["p50"] > 0 and base["p99"] > 0 else "")
+    return (f"- {label}: p50 {r['p50']:.2f}s, p95 {r['p95']:.2f}s, p99 {r['p99']:.2f}s, "
+            f"max {r['max']:.2f}s over {r['events']} events ({r['missing']} missing), {r['batches']} "
+            f"batches, {r['runs']} runs{parts}{ratio}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--duration", type=float, default=60)
+    parser.add_argument("--interval", type=float, default=0.2)
+    parser.add_argument("--fill", default="5,0.5", help="batch.max_fill_secs values to compare")
+    parser.add_argument("--baseline", help="git ref to compare with, side by side (e.g. the commit before a change)")
+    parser.add_argument("--phase", type=float, help=argparse.SUPPRESS)  # a child: one phase, JSON on stdout
+    parser.add_argument("--base", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase is not None:
+        import pgstream_dagster
+
+        print(json.dumps({**_measure(args.phase, args, args.base), "module": pgstream_dagster.__file__}))
+        return
+    header = machine()
+    fills = [float(x) for x in args.fill.split(",")]
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pgstream-latency-trees-") as tmp:
+        tree = extract_tree(args.baseline, Path(tmp) / "baseline") if args.baseline else None
+        for i, fill in enumerate(fills):
+            if tree is not None:
+                results[f"max_fill_secs {fill}, baseline"] = r = _child(fill, args, i * 10_000_000, tree)
+                print(f"max_fill_secs {fill} baseline: {r}")
+            results[f"max_fill_secs {fill}"] = r = (_child(fill, args, i * 10_000_000, None) if tree is not None
+                                                    else _measure(fill, args, i * 10_000_000))
+            print(f"max_fill_secs {fill}: {r}")
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"\n## Latency (P4) {stamp}, 1 event every {args.interval}s for {args.duration:.0f}s",
              f"Machine: {header}. Method: bench/latency.py; one row per transaction into a table with an INSERT "
@@ -128,13 +185,15 @@ def main() -> None:
              "to the writer; stream driven in-process (sensor tick then execute_in_process of the requested run, "
              "back to back; ephemeral Dagster instance; Spark session warm after one warm-up event). Breakdown = "
              "medians over batches from the ledger: first commit -> batch recorded, recorded -> run launched, "
-             "launched -> marked delivered."]
-    for fill, r in results.items():
-        b = r["breakdown"]
-        parts = (f"; breakdown {b[0]:.2f}s + {b[1]:.2f}s + {b[2]:.2f}s" if b else "")
-        lines.append(f"- max_fill_secs {fill}: p50 {r['p50']:.2f}s, p95 {r['p95']:.2f}s, p99 {r['p99']:.2f}s, "
-                     f"max {r['max']:.2f}s over {r['events']} events ({r['missing']} missing), {r['batches']} "
-                     f"batches, {r['runs']} runs{parts}")
+             "launched -> marked delivered."
+             + (f" Baseline = the package at {args.baseline}; each phase in a child process of its own, baseline "
+                f"and current alternating per fill value, in one run." if args.baseline else "")]
+    for label, r in results.items():
+        if not label.endswith(", baseline"):
+            base = results.get(f"{label}, baseline")
+            if base is not None:
+                lines.append(_line(f"{label}, baseline {args.baseline}", base, None))
+            lines.append(_line(label + (" (current)" if base is not None else ""), r, base))
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

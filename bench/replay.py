@@ -31,6 +31,9 @@ from typing import Any
 import psycopg
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import extract_tree
+
 from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.engine.migrations import migrate
 
@@ -120,11 +123,7 @@ def main() -> None:
         os.chmod(tmpdir, 0o755)
         baseline_dir: Path | None = None
         if args.baseline:
-            baseline_dir = tmpdir / "baseline"
-            baseline_dir.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline, "pgstream_dagster", "sql"],
-                                     capture_output=True, check=True).stdout
-            subprocess.run(["tar", "-x", "-C", str(baseline_dir)], input=archive, check=True)
+            baseline_dir = extract_tree(args.baseline, tmpdir / "baseline")
         pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off"})
         try:
             pg.create_database("bench")
