@@ -32,6 +32,7 @@ __all__ = [
     "import_extra",
     "lookup_path",
     "prepare_until_rejected",
+    "publish_prepared",
     "redact_url",
     "route",
     "route_name",
@@ -275,6 +276,18 @@ def prepare_until_rejected(events: Sequence[Event], prepare: Callable[[Event], T
                 raise
             return prepared, exc
     return prepared, None
+
+
+def publish_prepared(events: Sequence[Event], prepare: Callable[[Event], T],
+                     send: Callable[[Sequence[Event], list[T]], None]) -> None:
+    """A sink's ``publish`` for destinations that check each event before sending: ``prepare``
+    every event (:func:`prepare_until_rejected`), ``send`` the events before the first permanently
+    rejected one with their prepared values, then raise that rejection."""
+    prepared, rejection = prepare_until_rejected(events, prepare)
+    if prepared:
+        send(events[: len(prepared)], prepared)
+    if rejection is not None:
+        raise rejection
 
 
 class MissingExtraError(SinkError, ImportError):

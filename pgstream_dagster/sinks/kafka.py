@@ -39,7 +39,7 @@ from .base import (
     SinkError,
     describe_events,
     import_extra,
-    prepare_until_rejected,
+    publish_prepared,
     route,
     route_name,
     scrub,
@@ -194,14 +194,8 @@ class KafkaSink(Sink):
             self._fatal_error = self._client_error
 
     def publish(self, events: Sequence[Event]) -> None:
-        if not events:
-            return
         # every route first: the events before a rejected one are sent, then it is rejected
-        routes, rejection = prepare_until_rejected(events, self._route)
-        if routes:
-            self._produce(events[: len(routes)], routes)
-        if rejection is not None:
-            raise rejection
+        publish_prepared(events, self._route, self._produce)
 
     def _produce(self, events: Sequence[Event], routes: Sequence[tuple[str, str]]) -> None:
         """Produce ``events`` in order and wait until every one is confirmed, else raise."""

@@ -35,7 +35,7 @@ from .base import (
     SinkError,
     describe_exception,
     import_extra,
-    prepare_until_rejected,
+    publish_prepared,
     redact_url,
     route,
     scrub,
@@ -135,13 +135,8 @@ class NatsSink(Sink):
     # -- publishing ------------------------------------------------------------------------------------
 
     def publish(self, events: Sequence[Event]) -> None:
-        if events:
-            # every subject first: the events before a rejected one are sent, then it is rejected
-            subjects, rejection = prepare_until_rejected(events, self._subject_of)
-            if subjects:
-                self._run(self._publish(events[: len(subjects)], subjects))
-            if rejection is not None:
-                raise rejection
+        # every subject first: the events before a rejected one are sent, then it is rejected
+        publish_prepared(events, self._subject_of, lambda sent, subjects: self._run(self._publish(sent, subjects)))
 
     def _subject_of(self, event: Event) -> str:
         config = self.config

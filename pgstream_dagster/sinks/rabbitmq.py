@@ -30,7 +30,7 @@ from .base import (
     SinkError,
     describe_exception,
     import_extra,
-    prepare_until_rejected,
+    publish_prepared,
     redact_url,
     route,
 )
@@ -144,14 +144,8 @@ class RabbitMqSink(Sink):
         return (exchange, routing_key), body
 
     def publish(self, events: Sequence[Event]) -> None:
-        if not events:
-            return
         # every message first: the events before a rejected one are sent, then it is rejected
-        messages, rejection = prepare_until_rejected(events, self._message)
-        if messages:
-            self._publish(events[: len(messages)], messages)
-        if rejection is not None:
-            raise rejection
+        publish_prepared(events, self._message, self._publish)
 
     def _publish(self, events: Sequence[Event], messages: Sequence[tuple[tuple[str, str], bytes]]) -> None:
         exceptions = self._pika.exceptions

@@ -24,7 +24,7 @@ from .base import (
     SinkError,
     describe_exception,
     import_extra,
-    prepare_until_rejected,
+    publish_prepared,
     redact_url,
     route_name,
 )
@@ -94,12 +94,12 @@ class RedisSink(Sink):
 
     def publish(self, events: Sequence[Event]) -> None:
         # every entry first: the events before a rejected one are sent, then it is rejected
-        entries, rejection = prepare_until_rejected(events, self._entry)
+        publish_prepared(events, self._entry, self._send)
+
+    def _send(self, events: Sequence[Event], entries: list[tuple[str, dict[str, str]]]) -> None:
         for start in range(0, len(entries), self.chunk_size):
             end = min(start + self.chunk_size, len(entries))
             self._publish_chunk(events[start:end], entries[start:end])
-        if rejection is not None:
-            raise rejection
 
     def _entry(self, event: Event) -> tuple[str, dict[str, str]]:
         """The stream and fields of ``event``; a permanent :class:`SinkError` when it cannot be sent."""
