@@ -17,6 +17,7 @@ from pgstream_dagster.engine.migrations import migrate
 from .support.dagster_dev import Databases, drop_databases, make_databases
 from .support.endpoint import Endpoint
 from .support.http_recorder import HttpRecorder, recording_server
+from .support.schema import USERS
 
 TEMPLATE = "pgstream_template"
 _counter = itertools.count()
@@ -119,3 +120,10 @@ def http_server() -> Iterator[HttpRecorder]:
     """A real HTTP server on loopback that records what a sink sends (tests/support/http_recorder.py)."""
     with recording_server() as recorder:
         yield recorder
+
+
+@pytest.fixture
+def users(conn: psycopg.Connection) -> psycopg.Connection:
+    """A fresh pgstream database with ``public.users`` (tests/support/schema.py)."""
+    conn.execute(USERS)
+    return conn

@@ -3,9 +3,11 @@ upgrades from the released 0.1 schema (tests/fixtures/sql-0.1-014.tar.gz) to the
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
+from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.engine.migrations import (
     RELEASED_CHECKSUMS,
     REPEATABLE_DIR,
@@ -406,3 +409,61 @@ def test_upgrade_from_release_0_1_ends_as_a_fresh_install(empty_db_url: str, db_
     with psycopg.connect(empty_db_url) as c:
         assert c.execute("select undelivered_batches, open_dead_letters, state from pgstream.stream_status "
                          "order by id").fetchall() == [(1, 0, "failover"), (1, 1, "healthy")]
+
+
+# -- applying, concurrency, changed files, partitions, the CLI ------------------------------------
+
+
+def test_migrate_is_idempotent_and_recorded(db_url: str) -> None:
+    assert migrate(db_url) == []
+    with psycopg.connect(db_url) as c:
+        versions = [r[0] for r in c.execute("select version from pgstream.schema_migrations order by 1")]
+    assert versions == sorted(int(p.name[:3]) for p in sql_dir().glob("[0-9]*.sql") if p.name[:3] != "000")
+
+
+def test_concurrent_migrators_apply_each_migration_once(empty_db_url: str) -> None:
+    results: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(migrate(empty_db_url))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    applied = [name for r in results for name in r]
+    assert len(applied) == len(set(applied)) == (len([m for m in discover() if m.version > 0])
+                                                 + len(discover_repeatables()))
+
+
+def test_changed_migration_is_refused(db_url: str, tmp_path: Path) -> None:
+    copy = tmp_path / "sql"
+    shutil.copytree(sql_dir(), copy)
+    (copy / "001_core.sql").write_text((copy / "001_core.sql").read_text() + "\n-- edited\n")
+    with pytest.raises(MigrationError, match=r"001_core\.sql was changed after it was applied"):
+        migrate(db_url, directory=copy)
+
+
+def test_migrate_creates_today_and_the_week_ahead(conn: psycopg.Connection) -> None:
+    today = dt.datetime.now(dt.UTC).date()
+    names = {r[0] for r in conn.execute(
+        "select c.relname from pg_inherits i join pg_class c on c.oid = i.inhrelid "
+        "where i.inhparent = 'pgstream.events'::regclass")}
+    for d in range(8):
+        assert f"events_{(today + dt.timedelta(days=d)):%Y%m%d}" in names
+    assert "events_default" in names
+
+
+def test_cli_migrate_and_missing_url(db_url: str, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cli_main(["migrate", "--database-url", db_url]) == 0
+    assert "up to date" in capsys.readouterr().out
+    monkeypatch.delenv("PGSTREAM_DATABASE_URL", raising=False)
+    with pytest.raises(SystemExit, match="PGSTREAM_DATABASE_URL"):
+        cli_main(["migrate"])
