@@ -472,16 +472,22 @@ def test_writer_role_and_function_settings(db_url: str, table: str) -> None:
                    for col in ("id", "payload", "metadata", "stream_id", "created_at", "lsn")}
         assert {col for col, ok in columns.items() if ok} == {"payload", "metadata", "stream_id"}
         assert c.execute("select has_schema_privilege(%s, 'pgstream', 'CREATE')", [WRITER_ROLE]).fetchone() == (False,)
-        # every function of the schema: temporary schema last; none executable by PUBLIC. The one
-        # function with a SQL-standard body, pgstream.batch_is_open, had its names bound when it was
-        # created: it needs no search_path (and a SET would keep Postgres from inlining it)
+        # every function of the schema: temporary schema last. The one function with a SQL-standard
+        # body, pgstream.batch_is_open, had its names bound when it was created: it needs no
+        # search_path (and a SET would keep Postgres from inlining it)
         bad = c.execute(
             "select p.oid::regprocedure::text, p.proconfig from pg_proc p "
             "where p.pronamespace = 'pgstream'::regnamespace "
-            "and ((p.prosqlbody is null and (p.proconfig is null "
-            "                                or not 'search_path=pg_catalog, pg_temp' = any (p.proconfig))) "
-            "     or has_function_privilege('public', p.oid, 'EXECUTE'))").fetchall()
+            "and p.prosqlbody is null and (p.proconfig is null "
+            "                              or not 'search_path=pg_catalog, pg_temp' = any (p.proconfig))").fetchall()
         assert bad == []
+        # executable by PUBLIC: only the two pure functions pgstream.stream_status calls (so that a
+        # monitoring role granted the view can read it), neither SECURITY DEFINER nor volatile
+        public = c.execute(
+            "select p.oid::regprocedure::text, p.prosecdef, p.provolatile from pg_proc p "
+            "where p.pronamespace = 'pgstream'::regnamespace and has_function_privilege('public', p.oid, 'EXECUTE') "
+            "order by 1").fetchall()
+        assert public == [("pgstream.batch_is_open(text)", False, "i"), ("pgstream.utc_today()", False, "s")]
         assert c.execute("select array_agg(p.oid::regprocedure::text) from pg_proc p "
                          "where p.pronamespace = 'pgstream'::regnamespace and p.prosqlbody is not null"
                          ).fetchone() == (["pgstream.batch_is_open(text)"],)
