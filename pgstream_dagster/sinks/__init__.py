@@ -2,7 +2,7 @@
 
 ``SinkConfig`` is a pydantic discriminated union (on ``type``) of every sink config; ``build_sink`` turns
 a config (or a plain mapping) into a :class:`Sink`. Importing this package never imports the optional
-client libraries (redis, pika, nats-py, confluent-kafka): they are loaded when the matching sink is built.
+client libraries (redis, pika, nats-py, confluent-kafka, boto3): they are loaded when the matching sink is built.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ from .base import Event, MissingExtraError, Sink, SinkConfigBase, SinkError
 from .file import FileSink, FileSinkConfig
 from .http import HttpSink, HttpSinkConfig
 from .kafka import KafkaSink, KafkaSinkConfig
+from .kinesis import KinesisSink, KinesisSinkConfig
 from .memory import MemorySink, MemorySinkConfig
 from .nats import NatsSink, NatsSinkConfig
 from .rabbitmq import RabbitMqSink, RabbitMqSinkConfig
 from .redis import RedisSink, RedisSinkConfig
+from .sns import SnsSink, SnsSinkConfig
+from .sqs import SqsSink, SqsSinkConfig
 
 __all__ = [
     "Event",
@@ -29,6 +32,8 @@ __all__ = [
     "HttpSinkConfig",
     "KafkaSink",
     "KafkaSinkConfig",
+    "KinesisSink",
+    "KinesisSinkConfig",
     "MemorySink",
     "MemorySinkConfig",
     "MissingExtraError",
@@ -42,6 +47,10 @@ __all__ = [
     "SinkConfig",
     "SinkConfigBase",
     "SinkError",
+    "SnsSink",
+    "SnsSinkConfig",
+    "SqsSink",
+    "SqsSinkConfig",
     "build_sink",
     "parse_sink_config",
 ]
@@ -55,6 +64,9 @@ SinkConfig = Annotated[
         RabbitMqSinkConfig,
         NatsSinkConfig,
         KafkaSinkConfig,
+        SqsSinkConfig,
+        SnsSinkConfig,
+        KinesisSinkConfig,
     ],
     Field(discriminator="type"),
 ]

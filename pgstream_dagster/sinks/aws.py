@@ -1,0 +1,389 @@
+"""What the Amazon sinks (``sqs``, ``sns``, ``kinesis``; extra ``aws``, library boto3) share: the AWS
+client settings, the boto3 client, and the batch loop with its per-entry failure rule.
+
+**Credentials** come only from boto3's standard chain: the environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``), ``AWS_PROFILE`` and the shared config files, web
+identity, the container or instance role. A sink config holds none: a key that looks like a
+credential is refused when the configuration is read, naming the key and never the value. The
+configuration holds ``region`` (else ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's) and
+an optional ``endpoint_url`` (LocalStack, moto). botocore's own DEBUG log lines have the session
+token (``X-Amz-Security-Token``) masked.
+
+**Batches.** An :class:`AwsBatchSink` checks every event first (``_prepare``: routing, size; a
+permanent rejection sends the events before it, then raises), cuts the prepared entries into
+requests of at most ``max_batch_size`` entries and the service's byte limit, and sends them one
+request at a time. A request's answer says, per entry, whether it was accepted. The prefix before
+the first failed entry is confirmed, in order; then:
+
+* a failed entry the service refused for what it is (``_EntryFailure.permanent``: too large,
+  invalid characters) raises a permanent :class:`SinkError` naming it;
+* any other failed entry (throttled, internal error) is sent again with the rest of its request
+  after a short backoff, up to ``max_attempts`` times, then raises a :class:`SinkError` that is not
+  permanent. Entries after a failed one that the service accepted are never counted as
+  confirmed: they are sent again (their idempotency key, the event id, lets consumers and FIFO
+  deduplication drop them), and no later request is sent before the failed entry is accepted.
+
+A request refused as a whole (an error answer) is not permanent, unless the service said it is
+about the content (each sink's ``_rejects_request``: too long, invalid characters): then the
+error names the events of that request (the caller isolates the bad one by publishing them one at
+a time). Unreachable endpoints, timeouts, throttling and 5xx answers are retried by botocore
+(``max_attempts``, standard retry mode) before they fail the publish.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Self, TypeVar
+
+from pydantic import Field, model_validator
+
+from .base import (
+    Event,
+    PayloadPath,
+    Sink,
+    SinkConfigBase,
+    SinkError,
+    describe_events,
+    excerpt,
+    import_extra,
+    publish_prepared,
+    redact_url,
+    route,
+    scrub,
+    url_secrets,
+)
+
+__all__ = [
+    "AwsBatchSink",
+    "AwsMessageConfigBase",
+    "AwsSinkConfigBase",
+    "EntryFailure",
+    "Prepared",
+    "batch_outcomes",
+    "message_attributes",
+    "message_size",
+]
+
+log = logging.getLogger(__name__)
+
+#: words of a configuration key that would hold a credential: AWS credentials come from the standard chain
+_CREDENTIAL_WORDS = ("access_key", "accesskey", "secret", "session_token", "sessiontoken", "password",
+                     "credential", "token")
+
+#: backoff before an entry that failed for a transient reason is sent again (doubles, with jitter)
+_ENTRY_BACKOFF_SECS = 0.2
+_ENTRY_BACKOFF_MAX_SECS = 5.0
+
+#: a MessageGroupId: 1-128 printable ASCII characters, no space (SQS and SNS FIFO)
+_GROUP_ID = re.compile(r"[!-~]{1,128}")
+
+#: botocore loggers whose DEBUG lines show request headers or the canonical request (session token)
+_HEADER_LOGGERS = ("botocore.endpoint", "botocore.auth", "botocore.awsrequest", "botocore.httpsession",
+                   "botocore.parsers", "botocore.hooks", "botocore.retryhandler", "botocore.retries.standard")
+
+#: the session token in botocore's logs: a header (``'X-Amz-Security-Token': b'...'``) or a canonical
+#: request line (``x-amz-security-token:...``)
+_TOKEN_IN_LOG = re.compile(r"(?i)(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s,}]+")
+
+
+class _MaskSessionToken(logging.Filter):
+    """Masks the session token in botocore's DEBUG lines (request headers, canonical requests)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # a malformed record: leave it to the handler
+            return True
+        masked = _TOKEN_IN_LOG.sub(r"\1***", text)
+        if masked != text:
+            record.msg, record.args = masked, None
+        return True
+
+
+_TOKEN_FILTER = _MaskSessionToken()
+
+
+def _mask_botocore_logs() -> None:
+    for name in _HEADER_LOGGERS:
+        logger = logging.getLogger(name)
+        if _TOKEN_FILTER not in logger.filters:
+            logger.addFilter(_TOKEN_FILTER)
+
+
+class AwsSinkConfigBase(SinkConfigBase):
+    """Client settings of every AWS sink. Credentials are never configured here (standard chain only).
+
+    ``region``: the AWS region (default: ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's).
+    ``endpoint_url``: another endpoint (LocalStack, moto: ``http://127.0.0.1:4566``).
+    ``timeout_secs``: connect and read timeout of each HTTP request. ``max_attempts``: attempts of a
+    request (botocore's standard retry mode: throttling, 5xx, connection errors) and of an entry
+    that failed for a transient reason.
+    """
+
+    region: str | None = Field(default=None, pattern=r"^[a-z0-9-]{1,50}$")
+    endpoint_url: str | None = None
+    timeout_secs: float = Field(default=10, gt=0, le=3600)
+    max_attempts: int = Field(default=3, ge=1, le=20)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            keys = sorted(str(key) for key in data if any(word in str(key).lower() for word in _CREDENTIAL_WORDS))
+            if keys:
+                raise ValueError(f"{keys} look like AWS credentials, which are never read from the configuration: "
+                                 "use the standard AWS chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / "
+                                 "AWS_SESSION_TOKEN in the environment, AWS_PROFILE, an instance or container role)")
+        return data
+
+    @model_validator(mode="after")
+    def _valid_endpoint(self) -> Self:
+        if self.endpoint_url is not None:
+            from urllib.parse import urlsplit
+
+            try:
+                parts = urlsplit(self.endpoint_url)
+                parts.port  # noqa: B018 - raises for an invalid port
+            except ValueError:
+                raise ValueError("endpoint_url is not a valid URL") from None
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("endpoint_url must be an http(s) URL with a host, e.g. http://127.0.0.1:4566")
+            if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+                raise ValueError("endpoint_url must not carry user info, a query string or a fragment "
+                                 "(credentials come from the standard AWS chain)")
+        return self
+
+    def secret_values(self) -> list[str]:
+        return super().secret_values() + (url_secrets(self.endpoint_url) if self.endpoint_url else [])
+
+    def where(self) -> str:
+        """The endpoint for messages: ``endpoint_url`` (redacted) or ``AWS (region)``."""
+        region = self.region or "default region"
+        return f"{redact_url(self.endpoint_url)} ({region})" if self.endpoint_url else f"AWS ({region})"
+
+
+class AwsMessageConfigBase(AwsSinkConfigBase):
+    """What SQS and SNS share: FIFO message groups, the message size limit, the batch size.
+
+    ``message_group_id_from``: payload path of the ``MessageGroupId`` (order per group), falling
+    back to ``message_group_id``, else to the stream id (one group per stream: commit order end to
+    end). A FIFO destination always gets a group; a standard one only when either key is set
+    (fair queues). ``max_message_bytes``: a message larger than this (body and attributes, in
+    bytes) is refused before sending, a permanent rejection; a batch request stays under it too.
+    ``max_batch_size``: entries per batch request (``1`` sends one message per request: strict order
+    even when an entry fails while later ones are accepted).
+    """
+
+    message_group_id: str | None = Field(default=None, pattern=_GROUP_ID.pattern)
+    message_group_id_from: PayloadPath | None = None
+    max_message_bytes: int = Field(default=262_144, ge=1024, le=1_048_576)
+    max_batch_size: int = Field(default=10, ge=1, le=10)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An event checked and turned into a request entry; ``size`` counts toward the request's limit."""
+
+    entry: dict[str, Any]
+    size: int
+
+
+@dataclass(frozen=True)
+class EntryFailure:
+    """The service's answer about one entry it did not accept."""
+
+    code: str
+    message: str
+    permanent: bool
+
+
+def message_attributes(event: Event) -> dict[str, dict[str, str]]:
+    """SQS/SNS message attributes: ``pgstream-event-id`` (the idempotency key) and ``pgstream-stream-id``
+    (type ``Number``: filter policies can match ranges), ``pgstream-metadata`` (JSON, when present)."""
+    attributes = {
+        "pgstream-event-id": {"DataType": "Number", "StringValue": str(event.id)},
+        "pgstream-stream-id": {"DataType": "Number", "StringValue": str(event.stream_id)},
+    }
+    metadata = event.metadata_json
+    if metadata is not None:
+        attributes["pgstream-metadata"] = {"DataType": "String", "StringValue": metadata}
+    return attributes
+
+
+def message_size(body: str, attributes: dict[str, dict[str, str]]) -> int:
+    """The size SQS and SNS compare with their limit: the body and every attribute's name, type and value."""
+    return len(body.encode()) + sum(len(name.encode()) + len(value["DataType"].encode())
+                                    + len(value["StringValue"].encode()) for name, value in attributes.items())
+
+
+C = TypeVar("C", bound=AwsSinkConfigBase)
+
+
+class AwsBatchSink(Sink, Generic[C]):
+    """An AWS sink sending batch requests (see the module docstring for the failure rule). The
+    boto3 client is created on first publish and kept for the sink's life (a delivery run's)."""
+
+    service: ClassVar[str]
+    config: C
+
+    def __init__(self, config: C) -> None:
+        super().__init__(config)
+        self._boto3 = import_extra(self.type_name, "aws", "boto3", "boto3", "boto3.session")
+        self._botocore = import_extra(self.type_name, "aws", "boto3", "botocore", "botocore.config",
+                                      "botocore.exceptions")
+        self._client: Any = None
+
+    # -- what each sink defines ------------------------------------------------------------------------
+
+    @abstractmethod
+    def _prepare(self, event: Event) -> Prepared:
+        """The request entry of ``event``, or a permanent :class:`SinkError` (routing, size)."""
+
+    @abstractmethod
+    def _send(self, client: Any, entries: list[dict[str, Any]]) -> list[EntryFailure | None]:
+        """Send one request; the answer per entry, in order (``None``: accepted)."""
+
+    @abstractmethod
+    def _target(self) -> str:
+        """The destination for messages: ``queue https://...``, ``topic arn:...``, ``stream name``."""
+
+    @abstractmethod
+    def _rejects_request(self, code: str, message: str) -> bool:
+        """Whether a request refused as a whole was refused for its content (too long, invalid characters)."""
+
+    @property
+    @abstractmethod
+    def _batch_size(self) -> int:
+        """Entries per request at most."""
+
+    @property
+    @abstractmethod
+    def _request_bytes(self) -> int:
+        """The service's limit of one request's entries, in bytes (``Prepared.size`` summed)."""
+
+    # -- the batch loop --------------------------------------------------------------------------------
+
+    def publish(self, events: Sequence[Event]) -> None:
+        publish_prepared(events, self._prepare, self._send_all)
+
+    def _send_all(self, events: Sequence[Event], prepared: list[Prepared]) -> None:
+        start = 0
+        while start < len(events):
+            end, total = start, 0
+            while end < len(events) and end - start < self._batch_size and \
+                    (end == start or total + prepared[end].size <= self._request_bytes):
+                total += prepared[end].size
+                end += 1
+            self._send_request(events, prepared, start, end)
+            start = end
+
+    def _send_request(self, events: Sequence[Event], prepared: list[Prepared], start: int, end: int) -> None:
+        """Send ``events[start:end]`` as one request until every entry is accepted, else raise."""
+        client = self._client_for(events[start:])
+        attempt, lo = 1, start
+        while True:
+            try:
+                outcomes = self._send(client, [p.entry for p in prepared[lo:end]])
+            except self._botocore.exceptions.ClientError as exc:
+                raise self._request_error(events, lo, end, exc) from None
+            except self._botocore.exceptions.BotoCoreError as exc:
+                raise self._error(events[lo:], self._client_problem(exc)) from None
+            failed = next((i for i, outcome in enumerate(outcomes) if outcome is not None), None)
+            if failed is None:
+                return
+            first = lo + failed  # the entries before it are confirmed
+            failure = outcomes[failed]
+            assert failure is not None
+            answer = f"{failure.code}: {excerpt(failure.message)}"
+            if failure.permanent:
+                raise self._error([events[first]], f"{self._target()} refused the message: {answer}", permanent=True)
+            if attempt >= self.config.max_attempts:
+                raise self._error(events[first:], f"{self._target()} did not accept {describe_events([events[first]])} "
+                                                  f"after {attempt} attempt(s): {answer}")
+            log.info("%s sink: %s not accepted (%s), sending it again with the %d after it", self.type_name,
+                     describe_events([events[first]]), failure.code, end - first - 1)
+            time.sleep(min(_ENTRY_BACKOFF_SECS * 2 ** (attempt - 1), _ENTRY_BACKOFF_MAX_SECS) * random.uniform(0.5, 1))
+            attempt, lo = attempt + 1, first
+
+    def _request_error(self, events: Sequence[Event], lo: int, end: int, exc: Any) -> SinkError:
+        error = exc.response.get("Error", {})
+        code, message = str(error.get("Code", "")), str(error.get("Message", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        answer = f"{code}: {excerpt(message)}" + (f" (HTTP {status})" if status else "")
+        if self._rejects_request(code, message):
+            what = "the message" if end - lo == 1 else \
+                f"a request of {end - lo} messages (which one is at fault is not known)"
+            return self._error(events[lo:end], f"{self._target()} refused {what}: {answer}", permanent=True)
+        return self._error(events[lo:], f"{self._target()} at {self.config.where()} failed: {answer}")
+
+    def _client_problem(self, exc: Any) -> str:
+        """A client-side failure (no connection, timeout, no credentials or region) as a reason."""
+        exceptions = self._botocore.exceptions
+        text = excerpt(scrub(str(exc), self.config.secret_values()))
+        if isinstance(exc, exceptions.NoCredentialsError | exceptions.PartialCredentialsError):
+            return (f"no AWS credentials ({text}): set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
+                    "give the process a role")
+        if isinstance(exc, exceptions.NoRegionError):
+            return "no AWS region: set the sink's region, or AWS_REGION"
+        if isinstance(exc, exceptions.ConnectionError | exceptions.HTTPClientError):
+            return f"cannot reach {self.config.where()} after {self.config.max_attempts} attempt(s): {text}"
+        return f"{self._target()} at {self.config.where()}: {type(exc).__name__}: {text}"
+
+    def _client_for(self, events: Sequence[Event]) -> Any:
+        if self._client is None:
+            config = self.config
+            _mask_botocore_logs()
+            settings = self._botocore.config.Config(
+                connect_timeout=config.timeout_secs, read_timeout=config.timeout_secs,
+                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                user_agent_extra="pgstream-dagster")
+            try:
+                session = self._boto3.session.Session(region_name=config.region)
+                self._client = session.client(self.service, endpoint_url=config.endpoint_url, config=settings)
+            except self._botocore.exceptions.BotoCoreError as exc:
+                raise self._error(events, self._client_problem(exc)) from None
+        return self._client
+
+    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
+        return SinkError.for_events(self.type_name, events, reason, self.config.secret_values(), permanent=permanent)
+
+    def _group_id(self, event: Event, config: AwsMessageConfigBase, fifo: bool) -> str | None:
+        """The ``MessageGroupId`` of ``event`` (``None``: a standard destination without group settings)."""
+        if not fifo and config.message_group_id is None and config.message_group_id_from is None:
+            return None
+        fixed = config.message_group_id or str(event.stream_id)
+        group, from_payload = route(event, fixed, config.message_group_id_from)
+        if not _GROUP_ID.fullmatch(group):
+            # from the payload: the event's fault (the fixed one is validated with the configuration)
+            raise self._error([event], f"invalid MessageGroupId {group[:200]!r} (1-128 printable ASCII characters, "
+                                       "no space)", permanent=from_payload)
+        return group
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # best effort
+                log.debug("closing the %s client failed: %s", self.service, exc)
+
+
+def batch_outcomes(count: int, response: dict[str, Any], rejecting: frozenset[str]) -> list[EntryFailure | None]:
+    """The answer per entry of an SQS ``SendMessageBatch`` or SNS ``PublishBatch`` (entries ``Id`` ``0..count-1``):
+    ``Successful`` ones are accepted, ``Failed`` ones failed (permanently for a sender fault whose code is in
+    ``rejecting``), one in neither list failed."""
+    outcomes: list[EntryFailure | None] = [EntryFailure("NoResult", "the answer does not mention this entry", False)
+                                           ] * count
+    for ok in response.get("Successful") or []:
+        outcomes[int(ok["Id"])] = None
+    for failed in response.get("Failed") or []:
+        code = str(failed.get("Code", ""))
+        outcomes[int(failed["Id"])] = EntryFailure(code, str(failed.get("Message", "")),
+                                                   bool(failed.get("SenderFault")) and code in rejecting)
+    return outcomes

@@ -1,0 +1,136 @@
+"""Amazon Kinesis Data Streams sink (extra ``aws``, library boto3): ``PutRecords`` of up to
+``max_batch_size`` (500) records and 5 MiB per request, each record's acceptance checked; with
+``max_batch_size: 1``, ``PutRecord`` one record at a time with ``SequenceNumberForOrdering``.
+
+Data: the whole event as JSON, ``{"id", "stream_id", "created_at", "payload", "metadata"}`` (a
+record has no headers: ``id`` is the idempotency key consumers dedupe on). Partition key: the
+value at payload path ``partition_key_from``, else ``partition_key``, else the event id (records
+spread over the shards). Kinesis orders records per shard; a fixed ``partition_key`` puts a
+stream's events in one shard (commit order end to end, within one shard's throughput).
+
+Order: a record that fails stops the prefix: the records before it are confirmed, no later request
+is sent before it is accepted, and records after it that the same ``PutRecords`` call wrote are not
+counted as confirmed (they are written again after it: consumers dedupe on ``id``). For strict order
+per shard even then, set ``max_batch_size: 1``: each record is written only after the previous one
+was confirmed, chained with ``SequenceNumberForOrdering`` per partition key.
+
+Permanent rejections (``SinkError.permanent``), the events before it confirmed: a record larger than
+``max_record_bytes`` (data and partition key; 1 MiB by default) and a partition key longer than 256
+characters from the payload, both refused before sending; a request refused whole with a
+``ValidationException`` about a record's size (the error names that request's events).
+Not permanent: ``ProvisionedThroughputExceededException`` and ``InternalFailure`` of a record (sent
+again up to ``max_attempts`` times first, with the records after it), KMS errors, a missing stream,
+access denied, an unreachable endpoint, timeouts, missing credentials or region.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, Self
+
+from pydantic import Field, model_validator
+
+from .aws import AwsBatchSink, AwsSinkConfigBase, EntryFailure, Prepared
+from .base import Event, PayloadPath, route
+
+__all__ = ["KinesisSink", "KinesisSinkConfig"]
+
+#: PutRecords: the limit of one request (data and partition keys)
+_REQUEST_BYTES = 5 * 1024 * 1024
+
+#: a partition key: 1-256 Unicode characters
+_MAX_KEY_CHARS = 256
+
+#: ``max_batch_size: 1``: partition keys whose last sequence number is kept (the oldest are forgotten)
+_MAX_CHAINED_KEYS = 10_000
+
+
+class KinesisSinkConfig(AwsSinkConfigBase):
+    """Put each event (JSON) as a record in the Kinesis stream ``stream_name`` (or ``stream_arn``); the
+    partition key is the value at payload path ``partition_key_from``, else ``partition_key``, else
+    the event id. Client settings in :class:`~.aws.AwsSinkConfigBase`."""
+
+    type: Literal["kinesis"] = "kinesis"
+    stream_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    stream_arn: str | None = Field(default=None, pattern=r"^arn:aws[a-z-]*:kinesis:[a-z0-9-]+:[0-9]{12}:stream/"
+                                                         r"[A-Za-z0-9_.-]{1,128}$")
+    partition_key_from: PayloadPath | None = None
+    partition_key: str | None = Field(default=None, min_length=1, max_length=_MAX_KEY_CHARS)
+    max_record_bytes: int = Field(default=1_048_576, ge=1024, le=10_485_760)
+    max_batch_size: int = Field(default=500, ge=1, le=500)
+
+    @model_validator(mode="after")
+    def _one_stream(self) -> Self:
+        if (self.stream_name is None) == (self.stream_arn is None):
+            raise ValueError("set either stream_name or stream_arn")
+        return self
+
+    def build(self) -> KinesisSink:
+        return KinesisSink(self)
+
+
+class KinesisSink(AwsBatchSink[KinesisSinkConfig]):
+    type_name: ClassVar[str] = "kinesis"
+    service: ClassVar[str] = "kinesis"
+
+    def __init__(self, config: KinesisSinkConfig) -> None:
+        super().__init__(config)
+        #: ``max_batch_size: 1``: the sequence number of the last record written per partition key
+        self._last_sequence: dict[str, str] = {}
+
+    @property
+    def _batch_size(self) -> int:
+        return self.config.max_batch_size
+
+    @property
+    def _request_bytes(self) -> int:
+        return _REQUEST_BYTES
+
+    def _stream(self) -> dict[str, str]:
+        config = self.config
+        return {"StreamARN": config.stream_arn} if config.stream_arn else {"StreamName": config.stream_name or ""}
+
+    def _target(self) -> str:
+        return f"stream {self.config.stream_arn or self.config.stream_name}"
+
+    def _prepare(self, event: Event) -> Prepared:
+        config = self.config
+        key, from_payload = route(event, config.partition_key or str(event.id), config.partition_key_from)
+        if len(key) > _MAX_KEY_CHARS:  # only a key from the payload can be that long
+            raise self._error([event], f"partition key {key[:100]!r}... is {len(key)} characters, more than "
+                                       f"{_MAX_KEY_CHARS}", permanent=from_payload)
+        data = event.to_json().encode()
+        size = len(data) + len(key.encode())
+        if size > config.max_record_bytes:
+            raise self._error([event], f"not sent to {self._target()}: the record is {size} bytes with its partition "
+                                       f"key, more than max_record_bytes ({config.max_record_bytes})", permanent=True)
+        return Prepared({"Data": data, "PartitionKey": key}, size)
+
+    def _send(self, client: Any, entries: list[dict[str, Any]]) -> list[EntryFailure | None]:
+        if self.config.max_batch_size == 1:
+            for entry in entries:  # one: a failure raises (ClientError), nothing after it is sent
+                self._put_one(client, entry)
+            return [None] * len(entries)
+        response = client.put_records(Records=entries, **self._stream())
+        records = response.get("Records") or []
+        outcomes: list[EntryFailure | None] = []
+        for i in range(len(entries)):
+            record = records[i] if i < len(records) else {"ErrorCode": "NoResult",
+                                                          "ErrorMessage": "the answer does not mention this record"}
+            code = record.get("ErrorCode")
+            # every per-record error is about the stream, not the record (throughput, internal, KMS)
+            outcomes.append(None if code is None else EntryFailure(str(code), str(record.get("ErrorMessage", "")),
+                                                                   False))
+        return outcomes
+
+    def _put_one(self, client: Any, entry: dict[str, Any]) -> None:
+        key = entry["PartitionKey"]
+        ordering = {"SequenceNumberForOrdering": self._last_sequence[key]} if key in self._last_sequence else {}
+        response = client.put_record(**entry, **ordering, **self._stream())
+        self._last_sequence.pop(key, None)
+        self._last_sequence[key] = str(response["SequenceNumber"])  # the most recent key last
+        if len(self._last_sequence) > _MAX_CHAINED_KEYS:
+            del self._last_sequence[next(iter(self._last_sequence))]
+
+    def _rejects_request(self, code: str, message: str) -> bool:
+        text = message.lower()
+        return code == "ValidationException" and "data" in text and "length" in text
