@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from psycopg import sql
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine.migrations import migrate
 
+from .support.aws import REGION, FakeCredentials, FaultProxy, MotoServer
 from .support.dagster_dev import Databases, drop_databases, make_databases
 from .support.endpoint import Endpoint
 from .support.http_recorder import HttpRecorder, recording_server
@@ -127,3 +129,37 @@ def users(conn: psycopg.Connection) -> psycopg.Connection:
     """A fresh pgstream database with ``public.users`` (tests/support/schema.py)."""
     conn.execute(USERS)
     return conn
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """moto's standalone server on a free loopback port, for the session (tests/support/aws.py)."""
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> FakeCredentials:
+    """Fake credentials and the region in the environment, where boto3's standard chain finds them;
+    no shared config files, no instance metadata."""
+    credentials = FakeCredentials("AKIDPGSTREAMTEST", "fake-secret-" + uuid.uuid4().hex,
+                                  "fake-token-" + uuid.uuid4().hex)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", credentials.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", credentials.secret_access_key)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", credentials.session_token)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/aws-credentials")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return credentials
+
+
+@pytest.fixture
+def fault_proxy(moto_server: MotoServer) -> Iterator[FaultProxy]:
+    """A proxy in front of the moto server that injects per-entry failures and outages."""
+    proxy = FaultProxy(moto_server.url)
+    yield proxy
+    proxy.stop()

@@ -162,10 +162,6 @@ class AwsSinkConfigBase(SinkConfigBase):
     def secret_values(self) -> list[str]:
         return super().secret_values() + (url_secrets(self.endpoint_url) if self.endpoint_url else [])
 
-    def where(self) -> str:
-        """The endpoint for messages: ``endpoint_url`` (redacted) or ``AWS (region)``."""
-        region = self.region or "default region"
-        return f"{redact_url(self.endpoint_url)} ({region})" if self.endpoint_url else f"AWS ({region})"
 
 
 class AwsMessageConfigBase(AwsSinkConfigBase):
@@ -230,6 +226,8 @@ class AwsBatchSink(Sink, Generic[C]):
     boto3 client is created on first publish and kept for the sink's life (a delivery run's)."""
 
     service: ClassVar[str]
+    #: what an entry is called in messages
+    entry_noun: ClassVar[str] = "message"
     config: C
 
     def __init__(self, config: C) -> None:
@@ -302,7 +300,8 @@ class AwsBatchSink(Sink, Generic[C]):
             assert failure is not None
             answer = f"{failure.code}: {excerpt(failure.message)}"
             if failure.permanent:
-                raise self._error([events[first]], f"{self._target()} refused the message: {answer}", permanent=True)
+                raise self._error([events[first]], f"{self._target()} refused the {self.entry_noun}: {answer}",
+                                  permanent=True)
             if attempt >= self.config.max_attempts:
                 raise self._error(events[first:], f"{self._target()} did not accept {describe_events([events[first]])} "
                                                   f"after {attempt} attempt(s): {answer}")
@@ -317,10 +316,10 @@ class AwsBatchSink(Sink, Generic[C]):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         answer = f"{code}: {excerpt(message)}" + (f" (HTTP {status})" if status else "")
         if self._rejects_request(code, message):
-            what = "the message" if end - lo == 1 else \
-                f"a request of {end - lo} messages (which one is at fault is not known)"
+            what = f"the {self.entry_noun}" if end - lo == 1 else \
+                f"a request of {end - lo} {self.entry_noun}s (which one is at fault is not known)"
             return self._error(events[lo:end], f"{self._target()} refused {what}: {answer}", permanent=True)
-        return self._error(events[lo:], f"{self._target()} at {self.config.where()} failed: {answer}")
+        return self._error(events[lo:], f"{self._target()} at {self._where()} failed: {answer}")
 
     def _client_problem(self, exc: Any) -> str:
         """A client-side failure (no connection, timeout, no credentials or region) as a reason."""
@@ -332,8 +331,14 @@ class AwsBatchSink(Sink, Generic[C]):
         if isinstance(exc, exceptions.NoRegionError):
             return "no AWS region: set the sink's region, or AWS_REGION"
         if isinstance(exc, exceptions.ConnectionError | exceptions.HTTPClientError):
-            return f"cannot reach {self.config.where()} after {self.config.max_attempts} attempt(s): {text}"
-        return f"{self._target()} at {self.config.where()}: {type(exc).__name__}: {text}"
+            return f"cannot reach {self._where()} after {self.config.max_attempts} attempt(s): {text}"
+        return f"{self._target()} at {self._where()}: {type(exc).__name__}: {text}"
+
+    def _where(self) -> str:
+        """The endpoint for messages: ``endpoint_url`` (redacted) or ``AWS``, and the region."""
+        region = self.config.region or (self._client.meta.region_name if self._client is not None else None)
+        endpoint = redact_url(self.config.endpoint_url) if self.config.endpoint_url else "AWS"
+        return f"{endpoint} ({region or 'no region'})"
 
     def _client_for(self, events: Sequence[Event]) -> Any:
         if self._client is None:

@@ -71,6 +71,7 @@ class KinesisSinkConfig(AwsSinkConfigBase):
 class KinesisSink(AwsBatchSink[KinesisSinkConfig]):
     type_name: ClassVar[str] = "kinesis"
     service: ClassVar[str] = "kinesis"
+    entry_noun: ClassVar[str] = "record"
 
     def __init__(self, config: KinesisSinkConfig) -> None:
         super().__init__(config)
