@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.sinks import Event, KafkaSink, KafkaSinkConfig, SinkError, build_sink, parse_sink_config
 
 from .support.harness import Driver, insert_events, write_config
-from .support.sinks import make_events, unique
+from .support.sinks import make_events, stop_process, unique, wait_listening
 
 
 class Tansu:
@@ -47,24 +46,13 @@ class Tansu:
             self.proc = subprocess.Popen([self.binary, "broker", "--listener-url", f"tcp://{self.address}",
                                           "--advertised-listener-url", f"tcp://{self.address}", *self.args],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.cwd)
-        deadline = time.monotonic() + 30
-        while True:  # listening (list_topics would need credentials on an --authentication broker)
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-2000:]
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
+        # listening (list_topics would need credentials on an --authentication broker)
+        wait_listening(self.proc, self.port, self.log)
+        return self
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

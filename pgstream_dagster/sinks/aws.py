@@ -62,6 +62,7 @@ from .base import (
 __all__ = [
     "AwsBatchSink",
     "AwsMessageConfigBase",
+    "AwsMessageSink",
     "AwsSinkConfigBase",
     "EntryFailure",
     "Prepared",
@@ -358,6 +359,60 @@ class AwsBatchSink(Sink, Generic[C]):
     def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
         return SinkError.for_events(self.type_name, events, reason, self.config.secret_values(), permanent=permanent)
 
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # best effort
+                log.debug("closing the %s client failed: %s", self.service, exc)
+
+
+
+M = TypeVar("M", bound=AwsMessageConfigBase)
+
+
+class AwsMessageSink(AwsBatchSink[M]):
+    """What the SQS and SNS sinks share: the payload as the body, the pgstream attributes, FIFO group and
+    deduplication ids, the size limit of a message and of a batch."""
+
+    #: the entry key of the body (``MessageBody``, ``Message``)
+    body_key: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def _fifo(self) -> bool:
+        """Whether the destination is FIFO (its name ends in ``.fifo``)."""
+
+    @property
+    def _batch_size(self) -> int:
+        return self.config.max_batch_size
+
+    @property
+    def _request_bytes(self) -> int:
+        return self.config.max_message_bytes  # the limit of a message and of a whole batch
+
+    def _check(self, event: Event, body: str, attributes: dict[str, dict[str, str]]) -> None:
+        """More checks of a message before it is sent (a permanent :class:`SinkError`); none by default."""
+
+    def _prepare(self, event: Event) -> Prepared:
+        config = self.config
+        body = event.payload_json
+        attributes = message_attributes(event)
+        entry: dict[str, Any] = {self.body_key: body, "MessageAttributes": attributes}
+        group = self._group_id(event, config, self._fifo)
+        if group is not None:
+            entry["MessageGroupId"] = group
+        if self._fifo:
+            entry["MessageDeduplicationId"] = str(event.id)
+        size = message_size(body, attributes)
+        if size > config.max_message_bytes:
+            raise self._error([event], f"not sent to {self._target()}: the message is {size} bytes with its "
+                                       f"attributes, more than max_message_bytes ({config.max_message_bytes})",
+                              permanent=True)
+        self._check(event, body, attributes)
+        return Prepared(entry, size)
+
     def _group_id(self, event: Event, config: AwsMessageConfigBase, fifo: bool) -> str | None:
         """The ``MessageGroupId`` of ``event`` (``None``: a standard destination without group settings)."""
         if not fifo and config.message_group_id is None and config.message_group_id_from is None:
@@ -369,14 +424,6 @@ class AwsBatchSink(Sink, Generic[C]):
             raise self._error([event], f"invalid MessageGroupId {group[:200]!r} (1-128 printable ASCII characters, "
                                        "no space)", permanent=from_payload)
         return group
-
-    def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception as exc:  # best effort
-                log.debug("closing the %s client failed: %s", self.service, exc)
 
 
 def batch_outcomes(count: int, response: dict[str, Any], rejecting: frozenset[str]) -> list[EntryFailure | None]:

@@ -25,16 +25,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from .aws import (
-    AwsBatchSink,
-    AwsMessageConfigBase,
-    EntryFailure,
-    Prepared,
-    batch_outcomes,
-    message_attributes,
-    message_size,
-)
-from .base import Event
+from .aws import AwsMessageConfigBase, AwsMessageSink, EntryFailure, batch_outcomes
 
 __all__ = ["SnsSink", "SnsSinkConfig"]
 
@@ -58,37 +49,17 @@ class SnsSinkConfig(AwsMessageConfigBase):
         return SnsSink(self)
 
 
-class SnsSink(AwsBatchSink[SnsSinkConfig]):
+class SnsSink(AwsMessageSink[SnsSinkConfig]):
     type_name: ClassVar[str] = "sns"
     service: ClassVar[str] = "sns"
+    body_key: ClassVar[str] = "Message"
 
     @property
-    def _batch_size(self) -> int:
-        return self.config.max_batch_size
-
-    @property
-    def _request_bytes(self) -> int:
-        return self.config.max_message_bytes  # SNS: the limit of a message and of a whole batch
+    def _fifo(self) -> bool:
+        return self.config.fifo
 
     def _target(self) -> str:
         return f"topic {self.config.topic_arn}"
-
-    def _prepare(self, event: Event) -> Prepared:
-        config = self.config
-        body = event.payload_json
-        attributes = message_attributes(event)
-        entry: dict[str, Any] = {"Message": body, "MessageAttributes": attributes}
-        group = self._group_id(event, config, config.fifo)
-        if group is not None:
-            entry["MessageGroupId"] = group
-        if config.fifo:
-            entry["MessageDeduplicationId"] = str(event.id)
-        size = message_size(body, attributes)
-        if size > config.max_message_bytes:
-            raise self._error([event], f"not sent to {self._target()}: the message is {size} bytes with its "
-                                       f"attributes, more than max_message_bytes ({config.max_message_bytes})",
-                              permanent=True)
-        return Prepared(entry, size)
 
     def _send(self, client: Any, entries: list[dict[str, Any]]) -> list[EntryFailure | None]:
         response = client.publish_batch(TopicArn=self.config.topic_arn,

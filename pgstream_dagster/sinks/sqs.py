@@ -27,16 +27,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from .aws import (
-    AwsBatchSink,
-    AwsMessageConfigBase,
-    EntryFailure,
-    Prepared,
-    batch_outcomes,
-    message_attributes,
-    message_size,
-)
-from .base import Event, redact_url
+from .aws import AwsMessageConfigBase, AwsMessageSink, EntryFailure, batch_outcomes
+from .base import Event
 
 __all__ = ["SqsSink", "SqsSinkConfig"]
 
@@ -66,43 +58,25 @@ class SqsSinkConfig(AwsMessageConfigBase):
         return SqsSink(self)
 
 
-class SqsSink(AwsBatchSink[SqsSinkConfig]):
+class SqsSink(AwsMessageSink[SqsSinkConfig]):
     type_name: ClassVar[str] = "sqs"
     service: ClassVar[str] = "sqs"
+    body_key: ClassVar[str] = "MessageBody"
 
     @property
-    def _batch_size(self) -> int:
-        return self.config.max_batch_size
-
-    @property
-    def _request_bytes(self) -> int:
-        return self.config.max_message_bytes  # SQS: the limit of a message and of a whole batch
+    def _fifo(self) -> bool:
+        return self.config.fifo
 
     def _target(self) -> str:
-        return f"queue {redact_url(self.config.queue_url)}"
+        return f"queue {self.config.queue_url}"  # no user info or query string (validated): nothing to hide
 
-    def _prepare(self, event: Event) -> Prepared:
-        config = self.config
-        body = event.payload_json
-        attributes = message_attributes(event)
-        entry: dict[str, Any] = {"MessageBody": body, "MessageAttributes": attributes}
-        group = self._group_id(event, config, config.fifo)
-        if group is not None:
-            entry["MessageGroupId"] = group
-        if config.fifo:
-            entry["MessageDeduplicationId"] = str(event.id)
-        size = message_size(body, attributes)
-        if size > config.max_message_bytes:
-            raise self._error([event], f"not sent to {self._target()}: the message is {size} bytes with its "
-                                       f"attributes, more than max_message_bytes ({config.max_message_bytes})",
-                              permanent=True)
+    def _check(self, event: Event, body: str, attributes: dict[str, dict[str, str]]) -> None:
         for what, text in [("the body", body)] + [(f"attribute {name}", value["StringValue"])
                                                  for name, value in attributes.items()]:
             found = _INVALID_CHARS.search(text)
             if found is not None:
                 raise self._error([event], f"not sent to {self._target()}: {what} holds U+{ord(found.group()):04X} "
                                            f"at character {found.start()}, which SQS does not accept", permanent=True)
-        return Prepared(entry, size)
 
     def _send(self, client: Any, entries: list[dict[str, Any]]) -> list[EntryFailure | None]:
         response = client.send_message_batch(QueueUrl=self.config.queue_url,
@@ -114,4 +88,3 @@ class SqsSink(AwsBatchSink[SqsSinkConfig]):
         return code in _REJECTING_REQUEST_CODES or (
             code == "InvalidParameterValue" and ("shorter than" in text or "too long" in text
                                                  or "invalid characters" in text))
-

@@ -13,7 +13,6 @@ import base64
 import http.client
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import boto3
 
 from pgstream_dagster.devdb import free_port
+
+from .sinks import stop_process, wait_listening
 
 REGION = "us-east-1"
 ACCOUNT = "123456789012"  # moto's default account
@@ -48,24 +49,12 @@ class MotoServer:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-2000:]
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
+        wait_listening(self.proc, self.port, self.log, timeout=60)
+        return self
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc)
 
 
 @dataclass

@@ -3,8 +3,10 @@ fresh Python process for what must survive pickling."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,7 +16,7 @@ from pgstream_dagster.sinks import (
     Event,
 )
 
-__all__ = ["free_port"]
+__all__ = ["free_port", "stop_process", "wait_listening"]
 
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -48,3 +50,27 @@ def run_python(code: str, stdin: bytes = b"") -> subprocess.CompletedProcess[byt
     )
 
 
+
+
+def wait_listening(proc: subprocess.Popen[bytes], port: int, log: Path, timeout: float = 30) -> None:
+    """Wait until the server process ``proc`` accepts connections on 127.0.0.1:``port``; its log's tail if
+    it exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """Terminate a server process (killed if it does not end within 10 s)."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
