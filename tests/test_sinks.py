@@ -18,6 +18,7 @@ from pgstream_dagster.sinks import (
     FileSinkConfig,
     HttpSink,
     KafkaSink,
+    KinesisSink,
     MemorySink,
     MemorySinkConfig,
     NatsSink,
@@ -25,6 +26,8 @@ from pgstream_dagster.sinks import (
     RedisSink,
     Sink,
     SinkError,
+    SnsSink,
+    SqsSink,
     build_sink,
     parse_sink_config,
 )
@@ -44,6 +47,9 @@ def test_config_union_parses_every_type_and_rejects_unknown_keys(tmp_path: Path)
         "rabbitmq": ({"type": "rabbitmq", "routing_key": "q"}, RabbitMqSink),
         "nats": ({"type": "nats", "subject": "s"}, NatsSink),
         "kafka": ({"type": "kafka", "topic": "t"}, KafkaSink),
+        "sqs": ({"type": "sqs", "queue_url": "https://sqs.eu-west-1.amazonaws.com/123456789012/q.fifo"}, SqsSink),
+        "sns": ({"type": "sns", "topic_arn": "arn:aws:sns:eu-west-1:123456789012:t"}, SnsSink),
+        "kinesis": ({"type": "kinesis", "stream_name": "s"}, KinesisSink),
     }
     for type_name, (data, sink_class) in cases.items():
         config = parse_sink_config(data)
@@ -64,14 +70,17 @@ def test_config_union_parses_every_type_and_rejects_unknown_keys(tmp_path: Path)
 def test_package_imports_without_optional_client_libraries() -> None:
     code = """
 import sys
-for name in ("redis", "pika", "nats", "confluent_kafka"):
+for name in ("redis", "pika", "nats", "confluent_kafka", "boto3", "botocore"):
     sys.modules[name] = None  # makes `import name` raise ImportError
 from pgstream_dagster.sinks import SinkError, build_sink, parse_sink_config
 assert build_sink({"type": "memory"}).type_name == "memory"
 for data, extra in [({"type": "redis", "stream": "s"}, "redis"),
                     ({"type": "rabbitmq", "routing_key": "q"}, "rabbitmq"),
                     ({"type": "nats", "subject": "s"}, "nats"),
-                    ({"type": "kafka", "topic": "t"}, "kafka")]:
+                    ({"type": "kafka", "topic": "t"}, "kafka"),
+                    ({"type": "sqs", "queue_url": "https://sqs.eu-west-1.amazonaws.com/123456789012/q"}, "aws"),
+                    ({"type": "sns", "topic_arn": "arn:aws:sns:eu-west-1:123456789012:t"}, "aws"),
+                    ({"type": "kinesis", "stream_name": "s"}, "aws")]:
     config = parse_sink_config(data)
     try:
         config.build()

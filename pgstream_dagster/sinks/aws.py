@@ -303,13 +303,14 @@ class AwsBatchSink(Sink, Generic[C]):
             if failure.permanent:
                 raise self._error([events[first]], f"{self._target()} refused the {self.entry_noun}: {answer}",
                                   permanent=True)
-            if attempt >= self.config.max_attempts:
+            tries = attempt if first == lo else 1  # how often this entry was sent
+            if tries >= self.config.max_attempts:
                 raise self._error(events[first:], f"{self._target()} did not accept {describe_events([events[first]])} "
-                                                  f"after {attempt} attempt(s): {answer}")
+                                                  f"after {tries} attempt(s): {answer}")
             log.info("%s sink: %s not accepted (%s), sending it again with the %d after it", self.type_name,
                      describe_events([events[first]]), failure.code, end - first - 1)
-            time.sleep(min(_ENTRY_BACKOFF_SECS * 2 ** (attempt - 1), _ENTRY_BACKOFF_MAX_SECS) * random.uniform(0.5, 1))
-            attempt, lo = attempt + 1, first
+            time.sleep(min(_ENTRY_BACKOFF_SECS * 2 ** (tries - 1), _ENTRY_BACKOFF_MAX_SECS) * random.uniform(0.5, 1))
+            attempt, lo = tries + 1, first
 
     def _request_error(self, events: Sequence[Event], lo: int, end: int, exc: Any) -> SinkError:
         error = exc.response.get("Error", {})
@@ -366,7 +367,6 @@ class AwsBatchSink(Sink, Generic[C]):
                 client.close()
             except Exception as exc:  # best effort
                 log.debug("closing the %s client failed: %s", self.service, exc)
-
 
 
 M = TypeVar("M", bound=AwsMessageConfigBase)
