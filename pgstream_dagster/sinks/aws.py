@@ -177,7 +177,7 @@ class AwsMessageConfigBase(AwsSinkConfigBase):
     even when an entry fails while later ones are accepted).
     """
 
-    message_group_id: str | None = Field(default=None, pattern=_GROUP_ID.pattern)
+    message_group_id: str | None = Field(default=None, pattern=f"^{_GROUP_ID.pattern}$")
     message_group_id_from: PayloadPath | None = None
     max_message_bytes: int = Field(default=262_144, ge=1024, le=1_048_576)
     max_batch_size: int = Field(default=10, ge=1, le=10)
@@ -348,7 +348,7 @@ class AwsBatchSink(Sink, Generic[C]):
             _mask_botocore_logs()
             settings = self._botocore.config.Config(
                 connect_timeout=config.timeout_secs, read_timeout=config.timeout_secs,
-                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                retries={"total_max_attempts": config.max_attempts, "mode": "standard"},
                 user_agent_extra="pgstream-dagster")
             try:
                 session = self._boto3.session.Session(region_name=config.region)

@@ -48,7 +48,7 @@ class SqsSinkConfig(AwsMessageConfigBase):
     :class:`~.aws.AwsSinkConfigBase`."""
 
     type: Literal["sqs"] = "sqs"
-    queue_url: str = Field(pattern=r"^https?://[^/?#@\s]+/[0-9]{1,12}/[A-Za-z0-9_-]{1,75}(\.fifo)?$")
+    queue_url: str = Field(pattern=r"^https?://[^/?#@\s]+/[0-9]{1,12}/[A-Za-z0-9_-]{1,80}(\.fifo)?$")
 
     @property
     def fifo(self) -> bool:
