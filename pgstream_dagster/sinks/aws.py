@@ -182,6 +182,15 @@ class AwsMessageConfigBase(AwsSinkConfigBase):
     max_message_bytes: int = Field(default=262_144, ge=1024, le=1_048_576)
     max_batch_size: int = Field(default=10, ge=1, le=10)
 
+    def destination(self) -> str:
+        """The queue URL or topic ARN."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement destination()")
+
+    @property
+    def fifo(self) -> bool:
+        """A FIFO queue or topic: its name ends in ``.fifo`` (AWS requires it)."""
+        return self.destination().endswith(".fifo")
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -380,11 +389,6 @@ class AwsMessageSink(AwsBatchSink[M]):
     body_key: ClassVar[str]
 
     @property
-    @abstractmethod
-    def _fifo(self) -> bool:
-        """Whether the destination is FIFO (its name ends in ``.fifo``)."""
-
-    @property
     def _batch_size(self) -> int:
         return self.config.max_batch_size
 
@@ -400,10 +404,10 @@ class AwsMessageSink(AwsBatchSink[M]):
         body = event.payload_json
         attributes = message_attributes(event)
         entry: dict[str, Any] = {self.body_key: body, "MessageAttributes": attributes}
-        group = self._group_id(event, config, self._fifo)
+        group = self._group_id(event)
         if group is not None:
             entry["MessageGroupId"] = group
-        if self._fifo:
+        if config.fifo:
             entry["MessageDeduplicationId"] = str(event.id)
         size = message_size(body, attributes)
         if size > config.max_message_bytes:
@@ -413,9 +417,10 @@ class AwsMessageSink(AwsBatchSink[M]):
         self._check(event, body, attributes)
         return Prepared(entry, size)
 
-    def _group_id(self, event: Event, config: AwsMessageConfigBase, fifo: bool) -> str | None:
+    def _group_id(self, event: Event) -> str | None:
         """The ``MessageGroupId`` of ``event`` (``None``: a standard destination without group settings)."""
-        if not fifo and config.message_group_id is None and config.message_group_id_from is None:
+        config = self.config
+        if not config.fifo and config.message_group_id is None and config.message_group_id_from is None:
             return None
         fixed = config.message_group_id or str(event.stream_id)
         group, from_payload = route(event, fixed, config.message_group_id_from)

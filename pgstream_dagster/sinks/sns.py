@@ -41,9 +41,8 @@ class SnsSinkConfig(AwsMessageConfigBase):
     type: Literal["sns"] = "sns"
     topic_arn: str = Field(pattern=r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:[0-9]{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?$")
 
-    @property
-    def fifo(self) -> bool:
-        return self.topic_arn.endswith(".fifo")
+    def destination(self) -> str:
+        return self.topic_arn
 
     def build(self) -> SnsSink:
         return SnsSink(self)
@@ -53,10 +52,6 @@ class SnsSink(AwsMessageSink[SnsSinkConfig]):
     type_name: ClassVar[str] = "sns"
     service: ClassVar[str] = "sns"
     body_key: ClassVar[str] = "Message"
-
-    @property
-    def _fifo(self) -> bool:
-        return self.config.fifo
 
     def _target(self) -> str:
         return f"topic {self.config.topic_arn}"

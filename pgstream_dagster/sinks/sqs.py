@@ -50,9 +50,8 @@ class SqsSinkConfig(AwsMessageConfigBase):
     type: Literal["sqs"] = "sqs"
     queue_url: str = Field(pattern=r"^https?://[^/?#@\s]+/[0-9]{1,12}/[A-Za-z0-9_-]{1,80}(\.fifo)?$")
 
-    @property
-    def fifo(self) -> bool:
-        return self.queue_url.endswith(".fifo")
+    def destination(self) -> str:
+        return self.queue_url
 
     def build(self) -> SqsSink:
         return SqsSink(self)
@@ -62,10 +61,6 @@ class SqsSink(AwsMessageSink[SqsSinkConfig]):
     type_name: ClassVar[str] = "sqs"
     service: ClassVar[str] = "sqs"
     body_key: ClassVar[str] = "MessageBody"
-
-    @property
-    def _fifo(self) -> bool:
-        return self.config.fifo
 
     def _target(self) -> str:
         return f"queue {self.config.queue_url}"  # no user info or query string (validated): nothing to hide
