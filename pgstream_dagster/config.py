@@ -382,7 +382,7 @@ def _subscription_hint(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
     return f" (subscription {key!r})" if isinstance(key, str) else ""
 
 
-_SINK_TAGS = {"memory", "file", "http", "webhook", "redis", "rabbitmq", "nats", "kafka"}
+_SINK_TAGS = {"memory", "file", "http", "webhook", "redis", "rabbitmq", "nats", "kafka", "mqtt", "postgres"}
 
 
 def config_path() -> Path:

@@ -2,7 +2,7 @@
 
 ``SinkConfig`` is a pydantic discriminated union (on ``type``) of every sink config; ``build_sink`` turns
 a config (or a plain mapping) into a :class:`Sink`. Importing this package never imports the optional
-client libraries (redis, pika, nats-py, confluent-kafka): they are loaded when the matching sink is built.
+client libraries (redis, pika, nats-py, confluent-kafka, paho-mqtt): they are loaded when the matching sink is built.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from .file import FileSink, FileSinkConfig
 from .http import HttpSink, HttpSinkConfig
 from .kafka import KafkaSink, KafkaSinkConfig
 from .memory import MemorySink, MemorySinkConfig
+from .mqtt import MqttSink, MqttSinkConfig
 from .nats import NatsSink, NatsSinkConfig
+from .postgres import PostgresSink, PostgresSinkConfig
 from .rabbitmq import RabbitMqSink, RabbitMqSinkConfig
 from .redis import RedisSink, RedisSinkConfig
 
@@ -32,8 +34,12 @@ __all__ = [
     "MemorySink",
     "MemorySinkConfig",
     "MissingExtraError",
+    "MqttSink",
+    "MqttSinkConfig",
     "NatsSink",
     "NatsSinkConfig",
+    "PostgresSink",
+    "PostgresSinkConfig",
     "RabbitMqSink",
     "RabbitMqSinkConfig",
     "RedisSink",
@@ -55,6 +61,8 @@ SinkConfig = Annotated[
         RabbitMqSinkConfig,
         NatsSinkConfig,
         KafkaSinkConfig,
+        MqttSinkConfig,
+        PostgresSinkConfig,
     ],
     Field(discriminator="type"),
 ]
