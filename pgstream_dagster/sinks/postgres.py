@@ -139,8 +139,9 @@ class PostgresSink(Sink):
         return sql.SQL(
             "insert into {table} ({columns}) "
             "select i, s, c, p::pg_catalog.jsonb, m::pg_catalog.jsonb "
-            "from pg_catalog.unnest(%s::pg_catalog.int8[], %s::pg_catalog.int8[], %s::pg_catalog.timestamptz[], "
-            "%s::pg_catalog.text[], %s::pg_catalog.text[]) as t(i, s, c, p, m) "
+            "from rows from (pg_catalog.unnest(%s::pg_catalog.int8[]), pg_catalog.unnest(%s::pg_catalog.int8[]), "
+            "pg_catalog.unnest(%s::pg_catalog.timestamptz[]), pg_catalog.unnest(%s::pg_catalog.text[]), "
+            "pg_catalog.unnest(%s::pg_catalog.text[])) with ordinality as t(i, s, c, p, m, n) order by n "
             "on conflict ({id}) {conflict}"
         ).format(table=self._table, columns=columns, id=sql.Identifier("id"), conflict=conflict)
 

@@ -20,11 +20,13 @@ STREAM = 1
 SLOT = "pgstream_stream_1"
 
 
-def stream_config(endpoint: Endpoint, **over: Any) -> dict[str, Any]:
+def stream_config(sink: Endpoint | dict[str, Any], **over: Any) -> dict[str, Any]:
+    """Stream 1 to ``sink`` (the recording endpoint, or a sink configuration), small batches, short backoff."""
     cfg: dict[str, Any] = {
         "id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
         "retry": {"initial_backoff_secs": 0.5, "max_backoff_secs": 2},
-        "delivery": {"chunk_size": 20, "run_grace_secs": 2}, "sink": endpoint.sink(),
+        "delivery": {"chunk_size": 20, "run_grace_secs": 2},
+        "sink": sink.sink() if isinstance(sink, Endpoint) else sink,
     }
     cfg.update(over)
     return cfg
