@@ -27,7 +27,7 @@ from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.sinks import Event, KafkaSink, KafkaSinkConfig, SinkError, build_sink, parse_sink_config
 
 from .support.harness import Driver, insert_events, write_config
-from .support.sinks import make_events, unique
+from .support.sinks import make_events, stop_process, unique
 
 
 class Tansu:
@@ -58,13 +58,7 @@ class Tansu:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pydantic import SecretStr, ValidationError
 
 from pgstream_dagster.sinks import Event, MqttSinkConfig, SinkError, build_sink
 
-from .support.faults import STREAM, drive, in_failover, ledger_order, sent_ids, stream_config, stream_row
+from .support.faults import STREAM, drive, fail_into_failover, in_failover, ledger_order, sent_ids, stream_config
 from .support.harness import Driver, insert_events, write_config
 from .support.mosquitto import Mosquitto, Subscriber, Tls, event_id
 from .support.sinks import BASE_TIME, free_port, make_events, unique
@@ -319,12 +319,7 @@ def test_delivery_runs_to_mqtt_survive_a_broker_outage(db_url: str, tmp_path: Pa
 
         broker.stop()
         insert_events(db_url, STREAM, 150, 100)
-        deadline = time.monotonic() + 60
-        while not in_failover(db_url):
-            assert time.monotonic() < deadline, "the stream did not enter failover"
-            for request in driver.tick(STREAM).run_requests or []:
-                assert not driver.execute(request).success
-        error = stream_row(db_url)["failover_error"]
+        error = fail_into_failover(driver, db_url)
         assert "mqtt sink" in error and "cannot connect to the MQTT broker at 127.0.0.1:" in error
 
         broker.start()

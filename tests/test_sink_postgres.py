@@ -20,7 +20,7 @@ from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.sinks import Event, PostgresSinkConfig, SinkError, build_sink
 from pgstream_dagster.sinks.base import redact_url
 
-from .support.faults import STREAM, drive, in_failover, sent_ids, stream_config, stream_row
+from .support.faults import STREAM, drive, fail_into_failover, in_failover, sent_ids, stream_config
 from .support.harness import Driver, insert_events, write_config
 from .support.sinks import BASE_TIME, free_port, make_events, unique
 
@@ -277,12 +277,7 @@ def test_delivery_runs_to_a_table_survive_an_outage(db_url: str, target: str, tm
                      [dbname])
     try:
         insert_events(db_url, STREAM, 150, 100)
-        deadline = time.monotonic() + 60
-        while not in_failover(db_url):
-            assert time.monotonic() < deadline, "the stream did not enter failover"
-            for request in driver.tick(STREAM).run_requests or []:
-                assert not driver.execute(request).success
-        error = stream_row(db_url)["failover_error"]
+        error = fail_into_failover(driver, db_url)
         assert "postgres sink" in error and f'database "{dbname}" is not currently accepting connections' in error
     finally:
         with psycopg.connect(db_url, autocommit=True) as conn:

@@ -70,6 +70,19 @@ def drive(driver: Driver, done: Callable[[], bool], timeout: float = 300) -> flo
     return time.monotonic() - started
 
 
+def fail_into_failover(driver: Driver, url: str, timeout: float = 60) -> str:
+    """With the sink down: tick and execute (every run must fail) until the stream is in failover;
+    returns the failover's error."""
+    deadline = time.monotonic() + timeout
+    while not in_failover(url):
+        assert time.monotonic() < deadline, "the stream did not enter failover"
+        for request in driver.tick(STREAM).run_requests or []:
+            assert not driver.execute(request).success
+    error = stream_row(url)["failover_error"]
+    assert isinstance(error, str)
+    return error
+
+
 def delivered_all(endpoint: Endpoint, url: str) -> Callable[[], bool]:
     return lambda: endpoint.unique() >= set(sent_ids(url)) and not in_failover(url)
 

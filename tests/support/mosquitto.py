@@ -17,6 +17,8 @@ import paho.mqtt.client as mqtt
 
 from pgstream_dagster.devdb import free_port
 
+from .sinks import stop_process
+
 MQTT_HOST = "127.0.0.1"
 MQTT_PORT = 1883  # the shared Mosquitto (anonymous; .ci/run starts it when it is down)
 
@@ -110,13 +112,8 @@ class Mosquitto:
     def stop(self) -> None:
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
-            self.resume(process)
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
+            self.resume(process)  # a frozen broker would not see the SIGTERM
+        stop_process(process)
 
     def pause(self) -> None:
         """Freeze the broker (SIGSTOP): connections stay open, nothing is answered."""

@@ -41,6 +41,17 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+def stop_process(process: subprocess.Popen[bytes] | None) -> None:
+    """Terminate a server process the test started (kill it if it takes longer than 10 s)."""
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
 def run_python(code: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
     root = Path(__file__).resolve().parents[2]
     return subprocess.run(
