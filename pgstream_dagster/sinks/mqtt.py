@@ -17,7 +17,8 @@ failed call reaches the broker later behind the stream's back.
 Permanent rejections (``SinkError.permanent``), the events before it acknowledged first:
 
 * a payload over ``max_message_bytes`` (not sent; keep it at or below the broker's limit, Mosquitto's
-  ``message_size_limit``, so an oversized event is refused here rather than by the broker);
+  ``message_size_limit``, so an oversized event is refused here rather than by the broker), or too
+  large for any MQTT packet (256 MiB);
 * a topic the payload lacks (no fixed ``topic``) or makes invalid (empty, a ``+``/``#`` wildcard,
   a NUL character, a leading ``$``, over 65,535 bytes): not sent;
 * MQTT 5: a PUBACK reason code 0x99 "payload format invalid" (about the payload itself), and the
@@ -65,6 +66,11 @@ log = logging.getLogger(__name__)
 
 #: an MQTT topic name is a UTF-8 string of at most this many bytes
 _MAX_TOPIC_BYTES = 65_535
+
+#: the largest MQTT packet (its remaining length), and room for the rest of a PUBLISH but topic, body
+#: and metadata (packet id, lengths, the other properties)
+_MAX_PACKET_BYTES = 268_435_455
+_PACKET_OVERHEAD_BYTES = 256
 
 #: PUBACK reason codes (MQTT 5) that refuse the payload itself, whatever the topic
 _PAYLOAD_REFUSALS = frozenset({0x99})  # payload format invalid
@@ -248,6 +254,10 @@ class MqttSink(Sink):
             reason = (f"not sent to topic {topic!r}: the message is {len(body)} bytes, more than "
                       f"max_message_bytes ({limit})")
             raise self._error([event], reason, permanent=True)
+        metadata = event.metadata_json or ""
+        if len(body) + len(topic.encode()) + len(metadata.encode()) + _PACKET_OVERHEAD_BYTES > _MAX_PACKET_BYTES:
+            reason = f"not sent to topic {topic!r}: the message is {len(body)} bytes, more than an MQTT packet holds"
+            raise self._error([event], reason, permanent=True)
         return _Message(topic, body, from_payload)
 
     def _properties(self, event: Event) -> Any:
@@ -276,10 +286,10 @@ class MqttSink(Sink):
             try:
                 info = client.publish(message.topic, message.body, qos=1, retain=False,
                                       properties=self._properties(event))
-            except ValueError as exc:  # paho's own checks; topic_problem ran first, so unexpected
+            except ValueError as exc:  # paho's own checks of topic and size: _message made them first
                 self._discard()
-                raise self._error([event], f"not sent to topic {message.topic!r}: {describe_exception(exc)}",
-                                  permanent=message.from_payload) from None
+                reason = f"not sent to topic {message.topic!r}: {describe_exception(exc)}"
+                raise self._error(events[len(infos):], reason) from None
             if info.rc not in (self._mqtt.MQTT_ERR_SUCCESS, self._mqtt.MQTT_ERR_NO_CONN):
                 self._discard()
                 reason = f"publish to {message.topic!r} at {self._target} failed: {self._mqtt.error_string(info.rc)}"
