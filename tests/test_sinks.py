@@ -20,7 +20,9 @@ from pgstream_dagster.sinks import (
     KafkaSink,
     MemorySink,
     MemorySinkConfig,
+    MqttSink,
     NatsSink,
+    PostgresSink,
     RabbitMqSink,
     RedisSink,
     Sink,
@@ -44,6 +46,8 @@ def test_config_union_parses_every_type_and_rejects_unknown_keys(tmp_path: Path)
         "rabbitmq": ({"type": "rabbitmq", "routing_key": "q"}, RabbitMqSink),
         "nats": ({"type": "nats", "subject": "s"}, NatsSink),
         "kafka": ({"type": "kafka", "topic": "t"}, KafkaSink),
+        "mqtt": ({"type": "mqtt", "topic": "t", "tls": {"ca_certs": "ca.pem"}}, MqttSink),
+        "postgres": ({"type": "postgres", "url": "postgresql://u:p@127.0.0.1:1/db", "table": "s.t"}, PostgresSink),
     }
     for type_name, (data, sink_class) in cases.items():
         config = parse_sink_config(data)
@@ -64,14 +68,15 @@ def test_config_union_parses_every_type_and_rejects_unknown_keys(tmp_path: Path)
 def test_package_imports_without_optional_client_libraries() -> None:
     code = """
 import sys
-for name in ("redis", "pika", "nats", "confluent_kafka"):
+for name in ("redis", "pika", "nats", "confluent_kafka", "paho"):
     sys.modules[name] = None  # makes `import name` raise ImportError
 from pgstream_dagster.sinks import SinkError, build_sink, parse_sink_config
 assert build_sink({"type": "memory"}).type_name == "memory"
 for data, extra in [({"type": "redis", "stream": "s"}, "redis"),
                     ({"type": "rabbitmq", "routing_key": "q"}, "rabbitmq"),
                     ({"type": "nats", "subject": "s"}, "nats"),
-                    ({"type": "kafka", "topic": "t"}, "kafka")]:
+                    ({"type": "kafka", "topic": "t"}, "kafka"),
+                    ({"type": "mqtt", "topic": "t"}, "mqtt")]:
     config = parse_sink_config(data)
     try:
         config.build()
