@@ -77,8 +77,7 @@ def test_mqtt_3_1_1_carries_the_event_in_the_body(topic: str) -> None:
     sub = Subscriber(topic + "/#", protocol=mqtt.MQTTv311)
     try:
         events = make_events(10)
-        with build_sink({"type": "mqtt", "topic": topic + "/v3", "protocol": "3.1.1", "body": "event",
-                         "clean_session": False, "client_id": unique("pgstream-v3")}) as sink:
+        with build_sink({"type": "mqtt", "topic": topic + "/v3", "protocol": "3.1.1", "body": "event"}) as sink:
             sink.publish(events)
         bodies = [json.loads(m.payload) for m in sub.wait_for(len(events))]
     finally:
@@ -219,7 +218,9 @@ def test_a_connection_the_broker_dropped_meanwhile_is_replaced(tmp_path: Path) -
     broker = Mosquitto(tmp_path / "mosquitto").start()
     sub_port = broker.port
     try:
-        with MqttSinkConfig(port=broker.port, topic="a/b", client_id=unique("pgstream-fixed")).build() as sink:
+        config = MqttSinkConfig(port=broker.port, topic="a/b", client_id=unique("pgstream-fixed"), clean_session=False,
+                                session_expiry_secs=60)
+        with config.build() as sink:
             sub = Subscriber("a/#", port=sub_port)
             sink.publish(make_events(2))
             # another client takes the session over (same client id): the broker closes the sink's connection

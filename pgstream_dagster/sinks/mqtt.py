@@ -11,8 +11,8 @@ broker refuse a message with a PUBACK reason code; MQTT 3.1.1 has neither, so it
 The connection is opened by the first publish and kept for the sink's life by the client's network
 thread (keep-alive pings while the sink is idle); it never reconnects by itself: a connection the
 broker closed is noticed by the next publish, which opens a new one. A call whose connection is lost
-fails (not permanently), and the client is discarded with whatever it had not sent, so nothing of a
-failed call reaches the broker later behind the stream's back.
+or stalls fails (not permanently), and the client is discarded with whatever it had not written yet
+(a new client never resends it; what was on the wire may still arrive: a duplicate).
 
 Permanent rejections (``SinkError.permanent``), the events before it acknowledged first:
 
