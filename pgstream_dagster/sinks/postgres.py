@@ -17,7 +17,8 @@ row, such as two events of the call colliding with each other, names the later o
 the target that rejects a row should raise one of those SQLSTATEs (``raise exception ... using
 errcode = 'check_violation'``) to make it permanent.
 
-Not permanent: connection and authentication errors, a missing table, schema or column, missing
+Not permanent: a deferred constraint that fails at commit (no single row can be blamed), connection
+and authentication errors, a missing table, schema or column, missing
 privileges, a table without a unique index on ``id`` (``on conflict`` needs it), timeouts
 (``statement_timeout``), serialization failures, deadlocks, a read-only server, disk full, and every
 other error. A connection the server closed while the sink was idle is replaced once, at once, and
