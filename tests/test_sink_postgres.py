@@ -123,6 +123,20 @@ def test_a_row_the_target_refuses_is_a_permanent_rejection_after_the_rows_before
         assert [r["id"] for r in rows(target)][-2:] == [201, 202]
 
 
+def test_a_deferred_constraint_failing_at_commit_blames_no_event(target: str) -> None:
+    with psycopg.connect(target, autocommit=True) as conn:
+        conn.execute(readme_ddl().replace("myschema.pgstream_sink_events", "public.events"))
+        conn.execute("create table public.parents (name text primary key)")
+        conn.execute("alter table public.events add column name text generated always as (payload->>'name') stored")
+        conn.execute("alter table public.events add constraint parent foreign key (name) references public.parents "
+                     "deferrable initially deferred")
+    with build_sink({"type": "postgres", "url": target, "table": "public.events"}) as sink, \
+            pytest.raises(SinkError) as err:
+        sink.publish(make_events(3))
+    assert not err.value.permanent and err.value.event_ids == (101, 102, 103)
+    assert "ForeignKeyViolation (23503)" in str(err.value) and rows(target) == []
+
+
 def test_errors_about_the_target_are_not_permanent(target: str, pg: LocalPostgres) -> None:
     events = make_events(3)
     with build_sink({"type": "postgres", "url": target, "table": "public.missing"}) as sink, \
