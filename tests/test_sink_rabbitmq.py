@@ -189,7 +189,7 @@ def test_rabbitmq_max_message_bytes_and_payload_routes_are_permanent_rejections(
         for (permanent, message), (expected_permanent, text) in zip(outcomes, expected, strict=True):
             assert permanent is expected_permanent and text in message, message
         assert "more than max_message_bytes (1000)" in outcomes[0][1]
-        assert "from the payload is longer than 255 bytes" in outcomes[1][1]
+        assert "from the event is longer than 255 bytes" in outcomes[1][1]
     finally:
         amqp_channel.queue_delete(queue=queue)
 

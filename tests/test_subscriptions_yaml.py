@@ -78,9 +78,13 @@ def test_yaml_trigger_mode_statement_round_trip(db_url: str, tmp_path: Path) -> 
         assert c.execute("select key, trigger_mode from pgstream.subscriptions").fetchall() == [("signup", "statement")]
 
 
-def test_code_version_of_row_mode_subscriptions_is_unchanged_by_the_new_field() -> None:
+def test_code_version_of_row_mode_subscriptions_is_unchanged_by_the_new_fields() -> None:
+    """trigger_mode and metadata_extensions at their defaults leave the digest of before they existed."""
     sub = SubscriptionConfig.model_validate(SUB)
-    old = {k: v for k, v in definition(sub).items() if k != "trigger_mode"}
+    old = {k: v for k, v in definition(sub).items() if k not in ("trigger_mode", "metadata_extensions")}
     text = json.dumps(old, sort_keys=True, separators=(",", ":"))
     assert code_version(sub) == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert code_version(sub.model_copy(update={"trigger_mode": "statement"})) != code_version(sub)
+    computed = SubscriptionConfig.model_validate(
+        {**SUB, "metadata_extensions": [{"json_path": "region", "expression": "'eu'"}]})
+    assert code_version(computed) != code_version(sub)
