@@ -210,3 +210,19 @@ def test_nats_subject_problems_are_permanent_only_when_the_subject_comes_from_th
     with NatsSinkConfig(subject_from="table").build() as sink, pytest.raises(SinkError) as err:
         sink.publish([empty_token])
     assert "invalid subject 'a..b'" in str(err.value) and err.value.permanent
+
+
+def test_nats_subject_from_metadata(nats_stream: tuple[str, str]) -> None:
+    stream, subject = nats_stream
+    regions = ["eu", "us", "eu", "has space"]
+    events = [Event(id=470 + i, stream_id=1, payload={"seq": i}, metadata={"route": {"region": r}},
+                    created_at=BASE_TIME) for i, r in enumerate(regions)]
+    config = NatsSinkConfig(subject_from="metadata:route.region", subject_prefix=subject + ".")
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(events)
+    assert err.value.permanent and err.value.event_ids == (473,)  # a subject from the metadata: the event's fault
+    count, messages = asyncio.run(_nats_admin("read", stream, ">", expected=3))
+    assert count == 3
+    assert [(m.subject, m.headers["Nats-Msg-Id"]) for m in messages] == [
+        (f"{subject}.eu", "470"), (f"{subject}.us", "471"), (f"{subject}.eu", "472")]
+    assert [json.loads(m.headers["Pgstream-Metadata"]) for m in messages] == [e.metadata for e in events[:3]]
