@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
-import nats
 import psycopg
 import pytest
 import redis
+from psycopg.types.json import Jsonb
 
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.assets import subscription_keys, subscription_set_key
@@ -25,43 +24,10 @@ from pgstream_dagster.engine.batches import BatchStatus
 
 from .support.dagster_instance import materialize
 from .support.harness import Driver, write_config
-from .support.sinks import NATS_URL, REDIS_URL, unique
+from .support.sinks import NATS_URL, REDIS_URL, nats_admin, unique
 
 REGION = "case when new.country in ('DE', 'FR', 'IT') then 'eu' else 'us' end"
 COUNTRIES = ["DE", "US", "FR", "BR", "IT", "CA", "US"]
-
-
-async def _jetstream(action: str, stream: str, subject: str, expected: int = 0) -> list[Any]:
-    nc = await nats.connect(NATS_URL)
-    try:
-        js = nc.jetstream()
-        if action == "create":
-            await js.add_stream(name=stream, subjects=[subject + ".>"])
-            return []
-        if action == "delete":
-            await js.delete_stream(stream)
-            return []
-        sub = await js.pull_subscribe(subject + ".>", stream=stream)
-        messages: list[Any] = []
-        deadline = time.monotonic() + 20
-        while len(messages) < expected and time.monotonic() < deadline:
-            batch = await sub.fetch(min(expected - len(messages), 500), timeout=2)
-            for msg in batch:
-                await msg.ack()
-            messages += batch
-        await sub.unsubscribe()
-        return messages
-    finally:
-        await nc.close()
-
-
-@pytest.fixture
-def jetstream() -> Iterator[tuple[str, str]]:
-    name = unique("PGSTREAM_E2E").replace("-", "_")
-    subject = f"pgstream.e2e.{name}"
-    asyncio.run(_jetstream("create", name, subject))
-    yield name, subject
-    asyncio.run(_jetstream("delete", name, subject))
 
 
 @pytest.fixture
@@ -108,9 +74,9 @@ def _delivered(url: str, stream_id: int, expected: int) -> bool:
 
 
 def test_events_are_routed_by_computed_metadata_to_redis_streams_and_nats_subjects(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, jetstream: tuple[str, str],
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, nats_stream: tuple[str, str],
         redis_prefix: tuple[redis.Redis, str]) -> None:
-    stream_name, subject = jetstream
+    stream_name, subject = nats_stream
     client, prefix = redis_prefix
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("create table public.orders (id bigserial primary key, country text not null, amount int)")
@@ -166,8 +132,8 @@ def test_events_are_routed_by_computed_metadata_to_redis_streams_and_nats_subjec
 
     # NATS: one subject per region, each in commit order
     ledger = _ledger(db_url, 2)
-    messages = asyncio.run(_jetstream("read", stream_name, subject, expected=rows))
-    assert len(messages) == rows
+    count, messages = asyncio.run(nats_admin("read", stream_name, ">", expected=rows))
+    assert count == len(messages) == rows
     for region in ("eu", "us"):
         got = [int(m.headers["Nats-Msg-Id"]) for m in messages if m.subject == f"{subject}.{region}"]
         assert got == [i for i, m in ledger if m["route"]["region"] == region]
@@ -178,3 +144,26 @@ def test_events_are_routed_by_computed_metadata_to_redis_streams_and_nats_subjec
         assert m.subject == f"{subject}.{region}"
         assert metadata == {"route": {"kind": "order", "region": region}, "amount": metadata["amount"]}
     assert {m.subject for m in messages} == {f"{subject}.eu", f"{subject}.us"}
+
+
+def test_by_key_routing_key_may_come_from_the_metadata(db_url: str) -> None:
+    """``delivery.routing_key: metadata:<path>`` partitions by the metadata (ordering: by_key), a bare
+    path by the payload, as the Spark readers select it."""
+    from pyspark.sql.datasource import InputPartition
+
+    from pgstream_dagster.engine.spark import URL_OPTION, EventsReader
+
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into pgstream.streams (id) values (1)")
+        c.execute("insert into pgstream.events (payload, metadata, stream_id) values (%s, %s, 1), (%s, null, 1)",
+                  [Jsonb({"group_id": "g1", "metadata": {"t": "p"}}), Jsonb({"t": "eu"}), Jsonb({"group_id": "g2"})])
+        (lo, hi) = c.execute("select min(id), max(id) from pgstream.events").fetchone()  # type: ignore[misc]
+
+    def keys(routing_key: str) -> list[str | None]:
+        reader = EventsReader({URL_OPTION: db_url, "ranges": json.dumps([[lo, hi]]), "stream_id": "1",
+                               "routing_key": routing_key})
+        return [row[-1] for row in reader.read(InputPartition((lo, hi)))]
+
+    assert keys("metadata:t") == ["eu", None]
+    assert keys("metadata.t") == ["p", None]  # a bare path: the payload's "metadata" object
+    assert keys("group_id") == keys("payload:group_id") == ["g1", "g2"]

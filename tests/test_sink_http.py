@@ -694,7 +694,7 @@ BAD_ROUTES = [
     ({"region": "a/b"}, "is not one URL path segment"),
     ({"region": "eu?x=1"}, "is not one URL path segment"),
     ({"region": ["eu"]}, "metadata path 'region' is list, not a scalar"),
-    ({}, "metadata path 'region' is missing and there is no path_default"),
+    ({}, "metadata path 'region' is missing or empty and there is no path_default"),
     ({"region": "eu", "tenant": "evil\r\nX-Injected: yes"},
      "headers_from: header 'X-Tenant': the value contains a line break or another control character"),
     ({"region": "eu", "tenant": "n\u00e4me"}, "headers_from: header 'X-Tenant': the value contains non-ASCII"),

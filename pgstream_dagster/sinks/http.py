@@ -96,6 +96,10 @@ _OWN_HEADERS = frozenset({
 })
 
 
+#: request URLs (and their redacted form) kept per path segment
+_URL_CACHE = 1024
+
+
 def _valid_segment(segment: str) -> bool:
     return _PATH_SEGMENT.fullmatch(segment) is not None and segment not in (".", "..")
 
@@ -359,8 +363,8 @@ class HttpSink(Sink):
                 segment = event_scalar(event, config.path_from)
                 if segment is None:
                     if config.path_default is None:
-                        raise RoutingError(f"{describe_path(config.path_from)} is missing and there is no "
-                                           "path_default")
+                        raise RoutingError(f"{describe_path(config.path_from)} is missing or empty and there is "
+                                           "no path_default")
                     segment = config.path_default
                 elif not _valid_segment(segment):
                     raise RoutingError(f"path_from: the value at {describe_path(config.path_from)} is not one URL "
@@ -386,6 +390,8 @@ class HttpSink(Sink):
             if segment is not None:
                 parts = urlsplit(url)
                 url = urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + segment))
+            if len(self._urls) >= _URL_CACHE:  # a segment per tenant must not grow it without bound
+                self._urls.clear()
             found = self._urls[segment] = (url, f"POST {redact_url(url)}")
         return found
 
