@@ -187,7 +187,7 @@ class SinkError(Exception):
 
     ``permanent`` (keyword-only, default ``False``): the destination *rejected* the event(s) in
     ``event_ids`` for what they are, so sending the same bytes again fails the same way (a payload
-    over a size limit, an HTTP 422, a destination name taken from the payload that is missing or
+    over a size limit, an HTTP 422, a destination name taken from the event that is missing or
     invalid). Then ``event_ids`` names the rejected event(s), ideally exactly one: the first
     rejected event in publish order; and every event before it in the publish call was confirmed.
     When a sink cannot tell which event of a multi-event request was rejected (an HTTP batch

@@ -12,10 +12,10 @@ because it is larger than the producer's ``message.max.bytes`` (librdkafka's def
 bytes), a delivery report with a per-record error (MSG_SIZE_TOO_LARGE: over the topic's or broker's
 ``max.message.bytes``; RECORD_LIST_TOO_LARGE; INVALID_RECORD: e.g. a broker-side schema check) when
 every event before it was confirmed, and an event whose topic cannot be taken from it (missing
-from its payload or metadata with no fixed ``topic``, or not a legal topic name). The broker refuses a whole record
-batch at once, so the reports cannot tell which message was at fault: the error then names every
-consecutive refused event from the first one, and the caller isolates the bad one by publishing
-them one at a time.
+from its payload or metadata with no fixed ``topic``, or not a legal topic name). The broker
+refuses a whole record batch at once, so the reports cannot tell which message was at fault: the
+error then names every consecutive refused event from the first one, and the caller isolates the
+bad one by publishing them one at a time.
 Not permanent: an unreachable broker, timeouts, authentication and other fatal client errors,
 invalid producer settings, an unknown topic (create it), and every other delivery error.
 """
