@@ -79,9 +79,9 @@ def subscribe(url: str, key: str, table: str, *, schema: str = "public", op: str
               mode: str = "row", kind: str = "payload_extensions") -> None:
     """``extensions`` are payload extensions, or metadata extensions with ``kind="metadata_extensions"``."""
     sub = {"key": key, "stream_id": 1, "operation": op, "schema_name": schema, "table_name": table,
-           "when_clause": when, "column_names": columns or [], "payload_extensions": [],
-           "metadata_extensions": [], "metadata": metadata, "trigger_mode": mode}
-    sub[kind] = extensions or []
+           "when_clause": when, "column_names": columns or [], "payload_extensions": [], "metadata": metadata,
+           "trigger_mode": mode}
+    sub[kind] = extensions or []  # metadata_extensions only when asked: older schemas lack the column
     cols = ", ".join(sub)
     run(url, f"insert into pgstream.subscriptions ({cols}) select {cols} from "
              f"jsonb_populate_record(null::pgstream.subscriptions, {sql.quote(json.dumps(sub))}::jsonb)")
