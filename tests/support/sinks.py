@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.sinks import (
@@ -59,3 +61,35 @@ def run_python(code: str, stdin: bytes = b"") -> subprocess.CompletedProcess[byt
     )
 
 
+
+
+async def nats_admin(action: str, stream: str, subject: str = "", expected: int = 0,
+                     max_msg_size: int | None = None) -> list[Any]:
+    """JetStream administration on the NATS server on loopback: ``create`` the stream ``stream`` over
+    ``subject`` and ``subject.>``, ``delete`` it, or ``read`` (and ack) up to ``expected`` messages of
+    the subjects matching ``subject`` (``>``: all), returning ``[messages in the stream, messages read]``."""
+    import nats  # the sink's optional extra: imported by the tests that use it only
+
+    nc = await nats.connect(NATS_URL)
+    try:
+        js = nc.jetstream()
+        if action == "create":
+            limits = {} if max_msg_size is None else {"max_msg_size": max_msg_size}
+            await js.add_stream(name=stream, subjects=[subject, subject + ".>"], **limits)
+            return []
+        if action == "delete":
+            await js.delete_stream(stream)
+            return []
+        info = await js.stream_info(stream)
+        sub = await js.pull_subscribe(subject, stream=stream)
+        messages: list[Any] = []
+        deadline = time.monotonic() + 10
+        while len(messages) < expected and time.monotonic() < deadline:
+            batch = await sub.fetch(expected - len(messages), timeout=2)
+            for msg in batch:
+                await msg.ack()
+            messages += batch
+        await sub.unsubscribe()
+        return [info.state.messages, messages]
+    finally:
+        await nc.close()
