@@ -229,7 +229,8 @@ EventPath = Annotated[str, Field(
 configuration written before metadata routing keeps its meaning; ``:`` is in no bare path."""
 
 PayloadPath = EventPath
-"""The former name of :data:`EventPath` (kept for sinks written before it read metadata)."""
+"""Deprecated: the 0.1 name of :data:`EventPath`, kept so that custom sinks written for 0.1 still
+import; the built-in sinks use ``EventPath``."""
 
 _MISSING: Any = object()
 

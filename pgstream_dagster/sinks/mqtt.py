@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from .base import (
     Event,
-    PayloadPath,
+    EventPath,
     RoutingError,
     Sink,
     SinkConfigBase,
@@ -129,7 +129,7 @@ class MqttSinkConfig(SinkConfigBase):
     port: int = Field(default=1883, ge=1, le=65_535)
     protocol: Literal["5", "3.1.1"] = "5"
     topic: str | None = None
-    topic_from: PayloadPath | None = None
+    topic_from: EventPath | None = None
     topic_prefix: str = ""
     body: Literal["payload", "event"] = "payload"
     client_id: str | None = Field(default=None, min_length=1, max_length=65_535)
