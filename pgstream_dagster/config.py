@@ -25,7 +25,7 @@ from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .sinks import SinkConfig
-from .sinks.base import PayloadPath
+from .sinks.base import EventPath
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -50,8 +50,9 @@ class BatchConfig(_Model):
 
 class DeliveryConfig(_Model):
     ordering: Literal["global", "by_key"] = "global"
-    routing_key: PayloadPath = Field("group_id",
-                                     description="payload path used to partition deliveries when ordering=by_key")
+    routing_key: EventPath = Field("group_id",
+                                   description="event path (payload, or metadata:<path>) used to partition "
+                                               "deliveries when ordering=by_key")
     parallelism: int = Field(4, ge=1, le=256)
     chunk_size: int = Field(500, ge=1, le=100_000, description="events handed to the sink per publish call")
     max_events_per_run: int = Field(100_000, ge=1, le=10_000_000,
@@ -144,7 +145,10 @@ class StreamConfig(_Model):
         return stream_object_name(self.id)
 
 
-class PayloadExtension(_Model):
+class Extension(_Model):
+    """A value computed per event: ``json_path`` (``a.b``) set to the SQL ``expression`` over ``new``/``old``
+    (a payload extension, or a metadata extension)."""
+
     json_path: str
     expression: str
 
@@ -157,8 +161,11 @@ class SubscriptionConfig(_Model):
     table_name: str = Field(min_length=1)
     when_clause: str | None = None
     column_names: list[str] = Field(default_factory=list)
-    payload_extensions: list[PayloadExtension] = Field(default_factory=list)
+    payload_extensions: list[Extension] = Field(default_factory=list)
     metadata: dict[str, Any] | None = None
+    metadata_extensions: list[Extension] = Field(
+        default_factory=list, description="computed per event into the event's metadata, merged over `metadata` "
+                                          "(computed values win; along a path the other static keys stay)")
     trigger_mode: Literal["row", "statement"] = Field(
         "row", description="row: a deferred FOR EACH ROW trigger (events written at commit); statement: one "
                            "FOR EACH STATEMENT trigger with a transition table (INSERT and DELETE only)")
@@ -382,7 +389,8 @@ def _subscription_hint(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
     return f" (subscription {key!r})" if isinstance(key, str) else ""
 
 
-_SINK_TAGS = {"memory", "file", "http", "webhook", "redis", "rabbitmq", "nats", "kafka", "sqs", "sns", "kinesis"}
+_SINK_TAGS = {"memory", "file", "http", "webhook", "redis", "rabbitmq", "nats", "kafka", "mqtt", "postgres",
+              "sqs", "sns", "kinesis"}
 
 
 def config_path() -> Path:

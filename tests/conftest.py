@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from .support.dagster_dev import Databases, drop_databases, make_databases
 from .support.endpoint import Endpoint
 from .support.http_recorder import HttpRecorder, recording_server
 from .support.schema import USERS
+from .support.sinks import nats_admin, unique
 
 TEMPLATE = "pgstream_template"
 _counter = itertools.count()
@@ -163,3 +165,14 @@ def fault_proxy(moto_server: MotoServer) -> Iterator[FaultProxy]:
     proxy = FaultProxy(moto_server.url)
     yield proxy
     proxy.stop()
+
+
+@pytest.fixture
+def nats_stream() -> Iterator[tuple[str, str]]:
+    """A JetStream stream of its own on the NATS server on loopback: (name, subject); it captures the
+    subject and ``subject.>``."""
+    name = unique("PGSTREAM_TEST").replace("-", "_")
+    subject = f"pgstream.test.{name}"
+    asyncio.run(nats_admin("create", name, subject))
+    yield name, subject
+    asyncio.run(nats_admin("delete", name))

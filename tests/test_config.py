@@ -239,14 +239,16 @@ def test_sink_numbers_must_be_finite() -> None:
                 {"id": 1, "sink": {"type": "http", "url": "http://127.0.0.1/hook", "timeout_secs": value}}]})
 
 
-@pytest.mark.parametrize("path", ["group_id", "data.tenant-id", "a.b_c.d"])
+@pytest.mark.parametrize("path", ["group_id", "data.tenant-id", "a.b_c.d", "metadata.region", "payload:a.b",
+                                  "metadata:region", "metadata:route.topic-name"])
 def test_routing_key_accepts_what_a_sink_payload_path_accepts(path: str) -> None:
-    """delivery.routing_key and the sinks' payload paths are one definition (sinks.base.PayloadPath)."""
+    """delivery.routing_key and the sinks' event paths are one definition (sinks.base.EventPath)."""
     assert DeliveryConfig(routing_key=path).routing_key == path
     assert parse_sink_config({"type": "redis", "stream_from": path}) is not None
 
 
-@pytest.mark.parametrize("path", ["", "a..b", ".a", "a.", "1a", "a b", "a/b"])
+@pytest.mark.parametrize("path", ["", "a..b", ".a", "a.", "1a", "a b", "a/b", "metadata:", "meta:a", ":a",
+                                  "metadata:a:b", "payload:", "Metadata:a", "metadata: a"])
 def test_routing_key_refuses_what_a_sink_payload_path_refuses(path: str) -> None:
     with pytest.raises(ValidationError):
         DeliveryConfig(routing_key=path)

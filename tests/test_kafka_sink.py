@@ -147,6 +147,23 @@ def test_key_and_topic_from_payload_paths(broker: str) -> None:
     assert all(len(p) == 1 for p in partition_of.values())  # a key stays in one partition
 
 
+def test_topic_and_key_from_metadata(broker: str) -> None:
+    eu, us = create_topic(broker), create_topic(broker, partitions=2)
+    events = [Event(id=i, stream_id=1, payload={"group_id": "payload"},
+                    metadata={"topic": eu if i % 3 else us, "tenant": f"t{i % 2}"},
+                    created_at=make_events(1)[0].created_at) for i in range(1, 61)]
+    with build_sink({"type": "kafka", "bootstrap_servers": broker, "topic_from": "metadata:topic",
+                     "key_from": "metadata:tenant"}) as sink:
+        sink.publish(events)
+    to_eu, to_us = read_topic(broker, eu, 1, 40), read_topic(broker, us, 2, 20)
+    assert [int(header(m, "pgstream-event-id")) for m in to_eu] == [i for i in range(1, 61) if i % 3]
+    assert sorted(int(header(m, "pgstream-event-id")) for m in to_us) == [i for i in range(1, 61) if i % 3 == 0]
+    assert {m.key() for m in to_eu + to_us} == {b"t0", b"t1"}
+    for key in (b"t0", b"t1"):  # order per key
+        ids = [int(header(m, "pgstream-event-id")) for m in to_us if m.key() == key]
+        assert ids == sorted(ids)
+
+
 def test_unreachable_broker_raises_a_clear_error_within_the_timeout() -> None:
     port = free_port()
     config = {"type": "kafka", "bootstrap_servers": f"127.0.0.1:{port}", "topic": "t", "timeout_secs": 2,

@@ -312,7 +312,10 @@ SUBSCRIPTIONS: list[dict[str, Any]] = [
 
 _DATA = {
     "streams": "select * from pgstream.streams order by id",
-    "subscriptions": "select * from pgstream.subscriptions order by id",
+    # the columns of release 0.1 (later versions add columns, with defaults: checked on their own)
+    "subscriptions": "select id, key, stream_id, operation, schema_name, table_name, when_clause, column_names, "
+                     "metadata, payload_extensions, created_at, updated_at, managed_by, trigger_mode "
+                     "from pgstream.subscriptions order by id",
     "events": "select id, payload, metadata, stream_id, created_at, lsn from pgstream.events order by id",
     "batches": "select * from pgstream.batches order by id",
     "failovers": "select * from pgstream.failovers order by id",
@@ -377,12 +380,24 @@ def test_upgrade_from_release_0_1_ends_as_a_fresh_install(empty_db_url: str, db_
         before = _data(c)
         assert [len(before[t]) for t in ("events", "batches", "failovers", "dead_letters")] == [4, 4, 1, 1]
 
-    # the upgrade: no versioned migration runs again, every repeatable file is applied
-    assert migrate(empty_db_url) == [f"{REPEATABLE_DIR}/{r.name}" for r in discover_repeatables()]
+    # the upgrade: no released version runs again, the versions since the release run once, every
+    # repeatable file is applied
+    released = {int(name[:3]) for name in released_files()}
+    assert migrate(empty_db_url) == ([m.path.name for m in discover() if m.version not in released]
+                                     + [f"{REPEATABLE_DIR}/{r.name}" for r in discover_repeatables()])
     with psycopg.connect(empty_db_url, autocommit=True) as c:
-        assert _data(c) == before  # schema_migrations included: released checksums, applied once
+        after = _data(c)
+        added = [r for r in after["schema_migrations"] if r[0] not in released]
+        assert {k: v for k, v in after.items() if k != "schema_migrations"} == {
+            k: v for k, v in before.items() if k != "schema_migrations"}
+        assert [r for r in after["schema_migrations"] if r[0] in released] == before["schema_migrations"]
         assert {v: s for v, _, s, _ in before["schema_migrations"]} == {
-            m.version: RELEASED_CHECKSUMS.get(m.version, m.checksum) for m in discover() if m.version > 0}
+            m.version: RELEASED_CHECKSUMS.get(m.version, m.checksum) for m in discover() if m.version in released - {0}}
+        assert {v: s for v, _, s, _ in added} == {
+            m.version: m.checksum for m in discover() if m.version not in released}
+        # 016: every subscription of the release computes no metadata
+        assert c.execute("select count(*) from pgstream.subscriptions where metadata_extensions = '[]'"
+                         ).fetchone() == (len(SUBSCRIPTIONS),)
         upgraded = snapshot(c)
 
     # a fresh install with the same streams, table and subscriptions has the same catalog

@@ -59,13 +59,29 @@ def events(url: str) -> list[dict[str, Any]]:
         return [r[0] for r in c.execute("select payload from pgstream.events order by id").fetchall()]
 
 
+def metadata(url: str) -> list[Any]:
+    with connect(url) as c:
+        return [r[0] for r in c.execute("select metadata from pgstream.events order by id").fetchall()]
+
+
+#: where an extension's value lands: the payload (payload_extensions) or the metadata (metadata_extensions)
+EXTENSION_KINDS = ["payload_extensions", "metadata_extensions"]
+
+
+def computed(url: str, kind: str) -> list[Any]:
+    """What the extensions of ``kind`` wrote into each event (the payload, or the metadata)."""
+    return events(url) if kind == "payload_extensions" else metadata(url)
+
+
 def subscribe(url: str, key: str, table: str, *, schema: str = "public", op: str = "INSERT",
               columns: list[str] | None = None, when: str | None = None,
               extensions: list[dict[str, str]] | None = None, metadata: dict[str, Any] | None = None,
-              mode: str = "row") -> None:
+              mode: str = "row", kind: str = "payload_extensions") -> None:
+    """``extensions`` are payload extensions, or metadata extensions with ``kind="metadata_extensions"``."""
     sub = {"key": key, "stream_id": 1, "operation": op, "schema_name": schema, "table_name": table,
-           "when_clause": when, "column_names": columns or [], "payload_extensions": extensions or [],
-           "metadata": metadata, "trigger_mode": mode}
+           "when_clause": when, "column_names": columns or [], "payload_extensions": [], "metadata": metadata,
+           "trigger_mode": mode}
+    sub[kind] = extensions or []  # metadata_extensions only when asked: older schemas lack the column
     cols = ", ".join(sub)
     run(url, f"insert into pgstream.subscriptions ({cols}) select {cols} from "
              f"jsonb_populate_record(null::pgstream.subscriptions, {sql.quote(json.dumps(sub))}::jsonb)")
@@ -140,6 +156,32 @@ def test_pg_temp_types_do_not_shadow_generated_trigger_code(db_url: str, table: 
     assert_insert_still_produces_its_event(db_url, roles)
 
 
+@pytest.mark.parametrize("mode", ["row", "statement"])
+def test_pg_temp_types_do_not_shadow_computed_metadata(db_url: str, roles: Callable[..., str], mode: str) -> None:
+    """Metadata extensions are generated code too: a session that shadows the types they produce
+    (and jsonb, text) still writes the computed metadata, and gains nothing."""
+    run(db_url, "create table public.t (id bigint generated always as identity primary key, note text)")
+    subscribe(db_url, "t-insert", "t", columns=["id", "note"], metadata={"static": {"kept": True}}, mode=mode,
+              kind="metadata_extensions",
+              extensions=[{"json_path": "static.note", "expression": "upper(new.note)"},
+                          {"json_path": "n", "expression": "new.id::numeric * 2"},
+                          {"json_path": "flag", "expression": "new.note is not null"}])
+    app = app_role(roles)
+    before = superusers(db_url)
+    with connect(db_url, app) as c:  # a new session: nothing compiled yet
+        for shadowed in ("jsonb", "text", "numeric", "bool"):
+            c.execute(f"create type pg_temp.{shadowed} as enum ('{{}}', 'x', 'true')")
+            fn = f"pg_temp.esc_{next(_ids)}"
+            c.execute(f"create function {fn}(pg_catalog.{shadowed}) returns pg_temp.{shadowed} language plpgsql "
+                      f"called on null input as $$ begin {ESCALATE.format(role=app)} return 'x'; end $$")
+            c.execute(f"create cast (pg_catalog.{shadowed} as pg_temp.{shadowed}) with function "
+                      f"{fn}(pg_catalog.{shadowed}) as implicit")
+        c.execute("insert into public.t (note) values ('shadowed')")
+    assert not is_super(db_url, app)
+    assert superusers(db_url) == before
+    assert metadata(db_url) == [{"static": {"kept": True, "note": "SHADOWED"}, "n": 2, "flag": True}]
+
+
 def test_pg_temp_text_does_not_shadow_the_drift_guard(db_url: str, table: str, roles: Callable[..., str]) -> None:
     """Dropping any table the role owns runs the (superuser-owned) drift guard: no subscription needed."""
     app = roles()
@@ -198,24 +240,24 @@ def test_user_cast_on_the_table_owners_type_runs_without_privilege(db_url: str, 
 # 3. functions called from expressions run as pgstream_writer, who must be allowed to call them
 
 
+@pytest.mark.parametrize("kind", EXTENSION_KINDS)
 def test_function_in_an_expression_replaced_by_its_owner_runs_without_privilege(
-        db_url: str, table: str, roles: Callable[..., str]) -> None:
+        db_url: str, table: str, roles: Callable[..., str], kind: str) -> None:
     app = roles("grant insert on public.t to {role}")
     schema = f"fn_{app}"
     run(db_url, f"create schema {schema} authorization {app}")
     run(db_url, f"create function {schema}.tag(bigint) returns text language sql as $$ select 'id-' || $1 $$",
         f"alter function {schema}.tag(bigint) owner to {app}")
     # pgstream_writer evaluates it and has no USAGE on the schema yet: refused, naming what to grant
+    tag = [{"json_path": "tag", "expression": f"{schema}.tag(new.id)"}]
     with pytest.raises(psycopg.errors.InvalidParameterValue) as err:
-        subscribe(db_url, "tagged", "t", columns=["id"], extensions=[{"json_path": "tag",
-                                                                      "expression": f"{schema}.tag(new.id)"}])
+        subscribe(db_url, "tagged", "t", columns=["id"], extensions=tag, kind=kind)
     assert f"grant usage on schema {schema}" in str(err.value) and "pgstream_writer" in str(err.value)
-    assert 'subscription "tagged"' in str(err.value) and "payload_extensions[1].expression" in str(err.value)
+    assert 'subscription "tagged"' in str(err.value) and f"{kind}[1].expression" in str(err.value)
     run(db_url, f"grant usage on schema {schema} to {WRITER_ROLE}")
-    subscribe(db_url, "tagged", "t", columns=["id"], extensions=[{"json_path": "tag",
-                                                                  "expression": f"{schema}.tag(new.id)"}])
+    subscribe(db_url, "tagged", "t", columns=["id"], extensions=tag, kind=kind)
     run(db_url, "insert into public.t (note) values ('x')", role=app)
-    assert events(db_url)[-1]["tag"].startswith("id-")
+    assert computed(db_url, kind)[-1]["tag"].startswith("id-")
 
     # the function's owner replaces its body
     run(db_url, f"create or replace function {schema}.tag(bigint) returns text language plpgsql as "
@@ -223,8 +265,8 @@ def test_function_in_an_expression_replaced_by_its_owner_runs_without_privilege(
     with connect(db_url, app) as c:
         c.execute("insert into public.t (note) values ('y')")
     assert not is_super(db_url, app)
-    tagged = [e for e in events(db_url) if e["tg_name"] == "tagged"]
-    assert [e.get("tag") for e in tagged] == [tagged[0]["tag"], "replaced"]
+    tagged = [c for e, c in zip(events(db_url), computed(db_url, kind), strict=True) if e["tg_name"] == "tagged"]
+    assert [c.get("tag") for c in tagged] == [tagged[0]["tag"], "replaced"]
     assert_insert_still_produces_its_event(db_url, roles)
 
 
@@ -261,11 +303,69 @@ def test_builtin_when_clause_stays_in_the_trigger_when(db_url: str, table: str) 
     assert "WHEN ((old.note IS DISTINCT FROM new.note))" in definition
 
 
+def test_an_application_role_cannot_write_metadata_extensions(db_url: str, table: str,
+                                                             roles: Callable[..., str]) -> None:
+    """Subscriptions belong to the owner: neither the table nor set_subscriptions is open to others."""
+    app = roles("grant insert on public.t to {role}", "grant usage on schema pgstream to {role}")
+    ext = json.dumps([{"json_path": "x", "expression": "1"}])
+    attempts = [
+        f"update pgstream.subscriptions set metadata_extensions = '{ext}'",
+        "insert into pgstream.subscriptions (key, stream_id, operation, table_name, metadata_extensions) "
+        f"values ('mine', 1, 'INSERT', 't', '{ext}')",
+        "select * from pgstream.set_subscriptions(1, array[jsonb_populate_record(null::pgstream.subscriptions, "
+        f"""'{{"key": "mine", "operation": "INSERT", "table_name": "t", "metadata_extensions": {ext}}}')])""",
+        "select pgstream.regenerate_trigger('public', 't', 'INSERT')",
+    ]
+    for attempt in attempts:
+        with connect(db_url, app) as c, pytest.raises(psycopg.errors.InsufficientPrivilege):
+            c.execute(attempt)  # type: ignore[arg-type]
+    with connect(db_url) as c:
+        assert c.execute("select key, metadata_extensions from pgstream.subscriptions").fetchall() == [
+            ("t-insert", [])]
+    assert_insert_still_produces_its_event(db_url, roles)
+
+
+def test_a_role_wrongly_granted_subscriptions_gains_nothing_through_metadata_extensions(
+        db_url: str, table: str, roles: Callable[..., str]) -> None:
+    """The README says not to grant writing pgstream.subscriptions to another role. One that has it
+    anyway writes a metadata extension calling its own function that tries to escalate: validation
+    only parses it (the function never runs as the owner), and the trigger runs it as
+    pgstream_writer, so the role gains nothing."""
+    app = roles("grant usage on schema pgstream to {role}",
+                "grant select, insert, update, delete on pgstream.subscriptions to {role}",
+                "grant insert on public.t to {role}")
+    schema = f"fn_{app}"
+    run(db_url, f"create schema {schema} authorization {app}", f"grant usage on schema {schema} to {WRITER_ROLE}")
+    # counts runs as the owner: only the owner (a superuser) may advance this sequence
+    run(db_url, "create sequence public.escalation_runs")
+    with connect(db_url, app) as c:
+        c.execute(f"create function {schema}.region(bigint) returns text language plpgsql as "
+                  f"$$ begin {ESCALATE.format(role=app)} "
+                  "begin perform nextval('public.escalation_runs'); exception when others then null; end; "
+                  "return 'eu'; end $$")
+    ext = json.dumps([{"json_path": "region", "expression": f"{schema}.region(new.id)"}])
+    with connect(db_url, app) as c:  # a fresh session of the role, validated and generated as the owner
+        c.execute(f"update pgstream.subscriptions set metadata_extensions = '{ext}' where key = 't-insert'")
+    assert not is_super(db_url, app)
+    with connect(db_url) as c:
+        assert c.execute("select last_value, is_called from public.escalation_runs").fetchone() == (1, False)
+        (owner,) = c.execute("select p.proowner::regrole::text from pg_trigger t join pg_proc p on p.oid = t.tgfoid "
+                             "where t.tgrelid = 'public.t'::regclass").fetchone()  # type: ignore[misc]
+    assert owner == WRITER_ROLE
+    with connect(db_url, app) as c:
+        c.execute("insert into public.t (note) values ('x')")
+    assert not is_super(db_url, app) and not is_super(db_url, WRITER_ROLE)
+    assert metadata(db_url)[-1] == {"region": "eu"}  # it ran, as pgstream_writer: the sequence stayed untouched
+    with connect(db_url) as c:
+        assert c.execute("select last_value, is_called from public.escalation_runs").fetchone() == (1, False)
+
+
 # --------------------------------------------------------------------------------------------
 # 4. validation executes nothing but the expression under test
 
 
-def test_lexer_cannot_be_fooled_into_running_a_second_statement(db_url: str) -> None:
+@pytest.mark.parametrize("kind", EXTENSION_KINDS)
+def test_lexer_cannot_be_fooled_into_running_a_second_statement(db_url: str, kind: str) -> None:
     # the server runs as another user: a place it could write to
     marker = Path(f"/tmp/pgstream-pwned-{uuid.uuid4().hex}")
     run(db_url, "create table public.t (id int primary key, note text)", 'create domain public."ée" as text')
@@ -273,8 +373,8 @@ def test_lexer_cannot_be_fooled_into_running_a_second_statement(db_url: str) -> 
     # literals; Postgres reads a standard string '\' and then code: ") as v; copy ... to program ..."
     expression = f"public.ée'\\') as v; copy (select 1) to program 'touch {marker}'; select 1 --'"
     with pytest.raises(psycopg.errors.InvalidParameterValue, match="ambiguous string literal") as err:
-        subscribe(db_url, "smuggler", "t", extensions=[{"json_path": "x", "expression": expression}])
-    assert 'pgstream: subscription "smuggler" (stream 1, INSERT on public.t): payload_extensions[1].expression:' \
+        subscribe(db_url, "smuggler", "t", extensions=[{"json_path": "x", "expression": expression}], kind=kind)
+    assert f'pgstream: subscription "smuggler" (stream 1, INSERT on public.t): {kind}[1].expression:' \
         in str(err.value)
     assert not marker.exists()
     with connect(db_url) as c:
@@ -326,6 +426,11 @@ BAD_EXPRESSIONS = [
     ("extension", "jsonb_array_elements('[1, 2]')", "set-returning functions are not allowed"),
     ("extension", "(select 1)", "subqueries are not allowed"),
     ("extension", "array(select 1)", "subqueries are not allowed"),
+    ("metadata", "array_agg(new.id)", "aggregate functions are not allowed"),
+    ("metadata", "row_number() over ()", "window functions are not allowed"),
+    ("metadata", "jsonb_array_elements('[1, 2]')", "set-returning functions are not allowed"),
+    ("metadata", "(select 1)", "subqueries are not allowed"),
+    ("metadata", "exists (select 1)", "subqueries are not allowed"),
 ]
 
 
@@ -338,9 +443,10 @@ def test_aggregates_windows_srfs_and_subqueries_are_refused(db_url: str, mode: s
     with connect(db_url) as c:
         before = c.execute("select t.oid, p.prosrc from pg_trigger t join pg_proc p on p.oid = t.tgfoid "
                            "where t.tgrelid = 'public.t'::regclass").fetchall()
+    kind = "metadata_extensions" if where == "metadata" else "payload_extensions"
     kwargs: dict[str, Any] = ({"when": expression} if where == "when"
-                              else {"extensions": [{"json_path": "x", "expression": expression}]})
-    part = "when_clause" if where == "when" else "payload_extensions[1].expression"
+                              else {"extensions": [{"json_path": "x", "expression": expression}], "kind": kind})
+    part = "when_clause" if where == "when" else f"{kind}[1].expression"
     with pytest.raises(psycopg.errors.InvalidParameterValue) as err:
         subscribe(db_url, "bad", "t", columns=["id"], mode=mode, **kwargs)
     assert f'pgstream: subscription "bad" (stream 1, INSERT on public.t): {part}: {reason}' in str(err.value)

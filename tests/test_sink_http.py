@@ -644,3 +644,109 @@ def test_scrub_masks_escaped_forms_and_describe_exception_never_cuts_a_secret() 
     assert described.endswith("***") and "two spaces" not in described and spaced[-8:] not in described
 
 
+
+
+# --------------------------------------------------------------------------------------------
+# path segment and headers from the event (path_from, headers_from): payload or metadata
+
+
+def _routed_events() -> list[Event]:
+    regions: list[str | None] = ["eu", "eu", "us", None, "eu", "us", "us"]
+    return [Event(id=500 + i, stream_id=4, payload={"seq": i, "table": "orders", "metadata": {"region": "payload"}},
+                  metadata={"region": r, "tenant": f"t{i % 2}"} if r else {"tenant": "t0"},
+                  created_at=BASE_TIME + timedelta(seconds=i))
+            for i, r in enumerate(regions)]
+
+
+@pytest.mark.parametrize("mode", ["per_event", "batch"])
+def test_http_path_and_headers_from_metadata_and_payload(http_server: HttpRecorder, mode: str) -> None:
+    events = _routed_events()
+    config = HttpSinkConfig(url=http_server.url + "?token=s3cret-q", mode=mode, path_from="metadata:region",
+                            path_default="unrouted",
+                            headers_from={"X-Tenant": "metadata:tenant", "X-Table": "table",
+                                          "X-Payload-Region": "metadata.region"})  # a payload path, as before
+    with config.build() as sink:
+        sink.publish(events[:2])
+        sink.publish(events[2:])
+    received = http_server.received
+    sent = [(r.path, r.headers["x-tenant"], r.headers["x-table"], r.headers["x-payload-region"],
+             r.body if isinstance(r.body, list) else [r.body]) for r in received]
+    by_request = [(path, tenant, [b["seq"] for b in bodies]) for path, tenant, table, region, bodies in sent
+                  if table == "orders" and region == "payload"]
+    assert len(by_request) == len(sent)
+    path = "/hook/{}?token=s3cret-q".format  # the segment goes into the path, the query string stays
+    # (batch mode too: no two consecutive events have the same path and headers)
+    assert by_request == [(path("eu"), "t0", [0]), (path("eu"), "t1", [1]), (path("us"), "t0", [2]),
+                          (path("unrouted"), "t0", [3]), (path("eu"), "t0", [4]), (path("us"), "t1", [5]),
+                          (path("us"), "t0", [6])]
+    if mode == "batch":  # consecutive events with the same path and headers share a request
+        http_server.received.clear()
+        same = [Event(id=600 + i, stream_id=4, payload={"seq": i, "table": "t", "metadata": {"region": "p"}},
+                      metadata={"region": "eu", "tenant": "a"}, created_at=BASE_TIME) for i in range(5)]
+        with config.build() as sink:
+            sink.publish([*same[:3], events[2], *same[3:]])
+        assert [(r.path, [b["seq"] for b in r.body]) for r in http_server.received] == [
+            (path("eu"), [0, 1, 2]), (path("us"), [2]), (path("eu"), [3, 4])]
+
+
+BAD_ROUTES = [
+    ({"region": "../admin"}, "path_from: the value at metadata path 'region' is not one URL path segment"),
+    ({"region": "a/b"}, "is not one URL path segment"),
+    ({"region": "eu?x=1"}, "is not one URL path segment"),
+    ({"region": ["eu"]}, "metadata path 'region' is list, not a scalar"),
+    ({}, "metadata path 'region' is missing or empty and there is no path_default"),
+    ({"region": "eu", "tenant": "evil\r\nX-Injected: yes"},
+     "headers_from: header 'X-Tenant': the value contains a line break or another control character"),
+    ({"region": "eu", "tenant": "n\u00e4me"}, "headers_from: header 'X-Tenant': the value contains non-ASCII"),
+]
+
+
+@pytest.mark.parametrize(("metadata", "reason"), BAD_ROUTES, ids=[f"bad{i}" for i in range(len(BAD_ROUTES))])
+def test_http_an_event_whose_path_or_header_cannot_be_sent_is_a_permanent_rejection(
+        http_server: HttpRecorder, metadata: dict[str, object], reason: str) -> None:
+    good = [Event(id=700 + i, stream_id=4, payload={"seq": i}, metadata={"region": "eu", "tenant": "t"},
+                  created_at=BASE_TIME) for i in range(3)]
+    bad = Event(id=750, stream_id=4, payload={"seq": 50}, metadata=metadata, created_at=BASE_TIME)
+    config = HttpSinkConfig(url=http_server.url, path_from="metadata:region",
+                            headers_from={"X-Tenant": "metadata:tenant"})
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish([good[0], good[1], bad, good[2]])
+    assert err.value.permanent and err.value.event_ids == (750,)
+    message = str(err.value)
+    assert message.startswith(f"http sink: event 750: POST {http_server.url} not sent: ") and reason in message
+    for value in ("admin", "Injected", "n\u00e4me", "X-Injected"):
+        assert value not in message  # the value is never shown
+    assert [(r.path, r.body["seq"]) for r in http_server.received] == [("/hook/eu", 0), ("/hook/eu", 1)]
+
+
+def test_http_routing_options_are_checked_when_the_configuration_is_loaded() -> None:
+    url = "http://127.0.0.1:9/hook"
+    for options, message in [
+        ({"path_from": "metadata:r", "path_default": "a/b"}, "path_default must be one URL path segment"),
+        ({"path_from": "metadata:r", "path_default": ".."}, "path_default must be one URL path segment"),
+        ({"path_default": "eu"}, "path_default needs path_from"),
+        ({"headers_from": {"Content-Type": "metadata:t"}}, "header 'Content-Type' is set by the sink"),
+        ({"headers_from": {"webhook-id": "metadata:t"}}, "header 'webhook-id' is set by the sink"),
+        ({"headers_from": {"Host": "metadata:t"}}, "frames the request"),
+        ({"headers_from": {"authorization": "metadata:t"}, "headers": {"Authorization": "Bearer x"}},
+         "header 'authorization' is also in headers"),
+        ({"headers_from": {"Bad Name": "metadata:t"}}, "is not a valid HTTP header name"),
+        ({"headers_from": {"X-T": "meta:t"}}, "String should match pattern"),
+        ({"path_from": "metadata:"}, "String should match pattern"),
+    ]:
+        with pytest.raises(ValidationError, match=re.escape(message)):
+            HttpSinkConfig.model_validate({"url": url, **options})
+    config = HttpSinkConfig.model_validate({"url": url, "path_from": "payload:table", "routing_key": "metadata:t",
+                                            "headers_from": {"X-T": "metadata:a.b"}})
+    assert config.path_from == "payload:table"
+
+
+def test_http_routing_key_from_metadata_orders_per_key(http_server: HttpRecorder) -> None:
+    events = [Event(id=800 + i, stream_id=4, payload={"seq": i}, metadata={"k": f"k{i % 3}"}, created_at=BASE_TIME)
+              for i in range(30)]
+    with HttpSinkConfig(url=http_server.url, routing_key="metadata:k", max_concurrency=3).build() as sink:
+        sink.publish(events)
+    seqs = [r.body["seq"] for r in http_server.received]
+    assert sorted(seqs) == list(range(30))
+    for k in range(3):
+        assert [s for s in seqs if s % 3 == k] == list(range(k, 30, 3))  # in order per key

@@ -58,6 +58,17 @@ def test_records_are_put_in_order_per_shard_with_the_event_as_data(
     assert list(record_ids(read_stream(moto_server.url, stream)).values()) == [[e.id for e in events[:50]]]
 
 
+def test_partition_keys_from_the_event_metadata(moto_server: MotoServer, aws_env: FakeCredentials) -> None:
+    stream = create_stream(moto_server.url, shards=2)
+    events = [Event(id=i, stream_id=7, payload={"k": "ignored"}, metadata={"k": f"m{i % 3}"}, created_at=BASE_TIME)
+              for i in range(1, 13)]
+    with build_sink({"type": "kinesis", "stream_name": stream, "endpoint_url": moto_server.url,
+                     "partition_key_from": "metadata:k"}) as sink:
+        sink.publish(events)
+    records = [r for shard in read_stream(moto_server.url, stream).values() for r in shard]
+    assert {json.loads(r["Data"])["id"]: r["PartitionKey"] for r in records} == {i: f"m{i % 3}" for i in range(1, 13)}
+
+
 def test_record_by_record_chains_sequence_numbers_per_partition_key(
         moto_server: MotoServer, aws_env: FakeCredentials, fault_proxy: FaultProxy) -> None:
     stream = create_stream(moto_server.url, shards=2)

@@ -8,9 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
-import nats
 import pytest
 from pydantic import SecretStr, ValidationError
 
@@ -21,43 +19,7 @@ from pgstream_dagster.sinks import (
     build_sink,
 )
 
-from .support.sinks import BASE_TIME, NATS_URL, free_port, make_events, unique
-
-
-async def _nats_admin(action: str, stream: str, subject: str = "", expected: int = 0,
-                      max_msg_size: int | None = None) -> list[Any]:
-    nc = await nats.connect(NATS_URL)
-    try:
-        js = nc.jetstream()
-        if action == "create":
-            limits = {} if max_msg_size is None else {"max_msg_size": max_msg_size}
-            await js.add_stream(name=stream, subjects=[subject, subject + ".>"], **limits)
-            return []
-        if action == "delete":
-            await js.delete_stream(stream)
-            return []
-        info = await js.stream_info(stream)
-        sub = await js.pull_subscribe(subject, stream=stream)
-        messages: list[Any] = []
-        deadline = time.monotonic() + 10
-        while len(messages) < expected and time.monotonic() < deadline:
-            batch = await sub.fetch(expected - len(messages), timeout=2)
-            for msg in batch:
-                await msg.ack()
-            messages += batch
-        await sub.unsubscribe()
-        return [info.state.messages, messages]
-    finally:
-        await nc.close()
-
-
-@pytest.fixture
-def nats_stream() -> Iterator[tuple[str, str]]:
-    name = unique("PGSTREAM_TEST").replace("-", "_")
-    subject = f"pgstream.test.{name}"
-    asyncio.run(_nats_admin("create", name, subject))
-    yield name, subject
-    asyncio.run(_nats_admin("delete", name))
+from .support.sinks import BASE_TIME, NATS_URL, free_port, make_events, nats_admin, unique
 
 
 def test_nats_jetstream_publish_acked_in_order_and_deduplicated(nats_stream: tuple[str, str]) -> None:
@@ -66,7 +28,7 @@ def test_nats_jetstream_publish_acked_in_order_and_deduplicated(nats_stream: tup
     with NatsSinkConfig(servers=[NATS_URL], subject=subject).build() as sink:
         sink.publish(events[:10])
         sink.publish(events)  # a retry of a batch partly delivered: Nats-Msg-Id drops the duplicates
-    count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=len(events)))
+    count, messages = asyncio.run(nats_admin("read", stream, subject, expected=len(events)))
     assert count == len(events)
     assert [json.loads(m.data) for m in messages] == [e.payload for e in events]
     assert [m.headers["Nats-Msg-Id"] for m in messages] == [str(e.id) for e in events]
@@ -79,7 +41,7 @@ def test_nats_core_publish_with_flush(nats_stream: tuple[str, str]) -> None:
     events = make_events(8)
     with build_sink({"type": "nats", "subject": subject, "jetstream": False}) as sink:
         sink.publish(events)
-    count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=len(events)))
+    count, messages = asyncio.run(nats_admin("read", stream, subject, expected=len(events)))
     assert count == len(events)
     assert [json.loads(m.data) for m in messages] == [e.payload for e in events]
 
@@ -95,7 +57,7 @@ def test_nats_subject_from_payload_path(nats_stream: tuple[str, str]) -> None:
     config = NatsSinkConfig(subject=subject, subject_from="table", subject_prefix=subject + ".")
     with config.build() as sink:
         sink.publish(events)
-    count, messages = asyncio.run(_nats_admin("read", stream, ">", expected=len(events)))
+    count, messages = asyncio.run(nats_admin("read", stream, ">", expected=len(events)))
     assert count == len(events)
     assert [m.headers["Nats-Msg-Id"] for m in messages] == [str(e.id) for e in events]
     expected = [f"{subject}.{e.payload['table']}" if "table" in e.payload else subject for e in events]
@@ -108,7 +70,7 @@ def test_nats_subject_from_payload_path(nats_stream: tuple[str, str]) -> None:
     assert "event 1:" in str(err.value) and "invalid subject" in str(err.value)
     assert err.value.permanent and err.value.event_ids == (1,)  # a subject from the payload: the event's fault
     # the events before it were acknowledged, nothing after it was sent
-    assert asyncio.run(_nats_admin("read", stream, ">", expected=0))[0] == len(events) + 2
+    assert asyncio.run(nats_admin("read", stream, ">", expected=0))[0] == len(events) + 2
     with pytest.raises(ValidationError):
         NatsSinkConfig()
 
@@ -149,9 +111,9 @@ def small_nats_stream() -> Iterator[tuple[str, str]]:
     """A JetStream stream whose max_msg_size is 400 bytes (payload and headers)."""
     name = unique("PGSTREAM_TEST").replace("-", "_")
     subject = f"pgstream.test.{name}"
-    asyncio.run(_nats_admin("create", name, subject, max_msg_size=400))
+    asyncio.run(nats_admin("create", name, subject, max_msg_size=400))
     yield name, subject
-    asyncio.run(_nats_admin("delete", name))
+    asyncio.run(nats_admin("delete", name))
 
 
 def test_nats_jetstream_max_msg_size_is_a_permanent_rejection(small_nats_stream: tuple[str, str]) -> None:
@@ -167,7 +129,7 @@ def test_nats_jetstream_max_msg_size_is_a_permanent_rejection(small_nats_stream:
         assert message.startswith(f"nats sink: event 102: publish to {subject!r} at nats://127.0.0.1:4222 failed: ")
         assert "message size exceeds maximum allowed" in message and "natspw-rej" not in message
         sink.publish(events[2:])  # the caller set 102 aside
-    count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=3))
+    count, messages = asyncio.run(nats_admin("read", stream, subject, expected=3))
     assert count == 3 and [m.headers["Nats-Msg-Id"] for m in messages] == ["101", "103", "104"]
 
 
@@ -193,7 +155,7 @@ def test_nats_message_over_the_servers_max_payload_is_refused_before_sending(
             rejected.append(bad.id)
         sink.publish(events[4:])  # the connection survived
     assert rejected == [102, 104]
-    count, messages = asyncio.run(_nats_admin("read", stream, subject, expected=4))
+    count, messages = asyncio.run(nats_admin("read", stream, subject, expected=4))
     assert count == 4 and [m.headers["Nats-Msg-Id"] for m in messages] == ["101", "102", "103", "105"]
 
 
@@ -210,3 +172,19 @@ def test_nats_subject_problems_are_permanent_only_when_the_subject_comes_from_th
     with NatsSinkConfig(subject_from="table").build() as sink, pytest.raises(SinkError) as err:
         sink.publish([empty_token])
     assert "invalid subject 'a..b'" in str(err.value) and err.value.permanent
+
+
+def test_nats_subject_from_metadata(nats_stream: tuple[str, str]) -> None:
+    stream, subject = nats_stream
+    regions = ["eu", "us", "eu", "has space"]
+    events = [Event(id=470 + i, stream_id=1, payload={"seq": i}, metadata={"route": {"region": r}},
+                    created_at=BASE_TIME) for i, r in enumerate(regions)]
+    config = NatsSinkConfig(subject_from="metadata:route.region", subject_prefix=subject + ".")
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(events)
+    assert err.value.permanent and err.value.event_ids == (473,)  # a subject from the metadata: the event's fault
+    count, messages = asyncio.run(nats_admin("read", stream, ">", expected=3))
+    assert count == 3
+    assert [(m.subject, m.headers["Nats-Msg-Id"]) for m in messages] == [
+        (f"{subject}.eu", "470"), (f"{subject}.us", "471"), (f"{subject}.eu", "472")]
+    assert [json.loads(m.headers["Pgstream-Metadata"]) for m in messages] == [e.metadata for e in events[:3]]

@@ -189,7 +189,7 @@ def test_rabbitmq_max_message_bytes_and_payload_routes_are_permanent_rejections(
         for (permanent, message), (expected_permanent, text) in zip(outcomes, expected, strict=True):
             assert permanent is expected_permanent and text in message, message
         assert "more than max_message_bytes (1000)" in outcomes[0][1]
-        assert "from the payload is longer than 255 bytes" in outcomes[1][1]
+        assert "from the event is longer than 255 bytes" in outcomes[1][1]
     finally:
         amqp_channel.queue_delete(queue=queue)
 
@@ -206,3 +206,33 @@ def test_rabbitmq_bad_credentials_do_not_leak(caplog: pytest.LogCaptureFixture) 
     assert caplog.records and "wr0ngpass" not in caplog.text  # pika logs a lot; never the password
 
 
+
+
+def test_rabbitmq_exchange_and_routing_key_from_metadata(amqp_channel: Any) -> None:
+    prefix = unique("pgstream-test") + "."
+    exchange = prefix + "exchange"
+    queues = {region: prefix + region for region in ("eu", "us")}
+    amqp_channel.exchange_declare(exchange=exchange, exchange_type="direct", auto_delete=True)
+    for queue in queues.values():
+        amqp_channel.queue_declare(queue=queue)
+        amqp_channel.queue_bind(queue=queue, exchange=exchange, routing_key=queue)
+    events = [Event(id=370 + i, stream_id=1, payload={"seq": i, "region": "payload"},
+                    metadata={"ex": exchange, "region": ("eu", "us", "eu")[i % 3]}, created_at=BASE_TIME)
+              for i in range(12)]
+    config = RabbitMqSinkConfig(exchange_from="metadata:ex", routing_key_from="metadata:region",
+                                routing_key_prefix=prefix)
+    try:
+        with config.build() as sink:
+            sink.publish(events)
+            no_route = Event(id=399, stream_id=1, payload={"region": "eu"}, metadata={"ex": exchange},
+                             created_at=BASE_TIME)
+            with pytest.raises(SinkError) as err:
+                sink.publish([no_route])
+        assert err.value.permanent and "metadata path 'region' is missing and no fixed name" in str(err.value)
+        for region, queue in queues.items():
+            expected = [str(e.id) for e in events if e.metadata and e.metadata["region"] == region]
+            assert [p.message_id for p, _ in drain_queue(amqp_channel, queue)] == expected, region
+    finally:
+        for queue in queues.values():
+            amqp_channel.queue_delete(queue=queue)
+        amqp_channel.exchange_delete(exchange=exchange)

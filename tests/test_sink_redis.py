@@ -154,3 +154,31 @@ def test_redis_wrong_password_does_not_leak(redis_client: redis.Redis) -> None:
     assert redis_client.exists(key) == 0
 
 
+
+
+def test_redis_stream_from_metadata(redis_client: redis.Redis) -> None:
+    """``metadata:<path>`` reads the event's metadata; a bare path still reads the payload, also
+    one named ``metadata.<key>``."""
+    prefix = unique("pgstream-test") + ":"
+    regions = ["eu", "us", None, "eu"]
+    events = [Event(id=950 + i, stream_id=2, payload={"seq": i, "metadata": {"region": "payload-" + str(i)}},
+                    metadata={"region": regions[i % 4]} if regions[i % 4] else None, created_at=BASE_TIME)
+              for i in range(20)]
+    try:
+        config = RedisSinkConfig(stream=prefix + "none", stream_from="metadata:region", stream_prefix=prefix)
+        with config.build() as sink:
+            sink.publish(events)
+        for region in ("eu", "us", None):
+            expected = [str(e.id).encode() for e in events if (e.metadata or {}).get("region") == region]
+            assert [f[b"id"] for _, f in redis_client.xrange(prefix + (region or "none"))] == expected
+        with RedisSinkConfig(stream_from="metadata.region", stream_prefix=prefix + "p:").build() as sink:
+            sink.publish(events[:2])
+        assert [f[b"id"] for _, f in redis_client.xrange(prefix + "p:payload-1")] == [b"951"]
+        with RedisSinkConfig(stream_from="metadata:region", stream_prefix=prefix).build() as sink, \
+                pytest.raises(SinkError) as err:
+            sink.publish(events[:4])  # 952 has no metadata and there is no fixed stream
+        assert err.value.permanent and err.value.event_ids == (952,)
+        assert "metadata path 'region' is missing (the event has no metadata)" in str(err.value)
+    finally:
+        for name in redis_client.keys(prefix + "*"):
+            redis_client.delete(name)

@@ -343,3 +343,17 @@ def test_delivery_to_an_sqs_fifo_queue_survives_an_outage_with_nothing_lost(
     first_seen = list(dict.fromkeys(received))
     assert first_seen == ledger_order(db_url)  # first deliveries in commit order
     print(f"SQS-OUTAGE sent=300 received={len(received)} duplicates={len(received) - 300} recover_secs={recover:.1f}")
+
+
+def test_message_groups_from_the_event_metadata(moto_server: MotoServer, aws_env: FakeCredentials) -> None:
+    queue = create_queue(moto_server.url, fifo=True)
+    events = [Event(id=i, stream_id=7, payload={"tenant": "ignored"}, metadata={"tenant": f"m{i % 2}"},
+                    created_at=BASE_TIME) for i in range(1, 11)]
+    events.append(Event(id=11, stream_id=7, payload={"n": 11}, created_at=BASE_TIME))  # no metadata: the fixed group
+    with build_sink({"type": "sqs", "queue_url": queue, "endpoint_url": moto_server.url,
+                     "message_group_id_from": "metadata:tenant", "message_group_id": "none"}) as sink:
+        sink.publish(events)
+    groups: dict[str, list[int]] = {}
+    for m in receive_all(moto_server.url, queue, 11):
+        groups.setdefault(m["Attributes"]["MessageGroupId"], []).append(message_event_id(m))
+    assert groups == {"m0": [2, 4, 6, 8, 10], "m1": [1, 3, 5, 7, 9], "none": [11]}

@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from pgstream_dagster.sinks import (
+    Event,
     FileSink,
     FileSinkConfig,
     HttpSink,
@@ -21,7 +22,9 @@ from pgstream_dagster.sinks import (
     KinesisSink,
     MemorySink,
     MemorySinkConfig,
+    MqttSink,
     NatsSink,
+    PostgresSink,
     RabbitMqSink,
     RedisSink,
     Sink,
@@ -31,6 +34,7 @@ from pgstream_dagster.sinks import (
     build_sink,
     parse_sink_config,
 )
+from pgstream_dagster.sinks.base import RoutingError, route
 
 from .support.harness import read_jsonl
 from .support.sinks import make_events, run_python, unique
@@ -50,6 +54,8 @@ def test_config_union_parses_every_type_and_rejects_unknown_keys(tmp_path: Path)
         "sqs": ({"type": "sqs", "queue_url": "https://sqs.eu-west-1.amazonaws.com/123456789012/q.fifo"}, SqsSink),
         "sns": ({"type": "sns", "topic_arn": "arn:aws:sns:eu-west-1:123456789012:t"}, SnsSink),
         "kinesis": ({"type": "kinesis", "stream_name": "s"}, KinesisSink),
+        "mqtt": ({"type": "mqtt", "topic": "t", "tls": {"ca_certs": "ca.pem"}}, MqttSink),
+        "postgres": ({"type": "postgres", "url": "postgresql://u:p@127.0.0.1:1/db", "table": "s.t"}, PostgresSink),
     }
     for type_name, (data, sink_class) in cases.items():
         config = parse_sink_config(data)
@@ -70,7 +76,7 @@ def test_config_union_parses_every_type_and_rejects_unknown_keys(tmp_path: Path)
 def test_package_imports_without_optional_client_libraries() -> None:
     code = """
 import sys
-for name in ("redis", "pika", "nats", "confluent_kafka", "boto3", "botocore"):
+for name in ("redis", "pika", "nats", "confluent_kafka", "paho", "boto3", "botocore"):
     sys.modules[name] = None  # makes `import name` raise ImportError
 from pgstream_dagster.sinks import SinkError, build_sink, parse_sink_config
 assert build_sink({"type": "memory"}).type_name == "memory"
@@ -80,7 +86,8 @@ for data, extra in [({"type": "redis", "stream": "s"}, "redis"),
                     ({"type": "kafka", "topic": "t"}, "kafka"),
                     ({"type": "sqs", "queue_url": "https://sqs.eu-west-1.amazonaws.com/123456789012/q"}, "aws"),
                     ({"type": "sns", "topic_arn": "arn:aws:sns:eu-west-1:123456789012:t"}, "aws"),
-                    ({"type": "kinesis", "stream_name": "s"}, "aws")]:
+                    ({"type": "kinesis", "stream_name": "s"}, "aws"),
+                    ({"type": "mqtt", "topic": "t"}, "mqtt")]:
     config = parse_sink_config(data)
     try:
         config.build()
@@ -271,3 +278,52 @@ with sink:
     assert read_jsonl(path) == [e.as_json_dict() for e in events]
 
 
+
+
+# -- event paths: payload or metadata (sinks.base.EventPath, route) -----------------------------------
+
+
+def test_route_reads_the_payload_or_with_metadata_prefix_the_metadata() -> None:
+    event = Event(1, 2, {"table": "orders", "metadata": {"region": "from-payload"}, "n": 7, "obj": {"a": 1}},
+                  {"region": "eu", "route": {"topic": "t1"}, "flag": True}, created_at=datetime(2024, 1, 1))
+    assert route(event, None, "table") == ("orders", True)
+    assert route(event, None, "payload:table") == ("orders", True)
+    # a bare path keeps meaning the payload, even one starting with "metadata."
+    assert route(event, None, "metadata.region") == ("from-payload", True)
+    assert route(event, None, "metadata:region", "p.") == ("p.eu", True)
+    assert route(event, None, "metadata:route.topic") == ("t1", True)
+    assert route(event, None, "metadata:flag") == ("true", True)
+    assert route(event, None, "n") == ("7", True)
+    assert route(event, "fixed", "metadata:missing") == ("fixed", False)
+    assert route(event, "fixed", "metadata:route") == ("fixed", False)  # not a scalar: the fallback
+    for path, message in [("metadata:missing", "metadata path 'missing' is missing and no fixed name is configured"),
+                          ("metadata:route", "metadata path 'route' is dict, not a scalar"),
+                          ("missing", "payload path 'missing' is missing"),
+                          ("metadata.route", "payload path 'metadata.route' is missing")]:
+        with pytest.raises(RoutingError, match=message.replace(".", r"\.")):
+            route(event, None, path)
+    bare = Event(3, 2, {"x": 1}, None, created_at=datetime(2024, 1, 1))
+    with pytest.raises(RoutingError, match=r"metadata path 'region' is missing \(the event has no metadata\)"):
+        route(bare, None, "metadata:region")
+
+
+EVENT_PATH_OPTIONS = [
+    {"type": "redis", "stream_from": "metadata:region"},
+    {"type": "nats", "subject_from": "metadata:region"},
+    {"type": "rabbitmq", "exchange_from": "metadata:exchange", "routing_key_from": "metadata:region"},
+    {"type": "kafka", "topic_from": "metadata:region", "key_from": "metadata:tenant"},
+    {"type": "http", "url": "http://127.0.0.1:9/hook", "routing_key": "metadata:tenant",
+     "path_from": "metadata:region", "headers_from": {"X-Region": "metadata:region"}},
+]
+
+
+@pytest.mark.parametrize("options", EVENT_PATH_OPTIONS, ids=[o["type"] for o in EVENT_PATH_OPTIONS])
+def test_every_sink_takes_event_paths_where_it_took_payload_paths(options: dict[str, Any]) -> None:
+    """One syntax for every destination option: ``metadata:<path>`` is accepted, a malformed one refused."""
+    config = parse_sink_config(options)
+    for key, value in options.items():
+        if key != "type" and key != "url":
+            assert getattr(config, key) == value
+            bad = {k: "meta:x" for k in value} if isinstance(value, dict) else "meta:x"
+            with pytest.raises(ValidationError, match="String should match pattern"):
+                parse_sink_config({**options, key: bad})

@@ -78,9 +78,47 @@ def test_yaml_trigger_mode_statement_round_trip(db_url: str, tmp_path: Path) -> 
         assert c.execute("select key, trigger_mode from pgstream.subscriptions").fetchall() == [("signup", "statement")]
 
 
-def test_code_version_of_row_mode_subscriptions_is_unchanged_by_the_new_field() -> None:
+def test_code_version_of_row_mode_subscriptions_is_unchanged_by_the_new_fields() -> None:
+    """trigger_mode and metadata_extensions at their defaults leave the digest of before they existed."""
     sub = SubscriptionConfig.model_validate(SUB)
-    old = {k: v for k, v in definition(sub).items() if k != "trigger_mode"}
+    old = {k: v for k, v in definition(sub).items() if k not in ("trigger_mode", "metadata_extensions")}
     text = json.dumps(old, sort_keys=True, separators=(",", ":"))
     assert code_version(sub) == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert code_version(sub.model_copy(update={"trigger_mode": "statement"})) != code_version(sub)
+    computed = SubscriptionConfig.model_validate(
+        {**SUB, "metadata_extensions": [{"json_path": "region", "expression": "'eu'"}]})
+    assert code_version(computed) != code_version(sub)
+
+
+def test_yaml_metadata_extensions_round_trip(db_url: str, tmp_path: Path) -> None:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create table public.users (id serial primary key, email text, verified bool)")
+    streams = [{"id": 1, "sink": {"type": "memory"}}]
+    computed = {**SUB, "metadata": {"team": "growth", "route": {"kind": "user"}},
+                "metadata_extensions": [{"json_path": "route.region",
+                                         "expression": "case when new.email like '%.de' then 'eu' else 'us' end"}]}
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, streams, [computed])
+    assert "inserted subscription 'signup' (stream 1)" in init(cfg)
+    assert init(cfg) == []  # unchanged: nothing written
+    sub = load_config(cfg).subscriptions[0]
+    assert [e.model_dump() for e in sub.metadata_extensions] == computed["metadata_extensions"]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        check = check_subscription(c, sub, dg.AssetKey("x"))
+        assert check.passed, check.description
+        c.execute("insert into users (email, verified) values ('a@x.de', true), ('b@x.com', true)")
+        assert [r[0] for r in c.execute("select metadata from pgstream.events order by id")] == [
+            {"team": "growth", "route": {"kind": "user", "region": "eu"}},
+            {"team": "growth", "route": {"kind": "user", "region": "us"}}]
+        # the check notices metadata extensions that differ from the YAML
+        c.execute("update pgstream.subscriptions set metadata_extensions = '[]'")
+        check = check_subscription(c, sub, dg.AssetKey("x"))
+        assert not check.passed and "metadata_extensions differs from pgstream.yaml" in (check.description or "")
+    assert init(cfg) == ["updated subscription 'signup' (stream 1)"]
+    bad = write_config(tmp_path / "bad.yaml", db_url, streams,
+                       [{**computed, "metadata_extensions": [{"json_path": "region", "expression": "new.nope"}]}])
+    with pytest.raises(psycopg.Error, match=r'subscription "signup".*metadata_extensions\[1\]\.expression: '
+                                            r"column new\.nope does not exist"):
+        init(bad)
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select metadata_extensions from pgstream.subscriptions").fetchone() == (
+            computed["metadata_extensions"],)

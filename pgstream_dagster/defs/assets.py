@@ -124,6 +124,7 @@ def _spec_metadata(sub: SubscriptionConfig) -> dict[str, object]:
         "columns": dg.MetadataValue.json(list(sub.column_names)),
         "payload_extensions": dg.MetadataValue.json([e.model_dump() for e in sub.payload_extensions]),
         "event_metadata": dg.MetadataValue.json(sub.metadata or {}),
+        "metadata_extensions": dg.MetadataValue.json([e.model_dump() for e in sub.metadata_extensions]),
         "trigger_mode": sub.trigger_mode,
     }
 

@@ -47,7 +47,7 @@ attributes:
   id: {id}                                  # 1 .. 2^63-1
   # slot_name: null                       # default pgstream_stream_<id>; one slot, one stream
   batch: {{max_size: 1000, max_fill_secs: 0.5}}
-  sink:                                   # file, http, redis, rabbitmq, nats, kafka (README, "Sinks")
+  sink:                                   # file, http, redis, rabbitmq, nats, kafka, mqtt, postgres (README, "Sinks")
     type: file
     path: ${{PGSTREAM_SINK_DIR:-.pgstream}}/{name}-events.jsonl
   # delivery: {{ordering: global, linger_secs: 120, on_reject: block}}

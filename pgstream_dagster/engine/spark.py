@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..sinks import Event, Sink, SinkConfig, build_sink
+from ..sinks.base import parse_event_path
 from .publish import Deliveries, Position, Positioned, RejectPolicy, Span, drain, publish
 
 if TYPE_CHECKING:
@@ -56,7 +57,8 @@ PACKED_SCHEMA = "batch_id long, ord long, events int, data binary"
 
 _BATCH_QUERY = """
 select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
-       e.payload #>> %(path)s::text[] as routing_key
+       (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
+           as routing_key
 from pgstream.batches b
 cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
 join pgstream.events e
@@ -76,11 +78,19 @@ EVENTS_WHERE = """
 
 _EVENTS_QUERY = """
 select 0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
-       e.payload #>> %(path)s::text[] as routing_key
+       (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
+           as routing_key
 from pgstream.events e
 where""" + EVENTS_WHERE + """
 order by e.id
 """
+
+
+def _routing_params(routing_key: str) -> dict[str, Any]:
+    """The query parameters of the routing key (``delivery.routing_key``, an event path): the column it
+    reads (payload, or metadata for ``metadata:...``) and its path."""
+    source, dotted = parse_event_path(routing_key)
+    return {"routing_source": source, "path": dotted.split(".")}
 
 
 def partition_spans(spans: Sequence[Span], size: int) -> list[Span]:
@@ -113,7 +123,7 @@ class BatchesReader(DataSourceReader):
         self.url = options[URL_OPTION]
         # one partition per span (``spans``: the JSON of a list of Span fields)
         self.spans = [Span(**fields) for fields in json.loads(options["spans"])]
-        self.path = options.get("routing_key", "group_id").split(".")
+        self.routing = _routing_params(options.get("routing_key", "group_id"))
         self.packed = options.get("packed") == "true"
 
     def partitions(self) -> list[InputPartition]:
@@ -122,7 +132,7 @@ class BatchesReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         span = partition.value
         assert isinstance(span, Span)
-        yield from _read(self.url, _BATCH_QUERY, {"path": self.path, "batch_id": span.batch_id,
+        yield from _read(self.url, _BATCH_QUERY, {**self.routing, "batch_id": span.batch_id,
                                                   "lo": span.first, "hi": span.last}, self.packed)
 
 
@@ -135,7 +145,7 @@ class EventsReader(DataSourceReader):
             "from_time": options.get("from_time") or None,
             "to_time": options.get("to_time") or None,
             "keys": json.loads(options["keys"]) if options.get("keys") else None,
-            "path": options.get("routing_key", "group_id").split("."),
+            **_routing_params(options.get("routing_key", "group_id")),
         }
         self.packed = options.get("packed") == "true"
 

@@ -68,14 +68,18 @@ def definition(sub: SubscriptionConfig) -> dict[str, Any]:
             "schema_name": sub.schema_name, "table_name": sub.table_name, "when_clause": sub.when_clause,
             "column_names": list(sub.column_names), "metadata": sub.metadata,
             "payload_extensions": [e.model_dump() for e in sub.payload_extensions],
+            "metadata_extensions": [e.model_dump() for e in sub.metadata_extensions],
             "trigger_mode": sub.trigger_mode}
 
 
 def code_version(sub: SubscriptionConfig) -> str:
     """A digest of everything that defines the subscription: changes iff its trigger code may change."""
     d = definition(sub)
-    if d["trigger_mode"] == "row":  # the default: digests from before trigger_mode existed stay valid
+    # the defaults: digests from before these fields existed stay valid
+    if d["trigger_mode"] == "row":
         del d["trigger_mode"]
+    if not d["metadata_extensions"]:
+        del d["metadata_extensions"]
     text = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -233,19 +237,21 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
 def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity) -> dict[str, Any] | None:
     """The subscription row as stored (normalised like ``definition``), or None."""
     row = conn.execute(
-        """select when_clause, column_names, metadata, payload_extensions, managed_by, trigger_mode
+        """select when_clause, column_names, metadata, payload_extensions, managed_by, trigger_mode,
+                  metadata_extensions
            from pgstream.subscriptions
            where stream_id = %s and key = %s and schema_name = %s and table_name = %s and operation::text = %s""",
         [stream_id, *ident]).fetchone()
     if row is None:
         return None
     return {"when_clause": row[0], "column_names": list(row[1]), "metadata": row[2], "payload_extensions": row[3],
-            "managed_by": row[4], "trigger_mode": row[5]}
+            "managed_by": row[4], "trigger_mode": row[5], "metadata_extensions": row[6]}
 
 
 def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:
     """Fields where the stored subscription differs from the YAML (as ``set_subscriptions`` stores it)."""
     want = definition(sub)
     want["when_clause"] = (sub.when_clause or "").strip() or None
-    return [f for f in ("when_clause", "column_names", "metadata", "payload_extensions", "trigger_mode")
+    return [f for f in ("when_clause", "column_names", "metadata", "payload_extensions", "metadata_extensions",
+                        "trigger_mode")
             if stored[f] != want[f]]

@@ -2,7 +2,8 @@
 
 ``SinkConfig`` is a pydantic discriminated union (on ``type``) of every sink config; ``build_sink`` turns
 a config (or a plain mapping) into a :class:`Sink`. Importing this package never imports the optional
-client libraries (redis, pika, nats-py, confluent-kafka, boto3): they are loaded when the matching sink is built.
+client libraries (redis, pika, nats-py, confluent-kafka, paho-mqtt, boto3): they are loaded when the matching
+sink is built.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from .http import HttpSink, HttpSinkConfig
 from .kafka import KafkaSink, KafkaSinkConfig
 from .kinesis import KinesisSink, KinesisSinkConfig
 from .memory import MemorySink, MemorySinkConfig
+from .mqtt import MqttSink, MqttSinkConfig
 from .nats import NatsSink, NatsSinkConfig
+from .postgres import PostgresSink, PostgresSinkConfig
 from .rabbitmq import RabbitMqSink, RabbitMqSinkConfig
 from .redis import RedisSink, RedisSinkConfig
 from .sns import SnsSink, SnsSinkConfig
@@ -37,8 +40,12 @@ __all__ = [
     "MemorySink",
     "MemorySinkConfig",
     "MissingExtraError",
+    "MqttSink",
+    "MqttSinkConfig",
     "NatsSink",
     "NatsSinkConfig",
+    "PostgresSink",
+    "PostgresSinkConfig",
     "RabbitMqSink",
     "RabbitMqSinkConfig",
     "RedisSink",
@@ -64,6 +71,8 @@ SinkConfig = Annotated[
         RabbitMqSinkConfig,
         NatsSinkConfig,
         KafkaSinkConfig,
+        MqttSinkConfig,
+        PostgresSinkConfig,
         SqsSinkConfig,
         SnsSinkConfig,
         KinesisSinkConfig,

@@ -45,7 +45,7 @@ from pydantic import Field, model_validator
 
 from .base import (
     Event,
-    PayloadPath,
+    EventPath,
     Sink,
     SinkConfigBase,
     SinkError,
@@ -168,7 +168,8 @@ class AwsSinkConfigBase(SinkConfigBase):
 class AwsMessageConfigBase(AwsSinkConfigBase):
     """What SQS and SNS share: FIFO message groups, the message size limit, the batch size.
 
-    ``message_group_id_from``: payload path of the ``MessageGroupId`` (order per group), falling
+    ``message_group_id_from``: event path of the ``MessageGroupId`` (order per group; the payload, or
+    ``metadata:<path>`` for the metadata: :data:`~.base.EventPath`), falling
     back to ``message_group_id``, else to the stream id (one group per stream: commit order end to
     end). A FIFO destination always gets a group; a standard one only when either key is set
     (fair queues). ``max_message_bytes``: a message larger than this (body and attributes, in
@@ -178,7 +179,7 @@ class AwsMessageConfigBase(AwsSinkConfigBase):
     """
 
     message_group_id: str | None = Field(default=None, pattern=f"^{_GROUP_ID.pattern}$")
-    message_group_id_from: PayloadPath | None = None
+    message_group_id_from: EventPath | None = None
     max_message_bytes: int = Field(default=262_144, ge=1024, le=1_048_576)
     max_batch_size: int = Field(default=10, ge=1, le=10)
 
@@ -423,11 +424,11 @@ class AwsMessageSink(AwsBatchSink[M]):
         if not config.fifo and config.message_group_id is None and config.message_group_id_from is None:
             return None
         fixed = config.message_group_id or str(event.stream_id)
-        group, from_payload = route(event, fixed, config.message_group_id_from)
+        group, from_event = route(event, fixed, config.message_group_id_from)
         if not _GROUP_ID.fullmatch(group):
-            # from the payload: the event's fault (the fixed one is validated with the configuration)
+            # from the event (payload or metadata): the event's fault (the fixed one is validated at load)
             raise self._error([event], f"invalid MessageGroupId {group[:200]!r} (1-128 printable ASCII characters, "
-                                       "no space)", permanent=from_payload)
+                                       "no space)", permanent=from_event)
         return group
 
 

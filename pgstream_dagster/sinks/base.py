@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import functools
 import importlib
 import json
 import re
@@ -17,7 +18,9 @@ from typing import Annotated, Any, ClassVar, Self, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 __all__ = [
+    "PATH_SOURCES",
     "Event",
+    "EventPath",
     "MissingExtraError",
     "PayloadPath",
     "RoutingError",
@@ -26,11 +29,15 @@ __all__ = [
     "SinkError",
     "describe_events",
     "describe_exception",
+    "describe_path",
     "dumps",
+    "event_scalar",
     "excerpt",
     "header_value",
     "import_extra",
+    "lookup_event",
     "lookup_path",
+    "parse_event_path",
     "prepare_until_rejected",
     "publish_prepared",
     "redact_url",
@@ -180,7 +187,7 @@ class SinkError(Exception):
 
     ``permanent`` (keyword-only, default ``False``): the destination *rejected* the event(s) in
     ``event_ids`` for what they are, so sending the same bytes again fails the same way (a payload
-    over a size limit, an HTTP 422, a destination name taken from the payload that is missing or
+    over a size limit, an HTTP 422, a destination name taken from the event that is missing or
     invalid). Then ``event_ids`` names the rejected event(s), ideally exactly one: the first
     rejected event in publish order; and every event before it in the publish call was confirmed.
     When a sink cannot tell which event of a multi-event request was rejected (an HTTP batch
@@ -207,13 +214,44 @@ class SinkError(Exception):
 
 
 class RoutingError(ValueError):
-    """An event's destination name (stream, subject, routing key) cannot be derived from its payload."""
+    """An event's destination name (stream, subject, routing key) cannot be derived from its payload or metadata."""
 
 
-PayloadPath = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*$")]
-"""A dotted path into an event payload: ``table`` or ``data.tenant``."""
+#: the sources an :data:`EventPath` may name with a prefix (``metadata:region``); none means the payload
+PATH_SOURCES = ("payload", "metadata")
+
+EventPath = Annotated[str, Field(
+    pattern=r"^(?:(?:payload|metadata):)?[A-Za-z_][A-Za-z0-9_-]*(?:\.[A-Za-z_][A-Za-z0-9_-]*)*$")]
+"""A dotted path into an event: into its payload (``table``, ``data.tenant``, or explicitly
+``payload:data.tenant``) or, with the prefix ``metadata:``, into its metadata (``metadata:region``,
+``metadata:route.topic``). A bare path always reads the payload, also one whose first key is
+``metadata`` (``metadata.region`` is the key ``region`` of the payload's object ``metadata``), so a
+configuration written before metadata routing keeps its meaning; ``:`` is in no bare path."""
+
+PayloadPath = EventPath
+"""Deprecated: the 0.1 name of :data:`EventPath`, kept so that custom sinks written for 0.1 still
+import; the built-in sinks use ``EventPath``."""
 
 _MISSING: Any = object()
+
+
+@functools.lru_cache(maxsize=1024)
+def parse_event_path(path: str) -> tuple[str, str]:
+    """``(source, dotted path)`` of an :data:`EventPath`: ``"metadata:a.b"`` -> ``("metadata", "a.b")``,
+    ``"a.b"`` and ``"payload:a.b"`` -> ``("payload", "a.b")``."""
+    source, colon, rest = path.partition(":")
+    if not colon:
+        return "payload", path
+    if source not in PATH_SOURCES or not rest:
+        raise ValueError(f"event path {path!r}: write <path> or payload:<path> for the payload, "
+                         "metadata:<path> for the metadata")
+    return source, rest
+
+
+def describe_path(path: str) -> str:
+    """``payload path 'a.b'`` or ``metadata path 'region'``, for messages."""
+    source, dotted = parse_event_path(path)
+    return f"{source} path {dotted!r}"
 
 
 def lookup_path(payload: Any, path: str) -> Any:
@@ -228,8 +266,30 @@ def lookup_path(payload: Any, path: str) -> Any:
     return value
 
 
+def lookup_event(event: Event, path: str) -> Any:
+    """The value at :data:`EventPath` ``path`` of ``event`` (its payload, or its metadata for
+    ``metadata:...``), or ``None`` when any step is missing or not an object (or there is no metadata)."""
+    source, dotted = parse_event_path(path)
+    return lookup_path(event.payload if source == "payload" else event.metadata, dotted)
+
+
+def event_scalar(event: Event, path: str) -> str | None:
+    """The scalar at :data:`EventPath` ``path`` of ``event`` as text (strings as they are, other scalars
+    as JSON text: ``42``, ``true``, like Postgres ``#>>``), or ``None`` when it is missing, null or
+    empty. Raises :class:`RoutingError` when the value is an object or an array."""
+    value = lookup_event(event, path)
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, bool | int | float):
+        return dumps(value)
+    if value is None:
+        return None
+    raise RoutingError(f"{describe_path(path)} is {type(value).__name__}, not a scalar")
+
+
 def route_name(event: Event, fixed: str | None, path: str | None, prefix: str = "") -> str:
-    """A destination name for ``event``: ``prefix`` + the scalar at payload ``path`` if present, else ``fixed``.
+    """A destination name for ``event``: ``prefix`` + the scalar at :data:`EventPath` ``path`` (payload or
+    metadata) if present, else ``fixed``.
 
     Strings are used as they are, other scalars as JSON text (``42``, ``true``), like Postgres ``#>>``.
     Raises :class:`RoutingError` when the path gives no usable value and there is no ``fixed`` fallback.
@@ -238,13 +298,16 @@ def route_name(event: Event, fixed: str | None, path: str | None, prefix: str = 
 
 
 def route(event: Event, fixed: str | None, path: str | None, prefix: str = "") -> tuple[str, bool]:
-    """:func:`route_name` and whether the name came from the payload (``False``: the fixed name).
+    """:func:`route_name` and whether the name came from the event (its payload or metadata; ``False``:
+    the fixed name).
 
-    A name taken from the payload that the destination cannot accept is the event's fault (a
-    permanent rejection); the same problem with the fixed name is the configuration's.
+    A name taken from the event that the destination cannot accept is the event's fault (a
+    permanent rejection); the same problem with the fixed name is the configuration's. Metadata
+    counts as the event's: it is stored with the event (computed by the subscription's
+    ``metadata_extensions`` when it was written), so sending it again fails the same way.
     """
     if path is not None:
-        value = lookup_path(event.payload, path)
+        value = lookup_event(event, path)
         if isinstance(value, str) and value:
             return prefix + value, True
         if isinstance(value, bool | int | float):
@@ -252,9 +315,11 @@ def route(event: Event, fixed: str | None, path: str | None, prefix: str = "") -
         if fixed is None:
             if value is None or value == "":
                 found = "is missing" if value is None else "is empty"
+                if value is None and parse_event_path(path)[0] == "metadata" and event.metadata is None:
+                    found += " (the event has no metadata)"
             else:
                 found = f"is {type(value).__name__}, not a scalar"
-            raise RoutingError(f"payload path {path!r} {found} and no fixed name is configured")
+            raise RoutingError(f"{describe_path(path)} {found} and no fixed name is configured")
     if fixed is None:
         raise RoutingError("no destination name configured")
     return fixed, False

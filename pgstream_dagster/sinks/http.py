@@ -13,7 +13,11 @@ and 431 (content type and headers are the same for every request), 426 (needs an
 408 and 429 (retried: time and rate); and 3xx, 5xx, timeouts and connection errors. A batch request
 (``mode: batch``) refused as a whole names all its events; the caller isolates the bad one by
 publishing them one at a time. With ``routing_key``, the other keys' requests that come before
-the rejected event in the call are still sent, so that every event before it is confirmed.
+the rejected event in the call are still sent, so that every event before it is confirmed. With
+``path_from``/``headers_from``, an event whose path segment or header value cannot be sent (not a
+URL path segment, a line break or non-ASCII in a header value, an object where a scalar belongs, no
+segment and no ``path_default``) is a permanent rejection, found before anything is sent: the
+events before it are sent first. The message names the path and the header, never the value.
 """
 
 from __future__ import annotations
@@ -24,16 +28,17 @@ import email.utils
 import hashlib
 import hmac
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -45,16 +50,20 @@ from tenacity import (
 
 from .base import (
     Event,
-    PayloadPath,
+    EventPath,
+    RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
     describe_events,
     describe_exception,
+    describe_path,
     dumps,
+    event_scalar,
     excerpt,
     header_value,
-    lookup_path,
+    lookup_event,
+    publish_prepared,
     redact_url,
     scrub,
 )
@@ -72,6 +81,27 @@ _RETRY_4XX = frozenset({408, 429})
 #: so they are not permanent rejections: credentials or signature (401, 403, 407), URL or method (404,
 #: 405, 410, 421), content type and headers sent with every request (415, 431), protocol (426)
 _CONFIG_4XX = frozenset({401, 403, 404, 405, 407, 410, 415, 421, 426, 431})
+
+#: a URL path segment taken from an event (``path_from``): RFC 3986 unreserved characters only, so it
+#: needs no escaping and can neither add a segment ("/"), a query ("?") or a fragment ("#"), nor be
+#: "." or ".." (a step up the path)
+_PATH_SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,255}")
+
+#: headers the sink sets itself or that frame the request: ``headers_from`` may not set them
+_OWN_HEADERS = frozenset({
+    "content-type", "content-length", "transfer-encoding", "content-encoding", "host", "connection",
+    "keep-alive", "te", "trailer", "upgrade", "expect", "proxy-authorization", "proxy-connection",
+    "idempotency-key", "webhook-id", "webhook-timestamp", "webhook-signature", "x-pgstream-event-id",
+    "x-pgstream-event-ids", "x-pgstream-stream-id",
+})
+
+
+#: request URLs (and their redacted form) kept per path segment
+_URL_CACHE = 1024
+
+
+def _valid_segment(segment: str) -> bool:
+    return _PATH_SEGMENT.fullmatch(segment) is not None and segment not in (".", "..")
 
 
 class _RedactUrls(logging.Filter):
@@ -124,8 +154,20 @@ class HttpSinkConfig(SinkConfigBase):
     the line break of a file-mounted secret, and are refused when a control character (CR, LF...)
     or, for header values, a non-ASCII character remains: the error names the header, never the value.
 
-    ``routing_key``: a payload path; events with the same key are sent one after another in order,
-    different keys in parallel up to ``max_concurrency``. Without it every event is sent in order.
+    ``routing_key``: an event path (payload, or ``metadata:...``); events with the same key are sent one
+    after another in order, different keys in parallel up to ``max_concurrency``. Without it every
+    event is sent in order.
+
+    ``path_from``: an event path whose scalar is appended to the URL's path as one segment (``url``
+    ``https://h/hooks`` and ``metadata:region`` = ``eu`` post to ``https://h/hooks/eu``); it must be
+    made of letters, digits and ``. _ ~ -`` (not ``.`` or ``..``). Without a value the event goes to
+    ``path_default`` (a segment, checked when the configuration is loaded), else it is rejected.
+    ``headers_from``: header name -> event path; the header carries the scalar there (omitted when
+    the event has none), checked like ``headers`` values (no control characters, ASCII). Names must
+    be HTTP tokens, not one of ``headers`` nor a header the sink sets (``Content-Type``,
+    ``webhook-*``, ``Idempotency-Key``, ``X-Pgstream-*``) or that frames the request (``Host``,
+    ``Content-Length``...). ``mode: batch`` puts consecutive events with the same path and headers
+    in one request.
     Each request: at most ``max_attempts`` attempts within ``max_retry_secs`` (plus one request
     timeout); ``timeout_secs`` bounds each network operation (connect, write, read).
 
@@ -141,7 +183,10 @@ class HttpSinkConfig(SinkConfigBase):
     mode: Literal["per_event", "batch"] = "per_event"
     max_batch_size: int = Field(default=500, ge=1)
     body: Literal["payload", "event"] = "payload"
-    routing_key: PayloadPath | None = None
+    routing_key: EventPath | None = None
+    path_from: EventPath | None = None
+    path_default: str | None = None
+    headers_from: dict[str, EventPath] = Field(default_factory=dict)
     max_concurrency: int = Field(default=4, ge=1, le=256)
     timeout_secs: float = Field(default=10, gt=0)
     max_attempts: int = Field(default=6, ge=1)
@@ -165,6 +210,27 @@ class HttpSinkConfig(SinkConfigBase):
     def _valid_headers(cls, headers: dict[str, SecretStr]) -> dict[str, SecretStr]:
         return {name: SecretStr(header_value(name, value.get_secret_value())) for name, value in headers.items()}
 
+    @field_validator("path_default")
+    @classmethod
+    def _valid_path_default(cls, segment: str | None) -> str | None:
+        if segment is not None and not _valid_segment(segment):
+            raise ValueError("path_default must be one URL path segment: letters, digits and . _ ~ - "
+                             "(not . or ..)")
+        return segment
+
+    @model_validator(mode="after")
+    def _valid_headers_from(self) -> HttpSinkConfig:
+        static = {name.lower() for name in self.headers}
+        for name in self.headers_from:
+            header_value(name, "")  # the name must be an HTTP token
+            if name.lower() in _OWN_HEADERS:
+                raise ValueError(f"headers_from: header {name!r} is set by the sink or frames the request")
+            if name.lower() in static:
+                raise ValueError(f"headers_from: header {name!r} is also in headers")
+        if self.path_default is not None and self.path_from is None:
+            raise ValueError("path_default needs path_from (it is the segment for events without one)")
+        return self
+
     @field_validator("signing_secret")
     @classmethod
     def _valid_secret(cls, secret: SecretStr | None) -> SecretStr | None:
@@ -174,6 +240,10 @@ class HttpSinkConfig(SinkConfigBase):
 
     def build(self) -> HttpSink:
         return HttpSink(self)
+
+
+#: one event of a publish call: its position in the call, the event, its route
+_Item = tuple[int, Event, "_Route"]
 
 
 class _Failure(Exception):
@@ -189,6 +259,17 @@ class _Failure(Exception):
         self.permanent = permanent
 
 
+@dataclass(frozen=True)
+class _Route:
+    """Where one event goes: the URL's extra path segment and the headers taken from the event."""
+
+    segment: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+_UNROUTED = _Route()
+
+
 @dataclass
 class _Request:
     events: Sequence[Event]
@@ -196,6 +277,8 @@ class _Request:
     body: bytes
     headers: dict[str, str]
     start: int  # position in the publish call of the request's first event
+    url: str  # secret: the configured URL, plus the event's path segment
+    target: str  # "POST <url>" for messages (redact_url)
 
 
 @dataclass
@@ -251,9 +334,9 @@ class HttpSink(Sink):
         super().__init__(config)
         self._client: httpx.Client | None = None
         self._pool: ThreadPoolExecutor | None = None
-        url = config.url.get_secret_value()
         self._secrets = config.secret_values()
-        self._target = f"POST {redact_url(url)}"
+        self._routed = config.path_from is not None or bool(config.headers_from)
+        self._urls: dict[str | None, tuple[str, str]] = {}  # segment -> (url, target)
         secret = config.signing_secret
         self._key = decode_signing_secret(secret.get_secret_value()) if secret is not None else None
         self._backoff = wait_exponential_jitter(
@@ -265,7 +348,55 @@ class HttpSink(Sink):
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
             return
-        lanes = self._lanes(events)
+        if self._routed:  # every event's path and headers first: a rejected one is sent after those before it
+            publish_prepared(events, self._route, self._publish)
+        else:
+            self._publish(events, [_UNROUTED] * len(events))
+
+    def _route(self, event: Event) -> _Route:
+        """The path segment and headers ``event`` is sent with; a permanent :class:`SinkError` when they
+        cannot be sent. Messages name the event path and the header, never the value."""
+        config = self.config
+        try:
+            segment: str | None = None
+            if config.path_from is not None:
+                segment = event_scalar(event, config.path_from)
+                if segment is None:
+                    if config.path_default is None:
+                        raise RoutingError(f"{describe_path(config.path_from)} is missing or empty and there is "
+                                           "no path_default")
+                    segment = config.path_default
+                elif not _valid_segment(segment):
+                    raise RoutingError(f"path_from: the value at {describe_path(config.path_from)} is not one URL "
+                                       "path segment (letters, digits and . _ ~ - only, not . or ..)")
+            headers: list[tuple[str, str]] = []
+            for name, path in config.headers_from.items():
+                value = event_scalar(event, path)
+                if value is not None:
+                    try:
+                        headers.append((name, header_value(name, value)))
+                    except ValueError as exc:
+                        raise RoutingError(f"headers_from: {exc} (from {describe_path(path)})") from None
+        except RoutingError as exc:
+            raise SinkError.for_events("http", [event], f"{self._url(None)[1]} not sent: {exc}", self._secrets,
+                                       permanent=True) from None
+        return _Route(segment, tuple(headers))
+
+    def _url(self, segment: str | None) -> tuple[str, str]:
+        """(URL, ``POST <redacted URL>``) of a request to the configured URL plus ``segment``."""
+        found = self._urls.get(segment)
+        if found is None:
+            url = self.config.url.get_secret_value()
+            if segment is not None:
+                parts = urlsplit(url)
+                url = urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + segment))
+            if len(self._urls) >= _URL_CACHE:  # a segment per tenant must not grow it without bound
+                self._urls.clear()
+            found = self._urls[segment] = (url, f"POST {redact_url(url)}")
+        return found
+
+    def _publish(self, events: Sequence[Event], routes: Sequence[_Route]) -> None:
+        lanes = self._lanes(events, routes)
         control = _Control()
         if len(lanes) == 1 or self.config.max_concurrency == 1:
             results = [self._send_lane(lane, control) for lane in lanes]
@@ -278,48 +409,51 @@ class HttpSink(Sink):
         if failures:
             raise self._summarize(events, failures, [p for r in results for p in r.confirmed])
 
-    def _lanes(self, events: Sequence[Event]) -> list[list[_Request]]:
+    def _lanes(self, events: Sequence[Event], routes: Sequence[_Route]) -> list[list[_Request]]:
         """Requests grouped by routing key (first-seen key order), each group in event order."""
         path = self.config.routing_key
-        groups: dict[str, list[tuple[int, Event]]] = {}
+        groups: dict[str, list[_Item]] = {}
         if path is None or self.config.max_concurrency == 1:
-            groups[""] = list(enumerate(events))
+            groups[""] = list(zip(range(len(events)), events, routes, strict=True))
         else:
-            for position, event in enumerate(events):
-                groups.setdefault(dumps(lookup_path(event.payload, path)), []).append((position, event))
+            for item in zip(range(len(events)), events, routes, strict=True):
+                groups.setdefault(dumps(lookup_event(item[1], path)), []).append(item)
         return [[self._request(chunk) for chunk in self._chunks(group)] for group in groups.values()]
 
     def _body_of(self, event: Event) -> str:
         """The JSON text of one event in a body: the payload as read from Postgres, or the whole event."""
         return event.payload_json if self.config.body == "payload" else event.to_json()
 
-    def _chunks(self, group: list[tuple[int, Event]]) -> list[list[tuple[int, Event]]]:
+    def _chunks(self, group: list[_Item]) -> list[list[_Item]]:
         """A lane's events cut into requests: one event each (``per_event``), else up to ``max_batch_size``
-        events whose JSON array stays within ``max_body_bytes`` (an event too large alone is a request of
-        its own, refused when it is sent)."""
+        consecutive events with the same route whose JSON array stays within ``max_body_bytes`` (an event
+        too large alone is a request of its own, refused when it is sent)."""
         if self.config.mode == "per_event":
             return [[item] for item in group]
         size, limit = self.config.max_batch_size, self.config.max_body_bytes
-        if limit is None:
+        if limit is None and not self._routed:
             return [group[start : start + size] for start in range(0, len(group), size)]
-        chunks: list[list[tuple[int, Event]]] = []
-        chunk: list[tuple[int, Event]] = []
+        chunks: list[list[_Item]] = []
+        chunk: list[_Item] = []
         used = 2  # "[" and "]"
         for item in group:
-            length = len(self._body_of(item[1]).encode()) + (1 if chunk else 0)  # "," before all but the first
-            if chunk and (len(chunk) >= size or used + length > limit):
+            length = len(self._body_of(item[1]).encode()) + (1 if chunk else 0) if limit is not None else 0
+            if chunk and (len(chunk) >= size or (limit is not None and used + length > limit)
+                          or item[2] != chunk[-1][2]):
                 chunks.append(chunk)
-                chunk, used, length = [], 2, length - 1
+                chunk, used, length = [], 2, max(length - 1, 0)
             chunk.append(item)
             used += length
         if chunk:
             chunks.append(chunk)
         return chunks
 
-    def _request(self, items: Sequence[tuple[int, Event]]) -> _Request:
-        events = [event for _position, event in items]
+    def _request(self, items: Sequence[_Item]) -> _Request:
+        events = [event for _position, event, _route in items]
+        route = items[0][2]
         body_of = self._body_of
         headers = {name: value.get_secret_value() for name, value in self.config.headers.items()}
+        headers.update(route.headers)
         headers["Content-Type"] = "application/json"
         if self.config.mode == "per_event":
             event = events[0]
@@ -334,7 +468,8 @@ class HttpSink(Sink):
             headers["X-Pgstream-Stream-Id"] = str(events[0].stream_id)
         headers["Idempotency-Key"] = msg_id
         headers["webhook-id"] = msg_id
-        return _Request(events, msg_id, body.encode(), headers, items[0][0])
+        url, target = self._url(route.segment)
+        return _Request(events, msg_id, body.encode(), headers, items[0][0], url, target)
 
     def _send_lane(self, lane: list[_Request], control: _Control) -> _LaneResult:
         """Send a lane's requests in order; stop at the first failure (or when another lane's failure
@@ -360,7 +495,7 @@ class HttpSink(Sink):
         config = self.config
         limit = config.max_body_bytes
         if limit is not None and len(request.body) > limit:
-            reason = (f"{self._target} not sent: the body is {len(request.body)} bytes, more than max_body_bytes "
+            reason = (f"{request.target} not sent: the body is {len(request.body)} bytes, more than max_body_bytes "
                       f"({limit})")
             raise _Failure(reason, retryable=False, permanent=True)
         started = time.monotonic()
@@ -410,25 +545,25 @@ class HttpSink(Sink):
             headers["webhook-signature"] = sign(self._key, request.msg_id, timestamp, request.body)
         secrets = self._secrets
         try:
-            response = self._http().post(self.config.url.get_secret_value(), content=request.body, headers=headers)
+            response = self._http().post(request.url, content=request.body, headers=headers)
         except httpx.TimeoutException as exc:
-            reason = f"{self._target} timed out after {self.config.timeout_secs:g}s ({type(exc).__name__})"
+            reason = f"{request.target} timed out after {self.config.timeout_secs:g}s ({type(exc).__name__})"
             raise _Failure(reason, retryable=True) from None
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            reason = f"{self._target} connection failed: {describe_exception(exc, secrets)}"
+            reason = f"{request.target} connection failed: {describe_exception(exc, secrets)}"
             raise _Failure(reason, retryable=True) from None
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise _Failure(f"{self._target} failed: {describe_exception(exc, secrets)}", retryable=False) from None
+            raise _Failure(f"{request.target} failed: {describe_exception(exc, secrets)}", retryable=False) from None
         except UnicodeEncodeError:
             # httpx encodes header values as ASCII; the config refuses others, this guards unvalidated ones
             # (model_construct): the exception carries the whole value, so none of it is shown
             names = [name for name, value in headers.items() if not value.isascii()]
             what = f"header {names[0]!r} has a non-ASCII value" if names else "a non-ASCII header or URL"
-            raise _Failure(f"{self._target} not sent: {what}", retryable=False) from None
+            raise _Failure(f"{request.target} not sent: {what}", retryable=False) from None
         status = response.status_code
         if response.is_success:
             return
-        reason = f"{self._target} answered HTTP {status} {response.reason_phrase}"
+        reason = f"{request.target} answered HTTP {status} {response.reason_phrase}"
         body_excerpt = excerpt(scrub(response.text, self._secrets))  # scrub first: never cut a secret in half
         if body_excerpt:
             reason += f": {body_excerpt}"

@@ -3,7 +3,7 @@ confirmed by the broker before it returns.
 
 Order: Kafka keeps order within a partition. The message key picks the partition: by default the
 stream id (every event of a stream in one partition: commit order, end to end), or the value at
-payload path ``key_from`` (order per key, keys spread over partitions). The idempotent producer
+event path ``key_from`` (order per key, keys spread over partitions). The idempotent producer
 (``enable.idempotence``, ``acks=all``) keeps that order through its own retries, and the broker
 drops the duplicates those retries would cause.
 
@@ -11,11 +11,11 @@ Permanent rejections (``SinkError.permanent``): a message the client refuses whe
 because it is larger than the producer's ``message.max.bytes`` (librdkafka's default: 1,000,000
 bytes), a delivery report with a per-record error (MSG_SIZE_TOO_LARGE: over the topic's or broker's
 ``max.message.bytes``; RECORD_LIST_TOO_LARGE; INVALID_RECORD: e.g. a broker-side schema check) when
-every event before it was confirmed, and an event whose topic cannot be taken from its payload
-(missing with no fixed ``topic``, or not a legal topic name). The broker refuses a whole record
-batch at once, so the reports cannot tell which message was at fault: the error then names every
-consecutive refused event from the first one, and the caller isolates the bad one by publishing
-them one at a time.
+every event before it was confirmed, and an event whose topic cannot be taken from it (missing
+from its payload or metadata with no fixed ``topic``, or not a legal topic name). The broker
+refuses a whole record batch at once, so the reports cannot tell which message was at fault: the
+error then names every consecutive refused event from the first one, and the caller isolates the
+bad one by publishing them one at a time.
 Not permanent: an unreachable broker, timeouts, authentication and other fatal client errors,
 invalid producer settings, an unknown topic (create it), and every other delivery error.
 """
@@ -32,7 +32,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from .base import (
     Event,
-    PayloadPath,
+    EventPath,
     RoutingError,
     Sink,
     SinkConfigBase,
@@ -78,10 +78,12 @@ _DEFAULT_MESSAGE_MAX_BYTES = 1_000_000
 
 
 class KafkaSinkConfig(SinkConfigBase):
-    """Produce each event payload (JSON) to ``topic``, or to ``topic_prefix`` + the value at payload
-    path ``topic_from`` (falling back to ``topic``). Key: the stream id, or the value at payload path
-    ``key_from`` (falling back to the stream id). Headers ``pgstream-event-id`` (the idempotency
-    key), ``pgstream-stream-id``, ``content-type`` and, when present, ``pgstream-metadata``.
+    """Produce each event payload (JSON) to ``topic``, or to ``topic_prefix`` + the value at event path
+    ``topic_from`` (falling back to ``topic``). Key: the stream id, or the value at event path
+    ``key_from`` (falling back to the stream id). Event paths read the payload (``table``) or, with
+    ``metadata:``, the metadata (``metadata:region``: :data:`~.base.EventPath`). Headers
+    ``pgstream-event-id`` (the idempotency key), ``pgstream-stream-id``, ``content-type`` and, when
+    present, ``pgstream-metadata``.
 
     ``options``: more librdkafka producer settings (``compression.type``, ``linger.ms``,
     ``security.protocol``, ``sasl.mechanism``, ``sasl.username``, ``ssl.ca.location``...);
@@ -95,9 +97,9 @@ class KafkaSinkConfig(SinkConfigBase):
     type: Literal["kafka"] = "kafka"
     bootstrap_servers: str = Field(default="127.0.0.1:9092", min_length=1)
     topic: str | None = Field(default=None, min_length=1)
-    topic_from: PayloadPath | None = None
+    topic_from: EventPath | None = None
     topic_prefix: str = ""
-    key_from: PayloadPath | None = None
+    key_from: EventPath | None = None
     timeout_secs: float = Field(default=30, gt=0)
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     secret_options: dict[str, SecretStr] = Field(default_factory=dict)
@@ -289,14 +291,14 @@ class KafkaSink(Sink):
     def _route(self, event: Event) -> tuple[str, str]:
         config = self.config
         try:
-            topic, from_payload = route(event, config.topic, config.topic_from, config.topic_prefix)
+            topic, from_event = route(event, config.topic, config.topic_from, config.topic_prefix)
             key = route_name(event, str(event.stream_id), config.key_from) if config.key_from else str(event.stream_id)
         except RoutingError as exc:
             raise self._error([event], f"no topic: {exc}", permanent=True) from None
         if not _TOPIC.fullmatch(topic) or topic in (".", ".."):
-            # from the payload: the event's fault; the fixed topic: the configuration's
+            # from the event: the event's fault; the fixed topic: the configuration's
             raise self._error([event], f"invalid topic {topic[:300]!r} (1-249 of a-z A-Z 0-9 . _ -)",
-                              permanent=from_payload)
+                              permanent=from_event)
         return topic, key
 
     def _reset(self) -> None:

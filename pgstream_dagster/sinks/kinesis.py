@@ -4,8 +4,8 @@
 
 Data: the whole event as JSON, ``{"id", "stream_id", "created_at", "payload", "metadata"}`` (a
 record has no headers: ``id`` is the idempotency key consumers dedupe on). Partition key: the
-value at payload path ``partition_key_from``, else ``partition_key``, else the event id (records
-spread over the shards). Kinesis orders records per shard; a fixed ``partition_key`` puts a
+value at event path ``partition_key_from`` (payload, or ``metadata:<path>``), else ``partition_key``,
+else the event id (records spread over the shards). Kinesis orders records per shard; a fixed ``partition_key`` puts a
 stream's events in one shard (commit order end to end, within one shard's throughput).
 
 Order: a record that fails stops the prefix: the records before it are confirmed, no later request
@@ -16,7 +16,7 @@ was confirmed, chained with ``SequenceNumberForOrdering`` per partition key.
 
 Permanent rejections (``SinkError.permanent``), the events before it confirmed: a record larger than
 ``max_record_bytes`` (data and partition key; 1 MiB by default) and a partition key longer than 256
-characters from the payload, both refused before sending; a request refused whole with a
+characters from the event, both refused before sending; a request refused whole with a
 ``ValidationException`` about a record's size (the error names that request's events).
 Not permanent: ``ProvisionedThroughputExceededException`` and ``InternalFailure`` of a record (sent
 again up to ``max_attempts`` times first, with the records after it), KMS errors, a missing stream,
@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import Field, model_validator
 
 from .aws import AwsBatchSink, AwsSinkConfigBase, EntryFailure, Prepared
-from .base import Event, PayloadPath, route
+from .base import Event, EventPath, route
 
 __all__ = ["KinesisSink", "KinesisSinkConfig"]
 
@@ -46,14 +46,14 @@ _MAX_CHAINED_KEYS = 10_000
 
 class KinesisSinkConfig(AwsSinkConfigBase):
     """Put each event (JSON) as a record in the Kinesis stream ``stream_name`` (or ``stream_arn``); the
-    partition key is the value at payload path ``partition_key_from``, else ``partition_key``, else
-    the event id. Client settings in :class:`~.aws.AwsSinkConfigBase`."""
+    partition key is the value at event path ``partition_key_from`` (payload, or ``metadata:<path>``),
+    else ``partition_key``, else the event id. Client settings in :class:`~.aws.AwsSinkConfigBase`."""
 
     type: Literal["kinesis"] = "kinesis"
     stream_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     stream_arn: str | None = Field(default=None, pattern=r"^arn:aws[a-z-]*:kinesis:[a-z0-9-]+:[0-9]{12}:stream/"
                                                          r"[A-Za-z0-9_.-]{1,128}$")
-    partition_key_from: PayloadPath | None = None
+    partition_key_from: EventPath | None = None
     partition_key: str | None = Field(default=None, min_length=1, max_length=_MAX_KEY_CHARS)
     max_record_bytes: int = Field(default=1_048_576, ge=1024, le=10_485_760)
     max_batch_size: int = Field(default=500, ge=1, le=500)
@@ -95,10 +95,10 @@ class KinesisSink(AwsBatchSink[KinesisSinkConfig]):
 
     def _prepare(self, event: Event) -> Prepared:
         config = self.config
-        key, from_payload = route(event, config.partition_key or str(event.id), config.partition_key_from)
-        if len(key) > _MAX_KEY_CHARS:  # only a key from the payload can be that long
+        key, from_event = route(event, config.partition_key or str(event.id), config.partition_key_from)
+        if len(key) > _MAX_KEY_CHARS:  # only a key from the event can be that long
             raise self._error([event], f"partition key {key[:100]!r}... is {len(key)} characters, more than "
-                                       f"{_MAX_KEY_CHARS}", permanent=from_payload)
+                                       f"{_MAX_KEY_CHARS}", permanent=from_event)
         data = event.to_json().encode()
         size = len(data) + len(key.encode())
         if size > config.max_record_bytes:

@@ -10,10 +10,10 @@ NATS: published and flushed): a message larger than the server's ``max_payload``
 headers; 1 MiB by default), refused before sending (a server receiving one would close the
 connection), also when the client raises ``MaxPayloadError``; a JetStream answer "message size
 exceeds maximum allowed" (the stream's ``max_msg_size``, err_code 10054) or "header size exceeds
-maximum allowed" (10097); an event whose subject cannot be taken from its payload (missing with
-no fixed ``subject``, or invalid: whitespace, wildcard, empty token). Not permanent: a subject no
-stream captures (create or extend the stream), timeouts, connection and authorization errors,
-other JetStream errors (a full stream, no quorum).
+maximum allowed" (10097); an event whose subject cannot be taken from it (missing from its
+payload or metadata with no fixed ``subject``, or invalid: whitespace, wildcard, empty token).
+Not permanent: a subject no stream captures (create or extend the stream), timeouts, connection
+and authorization errors, other JetStream errors (a full stream, no quorum).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from .base import (
     Event,
-    PayloadPath,
+    EventPath,
     RoutingError,
     Sink,
     SinkConfigBase,
@@ -53,8 +53,9 @@ T = TypeVar("T")
 
 
 class NatsSinkConfig(SinkConfigBase):
-    """Publish each event payload (JSON) to ``subject``, or to ``subject_prefix`` + the value at payload path
-    ``subject_from`` (falling back to ``subject``).
+    """Publish each event payload (JSON) to ``subject``, or to ``subject_prefix`` + the value at event path
+    ``subject_from`` (falling back to ``subject``): a payload path, or ``metadata:<path>`` for the
+    event's metadata (:data:`~.base.EventPath`).
 
     ``jetstream=True``: JetStream publish, each message acknowledged by the stream before the next one is
     sent; header ``Nats-Msg-Id: <event id>`` lets the stream drop duplicates (within its duplicate
@@ -67,7 +68,7 @@ class NatsSinkConfig(SinkConfigBase):
     type: Literal["nats"] = "nats"
     servers: list[str] = Field(default_factory=lambda: ["nats://127.0.0.1:4222"], min_length=1)
     subject: str | None = Field(default=None, min_length=1)
-    subject_from: PayloadPath | None = None
+    subject_from: EventPath | None = None
     subject_prefix: str = ""
     jetstream: bool = True
     timeout_secs: float = Field(default=10, gt=0)
@@ -141,14 +142,14 @@ class NatsSink(Sink):
     def _subject_of(self, event: Event) -> str:
         config = self.config
         try:
-            subject, from_payload = route(event, config.subject, config.subject_from, config.subject_prefix)
+            subject, from_event = route(event, config.subject, config.subject_from, config.subject_prefix)
         except RoutingError as exc:
             raise self._error([event], f"no subject: {exc}", permanent=True) from None
         if (_BAD_SUBJECT_CHARS.intersection(subject) or subject.startswith(".") or subject.endswith(".")
                 or ".." in subject):
-            # from the payload: the event's fault; the fixed subject: the configuration's
+            # from the event: the event's fault; the fixed subject: the configuration's
             raise self._error([event], f"invalid subject {subject!r} (whitespace, wildcard or empty token)",
-                              permanent=from_payload)
+                              permanent=from_event)
         return subject
 
     async def _publish(self, events: Sequence[Event], subjects: Sequence[str]) -> None:

@@ -3,11 +3,11 @@
 Permanent rejections (``SinkError.permanent``): a message over the broker's ``max_message_size``
 (128 MiB by default; the broker closes the channel with 406 PRECONDITION_FAILED "message size ...
 is larger than configured max size"), a body over ``max_message_bytes`` (refused before sending),
-and an event whose exchange or routing key cannot be taken from its payload (missing with no
-fixed fallback, or longer than AMQP's 255 bytes). The events before it are confirmed first.
+and an event whose exchange or routing key cannot be taken from it (missing from its payload or
+metadata with no fixed fallback, or longer than AMQP's 255 bytes). The events before it are confirmed first.
 
 Not permanent: an unroutable message (``mandatory``: no queue bound for the routing key), even when
-the routing key comes from the payload, because binding a queue makes the same message routable and
+the routing key comes from the event, because binding a queue makes the same message routable and
 a wrong ``routing_key_prefix`` or a forgotten binding would otherwise reject every event (like a
 missing Kafka topic or a subject no NATS stream captures); a missing exchange (404), a nack (a full
 queue with ``overflow: reject-publish``), authentication, connection and other channel errors.
@@ -23,7 +23,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from .base import (
     Event,
-    PayloadPath,
+    EventPath,
     RoutingError,
     Sink,
     SinkConfigBase,
@@ -55,10 +55,11 @@ class RabbitMqSinkConfig(SinkConfigBase):
     (and ``x-pgstream-metadata`` when present). Each publish waits for the broker's confirm and is
     ``mandatory``, so a nack or an unroutable message raises :class:`SinkError`.
 
-    Routing key: ``routing_key``, or ``routing_key_prefix`` + the value at payload path ``routing_key_from``
+    Routing key: ``routing_key``, or ``routing_key_prefix`` + the value at event path ``routing_key_from``
     (falling back to ``routing_key``). Exchange: ``exchange`` (default: the default exchange ``""``, where
-    the routing key is the queue name), or the value at payload path ``exchange_from`` (falling back to
-    ``exchange``). ``declare_queue``: declare a durable queue of that name on connect.
+    the routing key is the queue name), or the value at event path ``exchange_from`` (falling back to
+    ``exchange``). Event paths read the payload, or the metadata with ``metadata:``
+    (:data:`~.base.EventPath`). ``declare_queue``: declare a durable queue of that name on connect.
     ``max_message_bytes``: refuse (permanently, without sending) a larger body; set it below the
     broker's ``max_message_size`` to keep oversized payloads off the connection. Permanent
     rejections: see the module docstring.
@@ -67,9 +68,9 @@ class RabbitMqSinkConfig(SinkConfigBase):
     type: Literal["rabbitmq"] = "rabbitmq"
     url: SecretStr = SecretStr("amqp://guest:guest@127.0.0.1:5672/%2F")
     exchange: str = ""
-    exchange_from: PayloadPath | None = None
+    exchange_from: EventPath | None = None
     routing_key: str | None = None
-    routing_key_from: PayloadPath | None = None
+    routing_key_from: EventPath | None = None
     routing_key_prefix: str = ""
     declare_queue: str | None = None
     max_message_bytes: int | None = Field(default=None, ge=1)
@@ -125,15 +126,15 @@ class RabbitMqSink(Sink):
         """The route and body of ``event``; a permanent :class:`SinkError` when it cannot be sent."""
         config = self.config
         try:
-            exchange, exchange_from_payload = route(event, config.exchange, config.exchange_from)
-            routing_key, key_from_payload = route(event, config.routing_key, config.routing_key_from,
-                                                  config.routing_key_prefix)
+            exchange, exchange_from_event = route(event, config.exchange, config.exchange_from)
+            routing_key, key_from_event = route(event, config.routing_key, config.routing_key_from,
+                                                config.routing_key_prefix)
         except RoutingError as exc:
             raise self._error([event], f"no destination: {exc}", permanent=True) from None
-        for what, name, from_payload in (("exchange", exchange, exchange_from_payload),
-                                         ("routing key", routing_key, key_from_payload)):
-            if from_payload and len(name.encode()) > _SHORT_STRING_BYTES:
-                reason = f"{what} {name[:100]!r}... from the payload is longer than {_SHORT_STRING_BYTES} bytes"
+        for what, name, from_event in (("exchange", exchange, exchange_from_event),
+                                       ("routing key", routing_key, key_from_event)):
+            if from_event and len(name.encode()) > _SHORT_STRING_BYTES:
+                reason = f"{what} {name[:100]!r}... from the event is longer than {_SHORT_STRING_BYTES} bytes"
                 raise self._error([event], reason, permanent=True)
         body = event.payload_json.encode()
         limit = config.max_message_bytes

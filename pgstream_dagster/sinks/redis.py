@@ -2,8 +2,8 @@
 
 Permanent rejections (``SinkError.permanent``), each found before anything is sent for that event
 (the events before it are sent first): an entry larger than ``max_message_bytes``, and an event
-whose stream name cannot be taken from its payload (``stream_from`` missing, no ``stream``
-fallback). Redis itself accepts any entry: its errors (connection, authentication, OOM under
+whose stream name cannot be taken from it (``stream_from`` missing from its payload or metadata,
+no ``stream`` fallback). Redis itself accepts any entry: its errors (connection, authentication, OOM under
 ``maxmemory``, WRONGTYPE for a key that is not a stream, READONLY replica) are about the server
 or its data, never about the event, and are not permanent.
 """
@@ -17,7 +17,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from .base import (
     Event,
-    PayloadPath,
+    EventPath,
     RoutingError,
     Sink,
     SinkConfigBase,
@@ -39,8 +39,9 @@ class RedisSinkConfig(SinkConfigBase):
     """XADD each event to a Redis Stream; entry fields ``id`` (event id: the idempotency key consumers dedupe
     on), ``stream_id``, ``created_at``, ``payload`` (JSON text) and, when present, ``metadata`` (JSON text).
 
-    The stream is ``stream``, or ``stream_prefix`` + the value at payload path ``stream_from`` (e.g.
-    ``table`` or ``data.tenant``), falling back to ``stream`` when the payload has no such value.
+    The stream is ``stream``, or ``stream_prefix`` + the value at event path ``stream_from`` (a payload
+    path such as ``table`` or ``data.tenant``, or ``metadata:region`` for the event's metadata),
+    falling back to ``stream`` when the event has no such value.
     ``maxlen``: trim each stream to that many entries (``MAXLEN ~`` when ``maxlen_approximate``).
     ``max_message_bytes``: refuse (permanently, without sending) an event whose entry (field names
     and values, in bytes) is larger; Redis has no limit of its own below 512 MB per value.
@@ -49,7 +50,7 @@ class RedisSinkConfig(SinkConfigBase):
     type: Literal["redis"] = "redis"
     url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     stream: str | None = Field(default=None, min_length=1)
-    stream_from: PayloadPath | None = None
+    stream_from: EventPath | None = None
     stream_prefix: str = ""
     maxlen: int | None = Field(default=None, ge=1)
     maxlen_approximate: bool = True

@@ -2,7 +2,7 @@
 ``max_message_bytes`` (256 KiB, SNS's limit, by default) per request, each message's acceptance checked.
 
 A topic whose ARN ends in ``.fifo`` is a FIFO topic: every message gets a ``MessageGroupId`` (the
-value at payload path ``message_group_id_from``, else ``message_group_id``, else the stream id) and
+value at event path ``message_group_id_from``, else ``message_group_id``, else the stream id) and
 ``MessageDeduplicationId`` = the event id (SNS drops an event sent again within 5 minutes). Body:
 the payload (JSON); message attributes ``pgstream-event-id``, ``pgstream-stream-id`` (Number: a
 subscription's filter policy can match them) and ``pgstream-metadata`` (String, when present); an
@@ -11,7 +11,7 @@ batching and the failure rule: :mod:`.aws`.
 
 Permanent rejections (``SinkError.permanent``), the events before it confirmed: a message larger
 than ``max_message_bytes`` (body and attributes), refused before sending; a ``MessageGroupId`` the
-payload makes invalid; an entry the topic refused with a sender fault about its content
+event (payload or metadata) makes invalid; an entry the topic refused with a sender fault about its content
 (``InvalidParameter``, ``InvalidParameterValue``: e.g. "Message too long"); a request refused
 whole because its messages are too long (the error names that request's events). Not permanent: a
 missing topic, authorization and KMS errors, throttling, internal errors (an entry failing that

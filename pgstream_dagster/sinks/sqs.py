@@ -2,7 +2,7 @@
 ``max_message_bytes`` (256 KiB by default) per request, each message's acceptance checked.
 
 A queue whose URL ends in ``.fifo`` is a FIFO queue: every message gets a ``MessageGroupId`` (the
-value at payload path ``message_group_id_from``, else ``message_group_id``, else the stream id) and
+value at event path ``message_group_id_from``, else ``message_group_id``, else the stream id) and
 ``MessageDeduplicationId`` = the event id, so SQS drops an event sent again within its 5-minute
 deduplication window (a retried batch; a replay within 5 minutes too). Body: the payload (JSON);
 message attributes ``pgstream-event-id``, ``pgstream-stream-id`` (Number) and ``pgstream-metadata``
@@ -11,7 +11,7 @@ message attributes ``pgstream-event-id``, ``pgstream-stream-id`` (Number) and ``
 Permanent rejections (``SinkError.permanent``), the events before it confirmed: a message larger than
 ``max_message_bytes`` (body and attributes) or holding characters SQS refuses (outside ``#x9 #xA #xD
 #x20-#xD7FF #xE000-#xFFFD #x10000-#x10FFFF``, e.g. U+FFFF), both refused before sending; a
-``MessageGroupId`` the payload makes invalid; an entry the queue refused with a sender fault about
+``MessageGroupId`` the event (payload or metadata) makes invalid; an entry the queue refused with a sender fault about
 its content (``InvalidMessageContents``, ``MessageTooLong``, ``InvalidParameterValue``); a request
 refused whole because a message is too long or invalid (e.g. the queue's ``MaximumMessageSize`` is
 below ``max_message_bytes``): then the error names that request's events. Not permanent (retried

@@ -11,8 +11,9 @@
 -- aborts the statement, so triggers stay exactly as they were. Least privilege:
 --   * Generated trigger functions are owned by pgstream_writer, a NOLOGIN, non-superuser role that
 --     may do nothing but insert into pgstream.events (plus what an operator grants it for the
---     functions that expressions call). Everything a trigger runs (when_clause, payload
---     extensions, casts of column types to json, functions those call) runs as pgstream_writer.
+--     functions that expressions call). Everything a trigger runs (when_clause, payload and
+--     metadata extensions, casts of column types to json, functions those call) runs as
+--     pgstream_writer.
 --   * Generated code qualifies every function, type and operator.
 --   * Expressions are checked by a lexer that refuses anything whose token boundaries Postgres
 --     could read differently, then by Postgres's parser in an always-rolled-back subtransaction
@@ -30,6 +31,11 @@
 -- rather than at commit; tg_table_name/tg_table_schema name the subscribed table. A table's
 -- subscriptions for one operation may mix modes: each mode gets its own trigger (pgstream_<op>,
 -- pgstream_<op>_stmt) and trigger function.
+--
+-- Metadata extensions (subscriptions.metadata_extensions) are payload extensions for the event's
+-- metadata: validated and evaluated the same way, merged over the static metadata (computed values
+-- win; along a path the static objects' other keys stay). A subscription without them generates
+-- the static metadata literal, as before they existed.
 
 -- ---------------------------------------------------------------------------------------------
 -- Transactions running pgstream's own DDL (trigger regeneration) are recorded in
@@ -337,9 +343,69 @@ as $$
 $$;
 revoke all on function pgstream._expression_type(pgstream.subscriptions, text, text) from public;
 
--- Validates a subscription's table, columns, when_clause and payload extensions without changing
--- anything. Raises on the first problem, naming the subscription and the part. (Its name is the
--- one installs have carried since statement mode: validate_subscription below adds the mode.)
+-- Validates the extensions of one kind (p_field: 'payload_extensions' or 'metadata_extensions'):
+-- a JSON array of {"json_path", "expression"} objects, each path well-formed, not starting with a
+-- reserved key (p_reserved: the base payload's keys) and not clashing with another path, each
+-- expression checked by _expression_check. Raises on the first problem, naming the element.
+create or replace function pgstream._validate_extensions(
+    p_sub pgstream.subscriptions, p_field text, p_items jsonb, p_reserved text[]
+)
+returns void
+language plpgsql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_ext   jsonb;
+    v_path  text;
+    v_paths text[] := '{}';
+    v_i     integer := 0;
+begin
+    if pg_catalog.jsonb_typeof(p_items) is distinct from 'array' then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, p_field,
+            'must be a JSON array of {"json_path": ..., "expression": ...} objects');
+    end if;
+    for v_ext in select e from pg_catalog.jsonb_array_elements(p_items) e loop
+        v_i := v_i + 1;
+        if pg_catalog.jsonb_typeof(v_ext) <> 'object'
+           or pg_catalog.jsonb_typeof(v_ext -> 'json_path') is distinct from 'string'
+           or pg_catalog.jsonb_typeof(v_ext -> 'expression') is distinct from 'string'
+           or exists (select 1 from pg_catalog.jsonb_object_keys(v_ext) k where k not in ('json_path', 'expression')) then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, pg_catalog.format('%s[%s]', p_field, v_i),
+                pg_catalog.format('expected {"json_path": "<a.b.c>", "expression": "<sql>"}, got %s', v_ext));
+        end if;
+        v_path := v_ext ->> 'json_path';
+        if v_path !~ '^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$' then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, pg_catalog.format('%s[%s].json_path', p_field, v_i),
+                pg_catalog.format('malformed json_path %L: use dot-separated names of letters, digits and "_"', v_path));
+        end if;
+        if pg_catalog.split_part(v_path, '.', 1) = any (p_reserved) then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, pg_catalog.format('%s[%s].json_path', p_field, v_i),
+                pg_catalog.format('json_path %L would overwrite the payload key %L', v_path,
+                                  pg_catalog.split_part(v_path, '.', 1)));
+        end if;
+        if exists (select 1 from pg_catalog.unnest(v_paths) p
+                   where p = v_path or p like v_path || '.%' or v_path like p || '.%') then
+            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+                p_sub.schema_name, p_sub.table_name, pg_catalog.format('%s[%s].json_path', p_field, v_i),
+                pg_catalog.format('json_path %L conflicts with another extension path', v_path));
+        end if;
+        v_paths := v_paths || v_path;
+        perform pgstream._expression_type(p_sub, pg_catalog.format('%s[%s].expression', p_field, v_i),
+                                          v_ext ->> 'expression');
+    end loop;
+end
+$$;
+revoke all on function pgstream._validate_extensions(pgstream.subscriptions, text, jsonb, text[]) from public;
+
+-- Validates a subscription's table, columns, when_clause, payload extensions and metadata
+-- extensions without changing anything. Raises on the first problem, naming the subscription and
+-- the part. (Its name is the one installs have carried since statement mode: validate_subscription
+-- below adds the mode.)
 create or replace function pgstream._validate_subscription_003(p_sub pgstream.subscriptions)
 returns void
 language plpgsql
@@ -349,13 +415,9 @@ as $$
 declare
     v_rel      oid;
     v_col      text;
-    v_ext      jsonb;
-    v_path     text;
     v_type     regtype;
-    v_paths    text[] := '{}';
     v_reserved constant text[] := array['tg_name', 'tg_op', 'tg_table_name', 'tg_table_schema',
                                         'timestamp', 'new', 'old'];
-    v_i        integer := 0;
 begin
     select c.oid into v_rel
     from pg_catalog.pg_class c
@@ -392,42 +454,18 @@ begin
         end if;
     end if;
 
-    if jsonb_typeof(p_sub.payload_extensions) is distinct from 'array' then
+    perform pgstream._validate_extensions(p_sub, 'payload_extensions', p_sub.payload_extensions, v_reserved);
+
+    perform pgstream._validate_extensions(p_sub, 'metadata_extensions',
+                                          coalesce(p_sub.metadata_extensions, '[]'::jsonb), '{}');
+    -- computed metadata is merged into the static metadata: that must be an object (or null)
+    if pg_catalog.jsonb_array_length(coalesce(p_sub.metadata_extensions, '[]'::jsonb)) > 0
+       and pg_catalog.jsonb_typeof(p_sub.metadata) not in ('object', 'null') then
         perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
-            p_sub.schema_name, p_sub.table_name, 'payload_extensions',
-            'must be a JSON array of {"json_path": ..., "expression": ...} objects');
+            p_sub.schema_name, p_sub.table_name, 'metadata',
+            format('must be a JSON object (or null) for metadata_extensions to be merged into it, got a JSON %s',
+                   pg_catalog.jsonb_typeof(p_sub.metadata)));
     end if;
-    for v_ext in select e from jsonb_array_elements(p_sub.payload_extensions) e loop
-        v_i := v_i + 1;
-        if jsonb_typeof(v_ext) <> 'object'
-           or jsonb_typeof(v_ext -> 'json_path') is distinct from 'string'
-           or jsonb_typeof(v_ext -> 'expression') is distinct from 'string'
-           or exists (select 1 from jsonb_object_keys(v_ext) k where k not in ('json_path', 'expression')) then
-            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
-                p_sub.schema_name, p_sub.table_name, format('payload_extensions[%s]', v_i),
-                format('expected {"json_path": "<a.b.c>", "expression": "<sql>"}, got %s', v_ext));
-        end if;
-        v_path := v_ext ->> 'json_path';
-        if v_path !~ '^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$' then
-            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
-                p_sub.schema_name, p_sub.table_name, format('payload_extensions[%s].json_path', v_i),
-                format('malformed json_path %L: use dot-separated names of letters, digits and "_"', v_path));
-        end if;
-        if split_part(v_path, '.', 1) = any (v_reserved) then
-            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
-                p_sub.schema_name, p_sub.table_name, format('payload_extensions[%s].json_path', v_i),
-                format('json_path %L would overwrite the payload key %L', v_path, split_part(v_path, '.', 1)));
-        end if;
-        if exists (select 1 from unnest(v_paths) p
-                   where p = v_path or p like v_path || '.%' or v_path like p || '.%') then
-            perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
-                p_sub.schema_name, p_sub.table_name, format('payload_extensions[%s].json_path', v_i),
-                format('json_path %L conflicts with another extension path', v_path));
-        end if;
-        v_paths := v_paths || v_path;
-        perform pgstream._expression_type(p_sub, format('payload_extensions[%s].expression', v_i),
-                                          v_ext ->> 'expression');
-    end loop;
 end
 $$;
 revoke all on function pgstream._validate_subscription_003(pgstream.subscriptions) from public;
@@ -489,7 +527,11 @@ as $$
 $$;
 revoke all on function pgstream._row_object_sql(text, text[]) from public;
 
-create or replace function pgstream._extensions_sql(p_items jsonb)
+-- The jsonb expression of a tree of extensions (p_items: [{"parts": [...], "expr": ...}]), built
+-- over p_base (a JSON object, or null): at every level the object of computed keys is
+-- concatenated onto the base's object at that path, so a computed value replaces its leaf only and
+-- the base's other keys along the path stay (a base value that is not an object is replaced).
+create or replace function pgstream._extensions_sql(p_items jsonb, p_base jsonb)
 returns text
 language plpgsql
 immutable
@@ -498,6 +540,7 @@ as $$
 declare
     v_group record;
     v_pairs text[] := '{}';
+    v_sql   text;
 begin
     for v_group in
         select e -> 'parts' ->> 0 as k,
@@ -512,13 +555,42 @@ begin
             v_pairs := v_pairs || pg_catalog.format('%L::pg_catalog.text, (%s)', v_group.k, v_group.expr);
         else
             v_pairs := v_pairs || pg_catalog.format('%L::pg_catalog.text, %s', v_group.k,
-                                                    pgstream._extensions_sql(v_group.rest));
+                pgstream._extensions_sql(v_group.rest,
+                    case when pg_catalog.jsonb_typeof(p_base -> v_group.k) = 'object' then p_base -> v_group.k end));
         end if;
     end loop;
-    return pgstream._jsonb_object_sql(v_pairs);
+    v_sql := pgstream._jsonb_object_sql(v_pairs);
+    if pg_catalog.jsonb_typeof(p_base) = 'object' and p_base <> '{}'::jsonb then
+        v_sql := pg_catalog.format('%L::pg_catalog.jsonb operator(pg_catalog.||) %s', p_base, v_sql);
+    end if;
+    return v_sql;
 end
 $$;
+revoke all on function pgstream._extensions_sql(jsonb, jsonb) from public;
+
+-- The same without a base (payload extensions).
+create or replace function pgstream._extensions_sql(p_items jsonb)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$ select pgstream._extensions_sql(p_items, null) $$;
 revoke all on function pgstream._extensions_sql(jsonb) from public;
+
+-- Extensions ([{"json_path": "a.b", "expression": ...}]) as the tree _extensions_sql takes.
+create or replace function pgstream._extension_items(p_extensions jsonb)
+returns jsonb
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce((
+        select pg_catalog.jsonb_agg(pg_catalog.jsonb_build_object(
+                   'parts', pg_catalog.to_jsonb(pg_catalog.string_to_array(x ->> 'json_path', '.')),
+                   'expr', x ->> 'expression') order by o)
+        from pg_catalog.jsonb_array_elements(p_extensions) with ordinality as e(x, o)), '[]'::pg_catalog.jsonb)
+$$;
+revoke all on function pgstream._extension_items(jsonb) from public;
 
 -- The extensions expression of one subscription.
 create or replace function pgstream._subscription_extensions_sql(p_sub pgstream.subscriptions)
@@ -526,13 +598,24 @@ returns text
 language sql
 immutable
 set search_path = pg_catalog, pg_temp
-as $$
-    select pgstream._extensions_sql(coalesce((
-        select jsonb_agg(jsonb_build_object('parts', to_jsonb(string_to_array(x ->> 'json_path', '.')),
-                                            'expr', x ->> 'expression') order by o)
-        from jsonb_array_elements(p_sub.payload_extensions) with ordinality as e(x, o)), '[]'::jsonb))
-$$;
+as $$ select pgstream._extensions_sql(pgstream._extension_items(p_sub.payload_extensions)) $$;
 revoke all on function pgstream._subscription_extensions_sql(pgstream.subscriptions) from public;
+
+-- The metadata expression of one subscription: its static metadata as a literal when it has no
+-- metadata extensions (the code generated before metadata extensions existed, byte for byte), else
+-- the computed keys merged over the static metadata (_extensions_sql).
+create or replace function pgstream._metadata_sql(p_sub pgstream.subscriptions)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when pg_catalog.jsonb_array_length(coalesce(p_sub.metadata_extensions, '[]'::pg_catalog.jsonb)) = 0
+                then pg_catalog.format('%L::pg_catalog.jsonb', p_sub.metadata)
+                else pgstream._extensions_sql(pgstream._extension_items(p_sub.metadata_extensions), p_sub.metadata)
+           end
+$$;
+revoke all on function pgstream._metadata_sql(pgstream.subscriptions) from public;
 
 -- The payload expression of one subscription (row and statement mode; p_op_sql and the table
 -- names are SQL: tg_* variables in row mode, literals in statement mode).
@@ -652,14 +735,14 @@ begin
 $b$    if %s then
         insert into pgstream.events (payload, stream_id, metadata)
         values (%s,
-                %s::pg_catalog.int8, %L::pg_catalog.jsonb);
+                %s::pg_catalog.int8, %s);
     end if;
 $b$,
                    case when s.when_clause is null then 'true' else pg_catalog.format('(%s)', s.when_clause) end,
                    pgstream._payload_sql(s, pg_catalog.format('%L::pg_catalog.text', s.key), 'tg_op', 'tg_table_name',
                                          'tg_table_schema', 'v_ts'),
                    s.stream_id,
-                   s.metadata), '' order by s.stream_id, s.key, s.id)
+                   pgstream._metadata_sql(s)), '' order by s.stream_id, s.key, s.id)
         into v_when, when_clause, v_blocks
         from pgstream.subscriptions s
         where s.schema_name = p_schema and s.table_name = p_table and s.operation = p_op
@@ -692,24 +775,28 @@ $f$, v_ts, v_blocks);
 
     -- Per subscription: one row of (payload or null when filtered out, stream_id, metadata) for the
     -- VALUES list, and the whole body for when it is the only one (a plain filtered INSERT ... SELECT,
-    -- about a third cheaper than the VALUES list).
+    -- about a third cheaper than the VALUES list). Computed metadata is filtered like the payload
+    -- (no expression runs for a row the subscription does not take); static metadata is a literal.
     select pg_catalog.count(*),
            pg_catalog.string_agg(pg_catalog.format(
-               '(case when %s then %s end, %s::pg_catalog.int8, %L::pg_catalog.jsonb)',
-               x.filter, x.payload, s.stream_id, s.metadata), E',\n            ' order by s.stream_id, s.key, s.id),
+               '(case when %s then %s end, %s::pg_catalog.int8, %s)',
+               x.filter, x.payload, s.stream_id,
+               case when pg_catalog.jsonb_array_length(s.metadata_extensions) = 0 then x.metadata
+                    else pg_catalog.format('case when %s then %s end', x.filter, x.metadata) end),
+               E',\n            ' order by s.stream_id, s.key, s.id),
            pg_catalog.min(pg_catalog.format(
 $f$
 #variable_conflict use_column
 begin
     insert into pgstream.events (payload, stream_id, metadata)
     select %s,
-           %s::pg_catalog.int8, %L::pg_catalog.jsonb
+           %s::pg_catalog.int8, %s
     from (select %s) as pgstream_ts(pgstream_ts_ms)
     cross join pgstream_%s as %s
     where %s;
     return null;
 end
-$f$, x.payload, s.stream_id, s.metadata, v_ts, v_src, v_src, x.filter))
+$f$, x.payload, s.stream_id, x.metadata, v_ts, v_src, v_src, x.filter))
     into v_count, v_blocks, function_body
     from pgstream.subscriptions s
     cross join lateral (select
@@ -717,8 +804,9 @@ $f$, x.payload, s.stream_id, s.metadata, v_ts, v_src, v_src, x.filter))
         pgstream._payload_sql(s, pg_catalog.format('%L::pg_catalog.text', s.key),
                               pg_catalog.format('%L::pg_catalog.text', p_op::text),
                               pg_catalog.format('%L::pg_catalog.text', p_table),
-                              pg_catalog.format('%L::pg_catalog.text', p_schema), 'pgstream_ts.pgstream_ts_ms')
-    ) as x(filter, payload)
+                              pg_catalog.format('%L::pg_catalog.text', p_schema), 'pgstream_ts.pgstream_ts_ms'),
+        pgstream._metadata_sql(s)
+    ) as x(filter, payload, metadata)
     where s.schema_name = p_schema and s.table_name = p_table and s.operation = p_op
       and s.trigger_mode = 'statement';
 
@@ -931,6 +1019,7 @@ begin
     new.when_clause := nullif(btrim(new.when_clause), '');
     new.column_names := coalesce(new.column_names, '{}');
     new.payload_extensions := coalesce(new.payload_extensions, '[]'::jsonb);
+    new.metadata_extensions := coalesce(new.metadata_extensions, '[]'::jsonb);
     new.trigger_mode := coalesce(new.trigger_mode, 'row');
     if tg_op = 'UPDATE' then
         new.updated_at := now();
@@ -1032,17 +1121,19 @@ begin
 
     perform pgstream.ensure_stream(p_stream_id);
 
-    create temporary table if not exists pgstream_set_subscriptions_input_v2 (
+    -- (v3: metadata_extensions; a new name, so that a table of an earlier shape created earlier in
+    -- the same transaction is never reused)
+    create temporary table if not exists pgstream_set_subscriptions_input_v3 (
         key text, operation pgstream.operation_type, schema_name text, table_name text,
         when_clause text, column_names text[], metadata jsonb, payload_extensions jsonb,
-        managed_by text, trigger_mode text
+        managed_by text, trigger_mode text, metadata_extensions jsonb
     ) on commit drop;
-    truncate pg_temp.pgstream_set_subscriptions_input_v2;
-    insert into pg_temp.pgstream_set_subscriptions_input_v2
+    truncate pg_temp.pgstream_set_subscriptions_input_v3;
+    insert into pg_temp.pgstream_set_subscriptions_input_v3
     select s.key, s.operation, coalesce(nullif(btrim(s.schema_name), ''), 'public'), s.table_name,
            nullif(btrim(s.when_clause), ''), coalesce(s.column_names, '{}'), s.metadata,
            coalesce(s.payload_extensions, '[]'::jsonb), coalesce(p_managed_by, s.managed_by),
-           coalesce(s.trigger_mode, 'row')
+           coalesce(s.trigger_mode, 'row'), coalesce(s.metadata_extensions, '[]'::jsonb)
     from unnest(coalesce(p_subscriptions, '{}')) s;
 
     return query
@@ -1050,7 +1141,7 @@ begin
     where t.stream_id = p_stream_id
       and (p_managed_by is null or t.managed_by is not distinct from p_managed_by)
       and not exists (
-          select 1 from pg_temp.pgstream_set_subscriptions_input_v2 i
+          select 1 from pg_temp.pgstream_set_subscriptions_input_v3 i
           where i.key = t.key and i.schema_name = t.schema_name
             and i.table_name = t.table_name and i.operation = t.operation)
     returning 'deleted'::text, t.key, t.schema_name, t.table_name, t.operation;
@@ -1062,8 +1153,9 @@ begin
         metadata = i.metadata,
         payload_extensions = i.payload_extensions,
         managed_by = i.managed_by,
-        trigger_mode = i.trigger_mode
-    from pg_temp.pgstream_set_subscriptions_input_v2 i
+        trigger_mode = i.trigger_mode,
+        metadata_extensions = i.metadata_extensions
+    from pg_temp.pgstream_set_subscriptions_input_v3 i
     where t.stream_id = p_stream_id
       and i.key = t.key and i.schema_name = t.schema_name
       and i.table_name = t.table_name and i.operation = t.operation
@@ -1072,16 +1164,17 @@ begin
            or t.metadata is distinct from i.metadata
            or t.payload_extensions is distinct from i.payload_extensions
            or t.managed_by is distinct from i.managed_by
-           or t.trigger_mode is distinct from i.trigger_mode)
+           or t.trigger_mode is distinct from i.trigger_mode
+           or t.metadata_extensions is distinct from i.metadata_extensions)
     returning 'updated'::text, t.key, t.schema_name, t.table_name, t.operation;
 
     return query
     insert into pgstream.subscriptions as t
         (key, stream_id, operation, schema_name, table_name, when_clause, column_names,
-         metadata, payload_extensions, managed_by, trigger_mode)
+         metadata, payload_extensions, managed_by, trigger_mode, metadata_extensions)
     select i.key, p_stream_id, i.operation, i.schema_name, i.table_name, i.when_clause,
-           i.column_names, i.metadata, i.payload_extensions, i.managed_by, i.trigger_mode
-    from pg_temp.pgstream_set_subscriptions_input_v2 i
+           i.column_names, i.metadata, i.payload_extensions, i.managed_by, i.trigger_mode, i.metadata_extensions
+    from pg_temp.pgstream_set_subscriptions_input_v3 i
     where not exists (
         select 1 from pgstream.subscriptions t
         where t.stream_id = p_stream_id and t.key = i.key and t.schema_name = i.schema_name
@@ -1089,7 +1182,7 @@ begin
     order by i.key, i.schema_name, i.table_name, i.operation
     returning 'inserted'::text, t.key, t.schema_name, t.table_name, t.operation;
 
-    truncate pg_temp.pgstream_set_subscriptions_input_v2;
+    truncate pg_temp.pgstream_set_subscriptions_input_v3;
 end
 $$;
 revoke all on function pgstream.set_subscriptions(bigint, pgstream.subscriptions[], text) from public;

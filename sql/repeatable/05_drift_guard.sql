@@ -3,7 +3,7 @@
 -- subscriptions in the way:
 --   * DROP TABLE / DROP SCHEMA / DROP OWNED of a subscribed table;
 --   * dropping, renaming or retyping a column a subscription uses (column_names, when_clause,
---     payload extension expressions), and changing the type of a column_names column;
+--     payload and metadata extension expressions), and changing the type of a column_names column;
 --   * renaming or moving a subscribed table or its schema;
 --   * dropping, renaming or disabling a generated trigger, dropping or altering a generated
 --     function.

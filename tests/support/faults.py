@@ -20,11 +20,13 @@ STREAM = 1
 SLOT = "pgstream_stream_1"
 
 
-def stream_config(endpoint: Endpoint, **over: Any) -> dict[str, Any]:
+def stream_config(sink: Endpoint | dict[str, Any], **over: Any) -> dict[str, Any]:
+    """Stream 1 to ``sink`` (the recording endpoint, or a sink configuration), small batches, short backoff."""
     cfg: dict[str, Any] = {
         "id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
         "retry": {"initial_backoff_secs": 0.5, "max_backoff_secs": 2},
-        "delivery": {"chunk_size": 20, "run_grace_secs": 2}, "sink": endpoint.sink(),
+        "delivery": {"chunk_size": 20, "run_grace_secs": 2},
+        "sink": sink.sink() if isinstance(sink, Endpoint) else sink,
     }
     cfg.update(over)
     return cfg
@@ -66,6 +68,19 @@ def drive(driver: Driver, done: Callable[[], bool], timeout: float = 300) -> flo
             driver.execute(request)
         time.sleep(0.05)
     return time.monotonic() - started
+
+
+def fail_into_failover(driver: Driver, url: str, timeout: float = 60) -> str:
+    """With the sink down: tick and execute (every run must fail) until the stream is in failover;
+    returns the failover's error."""
+    deadline = time.monotonic() + timeout
+    while not in_failover(url):
+        assert time.monotonic() < deadline, "the stream did not enter failover"
+        for request in driver.tick(STREAM).run_requests or []:
+            assert not driver.execute(request).success
+    error = stream_row(url)["failover_error"]
+    assert isinstance(error, str)
+    return error
 
 
 def delivered_all(endpoint: Endpoint, url: str) -> Callable[[], bool]:

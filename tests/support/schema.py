@@ -23,14 +23,16 @@ create table public.users (
 def subscribe(conn: psycopg.Connection, key: str, *, op: str = "INSERT", table: str = "users",
               schema: str = "public", when: str | None = None, columns: list[str] | None = None,
               extensions: list[dict[str, str]] | None = None, stream_id: int = 1,
-              metadata: dict[str, Any] | None = None, mode: str = "row") -> None:
+              metadata: Any = None, mode: str = "row",
+              metadata_extensions: list[dict[str, str]] | None = None) -> None:
     conn.execute(
         """insert into pgstream.subscriptions
            (key, stream_id, operation, schema_name, table_name, when_clause, column_names,
-            payload_extensions, metadata, trigger_mode)
-           values (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+            payload_extensions, metadata, trigger_mode, metadata_extensions)
+           values (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
         [key, stream_id, op, schema, table, when, columns if columns is not None else ["id", "email"],
-         Jsonb(extensions or []), Jsonb(metadata) if metadata is not None else None, mode],
+         Jsonb(extensions or []), Jsonb(metadata) if metadata is not None else None, mode,
+         Jsonb(metadata_extensions or [])],
     )
 
 
@@ -60,7 +62,8 @@ def set_subscriptions(conn: psycopg.Connection, stream_id: int, subs: list[dict[
     rows = [{"key": s["key"], "operation": s.get("operation", "INSERT"), "schema_name": s.get("schema_name", "public"),
              "table_name": s["table_name"], "when_clause": s.get("when_clause"),
              "column_names": s.get("column_names", ["id"]), "metadata": s.get("metadata") or None,
-             "payload_extensions": s.get("payload_extensions", []), "trigger_mode": s.get("trigger_mode")}
+             "payload_extensions": s.get("payload_extensions", []), "trigger_mode": s.get("trigger_mode"),
+             "metadata_extensions": s.get("metadata_extensions", [])}
             for s in subs]
     return conn.execute(
         "select action, key from pgstream.set_subscriptions(%s, array(select jsonb_populate_record("

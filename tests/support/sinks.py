@@ -10,6 +10,7 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.sinks import (
@@ -43,6 +44,17 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+def stop_process(process: subprocess.Popen[bytes] | None) -> None:
+    """Terminate a server process the test started (kill it if it takes longer than 10 s)."""
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
 def run_python(code: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
     root = Path(__file__).resolve().parents[2]
     return subprocess.run(
@@ -65,12 +77,33 @@ def wait_listening(proc: subprocess.Popen[bytes], port: int, log: Path, timeout:
             time.sleep(0.05)
 
 
-def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    """Terminate a server process (killed if it does not end within 10 s)."""
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+async def nats_admin(action: str, stream: str, subject: str = "", expected: int = 0,
+                     max_msg_size: int | None = None) -> list[Any]:
+    """JetStream administration on the NATS server on loopback: ``create`` the stream ``stream`` over
+    ``subject`` and ``subject.>``, ``delete`` it, or ``read`` (and ack) up to ``expected`` messages of
+    the subjects matching ``subject`` (``>``: all), returning ``[messages in the stream, messages read]``."""
+    import nats  # the sink's optional extra: imported by the tests that use it only
+
+    nc = await nats.connect(NATS_URL)
+    try:
+        js = nc.jetstream()
+        if action == "create":
+            limits = {} if max_msg_size is None else {"max_msg_size": max_msg_size}
+            await js.add_stream(name=stream, subjects=[subject, subject + ".>"], **limits)
+            return []
+        if action == "delete":
+            await js.delete_stream(stream)
+            return []
+        info = await js.stream_info(stream)
+        sub = await js.pull_subscribe(subject, stream=stream)
+        messages: list[Any] = []
+        deadline = time.monotonic() + 10
+        while len(messages) < expected and time.monotonic() < deadline:
+            batch = await sub.fetch(expected - len(messages), timeout=2)
+            for msg in batch:
+                await msg.ack()
+            messages += batch
+        await sub.unsubscribe()
+        return [info.state.messages, messages]
+    finally:
+        await nc.close()

@@ -1,0 +1,265 @@
+"""Postgres table sink (psycopg, a core dependency: no extra): each publish call writes its events
+into a table of another database (or another schema) in one transaction.
+
+Rows are keyed by the event id (``on conflict (id)``): ``mode: insert`` keeps the row first written
+(``do nothing``), ``mode: upsert`` overwrites it (``do update``); either way a replay or a retried call
+writes each event once. The whole call is one ``insert ... select ... from unnest(...)`` statement,
+committed once. The table name is validated (two identifiers, ``schema.table``) and always quoted
+(``psycopg.sql.Identifier``); no other text reaches the SQL.
+
+Permanent rejections (``SinkError.permanent``): an error that concerns an event's row, i.e. a data
+exception (SQLSTATE class 22, e.g. a value out of range for a column the target derives from the
+payload) or an integrity constraint violation (class 23: a check, not-null, foreign key, exclusion
+constraint, or a unique index other than the id's, refusing the row). The call is then written
+again one event at a time in one transaction, each row in a savepoint: the rows before the first
+refused event are committed, and the error names that event (a refusal that does not recur row by
+row, such as two events of the call colliding with each other, names the later one). A trigger on
+the target that rejects a row should raise one of those SQLSTATEs (``raise exception ... using
+errcode = 'check_violation'``) to make it permanent.
+
+Not permanent: a deferred constraint that fails at commit (no single row can be blamed), connection
+and authentication errors, a missing table, schema or column, missing
+privileges, a table without a unique index on ``id`` (``on conflict`` needs it), timeouts
+(``statement_timeout``), serialization failures, deadlocks, a read-only server, disk full, and every
+other error. A connection the server closed while the sink was idle is replaced once, at once, and
+the call is written again (idempotent: it is a single transaction keyed by event id).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import psycopg
+from psycopg import sql
+from pydantic import Field, SecretStr, field_validator
+
+from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, excerpt, redact_url, scrub
+
+__all__ = ["TABLE_COLUMNS", "PostgresSink", "PostgresSinkConfig"]
+
+log = logging.getLogger(__name__)
+
+#: an unquoted Postgres identifier (quoted as written, so use the name as the catalog spells it)
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_$]{0,62}"
+_QUALIFIED = re.compile(rf"({_IDENTIFIER})\.({_IDENTIFIER})")
+
+#: schemas the sink never writes to: pgstream's own, and the system's
+_RESERVED_SCHEMAS = frozenset({"pgstream", "information_schema"})
+
+#: the target table's columns, as ``create_table`` creates them (README, ``postgres`` sink)
+TABLE_COLUMNS = (
+    ("id", "pg_catalog.int8 primary key"),
+    ("stream_id", "pg_catalog.int8 not null"),
+    ("created_at", "pg_catalog.timestamptz not null"),
+    ("payload", "pg_catalog.jsonb not null"),
+    ("metadata", "pg_catalog.jsonb"),
+    ("received_at", "pg_catalog.timestamptz not null default pg_catalog.now()"),
+)
+
+#: SQLSTATE classes of errors that concern a row: data exceptions, integrity constraint violations
+_ROW_ERROR_CLASSES = ("22", "23")
+
+
+class PostgresSinkConfig(SinkConfigBase):
+    """Write each event as a row ``(id, stream_id, created_at, payload, metadata, received_at)`` of
+    ``table`` (``schema.table``) in the database at ``url``, one transaction per publish call.
+
+    ``mode: insert`` (default) leaves an existing row of the same id alone, ``mode: upsert`` replaces
+    its values (``received_at`` becomes the time of the last write). ``create_table: true`` creates the
+    table when it is missing (the schema must exist). ``timeout_secs`` bounds connecting and each
+    statement (``statement_timeout``).
+    """
+
+    type: Literal["postgres"] = "postgres"
+    url: SecretStr
+    table: str
+    mode: Literal["insert", "upsert"] = "insert"
+    create_table: bool = False
+    timeout_secs: float = Field(default=30, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, value: SecretStr) -> SecretStr:
+        text = value.get_secret_value().strip()
+        if not text.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL (postgresql://user:password@host:port/database)")
+        return SecretStr(text)
+
+    @field_validator("table")
+    @classmethod
+    def _qualified_table(cls, value: str) -> str:
+        match = _QUALIFIED.fullmatch(value)
+        if match is None:
+            raise ValueError(f"{value[:100]!r} is not schema.table (two identifiers of letters, digits, _ and $, "
+                             "each starting with a letter or _, at most 63 characters; used as written, quoted)")
+        schema = match.group(1)
+        if schema in _RESERVED_SCHEMAS or schema.lower().startswith("pg_"):
+            raise ValueError(f"schema {schema!r} is reserved (pgstream's own tables or the system's): "
+                             "write to a schema of your own")
+        return value
+
+    @property
+    def schema_name(self) -> str:
+        return self.table.split(".", 1)[0]
+
+    @property
+    def table_name(self) -> str:
+        return self.table.split(".", 1)[1]
+
+    def build(self) -> PostgresSink:
+        return PostgresSink(self)
+
+
+class PostgresSink(Sink):
+    """One connection for the sink's life, opened by the first publish; each call is one transaction."""
+
+    type_name: ClassVar[str] = "postgres"
+    config: PostgresSinkConfig
+
+    def __init__(self, config: PostgresSinkConfig) -> None:
+        super().__init__(config)
+        self._conn: psycopg.Connection[Any] | None = None
+        self._target = f"table {config.table} at {redact_url(config.url.get_secret_value())}"
+        self._table = sql.Identifier(config.schema_name, config.table_name)
+        self._insert = self._statement()
+
+    def _statement(self) -> sql.Composed:
+        names = ("id", "stream_id", "created_at", "payload", "metadata")
+        columns = sql.SQL(", ").join(sql.Identifier(name) for name in names)
+        conflict: sql.Composable
+        if self.config.mode == "insert":
+            conflict = sql.SQL("do nothing")
+        else:
+            updates = [sql.SQL("{0} = excluded.{0}").format(sql.Identifier(name)) for name in names[1:]]
+            updates.append(sql.SQL("{} = pg_catalog.now()").format(sql.Identifier("received_at")))
+            conflict = sql.SQL("do update set {}").format(sql.SQL(", ").join(updates))
+        return sql.SQL(
+            "insert into {table} ({columns}) "
+            "select i, s, c, p::pg_catalog.jsonb, m::pg_catalog.jsonb "
+            "from rows from (pg_catalog.unnest(%s::pg_catalog.int8[]), pg_catalog.unnest(%s::pg_catalog.int8[]), "
+            "pg_catalog.unnest(%s::pg_catalog.timestamptz[]), pg_catalog.unnest(%s::pg_catalog.text[]), "
+            "pg_catalog.unnest(%s::pg_catalog.text[])) with ordinality as t(i, s, c, p, m, n) order by n "
+            "on conflict ({id}) {conflict}"
+        ).format(table=self._table, columns=columns, id=sql.Identifier("id"), conflict=conflict)
+
+    # -- publishing ------------------------------------------------------------------------------------
+
+    def publish(self, events: Sequence[Event]) -> None:
+        if not events:
+            return
+        if self.config.mode == "upsert":  # one row may not be updated twice by one statement: the last wins
+            events = list({event.id: event for event in events}.values())
+        for attempt in (1, 2):
+            reused = self._conn is not None
+            conn = self._connected(events)
+            try:
+                self._write(conn, events)
+                return
+            except psycopg.OperationalError as exc:
+                broken = conn.broken or conn.closed
+                self.close()
+                if broken and reused and attempt == 1:  # closed by the server while idle: once more, afresh
+                    log.info("postgres sink: the connection to %s was closed (%s); reconnecting", self._target,
+                             describe_exception(exc, self.config.secret_values()))
+                    continue
+                raise self._failed(events, exc) from None
+            except psycopg.Error as exc:
+                if conn.broken or conn.closed:
+                    self.close()
+                raise self._failed(events, exc) from None
+
+    def _write(self, conn: psycopg.Connection[Any], events: Sequence[Event]) -> None:
+        try:
+            with conn.transaction():
+                conn.execute(self._insert, _columns(events))
+        except psycopg.Error as exc:
+            if not _about_a_row(exc):
+                raise
+            self._write_one_by_one(conn, events)
+
+    def _write_one_by_one(self, conn: psycopg.Connection[Any], events: Sequence[Event]) -> None:
+        """Find the first event whose row the target refuses: the rows before it are committed, then it is
+        rejected (permanently). When every row goes in alone, they are all committed and nothing is raised."""
+        rejection: SinkError | None = None
+        with conn.transaction():
+            for event in events:
+                try:
+                    with conn.transaction():  # a savepoint: a refused row leaves the rows before it
+                        conn.execute(self._insert, _columns([event]))
+                except psycopg.Error as exc:
+                    if not _about_a_row(exc):
+                        raise
+                    reason = f"{self._target} refused the row: {_describe_sql_error(exc, self.config.secret_values())}"
+                    rejection = self._error([event], reason, permanent=True)
+                    break
+        if rejection is not None:
+            raise rejection
+
+    # -- the connection --------------------------------------------------------------------------------
+
+    def _connected(self, events: Sequence[Event]) -> psycopg.Connection[Any]:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        self._conn = None
+        timeout = self.config.timeout_secs
+        try:
+            conn = psycopg.connect(self.config.url.get_secret_value(), autocommit=True,
+                                   connect_timeout=max(2, math.ceil(timeout)), application_name="pgstream-dagster")
+        except psycopg.Error as exc:
+            reason = f"cannot connect to {self._target}: {describe_exception(exc, self.config.secret_values())}"
+            raise self._error(events, reason) from None
+        try:
+            # every name the sink writes is qualified; nothing of the target's search_path is needed
+            conn.execute("select pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false), "
+                         "pg_catalog.set_config('statement_timeout', %s, false)", [f"{math.ceil(timeout * 1000)}ms"])
+            if self.config.create_table:
+                conn.execute(self._create_table())
+        except psycopg.Error as exc:
+            conn.close()
+            raise self._failed(events, exc) from None
+        self._conn = conn
+        return conn
+
+    def _create_table(self) -> sql.Composed:
+        columns = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(name), sql.SQL(definition))
+                                     for name, definition in TABLE_COLUMNS)
+        return sql.SQL("create table if not exists {} ({})").format(self._table, columns)
+
+    # -- errors ----------------------------------------------------------------------------------------
+
+    def _failed(self, events: Sequence[Event], exc: psycopg.Error) -> SinkError:
+        reason = f"writing to {self._target} failed: {_describe_sql_error(exc, self.config.secret_values())}"
+        if exc.sqlstate == "42P01":  # undefined_table
+            reason += " (create the table, README 'postgres' sink, or set create_table: true)"
+        elif exc.sqlstate == "42P10":  # invalid_column_reference: on conflict (id) without a unique index
+            reason += " (the table needs a primary key or unique index on id)"
+        return self._error(events, reason)
+
+    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
+        return SinkError.for_events("postgres", events, reason, self.config.secret_values(), permanent=permanent)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
+def _columns(events: Sequence[Event]) -> list[list[Any]]:
+    return [[e.id for e in events], [e.stream_id for e in events], [e.created_at for e in events],
+            [e.payload_json for e in events], [e.metadata_json for e in events]]
+
+
+def _about_a_row(exc: psycopg.Error) -> bool:
+    return (exc.sqlstate or "")[:2] in _ROW_ERROR_CLASSES
+
+
+def _describe_sql_error(exc: psycopg.Error, secrets: list[str]) -> str:
+    """The error's class, SQLSTATE and primary message (never its DETAIL, which may quote a whole row),
+    ``secrets`` masked before it is shortened."""
+    primary = exc.diag.message_primary or str(exc)
+    state = f" ({exc.sqlstate})" if exc.sqlstate else ""
+    return excerpt(scrub(f"{type(exc).__name__}{state}: {primary}", secrets), 300)
