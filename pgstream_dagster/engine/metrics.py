@@ -1,0 +1,249 @@
+"""Prometheus metrics, computed from the database at every scrape (``pgstream-dagster metrics``).
+
+The collector keeps no count of its own: every value is read from ``pgstream.metrics``
+(sql/repeatable/09_metrics.sql) in one read-only statement, so any number of exporters agree, an
+exporter restart loses nothing and a delivery run that ends takes nothing with it. Counters are
+durable rows (``pgstream.stream_counters``) that the ledger's, dead letters' and failovers' triggers
+increment in the transaction of the change they count; ``prune_batches`` deletes batches, never
+counts. Histograms are counts per bucket in the same table.
+
+A scrape is bounded (see the view) and takes no lock a delivery waits for: it only reads, in a
+read-only transaction with ``statement_timeout`` and ``lock_timeout`` set. When the database
+cannot be read, the scrape still answers, with ``pgstream_up 0``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import psycopg
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+Kind = Literal["counter", "gauge"]
+
+#: the read of one scrape (the view is the one place that knows where each value comes from)
+_QUERY = "select metric, stream_id, label, value from pgstream.metrics"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """An exported metric: ``name`` (without ``_total`` for a counter), its type, help text, and the
+    name of the label that the view's ``label`` column fills (``None``: it has none)."""
+
+    name: str
+    kind: Kind
+    help: str
+    label: str | None = None
+    per_stream: bool = True
+
+
+#: the view's ``metric`` -> what is exported. A per-stream counter without a label is exported as 0
+#: for a stream that has no row yet.
+METRICS: dict[str, MetricSpec] = {spec_key: spec for spec_key, spec in [
+    ("events_recorded", MetricSpec("pgstream_events_recorded", "counter",
+                                   "Events the stream's sensor recorded in the ledger (read from the slot, or "
+                                   "recovered from the table)")),
+    ("events_written", MetricSpec("pgstream_events_written", "counter",
+                                  "Events written to pgstream.events, by subscription key (payload.tg_name of a "
+                                  "subscription of the stream; '' for other events, e.g. manual ones); counted when "
+                                  "the sensor records them, not by the triggers that write them",
+                                  label="subscription")),
+    ("batches_recorded", MetricSpec("pgstream_batches_recorded", "counter", "Batches recorded in the ledger")),
+    ("events_delivered", MetricSpec("pgstream_events_delivered", "counter",
+                                    "Events the sink confirmed, counted when their batch is marked delivered "
+                                    "(events set aside as dead letters excluded)")),
+    ("batches_delivered", MetricSpec("pgstream_batches_delivered", "counter", "Batches marked delivered")),
+    ("events_skipped", MetricSpec("pgstream_events_skipped", "counter", "Events of batches an operator skipped")),
+    ("batches_skipped", MetricSpec("pgstream_batches_skipped", "counter", "Batches an operator skipped")),
+    ("delivery_attempts", MetricSpec("pgstream_delivery_attempts", "counter",
+                                     "Batches handed to a delivery run (each attempt of each batch)")),
+    ("delivery_attempts_failed", MetricSpec("pgstream_delivery_attempts_failed", "counter",
+                                            "Failed delivery attempts (a run failed on the batch: it is retried)")),
+    ("dead_letters_opened", MetricSpec("pgstream_dead_letters_opened", "counter",
+                                       "Events set aside as dead letters")),
+    ("dead_letters_redelivered", MetricSpec("pgstream_dead_letters_redelivered", "counter",
+                                            "Dead letters redelivered")),
+    ("dead_letters_discarded", MetricSpec("pgstream_dead_letters_discarded", "counter", "Dead letters discarded")),
+    ("failovers_entered", MetricSpec("pgstream_failovers_entered", "counter", "Times the stream entered failover")),
+    ("failovers_recovered", MetricSpec("pgstream_failovers_recovered", "counter",
+                                       "Times the stream left failover (caught up)")),
+    ("backlog_events", MetricSpec("pgstream_backlog_events", "gauge",
+                                  "Events recorded and not delivered yet (open batches: pending, launched, failed)")),
+    ("backlog_batches", MetricSpec("pgstream_backlog_batches", "gauge", "Open batches")),
+    ("oldest_undelivered_age", MetricSpec("pgstream_oldest_undelivered_age_seconds", "gauge",
+                                          "Seconds since the first commit of the oldest open batch (0: none)")),
+    ("batches_in_flight", MetricSpec("pgstream_batches_in_flight", "gauge",
+                                     "Batches handed to a delivery run and not confirmed yet (launched)")),
+    ("open_run", MetricSpec("pgstream_open_run", "gauge",
+                            "1 while the stream has an open delivery run that takes new batches")),
+    ("paused", MetricSpec("pgstream_paused", "gauge", "1 while the stream is paused")),
+    ("recovering", MetricSpec("pgstream_recovering", "gauge",
+                              "1 while a lost slot is being replaced and events recovered from the table")),
+    ("failover_active", MetricSpec("pgstream_failover_active", "gauge", "1 while the stream is in failover")),
+    ("failover_since", MetricSpec("pgstream_failover_since_timestamp_seconds", "gauge",
+                                  "When the current failover began (Unix time; 0: not in failover)")),
+    ("failover_current", MetricSpec("pgstream_failover_current_seconds", "gauge",
+                                    "How long the current failover has lasted (0: not in failover)")),
+    ("failover_attempts", MetricSpec("pgstream_failover_checkpoint_attempts", "gauge",
+                                     "Failed attempts at the failover checkpoint so far (0: not in failover)")),
+    ("dead_letters_open", MetricSpec("pgstream_dead_letters_open", "gauge", "Open dead letters")),
+    ("slot_info", MetricSpec("pgstream_slot_info", "gauge", "The stream's replication slot (always 1)",
+                             label="slot")),
+    ("slot_exists", MetricSpec("pgstream_slot_exists", "gauge", "1 if the stream's slot exists")),
+    ("slot_active", MetricSpec("pgstream_slot_active", "gauge", "1 while a session reads the slot")),
+    ("slot_retained_wal", MetricSpec("pgstream_slot_retained_wal_bytes", "gauge",
+                                     "WAL the slot holds back (current WAL position minus its restart_lsn)")),
+    ("slot_lag", MetricSpec("pgstream_slot_lag_bytes", "gauge",
+                            "WAL not yet confirmed by the stream (current WAL position minus confirmed_flush_lsn)")),
+    ("slot_wal_status", MetricSpec("pgstream_slot_wal_status", "gauge",
+                                   "1 for the slot's wal_status (reserved, extended, unreserved, lost; missing: no "
+                                   "slot), 0 for the others", label="wal_status")),
+    ("housekeeping_last_run", MetricSpec("pgstream_housekeeping_last_run_timestamp_seconds", "gauge",
+                                         "When the last housekeeping pass ran (Unix time)", per_stream=False)),
+    ("housekeeping_partitions", MetricSpec("pgstream_housekeeping_partitions", "gauge",
+                                           "Partitions the last housekeeping pass created, dropped, or kept past "
+                                           "retention (they hold undelivered events)", label="result",
+                                           per_stream=False)),
+    ("housekeeping_rows", MetricSpec("pgstream_housekeeping_rows", "gauge",
+                                     "Rows the last housekeeping pass dropped with partitions, or deleted from "
+                                     "events_default", label="result", per_stream=False)),
+    ("housekeeping_bytes_dropped", MetricSpec("pgstream_housekeeping_bytes_dropped", "gauge",
+                                              "Bytes of the partitions the last housekeeping pass dropped",
+                                              per_stream=False)),
+    ("housekeeping_batches_pruned", MetricSpec("pgstream_housekeeping_batches_pruned", "gauge",
+                                               "Ledger batches the last housekeeping pass pruned", per_stream=False)),
+    ("housekeeping_warnings", MetricSpec("pgstream_housekeeping_warnings", "gauge",
+                                         "Warnings of the last housekeeping pass", per_stream=False)),
+    ("events_partitions", MetricSpec("pgstream_events_partitions", "gauge",
+                                     "Partitions of pgstream.events (daily ones and the default)", per_stream=False)),
+]}
+
+#: histograms: the view's ``<key>_bucket`` (label: upper bound) and ``<key>_sum`` rows, bounds from
+#: ``bucket_bound`` rows (pgstream.metric_buckets)
+HISTOGRAMS: dict[str, tuple[str, str]] = {
+    "delivery_lag": ("pgstream_delivery_lag_seconds",
+                     "Commit to delivery, one observation per delivered batch: seconds from the commit of the "
+                     "batch's first transaction to the moment the batch was marked delivered (its longest wait)"),
+    "failover_duration": ("pgstream_failover_duration_seconds",
+                          "Duration of each failover that ended (entered to caught up)"),
+}
+
+UP = "pgstream_up"
+SCRAPE_DURATION = "pgstream_scrape_duration_seconds"
+
+
+def _label_value(value: float) -> str:
+    return "+Inf" if math.isinf(value) else f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Row:
+    metric: str
+    stream_id: int | None
+    label: str
+    value: float
+
+
+def read(conn: psycopg.Connection, timeout_secs: float) -> list[Row]:
+    """One scrape's rows, read in a read-only transaction that gives up after ``timeout_secs`` and
+    never waits for a lock more than a second."""
+    with conn.transaction():
+        conn.execute("set transaction read only")
+        conn.execute("select set_config('statement_timeout', %s, true), set_config('lock_timeout', %s, true)",
+                     [f"{max(1, int(timeout_secs * 1000))}ms", f"{min(1000, max(1, int(timeout_secs * 1000)))}ms"])
+        rows = conn.execute(_QUERY).fetchall()
+    return [Row(str(m), int(s) if s is not None else None, str(label), float(v)) for m, s, label, v in rows]
+
+
+def families(rows: list[Row]) -> list[Metric]:
+    """The metric families of one scrape's rows (unknown rows are left out: a newer database)."""
+    streams = sorted({r.stream_id for r in rows if r.stream_id is not None and r.metric == "paused"})
+    bounds: dict[str, list[float]] = defaultdict(list)
+    values: dict[str, dict[tuple[int | None, str], float]] = defaultdict(dict)
+    for r in rows:
+        if r.metric == "bucket_bound":
+            bounds[r.label].append(r.value)
+        else:
+            values[r.metric][(r.stream_id, r.label)] = r.value
+    out: list[Metric] = []
+    for key, spec in METRICS.items():
+        got = values.get(key, {})
+        if spec.kind == "counter" and spec.label is None and spec.per_stream:
+            got = {(s, ""): got.get((s, ""), 0.0) for s in streams}
+        labels = (["stream"] if spec.per_stream else []) + ([spec.label] if spec.label else [])
+        family: CounterMetricFamily | GaugeMetricFamily
+        if spec.kind == "counter":
+            family = CounterMetricFamily(spec.name, spec.help, labels=labels)
+        else:
+            family = GaugeMetricFamily(spec.name, spec.help, labels=labels)
+        for (stream_id, label), value in sorted(got.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
+            family.add_metric(([str(stream_id)] if spec.per_stream else []) + ([label] if spec.label else []), value)
+        out.append(family)
+    for key, (name, text) in HISTOGRAMS.items():
+        le = sorted(bounds.get(key, [])) or [math.inf]
+        family_h = HistogramMetricFamily(name, text, labels=["stream"])
+        counts = values.get(f"{key}_bucket", {})
+        sums = values.get(f"{key}_sum", {})
+        for stream_id in streams:
+            per_bound = {float(label): v for (s, label), v in counts.items() if s == stream_id}
+            cumulative, buckets = 0.0, []
+            for bound in le:
+                cumulative += per_bound.get(bound, 0.0)
+                buckets.append((_label_value(bound), cumulative))
+            family_h.add_metric([str(stream_id)], buckets, sums.get((stream_id, ""), 0.0))
+        out.append(family_h)
+    return out
+
+
+class PgstreamCollector(Collector):
+    """A custom collector: every ``collect()`` reads the database (see the module docstring).
+
+    One connection is kept between scrapes (opened again after an error); scrapes of one exporter
+    are serialised on it."""
+
+    def __init__(self, database_url: str, timeout_secs: float = 5.0) -> None:
+        self._url = database_url
+        self._timeout = timeout_secs
+        self._conn: psycopg.Connection | None = None
+        self._lock = threading.Lock()
+        self.last_error: str | None = None
+
+    def _connection(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self._url, autocommit=True, application_name="pgstream metrics",
+                                         connect_timeout=max(1, int(self._timeout)))
+        return self._conn
+
+    def collect(self) -> Iterator[Metric]:
+        started = time.monotonic()
+        with self._lock:
+            try:
+                rows = read(self._connection(), self._timeout)
+                self.last_error = None
+            except psycopg.Error as exc:
+                self.last_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+                self.close()
+                rows = None
+        up = GaugeMetricFamily(UP, "1 if the last scrape read the database, 0 if it could not")
+        up.add_metric([], 1.0 if rows is not None else 0.0)
+        duration = GaugeMetricFamily(SCRAPE_DURATION, "How long the scrape's read of the database took")
+        duration.add_metric([], time.monotonic() - started)
+        if rows is not None:
+            yield from families(rows)
+        yield up
+        yield duration
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def __repr__(self) -> str:  # never the URL
+        return "PgstreamCollector()"
