@@ -266,10 +266,10 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     from .config import MetricsSettings, config_path, load_metrics_settings
     from .exporter import serve_forever, start
 
-    if args.config:
-        settings = load_metrics_settings(args.config)
-    elif config_path().exists():
-        settings = load_metrics_settings(config_path())
+    path = Path(args.config) if args.config else config_path()
+    if args.config or path.exists():
+        # with --database-url the file's database_url (and the variables it names) is not needed
+        settings = load_metrics_settings(path, database_url=not args.database_url)
     else:
         settings = MetricsSettings()
     metrics = settings.metrics
@@ -281,7 +281,7 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
                          "pgstream.yaml, or set PGSTREAM_DATABASE_URL")
     exporter = start(url, args.host or metrics.host, metrics.port if args.port is None else args.port,
                      metrics.scrape_timeout_secs)
-    serve_forever(exporter, lambda line: print(line, flush=True))
+    serve_forever(exporter, lambda line: print(line, flush=True), exit_with_parent=args.exit_with_parent)
     return 0
 
 
@@ -366,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="address to listen on (default: metrics.host, 127.0.0.1)")
     p.add_argument("--port", type=_ranged("port", 0, 65535), default=None,
                    help="port to listen on (default: metrics.port, 9187; 0: any free port)")
+    p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)  # make dev's exporter
     p.set_defaults(func=_cmd_metrics)
 
     p = sub.add_parser("dev", help="local Postgres + migrations + demo + `dagster dev` (what `make dev` runs)")

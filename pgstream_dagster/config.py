@@ -415,8 +415,9 @@ class MetricsSettings(BaseModel):
     metrics: MetricsConfig = MetricsConfig()
 
 
-def load_metrics_settings(path: Path | str) -> MetricsSettings:
-    """``database_url`` and the ``metrics`` block of the configuration file at ``path``."""
+def load_metrics_settings(path: Path | str, *, database_url: bool = True) -> MetricsSettings:
+    """``database_url`` (unless ``database_url`` is false: the caller has its own) and the ``metrics``
+    block of the configuration file at ``path``."""
     p = Path(path)
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
@@ -426,7 +427,7 @@ def load_metrics_settings(path: Path | str) -> MetricsSettings:
         raise ConfigError(f"{p}: invalid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
-    wanted = {k: data[k] for k in ("database_url", "metrics") if k in data}
+    wanted = {k: data[k] for k in ("database_url", "metrics") if k in data and (database_url or k == "metrics")}
     return _validated(MetricsSettings, wanted, str(p))
 
 

@@ -4,6 +4,7 @@ reads the database at every scrape (the metrics and their SQL: ``engine/metrics.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -60,9 +61,11 @@ def start(database_url: str, host: str, port: int, timeout_secs: float = 5.0) ->
     return Exporter(server, thread, collector, host, int(server.server_port))
 
 
-def serve_forever(exporter: Exporter, log: Callable[[str], None] = print) -> None:
-    """Block until SIGINT or SIGTERM, then stop the exporter."""
+def serve_forever(exporter: Exporter, log: Callable[[str], None] = print, *, exit_with_parent: bool = False) -> None:
+    """Block until SIGINT or SIGTERM (``exit_with_parent``: or until the process that started this
+    one is gone, as for the exporter ``make dev`` starts beside ``dg dev``), then stop the exporter."""
     stop = threading.Event()
+    parent = os.getppid()
 
     def handler(signum: int, frame: FrameType | None) -> None:
         stop.set()
@@ -70,8 +73,9 @@ def serve_forever(exporter: Exporter, log: Callable[[str], None] = print) -> Non
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     log(f"serving Prometheus metrics on {exporter.url}")
     try:
-        while not stop.wait(3600):
-            pass
+        while not stop.wait(1.0 if exit_with_parent else 3600):
+            if exit_with_parent and os.getppid() != parent:
+                break
     finally:
         exporter.stop()
         for sig, old in previous.items():
