@@ -15,10 +15,11 @@ cannot be read, the scrape still answers, with ``pgstream_up 0``.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -208,8 +209,10 @@ class PgstreamCollector(Collector):
     One connection is kept between scrapes (opened again after an error); scrapes of one exporter
     are serialised on it."""
 
-    def __init__(self, database_url: str, timeout_secs: float = 5.0) -> None:
+    def __init__(self, database_url: str, timeout_secs: float = 5.0,
+                 log: Callable[[str], None] | None = None) -> None:
         self._url = database_url
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._timeout = timeout_secs
         self._conn: psycopg.Connection | None = None
         self._lock = threading.Lock()
@@ -226,9 +229,14 @@ class PgstreamCollector(Collector):
         with self._lock:
             try:
                 rows = read(self._connection(), self._timeout)
+                if self.last_error is not None:
+                    self._log("pgstream metrics: reading the database again")
                 self.last_error = None
             except psycopg.Error as exc:
-                self.last_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+                error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                if error != self.last_error:  # once per kind of failure, not at every scrape
+                    self._log(f"pgstream metrics: cannot read the database ({error}); reporting {UP} 0")
+                self.last_error = error
                 self.close()
                 rows = None
         up = GaugeMetricFamily(UP, "1 if the last scrape read the database, 0 if it could not")
