@@ -59,6 +59,21 @@ def ledger(url: str) -> dict[str, Any]:
     return row
 
 
+def started(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> Driver:
+    """The in-process driver of stream 1 (to the HTTP endpoint), after its first tick (stream row, slot)."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    return driver
+
+
+def delivered(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint, events: int) -> Driver:
+    """A started driver that has delivered ``events`` events, and every batch marked delivered."""
+    driver = started(db_url, tmp_path, instance, endpoint)
+    insert_events(db_url, STREAM, events)
+    drive(driver, lambda: len(endpoint.unique()) >= events and ledger(db_url)["open_events"] == 0)
+    return driver
+
+
 def counters(samples: Samples) -> Samples:
     """The samples that must never go down: counters and histograms."""
     return {k: v for k, v in samples.items() if k[0].endswith(("_total", "_bucket", "_sum", "_count"))}
@@ -66,8 +81,7 @@ def counters(samples: Samples) -> Samples:
 
 def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                                          endpoint: Endpoint, metrics_url: str) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)  # the stream row and its slot
+    driver = started(db_url, tmp_path, instance, endpoint)
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute(USERS)
         subscribe(conn, "user-signup", columns=["id", "email"])
@@ -138,10 +152,7 @@ def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: 
 
 def test_failover_gauges_during_an_outage(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                           endpoint: Endpoint, metrics_url: str) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
-    insert_events(db_url, STREAM, 40)
-    drive(driver, lambda: len(endpoint.unique()) >= 40)
+    driver = delivered(db_url, tmp_path, instance, endpoint, 40)
     s = scrape(metrics_url)
     assert value(s, "pgstream_failover_active", stream=S) == 0
     assert value(s, "pgstream_failovers_entered_total", stream=S) == 0
@@ -182,10 +193,7 @@ def test_failover_gauges_during_an_outage(db_url: str, tmp_path: Path, instance:
 def test_counters_survive_exporter_restarts_and_ledger_pruning(db_url: str, tmp_path: Path,
                                                                instance: dg.DagsterInstance,
                                                                endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
-    insert_events(db_url, STREAM, 150)
-    drive(driver, lambda: len(endpoint.unique()) >= 150 and ledger(db_url)["open_events"] == 0)
+    delivered(db_url, tmp_path, instance, endpoint, 150)
 
     first, second = exporter.start(db_url, "127.0.0.1", 0), exporter.start(db_url, "127.0.0.1", 0)
     try:
@@ -222,10 +230,7 @@ def test_counters_survive_exporter_restarts_and_ledger_pruning(db_url: str, tmp_
 
 def test_a_read_only_role_with_the_documented_grants_scrapes_and_can_do_nothing_else(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
-    insert_events(db_url, STREAM, 30)
-    drive(driver, lambda: len(endpoint.unique()) >= 30 and ledger(db_url)["open_events"] == 0)
+    delivered(db_url, tmp_path, instance, endpoint, 30)
     role = f"metrics_{db_url.rsplit('/', 1)[1]}"
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute(sql.SQL("create role {} login").format(sql.Identifier(role)))
@@ -290,8 +295,7 @@ def test_a_scrape_never_blocks_delivery_and_never_waits_long_for_a_lock(db_url: 
 
 def test_the_status_shows_an_open_run_that_is_gone_as_gone(db_url: str, tmp_path: Path,
                                                            instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    driver = started(db_url, tmp_path, instance, endpoint)
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("update pgstream.streams set open_run_key = 'pgstream-s1-gone-b1-a1' where id = 1")
     driver.observations.clear()

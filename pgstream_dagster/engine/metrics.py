@@ -21,9 +21,11 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import psycopg
+import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -45,96 +47,18 @@ class MetricSpec:
     per_stream: bool = True
 
 
-#: the view's ``metric`` -> what is exported. A per-stream counter without a label is exported as 0
-#: for a stream that has no row yet.
-METRICS: dict[str, MetricSpec] = {spec_key: spec for spec_key, spec in [
-    ("events_recorded", MetricSpec("pgstream_events_recorded", "counter",
-                                   "Events the stream's sensor recorded in the ledger (read from the slot, or "
-                                   "recovered from the table)")),
-    ("events_written", MetricSpec("pgstream_events_written", "counter",
-                                  "Events written to pgstream.events, by subscription key (payload.tg_name of a "
-                                  "subscription of the stream; '' for other events, e.g. manual ones); counted when "
-                                  "the sensor records them, not by the triggers that write them",
-                                  label="subscription")),
-    ("batches_recorded", MetricSpec("pgstream_batches_recorded", "counter", "Batches recorded in the ledger")),
-    ("events_delivered", MetricSpec("pgstream_events_delivered", "counter",
-                                    "Events the sink confirmed, counted when their batch is marked delivered "
-                                    "(events set aside as dead letters excluded)")),
-    ("batches_delivered", MetricSpec("pgstream_batches_delivered", "counter", "Batches marked delivered")),
-    ("events_skipped", MetricSpec("pgstream_events_skipped", "counter", "Events of batches an operator skipped")),
-    ("batches_skipped", MetricSpec("pgstream_batches_skipped", "counter", "Batches an operator skipped")),
-    ("delivery_attempts", MetricSpec("pgstream_delivery_attempts", "counter",
-                                     "Batches handed to a delivery run (each attempt of each batch)")),
-    ("delivery_attempts_failed", MetricSpec("pgstream_delivery_attempts_failed", "counter",
-                                            "Failed delivery attempts (a run failed on the batch: it is retried)")),
-    ("dead_letters_opened", MetricSpec("pgstream_dead_letters_opened", "counter",
-                                       "Events set aside as dead letters")),
-    ("dead_letters_redelivered", MetricSpec("pgstream_dead_letters_redelivered", "counter",
-                                            "Dead letters redelivered")),
-    ("dead_letters_discarded", MetricSpec("pgstream_dead_letters_discarded", "counter", "Dead letters discarded")),
-    ("failovers_entered", MetricSpec("pgstream_failovers_entered", "counter", "Times the stream entered failover")),
-    ("failovers_recovered", MetricSpec("pgstream_failovers_recovered", "counter",
-                                       "Times the stream left failover (caught up)")),
-    ("backlog_events", MetricSpec("pgstream_backlog_events", "gauge",
-                                  "Events recorded and not delivered yet (open batches: pending, launched, failed)")),
-    ("backlog_batches", MetricSpec("pgstream_backlog_batches", "gauge", "Open batches")),
-    ("oldest_undelivered_age", MetricSpec("pgstream_oldest_undelivered_age_seconds", "gauge",
-                                          "Seconds since the first commit of the oldest open batch (0: none)")),
-    ("batches_in_flight", MetricSpec("pgstream_batches_in_flight", "gauge",
-                                     "Batches handed to a delivery run and not confirmed yet (launched)")),
-    ("open_run", MetricSpec("pgstream_open_run", "gauge",
-                            "1 while the stream has an open delivery run that takes new batches")),
-    ("paused", MetricSpec("pgstream_paused", "gauge", "1 while the stream is paused")),
-    ("recovering", MetricSpec("pgstream_recovering", "gauge",
-                              "1 while a lost slot is being replaced and events recovered from the table")),
-    ("failover_active", MetricSpec("pgstream_failover_active", "gauge", "1 while the stream is in failover")),
-    ("failover_since", MetricSpec("pgstream_failover_since_timestamp_seconds", "gauge",
-                                  "When the current failover began (Unix time; 0: not in failover)")),
-    ("failover_current", MetricSpec("pgstream_failover_current_seconds", "gauge",
-                                    "How long the current failover has lasted (0: not in failover)")),
-    ("failover_attempts", MetricSpec("pgstream_failover_checkpoint_attempts", "gauge",
-                                     "Failed attempts at the failover checkpoint so far (0: not in failover)")),
-    ("dead_letters_open", MetricSpec("pgstream_dead_letters_open", "gauge", "Open dead letters")),
-    ("slot_info", MetricSpec("pgstream_slot_info", "gauge", "The stream's replication slot (always 1)",
-                             label="slot")),
-    ("slot_exists", MetricSpec("pgstream_slot_exists", "gauge", "1 if the stream's slot exists")),
-    ("slot_active", MetricSpec("pgstream_slot_active", "gauge", "1 while a session reads the slot")),
-    ("slot_retained_wal", MetricSpec("pgstream_slot_retained_wal_bytes", "gauge",
-                                     "WAL the slot holds back (current WAL position minus its restart_lsn)")),
-    ("slot_lag", MetricSpec("pgstream_slot_lag_bytes", "gauge",
-                            "WAL not yet confirmed by the stream (current WAL position minus confirmed_flush_lsn)")),
-    ("slot_wal_status", MetricSpec("pgstream_slot_wal_status", "gauge",
-                                   "1 for the slot's wal_status (reserved, extended, unreserved, lost; missing: no "
-                                   "slot), 0 for the others", label="wal_status")),
-    ("housekeeping_last_run", MetricSpec("pgstream_housekeeping_last_run_timestamp_seconds", "gauge",
-                                         "When the last housekeeping pass ran (Unix time)", per_stream=False)),
-    ("housekeeping_partitions", MetricSpec("pgstream_housekeeping_partitions", "gauge",
-                                           "Partitions the last housekeeping pass created, dropped, or kept past "
-                                           "retention (they hold undelivered events)", label="result",
-                                           per_stream=False)),
-    ("housekeeping_rows", MetricSpec("pgstream_housekeeping_rows", "gauge",
-                                     "Rows the last housekeeping pass dropped with partitions, or deleted from "
-                                     "events_default", label="result", per_stream=False)),
-    ("housekeeping_bytes_dropped", MetricSpec("pgstream_housekeeping_bytes_dropped", "gauge",
-                                              "Bytes of the partitions the last housekeeping pass dropped",
-                                              per_stream=False)),
-    ("housekeeping_batches_pruned", MetricSpec("pgstream_housekeeping_batches_pruned", "gauge",
-                                               "Ledger batches the last housekeeping pass pruned", per_stream=False)),
-    ("housekeeping_warnings", MetricSpec("pgstream_housekeeping_warnings", "gauge",
-                                         "Warnings of the last housekeeping pass", per_stream=False)),
-    ("events_partitions", MetricSpec("pgstream_events_partitions", "gauge",
-                                     "Partitions of pgstream.events (daily ones and the default)", per_stream=False)),
-]}
+def _definitions() -> tuple[dict[str, MetricSpec], dict[str, tuple[str, str]]]:
+    data = yaml.safe_load((Path(__file__).with_name("metrics.yaml")).read_text(encoding="utf-8"))
+    metrics = {key: MetricSpec(d["name"], d["type"], d["help"], d.get("label"), d.get("per_stream", True))
+               for key, d in data["metrics"].items()}
+    histograms = {key: (d["name"], d["help"]) for key, d in data["histograms"].items()}
+    return metrics, histograms
 
-#: histograms: the view's ``<key>_bucket`` (label: upper bound) and ``<key>_sum`` rows, bounds from
-#: ``bucket_bound`` rows (pgstream.metric_buckets)
-HISTOGRAMS: dict[str, tuple[str, str]] = {
-    "delivery_lag": ("pgstream_delivery_lag_seconds",
-                     "Commit to delivery, one observation per delivered batch: seconds from the commit of the "
-                     "batch's first transaction to the moment the batch was marked delivered (its longest wait)"),
-    "failover_duration": ("pgstream_failover_duration_seconds",
-                          "Duration of each failover that ended (entered to caught up)"),
-}
+
+#: the view's ``metric`` -> what is exported (``metrics.yaml``, next to this module); histograms: the
+#: view's ``<key>_bucket`` (label: upper bound) and ``<key>_sum`` rows, bounds from ``bucket_bound``
+#: rows (pgstream.metric_buckets)
+METRICS, HISTOGRAMS = _definitions()
 
 UP = "pgstream_up"
 SCRAPE_DURATION = "pgstream_scrape_duration_seconds"

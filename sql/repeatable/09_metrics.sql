@@ -28,10 +28,7 @@ set local search_path = pg_catalog, pg_temp;
 -- Counting.
 
 create or replace function pgstream._count(p_stream_id bigint, p_name text, p_label text, p_delta numeric)
-returns void
-language sql
-security definer
-set search_path = pg_catalog, pg_temp
+returns void language sql security definer set search_path = pg_catalog, pg_temp
 as $$
     insert into pgstream.stream_counters as c (stream_id, name, label, value)
     values (p_stream_id, p_name, p_label, p_delta)
@@ -39,30 +36,57 @@ as $$
 $$;
 revoke all on function pgstream._count(bigint, text, text, numeric) from public;
 
--- One observation of a histogram (pgstream.metric_buckets): its bucket and its sum.
-create or replace function pgstream._observe(p_stream_id bigint, p_histogram text, p_seconds float8)
-returns void
-language sql
-security definer
-set search_path = pg_catalog, pg_temp
+-- The bucket of a histogram (pgstream.metric_buckets) an observation of p_seconds falls in: its
+-- upper bound, as the label of the bucket's counter.
+create or replace function pgstream._bucket(p_histogram text, p_seconds float8)
+returns text language sql stable security definer set search_path = pg_catalog, pg_temp
 as $$
-    select pgstream._count(p_stream_id, p_histogram || '_bucket',
-                           (select min(b.le) from pgstream.metric_buckets b
-                            where b.histogram = p_histogram and b.le >= greatest(p_seconds, 0))::text, 1);
+    select min(b.le)::text from pgstream.metric_buckets b
+    where b.histogram = p_histogram and b.le >= greatest(p_seconds, 0)
+$$;
+revoke all on function pgstream._bucket(text, float8) from public;
+
+-- One observation of a histogram: its bucket and its sum.
+create or replace function pgstream._observe(p_stream_id bigint, p_histogram text, p_seconds float8)
+returns void language sql security definer set search_path = pg_catalog, pg_temp
+as $$
+    select pgstream._count(p_stream_id, p_histogram || '_bucket', pgstream._bucket(p_histogram, p_seconds), 1);
     select pgstream._count(p_stream_id, p_histogram || '_sum', '', greatest(p_seconds, 0)::numeric);
 $$;
 revoke all on function pgstream._observe(bigint, text, float8) from public;
 
-create or replace function pgstream._count_batch()
-returns trigger
-language plpgsql
-security definer
-set search_path = pg_catalog, pg_temp
+-- The function of the triggers count_changes (below): what a row of pgstream.batches,
+-- pgstream.dead_letters or pgstream.failovers that was inserted, or whose status changed (a
+-- failover: ended), adds to the counters.
+create or replace function pgstream._count_change()
+returns trigger language plpgsql security definer set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_sign integer;
     v_set_aside bigint;
 begin
+    if tg_table_name = 'failovers' then
+        if tg_op = 'INSERT' then
+            perform pgstream._count(new.stream_id, 'failovers_entered', '', 1);
+        elsif old.ended_at is null and new.ended_at is not null then
+            perform pgstream._count(new.stream_id, 'failovers_recovered', '', 1);
+            perform pgstream._observe(new.stream_id, 'failover_duration',
+                                      extract(epoch from new.ended_at - new.started_at)::float8);
+        end if;
+        return null;
+    end if;
+    if tg_op = 'UPDATE' and old.status is not distinct from new.status then
+        return null;
+    end if;
+    if tg_table_name = 'dead_letters' then
+        if tg_op = 'INSERT' then
+            perform pgstream._count(new.stream_id, 'dead_letters_opened', '', 1);
+        elsif new.status in ('redelivered', 'discarded') then
+            perform pgstream._count(new.stream_id, 'dead_letters_' || new.status, '', 1);
+        end if;
+        return null;
+    end if;
+    -- pgstream.batches
     if tg_op = 'INSERT' then
         perform pgstream._count(new.stream_id, 'batches_recorded', '', 1);
         perform pgstream._count(new.stream_id, 'events_recorded', '', new.event_count);
@@ -83,7 +107,7 @@ begin
         on conflict (stream_id, name, label) do update set value = c.value + excluded.value;
         return null;
     end if;
-    -- a status change (the trigger's WHEN)
+    -- a status change
     if new.status = 'launched' then
         perform pgstream._count(new.stream_id, 'delivery_attempts', '', 1);
     elsif new.status = 'failed' then
@@ -110,43 +134,7 @@ begin
     return null;
 end
 $$;
-revoke all on function pgstream._count_batch() from public;
-
-create or replace function pgstream._count_dead_letter()
-returns trigger
-language plpgsql
-security definer
-set search_path = pg_catalog, pg_temp
-as $$
-begin
-    if tg_op = 'INSERT' then
-        perform pgstream._count(new.stream_id, 'dead_letters_opened', '', 1);
-    elsif new.status in ('redelivered', 'discarded') then
-        perform pgstream._count(new.stream_id, 'dead_letters_' || new.status, '', 1);
-    end if;
-    return null;
-end
-$$;
-revoke all on function pgstream._count_dead_letter() from public;
-
-create or replace function pgstream._count_failover()
-returns trigger
-language plpgsql
-security definer
-set search_path = pg_catalog, pg_temp
-as $$
-begin
-    if tg_op = 'INSERT' then
-        perform pgstream._count(new.stream_id, 'failovers_entered', '', 1);
-    else  -- ended (the trigger's WHEN)
-        perform pgstream._count(new.stream_id, 'failovers_recovered', '', 1);
-        perform pgstream._observe(new.stream_id, 'failover_duration',
-                                  extract(epoch from new.ended_at - new.started_at)::float8);
-    end if;
-    return null;
-end
-$$;
-revoke all on function pgstream._count_failover() from public;
+revoke all on function pgstream._count_change() from public;
 
 -- ---------------------------------------------------------------------------------------------
 -- The first time this file is applied, the counters start from the ledger as it is (what was pruned
@@ -174,9 +162,7 @@ from (
         ('events_skipped', '', case when b.status = 'skipped' then b.event_count else 0 end::numeric)) v(name, label, value)
     union all
     select b.stream_id, 'delivery_lag_bucket',
-           (select min(m.le) from pgstream.metric_buckets m
-            where m.histogram = 'delivery_lag'
-              and m.le >= greatest(extract(epoch from b.delivered_at - b.first_commit_at)::float8, 0))::text, 1
+           pgstream._bucket('delivery_lag', extract(epoch from b.delivered_at - b.first_commit_at)::float8), 1
     from pgstream.batches b
     where b.status = 'delivered' and b.delivered_at is not null and b.first_commit_at is not null
     union all
@@ -196,46 +182,25 @@ from (
     select f.stream_id, 'failovers_recovered', '', 1 from pgstream.failovers f where f.ended_at is not null
     union all
     select f.stream_id, 'failover_duration_bucket',
-           (select min(m.le) from pgstream.metric_buckets m
-            where m.histogram = 'failover_duration'
-              and m.le >= greatest(extract(epoch from f.ended_at - f.started_at)::float8, 0))::text, 1
+           pgstream._bucket('failover_duration', extract(epoch from f.ended_at - f.started_at)::float8), 1
     from pgstream.failovers f where f.ended_at is not null
     union all
     select f.stream_id, 'failover_duration_sum', '', greatest(extract(epoch from f.ended_at - f.started_at), 0)
     from pgstream.failovers f where f.ended_at is not null
 ) f
 where not exists (select 1 from pg_catalog.pg_trigger t
-                  where t.tgrelid = 'pgstream.batches'::pg_catalog.regclass and t.tgname = 'count_batch')
+                  where t.tgrelid = 'pgstream.batches'::pg_catalog.regclass and t.tgname = 'count_changes')
 group by f.stream_id, f.name, f.label
 having sum(f.value) <> 0
 on conflict (stream_id, name, label) do update set value = c.value + excluded.value;
 
-create or replace trigger count_batch
-after insert on pgstream.batches
-for each row execute function pgstream._count_batch();
-
-create or replace trigger count_batch_status
-after update of status on pgstream.batches
-for each row when (old.status is distinct from new.status)
-execute function pgstream._count_batch();
-
-create or replace trigger count_dead_letter
-after insert on pgstream.dead_letters
-for each row execute function pgstream._count_dead_letter();
-
-create or replace trigger count_dead_letter_status
-after update of status on pgstream.dead_letters
-for each row when (old.status is distinct from new.status)
-execute function pgstream._count_dead_letter();
-
-create or replace trigger count_failover
-after insert on pgstream.failovers
-for each row execute function pgstream._count_failover();
-
-create or replace trigger count_failover_ended
-after update of ended_at on pgstream.failovers
-for each row when (old.ended_at is null and new.ended_at is not null)
-execute function pgstream._count_failover();
+-- One trigger a table; a row whose status (ended_at) did not change adds nothing.
+create or replace trigger count_changes after insert or update of status on pgstream.batches
+for each row execute function pgstream._count_change();
+create or replace trigger count_changes after insert or update of status on pgstream.dead_letters
+for each row execute function pgstream._count_change();
+create or replace trigger count_changes after insert or update of ended_at on pgstream.failovers
+for each row execute function pgstream._count_change();
 
 -- ---------------------------------------------------------------------------------------------
 -- What the exporter reads at every scrape: (metric, stream_id, label, value) rows. Every part is
