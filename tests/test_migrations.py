@@ -146,7 +146,7 @@ def test_every_function_view_and_trigger_is_defined_once_in_a_repeatable_file(db
             "event trigger": {r[0] for r in c.execute("select evtname::text from pg_event_trigger")},
         }
     assert defined == installed
-    assert len(installed["function"]) >= 60 and installed["view"] == {"pgstream.stream_status"}
+    assert len(installed["function"]) >= 60 and installed["view"] == {"pgstream.stream_status", "pgstream.metrics"}
 
 
 def test_definitions_are_found_in_code_not_in_strings_or_comments(tmp_path: Path) -> None:
@@ -377,12 +377,26 @@ def test_upgrade_from_release_0_1_ends_as_a_fresh_install(empty_db_url: str, db_
         before = _data(c)
         assert [len(before[t]) for t in ("events", "batches", "failovers", "dead_letters")] == [4, 4, 1, 1]
 
-    # the upgrade: no versioned migration runs again, every repeatable file is applied
-    assert migrate(empty_db_url) == [f"{REPEATABLE_DIR}/{r.name}" for r in discover_repeatables()]
+    # the upgrade: no versioned migration runs again (the ones after the release run once), every
+    # repeatable file is applied
+    released = {r[0] for r in before["schema_migrations"]}
+    assert migrate(empty_db_url) == ([m.path.name for m in discover() if m.version > max(released)]
+                                     + [f"{REPEATABLE_DIR}/{r.name}" for r in discover_repeatables()])
     with psycopg.connect(empty_db_url, autocommit=True) as c:
-        assert _data(c) == before  # schema_migrations included: released checksums, applied once
-        assert {v: s for v, _, s, _ in before["schema_migrations"]} == {
+        after = _data(c)
+        assert {v: s for v, _, s, _ in after["schema_migrations"]} == {
             m.version: RELEASED_CHECKSUMS.get(m.version, m.checksum) for m in discover() if m.version > 0}
+        after["schema_migrations"] = [r for r in after["schema_migrations"] if r[0] in released]
+        assert after == before  # the released migrations keep their checksums, applied once
+        # the metrics' counters start from the ledger as it was (repeatable/09_metrics.sql)
+        metrics = {(m, s): v for m, s, v in c.execute(
+            "select metric, stream_id, value from pgstream.metrics where label = '' and metric = any(%s)",
+            [["events_recorded", "events_delivered", "backlog_events", "failovers_entered", "dead_letters_opened",
+              "dead_letters_open", "delivery_attempts_failed"]]).fetchall()}
+        assert metrics == {("events_recorded", 1): 2, ("events_recorded", 2): 2, ("events_delivered", 1): 1,
+                           ("events_delivered", 2): 1, ("backlog_events", 1): 1, ("backlog_events", 2): 1,
+                           ("failovers_entered", 1): 1, ("delivery_attempts_failed", 1): 1,
+                           ("dead_letters_opened", 2): 1, ("dead_letters_open", 1): 0, ("dead_letters_open", 2): 1}
         upgraded = snapshot(c)
 
     # a fresh install with the same streams, table and subscriptions has the same catalog
