@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,redis,rabbitmq,nats,kafka,mqtt,aws]'
+	$(BIN)/python -m pip install -q -e '.[dev,redis,rabbitmq,nats,kafka,mqtt,aws,metrics]'
 	touch $(STAMP)
 
 dev: $(STAMP)

@@ -1,5 +1,5 @@
 """``pgstream-dagster`` command line: migrate, tear-down, init, status, pause, resume, retry-now, skip,
-dead-letters, dev."""
+dead-letters, metrics, dev."""
 
 from __future__ import annotations
 
@@ -261,6 +261,30 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
     p.set_defaults(func=_cmd_dead_letters_set_aside)
 
 
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    """Serve Prometheus metrics until interrupted (see engine/metrics.py)."""
+    from .config import MetricsSettings, config_path, load_metrics_settings
+    from .exporter import serve_forever, start
+
+    path = Path(args.config) if args.config else config_path()
+    if args.config or path.exists():
+        # with --database-url the file's database_url (and the variables it names) is not needed
+        settings = load_metrics_settings(path, database_url=not args.database_url)
+    else:
+        settings = MetricsSettings()
+    metrics = settings.metrics
+    secret = metrics.database_url or settings.database_url
+    url = (args.database_url or (secret.get_secret_value() if secret else None)
+           or os.environ.get("PGSTREAM_DATABASE_URL"))
+    if not url:
+        raise SystemExit("error: no database: pass --database-url, set metrics.database_url or database_url in "
+                         "pgstream.yaml, or set PGSTREAM_DATABASE_URL")
+    exporter = start(url, args.host or metrics.host, metrics.port if args.port is None else args.port,
+                     metrics.scrape_timeout_secs)
+    serve_forever(exporter, lambda line: print(line, flush=True), exit_with_parent=args.exit_with_parent)
+    return 0
+
+
 def _cmd_dev(args: argparse.Namespace) -> int:
     from .dev import run_dev
 
@@ -333,6 +357,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=lambda a, _action=action: _control(a, _action))
 
     _add_dead_letter_commands(sub, common)
+
+    p = sub.add_parser("metrics", parents=[common],
+                       help="serve Prometheus metrics of every stream on /metrics, read from the database at each "
+                            "scrape")
+    p.add_argument("--config", help="pgstream.yaml, for its metrics block and database_url (default: "
+                                    "$PGSTREAM_CONFIG or ./pgstream.yaml when it exists)")
+    p.add_argument("--host", default=None, help="address to listen on (default: metrics.host, 127.0.0.1)")
+    p.add_argument("--port", type=_ranged("port", 0, 65535), default=None,
+                   help="port to listen on (default: metrics.port, 9187; 0: any free port)")
+    p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)  # make dev's exporter
+    p.set_defaults(func=_cmd_metrics)
 
     p = sub.add_parser("dev", help="local Postgres + migrations + demo + `dagster dev` (what `make dev` runs)")
     p.add_argument("--port", type=int, default=3000)

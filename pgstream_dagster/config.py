@@ -91,8 +91,8 @@ class SensorConfig(_Model):
                                     description="how long one tick keeps recording and handing batches to the open "
                                                 "run; Dagster's daemon starts a sensor tick at most every 5 s, so "
                                                 "just under 5 s keeps a tick running nearly all the time")
-    status_every_secs: float = Field(60, ge=1, le=86400, description="observe the stream status asset at least "
-                                                                     "this often (and whenever the state changes)")
+    status_every_secs: float = Field(5, ge=1, le=86400, description="observe the stream status asset at least "
+                                                                    "this often (and whenever what it shows changes)")
 
 
 class RetryConfig(_Model):
@@ -219,6 +219,26 @@ class SparkConfig(_Model):
         return None if isinstance(v, str) and not v.strip() else v
 
 
+class MetricsConfig(_Model):
+    """The Prometheus exporter (``pgstream-dagster metrics``): where it listens, how it reads."""
+
+    enabled: bool = Field(True, description="`make dev` / `pgstream-dagster dev` start the exporter beside dg dev")
+    host: str = Field("127.0.0.1", min_length=1, max_length=253, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$",
+                      description="address the exporter listens on (0.0.0.0: every interface)")
+    port: int = Field(9187, ge=1, le=65535)
+    database_url: SecretStr | None = Field(None, description="the exporter's connection (e.g. a read-only role "
+                                                             "granted SELECT on pgstream.metrics); default: "
+                                                             "database_url")
+    scrape_timeout_secs: float = Field(5.0, gt=0, le=300, description="a scrape's read of the database gives up "
+                                                                      "after this long (the scrape then reports "
+                                                                      "pgstream_up 0)")
+
+    @field_validator("database_url", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: object) -> object:
+        return None if isinstance(v, str) and not v.strip() else v
+
+
 def _check_streams(streams: Sequence[StreamConfig], spark_remote: bool) -> None:
     ids = [s.id for s in streams]
     if spark_remote:
@@ -291,6 +311,7 @@ class PgstreamConfig(_Model):
     housekeeping: HousekeepingConfig = HousekeepingConfig()
     checks: ChecksConfig = ChecksConfig()
     spark: SparkConfig = SparkConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> PgstreamConfig:
@@ -391,6 +412,31 @@ def _subscription_hint(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
 
 _SINK_TAGS = {"memory", "file", "http", "webhook", "redis", "rabbitmq", "nats", "kafka", "mqtt", "postgres",
               "sqs", "sns", "kinesis"}
+
+
+class MetricsSettings(BaseModel):
+    """What the exporter reads of ``pgstream.yaml``: ``database_url`` and ``metrics`` only (it needs
+    no sink credentials), validated by the same models."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    database_url: SecretStr | None = None
+    metrics: MetricsConfig = MetricsConfig()
+
+
+def load_metrics_settings(path: Path | str, *, database_url: bool = True) -> MetricsSettings:
+    """``database_url`` (unless ``database_url`` is false: the caller has its own) and the ``metrics``
+    block of the configuration file at ``path``."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the pgstream configuration: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+    wanted = {k: data[k] for k in ("database_url", "metrics") if k in data and (database_url or k == "metrics")}
+    return _validated(MetricsSettings, wanted, str(p))
 
 
 def config_path() -> Path:

@@ -4,13 +4,14 @@ Starts (once) a Postgres with ``wal_level=logical`` under ``.pgstream/`` unless
 ``PGSTREAM_DATABASE_URL`` is set, and a Spark Connect server for the runs unless
 ``PGSTREAM_SPARK_REMOTE`` is set (``--no-spark-server``: runs start their own Spark); creates the
 ``pgstream`` and ``dagster`` databases, migrates, creates the demo schema, applies
-``pgstream.yaml`` and runs ``dg dev``.
+``pgstream.yaml``, starts the Prometheus exporter (``metrics.enabled``) and runs ``dg dev``.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,23 @@ import psycopg
 
 def _dagster_url(url: str) -> str:
     return url.replace("postgresql://", "postgresql+psycopg2://", 1).replace("postgres://", "postgresql+psycopg2://", 1)
+
+
+def _start_exporter(config: Path) -> str | None:
+    """Start ``pgstream-dagster metrics`` beside ``dg dev`` (unless ``metrics.enabled`` is false); it
+    ends with ``dg dev`` (same process group for Ctrl-C, and it exits when its parent is gone).
+    Returns its URL."""
+    from .config import load_metrics_settings
+
+    metrics = load_metrics_settings(config).metrics
+    if not metrics.enabled:
+        return None
+    subprocess.Popen([sys.executable, "-m", "pgstream_dagster.cli", "metrics", "--config", str(config),
+                      "--exit-with-parent"])
+    host = f"[{metrics.host}]" if ":" in metrics.host else metrics.host
+    url = f"http://{host}:{metrics.port}/metrics"
+    print(f"Prometheus exporter: {url} (metrics.enabled: false in {config.name} to go without)")
+    return url
 
 
 def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = True) -> int:
@@ -56,6 +74,7 @@ def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = Tru
               "stop it with `pgstream-dagster spark-connect --stop`)")
     for line in init(Path(os.environ["PGSTREAM_CONFIG"])):
         print(line)
+    metrics_url = _start_exporter(Path(os.environ["PGSTREAM_CONFIG"]))
 
     home = root / ".dagster_home"
     home.mkdir(exist_ok=True)
@@ -66,7 +85,9 @@ def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = Tru
         print("\nTry it: insert a row, then watch the event arrive and the run show in the UI:\n"
               f"  psql '{url}' -c \"{demo_insert}\"\n"
               f"  tail -f {os.environ['PGSTREAM_DEMO_SINK']}\n"
-              f"  open http://127.0.0.1:{port}\n")
+              f"  open http://127.0.0.1:{port}\n"
+              + (f"  curl -s {metrics_url} | grep pgstream_events_delivered   # Prometheus metrics\n"
+                 if metrics_url else ""))
     # `dg dev` (dagster-dg-cli): `dagster dev` is superseded by it and says so at every start
     dg = Path(sys.executable).with_name("dg")
     os.execv(str(dg), [str(dg), "dev", "--workspace", str(root / "workspace.yaml"),

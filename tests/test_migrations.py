@@ -146,7 +146,7 @@ def test_every_function_view_and_trigger_is_defined_once_in_a_repeatable_file(db
             "event trigger": {r[0] for r in c.execute("select evtname::text from pg_event_trigger")},
         }
     assert defined == installed
-    assert len(installed["function"]) >= 60 and installed["view"] == {"pgstream.stream_status"}
+    assert len(installed["function"]) >= 60 and installed["view"] == {"pgstream.stream_status", "pgstream.metrics"}
 
 
 def test_definitions_are_found_in_code_not_in_strings_or_comments(tmp_path: Path) -> None:
@@ -398,6 +398,15 @@ def test_upgrade_from_release_0_1_ends_as_a_fresh_install(empty_db_url: str, db_
         # 016: every subscription of the release computes no metadata
         assert c.execute("select count(*) from pgstream.subscriptions where metadata_extensions = '[]'"
                          ).fetchone() == (len(SUBSCRIPTIONS),)
+        # the metrics' counters start from the ledger as it was (repeatable/09_metrics.sql)
+        metrics = {(m, s): v for m, s, v in c.execute(
+            "select metric, stream_id, value from pgstream.metrics where label = '' and metric = any(%s)",
+            [["events_recorded", "events_delivered", "backlog_events", "failovers_entered", "dead_letters_opened",
+              "dead_letters_open", "delivery_attempts_failed"]]).fetchall()}
+        assert metrics == {("events_recorded", 1): 2, ("events_recorded", 2): 2, ("events_delivered", 1): 1,
+                           ("events_delivered", 2): 1, ("backlog_events", 1): 1, ("backlog_events", 2): 1,
+                           ("failovers_entered", 1): 1, ("delivery_attempts_failed", 1): 1,
+                           ("dead_letters_opened", 2): 1, ("dead_letters_open", 1): 0, ("dead_letters_open", 2): 1}
         upgraded = snapshot(c)
 
     # a fresh install with the same streams, table and subscriptions has the same catalog

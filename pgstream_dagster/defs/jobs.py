@@ -8,7 +8,8 @@ batch delivered as soon as the sink confirmed its last event, so a run that fail
 the progress it made. A run then stays open for ``delivery.linger_secs``: the sensor hands it
 every batch it records meanwhile, so fresh events are delivered by a warm process, Spark session
 and sink (one sink per run, closed when the run ends, however it ends). Each round of batches is a
-materialization of the stream's deliveries asset.
+materialization of the stream's deliveries asset, followed by an observation of its status asset
+(fresh counts without waiting for the sensor).
 
 The ordered publish loop (:func:`pgstream_dagster.engine.spark.deliver_in_order`) yields what the
 sink confirmed; the run writes it to the ledger before anything more is published:
@@ -39,9 +40,11 @@ from ..engine.publish import (
     Span,
     owed_spans,
 )
+from ..engine.status import stream_status
 from ..sinks import Sink, build_sink
 from .names import CONTROL_JOB, DELIVERY_JOB, STREAM_TAG, deliveries_asset_key
 from .resources import PgstreamResource
+from .status import status_observation
 
 
 class DeliveryRunConfig(dg.Config):
@@ -107,6 +110,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
         while True:
             delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream.database_url)
             _report_round(context, stream.id, batches, delivered, started)
+            _observe_status(context, conn, stream.id, run_key)
             batches = linger.next_batches(batches[-1].id)
             if not batches:
                 break
@@ -313,6 +317,16 @@ def _report_round(context: dg.OpExecutionContext, stream_id: int, batches: list[
     context.log_event(dg.AssetMaterialization(
         asset_key=deliveries_asset_key(stream_id),
         description=f"batches {first.id}..{last.id} delivered", metadata=metadata))
+
+
+def _observe_status(context: dg.OpExecutionContext, conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
+    """An observation of the stream status asset after a round: fresh counts (delivered today,
+    backlog) without waiting for the sensor."""
+    rows = stream_status(conn, stream_id, last=5)
+    if rows:
+        row = rows[0]
+        state = f"live: run {context.run_id} (this run)" if row.get("open_run_key") == run_key else None
+        context.log_event(status_observation(row, {}, state, observer=f"delivery run {context.run_id}"))
 
 
 @dg.job(

@@ -21,7 +21,8 @@ A tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to re
    installation, batches, attempt: a re-evaluated tick requests nothing twice).
 
 Each tick also updates the cursor (last event and LSN recorded, backlog) and observes the stream
-status asset when the state changed or it is due.
+status asset when anything it shows changed (counts, state, the open run and whether it is still
+live) or it is due; the delivery run observes it too, after every round.
 """
 
 
@@ -162,17 +163,51 @@ def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
             time.sleep(min(POLL_SECS, remaining))
 
 
-def _observe_status(conn: psycopg.Connection, stream: StreamConfig, row: dict[str, Any],
-                    cursor: dict[str, Any]) -> dg.AssetObservation | None:
-    """An observation of the stream status asset when the state changed or it is due."""
+def _deliveries_began(instance: dg.DagsterInstance, run_id: str) -> bool:
+    """Whether the run got past ``load_batches`` (which takes the delivery lease first)."""
+    records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_SUCCESS).records
+    return any(r.event_log_entry.step_key == "load_batches" for r in records)
+
+
+def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str) -> str:
+    """What became of the stream's open run, for the status asset: ``live`` (it holds the delivery
+    lease), ``starting`` (not delivering yet), or ``gone`` with why (no such run, it ended, or it took
+    the lease and holds it no more: its process died; the sensor fails it after
+    ``delivery.run_grace_secs``)."""
+    run = _find_run(instance, run_key)
+    if run is None:
+        return "gone: Dagster has no run with this key"
+    if run.status not in _LIVE:
+        return f"gone: run {run.run_id} is {run.status.value}"
+    if run.status != dg.DagsterRunStatus.STARTED:
+        return f"starting: run {run.run_id} is {run.status.value}"
+    if ledger.lease_alive(conn, run.run_id):
+        return f"live: run {run.run_id}"
+    if _deliveries_began(instance, run.run_id):
+        return (f"gone: run {run.run_id} holds no delivery lease any more (its process died; the sensor marks "
+                f"it failed after delivery.run_grace_secs)")
+    return f"starting: run {run.run_id} has not taken the delivery lease yet"
+
+
+#: what the status asset shows that a new observation must not wait for
+_SEEN = ("state", "undelivered_events", "undelivered_batches", "delivered_today", "open_dead_letters",
+         "open_run_key", "failover_attempts", "wal_status")
+
+
+def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
+                    row: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObservation | None:
+    """An observation of the stream status asset when anything it shows changed (counts, state, the
+    open run and what became of it) or it is due (``sensor.status_every_secs``)."""
+    run_state = open_run_state(conn, instance, row["open_run_key"]) if row.get("open_run_key") else None
+    seen = json.dumps([row.get(k) for k in _SEEN] + [run_state], default=str)
     due = time.time() - float(cursor.get("status_at", 0)) >= stream.sensor.status_every_secs
-    dead_letters = int(row.get("open_dead_letters") or 0)
-    if not due and cursor.get("status_state") == row["state"] and cursor.get("status_dead_letters", 0) == dead_letters:
+    if not due and cursor.get("status_seen") == seen:
         return None
     cursor["status_at"] = time.time()
-    cursor["status_state"] = row["state"]
-    cursor["status_dead_letters"] = dead_letters
-    return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, cursor)
+    cursor["status_seen"] = seen
+    for old in ("status_state", "status_dead_letters"):  # what cursors of earlier versions kept
+        cursor.pop(old, None)
+    return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, cursor, run_state)
 
 
 def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
@@ -199,7 +234,7 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
                 cursor["last_lsn"] = consumed.last_lsn
             cursor["undelivered_batches"] = pending_batches
             cursor["undelivered_events"] = pending_events
-            observed = _observe_status(conn, stream, row, cursor)
+            observed = _observe_status(conn, context.instance, stream, row, cursor)
         if consumed.slot_lost:
             context.log.warning(f"slot {stream.slot} was invalidated (WAL limit) or dropped; replacing it and "
                                 "recovering undelivered events from pgstream.events")

@@ -13,9 +13,10 @@ from .names import status_asset_key
 def status_asset_spec(stream_id: int, deliveries_key: dg.AssetKey) -> dg.AssetSpec:
     return dg.AssetSpec(
         key=status_asset_key(stream_id), group_name="pgstream", deps=[deliveries_key], kinds={"postgres"},
-        description=f"Health of stream {stream_id}, observed by its sensor when the state changes and at least "
-                    f"every sensor.status_every_secs: healthy / failover since when, checkpoint, cursor, slot lag, "
-                    f"backlog, events delivered today, open dead letters, last batches.",
+        description=f"Health of stream {stream_id}, observed by its delivery run after every round of batches and "
+                    f"by its sensor whenever something changes and at least every sensor.status_every_secs: "
+                    f"healthy / failover since when, checkpoint, cursor, slot lag, backlog, events delivered today, "
+                    f"the open run (live, starting or gone), open dead letters, last batches.",
         metadata={"stream_id": stream_id})
 
 
@@ -27,8 +28,11 @@ def _markdown_batches(batches: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def status_observation(s: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObservation:
-    """The stream's status row (``stream_status``) as an observation of its status asset."""
+def status_observation(s: dict[str, Any], cursor: dict[str, Any], open_run_state: str | None = None,
+                       observer: str = "sensor") -> dg.AssetObservation:
+    """The stream's status row (``stream_status``) as an observation of its status asset;
+    ``open_run_state``: what became of the open run (live, starting, gone: see the sensor);
+    ``observer``: who looked (the sensor, or the delivery run after a round)."""
     now = dt.datetime.now(dt.UTC)
     oldest = s["oldest_undelivered_at"]
     metadata: dict[str, Any] = {
@@ -49,6 +53,8 @@ def status_observation(s: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObs
         "failover_next_retry": dg.MetadataValue.timestamp(s["failover_retry_at"]) if s["failover_retry_at"] else None,
         "failover_error": s["failover_error"],
         "open_run_key": s.get("open_run_key"),
+        "open_run_state": open_run_state if s.get("open_run_key") else None,
+        "observed_by": observer,
         "open_dead_letters": int(s.get("open_dead_letters") or 0),
         "oldest_dead_letter_at": (dg.MetadataValue.timestamp(s["oldest_dead_letter_at"])
                                   if s.get("oldest_dead_letter_at") else None),

@@ -125,4 +125,23 @@ def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
     finally:
         conn.remove_notice_handler(on_notice)
     report.warnings = notices
+    record_run(conn, report)
     return report
+
+
+#: housekeeping passes kept in pgstream.housekeeping_runs (the exporter shows the last one)
+KEEP_RUNS = 100
+
+
+def record_run(conn: psycopg.Connection, report: HousekeepingReport) -> None:
+    """Record the pass in ``pgstream.housekeeping_runs`` (the ``pgstream_housekeeping_*`` metrics)."""
+    with conn.transaction():
+        conn.execute(
+            """insert into pgstream.housekeeping_runs
+                   (today, partitions_created, partitions_dropped, partitions_kept, rows_dropped, bytes_dropped,
+                    default_rows_deleted, batches_pruned, warnings)
+               values (%s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+            [report.today, len(report.created), len(report.dropped), len(report.kept), report.rows_dropped,
+             report.bytes_dropped, report.default_rows_deleted, report.batches_pruned, len(report.warnings)])
+        conn.execute("delete from pgstream.housekeeping_runs where id <= "
+                     "(select id from pgstream.housekeeping_runs order by id desc offset %s limit 1)", [KEEP_RUNS])

@@ -1,0 +1,388 @@
+"""The Prometheus exporter, scraped over real HTTP while a real pipeline (sensor ticks, runs on Spark,
+an HTTP endpoint) delivers: counters equal the ledger, backlog and lag move, failover gauges during
+an outage, counters unchanged across exporter restarts and ledger pruning, a read-only role that
+can scrape and nothing else, bad configuration refused; the stream status asset's fresh counts."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from pgstream_dagster import cli, exporter
+from pgstream_dagster.config import ConfigError, load_config, load_metrics_settings
+from pgstream_dagster.defs.names import status_asset_key
+from pgstream_dagster.devdb import free_port
+from pgstream_dagster.engine.metrics import HISTOGRAMS, METRICS, SCRAPE_DURATION, UP
+
+from .support.endpoint import Endpoint
+from .support.faults import STREAM, delivered_all, drive, in_failover, sent_ids, stream_config
+from .support.harness import Driver, insert_events, write_config
+from .support.metrics import Samples, bucket, scrape, value
+from .support.schema import USERS, subscribe
+
+S = str(STREAM)
+LAG = "pgstream_delivery_lag_seconds"
+FAILOVER = "pgstream_failover_duration_seconds"
+GRAFANA = Path(__file__).resolve().parents[1] / "docs" / "grafana-pgstream.json"
+
+
+@pytest.fixture
+def metrics_url(db_url: str) -> Iterator[str]:
+    """An exporter (the server in a thread, as `pgstream-dagster metrics` runs it) on a free port."""
+    running = exporter.start(db_url, "127.0.0.1", 0)
+    yield running.url
+    running.stop()
+
+
+def ledger(url: str) -> dict[str, Any]:
+    with psycopg.connect(url) as c, c.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        row = cur.execute(
+            """select coalesce(sum(event_count) filter (where status = 'delivered'), 0) as delivered_events,
+                      count(*) filter (where status = 'delivered') as delivered_batches,
+                      coalesce(sum(event_count) filter (where pgstream.batch_is_open(status)), 0) as open_events,
+                      count(*) filter (where pgstream.batch_is_open(status)) as open_batches,
+                      count(*) filter (where status = 'launched') as launched
+               from pgstream.batches where stream_id = %s""", [STREAM]).fetchone()
+    assert row is not None
+    return row
+
+
+def started(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> Driver:
+    """The in-process driver of stream 1 (to the HTTP endpoint), after its first tick (stream row, slot)."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
+    driver.tick(STREAM)
+    return driver
+
+
+def delivered(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint, events: int) -> Driver:
+    """A started driver that has delivered ``events`` events, and every batch marked delivered."""
+    driver = started(db_url, tmp_path, instance, endpoint)
+    insert_events(db_url, STREAM, events)
+    drive(driver, lambda: len(endpoint.unique()) >= events and ledger(db_url)["open_events"] == 0)
+    return driver
+
+
+def counters(samples: Samples) -> Samples:
+    """The samples that must never go down: counters and histograms."""
+    return {k: v for k, v in samples.items() if k[0].endswith(("_total", "_bucket", "_sum", "_count"))}
+
+
+def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                                         endpoint: Endpoint, metrics_url: str) -> None:
+    driver = started(db_url, tmp_path, instance, endpoint)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(USERS)
+        subscribe(conn, "user-signup", columns=["id", "email"])
+    s = scrape(metrics_url)
+    assert value(s, UP) == 1
+    assert value(s, "pgstream_events_delivered_total", stream=S) == 0
+    assert value(s, "pgstream_backlog_events", stream=S) == 0
+    assert value(s, "pgstream_slot_exists", stream=S) == 1
+    assert value(s, "pgstream_slot_wal_status", stream=S, wal_status="reserved") == 1
+    assert value(s, "pgstream_slot_info", stream=S, slot="pgstream_stream_1") == 1
+
+    insert_events(db_url, STREAM, 120)  # manual events: no subscription key
+    with psycopg.connect(db_url) as conn:
+        conn.execute("insert into public.users (email) select 'u' || g || '@example.com' from generate_series(1, 7) g")
+    requests: list[dg.RunRequest] = []
+    deadline = time.monotonic() + 60
+    while ledger(db_url)["open_events"] < 127:
+        assert time.monotonic() < deadline
+        requests += driver.tick(STREAM).run_requests or []
+    requests += driver.tick(STREAM).run_requests or []
+    s = scrape(metrics_url)
+    state = ledger(db_url)
+    assert value(s, "pgstream_events_recorded_total", stream=S) == 127
+    assert value(s, "pgstream_events_written_total", stream=S, subscription="") == 120
+    assert value(s, "pgstream_events_written_total", stream=S, subscription="user-signup") == 7
+    assert value(s, "pgstream_backlog_events", stream=S) == 127 == state["open_events"]
+    assert value(s, "pgstream_backlog_batches", stream=S) == state["open_batches"] >= 3
+    assert value(s, "pgstream_batches_in_flight", stream=S) == state["launched"] >= 1
+    assert value(s, "pgstream_events_delivered_total", stream=S) == 0
+    first_age = value(s, "pgstream_oldest_undelivered_age_seconds", stream=S)
+    time.sleep(1.2)
+    assert value(scrape(metrics_url), "pgstream_oldest_undelivered_age_seconds", stream=S) >= first_age + 1
+
+    assert requests
+    drive(driver, lambda: ledger(db_url)["open_events"] == 0)
+    s = scrape(metrics_url)
+    state = ledger(db_url)
+    assert value(s, "pgstream_events_delivered_total", stream=S) == state["delivered_events"] == 127
+    assert value(s, "pgstream_batches_delivered_total", stream=S) == state["delivered_batches"]
+    assert len(endpoint.unique()) == 127
+    assert value(s, "pgstream_backlog_events", stream=S) == 0
+    assert value(s, "pgstream_backlog_batches", stream=S) == 0
+    assert value(s, "pgstream_batches_in_flight", stream=S) == 0
+    assert value(s, "pgstream_oldest_undelivered_age_seconds", stream=S) == 0
+    assert value(s, "pgstream_delivery_attempts_total", stream=S) == state["delivered_batches"]
+    assert value(s, "pgstream_delivery_attempts_failed_total", stream=S) == 0
+    # one lag observation per delivered batch; the lag is at least the 1.2 s the events waited above
+    assert value(s, f"{LAG}_count", stream=S) == bucket(s, LAG, "+Inf", stream=S) == state["delivered_batches"]
+    assert value(s, f"{LAG}_sum", stream=S) >= 1.2 * state["delivered_batches"]
+    assert bucket(s, LAG, "1", stream=S) == 0
+    with psycopg.connect(db_url) as conn:
+        lags = [r[0] for r in conn.execute("select extract(epoch from delivered_at - first_commit_at)::float8 "
+                                           "from pgstream.batches where stream_id = %s", [STREAM])]
+    assert value(s, f"{LAG}_sum", stream=S) == pytest.approx(sum(lags), abs=1e-3)
+    assert bucket(s, LAG, "600", stream=S) == len([x for x in lags if x <= 600])
+
+    # the status asset: every delivery round observed it with fresh counts (in the instance's event log)
+    run_ids = {r.run_id for r in driver.results}
+    records = instance.fetch_observations(status_asset_key(STREAM), limit=100).records
+    from_runs = [r for r in records if r.event_log_entry.run_id in run_ids]
+    assert from_runs, "the delivery runs did not observe the status asset"
+    latest = from_runs[0].event_log_entry.asset_observation
+    assert latest is not None
+    assert latest.metadata["delivered_today"].value == 127
+    assert latest.metadata["undelivered_events"].value == 0
+    assert str(latest.metadata["observed_by"].value).startswith("delivery run ")
+
+
+def test_failover_gauges_during_an_outage(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                          endpoint: Endpoint, metrics_url: str) -> None:
+    driver = delivered(db_url, tmp_path, instance, endpoint, 40)
+    s = scrape(metrics_url)
+    assert value(s, "pgstream_failover_active", stream=S) == 0
+    assert value(s, "pgstream_failovers_entered_total", stream=S) == 0
+
+    endpoint.mode = "error"
+    insert_events(db_url, STREAM, 60, 40)
+    entered = time.time()
+    deadline = time.monotonic() + 120
+    while not in_failover(db_url):
+        assert time.monotonic() < deadline
+        for request in driver.tick(STREAM).run_requests or []:
+            assert not driver.execute(request).success
+    time.sleep(1.0)
+    s = scrape(metrics_url)
+    assert value(s, "pgstream_failover_active", stream=S) == 1
+    assert value(s, "pgstream_failovers_entered_total", stream=S) == 1
+    assert value(s, "pgstream_failovers_recovered_total", stream=S) == 0
+    assert value(s, "pgstream_delivery_attempts_failed_total", stream=S) >= 1
+    assert value(s, "pgstream_failover_checkpoint_attempts", stream=S) >= 1
+    assert value(s, "pgstream_failover_current_seconds", stream=S) >= 1
+    since = value(s, "pgstream_failover_since_timestamp_seconds", stream=S)
+    assert entered - 60 < since <= time.time()
+    assert value(s, "pgstream_backlog_events", stream=S) == 60
+    assert value(s, "pgstream_events_delivered_total", stream=S) == 40
+
+    endpoint.mode = "ok"
+    drive(driver, delivered_all(endpoint, db_url))
+    s = scrape(metrics_url)
+    assert value(s, "pgstream_failover_active", stream=S) == 0
+    assert value(s, "pgstream_failover_current_seconds", stream=S) == 0
+    assert value(s, "pgstream_failovers_recovered_total", stream=S) == 1
+    assert value(s, f"{FAILOVER}_count", stream=S) == 1
+    assert value(s, f"{FAILOVER}_sum", stream=S) >= 1
+    assert value(s, "pgstream_events_delivered_total", stream=S) == len(sent_ids(db_url)) == 100
+    assert value(s, "pgstream_backlog_events", stream=S) == 0
+
+
+def test_counters_survive_exporter_restarts_and_ledger_pruning(db_url: str, tmp_path: Path,
+                                                               instance: dg.DagsterInstance,
+                                                               endpoint: Endpoint) -> None:
+    delivered(db_url, tmp_path, instance, endpoint, 150)
+
+    first, second = exporter.start(db_url, "127.0.0.1", 0), exporter.start(db_url, "127.0.0.1", 0)
+    try:
+        before = counters(scrape(first.url))
+        assert counters(scrape(second.url)) == before  # replicas agree
+    finally:
+        first.stop()
+        second.stop()
+    assert before[("pgstream_events_delivered_total", frozenset({("stream", S)}))] == 150
+
+    # pruning: every delivered batch goes from the ledger, not from the totals
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("update pgstream.batches set delivered_at = delivered_at - interval '30 days'")
+        (pruned,) = conn.execute("select pgstream.prune_batches(interval '1 day')").fetchone()  # type: ignore[misc]
+        assert pruned >= 3
+        assert conn.execute("select count(*) from pgstream.batches").fetchone() == (0,)
+
+    # a new exporter process, started from the command line
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pgstream_dagster.cli", "metrics", "--database-url", db_url,
+                             "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/metrics" in line, line
+        after = scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    assert counters(after) == before
+    assert value(after, "pgstream_backlog_events", stream=S) == 0
+    assert value(after, "pgstream_backlog_batches", stream=S) == 0
+
+
+def test_a_read_only_role_with_the_documented_grants_scrapes_and_can_do_nothing_else(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    delivered(db_url, tmp_path, instance, endpoint, 30)
+    role = f"metrics_{db_url.rsplit('/', 1)[1]}"
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("create role {} login").format(sql.Identifier(role)))
+        # the grants README "Monitoring" documents
+        conn.execute(sql.SQL("grant usage on schema pgstream to {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("grant select on pgstream.metrics to {}").format(sql.Identifier(role)))
+    reader_url = make_conninfo(db_url, user=role)
+    running = exporter.start(reader_url, "127.0.0.1", 0)
+    try:
+        s = scrape(running.url)
+        assert value(s, UP) == 1
+        assert value(s, "pgstream_events_delivered_total", stream=S) == 30
+        assert value(s, "pgstream_slot_exists", stream=S) == 1
+        assert value(s, "pgstream_slot_retained_wal_bytes", stream=S) >= 0
+        with psycopg.connect(reader_url, autocommit=True) as conn:
+            for statement in ("select * from pgstream.batches", "select * from pgstream.stream_counters",
+                              "select * from pgstream.events", "select * from pgstream.stream_status",
+                              "select pgstream.set_paused(1, true)", "select pgstream.prune_batches()",
+                              "insert into pgstream.events (payload, stream_id) values ('{}', 1)",
+                              "delete from pgstream.stream_counters", "select pgstream._count(1, 'x', '', 1)"):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute(statement)  # type: ignore[arg-type]
+    finally:
+        running.stop()
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("drop owned by {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
+
+
+def test_a_scrape_never_blocks_delivery_and_never_waits_long_for_a_lock(db_url: str, metrics_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("insert into pgstream.streams (id) values (1)")
+        conn.execute("insert into pgstream.events (payload, stream_id) values ('{}', 1)")
+        conn.execute("""insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id,
+                                                      min_created_at, max_created_at, first_commit_at)
+                        select 1, array_agg(id), count(*), min(id), max(id), min(created_at), max(created_at),
+                               min(created_at) from pgstream.events""")
+    # a scrape's transaction left open does not hold up a batch being marked delivered
+    with psycopg.connect(db_url) as scraper, psycopg.connect(db_url, autocommit=True) as delivery:
+        scraper.execute("set transaction read only")
+        scraper.execute("select * from pgstream.metrics").fetchall()
+        delivery.execute("set lock_timeout = '1s'")
+        delivery.execute("update pgstream.batches set status = 'delivered', delivered_at = now()")
+        scraper.rollback()
+    assert value(scrape(metrics_url), "pgstream_events_delivered_total", stream="1") == 1
+    # a scrape does not read the events table: a lock on it (a partition being dropped) is no matter
+    with psycopg.connect(db_url) as locker:
+        locker.execute("lock table pgstream.events in access exclusive mode")
+        started = time.monotonic()
+        assert value(scrape(metrics_url), UP) == 1
+        assert time.monotonic() - started < 5
+    # a lock it does need (a migration altering the ledger) makes it answer pgstream_up 0 within
+    # lock_timeout rather than queue behind it (and hold up the deliveries queued behind the scrape)
+    with psycopg.connect(db_url) as locker:
+        locker.execute("lock table pgstream.batches in access exclusive mode")
+        started = time.monotonic()
+        s = scrape(metrics_url)
+        assert value(s, UP) == 0 and time.monotonic() - started < 5
+        assert not any(k[0] == "pgstream_events_delivered_total" for k in s)
+    assert value(scrape(metrics_url), UP) == 1
+
+
+def test_the_status_shows_an_open_run_that_is_gone_as_gone(db_url: str, tmp_path: Path,
+                                                           instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    driver = started(db_url, tmp_path, instance, endpoint)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("update pgstream.streams set open_run_key = 'pgstream-s1-gone-b1-a1' where id = 1")
+    driver.observations.clear()
+    driver.tick(STREAM)
+    (observation,) = driver.observations
+    assert observation.metadata["open_run_key"].value == "pgstream-s1-gone-b1-a1"
+    assert str(observation.metadata["open_run_state"].value).startswith("gone: Dagster has no run")
+    # a change of what the status shows is observed at once; nothing new, nothing observed
+    driver.observations.clear()
+    driver.tick(STREAM)
+    assert driver.observations == []
+    insert_events(db_url, STREAM, 3)
+    deadline = time.monotonic() + 30
+    while not driver.observations:
+        assert time.monotonic() < deadline
+        driver.tick(STREAM)
+    assert driver.observations[-1].metadata["undelivered_events"].value == 3
+
+
+def test_bad_metrics_configuration_is_refused_with_a_clear_message(db_url: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    base = {"database_url": "postgresql://reader:hunter2@127.0.0.1/x",
+            "streams": [{"id": 1, "sink": {"type": "memory", "name": "m"}}]}
+    cases = [({"port": 70000}, "metrics.port: Input should be less than or equal to 65535"),
+             ({"prot": 9187}, "metrics.prot: Extra inputs are not permitted"),
+             ({"scrape_timeout_secs": 0}, "metrics.scrape_timeout_secs: Input should be greater than 0"),
+             ({"host": "a b"}, "metrics.host: String should match pattern"),
+             ({"database_url": "postgresql://u:hunter2@h/db", "enabled": "maybe"},
+              "metrics.enabled: Input should be a valid boolean")]
+    for metrics, message in cases:
+        path = tmp_path / "bad.yaml"
+        path.write_text(json.dumps({**base, "metrics": metrics}))
+        for load in (load_config, load_metrics_settings):
+            with pytest.raises(ConfigError) as err:
+                load(path)
+            assert f"{path}: {message}" in str(err.value) and "hunter2" not in str(err.value)
+        assert cli.main(["metrics", "--config", str(path)]) == 1
+        err_text = capsys.readouterr().err
+        assert message in err_text and "hunter2" not in err_text
+    # a good block is read (and a component-free file needs no sink secrets for it)
+    path = tmp_path / "good.yaml"
+    path.write_text(json.dumps({**base, "streams": [{"id": 1, "sink": {"type": "http", "url": "${UNSET_TOKEN_URL}"}}],
+                                "metrics": {"port": 9999, "host": "0.0.0.0", "scrape_timeout_secs": 2}}))
+    settings = load_metrics_settings(path)
+    assert (settings.metrics.port, settings.metrics.host, settings.metrics.scrape_timeout_secs) == (9999, "0.0.0.0", 2)
+    # a port in use
+    running = exporter.start(db_url, "127.0.0.1", 0)
+    try:
+        with pytest.raises(ConfigError, match=rf"metrics: cannot listen on 127\.0\.0\.1:{running.port}"):
+            exporter.start(db_url, "127.0.0.1", running.port)
+    finally:
+        running.stop()
+
+
+def exported_names() -> set[str]:
+    names = {UP, SCRAPE_DURATION}
+    for spec in METRICS.values():
+        names.add(f"{spec.name}_total" if spec.kind == "counter" else spec.name)
+    for name, _help in HISTOGRAMS.values():
+        names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    return names
+
+
+def test_the_grafana_dashboard_is_valid_and_uses_exported_metrics_only() -> None:
+    dashboard = json.loads(GRAFANA.read_text())
+    assert any(v.get("type") == "datasource" and v.get("query") == "prometheus"
+               for v in dashboard["templating"]["list"])
+    panels = [p for p in dashboard["panels"] if p.get("type") != "row"]
+    assert len(panels) >= 8
+    names = exported_names()
+    used: set[str] = set()
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            found = set(re.findall(r"\bpgstream_[a-z_]+", target["expr"]))
+            assert found, target["expr"]
+            assert found <= names, f"{panel['title']}: {sorted(found - names)} are not exported"
+            used |= found
+    # what an on-call engineer needs first
+    assert {"pgstream_oldest_undelivered_age_seconds", "pgstream_backlog_events", "pgstream_failover_active",
+            "pgstream_slot_retained_wal_bytes", "pgstream_dead_letters_open", f"{LAG}_bucket",
+            "pgstream_events_delivered_total"} <= used
+
+
+def test_the_readme_names_every_exported_metric() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = sorted(n for n in exported_names() if not n.endswith(("_sum", "_count")) and f"`{n}`" not in readme
+                     and f"`{n.removesuffix('_bucket')}`" not in readme)
+    assert missing == []
