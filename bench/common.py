@@ -188,3 +188,22 @@ def extract_tree(ref: str, into: Path) -> Path:
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
+
+
+def run_child(command: list[str], cwd: Path, tree: Path | None, what: str) -> dict[str, Any]:
+    """Run a benchmark child process with the package of ``tree`` (None: this checkout's) and return
+    the JSON object it printed last; it must report the ``module`` it imported, which for a
+    ``--baseline`` child must be the extracted tree's. ``cwd`` should be outside the repository:
+    Spark's Python workers put the cwd first on sys.path."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    out = subprocess.run(command, capture_output=True, text=True, check=False, cwd=cwd, env=env)
+    line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
+    if out.returncode != 0 or line is None:
+        print(out.stdout[-3000:], out.stderr[-3000:])
+        raise SystemExit(f"{what} failed")
+    result: dict[str, Any] = json.loads(line)
+    if tree is not None and not result["module"].startswith(str(tree)):
+        raise SystemExit(f"{what}: the baseline child imported {result['module']}, not the baseline package")
+    return result

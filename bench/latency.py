@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ import dagster as dg
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Driver, Webhook, delivered_events, extract_tree, machine, write_config
+from common import Driver, Webhook, delivered_events, extract_tree, machine, run_child, write_config
 
 from pgstream_dagster.devdb import ensure_running
 
@@ -125,21 +124,9 @@ def _measure(fill: float, args: argparse.Namespace, base: int) -> dict[str, Any]
 
 def _child(fill: float, args: argparse.Namespace, base: int, tree: Path | None) -> dict[str, Any]:
     """One phase in a child process, with the package of ``tree`` (None: this checkout's)."""
-    env = dict(os.environ)
-    if tree is not None:
-        env["PYTHONPATH"] = str(tree)
     command = [sys.executable, str(HERE / "latency.py"), "--phase", str(fill), "--base", str(base),
                "--duration", str(args.duration), "--interval", str(args.interval)]
-    # cwd outside the repository: Spark's Python workers put the cwd first on sys.path
-    out = subprocess.run(command, capture_output=True, text=True, check=False, cwd=tempfile.gettempdir(), env=env)
-    line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
-    if out.returncode != 0 or line is None:
-        print(out.stdout[-3000:], out.stderr[-3000:])
-        raise SystemExit(f"latency phase {fill} ({tree or 'current'}) failed")
-    result: dict[str, Any] = json.loads(line)
-    if tree is not None and not result["module"].startswith(str(tree)):
-        raise SystemExit(f"baseline phase imported {result['module']}, not the baseline package")
-    return result
+    return run_child(command, Path(tempfile.gettempdir()), tree, f"latency phase {fill} ({tree or 'current'})")
 
 
 def _line(label: str, r: dict[str, Any], base: dict[str, Any] | None) -> str:

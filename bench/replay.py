@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,7 @@ import psycopg
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import extract_tree
+from common import extract_tree, run_child
 
 from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.engine.migrations import migrate
@@ -82,20 +80,7 @@ with dg.DagsterInstance.ephemeral() as instance:
 
 
 def _child(cfg: Path, cwd: Path, pythonpath: Path | None) -> dict[str, Any]:
-    env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
-    # cwd outside the repository: Spark's Python workers (python -m) put the cwd first on sys.path
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(cfg)], capture_output=True, text=True, check=False,
-                         cwd=cwd, env=env)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
-    if out.returncode != 0 or line is None:
-        print(out.stdout[-3000:], out.stderr[-3000:])
-        raise SystemExit(f"replay with {cfg.name} failed")
-    result: dict[str, Any] = json.loads(line)
-    if pythonpath is not None and not result["module"].startswith(str(pythonpath)):
-        raise SystemExit(f"baseline run imported {result['module']}, not the baseline package")
-    return result
+    return run_child([sys.executable, "-c", _CHILD, str(cfg)], cwd, pythonpath, f"replay with {cfg.name}")
 
 
 def _describe(n: int, r: dict[str, Any], base: dict[str, Any] | None) -> str:
