@@ -261,6 +261,109 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
     p.set_defaults(func=_cmd_dead_letters_set_aside)
 
 
+def _cmd_backfill_run(args: argparse.Namespace) -> int:
+    from contextlib import closing
+
+    from pyspark.sql import SparkSession
+
+    from .config import load_config
+    from .engine import backfill
+    from .engine.spark import spark_conf
+
+    config = load_config(Path(args.config) if args.config else None)
+    config.stream(args.stream)  # the stream must be declared
+    url = args.database_url or config.database_url.get_secret_value()
+    request = backfill.Request(args.stream, args.keys, table=args.table, where=args.where, from_key=args.from_key,
+                               to_key=args.to_key, chunk_size=args.chunk_size, parallelism=args.parallelism,
+                               max_rows_per_sec=args.max_rows_per_sec or None, restart=args.restart)
+    with psycopg.connect(url, autocommit=True) as conn:
+        chosen = backfill.targets(conn, request)
+    builder = SparkSession.builder
+    for key, value in spark_conf(config.spark.master, config.spark.remote, dict(config.spark.conf)).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    unfinished = 0
+    for target in chosen:
+        with psycopg.connect(url, autocommit=True) as conn:
+            backfill_id, resumed = backfill.open_backfill(conn, target, request)
+        print(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of {target.describe()}", flush=True)
+        with closing(backfill.run(url, backfill_id, request, backfill.spark_executor(spark, url),
+                                  run_id=f"cli {_operator()}", progress_secs=args.progress_secs,
+                                  on_stop=lambda: backfill.cancel_spark(spark))) as steps:
+            for step in steps:
+                if isinstance(step, backfill.Progress):
+                    print(step.line(), flush=True)
+                else:
+                    print(step.progress.line(), flush=True)
+                    unfinished += 0 if step.done else 1
+    return 0 if unfinished == 0 else 1
+
+
+def _cmd_backfill_list(args: argparse.Namespace) -> int:
+    from .engine import backfill
+
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        found = backfill.list_backfills(conn, args.stream)
+    if not found:
+        print("no backfills")
+    for p in found:
+        print(p.line())
+    return 0
+
+
+def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> int:
+    from .engine import backfill
+
+    if cancel and not args.yes:
+        print(f"error: cancelling backfill {args.id} is final (a new backfill starts over); pass --yes",
+              file=sys.stderr)
+        return 2
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        before = backfill.stop(conn, args.id, cancel=cancel)
+        after = backfill.progress(conn, args.id)
+    print(f"backfill {args.id}: {before} -> {after.status}")
+    return 0
+
+
+def _add_backfill_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                           common: argparse.ArgumentParser) -> None:
+    group = sub.add_parser("backfill", help="existing rows of subscribed tables become READ events (run, list, "
+                                            "stop, cancel)")
+    bf = group.add_subparsers(dest="backfill_command", required=True)
+    p = bf.add_parser("run", parents=[common],
+                      help="backfill subscriptions of STREAM in the foreground, in parallel on Spark (the stream's "
+                           "spark settings); resumes an unfinished backfill of the same selection; Ctrl-C stops it "
+                           "(resumable)")
+    p.add_argument("stream", type=_ID)
+    p.add_argument("keys", nargs="+", metavar="KEY", help="subscription keys")
+    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml); its "
+                                    "database_url unless --database-url is given")
+    p.add_argument("--table", help="schema.table: only this table of the subscriptions")
+    p.add_argument("--where", help="only rows for which this boolean SQL expression over the row (new.<column>) "
+                                   "is true")
+    p.add_argument("--from", dest="from_key", nargs="+", metavar="VALUE",
+                   help="first primary key (inclusive), one value per key column")
+    p.add_argument("--to", dest="to_key", nargs="+", metavar="VALUE",
+                   help="last primary key (inclusive), one value per key column")
+    p.add_argument("--chunk-size", type=_ranged("chunk size", 1, 100_000), default=1000)
+    p.add_argument("--parallelism", type=_ranged("parallelism", 1, 1024), default=4)
+    p.add_argument("--max-rows-per-sec", type=float, default=5000.0, help="throttle (0: none; default 5000)")
+    p.add_argument("--restart", action="store_true", help="cancel an unfinished backfill of the same subscription "
+                                                          "and table and start over")
+    p.add_argument("--progress-secs", type=float, default=5.0, help="seconds between progress lines")
+    p.set_defaults(func=_cmd_backfill_run)
+    p = bf.add_parser("list", parents=[common], help="backfills (of STREAM), newest first, with their progress")
+    p.add_argument("stream", type=_ID, nargs="?")
+    p.set_defaults(func=_cmd_backfill_list)
+    p = bf.add_parser("stop", parents=[common], help="stop a backfill wherever it runs (resumable)")
+    p.add_argument("id", type=_ID)
+    p.set_defaults(func=lambda a: _cmd_backfill_stop(a, cancel=False))
+    p = bf.add_parser("cancel", parents=[common], help="cancel a backfill for good (the rows it read stay delivered)")
+    p.add_argument("id", type=_ID)
+    p.add_argument("--yes", action="store_true", help="confirm")
+    p.set_defaults(func=lambda a: _cmd_backfill_stop(a, cancel=True))
+
+
 def _cmd_metrics(args: argparse.Namespace) -> int:
     """Serve Prometheus metrics until interrupted (see engine/metrics.py)."""
     from .config import MetricsSettings, config_path, load_metrics_settings
@@ -357,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=lambda a, _action=action: _control(a, _action))
 
     _add_dead_letter_commands(sub, common)
+    _add_backfill_commands(sub, common)
 
     p = sub.add_parser("metrics", parents=[common],
                        help="serve Prometheus metrics of every stream on /metrics, read from the database at each "
@@ -392,11 +496,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
         from .config import ConfigError
+        from .engine.backfill import BackfillError
         from .engine.deadletters import DeadLetterError
         from .engine.ledger import SlotInUse
         from .engine.migrations import MigrationError
 
-        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse) or \
+        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | BackfillError) or \
                 type(exc).__module__.startswith("psycopg"):
             print(f"error: {exc}", file=sys.stderr)
             return 1

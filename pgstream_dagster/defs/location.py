@@ -2,8 +2,8 @@
 
 Streams come from ``pgstream.yaml`` and from ``pgstream_dagster.StreamComponent``s (a ``defs.yaml``
 in the defs folder). Each stream has the same definitions wherever it is declared
-(:func:`stream_definitions`): a sensor, a deliveries asset, a status asset, a replay job, its
-subscription assets and its checks. The rest is defined once (:func:`shared_definitions`): the
+(:func:`stream_definitions`): a sensor, a deliveries asset, a status asset, a replay job, a backfill
+job, its subscription assets and its checks. The rest is defined once (:func:`shared_definitions`): the
 delivery, control, housekeeping and checks jobs, the housekeeping asset, the subscribed tables, the
 schedules, the subscriptions sensor, the executor and the resources.
 
@@ -34,6 +34,7 @@ from .assets import (
     stream_subscription_assets,
     stream_subscription_keys,
 )
+from .backfill import backfill_job
 from .checks import stream_checks
 from .controls import control_job
 from .jobs import delivery_job
@@ -64,12 +65,13 @@ def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.Asset
 def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definitions:
     """Everything of one stream (``declared``: the file that declares it, with its subscriptions)."""
     subs = declared.of_stream(stream.id)
-    deliveries = _deliveries_asset(stream, list(stream_subscription_keys(stream.id, subs).values()))
+    sub_keys = stream_subscription_keys(stream.id, subs)
+    deliveries = _deliveries_asset(stream, list(sub_keys.values()))
     return dg.Definitions(
         assets=[deliveries, status_asset_spec(stream.id, deliveries.key),
                 stream_subscription_assets(stream.id, declared)],
         asset_checks=[stream_checks(stream, subs)],
-        jobs=[replay_job(stream)],
+        jobs=[replay_job(stream), backfill_job(stream, sub_keys)],
         sensors=[stream_sensor(stream)],
     )
 

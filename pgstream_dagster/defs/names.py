@@ -10,6 +10,8 @@ BATCH_TAG = "pgstream/batch"
 REPLAY_TAG = "pgstream/replay"
 ATTEMPT_TAG = "pgstream/attempt"
 BATCHES_TAG = "pgstream/batches"
+#: a backfill run (value: the stream id); never pgstream/stream, so deliveries go on meanwhile
+BACKFILL_TAG = "pgstream/backfill"
 
 #: jobs
 DELIVERY_JOB = "pgstream_delivery"
@@ -24,6 +26,10 @@ EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
 
 def replay_job_name(stream_id: int) -> str:
     return f"pgstream_replay_stream_{stream_id}"
+
+
+def backfill_job_name(stream_id: int) -> str:
+    return f"pgstream_backfill_stream_{stream_id}"
 
 
 def stream_sensor_name(stream_id: int) -> str:

@@ -1,0 +1,144 @@
+"""The backfill job of a stream (``pgstream_backfill_stream_<id>``): existing rows of subscribed
+tables become READ events of the stream, in parallel on Spark (:mod:`pgstream_dagster.engine.backfill`).
+
+Launched from the Launchpad with :class:`BackfillConfig`; ``pgstream-dagster backfill`` runs the
+same engine from a shell. The run carries the tag ``pgstream/backfill`` (not ``pgstream/stream``):
+the stream's delivery runs keep going while it runs, and the run queue limits how many backfills
+run at once. Terminating the run stops the backfill cleanly (chunks in flight commit; resumable);
+launching it again with the same selection resumes it.
+"""
+
+import time
+from collections.abc import Mapping
+from contextlib import closing
+from functools import partial
+from typing import Any
+
+import dagster as dg
+from dagster_pyspark import PySparkResource
+from pydantic import Field
+
+from ..config import StreamConfig
+from ..engine import backfill
+from ..engine.subscriptions import Identity
+from .names import BACKFILL_TAG, backfill_job_name
+from .resources import PgstreamResource
+
+#: how often a running backfill's progress becomes a materialization of its subscription's asset
+MATERIALIZE_EVERY_SECS = 60.0
+
+
+class BackfillConfig(dg.Config):
+    """What to backfill. Each subscription key is read through its INSERT subscription (else its
+    UPDATE one) on each of its tables; its existing rows become events with ``tg_op: "READ"``."""
+
+    subscriptions: list[str] = Field(description="subscription keys of this stream to backfill")
+    table: str | None = Field(None, description="schema.table: only this table of those subscriptions")
+    where: str | None = Field(None, description="only rows for which this boolean SQL expression over the row "
+                                                "(new.<column>) is true; checked like a when_clause")
+    from_key: list[str] | None = Field(None, description="first primary key (inclusive), one value per key column")
+    to_key: list[str] | None = Field(None, description="last primary key (inclusive), one value per key column")
+    chunk_size: int = Field(backfill.DEFAULT_CHUNK_SIZE, ge=1, le=100_000,
+                            description="rows per chunk: one transaction, rows locked FOR SHARE meanwhile")
+    parallelism: int = Field(backfill.DEFAULT_PARALLELISM, ge=1, le=1024,
+                             description="key-range partitions read at once (Spark tasks); fixed when a backfill "
+                                         "starts")
+    max_rows_per_sec: float = Field(backfill.DEFAULT_MAX_ROWS_PER_SEC, ge=0,
+                                    description="throttle over all partitions (0: none); keeps live events flowing")
+    restart: bool = Field(False, description="cancel an unfinished backfill of the same subscription and table "
+                                             "and start over (default: resume it)")
+    progress_secs: float = Field(5.0, gt=0, description="seconds between progress lines in the run log")
+
+
+def _request(stream: StreamConfig, config: BackfillConfig) -> backfill.Request:
+    return backfill.Request(stream.id, config.subscriptions, table=config.table, where=config.where,
+                            from_key=config.from_key, to_key=config.to_key, chunk_size=config.chunk_size,
+                            parallelism=config.parallelism, max_rows_per_sec=config.max_rows_per_sec or None,
+                            restart=config.restart)
+
+
+def _metadata(progress: backfill.Progress) -> dict[str, Any]:
+    return {"backfill_id": progress.id, "status": progress.status, "rows_total": progress.rows_total,
+            "rows_read": progress.rows_read, "events_written": progress.events_written,
+            "partitions_done": f"{progress.partitions_done}/{progress.partitions}",
+            "rows_per_sec": round(progress.rows_per_sec), "table": progress.target.schema_name + "." +
+            progress.target.table_name, **({"error": progress.error} if progress.error else {})}
+
+
+def _report(context: dg.OpExecutionContext, asset: dg.AssetKey | None, progress: backfill.Progress,
+            description: str) -> None:
+    """Progress as a materialization of the subscription's asset. It carries the code version of the
+    asset's latest materialization (the definition applied), so the automation that applies YAML
+    edits sees the same state as before; an asset never materialized gets an observation."""
+    if asset is None:
+        return
+    applied = context.instance.get_latest_materialization_code_versions([asset]).get(asset)
+    if applied is None:
+        context.log_event(dg.AssetObservation(asset_key=asset, description=description, metadata=_metadata(progress)))
+        return
+    context.log_event(dg.AssetMaterialization(asset_key=asset, description=description, metadata=_metadata(progress),
+                                              tags={"dagster/code_version": applied}))
+
+
+def _backfill_op(stream: StreamConfig, assets: Mapping[Identity, dg.AssetKey]) -> dg.OpDefinition:
+    @dg.op(name=f"backfill_stream_{stream.id}",
+           description=f"Existing rows of subscribed tables become READ events of stream {stream.id}.")
+    def _op(context: dg.OpExecutionContext, config: BackfillConfig, pgstream: dg.ResourceParam[PgstreamResource],
+            pyspark: PySparkResource) -> int:
+        url = pgstream.database_url
+        try:
+            request = _request(stream, config)
+            with pgstream.connect() as conn:
+                chosen = backfill.targets(conn, request)
+        except backfill.BackfillError as exc:
+            raise dg.Failure(str(exc)) from None
+        spark = pyspark.spark_session  # after the request was checked: starting Spark takes a while
+        written, problems = 0, []
+        for target in chosen:
+            asset = assets.get((target.key, target.schema_name, target.table_name, target.operation))
+            try:
+                with pgstream.connect() as conn:
+                    backfill_id, resumed = backfill.open_backfill(conn, target, request)
+                context.log.info(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of "
+                                 f"{target.describe()}")
+                last_report = time.monotonic()
+                with closing(backfill.run(url, backfill_id, request, backfill.spark_executor(spark, url),
+                                          run_id=context.run_id, progress_secs=config.progress_secs,
+                                          on_stop=partial(backfill.cancel_spark, spark))) as steps:
+                    for step in steps:
+                        if isinstance(step, backfill.Progress):
+                            context.log.info(step.line())
+                            if time.monotonic() - last_report >= MATERIALIZE_EVERY_SECS:
+                                _report(context, asset, step, f"backfill {backfill_id} running")
+                                last_report = time.monotonic()
+                            continue
+                        progress = step.progress
+                        context.log.info(progress.line())
+                        _report(context, asset, progress, f"backfill {backfill_id} {progress.status}")
+                        written += progress.events_written
+                        if not step.done:
+                            problems.append(progress.line())
+            except backfill.BackfillError as exc:
+                problems.append(str(exc))
+                context.log.error(str(exc))
+        context.add_output_metadata({"targets": len(chosen), "events_written": written})
+        if problems:
+            raise dg.Failure("backfill did not finish: " + " | ".join(problems))
+        return written
+
+    return _op
+
+
+def backfill_job(stream: StreamConfig, assets: Mapping[Identity, dg.AssetKey]) -> dg.JobDefinition:
+    """``assets``: the asset key of each YAML subscription of the stream, by identity."""
+    op = _backfill_op(stream, assets)
+
+    @dg.job(name=backfill_job_name(stream.id),
+            description=f"Backfill: existing rows of subscribed tables become READ events of stream {stream.id}, "
+                        f"in parallel key ranges on Spark, throttled, resumable (launch from the Launchpad).",
+            tags={BACKFILL_TAG: str(stream.id)},
+            executor_def=dg.in_process_executor)
+    def _job() -> None:
+        op()
+
+    return _job

@@ -1,0 +1,491 @@
+"""Backfills: the rows a table already has become events of one of its subscriptions (payload
+``tg_op: "READ"``), written to ``pgstream.events`` like every other event, so they are delivered,
+ordered, retried, failed over and replayable the same way.
+
+The SQL side is ``sql/repeatable/10_backfills.sql``: a backfill's key range is split into
+partitions; a chunk reads up to ``chunk_size`` rows of one partition ``FOR SHARE`` (a concurrent
+change to one of them commits either before the read, or after the chunk's events), writes their
+events through a function owned by ``pgstream_writer`` and moves the partition's cursor, in one
+transaction. Progress is therefore durable per chunk and a resumed backfill reads no row twice.
+
+Here (no Dagster): choosing what to backfill (:func:`targets`), starting or resuming one
+(:func:`open_backfill`), running its partitions in parallel on Spark executors
+(:func:`run`, :func:`run_partition`), stopping and cancelling (:func:`stop`), and its progress
+(:func:`progress`, :class:`Progress`). The ``pgstream_backfill_stream_<id>`` job and
+``pgstream-dagster backfill`` both call :func:`run`.
+
+Ownership: the process running a backfill holds a session-level advisory lock on it
+(``pgstream.backfill_try_lock``) for its whole run and a fresh owner token; chunks of any other
+token stop. Two runs of one backfill can never overlap, and a run that died frees the lock with
+its session, so the next launch resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import SparkSession
+
+#: key values of ``from`` / ``to``: one per primary key column
+KeyValue = str | int | float
+#: errors a chunk retries (after rolling back): deadlocks with writers, lock timeouts, lost connections
+_TRANSIENT = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure,
+              psycopg.errors.LockNotAvailable, psycopg.OperationalError)
+#: how long a chunk waits for a row lock held by a writer before it retries
+LOCK_TIMEOUT = "10s"
+CHUNK_ATTEMPTS = 8
+DEFAULT_CHUNK_SIZE = 1000
+DEFAULT_PARALLELISM = 4
+#: the default throttle: well under what a stream delivers, so live events keep flowing
+DEFAULT_MAX_ROWS_PER_SEC = 5000.0
+UNFINISHED = ("running", "stopped", "failed")
+
+
+class BackfillError(ValueError):
+    """A backfill that cannot start or go on; the message says what and where, nothing changed."""
+
+
+class BackfillBusy(BackfillError):
+    """The backfill is running in another process."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one backfill reads: a subscription key's rows of one table."""
+
+    stream_id: int
+    key: str
+    schema_name: str
+    table_name: str
+    operation: str  # of the subscription whose definition builds the events (INSERT, else UPDATE)
+
+    def describe(self) -> str:
+        return f'subscription "{self.key}" ({self.operation}) on {self.schema_name}.{self.table_name}'
+
+
+@dataclass(frozen=True)
+class Request:
+    """A launch: what to backfill and how (the job's config, the CLI's arguments)."""
+
+    stream_id: int
+    keys: Sequence[str]
+    table: str | None = None  # "schema.table": only that table of the keys
+    where: str | None = None
+    from_key: Sequence[KeyValue] | None = None
+    to_key: Sequence[KeyValue] | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    parallelism: int = DEFAULT_PARALLELISM
+    max_rows_per_sec: float | None = None
+    restart: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.keys:
+            raise BackfillError("backfill: name at least one subscription key")
+        if not 1 <= self.chunk_size <= 100_000:
+            raise BackfillError(f"backfill: chunk_size must be between 1 and 100000, got {self.chunk_size}")
+        if not 1 <= self.parallelism <= 1024:
+            raise BackfillError(f"backfill: parallelism must be between 1 and 1024, got {self.parallelism}")
+        if self.max_rows_per_sec is not None and not self.max_rows_per_sec > 0:
+            raise BackfillError(f"backfill: max_rows_per_sec must be positive, got {self.max_rows_per_sec}")
+        if self.table is not None and self.table.count(".") != 1:
+            raise BackfillError(f"backfill: table must be schema.table, got {self.table!r}")
+
+
+@dataclass
+class Progress:
+    """A backfill's progress, as ``pgstream.backfill_progress`` has it, plus rates of this run."""
+
+    id: int
+    target: Target
+    status: str
+    rows_total: int
+    rows_read: int
+    events_written: int
+    partitions: int
+    partitions_done: int
+    error: str | None = None
+    rows_per_sec: float = 0.0
+    eta_secs: float | None = None
+
+    def line(self) -> str:
+        pct = f" ({100 * self.rows_read // self.rows_total}%)" if self.rows_total else ""
+        eta = f", ETA {self.eta_secs:.0f}s" if self.eta_secs is not None else ""
+        return (f"backfill {self.id} of {self.target.describe()}: {self.status}, "
+                f"{self.rows_read}/{self.rows_total} rows{pct}, {self.events_written} events, "
+                f"{self.partitions_done}/{self.partitions} partitions done, "
+                f"{self.rows_per_sec:.0f} rows/s{eta}" + (f"; {self.error}" if self.error else ""))
+
+
+@dataclass
+class PartitionResult:
+    """What one partition's task did in this run."""
+
+    part: int
+    status: str  # done, stopped, changed, gone, failed
+    rows: int = 0
+    events: int = 0
+    chunks: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Outcome:
+    """How a run of one backfill ended."""
+
+    progress: Progress
+    results: list[PartitionResult] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.progress.status == "done"
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing and opening.
+
+def targets(conn: psycopg.Connection, request: Request) -> list[Target]:
+    """The (key, table) pairs the request names, each read through its INSERT subscription, else its
+    UPDATE one. Raises naming a key that has none on the stream (or on ``request.table``)."""
+    schema, _, table = (request.table or "").partition(".")
+    found: list[Target] = []
+    for key in request.keys:
+        rows = conn.execute(
+            "select distinct on (schema_name, table_name) schema_name, table_name, operation::text "
+            "from pgstream.subscriptions where stream_id = %s and key = %s and operation <> 'DELETE' "
+            "and (%s = '' or (schema_name = %s and table_name = %s)) "
+            "order by schema_name, table_name, operation", (request.stream_id, key, schema, schema, table)).fetchall()
+        if not rows:
+            where = f" on {request.table}" if request.table else ""
+            raise BackfillError(f"backfill: stream {request.stream_id} has no INSERT or UPDATE subscription "
+                                f'"{key}"{where} (a backfill writes READ events for a subscription that takes '
+                                "new rows)")
+        found += [Target(request.stream_id, key, s, t, op) for s, t, op in rows]
+    return found
+
+
+def _key_json(values: Sequence[KeyValue] | None) -> str | None:
+    return None if values is None else json.dumps(list(values))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def unfinished(conn: psycopg.Connection, target: Target) -> dict[str, Any] | None:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(
+            "select id, status, filter, from_key, to_key, run_id from pgstream.backfills "
+            "where stream_id = %s and subscription_key = %s and schema_name = %s and table_name = %s "
+            "and status in ('running', 'stopped', 'failed')",
+            (target.stream_id, target.key, target.schema_name, target.table_name)).fetchone()
+
+
+def open_backfill(conn: psycopg.Connection, target: Target, request: Request) -> tuple[int, bool]:
+    """The backfill of ``target`` to run: its unfinished one (resumed, when the request asks for
+    the same filter and range; ``restart`` cancels it instead), else a new one. Returns ``(id,
+    resumed)``. Raises :class:`BackfillError` (nothing changed) when the database refuses the
+    request: no primary key, a filter that is not one boolean expression over the row, bounds that
+    do not fit the key."""
+    where = (request.where or "").strip() or None
+    with conn.transaction():
+        current = unfinished(conn, target)
+        if current is not None:
+            same = (current["filter"] == where and current["from_key"] == _maybe_list(request.from_key)
+                    and current["to_key"] == _maybe_list(request.to_key))
+            if not request.restart:
+                if not same:
+                    raise BackfillError(
+                        f"backfill {current['id']} of {target.describe()} is unfinished ({current['status']}) with "
+                        f"where {current['filter']!r}, from {current['from_key']}, to {current['to_key']}: launch it "
+                        "with the same where/from/to to resume it, or with restart to cancel it and start over")
+                return int(current["id"]), True
+            if not lock(conn, int(current["id"])):
+                raise BackfillBusy(f"backfill {current['id']} of {target.describe()} is running (run "
+                                   f"{current['run_id']}): stop it before restarting")
+            stop(conn, int(current["id"]), cancel=True)
+            unlock(conn, int(current["id"]))
+        try:
+            row = conn.execute("select pgstream.backfill_start(%s, %s, %s, %s, %s, %s::jsonb, %s::jsonb, %s)",
+                               (target.stream_id, target.key, target.schema_name, target.table_name, where,
+                                _key_json(request.from_key), _key_json(request.to_key),
+                                request.parallelism)).fetchone()
+        except (psycopg.errors.RaiseException, psycopg.errors.InvalidParameterValue, psycopg.errors.NoDataFound,
+                psycopg.errors.FeatureNotSupported, psycopg.errors.UndefinedTable,
+                psycopg.errors.UniqueViolation) as exc:
+            raise BackfillError(_first_line(exc)) from None
+    assert row is not None
+    return int(row[0]), False
+
+
+def _maybe_list(values: Sequence[KeyValue] | None) -> list[KeyValue] | None:
+    return None if values is None else list(values)
+
+
+def lock(conn: psycopg.Connection, backfill_id: int) -> bool:
+    row = conn.execute("select pgstream.backfill_try_lock(%s)", (backfill_id,)).fetchone()
+    return bool(row and row[0])
+
+
+def unlock(conn: psycopg.Connection, backfill_id: int) -> None:
+    conn.execute("select pg_catalog.pg_advisory_unlock(pg_catalog.hashtext('pgstream.backfill'), %s::int4)",
+                 (backfill_id,))
+
+
+def stop(conn: psycopg.Connection, backfill_id: int, *, cancel: bool) -> str:
+    """Stop (resumable) or cancel (final) a backfill, whoever runs it: its chunks in flight commit,
+    the next ones stop. Returns its status before."""
+    try:
+        row = conn.execute("select pgstream.backfill_stop(%s, %s)", (backfill_id, cancel)).fetchone()
+    except psycopg.errors.NoDataFound as exc:
+        raise BackfillError(_first_line(exc)) from None
+    assert row is not None
+    return str(row[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Progress.
+
+def _target_of(row: dict[str, Any]) -> Target:
+    return Target(int(row["stream_id"]), row["subscription_key"], row["schema_name"], row["table_name"],
+                  str(row["operation"]))
+
+
+def list_backfills(conn: psycopg.Connection, stream_id: int | None = None, *,
+                   backfill_id: int | None = None) -> list[Progress]:
+    """Backfills (of a stream, or one), newest first."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(
+            "select * from pgstream.backfill_progress where (%s::bigint is null or stream_id = %s) "
+            "and (%s::bigint is null or id = %s) order by id desc",
+            (stream_id, stream_id, backfill_id, backfill_id)).fetchall()
+    return [Progress(int(r["id"]), _target_of(r), r["status"], int(r["rows_total"] or 0), int(r["rows_read"]),
+                     int(r["events_written"]), int(r["partitions"]), int(r["partitions_done"]), r["error"])
+            for r in rows]
+
+
+def progress(conn: psycopg.Connection, backfill_id: int) -> Progress:
+    found = list_backfills(conn, backfill_id=backfill_id)
+    if not found:
+        raise BackfillError(f"backfill {backfill_id} does not exist")
+    return found[0]
+
+
+# --------------------------------------------------------------------------------------------
+# One partition (on a Spark executor: psycopg only).
+
+def _chunk(conn: psycopg.Connection, backfill_id: int, part: int, token: str, limit: int) -> tuple[str, int, int]:
+    with conn.transaction():
+        row = conn.execute("select * from pgstream.backfill_chunk(%s, %s, %s::uuid, %s)",
+                           (backfill_id, part, token, limit)).fetchone()
+    assert row is not None
+    return str(row[0]), int(row[1]), int(row[2])
+
+
+def _connect(url: str) -> psycopg.Connection:
+    conn = psycopg.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
+    conn.execute(f"set lock_timeout = '{LOCK_TIMEOUT}'")
+    return conn
+
+
+def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size: int,
+                  rows_per_sec: float | None, sleep: Callable[[float], None] = time.sleep) -> PartitionResult:
+    """Read partition ``part`` of a backfill chunk by chunk until it is done or the backfill stops
+    (another owner, stopped, cancelled), at most ``rows_per_sec``. A transient error (deadlock with
+    a writer, lock timeout, lost connection) retries the chunk; any other error is a row that
+    cannot become an event: the rows before it are written one by one, and the partition stops
+    ``failed`` naming that row's key and the error (the other partitions go on)."""
+    result = PartitionResult(part, "stopped")
+    started = time.monotonic()
+    conn = _connect(url)
+    try:
+        limit = chunk_size
+        while True:
+            for attempt in range(CHUNK_ATTEMPTS):
+                try:
+                    if conn.broken:
+                        conn = _connect(url)
+                    status, rows, events = _chunk(conn, backfill_id, part, token, limit)
+                    break
+                except _TRANSIENT as exc:
+                    if attempt == CHUNK_ATTEMPTS - 1:
+                        result.status = "failed"
+                        result.error = f"gave up after {CHUNK_ATTEMPTS} attempts: {_first_line(exc)}"
+                        return result
+                    sleep(min(0.2 * 2 ** attempt, 5.0))
+                except psycopg.Error as exc:
+                    if limit == 1:  # this row cannot become an event
+                        key = _next_key(conn, backfill_id, part)
+                        result.status = "failed"
+                        result.error = f"row with key {key}: {_first_line(exc)}" if key else _first_line(exc)
+                        return result
+                    # find the row: the ones before it are written one at a time (exactly once)
+                    limit, status, rows, events = 1, "read", 0, 0
+                    break
+            result.rows += rows
+            result.events += events
+            result.chunks += 1 if rows else 0
+            if status != "read":
+                result.status = status
+                return result
+            if rows_per_sec:
+                ahead = result.rows / rows_per_sec - (time.monotonic() - started)
+                if ahead > 0:
+                    sleep(ahead)
+    finally:
+        conn.close()
+
+
+def _next_key(conn: psycopg.Connection, backfill_id: int, part: int) -> str | None:
+    try:
+        row = conn.execute("select pgstream.backfill_next_key(%s, %s)::text", (backfill_id, part)).fetchone()
+    except psycopg.Error:
+        return None
+    return row[0] if row else None
+
+
+def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
+                   rows_per_sec: float | None) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The ``mapInArrow`` function of a backfill's Spark job: each input row (``id``) is the index
+    in ``parts`` of the partition to read; yields one :class:`PartitionResult` row per partition."""
+
+    def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        for batch in batches:
+            for index in batch.column("id").to_pylist():
+                done = run_partition(url, backfill_id, parts[index], token, chunk_size, rows_per_sec)
+                yield pa.RecordBatch.from_pylist([asdict(done)], schema=pa.schema(
+                    [("part", pa.int32()), ("status", pa.string()), ("rows", pa.int64()), ("events", pa.int64()),
+                     ("chunks", pa.int64()), ("error", pa.string())]))
+
+    return task
+
+
+RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, error string"
+
+
+def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
+                 rows_per_sec: float | None) -> list[PartitionResult]:
+    """Read ``parts`` in parallel, one Spark task each (classic Spark and Spark Connect alike)."""
+    frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(
+        partition_task(url, backfill_id, token, list(parts), chunk_size, rows_per_sec), RESULT_SCHEMA)
+    return [PartitionResult(r["part"], r["status"], r["rows"], r["events"], r["chunks"], r["error"])
+            for r in frame.collect()]
+
+
+def cancel_spark(spark: SparkSession) -> None:
+    try:
+        if hasattr(spark, "interruptAll") and not hasattr(spark, "sparkContext"):
+            spark.interruptAll()
+        else:
+            spark.sparkContext.cancelAllJobs()
+    except Exception:  # best effort: the tasks stop at their next chunk anyway
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# A run.
+
+Executor = Callable[[int, str, Sequence[int], int, float | None], list[PartitionResult]]
+"""Runs partitions: ``(backfill_id, token, parts, chunk_size, rows_per_sec per partition)``."""
+
+
+def spark_executor(spark: SparkSession, url: str) -> Executor:
+    def execute(backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
+                rows_per_sec: float | None) -> list[PartitionResult]:
+        return run_on_spark(spark, url, backfill_id, token, parts, chunk_size, rows_per_sec)
+
+    return execute
+
+
+def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_id: str,
+        progress_secs: float = 5.0, on_stop: Callable[[], None] | None = None
+        ) -> Generator[Progress | Outcome, None, None]:
+    """Run backfill ``backfill_id`` to its end in this process: take its lock (else
+    :class:`BackfillBusy`), claim it, read its unfinished partitions in parallel through ``execute``
+    and yield its :class:`Progress` every ``progress_secs`` while they run, then the
+    :class:`Outcome`. A subscription changed meanwhile gets a new function and the partitions go
+    on; a row that cannot become an event ends the backfill ``failed`` with the row named. If this
+    generator is closed or interrupted before the end (a cancelled run, Ctrl-C), the backfill is
+    stopped (resumable) and ``on_stop`` runs (cancelling the Spark job)."""
+    token = str(uuid.uuid4())
+    session = psycopg.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
+    finished = False
+    try:
+        if not lock(session, backfill_id):
+            current = progress(session, backfill_id)
+            raise BackfillBusy(f"backfill {backfill_id} of {current.target.describe()} is running in another process "
+                               f"({current.status}); stop it first (pgstream-dagster backfill stop {backfill_id})")
+        results: list[PartitionResult] = []
+        while True:
+            try:
+                session.execute("select pgstream.backfill_claim(%s, %s::uuid, %s)", (backfill_id, token, run_id))
+            except (psycopg.errors.NoDataFound, psycopg.errors.ObjectNotInPrerequisiteState,
+                    psycopg.errors.RaiseException, psycopg.errors.InvalidParameterValue) as exc:
+                raise BackfillError(_first_line(exc)) from None
+            parts = [int(r[0]) for r in session.execute(
+                "select part from pgstream.backfill_partitions where backfill_id = %s and not done order by part",
+                (backfill_id,)).fetchall()]
+            rate = request.max_rows_per_sec / max(len(parts), 1) if request.max_rows_per_sec else None
+            results = yield from _execute(session, backfill_id, token, parts, request.chunk_size, rate, execute,
+                                          progress_secs)
+            if any(r.status == "changed" for r in results) and not any(r.status == "failed" for r in results):
+                continue  # the subscription changed: claim again (new function) and go on
+            break
+        failed = [r for r in results if r.status in ("failed", "gone")]
+        error = "; ".join(f"partition {r.part}: {r.error or 'its subscription was deleted'}" for r in failed) or None
+        session.execute("select pgstream.backfill_release(%s, %s::uuid, %s, %s)",
+                        (backfill_id, token, "failed" if failed else "stopped", error))
+        finished = True
+        yield Outcome(progress(session, backfill_id), results)
+    finally:
+        if not finished and not session.closed:
+            try:
+                session.execute("select pgstream.backfill_release(%s, %s::uuid, 'stopped', %s)",
+                                (backfill_id, token, "stopped before the end (run cancelled or interrupted)"))
+            finally:
+                if on_stop is not None:
+                    on_stop()
+        session.close()
+
+
+def _execute(session: psycopg.Connection, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
+             rate: float | None, execute: Executor, progress_secs: float
+             ) -> Generator[Progress, None, list[PartitionResult]]:
+    """Run ``parts`` in a thread (the Spark job) and yield progress meanwhile; returns the results."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["results"] = execute(backfill_id, token, parts, chunk_size, rate)
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, name=f"pgstream-backfill-{backfill_id}", daemon=True)
+    started = time.monotonic()
+    first = progress(session, backfill_id)
+    thread.start()
+    while thread.is_alive():
+        thread.join(progress_secs)
+        if thread.is_alive():
+            now = progress(session, backfill_id)
+            elapsed = time.monotonic() - started
+            now.rows_per_sec = (now.rows_read - first.rows_read) / max(elapsed, 1e-6)
+            if now.rows_per_sec > 0 and now.rows_total > now.rows_read:
+                now.eta_secs = (now.rows_total - now.rows_read) / now.rows_per_sec
+            yield now
+    if "error" in box:
+        raise box["error"]
+    results: list[PartitionResult] = box["results"]
+    return results

@@ -1,0 +1,392 @@
+"""Backfills: existing rows become READ events of a subscription, through the real job (Spark) and
+the CLI, against a real Postgres with logical replication, delivered by the real pipeline to a
+file sink and counted; the engine's stop / resume / ownership / bad-row paths; what a backfill
+refuses; who evaluates what."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import BACKFILL_TAG, STREAM_TAG, backfill_job_name
+from pgstream_dagster.engine import backfill
+from pgstream_dagster.engine.bootstrap import init
+
+from .support.dagster_dev import repo_root
+from .support.harness import Driver, read_jsonl, write_config
+
+ITEMS = """
+create table public.items (id bigint primary key, name text not null, qty int not null, status text not null);
+insert into public.items
+select g, 'item ' || g, g % 7, case when g % 5 = 0 then 'hidden' else 'ok' end from generate_series(1, %s) g;
+"""
+
+
+def _items(url: str, rows: int) -> None:
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute(ITEMS.replace("%s", str(int(rows))))
+
+
+def _subscription(op: str = "INSERT", **extra: Any) -> dict[str, Any]:
+    return {"key": "items", "stream_id": 1, "operation": op, "schema_name": "public", "table_name": "items",
+            "column_names": ["id", "name", "qty", "status"], **extra}
+
+
+def _config(tmp_path: Path, url: str, subscriptions: list[dict[str, Any]]) -> tuple[Path, Path]:
+    out = tmp_path / "sink.jsonl"
+    cfg = write_config(tmp_path / "pgstream.yaml", url, [
+        {"id": 1, "batch": {"max_size": 5000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
+         "delivery": {"chunk_size": 1000}, "sink": {"type": "file", "path": str(out)}}], subscriptions)
+    init(cfg)
+    return cfg, out
+
+
+def _launch(cfg: Path, instance: dg.DagsterInstance, **config: Any) -> dg.ExecuteInProcessResult:
+    job = build_definitions(cfg).resolve_job_def(backfill_job_name(1))
+    return job.execute_in_process(run_config={"ops": {"backfill_stream_1": {"config": config}}}, instance=instance,
+                                  raise_on_error=False)
+
+
+def _deliver_all(cfg: Path, instance: dg.DagsterInstance, url: str, out: Path) -> list[dict[str, Any]]:
+    """Tick and run deliveries until every event of stream 1 is in the sink."""
+    with psycopg.connect(url) as c:
+        total = c.execute("select count(*) from pgstream.events where stream_id = 1").fetchone()[0]  # type: ignore[index]
+    Driver(cfg, instance).run_until(1, lambda: len(read_jsonl(out)) >= total, timeout=400)
+    return read_jsonl(out)
+
+
+def _reads(events: Sequence[dict[str, Any]]) -> Counter[int]:
+    return Counter(e["payload"]["new"]["id"] for e in events if e["payload"]["tg_op"] == "READ")
+
+
+def _ok_rows_but_qty_3(url: str) -> set[int]:
+    with psycopg.connect(url) as c:
+        return {r[0] for r in c.execute("select id from public.items where status = 'ok' and qty <> 3")}
+
+
+def _thread_executor(url: str) -> backfill.Executor:
+    """Partitions in threads (the engine's own run_partition, without Spark): for the engine's paths."""
+    def execute(backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
+                rate: float | None) -> list[backfill.PartitionResult]:
+        with ThreadPoolExecutor(len(parts)) as pool:
+            return list(pool.map(lambda p: backfill.run_partition(url, backfill_id, p, token, chunk_size, rate), parts))
+    return execute
+
+
+def _run(url: str, request: backfill.Request, backfill_id: int, **kwargs: Any) -> backfill.Outcome:
+    steps = list(backfill.run(url, backfill_id, request, _thread_executor(url), run_id="test", **kwargs))
+    outcome = steps[-1]
+    assert isinstance(outcome, backfill.Outcome)
+    return outcome
+
+
+def _open(url: str, request: backfill.Request) -> tuple[backfill.Target, int]:
+    with psycopg.connect(url, autocommit=True) as c:
+        (target,) = backfill.targets(c, request)
+        backfill_id, _ = backfill.open_backfill(c, target, request)
+    return target, backfill_id
+
+
+def _read_payloads(url: str) -> list[dict[str, Any]]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select payload from pgstream.events where payload->>'tg_op' = 'READ' "
+                                        "order by id")]
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end.
+
+def test_backfill_50k_rows_in_parallel_exactly_once_after_a_kill(db_url: str, tmp_path: Path,
+                                                                  instance: dg.DagsterInstance) -> None:
+    """50,000 rows, when_clause + filter, parallelism 4: the CLI starts it and is killed (-9, with its
+    Spark) mid-run; the job resumes it; every selected row reaches the sink exactly once as a READ
+    event whose payload is the live trigger's."""
+    _items(db_url, 50_000)
+    cfg, out = _config(tmp_path, db_url, [_subscription(
+        when_clause="new.status = 'ok'", payload_extensions=[{"json_path": "group_id", "expression": "new.id::text"}],
+        metadata={"source": "items"})])
+    where = "new.qty <> 3"
+    expected = _ok_rows_but_qty_3(db_url)
+    assert len(expected) > 30_000
+
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "pgstream_dagster.cli", "backfill", "run", "1", "items", "--config", str(cfg),
+         "--where", where, "--parallelism", "4", "--chunk-size", "500", "--max-rows-per-sec", "3000",
+         "--progress-secs", "1"], cwd=repo_root(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True, env={**os.environ, "PYTHONPATH": str(repo_root())})
+    try:
+        deadline = time.monotonic() + 240
+        with psycopg.connect(db_url, autocommit=True) as c:
+            while True:
+                row = c.execute("select rows_read from pgstream.backfill_progress").fetchone()
+                if row and row[0] >= 6000:
+                    break
+                assert cli.poll() is None, cli.stdout.read().decode() if cli.stdout else ""
+                assert time.monotonic() < deadline, "the CLI backfill made no progress"
+                time.sleep(0.2)
+    finally:
+        os.killpg(cli.pid, signal.SIGKILL)  # the CLI, its Spark JVM and Python workers, mid-chunk
+        cli.wait()
+    with psycopg.connect(db_url, autocommit=True) as c:
+        status, read = c.execute("select status, rows_read from pgstream.backfill_progress").fetchone()  # type: ignore[misc]
+    assert status == "running" and 6000 <= read < 50_000  # its owner is gone; the lock went with its session
+
+    # resumed by the job (same selection), unthrottled
+    result = _launch(cfg, instance, subscriptions=["items"], where=where, parallelism=4, chunk_size=500,
+                     max_rows_per_sec=0)
+    assert result.success, result.all_events
+    with psycopg.connect(db_url, autocommit=True) as c:
+        progress = backfill.list_backfills(c, 1)
+    assert len(progress) == 1 and progress[0].status == "done" and progress[0].rows_read == 50_000
+    assert progress[0].events_written == len(expected)
+    assert "resuming backfill" in "\n".join(str(e.message) for e in result.all_events if e.message)
+
+    events = _deliver_all(cfg, instance, db_url, out)
+    reads = _reads(events)
+    assert set(reads) == expected and max(reads.values()) == 1  # every selected row once: none lost, none twice
+
+    # the payload is the live trigger's: the same rows inserted again write INSERT events
+    sample = sorted(expected)[:3]
+    by_id = {e["payload"]["new"]["id"]: e for e in events if e["payload"]["tg_op"] == "READ"}
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create table items_copy as select * from public.items where id = any(%s)", [sample])
+        c.execute("delete from public.items where id = any(%s)", [sample])
+        c.execute("insert into public.items select * from items_copy")
+        live = {r[0]["new"]["id"]: r for r in c.execute(
+            "select payload, metadata from pgstream.events where payload->>'tg_op' = 'INSERT'")}
+    for i in sample:
+        read, (payload, metadata) = by_id[i], live[i]
+        assert {k: v for k, v in read["payload"].items() if k not in ("tg_op", "timestamp")} == \
+               {k: v for k, v in payload.items() if k not in ("tg_op", "timestamp")}
+        assert read["metadata"] == metadata == {"source": "items"}
+        assert read["payload"]["old"] is None and read["payload"]["group_id"] == str(i)
+
+
+def test_backfill_job_is_not_queued_with_deliveries(db_url: str, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [{"id": 1, "sink": {"type": "file", "path": "x"}}])
+    job = build_definitions(cfg).resolve_job_def(backfill_job_name(1))
+    assert job.tags.get(BACKFILL_TAG) == "1" and STREAM_TAG not in job.tags  # live delivery runs beside it
+
+
+def test_backfill_consistent_with_concurrent_changes(db_url: str, tmp_path: Path,
+                                                     instance: dg.DagsterInstance) -> None:
+    """Updates, deletes and inserts while a parallel backfill runs: a consumer applying the stream's
+    events in order (READ/INSERT/UPDATE set a row, DELETE removes it) ends with the table's state."""
+    _items(db_url, 8000)
+    cfg, out = _config(tmp_path, db_url, [_subscription("INSERT"), _subscription("UPDATE"), _subscription("DELETE")])
+    stop = threading.Event()
+    changes = Counter[str]()
+
+    def writer() -> None:
+        rng = random.Random(7)
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute("set lock_timeout = '30s'")
+            next_id = 100_000
+            while not stop.is_set():
+                op = rng.choice(("update", "update", "update", "delete", "insert"))
+                i = rng.randint(1, 8000)
+                if op == "update":
+                    c.execute("update public.items set qty = qty + 1, name = name || '+' where id = %s", [i])
+                elif op == "delete":
+                    c.execute("delete from public.items where id = %s", [i])
+                else:
+                    next_id += 1
+                    c.execute("insert into public.items values (%s, 'new', 1, 'ok')", [next_id])
+                changes[op] += 1
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        result = _launch(cfg, instance, subscriptions=["items"], parallelism=3, chunk_size=100,
+                         max_rows_per_sec=1500, progress_secs=1)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert result.success, result.all_events
+    assert changes["update"] > 100 and changes["delete"] > 10, changes  # the writer ran during the backfill
+
+    events = _deliver_all(cfg, instance, db_url, out)
+    state: dict[int, dict[str, Any]] = {}
+    for e in events:  # in delivery (commit) order
+        p = e["payload"]
+        if p["tg_op"] == "DELETE":
+            state.pop(p["old"]["id"], None)
+        else:
+            state[p["new"]["id"]] = p["new"]
+    with psycopg.connect(db_url) as c:
+        table = {r[0]: {"id": r[0], "name": r[1], "qty": r[2], "status": r[3]}
+                 for r in c.execute("select id, name, qty, status from public.items")}
+    assert state == table
+    assert sum(_reads(events).values()) > 7000  # most rows came from the backfill
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine: stop, resume, ownership, a changed subscription, a bad row.
+
+@pytest.fixture
+def items_stream(db_url: str, tmp_path: Path) -> str:
+    _items(db_url, 3000)
+    _config(tmp_path, db_url, [_subscription("INSERT"), _subscription("DELETE")])
+    return db_url
+
+
+def test_stop_resume_and_one_run_at_a_time(items_stream: str) -> None:
+    url = items_stream
+    request = backfill.Request(1, ["items"], parallelism=3, chunk_size=50, max_rows_per_sec=1500)
+    target, backfill_id = _open(url, request)
+    assert target.operation == "INSERT"  # the key's DELETE subscription has no rows to read
+
+    # another session holds the backfill: a second run is refused, changing nothing
+    with psycopg.connect(url, autocommit=True) as holder:
+        assert backfill.lock(holder, backfill_id)
+        with pytest.raises(backfill.BackfillBusy, match=f"backfill {backfill_id} .* is running in another process"):
+            list(backfill.run(url, backfill_id, request, _thread_executor(url), run_id="second"))
+    # a second launch of the same subscription resumes that backfill (one unfinished per subscription)
+    assert _open(url, request)[1] == backfill_id
+
+    # stopped by an operator mid-run: chunks in flight commit, the run ends, nothing is read twice
+    def stop_soon() -> None:
+        with psycopg.connect(url, autocommit=True) as c:
+            while backfill.progress(c, backfill_id).rows_read < 500:
+                time.sleep(0.05)
+            backfill.stop(c, backfill_id, cancel=False)
+
+    stopper = threading.Thread(target=stop_soon)
+    stopper.start()
+    outcome = _run(url, request, backfill_id, progress_secs=0.2)
+    stopper.join()
+    assert outcome.progress.status == "stopped" and 500 <= outcome.progress.rows_read < 3000
+    assert {r.status for r in outcome.results} == {"stopped"}
+
+    # closing the run early (a cancelled Dagster run, Ctrl-C) stops it too
+    steps = backfill.run(url, backfill_id, request, _thread_executor(url), run_id="closed", progress_secs=0.1)
+    assert isinstance(next(steps), backfill.Progress)
+    steps.close()
+    with psycopg.connect(url, autocommit=True) as c:
+        assert backfill.progress(c, backfill_id).status == "stopped"
+
+    outcome = _run(url, backfill.Request(1, ["items"], chunk_size=500), backfill_id)
+    assert outcome.done and outcome.progress.rows_read == 3000
+    payloads = _read_payloads(url)
+    assert sorted(p["new"]["id"] for p in payloads) == list(range(1, 3001))  # exactly once across three runs
+    with psycopg.connect(url, autocommit=True) as c:
+        assert c.execute("select count(*) from pg_proc where proname = %s",
+                         [f"_backfill_{backfill_id}"]).fetchone() == (0,)  # its function went with it
+        # a finished backfill is not resumed: the next launch starts a new one
+        assert _open(url, request)[1] != backfill_id
+
+
+def test_a_changed_subscription_applies_to_the_rows_not_read_yet(items_stream: str) -> None:
+    url = items_stream
+    request = backfill.Request(1, ["items"], parallelism=1, chunk_size=100)
+    _, backfill_id = _open(url, request)
+    steps = backfill.run(url, backfill_id, backfill.Request(1, ["items"], parallelism=1, chunk_size=100,
+                                                            max_rows_per_sec=1000), _thread_executor(url),
+                         run_id="first", progress_secs=0.3)
+    next(steps)
+    steps.close()
+    with psycopg.connect(url, autocommit=True) as c:
+        done = backfill.progress(c, backfill_id).rows_read
+        c.execute("""update pgstream.subscriptions set payload_extensions =
+                     '[{"json_path": "v2", "expression": "true"}]' where key = 'items' and operation = 'INSERT'""")
+    assert 0 < done < 3000
+    assert _run(url, request, backfill_id).done
+    payloads = _read_payloads(url)
+    assert sorted(p["new"]["id"] for p in payloads) == list(range(1, 3001))
+    assert [p["new"]["id"] for p in payloads if "v2" not in p] == list(range(1, done + 1))
+
+
+def test_a_row_that_cannot_become_an_event_is_named_and_holds_only_its_partition(db_url: str, tmp_path: Path) -> None:
+    _items(db_url, 2000)
+    _config(tmp_path, db_url, [_subscription(when_clause="100 / (new.qty - 3) <> 0 or new.id = 1234")])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("update public.items set qty = 0 where qty = 3 and id <> 1234")  # one bad row left: 1234
+        c.execute("update public.items set qty = 3 where id = 1234")
+    request = backfill.Request(1, ["items"], parallelism=2, chunk_size=300)
+    _, backfill_id = _open(db_url, request)
+    outcome = _run(db_url, request, backfill_id)
+    assert outcome.progress.status == "failed"
+    assert "row with key [1234]: division by zero" in (outcome.progress.error or "")
+    assert sorted(r.status for r in outcome.results) == ["done", "failed"]  # the other partition finished
+    ids = sorted(p["new"]["id"] for p in _read_payloads(db_url))
+    assert ids == list(range(1, 1234))  # partition 0 whole, partition 1 up to the bad row, each once
+
+    with psycopg.connect(db_url, autocommit=True) as c:  # the operator fixes the row and resumes
+        c.execute("update public.items set qty = 4 where id = 1234")
+    assert _run(db_url, request, backfill_id).done
+    assert sorted(p["new"]["id"] for p in _read_payloads(db_url)) == list(range(1, 2001))
+
+
+# ------------------------------------------------------------------------------------------------
+# What a backfill refuses, and who evaluates what.
+
+@pytest.mark.parametrize(("setup", "request_kwargs", "message"), [
+    ("", {"where": "new.qty > (select 1)"}, "where: subqueries are not allowed"),
+    ("", {"where": "new.qty > 1; drop table public.items"}, 'where: statement separator ";" is not allowed'),
+    ("", {"where": "new.qty"}, "where: must be a boolean expression, got type integer"),
+    ("", {"where": "new.nope = 1"}, 'where: column new.nope does not exist'),
+    ("", {"from_key": ["abc"]}, 'invalid input syntax for type bigint: "abc"'),
+    ("", {"to_key": ["1", "2"]}, '"to" must give one value for each primary key column of public.items'),
+    ("", {"keys": ["gone"]}, 'stream 1 has no INSERT or UPDATE subscription "gone"'),
+    ("", {"keys": ["items-deleted"]}, 'no INSERT or UPDATE subscription "items-deleted"'),
+    ("alter table public.items drop constraint items_pkey", {}, "has no primary key"),
+])
+def test_bad_requests_are_refused_and_change_nothing(db_url: str, tmp_path: Path, setup: str,
+                                                     request_kwargs: dict[str, Any], message: str) -> None:
+    _items(db_url, 10)
+    _config(tmp_path, db_url, [_subscription(), {**_subscription("DELETE"), "key": "items-deleted"}])
+    if setup:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute(setup)
+    request = backfill.Request(1, request_kwargs.pop("keys", ["items"]), **request_kwargs)
+    with psycopg.connect(db_url, autocommit=True) as c, pytest.raises(backfill.BackfillError) as raised:
+        for target in backfill.targets(c, request):
+            backfill.open_backfill(c, target, request)
+    assert message in str(raised.value)
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select count(*) from pgstream.backfills").fetchone() == (0,)
+        assert c.execute("select count(*) from pg_proc where proname ~ '^_backfill_[0-9]+$'").fetchone() == (0,)
+        assert c.execute("select count(*) from pgstream.events").fetchone() == (0,)
+
+
+def test_filter_runs_as_pgstream_writer_and_roles_cannot_touch_backfills(items_stream: str) -> None:
+    url = items_stream
+    with psycopg.connect(url, autocommit=True) as c:
+        # an application role's function, called by the filter: it sees who evaluates it
+        c.execute("create role app_owner login")
+        c.execute("create function public.evaluated_as_writer(i int) returns boolean language sql "
+                  "as $$ select current_user = 'pgstream_writer' $$")
+        c.execute("alter function public.evaluated_as_writer(int) owner to app_owner")
+        c.execute("grant execute on function public.evaluated_as_writer(int) to pgstream_writer")
+    request = backfill.Request(1, ["items"], where="public.evaluated_as_writer(new.qty)", parallelism=2)
+    _, backfill_id = _open(url, request)
+    assert _run(url, request, backfill_id).progress.events_written == 3000  # true for every row: pgstream_writer
+
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("create role intruder login")
+        c.execute("grant usage on schema pgstream to intruder")
+        owner = c.execute("select proowner::regrole::text from pg_proc where proname = %s",
+                          [f"_backfill_{backfill_id}"]).fetchone()
+    assert owner is None  # dropped once done
+    with psycopg.connect(url, user="intruder", autocommit=True) as intruder:  # a fresh session
+        for sql in ("select * from pgstream.backfills", "select * from pgstream.backfill_progress",
+                    "select pgstream.backfill_start(1, 'items', 'public', 'items', null, null, null, 1)",
+                    "select pgstream.backfill_try_lock(1)", f"select pgstream.backfill_stop({backfill_id}, true)",
+                    "select * from pgstream.backfill_chunk(1, 0, gen_random_uuid(), 10)"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                intruder.execute(sql)
