@@ -420,6 +420,7 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
     generator is closed or interrupted before the end (a cancelled run, Ctrl-C), the backfill is
     stopped (resumable) and ``on_stop`` runs (cancelling the Spark job)."""
     token = str(uuid.uuid4())
+    started = time.monotonic()
     session = psycopg.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
     finished = False
     try:
@@ -448,7 +449,9 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
         session.execute("select pgstream.backfill_release(%s, %s::uuid, %s, %s)",
                         (backfill_id, token, "failed" if failed else "stopped", error))
         finished = True
-        yield Outcome(progress(session, backfill_id), results)
+        final = progress(session, backfill_id)
+        final.rows_per_sec = sum(r.rows for r in results) / max(time.monotonic() - started, 1e-6)
+        yield Outcome(final, results)
     finally:
         if not finished and not session.closed:
             try:

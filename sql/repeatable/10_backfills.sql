@@ -156,17 +156,19 @@ as $$
 $$;
 revoke all on function pgstream._backfill_key_json_sql(text, text) from public;
 
-create or replace function pgstream._backfill_order_sql(p_schema text, p_table text, p_prefix text)
+create or replace function pgstream._backfill_order_sql(p_schema text, p_table text, p_prefix text,
+                                                        p_desc boolean default false)
 returns text
 language sql
 stable
 set search_path = pg_catalog, pg_temp
 as $$
     -- p_prefix: an alias (t) or a whole-row value ((c.pgstream_r)); a key column is p_prefix.column
-    select pg_catalog.string_agg(pg_catalog.format('%s.%I', p_prefix, k.column_name), ', ' order by k.ord)
+    select pg_catalog.string_agg(pg_catalog.format('%s.%I%s', p_prefix, k.column_name,
+                                                   case when p_desc then ' desc' else '' end), ', ' order by k.ord)
     from pgstream._backfill_key(p_schema, p_table) with ordinality as k(column_name, type_sql, ord)
 $$;
-revoke all on function pgstream._backfill_order_sql(text, text, text) from public;
+revoke all on function pgstream._backfill_order_sql(text, text, text, boolean) from public;
 
 -- ---------------------------------------------------------------------------------------------
 -- The generated function. Owned by pgstream_writer, like a generated trigger function: it writes
@@ -395,6 +397,7 @@ declare
     v_bounds jsonb[];
     v_sample text := '';
     v_i      integer;
+    v_last   jsonb;
 begin
     select * into v_b from pgstream.backfills where id operator(pg_catalog.=) p_id;
     execute pg_catalog.format('select pg_catalog.count(*) from %I.%I as t where %s',
@@ -421,10 +424,18 @@ begin
             v_b.schema_name, v_b.table_name, v_sample, pgstream._backfill_where(v_b, null, null), p_parts, p_parts - 1)
         into v_bounds using null::jsonb, null::jsonb, v_b.from_key, v_b.to_key;
     end if;
+    -- the range ends at the last key there is now: rows inserted later have their INSERT events (a
+    -- backfill of a table being filled must end)
+    execute pg_catalog.format('select %s from %I.%I as t where %s order by %s limit 1',
+        pgstream._backfill_key_json_sql(v_b.schema_name, v_b.table_name), v_b.schema_name, v_b.table_name,
+        pgstream._backfill_where(v_b, null, null),
+        pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, 't', true))
+    into v_last using null::jsonb, null::jsonb, v_b.from_key, v_b.to_key;
     v_bounds := coalesce(v_bounds, '{}');
     for v_i in 0 .. pg_catalog.cardinality(v_bounds) loop
-        insert into pgstream.backfill_partitions (backfill_id, part, lower_key, upper_key)
-        values (p_id, v_i, case when v_i operator(pg_catalog.>) 0 then v_bounds[v_i] end, v_bounds[v_i + 1]);
+        insert into pgstream.backfill_partitions (backfill_id, part, lower_key, upper_key, done)
+        values (p_id, v_i, case when v_i operator(pg_catalog.>) 0 then v_bounds[v_i] end,
+                coalesce(v_bounds[v_i + 1], v_last), v_last is null);
     end loop;
     update pgstream.backfills set rows_total = v_total where id operator(pg_catalog.=) p_id;
 end
@@ -531,10 +542,10 @@ begin
     end if;
     v_after := coalesce(v_p.cursor_key, v_p.lower_key);
     execute pg_catalog.format(
-        'select pg_catalog.count(*), (pg_catalog.array_agg(c.pgstream_k order by %s desc))[1], '
+        'select pg_catalog.count(*), (pg_catalog.array_agg(c.pgstream_k order by %s))[1], '
         '       pgstream.%I(pg_catalog.array_agg(c.pgstream_r order by %s)) '
         'from (select t as pgstream_r, %s as pgstream_k from %I.%I as t where %s order by %s limit $5 for share of t) as c',
-        pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, '(c.pgstream_r)'),
+        pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, '(c.pgstream_r)', true),
         pgstream.backfill_function_name(p_id),
         pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, '(c.pgstream_r)'),
         pgstream._backfill_key_json_sql(v_b.schema_name, v_b.table_name),
