@@ -64,3 +64,27 @@ def test_by_key_ordering_is_refused_with_spark_connect(tmp_path: Path) -> None:
     blank = write_config(tmp_path / "blank.yaml", "postgresql://x/y", [
         {"id": 1, "sink": {"type": "file", "path": "x"}}], spark={"remote": ""})
     assert load_config(blank).spark.remote is None  # ${PGSTREAM_SPARK_REMOTE:-} unset: classic Spark
+
+
+def test_backfill_through_spark_connect(db_url: str, tmp_path: Path, connect_url: str) -> None:
+    """`pgstream-dagster backfill run` on a Spark Connect server: the partitions run as the server's
+    tasks (mapInArrow, no sparkContext); every row once, as a READ event."""
+    from pgstream_dagster.engine.bootstrap import init
+
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create table public.things (id int primary key, label text)")
+        c.execute("insert into public.things select g, 'thing ' || g from generate_series(1, 5000) g")
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": 1, "sink": {"type": "file", "path": str(tmp_path / "sink.jsonl")}}],
+        [{"key": "things", "stream_id": 1, "operation": "INSERT", "table_name": "things",
+          "column_names": ["id", "label"]}], spark={"remote": connect_url})
+    init(cfg)
+    child = subprocess.run([sys.executable, "-m", "pgstream_dagster.cli", "backfill", "run", "1", "things",
+                            "--config", str(cfg), "--parallelism", "3", "--chunk-size", "400",
+                            "--max-rows-per-sec", "0"], cwd=repo_root(), capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
+    assert "done, 5000/5000 rows (100%), 5000 events, 3/3 partitions done" in child.stdout
+    with psycopg.connect(db_url) as c:
+        ids = [r[0] for r in c.execute("select (payload->'new'->>'id')::int from pgstream.events "
+                                       "where payload->>'tg_op' = 'READ' order by 1")]
+    assert ids == list(range(1, 5001))
