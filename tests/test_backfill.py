@@ -421,3 +421,24 @@ def test_composite_key_range_in_parallel_partitions(db_url: str, tmp_path: Path)
     got = Counter((p["new"]["region"], p["new"]["n"]) for p in _read_payloads(db_url))
     want = {("ap", n) for n in range(350, 401)} | {("eu", n) for n in range(1, 401)} | {("us", n) for n in range(1, 11)}
     assert set(got) == want and max(got.values()) == 1
+
+
+def test_update_subscription_in_its_own_schema_sees_old_as_null(db_url: str, tmp_path: Path) -> None:
+    """A key with only an UPDATE subscription, on a table in a schema pgstream_writer has no USAGE
+    on: its when_clause and extensions read old.* as null; payload like its live UPDATE events."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create schema shop")
+        c.execute("revoke all on schema shop from public")
+        c.execute("create table shop.orders (id int primary key, total numeric)")
+        c.execute("insert into shop.orders select g, g * 1.5 from generate_series(1, 300) g")
+    _config(tmp_path, db_url, [{"key": "order-total", "stream_id": 1, "operation": "UPDATE", "schema_name": "shop",
+                                "table_name": "orders", "column_names": ["id", "total"],
+                                "when_clause": "new.total is distinct from old.total",
+                                "payload_extensions": [{"json_path": "previous", "expression": "old.total"}]}])
+    request = backfill.Request(1, ["order-total"], parallelism=2, chunk_size=64)
+    target, backfill_id = _open(db_url, request)
+    assert target.operation == "UPDATE"
+    assert _run(db_url, request, backfill_id).done
+    payloads = _read_payloads(db_url)
+    assert sorted(p["new"]["id"] for p in payloads) == list(range(1, 301))
+    assert {(p["old"], p["previous"], p["tg_table_schema"]) for p in payloads} == {(None, None, "shop")}

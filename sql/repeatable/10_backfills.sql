@@ -245,8 +245,10 @@ $f$,
                               pg_catalog.format('%L::pg_catalog.text', v_sub.schema_name), 'pgstream_ts.pgstream_ts_ms'),
         v_sub.stream_id, pgstream._metadata_sql(v_sub), v_ts,
         coalesce('(' || v_b.filter || ')', 'true'),
+        -- old: the table's columns, all null (an empty set of the same rows, left-joined: the table's
+        -- name is not needed, so pgstream_writer needs no USAGE on its schema)
         case when v_sub.operation operator(pg_catalog.=) 'UPDATE'
-             then pg_catalog.format(E'\n    cross join (select (null::%I.%I).*) as old', v_sub.schema_name, v_sub.table_name)
+             then E'\n    left join (select * from pg_catalog.unnest(p_rows) limit 0) as old on true'
              else '' end,
         coalesce('(' || v_sub.when_clause || ')', 'true'));
 
