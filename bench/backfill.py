@@ -49,7 +49,7 @@ def _fill(url: str, rows: int, seq_base: int) -> None:
     with psycopg.connect(url) as conn, conn.transaction():
         conn.execute("set local session_replication_role = replica")
         conn.execute("insert into public.bench_orders (seq, customer, amount) "
-                     "select %s - g, 'customer ' || (g % 1000), g % 500 from generate_series(1, %s) g",
+                     "select %s - g, 'customer ' || (g %% 1000), g %% 500 from generate_series(1, %s) g",
                      [seq_base, rows])
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("vacuum analyze public.bench_orders")

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from dagster import DagsterRunStatus, RunsFilter
 
-from pgstream_dagster.defs.names import DELIVERY_JOB, STREAM_TAG
+from pgstream_dagster.defs.names import DELIVERY_JOB, STREAM_TAG, backfill_job_name
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import migrate
@@ -44,6 +44,23 @@ query ($selector: SensorSelector!) {
     __typename
     ... on Sensor { sensorState { status ticks(limit: 1) { status timestamp } } }
   }
+}
+"""
+
+LAUNCH_MUTATION = """
+mutation ($params: ExecutionParams!) {
+  launchRun(executionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId } }
+    ... on PythonError { message }
+    ... on RunConfigValidationInvalid { errors { message } }
+  }
+}
+"""
+
+TERMINATE_MUTATION = """
+mutation ($runId: String!) {
+  terminateRun(runId: $runId) { __typename ... on PythonError { message } ... on TerminateRunFailure { message } }
 }
 """
 
@@ -229,6 +246,10 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
             assert all(r.tags.get(STREAM_TAG) == "1" for r in runs)
             assert not instance.get_runs(RunsFilter(job_name=DELIVERY_JOB, statuses=[DagsterRunStatus.FAILURE]))
 
+            # 5. a backfill launched as the Launchpad does, cancelled as the UI does (terminateRun): it
+            # stops cleanly, resumable; launched again, it resumes: every verified user once
+            _backfill_cancelled_and_resumed(dev, app, instance)
+
         print(f"{len(recorded)} batches {[b[2] for b in recorded]} delivered by {len(runs)} successful runs")
         print(f"latency insert commit -> arrival: first event {first_latency:.2f}s, "
               f"last event {last_latency:.2f}s (last commit -> last arrival), "
@@ -237,3 +258,51 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
         survivors = stop_process_group(dev.proc)
     assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
     print(f"test took {time.monotonic() - test_started:.1f}s")
+
+
+def _backfill_cancelled_and_resumed(dev: Any, app: str, instance: dg.DagsterInstance) -> None:
+    with psycopg.connect(app, autocommit=True) as conn, conn.transaction():
+        conn.execute("set local session_replication_role = replica")  # rows that exist: no events
+        conn.execute("insert into public.users (email, verified) select 'old' || g || '@example.com', g % 4 <> 0 "
+                     "from generate_series(1, 3000) g")
+
+    def launch(rate: int) -> str:
+        config = {"subscriptions": ["user-signup"], "parallelism": 2, "chunk_size": 50, "max_rows_per_sec": rate,
+                  "progress_secs": 1}
+        answer = dev.graphql(LAUNCH_MUTATION, {"params": {
+            "selector": {"repositoryLocationName": "pgstream", "repositoryName": "__repository__",
+                         "jobName": backfill_job_name(1)},
+            "runConfigData": {"ops": {"backfill_stream_1": {"config": config}}}}})
+        launched = answer["data"]["launchRun"]
+        assert launched["__typename"] == "LaunchRunSuccess", answer
+        return str(launched["run"]["runId"])
+
+    def backfill_state() -> tuple[str, int, int]:
+        with psycopg.connect(app, autocommit=True) as c:
+            row = c.execute("select status, rows_read, events_written from pgstream.backfill_progress").fetchone()
+        return (str(row[0]), int(row[1]), int(row[2])) if row else ("none", 0, 0)
+
+    def run_status(run_id: str) -> DagsterRunStatus:
+        run = instance.get_run_by_id(run_id)
+        assert run is not None
+        return run.status
+
+    first = launch(200)
+    wait_for("the backfill to read rows", lambda: backfill_state()[1] > 0, 240, dev,
+             lambda: f"backfill {backfill_state()}, run {run_status(first)}")
+    answer = dev.graphql(TERMINATE_MUTATION, {"runId": first})
+    assert answer["data"]["terminateRun"]["__typename"] == "TerminateRunSuccess", answer
+    wait_for("the cancelled run to end", lambda: run_status(first) == DagsterRunStatus.CANCELED, 120, dev,
+             lambda: f"backfill {backfill_state()}, run {run_status(first)}")
+    status, read, _ = backfill_state()
+    assert status == "stopped" and 0 < read < 3025, backfill_state()  # stopped cleanly, mid-way
+
+    second = launch(0)
+    wait_for("the resumed backfill to finish", lambda: run_status(second) == DagsterRunStatus.SUCCESS, 240, dev,
+             lambda: f"backfill {backfill_state()}, run {run_status(second)}")
+    with psycopg.connect(app, autocommit=True) as conn:
+        verified = conn.execute("select count(*) from public.users where verified").fetchone()
+        reads = conn.execute("select count(*), count(distinct payload->'new'->>'id') from pgstream.events "
+                             "where payload->>'tg_op' = 'READ'").fetchone()
+    assert backfill_state()[0] == "done" and reads is not None and verified is not None
+    assert reads[0] == reads[1] == verified[0]  # every verified user once, across the cancel

@@ -146,7 +146,8 @@ def test_every_function_view_and_trigger_is_defined_once_in_a_repeatable_file(db
             "event trigger": {r[0] for r in c.execute("select evtname::text from pg_event_trigger")},
         }
     assert defined == installed
-    assert len(installed["function"]) >= 60 and installed["view"] == {"pgstream.stream_status", "pgstream.metrics"}
+    assert len(installed["function"]) >= 60 and installed["view"] == {"pgstream.stream_status", "pgstream.metrics",
+                                                                  "pgstream.backfill_progress"}
 
 
 def test_definitions_are_found_in_code_not_in_strings_or_comments(tmp_path: Path) -> None:
