@@ -1,0 +1,121 @@
+"""Delivery and replay runs on a real Spark standalone cluster (a master and two workers on loopback,
+tests/support/spark_cluster.py) whose executors' Python does not have pgstream_dagster installed:
+the package reaches them through ``spark.submit.pyFiles``, which the product sets up itself. Counts
+in = out, commit order (global) and per-key order (``by_key``) kept, a run's share of the cluster
+bounded, a failed ``by_key`` task not retried by Spark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pgstream_dagster.config import ConfigError, load_config
+
+from .support.dagster_dev import repo_root
+from .support.harness import event_ids, read_jsonl, write_config
+from .support.spark_cluster import SparkCluster, start_cluster
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
+    cluster = start_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, cores=2, memory="1g")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    assert all(p.poll() is not None for p in cluster.procs)
+
+
+def test_delivery_by_key_and_replay_on_a_standalone_cluster(db_url: str, dagster_storage_url: str, tmp_path: Path,
+                                                            spark_cluster: SparkCluster) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({
+        "tmp": str(tmp_path), "db_url": db_url, "dagster_storage_url": dagster_storage_url,
+        "master": spark_cluster.master_url, "webui": spark_cluster.webui,
+        # the executors' Python, and small executors: the test machine has 2 CPUs
+        "conf": {"spark.pyspark.python": str(spark_cluster.python), "spark.executor.memory": "512m"}}))
+    child = subprocess.run([sys.executable, "-m", "tests.support.spark_cluster_child", str(spec)],
+                           cwd=repo_root(), capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-6000:]
+    result = json.loads(Path(str(spec) + ".out").read_text())
+
+    # the executors ran the configured Python, which imported pgstream_dagster from the shipped zip
+    assert result["executors"] and all(
+        line.startswith(f"{spark_cluster.python} ") and ".zip/pgstream_dagster/" in line
+        for line in result["executors"]), result["executors"]
+    # an open run takes a bounded share: 2 of the cluster's 4 cores (default spark.cores.max: the
+    # largest by_key parallelism), leaving room for another stream's run or a replay
+    assert [a["cores"] for a in result["apps"]] == [2], result["apps"]
+    assert sum(w["cores"] for w in spark_cluster.state()["workers"]) == 4
+
+    # global order: delivered once each, in commit order, then replayed in id order
+    ids = event_ids(db_url, 1)
+    got = [e["id"] for e in read_jsonl(tmp_path / "global.jsonl")]
+    assert len(ids) == 1500 and all(result["global_runs"]) and result["replay"]
+    assert got[:1500] == ids and got[1500:] == ids
+
+    # by_key: the sink fails from its 5th request on; the run fails (spark.task.maxFailures 1: no
+    # task is retried by Spark, so no partition republishes behind the run's back)...
+    failed = result["by_key_failed_run"]
+    assert failed["success"] is False and failed["accepted"] <= 40
+    assert 1 <= failed["refused_answers"] <= 2, failed  # at most one failed attempt per partition
+    # ...and the stream's failover redelivers: every event, per-key order kept in the last pass
+    runs = result["by_key_runs"]
+    assert runs[0] is False and runs[-1] is True
+    accepted = result["by_key_accepted"]
+    key_ids = event_ids(db_url, 2)
+    assert sorted(set(accepted)) == key_ids and len(key_ids) == 300
+    assert len(accepted) - 300 <= failed["accepted"]  # duplicates: only what the failed run had sent
+    with psycopg.connect(db_url) as c:
+        key_of = dict(c.execute("select id, payload->>'group_id' from pgstream.events where stream_id = 2"))
+    last_pass = accepted[failed["accepted"]:]
+    assert sorted(last_pass) == key_ids
+    for key in ("0", "1", "2"):
+        per_key = [i for i in last_pass if key_of[i] == key]
+        assert per_key == sorted(per_key) and len(per_key) == 100
+    # nothing landed in the workers' directories (where a relative sink path would have gone)
+    assert not [p for d in spark_cluster.worker_dirs() for p in d.rglob("*.jsonl")]
+
+
+def test_settings_that_mean_something_else_on_an_executor_are_refused(tmp_path: Path) -> None:
+    remote_master = {"master": "spark://spark-master.internal:7077"}
+    loopback_master = {"master": "spark://127.0.0.1:7077"}
+    by_key = {"ordering": "by_key"}
+    # by_key builds the sink on the executors: a relative path is each executor's working directory
+    cfg = write_config(tmp_path / "a.yaml", "postgresql://u:pw@db.internal/app", [
+        {"id": 1, "delivery": by_key, "sink": {"type": "file", "path": "out/events.jsonl"}}], spark=loopback_master)
+    with pytest.raises(ConfigError, match=r"sink.path: a relative path is relative to each executor's working"):
+        load_config(cfg)
+    # executors on other hosts: loopback hosts (sink, database) are each executor's own
+    cfg = write_config(tmp_path / "b.yaml", "postgresql://u:secret-pw@127.0.0.1/app", [
+        {"id": 1, "sink": {"type": "file", "path": "/shared/x.jsonl"}},
+        {"id": 2, "delivery": by_key, "sink": {"type": "http", "url": "http://localhost:8080/hook?token=tok-123"}},
+        {"id": 3, "delivery": by_key, "sink": {"type": "kafka", "bootstrap_servers": "[::1]:9092", "topic": "t"}}],
+        spark=remote_master)
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    message = str(err.value)
+    assert "database_url names a loopback host" in message
+    assert "streams[id=2] (ordering by_key: its sink is built on the executors): sink.url: a loopback host" in message
+    assert "streams[id=3]" in message and "sink.bootstrap_servers" in message
+    assert "secret-pw" not in message and "tok-123" not in message  # never a value
+    # allowed: a local master (the tests' loopback services), global order (the sink is the
+    # driver's), a loopback cluster's loopback services, and the explicit opt-out
+    for name, spark, delivery in (("c", {"master": "local[2]"}, by_key), ("d", remote_master, {}),
+                                  ("e", loopback_master, by_key),
+                                  ("f", {**remote_master, "host_local_settings": True}, by_key)):
+        db = "postgresql://u@127.0.0.1/app" if name != "d" else "postgresql://u@db.internal/app"
+        cfg = write_config(tmp_path / f"{name}.yaml", db, [
+            {"id": 1, "delivery": delivery, "sink": {"type": "http", "url": "http://127.0.0.1:9/x"}}], spark=spark)
+        assert load_config(cfg).streams[0].id == 1
+    # a Unix-socket database URL means each executor's own socket
+    cfg = write_config(tmp_path / "g.yaml", "postgresql:///app", [
+        {"id": 1, "sink": {"type": "file", "path": "/x"}}], spark=remote_master)
+    with pytest.raises(ConfigError, match="database_url names a Unix socket"):
+        load_config(cfg)
