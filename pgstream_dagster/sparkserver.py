@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from .engine.cluster import cluster_conf
+
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_PORT = 15002
 
@@ -47,6 +49,8 @@ def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
         **(conf or {}),
     }
+    # a cluster master: the package for the executors, a bounded share, no task retries
+    settings.update(cluster_conf(master, conf or {}))
     args = [str(Path(spark_home()) / "bin" / "spark-submit"), "--class", SERVER_CLASS,
             "--name", "pgstream spark connect", "--master", master]
     for key, value in settings.items():
@@ -54,9 +58,13 @@ def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127
     return args
 
 
-def environment() -> dict[str, str]:
-    return {**os.environ, "SPARK_HOME": spark_home(), "PYSPARK_PYTHON": sys.executable,
-            "PYSPARK_DRIVER_PYTHON": sys.executable}
+def environment(conf: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: its Python workers run ``spark.pyspark.python`` of ``conf`` if set
+    (the executors' Python), else this interpreter."""
+    conf = conf or {}
+    return {**os.environ, "SPARK_HOME": spark_home(),
+            "PYSPARK_PYTHON": conf.get("spark.pyspark.python") or sys.executable,
+            "PYSPARK_DRIVER_PYTHON": conf.get("spark.pyspark.driver.python") or sys.executable}
 
 
 def listening(port: int, host: str = "127.0.0.1") -> bool:
@@ -70,7 +78,7 @@ def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None =
     """Start a server in a session of its own and wait until it accepts connections."""
     out = log.open("ab") if log is not None else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen(command(port, master, conf=conf), env=environment(), stdout=out,
+        proc = subprocess.Popen(command(port, master, conf=conf), env=environment(conf), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     finally:
         if not isinstance(out, int):  # the log file (DEVNULL is an int)

@@ -7,15 +7,20 @@ bounded, a failed ``by_key`` task not retried by Spark."""
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from pgstream_dagster import sparkserver
 from pgstream_dagster.config import ConfigError, load_config
+from pgstream_dagster.devdb import free_port
 
 from .support.dagster_dev import repo_root
 from .support.harness import event_ids, read_jsonl, write_config
@@ -119,3 +124,46 @@ def test_settings_that_mean_something_else_on_an_executor_are_refused(tmp_path: 
         {"id": 1, "sink": {"type": "file", "path": "/x"}}], spark=remote_master)
     with pytest.raises(ConfigError, match="database_url names a Unix socket"):
         load_config(cfg)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is in process group ``pgid`` (from /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def test_spark_connect_command_stops_its_jvm_on_sigterm(tmp_path: Path) -> None:
+    """What a service manager does: SIGTERM to `pgstream-dagster spark-connect`; the server's whole
+    process group (the JVM, its Python workers) is gone when the command exits."""
+    port = free_port()
+    wrapper = subprocess.Popen([sys.executable, "-m", "pgstream_dagster.cli", "spark-connect", "--port", str(port),
+                                "--master", "local[1]"], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    jvm_group = 0
+    try:
+        assert wrapper.stdout is not None
+        line = wrapper.stdout.readline()
+        match = re.search(r"\(pid (\d+)\)", line)
+        assert match, line
+        jvm_group = int(match.group(1))
+        deadline = time.monotonic() + 180
+        while not sparkserver.listening(port):
+            assert wrapper.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.3)
+        assert _group_alive(jvm_group)
+        wrapper.send_signal(signal.SIGTERM)
+        assert wrapper.wait(60) == 0
+        assert not _group_alive(jvm_group)  # no JVM (nor Python worker) survives the wrapper
+        assert not sparkserver.listening(port)
+    finally:
+        if wrapper.poll() is None:
+            wrapper.kill()
+            wrapper.wait(10)
+        if jvm_group and _group_alive(jvm_group):
+            sparkserver.stop(jvm_group)
