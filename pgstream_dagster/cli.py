@@ -291,6 +291,20 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     return run_dev(port=args.port, spark_server=not args.no_spark_server)
 
 
+def _cmd_executor_requirements(args: argparse.Namespace) -> int:
+    """What the executors' Python needs on a Spark cluster, one pip requirement a line."""
+    from .engine.cluster import executor_requirements
+
+    sinks = list(args.sink or [])
+    if args.config:
+        from .config import load_config
+
+        config = load_config(Path(args.config))
+        sinks += [s.sink.type for s in config.streams if s.delivery.ordering == "by_key"]
+    print("\n".join(executor_requirements(sinks)))
+    return 0
+
+
 class _Terminated(BaseException):
     """SIGTERM or SIGHUP (what a service manager sends): stop the server, then exit."""
 
@@ -413,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Spark setting of the server (repeatable), e.g. spark.pyspark.python=/opt/venv/bin/python")
     p.add_argument("--stop", action="store_true", help="stop the server `make dev` started in .pgstream/")
     p.set_defaults(func=_cmd_spark_connect)
+
+    p = sub.add_parser("executor-requirements",
+                       help="the pip requirements of the executors' Python on a Spark cluster (pinned to the "
+                            "versions installed here), with the client libraries of by_key sinks")
+    p.add_argument("--sink", action="append", metavar="TYPE", help="a sink type built on the executors (repeatable)")
+    p.add_argument("--config", help="add the sink types of this pgstream.yaml's by_key streams")
+    p.set_defaults(func=_cmd_executor_requirements)
     return parser
 
 

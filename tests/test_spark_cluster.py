@@ -7,11 +7,13 @@ bounded, a failed ``by_key`` task not retried by Spark."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,8 @@ import pytest
 from pgstream_dagster import sparkserver
 from pgstream_dagster.config import ConfigError, load_config
 from pgstream_dagster.devdb import free_port
+from pgstream_dagster.engine import cluster
+from pgstream_dagster.engine.spark import spark_conf
 
 from .support.dagster_dev import repo_root
 from .support.harness import event_ids, read_jsonl, write_config
@@ -86,6 +90,47 @@ def test_delivery_by_key_and_replay_on_a_standalone_cluster(db_url: str, dagster
         assert per_key == sorted(per_key) and len(per_key) == 100
     # nothing landed in the workers' directories (where a relative sink path would have gone)
     assert not [p for d in spark_cluster.worker_dirs() for p in d.rglob("*.jsonl")]
+
+
+def test_spark_conf_of_a_cluster_master(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)  # restored after the test: spark_conf sets it
+    conf = spark_conf("spark://10.1.2.3:7077", None, {"spark.pyspark.python": "/opt/venv/bin/python"},
+                      by_key_parallelism=[3, 2])
+    # the configured executors' Python wins, in the conf and where PySpark reads it (the environment)
+    assert conf["spark.pyspark.python"] == os.environ["PYSPARK_PYTHON"] == "/opt/venv/bin/python"
+    assert conf["spark.pyspark.driver.python"] == sys.executable
+    assert (conf["spark.cores.max"], conf["spark.task.maxFailures"]) == ("3", "1")
+    shipped = Path(conf["spark.submit.pyFiles"])
+    assert shipped.parent == tmp_path / "cache"
+    with zipfile.ZipFile(shipped) as zf:
+        names = zf.namelist()
+    assert "pgstream_dagster/engine/spark.py" in names and "pgstream_dagster/sinks/http.py" in names
+    assert not [n for n in names if "__pycache__" in n]
+    # cached: the same content gives the same zip, not rebuilt
+    built = shipped.stat().st_mtime_ns
+    assert cluster.package_zip() == shipped and shipped.stat().st_mtime_ns == built
+    # the user's settings win; their pyFiles are kept
+    mine = {"spark.cores.max": "8", "spark.task.maxFailures": "2", "spark.submit.pyFiles": "/deps/a.zip"}
+    conf = spark_conf("spark://10.1.2.3:7077", None, mine)
+    assert (conf["spark.cores.max"], conf["spark.task.maxFailures"]) == ("8", "2")
+    assert conf["spark.submit.pyFiles"] == f"/deps/a.zip,{shipped}"
+    assert spark_conf("spark://h:7077", None, {})["spark.cores.max"] == "1"  # ordered delivery: 1 job at a time
+    assert "spark.submit.pyFiles" not in spark_conf("k8s://https://k8s.internal:443", None, {}, ship_package=False)
+    assert "spark.cores.max" not in spark_conf("k8s://https://k8s.internal:443", None, {})  # not a standalone knob
+    local = spark_conf("local[2]", None, {})
+    assert not {"spark.submit.pyFiles", "spark.cores.max", "spark.task.maxFailures"} & set(local)
+    assert local["spark.pyspark.python"] == "/opt/venv/bin/python"  # $PYSPARK_PYTHON, as set above
+
+
+def test_executor_requirements() -> None:
+    reqs = cluster.executor_requirements()
+    names = [r.split("==")[0] for r in reqs]
+    assert {"psycopg", "pydantic", "httpx", "tenacity", "pyarrow"} <= set(names)
+    assert not {"dagster", "pgstream-dagster", "pyspark"} & set(names)
+    assert all("==" in r for r in reqs)  # pinned to what the driver runs
+    with_sinks = [r.split("==")[0] for r in cluster.executor_requirements(["redis", "kinesis", "file"])]
+    assert {"redis", "boto3"} <= set(with_sinks)
 
 
 def test_settings_that_mean_something_else_on_an_executor_are_refused(tmp_path: Path) -> None:

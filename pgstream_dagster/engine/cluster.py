@@ -98,10 +98,11 @@ def executors_elsewhere(master: str, remote: str | None) -> bool:
 
 
 def default_cores_max(parallelism: Iterable[int]) -> int:
-    """A run's share of a standalone cluster: what its busiest stage can use. Ordered delivery
-    computes one partition while the driver publishes the one before (2 cores); ``by_key``
-    publishes ``delivery.parallelism`` partitions at once."""
-    return max([2, *parallelism])
+    """A run's share of a standalone cluster: what its busiest stage can use. Ordered delivery and
+    replay run one Spark job of one partition at a time (the next one is computed while the driver
+    publishes the current one: 1 core); ``by_key`` publishes ``delivery.parallelism`` partitions
+    at once."""
+    return max([1, *parallelism])
 
 
 def cluster_conf(master: str, conf: dict[str, str], by_key_parallelism: Iterable[int] = (),
