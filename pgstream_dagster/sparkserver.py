@@ -3,8 +3,10 @@
 Each Dagster run is a process of its own; with a local Spark it starts a JVM and Spark's Python
 workers before its first event (10-35 s on 2 CPUs). A long-lived Spark Connect server keeps both
 warm: a run then only opens a session (~0.3 s). The server comes with PySpark (its jars and
-``spark-submit``); nothing is downloaded. Its Python workers run this interpreter, so they import
-pgstream-dagster's data sources from the same environment.
+``spark-submit``); nothing is downloaded. Its Python workers run this interpreter (or
+``spark.pyspark.python`` of its conf), so with a local master they import pgstream-dagster's data
+sources from the same environment; on a cluster master (``--master spark://...``) each run hands the
+package to its session (:func:`pgstream_dagster.engine.spark.ship_package`).
 
 Used by ``pgstream-dagster spark-connect`` (foreground, for a service manager) and ``make dev``
 (in the background, kept under ``.pgstream/`` like the local Postgres).
@@ -24,6 +26,8 @@ from .engine.cluster import cluster_conf
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_PORT = 15002
+#: the server's default spark.cores.max on a standalone master (its runs share it)
+SERVER_CORES_MAX = 4
 
 
 class SparkServerError(RuntimeError):
@@ -49,8 +53,10 @@ def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
         **(conf or {}),
     }
-    # a cluster master: the package for the executors, a bounded share, no task retries
-    settings.update(cluster_conf(master, conf or {}))
+    # a cluster master: a bounded share (the server serves the runs of every stream at once:
+    # SERVER_CORES_MAX unless conf says), no task retries; the package reaches its executors as a
+    # session artifact of each run (engine.spark.ship_package: a JVM server ignores pyFiles)
+    settings.update(cluster_conf(master, conf or {}, by_key_parallelism=[SERVER_CORES_MAX], ship_package=False))
     args = [str(Path(spark_home()) / "bin" / "spark-submit"), "--class", SERVER_CLASS,
             "--name", "pgstream spark connect", "--master", master]
     for key, value in settings.items():

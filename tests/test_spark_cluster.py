@@ -27,7 +27,7 @@ from pgstream_dagster.engine import cluster
 from pgstream_dagster.engine.spark import spark_conf
 
 from .support.dagster_dev import repo_root
-from .support.harness import event_ids, read_jsonl, write_config
+from .support.harness import event_ids, insert_events, read_jsonl, write_config
 from .support.spark_cluster import SparkCluster, start_cluster
 
 
@@ -90,6 +90,38 @@ def test_delivery_by_key_and_replay_on_a_standalone_cluster(db_url: str, dagster
         assert per_key == sorted(per_key) and len(per_key) == 100
     # nothing landed in the workers' directories (where a relative sink path would have gone)
     assert not [p for d in spark_cluster.worker_dirs() for p in d.rglob("*.jsonl")]
+
+
+def test_spark_connect_server_on_the_cluster(db_url: str, tmp_path: Path, spark_cluster: SparkCluster) -> None:
+    """`pgstream-dagster spark-connect --master spark://...`: the server is an application of the
+    cluster with the same defaults (the package zip, a bounded share, no task retries), its
+    executors run the configured Python; a delivery run and a replay go through it."""
+    port = free_port()
+    proc = sparkserver.start(port, spark_cluster.master_url, log=tmp_path / "server.log",
+                             conf={"spark.pyspark.python": str(spark_cluster.python), "spark.executor.memory": "512m"})
+    try:
+        out = tmp_path / "sink.jsonl"
+        cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
+            {"id": 1, "batch": {"max_size": 400, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
+             "delivery": {"chunk_size": 100, "rows_per_partition": 300}, "sink": {"type": "file", "path": str(out)},
+             "retry": {"initial_backoff_secs": 0, "max_backoff_secs": 0}}],
+            spark={"remote": f"sc://127.0.0.1:{port}"})
+        Path(str(cfg) + ".sink").write_text(json.dumps(str(out)))
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute("select pgstream.ensure_stream(1)")
+        insert_events(db_url, 1, 700)
+        ids = event_ids(db_url, 1)
+        child = subprocess.run([sys.executable, "-m", "tests.support.spark_connect_child", str(cfg), "700"],
+                               cwd=repo_root(), capture_output=True, text=True, timeout=600)
+        assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
+        result = json.loads(Path(str(cfg) + ".out").read_text())
+        assert all(result["runs"]) and result["replay"], result
+        got = [e["id"] for e in read_jsonl(out)]
+        assert got[:700] == ids and got[700:] == ids
+        apps = [a for a in spark_cluster.state()["activeapps"] if a["name"] == "pgstream spark connect"]
+        assert [a["cores"] for a in apps] == [sparkserver.SERVER_CORES_MAX]
+    finally:
+        sparkserver.stop(proc)
 
 
 def test_spark_conf_of_a_cluster_master(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..sinks import Event, Sink, SinkConfig, build_sink
 from ..sinks.base import parse_event_path
-from .cluster import cluster_conf
+from .cluster import cluster_conf, is_local, package_zip
 from .publish import Deliveries, Position, Positioned, RejectPolicy, Span, drain, publish
 
 if TYPE_CHECKING:
@@ -219,12 +219,32 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
     return conf
 
 
+_SHIPPED: set[str] = set()
+"""Spark Connect sessions that were handed the package (or found they need not be)."""
+
+
+def ship_package(spark: SparkSession) -> None:
+    """Spark Connect on a cluster master: add the package zip to the session as a Python artifact,
+    once per session, so the server's executors import the data sources and sinks from it (a JVM
+    server ignores ``spark.submit.pyFiles``). A classic session got it from ``spark.submit.pyFiles``
+    (:func:`spark_conf`); a local server's workers have this environment."""
+    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+        return
+    session_id = str(getattr(spark, "session_id", id(spark)))
+    if session_id in _SHIPPED:
+        return
+    if not is_local(spark.conf.get("spark.master") or "local"):
+        spark.addArtifacts(str(package_zip()), pyfile=True)
+    _SHIPPED.add(session_id)
+
+
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
                  rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False) -> Frames:
     """The events of ``spans`` (what a run owes of each batch, in delivery order: see
     :func:`~pgstream_dagster.engine.publish.owed_spans`), in partitions of at most
     ``rows_per_partition`` events. ``packed``: in :data:`PACKED_SCHEMA` rows, as one
     single-partition DataFrame per partition, in order (see :func:`deliver_in_order`)."""
+    ship_package(spark)
     spark.dataSource.register(BatchesDataSource)
 
     def frame(parts: list[Span]) -> DataFrame:
@@ -244,6 +264,7 @@ def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: 
                 keys: list[str] | None = None, packed: bool = False) -> Frames:
     """A stream's events with ids in ``ranges`` (one partition each, in order) passing the filters;
     ``packed``: in :data:`PACKED_SCHEMA` rows, one single-partition DataFrame per range."""
+    ship_package(spark)
     spark.dataSource.register(EventsDataSource)
 
     def frame(selected: list[tuple[int, int]]) -> DataFrame:
