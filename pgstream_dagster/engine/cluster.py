@@ -155,8 +155,17 @@ def package_zip(directory: Path | None = None) -> Path:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")
-    target_dir = directory or cache_dir()
-    target = target_dir / f"pgstream_dagster-{_version()}-{digest.hexdigest()[:16]}.zip"
+    name = f"pgstream_dagster-{_version()}-{digest.hexdigest()[:16]}.zip"
+    if directory is not None:
+        return _write_zip(root, files, directory, name)
+    try:
+        return _write_zip(root, files, cache_dir(), name)
+    except OSError:  # a read-only home (a container): the temporary directory instead
+        return _write_zip(root, files, Path(tempfile.gettempdir()) / f"pgstream-dagster-{os.getuid()}", name)
+
+
+def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Path:
+    target = target_dir / name
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
