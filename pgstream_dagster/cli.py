@@ -394,8 +394,28 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     return run_dev(port=args.port, spark_server=not args.no_spark_server)
 
 
+def _cmd_executor_requirements(args: argparse.Namespace) -> int:
+    """What the executors' Python needs on a Spark cluster, one pip requirement a line."""
+    from .engine.cluster import executor_requirements
+
+    sinks = list(args.sink or [])
+    if args.config:
+        from .config import load_config
+
+        config = load_config(Path(args.config))
+        sinks += [s.sink.type for s in config.streams if s.delivery.ordering == "by_key"]
+    print("\n".join(executor_requirements(sinks)))
+    return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP (what a service manager sends): stop the server, then exit."""
+
+
 def _cmd_spark_connect(args: argparse.Namespace) -> int:
-    """Run a Spark Connect server in the foreground until interrupted (for a service manager)."""
+    """Run a Spark Connect server in the foreground until interrupted (Ctrl-C) or terminated
+    (SIGTERM, SIGHUP): either way its whole process group (the JVM and its Python workers) is
+    stopped before this process exits."""
     import signal
     import subprocess
 
@@ -405,17 +425,37 @@ def _cmd_spark_connect(args: argparse.Namespace) -> int:
         stopped = sparkserver.stop_recorded(Path(".pgstream"))
         print("stopped the Spark Connect server of `make dev`" if stopped else "no Spark Connect server recorded")
         return 0
-    proc = subprocess.Popen(sparkserver.command(args.port, args.master, host=args.host), env=sparkserver.environment(),
-                            start_new_session=True)
-    print(f"Spark Connect server (pid {proc.pid}) on sc://{args.host}:{args.port}; set spark.remote to it")
+    conf = dict(_key_value(item) for item in args.conf or [])
+
+    def terminate(signum: int, _frame: object) -> None:
+        raise _Terminated(signum)
+
+    previous = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    proc: subprocess.Popen[bytes] | None = None
     try:
+        proc = subprocess.Popen(sparkserver.command(args.port, args.master, host=args.host, conf=conf),
+                                env=sparkserver.environment(conf), start_new_session=True)
+        print(f"Spark Connect server (pid {proc.pid}) on sc://{args.host}:{args.port}; set spark.remote to it",
+              flush=True)
         return proc.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated):
         return 0
     finally:
-        if proc.poll() is None:
+        # the server is stopped whatever ends this process; a second signal does not interrupt that
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        if proc is not None and proc.poll() is None:
             sparkserver.stop(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _key_value(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise SystemExit(f"error: --conf expects KEY=VALUE, got {item.split('=')[0]!r}")
+    return key.strip(), value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -484,9 +524,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=15002)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (Spark Connect has no authentication: keep it private)")
-    p.add_argument("--master", default="local[*]")
+    p.add_argument("--master", default="local[*]",
+                   help="the server's Spark master (spark://host:7077, k8s://...: see README, Running on a Spark "
+                        "cluster)")
+    p.add_argument("--conf", action="append", metavar="KEY=VALUE",
+                   help="a Spark setting of the server (repeatable), e.g. spark.pyspark.python=/opt/venv/bin/python")
     p.add_argument("--stop", action="store_true", help="stop the server `make dev` started in .pgstream/")
     p.set_defaults(func=_cmd_spark_connect)
+
+    p = sub.add_parser("executor-requirements",
+                       help="the pip requirements of the executors' Python on a Spark cluster (pinned to the "
+                            "versions installed here), with the client libraries of by_key sinks")
+    p.add_argument("--sink", action="append", metavar="TYPE", help="a sink type built on the executors (repeatable)")
+    p.add_argument("--config", help="add the sink types of this pgstream.yaml's by_key streams")
+    p.set_defaults(func=_cmd_executor_requirements)
     return parser
 
 

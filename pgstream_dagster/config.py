@@ -24,6 +24,7 @@ import yaml
 from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from .engine.cluster import database_problem, executors_elsewhere, is_local, sink_problems
 from .sinks import SinkConfig
 from .sinks.base import EventPath
 
@@ -212,6 +213,12 @@ class SparkConfig(_Model):
                                            "(`pgstream-dagster spark-connect`) instead of starting Spark; overrides "
                                            "master; empty = none")
     conf: dict[str, str] = Field(default_factory=dict)
+    ship_package: bool = Field(True, description="a cluster master: add a zip of the installed pgstream_dagster "
+                                                 "package to spark.submit.pyFiles (false: the executors' Python "
+                                                 "has it, e.g. a packed environment in spark.archives)")
+    host_local_settings: bool = Field(False, description="accept settings the executors read that name their own "
+                                                         "host (relative file paths, loopback hosts) on a cluster "
+                                                         "master: every executor host has what they name")
 
     @field_validator("remote", mode="before")
     @classmethod
@@ -257,6 +264,32 @@ def _check_streams(streams: Sequence[StreamConfig], spark_remote: bool) -> None:
                              f"(streams[].slot_name, default pgstream_stream_<id>): a slot belongs to one "
                              f"stream; give one of them another slot_name")
         readers[s.slot] = s.id
+
+
+def _check_cluster(config: PgstreamConfig) -> None:
+    """On a cluster, settings read by the executors that name this machine are refused: the
+    database URL (the executors read pgstream.events) if they may run elsewhere, and the sink of a
+    ``by_key`` stream (built on the executors)."""
+    spark = config.spark
+    if spark.host_local_settings or (spark.remote is None and is_local(spark.master)):
+        return
+    elsewhere = executors_elsewhere(spark.master, spark.remote)
+    hint = ("the executors run {}; use an address and absolute paths every executor host reaches, or set "
+            "spark.host_local_settings: true if each of them has what these name")
+    where = "on other hosts" if elsewhere else "in working directories of their own"
+    problems: list[str] = []
+    if elsewhere:
+        problem = database_problem(config.database_url.get_secret_value())
+        if problem:
+            problems.append(f"database_url {problem}")
+    if spark.remote is None:  # with Spark Connect the server's master decides; see README
+        for s in config.streams:
+            if s.delivery.ordering == "by_key":
+                problems += [f"streams[id={s.id}] (ordering by_key: its sink is built on the executors): {p}"
+                             for p in sink_problems(s.sink, elsewhere)]
+    if problems:
+        label = "spark.remote (a server on another host)" if spark.remote else f"spark.master {spark.master!r}"
+        raise ValueError(f"{label}: " + "; ".join(problems) + "; " + hint.format(where))
 
 
 def _check_subscriptions(ids: list[int], subscriptions: Sequence[SubscriptionConfig]) -> None:
@@ -316,6 +349,7 @@ class PgstreamConfig(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> PgstreamConfig:
         _check_streams(self.streams, spark_remote=bool(self.spark.remote))
+        _check_cluster(self)
         _check_subscriptions([s.id for s in self.streams], self.subscriptions)
         return self
 

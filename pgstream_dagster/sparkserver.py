@@ -3,8 +3,10 @@
 Each Dagster run is a process of its own; with a local Spark it starts a JVM and Spark's Python
 workers before its first event (10-35 s on 2 CPUs). A long-lived Spark Connect server keeps both
 warm: a run then only opens a session (~0.3 s). The server comes with PySpark (its jars and
-``spark-submit``); nothing is downloaded. Its Python workers run this interpreter, so they import
-pgstream-dagster's data sources from the same environment.
+``spark-submit``); nothing is downloaded. Its Python workers run this interpreter (or
+``spark.pyspark.python`` of its conf), so with a local master they import pgstream-dagster's data
+sources from the same environment; on a cluster master (``--master spark://...``) each run hands the
+package to its session (:func:`pgstream_dagster.engine.spark.ship_package`).
 
 Used by ``pgstream-dagster spark-connect`` (foreground, for a service manager) and ``make dev``
 (in the background, kept under ``.pgstream/`` like the local Postgres).
@@ -20,8 +22,12 @@ import sys
 import time
 from pathlib import Path
 
+from .engine.cluster import cluster_conf
+
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_PORT = 15002
+#: the server's default spark.cores.max on a standalone master (its runs share it)
+SERVER_CORES_MAX = 4
 
 
 class SparkServerError(RuntimeError):
@@ -47,6 +53,10 @@ def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
         **(conf or {}),
     }
+    # a cluster master: a bounded share (the server serves the runs of every stream at once:
+    # SERVER_CORES_MAX unless conf says), no task retries; the package reaches its executors as a
+    # session artifact of each run (engine.spark.ship_package: a JVM server ignores pyFiles)
+    settings.update(cluster_conf(master, conf or {}, by_key_parallelism=[SERVER_CORES_MAX], ship_package=False))
     args = [str(Path(spark_home()) / "bin" / "spark-submit"), "--class", SERVER_CLASS,
             "--name", "pgstream spark connect", "--master", master]
     for key, value in settings.items():
@@ -54,9 +64,13 @@ def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127
     return args
 
 
-def environment() -> dict[str, str]:
-    return {**os.environ, "SPARK_HOME": spark_home(), "PYSPARK_PYTHON": sys.executable,
-            "PYSPARK_DRIVER_PYTHON": sys.executable}
+def environment(conf: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: its Python workers run ``spark.pyspark.python`` of ``conf`` if set
+    (the executors' Python), else this interpreter."""
+    conf = conf or {}
+    return {**os.environ, "SPARK_HOME": spark_home(),
+            "PYSPARK_PYTHON": conf.get("spark.pyspark.python") or sys.executable,
+            "PYSPARK_DRIVER_PYTHON": conf.get("spark.pyspark.driver.python") or sys.executable}
 
 
 def listening(port: int, host: str = "127.0.0.1") -> bool:
@@ -70,7 +84,7 @@ def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None =
     """Start a server in a session of its own and wait until it accepts connections."""
     out = log.open("ab") if log is not None else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen(command(port, master, conf=conf), env=environment(), stdout=out,
+        proc = subprocess.Popen(command(port, master, conf=conf), env=environment(conf), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     finally:
         if not isinstance(out, int):  # the log file (DEVNULL is an int)

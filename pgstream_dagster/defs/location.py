@@ -89,8 +89,11 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
             # ops hand a Spark DataFrame to each other inside one process
             "io_manager": dg.mem_io_manager,
             "pgstream": PgstreamResource(config, str(path)),
-            "pyspark": PySparkResource(spark_config=spark_conf(config.spark.master, config.spark.remote,
-                                                               dict(config.spark.conf))),
+            "pyspark": PySparkResource(spark_config=spark_conf(
+                config.spark.master, config.spark.remote, dict(config.spark.conf),
+                by_key_parallelism=[s.delivery.parallelism for s in config.streams
+                                    if s.delivery.ordering == "by_key"],
+                ship_package=config.spark.ship_package)),
         },
     )
 

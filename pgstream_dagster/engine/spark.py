@@ -33,6 +33,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..sinks import Event, Sink, SinkConfig, build_sink
 from ..sinks.base import parse_event_path
+from .cluster import cluster_conf, is_local, package_zip
 from .publish import Deliveries, Position, Positioned, RejectPolicy, Span, drain, publish
 
 if TYPE_CHECKING:
@@ -185,27 +186,56 @@ class EventsDataSource(DataSource):
         return EventsReader(dict(self.options))
 
 
-def spark_conf(master: str, remote: str | None, extra: dict[str, str]) -> dict[str, str]:
-    """Spark settings for the delivery runs: offline, UTC, and the workers use this interpreter."""
+def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key_parallelism: Sequence[int] = (),
+               ship_package: bool = True) -> dict[str, str]:
+    """Spark settings for the delivery runs: offline, UTC, the user's ``extra`` (``spark.conf``) over
+    pgstream's defaults, and on a cluster master what :func:`~pgstream_dagster.engine.cluster.cluster_conf`
+    adds (the package for the executors, a bounded share of the cluster, no task retries).
+
+    The Python workers run ``spark.pyspark.python`` if ``extra`` sets it (the executors' Python),
+    else ``$PYSPARK_PYTHON``, else this interpreter: PySpark sends the driver's ``PYSPARK_PYTHON``
+    with every Python function (data sources included), so it is set in this process's environment
+    too."""
     if remote:
         # Spark Connect: the server owns the JVM and its Python workers (pgstream_dagster.sparkserver);
         # a session may only set session settings
         return {"spark.remote": remote, "spark.sql.session.timeZone": "UTC", **extra}
-    # Python workers of a local Spark are started from the environment, not only from the conf
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    python = extra.get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON") or sys.executable
+    driver_python = extra.get("spark.pyspark.driver.python") or sys.executable
+    os.environ["PYSPARK_PYTHON"] = python
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", driver_python)
     conf = {
         "spark.app.name": "pgstream-delivery",
         "spark.ui.enabled": "false",
         "spark.sql.session.timeZone": "UTC",
-        "spark.pyspark.python": sys.executable,
-        "spark.pyspark.driver.python": sys.executable,
+        "spark.pyspark.python": python,
+        "spark.pyspark.driver.python": driver_python,
         "spark.sql.shuffle.partitions": "8",
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
     }
     conf["spark.master"] = master
     conf.update(extra)
+    conf.update(cluster_conf(master, extra, by_key_parallelism, ship_package=ship_package))
     return conf
+
+
+_SHIPPED: set[str] = set()
+"""Spark Connect sessions that were handed the package (or found they need not be)."""
+
+
+def ship_package(spark: SparkSession) -> None:
+    """Spark Connect on a cluster master: add the package zip to the session as a Python artifact,
+    once per session, so the server's executors import the data sources and sinks from it (a JVM
+    server ignores ``spark.submit.pyFiles``). A classic session got it from ``spark.submit.pyFiles``
+    (:func:`spark_conf`); a local server's workers have this environment."""
+    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+        return
+    session_id = str(getattr(spark, "session_id", id(spark)))
+    if session_id in _SHIPPED:
+        return
+    if not is_local(spark.conf.get("spark.master") or "local"):
+        spark.addArtifacts(str(package_zip()), pyfile=True)
+    _SHIPPED.add(session_id)
 
 
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
@@ -214,6 +244,7 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
     :func:`~pgstream_dagster.engine.publish.owed_spans`), in partitions of at most
     ``rows_per_partition`` events. ``packed``: in :data:`PACKED_SCHEMA` rows, as one
     single-partition DataFrame per partition, in order (see :func:`deliver_in_order`)."""
+    ship_package(spark)
     spark.dataSource.register(BatchesDataSource)
 
     def frame(parts: list[Span]) -> DataFrame:
@@ -233,6 +264,7 @@ def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: 
                 keys: list[str] | None = None, packed: bool = False) -> Frames:
     """A stream's events with ids in ``ranges`` (one partition each, in order) passing the filters;
     ``packed``: in :data:`PACKED_SCHEMA` rows, one single-partition DataFrame per range."""
+    ship_package(spark)
     spark.dataSource.register(EventsDataSource)
 
     def frame(selected: list[tuple[int, int]]) -> DataFrame:

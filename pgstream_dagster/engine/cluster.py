@@ -1,0 +1,294 @@
+"""What a run's Spark needs when its executors are not this process: the package shipped to them,
+a bounded share of the cluster, no silent task retries, and which settings mean something else on
+an executor host.
+
+* :func:`package_zip`: a zip of the imported ``pgstream_dagster`` package, cached under
+  ``$PGSTREAM_CACHE_DIR`` (default ``~/.cache/pgstream-dagster``) and keyed by version and content;
+  :func:`cluster_conf` adds it to ``spark.submit.pyFiles``, so executors whose Python lacks the
+  package import it from there (they still need the third-party libraries of
+  :func:`executor_requirements`);
+* :func:`cluster_conf`: the defaults of a run on a cluster master (``spark.cores.max`` on a
+  standalone master, ``spark.task.maxFailures`` 1); the user's ``spark.conf`` wins;
+* :func:`executor_problems`: settings that name this machine (relative file paths, loopback hosts)
+  read on the executors, which the configuration refuses when the executors run elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import ipaddress
+import os
+import re
+import tempfile
+import zipfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+#: the pgstream_dagster package directory (this module is pgstream_dagster/engine/cluster.py)
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+#: Distributions the executors import (the Python data sources read with psycopg, Spark moves
+#: their rows with pyarrow; ``by_key`` builds the sinks there: pydantic, httpx, tenacity). A sink's
+#: client library comes on top (:data:`SINK_EXTRAS`).
+EXECUTOR_REQUIREMENTS = ("psycopg", "psycopg-binary", "pydantic", "httpx", "tenacity", "pyarrow")
+
+#: The pgstream-dagster extra that holds a sink type's client library.
+SINK_EXTRAS = {"redis": "redis", "rabbitmq": "rabbitmq", "nats": "nats", "kafka": "kafka", "mqtt": "mqtt",
+               "sqs": "aws", "sns": "aws", "kinesis": "aws"}
+
+#: The settings this module defaults for a cluster master (each one the user's spark.conf may set).
+PY_FILES = "spark.submit.pyFiles"
+CORES_MAX = "spark.cores.max"
+MAX_FAILURES = "spark.task.maxFailures"
+
+_ZIP_SUFFIXES = {".py", ".typed", ".yaml", ".sql"}
+
+
+def is_local(master: str) -> bool:
+    """``local``, ``local[4]``, ``local[*]``, ``local[4,2]``: Spark in this process, no executors
+    elsewhere (``local-cluster[...]`` has executors of its own)."""
+    return re.fullmatch(r"local(\[[^\]]*\])?", master.strip()) is not None
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip().strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def master_hosts(master: str) -> list[str] | None:
+    """The hosts of a master URL (``spark://h1:7077,h2:7077``, ``k8s://https://h:443``), None when
+    it names none (``yarn``: the Hadoop configuration does)."""
+    m = master.strip()
+    if m.startswith("k8s://"):
+        m = m[len("k8s://"):]
+        if "://" not in m:
+            m = "https://" + m
+        host = urlsplit(m).hostname
+        return [host] if host else None
+    if m.startswith("spark://"):
+        return [_host_of(part) for part in m[len("spark://"):].split(",") if part]
+    return None
+
+
+def _host_of(hostport: str) -> str:
+    """``h``, ``h:9092``, ``[::1]:9092`` -> the host."""
+    hostport = hostport.strip()
+    if hostport.startswith("["):
+        return hostport[1:].split("]", 1)[0]
+    return hostport.rsplit(":", 1)[0] if hostport.count(":") == 1 else hostport
+
+
+def executors_elsewhere(master: str, remote: str | None) -> bool:
+    """Whether executors may run on another machine: a cluster master that is not on loopback, or
+    a Spark Connect server that is not (its executors are where it runs, or further)."""
+    if remote:
+        host = urlsplit(remote.replace("sc://", "http://", 1)).hostname or ""
+        return not is_loopback(host)
+    if is_local(master) or master.strip().startswith("local-cluster"):
+        return False
+    hosts = master_hosts(master)
+    return hosts is None or not all(is_loopback(h) for h in hosts)
+
+
+def default_cores_max(parallelism: Iterable[int]) -> int:
+    """A run's share of a standalone cluster: what its busiest stage can use. Ordered delivery and
+    replay run one Spark job of one partition at a time (the next one is computed while the driver
+    publishes the current one: 1 core); ``by_key`` publishes ``delivery.parallelism`` partitions
+    at once."""
+    return max([1, *parallelism])
+
+
+def cluster_conf(master: str, conf: dict[str, str], by_key_parallelism: Iterable[int] = (),
+                 ship_package: bool = True) -> dict[str, str]:
+    """The settings pgstream adds for a cluster ``master`` to the user's ``conf`` (which wins):
+    the package zip appended to ``spark.submit.pyFiles`` (``ship_package``), ``spark.cores.max``
+    (standalone masters: a run never takes every core while it stays open) and
+    ``spark.task.maxFailures`` 1 (a failed task fails the run, whose batches the stream's failover
+    retries, instead of Spark republishing a ``by_key`` partition up to 4 times in one run).
+    Nothing for a local master."""
+    if is_local(master):
+        return {}
+    out: dict[str, str] = {}
+    if ship_package:
+        files = [f for f in conf.get(PY_FILES, "").split(",") if f.strip()]
+        out[PY_FILES] = ",".join([*files, str(package_zip())])
+    if master.strip().startswith(("spark://", "local-cluster")) and CORES_MAX not in conf:
+        out[CORES_MAX] = str(default_cores_max(by_key_parallelism))
+    if MAX_FAILURES not in conf:
+        out[MAX_FAILURES] = "1"
+    return out
+
+
+def _package_files(root: Path) -> Iterator[Path]:
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix in _ZIP_SUFFIXES:
+            yield path
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("PGSTREAM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pgstream-dagster")
+    return Path(base)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pgstream-dagster")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
+def package_zip(directory: Path | None = None) -> Path:
+    """A zip of the imported ``pgstream_dagster`` package (what the executors import), built once
+    per version and content in ``directory`` (default :func:`cache_dir`) and reused after."""
+    root = PACKAGE_ROOT
+    files = list(_package_files(root))
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    name = f"pgstream_dagster-{_version()}-{digest.hexdigest()[:16]}.zip"
+    if directory is not None:
+        return _write_zip(root, files, directory, name)
+    try:
+        return _write_zip(root, files, cache_dir(), name)
+    except OSError:  # a read-only home (a container): the temporary directory instead
+        return _write_zip(root, files, Path(tempfile.gettempdir()) / f"pgstream-dagster-{os.getuid()}", name)
+
+
+def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Path:
+    target = target_dir / name
+    if target.exists():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target_dir, prefix=".pgstream-zip-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as zf:
+            for path in files:
+                zf.write(path, "pgstream_dagster/" + path.relative_to(root).as_posix())
+        os.replace(tmp, target)  # atomic: a concurrent run sees the whole zip or none
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
+    """The distributions an executor's Python needs (pinned to the versions installed here, where
+    they are), plus the client libraries of ``sink_types`` (the sinks built on the executors: those
+    of ``by_key`` streams). pyspark itself comes from the Spark installation of the workers."""
+    names = list(EXECUTOR_REQUIREMENTS)
+    extras = {SINK_EXTRAS[t] for t in sink_types if t in SINK_EXTRAS}
+    if extras:
+        try:
+            requires = importlib.metadata.requires("pgstream-dagster") or []
+        except importlib.metadata.PackageNotFoundError:
+            requires = []
+        for req in requires:
+            spec, _, marker = req.partition(";")
+            extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", marker)
+            if extra and extra.group(1) in extras:
+                names.append(re.split(r"[\s<>=!~\[]", spec.strip(), maxsplit=1)[0])
+    out: list[str] = []
+    for name in dict.fromkeys(names):
+        try:
+            out.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(name)
+    return out
+
+
+def _url_host(value: str) -> str | None:
+    if "://" not in value:
+        return None
+    try:
+        return urlsplit(value).hostname
+    except ValueError:
+        return None
+
+
+def _conninfo_hosts(url: str) -> list[str]:
+    """The hosts a libpq connection string names ('' for a Unix socket: this machine's)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        info = conninfo_to_dict(url)
+    except Exception:  # an invalid URL fails at connect time with psycopg's own message
+        return []
+    host = str(info.get("host") or info.get("hostaddr") or "")
+    return [h for h in host.split(",")] if host else [""]
+
+
+def database_problem(url: str) -> str | None:
+    """Why the executors cannot use ``url`` (they read pgstream.events with it), or None."""
+    hosts = _conninfo_hosts(url)
+    if any(h == "" or h.startswith("/") for h in hosts):
+        return "names a Unix socket (no host): each executor would connect to a Postgres on its own host"
+    if any(is_loopback(h) for h in hosts):
+        return "names a loopback host: each executor would connect to a Postgres on its own host"
+    return None
+
+
+def sink_problems(sink: object, elsewhere: bool) -> list[str]:
+    """What in a sink config (built on the executors: ``by_key``) means something else there:
+    relative file paths (an executor's working directory is its own) and an in-memory sink; with
+    ``elsewhere`` (executors on other machines) loopback hosts too. ``key: why`` each, never a value
+    (it may hold a secret)."""
+    from pydantic import BaseModel, SecretStr
+
+    problems: list[str] = []
+    kind = getattr(sink, "type", "")
+    if kind == "memory":
+        return ["sink.type: memory: the events would stay in the executors' memory"]
+    relative = "a relative path is relative to each executor's working directory"
+    loopback = "a loopback host means each executor's own host"
+
+    def check(key: str, value: object) -> None:
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if isinstance(value, BaseModel):
+            for name in type(value).model_fields:
+                check(f"{key}.{name}", getattr(value, name))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                check(f"{key}.{k}", v)
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                check(f"{key}[{i}]", v)
+        elif isinstance(value, str) and elsewhere:
+            host = _url_host(value)
+            if host is not None and is_loopback(host):
+                problems.append(f"{key}: {loopback}")
+            elif kind == "postgres" and key == "sink.url" and host is None:
+                problem = database_problem(value)
+                if problem:
+                    problems.append(f"{key}: {problem}")
+
+    for name in type(sink).model_fields if isinstance(sink, BaseModel) else ():
+        value = getattr(sink, name)
+        key = f"sink.{name}"
+        if kind == "file" and name == "path":
+            if not os.path.isabs(str(value)):
+                problems.append(f"{key}: {relative}")
+        elif kind == "mqtt" and name == "tls":
+            for tls_name in ("ca_certs", "certfile", "keyfile"):
+                path = getattr(value, tls_name, None)
+                if path and not os.path.isabs(path):
+                    problems.append(f"{key}.{tls_name}: {relative}")
+        elif kind == "mqtt" and name == "host":
+            if elsewhere and is_loopback(str(value)):
+                problems.append(f"{key}: {loopback}")
+        elif kind == "kafka" and name == "bootstrap_servers":
+            if elsewhere and any(is_loopback(_host_of(s)) for s in str(value).split(",") if s.strip()):
+                problems.append(f"{key}: {loopback}")
+        else:
+            check(key, value)
+    return problems

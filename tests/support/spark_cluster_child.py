@@ -1,0 +1,118 @@
+"""Child process of tests/test_spark_cluster.py: drives delivery (global order and ``by_key``, with
+an injected sink failure) and a replay whose runs use a standalone Spark cluster
+(``spark.master: spark://...``), against a real Dagster instance, and writes what it saw as JSON
+for the test to check. A process of its own: one JVM per process, and the session's other tests
+already hold a local Spark (``getOrCreate`` would hand that one back).
+
+Usage: python -m tests.support.spark_cluster_child SPEC_JSON   (keys: see ``main``)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import replay_job_name
+
+from .endpoint import Endpoint
+from .harness import Driver, insert_events, read_jsonl, write_config
+
+GLOBAL, BY_KEY = 1, 2
+
+
+def _apps(webui: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{webui}/json/", timeout=5) as resp:
+        state = json.loads(resp.read())
+    return [{"name": a["name"], "cores": a["cores"]} for a in state.get("activeapps", [])]
+
+
+def _executor_pythons() -> list[str]:
+    """The interpreter and the origin of pgstream_dagster of the executors' Python workers."""
+    from pyspark.sql import SparkSession
+
+    def probe(_rows: Any) -> Any:
+        import sys
+
+        import pgstream_dagster
+
+        yield f"{sys.executable} {pgstream_dagster.__file__}"
+
+    session = SparkSession.getActiveSession()
+    assert session is not None
+    return sorted(set(session.sparkContext.parallelize(range(4), 4).mapPartitions(probe).collect()))
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    tmp = Path(spec["tmp"])
+    db_url: str = spec["db_url"]
+    out = tmp / "global.jsonl"
+    endpoint = Endpoint()
+    cfg = write_config(tmp / "pgstream.yaml", db_url, [
+        {"id": GLOBAL, "batch": {"max_size": 400, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
+         "delivery": {"chunk_size": 100, "rows_per_partition": 300}, "sink": {"type": "file", "path": str(out)}},
+        {"id": BY_KEY, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
+         "delivery": {"ordering": "by_key", "routing_key": "group_id", "parallelism": 2, "chunk_size": 10},
+         "retry": {"initial_backoff_secs": 0, "max_backoff_secs": 0},
+         "sink": endpoint.sink()}],
+        spark={"master": spec["master"], "conf": spec["conf"]})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pgstream.ensure_stream(1), pgstream.ensure_stream(2)")
+    result: dict[str, Any] = {}
+    (tmp / "dagster_home").mkdir()
+    with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": spec["dagster_storage_url"]}}},
+                              temp_dir=str(tmp / "dagster_home")) as instance:
+        driver = Driver(cfg, instance)
+        driver.tick(GLOBAL)
+        driver.tick(BY_KEY)
+
+        # global order: 1,500 events in two transactions
+        insert_events(db_url, GLOBAL, 1000)
+        insert_events(db_url, GLOBAL, 500, 1000)
+        driver.run_until(GLOBAL, lambda: len(read_jsonl(out)) >= 1500, timeout=300)
+        result["global_runs"] = [r.success for r in driver.results]
+        result["apps"] = _apps(spec["webui"])  # the run's application is still open
+        result["executors"] = _executor_pythons()
+
+        # by_key, the sink failing from its 5th request on: the run fails once (no task retry)
+        with psycopg.connect(db_url) as c:
+            c.execute("insert into pgstream.events (payload, stream_id) select "
+                      "jsonb_build_object('group_id', (g % 3)::text, 'n', g), 2 from generate_series(1, 300) g")
+            c.commit()
+
+        def fail_from_5th(n: int) -> None:
+            if n == 4:
+                endpoint.mode = "error"
+
+        endpoint.hook = fail_from_5th
+        before = len(driver.results)
+        driver.run_until(BY_KEY, lambda: len(driver.results) > before, timeout=300)
+        result["by_key_failed_run"] = {"success": driver.results[-1].success,
+                                       "accepted": len(endpoint.accepted),
+                                       "refused_answers": endpoint.refused_answers,
+                                       "requests": endpoint.requests}
+        endpoint.hook = None
+        endpoint.mode = "ok"
+        driver.run_until(BY_KEY, lambda: len(endpoint.unique()) >= 300, timeout=300)
+        result["by_key_runs"] = [r.success for r in driver.results[before:]]
+        result["by_key_accepted"] = list(endpoint.accepted)
+
+        # replay of the global stream, in id order
+        replay = build_definitions(cfg).resolve_job_def(replay_job_name(GLOBAL)).execute_in_process(
+            run_config={"ops": {f"replay_stream_{GLOBAL}": {"config": {"all_events": True}}}}, instance=instance,
+            raise_on_error=False)
+        result["replay"] = replay.success
+        # hook: a backfill job through the same cluster goes here once it exists
+    endpoint.down()
+    Path(sys.argv[1] + ".out").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
