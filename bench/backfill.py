@@ -93,9 +93,7 @@ def _throughput(pg: Any, tmpdir: Path, sink: dict[str, Any], name: str, args: ar
     spark = _spark(config)
     with dg.DagsterInstance.ephemeral() as instance:
         driver = Driver(config, instance, background=True)
-        while not driver.step(1):  # the slot, and a first (empty) look
-            pass
-        driver.wait()
+        driver.step(1)  # the slot, and a first (empty) look
         done: dict[str, float] = {}
         started = time.monotonic()
         worker = threading.Thread(target=_run_backfill, args=(url, spark, args.parallelism, None, done))
