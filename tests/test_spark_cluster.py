@@ -41,8 +41,8 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkClu
     assert all(p.poll() is not None for p in cluster.procs)
 
 
-def test_delivery_by_key_and_replay_on_a_standalone_cluster(db_url: str, dagster_storage_url: str, tmp_path: Path,
-                                                            spark_cluster: SparkCluster) -> None:
+def test_delivery_by_key_replay_and_backfill_on_a_standalone_cluster(
+        db_url: str, dagster_storage_url: str, tmp_path: Path, spark_cluster: SparkCluster) -> None:
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({
         "tmp": str(tmp_path), "db_url": db_url, "dagster_storage_url": dagster_storage_url,
@@ -88,6 +88,8 @@ def test_delivery_by_key_and_replay_on_a_standalone_cluster(db_url: str, dagster
     for key in ("0", "1", "2"):
         per_key = [i for i in last_pass if key_of[i] == key]
         assert per_key == sorted(per_key) and len(per_key) == 100
+    # a backfill on the cluster's executors: each row once
+    assert result["backfill"] == {"success": True, "read_ids": list(range(1, 2001))}
     # nothing landed in the workers' directories (where a relative sink path would have gone)
     assert not [p for d in spark_cluster.worker_dirs() for p in d.rglob("*.jsonl")]
 

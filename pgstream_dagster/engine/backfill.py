@@ -377,7 +377,11 @@ RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, e
 
 def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                  rows_per_sec: float | None) -> list[PartitionResult]:
-    """Read ``parts`` in parallel, one Spark task each (classic Spark and Spark Connect alike)."""
+    """Read ``parts`` in parallel, one Spark task each (classic Spark and Spark Connect alike; on a
+    cluster the executors import this module from the package zip, see ``spark.ship_package``)."""
+    from .spark import ship_package
+
+    ship_package(spark)
     frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(
         partition_task(url, backfill_id, token, list(parts), chunk_size, rows_per_sec), RESULT_SCHEMA)
     return [PartitionResult(r["part"], r["status"], r["rows"], r["events"], r["chunks"], r["error"])

@@ -1,5 +1,5 @@
 """Child process of tests/test_spark_cluster.py: drives delivery (global order and ``by_key``, with
-an injected sink failure) and a replay whose runs use a standalone Spark cluster
+an injected sink failure), a replay and a backfill whose runs use a standalone Spark cluster
 (``spark.master: spark://...``), against a real Dagster instance, and writes what it saw as JSON
 for the test to check. A process of its own: one JVM per process, and the session's other tests
 already hold a local Spark (``getOrCreate`` would hand that one back).
@@ -19,7 +19,7 @@ import dagster as dg
 import psycopg
 
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import replay_job_name
+from pgstream_dagster.defs.names import backfill_job_name, replay_job_name
 
 from .endpoint import Endpoint
 from .harness import Driver, insert_events, read_jsonl, write_config
@@ -109,7 +109,21 @@ def main() -> None:
             run_config={"ops": {f"replay_stream_{GLOBAL}": {"config": {"all_events": True}}}}, instance=instance,
             raise_on_error=False)
         result["replay"] = replay.success
-        # hook: a backfill job through the same cluster goes here once it exists
+
+        # a backfill of 2,000 rows on the cluster's executors (mapInArrow tasks, the package from the zip)
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute("create table public.things (id int primary key, label text)")
+            c.execute("insert into public.things select g, 'thing ' || g from generate_series(1, 2000) g")
+            c.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
+                      "values ('things', %s, 'INSERT', 'things', '{id,label}')", [GLOBAL])
+        backfilled = build_definitions(cfg).resolve_job_def(backfill_job_name(GLOBAL)).execute_in_process(
+            run_config={"ops": {f"backfill_stream_{GLOBAL}": {"config": {
+                "subscriptions": ["things"], "parallelism": 3, "chunk_size": 300, "max_rows_per_sec": 0}}}},
+            instance=instance, raise_on_error=False)
+        with psycopg.connect(db_url) as c:
+            result["backfill"] = {"success": backfilled.success, "read_ids": [r[0] for r in c.execute(
+                "select (payload->'new'->>'id')::int from pgstream.events where payload->>'tg_op' = 'READ' "
+                "order by 1")]}
     endpoint.down()
     Path(sys.argv[1] + ".out").write_text(json.dumps(result))
 
