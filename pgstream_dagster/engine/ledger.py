@@ -578,3 +578,69 @@ class DeadLetterWriter:
 def count_dead_letters(conn: psycopg.Connection, stream_id: int) -> int:
     row = conn.execute("select count(*) from pgstream.dead_letters where stream_id = %s", [stream_id]).fetchone()
     return int(row[0]) if row else 0
+
+
+# --- resume points of ordering: by_key (sql/018_key_progress.sql) ----------------------------------
+
+Position = tuple[int, int]
+
+
+class KeyProgress:
+    """Where each Spark partition of a ``by_key`` round got to: for the round's ``partitions``
+    (the repartition count) and each bucket (``pmod(hash(routing_key), partitions)``, Spark's hash
+    partitioning of the key), the position ``(batch_id, ord)`` up to which every event of the
+    bucket is handled.
+
+    The Spark tasks write it themselves, straight to the ledger, after each chunk the sink
+    confirmed and before they publish the next one (:meth:`record`), rather than returning it to
+    the driver to record: a task's result reaches the driver only when the task ends, and when
+    one task fails Spark aborts the job and the driver gets no result of the others at all, nor
+    does it when the run process dies. Recorded by the tasks, a confirmation survives a failing
+    task, an aborted job and a dead driver; a retry (another run, or Spark retrying the task)
+    reads it back (:meth:`read`) and publishes only what comes after, so at most the chunk each
+    task had in flight is delivered twice. One small upsert per confirmed chunk, as the ordered
+    path writes ``confirmed_count``. Picklable (sent to the executors); the URL is never shown.
+    """
+
+    def __init__(self, database_url: str, stream_id: int, partitions: int) -> None:
+        self.database_url, self.stream_id, self.partitions = database_url, stream_id, partitions
+
+    def connect(self) -> psycopg.Connection:
+        return psycopg.connect(self.database_url, autocommit=True, application_name="pgstream by_key task")
+
+    def read(self, conn: psycopg.Connection) -> dict[int, Position]:
+        """Per bucket: every event of it at a position up to this one is handled."""
+        rows = conn.execute("select bucket, batch_id, ord from pgstream.key_progress "
+                            "where stream_id = %s and partitions = %s", [self.stream_id, self.partitions]).fetchall()
+        return {int(b): (int(batch), int(o)) for b, batch, o in rows}
+
+    def record(self, conn: psycopg.Connection, buckets: list[int], batch_id: int, ord: int) -> None:
+        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (positions only move forward)."""
+        conn.execute(
+            """insert into pgstream.key_progress as p (stream_id, partitions, bucket, batch_id, ord)
+               select %(s)s, %(n)s, b, %(batch)s, %(ord)s from unnest(%(buckets)s::int[]) b
+               on conflict (stream_id, partitions, bucket) do update
+                  set batch_id = excluded.batch_id, ord = excluded.ord, updated_at = now()
+                  where (p.batch_id, p.ord) < (excluded.batch_id, excluded.ord)""",
+            {"s": self.stream_id, "n": self.partitions, "buckets": buckets, "batch": batch_id, "ord": ord})
+
+    def __repr__(self) -> str:  # never the URL
+        return f"KeyProgress(stream {self.stream_id}, {self.partitions} partitions)"
+
+
+def key_progress_partitions(conn: psycopg.Connection, stream_id: int, first_batch_id: int) -> int | None:
+    """The partition count of an interrupted ``by_key`` attempt at the batches from ``first_batch_id``
+    on (its resume points hold only for the same partitioning); None when there is none."""
+    row = conn.execute("select partitions from pgstream.key_progress where stream_id = %s and batch_id >= %s "
+                       "order by updated_at desc limit 1", [stream_id, first_batch_id]).fetchone()
+    return int(row[0]) if row else None
+
+
+def clear_key_progress(conn: psycopg.Connection, stream_id: int, *, keep_partitions: int | None = None) -> None:
+    """Forget the stream's ``by_key`` resume points (its round is delivered), or, with
+    ``keep_partitions``, those of any other partition count (they cannot be resumed from)."""
+    if keep_partitions is None:
+        conn.execute("delete from pgstream.key_progress where stream_id = %s", [stream_id])
+    else:
+        conn.execute("delete from pgstream.key_progress where stream_id = %s and partitions <> %s",
+                     [stream_id, keep_partitions])
