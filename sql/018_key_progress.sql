@@ -5,9 +5,10 @@
 -- here, before it publishes anything more, that every event of its buckets at a position
 -- (batch_id, ord) up to the one it reached is handled. A retry of the round (a failed run, or
 -- Spark retrying a task) partitions the same way and skips those events, so keys that completed
--- are not delivered again. The delivery run deletes a stream's rows once a round is delivered.
--- Positions are the ledger's (batches are delivered in id order), so a row left behind by a
--- delivered round never matches an event of a later one.
+-- are not delivered again. Once a round is delivered, the run deletes the rows whose position
+-- lies in its batches; a row past them stays (a failover probe delivers the failed batch alone,
+-- and the batches after it resume from it). Positions are the ledger's (batches are delivered in
+-- id order), so a row left behind in a delivered batch never matches an event of a later one.
 
 create table if not exists pgstream.key_progress (
     stream_id  bigint not null references pgstream.streams (id) on delete cascade,

@@ -298,7 +298,7 @@ def _deliver_by_key(context: dg.OpExecutionContext, conn: psycopg.Connection, st
     if partitions != stream.delivery.parallelism:
         context.log.info(f"stream {stream.id}: resuming an interrupted by_key attempt with its {partitions} "
                          f"partitions (delivery.parallelism {stream.delivery.parallelism} applies from the next round)")
-    progress = ledger.KeyProgress(database_url, stream.id, partitions)
+    progress = ledger.KeyProgress(database_url, stream.id, partitions, run_id=context.run_id)
     result = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size, partitions,
                                   skip=skip, reject=reject, progress=progress)
     vanished_in = {b: sum(1 for g, _o in gone if g == b) for b in batch_ids}
@@ -310,7 +310,7 @@ def _deliver_by_key(context: dg.OpExecutionContext, conn: psycopg.Connection, st
                          f"refusing to mark batches delivered")
     for b, events in expected.items():
         _mark_delivered(context, conn, expected, b, events)
-    ledger.clear_key_progress(conn, stream.id)
+    ledger.clear_key_progress(conn, stream.id, through_batch_id=batch_ids[-1])
     if result.resumed:
         context.log.info(f"stream {stream.id}: {result.resumed} events confirmed by an interrupted attempt "
                          f"were not published again")
