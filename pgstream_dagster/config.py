@@ -8,8 +8,7 @@ file, the key and what is wrong. Secrets (database URL, sink credentials, header
 A stream may also be declared on its own, with its subscriptions (:class:`StreamDeclaration`, the
 attributes of a ``pgstream_dagster.StreamComponent`` in a ``defs.yaml``): :func:`parse_stream`
 validates it with the same models and reports errors the same way, and :func:`with_streams` adds
-such streams to a configuration under the same checks (ids and slots unique, ``by_key`` and Spark
-Connect) as the streams of one file.
+such streams to a configuration under the same checks (ids and slots unique) as the streams of one file.
 """
 
 from __future__ import annotations
@@ -246,13 +245,8 @@ class MetricsConfig(_Model):
         return None if isinstance(v, str) and not v.strip() else v
 
 
-def _check_streams(streams: Sequence[StreamConfig], spark_remote: bool) -> None:
+def _check_streams(streams: Sequence[StreamConfig]) -> None:
     ids = [s.id for s in streams]
-    if spark_remote:
-        by_key = [s.id for s in streams if s.delivery.ordering == "by_key"]
-        if by_key:
-            raise ValueError(f"streams {by_key}: delivery.ordering by_key needs a classic Spark (spark.master); "
-                             "it is not available with spark.remote (Spark Connect)")
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
@@ -348,7 +342,7 @@ class PgstreamConfig(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> PgstreamConfig:
-        _check_streams(self.streams, spark_remote=bool(self.spark.remote))
+        _check_streams(self.streams)
         _check_cluster(self)
         _check_subscriptions([s.id for s in self.streams], self.subscriptions)
         return self
@@ -418,7 +412,7 @@ def parse_stream(data: Any, source: str = "<stream>", at: str = "") -> StreamDec
 
 def with_streams(config: PgstreamConfig, declared: Sequence[StreamDeclaration], source: str) -> PgstreamConfig:
     """``config`` with the ``declared`` streams and their subscriptions added, under the checks of
-    one file: ids and slots unique, ``by_key`` not with ``spark.remote``. ``source`` names where the
+    one file: ids and slots unique. ``source`` names where the
     streams come from, for the error."""
     if not declared:
         return config

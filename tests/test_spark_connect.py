@@ -13,10 +13,12 @@ import psycopg
 import pytest
 
 from pgstream_dagster import sparkserver
-from pgstream_dagster.config import ConfigError, load_config
+from pgstream_dagster.config import load_config
 from pgstream_dagster.devdb import free_port
 
 from .support.dagster_dev import repo_root
+from .support.endpoint import Endpoint
+from .support.faults import stream_config
 from .support.harness import event_ids, insert_events, read_jsonl, write_config
 
 
@@ -55,12 +57,51 @@ def test_delivery_and_replay_through_spark_connect(db_url: str, tmp_path: Path, 
     assert [e["payload"]["n"] for e in read_jsonl(out)[:3]] == [0, 1, 2]
 
 
-def test_by_key_ordering_is_refused_with_spark_connect(tmp_path: Path) -> None:
+def test_by_key_through_spark_connect_resumes_per_key_after_a_failure(db_url: str, tmp_path: Path,
+                                                                      connect_url: str) -> None:
+    """``ordering: by_key`` on a Spark Connect server: the first run fails mid-way (the sink refuses
+    the chunk holding one key's event near the end); the failover probe and the catch-up run resume
+    from what the Spark tasks recorded, so only chunks in flight when the run stopped (at most one
+    per other partition) are delivered twice, each key keeps its order and the counts add up."""
+    parallelism, chunk = 3, 20
+    endpoint = Endpoint()
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(
+        endpoint, batch={"max_size": 200, "max_fill_secs": 0},
+        delivery={"ordering": "by_key", "routing_key": "group_id", "parallelism": parallelism,
+                  "chunk_size": chunk, "run_grace_secs": 2})], spark={"remote": connect_url})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pgstream.ensure_stream(1)")
+        c.execute("insert into pgstream.events (payload, stream_id) select jsonb_build_object("
+                  "'group_id', 'k' || (g % 4), 'n', g), 1 from generate_series(0, 799) g")
+        events = c.execute("select id, payload->>'group_id', (payload->>'n')::int from pgstream.events "
+                           "where stream_id = 1 order by id").fetchall()
+    endpoint.fail_once_ids = {i for i, _k, n in events if n == 790}  # key k2, in the last batch
+    child = subprocess.run([sys.executable, "-m", "tests.support.spark_connect_child", str(cfg), "800", "by_key"],
+                           cwd=repo_root(), capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
+    result = json.loads(Path(str(cfg) + ".out").read_text())
+    assert result["runs"][0] is False and result["runs"][-1] is True, result
+    assert sum(n for rounds in result["rounds"] for n in rounds) == 800, result  # each batch counted once
+    assert endpoint.unique() == {i for i, _k, _n in events}
+    first_seen = endpoint.first_seen_order()
+    for key in ("k0", "k1", "k2", "k3"):
+        ids = [i for i, k, _n in events if k == key]
+        assert [i for i in first_seen if i in set(ids)] == ids  # each key in commit order
+    # resumed: of what the first run delivered (at least the ~190 events of k2 before the failure)
+    # only chunks in flight in the other partitions when the run stopped came again
+    assert endpoint.accepted_at_failure is not None and endpoint.accepted_at_failure > 150
+    assert endpoint.duplicates() <= (parallelism - 1) * chunk, endpoint.duplicates()
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select count(*) from pgstream.key_progress").fetchone() == (0,)
+        assert c.execute("select value from pgstream.stream_counters where stream_id = 1 "
+                         "and name = 'events_delivered'").fetchone() == (800,)
+
+
+def test_blank_spark_remote_means_classic_spark(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "pgstream.yaml", "postgresql://x/y", [
         {"id": 3, "delivery": {"ordering": "by_key"}, "sink": {"type": "file", "path": "x"}}],
         spark={"remote": "sc://127.0.0.1:15002"})
-    with pytest.raises(ConfigError, match=r"streams \[3\]: delivery.ordering by_key needs a classic Spark"):
-        load_config(cfg)
+    assert load_config(cfg).streams[0].delivery.ordering == "by_key"  # by_key is fine with Spark Connect
     blank = write_config(tmp_path / "blank.yaml", "postgresql://x/y", [
         {"id": 1, "sink": {"type": "file", "path": "x"}}], spark={"remote": ""})
     assert load_config(blank).spark.remote is None  # ${PGSTREAM_SPARK_REMOTE:-} unset: classic Spark

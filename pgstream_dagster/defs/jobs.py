@@ -175,7 +175,8 @@ class _Linger:
 
 def _owed(stream: StreamConfig, batches: list[ledger.Batch]) -> list[Span]:
     """What the run owes of ``batches``: a retry resumes after the events the sink already confirmed
-    (global order only: ``by_key`` has no resume point)."""
+    (global order; ``by_key`` reads every event and its Spark tasks skip, per key, what an earlier attempt
+    recorded in ``pgstream.key_progress``)."""
     return owed_spans(batches, resume=stream.delivery.ordering == "global")
 
 
@@ -225,9 +226,7 @@ def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, str
         _mark_delivered(context, conn, expected, batch_id, 0)  # confirmed in full by a run that died before marking it
     try:
         if stream.delivery.ordering == "by_key":
-            delivered = _deliver_by_key(conn, stream, frame, batch_ids, sum(expected.values()), skip, reject)
-            for b in batches:
-                _mark_delivered(context, conn, expected, b.id, expected[b.id])
+            delivered = _deliver_by_key(context, conn, stream, frame, expected, skip, reject, database_url)
         else:
             delivered = _deliver_in_order(context, conn, stream, sink, frame, owed, skip, reject)
     except MissingEventsError:
@@ -281,20 +280,41 @@ def _deliver_in_order(context: dg.OpExecutionContext, conn: psycopg.Connection, 
     return delivered
 
 
-def _deliver_by_key(conn: psycopg.Connection, stream: StreamConfig, frame: Any, batch_ids: list[int], total: int,
-                    skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
-    """Per routing key, on the executors (each Spark task with a sink of its own); nothing is marked
-    until every task is done. Returns the events handled."""
+def _deliver_by_key(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig, frame: Any,
+                    expected: dict[int, int], skip: frozenset[tuple[int, int]], reject: RejectPolicy | None,
+                    database_url: str) -> int:
+    """Per routing key, on the executors (each Spark task with a sink of its own, recording what it
+    confirmed in ``pgstream.key_progress`` as it goes: a retry resumes per key); the tasks return
+    their counts per batch, and each batch is marked delivered once every task is done and the
+    counts add up. Returns the events handled."""
+    batch_ids = list(expected)
     # no resume point per batch: every event must be there (or set aside) before anything is sent
     gone = [(b, o) for b, o, _e in ledger.vanished(conn, batch_ids)]
     if any(p not in skip for p in gone):
         raise MissingEventsError([p for p in gone if p not in skip])
-    delivered = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size, stream.delivery.parallelism,
-                                     skip=skip, reject=reject)
-    if delivered + len(gone) != total:
-        raise dg.Failure(f"the ledger lists {total} events but {delivered} were found in pgstream.events "
-                         f"and handled; refusing to mark batches delivered")
-    return delivered
+    # an interrupted attempt's resume points hold for its partitioning: keep it until the round is delivered
+    partitions = ledger.key_progress_partitions(conn, stream.id, batch_ids[0]) or stream.delivery.parallelism
+    ledger.clear_key_progress(conn, stream.id, keep_partitions=partitions)
+    if partitions != stream.delivery.parallelism:
+        context.log.info(f"stream {stream.id}: resuming an interrupted by_key attempt with its {partitions} "
+                         f"partitions (delivery.parallelism {stream.delivery.parallelism} applies from the next round)")
+    progress = ledger.KeyProgress(database_url, stream.id, partitions, run_id=context.run_id)
+    result = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size, partitions,
+                                  skip=skip, reject=reject, progress=progress)
+    vanished_in = {b: sum(1 for g, _o in gone if g == b) for b in batch_ids}
+    wrong = {b: (result.handled.get(b, 0), events) for b, events in expected.items()
+             if result.handled.get(b, 0) + vanished_in[b] != events}
+    if wrong:
+        shown = ", ".join(f"batch {b}: {got} of {events}" for b, (got, events) in list(wrong.items())[:10])
+        raise dg.Failure(f"the ledger and the events handled by the Spark tasks disagree ({shown}); "
+                         f"refusing to mark batches delivered")
+    for b, events in expected.items():
+        _mark_delivered(context, conn, expected, b, events)
+    ledger.clear_key_progress(conn, stream.id, through_batch_id=batch_ids[-1])
+    if result.resumed:
+        context.log.info(f"stream {stream.id}: {result.resumed} events confirmed by an interrupted attempt "
+                         f"were not published again")
+    return result.total
 
 
 def _report_round(context: dg.OpExecutionContext, stream_id: int, batches: list[ledger.Batch], delivered: int,

@@ -19,8 +19,10 @@ the way to the sink (:attr:`Event.payload_json`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import itertools
 import json
 import os
 import pickle
@@ -34,10 +36,12 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from ..sinks import Event, Sink, SinkConfig, build_sink
 from ..sinks.base import parse_event_path
 from .cluster import cluster_conf, is_local, package_zip
-from .publish import Deliveries, Position, Positioned, RejectPolicy, Span, drain, publish
+from .publish import Confirmed, Deliveries, Position, Positioned, RejectPolicy, Span, publish
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+    from .ledger import KeyProgress
 
 Frames: TypeAlias = "DataFrame | list[DataFrame]"
 """What the loaders return: one DataFrame, or (packed) one single-partition DataFrame per partition."""
@@ -344,19 +348,98 @@ def deliver_in_order(frames: list[DataFrame], sink: Sink, chunk_size: int, *, pr
     yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed)
 
 
+#: what each by_key partition returns to the driver: per batch, the events it handled and, of them,
+#: those an earlier attempt had confirmed (skipped, not published again)
+BY_KEY_RESULT_SCHEMA = "batch_id long, handled long, resumed long"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDeliveries:
+    """What a ``by_key`` delivery handled: per batch, the events confirmed by the sink, set aside or
+    skipped, including ``resumed`` ones an earlier attempt had confirmed."""
+
+    handled: dict[int, int]
+    resumed: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.handled.values())
+
+
+def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_size: int,
+                       skip: frozenset[Position], reject: RejectPolicy | None,
+                       progress: KeyProgress | None) -> Iterator[Any]:
+    """One ``by_key`` partition, on an executor: its events (Arrow record batches in :data:`SCHEMA`
+    plus ``bucket``, in commit order) published through a sink of its own; each confirmed chunk is
+    recorded in ``progress`` before the next is published, and events at or before their bucket's
+    recorded position are not published again. Yields one :data:`BY_KEY_RESULT_SCHEMA` record batch."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+    first = next(batches, None)
+    while first is not None and first.num_rows == 0:
+        first = next(batches, None)
+    if first is None:
+        return
+    handled: dict[int, int] = {}
+    resumed: dict[int, int] = {}
+    buckets: set[int] = set()
+    with contextlib.ExitStack() as stack:
+        conn = stack.enter_context(progress.connect()) if progress is not None else None
+        done = progress.read(conn) if progress is not None and conn is not None else {}
+
+        def rows() -> Iterator[Positioned]:
+            for record_batch in itertools.chain([first], batches):
+                for row in record_batch.to_pylist():
+                    batch_id, bucket = row["batch_id"], row["bucket"]
+                    handled[batch_id] = handled.get(batch_id, 0) + 1
+                    buckets.add(bucket)
+                    reached = done.get(bucket)
+                    if reached is not None and (batch_id, row["ord"]) <= reached:
+                        resumed[batch_id] = resumed.get(batch_id, 0) + 1
+                        continue
+                    yield from _row_events(iter([row]))
+
+        sink = stack.enter_context(build_sink(sink_config))
+        deliveries = stack.enter_context(contextlib.closing(
+            publish(sink, rows(), chunk_size, skip=skip, reject=reject)))
+        for delivery in deliveries:
+            if isinstance(delivery, Confirmed) and progress is not None and conn is not None:
+                # every event of these buckets up to here is handled: a retry resumes after it
+                progress.record(conn, sorted(buckets), delivery.batch_id, delivery.ord)
+    yield pa.RecordBatch.from_pylist(
+        [{"batch_id": b, "handled": n, "resumed": resumed.get(b, 0)} for b, n in handled.items()],
+        schema=pa.schema([("batch_id", pa.int64()), ("handled", pa.int64()), ("resumed", pa.int64())]))
+
+
 def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int, *,
-                   skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None) -> int:
-    """Per routing key order: partitions by the key, each partition publishes its events in
-    commit order on an executor, through a sink of its own (built from ``sink_config`` by
-    :func:`~pgstream_dagster.sinks.build_sink`, as the run's, and closed when the partition is
-    done). Events of one key never reorder; keys proceed in parallel. ``reject.set_aside`` runs on
-    the executors (it must be picklable). Returns the events handled."""
-    counter = df.sparkSession.sparkContext.accumulator(0)
+                   skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
+                   progress: KeyProgress | None = None) -> KeyDeliveries:
+    """Per routing key order: repartitions by the key into ``parallelism`` partitions (for a
+    resumed round, ``progress.partitions``: the resume points hold for that partitioning), each
+    publishing its events in commit order on an executor through a sink of its own (built from
+    ``sink_config`` by :func:`~pgstream_dagster.sinks.build_sink`, as the run's, and closed when
+    the partition is done). Events of one key never reorder; keys proceed in parallel.
+    ``reject.set_aside`` runs on the executors (it must be picklable).
 
-    def publish_partition(rows: Iterator[Any]) -> None:
-        with build_sink(sink_config) as sink:
-            counter.add(drain(publish(sink, _row_events(rows), chunk_size, skip=skip, reject=reject)))
+    No accumulator and no ``sparkContext``: the partitions run in ``mapInArrow`` and return their
+    counts as rows, which the driver collects, so this works on classic Spark and Spark Connect
+    alike. With ``progress`` each partition records what the sink confirmed, chunk by chunk,
+    durably, and skips what an earlier attempt recorded (see
+    :class:`~pgstream_dagster.engine.ledger.KeyProgress` for why the tasks write it, not the driver)."""
+    from pyspark.sql import functions as F
 
-    (df.repartition(parallelism, "routing_key").sortWithinPartitions("batch_id", "ord")
-       .foreachPartition(publish_partition))
-    return int(counter.value)
+    partitions = progress.partitions if progress is not None else parallelism
+
+    def publish_partition(batches: Iterator[Any]) -> Iterator[Any]:
+        return _publish_partition(batches, sink_config, chunk_size, skip, reject, progress)
+
+    # bucket: the partition Spark's hash partitioning sends the key to, and what resume points are kept by
+    rows = (df.withColumn("bucket", F.pmod(F.hash("routing_key"), F.lit(partitions)))
+              .repartition(partitions, "routing_key").sortWithinPartitions("batch_id", "ord")
+              .mapInArrow(publish_partition, BY_KEY_RESULT_SCHEMA).collect())
+    handled: dict[int, int] = {}
+    resumed = 0
+    for row in rows:
+        handled[row["batch_id"]] = handled.get(row["batch_id"], 0) + int(row["handled"])
+        resumed += int(row["resumed"])
+    return KeyDeliveries(handled, resumed)

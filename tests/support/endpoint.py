@@ -26,6 +26,8 @@ class Endpoint:
         self.hook: Callable[[int], None] | None = None  # called with the request number, before answering
         self.reject_ids: set[int] = set()  # a request carrying one of these is answered 422 (a poison event)
         self.rejected: list[int] = []  # event ids of the requests answered 422
+        self.fail_once_ids: set[int] = set()  # the first request carrying one of these is answered 500
+        self.accepted_at_failure: int | None = None  # len(accepted) when a fail_once_ids request was refused
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self.up()
@@ -50,6 +52,12 @@ class Endpoint:
                 if endpoint.delay:
                     time.sleep(endpoint.delay)
                 carried = [int(i) for i in ids.split(",") if i]
+                with endpoint._lock:
+                    once = endpoint.fail_once_ids.intersection(carried)
+                    if once:
+                        endpoint.fail_once_ids -= once
+                        endpoint.accepted_at_failure = len(endpoint.accepted)
+                        fail = True
                 poison = [i for i in carried if i in endpoint.reject_ids]
                 if poison and not fail:
                     with endpoint._lock:
