@@ -276,11 +276,12 @@ def _check_cluster(config: PgstreamConfig) -> None:
         problem = database_problem(config.database_url.get_secret_value())
         if problem:
             problems.append(f"database_url {problem}")
-    if spark.remote is None:  # with Spark Connect the server's master decides; see README
-        for s in config.streams:
-            if s.delivery.ordering == "by_key":
-                problems += [f"streams[id={s.id}] (ordering by_key: its sink is built on the executors): {p}"
-                             for p in sink_problems(s.sink, elsewhere)]
+    # by_key sinks are built on the executors: a cluster's, or a Spark Connect server's workers
+    # (whose working directory is the server's)
+    for s in config.streams:
+        if s.delivery.ordering == "by_key":
+            problems += [f"streams[id={s.id}] (ordering by_key: its sink is built on the executors): {p}"
+                         for p in sink_problems(s.sink, elsewhere)]
     if problems:
         label = "spark.remote (a server on another host)" if spark.remote else f"spark.master {spark.master!r}"
         raise ValueError(f"{label}: " + "; ".join(problems) + "; " + hint.format(where))

@@ -373,7 +373,7 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
     plus ``bucket``, in commit order) published through a sink of its own; each confirmed chunk is
     recorded in ``progress`` before the next is published, and events at or before their bucket's
     recorded position are not published again. Yields one :data:`BY_KEY_RESULT_SCHEMA` record batch."""
-    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow as pa
 
     first = next(batches, None)
     while first is not None and first.num_rows == 0:
