@@ -30,9 +30,11 @@ from urllib.parse import urlsplit
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 #: Distributions the executors import (the Python data sources read with psycopg, Spark moves
-#: their rows with pyarrow; ``by_key`` builds the sinks there: pydantic, httpx, tenacity). A sink's
-#: client library comes on top (:data:`SINK_EXTRAS`).
-EXECUTOR_REQUIREMENTS = ("psycopg", "psycopg-binary", "pydantic", "httpx", "tenacity", "pyarrow")
+#: their rows with pyarrow; ``by_key`` builds the sinks there: pydantic, httpx, tenacity, and records
+#: its progress through the ledger module, which imports the configuration models: pyyaml, croniter).
+#: A sink's client library comes on top (:data:`SINK_EXTRAS`).
+EXECUTOR_REQUIREMENTS = ("psycopg", "psycopg-binary", "pydantic", "httpx", "tenacity", "pyarrow", "pyyaml",
+                         "croniter")
 
 #: The pgstream-dagster extra that holds a sink type's client library.
 SINK_EXTRAS = {"redis": "redis", "rabbitmq": "rabbitmq", "nats": "nats", "kafka": "kafka", "mqtt": "mqtt",
