@@ -275,7 +275,8 @@ def _cmd_backfill_run(args: argparse.Namespace) -> int:
     url = args.database_url or config.database_url.get_secret_value()
     request = backfill.Request(args.stream, args.keys, table=args.table, where=args.where, from_key=args.from_key,
                                to_key=args.to_key, chunk_size=args.chunk_size, parallelism=args.parallelism,
-                               max_rows_per_sec=args.max_rows_per_sec or None, restart=args.restart)
+                               max_rows_per_sec=args.max_rows_per_sec or None, max_backlog=args.max_backlog or None,
+                               restart=args.restart)
     with psycopg.connect(url, autocommit=True) as conn:
         chosen = backfill.targets(conn, request)
     builder = SparkSession.builder
@@ -348,6 +349,8 @@ def _add_backfill_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--chunk-size", type=_ranged("chunk size", 1, 100_000), default=1000)
     p.add_argument("--parallelism", type=_ranged("parallelism", 1, 1024), default=4)
     p.add_argument("--max-rows-per-sec", type=float, default=5000.0, help="throttle (0: none; default 5000)")
+    p.add_argument("--max-backlog", type=_ranged("max backlog", 0, 10**9), default=20_000,
+                   help="wait while the stream has more undelivered events than this (0: never; default 20000)")
     p.add_argument("--restart", action="store_true", help="cancel an unfinished backfill of the same subscription "
                                                           "and table and start over")
     p.add_argument("--progress-secs", type=float, default=5.0, help="seconds between progress lines")

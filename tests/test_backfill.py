@@ -83,9 +83,9 @@ def _ok_rows_but_qty_3(url: str) -> set[int]:
 def _thread_executor(url: str) -> backfill.Executor:
     """Partitions in threads (the engine's own run_partition, without Spark): for the engine's paths."""
     def execute(backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                rate: float | None) -> list[backfill.PartitionResult]:
+                pace: backfill.Pace) -> list[backfill.PartitionResult]:
         with ThreadPoolExecutor(len(parts)) as pool:
-            return list(pool.map(lambda p: backfill.run_partition(url, backfill_id, p, token, chunk_size, rate), parts))
+            return list(pool.map(lambda p: backfill.run_partition(url, backfill_id, p, token, chunk_size, pace), parts))
     return execute
 
 
@@ -442,3 +442,24 @@ def test_update_subscription_in_its_own_schema_sees_old_as_null(db_url: str, tmp
     payloads = _read_payloads(db_url)
     assert sorted(p["new"]["id"] for p in payloads) == list(range(1, 301))
     assert {(p["old"], p["previous"], p["tg_table_schema"]) for p in payloads} == {(None, None, "shop")}
+
+
+def test_a_backfill_waits_while_the_stream_has_a_large_backlog(items_stream: str) -> None:
+    """``max_backlog``: no chunk while the stream has more undelivered events than that (live
+    events never queue behind more READ events); it goes on once the stream caught up."""
+    url = items_stream
+    with psycopg.connect(url, autocommit=True) as c:  # 50,000 recorded, 10,000 delivered: 40,000 undelivered
+        c.execute("insert into pgstream.stream_counters (stream_id, name, label, value) values "
+                  "(1, 'events_recorded', '', 50000), (1, 'events_done', '', 10000)")
+        assert c.execute("select pgstream.backfill_backlog(1)").fetchone() == (40_000,)
+    request = backfill.Request(1, ["items"], parallelism=2, chunk_size=500, max_backlog=30_000)
+    _, backfill_id = _open(url, request)
+    outcomes: list[backfill.Outcome] = []
+    thread = threading.Thread(target=lambda: outcomes.append(_run(url, request, backfill_id, progress_secs=0.2)))
+    thread.start()
+    time.sleep(2)
+    with psycopg.connect(url, autocommit=True) as c:
+        assert backfill.progress(c, backfill_id).rows_read == 0  # waiting: nothing read
+        c.execute("update pgstream.stream_counters set value = 45000 where name = 'events_done'")  # 5,000 left
+    thread.join(60)
+    assert outcomes and outcomes[0].done and outcomes[0].progress.rows_read == 3000

@@ -45,6 +45,9 @@ class BackfillConfig(dg.Config):
                                          "starts")
     max_rows_per_sec: float = Field(backfill.DEFAULT_MAX_ROWS_PER_SEC, ge=0,
                                     description="throttle over all partitions (0: none); keeps live events flowing")
+    max_backlog: int = Field(backfill.DEFAULT_MAX_BACKLOG, ge=0,
+                             description="wait while the stream has more undelivered events than this (0: never), "
+                                         "so a live event never queues behind more READ events")
     restart: bool = Field(False, description="cancel an unfinished backfill of the same subscription and table "
                                              "and start over (default: resume it)")
     progress_secs: float = Field(5.0, gt=0, description="seconds between progress lines in the run log")
@@ -54,7 +57,7 @@ def _request(stream: StreamConfig, config: BackfillConfig) -> backfill.Request:
     return backfill.Request(stream.id, config.subscriptions, table=config.table, where=config.where,
                             from_key=config.from_key, to_key=config.to_key, chunk_size=config.chunk_size,
                             parallelism=config.parallelism, max_rows_per_sec=config.max_rows_per_sec or None,
-                            restart=config.restart)
+                            max_backlog=config.max_backlog or None, restart=config.restart)
 
 
 def _metadata(progress: backfill.Progress) -> dict[str, Any]:

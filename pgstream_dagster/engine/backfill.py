@@ -49,6 +49,11 @@ DEFAULT_CHUNK_SIZE = 1000
 DEFAULT_PARALLELISM = 4
 #: the default throttle: well under what a stream delivers, so live events keep flowing
 DEFAULT_MAX_ROWS_PER_SEC = 5000.0
+#: the default bound on the stream's undelivered events: a backfill waits while there are more, so
+#: a live event never queues behind more than about this many READ events
+DEFAULT_MAX_BACKLOG = 20_000
+#: how often a backfill waiting for the stream's backlog looks again
+BACKLOG_WAIT_SECS = 0.5
 UNFINISHED = ("running", "stopped", "failed")
 
 
@@ -87,6 +92,7 @@ class Request:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     parallelism: int = DEFAULT_PARALLELISM
     max_rows_per_sec: float | None = None
+    max_backlog: int | None = DEFAULT_MAX_BACKLOG
     restart: bool = False
 
     def __post_init__(self) -> None:
@@ -98,6 +104,8 @@ class Request:
             raise BackfillError(f"backfill: parallelism must be between 1 and 1024, got {self.parallelism}")
         if self.max_rows_per_sec is not None and not self.max_rows_per_sec > 0:
             raise BackfillError(f"backfill: max_rows_per_sec must be positive, got {self.max_rows_per_sec}")
+        if self.max_backlog is not None and self.max_backlog < 1:
+            raise BackfillError(f"backfill: max_backlog must be positive, got {self.max_backlog}")
         if self.table is not None and self.table.count(".") != 1:
             raise BackfillError(f"backfill: table must be schema.table, got {self.table!r}")
 
@@ -125,6 +133,16 @@ class Progress:
                 f"{self.rows_read}/{self.rows_total} rows{pct}, {self.events_written} events, "
                 f"{self.partitions_done}/{self.partitions} partitions done, "
                 f"{self.rows_per_sec:.0f} rows/s{eta}" + (f"; {self.error}" if self.error else ""))
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast a partition may go: ``rows_per_sec`` (its share of ``max_rows_per_sec``), and no
+    chunk while stream ``stream_id`` has more than ``max_backlog`` undelivered events."""
+
+    stream_id: int
+    rows_per_sec: float | None = None
+    max_backlog: int | None = None
 
 
 @dataclass
@@ -298,10 +316,22 @@ def _connect(url: str) -> psycopg.Connection:
     return conn
 
 
-def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size: int,
-                  rows_per_sec: float | None, sleep: Callable[[float], None] = time.sleep) -> PartitionResult:
+def _backlog(conn: psycopg.Connection, stream_id: int) -> int:
+    row = conn.execute("select pgstream.backfill_backlog(%s)", (stream_id,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _owned(conn: psycopg.Connection, backfill_id: int, token: str) -> bool:
+    row = conn.execute("select status = 'running' and owner_token = %s::uuid from pgstream.backfills where id = %s",
+                       (token, backfill_id)).fetchone()
+    return bool(row and row[0])
+
+
+def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size: int, pace: Pace,
+                  sleep: Callable[[float], None] = time.sleep) -> PartitionResult:
     """Read partition ``part`` of a backfill chunk by chunk until it is done or the backfill stops
-    (another owner, stopped, cancelled), at most ``rows_per_sec``. A transient error (deadlock with
+    (another owner, stopped, cancelled), at most ``pace.rows_per_sec``, waiting while the stream has
+    more than ``pace.max_backlog`` undelivered events. A transient error (deadlock with
     a writer, lock timeout, lost connection) retries the chunk; any other error is a row that
     cannot become an event: the rows before it are written one by one, and the partition stops
     ``failed`` naming that row's key and the error (the other partitions go on)."""
@@ -310,7 +340,13 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
     conn = _connect(url)
     try:
         limit = chunk_size
+        waited = 0.0
         while True:
+            while pace.max_backlog and _backlog(conn, pace.stream_id) > pace.max_backlog:
+                if not _owned(conn, backfill_id, token):
+                    return result  # stopped while waiting
+                sleep(BACKLOG_WAIT_SECS)
+                waited += BACKLOG_WAIT_SECS
             for attempt in range(CHUNK_ATTEMPTS):
                 try:
                     if conn.broken:
@@ -338,8 +374,8 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
             if status != "read":
                 result.status = status
                 return result
-            if rows_per_sec:
-                ahead = result.rows / rows_per_sec - (time.monotonic() - started)
+            if pace.rows_per_sec:
+                ahead = result.rows / pace.rows_per_sec - (time.monotonic() - started - waited)
                 if ahead > 0:
                     sleep(ahead)
     finally:
@@ -355,7 +391,7 @@ def _next_key(conn: psycopg.Connection, backfill_id: int, part: int) -> str | No
 
 
 def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                   rows_per_sec: float | None) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+                   pace: Pace) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The ``mapInArrow`` function of a backfill's Spark job: each input row (``id``) is the index
     in ``parts`` of the partition to read; yields one :class:`PartitionResult` row per partition."""
 
@@ -364,7 +400,7 @@ def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int],
 
         for batch in batches:
             for index in batch.column("id").to_pylist():
-                done = run_partition(url, backfill_id, parts[index], token, chunk_size, rows_per_sec)
+                done = run_partition(url, backfill_id, parts[index], token, chunk_size, pace)
                 yield pa.RecordBatch.from_pylist([asdict(done)], schema=pa.schema(
                     [("part", pa.int32()), ("status", pa.string()), ("rows", pa.int64()), ("events", pa.int64()),
                      ("chunks", pa.int64()), ("error", pa.string())]))
@@ -376,14 +412,14 @@ RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, e
 
 
 def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                 rows_per_sec: float | None) -> list[PartitionResult]:
+                 pace: Pace) -> list[PartitionResult]:
     """Read ``parts`` in parallel, one Spark task each (classic Spark and Spark Connect alike; on a
     cluster the executors import this module from the package zip, see ``spark.ship_package``)."""
     from .spark import ship_package
 
     ship_package(spark)
     frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(
-        partition_task(url, backfill_id, token, list(parts), chunk_size, rows_per_sec), RESULT_SCHEMA)
+        partition_task(url, backfill_id, token, list(parts), chunk_size, pace), RESULT_SCHEMA)
     return [PartitionResult(r["part"], r["status"], r["rows"], r["events"], r["chunks"], r["error"])
             for r in frame.collect()]
 
@@ -401,14 +437,14 @@ def cancel_spark(spark: SparkSession) -> None:
 # --------------------------------------------------------------------------------------------
 # A run.
 
-Executor = Callable[[int, str, Sequence[int], int, float | None], list[PartitionResult]]
-"""Runs partitions: ``(backfill_id, token, parts, chunk_size, rows_per_sec per partition)``."""
+Executor = Callable[[int, str, Sequence[int], int, Pace], list[PartitionResult]]
+"""Runs partitions: ``(backfill_id, token, parts, chunk_size, pace of each partition)``."""
 
 
 def spark_executor(spark: SparkSession, url: str) -> Executor:
     def execute(backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                rows_per_sec: float | None) -> list[PartitionResult]:
-        return run_on_spark(spark, url, backfill_id, token, parts, chunk_size, rows_per_sec)
+                pace: Pace) -> list[PartitionResult]:
+        return run_on_spark(spark, url, backfill_id, token, parts, chunk_size, pace)
 
     return execute
 
@@ -443,7 +479,8 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
                 "select part from pgstream.backfill_partitions where backfill_id = %s and not done order by part",
                 (backfill_id,)).fetchall()]
             rate = request.max_rows_per_sec / max(len(parts), 1) if request.max_rows_per_sec else None
-            results = yield from _execute(session, backfill_id, token, parts, request.chunk_size, rate, execute,
+            pace = Pace(request.stream_id, rate, request.max_backlog)
+            results = yield from _execute(session, backfill_id, token, parts, request.chunk_size, pace, execute,
                                           progress_secs)
             if any(r.status == "changed" for r in results) and not any(r.status == "failed" for r in results):
                 continue  # the subscription changed: claim again (new function) and go on
@@ -468,14 +505,14 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
 
 
 def _execute(session: psycopg.Connection, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-             rate: float | None, execute: Executor, progress_secs: float
+             pace: Pace, execute: Executor, progress_secs: float
              ) -> Generator[Progress, None, list[PartitionResult]]:
     """Run ``parts`` in a thread (the Spark job) and yield progress meanwhile; returns the results."""
     box: dict[str, Any] = {}
 
     def work() -> None:
         try:
-            box["results"] = execute(backfill_id, token, parts, chunk_size, rate)
+            box["results"] = execute(backfill_id, token, parts, chunk_size, pace)
         except BaseException as exc:  # handed to the caller's thread
             box["error"] = exc
 

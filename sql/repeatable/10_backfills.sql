@@ -598,6 +598,22 @@ end
 $$;
 revoke all on function pgstream.backfill_next_key(bigint, integer) from public;
 
+-- The stream's events recorded but not yet delivered or skipped, from the durable counters (no
+-- ledger scan): a backfill waits while it is above its max_backlog.
+create or replace function pgstream.backfill_backlog(p_stream_id bigint)
+returns bigint
+language sql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select (coalesce(pg_catalog.sum(c.value) filter (where c.name operator(pg_catalog.=) 'events_recorded'), 0)
+            operator(pg_catalog.-)
+            coalesce(pg_catalog.sum(c.value) filter (where c.name operator(pg_catalog.=) 'events_done'), 0))::pg_catalog.int8
+    from pgstream.stream_counters c
+    where c.stream_id operator(pg_catalog.=) p_stream_id and c.name in ('events_recorded', 'events_done')
+$$;
+revoke all on function pgstream.backfill_backlog(bigint) from public;
+
 -- Ends a run's ownership of backfill p_id: 'done' when every partition is (its function is
 -- dropped), else p_status ('stopped' or 'failed', with p_error). Only the owner p_token can;
 -- returns the backfill's status afterwards.
