@@ -342,9 +342,16 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
         limit = chunk_size
         waited = 0.0
         while True:
-            while pace.max_backlog and _backlog(conn, pace.stream_id) > pace.max_backlog:
-                if not _owned(conn, backfill_id, token):
-                    return result  # stopped while waiting
+            while pace.max_backlog:
+                try:
+                    if conn.broken:
+                        conn = _connect(url)
+                    if _backlog(conn, pace.stream_id) <= pace.max_backlog:
+                        break
+                    if not _owned(conn, backfill_id, token):
+                        return result  # stopped while waiting
+                except _TRANSIENT:
+                    pass  # a lost connection: look again
                 sleep(BACKLOG_WAIT_SECS)
                 waited += BACKLOG_WAIT_SECS
             for attempt in range(CHUNK_ATTEMPTS):
