@@ -80,8 +80,8 @@ def sched_secs(pid: int) -> float:
         return int(f.read().split()[0]) / 1e9
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, utime + stime + cutime + cstime in seconds) of ``pid``; None if it is gone."""
+def _stat(pid: int, children: bool = True) -> tuple[int, float] | None:
+    """(parent pid, utime + stime [+ cutime + cstime] in seconds) of ``pid``; None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
@@ -89,7 +89,13 @@ def _stat(pid: int) -> tuple[int, float] | None:
         return None
     fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
     # fields[0] is the state (field 3); utime..cstime are fields 14-17
-    return int(fields[1]), sum(int(x) for x in fields[11:15]) / _TICK
+    return int(fields[1]), sum(int(x) for x in fields[11:15 if children else 13]) / _TICK
+
+
+def own_secs(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads), without its children."""
+    st = _stat(pid, children=False)
+    return st[1] if st else 0.0
 
 
 def tree_secs(root: int) -> float:
@@ -131,7 +137,10 @@ def _writer(url: str, table: str, first: int, count: int, rows: int, out: Any) -
         out.put((sched_secs(backend) - before, time.monotonic() - started))
 
 
-def write_phase(url: str, table: str, events: int, writers: int, rows: int, postmaster: int) -> dict[str, float]:
+def write_phase(url: str, table: str, events: int, writers: int, rows: int, postmaster: int,
+                during: Callable[[], Any] | None = None) -> tuple[dict[str, float], Any]:
+    """The writers' backends' CPU, the rest of Postgres' and the wall time of the writes; with
+    ``during``, what it returns, called while the writers write (Postgres' CPU then includes its)."""
     out: Any = multiprocessing.Queue()
     share = -(-events // writers)
     procs = [multiprocessing.Process(target=_writer, args=(url, table, i * share, min(share, events - i * share),
@@ -140,13 +149,14 @@ def write_phase(url: str, table: str, events: int, writers: int, rows: int, post
     started = time.monotonic()
     for p in procs:
         p.start()
+    side = during() if during is not None else None
     results = [out.get(timeout=3600) for _ in procs]
     for p in procs:
         p.join()
-    wall = time.monotonic() - started
+    wall = max(r[1] for r in results) if during is not None else time.monotonic() - started
     pg = tree_secs(postmaster) - pg0
     backends = sum(r[0] for r in results)
-    return {"backends": backends, "postgres_other": max(0.0, pg - backends), "wall": wall}
+    return {"backends": backends, "postgres_other": max(0.0, pg - backends), "wall": wall}, side
 
 
 # --- the delivery path, instrumented ------------------------------------------------------------
@@ -227,6 +237,7 @@ class DeliverTotals:
     run_py: float = 0.0
     run_pg: float = 0.0
     run_spark: float = 0.0
+    run_jvm: float = 0.0
     runs: int = 0
     failed: int = 0
     wall: float = 0.0
@@ -255,12 +266,15 @@ def deliver_phase(driver: Driver, url: str, target: int, postmaster: int, timeou
                 jvm = _spark_jvm_pid()
                 pg0, py0 = tree_secs(postmaster), time.process_time()
                 sp0 = tree_secs(jvm) if jvm else 0.0
+                jv0 = own_secs(jvm) if jvm else 0.0
                 tags = {**request.tags, "dagster/run_key": request.run_key or ""}
                 result = job.execute_in_process(run_config=request.run_config, instance=driver.instance, tags=tags,
                                                 raise_on_error=False)
                 totals.run_py += time.process_time() - py0
                 totals.run_pg += tree_secs(postmaster) - pg0
-                totals.run_spark += tree_secs(jvm or _spark_jvm_pid() or 0) - sp0
+                jvm = jvm or _spark_jvm_pid() or 0
+                totals.run_spark += tree_secs(jvm) - sp0
+                totals.run_jvm += own_secs(jvm) - jv0
                 totals.runs += 1
                 totals.failed += 0 if result.success else 1
     totals.wall = time.monotonic() - started
@@ -288,6 +302,8 @@ def rows_of(r: dict[str, Any]) -> list[tuple[str, float]]:
     """(stage, CPU-seconds per 100k events) in pipeline order."""
     n = r["events"] / PER
     w0, w1, d, once = r["write_plain"], r["write_subscribed"], r["deliver"], r["decode_once"]
+    sensor_pg = ("sensor and runs in Postgres: ledger, status, reads (all but writers and decoding)"
+                 if r.get("overlap") else "sensor in Postgres: ledger, status (tick total - decoding)")
     return [
         ("write: insert (writers' backends, no subscription)", w0["backends"] / n),
         ("write: insert + trigger (writers' backends, subscribed)", w1["backends"] / n),
@@ -296,10 +312,11 @@ def rows_of(r: dict[str, Any]) -> list[tuple[str, float]]:
         ("decode in Postgres: peeks", d["peek_pg"] / n),
         ("decode in Postgres: slot advances", d["advance_pg"] / n),
         ("  one decoding pass of the same WAL (reference slot)", once["pg"] / n),
-        ("sensor in Postgres: ledger, status (tick total - decoding)", d["tick_pg_other"] / n),
+        (sensor_pg, d["tick_pg_other"] / n),
         ("sensor in Python: reading/recording (tick thread)", d["tick_py"] / n),
         ("  of which pgoutput parsing (PgOutputDecoder)", d["decode_py"] / n),
         ("load: Spark JVM + Python workers", d["run_spark"] / n),
+        ("  of which the JVM itself", d.get("run_jvm", 0.0) / n),
         ("load: Postgres serving the runs (reads, ledger marks)", d["run_pg"] / n),
         ("run driver Python: Dagster, unpacking, ledger (not publish)", d["run_py_other"] / n),
         ("publish: FileSink.publish (driver)", d["publish_py"] / n),
@@ -342,6 +359,9 @@ def main() -> None:
     parser.add_argument("--max-events-per-run", type=int, default=200_000)
     parser.add_argument("--chunk", type=int, default=5000, help="delivery.chunk_size")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed for delivery")
+    parser.add_argument("--overlap", action="store_true",
+                        help="deliver while the writers write (as in production) instead of after them; Postgres' "
+                             "CPU besides the writers' backends and the decoding is then one figure")
     parser.add_argument("--label", default="", help="what this run measures (e.g. 'before', 'after')")
     parser.add_argument("--json", type=Path, help="also write the JSON result to this file")
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
@@ -372,7 +392,7 @@ def main() -> None:
             result: dict[str, Any] = {"events": n, "writers": args.writers, "rows": args.rows, "label": args.label,
                                       "module": pgstream_dagster.__file__}
             # 1. the insert alone, before any slot exists (its WAL is nobody's to decode)
-            result["write_plain"] = write_phase(url, "bench_plain", n, args.writers, args.rows, postmaster)
+            result["write_plain"] = write_phase(url, "bench_plain", n, args.writers, args.rows, postmaster)[0]
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute("analyze public.bench_plain")
                 conn.execute("insert into public.bench_orders (seq, customer, amount) values (-1, 'warm-up', 0)")
@@ -387,23 +407,39 @@ def main() -> None:
                 deliver_phase(driver, url, 1, postmaster, args.timeout)
                 with psycopg.connect(url, autocommit=True) as conn:
                     replication.create_slot(conn, "cpu_reference")
-                # 2. the same inserts through the subscription trigger
-                result["write_subscribed"] = write_phase(url, "bench_orders", n, args.writers, args.rows, postmaster)
-                with psycopg.connect(url, autocommit=True) as conn:
-                    conn.execute("analyze public.bench_orders")
-                    conn.execute("analyze pgstream.events")
-                # 3. deliver them
                 global METER
                 METER = Meter()
-                totals = deliver_phase(driver, url, n + 1, postmaster, args.timeout)
+                if args.overlap:
+                    # 2+3. deliver while the same inserts go through the subscription trigger
+                    result["write_subscribed"], totals = write_phase(
+                        url, "bench_orders", n, args.writers, args.rows, postmaster,
+                        during=lambda: deliver_phase(driver, url, n + 1, postmaster, args.timeout))
+                else:
+                    # 2. the same inserts through the subscription trigger
+                    result["write_subscribed"] = write_phase(url, "bench_orders", n, args.writers, args.rows,
+                                                             postmaster)[0]
+                    with psycopg.connect(url, autocommit=True) as conn:
+                        conn.execute("analyze public.bench_orders")
+                        conn.execute("analyze pgstream.events")
+                    METER = Meter()
+                    # 3. deliver them
+                    totals = deliver_phase(driver, url, n + 1, postmaster, args.timeout)
                 m = METER
             decode = m.peek_pg + m.advance_pg
+            if args.overlap:
+                # Postgres' CPU is not split by window: what is not the writers' or decoding is the pipeline's
+                pg_other = result["write_subscribed"].pop("postgres_other") - decode
+                result["write_subscribed"]["postgres_other"] = 0.0
+                tick_pg_other, run_pg = max(0.0, pg_other), 0.0
+            else:
+                tick_pg_other, run_pg = max(0.0, totals.tick_pg - decode), totals.run_pg
+            result["overlap"] = args.overlap
             result["deliver"] = {
                 "peek_pg": m.peek_pg, "peek_calls": m.peek_calls, "peek_messages": m.peek_messages,
                 "advance_pg": m.advance_pg, "advance_calls": m.advance_calls,
-                "tick_pg_other": max(0.0, totals.tick_pg - decode), "tick_py": totals.tick_py,
+                "tick_pg_other": tick_pg_other, "tick_py": totals.tick_py,
                 "decode_py": m.decode_py, "ticks": totals.ticks,
-                "run_spark": totals.run_spark, "run_pg": totals.run_pg,
+                "run_spark": totals.run_spark, "run_jvm": totals.run_jvm, "run_pg": run_pg,
                 "run_py_other": max(0.0, totals.run_py - m.publish_py), "publish_py": m.publish_py,
                 "runs": totals.runs, "failed": totals.failed, "wall": totals.wall,
             }
@@ -423,7 +459,9 @@ def main() -> None:
     lines_out = [
         f"\n## CPU per stage (bench/cpu.py) {stamp}, {n:,} events{', ' + args.label if args.label else ''}",
         f"Machine: {header}. Method: bench/cpu.py; {args.writers} writer processes, {args.rows} rows per insert "
-        f"statement, fsync off, synchronous_commit off, autovacuum off; then the stream driven in-process "
+        f"statement, fsync off, synchronous_commit off, autovacuum off; "
+        f"{'while they write (--overlap)' if args.overlap else 'then, once they are done,'} the stream driven "
+        "in-process "
         f"(serial: sensor tick, then the requested run, execute_in_process; Spark local[2], warm; batch.max_size "
         f"{args.batch_size}, chunk {args.chunk}, max_events_per_run {args.max_events_per_run}) until all "
         f"{n:,} are in the file sink (counted: {result['sink_lines'] - 1:,} lines after the warm-up event); "
