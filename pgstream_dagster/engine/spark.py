@@ -101,7 +101,7 @@ def partition_spans(spans: Sequence[Span], size: int) -> list[Span]:
 def group_spans(spans: Sequence[Span], size: int) -> list[list[Span]]:
     """The pieces of :func:`partition_spans` in consecutive groups of at most ``size`` ordinals in
     all, in delivery order: one packed partition (one Spark job) reads a whole group, so a run of
-    many small batches does not pay a Spark job per batch (bench/cpu.py: about 0.2 CPU-seconds of
+    many small batches does not pay a Spark job per batch (bench/cpu.py: about half a CPU-second of
     the JVM and its Python workers each, whatever the batch's size)."""
     groups: list[list[Span]] = []
     room = 0
