@@ -33,7 +33,8 @@ Phases, one after the other (so that each process's CPU belongs to one stage):
 
 The machine's other work does not enter the counters (CPU time, not wall time), but it does slow
 caches and the scheduler. Prints a table and one JSON line; appends the table to bench/RESULTS.md.
-Usage: python bench/cpu.py [--events 200000] [--writers 2] [--rows 100] [--no-record]
+Usage: python bench/cpu.py [--events 200000] [--writers 2] [--rows 100] [--overlap] [--label L] [--json F]
+       python bench/cpu.py --compare before.json after.json   (side by side)
 """
 
 from __future__ import annotations
@@ -341,12 +342,25 @@ def summary(r: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def table(r: dict[str, Any]) -> list[str]:
-    s = summary(r)
-    out = ["| stage | CPU-s per 100k events |", "|---|---:|"]
-    out += [f"| {name} | {secs:.2f} |" for name, secs in rows_of(r)]
-    out.append(f"| **pipeline total** (decode + sensor + load + run + publish) | **{s['pipeline_per_100k']:.2f}** |")
-    out.append(f"| **writing** (insert + trigger, writers' backends) | **{s['writing_per_100k']:.2f}** |")
+def table(*results: dict[str, Any]) -> list[str]:
+    """One column per result (``--compare``: side by side, the last one against the first)."""
+    labels = [r.get("label") or f"run {i + 1}" for i, r in enumerate(results)]
+    ratio = len(results) > 1
+    out = ["| stage | " + " | ".join(f"{label} (CPU-s per 100k events)" for label in labels)
+           + (f" | {labels[-1]} / {labels[0]} |" if ratio else " |"),
+           "|---|" + "---:|" * (len(results) + ratio)]
+    columns = [rows_of(r) for r in results]
+    sums = [summary(r) for r in results]
+    named = [(name, [c[i][1] for c in columns]) for i, (name, _) in enumerate(columns[0])]
+    named.append(("**pipeline total** (decode + sensor + load + run + publish)",
+                  [s["pipeline_per_100k"] for s in sums]))
+    named.append(("**writing** (insert + trigger, writers' backends)", [s["writing_per_100k"] for s in sums]))
+    named.append(("pipeline / writing", [s["pipeline_over_writing"] for s in sums]))
+    for name, values in named:
+        row = f"| {name} | " + " | ".join(f"{v:.2f}" for v in values)
+        if ratio:
+            row += f" | {values[-1] / values[0]:.2f}x" if values[0] else " | -"
+        out.append(row + " |")
     return out
 
 
@@ -365,7 +379,12 @@ def main() -> None:
     parser.add_argument("--label", default="", help="what this run measures (e.g. 'before', 'after')")
     parser.add_argument("--json", type=Path, help="also write the JSON result to this file")
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    parser.add_argument("--compare", type=Path, nargs="+", metavar="JSON",
+                        help="print the results saved with --json side by side (no run)")
     args = parser.parse_args()
+    if args.compare:
+        print("\n".join(table(*(json.loads(path.read_text()) for path in args.compare))))
+        return
     header = machine()
     n = args.events
     with tempfile.TemporaryDirectory(prefix="pgstream-cpu-") as tmp:
