@@ -297,6 +297,15 @@ def decode_once(url: str, slot: str, publication: str) -> dict[str, float]:
     return {"pg": pg, "py": py, "messages": len(messages), "events": sum(len(t.events) for t in txns)}
 
 
+def top_statements(url: str, limit: int) -> list[dict[str, Any]]:
+    """The statements that took the most time in Postgres during delivery (pg_stat_statements)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute("select total_exec_time / 1000, calls, rows, "
+                            "left(regexp_replace(query, '\\s+', ' ', 'g'), 160) "
+                            "from pg_stat_statements order by total_exec_time desc limit %s", [limit]).fetchall()
+    return [{"secs": float(r[0]), "calls": int(r[1]), "rows": int(r[2]), "query": str(r[3])} for r in rows]
+
+
 # --- the report ---------------------------------------------------------------------------------
 
 def rows_of(r: dict[str, Any]) -> list[tuple[str, float]]:
@@ -379,6 +388,9 @@ def main() -> None:
     parser.add_argument("--label", default="", help="what this run measures (e.g. 'before', 'after')")
     parser.add_argument("--json", type=Path, help="also write the JSON result to this file")
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    parser.add_argument("--statements", type=int, default=0, metavar="N",
+                        help="load pg_stat_statements and report the N statements that took the most time "
+                             "during delivery (to find what a Postgres figure is made of)")
     parser.add_argument("--compare", type=Path, nargs="+", metavar="JSON",
                         help="print the results saved with --json side by side (no run)")
     args = parser.parse_args()
@@ -392,8 +404,10 @@ def main() -> None:
         os.chmod(tmpdir, 0o755)
         # autovacuum off: a vacuum of pgstream.events would land in whichever phase it happens in
         # (the write phases analyze their table instead)
-        pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off",
-                                                          "autovacuum": "off"})
+        settings = {"fsync": "off", "synchronous_commit": "off", "autovacuum": "off"}
+        if args.statements:
+            settings["shared_preload_libraries"] = "pg_stat_statements"
+        pg = ensure_running(tmpdir / "pg", extra_settings=settings)
         try:
             pg.create_database("cpu")
             url = pg.url_for("cpu")
@@ -408,6 +422,8 @@ def main() -> None:
             cfg = load_config(config_path).streams[0]
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute(TABLE_SQL.replace("bench_orders", "bench_plain"))
+                if args.statements:
+                    conn.execute("create extension if not exists pg_stat_statements")
             result: dict[str, Any] = {"events": n, "writers": args.writers, "rows": args.rows, "label": args.label,
                                       "module": pgstream_dagster.__file__}
             # 1. the insert alone, before any slot exists (its WAL is nobody's to decode)
@@ -428,6 +444,9 @@ def main() -> None:
                     replication.create_slot(conn, "cpu_reference")
                 global METER
                 METER = Meter()
+                if args.statements:
+                    with psycopg.connect(url, autocommit=True) as conn:
+                        conn.execute("select pg_stat_statements_reset()")
                 if args.overlap:
                     # 2+3. deliver while the same inserts go through the subscription trigger
                     result["write_subscribed"], totals = write_phase(
@@ -441,9 +460,14 @@ def main() -> None:
                         conn.execute("analyze public.bench_orders")
                         conn.execute("analyze pgstream.events")
                     METER = Meter()
+                    if args.statements:
+                        with psycopg.connect(url, autocommit=True) as conn:
+                            conn.execute("select pg_stat_statements_reset()")
                     # 3. deliver them
                     totals = deliver_phase(driver, url, n + 1, postmaster, args.timeout)
                 m = METER
+                if args.statements:
+                    result["statements"] = top_statements(url, args.statements)
             decode = m.peek_pg + m.advance_pg
             if args.overlap:
                 # Postgres' CPU is not split by window: what is not the writers' or decoding is the pipeline's
@@ -495,6 +519,8 @@ def main() -> None:
         f"re-decoding is {s['redecode_share']:.0%} of the decoding cost. Postgres' share of the pipeline: "
         f"{s['postgres_share_of_pipeline']:.0%}.",
     ]
+    for st in result.get("statements", []):
+        lines_out.append(f"- {st['secs']:.2f}s in {st['calls']} calls ({st['rows']} rows): `{st['query']}`")
     print("\n".join(lines_out))
     if not args.no_record:
         with (HERE / "RESULTS.md").open("a") as f:

@@ -83,7 +83,7 @@ with dg.DagsterInstance.ephemeral() as instance:
 
 
 # the reference (issue 16): the same rows, in the same order, written to a file by one psycopg
-# process with a plain COPY ... TO STDOUT (twice: the first pass may find a colder cache)
+# process with a plain COPY ... TO STDOUT (two passes a child: the first may find a colder cache)
 _COPY_CHILD = r"""
 import json, os, sys, time
 import psycopg
@@ -113,13 +113,13 @@ def _copy(url: str, tmpdir: Path, n: int) -> dict[str, Any]:
 
 
 def _copy_ratio(n: int, copy: dict[str, Any], replay: dict[str, Any]) -> str:
-    """The replay's rates against the faster of the two COPY passes of the same run."""
+    """The replay's rates against the fastest COPY pass of the same run."""
     best = min(run["secs"] for run in copy["runs"])
     passes = ", ".join(f"{n / run['secs']:,.0f}" for run in copy["runs"])
     cold, warm = replay["runs"][0]["secs"], replay["runs"][1]["secs"]
     return (f"plain COPY of the same rows to a file, one psycopg process: {passes} "
-            f"events/s (two passes); replay to the file sink: cold {best / cold:.2f}x, warm {best / warm:.2f}x "
-            "the faster COPY pass")
+            f"events/s (each pass); replay to the file sink: cold {best / cold:.2f}x, warm {best / warm:.2f}x "
+            "the fastest COPY pass")
 
 
 def _child(cfg: Path, cwd: Path, pythonpath: Path | None) -> dict[str, Any]:
