@@ -282,6 +282,30 @@ def deliver_phase(driver: Driver, url: str, target: int, postmaster: int, timeou
     return totals
 
 
+def open_phase(driver: Driver, url: str, target: int, timeout: float) -> DeliverTotals:
+    """``--open``: the daemon's way, runs in a thread (``delivery.linger_secs``: the sensor hands new
+    batches to the open run) while this thread ticks; CPU over the whole phase (this thread = the
+    sensor; the rest of this process = the runs)."""
+    totals = DeliverTotals()
+    jvm = _spark_jvm_pid() or 0
+    py0, proc0, sp0, jv0 = time.thread_time(), time.process_time(), tree_secs(jvm), own_secs(jvm)
+    started = time.monotonic()
+    with psycopg.connect(url, autocommit=True) as conn:
+        while delivered_events(conn, 1) < target:
+            if time.monotonic() - started > timeout:
+                raise SystemExit(f"not delivered after {timeout:.0f}s")
+            totals.ticks += 1
+            if not driver.step(1):
+                time.sleep(0.05)
+    driver.wait()  # the open run closes once idle for linger_secs
+    totals.wall = time.monotonic() - started
+    totals.tick_py = time.thread_time() - py0
+    totals.run_py = time.process_time() - proc0 - totals.tick_py
+    totals.run_spark, totals.run_jvm = tree_secs(jvm) - sp0, own_secs(jvm) - jv0
+    totals.runs, totals.failed = driver.runs, driver.failed
+    return totals
+
+
 def decode_once(url: str, slot: str, publication: str) -> dict[str, float]:
     """Read ``slot`` in one pass (consuming it): Postgres' decoding CPU, and Python's for the messages."""
     with psycopg.connect(url, autocommit=True) as conn:
@@ -385,6 +409,9 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="deliver while the writers write (as in production) instead of after them; Postgres' "
                              "CPU besides the writers' backends and the decoding is then one figure")
+    parser.add_argument("--open", action="store_true",
+                        help="with --overlap: runs in a thread and stay open (linger_secs 3) while the sensor "
+                             "ticks, as the daemon and a run worker overlap (the sensor then peeks far more often)")
     parser.add_argument("--label", default="", help="what this run measures (e.g. 'before', 'after')")
     parser.add_argument("--json", type=Path, help="also write the JSON result to this file")
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
@@ -394,6 +421,7 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, nargs="+", metavar="JSON",
                         help="print the results saved with --json side by side (no run)")
     args = parser.parse_args()
+    args.overlap = args.overlap or args.open
     if args.compare:
         print("\n".join(table(*(json.loads(path.read_text()) for path in args.compare))))
         return
@@ -417,7 +445,8 @@ def main() -> None:
             stream = {"id": 1, "sink": {"type": "file", "path": str(sink_path)},
                       "batch": {"max_size": args.batch_size, "max_fill_secs": 1.0},
                       "sensor": {"tick_budget_secs": 2},
-                      "delivery": {"chunk_size": args.chunk, "max_events_per_run": args.max_events_per_run}}
+                      "delivery": {"chunk_size": args.chunk, "max_events_per_run": args.max_events_per_run,
+                                   "linger_secs": 3 if args.open else 0}}
             config_path = write_config(tmpdir / "cpu.yaml", url, stream)
             cfg = load_config(config_path).streams[0]
             with psycopg.connect(url, autocommit=True) as conn:
@@ -437,7 +466,7 @@ def main() -> None:
                   patched(replication, "advance_at_least", _timed_backend("advance")),
                   patched(replication.PgOutputDecoder, "decode", _timed_thread("decode_py")),
                   patched(FileSink, "publish", _timed_thread("publish_py"))):
-                driver = Driver(config_path, instance)
+                driver = Driver(config_path, instance, background=args.open)
                 # warm-up, as a long-running deployment is: slot, Spark session, Python workers
                 deliver_phase(driver, url, 1, postmaster, args.timeout)
                 with psycopg.connect(url, autocommit=True) as conn:
@@ -451,7 +480,8 @@ def main() -> None:
                     # 2+3. deliver while the same inserts go through the subscription trigger
                     result["write_subscribed"], totals = write_phase(
                         url, "bench_orders", n, args.writers, args.rows, postmaster,
-                        during=lambda: deliver_phase(driver, url, n + 1, postmaster, args.timeout))
+                        during=lambda: open_phase(driver, url, n + 1, args.timeout) if args.open
+                        else deliver_phase(driver, url, n + 1, postmaster, args.timeout))
                 else:
                     # 2. the same inserts through the subscription trigger
                     result["write_subscribed"] = write_phase(url, "bench_orders", n, args.writers, args.rows,
@@ -499,13 +529,16 @@ def main() -> None:
     result["summary"] = summary(result)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     d, s = result["deliver"], result["summary"]
+    driving = ("open runs in a thread, linger_secs 3, while the sensor ticks" if args.open
+               else "serial: sensor tick, then the requested run")
     lines_out = [
         f"\n## CPU per stage (bench/cpu.py) {stamp}, {n:,} events{', ' + args.label if args.label else ''}",
         f"Machine: {header}. Method: bench/cpu.py; {args.writers} writer processes, {args.rows} rows per insert "
         f"statement, fsync off, synchronous_commit off, autovacuum off; "
         f"{'while they write (--overlap)' if args.overlap else 'then, once they are done,'} the stream driven "
         "in-process "
-        f"(serial: sensor tick, then the requested run, execute_in_process; Spark local[2], warm; batch.max_size "
+        f"({driving}, "
+        "execute_in_process; Spark local[2], warm; batch.max_size "
         f"{args.batch_size}, chunk {args.chunk}, max_events_per_run {args.max_events_per_run}) until all "
         f"{n:,} are in the file sink (counted: {result['sink_lines'] - 1:,} lines after the warm-up event); "
         "CPU from /proc (Postgres backends: schedstat; process trees: utime+stime+reaped children) and "
