@@ -33,7 +33,12 @@ Phases, one after the other (so that each process's CPU belongs to one stage):
 
 The machine's other work does not enter the counters (CPU time, not wall time), but it does slow
 caches and the scheduler. Prints a table and one JSON line; appends the table to bench/RESULTS.md.
-Usage: python bench/cpu.py [--events 200000] [--writers 2] [--rows 100] [--overlap] [--label L] [--json F]
+``--overlap`` delivers while the writers write; ``--open`` also runs the delivery in a thread that
+stays open (``linger_secs`` 3) while the sensor ticks, as the daemon and a run worker do (the sensor
+then peeks and advances far more often); ``--statements N`` loads pg_stat_statements and lists the
+statements that took the most time during delivery.
+Usage: python bench/cpu.py [--events 200000] [--writers 2] [--rows 100] [--overlap | --open] [--statements N]
+                           [--label L] [--json F] [--no-record]
        python bench/cpu.py --compare before.json after.json   (side by side)
 """
 
