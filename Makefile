@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka clean
+.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-cpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ bench-record: $(STAMP)
 
 bench-kafka: $(STAMP)
 	$(BIN)/python bench/kafka.py
+
+bench-cpu: $(STAMP)
+	$(BIN)/python bench/cpu.py
 
 clean:
 	-test -x $(BIN)/pgstream-dagster && $(BIN)/pgstream-dagster spark-connect --stop

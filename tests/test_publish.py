@@ -351,3 +351,15 @@ def test_a_batch_confirmed_in_full_is_owed_nothing() -> None:
 
     assert rec.run(sink, resumed(), 10, owed=owed) == 1
     assert rec.done == [(2, 1)] and rec.confirmed == [(2, 2)]
+
+
+def test_packed_partitions_group_consecutive_spans_up_to_the_partition_size() -> None:
+    from pgstream_dagster.engine.spark import group_spans
+
+    spans = [Span(1, 1, 3), Span(2, 4, 3), Span(3, 1, 2), Span(4, 1, 7), Span(5, 2, 2)]
+    groups = group_spans(spans, 5)
+    # in delivery order, every owed ordinal once, empty spans dropped, a long span split
+    assert groups == [[Span(1, 1, 3), Span(3, 1, 2)], [Span(4, 1, 5)], [Span(4, 6, 7), Span(5, 2, 2)]]
+    assert [(s.batch_id, o) for g in groups for s in g for o in range(s.first, s.last + 1)] == \
+        [(b.batch_id, o) for b in spans for o in range(b.first, b.last + 1)]
+    assert all(sum(s.events for s in g) <= 5 for g in groups)

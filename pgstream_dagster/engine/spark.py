@@ -60,6 +60,10 @@ FETCH_ROWS = 5_000
 #: (batch_ids, ords, ids, stream_ids, created_ats, payloads, metadatas) of its events, in order
 PACKED_SCHEMA = "batch_id long, ord long, events int, data binary"
 
+# ``e.stream_id + 0``: never a condition the planner may serve with events_stream_created_idx. With
+# stale or missing statistics of the day's partition (writers filling it, autovacuum behind) it did,
+# scanning the stream's whole day per event of the batch (measured by bench/cpu.py: one 10k batch
+# 4.74 s instead of 0.20 s); by the primary key (id, created_at) each event is one index probe.
 _BATCH_QUERY = """
 select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
        (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
@@ -67,7 +71,7 @@ select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata
 from pgstream.batches b
 cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
 join pgstream.events e
-  on e.id = o.id and e.stream_id = b.stream_id
+  on e.id = o.id and e.stream_id + 0 = b.stream_id
  and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
 where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
 order by o.ord
@@ -103,18 +107,36 @@ def partition_spans(spans: Sequence[Span], size: int) -> list[Span]:
     return [part for span in spans for part in span.split(size)]
 
 
-def _fetch(url: str, query: str, params: dict[str, Any]) -> Iterator[list[tuple[Any, ...]]]:
+def group_spans(spans: Sequence[Span], size: int) -> list[list[Span]]:
+    """The pieces of :func:`partition_spans` in consecutive groups of at most ``size`` ordinals in
+    all, in delivery order: one packed partition (one Spark job) reads a whole group, so a run of
+    many small batches does not pay a Spark job per batch (bench/cpu.py: about half a CPU-second of
+    the JVM and its Python workers each, whatever the batch's size)."""
+    groups: list[list[Span]] = []
+    room = 0
+    for piece in partition_spans(spans, size):
+        if not groups or piece.events > room:
+            groups.append([])
+            room = size
+        groups[-1].append(piece)
+        room -= piece.events
+    return groups
+
+
+def _fetch(url: str, query: str, params: Sequence[dict[str, Any]]) -> Iterator[list[tuple[Any, ...]]]:
+    """The rows of ``query`` for each of ``params`` in turn, on one connection."""
     import psycopg
 
     # UTC: created_at comes back as an aware UTC datetime, the same on every machine
-    with (psycopg.connect(url, options="-c TimeZone=UTC") as conn,
-          conn.cursor(name="pgstream_read") as cur):
-        cur.execute(query, params)
-        while rows := cur.fetchmany(FETCH_ROWS):
-            yield rows
+    with psycopg.connect(url, options="-c TimeZone=UTC") as conn:
+        for one in params:
+            with conn.cursor(name="pgstream_read") as cur:
+                cur.execute(query, one)
+                while rows := cur.fetchmany(FETCH_ROWS):
+                    yield rows
 
 
-def _read(url: str, query: str, params: dict[str, Any], packed: bool) -> Iterator[tuple[Any, ...]]:
+def _read(url: str, query: str, params: Sequence[dict[str, Any]], packed: bool) -> Iterator[tuple[Any, ...]]:
     for rows in _fetch(url, query, params):
         if packed:
             columns = tuple(zip(*rows, strict=True))[:7]  # without routing_key
@@ -126,19 +148,20 @@ def _read(url: str, query: str, params: dict[str, Any], packed: bool) -> Iterato
 class BatchesReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.url = options[URL_OPTION]
-        # one partition per span (``spans``: the JSON of a list of Span fields)
-        self.spans = [Span(**fields) for fields in json.loads(options["spans"])]
+        # one partition per group of spans, read in order (``partitions``: the JSON of a list of
+        # lists of Span fields)
+        self.groups = [[Span(**fields) for fields in group] for group in json.loads(options["partitions"])]
         self.routing = _routing_params(options.get("routing_key", "group_id"))
         self.packed = options.get("packed") == "true"
 
     def partitions(self) -> list[InputPartition]:
-        return [InputPartition(span) for span in self.spans]
+        return [InputPartition(group) for group in self.groups]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        span = partition.value
-        assert isinstance(span, Span)
-        yield from _read(self.url, _BATCH_QUERY, {**self.routing, "batch_id": span.batch_id,
-                                                  "lo": span.first, "hi": span.last}, self.packed)
+        group = partition.value
+        assert isinstance(group, list) and all(isinstance(span, Span) for span in group)
+        yield from _read(self.url, _BATCH_QUERY, [{**self.routing, "batch_id": span.batch_id,
+                                                   "lo": span.first, "hi": span.last} for span in group], self.packed)
 
 
 class EventsReader(DataSourceReader):
@@ -159,7 +182,7 @@ class EventsReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         lo, hi = partition.value
-        yield from _read(self.url, _EVENTS_QUERY, {**self.params, "lo": lo, "hi": hi}, self.packed)
+        yield from _read(self.url, _EVENTS_QUERY, [{**self.params, "lo": lo, "hi": hi}], self.packed)
 
 
 class BatchesDataSource(DataSource):
@@ -247,20 +270,23 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
     """The events of ``spans`` (what a run owes of each batch, in delivery order: see
     :func:`~pgstream_dagster.engine.publish.owed_spans`), in partitions of at most
     ``rows_per_partition`` events. ``packed``: in :data:`PACKED_SCHEMA` rows, as one
-    single-partition DataFrame per partition, in order (see :func:`deliver_in_order`)."""
+    single-partition DataFrame per partition, in order (see :func:`deliver_in_order`), a partition
+    reading consecutive spans up to ``rows_per_partition`` events (:func:`group_spans`); else one
+    partition per span (:func:`partition_spans`)."""
     ship_package(spark)
     spark.dataSource.register(BatchesDataSource)
 
-    def frame(parts: list[Span]) -> DataFrame:
+    def frame(groups: list[list[Span]]) -> DataFrame:
         return (spark.read.format(BATCHES_SOURCE)
                 .option(URL_OPTION, database_url)
-                .option("spans", json.dumps([dataclasses.asdict(part) for part in parts]))
+                .option("partitions", json.dumps([[dataclasses.asdict(s) for s in group] for group in groups]))
                 .option("routing_key", routing_key)
                 .option("packed", "true" if packed else "false")
                 .load())
 
-    parts = partition_spans(spans, rows_per_partition)
-    return [frame([part]) for part in parts] if packed else frame(parts)
+    if packed:
+        return [frame([group]) for group in group_spans(spans, rows_per_partition)]
+    return frame([[part] for part in partition_spans(spans, rows_per_partition)])
 
 
 def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: list[tuple[int, int]],
