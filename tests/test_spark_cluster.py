@@ -74,19 +74,21 @@ def test_delivery_by_key_replay_and_backfill_on_a_standalone_cluster(
     failed = result["by_key_failed_run"]
     assert failed["success"] is False and failed["accepted"] <= 40
     assert 1 <= failed["refused_answers"] <= 2, failed  # at most one failed attempt per partition
-    # ...and the stream's failover redelivers: every event, per-key order kept in the last pass
+    # ...and the stream's failover delivers the rest: every event; a retry resumes each key after what
+    # its task confirmed (pgstream.key_progress), so duplicates are at most the chunk each of the 2
+    # tasks had in flight (chunk_size 10), and each key's first deliveries are in commit order
     runs = result["by_key_runs"]
     assert runs[0] is False and runs[-1] is True
     accepted = result["by_key_accepted"]
     key_ids = event_ids(db_url, 2)
     assert sorted(set(accepted)) == key_ids and len(key_ids) == 300
-    assert len(accepted) - 300 <= failed["accepted"]  # duplicates: only what the failed run had sent
+    assert len(accepted) - 300 <= 2 * 10, len(accepted)
     with psycopg.connect(db_url) as c:
         key_of = dict(c.execute("select id, payload->>'group_id' from pgstream.events where stream_id = 2"))
-    last_pass = accepted[failed["accepted"]:]
-    assert sorted(last_pass) == key_ids
+    seen: set[int] = set()
+    firsts = [i for i in accepted if not (i in seen or seen.add(i))]  # type: ignore[func-returns-value]
     for key in ("0", "1", "2"):
-        per_key = [i for i in last_pass if key_of[i] == key]
+        per_key = [i for i in firsts if key_of[i] == key]
         assert per_key == sorted(per_key) and len(per_key) == 100
     # a backfill on the cluster's executors: each row once
     assert result["backfill"] == {"success": True, "read_ids": list(range(1, 2001))}
