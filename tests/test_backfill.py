@@ -259,7 +259,8 @@ def items_stream(db_url: str, tmp_path: Path) -> str:
 
 def test_stop_resume_and_one_run_at_a_time(items_stream: str) -> None:
     url = items_stream
-    request = backfill.Request(1, ["items"], parallelism=3, chunk_size=50, max_rows_per_sec=1500)
+    # 150 rows/s: a round (5 s) reads 250 rows per partition, then the driver waits
+    request = backfill.Request(1, ["items"], parallelism=3, chunk_size=50, max_rows_per_sec=150)
     target, backfill_id = _open(url, request)
     assert target.operation == "INSERT"  # the key's DELETE subscription has no rows to read
 
@@ -308,7 +309,7 @@ def test_a_changed_subscription_applies_to_the_rows_not_read_yet(items_stream: s
     request = backfill.Request(1, ["items"], parallelism=1, chunk_size=100)
     _, backfill_id = _open(url, request)
     steps = backfill.run(url, backfill_id, backfill.Request(1, ["items"], parallelism=1, chunk_size=100,
-                                                            max_rows_per_sec=1000), _thread_executor(url),
+                                                            max_rows_per_sec=100), _thread_executor(url),
                          run_id="first", progress_secs=0.3)
     next(steps)
     steps.close()

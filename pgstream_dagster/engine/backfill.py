@@ -22,6 +22,7 @@ its session, so the next launch resumes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -54,6 +55,8 @@ DEFAULT_MAX_ROWS_PER_SEC = 5000.0
 DEFAULT_MAX_BACKLOG = 20_000
 #: how often a backfill waiting for the stream's backlog looks again
 BACKLOG_WAIT_SECS = 0.5
+#: how long a partition's task works in one round before it gives its Spark task slot back
+ROUND_SECS = 5.0
 UNFINISHED = ("running", "stopped", "failed")
 
 
@@ -137,12 +140,13 @@ class Progress:
 
 @dataclass(frozen=True)
 class Pace:
-    """How fast a partition may go: ``rows_per_sec`` (its share of ``max_rows_per_sec``), and no
-    chunk while stream ``stream_id`` has more than ``max_backlog`` undelivered events."""
+    """The budget of one partition's task in one round: it returns (status ``more``) after
+    ``max_rows`` rows or ``max_secs`` seconds, so that it never holds a Spark task slot for long:
+    between rounds, other jobs of a shared Spark (a stream's delivery run on the same Spark Connect
+    server or cluster) get the slots, and the driver paces the backfill without holding any."""
 
-    stream_id: int
-    rows_per_sec: float | None = None
-    max_backlog: int | None = None
+    max_secs: float
+    max_rows: int | None = None
 
 
 @dataclass
@@ -329,31 +333,19 @@ def _owned(conn: psycopg.Connection, backfill_id: int, token: str) -> bool:
 
 def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size: int, pace: Pace,
                   sleep: Callable[[float], None] = time.sleep) -> PartitionResult:
-    """Read partition ``part`` of a backfill chunk by chunk until it is done or the backfill stops
-    (another owner, stopped, cancelled), at most ``pace.rows_per_sec``, waiting while the stream has
-    more than ``pace.max_backlog`` undelivered events. A transient error (deadlock with
-    a writer, lock timeout, lost connection) retries the chunk; any other error is a row that
-    cannot become an event: the rows before it are written one by one, and the partition stops
-    ``failed`` naming that row's key and the error (the other partitions go on)."""
+    """Read partition ``part`` of a backfill chunk by chunk until it is done, the backfill stops
+    (another owner, stopped, cancelled) or this round's budget is spent (``more``). A transient
+    error (deadlock with a writer, lock timeout, lost connection) retries the chunk; any other
+    error is a row that cannot become an event: the rows before it are written one by one, and the
+    partition stops ``failed`` naming that row's key and the error (the other partitions go on)."""
     result = PartitionResult(part, "stopped")
     started = time.monotonic()
     conn = _connect(url)
     try:
         limit = chunk_size
-        waited = 0.0
         while True:
-            while pace.max_backlog:
-                try:
-                    if conn.broken:
-                        conn = _connect(url)
-                    if _backlog(conn, pace.stream_id) <= pace.max_backlog:
-                        break
-                    if not _owned(conn, backfill_id, token):
-                        return result  # stopped while waiting
-                except _TRANSIENT:
-                    pass  # a lost connection: look again
-                sleep(BACKLOG_WAIT_SECS)
-                waited += BACKLOG_WAIT_SECS
+            if pace.max_rows is not None:
+                limit = max(1, min(limit, pace.max_rows - result.rows))
             for attempt in range(CHUNK_ATTEMPTS):
                 try:
                     if conn.broken:
@@ -381,10 +373,10 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
             if status != "read":
                 result.status = status
                 return result
-            if pace.rows_per_sec:
-                ahead = result.rows / pace.rows_per_sec - (time.monotonic() - started - waited)
-                if ahead > 0:
-                    sleep(ahead)
+            if (time.monotonic() - started >= pace.max_secs
+                    or (pace.max_rows is not None and result.rows >= pace.max_rows)):
+                result.status = "more"
+                return result
     finally:
         conn.close()
 
@@ -460,14 +452,17 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
         progress_secs: float = 5.0, on_stop: Callable[[], None] | None = None
         ) -> Generator[Progress | Outcome, None, None]:
     """Run backfill ``backfill_id`` to its end in this process: take its lock (else
-    :class:`BackfillBusy`), claim it, read its unfinished partitions in parallel through ``execute``
-    and yield its :class:`Progress` every ``progress_secs`` while they run, then the
-    :class:`Outcome`. A subscription changed meanwhile gets a new function and the partitions go
-    on; a row that cannot become an event ends the backfill ``failed`` with the row named. If this
-    generator is closed or interrupted before the end (a cancelled run, Ctrl-C), the backfill is
-    stopped (resumable) and ``on_stop`` runs (cancelling the Spark job)."""
+    :class:`BackfillBusy`), claim it, and read its unfinished partitions in parallel through
+    ``execute``, in rounds: each partition's task works up to :data:`ROUND_SECS` (and its share of
+    ``max_rows_per_sec`` for that time) and gives its Spark slot back, so that a Spark shared with
+    the stream's deliveries (a Spark Connect server, a cluster) runs them between rounds. Between
+    rounds, without holding any slot, the driver keeps the rate and waits while the stream has more
+    than ``max_backlog`` undelivered events. Yields :class:`Progress` every ``progress_secs``, then the
+    :class:`Outcome`. A subscription changed meanwhile gets a new function and the partitions go on; a
+    row that cannot become an event stops its partition ``failed`` (the row named), the others go on.
+    If this generator is closed or interrupted before the end (a cancelled run, Ctrl-C), the
+    backfill is stopped (resumable) and ``on_stop`` runs (cancelling the Spark job)."""
     token = str(uuid.uuid4())
-    started = time.monotonic()
     session = psycopg.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
     finished = False
     try:
@@ -475,31 +470,46 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
             current = progress(session, backfill_id)
             raise BackfillBusy(f"backfill {backfill_id} of {current.target.describe()} is running in another process "
                                f"({current.status}); stop it first (pgstream-dagster backfill stop {backfill_id})")
-        results: list[PartitionResult] = []
+        _claim(session, backfill_id, token, run_id)
+        reporter = _Reporter(session, backfill_id, progress_secs)
+        results: dict[int, PartitionResult] = {}
         while True:
-            try:
-                session.execute("select pgstream.backfill_claim(%s, %s::uuid, %s)", (backfill_id, token, run_id))
-            except (psycopg.errors.NoDataFound, psycopg.errors.ObjectNotInPrerequisiteState,
-                    psycopg.errors.RaiseException, psycopg.errors.InvalidParameterValue) as exc:
-                raise BackfillError(_first_line(exc)) from None
+            ended = {p for p, r in results.items() if r.status in ("failed", "gone")}
             parts = [int(r[0]) for r in session.execute(
                 "select part from pgstream.backfill_partitions where backfill_id = %s and not done order by part",
-                (backfill_id,)).fetchall()]
-            rate = request.max_rows_per_sec / max(len(parts), 1) if request.max_rows_per_sec else None
-            pace = Pace(request.stream_id, rate, request.max_backlog)
-            results = yield from _execute(session, backfill_id, token, parts, request.chunk_size, pace, execute,
-                                          progress_secs)
-            if any(r.status == "changed" for r in results) and not any(r.status == "failed" for r in results):
-                continue  # the subscription changed: claim again (new function) and go on
-            break
-        failed = [r for r in results if r.status in ("failed", "gone")]
+                (backfill_id,)).fetchall() if int(r[0]) not in ended]
+            if not parts or not _owned(session, backfill_id, token):
+                break
+            if not (yield from _wait_for_backlog(session, request, backfill_id, token, reporter)):
+                break
+            started = time.monotonic()
+            max_rows = (max(1, int(request.max_rows_per_sec * ROUND_SECS / len(parts)))
+                        if request.max_rows_per_sec else None)
+            done = yield from _execute(backfill_id, token, parts, request.chunk_size, Pace(ROUND_SECS, max_rows),
+                                       execute, reporter)
+            for r in done:
+                total = results.setdefault(r.part, PartitionResult(r.part, r.status))
+                total.status, total.error = r.status, r.error
+                total.rows, total.events, total.chunks = total.rows + r.rows, total.events + r.events, \
+                    total.chunks + r.chunks
+            statuses = {r.status for r in done}
+            if "stopped" in statuses or "gone" in statuses:
+                break
+            if "changed" in statuses:
+                _claim(session, backfill_id, token, run_id)  # the subscription changed: a new function
+                continue
+            if request.max_rows_per_sec:  # keep the rate, holding no Spark slot
+                until = started + sum(r.rows for r in done) / request.max_rows_per_sec
+                while (left := until - time.monotonic()) > 0:
+                    time.sleep(min(left, 0.2))
+                    yield from reporter.due()
+        outcome = [dataclasses.replace(r, status="stopped") if r.status == "more" else r for r in results.values()]
+        failed = [r for r in outcome if r.status in ("failed", "gone")]
         error = "; ".join(f"partition {r.part}: {r.error or 'its subscription was deleted'}" for r in failed) or None
         session.execute("select pgstream.backfill_release(%s, %s::uuid, %s, %s)",
                         (backfill_id, token, "failed" if failed else "stopped", error))
         finished = True
-        final = progress(session, backfill_id)
-        final.rows_per_sec = sum(r.rows for r in results) / max(time.monotonic() - started, 1e-6)
-        yield Outcome(final, results)
+        yield Outcome(reporter.now(), sorted(outcome, key=lambda r: r.part))
     finally:
         if not finished and not session.closed:
             try:
@@ -511,10 +521,51 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
         session.close()
 
 
-def _execute(session: psycopg.Connection, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-             pace: Pace, execute: Executor, progress_secs: float
-             ) -> Generator[Progress, None, list[PartitionResult]]:
-    """Run ``parts`` in a thread (the Spark job) and yield progress meanwhile; returns the results."""
+def _claim(session: psycopg.Connection, backfill_id: int, token: str, run_id: str) -> None:
+    try:
+        session.execute("select pgstream.backfill_claim(%s, %s::uuid, %s)", (backfill_id, token, run_id))
+    except (psycopg.errors.NoDataFound, psycopg.errors.ObjectNotInPrerequisiteState,
+            psycopg.errors.RaiseException, psycopg.errors.InvalidParameterValue) as exc:
+        raise BackfillError(_first_line(exc)) from None
+
+
+class _Reporter:
+    """A run's progress: rows/s since the run started, ETA; :meth:`due` every ``every`` seconds."""
+
+    def __init__(self, session: psycopg.Connection, backfill_id: int, every: float) -> None:
+        self.session, self.backfill_id, self.every = session, backfill_id, every
+        self.started = time.monotonic()
+        self.first = progress(session, backfill_id)
+        self.next = self.started + every
+
+    def now(self) -> Progress:
+        now = progress(self.session, self.backfill_id)
+        now.rows_per_sec = (now.rows_read - self.first.rows_read) / max(time.monotonic() - self.started, 1e-6)
+        if now.rows_per_sec > 0 and now.rows_total > now.rows_read:
+            now.eta_secs = (now.rows_total - now.rows_read) / now.rows_per_sec
+        return now
+
+    def due(self) -> Iterator[Progress]:
+        if time.monotonic() >= self.next:
+            self.next = time.monotonic() + self.every
+            yield self.now()
+
+
+def _wait_for_backlog(session: psycopg.Connection, request: Request, backfill_id: int, token: str,
+                      reporter: _Reporter) -> Generator[Progress, None, bool]:
+    """Until the stream has at most ``max_backlog`` undelivered events; False if the backfill was
+    stopped meanwhile."""
+    while request.max_backlog and _backlog(session, request.stream_id) > request.max_backlog:
+        if not _owned(session, backfill_id, token):
+            return False
+        time.sleep(BACKLOG_WAIT_SECS)
+        yield from reporter.due()
+    return True
+
+
+def _execute(backfill_id: int, token: str, parts: Sequence[int], chunk_size: int, pace: Pace, execute: Executor,
+             reporter: _Reporter) -> Generator[Progress, None, list[PartitionResult]]:
+    """One round of ``parts`` in a thread (a Spark job), yielding progress meanwhile."""
     box: dict[str, Any] = {}
 
     def work() -> None:
@@ -524,18 +575,10 @@ def _execute(session: psycopg.Connection, backfill_id: int, token: str, parts: S
             box["error"] = exc
 
     thread = threading.Thread(target=work, name=f"pgstream-backfill-{backfill_id}", daemon=True)
-    started = time.monotonic()
-    first = progress(session, backfill_id)
     thread.start()
     while thread.is_alive():
-        thread.join(progress_secs)
-        if thread.is_alive():
-            now = progress(session, backfill_id)
-            elapsed = time.monotonic() - started
-            now.rows_per_sec = (now.rows_read - first.rows_read) / max(elapsed, 1e-6)
-            if now.rows_per_sec > 0 and now.rows_total > now.rows_read:
-                now.eta_secs = (now.rows_total - now.rows_read) / now.rows_per_sec
-            yield now
+        thread.join(0.2)
+        yield from reporter.due()
     if "error" in box:
         raise box["error"]
     results: list[PartitionResult] = box["results"]
