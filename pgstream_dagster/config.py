@@ -283,7 +283,8 @@ def _check_cluster(config: PgstreamConfig) -> None:
             problems += [f"streams[id={s.id}] (ordering by_key: its sink is built on the executors): {p}"
                          for p in sink_problems(s.sink, elsewhere)]
     if problems:
-        label = "spark.remote (a server on another host)" if spark.remote else f"spark.master {spark.master!r}"
+        label = (("spark.remote (a server on another host)" if elsewhere else "spark.remote") if spark.remote
+                 else f"spark.master {spark.master!r}")
         raise ValueError(f"{label}: " + "; ".join(problems) + "; " + hint.format(where))
 
 

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster import sparkserver
-from pgstream_dagster.config import load_config
+from pgstream_dagster.config import ConfigError, load_config
 from pgstream_dagster.devdb import free_port
 
 from .support.dagster_dev import repo_root
@@ -99,9 +99,15 @@ def test_by_key_through_spark_connect_resumes_per_key_after_a_failure(db_url: st
 
 def test_blank_spark_remote_means_classic_spark(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "pgstream.yaml", "postgresql://x/y", [
-        {"id": 3, "delivery": {"ordering": "by_key"}, "sink": {"type": "file", "path": "x"}}],
+        {"id": 3, "delivery": {"ordering": "by_key"}, "sink": {"type": "file", "path": str(tmp_path / "x")}}],
         spark={"remote": "sc://127.0.0.1:15002"})
     assert load_config(cfg).streams[0].delivery.ordering == "by_key"  # by_key is fine with Spark Connect
+    # ...but its sink is built on the server's workers, whose working directory is the server's
+    relative = write_config(tmp_path / "relative.yaml", "postgresql://x/y", [
+        {"id": 3, "delivery": {"ordering": "by_key"}, "sink": {"type": "file", "path": "x"}}],
+        spark={"remote": "sc://127.0.0.1:15002"})
+    with pytest.raises(ConfigError, match=r"spark.remote: streams\[id=3\] .*sink.path: a relative path"):
+        load_config(relative)
     blank = write_config(tmp_path / "blank.yaml", "postgresql://x/y", [
         {"id": 1, "sink": {"type": "file", "path": "x"}}], spark={"remote": ""})
     assert load_config(blank).spark.remote is None  # ${PGSTREAM_SPARK_REMOTE:-} unset: classic Spark
