@@ -150,7 +150,7 @@ def start_cluster(base: Path, workers: int = 2, cores: int = 1, memory: str = "1
                 alive = [w for w in cluster.state().get("workers", []) if w.get("state") == "ALIVE"]
                 if len(alive) == workers:
                     return cluster
-            except OSError:
+            except (OSError, ValueError):  # not listening yet, or an empty answer while the UI starts
                 pass
             assert time.monotonic() < deadline, f"the Spark cluster did not come up in {timeout:.0f}s; see {base}"
             time.sleep(0.3)
