@@ -70,16 +70,10 @@ def _run_backfill(url: str, spark: Any, parallelism: int, rate: float | None, do
 
 
 def _spark(config: Path) -> Any:
-    from pyspark.sql import SparkSession
-
     from pgstream_dagster.config import load_config
-    from pgstream_dagster.engine.spark import spark_conf
+    from pgstream_dagster.engine.spark import open_session
 
-    cfg = load_config(config)
-    builder = SparkSession.builder
-    for key, value in spark_conf(cfg.spark.master, cfg.spark.remote, dict(cfg.spark.conf)).items():
-        builder = builder.config(key, value)
-    return builder.getOrCreate()
+    return open_session(load_config(config))
 
 
 def _throughput(pg: Any, tmpdir: Path, sink: dict[str, Any], name: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -264,11 +264,9 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
 def _cmd_backfill_run(args: argparse.Namespace) -> int:
     from contextlib import closing
 
-    from pyspark.sql import SparkSession
-
     from .config import load_config
     from .engine import backfill
-    from .engine.spark import spark_conf
+    from .engine.spark import open_session
 
     config = load_config(Path(args.config) if args.config else None)
     config.stream(args.stream)  # the stream must be declared
@@ -279,10 +277,7 @@ def _cmd_backfill_run(args: argparse.Namespace) -> int:
                                restart=args.restart)
     with psycopg.connect(url, autocommit=True) as conn:
         chosen = backfill.targets(conn, request)
-    builder = SparkSession.builder
-    for key, value in spark_conf(config.spark.master, config.spark.remote, dict(config.spark.conf)).items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = open_session(config)
     unfinished = 0
     for target in chosen:
         with psycopg.connect(url, autocommit=True) as conn:

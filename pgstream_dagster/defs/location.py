@@ -26,7 +26,7 @@ import dagster as dg
 from dagster_pyspark import PySparkResource
 
 from ..config import PgstreamConfig, StreamConfig, config_path, load_config, with_streams
-from ..engine.spark import spark_conf
+from ..engine.spark import location_conf
 from .assets import (
     DeclaredIn,
     events_partitions,
@@ -89,11 +89,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
             # ops hand a Spark DataFrame to each other inside one process
             "io_manager": dg.mem_io_manager,
             "pgstream": PgstreamResource(config, str(path)),
-            "pyspark": PySparkResource(spark_config=spark_conf(
-                config.spark.master, config.spark.remote, dict(config.spark.conf),
-                by_key_parallelism=[s.delivery.parallelism for s in config.streams
-                                    if s.delivery.ordering == "by_key"],
-                ship_package=config.spark.ship_package)),
+            "pyspark": PySparkResource(spark_config=location_conf(config)),
         },
     )
 

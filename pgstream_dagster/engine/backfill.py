@@ -57,6 +57,7 @@ DEFAULT_MAX_BACKLOG = 20_000
 BACKLOG_WAIT_SECS = 0.5
 #: how long a partition's task works in one round before it gives its Spark task slot back
 ROUND_SECS = 5.0
+#: the statuses of an unfinished backfill (as backfills_one_unfinished in sql/017_backfills.sql)
 UNFINISHED = ("running", "stopped", "failed")
 
 
@@ -209,8 +210,8 @@ def unfinished(conn: psycopg.Connection, target: Target) -> dict[str, Any] | Non
         return cur.execute(
             "select id, status, filter, from_key, to_key, run_id from pgstream.backfills "
             "where stream_id = %s and subscription_key = %s and schema_name = %s and table_name = %s "
-            "and status in ('running', 'stopped', 'failed')",
-            (target.stream_id, target.key, target.schema_name, target.table_name)).fetchone()
+            "and status = any(%s)",
+            (target.stream_id, target.key, target.schema_name, target.table_name, list(UNFINISHED))).fetchone()
 
 
 def open_backfill(conn: psycopg.Connection, target: Target, request: Request) -> tuple[int, bool]:
@@ -260,8 +261,7 @@ def lock(conn: psycopg.Connection, backfill_id: int) -> bool:
 
 
 def unlock(conn: psycopg.Connection, backfill_id: int) -> None:
-    conn.execute("select pg_catalog.pg_advisory_unlock(pg_catalog.hashtext('pgstream.backfill'), %s::int4)",
-                 (backfill_id,))
+    conn.execute("select pgstream.backfill_unlock(%s)", (backfill_id,))
 
 
 def stop(conn: psycopg.Connection, backfill_id: int, *, cancel: bool) -> str:

@@ -41,6 +41,7 @@ from .publish import Confirmed, Deliveries, Position, Positioned, RejectPolicy, 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from ..config import PgstreamConfig
     from .ledger import KeyProgress
 
 Frames: TypeAlias = "DataFrame | list[DataFrame]"
@@ -249,6 +250,26 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
 _SHIPPED: set[str] = set()
 """Spark Connect sessions that were handed the package (or found they need not be)."""
 
+
+
+def location_conf(config: PgstreamConfig) -> dict[str, str]:
+    """The Spark settings of every run of a location (``pgstream.yaml``'s ``spark`` block and its
+    streams): what the ``pyspark`` resource gets, and what :func:`open_session` uses."""
+    return spark_conf(config.spark.master, config.spark.remote, dict(config.spark.conf),
+                      by_key_parallelism=[s.delivery.parallelism for s in config.streams
+                                          if s.delivery.ordering == "by_key"],
+                      ship_package=config.spark.ship_package)
+
+
+def open_session(config: PgstreamConfig) -> SparkSession:
+    """A Spark session with the runs' settings (:func:`location_conf`), outside Dagster (the CLI,
+    benches)."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder
+    for key, value in location_conf(config).items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
 
 def ship_package(spark: SparkSession) -> None:
     """Spark Connect on a cluster master: add the package zip to the session as a Python artifact,

@@ -459,6 +459,16 @@ as $$
 $$;
 revoke all on function pgstream.backfill_try_lock(bigint) from public;
 
+create or replace function pgstream.backfill_unlock(p_id bigint)
+returns boolean
+language sql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.pg_advisory_unlock(pg_catalog.hashtext('pgstream.backfill'), p_id::pg_catalog.int4)
+$$;
+revoke all on function pgstream.backfill_unlock(bigint) from public;
+
 -- A run claims backfill p_id (its caller holds backfill_try_lock): status running, owned by
 -- p_token (chunks of any other owner stop), its function recreated when the subscription changed
 -- since it was made. Raises when the backfill is finished.
