@@ -67,6 +67,13 @@ class DeliveryConfig(_Model):
                                description="a run stays open this long after its last batch, and the sensor hands it "
                                            "every new batch: fresh events skip run start-up and Spark start "
                                            "(0: a run ends as soon as its batches are delivered)")
+    read_slot: bool = Field(True, description="an open run reads the stream's slot itself, over the replication "
+                                               "protocol: each transaction is decoded once and arrives as it "
+                                               "commits (false: the sensor peeks the slot, as between runs)")
+    direct_max_events: int = Field(
+        1000, ge=0, le=100_000,
+        description="ordering global: a round of at most this many events is read by the run's own connection "
+                    "instead of a Spark job (a job costs 0.1-0.3 s and about half a CPU-second; 0: always Spark)")
     max_run_secs: float = Field(1800, ge=1, le=7 * 86400,
                                 description="an open run takes no new batch after this long (a fresh run picks "
                                             "up configuration changes)")

@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 import dagster as dg
-from dagster_pyspark import PySparkResource
+from dagster_pyspark import LazyPySparkResource
 from pydantic import Field
 
 from ..config import StreamConfig
@@ -87,7 +87,7 @@ def _backfill_op(stream: StreamConfig, assets: Mapping[Identity, dg.AssetKey]) -
     @dg.op(name=f"backfill_stream_{stream.id}",
            description=f"Existing rows of subscribed tables become READ events of stream {stream.id}.")
     def _op(context: dg.OpExecutionContext, config: BackfillConfig, pgstream: dg.ResourceParam[PgstreamResource],
-            pyspark: PySparkResource) -> int:
+            pyspark: LazyPySparkResource) -> int:
         url = pgstream.database_url
         try:
             request = _request(stream, config)

@@ -19,6 +19,7 @@ sink confirmed; the run writes it to the ledger before anything more is publishe
 
 
 import datetime as dt
+import threading
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -26,10 +27,10 @@ from typing import Any
 
 import dagster as dg
 import psycopg
-from dagster_pyspark import PySparkResource
+from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig
-from ..engine import ledger, spark
+from ..engine import ingest, ledger, spark
 from ..engine.publish import (
     BatchDone,
     Confirmed,
@@ -64,7 +65,7 @@ class LoadedBatches:
 
 @dg.op(description="Check the batches may run and load their events from pgstream.events with PySpark.")
 def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
-                 pgstream: dg.ResourceParam[PgstreamResource], pyspark: PySparkResource) -> LoadedBatches:
+                 pgstream: dg.ResourceParam[PgstreamResource], pyspark: LazyPySparkResource) -> LoadedBatches:
     started = time.monotonic()
     last = config.through_batch_id or config.batch_id
     try:
@@ -82,7 +83,7 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
         if earlier is not None:
             raise dg.Failure(f"batch {config.batch_id} would overtake open batch {earlier} of stream "
                              f"{config.stream_id}; batches are delivered in order")
-        frame = _load(pyspark, pgstream.database_url, pgstream.stream(config.stream_id), batches)
+        frame = _load(pyspark, pgstream.database_url, pgstream.stream(config.stream_id), batches, lease)
     except BaseException:
         lease.close()
         raise
@@ -98,19 +99,21 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
                    "it also delivers every batch the sensor hands it, through the same sink; each round is a "
                    "materialization.")
 def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstream: dg.ResourceParam[PgstreamResource],
-                    pyspark: PySparkResource) -> None:
+                    pyspark: LazyPySparkResource) -> None:
     stream = pgstream.stream(loaded.stream_id)
     run_key = loaded.batches[0].run_key or ""
     # the lease is released when the run ends (or its process dies); the sink serves every round of the
     # run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
-    with loaded.lease as conn, build_sink(stream.sink) as sink:
+    with loaded.lease as conn, build_sink(stream.sink) as sink, _Reader(context, pgstream.database_url, stream,
+                                                                        run_key, conn) as reader:
         ledger.listen_runs(conn, stream.id)
-        linger = _Linger(context, conn, stream, run_key)
+        linger = _Linger(context, conn, stream, run_key, reader)
         batches, frame, started = loaded.batches, loaded.frame, loaded.started
         while True:
             delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream.database_url)
             _report_round(context, stream.id, batches, delivered, started)
             _observe_status(context, conn, stream.id, run_key)
+            reader.report()
             batches = linger.next_batches(batches[-1].id)
             if not batches:
                 break
@@ -118,9 +121,66 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
             if earlier is not None:  # the sensor hands over only what is next in line; never overtake
                 raise dg.Failure(f"batch {batches[0].id} would overtake open batch {earlier} of stream {stream.id}")
             started = time.monotonic()
-            context.log.info(f"stream {stream.id}: {len(batches)} more batches {batches[0].id}..{batches[-1].id}, "
-                             f"{sum(b.event_count for b in batches)} events")
-            frame = _load(pyspark, pgstream.database_url, stream, batches)
+            context.log.debug(f"stream {stream.id}: {len(batches)} more batches {batches[0].id}..{batches[-1].id}, "
+                              f"{sum(b.event_count for b in batches)} events")
+            frame = _load(pyspark, pgstream.database_url, stream, batches, conn)
+
+
+class _Reader:
+    """The open run's slot reader (``delivery.read_slot``): a thread running
+    :func:`~..engine.ingest.follow` while the run is the stream's open run, so recording overlaps
+    delivery and each transaction is decoded once. Stopped before the run closes, and however the
+    run ends; the sensor reads the slot again once it is free."""
+
+    def __init__(self, context: dg.OpExecutionContext, database_url: str, stream: StreamConfig, run_key: str,
+                 conn: psycopg.Connection) -> None:
+        self.context, self.stream = context, stream
+        self.stats = ingest.FollowStats()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._reported = 0
+        if stream.delivery.read_slot and run_key and ledger.run_is_open(conn, stream.id, run_key):
+            self._thread = threading.Thread(target=self._follow, args=(database_url, run_key), daemon=True,
+                                            name=f"pgstream-reader-{stream.id}")
+
+    def _follow(self, database_url: str, run_key: str) -> None:
+        try:
+            ingest.follow(database_url, self.stream, run_key, self._stop, self.stats,
+                          application_name=f"pgstream reader {self.context.run_id}")
+        except BaseException as exc:  # reported by the run's thread; the sensor reads the slot instead
+            self._error = exc
+
+    def __enter__(self) -> "_Reader":
+        if self._thread is not None:
+            self._thread.start()
+            self.context.log.info(f"stream {self.stream.id}: this open run reads slot {self.stream.slot} "
+                                  "(replication protocol)")
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self.report()
+        self.context.log.info(f"stream {self.stream.id}: stopped reading slot {self.stream.slot}: "
+                              f"{self.stats.events} events recorded in {self.stats.batches} batches")
+
+    def report(self) -> None:
+        """What the reader has to say, in the run log (from the run's own thread)."""
+        notes = self.stats.notes
+        while self._reported < len(notes):
+            self.context.log.warning(f"stream {self.stream.id}: {notes[self._reported]}")
+            self._reported += 1
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.context.log.error(f"stream {self.stream.id}: the slot reader stopped: {error!r}; the sensor "
+                                   "reads the slot instead")
 
 
 class _Linger:
@@ -130,8 +190,9 @@ class _Linger:
     (a replay) is queued behind it."""
 
     def __init__(self, context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig,
-                 run_key: str) -> None:
+                 run_key: str, reader: _Reader) -> None:
         self.context, self.conn, self.stream, self.run_key = context, conn, stream, run_key
+        self.reader = reader
         self.opened = time.monotonic()
 
     def next_batches(self, after: int) -> list[ledger.Batch]:
@@ -153,6 +214,7 @@ class _Linger:
                 checked_at = now
                 reason = self._stop_reason()
             if reason is not None:
+                self.reader.stop()  # what it received is recorded (and handed to this run) before it closes
                 if ledger.close_run(self.conn, self.stream.id, self.run_key):
                     if delivery.linger_secs > 0:
                         self.context.log.info(f"stream {self.stream.id}: run closed ({reason})")
@@ -180,10 +242,16 @@ def _owed(stream: StreamConfig, batches: list[ledger.Batch]) -> list[Span]:
     return owed_spans(batches, resume=stream.delivery.ordering == "global")
 
 
-def _load(pyspark: PySparkResource, database_url: str, stream: StreamConfig, batches: list[ledger.Batch]) -> Any:
-    return spark.load_batches(pyspark.spark_session, database_url, _owed(stream, batches),
-                              stream.delivery.routing_key, rows_per_partition=stream.delivery.rows_per_partition,
-                              packed=stream.delivery.ordering == "global")
+def _load(pyspark: LazyPySparkResource, database_url: str, stream: StreamConfig, batches: list[ledger.Batch],
+          conn: psycopg.Connection | None = None) -> Any:
+    """The round's events: Spark DataFrames, or with ``conn`` a round of at most
+    ``delivery.direct_max_events`` (ordering global) read by ``conn`` when it is delivered."""
+    owed = _owed(stream, batches)
+    delivery = stream.delivery
+    if conn is not None and delivery.ordering == "global" and sum(s.events for s in owed) <= delivery.direct_max_events:
+        return spark.DirectRead(conn, owed, delivery.routing_key)
+    return spark.load_batches(pyspark.spark_session, database_url, owed, delivery.routing_key,
+                              rows_per_partition=delivery.rows_per_partition, packed=delivery.ordering == "global")
 
 
 def _reject_policy(stream: StreamConfig, database_url: str) -> RejectPolicy | None:

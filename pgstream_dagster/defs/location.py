@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
-from dagster_pyspark import PySparkResource
+from dagster_pyspark import LazyPySparkResource
 
 from ..config import PgstreamConfig, StreamConfig, config_path, load_config, with_streams
 from ..engine.spark import location_conf
@@ -89,7 +89,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
             # ops hand a Spark DataFrame to each other inside one process
             "io_manager": dg.mem_io_manager,
             "pgstream": PgstreamResource(config, str(path)),
-            "pyspark": PySparkResource(spark_config=location_conf(config)),
+            "pyspark": LazyPySparkResource(spark_config=location_conf(config)),
         },
     )
 

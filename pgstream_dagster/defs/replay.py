@@ -18,7 +18,7 @@ from contextlib import closing
 from typing import Any
 
 import dagster as dg
-from dagster_pyspark import PySparkResource
+from dagster_pyspark import LazyPySparkResource
 from pydantic import Field
 
 from ..config import StreamConfig
@@ -89,7 +89,7 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
     @dg.op(name=f"replay_stream_{stream.id}",
            description=f"Replay events of stream {stream.id} from pgstream.events through its {stream.sink.type} sink.")
     def _op(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: dg.ResourceParam[PgstreamResource],
-            pyspark: PySparkResource) -> int:
+            pyspark: LazyPySparkResource) -> int:
         if config.dead_letters or config.dead_letter_ids:
             return _redeliver_dead_letters(context, stream, config, pgstream)
         started = time.monotonic()

@@ -160,7 +160,8 @@ def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         if request is not None or consumed.slot_lost or remaining <= 0:
             return total, request
         if not consumed.batches:
-            time.sleep(min(POLL_SECS, remaining))
+            # while an open run reads the slot the tick only decides (the run records and hands over itself)
+            time.sleep(min(DECIDE_EVERY_SECS if consumed.slot_busy else POLL_SECS, remaining))
 
 
 def _deliveries_began(instance: dg.DagsterInstance, run_id: str) -> bool:

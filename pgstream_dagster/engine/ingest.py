@@ -5,14 +5,22 @@ Dagster: ``defs/sensors.py`` runs it each tick).
 every event the ledger does not cover is recovered from the table; (2) peek committed
 transactions, and once ``max_size`` events are waiting or the oldest waited ``max_fill_secs``,
 record them in the ledger and advance the slot, so WAL is released whatever the sink does.
+
+While a stream has an open delivery run, the run reads the slot instead (:func:`follow`, in a
+thread of the run): over the replication protocol each transaction is decoded once and arrives as
+it commits; it is recorded and handed to the run in one ledger transaction, then confirmed. The
+sensor finds the slot in use meanwhile and only decides (:class:`ConsumeResult` ``slot_busy``).
 """
 
 
 import datetime as dt
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
+import psycopg2
 
 from ..config import StreamConfig
 from . import ledger, replication
@@ -28,6 +36,7 @@ class ConsumeResult:
     slot_lost: bool = False
     recovered: list[int] = field(default_factory=list)
     unreadable: int = 0  # events set aside as dead letters (stage 'read')
+    slot_busy: bool = False  # another connection reads the slot (an open run's reader): nothing read
 
     def add(self, other: "ConsumeResult") -> None:
         self.batches += other.batches
@@ -38,6 +47,7 @@ class ConsumeResult:
         self.slot_lost |= other.slot_lost
         self.recovered += other.recovered
         self.unreadable += other.unreadable
+        self.slot_busy = other.slot_busy
 
 
 def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult) -> None:
@@ -65,6 +75,21 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
     result.recovered = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
 
 
+def unrecorded(conn: psycopg.Connection, stream_id: int,
+               txns: list[replication.Transaction]) -> list[replication.Transaction]:
+    """``txns`` without what the ledger has already: transactions at or before the last recorded end
+    LSN (read again after a crash between recording and confirming), and events a recovery recorded."""
+    recorded_to = ledger.last_end_lsn(conn, stream_id)
+    if recorded_to is not None:
+        txns = [t for t in txns if t.end_lsn > recorded_to]
+    if txns:
+        seen = ledger.recovered_ids_since(conn, stream_id, txns[0].commit_lsn)
+        if seen:
+            for t in txns:
+                t.events = [e for e in t.events if e.id not in seen]
+    return txns
+
+
 def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, *, check_slot: bool = True,
             mark: bool = True) -> ConsumeResult:
     """Move committed events from the slot into the ledger (see module docstring). ``check_slot``:
@@ -80,20 +105,16 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
         flushed = replication.flush_lsn(conn)
         try:
             txns, rows = replication.peek_rows(conn, stream.slot, stream.publication, cap)
+        except psycopg.errors.ObjectInUse:
+            result.slot_busy = True  # an open run reads it (follow): it records and hands over batches itself
+            return result
         except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject):
             # invalidated or dropped since the check: the next tick replaces it and recovers
             ledger.set_recovery_pending(conn, stream.id)
             result.slot_lost = True
             return result
         complete = rows < cap  # the peek saw everything committed before peeked_at
-        recorded_to = ledger.last_end_lsn(conn, stream.id)
-        if recorded_to is not None:
-            txns = [t for t in txns if t.end_lsn > recorded_to]
-        if txns:
-            seen = ledger.recovered_ids_since(conn, stream.id, txns[0].commit_lsn)
-            if seen:
-                for t in txns:
-                    t.events = [e for e in t.events if e.id not in seen]
+        txns = unrecorded(conn, stream.id, txns)
         waiting = sum(len(t.events) for t in txns)
         oldest = next((t.commit_time for t in txns if t.events), None)
         now = dt.datetime.now(dt.UTC)
@@ -129,3 +150,122 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
             wait = max(0.05, min(wait, stream.batch.max_fill_secs - (now - oldest).total_seconds()))
         time.sleep(min(wait, remaining))
     return result
+
+
+#: a reader records what it received once the server has nothing more to send, but at most this
+#: often (under continuous traffic batches then hold what arrived in this time, up to max_size)
+FOLLOW_RECORD_EVERY_SECS = 0.05
+#: how often a reader checks that its run is still the stream's open run, confirms the server's
+#: position when nothing is pending, and records how far the slot was read
+FOLLOW_CHECK_SECS = 1.0
+
+
+@dataclass
+class FollowStats:
+    """What a run's reader did; ``notes``: what the run log should say (appended by the reader thread)."""
+
+    batches: int = 0
+    events: int = 0
+    unreadable: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threading.Event, stats: FollowStats, *,
+           application_name: str, wait: Callable[[float], bool] | None = None) -> None:
+    """Read the stream's slot over the replication protocol for the open run ``run_key`` until
+    ``stop`` is set or the run is no longer the stream's open run: record what commits as batches,
+    hand them to the run (``ledger.extend_run``: it is woken by NOTIFY) in the same transaction, and
+    only then confirm their end position to the server.
+
+    While the sensor's peek holds the slot, or the slot is missing or lost (the sensor replaces it
+    and recovers from the table), or its recovery is pending, it waits and tries again. A connection
+    that breaks is opened again: the server sends again what was not confirmed, and what the ledger
+    already has is dropped (:func:`unrecorded`)."""
+    pause = wait or stop.wait
+    with psycopg.connect(database_url, autocommit=True, application_name=application_name) as conn:
+        problem: str | None = None
+        while not stop.is_set():
+            if not ledger.run_is_open(conn, stream.id, run_key):
+                return
+            if ledger.recovery_pending(conn, stream.id):
+                pause(FOLLOW_CHECK_SECS)
+                continue
+            try:
+                source = replication.ReplicationStream(database_url, stream.slot, stream.publication,
+                                                       application_name)
+            except replication.SlotBusy:
+                pause(0.1)  # the sensor's peek: it sees the slot in use from now on
+                continue
+            except (replication.SlotGone, ConnectionError) as exc:
+                if str(exc) != problem:
+                    problem = str(exc)
+                    stats.notes.append(f"reading slot {stream.slot} failed ({exc}); trying again")
+                pause(FOLLOW_CHECK_SECS)
+                continue
+            problem = None
+            try:
+                if not _follow(conn, source, stream, run_key, stop, stats):
+                    return
+            except (replication.SlotGone, psycopg2.Error) as exc:
+                stats.notes.append(f"reading slot {stream.slot} stopped ({str(exc).strip()[:300]}); trying again")
+                pause(FOLLOW_CHECK_SECS)
+            finally:
+                source.close()
+
+
+def _follow(conn: psycopg.Connection, source: replication.ReplicationStream, stream: StreamConfig, run_key: str,
+            stop: threading.Event, stats: FollowStats) -> bool:
+    """One replication connection's life; false once the run is no longer the open run."""
+    decoder = replication.PgOutputDecoder()
+    pending: list[replication.Transaction] = []
+    oldest = 0.0  # when the oldest pending transaction arrived (monotonic)
+    recorded_at = checked_at = 0.0
+    probe: tuple[dt.datetime, int] | None = None  # (a time, the WAL flushed then): for mark_consumed
+    while not stop.is_set():
+        messages = source.read(FOLLOW_RECORD_EVERY_SECS if pending else 0.5)
+        if messages:
+            txns = decoder.decode(messages)
+            if txns and not pending:
+                oldest = time.monotonic()
+            pending += txns
+        now = time.monotonic()
+        if pending:
+            waiting = sum(len(t.events) + len(t.unreadable) for t in pending)
+            drained = len(messages) < source.MAX_MESSAGES
+            if waiting >= stream.batch.max_size or now - oldest >= stream.batch.max_fill_secs or \
+                    (drained and now - recorded_at >= FOLLOW_RECORD_EVERY_SECS):
+                if not _record_for_run(conn, stream, run_key, pending, stats):
+                    source.confirm(pending[-1].end_lsn)
+                    return False
+                source.confirm(pending[-1].end_lsn)
+                pending, recorded_at = [], now
+        if pending or decoder.in_transaction or now - checked_at < FOLLOW_CHECK_SECS:
+            continue
+        # nothing received is unrecorded: every transaction that committed before the server's
+        # position has been seen, so the slot may move there (past other tables' WAL)
+        checked_at = now
+        if not ledger.run_is_open(conn, stream.id, run_key):
+            return False
+        if probe is not None and source.wal_end >= probe[1]:
+            ledger.mark_consumed(conn, stream.id, probe[0])
+            probe = None
+        if probe is None:
+            probe = (dt.datetime.now(dt.UTC), replication.flush_lsn(conn))
+        source.confirm(source.wal_end, reply=True)  # the reply brings a fresh wal_end
+    return True
+
+
+def _record_for_run(conn: psycopg.Connection, stream: StreamConfig, run_key: str,
+                    txns: list[replication.Transaction], stats: FollowStats) -> bool:
+    """Record ``txns`` and hand the batches to the run, in one transaction; false if the run is no
+    longer the stream's open run (the batches stay pending: the sensor launches the next run)."""
+    with conn.transaction():
+        fresh = [t for t in unrecorded(conn, stream.id, txns) if t.events or t.unreadable]
+        if fresh:
+            stats.batches += len(ledger.record(conn, stream.id, fresh, stream.batch.max_size))
+            stats.events += sum(len(t.events) for t in fresh)
+            stats.unreadable += sum(len(t.unreadable) for t in fresh)
+        handed = ledger.extend_run(conn, stream.id, run_key, stream.delivery.max_events_per_run)
+    # nothing handed over: nothing new, the run has max_events_per_run outstanding (the sensor hands
+    # the rest later), or it closed
+    return bool(handed) or ledger.run_is_open(conn, stream.id, run_key)

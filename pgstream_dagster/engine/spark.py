@@ -39,6 +39,7 @@ from .cluster import cluster_conf, is_local, package_zip
 from .publish import Confirmed, Deliveries, Position, Positioned, RejectPolicy, Span, publish
 
 if TYPE_CHECKING:
+    import psycopg
     from pyspark.sql import DataFrame, SparkSession
 
     from ..config import PgstreamConfig
@@ -379,19 +380,44 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Iterator[Any]:
                 ahead = pool.submit(frames[i + 1].collect)
 
 
-def deliver_in_order(frames: list[DataFrame], sink: Sink, chunk_size: int, *, prefetch: bool = True,
+@dataclasses.dataclass(frozen=True)
+class DirectRead:
+    """A round small enough to read without Spark: ``spans`` read by ``conn`` (the run's own
+    connection) with the query the Spark source runs, as :func:`deliver_in_order` publishes them. A
+    Spark job costs 0.1-0.3 s and about half a CPU-second whatever its size (bench/cpu.py): for the
+    few events an open run gets at a time that is most of the latency and of the CPU."""
+
+    conn: psycopg.Connection
+    spans: Sequence[Span]
+    routing_key: str
+
+    def events(self) -> Iterator[Positioned]:
+        params = _routing_params(self.routing_key)
+        for span in self.spans:
+            # fetched whole before anything is yielded: the caller writes the ledger on the same connection
+            rows = self.conn.execute(_BATCH_QUERY, {**params, "batch_id": span.batch_id, "lo": span.first,
+                                                    "hi": span.last}).fetchall()
+            for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
+                yield batch_id, ord_, Event(event_id, stream_id, None, None, created.astimezone(dt.UTC),
+                                            payload_json=payload, metadata_json=metadata)
+
+
+def deliver_in_order(frames: list[DataFrame] | DirectRead, sink: Sink, chunk_size: int, *, prefetch: bool = True,
                      skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
                      owed: Sequence[Span] | None = None) -> Deliveries:
     """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
     are published chunk by chunk through ``sink`` (the caller's; a run keeps one for its whole life)
     by :func:`pgstream_dagster.engine.publish.publish`, whose deliveries this yields (``skip``,
     ``reject`` and ``owed`` are explained there). ``frames``: one single-partition DataFrame per
-    partition, as :func:`load_batches` / :func:`load_events` return them packed. ``prefetch``: Spark
-    computes the next partition while the driver publishes the current one (memory: two partitions
-    instead of one)."""
-    rows: Iterator[Any] = _collected(frames, prefetch)
-    packed = bool(frames) and is_packed(frames[0])
-    events = _packed_events(rows) if packed else _row_events(rows)
+    partition, as :func:`load_batches` / :func:`load_events` return them packed, or a
+    :class:`DirectRead`. ``prefetch``: Spark computes the next partition while the driver publishes
+    the current one (memory: two partitions instead of one)."""
+    events: Iterator[Positioned]
+    if isinstance(frames, DirectRead):
+        events = frames.events()
+    else:
+        rows: Iterator[Any] = _collected(frames, prefetch)
+        events = _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
     yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed)
 
 

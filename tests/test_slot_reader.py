@@ -1,0 +1,276 @@
+"""An open run reads its stream's slot over the replication protocol (``delivery.read_slot``):
+events reach the sink with no sensor tick in between, the sensor only decides while the run holds
+the slot, and takes over when the run closes or dies. Killed between recording and confirming,
+or with the slot dropped under it, nothing is lost and nothing is recorded twice."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pgstream_dagster.config import load_config
+from pgstream_dagster.engine import ingest, ledger, replication, spark
+from pgstream_dagster.engine.batches import BatchStatus
+from pgstream_dagster.engine.publish import owed_spans
+
+from .support.endpoint import Endpoint
+from .support.faults import sent_ids
+from .support.harness import Background, Driver, insert_events, tick_until, write_config
+
+STREAM = 1
+RUN_KEY = "test-run"
+
+
+def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any]:
+    return {"id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0.2}, "sensor": {"tick_budget_secs": 0.3},
+            "delivery": {"linger_secs": linger, "chunk_size": 20, **delivery}, "sink": endpoint.sink()}
+
+
+def _slot_reader(url: str) -> str | None:
+    """The application name of the connection that holds the stream's slot, if any."""
+    with psycopg.connect(url) as c:
+        row = c.execute("select a.application_name from pg_replication_slots s "
+                        "join pg_stat_activity a on a.pid = s.active_pid where s.slot_name = %s",
+                        ["pgstream_stream_1"]).fetchone()
+    return row[0] if row else None
+
+
+def _wait(done: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _ledger_ids(url: str) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select unnest(event_ids) from pgstream.batches where stream_id = %s "
+                                        "order by id", [STREAM])]
+
+
+def test_open_run_reads_the_slot_and_delivers_without_sensor_ticks(db_url: str, tmp_path: Path,
+                                                                   instance: dg.DagsterInstance,
+                                                                   endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=3)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 30)
+    (request,) = tick_until(driver, STREAM, lambda: False if not driver.cursors else _launched(db_url), timeout=60) \
+        or [None]  # type: ignore[list-item]
+    assert request is not None
+    run = Background(driver, request)
+    _wait(lambda: (_slot_reader(db_url) or "").startswith("pgstream reader "))
+    # from now on no tick: the run records, hands itself and delivers what commits
+    for wave in range(5):
+        insert_events(db_url, STREAM, 40, 1000 * (wave + 1))
+    _wait(lambda: len(endpoint.unique()) >= 230)
+    # a tick meanwhile finds the slot in use, reads nothing and requests nothing
+    tick = driver.tick(STREAM)
+    assert not tick.run_requests
+    result = run.wait(timeout=60)  # idle for linger_secs: it stops reading, closes and succeeds
+    assert result.success
+    sent = sent_ids(db_url)
+    assert len(sent) == 230
+    assert endpoint.unique() == set(sent) and endpoint.duplicates() == 0
+    assert endpoint.first_seen_order() == sent
+    assert sorted(_ledger_ids(db_url)) == sorted(sent)  # each event recorded once
+    with psycopg.connect(db_url) as c:
+        keys = Counter(r[0] for r in c.execute("select run_key from pgstream.batches"))
+        assert set(keys) == {request.run_key} and keys[request.run_key] >= 2  # the run recorded and took them
+        assert c.execute("select count(*) from pgstream.batches where status <> %s",
+                         [BatchStatus.DELIVERED]).fetchone() == (0,)
+        assert c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone() == (None,)
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    assert any("this open run reads slot pgstream_stream_1" in m for m in logs)
+    assert any("stopped reading slot pgstream_stream_1: 200 events recorded" in m for m in logs)
+    assert _slot_reader(db_url) is None
+
+    # closed: the sensor reads the slot again and requests a new run for what commits next
+    insert_events(db_url, STREAM, 5, 9000)
+    requests = tick_until(driver, STREAM, lambda: _launched(db_url))
+    assert len(requests) == 1 and requests[0].run_key != request.run_key
+    assert driver.execute(requests[0]).success
+    assert endpoint.unique() == set(sent_ids(db_url)) and endpoint.duplicates() == 0
+
+
+def _launched(url: str) -> bool:
+    with psycopg.connect(url) as c:
+        return c.execute("select count(*) from pgstream.batches where status = %s",
+                         [BatchStatus.LAUNCHED]).fetchone() != (0,)
+
+
+# --- the engine's reader, without Dagster --------------------------------------------------------------
+
+def _engine_stream(tmp_path: Path, url: str) -> Any:
+    config = load_config(write_config(tmp_path / "pgstream.yaml", url, [
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"linger_secs": 60},
+         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+    return config.streams[0]
+
+
+def _open_stream(url: str) -> None:
+    """The stream, its slot and an open run ``RUN_KEY`` (as the sensor leaves them when it launches one)."""
+    with psycopg.connect(url, autocommit=True) as c:
+        ledger.ensure_stream(c, STREAM)
+        replication.create_slot(c, "pgstream_stream_1")
+        ledger.open_run(c, STREAM, RUN_KEY)
+
+
+def _follow_in_child(url: str, tmp_path: str) -> None:
+    stream = _engine_stream(Path(tmp_path), url)
+    ingest.follow(url, stream, RUN_KEY, threading.Event(), ingest.FollowStats(),
+                  application_name="pgstream reader child")
+
+
+def _writer(url: str, stop: threading.Event, written: list[int]) -> None:
+    n = 0
+    with psycopg.connect(url, autocommit=True) as c:
+        while not stop.is_set():
+            written += [r[0] for r in c.execute(
+                "insert into pgstream.events (payload, stream_id) select jsonb_build_object('n', g), %s "
+                "from generate_series(%s::int, %s::int) g returning id", [STREAM, n, n + 24])]
+            n += 25
+            time.sleep(0.005)
+
+
+def _catch_up_with_sensor(url: str, stream: Any) -> None:
+    with psycopg.connect(url, autocommit=True) as c:
+        ledger.clear_open_run(c, STREAM, RUN_KEY)
+        for _ in range(50):
+            result = ingest.consume(c, stream, 0.5)
+            if not result.batches and not result.slot_busy:
+                return
+        raise AssertionError("the sensor did not catch up")
+
+
+def test_reader_killed_while_recording_loses_nothing_and_records_nothing_twice(db_url: str, tmp_path: Path) -> None:
+    stream = _engine_stream(tmp_path, db_url)
+    _open_stream(db_url)
+    stop, written = threading.Event(), []
+    writer = threading.Thread(target=_writer, args=(db_url, stop, written))
+    writer.start()
+    try:
+        for _round in range(3):  # kill -9 the reading process three times mid-stream
+            before = len(_ledger_ids(db_url))
+            child = multiprocessing.get_context("spawn").Process(target=_follow_in_child,
+                                                                 args=(db_url, str(tmp_path)))
+            child.start()
+            _wait(lambda before=before: len(_ledger_ids(db_url)) >= before + 300)
+            assert child.pid is not None
+            os.kill(child.pid, signal.SIGKILL)
+            child.join()
+        _wait(lambda: _slot_reader(db_url) is None)  # the server noticed: the slot is free again
+    finally:
+        stop.set()
+        writer.join()
+    # in the meantime the reader confirmed only what it had recorded: the sensor finds the rest
+    _catch_up_with_sensor(db_url, stream)
+    recorded = _ledger_ids(db_url)
+    assert len(recorded) == len(set(recorded))  # none twice
+    assert set(recorded) == set(written) and len(written) > 900  # none lost
+
+
+def test_reader_hands_batches_to_its_run_confirms_and_stops_when_the_run_closes(db_url: str, tmp_path: Path) -> None:
+    stream = _engine_stream(tmp_path, db_url)
+    _open_stream(db_url)
+    stop, stats = threading.Event(), ingest.FollowStats()
+    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, RUN_KEY, stop, stats),
+                              kwargs={"application_name": "pgstream reader t"})
+    reader.start()
+    _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
+    with psycopg.connect(db_url, autocommit=True) as c:
+        # the sensor's peek meanwhile: the slot is in use, nothing is read twice
+        busy = ingest.consume(c, stream, 0.1)
+        assert busy.slot_busy and not busy.batches
+        insert_events(db_url, STREAM, 250)
+        _wait(lambda: stats.events == 250)
+        batches = c.execute("select status, run_key, event_count from pgstream.batches order by id").fetchall()
+        assert {(s, k) for s, k, _n in batches} == {(BatchStatus.LAUNCHED, RUN_KEY)}
+        assert sum(n for _s, _k, n in batches) == 250 and max(n for _s, _k, n in batches) <= 100
+        # confirmed after recording: the slot's position is past the last batch
+        (confirmed,) = c.execute("select confirmed_flush_lsn::text from pg_replication_slots "
+                                 "where slot_name = 'pgstream_stream_1'").fetchone()  # type: ignore[misc]
+        assert replication.lsn_to_int(confirmed) >= (ledger.last_end_lsn(c, STREAM) or 0)
+        # the reader records how far it has read (retention keeps what it has not)
+        _wait(lambda: c.execute("select consumed_through > now() - interval '10 seconds' from pgstream.streams "
+                                "where id = %s", [STREAM]).fetchone() == (True,))
+        # the run closes: the reader sees it and lets go of the slot
+        for b in [r[0] for r in c.execute("select id from pgstream.batches")]:
+            ledger.mark_delivered(c, b, "r")
+        assert ledger.close_run(c, STREAM, RUN_KEY)
+    reader.join(timeout=10)
+    assert not reader.is_alive()
+    assert _slot_reader(db_url) is None
+    insert_events(db_url, STREAM, 5, 1000)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert sum(len(b) for b in [ingest.consume(c, stream, 2.0).batches]) >= 1  # the sensor reads again
+    assert sorted(_ledger_ids(db_url)) == sorted(r for r in _all_ids(db_url))
+
+
+def _all_ids(url: str) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s", [STREAM])]
+
+
+def test_reader_survives_its_slot_being_dropped(db_url: str, tmp_path: Path) -> None:
+    stream = _engine_stream(tmp_path, db_url)
+    _open_stream(db_url)
+    stop, stats = threading.Event(), ingest.FollowStats()
+    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, RUN_KEY, stop, stats),
+                              kwargs={"application_name": "pgstream reader t"})
+    reader.start()
+    try:
+        _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
+        insert_events(db_url, STREAM, 120)
+        _wait(lambda: stats.events == 120)
+        with psycopg.connect(db_url, autocommit=True) as c:
+            # an operator (or max_slot_wal_keep_size) takes the slot away: end the walsender, drop it
+            c.execute("select pg_terminate_backend(active_pid) from pg_replication_slots "
+                      "where slot_name = 'pgstream_stream_1'")
+            _wait(lambda: _slot_reader(db_url) is None)
+            c.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+            insert_events(db_url, STREAM, 80, 1000)  # written while no slot exists
+            _wait(lambda: any("pgstream_stream_1" in n for n in stats.notes))
+            # the sensor's next tick replaces the slot and recovers what no batch covers from the table
+            result = ingest.consume(c, stream, 0.5)
+            assert result.slot_created and result.recovered
+        insert_events(db_url, STREAM, 60, 2000)  # the reader reads the new slot
+        _wait(lambda: len(_ledger_ids(db_url)) == 260)
+        _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
+    finally:
+        stop.set()
+        reader.join(timeout=10)
+    recorded = _ledger_ids(db_url)
+    assert len(recorded) == len(set(recorded)) and set(recorded) == set(_all_ids(db_url))
+
+
+@pytest.mark.parametrize("routing_key", ["group_id", "metadata:team"])
+def test_a_small_round_read_directly_equals_the_spark_read(db_url: str, tmp_path: Path, routing_key: str) -> None:
+    stream = _engine_stream(tmp_path, db_url)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ledger.ensure_stream(c, STREAM)
+        replication.create_slot(c, "pgstream_stream_1")
+        c.execute("insert into pgstream.events (payload, metadata, stream_id) select "
+                  "jsonb_build_object('n', g, 'group_id', g %% 3, 's', 'ünï \"q\"', 'big', 12345678901234567890), "
+                  "case when g %% 2 = 0 then jsonb_build_object('team', 'a') end, %s "
+                  "from generate_series(1, 120) g", [STREAM])
+        ingest.consume(c, stream, 0.5)
+        batches = ledger.batches_between(c, STREAM, 0, 10**9)
+        spans = owed_spans(batches, resume=True)
+        direct = list(spark.DirectRead(c, spans, routing_key).events())
+    session = spark.open_session(load_config(tmp_path / "pgstream.yaml"))
+    frames = spark.load_batches(session, db_url, spans, routing_key, packed=True)
+    assert isinstance(frames, list)
+    via_spark = list(spark._packed_events(spark._collected(frames, prefetch=False)))
+    assert len(direct) == 120
+    assert [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json) for b, o, e in direct] == \
+        [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json) for b, o, e in via_spark]
