@@ -67,6 +67,10 @@ class DeliveryConfig(_Model):
                                description="a run stays open this long after its last batch, and the sensor hands it "
                                            "every new batch: fresh events skip run start-up and Spark start "
                                            "(0: a run ends as soon as its batches are delivered)")
+    keep_warm: bool = Field(False, description="keep an open run ready even with nothing to deliver: it does not "
+                                                "close when idle (only after max_run_secs, then the next one starts), "
+                                                "so the first event after a quiet spell finds a started process "
+                                                "(costs a run process per stream)")
     read_slot: bool = Field(True, description="an open run reads the stream's slot itself, over the replication "
                                                "protocol: each transaction is decoded once and arrives as it "
                                                "commits (false: the sensor peeks the slot, as between runs)")

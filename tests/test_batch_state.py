@@ -25,6 +25,8 @@ from pgstream_dagster.engine.batches import (
     RunView,
     StreamState,
     Wait,
+    Warm,
+    WarmRun,
     decide,
     notes,
 )
@@ -44,6 +46,8 @@ def stream_config(**delivery: Any) -> StreamConfig:
 
 
 LINGER = stream_config()
+WARM = stream_config(keep_warm=True)
+WARM_KEY = "pgstream-s7-inc0-warm-1772625600"  # NOW's epoch second
 NO_LINGER = stream_config(linger_secs=0)
 
 
@@ -99,6 +103,19 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
     ("empty stream", state(None), NO_RUN, LINGER, Wait()),
     ("empty stream in failover: failover ends", state(None, failover_since=SINCE), NO_RUN, LINGER,
      LeaveFailover(Wait(), CAUGHT_UP)),
+    # keep_warm: with nothing open, an open run with no batch is kept ready
+    ("empty, keep_warm, no open run: a warm run", state(None, incarnation="inc0"), NO_RUN, WARM,
+     Warm(WarmRun(SID, WARM_KEY))),
+    ("empty, keep_warm, warm run live: wait", state(None, open_run_key=WARM_KEY), run(RunStatus.LIVE), WARM, Wait()),
+    ("empty, keep_warm, warm run not made yet: request it again", state(None, open_run_key=WARM_KEY), NO_RUN, WARM,
+     Warm(WarmRun(SID, WARM_KEY), again=True)),
+    ("empty, keep_warm, warm run failed: not replaced before the next batch",
+     state(None, open_run_key=WARM_KEY), run(RunStatus.FAILED, "FAILURE", "boom"), WARM, Wait()),
+    ("empty, keep_warm, paused: nothing", state(None, paused=True), NO_RUN, WARM, Wait()),
+    ("empty, keep_warm, in failover: failover ends, then a warm run", state(None, failover_since=SINCE), NO_RUN, WARM,
+     LeaveFailover(Warm(WarmRun(SID, "pgstream-s7--warm-1772625600")), CAUGHT_UP)),
+    ("empty, open run idle (no keep_warm): wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.LIVE), LINGER,
+     Wait()),
     # paused: nothing starts, whatever the head and its run
     ("paused, pending head", state(PENDING, paused=True), NO_RUN, LINGER, Wait(PAUSED)),
     ("paused, launched head (its run is not looked at)", state(LAUNCHED, paused=True), NO_RUN, LINGER,
@@ -190,11 +207,13 @@ def test_every_status_is_covered() -> None:
 def test_every_run_status_and_action_is_covered() -> None:
     assert {r[2].status for r in ROWS} == set(RunStatus)
     kinds = {type(r[4]) for r in ROWS} | {type(r[4].then) for r in ROWS if isinstance(r[4], LeaveFailover)}
-    assert kinds == {Wait, Launch, Extend, Reissue, FailRun, LeaveFailover}
+    assert kinds == {Wait, Launch, Warm, Extend, Reissue, FailRun, LeaveFailover}
 
 
 @pytest.mark.parametrize(("state", "watched"), [
     (state(None), None),
+    (state(None, open_run_key=OPEN_KEY), OPEN_KEY),  # idle open run, or a warm one
+    (state(None, open_run_key=OPEN_KEY, paused=True), None),
     (state(PENDING), None),
     (state(PENDING, open_run_key=OPEN_KEY), OPEN_KEY),
     (state(PENDING, open_run_key=OPEN_KEY, paused=True), None),

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import load_config
+from pgstream_dagster.defs.names import WARM_TAG
 from pgstream_dagster.engine import ingest, ledger, replication, spark
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.publish import owed_spans
@@ -274,3 +275,45 @@ def test_a_small_round_read_directly_equals_the_spark_read(db_url: str, tmp_path
     assert len(direct) == 120
     assert [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json) for b, o, e in direct] == \
         [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json) for b, o, e in via_spark]
+
+
+def test_keep_warm_stream_has_an_open_run_before_its_first_event(db_url: str, tmp_path: Path,
+                                                                   instance: dg.DagsterInstance,
+                                                                   endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url,
+                                 [_config(endpoint, linger=0.5, keep_warm=True)]), instance)
+    (request,) = tick_until(driver, STREAM, lambda: bool(driver.cursors) and _open_run_key(db_url) is not None)
+    assert request.tags[WARM_TAG] == "true" and request.run_key == _open_run_key(db_url)
+    # until Dagster has made the run the sensor asks again for the same one (Dagster skips a run key it
+    # has seen); nothing else
+    assert [r.run_key for r in driver.tick(STREAM).run_requests or []] == [request.run_key]
+    run = Background(driver, request)
+    _wait(lambda: (_slot_reader(db_url) or "").startswith("pgstream reader "))
+    assert not driver.tick(STREAM).run_requests  # it runs: nothing to ask for
+    insert_events(db_url, STREAM, 15)
+    _wait(lambda: len(endpoint.unique()) == 15)
+    time.sleep(1.5)  # idle past linger_secs: a warm run stays open
+    insert_events(db_url, STREAM, 15, 100)
+    _wait(lambda: len(endpoint.unique()) == 30)
+    assert _open_run_key(db_url) == request.run_key
+    # paused: it closes; resumed: the sensor requests the next warm run
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("update pgstream.streams set paused = true where id = %s", [STREAM])
+    result = run.wait(timeout=30)
+    assert result.success and _open_run_key(db_url) is None
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("update pgstream.streams set paused = false where id = %s", [STREAM])
+    time.sleep(1.1)  # another second: another key
+    (again,) = tick_until(driver, STREAM, lambda: _open_run_key(db_url) is not None)
+    assert again.run_key != request.run_key and again.tags[WARM_TAG] == "true"
+    # a warm run that is not (any more) the stream's open run ends at once, delivering nothing
+    stale = driver.execute(request)
+    assert stale.success
+    sent = sent_ids(db_url)
+    assert endpoint.unique() == set(sent) and endpoint.duplicates() == 0 and endpoint.first_seen_order() == sent
+
+
+def _open_run_key(url: str) -> str | None:
+    with psycopg.connect(url) as c:
+        row = c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone()
+    return row[0] if row else None

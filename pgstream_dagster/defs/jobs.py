@@ -43,14 +43,14 @@ from ..engine.publish import (
 )
 from ..engine.status import stream_status
 from ..sinks import Sink, build_sink
-from .names import CONTROL_JOB, DELIVERY_JOB, STREAM_TAG, deliveries_asset_key
+from .names import CONTROL_JOB, DELIVERY_JOB, RUN_KEY_TAG, STREAM_TAG, deliveries_asset_key
 from .resources import PgstreamResource
 from .status import status_observation
 
 
 class DeliveryRunConfig(dg.Config):
     stream_id: int
-    batch_id: int
+    batch_id: int | None = None  # None: a warm run (delivery.keep_warm), open for what commits next
     through_batch_id: int | None = None
 
 
@@ -67,11 +67,14 @@ class LoadedBatches:
 def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
                  pgstream: dg.ResourceParam[PgstreamResource], pyspark: LazyPySparkResource) -> LoadedBatches:
     started = time.monotonic()
-    last = config.through_batch_id or config.batch_id
     try:
         lease = ledger.acquire_lease(pgstream.database_url, config.stream_id, context.run_id)
     except ledger.LeaseTaken as exc:
         raise dg.Failure(str(exc)) from None
+    if config.batch_id is None:
+        context.log.info(f"stream {config.stream_id}: warm run, open for what commits (delivery.keep_warm)")
+        return LoadedBatches(config.stream_id, [], None, started, lease)
+    last = config.through_batch_id or config.batch_id
     try:
         batches = ledger.batches_between(lease, config.stream_id, config.batch_id, last)
         if not batches or batches[0].id != config.batch_id:
@@ -101,7 +104,12 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
 def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstream: dg.ResourceParam[PgstreamResource],
                     pyspark: LazyPySparkResource) -> None:
     stream = pgstream.stream(loaded.stream_id)
-    run_key = loaded.batches[0].run_key or ""
+    run_key = loaded.batches[0].run_key if loaded.batches else context.run.tags.get(RUN_KEY_TAG)
+    if not loaded.batches and not (run_key and ledger.run_is_open(loaded.lease, stream.id, run_key)):
+        loaded.lease.close()  # a warm run the stream no longer wants (another run is open): nothing to do
+        context.log.info(f"stream {stream.id}: not the stream's open run; nothing to deliver")
+        return
+    run_key = run_key or ""
     # the lease is released when the run ends (or its process dies); the sink serves every round of the
     # run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
     with loaded.lease as conn, build_sink(stream.sink) as sink, _Reader(context, pgstream.database_url, stream,
@@ -109,12 +117,15 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
         ledger.listen_runs(conn, stream.id)
         linger = _Linger(context, conn, stream, run_key, reader)
         batches, frame, started = loaded.batches, loaded.frame, loaded.started
+        after = 0
         while True:
-            delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream.database_url)
-            _report_round(context, stream.id, batches, delivered, started)
-            _observe_status(context, conn, stream.id, run_key)
+            if batches:
+                delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream.database_url)
+                _report_round(context, stream.id, batches, delivered, started)
+                _observe_status(context, conn, stream.id, run_key)
+                after = batches[-1].id
             reader.report()
-            batches = linger.next_batches(batches[-1].id)
+            batches = linger.next_batches(after)
             if not batches:
                 break
             earlier = ledger.earlier_open(conn, stream.id, batches[0].id)
@@ -206,7 +217,7 @@ class _Linger:
                 return batches
             now = time.monotonic()
             reason = None
-            if now - idle_since >= delivery.linger_secs:
+            if now - idle_since >= delivery.linger_secs and not delivery.keep_warm:
                 reason = f"idle for {delivery.linger_secs:g}s"
             elif now - self.opened >= delivery.max_run_secs:
                 reason = f"open for {delivery.max_run_secs:g}s (delivery.max_run_secs)"
@@ -220,7 +231,7 @@ class _Linger:
                         self.context.log.info(f"stream {self.stream.id}: run closed ({reason})")
                     return []
                 continue  # the sensor assigned batches just before: deliver them first
-            wait = min(0.5, max(0.01, delivery.linger_secs - (now - idle_since)))
+            wait = 0.5 if delivery.keep_warm else min(0.5, max(0.01, delivery.linger_secs - (now - idle_since)))
             for _ in self.conn.notifies(timeout=wait, stop_after=1):
                 pass
 

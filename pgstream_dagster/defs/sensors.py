@@ -36,10 +36,19 @@ import psycopg
 
 from ..config import StreamConfig
 from ..engine import ledger
-from ..engine.batches import NO_RUN, FailRun, RunOrder, RunStatus, RunView, decide, notes
+from ..engine.batches import NO_RUN, FailRun, RunOrder, RunStatus, RunView, WarmRun, decide, notes
 from ..engine.ingest import ConsumeResult, consume
 from ..engine.status import last_batches, stream_status
-from .names import ATTEMPT_TAG, BATCH_TAG, BATCHES_TAG, DELIVERY_JOB, STREAM_TAG, stream_sensor_name
+from .names import (
+    ATTEMPT_TAG,
+    BATCH_TAG,
+    BATCHES_TAG,
+    DELIVERY_JOB,
+    RUN_KEY_TAG,
+    STREAM_TAG,
+    WARM_TAG,
+    stream_sensor_name,
+)
 from .resources import PgstreamResource
 from .status import status_observation
 
@@ -51,7 +60,11 @@ POLL_SECS = 0.1
 DECIDE_EVERY_SECS = 1.0
 
 
-def _request(order: RunOrder) -> dg.RunRequest:
+def _request(order: RunOrder | WarmRun) -> dg.RunRequest:
+    if isinstance(order, WarmRun):  # delivery.keep_warm: a run with no batch, open for what commits
+        return dg.RunRequest(run_key=order.run_key, job_name=DELIVERY_JOB,
+                             run_config={"ops": {"load_batches": {"config": {"stream_id": order.stream_id}}}},
+                             tags={STREAM_TAG: str(order.stream_id), WARM_TAG: "true"})
     head, batch_ids = order.head, order.batch_ids
     config: dict[str, int] = {"stream_id": head.stream_id, "batch_id": batch_ids[0]}
     if len(batch_ids) > 1:
@@ -82,7 +95,7 @@ def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None
 def _find_run(instance: dg.DagsterInstance, run_key: str | None) -> dg.DagsterRun | None:
     if run_key is None:
         return None
-    runs = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": run_key}), limit=1)
+    runs = instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1)
     return runs[0] if runs else None
 
 

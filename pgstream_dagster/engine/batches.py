@@ -15,6 +15,10 @@ A ledger batch moves through these statuses (``pgstream.batches.status``)::
 
 ``pending``, ``launched`` and ``failed`` are *open*; ``delivered`` and ``skipped`` are done. Only the
 oldest open batch of a stream (its *head*) may start a run.
+
+With ``delivery.keep_warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
+run with no batch that becomes the stream's open run and waits for what commits (it reads the slot
+itself), so the first event after a quiet spell finds a started process.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class StreamState:
     next_run: tuple[int, ...] = ()
     #: when the newest delivered batch was launched (read in failover while the head is pending)
     last_delivered_launch: dt.datetime | None = None
+    incarnation: str = ""  # of the stream row (run keys carry it)
 
     def __post_init__(self) -> None:
         head = self.head
@@ -121,8 +126,10 @@ class StreamState:
         """The run :func:`decide` needs a :class:`RunView` of (``None``: none): the head's run, or the
         open run a pending head would be handed to."""
         head = self.head
-        if head is None or self.paused:
+        if self.paused:
             return None
+        if head is None:
+            return self.open_run_key  # a warm run, or an open run with nothing left to deliver
         if head.status is BatchStatus.LAUNCHED:
             return head.run_key or ""
         if head.status is BatchStatus.PENDING:
@@ -186,6 +193,23 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class WarmRun:
+    """A run with no batch to request (``delivery.keep_warm``): the stream's open run ``run_key``."""
+
+    stream_id: int
+    run_key: str
+
+
+@dataclass(frozen=True)
+class Warm:
+    """Nothing is open and nothing runs: make ``run.run_key`` the stream's open run and request it.
+    ``again``: the ledger has it already (the tick that requested it died before Dagster made it)."""
+
+    run: WarmRun
+    again: bool = False
+
+
+@dataclass(frozen=True)
 class Extend:
     """Hand the open run ``run_key`` the pending batches behind its own; ``otherwise``: what to do if
     it closed meanwhile (it takes nothing then)."""
@@ -224,7 +248,7 @@ class LeaveFailover:
     note: str
 
 
-Action = Wait | Launch | Extend | Reissue | FailRun | LeaveFailover
+Action = Wait | Launch | Warm | Extend | Reissue | FailRun | LeaveFailover
 
 
 def decide(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig) -> Action:
@@ -239,7 +263,7 @@ def decide(state: StreamState, run: RunView, now: dt.datetime, stream: StreamCon
 def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *, in_failover: bool) -> Action:
     head = state.head
     if head is None:
-        return Wait()
+        return _keep_warm(state, run, now, stream, in_failover=in_failover)
     sid = state.stream_id
     if state.paused:
         return Wait(f"stream {sid} is paused: batch {head.id} waits (`pgstream-dagster resume {sid}`)")
@@ -272,6 +296,26 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
     if run.status is RunStatus.SUCCEEDED:
         # a successful run delivers all its batches; a success without it is an inconsistency
         return FailRun(head, run.run_id, f"run {run.run_id} succeeded without confirming batch {head.id}", now)
+    return Wait()
+
+
+def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
+    """The key of a warm run requested at ``now``: a tick evaluated again within the second asks for
+    the same run; a second warm run, should one start, finds another open run and ends at once."""
+    return f"pgstream-s{stream_id}-{incarnation}-warm-{int(now.timestamp())}"
+
+
+def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *,
+               in_failover: bool) -> Action:
+    """Nothing is open: with ``delivery.keep_warm`` the stream keeps an open run ready. A warm run that
+    ended without closing (failed, killed) is not replaced before the next batch: that batch's run
+    replaces it (:func:`_next`), so a run that cannot start does not fail again every second."""
+    if not stream.delivery.keep_warm or state.paused or in_failover:
+        return Wait()
+    if state.open_run_key is None:
+        return Warm(WarmRun(state.stream_id, warm_run_key(state.stream_id, state.incarnation, now)))
+    if run.status is RunStatus.NOT_FOUND:
+        return Warm(WarmRun(state.stream_id, state.open_run_key), again=True)
     return Wait()
 
 

@@ -28,7 +28,20 @@ from psycopg.rows import dict_row
 from ..config import StreamConfig, stream_object_name
 from ..sinks import Event
 from . import replication
-from .batches import Action, BatchStatus, Extend, FailRun, Launch, LeaveFailover, Reissue, RunOrder, StreamState, Wait
+from .batches import (
+    Action,
+    BatchStatus,
+    Extend,
+    FailRun,
+    Launch,
+    LeaveFailover,
+    Reissue,
+    RunOrder,
+    StreamState,
+    Wait,
+    Warm,
+    WarmRun,
+)
 from .batches import Batch as Batch  # ledger.Batch: the delivery job's name for it
 from .replication import DecodedEvent, Transaction
 
@@ -233,7 +246,7 @@ def mark_consumed(conn: psycopg.Connection, stream_id: int, through: dt.datetime
 # --- the stream's state: one read per decision (engine/batches.py decides) ------------------------
 
 _STATE = f"""
-select s.paused, s.failover_since, s.open_run_key, h.*,
+select s.paused, s.failover_since, s.open_run_key, s.incarnation::text as stream_incarnation, h.*,
        case when h.status = %(pending)s and not s.paused then (
            -- what a new run takes: the head, then pending batches while the events fit
            select array_agg(r.id order by r.id) from (
@@ -255,7 +268,7 @@ left join lateral (
 where s.id = %(stream_id)s
 """  # noqa: S608  (column lists, no input)
 
-_STREAM_FIELDS = ("paused", "failover_since", "open_run_key", "next_run", "last_delivered_launch")
+_STREAM_FIELDS = ("paused", "failover_since", "open_run_key", "next_run", "last_delivered_launch", "stream_incarnation")
 
 
 def stream_state(conn: psycopg.Connection, stream_id: int, max_events: int) -> StreamState:
@@ -270,7 +283,8 @@ def stream_state(conn: psycopg.Connection, stream_id: int, max_events: int) -> S
     return StreamState(stream_id, head=_batch(row) if row["id"] is not None else None, paused=bool(stream["paused"]),
                        failover_since=stream["failover_since"], open_run_key=stream["open_run_key"],
                        next_run=tuple(stream["next_run"] or ()),
-                       last_delivered_launch=stream["last_delivered_launch"])
+                       last_delivered_launch=stream["last_delivered_launch"],
+                       incarnation=str(stream["stream_incarnation"] or ""))
 
 
 def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: int) -> list[Batch]:
@@ -469,7 +483,14 @@ def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, re
         enter_failover(conn, head, error, retry_at)
 
 
-def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | None:
+def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+    """The run ``run_key`` (no batch yet) becomes the stream's open run, unless the stream has one."""
+    row = conn.execute("update pgstream.streams set open_run_key = %s where id = %s and open_run_key is null "
+                       "returning id", [run_key, stream_id]).fetchone()
+    return row is not None
+
+
+def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | WarmRun | None:
     """Carry out ``action`` (from :func:`~.batches.decide`) in the ledger; the run to request, if
     any. Reporting a dead run to Dagster (``FailRun.died``) is the caller's, before this."""
     match action:
@@ -478,6 +499,8 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
             return apply(conn, stream, then)
         case Wait():
             return None
+        case Warm(run=run, again=again):
+            return run if again or open_warm_run(conn, stream.id, run.run_key) else None
         case Launch(order=order, keep_open=keep_open, replaces=replaces):
             launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces)
             return order
