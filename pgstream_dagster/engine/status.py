@@ -69,7 +69,7 @@ def render_status(streams: list[dict[str, Any]]) -> str:
         else:
             lines.append("  dead letters: none open")
         if s.get("open_run_key"):
-            lines.append(f"  open run: {s['open_run_key']} (the sensor hands it every new batch)")
+            lines.append(f"  open run: {s['open_run_key']} (it takes every new batch)")
         if s["failover_since"]:
             lines.append(f"  failover since {s['failover_since']}: checkpoint event {s['failover_checkpoint_id']} "
                          f"(committed {s['failover_checkpoint_ts']}), {s['failover_attempts']} failed attempts, "
