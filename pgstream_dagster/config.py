@@ -78,6 +78,10 @@ class DeliveryConfig(_Model):
         1000, ge=0, le=100_000,
         description="ordering global: a round of at most this many events is read by the run's own connection "
                     "instead of a Spark job (a job costs 0.1-0.3 s and about half a CPU-second; 0: always Spark)")
+    report_every_secs: float = Field(5, ge=0, le=3600,
+                                     description="an open run reports its rounds to Dagster together (run log line, "
+                                                 "deliveries materialization, status observation) at most this "
+                                                 "often; the first round at once (0: every round)")
     max_run_secs: float = Field(1800, ge=1, le=7 * 86400,
                                 description="an open run takes no new batch after this long (a fresh run picks "
                                             "up configuration changes)")

@@ -71,9 +71,9 @@ def test_open_run_reads_the_slot_and_delivers_without_sensor_ticks(db_url: str, 
     run = Background(driver, request)
     _wait(lambda: (_slot_reader(db_url) or "").startswith("pgstream reader "))
     # from now on no tick: the run records, hands itself and delivers what commits
-    for wave in range(5):
+    for wave in range(5):  # a round each
         insert_events(db_url, STREAM, 40, 1000 * (wave + 1))
-    _wait(lambda: len(endpoint.unique()) >= 230)
+        _wait(lambda wave=wave: len(endpoint.unique()) >= 70 + 40 * wave)
     # a tick meanwhile finds the slot in use, reads nothing and requests nothing
     tick = driver.tick(STREAM)
     assert not tick.run_requests
@@ -90,6 +90,11 @@ def test_open_run_reads_the_slot_and_delivers_without_sensor_ticks(db_url: str, 
         assert c.execute("select count(*) from pgstream.batches where status <> %s",
                          [BatchStatus.DELIVERED]).fetchone() == (0,)
         assert c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone() == (None,)
+    # every round is in a materialization, but a materialization holds the rounds of report_every_secs
+    rounds = [e.event_specific_data.materialization.metadata for e in result.all_events
+              if e.event_type_value == "ASSET_MATERIALIZATION"]
+    assert sum(m["events"].value for m in rounds) == 230
+    assert sum(m["rounds"].value for m in rounds) >= 6 > len(rounds) >= 2
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     assert any("this open run reads slot pgstream_stream_1" in m for m in logs)
     assert any("stopped reading slot pgstream_stream_1: 200 events recorded" in m for m in logs)

@@ -116,25 +116,27 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
                                                                         run_key, conn) as reader:
         ledger.listen_runs(conn, stream.id)
         linger = _Linger(context, conn, stream, run_key, reader)
+        report = _Report(context, conn, stream, run_key)
         batches, frame, started = loaded.batches, loaded.frame, loaded.started
         after = 0
-        while True:
-            if batches:
-                delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream.database_url)
-                _report_round(context, stream.id, batches, delivered, started)
-                _observe_status(context, conn, stream.id, run_key)
-                after = batches[-1].id
-            reader.report()
-            batches = linger.next_batches(after)
-            if not batches:
-                break
-            earlier = ledger.earlier_open(conn, stream.id, batches[0].id)
-            if earlier is not None:  # the sensor hands over only what is next in line; never overtake
-                raise dg.Failure(f"batch {batches[0].id} would overtake open batch {earlier} of stream {stream.id}")
-            started = time.monotonic()
-            context.log.debug(f"stream {stream.id}: {len(batches)} more batches {batches[0].id}..{batches[-1].id}, "
-                              f"{sum(b.event_count for b in batches)} events")
-            frame = _load(pyspark, pgstream.database_url, stream, batches, conn)
+        try:
+            while True:
+                if batches:
+                    delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream.database_url)
+                    report.add(batches, delivered, started)
+                    after = batches[-1].id
+                reader.report()
+                batches = linger.next_batches(after)
+                if not batches:
+                    break
+                earlier = ledger.earlier_open(conn, stream.id, batches[0].id)
+                if earlier is not None:  # only what is next in line is handed over; never overtake
+                    raise dg.Failure(f"batch {batches[0].id} would overtake open batch {earlier} of stream "
+                                     f"{stream.id}")
+                started = time.monotonic()
+                frame = _load(pyspark, pgstream.database_url, stream, batches, conn)
+        finally:
+            report.flush()  # what was delivered before the run ended, however it ended
 
 
 class _Reader:
@@ -314,12 +316,9 @@ def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, str
     if missing:
         raise dg.Failure(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
     set_aside = ledger.count_dead_letters(conn, stream.id) - before if reject is not None else 0
-    context.log.info(f"stream {stream.id}: sink {stream.sink.type} confirmed {delivered - set_aside} events "
-                     f"of {len(batches)} batches" + (f"; {set_aside} rejected events set aside as dead letters "
-                                                      f"(pgstream-dagster dead-letters list {stream.id})"
-                                                      if set_aside else ""))
     if set_aside:
-        context.log.warning(f"stream {stream.id}: {set_aside} events were rejected by the sink and set aside")
+        context.log.warning(f"stream {stream.id}: {set_aside} events were rejected by the sink and set aside as "
+                            f"dead letters (pgstream-dagster dead-letters list {stream.id})")
     return delivered
 
 
@@ -396,36 +395,73 @@ def _deliver_by_key(context: dg.OpExecutionContext, conn: psycopg.Connection, st
     return result.total
 
 
-def _report_round(context: dg.OpExecutionContext, stream_id: int, batches: list[ledger.Batch], delivered: int,
-                  started: float) -> None:
-    """A materialization of the stream's deliveries asset for one round of batches."""
-    first, last = batches[0], batches[-1]
-    now = dt.datetime.now(dt.UTC)
-    metadata: dict[str, Any] = {
-        "batches": len(batches),
-        "first_batch_id": first.id,
-        "last_batch_id": last.id,
-        "kinds": ", ".join(sorted({b.kind for b in batches})),
-        "events": delivered,
-        "first_event_id": first.first_event_id,
-        "last_event_id": last.last_event_id,
-        "duration_secs": round(time.monotonic() - started, 3),
-    }
-    if first.first_commit_at is not None:
-        metadata["commit_to_delivery_lag_secs"] = round((now - first.first_commit_at).total_seconds(), 3)
-    context.log_event(dg.AssetMaterialization(
-        asset_key=deliveries_asset_key(stream_id),
-        description=f"batches {first.id}..{last.id} delivered", metadata=metadata))
+class _Report:
+    """What the run's rounds delivered, told to Dagster: a line in the run log, a materialization of
+    the stream's deliveries asset and an observation of its status asset (fresh counts without
+    waiting for the sensor). The first round is reported at once; later rounds of an open run
+    together, at most every ``delivery.report_every_secs`` and when the run ends, so a trickle of
+    single events does not become an event-log entry each."""
 
+    def __init__(self, context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig,
+                 run_key: str) -> None:
+        self.context, self.conn, self.stream, self.run_key = context, conn, stream, run_key
+        self.reported_at = -float("inf")
+        self._reset()
 
-def _observe_status(context: dg.OpExecutionContext, conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
-    """An observation of the stream status asset after a round: fresh counts (delivered today,
-    backlog) without waiting for the sensor."""
-    rows = stream_status(conn, stream_id, last=5)
-    if rows:
-        row = rows[0]
-        state = f"live: run {context.run_id} (this run)" if row.get("open_run_key") == run_key else None
-        context.log_event(status_observation(row, {}, state, observer=f"delivery run {context.run_id}"))
+    def _reset(self) -> None:
+        self.first: ledger.Batch | None = None
+        self.last: ledger.Batch | None = None
+        self.kinds: set[str] = set()
+        self.batches = self.events = self.rounds = 0
+        self.started = 0.0
+        self.max_lag: float | None = None
+
+    def add(self, batches: list[ledger.Batch], delivered: int, started: float) -> None:
+        now = dt.datetime.now(dt.UTC)
+        if self.first is None:
+            self.first, self.started = batches[0], started
+        self.last = batches[-1]
+        self.kinds |= {b.kind for b in batches}
+        self.batches += len(batches)
+        self.events += delivered
+        self.rounds += 1
+        if batches[0].first_commit_at is not None:
+            lag = (now - batches[0].first_commit_at).total_seconds()
+            self.max_lag = lag if self.max_lag is None else max(self.max_lag, lag)
+        if time.monotonic() - self.reported_at >= self.stream.delivery.report_every_secs:
+            self.flush()
+
+    def flush(self) -> None:
+        first, last = self.first, self.last
+        if first is None or last is None:
+            return
+        stream_id = self.stream.id
+        rounds = f" in {self.rounds} rounds" if self.rounds > 1 else ""
+        self.context.log.info(f"stream {stream_id}: sink {self.stream.sink.type} handled {self.events} events of "
+                              f"{self.batches} batches {first.id}..{last.id}{rounds}")
+        metadata: dict[str, Any] = {
+            "batches": self.batches,
+            "rounds": self.rounds,
+            "first_batch_id": first.id,
+            "last_batch_id": last.id,
+            "kinds": ", ".join(sorted(self.kinds)),
+            "events": self.events,
+            "first_event_id": first.first_event_id,
+            "last_event_id": last.last_event_id,
+            "duration_secs": round(time.monotonic() - self.started, 3),
+        }
+        if self.max_lag is not None:  # the slowest round's first batch: commit -> delivered
+            metadata["commit_to_delivery_lag_secs"] = round(self.max_lag, 3)
+        self.context.log_event(dg.AssetMaterialization(
+            asset_key=deliveries_asset_key(stream_id),
+            description=f"batches {first.id}..{last.id} delivered", metadata=metadata))
+        rows = stream_status(self.conn, stream_id, last=5)
+        if rows:
+            row = rows[0]
+            state = f"live: run {self.context.run_id} (this run)" if row.get("open_run_key") == self.run_key else None
+            self.context.log_event(status_observation(row, {}, state, observer=f"delivery run {self.context.run_id}"))
+        self.reported_at = time.monotonic()
+        self._reset()
 
 
 @dg.job(
