@@ -5,11 +5,13 @@ the stream's sink.
 range holds only the stream's open batches) and loads them with PySpark; ``deliver_batches``
 opens the stream's sink, publishes the batches in commit order (or per routing key) and marks each
 batch delivered as soon as the sink confirmed its last event, so a run that fails half-way keeps
-the progress it made. A run then stays open for ``delivery.linger_secs``: the sensor hands it
-every batch it records meanwhile, so fresh events are delivered by a warm process, Spark session
-and sink (one sink per run, closed when the run ends, however it ends). Each round of batches is a
-materialization of the stream's deliveries asset, followed by an observation of its status asset
-(fresh counts without waiting for the sensor).
+the progress it made. A run then stays open for ``delivery.linger_secs`` (a warm run,
+``delivery.keep_warm``, starts with no batch and stays open): it reads the stream's slot itself
+(:class:`_Reader`, ``delivery.read_slot``) and delivers every batch recorded meanwhile, so fresh
+events are delivered by a warm process and sink (one sink per run, closed when the run ends,
+however it ends); rounds small enough (``delivery.direct_max_events``) are read without Spark. The
+rounds are reported (:class:`_Report`) as materializations of the stream's deliveries asset, each
+followed by an observation of its status asset (fresh counts without waiting for the sensor).
 
 The ordered publish loop (:func:`pgstream_dagster.engine.spark.deliver_in_order`) yields what the
 sink confirmed; the run writes it to the ledger before anything more is published:
@@ -98,9 +100,9 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
 
 
 @dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
-                   "as soon as the sink confirmed all its events. While the run is open (delivery.linger_secs) "
-                   "it also delivers every batch the sensor hands it, through the same sink; each round is a "
-                   "materialization.")
+                   "as soon as the sink confirmed all its events. While the run is open (delivery.linger_secs, "
+                   "keep_warm) it reads the stream's slot and delivers what commits, through the same sink; "
+                   "rounds are reported as materializations.")
 def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstream: dg.ResourceParam[PgstreamResource],
                     pyspark: LazyPySparkResource) -> None:
     stream = pgstream.stream(loaded.stream_id)
