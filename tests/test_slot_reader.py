@@ -252,6 +252,13 @@ def test_reader_survives_its_slot_being_dropped(db_url: str, tmp_path: Path) -> 
         insert_events(db_url, STREAM, 60, 2000)  # the reader reads the new slot
         _wait(lambda: len(_ledger_ids(db_url)) == 260)
         _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
+        # its ledger connection breaks (a database restart, an operator's pg_terminate_backend): it reconnects
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute("select pg_terminate_backend(pid) from pg_stat_activity "
+                      "where application_name = 'pgstream reader t' and backend_type = 'client backend'")
+        _wait(lambda: any("lost its database connection" in n for n in stats.notes))
+        insert_events(db_url, STREAM, 40, 3000)
+        _wait(lambda: len(_ledger_ids(db_url)) == 300)
     finally:
         stop.set()
         reader.join(timeout=10)

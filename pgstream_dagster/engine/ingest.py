@@ -180,37 +180,51 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
     While the sensor's peek holds the slot, or the slot is missing or lost (the sensor replaces it
     and recovers from the table), or its recovery is pending, it waits and tries again. A connection
     that breaks is opened again: the server sends again what was not confirmed, and what the ledger
-    already has is dropped (:func:`unrecorded`)."""
+    already has is dropped (:func:`unrecorded`); so is the ledger connection (a database restart)."""
     pause = wait or stop.wait
-    with psycopg.connect(database_url, autocommit=True, application_name=application_name) as conn:
-        problem: str | None = None
-        while not stop.is_set():
-            if not ledger.run_is_open(conn, stream.id, run_key):
+    while not stop.is_set():
+        try:
+            with psycopg.connect(database_url, autocommit=True, application_name=application_name) as conn:
+                _read_slot(conn, database_url, stream, run_key, stop, stats, application_name, pause)
                 return
-            if ledger.recovery_pending(conn, stream.id):
-                pause(FOLLOW_CHECK_SECS)
-                continue
-            try:
-                source = replication.ReplicationStream(database_url, stream.slot, stream.publication,
-                                                       application_name)
-            except replication.SlotBusy:
-                pause(0.1)  # the sensor's peek: it sees the slot in use from now on
-                continue
-            except (replication.SlotGone, ConnectionError) as exc:
-                if str(exc) != problem:
-                    problem = str(exc)
-                    stats.notes.append(f"reading slot {stream.slot} failed ({exc}); trying again")
-                pause(FOLLOW_CHECK_SECS)
-                continue
-            problem = None
-            try:
-                if not _follow(conn, source, stream, run_key, stop, stats):
-                    return
-            except (replication.SlotGone, psycopg2.Error) as exc:
-                stats.notes.append(f"reading slot {stream.slot} stopped ({str(exc).strip()[:300]}); trying again")
-                pause(FOLLOW_CHECK_SECS)
-            finally:
-                source.close()
+        except psycopg.OperationalError as exc:
+            stats.notes.append(f"the slot reader lost its database connection ({str(exc).strip()[:300]}); "
+                               "trying again")
+            pause(FOLLOW_CHECK_SECS)
+
+
+def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig, run_key: str,
+               stop: threading.Event, stats: FollowStats, application_name: str,
+               pause: Callable[[float], bool]) -> None:
+    """:func:`follow` on one ledger connection: returns once stopped or the run is no longer open."""
+    problem: str | None = None
+    while not stop.is_set():
+        if not ledger.run_is_open(conn, stream.id, run_key):
+            return
+        if ledger.recovery_pending(conn, stream.id):
+            pause(FOLLOW_CHECK_SECS)
+            continue
+        try:
+            source = replication.ReplicationStream(database_url, stream.slot, stream.publication,
+                                                   application_name)
+        except replication.SlotBusy:
+            pause(0.1)  # the sensor's peek: it sees the slot in use from now on
+            continue
+        except (replication.SlotGone, ConnectionError) as exc:
+            if str(exc) != problem:
+                problem = str(exc)
+                stats.notes.append(f"reading slot {stream.slot} failed ({exc}); trying again")
+            pause(FOLLOW_CHECK_SECS)
+            continue
+        problem = None
+        try:
+            if not _follow(conn, source, stream, run_key, stop, stats):
+                return
+        except (replication.SlotGone, psycopg2.Error) as exc:
+            stats.notes.append(f"reading slot {stream.slot} stopped ({str(exc).strip()[:300]}); trying again")
+            pause(FOLLOW_CHECK_SECS)
+        finally:
+            source.close()
 
 
 def _follow(conn: psycopg.Connection, source: replication.ReplicationStream, stream: StreamConfig, run_key: str,
