@@ -20,10 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
-import psycopg2
 
 from ..config import StreamConfig
-from . import ledger, replication
+from . import ledger, replication, walstream
 
 
 @dataclass
@@ -205,12 +204,12 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
             pause(FOLLOW_CHECK_SECS)
             continue
         try:
-            source = replication.ReplicationStream(database_url, stream.slot, stream.publication,
+            source = walstream.ReplicationStream(database_url, stream.slot, stream.publication,
                                                    application_name)
-        except replication.SlotBusy:
+        except walstream.SlotBusy:
             pause(0.1)  # the sensor's peek: it sees the slot in use from now on
             continue
-        except (replication.SlotGone, ConnectionError) as exc:
+        except (walstream.SlotGone, walstream.StreamBroken, ConnectionError) as exc:
             if str(exc) != problem:
                 problem = str(exc)
                 stats.notes.append(f"reading slot {stream.slot} failed ({exc}); trying again")
@@ -220,14 +219,14 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
         try:
             if not _follow(conn, source, stream, run_key, stop, stats):
                 return
-        except (replication.SlotGone, psycopg2.Error) as exc:
+        except (walstream.SlotGone, walstream.StreamBroken) as exc:
             stats.notes.append(f"reading slot {stream.slot} stopped ({str(exc).strip()[:300]}); trying again")
             pause(FOLLOW_CHECK_SECS)
         finally:
             source.close()
 
 
-def _follow(conn: psycopg.Connection, source: replication.ReplicationStream, stream: StreamConfig, run_key: str,
+def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, stream: StreamConfig, run_key: str,
             stop: threading.Event, stats: FollowStats) -> bool:
     """One replication connection's life; false once the run is no longer the open run."""
     decoder = replication.PgOutputDecoder()

@@ -4,9 +4,9 @@
   the stream's publication), records what it read in the ledger, and only then *advances* the slot
   with ``pg_replication_slot_advance``. Each peek and each advance decodes the WAL again from the
   slot's ``restart_lsn``: cheap between runs, costly when repeated every tenth of a second.
-* An open delivery run *streams* (:class:`ReplicationStream`): the replication protocol, through
-  psycopg2 (psycopg 3 has none), decodes each transaction once and sends it as it commits; the
-  reader confirms a position only after what precedes it is recorded in the ledger.
+* An open delivery run *streams* (``walstream.ReplicationStream``): the replication protocol,
+  through psycopg2 (psycopg 3 has none), decodes each transaction once and sends it as it commits;
+  the reader confirms a position only after what precedes it is recorded in the ledger.
 
 Logical decoding returns transactions in commit order, whole; that order is the delivery order.
 """
@@ -14,18 +14,12 @@ Logical decoding returns transactions in commit order, whole; that order is the 
 from __future__ import annotations
 
 import datetime as dt
-import select
 import struct
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import psycopg
-import psycopg2
-import psycopg2.errors
-import psycopg2.extensions
-import psycopg2.extras
 
 _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 
@@ -247,85 +241,3 @@ def advance_at_least(conn: psycopg.Connection, slot: str, lsn: int) -> None:
                  "where slot_name = %s and database = current_database() and confirmed_flush_lsn < %s::pg_lsn",
                  [int_to_lsn(lsn), slot, int_to_lsn(lsn)])
 
-
-class SlotBusy(RuntimeError):
-    """The slot is in use by another connection (the sensor's peek, or another reader)."""
-
-
-class SlotGone(RuntimeError):
-    """The slot or its publication does not exist, or the slot was invalidated: the sensor replaces it."""
-
-
-class ReplicationStream:
-    """The stream's slot over the replication protocol (psycopg2's ``LogicalReplicationConnection``):
-    pgoutput messages of the publication, from the slot's confirmed position on, each transaction
-    decoded once by the server and sent when it commits.
-
-    Nothing is confirmed implicitly: :meth:`confirm` moves the slot (``flush_lsn``), so a reader that
-    dies before confirming gets the same transactions again on the next start. ``wal_end`` is how far
-    the server has sent: with nothing received left unrecorded, every transaction committed before it
-    has been seen."""
-
-    #: messages read per :meth:`read` at most (then the caller records what it has)
-    MAX_MESSAGES = 20_000
-
-    def __init__(self, database_url: str, slot: str, publication: str, application_name: str) -> None:
-        try:
-            self._conn = psycopg2.connect(database_url, application_name=application_name,
-                                          connection_factory=psycopg2.extras.LogicalReplicationConnection)
-        except psycopg2.OperationalError as exc:
-            raise ConnectionError(f"cannot open a replication connection: {str(exc).strip()[:300]}") from None
-        self._cur: psycopg2.extras.ReplicationCursor = self._conn.cursor()
-        self.confirmed = 0
-        try:
-            self._cur.start_replication(slot_name=slot, decode=False, status_interval=10, options={
-                "proto_version": "1", "publication_names": publication})
-        except psycopg2.errors.ObjectInUse:
-            self.close()
-            raise SlotBusy(f"slot {slot} is in use by another connection") from None
-        except (psycopg2.errors.UndefinedObject, psycopg2.errors.ObjectNotInPrerequisiteState) as exc:
-            self.close()
-            raise SlotGone(f"slot {slot}: {str(exc).strip()[:300]}") from None
-
-    @property
-    def wal_end(self) -> int:
-        return int(self._cur.wal_end or 0)
-
-    def read(self, timeout: float) -> list[bytes]:
-        """The messages available now, waiting up to ``timeout`` seconds for the first."""
-        messages: list[bytes] = []
-        deadline = time.monotonic() + timeout
-        while len(messages) < self.MAX_MESSAGES:
-            message = self._read_one()
-            if message is not None:
-                messages.append(message)
-                continue
-            remaining = deadline - time.monotonic()
-            if messages or remaining <= 0:
-                break
-            select.select([self._cur], [], [], remaining)
-        return messages
-
-    def _read_one(self) -> bytes | None:
-        try:
-            message = self._cur.read_message()
-        except (psycopg2.errors.UndefinedObject, psycopg2.errors.ObjectNotInPrerequisiteState) as exc:
-            raise SlotGone(str(exc).strip()[:300]) from None
-        if message is None:
-            return None
-        payload = message.payload
-        return payload if isinstance(payload, bytes) else bytes(payload, "utf-8")
-
-    def confirm(self, lsn: int, *, reply: bool = False) -> None:
-        """Everything before ``lsn`` is recorded: the slot may release it. ``reply``: ask the server
-        for a keepalive now (it refreshes :attr:`wal_end`)."""
-        self.confirmed = max(self.confirmed, lsn)
-        # types-psycopg2 leaves send_feedback untyped
-        self._cur.send_feedback(  # type: ignore[no-untyped-call]
-            write_lsn=self.confirmed, flush_lsn=self.confirmed, reply=reply, force=True)
-
-    def close(self) -> None:
-        try:
-            self._conn.close()
-        except psycopg2.Error:
-            pass
