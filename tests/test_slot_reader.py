@@ -185,13 +185,19 @@ def test_reader_killed_while_recording_loses_nothing_and_records_nothing_twice(d
     assert set(recorded) == set(written) and len(written) > 900  # none lost
 
 
-def test_reader_hands_batches_to_its_run_confirms_and_stops_when_the_run_closes(db_url: str, tmp_path: Path) -> None:
-    stream = _engine_stream(tmp_path, db_url)
-    _open_stream(db_url)
+def _start_reader(url: str, tmp_path: Path) -> tuple[Any, threading.Thread, threading.Event, ingest.FollowStats]:
+    """The stream with an open run, and :func:`ingest.follow` for it in a thread ("pgstream reader t")."""
+    stream = _engine_stream(tmp_path, url)
+    _open_stream(url)
     stop, stats = threading.Event(), ingest.FollowStats()
-    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, RUN_KEY, stop, stats),
+    reader = threading.Thread(target=ingest.follow, args=(url, stream, RUN_KEY, stop, stats),
                               kwargs={"application_name": "pgstream reader t"})
     reader.start()
+    return stream, reader, stop, stats
+
+
+def test_reader_hands_batches_to_its_run_confirms_and_stops_when_the_run_closes(db_url: str, tmp_path: Path) -> None:
+    stream, reader, _stop, stats = _start_reader(db_url, tmp_path)
     _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
     with psycopg.connect(db_url, autocommit=True) as c:
         # the sensor's peek meanwhile: the slot is in use, nothing is read twice
@@ -228,12 +234,7 @@ def _all_ids(url: str) -> list[int]:
 
 
 def test_reader_survives_its_slot_being_dropped(db_url: str, tmp_path: Path) -> None:
-    stream = _engine_stream(tmp_path, db_url)
-    _open_stream(db_url)
-    stop, stats = threading.Event(), ingest.FollowStats()
-    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, RUN_KEY, stop, stats),
-                              kwargs={"application_name": "pgstream reader t"})
-    reader.start()
+    stream, reader, stop, stats = _start_reader(db_url, tmp_path)
     try:
         _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
         insert_events(db_url, STREAM, 120)
