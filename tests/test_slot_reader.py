@@ -20,7 +20,7 @@ import pytest
 
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.names import WARM_TAG
-from pgstream_dagster.engine import ingest, ledger, replication, spark
+from pgstream_dagster.engine import ingest, ledger, migrations, replication, spark
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.publish import owed_spans
 
@@ -330,3 +330,18 @@ def _open_run_key(url: str) -> str | None:
     with psycopg.connect(url) as c:
         row = c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone()
     return row[0] if row else None
+
+
+def test_tear_down_ends_a_reading_run_and_drops_its_slot(db_url: str, tmp_path: Path) -> None:
+    _stream, reader, stop, _stats = _start_reader(db_url, tmp_path)
+    try:
+        _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
+        removed = migrations.tear_down(db_url)
+        assert "replication slot pgstream_stream_1" in removed
+        reader.join(timeout=15)  # its next look at the ledger finds no pgstream schema: it ends
+        assert not reader.is_alive()
+        with psycopg.connect(db_url) as c:
+            assert c.execute("select count(*) from pg_replication_slots").fetchone() == (0,)
+    finally:
+        stop.set()
+        reader.join(timeout=15)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,6 +312,15 @@ def dependent_objects(conn: psycopg.Connection) -> list[str]:
     return [r[0] for r in conn.execute(_DEPENDENTS).fetchall()]
 
 
+def _wait_slot_released(conn: psycopg.Connection, slot: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = conn.execute("select active_pid from pg_replication_slots where slot_name = %s", [slot]).fetchone()
+        if row is None or row[0] is None:
+            return
+        time.sleep(0.05)
+
+
 def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
     """Remove every trace of pgstream from the database and return what was removed.
 
@@ -370,7 +380,9 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
             "and database = current_database() order by 1", [sorted(slots), _OWN_NAME]
         ).fetchall():
             if pid is not None:
-                conn.execute("select pg_terminate_backend(%s)", [pid])
+                # an open run's reader (a walsender) holds it: ended, it lets go of the slot within moments
+                conn.execute("select pg_terminate_backend(%s, 10000)", [pid])
+                _wait_slot_released(conn, slot)
             conn.execute("select pg_drop_replication_slot(%s)", [slot])
             removed.append(f"replication slot {slot}")
         # the role is the cluster's: it stays while pgstream in another database uses it
