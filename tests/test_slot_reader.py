@@ -23,6 +23,7 @@ from pgstream_dagster.defs.names import WARM_TAG
 from pgstream_dagster.engine import ingest, ledger, migrations, replication, spark
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.publish import owed_spans
+from pgstream_dagster.engine.status import render_status, stream_status
 
 from .support.endpoint import Endpoint
 from .support.faults import sent_ids
@@ -77,6 +78,8 @@ def test_open_run_reads_the_slot_and_delivers_without_sensor_ticks(db_url: str, 
     # a tick meanwhile finds the slot in use, reads nothing and requests nothing
     tick = driver.tick(STREAM)
     assert not tick.run_requests
+    with psycopg.connect(db_url) as c:  # the operator sees who reads the slot
+        assert f"open run: {request.run_key} (it reads the slot: " in render_status(stream_status(c, STREAM))
     result = run.wait(timeout=60)  # idle for linger_secs: it stops reading, closes and succeeds
     assert result.success
     sent = sent_ids(db_url)

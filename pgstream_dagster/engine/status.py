@@ -11,7 +11,10 @@ from psycopg.rows import dict_row
 from .batches import BatchStatus
 
 _STREAMS = """
-select ss.*, st.open_run_key
+select ss.*, st.open_run_key,
+       (select a.application_name from pg_catalog.pg_replication_slots rs
+        join pg_catalog.pg_stat_activity a on a.pid = rs.active_pid
+        where rs.slot_name = ss.slot_name and rs.database = pg_catalog.current_database()) as slot_reader
 from pgstream.stream_status ss join pgstream.streams st on st.id = ss.id
 where %(stream_id)s::bigint is null or ss.id = %(stream_id)s::bigint
 order by ss.id
@@ -69,7 +72,10 @@ def render_status(streams: list[dict[str, Any]]) -> str:
         else:
             lines.append("  dead letters: none open")
         if s.get("open_run_key"):
-            lines.append(f"  open run: {s['open_run_key']} (it takes every new batch)")
+            reader = str(s.get("slot_reader") or "")
+            how = (f"it reads the slot: {reader.removeprefix('pgstream reader ')}"
+                   if reader.startswith("pgstream reader ") else "it takes every new batch")
+            lines.append(f"  open run: {s['open_run_key']} ({how})")
         if s["failover_since"]:
             lines.append(f"  failover since {s['failover_since']}: checkpoint event {s['failover_checkpoint_id']} "
                          f"(committed {s['failover_checkpoint_ts']}), {s['failover_attempts']} failed attempts, "
