@@ -6,8 +6,12 @@ retry, or the next run) skips it, and the counts it returns cover every event ex
 from __future__ import annotations
 
 import datetime as dt
+import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -17,6 +21,8 @@ import pytest
 from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.spark import _publish_partition
 from pgstream_dagster.sinks import MemorySink, MemorySinkConfig, SinkError
+
+from .support.dagster_dev import repo_root
 
 CHUNK = 4
 PARTITIONS = 3
@@ -94,3 +100,25 @@ def test_a_task_stops_once_its_run_no_longer_holds_the_delivery_lease(db_url: st
         with pytest.raises(ledger.RunGone, match="run r-1 no longer holds the delivery lease"):
             progress.record(task, [0], 1, 8)
         assert progress.read(task) == {0: (1, 4)}  # nothing recorded once the run is gone
+
+
+def test_spark_retries_a_failed_by_key_task_and_the_retry_resumes_per_key(db_url: str, dagster_storage_url: str,
+                                                                         tmp_path: Path) -> None:
+    """End to end with Spark's own task retries (``local[2,3]``): the sink refuses one chunk in the
+    middle of a partition, Spark runs the task again within the same run, and the retry publishes only
+    what no attempt confirmed: every event exactly once, in order per key, one successful run."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"tmp": str(tmp_path), "db_url": db_url, "dagster_storage_url": dagster_storage_url}))
+    child = subprocess.run([sys.executable, "-m", "tests.support.by_key_retry_child", str(spec)],
+                           cwd=repo_root(), capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-6000:]
+    result = json.loads(Path(str(spec) + ".out").read_text())
+    assert result["runs"] == [True]  # no failover: Spark's retry finished the run
+    assert result["refused_answers"] == 1
+    accepted, sent = result["accepted"], result["sent"]
+    assert len(sent) == 400 and sorted(accepted) == sent  # each event once: the retry skipped what was confirmed
+    groups = {int(k): v for k, v in result["groups"].items()}
+    for key in set(groups.values()):  # commit (id) order within each key
+        mine = [i for i in accepted if groups[i] == key]
+        assert mine == sorted(mine)
+    assert any("confirmed by an interrupted attempt were not published again" in m for m in result["messages"])
