@@ -9,7 +9,8 @@ Per phase: fresh databases, `dagster dev` started with the repo's dagster.yaml a
 once the sensor has created the slot, one warm-up row (its latency is the cold start: run launch +
 Spark start), then a writer commits one row every ``--interval`` s for ``--duration`` s. Reports
 p50/p95/p99/max of receipt - commit, the number of delivery runs, and appends to bench/RESULTS.md.
-Usage: python bench/latency_dev.py [--duration 60] [--interval 0.2] [--phases 0,120,120+connect]
+Usage: python bench/latency_dev.py [--duration 60] [--interval 0.2]
+       [--phases 120+connect+peek,120+connect,10+connect+warm]
 """
 
 from __future__ import annotations
@@ -54,14 +55,19 @@ def _wait(what: str, done: Any, timeout: float) -> float:
 def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: argparse.Namespace,
            base: int) -> dict[str, Any]:
     linger = float(spec.split("+")[0])
-    connect = spec.endswith("+connect")
-    name = f"latency_dev_{int(linger)}{'_connect' if connect else ''}"
+    flags = set(spec.split("+")[1:])
+    connect, peek, warm = "connect" in flags, "peek" in flags, "warm" in flags
+    name = f"latency_dev_{int(linger)}" + "".join(f"_{f}" for f in sorted(flags))
     pg.create_database(name)
     pg.create_database(f"{name}_dagster")
     url = pg.url_for(name)
     migrate(url)
     stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"}, "slot_name": name,
               "delivery": {"linger_secs": linger}}
+    if peek:  # the path before the slot reader: the sensor peeks and hands batches over, a Spark job per round
+        stream["delivery"].update(read_slot=False, direct_max_events=0)
+    if warm:
+        stream["delivery"]["keep_warm"] = True
     server = None
     spark: dict[str, Any] = {"master": "local[2]"}
     if connect:
@@ -99,6 +105,15 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
         committed = {int(k): v for k, v in json.loads(out.read_text()).items()}
         _wait("every event at the webhook",
               lambda: set(committed) <= {s for s, _ in webhook.received()}, args.duration + 300)
+        quiet = None
+        if warm:  # the first event after a quiet spell longer than linger_secs
+            time.sleep(linger + 3)
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute("insert into public.bench_orders (seq, customer, amount) values (%s, 'quiet', 0)",
+                             [base - 2])
+                committed_at = time.time()
+            _wait("the event after a quiet spell", lambda: any(s == base - 2 for s, _ in webhook.received()), 300)
+            quiet = next(t for s, t in webhook.received() if s == base - 2) - committed_at
         with psycopg.connect(dagster_url.replace("+psycopg2", ""), autocommit=True) as conn:
             (runs,) = conn.execute("select count(*) from runs where pipeline_name = 'pgstream_delivery'").fetchone()
     finally:
@@ -109,16 +124,23 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
     lat = [received[s] - committed[s] for s in committed if s in received]
     return {"events": len(committed), "missing": len(committed) - len(lat), "p50": _pct(lat, 0.5),
             "p95": _pct(lat, 0.95), "p99": _pct(lat, 0.99), "max": max(lat), "runs": runs, "cold": cold,
-            "ready": ready}
+            "ready": ready, "quiet": quiet}
+
+
+_FLAG_LABELS = {"connect": ", Spark Connect server",
+                "peek": ", read_slot false + direct_max_events 0 (the sensor peeks; a Spark job per round)",
+                "warm": ", keep_warm"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=60)
     parser.add_argument("--interval", type=float, default=0.2)
-    parser.add_argument("--phases", default="0,120,120+connect",
+    parser.add_argument("--phases", default="120+connect+peek,120+connect,10+connect+warm",
                         help="delivery.linger_secs values to compare; +connect: runs use a Spark Connect server "
-                             "started for the phase (spark.remote)")
+                             "started for the phase (spark.remote); +peek: the sensor reads the slot and every "
+                             "round is a Spark job (read_slot false, direct_max_events 0: before the slot reader); "
+                             "+warm: delivery.keep_warm, and the first event after a quiet spell > linger_secs")
     args = parser.parse_args()
     header = machine()
     results: dict[str, dict[str, Any]] = {}
@@ -141,17 +163,20 @@ def main() -> None:
              "QueuedRunCoordinator, DefaultRunLauncher: a run is a subprocess with its own Spark session local[2], "
              "Postgres storage); one row per transaction into a table with an INSERT subscription; latency = "
              "webhook receipt (batch mode, receiver in a child process) - commit returned to the writer; cold = "
-             "the warm-up event's latency (run launch + Spark start); defaults otherwise (max_fill_secs "
+             "the warm-up event's latency (run launch, plus Spark start if the round needs it); defaults otherwise "
+             "(max_fill_secs "
              f"{BatchConfig().max_fill_secs:g}, tick_budget_secs {SensorConfig().tick_budget_secs:g}). "
              "Phases one after the other in one run."]
     first = next(iter(results.values()))
     for spec, r in results.items():
         ratio = "baseline" if r is first else f"{first['p50'] / r['p50']:.1f}x faster than the first"
-        label = f"linger_secs {spec.split('+')[0]}" + (", Spark Connect server" if spec.endswith("+connect") else "")
-        lines.append(f"- {label}: p50 {r['p50']:.2f}s ({ratio}), p95 {r['p95']:.2f}s, "
-                     f"p99 {r['p99']:.2f}s, "
-                     f"max {r['max']:.2f}s over {r['events']} events ({r['missing']} missing); {r['runs']} delivery "
-                     f"runs; cold start (first event) {r['cold']:.1f}s")
+        flags = spec.split("+")[1:]
+        label = f"linger_secs {spec.split('+')[0]}" + "".join(_FLAG_LABELS[f] for f in flags)
+        quiet = f"; first event after a quiet spell > linger_secs {r['quiet']:.2f}s" if r["quiet"] is not None else ""
+        lines.append(f"- {label}: p50 {r['p50'] * 1000:.0f} ms ({ratio}), p95 {r['p95'] * 1000:.0f} ms, "
+                     f"p99 {r['p99'] * 1000:.0f} ms, max {r['max'] * 1000:.0f} ms over {r['events']} events "
+                     f"({r['missing']} missing); {r['runs']} delivery runs; cold start (first event once the sensor "
+                     f"created the slot, {r['ready']:.1f}s after dg dev started) {r['cold']:.1f}s{quiet}")
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
