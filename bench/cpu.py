@@ -176,6 +176,7 @@ class Meter:
     peek_messages: int = 0
     advance_pg: float = 0.0
     advance_calls: int = 0
+    walsender_pg: float = 0.0  # open runs' slot readers: their WAL senders decode (delivery.read_slot)
     decode_py: float = 0.0
     publish_py: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
@@ -295,20 +296,37 @@ def open_phase(driver: Driver, url: str, target: int, timeout: float) -> Deliver
     jvm = _spark_jvm_pid() or 0
     py0, proc0, sp0, jv0 = time.thread_time(), time.process_time(), tree_secs(jvm), own_secs(jvm)
     started = time.monotonic()
+    senders: dict[int, float] = {}  # WAL sender pid -> its CPU when last sampled (it exits with its run)
+    sampled = 0.0
     with psycopg.connect(url, autocommit=True) as conn:
         while delivered_events(conn, 1) < target:
             if time.monotonic() - started > timeout:
                 raise SystemExit(f"not delivered after {timeout:.0f}s")
             totals.ticks += 1
+            if time.monotonic() - sampled >= 0.25:
+                sampled = time.monotonic()
+                _sample_senders(conn, senders)
             if not driver.step(1):
                 time.sleep(0.05)
+        _sample_senders(conn, senders)
     driver.wait()  # the open run closes once idle for linger_secs
+    METER.walsender_pg += sum(senders.values())
     totals.wall = time.monotonic() - started
     totals.tick_py = time.thread_time() - py0
     totals.run_py = time.process_time() - proc0 - totals.tick_py
     totals.run_spark, totals.run_jvm = tree_secs(jvm) - sp0, own_secs(jvm) - jv0
     totals.runs, totals.failed = driver.runs, driver.failed
     return totals
+
+
+def _sample_senders(conn: psycopg.Connection, senders: dict[int, float]) -> None:
+    """The CPU of the open runs' WAL senders so far (a sender is new when its run starts reading)."""
+    for (pid,) in conn.execute("select pid from pg_stat_activity where backend_type = 'walsender' "
+                               "and application_name like 'pgstream reader %'").fetchall():
+        try:
+            senders[int(pid)] = sched_secs(int(pid))
+        except OSError:  # it ended meanwhile: its last sample stands
+            pass
 
 
 def decode_once(url: str, slot: str, publication: str) -> dict[str, float]:
@@ -350,6 +368,7 @@ def rows_of(r: dict[str, Any]) -> list[tuple[str, float]]:
         ("write: other Postgres processes (WAL writer, checkpointer...)", w1["postgres_other"] / n),
         ("decode in Postgres: peeks", d["peek_pg"] / n),
         ("decode in Postgres: slot advances", d["advance_pg"] / n),
+        ("decode in Postgres: open runs' WAL senders (replication protocol)", d.get("walsender_pg", 0.0) / n),
         ("  one decoding pass of the same WAL (reference slot)", once["pg"] / n),
         (sensor_pg, d["tick_pg_other"] / n),
         ("sensor in Python: reading/recording (tick thread)", d["tick_py"] / n),
@@ -365,7 +384,7 @@ def rows_of(r: dict[str, Any]) -> list[tuple[str, float]]:
 def summary(r: dict[str, Any]) -> dict[str, float]:
     n = r["events"] / PER
     d = r["deliver"]
-    decode = d["peek_pg"] + d["advance_pg"]
+    decode = d["peek_pg"] + d["advance_pg"] + d.get("walsender_pg", 0.0)
     pipeline = (decode + d["tick_pg_other"] + d["tick_py"] + d["run_spark"] + d["run_pg"] + d["run_py_other"]
                 + d["publish_py"])
     writing = r["write_subscribed"]["backends"]
@@ -417,6 +436,11 @@ def main() -> None:
     parser.add_argument("--open", action="store_true",
                         help="with --overlap: runs in a thread and stay open (linger_secs 3) while the sensor "
                              "ticks, as the daemon and a run worker overlap (the sensor then peeks far more often)")
+    parser.add_argument("--peek", action="store_true",
+                        help="delivery.read_slot false: the sensor peeks the slot even while a run is open (before "
+                             "the slot reader)")
+    parser.add_argument("--direct-max-events", type=int, default=1000,
+                        help="delivery.direct_max_events (0: every round is a Spark job, as before)")
     parser.add_argument("--label", default="", help="what this run measures (e.g. 'before', 'after')")
     parser.add_argument("--json", type=Path, help="also write the JSON result to this file")
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
@@ -451,7 +475,8 @@ def main() -> None:
                       "batch": {"max_size": args.batch_size, "max_fill_secs": 1.0},
                       "sensor": {"tick_budget_secs": 2},
                       "delivery": {"chunk_size": args.chunk, "max_events_per_run": args.max_events_per_run,
-                                   "linger_secs": 3 if args.open else 0}}
+                                   "linger_secs": 3 if args.open else 0,
+                                   "read_slot": not args.peek, "direct_max_events": args.direct_max_events}}
             config_path = write_config(tmpdir / "cpu.yaml", url, stream)
             cfg = load_config(config_path).streams[0]
             with psycopg.connect(url, autocommit=True) as conn:
@@ -503,7 +528,7 @@ def main() -> None:
                 m = METER
                 if args.statements:
                     result["statements"] = top_statements(url, args.statements)
-            decode = m.peek_pg + m.advance_pg
+            decode = m.peek_pg + m.advance_pg + m.walsender_pg
             if args.overlap:
                 # Postgres' CPU is not split by window: what is not the writers' or decoding is the pipeline's
                 pg_other = result["write_subscribed"].pop("postgres_other") - decode
@@ -514,7 +539,7 @@ def main() -> None:
             result["overlap"] = args.overlap
             result["deliver"] = {
                 "peek_pg": m.peek_pg, "peek_calls": m.peek_calls, "peek_messages": m.peek_messages,
-                "advance_pg": m.advance_pg, "advance_calls": m.advance_calls,
+                "advance_pg": m.advance_pg, "advance_calls": m.advance_calls, "walsender_pg": m.walsender_pg,
                 "tick_pg_other": tick_pg_other, "tick_py": totals.tick_py,
                 "decode_py": m.decode_py, "ticks": totals.ticks,
                 "run_spark": totals.run_spark, "run_jvm": totals.run_jvm, "run_pg": run_pg,
@@ -544,7 +569,8 @@ def main() -> None:
         "in-process "
         f"({driving}, "
         "execute_in_process; Spark local[2], warm; batch.max_size "
-        f"{args.batch_size}, chunk {args.chunk}, max_events_per_run {args.max_events_per_run}) until all "
+        f"{args.batch_size}, chunk {args.chunk}, max_events_per_run {args.max_events_per_run}, read_slot "
+        f"{str(not args.peek).lower()}, direct_max_events {args.direct_max_events}) until all "
         f"{n:,} are in the file sink (counted: {result['sink_lines'] - 1:,} lines after the warm-up event); "
         "CPU from /proc (Postgres backends: schedstat; process trees: utime+stime+reaped children) and "
         f"thread_time in the driver. Writes took {result['write_plain']['wall']:.1f}s (plain) and "
