@@ -184,3 +184,56 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
         assert "stream 9 does not exist" in capsys.readouterr().err
     finally:
         endpoint.down()
+
+
+def test_replay_to_a_file_writes_what_the_sink_writes_without_spark(db_url: str, tmp_path: Path,
+                                                                    instance: dg.DagsterInstance) -> None:
+    """A file sink takes the lines Postgres renders (engine.replay.EVENT_JSON_LINE): byte for byte what
+    the file sink writes for the same events read through Spark, for payloads and metadata that are
+    hard to render (escapes, control characters, non-ASCII, huge numbers, JSON null, no metadata) and
+    timestamps with and without microseconds; no Spark session is started."""
+    from pyspark.sql import SparkSession
+
+    from .support.harness import replay_through_spark
+
+    with psycopg.connect(db_url) as c:
+        c.execute("insert into pgstream.streams (id) values (1)")
+        backdated(c, """
+            insert into pgstream.events (payload, metadata, stream_id, created_at) values
+              ('{"tg_name": "a", "s": "quote \\" backslash \\\\ newline \\n tab \\t ctl \\u0001 </script>"}',
+               null, 1, '2026-01-02 03:04:05+00'),
+              ('{"tg_name": "a", "s": "é 😀 \\u2028", "n": 1e400, "f": -0.000001, "arr": [null, true, {}]}',
+               '{"region": "eu", "nested": {"k": [1, 2]}}', 1, '2026-01-02 03:04:05.000001+00'),
+              ('{"tg_name": "b"}', 'null', 1, %s), ('{}', '{}', 1, %s)""",
+                 [YESTERDAY + dt.timedelta(microseconds=123450), YESTERDAY.replace(year=1999)])
+    out = tmp_path / "replayed.jsonl"
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [{"id": 1, "sink": {"type": "file", "path": str(out)},
+                                                             "delivery": {"chunk_size": 3}}])
+    active = SparkSession.getActiveSession()
+    result = _replay(cfg, instance, all_events=True)
+    assert result.success and result.output_for_node("replay_stream_1") == 4
+    assert SparkSession.getActiveSession() is active  # the file replay started no Spark session
+    assert "in 2 chunks" in run_log(instance, result)
+
+    spark_ok, spark_ids = replay_through_spark(cfg, 1, instance)
+    from pgstream_dagster.sinks.memory import MemorySink
+    through_spark = "".join(e.to_json() + "\n" for e in MemorySink.delivered("replay-1")).encode()
+    assert spark_ok and len(spark_ids) == 4
+    assert out.read_bytes() == through_spark
+    got = read_jsonl(out)
+    assert got[0]["payload"]["s"] == 'quote " backslash \\ newline \n tab \t ctl \x01 </script>'
+    assert got[0]["created_at"] == "2026-01-02T03:04:05+00:00" and got[0]["metadata"] is None
+    assert got[1]["created_at"] == "2026-01-02T03:04:05.000001+00:00" and got[1]["payload"]["n"] == 10**400
+    assert got[1]["metadata"] == {"region": "eu", "nested": {"k": [1, 2]}}
+    assert dt.datetime.fromisoformat(got[2]["created_at"]) == YESTERDAY + dt.timedelta(microseconds=123450)
+
+
+def test_replay_to_a_file_that_cannot_be_written_fails_clearly(replay_setup: tuple[Path, Path], tmp_path: Path,
+                                                                instance: dg.DagsterInstance) -> None:
+    cfg, out = replay_setup
+    out.mkdir()  # the sink's path is a directory
+    result = _replay(cfg, instance, from_event_id=1, to_event_id=20)
+    assert not result.success
+    log = run_log(instance, result)
+    assert f"file sink: events 1..7 (7 events): cannot append to {out}" in log
+    assert not list(out.iterdir())

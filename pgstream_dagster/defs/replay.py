@@ -14,6 +14,7 @@ any replay and never interleaves with the stream's deliveries.
 
 
 import time
+from collections.abc import Generator
 from contextlib import closing
 from typing import Any
 
@@ -24,8 +25,9 @@ from pydantic import Field
 from ..config import StreamConfig
 from ..engine import deadletters, spark
 from ..engine.publish import Finished, Progress
-from ..engine.replay import ReplayError, dead_letter_selection, plan
+from ..engine.replay import ReplayError, dead_letter_selection, deliver_lines, plan
 from ..sinks import build_sink
+from ..sinks.base import Sink
 from .names import REPLAY_TAG, STREAM_TAG, deliveries_asset_key, replay_job_name
 from .resources import PgstreamResource
 
@@ -92,62 +94,78 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
             pyspark: LazyPySparkResource) -> int:
         if config.dead_letters or config.dead_letter_ids:
             return _redeliver_dead_letters(context, stream, config, pgstream)
-        started = time.monotonic()
-        try:
-            with pgstream.connect() as conn:
-                count, ranges, params = plan(conn, stream.id, config, stream.delivery.rows_per_partition)
-        except ReplayError as exc:
-            raise dg.Failure(f"replay of stream {stream.id}: {exc}") from None
-        what = (f"events {config.from_event_id or 'first'}..{config.to_event_id or 'last'}, "
-                f"time [{config.from_time or '-inf'}, {config.to_time or '+inf'}), "
-                f"subscriptions {config.subscription_keys or 'all'}")
-        context.log.info(f"replay of stream {stream.id}: {count} events ({what}) in {len(ranges)} partitions")
-        if config.dry_run or count == 0:
-            context.log.info("dry run: nothing delivered" if config.dry_run else "nothing to replay")
-            context.add_output_metadata({"events": count, "dry_run": config.dry_run})
-            return 0
-        frame = spark.load_events(
-            pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,
-            from_time=params["from_time"].isoformat() if params["from_time"] else None,
-            to_time=params["to_time"].isoformat() if params["to_time"] else None,
-            keys=config.subscription_keys or None, packed=True)
-        step = max(10_000, count // 20)
-        next_log, delivered = step, 0
-        first: tuple[float, int] | None = None  # (time, count) of the first confirmed chunk
-        assert isinstance(frame, list)  # packed: one single-partition DataFrame per id range
-        with build_sink(stream.sink) as sink, closing(spark.deliver_in_order(
-                frame, sink, config.chunk_size or stream.delivery.chunk_size,
-                prefetch=stream.delivery.prefetch_partitions)) as deliveries:
-            for delivery in deliveries:
-                if isinstance(delivery, Progress):
-                    done = delivery.handled
+        with build_sink(stream.sink) as sink:  # closed however the replay ends
+            # a sink that takes JSON lines gets them rendered by Postgres, a chunk per range (no Spark)
+            as_lines = sink.accepts_json_lines
+            started = time.monotonic()
+            chunk_size = config.chunk_size or stream.delivery.chunk_size
+            try:
+                with pgstream.connect() as conn:
+                    count, ranges, params = plan(conn, stream.id, config,
+                                                 chunk_size if as_lines else stream.delivery.rows_per_partition)
+            except ReplayError as exc:
+                raise dg.Failure(f"replay of stream {stream.id}: {exc}") from None
+            what = (f"events {config.from_event_id or 'first'}..{config.to_event_id or 'last'}, "
+                    f"time [{config.from_time or '-inf'}, {config.to_time or '+inf'}), "
+                    f"subscriptions {config.subscription_keys or 'all'}")
+            context.log.info(f"replay of stream {stream.id}: {count} events ({what}) in {len(ranges)} "
+                             + ("chunks (JSON lines rendered by Postgres)" if as_lines else "partitions"))
+            if config.dry_run or count == 0:
+                context.log.info("dry run: nothing delivered" if config.dry_run else "nothing to replay")
+                context.add_output_metadata({"events": count, "dry_run": config.dry_run})
+                return 0
+            step = max(10_000, count // 20)
+            next_log, delivered = step, 0
+            first: tuple[float, int] | None = None  # (time, count) of the first confirmed chunk
+            with closing(deliver_lines(pgstream.database_url, params, ranges, sink) if as_lines
+                         else _through_spark(pyspark, pgstream, stream, ranges, params, config, sink, chunk_size)
+                         ) as progress:
+                for done in progress:
                     first = first or (time.monotonic(), done)
                     if next_log <= done < count:
                         rate = done / max(time.monotonic() - started, 1e-6)
                         context.log.info(f"replayed {done}/{count} events ({100 * done // count}%, "
                                          f"{rate:.0f} events/s)")
                         next_log = done + step
-                elif isinstance(delivery, Finished):
-                    delivered = delivery.handled
-        elapsed = time.monotonic() - started
-        context.log.info(f"replay of stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
-                         f"in {elapsed:.1f}s")
-        if delivered != count:
-            # events deleted (retention) while the replay ran: say so, the sink got what was there
-            context.log.warning(f"{count} events were planned but {delivered} were read: rows were removed meanwhile")
-        metadata: dict[str, Any] = {
-            "kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
-            "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
-        if first:  # the rate once events flow (without Spark start-up and the first partition's read)
-            metadata["first_chunk_secs"] = round(first[0] - started, 3)
-            metadata["streaming_events_per_sec"] = round((delivered - first[1]) /
-                                                         max(time.monotonic() - first[0], 1e-6))
-        context.log_event(dg.AssetMaterialization(asset_key=deliveries_asset_key(stream.id),
-                                                  description=f"replay of {delivered} events", metadata=metadata))
-        context.add_output_metadata({"events": delivered, "dry_run": False})
-        return delivered
+                    delivered = done
+            elapsed = time.monotonic() - started
+            context.log.info(f"replay of stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
+                             f"in {elapsed:.1f}s")
+            if delivered != count:
+                # events deleted (retention) while the replay ran: say so, the sink got what was there
+                context.log.warning(f"{count} events were planned but {delivered} were read: rows were removed "
+                                    "meanwhile")
+            metadata: dict[str, Any] = {
+                "kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
+                "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
+            if first:  # the rate once events flow (without Spark start-up and the first partition's read)
+                metadata["first_chunk_secs"] = round(first[0] - started, 3)
+                metadata["streaming_events_per_sec"] = round((delivered - first[1]) /
+                                                             max(time.monotonic() - first[0], 1e-6))
+            context.log_event(dg.AssetMaterialization(asset_key=deliveries_asset_key(stream.id),
+                                                      description=f"replay of {delivered} events",
+                                                      metadata=metadata))
+            context.add_output_metadata({"events": delivered, "dry_run": False})
+            return delivered
 
     return _op
+
+
+def _through_spark(pyspark: LazyPySparkResource, pgstream: PgstreamResource, stream: StreamConfig,
+                   ranges: list[tuple[int, int]], params: dict[str, Any], config: ReplayConfig, sink: Sink,
+                   chunk_size: int) -> Generator[int, None, None]:
+    """The events confirmed so far, as the selected events are read by Spark and published in order."""
+    frames = spark.load_events(
+        pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,
+        from_time=params["from_time"].isoformat() if params["from_time"] else None,
+        to_time=params["to_time"].isoformat() if params["to_time"] else None,
+        keys=config.subscription_keys or None, packed=True)
+    assert isinstance(frames, list)  # packed: one single-partition DataFrame per id range
+    with closing(spark.deliver_in_order(frames, sink, chunk_size,
+                                        prefetch=stream.delivery.prefetch_partitions)) as deliveries:
+        for delivery in deliveries:
+            if isinstance(delivery, Progress | Finished):
+                yield delivery.handled
 
 
 def replay_job(stream: StreamConfig) -> dg.JobDefinition:

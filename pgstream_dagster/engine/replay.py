@@ -1,14 +1,26 @@
 """Replay planning: validate a replay request (``ReplayConfig`` of ``defs/replay.py``, the
 ``pgstream_replay_stream_<id>`` job) and split the selected events of ``pgstream.events`` into id
-ranges. No Dagster here: the job runs the plan."""
+ranges. No Dagster here: the job runs the plan.
+
+A sink that takes JSON lines (the file sink: :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`)
+is replayed without Spark by :func:`deliver_lines`: Postgres renders each event as the line the sink
+would write (:data:`EVENT_JSON_LINE`) and hands over a chunk of them as one value, so the replay
+costs about what a plain ``COPY ... TO STDOUT`` of the rows does (bench/replay.py)."""
 
 
 import datetime as dt
+from collections import deque
+from collections.abc import Generator, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
 
+from ..sinks.base import Sink
 from . import spark
 
 
@@ -96,3 +108,91 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
     bounds = [int(r[0]) for r in starts]
     ranges = [(bounds[i], bounds[i + 1] - 1) for i in range(len(bounds) - 1)] + [(bounds[-1], hi)]
     return count, ranges, params
+
+
+#: one event as :meth:`pgstream_dagster.sinks.base.Event.to_json` renders it (what the file sink writes),
+#: rendered by Postgres: ``created_at`` in UTC as Python's ``isoformat()`` writes it (microseconds only
+#: when there are any), payload and metadata as their ``jsonb`` text, as the other paths read them
+EVENT_JSON_LINE = """
+    '{"id":' || e.id || ',"stream_id":' || e.stream_id || ',"created_at":"'
+    || pg_catalog.to_char(pg_catalog.timezone('UTC', e.created_at),
+                          case when pg_catalog.date_trunc('second', e.created_at) = e.created_at
+                               then 'YYYY-MM-DD"T"HH24:MI:SS' else 'YYYY-MM-DD"T"HH24:MI:SS.US' end)
+    || '+00:00","payload":' || e.payload::pg_catalog.text
+    || ',"metadata":' || coalesce(e.metadata::pg_catalog.text, 'null') || '}'"""
+
+#: one chunk of the selection (an id range of :func:`plan`) as newline-terminated UTF-8 lines, in id order
+_LINES_QUERY = sql.SQL("""
+select pg_catalog.count(*)::int, pg_catalog.min(e.id), pg_catalog.max(e.id),
+       pg_catalog.convert_to(pg_catalog.string_agg({line}, E'\\n' order by e.id) || E'\\n', 'UTF8')
+from pgstream.events e
+where {where}""").format(line=sql.SQL(EVENT_JSON_LINE), where=_FILTER)
+
+#: chunks read ahead (by two connections) while the sink takes the current one
+_AHEAD = 3
+
+
+@dataclass(frozen=True)
+class Lines:
+    """A chunk of events as JSON lines (``data``: ``count`` newline-terminated UTF-8 lines, ids
+    ``first_id``..``last_id`` in order); ``count`` 0 when the range's events were deleted meanwhile."""
+
+    count: int
+    first_id: int
+    last_id: int
+    data: bytes
+
+
+def read_lines(database_url: str, params: Mapping[str, Any], ranges: list[tuple[int, int]],
+               connections: int = 2) -> Iterator[Lines]:
+    """The events of ``ranges`` (from :func:`plan`, whose ``params`` select them) as :class:`Lines`,
+    one per range, in order. ``connections`` sessions read the next ranges while the caller handles
+    the current one; nothing is parsed in Python."""
+    idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
+
+    def fetch(lo: int, hi: int) -> Lines:
+        conn = idle.get()
+        try:
+            # binary: the bytea arrives as it is (no hex text to decode)
+            row = conn.cursor(binary=True).execute(_LINES_QUERY, {**params, "lo": lo, "hi": hi}).fetchone()
+        finally:
+            idle.put(conn)
+        assert row is not None  # an aggregate without group by returns one row
+        count, first, last, data = row
+        return Lines(count, first or lo, last or hi, bytes(data) if data is not None else b"")
+
+    with ExitStack() as stack:
+        for _ in range(max(1, connections)):
+            idle.put(stack.enter_context(psycopg.connect(
+                database_url, autocommit=True, application_name="pgstream replay",
+                options="-c TimeZone=UTC -c client_encoding=UTF8")))
+        pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, connections),
+                                                      thread_name_prefix="pgstream-replay"))
+        ahead: deque[Future[Lines]] = deque()
+        todo = iter(ranges)
+        try:
+            while True:
+                while len(ahead) < _AHEAD and (nxt := next(todo, None)) is not None:
+                    ahead.append(pool.submit(fetch, *nxt))
+                if not ahead:
+                    return
+                yield ahead.popleft().result()
+        finally:
+            for pending in ahead:
+                pending.cancel()
+
+
+def deliver_lines(database_url: str, params: Mapping[str, Any], ranges: list[tuple[int, int]],
+                  sink: Sink) -> Generator[int, None, None]:
+    """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: each
+    range of ``ranges`` is one :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` call, in
+    order; yields the events confirmed so far after each. A sink error propagates (the events of
+    the chunks before it were confirmed)."""
+    if not sink.accepts_json_lines:
+        raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
+    done = 0
+    for chunk in read_lines(database_url, params, ranges):
+        if chunk.count:
+            sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
+            done += chunk.count
+        yield done

@@ -556,6 +556,9 @@ class Sink(ABC):
 
     type_name: ClassVar[str]
     config: SinkConfigBase
+    #: the sink takes events as the JSON lines of :meth:`Event.to_json` (:meth:`publish_json_lines`): a
+    #: replay then has Postgres render them, without building an :class:`Event` per row
+    accepts_json_lines: ClassVar[bool] = False
 
     def __init__(self, config: SinkConfigBase) -> None:
         self.config = config
@@ -568,6 +571,12 @@ class Sink(ABC):
         of the first rejected request when the destination does not say which one) after every event
         before it was confirmed.
         """
+
+    def publish_json_lines(self, lines: bytes, count: int, first_id: int, last_id: int) -> None:
+        """Deliver ``count`` events given as ``lines``: each event's :meth:`Event.to_json` in UTF-8 and a
+        newline, in order, ids ``first_id``..``last_id``. The same contract as :meth:`publish`; only
+        sinks with :attr:`accepts_json_lines` implement it."""
+        raise NotImplementedError(f"the {self.type_name} sink does not take JSON lines")
 
     def close(self) -> None:
         """Release connections/files. Idempotent. The default does nothing."""

@@ -8,7 +8,7 @@ permissions, a missing mount) is about the file system and can succeed once it i
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -36,6 +36,7 @@ class FileSink(Sink):
 
     type_name: ClassVar[str] = "file"
     config: FileSinkConfig
+    accepts_json_lines: ClassVar[bool] = True
 
     def __init__(self, config: FileSinkConfig) -> None:
         super().__init__(config)
@@ -54,21 +55,31 @@ class FileSink(Sink):
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
             return
-        data = memoryview(("\n".join(event.to_json() for event in events) + "\n").encode())
+        self._append(("\n".join(event.to_json() for event in events) + "\n").encode(),
+                     lambda reason: SinkError.for_events("file", events, reason))
+
+    def publish_json_lines(self, lines: bytes, count: int, first_id: int, last_id: int) -> None:
+        if not count:
+            return
+        if not lines.endswith(b"\n"):
+            raise ValueError("JSON lines end with a newline")
+        self._append(lines, lambda reason: SinkError(
+            f"file sink: events {first_id}..{last_id} ({count} events): {reason}", sink="file"))
+
+    def _append(self, data: bytes, error: Callable[[str], SinkError]) -> None:
+        view = memoryview(data)
         start: int | None = None
         try:
             fd = self._open()
             start = os.lseek(fd, 0, os.SEEK_END)
-            while data:
-                data = data[os.write(fd, data) :]
+            while view:
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         except OSError as exc:
             if start is not None and self._fd is not None:
                 _truncate(self._fd, start)
             self.close()
-            raise SinkError.for_events(
-                "file", events, f"cannot append to {self.config.path}: {describe_exception(exc)}"
-            ) from exc
+            raise error(f"cannot append to {self.config.path}: {describe_exception(exc)}") from exc
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

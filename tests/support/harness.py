@@ -15,7 +15,8 @@ import psycopg
 import yaml
 
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import DELIVERY_JOB
+from pgstream_dagster.defs.names import DELIVERY_JOB, replay_job_name
+from pgstream_dagster.sinks.memory import MemorySink
 
 
 def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
@@ -27,6 +28,24 @@ def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
                                     "subscriptions": subscriptions or [],
                                     "spark": spark or {"master": "local[2]"}}))
     return path
+
+
+def replay_through_spark(config: Path, stream_id: int, instance: dg.DagsterInstance) -> tuple[bool, list[int]]:
+    """Replay every event of ``stream_id`` with ``config`` (its Spark settings), its sink replaced by a
+    memory sink: a file sink takes JSON lines rendered by Postgres and never starts Spark. Whether
+    the run succeeded, and the ids the sink got, in order."""
+    data = yaml.safe_load(config.read_text())
+    name = f"replay-{stream_id}"
+    for stream in data["streams"]:
+        if stream["id"] == stream_id:
+            stream["sink"] = {"type": "memory", "name": name}
+    other = config.with_name(f"{config.stem}-replay{config.suffix}")
+    other.write_text(yaml.safe_dump(data))
+    MemorySink.reset(name)
+    result = build_definitions(other).resolve_job_def(replay_job_name(stream_id)).execute_in_process(
+        run_config={"ops": {f"replay_stream_{stream_id}": {"config": {"all_events": True}}}}, instance=instance,
+        raise_on_error=False)
+    return result.success, [e.id for e in MemorySink.delivered(name)]
 
 
 def insert_events(url: str, stream_id: int, n: int, start: int = 0) -> None:
@@ -58,7 +77,8 @@ def backdated(conn: psycopg.Connection, query: str, params: Any = None) -> list[
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    # lines end in "\n" only: str.splitlines() would also split inside a payload holding U+2028
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
 class Driver:

@@ -19,10 +19,10 @@ import dagster as dg
 import psycopg
 
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import backfill_job_name, replay_job_name
+from pgstream_dagster.defs.names import backfill_job_name
 
 from .endpoint import Endpoint
-from .harness import Driver, insert_events, read_jsonl, write_config
+from .harness import Driver, insert_events, read_jsonl, replay_through_spark, write_config
 
 GLOBAL, BY_KEY = 1, 2
 
@@ -104,11 +104,8 @@ def main() -> None:
         result["by_key_runs"] = [r.success for r in driver.results[before:]]
         result["by_key_accepted"] = list(endpoint.accepted)
 
-        # replay of the global stream, in id order
-        replay = build_definitions(cfg).resolve_job_def(replay_job_name(GLOBAL)).execute_in_process(
-            run_config={"ops": {f"replay_stream_{GLOBAL}": {"config": {"all_events": True}}}}, instance=instance,
-            raise_on_error=False)
-        result["replay"] = replay.success
+        # replay of the global stream through the cluster, in id order
+        result["replay"], result["replayed"] = replay_through_spark(cfg, GLOBAL, instance)
 
         # a backfill of 2,000 rows on the cluster's executors (mapInArrow tasks, the package from the zip)
         with psycopg.connect(db_url, autocommit=True) as c:

@@ -20,10 +20,8 @@ import dagster as dg
 import psycopg
 
 from pgstream_dagster.config import load_config
-from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import replay_job_name
 
-from .harness import Driver, read_jsonl
+from .harness import Driver, read_jsonl, replay_through_spark
 
 
 def delivered_events(config: Path) -> tuple[int, bool]:
@@ -61,10 +59,9 @@ def main() -> None:
         driver = Driver(config, instance)
         sink = Path(json.loads(Path(str(config) + ".sink").read_text()))
         driver.run_until(1, lambda: len(read_jsonl(sink)) >= expected, timeout=300)
-        replay = build_definitions(config).resolve_job_def(replay_job_name(1)).execute_in_process(
-            run_config={"ops": {"replay_stream_1": {"config": {"all_events": True}}}}, instance=instance,
-            raise_on_error=False)
-        out.write_text(json.dumps({"runs": [r.success for r in driver.results], "replay": replay.success}))
+        replayed, ids = replay_through_spark(config, 1, instance)
+        out.write_text(json.dumps({"runs": [r.success for r in driver.results], "replay": replayed,
+                                   "replayed": ids}))
 
 
 if __name__ == "__main__":
