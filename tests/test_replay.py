@@ -105,6 +105,10 @@ def test_replay_dry_run_counts_and_bad_requests_deliver_nothing(replay_setup: tu
         assert not result.success
         assert message in run_log(instance, result), config
     assert not out.exists()
+    empty = _replay(cfg, instance, from_event_id=10**9)  # nothing selected: a success that delivers nothing
+    assert empty.success and empty.output_for_node("replay_stream_1") == 0
+    assert "nothing to replay" in run_log(instance, empty) and not out.exists()
+    assert not empty.asset_materializations_for_node("replay_stream_1")
 
 
 def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
@@ -213,7 +217,8 @@ def test_replay_to_a_file_writes_what_the_sink_writes_without_spark(db_url: str,
     result = _replay(cfg, instance, all_events=True)
     assert result.success and result.output_for_node("replay_stream_1") == 4
     assert SparkSession.getActiveSession() is active  # the file replay started no Spark session
-    assert "in 2 chunks" in run_log(instance, result)
+    assert "replay of stream 1: 4 events (events first..last, time [-inf, +inf), subscriptions all) in 2 chunks" \
+        in run_log(instance, result)
 
     spark_ok, spark_ids = replay_through_spark(cfg, 1, instance)
     from pgstream_dagster.sinks.memory import MemorySink

@@ -25,7 +25,7 @@ from pydantic import Field
 from ..config import StreamConfig
 from ..engine import deadletters, spark
 from ..engine.publish import Finished, Progress
-from ..engine.replay import ReplayError, dead_letter_selection, deliver_lines, plan
+from ..engine.replay import Counted, ReplayError, dead_letter_selection, deliver_lines, plan, selection
 from ..sinks import build_sink
 from ..sinks.base import Sink
 from .names import REPLAY_TAG, STREAM_TAG, deliveries_asset_key, replay_job_name
@@ -99,35 +99,53 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
             as_lines = sink.accepts_json_lines
             started = time.monotonic()
             chunk_size = config.chunk_size or stream.delivery.chunk_size
-            try:
-                with pgstream.connect() as conn:
-                    count, ranges, params = plan(conn, stream.id, config,
-                                                 chunk_size if as_lines else stream.delivery.rows_per_partition)
-            except ReplayError as exc:
-                raise dg.Failure(f"replay of stream {stream.id}: {exc}") from None
             what = (f"events {config.from_event_id or 'first'}..{config.to_event_id or 'last'}, "
                     f"time [{config.from_time or '-inf'}, {config.to_time or '+inf'}), "
                     f"subscriptions {config.subscription_keys or 'all'}")
-            context.log.info(f"replay of stream {stream.id}: {count} events ({what}) in {len(ranges)} "
-                             + ("chunks (JSON lines rendered by Postgres)" if as_lines else "partitions"))
-            if config.dry_run or count == 0:
-                context.log.info("dry run: nothing delivered" if config.dry_run else "nothing to replay")
-                context.add_output_metadata({"events": count, "dry_run": config.dry_run})
-                return 0
-            step = max(10_000, count // 20)
-            next_log, delivered = step, 0
+            count: int | None = None  # a lines replay counts while its first chunks are read (Counted)
+            ranges: list[tuple[int, int]] = []
+            try:
+                if as_lines and not config.dry_run:
+                    params = selection(stream.id, config)
+                else:
+                    with pgstream.connect() as conn:
+                        count, ranges, params = plan(conn, stream.id, config, stream.delivery.rows_per_partition)
+            except ReplayError as exc:
+                raise dg.Failure(f"replay of stream {stream.id}: {exc}") from None
+
+            def planned(n: int) -> None:
+                context.log.info(f"replay of stream {stream.id}: {n} events ({what}) in " + (
+                    f"{-(-n // chunk_size)} chunks of JSON lines rendered by Postgres" if as_lines
+                    else f"{len(ranges)} partitions"))
+
+            if count is not None:
+                planned(count)
+                if config.dry_run or count == 0:
+                    context.log.info("dry run: nothing delivered" if config.dry_run else "nothing to replay")
+                    context.add_output_metadata({"events": count, "dry_run": config.dry_run})
+                    return 0
+            next_log, delivered = 0, 0  # next_log 0: the first progress line once the count is known
             first: tuple[float, int] | None = None  # (time, count) of the first confirmed chunk
-            with closing(deliver_lines(pgstream.database_url, params, ranges, sink) if as_lines
+            with closing(deliver_lines(pgstream.database_url, params, chunk_size, sink) if as_lines
                          else _through_spark(pyspark, pgstream, stream, ranges, params, config, sink, chunk_size)
                          ) as progress:
                 for done in progress:
+                    if isinstance(done, Counted):
+                        count = done.events
+                        planned(count)
+                        continue
                     first = first or (time.monotonic(), done)
-                    if next_log <= done < count:
-                        rate = done / max(time.monotonic() - started, 1e-6)
-                        context.log.info(f"replayed {done}/{count} events ({100 * done // count}%, "
-                                         f"{rate:.0f} events/s)")
-                        next_log = done + step
                     delivered = done
+                    if count and next_log <= done < count:
+                        if next_log:
+                            rate = done / max(time.monotonic() - started, 1e-6)
+                            context.log.info(f"replayed {done}/{count} events ({100 * done // count}%, "
+                                             f"{rate:.0f} events/s)")
+                        next_log = done + max(10_000, count // 20)
+            if not count and not delivered:
+                context.log.info("nothing to replay")
+                context.add_output_metadata({"events": 0, "dry_run": False})
+                return 0
             elapsed = time.monotonic() - started
             context.log.info(f"replay of stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
                              f"in {elapsed:.1f}s")

@@ -76,10 +76,9 @@ def dead_letter_selection(config: ReplaySelection) -> list[int] | None:
     return None if config.dead_letters else list(config.dead_letter_ids)
 
 
-def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
-         rows_per_partition: int = spark.ROWS_PER_PARTITION) -> tuple[int, list[tuple[int, int]], dict[str, Any]]:
-    """Validate ``config`` and count the events: ``(count, id ranges of at most
-    rows_per_partition events each, in order, query parameters)``."""
+def selection(stream_id: int, config: ReplaySelection) -> dict[str, Any]:
+    """Validate ``config``: the query parameters of :data:`~pgstream_dagster.engine.spark.EVENTS_WHERE`
+    that select its events."""
     if not (config.all_events or config.subscription_keys or any(
             v is not None for v in (config.from_event_id, config.to_event_id, config.from_time, config.to_time))):
         raise ReplayError("give an event-id range, a time range or subscription keys "
@@ -92,22 +91,47 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
     hi = config.to_event_id if config.to_event_id is not None else 2**63 - 1
     if lo > hi:
         raise ReplayError(f"from_event_id {lo} is after to_event_id {hi}")
-    params: dict[str, Any] = {"stream_id": stream_id, "lo": lo, "hi": hi, "from_time": from_time,
-                                 "to_time": to_time, "keys": config.subscription_keys or None,
-                                 "size": rows_per_partition}
-    # every rows_per_partition-th id starts a partition: balanced ranges whatever the id gaps
-    query = sql.SQL("""
-        select id, n from (
-            select e.id, row_number() over (order by e.id) - 1 as rn, count(*) over () as n
-            from pgstream.events e where {}) t
-        where rn %% %(size)s = 0 order by id""").format(_FILTER)
-    starts = conn.execute(query, params).fetchall()
-    if not starts:
-        return 0, [], params
-    count = int(starts[0][1])
-    bounds = [int(r[0]) for r in starts]
-    ranges = [(bounds[i], bounds[i + 1] - 1) for i in range(len(bounds) - 1)] + [(bounds[-1], hi)]
-    return count, ranges, params
+    return {"stream_id": stream_id, "lo": lo, "hi": hi, "from_time": from_time, "to_time": to_time,
+            "keys": config.subscription_keys or None}
+
+
+def count_selected(conn: psycopg.Connection, params: Mapping[str, Any]) -> int:
+    """How many events :func:`selection`'s ``params`` select."""
+    row = conn.execute(sql.SQL("select pg_catalog.count(*) from pgstream.events e where {}").format(_FILTER),
+                       params).fetchone()
+    return int(row[0]) if row else 0
+
+
+#: every size-th selected id (the first included) starts a range: balanced ranges whatever the id gaps;
+#: streamed in id order by the index scan (no sort, nothing counted first)
+_STARTS = sql.SQL("""
+select id from (
+    select e.id, pg_catalog.row_number() over (order by e.id) - 1 as rn from pgstream.events e where {}) t
+where rn %% %(size)s = 0
+order by id""").format(_FILTER)
+
+
+def id_ranges(cur: psycopg.Cursor[Any], params: Mapping[str, Any], size: int) -> Iterator[tuple[int, int]]:
+    """The selected events in id ranges of ``size`` events each (the last may hold fewer), in order,
+    read with ``cur`` (a server-side cursor streams them)."""
+    cur.execute(_STARTS, {**params, "size": size})
+    previous: int | None = None
+    # a few bounds per fetch: each costs scanning size events, and the first range is wanted at once
+    while rows := cur.fetchmany(4):
+        for (start,) in rows:
+            if previous is not None:
+                yield previous, int(start) - 1
+            previous = int(start)
+    if previous is not None:
+        yield previous, params["hi"]
+
+
+def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
+         rows_per_partition: int = spark.ROWS_PER_PARTITION) -> tuple[int, list[tuple[int, int]], dict[str, Any]]:
+    """Validate ``config`` and count the events: ``(count, id ranges of at most
+    rows_per_partition events each, in order, query parameters)``."""
+    params = selection(stream_id, config)
+    return count_selected(conn, params), list(id_ranges(conn.cursor(), params, rows_per_partition)), params
 
 
 #: one event as :meth:`pgstream_dagster.sinks.base.Event.to_json` renders it (what the file sink writes),
@@ -115,9 +139,8 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
 #: when there are any), payload and metadata as their ``jsonb`` text, as the other paths read them
 EVENT_JSON_LINE = """
     '{"id":' || e.id || ',"stream_id":' || e.stream_id || ',"created_at":"'
-    || pg_catalog.to_char(pg_catalog.timezone('UTC', e.created_at),
-                          case when pg_catalog.date_trunc('second', e.created_at) = e.created_at
-                               then 'YYYY-MM-DD"T"HH24:MI:SS' else 'YYYY-MM-DD"T"HH24:MI:SS.US' end)
+    || pg_catalog.replace(pg_catalog.to_char(pg_catalog.timezone('UTC', e.created_at), 'YYYY-MM-DD"T"HH24:MI:SS.US'),
+                          '.000000', '')
     || '+00:00","payload":' || e.payload::pg_catalog.text
     || ',"metadata":' || coalesce(e.metadata::pg_catalog.text, 'null') || '}'"""
 
@@ -143,12 +166,12 @@ class Lines:
     data: bytes
 
 
-def read_lines(database_url: str, params: Mapping[str, Any], ranges: list[tuple[int, int]],
-               connections: int = 2) -> Iterator[Lines]:
-    """The events of ``ranges`` (from :func:`plan`, whose ``params`` select them) as :class:`Lines`,
-    one per range, in order. ``connections`` sessions read the next ranges while the caller handles
-    the current one; nothing is parsed in Python."""
+def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2) -> Iterator[Lines]:
+    """The events :func:`selection`'s ``params`` select as :class:`Lines` of ``size`` events (the last
+    may hold fewer), in id order. One session streams the ranges' bounds while ``connections`` others
+    read the next ranges as the caller handles the current one; nothing is parsed in Python."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
+    options = "-c TimeZone=UTC -c client_encoding=UTF8"
 
     def fetch(lo: int, hi: int) -> Lines:
         conn = idle.get()
@@ -158,18 +181,19 @@ def read_lines(database_url: str, params: Mapping[str, Any], ranges: list[tuple[
         finally:
             idle.put(conn)
         assert row is not None  # an aggregate without group by returns one row
-        count, first, last, data = row
-        return Lines(count, first or lo, last or hi, bytes(data) if data is not None else b"")
+        n, first, last, data = row
+        return Lines(n, first or lo, last or hi, data or b"")
 
     with ExitStack() as stack:
+        bounds = stack.enter_context(psycopg.connect(database_url, application_name="pgstream replay",
+                                                     options=options))
         for _ in range(max(1, connections)):
-            idle.put(stack.enter_context(psycopg.connect(
-                database_url, autocommit=True, application_name="pgstream replay",
-                options="-c TimeZone=UTC -c client_encoding=UTF8")))
+            idle.put(stack.enter_context(psycopg.connect(database_url, autocommit=True,
+                                                         application_name="pgstream replay", options=options)))
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, connections),
                                                       thread_name_prefix="pgstream-replay"))
         ahead: deque[Future[Lines]] = deque()
-        todo = iter(ranges)
+        todo = id_ranges(stack.enter_context(bounds.cursor(name="pgstream_replay_ranges")), params, size)
         try:
             while True:
                 while len(ahead) < _AHEAD and (nxt := next(todo, None)) is not None:
@@ -182,17 +206,39 @@ def read_lines(database_url: str, params: Mapping[str, Any], ranges: list[tuple[
                 pending.cancel()
 
 
-def deliver_lines(database_url: str, params: Mapping[str, Any], ranges: list[tuple[int, int]],
-                  sink: Sink) -> Generator[int, None, None]:
-    """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: each
-    range of ``ranges`` is one :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` call, in
-    order; yields the events confirmed so far after each. A sink error propagates (the events of
-    the chunks before it were confirmed)."""
+@dataclass(frozen=True)
+class Counted:
+    """How many events the replay's selection holds (counted while the first chunks are read)."""
+
+    events: int
+
+
+def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int,
+                  sink: Sink) -> Generator[Counted | int, None, None]:
+    """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: the
+    selected events in :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` calls of
+    ``chunk_size`` events, in order. Yields :class:`Counted` once (as soon as the count, made by
+    another session meanwhile, is known) and the events confirmed so far after each chunk. A sink
+    error propagates (the chunks before it were confirmed)."""
     if not sink.accepts_json_lines:
         raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
-    done = 0
-    for chunk in read_lines(database_url, params, ranges):
-        if chunk.count:
-            sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
-            done += chunk.count
-        yield done
+
+    def counted() -> int:
+        # one process: parallel workers would take the CPUs the replay's readers use
+        with psycopg.connect(database_url, autocommit=True, application_name="pgstream replay",
+                             options="-c max_parallel_workers_per_gather=0") as conn:
+            return count_selected(conn, params)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-replay-count") as pool:
+        total: Future[int] | None = pool.submit(counted)
+        done = 0
+        for chunk in read_lines(database_url, params, chunk_size):
+            if total is not None and total.done():
+                yield Counted(total.result())
+                total = None
+            if chunk.count:
+                sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
+                done += chunk.count
+            yield done
+        if total is not None:
+            yield Counted(total.result())
