@@ -59,12 +59,14 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
     else:
         assert webhook is not None
         sink = {"type": "http", "url": webhook.url, "mode": "batch", "max_batch_size": 1000}
-    open_runs = mode == "open"
+    open_runs = mode in ("open", "peek")
     stream = {"id": 1, "sink": sink, "slot_name": f"sustained_{name}_{mode}",
               "batch": {"max_size": args.batch_size, "max_fill_secs": args.max_fill_secs},
               "sensor": {"tick_budget_secs": 2},
               "delivery": {"chunk_size": 5000, "max_events_per_run": args.max_events_per_run,
-                           "linger_secs": 3 if open_runs else 0}}
+                           "linger_secs": 3 if open_runs else 0,
+                           # peek: as before the slot reader (the sensor peeks, every round a Spark job)
+                           **({"read_slot": False, "direct_max_events": 0} if mode == "peek" else {})}}
     config = write_config(tmpdir / f"{name}_{mode}.yaml", url, stream)
     counter: Any = multiprocessing.Value("q", 0)
     samples: list[tuple[float, int, int]] = []
@@ -129,9 +131,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=300, help="seconds of writing per sink")
     parser.add_argument("--sinks", default="redis,webhook")
-    parser.add_argument("--modes", default="serial,open",
+    parser.add_argument("--modes", default="peek,open",
                         help="serial: runs between ticks, linger_secs 0 (the first method); open: runs in a thread "
-                             "while the sensor ticks and hands batches to the open run (linger_secs 3)")
+                             "while the sensor ticks and the open run reads the slot (linger_secs 3); peek: open, "
+                             "as before the slot reader (read_slot false, direct_max_events 0)")
     parser.add_argument("--writers", type=int, default=2, help="writer processes")
     parser.add_argument("--rows", type=int, default=100, help="rows per writer transaction")
     parser.add_argument("--batch-size", type=int, default=10_000, help="batch.max_size")
@@ -167,9 +170,11 @@ def main() -> None:
              f"{args.rows} rows per transaction into a table with a real INSERT subscription (Postgres fsync off, "
              "synchronous_commit off), as fast as Postgres accepts; the stream is driven in-process (ephemeral "
              "Dagster instance, one warm Spark session local[2]): *serial* = sensor tick, then the requested run "
-             "via execute_in_process, one after the other, linger_secs 0; *open* = runs in a thread while the "
-             "sensor keeps ticking and hands new batches to the open run (linger_secs 3), as the daemon and a run "
-             f"worker overlap; batch.max_size {args.batch_size}, max_fill_secs {args.max_fill_secs}, "
+             "via execute_in_process, one after the other, linger_secs 0; *peek* = *open* as before the slot reader "
+             "(read_slot false: the sensor peeks and records, direct_max_events 0: every round a Spark job); "
+             "*open* = runs in a thread while the sensor keeps ticking (linger_secs 3), as the daemon and a run "
+             "worker overlap; the open run reads the slot itself (replication protocol) and reads small rounds "
+             f"without Spark; batch.max_size {args.batch_size}, max_fill_secs {args.max_fill_secs}, "
              f"max_events_per_run {args.max_events_per_run}, chunk 5000; delivered = ledger batches marked "
              "delivered (sink-confirmed); writers, driver, Spark, Postgres and the sink share the 2 CPUs; "
              f"backlog = written - delivered, sampled every {args.sample_secs:.0f}s."]
