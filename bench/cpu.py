@@ -279,9 +279,9 @@ def deliver_phase(driver: Driver, url: str, target: int, postmaster: int, timeou
                                                 raise_on_error=False)
                 totals.run_py += time.process_time() - py0
                 totals.run_pg += tree_secs(postmaster) - pg0
-                jvm = jvm or _spark_jvm_pid() or 0
-                totals.run_spark += tree_secs(jvm) - sp0
-                totals.run_jvm += own_secs(jvm) - jv0
+                jvm = jvm or _spark_jvm_pid()  # started by this run (a lazy session): all its CPU is the run's
+                totals.run_spark += (tree_secs(jvm) if jvm else 0.0) - sp0
+                totals.run_jvm += (own_secs(jvm) if jvm else 0.0) - jv0
                 totals.runs += 1
                 totals.failed += 0 if result.success else 1
     totals.wall = time.monotonic() - started
@@ -293,8 +293,10 @@ def open_phase(driver: Driver, url: str, target: int, timeout: float) -> Deliver
     batches to the open run) while this thread ticks; CPU over the whole phase (this thread = the
     sensor; the rest of this process = the runs)."""
     totals = DeliverTotals()
-    jvm = _spark_jvm_pid() or 0
-    py0, proc0, sp0, jv0 = time.thread_time(), time.process_time(), tree_secs(jvm), own_secs(jvm)
+    # no JVM yet when every round so far was small (no Spark needed): then it starts in the phase
+    jvm = _spark_jvm_pid()
+    sp0, jv0 = (tree_secs(jvm), own_secs(jvm)) if jvm else (0.0, 0.0)
+    py0, proc0 = time.thread_time(), time.process_time()
     started = time.monotonic()
     senders: dict[int, float] = {}  # WAL sender pid -> its CPU when last sampled (it exits with its run)
     sampled = 0.0
@@ -314,7 +316,9 @@ def open_phase(driver: Driver, url: str, target: int, timeout: float) -> Deliver
     totals.wall = time.monotonic() - started
     totals.tick_py = time.thread_time() - py0
     totals.run_py = time.process_time() - proc0 - totals.tick_py
-    totals.run_spark, totals.run_jvm = tree_secs(jvm) - sp0, own_secs(jvm) - jv0
+    jvm = jvm or _spark_jvm_pid()
+    totals.run_spark = (tree_secs(jvm) if jvm else 0.0) - sp0
+    totals.run_jvm = (own_secs(jvm) if jvm else 0.0) - jv0
     totals.runs, totals.failed = driver.runs, driver.failed
     return totals
 

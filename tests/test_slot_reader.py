@@ -348,3 +348,92 @@ def test_tear_down_ends_a_reading_run_and_drops_its_slot(db_url: str, tmp_path: 
     finally:
         stop.set()
         reader.join(timeout=15)
+
+
+def _take_every_wal_sender(url: str) -> list[psycopg.Connection]:
+    """Replication connections until the server refuses one (max_wal_senders reached): held by the caller."""
+    holders: list[psycopg.Connection] = []
+    while True:
+        try:
+            holders.append(psycopg.connect(url, replication="database", autocommit=True))
+        except psycopg.OperationalError as exc:
+            assert "max_wal_senders" in str(exc), exc
+            return holders
+        assert len(holders) < 200, "max_wal_senders never reached"
+
+
+def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """Every WAL sender taken (max_wal_senders): the open run's reader cannot connect and says so in
+    the run log, the sensor keeps recording and handing batches to the run; once a sender is free the
+    run reads the slot itself. Each event once, in commit order."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=3)]), instance)
+    driver.tick(STREAM)  # the slot
+    holders = _take_every_wal_sender(db_url)
+    try:
+        insert_events(db_url, STREAM, 30)
+        (request,) = tick_until(driver, STREAM, lambda: _launched(db_url))
+        run = Background(driver, request)
+        for wave in range(3):  # the sensor records; the open run takes the batches
+            insert_events(db_url, STREAM, 20, 1000 * (wave + 1))
+            tick_until(driver, STREAM, lambda wave=wave: len(endpoint.unique()) >= 50 + 20 * wave)
+        assert not (_slot_reader(db_url) or "").startswith("pgstream reader ")
+    finally:
+        for holder in holders:
+            holder.close()
+    _wait(lambda: (_slot_reader(db_url) or "").startswith("pgstream reader "))
+    insert_events(db_url, STREAM, 25, 9000)  # no tick from now on: the run reads it
+    _wait(lambda: len(endpoint.unique()) >= 115)
+    result = run.wait(timeout=60)
+    assert result.success
+    sent = sent_ids(db_url)
+    assert len(sent) == 115 and endpoint.first_seen_order() == sent and endpoint.duplicates() == 0
+    assert sorted(_ledger_ids(db_url)) == sorted(sent)
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    assert any("cannot open a replication connection" in m and "max_wal_senders" in m for m in logs), logs
+    assert any("this open run reads slot pgstream_stream_1" in m for m in logs)
+
+
+def test_a_sensor_peeking_back_to_back_leaves_the_slot_to_the_open_runs_reader(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """Under a steady write load the sensor's tick peeks again as soon as a batch is full: the reader
+    claims the slot first (ledger.claim_slot), the sensor stops peeking, and from then on the run
+    records what commits. Each event once, in commit order."""
+    config = _config(endpoint, linger=3)
+    config["batch"] = {"max_size": 20, "max_fill_secs": 0.05}  # every peek finds a full batch
+    config["sensor"] = {"tick_budget_secs": 2}
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [config]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 30)
+    (request,) = tick_until(driver, STREAM, lambda: _launched(db_url))
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            insert_events(db_url, STREAM, 25, 10_000 + n)
+            n += 25
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        run = Background(driver, request)
+        deadline = time.monotonic() + 30
+        busy = 0
+        while busy < 3:  # ticks back to back, as a daemon with a backlog does
+            assert time.monotonic() < deadline, "the reader never got the slot"
+            if driver.tick(STREAM).run_requests:
+                pytest.fail("no new run while one is open")
+            busy = busy + 1 if (_slot_reader(db_url) or "").startswith("pgstream reader ") else 0
+    finally:
+        stop.set()
+        writer.join(10)
+    _wait(lambda: len(endpoint.unique()) >= len(sent_ids(db_url)))
+    result = run.wait(timeout=60)
+    assert result.success
+    sent = sent_ids(db_url)
+    assert endpoint.first_seen_order() == sent and endpoint.duplicates() == 0
+    assert sorted(_ledger_ids(db_url)) == sorted(sent)
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    recorded = next(m for m in logs if "stopped reading slot pgstream_stream_1" in m)
+    assert " 0 events recorded" not in recorded, recorded

@@ -100,6 +100,10 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
     deadline = time.monotonic() + budget_secs
     cap = max(stream.batch.max_size * 4, 100_000)
     while True:
+        if stream.delivery.read_slot and ledger.slot_claimed(conn, stream.id):
+            # an open run's reader reads it, or is about to: peeking now would only keep it out
+            result.slot_busy = True
+            return result
         peeked_at = dt.datetime.now(dt.UTC)
         flushed = replication.flush_lsn(conn)
         try:
@@ -127,13 +131,19 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
                 result.unreadable += sum(len(t.unreadable) for t in with_events)
                 last = next((t.events[-1].id for t in reversed(with_events) if t.events), None)
                 result.last_event_id = last if last is not None else result.last_event_id
-            if txns:
-                replication.advance(conn, stream.slot, txns[-1].end_lsn)
-                result.last_lsn = replication.int_to_lsn(txns[-1].end_lsn)
-            elif complete:
-                # nothing of the stream committed before ``flushed``: skip the other tables' WAL so
-                # the next peek does not decode it again
-                replication.advance_at_least(conn, stream.slot, flushed)
+            try:
+                if txns:
+                    replication.advance(conn, stream.slot, txns[-1].end_lsn)
+                    result.last_lsn = replication.int_to_lsn(txns[-1].end_lsn)
+                elif complete:
+                    # nothing of the stream committed before ``flushed``: skip the other tables' WAL so
+                    # the next peek does not decode it again
+                    replication.advance_at_least(conn, stream.slot, flushed)
+            except psycopg.errors.ObjectInUse:
+                # an open run's reader took the slot since the peek: the server sends it what was just
+                # recorded again, and it drops that (``unrecorded``)
+                result.slot_busy = True
+                return result
             if complete and (mark or with_events):
                 ledger.mark_consumed(conn, stream.id, peeked_at)
             if full and time.monotonic() < deadline:
@@ -195,25 +205,44 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
 def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig, run_key: str,
                stop: threading.Event, stats: FollowStats, application_name: str,
                pause: Callable[[float], bool]) -> None:
-    """:func:`follow` on one ledger connection: returns once stopped or the run is no longer open."""
+    """:func:`follow` on one ledger connection: returns once stopped or the run is no longer open.
+
+    The reader claims the slot (:func:`ledger.claim_slot`) before it connects, so the sensor stops
+    peeking (a sensor peeking back to back under load would otherwise keep it out for good), and
+    gives the claim up while it cannot read (no free WAL sender, slot gone, recovery pending): then
+    the sensor records and hands batches to the run as before."""
     problem: str | None = None
+    claimed = False
+
+    def wait(secs: float) -> None:
+        nonlocal claimed
+        if claimed:
+            ledger.release_slot(conn, stream.id)
+            claimed = False
+        pause(secs)
+
     while not stop.is_set():
         if not ledger.run_is_open(conn, stream.id, run_key):
             return
         if ledger.recovery_pending(conn, stream.id):
-            pause(FOLLOW_CHECK_SECS)
+            wait(FOLLOW_CHECK_SECS)
             continue
+        if not claimed:
+            claimed = ledger.claim_slot(conn, stream.id)
+            if not claimed:  # another reader of the stream: a closing run's, about to let go
+                pause(FOLLOW_CHECK_SECS)
+                continue
         try:
             source = walstream.ReplicationStream(database_url, stream.slot, stream.publication,
                                                    application_name)
         except walstream.SlotBusy:
-            pause(0.1)  # the sensor's peek: it sees the slot in use from now on
+            pause(0.1)  # the sensor's peek under way: it sees the claim at its next one
             continue
         except (walstream.SlotGone, walstream.StreamBroken, ConnectionError) as exc:
             if str(exc) != problem:
                 problem = str(exc)
                 stats.notes.append(f"reading slot {stream.slot} failed ({exc}); trying again")
-            pause(FOLLOW_CHECK_SECS)
+            wait(FOLLOW_CHECK_SECS)
             continue
         problem = None
         try:
@@ -221,7 +250,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
                 return
         except (walstream.SlotGone, walstream.StreamBroken) as exc:
             stats.notes.append(f"reading slot {stream.slot} stopped ({str(exc).strip()[:300]}); trying again")
-            pause(FOLLOW_CHECK_SECS)
+            wait(FOLLOW_CHECK_SECS)
         finally:
             source.close()
 

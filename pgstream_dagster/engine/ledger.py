@@ -543,6 +543,33 @@ def acquire_lease(database_url: str, stream_id: int, run_id: str) -> psycopg.Con
     return conn
 
 
+#: advisory lock class of a stream's slot reader (objid = stream id): an open run's reader holds it on
+#: its ledger connection while it reads the slot or is about to, and the sensor does not peek meanwhile
+READER_LOCK_CLASS = 0x70677372  # "pgsr"
+
+
+def claim_slot(conn: psycopg.Connection, stream_id: int) -> bool:
+    """Take the stream's reader claim on ``conn`` (a session advisory lock; false: another reader has it).
+    It goes with the connection: a reader that dies leaves the slot to the sensor."""
+    row = conn.execute("select pg_catalog.pg_try_advisory_lock(%s, %s)", [READER_LOCK_CLASS, stream_id]).fetchone()
+    return bool(row and row[0])
+
+
+def release_slot(conn: psycopg.Connection, stream_id: int) -> None:
+    """Give the claim of :func:`claim_slot` up (the sensor peeks again): the reader cannot read for now."""
+    conn.execute("select pg_catalog.pg_advisory_unlock(%s, %s)", [READER_LOCK_CLASS, stream_id])
+
+
+def slot_claimed(conn: psycopg.Connection, stream_id: int) -> bool:
+    """Whether an open run's reader claims the stream's slot (:func:`claim_slot`): the sensor leaves it alone."""
+    row = conn.execute(
+        "select exists (select 1 from pg_catalog.pg_locks where locktype = 'advisory' and granted "
+        "and database = (select oid from pg_catalog.pg_database where datname = pg_catalog.current_database()) "
+        "and classid = %s::pg_catalog.oid and objid = %s::pg_catalog.oid and objsubid = 2)",
+        [READER_LOCK_CLASS, stream_id]).fetchone()
+    return bool(row and row[0])
+
+
 def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:
     row = conn.execute("select exists (select 1 from pg_stat_activity where application_name = %s)",
                        [lease_name(run_id)]).fetchone()
