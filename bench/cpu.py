@@ -69,7 +69,7 @@ import pgstream_dagster
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.names import DELIVERY_JOB
 from pgstream_dagster.devdb import ensure_running
-from pgstream_dagster.engine import replication
+from pgstream_dagster.engine import replication, spark
 from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.sinks.file import FileSink
 
@@ -227,13 +227,14 @@ def _timed_thread(attr: str) -> Callable[[Callable[..., Any]], Callable[..., Any
 
 
 def _spark_jvm_pid() -> int | None:
-    from pyspark.sql import SparkSession
+    """The pid of this process' Spark JVM, if a Spark context was started (by any thread: the active
+    session is per thread, and an open run's session is its thread's)."""
+    from pyspark import SparkContext
 
-    spark = SparkSession.getActiveSession()
-    if spark is None:
+    context: Any = SparkContext._active_spark_context
+    if context is None:
         return None
-    jvm: Any = spark.sparkContext._jvm
-    return int(jvm.java.lang.ProcessHandle.current().pid())
+    return int(context._jvm.java.lang.ProcessHandle.current().pid())
 
 
 @dataclass
@@ -502,7 +503,16 @@ def main() -> None:
                   patched(FileSink, "publish", _timed_thread("publish_py"))):
                 driver = Driver(config_path, instance, background=args.open)
                 # warm-up, as a long-running deployment is: slot, Spark session, Python workers
-                deliver_phase(driver, url, 1, postmaster, args.timeout)
+                if args.open:
+                    # Spark started now (a one-event round does not need it, a large one will), and the
+                    # warm-up's run left open and reading the slot when the writes begin
+                    spark.open_session(load_config(config_path))
+                    with psycopg.connect(url, autocommit=True) as conn:
+                        while delivered_events(conn, 1) < 1:
+                            if not driver.step(1):
+                                time.sleep(0.05)
+                else:
+                    deliver_phase(driver, url, 1, postmaster, args.timeout)
                 with psycopg.connect(url, autocommit=True) as conn:
                     replication.create_slot(conn, "cpu_reference")
                 global METER

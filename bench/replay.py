@@ -205,9 +205,10 @@ def main() -> None:
     lines = [f"\n## Replay (P2) {stamp}, {n:,} events",
              f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, load average {load[0]:.1f}, {load[1]:.1f}, "
              f"{load[2]:.1f} at start, Python {platform.python_version()}. Method: bench/replay.py, replay job in a "
-             "child process (Spark local[2], chunk 5000), all events of the stream, id order, run twice per "
-             "process: cold (Spark start-up included) and warm (same Spark session); peak RSS of the Python "
-             "driver (ru_maxrss) and the Spark driver JVM (VmHWM)"
+             "child process (chunk 5000; to a file Postgres renders the lines and Spark is not started, other "
+             "sinks and the baselines before d78c674 read through Spark local[2]), all events of the stream, id "
+             "order, run twice per process: cold (Spark start-up included where Spark is used) and warm (same "
+             "process); peak RSS of the Python driver (ru_maxrss) and the Spark driver JVM (VmHWM, 0: no Spark)"
              + (f"; baseline = package at {args.baseline}, same data, same run." if args.baseline else ".")]
     for key, r in results.items():
         name, label = key.split(" ")
