@@ -75,9 +75,11 @@ class DeliveryConfig(_Model):
                                                "protocol: each transaction is decoded once and arrives as it "
                                                "commits (false: the sensor peeks the slot, as between runs)")
     direct_max_events: int = Field(
-        1000, ge=0, le=100_000,
+        100_000, ge=0, le=1_000_000,
         description="ordering global: a round of at most this many events is read by the run's own connection "
-                    "instead of a Spark job (a job costs 0.1-0.3 s and about half a CPU-second; 0: always Spark)")
+                    "(5,000 at a time) instead of by Spark: a Spark job costs 0.1-0.3 s and about half a "
+                    "CPU-second, and Spark's JVM and workers more CPU per event than a direct read "
+                    "(bench/cpu.py); larger rounds go through Spark (0: always Spark)")
     report_every_secs: float = Field(5, ge=0, le=3600,
                                      description="an open run reports its rounds to Dagster together (run log line, "
                                                  "deliveries materialization, status observation) at most this "

@@ -271,7 +271,11 @@ def test_reader_survives_its_slot_being_dropped(db_url: str, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("routing_key", ["group_id", "metadata:team"])
-def test_a_small_round_read_directly_equals_the_spark_read(db_url: str, tmp_path: Path, routing_key: str) -> None:
+def test_a_round_read_directly_equals_the_spark_read(db_url: str, tmp_path: Path, routing_key: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's own read (5,000 events a query; 50 here, so that batches are read in pieces) gives
+    the same events, positions and texts as the Spark source."""
+    monkeypatch.setattr(spark, "FETCH_ROWS", 50)
     stream = _engine_stream(tmp_path, db_url)
     with psycopg.connect(db_url, autocommit=True) as c:
         ledger.ensure_stream(c, STREAM)

@@ -393,8 +393,9 @@ class DirectRead:
 
     def events(self) -> Iterator[Positioned]:
         params = _routing_params(self.routing_key)
-        for span in self.spans:
-            # fetched whole before anything is yielded: the caller writes the ledger on the same connection
+        for span in partition_spans(self.spans, FETCH_ROWS):
+            # FETCH_ROWS at a time, each fetched whole before anything is yielded: the caller writes the
+            # ledger on the same connection
             rows = self.conn.execute(_BATCH_QUERY, {**params, "batch_id": span.batch_id, "lo": span.first,
                                                     "hi": span.last}).fetchall()
             for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
