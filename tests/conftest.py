@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,10 +56,21 @@ def _fresh_database(pg: LocalPostgres, template: str) -> str:
 
 
 def _drop_database(pg: LocalPostgres, name: str) -> None:
+    """Drop the test's database and its slots (slot names are the cluster's: one left behind fails
+    every later test). A slot still held (a failed test's run thread reading it) is taken from its
+    holder first, as often as the holder comes back, for up to 60 s."""
+    deadline = time.monotonic() + 60
     with psycopg.connect(pg.url_for(name), autocommit=True) as conn:
-        for (slot,) in conn.execute("select slot_name from pg_replication_slots where database = %s",
+        while slots := conn.execute("select slot_name, active_pid from pg_replication_slots where database = %s",
                                     [name]).fetchall():
-            conn.execute("select pg_drop_replication_slot(%s)", [slot])
+            for slot, holder in slots:
+                if holder is not None:
+                    conn.execute("select pg_terminate_backend(%s, 10000)", [holder])
+                try:
+                    conn.execute("select pg_drop_replication_slot(%s)", [slot])
+                except (psycopg.errors.ObjectInUse, psycopg.errors.UndefinedObject):
+                    assert time.monotonic() < deadline, f"slot {slot} is still held by a connection"
+                    time.sleep(0.1)
     with psycopg.connect(pg.url, autocommit=True) as conn:
         conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
 
