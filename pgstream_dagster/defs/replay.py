@@ -25,7 +25,7 @@ from pydantic import Field
 from ..config import StreamConfig
 from ..engine import deadletters, spark
 from ..engine.publish import Finished, Progress
-from ..engine.replay import Counted, ReplayError, dead_letter_selection, deliver_lines, plan, selection
+from ..engine.replay import Counted, ReplayError, count_selected, dead_letter_selection, deliver_lines, plan, selection
 from ..sinks import build_sink
 from ..sinks.base import Sink
 from .names import REPLAY_TAG, STREAM_TAG, deliveries_asset_key, replay_job_name
@@ -103,10 +103,13 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
                     f"time [{config.from_time or '-inf'}, {config.to_time or '+inf'}), "
                     f"subscriptions {config.subscription_keys or 'all'}")
             count: int | None = None  # a lines replay counts while its first chunks are read (Counted)
-            ranges: list[tuple[int, int]] = []
+            ranges: list[tuple[int, int]] = []  # Spark's partitions (a lines replay streams its ranges)
             try:
-                if as_lines and not config.dry_run:
+                if as_lines:
                     params = selection(stream.id, config)
+                    if config.dry_run:
+                        with pgstream.connect() as conn:
+                            count = count_selected(conn, params)
                 else:
                     with pgstream.connect() as conn:
                         count, ranges, params = plan(conn, stream.id, config, stream.delivery.rows_per_partition)
