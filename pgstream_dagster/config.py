@@ -133,7 +133,8 @@ class StreamChecksConfig(_Model):
 
 
 #: The prefix of the names pgstream gives a stream's objects: its default replication slot and its
-#: publication are ``pgstream_stream_<id>`` (so is its Dagster sensor), an open run's NOTIFY channel
+#: publication are ``pgstream_stream_<id>`` (so is its Dagster sensor), the publication its open run's
+#: reader decodes with ``pgstream_stream_<id>_rows``, an open run's NOTIFY channel
 #: ``pgstream_stream_<id>_runs``. Tear-down recognises the slots and publications by it.
 STREAM_NAME_PREFIX = "pgstream_stream_"
 
@@ -159,7 +160,13 @@ class StreamConfig(_Model):
 
     @property
     def publication(self) -> str:
+        """What the sensor decodes with: the event id and created_at only."""
         return stream_object_name(self.id)
+
+    @property
+    def rows_publication(self) -> str:
+        """What an open run's reader decodes with: the whole event (``sql/019_reader_publication.sql``)."""
+        return f"{stream_object_name(self.id)}_rows"
 
 
 class Extension(_Model):

@@ -35,15 +35,38 @@ def test_stream_row_owns_its_publication(conn: psycopg.Connection) -> None:
     assert row is not None
     assert row[:4] == (True, False, False, True)
     assert "stream_id = 7" in row[4]
+    # the reader's publication: the same filter, the whole event
+    row = conn.execute(
+        "select p.pubinsert, p.pubupdate, p.pubdelete, p.pubviaroot, pg_get_expr(r.prqual, r.prrelid) "
+        "from pg_publication p join pg_publication_rel r on r.prpubid = p.oid "
+        "where p.pubname = 'pgstream_stream_7_rows'").fetchone()
+    assert row is not None and row[:4] == (True, False, False, True) and "stream_id = 7" in row[4]
+    assert _published_columns(conn, 7, "_rows") == ["created_at", "id", "metadata", "payload", "stream_id"]
     conn.execute("delete from pgstream.streams where id = 7")
-    assert conn.execute("select count(*) from pg_publication where pubname = 'pgstream_stream_7'").fetchone() == (0,)
+    assert conn.execute("select count(*) from pg_publication where pubname like 'pgstream\\_stream\\_7%'"
+                        ).fetchone() == (0,)
 
 
-def _published_columns(conn: psycopg.Connection, stream_id: int) -> list[str]:
+def _published_columns(conn: psycopg.Connection, stream_id: int, suffix: str = "") -> list[str]:
     row = conn.execute("select attnames from pg_publication_tables where pubname = %s",
-                       [f"pgstream_stream_{stream_id}"]).fetchone()
+                       [f"pgstream_stream_{stream_id}{suffix}"]).fetchone()
     assert row is not None
     return sorted(row[0])
+
+
+def test_streams_of_an_earlier_version_get_the_readers_publication(conn: psycopg.Connection) -> None:
+    """019 creates the reader's publication for streams created before it, once; it leaves alone
+    one that exists."""
+    conn.execute("insert into pgstream.streams (id) values (9), (10)")
+    conn.execute("drop publication pgstream_stream_9_rows")
+    conn.execute("alter publication pgstream_stream_10_rows set table pgstream.events (id, stream_id, created_at, "
+                 "payload, metadata) where (stream_id = 10)")
+    for _ in range(2):
+        conn.execute((sql_dir() / "019_reader_publication.sql").read_text())
+        assert _published_columns(conn, 9, "_rows") == ["created_at", "id", "metadata", "payload", "stream_id"]
+    row = conn.execute("select pg_get_expr(r.prqual, r.prrelid) from pg_publication p join pg_publication_rel r "
+                       "on r.prpubid = p.oid where p.pubname = 'pgstream_stream_9_rows'").fetchone()
+    assert row is not None and "stream_id = 9" in row[0]
 
 
 def test_publication_carries_only_what_the_sensor_reads(conn: psycopg.Connection) -> None:

@@ -5,6 +5,8 @@ or with the slot dropped under it, nothing is lost and nothing is recorded twice
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import multiprocessing
 import os
 import signal
@@ -16,11 +18,12 @@ from typing import Any
 
 import dagster as dg
 import psycopg
+import psycopg.sql
 import pytest
 
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.names import WARM_TAG
-from pgstream_dagster.engine import ingest, ledger, migrations, replication, spark
+from pgstream_dagster.engine import handoff, ingest, ledger, migrations, replication, spark
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.publish import owed_spans
 from pgstream_dagster.engine.status import render_status, stream_status
@@ -100,7 +103,9 @@ def test_open_run_reads_the_slot_and_delivers_without_sensor_ticks(db_url: str, 
     assert sum(m["rounds"].value for m in rounds) >= 6 > len(rounds) >= 2
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     assert any("this open run reads slot pgstream_stream_1" in m for m in logs)
-    assert any("stopped reading slot pgstream_stream_1: 200 events recorded" in m for m in logs)
+    # the 200 it recorded, it delivered as it read them: not one read back from the table
+    assert any("stopped reading slot pgstream_stream_1: 200 events recorded" in m and
+               "; 200 of the events delivered were taken as read" in m for m in logs)
     assert _slot_reader(db_url) is None
 
     # closed: the sensor reads the slot again and requests a new run for what commits next
@@ -442,3 +447,77 @@ def test_a_sensor_peeking_back_to_back_leaves_the_slot_to_the_open_runs_reader(
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     recorded = next(m for m in logs if "stopped reading slot pgstream_stream_1" in m)
     assert " 0 events recorded" not in recorded, recorded
+
+
+def test_what_the_reader_hands_its_run_equals_what_the_table_holds(db_url: str, tmp_path: Path) -> None:
+    """The reader keeps the rows it decoded from the WAL (``Handoff``) and the run delivers them
+    without reading them back: they must be the table's rows exactly, as the run would read them
+    (ids, positions, stream, timestamps, the JSON texts byte for byte), whatever the server's time
+    zone and however odd the JSON; and a batch taken once is gone."""
+    with psycopg.connect(db_url, autocommit=True) as c:  # the WAL sender renders timestamps in +05:45
+        c.execute(psycopg.sql.SQL("alter database {} set timezone = 'Asia/Kathmandu'").format(
+            psycopg.sql.Identifier(c.info.dbname)))
+    stream = _engine_stream(tmp_path, db_url)
+    _open_stream(db_url)
+    stop, stats = threading.Event(), ingest.FollowStats()
+    kept = handoff.Handoff(max_events=10_000)
+    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, RUN_KEY, stop, stats),
+                              kwargs={"application_name": "pgstream reader t", "handoff": kept})
+    reader.start()
+    try:
+        _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
+        odd = ['{"s": "ünï \\"q\\" \\\\ \\n\\t\\u0001 \\u2028 😀", "n": 1e400, "big": 12345678901234567890}',
+               '{"nested": {"a": [1, 2.50, null, true, {"b": []}]}, "e": ""}', '[]', '"text"', '0', 'null']
+        with psycopg.connect(db_url, autocommit=True) as c:
+            for round_ in range(3):  # several transactions, some over the batch size (100)
+                c.execute("insert into pgstream.events (payload, metadata, stream_id) "
+                          "select (%s::text[])[1 + g %% %s]::jsonb, "
+                          "case when g %% 3 = 0 then jsonb_build_object('team', g) end, %s "
+                          "from generate_series(1, %s) g",
+                          [odd, len(odd), STREAM, 70 + 60 * round_])
+        _wait(lambda: stats.events == 70 + 130 + 190)
+    finally:
+        stop.set()
+        reader.join(timeout=10)
+    assert kept.events == 390
+    with psycopg.connect(db_url) as c:
+        batches = ledger.batches_between(c, STREAM, 0, 10**9)
+        assert sum(b.event_count for b in batches) == 390 and max(b.event_count for b in batches) == 100
+        offsets = {row[1].utcoffset() for rows, _size in kept._batches.values() for row in rows}
+        assert offsets == {dt.timedelta(hours=5, minutes=45)}  # as the WAL sender rendered them
+        spans = owed_spans(batches, resume=True)
+        from_table = list(spark.DirectRead(c, spans, "group_id").events())
+        # a span that starts mid-batch (a retried run resumes after what the sink confirmed)
+        spans[0] = dataclasses.replace(spans[0], first=7)
+        taken = [e for span in spans for e in kept.take(span.batch_id, span.first, span.last) or []]
+    assert kept.events == 0 and kept.taken == 390 - 6 and kept.take(spans[0].batch_id, 1, 1) is None
+    assert [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json, e.to_json())
+            for b, o, e in from_table[6:]] == \
+        [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json, e.to_json()) for b, o, e in taken]
+    assert all(e.created_at.utcoffset() == dt.timedelta(0) for _b, _o, e in taken)
+
+
+def test_handoff_is_bounded_and_forgets_what_was_delivered_another_way() -> None:
+    """Full (events or bytes), it keeps no more batches, so the run reads those from the table;
+    batches a round delivered through Spark, or whose recording rolled back, are dropped."""
+    created = dt.datetime(2026, 11, 22, tzinfo=dt.UTC)
+
+    def txn(first: int, n: int, payload: str = "{}") -> replication.Transaction:
+        return replication.Transaction(xid=first, events=[replication.DecodedEvent(i, created, (STREAM, payload, None))
+                                                          for i in range(first, first + n)])
+
+    kept = handoff.Handoff(max_events=240, max_bytes=10_000)
+    assert kept.put([1, 2, 3], [txn(1, 150), txn(151, 100)], 100) == 200  # batches of 100, 100, 50: 3 is over
+    assert kept.events == 200 and kept.take(3, 1, 50) is None
+    kept.forget_through(1)
+    assert kept.events == 100 and kept.take(1, 1, 100) is None
+    assert kept.put([4], [txn(301, 10, "x" * 2000)], 100) == 0  # 20,000 bytes of JSON text: over max_bytes
+    assert kept.put([5], [txn(311, 1)], 100) == 1
+    kept.discard([5])
+    assert kept.events == 100
+    # an event decoded without its row (not UTF-8): the batch is read from the table
+    no_row = replication.Transaction(xid=9, events=[replication.DecodedEvent(400, created)])
+    assert kept.put([6], [no_row], 100) == 0
+    got = kept.take(2, 1, 100)
+    assert got is not None and [(b, o, e.id) for b, o, e in got[:2]] == [(2, 1, 101), (2, 2, 102)]
+    assert kept.events == 0

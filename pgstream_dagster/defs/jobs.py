@@ -33,6 +33,7 @@ from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig
 from ..engine import ingest, ledger, spark
+from ..engine.handoff import Handoff
 from ..engine.publish import (
     BatchDone,
     Confirmed,
@@ -127,6 +128,8 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
                     delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream.database_url)
                     report.add(batches, delivered, started)
                     after = batches[-1].id
+                    if reader.handoff is not None:
+                        reader.handoff.forget_through(after)
                 reader.report()
                 batches = linger.next_batches(after)
                 if not batches:
@@ -136,7 +139,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
                     raise dg.Failure(f"batch {batches[0].id} would overtake open batch {earlier} of stream "
                                      f"{stream.id}")
                 started = time.monotonic()
-                frame = _load(pyspark, pgstream.database_url, stream, batches, conn)
+                frame = _load(pyspark, pgstream.database_url, stream, batches, conn, reader.handoff)
         finally:
             report.flush()  # what was delivered before the run ended, however it ended
 
@@ -155,14 +158,18 @@ class _Reader:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._reported = 0
+        #: what it records, for the run's rounds read without Spark (none: every round goes to Spark)
+        self.handoff: Handoff | None = None
         if stream.delivery.read_slot and run_key and ledger.run_is_open(conn, stream.id, run_key):
             self._thread = threading.Thread(target=self._follow, args=(database_url, run_key), daemon=True,
                                             name=f"pgstream-reader-{stream.id}")
+            if stream.delivery.ordering == "global" and stream.delivery.direct_max_events > 0:
+                self.handoff = Handoff(max(stream.delivery.direct_max_events, stream.batch.max_size))
 
     def _follow(self, database_url: str, run_key: str) -> None:
         try:
             ingest.follow(database_url, self.stream, run_key, self._stop, self.stats,
-                          application_name=f"pgstream reader {self.context.run_id}")
+                          application_name=f"pgstream reader {self.context.run_id}", handoff=self.handoff)
         except BaseException as exc:  # reported by the run's thread; the sensor reads the slot instead
             self._error = exc
 
@@ -183,8 +190,10 @@ class _Reader:
         self._thread.join()
         self._thread = None
         self.report()
+        kept = (f"; {self.handoff.taken} of the events delivered were taken as read, not read back from "
+                "pgstream.events") if self.handoff is not None else ""
         self.context.log.info(f"stream {self.stream.id}: stopped reading slot {self.stream.slot}: "
-                              f"{self.stats.events} events recorded in {self.stats.batches} batches")
+                              f"{self.stats.events} events recorded in {self.stats.batches} batches{kept}")
 
     def report(self) -> None:
         """What the reader has to say, in the run log (from the run's own thread)."""
@@ -258,13 +267,14 @@ def _owed(stream: StreamConfig, batches: list[ledger.Batch]) -> list[Span]:
 
 
 def _load(pyspark: LazyPySparkResource, database_url: str, stream: StreamConfig, batches: list[ledger.Batch],
-          conn: psycopg.Connection | None = None) -> Any:
+          conn: psycopg.Connection | None = None, handoff: Handoff | None = None) -> Any:
     """The round's events: Spark DataFrames, or with ``conn`` a round of at most
-    ``delivery.direct_max_events`` (ordering global) read by ``conn`` when it is delivered."""
+    ``delivery.direct_max_events`` (ordering global) read by ``conn`` when it is delivered, or taken
+    from ``handoff`` (what the run's slot reader recorded)."""
     owed = _owed(stream, batches)
     delivery = stream.delivery
     if conn is not None and delivery.ordering == "global" and sum(s.events for s in owed) <= delivery.direct_max_events:
-        return spark.DirectRead(conn, owed, delivery.routing_key)
+        return spark.DirectRead(conn, owed, delivery.routing_key, handoff)
     return spark.load_batches(pyspark.spark_session, database_url, owed, delivery.routing_key,
                               rows_per_partition=delivery.rows_per_partition, packed=delivery.ordering == "global")
 

@@ -23,6 +23,7 @@ import psycopg
 
 from ..config import StreamConfig
 from . import ledger, replication, walstream
+from .handoff import Handoff
 
 
 @dataclass
@@ -180,7 +181,8 @@ class FollowStats:
 
 
 def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threading.Event, stats: FollowStats, *,
-           application_name: str, wait: Callable[[float], bool] | None = None) -> None:
+           application_name: str, wait: Callable[[float], bool] | None = None,
+           handoff: Handoff | None = None) -> None:
     """Read the stream's slot over the replication protocol for the open run ``run_key`` until
     ``stop`` is set or the run is no longer the stream's open run: record what commits as batches,
     hand them to the run (``ledger.extend_run``: it is woken by NOTIFY) in the same transaction, and
@@ -189,12 +191,15 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
     While the sensor's peek holds the slot, or the slot is missing or lost (the sensor replaces it
     and recovers from the table), or its recovery is pending, it waits and tries again. A connection
     that breaks is opened again: the server sends again what was not confirmed, and what the ledger
-    already has is dropped (:func:`unrecorded`); so is the ledger connection (a database restart)."""
+    already has is dropped (:func:`unrecorded`); so is the ledger connection (a database restart).
+
+    ``handoff``: the rows of what it records are put there once recorded, for the run to take instead
+    of reading them back from the table."""
     pause = wait or stop.wait
     while not stop.is_set():
         try:
             with psycopg.connect(database_url, autocommit=True, application_name=application_name) as conn:
-                _read_slot(conn, database_url, stream, run_key, stop, stats, application_name, pause)
+                _read_slot(conn, database_url, stream, run_key, stop, stats, application_name, pause, handoff)
                 return
         except psycopg.OperationalError as exc:
             stats.notes.append(f"the slot reader lost its database connection ({str(exc).strip()[:300]}); "
@@ -204,7 +209,7 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
 
 def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig, run_key: str,
                stop: threading.Event, stats: FollowStats, application_name: str,
-               pause: Callable[[float], bool]) -> None:
+               pause: Callable[[float], bool], handoff: Handoff | None = None) -> None:
     """:func:`follow` on one ledger connection: returns once stopped or the run is no longer open.
 
     The reader claims the slot (:func:`ledger.claim_slot`) before it connects, so the sensor stops
@@ -213,6 +218,8 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
     the sensor records and hands batches to the run as before."""
     problem: str | None = None
     claimed = False
+    if conn.info.parameter_status("server_encoding") != "UTF8":
+        handoff = None  # the WAL carries text in the server's encoding: the run reads it from the table
 
     def wait(secs: float) -> None:
         nonlocal claimed
@@ -233,8 +240,9 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
                 pause(FOLLOW_CHECK_SECS)
                 continue
         try:
-            source = walstream.ReplicationStream(database_url, stream.slot, stream.publication,
-                                                   application_name)
+            # with a hand-off, the publication with the whole event: the run delivers what it decodes
+            publication = stream.rows_publication if handoff is not None else stream.publication
+            source = walstream.ReplicationStream(database_url, stream.slot, publication, application_name)
         except walstream.SlotBusy:
             pause(0.1)  # the sensor's peek under way: it sees the claim at its next one
             continue
@@ -246,7 +254,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
             continue
         problem = None
         try:
-            if not _follow(conn, source, stream, run_key, stop, stats):
+            if not _follow(conn, source, stream, run_key, stop, stats, handoff):
                 return
         except (walstream.SlotGone, walstream.StreamBroken) as exc:
             stats.notes.append(f"reading slot {stream.slot} stopped ({str(exc).strip()[:300]}); trying again")
@@ -256,9 +264,9 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
 
 
 def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, stream: StreamConfig, run_key: str,
-            stop: threading.Event, stats: FollowStats) -> bool:
+            stop: threading.Event, stats: FollowStats, handoff: Handoff | None) -> bool:
     """One replication connection's life; false once the run is no longer the open run."""
-    decoder = replication.PgOutputDecoder()
+    decoder = replication.PgOutputDecoder(keep_rows=handoff is not None)
     pending: list[replication.Transaction] = []
     oldest = 0.0  # when the oldest pending transaction arrived (monotonic)
     recorded_at = checked_at = 0.0
@@ -276,7 +284,7 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
             drained = len(messages) < source.MAX_MESSAGES
             if waiting >= stream.batch.max_size or now - oldest >= stream.batch.max_fill_secs or \
                     (drained and now - recorded_at >= FOLLOW_RECORD_EVERY_SECS):
-                if not _record_for_run(conn, stream, run_key, pending, stats):
+                if not _record_for_run(conn, stream, run_key, pending, stats, handoff):
                     source.confirm(pending[-1].end_lsn)
                     return False
                 source.confirm(pending[-1].end_lsn)
@@ -298,16 +306,29 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
 
 
 def _record_for_run(conn: psycopg.Connection, stream: StreamConfig, run_key: str,
-                    txns: list[replication.Transaction], stats: FollowStats) -> bool:
+                    txns: list[replication.Transaction], stats: FollowStats, handoff: Handoff | None) -> bool:
     """Record ``txns`` and hand the batches to the run, in one transaction; false if the run is no
-    longer the stream's open run (the batches stay pending: the sensor launches the next run)."""
-    with conn.transaction():
-        fresh = [t for t in unrecorded(conn, stream.id, txns) if t.events or t.unreadable]
-        if fresh:
-            stats.batches += len(ledger.record(conn, stream.id, fresh, stream.batch.max_size))
-            stats.events += sum(len(t.events) for t in fresh)
-            stats.unreadable += sum(len(t.unreadable) for t in fresh)
-        handed = ledger.extend_run(conn, stream.id, run_key, stream.delivery.max_events_per_run)
+    longer the stream's open run (the batches stay pending: the sensor launches the next run).
+
+    The batches' rows go to ``handoff`` before the commit, so they are there when the run, woken by
+    the commit, asks for them; if the commit fails they are dropped again (their ids are never used)."""
+    recorded: list[int] = []
+    try:
+        with conn.transaction():
+            fresh = [t for t in unrecorded(conn, stream.id, txns) if t.events or t.unreadable]
+            if fresh:
+                recorded = ledger.record(conn, stream.id, fresh, stream.batch.max_size)
+                if handoff is not None:
+                    handoff.put(recorded, fresh, stream.batch.max_size)
+            handed = ledger.extend_run(conn, stream.id, run_key, stream.delivery.max_events_per_run)
+    except BaseException:
+        if handoff is not None:
+            handoff.discard(recorded)
+        raise
+    if fresh:
+        stats.batches += len(recorded)
+        stats.events += sum(len(t.events) for t in fresh)
+        stats.unreadable += sum(len(t.unreadable) for t in fresh)
     # nothing handed over: nothing new, the run has max_events_per_run outstanding (the sensor hands
     # the rest later), or it closed
     return bool(handed) or ledger.run_is_open(conn, stream.id, run_key)

@@ -238,7 +238,8 @@ class TearDownRefused(RuntimeError):
 _GENERATED_TRIGGER = """
     t.tgname like 'pgstream\\_%' and p.pronamespace = 'pgstream'::pg_catalog.regnamespace
     and p.proname like '\\_publish\\_%' and not t.tgisinternal"""
-_OWN_NAME = rf"^{STREAM_NAME_PREFIX}[0-9]+$"  # a stream's publication or default slot
+_OWN_NAME = rf"^{STREAM_NAME_PREFIX}[0-9]+$"  # a stream's default slot
+_OWN_PUBLICATION = rf"^{STREAM_NAME_PREFIX}[0-9]+(_rows)?$"  # a stream's publications (the sensor's, the reader's)
 
 #: Every object that ``drop schema pgstream cascade`` would drop, found the way Postgres finds
 #: them (pg_depend from the schema on, a part taking its whole: a view's rule takes the view), less
@@ -297,7 +298,7 @@ where d.schema is distinct from 'pgstream' and d.schema is distinct from 'pg_toa
            where t.oid = d.objid and {_GENERATED_TRIGGER}))
   and not (d.classid = 'pg_catalog.pg_publication_rel'::pg_catalog.regclass and exists (
            select 1 from pg_catalog.pg_publication_rel r join pg_catalog.pg_publication p on p.oid = r.prpubid
-           where r.oid = d.objid and p.pubname ~ '{_OWN_NAME}'))
+           where r.oid = d.objid and p.pubname ~ '{_OWN_PUBLICATION}'))
 order by 1
 """  # noqa: S608 - constants only
 
@@ -366,7 +367,7 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
                 )
                 removed.append(f"trigger {tgname} on {schema}.{table}")
             for (pub,) in conn.execute(
-                "select pubname from pg_publication where pubname ~ %s order by 1", [_OWN_NAME]
+                "select pubname from pg_publication where pubname ~ %s order by 1", [_OWN_PUBLICATION]
             ).fetchall():
                 conn.execute(sql.SQL("drop publication {}").format(sql.Identifier(pub)))
                 removed.append(f"publication {pub}")

@@ -27,6 +27,9 @@ _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 class DecodedEvent(NamedTuple):
     id: int
     created_at: dt.datetime
+    #: with ``PgOutputDecoder(keep_rows=True)``: the rest of the row as the WAL carries it (stream id,
+    #: payload and metadata as JSON text), or None when its text is not UTF-8
+    row: tuple[int, str, str | None] | None = None
 
 
 class Unreadable(NamedTuple):
@@ -81,12 +84,17 @@ class PgOutputDecoder:
 
     Only what the ledger needs is read from an INSERT: the ``id`` and ``created_at`` columns (their
     positions come from the Relation message); other columns before them are stepped over without
-    decoding, the ones after are not looked at. A ``created_at`` equal to the previous one is not
-    parsed again. :meth:`decode` is the fast path for many messages (inserts decoded inline)."""
+    decoding, the ones after are not looked at. ``keep_rows``: also the ``stream_id``, ``payload`` and
+    ``metadata`` columns (:attr:`DecodedEvent.row`), for a reader that hands what it recorded to its
+    run in memory instead of having it read back from the table. A ``created_at`` equal to the
+    previous one is not parsed again. :meth:`decode` is the fast path for many messages (inserts
+    decoded inline)."""
 
-    def __init__(self) -> None:
-        # relation id (4 bytes, as in the message) -> (id column, created_at column, the later of them)
-        self._relations: dict[bytes, tuple[int, int, int]] = {}
+    def __init__(self, *, keep_rows: bool = False) -> None:
+        # relation id (4 bytes, as in the message) -> the positions of the id, created_at, payload,
+        # metadata and stream_id columns (the last three -1 unless keep_rows), and the last of them
+        self._relations: dict[bytes, tuple[int, int, int, int, int, int]] = {}
+        self._keep_rows = keep_rows
         self._current: Transaction | None = None
         self._last_ts: tuple[bytes, dt.datetime] = (b"", _PG_EPOCH)
 
@@ -104,12 +112,12 @@ class PgOutputDecoder:
         last = self._last_ts
         for data in messages:
             if data[0] == _INSERT and append is not None:
-                id_col, ts_col, last_col = relations[data[1:5]]
+                id_col, ts_col, payload_col, metadata_col, stream_col, last_col = relations[data[1:5]]
                 # TupleData after 'I', relation id, 'N' and the column count: per column a kind
                 # byte, then for 't' a 4-byte length and the value; 'n' (null) carries nothing
                 pos = 8
                 column = 0
-                raw_id = raw_ts = None
+                raw_id = raw_ts = raw_payload = raw_metadata = raw_stream = None
                 while True:
                     if data[pos] == _TEXT:
                         start = pos + 5
@@ -118,6 +126,12 @@ class PgOutputDecoder:
                             raw_id = data[start:pos]
                         elif column == ts_col:
                             raw_ts = data[start:pos]
+                        elif column == payload_col:
+                            raw_payload = data[start:pos]
+                        elif column == metadata_col:
+                            raw_metadata = data[start:pos]
+                        elif column == stream_col:
+                            raw_stream = data[start:pos]
                     else:
                         pos += 1
                     if column == last_col:
@@ -131,7 +145,10 @@ class PgOutputDecoder:
                         unreadable(unreadable_timestamp(int(raw_id), raw_ts.decode(errors="replace")))  # type: ignore[misc]
                         continue
                     last = (raw_ts, parsed)
-                append(DecodedEvent(int(raw_id), last[1]))
+                if stream_col < 0:
+                    append(DecodedEvent(int(raw_id), last[1]))
+                else:
+                    append(DecodedEvent(int(raw_id), last[1], _row(raw_stream, raw_payload, raw_metadata)))
             else:
                 txn = self.feed(data)
                 if txn is not None:
@@ -174,11 +191,23 @@ class PgOutputDecoder:
             end = data.index(b"\0", pos)
             names.append(data[pos:end].decode())
             pos = end + 1 + 8  # type oid + typmod
-        missing = {"id", "created_at"} - set(names)
+        wanted = ["id", "created_at"] + (["payload", "metadata", "stream_id"] if self._keep_rows else [])
+        missing = set(wanted) - set(names)
         if missing:
             raise ValueError(f"the publication does not carry column(s) {sorted(missing)} of pgstream.events")
-        id_col, ts_col = names.index("id"), names.index("created_at")
-        self._relations[data[1:5]] = (id_col, ts_col, max(id_col, ts_col))
+        cols = [names.index(name) for name in wanted] + [-1] * (5 - len(wanted))
+        self._relations[data[1:5]] = (cols[0], cols[1], cols[2], cols[3], cols[4], max(cols))
+
+
+def _row(raw_stream: bytes | None, raw_payload: bytes | None,
+         raw_metadata: bytes | None) -> tuple[int, str, str | None] | None:
+    """:attr:`DecodedEvent.row` of an INSERT's column values (None: not usable as they are)."""
+    if raw_stream is None or raw_payload is None:
+        return None
+    try:
+        return int(raw_stream), raw_payload.decode(), None if raw_metadata is None else raw_metadata.decode()
+    except (UnicodeDecodeError, ValueError):
+        return None
 
 
 def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from ..config import PgstreamConfig
+    from .handoff import Handoff
     from .ledger import KeyProgress
 
 Frames: TypeAlias = "DataFrame | list[DataFrame]"
@@ -390,17 +391,24 @@ class DirectRead:
     conn: psycopg.Connection
     spans: Sequence[Span]
     routing_key: str
+    #: the rows the run's slot reader recorded (:mod:`.handoff`): a span found there is not read
+    handoff: Handoff | None = None
 
     def events(self) -> Iterator[Positioned]:
         params = _routing_params(self.routing_key)
-        for span in partition_spans(self.spans, FETCH_ROWS):
-            # FETCH_ROWS at a time, each fetched whole before anything is yielded: the caller writes the
-            # ledger on the same connection
-            rows = self.conn.execute(_BATCH_QUERY, {**params, "batch_id": span.batch_id, "lo": span.first,
-                                                    "hi": span.last}).fetchall()
-            for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
-                yield batch_id, ord_, Event(event_id, stream_id, None, None, created.astimezone(dt.UTC),
-                                            payload_json=payload, metadata_json=metadata)
+        for whole in self.spans:
+            kept = self.handoff.take(whole.batch_id, whole.first, whole.last) if self.handoff is not None else None
+            if kept is not None:
+                yield from kept
+                continue
+            for span in whole.split(FETCH_ROWS):
+                # FETCH_ROWS at a time, each fetched whole before anything is yielded: the caller writes
+                # the ledger on the same connection
+                rows = self.conn.execute(_BATCH_QUERY, {**params, "batch_id": span.batch_id, "lo": span.first,
+                                                        "hi": span.last}).fetchall()
+                for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
+                    yield batch_id, ord_, Event(event_id, stream_id, None, None, created.astimezone(dt.UTC),
+                                                payload_json=payload, metadata_json=metadata)
 
 
 def deliver_in_order(frames: list[DataFrame] | DirectRead, sink: Sink, chunk_size: int, *, prefetch: bool = True,

@@ -6,10 +6,16 @@
 -- replace, followed by the function's privileges, which a replace keeps and a first create sets).
 
 -- ---------------------------------------------------------------------------------------------
--- Publication per stream: insert-only, published through the partition root, filtered on the
--- stream's id, carrying only what the sensor reads: the event id and created_at (and stream_id,
--- the row filter's column). The sensor records ids in commit order and the delivery run loads
--- payloads from the table, so logical decoding never turns a payload into text for nothing.
+-- Two publications per stream, both insert-only, published through the partition root and
+-- filtered on the stream's id; a slot is not tied to a publication, each read names the one it
+-- decodes with:
+-- * pgstream_stream_<id> carries only what the sensor reads: the event id and created_at (and
+--   stream_id, the row filter's column). The sensor peeks and advances (each decodes the WAL
+--   again) and records ids; the delivery run loads payloads from the table, so its decoding never
+--   turns a payload into text for nothing.
+-- * pgstream_stream_<id>_rows carries the whole event (every column but lsn) for an open run's
+--   reader: it decodes each transaction once over the replication protocol, records the ids and
+--   delivers the rows it decoded without reading them back from pgstream.events.
 -- Created when a streams row appears, dropped when it goes.
 create or replace function pgstream.publication_name(p_stream_id bigint)
 returns text language sql immutable
@@ -17,25 +23,36 @@ set search_path = pg_catalog, pg_temp
 as $$ select 'pgstream_stream_' || p_stream_id $$;
 revoke all on function pgstream.publication_name(bigint) from public;
 
+create or replace function pgstream.rows_publication_name(p_stream_id bigint)
+returns text language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select 'pgstream_stream_' || p_stream_id || '_rows' $$;
+revoke all on function pgstream.rows_publication_name(bigint) from public;
+
 create or replace function pgstream._sync_publication()
 returns trigger
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_name    text;
+    v_columns text;  -- constants below, never input
 begin
-    if tg_op = 'INSERT' then
-        if not exists (select 1 from pg_catalog.pg_publication
-                       where pubname = pgstream.publication_name(new.id)) then
+    for v_name, v_columns in
+        values (pgstream.publication_name(coalesce(new.id, old.id)), 'id, stream_id, created_at'),
+               (pgstream.rows_publication_name(coalesce(new.id, old.id)), 'id, payload, metadata, stream_id, created_at')
+    loop
+        if tg_op = 'DELETE' then
+            execute format('drop publication if exists %I', v_name);
+        elsif not exists (select 1 from pg_catalog.pg_publication where pubname = v_name) then
             execute format(
-                'create publication %I for table pgstream.events (id, stream_id, created_at) '
+                'create publication %I for table pgstream.events (%s) '
                 'where (stream_id = %s) with (publish = %L, publish_via_partition_root = true)',
-                pgstream.publication_name(new.id), new.id, 'insert');
+                v_name, v_columns, new.id, 'insert');
         end if;
-        return new;
-    end if;
-    execute format('drop publication if exists %I', pgstream.publication_name(old.id));
-    return old;
+    end loop;
+    return coalesce(new, old);
 end
 $$;
 revoke all on function pgstream._sync_publication() from public;

@@ -1,0 +1,108 @@
+"""What an open run's slot reader recorded, handed to the run's delivery in memory.
+
+The reader (:func:`~.ingest.follow`) decodes each event's INSERT from the WAL, with the whole row
+(``PgOutputDecoder(keep_rows=True)``), and records the batches in the ledger. Once that commits it
+puts the rows here; when the run delivers those batches it takes them back instead of reading
+them from ``pgstream.events`` (:class:`~.spark.DirectRead`). What it cannot take (a batch recorded
+by the sensor or an earlier run, a round too large to be kept, a run that restarted) is read from
+the table as before, so this only saves work: the ledger stays the source of truth.
+
+The rows are the ones the table holds: the WAL carries each column's text output, which is what
+``payload::text`` returns. Bounded: once ``max_events`` events or ``max_bytes`` bytes of JSON text
+are kept, further batches are not (they are read from the table)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Sequence
+
+from ..sinks.base import Event
+from .publish import Positioned
+from .replication import DecodedEvent, Transaction
+
+#: JSON text kept at most (payload and metadata), whatever ``max_events``
+MAX_BYTES = 128 * 2**20
+
+#: what is kept per batch: (id, created_at, stream_id, payload, metadata) for ordinals 1..n
+_Row = tuple[int, dt.datetime, int, str, str | None]
+
+
+class Handoff:
+    """Rows of recorded batches, by batch id, until the run takes them. Thread-safe: the reader puts,
+    the run's thread takes."""
+
+    def __init__(self, max_events: int, max_bytes: int = MAX_BYTES) -> None:
+        self.max_events, self.max_bytes = max_events, max_bytes
+        self._batches: dict[int, tuple[list[_Row], int]] = {}  # batch id -> (rows, bytes)
+        self._events = self._bytes = 0
+        self._lock = threading.Lock()
+        #: events taken from here, and batches asked for that were not here (read from the table)
+        self.taken = self.missed = 0
+
+    def put(self, batch_ids: Sequence[int], txns: Sequence[Transaction], max_size: int) -> int:
+        """The rows of batches just recorded by :func:`~.ledger.record` from ``txns`` with
+        ``max_size``: batch ``batch_ids[i]`` holds events ``i * max_size`` to ``(i + 1) * max_size``
+        of the transactions' events in order, as there. Returns the events kept."""
+        events: list[DecodedEvent] = [e for t in txns for e in t.events]
+        kept = 0
+        for i, batch_id in enumerate(batch_ids):
+            chunk = events[i * max_size:(i + 1) * max_size]
+            rows: list[_Row] = []
+            size = 0
+            for event in chunk:
+                if event.row is None:  # not decoded with its row, or not UTF-8: read from the table
+                    break
+                stream_id, payload, metadata = event.row
+                rows.append((event.id, event.created_at, stream_id, payload, metadata))
+                size += len(payload) + (len(metadata) if metadata is not None else 0)
+            if len(rows) != len(chunk) or not rows:
+                continue
+            with self._lock:
+                if self._events + len(rows) > self.max_events or self._bytes + size > self.max_bytes:
+                    break  # full: the run reads these from the table; the older ones it takes first
+                self._batches[batch_id] = (rows, size)
+                self._events += len(rows)
+                self._bytes += size
+            kept += len(rows)
+        return kept
+
+    def take(self, batch_id: int, first: int, last: int) -> list[Positioned] | None:
+        """Ordinals ``first`` to ``last`` of the batch as events (the batch is then forgotten), or
+        None when it is not here."""
+        with self._lock:
+            entry = self._batches.pop(batch_id, None)
+            if entry is not None:
+                self._events -= len(entry[0])
+                self._bytes -= entry[1]
+        if entry is None or not 1 <= first <= last <= len(entry[0]):
+            self.missed += 1
+            return None
+        utc = dt.UTC
+        taken = [(batch_id, ord_, Event(event_id, stream_id, None, None, created.astimezone(utc),
+                                        payload_json=payload, metadata_json=metadata))
+                 for ord_, (event_id, created, stream_id, payload, metadata)
+                 in enumerate(entry[0][first - 1:last], start=first)]
+        self.taken += len(taken)
+        return taken
+
+    def forget_through(self, batch_id: int) -> None:
+        """Drop the batches up to ``batch_id`` (delivered another way, e.g. by Spark)."""
+        with self._lock:
+            self._drop([b for b in self._batches if b <= batch_id])
+
+    def discard(self, batch_ids: Sequence[int]) -> None:
+        """Drop these batches (their recording rolled back)."""
+        with self._lock:
+            self._drop([b for b in batch_ids if b in self._batches])
+
+    def _drop(self, batch_ids: list[int]) -> None:
+        for batch_id in batch_ids:
+            rows, size = self._batches.pop(batch_id)
+            self._events -= len(rows)
+            self._bytes -= size
+
+    @property
+    def events(self) -> int:
+        """Events kept now."""
+        return self._events
