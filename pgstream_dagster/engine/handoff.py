@@ -17,7 +17,7 @@ import datetime as dt
 import threading
 from collections.abc import Sequence
 
-from ..sinks.base import Event
+from ..sinks.base import event_from_text
 from .publish import Positioned
 from .replication import DecodedEvent, Transaction
 
@@ -79,8 +79,7 @@ class Handoff:
             self.missed += 1
             return None
         utc = dt.UTC
-        taken = [(batch_id, ord_, Event(event_id, stream_id, None, None, created.astimezone(utc),
-                                        payload_json=payload, metadata_json=metadata))
+        taken = [(batch_id, ord_, event_from_text(event_id, stream_id, created.astimezone(utc), payload, metadata))
                  for ord_, (event_id, created, stream_id, payload, metadata)
                  in enumerate(entry[0][first - 1:last], start=first)]
         self.taken += len(taken)

@@ -92,7 +92,8 @@ class PgOutputDecoder:
 
     def __init__(self, *, keep_rows: bool = False) -> None:
         # relation id (4 bytes, as in the message) -> the positions of the id, created_at, payload,
-        # metadata and stream_id columns (the last three -1 unless keep_rows), and the last of them
+        # metadata and stream_id columns (the last three -1 unless keep_rows), and how many columns
+        # to read (up to the last of them)
         self._relations: dict[bytes, tuple[int, int, int, int, int, int]] = {}
         self._keep_rows = keep_rows
         self._current: Transaction | None = None
@@ -110,45 +111,50 @@ class PgOutputDecoder:
         append = self._current.events.append if self._current is not None else None
         unreadable = self._current.unreadable.append if self._current is not None else None
         last = self._last_ts
+        last_stream = (b"", 0)
+        from_iso = dt.datetime.fromisoformat
+        new_tuple = tuple.__new__
         for data in messages:
             if data[0] == _INSERT and append is not None:
-                id_col, ts_col, payload_col, metadata_col, stream_col, last_col = relations[data[1:5]]
+                id_col, ts_col, payload_col, metadata_col, stream_col, ncols = relations[data[1:5]]
                 # TupleData after 'I', relation id, 'N' and the column count: per column a kind
-                # byte, then for 't' a 4-byte length and the value; 'n' (null) carries nothing
+                # byte, then for 't' a 4-byte length and the value; 'n' (null) carries nothing.
+                # The columns up to the last one wanted, as bytes (None: null)
+                values: list[bytes | None] = []
+                add = values.append
                 pos = 8
-                column = 0
-                raw_id = raw_ts = raw_payload = raw_metadata = raw_stream = None
-                while True:
+                for _ in range(ncols):
                     if data[pos] == _TEXT:
                         start = pos + 5
                         pos = start + int.from_bytes(data[pos + 1:start])
-                        if column == id_col:
-                            raw_id = data[start:pos]
-                        elif column == ts_col:
-                            raw_ts = data[start:pos]
-                        elif column == payload_col:
-                            raw_payload = data[start:pos]
-                        elif column == metadata_col:
-                            raw_metadata = data[start:pos]
-                        elif column == stream_col:
-                            raw_stream = data[start:pos]
+                        add(data[start:pos])
                     else:
+                        add(None)
                         pos += 1
-                    if column == last_col:
-                        break
-                    column += 1
+                raw_id, raw_ts = values[id_col], values[ts_col]
                 if raw_id is None or raw_ts is None:
                     raise ValueError("an event without id or created_at in the WAL")
                 if last[0] != raw_ts:
-                    parsed = parse_timestamp(raw_ts.decode(errors="replace"))
-                    if parsed is None:  # (unreadable is set with append, tested above: not None)
-                        unreadable(unreadable_timestamp(int(raw_id), raw_ts.decode(errors="replace")))  # type: ignore[misc]
+                    try:
+                        last = (raw_ts, from_iso(raw_ts.decode()))
+                    except ValueError:  # infinity, years after 9999, BC (unreadable is set with append)
+                        raw = raw_ts.decode(errors="replace")
+                        unreadable(unreadable_timestamp(int(raw_id), raw))  # type: ignore[misc]
                         continue
-                    last = (raw_ts, parsed)
                 if stream_col < 0:
-                    append(DecodedEvent(int(raw_id), last[1]))
-                else:
-                    append(DecodedEvent(int(raw_id), last[1], _row(raw_stream, raw_payload, raw_metadata)))
+                    append(new_tuple(DecodedEvent, (int(raw_id), last[1], None)))
+                    continue
+                raw_stream, raw_payload, raw_metadata = values[stream_col], values[payload_col], values[metadata_col]
+                row = None
+                if raw_stream is not None and raw_payload is not None:
+                    if raw_stream != last_stream[0]:
+                        last_stream = (raw_stream, int(raw_stream))
+                    try:
+                        row = (last_stream[1], raw_payload.decode(),
+                               None if raw_metadata is None else raw_metadata.decode())
+                    except UnicodeDecodeError:
+                        pass  # read from the table instead
+                append(new_tuple(DecodedEvent, (int(raw_id), last[1], row)))
             else:
                 txn = self.feed(data)
                 if txn is not None:
@@ -196,18 +202,7 @@ class PgOutputDecoder:
         if missing:
             raise ValueError(f"the publication does not carry column(s) {sorted(missing)} of pgstream.events")
         cols = [names.index(name) for name in wanted] + [-1] * (5 - len(wanted))
-        self._relations[data[1:5]] = (cols[0], cols[1], cols[2], cols[3], cols[4], max(cols))
-
-
-def _row(raw_stream: bytes | None, raw_payload: bytes | None,
-         raw_metadata: bytes | None) -> tuple[int, str, str | None] | None:
-    """:attr:`DecodedEvent.row` of an INSERT's column values (None: not usable as they are)."""
-    if raw_stream is None or raw_payload is None:
-        return None
-    try:
-        return int(raw_stream), raw_payload.decode(), None if raw_metadata is None else raw_metadata.decode()
-    except (UnicodeDecodeError, ValueError):
-        return None
+        self._relations[data[1:5]] = (cols[0], cols[1], cols[2], cols[3], cols[4], max(cols) + 1)
 
 
 def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..sinks import Event, Sink, SinkConfig, build_sink
-from ..sinks.base import parse_event_path
+from ..sinks.base import event_from_text, parse_event_path
 from .cluster import cluster_conf, is_local, package_zip
 from .publish import Confirmed, Deliveries, Position, Positioned, RejectPolicy, Span, publish
 
@@ -350,8 +350,7 @@ def _packed_events(rows: Iterator[Any]) -> Iterator[Positioned]:
     for row in rows:
         batch_ids, ords, ids, stream_ids, created, payloads, metadatas = pickle.loads(row["data"])
         for i in range(len(ids)):
-            yield batch_ids[i], ords[i], Event(ids[i], stream_ids[i], None, None, created[i],
-                                               payload_json=payloads[i], metadata_json=metadatas[i])
+            yield batch_ids[i], ords[i], event_from_text(ids[i], stream_ids[i], created[i], payloads[i], metadatas[i])
 
 
 def is_packed(df: DataFrame) -> bool:
@@ -407,8 +406,8 @@ class DirectRead:
                 rows = self.conn.execute(_BATCH_QUERY, {**params, "batch_id": span.batch_id, "lo": span.first,
                                                         "hi": span.last}).fetchall()
                 for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
-                    yield batch_id, ord_, Event(event_id, stream_id, None, None, created.astimezone(dt.UTC),
-                                                payload_json=payload, metadata_json=metadata)
+                    yield batch_id, ord_, event_from_text(event_id, stream_id, created.astimezone(dt.UTC), payload,
+                                                          metadata)
 
 
 def deliver_in_order(frames: list[DataFrame] | DirectRead, sink: Sink, chunk_size: int, *, prefetch: bool = True,

@@ -174,6 +174,31 @@ class Event:
                 f"metadata={self.metadata!r}, created_at={self.created_at!r})")
 
 
+_SET_SLOT = {name: Event.__dict__[name].__set__ for name in Event.__slots__}
+
+
+def event_from_text(id: int, stream_id: int, created_at: dt.datetime, payload_json: str,
+                    metadata_json: str | None) -> Event:
+    """``Event(id, stream_id, created_at=created_at, payload_json=..., metadata_json=...)``, built
+    without ``__init__``'s checks (the caller passes text read from Postgres): what the delivery
+    path builds for every event, at less than half the cost."""
+    event = _new_object(Event)
+    _set_id(event, id)
+    _set_stream_id(event, stream_id)
+    _set_created_at(event, created_at)
+    _set_payload(event, _UNSET)
+    _set_payload_json(event, payload_json)
+    _set_metadata(event, None if metadata_json is None else _UNSET)
+    _set_metadata_json(event, metadata_json)
+    return event
+
+
+_new_object = object.__new__
+_set_id, _set_stream_id, _set_created_at = _SET_SLOT["_id"], _SET_SLOT["_stream_id"], _SET_SLOT["_created_at"]
+_set_payload, _set_payload_json = _SET_SLOT["_payload"], _SET_SLOT["_payload_json"]
+_set_metadata, _set_metadata_json = _SET_SLOT["_metadata"], _SET_SLOT["_metadata_json"]
+
+
 def _make_event(id: int, stream_id: int, payload: dict[str, Any] | None, metadata: dict[str, Any] | None,
                 created_at: dt.datetime, payload_json: str | None, metadata_json: str | None) -> Event:
     return Event(id, stream_id, payload, metadata, created_at, payload_json=payload_json,
