@@ -483,7 +483,7 @@ def test_what_the_reader_hands_its_run_equals_what_the_table_holds(db_url: str, 
     with psycopg.connect(db_url) as c:
         batches = ledger.batches_between(c, STREAM, 0, 10**9)
         assert sum(b.event_count for b in batches) == 390 and max(b.event_count for b in batches) == 100
-        offsets = {row[1].utcoffset() for rows, _size in kept._batches.values() for row in rows}
+        offsets = {event.created_at.utcoffset() for events, _size in kept._batches.values() for event in events}
         assert offsets == {dt.timedelta(hours=5, minutes=45)}  # as the WAL sender rendered them
         spans = owed_spans(batches, resume=True)
         from_table = list(spark.DirectRead(c, spans, "group_id").events())
@@ -503,15 +503,16 @@ def test_handoff_is_bounded_and_forgets_what_was_delivered_another_way() -> None
     created = dt.datetime(2026, 11, 22, tzinfo=dt.UTC)
 
     def txn(first: int, n: int, payload: str = "{}") -> replication.Transaction:
-        return replication.Transaction(xid=first, events=[replication.DecodedEvent(i, created, (STREAM, payload, None))
-                                                          for i in range(first, first + n)])
+        return replication.Transaction(xid=first, events=[
+            replication.DecodedEvent(i, created, (STREAM, payload, None, len(payload)))
+            for i in range(first, first + n)])
 
     kept = handoff.Handoff(max_events=240, max_bytes=10_000)
     assert kept.put([1, 2, 3], [txn(1, 150), txn(151, 100)], 100) == 200  # batches of 100, 100, 50: 3 is over
     assert kept.events == 200 and kept.take(3, 1, 50) is None
     kept.forget_through(1)
     assert kept.events == 100 and kept.take(1, 1, 100) is None
-    assert kept.put([4], [txn(301, 10, "x" * 2000)], 100) == 0  # 20,000 bytes of JSON text: over max_bytes
+    assert kept.put([4], [txn(301, 10, "x" * 2000)], 100) == 0  # 20,000 bytes of WAL messages: over max_bytes
     assert kept.put([5], [txn(311, 1)], 100) == 1
     kept.discard([5])
     assert kept.events == 100

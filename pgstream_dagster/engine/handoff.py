@@ -8,7 +8,7 @@ by the sensor or an earlier run, a round too large to be kept, a run that restar
 the table as before, so this only saves work: the ledger stays the source of truth.
 
 The rows are the ones the table holds: the WAL carries each column's text output, which is what
-``payload::text`` returns. Bounded: once ``max_events`` events or ``max_bytes`` bytes of JSON text
+``payload::text`` returns. Bounded: once ``max_events`` events or ``max_bytes`` bytes of WAL messages
 are kept, further batches are not (they are read from the table)."""
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ from ..sinks.base import event_from_text
 from .publish import Positioned
 from .replication import DecodedEvent, Transaction
 
-#: JSON text kept at most (payload and metadata), whatever ``max_events``
+#: bytes of the events' WAL messages kept at most (payload and metadata, mostly), whatever ``max_events``
 MAX_BYTES = 128 * 2**20
 
-#: what is kept per batch: (id, created_at, stream_id, payload, metadata) for ordinals 1..n
-_Row = tuple[int, dt.datetime, int, str, str | None]
 
 
 class Handoff:
@@ -34,7 +32,7 @@ class Handoff:
 
     def __init__(self, max_events: int, max_bytes: int = MAX_BYTES) -> None:
         self.max_events, self.max_bytes = max_events, max_bytes
-        self._batches: dict[int, tuple[list[_Row], int]] = {}  # batch id -> (rows, bytes)
+        self._batches: dict[int, tuple[list[DecodedEvent], int]] = {}  # batch id -> (events with rows, bytes)
         self._events = self._bytes = 0
         self._lock = threading.Lock()
         #: events taken from here, and batches asked for that were not here (read from the table)
@@ -48,23 +46,17 @@ class Handoff:
         kept = 0
         for i, batch_id in enumerate(batch_ids):
             chunk = events[i * max_size:(i + 1) * max_size]
-            rows: list[_Row] = []
-            size = 0
-            for event in chunk:
-                if event.row is None:  # not decoded with its row, or not UTF-8: read from the table
-                    break
-                stream_id, payload, metadata = event.row
-                rows.append((event.id, event.created_at, stream_id, payload, metadata))
-                size += len(payload) + (len(metadata) if metadata is not None else 0)
-            if len(rows) != len(chunk) or not rows:
+            rows = [e.row for e in chunk]
+            if not rows or None in rows:  # not decoded with their rows, or not UTF-8: read from the table
                 continue
+            size = sum([row[3] for row in rows if row is not None])
             with self._lock:
-                if self._events + len(rows) > self.max_events or self._bytes + size > self.max_bytes:
+                if self._events + len(chunk) > self.max_events or self._bytes + size > self.max_bytes:
                     break  # full: the run reads these from the table; the older ones it takes first
-                self._batches[batch_id] = (rows, size)
-                self._events += len(rows)
+                self._batches[batch_id] = (chunk, size)
+                self._events += len(chunk)
                 self._bytes += size
-            kept += len(rows)
+            kept += len(chunk)
         return kept
 
     def take(self, batch_id: int, first: int, last: int) -> list[Positioned] | None:
@@ -79,9 +71,9 @@ class Handoff:
             self.missed += 1
             return None
         utc = dt.UTC
-        taken = [(batch_id, ord_, event_from_text(event_id, stream_id, created.astimezone(utc), payload, metadata))
-                 for ord_, (event_id, created, stream_id, payload, metadata)
-                 in enumerate(entry[0][first - 1:last], start=first)]
+        taken = [(batch_id, ord_, event_from_text(event_id, row[0], created.astimezone(utc), row[1], row[2]))
+                 for ord_, (event_id, created, row) in enumerate(entry[0][first - 1:last], start=first)
+                 if row is not None]  # (put keeps no batch with an event without its row)
         self.taken += len(taken)
         return taken
 

@@ -28,8 +28,9 @@ class DecodedEvent(NamedTuple):
     id: int
     created_at: dt.datetime
     #: with ``PgOutputDecoder(keep_rows=True)``: the rest of the row as the WAL carries it (stream id,
-    #: payload and metadata as JSON text), or None when its text is not UTF-8
-    row: tuple[int, str, str | None] | None = None
+    #: payload and metadata as JSON text, and the size of the message, to bound what is kept), or None
+    #: when its text is not UTF-8
+    row: tuple[int, str, str | None, int] | None = None
 
 
 class Unreadable(NamedTuple):
@@ -78,17 +79,16 @@ def int_to_lsn(value: int) -> str:
 _TEXT = 0x74  # 't': a column value in text form (TupleData)
 _INSERT = 0x49  # 'I'
 
-
 class PgOutputDecoder:
     """Decodes pgoutput protocol v1 messages; keeps relation metadata across messages.
 
     Only what the ledger needs is read from an INSERT: the ``id`` and ``created_at`` columns (their
     positions come from the Relation message); other columns before them are stepped over without
-    decoding, the ones after are not looked at. ``keep_rows``: also the ``stream_id``, ``payload`` and
-    ``metadata`` columns (:attr:`DecodedEvent.row`), for a reader that hands what it recorded to its
-    run in memory instead of having it read back from the table. A ``created_at`` equal to the
-    previous one is not parsed again. :meth:`decode` is the fast path for many messages (inserts
-    decoded inline)."""
+    decoding, the ones after are not looked at. ``keep_rows``: also
+    the ``stream_id``, ``payload`` and ``metadata`` columns (:attr:`DecodedEvent.row`), for a reader
+    that hands what it recorded to its run in memory instead of having it read back from the table.
+    A ``created_at`` equal to the previous one is not parsed again. :meth:`decode` is the fast path
+    for many messages (inserts decoded inline)."""
 
     def __init__(self, *, keep_rows: bool = False) -> None:
         # relation id (4 bytes, as in the message) -> the positions of the id, created_at, payload,
@@ -134,15 +134,16 @@ class PgOutputDecoder:
                 raw_id, raw_ts = values[id_col], values[ts_col]
                 if raw_id is None or raw_ts is None:
                     raise ValueError("an event without id or created_at in the WAL")
+                event_id = int(raw_id)
                 if last[0] != raw_ts:
                     try:
                         last = (raw_ts, from_iso(raw_ts.decode()))
-                    except ValueError:  # infinity, years after 9999, BC (unreadable is set with append)
+                    except ValueError:  # infinity, years after 9999, BC
                         raw = raw_ts.decode(errors="replace")
-                        unreadable(unreadable_timestamp(int(raw_id), raw))  # type: ignore[misc]
+                        unreadable(unreadable_timestamp(event_id, raw))  # type: ignore[misc]  # set with append
                         continue
                 if stream_col < 0:
-                    append(new_tuple(DecodedEvent, (int(raw_id), last[1], None)))
+                    append(new_tuple(DecodedEvent, (event_id, last[1], None)))
                     continue
                 raw_stream, raw_payload, raw_metadata = values[stream_col], values[payload_col], values[metadata_col]
                 row = None
@@ -151,10 +152,10 @@ class PgOutputDecoder:
                         last_stream = (raw_stream, int(raw_stream))
                     try:
                         row = (last_stream[1], raw_payload.decode(),
-                               None if raw_metadata is None else raw_metadata.decode())
+                               None if raw_metadata is None else raw_metadata.decode(), len(data))
                     except UnicodeDecodeError:
                         pass  # read from the table instead
-                append(new_tuple(DecodedEvent, (int(raw_id), last[1], row)))
+                append(new_tuple(DecodedEvent, (event_id, last[1], row)))
             else:
                 txn = self.feed(data)
                 if txn is not None:

@@ -144,9 +144,16 @@ class Event:
 
     def to_json(self) -> str:
         """``as_json_dict()`` as compact JSON text, built around the payload text without parsing it."""
-        metadata = self.metadata_json
+        # the slots first: the properties serialise a dict given without text (once), the common case
+        # (text read from Postgres) needs no call
+        payload = self._payload_json
+        if payload is None:
+            payload = self.payload_json
+        metadata = self._metadata_json
+        if metadata is None and self._metadata is not None:
+            metadata = self.metadata_json
         return (f'{{"id":{self._id},"stream_id":{self._stream_id},"created_at":"{self._created_at.isoformat()}",'
-                f'"payload":{self.payload_json},"metadata":{"null" if metadata is None else metadata}}}')
+                f'"payload":{payload},"metadata":{"null" if metadata is None else metadata}}}')
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise FrozenInstanceError(f"cannot assign to field {name!r}")
