@@ -37,8 +37,10 @@ from pgstream_dagster.engine.migrations import migrate
 HERE = Path(__file__).resolve().parent
 
 
-def _writer(url: str, until: float, rows: int, counter: Any) -> None:
-    """Insert ``rows`` rows per transaction until ``until`` (wall clock)."""
+def _writer(url: str, until: float, rows: int, counter: Any, cpus: set[int] | None = None) -> None:
+    """Insert ``rows`` rows per transaction until ``until`` (wall clock); ``cpus``: only on these."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     seq = 0
     with psycopg.connect(url, autocommit=True) as conn:
         while time.time() < until:
@@ -79,7 +81,7 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
                 driver.step(1)
         started = time.time()
         until = started + args.duration
-        writers = [multiprocessing.Process(target=_writer, args=(url, until, args.rows, counter))
+        writers = [multiprocessing.Process(target=_writer, args=(url, until, args.rows, counter, args.database_cpus))
                    for _ in range(args.writers)]
         for w in writers:
             w.start()
@@ -121,6 +123,18 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
             "samples": samples}
 
 
+def _pin_tree(pid: int, cpus: set[int]) -> None:
+    """Postgres' postmaster and its processes on ``cpus`` (backends forked later inherit it)."""
+    os.sched_setaffinity(pid, cpus)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    os.sched_setaffinity(int(entry.name), cpus)
+            except (OSError, IndexError, ValueError):
+                continue
+
+
 def _curve(samples: list[tuple[float, int, int]], points: int = 16) -> str:
     step = max(1, -(-len(samples) // points))  # at most ~points values
     picked = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
@@ -142,6 +156,10 @@ def main() -> None:
     parser.add_argument("--max-events-per-run", type=int, default=200_000)
     parser.add_argument("--sample-secs", type=float, default=5)
     parser.add_argument("--drain-secs", type=float, default=600)
+    parser.add_argument("--label", default="", help="what this run measures (e.g. the code: 'before', 'after')")
+    parser.add_argument("--split", action="store_true",
+                        help="the pipeline's Python (sensor, runs, Spark) on the last CPU, Postgres (the WAL sender "
+                             "and ledger included) and the writers on the others: its own core")
     args = parser.parse_args()
     header = machine()
     results: dict[str, dict[str, Any]] = {}
@@ -149,6 +167,12 @@ def main() -> None:
         tmpdir = Path(tmp)
         os.chmod(tmpdir, 0o755)
         pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off"})
+        args.database_cpus = None
+        if args.split:
+            cpus = sorted(os.sched_getaffinity(0))
+            args.database_cpus = set(cpus[:-1])
+            _pin_tree(int((tmpdir / "pg" / "postmaster.pid").read_text().split()[0]), args.database_cpus)
+            os.sched_setaffinity(0, {cpus[-1]})  # this process: the sensor and the runs (and Spark, started later)
         webhook = Webhook()
         try:
             for name, mode in itertools.product(args.sinks.split(","), args.modes.split(",")):
@@ -165,7 +189,10 @@ def main() -> None:
             webhook.stop()
             pg.destroy()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"\n## Sustained (P1) {stamp}, {args.duration:.0f}s of writing per sink",
+    import pgstream_dagster
+    label = f", {args.label}" if args.label else ""
+    lines = [f"\n## Sustained (P1) {stamp}, {args.duration:.0f}s of writing per sink{label}"
+             f"{' (split CPUs)' if args.split else ''}, package {Path(pgstream_dagster.__file__).parent}",
              f"Machine: {header}. Method: bench/sustained.py; {args.writers} writer processes inserting "
              f"{args.rows} rows per transaction into a table with a real INSERT subscription (Postgres fsync off, "
              "synchronous_commit off), as fast as Postgres accepts; the stream is driven in-process (ephemeral "
@@ -176,7 +203,10 @@ def main() -> None:
              "worker overlap; the open run reads the slot itself (replication protocol) and reads small rounds "
              f"without Spark; batch.max_size {args.batch_size}, max_fill_secs {args.max_fill_secs}, "
              f"max_events_per_run {args.max_events_per_run}, chunk 5000; delivered = ledger batches marked "
-             "delivered (sink-confirmed); writers, driver, Spark, Postgres and the sink share the 2 CPUs; "
+             "delivered (sink-confirmed); "
+             + ("**split**: the pipeline's Python (sensor, runs, Spark driver) pinned to the last CPU, Postgres "
+                "(WAL sender and ledger backends included) and the writers to the others, Redis unpinned; "
+                if args.split else "writers, driver, Spark, Postgres and the sink share the 2 CPUs; ") +
              f"backlog = written - delivered, sampled every {args.sample_secs:.0f}s."]
     for name, r in results.items():
         w, d = r["written"] / r["window"], r["delivered_in_window"] / r["window"]

@@ -522,3 +522,82 @@ def test_handoff_is_bounded_and_forgets_what_was_delivered_another_way() -> None
     got = kept.take(2, 1, 100)
     assert got is not None and [(b, o, e.id) for b, o, e in got[:2]] == [(2, 1, 101), (2, 2, 102)]
     assert kept.events == 0
+
+
+def test_reader_without_its_publication_reads_with_the_sensors_and_loses_nothing(db_url: str, tmp_path: Path) -> None:
+    """The whole-event publication dropped by hand (Postgres 18 then sends nothing, without an
+    error): the reader does not confirm past what it received, says so and reads with the sensor's
+    publication; what it records is read back from the table, none of it is kept."""
+    stream = _engine_stream(tmp_path, db_url)
+    _open_stream(db_url)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("drop publication pgstream_stream_1_rows")
+    stop, stats = threading.Event(), ingest.FollowStats()
+    kept = handoff.Handoff(max_events=10_000)
+    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, RUN_KEY, stop, stats),
+                              kwargs={"application_name": "pgstream reader t", "handoff": kept})
+    reader.start()
+    try:
+        insert_events(db_url, STREAM, 150)
+        _wait(lambda: stats.events == 150)
+    finally:
+        stop.set()
+        reader.join(timeout=10)
+    assert any("publication pgstream_stream_1_rows is missing" in n for n in stats.notes)
+    assert kept.events == 0 and sorted(_ledger_ids(db_url)) == sorted(_all_ids(db_url))
+
+
+def test_open_run_delivers_a_backlog_in_direct_rounds_without_spark(db_url: str, tmp_path: Path,
+                                                                   instance: dg.DagsterInstance, endpoint: Endpoint,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backlog larger than direct_max_events reaches the open run: it delivers it in rounds of at
+    most that many events (whole batches), in order, and never loads a round through Spark."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url,
+                                 [_config(endpoint, linger=3, direct_max_events=120)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 10)
+    (request,) = tick_until(driver, STREAM, lambda: False if not driver.cursors else _launched(db_url), timeout=60) \
+        or [None]  # type: ignore[list-item]
+    assert request is not None
+
+    def no_spark(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("an open run loaded a round of global order through Spark")
+
+    monkeypatch.setattr(spark, "load_batches", no_spark)
+    run = Background(driver, request)
+    _wait(lambda: (_slot_reader(db_url) or "").startswith("pgstream reader "))
+    with psycopg.connect(db_url, autocommit=True) as c:  # one transaction of 600 events: a backlog at once
+        c.execute("insert into pgstream.events (payload, stream_id) select jsonb_build_object('n', g), %s "
+                  "from generate_series(1, 600) g", [STREAM])
+    _wait(lambda: len(endpoint.unique()) >= 610)
+    result = run.wait(timeout=60)
+    assert result.success
+    sent = sent_ids(db_url)
+    assert len(sent) == 610 and endpoint.unique() == set(sent) and endpoint.duplicates() == 0
+    assert endpoint.first_seen_order() == sent
+    rounds = [e.event_specific_data.materialization.metadata for e in result.all_events
+              if e.event_type_value == "ASSET_MATERIALIZATION"]
+    assert sum(m["rounds"].value for m in rounds) >= 1 + 600 // 100  # batches of 50: at most 2 a round
+
+
+@pytest.mark.parametrize("dropped", ["pgstream_stream_1", "pgstream_stream_1_rows"])
+def test_a_publication_dropped_by_hand_is_put_back_and_nothing_is_lost(db_url: str, tmp_path: Path,
+                                                                        dropped: str) -> None:
+    """Postgres 18 decodes with a missing publication without an error (it warns "skipped loading
+    publication" and sends nothing): a sensor that then advanced the slot would lose every event
+    committed meanwhile. The sensor's next tick creates the publication again and recovers those
+    events from the table; each is recorded once."""
+    stream = _engine_stream(tmp_path, db_url)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume(c, stream, 0.5)  # the stream, its publications and slot
+        insert_events(db_url, STREAM, 30)
+        _wait(lambda: not ingest.consume(c, stream, 0.5).batches and len(_ledger_ids(db_url)) == 30)
+        c.execute(psycopg.sql.SQL("drop publication {}").format(psycopg.sql.Identifier(dropped)))
+        insert_events(db_url, STREAM, 40, 1000)  # committed while it is missing
+        result = ingest.consume(c, stream, 0.5)
+        assert result.publications_created == [dropped] and result.recovered
+        assert c.execute("select count(*) from pg_publication where pubname = %s", [dropped]).fetchone() == (1,)
+        insert_events(db_url, STREAM, 20, 2000)  # read from the slot again
+        _wait(lambda: not ingest.consume(c, stream, 0.5).batches and len(_ledger_ids(db_url)) >= 90)
+    recorded = _ledger_ids(db_url)
+    assert len(recorded) == len(set(recorded)) == 90 and set(recorded) == set(_all_ids(db_url))

@@ -131,7 +131,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
                     if reader.handoff is not None:
                         reader.handoff.forget_through(after)
                 reader.report()
-                batches = linger.next_batches(after)
+                batches = _direct_round(stream, linger.next_batches(after))
                 if not batches:
                     break
                 earlier = ledger.earlier_open(conn, stream.id, batches[0].id)
@@ -264,6 +264,23 @@ def _owed(stream: StreamConfig, batches: list[ledger.Batch]) -> list[Span]:
     (global order; ``by_key`` reads every event and its Spark tasks skip, per key, what an earlier attempt
     recorded in ``pgstream.key_progress``)."""
     return owed_spans(batches, resume=stream.delivery.ordering == "global")
+
+
+def _direct_round(stream: StreamConfig, batches: list[ledger.Batch]) -> list[ledger.Batch]:
+    """The open run's next round of ``batches`` (ordering global): the first of them up to
+    ``delivery.direct_max_events`` events (at least one batch), so that it is read without Spark; the
+    rest come in the next rounds. A backlog is then delivered in rounds the run reads itself instead
+    of a Spark job that, started while the writers take the CPUs, held the stream for 1-2 minutes
+    (bench/sustained.py)."""
+    limit = stream.delivery.direct_max_events
+    if stream.delivery.ordering != "global" or limit <= 0:
+        return batches
+    total = 0
+    for i, batch in enumerate(batches):
+        total += batch.event_count
+        if total > limit and i > 0:
+            return batches[:i]
+    return batches
 
 
 def _load(pyspark: LazyPySparkResource, database_url: str, stream: StreamConfig, batches: list[ledger.Batch],

@@ -252,6 +252,10 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         if consumed.slot_lost:
             context.log.warning(f"slot {stream.slot} was invalidated (WAL limit) or dropped; replacing it and "
                                 "recovering undelivered events from pgstream.events")
+        if consumed.publications_created:
+            context.log.warning(f"publication(s) {', '.join(consumed.publications_created)} were missing (dropped by "
+                                "hand?) and were created again; events committed meanwhile are recovered from "
+                                "pgstream.events")
         if consumed.slot_created:
             context.log.info(f"created slot {stream.slot}; recovered {len(consumed.recovered)} batches from the table")
         if consumed.batches:

@@ -37,6 +37,7 @@ class ConsumeResult:
     recovered: list[int] = field(default_factory=list)
     unreadable: int = 0  # events set aside as dead letters (stage 'read')
     slot_busy: bool = False  # another connection reads the slot (an open run's reader): nothing read
+    publications_created: list[str] = field(default_factory=list)  # were missing (dropped by hand)
 
     def add(self, other: "ConsumeResult") -> None:
         self.batches += other.batches
@@ -48,6 +49,7 @@ class ConsumeResult:
         self.recovered += other.recovered
         self.unreadable += other.unreadable
         self.slot_busy = other.slot_busy
+        self.publications_created += other.publications_created
 
 
 def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult) -> None:
@@ -60,6 +62,12 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
     recover again (duplicates possible, losses not).
     """
     ledger.ensure_stream(conn, stream.id, stream.slot)
+    # a publication dropped by hand: logical decoding skips the stream's events without an error
+    # (Postgres 18 only warns), so it is put back, and what committed meanwhile is recovered from the
+    # table (decoding looks publications up as of each change: re-created, it does not see those)
+    result.publications_created = replication.ensure_publications(conn, stream.id)
+    if result.publications_created:
+        ledger.set_recovery_pending(conn, stream.id)
     info = replication.slot_info(conn, stream.slot)
     pending = ledger.recovery_pending(conn, stream.id)
     if info is not None and info["wal_status"] != "lost" and not pending:
@@ -228,6 +236,18 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
             claimed = False
         pause(secs)
 
+    def without_rows(exc: Exception) -> bool:
+        """The whole-event publication is gone (dropped by hand): read with the sensor's from now on,
+        and let the run read the events back from the table."""
+        nonlocal handoff
+        if handoff is None or f'"{stream.rows_publication}"' not in str(exc):
+            return False
+        handoff = None
+        stats.notes.append(f"publication {stream.rows_publication} is missing ({str(exc).strip()[:300]}); "
+                           f"reading with {stream.publication} and reading the events back from the table "
+                           "(README, Operations: re-creating a stream's publications)")
+        return True
+
     while not stop.is_set():
         if not ledger.run_is_open(conn, stream.id, run_key):
             return
@@ -247,6 +267,8 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
             pause(0.1)  # the sensor's peek under way: it sees the claim at its next one
             continue
         except (walstream.SlotGone, walstream.StreamBroken, ConnectionError) as exc:
+            if without_rows(exc):
+                continue
             if str(exc) != problem:
                 problem = str(exc)
                 stats.notes.append(f"reading slot {stream.slot} failed ({exc}); trying again")
@@ -257,6 +279,8 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
             if not _follow(conn, source, stream, run_key, stop, stats, handoff):
                 return
         except (walstream.SlotGone, walstream.StreamBroken) as exc:
+            if without_rows(exc):
+                continue
             stats.notes.append(f"reading slot {stream.slot} stopped ({str(exc).strip()[:300]}); trying again")
             wait(FOLLOW_CHECK_SECS)
         finally:
@@ -301,6 +325,10 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
             probe = None
         if probe is None:
             probe = (dt.datetime.now(dt.UTC), replication.flush_lsn(conn))
+        if not replication.publication_exists(conn, source.publication):
+            # dropped: the server skips the stream's events without an error (Postgres 18), so the slot
+            # must not move past what was received (the sensor puts it back and recovers)
+            raise walstream.SlotGone(f'publication "{source.publication}" does not exist')
         source.confirm(source.wal_end, reply=True)  # the reply brings a fresh wal_end
     return True
 

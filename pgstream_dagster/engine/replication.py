@@ -206,6 +206,16 @@ class PgOutputDecoder:
         self._relations[data[1:5]] = (cols[0], cols[1], cols[2], cols[3], cols[4], max(cols) + 1)
 
 
+def ensure_publications(conn: psycopg.Connection, stream_id: int) -> list[str]:
+    """Create the stream's publications that are missing (``pgstream.ensure_publications``); their names."""
+    return [str(name) for (name,) in conn.execute("select pgstream.ensure_publications(%s)", [stream_id])]
+
+
+def publication_exists(conn: psycopg.Connection, name: str) -> bool:
+    return conn.execute("select exists (select 1 from pg_catalog.pg_publication where pubname = %s)",
+                        [name]).fetchone() == (True,)
+
+
 def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
     """Slot state: confirmed position, retained WAL bytes, WAL status (reserved/lost...)."""
     row = conn.execute(

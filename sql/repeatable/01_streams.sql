@@ -29,10 +29,14 @@ set search_path = pg_catalog, pg_temp
 as $$ select 'pgstream_stream_' || p_stream_id || '_rows' $$;
 revoke all on function pgstream.rows_publication_name(bigint) from public;
 
-create or replace function pgstream._sync_publication()
-returns trigger
+-- The stream's publications that are missing, created; returns their names. Called by the trigger
+-- below, and by the sensor each tick (engine/ingest.py ensure_slot): a publication dropped by hand
+-- would make logical decoding skip the stream's events without an error (Postgres 18 warns
+-- "skipped loading publication" and sends nothing), so the sensor puts it back and recovers from
+-- the table what was committed meanwhile.
+create or replace function pgstream.ensure_publications(p_stream_id bigint)
+returns setof text
 language plpgsql
-security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -40,19 +44,35 @@ declare
     v_columns text;  -- constants below, never input
 begin
     for v_name, v_columns in
-        values (pgstream.publication_name(coalesce(new.id, old.id)), 'id, stream_id, created_at'),
-               (pgstream.rows_publication_name(coalesce(new.id, old.id)), 'id, payload, metadata, stream_id, created_at')
+        values (pgstream.publication_name(p_stream_id), 'id, stream_id, created_at'),
+               (pgstream.rows_publication_name(p_stream_id), 'id, payload, metadata, stream_id, created_at')
     loop
-        if tg_op = 'DELETE' then
-            execute format('drop publication if exists %I', v_name);
-        elsif not exists (select 1 from pg_catalog.pg_publication where pubname = v_name) then
+        if not exists (select 1 from pg_catalog.pg_publication where pubname = v_name) then
             execute format(
                 'create publication %I for table pgstream.events (%s) '
                 'where (stream_id = %s) with (publish = %L, publish_via_partition_root = true)',
-                v_name, v_columns, new.id, 'insert');
+                v_name, v_columns, p_stream_id, 'insert');
+            return next v_name;
         end if;
     end loop;
-    return coalesce(new, old);
+end
+$$;
+revoke all on function pgstream.ensure_publications(bigint) from public;
+
+create or replace function pgstream._sync_publication()
+returns trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if tg_op = 'INSERT' then
+        perform pgstream.ensure_publications(new.id);
+        return new;
+    end if;
+    execute format('drop publication if exists %I', pgstream.publication_name(old.id));
+    execute format('drop publication if exists %I', pgstream.rows_publication_name(old.id));
+    return old;
 end
 $$;
 revoke all on function pgstream._sync_publication() from public;
