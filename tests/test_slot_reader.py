@@ -449,6 +449,17 @@ def test_a_sensor_peeking_back_to_back_leaves_the_slot_to_the_open_runs_reader(
     assert " 0 events recorded" not in recorded, recorded
 
 
+def _reader_with_handoff(url: str, stream: Any) -> tuple[threading.Thread, threading.Event, ingest.FollowStats,
+                                                         handoff.Handoff]:
+    """:func:`ingest.follow` in a thread ("pgstream reader t") with a hand-off, as an open run starts it."""
+    stop, stats = threading.Event(), ingest.FollowStats()
+    kept = handoff.Handoff(max_events=10_000)
+    reader = threading.Thread(target=ingest.follow, args=(url, stream, RUN_KEY, stop, stats),
+                              kwargs={"application_name": "pgstream reader t", "handoff": kept})
+    reader.start()
+    return reader, stop, stats, kept
+
+
 def test_what_the_reader_hands_its_run_equals_what_the_table_holds(db_url: str, tmp_path: Path) -> None:
     """The reader keeps the rows it decoded from the WAL (``Handoff``) and the run delivers them
     without reading them back: they must be the table's rows exactly, as the run would read them
@@ -459,11 +470,7 @@ def test_what_the_reader_hands_its_run_equals_what_the_table_holds(db_url: str, 
             psycopg.sql.Identifier(c.info.dbname)))
     stream = _engine_stream(tmp_path, db_url)
     _open_stream(db_url)
-    stop, stats = threading.Event(), ingest.FollowStats()
-    kept = handoff.Handoff(max_events=10_000)
-    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, RUN_KEY, stop, stats),
-                              kwargs={"application_name": "pgstream reader t", "handoff": kept})
-    reader.start()
+    reader, stop, stats, kept = _reader_with_handoff(db_url, stream)
     try:
         _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
         odd = ['{"s": "ünï \\"q\\" \\\\ \\n\\t\\u0001 \\u2028 😀", "n": 1e400, "big": 12345678901234567890}',
@@ -532,11 +539,7 @@ def test_reader_without_its_publication_reads_with_the_sensors_and_loses_nothing
     _open_stream(db_url)
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("drop publication pgstream_stream_1_rows")
-    stop, stats = threading.Event(), ingest.FollowStats()
-    kept = handoff.Handoff(max_events=10_000)
-    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, RUN_KEY, stop, stats),
-                              kwargs={"application_name": "pgstream reader t", "handoff": kept})
-    reader.start()
+    reader, stop, stats, kept = _reader_with_handoff(db_url, stream)
     try:
         insert_events(db_url, STREAM, 150)
         _wait(lambda: stats.events == 150)
