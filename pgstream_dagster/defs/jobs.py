@@ -191,7 +191,7 @@ class _Reader:
         self._thread = None
         self.report()
         kept = (f"; {self.handoff.taken} of the events delivered were taken as read, not read back from "
-                "pgstream.events") if self.handoff is not None else ""
+                f"pgstream.events ({self.handoff.missed} batches were)") if self.handoff is not None else ""
         self.context.log.info(f"stream {self.stream.id}: stopped reading slot {self.stream.slot}: "
                               f"{self.stats.events} events recorded in {self.stats.batches} batches{kept}")
 

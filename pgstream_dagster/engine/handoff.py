@@ -1,9 +1,10 @@
 """What an open run's slot reader recorded, handed to the run's delivery in memory.
 
 The reader (:func:`~.ingest.follow`) decodes each event's INSERT from the WAL, with the whole row
-(``PgOutputDecoder(keep_rows=True)``), and records the batches in the ledger. Once that commits it
-puts the rows here; when the run delivers those batches it takes them back instead of reading
-them from ``pgstream.events`` (:class:`~.spark.DirectRead`). What it cannot take (a batch recorded
+(``PgOutputDecoder(keep_rows=True)``), and records the batches in the ledger, putting their events
+here in the same step (before the commit that wakes the run; dropped again if it fails); when the
+run delivers those batches it takes them instead of reading them from ``pgstream.events``
+(:class:`~.spark.DirectRead`). What it cannot take (a batch recorded
 by the sensor or an earlier run, a round too large to be kept, a run that restarted) is read from
 the table as before, so this only saves work: the ledger stays the source of truth.
 
@@ -23,7 +24,6 @@ from .replication import DecodedEvent, Transaction
 
 #: bytes of the events' WAL messages kept at most (payload and metadata, mostly), whatever ``max_events``
 MAX_BYTES = 128 * 2**20
-
 
 
 class Handoff:

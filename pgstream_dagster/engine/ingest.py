@@ -201,7 +201,7 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
     that breaks is opened again: the server sends again what was not confirmed, and what the ledger
     already has is dropped (:func:`unrecorded`); so is the ledger connection (a database restart).
 
-    ``handoff``: the rows of what it records are put there once recorded, for the run to take instead
+    ``handoff``: the events it records are put there as they are recorded, for the run to take instead
     of reading them back from the table."""
     pause = wait or stop.wait
     while not stop.is_set():
@@ -245,7 +245,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
         handoff = None
         stats.notes.append(f"publication {stream.rows_publication} is missing ({str(exc).strip()[:300]}); "
                            f"reading with {stream.publication} and reading the events back from the table "
-                           "(README, Operations: re-creating a stream's publications)")
+                           "(the sensor's next tick creates it again)")
         return True
 
     while not stop.is_set():
