@@ -553,12 +553,13 @@ def test_reader_without_its_publication_reads_with_the_sensors_and_loses_nothing
 def test_open_run_delivers_a_backlog_in_direct_rounds_without_spark(db_url: str, tmp_path: Path,
                                                                    instance: dg.DagsterInstance, endpoint: Endpoint,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A backlog larger than direct_max_events reaches the open run: it delivers it in rounds of at
-    most that many events (whole batches), in order, and never loads a round through Spark."""
+    """A backlog larger than direct_max_events, in the batches a run is launched with and then
+    while it is open: it delivers it in rounds of at most that many events (whole batches), in
+    order, and never loads a round through Spark."""
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url,
                                  [_config(endpoint, linger=3, direct_max_events=120)]), instance)
     driver.tick(STREAM)
-    insert_events(db_url, STREAM, 10)
+    insert_events(db_url, STREAM, 300)  # launched with batches of 50: 2 in the first round, the rest after
     (request,) = tick_until(driver, STREAM, lambda: False if not driver.cursors else _launched(db_url), timeout=60) \
         or [None]  # type: ignore[list-item]
     assert request is not None
@@ -572,15 +573,17 @@ def test_open_run_delivers_a_backlog_in_direct_rounds_without_spark(db_url: str,
     with psycopg.connect(db_url, autocommit=True) as c:  # one transaction of 600 events: a backlog at once
         c.execute("insert into pgstream.events (payload, stream_id) select jsonb_build_object('n', g), %s "
                   "from generate_series(1, 600) g", [STREAM])
-    _wait(lambda: len(endpoint.unique()) >= 610)
+    _wait(lambda: len(endpoint.unique()) >= 900)
     result = run.wait(timeout=60)
     assert result.success
     sent = sent_ids(db_url)
-    assert len(sent) == 610 and endpoint.unique() == set(sent) and endpoint.duplicates() == 0
+    assert len(sent) == 900 and endpoint.unique() == set(sent) and endpoint.duplicates() == 0
     assert endpoint.first_seen_order() == sent
     rounds = [e.event_specific_data.materialization.metadata for e in result.all_events
               if e.event_type_value == "ASSET_MATERIALIZATION"]
-    assert sum(m["rounds"].value for m in rounds) >= 1 + 600 // 100  # batches of 50: at most 2 a round
+    assert sum(m["rounds"].value for m in rounds) >= 900 // 100  # batches of 50: at most 2 a round
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    assert any("; the other " in m and " batches in the next rounds" in m for m in logs)  # the launched round
 
 
 @pytest.mark.parametrize("dropped", ["pgstream_stream_1", "pgstream_stream_1_rows"])

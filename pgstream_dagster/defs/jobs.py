@@ -89,14 +89,18 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
         if earlier is not None:
             raise dg.Failure(f"batch {config.batch_id} would overtake open batch {earlier} of stream "
                              f"{config.stream_id}; batches are delivered in order")
-        frame = _load(pyspark, pgstream.database_url, pgstream.stream(config.stream_id), batches, lease)
+        stream = pgstream.stream(config.stream_id)
+        requested = len(batches)
+        batches = _direct_round(stream, batches)  # the rest: the next rounds (they are assigned to this run)
+        frame = _load(pyspark, pgstream.database_url, stream, batches, lease)
     except BaseException:
         lease.close()
         raise
     total = sum(b.event_count for b in batches)
     kinds = sorted({b.kind for b in batches})
+    rest = f"; the other {requested - len(batches)} batches in the next rounds" if requested > len(batches) else ""
     context.log.info(f"stream {config.stream_id}: {len(batches)} batches {batches[0].id}..{batches[-1].id}, "
-                     f"{total} events ({', '.join(kinds)})")
+                     f"{total} events ({', '.join(kinds)}){rest}")
     return LoadedBatches(config.stream_id, batches, frame, started, lease)
 
 
@@ -267,11 +271,11 @@ def _owed(stream: StreamConfig, batches: list[ledger.Batch]) -> list[Span]:
 
 
 def _direct_round(stream: StreamConfig, batches: list[ledger.Batch]) -> list[ledger.Batch]:
-    """The open run's next round of ``batches`` (ordering global): the first of them up to
-    ``delivery.direct_max_events`` events (at least one batch), so that it is read without Spark; the
-    rest come in the next rounds. A backlog is then delivered in rounds the run reads itself instead
-    of a Spark job that, started while the writers take the CPUs, held the stream for 1-2 minutes
-    (bench/sustained.py)."""
+    """A run's next round of ``batches``, all assigned to it (ordering global): the first of them up
+    to ``delivery.direct_max_events`` events (at least one batch), so that it is read without Spark;
+    the rest come in the next rounds. A backlog is then delivered in rounds the run reads itself
+    instead of a Spark job that, started while the writers take the CPUs, held the stream for 1-2
+    minutes (bench/sustained.py)."""
     limit = stream.delivery.direct_max_events
     if stream.delivery.ordering != "global" or limit <= 0:
         return batches
