@@ -79,8 +79,8 @@ class DeliveryConfig(_Model):
         description="ordering global: a round of at most this many events is read by the run's own connection "
                     "(5,000 at a time) instead of by Spark: a Spark job costs 0.1-0.3 s and about half a "
                     "CPU-second, and Spark's JVM and workers more CPU per event than a direct read "
-                    "(bench/cpu.py); an open run splits a larger backlog into rounds of this size, the first "
-                    "round a run is launched with goes through Spark when larger (0: always Spark)")
+                    "(bench/cpu.py); a larger backlog is delivered in rounds of this size (whole batches, at "
+                    "least one) (0: always Spark)")
     report_every_secs: float = Field(5, ge=0, le=3600,
                                      description="an open run reports its rounds to Dagster together (run log line, "
                                                  "deliveries materialization, status observation) at most this "
