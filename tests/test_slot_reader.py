@@ -607,3 +607,33 @@ def test_a_publication_dropped_by_hand_is_put_back_and_nothing_is_lost(db_url: s
         _wait(lambda: not ingest.consume(c, stream, 0.5).batches and len(_ledger_ids(db_url)) >= 90)
     recorded = _ledger_ids(db_url)
     assert len(recorded) == len(set(recorded)) == 90 and set(recorded) == set(_all_ids(db_url))
+
+
+def test_what_the_reader_records_right_after_the_sensors_peek_is_recorded_once(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sensor peeks (the slot is not claimed yet), and before it records, an open run's reader
+    connects and records the same transactions: the sensor checks the ledger again under the
+    recording lock and records nothing twice (a test under load caught 25 events recorded twice)."""
+    stream = _engine_stream(tmp_path, db_url)
+    _open_stream(db_url)
+    insert_events(db_url, STREAM, 30)
+    time.sleep(0.3)  # older than max_fill_secs: the sensor records what it peeks at once
+    real = ingest.unrecorded
+    sensor = threading.current_thread()
+    started: list[tuple[threading.Thread, threading.Event, ingest.FollowStats, handoff.Handoff]] = []
+
+    def reader_meanwhile(conn: psycopg.Connection, stream_id: int, txns: list[Any]) -> list[Any]:
+        kept = real(conn, stream_id, txns)
+        if threading.current_thread() is sensor and not started:  # right after the sensor's first check
+            started.append(_reader_with_handoff(db_url, stream))
+            _wait(lambda: started[0][2].events == 30)
+        return kept
+
+    monkeypatch.setattr(ingest, "unrecorded", reader_meanwhile)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume(c, stream, 0.5)
+    reader, stop, _stats, _kept = started[0]
+    stop.set()
+    reader.join(timeout=10)
+    recorded = _ledger_ids(db_url)
+    assert len(recorded) == len(set(recorded)) == 30 and set(recorded) == set(_all_ids(db_url))

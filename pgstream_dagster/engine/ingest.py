@@ -135,8 +135,14 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
         if not txns or full or ripe or waiting == 0:
             with_events = [t for t in txns if t.events or t.unreadable]
             if with_events:
-                result.batches += ledger.record(conn, stream.id, with_events, stream.batch.max_size)
-                result.events += waiting
+                with conn.transaction():
+                    # an open run's reader that took the slot right after the peek may have recorded
+                    # these meanwhile: checked again under the recording lock, recorded once
+                    ledger.lock_recording(conn, stream.id)
+                    with_events = [t for t in unrecorded(conn, stream.id, with_events) if t.events or t.unreadable]
+                    if with_events:
+                        result.batches += ledger.record(conn, stream.id, with_events, stream.batch.max_size)
+                result.events += sum(len(t.events) for t in with_events)
                 result.unreadable += sum(len(t.unreadable) for t in with_events)
                 last = next((t.events[-1].id for t in reversed(with_events) if t.events), None)
                 result.last_event_id = last if last is not None else result.last_event_id
@@ -343,6 +349,7 @@ def _record_for_run(conn: psycopg.Connection, stream: StreamConfig, run_key: str
     recorded: list[int] = []
     try:
         with conn.transaction():
+            ledger.lock_recording(conn, stream.id)  # the sensor may be recording what it peeked just before
             fresh = [t for t in unrecorded(conn, stream.id, txns) if t.events or t.unreadable]
             if fresh:
                 recorded = ledger.record(conn, stream.id, fresh, stream.batch.max_size)

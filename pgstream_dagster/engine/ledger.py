@@ -144,9 +144,11 @@ def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], ma
                 """insert into pgstream.batches
                    (stream_id, kind, event_ids, event_count, first_event_id, last_event_id, min_created_at,
                     max_created_at, start_lsn, end_lsn, first_commit_at, last_commit_at)
-                   values (%s, %s, %s, %s, %s, %s, %s, %s, %s::pg_lsn, %s::pg_lsn, %s, %s) returning id""",
-                [stream_id, kind, [e.id for e in chunk], len(chunk), chunk[0].id, chunk[-1].id,
-                 min(created), max(created),
+                   values (%s, %s, %s::bigint[], %s, %s, %s, %s, %s, %s::pg_lsn, %s::pg_lsn, %s, %s) returning id""",
+                # the ids as an array literal: psycopg dumps a list element by element in Python (6 ms per
+                # 10,000 ids, against 0.8 ms for this)
+                [stream_id, kind, "{" + ",".join([str(e.id) for e in chunk]) + "}", len(chunk), chunk[0].id,
+                 chunk[-1].id, min(created), max(created),
                  replication.int_to_lsn(first_txn.commit_lsn), replication.int_to_lsn(last_txn.end_lsn),
                  first_txn.commit_time, last_txn.commit_time],
             ).fetchone()
@@ -546,6 +548,15 @@ def acquire_lease(database_url: str, stream_id: int, run_id: str) -> psycopg.Con
 #: advisory lock class of a stream's slot reader (objid = stream id): an open run's reader holds it on
 #: its ledger connection while it reads the slot or is about to, and the sensor does not peek meanwhile
 READER_LOCK_CLASS = 0x70677372  # "pgsr"
+RECORD_LOCK_CLASS = 0x7067726c  # "pgrl"
+
+
+def lock_recording(conn: psycopg.Connection, stream_id: int) -> None:
+    """Serialise recording what was read from the stream's slot until this transaction ends (a
+    transaction advisory lock): the sensor and an open run's reader each check what the ledger holds
+    after taking it, so a transaction both read (the reader connected right after the sensor's peek)
+    is recorded once. Only inside a transaction."""
+    conn.execute("select pg_catalog.pg_advisory_xact_lock(%s, %s)", [RECORD_LOCK_CLASS, stream_id])
 
 
 def claim_slot(conn: psycopg.Connection, stream_id: int) -> bool:
