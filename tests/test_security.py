@@ -673,3 +673,39 @@ def test_a_monitoring_role_granted_the_status_view_reads_it_and_nothing_else(db_
         assert row[0] == 1, row
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             c.execute("select * from pgstream.batches")
+
+
+def test_an_application_role_cannot_touch_the_streams_publications_or_their_recording(
+        db_url: str, table: str, roles: Callable[..., str]) -> None:
+    """What the slot reader's work installed (the whole-event publication, ensure_publications, the
+    stream row lock that serialises recording) gives an application role nothing, from a fresh
+    connection: it cannot create, alter or drop the publications, call their functions, lock the
+    stream row, nor publish the events table itself; and its own pg_temp objects change nothing for
+    the owner, whose next tick still finds both publications."""
+    app = app_role(roles)
+    schema_user = roles("grant usage on schema pgstream to {role}")  # then the functions' own grants decide
+    with connect(db_url) as c:
+        assert {r[0] for r in c.execute("select pubname from pg_publication")} == {
+            "pgstream_stream_1", "pgstream_stream_1_rows"}
+    attempts = [
+        "select pgstream.ensure_publications(1)",
+        "select pgstream.rows_publication_name(1)",
+        "select 1 from pgstream.streams where id = 1 for no key update",
+        "drop publication pgstream_stream_1_rows",
+        "alter publication pgstream_stream_1_rows set table pgstream.events where (stream_id = 2)",
+        "create publication mine for table pgstream.events",
+    ]
+    for role, statement in itertools.product((app, schema_user), attempts):
+        with connect(db_url, role) as c:  # a fresh connection each time
+            c.execute("create function pg_temp.format(text, variadic text[]) returns text language sql "
+                      "as $$ select 'drop publication pgstream_stream_1' $$")
+            with pytest.raises((psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedObject)):
+                c.execute(statement)
+    with connect(db_url) as c:
+        assert {r[0] for r in c.execute("select pubname from pg_publication")} == {
+            "pgstream_stream_1", "pgstream_stream_1_rows"}
+        assert c.execute("select count(*) from pgstream.ensure_publications(1)").fetchone() == (0,)
+        row = c.execute("select attnames from pg_publication_tables "
+                        "where pubname = 'pgstream_stream_1_rows'").fetchone()
+        assert row is not None and sorted(row[0]) == ["created_at", "id", "metadata", "payload", "stream_id"]
+    assert_insert_still_produces_its_event(db_url, roles)

@@ -548,15 +548,17 @@ def acquire_lease(database_url: str, stream_id: int, run_id: str) -> psycopg.Con
 #: advisory lock class of a stream's slot reader (objid = stream id): an open run's reader holds it on
 #: its ledger connection while it reads the slot or is about to, and the sensor does not peek meanwhile
 READER_LOCK_CLASS = 0x70677372  # "pgsr"
-RECORD_LOCK_CLASS = 0x7067726c  # "pgrl"
 
 
 def lock_recording(conn: psycopg.Connection, stream_id: int) -> None:
-    """Serialise recording what was read from the stream's slot until this transaction ends (a
-    transaction advisory lock): the sensor and an open run's reader each check what the ledger holds
-    after taking it, so a transaction both read (the reader connected right after the sensor's peek)
-    is recorded once. Only inside a transaction."""
-    conn.execute("select pg_catalog.pg_advisory_xact_lock(%s, %s)", [RECORD_LOCK_CLASS, stream_id])
+    """Serialise recording what was read from the stream's slot until this transaction ends: the
+    sensor and an open run's reader each check what the ledger holds after taking the lock, so a
+    transaction both read (the reader connected right after the sensor's peek) is recorded once.
+    The stream row's lock, as :func:`extend_run` and :func:`close_run` take it (not an advisory lock:
+    any role that can connect could hold one and stall the stream; nobody else can lock this row).
+    ``no key update``: batches and dead letters referencing the stream are still inserted meanwhile.
+    Only inside a transaction."""
+    conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
 
 
 def claim_slot(conn: psycopg.Connection, stream_id: int) -> bool:
