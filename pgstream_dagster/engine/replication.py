@@ -79,16 +79,17 @@ def int_to_lsn(value: int) -> str:
 _TEXT = 0x74  # 't': a column value in text form (TupleData)
 _INSERT = 0x49  # 'I'
 
+
 class PgOutputDecoder:
     """Decodes pgoutput protocol v1 messages; keeps relation metadata across messages.
 
     Only what the ledger needs is read from an INSERT: the ``id`` and ``created_at`` columns (their
     positions come from the Relation message); other columns before them are stepped over without
-    decoding, the ones after are not looked at. ``keep_rows``: also
-    the ``stream_id``, ``payload`` and ``metadata`` columns (:attr:`DecodedEvent.row`), for a reader
-    that hands what it recorded to its run in memory instead of having it read back from the table.
-    A ``created_at`` equal to the previous one is not parsed again. :meth:`decode` is the fast path
-    for many messages (inserts decoded inline)."""
+    decoding, the ones after are not looked at. ``keep_rows``: also the ``stream_id``, ``payload``
+    and ``metadata`` columns (:attr:`DecodedEvent.row`), for a reader that hands what it recorded to
+    its run in memory instead of having it read back from the table. A ``created_at`` equal to the
+    previous one is not parsed again (inline, as :func:`parse_timestamp` does). :meth:`decode` is the
+    fast path for many messages (inserts decoded inline)."""
 
     def __init__(self, *, keep_rows: bool = False) -> None:
         # relation id (4 bytes, as in the message) -> the positions of the id, created_at, payload,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from ..sinks import Event, Sink, SinkConfig, build_sink
+from ..sinks import Sink, SinkConfig, build_sink
 from ..sinks.base import event_from_text, parse_event_path
 from .cluster import cluster_conf, is_local, package_zip
 from .publish import Confirmed, Deliveries, Position, Positioned, RejectPolicy, Span, publish
@@ -341,8 +341,8 @@ def _row_events(rows: Iterator[Any]) -> Iterator[Positioned]:
         created = row["created_at"]
         if created.tzinfo is None:
             created = created.replace(tzinfo=dt.UTC)
-        yield row["batch_id"], row["ord"], Event(row["id"], row["stream_id"], None, None, created,
-                                                 payload_json=row["payload"], metadata_json=row["metadata"] or None)
+        yield row["batch_id"], row["ord"], event_from_text(row["id"], row["stream_id"], created, row["payload"],
+                                                           row["metadata"] or None)
 
 
 def _packed_events(rows: Iterator[Any]) -> Iterator[Positioned]:

@@ -181,7 +181,11 @@ class Event:
                 f"metadata={self.metadata!r}, created_at={self.created_at!r})")
 
 
-_SET_SLOT = {name: Event.__dict__[name].__set__ for name in Event.__slots__}
+_new_object = object.__new__
+# the slots' setters (C descriptors): the Python-level __setattr__ of a frozen Event is bypassed
+_set_id, _set_stream_id, _set_created_at, _set_payload, _set_payload_json, _set_metadata, _set_metadata_json = (
+    Event.__dict__[name].__set__
+    for name in ("_id", "_stream_id", "_created_at", "_payload", "_payload_json", "_metadata", "_metadata_json"))
 
 
 def event_from_text(id: int, stream_id: int, created_at: dt.datetime, payload_json: str,
@@ -198,12 +202,6 @@ def event_from_text(id: int, stream_id: int, created_at: dt.datetime, payload_js
     _set_metadata(event, None if metadata_json is None else _UNSET)
     _set_metadata_json(event, metadata_json)
     return event
-
-
-_new_object = object.__new__
-_set_id, _set_stream_id, _set_created_at = _SET_SLOT["_id"], _SET_SLOT["_stream_id"], _SET_SLOT["_created_at"]
-_set_payload, _set_payload_json = _SET_SLOT["_payload"], _SET_SLOT["_payload_json"]
-_set_metadata, _set_metadata_json = _SET_SLOT["_metadata"], _SET_SLOT["_metadata_json"]
 
 
 def _make_event(id: int, stream_id: int, payload: dict[str, Any] | None, metadata: dict[str, Any] | None,
