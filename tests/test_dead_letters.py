@@ -21,6 +21,7 @@ from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CONTROL_JOB, replay_job_name
 from pgstream_dagster.defs.status import status_observation
 from pgstream_dagster.engine import deadletters
+from pgstream_dagster.engine import ledger as ledger_module
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.deadletters import DeadLetterError
 from pgstream_dagster.engine.status import render_status, stream_status
@@ -301,10 +302,10 @@ def test_one_redelivery_per_stream_at_a_time(conn: psycopg.Connection, db_url: s
     deadletters.set_aside(conn, 1, ledger["a"][:1], "x")
     delivered(conn, ledger["A"])
     with psycopg.connect(db_url, autocommit=True) as other:
-        other.execute("select pg_advisory_lock(%s, 1)", [deadletters.REDELIVERY_LOCK_CLASS])
+        assert ledger_module.try_lock(other, ledger_module.REDELIVERY_LOCK, 1)
         with pytest.raises(DeadLetterError, match="another redelivery of stream 1"):
             deadletters.redeliver(conn, stream, None, "tester")
-        other.execute("select pg_advisory_unlock(%s, 1)", [deadletters.REDELIVERY_LOCK_CLASS])
+        ledger_module.unlock(other, ledger_module.REDELIVERY_LOCK, 1)
     assert [r[2] for r in letters(conn)] == ["open"]
     MemorySink.reset("lock")
     assert deadletters.redeliver(conn, stream, None, "tester").redelivered == [letters(conn)[0][0]]

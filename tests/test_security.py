@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
 
 from .support.releases import released_sql
@@ -708,4 +709,72 @@ def test_an_application_role_cannot_touch_the_streams_publications_or_their_reco
         row = c.execute("select attnames from pg_publication_tables "
                         "where pubname = 'pgstream_stream_1_rows'").fetchone()
         assert row is not None and sorted(row[0]) == ["created_at", "id", "metadata", "payload", "stream_id"]
+    assert_insert_still_produces_its_event(db_url, roles)
+
+
+#: the advisory locks pgstream took before its own locks (sql/020_locks.sql), as (class, key) pairs and
+#: single keys: a hostile role holds them all in the test below, and nothing of pgstream waits for it
+OLD_ADVISORY_PAIRS = [(0x70677364, 1), (0x70677372, 1), (0x7067646C, 1)]  # delivery lease, slot reader, redelivery
+OLD_ADVISORY_KEYS = [0x70677374, 0x70677370]  # migrations, partitions
+
+
+def test_an_application_role_can_neither_take_nor_hold_pgstreams_locks(
+        db_url: str, table: str, roles: Callable[..., str]) -> None:
+    """Every lock pgstream takes (the delivery lease, the slot reader's claim, redelivery, backfills,
+    partition maintenance, trigger regeneration, migrations) is one no other role can take or hold.
+    A role with USAGE on the schema holds every advisory key pgstream used before, names its session
+    like a run's lease, and tries pgstream's lock table and functions from fresh connections: all
+    refused. Meanwhile the owner takes each lock at once, migrate and partition maintenance finish,
+    and the spoofed session passes for no run."""
+    app = app_role(roles)
+    schema_user = roles("grant usage on schema pgstream to {role}")
+    attempts = [
+        "select pgstream.try_lock('reader', 1)",
+        "select pgstream.unlock('delivery', 1)",
+        "select pgstream.lock_holder('delivery', 1)",
+        "select pgstream.lock_for_transaction('partitions')",
+        "select pgstream.backend_alive(pg_backend_pid(), now(), 10)",
+        "select pgstream.backfill_try_lock(1)",
+        "insert into pgstream.locks values ('delivery', 1, pg_backend_pid(), now(), 10, 'r1', now())",
+        "update pgstream.locks set holder = 'x'",
+        "select 1 from pgstream.locks for update",
+        "lock table pgstream.locks in access share mode",
+        "lock table pgstream.schema_migrations in access share mode",
+        "select 1 from pgstream.schema_migrations for update",
+    ]
+    for role, statement in itertools.product((app, schema_user), attempts):
+        with connect(db_url, role) as c:
+            with pytest.raises((psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedTable,
+                                psycopg.errors.UndefinedFunction)), c.transaction():
+                c.execute(statement)
+    hostile = psycopg.connect(db_url, user=schema_user, autocommit=True, application_name="pgstream run r1")
+    try:
+        for cls, key in OLD_ADVISORY_PAIRS:
+            hostile.execute("select pg_advisory_lock(%s, %s)", [cls, key])
+        for key in OLD_ADVISORY_KEYS:
+            hostile.execute("select pg_advisory_lock(%s)", [key])
+        hostile.execute("select pg_advisory_lock(hashtext('pgstream.regenerate'))")
+        hostile.execute("select pg_advisory_lock(hashtext('pgstream.backfill'), 1)")
+        with psycopg.connect(db_url, autocommit=True, options="-c statement_timeout=20000") as owner:
+            lease = ledger.acquire_lease(db_url, 1, "r2")
+            try:
+                assert ledger.lock_holder(owner, ledger.DELIVERY_LOCK, 1) == "r2"
+                assert not ledger.lease_alive(owner, "r1") and ledger.lease_alive(owner, "r2")
+            finally:
+                lease.close()
+            assert ledger.claim_slot(owner, 1) and ledger.slot_claimed(owner, 1)
+            ledger.release_slot(owner, 1)
+            assert not ledger.slot_claimed(owner, 1)
+            assert ledger.try_lock(owner, ledger.REDELIVERY_LOCK, 1)
+            ledger.unlock(owner, ledger.REDELIVERY_LOCK, 1)
+            assert owner.execute("select pgstream.backfill_try_lock(1), pgstream.backfill_unlock(1)").fetchone() == (
+                True, True)
+            owner.execute("select pgstream.regenerate_trigger('public', 't', 'INSERT')")
+            owner.execute("select * from pgstream.create_partitions(2)")
+            owner.execute("select * from pgstream.drop_partitions(30)")
+        migrate(db_url + ("&" if "?" in db_url else "?") + "options=-c%20statement_timeout%3D20000")
+        assert hostile.execute("select count(*) from pg_locks where pid = pg_backend_pid() "
+                               "and locktype = 'advisory'").fetchone() == (7,)  # still held all along
+    finally:
+        hostile.close()
     assert_insert_still_produces_its_event(db_url, roles)

@@ -41,14 +41,11 @@ from psycopg.rows import dict_row
 from ..config import StreamConfig
 from ..sinks import Event, Sink, SinkError
 from ..sinks.base import excerpt
+from . import ledger
 from .batches import BatchStatus
 
 Status = Literal["open", "redelivered", "discarded"]
 STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")
-
-#: advisory lock class of a stream's dead-letter redelivery (objid = stream id): two redeliveries of
-#: one stream (a UI run and a shell) never interleave
-REDELIVERY_LOCK_CLASS = 0x7067646C  # "pgdl"
 
 #: longest error text stored with a dead letter (the SQL functions use the same limit)
 ERROR_CHARS = 2000
@@ -349,12 +346,11 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
       first dead letter of the refused chunk, and redelivery stops: later ones wait, order is kept.
 
     ``conn`` should be in autocommit mode (each confirmed chunk is marked in a transaction of its own).
-    Two redeliveries of one stream never run at once (an advisory lock)."""
+    Two redeliveries of one stream never run at once (pgstream's lock ``redelivery``)."""
     size = chunk_size or stream.delivery.chunk_size
     if size < 1:
         raise DeadLetterError(f"chunk_size must be at least 1, not {size}")
-    row = conn.execute("select pg_try_advisory_lock(%s, %s)", [REDELIVERY_LOCK_CLASS, stream.id]).fetchone()
-    if not (row and row[0]):
+    if not ledger.try_lock(conn, ledger.REDELIVERY_LOCK, stream.id):
         raise DeadLetterError(f"another redelivery of stream {stream.id}'s dead letters is running")
     try:
         report = RedeliveryReport(stream.id, redelivery_plan(conn, stream.id, ids), dry_run=dry_run)
@@ -376,7 +372,7 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
         _publish(conn, stream, sendable, size, by, report)
         return report
     finally:
-        conn.execute("select pg_advisory_unlock(%s, %s)", [REDELIVERY_LOCK_CLASS, stream.id])
+        ledger.unlock(conn, ledger.REDELIVERY_LOCK, stream.id)
 
 
 def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadLetter], size: int, by: str,

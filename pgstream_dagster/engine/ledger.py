@@ -520,8 +520,38 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
     assert_never(action)
 
 
-#: advisory lock class of the per-stream delivery lease (objid = stream id)
-LEASE_LOCK_CLASS = 0x70677364  # "pgsd"
+# --- pgstream's own locks (sql/repeatable/00_locks.sql) ----------------------------------------------
+# Rows of pgstream.locks, which only the owner can write: not advisory locks, which any role that can
+# connect could take and hold to stall a stream. A lock taken with :func:`try_lock` is held by the
+# session (backend) that took it until :func:`unlock` or until that session ends, however it ends.
+
+#: per stream (key: stream id): the open run's delivery lease; its holder is the run id
+DELIVERY_LOCK = "delivery"
+#: per stream: the slot reader's claim; an open run's reader holds it on its ledger connection while
+#: it reads the slot or is about to, and the sensor does not peek meanwhile
+READER_LOCK = "reader"
+#: per stream: a redelivery of its dead letters
+REDELIVERY_LOCK = "redelivery"
+
+
+def try_lock(conn: psycopg.Connection, name: str, key: int, holder: str | None = None) -> bool:
+    """Take pgstream's lock ``(name, key)`` for ``conn``'s session (false: another live session holds
+    it). ``conn`` must be in autocommit mode: the lock is a row that must be committed at once."""
+    if not conn.autocommit:
+        raise ValueError("try_lock needs a connection in autocommit mode")
+    row = conn.execute("select pgstream.try_lock(%s, %s, %s)", [name, key, holder]).fetchone()
+    return bool(row and row[0])
+
+
+def unlock(conn: psycopg.Connection, name: str, key: int) -> None:
+    """Give pgstream's lock ``(name, key)`` up if ``conn``'s session holds it."""
+    conn.execute("select pgstream.unlock(%s, %s)", [name, key])
+
+
+def lock_holder(conn: psycopg.Connection, name: str, key: int) -> str | None:
+    """Who holds pgstream's lock ``(name, key)`` (``""``: a holder without a name), or None when free."""
+    row = conn.execute("select pgstream.lock_holder(%s, %s)", [name, key]).fetchone()
+    return None if row is None or row[0] is None else str(row[0])
 
 
 def lease_name(run_id: str) -> str:
@@ -533,59 +563,48 @@ class LeaseTaken(RuntimeError):
 
 
 def acquire_lease(database_url: str, stream_id: int, run_id: str) -> psycopg.Connection:
-    """A connection holding the stream's delivery lease (a session advisory lock), named after the
-    run. It lasts as long as the run's process: if the process dies, Postgres drops the
-    connection and the lease with it, which is how the sensor tells a dead run from a slow one.
-    Two runs of one stream can never deliver at the same time."""
+    """A connection holding the stream's delivery lease (pgstream's lock ``delivery``, held by the
+    run id), named after the run. It lasts as long as the run's process: if the process dies, Postgres
+    drops the connection and the lease with it, which is how the sensor tells a dead run from a slow
+    one. Two runs of one stream can never deliver at the same time."""
     conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
-    row = conn.execute("select pg_try_advisory_lock(%s, %s)", [LEASE_LOCK_CLASS, stream_id]).fetchone()
-    if not (row and row[0]):
+    if not try_lock(conn, DELIVERY_LOCK, stream_id, run_id):
         conn.close()
         raise LeaseTaken(f"another run is delivering stream {stream_id}")
     return conn
-
-
-#: advisory lock class of a stream's slot reader (objid = stream id): an open run's reader holds it on
-#: its ledger connection while it reads the slot or is about to, and the sensor does not peek meanwhile
-READER_LOCK_CLASS = 0x70677372  # "pgsr"
 
 
 def lock_recording(conn: psycopg.Connection, stream_id: int) -> None:
     """Serialise recording what was read from the stream's slot until this transaction ends: the
     sensor and an open run's reader each check what the ledger holds after taking the lock, so a
     transaction both read (the reader connected right after the sensor's peek) is recorded once.
-    The stream row's lock, as :func:`extend_run` and :func:`close_run` take it (not an advisory lock:
-    any role that can connect could hold one and stall the stream; nobody else can lock this row).
+    The stream row's lock, as :func:`extend_run` and :func:`close_run` take it.
     ``no key update``: batches and dead letters referencing the stream are still inserted meanwhile.
     Only inside a transaction."""
     conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
 
 
 def claim_slot(conn: psycopg.Connection, stream_id: int) -> bool:
-    """Take the stream's reader claim on ``conn`` (a session advisory lock; false: another reader has it).
-    It goes with the connection: a reader that dies leaves the slot to the sensor."""
-    row = conn.execute("select pg_catalog.pg_try_advisory_lock(%s, %s)", [READER_LOCK_CLASS, stream_id]).fetchone()
-    return bool(row and row[0])
+    """Take the stream's reader claim on ``conn`` (false: another reader has it). It goes with the
+    connection: a reader that dies leaves the slot to the sensor."""
+    return try_lock(conn, READER_LOCK, stream_id)
 
 
 def release_slot(conn: psycopg.Connection, stream_id: int) -> None:
     """Give the claim of :func:`claim_slot` up (the sensor peeks again): the reader cannot read for now."""
-    conn.execute("select pg_catalog.pg_advisory_unlock(%s, %s)", [READER_LOCK_CLASS, stream_id])
+    unlock(conn, READER_LOCK, stream_id)
 
 
 def slot_claimed(conn: psycopg.Connection, stream_id: int) -> bool:
     """Whether an open run's reader claims the stream's slot (:func:`claim_slot`): the sensor leaves it alone."""
-    row = conn.execute(
-        "select exists (select 1 from pg_catalog.pg_locks where locktype = 'advisory' and granted "
-        "and database = (select oid from pg_catalog.pg_database where datname = pg_catalog.current_database()) "
-        "and classid = %s::pg_catalog.oid and objid = %s::pg_catalog.oid and objsubid = 2)",
-        [READER_LOCK_CLASS, stream_id]).fetchone()
-    return bool(row and row[0])
+    return lock_holder(conn, READER_LOCK, stream_id) is not None
 
 
 def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:
-    row = conn.execute("select exists (select 1 from pg_stat_activity where application_name = %s)",
-                       [lease_name(run_id)]).fetchone()
+    """Whether run ``run_id``'s process holds a delivery lease (of any stream) and is alive."""
+    row = conn.execute("select exists (select 1 from pgstream.locks l where l.name = %s and l.holder = %s "
+                       "and pgstream.backend_alive(l.pid, l.backend_start, l.usesysid))",
+                       [DELIVERY_LOCK, run_id]).fetchone()
     return bool(row and row[0])
 
 

@@ -1,4 +1,4 @@
-"""Install and upgrade the pgstream schema from ``sql/``, under an advisory lock.
+"""Install and upgrade the pgstream schema from ``sql/``, one migrator at a time.
 
 ``sql/`` holds two kinds of files, and every object is defined in exactly one of them:
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,12 +50,13 @@ from ..config import STREAM_NAME_PREFIX
 #: The NOLOGIN role that owns the generated trigger functions (sql/012_least_privilege.sql).
 WRITER_ROLE = "pgstream_writer"
 
-#: Key of the session-independent advisory lock that serialises concurrent migrators.
-MIGRATION_LOCK_KEY = 0x70677374  # "pgst"
+#: Key of the transaction-level advisory lock taken only to create the schema and its ledgers on a
+#: database that has none (``000_bootstrap.sql``); from then on migrators queue on the ledger table's
+#: lock, which no other role can take (:func:`_locked`).
+BOOTSTRAP_LOCK_KEY = 0x70677374  # "pgst"
 
-#: Key of the transaction-level advisory lock that serialises ``pgstream.create_partitions`` and
-#: ``pgstream.drop_partitions`` (sql/repeatable/03_partitions.sql): concurrent callers deadlocked attaching.
-PARTITION_LOCK_KEY = 0x70677370  # "pgsp" = 1885827952
+#: How long a first install waits for :data:`BOOTSTRAP_LOCK_KEY` before it names who holds it.
+BOOTSTRAP_LOCK_TIMEOUT = "60s"
 
 #: Where the repeatable files are, under the ``sql/`` directory.
 REPEATABLE_DIR = "repeatable"
@@ -153,7 +153,8 @@ def discover_repeatables(directory: Path | None = None) -> list[Repeatable]:
     return found
 
 
-def _iter_pending(conn: psycopg.Connection, migrations: list[Migration]) -> Iterator[Migration]:
+def _pending(conn: psycopg.Connection, migrations: list[Migration]) -> Migration | None:
+    """The first versioned migration not applied yet (refusing one changed after it was applied)."""
     applied: dict[int, str] = dict(conn.execute("select version, checksum from pgstream.schema_migrations").fetchall())
     for m in migrations:
         if m.version == 0:
@@ -165,20 +166,52 @@ def _iter_pending(conn: psycopg.Connection, migrations: list[Migration]) -> Iter
                     f"(checksum {applied[m.version][:12]} in the database, {m.checksum[:12]} on disk)"
                 )
             continue
-        yield m
+        return m
+    return None
 
 
-def _iter_changed(conn: psycopg.Connection, repeatables: list[Repeatable]) -> Iterator[Repeatable]:
+def _changed(conn: psycopg.Connection, repeatables: list[Repeatable]) -> Repeatable | None:
+    """The first repeatable file whose checksum differs from the one it was last applied with."""
     if not repeatables:  # a directory of released files, from before repeatable files
-        return
+        return None
     applied: dict[str, str] = dict(conn.execute("select name, checksum from pgstream.schema_repeatables").fetchall())
-    for r in repeatables:
-        if applied.get(r.name) != r.checksum:
-            yield r
+    return next((r for r in repeatables if applied.get(r.name) != r.checksum), None)
+
+
+def _locked(conn: psycopg.Connection) -> None:
+    """Queue behind any other migrator until this transaction ends: the ledger table's own lock, which
+    only its owner can take (an advisory lock could be held by any role that can connect)."""
+    conn.execute("lock table pgstream.schema_migrations in exclusive mode")
+
+
+def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
+    """``000_bootstrap.sql``, idempotent: behind the ledger's lock once the ledger exists; on a
+    database without it, behind a transaction-level advisory lock (nothing else to lock yet), waited for
+    :data:`BOOTSTRAP_LOCK_TIMEOUT` at most."""
+    try:
+        with conn.transaction():
+            row = conn.execute("select pg_catalog.to_regclass('pgstream.schema_migrations') is not null").fetchone()
+            if row and row[0]:
+                _locked(conn)
+            else:
+                conn.execute(f"set local lock_timeout = '{BOOTSTRAP_LOCK_TIMEOUT}'")
+                conn.execute("select pg_catalog.pg_advisory_xact_lock(%s)", [BOOTSTRAP_LOCK_KEY])
+                conn.execute("set local lock_timeout = 0")
+            conn.execute(bootstrap.sql)
+    except psycopg.errors.LockNotAvailable as exc:
+        holders = conn.execute(
+            "select l.pid, a.usename from pg_catalog.pg_locks l left join pg_catalog.pg_stat_activity a using (pid) "
+            "where l.locktype = 'advisory' and l.granted and l.objid = %s::pg_catalog.oid and l.objsubid = 1",
+            [BOOTSTRAP_LOCK_KEY]).fetchall()
+        who = ", ".join(f"pid {pid} (role {user})" for pid, user in holders) or "another session"
+        raise MigrationError(
+            f"creating schema pgstream: {who} has held advisory lock {BOOTSTRAP_LOCK_KEY} for longer than "
+            f"{BOOTSTRAP_LOCK_TIMEOUT}; a migrator holds it only for a moment, so end that session "
+            "(pg_terminate_backend) and run migrate again") from exc
 
 
 def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, params: list[object]) -> None:
-    """Runs one file and records it, in one transaction."""
+    """Runs one file and records it, in the current transaction."""
     try:
         with conn.transaction():
             conn.execute(file.sql)
@@ -194,30 +227,36 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
     Returns the names of the files applied, versioned ones first (``012_least_privilege.sql``,
     ``repeatable/04_subscriptions.sql``); empty when already up to date. Each file runs in its own
     transaction together with its ledger row: a failing file changes nothing, and the files before
-    it stay applied.
+    it stay applied. Each of these transactions first takes the ledger table's lock and only then
+    looks at what is pending, so concurrent migrators apply every file once, one after the other.
     """
     migrations = discover(directory)
     repeatables = discover_repeatables(directory)
     applied: list[str] = []
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute("select pg_advisory_lock(%s)", [MIGRATION_LOCK_KEY])
-        try:
+        _bootstrap(conn, migrations[0])
+        while True:
             with conn.transaction():
-                conn.execute(migrations[0].sql)
-            for m in list(_iter_pending(conn, migrations)):
+                _locked(conn)
+                m = _pending(conn, migrations)
+                if m is None:
+                    break
                 _apply(conn, m, f"migration {m.path.name}",
                        "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
                        [m.version, m.name, m.checksum])
-                applied.append(m.path.name)
-            for r in list(_iter_changed(conn, repeatables)):
+            applied.append(m.path.name)
+        while True:
+            with conn.transaction():
+                _locked(conn)
+                r = _changed(conn, repeatables)
+                if r is None:
+                    break
                 _apply(conn, r, f"repeatable {REPEATABLE_DIR}/{r.name}",
                        "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
                        "on conflict (name) do update set checksum = excluded.checksum, applied_at = now()",
                        [r.name, r.checksum])
-                applied.append(f"{REPEATABLE_DIR}/{r.name}")
-            conn.execute("select pgstream.create_partitions(%s)", [partitions_ahead])
-        finally:
-            conn.execute("select pg_advisory_unlock(%s)", [MIGRATION_LOCK_KEY])
+            applied.append(f"{REPEATABLE_DIR}/{r.name}")
+        conn.execute("select pgstream.create_partitions(%s)", [partitions_ahead])
     return applied
 
 

@@ -150,7 +150,7 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     written_ids = {identity(s) for s in written}
     with conn.transaction():
         # set_subscriptions' own lock, taken before we read what to keep (re-entrant in this transaction)
-        conn.execute("select pg_advisory_xact_lock(pg_catalog.hashtext('pgstream.regenerate'))")
+        conn.execute("select pgstream.lock_for_transaction('regenerate')")
         rows = conn.execute("select key, schema_name, table_name, operation::text, managed_by is not distinct from %s "
                             "from pgstream.subscriptions where stream_id = %s", [MANAGED_BY, stream_id]).fetchall()
         current = {(r[0], r[1], r[2], r[3]) for r in rows if r[4]}

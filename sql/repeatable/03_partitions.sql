@@ -4,9 +4,9 @@
 -- Applied by `pgstream-dagster migrate` after the versioned migrations (sql/NNN_*.sql), and again
 -- whenever this file changes, in its own transaction: every statement is idempotent.
 --
--- Partition maintenance is serialised: create_partitions and drop_partitions take one
--- transaction-level advisory lock (key 1885827952 = 0x70677370, "pgsp";
--- pgstream_dagster.engine.migrations.PARTITION_LOCK_KEY) before they look at the catalog. Concurrent
+-- Partition maintenance is serialised: create_partitions and drop_partitions take pgstream's lock
+-- 'partitions' for their transaction (pgstream.lock_for_transaction, repeatable/00_locks.sql: a row
+-- only the owner can lock, not an advisory lock any role could hold) before they look at the catalog. Concurrent
 -- callers (housekeeping next to migrate or init) used to deadlock attaching partitions next to the
 -- default partition, or fail creating the same day twice.
 
@@ -89,7 +89,7 @@ begin
         raise exception 'pgstream.create_partitions: p_days_ahead must be >= 0, got %', p_days_ahead;
     end if;
     -- one maintainer at a time; each statement below sees what the previous holder committed
-    perform pg_catalog.pg_advisory_xact_lock(1885827952);
+    perform pgstream.lock_for_transaction('partitions');
     for v_day in select d::date from pg_catalog.generate_series(p_today, p_today + p_days_ahead,
                                                                 interval '1 day') d loop
         v_name := pgstream.partition_name(v_day);
@@ -166,7 +166,7 @@ revoke all on function pgstream._delete_expired_default(timestamptz) from public
 
 -- Drops the daily partitions older than p_retention_days and the expired rows of the default
 -- partition that are done with (_delete_expired_default; the ones kept are counted in a WARNING).
--- Returns the dropped partition names. Serialised with create_partitions (the advisory lock above). A
+-- Returns the dropped partition names. Serialised with create_partitions (the 'partitions' lock above). A
 -- partition past retention that still holds events a stream has not delivered
 -- (pgstream.oldest_protected_day()) is handled by policy:
 --   'keep' (default): kept, with a WARNING naming it; dropped by a later run once delivered;
@@ -196,7 +196,7 @@ begin
     if p_policy is null or p_policy not in ('keep', 'fail') then
         raise exception 'pgstream.drop_partitions: p_policy must be ''keep'' or ''fail'', got %', p_policy;
     end if;
-    perform pg_catalog.pg_advisory_xact_lock(1885827952);
+    perform pgstream.lock_for_transaction('partitions');
     v_protected := pgstream.oldest_protected_day();
     v_cutoff := p_today - p_retention_days;
     if p_policy = 'fail' and v_protected is not null and v_protected < v_cutoff then

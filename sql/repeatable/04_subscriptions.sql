@@ -977,7 +977,7 @@ declare
     v_row  boolean;
     v_stmt boolean;
 begin
-    perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('pgstream.regenerate'));
+    perform pgstream.lock_for_transaction('regenerate');
     v_row := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'row', p_force);
     v_stmt := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'statement', p_force);
     perform pgstream._record_subscribed_columns(p_schema, p_table);
@@ -1098,7 +1098,7 @@ begin
         raise exception 'pgstream.set_subscriptions: p_stream_id must not be null'
             using errcode = 'invalid_parameter_value';
     end if;
-    perform pg_advisory_xact_lock(pg_catalog.hashtext('pgstream.regenerate'));
+    perform pgstream.lock_for_transaction('regenerate');
 
     select s.key, s.stream_id into v_bad
     from unnest(coalesce(p_subscriptions, '{}')) s

@@ -447,15 +447,16 @@ revoke all on function pgstream._backfill_split(bigint, integer) from public;
 -- ---------------------------------------------------------------------------------------------
 -- Running.
 
--- The session-level advisory lock a run holds on the backfill it owns: true when taken (no other
--- session holds it). Released when the run's session ends, however it ends.
+-- The lock a run's session holds on the backfill it owns (pgstream.try_lock('backfill', id),
+-- repeatable/00_locks.sql): true when taken (no other live session holds it). Free again once the
+-- run's session ends, however it ends.
 create or replace function pgstream.backfill_try_lock(p_id bigint)
 returns boolean
 language sql
 volatile
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_catalog.pg_try_advisory_lock(pg_catalog.hashtext('pgstream.backfill'), p_id::pg_catalog.int4)
+    select pgstream.try_lock('backfill', p_id)
 $$;
 revoke all on function pgstream.backfill_try_lock(bigint) from public;
 
@@ -465,7 +466,7 @@ language sql
 volatile
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_catalog.pg_advisory_unlock(pg_catalog.hashtext('pgstream.backfill'), p_id::pg_catalog.int4)
+    select pgstream.unlock('backfill', p_id)
 $$;
 revoke all on function pgstream.backfill_unlock(bigint) from public;
 
