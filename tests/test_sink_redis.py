@@ -182,3 +182,48 @@ def test_redis_stream_from_metadata(redis_client: redis.Redis) -> None:
     finally:
         for name in redis_client.keys(prefix + "*"):
             redis_client.delete(name)
+
+
+@pytest.mark.parametrize("use_script", [True, False])
+def test_redis_script_and_pipeline_add_the_same_entries(redis_client: redis.Redis, use_script: bool) -> None:
+    """One chunk across three streams, with and without metadata, MAXLEN exact: the script and the
+    pipeline leave the same entries, in order, in each stream."""
+    prefix = unique("pgstream-test") + ":"
+    events = [Event(id=500 + i, stream_id=3, payload={"seq": i, "t": ["a", "b", "c"][i % 3], "s": "é\n\"x\u2028"},
+                    metadata={"n": i} if i % 2 else None, created_at=BASE_TIME) for i in range(60)]
+    config = RedisSinkConfig(stream_from="t", stream_prefix=prefix, maxlen=15, maxlen_approximate=False,
+                             use_script=use_script)
+    try:
+        with config.build() as sink:
+            sink.publish(events)
+        for name in "abc":
+            mine = [e for e in events if e.payload["t"] == name][-15:]
+            entries = redis_client.xrange(prefix + name)
+            assert [f[b"id"] for _, f in entries] == [str(e.id).encode() for e in mine]
+            for (_id, fields), event in zip(entries, mine, strict=True):
+                assert json.loads(fields[b"payload"]) == event.payload
+                assert (json.loads(fields[b"metadata"]) if b"metadata" in fields else None) == event.metadata
+                assert set(fields) == {b"id", b"stream_id", b"created_at", b"payload"} | (
+                    {b"metadata"} if event.metadata is not None else set())
+    finally:
+        redis_client.delete(*(prefix + name for name in "abc"))
+
+
+def test_a_server_that_refuses_scripts_gets_the_pipeline(redis_client: redis.Redis) -> None:
+    """A user whose ACL leaves scripting out: the first call is refused before it runs anything, the
+    sink adds the chunk with the pipeline instead and keeps to it; every entry once, in order."""
+    key = unique("pgstream-test")
+    user = unique("pgstream-noscript")
+    redis_client.acl_setuser(user, enabled=True, passwords=["+n0script-pw"], keys=["*"],
+                             commands=["+@all", "-@scripting"])
+    url = SecretStr(f"redis://{user}:n0script-pw@127.0.0.1:6379/0")
+    try:
+        with RedisSinkConfig(url=url, stream=key).build() as sink:
+            sink.publish(make_events(5))
+            sink.publish(make_events(5, first_id=201))
+            assert sink._use_script is False
+        assert [f[b"id"] for _, f in redis_client.xrange(key)] == [
+            str(i).encode() for i in [*range(101, 106), *range(201, 206)]]
+    finally:
+        redis_client.acl_deluser(user)
+        redis_client.delete(key)
