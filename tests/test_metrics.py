@@ -386,3 +386,36 @@ def test_the_readme_names_every_exported_metric() -> None:
     missing = sorted(n for n in exported_names() if not n.endswith(("_sum", "_count")) and f"`{n}`" not in readme
                      and f"`{n.removesuffix('_bucket')}`" not in readme)
     assert missing == []
+
+
+def test_recording_a_batch_probes_its_events_by_key_whatever_the_statistics(db_url: str) -> None:
+    """The batch trigger counts the batch's events by subscription (``events_written``): once the
+    partition has statistics, a batch newer than its histogram looked empty to the planner, which
+    then scanned the stream's (stream_id, created_at) index range once per event id: seconds per
+    batch of 10,000 under load, the reader stalled and the run closed. The lookup must be one primary
+    key probe per id (plan read with auto_explain)."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into pgstream.streams (id) values (1) on conflict do nothing")
+        c.execute("insert into pgstream.events (payload, stream_id) "
+                  "select jsonb_build_object('tg_name', 'k', 'n', g), 1 from generate_series(1, 30000) g")
+        c.execute("analyze pgstream.events")
+        c.execute("insert into pgstream.events (payload, stream_id) "
+                  "select jsonb_build_object('tg_name', 'k', 'n', g), 1 from generate_series(1, 3000) g")
+        ids, lo, hi = c.execute("select array_agg(id order by id), min(created_at), max(created_at) from "
+                                "(select id, created_at from pgstream.events order by id desc limit 3000) e").fetchone()
+        plans: list[str] = []
+        c.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+        c.execute("load 'auto_explain'")
+        c.execute("set auto_explain.log_min_duration = 0")
+        c.execute("set auto_explain.log_nested_statements = on")
+        c.execute("set auto_explain.log_level = notice")
+        c.execute("insert into pgstream.batches (stream_id, kind, event_ids, event_count, first_event_id, "
+                  "last_event_id, min_created_at, max_created_at) values (1, 'stream', %s, %s, %s, %s, %s, %s)",
+                  [ids, len(ids), ids[0], ids[-1], lo, hi])
+        c.execute("set auto_explain.log_min_duration = -1")
+        counted = [p for p in plans if "tg_name" in p]
+        assert counted, plans
+        assert "events_" in counted[0] and "_pkey" in counted[0], counted[0]
+        assert "stream_id_created_at" not in counted[0], counted[0]
+        assert c.execute("select value from pgstream.stream_counters where stream_id = 1 and name = 'events_written'"
+                         ).fetchall() == [(3000,)]
