@@ -159,6 +159,25 @@ def test_spark_conf_of_a_cluster_master(tmp_path: Path, monkeypatch: pytest.Monk
     assert local["spark.pyspark.python"] == "/opt/venv/bin/python"  # $PYSPARK_PYTHON, as set above
 
 
+def test_the_package_zip_cache_keeps_what_runs_use(tmp_path: Path) -> None:
+    """Each use touches the zip; zips (and leftover temporary files) unused for a week are deleted
+    when another one is built; the rest stay."""
+    old_zip = tmp_path / "pgstream_dagster-0.1-0123456789abcdef.zip"
+    recent_zip = tmp_path / "pgstream_dagster-0.2-0123456789abcdef.zip"
+    leftover = tmp_path / ".pgstream-zip-x.tmp"
+    mine = tmp_path / "notes.zip"
+    for path in (old_zip, recent_zip, leftover, mine):
+        path.write_bytes(b"x")
+    week = cluster.ZIP_UNUSED_SECS
+    for path in (old_zip, leftover, mine):
+        os.utime(path, (time.time() - week - 60, time.time() - week - 60))
+    os.utime(recent_zip, (time.time() - week + 3600, time.time() - week + 3600))
+    built = cluster.package_zip(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([built.name, recent_zip.name, mine.name])
+    os.utime(built, (time.time() - week - 60, time.time() - week - 60))
+    assert cluster.package_zip(tmp_path) == built and built.stat().st_mtime > time.time() - 60  # used: touched
+
+
 def test_executor_requirements() -> None:
     reqs = cluster.executor_requirements()
     names = [r.split("==")[0] for r in reqs]

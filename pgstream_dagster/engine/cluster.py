@@ -21,6 +21,7 @@ import ipaddress
 import os
 import re
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -147,9 +148,15 @@ def _version() -> str:
         return "0"
 
 
+#: A cached package zip no run has used for this long is deleted (:func:`_prune`), and so is a temporary
+#: file a writer left behind.
+ZIP_UNUSED_SECS = 7 * 24 * 3600
+
+
 def package_zip(directory: Path | None = None) -> Path:
     """A zip of the imported ``pgstream_dagster`` package (what the executors import), built once
-    per version and content in ``directory`` (default :func:`cache_dir`) and reused after."""
+    per version and content in ``directory`` (default :func:`cache_dir`) and reused after. Each use
+    touches it; zips of other versions or contents unused for :data:`ZIP_UNUSED_SECS` are deleted."""
     root = PACKAGE_ROOT
     files = list(_package_files(root))
     digest = hashlib.sha256()
@@ -169,8 +176,10 @@ def package_zip(directory: Path | None = None) -> Path:
 def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Path:
     target = target_dir / name
     if target.exists():
+        os.utime(target)  # in use: see _prune
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
+    _prune(target_dir)
     fd, tmp = tempfile.mkstemp(dir=target_dir, prefix=".pgstream-zip-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as zf:
@@ -181,6 +190,19 @@ def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Pa
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _prune(directory: Path) -> None:
+    """Delete the package zips (and a writer's leftover temporary files) of ``directory`` that no run
+    has used for :data:`ZIP_UNUSED_SECS`: each new version or content of the package adds one. A zip
+    still in use is touched by every run that starts with it (a run's executors fetch it while it runs)."""
+    cutoff = time.time() - ZIP_UNUSED_SECS
+    for path in [*directory.glob("pgstream_dagster-*.zip"), *directory.glob(".pgstream-zip-*.tmp")]:
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+        except OSError:  # gone meanwhile, or not ours to delete
+            continue
 
 
 def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
