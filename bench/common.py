@@ -5,6 +5,7 @@ in-process driver (sensor tick, then every requested run with ``execute_in_proce
 
 from __future__ import annotations
 
+import collections
 import json
 import multiprocessing
 import os
@@ -126,7 +127,9 @@ class Driver:
 
     ``background``: runs execute in a thread, one at a time (as the run queue allows one run per
     stream), while the ticks go on: the sensor records and hands batches to the open run
-    (``delivery.linger_secs``) at the same time, as with the daemon and a run worker."""
+    (``delivery.linger_secs``) at the same time, as with the daemon and a run worker. A run requested
+    while another is in flight waits in a queue, and the ticks go on meanwhile, as with the daemon's
+    run queue. A run key is used once, as the daemon does."""
 
     def __init__(self, config_path: Path, instance: dg.DagsterInstance, background: bool = False) -> None:
         self.defs = build_definitions(config_path)
@@ -137,6 +140,8 @@ class Driver:
         self.runs = 0
         self.failed = 0
         self._thread: threading.Thread | None = None
+        self._queue: collections.deque[dg.RunRequest] = collections.deque()
+        self._run_keys: set[str] = set()
 
     def step(self, stream_id: int) -> bool:
         """One tick and its runs; True if a run was started or executed."""
@@ -146,13 +151,25 @@ class Driver:
         tick: Any = sensor.evaluate_tick(ctx)
         self.cursor = tick.cursor
         for request in tick.run_requests or []:
-            self.wait()  # the run queue: one run of the stream at a time
+            if request.run_key in self._run_keys:
+                continue  # as the daemon does: a sensor's run key is used once (this one may still be starting)
+            if request.run_key:
+                self._run_keys.add(request.run_key)
             if self.background:
-                self._thread = threading.Thread(target=self._execute, args=(request,), daemon=True)
-                self._thread.start()
+                self._queue.append(request)  # the run queue: one run of the stream at a time
             else:
                 self._execute(request)
+        self._start_next()
         return bool(tick.run_requests)
+
+    def _start_next(self) -> None:
+        if self._thread is not None:
+            if self._thread.is_alive():
+                return
+            self._thread = None
+        if self._queue:
+            self._thread = threading.Thread(target=self._execute, args=(self._queue.popleft(),), daemon=True)
+            self._thread.start()
 
     def _execute(self, request: dg.RunRequest) -> None:
         job = self.defs.resolve_job_def(DELIVERY_JOB)
@@ -163,10 +180,10 @@ class Driver:
         self.failed += 0 if result.success else 1
 
     def wait(self) -> None:
-        """Until the run in flight (background) has ended."""
-        if self._thread is not None:
+        """Until the runs in flight and queued (background) have ended."""
+        while self._thread is not None:
             self._thread.join()
-            self._thread = None
+            self._start_next()
 
 
 def delivered_events(conn: psycopg.Connection, stream_id: int) -> int:

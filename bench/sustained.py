@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import itertools
 import multiprocessing
 import os
@@ -50,6 +51,22 @@ def _writer(url: str, until: float, rows: int, counter: Any, cpus: set[int] | No
             seq += rows
             with counter.get_lock():
                 counter.value += rows
+
+
+#: garbage collections of this process (the sensor's and the runs' Python) that took over 0.1 s:
+#: (generation, seconds), for the results line
+GC_PAUSES: list[tuple[int, float]] = []
+_gc_started = [0.0]
+
+
+def _gc_timer(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    elif (took := time.perf_counter() - _gc_started[0]) > 0.1:
+        GC_PAUSES.append((info["generation"], took))
+
+
+gc.callbacks.append(_gc_timer)
 
 
 def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespace,
@@ -118,9 +135,18 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
             delivered = delivered_events(conn, 1)
         if webhook is not None:
             assert webhook.count() >= delivered, (webhook.count(), delivered)
+    pauses = [(g, t) for g, t in GC_PAUSES]
+    GC_PAUSES.clear()
     return {"written": written, "window": args.duration, "delivered_in_window": delivered_in_window,
             "delivered": delivered, "drain_secs": drained_at - until, "runs": driver.runs, "failed": driver.failed,
-            "samples": samples}
+            "samples": samples, "gc_pauses": pauses}
+
+
+def _gc_note(pauses: list[tuple[int, float]]) -> str:
+    if not pauses:
+        return "; no garbage collection over 0.1 s"
+    return (f"; {len(pauses)} garbage collections over 0.1 s (longest {max(t for _, t in pauses):.2f} s, "
+            f"{sum(t for _, t in pauses):.1f} s in all)")
 
 
 def _pin_tree(pid: int, cpus: set[int]) -> None:
@@ -183,7 +209,7 @@ def main() -> None:
                                                          webhook if name == "webhook" else None)
                 print(f"{name} ({mode}): written {r['written'] / r['window']:,.0f} events/s, delivered "
                       f"{r['delivered_in_window'] / r['window']:,.0f} events/s in the window; drained in "
-                      f"{r['drain_secs']:.1f}s; {r['runs']} runs ({r['failed']} failed); "
+                      f"{r['drain_secs']:.1f}s; {r['runs']} runs ({r['failed']} failed){_gc_note(r['gc_pauses'])}; "
                       f"backlog {_curve(r['samples'])}")
         finally:
             webhook.stop()
@@ -212,7 +238,8 @@ def main() -> None:
         w, d = r["written"] / r["window"], r["delivered_in_window"] / r["window"]
         lines.append(f"- {name}: written {w:,.0f} events/s, delivered {d:,.0f} events/s in the window "
                      f"(ratio {d / w if w else 0:.2f}), all {r['delivered']:,} delivered {r['drain_secs']:.0f}s after "
-                     f"writing stopped, {r['runs']} runs ({r['failed']} failed); backlog: {_curve(r['samples'])}")
+                     f"writing stopped, {r['runs']} runs ({r['failed']} failed); backlog: {_curve(r['samples'])}"
+                     f"{_gc_note(r['gc_pauses'])}")
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
