@@ -586,6 +586,36 @@ def test_open_run_delivers_a_backlog_in_direct_rounds_without_spark(db_url: str,
     assert any("; the other " in m and " batches in the next rounds" in m for m in logs)  # the launched round
 
 
+def test_the_reader_waits_for_a_slow_run_instead_of_recording_what_it_would_read_back(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """A sink slower than the reader: once the hand-off is full (direct_max_events 100: two batches
+    of 50) the reader stops reading until the run has taken half, so every event the run delivers was
+    taken as decoded, none read back from the table; all in order, once."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url,
+                                 [_config(endpoint, linger=3, direct_max_events=100)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 10)
+    (request,) = tick_until(driver, STREAM, lambda: False if not driver.cursors else _launched(db_url), timeout=60) \
+        or [None]  # type: ignore[list-item]
+    assert request is not None
+    run = Background(driver, request)
+    _wait(lambda: (_slot_reader(db_url) or "").startswith("pgstream reader "))
+    endpoint.delay = 0.05  # a chunk of 20 a call: 2.5 ms an event, slower than reading
+    for wave in range(30):  # 30 transactions of 25 events, committed faster than the sink takes them
+        insert_events(db_url, STREAM, 25, 1000 * (wave + 1))
+    _wait(lambda: len(endpoint.unique()) >= 760, timeout=120)
+    endpoint.delay = 0.0
+    result = run.wait(timeout=60)
+    assert result.success
+    sent = sent_ids(db_url)
+    assert len(sent) == 760 and endpoint.unique() == set(sent) and endpoint.duplicates() == 0
+    assert endpoint.first_seen_order() == sent
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    assert any("stopped reading slot pgstream_stream_1: 750 events recorded" in m and
+               "; 750 of the events delivered were taken as read" in m and "(0 batches were)" in m
+               for m in logs), [m for m in logs if "stopped reading" in m]
+
+
 @pytest.mark.parametrize("dropped", ["pgstream_stream_1", "pgstream_stream_1_rows"])
 def test_a_publication_dropped_by_hand_is_put_back_and_nothing_is_lost(db_url: str, tmp_path: Path,
                                                                         dropped: str) -> None:

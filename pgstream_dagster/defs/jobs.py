@@ -21,6 +21,7 @@ sink confirmed; the run writes it to the ledger before anything more is publishe
 
 
 import datetime as dt
+import gc
 import threading
 import time
 from contextlib import closing
@@ -117,6 +118,11 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
         context.log.info(f"stream {stream.id}: not the stream's open run; nothing to deliver")
         return
     run_key = run_key or ""
+    # an open run lives long and allocates tuples per event: what its process holds once it starts
+    # (Dagster, the Spark session) is not garbage, so the full collections stop scanning it (garbage
+    # collections over 0.1 s: 4.3 s in a 2-minute sustained run before)
+    gc.collect()
+    gc.freeze()
     # the lease is released when the run ends (or its process dies); the sink serves every round of the
     # run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
     with loaded.lease as conn, build_sink(stream.sink) as sink, _Reader(context, pgstream.database_url, stream,

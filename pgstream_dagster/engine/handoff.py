@@ -10,7 +10,8 @@ the table as before, so this only saves work: the ledger stays the source of tru
 
 The rows are the ones the table holds: the WAL carries each column's text output, which is what
 ``payload::text`` returns. Bounded: once ``max_events`` events or ``max_bytes`` bytes of WAL messages
-are kept, further batches are not (they are read from the table)."""
+are kept, further batches are not (they are read from the table). The reader waits for room before
+it reads on (:func:`~.ingest.follow`): what it would record meanwhile would have to be read back."""
 
 from __future__ import annotations
 
@@ -92,6 +93,18 @@ class Handoff:
             rows, size = self._batches.pop(batch_id)
             self._events -= len(rows)
             self._bytes -= size
+
+    def room_for(self, events: int) -> bool:
+        """Whether a batch of ``events`` events would be kept now (by events; bytes are checked at put)."""
+        return self._events + events <= self.max_events and self._bytes < self.max_bytes
+
+    def room(self) -> int:
+        """Events that can still be kept (by events; bytes are checked at put)."""
+        return max(0, self.max_events - self._events) if self._bytes < self.max_bytes else 0
+
+    def half_empty(self) -> bool:
+        """At most half of either bound is in use."""
+        return self._events <= self.max_events // 2 and self._bytes <= self.max_bytes // 2
 
     @property
     def events(self) -> int:

@@ -314,11 +314,17 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
             drained = len(messages) < source.MAX_MESSAGES
             if waiting >= stream.batch.max_size or now - oldest >= stream.batch.max_fill_secs or \
                     (drained and now - recorded_at >= FOLLOW_RECORD_EVERY_SECS):
-                if not _record_for_run(conn, stream, run_key, pending, stats, handoff):
-                    source.confirm(pending[-1].end_lsn)
+                # with a hand-off, what it has room for (one transaction at least): the rest waits
+                fits = len(pending) if handoff is None else _fitting(pending, handoff.room())
+                txns, pending = pending[:fits], pending[fits:]
+                if not _record_for_run(conn, stream, run_key, txns, stats, handoff):
+                    source.confirm(txns[-1].end_lsn)
                     return False
-                source.confirm(pending[-1].end_lsn)
-                pending, recorded_at = [], now
+                source.confirm(txns[-1].end_lsn)
+                recorded_at = oldest = now
+                if handoff is not None and (pending or not handoff.room_for(stream.batch.max_size)) and \
+                        not _wait_for_room(conn, source, stream, run_key, stop, handoff):
+                    return False
         if pending or decoder.in_transaction or now - checked_at < FOLLOW_CHECK_SECS:
             continue
         # nothing received is unrecorded: every transaction that committed before the server's
@@ -336,6 +342,36 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
             # must not move past what was received (the sensor puts it back and recovers)
             raise walstream.SlotGone(f'publication "{source.publication}" does not exist')
         source.confirm(source.wal_end, reply=True)  # the reply brings a fresh wal_end
+    return True
+
+
+def _fitting(txns: list[replication.Transaction], room: int) -> int:
+    """How many of ``txns``, from the first, hold at most ``room`` events (one at least)."""
+    total = 0
+    for i, t in enumerate(txns):
+        total += len(t.events)
+        if total > room:
+            return max(i, 1)
+    return len(txns)
+
+
+def _wait_for_room(conn: psycopg.Connection, source: walstream.ReplicationStream, stream: StreamConfig,
+                   run_key: str, stop: threading.Event, handoff: Handoff) -> bool:
+    """The run has not taken what the reader handed over yet (it publishes slower than the reader
+    decodes): read nothing more until it has taken half. What the reader would record meanwhile the
+    run would have to read back from the table, which costs more than the wait; the WAL waits in the
+    slot. Meanwhile it hands the run what was recorded (in case the sensor has not) and keeps the
+    replication connection alive; false once the run is no longer the open run."""
+    checked = time.monotonic()
+    while not handoff.half_empty() and not stop.is_set():
+        stop.wait(0.05)
+        if time.monotonic() - checked < FOLLOW_CHECK_SECS:
+            continue
+        checked = time.monotonic()
+        if not ledger.extend_run(conn, stream.id, run_key, stream.delivery.max_events_per_run) and \
+                not ledger.run_is_open(conn, stream.id, run_key):
+            return False
+        source.confirm(source.confirmed)  # a status update: the server does not time the connection out
     return True
 
 
