@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-cpu clean
+.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ bench-record: $(STAMP)
 
 bench-kafka: $(STAMP)
 	$(BIN)/python bench/kafka.py
+
+bench-redis: $(STAMP)
+	$(BIN)/python bench/redis_sink.py
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/cpu.py
