@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,7 +38,27 @@ def pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
                         "max_slot_wal_keep_size": "-1"},
     )
     yield server
+    _keep_server_log(server.datadir)
     server.destroy()
+
+
+#: what in the test cluster's log explains tests failing with "connection refused" / "server closed the
+#: connection" (the cluster or a backend died)
+_NOTABLE = ("PANIC", "terminated by signal", "shutdown request", "was terminated", "out of memory")
+
+
+def _keep_server_log(datadir: Path) -> None:
+    """The test cluster's log outlives its data directory (beside it, as server.log), and the lines
+    that say why it stopped or crashed are printed past pytest's capture."""
+    log = datadir / "server.log"
+    if not log.exists():
+        return
+    kept = datadir.parent / "server.log"
+    shutil.copyfile(log, kept)
+    notable = [line for line in log.read_text(errors="replace").splitlines() if any(n in line for n in _NOTABLE)]
+    if notable:
+        (sys.__stderr__ or sys.stderr).write(f"\ntest Postgres log ({kept}), notable lines:\n"
+                                             + "\n".join(notable[-20:]) + "\n")
 
 
 @pytest.fixture(scope="session")
