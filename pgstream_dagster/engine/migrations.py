@@ -188,15 +188,20 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
     """``000_bootstrap.sql``, idempotent: behind the ledger's lock once the ledger exists; on a
     database without it, behind a transaction-level advisory lock (nothing else to lock yet), waited for
     :data:`BOOTSTRAP_LOCK_TIMEOUT` at most."""
+    def ledger_exists() -> bool:
+        row = conn.execute("select pg_catalog.to_regclass('pgstream.schema_migrations') is not null").fetchone()
+        return bool(row and row[0])
+
     try:
         with conn.transaction():
-            row = conn.execute("select pg_catalog.to_regclass('pgstream.schema_migrations') is not null").fetchone()
-            if row and row[0]:
-                _locked(conn)
-            else:
+            if not ledger_exists():
                 conn.execute(f"set local lock_timeout = '{BOOTSTRAP_LOCK_TIMEOUT}'")
                 conn.execute("select pg_catalog.pg_advisory_xact_lock(%s)", [BOOTSTRAP_LOCK_KEY])
                 conn.execute("set local lock_timeout = 0")
+            # a migrator that bootstrapped while this one waited is applying files by now: queue
+            # behind it, or this bootstrap's statements would race its DDL on the same objects
+            if ledger_exists():
+                _locked(conn)
             conn.execute(bootstrap.sql)
     except psycopg.errors.LockNotAvailable as exc:
         holders = conn.execute(
@@ -211,7 +216,7 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
 
 
 def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, params: list[object]) -> None:
-    """Runs one file and records it, in the current transaction."""
+    """Runs one file and records it, in a savepoint of the caller's transaction."""
     try:
         with conn.transaction():
             conn.execute(file.sql)
