@@ -94,10 +94,6 @@ class Handoff:
             self._events -= len(rows)
             self._bytes -= size
 
-    def room_for(self, events: int) -> bool:
-        """Whether a batch of ``events`` events would be kept now (by events; bytes are checked at put)."""
-        return self._events + events <= self.max_events and self._bytes < self.max_bytes
-
     def room(self) -> int:
         """Events that can still be kept (by events; bytes are checked at put)."""
         return max(0, self.max_events - self._events) if self._bytes < self.max_bytes else 0

@@ -322,7 +322,7 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
                     return False
                 source.confirm(txns[-1].end_lsn)
                 recorded_at = oldest = now
-                if handoff is not None and (pending or not handoff.room_for(stream.batch.max_size)) and \
+                if handoff is not None and (pending or handoff.room() < stream.batch.max_size) and \
                         not _wait_for_room(conn, source, stream, run_key, stop, handoff):
                     return False
         if pending or decoder.in_transaction or now - checked_at < FOLLOW_CHECK_SECS:

@@ -54,7 +54,8 @@ as $$
 $$;
 revoke all on function pgstream.try_lock(text, bigint, text) from public;
 
--- Give lock (p_name, p_key) up if this session holds it: true when it did.
+-- Give lock (p_name, p_key) up if this session holds it: true when it did. A row naming this pid
+-- but an earlier backend (a reused pid) holds nothing already: clearing it changes nothing.
 create or replace function pgstream.unlock(p_name text, p_key bigint)
 returns boolean
 language sql
@@ -65,8 +66,6 @@ as $$
         update pgstream.locks l
         set pid = null, backend_start = null, usesysid = null, holder = null, taken_at = null
         where l.name = p_name and l.key = p_key and l.pid = pg_catalog.pg_backend_pid()
-          and l.backend_start = (select a.backend_start from pg_catalog.pg_stat_activity a
-                                 where a.pid = pg_catalog.pg_backend_pid())
         returning 1
     )
     select exists (select 1 from freed)
