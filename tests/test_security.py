@@ -723,8 +723,9 @@ def test_an_application_role_can_neither_take_nor_hold_pgstreams_locks(
     """Every lock pgstream takes (the delivery lease, the slot reader's claim, redelivery, backfills,
     partition maintenance, trigger regeneration, migrations) is one no other role can take or hold.
     A role with USAGE on the schema holds every advisory key pgstream used before, names its session
-    like a run's lease, and tries pgstream's lock table and functions from fresh connections: all
-    refused. Meanwhile the owner takes each lock at once, migrate and partition maintenance finish,
+    like a run's lease, and tries pgstream's lock table and functions from fresh connections that
+    shadow ``text`` and ``pg_backend_pid`` in pg_temp (with an escalating implicit cast): all refused,
+    and it gains nothing. Meanwhile the owner takes each lock at once, migrate and partition maintenance finish,
     and the spoofed session passes for no run."""
     app = app_role(roles)
     schema_user = roles("grant usage on schema pgstream to {role}")
@@ -743,10 +744,17 @@ def test_an_application_role_can_neither_take_nor_hold_pgstreams_locks(
         "select 1 from pgstream.schema_migrations for update",
     ]
     for role, statement in itertools.product((app, schema_user), attempts):
-        with connect(db_url, role) as c:
+        with connect(db_url, role) as c:  # a fresh connection, with its own pg_temp shadows first
+            c.execute("create type pg_temp.text as enum ('x')")
+            c.execute("create function pg_temp.esc(pg_catalog.text) returns pg_temp.text language plpgsql as "
+                      f"$$ begin {ESCALATE.format(role=role)} return 'x'; end $$")
+            c.execute("create cast (pg_catalog.text as pg_temp.text) with function pg_temp.esc(pg_catalog.text) "
+                      "as implicit")
+            c.execute("create function pg_temp.pg_backend_pid() returns integer language sql as 'select 1'")
             with pytest.raises((psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedTable,
                                 psycopg.errors.UndefinedFunction)), c.transaction():
                 c.execute(statement)
+    assert not is_super(db_url, app) and not is_super(db_url, schema_user)
     hostile = psycopg.connect(db_url, user=schema_user, autocommit=True, application_name="pgstream run r1")
     try:
         for cls, key in OLD_ADVISORY_PAIRS:
