@@ -242,3 +242,41 @@ def test_replay_to_a_file_that_cannot_be_written_fails_clearly(replay_setup: tup
     log = run_log(instance, result)
     assert f"file sink: events 1..7 (7 events): cannot append to {out}" in log
     assert not list(out.iterdir())
+
+
+@pytest.mark.parametrize("size", [1, 3, 4, 5, 100])
+def test_ranges_and_their_count_come_from_one_pass(db_url: str, size: int) -> None:
+    """The bounds of the replay's ranges and the count of the selection come from one scan: the ranges
+    cover exactly the selected ids (gaps, other streams and keys left out), each holds ``size`` events
+    but the last, and the count is known once the last range is out, for a multiple of ``size`` too."""
+    from pgstream_dagster.engine.replay import IdRanges, selection
+
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into pgstream.streams (id) values (7), (8) on conflict do nothing")
+        c.execute("delete from pgstream.events where stream_id in (7, 8)")
+        ids = [int(i) for (i,) in c.execute(
+            "insert into pgstream.events (payload, stream_id) select pg_catalog.jsonb_build_object("
+            "'tg_name', case when g % 3 = 0 then 'other' else 'orders' end, 'n', g), case when g % 5 = 0 "
+            "then 8 else 7 end from generate_series(1, 40) g returning id").fetchall()]
+        c.execute("delete from pgstream.events where id = any(%s)", [ids[10:14]])  # a gap
+        wanted = [int(i) for (i,) in c.execute(
+            "select id from pgstream.events where stream_id = 7 and payload ->> 'tg_name' = 'orders' order by id")]
+
+        class Selection:
+            from_event_id = to_event_id = from_time = to_time = None
+            subscription_keys = ["orders"]
+            all_events = dead_letters = False
+            dead_letter_ids: list[int] = []
+
+        params = selection(7, Selection())
+        ranges = IdRanges(c.cursor(), params, size)
+        bounds = list(ranges)
+        assert ranges.total == len(wanted)
+        per_range = [[i for i in wanted if lo <= i <= hi] for lo, hi in bounds]
+        assert [i for chunk in per_range for i in chunk] == wanted
+        assert all(len(chunk) == size for chunk in per_range[:-1]) and 1 <= len(per_range[-1]) <= size
+        assert [lo for lo, _hi in bounds] == [chunk[0] for chunk in per_range]
+
+        params_none = {**params, "keys": ["nobody"]}
+        empty = IdRanges(c.cursor(), params_none, size)
+        assert list(empty) == [] and empty.total == 0

@@ -103,27 +103,44 @@ def count_selected(conn: psycopg.Connection, params: Mapping[str, Any]) -> int:
 
 
 #: every size-th selected id (the first included) starts a range: balanced ranges whatever the id gaps;
-#: streamed in id order by the index scan (no sort, nothing counted first)
+#: streamed in id order by the index scan (no sort, nothing counted first). The last selected id comes
+#: too (``last``), with its row number: the count, from the same pass
 _STARTS = sql.SQL("""
-select id from (
-    select e.id, pg_catalog.row_number() over (order by e.id) - 1 as rn from pgstream.events e where {}) t
-where rn %% %(size)s = 0
+select id, rn, last from (
+    select e.id, pg_catalog.row_number() over w - 1 as rn, pg_catalog.lead(e.id) over w is null as last
+    from pgstream.events e where {}
+    window w as (order by e.id)) t
+where rn %% %(size)s = 0 or last
 order by id""").format(_FILTER)
 
 
-def id_ranges(cur: psycopg.Cursor[Any], params: Mapping[str, Any], size: int) -> Iterator[tuple[int, int]]:
+class IdRanges:
     """The selected events in id ranges of ``size`` events each (the last may hold fewer), in order,
-    read with ``cur`` (a server-side cursor streams them)."""
-    cur.execute(_STARTS, {**params, "size": size})
-    previous: int | None = None
-    # a few bounds per fetch: each costs scanning size events, and the first range is wanted at once
-    while rows := cur.fetchmany(4):
-        for (start,) in rows:
-            if previous is not None:
-                yield previous, int(start) - 1
-            previous = int(start)
-    if previous is not None:
-        yield previous, params["hi"]
+    read with ``cur`` (a server-side cursor streams them) when iterated; :attr:`total`, the number
+    of selected events, is known once the last range has been yielded (or before it)."""
+
+    def __init__(self, cur: psycopg.Cursor[Any], params: Mapping[str, Any], size: int) -> None:
+        self._cur, self._params, self._size = cur, params, size
+        #: the events selected, once the scan has reached the last of them (None before)
+        self.total: int | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        self._cur.execute(_STARTS, {**self._params, "size": self._size})
+        previous: int | None = None
+        # a few bounds per fetch: each costs scanning size events, and the first range is wanted at once
+        while rows := self._cur.fetchmany(4):
+            for start, rn, last in rows:
+                if last:
+                    self.total = int(rn) + 1
+                if rn % self._size:
+                    continue  # the last id, not a start
+                if previous is not None:
+                    yield previous, int(start) - 1
+                previous = int(start)
+        if self.total is None:
+            self.total = 0
+        if previous is not None:
+            yield previous, self._params["hi"]
 
 
 def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
@@ -131,7 +148,9 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
     """Validate ``config`` and count the events: ``(count, id ranges of at most
     rows_per_partition events each, in order, query parameters)``."""
     params = selection(stream_id, config)
-    return count_selected(conn, params), list(id_ranges(conn.cursor(), params, rows_per_partition)), params
+    ranges = IdRanges(conn.cursor(), params, rows_per_partition)
+    bounds = list(ranges)
+    return ranges.total or 0, bounds, params
 
 
 #: one event as :meth:`pgstream_dagster.sinks.base.Event.to_json` renders it (what the file sink writes),
@@ -156,6 +175,14 @@ _AHEAD = 3
 
 
 @dataclass(frozen=True)
+class Counted:
+    """How many events the replay's selection holds (counted by the pass that finds the ranges' bounds,
+    which runs ahead of the chunks)."""
+
+    events: int
+
+
+@dataclass(frozen=True)
 class Lines:
     """A chunk of events as JSON lines (``data``: ``count`` newline-terminated UTF-8 lines, ids
     ``first_id``..``last_id`` in order); ``count`` 0 when the range's events were deleted meanwhile."""
@@ -166,9 +193,11 @@ class Lines:
     data: bytes
 
 
-def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2) -> Iterator[Lines]:
+def read_lines(database_url: str, params: Mapping[str, Any], size: int,
+               connections: int = 2) -> Iterator[Lines | Counted]:
     """The events :func:`selection`'s ``params`` select as :class:`Lines` of ``size`` events (the last
-    may hold fewer), in id order. One session streams the ranges' bounds while ``connections`` others
+    may hold fewer), in id order, and :class:`Counted` once, as soon as the pass that finds the
+    ranges' bounds has counted them. One session streams the bounds while ``connections`` others
     read the next ranges as the caller handles the current one; nothing is parsed in Python."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
@@ -193,11 +222,16 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, connections),
                                                       thread_name_prefix="pgstream-replay"))
         ahead: deque[Future[Lines]] = deque()
-        todo = id_ranges(stack.enter_context(bounds.cursor(name="pgstream_replay_ranges")), params, size)
+        ranges = IdRanges(stack.enter_context(bounds.cursor(name="pgstream_replay_ranges")), params, size)
+        todo = iter(ranges)
+        counted = False
         try:
             while True:
                 while len(ahead) < _AHEAD and (nxt := next(todo, None)) is not None:
                     ahead.append(pool.submit(fetch, *nxt))
+                if not counted and ranges.total is not None:
+                    counted = True
+                    yield Counted(ranges.total)
                 if not ahead:
                     return
                 yield ahead.popleft().result()
@@ -206,39 +240,22 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
                 pending.cancel()
 
 
-@dataclass(frozen=True)
-class Counted:
-    """How many events the replay's selection holds (counted while the first chunks are read)."""
-
-    events: int
-
-
 def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int,
                   sink: Sink) -> Generator[Counted | int, None, None]:
     """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: the
     selected events in :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` calls of
-    ``chunk_size`` events, in order. Yields :class:`Counted` once (as soon as the count, made by
-    another session meanwhile, is known) and the events confirmed so far after each chunk. A sink
+    ``chunk_size`` events, in order. Yields :class:`Counted` once (as soon as :func:`read_lines`
+    knows the count) and the events confirmed so far after each chunk. A sink
     error propagates (the chunks before it were confirmed)."""
     if not sink.accepts_json_lines:
         raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
 
-    def counted() -> int:
-        # one process: parallel workers would take the CPUs the replay's readers use
-        with psycopg.connect(database_url, autocommit=True, application_name="pgstream replay",
-                             options="-c max_parallel_workers_per_gather=0") as conn:
-            return count_selected(conn, params)
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-replay-count") as pool:
-        total: Future[int] | None = pool.submit(counted)
-        done = 0
-        for chunk in read_lines(database_url, params, chunk_size):
-            if total is not None and total.done():
-                yield Counted(total.result())
-                total = None
-            if chunk.count:
-                sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
-                done += chunk.count
-            yield done
-        if total is not None:
-            yield Counted(total.result())
+    done = 0
+    for chunk in read_lines(database_url, params, chunk_size):
+        if isinstance(chunk, Counted):
+            yield chunk
+            continue
+        if chunk.count:
+            sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
+            done += chunk.count
+        yield done
