@@ -43,6 +43,17 @@ def _database_url(args: argparse.Namespace) -> str:
     return url
 
 
+def _defs_folder(args: argparse.Namespace) -> str | None:
+    """``--defs-folder`` or ``$PGSTREAM_DEFS_FOLDER``: where StreamComponents' defs.yaml files are."""
+    return str(args.defs_folder or os.environ.get("PGSTREAM_DEFS_FOLDER") or "") or None
+
+
+def _add_defs_folder(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--defs-folder", metavar="DIR",
+                   help="also the streams declared as pgstream_dagster.StreamComponent in the defs.yaml files under "
+                        "DIR, the project's defs folder (default: $PGSTREAM_DEFS_FOLDER)")
+
+
 def _cmd_migrate(args: argparse.Namespace) -> int:
     from .engine.migrations import migrate
 
@@ -171,7 +182,7 @@ def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
     from .config import load_config
     from .engine.deadletters import redeliver
 
-    config = load_config(Path(args.config) if args.config else None)
+    config = load_config(Path(args.config) if args.config else None, _defs_folder(args))
     stream = config.stream(args.stream)
     url = args.database_url or config.database_url.get_secret_value()
     with psycopg.connect(url, autocommit=True) as conn:
@@ -242,6 +253,7 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
     p.add_argument("--chunk-size", type=_COUNT, default=None, help="events per publish call (default: the stream's "
                                                                 "delivery.chunk_size)")
     p.add_argument("--dry-run", action="store_true", help="list what would be redelivered, send nothing")
+    _add_defs_folder(p)
     p.set_defaults(func=_cmd_dead_letters_redeliver)
 
     p = dl.add_parser("discard", parents=[common], help="give up on open dead letters of STREAM (IDs, or --all)")
@@ -268,7 +280,7 @@ def _cmd_backfill_run(args: argparse.Namespace) -> int:
     from .engine import backfill
     from .engine.spark import open_session
 
-    config = load_config(Path(args.config) if args.config else None)
+    config = load_config(Path(args.config) if args.config else None, _defs_folder(args))
     config.stream(args.stream)  # the stream must be declared
     url = args.database_url or config.database_url.get_secret_value()
     request = backfill.Request(args.stream, args.keys, table=args.table, where=args.where, from_key=args.from_key,
@@ -349,6 +361,7 @@ def _add_backfill_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--restart", action="store_true", help="cancel an unfinished backfill of the same subscription "
                                                           "and table and start over")
     p.add_argument("--progress-secs", type=float, default=5.0, help="seconds between progress lines")
+    _add_defs_folder(p)
     p.set_defaults(func=_cmd_backfill_run)
     p = bf.add_parser("list", parents=[common], help="backfills (of STREAM), newest first, with their progress")
     p.add_argument("stream", type=_ID, nargs="?")
@@ -400,7 +413,7 @@ def _cmd_executor_requirements(args: argparse.Namespace) -> int:
     if args.config:
         from .config import load_config
 
-        config = load_config(Path(args.config))
+        config = load_config(Path(args.config), _defs_folder(args))
         sinks += [s.sink.type for s in config.streams if s.delivery.ordering == "by_key"]
     print("\n".join(executor_requirements(sinks)))
     return 0
@@ -535,6 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "versions installed here), with the client libraries of by_key sinks")
     p.add_argument("--sink", action="append", metavar="TYPE", help="a sink type built on the executors (repeatable)")
     p.add_argument("--config", help="add the sink types of this pgstream.yaml's by_key streams")
+    _add_defs_folder(p)
     p.set_defaults(func=_cmd_executor_requirements)
     return parser
 

@@ -498,9 +498,42 @@ def config_path() -> Path:
     return Path(os.environ.get("PGSTREAM_CONFIG", "pgstream.yaml"))
 
 
-def load_config(path: Path | str | None = None) -> PgstreamConfig:
-    """Read and validate the configuration file."""
+#: the ``type`` of a stream declared in a ``defs.yaml`` (:class:`pgstream_dagster.StreamComponent`), as
+#: registered with ``dg`` and by its class's own module
+STREAM_COMPONENT_TYPES = ("pgstream_dagster.StreamComponent", "pgstream_dagster.defs.components.StreamComponent")
+
+
+def load_component_streams(folder: Path | str) -> tuple[list[StreamDeclaration], list[str]]:
+    """The streams declared as StreamComponents in the ``defs.yaml`` (or ``component.yaml``) files under
+    ``folder`` (a dg project's defs folder), validated as the code location validates them, and the
+    files they come from. What reads the definitions without loading them (the CLI) sees the same streams."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise ConfigError(f"{root}: not a directory (the defs folder with the streams' defs.yaml)")
+    declared: list[StreamDeclaration] = []
+    sources: list[str] = []
+    files = sorted(p for name in ("defs.yaml", "component.yaml") for p in root.rglob(name))
+    for file in files:
+        try:
+            documents = list(yaml.safe_load_all(file.read_text(encoding="utf-8")))
+        except OSError as exc:
+            raise ConfigError(f"{file}: cannot read it: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file}: invalid YAML: {exc}") from None
+        for doc in documents:
+            if isinstance(doc, dict) and doc.get("type") in STREAM_COMPONENT_TYPES:
+                declared.append(parse_stream(doc.get("attributes") or {}, str(file), at="attributes"))
+                sources.append(str(file))
+    return declared, sources
+
+
+def load_config(path: Path | str | None = None, defs_folder: Path | str | None = None) -> PgstreamConfig:
+    """Read and validate the configuration file; with ``defs_folder``, plus the streams declared as
+    StreamComponents there (:func:`load_component_streams`), checked together as the code location does."""
     p = Path(path) if path is not None else config_path()
+    if defs_folder is not None:
+        declared, sources = load_component_streams(defs_folder)
+        return with_streams(load_config(p), declared, f"{p} + {', '.join(sorted(set(sources)))}")
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:

@@ -292,3 +292,75 @@ def test_the_code_location_loads_from_an_installed_package_without_pyproject(tmp
     where, names = result.stdout.strip().splitlines()[-2:]
     assert where.startswith(str(site / "pgstream_dagster")) and str(site / "pgstream_dagster" / "sql") in where
     assert "'pgstream_delivery'" in names and "'pgstream_replay_stream_3'" in names and "'pgstream_stream_3'" in names
+
+
+def test_the_cli_reads_the_streams_of_the_defs_folder(tmp_path: Path, env: dict[str, str], db_url: str,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The commands that need a stream's configuration (dead-letters redeliver, backfill run,
+    executor-requirements) see the streams of the project's StreamComponents with ``--defs-folder``
+    (or ``$PGSTREAM_DEFS_FOLDER``): the same streams the code location's resource holds, checked the
+    same way, and only the defs.yaml files of StreamComponents count."""
+    from pgstream_dagster.cli import main as cli_main
+    from pgstream_dagster.config import load_component_streams
+
+    module = _project(tmp_path, {**STREAM_2, "subscriptions": SUBS_2})
+    defs = tmp_path / module / "defs"
+    (defs / "other").mkdir()
+    (defs / "other" / "defs.yaml").write_text(  # another component type, and a second document of ours
+        "type: dagster.DefsFolderComponent\nattributes: {}\n---\n" + yaml.safe_dump(
+            {"type": "pgstream_dagster.defs.components.StreamComponent",
+             "attributes": {"id": 3, "sink": {"type": "redis", "url": "redis://127.0.0.1:6379/0", "stream": "s3"},
+                            "delivery": {"ordering": "by_key", "routing_key": "record.id"}}}))
+    cfg = tmp_path / "pgstream.yaml"
+    declared, sources = load_component_streams(defs)
+    assert sorted(d.id for d in declared) == [2, 3]
+    assert sorted(sources) == [str(defs / "orders" / "defs.yaml"), str(defs / "other" / "defs.yaml")]
+
+    merged = load_config(cfg, defs)
+    assert [s.id for s in merged.streams] == [1, 2, 3]
+    assert {(s.key, s.stream_id) for s in merged.subscriptions} >= {("order-paid", 2), ("signup", 2), ("signup", 1)}
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loaded = dg.load_from_defs_folder(project_root=tmp_path).resources["pgstream"]  # type: ignore[index]
+    assert isinstance(loaded, PgstreamResource)
+    assert sorted(s.id for s in loaded.config.streams) == [1, 2, 3]
+    assert loaded.config.stream(2) == merged.stream(2) and loaded.config.stream(3) == merged.stream(3)
+
+    # a collision or a bad attribute: the code location's messages, naming the files, never a value
+    (defs / "clash").mkdir()
+    (defs / "clash" / "defs.yaml").write_text(yaml.safe_dump(
+        {"type": "pgstream_dagster.StreamComponent", "attributes": {"id": 1, "sink": {"type": "memory"}}}))
+    with pytest.raises(ConfigError) as clash:
+        load_config(cfg, defs)
+    assert "stream ids must be unique, duplicated: [1]" in str(clash.value)
+    assert f"{cfg} + {defs / 'clash' / 'defs.yaml'}, {defs / 'orders' / 'defs.yaml'}" in str(clash.value)
+    (defs / "clash" / "defs.yaml").write_text(yaml.safe_dump(
+        {"type": "pgstream_dagster.StreamComponent", "attributes": {"id": 4, "batch": {"max_size": 0},
+                                                                    "sink": {"type": "memory"}}}))
+    with pytest.raises(ConfigError) as bad:
+        load_config(cfg, defs)
+    assert str(bad.value) == (f"{defs / 'clash' / 'defs.yaml'}: attributes.batch.max_size: Input should be greater "
+                              "than or equal to 1")
+    shutil.rmtree(defs / "clash")
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_config(cfg, tmp_path / "nowhere")
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = cli_main(list(argv))
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    # executor-requirements: the by_key component stream's sink client is added
+    code, without, _ = cli("executor-requirements", "--config", str(cfg))
+    assert code == 0 and not any(line.startswith("redis") for line in without.splitlines())
+    code, text, _ = cli("executor-requirements", "--config", str(cfg), "--defs-folder", str(defs))
+    assert code == 0 and any(line.startswith("redis") for line in text.splitlines())
+
+    # dead-letters redeliver: stream 2 is unknown to pgstream.yaml alone
+    args = ("dead-letters", "redeliver", "2", "--config", str(cfg), "--database-url", db_url, "--dry-run")
+    assert cli(*args) == (1, "", "error: stream 2 is not configured\n")
+    code, text, err = cli(*args, "--defs-folder", str(defs))
+    assert (code, text, err) == (0, "stream 2: no open dead letters to redeliver\n", "")
+    monkeypatch.setenv("PGSTREAM_DEFS_FOLDER", str(defs))
+    assert cli(*args) == (code, text, err)
+    assert SECRET not in text + err
