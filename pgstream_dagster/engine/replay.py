@@ -117,7 +117,8 @@ order by id""").format(_FILTER)
 class IdRanges:
     """The selected events in id ranges of ``size`` events each (the last may hold fewer), in order,
     read with ``cur`` (a server-side cursor streams them) when iterated; :attr:`total`, the number
-    of selected events, is known once the last range has been yielded (or before it)."""
+    of selected events, is known once the last range has been yielded (or before it): what
+    :func:`plan`, which takes every range at once, counts with."""
 
     def __init__(self, cur: psycopg.Cursor[Any], params: Mapping[str, Any], size: int) -> None:
         self._cur, self._params, self._size = cur, params, size
@@ -176,8 +177,7 @@ _AHEAD = 3
 
 @dataclass(frozen=True)
 class Counted:
-    """How many events the replay's selection holds (counted by the pass that finds the ranges' bounds,
-    which runs ahead of the chunks)."""
+    """How many events the replay's selection holds (counted while the first chunks are read)."""
 
     events: int
 
@@ -193,11 +193,9 @@ class Lines:
     data: bytes
 
 
-def read_lines(database_url: str, params: Mapping[str, Any], size: int,
-               connections: int = 2) -> Iterator[Lines | Counted]:
+def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2) -> Iterator[Lines]:
     """The events :func:`selection`'s ``params`` select as :class:`Lines` of ``size`` events (the last
-    may hold fewer), in id order, and :class:`Counted` once, as soon as the pass that finds the
-    ranges' bounds has counted them. One session streams the bounds while ``connections`` others
+    may hold fewer), in id order. One session streams the ranges' bounds while ``connections`` others
     read the next ranges as the caller handles the current one; nothing is parsed in Python."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
@@ -222,16 +220,12 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int,
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, connections),
                                                       thread_name_prefix="pgstream-replay"))
         ahead: deque[Future[Lines]] = deque()
-        ranges = IdRanges(stack.enter_context(bounds.cursor(name="pgstream_replay_ranges")), params, size)
-        todo = iter(ranges)
-        counted = False
+        # the bounds stream as the chunks are read (a few ahead): the count comes from another session
+        todo = iter(IdRanges(stack.enter_context(bounds.cursor(name="pgstream_replay_ranges")), params, size))
         try:
             while True:
                 while len(ahead) < _AHEAD and (nxt := next(todo, None)) is not None:
                     ahead.append(pool.submit(fetch, *nxt))
-                if not counted and ranges.total is not None:
-                    counted = True
-                    yield Counted(ranges.total)
                 if not ahead:
                     return
                 yield ahead.popleft().result()
@@ -244,18 +238,29 @@ def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int,
                   sink: Sink) -> Generator[Counted | int, None, None]:
     """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: the
     selected events in :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` calls of
-    ``chunk_size`` events, in order. Yields :class:`Counted` once (as soon as :func:`read_lines`
-    knows the count) and the events confirmed so far after each chunk. A sink
+    ``chunk_size`` events, in order. Yields :class:`Counted` once (as soon as the count, made by
+    another session meanwhile, is known) and the events confirmed so far after each chunk. A sink
     error propagates (the chunks before it were confirmed)."""
     if not sink.accepts_json_lines:
         raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
 
-    done = 0
-    for chunk in read_lines(database_url, params, chunk_size):
-        if isinstance(chunk, Counted):
-            yield chunk
-            continue
-        if chunk.count:
-            sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
-            done += chunk.count
-        yield done
+    def counted() -> int:
+        # one process: parallel workers would take the CPUs the replay's readers use. Not the bounds'
+        # scan: it streams only a few ranges ahead of the chunks, so its count would come at the end
+        with psycopg.connect(database_url, autocommit=True, application_name="pgstream replay",
+                             options="-c max_parallel_workers_per_gather=0") as conn:
+            return count_selected(conn, params)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-replay-count") as pool:
+        total: Future[int] | None = pool.submit(counted)
+        done = 0
+        for chunk in read_lines(database_url, params, chunk_size):
+            if total is not None and total.done():
+                yield Counted(total.result())
+                total = None
+            if chunk.count:
+                sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
+                done += chunk.count
+            yield done
+        if total is not None:
+            yield Counted(total.result())
