@@ -28,7 +28,7 @@ from pgstream_dagster.engine.spark import spark_conf
 
 from .support.dagster_dev import repo_root
 from .support.harness import event_ids, insert_events, read_jsonl, write_config
-from .support.spark_cluster import SparkCluster, start_cluster
+from .support.spark_cluster import SparkCluster, pack_executor_env, start_cluster
 
 
 @pytest.fixture(scope="session")
@@ -267,3 +267,59 @@ def test_spark_connect_command_stops_its_jvm_on_sigterm(tmp_path: Path) -> None:
             wrapper.wait(10)
         if jvm_group and _group_alive(jvm_group):
             sparkserver.stop(jvm_group)
+
+
+def test_a_packed_environment_in_spark_archives(db_url: str, dagster_storage_url: str, tmp_path: Path,
+                                                 spark_cluster: SparkCluster) -> None:
+    """The executors' Python as a packed environment (``spark.archives: env.tar.gz#env``,
+    ``spark.pyspark.python: ./env/bin/python``), the other way the README gives: the executors run it
+    from their working directory and import the libraries from it. The run's host needs the same
+    relative path (Spark plans the data sources there with that interpreter): without it the run
+    fails before reading anything, saying so; with it, every event arrives, each key in order."""
+    archive = pack_executor_env(spark_cluster, tmp_path / "env.tar.gz")
+    cwd = tmp_path / "run-cwd"
+    cwd.mkdir()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"tmp": str(tmp_path), "db_url": db_url, "dagster_storage_url": dagster_storage_url,
+                                "master": spark_cluster.master_url, "archive": str(archive)}))
+    child = subprocess.run([sys.executable, "-m", "tests.support.spark_archives_child", str(spec)],
+                           cwd=cwd, env={**os.environ, "PYTHONPATH": str(repo_root())},
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-6000:]
+    result = json.loads(Path(str(spec) + ".out").read_text())
+
+    first = result["first_run"]
+    assert first["success"] is False and first["accepted"] == 0
+    assert "spark.pyspark.python './env/bin/python' is relative" in first["error"], first["error"]
+    assert f"working directory {str(cwd)!r}" in first["error"]
+
+    # the executors' interpreter and libraries come from the archive, unpacked in their work directory
+    assert result["executors"], result
+    for line in result["executors"]:
+        python, psycopg_file, package_file = line.split(" ")
+        env = Path(python).parent.parent
+        assert re.fullmatch(r".*/worker-\d/work/app-[\d-]+/\d+/env", str(env)), line
+        assert psycopg_file.startswith(f"{env}/lib/") and ".zip/pgstream_dagster/" in package_file, line
+
+    # every event once at least, and per key the first deliveries in commit (id) order
+    assert result["runs"][-1] is True
+    with psycopg.connect(db_url) as conn:
+        key_of = dict(conn.execute("select id, payload->>'group_id' from pgstream.events where stream_id = 1"))
+    assert set(result["accepted"]) == set(key_of)
+    for key in set(key_of.values()):
+        firsts = list(dict.fromkeys(i for i in result["accepted"] if key_of[i] == key))
+        assert firsts == sorted(firsts), key
+
+
+def test_a_relative_executor_python_must_exist_on_the_runs_host(tmp_path: Path) -> None:
+    exe = tmp_path / "env" / "bin" / "python"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    assert cluster.driver_python_problem("/opt/venv/bin/python", tmp_path) is None  # absolute: the user's call
+    assert cluster.driver_python_problem("python3", tmp_path) is None  # looked up on PATH
+    problem = cluster.driver_python_problem("./env/bin/python", tmp_path)  # not executable
+    assert problem is not None and f"working directory {str(tmp_path)!r}" in problem
+    exe.chmod(0o755)
+    assert cluster.driver_python_problem("./env/bin/python", tmp_path) is None
+    assert cluster.driver_python_problem("env/bin/python", tmp_path) is None
+    assert cluster.driver_python_problem("./other/bin/python", tmp_path) is not None

@@ -10,7 +10,9 @@ an executor host.
 * :func:`cluster_conf`: the defaults of a run on a cluster master (``spark.cores.max`` on a
   standalone master, ``spark.task.maxFailures`` 1); the user's ``spark.conf`` wins;
 * :func:`executor_problems`: settings that name this machine (relative file paths, loopback hosts)
-  read on the executors, which the configuration refuses when the executors run elsewhere.
+  read on the executors, which the configuration refuses when the executors run elsewhere;
+* :func:`driver_python_problem`: an executors' Python given relative to their working directory (a
+  packed environment in ``spark.archives``) that the run's host cannot start.
 """
 
 from __future__ import annotations
@@ -228,6 +230,25 @@ def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             out.append(name)
     return out
+
+
+def driver_python_problem(python: str, cwd: Path) -> str | None:
+    """Why Spark could not start ``python`` (the Python workers' interpreter, ``spark.pyspark.python``)
+    on the run's host, or None. PySpark sends one interpreter with every Python function: the
+    executors start it in their working directory, where ``spark.archives`` unpacks a packed
+    environment (``./env/bin/python`` with ``env.tar.gz#env``), and the run's Spark driver starts it
+    too, from the run's working directory ``cwd``, to plan the Python data sources. A relative path
+    missing there fails each run at its first read, far from the cause; a bare command name is looked
+    up on each host's ``PATH``."""
+    if os.path.isabs(python) or "/" not in python:
+        return None
+    if (cwd / python).is_file() and os.access(cwd / python, os.X_OK):
+        return None
+    return (f"spark.pyspark.python {python!r} is relative: the executors run it in their working directory "
+            f"(a packed environment in spark.archives), and Spark also starts it on the run's host, from the run's "
+            f"working directory {str(cwd)!r}, to plan pgstream's data sources; it is not there. Unpack the same "
+            f"environment into that directory (the run image's working directory), or give an absolute path "
+            f"that exists on every host")
 
 
 def _url_host(value: str) -> str | None:

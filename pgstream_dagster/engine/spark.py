@@ -29,13 +29,14 @@ import pickle
 import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..sinks import Sink, SinkConfig, build_sink
 from ..sinks.base import event_from_text, parse_event_path
-from .cluster import cluster_conf, is_local, package_zip
+from .cluster import cluster_conf, driver_python_problem, is_local, package_zip
 from .publish import Confirmed, Deliveries, Position, Positioned, RejectPolicy, Span, publish
 
 if TYPE_CHECKING:
@@ -273,12 +274,22 @@ def open_session(config: PgstreamConfig) -> SparkSession:
         builder = builder.config(key, value)
     return builder.getOrCreate()
 
+class DriverPythonMissing(RuntimeError):
+    """The Python workers' interpreter is a relative path the run's host does not have
+    (:func:`~pgstream_dagster.engine.cluster.driver_python_problem`)."""
+
+
 def ship_package(spark: SparkSession) -> None:
-    """Spark Connect on a cluster master: add the package zip to the session as a Python artifact,
-    once per session, so the server's executors import the data sources and sinks from it (a JVM
-    server ignores ``spark.submit.pyFiles``). A classic session got it from ``spark.submit.pyFiles``
-    (:func:`spark_conf`); a local server's workers have this environment."""
+    """Before a run's Spark reads anything. Spark Connect on a cluster master: add the package zip to
+    the session as a Python artifact, once per session, so the server's executors import the data
+    sources and sinks from it (a JVM server ignores ``spark.submit.pyFiles``); a local server's workers
+    have this environment. A classic session got the zip from ``spark.submit.pyFiles``
+    (:func:`spark_conf`); raises :class:`DriverPythonMissing` when its driver could not start the
+    workers' interpreter to plan the data sources (a relative ``spark.pyspark.python``)."""
     if not type(spark).__module__.startswith("pyspark.sql.connect"):
+        problem = driver_python_problem(str(spark.sparkContext.pythonExec), Path.cwd())
+        if problem is not None:
+            raise DriverPythonMissing(problem)
         return
     session_id = str(getattr(spark, "session_id", id(spark)))
     if session_id in _SHIPPED:

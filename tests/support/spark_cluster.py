@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -79,6 +80,27 @@ def make_executor_python(base: Path) -> Path:
                            check=True, capture_output=True, text=True, env=_clean_env(), cwd=base)
     assert probe.stdout.strip() == "['psycopg', 'pydantic', 'pyarrow']", probe.stdout + probe.stderr
     return python
+
+
+def pack_executor_env(cluster: SparkCluster, archive: Path) -> Path:
+    """The executors' environment as one ``.tar.gz`` for ``spark.archives``, as venv-pack makes it:
+    the venv with its packages inside (the links of :func:`make_executor_python` followed) and
+    ``bin/python*`` still links to the base interpreter, which must be at the same path on each host
+    (here: this machine). A ``.tar.gz``: Spark unpacks it with ``tar`` (a ``.tar`` it unpacks itself,
+    losing the executable bits and refusing links that point outside the archive)."""
+    venv = cluster.python.parent.parent
+    site = next((venv / "lib").glob("python3*/site-packages")).relative_to(venv)
+    deps = cluster.base / "executor-deps"
+    with tarfile.open(archive, "w:gz", compresslevel=1, dereference=True) as tar:
+        for path in sorted(venv.rglob("*")):
+            if path.suffix == ".pth" or (path.is_dir() and not path.is_symlink()):
+                continue  # directories come with their files; the .pth named this machine's deps folder
+            tar.dereference = not path.name.startswith("python")
+            tar.add(path, arcname=str(path.relative_to(venv)), recursive=False)
+        tar.dereference = True
+        for top in sorted(deps.iterdir()):
+            tar.add(top, arcname=str(site / top.name))
+    return archive
 
 
 def _clean_env() -> dict[str, str]:

@@ -1,0 +1,90 @@
+"""Child process of tests/test_spark_cluster.py: ``by_key`` delivery on a standalone cluster whose
+executors run a packed environment shipped with ``spark.archives`` (``env.tar.gz#env``,
+``spark.pyspark.python: ./env/bin/python``), through the real Dagster job. First from a working
+directory without the environment (the run fails, saying why), then with the same environment unpacked
+there, as a run image would have it. Writes what it saw as JSON for the test.
+
+Usage: python -m tests.support.spark_archives_child SPEC_JSON   (keys: see ``main``)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+
+from .dagster_instance import run_log
+from .endpoint import Endpoint
+from .harness import Driver, write_config
+
+STREAM = 1
+
+
+def _executor_origins() -> list[str]:
+    """The interpreter, and where psycopg and pgstream_dagster come from, of the executors' workers."""
+    from pyspark.sql import SparkSession
+
+    def probe(_rows: Any) -> Any:
+        import sys
+
+        import psycopg
+
+        import pgstream_dagster
+
+        yield f"{sys.executable} {psycopg.__file__} {pgstream_dagster.__file__}"
+
+    session = SparkSession.getActiveSession()
+    assert session is not None
+    return sorted(set(session.sparkContext.parallelize(range(4), 4).mapPartitions(probe).collect()))
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    tmp = Path(spec["tmp"])
+    db_url: str = spec["db_url"]
+    endpoint = Endpoint()
+    cfg = write_config(tmp / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
+         "delivery": {"ordering": "by_key", "routing_key": "group_id", "parallelism": 2, "chunk_size": 20},
+         "retry": {"initial_backoff_secs": 0, "max_backoff_secs": 0},
+         "sink": endpoint.sink()}],
+        spark={"master": spec["master"], "conf": {
+            "spark.archives": f"{spec['archive']}#env", "spark.pyspark.python": "./env/bin/python",
+            "spark.executor.memory": "512m"}})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pgstream.ensure_stream(1)")
+    result: dict[str, Any] = {}
+    (tmp / "dagster_home").mkdir()
+    with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": spec["dagster_storage_url"]}}},
+                              temp_dir=str(tmp / "dagster_home")) as instance:
+        driver = Driver(cfg, instance)
+        driver.tick(STREAM)
+        with psycopg.connect(db_url) as c:
+            c.execute("insert into pgstream.events (payload, stream_id) select "
+                      "jsonb_build_object('group_id', (g % 3)::text, 'n', g), 1 from generate_series(1, 300) g")
+            c.commit()
+
+        # the run's working directory has no ./env: the first run fails, naming the setting and the fix
+        driver.run_until(STREAM, lambda: len(driver.results) >= 1, timeout=300)
+        first = driver.results[0]
+        result["first_run"] = {"success": first.success, "accepted": len(endpoint.accepted),
+                               "error": run_log(instance, first)}
+
+        # the same environment unpacked there, as a run image has it: every event, each key in order
+        with tarfile.open(spec["archive"]) as tar:
+            tar.extractall(Path.cwd() / "env", filter="tar")
+        driver.run_until(STREAM, lambda: len(endpoint.unique()) >= 300, timeout=300)
+        result["runs"] = [r.success for r in driver.results]
+        result["accepted"] = list(endpoint.accepted)
+        result["executors"] = _executor_origins()
+    endpoint.down()
+    Path(sys.argv[1] + ".out").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
