@@ -563,8 +563,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .engine.deadletters import DeadLetterError
         from .engine.ledger import SlotInUse
         from .engine.migrations import MigrationError
+        from .sparkserver import SparkServerError
 
-        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | BackfillError) or \
+        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | BackfillError |
+                      SparkServerError) or \
                 type(exc).__module__.startswith("psycopg"):
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .engine.cluster import cluster_conf
+from .engine.cluster import cluster_conf, driver_python_problem
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_PORT = 15002
@@ -42,7 +42,13 @@ def spark_home() -> str:
 
 def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127.0.0.1",
             conf: dict[str, str] | None = None) -> list[str]:
-    """The ``spark-submit`` command line of a Spark Connect server listening on ``host:port``."""
+    """The ``spark-submit`` command line of a Spark Connect server listening on ``host:port``, to run
+    from this working directory: :class:`SparkServerError` if the server could not start the Python
+    workers' interpreter (``spark.pyspark.python`` of ``conf``, a relative path) to plan the data sources."""
+    python = (conf or {}).get("spark.pyspark.python")
+    problem = driver_python_problem(python, Path.cwd(), "the Spark Connect server") if python else None
+    if problem is not None:
+        raise SparkServerError(problem)
     settings = {
         "spark.connect.grpc.binding.address": host,
         "spark.connect.grpc.binding.port": str(port),

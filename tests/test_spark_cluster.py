@@ -311,7 +311,8 @@ def test_a_packed_environment_in_spark_archives(db_url: str, dagster_storage_url
         assert firsts == sorted(firsts), key
 
 
-def test_a_relative_executor_python_must_exist_on_the_runs_host(tmp_path: Path) -> None:
+def test_a_relative_executor_python_must_exist_on_the_runs_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     exe = tmp_path / "env" / "bin" / "python"
     exe.parent.mkdir(parents=True)
     exe.write_text("#!/bin/sh\n")
@@ -323,3 +324,13 @@ def test_a_relative_executor_python_must_exist_on_the_runs_host(tmp_path: Path) 
     assert cluster.driver_python_problem("./env/bin/python", tmp_path) is None
     assert cluster.driver_python_problem("env/bin/python", tmp_path) is None
     assert cluster.driver_python_problem("./other/bin/python", tmp_path) is not None
+
+    # a Spark Connect server plans the data sources from its own working directory: refused before it starts
+    monkeypatch.chdir(tmp_path / "env")
+    with pytest.raises(sparkserver.SparkServerError, match="the Spark Connect server's working directory"):
+        sparkserver.start(free_port(), conf={"spark.pyspark.python": "./env/bin/python"})
+    from pgstream_dagster.cli import main as cli_main
+
+    port = str(free_port())
+    assert cli_main(["spark-connect", "--port", port, "--conf", "spark.pyspark.python=./env/bin/python"]) == 1
+    assert "error: spark.pyspark.python './env/bin/python' is relative" in capsys.readouterr().err

@@ -232,12 +232,13 @@ def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
     return out
 
 
-def driver_python_problem(python: str, cwd: Path) -> str | None:
+def driver_python_problem(python: str, cwd: Path, driver: str = "the run") -> str | None:
     """Why Spark could not start ``python`` (the Python workers' interpreter, ``spark.pyspark.python``)
     on the run's host, or None. PySpark sends one interpreter with every Python function: the
     executors start it in their working directory, where ``spark.archives`` unpacks a packed
-    environment (``./env/bin/python`` with ``env.tar.gz#env``), and the run's Spark driver starts it
-    too, from the run's working directory ``cwd``, to plan the Python data sources. A relative path
+    environment (``./env/bin/python`` with ``env.tar.gz#env``), and the Spark driver (``driver``: the
+    run, or a Spark Connect server) starts it too, from its working directory ``cwd``, to plan the
+    Python data sources. A relative path
     missing there fails each run at its first read, far from the cause; a bare command name is looked
     up on each host's ``PATH``."""
     if os.path.isabs(python) or "/" not in python:
@@ -245,10 +246,9 @@ def driver_python_problem(python: str, cwd: Path) -> str | None:
     if (cwd / python).is_file() and os.access(cwd / python, os.X_OK):
         return None
     return (f"spark.pyspark.python {python!r} is relative: the executors run it in their working directory "
-            f"(a packed environment in spark.archives), and Spark also starts it on the run's host, from the run's "
-            f"working directory {str(cwd)!r}, to plan pgstream's data sources; it is not there. Unpack the same "
-            f"environment into that directory (the run image's working directory), or give an absolute path "
-            f"that exists on every host")
+            f"(a packed environment in spark.archives), and Spark also starts it on {driver}'s host, from "
+            f"{driver}'s working directory {str(cwd)!r}, to plan pgstream's data sources; it is not there. Unpack "
+            f"the same environment into that directory, or give an absolute path that exists on every host")
 
 
 def _url_host(value: str) -> str | None:
