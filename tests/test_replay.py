@@ -5,6 +5,8 @@ Dagster instance; replays go through Spark to a real file sink and are counted."
 from __future__ import annotations
 
 import datetime as dt
+import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CONTROL_JOB, STREAM_TAG, replay_job_name
 from pgstream_dagster.engine.batches import BatchStatus
 
-from .support.dagster_instance import run_log
+from .support.dagster_instance import run_log, step_failure
 from .support.endpoint import Endpoint
 from .support.harness import Driver, backdated, event_ids, read_jsonl, write_config
 
@@ -280,3 +282,52 @@ def test_ranges_and_their_count_come_from_one_pass(db_url: str, size: int) -> No
         params_none = {**params, "keys": ["nobody"]}
         empty = IdRanges(c.cursor(), params_none, size)
         assert list(empty) == [] and empty.total == 0
+
+
+def test_replay_to_a_broker_reads_without_spark(replay_setup: tuple[Path, Path], db_url: str, tmp_path: Path,
+                                               instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sink that takes no JSON lines (Redis here) gets the selected events read by the run's own
+    connections (delivery.direct_max_events above 0, the default), in id order, with the same
+    selections and the same events as the file replay's lines and as the Spark read it replaces; a
+    chunk_size smaller than the ranges, and ranges of several chunks, keep the order."""
+    import redis
+
+    from pgstream_dagster.engine import spark
+
+    monkeypatch.setattr(spark, "FETCH_ROWS", 30)  # ranges of 30 events: 7 for the whole stream
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    key = f"pgstream-replay-{uuid.uuid4().hex[:8]}"
+    cfg = write_config(tmp_path / "redis.yaml", db_url, [
+        {"id": 1, "sink": {"type": "redis", "url": "redis://127.0.0.1:6379/0", "stream": key},
+         "delivery": {"chunk_size": 7}},
+        {"id": 2, "sink": {"type": "file", "path": str(tmp_path / "other.jsonl")}}])
+    file_cfg, out = replay_setup
+
+    def replayed(cfg: Path, **config: Any) -> list[dict[str, Any]]:
+        client.delete(key)
+        result = _replay(cfg, instance, **config)
+        assert result.success, step_failure(result)
+        return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in client.xrange(key)]
+
+    try:
+        got = replayed(cfg, from_event_id=20, to_event_id=150)
+        assert [int(e["id"]) for e in got] == list(range(20, 151))
+        today = dt.datetime.now(dt.UTC).date()
+        assert [int(e["id"]) for e in replayed(cfg, to_time=today.isoformat())] == _ids_before(db_url, today)
+        got = replayed(cfg, subscription_keys=["b"], from_event_id=150)
+        assert [int(e["id"]) for e in got] == list(range(150, 201))
+        assert {json.loads(e["payload"])["tg_name"] for e in got} == {"b"}
+
+        result = _replay(cfg, instance, all_events=True, chunk_size=3)
+        assert "200 events (events first..last, time [-inf, +inf), subscriptions all) in 7 ranges read without " \
+            "Spark" in run_log(instance, result)
+        direct = [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(key)][-200:]
+        assert [int(e["id"]) for e in direct] == list(range(1, 201))
+
+        # the same events, field for field, as the file replay's lines (created_at, payload, metadata)
+        assert _replay(file_cfg, instance, all_events=True).success
+        lines = read_jsonl(out)
+        assert [(str(e["id"]), e["created_at"], json.loads(d["payload"])) for e, d in zip(lines, direct, strict=True)
+                ] == [(d["id"], d["created_at"], e["payload"]) for e, d in zip(lines, direct, strict=True)]
+    finally:
+        client.delete(key)

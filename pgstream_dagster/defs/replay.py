@@ -97,6 +97,8 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
         with build_sink(stream.sink) as sink:  # closed however the replay ends
             # a sink that takes JSON lines gets them rendered by Postgres, a chunk per range (no Spark)
             as_lines = sink.accepts_json_lines
+            # any other sink: the events read by the run's own connections unless every read goes to Spark
+            direct = not as_lines and stream.delivery.direct_max_events > 0
             started = time.monotonic()
             chunk_size = config.chunk_size or stream.delivery.chunk_size
             what = (f"events {config.from_event_id or 'first'}..{config.to_event_id or 'last'}, "
@@ -112,14 +114,15 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
                             count = count_selected(conn, params)
                 else:
                     with pgstream.connect() as conn:
-                        count, ranges, params = plan(conn, stream.id, config, stream.delivery.rows_per_partition)
+                        count, ranges, params = plan(conn, stream.id, config, spark.FETCH_ROWS if direct
+                                                     else stream.delivery.rows_per_partition)
             except ReplayError as exc:
                 raise dg.Failure(f"replay of stream {stream.id}: {exc}") from None
 
             def planned(n: int) -> None:
                 context.log.info(f"replay of stream {stream.id}: {n} events ({what}) in " + (
                     f"{-(-n // chunk_size)} chunks of JSON lines rendered by Postgres" if as_lines
-                    else f"{len(ranges)} partitions"))
+                    else f"{len(ranges)} ranges read without Spark" if direct else f"{len(ranges)} Spark partitions"))
 
             if count is not None:
                 planned(count)
@@ -130,7 +133,8 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
             next_log, delivered = 0, 0  # next_log 0: the first progress line once the count is known
             first: tuple[float, int] | None = None  # (time, count) of the first confirmed chunk
             with closing(deliver_lines(pgstream.database_url, params, chunk_size, sink) if as_lines
-                         else _through_spark(pyspark, pgstream, stream, ranges, params, config, sink, chunk_size)
+                         else _published(pyspark if not direct else None, pgstream, stream, ranges, params, config,
+                                         sink, chunk_size)
                          ) as progress:
                 for done in progress:
                     if isinstance(done, Counted):
@@ -172,16 +176,22 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
     return _op
 
 
-def _through_spark(pyspark: LazyPySparkResource, pgstream: PgstreamResource, stream: StreamConfig,
-                   ranges: list[tuple[int, int]], params: dict[str, Any], config: ReplayConfig, sink: Sink,
-                   chunk_size: int) -> Generator[int, None, None]:
-    """The events confirmed so far, as the selected events are read by Spark and published in order."""
-    frames = spark.load_events(
-        pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,
-        from_time=params["from_time"].isoformat() if params["from_time"] else None,
-        to_time=params["to_time"].isoformat() if params["to_time"] else None,
-        keys=config.subscription_keys or None, packed=True)
-    assert isinstance(frames, list)  # packed: one single-partition DataFrame per id range
+def _published(pyspark: LazyPySparkResource | None, pgstream: PgstreamResource, stream: StreamConfig,
+               ranges: list[tuple[int, int]], params: dict[str, Any], config: ReplayConfig, sink: Sink,
+               chunk_size: int) -> Generator[int, None, None]:
+    """The events confirmed so far, as the selected events are read (by Spark with ``pyspark``, else by
+    the run's own connections) and published in order."""
+    frames: list[Any] | spark.DirectEvents
+    if pyspark is None:
+        frames = spark.DirectEvents(pgstream.database_url, ranges, params, stream.delivery.routing_key)
+    else:
+        loaded = spark.load_events(
+            pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,
+            from_time=params["from_time"].isoformat() if params["from_time"] else None,
+            to_time=params["to_time"].isoformat() if params["to_time"] else None,
+            keys=config.subscription_keys or None, packed=True)
+        assert isinstance(loaded, list)  # packed: one single-partition DataFrame per id range
+        frames = loaded
     with closing(spark.deliver_in_order(frames, sink, chunk_size,
                                         prefetch=stream.delivery.prefetch_partitions)) as deliveries:
         for delivery in deliveries:

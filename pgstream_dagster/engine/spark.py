@@ -421,7 +421,43 @@ class DirectRead:
                                                           metadata)
 
 
-def deliver_in_order(frames: list[DataFrame] | DirectRead, sink: Sink, chunk_size: int, *, prefetch: bool = True,
+@dataclasses.dataclass(frozen=True)
+class DirectEvents:
+    """A replay's selection read without Spark (``delivery.direct_max_events`` above 0): the id
+    ``ranges`` of :func:`~pgstream_dagster.engine.replay.plan`, each read whole with the query the
+    Spark source runs (``params``: its filters), by a connection of its own while the caller publishes
+    the range before. The run's process publishes every event of a replay anyway (id order): Spark
+    would only add its start-up, its JVM and a copy of every row (bench/replay.py)."""
+
+    database_url: str
+    ranges: Sequence[tuple[int, int]]
+    params: dict[str, Any]
+    routing_key: str
+
+    def events(self) -> Iterator[Positioned]:
+        if not self.ranges:
+            return
+        import psycopg
+
+        params = {**self.params, **_routing_params(self.routing_key)}
+        with psycopg.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
+                             application_name="pgstream replay") as conn, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-replay-read") as pool:
+
+            def fetch(lo: int, hi: int) -> list[tuple[Any, ...]]:
+                return conn.execute(_EVENTS_QUERY, {**params, "lo": lo, "hi": hi}).fetchall()
+
+            ahead = pool.submit(fetch, *self.ranges[0])
+            for i in range(len(self.ranges)):
+                rows = ahead.result()
+                if i + 1 < len(self.ranges):
+                    ahead = pool.submit(fetch, *self.ranges[i + 1])
+                for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
+                    yield batch_id, ord_, event_from_text(event_id, stream_id, created, payload, metadata)
+
+
+def deliver_in_order(frames: list[DataFrame] | DirectRead | DirectEvents, sink: Sink, chunk_size: int, *,
+                     prefetch: bool = True,
                      skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
                      owed: Sequence[Span] | None = None) -> Deliveries:
     """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
@@ -429,10 +465,10 @@ def deliver_in_order(frames: list[DataFrame] | DirectRead, sink: Sink, chunk_siz
     by :func:`pgstream_dagster.engine.publish.publish`, whose deliveries this yields (``skip``,
     ``reject`` and ``owed`` are explained there). ``frames``: one single-partition DataFrame per
     partition, as :func:`load_batches` / :func:`load_events` return them packed, or a
-    :class:`DirectRead`. ``prefetch``: Spark computes the next partition while the driver publishes
-    the current one (memory: two partitions instead of one)."""
+    :class:`DirectRead` or :class:`DirectEvents`. ``prefetch``: Spark computes the next partition while
+    the driver publishes the current one (memory: two partitions instead of one)."""
     events: Iterator[Positioned]
-    if isinstance(frames, DirectRead):
+    if isinstance(frames, DirectRead | DirectEvents):
         events = frames.events()
     else:
         rows: Iterator[Any] = _collected(frames, prefetch)

@@ -32,13 +32,15 @@ def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
 
 def replay_through_spark(config: Path, stream_id: int, instance: dg.DagsterInstance) -> tuple[bool, list[int]]:
     """Replay every event of ``stream_id`` with ``config`` (its Spark settings), its sink replaced by a
-    memory sink: a file sink takes JSON lines rendered by Postgres and never starts Spark. Whether
+    memory sink and ``delivery.direct_max_events`` by 0: a file sink takes JSON lines rendered by
+    Postgres, and other sinks' replays read without Spark unless it is 0. Whether
     the run succeeded, and the ids the sink got, in order."""
     data = yaml.safe_load(config.read_text())
     name = f"replay-{stream_id}"
     for stream in data["streams"]:
         if stream["id"] == stream_id:
             stream["sink"] = {"type": "memory", "name": name}
+            stream["delivery"] = {**stream.get("delivery", {}), "direct_max_events": 0}  # read by Spark
     other = config.with_name(f"{config.stem}-replay{config.suffix}")
     other.write_text(yaml.safe_dump(data))
     MemorySink.reset(name)
