@@ -80,7 +80,8 @@ class DeliveryConfig(_Model):
                     "(5,000 at a time) instead of by Spark: a Spark job costs 0.1-0.3 s and about half a "
                     "CPU-second, and Spark's JVM and workers more CPU per event than a direct read "
                     "(bench/cpu.py); a larger backlog is delivered in rounds of this size (whole batches, at "
-                    "least one) (0: always Spark)")
+                    "least one). Replays to a sink other than a file also read without Spark, 5,000 events at "
+                    "a time (0: always Spark)")
     report_every_secs: float = Field(5, ge=0, le=3600,
                                      description="an open run reports its rounds to Dagster together (run log line, "
                                                  "deliveries materialization, status observation) at most this "

@@ -5,7 +5,9 @@ ranges. No Dagster here: the job runs the plan.
 A sink that takes JSON lines (the file sink: :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`)
 is replayed without Spark by :func:`deliver_lines`: Postgres renders each event as the line the sink
 would write (:data:`EVENT_JSON_LINE`) and hands over a chunk of them as one value, so the replay
-costs about what a plain ``COPY ... TO STDOUT`` of the rows does (bench/replay.py)."""
+costs about what a plain ``COPY ... TO STDOUT`` of the rows does (bench/replay.py). Other sinks get
+the events of :func:`plan`'s ranges read by the run's connections (:class:`~.spark.DirectEvents`), or
+by Spark when ``delivery.direct_max_events`` is 0."""
 
 
 import datetime as dt
