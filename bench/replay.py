@@ -205,8 +205,9 @@ def main() -> None:
     lines = [f"\n## Replay (P2) {stamp}, {n:,} events",
              f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, load average {load[0]:.1f}, {load[1]:.1f}, "
              f"{load[2]:.1f} at start, Python {platform.python_version()}. Method: bench/replay.py, replay job in a "
-             "child process (chunk 5000; to a file Postgres renders the lines and Spark is not started, other "
-             "sinks and the baselines before d78c674 read through Spark local[2]), all events of the stream, id "
+             "child process (chunk 5000; to a file Postgres renders the lines and Spark is not started; other "
+             "sinks are read by the run's connections, 5,000 events a query, since 08d9d47; baselines before it "
+             "(other sinks) and before d78c674 (a file) read through Spark local[2]), all events of the stream, id "
              "order, run twice per process: cold (Spark start-up included where Spark is used) and warm (same "
              "process); peak RSS of the Python driver (ru_maxrss) and the Spark driver JVM (VmHWM, 0: no Spark)"
              + (f"; baseline = package at {args.baseline}, same data, same run." if args.baseline else ".")]
