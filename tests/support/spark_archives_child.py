@@ -21,26 +21,9 @@ import psycopg
 from .dagster_instance import run_log
 from .endpoint import Endpoint
 from .harness import Driver, write_config
+from .spark_cluster import executor_origins
 
 STREAM = 1
-
-
-def _executor_origins() -> list[str]:
-    """The interpreter, and where psycopg and pgstream_dagster come from, of the executors' workers."""
-    from pyspark.sql import SparkSession
-
-    def probe(_rows: Any) -> Any:
-        import sys
-
-        import psycopg
-
-        import pgstream_dagster
-
-        yield f"{sys.executable} {psycopg.__file__} {pgstream_dagster.__file__}"
-
-    session = SparkSession.getActiveSession()
-    assert session is not None
-    return sorted(set(session.sparkContext.parallelize(range(4), 4).mapPartitions(probe).collect()))
 
 
 def main() -> None:
@@ -81,7 +64,7 @@ def main() -> None:
         driver.run_until(STREAM, lambda: len(endpoint.unique()) >= 300, timeout=300)
         result["runs"] = [r.success for r in driver.results]
         result["accepted"] = list(endpoint.accepted)
-        result["executors"] = _executor_origins()
+        result["executors"] = executor_origins()
     endpoint.down()
     Path(sys.argv[1] + ".out").write_text(json.dumps(result))
 

@@ -103,6 +103,25 @@ def pack_executor_env(cluster: SparkCluster, archive: Path) -> Path:
     return archive
 
 
+def executor_origins() -> list[str]:
+    """Run in a cluster child: the interpreter of the active session's executors' Python workers, and
+    where they import psycopg and pgstream_dagster from (``sys.executable psycopg pgstream_dagster``)."""
+    from pyspark.sql import SparkSession
+
+    def probe(_rows: Any) -> Any:
+        import sys
+
+        import psycopg
+
+        import pgstream_dagster
+
+        yield f"{sys.executable} {psycopg.__file__} {pgstream_dagster.__file__}"
+
+    session = SparkSession.getActiveSession()
+    assert session is not None
+    return sorted(set(session.sparkContext.parallelize(range(4), 4).mapPartitions(probe).collect()))
+
+
 def _clean_env() -> dict[str, str]:
     """This environment without what would hand the workers this venv's packages."""
     return {k: v for k, v in os.environ.items()

@@ -23,6 +23,7 @@ from pgstream_dagster.defs.names import backfill_job_name
 
 from .endpoint import Endpoint
 from .harness import Driver, insert_events, read_jsonl, replay_through_spark, write_config
+from .spark_cluster import executor_origins
 
 GLOBAL, BY_KEY = 1, 2
 
@@ -31,22 +32,6 @@ def _apps(webui: str) -> list[dict[str, Any]]:
     with urllib.request.urlopen(f"{webui}/json/", timeout=5) as resp:
         state = json.loads(resp.read())
     return [{"name": a["name"], "cores": a["cores"]} for a in state.get("activeapps", [])]
-
-
-def _executor_pythons() -> list[str]:
-    """The interpreter and the origin of pgstream_dagster of the executors' Python workers."""
-    from pyspark.sql import SparkSession
-
-    def probe(_rows: Any) -> Any:
-        import sys
-
-        import pgstream_dagster
-
-        yield f"{sys.executable} {pgstream_dagster.__file__}"
-
-    session = SparkSession.getActiveSession()
-    assert session is not None
-    return sorted(set(session.sparkContext.parallelize(range(4), 4).mapPartitions(probe).collect()))
 
 
 def main() -> None:
@@ -81,7 +66,7 @@ def main() -> None:
         driver.run_until(GLOBAL, lambda: len(read_jsonl(out)) >= 1500, timeout=300)
         result["global_runs"] = [r.success for r in driver.results]
         result["apps"] = _apps(spec["webui"])  # the run's application is still open
-        result["executors"] = _executor_pythons()
+        result["executors"] = executor_origins()
 
         # by_key, the sink failing from its 5th request on: the run fails once (no task retry)
         with psycopg.connect(db_url) as c:
