@@ -331,3 +331,30 @@ def test_replay_to_a_broker_reads_without_spark(replay_setup: tuple[Path, Path],
                 ] == [(d["id"], d["created_at"], e["payload"]) for e, d in zip(lines, direct, strict=True)]
     finally:
         client.delete(key)
+
+
+def test_a_replay_without_spark_stops_at_a_failing_sink_and_a_new_one_delivers_all(
+        replay_setup: tuple[Path, Path], db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A webhook that fails mid-replay (from its 5th request of 7 events on): the run fails, saying so; what
+    the sink confirmed before is a prefix of the selection in id order, nothing after the failure is
+    sent; a new replay once the webhook is back delivers every event, in order (at-least-once: the
+    prefix twice)."""
+    from pgstream_dagster.engine import spark
+
+    monkeypatch.setattr(spark, "FETCH_ROWS", 30)
+    endpoint = Endpoint()
+    try:
+        cfg = write_config(tmp_path / "http.yaml", db_url, [
+            {"id": 1, "sink": endpoint.sink(), "delivery": {"chunk_size": 7}},
+            {"id": 2, "sink": {"type": "file", "path": str(tmp_path / "other.jsonl")}}])
+        endpoint.hook = lambda n: setattr(endpoint, "mode", "error") if n == 4 else None
+        failed = _replay(cfg, instance, all_events=True)
+        assert not failed.success
+        assert "http sink: events 29..35 (7 events): POST" in run_log(instance, failed)
+        assert endpoint.accepted == list(range(1, 29))  # four chunks of 7, in order; nothing after
+        endpoint.hook, endpoint.mode = None, "ok"
+        assert _replay(cfg, instance, all_events=True).success
+        assert endpoint.accepted[28:] == list(range(1, 201))
+    finally:
+        endpoint.down()
