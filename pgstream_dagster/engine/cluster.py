@@ -233,14 +233,13 @@ def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
 
 
 def driver_python_problem(python: str, cwd: Path, driver: str = "the run") -> str | None:
-    """Why Spark could not start ``python`` (the Python workers' interpreter, ``spark.pyspark.python``)
-    on the run's host, or None. PySpark sends one interpreter with every Python function: the
-    executors start it in their working directory, where ``spark.archives`` unpacks a packed
-    environment (``./env/bin/python`` with ``env.tar.gz#env``), and the Spark driver (``driver``: the
-    run, or a Spark Connect server) starts it too, from its working directory ``cwd``, to plan the
-    Python data sources. A relative path
-    missing there fails each run at its first read, far from the cause; a bare command name is looked
-    up on each host's ``PATH``."""
+    """Why the Spark driver (``driver``: the run, or a Spark Connect server) could not start ``python``
+    (the Python workers' interpreter, ``spark.pyspark.python``) from its working directory ``cwd``, or
+    None. PySpark sends one interpreter with every Python function: the executors start it in their
+    working directory, where ``spark.archives`` unpacks a packed environment (``./env/bin/python``
+    with ``env.tar.gz#env``), and the driver starts it too, to plan the Python data sources. A
+    relative path missing there fails each run at its first read, far from the cause; a bare command
+    name is looked up on each host's ``PATH``."""
     if os.path.isabs(python) or "/" not in python:
         return None
     if (cwd / python).is_file() and os.access(cwd / python, os.X_OK):

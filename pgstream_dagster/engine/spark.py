@@ -274,6 +274,7 @@ def open_session(config: PgstreamConfig) -> SparkSession:
         builder = builder.config(key, value)
     return builder.getOrCreate()
 
+
 class DriverPythonMissing(RuntimeError):
     """The Python workers' interpreter is a relative path the run's host does not have
     (:func:`~pgstream_dagster.engine.cluster.driver_python_problem`)."""
