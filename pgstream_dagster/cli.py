@@ -100,11 +100,12 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .engine.status import render_status, stream_status
+    from .engine.status import orphaned_slots, render_orphaned_slots, render_status, stream_status
 
     url = _database_url(args)
     with psycopg.connect(url, autocommit=True) as conn:
-        print(render_status(stream_status(conn, args.stream, args.batches)))
+        print(render_status(stream_status(conn, args.stream, args.batches)) +
+              (render_orphaned_slots(orphaned_slots(conn)) if args.stream is None else ""))
     return 0
 
 

@@ -26,6 +26,7 @@ from .support.harness import backdated, write_config
 SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
 AGE, WAL, FAILOVER, DEAD = "undelivered_age", "slot_retained_wal", "not_in_failover", "no_dead_letters"
+ORPHANS = "no_orphaned_slots"
 
 
 @pytest.fixture
@@ -85,7 +86,7 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     init(cfg)  # stream, slot, subscription
     checks = Checks(cfg, instance)
     first = checks.run()
-    assert set(first) == {"trigger", AGE, WAL, FAILOVER, DEAD}
+    assert set(first) == {"trigger", AGE, WAL, FAILOVER, DEAD, ORPHANS}
     assert all(ev.passed for ev in first.values()), {n: ev.description for n, ev in first.items()}
     assert first["trigger"].asset_key == dg.AssetKey(
         ["pgstream", "stream_1", "subscriptions", "user_signup_insert_public_users"])
@@ -237,3 +238,42 @@ def test_checks_schedule_and_sla_from_config(app: str, tmp_path: Path) -> None:
         assert not check_undelivered_age(conn, strict.stream(1)).passed
         default = write_config(tmp_path / "default.yaml", app, stream(), [SIGNUP])
         assert check_undelivered_age(conn, load_config(default).stream(1)).passed
+
+
+def test_a_slot_no_stream_reads_fails_a_check_and_shows_in_status(app: str, tmp_path: Path,
+                                                                   instance: dg.DagsterInstance,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``pgstream_stream_<id>`` slot left behind (a deleted stream, a changed slot_name) keeps its WAL
+    for ever: the no_orphaned_slots check on the housekeeping asset fails, naming it, and ``status``
+    says how to drop it. Slots that streams read, custom-named slots and other databases' slots are
+    not listed."""
+    from pgstream_dagster.cli import main as cli_main
+
+    cfg = write_config(tmp_path / "pgstream.yaml", app, stream(), [SIGNUP])
+    init(cfg)
+    orphan = ORPHANS
+    assert Checks(cfg, instance).run()[orphan].passed
+    execute(app, "select pg_create_logical_replication_slot('pgstream_stream_7', 'pgoutput')",
+            "select pg_create_logical_replication_slot('my_own_slot', 'pgoutput')")
+    try:
+        ev = Checks(cfg, instance).run()[orphan]
+        assert not ev.passed and ev.asset_key == dg.AssetKey(["pgstream", "events_partitions"])
+        assert [s["slot_name"] for s in ev.metadata["slots"].value] == ["pgstream_stream_7"]  # type: ignore[attr-defined]
+        assert "pgstream_stream_7" in (ev.description or "") and "my_own_slot" not in (ev.description or "")
+
+        assert cli_main(["status", "--database-url", app]) == 0
+        out = capsys.readouterr().out
+        assert "slot pgstream_stream_7: no stream reads it, and it retains " in out
+        assert "select pg_catalog.pg_drop_replication_slot('pgstream_stream_7')" in out and "my_own_slot" not in out
+
+        # a stream given another slot_name leaves its default slot behind: listed too
+        execute(app, "update pgstream.streams set slot_name = 'stream_one' where id = 1")
+        ev = Checks(cfg, instance).run()[orphan]
+        assert [s["slot_name"] for s in ev.metadata["slots"].value] == [  # type: ignore[attr-defined]
+            "pgstream_stream_1", "pgstream_stream_7"]
+        execute(app, "update pgstream.streams set slot_name = null where id = 1",
+                "select pg_drop_replication_slot('pgstream_stream_7')")
+        assert Checks(cfg, instance).run()[orphan].passed
+    finally:
+        execute(app, "select pg_drop_replication_slot(slot_name) from pg_replication_slots "
+                     "where slot_name in ('pgstream_stream_7', 'my_own_slot')")

@@ -23,7 +23,7 @@ from ..engine import deadletters, status
 from ..engine.subscriptions import differences, identity, stored_definition, trigger_state
 from ..sinks.base import excerpt
 from .assets import stream_subscription_keys
-from .names import CONTROL_JOB, checks_op_name, deliveries_asset_key, replay_job_name
+from .names import CONTROL_JOB, EVENTS_PARTITIONS_KEY, checks_op_name, deliveries_asset_key, replay_job_name
 from .resources import PgstreamResource
 
 TRIGGER_CHECK = "trigger_matches"
@@ -31,6 +31,7 @@ UNDELIVERED_AGE_CHECK = "undelivered_age"
 SLOT_WAL_CHECK = "slot_retained_wal"
 FAILOVER_CHECK = "not_in_failover"
 DEAD_LETTERS_CHECK = "no_dead_letters"
+ORPHANED_SLOTS_CHECK = "no_orphaned_slots"
 #: open dead letters shown in the check's metadata
 DEAD_LETTERS_SHOWN = 20
 
@@ -184,3 +185,20 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                 yield check_dead_letters(conn, stream)
 
     return _checks
+
+
+@dg.asset_check(asset=EVENTS_PARTITIONS_KEY, name=ORPHANED_SLOTS_CHECK, blocking=False,
+                description="No replication slot named like a stream's (pgstream_stream_<id>) is left without a "
+                            "stream: a deleted stream's or a changed slot_name's old slot keeps its WAL until dropped.")
+def orphaned_slots_check(pgstream: dg.ResourceParam[PgstreamResource]) -> dg.AssetCheckResult:
+    with pgstream.connect() as conn:
+        slots = status.orphaned_slots(conn)
+    retained = sum(s["retained_bytes"] for s in slots)
+    return dg.AssetCheckResult(
+        passed=not slots, severity=dg.AssetCheckSeverity.ERROR,
+        description=(f"{len(slots)} slots no stream reads retain {retained} bytes of WAL: "
+                     f"{', '.join(s['slot_name'] for s in slots)}; drop each once no consumer needs it "
+                     "(select pg_catalog.pg_drop_replication_slot('<name>'))" if slots
+                     else "every pgstream_stream_<id> slot belongs to a stream"),
+        metadata={"slots": dg.MetadataValue.json(slots), "retained_bytes": retained},
+    )

@@ -35,7 +35,7 @@ from .assets import (
     stream_subscription_keys,
 )
 from .backfill import backfill_job
-from .checks import stream_checks
+from .checks import orphaned_slots_check, stream_checks
 from .controls import control_job
 from .jobs import delivery_job
 from .names import deliveries_asset_key
@@ -81,6 +81,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
     ``path`` and the StreamComponents)."""
     return dg.Definitions(
         assets=[events_partitions, *source_table_specs(config)],
+        asset_checks=[orphaned_slots_check],
         jobs=[delivery_job, control_job, housekeeping_job, checks_job],
         schedules=schedules(config),
         sensors=[subscriptions_sensor(config)],

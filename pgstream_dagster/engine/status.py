@@ -125,6 +125,33 @@ def slot_wal(conn: psycopg.Connection, slot: str) -> tuple[Any, ...] | None:
         [slot]).fetchone()
 
 
+def orphaned_slots(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    """Logical slots of this database named like a stream's default slot (``pgstream_stream_<id>``)
+    that no stream of ``pgstream.streams`` reads: left by a deleted stream or by a stream whose
+    ``slot_name`` changed. Each keeps its WAL (``retained_bytes``) until it is dropped. A custom-named
+    slot a stream stopped using is not recognisable as pgstream's and is not listed."""
+    rows = conn.execute(
+        """select rs.slot_name::text,
+                  pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), rs.restart_lsn)::bigint,
+                  rs.active, rs.wal_status
+           from pg_catalog.pg_replication_slots rs
+           where rs.database = pg_catalog.current_database() and rs.slot_type = 'logical'
+             and rs.slot_name::text ~ '^pgstream_stream_[0-9]+$'
+             and not exists (select 1 from pgstream.streams s
+                             where coalesce(s.slot_name, 'pgstream_stream_' || s.id::text) = rs.slot_name::text)
+           order by 1""").fetchall()
+    return [{"slot_name": name, "retained_bytes": int(retained or 0), "active": bool(active), "wal_status": status}
+            for name, retained, active, status in rows]
+
+
+def render_orphaned_slots(slots: list[dict[str, Any]]) -> str:
+    """What ``pgstream-dagster status`` says of :func:`orphaned_slots` (empty when there are none)."""
+    return "".join(
+        f"\nslot {s['slot_name']}: no stream reads it, and it retains {_bytes(s['retained_bytes'])} of WAL"
+        f"{' (in use by a connection)' if s['active'] else ''}; once no consumer needs it: select "
+        f"pg_catalog.pg_drop_replication_slot('{s['slot_name']}')" for s in slots)
+
+
 def failover_state(conn: psycopg.Connection, stream_id: int) -> tuple[Any, ...] | None:
     """``(failover_since, failover_checkpoint_id)`` of the stream; ``None`` if it is not in pgstream.streams."""
     return conn.execute("select failover_since, failover_checkpoint_id from pgstream.streams where id = %s",
