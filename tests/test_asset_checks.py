@@ -261,6 +261,9 @@ def test_a_slot_no_stream_reads_fails_a_check_and_shows_in_status(app: str, tmp_
         assert [s["slot_name"] for s in ev.metadata["slots"].value] == ["pgstream_stream_7"]  # type: ignore[attr-defined]
         assert "pgstream_stream_7" in (ev.description or "") and "my_own_slot" not in (ev.description or "")
 
+        with psycopg.connect(app) as c:  # the metric the exporter serves
+            assert c.execute("select label from pgstream.metrics where metric = 'orphaned_slot_retained_wal'"
+                             ).fetchall() == [("pgstream_stream_7",)]
         assert cli_main(["status", "--database-url", app]) == 0
         out = capsys.readouterr().out
         assert "slot pgstream_stream_7: no stream reads it, and it retains " in out

@@ -126,21 +126,12 @@ def slot_wal(conn: psycopg.Connection, slot: str) -> tuple[Any, ...] | None:
 
 
 def orphaned_slots(conn: psycopg.Connection) -> list[dict[str, Any]]:
-    """Logical slots of this database named like a stream's default slot (``pgstream_stream_<id>``)
-    that no stream of ``pgstream.streams`` reads: left by a deleted stream or by a stream whose
-    ``slot_name`` changed. Each keeps its WAL (``retained_bytes``) until it is dropped. A custom-named
-    slot a stream stopped using is not recognisable as pgstream's and is not listed."""
-    rows = conn.execute(
-        """select rs.slot_name::text,
-                  pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), rs.restart_lsn)::bigint,
-                  rs.active, rs.wal_status
-           from pg_catalog.pg_replication_slots rs
-           where rs.database = pg_catalog.current_database() and rs.slot_type = 'logical'
-             and rs.slot_name::text ~ '^pgstream_stream_[0-9]+$'
-             and not exists (select 1 from pgstream.streams s
-                             where coalesce(s.slot_name, 'pgstream_stream_' || s.id::text) = rs.slot_name::text)
-           order by 1""").fetchall()
-    return [{"slot_name": name, "retained_bytes": int(retained or 0), "active": bool(active), "wal_status": status}
+    """``pgstream.orphaned_slots``: logical slots of this database named like a stream's default slot
+    (``pgstream_stream_<id>``) that no stream of ``pgstream.streams`` reads, left by a deleted stream or
+    by a stream whose ``slot_name`` changed. Each keeps its WAL (``retained_bytes``) until it is dropped."""
+    rows = conn.execute("select slot_name, retained_bytes, active, wal_status from pgstream.orphaned_slots "
+                        "order by slot_name").fetchall()
+    return [{"slot_name": name, "retained_bytes": int(retained), "active": bool(active), "wal_status": status}
             for name, retained, active, status in rows]
 
 

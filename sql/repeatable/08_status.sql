@@ -44,3 +44,22 @@ left join pg_catalog.pg_replication_slots r
   on r.slot_name = coalesce(s.slot_name, 'pgstream_stream_' || s.id) and r.database = current_database();
 
 revoke all on pgstream.stream_status from public;
+
+-- Logical slots of this database named like a stream's default slot (pgstream_stream_<id>) that no
+-- stream reads: left by a deleted stream, or by a stream whose slot_name changed. Each keeps its WAL
+-- until dropped (the no_orphaned_slots check, `pgstream-dagster status`, the
+-- pgstream_orphaned_slot_retained_wal_bytes metric). A custom-named slot a stream stopped using cannot
+-- be told from another consumer's and is not listed.
+create or replace view pgstream.orphaned_slots as
+select r.slot_name::text as slot_name,
+       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), r.restart_lsn), 0)::bigint as retained_bytes,
+       r.active,
+       r.wal_status
+from pg_catalog.pg_replication_slots r
+where r.database = current_database()
+  and r.slot_type = 'logical'
+  and r.slot_name::text ~ '^pgstream_stream_[0-9]+$'
+  and not exists (select 1 from pgstream.streams s
+                  where coalesce(s.slot_name, 'pgstream_stream_' || s.id) = r.slot_name::text);
+
+revoke all on pgstream.orphaned_slots from public;

@@ -283,6 +283,9 @@ cross join lateral (values
     ('housekeeping_batches_pruned', '', h.batches_pruned::float8),
     ('housekeeping_warnings', '', h.warnings::float8)) g(metric, label, value)
 union all
+select 'orphaned_slot_retained_wal', null::bigint, o.slot_name, o.retained_bytes::float8
+from pgstream.orphaned_slots o
+union all
 select 'events_partitions', null::bigint, '', count(*)::float8
 from pg_catalog.pg_inherits i
 where i.inhparent = 'pgstream.events'::pg_catalog.regclass;
