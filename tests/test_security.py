@@ -786,3 +786,45 @@ def test_an_application_role_can_neither_take_nor_hold_pgstreams_locks(
     finally:
         hostile.close()
     assert_insert_still_produces_its_event(db_url, roles)
+
+
+def test_the_views_migrate_creates_bind_nothing_from_the_migrators_search_path(empty_db_url: str) -> None:
+    """A view binds the operators it names when it is created. In a database whose public schema every
+    role may write (the default before Postgres 15), a role's ``||(text, bigint)`` in public would win
+    over the built-in one in a view created with the migrator's search_path (``"$user", public``), and
+    run, with the reader's rights, whenever the owner reads the stream status. migrate runs every file
+    with ``search_path = pg_catalog, pg_temp``: the views bind the built-ins, and reading them escalates
+    nothing."""
+    mallory = f"mallory_{next(_ids)}_{empty_db_url.rsplit('/', 1)[1]}"
+    run(empty_db_url, "grant create, usage on schema public to public", f"create role {mallory} login")
+    try:
+        run(empty_db_url,
+            "create function public.cat(text, bigint) returns text language plpgsql as "
+            f"$$ begin {ESCALATE.format(role=mallory)} return 'pwned'; end $$",
+            "create operator public.|| (leftarg = text, rightarg = bigint, function = public.cat)", role=mallory)
+        migrate(empty_db_url)  # as the owner, with the connection's default search_path
+        with connect(empty_db_url) as c:
+            foreign = c.execute(
+                """select distinct r.ev_class::regclass::text, d.refobjid::regoperator::text
+                   from pg_depend d join pg_rewrite r on r.oid = d.objid
+                   join pg_operator o on o.oid = d.refobjid and d.refclassid = 'pg_operator'::regclass
+                   where r.ev_class::regclass::text like 'pgstream.%'
+                     and o.oprnamespace not in ('pg_catalog'::regnamespace, 'pgstream'::regnamespace)""").fetchall()
+            assert foreign == []
+            c.execute("select pgstream.ensure_stream(1), pgstream.ensure_stream(2)")
+            c.execute("select pg_create_logical_replication_slot('pgstream_stream_9', 'pgoutput')")
+            try:
+                statuses = c.execute("select slot_name from pgstream.stream_status order by id").fetchall()
+                assert statuses == [("pgstream_stream_1",), ("pgstream_stream_2",)]
+                assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == [("pgstream_stream_9",)]
+                c.execute("select * from pgstream.metrics").fetchall()
+            finally:
+                c.execute("select pg_drop_replication_slot('pgstream_stream_9')")
+        with connect(empty_db_url, mallory) as c:  # a fresh connection: what the role can do afterwards
+            assert c.execute("select rolsuper from pg_roles where rolname = current_user").fetchone() == (False,)
+        assert not is_super(empty_db_url, mallory)
+    finally:
+        with connect(empty_db_url) as c:
+            c.execute(sql.SQL("alter role {} nosuperuser").format(sql.Identifier(mallory)))
+            c.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(mallory)))
+            c.execute(sql.SQL("drop role {}").format(sql.Identifier(mallory)))

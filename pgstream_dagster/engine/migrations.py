@@ -202,6 +202,7 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
             # behind it, or this bootstrap's statements would race its DDL on the same objects
             if ledger_exists():
                 _locked(conn)
+            conn.execute(_SAFE_SEARCH_PATH)
             conn.execute(bootstrap.sql)
     except psycopg.errors.LockNotAvailable as exc:
         holders = conn.execute(
@@ -215,10 +216,18 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
             "(pg_terminate_backend) and run migrate again") from exc
 
 
+#: what every file runs under: a view binds the functions and operators it names when it is created,
+#: so with the migrator's own search_path (say ``public``, writable by every role in a database from
+#: before Postgres 15) a view could bind a role's ``||(text, bigint)`` and run it with the rights of
+#: whoever reads the view. ``set local``: until the file's transaction ends
+_SAFE_SEARCH_PATH = "set local search_path = pg_catalog, pg_temp"
+
+
 def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, params: list[object]) -> None:
     """Runs one file and records it, in a savepoint of the caller's transaction."""
     try:
         with conn.transaction():
+            conn.execute(_SAFE_SEARCH_PATH)
             conn.execute(file.sql)
             conn.execute(record, params)
     except psycopg.Error as exc:
