@@ -45,7 +45,7 @@ def _database_url(args: argparse.Namespace) -> str:
 
 def _defs_folder(args: argparse.Namespace) -> str | None:
     """``--defs-folder`` or ``$PGSTREAM_DEFS_FOLDER``: where StreamComponents' defs.yaml files are."""
-    return str(args.defs_folder or os.environ.get("PGSTREAM_DEFS_FOLDER") or "") or None
+    return args.defs_folder or os.environ.get("PGSTREAM_DEFS_FOLDER") or None
 
 
 def _add_defs_folder(p: argparse.ArgumentParser) -> None:

@@ -27,10 +27,10 @@ import json
 import os
 import pickle
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 Frames: TypeAlias = "DataFrame | list[DataFrame]"
 """What the loaders return: one DataFrame, or (packed) one single-partition DataFrame per partition."""
+_T = TypeVar("_T")
 
 BATCHES_SOURCE = "pgstream_batches"
 EVENTS_SOURCE = "pgstream_events"
@@ -378,18 +379,31 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Iterator[Any]:
     (measured: ~4 MB retained per 4 MB partition, an OutOfMemoryError after ~200 partitions with
     the default 1 GB heap), which a long-lived run or a large replay cannot afford;
     ``collect()`` of one partition at a time keeps the heap flat."""
-    if not frames:
+    for rows in _in_turn([frame.collect for frame in frames], prefetch):
+        yield from rows
+
+
+def _in_turn(calls: Sequence[Callable[[], _T]], prefetch: bool = True) -> Iterator[_T]:
+    """The results of ``calls``, in order, each made in a thread; ``prefetch``: the next call is
+    made while the caller consumes the current result, else once it asks for the next."""
+    if not calls:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
-        ahead = pool.submit(frames[0].collect)
-        for i in range(len(frames)):
-            rows = ahead.result()
-            more = i + 1 < len(frames)
+        ahead = pool.submit(calls[0])
+        for i in range(len(calls)):
+            result = ahead.result()
+            more = i + 1 < len(calls)
             if more and prefetch:
-                ahead = pool.submit(frames[i + 1].collect)
-            yield from rows
+                ahead = pool.submit(calls[i + 1])
+            yield result
             if more and not prefetch:
-                ahead = pool.submit(frames[i + 1].collect)
+                ahead = pool.submit(calls[i + 1])
+
+
+def _positioned(rows: list[tuple[Any, ...]]) -> Iterator[Positioned]:
+    """Events of rows of :data:`_BATCH_QUERY` or :data:`_EVENTS_QUERY` read by psycopg, in order."""
+    for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
+        yield batch_id, ord_, event_from_text(event_id, stream_id, created.astimezone(dt.UTC), payload, metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,11 +429,8 @@ class DirectRead:
             for span in whole.split(FETCH_ROWS):
                 # FETCH_ROWS at a time, each fetched whole before anything is yielded: the caller writes
                 # the ledger on the same connection
-                rows = self.conn.execute(_BATCH_QUERY, {**params, "batch_id": span.batch_id, "lo": span.first,
-                                                        "hi": span.last}).fetchall()
-                for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
-                    yield batch_id, ord_, event_from_text(event_id, stream_id, created.astimezone(dt.UTC), payload,
-                                                          metadata)
+                yield from _positioned(self.conn.execute(_BATCH_QUERY, {
+                    **params, "batch_id": span.batch_id, "lo": span.first, "hi": span.last}).fetchall())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,19 +453,13 @@ class DirectEvents:
 
         params = {**self.params, **_routing_params(self.routing_key)}
         with psycopg.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
-                             application_name="pgstream replay") as conn, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-replay-read") as pool:
+                             application_name="pgstream replay") as conn:
 
-            def fetch(lo: int, hi: int) -> list[tuple[Any, ...]]:
-                return conn.execute(_EVENTS_QUERY, {**params, "lo": lo, "hi": hi}).fetchall()
+            def fetch(lo: int, hi: int) -> Callable[[], list[tuple[Any, ...]]]:
+                return lambda: conn.execute(_EVENTS_QUERY, {**params, "lo": lo, "hi": hi}).fetchall()
 
-            ahead = pool.submit(fetch, *self.ranges[0])
-            for i in range(len(self.ranges)):
-                rows = ahead.result()
-                if i + 1 < len(self.ranges):
-                    ahead = pool.submit(fetch, *self.ranges[i + 1])
-                for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
-                    yield batch_id, ord_, event_from_text(event_id, stream_id, created, payload, metadata)
+            for rows in _in_turn([fetch(lo, hi) for lo, hi in self.ranges]):
+                yield from _positioned(rows)
 
 
 def deliver_in_order(frames: list[DataFrame] | DirectRead | DirectEvents, sink: Sink, chunk_size: int, *,

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import psycopg
 
+from .dagster_instance import child_instance
 from .endpoint import Endpoint
 from .harness import Driver, write_config
 
@@ -36,9 +36,7 @@ def main() -> None:
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("select pgstream.ensure_stream(%s)", [STREAM])
     result: dict[str, Any] = {}
-    (tmp / "dagster_home").mkdir()
-    with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": spec["dagster_storage_url"]}}},
-                              temp_dir=str(tmp / "dagster_home")) as instance:
+    with child_instance(spec["dagster_storage_url"], tmp) as instance:
         driver = Driver(cfg, instance)
         driver.tick(STREAM)
         with psycopg.connect(db_url) as c:

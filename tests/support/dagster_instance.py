@@ -33,6 +33,17 @@ def postgres_instance(pg: LocalPostgres, tmp_path: Path) -> Iterator[dg.DagsterI
             conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
 
 
+@contextmanager
+def child_instance(storage_url: str, tmp: Path) -> Iterator[dg.DagsterInstance]:
+    """The Dagster instance of a test child process: runs and events in the test's Postgres storage
+    (``storage_url``), its home in ``tmp/dagster_home``."""
+    home = tmp / "dagster_home"
+    home.mkdir()
+    with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": storage_url}}},
+                              temp_dir=str(home)) as instance:
+        yield instance
+
+
 def materialize(defs: dg.Definitions, instance: dg.DagsterInstance, keys: list[dg.AssetKey],
                 run_config: dict[str, Any] | None = None) -> dg.ExecuteInProcessResult:
     """Materialize ``keys`` (and run their checks) the way a run launched from the UI or the

@@ -15,12 +15,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import psycopg
 
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import backfill_job_name
 
+from .dagster_instance import child_instance
 from .endpoint import Endpoint
 from .harness import Driver, insert_events, read_jsonl, replay_through_spark, write_config
 from .spark_cluster import executor_origins
@@ -53,9 +53,7 @@ def main() -> None:
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("select pgstream.ensure_stream(1), pgstream.ensure_stream(2)")
     result: dict[str, Any] = {}
-    (tmp / "dagster_home").mkdir()
-    with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": spec["dagster_storage_url"]}}},
-                              temp_dir=str(tmp / "dagster_home")) as instance:
+    with child_instance(spec["dagster_storage_url"], tmp) as instance:
         driver = Driver(cfg, instance)
         driver.tick(GLOBAL)
         driver.tick(BY_KEY)
