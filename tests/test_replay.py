@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 import uuid
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +248,39 @@ def test_replay_to_a_file_that_cannot_be_written_fails_clearly(replay_setup: tup
     assert not list(out.iterdir())
 
 
+def _stream_seven(c: psycopg.Connection) -> list[int]:
+    """Streams 7 and 8: 40 events, of subscriptions 'orders' and 'other', with a gap; the ids of
+    stream 7's 'orders' events, in order."""
+    c.execute("insert into pgstream.streams (id) values (7), (8) on conflict do nothing")
+    c.execute("delete from pgstream.events where stream_id in (7, 8)")
+    ids = [int(i) for (i,) in c.execute(
+        "insert into pgstream.events (payload, stream_id) select pg_catalog.jsonb_build_object("
+        "'tg_name', case when g % 3 = 0 then 'other' else 'orders' end, 'n', g), case when g % 5 = 0 "
+        "then 8 else 7 end from generate_series(1, 40) g returning id").fetchall()]
+    c.execute("delete from pgstream.events where id = any(%s)", [ids[10:14]])  # a gap
+    return [int(i) for (i,) in c.execute(
+        "select id from pgstream.events where stream_id = 7 and payload ->> 'tg_name' = 'orders' order by id")]
+
+
+class _Orders:
+    from_event_id = to_event_id = from_time = to_time = None
+    subscription_keys = ["orders"]
+    all_events = dead_letters = False
+    dead_letter_ids: list[int] = []
+
+
+def _replay_sessions(c: psycopg.Connection, expected: int) -> int:
+    """The sessions of replays open now (waiting up to 10 s for them to be ``expected``: a closed
+    connection's backend leaves pg_stat_activity when it has exited)."""
+    deadline = time.monotonic() + 10
+    while True:
+        row = c.execute("select count(*) from pg_stat_activity where application_name = 'pgstream replay'").fetchone()
+        n = int(row[0]) if row else -1
+        if n == expected or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("size", [1, 3, 4, 5, 100])
 def test_ranges_and_their_count_come_from_one_pass(db_url: str, size: int) -> None:
     """The bounds of the replay's ranges and the count of the selection come from one scan: the ranges
@@ -254,24 +289,9 @@ def test_ranges_and_their_count_come_from_one_pass(db_url: str, size: int) -> No
     from pgstream_dagster.engine.replay import IdRanges, selection
 
     with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute("insert into pgstream.streams (id) values (7), (8) on conflict do nothing")
-        c.execute("delete from pgstream.events where stream_id in (7, 8)")
-        ids = [int(i) for (i,) in c.execute(
-            "insert into pgstream.events (payload, stream_id) select pg_catalog.jsonb_build_object("
-            "'tg_name', case when g % 3 = 0 then 'other' else 'orders' end, 'n', g), case when g % 5 = 0 "
-            "then 8 else 7 end from generate_series(1, 40) g returning id").fetchall()]
-        c.execute("delete from pgstream.events where id = any(%s)", [ids[10:14]])  # a gap
-        wanted = [int(i) for (i,) in c.execute(
-            "select id from pgstream.events where stream_id = 7 and payload ->> 'tg_name' = 'orders' order by id")]
-
-        class Selection:
-            from_event_id = to_event_id = from_time = to_time = None
-            subscription_keys = ["orders"]
-            all_events = dead_letters = False
-            dead_letter_ids: list[int] = []
-
-        params = selection(7, Selection())
-        ranges = IdRanges(c.cursor(), params, size)
+        wanted = _stream_seven(c)
+        params = selection(7, _Orders())
+        ranges = IdRanges(c, params, size)
         bounds = list(ranges)
         assert ranges.total == len(wanted)
         per_range = [[i for i in wanted if lo <= i <= hi] for lo, hi in bounds]
@@ -280,8 +300,53 @@ def test_ranges_and_their_count_come_from_one_pass(db_url: str, size: int) -> No
         assert [lo for lo, _hi in bounds] == [chunk[0] for chunk in per_range]
 
         params_none = {**params, "keys": ["nobody"]}
-        empty = IdRanges(c.cursor(), params_none, size)
+        empty = IdRanges(c, params_none, size)
         assert list(empty) == [] and empty.total == 0
+
+
+def test_lines_come_in_order_with_the_count_and_leave_nothing_open(db_url: str) -> None:
+    """``read_lines``: the selection's events as lines of ``size`` events in id order, the count once
+    (from the walk of the ids, which runs ahead in a thread); a caller that stops early stops the walk
+    and closes every session; a walk that fails fails the caller instead of leaving it waiting."""
+    import threading
+
+    from pgstream_dagster.engine import replay
+    from pgstream_dagster.engine.replay import Counted, Lines, read_lines, selection
+
+    with psycopg.connect(db_url, autocommit=True) as c:
+        wanted = _stream_seven(c)
+        params = selection(7, _Orders())
+        items = list(read_lines(db_url, params, 4))
+        counts = [i.events for i in items if isinstance(i, Counted)]
+        chunks = [i for i in items if isinstance(i, Lines)]
+        assert counts == [len(wanted)]
+        lines = [json.loads(line) for chunk in chunks for line in chunk.data.decode().splitlines()]
+        assert [e["id"] for e in lines] == wanted and {e["stream_id"] for e in lines} == {7}
+        assert [chunk.count for chunk in chunks] == [4] * (len(wanted) // 4) + [len(wanted) % 4] * bool(len(wanted) % 4)
+        assert all(chunk.first_id == ids[0] and chunk.last_id == ids[-1] for chunk, ids in zip(
+            chunks, [wanted[i:i + 4] for i in range(0, len(wanted), 4)], strict=True))
+
+        reader = read_lines(db_url, params, 1)
+        assert isinstance(next(x for x in reader if isinstance(x, Lines)), Lines)
+        assert _replay_sessions(c, 3) == 3  # the walk and two readers
+        reader.close()  # the caller stops after one chunk
+        assert _replay_sessions(c, 0) == 0
+        assert not [t for t in threading.enumerate() if t.name.startswith("pgstream-replay")]
+
+        real_iter = replay.IdRanges.__iter__
+
+        def broken(self: replay.IdRanges) -> Any:
+            with closing(real_iter(self)) as walked:
+                yield next(walked)
+                raise psycopg.OperationalError("the walk's connection was lost")
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(replay.IdRanges, "__iter__", broken)
+            got: list[Counted | Lines] = []
+            with pytest.raises(psycopg.OperationalError, match="the walk's connection was lost"):
+                got.extend(read_lines(db_url, params, 4))
+        assert [chunk.count for chunk in got if isinstance(chunk, Lines)] == [4]  # the range walked before it
+        assert _replay_sessions(c, 0) == 0
 
 
 def test_replay_to_a_broker_reads_without_spark(replay_setup: tuple[Path, Path], db_url: str, tmp_path: Path,

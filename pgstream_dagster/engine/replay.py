@@ -11,10 +11,11 @@ by Spark when ``delivery.direct_max_events`` is 0."""
 
 
 import datetime as dt
+import threading
 from collections import deque
 from collections.abc import Generator, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any, Protocol
@@ -61,7 +62,8 @@ def _timestamp(name: str, value: str | None) -> dt.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
-_FILTER = sql.SQL(spark.EVENTS_WHERE)
+def _filter(params: Mapping[str, Any]) -> sql.SQL:
+    return sql.SQL(spark.events_where(params))
 
 
 def dead_letter_selection(config: ReplaySelection) -> list[int] | None:
@@ -79,7 +81,7 @@ def dead_letter_selection(config: ReplaySelection) -> list[int] | None:
 
 
 def selection(stream_id: int, config: ReplaySelection) -> dict[str, Any]:
-    """Validate ``config``: the query parameters of :data:`~pgstream_dagster.engine.spark.EVENTS_WHERE`
+    """Validate ``config``: the query parameters of :func:`~pgstream_dagster.engine.spark.events_where`
     that select its events."""
     if not (config.all_events or config.subscription_keys or any(
             v is not None for v in (config.from_event_id, config.to_event_id, config.from_time, config.to_time))):
@@ -99,51 +101,44 @@ def selection(stream_id: int, config: ReplaySelection) -> dict[str, Any]:
 
 def count_selected(conn: psycopg.Connection, params: Mapping[str, Any]) -> int:
     """How many events :func:`selection`'s ``params`` select."""
-    row = conn.execute(sql.SQL("select pg_catalog.count(*) from pgstream.events e where {}").format(_FILTER),
+    row = conn.execute(sql.SQL("select pg_catalog.count(*) from pgstream.events e where {}").format(_filter(params)),
                        params).fetchone()
     return int(row[0]) if row else 0
 
 
-#: every size-th selected id (the first included) starts a range: balanced ranges whatever the id gaps;
-#: streamed in id order by the index scan (no sort, nothing counted first). The last selected id comes
-#: too (``last``), with its row number: the count, from the same pass
-_STARTS = sql.SQL("""
-select id, rn, last from (
-    select e.id, pg_catalog.row_number() over w - 1 as rn, pg_catalog.lead(e.id) over w is null as last
-    from pgstream.events e where {}
-    window w as (order by e.id)) t
-where rn %% %(size)s = 0 or last
-order by id""").format(_FILTER)
+#: the selected ids in id order, walked by ``MOVE``: every size-th id is fetched (a range starts there)
+#: and the ids between are skipped inside Postgres, counted by ``MOVE``'s row count: the bounds and the
+#: count of the selection from one index scan, with nothing per row sent or computed beyond the filter
+_SELECTED_IDS = sql.SQL("declare pgstream_replay_ids no scroll cursor for "
+                        "select e.id from pgstream.events e where {} order by e.id")
 
 
 class IdRanges:
     """The selected events in id ranges of ``size`` events each (the last may hold fewer), in order,
-    read with ``cur`` (a server-side cursor streams them) when iterated; :attr:`total`, the number
-    of selected events, is known once the last range has been yielded (or before it): what
-    :func:`plan`, which takes every range at once, counts with."""
+    read with ``conn`` (in a transaction of its own) when iterated; :attr:`total`, the number of
+    selected events, is known once the last range has been yielded."""
 
-    def __init__(self, cur: psycopg.Cursor[Any], params: Mapping[str, Any], size: int) -> None:
-        self._cur, self._params, self._size = cur, params, size
-        #: the events selected, once the scan has reached the last of them (None before)
+    def __init__(self, conn: psycopg.Connection, params: Mapping[str, Any], size: int) -> None:
+        self._conn, self._params, self._size = conn, params, size
+        #: the events selected, once the walk has reached the last of them (None before)
         self.total: int | None = None
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        self._cur.execute(_STARTS, {**self._params, "size": self._size})
-        previous: int | None = None
-        # a few bounds per fetch: each costs scanning size events, and the first range is wanted at once
-        while rows := self._cur.fetchmany(4):
-            for start, rn, last in rows:
-                if last:
-                    self.total = int(rn) + 1
-                if rn % self._size:
-                    continue  # the last id, not a start
-                if previous is not None:
-                    yield previous, int(start) - 1
-                previous = int(start)
-        if self.total is None:
-            self.total = 0
-        if previous is not None:
-            yield previous, self._params["hi"]
+    def __iter__(self) -> Generator[tuple[int, int], None, None]:
+        seen = 0
+        with self._conn.transaction(), self._conn.cursor() as cur:
+            cur.execute(_SELECTED_IDS.format(_filter(self._params)), self._params)
+            start: int | None = None
+            while (row := cur.execute("fetch forward 1 from pgstream_replay_ids").fetchone()) is not None:
+                if start is not None:
+                    yield start, int(row[0]) - 1
+                start = int(row[0])
+                seen += 1
+                if self._size > 1:  # (a move of 0 rows would count the current one)
+                    seen += cur.execute(sql.SQL("move forward {} in pgstream_replay_ids").format(
+                        sql.Literal(self._size - 1))).rowcount
+            self.total = seen
+            if start is not None:
+                yield start, self._params["hi"]
 
 
 def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
@@ -151,7 +146,7 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
     """Validate ``config`` and count the events: ``(count, id ranges of at most
     rows_per_partition events each, in order, query parameters)``."""
     params = selection(stream_id, config)
-    ranges = IdRanges(conn.cursor(), params, rows_per_partition)
+    ranges = IdRanges(conn, params, rows_per_partition)
     bounds = list(ranges)
     return ranges.total or 0, bounds, params
 
@@ -171,7 +166,7 @@ _LINES_QUERY = sql.SQL("""
 select pg_catalog.count(*)::int, pg_catalog.min(e.id), pg_catalog.max(e.id),
        pg_catalog.convert_to(pg_catalog.string_agg({line}, E'\\n' order by e.id) || E'\\n', 'UTF8')
 from pgstream.events e
-where {where}""").format(line=sql.SQL(EVENT_JSON_LINE), where=_FILTER)
+where {where}""")
 
 #: chunks read ahead (by two connections) while the sink takes the current one
 _AHEAD = 3
@@ -195,18 +190,37 @@ class Lines:
     data: bytes
 
 
-def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2) -> Iterator[Lines]:
+def read_lines(database_url: str, params: Mapping[str, Any], size: int,
+               connections: int = 2) -> Iterator[Counted | Lines]:
     """The events :func:`selection`'s ``params`` select as :class:`Lines` of ``size`` events (the last
-    may hold fewer), in id order. One session streams the ranges' bounds while ``connections`` others
-    read the next ranges as the caller handles the current one; nothing is parsed in Python."""
+    may hold fewer), in id order, and :class:`Counted` once, as soon as the selection is counted. One
+    session walks the selected ids (:class:`IdRanges`, in a thread: it runs ahead and counts) while
+    ``connections`` others read the next ranges as the caller handles the current one; nothing is
+    parsed in Python."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
+    # the walk's ranges in order, then None (or the exception that ended the walk)
+    walked: SimpleQueue[tuple[int, int] | Exception | None] = SimpleQueue()
+    stop = threading.Event()
+
+    def walk(ranges: IdRanges) -> None:
+        with closing(iter(ranges)) as bounds:  # a walk stopped early ends its transaction here
+            try:
+                for lo_hi in bounds:
+                    if stop.is_set():
+                        return
+                    walked.put(lo_hi)
+                walked.put(None)
+            except Exception as exc:  # raised by the caller's thread, after the ranges walked before it
+                walked.put(exc)
+
+    query = _LINES_QUERY.format(line=sql.SQL(EVENT_JSON_LINE), where=_filter(params))
 
     def fetch(lo: int, hi: int) -> Lines:
         conn = idle.get()
         try:
             # binary: the bytea arrives as it is (no hex text to decode)
-            row = conn.cursor(binary=True).execute(_LINES_QUERY, {**params, "lo": lo, "hi": hi}).fetchone()
+            row = conn.cursor(binary=True).execute(query, {**params, "lo": lo, "hi": hi}).fetchone()
         finally:
             idle.put(conn)
         assert row is not None  # an aggregate without group by returns one row
@@ -214,21 +228,34 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
         return Lines(n, first or lo, last or hi, data or b"")
 
     with ExitStack() as stack:
-        bounds = stack.enter_context(psycopg.connect(database_url, application_name="pgstream replay",
-                                                     options=options))
+        ranges = IdRanges(stack.enter_context(psycopg.connect(database_url, application_name="pgstream replay",
+                                                              options=options)), params, size)
         for _ in range(max(1, connections)):
             idle.put(stack.enter_context(psycopg.connect(database_url, autocommit=True,
                                                          application_name="pgstream replay", options=options)))
-        pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, connections),
+        pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, connections) + 1,
                                                       thread_name_prefix="pgstream-replay"))
+        stack.callback(stop.set)  # runs before the pool waits for the walk: it stops at its next range
+        pool.submit(walk, ranges)
         ahead: deque[Future[Lines]] = deque()
-        # the bounds stream as the chunks are read (a few ahead): the count comes from another session
-        todo = iter(IdRanges(stack.enter_context(bounds.cursor(name="pgstream_replay_ranges")), params, size))
+        counted, walking = False, True
+        failed: Exception | None = None
         try:
             while True:
-                while len(ahead) < _AHEAD and (nxt := next(todo, None)) is not None:
-                    ahead.append(pool.submit(fetch, *nxt))
+                while walking and len(ahead) < _AHEAD:
+                    nxt = walked.get()
+                    if isinstance(nxt, Exception):
+                        failed, walking = nxt, False
+                    elif nxt is None:
+                        walking = False
+                    else:
+                        ahead.append(pool.submit(fetch, *nxt))
+                if not counted and ranges.total is not None:
+                    counted = True
+                    yield Counted(ranges.total)
                 if not ahead:
+                    if failed is not None:
+                        raise failed
                     return
                 yield ahead.popleft().result()
         finally:
@@ -240,29 +267,17 @@ def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int,
                   sink: Sink) -> Generator[Counted | int, None, None]:
     """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: the
     selected events in :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` calls of
-    ``chunk_size`` events, in order. Yields :class:`Counted` once (as soon as the count, made by
-    another session meanwhile, is known) and the events confirmed so far after each chunk. A sink
-    error propagates (the chunks before it were confirmed)."""
+    ``chunk_size`` events, in order. Yields :class:`Counted` once (as soon as the walk of the selection
+    has counted it) and the events confirmed so far after each chunk. A sink error propagates (the
+    chunks before it were confirmed)."""
     if not sink.accepts_json_lines:
         raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
-
-    def counted() -> int:
-        # one process: parallel workers would take the CPUs the replay's readers use. Not the bounds'
-        # scan: it streams only a few ranges ahead of the chunks, so its count would come at the end
-        with psycopg.connect(database_url, autocommit=True, application_name="pgstream replay",
-                             options="-c max_parallel_workers_per_gather=0") as conn:
-            return count_selected(conn, params)
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-replay-count") as pool:
-        total: Future[int] | None = pool.submit(counted)
-        done = 0
-        for chunk in read_lines(database_url, params, chunk_size):
-            if total is not None and total.done():
-                yield Counted(total.result())
-                total = None
-            if chunk.count:
-                sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
-                done += chunk.count
-            yield done
-        if total is not None:
-            yield Counted(total.result())
+    done = 0
+    for chunk in read_lines(database_url, params, chunk_size):
+        if isinstance(chunk, Counted):
+            yield chunk
+            continue
+        if chunk.count:
+            sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
+            done += chunk.count
+        yield done

@@ -27,7 +27,7 @@ import json
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
@@ -82,20 +82,29 @@ where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
 order by o.ord
 """
 
-#: the replay selection (shared with replay.plan, which counts and splits it)
-EVENTS_WHERE = """
-    e.stream_id = %(stream_id)s
-    and e.id between %(lo)s and %(hi)s
-    and (%(from_time)s::timestamptz is null or e.created_at >= %(from_time)s::timestamptz)
-    and (%(to_time)s::timestamptz is null or e.created_at < %(to_time)s::timestamptz)
-    and (%(keys)s::text[] is null or e.payload ->> 'tg_name' = any (%(keys)s::text[]))"""
+def events_where(params: Mapping[str, Any]) -> str:
+    """The filter of a replay's selection (``params``: ``replay.selection``'s; shared with
+    ``replay.plan``, which counts and splits it): the stream and the id range, and the time bounds
+    and subscription keys only where ``params`` give them, so that no row evaluates a test of a
+    parameter that is not there."""
+    tests = ["e.stream_id = %(stream_id)s", "e.id between %(lo)s and %(hi)s"]
+    if params.get("from_time") is not None:
+        tests.append("e.created_at >= %(from_time)s::timestamptz")
+    if params.get("to_time") is not None:
+        tests.append("e.created_at < %(to_time)s::timestamptz")
+    if params.get("keys") is not None:
+        tests.append("e.payload ->> 'tg_name' = any (%(keys)s::text[])")
+    return " and ".join(tests)
 
-_EVENTS_QUERY = """
+
+def _events_query(params: Mapping[str, Any]) -> str:
+    """The events of a replay's selection (:func:`events_where`), a range of ids at a time."""
+    return """
 select 0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
        (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
            as routing_key
 from pgstream.events e
-where""" + EVENTS_WHERE + """
+where """ + events_where(params) + """
 order by e.id
 """
 
@@ -187,7 +196,7 @@ class EventsReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         lo, hi = partition.value
-        yield from _read(self.url, _EVENTS_QUERY, [{**self.params, "lo": lo, "hi": hi}], self.packed)
+        yield from _read(self.url, _events_query(self.params), [{**self.params, "lo": lo, "hi": hi}], self.packed)
 
 
 class BatchesDataSource(DataSource):
@@ -401,7 +410,7 @@ def _in_turn(calls: Sequence[Callable[[], _T]], prefetch: bool = True) -> Iterat
 
 
 def _positioned(rows: list[tuple[Any, ...]]) -> Iterator[Positioned]:
-    """Events of rows of :data:`_BATCH_QUERY` or :data:`_EVENTS_QUERY` read by psycopg, in order."""
+    """Events of rows of :data:`_BATCH_QUERY` or :func:`_events_query` read by psycopg, in order."""
     for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
         yield batch_id, ord_, event_from_text(event_id, stream_id, created.astimezone(dt.UTC), payload, metadata)
 
@@ -452,11 +461,12 @@ class DirectEvents:
         import psycopg
 
         params = {**self.params, **_routing_params(self.routing_key)}
+        query = _events_query(params)
         with psycopg.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
                              application_name="pgstream replay") as conn:
 
             def fetch(lo: int, hi: int) -> Callable[[], list[tuple[Any, ...]]]:
-                return lambda: conn.execute(_EVENTS_QUERY, {**params, "lo": lo, "hi": hi}).fetchall()
+                return lambda: conn.execute(query, {**params, "lo": lo, "hi": hi}).fetchall()
 
             for rows in _in_turn([fetch(lo, hi) for lo, hi in self.ranges]):
                 yield from _positioned(rows)
