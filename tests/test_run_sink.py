@@ -82,3 +82,29 @@ def test_a_run_that_fails_in_a_later_round_closes_its_sink(db_url: str, tmp_path
     runs = len(driver.results)
     assert runs >= 2 and MemorySink.opened(name) == MemorySink.closed(name) == runs
     assert _delivered(name) == sent_ids(db_url)  # nothing lost or repeated: the failed call delivered nothing
+
+
+def test_a_run_collects_garbage_less_often_while_it_delivers(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                                             name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a run delivers, the garbage collector runs at the run's thresholds (a young collection per
+    50,000 tracked objects, not 700: the run's rounds are not garbage); the process's own come back when
+    the run ends."""
+    import gc
+
+    from pgstream_dagster.defs.jobs import RUN_GC_THRESHOLDS
+
+    seen: list[tuple[int, ...]] = []
+    publish = MemorySink.publish
+
+    def recording(self: MemorySink, events: Any) -> None:
+        seen.append(gc.get_threshold())
+        publish(self, events)
+
+    monkeypatch.setattr(MemorySink, "publish", recording)
+    before = gc.get_threshold()
+    assert before != RUN_GC_THRESHOLDS
+    _driver, run = _open_run(db_url, tmp_path, instance, name, linger=0.5, events=30)
+    assert run.wait(timeout=30).success
+    assert seen and set(seen) == {RUN_GC_THRESHOLDS}
+    assert gc.get_threshold() == before
+    assert _delivered(name) == sent_ids(db_url)
