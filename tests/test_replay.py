@@ -303,6 +303,10 @@ def test_ranges_and_their_count_come_from_one_pass(db_url: str, size: int) -> No
         empty = IdRanges(c, params_none, size)
         assert list(empty) == [] and empty.total == 0
 
+    with psycopg.connect(db_url) as c2:  # in a transaction of the caller's: each walk is a savepoint of it
+        c2.execute("select 1")
+        assert list(IdRanges(c2, params, size)) == bounds == list(IdRanges(c2, params, size))
+
 
 def test_lines_come_in_order_with_the_count_and_leave_nothing_open(db_url: str) -> None:
     """``read_lines``: the selection's events as lines of ``size`` events in id order, the count once

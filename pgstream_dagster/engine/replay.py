@@ -136,6 +136,7 @@ class IdRanges:
                 if self._size > 1:  # (a move of 0 rows would count the current one)
                     seen += cur.execute(sql.SQL("move forward {} in pgstream_replay_ids").format(
                         sql.Literal(self._size - 1))).rowcount
+            cur.execute("close pgstream_replay_ids")  # (the transaction may be a savepoint in the caller's)
             self.total = seen
             if start is not None:
                 yield start, self._params["hi"]
