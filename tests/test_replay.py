@@ -238,7 +238,7 @@ def test_replay_to_a_file_writes_what_the_sink_writes_without_spark(db_url: str,
 
 
 def test_replay_to_a_file_that_cannot_be_written_fails_clearly(replay_setup: tuple[Path, Path], tmp_path: Path,
-                                                                instance: dg.DagsterInstance) -> None:
+                                                                instance: dg.DagsterInstance, db_url: str) -> None:
     cfg, out = replay_setup
     out.mkdir()  # the sink's path is a directory
     result = _replay(cfg, instance, from_event_id=1, to_event_id=20)
@@ -246,6 +246,8 @@ def test_replay_to_a_file_that_cannot_be_written_fails_clearly(replay_setup: tup
     log = run_log(instance, result)
     assert f"file sink: events 1..7 (7 events): cannot append to {out}" in log
     assert not list(out.iterdir())
+    with psycopg.connect(db_url, autocommit=True) as c:  # the result holds the error: no session with it
+        assert _replay_sessions(c, 0) == 0
 
 
 def _stream_seven(c: psycopg.Connection) -> list[int]:

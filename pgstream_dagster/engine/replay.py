@@ -13,7 +13,7 @@ by Spark when ``delivery.direct_max_events`` is 0."""
 import datetime as dt
 import threading
 from collections import deque
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Generator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
@@ -192,7 +192,7 @@ class Lines:
 
 
 def read_lines(database_url: str, params: Mapping[str, Any], size: int,
-               connections: int = 2) -> Iterator[Counted | Lines]:
+               connections: int = 2) -> Generator[Counted | Lines, None, None]:
     """The events :func:`selection`'s ``params`` select as :class:`Lines` of ``size`` events (the last
     may hold fewer), in id order, and :class:`Counted` once, as soon as the selection is counted. One
     session walks the selected ids (:class:`IdRanges`, in a thread: it runs ahead and counts) while
@@ -274,11 +274,13 @@ def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int,
     if not sink.accepts_json_lines:
         raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
     done = 0
-    for chunk in read_lines(database_url, params, chunk_size):
-        if isinstance(chunk, Counted):
-            yield chunk
-            continue
-        if chunk.count:
-            sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
-            done += chunk.count
-        yield done
+    # closed here however this ends: a sink error's traceback would otherwise keep the sessions open
+    with closing(read_lines(database_url, params, chunk_size)) as chunks:
+        for chunk in chunks:
+            if isinstance(chunk, Counted):
+                yield chunk
+                continue
+            if chunk.count:
+                sink.publish_json_lines(chunk.data, chunk.count, chunk.first_id, chunk.last_id)
+                done += chunk.count
+            yield done
