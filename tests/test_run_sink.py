@@ -84,27 +84,35 @@ def test_a_run_that_fails_in_a_later_round_closes_its_sink(db_url: str, tmp_path
     assert _delivered(name) == sent_ids(db_url)  # nothing lost or repeated: the failed call delivered nothing
 
 
-def test_a_run_collects_garbage_less_often_while_it_delivers(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
-                                                             name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a run delivers, the garbage collector runs at the run's thresholds (a young collection per
-    50,000 tracked objects, not 700: the run's rounds are not garbage); the process's own come back when
-    the run ends."""
+def test_runs_and_ticks_collect_garbage_less_often_while_they_move_events(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a run delivers and while a sensor tick records, the garbage collector runs at the bulk
+    thresholds (a young collection per 50,000 tracked objects, not 700: the rounds are not garbage);
+    the process's own come back when they end."""
     import gc
 
-    from pgstream_dagster.defs.jobs import RUN_GC_THRESHOLDS
+    from pgstream_dagster.defs import sensors
+    from pgstream_dagster.engine.collector import BULK_THRESHOLDS
 
-    seen: list[tuple[int, ...]] = []
-    publish = MemorySink.publish
+    published: list[tuple[int, ...]] = []
+    ticked: list[tuple[int, ...]] = []
+    publish, tick = MemorySink.publish, sensors.tick
 
-    def recording(self: MemorySink, events: Any) -> None:
-        seen.append(gc.get_threshold())
+    def recording_publish(self: MemorySink, events: Any) -> None:
+        published.append(gc.get_threshold())
         publish(self, events)
 
-    monkeypatch.setattr(MemorySink, "publish", recording)
+    def recording_tick(*args: Any) -> Any:
+        ticked.append(gc.get_threshold())
+        return tick(*args)
+
+    monkeypatch.setattr(MemorySink, "publish", recording_publish)
+    monkeypatch.setattr(sensors, "tick", recording_tick)
     before = gc.get_threshold()
-    assert before != RUN_GC_THRESHOLDS
+    assert before != BULK_THRESHOLDS
     _driver, run = _open_run(db_url, tmp_path, instance, name, linger=0.5, events=30)
     assert run.wait(timeout=30).success
-    assert seen and set(seen) == {RUN_GC_THRESHOLDS}
+    assert published and set(published) == {BULK_THRESHOLDS}
+    assert ticked and set(ticked) == {BULK_THRESHOLDS}
     assert gc.get_threshold() == before
     assert _delivered(name) == sent_ids(db_url)

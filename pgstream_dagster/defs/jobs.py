@@ -24,8 +24,7 @@ import datetime as dt
 import gc
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig
 from ..engine import ingest, ledger, spark
+from ..engine.collector import fewer_collections
 from ..engine.handoff import Handoff
 from ..engine.publish import (
     BatchDone,
@@ -106,42 +106,6 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
     return LoadedBatches(config.stream_id, batches, frame, started, lease)
 
 
-#: the garbage collector's thresholds while a delivery run delivers (Python's: 700, 10, 10). A run
-#: allocates tracked objects per event (decoded rows, events) that all live until their round is
-#: delivered: at 700 a young collection ran every few hundred events and re-walked the round's lists,
-#: and the old generation was re-scanned every few seconds, collecting next to nothing (9.0 of a run's
-#: 39.6 CPU-seconds in a 60 s sustained run; 0.9 with these; bench/RESULTS.md, session 10)
-RUN_GC_THRESHOLDS = (50_000, 20, 20)
-
-
-class _FewerCollections:
-    """:data:`RUN_GC_THRESHOLDS` while a run delivers, then the process's own again once the last run
-    of the process ends (tests and ``execute_in_process`` run several in one process)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._runs = 0
-        self._before = gc.get_threshold()
-
-    @contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self._lock:
-            if not self._runs:
-                self._before = gc.get_threshold()
-                gc.set_threshold(*RUN_GC_THRESHOLDS)
-            self._runs += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._runs -= 1
-                if not self._runs:
-                    gc.set_threshold(*self._before)
-
-
-_fewer_collections = _FewerCollections()
-
-
 @dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
                    "as soon as the sink confirmed all its events. While the run is open (delivery.linger_secs, "
                    "keep_warm) it reads the stream's slot and delivers what commits, through the same sink; "
@@ -157,7 +121,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
     run_key = run_key or ""
     # the lease is released when the run ends (or its process dies); the sink serves every round of the
     # run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
-    with _fewer_collections(), loaded.lease as conn, build_sink(stream.sink) as sink, _Reader(
+    with fewer_collections(), loaded.lease as conn, build_sink(stream.sink) as sink, _Reader(
             context, pgstream.database_url, stream, run_key, conn) as reader:
         ledger.listen_runs(conn, stream.id)
         linger = _Linger(context, conn, stream, run_key, reader)

@@ -37,6 +37,7 @@ import psycopg
 from ..config import StreamConfig
 from ..engine import ledger
 from ..engine.batches import NO_RUN, FailRun, RunOrder, RunStatus, RunView, WarmRun, decide, notes
+from ..engine.collector import fewer_collections
 from ..engine.ingest import ConsumeResult, consume
 from ..engine.status import last_batches, stream_status
 from .names import (
@@ -239,7 +240,8 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         cursor = json.loads(context.cursor) if context.cursor else {}
         log: list[str] = []
         with pgstream.connect() as conn:
-            consumed, request = tick(conn, context.instance, stream, log)
+            with fewer_collections():  # the tick records in bulk
+                consumed, request = tick(conn, context.instance, stream, log)
             (row,) = stream_status(conn, stream.id, last=0)  # the tick's one read of the stream's state
             pending_batches, pending_events = int(row["undelivered_batches"]), int(row["undelivered_events"])
             if consumed.last_event_id is not None:
