@@ -153,8 +153,6 @@ def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
-    import json
-
     from .engine.deadletters import get_dead_letter
 
     with psycopg.connect(_database_url(args), autocommit=True) as conn:
@@ -181,8 +179,10 @@ def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
 def _indented_json(text: str) -> str:
     """JSON text indented for ``show``; as stored when Python cannot parse it (an integer over its
     conversion limit, nesting deeper than its recursion limit): the dead letter is shown all the same."""
+    import json
+
     try:
-        return json.dumps(json.loads(text), indent=2, ensure_ascii=False).replace("\n", "\n  ")
+        return str(json.dumps(json.loads(text), indent=2, ensure_ascii=False)).replace("\n", "\n  ")
     except (ValueError, RecursionError):
         return text
 
