@@ -10,14 +10,19 @@ refused this request's content (400, 409, 413, 422...), and a body over ``max_bo
 before sending). Not permanent, because they say nothing about the event and would reject every
 one: 401, 403 and 407 (credentials, signature), 404, 405, 410 and 421 (wrong URL or method), 415
 and 431 (content type and headers are the same for every request), 426 (needs another protocol),
-408 and 429 (retried: time and rate); and 3xx, 5xx, timeouts and connection errors. A batch request
+408 and 429 (retried: time and rate); and 3xx, 5xx, timeouts and connection errors. Except when the
+refused part of the request came from the event: a 404 or 410 on a ``path_from`` segment taken from
+the event (not ``path_default``) and a 431 on a request carrying ``headers_from`` values are
+permanent rejections of that event (a receiver refusing every route is the stream's reject-storm
+guard's to catch). A batch request
 (``mode: batch``) refused as a whole names all its events; the caller isolates the bad one by
 publishing them one at a time. With ``routing_key``, the other keys' requests that come before
 the rejected event in the call are still sent, so that every event before it is confirmed. With
 ``path_from``/``headers_from``, an event whose path segment or header value cannot be sent (not a
 URL path segment, a line break or non-ASCII in a header value, an object where a scalar belongs, no
-segment and no ``path_default``) is a permanent rejection, found before anything is sent: the
-events before it are sent first. The message names the path and the header, never the value.
+segment and no ``path_default``, a header value over ``max_header_value_bytes``, a payload Python
+cannot parse) is a permanent rejection, found before anything is sent: the events before it are
+sent first. The message names the path and the header, never the value.
 """
 
 from __future__ import annotations
