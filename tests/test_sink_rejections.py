@@ -24,6 +24,7 @@ import psycopg
 import pytest
 import redis
 
+from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import load_config
 from pgstream_dagster.engine import deadletters
 
@@ -92,7 +93,8 @@ def redis_client() -> Iterator[redis.Redis]:
 
 
 def test_a_payload_python_cannot_parse_is_one_dead_letter_of_the_webhook(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint, manual_role: str) -> None:
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint, manual_role: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
     sink = {**endpoint.sink("per_event"), "path_from": "tenant"}
     driver = start(tmp_path, db_url, instance, stream_config(sink, delivery=delivery()))
     ok1, deep, ok2, huge = write(db_url, manual_role, ['{"tenant": "a", "n": 1}', DEEP, '{"tenant": "a", "n": 2}',
@@ -109,6 +111,10 @@ def test_a_payload_python_cannot_parse_is_one_dead_letter_of_the_webhook(
         report = deadletters.redeliver(conn, stream, None, "test")
     assert report.failed is not None and "nested deeper than Python can parse" in (report.error or "")
     assert endpoint.first_seen_order() == [ok1, ok2, huge]
+    # the operator looks at it: shown as stored
+    assert cli_main(["dead-letters", "show", str(report.failed), "--database-url", db_url]) == 0
+    shown = capsys.readouterr().out
+    assert f"event {deep}" in shown and "[" * 3000 in shown
 
 
 def test_a_payload_python_cannot_parse_is_one_dead_letter_of_a_redis_stream(
