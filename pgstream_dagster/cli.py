@@ -153,8 +153,6 @@ def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
-    import json
-
     from .engine.deadletters import get_dead_letter
 
     with psycopg.connect(_database_url(args), autocommit=True) as conn:
@@ -173,10 +171,20 @@ def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
     print(f"  error: {d.error}")
     if d.undeliverable and d.status == "open":
         print(f"  cannot be redelivered: {d.undeliverable}; discard it")
-    print("  payload: " + ("-" if d.payload_json is None else json.dumps(d.payload, indent=2, ensure_ascii=False)
-                           .replace("\n", "\n  ")))
+    print("  payload: " + ("-" if d.payload_json is None else _indented_json(d.payload_json)))
     print(f"  metadata: {d.metadata_json or '-'}")
     return 0
+
+
+def _indented_json(text: str) -> str:
+    """JSON text indented for ``show``; as stored when Python cannot parse it (an integer over its
+    conversion limit, nesting deeper than its recursion limit): the dead letter is shown all the same."""
+    import json
+
+    try:
+        return str(json.dumps(json.loads(text), indent=2, ensure_ascii=False)).replace("\n", "\n  ")
+    except (ValueError, RecursionError):
+        return text
 
 
 def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:

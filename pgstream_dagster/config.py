@@ -97,8 +97,12 @@ class DeliveryConfig(_Model):
     max_attempts: int = Field(3, ge=1, le=100, description="on_reject: dead_letter: attempts of a rejected event "
                                                            "before it is set aside")
     max_consecutive_rejects: int = Field(
-        20, ge=1, le=1_000_000, description="on_reject: dead_letter: once this many events in a row are rejected, the "
-                                            "stream blocks instead (a sink that rejects everything is misconfigured)")
+        20, ge=1, le=1_000_000, description="on_reject: dead_letter: once this many events in a row are rejected (and "
+                                            "at a round's first rejection), the sink gets the last event it confirmed "
+                                            "again (a duplicate by id): if it refuses that too, it rejects everything "
+                                            "and the stream blocks instead, as it does after this many when it never "
+                                            "confirmed one; else the rejections are the events' and they go on being "
+                                            "set aside")
     run_grace_secs: float = Field(120, ge=1, le=3600,
                                   description="a started run that holds no delivery lease after this long is "
                                               "dead (process killed): it is marked failed and its batches retried")

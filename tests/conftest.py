@@ -161,6 +161,22 @@ def http_server() -> Iterator[HttpRecorder]:
 
 
 @pytest.fixture
+def manual_role(db_url: str) -> Iterator[str]:
+    """A LOGIN role with the documented manual-event grant, and nothing else."""
+    name = f"manual_{next(_counter)}_{db_url.rsplit('/', 1)[1]}"
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(sql.SQL("create role {} login").format(sql.Identifier(name)))
+        c.execute(sql.SQL("grant usage on schema pgstream to {}").format(sql.Identifier(name)))
+        c.execute(sql.SQL("grant insert (payload, metadata, stream_id) on pgstream.events to {}").format(
+            sql.Identifier(name)))
+        c.execute(sql.SQL("grant usage on sequence pgstream.events_id_seq to {}").format(sql.Identifier(name)))
+    yield name
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(name)))
+        c.execute(sql.SQL("drop role {}").format(sql.Identifier(name)))
+
+
+@pytest.fixture
 def users(conn: psycopg.Connection) -> psycopg.Connection:
     """A fresh pgstream database with ``public.users`` (tests/support/schema.py)."""
     conn.execute(USERS)

@@ -9,9 +9,8 @@ Rows print ``FAULT-MATRIX {...}`` like tests/test_failover.py.
 
 from __future__ import annotations
 
-import itertools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +26,6 @@ from pgstream_dagster.engine.housekeeping import run_housekeeping
 from .support.endpoint import Endpoint
 from .support.faults import STREAM, drive, in_failover, ledger_order, sent_ids, slot_has_events, stream_config
 from .support.harness import Driver, backdated, insert_events, write_config
-
-_ids = itertools.count(1)
-
-
-@pytest.fixture
-def manual_role(db_url: str) -> Iterator[str]:
-    """A LOGIN role with the documented manual-event grant, and nothing else."""
-    name = f"manual_{next(_ids)}_{db_url.rsplit('/', 1)[1]}"
-    with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute(sql.SQL("create role {} login").format(sql.Identifier(name)))
-        c.execute(sql.SQL("grant usage on schema pgstream to {}").format(sql.Identifier(name)))
-        c.execute(sql.SQL("grant insert (payload, metadata, stream_id) on pgstream.events to {}").format(
-            sql.Identifier(name)))
-        c.execute(sql.SQL("grant usage on sequence pgstream.events_id_seq to {}").format(sql.Identifier(name)))
-    yield name
-    with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(name)))
-        c.execute(sql.SQL("drop role {}").format(sql.Identifier(name)))
 
 
 def as_role(db_url: str, role: str) -> psycopg.Connection:

@@ -363,3 +363,47 @@ def test_packed_partitions_group_consecutive_spans_up_to_the_partition_size() ->
     assert [(s.batch_id, o) for g in groups for s in g for o in range(s.first, s.last + 1)] == \
         [(b.batch_id, o) for b in spans for o in range(b.first, b.last + 1)]
     assert all(sum(s.events for s in g) <= 5 for g in groups)
+
+
+def test_a_reject_storm_is_checked_against_an_event_the_sink_confirmed_before() -> None:
+    """Rejections an application's events cause do not block the stream: after max_consecutive of them
+    the sink gets the last event it confirmed again (a duplicate by id); it takes it, so the rejections
+    are the events' own and they go on being set aside."""
+    sink, rec = Rejecting(permanent=set(range(11, 23))), Recorder()
+    assert rec.run(sink, rows({1: list(range(10, 25))}), 10, reject=policy(rec, max_consecutive=5)) == 15
+    assert [a[2] for a in rec.aside] == list(range(11, 23))
+    assert sink.delivered == [10, 10, 10, 23, 24]  # checked twice with event 10, then the good ones
+    # nothing confirmed in the call: the stream's last confirmed event (known_good) is the check
+    sink, rec = Rejecting(permanent=set(range(11, 23))), Recorder()
+    known = Event(5, 1, {"n": 5}, None, NOW)
+    assert rec.run(sink, rows({1: list(range(11, 25))}), 10,
+                   reject=policy(rec, max_consecutive=5, known_good=lambda: known)) == 14
+    # checked at the first rejection (nothing confirmed in the call yet), then every 5 in a row
+    assert sink.delivered == [5, 5, 5, 23, 24] and len(rec.aside) == 12
+
+
+def test_a_sink_that_refuses_what_it_confirmed_before_trips_the_storm_guard() -> None:
+    sink, rec = Rejecting(permanent={5} | set(range(11, 30))), Recorder()
+    known = Event(5, 1, {"n": 5}, None, NOW)  # confirmed by an earlier run; the sink refuses it now
+    # checked at the call's first rejection: nothing is set aside
+    with pytest.raises(RejectStormError, match=r"event 11 was rejected.*now also rejects event 5, which it confirmed"):
+        rec.run(sink, rows({1: list(range(11, 30))}), 10,
+                reject=policy(rec, max_consecutive=5, known_good=lambda: known))
+    assert rec.aside == [] and sink.delivered == []
+    # a sink that confirmed event 10 in this call, then refuses everything: checked after 5 in a row
+    sink, rec = Rejecting(permanent=set(range(11, 30))), Recorder()
+
+    class Breaking(Rejecting.Sink):
+        def publish(self, events: Sequence[Event]) -> None:
+            if self.config.delivered:
+                self.config.permanent.add(10)  # it refuses what it confirmed
+            super().publish(events)
+
+    class Config(Rejecting):
+        def build(self) -> Rejecting.Sink:
+            return Breaking(self)
+
+    broken = Config(permanent=set(range(11, 30)))
+    with pytest.raises(RejectStormError, match=r"5 events in a row.*now also rejects event 10"):
+        rec.run(broken, rows({1: list(range(10, 30))}), 10, reject=policy(rec, max_consecutive=5))
+    assert len(rec.aside) == 4 and broken.delivered == [10]

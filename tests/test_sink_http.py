@@ -719,6 +719,48 @@ def test_http_an_event_whose_path_or_header_cannot_be_sent_is_a_permanent_reject
     assert [(r.path, r.body["seq"]) for r in http_server.received] == [("/hook/eu", 0), ("/hook/eu", 1)]
 
 
+ROUTE_STATUSES = [(404, "path"), (410, "path"), (431, "headers")]
+
+
+@pytest.mark.parametrize(("status", "part"), ROUTE_STATUSES, ids=[str(s) for s, _ in ROUTE_STATUSES])
+def test_http_a_refused_route_taken_from_the_event_is_the_events_rejection(
+        http_server: HttpRecorder, status: int, part: str) -> None:
+    """A 404/410 on the event's own path segment, a 431 on a request carrying the event's header values:
+    the part the receiver refused came from the event, so it is a permanent rejection of that event,
+    after the events before it were confirmed. The same answer on ``path_default`` (the configuration's
+    segment) or without headers from the event is the configuration's: not permanent."""
+    config = HttpSinkConfig(url=http_server.url, max_attempts=1, path_from="metadata:region", path_default="all",
+                            headers_from={"X-Tenant": "metadata:tenant"})
+    routed = {"path": {"region": "eu"}, "headers": {"tenant": "t1"}}[part]
+    events = [Event(id=800 + i, stream_id=4, payload={"seq": i}, metadata=routed, created_at=BASE_TIME)
+              for i in range(3)]
+    http_server.fail_on_event_id, http_server.fail_status = 801, status
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(events)
+    assert err.value.permanent and err.value.event_ids == (801,)
+    assert f"HTTP {status}" in str(err.value) and "came from the event" in str(err.value)
+    # the configuration's own route: path_default and no header from the event
+    unrouted = [Event(id=900 + i, stream_id=4, payload={"seq": i}, metadata={}, created_at=BASE_TIME)
+                for i in range(3)]
+    http_server.fail_on_event_id = 901
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(unrouted)
+    assert not err.value.permanent and f"HTTP {status}" in str(err.value)
+
+
+def test_http_a_header_value_from_the_event_over_max_header_value_bytes_is_refused_before_sending(
+        http_server: HttpRecorder) -> None:
+    config = HttpSinkConfig(url=http_server.url, headers_from={"X-Note": "note"}, max_header_value_bytes=100)
+    events = [Event(id=950 + i, stream_id=4, payload={"note": "n" * size}, created_at=BASE_TIME)
+              for i, size in enumerate([100, 101, 5])]
+    with config.build() as sink, pytest.raises(SinkError) as err:
+        sink.publish(events)
+    assert err.value.permanent and err.value.event_ids == (951,)
+    assert "header 'X-Note' would be 101 bytes, more than max_header_value_bytes (100)" in str(err.value)
+    assert "n" * 50 not in str(err.value)
+    assert [r.headers["webhook-id"] for r in http_server.received] == ["950"]
+
+
 def test_http_routing_options_are_checked_when_the_configuration_is_loaded() -> None:
     url = "http://127.0.0.1:9/hook"
     for options, message in [

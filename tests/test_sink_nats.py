@@ -85,6 +85,24 @@ def test_nats_subject_without_stream_raises() -> None:
     assert not err.value.permanent  # creating or extending a stream makes it deliverable: configuration
 
 
+def test_nats_a_subject_from_the_event_that_no_stream_captures_is_the_events_rejection(
+        nats_stream: tuple[str, str]) -> None:
+    stream, subject = nats_stream
+    events = [Event(id=470 + i, stream_id=1, payload={"to": to}, created_at=BASE_TIME)
+              for i, to in enumerate([subject + ".a", f"pgstream.nostream.{uuid.uuid4().hex}", subject + ".b",
+                                      subject + "." + "x" * 5000])]
+    with NatsSinkConfig(subject_from="to", timeout_secs=3).build() as sink:
+        with pytest.raises(SinkError) as err:
+            sink.publish(events)
+        assert err.value.permanent and err.value.event_ids == (471,)
+        assert "no JetStream stream captures subject" in str(err.value) and "taken from the event" in str(err.value)
+        with pytest.raises(SinkError) as err:  # the caller set 471 aside and goes on
+            sink.publish(events[2:])
+        assert err.value.permanent and err.value.event_ids == (473,) and "more than 3840" in str(err.value)
+    _count, messages = asyncio.run(nats_admin("read", stream, ">", expected=2))
+    assert [m.headers["Nats-Msg-Id"] for m in messages] == ["470", "472"]
+
+
 def test_nats_connection_refused_raises(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     config = NatsSinkConfig(

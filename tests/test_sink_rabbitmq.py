@@ -100,6 +100,16 @@ def test_rabbitmq_missing_exchange_and_refused_connection_raise(amqp_channel: An
         assert missing in str(err.value) and "NOT_FOUND" in str(err.value)
         assert not err.value.permanent  # a missing exchange is configuration
         assert amqp_channel.queue_declare(queue=queue, passive=True).method.message_count == 0
+        # an exchange taken from the event that does not exist: the event's route, after those before it
+        events = [Event(id=660 + i, stream_id=1, payload={"x": x}, created_at=BASE_TIME)
+                  for i, x in enumerate(["", missing, ""])]
+        with RabbitMqSinkConfig(exchange_from="x", routing_key=queue).build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(events)
+            assert err.value.permanent and err.value.event_ids == (661,)
+            assert "NOT_FOUND" in str(err.value) and "the exchange was taken from the event" in str(err.value)
+            sink.publish(events[2:])  # the caller set 661 aside: the sink reconnects
+        assert [p.message_id for p, _ in drain_queue(amqp_channel, queue)] == ["660", "662"]
     finally:
         amqp_channel.queue_delete(queue=queue)
 
@@ -184,8 +194,8 @@ def test_rabbitmq_max_message_bytes_and_payload_routes_are_permanent_rejections(
             (True, f"event 650: not sent (exchange '' routing key '{prefix}acme'): the body is "),
             (True, f"event 651: routing key '{prefix}ttt"),
             (True, "event 652: no destination: payload path 'tenant' is missing and no fixed name"),
-            (False, f"event 653: unroutable: no queue bound for exchange '' routing key '{prefix}nobody'"),
-        ]  # 653: not permanent, binding a queue makes it routable
+            (True, f"event 653: unroutable: no queue bound for exchange '' routing key '{prefix}nobody' (taken from "),
+        ]  # 653: the routing key is the event's (a wrong prefix rejecting all is the reject-storm guard's)
         for (permanent, message), (expected_permanent, text) in zip(outcomes, expected, strict=True):
             assert permanent is expected_permanent and text in message, message
         assert "more than max_message_bytes (1000)" in outcomes[0][1]

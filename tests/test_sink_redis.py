@@ -108,6 +108,28 @@ def test_redis_sink_errors_are_sink_errors(redis_client: redis.Redis) -> None:
     assert redis_client.exists(key) == 0  # nothing was written anywhere
 
 
+@pytest.mark.parametrize("use_script", [True, False])
+def test_redis_a_stream_name_from_the_event_that_is_not_a_stream_is_the_events_rejection(
+        redis_client: redis.Redis, use_script: bool) -> None:
+    prefix = unique("pgstream-test") + "."
+    redis_client.set(prefix + "taken", "a string an application wrote")
+    events = [Event(id=300 + i, stream_id=1, payload={"to": to}, created_at=BASE_TIME)
+              for i, to in enumerate(["a", "taken", "a"])]
+    config = RedisSinkConfig(stream=prefix + "all", stream_from="to", stream_prefix=prefix, use_script=use_script)
+    try:
+        with config.build() as sink:
+            with pytest.raises(SinkError) as err:
+                sink.publish(events)
+            assert err.value.permanent and err.value.event_ids == (301,)
+            assert "holds a string, not a stream (the name was taken from the event)" in str(err.value)
+            sink.publish(events[2:])  # the caller set 301 aside and goes on
+        added = [int(fields[b"id"]) for _id, fields in redis_client.xrange(prefix + "a")]
+        assert added[0] == 300 and added[-1] == 302 and set(added) <= {300, 302}  # the pipeline may add 302 twice
+    finally:
+        for name in redis_client.keys(prefix + "*"):
+            redis_client.delete(name)
+
+
 def test_redis_max_message_bytes_rejects_a_large_entry_after_sending_the_ones_before(
         redis_client: redis.Redis) -> None:
     key = unique("pgstream-test")

@@ -5,6 +5,7 @@ Every test counts events end to end: what went in equals what came out, in order
 
 from __future__ import annotations
 
+import decimal
 import pickle
 from datetime import datetime
 from pathlib import Path
@@ -34,7 +35,7 @@ from pgstream_dagster.sinks import (
     build_sink,
     parse_sink_config,
 )
-from pgstream_dagster.sinks.base import RoutingError, route
+from pgstream_dagster.sinks.base import EventContentError, RoutingError, event_from_text, route
 
 from .support.harness import read_jsonl
 from .support.sinks import make_events, run_python, unique
@@ -327,3 +328,49 @@ def test_every_sink_takes_event_paths_where_it_took_payload_paths(options: dict[
             bad = {k: "meta:x" for k in value} if isinstance(value, dict) else "meta:x"
             with pytest.raises(ValidationError, match="String should match pattern"):
                 parse_sink_config({**options, key: bad})
+
+
+#: every option that reads the event to route it, per sink: nothing here connects before the event is read
+ROUTED = [
+    {"type": "http", "url": "http://127.0.0.1:9/hook", "path_from": "metadata:t"},
+    {"type": "http", "url": "http://127.0.0.1:9/hook", "routing_key": "t"},
+    {"type": "http", "url": "http://127.0.0.1:9/hook", "headers_from": {"X-T": "t"}},
+    {"type": "redis", "stream_from": "t"},
+    {"type": "rabbitmq", "exchange_from": "t", "routing_key": "k"},
+    {"type": "rabbitmq", "routing_key_from": "t"},
+    {"type": "nats", "subject_from": "t", "subject": "fallback"},
+    {"type": "kafka", "topic_from": "t", "topic": "fallback"},
+    {"type": "kafka", "key_from": "t", "topic": "fallback"},
+    {"type": "mqtt", "topic_from": "t", "topic": "fallback"},
+    {"type": "sqs", "queue_url": "http://127.0.0.1:9/123456789012/q.fifo", "message_group_id_from": "t",
+     "region": "us-east-1"},
+    {"type": "sns", "topic_arn": "arn:aws:sns:us-east-1:123456789012:t.fifo", "message_group_id_from": "t",
+     "region": "us-east-1"},
+    {"type": "kinesis", "stream_name": "s", "partition_key_from": "t", "region": "us-east-1"},
+]
+
+
+@pytest.mark.parametrize("options", ROUTED, ids=[f"{o['type']}-{sorted(o)[0]}" for o in ROUTED])
+def test_content_python_cannot_parse_is_a_permanent_rejection_of_that_event(options: dict[str, Any]) -> None:
+    """Postgres stores JSON Python cannot parse (nesting deeper than the recursion limit): a sink that
+    reads the event to route it rejects that one event for good (a dead letter), never crashes."""
+    deep = "[" * 3000 + "]" * 3000
+    event = event_from_text(7, 1, datetime(2024, 1, 1), '{"t": "a", "deep": ' + deep + "}", '{"t": ' + deep + "}")
+    sink = build_sink(options)
+    try:
+        with pytest.raises(SinkError, match=r"event 7's (payload|metadata) is nested deeper than Python") as raised:
+            sink.publish([event])
+    finally:
+        sink.close()
+    assert raised.value.permanent and raised.value.event_ids == (7,)
+
+
+def test_an_integer_python_does_not_convert_stays_an_exact_number() -> None:
+    digits = "1" + "0" * 5000
+    event = event_from_text(7, 1, datetime(2024, 1, 1), f'{{"n": {digits}, "m": [{digits}]}}', f'{{"r": {digits}}}')
+    assert route(event, None, "n") == (digits, True)
+    assert route(event, None, "metadata:r", "p.") == ("p." + digits, True)
+    assert event.payload["m"][0] == decimal.Decimal(digits)
+    assert event.payload_json.count(digits) == 2  # what sinks send: the text as stored
+    with pytest.raises(EventContentError, match="event 7's payload is not JSON"):
+        _ = event_from_text(7, 1, datetime(2024, 1, 1), '{"n": ', None).payload

@@ -319,7 +319,7 @@ def _reject_policy(stream: StreamConfig, database_url: str) -> RejectPolicy | No
                                      resumes=delivery.ordering == "global")
     return RejectPolicy(writer, max_attempts=delivery.max_attempts,
                         max_consecutive=delivery.max_consecutive_rejects,
-                        backoff_secs=min(stream.retry.initial_backoff_secs, 5.0))
+                        backoff_secs=min(stream.retry.initial_backoff_secs, 5.0), known_good=writer.known_good)
 
 
 def _vanished_failure(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> dg.Failure:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,7 +39,7 @@ from psycopg.rows import dict_row
 
 from ..config import StreamConfig
 from ..sinks import Event, Sink, SinkError
-from ..sinks.base import excerpt
+from ..sinks.base import excerpt, loads_event_json
 from . import ledger
 from .batches import BatchStatus
 
@@ -98,11 +97,11 @@ class DeadLetter:
 
     @property
     def payload(self) -> Any:
-        return None if self.payload_json is None else json.loads(self.payload_json)
+        return None if self.payload_json is None else loads_event_json(self.payload_json, self.event_id)
 
     @property
     def metadata(self) -> Any:
-        return None if self.metadata_json is None else json.loads(self.metadata_json)
+        return None if self.metadata_json is None else loads_event_json(self.metadata_json, self.event_id, "metadata")
 
     @property
     def position(self) -> str:

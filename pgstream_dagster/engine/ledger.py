@@ -27,6 +27,7 @@ from psycopg.rows import dict_row
 
 from ..config import StreamConfig, stream_object_name
 from ..sinks import Event
+from ..sinks.base import event_from_text
 from . import replication
 from .batches import (
     Action,
@@ -653,8 +654,36 @@ class DeadLetterWriter:
             if self.resumes:
                 mark_confirmed(conn, batch_id, ord)
 
+    def known_good(self) -> Event | None:
+        """The stream's last event the sink confirmed (of its last delivered batches, not a dead letter,
+        still in ``pgstream.events``), or ``None``: what the reject-storm guard sends again to tell a
+        sink that refuses everything from events that are refused for what they are."""
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            row = conn.execute(_KNOWN_GOOD, {"stream": self.stream_id, "delivered": BatchStatus.DELIVERED}).fetchone()
+        if row is None:
+            return None
+        event_id, stream_id, created_at, payload, metadata = row
+        return event_from_text(event_id, stream_id, created_at.astimezone(dt.UTC), payload, metadata)
+
     def __repr__(self) -> str:  # never the URL
         return f"DeadLetterWriter(stream {self.stream_id}, sink {self.sink})"
+
+
+#: the stream's last confirmed event (:meth:`DeadLetterWriter.known_good`): the last event of its last
+#: delivered batches (five at most: a batch may hold nothing but dead letters and vanished events)
+#: that has no dead letter and is still in pgstream.events
+_KNOWN_GOOD = """
+select e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text
+from (select b.id, b.stream_id, b.event_ids, b.min_created_at, b.max_created_at from pgstream.batches b
+      where b.stream_id = %(stream)s and b.status = %(delivered)s order by b.id desc limit 5) b
+cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+join pgstream.events e
+  on e.id = o.id and e.stream_id + 0 = b.stream_id
+ and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+where not exists (select 1 from pgstream.dead_letters d where d.stream_id = b.stream_id and d.event_id = o.id)
+order by b.id desc, o.ord desc
+limit 1
+"""
 
 
 def count_dead_letters(conn: psycopg.Connection, stream_id: int) -> int:

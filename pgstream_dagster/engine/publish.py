@@ -22,9 +22,18 @@ the ledger).
   (``on_reject: dead_letter``), the rejected event is isolated (the events before it in its
   chunk were confirmed, per the sink contract; a multi-event request the sink rejected as a whole
   is bisected), published alone up to ``max_attempts`` times, then handed to
-  ``set_aside`` (which records the dead letter durably) and the next event goes on. More than
-  ``max_consecutive`` events set aside in a row stops the run instead: a sink that rejects every
-  event is misconfigured, and its events must wait, not be set aside.
+  ``set_aside`` (which records the dead letter durably) and the next event goes on.
+* **Reject storms.** Before a rejected event is set aside, the sink is asked whether it still
+  takes what it took before when ``max_consecutive`` events in a row were rejected, and at the
+  call's first rejection when it confirmed nothing yet in the call: the last event it confirmed (in
+  this call, else the stream's last delivered one, :attr:`RejectPolicy.known_good`) is published
+  again, a duplicate by id (the idempotency key). Confirmed: the rejections are the events' own,
+  they go on being set aside and the count starts again. Refused for good: the sink is
+  misconfigured (it refuses everything), the run stops (:class:`RejectStormError`) and the events
+  wait instead of being set aside. With no confirmed event to send (a stream that never delivered
+  one), ``max_consecutive`` rejections in a row stop the run. Whoever writes events can make them
+  rejected, but not make the sink refuse an event it confirmed: the guard is the sink's, not the
+  writers'.
 """
 
 from __future__ import annotations
@@ -128,7 +137,8 @@ class MissingEventsError(RuntimeError):
 
 
 class RejectStormError(SinkError):
-    """``max_consecutive`` events in a row were rejected: the sink, not the events, is at fault."""
+    """``max_consecutive`` events in a row were rejected and the sink also refused an event it had
+    confirmed before (or none was ever confirmed): the sink, not the events, is at fault."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,9 @@ class RejectPolicy:
     max_attempts: int = 3
     max_consecutive: int = 20
     backoff_secs: float = 0.5
+    #: the stream's last event the sink confirmed before this call, or ``None``: sent again to check the
+    #: sink after ``max_consecutive`` rejections when nothing was confirmed in the call itself
+    known_good: Callable[[], Event | None] | None = None
 
 
 def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: frozenset[Position] = frozenset(),
@@ -168,6 +181,8 @@ class _Publisher:
     owed: Sequence[Span] | None
     handled: int = 0  # published + set aside + skipped
     consecutive_rejects: int = 0
+    last_good: Event | None = None  # the last event the sink confirmed in this call (or its known_good)
+    looked_up: bool = False  # RejectPolicy.known_good was called
     counts: dict[int, int] = field(default_factory=dict)  # per batch: events handled (for BatchDone)
     chunk: list[Event] = field(default_factory=list)
     where: list[Position] = field(default_factory=list)  # the position of each event of ``chunk``
@@ -281,13 +296,13 @@ class _Publisher:
                     raise
                 rejected = exc
             else:
-                yield from self._confirmed(where, lo, hi)
+                yield from self._confirmed(events, where, lo, hi)
                 return
             # the events before the first rejected one were confirmed (sink contract)
             ids = set(rejected.event_ids)
             named = [i for i in range(lo, hi) if events[i].id in ids]
             first = named[0] if named else lo
-            yield from self._confirmed(where, lo, first)
+            yield from self._confirmed(events, where, lo, first)
             if len(named) <= 1:
                 yield from self._alone(events[first], where[first], rejected)
                 lo = first + 1
@@ -298,13 +313,48 @@ class _Publisher:
             yield from self._publish(events, where, mid, end)
             lo = end
 
-    def _confirmed(self, where: list[Position], start: int, end: int) -> Iterator[Delivery]:
+    def _confirmed(self, events: Sequence[Event], where: Sequence[Position], start: int,
+                   end: int) -> Iterator[Delivery]:
         if end <= start:
             return
         self.handled += end - start
         self.consecutive_rejects = 0
+        self.last_good = events[end - 1]
         yield Confirmed(*where[end - 1])
         yield Progress(self.handled)
+
+    def _check_sink(self, event: Event, error: SinkError, *, storm: bool) -> bool:
+        """Publish the last event the sink confirmed again (a duplicate by id) before ``event`` is set
+        aside: ``storm`` after ``max_consecutive`` rejections in a row, else at the call's first
+        rejection. Raises :class:`RejectStormError` when the sink refuses it for good too, or, in a
+        storm, when there is none to send; returns whether the sink took it. A failure that is not a
+        rejection propagates."""
+        policy = self.reject
+        assert policy is not None
+        probe = self.last_good
+        if probe is None and policy.known_good is not None and not self.looked_up:
+            self.looked_up = True
+            probe = policy.known_good()
+        what = (f"{policy.max_consecutive} events in a row were rejected (the last: event {event.id}, {error})"
+                if storm else f"event {event.id} was rejected ({error})")
+        if probe is None:
+            if not storm:
+                return False
+            raise RejectStormError(
+                f"{what}, and the sink has confirmed no event of the stream to check it with: a sink that "
+                f"rejects everything is misconfigured, so the stream waits instead of setting them aside",
+                sink=error.sink, event_ids=[event.id])
+        try:
+            self.sink.publish([probe])
+        except SinkError as exc:
+            if not exc.permanent:
+                raise
+            raise RejectStormError(
+                f"{what}, and the sink now also rejects event {probe.id}, which it confirmed before ({exc}): "
+                f"the sink is misconfigured, not the events, so the stream waits instead of setting them aside",
+                sink=error.sink, event_ids=[event.id]) from None
+        self.last_good = probe
+        return True
 
     def _alone(self, event: Event, position: Position, first_error: SinkError) -> Iterator[Delivery]:
         """Publish a rejected event on its own, retrying; set it aside when the sink keeps rejecting it."""
@@ -323,13 +373,12 @@ class _Publisher:
                     raise
                 error = exc
                 continue
-            yield from self._confirmed([position], 0, 1)
+            yield from self._confirmed([event], [position], 0, 1)
             return
-        if self.consecutive_rejects + 1 >= policy.max_consecutive:
-            raise RejectStormError(
-                f"{policy.max_consecutive} events in a row were rejected (the last: event {event.id}, {error}); "
-                f"a sink that rejects everything is misconfigured: the stream waits instead of setting them aside",
-                sink=error.sink, event_ids=[event.id])
+        storm = self.consecutive_rejects + 1 >= policy.max_consecutive
+        if storm or self.last_good is None:
+            if self._check_sink(event, error, storm=storm):
+                self.consecutive_rejects = 0  # the sink takes what it took before: the rejections are the events'
         policy.set_aside(position[0], position[1], event, str(error), attempts)
         self.consecutive_rejects += 1
         self.handled += 1

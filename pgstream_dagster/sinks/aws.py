@@ -46,6 +46,7 @@ from pydantic import Field, model_validator
 from .base import (
     Event,
     EventPath,
+    RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
@@ -424,7 +425,10 @@ class AwsMessageSink(AwsBatchSink[M]):
         if not config.fifo and config.message_group_id is None and config.message_group_id_from is None:
             return None
         fixed = config.message_group_id or str(event.stream_id)
-        group, from_event = route(event, fixed, config.message_group_id_from)
+        try:
+            group, from_event = route(event, fixed, config.message_group_id_from)
+        except RoutingError as exc:  # the event's content cannot be read (EventContentError)
+            raise self._error([event], f"not sent to {self._target()}: {exc}", permanent=True) from None
         if not _GROUP_ID.fullmatch(group):
             # from the event (payload or metadata): the event's fault (the fixed one is validated at load)
             raise self._error([event], f"invalid MessageGroupId {group[:200]!r} (1-128 printable ASCII characters, "

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 __all__ = [
     "PATH_SOURCES",
     "Event",
+    "EventContentError",
     "EventPath",
     "MissingExtraError",
     "PayloadPath",
@@ -35,6 +36,7 @@ __all__ = [
     "excerpt",
     "header_value",
     "import_extra",
+    "loads_event_json",
     "lookup_event",
     "lookup_path",
     "parse_event_path",
@@ -103,17 +105,18 @@ class Event:
 
     @property
     def payload(self) -> dict[str, Any]:
-        """The payload as a dict (parsed from ``payload_json`` on first use)."""
+        """The payload as a dict (parsed from ``payload_json`` on first use, by :func:`loads_event_json`:
+        raises :class:`EventContentError` when Python cannot represent it)."""
         if self._payload is _UNSET:
             assert self._payload_json is not None  # __init__ keeps the text when there is no dict
-            object.__setattr__(self, "_payload", json.loads(self._payload_json))
+            object.__setattr__(self, "_payload", loads_event_json(self._payload_json, self._id, "payload"))
         return self._payload
 
     @property
     def metadata(self) -> dict[str, Any] | None:
         if self._metadata is _UNSET:
             assert self._metadata_json is not None  # __init__ unsets the dict only when there is text
-            object.__setattr__(self, "_metadata", json.loads(self._metadata_json))
+            object.__setattr__(self, "_metadata", loads_event_json(self._metadata_json, self._id, "metadata"))
         return self._metadata
 
     @property
@@ -247,6 +250,46 @@ class RoutingError(ValueError):
     """An event's destination name (stream, subject, routing key) cannot be derived from its payload or metadata."""
 
 
+class EventContentError(RoutingError):
+    """An event's payload or metadata text cannot be parsed in Python (nesting deeper than the
+    interpreter's recursion limit, invalid JSON). A :class:`RoutingError`: every sink that reads
+    the event to route it turns it into a permanent rejection of that one event."""
+
+
+def _number(text: str) -> int | decimal.Decimal:
+    """A JSON integer: an ``int``, or a :class:`decimal.Decimal` (exact, any length) when it has
+    more digits than Python converts to ``int`` (``sys.get_int_max_str_digits()``, 4,300 by default)."""
+    try:
+        return int(text)
+    except ValueError:
+        return decimal.Decimal(text)
+
+
+def loads_event_json(text: str, event_id: int | None = None, what: str = "payload") -> Any:
+    """Parse an event's JSON text (as read from Postgres, which accepts what Python may not).
+
+    An integer longer than Python converts to ``int`` stays an exact number (a
+    :class:`decimal.Decimal`; :func:`event_scalar` and :func:`route` give its digits). Text that still
+    cannot be parsed (nesting deeper than the recursion limit, invalid JSON) raises
+    :class:`EventContentError` naming the event, never the content.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        error: BaseException = exc
+    except ValueError:  # an integer over the int conversion limit: parse again, keeping it exact
+        try:
+            return json.loads(text, parse_int=_number)
+        except (ValueError, RecursionError) as exc:
+            error = exc
+    except RecursionError as exc:
+        error = exc
+    what_event = f"event {event_id}'s {what}" if event_id is not None else f"the event's {what}"
+    reason = ("is nested deeper than Python can parse" if isinstance(error, RecursionError)
+              else f"is not JSON Python can parse ({type(error).__name__})")
+    raise EventContentError(f"{what_event} {reason}") from None
+
+
 #: the sources an :data:`EventPath` may name with a prefix (``metadata:region``); none means the payload
 PATH_SOURCES = ("payload", "metadata")
 
@@ -312,6 +355,8 @@ def event_scalar(event: Event, path: str) -> str | None:
         return value or None
     if isinstance(value, bool | int | float):
         return dumps(value)
+    if isinstance(value, decimal.Decimal):  # an integer too long for int (loads_event_json)
+        return str(value)
     if value is None:
         return None
     raise RoutingError(f"{describe_path(path)} is {type(value).__name__}, not a scalar")
@@ -342,6 +387,8 @@ def route(event: Event, fixed: str | None, path: str | None, prefix: str = "") -
             return prefix + value, True
         if isinstance(value, bool | int | float):
             return prefix + dumps(value), True
+        if isinstance(value, decimal.Decimal):
+            return prefix + str(value), True
         if fixed is None:
             if value is None or value == "":
                 found = "is missing" if value is None else "is empty"

@@ -10,14 +10,19 @@ refused this request's content (400, 409, 413, 422...), and a body over ``max_bo
 before sending). Not permanent, because they say nothing about the event and would reject every
 one: 401, 403 and 407 (credentials, signature), 404, 405, 410 and 421 (wrong URL or method), 415
 and 431 (content type and headers are the same for every request), 426 (needs another protocol),
-408 and 429 (retried: time and rate); and 3xx, 5xx, timeouts and connection errors. A batch request
+408 and 429 (retried: time and rate); and 3xx, 5xx, timeouts and connection errors. Except when the
+refused part of the request came from the event: a 404 or 410 on a ``path_from`` segment taken from
+the event (not ``path_default``) and a 431 on a request carrying ``headers_from`` values are
+permanent rejections of that event (a receiver refusing every route is the stream's reject-storm
+guard's to catch). A batch request
 (``mode: batch``) refused as a whole names all its events; the caller isolates the bad one by
 publishing them one at a time. With ``routing_key``, the other keys' requests that come before
 the rejected event in the call are still sent, so that every event before it is confirmed. With
 ``path_from``/``headers_from``, an event whose path segment or header value cannot be sent (not a
 URL path segment, a line break or non-ASCII in a header value, an object where a scalar belongs, no
-segment and no ``path_default``) is a permanent rejection, found before anything is sent: the
-events before it are sent first. The message names the path and the header, never the value.
+segment and no ``path_default``, a header value over ``max_header_value_bytes``, a payload Python
+cannot parse) is a permanent rejection, found before anything is sent: the events before it are
+sent first. The message names the path and the header, never the value.
 """
 
 from __future__ import annotations
@@ -81,6 +86,12 @@ _RETRY_4XX = frozenset({408, 429})
 #: so they are not permanent rejections: credentials or signature (401, 403, 407), URL or method (404,
 #: 405, 410, 421), content type and headers sent with every request (415, 431), protocol (426)
 _CONFIG_4XX = frozenset({401, 403, 404, 405, 407, 410, 415, 421, 426, 431})
+
+#: 4xx answers about the configuration that concern the part of the request taken from the event when
+#: there is one (a path segment from ``path_from``: 404, 410; headers from ``headers_from``: 431): then
+#: they are the event's, a permanent rejection
+_SEGMENT_4XX = frozenset({404, 410})
+_HEADERS_4XX = frozenset({431})
 
 #: a URL path segment taken from an event (``path_from``): RFC 3986 unreserved characters only, so it
 #: needs no escaping and can neither add a segment ("/"), a query ("?") or a fragment ("#"), nor be
@@ -194,6 +205,7 @@ class HttpSinkConfig(SinkConfigBase):
     initial_backoff_secs: float = Field(default=0.5, ge=0)
     max_backoff_secs: float = Field(default=30, ge=0)
     max_body_bytes: int | None = Field(default=None, ge=1)
+    max_header_value_bytes: int = Field(default=4096, ge=1, le=65536)
 
     @field_validator("url")
     @classmethod
@@ -261,10 +273,13 @@ class _Failure(Exception):
 
 @dataclass(frozen=True)
 class _Route:
-    """Where one event goes: the URL's extra path segment and the headers taken from the event."""
+    """Where one event goes: the URL's extra path segment and the headers taken from the event, and
+    its lane (the JSON text of its ``routing_key`` value)."""
 
     segment: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
+    segment_from_event: bool = False  # the segment is the event's (not ``path_default``)
+    lane: str = ""
 
 
 _UNROUTED = _Route()
@@ -279,6 +294,7 @@ class _Request:
     start: int  # position in the publish call of the request's first event
     url: str  # secret: the configured URL, plus the event's path segment
     target: str  # "POST <url>" for messages (redact_url)
+    event_statuses: frozenset[int] = frozenset()  # config-class statuses that are about the event's own route
 
 
 @dataclass
@@ -336,6 +352,9 @@ class HttpSink(Sink):
         self._pool: ThreadPoolExecutor | None = None
         self._secrets = config.secret_values()
         self._routed = config.path_from is not None or bool(config.headers_from)
+        # events are read before sending (their route, their lane): a content Python cannot parse is then
+        # a permanent rejection of that event, found before anything after it is sent
+        self._prepared = self._routed or (config.routing_key is not None and config.max_concurrency > 1)
         self._urls: dict[str | None, tuple[str, str]] = {}  # segment -> (url, target)
         secret = config.signing_secret
         self._key = decode_signing_secret(secret.get_secret_value()) if secret is not None else None
@@ -348,7 +367,7 @@ class HttpSink(Sink):
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
             return
-        if self._routed:  # every event's path and headers first: a rejected one is sent after those before it
+        if self._prepared:  # every event's route first: a rejected one is sent after those before it
             publish_prepared(events, self._route, self._publish)
         else:
             self._publish(events, [_UNROUTED] * len(events))
@@ -359,8 +378,10 @@ class HttpSink(Sink):
         config = self.config
         try:
             segment: str | None = None
+            from_event = False
             if config.path_from is not None:
                 segment = event_scalar(event, config.path_from)
+                from_event = segment is not None
                 if segment is None:
                     if config.path_default is None:
                         raise RoutingError(f"{describe_path(config.path_from)} is missing or empty and there is "
@@ -368,19 +389,27 @@ class HttpSink(Sink):
                     segment = config.path_default
                 elif not _valid_segment(segment):
                     raise RoutingError(f"path_from: the value at {describe_path(config.path_from)} is not one URL "
-                                       "path segment (letters, digits and . _ ~ - only, not . or ..)")
+                                       "path segment (letters, digits and . _ ~ - only, not . or .., at most 255)")
             headers: list[tuple[str, str]] = []
+            limit = config.max_header_value_bytes
             for name, path in config.headers_from.items():
                 value = event_scalar(event, path)
                 if value is not None:
                     try:
-                        headers.append((name, header_value(name, value)))
+                        cleaned = header_value(name, value)
                     except ValueError as exc:
                         raise RoutingError(f"headers_from: {exc} (from {describe_path(path)})") from None
+                    if len(cleaned) > limit:  # ASCII: characters are bytes
+                        raise RoutingError(f"headers_from: header {name!r} would be {len(cleaned)} bytes, more "
+                                           f"than max_header_value_bytes ({limit}) (from {describe_path(path)})")
+                    headers.append((name, cleaned))
+            lane = ""
+            if config.routing_key is not None and config.max_concurrency > 1:
+                lane = dumps(lookup_event(event, config.routing_key))
         except RoutingError as exc:
             raise SinkError.for_events("http", [event], f"{self._url(None)[1]} not sent: {exc}", self._secrets,
                                        permanent=True) from None
-        return _Route(segment, tuple(headers))
+        return _Route(segment, tuple(headers), from_event, lane)
 
     def _url(self, segment: str | None) -> tuple[str, str]:
         """(URL, ``POST <redacted URL>``) of a request to the configured URL plus ``segment``."""
@@ -411,13 +440,9 @@ class HttpSink(Sink):
 
     def _lanes(self, events: Sequence[Event], routes: Sequence[_Route]) -> list[list[_Request]]:
         """Requests grouped by routing key (first-seen key order), each group in event order."""
-        path = self.config.routing_key
         groups: dict[str, list[_Item]] = {}
-        if path is None or self.config.max_concurrency == 1:
-            groups[""] = list(zip(range(len(events)), events, routes, strict=True))
-        else:
-            for item in zip(range(len(events)), events, routes, strict=True):
-                groups.setdefault(dumps(lookup_event(item[1], path)), []).append(item)
+        for item in zip(range(len(events)), events, routes, strict=True):
+            groups.setdefault(item[2].lane, []).append(item)  # every lane "" without routing_key
         return [[self._request(chunk) for chunk in self._chunks(group)] for group in groups.values()]
 
     def _body_of(self, event: Event) -> str:
@@ -469,7 +494,10 @@ class HttpSink(Sink):
         headers["Idempotency-Key"] = msg_id
         headers["webhook-id"] = msg_id
         url, target = self._url(route.segment)
-        return _Request(events, msg_id, body.encode(), headers, items[0][0], url, target)
+        # a 404/410 on the event's own path segment, a 431 on headers carrying the event's values: the event's
+        statuses = (_SEGMENT_4XX if route.segment_from_event else frozenset()) | (
+            _HEADERS_4XX if route.headers else frozenset())
+        return _Request(events, msg_id, body.encode(), headers, items[0][0], url, target, statuses)
 
     def _send_lane(self, lane: list[_Request], control: _Control) -> _LaneResult:
         """Send a lane's requests in order; stop at the first failure (or when another lane's failure
@@ -569,7 +597,10 @@ class HttpSink(Sink):
             reason += f": {body_excerpt}"
         retry_after = _retry_after(response.headers.get("Retry-After")) if status in _RETRY_AFTER_STATUSES else None
         retryable = status >= 500 or status in _RETRY_4XX
-        permanent = 400 <= status < 500 and status not in _RETRY_4XX and status not in _CONFIG_4XX
+        permanent = 400 <= status < 500 and status not in _RETRY_4XX and (
+            status not in _CONFIG_4XX or status in request.event_statuses)
+        if permanent and status in _CONFIG_4XX:
+            reason += " (the request's path segment or headers came from the event)"
         raise _Failure(reason, retryable=retryable, retry_after=retry_after, permanent=permanent)
 
     def _wait(self, state: RetryCallState) -> float:

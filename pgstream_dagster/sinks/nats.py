@@ -11,9 +11,12 @@ headers; 1 MiB by default), refused before sending (a server receiving one would
 connection), also when the client raises ``MaxPayloadError``; a JetStream answer "message size
 exceeds maximum allowed" (the stream's ``max_msg_size``, err_code 10054) or "header size exceeds
 maximum allowed" (10097); an event whose subject cannot be taken from it (missing from its
-payload or metadata with no fixed ``subject``, or invalid: whitespace, wildcard, empty token).
-Not permanent: a subject no stream captures (create or extend the stream), timeouts, connection
-and authorization errors, other JetStream errors (a full stream, no quorum).
+payload or metadata with no fixed ``subject``, or invalid: whitespace, wildcard, empty token, over
+``_MAX_SUBJECT_BYTES``: the server would close the connection on a protocol line that long); a
+subject taken from the event that no JetStream stream captures (a prefix no stream covers rejects
+every event: the stream's reject-storm guard catches that).
+Not permanent: the fixed subject that no stream captures (create or extend the stream), timeouts,
+connection and authorization errors, other JetStream errors (a full stream, no quorum).
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ class NatsSinkConfig(SinkConfigBase):
 
 _BAD_SUBJECT_CHARS = frozenset(" \t\r\n*>")
 
+#: the longest subject sent: the server's protocol line (``HPUB <subject> <reply> <sizes>``) is at most
+#: ``max_control_line`` bytes (4 KiB by default) and a longer one closes the connection
+_MAX_SUBJECT_BYTES = 3840
+
 #: JetStream publish errors that refuse the message itself: message size exceeds the stream's
 #: max_msg_size (10054), headers exceed 64 KiB (10097)
 _REJECTING_ERR_CODES = frozenset({10054, 10097})
@@ -139,7 +146,8 @@ class NatsSink(Sink):
         # every subject first: the events before a rejected one are sent, then it is rejected
         publish_prepared(events, self._subject_of, lambda sent, subjects: self._run(self._publish(sent, subjects)))
 
-    def _subject_of(self, event: Event) -> str:
+    def _subject_of(self, event: Event) -> tuple[str, bool]:
+        """The subject of ``event`` and whether it came from the event."""
         config = self.config
         try:
             subject, from_event = route(event, config.subject, config.subject_from, config.subject_prefix)
@@ -148,11 +156,14 @@ class NatsSink(Sink):
         if (_BAD_SUBJECT_CHARS.intersection(subject) or subject.startswith(".") or subject.endswith(".")
                 or ".." in subject):
             # from the event: the event's fault; the fixed subject: the configuration's
-            raise self._error([event], f"invalid subject {subject!r} (whitespace, wildcard or empty token)",
+            raise self._error([event], f"invalid subject {subject[:200]!r} (whitespace, wildcard or empty token)",
                               permanent=from_event)
-        return subject
+        if len(subject.encode()) > _MAX_SUBJECT_BYTES:
+            raise self._error([event], f"subject {subject[:100]!r}... is {len(subject.encode())} bytes, more than "
+                                       f"{_MAX_SUBJECT_BYTES}", permanent=from_event)
+        return subject, from_event
 
-    async def _publish(self, events: Sequence[Event], subjects: Sequence[str]) -> None:
+    async def _publish(self, events: Sequence[Event], subjects: Sequence[tuple[str, bool]]) -> None:
         errors = (self._nats.errors.Error, self._nats.js.errors.Error, OSError, asyncio.TimeoutError)
         try:
             nc = await self._connected()
@@ -167,7 +178,7 @@ class NatsSink(Sink):
         timeout = self.config.timeout_secs
         rejection: SinkError | None = None
         sent = 0
-        for event, subject in zip(events, subjects, strict=True):
+        for event, (subject, from_event) in zip(events, subjects, strict=True):
             headers = {
                 "Nats-Msg-Id": str(event.id),
                 "Pgstream-Event-Id": str(event.id),
@@ -189,7 +200,10 @@ class NatsSink(Sink):
                 else:
                     await nc.publish(subject, data, headers=headers)
             except self._nats.js.errors.NoStreamResponseError:
-                raise self._error([event], f"no JetStream stream captures subject {subject!r}") from None
+                # a subject from the event (the events before it were acknowledged): the event's route
+                reason = f"no JetStream stream captures subject {subject!r}" + (
+                    " (taken from the event)" if from_event else "")
+                raise self._error([event], reason, permanent=from_event) from None
             except self._nats.errors.MaxPayloadError:
                 reason = f"not sent to {subject!r}: larger than the server's max_payload at {self._target}"
                 rejection = self._error([event], reason, permanent=True)

@@ -6,11 +6,14 @@ is larger than configured max size"), a body over ``max_message_bytes`` (refused
 and an event whose exchange or routing key cannot be taken from it (missing from its payload or
 metadata with no fixed fallback, or longer than AMQP's 255 bytes). The events before it are confirmed first.
 
-Not permanent: an unroutable message (``mandatory``: no queue bound for the routing key), even when
-the routing key comes from the event, because binding a queue makes the same message routable and
-a wrong ``routing_key_prefix`` or a forgotten binding would otherwise reject every event (like a
-missing Kafka topic or a subject no NATS stream captures); a missing exchange (404), a nack (a full
-queue with ``overflow: reject-publish``), authentication, connection and other channel errors.
+A route taken from the event is the event's: an unroutable message (``mandatory``: no queue bound
+for the routing key) whose routing key or exchange came from the event, and a missing exchange
+(404) that came from the event, are permanent rejections of that event. A wrong
+``routing_key_prefix`` or a forgotten binding then rejects every event: the stream's reject-storm
+guard catches that (the broker refuses the event it confirmed before, so the stream blocks).
+
+Not permanent: the same refusals of the fixed ``routing_key``/``exchange``, a nack (a full queue
+with ``overflow: reject-publish``), authentication, connection and other channel errors.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ if TYPE_CHECKING:
     from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 __all__ = ["RabbitMqSink", "RabbitMqSinkConfig"]
+
+#: one message: (exchange, routing key), body, (exchange from the event, exchange or routing key from it)
+_Message = tuple[tuple[str, str], bytes, tuple[bool, bool]]
 
 #: AMQP short strings (exchange names, routing keys) hold at most this many bytes
 _SHORT_STRING_BYTES = 255
@@ -122,7 +128,7 @@ class RabbitMqSink(Sink):
         self._channel = channel
         return channel
 
-    def _message(self, event: Event) -> tuple[tuple[str, str], bytes]:
+    def _message(self, event: Event) -> _Message:
         """The route and body of ``event``; a permanent :class:`SinkError` when it cannot be sent."""
         config = self.config
         try:
@@ -142,22 +148,24 @@ class RabbitMqSink(Sink):
             reason = (f"not sent ({_describe((exchange, routing_key))}): the body is {len(body)} bytes, more than "
                       f"max_message_bytes ({limit})")
             raise self._error([event], reason, permanent=True)
-        return (exchange, routing_key), body
+        return (exchange, routing_key), body, (exchange_from_event, exchange_from_event or key_from_event)
 
     def publish(self, events: Sequence[Event]) -> None:
         # every message first: the events before a rejected one are sent, then it is rejected
         publish_prepared(events, self._message, self._publish)
 
-    def _publish(self, events: Sequence[Event], messages: Sequence[tuple[tuple[str, str], bytes]]) -> None:
+    def _publish(self, events: Sequence[Event], messages: Sequence[_Message]) -> None:
         exceptions = self._pika.exceptions
         failing: Sequence[Event] = events  # until connected, the whole batch is at stake
         destination = messages[0][0]
+        exchange_derived = route_derived = False  # the failing message's exchange / route came from its event
         publishing = False
         try:
             channel = self._ensure_channel()
             publishing = True
             for index, event in enumerate(events):
-                failing, (destination, body) = events[index : index + 1], messages[index]
+                failing, (destination, body, (exchange_derived, route_derived)) = (events[index : index + 1],
+                                                                                    messages[index])
                 headers: dict[str, Any] = {"x-pgstream-stream-id": event.stream_id}
                 if event.metadata_json is not None:
                     headers["x-pgstream-metadata"] = event.metadata_json
@@ -176,16 +184,24 @@ class RabbitMqSink(Sink):
                     mandatory=True,
                 )
         except exceptions.UnroutableError:
-            raise self._error(failing, f"unroutable: no queue bound for {_describe(destination)}") from None
+            # a routing key or exchange taken from the event that no queue is bound for: the event's route
+            reason = f"unroutable: no queue bound for {_describe(destination)}"
+            if route_derived:
+                reason += " (taken from the event)"
+            raise self._error(failing, reason, permanent=route_derived) from None
         except exceptions.NackError:
             raise self._error(failing, f"nacked by the broker ({_describe(destination)})") from None
         except (exceptions.AMQPError, OSError) as exc:
             self.close()
             # the broker refused this message for its size: only then is it the event's fault
-            too_large = (publishing and isinstance(exc, exceptions.ChannelClosedByBroker) and exc.reply_code == 406
-                         and _TOO_LARGE.search(str(exc.reply_text)) is not None)
+            code = exc.reply_code if publishing and isinstance(exc, exceptions.ChannelClosedByBroker) else None
+            too_large = code == 406 and _TOO_LARGE.search(str(getattr(exc, "reply_text", ""))) is not None
+            # an exchange taken from the event that does not exist: the event's route
+            no_exchange = code == 404 and exchange_derived
             reason = f"{self._target} {_describe(destination)}: {describe_exception(exc)}"
-            raise self._error(failing, reason, permanent=too_large) from None
+            if no_exchange:
+                reason += " (the exchange was taken from the event)"
+            raise self._error(failing, reason, permanent=too_large or no_exchange) from None
 
     def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
         return SinkError.for_events("rabbitmq", events, reason, self.config.secret_values(), permanent=permanent)

@@ -4,9 +4,11 @@ server-side script (``EVALSHA``; a pipelined MULTI/EXEC where scripts are not al
 Permanent rejections (``SinkError.permanent``), each found before anything is sent for that event
 (the events before it are sent first): an entry larger than ``max_message_bytes``, and an event
 whose stream name cannot be taken from it (``stream_from`` missing from its payload or metadata,
-no ``stream`` fallback). Redis itself accepts any entry: its errors (connection, authentication, OOM under
-``maxmemory``, WRONGTYPE for a key that is not a stream, READONLY replica) are about the server
-or its data, never about the event, and are not permanent.
+no ``stream`` fallback, a payload Python cannot parse). And WRONGTYPE for a stream name taken from
+the event (the event names a key that is not a stream): the entries before it were added, it is
+the event's route. Redis itself accepts any entry: its other errors (connection, authentication, OOM
+under ``maxmemory``, WRONGTYPE for the fixed ``stream``, READONLY replica) are about the server or
+its data, never about the event, and are not permanent.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .base import (
     import_extra,
     publish_prepared,
     redact_url,
+    route,
     route_name,
 )
 
@@ -182,12 +185,40 @@ class RedisSink(Sink):
             else:
                 added = self._pipelined(entries)
         except self._redis_mod.RedisError as exc:
+            rejection = self._wrong_type(events, entries) if "WRONGTYPE" in str(exc) else None
             self.close()
+            if rejection is not None:
+                raise rejection from None
             names = sorted({entry[0] for entry in entries})
             where = f"stream {names[0]!r}" if len(names) == 1 else f"{len(names)} streams"
             raise self._error(events, f"XADD to {where} at {self._target} failed: {describe_exception(exc)}") from None
         if added != len(events):
             raise self._error(events, f"expected {len(events)} entries added at {self._target}, got {added}")
+
+    def _wrong_type(self, events: Sequence[Event], entries: Sequence[Entry]) -> SinkError | None:
+        """After WRONGTYPE: a permanent rejection of the first event whose stream is a key of another type,
+        when that name came from the event (the entries before it were added: the script stops at the
+        error, MULTI/EXEC runs every command); ``None`` otherwise (or when that cannot be told)."""
+        config = self.config
+        if config.stream_from is None:
+            return None
+        try:
+            client = self._conn()
+            types: dict[str, str] = {}
+            for event, entry in zip(events, entries, strict=True):
+                stream = entry[0]
+                if stream not in types:
+                    found = client.type(stream)
+                    types[stream] = found.decode() if isinstance(found, bytes) else str(found)
+                if types[stream] not in ("stream", "none"):
+                    if not route(event, config.stream, config.stream_from, config.stream_prefix)[1]:
+                        return None  # the fixed stream: the configuration's
+                    return self._error([event], f"XADD to stream {stream!r} at {self._target} refused: the key "
+                                                f"holds a {types[stream]}, not a stream (the name was taken from "
+                                                "the event)", permanent=True)
+        except self._redis_mod.RedisError:
+            return None
+        return None
 
     def _scripted(self, entries: Sequence[Entry]) -> int:
         client = self._conn()

@@ -1,5 +1,6 @@
-"""A real HTTP endpoint for fault tests: it records the event ids it accepted and can answer 500,
-flap (every other request fails), hang for a while, run a hook, or go down (connection refused)."""
+"""A real HTTP endpoint for fault tests: it records the event ids it accepted (and their bodies) and
+can answer 500, flap (every other request fails), hang for a while, run a hook, go down (connection
+refused), refuse content (422) or answer 404 for paths it does not serve."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ class Endpoint:
         self.reject_ids: set[int] = set()  # a request carrying one of these is answered 422 (a poison event)
         self.rejected: list[int] = []  # event ids of the requests answered 422
         self.fail_once_ids: set[int] = set()  # the first request carrying one of these is answered 500
+        self.reject_marker: bytes | None = None  # a request whose body contains it is answered 422
+        self.paths: set[str] | None = None  # the paths it serves (None: every path); others are answered 404
+        self.not_found: list[int] = []  # event ids of the requests answered 404
+        self.bodies: dict[int, bytes] = {}  # the body of each accepted one-event request, by event id
         self.accepted_at_failure: int | None = None  # len(accepted) when a fail_once_ids request was refused
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -41,7 +46,7 @@ class Endpoint:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 ids = self.headers.get("X-Pgstream-Event-Ids") or self.headers.get("X-Pgstream-Event-Id") or ""
                 with endpoint._lock:
                     endpoint.requests += 1
@@ -58,7 +63,16 @@ class Endpoint:
                         endpoint.fail_once_ids -= once
                         endpoint.accepted_at_failure = len(endpoint.accepted)
                         fail = True
+                if endpoint.paths is not None and self.path not in endpoint.paths and not fail:
+                    with endpoint._lock:
+                        endpoint.not_found.extend(carried)
+                    self.send_response(404)
+                    self.end_headers()
+                    self.wfile.write(b"no such hook")
+                    return
                 poison = [i for i in carried if i in endpoint.reject_ids]
+                if endpoint.reject_marker is not None and endpoint.reject_marker in body and carried:
+                    poison = poison or carried
                 if poison and not fail:
                     with endpoint._lock:
                         endpoint.rejected.extend(carried)
@@ -75,6 +89,8 @@ class Endpoint:
                     return
                 with endpoint._lock:
                     endpoint.accepted.extend(int(i) for i in ids.split(",") if i)
+                    if len(carried) == 1:
+                        endpoint.bodies[carried[0]] = body
                 self.send_response(200)
                 self.end_headers()
 
