@@ -220,6 +220,19 @@ as $$
 $$;
 revoke all on function pgstream._row_sources(pgstream.operation_type, text, text) from public;
 
+-- Whether a table is partitioned: its subscriptions' triggers are then statement triggers on it
+-- and on each of its partitions, in both modes (see _sync_partition_triggers).
+create or replace function pgstream._is_partitioned(p_schema text, p_table text)
+returns boolean
+language sql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce((select c.relkind = 'p' from pg_catalog.pg_class c
+                     where c.oid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table))), false)
+$$;
+revoke all on function pgstream._is_partitioned(text, text) from public;
+
 -- ---------------------------------------------------------------------------------------------
 -- Parses and type-checks one expression against the table's row without evaluating it, in an
 -- always-rolled-back subtransaction: the expression becomes the single column of a temporary
@@ -483,11 +496,12 @@ begin
             p_sub.schema_name, p_sub.table_name, 'trigger_mode',
             format('must be ''row'' or ''statement'', got %s', coalesce(quote_literal(p_sub.trigger_mode), 'NULL')));
     end if;
-    if p_sub.trigger_mode = 'statement' and p_sub.operation = 'UPDATE' then
+    if p_sub.trigger_mode = 'statement' and p_sub.operation = 'UPDATE'
+       and not pgstream._is_partitioned(p_sub.schema_name, p_sub.table_name) then
         perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
             p_sub.schema_name, p_sub.table_name, 'trigger_mode',
-            'statement mode supports INSERT and DELETE only: an UPDATE statement''s old and new rows '
-            'cannot be paired without a key; use trigger_mode ''row''');
+            'statement mode supports INSERT and DELETE only (and UPDATE on a partitioned table): an UPDATE '
+            'statement''s old and new rows cannot be paired without a key; use trigger_mode ''row''');
     end if;
     perform pgstream._validate_subscription_003(p_sub);
 end
@@ -727,8 +741,22 @@ declare
     v_src    text := case p_op when 'DELETE' then 'old' else 'new' end;
     v_ts     constant text := '(pg_catalog.extract(''epoch''::pg_catalog.text, pg_catalog.now()) '
                               'operator(pg_catalog.*) 1000::pg_catalog.numeric)::pg_catalog.int8';
+    v_parted boolean := pgstream._is_partitioned(p_schema, p_table);
+    -- the statement's rows: INSERT and DELETE read their transition table; UPDATE pairs the old and
+    -- new tables by position (Postgres fills both in the same order, a row moved to another
+    -- partition included), and writes the events in that order
+    v_from   text := case when p_op = 'UPDATE'
+                          then 'cross join (select pg_catalog.row_number() over () as pgstream_pos, * from pgstream_old) as old
+    join (select pg_catalog.row_number() over () as pgstream_pos, * from pgstream_new) as new
+      on new.pgstream_pos operator(pg_catalog.=) old.pgstream_pos'
+                          else pg_catalog.format('cross join pgstream_%s as %s', v_src, v_src) end;
+    v_check  text := case when p_op = 'UPDATE' then $c$
+    if (select pg_catalog.count(*) from pgstream_old) operator(pg_catalog.<>) (select pg_catalog.count(*) from pgstream_new) then
+        raise exception 'pgstream: an UPDATE of % changed rows that cannot be paired (a trigger dropped a moved row?): no event written', tg_table_name
+            using errcode = 'cardinality_violation';
+    end if;$c$ else '' end;
 begin
-    if p_mode = 'row' then
+    if p_mode = 'row' and not v_parted then
         select pg_catalog.bool_and(pgstream._when_in_trigger(s)),
                pg_catalog.string_agg(pg_catalog.format('(%s)', s.when_clause), ' or ' order by s.stream_id, s.key, s.id),
                pg_catalog.string_agg(pg_catalog.format(
@@ -768,7 +796,7 @@ $f$, v_ts, v_blocks);
     end if;
 
     when_clause := null;
-    if p_mode is distinct from 'statement' or p_op = 'UPDATE' then
+    if p_mode not in ('row', 'statement') or (p_op = 'UPDATE' and not v_parted) then
         function_body := null;
         return;
     end if;
@@ -779,24 +807,26 @@ $f$, v_ts, v_blocks);
     -- (no expression runs for a row the subscription does not take); static metadata is a literal.
     select pg_catalog.count(*),
            pg_catalog.string_agg(pg_catalog.format(
-               '(case when %s then %s end, %s::pg_catalog.int8, %s)',
+               '(case when %s then %s end, %s::pg_catalog.int8, %s%s)',
                x.filter, x.payload, s.stream_id,
                case when pg_catalog.jsonb_array_length(s.metadata_extensions) = 0 then x.metadata
-                    else pg_catalog.format('case when %s then %s end', x.filter, x.metadata) end),
+                    else pg_catalog.format('case when %s then %s end', x.filter, x.metadata) end,
+               case when p_op = 'UPDATE' then ', ' || x.n end),
                E',\n            ' order by s.stream_id, s.key, s.id),
            pg_catalog.min(pg_catalog.format(
 $f$
 #variable_conflict use_column
-begin
+begin%s
     insert into pgstream.events (payload, stream_id, metadata)
     select %s,
            %s::pg_catalog.int8, %s
     from (select %s) as pgstream_ts(pgstream_ts_ms)
-    cross join pgstream_%s as %s
-    where %s;
+    %s
+    where %s%s;
     return null;
 end
-$f$, x.payload, s.stream_id, x.metadata, v_ts, v_src, v_src, x.filter))
+$f$, v_check, x.payload, s.stream_id, x.metadata, v_ts, v_from, x.filter,
+     case when p_op = 'UPDATE' then E'\n    order by old.pgstream_pos' else '' end))
     into v_count, v_blocks, function_body
     from pgstream.subscriptions s
     cross join lateral (select
@@ -805,10 +835,13 @@ $f$, x.payload, s.stream_id, x.metadata, v_ts, v_src, v_src, x.filter))
                               pg_catalog.format('%L::pg_catalog.text', p_op::text),
                               pg_catalog.format('%L::pg_catalog.text', p_table),
                               pg_catalog.format('%L::pg_catalog.text', p_schema), 'pgstream_ts.pgstream_ts_ms'),
-        pgstream._metadata_sql(s)
-    ) as x(filter, payload, metadata)
+        pgstream._metadata_sql(s),
+        (select pg_catalog.count(*) from pgstream.subscriptions o
+         where o.schema_name = p_schema and o.table_name = p_table and o.operation = p_op
+           and o.trigger_mode = p_mode and (o.stream_id, o.key, o.id) <= (s.stream_id, s.key, s.id))
+    ) as x(filter, payload, metadata, n)
     where s.schema_name = p_schema and s.table_name = p_table and s.operation = p_op
-      and s.trigger_mode = 'statement';
+      and s.trigger_mode = p_mode;
 
     if v_count <= 1 then
         return;  -- none: null (min of no rows); one: its plain INSERT ... SELECT
@@ -816,18 +849,20 @@ $f$, x.payload, s.stream_id, x.metadata, v_ts, v_src, v_src, x.filter))
     function_body := pg_catalog.format(
 $f$
 #variable_conflict use_column
-begin
+begin%s
     insert into pgstream.events (payload, stream_id, metadata)
     select e.payload, e.stream_id, e.metadata
     from (select %s) as pgstream_ts(pgstream_ts_ms)
-    cross join pgstream_%s as %s
+    %s
     cross join lateral (values
             %s
-    ) as e(payload, stream_id, metadata)
-    where e.payload is not null;
+    ) as e(payload, stream_id, metadata%s)
+    where e.payload is not null%s;
     return null;
 end
-$f$, v_ts, v_src, v_src, v_blocks);
+$f$, v_check, v_ts, v_from, v_blocks,
+     case when p_op = 'UPDATE' then ', pgstream_sub' else '' end,
+     case when p_op = 'UPDATE' then E'\n    order by old.pgstream_pos, e.pgstream_sub' else '' end);
 end
 $$;
 revoke all on function pgstream.generated_trigger(text, text, pgstream.operation_type, text) from public;
@@ -878,6 +913,82 @@ as $$
 $$;
 revoke all on function pgstream._record_subscribed_columns(text, text) from public;
 
+-- The DDL of a generated trigger on one table: a deferred constraint trigger for each row (row
+-- mode on a table that is not partitioned), else a statement trigger with the transition tables its
+-- operation reads (statement mode; both modes on a partitioned table and on each of its partitions,
+-- where Postgres clones no statement trigger and moves a row as a delete and an insert).
+create or replace function pgstream._create_trigger_sql(
+    p_trg text, p_op text, p_rel pg_catalog.regclass, p_statement boolean, p_when text, p_fn text
+)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case
+        when not p_statement then pg_catalog.format(
+            'create constraint trigger %I after %s on %s deferrable initially deferred '
+            'for each row %s execute function pgstream.%I()',
+            p_trg, p_op, p_rel, case when p_when is null then '' else pg_catalog.format('when (%s)', p_when) end, p_fn)
+        else pg_catalog.format(
+            'create trigger %I after %s on %s %s for each statement execute function pgstream.%I()',
+            p_trg, p_op, p_rel,
+            case p_op when 'DELETE' then 'referencing old table as pgstream_old'
+                      when 'INSERT' then 'referencing new table as pgstream_new'
+                      when 'UPDATE' then 'referencing old table as pgstream_old new table as pgstream_new'
+                      else '' end,
+            p_fn)
+    end
+$$;
+revoke all on function pgstream._create_trigger_sql(text, text, pg_catalog.regclass, boolean, text, text) from public;
+
+-- The copies of one generated statement trigger (p_trg calling pgstream.p_fn()) on the partitions
+-- of a partitioned subscribed table: every partition of its tree gets one (same name, function
+-- and comment), and a table that carries one but is no longer in the tree (detached) loses it, as
+-- does every table when the subscribed table has none. Called in pgstream's own DDL
+-- (pgstream.internal_ddl) by trigger regeneration and by the drift guard after CREATE TABLE ...
+-- PARTITION OF and ALTER TABLE ... ATTACH / DETACH PARTITION.
+create or replace function pgstream._sync_partition_triggers(
+    p_schema text, p_table text, p_op text, p_trg text, p_fn text
+)
+returns void
+language plpgsql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_rel  pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_fn   pg_catalog.oid := pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', p_fn));
+    v_root record;
+    v_part record;
+begin
+    if v_fn is null then
+        return;
+    end if;
+    select t.oid, pg_catalog.obj_description(t.oid, 'pg_trigger') as hash into v_root
+    from pg_catalog.pg_trigger t
+    where t.tgrelid = v_rel and t.tgname = p_trg and t.tgfoid = v_fn;
+    for v_part in select t.tgrelid::pg_catalog.regclass as rel from pg_catalog.pg_trigger t
+                  where t.tgfoid = v_fn and t.tgname = p_trg and t.tgparentid = 0
+                    and t.tgrelid is distinct from v_rel::pg_catalog.oid
+                    and (v_root.oid is null
+                         or not exists (select 1 from pg_catalog.pg_partition_tree(v_rel) p where p.relid = t.tgrelid)) loop
+        execute pg_catalog.format('drop trigger %I on %s', p_trg, v_part.rel);
+    end loop;
+    if v_root.oid is null or not pgstream._is_partitioned(p_schema, p_table) then
+        return;
+    end if;
+    for v_part in select p.relid as rel from pg_catalog.pg_partition_tree(v_rel) p
+                  where p.relid <> v_rel
+                    and not exists (select 1 from pg_catalog.pg_trigger t where t.tgrelid = p.relid and t.tgname = p_trg)
+                  order by p.level, p.relid loop
+        execute pgstream._create_trigger_sql(p_trg, p_op, v_part.rel, true, null, p_fn);
+        execute pg_catalog.format('comment on trigger %I on %s is %L', p_trg, v_part.rel, v_root.hash);
+    end loop;
+end
+$$;
+revoke all on function pgstream._sync_partition_triggers(text, text, text, text, text) from public;
+
 -- Regenerates the trigger of one (schema, table, operation, mode). An identical definition is
 -- left untouched (same trigger oid) unless p_force. The function belongs to pgstream_writer.
 create or replace function pgstream._regenerate_trigger_mode(
@@ -912,6 +1023,10 @@ begin
     v_hash := pgstream.generated_trigger_hash(v_gen.function_body, v_gen.when_clause);
     if not p_force and v_gen.function_body is not null and v_current is not distinct from v_hash
        and v_owner = 'pgstream_writer' then
+        -- unchanged; the partitions created or detached since get or lose their copy
+        v_begun := pgstream._internal_ddl_begin();
+        perform pgstream._sync_partition_triggers(p_schema, p_table, p_op::text, v_trg, v_fn);
+        perform pgstream._internal_ddl_end(v_begun);
         return false;
     end if;
     if v_gen.function_body is null and v_current is null and v_owner is null then
@@ -922,6 +1037,8 @@ begin
     if v_rel is not null then
         execute pg_catalog.format('drop trigger if exists %I on %s', v_trg, v_rel);
     end if;
+    -- its copies on partitions, and on tables detached while the guard was off
+    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op::text, v_trg, v_fn);
     execute pg_catalog.format('drop function if exists pgstream.%I()', v_fn);
     if v_gen.function_body is not null then
         execute pg_catalog.format(
@@ -938,24 +1055,12 @@ begin
         if not v_super then
             execute 'revoke create on schema pgstream from pgstream_writer';
         end if;
-        if p_mode = 'row' then
-            execute pg_catalog.format(
-                'create constraint trigger %I after %s on %s deferrable initially deferred '
-                'for each row %s execute function pgstream.%I()',
-                v_trg, p_op, v_rel,
-                case when v_gen.when_clause is null then '' else pg_catalog.format('when (%s)', v_gen.when_clause) end,
-                v_fn);
-        else
-            execute pg_catalog.format(
-                'create trigger %I after %s on %s referencing %s table as %I '
-                'for each statement execute function pgstream.%I()',
-                v_trg, p_op, v_rel,
-                case p_op when 'DELETE' then 'old' else 'new' end,
-                case p_op when 'DELETE' then 'pgstream_old' else 'pgstream_new' end,
-                v_fn);
-        end if;
+        execute pgstream._create_trigger_sql(v_trg, p_op::text, v_rel,
+                                             p_mode = 'statement' or pgstream._is_partitioned(p_schema, p_table),
+                                             v_gen.when_clause, v_fn);
         execute pg_catalog.format('comment on trigger %I on %s is %L', v_trg, v_rel, v_hash);
     end if;
+    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op::text, v_trg, v_fn);
     perform pgstream._internal_ddl_end(v_begun);
     return true;
 end

@@ -1,0 +1,104 @@
+"""Partitioned subscribed tables and TRUNCATE, each written as the table owner's (or an application
+role's) own statements from a fresh connection: the events a subscriber gets, whatever partition a
+write targets or a row moves to, and partition maintenance by hand (create, attach, detach, drop)."""
+
+# ruff: noqa: S608 -- SQL built from the test's own role and schema names
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from .test_security import connect, events, is_super, roles, run, subscribe
+
+__all__ = ["roles"]  # the fixture, imported for this module's tests
+
+MODES = ["row", "statement"]
+
+
+def owned_partitioned_table(db_url: str, roles: Callable[..., str], mode: str) -> tuple[str, str]:
+    """A schema and a table ``pt`` partitioned by range on ``k`` ([0, 10) in ``p1``, [10, 20) in ``p2``),
+    both owned by a role of their own (returned with the schema), subscribed on INSERT, UPDATE and
+    DELETE in ``mode`` by the pgstream owner."""
+    owner = roles()
+    schema = f"own_{owner}"
+    run(db_url, f"create schema {schema} authorization {owner}")
+    run(db_url, f"create table {schema}.pt (id int, k int, note text) partition by range (k)",
+        f"create table {schema}.p1 partition of {schema}.pt for values from (0) to (10)",
+        f"create table {schema}.p2 partition of {schema}.pt for values from (10) to (20)", role=owner)
+    for op in ("INSERT", "UPDATE", "DELETE"):
+        subscribe(db_url, f"pt-{op.lower()}", "pt", schema=schema, op=op, columns=["id", "k", "note"], mode=mode)
+    return owner, schema
+
+
+def ops(db_url: str) -> Counter[str]:
+    return Counter(e["tg_op"] for e in events(db_url))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_write_to_a_partitioned_table_is_its_event_whatever_partition_it_targets(
+        db_url: str, roles: Callable[..., str], mode: str) -> None:
+    """Writes through the table and straight to a partition; a row moved to another partition by an
+    UPDATE is one UPDATE event (old and new), no DELETE or INSERT event."""
+    owner, schema = owned_partitioned_table(db_url, roles, mode)
+    with connect(db_url, owner) as c:
+        c.execute(f"insert into {schema}.pt values (1, 1, 'through the table')")
+        c.execute(f"insert into {schema}.p2 values (2, 12, 'straight to p2')")
+        c.execute(f"update {schema}.p1 set note = 'in place' where id = 1")
+        c.execute(f"update {schema}.pt set k = 15 where id = 1")  # moves from p1 to p2
+        c.execute(f"update {schema}.pt set k = k - 10")  # both back to p1
+        c.execute(f"delete from {schema}.p1 where id = 2")
+    assert ops(db_url) == Counter({"INSERT": 2, "UPDATE": 4, "DELETE": 1})
+    updates = [(e["old"], e["new"]) for e in events(db_url) if e["tg_op"] == "UPDATE"]
+    assert updates[1] == ({"id": 1, "k": 1, "note": "in place"}, {"id": 1, "k": 15, "note": "in place"})
+    assert sorted(updates[2:], key=lambda u: u[0]["id"]) == [
+        ({"id": 1, "k": 15, "note": "in place"}, {"id": 1, "k": 5, "note": "in place"}),
+        ({"id": 2, "k": 12, "note": "straight to p2"}, {"id": 2, "k": 2, "note": "straight to p2"})]
+    assert {e["tg_table_name"] for e in events(db_url)} == {"pt"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_table_owner_maintains_partitions_by_hand(db_url: str, roles: Callable[..., str], mode: str) -> None:
+    """Create, attach (pg_partman's way: a table like the parent, then ATTACH), alter, detach and drop
+    partitions as the table's owner: every step passes, a new partition's writes are events, a
+    detached table's are not, and the generated triggers of a partition stay protected."""
+    owner, schema = owned_partitioned_table(db_url, roles, mode)
+    with connect(db_url, owner) as c:
+        c.execute(f"create table {schema}.p3 partition of {schema}.pt for values from (20) to (30)")
+        c.execute(f"create table {schema}.p4 (like {schema}.pt including all)")
+        c.execute(f"alter table {schema}.pt attach partition {schema}.p4 for values from (30) to (40)")
+        c.execute(f"alter table {schema}.p1 set (fillfactor = 90)")
+        c.execute(f"create index on {schema}.p2 (note)")
+        c.execute(f"insert into {schema}.p3 values (3, 23, 'new partition')")
+        c.execute(f"insert into {schema}.p4 values (4, 34, 'attached partition')")
+        c.execute(f"update {schema}.pt set k = 25 where id = 4")
+        assert ops(db_url) == Counter({"INSERT": 2, "UPDATE": 1})
+        c.execute(f"alter table {schema}.pt detach partition {schema}.p4")
+        c.execute(f"insert into {schema}.p4 values (5, 35, 'detached')")
+        c.execute(f"drop table {schema}.p3")  # retention: its rows go without events, like any dropped partition
+        c.execute(f"insert into {schema}.pt values (6, 6, 'after')")
+        for attempt in (f"alter table {schema}.p1 disable trigger all",
+                        f"drop trigger {'pgstream_insert' + ('_stmt' if mode == 'statement' else '')} on {schema}.p1"):
+            with pytest.raises(psycopg.errors.DependentObjectsStillExist, match="pgstream: refusing"):
+                c.execute(attempt)  # type: ignore[arg-type]
+    assert ops(db_url) == Counter({"INSERT": 3, "UPDATE": 1})
+    assert not is_super(db_url, owner)
+    with connect(db_url) as c:
+        detached = c.execute("select count(*) from pg_trigger where tgrelid = %s::regclass",
+                             [f"{schema}.p4"]).fetchone()
+    assert detached == (0,)
+
+
+def test_statement_mode_update_subscription_on_a_partitioned_table(db_url: str, roles: Callable[..., str]) -> None:
+    """UPDATE is statement mode's too on a partitioned table: a statement's rows are paired in order."""
+    owner, schema = owned_partitioned_table(db_url, roles, "statement")
+    with connect(db_url, owner) as c:
+        c.execute(f"insert into {schema}.pt select g, g % 20, 'n' || g from generate_series(1, 40) g")
+        c.execute(f"update {schema}.pt set k = (k + 7) % 20, note = note || '!'")
+    updates: list[Any] = [e for e in events(db_url) if e["tg_op"] == "UPDATE"]
+    assert len(updates) == 40
+    for e in updates:
+        assert e["new"] == {"id": e["old"]["id"], "k": (e["old"]["k"] + 7) % 20, "note": e["old"]["note"] + "!"}
