@@ -102,3 +102,97 @@ def test_statement_mode_update_subscription_on_a_partitioned_table(db_url: str, 
     assert len(updates) == 40
     for e in updates:
         assert e["new"] == {"id": e["old"]["id"], "k": (e["old"]["k"] + 7) % 20, "note": e["old"]["note"] + "!"}
+
+
+# --------------------------------------------------------------------------------------------
+# TRUNCATE
+
+
+def truncating_role(db_url: str, roles: Callable[..., str], table: str) -> str:
+    """An application role that may write and truncate ``table``, nothing more."""
+    return roles(f"grant select, insert, delete, truncate on {table} to {{role}}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_truncate_of_a_table_with_a_delete_subscription_is_refused_without_the_opt_in(
+        db_url: str, roles: Callable[..., str], mode: str) -> None:
+    run(db_url, "create table public.t (id int primary key, note text)",
+        "create table public.only_inserts (id int)")
+    subscribe(db_url, "t-gone", "t", op="DELETE", columns=["id"], mode=mode)
+    subscribe(db_url, "t-new", "t", columns=["id"])
+    subscribe(db_url, "inserts", "only_inserts", columns=["id"])
+    app = truncating_role(db_url, roles, "public.t")
+    run(db_url, "grant truncate, insert on public.only_inserts to " + app)
+    with connect(db_url, app) as c:
+        c.execute("insert into public.t values (1, 'a'), (2, 'b')")
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState,
+                           match=r'refusing TRUNCATE of public\.t: DELETE subscriptions "t-gone" \(stream 1\) '
+                                 r'of public\.t take no TRUNCATE events \(emit_truncate\)'):
+            c.execute("truncate public.t")
+        assert c.execute("select count(*) from public.t").fetchone() == (2,)
+        c.execute("insert into public.only_inserts values (1)")
+        c.execute("truncate public.only_inserts")  # no DELETE subscription: nothing to keep
+    assert Counter(e["tg_name"] for e in events(db_url)) == Counter({"t-new": 2, "inserts": 1})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_truncate_is_an_event_for_the_delete_subscriptions_that_opt_in(
+        db_url: str, roles: Callable[..., str], mode: str) -> None:
+    """One event per opted-in DELETE subscription: tg_op TRUNCATE, new and old null, the static metadata;
+    there is no row, so the extensions (expressions over rows) are not evaluated."""
+    run(db_url, "create table public.t (id int primary key, note text)")
+    subscribe(db_url, "t-gone", "t", op="DELETE", columns=["id"], mode=mode, metadata={"team": "growth"},
+              extensions=[{"json_path": "queue", "expression": "'deletes'"},
+                          {"json_path": "group_id", "expression": "old.id::text"}])
+    run(db_url, "insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names, "
+                "emit_truncate) values ('mirror', 2, 'DELETE', 't', '{id, note}', true)",
+        "update pgstream.subscriptions set emit_truncate = true where key = 't-gone'")
+    app = truncating_role(db_url, roles, "public.t")
+    with connect(db_url, app) as c:
+        c.execute("insert into public.t values (1, 'a'), (2, 'b')")
+        c.execute("delete from public.t where id = 1")
+        c.execute("truncate public.t")
+        assert c.execute("select count(*) from public.t").fetchone() == (0,)
+    with connect(db_url) as c:
+        rows = c.execute("select stream_id, payload, metadata from pgstream.events order by id").fetchall()
+    deletes, truncates = rows[:2], rows[2:]
+    assert [(s, p["tg_op"], p["old"]["id"]) for s, p, _ in deletes] == [(1, "DELETE", 1), (2, "DELETE", 1)]
+    assert [s for s, _, _ in truncates] == [1, 2]
+    for _, payload, _ in truncates:
+        assert payload.pop("timestamp") > 0
+    assert [(p, m) for _, p, m in truncates] == [
+        ({"tg_name": "t-gone", "tg_op": "TRUNCATE", "tg_table_name": "t", "tg_table_schema": "public",
+          "new": None, "old": None}, {"team": "growth"}),
+        ({"tg_name": "mirror", "tg_op": "TRUNCATE", "tg_table_name": "t", "tg_table_schema": "public",
+          "new": None, "old": None}, None)]
+    # the option belongs to DELETE subscriptions; older clients that do not name it keep working
+    with pytest.raises(psycopg.errors.InvalidParameterValue,
+                       match=r'subscription "t-new" .*emit_truncate: only a DELETE subscription takes TRUNCATE events'):
+        run(db_url, "insert into pgstream.subscriptions (key, stream_id, operation, table_name, emit_truncate) "
+                    "values ('t-new', 1, 'INSERT', 't', true)")
+    with connect(db_url) as c:
+        c.execute("select pgstream.set_subscriptions(3, array[jsonb_populate_record(null::pgstream.subscriptions, "
+                  "'{\"key\": \"old-client\", \"operation\": \"INSERT\", \"table_name\": \"t\"}')])")
+        assert c.execute("select emit_truncate from pgstream.subscriptions where key = 'old-client'").fetchone() == (
+            False,)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_truncate_of_a_partitioned_table_or_of_a_partition(db_url: str, roles: Callable[..., str], mode: str) -> None:
+    """Refused without the opt-in whichever table of the tree is truncated; with it, each table truncated
+    (the partitioned table and each of its partitions, or the one partition) is an event naming it."""
+    owner, schema = owned_partitioned_table(db_url, roles, mode)
+    with connect(db_url, owner) as c:
+        c.execute(f"insert into {schema}.pt values (1, 1, 'a'), (2, 12, 'b')")
+        for table in ("p1", "pt"):
+            with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match=r'"pt-delete" \(stream 1\)'):
+                c.execute(f"truncate {schema}.{table}")  # type: ignore[arg-type]
+    run(db_url, "update pgstream.subscriptions set emit_truncate = true where operation = 'DELETE'")
+    with connect(db_url, owner) as c:
+        c.execute(f"truncate {schema}.p1")
+        c.execute(f"create table {schema}.p3 partition of {schema}.pt for values from (20) to (30)")
+        c.execute(f"truncate {schema}.pt")
+    truncated = [e["tg_table_name"] for e in events(db_url) if e["tg_op"] == "TRUNCATE"]
+    assert truncated[0] == "p1"
+    assert sorted(truncated[1:]) == ["p1", "p2", "p3", "pt"]
+    assert ops(db_url) == Counter({"INSERT": 2, "TRUNCATE": 5})

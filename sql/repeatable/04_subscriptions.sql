@@ -503,6 +503,11 @@ begin
             'statement mode supports INSERT and DELETE only (and UPDATE on a partitioned table): an UPDATE '
             'statement''s old and new rows cannot be paired without a key; use trigger_mode ''row''');
     end if;
+    if coalesce(p_sub.emit_truncate, false) and p_sub.operation <> 'DELETE' then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, 'emit_truncate',
+            'only a DELETE subscription takes TRUNCATE events (a TRUNCATE deletes rows); set it on the DELETE subscription');
+    end if;
     perform pgstream._validate_subscription_003(p_sub);
 end
 $$;
@@ -686,13 +691,17 @@ set search_path = pg_catalog, pg_temp
 as $$ select 'pgstream_' || lower(p_op::text) $$;
 revoke all on function pgstream.trigger_name(pgstream.operation_type) from public;
 
--- Names per mode: row mode has the names above, statement mode adds "_stmt".
+-- Names per mode: row mode has the names above, statement mode adds "_stmt"; mode 'truncate' (of
+-- a table's DELETE subscriptions: the TRUNCATE trigger) is pgstream_truncate.
 create or replace function pgstream.trigger_name(p_op pgstream.operation_type, p_mode text)
 returns text
 language sql
 immutable
 set search_path = pg_catalog, pg_temp
-as $$ select 'pgstream_' || lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end $$;
+as $$
+    select case when p_mode = 'truncate' then 'pgstream_truncate'
+                else 'pgstream_' || lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end end
+$$;
 revoke all on function pgstream.trigger_name(pgstream.operation_type, text) from public;
 
 create or replace function pgstream.trigger_function_name(
@@ -716,10 +725,89 @@ language sql
 immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select '_publish_' || lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end
+    select '_publish_' || case when p_mode = 'truncate' then 'truncate'
+                               else lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end end
            || '_' || substr(md5(format('%I.%I', p_schema, p_table)), 1, 16)
 $$;
 revoke all on function pgstream.trigger_function_name(text, text, pgstream.operation_type, text) from public;
+
+-- The generated triggers of one table, as (operation, mode): one per operation and trigger_mode
+-- of its subscriptions, plus (DELETE, 'truncate') when it has a DELETE subscription.
+create or replace function pgstream._trigger_modes(p_schema text, p_table text)
+returns table (operation pgstream.operation_type, mode text)
+language sql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select distinct s.operation, s.trigger_mode from pgstream.subscriptions s
+    where s.schema_name = p_schema and s.table_name = p_table
+    union
+    select 'DELETE'::pgstream.operation_type, 'truncate' from pgstream.subscriptions s
+    where s.schema_name = p_schema and s.table_name = p_table and s.operation = 'DELETE'
+$$;
+revoke all on function pgstream._trigger_modes(text, text) from public;
+
+-- The TRUNCATE trigger of a table with DELETE subscriptions (any mode): when one of them has not
+-- opted in (emit_truncate), the TRUNCATE is refused, naming them; else each writes one event,
+-- tg_op 'TRUNCATE', new and old null, named after the table truncated (a partition's TRUNCATE, or
+-- each table of a partitioned table's TRUNCATE, is its own), with the static metadata. There is no
+-- row: the when_clause and the extensions (expressions over rows) are not evaluated.
+create or replace function pgstream._truncate_trigger_body(p_schema text, p_table text)
+returns text
+language plpgsql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_refused text;
+    v_values  text;
+    v_ts      constant text := '(pg_catalog.extract(''epoch''::pg_catalog.text, pg_catalog.now()) '
+                               'operator(pg_catalog.*) 1000::pg_catalog.numeric)::pg_catalog.int8';
+begin
+    select pg_catalog.string_agg(pg_catalog.format('"%s" (stream %s)', s.key, s.stream_id), ', '
+                                 order by s.stream_id, s.key, s.id) filter (where not s.emit_truncate),
+           pg_catalog.string_agg(pg_catalog.format(
+               '(pg_catalog.jsonb_build_object(''tg_name''::pg_catalog.text, %L::pg_catalog.text, '
+               '''tg_op''::pg_catalog.text, ''TRUNCATE''::pg_catalog.text, '
+               '''tg_table_name''::pg_catalog.text, tg_table_name, ''tg_table_schema''::pg_catalog.text, tg_table_schema, '
+               '''timestamp''::pg_catalog.text, pgstream_ts.pgstream_ts_ms, '
+               '''new''::pg_catalog.text, null::pg_catalog.jsonb, ''old''::pg_catalog.text, null::pg_catalog.jsonb), '
+               '%s::pg_catalog.int8, %L::pg_catalog.jsonb)',
+               s.key, s.stream_id, s.metadata),
+               E',\n            ' order by s.stream_id, s.key, s.id) filter (where s.emit_truncate)
+    into v_refused, v_values
+    from pgstream.subscriptions s
+    where s.schema_name = p_schema and s.table_name = p_table and s.operation = 'DELETE';
+
+    if v_refused is not null then
+        return pg_catalog.format(
+$f$
+begin
+    raise exception 'pgstream: refusing TRUNCATE of %%.%%: DELETE subscriptions %% of %% take no TRUNCATE events (emit_truncate) and would silently keep its rows',
+        tg_table_schema, tg_table_name, %L, %L
+        using errcode = 'object_not_in_prerequisite_state',
+              hint = 'Delete the rows instead, or set emit_truncate = true on those subscriptions to send them a TRUNCATE event.';
+end
+$f$, v_refused, pg_catalog.format('%I.%I', p_schema, p_table));
+    end if;
+    if v_values is null then
+        return null;
+    end if;
+    return pg_catalog.format(
+$f$
+begin
+    insert into pgstream.events (payload, stream_id, metadata)
+    select e.payload, e.stream_id, e.metadata
+    from (select %s) as pgstream_ts(pgstream_ts_ms)
+    cross join lateral (values
+            %s
+    ) as e(payload, stream_id, metadata);
+    return null;
+end
+$f$, v_ts, v_values);
+end
+$$;
+revoke all on function pgstream._truncate_trigger_body(text, text) from public;
 
 -- The generated trigger for one target and mode, or null when no subscription of that mode
 -- targets it. Deterministic: subscriptions in (stream_id, key, id) order. Row mode: the WHEN is
@@ -796,6 +884,10 @@ $f$, v_ts, v_blocks);
     end if;
 
     when_clause := null;
+    if p_mode = 'truncate' then
+        function_body := case when p_op = 'DELETE' then pgstream._truncate_trigger_body(p_schema, p_table) end;
+        return;
+    end if;
     if p_mode not in ('row', 'statement') or (p_op = 'UPDATE' and not v_parted) then
         function_body := null;
         return;
@@ -1010,6 +1102,7 @@ declare
     v_owner   pg_catalog.name;
     v_begun   boolean;
     v_super   boolean := (select r.rolsuper from pg_catalog.pg_roles r where r.rolname = current_user);
+    v_event   text := case when p_mode = 'truncate' then 'TRUNCATE' else p_op::text end;
 begin
     select * into v_gen from pgstream.generated_trigger(p_schema, p_table, p_op, p_mode);
 
@@ -1025,7 +1118,7 @@ begin
        and v_owner = 'pgstream_writer' then
         -- unchanged; the partitions created or detached since get or lose their copy
         v_begun := pgstream._internal_ddl_begin();
-        perform pgstream._sync_partition_triggers(p_schema, p_table, p_op::text, v_trg, v_fn);
+        perform pgstream._sync_partition_triggers(p_schema, p_table, v_event, v_trg, v_fn);
         perform pgstream._internal_ddl_end(v_begun);
         return false;
     end if;
@@ -1038,7 +1131,7 @@ begin
         execute pg_catalog.format('drop trigger if exists %I on %s', v_trg, v_rel);
     end if;
     -- its copies on partitions, and on tables detached while the guard was off
-    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op::text, v_trg, v_fn);
+    perform pgstream._sync_partition_triggers(p_schema, p_table, v_event, v_trg, v_fn);
     execute pg_catalog.format('drop function if exists pgstream.%I()', v_fn);
     if v_gen.function_body is not null then
         execute pg_catalog.format(
@@ -1055,12 +1148,12 @@ begin
         if not v_super then
             execute 'revoke create on schema pgstream from pgstream_writer';
         end if;
-        execute pgstream._create_trigger_sql(v_trg, p_op::text, v_rel,
-                                             p_mode = 'statement' or pgstream._is_partitioned(p_schema, p_table),
+        execute pgstream._create_trigger_sql(v_trg, v_event, v_rel,
+                                             p_mode <> 'row' or pgstream._is_partitioned(p_schema, p_table),
                                              v_gen.when_clause, v_fn);
         execute pg_catalog.format('comment on trigger %I on %s is %L', v_trg, v_rel, v_hash);
     end if;
-    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op::text, v_trg, v_fn);
+    perform pgstream._sync_partition_triggers(p_schema, p_table, v_event, v_trg, v_fn);
     perform pgstream._internal_ddl_end(v_begun);
     return true;
 end
@@ -1079,14 +1172,18 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_row  boolean;
-    v_stmt boolean;
+    v_row   boolean;
+    v_stmt  boolean;
+    v_trunc boolean := false;
 begin
     perform pgstream.lock_for_transaction('regenerate');
     v_row := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'row', p_force);
     v_stmt := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'statement', p_force);
+    if p_op = 'DELETE' then
+        v_trunc := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'truncate', p_force);
+    end if;
     perform pgstream._record_subscribed_columns(p_schema, p_table);
-    return v_row or v_stmt;
+    return v_row or v_stmt or v_trunc;
 end
 $$;
 revoke all on function pgstream._regenerate_triggers(text, text, pgstream.operation_type, boolean) from public;
@@ -1126,6 +1223,7 @@ begin
     new.payload_extensions := coalesce(new.payload_extensions, '[]'::jsonb);
     new.metadata_extensions := coalesce(new.metadata_extensions, '[]'::jsonb);
     new.trigger_mode := coalesce(new.trigger_mode, 'row');
+    new.emit_truncate := coalesce(new.emit_truncate, false);
     if tg_op = 'UPDATE' then
         new.updated_at := now();
     end if;
@@ -1226,19 +1324,20 @@ begin
 
     perform pgstream.ensure_stream(p_stream_id);
 
-    -- (v3: metadata_extensions; a new name, so that a table of an earlier shape created earlier in
+    -- (v4: emit_truncate; a new name, so that a table of an earlier shape created earlier in
     -- the same transaction is never reused)
-    create temporary table if not exists pgstream_set_subscriptions_input_v3 (
+    create temporary table if not exists pgstream_set_subscriptions_input_v4 (
         key text, operation pgstream.operation_type, schema_name text, table_name text,
         when_clause text, column_names text[], metadata jsonb, payload_extensions jsonb,
-        managed_by text, trigger_mode text, metadata_extensions jsonb
+        managed_by text, trigger_mode text, metadata_extensions jsonb, emit_truncate boolean
     ) on commit drop;
-    truncate pg_temp.pgstream_set_subscriptions_input_v3;
-    insert into pg_temp.pgstream_set_subscriptions_input_v3
+    truncate pg_temp.pgstream_set_subscriptions_input_v4;
+    insert into pg_temp.pgstream_set_subscriptions_input_v4
     select s.key, s.operation, coalesce(nullif(btrim(s.schema_name), ''), 'public'), s.table_name,
            nullif(btrim(s.when_clause), ''), coalesce(s.column_names, '{}'), s.metadata,
            coalesce(s.payload_extensions, '[]'::jsonb), coalesce(p_managed_by, s.managed_by),
-           coalesce(s.trigger_mode, 'row'), coalesce(s.metadata_extensions, '[]'::jsonb)
+           coalesce(s.trigger_mode, 'row'), coalesce(s.metadata_extensions, '[]'::jsonb),
+           coalesce(s.emit_truncate, false)
     from unnest(coalesce(p_subscriptions, '{}')) s;
 
     return query
@@ -1246,7 +1345,7 @@ begin
     where t.stream_id = p_stream_id
       and (p_managed_by is null or t.managed_by is not distinct from p_managed_by)
       and not exists (
-          select 1 from pg_temp.pgstream_set_subscriptions_input_v3 i
+          select 1 from pg_temp.pgstream_set_subscriptions_input_v4 i
           where i.key = t.key and i.schema_name = t.schema_name
             and i.table_name = t.table_name and i.operation = t.operation)
     returning 'deleted'::text, t.key, t.schema_name, t.table_name, t.operation;
@@ -1259,8 +1358,9 @@ begin
         payload_extensions = i.payload_extensions,
         managed_by = i.managed_by,
         trigger_mode = i.trigger_mode,
-        metadata_extensions = i.metadata_extensions
-    from pg_temp.pgstream_set_subscriptions_input_v3 i
+        metadata_extensions = i.metadata_extensions,
+        emit_truncate = i.emit_truncate
+    from pg_temp.pgstream_set_subscriptions_input_v4 i
     where t.stream_id = p_stream_id
       and i.key = t.key and i.schema_name = t.schema_name
       and i.table_name = t.table_name and i.operation = t.operation
@@ -1270,16 +1370,18 @@ begin
            or t.payload_extensions is distinct from i.payload_extensions
            or t.managed_by is distinct from i.managed_by
            or t.trigger_mode is distinct from i.trigger_mode
-           or t.metadata_extensions is distinct from i.metadata_extensions)
+           or t.metadata_extensions is distinct from i.metadata_extensions
+           or t.emit_truncate is distinct from i.emit_truncate)
     returning 'updated'::text, t.key, t.schema_name, t.table_name, t.operation;
 
     return query
     insert into pgstream.subscriptions as t
         (key, stream_id, operation, schema_name, table_name, when_clause, column_names,
-         metadata, payload_extensions, managed_by, trigger_mode, metadata_extensions)
+         metadata, payload_extensions, managed_by, trigger_mode, metadata_extensions, emit_truncate)
     select i.key, p_stream_id, i.operation, i.schema_name, i.table_name, i.when_clause,
-           i.column_names, i.metadata, i.payload_extensions, i.managed_by, i.trigger_mode, i.metadata_extensions
-    from pg_temp.pgstream_set_subscriptions_input_v3 i
+           i.column_names, i.metadata, i.payload_extensions, i.managed_by, i.trigger_mode, i.metadata_extensions,
+           i.emit_truncate
+    from pg_temp.pgstream_set_subscriptions_input_v4 i
     where not exists (
         select 1 from pgstream.subscriptions t
         where t.stream_id = p_stream_id and t.key = i.key and t.schema_name = i.schema_name
@@ -1287,7 +1389,7 @@ begin
     order by i.key, i.schema_name, i.table_name, i.operation
     returning 'inserted'::text, t.key, t.schema_name, t.table_name, t.operation;
 
-    truncate pg_temp.pgstream_set_subscriptions_input_v3;
+    truncate pg_temp.pgstream_set_subscriptions_input_v4;
 end
 $$;
 revoke all on function pgstream.set_subscriptions(bigint, pgstream.subscriptions[], text) from public;
@@ -1306,8 +1408,9 @@ begin
     for v_target in select p.oid::pg_catalog.regprocedure as fn from pg_catalog.pg_proc p
                     where p.pronamespace = 'pgstream'::pg_catalog.regnamespace and p.proname like '\_publish\_%'
                       and not exists (select 1 from pgstream.subscriptions s
-                                      where pgstream.trigger_function_name(s.schema_name, s.table_name, s.operation,
-                                                                           s.trigger_mode) = p.proname) loop
+                                      cross join lateral pgstream._trigger_modes(s.schema_name, s.table_name) m
+                                      where pgstream.trigger_function_name(s.schema_name, s.table_name, m.operation,
+                                                                           m.mode) = p.proname) loop
         execute pg_catalog.format('drop function %s cascade', v_target.fn);
     end loop;
     for v_target in select distinct s.schema_name, s.table_name, s.operation from pgstream.subscriptions s

@@ -50,8 +50,7 @@ as $$
           union select a.relid from pg_catalog.pg_partition_ancestors(p_rel::pg_catalog.regclass) a) r
     join pg_catalog.pg_class c on c.oid = r.relid
     join pg_catalog.pg_namespace n on n.oid = c.relnamespace
-    join lateral (select distinct s.operation, s.trigger_mode from pgstream.subscriptions s
-                  where s.schema_name = n.nspname and s.table_name = c.relname) w on true
+    cross join lateral pgstream._trigger_modes(n.nspname, c.relname) as w(operation, trigger_mode)
     left join pg_catalog.pg_trigger t
       on t.tgrelid = p_rel and t.tgname = pgstream.trigger_name(w.operation, w.trigger_mode)
     where t.oid is null or t.tgenabled not in ('O', 'A')
@@ -176,15 +175,16 @@ begin
         return;
     end if;
     v_begun := pgstream._internal_ddl_begin();
-    for v_sub in select distinct s.schema_name, s.table_name, s.operation, s.trigger_mode
+    for v_sub in select n.nspname::text as schema_name, c.relname::text as table_name, m.operation, m.mode
                  from pg_catalog.pg_partition_ancestors(p_rel::pg_catalog.regclass) a
                  join pg_catalog.pg_class c on c.oid = a.relid
                  join pg_catalog.pg_namespace n on n.oid = c.relnamespace
-                 join pgstream.subscriptions s on s.schema_name = n.nspname and s.table_name = c.relname
+                 cross join lateral pgstream._trigger_modes(n.nspname, c.relname) m
                  order by 1, 2, 3, 4 loop
-        perform pgstream._sync_partition_triggers(v_sub.schema_name, v_sub.table_name, v_sub.operation::text,
-            pgstream.trigger_name(v_sub.operation, v_sub.trigger_mode),
-            pgstream.trigger_function_name(v_sub.schema_name, v_sub.table_name, v_sub.operation, v_sub.trigger_mode));
+        perform pgstream._sync_partition_triggers(v_sub.schema_name, v_sub.table_name,
+            case when v_sub.mode = 'truncate' then 'TRUNCATE' else v_sub.operation::text end,
+            pgstream.trigger_name(v_sub.operation, v_sub.mode),
+            pgstream.trigger_function_name(v_sub.schema_name, v_sub.table_name, v_sub.operation, v_sub.mode));
     end loop;
     perform pgstream._internal_ddl_end(v_begun);
     v_msg := pgstream._drift_trigger_problem(p_rel);
@@ -223,7 +223,7 @@ begin
     end loop;
     for v_obj in select * from pg_catalog.pg_event_trigger_dropped_objects() d
                  where d.object_type = 'trigger' and not d.is_temporary
-                   and d.object_identity ~ '^pgstream_(insert|update|delete)(_stmt)? on '
+                   and d.object_identity ~ '^pgstream_(insert|update|delete|truncate)(_stmt)? on '
                    -- dropped with its table (a partition: a subscribed table is refused above)
                    and not exists (select 1 from pg_catalog.pg_event_trigger_dropped_objects() x
                                    where x.object_type = 'table' and x.schema_name = d.address_names[1]
