@@ -1005,12 +1005,14 @@ as $$
 $$;
 revoke all on function pgstream._record_subscribed_columns(text, text) from public;
 
--- The DDL of a generated trigger on one table: a deferred constraint trigger for each row (row
--- mode on a table that is not partitioned), else a statement trigger with the transition tables its
--- operation reads (statement mode; both modes on a partitioned table and on each of its partitions,
--- where Postgres clones no statement trigger and moves a row as a delete and an insert).
+-- The DDL of a generated trigger of one (operation, mode) on one table: a deferred constraint
+-- trigger for each row (row mode on a table that is not partitioned), else a statement trigger with
+-- the transition tables its operation reads (statement mode; both modes on a partitioned table and
+-- on each of its partitions, where Postgres clones no statement trigger and moves a row as a delete
+-- and an insert); mode 'truncate': AFTER TRUNCATE for each statement.
 create or replace function pgstream._create_trigger_sql(
-    p_trg text, p_op text, p_rel pg_catalog.regclass, p_statement boolean, p_when text, p_fn text
+    p_trg text, p_op pgstream.operation_type, p_mode text, p_rel pg_catalog.regclass, p_partitioned boolean,
+    p_when text, p_fn text
 )
 returns text
 language sql
@@ -1018,7 +1020,10 @@ immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select case
-        when not p_statement then pg_catalog.format(
+        when p_mode = 'truncate' then pg_catalog.format(
+            'create trigger %I after truncate on %s for each statement execute function pgstream.%I()',
+            p_trg, p_rel, p_fn)
+        when p_mode = 'row' and not p_partitioned then pg_catalog.format(
             'create constraint trigger %I after %s on %s deferrable initially deferred '
             'for each row %s execute function pgstream.%I()',
             p_trg, p_op, p_rel, case when p_when is null then '' else pg_catalog.format('when (%s)', p_when) end, p_fn)
@@ -1027,21 +1032,20 @@ as $$
             p_trg, p_op, p_rel,
             case p_op when 'DELETE' then 'referencing old table as pgstream_old'
                       when 'INSERT' then 'referencing new table as pgstream_new'
-                      when 'UPDATE' then 'referencing old table as pgstream_old new table as pgstream_new'
-                      else '' end,
+                      else 'referencing old table as pgstream_old new table as pgstream_new' end,
             p_fn)
     end
 $$;
-revoke all on function pgstream._create_trigger_sql(text, text, pg_catalog.regclass, boolean, text, text) from public;
+revoke all on function pgstream._create_trigger_sql(text, pgstream.operation_type, text, pg_catalog.regclass, boolean, text, text) from public;
 
--- The copies of one generated statement trigger (p_trg calling pgstream.p_fn()) on the partitions
--- of a partitioned subscribed table: every partition of its tree gets one (same name, function
+-- The copies of the generated statement trigger of one (operation, mode) on the partitions of a
+-- partitioned subscribed table: every partition of its tree gets one (same name, function
 -- and comment), and a table that carries one but is no longer in the tree (detached) loses it, as
 -- does every table when the subscribed table has none. Called in pgstream's own DDL
 -- (pgstream.internal_ddl) by trigger regeneration and by the drift guard after CREATE TABLE ...
 -- PARTITION OF and ALTER TABLE ... ATTACH / DETACH PARTITION.
 create or replace function pgstream._sync_partition_triggers(
-    p_schema text, p_table text, p_op text, p_trg text, p_fn text
+    p_schema text, p_table text, p_op pgstream.operation_type, p_mode text
 )
 returns void
 language plpgsql
@@ -1050,7 +1054,9 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_rel  pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
-    v_fn   pg_catalog.oid := pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', p_fn));
+    v_trg  text := pgstream.trigger_name(p_op, p_mode);
+    v_name text := pgstream.trigger_function_name(p_schema, p_table, p_op, p_mode);
+    v_fn   pg_catalog.oid := pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', v_name));
     v_root record;
     v_part record;
 begin
@@ -1059,27 +1065,27 @@ begin
     end if;
     select t.oid, pg_catalog.obj_description(t.oid, 'pg_trigger') as hash into v_root
     from pg_catalog.pg_trigger t
-    where t.tgrelid = v_rel and t.tgname = p_trg and t.tgfoid = v_fn;
+    where t.tgrelid = v_rel and t.tgname = v_trg and t.tgfoid = v_fn;
     for v_part in select t.tgrelid::pg_catalog.regclass as rel from pg_catalog.pg_trigger t
-                  where t.tgfoid = v_fn and t.tgname = p_trg and t.tgparentid = 0
+                  where t.tgfoid = v_fn and t.tgname = v_trg and t.tgparentid = 0
                     and t.tgrelid is distinct from v_rel::pg_catalog.oid
                     and (v_root.oid is null
                          or not exists (select 1 from pg_catalog.pg_partition_tree(v_rel) p where p.relid = t.tgrelid)) loop
-        execute pg_catalog.format('drop trigger %I on %s', p_trg, v_part.rel);
+        execute pg_catalog.format('drop trigger %I on %s', v_trg, v_part.rel);
     end loop;
     if v_root.oid is null or not pgstream._is_partitioned(p_schema, p_table) then
         return;
     end if;
     for v_part in select p.relid as rel from pg_catalog.pg_partition_tree(v_rel) p
                   where p.relid <> v_rel
-                    and not exists (select 1 from pg_catalog.pg_trigger t where t.tgrelid = p.relid and t.tgname = p_trg)
+                    and not exists (select 1 from pg_catalog.pg_trigger t where t.tgrelid = p.relid and t.tgname = v_trg)
                   order by p.level, p.relid loop
-        execute pgstream._create_trigger_sql(p_trg, p_op, v_part.rel, true, null, p_fn);
-        execute pg_catalog.format('comment on trigger %I on %s is %L', p_trg, v_part.rel, v_root.hash);
+        execute pgstream._create_trigger_sql(v_trg, p_op, p_mode, v_part.rel, true, null, v_name);
+        execute pg_catalog.format('comment on trigger %I on %s is %L', v_trg, v_part.rel, v_root.hash);
     end loop;
 end
 $$;
-revoke all on function pgstream._sync_partition_triggers(text, text, text, text, text) from public;
+revoke all on function pgstream._sync_partition_triggers(text, text, pgstream.operation_type, text) from public;
 
 -- Regenerates the trigger of one (schema, table, operation, mode). An identical definition is
 -- left untouched (same trigger oid) unless p_force. The function belongs to pgstream_writer.
@@ -1102,7 +1108,6 @@ declare
     v_owner   pg_catalog.name;
     v_begun   boolean;
     v_super   boolean := (select r.rolsuper from pg_catalog.pg_roles r where r.rolname = current_user);
-    v_event   text := case when p_mode = 'truncate' then 'TRUNCATE' else p_op::text end;
 begin
     select * into v_gen from pgstream.generated_trigger(p_schema, p_table, p_op, p_mode);
 
@@ -1118,7 +1123,7 @@ begin
        and v_owner = 'pgstream_writer' then
         -- unchanged; the partitions created or detached since get or lose their copy
         v_begun := pgstream._internal_ddl_begin();
-        perform pgstream._sync_partition_triggers(p_schema, p_table, v_event, v_trg, v_fn);
+        perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
         perform pgstream._internal_ddl_end(v_begun);
         return false;
     end if;
@@ -1131,7 +1136,7 @@ begin
         execute pg_catalog.format('drop trigger if exists %I on %s', v_trg, v_rel);
     end if;
     -- its copies on partitions, and on tables detached while the guard was off
-    perform pgstream._sync_partition_triggers(p_schema, p_table, v_event, v_trg, v_fn);
+    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
     execute pg_catalog.format('drop function if exists pgstream.%I()', v_fn);
     if v_gen.function_body is not null then
         execute pg_catalog.format(
@@ -1148,12 +1153,11 @@ begin
         if not v_super then
             execute 'revoke create on schema pgstream from pgstream_writer';
         end if;
-        execute pgstream._create_trigger_sql(v_trg, v_event, v_rel,
-                                             p_mode <> 'row' or pgstream._is_partitioned(p_schema, p_table),
+        execute pgstream._create_trigger_sql(v_trg, p_op, p_mode, v_rel, pgstream._is_partitioned(p_schema, p_table),
                                              v_gen.when_clause, v_fn);
         execute pg_catalog.format('comment on trigger %I on %s is %L', v_trg, v_rel, v_hash);
     end if;
-    perform pgstream._sync_partition_triggers(p_schema, p_table, v_event, v_trg, v_fn);
+    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
     perform pgstream._internal_ddl_end(v_begun);
     return true;
 end

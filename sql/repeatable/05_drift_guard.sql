@@ -181,10 +181,7 @@ begin
                  join pg_catalog.pg_namespace n on n.oid = c.relnamespace
                  cross join lateral pgstream._trigger_modes(n.nspname, c.relname) m
                  order by 1, 2, 3, 4 loop
-        perform pgstream._sync_partition_triggers(v_sub.schema_name, v_sub.table_name,
-            case when v_sub.mode = 'truncate' then 'TRUNCATE' else v_sub.operation::text end,
-            pgstream.trigger_name(v_sub.operation, v_sub.mode),
-            pgstream.trigger_function_name(v_sub.schema_name, v_sub.table_name, v_sub.operation, v_sub.mode));
+        perform pgstream._sync_partition_triggers(v_sub.schema_name, v_sub.table_name, v_sub.operation, v_sub.mode);
     end loop;
     perform pgstream._internal_ddl_end(v_begun);
     v_msg := pgstream._drift_trigger_problem(p_rel);
