@@ -196,3 +196,19 @@ def test_truncate_of_a_partitioned_table_or_of_a_partition(db_url: str, roles: C
     assert truncated[0] == "p1"
     assert sorted(truncated[1:]) == ["p1", "p2", "p3", "pt"]
     assert ops(db_url) == Counter({"INSERT": 2, "TRUNCATE": 5})
+
+
+def test_a_column_cannot_break_the_pairing_of_a_partitioned_tables_updates(db_url: str,
+                                                                         roles: Callable[..., str]) -> None:
+    """The UPDATE trigger numbers rows in a column named pgstream_pos: the table's owner cannot add a column
+    of that name while an UPDATE subscription exists (its UPDATEs would fail), nor subscribe a table with one."""
+    owner, schema = owned_partitioned_table(db_url, roles, "row")
+    with connect(db_url, owner) as c:
+        with pytest.raises(psycopg.errors.DependentObjectsStillExist, match="pgstream_pos is reserved"):
+            c.execute(f"alter table {schema}.pt add column pgstream_pos int")
+        c.execute(f"insert into {schema}.pt values (1, 1, 'a')")
+        c.execute(f"update {schema}.pt set k = 11")
+    assert ops(db_url) == Counter({"INSERT": 1, "UPDATE": 1})
+    run(db_url, f"create table {schema}.other (id int, pgstream_pos int, k int) partition by range (k)")
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="pgstream_pos is reserved"):
+        subscribe(db_url, "other", "other", schema=schema, op="UPDATE", columns=["id"])

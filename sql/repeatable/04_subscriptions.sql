@@ -503,6 +503,16 @@ begin
             'statement mode supports INSERT and DELETE only (and UPDATE on a partitioned table): an UPDATE '
             'statement''s old and new rows cannot be paired without a key; use trigger_mode ''row''');
     end if;
+    -- a partitioned table's UPDATE trigger numbers the statement's old and new rows in this column
+    if p_sub.operation = 'UPDATE' and pgstream._is_partitioned(p_sub.schema_name, p_sub.table_name)
+       and exists (select 1 from pg_catalog.pg_attribute a
+                   where a.attrelid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_sub.schema_name, p_sub.table_name))
+                     and a.attname = 'pgstream_pos' and a.attnum > 0 and not a.attisdropped) then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, 'table',
+            'the column name pgstream_pos is reserved on a partitioned table with UPDATE subscriptions (it pairs '
+            'a statement''s old and new rows): rename the column');
+    end if;
     if coalesce(p_sub.emit_truncate, false) and p_sub.operation <> 'DELETE' then
         perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
             p_sub.schema_name, p_sub.table_name, 'emit_truncate',
