@@ -158,8 +158,8 @@ revoke all on function pgstream._drift_check_renamed(oid, text) from public;
 
 -- After DDL on a table of a subscribed partitioned table's tree (CREATE TABLE ... PARTITION OF,
 -- ATTACH / DETACH PARTITION, on the table or on a partition): every partition gets the generated
--- triggers, a detached table loses them (pgstream's own DDL); then a partition whose copies were
--- disabled or changed is refused like the table itself.
+-- triggers, a detached table loses them (pgstream's own DDL); then DDL on a partition that disabled
+-- or changed its copies is refused like the table's own (which _drift_check_table checks).
 create or replace function pgstream._drift_check_partitions(p_rel pg_catalog.oid, p_what text)
 returns void
 language plpgsql
@@ -170,8 +170,10 @@ declare
     v_sub   record;
     v_begun boolean;
     v_msg   text;
+    v_part  boolean;
 begin
-    if not exists (select 1 from pg_catalog.pg_class c where c.oid = p_rel and (c.relispartition or c.relkind = 'p')) then
+    select c.relispartition into v_part from pg_catalog.pg_class c where c.oid = p_rel and (c.relispartition or c.relkind = 'p');
+    if v_part is null then
         return;
     end if;
     v_begun := pgstream._internal_ddl_begin();
@@ -184,7 +186,7 @@ begin
         perform pgstream._sync_partition_triggers(v_sub.schema_name, v_sub.table_name, v_sub.operation, v_sub.mode);
     end loop;
     perform pgstream._internal_ddl_end(v_begun);
-    v_msg := pgstream._drift_trigger_problem(p_rel);
+    v_msg := case when v_part then pgstream._drift_trigger_problem(p_rel) end;
     if v_msg is not null then
         raise exception 'pgstream: refusing %: % and the subscriptions of its partitioned table would silently stop producing events',
             p_what, v_msg
