@@ -212,3 +212,27 @@ def test_a_column_cannot_break_the_pairing_of_a_partitioned_tables_updates(db_ur
     run(db_url, f"create table {schema}.other (id int, pgstream_pos int, k int) partition by range (k)")
     with pytest.raises(psycopg.errors.InvalidParameterValue, match="pgstream_pos is reserved"):
         subscribe(db_url, "other", "other", schema=schema, op="UPDATE", columns=["id"])
+
+
+def test_without_the_guard_regeneration_brings_the_partitions_in_step(db_url: str, roles: Callable[..., str]) -> None:
+    """With the drift guard off (a non-superuser install has none), a partition created or detached by hand
+    gets or loses its triggers' copies at the next regeneration of the table's triggers."""
+    owner, schema = owned_partitioned_table(db_url, roles, "statement")
+    run(db_url, "alter event trigger pgstream_drift_guard_alter disable")
+    try:
+        with connect(db_url, owner) as c:
+            c.execute(f"create table {schema}.p3 partition of {schema}.pt for values from (20) to (30)")
+            c.execute(f"alter table {schema}.pt detach partition {schema}.p2")
+        with connect(db_url) as c:
+            def copies(table: str) -> list[str]:
+                return [r[0] for r in c.execute("select tgname from pg_trigger where tgrelid = %s::regclass order by 1",
+                                                [f"{schema}.{table}"]).fetchall()]
+            assert copies("p3") == [] and "pgstream_insert_stmt" in copies("p2")
+            c.execute("select pgstream.regenerate_trigger(%s, 'pt', 'INSERT')", [schema])
+            assert copies("p3") == ["pgstream_insert_stmt"] and "pgstream_insert_stmt" not in copies("p2")
+    finally:
+        run(db_url, "alter event trigger pgstream_drift_guard_alter enable")
+    with connect(db_url, owner) as c:
+        c.execute(f"insert into {schema}.p3 values (1, 21, 'a')")
+        c.execute(f"insert into {schema}.p2 values (2, 12, 'detached')")
+    assert [(e["tg_op"], e["new"]["id"]) for e in events(db_url)] == [("INSERT", 1)]
