@@ -198,7 +198,11 @@ class SubscriptionConfig(_Model):
                                           "(computed values win; along a path the other static keys stay)")
     trigger_mode: Literal["row", "statement"] = Field(
         "row", description="row: a deferred FOR EACH ROW trigger (events written at commit); statement: one "
-                           "FOR EACH STATEMENT trigger with a transition table (INSERT and DELETE only)")
+                           "FOR EACH STATEMENT trigger with a transition table (INSERT and DELETE only, "
+                           "and UPDATE on a partitioned table)")
+    emit_truncate: bool = Field(
+        False, description="DELETE subscriptions only: a TRUNCATE of the table is an event (tg_op TRUNCATE, new "
+                           "and old null); without it a TRUNCATE of a table with a DELETE subscription is refused")
 
     @field_validator("operation", mode="before")
     @classmethod

@@ -265,9 +265,11 @@ def _generated(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
         """select t.oid::bigint, t.tgname::text, pg_get_triggerdef(t.oid), p.oid::bigint, p.prosrc,
                   obj_description(t.oid, 'pg_trigger'), g.function_body, g.when_clause
            from pg_trigger t join pg_proc p on p.oid = t.tgfoid
-           cross join lateral (select case when t.tgname like '%%\\_stmt' then 'statement' else 'row' end) m(mode)
+           cross join lateral (select case when t.tgname like '%%\\_stmt' then 'statement'
+                                           when t.tgname = 'pgstream_truncate' then 'truncate' else 'row' end) m(mode)
            cross join lateral pgstream.generated_trigger('public', 'users',
-               upper(split_part(t.tgname, '_', 2))::pgstream.operation_type, m.mode) g
+               case when m.mode = 'truncate' then 'DELETE'
+                    else upper(split_part(t.tgname, '_', 2)) end::pgstream.operation_type, m.mode) g
            where t.tgrelid = 'public.users'::regclass and not t.tgisinternal order by t.tgname""").fetchall()
 
 
@@ -294,7 +296,11 @@ def test_without_metadata_extensions_the_upgrade_keeps_every_trigger_and_its_cod
     with psycopg.connect(empty_db_url, autocommit=True) as c:
         assert c.execute("select count(*) from pgstream.subscriptions where metadata_extensions = '[]'"
                          ).fetchone() == (5,)
-        assert _generated(c) == released  # same oids, same source, and the current generator agrees
+        upgraded = _generated(c)
+        # same oids, same source, and the current generator agrees; the DELETE subscriptions' table gains
+        # its TRUNCATE trigger (generated as the code generates it)
+        assert [g for g in upgraded if g[1] != "pgstream_truncate"] == released
+        assert [(g[1], g[4] == g[6]) for g in upgraded if g[1] == "pgstream_truncate"] == [("pgstream_truncate", True)]
         c.execute("insert into users (name, email, age) values ('a', 'a@x', 30), ('b', null, 1)")
         c.execute("update users set name = 'c'")
         c.execute("delete from users")

@@ -500,7 +500,7 @@ def test_drift_guard_has_no_session_bypass_and_protects_the_triggers(db_url: str
     with connect(db_url) as c:
         rows = c.execute("select tgname, tgenabled from pg_trigger where tgrelid = %s::regclass order by 1",
                          [f"{schema}.t"]).fetchall()
-    assert rows == [("pgstream_delete_stmt", "O"), ("pgstream_insert", "O")]
+    assert rows == [("pgstream_delete_stmt", "O"), ("pgstream_insert", "O"), ("pgstream_truncate", "O")]
     run(db_url, f"insert into {schema}.t values (1, 'a')", f"delete from {schema}.t", role=app)
     assert [e["tg_op"] for e in events(db_url)] == ["INSERT", "DELETE"]
     # harmless DDL still passes

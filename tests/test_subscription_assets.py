@@ -102,7 +102,8 @@ def test_subscription_assets_apply_edit_and_remove(app: str, tmp_path: Path, ins
     assert result.success, step_failure(result)
     installed = triggers(app)
     assert set(installed) == {"public.users pgstream_insert", "public.users pgstream_update",
-                              "public.users pgstream_delete", "shop.orders pgstream_insert"}
+                              "public.users pgstream_delete", "public.users pgstream_truncate",
+                              "shop.orders pgstream_insert"}
     mats = materializations(result)
     assert mats[k["user-signup"]]["action"] == "inserted"
     assert mats[k["user-signup"]]["trigger_oid"] == installed["public.users pgstream_insert"]

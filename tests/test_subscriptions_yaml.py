@@ -43,7 +43,7 @@ def test_init_applies_yaml_and_a_bad_yaml_changes_nothing(db_url: str, tmp_path:
     with psycopg.connect(db_url) as c:
         keys = c.execute("select key from pgstream.subscriptions").fetchall()
         assert keys == [("by-hand",)]  # hand-made subscriptions are left alone
-        assert len(oids) == 2
+        assert len(oids) == 3  # the by-hand DELETE subscription's pgstream_delete and pgstream_truncate
 
 
 def test_yaml_trigger_mode_statement_round_trip(db_url: str, tmp_path: Path) -> None:
@@ -79,15 +79,18 @@ def test_yaml_trigger_mode_statement_round_trip(db_url: str, tmp_path: Path) -> 
 
 
 def test_code_version_of_row_mode_subscriptions_is_unchanged_by_the_new_fields() -> None:
-    """trigger_mode and metadata_extensions at their defaults leave the digest of before they existed."""
+    """trigger_mode, metadata_extensions and emit_truncate at their defaults leave the digest of before they
+    existed."""
     sub = SubscriptionConfig.model_validate(SUB)
-    old = {k: v for k, v in definition(sub).items() if k not in ("trigger_mode", "metadata_extensions")}
+    old = {k: v for k, v in definition(sub).items()
+           if k not in ("trigger_mode", "metadata_extensions", "emit_truncate")}
     text = json.dumps(old, sort_keys=True, separators=(",", ":"))
     assert code_version(sub) == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert code_version(sub.model_copy(update={"trigger_mode": "statement"})) != code_version(sub)
     computed = SubscriptionConfig.model_validate(
         {**SUB, "metadata_extensions": [{"json_path": "region", "expression": "'eu'"}]})
     assert code_version(computed) != code_version(sub)
+    assert code_version(sub.model_copy(update={"emit_truncate": True})) != code_version(sub)
 
 
 def test_yaml_metadata_extensions_round_trip(db_url: str, tmp_path: Path) -> None:
@@ -122,3 +125,33 @@ def test_yaml_metadata_extensions_round_trip(db_url: str, tmp_path: Path) -> Non
     with psycopg.connect(db_url) as c:
         assert c.execute("select metadata_extensions from pgstream.subscriptions").fetchone() == (
             computed["metadata_extensions"],)
+
+
+def test_yaml_emit_truncate_round_trip(db_url: str, tmp_path: Path) -> None:
+    """`emit_truncate: true` on a DELETE subscription: a TRUNCATE is its event; without it the TRUNCATE is
+    refused; on an INSERT subscription the YAML is refused, naming it, and nothing changes."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create table public.users (id serial primary key, email text, verified bool)")
+    streams = [{"id": 1, "sink": {"type": "memory"}}]
+    gone = {**SUB, "key": "gone", "operation": "DELETE", "when_clause": None}
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, streams, [gone])
+    init(cfg)
+    with psycopg.connect(db_url, autocommit=True) as c, pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState,
+                                                                      match=r'"gone" \(stream 1\).*emit_truncate'):
+        c.execute("truncate public.users")
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, streams, [{**gone, "emit_truncate": True}])
+    sub = load_config(cfg).subscriptions[0]
+    assert sub.emit_truncate and definition(sub)["emit_truncate"] is True
+    assert init(cfg) == ["updated subscription 'gone' (stream 1)"]
+    assert init(cfg) == []
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert check_subscription(c, sub, dg.AssetKey("x")).passed
+        c.execute("truncate public.users")
+        assert c.execute("select payload->>'tg_op', payload->>'tg_name' from pgstream.events").fetchall() == [
+            ("TRUNCATE", "gone")]
+    bad = write_config(tmp_path / "bad.yaml", db_url, streams, [{**gone, "emit_truncate": True},
+                                                                {**SUB, "emit_truncate": True}])
+    with pytest.raises(psycopg.Error, match=r'subscription "signup".*emit_truncate: only a DELETE subscription'):
+        init(bad)
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select key, emit_truncate from pgstream.subscriptions").fetchall() == [("gone", True)]

@@ -69,7 +69,7 @@ def definition(sub: SubscriptionConfig) -> dict[str, Any]:
             "column_names": list(sub.column_names), "metadata": sub.metadata,
             "payload_extensions": [e.model_dump() for e in sub.payload_extensions],
             "metadata_extensions": [e.model_dump() for e in sub.metadata_extensions],
-            "trigger_mode": sub.trigger_mode}
+            "trigger_mode": sub.trigger_mode, "emit_truncate": sub.emit_truncate}
 
 
 def code_version(sub: SubscriptionConfig) -> str:
@@ -80,6 +80,8 @@ def code_version(sub: SubscriptionConfig) -> str:
         del d["trigger_mode"]
     if not d["metadata_extensions"]:
         del d["metadata_extensions"]
+    if not d["emit_truncate"]:
+        del d["emit_truncate"]
     text = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -238,14 +240,14 @@ def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity)
     """The subscription row as stored (normalised like ``definition``), or None."""
     row = conn.execute(
         """select when_clause, column_names, metadata, payload_extensions, managed_by, trigger_mode,
-                  metadata_extensions
+                  metadata_extensions, emit_truncate
            from pgstream.subscriptions
            where stream_id = %s and key = %s and schema_name = %s and table_name = %s and operation::text = %s""",
         [stream_id, *ident]).fetchone()
     if row is None:
         return None
     return {"when_clause": row[0], "column_names": list(row[1]), "metadata": row[2], "payload_extensions": row[3],
-            "managed_by": row[4], "trigger_mode": row[5], "metadata_extensions": row[6]}
+            "managed_by": row[4], "trigger_mode": row[5], "metadata_extensions": row[6], "emit_truncate": row[7]}
 
 
 def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:
@@ -253,5 +255,5 @@ def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:
     want = definition(sub)
     want["when_clause"] = (sub.when_clause or "").strip() or None
     return [f for f in ("when_clause", "column_names", "metadata", "payload_extensions", "metadata_extensions",
-                        "trigger_mode")
+                        "trigger_mode", "emit_truncate")
             if stored[f] != want[f]]

@@ -220,6 +220,19 @@ as $$
 $$;
 revoke all on function pgstream._row_sources(pgstream.operation_type, text, text) from public;
 
+-- Whether a table is partitioned: its subscriptions' triggers are then statement triggers on it
+-- and on each of its partitions, in both modes (see _sync_partition_triggers).
+create or replace function pgstream._is_partitioned(p_schema text, p_table text)
+returns boolean
+language sql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce((select c.relkind = 'p' from pg_catalog.pg_class c
+                     where c.oid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table))), false)
+$$;
+revoke all on function pgstream._is_partitioned(text, text) from public;
+
 -- ---------------------------------------------------------------------------------------------
 -- Parses and type-checks one expression against the table's row without evaluating it, in an
 -- always-rolled-back subtransaction: the expression becomes the single column of a temporary
@@ -483,11 +496,27 @@ begin
             p_sub.schema_name, p_sub.table_name, 'trigger_mode',
             format('must be ''row'' or ''statement'', got %s', coalesce(quote_literal(p_sub.trigger_mode), 'NULL')));
     end if;
-    if p_sub.trigger_mode = 'statement' and p_sub.operation = 'UPDATE' then
+    if p_sub.trigger_mode = 'statement' and p_sub.operation = 'UPDATE'
+       and not pgstream._is_partitioned(p_sub.schema_name, p_sub.table_name) then
         perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
             p_sub.schema_name, p_sub.table_name, 'trigger_mode',
-            'statement mode supports INSERT and DELETE only: an UPDATE statement''s old and new rows '
-            'cannot be paired without a key; use trigger_mode ''row''');
+            'statement mode supports INSERT and DELETE only (and UPDATE on a partitioned table): an UPDATE '
+            'statement''s old and new rows cannot be paired without a key; use trigger_mode ''row''');
+    end if;
+    -- a partitioned table's UPDATE trigger numbers the statement's old and new rows in this column
+    if p_sub.operation = 'UPDATE' and pgstream._is_partitioned(p_sub.schema_name, p_sub.table_name)
+       and exists (select 1 from pg_catalog.pg_attribute a
+                   where a.attrelid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_sub.schema_name, p_sub.table_name))
+                     and a.attname = 'pgstream_pos' and a.attnum > 0 and not a.attisdropped) then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, 'table',
+            'the column name pgstream_pos is reserved on a partitioned table with UPDATE subscriptions (it pairs '
+            'a statement''s old and new rows): rename the column');
+    end if;
+    if coalesce(p_sub.emit_truncate, false) and p_sub.operation <> 'DELETE' then
+        perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
+            p_sub.schema_name, p_sub.table_name, 'emit_truncate',
+            'only a DELETE subscription takes TRUNCATE events (a TRUNCATE deletes rows); set it on the DELETE subscription');
     end if;
     perform pgstream._validate_subscription_003(p_sub);
 end
@@ -672,13 +701,17 @@ set search_path = pg_catalog, pg_temp
 as $$ select 'pgstream_' || lower(p_op::text) $$;
 revoke all on function pgstream.trigger_name(pgstream.operation_type) from public;
 
--- Names per mode: row mode has the names above, statement mode adds "_stmt".
+-- Names per mode: row mode has the names above, statement mode adds "_stmt"; mode 'truncate' (of
+-- a table's DELETE subscriptions: the TRUNCATE trigger) is pgstream_truncate.
 create or replace function pgstream.trigger_name(p_op pgstream.operation_type, p_mode text)
 returns text
 language sql
 immutable
 set search_path = pg_catalog, pg_temp
-as $$ select 'pgstream_' || lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end $$;
+as $$
+    select case when p_mode = 'truncate' then 'pgstream_truncate'
+                else 'pgstream_' || lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end end
+$$;
 revoke all on function pgstream.trigger_name(pgstream.operation_type, text) from public;
 
 create or replace function pgstream.trigger_function_name(
@@ -702,10 +735,89 @@ language sql
 immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select '_publish_' || lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end
+    select '_publish_' || case when p_mode = 'truncate' then 'truncate'
+                               else lower(p_op::text) || case when p_mode = 'statement' then '_stmt' else '' end end
            || '_' || substr(md5(format('%I.%I', p_schema, p_table)), 1, 16)
 $$;
 revoke all on function pgstream.trigger_function_name(text, text, pgstream.operation_type, text) from public;
+
+-- The generated triggers of one table, as (operation, mode): one per operation and trigger_mode
+-- of its subscriptions, plus (DELETE, 'truncate') when it has a DELETE subscription.
+create or replace function pgstream._trigger_modes(p_schema text, p_table text)
+returns table (operation pgstream.operation_type, mode text)
+language sql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select distinct s.operation, s.trigger_mode from pgstream.subscriptions s
+    where s.schema_name = p_schema and s.table_name = p_table
+    union
+    select 'DELETE'::pgstream.operation_type, 'truncate' from pgstream.subscriptions s
+    where s.schema_name = p_schema and s.table_name = p_table and s.operation = 'DELETE'
+$$;
+revoke all on function pgstream._trigger_modes(text, text) from public;
+
+-- The TRUNCATE trigger of a table with DELETE subscriptions (any mode): when one of them has not
+-- opted in (emit_truncate), the TRUNCATE is refused, naming them; else each writes one event,
+-- tg_op 'TRUNCATE', new and old null, named after the table truncated (a partition's TRUNCATE, or
+-- each table of a partitioned table's TRUNCATE, is its own), with the static metadata. There is no
+-- row: the when_clause and the extensions (expressions over rows) are not evaluated.
+create or replace function pgstream._truncate_trigger_body(p_schema text, p_table text)
+returns text
+language plpgsql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_refused text;
+    v_values  text;
+    v_ts      constant text := '(pg_catalog.extract(''epoch''::pg_catalog.text, pg_catalog.now()) '
+                               'operator(pg_catalog.*) 1000::pg_catalog.numeric)::pg_catalog.int8';
+begin
+    select pg_catalog.string_agg(pg_catalog.format('"%s" (stream %s)', s.key, s.stream_id), ', '
+                                 order by s.stream_id, s.key, s.id) filter (where not s.emit_truncate),
+           pg_catalog.string_agg(pg_catalog.format(
+               '(pg_catalog.jsonb_build_object(''tg_name''::pg_catalog.text, %L::pg_catalog.text, '
+               '''tg_op''::pg_catalog.text, ''TRUNCATE''::pg_catalog.text, '
+               '''tg_table_name''::pg_catalog.text, tg_table_name, ''tg_table_schema''::pg_catalog.text, tg_table_schema, '
+               '''timestamp''::pg_catalog.text, pgstream_ts.pgstream_ts_ms, '
+               '''new''::pg_catalog.text, null::pg_catalog.jsonb, ''old''::pg_catalog.text, null::pg_catalog.jsonb), '
+               '%s::pg_catalog.int8, %L::pg_catalog.jsonb)',
+               s.key, s.stream_id, s.metadata),
+               E',\n            ' order by s.stream_id, s.key, s.id) filter (where s.emit_truncate)
+    into v_refused, v_values
+    from pgstream.subscriptions s
+    where s.schema_name = p_schema and s.table_name = p_table and s.operation = 'DELETE';
+
+    if v_refused is not null then
+        return pg_catalog.format(
+$f$
+begin
+    raise exception 'pgstream: refusing TRUNCATE of %%.%%: DELETE subscriptions %% of %% take no TRUNCATE events (emit_truncate) and would silently keep its rows',
+        tg_table_schema, tg_table_name, %L, %L
+        using errcode = 'object_not_in_prerequisite_state',
+              hint = 'Delete the rows instead, or set emit_truncate = true on those subscriptions to send them a TRUNCATE event.';
+end
+$f$, v_refused, pg_catalog.format('%I.%I', p_schema, p_table));
+    end if;
+    if v_values is null then
+        return null;
+    end if;
+    return pg_catalog.format(
+$f$
+begin
+    insert into pgstream.events (payload, stream_id, metadata)
+    select e.payload, e.stream_id, e.metadata
+    from (select %s) as pgstream_ts(pgstream_ts_ms)
+    cross join lateral (values
+            %s
+    ) as e(payload, stream_id, metadata);
+    return null;
+end
+$f$, v_ts, v_values);
+end
+$$;
+revoke all on function pgstream._truncate_trigger_body(text, text) from public;
 
 -- The generated trigger for one target and mode, or null when no subscription of that mode
 -- targets it. Deterministic: subscriptions in (stream_id, key, id) order. Row mode: the WHEN is
@@ -727,8 +839,22 @@ declare
     v_src    text := case p_op when 'DELETE' then 'old' else 'new' end;
     v_ts     constant text := '(pg_catalog.extract(''epoch''::pg_catalog.text, pg_catalog.now()) '
                               'operator(pg_catalog.*) 1000::pg_catalog.numeric)::pg_catalog.int8';
+    v_parted boolean := pgstream._is_partitioned(p_schema, p_table);
+    -- the statement's rows: INSERT and DELETE read their transition table; UPDATE pairs the old and
+    -- new tables by position (Postgres fills both in the same order, a row moved to another
+    -- partition included), and writes the events in that order
+    v_from   text := case when p_op = 'UPDATE'
+                          then 'cross join (select pg_catalog.row_number() over () as pgstream_pos, * from pgstream_old) as old
+    join (select pg_catalog.row_number() over () as pgstream_pos, * from pgstream_new) as new
+      on new.pgstream_pos operator(pg_catalog.=) old.pgstream_pos'
+                          else pg_catalog.format('cross join pgstream_%s as %s', v_src, v_src) end;
+    v_check  text := case when p_op = 'UPDATE' then $c$
+    if (select pg_catalog.count(*) from pgstream_old) operator(pg_catalog.<>) (select pg_catalog.count(*) from pgstream_new) then
+        raise exception 'pgstream: an UPDATE of % changed rows that cannot be paired (a trigger dropped a moved row?): no event written', tg_table_name
+            using errcode = 'cardinality_violation';
+    end if;$c$ else '' end;
 begin
-    if p_mode = 'row' then
+    if p_mode = 'row' and not v_parted then
         select pg_catalog.bool_and(pgstream._when_in_trigger(s)),
                pg_catalog.string_agg(pg_catalog.format('(%s)', s.when_clause), ' or ' order by s.stream_id, s.key, s.id),
                pg_catalog.string_agg(pg_catalog.format(
@@ -768,7 +894,11 @@ $f$, v_ts, v_blocks);
     end if;
 
     when_clause := null;
-    if p_mode is distinct from 'statement' or p_op = 'UPDATE' then
+    if p_mode = 'truncate' then
+        function_body := case when p_op = 'DELETE' then pgstream._truncate_trigger_body(p_schema, p_table) end;
+        return;
+    end if;
+    if p_mode not in ('row', 'statement') or (p_op = 'UPDATE' and not v_parted) then
         function_body := null;
         return;
     end if;
@@ -779,24 +909,26 @@ $f$, v_ts, v_blocks);
     -- (no expression runs for a row the subscription does not take); static metadata is a literal.
     select pg_catalog.count(*),
            pg_catalog.string_agg(pg_catalog.format(
-               '(case when %s then %s end, %s::pg_catalog.int8, %s)',
+               '(case when %s then %s end, %s::pg_catalog.int8, %s%s)',
                x.filter, x.payload, s.stream_id,
                case when pg_catalog.jsonb_array_length(s.metadata_extensions) = 0 then x.metadata
-                    else pg_catalog.format('case when %s then %s end', x.filter, x.metadata) end),
+                    else pg_catalog.format('case when %s then %s end', x.filter, x.metadata) end,
+               case when p_op = 'UPDATE' then ', ' || x.n end),
                E',\n            ' order by s.stream_id, s.key, s.id),
            pg_catalog.min(pg_catalog.format(
 $f$
 #variable_conflict use_column
-begin
+begin%s
     insert into pgstream.events (payload, stream_id, metadata)
     select %s,
            %s::pg_catalog.int8, %s
     from (select %s) as pgstream_ts(pgstream_ts_ms)
-    cross join pgstream_%s as %s
-    where %s;
+    %s
+    where %s%s;
     return null;
 end
-$f$, x.payload, s.stream_id, x.metadata, v_ts, v_src, v_src, x.filter))
+$f$, v_check, x.payload, s.stream_id, x.metadata, v_ts, v_from, x.filter,
+     case when p_op = 'UPDATE' then E'\n    order by old.pgstream_pos' else '' end))
     into v_count, v_blocks, function_body
     from pgstream.subscriptions s
     cross join lateral (select
@@ -805,10 +937,13 @@ $f$, x.payload, s.stream_id, x.metadata, v_ts, v_src, v_src, x.filter))
                               pg_catalog.format('%L::pg_catalog.text', p_op::text),
                               pg_catalog.format('%L::pg_catalog.text', p_table),
                               pg_catalog.format('%L::pg_catalog.text', p_schema), 'pgstream_ts.pgstream_ts_ms'),
-        pgstream._metadata_sql(s)
-    ) as x(filter, payload, metadata)
+        pgstream._metadata_sql(s),
+        (select pg_catalog.count(*) from pgstream.subscriptions o
+         where o.schema_name = p_schema and o.table_name = p_table and o.operation = p_op
+           and o.trigger_mode = p_mode and (o.stream_id, o.key, o.id) <= (s.stream_id, s.key, s.id))
+    ) as x(filter, payload, metadata, n)
     where s.schema_name = p_schema and s.table_name = p_table and s.operation = p_op
-      and s.trigger_mode = 'statement';
+      and s.trigger_mode = p_mode;
 
     if v_count <= 1 then
         return;  -- none: null (min of no rows); one: its plain INSERT ... SELECT
@@ -816,18 +951,20 @@ $f$, x.payload, s.stream_id, x.metadata, v_ts, v_src, v_src, x.filter))
     function_body := pg_catalog.format(
 $f$
 #variable_conflict use_column
-begin
+begin%s
     insert into pgstream.events (payload, stream_id, metadata)
     select e.payload, e.stream_id, e.metadata
     from (select %s) as pgstream_ts(pgstream_ts_ms)
-    cross join pgstream_%s as %s
+    %s
     cross join lateral (values
             %s
-    ) as e(payload, stream_id, metadata)
-    where e.payload is not null;
+    ) as e(payload, stream_id, metadata%s)
+    where e.payload is not null%s;
     return null;
 end
-$f$, v_ts, v_src, v_src, v_blocks);
+$f$, v_check, v_ts, v_from, v_blocks,
+     case when p_op = 'UPDATE' then ', pgstream_sub' else '' end,
+     case when p_op = 'UPDATE' then E'\n    order by old.pgstream_pos, e.pgstream_sub' else '' end);
 end
 $$;
 revoke all on function pgstream.generated_trigger(text, text, pgstream.operation_type, text) from public;
@@ -878,6 +1015,88 @@ as $$
 $$;
 revoke all on function pgstream._record_subscribed_columns(text, text) from public;
 
+-- The DDL of a generated trigger of one (operation, mode) on one table: a deferred constraint
+-- trigger for each row (row mode on a table that is not partitioned), else a statement trigger with
+-- the transition tables its operation reads (statement mode; both modes on a partitioned table and
+-- on each of its partitions, where Postgres clones no statement trigger and moves a row as a delete
+-- and an insert); mode 'truncate': AFTER TRUNCATE for each statement.
+create or replace function pgstream._create_trigger_sql(
+    p_trg text, p_op pgstream.operation_type, p_mode text, p_rel pg_catalog.regclass, p_partitioned boolean,
+    p_when text, p_fn text
+)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case
+        when p_mode = 'truncate' then pg_catalog.format(
+            'create trigger %I after truncate on %s for each statement execute function pgstream.%I()',
+            p_trg, p_rel, p_fn)
+        when p_mode = 'row' and not p_partitioned then pg_catalog.format(
+            'create constraint trigger %I after %s on %s deferrable initially deferred '
+            'for each row %s execute function pgstream.%I()',
+            p_trg, p_op, p_rel, case when p_when is null then '' else pg_catalog.format('when (%s)', p_when) end, p_fn)
+        else pg_catalog.format(
+            'create trigger %I after %s on %s %s for each statement execute function pgstream.%I()',
+            p_trg, p_op, p_rel,
+            case p_op when 'DELETE' then 'referencing old table as pgstream_old'
+                      when 'INSERT' then 'referencing new table as pgstream_new'
+                      else 'referencing old table as pgstream_old new table as pgstream_new' end,
+            p_fn)
+    end
+$$;
+revoke all on function pgstream._create_trigger_sql(text, pgstream.operation_type, text, pg_catalog.regclass, boolean, text, text) from public;
+
+-- The copies of the generated statement trigger of one (operation, mode) on the partitions of a
+-- partitioned subscribed table: every partition of its tree gets one (same name, function
+-- and comment), and a table that carries one but is no longer in the tree (detached) loses it, as
+-- does every table when the subscribed table has none. Called in pgstream's own DDL
+-- (pgstream.internal_ddl) by trigger regeneration and by the drift guard after CREATE TABLE ...
+-- PARTITION OF and ALTER TABLE ... ATTACH / DETACH PARTITION.
+create or replace function pgstream._sync_partition_triggers(
+    p_schema text, p_table text, p_op pgstream.operation_type, p_mode text
+)
+returns void
+language plpgsql
+volatile
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_rel  pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_trg  text := pgstream.trigger_name(p_op, p_mode);
+    v_name text := pgstream.trigger_function_name(p_schema, p_table, p_op, p_mode);
+    v_fn   pg_catalog.oid := pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', v_name));
+    v_root record;
+    v_part record;
+begin
+    if v_fn is null then
+        return;
+    end if;
+    select t.oid, pg_catalog.obj_description(t.oid, 'pg_trigger') as hash into v_root
+    from pg_catalog.pg_trigger t
+    where t.tgrelid = v_rel and t.tgname = v_trg and t.tgfoid = v_fn;
+    for v_part in select t.tgrelid::pg_catalog.regclass as rel from pg_catalog.pg_trigger t
+                  where t.tgfoid = v_fn and t.tgname = v_trg and t.tgparentid = 0
+                    and t.tgrelid is distinct from v_rel::pg_catalog.oid
+                    and (v_root.oid is null
+                         or not exists (select 1 from pg_catalog.pg_partition_tree(v_rel) p where p.relid = t.tgrelid)) loop
+        execute pg_catalog.format('drop trigger %I on %s', v_trg, v_part.rel);
+    end loop;
+    if v_root.oid is null or not pgstream._is_partitioned(p_schema, p_table) then
+        return;
+    end if;
+    for v_part in select p.relid as rel from pg_catalog.pg_partition_tree(v_rel) p
+                  where p.relid <> v_rel
+                    and not exists (select 1 from pg_catalog.pg_trigger t where t.tgrelid = p.relid and t.tgname = v_trg)
+                  order by p.level, p.relid loop
+        execute pgstream._create_trigger_sql(v_trg, p_op, p_mode, v_part.rel, true, null, v_name);
+        execute pg_catalog.format('comment on trigger %I on %s is %L', v_trg, v_part.rel, v_root.hash);
+    end loop;
+end
+$$;
+revoke all on function pgstream._sync_partition_triggers(text, text, pgstream.operation_type, text) from public;
+
 -- Regenerates the trigger of one (schema, table, operation, mode). An identical definition is
 -- left untouched (same trigger oid) unless p_force. The function belongs to pgstream_writer.
 create or replace function pgstream._regenerate_trigger_mode(
@@ -912,6 +1131,10 @@ begin
     v_hash := pgstream.generated_trigger_hash(v_gen.function_body, v_gen.when_clause);
     if not p_force and v_gen.function_body is not null and v_current is not distinct from v_hash
        and v_owner = 'pgstream_writer' then
+        -- unchanged; the partitions created or detached since get or lose their copy
+        v_begun := pgstream._internal_ddl_begin();
+        perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
+        perform pgstream._internal_ddl_end(v_begun);
         return false;
     end if;
     if v_gen.function_body is null and v_current is null and v_owner is null then
@@ -922,6 +1145,8 @@ begin
     if v_rel is not null then
         execute pg_catalog.format('drop trigger if exists %I on %s', v_trg, v_rel);
     end if;
+    -- its copies on partitions, and on tables detached while the guard was off
+    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
     execute pg_catalog.format('drop function if exists pgstream.%I()', v_fn);
     if v_gen.function_body is not null then
         execute pg_catalog.format(
@@ -938,24 +1163,11 @@ begin
         if not v_super then
             execute 'revoke create on schema pgstream from pgstream_writer';
         end if;
-        if p_mode = 'row' then
-            execute pg_catalog.format(
-                'create constraint trigger %I after %s on %s deferrable initially deferred '
-                'for each row %s execute function pgstream.%I()',
-                v_trg, p_op, v_rel,
-                case when v_gen.when_clause is null then '' else pg_catalog.format('when (%s)', v_gen.when_clause) end,
-                v_fn);
-        else
-            execute pg_catalog.format(
-                'create trigger %I after %s on %s referencing %s table as %I '
-                'for each statement execute function pgstream.%I()',
-                v_trg, p_op, v_rel,
-                case p_op when 'DELETE' then 'old' else 'new' end,
-                case p_op when 'DELETE' then 'pgstream_old' else 'pgstream_new' end,
-                v_fn);
-        end if;
+        execute pgstream._create_trigger_sql(v_trg, p_op, p_mode, v_rel, pgstream._is_partitioned(p_schema, p_table),
+                                             v_gen.when_clause, v_fn);
         execute pg_catalog.format('comment on trigger %I on %s is %L', v_trg, v_rel, v_hash);
     end if;
+    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
     perform pgstream._internal_ddl_end(v_begun);
     return true;
 end
@@ -974,14 +1186,18 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_row  boolean;
-    v_stmt boolean;
+    v_row   boolean;
+    v_stmt  boolean;
+    v_trunc boolean := false;
 begin
     perform pgstream.lock_for_transaction('regenerate');
     v_row := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'row', p_force);
     v_stmt := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'statement', p_force);
+    if p_op = 'DELETE' then
+        v_trunc := pgstream._regenerate_trigger_mode(p_schema, p_table, p_op, 'truncate', p_force);
+    end if;
     perform pgstream._record_subscribed_columns(p_schema, p_table);
-    return v_row or v_stmt;
+    return v_row or v_stmt or v_trunc;
 end
 $$;
 revoke all on function pgstream._regenerate_triggers(text, text, pgstream.operation_type, boolean) from public;
@@ -1021,6 +1237,7 @@ begin
     new.payload_extensions := coalesce(new.payload_extensions, '[]'::jsonb);
     new.metadata_extensions := coalesce(new.metadata_extensions, '[]'::jsonb);
     new.trigger_mode := coalesce(new.trigger_mode, 'row');
+    new.emit_truncate := coalesce(new.emit_truncate, false);
     if tg_op = 'UPDATE' then
         new.updated_at := now();
     end if;
@@ -1121,19 +1338,20 @@ begin
 
     perform pgstream.ensure_stream(p_stream_id);
 
-    -- (v3: metadata_extensions; a new name, so that a table of an earlier shape created earlier in
+    -- (v4: emit_truncate; a new name, so that a table of an earlier shape created earlier in
     -- the same transaction is never reused)
-    create temporary table if not exists pgstream_set_subscriptions_input_v3 (
+    create temporary table if not exists pgstream_set_subscriptions_input_v4 (
         key text, operation pgstream.operation_type, schema_name text, table_name text,
         when_clause text, column_names text[], metadata jsonb, payload_extensions jsonb,
-        managed_by text, trigger_mode text, metadata_extensions jsonb
+        managed_by text, trigger_mode text, metadata_extensions jsonb, emit_truncate boolean
     ) on commit drop;
-    truncate pg_temp.pgstream_set_subscriptions_input_v3;
-    insert into pg_temp.pgstream_set_subscriptions_input_v3
+    truncate pg_temp.pgstream_set_subscriptions_input_v4;
+    insert into pg_temp.pgstream_set_subscriptions_input_v4
     select s.key, s.operation, coalesce(nullif(btrim(s.schema_name), ''), 'public'), s.table_name,
            nullif(btrim(s.when_clause), ''), coalesce(s.column_names, '{}'), s.metadata,
            coalesce(s.payload_extensions, '[]'::jsonb), coalesce(p_managed_by, s.managed_by),
-           coalesce(s.trigger_mode, 'row'), coalesce(s.metadata_extensions, '[]'::jsonb)
+           coalesce(s.trigger_mode, 'row'), coalesce(s.metadata_extensions, '[]'::jsonb),
+           coalesce(s.emit_truncate, false)
     from unnest(coalesce(p_subscriptions, '{}')) s;
 
     return query
@@ -1141,7 +1359,7 @@ begin
     where t.stream_id = p_stream_id
       and (p_managed_by is null or t.managed_by is not distinct from p_managed_by)
       and not exists (
-          select 1 from pg_temp.pgstream_set_subscriptions_input_v3 i
+          select 1 from pg_temp.pgstream_set_subscriptions_input_v4 i
           where i.key = t.key and i.schema_name = t.schema_name
             and i.table_name = t.table_name and i.operation = t.operation)
     returning 'deleted'::text, t.key, t.schema_name, t.table_name, t.operation;
@@ -1154,8 +1372,9 @@ begin
         payload_extensions = i.payload_extensions,
         managed_by = i.managed_by,
         trigger_mode = i.trigger_mode,
-        metadata_extensions = i.metadata_extensions
-    from pg_temp.pgstream_set_subscriptions_input_v3 i
+        metadata_extensions = i.metadata_extensions,
+        emit_truncate = i.emit_truncate
+    from pg_temp.pgstream_set_subscriptions_input_v4 i
     where t.stream_id = p_stream_id
       and i.key = t.key and i.schema_name = t.schema_name
       and i.table_name = t.table_name and i.operation = t.operation
@@ -1165,16 +1384,18 @@ begin
            or t.payload_extensions is distinct from i.payload_extensions
            or t.managed_by is distinct from i.managed_by
            or t.trigger_mode is distinct from i.trigger_mode
-           or t.metadata_extensions is distinct from i.metadata_extensions)
+           or t.metadata_extensions is distinct from i.metadata_extensions
+           or t.emit_truncate is distinct from i.emit_truncate)
     returning 'updated'::text, t.key, t.schema_name, t.table_name, t.operation;
 
     return query
     insert into pgstream.subscriptions as t
         (key, stream_id, operation, schema_name, table_name, when_clause, column_names,
-         metadata, payload_extensions, managed_by, trigger_mode, metadata_extensions)
+         metadata, payload_extensions, managed_by, trigger_mode, metadata_extensions, emit_truncate)
     select i.key, p_stream_id, i.operation, i.schema_name, i.table_name, i.when_clause,
-           i.column_names, i.metadata, i.payload_extensions, i.managed_by, i.trigger_mode, i.metadata_extensions
-    from pg_temp.pgstream_set_subscriptions_input_v3 i
+           i.column_names, i.metadata, i.payload_extensions, i.managed_by, i.trigger_mode, i.metadata_extensions,
+           i.emit_truncate
+    from pg_temp.pgstream_set_subscriptions_input_v4 i
     where not exists (
         select 1 from pgstream.subscriptions t
         where t.stream_id = p_stream_id and t.key = i.key and t.schema_name = i.schema_name
@@ -1182,7 +1403,7 @@ begin
     order by i.key, i.schema_name, i.table_name, i.operation
     returning 'inserted'::text, t.key, t.schema_name, t.table_name, t.operation;
 
-    truncate pg_temp.pgstream_set_subscriptions_input_v3;
+    truncate pg_temp.pgstream_set_subscriptions_input_v4;
 end
 $$;
 revoke all on function pgstream.set_subscriptions(bigint, pgstream.subscriptions[], text) from public;
@@ -1201,8 +1422,9 @@ begin
     for v_target in select p.oid::pg_catalog.regprocedure as fn from pg_catalog.pg_proc p
                     where p.pronamespace = 'pgstream'::pg_catalog.regnamespace and p.proname like '\_publish\_%'
                       and not exists (select 1 from pgstream.subscriptions s
-                                      where pgstream.trigger_function_name(s.schema_name, s.table_name, s.operation,
-                                                                           s.trigger_mode) = p.proname) loop
+                                      cross join lateral pgstream._trigger_modes(s.schema_name, s.table_name) m
+                                      where pgstream.trigger_function_name(s.schema_name, s.table_name, m.operation,
+                                                                           m.mode) = p.proname) loop
         execute pg_catalog.format('drop function %s cascade', v_target.fn);
     end loop;
     for v_target in select distinct s.schema_name, s.table_name, s.operation from pgstream.subscriptions s

@@ -31,7 +31,8 @@ $$;
 revoke all on function pgstream._drift_subscription_list(text, text) from public;
 
 -- Why the generated triggers of one table no longer serve its subscriptions, or null: each
--- (operation, mode) that has subscriptions needs its trigger, enabled, calling its function.
+-- (operation, mode) that has subscriptions needs its trigger, enabled, calling its function. A
+-- partition of a subscribed partitioned table needs the same triggers as the table.
 create or replace function pgstream._drift_trigger_problem(p_rel pg_catalog.oid)
 returns text
 language sql
@@ -45,16 +46,16 @@ as $$
                              case when t.oid is null then 'would be missing (dropped or renamed)'
                                   when t.tgenabled not in ('O', 'A') then 'would be disabled'
                                   else 'would call another function' end)
-    from pg_catalog.pg_class c
+    from (select p_rel as relid
+          union select a.relid from pg_catalog.pg_partition_ancestors(p_rel::pg_catalog.regclass) a) r
+    join pg_catalog.pg_class c on c.oid = r.relid
     join pg_catalog.pg_namespace n on n.oid = c.relnamespace
-    join lateral (select distinct s.operation, s.trigger_mode from pgstream.subscriptions s
-                  where s.schema_name = n.nspname and s.table_name = c.relname) w on true
+    cross join lateral pgstream._trigger_modes(n.nspname, c.relname) as w(operation, trigger_mode)
     left join pg_catalog.pg_trigger t
-      on t.tgrelid = c.oid and t.tgname = pgstream.trigger_name(w.operation, w.trigger_mode)
-    where c.oid = p_rel
-      and (t.oid is null or t.tgenabled not in ('O', 'A')
-           or t.tgfoid is distinct from pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()',
-                  pgstream.trigger_function_name(n.nspname, c.relname, w.operation, w.trigger_mode))))
+      on t.tgrelid = p_rel and t.tgname = pgstream.trigger_name(w.operation, w.trigger_mode)
+    where t.oid is null or t.tgenabled not in ('O', 'A')
+          or t.tgfoid is distinct from pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()',
+                 pgstream.trigger_function_name(n.nspname, c.relname, w.operation, w.trigger_mode)))
     order by w.operation, w.trigger_mode
     limit 1
 $$;
@@ -139,6 +140,9 @@ begin
       on pgstream.trigger_function_name(s.schema_name, s.table_name, s.operation, s.trigger_mode) = p.proname
     where t.tgrelid = p_rel and p.pronamespace = 'pgstream'::pg_catalog.regnamespace
       and (s.schema_name <> n.nspname::text or s.table_name <> c.relname::text)
+      -- a partition carries the triggers of the partitioned table it belongs to
+      and not exists (select 1 from pg_catalog.pg_partition_ancestors(p_rel::pg_catalog.regclass) a
+                      where a.relid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', s.schema_name, s.table_name)))
     order by 1, 2
     limit 1;
     if found then
@@ -151,6 +155,47 @@ begin
 end
 $$;
 revoke all on function pgstream._drift_check_renamed(oid, text) from public;
+
+-- After DDL on a table of a subscribed partitioned table's tree (CREATE TABLE ... PARTITION OF,
+-- ATTACH / DETACH PARTITION, on the table or on a partition): every partition gets the generated
+-- triggers, a detached table loses them (pgstream's own DDL); then DDL on a partition that disabled
+-- or changed its copies is refused like the table's own (which _drift_check_table checks).
+create or replace function pgstream._drift_check_partitions(p_rel pg_catalog.oid, p_what text)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_sub   record;
+    v_begun boolean;
+    v_msg   text;
+    v_part  boolean;
+begin
+    select c.relispartition into v_part from pg_catalog.pg_class c where c.oid = p_rel and (c.relispartition or c.relkind = 'p');
+    if v_part is null then
+        return;
+    end if;
+    v_begun := pgstream._internal_ddl_begin();
+    for v_sub in select n.nspname::text as schema_name, c.relname::text as table_name, m.operation, m.mode
+                 from pg_catalog.pg_partition_ancestors(p_rel::pg_catalog.regclass) a
+                 join pg_catalog.pg_class c on c.oid = a.relid
+                 join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+                 cross join lateral pgstream._trigger_modes(n.nspname, c.relname) m
+                 order by 1, 2, 3, 4 loop
+        perform pgstream._sync_partition_triggers(v_sub.schema_name, v_sub.table_name, v_sub.operation, v_sub.mode);
+    end loop;
+    perform pgstream._internal_ddl_end(v_begun);
+    v_msg := case when v_part then pgstream._drift_trigger_problem(p_rel) end;
+    if v_msg is not null then
+        raise exception 'pgstream: refusing %: % and the subscriptions of its partitioned table would silently stop producing events',
+            p_what, v_msg
+            using errcode = 'dependent_objects_still_exist',
+                  hint = 'Delete or change the subscriptions instead; the trigger follows them.';
+    end if;
+end
+$$;
+revoke all on function pgstream._drift_check_partitions(oid, text) from public;
 
 create or replace function pgstream._drift_guard_sql_drop()
 returns event_trigger
@@ -177,7 +222,11 @@ begin
     end loop;
     for v_obj in select * from pg_catalog.pg_event_trigger_dropped_objects() d
                  where d.object_type = 'trigger' and not d.is_temporary
-                   and d.object_identity ~ '^pgstream_(insert|update|delete)(_stmt)? on ' loop
+                   and d.object_identity ~ '^pgstream_(insert|update|delete|truncate)(_stmt)? on '
+                   -- dropped with its table (a partition: a subscribed table is refused above)
+                   and not exists (select 1 from pg_catalog.pg_event_trigger_dropped_objects() x
+                                   where x.object_type = 'table' and x.schema_name = d.address_names[1]
+                                     and x.object_name = d.address_names[2]) loop
         raise exception 'pgstream: refusing % that drops the generated trigger %: its subscriptions would silently stop producing events',
             tg_tag, v_obj.object_identity
             using errcode = 'dependent_objects_still_exist',
@@ -218,6 +267,7 @@ begin
         if v_cmd.object_type in ('table', 'table column') then
             for v_rel in select c.oid, n.nspname, c.relname from pg_catalog.pg_class c
                          join pg_catalog.pg_namespace n on n.oid = c.relnamespace where c.oid = v_cmd.objid loop
+                perform pgstream._drift_check_partitions(v_rel.oid, v_what);
                 perform pgstream._drift_check_renamed(v_rel.oid, v_what);
                 perform pgstream._drift_check_table(v_rel.nspname, v_rel.relname, v_what);
             end loop;
@@ -254,7 +304,7 @@ begin
     create event trigger pgstream_drift_guard_drop on sql_drop
         execute function pgstream._drift_guard_sql_drop();
     create event trigger pgstream_drift_guard_alter on ddl_command_end
-        when tag in ('ALTER TABLE', 'ALTER SCHEMA', 'ALTER TRIGGER', 'ALTER FUNCTION', 'ALTER ROUTINE',
+        when tag in ('CREATE TABLE', 'ALTER TABLE', 'ALTER SCHEMA', 'ALTER TRIGGER', 'ALTER FUNCTION', 'ALTER ROUTINE',
                      'ALTER PROCEDURE')
         execute function pgstream._drift_guard_ddl_end();
 exception when insufficient_privilege then
