@@ -82,6 +82,13 @@ class DeliveryConfig(_Model):
                     "(bench/cpu.py); a larger backlog is delivered in rounds of this size (whole batches, at "
                     "least one). Replays to a sink other than a file also read without Spark, 5,000 events at "
                     "a time (0: always Spark)")
+    max_read_bytes: int = Field(
+        32 * 2**20, ge=2**20, le=2**30,
+        description="bytes of events (payload and metadata as JSON text) a run or a replay reads at once and hands "
+                    "to the sink in one publish call, at most (one event at least): every read is cut at this as well "
+                    "as at its number of rows, so events that are large as text (small stored: compressed) cannot "
+                    "fill the run's memory. A run holds about four times this at its peak, or four times its largest "
+                    "event; events of up to a few KiB never reach it (5,000 of them are read at a time)")
     report_every_secs: float = Field(5, ge=0, le=3600,
                                      description="an open run reports its rounds to Dagster together (run log line, "
                                                  "deliveries materialization, status observation) at most this "

@@ -27,7 +27,7 @@ import json
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
@@ -37,7 +37,18 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from ..sinks import Sink, SinkConfig, build_sink
 from ..sinks.base import event_from_text, parse_event_path
 from .cluster import cluster_conf, driver_python_problem, is_local, package_zip
-from .publish import Confirmed, Deliveries, Position, Positioned, RejectPolicy, Span, publish
+from .publish import (
+    CHUNK_BYTES,
+    Confirmed,
+    Deliveries,
+    Position,
+    Positioned,
+    RejectPolicy,
+    SetAsideTooLarge,
+    Span,
+    TooLarge,
+    publish,
+)
 
 if TYPE_CHECKING:
     import psycopg
@@ -82,6 +93,59 @@ where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
 order by o.ord
 """
 
+#: per event of a batch span: its ordinal, id, and the bytes of its payload and of its metadata as JSON text
+#: (what reading it costs: each is rendered by the server, nothing is sent). A reader cuts what it reads
+#: at a byte budget by these (:func:`cut`), not only at a number of rows: a few thousand events of a few
+#: MiB each as text (small stored: compressed) must not be read at once
+_BATCH_SIZES = """
+select o.ord, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
+       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
+from pgstream.batches b
+cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+join pgstream.events e
+  on e.id = o.id and e.stream_id + 0 = b.stream_id
+ and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
+order by o.ord
+"""
+
+#: bytes of payload and metadata (JSON text) one read holds at most, unless one event is larger
+#: (``delivery.max_read_bytes``'s default)
+READ_BYTES = 32 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Positions ``lo..hi`` (ordinals of a batch, or event ids) to read at once: within the byte budget."""
+
+    lo: int
+    hi: int
+
+
+def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: int,
+        limit: int | None) -> Iterator[Piece | tuple[int, TooLarge]]:
+    """``lo..hi`` in order as :class:`Piece` s of at most ``budget`` bytes of payload and metadata each
+    (one event at least), by the ``sizes`` of the events there (``(position, id, payload bytes,
+    metadata bytes)`` in order, as :data:`_BATCH_SIZES` returns them; a position without a row is in
+    no piece's count). An event whose payload is larger than ``limit`` is in no piece: it comes as
+    ``(position, TooLarge)`` in its place, never read."""
+    start, used = lo, 0
+    for position, event_id, payload, metadata in sizes:
+        if limit is not None and payload > limit:
+            if start < position:
+                yield Piece(start, position - 1)
+            yield position, TooLarge(event_id, payload, limit)
+            start, used = position + 1, 0
+            continue
+        size = payload + metadata
+        if used and used + size > budget:
+            yield Piece(start, position - 1)
+            start, used = position, 0
+        used += size
+    if start <= hi:
+        yield Piece(start, hi)
+
+
 def events_where(params: Mapping[str, Any]) -> str:
     """The filter of a replay's selection (``params``: ``replay.selection``'s; shared with
     ``replay.plan``, which counts and splits it): the stream and the id range, and the time bounds
@@ -103,6 +167,17 @@ def _events_query(params: Mapping[str, Any]) -> str:
 select 0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
        (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
            as routing_key
+from pgstream.events e
+where """ + events_where(params) + """
+order by e.id
+"""
+
+
+def _events_sizes(params: Mapping[str, Any]) -> str:
+    """:data:`_BATCH_SIZES` for a replay's selection: positions are event ids."""
+    return """
+select e.id, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
+       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
 from pgstream.events e
 where """ + events_where(params) + """
 order by e.id
@@ -427,19 +502,30 @@ class DirectRead:
     routing_key: str
     #: the rows the run's slot reader recorded (:mod:`.handoff`): a span found there is not read
     handoff: Handoff | None = None
+    #: bytes of payload and metadata one read holds at most (one event at least): ``delivery.max_read_bytes``
+    read_bytes: int = READ_BYTES
+    #: an event whose payload is larger is not read (:class:`~.publish.TooLarge`): the sink's ``max_event_bytes()``
+    event_bytes: int | None = None
 
     def events(self) -> Iterator[Positioned]:
         params = _routing_params(self.routing_key)
         for whole in self.spans:
-            kept = self.handoff.take(whole.batch_id, whole.first, whole.last) if self.handoff is not None else None
+            kept = (self.handoff.take(whole.batch_id, whole.first, whole.last, self.event_bytes)
+                    if self.handoff is not None else None)
             if kept is not None:
                 yield from kept
                 continue
             for span in whole.split(FETCH_ROWS):
-                # FETCH_ROWS at a time, each fetched whole before anything is yielded: the caller writes
-                # the ledger on the same connection
-                yield from _positioned(self.conn.execute(_BATCH_QUERY, {
-                    **params, "batch_id": span.batch_id, "lo": span.first, "hi": span.last}).fetchall())
+                # FETCH_ROWS at a time and at most read_bytes, each fetched whole before anything is yielded:
+                # the caller writes the ledger on the same connection
+                where = {"batch_id": span.batch_id, "lo": span.first, "hi": span.last}
+                sizes = self.conn.execute(_BATCH_SIZES, where).fetchall()
+                for piece in cut(sizes, span.first, span.last, self.read_bytes, self.event_bytes):
+                    if isinstance(piece, Piece):
+                        yield from _positioned(self.conn.execute(_BATCH_QUERY, {
+                            **params, **where, "lo": piece.lo, "hi": piece.hi}).fetchall())
+                    else:
+                        yield span.batch_id, piece[0], piece[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,6 +540,9 @@ class DirectEvents:
     ranges: Sequence[tuple[int, int]]
     params: dict[str, Any]
     routing_key: str
+    #: as :class:`DirectRead`'s: a range is read in pieces of at most this many bytes (one event at least)
+    read_bytes: int = READ_BYTES
+    event_bytes: int | None = None
 
     def events(self) -> Iterator[Positioned]:
         if not self.ranges:
@@ -461,26 +550,57 @@ class DirectEvents:
         import psycopg
 
         params = {**self.params, **_routing_params(self.routing_key)}
-        query = _events_query(params)
+        query, sizes = _events_query(params), _events_sizes(params)
         with psycopg.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
                              application_name="pgstream replay") as conn:
 
-            def fetch(lo: int, hi: int) -> Callable[[], list[tuple[Any, ...]]]:
-                return lambda: conn.execute(query, {**params, "lo": lo, "hi": hi}).fetchall()
+            def read(lo: int, hi: int) -> Callable[[], list[Positioned]]:
+                return lambda: list(_positioned(conn.execute(query, {**params, "lo": lo, "hi": hi}).fetchall()))
 
-            for rows in _in_turn([fetch(lo, hi) for lo, hi in self.ranges]):
-                yield from _positioned(rows)
+            def reads() -> Iterator[Callable[[], list[Positioned]]]:
+                """A read per range, or per piece of it within the byte budget (psycopg serialises the
+                sizes query with the read of the piece before, made meanwhile)."""
+                for lo, hi in self.ranges:
+                    pieces = list(cut(conn.execute(sizes, {**params, "lo": lo, "hi": hi}).fetchall(), lo, hi,
+                                      self.read_bytes, self.event_bytes))
+                    for piece in pieces:
+                        if isinstance(piece, Piece):
+                            yield read(piece.lo, piece.hi)
+                        else:
+                            yield lambda piece=piece: [(0, piece[0], piece[1])]  # type: ignore[misc]
+
+            # the piece after the one being published is read meanwhile: two pieces in memory at most
+            for rows in _in_turn_lazily(reads()):
+                yield from rows
+
+
+def _in_turn_lazily(calls: Iterator[Callable[[], _T]]) -> Iterator[_T]:
+    """:func:`_in_turn` (prefetching) of calls made as they are needed."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
+        call = next(calls, None)
+        if call is None:
+            return
+        ahead = pool.submit(call)
+        while True:
+            result = ahead.result()
+            call = next(calls, None)
+            if call is not None:
+                ahead = pool.submit(call)
+            yield result
+            if call is None:
+                return
 
 
 def deliver_in_order(frames: list[DataFrame] | DirectRead | DirectEvents, sink: Sink, chunk_size: int, *,
                      prefetch: bool = True,
                      skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
-                     owed: Sequence[Span] | None = None) -> Deliveries:
+                     owed: Sequence[Span] | None = None, too_large: SetAsideTooLarge | None = None,
+                     chunk_bytes: int = CHUNK_BYTES) -> Deliveries:
     """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
     are published chunk by chunk through ``sink`` (the caller's; a run keeps one for its whole life)
     by :func:`pgstream_dagster.engine.publish.publish`, whose deliveries this yields (``skip``,
-    ``reject`` and ``owed`` are explained there). ``frames``: one single-partition DataFrame per
-    partition, as :func:`load_batches` / :func:`load_events` return them packed, or a
+    ``reject``, ``owed``, ``too_large`` and ``chunk_bytes`` are explained there). ``frames``: one
+    single-partition DataFrame per partition, as :func:`load_batches` / :func:`load_events` return them packed, or a
     :class:`DirectRead` or :class:`DirectEvents`. ``prefetch``: Spark computes the next partition while
     the driver publishes the current one (memory: two partitions instead of one)."""
     events: Iterator[Positioned]
@@ -489,12 +609,15 @@ def deliver_in_order(frames: list[DataFrame] | DirectRead | DirectEvents, sink: 
     else:
         rows: Iterator[Any] = _collected(frames, prefetch)
         events = _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
-    yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed)
+    yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,
+                       chunk_bytes=chunk_bytes)
 
 
 #: what each by_key partition returns to the driver: per batch, the events it handled and, of them,
 #: those an earlier attempt had confirmed (skipped, not published again)
 BY_KEY_RESULT_SCHEMA = "batch_id long, handled long, resumed long"
+
+
 
 
 @dataclasses.dataclass(frozen=True)
