@@ -310,7 +310,8 @@ def _load(pyspark: LazyPySparkResource, database_url: str, stream: StreamConfig,
     if conn is not None and delivery.ordering == "global" and sum(s.events for s in owed) <= delivery.direct_max_events:
         return spark.DirectRead(conn, owed, delivery.routing_key, handoff, delivery.max_read_bytes)
     return spark.load_batches(pyspark.spark_session, database_url, owed, delivery.routing_key,
-                              rows_per_partition=delivery.rows_per_partition, packed=delivery.ordering == "global")
+                              rows_per_partition=delivery.rows_per_partition, packed=delivery.ordering == "global",
+                              sizes=conn, read_bytes=delivery.max_read_bytes)
 
 
 def _too_large(stream: StreamConfig, database_url: str) -> ledger.DeadLetterWriter:
@@ -434,7 +435,9 @@ def _deliver_by_key(context: dg.OpExecutionContext, conn: psycopg.Connection, st
                          f"partitions (delivery.parallelism {stream.delivery.parallelism} applies from the next round)")
     progress = ledger.KeyProgress(database_url, stream.id, partitions, run_id=context.run_id)
     result = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size, partitions,
-                                  skip=skip, reject=reject, progress=progress)
+                                  skip=skip, reject=reject, progress=progress,
+                                  too_large=_too_large(stream, database_url).too_large,
+                                  chunk_bytes=stream.delivery.max_read_bytes)
     vanished_in = {b: sum(1 for g, _o in gone if g == b) for b in batch_ids}
     wrong = {b: (result.handled.get(b, 0), events) for b, events in expected.items()
              if result.handled.get(b, 0) + vanished_in[b] != events}

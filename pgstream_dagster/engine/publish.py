@@ -212,6 +212,7 @@ class _Publisher:
     chunk_size_bytes: int = 0  # JSON text in ``chunk``
 
     def __post_init__(self) -> None:
+        self.limit = self.sink.max_event_bytes()
         if self.owed is not None:
             self.owed = [s for s in self.owed if s.events]
             self.next_ord = self.owed[0].first if self.owed else 0
@@ -243,8 +244,15 @@ class _Publisher:
             if event.__class__ is TooLarge:
                 yield from self._set_aside_too_large(position, event)
                 continue
-            text = event._payload_json  # type: ignore[union-attr]  # (an Event: read as text, or built)
-            size = (len(text) if text is not None else 0) + len(event._metadata_json or "")  # type: ignore[union-attr]
+            text = event.payload_json  # type: ignore[union-attr]  # (an Event)
+            limit = self.limit
+            if limit is not None and len(text) * 4 > limit:  # (UTF-8: at most 4 bytes a character)
+                # read by a reader that could not check it (Spark): set aside, never sent
+                payload_bytes = len(text) if len(text) > limit else len(text.encode())
+                if payload_bytes > limit:
+                    yield from self._set_aside_too_large(position, TooLarge(event.id, payload_bytes, limit))
+                    continue
+            size = len(text) + len(event._metadata_json or "")  # type: ignore[union-attr]
             if self.chunk and self.chunk_size_bytes + size > self.chunk_bytes:
                 yield from self._flush()
             self.chunk.append(event)  # type: ignore[arg-type]

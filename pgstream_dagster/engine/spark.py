@@ -120,30 +120,61 @@ class Piece:
 
     lo: int
     hi: int
+    #: bytes of payload and metadata of its events
+    size: int = 0
 
 
 def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: int,
-        limit: int | None) -> Iterator[Piece | tuple[int, TooLarge]]:
+        limit: int | None, rows: int | None = None) -> Iterator[Piece | tuple[int, TooLarge]]:
     """``lo..hi`` in order as :class:`Piece` s of at most ``budget`` bytes of payload and metadata each
-    (one event at least), by the ``sizes`` of the events there (``(position, id, payload bytes,
-    metadata bytes)`` in order, as :data:`_BATCH_SIZES` returns them; a position without a row is in
-    no piece's count). An event whose payload is larger than ``limit`` is in no piece: it comes as
-    ``(position, TooLarge)`` in its place, never read."""
+    (one event at least) and at most ``rows`` positions, by the ``sizes`` of the events there
+    (``(position, id, payload bytes, metadata bytes)`` in order, as :data:`_BATCH_SIZES` returns them;
+    a position without a row is in no piece's count). An event whose payload is larger than ``limit``
+    is in no piece: it comes as ``(position, TooLarge)`` in its place, never read."""
     start, used = lo, 0
     for position, event_id, payload, metadata in sizes:
         if limit is not None and payload > limit:
             if start < position:
-                yield Piece(start, position - 1)
+                yield Piece(start, position - 1, used)
             yield position, TooLarge(event_id, payload, limit)
             start, used = position + 1, 0
             continue
         size = payload + metadata
-        if used and used + size > budget:
-            yield Piece(start, position - 1)
+        if (used and used + size > budget) or (rows is not None and position - start >= rows):
+            yield Piece(start, position - 1, used)
             start, used = position, 0
         used += size
     if start <= hi:
-        yield Piece(start, hi)
+        yield Piece(start, hi, used)
+
+
+def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budget: int) -> list[tuple[Span, int]]:
+    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes of payload and metadata
+    (one event at least), with their bytes, in order: the sizes of their events come from the server
+    (:data:`_BATCH_SIZES`; rendered there, nothing of the events is sent)."""
+    pieces: list[tuple[Span, int]] = []
+    for whole in spans:
+        for span in whole.split(max(rows, 100_000)):  # (a query per 100,000 sizes at most)
+            sizes = conn.execute(_BATCH_SIZES, {"batch_id": span.batch_id, "lo": span.first,
+                                                "hi": span.last}).fetchall()
+            pieces += [(Span(span.batch_id, p.lo, p.hi), p.size)
+                       for p in cut(sizes, span.first, span.last, budget, None, rows) if isinstance(p, Piece)]
+    return pieces
+
+
+def group_sized(pieces: Sequence[tuple[Span, int]], rows: int, budget: int) -> list[list[Span]]:
+    """Consecutive :func:`sized_spans` pieces in groups of at most ``rows`` ordinals and ``budget``
+    bytes in all (one piece at least), in order: one packed partition each (see :func:`group_spans`)."""
+    groups: list[list[Span]] = []
+    room_rows = room_bytes = 0
+    for piece, size in pieces:
+        if not groups or piece.events > room_rows or size > room_bytes:
+            groups.append([])
+            room_rows, room_bytes = rows, budget
+        groups[-1].append(piece)
+        room_rows -= piece.events
+        room_bytes -= size
+    return groups
 
 
 def events_where(params: Mapping[str, Any]) -> str:
@@ -386,13 +417,17 @@ def ship_package(spark: SparkSession) -> None:
 
 
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
-                 rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False) -> Frames:
+                 rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False, *,
+                 sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> Frames:
     """The events of ``spans`` (what a run owes of each batch, in delivery order: see
     :func:`~pgstream_dagster.engine.publish.owed_spans`), in partitions of at most
     ``rows_per_partition`` events. ``packed``: in :data:`PACKED_SCHEMA` rows, as one
     single-partition DataFrame per partition, in order (see :func:`deliver_in_order`), a partition
     reading consecutive spans up to ``rows_per_partition`` events (:func:`group_spans`); else one
-    partition per span (:func:`partition_spans`)."""
+    partition per span (:func:`partition_spans`). With ``sizes`` (a connection), a partition also
+    holds at most ``read_bytes`` bytes of payload and metadata (one event at least), by the sizes of
+    the events (:func:`sized_spans`): the driver collects a partition whole, and an executor reads one
+    whole."""
     ship_package(spark)
     spark.dataSource.register(BatchesDataSource)
 
@@ -404,6 +439,11 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
                 .option("packed", "true" if packed else "false")
                 .load())
 
+    if sizes is not None:
+        pieces = sized_spans(sizes, spans, rows_per_partition, read_bytes)
+        if packed:
+            return [frame([group]) for group in group_sized(pieces, rows_per_partition, read_bytes)]
+        return frame([[piece] for piece, _size in pieces])
     if packed:
         return [frame([group]) for group in group_spans(spans, rows_per_partition)]
     return frame([[part] for part in partition_spans(spans, rows_per_partition)])
@@ -635,7 +675,8 @@ class KeyDeliveries:
 
 def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_size: int,
                        skip: frozenset[Position], reject: RejectPolicy | None,
-                       progress: KeyProgress | None) -> Iterator[Any]:
+                       progress: KeyProgress | None, too_large: SetAsideTooLarge | None = None,
+                       chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
     """One ``by_key`` partition, on an executor: its events (Arrow record batches in :data:`SCHEMA`
     plus ``bucket``, in commit order) published through a sink of its own; each confirmed chunk is
     recorded in ``progress`` before the next is published, and events at or before their bucket's
@@ -668,7 +709,8 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
 
         sink = stack.enter_context(build_sink(sink_config))
         deliveries = stack.enter_context(contextlib.closing(
-            publish(sink, rows(), chunk_size, skip=skip, reject=reject)))
+            publish(sink, rows(), chunk_size, skip=skip, reject=reject, too_large=too_large,
+                    chunk_bytes=chunk_bytes)))
         for delivery in deliveries:
             if isinstance(delivery, Confirmed) and progress is not None and conn is not None:
                 # every event of these buckets up to here is handled: a retry resumes after it
@@ -680,13 +722,14 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
 
 def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int, *,
                    skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
-                   progress: KeyProgress | None = None) -> KeyDeliveries:
+                   progress: KeyProgress | None = None, too_large: SetAsideTooLarge | None = None,
+                   chunk_bytes: int = CHUNK_BYTES) -> KeyDeliveries:
     """Per routing key order: repartitions by the key into ``parallelism`` partitions (for a
     resumed round, ``progress.partitions``: the resume points hold for that partitioning), each
     publishing its events in commit order on an executor through a sink of its own (built from
     ``sink_config`` by :func:`~pgstream_dagster.sinks.build_sink`, as the run's, and closed when
     the partition is done). Events of one key never reorder; keys proceed in parallel.
-    ``reject.set_aside`` runs on the executors (it must be picklable).
+    ``reject.set_aside`` and ``too_large`` run on the executors (they must be picklable).
 
     No accumulator and no ``sparkContext``: the partitions run in ``mapInArrow`` and return their
     counts as rows, which the driver collects, so this works on classic Spark and Spark Connect
@@ -698,7 +741,7 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
     partitions = progress.partitions if progress is not None else parallelism
 
     def publish_partition(batches: Iterator[Any]) -> Iterator[Any]:
-        return _publish_partition(batches, sink_config, chunk_size, skip, reject, progress)
+        return _publish_partition(batches, sink_config, chunk_size, skip, reject, progress, too_large, chunk_bytes)
 
     # bucket: the partition Spark's hash partitioning sends the key to, and what resume points are kept by
     rows = (df.withColumn("bucket", F.pmod(F.hash("routing_key"), F.lit(partitions)))
