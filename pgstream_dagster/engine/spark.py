@@ -109,6 +109,38 @@ where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
 order by o.ord
 """
 
+#: :data:`_BATCH_QUERY` cut at a byte budget by the server, in one pass: every event of the span comes with
+#: the bytes of its payload and metadata as JSON text, but its payload, metadata and routing key only if it
+#: ``fits``: its payload is at most ``limit`` bytes (a null limit: any) and the events that fit before it
+#: and it hold at most ``budget`` bytes (the first one that may fits whatever its size). The rest come as
+#: sizes only (:class:`DirectRead` reads them next, in pieces it cuts by those sizes). The text of what
+#: fits is rendered twice (once to measure it, once to send it): cheap next to the join, which is made once
+_BATCH_QUERY_BOUNDED = """
+select w.batch_id, w.ord, w.id, w.stream_id, w.created_at,
+       case when w.fits then w.payload::pg_catalog.text end,
+       case when w.fits then w.metadata::pg_catalog.text end,
+       w.payload_bytes, w.metadata_bytes
+from (select z.*,
+             z.eligible and (z.running <= %(budget)s or z.running = z.payload_bytes + z.metadata_bytes) as fits
+      from (select y.*,
+                   pg_catalog.sum(case when y.eligible then y.payload_bytes + y.metadata_bytes else 0 end)
+                       over (order by y.ord rows unbounded preceding) as running
+            from (select b.id as batch_id, o.ord, e.id, e.stream_id, e.created_at, e.payload, e.metadata,
+                         x.payload_bytes, x.metadata_bytes,
+                         %(limit)s::bigint is null or x.payload_bytes <= %(limit)s::bigint as eligible
+                  from pgstream.batches b
+                  cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+                  join pgstream.events e
+                    on e.id = o.id and e.stream_id + 0 = b.stream_id
+                   and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+                  cross join lateral (
+                      select pg_catalog.octet_length(e.payload::pg_catalog.text) as payload_bytes,
+                             coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0) as metadata_bytes
+                      offset 0) x
+                  where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s) y) z) w
+order by w.ord
+"""
+
 #: bytes of payload and metadata (JSON text) one read holds at most, unless one event is larger
 #: (``delivery.max_read_bytes``'s default)
 READ_BYTES = 32 * 2**20
@@ -548,7 +580,6 @@ class DirectRead:
     event_bytes: int | None = None
 
     def events(self) -> Iterator[Positioned]:
-        params = _routing_params(self.routing_key)
         for whole in self.spans:
             kept = (self.handoff.take(whole.batch_id, whole.first, whole.last, self.event_bytes)
                     if self.handoff is not None else None)
@@ -556,16 +587,31 @@ class DirectRead:
                 yield from kept
                 continue
             for span in whole.split(FETCH_ROWS):
-                # FETCH_ROWS at a time and at most read_bytes, each fetched whole before anything is yielded:
-                # the caller writes the ledger on the same connection
-                where = {"batch_id": span.batch_id, "lo": span.first, "hi": span.last}
-                sizes = self.conn.execute(_BATCH_SIZES, where).fetchall()
-                for piece in cut(sizes, span.first, span.last, self.read_bytes, self.event_bytes):
-                    if isinstance(piece, Piece):
-                        yield from _positioned(self.conn.execute(_BATCH_QUERY, {
-                            **params, **where, "lo": piece.lo, "hi": piece.hi}).fetchall())
-                    else:
-                        yield span.batch_id, piece[0], piece[1]
+                # FETCH_ROWS at a time and at most read_bytes (the server cuts), each fetched whole before
+                # anything is yielded: the caller writes the ledger on the same connection
+                yield from self._read(span.batch_id, span.first, span.last)
+
+    def _read(self, batch_id: int, lo: int, hi: int) -> Iterator[Positioned]:
+        where = {"batch_id": batch_id, "budget": self.read_bytes, "limit": self.event_bytes}
+        rows = self.conn.execute(_BATCH_QUERY_BOUNDED, {**where, "lo": lo, "hi": hi}).fetchall()
+        utc = dt.UTC
+        rest: list[tuple[int, int, int, int]] = []  # (ord, id, payload bytes, metadata bytes) after the cut
+        for batch, ord_, event_id, stream_id, created, payload, metadata, payload_bytes, metadata_bytes in rows:
+            if rest or (payload is None and (self.event_bytes is None or payload_bytes <= self.event_bytes)):
+                rest.append((ord_, event_id, payload_bytes, metadata_bytes))
+            elif payload is None:
+                assert self.event_bytes is not None
+                yield batch, ord_, TooLarge(event_id, payload_bytes, self.event_bytes)
+            else:
+                yield batch, ord_, event_from_text(event_id, stream_id, created.astimezone(utc), payload, metadata)
+        del rows
+        if not rest:
+            return
+        for piece in cut(rest, rest[0][0], hi, self.read_bytes, self.event_bytes):
+            if isinstance(piece, Piece):  # fits whole (its events' sizes are known)
+                yield from self._read(batch_id, piece.lo, piece.hi)
+            else:
+                yield batch_id, piece[0], piece[1]
 
 
 @dataclasses.dataclass(frozen=True)
