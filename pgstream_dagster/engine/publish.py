@@ -39,6 +39,7 @@ from ..sinks import Event, Sink, SinkError
 if TYPE_CHECKING:
     from .ledger import Batch
 
+
 @dataclass(frozen=True)
 class TooLarge:
     """In place of an event a reader did not read: its payload (``size`` bytes as JSON text) is larger
@@ -162,7 +163,7 @@ class RejectPolicy:
 
 
 #: bytes of payload and metadata (JSON text) in one publish call at most, unless one event is larger
-CHUNK_BYTES = 16 * 2**20
+CHUNK_BYTES = 32 * 2**20
 
 
 def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: frozenset[Position] = frozenset(),
