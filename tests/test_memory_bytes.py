@@ -4,6 +4,7 @@ child process of its own (tests/support/memory_child.py)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import sys
@@ -15,6 +16,9 @@ import psycopg
 import pytest
 
 from pgstream_dagster.engine.batches import BatchStatus
+from pgstream_dagster.engine.publish import Confirmed, TooLarge, publish
+from pgstream_dagster.sinks import Event
+from pgstream_dagster.sinks.http import HttpSinkConfig
 
 from .support.endpoint import Endpoint
 from .support.harness import Driver, event_ids, write_config
@@ -69,3 +73,16 @@ def test_an_event_larger_than_the_sink_takes_is_set_aside_before_sending(db_url:
                          [BatchStatus.DELIVERED]).fetchone() == (0,)
     assert (event_id, stage, attempts, size) == (ids[1], "deliver", 1, 3 * 2**20)  # the payload kept whole
     assert "more than the sink can ever take (1048576 bytes)" in error
+
+
+def test_the_publish_loop_sets_aside_what_a_reader_could_not_check(endpoint: Endpoint) -> None:
+    """Spark reads events whatever their size: the publish loop checks each against the sink's limit and
+    sets a larger one aside (after confirming those before it) instead of sending it; the next go on."""
+    created = dt.datetime.now(dt.UTC)
+    rows = [(7, i, Event(100 + i, 1, {"pad": "é" * (600 if i == 2 else 5)}, created_at=created)) for i in range(1, 5)]
+    set_aside: list[tuple[int, int, TooLarge]] = []
+    with HttpSinkConfig(**{**endpoint.sink(), "max_body_bytes": 1024}).build() as sink:
+        steps = list(publish(sink, rows, 10, too_large=lambda b, o, row: set_aside.append((b, o, row))))
+    assert endpoint.accepted == [101, 103, 104]
+    assert set_aside == [(7, 2, TooLarge(102, 1210, 1024))]  # 600 characters, 1,200 bytes in UTF-8
+    assert [s for s in steps if isinstance(s, Confirmed)] == [Confirmed(7, 1), Confirmed(7, 2), Confirmed(7, 4)]
