@@ -15,6 +15,8 @@ import dagster as dg
 import psycopg
 import pytest
 
+from pgstream_dagster.config import StreamConfig
+from pgstream_dagster.engine import deadletters
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.publish import Confirmed, TooLarge, publish
 from pgstream_dagster.sinks import Event
@@ -86,3 +88,21 @@ def test_the_publish_loop_sets_aside_what_a_reader_could_not_check(endpoint: End
     assert endpoint.accepted == [101, 103, 104]
     assert set_aside == [(7, 2, TooLarge(102, 1210, 1024))]  # 600 characters, 1,200 bytes in UTF-8
     assert [s for s in steps if isinstance(s, Confirmed)] == [Confirmed(7, 1), Confirmed(7, 2), Confirmed(7, 4)]
+
+
+def test_dead_letters_are_redelivered_a_read_budget_at_a_time(db_url: str, endpoint: Endpoint) -> None:
+    """Redelivery lists sizes, not payloads, and reads and sends each chunk's payloads within
+    delivery.max_read_bytes (2 MiB): three dead letters of 1.5 MiB as text are three requests, in order."""
+    stream = StreamConfig.model_validate({"id": 1, "sink": endpoint.sink(), "delivery": {"max_read_bytes": 2**21}})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pgstream.ensure_stream(1)")
+        ids = [r[0] for r in c.execute(
+            "insert into pgstream.events (payload, stream_id) select jsonb_build_object('n', g, 'pad', "
+            "repeat('x', 1572864)), 1 from generate_series(1, 3) g returning id")]
+        for n, event_id in enumerate(ids, start=1):
+            c.execute("insert into pgstream.dead_letters (stream_id, event_id, stage, lsn, event_created_at, payload, "
+                      "metadata, error) select 1, e.id, 'read', %s::pg_lsn, e.created_at, e.payload, e.metadata, 'x' "
+                      "from pgstream.events e where e.id = %s", [f"0/{n}", event_id])
+        report = deadletters.redeliver(c, stream, None, "tester")
+    assert report.complete and len(report.redelivered) == 3
+    assert endpoint.accepted == sorted(ids) and endpoint.requests == 3
