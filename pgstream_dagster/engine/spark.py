@@ -365,6 +365,11 @@ class EventsDataSource(DataSource):
         return EventsReader(dict(self.options))
 
 
+#: the Arrow record batches a ``by_key`` task gets (after the repartition by key) hold at most this many
+#: bytes as well as ``maxRecordsPerBatch`` (10,000) rows: events large as text would fill the executor
+_ARROW_BYTES = {"spark.sql.execution.arrow.maxBytesPerBatch": str(READ_BYTES)}
+
+
 def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key_parallelism: Sequence[int] = (),
                ship_package: bool = True) -> dict[str, str]:
     """Spark settings for the delivery runs: offline, UTC, the user's ``extra`` (``spark.conf``) over
@@ -378,7 +383,7 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
     if remote:
         # Spark Connect: the server owns the JVM and its Python workers (pgstream_dagster.sparkserver);
         # a session may only set session settings
-        return {"spark.remote": remote, "spark.sql.session.timeZone": "UTC", **extra}
+        return {"spark.remote": remote, "spark.sql.session.timeZone": "UTC", **_ARROW_BYTES, **extra}
     python = extra.get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON") or sys.executable
     driver_python = extra.get("spark.pyspark.driver.python") or sys.executable
     os.environ["PYSPARK_PYTHON"] = python
@@ -391,6 +396,7 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
         "spark.pyspark.driver.python": driver_python,
         "spark.sql.shuffle.partitions": "8",
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
+        **_ARROW_BYTES,
     }
     conf["spark.master"] = master
     conf.update(extra)
