@@ -45,6 +45,7 @@ from ..engine.publish import (
     Progress,
     RejectPolicy,
     Span,
+    max_event_bytes,
     owed_spans,
 )
 from ..engine.status import stream_status
@@ -363,7 +364,7 @@ def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, str
             delivered = _deliver_by_key(context, conn, stream, frame, expected, skip, reject, database_url)
         else:
             if isinstance(frame, spark.DirectRead):  # the sink's limit: larger events are not read
-                frame = dataclasses.replace(frame, event_bytes=sink.max_event_bytes())
+                frame = dataclasses.replace(frame, event_bytes=max_event_bytes(sink))
             delivered = _deliver_in_order(context, conn, stream, sink, frame, owed, skip, reject,
                                           _too_large(stream, database_url))
     except MissingEventsError:

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from ..config import StreamConfig
 from ..engine import deadletters, spark
-from ..engine.publish import Finished, Progress, TooLarge
+from ..engine.publish import Finished, Progress, TooLarge, max_event_bytes
 from ..engine.replay import Counted, ReplayError, count_selected, dead_letter_selection, deliver_lines, plan, selection
 from ..sinks import build_sink
 from ..sinks.base import Sink
@@ -186,7 +186,7 @@ def _published(context: dg.OpExecutionContext, pyspark: LazyPySparkResource | No
     frames: list[Any] | spark.DirectEvents
     if pyspark is None:
         frames = spark.DirectEvents(pgstream.database_url, ranges, params, stream.delivery.routing_key,
-                                    stream.delivery.max_read_bytes, sink.max_event_bytes())
+                                    stream.delivery.max_read_bytes, max_event_bytes(sink))
     else:
         loaded = spark.load_events(
             pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,

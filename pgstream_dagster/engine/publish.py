@@ -179,6 +179,13 @@ def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: fr
     return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes).run(rows)
 
 
+def max_event_bytes(sink: Sink) -> int | None:
+    """The sink's :meth:`~pgstream_dagster.sinks.base.Sink.max_event_bytes` (None for a sink written
+    before it, not derived from :class:`~pgstream_dagster.sinks.base.Sink`)."""
+    limit = getattr(sink, "max_event_bytes", None)
+    return limit() if limit is not None else None
+
+
 class EventTooLargeError(SinkError):
     """An event is larger than the sink can ever take and there is nowhere to set it aside."""
 
@@ -213,7 +220,7 @@ class _Publisher:
     chunk_size_bytes: int = 0  # JSON text in ``chunk``
 
     def __post_init__(self) -> None:
-        self.limit = self.sink.max_event_bytes()
+        self.limit = max_event_bytes(self.sink)
         if self.owed is not None:
             self.owed = [s for s in self.owed if s.events]
             self.next_ord = self.owed[0].first if self.owed else 0
