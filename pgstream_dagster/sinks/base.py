@@ -607,8 +607,8 @@ class Sink(ABC):
         has no limit of its own. What every message of the sink carries at least is the payload, so an
         event whose payload is larger can never be delivered: the delivery reads it only as far as its
         size and sets it aside as a dead letter before anything is sent (never retried). A sink whose
-        destination declares a limit overrides this (SQS, SNS, Kinesis, Kafka, MQTT, HTTP with
-        ``max_body_bytes``)."""
+        destination declares a limit overrides this (SQS, SNS, Kinesis, Kafka, MQTT; HTTP, Redis and
+        RabbitMQ with ``max_body_bytes`` / ``max_message_bytes`` set)."""
         return None
 
     def publish_json_lines(self, lines: bytes, count: int, first_id: int, last_id: int) -> None:
