@@ -4,6 +4,7 @@ before, kept every served partition on the JVM heap until an OutOfMemoryError)."
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -53,3 +54,29 @@ def test_ordered_delivery_keeps_the_driver_heap_flat(db_url: str, tmp_path: Path
     lines = (tmp_path / "out.jsonl").read_text().count("\n")
     assert lines == 2000 * (rounds + 1)
     assert grown < 60, f"the driver heap grew {grown:.0f} MB over {rounds} rounds"
+
+
+def test_spark_partitions_are_bounded_by_bytes(db_url: str, tmp_path: Path) -> None:
+    """Events of 3 MiB as text (a few KiB stored): with a read budget of 8 MiB a partition (read whole by
+    an executor, collected whole by the driver) holds two of them, not rows_per_partition."""
+    with psycopg.connect(db_url) as c:
+        c.execute("select pgstream.ensure_stream(1)")
+        c.execute("insert into pgstream.events (payload, stream_id) "
+                  "select jsonb_build_object('n', g, 'pad', repeat('x', 3145728)), 1 "
+                  "from generate_series(1, 7) g")
+        (batch,) = c.execute(
+            "insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
+            "min_created_at, max_created_at) select 1, array_agg(id order by id), count(*), min(id), max(id), "
+            "min(created_at), max(created_at) from pgstream.events returning id").fetchone()
+        ids = [r[0] for r in c.execute("select id from pgstream.events order by id")]
+        builder = SparkSession.builder
+        for key, value in spark.spark_conf("local[2]", None, {}).items():
+            builder = builder.config(key, value)
+        session = builder.getOrCreate()
+        frames = spark.load_batches(session, db_url, [Span(batch, 1, 7)], "group_id", rows_per_partition=500,
+                                    packed=True, sizes=c, read_bytes=8 * 2**20)
+    assert isinstance(frames, list) and len(frames) == 4  # 2 + 2 + 2 + 1 events
+    with FileSinkConfig(path=str(tmp_path / "out.jsonl")).build() as sink:
+        assert drain(spark.deliver_in_order(frames, sink, 500)) == 7
+    with (tmp_path / "out.jsonl").open() as f:
+        assert [json.loads(line)["id"] for line in f] == ids

@@ -20,6 +20,7 @@ sink confirmed; the run writes it to the ledger before anything more is publishe
 """
 
 
+import dataclasses
 import datetime as dt
 import gc
 import threading
@@ -44,6 +45,7 @@ from ..engine.publish import (
     Progress,
     RejectPolicy,
     Span,
+    max_event_bytes,
     owed_spans,
 )
 from ..engine.status import stream_status
@@ -170,7 +172,8 @@ class _Reader:
             self._thread = threading.Thread(target=self._follow, args=(database_url, run_key), daemon=True,
                                             name=f"pgstream-reader-{stream.id}")
             if stream.delivery.ordering == "global" and stream.delivery.direct_max_events > 0:
-                self.handoff = Handoff(max(stream.delivery.direct_max_events, stream.batch.max_size))
+                self.handoff = Handoff(max(stream.delivery.direct_max_events, stream.batch.max_size),
+                                       4 * stream.delivery.max_read_bytes)
 
     def _follow(self, database_url: str, run_key: str) -> None:
         try:
@@ -306,9 +309,16 @@ def _load(pyspark: LazyPySparkResource, database_url: str, stream: StreamConfig,
     owed = _owed(stream, batches)
     delivery = stream.delivery
     if conn is not None and delivery.ordering == "global" and sum(s.events for s in owed) <= delivery.direct_max_events:
-        return spark.DirectRead(conn, owed, delivery.routing_key, handoff)
+        return spark.DirectRead(conn, owed, delivery.routing_key, handoff, delivery.max_read_bytes)
     return spark.load_batches(pyspark.spark_session, database_url, owed, delivery.routing_key,
-                              rows_per_partition=delivery.rows_per_partition, packed=delivery.ordering == "global")
+                              rows_per_partition=delivery.rows_per_partition, packed=delivery.ordering == "global",
+                              sizes=conn, read_bytes=delivery.max_read_bytes)
+
+
+def _too_large(stream: StreamConfig, database_url: str) -> ledger.DeadLetterWriter:
+    """Sets aside an event too large for the sink, whatever ``on_reject`` says: it can never be delivered."""
+    return ledger.DeadLetterWriter(database_url, stream.id, stream.sink.type,
+                                   resumes=stream.delivery.ordering == "global")
 
 
 def _reject_policy(stream: StreamConfig, database_url: str) -> RejectPolicy | None:
@@ -346,23 +356,26 @@ def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, str
     expected = {span.batch_id: span.events for span in owed}
     skip = ledger.dead_letter_positions(conn, stream.id, batch_ids)
     reject = _reject_policy(stream, database_url)
-    before = ledger.count_dead_letters(conn, stream.id) if reject is not None else 0
+    before = ledger.count_dead_letters(conn, stream.id)
     for batch_id in [b for b, events in expected.items() if events == 0]:
         _mark_delivered(context, conn, expected, batch_id, 0)  # confirmed in full by a run that died before marking it
     try:
         if stream.delivery.ordering == "by_key":
             delivered = _deliver_by_key(context, conn, stream, frame, expected, skip, reject, database_url)
         else:
-            delivered = _deliver_in_order(context, conn, stream, sink, frame, owed, skip, reject)
+            if isinstance(frame, spark.DirectRead):  # the sink's limit: larger events are not read
+                frame = dataclasses.replace(frame, event_bytes=max_event_bytes(sink))
+            delivered = _deliver_in_order(context, conn, stream, sink, frame, owed, skip, reject,
+                                          _too_large(stream, database_url))
     except MissingEventsError:
         raise _vanished_failure(conn, stream.id, batch_ids) from None
     missing = ledger.not_delivered(conn, batch_ids)
     if missing:
         raise dg.Failure(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
-    set_aside = ledger.count_dead_letters(conn, stream.id) - before if reject is not None else 0
+    set_aside = ledger.count_dead_letters(conn, stream.id) - before
     if set_aside:
-        context.log.warning(f"stream {stream.id}: {set_aside} events were rejected by the sink and set aside as "
-                            f"dead letters (pgstream-dagster dead-letters list {stream.id})")
+        context.log.warning(f"stream {stream.id}: {set_aside} events were rejected by the sink or larger than it can "
+                            f"ever take and set aside as dead letters (pgstream-dagster dead-letters list {stream.id})")
     return delivered
 
 
@@ -378,7 +391,7 @@ def _mark_delivered(context: dg.OpExecutionContext, conn: psycopg.Connection, ex
 
 def _deliver_in_order(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig, sink: Sink,
                       frame: Any, owed: list[Span], skip: frozenset[tuple[int, int]],
-                      reject: RejectPolicy | None) -> int:
+                      reject: RejectPolicy | None, too_large: ledger.DeadLetterWriter) -> int:
     """Global order: the publish loop yields what the sink confirmed and the run records each step in
     the ledger before the loop publishes anything more. Returns the events handled."""
     expected = {span.batch_id: span.events for span in owed}
@@ -387,7 +400,8 @@ def _deliver_in_order(context: dg.OpExecutionContext, conn: psycopg.Connection, 
     next_log, delivered = step, 0
     with closing(spark.deliver_in_order(frame, sink, stream.delivery.chunk_size,
                                         prefetch=stream.delivery.prefetch_partitions,
-                                        skip=skip, reject=reject, owed=owed)) as deliveries:
+                                        skip=skip, reject=reject, owed=owed, too_large=too_large.too_large,
+                                        chunk_bytes=stream.delivery.max_read_bytes)) as deliveries:
         for delivery in deliveries:
             match delivery:
                 case Confirmed(batch_id, ord):  # a retry resumes after it
@@ -422,7 +436,9 @@ def _deliver_by_key(context: dg.OpExecutionContext, conn: psycopg.Connection, st
                          f"partitions (delivery.parallelism {stream.delivery.parallelism} applies from the next round)")
     progress = ledger.KeyProgress(database_url, stream.id, partitions, run_id=context.run_id)
     result = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size, partitions,
-                                  skip=skip, reject=reject, progress=progress)
+                                  skip=skip, reject=reject, progress=progress,
+                                  too_large=_too_large(stream, database_url).too_large,
+                                  chunk_bytes=stream.delivery.max_read_bytes)
     vanished_in = {b: sum(1 for g, _o in gone if g == b) for b in batch_ids}
     wrong = {b: (result.handled.get(b, 0), events) for b, events in expected.items()
              if result.handled.get(b, 0) + vanished_in[b] != events}

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from ..config import StreamConfig
 from ..engine import deadletters, spark
-from ..engine.publish import Finished, Progress
+from ..engine.publish import Finished, Progress, TooLarge, max_event_bytes
 from ..engine.replay import Counted, ReplayError, count_selected, dead_letter_selection, deliver_lines, plan, selection
 from ..sinks import build_sink
 from ..sinks.base import Sink
@@ -132,9 +132,10 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
                     return 0
             next_log, delivered = 0, 0  # next_log 0: the first progress line once the count is known
             first: tuple[float, int] | None = None  # (time, count) of the first confirmed chunk
-            with closing(deliver_lines(pgstream.database_url, params, chunk_size, sink) if as_lines
-                         else _published(pyspark if not direct else None, pgstream, stream, ranges, params, config,
-                                         sink, chunk_size)
+            with closing(deliver_lines(pgstream.database_url, params, chunk_size, sink,
+                                       stream.delivery.max_read_bytes) if as_lines
+                         else _published(context, pyspark if not direct else None, pgstream, stream, ranges, params,
+                                         config, sink, chunk_size)
                          ) as progress:
                 for done in progress:
                     if isinstance(done, Counted):
@@ -176,14 +177,16 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
     return _op
 
 
-def _published(pyspark: LazyPySparkResource | None, pgstream: PgstreamResource, stream: StreamConfig,
-               ranges: list[tuple[int, int]], params: dict[str, Any], config: ReplayConfig, sink: Sink,
-               chunk_size: int) -> Generator[int, None, None]:
+def _published(context: dg.OpExecutionContext, pyspark: LazyPySparkResource | None, pgstream: PgstreamResource,
+               stream: StreamConfig, ranges: list[tuple[int, int]], params: dict[str, Any], config: ReplayConfig,
+               sink: Sink, chunk_size: int) -> Generator[int, None, None]:
     """The events confirmed so far, as the selected events are read (by Spark with ``pyspark``, else by
-    the run's own connections) and published in order."""
+    the run's own connections, at most ``delivery.max_read_bytes`` at a time) and published in order.
+    An event larger than the sink can ever take is not read and not sent: the run log names it."""
     frames: list[Any] | spark.DirectEvents
     if pyspark is None:
-        frames = spark.DirectEvents(pgstream.database_url, ranges, params, stream.delivery.routing_key)
+        frames = spark.DirectEvents(pgstream.database_url, ranges, params, stream.delivery.routing_key,
+                                    stream.delivery.max_read_bytes, max_event_bytes(sink))
     else:
         loaded = spark.load_events(
             pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,
@@ -192,8 +195,12 @@ def _published(pyspark: LazyPySparkResource | None, pgstream: PgstreamResource, 
             keys=config.subscription_keys or None, packed=True)
         assert isinstance(loaded, list)  # packed: one single-partition DataFrame per id range
         frames = loaded
-    with closing(spark.deliver_in_order(frames, sink, chunk_size,
-                                        prefetch=stream.delivery.prefetch_partitions)) as deliveries:
+    def too_large(_batch_id: int, _ord: int, row: TooLarge) -> None:
+        context.log.warning(f"replay of stream {stream.id}: {row.reason} (not replayed)")
+
+    with closing(spark.deliver_in_order(frames, sink, chunk_size, prefetch=stream.delivery.prefetch_partitions,
+                                        too_large=too_large,
+                                        chunk_bytes=stream.delivery.max_read_bytes)) as deliveries:
         for delivery in deliveries:
             if isinstance(delivery, Progress | Finished):
                 yield delivery.handled

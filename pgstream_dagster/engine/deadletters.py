@@ -94,6 +94,9 @@ class DeadLetter:
     waiting_for_batch: int | None = None
     #: delivered events of the stream after its position (only :func:`get_dead_letter` computes it)
     overtaken: int | None = None
+    #: listed without its payload (``payloads=False``): the bytes of its payload and metadata as JSON
+    #: text; ``payload_json`` is then ``""`` (or None: no payload), the payload is read when it is sent
+    payload_bytes: int | None = None
 
     @property
     def payload(self) -> Any:
@@ -135,9 +138,15 @@ class DeadLetter:
 
 # --- reading ------------------------------------------------------------------------------------
 
+_PAYLOADS = "d.payload::text as payload_json, d.metadata::text as metadata_json"
+#: a dead letter without its payload: its size instead (what reading it will cost)
+_SIZES = ("case when d.payload is not null then '' end as payload_json, null as metadata_json, "
+          "pg_catalog.octet_length(d.payload::pg_catalog.text) "
+          "+ coalesce(pg_catalog.octet_length(d.metadata::pg_catalog.text), 0) as payload_bytes")
+
 _SELECT = """
 select d.id, d.stream_id, d.event_id, d.stage, d.batch_id, d.ord, d.lsn::text as lsn, d.event_created_at,
-       d.payload::text as payload_json, d.metadata::text as metadata_json, d.sink, d.error, d.attempts,
+       {payloads}, d.sink, d.error, d.attempts,
        d.status, d.created_at, d.updated_at, d.resolved_at, d.resolved_by,
        a.anchor_batch_id,
        (select min(b.id) from pgstream.batches b
@@ -161,14 +170,15 @@ def _row(row: dict[str, Any]) -> DeadLetter:
 
 
 def list_dead_letters(conn: psycopg.Connection, stream_id: int | None = None, status: str | None = "open",
-                      limit: int | None = 100) -> list[DeadLetter]:
+                      limit: int | None = 100, *, payloads: bool = True) -> list[DeadLetter]:
     """Dead letters of one stream (or all), with ``status`` (``None``: any), in delivery order, at most
-    ``limit`` (``None``: all)."""
+    ``limit`` (``None``: all). ``payloads=False``: their sizes instead (:attr:`DeadLetter.payload_bytes`)."""
     if status is not None and status not in STATUSES:
         raise DeadLetterError(f"status must be one of {', '.join(STATUSES)} (or None for all), not {status!r}")
     if limit is not None and limit < 1:
         raise DeadLetterError(f"limit must be at least 1, not {limit}")
-    query = (_SELECT + " where (%(stream)s::bigint is null or d.stream_id = %(stream)s::bigint)"
+    query = (_SELECT.format(payloads=_PAYLOADS if payloads else _SIZES) +
+             " where (%(stream)s::bigint is null or d.stream_id = %(stream)s::bigint)"
              " and (%(status)s::text is null or d.status = %(status)s::text)" + _ORDER +
              " limit %(limit)s")
     with conn.cursor(row_factory=dict_row) as cur:
@@ -204,7 +214,7 @@ def get_dead_letter(conn: psycopg.Connection, dead_letter_id: int) -> DeadLetter
     """Everything about one dead letter, with how many later events of its stream were delivered
     (``overtaken``)."""
     with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(_SELECT + " where d.id = %s", [dead_letter_id]).fetchone()
+        row = cur.execute(_SELECT.format(payloads=_PAYLOADS) + " where d.id = %s", [dead_letter_id]).fetchone()
     if row is None:
         raise DeadLetterError(f"dead letter {dead_letter_id} does not exist")
     letter = _row(row)
@@ -317,11 +327,11 @@ def _array(ids: Sequence[int]) -> str:
 
 
 def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int] | None = None) -> list[DeadLetter]:
-    """The stream's open dead letters (all, or ``ids``) in delivery order. Ids that are not open dead
-    letters of the stream are refused."""
+    """The stream's open dead letters (all, or ``ids``) in delivery order, without their payloads (their
+    sizes: :attr:`DeadLetter.payload_bytes`). Ids that are not open dead letters of the stream are refused."""
     if ids is not None and not ids:
         raise DeadLetterError("no dead letter ids given (give ids, or redeliver all of the stream's)")
-    letters = list_dead_letters(conn, stream_id, "open", limit=None)
+    letters = list_dead_letters(conn, stream_id, "open", limit=None, payloads=False)
     if ids is None:
         return letters
     wanted = set(ids)
@@ -334,8 +344,9 @@ def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int]
 def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int] | None, by: str,
               chunk_size: int | None = None, *, dry_run: bool = False) -> RedeliveryReport:
     """Publish the stream's open dead letters (all, or ``ids``) through its sink in delivery order,
-    ``chunk_size`` events per publish call (default: the stream's ``delivery.chunk_size``), marking each
-    chunk ``redelivered`` only once the sink confirmed it.
+    ``chunk_size`` events per publish call (default: the stream's ``delivery.chunk_size``) and at most
+    ``delivery.max_read_bytes`` of payload and metadata (one at least; their payloads are read a chunk
+    at a time), marking each chunk ``redelivered`` only once the sink confirmed it.
 
     * A dead letter with no payload or no event timestamp cannot be redelivered: it is reported and
       left open (the others go on: waiting would not make it deliverable).
@@ -374,16 +385,34 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
         ledger.unlock(conn, ledger.REDELIVERY_LOCK, stream.id)
 
 
+def _events(conn: psycopg.Connection, letters: list[DeadLetter]) -> list[Event]:
+    """The events of ``letters`` (listed without their payloads), their payloads read now."""
+    if all(d.payload_bytes is None and d.payload_json for d in letters):  # listed with their payloads
+        return [d.event() for d in letters]
+    texts = {row[0]: row[1:] for row in conn.execute(
+        "select id, payload::text, metadata::text from pgstream.dead_letters where id = any(%s)",
+        [[d.id for d in letters]])}
+    return [dataclasses.replace(d, payload_json=texts[d.id][0], metadata_json=texts[d.id][1]).event()
+            for d in letters]
+
+
 def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadLetter], size: int, by: str,
              report: RedeliveryReport) -> None:
     sink: Sink | None = None
+    budget = stream.delivery.max_read_bytes
     try:
-        for start in range(0, len(letters), size):
-            chunk = letters[start:start + size]
+        start = 0
+        while start < len(letters):
+            end, used = start, 0
+            while end < len(letters) and end - start < size and \
+                    (end == start or used + (letters[end].payload_bytes or 0) <= budget):
+                used += letters[end].payload_bytes or 0
+                end += 1
+            chunk = letters[start:end]
             try:
                 if sink is None:
                     sink = stream.sink.build()
-                sink.publish([d.event() for d in chunk])
+                sink.publish(_events(conn, chunk))
             except SinkError as exc:
                 first = chunk[0]
                 message = excerpt(f"redelivery failed: {exc}", ERROR_CHARS)
@@ -402,6 +431,7 @@ def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadL
                     [by, stream.sink.type, [d.id for d in chunk]]).fetchall()
             done = {r[0] for r in marked}  # one discarded meanwhile stays discarded
             report.redelivered += [d.id for d in chunk if d.id in done]
+            start = end
     finally:
         if sink is not None:
             sink.close()

@@ -19,8 +19,8 @@ import datetime as dt
 import threading
 from collections.abc import Sequence
 
-from ..sinks.base import event_from_text
-from .publish import Positioned
+from ..sinks.base import Event, event_from_text
+from .publish import Positioned, TooLarge
 from .replication import DecodedEvent, Transaction
 
 #: bytes of the events' WAL messages kept at most (payload and metadata, mostly), whatever ``max_events``
@@ -60,9 +60,10 @@ class Handoff:
             kept += len(chunk)
         return kept
 
-    def take(self, batch_id: int, first: int, last: int) -> list[Positioned] | None:
+    def take(self, batch_id: int, first: int, last: int, event_bytes: int | None = None) -> list[Positioned] | None:
         """Ordinals ``first`` to ``last`` of the batch as events (the batch is then forgotten), or
-        None when it is not here."""
+        None when it is not here. An event whose payload is larger than ``event_bytes`` (the sink's
+        limit) comes as :class:`~.publish.TooLarge`."""
         with self._lock:
             entry = self._batches.pop(batch_id, None)
             if entry is not None:
@@ -72,9 +73,13 @@ class Handoff:
             self.missed += 1
             return None
         utc = dt.UTC
-        taken = [(batch_id, ord_, event_from_text(event_id, row[0], created.astimezone(utc), row[1], row[2]))
-                 for ord_, (event_id, created, row) in enumerate(entry[0][first - 1:last], start=first)
-                 if row is not None]  # (put keeps no batch with an event without its row)
+        taken: list[Positioned] = [
+            (batch_id, ord_, event_from_text(event_id, row[0], created.astimezone(utc), row[1], row[2]))
+            for ord_, (event_id, created, row) in enumerate(entry[0][first - 1:last], start=first)
+            if row is not None]  # (put keeps no batch with an event without its row)
+        if event_bytes is not None:
+            taken = [(b, o, _checked(event, row[3], event_bytes)) for (b, o, event), (_i, _c, row)
+                     in zip(taken, entry[0][first - 1:last], strict=True) if row is not None]
         self.taken += len(taken)
         return taken
 
@@ -106,3 +111,12 @@ class Handoff:
     def events(self) -> int:
         """Events kept now."""
         return self._events
+
+
+def _checked(event: Event | TooLarge, message_bytes: int, limit: int) -> Event | TooLarge:
+    """``event``, or :class:`~.publish.TooLarge` when its payload is larger than ``limit`` bytes (the
+    WAL message, larger than the payload, says when it cannot be)."""
+    if message_bytes <= limit or not isinstance(event, Event):
+        return event
+    size = len(event.payload_json.encode())
+    return TooLarge(event.id, size, limit) if size > limit else event

@@ -268,7 +268,8 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
         try:
             # with a hand-off, the publication with the whole event: the run delivers what it decodes
             publication = stream.rows_publication if handoff is not None else stream.publication
-            source = walstream.ReplicationStream(database_url, stream.slot, publication, application_name)
+            source = walstream.ReplicationStream(database_url, stream.slot, publication, application_name,
+                                                 max_bytes=stream.delivery.max_read_bytes)
         except walstream.SlotBusy:
             pause(0.1)  # the sensor's peek under way: it sees the claim at its next one
             continue
@@ -296,8 +297,12 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
 def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, stream: StreamConfig, run_key: str,
             stop: threading.Event, stats: FollowStats, handoff: Handoff | None) -> bool:
     """One replication connection's life; false once the run is no longer the open run."""
-    decoder = replication.PgOutputDecoder(keep_rows=handoff is not None)
+    # an event whose message is larger than a quarter of a read is not kept: the run reads it from the table
+    # (it is large enough for that to cost little more than taking it), so the reader holds no second copy
+    budget = stream.delivery.max_read_bytes
+    decoder = replication.PgOutputDecoder(keep_rows=handoff is not None, max_row_bytes=budget // 4)
     pending: list[replication.Transaction] = []
+    pending_bytes = 0  # of the rows kept in ``pending``
     oldest = 0.0  # when the oldest pending transaction arrived (monotonic)
     recorded_at = checked_at = 0.0
     probe: tuple[dt.datetime, int] | None = None  # (a time, the WAL flushed then): for mark_consumed
@@ -305,18 +310,22 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
         messages = source.read(FOLLOW_RECORD_EVERY_SECS if pending else 0.5)
         if messages:
             txns = decoder.decode(messages)
+            del messages  # (the rows kept are copies: the messages go before more are read)
             if txns and not pending:
                 oldest = time.monotonic()
             pending += txns
+            pending_bytes += _row_bytes(txns)
         now = time.monotonic()
         if pending:
             waiting = sum(len(t.events) + len(t.unreadable) for t in pending)
-            drained = len(messages) < source.MAX_MESSAGES
-            if waiting >= stream.batch.max_size or now - oldest >= stream.batch.max_fill_secs or \
+            drained = not source.full
+            if waiting >= stream.batch.max_size or pending_bytes >= budget or \
+                    now - oldest >= stream.batch.max_fill_secs or \
                     (drained and now - recorded_at >= FOLLOW_RECORD_EVERY_SECS):
                 # with a hand-off, what it has room for (one transaction at least): the rest waits
                 fits = len(pending) if handoff is None else _fitting(pending, handoff.room())
                 txns, pending = pending[:fits], pending[fits:]
+                pending_bytes = _row_bytes(pending)
                 if not _record_for_run(conn, stream, run_key, txns, stats, handoff):
                     source.confirm(txns[-1].end_lsn)
                     return False
@@ -343,6 +352,11 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
             raise walstream.SlotGone(f'publication "{source.publication}" does not exist')
         source.confirm(source.wal_end, reply=True)  # the reply brings a fresh wal_end
     return True
+
+
+def _row_bytes(txns: list[replication.Transaction]) -> int:
+    """Bytes of the WAL messages of the rows kept in ``txns`` (with a hand-off)."""
+    return sum([e.row[3] for t in txns for e in t.events if e.row is not None])
 
 
 def _fitting(txns: list[replication.Transaction], room: int) -> int:

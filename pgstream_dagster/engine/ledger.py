@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
 import psycopg
 from psycopg import sql
@@ -45,6 +45,9 @@ from .batches import (
 )
 from .batches import Batch as Batch  # ledger.Batch: the delivery job's name for it
 from .replication import DecodedEvent, Transaction
+
+if TYPE_CHECKING:
+    from .publish import TooLarge
 
 _BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b.last_event_id, b.status, "
                   "b.attempts, b.run_key, s.incarnation, b.run_id, b.error, b.next_attempt_at, b.first_commit_at, "
@@ -664,6 +667,20 @@ class DeadLetterWriter:
             return None
         event_id, stream_id, created_at, payload, metadata = row
         return event_from_text(event_id, stream_id, created_at.astimezone(dt.UTC), payload, metadata)
+
+    def too_large(self, batch_id: int, ord: int, row: TooLarge) -> None:
+        """Record an event too large for the sink (:class:`~.publish.TooLarge`): the database copies its
+        payload and metadata from ``pgstream.events`` (the run never reads them); one attempt."""
+        with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
+            conn.execute(
+                """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
+                                                      payload, metadata, sink, error, attempts)
+                   select e.stream_id, e.id, 'deliver', %s, %s, e.created_at, e.payload, e.metadata, %s, %s, 1
+                   from pgstream.events e where e.id = %s and e.stream_id = %s
+                   on conflict (stream_id, event_id) do nothing""",
+                [batch_id, ord, self.sink, row.reason[:2000], row.id, self.stream_id])
+            if self.resumes:
+                mark_confirmed(conn, batch_id, ord)
 
     def __repr__(self) -> str:  # never the URL
         return f"DeadLetterWriter(stream {self.stream_id}, sink {self.sink})"

@@ -48,13 +48,34 @@ from ..sinks import Event, Sink, SinkError
 if TYPE_CHECKING:
     from .ledger import Batch
 
+
+@dataclass(frozen=True)
+class TooLarge:
+    """In place of an event a reader did not read: its payload (``size`` bytes as JSON text) is larger
+    than the sink can ever take (``limit``, :meth:`~pgstream_dagster.sinks.base.Sink.max_event_bytes`).
+    The publisher sets it aside before sending anything after it (:data:`SetAsideTooLarge`)."""
+
+    id: int
+    size: int
+    limit: int
+
+    @property
+    def reason(self) -> str:
+        return (f"event {self.id}: its payload is {self.size} bytes as JSON text, more than the sink can ever take "
+                f"({self.limit} bytes): set aside before sending")
+
+
 Position = tuple[int, int]
 """``(batch_id, ord)``: an event's place in the delivery order (ledger batch, 1-based ordinal in it)."""
-Positioned = tuple[int, int, Event]
-"""``(batch_id, ord, event)``: an event and its place in the delivery order."""
+Positioned = tuple[int, int, "Event | TooLarge"]
+"""``(batch_id, ord, event)``: an event and its place in the delivery order (or what stands for an event too
+large for the sink, :class:`TooLarge`)."""
 SetAside = Callable[[int, int, Event, str, int], None]
 """``(batch_id, ord, event, error, attempts)``: record the event as a dead letter, durably, before
 the next event is published."""
+SetAsideTooLarge = Callable[[int, int, TooLarge], None]
+"""``(batch_id, ord, too_large)``: record an event too large for the sink as a dead letter (its
+payload copied by the database, never read by the run), durably, before the next event is published."""
 
 
 @dataclass(frozen=True)
@@ -154,13 +175,32 @@ class RejectPolicy:
     known_good: Callable[[], Event | None] | None = None
 
 
+#: bytes of payload and metadata (JSON text) in one publish call at most, unless one event is larger
+CHUNK_BYTES = 32 * 2**20
+
+
 def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: frozenset[Position] = frozenset(),
-            reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None) -> Deliveries:
-    """Publish ``rows`` (in the order owed) in chunks through ``sink`` (the caller's: it is not
+            reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
+            too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES) -> Deliveries:
+    """Publish ``rows`` (in the order owed) in chunks of at most ``chunk_size`` events and
+    ``chunk_bytes`` bytes of JSON text (one event at least) through ``sink`` (the caller's: it is not
     closed here), yielding what happened (see the module docstring). A batch is reported done only
     after the publish call that carried its last event returned. ``owed``: the spans the rows must
-    cover (a position missing from the rows and not in ``skip`` vanished)."""
-    return _Publisher(sink, chunk_size, skip, reject, owed).run(rows)
+    cover (a position missing from the rows and not in ``skip`` vanished). ``too_large``: records a
+    :class:`TooLarge` row as a dead letter, after the events before it were confirmed; without it such
+    a row stops the publisher (:class:`EventTooLargeError`)."""
+    return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes).run(rows)
+
+
+def max_event_bytes(sink: Sink) -> int | None:
+    """The sink's :meth:`~pgstream_dagster.sinks.base.Sink.max_event_bytes` (None for a sink written
+    before it, not derived from :class:`~pgstream_dagster.sinks.base.Sink`)."""
+    limit = getattr(sink, "max_event_bytes", None)
+    return limit() if limit is not None else None
+
+
+class EventTooLargeError(SinkError):
+    """An event is larger than the sink can ever take and there is nowhere to set it aside."""
 
 
 def drain(deliveries: Iterable[Delivery]) -> int:
@@ -179,6 +219,8 @@ class _Publisher:
     skip: frozenset[Position]
     reject: RejectPolicy | None
     owed: Sequence[Span] | None
+    too_large: SetAsideTooLarge | None = None
+    chunk_bytes: int = CHUNK_BYTES
     handled: int = 0  # published + set aside + skipped
     consecutive_rejects: int = 0
     last_good: Event | None = None  # the last event the sink confirmed in this call (or its known_good)
@@ -190,8 +232,10 @@ class _Publisher:
     current: int | None = None  # the batch of the last position accounted for
     oi: int = 0  # the owed span of the next position owed
     next_ord: int = 0
+    chunk_size_bytes: int = 0  # JSON text in ``chunk``
 
     def __post_init__(self) -> None:
+        self.limit = max_event_bytes(self.sink)
         if self.owed is not None:
             self.owed = [s for s in self.owed if s.events]
             self.next_ord = self.owed[0].first if self.owed else 0
@@ -220,8 +264,23 @@ class _Publisher:
             if skip and position in skip:
                 self.handled += 1
                 continue
-            self.chunk.append(event)
+            if event.__class__ is TooLarge:
+                yield from self._set_aside_too_large(position, event)
+                continue
+            text = event.payload_json  # type: ignore[union-attr]  # (an Event)
+            limit = self.limit
+            if limit is not None and len(text) * 4 > limit:  # (UTF-8: at most 4 bytes a character)
+                # read by a reader that could not check it (Spark): set aside, never sent
+                payload_bytes = len(text) if len(text) > limit else len(text.encode())
+                if payload_bytes > limit:
+                    yield from self._set_aside_too_large(position, TooLarge(event.id, payload_bytes, limit))
+                    continue
+            size = len(text) + len(event._metadata_json or "")  # type: ignore[union-attr]
+            if self.chunk and self.chunk_size_bytes + size > self.chunk_bytes:
+                yield from self._flush()
+            self.chunk.append(event)  # type: ignore[arg-type]
             self.where.append(position)
+            self.chunk_size_bytes += size
             if len(self.chunk) >= self.chunk_size:
                 yield from self._flush()
         if owed is not None and (missing := self._account(None)):
@@ -275,10 +334,20 @@ class _Publisher:
         yield from self._flush()
         raise MissingEventsError(missing)
 
+    def _set_aside_too_large(self, position: Position, row: TooLarge) -> Iterator[Delivery]:
+        """What comes before it is published first; then it is recorded, never sent."""
+        yield from self._flush()
+        if self.too_large is None:
+            raise EventTooLargeError(row.reason, event_ids=[row.id])
+        self.too_large(position[0], position[1], row)
+        self.handled += 1
+        yield Confirmed(*position)
+        yield Progress(self.handled)
+
     def _flush(self) -> Iterator[Delivery]:
         if self.chunk:
             events, where = self.chunk, self.where
-            self.chunk, self.where = [], []
+            self.chunk, self.where, self.chunk_size_bytes = [], [], 0
             yield from self._publish(events, where, 0, len(events))
         finished, self.finished = self.finished, []
         for batch_id in finished:

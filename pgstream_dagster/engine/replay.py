@@ -191,12 +191,14 @@ class Lines:
     data: bytes
 
 
-def read_lines(database_url: str, params: Mapping[str, Any], size: int,
-               connections: int = 2) -> Generator[Counted | Lines, None, None]:
+def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2,
+               read_bytes: int = spark.READ_BYTES) -> Generator[Counted | Lines, None, None]:
     """The events :func:`selection`'s ``params`` select as :class:`Lines` of ``size`` events (the last
-    may hold fewer), in id order, and :class:`Counted` once, as soon as the selection is counted. One
-    session walks the selected ids (:class:`IdRanges`, in a thread: it runs ahead and counts) while
-    ``connections`` others read the next ranges as the caller handles the current one; nothing is
+    may hold fewer) and at most ``read_bytes`` bytes of payload and metadata (one event at least), in
+    id order, and :class:`Counted` once, as soon as the selection is counted. One session walks the
+    selected ids (:class:`IdRanges`, in a thread: it runs ahead and counts) while ``connections``
+    others read the next ranges as the caller handles the current one (a range larger than
+    ``read_bytes`` is cut by the sizes of its events, and read one piece ahead only); nothing is
     parsed in Python."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
@@ -216,6 +218,18 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int,
                 walked.put(exc)
 
     query = _LINES_QUERY.format(line=sql.SQL(EVENT_JSON_LINE), where=_filter(params))
+    sizes_query = spark._events_sizes(params)
+
+    def pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """The range in pieces within ``read_bytes`` (by the sizes of its events, rendered by the server),
+        with their bytes."""
+        conn = idle.get()
+        try:
+            sizes = conn.execute(sizes_query, {**params, "lo": lo, "hi": hi}).fetchall()
+        finally:
+            idle.put(conn)
+        parts = [p for p in spark.cut(sizes, lo, hi, read_bytes, None) if isinstance(p, spark.Piece)]
+        return [(p.lo, p.hi, sum([s[2] + s[3] for s in sizes if p.lo <= s[0] <= p.hi])) for p in parts]
 
     def fetch(lo: int, hi: int) -> Lines:
         conn = idle.get()
@@ -238,19 +252,30 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int,
                                                       thread_name_prefix="pgstream-replay"))
         stack.callback(stop.set)  # runs before the pool waits for the walk: it stops at its next range
         pool.submit(walk, ranges)
-        ahead: deque[Future[Lines]] = deque()
+        ahead: deque[tuple[Future[Lines], int]] = deque()  # chunks being read, with their bytes
+        waiting: deque[tuple[int, int, int]] = deque()  # pieces of the walk's ranges, not read yet
         counted, walking = False, True
         failed: Exception | None = None
         try:
             while True:
-                while walking and len(ahead) < _AHEAD:
-                    nxt = walked.get()
-                    if isinstance(nxt, Exception):
-                        failed, walking = nxt, False
-                    elif nxt is None:
-                        walking = False
-                    else:
-                        ahead.append(pool.submit(fetch, *nxt))
+                # _AHEAD chunks ahead, holding read_bytes in all at most (one chunk at least)
+                while len(ahead) < _AHEAD:
+                    if not waiting:
+                        if not walking:
+                            break
+                        nxt = walked.get()
+                        if isinstance(nxt, Exception):
+                            failed, walking = nxt, False
+                        elif nxt is None:
+                            walking = False
+                        else:
+                            waiting.extend(pieces(*nxt))
+                        continue
+                    lo, hi, size = waiting[0]
+                    if ahead and sum(b for _f, b in ahead) + size > read_bytes:
+                        break
+                    waiting.popleft()
+                    ahead.append((pool.submit(fetch, lo, hi), size))
                 if not counted and ranges.total is not None:
                     counted = True
                     yield Counted(ranges.total)
@@ -258,24 +283,25 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int,
                     if failed is not None:
                         raise failed
                     return
-                yield ahead.popleft().result()
+                yield ahead.popleft()[0].result()
         finally:
-            for pending in ahead:
+            for pending, _size in ahead:
                 pending.cancel()
 
 
-def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int,
-                  sink: Sink) -> Generator[Counted | int, None, None]:
+def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int, sink: Sink,
+                  read_bytes: int = spark.READ_BYTES) -> Generator[Counted | int, None, None]:
     """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: the
     selected events in :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` calls of
-    ``chunk_size`` events, in order. Yields :class:`Counted` once (as soon as the walk of the selection
+    ``chunk_size`` events and at most ``read_bytes`` bytes of payload and metadata (one event at
+    least), in order. Yields :class:`Counted` once (as soon as the walk of the selection
     has counted it) and the events confirmed so far after each chunk. A sink error propagates (the
     chunks before it were confirmed)."""
     if not sink.accepts_json_lines:
         raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
     done = 0
     # closed here however this ends: a sink error's traceback would otherwise keep the sessions open
-    with closing(read_lines(database_url, params, chunk_size)) as chunks:
+    with closing(read_lines(database_url, params, chunk_size, read_bytes=read_bytes)) as chunks:
         for chunk in chunks:
             if isinstance(chunk, Counted):
                 yield chunk

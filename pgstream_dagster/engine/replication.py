@@ -87,16 +87,19 @@ class PgOutputDecoder:
     positions come from the Relation message); other columns before them are stepped over without
     decoding, the ones after are not looked at. ``keep_rows``: also the ``stream_id``, ``payload``
     and ``metadata`` columns (:attr:`DecodedEvent.row`), for a reader that hands what it recorded to
-    its run in memory instead of having it read back from the table. A ``created_at`` equal to the
+    its run in memory instead of having it read back from the table (not of a message larger than
+    ``max_row_bytes``: that event is read from the table). A ``created_at`` equal to the
     previous one is not parsed again (inline, as :func:`parse_timestamp` does). :meth:`decode` is the
     fast path for many messages (inserts decoded inline)."""
 
-    def __init__(self, *, keep_rows: bool = False) -> None:
+    def __init__(self, *, keep_rows: bool = False, max_row_bytes: int | None = None) -> None:
         # relation id (4 bytes, as in the message) -> the positions of the id, created_at, payload,
         # metadata and stream_id columns (the last three -1 unless keep_rows), and how many columns
         # to read (up to the last of them)
         self._relations: dict[bytes, tuple[int, int, int, int, int, int]] = {}
         self._keep_rows = keep_rows
+        #: keep_rows: a row whose message is larger is not kept (None: read from the table)
+        self._max_row_bytes = max_row_bytes if max_row_bytes is not None else 2**62
         self._current: Transaction | None = None
         self._last_ts: tuple[bytes, dt.datetime] = (b"", _PG_EPOCH)
 
@@ -115,6 +118,7 @@ class PgOutputDecoder:
         last_stream = (b"", 0)
         from_iso = dt.datetime.fromisoformat
         new_tuple = tuple.__new__
+        max_row = self._max_row_bytes
         for data in messages:
             if data[0] == _INSERT and append is not None:
                 id_col, ts_col, payload_col, metadata_col, stream_col, ncols = relations[data[1:5]]
@@ -143,7 +147,7 @@ class PgOutputDecoder:
                         raw = raw_ts.decode(errors="replace")
                         unreadable(unreadable_timestamp(event_id, raw))  # type: ignore[misc]  # set with append
                         continue
-                if stream_col < 0:
+                if stream_col < 0 or len(data) > max_row:
                     append(new_tuple(DecodedEvent, (event_id, last[1], None)))
                     continue
                 raw_stream, raw_payload, raw_metadata = values[stream_col], values[payload_col], values[metadata_col]

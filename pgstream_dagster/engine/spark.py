@@ -27,7 +27,7 @@ import json
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
@@ -37,7 +37,18 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from ..sinks import Sink, SinkConfig, build_sink
 from ..sinks.base import event_from_text, parse_event_path
 from .cluster import cluster_conf, driver_python_problem, is_local, package_zip
-from .publish import Confirmed, Deliveries, Position, Positioned, RejectPolicy, Span, publish
+from .publish import (
+    CHUNK_BYTES,
+    Confirmed,
+    Deliveries,
+    Position,
+    Positioned,
+    RejectPolicy,
+    SetAsideTooLarge,
+    Span,
+    TooLarge,
+    publish,
+)
 
 if TYPE_CHECKING:
     import psycopg
@@ -82,6 +93,122 @@ where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
 order by o.ord
 """
 
+#: per event of a batch span: its ordinal, id, and the bytes of its payload and of its metadata as JSON text
+#: (what reading it costs: each is rendered by the server, nothing is sent). A reader cuts what it reads
+#: at a byte budget by these (:func:`cut`), not only at a number of rows: a few thousand events of a few
+#: MiB each as text (small stored: compressed) must not be read at once
+_BATCH_SIZES = """
+select o.ord, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
+       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
+from pgstream.batches b
+cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+join pgstream.events e
+  on e.id = o.id and e.stream_id + 0 = b.stream_id
+ and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
+order by o.ord
+"""
+
+#: :data:`_BATCH_QUERY` cut at a byte budget by the server, in one pass: every event of the span comes with
+#: the bytes of its payload and metadata as JSON text, but its payload, metadata and routing key only if it
+#: ``fits``: its payload is at most ``limit`` bytes (a null limit: any) and the events that fit before it
+#: and it hold at most ``budget`` bytes (the first one that may fits whatever its size). The rest come as
+#: sizes only (:class:`DirectRead` reads them next, in pieces it cuts by those sizes). The text of what
+#: fits is rendered twice (once to measure it, once to send it): cheap next to the join, which is made once
+_BATCH_QUERY_BOUNDED = """
+select w.batch_id, w.ord, w.id, w.stream_id, w.created_at,
+       case when w.fits then w.payload::pg_catalog.text end,
+       case when w.fits then w.metadata::pg_catalog.text end,
+       w.payload_bytes, w.metadata_bytes
+from (select z.*,
+             z.eligible and (z.running <= %(budget)s or z.running = z.payload_bytes + z.metadata_bytes) as fits
+      from (select y.*,
+                   pg_catalog.sum(case when y.eligible then y.payload_bytes + y.metadata_bytes else 0 end)
+                       over (order by y.ord rows unbounded preceding) as running
+            from (select b.id as batch_id, o.ord, e.id, e.stream_id, e.created_at, e.payload, e.metadata,
+                         x.payload_bytes, x.metadata_bytes,
+                         %(limit)s::bigint is null or x.payload_bytes <= %(limit)s::bigint as eligible
+                  from pgstream.batches b
+                  cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+                  join pgstream.events e
+                    on e.id = o.id and e.stream_id + 0 = b.stream_id
+                   and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+                  cross join lateral (
+                      select pg_catalog.octet_length(e.payload::pg_catalog.text) as payload_bytes,
+                             coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0) as metadata_bytes
+                      offset 0) x
+                  where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s) y) z) w
+order by w.ord
+"""
+
+#: bytes of payload and metadata (JSON text) one read holds at most, unless one event is larger
+#: (``delivery.max_read_bytes``'s default)
+READ_BYTES = 32 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Positions ``lo..hi`` (ordinals of a batch, or event ids) to read at once: within the byte budget."""
+
+    lo: int
+    hi: int
+    #: bytes of payload and metadata of its events
+    size: int = 0
+
+
+def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: int,
+        limit: int | None, rows: int | None = None) -> Iterator[Piece | tuple[int, TooLarge]]:
+    """``lo..hi`` in order as :class:`Piece` s of at most ``budget`` bytes of payload and metadata each
+    (one event at least) and at most ``rows`` positions, by the ``sizes`` of the events there
+    (``(position, id, payload bytes, metadata bytes)`` in order, as :data:`_BATCH_SIZES` returns them;
+    a position without a row is in no piece's count). An event whose payload is larger than ``limit``
+    is in no piece: it comes as ``(position, TooLarge)`` in its place, never read."""
+    start, used = lo, 0
+    for position, event_id, payload, metadata in sizes:
+        if limit is not None and payload > limit:
+            if start < position:
+                yield Piece(start, position - 1, used)
+            yield position, TooLarge(event_id, payload, limit)
+            start, used = position + 1, 0
+            continue
+        size = payload + metadata
+        if (used and used + size > budget) or (rows is not None and position - start >= rows):
+            yield Piece(start, position - 1, used)
+            start, used = position, 0
+        used += size
+    if start <= hi:
+        yield Piece(start, hi, used)
+
+
+def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budget: int) -> list[tuple[Span, int]]:
+    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes of payload and metadata
+    (one event at least), with their bytes, in order: the sizes of their events come from the server
+    (:data:`_BATCH_SIZES`; rendered there, nothing of the events is sent)."""
+    pieces: list[tuple[Span, int]] = []
+    for whole in spans:
+        for span in whole.split(max(rows, 100_000)):  # (a query per 100,000 sizes at most)
+            sizes = conn.execute(_BATCH_SIZES, {"batch_id": span.batch_id, "lo": span.first,
+                                                "hi": span.last}).fetchall()
+            pieces += [(Span(span.batch_id, p.lo, p.hi), p.size)
+                       for p in cut(sizes, span.first, span.last, budget, None, rows) if isinstance(p, Piece)]
+    return pieces
+
+
+def group_sized(pieces: Sequence[tuple[Span, int]], rows: int, budget: int) -> list[list[Span]]:
+    """Consecutive :func:`sized_spans` pieces in groups of at most ``rows`` ordinals and ``budget``
+    bytes in all (one piece at least), in order: one packed partition each (see :func:`group_spans`)."""
+    groups: list[list[Span]] = []
+    room_rows = room_bytes = 0
+    for piece, size in pieces:
+        if not groups or piece.events > room_rows or size > room_bytes:
+            groups.append([])
+            room_rows, room_bytes = rows, budget
+        groups[-1].append(piece)
+        room_rows -= piece.events
+        room_bytes -= size
+    return groups
+
+
 def events_where(params: Mapping[str, Any]) -> str:
     """The filter of a replay's selection (``params``: ``replay.selection``'s; shared with
     ``replay.plan``, which counts and splits it): the stream and the id range, and the time bounds
@@ -103,6 +230,17 @@ def _events_query(params: Mapping[str, Any]) -> str:
 select 0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
        (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
            as routing_key
+from pgstream.events e
+where """ + events_where(params) + """
+order by e.id
+"""
+
+
+def _events_sizes(params: Mapping[str, Any]) -> str:
+    """:data:`_BATCH_SIZES` for a replay's selection: positions are event ids."""
+    return """
+select e.id, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
+       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
 from pgstream.events e
 where """ + events_where(params) + """
 order by e.id
@@ -227,6 +365,11 @@ class EventsDataSource(DataSource):
         return EventsReader(dict(self.options))
 
 
+#: the Arrow record batches a ``by_key`` task gets (after the repartition by key) hold at most this many
+#: bytes as well as ``maxRecordsPerBatch`` (10,000) rows: events large as text would fill the executor
+_ARROW_BYTES = {"spark.sql.execution.arrow.maxBytesPerBatch": str(READ_BYTES)}
+
+
 def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key_parallelism: Sequence[int] = (),
                ship_package: bool = True) -> dict[str, str]:
     """Spark settings for the delivery runs: offline, UTC, the user's ``extra`` (``spark.conf``) over
@@ -240,7 +383,7 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
     if remote:
         # Spark Connect: the server owns the JVM and its Python workers (pgstream_dagster.sparkserver);
         # a session may only set session settings
-        return {"spark.remote": remote, "spark.sql.session.timeZone": "UTC", **extra}
+        return {"spark.remote": remote, "spark.sql.session.timeZone": "UTC", **_ARROW_BYTES, **extra}
     python = extra.get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON") or sys.executable
     driver_python = extra.get("spark.pyspark.driver.python") or sys.executable
     os.environ["PYSPARK_PYTHON"] = python
@@ -253,6 +396,7 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
         "spark.pyspark.driver.python": driver_python,
         "spark.sql.shuffle.partitions": "8",
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
+        **_ARROW_BYTES,
     }
     conf["spark.master"] = master
     conf.update(extra)
@@ -311,13 +455,17 @@ def ship_package(spark: SparkSession) -> None:
 
 
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
-                 rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False) -> Frames:
+                 rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False, *,
+                 sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> Frames:
     """The events of ``spans`` (what a run owes of each batch, in delivery order: see
     :func:`~pgstream_dagster.engine.publish.owed_spans`), in partitions of at most
     ``rows_per_partition`` events. ``packed``: in :data:`PACKED_SCHEMA` rows, as one
     single-partition DataFrame per partition, in order (see :func:`deliver_in_order`), a partition
     reading consecutive spans up to ``rows_per_partition`` events (:func:`group_spans`); else one
-    partition per span (:func:`partition_spans`)."""
+    partition per span (:func:`partition_spans`). With ``sizes`` (a connection), a partition also
+    holds at most ``read_bytes`` bytes of payload and metadata (one event at least), by the sizes of
+    the events (:func:`sized_spans`): the driver collects a partition whole, and an executor reads one
+    whole."""
     ship_package(spark)
     spark.dataSource.register(BatchesDataSource)
 
@@ -329,6 +477,11 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
                 .option("packed", "true" if packed else "false")
                 .load())
 
+    if sizes is not None:
+        pieces = sized_spans(sizes, spans, rows_per_partition, read_bytes)
+        if packed:
+            return [frame([group]) for group in group_sized(pieces, rows_per_partition, read_bytes)]
+        return frame([[piece] for piece, _size in pieces])
     if packed:
         return [frame([group]) for group in group_spans(spans, rows_per_partition)]
     return frame([[part] for part in partition_spans(spans, rows_per_partition)])
@@ -427,19 +580,44 @@ class DirectRead:
     routing_key: str
     #: the rows the run's slot reader recorded (:mod:`.handoff`): a span found there is not read
     handoff: Handoff | None = None
+    #: bytes of payload and metadata one read holds at most (one event at least): ``delivery.max_read_bytes``
+    read_bytes: int = READ_BYTES
+    #: an event whose payload is larger is not read (:class:`~.publish.TooLarge`): the sink's ``max_event_bytes()``
+    event_bytes: int | None = None
 
     def events(self) -> Iterator[Positioned]:
-        params = _routing_params(self.routing_key)
         for whole in self.spans:
-            kept = self.handoff.take(whole.batch_id, whole.first, whole.last) if self.handoff is not None else None
+            kept = (self.handoff.take(whole.batch_id, whole.first, whole.last, self.event_bytes)
+                    if self.handoff is not None else None)
             if kept is not None:
                 yield from kept
                 continue
             for span in whole.split(FETCH_ROWS):
-                # FETCH_ROWS at a time, each fetched whole before anything is yielded: the caller writes
-                # the ledger on the same connection
-                yield from _positioned(self.conn.execute(_BATCH_QUERY, {
-                    **params, "batch_id": span.batch_id, "lo": span.first, "hi": span.last}).fetchall())
+                # FETCH_ROWS at a time and at most read_bytes (the server cuts), each fetched whole before
+                # anything is yielded: the caller writes the ledger on the same connection
+                yield from self._read(span.batch_id, span.first, span.last)
+
+    def _read(self, batch_id: int, lo: int, hi: int) -> Iterator[Positioned]:
+        where = {"batch_id": batch_id, "budget": self.read_bytes, "limit": self.event_bytes}
+        rows = self.conn.execute(_BATCH_QUERY_BOUNDED, {**where, "lo": lo, "hi": hi}).fetchall()
+        utc = dt.UTC
+        rest: list[tuple[int, int, int, int]] = []  # (ord, id, payload bytes, metadata bytes) after the cut
+        for batch, ord_, event_id, stream_id, created, payload, metadata, payload_bytes, metadata_bytes in rows:
+            if rest or (payload is None and (self.event_bytes is None or payload_bytes <= self.event_bytes)):
+                rest.append((ord_, event_id, payload_bytes, metadata_bytes))
+            elif payload is None:
+                assert self.event_bytes is not None
+                yield batch, ord_, TooLarge(event_id, payload_bytes, self.event_bytes)
+            else:
+                yield batch, ord_, event_from_text(event_id, stream_id, created.astimezone(utc), payload, metadata)
+        del rows
+        if not rest:
+            return
+        for piece in cut(rest, rest[0][0], hi, self.read_bytes, self.event_bytes):
+            if isinstance(piece, Piece):  # fits whole (its events' sizes are known)
+                yield from self._read(batch_id, piece.lo, piece.hi)
+            else:
+                yield batch_id, piece[0], piece[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,6 +632,9 @@ class DirectEvents:
     ranges: Sequence[tuple[int, int]]
     params: dict[str, Any]
     routing_key: str
+    #: as :class:`DirectRead`'s: a range is read in pieces of at most this many bytes (one event at least)
+    read_bytes: int = READ_BYTES
+    event_bytes: int | None = None
 
     def events(self) -> Iterator[Positioned]:
         if not self.ranges:
@@ -461,26 +642,57 @@ class DirectEvents:
         import psycopg
 
         params = {**self.params, **_routing_params(self.routing_key)}
-        query = _events_query(params)
+        query, sizes = _events_query(params), _events_sizes(params)
         with psycopg.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
                              application_name="pgstream replay") as conn:
 
-            def fetch(lo: int, hi: int) -> Callable[[], list[tuple[Any, ...]]]:
-                return lambda: conn.execute(query, {**params, "lo": lo, "hi": hi}).fetchall()
+            def read(lo: int, hi: int) -> Callable[[], list[Positioned]]:
+                return lambda: list(_positioned(conn.execute(query, {**params, "lo": lo, "hi": hi}).fetchall()))
 
-            for rows in _in_turn([fetch(lo, hi) for lo, hi in self.ranges]):
-                yield from _positioned(rows)
+            def reads() -> Iterator[Callable[[], list[Positioned]]]:
+                """A read per range, or per piece of it within the byte budget (psycopg serialises the
+                sizes query with the read of the piece before, made meanwhile)."""
+                for lo, hi in self.ranges:
+                    pieces = list(cut(conn.execute(sizes, {**params, "lo": lo, "hi": hi}).fetchall(), lo, hi,
+                                      self.read_bytes, self.event_bytes))
+                    for piece in pieces:
+                        if isinstance(piece, Piece):
+                            yield read(piece.lo, piece.hi)
+                        else:
+                            yield lambda piece=piece: [(0, piece[0], piece[1])]  # type: ignore[misc]
+
+            # the piece after the one being published is read meanwhile: two pieces in memory at most
+            for rows in _in_turn_lazily(reads()):
+                yield from rows
+
+
+def _in_turn_lazily(calls: Iterator[Callable[[], _T]]) -> Iterator[_T]:
+    """:func:`_in_turn` (prefetching) of calls made as they are needed."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
+        call = next(calls, None)
+        if call is None:
+            return
+        ahead = pool.submit(call)
+        while True:
+            result = ahead.result()
+            call = next(calls, None)
+            if call is not None:
+                ahead = pool.submit(call)
+            yield result
+            if call is None:
+                return
 
 
 def deliver_in_order(frames: list[DataFrame] | DirectRead | DirectEvents, sink: Sink, chunk_size: int, *,
                      prefetch: bool = True,
                      skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
-                     owed: Sequence[Span] | None = None) -> Deliveries:
+                     owed: Sequence[Span] | None = None, too_large: SetAsideTooLarge | None = None,
+                     chunk_bytes: int = CHUNK_BYTES) -> Deliveries:
     """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
     are published chunk by chunk through ``sink`` (the caller's; a run keeps one for its whole life)
     by :func:`pgstream_dagster.engine.publish.publish`, whose deliveries this yields (``skip``,
-    ``reject`` and ``owed`` are explained there). ``frames``: one single-partition DataFrame per
-    partition, as :func:`load_batches` / :func:`load_events` return them packed, or a
+    ``reject``, ``owed``, ``too_large`` and ``chunk_bytes`` are explained there). ``frames``: one
+    single-partition DataFrame per partition, as :func:`load_batches` / :func:`load_events` return them packed, or a
     :class:`DirectRead` or :class:`DirectEvents`. ``prefetch``: Spark computes the next partition while
     the driver publishes the current one (memory: two partitions instead of one)."""
     events: Iterator[Positioned]
@@ -489,12 +701,15 @@ def deliver_in_order(frames: list[DataFrame] | DirectRead | DirectEvents, sink: 
     else:
         rows: Iterator[Any] = _collected(frames, prefetch)
         events = _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
-    yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed)
+    yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,
+                       chunk_bytes=chunk_bytes)
 
 
 #: what each by_key partition returns to the driver: per batch, the events it handled and, of them,
 #: those an earlier attempt had confirmed (skipped, not published again)
 BY_KEY_RESULT_SCHEMA = "batch_id long, handled long, resumed long"
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -512,7 +727,8 @@ class KeyDeliveries:
 
 def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_size: int,
                        skip: frozenset[Position], reject: RejectPolicy | None,
-                       progress: KeyProgress | None) -> Iterator[Any]:
+                       progress: KeyProgress | None, too_large: SetAsideTooLarge | None = None,
+                       chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
     """One ``by_key`` partition, on an executor: its events (Arrow record batches in :data:`SCHEMA`
     plus ``bucket``, in commit order) published through a sink of its own; each confirmed chunk is
     recorded in ``progress`` before the next is published, and events at or before their bucket's
@@ -545,7 +761,8 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
 
         sink = stack.enter_context(build_sink(sink_config))
         deliveries = stack.enter_context(contextlib.closing(
-            publish(sink, rows(), chunk_size, skip=skip, reject=reject)))
+            publish(sink, rows(), chunk_size, skip=skip, reject=reject, too_large=too_large,
+                    chunk_bytes=chunk_bytes)))
         for delivery in deliveries:
             if isinstance(delivery, Confirmed) and progress is not None and conn is not None:
                 # every event of these buckets up to here is handled: a retry resumes after it
@@ -557,13 +774,14 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
 
 def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int, *,
                    skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
-                   progress: KeyProgress | None = None) -> KeyDeliveries:
+                   progress: KeyProgress | None = None, too_large: SetAsideTooLarge | None = None,
+                   chunk_bytes: int = CHUNK_BYTES) -> KeyDeliveries:
     """Per routing key order: repartitions by the key into ``parallelism`` partitions (for a
     resumed round, ``progress.partitions``: the resume points hold for that partitioning), each
     publishing its events in commit order on an executor through a sink of its own (built from
     ``sink_config`` by :func:`~pgstream_dagster.sinks.build_sink`, as the run's, and closed when
     the partition is done). Events of one key never reorder; keys proceed in parallel.
-    ``reject.set_aside`` runs on the executors (it must be picklable).
+    ``reject.set_aside`` and ``too_large`` run on the executors (they must be picklable).
 
     No accumulator and no ``sparkContext``: the partitions run in ``mapInArrow`` and return their
     counts as rows, which the driver collects, so this works on classic Spark and Spark Connect
@@ -575,7 +793,7 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
     partitions = progress.partitions if progress is not None else parallelism
 
     def publish_partition(batches: Iterator[Any]) -> Iterator[Any]:
-        return _publish_partition(batches, sink_config, chunk_size, skip, reject, progress)
+        return _publish_partition(batches, sink_config, chunk_size, skip, reject, progress, too_large, chunk_bytes)
 
     # bucket: the partition Spark's hash partitioning sends the key to, and what resume points are kept by
     rows = (df.withColumn("bucket", F.pmod(F.hash("routing_key"), F.lit(partitions)))

@@ -37,8 +37,15 @@ class ReplicationStream:
 
     #: messages read per :meth:`read` at most (then the caller records what it has)
     MAX_MESSAGES = 20_000
+    #: bytes of messages read per :meth:`read` at most (one message at least): events large as text
+    #: arrive as large messages, whatever they take stored
+    MAX_BYTES = 32 * 2**20
 
-    def __init__(self, database_url: str, slot: str, publication: str, application_name: str) -> None:
+    def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,
+                 max_bytes: int = MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        #: the last :meth:`read` stopped at :attr:`MAX_MESSAGES` or ``max_bytes``: more may be waiting
+        self.full = False
         try:
             self._conn = psycopg2.connect(database_url, application_name=application_name,
                                           connection_factory=psycopg2.extras.LogicalReplicationConnection)
@@ -65,13 +72,21 @@ class ReplicationStream:
         return int(self._cur.wal_end or 0)
 
     def read(self, timeout: float) -> list[bytes]:
-        """The messages available now, waiting up to ``timeout`` seconds for the first."""
+        """The messages available now, waiting up to ``timeout`` seconds for the first; at most
+        :attr:`MAX_MESSAGES` of them, and no more once they hold ``max_bytes`` (the last one read may
+        go past it; :attr:`full` then says more may be waiting)."""
         messages: list[bytes] = []
         deadline = time.monotonic() + timeout
+        size = 0
+        self.full = False
         while len(messages) < self.MAX_MESSAGES:
+            if size >= self.max_bytes:
+                self.full = True
+                break
             message = self._read_one()
             if message is not None:
                 messages.append(message)
+                size += len(message)
                 continue
             remaining = deadline - time.monotonic()
             if messages or remaining <= 0:
@@ -80,6 +95,8 @@ class ReplicationStream:
                 select.select([self._cur], [], [], remaining)
             except (OSError, ValueError) as exc:  # the connection closed under it
                 raise StreamBroken(str(exc)) from None
+        if len(messages) >= self.MAX_MESSAGES:
+            self.full = True
         return messages
 
     def _read_one(self) -> bytes | None:

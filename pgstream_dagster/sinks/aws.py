@@ -390,6 +390,9 @@ class AwsMessageSink(AwsBatchSink[M]):
     #: the entry key of the body (``MessageBody``, ``Message``)
     body_key: ClassVar[str]
 
+    def max_event_bytes(self) -> int | None:
+        return self.config.max_message_bytes  # the body is the payload (attributes come on top)
+
     @property
     def _batch_size(self) -> int:
         return self.config.max_batch_size

@@ -649,6 +649,15 @@ class Sink(ABC):
         before it was confirmed.
         """
 
+    def max_event_bytes(self) -> int | None:
+        """The largest payload (its JSON text, in UTF-8 bytes) this sink can ever send, or None when it
+        has no limit of its own. What every message of the sink carries at least is the payload, so an
+        event whose payload is larger can never be delivered: the delivery reads it only as far as its
+        size and sets it aside as a dead letter before anything is sent (never retried). A sink whose
+        destination declares a limit overrides this (SQS, SNS, Kinesis, Kafka, MQTT; HTTP, Redis and
+        RabbitMQ with ``max_body_bytes`` / ``max_message_bytes`` set)."""
+        return None
+
     def publish_json_lines(self, lines: bytes, count: int, first_id: int, last_id: int) -> None:
         """Deliver ``count`` events given as ``lines``: each event's :meth:`Event.to_json` in UTF-8 and a
         newline, in order, ids ``first_id``..``last_id``. The same contract as :meth:`publish`; only

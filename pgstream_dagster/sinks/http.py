@@ -346,6 +346,9 @@ class HttpSink(Sink):
     type_name: ClassVar[str] = "http"
     config: HttpSinkConfig
 
+    def max_event_bytes(self) -> int | None:
+        return self.config.max_body_bytes  # a body holds the payload at least
+
     def __init__(self, config: HttpSinkConfig) -> None:
         super().__init__(config)
         self._client: httpx.Client | None = None

@@ -147,6 +147,9 @@ class KafkaSink(Sink):
     type_name: ClassVar[str] = "kafka"
     config: KafkaSinkConfig
 
+    def max_event_bytes(self) -> int | None:
+        return int(self._settings().get("message.max.bytes", _DEFAULT_MESSAGE_MAX_BYTES))  # the value is the payload
+
     def __init__(self, config: KafkaSinkConfig) -> None:
         super().__init__(config)
         self._kafka = import_extra("kafka", "kafka", "confluent-kafka", "confluent_kafka")

@@ -73,6 +73,9 @@ class KinesisSink(AwsBatchSink[KinesisSinkConfig]):
     service: ClassVar[str] = "kinesis"
     entry_noun: ClassVar[str] = "record"
 
+    def max_event_bytes(self) -> int | None:
+        return self.config.max_record_bytes  # the record is the whole event
+
     def __init__(self, config: KinesisSinkConfig) -> None:
         super().__init__(config)
         #: ``max_batch_size: 1``: the sequence number of the last record written per partition key

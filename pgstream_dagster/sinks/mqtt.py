@@ -226,6 +226,9 @@ class MqttSink(Sink):
     #: must stay far below 65,535 so that no id is reused while its acknowledgement is remembered)
     window: ClassVar[int] = 1_000
 
+    def max_event_bytes(self) -> int | None:
+        return _MAX_PACKET_BYTES  # the protocol's limit of a packet (the message holds the payload at least)
+
     def __init__(self, config: MqttSinkConfig) -> None:
         super().__init__(config)
         self._mqtt = import_extra("mqtt", "mqtt", "paho-mqtt", "paho.mqtt.client")

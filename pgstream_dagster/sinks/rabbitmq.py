@@ -98,6 +98,9 @@ class RabbitMqSink(Sink):
     type_name: ClassVar[str] = "rabbitmq"
     config: RabbitMqSinkConfig
 
+    def max_event_bytes(self) -> int | None:
+        return self.config.max_message_bytes  # the body is the payload
+
     def __init__(self, config: RabbitMqSinkConfig) -> None:
         super().__init__(config)
         self._pika = import_extra("rabbitmq", "rabbitmq", "pika", "pika", "pika.exceptions")

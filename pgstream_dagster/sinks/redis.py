@@ -122,6 +122,9 @@ class RedisSink(Sink):
     config: RedisSinkConfig
     chunk_size: ClassVar[int] = 10_000
 
+    def max_event_bytes(self) -> int | None:
+        return self.config.max_message_bytes  # the entry holds the payload at least
+
     def __init__(self, config: RedisSinkConfig) -> None:
         super().__init__(config)
         self._redis_mod = import_extra("redis", "redis", "redis", "redis")

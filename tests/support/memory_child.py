@@ -1,0 +1,141 @@
+"""Child process of tests/test_memory_bytes.py: a delivery run (or a replay) of events that are
+large as text, in a process of its own, so that its peak resident memory is what the run used.
+
+After a warm-up round (a small event delivered, so Dagster, the sink and the connections are
+loaded), the peak is reset (``/proc/self/clear_refs``) and the big events are written by Postgres
+(``repeat``: they are small stored, large as text; nothing of them passes through this process
+before delivery); the run delivers them to a file sink. Reported: the resident memory when the peak
+was reset and the peak after (kB), and the ids of the lines written, in order.
+
+Usage: python -m tests.support.memory_child SPEC_JSON   (keys: tmp, db_url, dagster_storage_url,
+events, mib, mode: "run" | "open" | "replay", delivery: extra delivery settings)
+Writes SPEC_JSON.out.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from pgstream_dagster.defs.names import replay_job_name
+
+from .dagster_instance import child_instance
+from .harness import Background, Driver, tick_until, write_config
+
+STREAM = 1
+
+
+def _status() -> dict[str, int]:
+    text = Path("/proc/self/status").read_text()
+    return {key: int(re.search(key + r":\s+(\d+)", text).group(1))  # type: ignore[union-attr]
+            for key in ("VmHWM", "VmRSS")}
+
+
+def _reset_peak() -> int:
+    """Start measuring the peak from now; the resident memory now (kB)."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status()["VmRSS"]
+
+
+def _lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    count = 0
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            count += block.count(b"\n")
+    return count
+
+
+def _ids(path: Path) -> list[int]:
+    """The id of every line (read a MiB at a time: the lines are long)."""
+    ids: list[int] = []
+    with path.open("rb") as f:
+        start = True
+        while block := f.read(1 << 20):
+            pos = 0
+            while pos < len(block):
+                if start:
+                    match = re.match(rb'\{"id":(\d+),', block[pos:pos + 40])
+                    assert match is not None, block[pos:pos + 40]
+                    ids.append(int(match.group(1)))
+                    start = False
+                newline = block.find(b"\n", pos)
+                if newline < 0:
+                    break
+                pos, start = newline + 1, True
+    return ids
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    tmp, db_url, mode = Path(spec["tmp"]), spec["db_url"], spec["mode"]
+    out = tmp / "out.jsonl"
+    delivery: dict[str, Any] = {"chunk_size": 500, **spec.get("delivery", {})}
+    if mode == "open":
+        delivery["linger_secs"] = 30
+    cfg = write_config(tmp / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
+         "delivery": delivery, "sink": {"type": "file", "path": str(out)}}])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pgstream.ensure_stream(%s)", [STREAM])
+    result: dict[str, Any] = {}
+    with child_instance(spec["dagster_storage_url"], tmp) as instance:
+        driver = Driver(cfg, instance)
+        driver.tick(STREAM)
+
+        def insert(n: int, chars: int) -> None:
+            with psycopg.connect(db_url, autocommit=True) as c:
+                c.execute("insert into pgstream.events (payload, stream_id) "
+                          "select jsonb_build_object('n', g, 'pad', repeat('x', %s)), %s "
+                          "from generate_series(1, %s) g", [chars, STREAM, n])
+
+        insert(2, 10)  # warm-up: everything a run loads is loaded before the peak is reset
+        background = None
+        if mode == "open":
+            requests: list[Any] = []
+            while not requests:
+                requests = driver.tick(STREAM).run_requests or []
+            background = Background(driver, requests[0])
+            tick_until(driver, STREAM, lambda: _lines(out) >= 2, timeout=120)
+        else:
+            driver.run_until(STREAM, lambda: _lines(out) >= 2, timeout=120)
+        result["rss_kb"] = _reset_peak()
+        insert(spec["events"], spec["mib"] * 2**20)
+        total = 2 + spec["events"]
+        if mode == "replay":
+            driver.run_until(STREAM, lambda: _lines(out) >= total, timeout=300)
+            out.unlink()
+            result["rss_kb"] = _reset_peak()
+            job = driver.defs.resolve_job_def(replay_job_name(STREAM))
+            replayed = job.execute_in_process(run_config={"ops": {f"replay_stream_{STREAM}": {"config": {
+                "all_events": True}}}}, instance=instance, raise_on_error=False)
+            result["replay_success"] = replayed.success
+        elif mode == "open":
+            tick_until(driver, STREAM, lambda: _lines(out) >= total, timeout=300)
+        else:
+            driver.run_until(STREAM, lambda: _lines(out) >= total, timeout=300)
+        result["peak_kb"] = _status()["VmHWM"]
+        if background is not None:
+            with psycopg.connect(db_url, autocommit=True) as c:
+                c.execute("update pgstream.streams set open_run_key = null where id = %s", [STREAM])
+            background.wait(timeout=120)
+        result["runs"] = [r.success for r in driver.results]
+        with psycopg.connect(db_url) as c:
+            result["expected"] = [r[0] for r in c.execute(
+                "select id from pgstream.events where stream_id = %s order by id", [STREAM])]
+            result["dead_letters"] = [list(r) for r in c.execute(
+                "select event_id, error from pgstream.dead_letters order by id")]
+    result["ids"] = _ids(out) if out.exists() else []
+    Path(sys.argv[1] + ".out").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
