@@ -185,7 +185,57 @@ set search_path = pg_catalog, pg_temp
 as $$ select s from pgstream.subscriptions s where s.id operator(pg_catalog.=) p_b.subscription_id $$;
 revoke all on function pgstream._backfill_subscription(pgstream.backfills) from public;
 
--- (Re)creates backfill p_id's function from its subscription's current definition and its filter.
+-- The body of backfill p_b's function for subscription p_sub (its current definition and the
+-- backfill's filter): text only, nothing is parsed or run here.
+create or replace function pgstream._backfill_body(p_b pgstream.backfills, p_sub pgstream.subscriptions)
+returns text
+language plpgsql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_read pgstream.subscriptions := p_sub;
+    v_ts   constant text := '(pg_catalog.extract(''epoch''::pg_catalog.text, pg_catalog.now()) '
+                            'operator(pg_catalog.*) 1000::pg_catalog.numeric)::pg_catalog.int8';
+begin
+    -- the rows are new rows: new = the row, old = null
+    v_read.operation := 'INSERT';
+    return pg_catalog.format(
+$f$
+#variable_conflict use_column
+declare
+    v_count pg_catalog.int8;
+begin
+    insert into pgstream.events (payload, stream_id, metadata)
+    select %s,
+           %s::pg_catalog.int8, %s
+    from (select %s) as pgstream_ts(pgstream_ts_ms)
+    cross join (select * from pg_catalog.unnest(p_rows) as new where %s) as new%s
+    where %s;
+    get diagnostics v_count = row_count;
+    return v_count;
+end
+$f$,
+        pgstream._payload_sql(v_read, pg_catalog.format('%L::pg_catalog.text', p_sub.key), '''READ''::pg_catalog.text',
+                              pg_catalog.format('%L::pg_catalog.text', p_sub.table_name),
+                              pg_catalog.format('%L::pg_catalog.text', p_sub.schema_name), 'pgstream_ts.pgstream_ts_ms'),
+        p_sub.stream_id, pgstream._metadata_sql(p_sub), v_ts,
+        coalesce('(' || p_b.filter || ')', 'true'),
+        -- old: the table's columns, all null (an empty set of the same rows, left-joined: the table's
+        -- name is not needed, so pgstream_writer needs no USAGE on its schema)
+        case when p_sub.operation operator(pg_catalog.=) 'UPDATE'
+             then E'\n    left join (select * from pg_catalog.unnest(p_rows) limit 0) as old on true'
+             else '' end,
+        coalesce('(' || p_sub.when_clause || ')', 'true'));
+end
+$$;
+revoke all on function pgstream._backfill_body(pgstream.backfills, pgstream.subscriptions) from public;
+
+-- Checks backfill p_id against its subscription's current definition: its filter parses (as
+-- pgstream_writer, like every expression) as a boolean over the table's rows. Records the
+-- definition it was checked against (a chunk of a changed subscription stops: claim again). A
+-- function pgstream._backfill_<id> left by an earlier version (owned by pgstream_writer, across
+-- transactions) is dropped: a backfill's function now lives only inside each chunk's transaction.
 create or replace function pgstream.backfill_prepare(p_id bigint)
 returns void
 language plpgsql
@@ -197,13 +247,7 @@ declare
     v_b     pgstream.backfills;
     v_sub   pgstream.subscriptions;
     v_read  pgstream.subscriptions;
-    v_fn    text := pgstream.backfill_function_name(p_id);
     v_type  pg_catalog.regtype;
-    v_body  text;
-    v_begun boolean;
-    v_super boolean := (select r.rolsuper from pg_catalog.pg_roles r where r.rolname operator(pg_catalog.=) current_user);
-    v_ts    constant text := '(pg_catalog.extract(''epoch''::pg_catalog.text, pg_catalog.now()) '
-                             'operator(pg_catalog.*) 1000::pg_catalog.numeric)::pg_catalog.int8';
 begin
     select * into v_b from pgstream.backfills b where b.id operator(pg_catalog.=) p_id;
     if v_b.id is null then
@@ -224,57 +268,36 @@ begin
                 v_sub.table_name, 'where', pg_catalog.format('must be a boolean expression, got type %s', v_type));
         end if;
     end if;
-    v_body := pg_catalog.format(
-$f$
-#variable_conflict use_column
-declare
-    v_count pg_catalog.int8;
-begin
-    insert into pgstream.events (payload, stream_id, metadata)
-    select %s,
-           %s::pg_catalog.int8, %s
-    from (select %s) as pgstream_ts(pgstream_ts_ms)
-    cross join (select * from pg_catalog.unnest(p_rows) as new where %s) as new%s
-    where %s;
-    get diagnostics v_count = row_count;
-    return v_count;
-end
-$f$,
-        pgstream._payload_sql(v_read, pg_catalog.format('%L::pg_catalog.text', v_sub.key), '''READ''::pg_catalog.text',
-                              pg_catalog.format('%L::pg_catalog.text', v_sub.table_name),
-                              pg_catalog.format('%L::pg_catalog.text', v_sub.schema_name), 'pgstream_ts.pgstream_ts_ms'),
-        v_sub.stream_id, pgstream._metadata_sql(v_sub), v_ts,
-        coalesce('(' || v_b.filter || ')', 'true'),
-        -- old: the table's columns, all null (an empty set of the same rows, left-joined: the table's
-        -- name is not needed, so pgstream_writer needs no USAGE on its schema)
-        case when v_sub.operation operator(pg_catalog.=) 'UPDATE'
-             then E'\n    left join (select * from pg_catalog.unnest(p_rows) limit 0) as old on true'
-             else '' end,
-        coalesce('(' || v_sub.when_clause || ')', 'true'));
-
-    v_begun := pgstream._internal_ddl_begin();
-    execute pg_catalog.format('drop function if exists pgstream.%I', v_fn);
-    execute pg_catalog.format(
-        'create function pgstream.%I(p_rows %I.%I[]) returns pg_catalog.int8 language plpgsql '
-        'security definer set search_path = pg_catalog, pg_temp as %L',
-        v_fn, v_sub.schema_name, v_sub.table_name, v_body);
-    execute pg_catalog.format('revoke all on function pgstream.%I from public', v_fn);
-    execute pg_catalog.format('comment on function pgstream.%I is %L', v_fn,
-        pg_catalog.format('pgstream backfill %s: READ events of subscription %s on %I.%I', p_id, v_sub.key,
-                          v_sub.schema_name, v_sub.table_name));
-    if not v_super then
-        execute 'grant create on schema pgstream to pgstream_writer';
-    end if;
-    execute pg_catalog.format('alter function pgstream.%I owner to pgstream_writer', v_fn);
-    if not v_super then
-        execute 'revoke create on schema pgstream from pgstream_writer';
-    end if;
-    perform pgstream._internal_ddl_end(v_begun);
+    perform pgstream._backfill_drop_function(p_id);
     update pgstream.backfills set subscription_updated_at = v_sub.updated_at, updated_at = pg_catalog.now()
     where id operator(pg_catalog.=) p_id;
 end
 $$;
 revoke all on function pgstream.backfill_prepare(bigint) from public;
+
+-- Raises, naming the table and the fix, when reading it as the current role would apply a
+-- row-level security policy: a policy is the table owner's code, and never runs as pgstream's
+-- owner. The backfill's reads also run with row_security off, so that Postgres raises rather than
+-- apply a policy.
+create or replace function pgstream._backfill_rls_check(p_schema text, p_table text)
+returns void
+language plpgsql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if pg_catalog.row_security_active(pg_catalog.format('%I.%I', p_schema, p_table)) then
+        raise exception 'pgstream: backfill: table %.% has row-level security that applies to role %: a backfill '
+                        'never runs the table''s policies as pgstream''s owner',
+            pg_catalog.quote_ident(p_schema), pg_catalog.quote_ident(p_table), current_user
+            using errcode = 'insufficient_privilege',
+                  hint = pg_catalog.format('Grant the owner BYPASSRLS (as a superuser: alter role %I bypassrls), or '
+                                           'disable row-level security on %I.%I for the backfill.',
+                                           current_user, p_schema, p_table);
+    end if;
+end
+$$;
+revoke all on function pgstream._backfill_rls_check(text, text) from public;
 
 -- Drops backfill p_id's function (when it ends).
 create or replace function pgstream._backfill_drop_function(p_id bigint)
@@ -392,6 +415,7 @@ create or replace function pgstream._backfill_split(p_id bigint, p_parts integer
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set row_security = off
 as $$
 declare
     v_b      pgstream.backfills;
@@ -402,6 +426,7 @@ declare
     v_last   jsonb;
 begin
     select * into v_b from pgstream.backfills where id operator(pg_catalog.=) p_id;
+    perform pgstream._backfill_rls_check(v_b.schema_name, v_b.table_name);
     execute pg_catalog.format('select pg_catalog.count(*) from %I.%I as t where %s',
                               v_b.schema_name, v_b.table_name, pgstream._backfill_where(v_b, null, null))
     into v_total using null::jsonb, null::jsonb, v_b.from_key, v_b.to_key;
@@ -490,9 +515,7 @@ begin
         raise exception 'pgstream: backfill % is %', p_id, v_b.status using errcode = 'object_not_in_prerequisite_state';
     end if;
     v_sub := pgstream._backfill_subscription(v_b);
-    if v_sub.id is not null and (v_sub.updated_at is distinct from v_b.subscription_updated_at
-                                 or pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I(%I.%I[])',
-                                        pgstream.backfill_function_name(p_id), v_b.schema_name, v_b.table_name)) is null) then
+    if v_sub.id is not null and v_sub.updated_at is distinct from v_b.subscription_updated_at then
         perform pgstream.backfill_prepare(p_id);
     elsif v_sub.id is null then
         perform pgstream.backfill_prepare(p_id);  -- raises: the subscription was deleted
@@ -515,8 +538,13 @@ create or replace function pgstream.backfill_chunk(p_id bigint, p_part integer, 
 returns table (chunk_status text, chunk_rows bigint, chunk_events bigint)
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set row_security = off
+set client_min_messages = warning
 as $$
 declare
+    v_fn     text;
+    v_oid    pg_catalog.oid;
+    v_sig    text;
     v_b      pgstream.backfills;
     v_p      pgstream.backfill_partitions;
     v_sub    pgstream.subscriptions;
@@ -554,12 +582,28 @@ begin
         return;
     end if;
     v_after := coalesce(v_p.cursor_key, v_p.lower_key);
+    perform pgstream._backfill_rls_check(v_b.schema_name, v_b.table_name);
+    -- The function that turns the rows into events, owned by pgstream_writer, exists only in this
+    -- transaction (this session's temporary schema): created, called once, found unchanged, dropped.
+    -- No other transaction ever sees it, and nothing the owner runs later was ever owned by a role
+    -- the subscription's code runs as.
+    perform pgstream._writer_temp_check('backfill');
+    v_fn := 'pgstream_backfill_' || pg_catalog.replace(pg_catalog.gen_random_uuid()::text, '-', '');
+    execute pg_catalog.format(
+        'create function pg_temp.%I(p_rows %I.%I[]) returns pg_catalog.int8 language plpgsql '
+        'security definer set search_path = pg_catalog, pg_temp as %L',
+        v_fn, v_b.schema_name, v_b.table_name, pgstream._backfill_body(v_b, v_sub));
+    v_oid := pg_catalog.to_regprocedure(pg_catalog.format('pg_temp.%I(%I.%I[])', v_fn, v_b.schema_name, v_b.table_name));
+    execute pg_catalog.format('revoke all on function %s from public', v_oid::pg_catalog.regprocedure);
+    execute pg_catalog.format('alter function %s owner to pgstream_writer', v_oid::pg_catalog.regprocedure);
+    select pg_catalog.format('%s %s %s %s %s', p.ctid, p.xmin, p.prosecdef, p.proowner, p.proconfig) into v_sig
+    from pg_catalog.pg_proc p where p.oid operator(pg_catalog.=) v_oid;
     execute pg_catalog.format(
         'select pg_catalog.count(*), (pg_catalog.array_agg(c.pgstream_k order by %s))[1], '
-        '       pgstream.%I(pg_catalog.array_agg(c.pgstream_r order by %s)) '
+        '       %s(pg_catalog.array_agg(c.pgstream_r order by %s)) '
         'from (select t as pgstream_r, %s as pgstream_k from %I.%I as t where %s order by %s limit $5 for share of t) as c',
         pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, '(c.pgstream_r)', true),
-        pgstream.backfill_function_name(p_id),
+        pg_catalog.format('pg_temp.%I', v_fn),
         pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, '(c.pgstream_r)'),
         pgstream._backfill_key_json_sql(v_b.schema_name, v_b.table_name),
         v_b.schema_name, v_b.table_name,
@@ -568,6 +612,15 @@ begin
         pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, 't'))
     into v_rows, v_last, v_events
     using v_after, v_p.upper_key, v_b.from_key, v_b.to_key, p_limit;
+    if not exists (select 1 from pg_catalog.pg_proc p where p.oid operator(pg_catalog.=) v_oid
+                   and pg_catalog.format('%s %s %s %s %s', p.ctid, p.xmin, p.prosecdef, p.proowner, p.proconfig)
+                       operator(pg_catalog.=) v_sig) then
+        raise exception 'pgstream: backfill %: its function was changed or dropped while it ran (by the code of '
+                        'subscription "%" on %.%, which runs as pgstream_writer); nothing of this chunk was written',
+            p_id, v_sub.key, pg_catalog.quote_ident(v_b.schema_name), pg_catalog.quote_ident(v_b.table_name)
+            using errcode = 'insufficient_privilege';
+    end if;
+    execute pg_catalog.format('drop function %s', v_oid::pg_catalog.regprocedure);
     update pgstream.backfill_partitions
     set cursor_key = coalesce(v_last, cursor_key), done = v_rows operator(pg_catalog.<) p_limit,
         rows_read = rows_read operator(pg_catalog.+) v_rows,
@@ -587,6 +640,7 @@ returns jsonb
 language plpgsql
 stable
 set search_path = pg_catalog, pg_temp
+set row_security = off
 as $$
 declare
     v_b     pgstream.backfills;
