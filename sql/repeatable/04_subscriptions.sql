@@ -266,6 +266,31 @@ end
 $$;
 revoke all on function pgstream._writer_temp_check(text) from public;
 
+-- Raises when this session's temporary schema holds a relation named p_name that the current role
+-- does not own: code that ran as pgstream_writer in this session (a backfill chunk, a trigger fired
+-- by the owner's own writes) may have created it, with triggers or rules that would run as whoever
+-- writes it. Owner code that keeps a temporary table by a fixed name checks it first.
+create or replace function pgstream._temp_table_check(p_name text)
+returns void
+language plpgsql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_owner pg_catalog.oid;
+begin
+    select c.relowner into v_owner from pg_catalog.pg_class c
+    where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relname = p_name;
+    if v_owner is not null and v_owner <> (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user) then
+        raise exception 'pgstream: refusing to use temporary table pg_temp.%: it belongs to role %, not %',
+            p_name, v_owner::pg_catalog.regrole, current_user
+            using errcode = 'insufficient_privilege',
+                  hint = 'Code that ran as that role in this session created it; end the session (or drop the table) and retry.';
+    end if;
+end
+$$;
+revoke all on function pgstream._temp_table_check(text) from public;
+
 create or replace function pgstream._parse_as_writer(p_sql text)
 returns void
 language plpgsql
@@ -1457,6 +1482,7 @@ begin
 
     -- (v4: emit_truncate; a new name, so that a table of an earlier shape created earlier in
     -- the same transaction is never reused)
+    perform pgstream._temp_table_check('pgstream_set_subscriptions_input_v4');
     create temporary table if not exists pgstream_set_subscriptions_input_v4 (
         key text, operation pgstream.operation_type, schema_name text, table_name text,
         when_clause text, column_names text[], metadata jsonb, payload_extensions jsonb,
