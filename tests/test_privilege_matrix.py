@@ -257,3 +257,66 @@ def test_a_backfill_never_runs_the_table_owners_rls_policy_as_a_non_superuser_ow
         run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}",
             f"revoke {attacker} from {owner}",
             f"alter role {owner} nobypassrls")
+
+
+# --------------------------------------------------------------------------------------------
+# What code that ran as pgstream_writer could leave behind for the owner
+
+
+def test_every_function_in_pgstream_changes_only_with_pgstreams_own_ddl(db_url: str) -> None:
+    """By schema, not by name: creating, replacing, altering or dropping any function in pgstream
+    outside pgstream's own DDL is refused, even for a superuser by hand; migrate still applies."""
+    attempts = [
+        "create function pgstream.planted() returns int language sql as $$ select 1 $$",
+        "create or replace function pgstream.backfill_function_name(p_id bigint) returns text language sql "
+        "as $$ select 'x' $$",
+        "alter function pgstream.backfill_function_name(bigint) security definer",
+        f"alter function pgstream.backfill_function_name(bigint) owner to {WRITER_ROLE}",
+        "alter function pgstream.backfill_function_name(bigint) set search_path = public",
+        "drop function pgstream.backfill_function_name(bigint)",
+    ]
+    with connect(db_url) as c:
+        before = c.execute("select p.oid, p.prosecdef, p.proowner, p.proconfig, p.prosrc from pg_proc p "
+                           "where p.oid = 'pgstream.backfill_function_name(bigint)'::regprocedure").fetchone()
+    for attempt in attempts:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="change only with pgstream's own DDL"):
+            run(db_url, attempt)
+    with connect(db_url) as c:
+        assert c.execute("select p.oid, p.prosecdef, p.proowner, p.proconfig, p.prosrc from pg_proc p "
+                         "where p.oid = 'pgstream.backfill_function_name(bigint)'::regprocedure").fetchone() == before
+        assert c.execute("select to_regprocedure('pgstream.planted()')").fetchone() == (None,)
+        c.execute("update pgstream.schema_repeatables set checksum = 'changed' where name = '10_backfills.sql'")
+    assert migrate(db_url) == ["repeatable/10_backfills.sql"]
+
+
+def test_a_temporary_table_planted_by_writer_code_in_the_owners_session_is_refused(
+        db_url: str, roles: Callable[..., str]) -> None:
+    """A backfill chunk runs the subscription's code as pgstream_writer in the owner's session, which
+    may create temporary objects: a table by the name set_subscriptions keeps its input in, with a
+    trigger whose function would run as whoever writes the table. The owner refuses to use it."""
+    attacker = roles()
+    s = _hostile_table(db_url, attacker, "cast")
+    plant = ("begin create table pg_temp.pgstream_set_subscriptions_input_v3 (key text, operation "
+             "pgstream.operation_type, schema_name text, table_name text, when_clause text, column_names text[], "
+             "metadata jsonb, payload_extensions jsonb, managed_by text, trigger_mode text, metadata_extensions jsonb); "
+             f"create function pg_temp.planted() returns trigger language plpgsql as $p$ begin perform {s}.spy(); "
+             "return new; end $p$; create trigger planted before insert on pg_temp.pgstream_set_subscriptions_input_v3 "
+             "for each row execute function pg_temp.planted(); exception when others then null; end;")
+    run(db_url, f"create or replace function {s}.st_json({s}.st) returns json language plpgsql as $$ "
+                f"begin {plant} return '\"x\"'::json; end $$",
+        f"insert into {s}.t (id) values (1)", role=attacker)
+    _subscribe(db_url, s, "cast")
+    backfill_id = _backfill(db_url)
+    with connect(db_url) as c:  # one session: the owner's
+        token = uuid.uuid4()
+        c.execute("select pgstream.backfill_claim(%s, %s, 'attack')", [backfill_id, token])
+        c.execute("select * from pgstream.backfill_chunk(%s, 0, %s, 10)", [backfill_id, token])
+        assert c.execute("select relowner::regrole::text from pg_class "
+                         "where relname = 'pgstream_set_subscriptions_input_v3'").fetchall() == [(WRITER_ROLE,)]
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="refusing to use temporary table"):
+            c.execute("select * from pgstream.set_subscriptions(2, array[jsonb_populate_record("
+                      "null::pgstream.subscriptions, jsonb_build_object('key', 'x', 'operation', 'INSERT', "
+                      "'schema_name', %s::text, 'table_name', 't'))])", [s])
+    ran = _counts(db_url, s)
+    assert ran["other"] == 0
+    assert not is_super(db_url, attacker)
