@@ -67,7 +67,8 @@ def _hostile_table(url: str, attacker: str, kind: str) -> str:
         f"create function {s}.spy_eq(int, int) returns boolean language sql as $$ select {s}.spy() and $1 = $2 $$",
         f"create operator {s}.=== (leftarg = int, rightarg = int, function = {s}.spy_eq)",
         f"create type {s}.st as enum ('x')",
-        f"create function {s}.st_json({s}.st) returns json language sql as $$ select {s}.spy(); select '\"x\"'::json $$",
+        f"create function {s}.st_json({s}.st) returns json language sql as "
+        f"$$ select {s}.spy(); select '\"x\"'::json $$",
         f"create cast ({s}.st as json) with function {s}.st_json({s}.st)",
         f"create domain {s}.d as int check ({s}.spy_int(value))",
         f"create table {s}.t (id int primary key, st {s}.st default 'x', tags {s}.d[], n int default 1)",
@@ -119,7 +120,8 @@ def _enter(url: str, attacker: str, schema: str, kind: str, entry: str) -> None:
     if entry == "set_subscriptions":
         sub = _subscription(schema, kind)
         with connect(url) as c:
-            c.execute("select * from pgstream.set_subscriptions(1, array[jsonb_populate_record(null::pgstream.subscriptions, "
+            c.execute("select * from pgstream.set_subscriptions(1, array[jsonb_populate_record("
+                      "null::pgstream.subscriptions, "
                       "jsonb_build_object('key', 'hostile', 'operation', 'INSERT', 'schema_name', %s::text, "
                       "'table_name', 't', 'when_clause', %s::text, 'column_names', %s::text[]))])",
                       [schema, sub["when"], sub["columns"]])
@@ -164,7 +166,8 @@ def test_code_run_as_the_writer_cannot_change_the_function_a_backfill_chunk_call
     attacker = roles()
     s = _hostile_table(db_url, attacker, "cast")
     sabotage = (f"begin for f in select p.oid::regprocedure from pg_proc p where p.proowner = '{WRITER_ROLE}'::regrole "
-                f"and p.proname not like '\\_publish\\_%' loop execute format('alter function %s security invoker', f); "
+                f"and p.proname not like '\\_publish\\_%' loop "
+                "execute format('alter function %s security invoker', f); "
                 f"end loop; exception when others then null; end;")
     run(db_url, f"create or replace function {s}.st_json({s}.st) returns json language plpgsql as $$ "
                 f"declare f regprocedure; begin perform {s}.spy(); {sabotage} return '\"x\"'::json; end $$",
@@ -298,7 +301,8 @@ def test_a_temporary_table_planted_by_writer_code_in_the_owners_session_is_refus
     s = _hostile_table(db_url, attacker, "cast")
     plant = ("begin create table pg_temp.pgstream_set_subscriptions_input_v3 (key text, operation "
              "pgstream.operation_type, schema_name text, table_name text, when_clause text, column_names text[], "
-             "metadata jsonb, payload_extensions jsonb, managed_by text, trigger_mode text, metadata_extensions jsonb); "
+             "metadata jsonb, payload_extensions jsonb, managed_by text, trigger_mode text, "
+             "metadata_extensions jsonb); "
              f"create function pg_temp.planted() returns trigger language plpgsql as $p$ begin perform {s}.spy(); "
              "return new; end $p$; create trigger planted before insert on pg_temp.pgstream_set_subscriptions_input_v3 "
              "for each row execute function pg_temp.planted(); exception when others then null; end;")
