@@ -294,9 +294,11 @@ def test_every_function_in_pgstream_changes_only_with_pgstreams_own_ddl(db_url: 
 
 def test_a_temporary_table_planted_by_writer_code_in_the_owners_session_is_refused(
         db_url: str, roles: Callable[..., str]) -> None:
-    """A backfill chunk runs the subscription's code as pgstream_writer in the owner's session, which
-    may create temporary objects: a table by the name set_subscriptions keeps its input in, with a
-    trigger whose function would run as whoever writes the table. The owner refuses to use it."""
+    """Code that runs as pgstream_writer in the owner's session (a backfill chunk; a generated trigger
+    fired by the owner's own write) may create temporary objects, which come first in a search path
+    that does not name pg_temp: here a table by the name set_subscriptions keeps its input in, with a
+    trigger whose function would run as whoever writes the table. A chunk that leaves such an object
+    behind fails and writes nothing; owner code refuses a fixed-name temporary table it does not own."""
     attacker = roles()
     s = _hostile_table(db_url, attacker, "cast")
     plant = ("begin create table pg_temp.pgstream_set_subscriptions_input_v3 (key text, operation "
@@ -311,16 +313,25 @@ def test_a_temporary_table_planted_by_writer_code_in_the_owners_session_is_refus
         f"insert into {s}.t (id) values (1)", role=attacker)
     _subscribe(db_url, s, "cast")
     backfill_id = _backfill(db_url)
+    set_subscriptions = ("select * from pgstream.set_subscriptions(2, array[jsonb_populate_record("
+                         "null::pgstream.subscriptions, jsonb_build_object('key', 'x', 'operation', 'INSERT', "
+                         "'schema_name', %s::text, 'table_name', 't'))])")
     with connect(db_url) as c:  # one session: the owner's
         token = uuid.uuid4()
         c.execute("select pgstream.backfill_claim(%s, %s, 'attack')", [backfill_id, token])
-        c.execute("select * from pgstream.backfill_chunk(%s, 0, %s, 10)", [backfill_id, token])
+        with pytest.raises(psycopg.errors.InsufficientPrivilege,
+                           match=r"the code of subscription \"hostile\" on .* created .*pg_temp_\d+\..* in this "
+                                 r"session as pgstream_writer; nothing of this chunk was written"):
+            c.execute("select * from pgstream.backfill_chunk(%s, 0, %s, 10)", [backfill_id, token])
+        assert c.execute("select count(*) from pg_class where relname = 'pgstream_set_subscriptions_input_v3'"
+                         ).fetchone() == (0,)
+        c.execute(set_subscriptions, [s])  # nothing was left behind
+        # the owner writes the subscribed table itself: its trigger runs the cast as pgstream_writer
+        c.execute(f"insert into {s}.t (id) values (2)")
         assert c.execute("select relowner::regrole::text from pg_class "
                          "where relname = 'pgstream_set_subscriptions_input_v3'").fetchall() == [(WRITER_ROLE,)]
         with pytest.raises(psycopg.errors.InsufficientPrivilege, match="refusing to use temporary table"):
-            c.execute("select * from pgstream.set_subscriptions(2, array[jsonb_populate_record("
-                      "null::pgstream.subscriptions, jsonb_build_object('key', 'x', 'operation', 'INSERT', "
-                      "'schema_name', %s::text, 'table_name', 't'))])", [s])
+            c.execute(set_subscriptions, [s])
     ran = _counts(db_url, s)
     assert ran["other"] == 0
     assert not is_super(db_url, attacker)

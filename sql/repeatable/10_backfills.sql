@@ -5,17 +5,21 @@
 --
 -- Security. A backfill is started and run by the owner (nothing here is executable by PUBLIC).
 --   * Everything a subscription's definition evaluates (when_clause, payload and metadata
---     extensions, casts of column types to JSON) and the backfill's own filter runs inside a
---     generated function pgstream._backfill_<id>(rows) owned by pgstream_writer, exactly like a
---     generated trigger: it receives the rows as an array of the table's row type, so
---     pgstream_writer needs no privilege on the table.
+--     extensions, casts of column types to JSON) and the backfill's own filter runs as
+--     pgstream_writer, in a SECURITY DEFINER function it owns that exists only inside each chunk's
+--     transaction (created in the session's temporary schema, called once, found unchanged,
+--     dropped): the owner never calls a function that a role running user code could have
+--     changed. It receives the rows as an array of the table's row type, so pgstream_writer needs
+--     no privilege on the table. A chunk after which that code left a temporary object of its own
+--     in the session fails (nothing is written).
 --   * The owner reads the rows (pgstream.backfill_chunk, security invoker: it needs SELECT, and
---     UPDATE on one column for the FOR SHARE locks, on the table). The only text it executes is
---     built from catalog names (format %I) and key types from pg_catalog that are on an
---     allow-list; key values travel as parameters.
---   * The filter is checked like a when_clause (lexer, parser in a rolled-back subtransaction,
---     no subquery, aggregate, window or set-returning function; only functions pgstream_writer
---     may execute) before it is put into the generated function.
+--     UPDATE on one column for the FOR SHARE locks, on the table), with row_security off: a table
+--     whose row-level security applies to the owner is refused (its policies never run as the
+--     owner). The only text it executes is built from catalog names (format %I) and key types
+--     from pg_catalog that are on an allow-list; key values travel as parameters.
+--   * The filter is checked like a when_clause (lexer, parser as pgstream_writer in a rolled-back
+--     subtransaction, no subquery, aggregate, window or set-returning function; only functions
+--     pgstream_writer may execute) before it is put into the generated function.
 --
 -- Consistency with live changes. Each chunk reads its rows FOR SHARE and writes their events in
 -- the same transaction: a change to one of those rows either committed before the chunk read it
@@ -545,6 +549,8 @@ declare
     v_fn     text;
     v_oid    pg_catalog.oid;
     v_sig    text;
+    v_planted text;
+    v_me     pg_catalog.oid := (select r.oid from pg_catalog.pg_roles r where r.rolname operator(pg_catalog.=) current_user);
     v_b      pgstream.backfills;
     v_p      pgstream.backfill_partitions;
     v_sub    pgstream.subscriptions;
@@ -618,6 +624,33 @@ begin
         raise exception 'pgstream: backfill %: its function was changed or dropped while it ran (by the code of '
                         'subscription "%" on %.%, which runs as pgstream_writer); nothing of this chunk was written',
             p_id, v_sub.key, pg_catalog.quote_ident(v_b.schema_name), pg_catalog.quote_ident(v_b.table_name)
+            using errcode = 'insufficient_privilege';
+    end if;
+    -- nor may it leave anything in this session for the owner's later statements to find: a temporary
+    -- relation or type comes first in a search path that does not name pg_temp (a view or a type of
+    -- the same name as one the owner's client names without its schema would run code as the owner)
+    select pg_catalog.format('%s %s', x.kind, x.name) into v_planted
+    from (select 'relation' as kind, c.oid::pg_catalog.regclass::text as name from pg_catalog.pg_class c
+          where c.relnamespace operator(pg_catalog.=) pg_catalog.pg_my_temp_schema()
+            and c.relowner operator(pg_catalog.<>) v_me
+          union all
+          select 'type', t.oid::pg_catalog.regtype::text from pg_catalog.pg_type t
+          where t.typnamespace operator(pg_catalog.=) pg_catalog.pg_my_temp_schema()
+            and t.typowner operator(pg_catalog.<>) v_me
+          union all
+          select 'function', p.oid::pg_catalog.regprocedure::text from pg_catalog.pg_proc p
+          where p.pronamespace operator(pg_catalog.=) pg_catalog.pg_my_temp_schema()
+            and p.proowner operator(pg_catalog.<>) v_me and p.oid operator(pg_catalog.<>) v_oid
+          union all
+          select 'operator', o.oid::pg_catalog.regoperator::text from pg_catalog.pg_operator o
+          where o.oprnamespace operator(pg_catalog.=) pg_catalog.pg_my_temp_schema()
+            and o.oprowner operator(pg_catalog.<>) v_me) as x
+    order by x.kind, x.name
+    limit 1;
+    if v_planted is not null then
+        raise exception 'pgstream: backfill %: the code of subscription "%" on %.% created % in this session as '
+                        'pgstream_writer; nothing of this chunk was written',
+            p_id, v_sub.key, pg_catalog.quote_ident(v_b.schema_name), pg_catalog.quote_ident(v_b.table_name), v_planted
             using errcode = 'insufficient_privilege';
     end if;
     execute pg_catalog.format('drop function %s', v_oid::pg_catalog.regprocedure);
