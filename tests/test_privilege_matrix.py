@@ -301,12 +301,12 @@ def test_a_temporary_table_planted_by_writer_code_in_the_owners_session_is_refus
     behind fails and writes nothing; owner code refuses a fixed-name temporary table it does not own."""
     attacker = roles()
     s = _hostile_table(db_url, attacker, "cast")
-    plant = ("begin create table pg_temp.pgstream_set_subscriptions_input_v3 (key text, operation "
+    plant = ("begin create table pg_temp.pgstream_set_subscriptions_input_v4 (key text, operation "
              "pgstream.operation_type, schema_name text, table_name text, when_clause text, column_names text[], "
              "metadata jsonb, payload_extensions jsonb, managed_by text, trigger_mode text, "
-             "metadata_extensions jsonb); "
+             "metadata_extensions jsonb, emit_truncate boolean); "
              f"create function pg_temp.planted() returns trigger language plpgsql as $p$ begin perform {s}.spy(); "
-             "return new; end $p$; create trigger planted before insert on pg_temp.pgstream_set_subscriptions_input_v3 "
+             "return new; end $p$; create trigger planted before insert on pg_temp.pgstream_set_subscriptions_input_v4 "
              "for each row execute function pg_temp.planted(); exception when others then null; end;")
     run(db_url, f"create or replace function {s}.st_json({s}.st) returns json language plpgsql as $$ "
                 f"begin {plant} return '\"x\"'::json; end $$",
@@ -323,13 +323,13 @@ def test_a_temporary_table_planted_by_writer_code_in_the_owners_session_is_refus
                            match=r"the code of subscription \"hostile\" on .* created .*pg_temp_\d+\..* in this "
                                  r"session as pgstream_writer; nothing of this chunk was written"):
             c.execute("select * from pgstream.backfill_chunk(%s, 0, %s, 10)", [backfill_id, token])
-        assert c.execute("select count(*) from pg_class where relname = 'pgstream_set_subscriptions_input_v3'"
+        assert c.execute("select count(*) from pg_class where relname = 'pgstream_set_subscriptions_input_v4'"
                          ).fetchone() == (0,)
         c.execute(set_subscriptions, [s])  # nothing was left behind
         # the owner writes the subscribed table itself: its trigger runs the cast as pgstream_writer
         c.execute(f"insert into {s}.t (id) values (2)")
         assert c.execute("select relowner::regrole::text from pg_class "
-                         "where relname = 'pgstream_set_subscriptions_input_v3'").fetchall() == [(WRITER_ROLE,)]
+                         "where relname = 'pgstream_set_subscriptions_input_v4'").fetchall() == [(WRITER_ROLE,)]
         with pytest.raises(psycopg.errors.InsufficientPrivilege, match="refusing to use temporary table"):
             c.execute(set_subscriptions, [s])
     ran = _counts(db_url, s)
