@@ -335,3 +335,24 @@ def test_a_temporary_table_planted_by_writer_code_in_the_owners_session_is_refus
     ran = _counts(db_url, s)
     assert ran["other"] == 0
     assert not is_super(db_url, attacker)
+
+
+def test_without_temp_for_the_writer_validation_and_backfills_name_the_grant(db_url: str) -> None:
+    """pgstream_writer parses and backfills in the session's temporary schema: without TEMP on the
+    database (PUBLIC has it by default) both stop with an error naming the grant, and change nothing."""
+    database = db_url.rsplit("/", 1)[1]
+    run(db_url, "create table public.t (id int primary key, note text)", "insert into public.t values (1, 'a')")
+    subscribe(db_url, "t-insert", "t", columns=["id", "note"])
+    backfill_id = _backfill(db_url, "t-insert")
+    run(db_url, f"revoke temp on database {database} from public")
+    grant = f"grant temp on database {database} to pgstream_writer"
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match=grant):
+        subscribe(db_url, "filtered", "t", columns=["id"], when="new.note <> 'x'")
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match=grant):
+        _chunks(db_url, backfill_id, chunks=1, size=10)
+    with connect(db_url) as c:
+        assert c.execute("select key from pgstream.subscriptions").fetchall() == [("t-insert",)]
+        assert c.execute("select count(*) from pgstream.events where payload->>'tg_op' = 'READ'").fetchone() == (0,)
+    run(db_url, f"grant temp on database {database} to {WRITER_ROLE}")
+    subscribe(db_url, "filtered", "t", columns=["id"], when="new.note <> 'x'")
+    _chunks(db_url, backfill_id, chunks=1, size=10)

@@ -256,8 +256,9 @@ as $$
 begin
     if not pg_catalog.has_database_privilege('pgstream_writer', pg_catalog.current_database(), 'TEMP') then
         raise exception 'pgstream: role pgstream_writer has no TEMP privilege on database %: pgstream''s % runs '
-                        'user code as that role, in a function of the session''s temporary schema',
-            pg_catalog.current_database(), p_what
+                        'user code as that role, in a function of the session''s temporary schema: grant temp on '
+                        'database % to pgstream_writer',
+            pg_catalog.current_database(), p_what, pg_catalog.quote_ident(pg_catalog.current_database())
             using errcode = 'insufficient_privilege',
                   hint = pg_catalog.format('As a superuser or the database owner: grant temp on database %I to pgstream_writer;',
                                            pg_catalog.current_database());
