@@ -8,7 +8,10 @@ whether it ran as ``pgstream_writer``, as the attacker itself, or as any other r
 make the attacker superuser. The matrix runs every entry point
 against every kind of code, each from a fresh connection, and asserts that nothing ran as the owner
 and that the attacker gained nothing. The three attacks of issue 28 (privilege) follow it.
-"""
+
+A type's own input and output functions can only be written in C by a superuser; the input path a
+table owner controls is a domain's CHECK, which array_in and record_in run through domain_in for a
+literal of an array (or composite) of the domain, and which the domain_check kind covers."""
 
 # ruff: noqa: S608 -- the attacks are SQL built from the test's own role and schema names
 from __future__ import annotations
