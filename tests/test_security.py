@@ -278,8 +278,8 @@ def test_when_clause_with_a_function_only_the_writer_may_execute(db_url: str, ro
         "create function ops.wanted(text) returns boolean language sql as $$ select $1 like 'keep%' $$",
         "revoke execute on function ops.wanted(text) from public")
     with pytest.raises(psycopg.errors.InvalidParameterValue,
-                       match=r"when_clause: uses function ops.wanted\(text\), which role pgstream_writer may not use: "
-                             r"grant usage on schema ops to pgstream_writer; grant execute on function ops.wanted"):
+                       match=r"when_clause: uses schema ops, which role pgstream_writer may not use: "
+                             r"grant usage on schema ops to pgstream_writer"):
         subscribe(db_url, "t-insert", "t", columns=["id", "note"], when="ops.wanted(new.note)")
     run(db_url, f"grant usage on schema ops to {WRITER_ROLE}")
     with pytest.raises(psycopg.errors.InvalidParameterValue,

@@ -5,8 +5,11 @@ ordered, retried, failed over and replayable the same way.
 The SQL side is ``sql/repeatable/10_backfills.sql``: a backfill's key range is split into
 partitions; a chunk reads up to ``chunk_size`` rows of one partition ``FOR SHARE`` (a concurrent
 change to one of them commits either before the read, or after the chunk's events), writes their
-events through a function owned by ``pgstream_writer`` and moves the partition's cursor, in one
-transaction. Progress is therefore durable per chunk and a resumed backfill reads no row twice.
+events through a function owned by ``pgstream_writer`` that exists only inside that transaction
+(the subscription's code never runs as the owner, and never reaches a function the owner calls
+later) and moves the partition's cursor, in one transaction. Progress is therefore durable per
+chunk and a resumed backfill reads no row twice. A table whose row-level security would apply to
+the reading role is refused (its policies never run as the owner).
 
 Here (no Dagster): choosing what to backfill (:func:`targets`), starting or resuming one
 (:func:`open_backfill`), running its partitions in parallel on Spark executors
@@ -458,7 +461,7 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
     the stream's deliveries (a Spark Connect server, a cluster) runs them between rounds. Between
     rounds, without holding any slot, the driver keeps the rate and waits while the stream has more
     than ``max_backlog`` undelivered events. Yields :class:`Progress` every ``progress_secs``, then the
-    :class:`Outcome`. A subscription changed meanwhile gets a new function and the partitions go on; a
+    :class:`Outcome`. A subscription changed meanwhile is checked again and the partitions go on; a
     row that cannot become an event stops its partition ``failed`` (the row named), the others go on.
     If this generator is closed or interrupted before the end (a cancelled run, Ctrl-C), the
     backfill is stopped (resumable) and ``on_stop`` runs (cancelling the Spark job)."""
@@ -496,7 +499,7 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
             if "stopped" in statuses or "gone" in statuses:
                 break
             if "changed" in statuses:
-                _claim(session, backfill_id, token, run_id)  # the subscription changed: a new function
+                _claim(session, backfill_id, token, run_id)  # the subscription changed: checked again
                 continue
             if request.max_rows_per_sec:  # keep the rate, holding no Spark slot
                 until = started + sum(r.rows for r in done) / request.max_rows_per_sec

@@ -223,12 +223,29 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
 _SAFE_SEARCH_PATH = "set local search_path = pg_catalog, pg_temp"
 
 
+#: a file's transaction is pgstream's own DDL (pgstream.internal_ddl, writable by the owner only): the
+#: drift guard lets it create, replace and drop functions in schema pgstream, which it refuses to
+#: everything else. Before the table exists (a fresh install) there is no guard either.
+_INTERNAL_DDL_BEGIN = """
+    select pg_catalog.to_regclass('pgstream.internal_ddl') is not null
+       and pg_catalog.has_table_privilege('pgstream.internal_ddl', 'INSERT')"""
+_INTERNAL_DDL_MARK = ("insert into pgstream.internal_ddl (xid) values (pg_catalog.pg_current_xact_id()) "
+                      "on conflict (xid) do nothing")
+_INTERNAL_DDL_UNMARK = "delete from pgstream.internal_ddl where xid = pg_catalog.pg_current_xact_id()"
+
+
 def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, params: list[object]) -> None:
     """Runs one file and records it, in a savepoint of the caller's transaction."""
     try:
         with conn.transaction():
             conn.execute(_SAFE_SEARCH_PATH)
+            row = conn.execute(_INTERNAL_DDL_BEGIN).fetchone()
+            marked = bool(row and row[0])
+            if marked:
+                conn.execute(_INTERNAL_DDL_MARK)
             conn.execute(file.sql)
+            if marked:
+                conn.execute(_INTERNAL_DDL_UNMARK)
             conn.execute(record, params)
     except psycopg.Error as exc:
         raise MigrationError(f"{label} failed: {exc}") from exc

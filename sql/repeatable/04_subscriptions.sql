@@ -16,13 +16,17 @@
 --     pgstream_writer.
 --   * Generated code qualifies every function, type and operator.
 --   * Expressions are checked by a lexer that refuses anything whose token boundaries Postgres
---     could read differently, then by Postgres's parser in an always-rolled-back subtransaction
---     (a temporary view; nothing is evaluated). Aggregates, window functions, set-returning
---     functions and subqueries are refused; every function an expression calls must be
---     executable by pgstream_writer.
---   * A when_clause is put into the trigger's WHEN (evaluated as the writing role, before the
---     trigger function is queued) only when it calls nothing but built-in functions that PUBLIC
---     may execute; otherwise it is evaluated inside the trigger function, as pgstream_writer.
+--     could read differently, then by Postgres's parser in an always-rolled-back subtransaction,
+--     as pgstream_writer (a temporary view created by a SECURITY DEFINER function that
+--     pgstream_writer owns and that exists only inside that subtransaction): parsing a literal runs
+--     its type's input function and a domain's CHECK, which must never run as the owner.
+--     Aggregates, window functions, set-returning functions and subqueries are refused; every
+--     function an expression calls must be executable by pgstream_writer.
+--   * A when_clause is put into the trigger's WHEN (parsed by CREATE TRIGGER as the owner,
+--     evaluated as the writing role before the trigger function is queued) only when it references
+--     nothing but built-in functions that PUBLIC may execute and built-in types; otherwise it is
+--     evaluated inside the trigger function, as pgstream_writer. The table is locked before the
+--     check, so that its owner cannot retype a column between the check and CREATE TRIGGER.
 --
 -- Statement mode (subscriptions.trigger_mode = 'statement', INSERT and DELETE only): an AFTER ...
 -- FOR EACH STATEMENT trigger with a transition table whose function writes all events of the
@@ -234,13 +238,107 @@ $$;
 revoke all on function pgstream._is_partitioned(text, text) from public;
 
 -- ---------------------------------------------------------------------------------------------
--- Parses and type-checks one expression against the table's row without evaluating it, in an
--- always-rolled-back subtransaction: the expression becomes the single column of a temporary
--- view, whose stored query tree tells what it contains. Raises a subscription error (naming the
--- part) when it does not parse, when it contains an aggregate, window function, set-returning
--- function or subquery, or when pgstream_writer, which evaluates it, may not use an object it
--- references. Returns the expression's type and whether it calls nothing but built-in functions
--- that PUBLIC may execute (then it may go into a trigger's WHEN, evaluated as the writing role).
+-- Runs p_sql as pgstream_writer, inside the caller's always-rolled-back subtransaction: a SECURITY
+-- DEFINER function owned by pgstream_writer, created in this session's temporary schema inside that
+-- subtransaction, so no other transaction ever sees it and whatever the code it runs does (to the
+-- function or anything else) is rolled back with it. Used for every parse of an expression a
+-- non-owner role controls: parsing a literal runs its type's input function (and a domain's CHECK),
+-- which must never run as the owner. pgstream_writer needs TEMP on the database (PUBLIC has it by
+-- default). Only _expression_check calls it, and only inside its subtransaction.
+-- Raises, naming the grant, when pgstream_writer may not create temporary objects (p_what: what
+-- needs them).
+create or replace function pgstream._writer_temp_check(p_what text)
+returns void
+language plpgsql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if not pg_catalog.has_database_privilege('pgstream_writer', pg_catalog.current_database(), 'TEMP') then
+        raise exception 'pgstream: role pgstream_writer has no TEMP privilege on database %: pgstream''s % runs '
+                        'user code as that role, in a function of the session''s temporary schema: grant temp on '
+                        'database % to pgstream_writer',
+            pg_catalog.current_database(), p_what, pg_catalog.quote_ident(pg_catalog.current_database())
+            using errcode = 'insufficient_privilege',
+                  hint = pg_catalog.format('As a superuser or the database owner: grant temp on database %I to pgstream_writer;',
+                                           pg_catalog.current_database());
+    end if;
+end
+$$;
+revoke all on function pgstream._writer_temp_check(text) from public;
+
+-- Raises when this session's temporary schema holds a relation named p_name that the current role
+-- does not own: code that ran as pgstream_writer in this session (a backfill chunk, a trigger fired
+-- by the owner's own writes) may have created it, with triggers or rules that would run as whoever
+-- writes it. Owner code that keeps a temporary table by a fixed name checks it first.
+create or replace function pgstream._temp_table_check(p_name text)
+returns void
+language plpgsql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_owner pg_catalog.oid;
+begin
+    select c.relowner into v_owner from pg_catalog.pg_class c
+    where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relname = p_name;
+    if v_owner is not null and v_owner <> (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user) then
+        raise exception 'pgstream: refusing to use temporary table pg_temp.%: it belongs to role %, not %',
+            p_name, v_owner::pg_catalog.regrole, current_user
+            using errcode = 'insufficient_privilege',
+                  hint = 'Code that ran as that role in this session created it; end the session (or drop the table) and retry.';
+    end if;
+end
+$$;
+revoke all on function pgstream._temp_table_check(text) from public;
+
+create or replace function pgstream._parse_as_writer(p_sql text)
+returns void
+language plpgsql
+volatile
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+as $$
+declare
+    v_fn text := 'pgstream_as_writer_' || pg_catalog.replace(pg_catalog.gen_random_uuid()::text, '-', '');
+begin
+    perform pgstream._writer_temp_check('expression check');
+    execute pg_catalog.format(
+        'create function pg_temp.%I(p_sql pg_catalog.text) returns pg_catalog.void language plpgsql '
+        'security definer set search_path = pg_catalog, pg_temp as %L', v_fn,
+        'begin execute p_sql; end');
+    execute pg_catalog.format('alter function pg_temp.%I(pg_catalog.text) owner to pgstream_writer', v_fn);
+    execute pg_catalog.format('select pg_temp.%I($1)', v_fn) using p_sql;
+end
+$$;
+revoke all on function pgstream._parse_as_writer(text) from public;
+
+-- The FROM clause of an expression's check: the row variables its trigger has, over p_src, a
+-- temporary table with the subscribed table's columns (pgstream_writer, which parses, needs no
+-- USAGE on the table's schema).
+create or replace function pgstream._row_sources_of(p_op pgstream.operation_type, p_src text)
+returns text
+language sql
+immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case p_op
+        when 'INSERT' then pg_catalog.format('from pg_temp.%I as new', p_src)
+        when 'DELETE' then pg_catalog.format('from pg_temp.%I as old', p_src)
+        else pg_catalog.format('from pg_temp.%I as new cross join pg_temp.%I as old', p_src, p_src)
+    end
+$$;
+revoke all on function pgstream._row_sources_of(pgstream.operation_type, text) from public;
+
+-- Parses and type-checks one expression against the table's row, in an always-rolled-back
+-- subtransaction, as pgstream_writer (_parse_as_writer): the expression becomes the single column
+-- of a temporary view over a temporary copy of the table's columns, whose stored query tree the
+-- owner then reads from the catalog. Raises a subscription error (naming the part) when it does not
+-- parse, when it contains an aggregate, window function, set-returning function or subquery, or
+-- when pgstream_writer, which evaluates it, may not use an object it references. Returns the
+-- expression's type and whether it references nothing but built-in functions that PUBLIC may
+-- execute and built-in types (then it may go into a trigger's WHEN, which CREATE TRIGGER parses as
+-- the owner and the writing role evaluates).
 create or replace function pgstream._expression_check(
     p_sub pgstream.subscriptions, p_part text, p_expr text,
     out expr_type pg_catalog.regtype, out builtin_only boolean
@@ -251,20 +349,41 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_reason text := pgstream._expression_lexical_error(p_expr);
-    v_view   text := 'pgstream_check_' || pg_catalog.replace(pg_catalog.gen_random_uuid()::text, '-', '');
+    v_id     text := pg_catalog.replace(pg_catalog.gen_random_uuid()::text, '-', '');
+    v_view   text := 'pgstream_check_' || v_id;
+    v_src    text := 'pgstream_row_' || v_id;
     v_table  pg_catalog.oid := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_sub.schema_name, p_sub.table_name));
+    v_srcrel pg_catalog.oid;
     v_rel    pg_catalog.oid;
     v_rule   pg_catalog.oid;
     v_query  text;
     v_funcs  pg_catalog.oid[];  -- every function it calls, built-ins and operators' functions included
+    v_done   boolean := false;  -- not rolled back: tells our own rollback from one raised by the parsed code
 begin
+    if v_reason is null and v_table is null then
+        v_reason := pg_catalog.format('table %I.%I does not exist', p_sub.schema_name, p_sub.table_name);
+    end if;
     if v_reason is null then
         begin
-            execute pg_catalog.format('create temporary view %I as select (%s) as v %s limit 0',
-                                      v_view, p_expr,
-                                      pgstream._row_sources(p_sub.operation, p_sub.schema_name, p_sub.table_name));
+            -- the row source: the table's columns (types, typmods, collations), no data, no code
+            execute pg_catalog.format('create temporary table %I (%s)', v_src, coalesce((
+                select pg_catalog.string_agg(pg_catalog.format('%I %s%s', a.attname,
+                           pg_catalog.format_type(a.atttypid, a.atttypmod),
+                           case when a.attcollation <> 0
+                                then ' collate ' || a.attcollation::pg_catalog.regcollation::text else '' end),
+                           ', ' order by a.attnum)
+                from pg_catalog.pg_attribute a
+                where a.attrelid = v_table and a.attnum > 0 and not a.attisdropped), ''));
+            v_srcrel := pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', v_src));
+            perform pgstream._parse_as_writer(pg_catalog.format(
+                'create temporary view %I as select (%s) as v %s limit 0',
+                v_view, p_expr, pgstream._row_sources_of(p_sub.operation, v_src)));
             select c.oid into v_rel from pg_catalog.pg_class c
-            where c.relname = v_view and c.relnamespace = pg_catalog.pg_my_temp_schema();
+            where c.relname = v_view and c.relnamespace = pg_catalog.pg_my_temp_schema()
+              and c.relowner = 'pgstream_writer'::pg_catalog.regrole;
+            if v_rel is null then
+                raise exception 'the expression''s check view is missing';
+            end if;
             select a.atttypid::pg_catalog.regtype into expr_type
             from pg_catalog.pg_attribute a where a.attrelid = v_rel and a.attname = 'v';
             select r.oid, r.ev_action::text into v_rule, v_query
@@ -280,7 +399,7 @@ begin
                 when v_query ~ ':hasSubLinks true' then 'subqueries are not allowed'
             end;
 
-            -- objects the expression references other than the subscribed table (built-in objects
+            -- objects the expression references other than the row source (built-in objects
             -- are pinned and never recorded), and every function it calls: pgstream_writer, which
             -- evaluates it, must be able to use each of them
             if v_reason is null then
@@ -301,7 +420,7 @@ begin
                                 then pg_catalog.format('grant execute on function %s to pgstream_writer', n.name) end
                 ) as g(usage, execute)
                 where d.classid = 'pg_catalog.pg_rewrite'::pg_catalog.regclass and d.objid = v_rule
-                  and not (d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass and d.refobjid in (v_rel, v_table))
+                  and not (d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass and d.refobjid in (v_rel, v_srcrel))
                   and coalesce(g.usage, g.execute) is not null
                 limit 1;
             end if;
@@ -315,26 +434,44 @@ begin
                 limit 1;
             end if;
 
+            -- built-in only: no object recorded as a dependency but the row source, every function
+            -- in pg_catalog and executable by PUBLIC, and every type the tree names (constants,
+            -- columns, casts, results) created at initdb (oid < 16384: no domain, enum, composite
+            -- or array of the table owner's, whose input function or CHECK could run user code)
             builtin_only := not exists (
                     select 1 from pg_catalog.pg_depend d
                     where d.classid = 'pg_catalog.pg_rewrite'::pg_catalog.regclass and d.objid = v_rule
                       and not (d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass
-                               and d.refobjid in (v_rel, v_table)))
+                               and d.refobjid in (v_rel, v_srcrel)))
                 and not exists (
                     select 1 from pg_catalog.unnest(v_funcs) f
                     join pg_catalog.pg_proc p on p.oid = f
                     where p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace
-                       or not pg_catalog.has_function_privilege('public', f, 'EXECUTE'));
-
+                       or p.oid >= 16384
+                       or not pg_catalog.has_function_privilege('public', f, 'EXECUTE'))
+                and not exists (
+                    select 1
+                    from pg_catalog.regexp_matches(v_query, ':[a-z_]*(?:type|typeid|typid) ([0-9]+)', 'g') m
+                    where m[1]::pg_catalog.oid >= 16384);
+            v_done := true;
             -- roll back: the view never outlives the check, whatever the expression did to the parser
             raise exception using errcode = 'PGSRB', message = 'pgstream expression check rolled back';
         exception
             when sqlstate 'PGSRB' then
-                null;
+                if not v_done then
+                    v_reason := 'the expression raised while it was parsed';
+                end if;
             when others then
                 get stacked diagnostics v_reason = message_text;
+                -- pgstream_writer parses: a name in a schema it may not use does not resolve
+                if v_reason ~ '^permission denied for schema ' then
+                    v_reason := pg_catalog.format(
+                        'uses schema %s, which role pgstream_writer may not use: grant usage on schema %s to pgstream_writer',
+                        pg_catalog.substr(v_reason, 30), pg_catalog.quote_ident(pg_catalog.substr(v_reason, 30)));
+                end if;
         end;
     end if;
+    builtin_only := coalesce(builtin_only, false);
     if v_reason is not null then
         perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
             p_sub.schema_name, p_sub.table_name, p_part, v_reason);
@@ -1119,6 +1256,12 @@ declare
     v_begun   boolean;
     v_super   boolean := (select r.rolsuper from pg_catalog.pg_roles r where r.rolname = current_user);
 begin
+    -- the lock CREATE TRIGGER takes, taken before the when_clauses are checked: the table's owner
+    -- cannot retype a column between the check (built-in types only, parsed as pgstream_writer) and
+    -- CREATE TRIGGER, which parses the WHEN as the owner
+    if v_rel is not null then
+        execute pg_catalog.format('lock table %s in share row exclusive mode', v_rel);
+    end if;
     select * into v_gen from pgstream.generated_trigger(p_schema, p_table, p_op, p_mode);
 
     if v_rel is not null then
@@ -1340,6 +1483,7 @@ begin
 
     -- (v4: emit_truncate; a new name, so that a table of an earlier shape created earlier in
     -- the same transaction is never reused)
+    perform pgstream._temp_table_check('pgstream_set_subscriptions_input_v4');
     create temporary table if not exists pgstream_set_subscriptions_input_v4 (
         key text, operation pgstream.operation_type, schema_name text, table_name text,
         when_clause text, column_names text[], metadata jsonb, payload_extensions jsonb,

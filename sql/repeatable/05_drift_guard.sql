@@ -5,8 +5,12 @@
 --   * dropping, renaming or retyping a column a subscription uses (column_names, when_clause,
 --     payload and metadata extension expressions), and changing the type of a column_names column;
 --   * renaming or moving a subscribed table or its schema;
---   * dropping, renaming or disabling a generated trigger, dropping or altering a generated
---     function.
+--   * dropping, renaming or disabling a generated trigger, dropping, replacing or altering a
+--     generated function;
+--   * creating, replacing, altering (SECURITY INVOKER, SET, OWNER TO, RENAME) or dropping any
+--     function in schema pgstream, whoever owns it, outside pgstream's own DDL (internal DDL: trigger
+--     regeneration, and every file `pgstream-dagster migrate` applies): code that runs as
+--     pgstream_writer, which owns the generated functions, can change nothing the owner executes.
 -- Change or delete the subscriptions first, then run the DDL. There is no session-settable bypass:
 -- pgstream's own DDL (trigger regeneration) marks its transaction in pgstream.internal_ddl, a table
 -- only the owner can write. A stale subscription (its table gone while the guard was off) does not
@@ -233,11 +237,17 @@ begin
                   hint = 'Delete or change the subscriptions instead; the trigger follows them.';
     end loop;
     for v_obj in select * from pg_catalog.pg_event_trigger_dropped_objects() d
-                 where d.object_type = 'function' and d.schema_name = 'pgstream'
-                   and d.object_name like '\_publish\_%' loop
-        raise exception 'pgstream: refusing % that drops the generated function %', tg_tag, v_obj.object_identity
-            using errcode = 'dependent_objects_still_exist',
-                  hint = 'Delete or change the subscriptions instead; the function follows them.';
+                 where d.object_type in ('function', 'procedure', 'routine', 'aggregate') and d.schema_name = 'pgstream'
+                 order by d.object_name like '\_publish\_%' desc loop
+        if v_obj.object_name like '\_publish\_%' then
+            raise exception 'pgstream: refusing % that drops the generated function %', tg_tag, v_obj.object_identity
+                using errcode = 'dependent_objects_still_exist',
+                      hint = 'Delete or change the subscriptions instead; the function follows them.';
+        end if;
+        raise exception 'pgstream: refusing % of %: functions in schema pgstream change only with pgstream''s own DDL',
+            tg_tag, v_obj.object_identity
+            using errcode = 'insufficient_privilege',
+                  hint = 'pgstream-dagster migrate changes them (the generated ones follow the subscriptions and backfills).';
     end loop;
     for v_obj in select * from pg_catalog.pg_event_trigger_dropped_objects() d
                  where d.object_type = 'table column' and not d.is_temporary loop
@@ -284,12 +294,17 @@ begin
                          join pg_catalog.pg_namespace n on n.oid = c.relnamespace where t.oid = v_cmd.objid loop
                 perform pgstream._drift_check_table(v_rel.nspname, v_rel.relname, v_what);
             end loop;
-        elsif v_cmd.object_type in ('function', 'procedure', 'routine') and v_cmd.schema_name = 'pgstream'
-              and exists (select 1 from pg_catalog.pg_proc p where p.oid = v_cmd.objid
-                          and p.proname like '\_publish\_%') then
-            raise exception 'pgstream: refusing % of a generated trigger function: its subscriptions define it', v_what
-                using errcode = 'dependent_objects_still_exist',
-                      hint = 'Change the subscriptions instead; pgstream.repair_trigger(schema, table, operation) recreates it.';
+        elsif v_cmd.object_type in ('function', 'procedure', 'routine', 'aggregate')
+              and v_cmd.schema_name = 'pgstream' then
+            if exists (select 1 from pg_catalog.pg_proc p where p.oid = v_cmd.objid
+                       and p.proname like '\_publish\_%') then
+                raise exception 'pgstream: refusing % of a generated trigger function: its subscriptions define it', v_what
+                    using errcode = 'dependent_objects_still_exist',
+                          hint = 'Change the subscriptions instead; pgstream.repair_trigger(schema, table, operation) recreates it.';
+            end if;
+            raise exception 'pgstream: refusing %: functions in schema pgstream change only with pgstream''s own DDL', v_what
+                using errcode = 'insufficient_privilege',
+                      hint = 'pgstream-dagster migrate changes them (the generated ones follow the subscriptions and backfills).';
         end if;
     end loop;
 end
@@ -305,7 +320,8 @@ begin
         execute function pgstream._drift_guard_sql_drop();
     create event trigger pgstream_drift_guard_alter on ddl_command_end
         when tag in ('CREATE TABLE', 'ALTER TABLE', 'ALTER SCHEMA', 'ALTER TRIGGER', 'ALTER FUNCTION', 'ALTER ROUTINE',
-                     'ALTER PROCEDURE')
+                     'ALTER PROCEDURE', 'ALTER AGGREGATE', 'CREATE FUNCTION', 'CREATE PROCEDURE',
+                     'CREATE AGGREGATE')
         execute function pgstream._drift_guard_ddl_end();
 exception when insufficient_privilege then
     raise warning 'pgstream: the schema-drift guard needs superuser to install event triggers; it is NOT active';

@@ -30,6 +30,7 @@ begin
     if not exists (select 1 from pgstream.streams where id operator(pg_catalog.=) p_stream_id) then
         raise exception 'pgstream: stream % does not exist', p_stream_id using errcode = 'no_data_found';
     end if;
+    perform pgstream._temp_table_check('pgstream_set_aside');
     create temporary table if not exists pg_temp.pgstream_set_aside (
         event_id bigint primary key, batch_id bigint, ord integer) on commit drop;
     truncate pg_temp.pgstream_set_aside;

@@ -5,17 +5,21 @@
 --
 -- Security. A backfill is started and run by the owner (nothing here is executable by PUBLIC).
 --   * Everything a subscription's definition evaluates (when_clause, payload and metadata
---     extensions, casts of column types to JSON) and the backfill's own filter runs inside a
---     generated function pgstream._backfill_<id>(rows) owned by pgstream_writer, exactly like a
---     generated trigger: it receives the rows as an array of the table's row type, so
---     pgstream_writer needs no privilege on the table.
+--     extensions, casts of column types to JSON) and the backfill's own filter runs as
+--     pgstream_writer, in a SECURITY DEFINER function it owns that exists only inside each chunk's
+--     transaction (created in the session's temporary schema, called once, found unchanged,
+--     dropped): the owner never calls a function that a role running user code could have
+--     changed. It receives the rows as an array of the table's row type, so pgstream_writer needs
+--     no privilege on the table. A chunk after which that code left a temporary object of its own
+--     in the session fails (nothing is written).
 --   * The owner reads the rows (pgstream.backfill_chunk, security invoker: it needs SELECT, and
---     UPDATE on one column for the FOR SHARE locks, on the table). The only text it executes is
---     built from catalog names (format %I) and key types from pg_catalog that are on an
---     allow-list; key values travel as parameters.
---   * The filter is checked like a when_clause (lexer, parser in a rolled-back subtransaction,
---     no subquery, aggregate, window or set-returning function; only functions pgstream_writer
---     may execute) before it is put into the generated function.
+--     UPDATE on one column for the FOR SHARE locks, on the table), with row_security off: a table
+--     whose row-level security applies to the owner is refused (its policies never run as the
+--     owner). The only text it executes is built from catalog names (format %I) and key types
+--     from pg_catalog that are on an allow-list; key values travel as parameters.
+--   * The filter is checked like a when_clause (lexer, parser as pgstream_writer in a rolled-back
+--     subtransaction, no subquery, aggregate, window or set-returning function; only functions
+--     pgstream_writer may execute) before it is put into the generated function.
 --
 -- Consistency with live changes. Each chunk reads its rows FOR SHARE and writes their events in
 -- the same transaction: a change to one of those rows either committed before the chunk read it
@@ -185,7 +189,57 @@ set search_path = pg_catalog, pg_temp
 as $$ select s from pgstream.subscriptions s where s.id operator(pg_catalog.=) p_b.subscription_id $$;
 revoke all on function pgstream._backfill_subscription(pgstream.backfills) from public;
 
--- (Re)creates backfill p_id's function from its subscription's current definition and its filter.
+-- The body of backfill p_b's function for subscription p_sub (its current definition and the
+-- backfill's filter): text only, nothing is parsed or run here.
+create or replace function pgstream._backfill_body(p_b pgstream.backfills, p_sub pgstream.subscriptions)
+returns text
+language plpgsql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_read pgstream.subscriptions := p_sub;
+    v_ts   constant text := '(pg_catalog.extract(''epoch''::pg_catalog.text, pg_catalog.now()) '
+                            'operator(pg_catalog.*) 1000::pg_catalog.numeric)::pg_catalog.int8';
+begin
+    -- the rows are new rows: new = the row, old = null
+    v_read.operation := 'INSERT';
+    return pg_catalog.format(
+$f$
+#variable_conflict use_column
+declare
+    v_count pg_catalog.int8;
+begin
+    insert into pgstream.events (payload, stream_id, metadata)
+    select %s,
+           %s::pg_catalog.int8, %s
+    from (select %s) as pgstream_ts(pgstream_ts_ms)
+    cross join (select * from pg_catalog.unnest(p_rows) as new where %s) as new%s
+    where %s;
+    get diagnostics v_count = row_count;
+    return v_count;
+end
+$f$,
+        pgstream._payload_sql(v_read, pg_catalog.format('%L::pg_catalog.text', p_sub.key), '''READ''::pg_catalog.text',
+                              pg_catalog.format('%L::pg_catalog.text', p_sub.table_name),
+                              pg_catalog.format('%L::pg_catalog.text', p_sub.schema_name), 'pgstream_ts.pgstream_ts_ms'),
+        p_sub.stream_id, pgstream._metadata_sql(p_sub), v_ts,
+        coalesce('(' || p_b.filter || ')', 'true'),
+        -- old: the table's columns, all null (an empty set of the same rows, left-joined: the table's
+        -- name is not needed, so pgstream_writer needs no USAGE on its schema)
+        case when p_sub.operation operator(pg_catalog.=) 'UPDATE'
+             then E'\n    left join (select * from pg_catalog.unnest(p_rows) limit 0) as old on true'
+             else '' end,
+        coalesce('(' || p_sub.when_clause || ')', 'true'));
+end
+$$;
+revoke all on function pgstream._backfill_body(pgstream.backfills, pgstream.subscriptions) from public;
+
+-- Checks backfill p_id against its subscription's current definition: its filter parses (as
+-- pgstream_writer, like every expression) as a boolean over the table's rows. Records the
+-- definition it was checked against (a chunk of a changed subscription stops: claim again). A
+-- function pgstream._backfill_<id> left by an earlier version (owned by pgstream_writer, across
+-- transactions) is dropped: a backfill's function now lives only inside each chunk's transaction.
 create or replace function pgstream.backfill_prepare(p_id bigint)
 returns void
 language plpgsql
@@ -197,13 +251,7 @@ declare
     v_b     pgstream.backfills;
     v_sub   pgstream.subscriptions;
     v_read  pgstream.subscriptions;
-    v_fn    text := pgstream.backfill_function_name(p_id);
     v_type  pg_catalog.regtype;
-    v_body  text;
-    v_begun boolean;
-    v_super boolean := (select r.rolsuper from pg_catalog.pg_roles r where r.rolname operator(pg_catalog.=) current_user);
-    v_ts    constant text := '(pg_catalog.extract(''epoch''::pg_catalog.text, pg_catalog.now()) '
-                             'operator(pg_catalog.*) 1000::pg_catalog.numeric)::pg_catalog.int8';
 begin
     select * into v_b from pgstream.backfills b where b.id operator(pg_catalog.=) p_id;
     if v_b.id is null then
@@ -224,57 +272,36 @@ begin
                 v_sub.table_name, 'where', pg_catalog.format('must be a boolean expression, got type %s', v_type));
         end if;
     end if;
-    v_body := pg_catalog.format(
-$f$
-#variable_conflict use_column
-declare
-    v_count pg_catalog.int8;
-begin
-    insert into pgstream.events (payload, stream_id, metadata)
-    select %s,
-           %s::pg_catalog.int8, %s
-    from (select %s) as pgstream_ts(pgstream_ts_ms)
-    cross join (select * from pg_catalog.unnest(p_rows) as new where %s) as new%s
-    where %s;
-    get diagnostics v_count = row_count;
-    return v_count;
-end
-$f$,
-        pgstream._payload_sql(v_read, pg_catalog.format('%L::pg_catalog.text', v_sub.key), '''READ''::pg_catalog.text',
-                              pg_catalog.format('%L::pg_catalog.text', v_sub.table_name),
-                              pg_catalog.format('%L::pg_catalog.text', v_sub.schema_name), 'pgstream_ts.pgstream_ts_ms'),
-        v_sub.stream_id, pgstream._metadata_sql(v_sub), v_ts,
-        coalesce('(' || v_b.filter || ')', 'true'),
-        -- old: the table's columns, all null (an empty set of the same rows, left-joined: the table's
-        -- name is not needed, so pgstream_writer needs no USAGE on its schema)
-        case when v_sub.operation operator(pg_catalog.=) 'UPDATE'
-             then E'\n    left join (select * from pg_catalog.unnest(p_rows) limit 0) as old on true'
-             else '' end,
-        coalesce('(' || v_sub.when_clause || ')', 'true'));
-
-    v_begun := pgstream._internal_ddl_begin();
-    execute pg_catalog.format('drop function if exists pgstream.%I', v_fn);
-    execute pg_catalog.format(
-        'create function pgstream.%I(p_rows %I.%I[]) returns pg_catalog.int8 language plpgsql '
-        'security definer set search_path = pg_catalog, pg_temp as %L',
-        v_fn, v_sub.schema_name, v_sub.table_name, v_body);
-    execute pg_catalog.format('revoke all on function pgstream.%I from public', v_fn);
-    execute pg_catalog.format('comment on function pgstream.%I is %L', v_fn,
-        pg_catalog.format('pgstream backfill %s: READ events of subscription %s on %I.%I', p_id, v_sub.key,
-                          v_sub.schema_name, v_sub.table_name));
-    if not v_super then
-        execute 'grant create on schema pgstream to pgstream_writer';
-    end if;
-    execute pg_catalog.format('alter function pgstream.%I owner to pgstream_writer', v_fn);
-    if not v_super then
-        execute 'revoke create on schema pgstream from pgstream_writer';
-    end if;
-    perform pgstream._internal_ddl_end(v_begun);
+    perform pgstream._backfill_drop_function(p_id);
     update pgstream.backfills set subscription_updated_at = v_sub.updated_at, updated_at = pg_catalog.now()
     where id operator(pg_catalog.=) p_id;
 end
 $$;
 revoke all on function pgstream.backfill_prepare(bigint) from public;
+
+-- Raises, naming the table and the fix, when reading it as the current role would apply a
+-- row-level security policy: a policy is the table owner's code, and never runs as pgstream's
+-- owner. The backfill's reads also run with row_security off, so that Postgres raises rather than
+-- apply a policy.
+create or replace function pgstream._backfill_rls_check(p_schema text, p_table text)
+returns void
+language plpgsql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if pg_catalog.row_security_active(pg_catalog.format('%I.%I', p_schema, p_table)) then
+        raise exception 'pgstream: backfill: table %.% has row-level security that applies to role %: a backfill '
+                        'never runs the table''s policies as pgstream''s owner',
+            pg_catalog.quote_ident(p_schema), pg_catalog.quote_ident(p_table), current_user
+            using errcode = 'insufficient_privilege',
+                  hint = pg_catalog.format('Grant the owner BYPASSRLS (as a superuser: alter role %I bypassrls), or '
+                                           'disable row-level security on %I.%I for the backfill.',
+                                           current_user, p_schema, p_table);
+    end if;
+end
+$$;
+revoke all on function pgstream._backfill_rls_check(text, text) from public;
 
 -- Drops backfill p_id's function (when it ends).
 create or replace function pgstream._backfill_drop_function(p_id bigint)
@@ -392,6 +419,7 @@ create or replace function pgstream._backfill_split(p_id bigint, p_parts integer
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set row_security = off
 as $$
 declare
     v_b      pgstream.backfills;
@@ -402,6 +430,7 @@ declare
     v_last   jsonb;
 begin
     select * into v_b from pgstream.backfills where id operator(pg_catalog.=) p_id;
+    perform pgstream._backfill_rls_check(v_b.schema_name, v_b.table_name);
     execute pg_catalog.format('select pg_catalog.count(*) from %I.%I as t where %s',
                               v_b.schema_name, v_b.table_name, pgstream._backfill_where(v_b, null, null))
     into v_total using null::jsonb, null::jsonb, v_b.from_key, v_b.to_key;
@@ -490,9 +519,7 @@ begin
         raise exception 'pgstream: backfill % is %', p_id, v_b.status using errcode = 'object_not_in_prerequisite_state';
     end if;
     v_sub := pgstream._backfill_subscription(v_b);
-    if v_sub.id is not null and (v_sub.updated_at is distinct from v_b.subscription_updated_at
-                                 or pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I(%I.%I[])',
-                                        pgstream.backfill_function_name(p_id), v_b.schema_name, v_b.table_name)) is null) then
+    if v_sub.id is not null and v_sub.updated_at is distinct from v_b.subscription_updated_at then
         perform pgstream.backfill_prepare(p_id);
     elsif v_sub.id is null then
         perform pgstream.backfill_prepare(p_id);  -- raises: the subscription was deleted
@@ -515,8 +542,15 @@ create or replace function pgstream.backfill_chunk(p_id bigint, p_part integer, 
 returns table (chunk_status text, chunk_rows bigint, chunk_events bigint)
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set row_security = off
+set client_min_messages = warning
 as $$
 declare
+    v_fn     text;
+    v_oid    pg_catalog.oid;
+    v_sig    text;
+    v_planted text;
+    v_me     pg_catalog.oid := (select r.oid from pg_catalog.pg_roles r where r.rolname operator(pg_catalog.=) current_user);
     v_b      pgstream.backfills;
     v_p      pgstream.backfill_partitions;
     v_sub    pgstream.subscriptions;
@@ -554,12 +588,28 @@ begin
         return;
     end if;
     v_after := coalesce(v_p.cursor_key, v_p.lower_key);
+    perform pgstream._backfill_rls_check(v_b.schema_name, v_b.table_name);
+    -- The function that turns the rows into events, owned by pgstream_writer, exists only in this
+    -- transaction (this session's temporary schema): created, called once, found unchanged, dropped.
+    -- No other transaction ever sees it, and nothing the owner runs later was ever owned by a role
+    -- the subscription's code runs as.
+    perform pgstream._writer_temp_check('backfill');
+    v_fn := 'pgstream_backfill_' || pg_catalog.replace(pg_catalog.gen_random_uuid()::text, '-', '');
+    execute pg_catalog.format(
+        'create function pg_temp.%I(p_rows %I.%I[]) returns pg_catalog.int8 language plpgsql '
+        'security definer set search_path = pg_catalog, pg_temp as %L',
+        v_fn, v_b.schema_name, v_b.table_name, pgstream._backfill_body(v_b, v_sub));
+    v_oid := pg_catalog.to_regprocedure(pg_catalog.format('pg_temp.%I(%I.%I[])', v_fn, v_b.schema_name, v_b.table_name));
+    execute pg_catalog.format('revoke all on function %s from public', v_oid::pg_catalog.regprocedure);
+    execute pg_catalog.format('alter function %s owner to pgstream_writer', v_oid::pg_catalog.regprocedure);
+    select pg_catalog.format('%s %s %s %s %s', p.ctid, p.xmin, p.prosecdef, p.proowner, p.proconfig) into v_sig
+    from pg_catalog.pg_proc p where p.oid operator(pg_catalog.=) v_oid;
     execute pg_catalog.format(
         'select pg_catalog.count(*), (pg_catalog.array_agg(c.pgstream_k order by %s))[1], '
-        '       pgstream.%I(pg_catalog.array_agg(c.pgstream_r order by %s)) '
+        '       %s(pg_catalog.array_agg(c.pgstream_r order by %s)) '
         'from (select t as pgstream_r, %s as pgstream_k from %I.%I as t where %s order by %s limit $5 for share of t) as c',
         pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, '(c.pgstream_r)', true),
-        pgstream.backfill_function_name(p_id),
+        pg_catalog.format('pg_temp.%I', v_fn),
         pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, '(c.pgstream_r)'),
         pgstream._backfill_key_json_sql(v_b.schema_name, v_b.table_name),
         v_b.schema_name, v_b.table_name,
@@ -568,6 +618,42 @@ begin
         pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, 't'))
     into v_rows, v_last, v_events
     using v_after, v_p.upper_key, v_b.from_key, v_b.to_key, p_limit;
+    if not exists (select 1 from pg_catalog.pg_proc p where p.oid operator(pg_catalog.=) v_oid
+                   and pg_catalog.format('%s %s %s %s %s', p.ctid, p.xmin, p.prosecdef, p.proowner, p.proconfig)
+                       operator(pg_catalog.=) v_sig) then
+        raise exception 'pgstream: backfill %: its function was changed or dropped while it ran (by the code of '
+                        'subscription "%" on %.%, which runs as pgstream_writer); nothing of this chunk was written',
+            p_id, v_sub.key, pg_catalog.quote_ident(v_b.schema_name), pg_catalog.quote_ident(v_b.table_name)
+            using errcode = 'insufficient_privilege';
+    end if;
+    -- nor may it leave anything in this session for the owner's later statements to find: a temporary
+    -- relation or type comes first in a search path that does not name pg_temp (a view or a type of
+    -- the same name as one the owner's client names without its schema would run code as the owner)
+    select pg_catalog.format('%s %s', x.kind, x.name) into v_planted
+    from (select 'relation' as kind, c.oid::pg_catalog.regclass::text as name from pg_catalog.pg_class c
+          where c.relnamespace operator(pg_catalog.=) pg_catalog.pg_my_temp_schema()
+            and c.relowner operator(pg_catalog.<>) v_me
+          union all
+          select 'type', t.oid::pg_catalog.regtype::text from pg_catalog.pg_type t
+          where t.typnamespace operator(pg_catalog.=) pg_catalog.pg_my_temp_schema()
+            and t.typowner operator(pg_catalog.<>) v_me
+          union all
+          select 'function', p.oid::pg_catalog.regprocedure::text from pg_catalog.pg_proc p
+          where p.pronamespace operator(pg_catalog.=) pg_catalog.pg_my_temp_schema()
+            and p.proowner operator(pg_catalog.<>) v_me and p.oid operator(pg_catalog.<>) v_oid
+          union all
+          select 'operator', o.oid::pg_catalog.regoperator::text from pg_catalog.pg_operator o
+          where o.oprnamespace operator(pg_catalog.=) pg_catalog.pg_my_temp_schema()
+            and o.oprowner operator(pg_catalog.<>) v_me) as x
+    order by x.kind, x.name
+    limit 1;
+    if v_planted is not null then
+        raise exception 'pgstream: backfill %: the code of subscription "%" on %.% created % in this session as '
+                        'pgstream_writer; nothing of this chunk was written',
+            p_id, v_sub.key, pg_catalog.quote_ident(v_b.schema_name), pg_catalog.quote_ident(v_b.table_name), v_planted
+            using errcode = 'insufficient_privilege';
+    end if;
+    execute pg_catalog.format('drop function %s', v_oid::pg_catalog.regprocedure);
     update pgstream.backfill_partitions
     set cursor_key = coalesce(v_last, cursor_key), done = v_rows operator(pg_catalog.<) p_limit,
         rows_read = rows_read operator(pg_catalog.+) v_rows,
@@ -587,6 +673,7 @@ returns jsonb
 language plpgsql
 stable
 set search_path = pg_catalog, pg_temp
+set row_security = off
 as $$
 declare
     v_b     pgstream.backfills;
