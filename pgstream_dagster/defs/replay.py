@@ -186,7 +186,7 @@ def _published(pyspark: LazyPySparkResource | None, pgstream: PgstreamResource, 
         frames = spark.DirectEvents(pgstream.database_url, ranges, params, stream.delivery.routing_key)
     else:
         loaded = spark.load_events(
-            pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,
+            pyspark.spark_session, pgstream.executor_database_url, stream.id, ranges, stream.delivery.routing_key,
             from_time=params["from_time"].isoformat() if params["from_time"] else None,
             to_time=params["to_time"].isoformat() if params["to_time"] else None,
             keys=config.subscription_keys or None, packed=True)

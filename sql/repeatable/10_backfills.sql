@@ -3,13 +3,15 @@
 -- Applied by `pgstream-dagster migrate` after the versioned migrations (sql/NNN_*.sql), and again
 -- whenever this file changes, in its own transaction: every statement is idempotent.
 --
--- Security. A backfill is started and run by the owner (nothing here is executable by PUBLIC).
+-- Security. A backfill is started and run as the owner (nothing here is executable by PUBLIC):
+-- the functions the runtime and the Spark executors call (backfill_start, _claim, _chunk,
+-- _next_key, _backlog, _release, _stop) are SECURITY DEFINER; their grants are in 99_runtime.sql.
 --   * Everything a subscription's definition evaluates (when_clause, payload and metadata
 --     extensions, casts of column types to JSON) and the backfill's own filter runs inside a
 --     generated function pgstream._backfill_<id>(rows) owned by pgstream_writer, exactly like a
 --     generated trigger: it receives the rows as an array of the table's row type, so
 --     pgstream_writer needs no privilege on the table.
---   * The owner reads the rows (pgstream.backfill_chunk, security invoker: it needs SELECT, and
+--   * The owner reads the rows (pgstream.backfill_chunk runs as the owner: it needs SELECT, and
 --     UPDATE on one column for the FOR SHARE locks, on the table). The only text it executes is
 --     built from catalog names (format %I) and key types from pg_catalog that are on an
 --     allow-list; key values travel as parameters.
@@ -308,6 +310,7 @@ create or replace function pgstream.backfill_start(
 )
 returns bigint
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -476,6 +479,7 @@ revoke all on function pgstream.backfill_unlock(bigint) from public;
 create or replace function pgstream.backfill_claim(p_id bigint, p_token uuid, p_run_id text)
 returns pgstream.backfills
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -514,6 +518,7 @@ revoke all on function pgstream.backfill_claim(bigint, uuid, text) from public;
 create or replace function pgstream.backfill_chunk(p_id bigint, p_part integer, p_token uuid, p_limit integer)
 returns table (chunk_status text, chunk_rows bigint, chunk_events bigint)
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -586,6 +591,7 @@ create or replace function pgstream.backfill_next_key(p_id bigint, p_part intege
 returns jsonb
 language plpgsql
 stable
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -615,6 +621,7 @@ create or replace function pgstream.backfill_backlog(p_stream_id bigint)
 returns bigint
 language sql
 stable
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
     select (coalesce(pg_catalog.sum(c.value) filter (where c.name operator(pg_catalog.=) 'events_recorded'), 0)
@@ -631,6 +638,7 @@ revoke all on function pgstream.backfill_backlog(bigint) from public;
 create or replace function pgstream.backfill_release(p_id bigint, p_token uuid, p_status text, p_error text)
 returns text
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -664,6 +672,7 @@ revoke all on function pgstream.backfill_release(bigint, uuid, text, text) from 
 create or replace function pgstream.backfill_stop(p_id bigint, p_cancel boolean)
 returns text
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare

@@ -1,0 +1,239 @@
+"""The least-privilege runtime: pgstream installed by a non-superuser owner, the whole pipeline run as
+a login member of ``pgstream_runtime`` (sensor ticks, delivery runs, a backfill, a replay, housekeeping,
+metrics) with Spark executors connecting as a login member of ``pgstream_executor``; and what those roles
+cannot do, each tried from a fresh connection as the role (sql/024_runtime_roles.sql,
+sql/repeatable/99_runtime.sql)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+from psycopg import sql
+
+from pgstream_dagster.config import HousekeepingConfig, load_config
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import backfill_job_name, replay_job_name
+from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.engine import housekeeping, metrics
+from pgstream_dagster.engine.bootstrap import init
+from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
+from pgstream_dagster.engine.subscriptions import SubscriptionError, apply_stream
+
+from .support.harness import Driver, read_jsonl, write_config
+
+RUNTIME_GROUP = "pgstream_runtime"
+EXECUTOR_GROUP = "pgstream_executor"
+_ids = itertools.count()
+
+
+@dataclass
+class Install:
+    owner: str
+    runtime: str
+    executor: str
+    owner_url: str
+    runtime_url: str
+    executor_url: str
+    superuser_url: str
+    config: Path
+    out: Path
+
+
+def _as(url: str, role: str) -> str:
+    return url.replace("postgres@", f"{role}@", 1)
+
+
+def _run(url: str, *statements: str) -> None:
+    with psycopg.connect(url, autocommit=True) as c:
+        for s in statements:
+            c.execute(s)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def install(pg: LocalPostgres, template_db: str, tmp_path: Path) -> Iterator[Install]:
+    """A database owned by a non-superuser owner (a member of pgstream_writer, no CREATEROLE: the group
+    roles exist in the cluster already), migrated by it; a runtime login role (REPLICATION, member of
+    pgstream_runtime) and an executor login role (member of pgstream_executor); public.items (owned by
+    the owner) with 30 rows subscribed on INSERT, applied by ``init`` as the owner while the streams and
+    slots are made as the runtime."""
+    n = next(_ids)
+    owner, runtime, executor = f"rt_owner_{n}", f"rt_runtime_{n}", f"rt_executor_{n}"
+    name = f"rt_{n}"
+    _run(pg.url, f"create role {owner} login", f"grant {WRITER_ROLE} to {owner}",
+         f"create role {runtime} login replication in role {RUNTIME_GROUP}",
+         f"create role {executor} login in role {EXECUTOR_GROUP}",
+         f"create database {name} owner {owner}")
+    url = pg.url_for(name)
+    owner_url, runtime_url, executor_url = _as(url, owner), _as(url, runtime), _as(url, executor)
+    try:
+        migrate(owner_url)
+        _run(owner_url, "create table public.items (id bigint primary key, name text not null)",
+             "insert into public.items select g, 'item ' || g from generate_series(1, 30) g")
+        out = tmp_path / "sink.jsonl"
+        cfg = write_config(tmp_path / "pgstream.yaml", runtime_url, [
+            {"id": 1, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
+             # Spark reads every round: the executors connect as the executor role
+             "delivery": {"direct_max_events": 0}, "sink": {"type": "file", "path": str(out)}}],
+            [{"key": "items", "stream_id": 1, "operation": "INSERT", "schema_name": "public", "table_name": "items",
+              "column_names": ["id", "name"]}],
+            spark={"master": "local[2]", "executor_database_url": executor_url})
+        init(cfg, owner_url=owner_url)
+        yield Install(owner, runtime, executor, owner_url, runtime_url, executor_url, pg.url, cfg, out)
+    finally:
+        with psycopg.connect(pg.url_for(name), autocommit=True) as c:
+            slots = c.execute("select slot_name from pg_replication_slots where database = %s", [name]).fetchall()
+            for (slot,) in slots:
+                c.execute("select pg_drop_replication_slot(%s)", [slot])
+        _run(pg.url, sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)).as_string(),
+             *(f"drop role if exists {r}" for r in (runtime, executor, owner)))
+
+
+def _count(url: str, query: str) -> int:
+    with psycopg.connect(url) as c:
+        row = c.execute(query).fetchone()  # type: ignore[arg-type]
+        assert row is not None
+        return int(row[0])
+
+
+def _job(cfg: Path, name: str, op: str, config: dict[str, Any], instance: dg.DagsterInstance) -> bool:
+    job = build_definitions(cfg).resolve_job_def(name)
+    return job.execute_in_process(run_config={"ops": {op: {"config": config}}}, instance=instance,
+                                  raise_on_error=False).success
+
+
+def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance: dg.DagsterInstance) -> None:
+    """Sensor ticks and delivery runs (read by Spark executors as the executor role), a backfill of the
+    30 existing rows (partitions on Spark), a replay, housekeeping, metrics and the subscription check,
+    all connected as the runtime role: every event is delivered, counted."""
+    i = install
+    _run(i.owner_url, "insert into public.items select g, 'item ' || g from generate_series(31, 40) g")
+    driver = Driver(i.config, instance)
+    driver.run_until(1, lambda: len(read_jsonl(i.out)) >= 10, timeout=300)
+    assert sorted(e["payload"]["new"]["id"] for e in read_jsonl(i.out)) == list(range(31, 41))
+    assert all(r.success for r in driver.results)
+    # the run's delivery lease was held by the runtime role's session
+    with psycopg.connect(i.owner_url) as c:
+        assert c.execute("select distinct usesysid::regrole::text from pgstream.locks where name = 'delivery'"
+                         ).fetchall() == [(i.runtime,)]
+
+    # a backfill: the 40 rows become READ events (partitions run on the executors), then delivered
+    assert _job(i.config, backfill_job_name(1), "backfill_stream_1",
+                {"subscriptions": ["items"], "parallelism": 2, "chunk_size": 7}, instance)
+    driver.run_until(1, lambda: len(read_jsonl(i.out)) >= 50, timeout=300)
+    reads = Counter(e["payload"]["new"]["id"] for e in read_jsonl(i.out) if e["payload"]["tg_op"] == "READ")
+    assert reads == Counter(range(1, 41))
+    assert _count(i.owner_url, "select count(*) from pgstream.backfills where status = 'done'") == 1
+
+    # a replay of every event, through the same sink: each event once more
+    assert _job(i.config, replay_job_name(1), "replay_stream_1", {"all_events": True}, instance)
+    delivered = Counter(e["id"] for e in read_jsonl(i.out))
+    assert len(delivered) == 50 and set(delivered.values()) == {2}
+
+    with psycopg.connect(i.runtime_url, autocommit=True) as c:
+        # housekeeping (partitions ahead, retention, pruning) and the exporter's read
+        report = housekeeping.run_housekeeping(c, HousekeepingConfig(days_ahead=3))
+        assert report.warnings == []
+        counters = {r.metric: r.value for r in metrics.read(c, 5.0) if r.stream_id == 1 and not r.label}
+        assert counters["events_delivered"] == 50  # the live events and the READ events; a replay is not counted
+        # the subscription assets as the runtime: they check the owner applied the YAML, and write nothing
+        config = load_config(i.config)
+        assert apply_stream(c, config.subscriptions, 1, "pgstream.yaml").changes == {}
+        edited = [s.model_copy(update={"column_names": ["id"]}) for s in config.subscriptions]
+        with pytest.raises(SubscriptionError, match=f"role {i.runtime} may not write pgstream.subscriptions.*"
+                                                    "pgstream-dagster init.*column_names differ"):
+            apply_stream(c, edited, 1, "pgstream.yaml")
+    with psycopg.connect(i.owner_url) as c:
+        assert c.execute("select column_names from pgstream.subscriptions").fetchall() == [(["id", "name"],)]
+        assert c.execute("select rolsuper from pg_roles where rolname = current_user").fetchone() == (False,)
+
+
+#: every function of pgstream: signature, security definer, owner, body, settings, privileges
+FUNCTIONS = ("select p.oid::regprocedure::text, p.prosecdef, p.proowner::regrole::text, md5(p.prosrc), "
+             "p.proconfig, p.proacl::text from pg_proc p where p.pronamespace = 'pgstream'::regnamespace order by 1")
+
+#: what the runtime role tries, each from a fresh connection; every one is refused
+RUNTIME_ATTEMPTS = [
+    "insert into pgstream.subscriptions (key, stream_id, operation, table_name) values ('x', 1, 'INSERT', 'items')",
+    "update pgstream.subscriptions set when_clause = 'true'",
+    "delete from pgstream.subscriptions",
+    "select pgstream.set_subscriptions(1, array[]::pgstream.subscriptions[], 'yaml')",
+    "select pgstream.regenerate_trigger('public', 'items', 'INSERT')",
+    "insert into pgstream.events (payload, stream_id) values ('{}', 1)",
+    "update pgstream.streams set paused = true",
+    "update pgstream.streams set slot_name = 'elsewhere'",
+    "insert into pgstream.streams (id) values (9)",
+    "delete from pgstream.batches",
+    "truncate pgstream.batches",
+    "create table pgstream.mine (id int)",
+    "create function pgstream.mine() returns int language sql as 'select 1'",
+    "create or replace function pgstream.ensure_publications(p_stream_id bigint) returns setof text "
+    "language sql as 'select null::text'",
+    "alter function pgstream.register_stream(bigint, text) security invoker",
+    "alter function pgstream.backfill_chunk(bigint, integer, uuid, integer) owner to current_user",
+    "alter table pgstream.events owner to current_user",
+    "create trigger mine after insert on pgstream.batches execute function pgstream._touch_updated_at()",
+    "drop publication pgstream_stream_1",
+    "alter publication pgstream_stream_1_rows set table pgstream.events",
+    "create publication mine for table pgstream.events",
+    "select pgstream.lock_for_transaction('regenerate')",
+    "select pgstream._backfill_drop_function(1)",
+    "create table public.items_copy (like public.items)",
+    "set role pgstream_writer",
+]
+
+
+def test_the_runtime_and_executor_roles_cannot_change_definitions_or_become_the_owner(install: Install) -> None:
+    """From fresh connections: the runtime role cannot write subscriptions, events or the stream rows
+    beyond its columns, create, alter, own or drop anything in pgstream (tables, functions, triggers,
+    publications), call the owner's internal functions, nor become the owner or the writer; a bad
+    slot name changes nothing. The executor role cannot write the ledger or call the runtime's API.
+    Afterwards every pgstream object still belongs to the owner (or, generated, to pgstream_writer)
+    and neither role is superuser."""
+    i = install
+    with psycopg.connect(i.owner_url) as c:
+        before = c.execute(FUNCTIONS).fetchall()
+        subscriptions = c.execute("select * from pgstream.subscriptions").fetchall()
+    attempts = [*RUNTIME_ATTEMPTS, f"set role {i.owner}", f"grant {i.owner} to {i.runtime}",
+                f"grant {RUNTIME_GROUP} to {i.executor}", f"alter role {i.runtime} superuser"]
+    for statement in attempts:
+        with psycopg.connect(i.runtime_url, autocommit=True) as c:  # a fresh connection each time
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                c.execute(statement)  # type: ignore[arg-type]
+    with psycopg.connect(i.runtime_url, autocommit=True) as c:
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="slot name 'x; drop' is not"):
+            c.execute("select pgstream.register_stream(1, 'x; drop')")
+        with pytest.raises(psycopg.errors.NoDataFound, match="stream 77 does not exist"):
+            c.execute("select pgstream.ensure_publications(77)")
+        # what it may do: its own columns, through its API
+        c.execute("select pgstream.register_stream(1, 'pgstream_stream_1')")
+        c.execute("update pgstream.streams set consumed_through = consumed_through where id = 1")
+    for statement in ("update pgstream.batches set status = 'delivered'", "delete from pgstream.key_progress",
+                      "select pgstream.register_stream(2, 'two')", "select pgstream.ensure_publications(1)",
+                      "select pgstream.try_lock('delivery', 1)", "select * from pgstream.subscriptions",
+                      "insert into pgstream.events (payload, stream_id) values ('{}', 1)",
+                      f"set role {i.owner}", f"set role {i.runtime}"):
+        with psycopg.connect(i.executor_url, autocommit=True) as c:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                c.execute(statement)  # type: ignore[arg-type]
+    with psycopg.connect(i.owner_url) as c:
+        assert c.execute(FUNCTIONS).fetchall() == before
+        assert c.execute("select * from pgstream.subscriptions").fetchall() == subscriptions
+        owners = {r[0] for r in c.execute(
+            "select relowner::regrole::text from pg_class where relnamespace = 'pgstream'::regnamespace "
+            "union select proowner::regrole::text from pg_proc where pronamespace = 'pgstream'::regnamespace "
+            "union select pubowner::regrole::text from pg_publication "
+            "union select nspowner::regrole::text from pg_namespace where nspname = 'pgstream'")}
+        assert owners == {i.owner, WRITER_ROLE}
+        assert c.execute("select count(*) from pgstream.streams").fetchone() == (1,)
+        for role in (i.runtime, i.executor, i.owner):
+            assert c.execute("select rolsuper, rolcreaterole, pg_has_role(%s, %s, 'MEMBER') from pg_roles "
+                             "where rolname = %s", [role, i.owner if role != i.owner else WRITER_ROLE, role]
+                             ).fetchone() == (False, False, role == i.owner)
