@@ -237,3 +237,56 @@ def test_the_runtime_and_executor_roles_cannot_change_definitions_or_become_the_
             assert c.execute("select rolsuper, rolcreaterole, pg_has_role(%s, %s, 'MEMBER') from pg_roles "
                              "where rolname = %s", [role, i.owner if role != i.owner else WRITER_ROLE, role]
                              ).fetchone() == (False, False, role == i.owner)
+
+
+def test_make_dev_installs_as_a_non_superuser_owner_and_runs_as_the_runtime(pg: LocalPostgres, template_db: str,
+                                                                            tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `make dev` does before `dg dev`: the superuser makes the three login roles and the database
+    (owned by the owner); the owner migrates; the superuser adds the drift guard's event triggers (the
+    one step that needs it); init applies the demo's subscriptions as the owner and makes the slot as
+    the runtime, whose URL is the demo configuration's database_url; the executors' URL is the
+    executor role's. Done twice, it changes nothing."""
+    from pgstream_dagster.dev import DEMO_EXECUTOR, DEMO_OWNER, DEMO_RUNTIME, demo_roles
+    from pgstream_dagster.engine.migrations import drift_guard_installed, install_drift_guard, sql_dir
+
+    name = f"rt_dev_{next(_ids)}"
+    urls = demo_roles(pg.url, name)
+    try:
+        assert demo_roles(pg.url, name) == urls
+        migrate(urls["owner"])
+        install_drift_guard(pg.url_for(name))
+        _run(urls["owner"], (sql_dir() / "demo" / "demo_schema.sql").read_text())
+        monkeypatch.setenv("PGSTREAM_DATABASE_URL", urls["runtime"])
+        monkeypatch.setenv("PGSTREAM_EXECUTOR_DATABASE_URL", urls["executor"])
+        monkeypatch.setenv("PGSTREAM_DEMO_SINK", str(tmp_path / "demo.jsonl"))
+        monkeypatch.delenv("PGSTREAM_SPARK_REMOTE", raising=False)
+        demo = Path(__file__).resolve().parent.parent / "pgstream.yaml"
+        init(demo, owner_url=urls["owner"])
+        config = load_config(demo)
+        assert (config.database_url.get_secret_value(), config.executor_url) == (urls["runtime"], urls["executor"])
+        with psycopg.connect(pg.url_for(name)) as c:
+            assert drift_guard_installed(c)
+            assert c.execute("select rolname::text, rolsuper, rolcreaterole, rolreplication, "
+                             "array(select b.rolname::text from pg_auth_members m join pg_roles b on b.oid = m.roleid "
+                             "      where m.member = r.oid order by 1) "
+                             "from pg_roles r where rolname = any(%s) order by 1",
+                             [[DEMO_OWNER, DEMO_RUNTIME, DEMO_EXECUTOR]]).fetchall() == [
+                (DEMO_EXECUTOR, False, False, False, [EXECUTOR_GROUP]),
+                (DEMO_OWNER, False, False, False, [WRITER_ROLE]),
+                (DEMO_RUNTIME, False, False, True, [RUNTIME_GROUP])]
+            assert c.execute("select nspowner::regrole::text from pg_namespace where nspname in ('pgstream', 'demo')"
+                             ).fetchall() == [(DEMO_OWNER,), (DEMO_OWNER,)]
+            assert c.execute("select count(*) from pgstream.subscriptions").fetchone() == (2,)
+            assert c.execute("select slot_name from pg_replication_slots where database = %s", [name]).fetchall() == [
+                ("pgstream_stream_1",)]
+        _run(urls["owner"], "insert into demo.users (email, email_verified) values ('ada@example.com', true)")
+        assert _count(urls["runtime"], "select count(*) from pgstream.events") == 1
+        init(demo, owner_url=urls["owner"])  # again: nothing to do
+    finally:
+        with psycopg.connect(pg.url_for(name), autocommit=True) as c:
+            for (slot,) in c.execute("select slot_name from pg_replication_slots where database = %s",
+                                     [name]).fetchall():
+                c.execute("select pg_drop_replication_slot(%s)", [slot])
+        _run(pg.url, f"drop database if exists {name} with (force)",
+             *(f"drop role if exists {r}" for r in (DEMO_RUNTIME, DEMO_EXECUTOR, DEMO_OWNER)))

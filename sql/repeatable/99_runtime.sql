@@ -48,10 +48,33 @@ $$;
 revoke all on function pgstream.expected_trigger(text, text, pgstream.operation_type, text) from public;
 
 -- ---------------------------------------------------------------------------------------------
--- Start from nothing: the grants below are all these roles hold in schema pgstream.
-revoke all on all tables in schema pgstream from pgstream_runtime, pgstream_executor;
-revoke all on all sequences in schema pgstream from pgstream_runtime, pgstream_executor;
-revoke all on all functions in schema pgstream from pgstream_runtime, pgstream_executor;
+-- Start from nothing: the grants below are all these roles hold in schema pgstream. Only what names
+-- them is revoked (a revoke on an object that grants them nothing would still write its ACL out).
+do $$
+declare
+    v_object text;
+begin
+    for v_object in
+        select pg_catalog.format('%s %s', case c.relkind when 'S' then 'sequence' else 'table' end,
+                                 c.oid::pg_catalog.regclass)
+        from pg_catalog.pg_class c
+        where c.relnamespace operator(pg_catalog.=) 'pgstream'::pg_catalog.regnamespace
+          and (exists (select 1 from pg_catalog.aclexplode(c.relacl) a
+                       where a.grantee::pg_catalog.regrole::pg_catalog.text in ('pgstream_runtime', 'pgstream_executor'))
+               or exists (select 1 from pg_catalog.pg_attribute t cross join lateral pg_catalog.aclexplode(t.attacl) a
+                          where t.attrelid operator(pg_catalog.=) c.oid
+                            and a.grantee::pg_catalog.regrole::pg_catalog.text in ('pgstream_runtime', 'pgstream_executor')))
+        union all
+        select pg_catalog.format('function %s', p.oid::pg_catalog.regprocedure)
+        from pg_catalog.pg_proc p
+        where p.pronamespace operator(pg_catalog.=) 'pgstream'::pg_catalog.regnamespace
+          and exists (select 1 from pg_catalog.aclexplode(p.proacl) a
+                      where a.grantee::pg_catalog.regrole::pg_catalog.text in ('pgstream_runtime', 'pgstream_executor'))
+    loop
+        execute pg_catalog.format('revoke all on %s from pgstream_runtime, pgstream_executor', v_object);
+    end loop;
+end
+$$;
 revoke all on schema pgstream from pgstream_runtime, pgstream_executor;
 grant usage on schema pgstream to pgstream_runtime, pgstream_executor;
 
