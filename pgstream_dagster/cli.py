@@ -119,7 +119,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
     from .engine.bootstrap import init
 
     owner = args.owner_database_url or os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or None
-    for line in init(Path(args.config) if args.config else None, owner_url=owner):
+    for line in init(Path(args.config) if args.config else None, owner_url=owner, defs_folder=_defs_folder(args)):
         print(line)
     print("ready")
     return 0
@@ -526,6 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
     p.add_argument("--owner-database-url", help="the owner's Postgres URL (default: $PGSTREAM_OWNER_DATABASE_URL, "
                                                 "else database_url of pgstream.yaml)")
+    _add_defs_folder(p)
     p.set_defaults(func=_cmd_init)
 
     p = sub.add_parser("status", parents=[common], help="state, failover checkpoint, backlog, slot lag and last "

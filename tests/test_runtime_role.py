@@ -16,6 +16,7 @@ from typing import Any
 import dagster as dg
 import psycopg
 import pytest
+import yaml
 from psycopg import sql
 
 from pgstream_dagster.config import HousekeepingConfig, load_config
@@ -27,7 +28,7 @@ from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
 from pgstream_dagster.engine.subscriptions import SubscriptionError, apply_stream
 
-from .support.harness import Driver, read_jsonl, write_config
+from .support.harness import Background, Driver, read_jsonl, tick_until, write_config
 
 RUNTIME_GROUP = "pgstream_runtime"
 EXECUTOR_GROUP = "pgstream_executor"
@@ -80,8 +81,10 @@ def install(pg: LocalPostgres, template_db: str, tmp_path: Path) -> Iterator[Ins
         out = tmp_path / "sink.jsonl"
         cfg = write_config(tmp_path / "pgstream.yaml", runtime_url, [
             {"id": 1, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
-             # Spark reads every round: the executors connect as the executor role
-             "delivery": {"direct_max_events": 0}, "sink": {"type": "file", "path": str(out)}}],
+             # Spark reads every round: the executors connect as the executor role; a run stays open
+             # 8 s after its last batch, reading the slot itself (replication protocol)
+             "delivery": {"direct_max_events": 0, "linger_secs": 8},
+             "sink": {"type": "file", "path": str(out)}}],
             [{"key": "items", "stream_id": 1, "operation": "INSERT", "schema_name": "public", "table_name": "items",
               "column_names": ["id", "name"]}],
             spark={"master": "local[2]", "executor_database_url": executor_url})
@@ -110,19 +113,33 @@ def _job(cfg: Path, name: str, op: str, config: dict[str, Any], instance: dg.Dag
 
 
 def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance: dg.DagsterInstance) -> None:
-    """Sensor ticks and delivery runs (read by Spark executors as the executor role), a backfill of the
-    30 existing rows (partitions on Spark), a replay, housekeeping, metrics and the subscription check,
-    all connected as the runtime role: every event is delivered, counted."""
+    """Sensor ticks and an open delivery run (its slot reader over the replication protocol; rounds read
+    by Spark executors as the executor role), a backfill of the 40 rows (partitions on Spark), a replay,
+    housekeeping, metrics and the subscription check, all connected as the runtime role: every event is
+    delivered, counted."""
     i = install
-    _run(i.owner_url, "insert into public.items select g, 'item ' || g from generate_series(31, 40) g")
+    # the code location's only connection is the runtime's (the owner's URL is not in its configuration)
+    assert load_config(i.config).database_url.get_secret_value() == i.runtime_url
     driver = Driver(i.config, instance)
-    driver.run_until(1, lambda: len(read_jsonl(i.out)) >= 10, timeout=300)
+    _run(i.owner_url, "insert into public.items select g, 'item ' || g from generate_series(31, 35) g")
+    (request,) = driver.tick(1).run_requests
+    run = Background(driver, request)
+    tick_until(driver, 1, lambda: len(read_jsonl(i.out)) >= 5, timeout=300)
+    # the run is open and reads the slot itself: these are handed to it, no new run is requested
+    _run(i.owner_url, "insert into public.items select g, 'item ' || g from generate_series(36, 40) g")
+    assert tick_until(driver, 1, lambda: len(read_jsonl(i.out)) >= 10, timeout=300) == []
+    assert run.wait(timeout=120).success
     assert sorted(e["payload"]["new"]["id"] for e in read_jsonl(i.out)) == list(range(31, 41))
-    assert all(r.success for r in driver.results)
-    # the run's delivery lease was held by the runtime role's session
     with psycopg.connect(i.owner_url) as c:
-        assert c.execute("select distinct usesysid::regrole::text from pgstream.locks where name = 'delivery'"
-                         ).fetchall() == [(i.runtime,)]
+        # every batch went to the one open run
+        assert c.execute("select count(distinct run_key), count(*) filter (where status <> 'delivered') "
+                         "from pgstream.batches").fetchone() == (1, 0)
+
+    # runs that end once delivered from here on (a lingering run only waits in this in-process driver)
+    data = yaml.safe_load(i.config.read_text())
+    data["streams"][0]["delivery"]["linger_secs"] = 0
+    i.config.write_text(yaml.safe_dump(data))
+    driver = Driver(i.config, instance)
 
     # a backfill: the 40 rows become READ events (partitions run on the executors), then delivered
     assert _job(i.config, backfill_job_name(1), "backfill_stream_1",
@@ -248,13 +265,22 @@ def test_make_dev_installs_as_a_non_superuser_owner_and_runs_as_the_runtime(pg: 
     the runtime, whose URL is the demo configuration's database_url; the executors' URL is the
     executor role's. Done twice, it changes nothing."""
     from pgstream_dagster.dev import DEMO_EXECUTOR, DEMO_OWNER, DEMO_RUNTIME, demo_roles
-    from pgstream_dagster.engine.migrations import drift_guard_installed, install_drift_guard, sql_dir
+    from pgstream_dagster.engine.migrations import (
+        MigrationError,
+        drift_guard_installed,
+        install_drift_guard,
+        sql_dir,
+    )
 
     name = f"rt_dev_{next(_ids)}"
     urls = demo_roles(pg.url, name)
     try:
         assert demo_roles(pg.url, name) == urls
         migrate(urls["owner"])
+        with psycopg.connect(urls["owner"]) as c:
+            assert not drift_guard_installed(c)  # the owner cannot create event triggers: `migrate` warns
+        with pytest.raises(MigrationError, match=r"must be a superuser.*nothing was changed"):
+            install_drift_guard(urls["owner"])
         install_drift_guard(pg.url_for(name))
         _run(urls["owner"], (sql_dir() / "demo" / "demo_schema.sql").read_text())
         monkeypatch.setenv("PGSTREAM_DATABASE_URL", urls["runtime"])

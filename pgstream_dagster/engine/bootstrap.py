@@ -8,10 +8,12 @@ from pathlib import Path
 import psycopg
 
 
-def init(config_path: Path | None = None, owner_url: str | None = None) -> list[str]:
+def init(config_path: Path | None = None, owner_url: str | None = None,
+         defs_folder: Path | str | None = None) -> list[str]:
     """As the owner (``owner_url``, default ``database_url``): migrate, run housekeeping once (today's
     partitions), apply the YAML subscriptions. As the runtime (``database_url``): register the streams and
-    create their slots, through the runtime's API, as its sensors do."""
+    create their slots, through the runtime's API, as its sensors do. With ``defs_folder``, also the streams
+    declared as StreamComponents there, and their subscriptions."""
     from ..config import load_config
     from . import ledger
     from .housekeeping import run_housekeeping
@@ -19,7 +21,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None) -> list[
     from .migrations import migrate
     from .subscriptions import apply_subscriptions
 
-    config = load_config(config_path)
+    config = load_config(config_path, defs_folder)
     url = config.database_url.get_secret_value()
     owner = owner_url or url
     out = [f"applied migration {m}" for m in migrate(owner, partitions_ahead=config.housekeeping.days_ahead)]
