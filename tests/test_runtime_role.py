@@ -84,9 +84,13 @@ def install(pg: LocalPostgres, template_db: str, tmp_path: Path) -> Iterator[Ins
              # Spark reads every round: the executors connect as the executor role; a run stays open
              # 8 s after its last batch, reading the slot itself (replication protocol)
              "delivery": {"direct_max_events": 0, "linger_secs": 8},
-             "sink": {"type": "file", "path": str(out)}}],
-            [{"key": "items", "stream_id": 1, "operation": "INSERT", "schema_name": "public", "table_name": "items",
-              "column_names": ["id", "name"]}],
+             "sink": {"type": "file", "path": str(out)}},
+            # by_key: Spark tasks publish and record their resume points as the executor role
+            {"id": 2, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
+             "delivery": {"ordering": "by_key", "routing_key": "new.id", "parallelism": 2},
+             "sink": {"type": "file", "path": str(tmp_path / "by_key.jsonl")}}],
+            [{"key": "items", "stream_id": s, "operation": "INSERT", "schema_name": "public", "table_name": "items",
+              "column_names": ["id", "name"]} for s in (1, 2)],
             spark={"master": "local[2]", "executor_database_url": executor_url})
         init(cfg, owner_url=owner_url)
         yield Install(owner, runtime, executor, owner_url, runtime_url, executor_url, pg.url, cfg, out)
@@ -133,7 +137,14 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     with psycopg.connect(i.owner_url) as c:
         # every batch went to the one open run
         assert c.execute("select count(distinct run_key), count(*) filter (where status <> 'delivered') "
-                         "from pgstream.batches").fetchone() == (1, 0)
+                         "from pgstream.batches where stream_id = 1").fetchone() == (1, 0)
+
+    # stream 2 (by_key) delivers the same 10 events from Spark tasks
+    by_key = i.out.with_name("by_key.jsonl")
+    keyed = Driver(i.config, instance)
+    keyed.run_until(2, lambda: len(read_jsonl(by_key)) >= 10, timeout=300)
+    assert sorted(e["payload"]["new"]["id"] for e in read_jsonl(by_key)) == list(range(31, 41))
+    assert keyed.results and all(r.success for r in keyed.results)
 
     # runs that end once delivered from here on (a lingering run only waits in this in-process driver)
     data = yaml.safe_load(i.config.read_text())
@@ -145,6 +156,7 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     assert _job(i.config, backfill_job_name(1), "backfill_stream_1",
                 {"subscriptions": ["items"], "parallelism": 2, "chunk_size": 7}, instance)
     driver.run_until(1, lambda: len(read_jsonl(i.out)) >= 50, timeout=300)
+    assert driver.results and all(r.success for r in driver.results)
     reads = Counter(e["payload"]["new"]["id"] for e in read_jsonl(i.out) if e["payload"]["tg_op"] == "READ")
     assert reads == Counter(range(1, 41))
     assert _count(i.owner_url, "select count(*) from pgstream.backfills where status = 'done'") == 1
@@ -168,7 +180,7 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
                                                     "pgstream-dagster init.*column_names differ"):
             apply_stream(c, edited, 1, "pgstream.yaml")
     with psycopg.connect(i.owner_url) as c:
-        assert c.execute("select column_names from pgstream.subscriptions").fetchall() == [(["id", "name"],)]
+        assert c.execute("select distinct column_names from pgstream.subscriptions").fetchall() == [(["id", "name"],)]
         assert c.execute("select rolsuper from pg_roles where rolname = current_user").fetchone() == (False,)
 
 
@@ -249,7 +261,7 @@ def test_the_runtime_and_executor_roles_cannot_change_definitions_or_become_the_
             "union select pubowner::regrole::text from pg_publication "
             "union select nspowner::regrole::text from pg_namespace where nspname = 'pgstream'")}
         assert owners == {i.owner, WRITER_ROLE}
-        assert c.execute("select count(*) from pgstream.streams").fetchone() == (1,)
+        assert c.execute("select count(*) from pgstream.streams").fetchone() == (2,)
         for role in (i.runtime, i.executor, i.owner):
             assert c.execute("select rolsuper, rolcreaterole, pg_has_role(%s, %s, 'MEMBER') from pg_roles "
                              "where rolname = %s", [role, i.owner if role != i.owner else WRITER_ROLE, role]
