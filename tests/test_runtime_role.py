@@ -19,7 +19,7 @@ import pytest
 import yaml
 from psycopg import sql
 
-from pgstream_dagster.config import HousekeepingConfig, load_config
+from pgstream_dagster.config import ConfigError, HousekeepingConfig, load_config
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import backfill_job_name, replay_job_name
 from pgstream_dagster.devdb import LocalPostgres
@@ -328,3 +328,25 @@ def test_make_dev_installs_as_a_non_superuser_owner_and_runs_as_the_runtime(pg: 
                 c.execute("select pg_drop_replication_slot(%s)", [slot])
         _run(pg.url, f"drop database if exists {name} with (force)",
              *(f"drop role if exists {r}" for r in (DEMO_RUNTIME, DEMO_EXECUTOR, DEMO_OWNER)))
+
+
+def test_the_executors_url_is_checked_and_kept_secret(tmp_path: Path) -> None:
+    """spark.executor_database_url is what executors connect with: on a cluster whose executors run on
+    other hosts it is the URL checked (named in the error, never shown); database_url stays the runtime's
+    and may then be local to the run's host; empty means database_url."""
+    remote = {"master": "spark://spark-master.internal:7077"}
+    cfg = write_config(tmp_path / "a.yaml", "postgresql://runtime:rt-secret@db.internal/app",
+                       [{"id": 1, "sink": {"type": "file", "path": "/shared/x.jsonl"}}],
+                       spark={**remote, "executor_database_url": "postgresql://spark:ex-secret@127.0.0.1/app"})
+    with pytest.raises(ConfigError, match=r"spark\.executor_database_url names a loopback host") as err:
+        load_config(cfg)
+    assert "ex-secret" not in str(err.value) and "rt-secret" not in str(err.value)
+    cfg = write_config(tmp_path / "b.yaml", "postgresql://runtime:rt-secret@127.0.0.1/app",
+                       [{"id": 1, "sink": {"type": "file", "path": "/shared/x.jsonl"}}],
+                       spark={**remote, "executor_database_url": "postgresql://spark:ex-secret@db.internal/app"})
+    config = load_config(cfg)
+    assert config.executor_url == "postgresql://spark:ex-secret@db.internal/app"
+    assert "ex-secret" not in repr(config) and "ex-secret" not in str(config.spark)
+    cfg = write_config(tmp_path / "c.yaml", "postgresql://runtime:rt-secret@db.internal/app",
+                       [{"id": 1, "sink": {"type": "file", "path": "/x"}}], spark={"executor_database_url": " "})
+    assert load_config(cfg).executor_url == "postgresql://runtime:rt-secret@db.internal/app"
