@@ -19,6 +19,7 @@ import pytest
 import yaml
 from psycopg import sql
 
+from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import ConfigError, HousekeepingConfig, load_config
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import backfill_job_name, replay_job_name
@@ -110,6 +111,19 @@ def _count(url: str, query: str) -> int:
         return int(row[0])
 
 
+def _id_list(url: str, query: str) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [int(r[0]) for r in c.execute(query).fetchall()]  # type: ignore[arg-type]
+
+
+def cli(args: list[str], env: dict[str, str]) -> int:
+    """``pgstream-dagster ARGS`` with ``env`` set (the URL it connects with)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        return cli_main(args)
+
+
 def _job(cfg: Path, name: str, op: str, config: dict[str, Any], instance: dg.DagsterInstance) -> bool:
     job = build_definitions(cfg).resolve_job_def(name)
     return job.execute_in_process(run_config={"ops": {op: {"config": config}}}, instance=instance,
@@ -165,6 +179,24 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     assert _job(i.config, replay_job_name(1), "replay_stream_1", {"all_events": True}, instance)
     delivered = Counter(e["id"] for e in read_jsonl(i.out))
     assert len(delivered) == 50 and set(delivered.values()) == {2}
+
+    # operator controls and dead letters, through the CLI as the runtime role: pause, set an event of an
+    # open batch aside, resume; the run delivers the rest, the redelivery the dead letter
+    env = {"PGSTREAM_DATABASE_URL": i.runtime_url}
+    assert cli(["pause", "1"], env) == 0
+    _run(i.owner_url, "insert into public.items values (41, 'item 41')")
+    tick_until(driver, 1, lambda: _count(i.owner_url, "select count(*) from pgstream.batches "
+                                                      "where stream_id = 1 and status = 'pending'") == 1)
+    (event_41,) = _id_list(i.owner_url, "select id from pgstream.events "
+                                    "where stream_id = 1 and payload->'new'->>'id' = '41'")
+    assert cli(["dead-letters", "set-aside", "1", str(event_41), "--reason", "test", "--yes"], env) == 0
+    assert cli(["resume", "1"], env) == 0
+    driver.run_until(1, lambda: _count(i.owner_url, "select count(*) from pgstream.batches where stream_id = 1 "
+                                                    "and status <> 'delivered'") == 0, timeout=300)
+    assert event_41 not in {e["id"] for e in read_jsonl(i.out)}
+    assert cli(["dead-letters", "redeliver", "1", "--config", str(i.config)], env) == 0
+    assert Counter(e["id"] for e in read_jsonl(i.out))[event_41] == 1
+    assert _count(i.owner_url, "select count(*) from pgstream.dead_letters where status = 'redelivered'") == 1
 
     with psycopg.connect(i.runtime_url, autocommit=True) as c:
         # housekeeping (partitions ahead, retention, pruning) and the exporter's read
