@@ -188,7 +188,7 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     tick_until(driver, 1, lambda: _count(i.owner_url, "select count(*) from pgstream.batches "
                                                       "where stream_id = 1 and status = 'pending'") == 1)
     (event_41,) = _id_list(i.owner_url, "select id from pgstream.events "
-                                    "where stream_id = 1 and payload->'new'->>'id' = '41'")
+                                        "where stream_id = 1 and payload->'new'->>'id' = '41'")
     assert cli(["dead-letters", "set-aside", "1", str(event_41), "--reason", "test", "--yes"], env) == 0
     assert cli(["resume", "1"], env) == 0
     driver.run_until(1, lambda: _count(i.owner_url, "select count(*) from pgstream.batches where stream_id = 1 "
