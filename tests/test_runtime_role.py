@@ -132,9 +132,10 @@ def _job(cfg: Path, name: str, op: str, config: dict[str, Any], instance: dg.Dag
 
 def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance: dg.DagsterInstance) -> None:
     """Sensor ticks and an open delivery run (its slot reader over the replication protocol; rounds read
-    by Spark executors as the executor role), a backfill of the 40 rows (partitions on Spark), a replay,
-    housekeeping, metrics and the subscription check, all connected as the runtime role: every event is
-    delivered, counted."""
+    by Spark executors as the executor role), a by_key stream (Spark tasks publish and record resume
+    points as the executor role), a backfill of the 40 rows (partitions on Spark), a replay, pause,
+    set-aside, resume and a dead-letter redelivery through the CLI, housekeeping, metrics and the
+    subscription check, all connected as the runtime role: every event is delivered, counted."""
     i = install
     # the code location's only connection is the runtime's (the owner's URL is not in its configuration)
     assert load_config(i.config).database_url.get_secret_value() == i.runtime_url
