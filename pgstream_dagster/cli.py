@@ -43,6 +43,17 @@ def _database_url(args: argparse.Namespace) -> str:
     return url
 
 
+def _owner_url(args: argparse.Namespace) -> str:
+    """The owner's URL (``migrate``, ``tear-down``): ``--database-url``, else ``$PGSTREAM_OWNER_DATABASE_URL``,
+    else ``$PGSTREAM_DATABASE_URL`` (an install where one role is both)."""
+    url = (args.database_url or os.environ.get("PGSTREAM_OWNER_DATABASE_URL")
+           or os.environ.get("PGSTREAM_DATABASE_URL"))
+    if not url:
+        raise SystemExit("error: no database: pass --database-url (the owner's) or set PGSTREAM_OWNER_DATABASE_URL "
+                         "(or PGSTREAM_DATABASE_URL when one role is both)")
+    return url
+
+
 def _defs_folder(args: argparse.Namespace) -> str | None:
     """``--defs-folder`` or ``$PGSTREAM_DEFS_FOLDER``: where StreamComponents' defs.yaml files are."""
     return args.defs_folder or os.environ.get("PGSTREAM_DEFS_FOLDER") or None
@@ -55,14 +66,28 @@ def _add_defs_folder(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    from .engine.migrations import migrate
+    from .engine.migrations import DRIFT_GUARD_MISSING, drift_guard_installed, migrate
 
-    applied = migrate(_database_url(args), partitions_ahead=args.days_ahead)
+    url = _owner_url(args)
+    applied = migrate(url, partitions_ahead=args.days_ahead)
     if applied:
         for name in applied:
             print(f"applied {name}")
     else:
         print("up to date")
+    with psycopg.connect(url, autocommit=True) as conn:
+        if not drift_guard_installed(conn):
+            print(DRIFT_GUARD_MISSING, file=sys.stderr)
+    return 0
+
+
+def _cmd_install_drift_guard(args: argparse.Namespace) -> int:
+    from .engine.migrations import install_drift_guard
+
+    if not args.database_url:
+        raise SystemExit("error: pass --database-url, a superuser's URL for the pgstream database")
+    install_drift_guard(args.database_url)
+    print("the schema-drift guard is active (event triggers pgstream_drift_guard_alter, pgstream_drift_guard_drop)")
     return 0
 
 
@@ -74,7 +99,7 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        removed = tear_down(_database_url(args), cascade=args.cascade)
+        removed = tear_down(_owner_url(args), cascade=args.cascade)
     except TearDownRefused as exc:
         print("error: tear-down would also drop these objects outside schema pgstream, which depend on it "
               "(nothing was changed):", file=sys.stderr)
@@ -93,7 +118,8 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
 def _cmd_init(args: argparse.Namespace) -> int:
     from .engine.bootstrap import init
 
-    for line in init(Path(args.config) if args.config else None):
+    owner = args.owner_database_url or os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or None
+    for line in init(Path(args.config) if args.config else None, owner_url=owner, defs_folder=_defs_folder(args)):
         print(line)
     print("ready")
     return 0
@@ -304,7 +330,7 @@ def _cmd_backfill_run(args: argparse.Namespace) -> int:
         with psycopg.connect(url, autocommit=True) as conn:
             backfill_id, resumed = backfill.open_backfill(conn, target, request)
         print(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of {target.describe()}", flush=True)
-        with closing(backfill.run(url, backfill_id, request, backfill.spark_executor(spark, url),
+        with closing(backfill.run(url, backfill_id, request, backfill.spark_executor(spark, config.executor_url),
                                   run_id=f"cli {_operator()}", progress_secs=args.progress_secs,
                                   on_stop=lambda: backfill.cancel_spark(spark))) as steps:
             for step in steps:
@@ -484,19 +510,31 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--database-url", help="Postgres URL (default: $PGSTREAM_DATABASE_URL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("migrate", parents=[common], help="apply the sql/ migrations (idempotent)")
+    owner = argparse.ArgumentParser(add_help=False)
+    owner.add_argument("--database-url", help="the owner's Postgres URL (default: $PGSTREAM_OWNER_DATABASE_URL, "
+                                              "else $PGSTREAM_DATABASE_URL)")
+    p = sub.add_parser("migrate", parents=[owner], help="apply the sql/ migrations as the owner (idempotent)")
     p.add_argument("--days-ahead", type=_ranged("days", 0, 365), default=7, help="daily partitions to create ahead")
     p.set_defaults(func=_cmd_migrate)
 
-    p = sub.add_parser("tear-down", parents=[common],
+    p = sub.add_parser("install-drift-guard", parents=[common],
+                       help="create the schema-drift guard's event triggers as a superuser (--database-url), on an "
+                            "install whose owner is not one")
+    p.set_defaults(func=_cmd_install_drift_guard)
+
+    p = sub.add_parser("tear-down", parents=[owner],
                        help="remove the pgstream schema, generated triggers, publications and slots")
     p.add_argument("--yes", action="store_true", help="confirm: all events are deleted")
     p.add_argument("--cascade", action="store_true",
                    help="also drop the objects outside schema pgstream that depend on it (listed without it)")
     p.set_defaults(func=_cmd_tear_down)
 
-    p = sub.add_parser("init", help="migrate, create streams, slots and the YAML subscriptions")
+    p = sub.add_parser("init", help="migrate and apply the YAML subscriptions as the owner; create the streams and "
+                                    "their slots as the runtime (database_url)")
     p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
+    p.add_argument("--owner-database-url", help="the owner's Postgres URL (default: $PGSTREAM_OWNER_DATABASE_URL, "
+                                                "else database_url of pgstream.yaml)")
+    _add_defs_folder(p)
     p.set_defaults(func=_cmd_init)
 
     p = sub.add_parser("status", parents=[common], help="state, failover checkpoint, backlog, slot lag and last "

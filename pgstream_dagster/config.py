@@ -261,8 +261,12 @@ class SparkConfig(_Model):
     host_local_settings: bool = Field(False, description="accept settings the executors read that name their own "
                                                          "host (relative file paths, loopback hosts) on a cluster "
                                                          "master: every executor host has what they name")
+    executor_database_url: SecretStr | None = Field(
+        None, description="the URL Spark executors connect with: a login role that is a member of pgstream_executor "
+                          "(reads events and batches, writes by_key resume points, runs backfill chunks); default: "
+                          "database_url (the runtime's), which executor hosts then hold; empty = none")
 
-    @field_validator("remote", mode="before")
+    @field_validator("remote", "executor_database_url", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and not v.strip() else v
@@ -316,9 +320,10 @@ def _check_cluster(config: PgstreamConfig) -> None:
     where = "on other hosts" if elsewhere else "in working directories of their own"
     problems: list[str] = []
     if elsewhere:
-        problem = database_problem(config.database_url.get_secret_value())
+        problem = database_problem(config.executor_url)
         if problem:
-            problems.append(f"database_url {problem}")
+            which = "spark.executor_database_url" if spark.executor_database_url else "database_url"
+            problems.append(f"{which} {problem}")
     # by_key sinks are built on the executors: a cluster's, or a Spark Connect server's workers
     # (whose working directory is the server's)
     for s in config.streams:
@@ -391,6 +396,11 @@ class PgstreamConfig(_Model):
         _check_cluster(self)
         _check_subscriptions([s.id for s in self.streams], self.subscriptions)
         return self
+
+    @property
+    def executor_url(self) -> str:
+        """What Spark executors connect with: ``spark.executor_database_url``, else ``database_url``."""
+        return (self.spark.executor_database_url or self.database_url).get_secret_value()
 
     def stream(self, stream_id: int) -> StreamConfig:
         for s in self.streams:

@@ -39,31 +39,92 @@ def _start_exporter(config: Path) -> str | None:
     return url
 
 
+#: the demo's roles (README, "Security"): the owner (migrate, init), the runtime's login role (the code
+#: location, sensors, runs) and the Spark executors' login role
+DEMO_OWNER = "pgstream_demo_owner"
+DEMO_RUNTIME = "pgstream_demo_runtime"
+DEMO_EXECUTOR = "pgstream_demo_executor"
+
+
+def demo_roles(superuser_url: str, database: str) -> dict[str, str]:
+    """As a superuser: the demo's three login roles (owner: no attribute, a member of pgstream_writer;
+    runtime: REPLICATION, a member of pgstream_runtime; executor: a member of pgstream_executor), the
+    NOLOGIN group roles they join, and ``database`` owned by the owner. Idempotent. Returns each
+    role's URL for ``database``."""
+    from psycopg import sql
+
+    def role_url(role: str) -> str:
+        base = superuser_url.rsplit("/", 1)[0] + "/" + database
+        return base.replace("postgres@", f"{role}@", 1)
+
+    with psycopg.connect(superuser_url, autocommit=True) as conn:
+        def ensure(role: str, attributes: str, member_of: str | None = None) -> None:
+            if not conn.execute("select 1 from pg_roles where rolname = %s", [role]).fetchone():
+                conn.execute(sql.SQL("create role {} " + attributes).format(sql.Identifier(role)))  # constants
+            if member_of is not None:
+                conn.execute(sql.SQL("grant {} to {}").format(sql.Identifier(member_of), sql.Identifier(role)))
+
+        ensure("pgstream_writer", "nologin noinherit")
+        ensure("pgstream_runtime", "nologin")
+        ensure("pgstream_executor", "nologin")
+        ensure(DEMO_OWNER, "login", member_of="pgstream_writer")
+        ensure(DEMO_RUNTIME, "login replication", member_of="pgstream_runtime")
+        ensure(DEMO_EXECUTOR, "login", member_of="pgstream_executor")
+        row = conn.execute("select datdba::regrole::text from pg_database where datname = %s", [database]).fetchone()
+        if row is None:
+            conn.execute(sql.SQL("create database {} owner {}").format(sql.Identifier(database),
+                                                                       sql.Identifier(DEMO_OWNER)))
+    with psycopg.connect(role_url("postgres"), autocommit=True) as conn:
+        schema_owner = conn.execute("select nspowner::regrole::text from pg_namespace where nspname = 'pgstream'"
+                                    ).fetchone()
+    if schema_owner is not None and schema_owner[0] != DEMO_OWNER:
+        raise SystemExit(f"error: database {database} of .pgstream/ was installed by an earlier `make dev` as "
+                         f"{schema_owner[0]}; the demo now installs it as {DEMO_OWNER}: run `make clean` (it deletes "
+                         "the demo's data) and `make dev` again")
+    if row is not None and row[0] != DEMO_OWNER:
+        with psycopg.connect(superuser_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("alter database {} owner to {}").format(sql.Identifier(database),
+                                                                        sql.Identifier(DEMO_OWNER)))
+    return {"owner": role_url(DEMO_OWNER), "runtime": role_url(DEMO_RUNTIME), "executor": role_url(DEMO_EXECUTOR)}
+
+
 def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = True) -> int:
     from .devdb import ensure_running
     from .engine.bootstrap import init
-    from .engine.migrations import migrate, sql_dir
+    from .engine.migrations import DRIFT_GUARD_MISSING, drift_guard_installed, install_drift_guard, migrate, sql_dir
 
     root = (root or Path.cwd()).resolve()
     state = root / ".pgstream"
     state.mkdir(exist_ok=True)
+    superuser_url: str | None = None
     if not os.environ.get("PGSTREAM_DATABASE_URL"):
         pg = ensure_running(state / "data")
-        pg.create_database("pgstream")
         pg.create_database("dagster")
-        os.environ["PGSTREAM_DATABASE_URL"] = pg.url_for("pgstream")
+        urls = demo_roles(pg.url, "pgstream")
+        superuser_url = pg.url_for("pgstream")
+        os.environ["PGSTREAM_DATABASE_URL"] = urls["runtime"]
+        os.environ["PGSTREAM_OWNER_DATABASE_URL"] = urls["owner"]
+        os.environ["PGSTREAM_EXECUTOR_DATABASE_URL"] = urls["executor"]
         os.environ.setdefault("DAGSTER_POSTGRES_URL", _dagster_url(pg.url_for("dagster")))
-        print(f"local Postgres (wal_level=logical) in {state / 'data'}: {pg.url_for('pgstream')}")
+        print(f"local Postgres (wal_level=logical) in {state / 'data'}; database pgstream:\n"
+              f"  owner    (migrate, init; owns demo.users): {urls['owner']}\n"
+              f"  runtime  (code location, sensors, runs):   {urls['runtime']}\n"
+              f"  executor (Spark executors):                {urls['executor']}")
     if not os.environ.get("DAGSTER_POSTGRES_URL"):
         raise SystemExit("error: set DAGSTER_POSTGRES_URL (a database for Dagster's own storage)")
     url = os.environ["PGSTREAM_DATABASE_URL"]
+    owner_url = os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or url
     demo = not os.environ.get("PGSTREAM_CONFIG")
     if demo:
         os.environ["PGSTREAM_CONFIG"] = str(root / "pgstream.yaml")
         os.environ.setdefault("PGSTREAM_DEMO_SINK", str(state / "demo-events.jsonl"))
-        migrate(url)
-        with psycopg.connect(url, autocommit=True) as conn:
+        migrate(owner_url)
+        if superuser_url is not None:
+            install_drift_guard(superuser_url)  # the one step that needs a superuser
+        with psycopg.connect(owner_url, autocommit=True) as conn:
             conn.execute((sql_dir() / "demo" / "demo_schema.sql").read_text())
+            if not drift_guard_installed(conn):
+                print(DRIFT_GUARD_MISSING)
     if spark_server and not os.environ.get("PGSTREAM_SPARK_REMOTE"):
         from . import sparkserver
 
@@ -72,7 +133,7 @@ def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = Tru
         os.environ["PGSTREAM_SPARK_REMOTE"] = remote
         print(f"Spark Connect server for the runs: {remote} (log: {state / 'spark-connect.log'}; "
               "stop it with `pgstream-dagster spark-connect --stop`)")
-    for line in init(Path(os.environ["PGSTREAM_CONFIG"])):
+    for line in init(Path(os.environ["PGSTREAM_CONFIG"]), owner_url=owner_url):
         print(line)
     metrics_url = _start_exporter(Path(os.environ["PGSTREAM_CONFIG"]))
 
@@ -83,7 +144,7 @@ def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = Tru
     if demo:
         demo_insert = "insert into demo.users (email, email_verified) values ('ada@example.com', true)"
         print("\nTry it: insert a row, then watch the event arrive and the run show in the UI:\n"
-              f"  psql '{url}' -c \"{demo_insert}\"\n"
+              f"  psql '{owner_url}' -c \"{demo_insert}\"   # as the application (demo.users' owner)\n"
               f"  tail -f {os.environ['PGSTREAM_DEMO_SINK']}\n"
               f"  open http://127.0.0.1:{port}\n"
               + (f"  curl -s {metrics_url} | grep pgstream_events_delivered   # Prometheus metrics\n"

@@ -105,7 +105,8 @@ def _backfill_op(stream: StreamConfig, assets: Mapping[Identity, dg.AssetKey]) -
                 context.log.info(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of "
                                  f"{target.describe()}")
                 last_report = time.monotonic()
-                with closing(backfill.run(url, backfill_id, request, backfill.spark_executor(spark, url),
+                executor = backfill.spark_executor(spark, pgstream.executor_database_url)
+                with closing(backfill.run(url, backfill_id, request, executor,
                                           run_id=context.run_id, progress_secs=config.progress_secs,
                                           on_stop=partial(backfill.cancel_spark, spark))) as steps:
                     for step in steps:

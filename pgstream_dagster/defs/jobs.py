@@ -96,7 +96,7 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
         stream = pgstream.stream(config.stream_id)
         requested = len(batches)
         batches = _direct_round(stream, batches)  # the rest: the next rounds (they are assigned to this run)
-        frame = _load(pyspark, pgstream.database_url, stream, batches, lease)
+        frame = _load(pyspark, pgstream.executor_database_url, stream, batches, lease)
     except BaseException:
         lease.close()
         raise
@@ -133,7 +133,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
         try:
             while True:
                 if batches:
-                    delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream.database_url)
+                    delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream)
                     report.add(batches, delivered, started)
                     after = batches[-1].id
                     if reader.handoff is not None:
@@ -147,7 +147,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
                     raise dg.Failure(f"batch {batches[0].id} would overtake open batch {earlier} of stream "
                                      f"{stream.id}")
                 started = time.monotonic()
-                frame = _load(pyspark, pgstream.database_url, stream, batches, conn, reader.handoff)
+                frame = _load(pyspark, pgstream.executor_database_url, stream, batches, conn, reader.handoff)
         finally:
             report.flush()  # what was delivered before the run ended, however it ended
 
@@ -301,16 +301,16 @@ def _direct_round(stream: StreamConfig, batches: list[ledger.Batch]) -> list[led
     return batches
 
 
-def _load(pyspark: LazyPySparkResource, database_url: str, stream: StreamConfig, batches: list[ledger.Batch],
+def _load(pyspark: LazyPySparkResource, executor_url: str, stream: StreamConfig, batches: list[ledger.Batch],
           conn: psycopg.Connection | None = None, handoff: Handoff | None = None) -> Any:
-    """The round's events: Spark DataFrames, or with ``conn`` a round of at most
-    ``delivery.direct_max_events`` (ordering global) read by ``conn`` when it is delivered, or taken
-    from ``handoff`` (what the run's slot reader recorded)."""
+    """The round's events: Spark DataFrames (the executors read them with ``executor_url``), or with
+    ``conn`` a round of at most ``delivery.direct_max_events`` (ordering global) read by ``conn`` when it
+    is delivered, or taken from ``handoff`` (what the run's slot reader recorded)."""
     owed = _owed(stream, batches)
     delivery = stream.delivery
     if conn is not None and delivery.ordering == "global" and sum(s.events for s in owed) <= delivery.direct_max_events:
         return spark.DirectRead(conn, owed, delivery.routing_key, handoff, delivery.max_read_bytes)
-    return spark.load_batches(pyspark.spark_session, database_url, owed, delivery.routing_key,
+    return spark.load_batches(pyspark.spark_session, executor_url, owed, delivery.routing_key,
                               rows_per_partition=delivery.rows_per_partition, packed=delivery.ordering == "global",
                               sizes=conn, read_bytes=delivery.max_read_bytes)
 
@@ -348,9 +348,12 @@ def _vanished_failure(conn: psycopg.Connection, stream_id: int, batch_ids: list[
 
 
 def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig, sink: Sink,
-                   batches: list[ledger.Batch], frame: Any, database_url: str) -> int:
+                   batches: list[ledger.Batch], frame: Any, pgstream: PgstreamResource) -> int:
     """Deliver ``batches`` (loaded as ``frame``) through the run's ``sink``, marking each delivered;
-    returns the events handled (confirmed by the sink, or set aside as dead letters)."""
+    returns the events handled (confirmed by the sink, or set aside as dead letters). What runs on the
+    executors (``by_key`` tasks) connects with the executors' URL, what runs here with the runtime's."""
+    by_key = stream.delivery.ordering == "by_key"
+    database_url = pgstream.executor_database_url if by_key else pgstream.database_url
     batch_ids = [b.id for b in batches]
     owed = _owed(stream, batches)
     expected = {span.batch_id: span.events for span in owed}

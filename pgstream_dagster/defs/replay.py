@@ -189,7 +189,7 @@ def _published(context: dg.OpExecutionContext, pyspark: LazyPySparkResource | No
                                     stream.delivery.max_read_bytes, max_event_bytes(sink))
     else:
         loaded = spark.load_events(
-            pyspark.spark_session, pgstream.database_url, stream.id, ranges, stream.delivery.routing_key,
+            pyspark.spark_session, pgstream.executor_database_url, stream.id, ranges, stream.delivery.routing_key,
             from_time=params["from_time"].isoformat() if params["from_time"] else None,
             to_time=params["to_time"].isoformat() if params["to_time"] else None,
             keys=config.subscription_keys or None, packed=True)

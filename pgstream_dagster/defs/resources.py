@@ -32,6 +32,11 @@ class PgstreamResource:
     def database_url(self) -> str:
         return self.config.database_url.get_secret_value()
 
+    @property
+    def executor_database_url(self) -> str:
+        """What Spark executors connect with (``spark.executor_database_url``, default ``database_url``)."""
+        return self.config.executor_url
+
     def connect(self, *, autocommit: bool = True) -> psycopg.Connection:
         return psycopg.connect(self.database_url, autocommit=autocommit,
                                application_name="pgstream-dagster")

@@ -8,9 +8,12 @@ from pathlib import Path
 import psycopg
 
 
-def init(config_path: Path | None = None) -> list[str]:
-    """Migrate, run housekeeping once (today's partitions), create the streams, their slots, and apply
-    YAML subscriptions."""
+def init(config_path: Path | None = None, owner_url: str | None = None,
+         defs_folder: Path | str | None = None) -> list[str]:
+    """As the owner (``owner_url``, default ``database_url``): migrate, run housekeeping once (today's
+    partitions), apply the YAML subscriptions. As the runtime (``database_url``): register the streams and
+    create their slots, through the runtime's API, as its sensors do. With ``defs_folder``, also the streams
+    declared as StreamComponents there, and their subscriptions."""
     from ..config import load_config
     from . import ledger
     from .housekeeping import run_housekeeping
@@ -18,15 +21,17 @@ def init(config_path: Path | None = None) -> list[str]:
     from .migrations import migrate
     from .subscriptions import apply_subscriptions
 
-    config = load_config(config_path)
+    config = load_config(config_path, defs_folder)
     url = config.database_url.get_secret_value()
-    out = [f"applied migration {m}" for m in migrate(url, partitions_ahead=config.housekeeping.days_ahead)]
-    with psycopg.connect(url, autocommit=True) as conn:
+    owner = owner_url or url
+    out = [f"applied migration {m}" for m in migrate(owner, partitions_ahead=config.housekeeping.days_ahead)]
+    with psycopg.connect(owner, autocommit=True) as conn:
         # a slot another stream reads is refused before anything changes
         ledger.check_slots(conn, [(s.id, s.slot) for s in config.streams])
         report = run_housekeeping(conn, config.housekeeping)
         if report.created or report.dropped or report.kept or report.batches_pruned or report.default_rows_deleted:
             out.append(report.summary())
+    with psycopg.connect(url, autocommit=True) as conn:
         for stream in config.streams:
             ledger.ensure_stream(conn, stream.id, stream.slot)
             result = ConsumeResult()
@@ -34,6 +39,7 @@ def init(config_path: Path | None = None) -> list[str]:
             if result.slot_created:
                 out.append(f"created slot {stream.slot} for stream {stream.id} "
                            f"(recovered {sum(1 for _ in result.recovered)} batches from the table)")
+    with psycopg.connect(owner, autocommit=True) as conn:
         for action, key, stream_id in apply_subscriptions(conn, config):
             out.append(f"{action} subscription {key!r} (stream {stream_id})")
     return out

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from ..config import HousekeepingConfig
 
@@ -61,11 +60,15 @@ def _partitions(conn: psycopg.Connection) -> dict[str, dt.date]:
     return out
 
 
-def _measure(conn: psycopg.Connection, name: str) -> tuple[int, int]:
-    ident = sql.Identifier("pgstream", name)
-    query = sql.SQL("select (select count(*) from {}), "
-                    "pg_total_relation_size(format('pgstream.%%I', %s::text)::regclass)")
-    row = conn.execute(query.format(ident), [name]).fetchone()
+def _measure(conn: psycopg.Connection, name: str, day: dt.date) -> tuple[int, int]:
+    # through pgstream.events (the runtime role may read it, not each partition): the day's range
+    # prunes the scan to the partition
+    row = conn.execute("select (select count(*) from pgstream.events where tableoid = r.oid "
+                       "          and created_at >= (%s::date::timestamp at time zone 'UTC') "
+                       "          and created_at < ((%s::date + 1)::timestamp at time zone 'UTC')), "
+                       "pg_total_relation_size(r.oid) "
+                       "from (select format('pgstream.%%I', %s::text)::regclass::oid as oid) r",
+                       [day, day, name]).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
 
@@ -103,7 +106,7 @@ def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
                                                          [config.days_ahead, today]).fetchall()]
         cutoff = today - dt.timedelta(days=config.retention_days)
         with conn.transaction():
-            expired = {n: _measure(conn, n) for n, day in sorted(_partitions(conn).items()) if day < cutoff}
+            expired = {n: _measure(conn, n, day) for n, day in sorted(_partitions(conn).items()) if day < cutoff}
             default_before = _default_expired(conn, cutoff)
             report.dropped = [r[0] for r in conn.execute("select * from pgstream.drop_partitions(%s, %s, %s)",
                                                          [config.retention_days, today,

@@ -108,11 +108,9 @@ def ensure_stream(conn: psycopg.Connection, stream_id: int, slot: str | None = N
             if slot is None:
                 conn.execute("select pgstream.ensure_stream(%s)", [stream_id])
             else:
-                # neither statement locks the row when nothing changes (a run may hold its lock)
-                conn.execute("insert into pgstream.streams (id, slot_name) values (%s, %s) on conflict (id) do nothing",
-                             [stream_id, slot])
-                conn.execute("update pgstream.streams set slot_name = %s where id = %s and slot_name is distinct "
-                             "from %s", [slot, stream_id, slot])
+                # the owner's function (the runtime writes no other column of a stream row); it locks
+                # the row only when something changes (a run may hold its lock)
+                conn.execute("select pgstream.register_stream(%s, %s)", [stream_id, slot])
     except psycopg.errors.UniqueViolation as exc:
         if exc.diag.constraint_name != SLOT_INDEX:
             raise

@@ -287,8 +287,62 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
                        "on conflict (name) do update set checksum = excluded.checksum, applied_at = now()",
                        [r.name, r.checksum])
             applied.append(f"{REPEATABLE_DIR}/{r.name}")
+        grants = repeatables[-1] if repeatables else None
+        if grants is not None and applied and f"{REPEATABLE_DIR}/{grants.name}" not in applied:
+            # the last file holds every grant to the runtime roles (99_runtime.sql): a function an earlier
+            # file dropped and created again would come back without them
+            with conn.transaction():
+                _locked(conn)
+                _apply(conn, grants, f"repeatable {REPEATABLE_DIR}/{grants.name}",
+                       "update pgstream.schema_repeatables set applied_at = now() where name = %s", [grants.name])
         conn.execute("select pgstream.create_partitions(%s)", [partitions_ahead])
     return applied
+
+
+#: the drift guard's event triggers (sql/repeatable/05_drift_guard.sql), which only a superuser can create
+DRIFT_GUARD_TRIGGERS = ("pgstream_drift_guard_alter", "pgstream_drift_guard_drop")
+
+
+def drift_guard_installed(conn: psycopg.Connection) -> bool:
+    """Whether both event triggers of the schema-drift guard exist and are enabled."""
+    row = conn.execute("select count(*) from pg_catalog.pg_event_trigger where evtname = any(%s) and evtenabled <> 'D'",
+                       [list(DRIFT_GUARD_TRIGGERS)]).fetchone()
+    return bool(row and row[0] == len(DRIFT_GUARD_TRIGGERS))
+
+
+#: what ``migrate`` says when a non-superuser owner installed pgstream: the guard is not active
+DRIFT_GUARD_MISSING = ("warning: the schema-drift guard is NOT active (its event triggers need a superuser): a table "
+                       "owner can drop, rename, disable or retype what a subscription depends on. A superuser "
+                       "installs it with: pgstream-dagster install-drift-guard --database-url <superuser URL>")
+
+
+def install_drift_guard(superuser_url: str, directory: Path | None = None) -> None:
+    """Create the drift guard's event triggers as a superuser, on an install whose owner is not one: the
+    event-trigger step of ``repeatable/05_drift_guard.sql`` (the last statement of that file) run again.
+    The functions they call stay the owner's. Raises :class:`MigrationError` when the role is no superuser
+    or pgstream is not installed."""
+    files = {r.name: r for r in discover_repeatables(directory)}
+    guard = next((f for name, f in files.items() if name.endswith("_drift_guard.sql")), None)
+    if guard is None:
+        raise MigrationError("cannot find the drift guard's repeatable file")
+    marker = "-- The event triggers"
+    text = guard.sql
+    if marker not in text:
+        raise MigrationError(f"{guard.name}: cannot find the event-trigger step ({marker!r})")
+    step = text[text.index(marker):]
+    with psycopg.connect(superuser_url, autocommit=True) as conn:
+        row = conn.execute("select rolsuper from pg_catalog.pg_roles where rolname = current_user").fetchone()
+        if not (row and row[0]):
+            raise MigrationError("install-drift-guard: the role of --database-url must be a superuser "
+                                 "(only a superuser creates event triggers); nothing was changed")
+        if not _schema_exists(conn):
+            raise MigrationError("install-drift-guard: pgstream is not installed in this database: run "
+                                 "`pgstream-dagster migrate` first")
+        with conn.transaction():
+            conn.execute(_SAFE_SEARCH_PATH)
+            conn.execute(step)
+        if not drift_guard_installed(conn):
+            raise MigrationError("install-drift-guard: the event triggers were not created")
 
 
 class TearDownRefused(RuntimeError):

@@ -144,7 +144,13 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     created in SQL are never touched. ``subscriptions`` are those of the file that declares the
     stream (``source``: pgstream.yaml, or a StreamComponent's defs.yaml), all validated first: any
     invalid subscription raises ``SubscriptionError`` and nothing changes.
+
+    A role that may not write ``pgstream.subscriptions`` (the runtime role: only the owner applies
+    subscriptions, with ``pgstream-dagster init``) writes nothing: it checks that the database already
+    holds what the YAML declares, and raises ``SubscriptionError`` naming what differs otherwise.
     """
+    if not may_write_subscriptions(conn):
+        return _verify_stream(conn, subscriptions, stream_id, source, selected, remove_absent)
     validate_all(conn, subscriptions, source)
     yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
     declared = {identity(s) for s in yaml_subs}
@@ -176,6 +182,45 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
             raise SubscriptionError(f"{source}: stream {stream_id}: {_db_error(exc)}") from None
     return StreamApply(changes={(r[1], r[2], r[3], r[4]): r[0] for r in changed},
                        hand_made=sum(1 for r in rows if not r[4]))
+
+
+def may_write_subscriptions(conn: psycopg.Connection) -> bool:
+    """Whether the connection's role may write ``pgstream.subscriptions`` (the owner; never the runtime)."""
+    row = conn.execute("select pg_catalog.has_table_privilege('pgstream.subscriptions', 'INSERT')").fetchone()
+    return bool(row and row[0])
+
+
+def _verify_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int,
+                   source: str, selected: set[Identity] | None, remove_absent: bool) -> StreamApply:
+    """:func:`apply_stream` for a role that may not write subscriptions: nothing changes; raises
+    ``SubscriptionError`` unless the stream's stored YAML subscriptions are those of the YAML."""
+    yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
+    declared = {identity(s) for s in yaml_subs}
+    problems: list[str] = []
+    for sub in yaml_subs:
+        if selected is not None and identity(sub) not in selected:
+            continue
+        stored = stored_definition(conn, stream_id, identity(sub))
+        if stored is None:
+            problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) is missing")
+        elif stored["managed_by"] != MANAGED_BY:
+            problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) was created by hand")
+        elif diff := differences(sub, stored):
+            problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}): "
+                            f"{', '.join(diff)} differ")
+    rows = conn.execute("select key, schema_name, table_name, operation::text, managed_by is not distinct from %s "
+                        "from pgstream.subscriptions where stream_id = %s", [MANAGED_BY, stream_id]).fetchall()
+    if remove_absent:
+        problems += [f"{r[0]!r} ({r[3]} on {r[1]}.{r[2]}) is no longer declared" for r in rows
+                     if r[4] and (r[0], r[1], r[2], r[3]) not in declared]
+    if problems:
+        row = conn.execute("select current_user::text").fetchone()
+        role = row[0] if row else "?"
+        raise SubscriptionError(
+            f"{source}: stream {stream_id}: role {role} may not write pgstream.subscriptions (only the owner "
+            f"applies them: run `pgstream-dagster init` with the owner's URL) and the database differs from the "
+            f"YAML: {'; '.join(problems)}")
+    return StreamApply(changes={}, hand_made=sum(1 for r in rows if not r[4]))
 
 
 @dataclass(frozen=True)
@@ -216,11 +261,11 @@ class TriggerState:
 def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: str,
                   mode: str = "row") -> TriggerState:
     """The installed ``mode`` ('row' or 'statement') trigger of a table and operation vs its definition."""
+    # the owner's function: generating the trigger checks the subscriptions' expressions, which the
+    # runtime role does not do as itself (sql/repeatable/99_runtime.sql)
     row = conn.execute(
-        """select pgstream.trigger_name(%(op)s::pgstream.operation_type, %(mode)s),
-                  pgstream.trigger_function_name(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s),
-                  g.function_body, g.when_clause, pgstream.generated_trigger_hash(g.function_body, g.when_clause)
-           from pgstream.generated_trigger(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s) g""",
+        """select g.trigger_name, g.function_name, g.function_body, g.when_clause, g.trigger_hash
+           from pgstream.expected_trigger(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s) g""",
         {"schema": schema, "table": table, "op": operation, "mode": mode}).fetchone()
     assert row is not None
     state = TriggerState(trigger_name=row[0], function_name=row[1], function_body=row[2], when_clause=row[3],

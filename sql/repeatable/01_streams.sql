@@ -33,22 +33,28 @@ revoke all on function pgstream.rows_publication_name(bigint) from public;
 -- below, and by the sensor each tick (engine/ingest.py ensure_slot): a publication dropped by hand
 -- would make logical decoding skip the stream's events without an error (Postgres 18 warns
 -- "skipped loading publication" and sends nothing), so the sensor puts it back and recovers from
--- the table what was committed meanwhile.
+-- the table what was committed meanwhile. Runs as the owner (a publication of pgstream.events needs
+-- its owner), for streams that exist only: the runtime role calls it (99_runtime.sql).
 create or replace function pgstream.ensure_publications(p_stream_id bigint)
 returns setof text
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_name    text;
     v_columns text;  -- constants below, never input
 begin
+    if not exists (select 1 from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id) then
+        raise exception 'pgstream: stream % does not exist: no publication is created for it', p_stream_id
+            using errcode = 'no_data_found';
+    end if;
     for v_name, v_columns in
         values (pgstream.publication_name(p_stream_id), 'id, stream_id, created_at'),
                (pgstream.rows_publication_name(p_stream_id), 'id, payload, metadata, stream_id, created_at')
     loop
         if not exists (select 1 from pg_catalog.pg_publication where pubname = v_name) then
-            execute format(
+            execute pg_catalog.format(
                 'create publication %I for table pgstream.events (%s) '
                 'where (stream_id = %s) with (publish = %L, publish_via_partition_root = true)',
                 v_name, v_columns, p_stream_id, 'insert');
@@ -140,3 +146,31 @@ begin
 end
 $$;
 revoke all on function pgstream.ensure_stream(bigint) from public;
+
+-- The stream row for stream p_stream_id reading slot p_slot: created when missing (and so its
+-- publications), its slot_name set when it differs. Runs as the owner: the runtime role registers
+-- the streams of its configuration at each tick (engine/ledger.py ensure_stream) and may write no
+-- other column of pgstream.streams this way. A slot another stream reads is refused
+-- (unique_violation on streams_slot_key, which the caller names).
+create or replace function pgstream.register_stream(p_stream_id bigint, p_slot text)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_stream_id is null or p_stream_id operator(pg_catalog.<=) 0 then
+        raise exception 'pgstream: register_stream: stream id must be positive, got %', p_stream_id
+            using errcode = 'invalid_parameter_value';
+    end if;
+    if p_slot is null or p_slot operator(pg_catalog.!~) '^[a-z0-9_]{1,63}$' then
+        raise exception 'pgstream: register_stream: stream %: slot name % is not [a-z0-9_]{1,63}', p_stream_id,
+            pg_catalog.quote_nullable(p_slot) using errcode = 'invalid_parameter_value';
+    end if;
+    -- neither statement locks the row when nothing changes (a run may hold its lock)
+    insert into pgstream.streams (id, slot_name) values (p_stream_id, p_slot) on conflict (id) do nothing;
+    update pgstream.streams set slot_name = p_slot
+    where id operator(pg_catalog.=) p_stream_id and slot_name is distinct from p_slot;
+end
+$$;
+revoke all on function pgstream.register_stream(bigint, text) from public;

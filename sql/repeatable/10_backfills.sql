@@ -3,7 +3,9 @@
 -- Applied by `pgstream-dagster migrate` after the versioned migrations (sql/NNN_*.sql), and again
 -- whenever this file changes, in its own transaction: every statement is idempotent.
 --
--- Security. A backfill is started and run by the owner (nothing here is executable by PUBLIC).
+-- Security. A backfill is started and run as the owner (nothing here is executable by PUBLIC):
+-- the functions the runtime and the Spark executors call (backfill_start, _claim, _chunk,
+-- _next_key, _backlog, _release, _stop) are SECURITY DEFINER; their grants are in 99_runtime.sql.
 --   * Everything a subscription's definition evaluates (when_clause, payload and metadata
 --     extensions, casts of column types to JSON) and the backfill's own filter runs as
 --     pgstream_writer, in a SECURITY DEFINER function it owns that exists only inside each chunk's
@@ -12,7 +14,7 @@
 --     changed. It receives the rows as an array of the table's row type, so pgstream_writer needs
 --     no privilege on the table. A chunk after which that code left a temporary object of its own
 --     in the session fails (nothing is written).
---   * The owner reads the rows (pgstream.backfill_chunk, security invoker: it needs SELECT, and
+--   * The owner reads the rows (pgstream.backfill_chunk, as the owner: it needs SELECT, and
 --     UPDATE on one column for the FOR SHARE locks, on the table), with row_security off: a table
 --     whose row-level security applies to the owner is refused (its policies never run as the
 --     owner). The only text it executes is built from catalog names (format %I) and key types
@@ -335,6 +337,7 @@ create or replace function pgstream.backfill_start(
 )
 returns bigint
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -505,6 +508,7 @@ revoke all on function pgstream.backfill_unlock(bigint) from public;
 create or replace function pgstream.backfill_claim(p_id bigint, p_token uuid, p_run_id text)
 returns pgstream.backfills
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -541,6 +545,7 @@ revoke all on function pgstream.backfill_claim(bigint, uuid, text) from public;
 create or replace function pgstream.backfill_chunk(p_id bigint, p_part integer, p_token uuid, p_limit integer)
 returns table (chunk_status text, chunk_rows bigint, chunk_events bigint)
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 set row_security = off
 set client_min_messages = warning
@@ -672,6 +677,7 @@ create or replace function pgstream.backfill_next_key(p_id bigint, p_part intege
 returns jsonb
 language plpgsql
 stable
+security definer
 set search_path = pg_catalog, pg_temp
 set row_security = off
 as $$
@@ -702,6 +708,7 @@ create or replace function pgstream.backfill_backlog(p_stream_id bigint)
 returns bigint
 language sql
 stable
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
     select (coalesce(pg_catalog.sum(c.value) filter (where c.name operator(pg_catalog.=) 'events_recorded'), 0)
@@ -718,6 +725,7 @@ revoke all on function pgstream.backfill_backlog(bigint) from public;
 create or replace function pgstream.backfill_release(p_id bigint, p_token uuid, p_status text, p_error text)
 returns text
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -751,6 +759,7 @@ revoke all on function pgstream.backfill_release(bigint, uuid, text, text) from 
 create or replace function pgstream.backfill_stop(p_id bigint, p_cancel boolean)
 returns text
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
