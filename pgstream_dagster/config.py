@@ -221,6 +221,14 @@ class HousekeepingConfig(_Model):
     undelivered_policy: Literal["keep", "fail"] = Field(
         "keep", description="a partition past retention that holds undelivered events: keep it (warning) or "
                             "fail the housekeeping run and drop nothing")
+    lock_timeout_ms: int = Field(
+        200, ge=1, le=60_000,
+        description="longest wait for a lock on pgstream.events or a partition (ATTACH, DETACH): application "
+                    "writes queue behind a waiting request at most this long")
+    lock_attempts: int = Field(
+        5, ge=1, le=100,
+        description="attempts per partition, with a doubling pause between them; a partition whose locks stay "
+                    "held is left for the next pass (reported as busy)")
 
     _valid_cron = field_validator("cron")(_cron)
 

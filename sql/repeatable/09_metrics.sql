@@ -277,6 +277,7 @@ cross join lateral (values
     ('housekeeping_partitions', 'created', h.partitions_created::float8),
     ('housekeeping_partitions', 'dropped', h.partitions_dropped::float8),
     ('housekeeping_partitions', 'kept', h.partitions_kept::float8),
+    ('housekeeping_partitions', 'busy', h.partitions_busy::float8),
     ('housekeeping_rows', 'dropped', h.rows_dropped::float8),
     ('housekeeping_rows', 'default_deleted', h.default_rows_deleted::float8),
     ('housekeeping_bytes_dropped', '', h.bytes_dropped::float8),
