@@ -593,13 +593,14 @@ def test_writer_role_and_function_settings(db_url: str, table: str) -> None:
             "and p.prosqlbody is null and (p.proconfig is null "
             "                              or not 'search_path=pg_catalog, pg_temp' = any (p.proconfig))").fetchall()
         assert bad == []
-        # executable by PUBLIC: only the two pure functions pgstream.stream_status calls (so that a
-        # monitoring role granted the view can read it), neither SECURITY DEFINER nor volatile
+        # executable by PUBLIC: only the pure functions pgstream's views call (so that a monitoring role
+        # granted a view can read it: stream_status, orphaned_slots), neither SECURITY DEFINER nor volatile
         public = c.execute(
             "select p.oid::regprocedure::text, p.prosecdef, p.provolatile from pg_proc p "
             "where p.pronamespace = 'pgstream'::regnamespace and has_function_privilege('public', p.oid, 'EXECUTE') "
             "order by 1").fetchall()
-        assert public == [("pgstream.batch_is_open(text)", False, "i"), ("pgstream.utc_today()", False, "s")]
+        assert public == [("pgstream.batch_is_open(text)", False, "i"), ("pgstream.default_slot_pattern()", False, "i"),
+                          ("pgstream.utc_today()", False, "s")]
         assert c.execute("select array_agg(p.oid::regprocedure::text) from pg_proc p "
                          "where p.pronamespace = 'pgstream'::regnamespace and p.prosqlbody is not null"
                          ).fetchone() == (["pgstream.batch_is_open(text)"],)
@@ -912,7 +913,7 @@ def test_the_views_migrate_creates_bind_nothing_from_the_migrators_search_path(e
             c.execute("select pg_create_logical_replication_slot('pgstream_stream_9', 'pgoutput')")
             try:
                 statuses = c.execute("select slot_name from pgstream.stream_status order by id").fetchall()
-                assert statuses == [("pgstream_stream_1",), ("pgstream_stream_2",)]
+                assert statuses == [(ledger.stream_slot(c, 1),), (ledger.stream_slot(c, 2),)]
                 assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == [("pgstream_stream_9",)]
                 c.execute("select * from pgstream.metrics").fetchall()
             finally:
