@@ -11,18 +11,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import psycopg
 import pytest
 
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import load_config
-from pgstream_dagster.engine import ledger
+from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.engine import ledger, replication
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import consume
 from pgstream_dagster.engine.ledger import SlotElsewhere, SlotInUse
 from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, tear_down
 
-from .support.harness import insert_events, write_config
+from .support.harness import Driver, insert_events, write_config
 from .support.releases import released_sql
 
 MEMORY = {"type": "memory"}
@@ -90,7 +92,8 @@ def _dbname(url: str) -> str:
 
 
 def test_two_databases_of_one_cluster_each_run_their_stream_77(
-        db_url: str, empty_db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        db_url: str, empty_db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        instance: dg.DagsterInstance) -> None:
     """Slots are the cluster's. A tenant of database B that may create slots (REPLICATION) takes the
     name stream 77's slot used to have, from a fresh connection, before A installs: A's and B's stream
     77 both create and read their own slots. Each database's orphaned_slots lists its own slots only,
@@ -133,6 +136,9 @@ def test_two_databases_of_one_cluster_each_run_their_stream_77(
         err = capsys.readouterr().err
         assert err.startswith(f"error: stream 78: replication slot {slots[b]} belongs to database {_dbname(b)}")
         assert err.count("\n") == 1
+        tick = Driver(clash, instance).tick(78)  # the sensor says so too, and requests nothing
+        assert not tick.run_requests and (tick.skip_message or "").startswith(
+            f"stream 78: replication slot {slots[b]} belongs to database {_dbname(b)}, not to this one")
     finally:
         with psycopg.connect(b, autocommit=True) as c:
             c.execute("select pg_drop_replication_slot('pgstream_stream_77')")
@@ -164,6 +170,31 @@ def test_an_upgrade_keeps_the_slot_each_stream_reads_and_loses_or_repeats_no_eve
         assert sorted(recorded) == events and len(events) == 3  # each once
         assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == []
         c.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+
+
+def test_a_copied_database_reads_slots_of_its_own(db_url: str, pg: LocalPostgres) -> None:
+    """A database copied with CREATE DATABASE ... TEMPLATE (as pg_dump and a restore would) carries the
+    stream rows with the original's default slot names. The copy has another oid: it derives its own
+    names the first time it looks, and creates its slots next to the original's."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        original = ledger.ensure_stream(c, 5)
+    copy = f"{_dbname(db_url)}_copy"
+    with psycopg.connect(pg.url, autocommit=True) as c:
+        c.execute(f"create database {copy} template {_dbname(db_url)}")
+    try:
+        with psycopg.connect(pg.url_for(copy), autocommit=True) as c:
+            assert c.execute("select slot from pgstream.streams where id = 5").fetchone() == (original,)
+            mine = ledger.ensure_stream(c, 5)
+            assert mine != original and mine.startswith("pgstream_stream_5_d")
+            assert c.execute("select slot from pgstream.streams where id = 5").fetchone() == (mine,)
+            replication.create_slot(c, mine)
+            c.execute("select pg_drop_replication_slot(%s)", [mine])
+        with psycopg.connect(db_url, autocommit=True) as c:
+            assert ledger.stream_slot(c, 5) == original
+            replication.create_slot(c, original)
+    finally:
+        with psycopg.connect(pg.url, autocommit=True) as c:
+            c.execute(f"drop database if exists {copy} with (force)")
 
 
 def test_a_new_stream_whose_default_slot_is_taken_is_refused(conn: psycopg.Connection) -> None:
