@@ -25,7 +25,8 @@ def init(config_path: Path | None = None) -> list[str]:
         # a slot another stream reads is refused before anything changes
         ledger.check_slots(conn, [(s.id, s.slot_name) for s in config.streams])
         report = run_housekeeping(conn, config.housekeeping)
-        if report.created or report.dropped or report.kept or report.batches_pruned or report.default_rows_deleted:
+        if report.created or report.dropped or report.kept or report.busy or report.batches_pruned \
+                or report.default_rows_deleted:
             out.append(report.summary())
         for stream in config.streams:
             ledger.ensure_stream(conn, stream.id, stream.slot_name)
