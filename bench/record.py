@@ -96,8 +96,10 @@ def _setup(url: str, config: Path, versions: dict[int, tuple[str, Path]]) -> Non
         conn.execute(TABLE_SQL)
         apply_subscriptions(conn, load_config(config))
         for stream_id, (_, tree) in versions.items():
-            ledger.ensure_stream(conn, stream_id)
-            replication.create_slot(conn, f"pgstream_stream_{stream_id}")
+            slot = ledger.ensure_stream(conn, stream_id)
+            if tree != ROOT:  # a baseline reads the default name of its time
+                slot = f"pgstream_stream_{stream_id}"
+            replication.create_slot(conn, slot)
             if not (tree / "sql" / "011_publication_columns.sql").exists():  # before 011: every column
                 conn.execute(sql.SQL("alter publication {} set table pgstream.events where (stream_id = {})").format(
                     sql.Identifier(f"pgstream_stream_{stream_id}"), sql.Literal(stream_id)))

@@ -608,12 +608,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .config import ConfigError
         from .engine.backfill import BackfillError
         from .engine.deadletters import DeadLetterError
-        from .engine.ledger import SlotInUse
+        from .engine.ledger import SlotElsewhere, SlotInUse
         from .engine.migrations import MigrationError
         from .sparkserver import SparkServerError
 
-        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | BackfillError |
-                      SparkServerError) or \
+        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | SlotElsewhere |
+                      BackfillError | SparkServerError) or \
                 type(exc).__module__.startswith("psycopg"):
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -147,15 +147,16 @@ class StreamChecksConfig(_Model):
     max_retained_wal_bytes: int = Field(1024**3, ge=0, le=2**63 - 1, description="WAL the stream's slot may hold back")
 
 
-#: The prefix of the names pgstream gives a stream's objects: its default replication slot and its
-#: publication are ``pgstream_stream_<id>`` (so is its Dagster sensor), the publication its open run's
-#: reader decodes with ``pgstream_stream_<id>_rows``, an open run's NOTIFY channel
-#: ``pgstream_stream_<id>_runs``. Tear-down recognises the slots and publications by it.
+#: The prefix of the names pgstream gives a stream's objects: its publication is ``pgstream_stream_<id>``
+#: (so is its Dagster sensor), the publication its open run's reader decodes with
+#: ``pgstream_stream_<id>_rows``, an open run's NOTIFY channel ``pgstream_stream_<id>_runs``. Tear-down
+#: recognises the publications by it. The default replication slot's name is the database's to derive
+#: (``pgstream.default_slot_name``, unique in the cluster): see ``engine.ledger.stream_slot``.
 STREAM_NAME_PREFIX = "pgstream_stream_"
 
 
 def stream_object_name(stream_id: int) -> str:
-    """``pgstream_stream_<id>``: the stream's publication, its default slot and its sensor."""
+    """``pgstream_stream_<id>``: the stream's publication and its sensor."""
     return f"{STREAM_NAME_PREFIX}{stream_id}"
 
 
@@ -167,11 +168,14 @@ class StreamConfig(_Model):
     sensor: SensorConfig = SensorConfig()
     retry: RetryConfig = RetryConfig()
     checks: StreamChecksConfig = StreamChecksConfig()
-    slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$")
+    slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$",
+                                  description="the replication slot the stream reads; default: a name the database "
+                                              "derives, unique in the cluster (engine.ledger.stream_slot)")
 
     @property
-    def slot(self) -> str:
-        return self.slot_name or stream_object_name(self.id)
+    def slot_label(self) -> str:
+        """The slot, for descriptions written without a database (the default's name is the database's)."""
+        return self.slot_name or "the stream's default slot"
 
     @property
     def publication(self) -> str:
@@ -238,6 +242,14 @@ class HousekeepingConfig(_Model):
     undelivered_policy: Literal["keep", "fail"] = Field(
         "keep", description="a partition past retention that holds undelivered events: keep it (warning) or "
                             "fail the housekeeping run and drop nothing")
+    lock_timeout_ms: int = Field(
+        200, ge=1, le=60_000,
+        description="longest wait for a lock on pgstream.events or a partition (ATTACH, DETACH): application "
+                    "writes queue behind a waiting request at most this long")
+    lock_attempts: int = Field(
+        5, ge=1, le=100,
+        description="attempts per partition, with a doubling pause between them; a partition whose locks stay "
+                    "held is left for the next pass (reported as busy)")
 
     _valid_cron = field_validator("cron")(_cron)
 
@@ -297,14 +309,17 @@ def _check_streams(streams: Sequence[StreamConfig]) -> None:
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
-    # one slot, one stream: two streams on a slot each advance it past the other's events
+    # one slot, one stream: two streams on a slot each advance it past the other's events (a default
+    # slot name is unique; one that a slot_name takes is refused by the database: ledger.SlotInUse)
     readers: dict[str, int] = {}
     for s in streams:
-        if s.slot in readers:
-            raise ValueError(f"streams {readers[s.slot]} and {s.id} both read replication slot {s.slot} "
-                             f"(streams[].slot_name, default pgstream_stream_<id>): a slot belongs to one "
-                             f"stream; give one of them another slot_name")
-        readers[s.slot] = s.id
+        if s.slot_name is None:
+            continue
+        if s.slot_name in readers:
+            raise ValueError(f"streams {readers[s.slot_name]} and {s.id} both read replication slot {s.slot_name} "
+                             f"(streams[].slot_name): a slot belongs to one stream; give one of them another "
+                             f"slot_name")
+        readers[s.slot_name] = s.id
 
 
 def _check_cluster(config: PgstreamConfig) -> None:

@@ -21,7 +21,7 @@ from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
 
 from .support.dagster_instance import postgres_instance
-from .support.harness import backdated, write_config
+from .support.harness import backdated, slot_of, write_config
 
 SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
@@ -217,7 +217,7 @@ def test_slot_wal_check(app: str, tmp_path: Path, instance: dg.DagsterInstance) 
     ev = Checks(roomy, instance).run()[WAL]
     assert ev.passed and ev.metadata["retained_bytes"].value > 64 * 1024
     # no slot at all fails
-    execute(app, "select pg_drop_replication_slot('pgstream_stream_1')")
+    execute(app, f"select pg_drop_replication_slot('{slot_of(app, 1)}')")
     ev = Checks(roomy, instance).run()[WAL]
     assert not ev.passed and "does not exist" in (ev.description or "")
 
@@ -244,10 +244,10 @@ def test_checks_schedule_and_sla_from_config(app: str, tmp_path: Path) -> None:
 def test_a_slot_no_stream_reads_fails_a_check_and_shows_in_status(app: str, tmp_path: Path,
                                                                    instance: dg.DagsterInstance,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """A ``pgstream_stream_<id>`` slot left behind (a deleted stream, a changed slot_name) keeps its WAL
-    for ever: the no_orphaned_slots check on the housekeeping asset fails, naming it, and ``status``
-    says how to drop it. Slots that streams read, custom-named slots and other databases' slots are
-    not listed."""
+    """A default-named slot (``pgstream.default_slot_pattern()``) left behind (a deleted stream, a
+    changed slot_name) keeps its WAL for ever: the no_orphaned_slots check on the housekeeping asset
+    fails, naming it, and ``status`` says how to drop it. Slots that streams read, custom-named slots
+    and other databases' slots are not listed."""
     from pgstream_dagster.cli import main as cli_main
 
     cfg = write_config(tmp_path / "pgstream.yaml", app, stream(), [SIGNUP])
@@ -271,10 +271,11 @@ def test_a_slot_no_stream_reads_fails_a_check_and_shows_in_status(app: str, tmp_
         assert "select pg_catalog.pg_drop_replication_slot('pgstream_stream_7')" in out and "my_own_slot" not in out
 
         # a stream given another slot_name leaves its default slot behind: listed too
+        default_1 = slot_of(app, 1)
         execute(app, "update pgstream.streams set slot_name = 'stream_one' where id = 1")
         ev = Checks(cfg, instance).run()[orphan]
         assert [s["slot_name"] for s in ev.metadata["slots"].value] == [  # type: ignore[attr-defined]
-            "pgstream_stream_1", "pgstream_stream_7"]
+            default_1, "pgstream_stream_7"]
         execute(app, "update pgstream.streams set slot_name = null where id = 1",
                 "select pg_drop_replication_slot('pgstream_stream_7')")
         assert Checks(cfg, instance).run()[orphan].passed

@@ -5,23 +5,26 @@ maintenance. Against a real Postgres."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import psycopg
 import pytest
 
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import load_config
-from pgstream_dagster.engine import ledger
+from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.engine import ledger, replication
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import consume
-from pgstream_dagster.engine.ledger import SlotInUse
+from pgstream_dagster.engine.ledger import SlotElsewhere, SlotInUse
 from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, tear_down
 
-from .support.harness import insert_events, write_config
+from .support.harness import Driver, insert_events, write_config
 from .support.releases import released_sql
 
 MEMORY = {"type": "memory"}
@@ -31,7 +34,7 @@ def _streams_and_slots(url: str) -> dict[str, Any]:
     """Everything a stream is made of: rows, slots and their positions, publications, ledger."""
     with psycopg.connect(url) as c:
         return {
-            "streams": c.execute("select id, slot_name, recovery_pending from pgstream.streams order by 1").fetchall(),
+            "streams": c.execute("select id, slot, recovery_pending from pgstream.streams order by 1").fetchall(),
             "slots": c.execute("select slot_name, confirmed_flush_lsn::text, restart_lsn::text from "
                                "pg_replication_slots where database = current_database() order by 1").fetchall(),
             "publications": c.execute("select pubname from pg_publication order by 1").fetchall(),
@@ -50,47 +53,158 @@ def test_init_refuses_a_slot_another_stream_reads_and_changes_nothing(db_url: st
     insert_events(db_url, 1, 3)
     insert_events(db_url, 2, 2)
     before = _streams_and_slots(db_url)
-    assert [r[:2] for r in before["streams"]] == [(1, "pgstream_stream_1"), (2, "pgstream_stream_2")]
+    with psycopg.connect(db_url) as c:
+        slot1, slot2, slot3 = (ledger.stream_slot(c, i) for i in (1, 2, 3))
+    assert [r[:2] for r in before["streams"]] == [(1, slot1), (2, slot2)]
     # pgstream.yaml changed: stream 1 left it, stream 2 now names stream 1's slot, stream 3 is new
     # (each file alone is consistent, so only the database can tell)
     v2 = write_config(tmp_path / "v2.yaml", db_url, [{"id": 3, "sink": MEMORY},
-                                                     {"id": 2, "sink": MEMORY, "slot_name": "pgstream_stream_1"}])
-    with pytest.raises(SlotInUse, match=r"^stream 2: slot pgstream_stream_1 is already used by stream 1; ") as err:
+                                                     {"id": 2, "sink": MEMORY, "slot_name": slot1}])
+    with pytest.raises(SlotInUse, match=rf"^stream 2: slot {slot1} is already used by stream 1; ") as err:
         init(v2)
     assert "delete from pgstream.streams where id = 1" in str(err.value)
     assert _streams_and_slots(db_url) == before  # not even stream 3 was created
     assert cli_main(["init", "--config", str(v2)]) == 1
-    assert "error: stream 2: slot pgstream_stream_1 is already used by stream 1" in capsys.readouterr().err
+    assert f"error: stream 2: slot {slot1} is already used by stream 1" in capsys.readouterr().err
     assert _streams_and_slots(db_url) == before
 
     # a sensor tick of stream 2 (it checks its slot first) fails loudly instead of reading stream 1's slot
     stream2 = load_config(v2).stream(2)
     with psycopg.connect(db_url, autocommit=True) as conn:
-        with pytest.raises(SlotInUse, match="stream 2: slot pgstream_stream_1 is already used by stream 1"):
+        with pytest.raises(SlotInUse, match=f"stream 2: slot {slot1} is already used by stream 1"):
             consume(conn, stream2, 0.1)
         # and the database refuses it whoever writes
         with pytest.raises(psycopg.errors.UniqueViolation, match="streams_slot_key"):
-            conn.execute("update pgstream.streams set slot_name = 'pgstream_stream_1' where id = 2")
+            conn.execute("update pgstream.streams set slot_name = %s where id = 2", [slot1])
     assert _streams_and_slots(db_url) == before
 
     # once stream 1 is really gone (row and slot), stream 2 may take the name: a new slot, recovered
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("delete from pgstream.streams where id = 1")
-        conn.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+        conn.execute("select pg_drop_replication_slot(%s)", [slot1])
     out = init(v2)
-    assert any(line.startswith("created slot pgstream_stream_1 for stream 2") for line in out), out
-    assert [r[:2] for r in _streams_and_slots(db_url)["streams"]] == [(2, "pgstream_stream_1"),
-                                                                      (3, "pgstream_stream_3")]
+    assert any(line.startswith(f"created slot {slot1} for stream 2") for line in out), out
+    assert [r[:2] for r in _streams_and_slots(db_url)["streams"]] == [(2, slot1), (3, slot3)]
+
+
+def _dbname(url: str) -> str:
+    return url.rsplit("/", 1)[1]
+
+
+def test_two_databases_of_one_cluster_each_run_their_stream_77(
+        db_url: str, empty_db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        instance: dg.DagsterInstance) -> None:
+    """Slots are the cluster's. A tenant of database B that may create slots (REPLICATION) takes the
+    name stream 77's slot used to have, from a fresh connection, before A installs: A's and B's stream
+    77 both create and read their own slots. Each database's orphaned_slots lists its own slots only,
+    and a stream whose slot exists in the other database is refused in one line."""
+    a, b = db_url, empty_db_url
+    migrate(b)
+    tenant = f"tenant_{_dbname(b)}"
+    with psycopg.connect(b, autocommit=True) as c:
+        c.execute(f"create role {tenant} login replication")
+    try:
+        with psycopg.connect(b, user=tenant, autocommit=True) as t:  # the attack: a name known in advance
+            t.execute("select pg_create_logical_replication_slot('pgstream_stream_77', 'pgoutput')")
+        slots: dict[str, str] = {}
+        for url in (a, b):
+            cfg = write_config(tmp_path / f"{_dbname(url)}.yaml", url, [{"id": 77, "sink": MEMORY}])
+            out = init(cfg)
+            with psycopg.connect(url, autocommit=True) as c:
+                slots[url] = ledger.stream_slot(c, 77)
+                assert f"created slot {slots[url]} for stream 77 (recovered 0 batches from the table)" in out
+                insert_events(url, 77, 3)
+                result = consume(c, load_config(cfg).stream(77), 1.0)
+                assert (result.slot, result.events, result.slot_created) == (slots[url], 3, False)
+                assert c.execute("select database from pg_replication_slots where slot_name = %s",
+                                 [slots[url]]).fetchone() == (_dbname(url),)
+        assert len(set(slots.values()) | {"pgstream_stream_77"}) == 3
+        # B's stream 77 is deleted: its slot is B's orphan, not A's
+        with psycopg.connect(b, autocommit=True) as c:
+            c.execute("delete from pgstream.streams where id = 77")
+            assert {r[0] for r in c.execute("select slot_name from pgstream.orphaned_slots")} == {
+                slots[b], "pgstream_stream_77"}
+        with psycopg.connect(a, autocommit=True) as c:
+            assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == []
+        # a stream of A told to read B's slot: one clear line, no slot taken from B
+        clash = write_config(tmp_path / "clash.yaml", a, [{"id": 77, "sink": MEMORY},
+                                                          {"id": 78, "sink": MEMORY, "slot_name": slots[b]}])
+        with pytest.raises(SlotElsewhere, match=rf"^stream 78: replication slot {slots[b]} belongs to database "
+                                                rf"{_dbname(b)}, not to this one \(slot names are the cluster's\)"):
+            init(clash)
+        assert cli_main(["init", "--config", str(clash)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: stream 78: replication slot {slots[b]} belongs to database {_dbname(b)}")
+        assert err.count("\n") == 1
+        tick = Driver(clash, instance).tick(78)  # the sensor says so too, and requests nothing
+        assert not tick.run_requests and (tick.skip_message or "").startswith(
+            f"stream 78: replication slot {slots[b]} belongs to database {_dbname(b)}, not to this one")
+    finally:
+        with psycopg.connect(b, autocommit=True) as c:
+            c.execute("select pg_drop_replication_slot('pgstream_stream_77')")
+            c.execute(f"drop role {tenant}")
+
+
+def test_an_upgrade_keeps_the_slot_each_stream_reads_and_loses_or_repeats_no_event(
+        empty_db_url: str, tmp_path: Path) -> None:
+    """An install of release 0.1: stream 1 reads slot pgstream_stream_1 (three committed events wait in
+    it), stream 2's slot was never created. After the upgrade stream 1 keeps its slot and records
+    each event once; stream 2 gets the new default name."""
+    migrate(empty_db_url, directory=released_sql(tmp_path / "sql", upto=14))
+    with psycopg.connect(empty_db_url, autocommit=True) as c:
+        c.execute("insert into pgstream.streams (id) values (1), (2)")
+        c.execute("select pg_create_logical_replication_slot('pgstream_stream_1', 'pgoutput')")
+    insert_events(empty_db_url, 1, 3)
+    migrate(empty_db_url)
+    cfg = write_config(tmp_path / "pgstream.yaml", empty_db_url, [{"id": 1, "sink": MEMORY}])
+    with psycopg.connect(empty_db_url, autocommit=True) as c:
+        assert ledger.stream_slot(c, 1) == "pgstream_stream_1"
+        slot2 = ledger.stream_slot(c, 2)
+        (pattern,) = c.execute("select pgstream.default_slot_pattern()").fetchone()  # type: ignore[misc]
+        assert slot2.startswith("pgstream_stream_2_d") and re.fullmatch(pattern, slot2)
+        result = consume(c, load_config(cfg).stream(1), 1.0)
+        assert not result.slot_created and result.slot == "pgstream_stream_1"
+        recorded = [i for (ids,) in c.execute("select event_ids from pgstream.batches where stream_id = 1")
+                    for i in ids]
+        events = [r[0] for r in c.execute("select id from pgstream.events where stream_id = 1 order by id")]
+        assert sorted(recorded) == events and len(events) == 3  # each once
+        assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == []
+        c.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+
+
+def test_a_copied_database_reads_slots_of_its_own(db_url: str, pg: LocalPostgres) -> None:
+    """A database copied with CREATE DATABASE ... TEMPLATE (as pg_dump and a restore would) carries the
+    stream rows with the original's default slot names. The copy has another oid: it derives its own
+    names the first time it looks, and creates its slots next to the original's."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        original = ledger.ensure_stream(c, 5)
+    copy = f"{_dbname(db_url)}_copy"
+    with psycopg.connect(pg.url, autocommit=True) as c:
+        c.execute(f"create database {copy} template {_dbname(db_url)}")
+    try:
+        with psycopg.connect(pg.url_for(copy), autocommit=True) as c:
+            assert c.execute("select slot from pgstream.streams where id = 5").fetchone() == (original,)
+            mine = ledger.ensure_stream(c, 5)
+            assert mine != original and mine.startswith("pgstream_stream_5_d")
+            assert c.execute("select slot from pgstream.streams where id = 5").fetchone() == (mine,)
+            replication.create_slot(c, mine)
+            c.execute("select pg_drop_replication_slot(%s)", [mine])
+        with psycopg.connect(db_url, autocommit=True) as c:
+            assert ledger.stream_slot(c, 5) == original
+            replication.create_slot(c, original)
+    finally:
+        with psycopg.connect(pg.url, autocommit=True) as c:
+            c.execute(f"drop database if exists {copy} with (force)")
 
 
 def test_a_new_stream_whose_default_slot_is_taken_is_refused(conn: psycopg.Connection) -> None:
     conn.execute("create table public.users (id serial primary key, email text)")
-    ledger.ensure_stream(conn, 1, "pgstream_stream_2")  # stream 1 reads a slot named like stream 2's default
-    with pytest.raises(psycopg.errors.UniqueViolation,
-                       match="stream 2: slot pgstream_stream_2 is already used by stream 1"):
+    slot2 = ledger.stream_slot(conn, 2)  # what stream 2 would read, before it exists
+    ledger.ensure_stream(conn, 1, slot2)  # stream 1 reads a slot named like stream 2's default
+    with pytest.raises(psycopg.errors.UniqueViolation, match=f"stream 2: slot {slot2} is already used by stream 1"):
         conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
                      "values ('a', 2, 'INSERT', 'users', '{id}')")
-    with pytest.raises(SlotInUse, match="stream 2: slot pgstream_stream_2 is already used by stream 1"):
+    with pytest.raises(SlotInUse, match=f"stream 2: slot {slot2} is already used by stream 1"):
         ledger.ensure_stream(conn, 2)
     assert conn.execute("select id from pgstream.streams").fetchall() == [(1,)]
     assert conn.execute("select count(*) from pgstream.subscriptions").fetchone() == (0,)
@@ -98,7 +212,8 @@ def test_a_new_stream_whose_default_slot_is_taken_is_refused(conn: psycopg.Conne
     ledger.ensure_stream(conn, 2, "users_slot")
     ledger.ensure_stream(conn, 2**63 - 1, None)
     assert conn.execute("select id, coalesce(slot_name, '-') from pgstream.streams order by 1").fetchall() == [
-        (1, "pgstream_stream_2"), (2, "users_slot"), (2**63 - 1, "-")]
+        (1, slot2), (2, "users_slot"), (2**63 - 1, "-")]
+    assert len(ledger.stream_slot(conn, 2**63 - 1)) <= 63  # a slot name's limit
     assert conn.execute("select count(*) from pg_publication where pubname = %s",
                         [f"pgstream_stream_{2**63 - 1}"]).fetchone() == (1,)
 

@@ -34,7 +34,7 @@ def test_good_config_substitutes_env_and_hides_secrets(tmp_path: Path, monkeypat
     assert cfg.subscriptions[0].operation == "INSERT"
     assert cfg.stream(1).batch.max_size == 1000
     assert "hunter2" not in repr(cfg) and "s3cr3t" not in repr(cfg)
-    assert cfg.stream(1).slot == "pgstream_stream_1"
+    assert cfg.stream(1).slot_name is None  # its default slot: the database derives its name
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -141,8 +141,7 @@ streams:
 
 @pytest.mark.parametrize(("slot1", "slot2", "slot"), [
     (", slot_name: shared", ", slot_name: shared", "shared"),
-    ("", ", slot_name: pgstream_stream_1", "pgstream_stream_1"),  # stream 1's default name
-    (", slot_name: pgstream_stream_2", "", "pgstream_stream_2"),  # stream 2's default name
+    # a default name is the database's: one a slot_name takes is refused there (tests/test_collisions.py)
 ])
 def test_two_streams_on_one_slot_are_refused(tmp_path: Path, slot1: str, slot2: str, slot: str) -> None:
     path = write(tmp_path, TWO_STREAMS.replace("SLOT1", slot1).replace("SLOT2", slot2))
@@ -155,7 +154,7 @@ def test_two_streams_on_one_slot_are_refused(tmp_path: Path, slot1: str, slot2: 
 def test_distinct_slots_are_accepted(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, TWO_STREAMS.replace("SLOT1", ", slot_name: pgstream_stream_2")
                             .replace("SLOT2", ", slot_name: pgstream_stream_1")))
-    assert [s.slot for s in cfg.streams] == ["pgstream_stream_2", "pgstream_stream_1"]
+    assert [s.slot_name for s in cfg.streams] == ["pgstream_stream_2", "pgstream_stream_1"]
 
 
 BIG = 2**63  # one past the largest bigint
@@ -205,7 +204,7 @@ def test_the_largest_stream_id_is_accepted(tmp_path: Path, monkeypatch: pytest.M
     top = 2**63 - 1
     cfg = load_config(write(tmp_path, GOOD.replace("id: 1\n", f"id: {top}\n").replace("stream_id: 1,",
                                                                                       f"stream_id: {top},")))
-    assert cfg.stream(top).slot == f"pgstream_stream_{top}"
+    assert cfg.stream(top).publication == f"pgstream_stream_{top}"
 
 
 def test_failover_backoff_stays_finite_after_any_number_of_attempts(tmp_path: Path) -> None:

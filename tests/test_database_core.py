@@ -475,6 +475,10 @@ def test_partition_functions_reject_bad_arguments(conn: psycopg.Connection) -> N
         conn.execute("select pgstream.create_partitions(-1)")
     with pytest.raises(psycopg.Error, match="p_retention_days must be >= 1"):
         conn.execute("select pgstream.drop_partitions(0)")
+    with pytest.raises(psycopg.Error, match=r"^pgstream.create_partitions: p_lock_timeout_ms must be >= 1, got 0\n"):
+        conn.execute("select pgstream.create_partitions(1, p_lock_timeout_ms => 0)")
+    with pytest.raises(psycopg.Error, match=r"^pgstream.drop_partitions: p_lock_attempts must be >= 1, got 0\n"):
+        conn.execute("select pgstream.drop_partitions(7, p_lock_attempts => 0)")
 
 
 # --------------------------------------------------------------------------------------------

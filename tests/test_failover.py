@@ -32,7 +32,6 @@ from pgstream_dagster.engine.migrations import migrate
 
 from .support.endpoint import Endpoint
 from .support.faults import (
-    SLOT,
     STREAM,
     check_and_report,
     delivered_all,
@@ -43,7 +42,7 @@ from .support.faults import (
     stream_config,
     stream_row,
 )
-from .support.harness import Driver, backdated, insert_events, write_config
+from .support.harness import Driver, backdated, insert_events, slot_of, write_config
 
 
 def test_sink_down_500_then_refused_then_back(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
@@ -236,7 +235,7 @@ def test_slot_dropped_while_events_flow(db_url: str, tmp_path: Path, instance: d
             for request in driver.tick(STREAM).run_requests:
                 driver.execute(request)
         with psycopg.connect(db_url, autocommit=True) as c:
-            c.execute("select pg_drop_replication_slot(%s)", [SLOT])
+            c.execute("select pg_drop_replication_slot(%s)", [slot_of(db_url, STREAM)])
         dropped_at = time.monotonic()
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
@@ -278,13 +277,14 @@ def test_slot_invalidated_by_wal_limit(small_wal_pg: LocalPostgres, tmp_path: Pa
             c.execute("insert into filler select repeat('x', 1000) from generate_series(1, 10000)")
             c.execute("select pg_switch_wal()")
             c.execute("checkpoint")
-        status = c.execute("select wal_status from pg_replication_slots where slot_name = %s", [SLOT]).fetchone()
+        status = c.execute("select wal_status from pg_replication_slots where slot_name = %s",
+                           [slot_of(url, STREAM)]).fetchone()
     assert status == ("lost",)
     started = time.monotonic()
     drive(driver, delivered_all(endpoint, url))
     with psycopg.connect(url) as c:
         assert c.execute("select wal_status from pg_replication_slots where slot_name = %s",
-                         [SLOT]).fetchone() == ("reserved",)
+                         [slot_of(url, STREAM)]).fetchone() == ("reserved",)
         recovered = c.execute("select coalesce(sum(event_count), 0) from pgstream.batches "
                               "where kind = 'recovery'").fetchone()
     assert recovered == (150,)

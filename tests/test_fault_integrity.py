@@ -25,7 +25,7 @@ from pgstream_dagster.engine.housekeeping import run_housekeeping
 
 from .support.endpoint import Endpoint
 from .support.faults import STREAM, drive, in_failover, ledger_order, sent_ids, slot_has_events, stream_config
-from .support.harness import Driver, backdated, insert_events, write_config
+from .support.harness import Driver, backdated, insert_events, slot_of, write_config
 
 
 def as_role(db_url: str, role: str) -> psycopg.Connection:
@@ -127,7 +127,7 @@ def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str,
     until(driver, lambda: len(endpoint.unique()) >= 65)
     # a lost slot recovers from the table without recording them again
     with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+        c.execute("select pg_drop_replication_slot(%s)", [slot_of(db_url, STREAM)])
     insert_events(db_url, STREAM, 5, 65)
     until(driver, lambda: len(endpoint.unique()) >= 70)
     assert len(dead_letters(db_url)) == 4

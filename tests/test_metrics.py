@@ -28,7 +28,7 @@ from pgstream_dagster.engine.metrics import HISTOGRAMS, METRICS, SCRAPE_DURATION
 
 from .support.endpoint import Endpoint
 from .support.faults import STREAM, delivered_all, drive, in_failover, sent_ids, stream_config
-from .support.harness import Driver, insert_events, write_config
+from .support.harness import Driver, insert_events, slot_of, write_config
 from .support.metrics import Samples, bucket, scrape, value
 from .support.schema import USERS, subscribe
 
@@ -91,7 +91,7 @@ def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: 
     assert value(s, "pgstream_backlog_events", stream=S) == 0
     assert value(s, "pgstream_slot_exists", stream=S) == 1
     assert value(s, "pgstream_slot_wal_status", stream=S, wal_status="reserved") == 1
-    assert value(s, "pgstream_slot_info", stream=S, slot="pgstream_stream_1") == 1
+    assert value(s, "pgstream_slot_info", stream=S, slot=slot_of(db_url, STREAM)) == 1
 
     insert_events(db_url, STREAM, 120)  # manual events: no subscription key
     with psycopg.connect(db_url) as conn:

@@ -8,8 +8,11 @@ its event. PL/pgSQL caches compiled functions per session, so attacks run in new
 # ruff: noqa: S608 -- the attacks are SQL built from the test's own role and schema names
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import json
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +22,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from pgstream_dagster.config import HousekeepingConfig
 from pgstream_dagster.engine import ledger
+from pgstream_dagster.engine.housekeeping import HousekeepingReport, run_housekeeping
 from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
 
 from .support.releases import released_sql
@@ -588,13 +593,14 @@ def test_writer_role_and_function_settings(db_url: str, table: str) -> None:
             "and p.prosqlbody is null and (p.proconfig is null "
             "                              or not 'search_path=pg_catalog, pg_temp' = any (p.proconfig))").fetchall()
         assert bad == []
-        # executable by PUBLIC: only the two pure functions pgstream.stream_status calls (so that a
-        # monitoring role granted the view can read it), neither SECURITY DEFINER nor volatile
+        # executable by PUBLIC: only the pure functions pgstream's views call (so that a monitoring role
+        # granted a view can read it: stream_status, orphaned_slots), neither SECURITY DEFINER nor volatile
         public = c.execute(
             "select p.oid::regprocedure::text, p.prosecdef, p.provolatile from pg_proc p "
             "where p.pronamespace = 'pgstream'::regnamespace and has_function_privilege('public', p.oid, 'EXECUTE') "
             "order by 1").fetchall()
-        assert public == [("pgstream.batch_is_open(text)", False, "i"), ("pgstream.utc_today()", False, "s")]
+        assert public == [("pgstream.batch_is_open(text)", False, "i"), ("pgstream.default_slot_pattern()", False, "i"),
+                          ("pgstream.utc_today()", False, "s")]
         assert c.execute("select array_agg(p.oid::regprocedure::text) from pg_proc p "
                          "where p.pronamespace = 'pgstream'::regnamespace and p.prosqlbody is not null"
                          ).fetchone() == (["pgstream.batch_is_open(text)"],)
@@ -788,6 +794,98 @@ def test_an_application_role_can_neither_take_nor_hold_pgstreams_locks(
     assert_insert_still_produces_its_event(db_url, roles)
 
 
+def _waiting_for_a_lock(url: str) -> list[tuple[int, str]]:
+    """The backends of this database that wait for a lock, with what they run."""
+    with connect(url) as c:
+        return [(r[0], r[1]) for r in c.execute(
+            "select a.pid, a.query from pg_stat_activity a where a.datname = current_database() "
+            "and a.wait_event_type = 'Lock'").fetchall()]
+
+
+@pytest.mark.parametrize("where", ["partition", "default"])
+def test_an_idle_application_transaction_never_makes_housekeeping_stop_writes(
+        db_url: str, table: str, roles: Callable[..., str], where: str) -> None:
+    """An application role writes a subscribed table with its constraints IMMEDIATE (the trigger
+    writes the event at once: ROW EXCLUSIVE on pgstream.events and the partition the event went to,
+    today's or ``events_default``, as a statement-mode trigger always does) and leaves its
+    transaction idle. Housekeeping runs: its DETACH (ACCESS EXCLUSIVE on pgstream.events) and,
+    with the event in ``events_default``, its ATTACH (ACCESS EXCLUSIVE on the default partition) wait
+    at most their lock timeout, a few times, and give up: the pass returns, reporting the partitions
+    it left for the next pass, and another session of the application role, which wrote while
+    housekeeping was queued, has committed, with nothing left waiting for a lock. Once the idle
+    transaction ends, the next pass drops (and creates) what it left."""
+    app = app_role(roles)
+    cfg = HousekeepingConfig(days_ahead=2, retention_days=3, lock_timeout_ms=200, lock_attempts=3)
+    with connect(db_url) as owner:
+        (d0,) = owner.execute("select pgstream.utc_today()").fetchone()  # type: ignore[misc]
+        if where == "default":  # today has no partition: the application's events land in events_default
+            owner.execute(sql.SQL("alter table pgstream.events detach partition {0}; drop table {0}").format(
+                sql.Identifier("pgstream", f"events_{d0:%Y%m%d}")))
+        later = d0 + dt.timedelta(days=10)  # a simulated calendar: days d0 .. d0 + 6 are past retention
+        owner.execute("update pgstream.streams set consumed_through = %s",
+                      [dt.datetime.combine(later, dt.time(), dt.UTC)])
+        expired = [r[0] for r in owner.execute(
+            "select c.relname::text from pg_inherits i join pg_class c on c.oid = i.inhrelid "
+            "where i.inhparent = 'pgstream.events'::regclass and c.relname ~ '^events_[0-9]{8}$' "
+            "and c.relname < %s order by 1", [f"events_{later - dt.timedelta(days=3):%Y%m%d}"]).fetchall()]
+    assert expired
+    idle = psycopg.connect(db_url, user=app)  # not autocommit: the insert's transaction stays open
+    housekeeper = psycopg.connect(db_url, autocommit=True)
+    writer = connect(db_url, app)
+    hk_pid, writer_pid = housekeeper.info.backend_pid, writer.info.backend_pid
+    reports: list[HousekeepingReport] = []
+    wrote: list[bool] = []
+    housekeeping = threading.Thread(target=lambda: reports.append(run_housekeeping(housekeeper, cfg, later)),
+                                    daemon=True)
+    writing = threading.Thread(target=lambda: wrote.append(
+        writer.execute("insert into public.t (note) values ('while housekeeping waits')").rowcount == 1),
+                               daemon=True)
+    try:
+        # the row trigger is deferred to commit: IMMEDIATE (any role may ask) writes the event now
+        idle.execute("set constraints all immediate")
+        idle.execute("insert into public.t (note) values ('idle')")
+        housekeeping.start()
+        # the application writes while housekeeping's lock request is queued (if it is seen queued)
+        while housekeeping.is_alive() and hk_pid not in dict(_waiting_for_a_lock(db_url)):
+            time.sleep(0.005)
+        writing.start()
+        housekeeping.join(60)  # a liveness bound: without lock timeouts both wait for ever
+        writing.join(60)
+        assert not housekeeping.is_alive(), f"housekeeping waits for a lock: {_waiting_for_a_lock(db_url)}"
+        assert not writing.is_alive(), f"the application's insert waits: {_waiting_for_a_lock(db_url)}"
+        assert wrote == [True]
+        assert _waiting_for_a_lock(db_url) == []
+        (report,) = reports
+        assert report.dropped == [] and report.busy == expired and report.rows_dropped == 0
+        assert any(f"partition {expired[0]} not dropped this pass" in w for w in report.warnings), report.warnings
+        if where == "default":  # ATTACH needs the default partition, which the idle transaction wrote
+            assert report.created == []
+            assert any(f"partition events_{later:%Y%m%d} not created this pass" in w for w in report.warnings)
+        else:
+            assert report.created == [f"events_{later + dt.timedelta(days=i):%Y%m%d}" for i in range(3)]
+        with connect(db_url) as owner:
+            assert owner.execute("select partitions_busy, partitions_dropped from pgstream.housekeeping_runs "
+                                 "order by id desc limit 1").fetchone() == (len(expired), 0)
+            assert owner.execute("select count(*) from pgstream.events where payload->'new'->>'note' = "
+                                 "'while housekeeping waits'").fetchone() == (1,)
+    finally:
+        idle.rollback()
+        for pid in (hk_pid, writer_pid):  # only if a thread is still stuck (the failing case)
+            with connect(db_url) as owner:
+                owner.execute("select pg_terminate_backend(%s) where %s", [pid, housekeeping.is_alive()
+                                                                          or writing.is_alive()])
+        for c in (idle, housekeeper, writer):
+            c.close()
+    # the idle transaction has ended: the next pass drops (and creates) what this one left
+    with connect(db_url) as c:
+        again = run_housekeeping(c, cfg, later)
+    assert again.busy == [] and again.dropped == expired
+    assert again.created == ([f"events_{later + dt.timedelta(days=i):%Y%m%d}" for i in range(3)]
+                             if where == "default" else [])
+    assert not is_super(db_url, app)
+    assert_insert_still_produces_its_event(db_url, roles)
+
+
 def test_the_views_migrate_creates_bind_nothing_from_the_migrators_search_path(empty_db_url: str) -> None:
     """A view binds the operators it names when it is created. In a database whose public schema every
     role may write (the default before Postgres 15), a role's ``||(text, bigint)`` in public would win
@@ -815,7 +913,7 @@ def test_the_views_migrate_creates_bind_nothing_from_the_migrators_search_path(e
             c.execute("select pg_create_logical_replication_slot('pgstream_stream_9', 'pgoutput')")
             try:
                 statuses = c.execute("select slot_name from pgstream.stream_status order by id").fetchall()
-                assert statuses == [("pgstream_stream_1",), ("pgstream_stream_2",)]
+                assert statuses == [(ledger.stream_slot(c, 1),), (ledger.stream_slot(c, 2),)]
                 assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == [("pgstream_stream_9",)]
                 c.execute("select * from pgstream.metrics").fetchall()
             finally:

@@ -30,7 +30,7 @@ from pgstream_dagster.engine.status import render_status, stream_status
 
 from .support.endpoint import Endpoint
 from .support.faults import sent_ids
-from .support.harness import Background, Driver, insert_events, tick_until, write_config
+from .support.harness import Background, Driver, insert_events, slot_of, tick_until, write_config
 
 STREAM = 1
 RUN_KEY = "test-run"
@@ -46,7 +46,7 @@ def _slot_reader(url: str) -> str | None:
     with psycopg.connect(url) as c:
         row = c.execute("select a.application_name from pg_replication_slots s "
                         "join pg_stat_activity a on a.pid = s.active_pid where s.slot_name = %s",
-                        ["pgstream_stream_1"]).fetchone()
+                        [slot_of(url, STREAM)]).fetchone()
     return row[0] if row else None
 
 
@@ -102,9 +102,9 @@ def test_open_run_reads_the_slot_and_delivers_without_sensor_ticks(db_url: str, 
     assert sum(m["events"].value for m in rounds) == 230
     assert sum(m["rounds"].value for m in rounds) >= 6 > len(rounds) >= 2
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
-    assert any("this open run reads slot pgstream_stream_1" in m for m in logs)
+    assert any(f"this open run reads slot {slot_of(db_url, STREAM)}" in m for m in logs)
     # the 200 it recorded, it delivered as it read them: not one read back from the table
-    assert any("stopped reading slot pgstream_stream_1: 200 events recorded" in m and
+    assert any(f"stopped reading slot {slot_of(db_url, STREAM)}: 200 events recorded" in m and
                "; 200 of the events delivered were taken as read" in m for m in logs)
     assert _slot_reader(db_url) is None
 
@@ -134,8 +134,7 @@ def _engine_stream(tmp_path: Path, url: str) -> Any:
 def _open_stream(url: str) -> None:
     """The stream, its slot and an open run ``RUN_KEY`` (as the sensor leaves them when it launches one)."""
     with psycopg.connect(url, autocommit=True) as c:
-        ledger.ensure_stream(c, STREAM)
-        replication.create_slot(c, "pgstream_stream_1")
+        replication.create_slot(c, ledger.ensure_stream(c, STREAM))
         ledger.open_run(c, STREAM, RUN_KEY)
 
 
@@ -218,7 +217,7 @@ def test_reader_hands_batches_to_its_run_confirms_and_stops_when_the_run_closes(
         assert sum(n for _s, _k, n in batches) == 250 and max(n for _s, _k, n in batches) <= 100
         # confirmed after recording: the slot's position is past the last batch
         (confirmed,) = c.execute("select confirmed_flush_lsn::text from pg_replication_slots "
-                                 "where slot_name = 'pgstream_stream_1'").fetchone()  # type: ignore[misc]
+                                 "where slot_name = %s", [slot_of(db_url, STREAM)]).fetchone()  # type: ignore[misc]
         assert replication.lsn_to_int(confirmed) >= (ledger.last_end_lsn(c, STREAM) or 0)
         # the reader records how far it has read (retention keeps what it has not)
         _wait(lambda: c.execute("select consumed_through > now() - interval '10 seconds' from pgstream.streams "
@@ -249,12 +248,12 @@ def test_reader_survives_its_slot_being_dropped(db_url: str, tmp_path: Path) -> 
         _wait(lambda: stats.events == 120)
         with psycopg.connect(db_url, autocommit=True) as c:
             # an operator (or max_slot_wal_keep_size) takes the slot away: end the walsender, drop it
-            c.execute("select pg_terminate_backend(active_pid) from pg_replication_slots "
-                      "where slot_name = 'pgstream_stream_1'")
+            slot = slot_of(db_url, STREAM)
+            c.execute("select pg_terminate_backend(active_pid) from pg_replication_slots where slot_name = %s", [slot])
             _wait(lambda: _slot_reader(db_url) is None)
-            c.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+            c.execute("select pg_drop_replication_slot(%s)", [slot])
             insert_events(db_url, STREAM, 80, 1000)  # written while no slot exists
-            _wait(lambda: any("pgstream_stream_1" in n for n in stats.notes))
+            _wait(lambda: any(slot in n for n in stats.notes))
             # the sensor's next tick replaces the slot and recovers what no batch covers from the table
             result = ingest.consume(c, stream, 0.5)
             assert result.slot_created and result.recovered
@@ -284,7 +283,7 @@ def test_a_round_read_directly_equals_the_spark_read(db_url: str, tmp_path: Path
     stream = _engine_stream(tmp_path, db_url)
     with psycopg.connect(db_url, autocommit=True) as c:
         ledger.ensure_stream(c, STREAM)
-        replication.create_slot(c, "pgstream_stream_1")
+        replication.create_slot(c, ledger.stream_slot(c, STREAM))
         c.execute("insert into pgstream.events (payload, metadata, stream_id) select "
                   "jsonb_build_object('n', g, 'group_id', g %% 3, 's', 'ünï \"q\"', 'big', 12345678901234567890), "
                   "case when g %% 2 = 0 then jsonb_build_object('team', 'a') end, %s "
@@ -348,8 +347,9 @@ def test_tear_down_ends_a_reading_run_and_drops_its_slot(db_url: str, tmp_path: 
     _stream, reader, stop, _stats = _start_reader(db_url, tmp_path)
     try:
         _wait(lambda: _slot_reader(db_url) == "pgstream reader t")
+        slot = slot_of(db_url, STREAM)
         removed = migrations.tear_down(db_url)
-        assert "replication slot pgstream_stream_1" in removed
+        assert f"replication slot {slot}" in removed
         reader.join(timeout=15)  # its next look at the ledger finds no pgstream schema: it ends
         assert not reader.is_alive()
         with psycopg.connect(db_url) as c:
@@ -400,7 +400,7 @@ def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
     assert sorted(_ledger_ids(db_url)) == sorted(sent)
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     assert any("cannot open a replication connection" in m and "max_wal_senders" in m for m in logs), logs
-    assert any("this open run reads slot pgstream_stream_1" in m for m in logs)
+    assert any(f"this open run reads slot {slot_of(db_url, STREAM)}" in m for m in logs)
 
 
 def test_a_sensor_peeking_back_to_back_leaves_the_slot_to_the_open_runs_reader(
@@ -445,7 +445,7 @@ def test_a_sensor_peeking_back_to_back_leaves_the_slot_to_the_open_runs_reader(
     assert endpoint.first_seen_order() == sent and endpoint.duplicates() == 0
     assert sorted(_ledger_ids(db_url)) == sorted(sent)
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
-    recorded = next(m for m in logs if "stopped reading slot pgstream_stream_1" in m)
+    recorded = next(m for m in logs if f"stopped reading slot {slot_of(db_url, STREAM)}" in m)
     assert " 0 events recorded" not in recorded, recorded
 
 
@@ -611,7 +611,7 @@ def test_the_reader_waits_for_a_slow_run_instead_of_recording_what_it_would_read
     assert len(sent) == 760 and endpoint.unique() == set(sent) and endpoint.duplicates() == 0
     assert endpoint.first_seen_order() == sent
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
-    assert any("stopped reading slot pgstream_stream_1: 750 events recorded" in m and
+    assert any(f"stopped reading slot {slot_of(db_url, STREAM)}: 750 events recorded" in m and
                "; 750 of the events delivered were taken as read" in m and "(0 batches were)" in m
                for m in logs), [m for m in logs if "stopped reading" in m]
 

@@ -20,13 +20,13 @@ from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.status import stream_status
 from pgstream_dagster.sinks import MemorySink
 
-from .support.harness import Driver, event_ids, insert_events, read_jsonl, write_config
+from .support.harness import Driver, event_ids, insert_events, read_jsonl, slot_of, write_config
 
 
 def test_decoder_returns_transactions_in_commit_order(db_url: str) -> None:
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("select pgstream.ensure_stream(1), pgstream.ensure_stream(2)")
-        replication.create_slot(c, "pgstream_stream_1")
+        replication.create_slot(c, slot_of(db_url, 1))
     first = psycopg.connect(db_url)
     second = psycopg.connect(db_url)
     (low,) = first.execute("insert into pgstream.events (payload, stream_id) "
@@ -40,14 +40,14 @@ def test_decoder_returns_transactions_in_commit_order(db_url: str) -> None:
     second.close()
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("insert into pgstream.events (payload, stream_id) values ('{}', 2)")  # other stream: filtered
-        txns = replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100)
+        txns = replication.peek(c, slot_of(db_url, 1), "pgstream_stream_1", 100)
         ids = [e.id for t in txns for e in t.events]
         assert ids == [high, low]
         created = dict(c.execute("select id, created_at from pgstream.events where stream_id = 1").fetchall())
         assert [e.created_at for t in txns for e in t.events] == [created[high], created[low]]
         assert txns[0].commit_lsn < txns[1].commit_lsn
-        replication.advance(c, "pgstream_stream_1", txns[-1].end_lsn)
-        assert [t for t in replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100) if t.events] == []
+        replication.advance(c, slot_of(db_url, 1), txns[-1].end_lsn)
+        assert [t for t in replication.peek(c, slot_of(db_url, 1), "pgstream_stream_1", 100) if t.events] == []
 
 
 def _relation(rel_id: int, columns: list[str]) -> bytes:
@@ -132,7 +132,7 @@ def test_tick_records_batches_and_rerun_requests_nothing_twice(db_url: str, tmp_
         rows = c.execute("select id, event_count, status from pgstream.batches order by id").fetchall()
         assert rows == [(1, 10, BatchStatus.LAUNCHED), (2, 10, BatchStatus.LAUNCHED), (3, 5, BatchStatus.LAUNCHED)]
         # WAL released at once: nothing left in the slot
-        assert [t for t in replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100) if t.events] == []
+        assert [t for t in replication.peek(c, slot_of(db_url, 1), "pgstream_stream_1", 100) if t.events] == []
     # re-evaluating (the same cursor, as after a crash of the tick) asks for the same run key only
     again = driver.tick(1)
     assert [r.run_key for r in again.run_requests] == [f"pgstream-s1-{inc}-b1-3-a1"]
@@ -299,7 +299,7 @@ def test_paused_stream_keeps_releasing_wal_but_launches_nothing(db_url: str, tmp
     with psycopg.connect(db_url) as c:
         (status,) = stream_status(c, 1)
         assert (status["undelivered_batches"], status["undelivered_events"]) == (1, 10)  # recorded while paused
-        assert [t for t in replication.peek(c, "pgstream_stream_1", "pgstream_stream_1", 100) if t.events] == []
+        assert [t for t in replication.peek(c, slot_of(db_url, 1), "pgstream_stream_1", 100) if t.events] == []
     assert cli_main(["resume", "1", "--database-url", db_url]) == 0
     assert len(driver.tick(1).run_requests) == 1
 
@@ -338,7 +338,7 @@ def test_tick_skips_other_tables_wal_without_losing_events(db_url: str, tmp_path
     def confirmed() -> int:
         with psycopg.connect(db_url) as c:
             (lsn,) = c.execute("select confirmed_flush_lsn::text from pg_replication_slots "
-                               "where slot_name = 'pgstream_stream_1'").fetchone()
+                               "where slot_name = %s", [slot_of(db_url, 1)]).fetchone()
         return replication.lsn_to_int(lsn)
 
     before = confirmed()

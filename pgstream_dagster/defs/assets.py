@@ -224,7 +224,8 @@ class HousekeepingRunConfig(dg.Config):
     group_name="pgstream",
     kinds={"postgres"},
     description="Daily partitions of pgstream.events and the batch ledger: creates partitions ahead, drops "
-                "expired ones (never those holding undelivered events), prunes delivered batches. Run by the "
+                "expired ones (never those holding undelivered events; those whose locks stay held are left for "
+                "the next pass), prunes delivered batches. Run by the "
                 "pgstream_housekeeping schedule (housekeeping.cron) and at start-up.",
 )
 def events_partitions(context: dg.AssetExecutionContext, config: HousekeepingRunConfig,
@@ -240,9 +241,11 @@ def events_partitions(context: dg.AssetExecutionContext, config: HousekeepingRun
         "partitions_created": dg.MetadataValue.json(report.created),
         "partitions_dropped": dg.MetadataValue.json(report.dropped),
         "partitions_kept": dg.MetadataValue.json(report.kept),
+        "partitions_busy": dg.MetadataValue.json(report.busy),
         "created_count": len(report.created),
         "dropped_count": len(report.dropped),
         "kept_count": len(report.kept),
+        "busy_count": len(report.busy),
         "rows_dropped": report.rows_dropped,
         "bytes_dropped": report.bytes_dropped,
         "default_rows_deleted": report.default_rows_deleted,

@@ -19,7 +19,7 @@ import dagster as dg
 import psycopg
 
 from ..config import StreamConfig, SubscriptionConfig
-from ..engine import deadletters, status
+from ..engine import deadletters, ledger, status
 from ..engine.subscriptions import differences, identity, stored_definition, trigger_state
 from ..sinks.base import excerpt
 from .assets import stream_subscription_keys
@@ -78,20 +78,21 @@ def check_undelivered_age(conn: psycopg.Connection, stream: StreamConfig,
 
 def check_slot_wal(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCheckResult:
     """The stream's slot exists, is not lost, and retains at most the configured WAL."""
-    row = status.slot_wal(conn, stream.slot)
+    slot = ledger.stream_slot(conn, stream.id)
+    row = status.slot_wal(conn, slot)
     limit = stream.checks.max_retained_wal_bytes
     if row is None:
-        passed, description, metadata = False, f"slot {stream.slot} does not exist", {}
+        passed, description, metadata = False, f"slot {slot} does not exist", {}
     else:
         wal_status, retained, active = row[0], int(row[1] or 0), bool(row[2])
         passed = wal_status != "lost" and retained <= limit
-        description = (f"slot {stream.slot} is lost: its WAL was removed" if wal_status == "lost" else
-                       f"slot {stream.slot} retains {retained} bytes of WAL (limit {limit})")
+        description = (f"slot {slot} is lost: its WAL was removed" if wal_status == "lost" else
+                       f"slot {slot} retains {retained} bytes of WAL (limit {limit})")
         metadata = {"wal_status": wal_status or "", "retained_bytes": retained, "active": active}
     return dg.AssetCheckResult(
         asset_key=deliveries_asset_key(stream.id), check_name=SLOT_WAL_CHECK, passed=passed,
         severity=dg.AssetCheckSeverity.ERROR, description=description,
-        metadata={"slot": stream.slot, "max_retained_wal_bytes": limit, **metadata},
+        metadata={"slot": slot, "max_retained_wal_bytes": limit, **metadata},
     )
 
 
@@ -156,7 +157,8 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                           description=f"Oldest undelivered event younger than "
                                       f"{stream.checks.max_undelivered_age_secs:.0f}s."),
         dg.AssetCheckSpec(SLOT_WAL_CHECK, asset=deliveries,
-                          description=f"Slot {stream.slot} exists and retains at most "
+                          description=f"The stream's slot ({stream.slot_name or 'its default'}) exists and retains at "
+                                      f"most "
                                       f"{stream.checks.max_retained_wal_bytes} bytes of WAL."),
         dg.AssetCheckSpec(FAILOVER_CHECK, asset=deliveries, description="The stream is not in failover."),
         dg.AssetCheckSpec(DEAD_LETTERS_CHECK, asset=deliveries,
@@ -188,8 +190,9 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
 
 
 @dg.asset_check(asset=EVENTS_PARTITIONS_KEY, name=ORPHANED_SLOTS_CHECK, blocking=False,
-                description="No replication slot named like a stream's (pgstream_stream_<id>) is left without a "
-                            "stream: a deleted stream's or a changed slot_name's old slot keeps its WAL until dropped.")
+                description="No replication slot of this database named like a stream's default slot is left "
+                            "without a stream: a deleted stream's or a changed slot_name's old slot keeps its WAL "
+                            "until dropped.")
 def orphaned_slots_check(pgstream: dg.ResourceParam[PgstreamResource]) -> dg.AssetCheckResult:
     with pgstream.connect() as conn:
         slots = status.orphaned_slots(conn)
@@ -199,6 +202,6 @@ def orphaned_slots_check(pgstream: dg.ResourceParam[PgstreamResource]) -> dg.Ass
         description=(f"{len(slots)} slots no stream reads retain {retained} bytes of WAL: "
                      f"{', '.join(s['slot_name'] for s in slots)}; drop each once no consumer needs it "
                      "(select pg_catalog.pg_drop_replication_slot('<name>'))" if slots
-                     else "every pgstream_stream_<id> slot belongs to a stream"),
+                     else "every default-named slot of this database belongs to a stream"),
         metadata={"slots": dg.MetadataValue.json(slots), "retained_bytes": retained},
     )

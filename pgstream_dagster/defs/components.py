@@ -45,7 +45,7 @@ _EXAMPLE = """\
 type: {type_name}
 attributes:
   id: {id}                                  # 1 .. 2^63-1
-  # slot_name: null                       # default pgstream_stream_<id>; one slot, one stream
+  # slot_name: null                       # default: a name unique in the cluster; one slot, one stream
   batch: {{max_size: 1000, max_fill_secs: 0.5}}
   sink:                                   # file, http, redis, rabbitmq, nats, kafka, mqtt, postgres (README, "Sinks")
     type: file

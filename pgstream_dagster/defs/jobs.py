@@ -169,6 +169,7 @@ class _Reader:
         #: what it records, for the run's rounds read without Spark (none: every round goes to Spark)
         self.handoff: Handoff | None = None
         if stream.delivery.read_slot and run_key and ledger.run_is_open(conn, stream.id, run_key):
+            self.stats.slot = ledger.stream_slot(conn, stream.id)
             self._thread = threading.Thread(target=self._follow, args=(database_url, run_key), daemon=True,
                                             name=f"pgstream-reader-{stream.id}")
             if stream.delivery.ordering == "global" and stream.delivery.direct_max_events > 0:
@@ -185,7 +186,7 @@ class _Reader:
     def __enter__(self) -> "_Reader":
         if self._thread is not None:
             self._thread.start()
-            self.context.log.info(f"stream {self.stream.id}: this open run reads slot {self.stream.slot} "
+            self.context.log.info(f"stream {self.stream.id}: this open run reads slot {self.stats.slot} "
                                   "(replication protocol)")
         return self
 
@@ -201,7 +202,7 @@ class _Reader:
         self.report()
         kept = (f"; {self.handoff.taken} of the events delivered were taken as read, not read back from "
                 f"pgstream.events ({self.handoff.missed} batches were)") if self.handoff is not None else ""
-        self.context.log.info(f"stream {self.stream.id}: stopped reading slot {self.stream.slot}: "
+        self.context.log.info(f"stream {self.stream.id}: stopped reading slot {self.stats.slot}: "
                               f"{self.stats.events} events recorded in {self.stats.batches} batches{kept}")
 
     def report(self) -> None:

@@ -55,7 +55,7 @@ def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.Asset
         group_name="pgstream",
         description=f"Events of stream {stream.id} delivered to its {stream.sink.type} sink; one materialization "
                     f"per delivered batch.",
-        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "slot": stream.slot,
+        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "slot": stream.slot_label,
                   "batch_max_size": stream.batch.max_size, "ordering": stream.delivery.ordering},
         kinds={"postgres", "spark"},
         deps=deps,

@@ -233,15 +233,19 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         job_name=DELIVERY_JOB,
         minimum_interval_seconds=stream.sensor.interval_secs,
         default_status=dg.DefaultSensorStatus.RUNNING,
-        description=f"Reads slot {stream.slot}, records batches of stream {stream.id} and requests "
+        description=f"Reads {stream.slot_label}, records batches of stream {stream.id} and requests "
                     f"one delivery run at a time, in order.",
     )
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         log: list[str] = []
         with pgstream.connect() as conn:
-            with fewer_collections():  # the tick records in bulk
-                consumed, request = tick(conn, context.instance, stream, log)
+            try:
+                with fewer_collections():  # the tick records in bulk
+                    consumed, request = tick(conn, context.instance, stream, log)
+            except ledger.SlotElsewhere as exc:  # the operator's to resolve: one line, each tick, no traceback
+                context.log.error(str(exc))
+                return dg.SensorResult(skip_reason=str(exc))
             (row,) = stream_status(conn, stream.id, last=0)  # the tick's one read of the stream's state
             pending_batches, pending_events = int(row["undelivered_batches"]), int(row["undelivered_events"])
             if consumed.last_event_id is not None:
@@ -252,14 +256,15 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
             cursor["undelivered_events"] = pending_events
             observed = _observe_status(conn, context.instance, stream, row, cursor)
         if consumed.slot_lost:
-            context.log.warning(f"slot {stream.slot} was invalidated (WAL limit) or dropped; replacing it and "
+            context.log.warning(f"slot {consumed.slot} was invalidated (WAL limit) or dropped; replacing it and "
                                 "recovering undelivered events from pgstream.events")
         if consumed.publications_created:
             context.log.warning(f"publication(s) {', '.join(consumed.publications_created)} were missing (dropped by "
                                 "hand?) and were created again; events committed meanwhile are recovered from "
                                 "pgstream.events")
         if consumed.slot_created:
-            context.log.info(f"created slot {stream.slot}; recovered {len(consumed.recovered)} batches from the table")
+            context.log.info(f"created slot {consumed.slot}; recovered {len(consumed.recovered)} batches from the "
+                             "table")
         if consumed.batches:
             context.log.info(f"recorded batches {consumed.batches} ({consumed.events} events)")
         if consumed.unreadable:

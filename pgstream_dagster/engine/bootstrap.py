@@ -27,17 +27,18 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
     out = [f"applied migration {m}" for m in migrate(owner, partitions_ahead=config.housekeeping.days_ahead)]
     with psycopg.connect(owner, autocommit=True) as conn:
         # a slot another stream reads is refused before anything changes
-        ledger.check_slots(conn, [(s.id, s.slot) for s in config.streams])
+        ledger.check_slots(conn, [(s.id, s.slot_name) for s in config.streams])
         report = run_housekeeping(conn, config.housekeeping)
-        if report.created or report.dropped or report.kept or report.batches_pruned or report.default_rows_deleted:
+        if report.created or report.dropped or report.kept or report.busy or report.batches_pruned \
+                or report.default_rows_deleted:
             out.append(report.summary())
     with psycopg.connect(url, autocommit=True) as conn:
         for stream in config.streams:
-            ledger.ensure_stream(conn, stream.id, stream.slot)
+            ledger.ensure_stream(conn, stream.id, stream.slot_name)
             result = ConsumeResult()
             ensure_slot(conn, stream, result)
             if result.slot_created:
-                out.append(f"created slot {stream.slot} for stream {stream.id} "
+                out.append(f"created slot {result.slot} for stream {stream.id} "
                            f"(recovered {sum(1 for _ in result.recovered)} batches from the table)")
     with psycopg.connect(owner, autocommit=True) as conn:
         for action, key, stream_id in apply_subscriptions(conn, config):

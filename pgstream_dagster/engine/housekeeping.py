@@ -2,24 +2,22 @@
 batch ledger. Run by the ``pgstream_housekeeping`` schedule (``housekeeping.cron``) and once by
 ``pgstream-dagster init`` at start-up, so a fresh install never lacks today's partition.
 
-The retention policy itself lives in SQL (``pgstream.drop_partitions``): it keeps partitions that
-hold undelivered events and says so with a WARNING. Here we measure what is about to be dropped,
-capture those notices and report partitions kept past retention.
+The retention policy itself lives in SQL (``pgstream.expired_partitions``, ``pgstream.drop_partition``):
+it keeps partitions that hold undelivered events and says so with a WARNING, and never waits for a
+lock on ``pgstream.events`` longer than ``housekeeping.lock_timeout_ms`` (application writes queue
+behind a waiting lock request). Here each partition is dropped in its own transaction, and the
+partitions kept past retention or left for the next pass (their locks were held) are reported.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 
 from ..config import HousekeepingConfig
-
-_PARTITION = re.compile(r"^events_(\d{8})$")
-_KEEPING = re.compile(r"keeping partition (\S+)")
 
 
 @dataclass
@@ -28,6 +26,7 @@ class HousekeepingReport:
     created: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # expired but kept: they hold undelivered events
+    busy: list[str] = field(default_factory=list)  # expired, but their locks stayed held: the next pass tries again
     rows_dropped: int = 0
     bytes_dropped: int = 0
     default_rows_deleted: int = 0
@@ -35,57 +34,32 @@ class HousekeepingReport:
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        busy = (f", left {len(self.busy)} for the next pass (their locks were held: {', '.join(self.busy)})"
+                if self.busy else "")
         return (f"housekeeping {self.today}: created {len(self.created)} partitions, dropped {len(self.dropped)} "
-                f"({self.rows_dropped} rows, {self.bytes_dropped} bytes), kept {len(self.kept)} past retention, "
-                f"deleted {self.default_rows_deleted} expired rows of events_default, "
+                f"({self.rows_dropped} rows, {self.bytes_dropped} bytes), kept {len(self.kept)} past retention"
+                f"{busy}, deleted {self.default_rows_deleted} expired rows of events_default, "
                 f"pruned {self.batches_pruned} delivered batches")
 
     def as_dict(self) -> dict[str, Any]:
         return {"today": self.today.isoformat(), "created": self.created, "dropped": self.dropped,
-                "kept": self.kept, "rows_dropped": self.rows_dropped, "bytes_dropped": self.bytes_dropped,
-                "default_rows_deleted": self.default_rows_deleted, "batches_pruned": self.batches_pruned,
-                "warnings": self.warnings}
-
-
-def _partitions(conn: psycopg.Connection) -> dict[str, dt.date]:
-    rows = conn.execute(
-        """select c.relname::text from pg_catalog.pg_inherits i
-           join pg_catalog.pg_class c on c.oid = i.inhrelid
-           where i.inhparent = 'pgstream.events'::regclass""").fetchall()
-    out: dict[str, dt.date] = {}
-    for (name,) in rows:
-        m = _PARTITION.match(name)
-        if m:
-            out[name] = dt.datetime.strptime(m.group(1), "%Y%m%d").date()
-    return out
-
-
-def _measure(conn: psycopg.Connection, name: str, day: dt.date) -> tuple[int, int]:
-    # through pgstream.events (the runtime role may read it, not each partition): the day's range
-    # prunes the scan to the partition
-    row = conn.execute("select (select count(*) from pgstream.events where tableoid = r.oid "
-                       "          and created_at >= (%s::date::timestamp at time zone 'UTC') "
-                       "          and created_at < ((%s::date + 1)::timestamp at time zone 'UTC')), "
-                       "pg_total_relation_size(r.oid) "
-                       "from (select format('pgstream.%%I', %s::text)::regclass::oid as oid) r",
-                       [day, day, name]).fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1])
-
-
-def _default_expired(conn: psycopg.Connection, cutoff: dt.date) -> int:
-    row = conn.execute("select count(*) from pgstream.events_default "
-                       "where created_at < (%s::date::timestamp at time zone 'UTC')", [cutoff]).fetchone()
-    return int(row[0]) if row else 0
+                "kept": self.kept, "busy": self.busy, "rows_dropped": self.rows_dropped,
+                "bytes_dropped": self.bytes_dropped, "default_rows_deleted": self.default_rows_deleted,
+                "batches_pruned": self.batches_pruned, "warnings": self.warnings}
 
 
 def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
                      today: dt.date | None = None) -> HousekeepingReport:
     """One housekeeping pass for UTC day ``today`` (default: the database's UTC today).
 
-    Each step commits on its own (short locks): create partitions ahead; measure and drop the
-    expired ones (rows and bytes counted before dropping, in the dropping transaction); prune
-    delivered batches older than ``ledger_keep_days`` (relative to ``today``).
+    Each step commits on its own: create partitions ahead; drop the expired ones, each in its own
+    transaction (measured, detached and dropped by ``pgstream.drop_partition``), so the ACCESS
+    EXCLUSIVE lock of a detach is held only for that statement; delete the expired rows of
+    ``events_default`` that are done with; prune delivered batches older than ``ledger_keep_days``
+    (relative to ``today``). Every lock on ``pgstream.events`` or a partition is requested with
+    ``lock_timeout_ms``, ``lock_attempts`` times: a partition whose locks stay held (an application
+    transaction that wrote an event and sits idle) is reported in ``busy`` and left for the next pass,
+    and the pass goes on: application writes never wait behind it for longer than one timeout.
     """
     if today is None:
         row = conn.execute("select pgstream.utc_today()").fetchone()
@@ -94,6 +68,7 @@ def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
     assert today is not None
     report = HousekeepingReport(today=today)
     notices: list[str] = []
+    locks = [config.lock_timeout_ms, config.lock_attempts]
 
     def on_notice(diag: psycopg.errors.Diagnostic) -> None:
         if diag.severity_nonlocalized in ("WARNING", "NOTICE") and diag.message_primary:
@@ -102,23 +77,36 @@ def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
     conn.add_notice_handler(on_notice)
     try:
         with conn.transaction():
-            report.created = [r[0] for r in conn.execute("select * from pgstream.create_partitions(%s, %s)",
-                                                         [config.days_ahead, today]).fetchall()]
-        cutoff = today - dt.timedelta(days=config.retention_days)
+            report.created = [r[0] for r in conn.execute("select * from pgstream.create_partitions(%s, %s, %s, %s)",
+                                                         [config.days_ahead, today, *locks]).fetchall()]
+        with conn.transaction():  # the 'fail' policy raises here, before anything is dropped
+            expired = [r[0] for r in conn.execute("select * from pgstream.expired_partitions(%s, %s, %s)",
+                                                  [config.retention_days, today, config.undelivered_policy])]
+        for name in expired:
+            if report.busy:  # every detach needs the lock the last one could not take
+                report.busy.append(name)
+                continue
+            with conn.transaction():
+                row = conn.execute("select status, rows_dropped, bytes_dropped from "
+                                   "pgstream.drop_partition(%s, %s, %s, %s, %s)",
+                                   [name, config.retention_days, today, *locks]).fetchone()
+            assert row is not None
+            status, rows, size = row
+            if status == "dropped":
+                report.dropped.append(name)
+                report.rows_dropped += int(rows)
+                report.bytes_dropped += int(size)
+            elif status == "kept":
+                report.kept.append(name)
+            elif status == "busy":
+                report.busy.append(name)
+        if len(report.busy) > 1:
+            notices.append(f"pgstream: partitions {', '.join(report.busy[1:])} not dropped this pass either: "
+                           f"they need the same locks; the next pass tries again")
         with conn.transaction():
-            expired = {n: _measure(conn, n, day) for n, day in sorted(_partitions(conn).items()) if day < cutoff}
-            default_before = _default_expired(conn, cutoff)
-            report.dropped = [r[0] for r in conn.execute("select * from pgstream.drop_partitions(%s, %s, %s)",
-                                                         [config.retention_days, today,
-                                                          config.undelivered_policy]).fetchall()]
-            report.default_rows_deleted = default_before - _default_expired(conn, cutoff)
-        for name in report.dropped:
-            rows, size = expired.get(name, (0, 0))
-            report.rows_dropped += rows
-            report.bytes_dropped += size
-        kept = {n for n in expired if n not in report.dropped}
-        kept |= {m.group(1) for n in notices if (m := _KEEPING.search(n))}
-        report.kept = sorted(kept)
+            row = conn.execute("select pgstream.delete_expired_default(%s, %s)",
+                               [config.retention_days, today]).fetchone()
+            report.default_rows_deleted = int(row[0]) if row and row[0] is not None else 0
         with conn.transaction():
             # keep_days counted back from the (possibly simulated) today, not from now()
             row = conn.execute("select pgstream.prune_batches("
@@ -141,10 +129,11 @@ def record_run(conn: psycopg.Connection, report: HousekeepingReport) -> None:
     with conn.transaction():
         conn.execute(
             """insert into pgstream.housekeeping_runs
-                   (today, partitions_created, partitions_dropped, partitions_kept, rows_dropped, bytes_dropped,
-                    default_rows_deleted, batches_pruned, warnings)
-               values (%s, %s, %s, %s, %s, %s, %s, %s, %s)""",
-            [report.today, len(report.created), len(report.dropped), len(report.kept), report.rows_dropped,
-             report.bytes_dropped, report.default_rows_deleted, report.batches_pruned, len(report.warnings)])
+                   (today, partitions_created, partitions_dropped, partitions_kept, partitions_busy, rows_dropped,
+                    bytes_dropped, default_rows_deleted, batches_pruned, warnings)
+               values (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+            [report.today, len(report.created), len(report.dropped), len(report.kept), len(report.busy),
+             report.rows_dropped, report.bytes_dropped, report.default_rows_deleted, report.batches_pruned,
+             len(report.warnings)])
         conn.execute("delete from pgstream.housekeeping_runs where id <= "
                      "(select id from pgstream.housekeeping_runs order by id desc offset %s limit 1)", [KEEP_RUNS])

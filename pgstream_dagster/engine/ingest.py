@@ -38,6 +38,7 @@ class ConsumeResult:
     unreadable: int = 0  # events set aside as dead letters (stage 'read')
     slot_busy: bool = False  # another connection reads the slot (an open run's reader): nothing read
     publications_created: list[str] = field(default_factory=list)  # were missing (dropped by hand)
+    slot: str | None = None  # the slot read (pgstream.streams.slot)
 
     def add(self, other: "ConsumeResult") -> None:
         self.batches += other.batches
@@ -50,6 +51,7 @@ class ConsumeResult:
         self.unreadable += other.unreadable
         self.slot_busy = other.slot_busy
         self.publications_created += other.publications_created
+        self.slot = other.slot or self.slot
 
 
 def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult) -> None:
@@ -61,24 +63,26 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
     transaction that records the recovery, so an interruption anywhere makes the next tick
     recover again (duplicates possible, losses not).
     """
-    ledger.ensure_stream(conn, stream.id, stream.slot)
+    slot = result.slot = ledger.ensure_stream(conn, stream.id, stream.slot_name)
     # a publication dropped by hand: logical decoding skips the stream's events without an error
     # (Postgres 18 only warns), so it is put back, and what committed meanwhile is recovered from the
     # table (decoding looks publications up as of each change: re-created, it does not see those)
     result.publications_created = replication.ensure_publications(conn, stream.id)
     if result.publications_created:
         ledger.set_recovery_pending(conn, stream.id)
-    info = replication.slot_info(conn, stream.slot)
+    info = replication.slot_info(conn, slot)
     pending = ledger.recovery_pending(conn, stream.id)
     if info is not None and info["wal_status"] != "lost" and not pending:
         return
+    if info is None and (elsewhere := replication.slot_database(conn, slot)) is not None:
+        raise ledger.SlotElsewhere(stream.id, slot, elsewhere)
     ledger.set_recovery_pending(conn, stream.id)
     if info is not None and info["wal_status"] == "lost":
-        replication.drop_slot(conn, stream.slot)
+        replication.drop_slot(conn, slot)
         result.slot_lost = True
         info = None
     if info is None:
-        replication.create_slot(conn, stream.slot)
+        replication.create_slot(conn, slot)
         result.slot_created = True
     result.recovered = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
 
@@ -106,6 +110,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
     result = ConsumeResult()
     if check_slot:
         ensure_slot(conn, stream, result)
+    slot = result.slot = result.slot or ledger.stream_slot(conn, stream.id)
     deadline = time.monotonic() + budget_secs
     cap = max(stream.batch.max_size * 4, 100_000)
     while True:
@@ -116,7 +121,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
         peeked_at = dt.datetime.now(dt.UTC)
         flushed = replication.flush_lsn(conn)
         try:
-            txns, rows = replication.peek_rows(conn, stream.slot, stream.publication, cap)
+            txns, rows = replication.peek_rows(conn, slot, stream.publication, cap)
         except psycopg.errors.ObjectInUse:
             result.slot_busy = True  # an open run reads it (follow): it records and hands over batches itself
             return result
@@ -148,12 +153,12 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
                 result.last_event_id = last if last is not None else result.last_event_id
             try:
                 if txns:
-                    replication.advance(conn, stream.slot, txns[-1].end_lsn)
+                    replication.advance(conn, slot, txns[-1].end_lsn)
                     result.last_lsn = replication.int_to_lsn(txns[-1].end_lsn)
                 elif complete:
                     # nothing of the stream committed before ``flushed``: skip the other tables' WAL so
                     # the next peek does not decode it again
-                    replication.advance_at_least(conn, stream.slot, flushed)
+                    replication.advance_at_least(conn, slot, flushed)
             except psycopg.errors.ObjectInUse:
                 # an open run's reader took the slot since the peek: the server sends it what was just
                 # recorded again, and it drops that (``unrecorded``)
@@ -192,6 +197,7 @@ class FollowStats:
     events: int = 0
     unreadable: int = 0
     notes: list[str] = field(default_factory=list)
+    slot: str | None = None  # the slot read, once the reader knows it
 
 
 def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threading.Event, stats: FollowStats, *,
@@ -268,7 +274,8 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
         try:
             # with a hand-off, the publication with the whole event: the run delivers what it decodes
             publication = stream.rows_publication if handoff is not None else stream.publication
-            source = walstream.ReplicationStream(database_url, stream.slot, publication, application_name,
+            slot = stats.slot = ledger.stream_slot(conn, stream.id)
+            source = walstream.ReplicationStream(database_url, slot, publication, application_name,
                                                  max_bytes=stream.delivery.max_read_bytes)
         except walstream.SlotBusy:
             pause(0.1)  # the sensor's peek under way: it sees the claim at its next one
@@ -278,7 +285,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
                 continue
             if str(exc) != problem:
                 problem = str(exc)
-                stats.notes.append(f"reading slot {stream.slot} failed ({exc}); trying again")
+                stats.notes.append(f"reading slot {stats.slot} failed ({exc}); trying again")
             wait(FOLLOW_CHECK_SECS)
             continue
         problem = None
@@ -288,7 +295,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
         except (walstream.SlotGone, walstream.StreamBroken) as exc:
             if without_rows(exc):
                 continue
-            stats.notes.append(f"reading slot {stream.slot} stopped ({str(exc).strip()[:300]}); trying again")
+            stats.notes.append(f"reading slot {stats.slot} stopped ({str(exc).strip()[:300]}); trying again")
             wait(FOLLOW_CHECK_SECS)
         finally:
             source.close()

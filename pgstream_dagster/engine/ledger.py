@@ -60,7 +60,7 @@ def _batch(row: dict[str, Any] | None) -> Batch | None:
     return Batch(**row) if row else None
 
 
-#: The unique index on a stream's effective slot name (sql/013_collisions.sql).
+#: The unique index on the slot a stream reads, ``pgstream.streams.slot`` (sql/022_lock_timeouts_and_slot_names.sql).
 SLOT_INDEX = "streams_slot_key"
 
 
@@ -78,43 +78,58 @@ class SlotInUse(RuntimeError):
                          f"stream (each would advance it past the other's events): {advice}")
 
 
-def default_slot(stream_id: int) -> str:
-    return stream_object_name(stream_id)
+class SlotElsewhere(RuntimeError):
+    """The slot a stream reads exists, but in another database of the cluster (slot names are the cluster's)."""
+
+    def __init__(self, stream_id: int, slot: str, database: str) -> None:
+        self.stream_id, self.slot, self.database = stream_id, slot, database
+        super().__init__(f"stream {stream_id}: replication slot {slot} belongs to database {database}, not to this "
+                         f"one (slot names are the cluster's): give stream {stream_id} another streams[].slot_name "
+                         f"in pgstream.yaml, or drop that slot in database {database} if nothing there reads it")
+
+
+def stream_slot(conn: psycopg.Connection, stream_id: int) -> str:
+    """The replication slot stream ``stream_id`` reads (``pgstream.streams.slot``: its ``slot_name``, else
+    its default, a name the database derives, unique in the cluster: ``pgstream.default_slot_name``), or
+    the default a new stream row would get. The one place Python learns a slot's name."""
+    row = conn.execute("select pgstream.stream_slot(%s)", [stream_id]).fetchone()
+    assert row is not None and row[0] is not None
+    return str(row[0])
 
 
 def slot_holder(conn: psycopg.Connection, slot: str, stream_id: int) -> int | None:
-    """The stream other than ``stream_id`` whose slot (``slot_name``, default ``pgstream_stream_<id>``)
-    is ``slot``."""
+    """The stream other than ``stream_id`` that reads ``slot`` (``pgstream.streams.slot``)."""
     row = conn.execute("select pgstream.slot_holder(%s, %s)", [slot, stream_id]).fetchone()
     return int(row[0]) if row and row[0] is not None else None
 
 
-def check_slots(conn: psycopg.Connection, streams: list[tuple[int, str]]) -> None:
-    """Raise :class:`SlotInUse` if a stream (``(id, slot)``) would read a slot that another stream row
-    already reads; before anything changes (``pgstream-dagster init``)."""
-    for stream_id, slot in streams:
+def check_slots(conn: psycopg.Connection, streams: list[tuple[int, str | None]]) -> None:
+    """Raise :class:`SlotInUse` if a stream (``(id, slot_name)``; ``None``: its default slot) would read a
+    slot that another stream row already reads; before anything changes (``pgstream-dagster init``)."""
+    for stream_id, slot_name in streams:
+        slot = slot_name or stream_slot(conn, stream_id)
         holder = slot_holder(conn, slot, stream_id)
         if holder is not None:
             raise SlotInUse(stream_id, slot, holder)
 
 
-def ensure_stream(conn: psycopg.Connection, stream_id: int, slot: str | None = None) -> None:
-    """The stream row (and so its publication) exists; ``slot`` is recorded as the slot it reads.
+def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | None = None) -> str:
+    """The stream row (and so its publication) exists and reads ``slot_name`` (``None``: its default
+    slot); returns the slot it reads.
 
-    Raises :class:`SlotInUse` (nothing changed) when another stream row already has that slot.
+    Raises :class:`SlotInUse` (nothing changed) when another stream row already reads that slot.
     """
     try:
         with conn.transaction():
-            if slot is None:
-                conn.execute("select pgstream.ensure_stream(%s)", [stream_id])
-            else:
-                # the owner's function (the runtime writes no other column of a stream row); it locks
-                # the row only when something changes (a run may hold its lock)
-                conn.execute("select pgstream.register_stream(%s, %s)", [stream_id, slot])
+            # the owner's function (the runtime writes no stream row itself): the row exists and reads
+            # slot_name, null for its default; it locks the row only when something changes (a run may
+            # hold its lock)
+            conn.execute("select pgstream.register_stream(%s, %s)", [stream_id, slot_name])
+            return stream_slot(conn, stream_id)
     except psycopg.errors.UniqueViolation as exc:
         if exc.diag.constraint_name != SLOT_INDEX:
             raise
-        wanted = slot or default_slot(stream_id)
+        wanted = slot_name or stream_slot(conn, stream_id)
         raise SlotInUse(stream_id, wanted, slot_holder(conn, wanted, stream_id)) from None
 
 

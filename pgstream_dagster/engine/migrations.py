@@ -362,7 +362,7 @@ class TearDownRefused(RuntimeError):
 _GENERATED_TRIGGER = """
     t.tgname like 'pgstream\\_%' and p.pronamespace = 'pgstream'::pg_catalog.regnamespace
     and p.proname like '\\_publish\\_%' and not t.tgisinternal"""
-_OWN_NAME = rf"^{STREAM_NAME_PREFIX}[0-9]+$"  # a stream's default slot
+_OLD_DEFAULT_SLOT = rf"^{STREAM_NAME_PREFIX}[0-9]+$"  # a default slot name before pgstream.default_slot_pattern()
 _OWN_PUBLICATION = rf"^{STREAM_NAME_PREFIX}[0-9]+(_rows)?$"  # a stream's publications (the sensor's, the reader's)
 
 #: Every object that ``drop schema pgstream cascade`` would drop, found the way Postgres finds
@@ -451,7 +451,8 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
 
     Drops the drift-guard event triggers, the generated triggers on user tables, the stream
     publications, the ``pgstream`` schema (events included) and every slot a stream used (its
-    ``slot_name``, whatever it is, and any slot named ``pgstream_stream_<id>``). Objects outside the
+    ``slot``, whatever it is, and any slot of this database named like a default slot:
+    ``pgstream.default_slot_pattern()``). Objects outside the
     schema that depend on it (``dependent_objects``) make it refuse with :class:`TearDownRefused`,
     changing nothing, unless ``cascade``: then they are dropped with the schema and listed.
     """
@@ -466,6 +467,7 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
             if dependents and not cascade:
                 raise TearDownRefused(dependents)
             slots = _stream_slots(conn) if had_schema else set()
+            default_slot = _default_slot_pattern(conn) if had_schema else _OLD_DEFAULT_SLOT
             # the drift guard goes first (dropping an event trigger fires none), so nothing below meets it
             for (name,) in conn.execute(
                 "select evtname from pg_event_trigger where evtname like 'pgstream\\_%' order by 1"
@@ -502,7 +504,7 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
         for slot, pid in conn.execute(
             "select slot_name, active_pid from pg_replication_slots "
             "where (slot_name = any(%s) or slot_name ~ %s) "
-            "and database = current_database() order by 1", [sorted(slots), _OWN_NAME]
+            "and database = current_database() order by 1", [sorted(slots), default_slot]
         ).fetchall():
             if pid is not None:
                 # an open run's reader (a walsender) holds it: ended, it lets go of the slot within moments
@@ -522,15 +524,27 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
 
 
 def _stream_slots(conn: psycopg.Connection) -> set[str]:
-    """The slot of every stream row (``slot_name``, from migration 008 on; else the default name)."""
+    """The slot of every stream row (``slot``, from migration 022 on; ``slot_name`` or the old default
+    name before)."""
     if conn.execute("select to_regclass('pgstream.streams') is null").fetchone() == (True,):
         return set()
-    has_name = conn.execute(
-        "select 1 from pg_attribute where attrelid = 'pgstream.streams'::regclass and attname = 'slot_name' "
-        "and not attisdropped").fetchone()
-    column = "coalesce(slot_name, %(prefix)s || id)" if has_name else "%(prefix)s || id"
+    columns = {r[0] for r in conn.execute(
+        "select attname::text from pg_attribute where attrelid = 'pgstream.streams'::regclass "
+        "and attname in ('slot', 'slot_name') and not attisdropped")}
+    column = ("slot" if "slot" in columns else
+              "coalesce(slot_name, %(prefix)s || id)" if "slot_name" in columns else "%(prefix)s || id")
     return {r[0] for r in conn.execute(f"select {column} from pgstream.streams",  # noqa: S608
-                                       {"prefix": STREAM_NAME_PREFIX}).fetchall()}
+                                       {"prefix": STREAM_NAME_PREFIX}).fetchall() if r[0] is not None}
+
+
+def _default_slot_pattern(conn: psycopg.Connection) -> str:
+    """What every default slot name matches (``pgstream.default_slot_pattern()``; the old form before 022)."""
+    row = conn.execute("select to_regprocedure('pgstream.default_slot_pattern()') is not null").fetchone()
+    if row != (True,):
+        return _OLD_DEFAULT_SLOT
+    found = conn.execute("select pgstream.default_slot_pattern()").fetchone()
+    assert found is not None
+    return str(found[0])
 
 
 def _schema_exists(conn: psycopg.Connection) -> bool:

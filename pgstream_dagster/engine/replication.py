@@ -233,6 +233,14 @@ def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
     return {"confirmed_flush_lsn": row[0], "wal_status": row[1], "retained_bytes": row[2], "active": row[3]}
 
 
+def slot_database(conn: psycopg.Connection, slot: str) -> str | None:
+    """The database of the cluster's slot named ``slot``, if it is another database's (slot names are the
+    cluster's: ``pg_create_logical_replication_slot`` would fail with "already exists")."""
+    row = conn.execute("select database from pg_replication_slots where slot_name = %s "
+                       "and database is distinct from current_database()", [slot]).fetchone()
+    return None if row is None else str(row[0] or "(a physical slot)")
+
+
 def create_slot(conn: psycopg.Connection, slot: str) -> str:
     """Create the pgoutput slot; returns its consistent point. Must not run inside a transaction
     that has written anything (Postgres requires a fresh snapshot)."""

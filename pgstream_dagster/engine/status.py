@@ -127,8 +127,8 @@ def slot_wal(conn: psycopg.Connection, slot: str) -> tuple[Any, ...] | None:
 
 def orphaned_slots(conn: psycopg.Connection) -> list[dict[str, Any]]:
     """``pgstream.orphaned_slots``: logical slots of this database named like a stream's default slot
-    (``pgstream_stream_<id>``) that no stream of ``pgstream.streams`` reads, left by a deleted stream or
-    by a stream whose ``slot_name`` changed. Each keeps its WAL (``retained_bytes``) until it is dropped."""
+    (``pgstream.default_slot_pattern()``) that no stream of ``pgstream.streams`` reads, left by a deleted
+    stream or by a stream whose ``slot_name`` changed. Each keeps its WAL (``retained_bytes``) until it is dropped."""
     rows = conn.execute("select slot_name, retained_bytes, active, wal_status from pgstream.orphaned_slots "
                         "order by slot_name").fetchall()
     return [{"slot_name": name, "retained_bytes": int(retained), "active": bool(active), "wal_status": status}

@@ -93,6 +93,12 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
+    if new.default_slot is distinct from old.default_slot
+       and (pg_catalog.to_jsonb(new) operator(pg_catalog.-) 'default_slot'::text operator(pg_catalog.-) 'slot'::text)
+           operator(pg_catalog.=)
+           (pg_catalog.to_jsonb(old) operator(pg_catalog.-) 'default_slot'::text operator(pg_catalog.-) 'slot'::text) then
+        return new;  -- a default slot name derived again (pgstream.stream_slot, the migration): not an edit
+    end if;
     new.updated_at := now();
     return new;
 end
@@ -101,6 +107,87 @@ revoke all on function pgstream._touch_updated_at() from public;
 
 create or replace trigger touch_updated_at before update on pgstream.streams
 for each row execute function pgstream._touch_updated_at();
+
+-- ---------------------------------------------------------------------------------------------
+-- Default slot names (sql/022_lock_timeouts_and_slot_names.sql). Slots are the cluster's: a stream's
+-- default slot is pgstream_stream_<id>_d<database oid>_<12 hex digits of sha256(install secret, oid,
+-- id)>. Unique in the cluster (the oid), the same after ALTER DATABASE ... RENAME (the oid stays),
+-- and not to be guessed by a role of another database that may create slots (the secret is in
+-- pgstream.install, which only the owner reads): once a slot exists its name is visible
+-- cluster-wide, but not the names of the streams to come. A database restored by pg_dump, or copied
+-- with CREATE DATABASE ... TEMPLATE, has another oid: its streams' defaults are derived again on
+-- first use (pgstream.stream_slot), and their slots created there. A stream from before 022 whose
+-- slot pgstream_stream_<id> existed keeps it (the migration stored it as its default_slot).
+
+-- What every default slot name matches, old form (pgstream_stream_<id>) and new: the orphaned_slots
+-- view and tear-down recognise pgstream's slots by it.
+create or replace function pgstream.default_slot_pattern()
+returns text language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select '^pgstream_stream_[0-9]+(_d[0-9]+_[0-9a-f]{12})?$'::text $$;
+-- a constant: the roles that may read the orphaned_slots view (or the metrics) need it
+grant execute on function pgstream.default_slot_pattern() to public;
+
+-- The default slot name of stream p_stream_id in this database (see above). Runs as its caller:
+-- the owner, or a security definer function of pgstream (only they read pgstream.install).
+create or replace function pgstream.default_slot_name(p_stream_id bigint)
+returns text language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select 'pgstream_stream_' || p_stream_id::text || '_d' || d.oid::text || '_'
+           || pg_catalog.left(pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(
+                  i.secret::text || '/' || d.oid::text || '/' || p_stream_id::text, 'UTF8')), 'hex'), 12)
+    from pgstream.install i
+    join pg_catalog.pg_database d on d.datname = pg_catalog.current_database()
+$$;
+revoke all on function pgstream.default_slot_name(bigint) from public;
+
+-- A new stream row gets its default slot name; nobody chooses it (slot_name does that).
+create or replace function pgstream._default_slot()
+returns trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    new.default_slot := pgstream.default_slot_name(new.id);
+    return new;
+end
+$$;
+revoke all on function pgstream._default_slot() from public;
+
+create or replace trigger default_slot before insert on pgstream.streams
+for each row execute function pgstream._default_slot();
+
+-- The rows the migration left without a default (their old slot did not exist): the new name.
+update pgstream.streams set default_slot = pgstream.default_slot_name(id) where default_slot is null;
+
+-- The slot stream p_stream_id reads (streams.slot), or the default a new row would get. A default
+-- derived in another database (the row came with pg_dump or a template copy; that database's slot
+-- is not this one's) is derived again first.
+create or replace function pgstream.stream_slot(p_stream_id bigint)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_default text;
+    v_ours    text := pgstream.default_slot_name(p_stream_id);
+    v_slot    text;
+begin
+    select s.default_slot, s.slot into v_default, v_slot from pgstream.streams s where s.id = p_stream_id;
+    if not found then
+        return v_ours;
+    end if;
+    if v_default ~ '_d[0-9]+_[0-9a-f]{12}$' and v_default <> v_ours then
+        update pgstream.streams set default_slot = v_ours where id = p_stream_id
+        returning slot into v_slot;
+    end if;
+    return v_slot;
+end
+$$;
+revoke all on function pgstream.stream_slot(bigint) from public;
 
 -- ---------------------------------------------------------------------------------------------
 -- One slot, one stream (the unique index streams_slot_key is in 013_collisions.sql).
@@ -114,7 +201,7 @@ stable
 set search_path = pg_catalog, pg_temp
 as $$
     select s.id from pgstream.streams s
-    where coalesce(s.slot_name, 'pgstream_stream_' || s.id::text) = p_slot and s.id <> p_stream_id
+    where s.slot = p_slot and s.id <> p_stream_id
     order by s.id
     limit 1
 $$;
@@ -129,7 +216,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_slot   text := 'pgstream_stream_' || p_stream_id::text;
+    v_slot   text := pgstream.default_slot_name(p_stream_id);
     v_holder bigint;
 begin
     if exists (select 1 from pgstream.streams where id = p_stream_id) then
@@ -147,8 +234,8 @@ end
 $$;
 revoke all on function pgstream.ensure_stream(bigint) from public;
 
--- The stream row for stream p_stream_id reading slot p_slot: created when missing (and so its
--- publications), its slot_name set when it differs. Runs as the owner: the runtime role registers
+-- The stream row for stream p_stream_id reading slot p_slot (null: its default slot): created when
+-- missing (and so its publications), its slot_name set when it differs. Runs as the owner: the runtime role registers
 -- the streams of its configuration at each tick (engine/ledger.py ensure_stream) and may write no
 -- other column of pgstream.streams this way. A slot another stream reads is refused
 -- (unique_violation on streams_slot_key, which the caller names).
@@ -163,12 +250,17 @@ begin
         raise exception 'pgstream: register_stream: stream id must be positive, got %', p_stream_id
             using errcode = 'invalid_parameter_value';
     end if;
-    if p_slot is null or p_slot operator(pg_catalog.!~) '^[a-z0-9_]{1,63}$' then
+    if p_slot operator(pg_catalog.!~) '^[a-z0-9_]{1,63}$' then
         raise exception 'pgstream: register_stream: stream %: slot name % is not [a-z0-9_]{1,63}', p_stream_id,
             pg_catalog.quote_nullable(p_slot) using errcode = 'invalid_parameter_value';
     end if;
-    -- neither statement locks the row when nothing changes (a run may hold its lock)
-    insert into pgstream.streams (id, slot_name) values (p_stream_id, p_slot) on conflict (id) do nothing;
+    -- neither statement locks the row when nothing changes (a run may hold its lock); a null slot is
+    -- the stream's default (streams.default_slot)
+    if p_slot is null then
+        perform pgstream.ensure_stream(p_stream_id);
+    else
+        insert into pgstream.streams (id, slot_name) values (p_stream_id, p_slot) on conflict (id) do nothing;
+    end if;
     update pgstream.streams set slot_name = p_slot
     where id operator(pg_catalog.=) p_stream_id and slot_name is distinct from p_slot;
 end

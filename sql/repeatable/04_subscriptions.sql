@@ -1256,12 +1256,7 @@ declare
     v_begun   boolean;
     v_super   boolean := (select r.rolsuper from pg_catalog.pg_roles r where r.rolname = current_user);
 begin
-    -- the lock CREATE TRIGGER takes, taken before the when_clauses are checked: the table's owner
-    -- cannot retype a column between the check (built-in types only, parsed as pgstream_writer) and
-    -- CREATE TRIGGER, which parses the WHEN as the owner
-    if v_rel is not null then
-        execute pg_catalog.format('lock table %s in share row exclusive mode', v_rel);
-    end if;
+    -- first without a lock: a trigger that is as generated stays, and application writes never wait
     select * into v_gen from pgstream.generated_trigger(p_schema, p_table, p_op, p_mode);
 
     if v_rel is not null then
@@ -1284,6 +1279,14 @@ begin
         return false;
     end if;
 
+    -- something to create: the lock CREATE TRIGGER takes, then the check again under it, so the
+    -- table's owner cannot retype a column between the check (built-in types only, parsed as
+    -- pgstream_writer) and CREATE TRIGGER, which parses the WHEN as the owner
+    if v_rel is not null then
+        execute pg_catalog.format('lock table %s in share row exclusive mode', v_rel);
+        select * into v_gen from pgstream.generated_trigger(p_schema, p_table, p_op, p_mode);
+        v_hash := pgstream.generated_trigger_hash(v_gen.function_body, v_gen.when_clause);
+    end if;
     v_begun := pgstream._internal_ddl_begin();
     if v_rel is not null then
         execute pg_catalog.format('drop trigger if exists %I on %s', v_trg, v_rel);

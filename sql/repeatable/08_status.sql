@@ -23,7 +23,7 @@ select s.id,
            and b.delivered_at >= (pgstream.utc_today()::timestamp at time zone 'UTC')) as delivered_today,
        (select max(b.last_event_id) from pgstream.batches b where b.stream_id = s.id) as last_recorded_event_id,
        (select max(b.delivered_at) from pgstream.batches b where b.stream_id = s.id) as last_delivered_at,
-       coalesce(s.slot_name, 'pgstream_stream_' || s.id) as slot_name,
+       s.slot as slot_name,
        r.slot_name is not null as slot_exists,
        r.wal_status,
        pg_wal_lsn_diff(pg_current_wal_lsn(), r.restart_lsn)::bigint as slot_retained_bytes,
@@ -41,11 +41,12 @@ cross join lateral (
     from pgstream.dead_letters dl
     where dl.stream_id = s.id and dl.status = 'open') d
 left join pg_catalog.pg_replication_slots r
-  on r.slot_name = coalesce(s.slot_name, 'pgstream_stream_' || s.id) and r.database = current_database();
+  on r.slot_name = s.slot and r.database = current_database();
 
 revoke all on pgstream.stream_status from public;
 
--- Logical slots of this database named like a stream's default slot (pgstream_stream_<id>) that no
+-- Logical slots of this database named like a stream's default slot (pgstream.default_slot_pattern():
+-- pgstream_stream_<id>, or pgstream_stream_<id>_d<oid>_<hex>; other databases' are not listed) that no
 -- stream reads: left by a deleted stream, or by a stream whose slot_name changed. Each keeps its WAL
 -- until dropped (the no_orphaned_slots check, `pgstream-dagster status`, the
 -- pgstream_orphaned_slot_retained_wal_bytes metric). A custom-named slot a stream stopped using cannot
@@ -58,8 +59,7 @@ select r.slot_name::text as slot_name,
 from pg_catalog.pg_replication_slots r
 where r.database = current_database()
   and r.slot_type = 'logical'
-  and r.slot_name::text ~ '^pgstream_stream_[0-9]+$'
-  and not exists (select 1 from pgstream.streams s
-                  where coalesce(s.slot_name, 'pgstream_stream_' || s.id) = r.slot_name::text);
+  and r.slot_name::text ~ pgstream.default_slot_pattern()
+  and not exists (select 1 from pgstream.streams s where s.slot = r.slot_name::text);
 
 revoke all on pgstream.orphaned_slots from public;

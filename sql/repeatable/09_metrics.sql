@@ -227,7 +227,7 @@ union all
 select g.metric, s.id, g.label, g.value
 from pgstream.streams s
 left join pg_catalog.pg_replication_slots r
-  on r.slot_name = coalesce(s.slot_name, 'pgstream_stream_' || s.id) and r.database = current_database()
+  on r.slot_name = s.slot and r.database = current_database()
 cross join lateral (
     select coalesce(sum(c.value) filter (where c.name = 'events_recorded'), 0)
              - coalesce(sum(c.value) filter (where c.name = 'events_done'), 0) as events,
@@ -259,7 +259,7 @@ cross join lateral (values
     ('failover_current', '', coalesce(extract(epoch from now() - s.failover_since), 0)::float8),
     ('failover_attempts', '', s.failover_attempts::float8),
     ('dead_letters_open', '', letters.n::float8),
-    ('slot_info', coalesce(s.slot_name, 'pgstream_stream_' || s.id), 1::float8),
+    ('slot_info', s.slot, 1::float8),
     ('slot_exists', '', (r.slot_name is not null)::integer::float8),
     ('slot_active', '', coalesce(r.active, false)::integer::float8),
     ('slot_retained_wal', '', coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), r.restart_lsn), 0)::float8),
@@ -277,6 +277,7 @@ cross join lateral (values
     ('housekeeping_partitions', 'created', h.partitions_created::float8),
     ('housekeeping_partitions', 'dropped', h.partitions_dropped::float8),
     ('housekeeping_partitions', 'kept', h.partitions_kept::float8),
+    ('housekeeping_partitions', 'busy', h.partitions_busy::float8),
     ('housekeeping_rows', 'dropped', h.rows_dropped::float8),
     ('housekeeping_rows', 'default_deleted', h.default_rows_deleted::float8),
     ('housekeeping_bytes_dropped', '', h.bytes_dropped::float8),

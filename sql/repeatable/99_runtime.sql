@@ -103,8 +103,8 @@ grant insert, update, delete on pgstream.key_progress to pgstream_runtime;
 -- pgstream's session locks (repeatable/00_locks.sql run as their caller)
 grant insert (name, key, pid, backend_start, usesysid, holder, taken_at),
       update (pid, backend_start, usesysid, holder, taken_at) on pgstream.locks to pgstream_runtime;
-grant insert (today, partitions_created, partitions_dropped, partitions_kept, rows_dropped, bytes_dropped,
-              default_rows_deleted, batches_pruned, warnings), delete on pgstream.housekeeping_runs
+grant insert (today, partitions_created, partitions_dropped, partitions_kept, partitions_busy, rows_dropped,
+              bytes_dropped, default_rows_deleted, batches_pruned, warnings), delete on pgstream.housekeeping_runs
     to pgstream_runtime;
 
 -- pgstream_runtime: functions. SECURITY DEFINER (run as the owner, each validating its input):
@@ -118,8 +118,12 @@ grant execute on function
     pgstream.skip_batch(bigint, bigint),
     pgstream.set_paused(bigint, boolean),
     pgstream.prune_batches(interval),
-    pgstream.create_partitions(integer, date),
-    pgstream.drop_partitions(integer, date, text),
+    pgstream.create_partitions(integer, date, integer, integer),
+    pgstream.drop_partitions(integer, date, text, integer, integer),
+    pgstream.expired_partitions(integer, date, text),
+    pgstream.drop_partition(text, integer, date, integer, integer),
+    pgstream.delete_expired_default(integer, date),
+    pgstream.stream_slot(bigint),
     pgstream.set_aside_events(bigint, bigint[], text),
     pgstream.discard_dead_letters(bigint, bigint[], text),
     pgstream.expected_trigger(text, text, pgstream.operation_type, text),

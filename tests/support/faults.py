@@ -14,10 +14,10 @@ import psycopg
 from pgstream_dagster.engine import replication
 
 from .endpoint import Endpoint
-from .harness import Driver
+from .harness import Driver, slot_of
 
 STREAM = 1
-SLOT = "pgstream_stream_1"
+PUBLICATION = "pgstream_stream_1"  # the sensor's publication of stream 1
 
 
 def stream_config(sink: Endpoint | dict[str, Any], **over: Any) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def stream_row(url: str) -> dict[str, Any]:
 
 def slot_has_events(url: str) -> bool:
     with psycopg.connect(url) as c:
-        return any(t.events for t in replication.peek(c, SLOT, SLOT, 100_000))
+        return any(t.events for t in replication.peek(c, slot_of(url, STREAM), PUBLICATION, 100_000))
 
 
 def in_failover(url: str) -> bool:
