@@ -350,7 +350,7 @@ def test_make_dev_installs_as_a_non_superuser_owner_and_runs_as_the_runtime(pg: 
                              ).fetchall() == [(DEMO_OWNER,), (DEMO_OWNER,)]
             assert c.execute("select count(*) from pgstream.subscriptions").fetchone() == (2,)
             assert c.execute("select slot_name from pg_replication_slots where database = %s", [name]).fetchall() == [
-                ("pgstream_stream_1",)]
+                (c.execute("select slot from pgstream.streams where id = 1").fetchone()[0],)]
         _run(urls["owner"], "insert into demo.users (email, email_verified) values ('ada@example.com', true)")
         assert _count(urls["runtime"], "select count(*) from pgstream.events") == 1
         init(demo, owner_url=urls["owner"])  # again: nothing to do
