@@ -19,6 +19,7 @@ from pgstream_dagster.defs.names import CHECKS_JOB, deliveries_asset_key
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
+from pgstream_dagster.engine.migrations import WRITER_ROLE
 
 from .support.dagster_instance import postgres_instance
 from .support.harness import backdated, slot_of, write_config
@@ -106,10 +107,24 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
             "alter event trigger pgstream_drift_guard_alter enable")
     assert checks.failing() == set()
 
-    # trigger function replaced by hand (the trigger's comment still matches: only its source tells)
     with psycopg.connect(app) as c:
         (fn,) = c.execute("select p.proname from pg_trigger t join pg_proc p on p.oid = t.tgfoid "
                           "where t.tgname = 'pgstream_insert'").fetchone()  # type: ignore[misc]
+
+    # on an install without the drift guard, code that runs as pgstream_writer (a cast on a table owner's
+    # type) makes the function it owns SECURITY INVOKER, or drops its search_path: source and comment still
+    # match, the check names it, and regenerating restores it
+    for change in ("security invoker", "reset search_path"):
+        execute(app, "alter event trigger pgstream_drift_guard_alter disable", f"set role {WRITER_ROLE}",
+                f"alter function pgstream.{fn}() {change}", "reset role",
+                "alter event trigger pgstream_drift_guard_alter enable")
+        ev = checks.run()["trigger"]
+        assert not ev.passed and "runs as its caller or without its search_path" in (ev.description or ""), change
+        with psycopg.connect(app, autocommit=True) as c:
+            c.execute("select pgstream.regenerate_trigger('public', 'users', 'INSERT')")
+        assert checks.failing() == set(), change
+
+    # trigger function replaced by hand (the trigger's comment still matches: only its source tells)
     execute(app, "alter event trigger pgstream_drift_guard_alter disable",  # the guard refuses it
             f"create or replace function pgstream.{fn}() returns trigger language plpgsql "
             "as $$ begin return null; end $$", "alter event trigger pgstream_drift_guard_alter enable")

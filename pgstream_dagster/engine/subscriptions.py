@@ -238,6 +238,8 @@ class TriggerState:
     installed_source: str | None = None
     enabled: str | None = None  # pg_trigger.tgenabled: O/A/R fire, D disabled
     mode: str = "row"  # 'row' or 'statement' (trigger_mode)
+    #: the function is SECURITY DEFINER, owned by pgstream_writer, with search_path = pg_catalog, pg_temp
+    installed_confined: bool | None = None
 
     def problems(self) -> list[str]:
         """Why the installed trigger does not match its definition (empty: it matches)."""
@@ -253,6 +255,11 @@ class TriggerState:
             out.append(f"trigger calls pgstream.{self.installed_function}(), expected pgstream.{self.function_name}()")
         elif self.installed_source != self.function_body:
             out.append(f"function pgstream.{self.function_name}() was changed by hand")
+        elif not self.installed_confined:
+            out.append(f"function pgstream.{self.function_name}() runs as its caller or without its search_path "
+                       f"(it must be SECURITY DEFINER, owned by pgstream_writer, with search_path = pg_catalog, "
+                       f"pg_temp: changed by code that ran as pgstream_writer on an install without the drift "
+                       f"guard?): pgstream.repair_trigger restores it")
         if self.enabled == "D":
             out.append(f"trigger {self.trigger_name} is disabled")
         return out
@@ -271,14 +278,16 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
     state = TriggerState(trigger_name=row[0], function_name=row[1], function_body=row[2], when_clause=row[3],
                          expected_hash=row[4], mode=mode)
     installed = conn.execute(
-        """select t.oid::bigint, obj_description(t.oid, 'pg_trigger'), p.proname::text, p.prosrc, t.tgenabled::text
+        """select t.oid::bigint, obj_description(t.oid, 'pg_trigger'), p.proname::text, p.prosrc, t.tgenabled::text,
+                  p.prosecdef and p.proowner = 'pgstream_writer'::regrole
+                  and p.proconfig = array['search_path=pg_catalog, pg_temp']
            from pg_catalog.pg_trigger t join pg_catalog.pg_proc p on p.oid = t.tgfoid
            where t.tgrelid = to_regclass(format('%%I.%%I', %s::text, %s::text)) and t.tgname = %s""",
         [schema, table, state.trigger_name]).fetchone()
     if installed is None:
         return state
     return replace(state, trigger_oid=installed[0], installed_hash=installed[1], installed_function=installed[2],
-                   installed_source=installed[3], enabled=installed[4])
+                   installed_source=installed[3], enabled=installed[4], installed_confined=installed[5])
 
 
 def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity) -> dict[str, Any] | None:

@@ -1253,6 +1253,7 @@ declare
     v_hash    text;
     v_current text;
     v_owner   pg_catalog.name;
+    v_fn_ok   boolean;  -- the function is as generated: its source, SECURITY DEFINER, its search_path
     v_begun   boolean;
     v_super   boolean := (select r.rolsuper from pg_catalog.pg_roles r where r.rolname = current_user);
 begin
@@ -1263,12 +1264,15 @@ begin
         select pg_catalog.obj_description(t.oid, 'pg_trigger') into v_current
         from pg_catalog.pg_trigger t where t.tgrelid = v_rel and t.tgname = v_trg;
     end if;
-    select r.rolname into v_owner
+    select r.rolname,
+           p.prosrc = v_gen.function_body and p.prosecdef
+           and p.proconfig = array['search_path=pg_catalog, pg_temp']::text[]
+    into v_owner, v_fn_ok
     from pg_catalog.pg_proc p join pg_catalog.pg_roles r on r.oid = p.proowner
     where p.oid = pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', v_fn));
     v_hash := pgstream.generated_trigger_hash(v_gen.function_body, v_gen.when_clause);
     if not p_force and v_gen.function_body is not null and v_current is not distinct from v_hash
-       and v_owner = 'pgstream_writer' then
+       and v_owner = 'pgstream_writer' and v_fn_ok then
         -- unchanged; the partitions created or detached since get or lose their copy
         v_begun := pgstream._internal_ddl_begin();
         perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
