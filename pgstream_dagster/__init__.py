@@ -1,4 +1,4 @@
-"""pgstream-dagster: durable Postgres change events delivered by Dagster runs on Spark."""
+"""pgstream-dagster: durable Postgres change events delivered in commit order by Dagster runs."""
 
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
