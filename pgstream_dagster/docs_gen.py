@@ -154,10 +154,12 @@ def configuration_page() -> str:
              "## pgstream.yaml\n\n", _table(list(_rows(PgstreamConfig, "")))]
     for sink in sorted(sinks, key=lambda m: str(m.model_fields["type"].default)):
         sink_type = sink.model_fields["type"].default
+        anchor = "file-and-memory" if sink_type in ("file", "memory") else sink_type
         parts += [f"\n## Sink `{sink_type}`\n\n",
                   f"`streams[].sink` with `type: {sink_type}` (`{sink.__name__}`). "
-                  f"{_summary(sink)} What each key means: [Sinks](../sinks.md).\n\n",
-                  _table(list(_rows(sink, "sink.")))]
+                  f"{_summary(sink)}\n\n",
+                  _table([(key, kind, default, rng, text or f"see [Sinks, `{sink_type}`](../sinks.md#{anchor})")
+                          for key, kind, default, rng, text in _rows(sink, "sink.")])]
     return "".join(parts)
 
 
