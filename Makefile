@@ -1,11 +1,12 @@
 # make dev  - venv + local Postgres (wal_level=logical) + migrations + demo + `dg dev`
-# make test - venv + lint + `dg check defs` / `dg list defs` + the whole test suite (what CI runs)
+# make test - venv + lint + `dg check defs` / `dg list defs` + `mkdocs build --strict` + the whole test suite (what CI runs)
+# make docs - serve the documentation site (docs/, mkdocs.yml) on http://127.0.0.1:8000
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
+.PHONY: dev test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +27,17 @@ test: $(STAMP)
 	$(BIN)/lint-imports
 	home=$$(mktemp -d) && printf 'telemetry:\n  enabled: false\n' >"$$home/dagster.yaml" && $(DG_LOAD_ENV) $(BIN)/dg check defs && $(DG_LOAD_ENV) $(BIN)/dg list defs >/dev/null; \
 	  status=$$?; rm -rf "$$home"; exit $$status
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$site"; \
+	  status=$$?; rm -rf "$$site"; exit $$status
 	$(BIN)/python -m pytest
+
+# the documentation site, rebuilt on every change
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+# the generated reference pages (docs/reference/): configuration, CLI, metrics, SQL objects
+docs-reference: $(STAMP)
+	$(BIN)/pgstream-dagster docs
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

@@ -1,8 +1,12 @@
-"""pgstream-dagster: durable Postgres change events delivered by Dagster runs on Spark."""
+"""pgstream-dagster: durable Postgres change events delivered in commit order by Dagster runs."""
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("pgstream-dagster")  # the release pyproject.toml names, as installed
+except PackageNotFoundError:  # a source tree on PYTHONPATH without the package installed
+    __version__ = "0+unknown"
 __all__ = ["StreamComponent", "__version__"]
 
 if TYPE_CHECKING:

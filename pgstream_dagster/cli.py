@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from . import __version__
+
 if TYPE_CHECKING:
     from .engine.controls import Action
 
@@ -497,6 +499,20 @@ def _cmd_spark_connect(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _cmd_docs(args: argparse.Namespace) -> int:
+    from . import docs_gen
+
+    if args.database_url:
+        changed = docs_gen.write(Path(args.root), args.database_url)
+    else:
+        with docs_gen.scratch_database() as url:
+            changed = docs_gen.write(Path(args.root), url)
+    for path in changed:
+        print(f"wrote {path}")
+    print(f"{len(changed)} page(s) changed")
+    return 0
+
+
 def _key_value(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
@@ -506,6 +522,8 @@ def _key_value(item: str) -> tuple[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pgstream-dagster", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the installed release and exit")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--database-url", help="Postgres URL (default: $PGSTREAM_DATABASE_URL)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -583,8 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (Spark Connect has no authentication: keep it private)")
     p.add_argument("--master", default="local[*]",
-                   help="the server's Spark master (spark://host:7077, k8s://...: see README, Running on a Spark "
-                        "cluster)")
+                   help="the server's Spark master (spark://host:7077, k8s://...: see docs/spark-clusters.md)")
     p.add_argument("--conf", action="append", metavar="KEY=VALUE",
                    help="a Spark setting of the server (repeatable), e.g. spark.pyspark.python=/opt/venv/bin/python")
     p.add_argument("--stop", action="store_true", help="stop the server `make dev` started in .pgstream/")
@@ -597,6 +614,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="add the sink types of this pgstream.yaml's by_key streams")
     _add_defs_folder(p)
     p.set_defaults(func=_cmd_executor_requirements)
+
+    p = sub.add_parser("docs", help="write the generated reference pages under docs/reference/ (configuration, CLI, "
+                                    "metrics, and the SQL objects of a freshly migrated database)")
+    p.add_argument("--database-url", help="a freshly migrated database to read the SQL objects from (default: "
+                                          "one migrated on a throw-away local Postgres)")
+    p.add_argument("--root", default=".", help="the repository to write into")
+    p.set_defaults(func=_cmd_docs)
     return parser
 
 

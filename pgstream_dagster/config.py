@@ -44,25 +44,35 @@ class _Model(BaseModel):
 
 
 class BatchConfig(_Model):
-    max_size: int = Field(1000, ge=1, le=1_000_000, description="events per delivery run at most")
-    max_fill_secs: float = Field(0.5, ge=0, le=3600, description="wait at most this long to fill a batch")
+    max_size: int = Field(1000, ge=1, le=1_000_000,
+                          description="events per ledger batch at most: the sensor (or an open run's slot reader) "
+                                      "cuts what it reads from the slot into batches of this size (a run takes many "
+                                      "batches: delivery.max_events_per_run)")
+    max_fill_secs: float = Field(0.5, ge=0, le=3600,
+                                 description="the sensor records waiting events as a batch once the oldest waited "
+                                             "this long, even if the batch is not full")
 
 
 class DeliveryConfig(_Model):
-    ordering: Literal["global", "by_key"] = "global"
+    ordering: Literal["global", "by_key"] = Field(
+        "global", description="global: the run's own process publishes every event in commit order (no Spark for "
+                              "rounds up to direct_max_events); by_key: Spark tasks publish in parallel, each key "
+                              "(routing_key) in commit order")
     routing_key: EventPath = Field("group_id",
                                    description="event path (payload, or metadata:<path>) used to partition "
                                                "deliveries when ordering=by_key")
-    parallelism: int = Field(4, ge=1, le=256)
+    parallelism: int = Field(4, ge=1, le=256, description="ordering by_key: Spark partitions (tasks) a round is "
+                                                           "split into by routing_key")
     chunk_size: int = Field(500, ge=1, le=100_000, description="events handed to the sink per publish call")
     max_events_per_run: int = Field(100_000, ge=1, le=10_000_000,
                                     description="a run takes every pending batch behind the head, up to this many "
                                                 "events (adaptive batching; a backlog drains in few runs)")
     rows_per_partition: int = Field(50_000, ge=100, le=1_000_000,
-                                    description="events per Spark partition (one Spark job each when delivering "
-                                                "in order; the driver holds about two partitions)")
-    prefetch_partitions: bool = Field(True, description="ordered delivery: Spark reads the next partition while "
-                                                        "the sink publishes the current one")
+                                    description="events per Spark partition when Spark reads (by_key rounds, a "
+                                                "single batch larger than direct_max_events, direct_max_events "
+                                                "0); the driver holds about two partitions")
+    prefetch_partitions: bool = Field(True, description="ordered delivery read by Spark: Spark reads the next "
+                                                        "partition while the sink publishes the current one")
     linger_secs: float = Field(120, ge=0, le=86400,
                                description="a run stays open this long after its last batch, and the sensor hands it "
                                            "every new batch: fresh events skip run start-up and Spark start "
@@ -77,9 +87,8 @@ class DeliveryConfig(_Model):
     direct_max_events: int = Field(
         100_000, ge=0, le=1_000_000,
         description="ordering global: a round of at most this many events is read by the run's own connection "
-                    "(5,000 at a time) instead of by Spark: a Spark job costs 0.1-0.3 s and about half a "
-                    "CPU-second, and Spark's JVM and workers more CPU per event than a direct read "
-                    "(bench/cpu.py); a larger backlog is delivered in rounds of this size (whole batches, at "
+                    "(5,000 at a time) instead of by Spark (a Spark job costs 0.1-0.3 s and about half a "
+                    "CPU-second); a larger backlog is delivered in rounds of this size (whole batches, at "
                     "least one). Replays to a sink other than a file also read without Spark, 5,000 events at "
                     "a time (0: always Spark)")
     max_read_bytes: int = Field(
@@ -88,9 +97,7 @@ class DeliveryConfig(_Model):
                     "to the sink in one publish call, at most (one event at least): every read is cut at this as well "
                     "as at its number of rows, so events that are large as text (small stored: compressed) cannot "
                     "fill the run's memory. A run holds about four times this at its peak, or four times its largest "
-                    "event; events of up to 6 KiB never reach it (5,000 are read at a time). Measured with 5,000 "
-                    "events of 32 KiB: the same speed from 8 MiB to 1 GiB (within the noise of shared CPUs), a peak "
-                    "of Python memory of 33, 53, 68, 99 and 185 MiB at 8, 16, 32, 64 and 1024 MiB")
+                    "event; events of up to 6 KiB never reach it (5,000 are read at a time)")
     report_every_secs: float = Field(5, ge=0, le=3600,
                                      description="an open run reports its rounds to Dagster together (run log line, "
                                                  "deliveries materialization, status observation) at most this "
@@ -118,7 +125,8 @@ class DeliveryConfig(_Model):
 
 
 class SensorConfig(_Model):
-    interval_secs: int = Field(1, ge=1, le=3600)
+    interval_secs: int = Field(1, ge=1, le=3600, description="the sensor's minimum interval between ticks (Dagster's "
+                                                              "daemon starts one at most every 5 s)")
     tick_budget_secs: float = Field(4.5, gt=0, le=50,
                                     description="how long one tick keeps recording and handing batches to the open "
                                                 "run; Dagster's daemon starts a sensor tick at most every 5 s, so "
@@ -161,9 +169,9 @@ def stream_object_name(stream_id: int) -> str:
 
 
 class StreamConfig(_Model):
-    id: int = Field(ge=1, le=MAX_STREAM_ID)
+    id: int = Field(ge=1, le=MAX_STREAM_ID, description="the stream's id (unique)")
     batch: BatchConfig = BatchConfig()
-    sink: SinkConfig
+    sink: SinkConfig = Field(description="where the stream's events are delivered (type selects the sink)")
     delivery: DeliveryConfig = DeliveryConfig()
     sensor: SensorConfig = SensorConfig()
     retry: RetryConfig = RetryConfig()
@@ -192,20 +200,23 @@ class Extension(_Model):
     """A value computed per event: ``json_path`` (``a.b``) set to the SQL ``expression`` over ``new``/``old``
     (a payload extension, or a metadata extension)."""
 
-    json_path: str
-    expression: str
+    json_path: str = Field(description="where the value goes: a dotted path (a.b)")
+    expression: str = Field(description="SQL over new/old, evaluated as pgstream_writer")
 
 
 class SubscriptionConfig(_Model):
-    key: str = Field(min_length=1, max_length=200)
-    stream_id: int = Field(ge=1, le=MAX_STREAM_ID)
-    operation: Literal["INSERT", "UPDATE", "DELETE"]
-    schema_name: str = "public"
-    table_name: str = Field(min_length=1)
-    when_clause: str | None = None
-    column_names: list[str] = Field(default_factory=list)
-    payload_extensions: list[Extension] = Field(default_factory=list)
-    metadata: dict[str, Any] | None = None
+    key: str = Field(min_length=1, max_length=200, description="the subscription's name: the payload's tg_name")
+    stream_id: int = Field(ge=1, le=MAX_STREAM_ID, description="the stream its events go to")
+    operation: Literal["INSERT", "UPDATE", "DELETE"] = Field(description="the row operation subscribed to")
+    schema_name: str = Field("public", description="schema of the subscribed table")
+    table_name: str = Field(min_length=1, description="the subscribed table")
+    when_clause: str | None = Field(None, description="SQL boolean over new/old: only rows it takes become "
+                                                      "events (evaluated as pgstream_writer)")
+    column_names: list[str] = Field(default_factory=list, description="columns copied into the payload's new/old")
+    payload_extensions: list[Extension] = Field(default_factory=list, description="computed per event into the "
+                                                                                  "payload: {json_path, expression}")
+    metadata: dict[str, Any] | None = Field(None, description="static metadata of every event (travels beside "
+                                                              "the payload; sinks may route by it)")
     metadata_extensions: list[Extension] = Field(
         default_factory=list, description="computed per event into the event's metadata, merged over `metadata` "
                                           "(computed values win; along a path the other static keys stay)")
@@ -236,9 +247,10 @@ def _cron(v: str) -> str:
 
 class HousekeepingConfig(_Model):
     cron: str = Field("0 3 * * *", description="schedule of the pgstream_housekeeping job (UTC)")
-    days_ahead: int = Field(7, ge=0, le=365)
-    retention_days: int = Field(7, ge=1, le=3650)
-    ledger_keep_days: int = Field(7, ge=1, le=3650)
+    days_ahead: int = Field(7, ge=0, le=365, description="daily partitions of pgstream.events created ahead")
+    retention_days: int = Field(7, ge=1, le=3650, description="days of events kept; older partitions are dropped "
+                                                             "unless they hold undelivered events")
+    ledger_keep_days: int = Field(7, ge=1, le=3650, description="delivered and skipped ledger batches kept this long")
     undelivered_policy: Literal["keep", "fail"] = Field(
         "keep", description="a partition past retention that holds undelivered events: keep it (warning) or "
                             "fail the housekeeping run and drop nothing")
@@ -261,12 +273,14 @@ class ChecksConfig(_Model):
 
 
 class SparkConfig(_Model):
-    master: str = "local[*]"
+    master: str = Field("local[*]", description="the runs' Spark master when Spark is needed (local[*], "
+                                                "spark://host:7077, k8s://..., yarn)")
     remote: str | None = Field(None, pattern=r"^sc://\S+$",
                                description="Spark Connect URL (sc://host:15002): runs use a long-lived server "
                                            "(`pgstream-dagster spark-connect`) instead of starting Spark; overrides "
                                            "master; empty = none")
-    conf: dict[str, str] = Field(default_factory=dict)
+    conf: dict[str, str] = Field(default_factory=dict, description="Spark settings of the runs' sessions (they win "
+                                                                   "over pgstream's cluster defaults)")
     ship_package: bool = Field(True, description="a cluster master: add a zip of the installed pgstream_dagster "
                                                  "package to spark.submit.pyFiles (false: the executors' Python "
                                                  "has it, e.g. a packed environment in spark.archives)")
@@ -290,7 +304,7 @@ class MetricsConfig(_Model):
     enabled: bool = Field(True, description="`make dev` / `pgstream-dagster dev` start the exporter beside dg dev")
     host: str = Field("127.0.0.1", min_length=1, max_length=253, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$",
                       description="address the exporter listens on (0.0.0.0: every interface)")
-    port: int = Field(9187, ge=1, le=65535)
+    port: int = Field(9187, ge=1, le=65535, description="port the exporter listens on")
     database_url: SecretStr | None = Field(None, description="the exporter's connection (e.g. a read-only role "
                                                              "granted SELECT on pgstream.metrics); default: "
                                                              "database_url")
@@ -397,9 +411,11 @@ class StreamDeclaration(StreamConfig):
 
 
 class PgstreamConfig(_Model):
-    database_url: SecretStr
-    streams: list[StreamConfig] = Field(min_length=1)
-    subscriptions: list[SubscriptionConfig] = Field(default_factory=list)
+    database_url: SecretStr = Field(description="what the code location, sensors, runs and CLI connect with: a "
+                                                "login member of pgstream_runtime (never shown)")
+    streams: list[StreamConfig] = Field(min_length=1, description="the streams, each with its sink")
+    subscriptions: list[SubscriptionConfig] = Field(default_factory=list, description="row changes that become "
+                                                                                     "events (each is an asset)")
     housekeeping: HousekeepingConfig = HousekeepingConfig()
     checks: ChecksConfig = ChecksConfig()
     spark: SparkConfig = SparkConfig()

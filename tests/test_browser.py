@@ -1,7 +1,7 @@
 """A real browser against `dagster dev` on the demo: headless Chromium (Debian's package, driven by
 Playwright) sees the code location loaded with the subscription assets, the sensor and the
 schedules, launches the replay job from the Launchpad and sees it succeed, and reads a stream's
-status. Screenshots go to $PGSTREAM_SCREENSHOTS (default: the test's temp dir); the README's are
+status. Screenshots go to $PGSTREAM_SCREENSHOTS (default: the test's temp dir); docs/screenshots are
 taken with `PGSTREAM_SCREENSHOTS=docs/screenshots`."""
 
 from __future__ import annotations

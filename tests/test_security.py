@@ -333,7 +333,7 @@ def test_an_application_role_cannot_write_metadata_extensions(db_url: str, table
 
 def test_a_role_wrongly_granted_subscriptions_gains_nothing_through_metadata_extensions(
         db_url: str, table: str, roles: Callable[..., str]) -> None:
-    """The README says not to grant writing pgstream.subscriptions to another role. One that has it
+    """docs/security.md says not to grant writing pgstream.subscriptions to another role. One that has it
     anyway writes a metadata extension calling its own function that tries to escalate: validation
     only parses it (the function never runs as the owner), and the trigger runs it as
     pgstream_writer, so the role gains nothing."""

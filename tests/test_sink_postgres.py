@@ -24,7 +24,7 @@ from .support.faults import STREAM, drive, fail_into_failover, in_failover, sent
 from .support.harness import Driver, insert_events, write_config
 from .support.sinks import BASE_TIME, free_port, make_events, unique
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+SINKS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "sinks.md"
 
 
 @pytest.fixture
@@ -48,10 +48,10 @@ def rows(url: str, table: str = "public.events") -> list[dict[str, Any]]:
 
 
 def readme_ddl() -> str:
-    """The ``create table`` statement the README gives for the postgres sink."""
-    text = README.read_text()
+    """The ``create table`` statement the documentation gives for the postgres sink (docs/sinks.md)."""
+    text = SINKS_PAGE.read_text()
     found = re.search(r"```sql\n(create table [^`]*?pgstream_sink_events[^`]*?)```", text)
-    assert found is not None, "README: the postgres sink's DDL"
+    assert found is not None, "docs/sinks.md: the postgres sink's DDL"
     return found.group(1)
 
 

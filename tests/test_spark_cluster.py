@@ -272,7 +272,7 @@ def test_spark_connect_command_stops_its_jvm_on_sigterm(tmp_path: Path) -> None:
 def test_a_packed_environment_in_spark_archives(db_url: str, dagster_storage_url: str, tmp_path: Path,
                                                  spark_cluster: SparkCluster) -> None:
     """The executors' Python as a packed environment (``spark.archives: env.tar.gz#env``,
-    ``spark.pyspark.python: ./env/bin/python``), the other way the README gives: the executors run it
+    ``spark.pyspark.python: ./env/bin/python``), the other way docs/spark-clusters.md gives: the executors run it
     from their working directory and import the libraries from it. The run's host needs the same
     relative path (Spark plans the data sources there with that interpreter): without it the run
     fails before reading anything, saying so; with it, every event arrives, each key in order."""

@@ -234,7 +234,7 @@ class PostgresSink(Sink):
     def _failed(self, events: Sequence[Event], exc: psycopg.Error) -> SinkError:
         reason = f"writing to {self._target} failed: {_describe_sql_error(exc, self.config.secret_values())}"
         if exc.sqlstate == "42P01":  # undefined_table
-            reason += " (create the table, README 'postgres' sink, or set create_table: true)"
+            reason += " (create the table, docs/sinks.md 'postgres', or set create_table: true)"
         elif exc.sqlstate == "42P10":  # invalid_column_reference: on conflict (id) without a unique index
             reason += " (the table needs a primary key or unique index on id)"
         return self._error(events, reason)

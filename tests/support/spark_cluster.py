@@ -5,7 +5,7 @@ executor Python that does NOT have pgstream_dagster (nor Dagster) installed.
 The executor Python is a venv made with ``venv --without-pip`` (no network) whose site-packages
 holds one ``.pth`` naming a directory of symlinks to exactly the distributions the executors need
 (:func:`pgstream_dagster.engine.cluster.executor_requirements` and what they require, taken from
-this venv): the same list the README gives users. pyspark itself comes from the workers'
+this venv): the same list docs/spark-clusters.md gives users. pyspark itself comes from the workers'
 ``SPARK_HOME`` (``python/lib/pyspark.zip``), as on a real cluster.
 """
 

@@ -1,0 +1,92 @@
+"""The documentation cannot go stale: the generated reference pages equal what the code generates now,
+the README's "where things live" table and the architecture page's module map match the tree, and
+``pgstream-dagster --version`` prints the package's version."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from pgstream_dagster import docs_gen
+from pgstream_dagster.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def test_the_generated_reference_pages_match_the_code(db_url: str) -> None:
+    """db_url is a freshly migrated database: the SQL page is read from its catalog."""
+    stale = [name for name, text in docs_gen.pages(db_url).items()
+             if not (ROOT / docs_gen.REFERENCE_DIR / name).exists()
+             or (ROOT / docs_gen.REFERENCE_DIR / name).read_text(encoding="utf-8") != text]
+    assert stale == [], f"docs/reference/{', '.join(stale)} out of date: run `{docs_gen.COMMAND}` and commit"
+
+
+def test_the_configuration_reference_describes_every_key_of_pgstream_yaml() -> None:
+    """Every key of config.py's models has a description (it reaches the Dagster UI and the reference);
+    batch.max_size is the size of a ledger batch, not of a delivery run."""
+    rows = [line for line in docs_gen.configuration_page().split("## Sink ")[0].splitlines()
+            if line.startswith("| `")]
+    undescribed = [row.split("`")[1] for row in rows if row.rstrip().endswith("|  |")
+                   and "(below)" not in row]
+    assert undescribed == []
+    max_size = next(row for row in rows if row.startswith("| `streams[].batch.max_size`"))
+    assert "ledger batch" in max_size and "per delivery run" not in max_size
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert version("pgstream-dagster") == declared
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pgstream-dagster {declared}"
+
+
+def _table_paths(text: str, heading: str) -> list[str]:
+    """The paths in the first column of the table under ``heading`` (a markdown heading)."""
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    return [m.group(1) for m in re.finditer(r"^\| `([^`]+)`", section, re.MULTILINE)]
+
+
+def test_the_readme_is_short_and_names_every_folder_that_exists() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    assert text.split("\n\n", 2)[1].count("make dev") and "make test" in text.split("\n\n", 2)[1]
+    named = _table_paths(text, "## Where things live")
+    missing = [p for p in named if not (ROOT / p.rstrip("/")).exists()]
+    assert missing == [], "the README names what is not in the tree"
+    top = {p.rstrip("/") for p in named if "/" not in p.rstrip("/")}
+    packages = {f"pgstream_dagster/{p.name}" for p in (ROOT / "pgstream_dagster").iterdir()
+                if (p / "__init__.py").exists()}
+    stages = {f"sql/{p.name}" for p in (ROOT / "sql").iterdir() if p.is_dir()} | {
+        f"tests/{p.name}" for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    named_set = {p.rstrip("/") for p in named}
+    assert sorted(_tracked_folders() - top) == []
+    assert sorted((packages | stages) - named_set) == []
+
+
+def _tracked_folders() -> set[str]:
+    """Top-level folders of the repository, what git would track (not the venv, caches, .pgstream)."""
+    skip = {"__pycache__", "site", "node_modules"}
+    return {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in skip
+            and any(f.is_file() and f.suffix in {".py", ".sql", ".md", ".json", ".png", ".gz", ".yaml"}
+                    for f in p.rglob("*"))}
+
+
+def test_the_architecture_page_maps_every_module_and_sql_file() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = _table_paths(text, "## Module map")
+    missing = [p for p in named if not (ROOT / p).exists()]
+    assert missing == [], "docs/architecture.md names what is not in the tree"
+    expected = {str(p.relative_to(ROOT)) for folder in ("engine", "defs", "sinks")
+                for p in (ROOT / "pgstream_dagster" / folder).glob("*.py") if p.name != "__init__.py"}
+    expected |= {str(p.relative_to(ROOT)) for p in (ROOT / "pgstream_dagster").glob("*.py")
+                 if p.name != "__init__.py"}
+    expected |= {str(p.relative_to(ROOT)) for p in (ROOT / "sql" / "repeatable").glob("*.sql")}
+    expected.add("pgstream_dagster/engine/metrics.yaml")
+    assert sorted(expected - set(named)) == []
