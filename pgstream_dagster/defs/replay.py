@@ -25,7 +25,16 @@ from pydantic import Field
 from ..config import StreamConfig
 from ..engine import deadletters, spark
 from ..engine.publish import Finished, Progress, TooLarge, max_event_bytes
-from ..engine.replay import Counted, ReplayError, count_selected, dead_letter_selection, deliver_lines, plan, selection
+from ..engine.replay import (
+    Counted,
+    ReplayError,
+    count_note,
+    count_selected,
+    dead_letter_selection,
+    deliver_lines,
+    plan,
+    selection,
+)
 from ..sinks import build_sink
 from ..sinks.base import Sink
 from .names import REPLAY_TAG, STREAM_TAG, deliveries_asset_key, replay_job_name
@@ -157,10 +166,9 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
             elapsed = time.monotonic() - started
             context.log.info(f"replay of stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
                              f"in {elapsed:.1f}s")
-            if delivered != count:
-                # events deleted (retention) while the replay ran: say so, the sink got what was there
-                context.log.warning(f"{count} events were planned but {delivered} were read: rows were removed "
-                                    "meanwhile")
+            note = count_note(count or 0, delivered)
+            if note is not None:  # events committed or deleted while the replay ran: the sink got what was there
+                context.log.warning(f"replay of stream {stream.id}: {note}")
             metadata: dict[str, Any] = {
                 "kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
                 "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
