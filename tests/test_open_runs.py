@@ -156,3 +156,65 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
 def _close(url: str, run_key: str) -> bool:
     with psycopg.connect(url, autocommit=True) as c:
         return ledger.close_run(c, STREAM, run_key)
+
+
+def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """A replay executed in process (what ``dagster job execute`` does: no run queue) while events are
+    inserted and an open run delivers them: the open run yields the delivery lease to the replay, the
+    run the sensor requests meanwhile waits for the replay to end. At the sink the replayed range arrives
+    as one contiguous block, live events before or after it, none in the middle; every event arrives,
+    first arrivals in commit order."""
+    from pgstream_dagster.defs.location import build_definitions
+    from pgstream_dagster.defs.names import replay_job_name
+
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=2)])
+    driver = Driver(cfg, instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 150)
+    (request,) = driver.tick(STREAM).run_requests
+    runs = [Background(driver, request)]
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 150)
+    replayed = sent_ids(db_url)
+    endpoint.delay = 0.01  # the replay's 15 calls take a while: live events have time to come in between
+
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 10_000
+        while not stop.is_set():
+            insert_events(db_url, STREAM, 2, n)
+            n += 2
+            time.sleep(0.03)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    time.sleep(0.3)  # the open run delivers live events
+    replay: list[dg.ExecuteInProcessResult] = []
+    job = build_definitions(cfg).resolve_job_def(replay_job_name(STREAM))
+    replayer = threading.Thread(target=lambda: replay.append(job.execute_in_process(
+        run_config={"ops": {f"replay_stream_{STREAM}": {"config": {"from_event_id": replayed[0],
+                                                                     "to_event_id": replayed[-1]}}}},
+        instance=instance, raise_on_error=False)), daemon=True)
+    replayer.start()
+    try:
+        while replayer.is_alive():
+            runs += [Background(driver, r) for r in driver.tick(STREAM).run_requests or []]
+            time.sleep(0.05)
+        time.sleep(0.3)  # live events after the replay too
+    finally:
+        stop.set()
+        writer.join()
+    assert replay and replay[0].success
+    tick_until(driver, STREAM, lambda: endpoint.unique() >= set(sent_ids(db_url)))
+    for run in runs:
+        assert run.wait(timeout=60).success
+
+    arrivals = endpoint.accepted[len(replayed):]  # after the first delivery of the replayed range
+    again = [i for i, event_id in enumerate(arrivals) if event_id <= replayed[-1]]
+    assert [arrivals[i] for i in again] == replayed
+    assert again[-1] - again[0] + 1 == len(replayed), "live events arrived in the middle of the replay"
+    live = [e for e in arrivals if e > replayed[-1]]
+    assert live[:1] and [e for e in arrivals[again[-1] + 1:]], "live events before and after the replay"
+    sent = sent_ids(db_url)
+    assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
