@@ -218,3 +218,41 @@ def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run
     assert live[:1] and [e for e in arrivals[again[-1] + 1:]], "live events before and after the replay"
     sent = sent_ids(db_url)
     assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
+
+
+def test_a_flaky_receiver_costs_a_retry_per_failure_not_a_backoff_window(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """50 events/s are written while an open run delivers them to an HTTP receiver (the sink's default
+    retry settings, one request per event): first for 6 s with every call answered, then for 6 s with
+    a random 20% (seeded) answered 500. The sink retries a failed request at once, so the flaky window
+    delivers at least half as many events as the fault-free one; in the end every event arrives, first
+    arrivals in commit order, and the run never failed over."""
+    stream = {**_config(endpoint, linger=3), "sink": {"type": "http", "url": endpoint.url, "timeout_secs": 30}}
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 10)
+    (request,) = driver.tick(STREAM).run_requests
+    runs = [Background(driver, request)]
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 10)
+
+    def window(first: int, secs: float = 6.0) -> int:
+        """Write 5 events every 0.1 s for ``secs``; the events delivered meanwhile."""
+        before = len(endpoint.unique())
+        started = time.monotonic()
+        for k in range(int(secs * 10)):
+            insert_events(db_url, STREAM, 5, first + 5 * k)  # the open run reads the slot itself
+            time.sleep(max(0.0, started + (k + 1) * 0.1 - time.monotonic()))
+        return len(endpoint.unique()) - before
+
+    fault_free = window(100_000)
+    endpoint.fail_rate = 0.2
+    flaky = window(200_000)
+    refused = endpoint.refused_answers
+    endpoint.fail_rate = 0.0
+    assert refused > 0.1 * flaky
+    assert flaky >= 0.5 * fault_free, f"{flaky} events delivered with 20% failures, {fault_free} without"
+    tick_until(driver, STREAM, lambda: endpoint.unique() >= set(sent_ids(db_url)))
+    for run in runs:
+        assert run.wait(timeout=60).success
+    assert len(runs) == 1  # one open run throughout: no failover, no new run
+    assert endpoint.first_seen_order() == sent_ids(db_url)  # one writer: commit order is id order
