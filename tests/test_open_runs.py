@@ -256,3 +256,45 @@ def test_a_flaky_receiver_costs_a_retry_per_failure_not_a_backoff_window(
         assert run.wait(timeout=60).success
     assert len(runs) == 1  # one open run throughout: no failover, no new run
     assert endpoint.first_seen_order() == sent_ids(db_url)  # one writer: commit order is id order
+
+
+def test_the_delivery_lease_goes_to_a_waiting_replay_and_back_without_deadlock(db_url: str) -> None:
+    """The lease as a replay and the delivery runs take it: a replay waits for the run holding it; a run
+    starting meanwhile waits for the replay (alive for the sensor, not dead) and gets the lease when the
+    replay ends; without a replay a second run is refused at once."""
+    results: dict[str, psycopg.Connection] = {}
+
+    def take(name: str, take: Any) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.__setitem__(name, take()), daemon=True)
+        thread.start()
+        return thread
+
+    def until(done: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.05)
+
+    with psycopg.connect(db_url, autocommit=True) as observer:
+        first = ledger.acquire_lease(db_url, STREAM, "run-1")
+        try:
+            ledger.acquire_lease(db_url, STREAM, "run-0")
+            raise AssertionError("two runs held the lease")
+        except ledger.LeaseTaken:
+            pass
+        replay = take("replay", lambda: ledger.acquire_replay_lease(db_url, STREAM, "replay-1"))
+        until(lambda: ledger.replay_waiting(observer, STREAM))
+        second = take("run-2", lambda: ledger.acquire_lease(db_url, STREAM, "run-2"))
+        until(lambda: ledger.lease_alive(observer, "run-2"))  # waiting, and alive for the sensor
+        assert ledger.lock_holder(observer, ledger.DELIVERY_LOCK, STREAM) == "run-1"
+        assert replay.is_alive() and second.is_alive()
+        first.close()  # the open run closed: the lease goes to the replay, not to the run waiting
+        replay.join(30)
+        assert ledger.lock_holder(observer, ledger.DELIVERY_LOCK, STREAM) == "replay-1"
+        assert second.is_alive()
+        results["replay"].close()  # the replay ended
+        second.join(30)
+        assert ledger.lock_holder(observer, ledger.DELIVERY_LOCK, STREAM) == "run-2"
+        assert not ledger.replay_waiting(observer, STREAM)
+        assert ledger.lock_holder(observer, ledger.LEASE_WAIT_LOCK, STREAM) is None
+        results["run-2"].close()
