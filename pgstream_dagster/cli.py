@@ -216,14 +216,21 @@ def _indented_json(text: str) -> str:
 
 
 def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
+    from contextlib import ExitStack
+
     from .config import load_config
+    from .engine import ledger
     from .engine.deadletters import redeliver
 
     config = load_config(Path(args.config) if args.config else None, _defs_folder(args))
     stream = config.stream(args.stream)
     url = args.database_url or config.database_url.get_secret_value()
-    with psycopg.connect(url, autocommit=True) as conn:
-        report = redeliver(conn, stream, args.ids or None, _operator(), args.chunk_size, dry_run=args.dry_run)
+    with ExitStack() as held:
+        if not args.dry_run:  # the stream's delivery lease, as a replay holds it: never between live deliveries
+            held.enter_context(ledger.acquire_replay_lease(
+                url, stream.id, _operator(), lambda what: print(f"waiting for {what}", file=sys.stderr)))
+        with psycopg.connect(url, autocommit=True) as conn:
+            report = redeliver(conn, stream, args.ids or None, _operator(), args.chunk_size, dry_run=args.dry_run)
     first, *problems = report.lines()
     print(first)
     for line in problems:

@@ -156,3 +156,145 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
 def _close(url: str, run_key: str) -> bool:
     with psycopg.connect(url, autocommit=True) as c:
         return ledger.close_run(c, STREAM, run_key)
+
+
+def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """A replay executed in process (what ``dagster job execute`` does: no run queue) while events are
+    inserted and an open run delivers them: the open run yields the delivery lease to the replay, the
+    run the sensor requests meanwhile waits for the replay to end. At the sink the replayed range arrives
+    as one contiguous block, live events before or after it, none in the middle; every event arrives,
+    first arrivals in commit order."""
+    from pgstream_dagster.defs.location import build_definitions
+    from pgstream_dagster.defs.names import replay_job_name
+
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=2)])
+    driver = Driver(cfg, instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 150)
+    (request,) = driver.tick(STREAM).run_requests
+    runs = [Background(driver, request)]
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 150)
+    replayed = sent_ids(db_url)
+    endpoint.delay = 0.01  # the replay's 15 calls take a while: live events have time to come in between
+
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 10_000
+        while not stop.is_set():
+            insert_events(db_url, STREAM, 2, n)
+            n += 2
+            time.sleep(0.03)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    time.sleep(0.3)  # the open run delivers live events
+    replay: list[dg.ExecuteInProcessResult] = []
+    job = build_definitions(cfg).resolve_job_def(replay_job_name(STREAM))
+    replayer = threading.Thread(target=lambda: replay.append(job.execute_in_process(
+        run_config={"ops": {f"replay_stream_{STREAM}": {"config": {"from_event_id": replayed[0],
+                                                                     "to_event_id": replayed[-1]}}}},
+        instance=instance, raise_on_error=False)), daemon=True)
+    replayer.start()
+    try:
+        while replayer.is_alive():
+            runs += [Background(driver, r) for r in driver.tick(STREAM).run_requests or []]
+            time.sleep(0.05)
+        time.sleep(0.3)  # live events after the replay too
+    finally:
+        stop.set()
+        writer.join()
+    assert replay and replay[0].success
+    tick_until(driver, STREAM, lambda: endpoint.unique() >= set(sent_ids(db_url)))
+    for run in runs:
+        assert run.wait(timeout=60).success
+
+    arrivals = endpoint.accepted[len(replayed):]  # after the first delivery of the replayed range
+    again = [i for i, event_id in enumerate(arrivals) if event_id <= replayed[-1]]
+    assert [arrivals[i] for i in again] == replayed
+    assert again[-1] - again[0] + 1 == len(replayed), "live events arrived in the middle of the replay"
+    live = [e for e in arrivals if e > replayed[-1]]
+    assert live[:1] and [e for e in arrivals[again[-1] + 1:]], "live events before and after the replay"
+    sent = sent_ids(db_url)
+    assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
+
+
+def test_a_flaky_receiver_costs_a_retry_per_failure_not_a_backoff_window(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """50 events/s are written while an open run delivers them to an HTTP receiver (the sink's default
+    retry settings, one request per event): first for 6 s with every call answered, then for 6 s with
+    a random 20% (seeded) answered 500. The sink retries a failed request at once, so the flaky window
+    delivers at least half as many events as the fault-free one; in the end every event arrives, first
+    arrivals in commit order, and the run never failed over."""
+    stream = {**_config(endpoint, linger=3), "sink": {"type": "http", "url": endpoint.url, "timeout_secs": 30}}
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 10)
+    (request,) = driver.tick(STREAM).run_requests
+    runs = [Background(driver, request)]
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 10)
+
+    def window(first: int, secs: float = 6.0) -> int:
+        """Write 5 events every 0.1 s for ``secs``; the events delivered meanwhile."""
+        before = len(endpoint.unique())
+        started = time.monotonic()
+        for k in range(int(secs * 10)):
+            insert_events(db_url, STREAM, 5, first + 5 * k)  # the open run reads the slot itself
+            time.sleep(max(0.0, started + (k + 1) * 0.1 - time.monotonic()))
+        return len(endpoint.unique()) - before
+
+    fault_free = window(100_000)
+    endpoint.fail_rate = 0.2
+    flaky = window(200_000)
+    refused = endpoint.refused_answers
+    endpoint.fail_rate = 0.0
+    assert refused > 0.1 * flaky
+    assert flaky >= 0.5 * fault_free, f"{flaky} events delivered with 20% failures, {fault_free} without"
+    tick_until(driver, STREAM, lambda: endpoint.unique() >= set(sent_ids(db_url)))
+    for run in runs:
+        assert run.wait(timeout=60).success
+    assert len(runs) == 1  # one open run throughout: no failover, no new run
+    assert endpoint.first_seen_order() == sent_ids(db_url)  # one writer: commit order is id order
+
+
+def test_the_delivery_lease_goes_to_a_waiting_replay_and_back_without_deadlock(db_url: str) -> None:
+    """The lease as a replay and the delivery runs take it: a replay waits for the run holding it; a run
+    starting meanwhile waits for the replay (alive for the sensor, not dead) and gets the lease when the
+    replay ends; without a replay a second run is refused at once."""
+    results: dict[str, psycopg.Connection] = {}
+
+    def take(name: str, take: Any) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.__setitem__(name, take()), daemon=True)
+        thread.start()
+        return thread
+
+    def until(done: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.05)
+
+    with psycopg.connect(db_url, autocommit=True) as observer:
+        first = ledger.acquire_lease(db_url, STREAM, "run-1")
+        try:
+            ledger.acquire_lease(db_url, STREAM, "run-0")
+            raise AssertionError("two runs held the lease")
+        except ledger.LeaseTaken:
+            pass
+        replay = take("replay", lambda: ledger.acquire_replay_lease(db_url, STREAM, "replay-1"))
+        until(lambda: ledger.replay_waiting(observer, STREAM))
+        second = take("run-2", lambda: ledger.acquire_lease(db_url, STREAM, "run-2"))
+        until(lambda: ledger.lease_alive(observer, "run-2"))  # waiting, and alive for the sensor
+        assert ledger.lock_holder(observer, ledger.DELIVERY_LOCK, STREAM) == "run-1"
+        assert replay.is_alive() and second.is_alive()
+        first.close()  # the open run closed: the lease goes to the replay, not to the run waiting
+        replay.join(30)
+        assert ledger.lock_holder(observer, ledger.DELIVERY_LOCK, STREAM) == "replay-1"
+        assert second.is_alive()
+        results["replay"].close()  # the replay ended
+        second.join(30)
+        assert ledger.lock_holder(observer, ledger.DELIVERY_LOCK, STREAM) == "run-2"
+        assert not ledger.replay_waiting(observer, STREAM)
+        assert ledger.lock_holder(observer, ledger.LEASE_WAIT_LOCK, STREAM) is None
+        results["run-2"].close()

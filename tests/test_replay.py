@@ -429,3 +429,48 @@ def test_a_replay_without_spark_stops_at_a_failing_sink_and_a_new_one_delivers_a
         assert endpoint.accepted[28:] == list(range(1, 201))
     finally:
         endpoint.down()
+
+
+def test_the_replay_says_whether_events_were_added_or_removed_while_it_ran(
+        replay_setup: tuple[Path, Path], db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unbounded replay also delivers what commits into its selection after it was planned, and not
+    what is deleted before it is read: the run log says which happened, how many, and what the replay did."""
+    from pgstream_dagster.engine import spark
+
+    monkeypatch.setattr(spark, "FETCH_ROWS", 30)
+    endpoint = Endpoint()
+    try:
+        cfg = write_config(tmp_path / "http.yaml", db_url, [
+            {"id": 1, "sink": endpoint.sink(), "delivery": {"chunk_size": 7}},
+            {"id": 2, "sink": {"type": "file", "path": str(tmp_path / "other.jsonl")}}])
+
+        def on_first(statement: str) -> Any:
+            def hook(n: int) -> None:
+                if n == 1:
+                    with psycopg.connect(db_url, autocommit=True) as c:
+                        c.execute(statement)
+            return hook
+
+        endpoint.hook = on_first("insert into pgstream.events (payload, stream_id) "
+                                 "select jsonb_build_object('tg_name', 'a', 'n', g), 1 from generate_series(1, 5) g")
+        added = _replay(cfg, instance, all_events=True)
+        assert added.success, step_failure(added)
+        assert len(endpoint.accepted) == 205
+        log = run_log(instance, added)
+        assert ("200 events were planned but 205 were delivered: 5 more events were committed within the selection "
+                "after the replay was planned") in log
+        assert "removed" not in log and "deleted" not in log
+
+        endpoint.accepted.clear()
+        endpoint.requests = 0
+        endpoint.hook = on_first("delete from pgstream.events where stream_id = 1 and id between 190 and 195")
+        removed = _replay(cfg, instance, all_events=True)
+        assert removed.success, step_failure(removed)
+        assert len(endpoint.accepted) == 199
+        log = run_log(instance, removed)
+        assert ("205 events were planned but 199 were delivered: 6 of the selected events were deleted (retention) "
+                "before the replay read them; the replay delivered the others") in log
+        assert "committed" not in log
+    finally:
+        endpoint.down()

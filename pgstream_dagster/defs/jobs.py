@@ -75,7 +75,10 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
                  pgstream: dg.ResourceParam[PgstreamResource], pyspark: LazyPySparkResource) -> LoadedBatches:
     started = time.monotonic()
     try:
-        lease = ledger.acquire_lease(pgstream.database_url, config.stream_id, context.run_id)
+        lease = ledger.acquire_lease(
+            pgstream.database_url, config.stream_id, context.run_id,
+            lambda replay: context.log.info(f"stream {config.stream_id}: waiting for replay {replay} to end "
+                                            "(it holds the delivery lease)"))
     except ledger.LeaseTaken as exc:
         raise dg.Failure(str(exc)) from None
     if config.batch_id is None:
@@ -220,8 +223,9 @@ class _Reader:
 class _Linger:
     """Keeps a run open after its batches (sql/010_open_runs.sql): it waits for batches the sensor
     assigns to it and closes once idle ``delivery.linger_secs``, open ``delivery.max_run_secs``, or
-    when the stream is paused, no longer hands it batches (failover) or another run of the stream
-    (a replay) is queued behind it."""
+    when the stream is paused, no longer hands it batches (failover), another run of the stream
+    (a replay) is queued behind it or a replay waits for the delivery lease, however it was launched
+    (:func:`~..engine.ledger.acquire_replay_lease`)."""
 
     def __init__(self, context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig,
                  run_key: str, reader: _Reader) -> None:
@@ -245,11 +249,18 @@ class _Linger:
         checked_at = 0.0
         while True:
             batches = ledger.assigned_after(self.conn, self.run_key, after)
+            # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver what
+            # was handed over, close (the lease goes to the replay when the run ends)
+            replay = ledger.replay_waiting(self.conn, self.stream.id)
             if batches:
+                if replay:
+                    self.reader.stop()
                 return batches
             now = time.monotonic()
             reason = None
-            if now - idle_since >= delivery.linger_secs and not delivery.keep_warm:
+            if replay:
+                reason = "a replay of the stream waits for the delivery lease"
+            elif now - idle_since >= delivery.linger_secs and not delivery.keep_warm:
                 reason = f"idle for {delivery.linger_secs:g}s"
             elif now - self.opened >= delivery.max_run_secs:
                 reason = f"open for {delivery.max_run_secs:g}s (delivery.max_run_secs)"

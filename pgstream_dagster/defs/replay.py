@@ -1,7 +1,10 @@
 """Replay: re-deliver a stream's events from ``pgstream.events`` through its sink, selected by
 event-id range, time range and/or subscription keys, in id order, in chunks, with progress in the
 run log. One job per stream (``pgstream_replay_stream_<id>``), tagged with the stream so the run
-queue never lets a replay interleave with the stream's deliveries. ``dry_run`` only counts.
+queue holds it behind the stream's deliveries; whatever launches it (``dagster job execute`` bypasses
+the queue), a replay holds the stream's delivery lease for its whole length
+(:func:`~..engine.ledger.acquire_replay_lease`), so it never interleaves with the stream's deliveries.
+``dry_run`` only counts (and takes no lease).
 
 Replays are at-least-once by nature: the sink sees the events again, with the same ids as
 idempotency keys. The ledger is not touched.
@@ -15,7 +18,7 @@ any replay and never interleaves with the stream's deliveries.
 
 import time
 from collections.abc import Generator
-from contextlib import closing
+from contextlib import ExitStack, closing
 from typing import Any
 
 import dagster as dg
@@ -23,9 +26,18 @@ from dagster_pyspark import LazyPySparkResource
 from pydantic import Field
 
 from ..config import StreamConfig
-from ..engine import deadletters, spark
+from ..engine import deadletters, ledger, spark
 from ..engine.publish import Finished, Progress, TooLarge, max_event_bytes
-from ..engine.replay import Counted, ReplayError, count_selected, dead_letter_selection, deliver_lines, plan, selection
+from ..engine.replay import (
+    Counted,
+    ReplayError,
+    count_note,
+    count_selected,
+    dead_letter_selection,
+    deliver_lines,
+    plan,
+    selection,
+)
 from ..sinks import build_sink
 from ..sinks.base import Sink
 from .names import REPLAY_TAG, STREAM_TAG, deliveries_asset_key, replay_job_name
@@ -92,89 +104,110 @@ def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
            description=f"Replay events of stream {stream.id} from pgstream.events through its {stream.sink.type} sink.")
     def _op(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: dg.ResourceParam[PgstreamResource],
             pyspark: LazyPySparkResource) -> int:
-        if config.dead_letters or config.dead_letter_ids:
-            return _redeliver_dead_letters(context, stream, config, pgstream)
-        with build_sink(stream.sink) as sink:  # closed however the replay ends
-            # a sink that takes JSON lines gets them rendered by Postgres, a chunk per range (no Spark)
-            as_lines = sink.accepts_json_lines
-            # any other sink: the events read by the run's own connections unless every read goes to Spark
-            direct = not as_lines and stream.delivery.direct_max_events > 0
-            started = time.monotonic()
-            chunk_size = config.chunk_size or stream.delivery.chunk_size
-            what = (f"events {config.from_event_id or 'first'}..{config.to_event_id or 'last'}, "
-                    f"time [{config.from_time or '-inf'}, {config.to_time or '+inf'}), "
-                    f"subscriptions {config.subscription_keys or 'all'}")
-            count: int | None = None  # a lines replay counts while its first chunks are read (Counted)
-            ranges: list[tuple[int, int]] = []  # Spark's partitions (a lines replay streams its ranges)
-            try:
-                if as_lines:
-                    params = selection(stream.id, config)
-                    if config.dry_run:
-                        with pgstream.connect() as conn:
-                            count = count_selected(conn, params)
-                else:
-                    with pgstream.connect() as conn:
-                        count, ranges, params = plan(conn, stream.id, config, spark.FETCH_ROWS if direct
-                                                     else stream.delivery.rows_per_partition)
-            except ReplayError as exc:
-                raise dg.Failure(f"replay of stream {stream.id}: {exc}") from None
-
-            def planned(n: int) -> None:
-                context.log.info(f"replay of stream {stream.id}: {n} events ({what}) in " + (
-                    f"{-(-n // chunk_size)} chunks of JSON lines rendered by Postgres" if as_lines
-                    else f"{len(ranges)} ranges read without Spark" if direct else f"{len(ranges)} Spark partitions"))
-
-            if count is not None:
-                planned(count)
-                if config.dry_run or count == 0:
-                    context.log.info("dry run: nothing delivered" if config.dry_run else "nothing to replay")
-                    context.add_output_metadata({"events": count, "dry_run": config.dry_run})
-                    return 0
-            next_log, delivered = 0, 0  # next_log 0: the first progress line once the count is known
-            first: tuple[float, int] | None = None  # (time, count) of the first confirmed chunk
-            with closing(deliver_lines(pgstream.database_url, params, chunk_size, sink,
-                                       stream.delivery.max_read_bytes) if as_lines
-                         else _published(context, pyspark if not direct else None, pgstream, stream, ranges, params,
-                                         config, sink, chunk_size)
-                         ) as progress:
-                for done in progress:
-                    if isinstance(done, Counted):
-                        count = done.events
-                        planned(count)
-                        continue
-                    first = first or (time.monotonic(), done)
-                    delivered = done
-                    if count and next_log <= done < count:
-                        if next_log:
-                            rate = done / max(time.monotonic() - started, 1e-6)
-                            context.log.info(f"replayed {done}/{count} events ({100 * done // count}%, "
-                                             f"{rate:.0f} events/s)")
-                        next_log = done + max(10_000, count // 20)
-            if not count and not delivered:
-                context.log.info("nothing to replay")
-                context.add_output_metadata({"events": 0, "dry_run": False})
-                return 0
-            elapsed = time.monotonic() - started
-            context.log.info(f"replay of stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
-                             f"in {elapsed:.1f}s")
-            if delivered != count:
-                # events deleted (retention) while the replay ran: say so, the sink got what was there
-                context.log.warning(f"{count} events were planned but {delivered} were read: rows were removed "
-                                    "meanwhile")
-            metadata: dict[str, Any] = {
-                "kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
-                "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
-            if first:  # the rate once events flow (without Spark start-up and the first partition's read)
-                metadata["first_chunk_secs"] = round(first[0] - started, 3)
-                metadata["streaming_events_per_sec"] = round((delivered - first[1]) /
-                                                             max(time.monotonic() - first[0], 1e-6))
-            context.log_event(dg.AssetMaterialization(asset_key=deliveries_asset_key(stream.id),
-                                                      description=f"replay of {delivered} events",
-                                                      metadata=metadata))
-            context.add_output_metadata({"events": delivered, "dry_run": False})
-            return delivered
+        try:  # a bad request fails before it takes anything
+            if config.dead_letters or config.dead_letter_ids:
+                dead_letter_selection(config)
+            else:
+                selection(stream.id, config)
+        except ReplayError as exc:
+            what = (f"redelivery of stream {stream.id}'s dead letters" if config.dead_letters or config.dead_letter_ids
+                    else f"replay of stream {stream.id}")
+            raise dg.Failure(f"{what}: {exc}") from None
+        with ExitStack() as held:
+            if not config.dry_run:
+                # the stream's delivery lease for the whole replay, whatever launched it: live delivery waits
+                context.log.info(f"replay of stream {stream.id}: taking the stream's delivery lease (the open "
+                                 "run, if any, delivers what it was handed and closes)")
+                held.enter_context(ledger.acquire_replay_lease(
+                    pgstream.database_url, stream.id, context.run_id,
+                    lambda what: context.log.info(f"replay of stream {stream.id}: waiting for {what}")))
+            return _replay(context, stream, config, pgstream, pyspark)
 
     return _op
+
+
+def _replay(context: dg.OpExecutionContext, stream: StreamConfig, config: ReplayConfig, pgstream: PgstreamResource,
+            pyspark: LazyPySparkResource) -> int:
+    if config.dead_letters or config.dead_letter_ids:
+        return _redeliver_dead_letters(context, stream, config, pgstream)
+    with build_sink(stream.sink) as sink:  # closed however the replay ends
+        # a sink that takes JSON lines gets them rendered by Postgres, a chunk per range (no Spark)
+        as_lines = sink.accepts_json_lines
+        # any other sink: the events read by the run's own connections unless every read goes to Spark
+        direct = not as_lines and stream.delivery.direct_max_events > 0
+        started = time.monotonic()
+        chunk_size = config.chunk_size or stream.delivery.chunk_size
+        what = (f"events {config.from_event_id or 'first'}..{config.to_event_id or 'last'}, "
+                f"time [{config.from_time or '-inf'}, {config.to_time or '+inf'}), "
+                f"subscriptions {config.subscription_keys or 'all'}")
+        count: int | None = None  # a lines replay counts while its first chunks are read (Counted)
+        ranges: list[tuple[int, int]] = []  # Spark's partitions (a lines replay streams its ranges)
+        try:
+            if as_lines:
+                params = selection(stream.id, config)
+                if config.dry_run:
+                    with pgstream.connect() as conn:
+                        count = count_selected(conn, params)
+            else:
+                with pgstream.connect() as conn:
+                    count, ranges, params = plan(conn, stream.id, config, spark.FETCH_ROWS if direct
+                                                 else stream.delivery.rows_per_partition)
+        except ReplayError as exc:
+            raise dg.Failure(f"replay of stream {stream.id}: {exc}") from None
+
+        def planned(n: int) -> None:
+            context.log.info(f"replay of stream {stream.id}: {n} events ({what}) in " + (
+                f"{-(-n // chunk_size)} chunks of JSON lines rendered by Postgres" if as_lines
+                else f"{len(ranges)} ranges read without Spark" if direct else f"{len(ranges)} Spark partitions"))
+
+        if count is not None:
+            planned(count)
+            if config.dry_run or count == 0:
+                context.log.info("dry run: nothing delivered" if config.dry_run else "nothing to replay")
+                context.add_output_metadata({"events": count, "dry_run": config.dry_run})
+                return 0
+        next_log, delivered = 0, 0  # next_log 0: the first progress line once the count is known
+        first: tuple[float, int] | None = None  # (time, count) of the first confirmed chunk
+        with closing(deliver_lines(pgstream.database_url, params, chunk_size, sink,
+                                   stream.delivery.max_read_bytes) if as_lines
+                     else _published(context, pyspark if not direct else None, pgstream, stream, ranges, params,
+                                     config, sink, chunk_size)
+                     ) as progress:
+            for done in progress:
+                if isinstance(done, Counted):
+                    count = done.events
+                    planned(count)
+                    continue
+                first = first or (time.monotonic(), done)
+                delivered = done
+                if count and next_log <= done < count:
+                    if next_log:
+                        rate = done / max(time.monotonic() - started, 1e-6)
+                        context.log.info(f"replayed {done}/{count} events ({100 * done // count}%, "
+                                         f"{rate:.0f} events/s)")
+                    next_log = done + max(10_000, count // 20)
+        if not count and not delivered:
+            context.log.info("nothing to replay")
+            context.add_output_metadata({"events": 0, "dry_run": False})
+            return 0
+        elapsed = time.monotonic() - started
+        context.log.info(f"replay of stream {stream.id}: sink {stream.sink.type} confirmed {delivered} events "
+                         f"in {elapsed:.1f}s")
+        note = count_note(count or 0, delivered)
+        if note is not None:  # events committed or deleted while the replay ran: the sink got what was there
+            context.log.warning(f"replay of stream {stream.id}: {note}")
+        metadata: dict[str, Any] = {
+            "kind": "replay", "events": delivered, "planned": count, "duration_secs": round(elapsed, 3),
+            "events_per_sec": round(delivered / max(elapsed, 1e-6)), "selection": what}
+        if first:  # the rate once events flow (without Spark start-up and the first partition's read)
+            metadata["first_chunk_secs"] = round(first[0] - started, 3)
+            metadata["streaming_events_per_sec"] = round((delivered - first[1]) /
+                                                         max(time.monotonic() - first[0], 1e-6))
+        context.log_event(dg.AssetMaterialization(asset_key=deliveries_asset_key(stream.id),
+                                                  description=f"replay of {delivered} events",
+                                                  metadata=metadata))
+        context.add_output_metadata({"events": delivered, "dry_run": False})
+        return delivered
 
 
 def _published(context: dg.OpExecutionContext, pyspark: LazyPySparkResource | None, pgstream: PgstreamResource,

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import TYPE_CHECKING, Any, assert_never
 
 import psycopg
@@ -47,6 +48,8 @@ from .batches import Batch as Batch  # ledger.Batch: the delivery job's name for
 from .replication import DecodedEvent, Transaction
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .publish import TooLarge
 
 _BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b.last_event_id, b.status, "
@@ -549,6 +552,14 @@ DELIVERY_LOCK = "delivery"
 READER_LOCK = "reader"
 #: per stream: a redelivery of its dead letters
 REDELIVERY_LOCK = "redelivery"
+#: per stream: a replay, held while it waits for the delivery lease and while it delivers; an open run
+#: that sees it closes (it yields the lease to the replay), a delivery run that starts waits for it
+REPLAY_LOCK = "replay"
+#: per stream: a delivery run waiting for the lease while a replay holds it (its holder is the run id:
+#: the run is alive, not dead, although it holds no lease yet)
+LEASE_WAIT_LOCK = "delivery_wait"
+#: how often a run or a replay waiting for the delivery lease looks again (seconds)
+LEASE_POLL_SECS = 0.2
 
 
 def try_lock(conn: psycopg.Connection, name: str, key: int, holder: str | None = None) -> bool:
@@ -579,16 +590,63 @@ class LeaseTaken(RuntimeError):
     """Another live run holds the stream's delivery lease."""
 
 
-def acquire_lease(database_url: str, stream_id: int, run_id: str) -> psycopg.Connection:
+def acquire_lease(database_url: str, stream_id: int, run_id: str,
+                  waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
     """A connection holding the stream's delivery lease (pgstream's lock ``delivery``, held by the
     run id), named after the run. It lasts as long as the run's process: if the process dies, Postgres
     drops the connection and the lease with it, which is how the sensor tells a dead run from a slow
-    one. Two runs of one stream can never deliver at the same time."""
+    one. Two runs of one stream can never deliver at the same time. While a replay of the stream holds
+    or waits for the lease (:func:`acquire_replay_lease`) the run waits for it to end (``waiting`` is
+    told who, every 10 s), holding the ``delivery_wait`` lock meanwhile (it is alive, not dead); another
+    delivery run holding the lease is :class:`LeaseTaken`."""
     conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
-    if not try_lock(conn, DELIVERY_LOCK, stream_id, run_id):
+    try:
+        told = 0.0
+        while True:
+            replay = lock_holder(conn, REPLAY_LOCK, stream_id)
+            if replay is None:
+                if not try_lock(conn, DELIVERY_LOCK, stream_id, run_id):
+                    raise LeaseTaken(f"another run is delivering stream {stream_id}")
+                unlock(conn, LEASE_WAIT_LOCK, stream_id)
+                return conn
+            try_lock(conn, LEASE_WAIT_LOCK, stream_id, run_id)
+            if waiting is not None and time.monotonic() - told >= 10:
+                told = time.monotonic()
+                waiting(replay)
+            time.sleep(LEASE_POLL_SECS)
+    except BaseException:
         conn.close()
-        raise LeaseTaken(f"another run is delivering stream {stream_id}")
-    return conn
+        raise
+
+
+def acquire_replay_lease(database_url: str, stream_id: int, holder: str,
+                         waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
+    """A connection holding the stream's delivery lease for a replay named ``holder`` (its run id),
+    and the stream's ``replay`` lock: no delivery run delivers while the connection is open, whatever
+    launched the replay (the Launchpad, ``dagster job execute``, a script). It takes the ``replay``
+    lock first (after any other replay of the stream), then waits for the lease: the stream's open run
+    sees the ``replay`` lock between two rounds, stops taking batches, delivers those it was handed and
+    closes, which frees the lease; a run that starts meanwhile waits for the replay
+    (:func:`acquire_lease`). Nothing waits on the replay while it waits, so this cannot deadlock.
+    ``waiting`` is told who holds what it waits for, every 10 s. Close the connection to release both."""
+    conn = psycopg.connect(database_url, autocommit=True, application_name=f"pgstream replay {holder}")
+    try:
+        told = 0.0
+        for name, what in ((REPLAY_LOCK, "another replay"), (DELIVERY_LOCK, "the delivery lease")):
+            while not try_lock(conn, name, stream_id, holder):
+                if waiting is not None and time.monotonic() - told >= 10:
+                    told = time.monotonic()
+                    waiting(f"{what} (held by {lock_holder(conn, name, stream_id) or 'a session that is ending'})")
+                time.sleep(LEASE_POLL_SECS)
+        return conn
+    except BaseException:
+        conn.close()
+        raise
+
+
+def replay_waiting(conn: psycopg.Connection, stream_id: int) -> bool:
+    """Whether a replay of the stream holds or waits for its delivery lease (:func:`acquire_replay_lease`)."""
+    return lock_holder(conn, REPLAY_LOCK, stream_id) is not None
 
 
 def lock_recording(conn: psycopg.Connection, stream_id: int) -> None:
@@ -619,9 +677,9 @@ def slot_claimed(conn: psycopg.Connection, stream_id: int) -> bool:
 
 def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:
     """Whether run ``run_id``'s process holds a delivery lease (of any stream) and is alive."""
-    row = conn.execute("select exists (select 1 from pgstream.locks l where l.name = %s and l.holder = %s "
+    row = conn.execute("select exists (select 1 from pgstream.locks l where l.name in (%s, %s) and l.holder = %s "
                        "and pgstream.backend_alive(l.pid, l.backend_start, l.usesysid))",
-                       [DELIVERY_LOCK, run_id]).fetchone()
+                       [DELIVERY_LOCK, LEASE_WAIT_LOCK, run_id]).fetchone()
     return bool(row and row[0])
 
 

@@ -152,6 +152,23 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
     return ranges.total or 0, bounds, params
 
 
+def count_note(planned: int, delivered: int) -> str | None:
+    """What happened when a replay delivered another number of events than it planned (None: the same).
+    The count is taken when the replay is planned; the events are read range by range afterwards, and the
+    last range runs to the selection's upper bound (none: the stream's newest event). So events committed
+    into the selection meanwhile are delivered too, and events deleted meanwhile (retention) are not."""
+    if delivered == planned:
+        return None
+    if delivered > planned:
+        return (f"{planned} events were planned but {delivered} were delivered: {delivered - planned} more events "
+                "were committed within the selection after the replay was planned (its upper bound is open or not "
+                "reached yet), and the replay delivered them too, in id order; give to_event_id to replay a "
+                "fixed set")
+    return (f"{planned} events were planned but {delivered} were delivered: {planned - delivered} of the selected "
+            "events were deleted (retention) before the replay read them; the replay delivered the others, in "
+            "id order")
+
+
 #: one event as :meth:`pgstream_dagster.sinks.base.Event.to_json` renders it (what the file sink writes),
 #: rendered by Postgres: ``created_at`` in UTC as Python's ``isoformat()`` writes it (microseconds only
 #: when there are any), payload and metadata as their ``jsonb`` text, as the other paths read them

@@ -2,8 +2,9 @@
 
 Requests carry the Standard Webhooks headers (``webhook-id``, ``webhook-timestamp`` and, with a signing
 secret, ``webhook-signature``: ``v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">``). Each request is
-retried with exponential backoff and jitter on connection errors, timeouts, 5xx, 408 and 429, honouring
-``Retry-After`` on 429/503, within a bounded budget (attempts and seconds); other 4xx fail at once.
+retried on connection errors, timeouts, 5xx, 408 and 429 (at once the first time, then with exponential
+backoff and jitter), honouring ``Retry-After`` on 429/503, within a bounded budget (attempts and seconds);
+other 4xx fail at once.
 
 Permanent rejections (``SinkError.permanent``): a 4xx answer other than those below, i.e. the receiver
 refused this request's content (400, 409, 413, 422...), and a body over ``max_body_bytes`` (refused
@@ -33,6 +34,7 @@ import email.utils
 import hashlib
 import hmac
 import logging
+import random
 import re
 import threading
 import time
@@ -50,7 +52,6 @@ from tenacity import (
     retry_if_exception,
     stop_after_attempt,
     stop_before_delay,
-    wait_exponential_jitter,
 )
 
 from .base import (
@@ -202,7 +203,8 @@ class HttpSinkConfig(SinkConfigBase):
     timeout_secs: float = Field(default=10, gt=0)
     max_attempts: int = Field(default=6, ge=1)
     max_retry_secs: float = Field(default=60, ge=0)
-    initial_backoff_secs: float = Field(default=0.5, ge=0)
+    first_retry_secs: float = Field(default=0, ge=0)
+    initial_backoff_secs: float = Field(default=0.1, ge=0)
     max_backoff_secs: float = Field(default=30, ge=0)
     max_body_bytes: int | None = Field(default=None, ge=1)
     max_header_value_bytes: int = Field(default=4096, ge=1, le=65536)
@@ -361,9 +363,6 @@ class HttpSink(Sink):
         self._urls: dict[str | None, tuple[str, str]] = {}  # segment -> (url, target)
         secret = config.signing_secret
         self._key = decode_signing_secret(secret.get_secret_value()) if secret is not None else None
-        self._backoff = wait_exponential_jitter(
-            initial=config.initial_backoff_secs, max=config.max_backoff_secs, jitter=config.initial_backoff_secs
-        )
 
     # -- publishing --------------------------------------------------------------------------------------
 
@@ -607,11 +606,18 @@ class HttpSink(Sink):
         raise _Failure(reason, retryable=retryable, retry_after=retry_after, permanent=permanent)
 
     def _wait(self, state: RetryCallState) -> float:
-        """``Retry-After`` when the server sent one, else exponential backoff with jitter."""
+        """``Retry-After`` when the server sent one; else ``first_retry_secs`` (0: at once) before the
+        first retry, so that a single transient failure costs one more request and not a backoff window
+        (an ordered lane sends nothing else meanwhile); then exponential backoff with jitter from
+        ``initial_backoff_secs`` (doubling, up to ``max_backoff_secs``)."""
+        config = self.config
         exc = state.outcome.exception() if state.outcome is not None else None
         if isinstance(exc, _Failure) and exc.retry_after is not None:
             return exc.retry_after
-        return self._backoff(state)
+        if state.attempt_number <= 1:
+            return min(config.first_retry_secs, config.max_backoff_secs)
+        backoff: float = config.initial_backoff_secs * 2.0 ** (state.attempt_number - 2)
+        return min(config.max_backoff_secs, backoff + random.uniform(0, config.initial_backoff_secs))
 
     def _log_retry(self, request: _Request) -> Callable[[RetryCallState], None]:
         def before_sleep(state: RetryCallState) -> None:

@@ -1,9 +1,11 @@
 """A real HTTP endpoint for fault tests: it records the event ids it accepted (and their bodies) and
-can answer 500, flap (every other request fails), hang for a while, run a hook, go down (connection
-refused), refuse content (422) or answer 404 for paths it does not serve."""
+can answer 500, flap (every other request fails), answer 500 to a random share of requests (seeded),
+hang for a while, run a hook, go down (connection refused), refuse content (422) or answer 404 for
+paths it does not serve."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import Counter
@@ -20,6 +22,8 @@ class Endpoint:
     def __init__(self) -> None:
         self.port = free_port()
         self.mode: Mode = "ok"
+        self.fail_rate = 0.0  # this share of requests is answered 500, drawn from ``rng`` (seeded: reproducible)
+        self.rng = random.Random(34)
         self.delay = 0.0
         self.accepted: list[int] = []  # event ids, in the order the endpoint confirmed them
         self.requests = 0
@@ -52,6 +56,7 @@ class Endpoint:
                     endpoint.requests += 1
                     n = endpoint.requests
                     fail = endpoint.mode == "error" or (endpoint.mode == "flap" and n % 2 == 1)
+                    fail = fail or (endpoint.fail_rate > 0 and endpoint.rng.random() < endpoint.fail_rate)
                 if endpoint.hook is not None:
                     endpoint.hook(n)
                 if endpoint.delay:
