@@ -98,7 +98,7 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
         batches = _direct_round(stream, batches)  # the rest: the next rounds (they are assigned to this run)
         frame = _load(pyspark, pgstream.executor_database_url, stream, batches, lease)
     except BaseException:
-        lease.close()
+        ledger.give_up_lease(lease, config.stream_id)
         raise
     total = sum(b.event_count for b in batches)
     kinds = sorted({b.kind for b in batches})
@@ -117,14 +117,15 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
     stream = pgstream.stream(loaded.stream_id)
     run_key = loaded.batches[0].run_key if loaded.batches else context.run.tags.get(RUN_KEY_TAG)
     if not loaded.batches and not (run_key and ledger.run_is_open(loaded.lease, stream.id, run_key)):
-        loaded.lease.close()  # a warm run the stream no longer wants (another run is open): nothing to do
+        # a warm run the stream no longer wants (another run is open): nothing to do
+        ledger.give_up_lease(loaded.lease, stream.id)
         context.log.info(f"stream {stream.id}: not the stream's open run; nothing to deliver")
         return
     run_key = run_key or ""
-    # the lease is released when the run ends (or its process dies); the sink serves every round of the
-    # run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
-    with fewer_collections(), loaded.lease as conn, build_sink(stream.sink) as sink, _Reader(
-            context, pgstream.database_url, stream, run_key, conn) as reader:
+    # the lease is given up when the run ends (it is lost if its process dies); the sink serves every round
+    # of the run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
+    with fewer_collections(), ledger.holding_lease(loaded.lease, stream.id) as conn, \
+            build_sink(stream.sink) as sink, _Reader(context, pgstream.database_url, stream, run_key, conn) as reader:
         ledger.listen_runs(conn, stream.id)
         linger = _Linger(context, conn, stream, run_key, reader)
         report = _Report(context, conn, stream, run_key)
