@@ -397,3 +397,37 @@ def test_run_whose_lease_session_ended_is_failed_at_the_next_tick(db_url: str, t
     assert message is not None and "session holding its delivery lease has ended" in message, message
     recover = drive(driver, delivered_all(endpoint, db_url), timeout=60)
     check_and_report("run's lease session ended (process died) before run_grace_secs", endpoint, db_url, recover)
+
+
+def test_postgres_restart_stops_publishing_within_the_publish_call(db_url: str, pg: LocalPostgres, tmp_path: Path,
+                                                                   instance: dg.DagsterInstance,
+                                                                   endpoint: Endpoint) -> None:
+    """A slow receiver, one request per event, the batch in one publish call: Postgres restarts while
+    the run waits for an answer. The run sends nothing more once its ledger connection (which records
+    what the sink confirms) is broken: it fails with an error saying so, and the next run resumes
+    after the last confirmation recorded. Duplicates: what was sent in that call before the restart."""
+    cfg = stream_config(endpoint.sink("per_event"), batch={"max_size": 100, "max_fill_secs": 0},
+                        delivery={"chunk_size": 100, "run_grace_secs": 120})
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 100)
+    (request,) = driver.tick(STREAM).run_requests
+    endpoint.delay = 0.05
+    sent_before_restart: list[int] = []
+
+    def restart_once(n: int) -> None:
+        if n == 10:
+            pg.restart()  # while the run waits for this answer
+            sent_before_restart.append(len(endpoint.accepted) + 1)  # with this one
+    endpoint.hook = restart_once
+    result = driver.execute(request)
+    endpoint.hook = None
+    assert not result.success
+    assert endpoint.requests == 10, endpoint.requests  # nothing sent after the request it waited for
+    (failure,) = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    message = failure.step_failure_data.error.message if failure.step_failure_data.error else ""
+    assert "the run's ledger connection is broken" in message and "stopped publishing" in message, message
+    endpoint.delay = 0
+    recover = drive(driver, delivered_all(endpoint, db_url), timeout=120)
+    assert endpoint.duplicates() <= sent_before_restart[0], (endpoint.duplicates(), sent_before_restart)
+    check_and_report("Postgres restarted mid-call (per_event, slow receiver)", endpoint, db_url, recover)

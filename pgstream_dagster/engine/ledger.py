@@ -19,6 +19,8 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -658,6 +660,34 @@ def give_up_lease(conn: psycopg.Connection, stream_id: int) -> None:
         pass
     finally:
         conn.close()
+
+
+class RecordingCheck:
+    """Whether the run's ledger connection ``conn`` (the lease's: it records what the sink confirms)
+    still answers, asked of Postgres at most every ``every_secs``; once it does not, never again (a
+    sink calls it before each request it sends: :attr:`~..sinks.base.Sink.go_on`)."""
+
+    def __init__(self, conn: psycopg.Connection, every_secs: float = 0.2) -> None:
+        self.conn, self.every_secs = conn, every_secs
+        self.broken: str | None = None  # why it no longer answers
+        self._asked = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> bool:
+        with self._lock:
+            if self.broken is None and (self.conn.closed or self.conn.broken):
+                self.broken = "the connection is closed"
+            if self.broken is not None:
+                return False
+            if time.monotonic() - self._asked < self.every_secs:
+                return True
+            try:
+                self.conn.execute("select 1")
+            except psycopg.Error as exc:
+                self.broken = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                return False
+            self._asked = time.monotonic()
+            return True
 
 
 @contextmanager
