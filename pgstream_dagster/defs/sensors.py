@@ -206,8 +206,7 @@ def _deliveries_began(instance: dg.DagsterInstance, run_id: str) -> bool:
 def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str) -> str:
     """What became of the stream's open run, for the status asset: ``live`` (it holds the delivery
     lease), ``starting`` (not delivering yet), or ``gone`` with why (no such run, it ended, or it took
-    the lease and holds it no more: its process died; the sensor fails it after
-    ``delivery.run_grace_secs``)."""
+    the lease and holds it no more: its process died; the sensor fails it at its next decision)."""
     run = _find_run(instance, run_key)
     if run is None:
         return "gone: Dagster has no run with this key"
