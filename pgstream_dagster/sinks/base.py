@@ -638,9 +638,9 @@ class Sink(ABC):
     accepts_json_lines: ClassVar[bool] = False
 
     #: set by a caller that records what the sink confirms (a delivery run: its ledger connection still
-    #: answers): a sink that sends several requests in one publish call asks it before each one, and
-    #: once it is false sends nothing more and raises a (not permanent) :class:`SinkError`, so that
-    #: what it would send could not be recorded and sent again by the next run (HTTP does)
+    #: answers): a sink that sends several requests in one publish call asks it before each one and,
+    #: once it is false, sends nothing more and raises a (not permanent) :class:`SinkError`: what it
+    #: sent then could not be recorded and would be sent again by the next run (the HTTP sink does)
     go_on: Callable[[], bool] | None = None
 
     def __init__(self, config: SinkConfigBase) -> None:
