@@ -120,8 +120,10 @@ class DeliveryConfig(_Model):
                                             "confirmed one; else the rejections are the events' and they go on being "
                                             "set aside")
     run_grace_secs: float = Field(120, ge=1, le=3600,
-                                  description="a started run that holds no delivery lease after this long is "
-                                              "dead (process killed): it is marked failed and its batches retried")
+                                  description="a started run that has taken no delivery lease this long after "
+                                              "it started is dead (its process never got going): it is marked "
+                                              "failed and its batches retried. A run whose lease's database "
+                                              "session has ended (process killed) is dead at once")
 
 
 class SensorConfig(_Model):

@@ -306,3 +306,115 @@ def _backfill_cancelled_and_resumed(dev: Any, app: str, instance: dg.DagsterInst
                              "where payload->>'tg_op' = 'READ'").fetchone()
     assert backfill_state()[0] == "done" and reads is not None and verified is not None
     assert reads[0] == reads[1] == verified[0]  # every verified user once, across the cancel
+
+
+TICKS_QUERY = """
+query ($selector: SensorSelector!) {
+  sensorOrError(sensorSelector: $selector) {
+    ... on Sensor { sensorState { ticks(limit: 100) { status timestamp skipReason } } }
+  }
+}
+"""
+
+
+def test_dagster_dev_killed_whole_recovers_at_the_next_ticks(databases: Databases, hook: Hook, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """kill -9 of the whole `dg dev` group while the stream's open run holds its delivery lease, then
+    `dg dev` again on the same home: the first ticks see that the session holding the dead run's lease
+    has ended, mark the run failed (well before delivery.run_grace_secs, counted from its start) and
+    request the next run, which delivers what committed meanwhile; nothing lost, commit order kept."""
+    app = databases.app_url
+    migrate(app)
+    with psycopg.connect(app, autocommit=True) as conn:
+        conn.execute("create table public.users (id serial primary key, email text)")
+    config_path = write_config(
+        tmp_path / "pgstream.yaml", app,
+        streams=[{"id": 1, "sink": {"type": "http", "url": hook.url, "mode": "per_event"},
+                  "batch": {"max_size": 100, "max_fill_secs": 0.2},
+                  "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
+                  "delivery": {"linger_secs": 600}}],  # run_grace_secs: the default, 120
+        subscriptions=[{"key": "users", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
+                        "table_name": "users", "column_names": ["id", "email"]}],
+    )
+    init(config_path)
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(repo_root() / "dagster.yaml", home / "dagster.yaml")
+    env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
+           "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
+    selector = {"repositoryLocationName": "pgstream", "repositoryName": "__repository__",
+                "sensorName": "pgstream_stream_1"}
+
+    def insert(n: int, start: int) -> None:
+        with psycopg.connect(app, autocommit=True) as conn:
+            for i in range(start, start + n):
+                conn.execute("insert into public.users (email) values (%s)", [f"u{i}@example.com"])
+
+    def lease() -> tuple[Any, ...] | None:
+        with psycopg.connect(app, autocommit=True) as c:
+            return c.execute("select holder, pgstream.backend_alive(pid, backend_start, usesysid) from pgstream.locks "
+                             "where name = 'delivery' and key = 1 and pid is not null").fetchone()
+
+    def sensor_answers(dev: Any) -> bool:
+        try:
+            answer = dev.graphql(SENSOR_QUERY, {"selector": selector})
+        except httpx.HTTPError:
+            return False
+        return bool(((answer.get("data") or {}).get("sensorOrError") or {}).get("sensorState"))
+
+    def received() -> list[int]:
+        return [r.event_id for r in hook.snapshot()]
+
+    first = tmp_path / "first"
+    first.mkdir()
+    dev = start_dagster_dev(first, env)
+    try:
+        insert(5, 0)
+        wait_for("5 events at the endpoint", lambda: len(received()) >= 5, EVENTS_TIMEOUT_SECS, dev)
+        held = lease()
+        assert held is not None and held[1], held  # the open run holds the lease, lingering
+        dead_run_id = str(held[0])
+    finally:
+        survivors = stop_process_group(dev.proc, crash=True)  # kill -9 of the whole group
+    assert not survivors, survivors
+    killed_at = time.monotonic()
+    while (held := lease()) is not None and held[1]:  # Postgres sees the dead run's session end
+        assert time.monotonic() - killed_at < 30, held
+        time.sleep(0.1)
+    insert(5, 5)  # committed while `dg dev` is down
+
+    second = tmp_path / "second"
+    second.mkdir()
+    dev = start_dagster_dev(second, env)
+    try:
+        wait_for("the code location to answer", lambda: sensor_answers(dev), READY_TIMEOUT_SECS, dev)
+        back_at = time.monotonic()
+        wait_for("the 5 events committed while down", lambda: len(set(received())) >= 10, 120, dev,
+                 lambda: f"received {received()}; lease {lease()}")
+        first_delivery_secs = time.monotonic() - back_at  # (polled every 0.5 s)
+        monkeypatch.setenv("DAGSTER_HOME", str(home))
+        monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
+        with dg.DagsterInstance.get() as instance:
+            record = instance.get_run_record_by_id(dead_run_id)
+            assert record is not None and record.dagster_run.status == DagsterRunStatus.FAILURE
+            failures = instance.get_records_for_run(dead_run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records
+            assert failures, "the dead run was not marked failed"
+            message = failures[0].event_log_entry.dagster_event.message  # type: ignore[union-attr]
+            assert message is not None and "session holding its delivery lease has ended" in message, message
+            # failed by the lease, not by delivery.run_grace_secs (120 s) counted from its start
+            assert record.start_time is not None
+            assert failures[0].event_log_entry.timestamp - record.start_time < 120
+        ticks = dev.graphql(TICKS_QUERY, {"selector": selector})["data"]["sensorOrError"]["sensorState"]["ticks"]
+        reasons = [t["skipReason"] for t in ticks if t["skipReason"]]
+        print(f"first delivery {first_delivery_secs:.1f}s after the code location answered; skip reasons: "
+              f"{sorted(set(reasons))[:10]}")
+        assert first_delivery_secs < 60
+        ids = received()
+        with psycopg.connect(app, autocommit=True) as c:
+            committed = [r[0] for r in c.execute("select id from pgstream.events where stream_id = 1 order by id")]
+        assert set(ids) == set(committed) and len(committed) == 10  # nothing lost, nothing extra
+        firsts = list(dict.fromkeys(ids))
+        assert firsts == committed  # first arrivals in commit order
+    finally:
+        survivors = stop_process_group(dev.proc)
+    assert not survivors, survivors

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -356,3 +357,77 @@ def test_backlog_spanning_midnight_survives_housekeeping(db_url: str, tmp_path: 
                          ).fetchone()
     assert days == (2,)
     check_and_report("backlog spanning midnight (+ retention edge)", endpoint, db_url, time.monotonic() - started)
+
+
+def test_run_whose_lease_session_ended_is_failed_at_the_next_tick(db_url: str, tmp_path: Path,
+                                                                  instance: dg.DagsterInstance,
+                                                                  endpoint: Endpoint) -> None:
+    """A run Dagster shows started: while it has not taken its delivery lease the tick says so and
+    waits (``run_grace_secs``); once the database session that held its lease has ended (its process
+    died) the next tick marks it failed, whatever ``run_grace_secs`` says, and the next run delivers."""
+    from pgstream_dagster.defs.names import DELIVERY_JOB
+    from pgstream_dagster.engine import ledger
+
+    cfg = stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 120})
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 30)
+    (request,) = driver.tick(STREAM).run_requests
+    # the requested run, as the daemon launches it: started, its process not yet at load_batches
+    job = driver.defs.resolve_job_def(DELIVERY_JOB)
+    run = instance.create_run_for_job(job, run_config=request.run_config,
+                                      tags={**request.tags, "dagster/run_key": request.run_key or ""})
+    instance.handle_run_event(run.run_id, dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name=run.job_name))
+    tick = driver.tick(STREAM)
+    assert not tick.run_requests
+    assert tick.skip_message is not None
+    assert re.search(f"30 undelivered events in 1 batches; waiting for run {run.run_id}: started \\d+ s ago, has not "
+                     r"taken its delivery lease yet \(run_grace_secs 120\)", tick.skip_message), tick.skip_message
+    # its process takes the lease, then dies (kill -9: the session ends, the lease was not given up)
+    lease = ledger.acquire_lease(db_url, STREAM, run.run_id)
+    tick = driver.tick(STREAM)
+    assert not tick.run_requests and f"waiting for run {run.run_id} (it holds the delivery lease)" in str(
+        tick.skip_message)
+    lease.close()
+    driver.tick(STREAM)  # marks it failed: the stream enters failover at its batch (retry in 0.5 s)
+    dead = instance.get_run_by_id(run.run_id)
+    assert dead is not None and dead.status == dg.DagsterRunStatus.FAILURE
+    (failure,) = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records
+    message = failure.event_log_entry.dagster_event.message  # type: ignore[union-attr]
+    assert message is not None and "session holding its delivery lease has ended" in message, message
+    recover = drive(driver, delivered_all(endpoint, db_url), timeout=60)
+    check_and_report("run's lease session ended (process died) before run_grace_secs", endpoint, db_url, recover)
+
+
+def test_postgres_restart_stops_publishing_within_the_publish_call(db_url: str, pg: LocalPostgres, tmp_path: Path,
+                                                                   instance: dg.DagsterInstance,
+                                                                   endpoint: Endpoint) -> None:
+    """A slow receiver, one request per event, the batch in one publish call: Postgres restarts while
+    the run waits for an answer. The run sends nothing more once its ledger connection (which records
+    what the sink confirms) is broken: it fails with an error saying so, and the next run resumes
+    after the last confirmation recorded. Duplicates: what was sent in that call before the restart."""
+    cfg = stream_config(endpoint.sink("per_event"), batch={"max_size": 100, "max_fill_secs": 0},
+                        delivery={"chunk_size": 100, "run_grace_secs": 120})
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 100)
+    (request,) = driver.tick(STREAM).run_requests
+    endpoint.delay = 0.05
+    sent_before_restart: list[int] = []
+
+    def restart_once(n: int) -> None:
+        if n == 10:
+            pg.restart()  # while the run waits for this answer
+            sent_before_restart.append(len(endpoint.accepted) + 1)  # with this one
+    endpoint.hook = restart_once
+    result = driver.execute(request)
+    endpoint.hook = None
+    assert not result.success
+    assert endpoint.requests == 10, endpoint.requests  # nothing sent after the request it waited for
+    (failure,) = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    message = failure.step_failure_data.error.message if failure.step_failure_data.error else ""
+    assert "the run's ledger connection is broken" in message and "stopped publishing" in message, message
+    endpoint.delay = 0
+    recover = drive(driver, delivered_all(endpoint, db_url), timeout=120)
+    assert endpoint.duplicates() <= sent_before_restart[0], (endpoint.duplicates(), sent_before_restart)
+    check_and_report("Postgres restarted mid-call (per_event, slow receiver)", endpoint, db_url, recover)

@@ -49,7 +49,7 @@ from ..engine.publish import (
     owed_spans,
 )
 from ..engine.status import stream_status
-from ..sinks import Sink, build_sink
+from ..sinks import Sink, SinkError, build_sink
 from .names import CONTROL_JOB, DELIVERY_JOB, RUN_KEY_TAG, STREAM_TAG, deliveries_asset_key
 from .resources import PgstreamResource
 from .status import status_observation
@@ -101,7 +101,7 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
         batches = _direct_round(stream, batches)  # the rest: the next rounds (they are assigned to this run)
         frame = _load(pyspark, pgstream.executor_database_url, stream, batches, lease)
     except BaseException:
-        lease.close()
+        ledger.give_up_lease(lease, config.stream_id)
         raise
     total = sum(b.event_count for b in batches)
     kinds = sorted({b.kind for b in batches})
@@ -120,15 +120,18 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
     stream = pgstream.stream(loaded.stream_id)
     run_key = loaded.batches[0].run_key if loaded.batches else context.run.tags.get(RUN_KEY_TAG)
     if not loaded.batches and not (run_key and ledger.run_is_open(loaded.lease, stream.id, run_key)):
-        loaded.lease.close()  # a warm run the stream no longer wants (another run is open): nothing to do
+        # a warm run the stream no longer wants (another run is open): nothing to do
+        ledger.give_up_lease(loaded.lease, stream.id)
         context.log.info(f"stream {stream.id}: not the stream's open run; nothing to deliver")
         return
     run_key = run_key or ""
-    # the lease is released when the run ends (or its process dies); the sink serves every round of the
-    # run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
-    with fewer_collections(), loaded.lease as conn, build_sink(stream.sink) as sink, _Reader(
-            context, pgstream.database_url, stream, run_key, conn) as reader:
+    # the lease is given up when the run ends (it is lost if its process dies); the sink serves every round
+    # of the run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
+    with fewer_collections(), ledger.holding_lease(loaded.lease, stream.id) as conn, \
+            build_sink(stream.sink) as sink, _Reader(context, pgstream.database_url, stream, run_key, conn) as reader:
         ledger.listen_runs(conn, stream.id)
+        # what the sink confirms is recorded on ``conn``: once it is broken the sink sends nothing more
+        recording = sink.go_on = ledger.RecordingCheck(conn)
         linger = _Linger(context, conn, stream, run_key, reader)
         report = _Report(context, conn, stream, run_key)
         batches, frame, started = loaded.batches, loaded.frame, loaded.started
@@ -136,7 +139,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: LoadedBatches, pgstr
         try:
             while True:
                 if batches:
-                    delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream)
+                    delivered = _deliver_round(context, conn, stream, sink, batches, frame, pgstream, recording)
                     report.add(batches, delivered, started)
                     after = batches[-1].id
                     if reader.handoff is not None:
@@ -360,10 +363,26 @@ def _vanished_failure(conn: psycopg.Connection, stream_id: int, batch_ids: list[
 
 
 def _deliver_round(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig, sink: Sink,
-                   batches: list[ledger.Batch], frame: Any, pgstream: PgstreamResource) -> int:
+                   batches: list[ledger.Batch], frame: Any, pgstream: PgstreamResource,
+                   recording: ledger.RecordingCheck) -> int:
     """Deliver ``batches`` (loaded as ``frame``) through the run's ``sink``, marking each delivered;
     returns the events handled (confirmed by the sink, or set aside as dead letters). What runs on the
-    executors (``by_key`` tasks) connects with the executors' URL, what runs here with the runtime's."""
+    executors (``by_key`` tasks) connects with the executors' URL, what runs here with the runtime's.
+    Once ``conn`` is broken (``recording``: Postgres restarted, the connection was cut) the run stops
+    before the sink's next request, as nothing it confirms could be recorded."""
+    try:
+        return _round(context, conn, stream, sink, batches, frame, pgstream)
+    except (psycopg.Error, SinkError):
+        if recording():  # the connection still answers: not what stopped the run
+            raise
+        raise dg.Failure(
+            f"stream {stream.id}: the run's ledger connection is broken ({recording.broken}): what the sink "
+            f"confirms can no longer be recorded, so the run stopped publishing; the next run resumes after the "
+            f"last confirmation recorded") from None
+
+
+def _round(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: StreamConfig, sink: Sink,
+           batches: list[ledger.Batch], frame: Any, pgstream: PgstreamResource) -> int:
     by_key = stream.delivery.ordering == "by_key"
     database_url = pgstream.executor_database_url if by_key else pgstream.database_url
     batch_ids = [b.id for b in batches]
@@ -530,7 +549,7 @@ class _Report:
         self.context.log_event(dg.AssetMaterialization(
             asset_key=deliveries_asset_key(stream_id),
             description=f"batches {first.id}..{last.id} delivered", metadata=metadata))
-        rows = stream_status(self.conn, stream_id, last=5)
+        rows = stream_status(self.conn, stream_id, last=5) if not (self.conn.closed or self.conn.broken) else []
         if rows:
             row = rows[0]
             state = f"live: run {self.context.run_id} (this run)" if row.get("open_run_key") == self.run_key else None

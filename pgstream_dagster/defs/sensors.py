@@ -11,12 +11,13 @@ A tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to re
 2. **decide**, after recording a batch and at least every second: read the stream's state in one
    query (``ledger.stream_state``), ask Dagster about the run that state points at (the head
    batch's run, or the open run a pending head would be handed to) as an engine
-   :class:`~..engine.batches.RunView` (a started run with no delivery lease after
-   ``delivery.run_grace_secs`` is *dead*), and let the pure :func:`~..engine.batches.decide` choose
+   :class:`~..engine.batches.RunView` (a started run is *dead* once the database session that held
+   its delivery lease has ended, or when it has taken none ``delivery.run_grace_secs`` after it
+   started; a dead run is reported failed to Dagster at once), and let the pure :func:`~..engine.batches.decide` choose
    the action: wait (paused, failover backoff, run busy), launch a run (the pending backlog, or the
    failed checkpoint alone), hand new batches to the open run, request a lost run again, fail a
    run (failover), leave failover once caught up;
-3. **apply** it: a dead run is reported failed to Dagster first; ``ledger.apply`` makes the
+3. **apply** it: ``ledger.apply`` makes the
    ledger's transitions; a run to request becomes the ``RunRequest`` (``run_key`` = stream,
    installation, batches, attempt: a re-evaluated tick requests nothing twice).
 
@@ -36,7 +37,7 @@ import psycopg
 
 from ..config import StreamConfig
 from ..engine import ledger
-from ..engine.batches import NO_RUN, FailRun, RunOrder, RunStatus, RunView, WarmRun, decide, notes
+from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, decide, notes
 from ..engine.collector import fewer_collections
 from ..engine.ingest import ConsumeResult, consume
 from ..engine.status import last_batches, stream_status
@@ -100,59 +101,77 @@ def _find_run(instance: dg.DagsterInstance, run_key: str | None) -> dg.DagsterRu
     return runs[0] if runs else None
 
 
-def _run_is_dead(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun,
-                 stream: StreamConfig, now: dt.datetime) -> bool:
-    """A started run whose process died: no delivery lease ``delivery.run_grace_secs`` after it started."""
-    if run.status != dg.DagsterRunStatus.STARTED:
-        return False
+def _lease_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun,
+                stream: StreamConfig, now: dt.datetime) -> tuple[str | None, str]:
+    """A run Dagster shows started, by its delivery lease: (why it is dead, or None; what it is doing).
+    Dead at once when the backend that held its lease has ended (its process died, or Postgres
+    restarted under it: it can record nothing more); one that has not taken its lease yet is given
+    ``delivery.run_grace_secs`` from its start."""
+    state = ledger.lease_state(conn, run.run_id)
+    if state is ledger.LeaseState.HELD:
+        return None, f"run {run.run_id} (it holds the delivery lease)"
+    if state is ledger.LeaseState.LOST:
+        return ("the database session holding its delivery lease has ended (its process died, or Postgres "
+                "restarted): it delivers nothing more"), ""
+    grace = stream.delivery.run_grace_secs
     record = instance.get_run_record_by_id(run.run_id)
     started = record.start_time if record else None
-    if started is None or now.timestamp() - started < stream.delivery.run_grace_secs:
-        return False
-    return not ledger.lease_alive(conn, run.run_id)
+    age = now.timestamp() - started if started is not None else 0.0
+    if started is None or age < grace:
+        return None, (f"run {run.run_id}: started {age:.0f} s ago, has not taken its delivery lease yet "
+                      f"(run_grace_secs {grace:g})")
+    return f"no delivery lease {grace:g} s after it started (delivery.run_grace_secs): its process died", ""
 
 
 def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun | None,
-              stream: StreamConfig, now: dt.datetime) -> RunView:
-    """What :func:`decide` needs to know of the Dagster run ``run``."""
+              stream: StreamConfig, now: dt.datetime) -> tuple[RunView, str | None]:
+    """What :func:`decide` needs to know of the Dagster run ``run``, and what it is doing (for the
+    tick's skip reason)."""
     if run is None:
-        return NO_RUN
-    if _run_is_dead(conn, instance, run, stream, now):
-        # reported failed once the decision is to fail it (see _report_dead)
-        return RunView(RunStatus.DEAD, run.run_id, dg.DagsterRunStatus.FAILURE.value,
-                       run_failure_message(instance, run.run_id))
+        return NO_RUN, None
+    if run.status == dg.DagsterRunStatus.STARTED:
+        dead, doing = _lease_view(conn, instance, run, stream, now)
+        if dead is not None:  # reported failed by step()
+            return RunView(RunStatus.DEAD, run.run_id, dg.DagsterRunStatus.FAILURE.value, dead), None
+        return RunView(RunStatus.LIVE, run.run_id), doing
     if run.status in _LIVE:
-        return RunView(RunStatus.LIVE, run.run_id)
+        return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
     if run.status in _FAILED:
-        return RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id))
+        return (RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id)),
+                None)
     if run.status == dg.DagsterRunStatus.SUCCESS:
-        return RunView(RunStatus.SUCCEEDED, run.run_id)
-    return RunView(RunStatus.OTHER, run.run_id)
+        return RunView(RunStatus.SUCCEEDED, run.run_id), None
+    return RunView(RunStatus.OTHER, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
 
 
-def _report_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, stream: StreamConfig, log: list[str]) -> None:
-    instance.report_run_failed(run, f"pgstream: run {run.run_id} holds no delivery lease "
-                                    f"{stream.delivery.run_grace_secs:.0f}s after it started: its process died")
-    log.append(f"stream {stream.id}: run {run.run_id} died (no delivery lease); marked failed")
+def _report_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, view: RunView, stream: StreamConfig,
+                 log: list[str]) -> None:
+    instance.report_run_failed(run, f"pgstream: run {run.run_id} of stream {stream.id} died: {view.error}")
+    log.append(f"stream {stream.id}: run {run.run_id} died ({view.error}); marked failed")
 
 
 def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-         log: list[str]) -> dg.RunRequest | None:
+         log: list[str], waiting: list[str] | None = None) -> dg.RunRequest | None:
     """One decision: read the stream's state, look at its run in Dagster, decide, apply; the run to
-    request, if any. ``log`` receives what the tick log should say (why nothing was launched)."""
+    request, if any. ``log`` receives what the tick log should say (why nothing was launched),
+    ``waiting`` what the run the stream waits for is doing (for the skip reason). A dead run is
+    reported failed to Dagster as soon as it is seen."""
     state = ledger.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
     run = _find_run(instance, state.watched_run_key)
-    action = decide(state, _run_view(conn, instance, run, stream, now), now, stream)
-    if isinstance(action, FailRun) and action.died and run is not None:
-        _report_dead(instance, run, stream, log)
+    view, doing = _run_view(conn, instance, run, stream, now)
+    action = decide(state, view, now, stream)
+    if view.status is RunStatus.DEAD and run is not None:
+        _report_dead(instance, run, view, stream, log)
+    if waiting is not None:
+        waiting[:] = [f"waiting for {doing}"] if doing is not None and state.head is not None else []
     log.extend(notes(action))
     order = ledger.apply(conn, stream, action)
     return _request(order) if order is not None else None
 
 
 def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-         log: list[str]) -> tuple[ConsumeResult, dg.RunRequest | None]:
+         log: list[str], waiting: list[str] | None = None) -> tuple[ConsumeResult, dg.RunRequest | None]:
     """One sensor evaluation: keep recording what commits (and handing it to the open run) until a
     new run must be requested or ``sensor.tick_budget_secs`` is spent. A long tick is what lets an
     open run deliver an event well under a second after its commit: the daemon starts ticks every
@@ -168,7 +187,7 @@ def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         total.add(consumed)
         request = None
         if consumed.batches or time.monotonic() - decided_at >= DECIDE_EVERY_SECS:
-            request = step(conn, instance, stream, log)
+            request = step(conn, instance, stream, log, waiting)
             decided_at = time.monotonic()
         remaining = deadline - time.monotonic()
         if request is not None or consumed.slot_lost or remaining <= 0:
@@ -187,8 +206,7 @@ def _deliveries_began(instance: dg.DagsterInstance, run_id: str) -> bool:
 def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str) -> str:
     """What became of the stream's open run, for the status asset: ``live`` (it holds the delivery
     lease), ``starting`` (not delivering yet), or ``gone`` with why (no such run, it ended, or it took
-    the lease and holds it no more: its process died; the sensor fails it after
-    ``delivery.run_grace_secs``)."""
+    the lease and holds it no more: its process died; the sensor fails it at its next decision)."""
     run = _find_run(instance, run_key)
     if run is None:
         return "gone: Dagster has no run with this key"
@@ -196,11 +214,12 @@ def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_k
         return f"gone: run {run.run_id} is {run.status.value}"
     if run.status != dg.DagsterRunStatus.STARTED:
         return f"starting: run {run.run_id} is {run.status.value}"
-    if ledger.lease_alive(conn, run.run_id):
+    state = ledger.lease_state(conn, run.run_id)
+    if state is ledger.LeaseState.HELD:
         return f"live: run {run.run_id}"
-    if _deliveries_began(instance, run.run_id):
+    if state is ledger.LeaseState.LOST or _deliveries_began(instance, run.run_id):
         return (f"gone: run {run.run_id} holds no delivery lease any more (its process died; the sensor marks "
-                f"it failed after delivery.run_grace_secs)")
+                f"it failed at its next decision)")
     return f"starting: run {run.run_id} has not taken the delivery lease yet"
 
 
@@ -239,10 +258,11 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         log: list[str] = []
+        waiting: list[str] = []
         with pgstream.connect() as conn:
             try:
                 with fewer_collections():  # the tick records in bulk
-                    consumed, request = tick(conn, context.instance, stream, log)
+                    consumed, request = tick(conn, context.instance, stream, log, waiting)
             except ledger.SlotElsewhere as exc:  # the operator's to resolve: one line, each tick, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
@@ -275,8 +295,9 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         new_cursor = json.dumps(cursor, sort_keys=True, default=str)
         events = [observed] if observed is not None else []
         if request is None:
+            why = "".join(f"; {w}" for w in waiting)
             return dg.SensorResult(skip_reason=dg.SkipReason(
-                f"{pending_events} undelivered events in {pending_batches} batches"), cursor=new_cursor,
+                f"{pending_events} undelivered events in {pending_batches} batches{why}"), cursor=new_cursor,
                 asset_events=events)
         return dg.SensorResult(run_requests=[request], cursor=new_cursor, asset_events=events)
 

@@ -142,7 +142,9 @@ class RunStatus(StrEnum):
 
     NOT_FOUND = "not found"  # no run has the key (the tick that requested it died first)
     LIVE = "live"  # queued, starting or started
-    DEAD = "started but dead"  # no delivery lease ``delivery.run_grace_secs`` after it started: its process died
+    #: Dagster shows it started, but the session holding its delivery lease ended (its process died), or
+    #: it took none ``delivery.run_grace_secs`` after it started
+    DEAD = "started but dead"
     FAILED = "failed or canceled"
     SUCCEEDED = "succeeded"
     OTHER = "other"  # between states (canceling): looked at again next time
@@ -153,7 +155,7 @@ class RunView:
     status: RunStatus
     run_id: str = ""
     outcome: str = ""  # how it ended in Dagster's words (FAILURE, CANCELED; a dead run: FAILURE)
-    error: str | None = None  # the root cause of its failure, if Dagster recorded one
+    error: str | None = None  # the root cause of its failure, if Dagster recorded one (dead: why it is)
 
 
 NO_RUN = RunView(RunStatus.NOT_FOUND)
@@ -273,9 +275,10 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
         launch = Launch(RunOrder(head, state.next_run, head.attempts + 1), keep_open)
         if state.open_run_key is None:
             return launch
-        if run.status in (RunStatus.LIVE, RunStatus.DEAD):
+        if run.status is RunStatus.LIVE:
             return Extend(state.open_run_key, otherwise=launch)
-        return replace(launch, replaces=state.open_run_key)  # it ended without closing (failed, canceled)
+        # it ended without closing (failed, canceled) or died (reported failed by the sensor)
+        return replace(launch, replaces=state.open_run_key)
     if head.status is BatchStatus.FAILED:
         if head.next_attempt_at is not None and head.next_attempt_at > now:
             return Wait(f"stream {sid} in failover at batch {head.id} ({head.error}); "

@@ -19,7 +19,11 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, assert_never
 
 import psycopg
@@ -677,10 +681,81 @@ def slot_claimed(conn: psycopg.Connection, stream_id: int) -> bool:
 
 def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:
     """Whether run ``run_id``'s process holds a delivery lease (of any stream) and is alive."""
-    row = conn.execute("select exists (select 1 from pgstream.locks l where l.name in (%s, %s) and l.holder = %s "
-                       "and pgstream.backend_alive(l.pid, l.backend_start, l.usesysid))",
+    return lease_state(conn, run_id) is LeaseState.HELD
+
+
+class LeaseState(StrEnum):
+    """What became of a run's delivery lease (:func:`lease_state`)."""
+
+    HELD = "held"  # a live backend of the run holds it
+    #: the run took it and the backend that held it has ended without giving it up: the run's process
+    #: died (or its connection did, with Postgres restarting): the run delivers nothing more
+    LOST = "lost"
+    NOT_TAKEN = "not taken"  # no lease names the run: it has not taken one yet (or gave it up, ending)
+
+
+def lease_state(conn: psycopg.Connection, run_id: str) -> LeaseState:
+    """What became of run ``run_id``'s delivery lease (of any stream), or of its wait for it. The
+    lock's row keeps naming its holder after the holding backend ended, until another run takes the
+    lease or the holder gives it up (:func:`give_up_lease`, when a run ends however it ends, short
+    of its process dying)."""
+    # the lease, or the wait for it while a replay holds it (LEASE_WAIT_LOCK): a run waiting is alive
+    row = conn.execute("select bool_or(pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)), count(*) "
+                       "from pgstream.locks l where l.name in (%s, %s) and l.holder = %s and l.pid is not null",
                        [DELIVERY_LOCK, LEASE_WAIT_LOCK, run_id]).fetchone()
-    return bool(row and row[0])
+    if row is None or not row[1]:
+        return LeaseState.NOT_TAKEN
+    return LeaseState.HELD if row[0] else LeaseState.LOST
+
+
+def give_up_lease(conn: psycopg.Connection, stream_id: int) -> None:
+    """A run that ends (however it ends, short of its process dying) gives its delivery lease up and
+    closes the lease's connection: only a run whose process died leaves a :attr:`LeaseState.LOST`
+    lease behind. A connection already broken gives up nothing (its backend has ended)."""
+    try:
+        if not conn.closed and not conn.broken:
+            unlock(conn, DELIVERY_LOCK, stream_id)
+    except psycopg.Error:
+        pass
+    finally:
+        conn.close()
+
+
+class RecordingCheck:
+    """Whether the run's ledger connection ``conn`` (the lease's: it records what the sink confirms)
+    still answers, asked of Postgres at most every ``every_secs``; once it does not, never again (a
+    sink calls it before each request it sends: :attr:`~..sinks.base.Sink.go_on`)."""
+
+    def __init__(self, conn: psycopg.Connection, every_secs: float = 0.2) -> None:
+        self.conn, self.every_secs = conn, every_secs
+        self.broken: str | None = None  # why it no longer answers
+        self._asked = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> bool:
+        with self._lock:
+            if self.broken is None and (self.conn.closed or self.conn.broken):
+                self.broken = "the connection is closed"
+            if self.broken is not None:
+                return False
+            if time.monotonic() - self._asked < self.every_secs:
+                return True
+            try:
+                self.conn.execute("select 1")
+            except psycopg.Error as exc:
+                self.broken = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                return False
+            self._asked = time.monotonic()
+            return True
+
+
+@contextmanager
+def holding_lease(conn: psycopg.Connection, stream_id: int) -> Iterator[psycopg.Connection]:
+    """``conn`` (from :func:`acquire_lease`) until the block ends, then :func:`give_up_lease`."""
+    try:
+        yield conn
+    finally:
+        give_up_lease(conn, stream_id)
 
 
 # --- dead letters (sql/014_event_integrity.sql) ----------------------------------------------------

@@ -637,6 +637,12 @@ class Sink(ABC):
     #: replay then has Postgres render them, without building an :class:`Event` per row
     accepts_json_lines: ClassVar[bool] = False
 
+    #: set by a caller that records what the sink confirms (a delivery run: its ledger connection still
+    #: answers): a sink that sends several requests in one publish call asks it before each one and,
+    #: once it is false, sends nothing more and raises a (not permanent) :class:`SinkError`: what it
+    #: sent then could not be recorded and would be sent again by the next run (the HTTP sink does)
+    go_on: Callable[[], bool] | None = None
+
     def __init__(self, config: SinkConfigBase) -> None:
         self.config = config
 

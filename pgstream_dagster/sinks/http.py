@@ -509,6 +509,9 @@ class HttpSink(Sink):
             if control.stops(request.start):
                 break
             try:
+                if self.go_on is not None and not self.go_on():
+                    raise _Failure(f"{request.target} not sent: the caller can no longer record what the sink "
+                                   "confirms", retryable=False)
                 self._send(request, control)
             except _Failure as exc:
                 result.secondary = control.stops(request.start)

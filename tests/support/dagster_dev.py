@@ -129,19 +129,21 @@ def descendants(root: int) -> dict[int, int]:
     return found
 
 
-def stop_process_group(proc: subprocess.Popen[bytes]) -> list[int]:
+def stop_process_group(proc: subprocess.Popen[bytes], *, crash: bool = False) -> list[int]:
     """SIGTERM the whole group (webserver, daemon, code servers, run workers, Spark), wait up to
     20 s, then SIGKILL whatever is left of it, and of the descendants that left the group (PySpark's
-    worker daemons make sessions of their own). Returns the pids that survived all that."""
+    worker daemons make sessions of their own). ``crash``: SIGKILL at once (kill -9 of the group, as
+    a machine or container dies). Returns the pids that survived all that."""
     pgid = proc.pid  # start_new_session: the leader's pid is the group id
     tree = descendants(proc.pid)
     outside = [pid for pid in tree if _pgid(pid) not in (None, pgid)]
-    print(f"stopping `dg dev`: {len(tree)} descendants, {len(outside)} outside its process group")
+    print(f"{'killing' if crash else 'stopping'} `dg dev`: {len(tree)} descendants, {len(outside)} outside its "
+          "process group")
     try:
-        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGKILL if crash else signal.SIGTERM)
     except ProcessLookupError:
         pass
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + (0 if crash else 20)
     while time.monotonic() < deadline:  # the children may outlive the leader for a moment
         proc.poll()
         try:
