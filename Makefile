@@ -1,12 +1,14 @@
 # make dev  - venv + local Postgres (wal_level=logical) + migrations + demo + `dg dev`
 # make test - venv + lint + `dg check defs` / `dg list defs` + `mkdocs build --strict` + the whole test suite (what CI runs)
+# make stop - stop make dev's services (dg dev, Spark Connect server, Postgres); `pgstream-dagster dev --status` lists them
+# make clean - stop them, then delete .pgstream/ (the demo's data) and .dagster_home/
 # make docs - serve the documentation site (docs/, mkdocs.yml) on http://127.0.0.1:8000
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +19,11 @@ $(STAMP): pyproject.toml
 dev: $(STAMP)
 	$(BIN)/pgstream-dagster dev
 
+stop:
+	test ! -x $(BIN)/pgstream-dagster || $(BIN)/pgstream-dagster dev --stop
+
 # the code location loads (defs folder, StreamComponents, pgstream.yaml): on a throw-away Dagster
-# instance (the repo's dagster.yaml wants a Postgres), without a database (nothing connects at load)
+# instance (the repo's dagster-instance.yaml wants a Postgres), without a database (nothing connects at load)
 DG_LOAD_ENV = PGSTREAM_DATABASE_URL=$${PGSTREAM_DATABASE_URL:-postgresql://localhost/pgstream} DAGSTER_HOME=$$home
 
 test: $(STAMP)
@@ -69,6 +74,6 @@ bench-redis: $(STAMP)
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/cpu.py
 
-clean:
-	-test -x $(BIN)/pgstream-dagster && $(BIN)/pgstream-dagster spark-connect --stop
+# stops the services first: a Postgres left running on a deleted .pgstream/ would keep its port and memory
+clean: stop
 	rm -rf .pgstream .dagster_home

@@ -77,7 +77,7 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
     config = write_config(tmpdir / f"{name}.yaml", url, stream, spark)
     home = tmpdir / f"{name}_home"
     home.mkdir()
-    shutil.copy(HERE.parent / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(HERE.parent / "dagster-instance.yaml", home / "dagster.yaml")
     dagster_url = pg.url_for(f"{name}_dagster").replace("postgresql://", "postgresql+psycopg2://", 1)
     env = {"PGSTREAM_CONFIG": str(config), "DAGSTER_HOME": str(home), "DAGSTER_POSTGRES_URL": dagster_url,
            "PYTHONUNBUFFERED": "1"}

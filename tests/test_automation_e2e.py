@@ -63,7 +63,7 @@ def test_daemon_applies_new_and_edited_subscriptions(databases: Databases, tmp_p
 
     home = tmp_path / "dagster_home"
     home.mkdir()
-    shutil.copy(repo_root() / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(repo_root() / "dagster-instance.yaml", home / "dagster.yaml")
     env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
            "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
     dev = start_dagster_dev(tmp_path, env)

@@ -107,7 +107,7 @@ def test_the_ui_shows_the_demo_and_launches_a_replay(databases: Databases, tmp_p
         print("\n".join(init(repo_root() / "pgstream.yaml")))
         demo = load_config(repo_root() / "pgstream.yaml")
     (tmp_path / "dagster_home").mkdir()
-    shutil.copy(repo_root() / "dagster.yaml", tmp_path / "dagster_home" / "dagster.yaml")
+    shutil.copy(repo_root() / "dagster-instance.yaml", tmp_path / "dagster_home" / "dagster.yaml")
     dev: DagsterDev = start_dagster_dev(tmp_path, env)
     base = f"http://127.0.0.1:{dev.port}"
     try:

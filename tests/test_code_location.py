@@ -143,7 +143,7 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
 
     home = tmp_path / "dagster_home"
     home.mkdir()
-    shutil.copy(repo_root() / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(repo_root() / "dagster-instance.yaml", home / "dagster.yaml")
     env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
            "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
 

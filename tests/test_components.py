@@ -87,7 +87,7 @@ def _load(root: Path, module: str, monkeypatch: pytest.MonkeyPatch) -> dg.Defini
 
 def _dg(args: list[str], cwd: Path, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """``dg`` as a user runs it in a project; this checkout's package first on the path, a
-    throw-away Dagster instance (the repo's dagster.yaml wants a Postgres)."""
+    throw-away Dagster instance (the repo's dagster-instance.yaml wants a Postgres)."""
     home = tmp_path / f"dagster_home_{uuid.uuid4().hex[:6]}"
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
