@@ -10,11 +10,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
 
+# reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,redis,rabbitmq,nats,kafka,mqtt,aws,metrics]'
-	touch $(STAMP)
+	@echo "[venv] installing pgstream-dagster and its dependencies into $(VENV) (once, and after pyproject.toml changes) ..."
+	@start=$$(date +%s); \
+	  test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) && \
+	  $(BIN)/python -m pip install -q --upgrade pip && \
+	  $(BIN)/python -m pip install -q -e '.[dev,redis,rabbitmq,nats,kafka,mqtt,aws,metrics]' && \
+	  touch $(STAMP) && echo "[venv] done ($$(( $$(date +%s) - start )) s)"
 
 dev: $(STAMP)
 	$(BIN)/pgstream-dagster dev

@@ -62,6 +62,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
     for name in CHECKOUT_FILES:
         (root / name).write_bytes((ROOT / name).read_bytes())
     (root / ".venv").symlink_to(sys.prefix)  # the docs run .venv/bin/...
+    for name in ("pgstream_dagster", "sql"):  # dg looks for the project's root module in the project
+        (root / name).symlink_to(ROOT / name)
     env = _user_env()
     first = _prepare(root, env)
     second = _prepare(root, env)
@@ -126,6 +128,17 @@ def test_every_demo_command_of_the_docs_runs_as_written_without_a_warning(demo: 
         assert c.execute("select count(*) from demo.users").fetchone()[0] >= 2  # type: ignore[index]
         # the pause block ended with resume
         assert c.execute("select paused from pgstream.streams where id = 1").fetchone() == (False,)
+
+
+def test_the_code_location_loads_without_a_warning(demo: Demo) -> None:
+    """`dg check defs` and `dg list defs` as the demo's user runs them (.venv/bin/dg, .venv not activated):
+    no preview warning of Dagster's defs-folder loading, no dg warning about the virtual environment."""
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c",
+                           ". .pgstream/env && .venv/bin/dg check defs && .venv/bin/dg list defs"],
+                          cwd=demo.root, env=demo.env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pgstream_replay_stream_1" in done.stdout
+    assert _warnings(done.stdout + done.stderr) == [], done.stderr
 
 
 def _running(pid: int) -> bool:
