@@ -193,8 +193,11 @@ def prepare_dev(root: Path, spark_server: bool = True) -> bool:
             reused = sparkserver.recorded_pid(state) is not None and sparkserver.listening(port)
             os.environ["PGSTREAM_SPARK_REMOTE"] = sparkserver.ensure_running(state, port=port)
             outcome.append("running" if reused else "started")
-    with progress.step(f"subscriptions of {Path(os.environ['PGSTREAM_CONFIG']).name}") as outcome:
-        outcome += init(Path(os.environ["PGSTREAM_CONFIG"]), owner_url=owner_url) or ["up to date"]
+    with progress.step(f"streams and subscriptions of {Path(os.environ['PGSTREAM_CONFIG']).name}") as outcome:
+        changes = init(Path(os.environ["PGSTREAM_CONFIG"]), owner_url=owner_url)
+        outcome.append(f"{len(changes)} changes" if changes else "up to date")
+    for line in changes:
+        print(f"      {line}")
     home = root / ".dagster_home"
     home.mkdir(exist_ok=True)
     # the template is not named dagster.yaml: `dg dev` warns that a dagster.yaml in its working directory

@@ -84,11 +84,13 @@ def test_make_dev_prints_each_step_with_its_duration_and_a_second_start_reuses_w
     port = (demo.root / ".pgstream" / "data.port").read_text()
     assert first == {postgres: f"initialised and started on port {port}", "roles and databases": "done",
                      "migrations and the demo schema": first["migrations and the demo schema"],
-                     "subscriptions of pgstream.yaml": first["subscriptions of pgstream.yaml"],
+                     "streams and subscriptions of pgstream.yaml": first["streams and subscriptions of pgstream.yaml"],
                      "environment for other shells": f"written to {demo.root / '.pgstream' / 'env'}"}, demo.first
     assert re.fullmatch(r"applied \d+ migrations", first["migrations and the demo schema"])
+    assert first["streams and subscriptions of pgstream.yaml"] == "3 changes"  # a slot, two subscriptions
+    assert "      created slot pgstream_stream_1_" in demo.first
     assert second == {**first, postgres: f"running on port {port}", "migrations and the demo schema": "up to date",
-                      "subscriptions of pgstream.yaml": "up to date"}, demo.second
+                      "streams and subscriptions of pgstream.yaml": "up to date"}, demo.second
     assert [m.group(1, 2) for m in step.finditer(demo.second)] == [(str(i), "5") for i in range(1, 6)]
     assert _warnings(demo.first + demo.second) == []
 
