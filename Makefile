@@ -1,21 +1,29 @@
 # make dev  - venv + local Postgres (wal_level=logical) + migrations + demo + `dg dev`
 # make test - venv + lint + `dg check defs` / `dg list defs` + `mkdocs build --strict` + the whole test suite (what CI runs)
+# make stop - stop make dev's services (dg dev, Spark Connect server, Postgres); `pgstream-dagster dev --status` lists them
+# make clean - stop them, then delete .pgstream/ (the demo's data) and Dagster's local files
 # make docs - serve the documentation site (docs/, mkdocs.yml) on http://127.0.0.1:8000
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
 
+# reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,redis,rabbitmq,nats,kafka,mqtt,aws,metrics]'
-	touch $(STAMP)
+	@echo "[venv] installing pgstream-dagster and its dependencies into $(VENV) (once, and after pyproject.toml changes) ..."
+	@start=$$(date +%s); \
+	  test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) && \
+	  $(BIN)/python -m pip install -q --upgrade pip && \
+	  $(BIN)/python -m pip install -q -e '.[dev,redis,rabbitmq,nats,kafka,mqtt,aws,metrics]' && \
+	  touch $(STAMP) && echo "[venv] done ($$(( $$(date +%s) - start )) s)"
 
 dev: $(STAMP)
 	$(BIN)/pgstream-dagster dev
+
+stop:
+	test ! -x $(BIN)/pgstream-dagster || $(BIN)/pgstream-dagster dev --stop
 
 # the code location loads (defs folder, StreamComponents, pgstream.yaml): on a throw-away Dagster
 # instance (the repo's dagster.yaml wants a Postgres), without a database (nothing connects at load)
@@ -69,6 +77,6 @@ bench-redis: $(STAMP)
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/cpu.py
 
-clean:
-	-test -x $(BIN)/pgstream-dagster && $(BIN)/pgstream-dagster spark-connect --stop
-	rm -rf .pgstream .dagster_home
+# stops the services first: a Postgres left running on a deleted .pgstream/ would keep its port and memory
+clean: stop
+	rm -rf .pgstream .dagster_home storage history schedules .logs_queue .telemetry .nux

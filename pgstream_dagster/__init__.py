@@ -1,7 +1,21 @@
 """pgstream-dagster: durable Postgres change events delivered in commit order by Dagster runs."""
 
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
+
+# Loading a defs folder (dg.ComponentTree, the Components API our code location and StreamComponent use)
+# makes Dagster call two of its own preview functions for each plain Python module of the folder
+# (load_definitions_from_module(s), dagster/components/core/defs_module.py) and snapshot every registered
+# component, its own preview SparkDeclarativePipelineScaffolder included: five dagster PreviewWarnings
+# in every process that loads the code location or our component registry (`dg` commands, the code
+# server, each run), about Dagster's code, none about ours. Ignored by these names only (a preview API
+# we call ourselves still warns); here, as `dg` imports this package (registry_modules) before its
+# snapshot, and without importing Dagster.
+for _preview in ("Function `load_definitions_from_module` is currently in preview",
+                 "Function `load_definitions_from_modules` is currently in preview",
+                 "Class `SparkDeclarativePipelineScaffolder` is currently in preview"):
+    warnings.filterwarnings("ignore", message=_preview)
 
 try:
     __version__ = version("pgstream-dagster")  # the release pyproject.toml names, as installed

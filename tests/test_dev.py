@@ -1,0 +1,177 @@
+"""`make dev` for a newcomer: what it prints while it prepares the demo, a second start that reuses
+what runs, `.pgstream/env` for the commands of the docs, every command of the docs' `demo` blocks run
+as written against that demo, and `pgstream-dagster dev --status`, `make stop`, `make clean`.
+
+One demo for the module, prepared as `make dev` prepares it before `dg dev` (its own Postgres under a
+throw-away checkout's `.pgstream/`, no Spark Connect server: the demo blocks need none); the tests run
+in file order and the last one stops and deletes it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pgstream_dagster.devdb import _bin_dir
+from tests.support.dagster_dev import repo_root
+
+ROOT = repo_root()
+#: a fenced block right after a `<!-- demo -->` line runs as written on the demo (in bash, from the checkout)
+DEMO_BLOCK = re.compile(r"^[ \t]*<!-- demo -->[ \t]*\n[ \t]*```bash\n(.*?)^[ \t]*```", re.S | re.M)
+CHECKOUT_FILES = ("pgstream.yaml", "dagster.yaml", "workspace.yaml", "pyproject.toml")
+
+
+@dataclass
+class Demo:
+    root: Path
+    env: dict[str, str]  # the environment of a user's shell: no PGSTREAM_* or DAGSTER_* variable
+    first: str  # what the first `make dev` printed before `dg dev`
+    second: str  # and the second
+
+
+def _user_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PGSTREAM_", "DAGSTER_", "VIRTUAL_ENV"))}
+    if os.environ.get("PGSTREAM_PG_BIN"):
+        env["PGSTREAM_PG_BIN"] = os.environ["PGSTREAM_PG_BIN"]
+    # psql: the docs say where it is if the machine has none
+    env["PATH"] = f"{env.get('PATH', '')}:{_bin_dir()}"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def _prepare(root: Path, env: dict[str, str]) -> str:
+    """What `make dev` runs before `dg dev`, in a process of its own (it sets os.environ)."""
+    done = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                           "from pgstream_dagster.dev import prepare_dev; prepare_dev(Path(sys.argv[1]), False)",
+                           str(root)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
+    root = tmp_path_factory.mktemp("checkout")
+    for name in CHECKOUT_FILES:
+        (root / name).write_bytes((ROOT / name).read_bytes())
+    (root / ".venv").symlink_to(sys.prefix)  # the docs run .venv/bin/...
+    for name in ("pgstream_dagster", "sql"):  # dg looks for the project's root module in the project
+        (root / name).symlink_to(ROOT / name)
+    env = _user_env()
+    first = _prepare(root, env)
+    second = _prepare(root, env)
+    yield Demo(root, env, first, second)
+    subprocess.run([sys.executable, "-m", "pgstream_dagster.cli", "dev", "--stop", "--root", str(root)], env=env,
+                   capture_output=True, timeout=120)
+
+
+def _warnings(output: str) -> list[str]:
+    return [line for line in output.splitlines() if re.search(r"warn", line, re.I)]
+
+
+def test_make_dev_prints_each_step_with_its_duration_and_a_second_start_reuses_what_runs(demo: Demo) -> None:
+    step = re.compile(r"^\[(\d)/(\d)\] (.+?) \.\.\. (.+) \((\d+\.\d) s\)$", re.M)
+    first = {m[3]: m[4] for m in step.finditer(demo.first)}
+    second = {m[3]: m[4] for m in step.finditer(demo.second)}
+    postgres = f"local Postgres (wal_level=logical) in {demo.root / '.pgstream' / 'data'}"
+    port = (demo.root / ".pgstream" / "data.port").read_text()
+    assert first == {postgres: f"initialised and started on port {port}", "roles and databases": "done",
+                     "migrations and the demo schema": first["migrations and the demo schema"],
+                     "streams and subscriptions of pgstream.yaml": first["streams and subscriptions of pgstream.yaml"],
+                     "environment for other shells": f"written to {demo.root / '.pgstream' / 'env'}"}, demo.first
+    assert re.fullmatch(r"applied \d+ migrations", first["migrations and the demo schema"])
+    assert first["streams and subscriptions of pgstream.yaml"] == "3 changes"  # a slot, two subscriptions
+    assert "      created slot pgstream_stream_1_" in demo.first
+    assert second == {**first, postgres: f"running on port {port}", "migrations and the demo schema": "up to date",
+                      "streams and subscriptions of pgstream.yaml": "up to date"}, demo.second
+    assert [m.group(1, 2) for m in step.finditer(demo.second)] == [(str(i), "5") for i in range(1, 6)]
+    assert _warnings(demo.first + demo.second) == []
+
+
+def test_the_env_file_holds_what_the_docs_commands_need(demo: Demo) -> None:
+    env_file = demo.root / ".pgstream" / "env"
+    assert env_file.stat().st_mode & 0o077 == 0  # URLs are credentials elsewhere: the owner's only
+    exported = dict(re.findall(r"^export (\w+)=(.*)$", env_file.read_text(), re.M))
+    assert set(exported) == {"PGSTREAM_DATABASE_URL", "PGSTREAM_OWNER_DATABASE_URL", "PGSTREAM_EXECUTOR_DATABASE_URL",
+                             "PGSTREAM_CONFIG", "PGSTREAM_DEMO_SINK", "DAGSTER_POSTGRES_URL", "DAGSTER_HOME"}
+    who = "psql -XAtc 'select current_user'"
+    shell = subprocess.run(["bash", "-c", f'. .pgstream/env && {who} "$PGSTREAM_DATABASE_URL" && '
+                            f'{who} "$PGSTREAM_OWNER_DATABASE_URL"'],
+                           cwd=demo.root, env=demo.env, capture_output=True, text=True, timeout=60)
+    assert shell.stdout.split() == ["pgstream_demo_runtime", "pgstream_demo_owner"], shell.stderr
+
+
+def _demo_blocks() -> list[tuple[str, str]]:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [(f"{page.relative_to(ROOT)}#{n}", re.sub(r"^[ \t]+", "", block, flags=re.M))
+            for page in pages for n, block in enumerate(DEMO_BLOCK.findall(page.read_text()), 1)]
+
+
+def test_every_demo_command_of_the_docs_runs_as_written_without_a_warning(demo: Demo) -> None:
+    blocks = _demo_blocks()
+    assert {name.split("#")[0] for name, _ in blocks} >= {"README.md", "docs/quickstart.md"}
+    failures = []
+    for name, block in blocks:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=demo.root, env=demo.env,
+                              capture_output=True, text=True, timeout=300)
+        output = done.stdout + done.stderr
+        if done.returncode != 0 or _warnings(output):
+            failures.append(f"{name} (exit {done.returncode}):\n{block}\n{output}")
+    assert failures == [], "\n\n".join(failures)
+    owner = dict(re.findall(r"^export (\w+)=(.*)$", (demo.root / ".pgstream" / "env").read_text(), re.M))
+    with psycopg.connect(owner["PGSTREAM_OWNER_DATABASE_URL"].strip("'")) as c:  # the inserts went in
+        assert c.execute("select count(*) from demo.users").fetchone()[0] >= 2  # type: ignore[index]
+        # the pause block ended with resume
+        assert c.execute("select paused from pgstream.streams where id = 1").fetchone() == (False,)
+
+
+def test_the_code_location_loads_without_a_warning(demo: Demo) -> None:
+    """`dg check defs` and `dg list defs` as the demo's user runs them (.venv/bin/dg, .venv not activated):
+    no preview warning of Dagster's defs-folder loading, no dg warning about the virtual environment."""
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c",
+                           ". .pgstream/env && .venv/bin/dg check defs && .venv/bin/dg list defs"],
+                          cwd=demo.root, env=demo.env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pgstream_replay_stream_1" in done.stdout
+    assert _warnings(done.stdout + done.stderr) == [], done.stderr
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is no zombie (nothing may have reaped an orphan yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _status(root: Path, env: dict[str, str]) -> list[str]:
+    done = subprocess.run([sys.executable, "-m", "pgstream_dagster.cli", "dev", "--status", "--root", str(root)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_make_clean_stops_the_demo_services_before_deleting_them(demo: Demo) -> None:
+    datadir = demo.root / ".pgstream" / "data"
+    pid = int((datadir / "postmaster.pid").read_text().split()[0])
+    port = (demo.root / ".pgstream" / "data.port").read_text()
+    assert _status(demo.root, demo.env) == [
+        f"Postgres:             running (pid {pid}) on 127.0.0.1:{port}, data in {datadir}",
+        "Spark Connect server: not running", "dg dev:               not running"]
+    done = subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "-C", str(demo.root), "clean",
+                           f"VENV={sys.prefix}"], env=demo.env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"stopped Postgres (pid {pid}, data in {datadir})" in done.stdout
+    assert not (demo.root / ".pgstream").exists()
+    assert not _running(pid)  # not left running on the deleted directory
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", connect_timeout=2)
+    assert _status(demo.root, demo.env) == ["Postgres:             none", "Spark Connect server: not running",
+                                            "dg dev:               not running"]
