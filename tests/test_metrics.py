@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,8 @@ from pgstream_dagster import cli, exporter
 from pgstream_dagster.config import ConfigError, load_config, load_metrics_settings
 from pgstream_dagster.defs.names import status_asset_key
 from pgstream_dagster.devdb import free_port
+from pgstream_dagster.engine import ingest, replication
+from pgstream_dagster.engine import ledger as engine_ledger
 from pgstream_dagster.engine.metrics import HISTOGRAMS, METRICS, SCRAPE_DURATION, UP
 
 from .support.endpoint import Endpoint
@@ -419,3 +422,62 @@ def test_recording_a_batch_probes_its_events_by_key_whatever_the_statistics(db_u
         assert "stream_id_created_at" not in counted[0], counted[0]
         assert c.execute("select value from pgstream.stream_counters where stream_id = 1 and name = 'events_written'"
                          ).fetchall() == [(3000,)]
+
+
+# --- events just decoded from the slot: counted and read back whatever the commit's visibility -------
+
+WRITERS = 8
+
+
+def _hammer(url: str, stop: threading.Event, written: list[int]) -> None:
+    """One writer: single-row transactions on public.users as fast as it can (each a commit the
+    reader decodes while, often, the writer's backend has not yet left the proc array)."""
+    with psycopg.connect(url, autocommit=True) as c:
+        while not stop.is_set():
+            c.execute("insert into public.users (name, email) values ('x', 'x@example.com')")
+            written.append(1)
+
+
+def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_writers(db_url: str,
+                                                                                    tmp_path: Path) -> None:
+    """Logical decoding hands out a transaction's commit once its WAL is flushed, before the writer's
+    backend leaves the proc array: for a moment other snapshots do not see its rows yet. The open
+    run's reader records such transactions 1-12 ms after their commit; the batch trigger's
+    per-subscription count (and any read of the batch's events right after) must still see every
+    event: ``events_written`` by key equals what was written, to the event, under 8 writers."""
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"linger_secs": 60},
+         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+    stream = config.streams[0]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(USERS)
+        subscribe(c, "user-signup", columns=["id", "email"])
+        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
+        engine_ledger.open_run(c, STREAM, "run")
+    stop_reader, stats = threading.Event(), ingest.FollowStats()
+    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop_reader, stats),
+                              kwargs={"application_name": "pgstream reader t"})
+    reader.start()
+    stop, written = threading.Event(), [[] for _ in range(WRITERS)]
+    writers = [threading.Thread(target=_hammer, args=(db_url, stop, w)) for w in written]
+    try:
+        for w in writers:
+            w.start()
+        time.sleep(3)
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+    total = sum(len(w) for w in written)
+    deadline = time.monotonic() + 60
+    while stats.events < total:
+        assert time.monotonic() < deadline, f"the reader recorded {stats.events} of {total} events"
+        time.sleep(0.05)
+    stop_reader.set()
+    reader.join()
+    with psycopg.connect(db_url) as c:
+        counted = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
+                                 "where stream_id = %s and name in ('events_recorded', 'events_written')",
+                                 [STREAM]).fetchall())
+    assert total > 500 and counted == {"events_recorded:": total, "events_written:user-signup": total}, \
+        (total, counted)

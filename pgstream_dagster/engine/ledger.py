@@ -155,6 +155,7 @@ def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], ma
     """
     ids: list[int] = []
     events = [e for t in txns for e in t.events]
+    wait_until_visible(conn, [t.xid for t in txns])
     # the transaction of each position where a chunk may start or end
     txn_at: list[Transaction] = []
     for t in txns:
@@ -180,6 +181,38 @@ def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], ma
             ids.append(int(row[0]))
         record_unreadable(conn, stream_id, txns)
     return ids
+
+
+#: the transactions of ``xids`` that this statement's snapshot does not see yet (``xids`` are 32-bit, as
+#: the WAL carries them: each is widened to the xid8 at most 2^32 before the snapshot's xmax)
+_NOT_VISIBLE = """
+select count(*) from (select pg_catalog.pg_current_snapshot() as snap) c
+cross join lateral (select pg_catalog.pg_snapshot_xmax(c.snap)::text::bigint as xmax) m
+cross join pg_catalog.unnest(%s::bigint[]) x(xid)
+where not pg_catalog.pg_visible_in_snapshot(
+    (m.xmax - ((m.xmax %% 4294967296) - x.xid + 4294967296) %% 4294967296)::text::xid8, c.snap)"""
+
+
+def wait_until_visible(conn: psycopg.Connection, xids: list[int]) -> None:
+    """Return once every transaction of ``xids`` (decoded from the slot, so committed) is visible to
+    the snapshots ``conn`` takes from now on (read committed: each statement's).
+
+    Logical decoding hands out a transaction once its commit record is flushed, which is before its
+    backend leaves the proc array: for a moment (longer with synchronous replication, which waits for
+    the standby in between) its rows are invisible to new snapshots, and ``pg_xact_status`` already
+    says committed. A read of its events then (the batch trigger's count by subscription, a dead
+    letter's payload, a run reading the batch) would miss rows; after this wait none does. Every
+    later read of the batch's events comes after the recording commits, hence after this wait."""
+    xids = sorted({x for x in xids if x >= 3})  # 0: recovery's own snapshot; 1-2: special xids
+    if not xids:
+        return
+    pause = 0.0005
+    while True:
+        row = conn.execute(_NOT_VISIBLE, [xids]).fetchone()
+        if row is None or row[0] == 0:
+            return
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def record_unreadable(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> int:
