@@ -438,6 +438,20 @@ def _hammer(url: str, stop: threading.Event, written: list[int]) -> None:
             written.append(1)
 
 
+def _read_batches_as_recorded(url: str, stop: threading.Event, short: list[tuple[int, int, int]]) -> None:
+    """A run's direct read of every batch as soon as it is recorded: (batch, events, found) when some
+    of its events were not found."""
+    last = 0
+    with psycopg.connect(url, autocommit=True) as c:
+        while not stop.is_set():
+            rows = c.execute("select b.id, b.event_count, (select count(*) from pgstream.events e "
+                             "where e.id = any(b.event_ids) and e.created_at between b.min_created_at "
+                             "and b.max_created_at) from pgstream.batches b where b.id > %s order by b.id",
+                             [last]).fetchall()
+            short += [r for r in rows if r[1] != r[2]]
+            last = rows[-1][0] if rows else last
+
+
 def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_writers(db_url: str,
                                                                                     tmp_path: Path) -> None:
     """Logical decoding hands out a transaction's commit once its WAL is flushed, before the writer's
@@ -460,6 +474,9 @@ def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_wr
     reader.start()
     stop, written = threading.Event(), [[] for _ in range(WRITERS)]
     writers = [threading.Thread(target=_hammer, args=(db_url, stop, w)) for w in written]
+    short: list[tuple[int, int, int]] = []
+    poller = threading.Thread(target=_read_batches_as_recorded, args=(db_url, stop_reader, short))
+    poller.start()
     try:
         for w in writers:
             w.start()
@@ -475,9 +492,87 @@ def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_wr
         time.sleep(0.05)
     stop_reader.set()
     reader.join()
+    poller.join()
     with psycopg.connect(db_url) as c:
         counted = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
                                  "where stream_id = %s and name in ('events_recorded', 'events_written')",
                                  [STREAM]).fetchall())
+    assert short == []  # every direct read of a just-recorded batch found all its events
     assert total > 500 and counted == {"events_recorded:": total, "events_written:user-signup": total}, \
         (total, counted)
+
+
+HELD = 5
+
+
+def _commit_held(url: str) -> None:
+    """One event committed, then held out of the proc array by synchronous replication (its commit
+    record is flushed, so decodable, but its rows stay invisible until the standby answers)."""
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("set synchronous_commit = on")
+        c.execute("insert into public.users (name, email) values ('held', 'held@example.com')")
+
+
+def _reader_waits_for_visibility(url: str) -> bool:
+    """The reader's ledger connection is in its recording transaction, waiting for the decoded
+    transactions to become visible."""
+    with psycopg.connect(url) as c:
+        return c.execute("select exists (select 1 from pg_stat_activity where application_name = "
+                         "'pgstream reader t' and backend_type = 'client backend' and "
+                         "state = 'idle in transaction' and query like '%%pg_visible_in_snapshot%%')"
+                         ).fetchone() == (True,)
+
+
+def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_visible(
+        pg: Any, db_url: str, tmp_path: Path) -> None:
+    """The window made wide and certain: synchronous replication to a standby that never answers
+    holds ``HELD`` committed transactions between their flushed commit record (the reader decodes
+    them) and the proc array (nobody sees their rows). The reader waits for them instead of recording
+    batches whose events it cannot see; once the standby requirement is lifted, each is counted by
+    subscription and its batch reads whole."""
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"linger_secs": 60},
+         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+    stream = config.streams[0]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(USERS)
+        subscribe(c, "user-signup", columns=["id", "email"])
+        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
+        engine_ledger.open_run(c, STREAM, "run")
+    stop, stats = threading.Event(), ingest.FollowStats()
+    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
+                              kwargs={"application_name": "pgstream reader t"})
+    held = [threading.Thread(target=_commit_held, args=(db_url,)) for _ in range(HELD)]
+    with psycopg.connect(pg.url, autocommit=True) as admin:
+        admin.execute("alter system set synchronous_commit = 'local'")  # every other session: no wait
+        admin.execute("alter system set synchronous_standby_names = 'pgstream_absent_standby'")
+        admin.execute("select pg_reload_conf()")
+        try:
+            reader.start()
+            for t in held:
+                t.start()
+            deadline = time.monotonic() + 60
+            # today's reader records them at once (their events unseen); a correct one waits
+            while stats.events < HELD and not _reader_waits_for_visibility(db_url):
+                assert time.monotonic() < deadline, "the reader neither recorded nor waited"
+                time.sleep(0.02)
+        finally:
+            admin.execute("alter system reset synchronous_standby_names")
+            admin.execute("alter system reset synchronous_commit")
+            admin.execute("select pg_reload_conf()")
+            for t in held:
+                t.join()
+    deadline = time.monotonic() + 60
+    while stats.events < HELD:
+        assert time.monotonic() < deadline, f"the reader recorded {stats.events} of {HELD} events"
+        time.sleep(0.02)
+    stop.set()
+    reader.join()
+    with psycopg.connect(db_url) as c:
+        counted = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
+                                 "where stream_id = %s and name in ('events_recorded', 'events_written')",
+                                 [STREAM]).fetchall())
+        found = c.execute("select count(*) from pgstream.batches b join pgstream.events e "
+                          "on e.id = any(b.event_ids)").fetchone()
+    assert counted == {"events_recorded:": HELD, "events_written:user-signup": HELD}, counted
+    assert found == (HELD,)
