@@ -523,25 +523,35 @@ def _reader_waits_for_visibility(url: str) -> bool:
                          ).fetchone() == (True,)
 
 
+def _sensor(url: str, stream: Any, stop: threading.Event, stats: ingest.FollowStats) -> None:
+    """The sensor's ticks (peek, record) on a connection named like the reader's, until stopped."""
+    with psycopg.connect(url, autocommit=True, application_name="pgstream reader t") as c:
+        while not stop.is_set():
+            stats.events += ingest.consume(c, stream, 0.2).events
+
+
+@pytest.mark.parametrize("recorder", ["open run's reader", "sensor"])
 def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_visible(
-        pg: Any, db_url: str, tmp_path: Path) -> None:
+        pg: Any, db_url: str, tmp_path: Path, recorder: str) -> None:
     """The window made wide and certain: synchronous replication to a standby that never answers
-    holds ``HELD`` committed transactions between their flushed commit record (the reader decodes
-    them) and the proc array (nobody sees their rows). The reader waits for them instead of recording
-    batches whose events it cannot see; once the standby requirement is lifted, each is counted by
-    subscription and its batch reads whole."""
+    holds ``HELD`` committed transactions between their flushed commit record (decodable) and the
+    proc array (nobody sees their rows). The open run's reader (replication protocol) and the sensor
+    (peek) wait for them instead of recording batches whose events they cannot see; once the standby
+    requirement is lifted, each event is counted by subscription and its batch reads whole."""
     config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"linger_secs": 60},
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.1}, "delivery": {"linger_secs": 60},
          "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
     stream = config.streams[0]
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute(USERS)
         subscribe(c, "user-signup", columns=["id", "email"])
         replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
-        engine_ledger.open_run(c, STREAM, "run")
+        if recorder != "sensor":
+            engine_ledger.open_run(c, STREAM, "run")
     stop, stats = threading.Event(), ingest.FollowStats()
-    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
-                              kwargs={"application_name": "pgstream reader t"})
+    reader = (threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
+                               kwargs={"application_name": "pgstream reader t"}) if recorder != "sensor" else
+              threading.Thread(target=_sensor, args=(db_url, stream, stop, stats)))
     held = [threading.Thread(target=_commit_held, args=(db_url,)) for _ in range(HELD)]
     with psycopg.connect(pg.url, autocommit=True) as admin:
         admin.execute("alter system set synchronous_commit = 'local'")  # every other session: no wait
@@ -552,9 +562,9 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
             for t in held:
                 t.start()
             deadline = time.monotonic() + 60
-            # today's reader records them at once (their events unseen); a correct one waits
+            # today's recorders record them at once (their events unseen); correct ones wait
             while stats.events < HELD and not _reader_waits_for_visibility(db_url):
-                assert time.monotonic() < deadline, "the reader neither recorded nor waited"
+                assert time.monotonic() < deadline, "the recorder neither recorded nor waited"
                 time.sleep(0.02)
         finally:
             admin.execute("alter system reset synchronous_standby_names")
@@ -564,7 +574,7 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
                 t.join()
     deadline = time.monotonic() + 60
     while stats.events < HELD:
-        assert time.monotonic() < deadline, f"the reader recorded {stats.events} of {HELD} events"
+        assert time.monotonic() < deadline, f"recorded {stats.events} of {HELD} events"
         time.sleep(0.02)
     stop.set()
     reader.join()
