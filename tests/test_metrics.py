@@ -586,3 +586,62 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
                           "on e.id = any(b.event_ids)").fetchone()
     assert counted == {"events_recorded:": HELD, "events_written:user-signup": HELD}, counted
     assert found == (HELD,)
+
+
+def test_a_reader_made_a_synchronous_standby_says_so_instead_of_waiting_for_its_writers(
+        pg: Any, db_url: str, tmp_path: Path) -> None:
+    """``synchronous_standby_names`` naming the reader's replication connection: a writer waits for the
+    reader to confirm its commit, the reader for the commit to become visible. The reader stops with
+    a clear error (the run reports it); once the setting lists real standbys only, the sensor records
+    every event, counted by subscription."""
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.1}, "delivery": {"linger_secs": 60},
+         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+    stream = config.streams[0]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(USERS)
+        subscribe(c, "user-signup", columns=["id", "email"])
+        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
+        engine_ledger.open_run(c, STREAM, "run")
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def follow() -> None:
+        try:
+            ingest.follow(db_url, stream, "run", stop, ingest.FollowStats(), application_name="pgstream reader t")
+        except BaseException as exc:  # what the run's thread reports
+            failed.append(exc)
+
+    reader = threading.Thread(target=follow)
+    held = threading.Thread(target=_commit_held, args=(db_url,))
+    with psycopg.connect(pg.url, autocommit=True) as admin:
+        admin.execute("alter system set synchronous_commit = 'local'")
+        admin.execute("""alter system set synchronous_standby_names = '"pgstream reader t"'""")
+        admin.execute("select pg_reload_conf()")
+        try:
+            reader.start()
+            deadline = time.monotonic() + 60
+            # the reader has confirmed a position once (nothing to record): it is the synchronous standby
+            while admin.execute("select sync_state from pg_stat_replication where application_name = "
+                                "'pgstream reader t'").fetchall() != [("sync",)]:
+                assert time.monotonic() < deadline, "the reader never became the synchronous standby"
+                time.sleep(0.05)
+            held.start()
+            reader.join(timeout=60)
+            assert not reader.is_alive()
+        finally:
+            stop.set()
+            admin.execute("alter system reset synchronous_standby_names")
+            admin.execute("alter system reset synchronous_commit")
+            admin.execute("select pg_reload_conf()")
+            held.join()
+            reader.join()
+    assert len(failed) == 1 and isinstance(failed[0], engine_ledger.ReaderIsSynchronousStandby), failed
+    assert "'pgstream reader t'" in str(failed[0]) and "synchronous_standby_names" in str(failed[0])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select count(*) from pgstream.batches").fetchone() == (0,)  # nothing recorded unseen
+        engine_ledger.clear_open_run(c, STREAM, "run")
+        assert ingest.consume(c, stream, 1.0).events == 1
+        assert c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters where "
+                         "name in ('events_recorded', 'events_written') order by 1").fetchall() == [
+            ("events_recorded:", 1), ("events_written:user-signup", 1)]

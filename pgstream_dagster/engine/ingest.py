@@ -333,7 +333,7 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
                 fits = len(pending) if handoff is None else _fitting(pending, handoff.room())
                 txns, pending = pending[:fits], pending[fits:]
                 pending_bytes = _row_bytes(pending)
-                if not _record_for_run(conn, stream, run_key, txns, stats, handoff):
+                if not _record_for_run(conn, stream, run_key, txns, stats, handoff, source.application_name):
                     source.confirm(txns[-1].end_lsn)
                     return False
                 source.confirm(txns[-1].end_lsn)
@@ -397,7 +397,8 @@ def _wait_for_room(conn: psycopg.Connection, source: walstream.ReplicationStream
 
 
 def _record_for_run(conn: psycopg.Connection, stream: StreamConfig, run_key: str,
-                    txns: list[replication.Transaction], stats: FollowStats, handoff: Handoff | None) -> bool:
+                    txns: list[replication.Transaction], stats: FollowStats, handoff: Handoff | None,
+                    standby: str | None = None) -> bool:
     """Record ``txns`` and hand the batches to the run, in one transaction; false if the run is no
     longer the stream's open run (the batches stay pending: the sensor launches the next run).
 
@@ -409,7 +410,7 @@ def _record_for_run(conn: psycopg.Connection, stream: StreamConfig, run_key: str
             ledger.lock_recording(conn, stream.id)  # the sensor may be recording what it peeked just before
             fresh = [t for t in unrecorded(conn, stream.id, txns) if t.events or t.unreadable]
             if fresh:
-                recorded = ledger.record(conn, stream.id, fresh, stream.batch.max_size)
+                recorded = ledger.record(conn, stream.id, fresh, stream.batch.max_size, standby=standby)
                 if handoff is not None:
                     handoff.put(recorded, fresh, stream.batch.max_size)
             handed = ledger.extend_run(conn, stream.id, run_key, stream.delivery.max_events_per_run)
