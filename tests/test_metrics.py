@@ -528,6 +528,7 @@ def _sensor(url: str, stream: Any, stop: threading.Event, stats: ingest.FollowSt
     with psycopg.connect(url, autocommit=True, application_name="pgstream reader t") as c:
         while not stop.is_set():
             stats.events += ingest.consume(c, stream, 0.2).events
+            stats.notes.append("tick ended")
 
 
 @pytest.mark.parametrize("recorder", ["open run's reader", "sensor"])
@@ -566,6 +567,13 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
             while stats.events < HELD and not _reader_waits_for_visibility(db_url):
                 assert time.monotonic() < deadline, "the recorder neither recorded nor waited"
                 time.sleep(0.02)
+            if recorder == "sensor" and stats.events < HELD:
+                # a tick waits at most its budget (a second at least), records nothing, and the next peeks again
+                ticks = len(stats.notes)
+                while len(stats.notes) < ticks + 2:
+                    assert time.monotonic() < deadline, "the sensor's tick never ended"
+                    time.sleep(0.02)
+                assert stats.events == 0
         finally:
             admin.execute("alter system reset synchronous_standby_names")
             admin.execute("alter system reset synchronous_commit")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, assert_never
@@ -146,18 +146,18 @@ def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
 
 
 def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], max_size: int,
-           kind: str = "stream", standby: str | None = None) -> list[int]:
+           kind: str = "stream", standby: str | None = None, give_up: Callable[[], bool] | None = None) -> list[int]:
     """Record the events of ``txns`` (commit order) as batches of at most ``max_size``, and their
     unreadable events as dead letters (stage 'read').
 
     Runs in its own database transaction. Every batch carries the LSN range and commit times of
     the transactions it covers; the last batch's ``end_lsn`` is the end of the last transaction.
     Waits first until ``txns`` are visible (:func:`wait_until_visible`; ``standby``: the replication
-    connection that decoded them, if any).
+    connection that decoded them, if any; ``give_up``: when to stop waiting and raise).
     """
     ids: list[int] = []
     events = [e for t in txns for e in t.events]
-    wait_until_visible(conn, [t.xid for t in txns], standby)
+    wait_until_visible(conn, [t.xid for t in txns], standby, give_up)
     # the transaction of each position where a chunk may start or end
     txn_at: list[Transaction] = []
     for t in txns:
@@ -199,7 +199,12 @@ class ReaderIsSynchronousStandby(RuntimeError):
     """The reader's replication connection is a synchronous standby of the writers it waits for."""
 
 
-def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str | None = None) -> None:
+class NotVisibleYet(RuntimeError):
+    """Decoded transactions not visible yet when the caller gave up waiting: nothing was recorded."""
+
+
+def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str | None = None,
+                       give_up: Callable[[], bool] | None = None) -> None:
     """Return once every transaction of ``xids`` (decoded from the slot, so committed) is visible to
     the snapshots ``conn`` takes from now on (read committed: each statement's).
 
@@ -213,7 +218,9 @@ def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str |
     ``standby``: the application name of the replication connection that decoded them (an open
     run's reader). Should ``synchronous_standby_names`` make it a synchronous standby, the writers
     wait for it to confirm what it has not recorded yet while it waits for them: raises
-    :class:`ReaderIsSynchronousStandby` (the run reports it; the sensor reads the slot instead)."""
+    :class:`ReaderIsSynchronousStandby` (the run reports it; the sensor reads the slot instead).
+    ``give_up``: once it returns true (the run stops, the sensor's tick budget is spent) raises
+    :class:`NotVisibleYet` instead of waiting on: the caller records them later, never without them."""
     xids = sorted({x for x in xids if x >= 3})  # 0: recovery's own snapshot; 1-2: special xids
     if not xids:
         return
@@ -231,6 +238,8 @@ def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str |
                 f"(synchronous_standby_names = {setting[0] if setting else ''!r} matches it): writers wait "
                 "for it to confirm transactions it can record only once they are visible; list only real "
                 "standbys there")
+        if give_up is not None and give_up():
+            raise NotVisibleYet(f"{row[0]} decoded transactions are not visible yet")
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
 
