@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,8 @@ from pgstream_dagster import cli, exporter
 from pgstream_dagster.config import ConfigError, load_config, load_metrics_settings
 from pgstream_dagster.defs.names import status_asset_key
 from pgstream_dagster.devdb import free_port
+from pgstream_dagster.engine import ingest, replication
+from pgstream_dagster.engine import ledger as engine_ledger
 from pgstream_dagster.engine.metrics import HISTOGRAMS, METRICS, SCRAPE_DURATION, UP
 
 from .support.endpoint import Endpoint
@@ -419,3 +422,244 @@ def test_recording_a_batch_probes_its_events_by_key_whatever_the_statistics(db_u
         assert "stream_id_created_at" not in counted[0], counted[0]
         assert c.execute("select value from pgstream.stream_counters where stream_id = 1 and name = 'events_written'"
                          ).fetchall() == [(3000,)]
+
+
+# --- events just decoded from the slot: counted and read back whatever the commit's visibility -------
+
+WRITERS = 8
+
+
+def _hammer(url: str, stop: threading.Event, written: list[int]) -> None:
+    """One writer: single-row transactions on public.users as fast as it can (each a commit the
+    reader decodes while, often, the writer's backend has not yet left the proc array)."""
+    with psycopg.connect(url, autocommit=True) as c:
+        while not stop.is_set():
+            c.execute("insert into public.users (name, email) values ('x', 'x@example.com')")
+            written.append(1)
+
+
+def _read_batches_as_recorded(url: str, stop: threading.Event, short: list[tuple[int, int, int]]) -> None:
+    """A run's direct read of every batch as soon as it is recorded: (batch, events, found) when some
+    of its events were not found."""
+    last = 0
+    with psycopg.connect(url, autocommit=True) as c:
+        while not stop.is_set():
+            rows = c.execute("select b.id, b.event_count, (select count(*) from pgstream.events e "
+                             "where e.id = any(b.event_ids) and e.created_at between b.min_created_at "
+                             "and b.max_created_at) from pgstream.batches b where b.id > %s order by b.id",
+                             [last]).fetchall()
+            short += [r for r in rows if r[1] != r[2]]
+            last = rows[-1][0] if rows else last
+
+
+def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_writers(db_url: str,
+                                                                                    tmp_path: Path) -> None:
+    """Logical decoding hands out a transaction's commit once its WAL is flushed, before the writer's
+    backend leaves the proc array: for a moment other snapshots do not see its rows yet. The open
+    run's reader records such transactions 1-12 ms after their commit; the batch trigger's
+    per-subscription count (and any read of the batch's events right after) must still see every
+    event: ``events_written`` by key equals what was written, to the event, under 8 writers."""
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"linger_secs": 60},
+         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+    stream = config.streams[0]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(USERS)
+        subscribe(c, "user-signup", columns=["id", "email"])
+        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
+        engine_ledger.open_run(c, STREAM, "run")
+    stop_reader, stats = threading.Event(), ingest.FollowStats()
+    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop_reader, stats),
+                              kwargs={"application_name": "pgstream reader t"})
+    reader.start()
+    stop, written = threading.Event(), [[] for _ in range(WRITERS)]
+    writers = [threading.Thread(target=_hammer, args=(db_url, stop, w)) for w in written]
+    short: list[tuple[int, int, int]] = []
+    poller = threading.Thread(target=_read_batches_as_recorded, args=(db_url, stop_reader, short))
+    poller.start()
+    try:
+        for w in writers:
+            w.start()
+        time.sleep(3)
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+    total = sum(len(w) for w in written)
+    deadline = time.monotonic() + 60
+    while stats.events < total:
+        assert time.monotonic() < deadline, f"the reader recorded {stats.events} of {total} events"
+        time.sleep(0.05)
+    stop_reader.set()
+    reader.join()
+    poller.join()
+    with psycopg.connect(db_url) as c:
+        counted = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
+                                 "where stream_id = %s and name in ('events_recorded', 'events_written')",
+                                 [STREAM]).fetchall())
+    assert short == []  # every direct read of a just-recorded batch found all its events
+    assert total > 500 and counted == {"events_recorded:": total, "events_written:user-signup": total}, \
+        (total, counted)
+
+
+HELD = 5
+
+
+def _commit_held(url: str) -> None:
+    """One event committed, then held out of the proc array by synchronous replication (its commit
+    record is flushed, so decodable, but its rows stay invisible until the standby answers)."""
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("set synchronous_commit = on")
+        c.execute("insert into public.users (name, email) values ('held', 'held@example.com')")
+
+
+def _reader_waits_for_visibility(url: str) -> bool:
+    """The reader's ledger connection is in its recording transaction, waiting for the decoded
+    transactions to become visible."""
+    with psycopg.connect(url) as c:
+        return c.execute("select exists (select 1 from pg_stat_activity where application_name = "
+                         "'pgstream reader t' and backend_type = 'client backend' and "
+                         "state = 'idle in transaction' and query like '%%pg_visible_in_snapshot%%')"
+                         ).fetchone() == (True,)
+
+
+def _sensor(url: str, stream: Any, stop: threading.Event, stats: ingest.FollowStats) -> None:
+    """The sensor's ticks (peek, record) on a connection named like the reader's, until stopped."""
+    with psycopg.connect(url, autocommit=True, application_name="pgstream reader t") as c:
+        while not stop.is_set():
+            stats.events += ingest.consume(c, stream, 0.2).events
+            stats.notes.append("tick ended")
+
+
+@pytest.mark.parametrize("recorder", ["open run's reader", "sensor"])
+def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_visible(
+        pg: Any, db_url: str, tmp_path: Path, recorder: str) -> None:
+    """The window made wide and certain: synchronous replication to a standby that never answers
+    holds ``HELD`` committed transactions between their flushed commit record (decodable) and the
+    proc array (nobody sees their rows). The open run's reader (replication protocol) and the sensor
+    (peek) wait for them instead of recording batches whose events they cannot see; once the standby
+    requirement is lifted, each event is counted by subscription and its batch reads whole."""
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.1}, "delivery": {"linger_secs": 60},
+         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+    stream = config.streams[0]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(USERS)
+        subscribe(c, "user-signup", columns=["id", "email"])
+        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
+        if recorder != "sensor":
+            engine_ledger.open_run(c, STREAM, "run")
+    stop, stats = threading.Event(), ingest.FollowStats()
+    reader = (threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
+                               kwargs={"application_name": "pgstream reader t"}) if recorder != "sensor" else
+              threading.Thread(target=_sensor, args=(db_url, stream, stop, stats)))
+    held = [threading.Thread(target=_commit_held, args=(db_url,)) for _ in range(HELD)]
+    with psycopg.connect(pg.url, autocommit=True) as admin:
+        admin.execute("alter system set synchronous_commit = 'local'")  # every other session: no wait
+        admin.execute("alter system set synchronous_standby_names = 'pgstream_absent_standby'")
+        admin.execute("select pg_reload_conf()")
+        try:
+            reader.start()
+            for t in held:
+                t.start()
+            deadline = time.monotonic() + 60
+            # today's recorders record them at once (their events unseen); correct ones wait
+            while stats.events < HELD and not _reader_waits_for_visibility(db_url):
+                assert time.monotonic() < deadline, "the recorder neither recorded nor waited"
+                time.sleep(0.02)
+            if recorder == "sensor" and stats.events < HELD:
+                # a tick waits at most its budget (a second at least), records nothing, and the next peeks again
+                ticks = len(stats.notes)
+                while len(stats.notes) < ticks + 2:
+                    assert time.monotonic() < deadline, "the sensor's tick never ended"
+                    time.sleep(0.02)
+                assert stats.events == 0
+            elif stats.events < HELD:
+                # the run stops while its reader waits: it ends at once, having recorded and confirmed
+                # nothing; the next reader receives them again
+                stop.set()
+                reader.join()
+                assert stats.events == 0
+                stop = threading.Event()
+                reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
+                                          kwargs={"application_name": "pgstream reader t"})
+                reader.start()
+        finally:
+            admin.execute("alter system reset synchronous_standby_names")
+            admin.execute("alter system reset synchronous_commit")
+            admin.execute("select pg_reload_conf()")
+            for t in held:
+                t.join()
+    deadline = time.monotonic() + 60
+    while stats.events < HELD:
+        assert time.monotonic() < deadline, f"recorded {stats.events} of {HELD} events"
+        time.sleep(0.02)
+    stop.set()
+    reader.join()
+    with psycopg.connect(db_url) as c:
+        counted = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
+                                 "where stream_id = %s and name in ('events_recorded', 'events_written')",
+                                 [STREAM]).fetchall())
+        found = c.execute("select count(*) from pgstream.batches b join pgstream.events e "
+                          "on e.id = any(b.event_ids)").fetchone()
+    assert counted == {"events_recorded:": HELD, "events_written:user-signup": HELD}, counted
+    assert found == (HELD,)
+
+
+def test_a_reader_made_a_synchronous_standby_says_so_instead_of_waiting_for_its_writers(
+        pg: Any, db_url: str, tmp_path: Path) -> None:
+    """``synchronous_standby_names`` naming the reader's replication connection: a writer waits for the
+    reader to confirm its commit, the reader for the commit to become visible. The reader stops with
+    a clear error (the run reports it); once the setting lists real standbys only, the sensor records
+    every event, counted by subscription."""
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.1}, "delivery": {"linger_secs": 60},
+         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+    stream = config.streams[0]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(USERS)
+        subscribe(c, "user-signup", columns=["id", "email"])
+        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
+        engine_ledger.open_run(c, STREAM, "run")
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def follow() -> None:
+        try:
+            ingest.follow(db_url, stream, "run", stop, ingest.FollowStats(), application_name="pgstream reader t")
+        except BaseException as exc:  # what the run's thread reports
+            failed.append(exc)
+
+    reader = threading.Thread(target=follow)
+    held = threading.Thread(target=_commit_held, args=(db_url,))
+    with psycopg.connect(pg.url, autocommit=True) as admin:
+        admin.execute("alter system set synchronous_commit = 'local'")
+        admin.execute("""alter system set synchronous_standby_names = '"pgstream reader t"'""")
+        admin.execute("select pg_reload_conf()")
+        try:
+            reader.start()
+            deadline = time.monotonic() + 60
+            # the reader has confirmed a position once (nothing to record): it is the synchronous standby
+            while admin.execute("select sync_state from pg_stat_replication where application_name = "
+                                "'pgstream reader t'").fetchall() != [("sync",)]:
+                assert time.monotonic() < deadline, "the reader never became the synchronous standby"
+                time.sleep(0.05)
+            held.start()
+            reader.join(timeout=60)
+            assert not reader.is_alive()
+        finally:
+            stop.set()
+            admin.execute("alter system reset synchronous_standby_names")
+            admin.execute("alter system reset synchronous_commit")
+            admin.execute("select pg_reload_conf()")
+            held.join()
+            reader.join()
+    assert len(failed) == 1 and isinstance(failed[0], engine_ledger.ReaderIsSynchronousStandby), failed
+    assert "'pgstream reader t'" in str(failed[0]) and "synchronous_standby_names" in str(failed[0])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select count(*) from pgstream.batches").fetchone() == (0,)  # nothing recorded unseen
+        engine_ledger.clear_open_run(c, STREAM, "run")
+        assert ingest.consume(c, stream, 1.0).events == 1
+        assert c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters where "
+                         "name in ('events_recorded', 'events_written') order by 1").fetchall() == [
+            ("events_recorded:", 1), ("events_written:user-signup", 1)]

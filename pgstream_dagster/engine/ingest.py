@@ -102,6 +102,11 @@ def unrecorded(conn: psycopg.Connection, stream_id: int,
     return txns
 
 
+def _past(until: float) -> Callable[[], bool]:
+    """Whether ``time.monotonic()`` is past ``until``."""
+    return lambda: time.monotonic() > until
+
+
 def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, *, check_slot: bool = True,
             mark: bool = True) -> ConsumeResult:
     """Move committed events from the slot into the ledger (see module docstring). ``check_slot``:
@@ -118,7 +123,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
             # an open run's reader reads it, or is about to: peeking now would only keep it out
             result.slot_busy = True
             return result
-        peeked_at = dt.datetime.now(dt.UTC)
+        peeked_at, peeked = dt.datetime.now(dt.UTC), time.monotonic()
         flushed = replication.flush_lsn(conn)
         try:
             txns, rows = replication.peek_rows(conn, slot, stream.publication, cap)
@@ -140,13 +145,19 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
         if not txns or full or ripe or waiting == 0:
             with_events = [t for t in txns if t.events or t.unreadable]
             if with_events:
-                with conn.transaction():
-                    # an open run's reader that took the slot right after the peek may have recorded
-                    # these meanwhile: checked again under the recording lock, recorded once
-                    ledger.lock_recording(conn, stream.id)
-                    with_events = [t for t in unrecorded(conn, stream.id, with_events) if t.events or t.unreadable]
-                    if with_events:
-                        result.batches += ledger.record(conn, stream.id, with_events, stream.batch.max_size)
+                try:
+                    with conn.transaction():
+                        # an open run's reader that took the slot right after the peek may have recorded
+                        # these meanwhile: checked again under the recording lock, recorded once
+                        ledger.lock_recording(conn, stream.id)
+                        with_events = [t for t in unrecorded(conn, stream.id, with_events)
+                                       if t.events or t.unreadable]
+                        if with_events:
+                            # waits until they are visible, up to the tick's budget (one second at least)
+                            result.batches += ledger.record(conn, stream.id, with_events, stream.batch.max_size,
+                                                            give_up=_past(max(deadline, peeked + 1.0)))
+                except ledger.NotVisibleYet:
+                    break  # nothing recorded, the slot not advanced: the next tick reads them again
                 result.events += sum(len(t.events) for t in with_events)
                 result.unreadable += sum(len(t.unreadable) for t in with_events)
                 last = next((t.events[-1].id for t in reversed(with_events) if t.events), None)
@@ -333,7 +344,12 @@ def _follow(conn: psycopg.Connection, source: walstream.ReplicationStream, strea
                 fits = len(pending) if handoff is None else _fitting(pending, handoff.room())
                 txns, pending = pending[:fits], pending[fits:]
                 pending_bytes = _row_bytes(pending)
-                if not _record_for_run(conn, stream, run_key, txns, stats, handoff):
+                try:
+                    recorded_for_run = _record_for_run(conn, stream, run_key, txns, stats, handoff,
+                                                       source.application_name, stop.is_set)
+                except ledger.NotVisibleYet:
+                    return True  # stopped while waiting: nothing recorded or confirmed
+                if not recorded_for_run:
                     source.confirm(txns[-1].end_lsn)
                     return False
                 source.confirm(txns[-1].end_lsn)
@@ -397,7 +413,8 @@ def _wait_for_room(conn: psycopg.Connection, source: walstream.ReplicationStream
 
 
 def _record_for_run(conn: psycopg.Connection, stream: StreamConfig, run_key: str,
-                    txns: list[replication.Transaction], stats: FollowStats, handoff: Handoff | None) -> bool:
+                    txns: list[replication.Transaction], stats: FollowStats, handoff: Handoff | None,
+                    standby: str | None = None, give_up: Callable[[], bool] | None = None) -> bool:
     """Record ``txns`` and hand the batches to the run, in one transaction; false if the run is no
     longer the stream's open run (the batches stay pending: the sensor launches the next run).
 
@@ -409,7 +426,8 @@ def _record_for_run(conn: psycopg.Connection, stream: StreamConfig, run_key: str
             ledger.lock_recording(conn, stream.id)  # the sensor may be recording what it peeked just before
             fresh = [t for t in unrecorded(conn, stream.id, txns) if t.events or t.unreadable]
             if fresh:
-                recorded = ledger.record(conn, stream.id, fresh, stream.batch.max_size)
+                recorded = ledger.record(conn, stream.id, fresh, stream.batch.max_size, standby=standby,
+                                         give_up=give_up)
                 if handoff is not None:
                     handoff.put(recorded, fresh, stream.batch.max_size)
             handed = ledger.extend_run(conn, stream.id, run_key, stream.delivery.max_events_per_run)

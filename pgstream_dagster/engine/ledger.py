@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, assert_never
@@ -146,15 +146,18 @@ def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
 
 
 def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], max_size: int,
-           kind: str = "stream") -> list[int]:
+           kind: str = "stream", standby: str | None = None, give_up: Callable[[], bool] | None = None) -> list[int]:
     """Record the events of ``txns`` (commit order) as batches of at most ``max_size``, and their
     unreadable events as dead letters (stage 'read').
 
     Runs in its own database transaction. Every batch carries the LSN range and commit times of
     the transactions it covers; the last batch's ``end_lsn`` is the end of the last transaction.
+    Waits first until ``txns`` are visible (:func:`wait_until_visible`; ``standby``: the replication
+    connection that decoded them, if any; ``give_up``: when to stop waiting and raise).
     """
     ids: list[int] = []
     events = [e for t in txns for e in t.events]
+    wait_until_visible(conn, [t.xid for t in txns], standby, give_up)
     # the transaction of each position where a chunk may start or end
     txn_at: list[Transaction] = []
     for t in txns:
@@ -180,6 +183,65 @@ def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], ma
             ids.append(int(row[0]))
         record_unreadable(conn, stream_id, txns)
     return ids
+
+
+#: the transactions of ``xids`` that this statement's snapshot does not see yet (``xids`` are 32-bit, as
+#: the WAL carries them: each is widened to the xid8 at most 2^32 before the snapshot's xmax)
+_NOT_VISIBLE = """
+select count(*) from (select pg_catalog.pg_current_snapshot() as snap) c
+cross join lateral (select pg_catalog.pg_snapshot_xmax(c.snap)::text::bigint as xmax) m
+cross join pg_catalog.unnest(%s::bigint[]) x(xid)
+where not pg_catalog.pg_visible_in_snapshot(
+    (m.xmax - ((m.xmax %% 4294967296) - x.xid + 4294967296) %% 4294967296)::text::xid8, c.snap)"""
+
+
+class ReaderIsSynchronousStandby(RuntimeError):
+    """The reader's replication connection is a synchronous standby of the writers it waits for."""
+
+
+class NotVisibleYet(RuntimeError):
+    """Decoded transactions not visible yet when the caller gave up waiting: nothing was recorded."""
+
+
+def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str | None = None,
+                       give_up: Callable[[], bool] | None = None) -> None:
+    """Return once every transaction of ``xids`` (decoded from the slot, so committed) is visible to
+    the snapshots ``conn`` takes from now on (read committed: each statement's).
+
+    Logical decoding hands out a transaction once its commit record is flushed, which is before its
+    backend leaves the proc array: for a moment (longer with synchronous replication, which waits for
+    the standby in between) its rows are invisible to new snapshots, and ``pg_xact_status`` already
+    says committed. A read of its events then (the batch trigger's count by subscription, a dead
+    letter's payload, a run reading the batch) would miss rows; after this wait none does. Every
+    later read of the batch's events comes after the recording commits, hence after this wait.
+
+    ``standby``: the application name of the replication connection that decoded them (an open
+    run's reader). Should ``synchronous_standby_names`` make it a synchronous standby, the writers
+    wait for it to confirm what it has not recorded yet while it waits for them: raises
+    :class:`ReaderIsSynchronousStandby` (the run reports it; the sensor reads the slot instead).
+    ``give_up``: once it returns true (the run stops, the sensor's tick budget is spent) raises
+    :class:`NotVisibleYet` instead of waiting on: the caller records them later, never without them."""
+    xids = sorted({x for x in xids if x >= 3})  # 0: recovery's own snapshot; 1-2: special xids
+    if not xids:
+        return
+    pause = 0.0005
+    while True:
+        row = conn.execute(_NOT_VISIBLE, [xids]).fetchone()
+        if row is None or row[0] == 0:
+            return
+        if standby is not None and pause >= 0.05 and conn.execute(
+                "select exists (select 1 from pg_catalog.pg_stat_replication "
+                "where application_name = %s and sync_state in ('sync', 'quorum'))", [standby]).fetchone() == (True,):
+            setting = conn.execute("show synchronous_standby_names").fetchone()
+            raise ReaderIsSynchronousStandby(
+                f"the slot reader's replication connection ({standby!r}) is a synchronous standby "
+                f"(synchronous_standby_names = {setting[0] if setting else ''!r} matches it): writers wait "
+                "for it to confirm transactions it can record only once they are visible; list only real "
+                "standbys there")
+        if give_up is not None and give_up():
+            raise NotVisibleYet(f"{row[0]} decoded transactions are not visible yet")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def record_unreadable(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> int:

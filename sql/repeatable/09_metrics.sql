@@ -95,7 +95,9 @@ begin
         -- triggers do nothing more. The lookup is one index probe per id whatever the statistics: the
         -- stream is checked after it (not in the probe), else once the partition is analyzed, a batch
         -- newer than its histogram looked empty to the planner, which then scanned the stream's
-        -- (stream_id, created_at) index range once per id (seconds per batch of 10,000)
+        -- (stream_id, created_at) index range once per id (seconds per batch of 10,000). Every event is
+        -- found: the recorder waited until the batch's transactions are visible to new snapshots first
+        -- (engine/ledger.py wait_until_visible; decoding hands a commit out before it leaves the proc array)
         insert into pgstream.stream_counters as c (stream_id, name, label, value)
         select new.stream_id, 'events_written', k.key, sum(k.n)
         from (select case when exists (select 1 from pgstream.subscriptions s
