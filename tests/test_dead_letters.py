@@ -406,11 +406,11 @@ def test_control_job_sets_aside_and_discards(conn: psycopg.Connection, db_url: s
 
 def test_status_counts_open_dead_letters(conn: psycopg.Connection, ledger: dict[str, Any]) -> None:
     (row,) = stream_status(conn, 1, last=0)
-    assert status_observation(row, {}).metadata["open_dead_letters"].value == 0
+    assert status_observation(row).metadata["open_dead_letters"].value == 0
     assert "dead letters: none open" in render_status([row])
     deadletters.set_aside(conn, 1, ledger["b"][:2], "poison")
     (row,) = stream_status(conn, 1, last=0)
-    observation = status_observation(row, {})
+    observation = status_observation(row)
     assert observation.metadata["open_dead_letters"].value == 2
     assert "oldest_dead_letter_at" in observation.metadata
     assert "dead letters: 2 open (oldest since" in render_status([row])

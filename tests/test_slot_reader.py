@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import multiprocessing
 import os
 import signal
@@ -114,6 +115,37 @@ def test_open_run_reads_the_slot_and_delivers_without_sensor_ticks(db_url: str, 
     assert len(requests) == 1 and requests[0].run_key != request.run_key
     assert driver.execute(requests[0]).success
     assert endpoint.unique() == set(sent_ids(db_url)) and endpoint.duplicates() == 0
+
+
+def test_the_cursor_and_the_status_asset_follow_what_the_open_runs_reader_records(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """The sensor's cursor and the status asset's cursor_last_event_id / cursor_last_lsn are the
+    ledger's: while the open run reads the slot (no sensor reads), they advance with what it records."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=2)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 10)
+    (request,) = tick_until(driver, STREAM, lambda: _launched(db_url), timeout=60)
+    run = Background(driver, request)
+    _wait(lambda: (_slot_reader(db_url) or "").startswith("pgstream reader "))
+    insert_events(db_url, STREAM, 20, 1000)  # recorded by the run's reader only
+    _wait(lambda: len(endpoint.unique()) >= 30)
+    last_id = max(sent_ids(db_url))
+    with psycopg.connect(db_url) as c:
+        row = c.execute("select end_lsn::text from pgstream.batches where stream_id = %s order by end_lsn desc "
+                        "limit 1", [STREAM]).fetchone()
+    assert row is not None
+    tick = driver.tick(STREAM)
+    assert not tick.run_requests
+    cursor = json.loads(tick.cursor or "{}")
+    assert (cursor["last_event_id"], cursor["last_lsn"]) == (last_id, row[0])
+    seen = driver.observations[-1].metadata
+    assert (seen["cursor_last_event_id"].value, seen["cursor_last_lsn"].value) == (last_id, row[0])
+    result = run.wait(timeout=60)
+    assert result.success
+    # the run's own observations show the ledger's cursor too
+    observed = [e.event_specific_data.asset_observation.metadata for e in result.all_events
+                if e.event_type_value == "ASSET_OBSERVATION"]
+    assert observed and observed[-1]["cursor_last_event_id"].value == last_id
 
 
 def _launched(url: str) -> bool:
