@@ -207,8 +207,8 @@ def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_k
 
 
 #: what the status asset shows that a new observation must not wait for
-_SEEN = ("state", "last_recorded_event_id", "undelivered_events", "undelivered_batches", "delivered_today", "open_dead_letters",
-         "open_run_key", "failover_attempts", "wal_status")
+_SEEN = ("state", "last_recorded_event_id", "undelivered_events", "undelivered_batches", "delivered_today",
+         "open_dead_letters", "open_run_key", "failover_attempts", "wal_status")
 
 
 def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
