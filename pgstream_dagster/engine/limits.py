@@ -64,17 +64,15 @@ def _names(ids: Sequence[int]) -> str:
     return f"streams {shown} need {len(ids)} more"
 
 
-def existing_slots(conn: psycopg.Connection, streams: Sequence[StreamConfig]) -> dict[int, bool]:
-    """Whether each stream's slot exists (its ``slot_name``, else the slot its ``pgstream.streams`` row
-    names; a stream with neither has none yet)."""
-    slots = {str(r[0]) for r in conn.execute("select slot_name from pg_catalog.pg_replication_slots")}
-    named: dict[int, str] = {s.id: s.slot_name for s in streams if s.slot_name}
+def stream_slots(conn: psycopg.Connection, streams: Sequence[StreamConfig]) -> dict[int, str | None]:
+    """Each stream's slot name: its ``slot_name``, else the one its ``pgstream.streams`` row names
+    (``None``: the stream has no row yet, so no slot)."""
+    named: dict[int, str | None] = {s.id: s.slot_name for s in streams}
     if conn.execute("select pg_catalog.to_regclass('pgstream.streams') is not null").fetchone() == (True,):
         for stream_id, slot in conn.execute("select id, slot from pgstream.streams where id = any(%s)",
                                             [[s.id for s in streams if not s.slot_name]]):
-            if slot:
-                named[int(stream_id)] = str(slot)
-    return {s.id: named.get(s.id) in slots for s in streams}
+            named[int(stream_id)] = str(slot) if slot else None
+    return named
 
 
 def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[int]) -> str | None:
@@ -95,15 +93,17 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
     if limits.wal_level != "logical":
         out.append(f"wal_level is {limits.wal_level}; the streams' slots need logical decoding: set "
                    f"wal_level = logical in postgresql.conf and restart Postgres")
-    exists = existing_slots(conn, streams)
-    row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
-    in_use = int(row[0]) if row else 0
-    line = slot_problem(limits, in_use, [s.id for s in streams if not exists[s.id]])
+    slots = stream_slots(conn, streams)
+    existing = {str(r[0]) for r in conn.execute("select slot_name from pg_catalog.pg_replication_slots")}
+    line = slot_problem(limits, len(existing), [s.id for s in streams if slots[s.id] not in existing])
     if line:
         out.append(line)
     readers = [s.id for s in streams if s.delivery.read_slot and s.delivery.linger_secs > 0]
-    row = conn.execute("select count(*) from pg_catalog.pg_stat_replication where application_name is null "
-                       "or application_name not like 'pgstream reader %%'").fetchone()
+    # WAL senders other than the streams' own slot readers (told by the slot they hold: pg_stat_replication
+    # hides a connection's application_name from roles without pg_read_all_stats)
+    row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
+                       "pg_catalog.pg_replication_slots s where s.active_pid = r.pid and s.slot_name = any(%s))",
+                       [[v for v in slots.values() if v]]).fetchone()
     senders_elsewhere = int(row[0]) if row else 0
     if senders_elsewhere + len(readers) > limits.max_wal_senders:
         needed = senders_elsewhere + len(readers)
