@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 import pgstream_dagster
+from pgstream_dagster.component import StreamComponent
 from pgstream_dagster.config import ConfigError, HousekeepingConfig, load_config
-from pgstream_dagster.defs.components import StreamComponent
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.resources import PgstreamResource
 
@@ -364,3 +364,22 @@ def test_the_cli_reads_the_streams_of_the_defs_folder(tmp_path: Path, env: dict[
     monkeypatch.setenv("PGSTREAM_DEFS_FOLDER", str(defs))
     assert cli(*args) == (code, text, err)
     assert SECRET not in text + err
+
+
+def test_the_component_has_a_package_of_its_own_and_its_old_import_path_still_works() -> None:
+    """``StreamComponent`` lives in ``pgstream_dagster.component``, above the definitions: the location
+    finds the components by their base class and imports no module that imports it back (no cycle);
+    ``pgstream_dagster.defs.components`` re-exports it for defs.yaml files that name that path."""
+    import grimp
+
+    from pgstream_dagster.defs import components as old_path
+    from pgstream_dagster.defs.location import StreamDeclaringComponent
+
+    assert old_path.StreamComponent is StreamComponent is pgstream_dagster.StreamComponent
+    assert issubclass(StreamComponent, StreamDeclaringComponent)
+    graph = grimp.build_graph("pgstream_dagster")
+    for module in ("pgstream_dagster.component", "pgstream_dagster.component.stream",
+                   "pgstream_dagster.defs.components"):
+        assert not graph.chain_exists(importer="pgstream_dagster.defs.location", imported=module)
+    assert graph.chain_exists(importer="pgstream_dagster.component.stream", imported="pgstream_dagster.defs.location")
+
