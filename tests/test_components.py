@@ -39,10 +39,11 @@ STREAM_2: dict[str, Any] = {
     "checks": {"max_undelivered_age_secs": 60},
 }
 SUBS_1 = [{"key": "signup", "stream_id": 1, "operation": "INSERT", "table_name": "users", "column_names": ["id"]}]
-SUBS_2 = [{"key": "order-paid", "operation": "UPDATE", "schema_name": "shop", "table_name": "orders",
-           "when_clause": "new.paid and not old.paid", "column_names": ["id", "total"],
-           "payload_extensions": [{"json_path": "group_id", "expression": "new.customer_id::text"}]},
-          {"key": "signup", "operation": "INSERT", "table_name": "users", "trigger_mode": "statement"}]
+SUBS_2: list[dict[str, Any]] = [
+    {"key": "order-paid", "operation": "UPDATE", "schema_name": "shop", "table_name": "orders",
+     "when_clause": "new.paid and not old.paid", "column_names": ["id", "total"],
+     "payload_extensions": [{"json_path": "group_id", "expression": "new.customer_id::text"}]},
+    {"key": "signup", "operation": "INSERT", "table_name": "users", "trigger_mode": "statement"}]
 
 
 def _project(root: Path, component: dict[str, Any] | str | None, streams: list[dict[str, Any]] | None = None,

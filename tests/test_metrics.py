@@ -252,7 +252,7 @@ def test_a_read_only_role_with_the_documented_grants_scrapes_and_can_do_nothing_
                               "insert into pgstream.events (payload, stream_id) values ('{}', 1)",
                               "delete from pgstream.stream_counters", "select pgstream._count(1, 'x', '', 1)"):
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
-                    conn.execute(statement)  # type: ignore[arg-type]
+                    conn.execute(statement)
     finally:
         running.stop()
         with psycopg.connect(db_url, autocommit=True) as conn:
@@ -401,8 +401,8 @@ def test_recording_a_batch_probes_its_events_by_key_whatever_the_statistics(db_u
         c.execute("analyze pgstream.events")
         c.execute("insert into pgstream.events (payload, stream_id) "
                   "select jsonb_build_object('tg_name', 'k', 'n', g), 1 from generate_series(1, 3000) g")
-        ids, lo, hi = c.execute("select array_agg(id order by id), min(created_at), max(created_at) from "
-                                "(select id, created_at from pgstream.events order by id desc limit 3000) e").fetchone()
+        ids, lo, hi = c.execute("select array_agg(id order by id), min(created_at), max(created_at) from (select "
+                                "id, created_at from pgstream.events order by id desc limit 3000) e").fetchone() or ()
         plans: list[str] = []
         c.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
         c.execute("load 'auto_explain'")
