@@ -24,14 +24,14 @@ except PackageNotFoundError:  # a source tree on PYTHONPATH without the package 
 __all__ = ["StreamComponent", "__version__"]
 
 if TYPE_CHECKING:
-    from .defs.components import StreamComponent
+    from .component import StreamComponent
 
 
 def __getattr__(name: str) -> Any:
     # imported on first use: the engine, the sinks and Spark's Python workers import this package
     # and must not pay for importing Dagster
     if name == "StreamComponent":
-        from .defs.components import StreamComponent
+        from .component import StreamComponent
 
         return StreamComponent
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

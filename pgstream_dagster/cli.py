@@ -1,4 +1,4 @@
-"""``pgstream-dagster`` command line: migrate, tear-down, init, status, pause, resume, retry-now, skip,
+"""``pgstream-dagster`` command line: migrate, tear-down, init, preflight, status, pause, resume, retry-now, skip,
 dead-letters, metrics, dev."""
 
 from __future__ import annotations
@@ -117,11 +117,50 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_limit() -> tuple[int | None, str]:
+    """The Dagster instance's ``max_concurrent_runs`` (``$DAGSTER_HOME``; ``None``: no instance or no
+    limit) and the file that sets it."""
+    home = os.environ.get("DAGSTER_HOME")
+    if not home:
+        return None, "dagster.yaml"
+    import dagster as dg
+
+    from .defs.limits import max_concurrent_runs
+
+    with dg.DagsterInstance.get() as instance:
+        return max_concurrent_runs(instance), str(Path(home) / "dagster.yaml")
+
+
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .engine.bootstrap import preflight
+
+    config = load_config(Path(args.config) if args.config else None, _defs_folder(args))
+    runs, where = _run_limit()
+    problems = preflight(config, runs, where)
+    for line in problems:
+        print(line, file=sys.stderr)
+    if problems:
+        return 1
+    checked = "" if os.environ.get("DAGSTER_HOME") else " (max_concurrent_runs not checked: DAGSTER_HOME is not set)"
+    print(f"{len(config.streams)} streams fit in this server's and instance's limits{checked}")
+    return 0
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
     from .engine.bootstrap import init
+    from .engine.limits import LimitsExceeded
 
     owner = args.owner_database_url or os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or None
-    for line in init(Path(args.config) if args.config else None, owner_url=owner, defs_folder=_defs_folder(args)):
+    runs, where = _run_limit()
+    try:
+        lines = init(Path(args.config) if args.config else None, owner_url=owner, defs_folder=_defs_folder(args),
+                     max_concurrent_runs=runs, runs_where=where)
+    except LimitsExceeded as exc:
+        for line in exc.lines:
+            print(line, file=sys.stderr)
+        return 1
+    for line in lines:
         print(line)
     print("ready")
     return 0
@@ -568,6 +607,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "else database_url of pgstream.yaml)")
     _add_defs_folder(p)
     p.set_defaults(func=_cmd_init)
+
+    p = sub.add_parser("preflight", help="check the Postgres and Dagster limits the streams need (wal_level, "
+                                         "max_replication_slots, max_wal_senders, max_connections, the instance's "
+                                         "max_concurrent_runs of $DAGSTER_HOME): one line per problem, exit 1")
+    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
+    _add_defs_folder(p)
+    p.set_defaults(func=_cmd_preflight)
 
     p = sub.add_parser("status", parents=[common], help="state, failover checkpoint, backlog, slot lag and last "
                                                         "batches of every stream")

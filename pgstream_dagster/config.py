@@ -560,8 +560,10 @@ def config_path() -> Path:
 
 
 #: the ``type`` of a stream declared in a ``defs.yaml`` (:class:`pgstream_dagster.StreamComponent`), as
-#: registered with ``dg`` and by its class's own module
-STREAM_COMPONENT_TYPES = ("pgstream_dagster.StreamComponent", "pgstream_dagster.defs.components.StreamComponent")
+#: registered with ``dg``, by its package and module, and by its old module (a re-export)
+STREAM_COMPONENT_TYPES = ("pgstream_dagster.StreamComponent", "pgstream_dagster.component.StreamComponent",
+                          "pgstream_dagster.component.stream.StreamComponent",
+                          "pgstream_dagster.defs.components.StreamComponent")
 
 
 def load_component_streams(folder: Path | str) -> tuple[list[StreamDeclaration], list[str]]:

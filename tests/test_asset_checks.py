@@ -22,7 +22,7 @@ from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import WRITER_ROLE
 
 from .support.dagster_instance import postgres_instance
-from .support.harness import backdated, slot_of, write_config
+from .support.harness import backdated, slot_of, values, write_config
 
 SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
@@ -66,7 +66,7 @@ class Checks:
 def execute(url: str, *statements: str) -> None:
     with psycopg.connect(url, autocommit=True) as c:
         for statement in statements:
-            c.execute(statement)  # type: ignore[arg-type]
+            c.execute(statement)
 
 
 def execute_backdated(url: str, *statements: str) -> None:
@@ -158,8 +158,8 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
             "now() - interval '2 hours')")
     ev = checks.run()[AGE]
     assert not ev.passed
-    assert ev.metadata["undelivered_batches"].value == 1
-    assert 7100 < ev.metadata["oldest_undelivered_age_secs"].value < 7300
+    assert values(ev.metadata)["undelivered_batches"] == 1
+    assert 7100 < values(ev.metadata)["oldest_undelivered_age_secs"] < 7300
     with psycopg.connect(app, autocommit=True) as c:
         c.execute("update pgstream.batches set status = %s, delivered_at = now()", [BatchStatus.DELIVERED])
     assert checks.failing() == set()
@@ -168,7 +168,7 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     execute_backdated(app, "insert into pgstream.events (payload, stream_id, created_at) "
                  "values ('{}', 1, now() - interval '30 minutes')")
     ev = checks.run()[AGE]
-    assert not ev.passed and ev.metadata["events_waiting_in_slot"].value == 1
+    assert not ev.passed and values(ev.metadata)["events_waiting_in_slot"] == 1
     execute(app, "delete from pgstream.events where created_at > now() - interval '1 hour'")
     assert checks.failing() == set()
 
@@ -186,7 +186,7 @@ def test_dead_letters_check_is_red_while_any_is_open(app: str, tmp_path: Path,
     init(cfg)
     checks = Checks(cfg, instance)
     ev = checks.run()[DEAD]
-    assert ev.passed and ev.description == "no open dead letters" and ev.metadata["open_dead_letters"].value == 0
+    assert ev.passed and ev.description == "no open dead letters" and values(ev.metadata)["open_dead_letters"] == 0
     assert ev.severity == dg.AssetCheckSeverity.ERROR and ev.asset_key == deliveries_asset_key(1)
 
     # 25 events of an undelivered batch set aside (a sink rejected them for good): red, with the first 20
@@ -202,9 +202,9 @@ def test_dead_letters_check_is_red_while_any_is_open(app: str, tmp_path: Path,
     assert not ev.passed and ev.severity == dg.AssetCheckSeverity.ERROR
     assert (ev.description or "").startswith("25 open dead letters (first 20 in the metadata), oldest since")
     assert "pgstream_replay_stream_1" in (ev.description or "")
-    assert ev.metadata["open_dead_letters"].value == 25
-    assert ev.metadata["oldest_dead_letter_age_secs"].value >= 0
-    table = ev.metadata["dead_letters"].value
+    assert values(ev.metadata)["open_dead_letters"] == 25
+    assert values(ev.metadata)["oldest_dead_letter_age_secs"] >= 0
+    table = values(ev.metadata)["dead_letters"]
     assert [r.data["event_id"] for r in table.records] == ids[:20]  # in delivery order
     assert table.records[0].data["stage"] == "deliver" and table.records[0].data["position"].endswith("#1")
     assert table.records[0].data["error"] == "set aside by an operator: HTTP 422 from the consumer"
@@ -226,11 +226,11 @@ def test_slot_wal_check(app: str, tmp_path: Path, instance: dg.DagsterInstance) 
     execute(app, "insert into public.users (email) select 'u' || g || '@example.com' from generate_series(1, 10000) g")
     ev = Checks(tight, instance).run()[WAL]
     assert not ev.passed
-    assert ev.metadata["retained_bytes"].value > 64 * 1024
-    assert ev.metadata["max_retained_wal_bytes"].value == 64 * 1024
+    assert values(ev.metadata)["retained_bytes"] > 64 * 1024
+    assert values(ev.metadata)["max_retained_wal_bytes"] == 64 * 1024
     # the same state under the generous threshold passes
     ev = Checks(roomy, instance).run()[WAL]
-    assert ev.passed and ev.metadata["retained_bytes"].value > 64 * 1024
+    assert ev.passed and values(ev.metadata)["retained_bytes"] > 64 * 1024
     # no slot at all fails
     execute(app, f"select pg_drop_replication_slot('{slot_of(app, 1)}')")
     ev = Checks(roomy, instance).run()[WAL]
@@ -274,7 +274,7 @@ def test_a_slot_no_stream_reads_fails_a_check_and_shows_in_status(app: str, tmp_
     try:
         ev = Checks(cfg, instance).run()[orphan]
         assert not ev.passed and ev.asset_key == dg.AssetKey(["pgstream", "events_partitions"])
-        assert [s["slot_name"] for s in ev.metadata["slots"].value] == ["pgstream_stream_7"]  # type: ignore[attr-defined]
+        assert [s["slot_name"] for s in values(ev.metadata)["slots"]] == ["pgstream_stream_7"]
         assert "pgstream_stream_7" in (ev.description or "") and "my_own_slot" not in (ev.description or "")
 
         with psycopg.connect(app) as c:  # the metric the exporter serves
@@ -289,7 +289,7 @@ def test_a_slot_no_stream_reads_fails_a_check_and_shows_in_status(app: str, tmp_
         default_1 = slot_of(app, 1)
         execute(app, "update pgstream.streams set slot_name = 'stream_one' where id = 1")
         ev = Checks(cfg, instance).run()[orphan]
-        assert [s["slot_name"] for s in ev.metadata["slots"].value] == [  # type: ignore[attr-defined]
+        assert [s["slot_name"] for s in values(ev.metadata)["slots"]] == [
             default_1, "pgstream_stream_7"]
         execute(app, "update pgstream.streams set slot_name = null where id = 1",
                 "select pg_drop_replication_slot('pgstream_stream_7')")

@@ -158,7 +158,7 @@ def test_backfill_50k_rows_in_parallel_exactly_once_after_a_kill(db_url: str, tm
     asset = dg.AssetKey(["pgstream", "stream_1", "subscriptions", "items_insert_public_items"])
     seen = instance.fetch_observations(asset, limit=5).records  # never materialized (init applied it)
     assert seen and seen[0].asset_observation is not None
-    assert seen[0].asset_observation.metadata["status"].value == "done"  # type: ignore[attr-defined]
+    assert seen[0].asset_observation.metadata["status"].value == "done"
     log = run_log(instance, result)
     assert "resuming backfill 1 of subscription \"items\" (INSERT) on public.items" in log
     assert "done, 50000/50000 rows (100%)" in log

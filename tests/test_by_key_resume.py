@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow as pa
 import pytest
 
 from pgstream_dagster.engine import ledger

@@ -8,6 +8,7 @@ import datetime as dt
 import re
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +242,7 @@ def test_migration_refuses_an_install_where_streams_share_a_slot(empty_db_url: s
 # partition maintenance is serialised
 
 
-def _concurrently(db_url: str, calls: list[tuple[str, list[object]]]) -> list[list[str] | BaseException]:
+def _concurrently(db_url: str, calls: Sequence[tuple[str, Sequence[object]]]) -> list[list[str] | BaseException]:
     """Run each (query, params) on its own connection, all released at once by a barrier."""
     barrier = threading.Barrier(len(calls))
     results: list[list[str] | BaseException] = [[] for _ in calls]

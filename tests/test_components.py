@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 import pgstream_dagster
+from pgstream_dagster.component import StreamComponent
 from pgstream_dagster.config import ConfigError, HousekeepingConfig, load_config
-from pgstream_dagster.defs.components import StreamComponent
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.resources import PgstreamResource
 
@@ -39,10 +39,11 @@ STREAM_2: dict[str, Any] = {
     "checks": {"max_undelivered_age_secs": 60},
 }
 SUBS_1 = [{"key": "signup", "stream_id": 1, "operation": "INSERT", "table_name": "users", "column_names": ["id"]}]
-SUBS_2 = [{"key": "order-paid", "operation": "UPDATE", "schema_name": "shop", "table_name": "orders",
-           "when_clause": "new.paid and not old.paid", "column_names": ["id", "total"],
-           "payload_extensions": [{"json_path": "group_id", "expression": "new.customer_id::text"}]},
-          {"key": "signup", "operation": "INSERT", "table_name": "users", "trigger_mode": "statement"}]
+SUBS_2: list[dict[str, Any]] = [
+    {"key": "order-paid", "operation": "UPDATE", "schema_name": "shop", "table_name": "orders",
+     "when_clause": "new.paid and not old.paid", "column_names": ["id", "total"],
+     "payload_extensions": [{"json_path": "group_id", "expression": "new.customer_id::text"}]},
+    {"key": "signup", "operation": "INSERT", "table_name": "users", "trigger_mode": "statement"}]
 
 
 def _project(root: Path, component: dict[str, Any] | str | None, streams: list[dict[str, Any]] | None = None,
@@ -364,3 +365,22 @@ def test_the_cli_reads_the_streams_of_the_defs_folder(tmp_path: Path, env: dict[
     monkeypatch.setenv("PGSTREAM_DEFS_FOLDER", str(defs))
     assert cli(*args) == (code, text, err)
     assert SECRET not in text + err
+
+
+def test_the_component_has_a_package_of_its_own_and_its_old_import_path_still_works() -> None:
+    """``StreamComponent`` lives in ``pgstream_dagster.component``, above the definitions: the location
+    finds the components by their base class and imports no module that imports it back (no cycle);
+    ``pgstream_dagster.defs.components`` re-exports it for defs.yaml files that name that path."""
+    import grimp
+
+    from pgstream_dagster.defs import components as old_path
+    from pgstream_dagster.defs.location import StreamDeclaringComponent
+
+    assert old_path.StreamComponent is StreamComponent is pgstream_dagster.StreamComponent
+    assert issubclass(StreamComponent, StreamDeclaringComponent)
+    graph = grimp.build_graph("pgstream_dagster")
+    for module in ("pgstream_dagster.component", "pgstream_dagster.component.stream",
+                   "pgstream_dagster.defs.components"):
+        assert not graph.chain_exists(importer="pgstream_dagster.defs.location", imported=module)
+    assert graph.chain_exists(importer="pgstream_dagster.component.stream", imported="pgstream_dagster.defs.location")
+

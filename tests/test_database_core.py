@@ -141,7 +141,7 @@ def test_when_clauses_are_ored_in_the_trigger(users: psycopg.Connection) -> None
     subscribe(users, "a", when="new.age > 60")
     subscribe(users, "b", when="new.email_verified")
     (definition,) = users.execute(
-        "select pg_get_triggerdef(oid) from pg_trigger where tgname = 'pgstream_insert'").fetchone()
+        "select pg_get_triggerdef(oid) from pg_trigger where tgname = 'pgstream_insert'").fetchone() or ()
     assert "WHEN" in definition and " OR " in definition
     users.execute("insert into users (email, age, email_verified) values ('x', 10, false), ('y', 70, false), "
                   "('z', 1, true)")
@@ -181,9 +181,9 @@ def test_deleting_a_subscription_removes_its_trigger(users: psycopg.Connection) 
 
 def test_events_carry_an_lsn(users: psycopg.Connection) -> None:
     subscribe(users, "a")
-    before = users.execute("select pg_current_wal_insert_lsn()").fetchone()[0]
+    before = users.execute("select pg_current_wal_insert_lsn()").fetchall()[0][0]
     users.execute("insert into users (email) values ('a')")
-    (lsn,) = users.execute("select lsn from pgstream.events").fetchone()
+    (lsn,) = users.execute("select lsn from pgstream.events").fetchone() or ()
     assert lsn is not None
     assert users.execute("select %s::pg_lsn >= %s::pg_lsn", [lsn, before]).fetchone() == (True,)
 
@@ -353,7 +353,7 @@ def test_ddl_after_removing_the_subscription_goes_through(users: psycopg.Connect
 
 def test_set_subscriptions_applies_a_set_and_noop_keeps_trigger_oids(users: psycopg.Connection) -> None:
     users.execute("create table orders (id int, user_id int, total numeric)")
-    desired = [
+    desired: list[dict[str, Any]] = [
         {"key": "signup", "table_name": "users", "when_clause": "new.email_verified"},
         {"key": "bye", "table_name": "users", "operation": "DELETE"},
         {"key": "order", "table_name": "orders", "column_names": ["id", "total"],
@@ -453,7 +453,7 @@ def test_insert_never_fails_for_a_missing_partition(users: psycopg.Connection) -
     assert users.execute("select tableoid::regclass::text from pgstream.events").fetchall() == [
         ("pgstream.events_default",)]
     # the day that has rows parked in default is not partitioned (moving them would replay them)
-    today = users.execute("select pgstream.utc_today()").fetchone()[0]
+    today = users.execute("select pgstream.utc_today()").fetchall()[0][0]
     created = [r[0] for r in users.execute("select pgstream.create_partitions(1)")]
     assert created == [f"events_{today + dt.timedelta(days=1):%Y%m%d}"]
     # expired rows in the default partition are deleted by drop_partitions once a batch delivered

@@ -386,14 +386,14 @@ def test_control_job_sets_aside_and_discards(conn: psycopg.Connection, db_url: s
     assert ok.success and "3 events set aside as open dead letters" in run_log(instance, ok)
     one, two, three = (r[0] for r in letters(conn))
 
-    for config, message in (
+    for discard, message in (
         ({"dead_letter_ids": [one]}, "set confirm: discard"),
         ({"confirm": "discard"}, "give dead letter ids, or all of the stream's"),
         ({"dead_letter_ids": [one], "all_dead_letters": True, "confirm": "discard"}, "one of them"),
         ({"dead_letter_ids": [one, 5555], "confirm": "discard"}, "dead letters {5555} are not open dead letters"),
     ):
-        result = run(stream_id=1, action="discard_dead_letters", **config)
-        assert not result.success and message in run_log(instance, result), config
+        result = run(stream_id=1, action="discard_dead_letters", **discard)
+        assert not result.success and message in run_log(instance, result), discard
     assert {r[2] for r in letters(conn)} == {"open"}
     some = run(stream_id=1, action="discard_dead_letters", dead_letter_ids=[two], confirm="discard")
     assert some.success and "1 dead letters discarded" in run_log(instance, some)
@@ -406,11 +406,11 @@ def test_control_job_sets_aside_and_discards(conn: psycopg.Connection, db_url: s
 
 def test_status_counts_open_dead_letters(conn: psycopg.Connection, ledger: dict[str, Any]) -> None:
     (row,) = stream_status(conn, 1, last=0)
-    assert status_observation(row, {}).metadata["open_dead_letters"].value == 0
+    assert status_observation(row).metadata["open_dead_letters"].value == 0
     assert "dead letters: none open" in render_status([row])
     deadletters.set_aside(conn, 1, ledger["b"][:2], "poison")
     (row,) = stream_status(conn, 1, last=0)
-    observation = status_observation(row, {})
+    observation = status_observation(row)
     assert observation.metadata["open_dead_letters"].value == 2
     assert "oldest_dead_letter_at" in observation.metadata
     assert "dead letters: 2 open (oldest since" in render_status([row])

@@ -83,7 +83,8 @@ def test_sink_down_500_then_refused_then_back(db_url: str, tmp_path: Path, insta
         probes = c.execute("select count(*) from pgstream.batches where status in (%s, %s)",
                            [BatchStatus.FAILED, BatchStatus.LAUNCHED]).fetchone()
         waiting = c.execute("select count(*) from pgstream.batches where status = %s", [BatchStatus.PENDING]).fetchone()
-    assert probes == (1,) and waiting[0] >= 6  # only the checkpoint batch is retried; the rest waits
+    # only the checkpoint batch is retried; the rest waits
+    assert probes == (1,) and waiting is not None and waiting[0] >= 6
 
     endpoint.mode = "ok"
     endpoint.up()
@@ -247,7 +248,7 @@ def test_slot_dropped_while_events_flow(db_url: str, tmp_path: Path, instance: d
         writer.join()
     drive(driver, delivered_all(endpoint, db_url))
     with psycopg.connect(db_url) as c:
-        kinds = dict(c.execute("select kind, count(*) from pgstream.batches group by 1").fetchall())
+        kinds: dict[Any, Any] = dict(c.execute("select kind, count(*) from pgstream.batches group by 1").fetchall())
     assert kinds.get("recovery", 0) >= 1
     check_and_report("slot dropped while events flow", endpoint, db_url, time.monotonic() - dropped_at)
 

@@ -17,7 +17,8 @@ import dagster as dg
 import psycopg
 import pytest
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 from pydantic import ValidationError
 
 from pgstream_dagster.config import load_config
@@ -105,7 +106,7 @@ def read_topic(broker: str, topic: str, partitions: int, expected: int, timeout:
 
 
 def header(message: Any, name: str) -> str:
-    return dict(message.headers())[name].decode()
+    return str(dict(message.headers())[name].decode())
 
 
 def test_publish_is_confirmed_in_order_with_the_event_id(broker: str) -> None:
@@ -195,7 +196,7 @@ def test_owned_settings_and_missing_topic_are_refused() -> None:
     with pytest.raises(SinkError, match=r"kafka sink: event 2: invalid topic 'has space'") as info:
         sink.publish(bad)  # the first event: refused before anything is sent
     assert info.value.permanent and info.value.event_ids == (2,)
-    assert sink._producer is None  # type: ignore[attr-defined]
+    assert sink._producer is None
     with build_sink({"type": "kafka", "topic": "has space"}) as fixed, pytest.raises(SinkError) as info:
         fixed.publish(make_events(1))
     assert "invalid topic 'has space'" in str(info.value) and not info.value.permanent  # the configuration's
@@ -379,7 +380,7 @@ def create_topic_named(broker: str, name: str, partitions: int) -> str:
 
 
 def test_invalid_producer_settings_raise_a_sink_error_without_the_values() -> None:
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"options": {"max.in.flight.requests.per.connection": 50}}, "`max.in.flight` must be set <= 5"),
         ({"options": {"no.such.setting": 1}}, "No such configuration property"),
         ({"options": {"security.protocol": "sasl_plaintext"}, "secret_options": {"sasl.mechanism": "s3cr3t-mech"}},

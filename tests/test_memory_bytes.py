@@ -39,7 +39,8 @@ def _child(tmp_path: Path, db_url: str, storage: str, mode: str, **delivery: Any
     done = subprocess.run([sys.executable, "-m", "tests.support.memory_child", str(spec)],
                           cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(Path(str(spec) + ".out").read_text())
+    measured: dict[str, Any] = json.loads(Path(str(spec) + ".out").read_text())
+    return measured
 
 
 @pytest.mark.parametrize("mode", ["run", "open", "replay"])

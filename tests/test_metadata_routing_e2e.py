@@ -24,7 +24,7 @@ from pgstream_dagster.engine.batches import BatchStatus
 
 from .support.dagster_instance import materialize
 from .support.harness import Driver, write_config
-from .support.sinks import NATS_URL, REDIS_URL, nats_admin, unique
+from .support.sinks import NATS_URL, REDIS_URL, nats_admin, stream_entries, unique
 
 REGION = "case when new.country in ('DE', 'FR', 'IT') then 'eu' else 'us' end"
 COUNTRIES = ["DE", "US", "FR", "BR", "IT", "CA", "US"]
@@ -109,7 +109,7 @@ def test_events_are_routed_by_computed_metadata_to_redis_streams_and_nats_subjec
         driver.run_until(stream_id, lambda s=stream_id: _delivered(db_url, s, rows))  # type: ignore[misc]
 
     with psycopg.connect(db_url) as c:
-        countries = dict(c.execute("select id, country from public.orders").fetchall())
+        countries: dict[Any, Any] = dict(c.execute("select id, country from public.orders").fetchall())
         assert len(countries) == rows
     for stream_id in (1, 2):
         ledger = _ledger(db_url, stream_id)
@@ -121,7 +121,7 @@ def test_events_are_routed_by_computed_metadata_to_redis_streams_and_nats_subjec
     assert regions == {"eu", "us"} and {m["team"] for _, m in ledger} == {"sales"}
     assert sorted(client.keys(prefix + "*")) == [f"{prefix}eu".encode(), f"{prefix}us".encode()]
     for region in ("eu", "us"):
-        entries = client.xrange(prefix + region)
+        entries = stream_entries(client, prefix + region)
         expected = [i for i, m in ledger if m["region"] == region]
         assert [int(f[b"id"]) for _, f in entries] == expected
         for _, fields in entries:

@@ -255,7 +255,7 @@ def test_a_read_only_role_with_the_documented_grants_scrapes_and_can_do_nothing_
                               "insert into pgstream.events (payload, stream_id) values ('{}', 1)",
                               "delete from pgstream.stream_counters", "select pgstream._count(1, 'x', '', 1)"):
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
-                    conn.execute(statement)  # type: ignore[arg-type]
+                    conn.execute(statement)
     finally:
         running.stop()
         with psycopg.connect(db_url, autocommit=True) as conn:
@@ -404,8 +404,8 @@ def test_recording_a_batch_probes_its_events_by_key_whatever_the_statistics(db_u
         c.execute("analyze pgstream.events")
         c.execute("insert into pgstream.events (payload, stream_id) "
                   "select jsonb_build_object('tg_name', 'k', 'n', g), 1 from generate_series(1, 3000) g")
-        ids, lo, hi = c.execute("select array_agg(id order by id), min(created_at), max(created_at) from "
-                                "(select id, created_at from pgstream.events order by id desc limit 3000) e").fetchone()
+        ids, lo, hi = c.execute("select array_agg(id order by id), min(created_at), max(created_at) from (select "
+                                "id, created_at from pgstream.events order by id desc limit 3000) e").fetchone() or ()
         plans: list[str] = []
         c.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
         c.execute("load 'auto_explain'")
@@ -472,7 +472,8 @@ def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_wr
     reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop_reader, stats),
                               kwargs={"application_name": "pgstream reader t"})
     reader.start()
-    stop, written = threading.Event(), [[] for _ in range(WRITERS)]
+    stop = threading.Event()
+    written: list[list[int]] = [[] for _ in range(WRITERS)]
     writers = [threading.Thread(target=_hammer, args=(db_url, stop, w)) for w in written]
     short: list[tuple[int, int, int]] = []
     poller = threading.Thread(target=_read_batches_as_recorded, args=(db_url, stop_reader, short))
@@ -494,7 +495,7 @@ def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_wr
     reader.join()
     poller.join()
     with psycopg.connect(db_url) as c:
-        counted = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
+        counted: dict[str, int] = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
                                  "where stream_id = %s and name in ('events_recorded', 'events_written')",
                                  [STREAM]).fetchall())
     assert short == []  # every direct read of a just-recorded batch found all its events
@@ -597,7 +598,7 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
     stop.set()
     reader.join()
     with psycopg.connect(db_url) as c:
-        counted = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
+        counted: dict[str, int] = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
                                  "where stream_id = %s and name in ('events_recorded', 'events_written')",
                                  [STREAM]).fetchall())
         found = c.execute("select count(*) from pgstream.batches b join pgstream.events e "

@@ -126,7 +126,7 @@ def test_every_function_view_and_trigger_is_defined_once_in_a_repeatable_file(db
     # and what the files define is what a fresh install has, no more, no less (this also checks the
     # parsing above: each signature must resolve to an installed function)
     with psycopg.connect(db_url) as c:
-        defined = {}
+        defined: dict[Any, Any] = {}
         for (kind, identity), _ in seen.items():
             if kind == "function":
                 (resolved,) = c.execute("select to_regprocedure(%s)::text", [identity]).fetchone()  # type: ignore[misc]
@@ -340,7 +340,7 @@ def _install_subscriptions(c: psycopg.Connection) -> None:
 
 
 def _data(c: psycopg.Connection) -> dict[str, list[tuple[Any, ...]]]:
-    return {name: c.execute(query).fetchall() for name, query in _DATA.items()}  # type: ignore[arg-type]
+    return {name: c.execute(query).fetchall() for name, query in _DATA.items()}
 
 
 def _payloads(c: psycopg.Connection, after: int) -> list[tuple[int, dict[str, Any], Any]]:
@@ -424,8 +424,8 @@ def test_upgrade_from_release_0_1_ends_as_a_fresh_install(empty_db_url: str, db_
     with psycopg.connect(empty_db_url, autocommit=True) as c:
         (last,) = c.execute("select max(id) from pgstream.events").fetchone()  # type: ignore[misc]
         _write_through_the_triggers(c, 10)
-        after = _payloads(c, last)
-    assert after == [(s, {**p, "new": p["new"] and {**p["new"], "id": p["new"]["id"] + 9},
+        rewritten = _payloads(c, last)
+    assert rewritten == [(s, {**p, "new": p["new"] and {**p["new"], "id": p["new"]["id"] + 9},
                           "old": p["old"] and {**p["old"], "id": p["old"]["id"] + 9},
                           **({"group_id": str(int(p["group_id"]) + 9)} if "group_id" in p else {})}, m)
                      for s, p, m in before_upgrade]

@@ -83,7 +83,7 @@ def test_the_table_owner_maintains_partitions_by_hand(db_url: str, roles: Callab
         for attempt in (f"alter table {schema}.p1 disable trigger all",
                         f"drop trigger {'pgstream_insert' + ('_stmt' if mode == 'statement' else '')} on {schema}.p1"):
             with pytest.raises(psycopg.errors.DependentObjectsStillExist, match="pgstream: refusing"):
-                c.execute(attempt)  # type: ignore[arg-type]
+                c.execute(attempt)
     assert ops(db_url) == Counter({"INSERT": 3, "UPDATE": 1})
     assert not is_super(db_url, owner)
     with connect(db_url) as c:
@@ -186,7 +186,7 @@ def test_truncate_of_a_partitioned_table_or_of_a_partition(db_url: str, roles: C
         c.execute(f"insert into {schema}.pt values (1, 1, 'a'), (2, 12, 'b')")
         for table in ("p1", "pt"):
             with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match=r'"pt-delete" \(stream 1\)'):
-                c.execute(f"truncate {schema}.{table}")  # type: ignore[arg-type]
+                c.execute(f"truncate {schema}.{table}")
     run(db_url, "update pgstream.subscriptions set emit_truncate = true where operation = 'DELETE'")
     with connect(db_url, owner) as c:
         c.execute(f"truncate {schema}.p1")

@@ -5,9 +5,9 @@ yields (what the delivery run writes to the ledger), and when."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -26,7 +26,7 @@ from pgstream_dagster.engine.publish import (
     owed_spans,
     publish,
 )
-from pgstream_dagster.sinks import Event, SinkError
+from pgstream_dagster.sinks import Event, Sink, SinkError
 
 NOW = dt.datetime(2026, 11, 23, tzinfo=dt.UTC)
 
@@ -70,7 +70,7 @@ class Rejecting:
             pass
 
 
-def rows(batches: dict[int, list[int | None]]) -> Iterator[Positioned]:
+def rows(batches: Mapping[int, Sequence[int | None]]) -> Iterator[Positioned]:
     """Rows of ``batches`` {batch_id: [event id, or None for a vanished event]} in delivery order."""
     for batch_id, ids in batches.items():
         for ord, event_id in enumerate(ids, start=1):
@@ -91,7 +91,7 @@ class Recorder:
         """Publish through a sink of ``config``, consuming the deliveries as the delivery run does;
         returns the events handled."""
         handled = None
-        for delivery in publish(config.build(), rows, chunk_size, **options):
+        for delivery in publish(_sink(config.build()), rows, chunk_size, **options):
             assert handled is None, "Finished is the last delivery"
             match delivery:
                 case Confirmed(batch_id, ord):
@@ -125,7 +125,7 @@ def test_rows_out_of_order_stop_before_publishing() -> None:
         yield 1, 1, Event(1, 1, {}, None, NOW)
 
     with pytest.raises(OrderError, match=r"arrived after"):
-        drain(publish(sink.build(), bad(), 10))
+        drain(publish(_sink(sink.build()), bad(), 10))
     assert sink.delivered == []
 
 
@@ -223,7 +223,7 @@ def test_a_transient_error_while_isolating_stops_the_run() -> None:
             super().publish(events)
 
     class Config(Rejecting):
-        def build(self) -> Rejecting.Sink:  # type: ignore[override]
+        def build(self) -> Rejecting.Sink:
             return Flaky(self)
 
     flaky = Config(permanent={11})
@@ -247,6 +247,11 @@ def test_a_sink_that_rejects_everything_blocks_instead_of_setting_all_aside() ->
 # -- what the publish loop yields: what the delivery run writes to the ledger, and when ---------------
 
 
+def _sink(fake: Rejecting.Sink) -> Sink:
+    """A test sink where the publish loop takes a :class:`Sink` (it calls ``publish`` and ``close`` only)."""
+    return cast(Sink, fake)
+
+
 class Timeline(Rejecting):
     """A sink config whose sinks write each publish call into ``timeline``, next to the deliveries
     the test consumes: it shows what was published before each delivery reached the caller."""
@@ -266,7 +271,7 @@ class Timeline(Rejecting):
         def close(self) -> None:
             self.closed = True
 
-    def build(self) -> Timeline.Sink:  # type: ignore[override]
+    def build(self) -> Timeline.Sink:
         return Timeline.Sink(self)
 
 
@@ -274,7 +279,7 @@ def test_each_delivery_reaches_the_caller_before_anything_more_is_published() ->
     timeline: list[Any] = []
     sink = Timeline(timeline).build()
     owed = [Span(1, 1, 3), Span(2, 1, 2)]
-    for delivery in publish(sink, rows({1: [10, 11, 12], 2: [13, 14]}), 2, owed=owed):
+    for delivery in publish(_sink(sink), rows({1: [10, 11, 12], 2: [13, 14]}), 2, owed=owed):
         timeline.append(delivery)
     assert timeline == [
         ("publish", [10, 11]), Confirmed(1, 2), Progress(2),
@@ -283,13 +288,13 @@ def test_each_delivery_reaches_the_caller_before_anything_more_is_published() ->
         Finished(5),
     ]
     assert not sink.closed  # the caller's sink: a run keeps it for its next round
-    assert drain(publish(sink, rows({3: [15]}), 2)) == 1 and timeline[-1] == ("publish", [15])
+    assert drain(publish(_sink(sink), rows({3: [15]}), 2)) == 1 and timeline[-1] == ("publish", [15])
 
 
 def test_closing_the_publish_loop_publishes_nothing_more() -> None:
     timeline: list[Any] = []
     sink = Timeline(timeline).build()
-    deliveries = publish(sink, rows({1: [10, 11, 12, 13]}), 2)
+    deliveries = publish(_sink(sink), rows({1: [10, 11, 12, 13]}), 2)
     assert next(deliveries) == Confirmed(1, 2)
     deliveries.close()
     assert timeline == [("publish", [10, 11])] and not sink.closed
@@ -315,7 +320,7 @@ def _deliver(sink: Rejecting.Sink, batches: dict[int, LedgerBatch], table: dict[
             for ord in range(span.first, span.last + 1):
                 yield span.batch_id, ord, Event(table[span.batch_id][ord - 1], 1, {}, None, NOW)
 
-    for delivery in publish(sink, read(), 2, owed=owed):
+    for delivery in publish(_sink(sink), read(), 2, owed=owed):
         match delivery:
             case Confirmed(batch_id, ord):
                 batch = batches[batch_id]

@@ -56,7 +56,7 @@ def _as(url: str, role: str) -> str:
 def _run(url: str, *statements: str) -> None:
     with psycopg.connect(url, autocommit=True) as c:
         for s in statements:
-            c.execute(s)  # type: ignore[arg-type]
+            c.execute(s)
 
 
 @pytest.fixture
@@ -106,14 +106,14 @@ def install(pg: LocalPostgres, template_db: str, tmp_path: Path) -> Iterator[Ins
 
 def _count(url: str, query: str) -> int:
     with psycopg.connect(url) as c:
-        row = c.execute(query).fetchone()  # type: ignore[arg-type]
+        row = c.execute(query).fetchone()
         assert row is not None
         return int(row[0])
 
 
 def _id_list(url: str, query: str) -> list[int]:
     with psycopg.connect(url) as c:
-        return [int(r[0]) for r in c.execute(query).fetchall()]  # type: ignore[arg-type]
+        return [int(r[0]) for r in c.execute(query).fetchall()]
 
 
 def cli(args: list[str], env: dict[str, str]) -> int:
@@ -268,7 +268,7 @@ def test_the_runtime_and_executor_roles_cannot_change_definitions_or_become_the_
     for statement in attempts:
         with psycopg.connect(i.runtime_url, autocommit=True) as c:  # a fresh connection each time
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
-                c.execute(statement)  # type: ignore[arg-type]
+                c.execute(statement)
     with psycopg.connect(i.runtime_url, autocommit=True) as c:
         with pytest.raises(psycopg.errors.InvalidParameterValue, match="slot name 'x; drop' is not"):
             c.execute("select pgstream.register_stream(1, 'x; drop')")
@@ -284,7 +284,7 @@ def test_the_runtime_and_executor_roles_cannot_change_definitions_or_become_the_
                       f"set role {i.owner}", f"set role {i.runtime}"):
         with psycopg.connect(i.executor_url, autocommit=True) as c:
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
-                c.execute(statement)  # type: ignore[arg-type]
+                c.execute(statement)
     with psycopg.connect(i.owner_url) as c:
         assert c.execute(FUNCTIONS).fetchall() == before
         assert c.execute("select * from pgstream.subscriptions").fetchall() == subscriptions
@@ -350,7 +350,7 @@ def test_make_dev_installs_as_a_non_superuser_owner_and_runs_as_the_runtime(pg: 
                              ).fetchall() == [(DEMO_OWNER,), (DEMO_OWNER,)]
             assert c.execute("select count(*) from pgstream.subscriptions").fetchone() == (2,)
             assert c.execute("select slot_name from pg_replication_slots where database = %s", [name]).fetchall() == [
-                (c.execute("select slot from pgstream.streams where id = 1").fetchone()[0],)]
+                (c.execute("select slot from pgstream.streams where id = 1").fetchall()[0][0],)]
         _run(urls["owner"], "insert into demo.users (email, email_verified) values ('ada@example.com', true)")
         assert _count(urls["runtime"], "select count(*) from pgstream.events") == 1
         init(demo, owner_url=urls["owner"])  # again: nothing to do

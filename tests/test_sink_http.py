@@ -14,6 +14,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -33,9 +34,14 @@ from .support.http_recorder import FAST_RETRY, WEBHOOK_SECRET, HttpRecorder
 from .support.sinks import BASE_TIME, free_port, make_events, run_python
 
 
+def _http(**settings: Any) -> HttpSinkConfig:
+    """An http sink's configuration as pgstream.yaml gives it (``url`` a plain string)."""
+    return HttpSinkConfig.model_validate(settings)
+
+
 def test_http_per_event_posts_payloads_in_order(http_server: HttpRecorder) -> None:
     events = make_events(15, stream_id=3)
-    config = HttpSinkConfig(url=http_server.url, headers={"Authorization": SecretStr("Bearer t0ken-abc")})
+    config = _http(url=http_server.url, headers={"Authorization": SecretStr("Bearer t0ken-abc")})
     with config.build() as sink:
         sink.publish(events[:6])
         sink.publish(events[6:])
@@ -56,7 +62,7 @@ def test_http_per_event_posts_payloads_in_order(http_server: HttpRecorder) -> No
 
 def test_http_batch_mode_chunks_in_order_and_event_bodies(http_server: HttpRecorder) -> None:
     events = make_events(10)
-    config = HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=4)
+    config = _http(url=http_server.url, mode="batch", max_batch_size=4)
     with config.build() as sink:
         sink.publish(events)
     received = http_server.received
@@ -78,7 +84,7 @@ def test_http_batch_mode_chunks_in_order_and_event_bodies(http_server: HttpRecor
 def test_http_500_is_retried_then_names_event_status_and_attempts(http_server: HttpRecorder) -> None:
     events = make_events(6)
     http_server.fail_on_event_id = 103
-    with HttpSinkConfig(url=http_server.url, max_attempts=3, **FAST_RETRY).build() as sink:
+    with _http(url=http_server.url, max_attempts=3, **FAST_RETRY).build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(events)
     message = str(err.value)
@@ -92,7 +98,7 @@ def test_http_500_is_retried_then_names_event_status_and_attempts(http_server: H
 
 def test_http_batch_500_names_the_id_range(http_server: HttpRecorder) -> None:
     http_server.fail_on_event_id = 106
-    config = HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=4, max_attempts=1)
+    config = _http(url=http_server.url, mode="batch", max_batch_size=4, max_attempts=1)
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(10))
@@ -104,7 +110,7 @@ def test_http_batch_500_names_the_id_range(http_server: HttpRecorder) -> None:
 def test_http_timeout_raises(http_server: HttpRecorder) -> None:
     http_server.mode, http_server.sleep_secs = "sleep", 3
     started = time.monotonic()
-    with HttpSinkConfig(url=http_server.url, timeout_secs=0.3, max_attempts=1).build() as sink:
+    with _http(url=http_server.url, timeout_secs=0.3, max_attempts=1).build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(3))
     assert time.monotonic() - started < 2.9  # the sink gave up before the server answered
@@ -115,7 +121,7 @@ def test_http_timeout_raises(http_server: HttpRecorder) -> None:
 
 def test_http_connection_refused_is_retried_then_raises() -> None:
     url = f"http://127.0.0.1:{free_port()}/hook"
-    config = HttpSinkConfig(url=url, mode="batch", timeout_secs=2, max_attempts=3, **FAST_RETRY)
+    config = _http(url=url, mode="batch", timeout_secs=2, max_attempts=3, **FAST_RETRY)
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(5))
@@ -128,7 +134,7 @@ def test_http_connection_refused_is_retried_then_raises() -> None:
 
 def test_http_dead_endpoint_fails_within_the_time_budget() -> None:
     url = f"http://127.0.0.1:{free_port()}/hook"
-    config = HttpSinkConfig(url=url, max_attempts=100_000, max_retry_secs=1, **FAST_RETRY)
+    config = _http(url=url, max_attempts=100_000, max_retry_secs=1, **FAST_RETRY)
     started = time.monotonic()
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
@@ -142,7 +148,7 @@ def test_http_dead_endpoint_fails_within_the_time_budget() -> None:
 def test_http_retries_5xx_but_not_other_4xx(http_server: HttpRecorder) -> None:
     events = make_events(4)
     http_server.script["102"] = [(500, {}), (502, {}), (503, {})]  # 503 without Retry-After: plain backoff
-    with HttpSinkConfig(url=http_server.url, max_attempts=4, **FAST_RETRY).build() as sink:
+    with _http(url=http_server.url, max_attempts=4, **FAST_RETRY).build() as sink:
         sink.publish(events)
         ids = [r.headers["webhook-id"] for r in http_server.received]
         assert ids == ["101", "102", "102", "102", "102", "103", "104"]
@@ -164,7 +170,7 @@ def test_http_honours_retry_after_seconds_and_http_date(http_server: HttpRecorde
 
     http_server.script["101"] = [(429, {"Retry-After": "1"})]
     http_server.script["102"] = [(503, in_two_seconds)]
-    with HttpSinkConfig(url=http_server.url, **FAST_RETRY).build() as sink:
+    with _http(url=http_server.url, **FAST_RETRY).build() as sink:
         sink.publish(make_events(3))
     assert [r.headers["webhook-id"] for r in http_server.received] == ["101", "101", "102", "102", "103"]
     # backoff alone would wait at most 0.05s: the gaps come from Retry-After
@@ -176,7 +182,7 @@ def test_http_honours_retry_after_seconds_and_http_date(http_server: HttpRecorde
 def test_http_retry_after_beyond_budget_fails_at_once(http_server: HttpRecorder) -> None:
     http_server.script["101"] = [(503, {"Retry-After": "3600"})]
     started = time.monotonic()
-    with HttpSinkConfig(url=http_server.url, max_retry_secs=20, **FAST_RETRY).build() as sink:
+    with _http(url=http_server.url, max_retry_secs=20, **FAST_RETRY).build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(2))
     assert time.monotonic() - started < 15
@@ -195,7 +201,7 @@ def test_http_parallel_keys_keep_per_key_order(http_server: HttpRecorder, mode: 
     http_server.key_field = "g"
     # the first 4 requests only get an answer once 4 are in flight at the same time
     http_server.barrier, http_server.barrier_left = threading.Barrier(4, timeout=60), 4
-    config = HttpSinkConfig(url=http_server.url, routing_key="meta.group", max_concurrency=4, mode=mode,
+    config = _http(url=http_server.url, routing_key="meta.group", max_concurrency=4, mode=mode,
                             max_batch_size=5, max_attempts=1)
     with config.build() as sink:
         sink.publish(events)
@@ -216,7 +222,7 @@ def test_http_one_failing_key_fails_publish_and_stops_that_key(http_server: Http
         for i in range(20)
     ]
     http_server.script["705"] = [(400, {})]  # key "b", its third event
-    config = HttpSinkConfig(url=http_server.url, routing_key="g", max_concurrency=2, **FAST_RETRY)
+    config = _http(url=http_server.url, routing_key="g", max_concurrency=2, **FAST_RETRY)
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(events)
@@ -239,7 +245,7 @@ def test_http_rejection_classes(http_server: HttpRecorder, status: int) -> None:
     is not. The message stays scrubbed either way."""
     token = "hook-t0ken-" + uuid.uuid4().hex[:8]
     http_server.fail_on_event_id, http_server.fail_status = 103, status
-    config = HttpSinkConfig(url=http_server.url, headers={"Authorization": SecretStr(token)}, max_attempts=1)
+    config = _http(url=http_server.url, headers={"Authorization": SecretStr(token)}, max_attempts=1)
     with config.build() as sink, pytest.raises(SinkError) as err:
         sink.publish(make_events(5))
     assert err.value.permanent is (status in PERMANENT_STATUSES)
@@ -252,13 +258,13 @@ def test_http_rejection_classes(http_server: HttpRecorder, status: int) -> None:
 @pytest.mark.parametrize("status", [408, 429])
 def test_http_408_and_429_are_retried_not_rejected(http_server: HttpRecorder, status: int) -> None:
     http_server.script["102"] = [(status, {})]
-    with HttpSinkConfig(url=http_server.url, **FAST_RETRY).build() as sink:
+    with _http(url=http_server.url, **FAST_RETRY).build() as sink:
         sink.publish(make_events(3))
     assert [r.headers["webhook-id"] for r in http_server.received] == ["101", "102", "102", "103"]
 
     http_server.received.clear()
     http_server.script["104"] = [(status, {}), (status, {})]
-    with HttpSinkConfig(url=http_server.url, max_attempts=2, **FAST_RETRY).build() as sink:
+    with _http(url=http_server.url, max_attempts=2, **FAST_RETRY).build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(make_events(2, first_id=104))
     assert not err.value.permanent and "gave up after 2 attempts" in str(err.value)
@@ -268,7 +274,7 @@ def test_http_batch_rejected_as_a_whole_names_its_events_then_one_at_a_time_isol
         http_server: HttpRecorder) -> None:
     http_server.fail_on_event_id, http_server.fail_status = 106, 400
     events = make_events(10)
-    config = HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=4, max_attempts=1)
+    config = _http(url=http_server.url, mode="batch", max_batch_size=4, max_attempts=1)
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(events)
@@ -290,7 +296,7 @@ def test_http_max_body_bytes_refuses_an_oversized_event_without_sending_it(http_
     events = make_events(6)
     big = Event(id=104, stream_id=7, payload={"blob": "x" * 2000}, created_at=BASE_TIME)
     events[3] = big
-    with HttpSinkConfig(url=http_server.url, max_body_bytes=1000).build() as sink:
+    with _http(url=http_server.url, max_body_bytes=1000).build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(events)
     assert err.value.permanent and err.value.event_ids == (104,)
@@ -303,7 +309,7 @@ def test_http_batch_is_cut_to_max_body_bytes_and_only_an_event_too_large_alone_i
     events = [Event(id=200 + i, stream_id=1, payload={"pad": "y" * 80}, created_at=BASE_TIME) for i in range(10)]
     size = len(events[0].payload_json)  # every payload has this size
     limit = 2 + 3 * size + 2  # three payloads in a JSON array, and no more
-    config = HttpSinkConfig(url=http_server.url, mode="batch", max_batch_size=5, max_body_bytes=limit)
+    config = _http(url=http_server.url, mode="batch", max_batch_size=5, max_body_bytes=limit)
     with config.build() as sink:
         sink.publish(events)
         bodies = [r.body for r in http_server.received]
@@ -326,7 +332,7 @@ def test_http_permanent_rejection_lets_the_other_keys_send_what_comes_before_it(
     http_server.script["703"] = [(422, {})]  # key "b", its second event
     # key "a" waits a second before its first retry: "b" is rejected meanwhile, yet "a" goes on up to 702
     http_server.script["700"] = [(503, {"Retry-After": "1"})]
-    config = HttpSinkConfig(url=http_server.url, routing_key="g", max_concurrency=2, **FAST_RETRY)
+    config = _http(url=http_server.url, routing_key="g", max_concurrency=2, **FAST_RETRY)
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(events)
@@ -345,7 +351,7 @@ def test_http_a_failure_before_a_permanent_rejection_makes_the_publish_not_perma
     ]
     http_server.script["700"] = [(500, {})]  # key a, the first event: not confirmed
     http_server.script["701"] = [(422, {})]  # key b: rejected
-    config = HttpSinkConfig(url=http_server.url, routing_key="g", max_concurrency=2, max_attempts=1)
+    config = _http(url=http_server.url, routing_key="g", max_concurrency=2, max_attempts=1)
     with config.build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(events)
@@ -355,9 +361,9 @@ def test_http_a_failure_before_a_permanent_rejection_makes_the_publish_not_perma
 def test_http_standard_webhooks_signatures_verify(http_server: HttpRecorder) -> None:
     http_server.signing_secret = WEBHOOK_SECRET
     events = make_events(6)
-    with HttpSinkConfig(url=http_server.url, signing_secret=SecretStr(WEBHOOK_SECRET)).build() as sink:
+    with _http(url=http_server.url, signing_secret=SecretStr(WEBHOOK_SECRET)).build() as sink:
         sink.publish(events)
-    with HttpSinkConfig(url=http_server.url, signing_secret=SecretStr(WEBHOOK_SECRET), mode="batch").build() as sink:
+    with _http(url=http_server.url, signing_secret=SecretStr(WEBHOOK_SECRET), mode="batch").build() as sink:
         sink.publish(events)
     assert len(http_server.received) == 7
     assert all(r.signature_ok for r in http_server.received)
@@ -366,7 +372,7 @@ def test_http_standard_webhooks_signatures_verify(http_server: HttpRecorder) -> 
     # a sink with another secret is refused (401 is not retried): the verification really checks
     http_server.received.clear()
     other = "whsec_" + base64.b64encode(b"another-signing-key-abcdefghijkl").decode()
-    with HttpSinkConfig(url=http_server.url, signing_secret=SecretStr(other), **FAST_RETRY).build() as sink:
+    with _http(url=http_server.url, signing_secret=SecretStr(other), **FAST_RETRY).build() as sink:
         with pytest.raises(SinkError) as err:
             sink.publish(events)
     assert "HTTP 401" in str(err.value) and len(http_server.received) == 1
@@ -401,13 +407,13 @@ def test_http_signing_secret_is_validated_without_echo() -> None:
         parse_sink_config({"type": "webhook", "url": "http://127.0.0.1:1/", "signing_secret": bad})
     assert "signing_secret" in str(err.value) and bad not in str(err.value)
     with pytest.raises(ValidationError) as err:
-        HttpSinkConfig(url="http://127.0.0.1:1/", signing_secret=SecretStr("whsec_c2hvcnQ="))
+        _http(url="http://127.0.0.1:1/", signing_secret=SecretStr("whsec_c2hvcnQ="))
     assert "too short" in str(err.value)
     with pytest.raises(ValidationError):
-        HttpSinkConfig(url="ftp://127.0.0.1/")
+        _http(url="ftp://127.0.0.1/")
     # the prefix is optional, the key is the base64-decoded bytes
     raw = base64.b64encode(b"k" * 32).decode()
-    assert HttpSinkConfig(url="http://x/", signing_secret=SecretStr(raw)).signing_secret is not None
+    assert _http(url="http://x/", signing_secret=SecretStr(raw)).signing_secret is not None
 
 
 def test_http_secrets_never_leak(http_server: HttpRecorder, caplog: pytest.LogCaptureFixture) -> None:
@@ -415,7 +421,7 @@ def test_http_secrets_never_leak(http_server: HttpRecorder, caplog: pytest.LogCa
     secret = "Bearer s3cr3t-" + uuid.uuid4().hex
     query_token = "qt0ken" + uuid.uuid4().hex[:8]
     http_server.mode = "fail"
-    config = HttpSinkConfig(
+    config = _http(
         url=f"{http_server.url}?token={query_token}",
         headers={"Authorization": SecretStr(secret), "X-Api-Key": SecretStr("k3y-42")},
         signing_secret=SecretStr(WEBHOOK_SECRET),
@@ -438,7 +444,7 @@ def test_http_secrets_never_leak(http_server: HttpRecorder, caplog: pytest.LogCa
 
     refused_url = f"http://127.0.0.1:{free_port()}/?token={query_token}"
     auth = {"Authorization": SecretStr(secret)}
-    refused = HttpSinkConfig(url=refused_url, headers=auth, max_attempts=2, **FAST_RETRY)
+    refused = _http(url=refused_url, headers=auth, max_attempts=2, **FAST_RETRY)
     with refused.build() as sink, pytest.raises(SinkError) as err:
         sink.publish(make_events(1))
     for text in (str(err.value), caplog.text):
@@ -446,7 +452,7 @@ def test_http_secrets_never_leak(http_server: HttpRecorder, caplog: pytest.LogCa
 
 
 def test_http_config_secret_survives_pickling_into_another_process(http_server: HttpRecorder) -> None:
-    config = HttpSinkConfig(url=http_server.url, headers={"Authorization": SecretStr("Bearer pickled")})
+    config = _http(url=http_server.url, headers={"Authorization": SecretStr("Bearer pickled")})
     events = make_events(4)
     code = """
 import pickle, sys
@@ -516,7 +522,7 @@ def test_http_header_secret_loses_its_trailing_newline_and_never_leaks(
 ])
 def test_http_header_with_a_control_character_inside_is_refused_naming_the_header(value: str) -> None:
     with pytest.raises(ValidationError) as err:
-        HttpSinkConfig(url="http://127.0.0.1:1/", headers={"X-Api-Key": SecretStr(value)})
+        _http(url="http://127.0.0.1:1/", headers={"X-Api-Key": SecretStr(value)})
     message = str(err.value)
     assert "header 'X-Api-Key'" in message and "control character" in message
     assert_nowhere([value, "abc", "def", "X-Injected"], message, repr(err.value))
@@ -538,13 +544,13 @@ def test_http_header_names_must_be_http_tokens(name: str) -> None:
     assert f"header name {name!r} is not a valid HTTP header name" in str(err.value)
     assert "v4lue-s3cret" not in str(err.value)
     token_chars = "!#$%&'*+-.^_`|~09azAZ"
-    assert HttpSinkConfig(url="http://x/", headers={token_chars: SecretStr("v")}).headers[token_chars]
+    assert _http(url="http://x/", headers={token_chars: SecretStr("v")}).headers[token_chars]
 
 
 def test_http_non_ascii_header_value_is_refused_at_config_time_without_echo() -> None:
     value = "Bearer tök-" + uuid.uuid4().hex
     with pytest.raises(ValidationError) as err:
-        HttpSinkConfig(url="http://127.0.0.1:1/", headers={"Authorization": SecretStr(value)})
+        _http(url="http://127.0.0.1:1/", headers={"Authorization": SecretStr(value)})
     assert "header 'Authorization'" in str(err.value) and "non-ASCII" in str(err.value)
     assert_nowhere([value, value[-32:]], str(err.value), repr(err.value))
 
@@ -579,7 +585,7 @@ def test_http_url_path_tokens_are_masked_in_messages_reprs_and_logs(
     caplog.set_level(logging.DEBUG)
     base = http_server.url.removesuffix("/hook")
     url = base + path
-    config = HttpSinkConfig(url=url, max_attempts=2, **FAST_RETRY)
+    config = _http(url=url, max_attempts=2, **FAST_RETRY)
     tokens = [segment for segment in path.split("/") if len(segment) >= 8 and segment not in ("services", "webhooks")]
     secrets = [url, path, *tokens]
     with config.build() as sink:
@@ -596,7 +602,7 @@ def test_http_url_path_tokens_are_masked_in_messages_reprs_and_logs(
                    sink_repr, caplog.text)
 
     refused = base.rsplit(":", 1)[0] + f":{free_port()}" + path  # httpx's own errors
-    with HttpSinkConfig(url=refused, max_attempts=1).build() as sink, pytest.raises(SinkError) as err:
+    with _http(url=refused, max_attempts=1).build() as sink, pytest.raises(SinkError) as err:
         sink.publish(make_events(1))
     assert "connection failed" in str(err.value) and shown in str(err.value)
     assert_nowhere([refused, *tokens], str(err.value), repr(err.value), caplog.text)
@@ -661,7 +667,7 @@ def _routed_events() -> list[Event]:
 @pytest.mark.parametrize("mode", ["per_event", "batch"])
 def test_http_path_and_headers_from_metadata_and_payload(http_server: HttpRecorder, mode: str) -> None:
     events = _routed_events()
-    config = HttpSinkConfig(url=http_server.url + "?token=s3cret-q", mode=mode, path_from="metadata:region",
+    config = _http(url=http_server.url + "?token=s3cret-q", mode=mode, path_from="metadata:region",
                             path_default="unrouted",
                             headers_from={"X-Tenant": "metadata:tenant", "X-Table": "table",
                                           "X-Payload-Region": "metadata.region"})  # a payload path, as before
@@ -707,7 +713,7 @@ def test_http_an_event_whose_path_or_header_cannot_be_sent_is_a_permanent_reject
     good = [Event(id=700 + i, stream_id=4, payload={"seq": i}, metadata={"region": "eu", "tenant": "t"},
                   created_at=BASE_TIME) for i in range(3)]
     bad = Event(id=750, stream_id=4, payload={"seq": 50}, metadata=metadata, created_at=BASE_TIME)
-    config = HttpSinkConfig(url=http_server.url, path_from="metadata:region",
+    config = _http(url=http_server.url, path_from="metadata:region",
                             headers_from={"X-Tenant": "metadata:tenant"})
     with config.build() as sink, pytest.raises(SinkError) as err:
         sink.publish([good[0], good[1], bad, good[2]])
@@ -729,7 +735,7 @@ def test_http_a_refused_route_taken_from_the_event_is_the_events_rejection(
     the part the receiver refused came from the event, so it is a permanent rejection of that event,
     after the events before it were confirmed. The same answer on ``path_default`` (the configuration's
     segment) or without headers from the event is the configuration's: not permanent."""
-    config = HttpSinkConfig(url=http_server.url, max_attempts=1, path_from="metadata:region", path_default="all",
+    config = _http(url=http_server.url, max_attempts=1, path_from="metadata:region", path_default="all",
                             headers_from={"X-Tenant": "metadata:tenant"})
     routed = {"path": {"region": "eu"}, "headers": {"tenant": "t1"}}[part]
     events = [Event(id=800 + i, stream_id=4, payload={"seq": i}, metadata=routed, created_at=BASE_TIME)
@@ -750,7 +756,7 @@ def test_http_a_refused_route_taken_from_the_event_is_the_events_rejection(
 
 def test_http_a_header_value_from_the_event_over_max_header_value_bytes_is_refused_before_sending(
         http_server: HttpRecorder) -> None:
-    config = HttpSinkConfig(url=http_server.url, headers_from={"X-Note": "note"}, max_header_value_bytes=100)
+    config = _http(url=http_server.url, headers_from={"X-Note": "note"}, max_header_value_bytes=100)
     events = [Event(id=950 + i, stream_id=4, payload={"note": "n" * size}, created_at=BASE_TIME)
               for i, size in enumerate([100, 101, 5])]
     with config.build() as sink, pytest.raises(SinkError) as err:
@@ -763,7 +769,7 @@ def test_http_a_header_value_from_the_event_over_max_header_value_bytes_is_refus
 
 def test_http_routing_options_are_checked_when_the_configuration_is_loaded() -> None:
     url = "http://127.0.0.1:9/hook"
-    for options, message in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"path_from": "metadata:r", "path_default": "a/b"}, "path_default must be one URL path segment"),
         ({"path_from": "metadata:r", "path_default": ".."}, "path_default must be one URL path segment"),
         ({"path_default": "eu"}, "path_default needs path_from"),
@@ -775,7 +781,8 @@ def test_http_routing_options_are_checked_when_the_configuration_is_loaded() -> 
         ({"headers_from": {"Bad Name": "metadata:t"}}, "is not a valid HTTP header name"),
         ({"headers_from": {"X-T": "meta:t"}}, "String should match pattern"),
         ({"path_from": "metadata:"}, "String should match pattern"),
-    ]:
+    ]
+    for options, message in cases:
         with pytest.raises(ValidationError, match=re.escape(message)):
             HttpSinkConfig.model_validate({"url": url, **options})
     config = HttpSinkConfig.model_validate({"url": url, "path_from": "payload:table", "routing_key": "metadata:t",
@@ -786,7 +793,7 @@ def test_http_routing_options_are_checked_when_the_configuration_is_loaded() -> 
 def test_http_routing_key_from_metadata_orders_per_key(http_server: HttpRecorder) -> None:
     events = [Event(id=800 + i, stream_id=4, payload={"seq": i}, metadata={"k": f"k{i % 3}"}, created_at=BASE_TIME)
               for i in range(30)]
-    with HttpSinkConfig(url=http_server.url, routing_key="metadata:k", max_concurrency=3).build() as sink:
+    with _http(url=http_server.url, routing_key="metadata:k", max_concurrency=3).build() as sink:
         sink.publish(events)
     seqs = [r.body["seq"] for r in http_server.received]
     assert sorted(seqs) == list(range(30))

@@ -13,6 +13,7 @@ from pathlib import Path
 import dagster as dg
 import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 from pydantic import SecretStr, ValidationError
 
 from pgstream_dagster.sinks import Event, MqttSinkConfig, SinkError, build_sink
@@ -224,7 +225,7 @@ def test_a_connection_the_broker_dropped_meanwhile_is_replaced(tmp_path: Path) -
             sub = Subscriber("a/#", port=sub_port)
             sink.publish(make_events(2))
             # another client takes the session over (same client id): the broker closes the sink's connection
-            intruder = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=sink.config.client_id or "",
+            intruder = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=sink.config.client_id or "",
                                    protocol=mqtt.MQTTv5)
             intruder.connect("127.0.0.1", broker.port)
             intruder.loop_start()

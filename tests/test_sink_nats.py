@@ -158,7 +158,8 @@ def test_nats_message_over_the_servers_max_payload_is_refused_before_sending(
     events = make_events(5)
     with NatsSinkConfig(subject=subject, jetstream=jetstream).build() as sink:
         sink.publish(events[:1])
-        max_payload = sink._nc.max_payload  # type: ignore[attr-defined,union-attr]  # the server's (1 MiB default)
+        assert sink._nc is not None
+        max_payload = sink._nc.max_payload  # the server's (1 MiB default)
         # too large on its own, and too large only with its headers (nats-py checks the payload alone: the server
         # would close the connection, losing what was not flushed yet)
         blob = Event(id=102, stream_id=7, payload_json=f'"{"x" * max_payload}"', created_at=BASE_TIME)

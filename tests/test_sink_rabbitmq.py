@@ -28,7 +28,7 @@ def amqp_channel() -> Iterator[Any]:
 
 
 def drain_queue(channel: Any, queue: str) -> list[tuple[Any, bytes]]:
-    messages = []
+    messages: list[Any] = []
     while True:
         method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
         if method is None:

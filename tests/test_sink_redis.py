@@ -16,7 +16,7 @@ from pgstream_dagster.sinks import (
     SinkError,
 )
 
-from .support.sinks import BASE_TIME, REDIS_URL, free_port, make_events, unique
+from .support.sinks import BASE_TIME, REDIS_URL, free_port, make_events, stream_entries, unique
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_redis_sink_xadds_in_order(redis_client: redis.Redis) -> None:
         with RedisSinkConfig(stream=key).build() as sink:
             sink.publish(events[:25])
             sink.publish(events[25:])
-        entries = redis_client.xrange(key)
+        entries = stream_entries(redis_client, key)
         assert len(entries) == len(events)
         assert redis_client.xlen(key) == len(events)
         for (_entry_id, fields), event in zip(entries, events, strict=True):
@@ -61,12 +61,12 @@ def test_redis_stream_from_payload_path_and_maxlen(redis_client: redis.Redis) ->
             sink.publish(events)
         for tenant, name in (("acme", prefix + "acme"), ("globex", prefix + "globex"), (None, fallback)):
             expected = [str(e.id).encode() for e in events if e.payload["data"].get("tenant") == tenant]
-            assert [f[b"id"] for _, f in redis_client.xrange(name)] == expected, name
+            assert [f[b"id"] for _, f in stream_entries(redis_client, name)] == expected, name
 
         capped = prefix + "capped"
         with RedisSinkConfig(stream=capped, maxlen=7, maxlen_approximate=False).build() as sink:
             sink.publish(events)
-        assert [f[b"id"] for _, f in redis_client.xrange(capped)] == [str(e.id).encode() for e in events[-7:]]
+        assert [f[b"id"] for _, f in stream_entries(redis_client, capped)] == [str(e.id).encode() for e in events[-7:]]
 
         # no tenant and no fallback: a permanent rejection of that event, after the events before it
         strict = RedisSinkConfig(stream_from="data.tenant", stream_prefix=prefix + "strict:")
@@ -75,10 +75,10 @@ def test_redis_stream_from_payload_path_and_maxlen(redis_client: redis.Redis) ->
         assert "event 902" in str(err.value) and "'data.tenant' is missing" in str(err.value)
         assert err.value.permanent and err.value.event_ids == (902,)
         assert sorted(redis_client.keys(prefix + "strict:*")) == [f"{prefix}strict:{t}".encode() for t in tenants[:2]]
-        assert [f[b"id"] for _, f in redis_client.xrange(prefix + "strict:acme")] == [b"900"]  # 903: not sent
+        assert [f[b"id"] for _, f in stream_entries(redis_client, prefix + "strict:acme")] == [b"900"]  # 903: not sent
     finally:
-        for name in redis_client.keys(prefix + "*"):
-            redis_client.delete(name)
+        for entry_key in redis_client.keys(prefix + "*"):
+            redis_client.delete(entry_key)
     with pytest.raises(ValidationError):
         RedisSinkConfig()
 
@@ -123,7 +123,7 @@ def test_redis_a_stream_name_from_the_event_that_is_not_a_stream_is_the_events_r
             assert err.value.permanent and err.value.event_ids == (301,)
             assert "holds a string, not a stream (the name was taken from the event)" in str(err.value)
             sink.publish(events[2:])  # the caller set 301 aside and goes on
-        added = [int(fields[b"id"]) for _id, fields in redis_client.xrange(prefix + "a")]
+        added = [int(fields[b"id"]) for _id, fields in stream_entries(redis_client, prefix + "a")]
         assert added[0] == 300 and added[-1] == 302 and set(added) <= {300, 302}  # the pipeline may add 302 twice
     finally:
         for name in redis_client.keys(prefix + "*"):
@@ -142,9 +142,10 @@ def test_redis_max_message_bytes_rejects_a_large_entry_after_sending_the_ones_be
             assert err.value.permanent and err.value.event_ids == (103,)
             assert f"event 103: not sent to stream {key!r}: the entry is " in str(err.value)
             assert "more than max_message_bytes (1000)" in str(err.value)
-            assert [f[b"id"] for _, f in redis_client.xrange(key)] == [b"101", b"102"]  # confirmed; 104: not sent
+            # confirmed; 104: not sent
+            assert [f[b"id"] for _, f in stream_entries(redis_client, key)] == [b"101", b"102"]
             sink.publish(events[3:])  # the caller set 103 aside
-        assert [f[b"id"] for _, f in redis_client.xrange(key)] == [b"101", b"102", b"104", b"105"]
+        assert [f[b"id"] for _, f in stream_entries(redis_client, key)] == [b"101", b"102", b"104", b"105"]
 
         redis_client.delete(key)
         chunked = RedisSinkConfig(stream=key, max_message_bytes=1000).build()
@@ -154,7 +155,7 @@ def test_redis_max_message_bytes_rejects_a_large_entry_after_sending_the_ones_be
         with chunked, pytest.raises(SinkError) as err:
             chunked.publish(more)
         assert err.value.permanent and err.value.event_ids == (103,)
-        assert [f[b"id"] for _, f in redis_client.xrange(key)] == [b"201", b"202", b"203", b"204"]
+        assert [f[b"id"] for _, f in stream_entries(redis_client, key)] == [b"201", b"202", b"203", b"204"]
 
         # rejected before anything is sent: no connection, and the URL's password stays out of the message
         url = SecretStr("redis://:r3dis-pw-9@127.0.0.1:6379/0")
@@ -192,10 +193,10 @@ def test_redis_stream_from_metadata(redis_client: redis.Redis) -> None:
             sink.publish(events)
         for region in ("eu", "us", None):
             expected = [str(e.id).encode() for e in events if (e.metadata or {}).get("region") == region]
-            assert [f[b"id"] for _, f in redis_client.xrange(prefix + (region or "none"))] == expected
+            assert [f[b"id"] for _, f in stream_entries(redis_client, prefix + (region or "none"))] == expected
         with RedisSinkConfig(stream_from="metadata.region", stream_prefix=prefix + "p:").build() as sink:
             sink.publish(events[:2])
-        assert [f[b"id"] for _, f in redis_client.xrange(prefix + "p:payload-1")] == [b"951"]
+        assert [f[b"id"] for _, f in stream_entries(redis_client, prefix + "p:payload-1")] == [b"951"]
         with RedisSinkConfig(stream_from="metadata:region", stream_prefix=prefix).build() as sink, \
                 pytest.raises(SinkError) as err:
             sink.publish(events[:4])  # 952 has no metadata and there is no fixed stream
@@ -220,7 +221,7 @@ def test_redis_script_and_pipeline_add_the_same_entries(redis_client: redis.Redi
             sink.publish(events)
         for name in "abc":
             mine = [e for e in events if e.payload["t"] == name][-15:]
-            entries = redis_client.xrange(prefix + name)
+            entries = stream_entries(redis_client, prefix + name)
             assert [f[b"id"] for _, f in entries] == [str(e.id).encode() for e in mine]
             for (_id, fields), event in zip(entries, mine, strict=True):
                 assert json.loads(fields[b"payload"]) == event.payload
@@ -244,7 +245,7 @@ def test_a_server_that_refuses_scripts_gets_the_pipeline(redis_client: redis.Red
             sink.publish(make_events(5))
             sink.publish(make_events(5, first_id=201))
             assert sink._use_script is False
-        assert [f[b"id"] for _, f in redis_client.xrange(key)] == [
+        assert [f[b"id"] for _, f in stream_entries(redis_client, key)] == [
             str(i).encode() for i in [*range(101, 106), *range(201, 206)]]
     finally:
         redis_client.acl_deluser(user)

@@ -31,7 +31,7 @@ from pgstream_dagster.engine import deadletters
 from .support.endpoint import Endpoint
 from .support.faults import STREAM, fail_into_failover, in_failover, stream_config
 from .support.harness import Driver, write_config
-from .support.sinks import REDIS_URL, unique
+from .support.sinks import REDIS_URL, stream_entries, unique
 from .test_fault_integrity import as_role
 
 #: nested deeper than Python's json parser goes (its recursion limit, 1,000), well within Postgres'
@@ -126,7 +126,7 @@ def test_a_payload_python_cannot_parse_is_one_dead_letter_of_a_redis_stream(
     try:
         ok1, deep, ok2 = write(db_url, manual_role, ['{"tenant": "a", "n": 1}', DEEP, '{"tenant": "a", "n": 2}'])
         deliver(driver, lambda: redis_client.xlen(prefix + "a") >= 2)
-        assert [int(fields["id"]) for _id, fields in redis_client.xrange(prefix + "a")] == [ok1, ok2]
+        assert [int(fields["id"]) for _id, fields in stream_entries(redis_client, prefix + "a")] == [ok1, ok2]
         assert list(letters_by_event(db_url)) == [deep]
         assert "nested deeper than Python can parse" in letters_by_event(db_url)[deep]
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -34,7 +35,7 @@ def event(i: int, payload: dict[str, object] | None = None, *, payload_json: str
 
 
 def ids(messages: list[dict[str, object]]) -> list[int]:
-    return [message_event_id(m) for m in messages]  # type: ignore[arg-type]
+    return [message_event_id(m) for m in messages]
 
 
 def test_fifo_queue_gets_every_event_in_order_with_group_and_deduplication_ids(
@@ -285,7 +286,7 @@ def test_credentials_in_the_configuration_are_refused_without_their_value(key: s
 
 def test_invalid_settings_are_refused_when_the_configuration_is_read() -> None:
     base = {"type": "sqs", "queue_url": "https://sqs.eu-west-1.amazonaws.com/123456789012/q.fifo"}
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"endpoint_url": "http://user:pw-" + "x" * 8 + "@127.0.0.1:4566"}, "must not carry user info"),
         ({"endpoint_url": "ftp://127.0.0.1"}, "must be an http(s) URL"),
         ({"queue_url": "not a url"}, "queue_url"),

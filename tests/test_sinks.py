@@ -170,7 +170,7 @@ def test_memory_sink_reject_times_rejects_only_the_first_n_times_across_instance
         with pytest.raises(SinkError) as err:
             build_sink(config).publish(events)
         assert not err.value.permanent and err.value.event_ids == (101, 102, 103, 104)  # fail_times comes first
-        rejected = []
+        rejected: list[Any] = []
         for _ in range(4):  # a fresh sink each time, like a retried delivery
             with build_sink(config) as sink, pytest.raises(SinkError) as err:
                 sink.publish(events[1:])
@@ -194,7 +194,7 @@ def test_memory_sink_reject_whole_call_names_every_event_until_published_alone()
             assert err.value.permanent and err.value.event_ids == (101, 102, 103)
             assert "events 101..103" in str(err.value) and "event 102" in str(err.value)
             assert MemorySink.delivered(name) == []  # a rejected request delivers nothing
-            outcomes = []
+            outcomes: list[str | tuple[int, ...]] = []
             for event in events:  # the caller isolates the bad one
                 try:
                     sink.publish([event])
@@ -308,7 +308,7 @@ def test_route_reads_the_payload_or_with_metadata_prefix_the_metadata() -> None:
         route(bare, None, "metadata:region")
 
 
-EVENT_PATH_OPTIONS = [
+EVENT_PATH_OPTIONS: list[dict[str, Any]] = [
     {"type": "redis", "stream_from": "metadata:region"},
     {"type": "nats", "subject_from": "metadata:region"},
     {"type": "rabbitmq", "exchange_from": "metadata:exchange", "routing_key_from": "metadata:region"},
@@ -331,7 +331,7 @@ def test_every_sink_takes_event_paths_where_it_took_payload_paths(options: dict[
 
 
 #: every option that reads the event to route it, per sink: nothing here connects before the event is read
-ROUTED = [
+ROUTED: list[dict[str, Any]] = [
     {"type": "http", "url": "http://127.0.0.1:9/hook", "path_from": "metadata:t"},
     {"type": "http", "url": "http://127.0.0.1:9/hook", "routing_key": "t"},
     {"type": "http", "url": "http://127.0.0.1:9/hook", "headers_from": {"X-T": "t"}},

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import multiprocessing
 import os
 import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +29,20 @@ from pgstream_dagster.engine import handoff, ingest, ledger, migrations, replica
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.publish import owed_spans
 from pgstream_dagster.engine.status import render_status, stream_status
+from pgstream_dagster.sinks import Event
 
 from .support.endpoint import Endpoint
 from .support.faults import sent_ids
-from .support.harness import Background, Driver, insert_events, slot_of, tick_until, write_config
+from .support.harness import (
+    Background,
+    Driver,
+    at_least,
+    insert_events,
+    run_metadata,
+    slot_of,
+    tick_until,
+    write_config,
+)
 
 STREAM = 1
 RUN_KEY = "test-run"
@@ -97,10 +109,9 @@ def test_open_run_reads_the_slot_and_delivers_without_sensor_ticks(db_url: str, 
                          [BatchStatus.DELIVERED]).fetchone() == (0,)
         assert c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone() == (None,)
     # every round is in a materialization, but a materialization holds the rounds of report_every_secs
-    rounds = [e.event_specific_data.materialization.metadata for e in result.all_events
-              if e.event_type_value == "ASSET_MATERIALIZATION"]
-    assert sum(m["events"].value for m in rounds) == 230
-    assert sum(m["rounds"].value for m in rounds) >= 6 > len(rounds) >= 2
+    rounds = run_metadata(result, "ASSET_MATERIALIZATION")
+    assert sum(m["events"] for m in rounds) == 230
+    assert sum(m["rounds"] for m in rounds) >= 6 > len(rounds) >= 2
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     assert any(f"this open run reads slot {slot_of(db_url, STREAM)}" in m for m in logs)
     # the 200 it recorded, it delivered as it read them: not one read back from the table
@@ -114,6 +125,46 @@ def test_open_run_reads_the_slot_and_delivers_without_sensor_ticks(db_url: str, 
     assert len(requests) == 1 and requests[0].run_key != request.run_key
     assert driver.execute(requests[0]).success
     assert endpoint.unique() == set(sent_ids(db_url)) and endpoint.duplicates() == 0
+
+
+def test_the_cursor_and_the_status_asset_follow_what_the_open_runs_reader_records(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """The sensor's cursor and the status asset's cursor_last_event_id / cursor_last_lsn are the
+    ledger's: while the open run reads the slot (no sensor reads), they advance with what it records."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=2)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 10)
+    (request,) = tick_until(driver, STREAM, lambda: _launched(db_url), timeout=60)
+    run = Background(driver, request)
+    _wait(lambda: (_slot_reader(db_url) or "").startswith("pgstream reader "))
+    insert_events(db_url, STREAM, 20, 1000)  # recorded by the run's reader only
+    _wait(lambda: len(endpoint.unique()) >= 30)
+    last_id = max(sent_ids(db_url))
+    with psycopg.connect(db_url) as c:
+        row = c.execute("select end_lsn::text from pgstream.batches where stream_id = %s order by end_lsn desc "
+                        "limit 1", [STREAM]).fetchone()
+    assert row is not None
+    tick = driver.tick(STREAM)
+    assert not tick.run_requests
+    cursor = json.loads(tick.cursor or "{}")
+    assert (cursor["last_event_id"], cursor["last_lsn"]) == (last_id, row[0])
+    seen = driver.observations[-1].metadata
+    assert (seen["cursor_last_event_id"].value, seen["cursor_last_lsn"].value) == (last_id, row[0])
+    result = run.wait(timeout=60)
+    assert result.success
+    # the run's own observations show the ledger's cursor too
+    observed = run_metadata(result, "ASSET_OBSERVATION")
+    assert observed and observed[-1]["cursor_last_event_id"] == last_id
+
+
+def _event_rows(read: Iterable[tuple[int, int, Any]], as_json: bool = False) -> list[tuple[Any, ...]]:
+    """(batch, ordinal, id, stream, created_at, payload, metadata[, JSON]) of each event read (none too large)."""
+    rows: list[tuple[Any, ...]] = []
+    for batch, ordinal, event in read:
+        assert isinstance(event, Event)
+        rows.append((batch, ordinal, event.id, event.stream_id, event.created_at, event.payload_json,
+                     event.metadata_json, *([event.to_json()] if as_json else [])))
+    return rows
 
 
 def _launched(url: str) -> bool:
@@ -168,7 +219,8 @@ def _catch_up_with_sensor(url: str, stream: Any) -> None:
 def test_reader_killed_while_recording_loses_nothing_and_records_nothing_twice(db_url: str, tmp_path: Path) -> None:
     stream = _engine_stream(tmp_path, db_url)
     _open_stream(db_url)
-    stop, written = threading.Event(), []
+    stop = threading.Event()
+    written: list[int] = []
     writer = threading.Thread(target=_writer, args=(db_url, stop, written))
     writer.start()
     try:
@@ -297,8 +349,7 @@ def test_a_round_read_directly_equals_the_spark_read(db_url: str, tmp_path: Path
     assert isinstance(frames, list)
     via_spark = list(spark._packed_events(spark._collected(frames, prefetch=False)))
     assert len(direct) == 120
-    assert [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json) for b, o, e in direct] == \
-        [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json) for b, o, e in via_spark]
+    assert _event_rows(direct) == _event_rows(via_spark)
 
 
 def test_keep_warm_stream_has_an_open_run_before_its_first_event(db_url: str, tmp_path: Path,
@@ -385,7 +436,7 @@ def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
         run = Background(driver, request)
         for wave in range(3):  # the sensor records; the open run takes the batches
             insert_events(db_url, STREAM, 20, 1000 * (wave + 1))
-            tick_until(driver, STREAM, lambda wave=wave: len(endpoint.unique()) >= 50 + 20 * wave)
+            tick_until(driver, STREAM, at_least(lambda: len(endpoint.unique()), 50 + 20 * wave))
         assert not (_slot_reader(db_url) or "").startswith("pgstream reader ")
     finally:
         for holder in holders:
@@ -498,10 +549,8 @@ def test_what_the_reader_hands_its_run_equals_what_the_table_holds(db_url: str, 
         spans[0] = dataclasses.replace(spans[0], first=7)
         taken = [e for span in spans for e in kept.take(span.batch_id, span.first, span.last) or []]
     assert kept.events == 0 and kept.taken == 390 - 6 and kept.take(spans[0].batch_id, 1, 1) is None
-    assert [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json, e.to_json())
-            for b, o, e in from_table[6:]] == \
-        [(b, o, e.id, e.stream_id, e.created_at, e.payload_json, e.metadata_json, e.to_json()) for b, o, e in taken]
-    assert all(e.created_at.utcoffset() == dt.timedelta(0) for _b, _o, e in taken)
+    assert _event_rows(from_table[6:], as_json=True) == _event_rows(taken, as_json=True)
+    assert all(row[4].utcoffset() == dt.timedelta(0) for row in _event_rows(taken))
 
 
 def test_handoff_is_bounded_and_forgets_what_was_delivered_another_way() -> None:
@@ -579,9 +628,8 @@ def test_open_run_delivers_a_backlog_in_direct_rounds_without_spark(db_url: str,
     sent = sent_ids(db_url)
     assert len(sent) == 900 and endpoint.unique() == set(sent) and endpoint.duplicates() == 0
     assert endpoint.first_seen_order() == sent
-    rounds = [e.event_specific_data.materialization.metadata for e in result.all_events
-              if e.event_type_value == "ASSET_MATERIALIZATION"]
-    assert sum(m["rounds"].value for m in rounds) >= 900 // 100  # batches of 50: at most 2 a round
+    rounds = run_metadata(result, "ASSET_MATERIALIZATION")
+    assert sum(m["rounds"] for m in rounds) >= 900 // 100  # batches of 50: at most 2 a round
     logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     assert any("; the other " in m and " batches in the next rounds" in m for m in logs)  # the launched round
 

@@ -16,6 +16,7 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -84,7 +85,8 @@ def test_delivery_by_key_replay_and_backfill_on_a_standalone_cluster(
     assert sorted(set(accepted)) == key_ids and len(key_ids) == 300
     assert len(accepted) - 300 <= 2 * 10, len(accepted)
     with psycopg.connect(db_url) as c:
-        key_of = dict(c.execute("select id, payload->>'group_id' from pgstream.events where stream_id = 2"))
+        key_of: dict[Any, Any] = dict(c.execute("select id, payload->>'group_id' from pgstream.events "
+                                                "where stream_id = 2"))
     seen: set[int] = set()
     firsts = [i for i in accepted if not (i in seen or seen.add(i))]  # type: ignore[func-returns-value]
     for key in ("0", "1", "2"):
@@ -304,7 +306,8 @@ def test_a_packed_environment_in_spark_archives(db_url: str, dagster_storage_url
     # every event once at least, and per key the first deliveries in commit (id) order
     assert result["runs"][-1] is True
     with psycopg.connect(db_url) as conn:
-        key_of = dict(conn.execute("select id, payload->>'group_id' from pgstream.events where stream_id = 1"))
+        key_of: dict[Any, Any] = dict(conn.execute("select id, payload->>'group_id' from pgstream.events "
+                                                   "where stream_id = 1"))
     assert set(result["accepted"]) == set(key_of)
     for key in set(key_of.values()):
         firsts = list(dict.fromkeys(i for i in result["accepted"] if key_of[i] == key))

@@ -17,7 +17,8 @@ from pgstream_dagster.sinks.file import FileSinkConfig
 
 
 def _heap_used_mb(session: SparkSession) -> float:
-    jvm = session.sparkContext._jvm  # type: ignore[attr-defined]
+    jvm = session.sparkContext._jvm
+    assert jvm is not None
     runtime = jvm.java.lang.Runtime.getRuntime()
     for _ in range(3):
         jvm.java.lang.System.gc()
@@ -33,7 +34,7 @@ def test_ordered_delivery_keeps_the_driver_heap_flat(db_url: str, tmp_path: Path
         (batch,) = c.execute(
             "insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
             "min_created_at, max_created_at) select 1, array_agg(id order by id), count(*), min(id), max(id), "
-            "min(created_at), max(created_at) from pgstream.events returning id").fetchone()
+            "min(created_at), max(created_at) from pgstream.events returning id").fetchone() or ()
     builder = SparkSession.builder
     for key, value in spark.spark_conf("local[2]", None, {}).items():  # as the runs' resource does
         builder = builder.config(key, value)
@@ -48,6 +49,7 @@ def test_ordered_delivery_keeps_the_driver_heap_flat(db_url: str, tmp_path: Path
     for _ in range(rounds):
         frames = spark.load_batches(session, db_url, [Span(batch, 1, 2000)], "group_id", rows_per_partition=500,
                                     packed=True)
+        assert isinstance(frames, list)
         assert drain(spark.deliver_in_order(frames, sink, 500)) == 2000
     sink.close()
     grown = _heap_used_mb(session) - before
@@ -67,7 +69,7 @@ def test_spark_partitions_are_bounded_by_bytes(db_url: str, tmp_path: Path) -> N
         (batch,) = c.execute(
             "insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
             "min_created_at, max_created_at) select 1, array_agg(id order by id), count(*), min(id), max(id), "
-            "min(created_at), max(created_at) from pgstream.events returning id").fetchone()
+            "min(created_at), max(created_at) from pgstream.events returning id").fetchone() or ()
         ids = [r[0] for r in c.execute("select id from pgstream.events order by id")]
         builder = SparkSession.builder
         for key, value in spark.spark_conf("local[2]", None, {}).items():

@@ -553,7 +553,7 @@ class _Report:
         if rows:
             row = rows[0]
             state = f"live: run {self.context.run_id} (this run)" if row.get("open_run_key") == self.run_key else None
-            self.context.log_event(status_observation(row, {}, state, observer=f"delivery run {self.context.run_id}"))
+            self.context.log_event(status_observation(row, state, observer=f"delivery run {self.context.run_id}"))
         self.reported_at = time.monotonic()
         self._reset()
 

@@ -13,19 +13,20 @@ The configuration is read once, when the definitions are loaded: the ``pgstream`
 streams, and no run reads a file.
 
 :func:`pgstream_location` is what ``dg.load_from_defs_folder`` loads from this folder: it finds the
-StreamComponents with ``context.component_tree.get_all_components``; each component builds its own
-stream's definitions. :func:`build_definitions` builds everything from a ``pgstream.yaml`` alone
+StreamComponents with ``context.component_tree.get_all_components`` (as
+:class:`StreamDeclaringComponent`s: this module does not import the component package, which imports
+it); each component builds its own stream's definitions. :func:`build_definitions` builds everything
+from a ``pgstream.yaml`` alone
 (tests, scripts).
 """
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
-from ..config import PgstreamConfig, StreamConfig, config_path, load_config, with_streams
+from ..config import PgstreamConfig, StreamConfig, StreamDeclaration, config_path, load_config, with_streams
 from ..engine.spark import location_conf
 from .assets import (
     DeclaredIn,
@@ -45,8 +46,19 @@ from .schedules import checks_job, housekeeping_job, schedules, subscriptions_se
 from .sensors import stream_sensor
 from .status import status_asset_spec
 
-if TYPE_CHECKING:
-    from .components import StreamComponent
+
+class StreamDeclaringComponent(dg.Component):
+    """A component that declares one stream (``declaration``, in the file ``source``):
+    :class:`pgstream_dagster.StreamComponent`. The location finds its streams by this type."""
+
+    declaration: StreamDeclaration
+    #: the defs.yaml declaring it (named in errors)
+    source: str
+
+    def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
+        """The stream's definitions (:func:`stream_definitions`); the shared ones are the location's."""
+        return stream_definitions(self.declaration.stream,
+                                  DeclaredIn(self.declaration.subscriptions, self.source, "defs.yaml"))
 
 
 def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.AssetSpec:
@@ -96,7 +108,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
     )
 
 
-def location_definitions(path: Path, components: Sequence["StreamComponent"] = ()) -> dg.Definitions:
+def location_definitions(path: Path, components: Sequence[StreamDeclaringComponent] = ()) -> dg.Definitions:
     """The streams of ``pgstream.yaml`` at ``path`` and the shared definitions, whose resource also
     holds the streams of ``components`` (validated with pgstream.yaml's: ids and slots unique). The
     components' own definitions are theirs to build (:meth:`StreamComponent.build_defs`)."""
@@ -118,7 +130,5 @@ def build_definitions(path: Path | None = None) -> dg.Definitions:
 def pgstream_location(context: dg.ComponentLoadContext) -> dg.Definitions:
     """``pgstream.yaml`` ($PGSTREAM_CONFIG) and the shared definitions, for every StreamComponent of
     the project too (import this into a module of your own project's defs folder to get them)."""
-    from .components import StreamComponent
-
-    components = context.component_tree.get_all_components(of_type=StreamComponent)
+    components = context.component_tree.get_all_components(of_type=StreamDeclaringComponent)
     return location_definitions(config_path().resolve(), components)

@@ -21,7 +21,8 @@ A tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to re
    ledger's transitions; a run to request becomes the ``RunRequest`` (``run_key`` = stream,
    installation, batches, attempt: a re-evaluated tick requests nothing twice).
 
-Each tick also updates the cursor (last event and LSN recorded, backlog) and observes the stream
+Each tick also updates the cursor (the last event id and LSN the ledger recorded, whoever read the
+slot, and the backlog) and observes the stream
 status asset when anything it shows changed (counts, state, the open run and whether it is still
 live) or it is due; the delivery run observes it too, after every round.
 """
@@ -40,6 +41,7 @@ from ..engine import ledger
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, decide, notes
 from ..engine.collector import fewer_collections
 from ..engine.ingest import ConsumeResult, consume
+from ..engine.limits import LimitsExceeded
 from ..engine.status import last_batches, stream_status
 from .names import (
     ATTEMPT_TAG,
@@ -224,8 +226,8 @@ def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_k
 
 
 #: what the status asset shows that a new observation must not wait for
-_SEEN = ("state", "undelivered_events", "undelivered_batches", "delivered_today", "open_dead_letters",
-         "open_run_key", "failover_attempts", "wal_status")
+_SEEN = ("state", "last_recorded_event_id", "undelivered_events", "undelivered_batches", "delivered_today",
+         "open_dead_letters", "open_run_key", "failover_attempts", "wal_status")
 
 
 def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
@@ -241,7 +243,7 @@ def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stre
     cursor["status_seen"] = seen
     for old in ("status_state", "status_dead_letters"):  # what cursors of earlier versions kept
         cursor.pop(old, None)
-    return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, cursor, run_state)
+    return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, run_state)
 
 
 def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
@@ -263,15 +265,15 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
             try:
                 with fewer_collections():  # the tick records in bulk
                     consumed, request = tick(conn, context.instance, stream, log, waiting)
-            except ledger.SlotElsewhere as exc:  # the operator's to resolve: one line, each tick, no traceback
+            except (ledger.SlotElsewhere, LimitsExceeded) as exc:  # the operator's to resolve: one line, each
+                # tick, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
             (row,) = stream_status(conn, stream.id, last=0)  # the tick's one read of the stream's state
             pending_batches, pending_events = int(row["undelivered_batches"]), int(row["undelivered_events"])
-            if consumed.last_event_id is not None:
-                cursor["last_event_id"] = consumed.last_event_id
-            if consumed.last_lsn is not None:
-                cursor["last_lsn"] = consumed.last_lsn
+            # the ledger's: what is recorded, whoever read the slot (this tick, or an open run's reader)
+            cursor["last_event_id"] = row["last_recorded_event_id"]
+            cursor["last_lsn"] = row["last_recorded_lsn"]
             cursor["undelivered_batches"] = pending_batches
             cursor["undelivered_events"] = pending_events
             observed = _observe_status(conn, context.instance, stream, row, cursor)

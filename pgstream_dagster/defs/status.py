@@ -28,9 +28,10 @@ def _markdown_batches(batches: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def status_observation(s: dict[str, Any], cursor: dict[str, Any], open_run_state: str | None = None,
+def status_observation(s: dict[str, Any], open_run_state: str | None = None,
                        observer: str = "sensor") -> dg.AssetObservation:
-    """The stream's status row (``stream_status``) as an observation of its status asset;
+    """The stream's status row (``stream_status``) as an observation of its status asset (its cursor:
+    the last event id and LSN the ledger recorded, whoever read the slot);
     ``open_run_state``: what became of the open run (live, starting, gone: see the sensor);
     ``observer``: who looked (the sensor, or the delivery run after a round)."""
     now = dt.datetime.now(dt.UTC)
@@ -42,8 +43,8 @@ def status_observation(s: dict[str, Any], cursor: dict[str, Any], open_run_state
         "oldest_undelivered_event_id": s["oldest_undelivered_event_id"],
         "oldest_undelivered_age_secs": round((now - oldest).total_seconds(), 1) if oldest else 0.0,
         "delivered_today": int(s["delivered_today"]),
-        "cursor_last_event_id": cursor.get("last_event_id"),
-        "cursor_last_lsn": cursor.get("last_lsn"),
+        "cursor_last_event_id": s.get("last_recorded_event_id"),
+        "cursor_last_lsn": s.get("last_recorded_lsn"),
         "slot": f"{s['slot_name']} ({s['wal_status']})" if s["slot_exists"] else f"{s['slot_name']} (missing)",
         "slot_lag_bytes": s["slot_lag_bytes"],
         "slot_retained_wal_bytes": s["slot_retained_bytes"],

@@ -7,13 +7,33 @@ from pathlib import Path
 
 import psycopg
 
+from ..config import PgstreamConfig
+from .limits import LimitsExceeded
+
+
+def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
+              runs_where: str = "dagster.yaml") -> list[str]:
+    """One line per Postgres or Dagster limit the streams of ``config`` do not fit in (empty: they
+    fit): ``wal_level``, ``max_replication_slots``, ``max_wal_senders``, ``max_connections``, and
+    ``max_concurrent_runs`` (the Dagster instance's, when known; ``runs_where`` names its file)."""
+    from .limits import postgres_problems, run_problem
+
+    with psycopg.connect(config.database_url.get_secret_value(), autocommit=True) as conn:
+        lines = postgres_problems(conn, config.streams)
+    runs = run_problem(max_concurrent_runs, config.streams, runs_where)
+    return [*lines, *([runs] if runs else [])]
+
 
 def init(config_path: Path | None = None, owner_url: str | None = None,
-         defs_folder: Path | str | None = None) -> list[str]:
+         defs_folder: Path | str | None = None, max_concurrent_runs: int | None = None,
+         runs_where: str = "dagster.yaml") -> list[str]:
     """As the owner (``owner_url``, default ``database_url``): migrate, run housekeeping once (today's
     partitions), apply the YAML subscriptions. As the runtime (``database_url``): register the streams and
     create their slots, through the runtime's API, as its sensors do. With ``defs_folder``, also the streams
-    declared as StreamComponents there, and their subscriptions."""
+    declared as StreamComponents there, and their subscriptions.
+
+    First the limits (:func:`preflight`): streams that do not fit raise
+    :class:`~.limits.LimitsExceeded` (one line per problem) before anything changes."""
     from ..config import load_config
     from . import ledger
     from .housekeeping import run_housekeeping
@@ -22,6 +42,9 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
     from .subscriptions import apply_subscriptions
 
     config = load_config(config_path, defs_folder)
+    problems = preflight(config, max_concurrent_runs, runs_where)
+    if problems:
+        raise LimitsExceeded(problems)
     url = config.database_url.get_secret_value()
     owner = owner_url or url
     out = [f"applied migration {m}" for m in migrate(owner, partitions_ahead=config.housekeeping.days_ahead)]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from ..config import StreamConfig
-from . import ledger, replication, walstream
+from . import ledger, limits, replication, walstream
 from .handoff import Handoff
 
 
@@ -82,7 +82,14 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
         result.slot_lost = True
         info = None
     if info is None:
-        replication.create_slot(conn, slot)
+        try:
+            replication.create_slot(conn, slot)
+        except psycopg.errors.ConfigurationLimitExceeded:  # all replication slots are in use
+            row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
+            line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [stream.id])
+            raise limits.LimitsExceeded([line or f"stream {stream.id}: no replication slot is free; raise "
+                                                 f"max_replication_slots in postgresql.conf and restart Postgres"]
+                                        ) from None
         result.slot_created = True
     result.recovered = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
 

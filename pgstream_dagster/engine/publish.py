@@ -41,12 +41,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeAlias
+from typing import Protocol, TypeAlias
 
 from ..sinks import Event, Sink, SinkError
-
-if TYPE_CHECKING:
-    from .ledger import Batch
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,18 @@ class Span:
         return [Span(self.batch_id, lo, min(lo + size - 1, self.last)) for lo in range(self.first, self.last + 1, size)]
 
 
-def owed_spans(batches: Iterable[Batch], *, resume: bool) -> list[Span]:
+class BatchProgress(Protocol):
+    """What :func:`owed_spans` reads of a ledger batch (:class:`~.ledger.Batch`)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def event_count(self) -> int: ...
+    @property
+    def confirmed_count(self) -> int: ...
+
+
+def owed_spans(batches: Iterable[BatchProgress], *, resume: bool) -> list[Span]:
     """What a run owes of ``batches``, one span each, in delivery order: every event, or with
     ``resume`` (ordered delivery) the events after the prefix an earlier attempt confirmed."""
     return [Span(b.id, (b.confirmed_count if resume else 0) + 1, b.event_count) for b in batches]

@@ -70,7 +70,8 @@ class DagsterDev:
         response = httpx.post(f"http://127.0.0.1:{self.port}/graphql", timeout=10,
                               json={"query": query, "variables": variables})
         response.raise_for_status()
-        return response.json()
+        data: dict[str, Any] = response.json()
+        return data
 
 
 #: how long `dagster dev` may take until the first sensor tick completed (the first run starts Spark)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def backdated(conn: psycopg.Connection, query: str, params: Any = None) -> list[
     hostile superuser; returns the rows of a ``returning`` clause."""
     with conn.transaction():
         conn.execute("set local session_replication_role = replica")
-        cur = conn.execute(query, params)  # type: ignore[arg-type]
+        cur = conn.execute(query, params)
         return cur.fetchall() if cur.description else []
 
 
@@ -89,6 +90,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return []
     # lines end in "\n" only: str.splitlines() would also split inside a payload holding U+2028
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one sensor evaluation returned (Dagster's ``SensorExecutionData``), typed for the tests."""
+
+    run_requests: list[dg.RunRequest]
+    skip_message: str | None
+    cursor: str | None
+    asset_events: Sequence[dg.AssetMaterialization | dg.AssetObservation | dg.AssetCheckEvaluation]
 
 
 class Driver:
@@ -100,15 +111,15 @@ class Driver:
         self.results: list[dg.ExecuteInProcessResult] = []
         self.observations: list[dg.AssetObservation] = []  # of the stream status assets
 
-    def tick(self, stream_id: int) -> dg.SensorResult:
+    def tick(self, stream_id: int) -> Tick:
         sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
+        resources = self.defs.resources or {}
         ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursors.get(stream_id),
-                                      sensor_name=sensor.name,
-                                      resources={"pgstream": self.defs.resources["pgstream"]})
+                                      sensor_name=sensor.name, resources={"pgstream": resources["pgstream"]})
         result = sensor.evaluate_tick(ctx)
         self.cursors[stream_id] = result.cursor
         self.observations += [e for e in result.asset_events or [] if isinstance(e, dg.AssetObservation)]
-        return result  # type: ignore[return-value]
+        return Tick(list(result.run_requests or []), result.skip_message, result.cursor, result.asset_events)
 
     def execute(self, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
         job = self.defs.resolve_job_def(DELIVERY_JOB)
@@ -154,3 +165,27 @@ def tick_until(driver: Driver, stream_id: int, done: Callable[[], bool], timeout
         assert time.monotonic() < deadline, "timed out"
         requests += driver.tick(stream_id).run_requests or []
     return requests
+
+
+def values(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """Dagster metadata as plain values (each ``MetadataValue``'s ``value``)."""
+    return {k: getattr(v, "value", v) for k, v in metadata.items()}
+
+
+def run_metadata(result: dg.ExecuteInProcessResult, kind: str) -> list[dict[str, Any]]:
+    """The metadata (plain values) of the run's events of ``kind``, ``ASSET_MATERIALIZATION`` or
+    ``ASSET_OBSERVATION``, in order."""
+    found: list[dict[str, Any]] = []
+    for event in result.all_events:
+        if event.event_type_value != kind:
+            continue
+        data: Any = event.event_specific_data
+        found.append(values((data.materialization if kind == "ASSET_MATERIALIZATION" else data.asset_observation)
+                            .metadata))
+    return found
+
+
+def at_least(count: Callable[[], int], n: int) -> Callable[[], bool]:
+    """``done`` for :func:`tick_until`: ``count()`` reached ``n`` (bound now, not when called)."""
+    return lambda: count() >= n
+

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from pgstream_dagster.devdb import free_port
 
@@ -136,7 +137,7 @@ class Subscriber:
         self.messages: list[mqtt.MQTTMessage] = []
         self.ready = threading.Event()
         self._lock = threading.Lock()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=protocol)
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion(protocol))
         if username is not None:
             self.client.username_pw_set(username, password)
         self.client.reconnect_delay_set(min_delay=1, max_delay=1)

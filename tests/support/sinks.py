@@ -88,7 +88,7 @@ async def nats_admin(action: str, stream: str, subject: str = "", expected: int 
     try:
         js = nc.jetstream()
         if action == "create":
-            limits = {} if max_msg_size is None else {"max_msg_size": max_msg_size}
+            limits: dict[str, Any] = {} if max_msg_size is None else {"max_msg_size": max_msg_size}
             await js.add_stream(name=stream, subjects=[subject, subject + ".>"], **limits)
             return []
         if action == "delete":
@@ -107,3 +107,10 @@ async def nats_admin(action: str, stream: str, subject: str = "", expected: int 
         return [info.state.messages, messages]
     finally:
         await nc.close()
+
+
+def stream_entries(client: Any, key: str) -> list[tuple[Any, dict[Any, Any]]]:
+    """``XRANGE key`` of a Redis stream: (entry id, fields) in order (bytes, or str for a client with
+    ``decode_responses``)."""
+    return list(client.xrange(key))
+

@@ -1,0 +1,137 @@
+"""The Postgres and Dagster limits that can stop a stream, checked before they do (``pgstream-dagster
+preflight``, ``init``, and a sensor whose slot cannot be created): ``wal_level``,
+``max_replication_slots``, ``max_wal_senders``, ``max_connections``, and the Dagster instance's
+``max_concurrent_runs`` (given by the caller: the engine does not know Dagster).
+
+Each problem is one line naming the setting, its value, what the streams need and the value to set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import psycopg
+
+from ..config import StreamConfig
+
+#: connections a stream may hold at once: its sensor's, and its delivery run's own and delivery lease
+_CONNECTIONS_PER_STREAM = 3
+#: housekeeping, checks, metrics and a replay or backfill beside the streams
+_CONNECTIONS_SHARED = 4
+
+
+class LimitsExceeded(RuntimeError):
+    """Limits the streams do not fit in: one line each (``lines``)."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        self.lines = list(lines)
+        super().__init__("\n".join(self.lines))
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    wal_level: str
+    max_replication_slots: int
+    max_wal_senders: int
+    max_connections: int
+    reserved_connections: int  # superuser_reserved_connections (+ reserved_connections on Postgres 16+)
+
+
+def _setting(conn: psycopg.Connection, name: str) -> str | None:
+    row = conn.execute("select setting from pg_catalog.pg_settings where name = %s", [name]).fetchone()
+    return str(row[0]) if row else None
+
+
+def server_limits(conn: psycopg.Connection) -> ServerLimits:
+    reserved = sum(int(_setting(conn, n) or 0) for n in ("superuser_reserved_connections", "reserved_connections"))
+    return ServerLimits(wal_level=_setting(conn, "wal_level") or "?",
+                        max_replication_slots=int(_setting(conn, "max_replication_slots") or 0),
+                        max_wal_senders=int(_setting(conn, "max_wal_senders") or 0),
+                        max_connections=int(_setting(conn, "max_connections") or 0),
+                        reserved_connections=reserved)
+
+
+def _suggest(needed: int) -> int:
+    """A value to set for ``needed``: the next multiple of 8, at least ``needed``."""
+    return max(8, -(-needed // 8) * 8)
+
+
+def _names(ids: Sequence[int]) -> str:
+    if len(ids) == 1:
+        return f"stream {ids[0]} needs one more"
+    shown = ", ".join(str(i) for i in ids[:-1]) + f" and {ids[-1]}"
+    return f"streams {shown} need {len(ids)} more"
+
+
+def stream_slots(conn: psycopg.Connection, streams: Sequence[StreamConfig]) -> dict[int, str | None]:
+    """Each stream's slot name: its ``slot_name``, else the one its ``pgstream.streams`` row names
+    (``None``: the stream has no row yet, so no slot)."""
+    named: dict[int, str | None] = {s.id: s.slot_name for s in streams}
+    if conn.execute("select pg_catalog.to_regclass('pgstream.streams') is not null").fetchone() == (True,):
+        for stream_id, slot in conn.execute("select id, slot from pgstream.streams where id = any(%s)",
+                                            [[s.id for s in streams if not s.slot_name]]):
+            named[int(stream_id)] = str(slot) if slot else None
+    return named
+
+
+def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[int]) -> str | None:
+    """The line saying that the streams ``missing`` (ids, without a slot yet) do not fit in
+    ``max_replication_slots`` with ``in_use`` slots taken, if they do not."""
+    free = limits.max_replication_slots - in_use
+    if len(missing) <= max(free, 0):
+        return None
+    short = list(missing[max(free, 0):])
+    return (f"max_replication_slots is {limits.max_replication_slots} and {in_use} are in use; {_names(short)}: "
+            f"set max_replication_slots = {_suggest(in_use + len(missing))} in postgresql.conf and restart Postgres")
+
+
+def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig]) -> list[str]:
+    """One line per Postgres limit the streams do not fit in (empty: they all fit)."""
+    limits = server_limits(conn)
+    out: list[str] = []
+    if limits.wal_level != "logical":
+        out.append(f"wal_level is {limits.wal_level}; the streams' slots need logical decoding: set "
+                   f"wal_level = logical in postgresql.conf and restart Postgres")
+    slots = stream_slots(conn, streams)
+    existing = {str(r[0]) for r in conn.execute("select slot_name from pg_catalog.pg_replication_slots")}
+    line = slot_problem(limits, len(existing), [s.id for s in streams if slots[s.id] not in existing])
+    if line:
+        out.append(line)
+    readers = [s.id for s in streams if s.delivery.read_slot and s.delivery.linger_secs > 0]
+    # WAL senders other than the streams' own slot readers (told by the slot they hold: pg_stat_replication
+    # hides a connection's application_name from roles without pg_read_all_stats)
+    row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
+                       "pg_catalog.pg_replication_slots s where s.active_pid = r.pid and s.slot_name = any(%s))",
+                       [[v for v in slots.values() if v]]).fetchone()
+    senders_elsewhere = int(row[0]) if row else 0
+    if senders_elsewhere + len(readers) > limits.max_wal_senders:
+        needed = senders_elsewhere + len(readers)
+        out.append(f"max_wal_senders is {limits.max_wal_senders} and {senders_elsewhere} are in use by others; "
+                   f"{len(readers)} streams' open runs read their slot over replication (delivery.read_slot) and "
+                   f"need one each: set max_wal_senders = {_suggest(needed)} in postgresql.conf and restart "
+                   f"Postgres")
+    usable = limits.max_connections - limits.reserved_connections
+    needed = len(streams) * _CONNECTIONS_PER_STREAM + len(readers) + _CONNECTIONS_SHARED
+    if needed > usable:
+        out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
+                   f"streams need up to {needed} (a sensor, a delivery run and its lease each, the slot readers, "
+                   f"housekeeping): set max_connections = {_suggest(needed + limits.reserved_connections)} in "
+                   f"postgresql.conf and restart Postgres")
+    return out
+
+
+def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig], where: str) -> str | None:
+    """The line saying that the streams with open runs (``delivery.linger_secs`` > 0) and one more run
+    (housekeeping, checks, a replay) do not fit in the Dagster instance's ``max_concurrent_runs``
+    (``None`` or negative: no limit); ``where``: the instance's configuration, named in the line."""
+    if max_concurrent_runs is None or max_concurrent_runs < 0:
+        return None
+    open_runs = [s.id for s in streams if s.delivery.linger_secs > 0 or s.delivery.keep_warm]
+    needed = len(open_runs) + 1
+    if needed <= max_concurrent_runs:
+        return None
+    return (f"max_concurrent_runs is {max_concurrent_runs} and {len(open_runs)} streams keep a run open "
+            f"(delivery.linger_secs > 0), plus one for housekeeping, checks and replays: a stream without a run "
+            f"waits up to delivery.max_run_secs: set max_concurrent_runs = {_suggest(needed)} under "
+            f"run_coordinator.config (or concurrency.runs) in {where}")

@@ -1,0 +1,91 @@
+"""The limits that can stop a stream are reported before they do, one line each naming the setting
+and the value to set: ``pgstream-dagster preflight`` and ``init`` exit non-zero and change nothing; a
+sensor whose slot cannot be created says so in its tick's skip reason; the streams that fit deliver.
+
+A private cluster with ``max_replication_slots = 2`` and three streams (the session's cluster has 32)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pgstream_dagster.cli import main
+from pgstream_dagster.devdb import LocalPostgres, ensure_running
+from pgstream_dagster.engine.migrations import migrate
+
+from .support.harness import Driver, at_least, event_ids, insert_events, read_jsonl, write_config
+
+SLOTS_LINE = ("max_replication_slots is 2 and 0 are in use; stream 3 needs one more: set max_replication_slots = 8 "
+              "in postgresql.conf and restart Postgres")
+
+
+@pytest.fixture(scope="module")
+def small_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    server = ensure_running(tmp_path_factory.mktemp("pg-limits") / "data",
+                            extra_settings={"fsync": "off", "full_page_writes": "off", "max_replication_slots": "2",
+                                            "max_wal_senders": "4"})
+    yield server
+    server.destroy()
+
+
+def _streams(tmp_path: Path, **delivery: object) -> list[dict[str, object]]:
+    return [{"id": i, "batch": {"max_size": 100, "max_fill_secs": 0}, "delivery": dict(delivery),
+             "sink": {"type": "file", "path": str(tmp_path / f"out-{i}.jsonl")}} for i in (1, 2, 3)]
+
+
+def _slots(url: str) -> int:
+    with psycopg.connect(url) as c:
+        row = c.execute("select count(*) from pg_replication_slots").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_more_streams_than_slots_one_line_from_preflight_init_and_the_sensor_and_the_others_deliver(
+        small_pg: LocalPostgres, tmp_path: Path, instance: dg.DagsterInstance,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    url = small_pg.url
+    migrate(url)
+    config = write_config(tmp_path / "pgstream.yaml", url, _streams(tmp_path))
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    capsys.readouterr()
+    assert main(["preflight", "--config", str(config)]) == 1
+    assert capsys.readouterr().err.splitlines() == [SLOTS_LINE]
+    assert main(["init", "--config", str(config)]) == 1
+    out = capsys.readouterr()
+    assert out.err.splitlines() == [SLOTS_LINE] and "ready" not in out.out
+    assert _slots(url) == 0  # init changed nothing
+
+    # the Dagster instance's max_concurrent_runs (its run coordinator) against the streams' open runs
+    home = tmp_path / "preflight_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        "run_coordinator:\n  module: dagster.core.run_coordinator\n  class: QueuedRunCoordinator\n"
+        "  config:\n    max_concurrent_runs: 2\ntelemetry:\n  enabled: false\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    lingering = write_config(tmp_path / "lingering.yaml", url, _streams(tmp_path, linger_secs=60, read_slot=False))
+    assert main(["preflight", "--config", str(lingering)]) == 1
+    assert capsys.readouterr().err.splitlines() == [SLOTS_LINE, (
+        "max_concurrent_runs is 2 and 3 streams keep a run open (delivery.linger_secs > 0), plus one for "
+        "housekeeping, checks and replays: a stream without a run waits up to delivery.max_run_secs: set "
+        f"max_concurrent_runs = 8 under run_coordinator.config (or concurrency.runs) in {home / 'dagster.yaml'}")]
+    monkeypatch.delenv("DAGSTER_HOME")
+
+    # the sensors: streams 1 and 2 take the two slots; stream 3's tick says why it cannot, in one line
+    driver = Driver(config, instance)
+    for stream_id in (1, 2):
+        driver.tick(stream_id)
+    result = driver.tick(3)
+    assert not result.run_requests
+    assert result.skip_message == ("max_replication_slots is 2 and 2 are in use; stream 3 needs one more: set "
+                                  "max_replication_slots = 8 in postgresql.conf and restart Postgres")
+    assert _slots(url) == 2
+    for stream_id in (1, 2):  # the streams that fit deliver
+        insert_events(url, stream_id, 5)
+        sink_file = tmp_path / f"out-{stream_id}.jsonl"
+        driver.run_until(stream_id, at_least(
+            lambda: len(read_jsonl(sink_file)) if sink_file.exists() else 0, 5), timeout=120)  # noqa: B023
+        assert [e["id"] for e in read_jsonl(tmp_path / f"out-{stream_id}.jsonl")] == event_ids(url, stream_id)
