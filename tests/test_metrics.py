@@ -429,6 +429,15 @@ def test_recording_a_batch_probes_its_events_by_key_whatever_the_statistics(db_u
 WRITERS = 8
 
 
+def _recorded_and_written(url: str) -> dict[str, int]:
+    """The stream's events_recorded and events_written counters, by ``name:label``."""
+    with psycopg.connect(url) as c:
+        rows = c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
+                         "where stream_id = %s and name in ('events_recorded', 'events_written')",
+                         [STREAM]).fetchall()
+    return {str(k): int(v) for k, v in rows}
+
+
 def _hammer(url: str, stop: threading.Event, written: list[int]) -> None:
     """One writer: single-row transactions on public.users as fast as it can (each a commit the
     reader decodes while, often, the writer's backend has not yet left the proc array)."""
@@ -494,10 +503,7 @@ def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_wr
     stop_reader.set()
     reader.join()
     poller.join()
-    with psycopg.connect(db_url) as c:
-        counted: dict[str, int] = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
-                                 "where stream_id = %s and name in ('events_recorded', 'events_written')",
-                                 [STREAM]).fetchall())
+    counted = _recorded_and_written(db_url)
     assert short == []  # every direct read of a just-recorded batch found all its events
     assert total > 500 and counted == {"events_recorded:": total, "events_written:user-signup": total}, \
         (total, counted)
@@ -597,10 +603,7 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
         time.sleep(0.02)
     stop.set()
     reader.join()
-    with psycopg.connect(db_url) as c:
-        counted: dict[str, int] = dict(c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters "
-                                 "where stream_id = %s and name in ('events_recorded', 'events_written')",
-                                 [STREAM]).fetchall())
+    counted = _recorded_and_written(db_url)
         found = c.execute("select count(*) from pgstream.batches b join pgstream.events e "
                           "on e.id = any(b.event_ids)").fetchone()
     assert counted == {"events_recorded:": HELD, "events_written:user-signup": HELD}, counted
