@@ -604,6 +604,7 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
     stop.set()
     reader.join()
     counted = _recorded_and_written(db_url)
+    with psycopg.connect(db_url) as c:
         found = c.execute("select count(*) from pgstream.batches b join pgstream.events e "
                           "on e.id = any(b.event_ids)").fetchone()
     assert counted == {"events_recorded:": HELD, "events_written:user-signup": HELD}, counted
