@@ -22,7 +22,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from pgstream_dagster import cli, exporter
-from pgstream_dagster.config import ConfigError, load_config, load_metrics_settings
+from pgstream_dagster.config import ConfigError, StreamConfig, load_config, load_metrics_settings
 from pgstream_dagster.defs.names import status_asset_key
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.engine import ingest, replication
@@ -429,6 +429,21 @@ def test_recording_a_batch_probes_its_events_by_key_whatever_the_statistics(db_u
 WRITERS = 8
 
 
+def _subscribed_stream(db_url: str, tmp_path: Path, *, fill_secs: float, open_run: bool) -> StreamConfig:
+    """Stream STREAM (a file sink) with a subscription on public.users and its slot; with ``open_run`` an
+    open run ("run") whose reader will read the slot."""
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": fill_secs}, "delivery": {"linger_secs": 60},
+         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(USERS)
+        subscribe(c, "user-signup", columns=["id", "email"])
+        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
+        if open_run:
+            engine_ledger.open_run(c, STREAM, "run")
+    return config.streams[0]
+
+
 def _recorded_and_written(url: str) -> dict[str, int]:
     """The stream's events_recorded and events_written counters, by ``name:label``."""
     with psycopg.connect(url) as c:
@@ -468,15 +483,7 @@ def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_wr
     run's reader records such transactions 1-12 ms after their commit; the batch trigger's
     per-subscription count (and any read of the batch's events right after) must still see every
     event: ``events_written`` by key equals what was written, to the event, under 8 writers."""
-    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"linger_secs": 60},
-         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
-    stream = config.streams[0]
-    with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute(USERS)
-        subscribe(c, "user-signup", columns=["id", "email"])
-        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
-        engine_ledger.open_run(c, STREAM, "run")
+    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.2, open_run=True)
     stop_reader, stats = threading.Event(), ingest.FollowStats()
     reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop_reader, stats),
                               kwargs={"application_name": "pgstream reader t"})
@@ -546,16 +553,7 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
     proc array (nobody sees their rows). The open run's reader (replication protocol) and the sensor
     (peek) wait for them instead of recording batches whose events they cannot see; once the standby
     requirement is lifted, each event is counted by subscription and its batch reads whole."""
-    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.1}, "delivery": {"linger_secs": 60},
-         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
-    stream = config.streams[0]
-    with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute(USERS)
-        subscribe(c, "user-signup", columns=["id", "email"])
-        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
-        if recorder != "sensor":
-            engine_ledger.open_run(c, STREAM, "run")
+    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1, open_run=recorder != "sensor")
     stop, stats = threading.Event(), ingest.FollowStats()
     reader = (threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
                                kwargs={"application_name": "pgstream reader t"}) if recorder != "sensor" else
@@ -617,15 +615,7 @@ def test_a_reader_made_a_synchronous_standby_says_so_instead_of_waiting_for_its_
     reader to confirm its commit, the reader for the commit to become visible. The reader stops with
     a clear error (the run reports it); once the setting lists real standbys only, the sensor records
     every event, counted by subscription."""
-    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.1}, "delivery": {"linger_secs": 60},
-         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
-    stream = config.streams[0]
-    with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute(USERS)
-        subscribe(c, "user-signup", columns=["id", "email"])
-        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
-        engine_ledger.open_run(c, STREAM, "run")
+    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1, open_run=True)
     failed: list[BaseException] = []
     stop = threading.Event()
 
