@@ -13,7 +13,7 @@ by Spark when ``delivery.direct_max_events`` is 0."""
 import datetime as dt
 import threading
 from collections import deque
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
@@ -180,11 +180,20 @@ EVENT_JSON_LINE = """
     || ',"metadata":' || coalesce(e.metadata::pg_catalog.text, 'null') || '}'"""
 
 #: one chunk of the selection (an id range of :func:`plan`) as newline-terminated UTF-8 lines, in id order
+#: rendered once, and cut by the server at ``budget`` bytes of lines (the first event whatever its size):
+#: the lines that fit, and how many events of the range come after them (``cut``: read next, by their
+#: sizes). The running sum only grows, so what fits is a prefix of the range
 _LINES_QUERY = sql.SQL("""
-select pg_catalog.count(*)::int, pg_catalog.min(e.id), pg_catalog.max(e.id),
-       pg_catalog.convert_to(pg_catalog.string_agg({line}, E'\\n' order by e.id) || E'\\n', 'UTF8')
-from pgstream.events e
-where {where}""")
+select pg_catalog.count(*) filter (where x.fits)::int, pg_catalog.min(x.id) filter (where x.fits),
+       pg_catalog.max(x.id) filter (where x.fits),
+       pg_catalog.convert_to(pg_catalog.string_agg(x.line, E'\\n' order by x.id) filter (where x.fits)
+                             || E'\\n', 'UTF8'),
+       pg_catalog.count(*) filter (where not x.fits)::int
+from (select y.id, y.line,
+             pg_catalog.sum(pg_catalog.octet_length(y.line)) over w <= %(budget)s
+             or pg_catalog.row_number() over w = 1 as fits
+      from (select e.id, {line} as line from pgstream.events e where {where} order by e.id) y
+      window w as (order by y.id rows between unbounded preceding and current row)) x""")
 
 #: chunks read ahead (by two connections) while the sink takes the current one
 _AHEAD = 3
@@ -206,6 +215,8 @@ class Lines:
     first_id: int
     last_id: int
     data: bytes
+    #: events of the range after ``last_id`` that did not fit the read's byte budget (read next)
+    cut: int = 0
 
 
 def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2,
@@ -214,9 +225,11 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
     may hold fewer) and at most ``read_bytes`` bytes of payload and metadata (one event at least), in
     id order, and :class:`Counted` once, as soon as the selection is counted. One session walks the
     selected ids (:class:`IdRanges`, in a thread: it runs ahead and counts) while ``connections``
-    others read the next ranges as the caller handles the current one (a range larger than
-    ``read_bytes`` is cut by the sizes of its events, and read one piece ahead only); nothing is
-    parsed in Python."""
+    others read the next ranges as the caller handles the current one. Each read renders its lines
+    once and the server cuts them at ``read_bytes`` / ``_AHEAD`` bytes (one event at least), so the
+    chunks read ahead hold ``read_bytes`` in all; what comes after a cut is read next, in pieces by
+    the sizes of its events (rendered once more, for those ranges only). Nothing is parsed in
+    Python."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
     # the walk's ranges in order, then None (or the exception that ended the walk)
@@ -235,6 +248,7 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
                 walked.put(exc)
 
     query = _LINES_QUERY.format(line=sql.SQL(EVENT_JSON_LINE), where=_filter(params))
+    budget = max(1, read_bytes // _AHEAD)  # what the chunks read ahead hold in all: read_bytes at most
     sizes_query = spark._events_sizes(params)
 
     def pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -252,12 +266,22 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
         conn = idle.get()
         try:
             # binary: the bytea arrives as it is (no hex text to decode)
-            row = conn.cursor(binary=True).execute(query, {**params, "lo": lo, "hi": hi}).fetchone()
+            row = conn.cursor(binary=True).execute(query, {**params, "lo": lo, "hi": hi, "budget": budget}
+                                                   ).fetchone()
         finally:
             idle.put(conn)
         assert row is not None  # an aggregate without group by returns one row
-        n, first, last, data = row
-        return Lines(n, first or lo, last or hi, data or b"")
+        n, first, last, data, cut = row
+        return Lines(n, first or lo, last or hi, data or b"", cut)
+
+    def rest(lines: Lines, hi: int) -> Iterator[Lines]:
+        """What came after a cut chunk, up to ``hi``: in pieces within the budget by the sizes of its
+        events (rendered once more, for those ranges only), each read in turn."""
+        for lo_, hi_, _size in pieces(lines.last_id + 1, hi):
+            got = fetch(lo_, hi_)
+            yield got
+            if got.cut:  # grown meanwhile (an event rewritten by a superuser): the rest again
+                yield from rest(got, hi_)
 
     with ExitStack() as stack:
         ranges = IdRanges(stack.enter_context(psycopg.connect(database_url, application_name="pgstream replay",
@@ -269,30 +293,20 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
                                                       thread_name_prefix="pgstream-replay"))
         stack.callback(stop.set)  # runs before the pool waits for the walk: it stops at its next range
         pool.submit(walk, ranges)
-        ahead: deque[tuple[Future[Lines], int]] = deque()  # chunks being read, with their bytes
-        waiting: deque[tuple[int, int, int]] = deque()  # pieces of the walk's ranges, not read yet
+        ahead: deque[tuple[Future[Lines], int]] = deque()  # chunks being read, with their range's end
         counted, walking = False, True
         failed: Exception | None = None
         try:
             while True:
-                # _AHEAD chunks ahead, holding read_bytes in all at most (one chunk at least)
-                while len(ahead) < _AHEAD:
-                    if not waiting:
-                        if not walking:
-                            break
-                        nxt = walked.get()
-                        if isinstance(nxt, Exception):
-                            failed, walking = nxt, False
-                        elif nxt is None:
-                            walking = False
-                        else:
-                            waiting.extend(pieces(*nxt))
-                        continue
-                    lo, hi, size = waiting[0]
-                    if ahead and sum(b for _f, b in ahead) + size > read_bytes:
-                        break
-                    waiting.popleft()
-                    ahead.append((pool.submit(fetch, lo, hi), size))
+                # _AHEAD chunks ahead, each of read_bytes / _AHEAD at most (one event at least)
+                while walking and len(ahead) < _AHEAD:
+                    nxt = walked.get()
+                    if isinstance(nxt, Exception):
+                        failed, walking = nxt, False
+                    elif nxt is None:
+                        walking = False
+                    else:
+                        ahead.append((pool.submit(fetch, *nxt), nxt[1]))
                 if not counted and ranges.total is not None:
                     counted = True
                     yield Counted(ranges.total)
@@ -300,9 +314,13 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
                     if failed is not None:
                         raise failed
                     return
-                yield ahead.popleft()[0].result()
+                pending, hi = ahead.popleft()
+                lines = pending.result()
+                yield lines
+                if lines.cut:
+                    yield from rest(lines, hi)
         finally:
-            for pending, _size in ahead:
+            for pending, _hi in ahead:
                 pending.cancel()
 
 
