@@ -251,16 +251,15 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
     budget = max(1, read_bytes // _AHEAD)  # what the chunks read ahead hold in all: read_bytes at most
     sizes_query = spark._events_sizes(params)
 
-    def pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """The range in pieces within ``read_bytes`` (by the sizes of its events, rendered by the server),
-        with their bytes."""
+    def pieces(lo: int, hi: int) -> list[spark.Piece]:
+        """The range in pieces within one read's ``budget`` (by the sizes of its events, rendered by the
+        server), so that :func:`fetch` reads each whole."""
         conn = idle.get()
         try:
             sizes = conn.execute(sizes_query, {**params, "lo": lo, "hi": hi}).fetchall()
         finally:
             idle.put(conn)
-        parts = [p for p in spark.cut(sizes, lo, hi, read_bytes, None) if isinstance(p, spark.Piece)]
-        return [(p.lo, p.hi, sum([s[2] + s[3] for s in sizes if p.lo <= s[0] <= p.hi])) for p in parts]
+        return [p for p in spark.cut(sizes, lo, hi, budget, None) if isinstance(p, spark.Piece)]
 
     def fetch(lo: int, hi: int) -> Lines:
         conn = idle.get()
@@ -277,11 +276,11 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
     def rest(lines: Lines, hi: int) -> Iterator[Lines]:
         """What came after a cut chunk, up to ``hi``: in pieces within the budget by the sizes of its
         events (rendered once more, for those ranges only), each read in turn."""
-        for lo_, hi_, _size in pieces(lines.last_id + 1, hi):
-            got = fetch(lo_, hi_)
+        for piece in pieces(lines.last_id + 1, hi):
+            got = fetch(piece.lo, piece.hi)
             yield got
             if got.cut:  # grown meanwhile (an event rewritten by a superuser): the rest again
-                yield from rest(got, hi_)
+                yield from rest(got, piece.hi)
 
     with ExitStack() as stack:
         ranges = IdRanges(stack.enter_context(psycopg.connect(database_url, application_name="pgstream replay",
