@@ -330,8 +330,9 @@ def _load(pyspark: LazyPySparkResource, executor_url: str, stream: StreamConfig,
                               sizes=conn, read_bytes=delivery.max_read_bytes)
 
 
-def _too_large(stream: StreamConfig, database_url: str) -> ledger.DeadLetterWriter:
-    """Sets aside an event too large for the sink, whatever ``on_reject`` says: it can never be delivered."""
+def _dead_letters(stream: StreamConfig, database_url: str) -> ledger.DeadLetterWriter:
+    """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and an event too large
+    for the sink whatever ``on_reject`` says (it can never be delivered)."""
     return ledger.DeadLetterWriter(database_url, stream.id, stream.sink.type,
                                    resumes=stream.delivery.ordering == "global")
 
@@ -340,8 +341,7 @@ def _reject_policy(stream: StreamConfig, database_url: str) -> RejectPolicy | No
     delivery = stream.delivery
     if delivery.on_reject != "dead_letter":
         return None
-    writer = ledger.DeadLetterWriter(database_url, stream.id, stream.sink.type,
-                                     resumes=delivery.ordering == "global")
+    writer = _dead_letters(stream, database_url)
     return RejectPolicy(writer, max_attempts=delivery.max_attempts,
                         max_consecutive=delivery.max_consecutive_rejects,
                         backoff_secs=min(stream.retry.initial_backoff_secs, 5.0), known_good=writer.known_good)
@@ -400,7 +400,7 @@ def _round(context: dg.OpExecutionContext, conn: psycopg.Connection, stream: Str
             if isinstance(frame, spark.DirectRead):  # the sink's limit: larger events are not read
                 frame = dataclasses.replace(frame, event_bytes=max_event_bytes(sink))
             delivered = _deliver_in_order(context, conn, stream, sink, frame, owed, skip, reject,
-                                          _too_large(stream, database_url))
+                                          _dead_letters(stream, database_url))
     except MissingEventsError:
         raise _vanished_failure(conn, stream.id, batch_ids) from None
     missing = ledger.not_delivered(conn, batch_ids)
@@ -471,7 +471,7 @@ def _deliver_by_key(context: dg.OpExecutionContext, conn: psycopg.Connection, st
     progress = ledger.KeyProgress(database_url, stream.id, partitions, run_id=context.run_id)
     result = spark.deliver_by_key(frame, stream.sink, stream.delivery.chunk_size, partitions,
                                   skip=skip, reject=reject, progress=progress,
-                                  too_large=_too_large(stream, database_url).too_large,
+                                  too_large=_dead_letters(stream, database_url).too_large,
                                   chunk_bytes=stream.delivery.max_read_bytes)
     vanished_in = {b: sum(1 for g, _o in gone if g == b) for b in batch_ids}
     wrong = {b: (result.handled.get(b, 0), events) for b, events in expected.items()
