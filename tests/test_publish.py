@@ -412,3 +412,34 @@ def test_a_sink_that_refuses_what_it_confirmed_before_trips_the_storm_guard() ->
     with pytest.raises(RejectStormError, match=r"5 events in a row.*now also rejects event 10"):
         rec.run(broken, rows({1: list(range(10, 30))}), 10, reject=policy(rec, max_consecutive=5))
     assert len(rec.aside) == 4 and broken.delivered == [10]
+
+
+class _Positions(Sink):
+    """A sink that takes positions (``accepts_positions``): records each call's events and positions."""
+
+    type_name = "positions"
+    accepts_positions = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], list[tuple[int, int]]]] = []
+        self.plain: list[list[int]] = []
+
+    def publish(self, events: Sequence[Event]) -> None:
+        self.plain.append([e.id for e in events])
+
+    def publish_at(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
+        self.calls.append(([e.id for e in events], list(positions)))
+
+
+def test_a_sink_that_takes_positions_gets_each_events_ledger_position() -> None:
+    sink = _Positions()
+    assert drain(publish(sink, rows({7: [70, 71, 72], 8: [80, None, 82]}), 2,
+                         skip=frozenset({(8, 2)}))) == 5
+    assert sink.plain == []
+    assert sink.calls == [([70, 71], [(7, 1), (7, 2)]), ([72, 80], [(7, 3), (8, 1)]), ([82], [(8, 3)])]
+
+
+def test_other_sinks_are_published_to_as_before() -> None:
+    config = Rejecting()
+    assert Recorder().run(config, rows({1: [10, 11, 12]}), 2) == 3
+    assert config.calls == [[10, 11], [12]]

@@ -367,7 +367,8 @@ class _Publisher:
         log2(n) calls find the bad event instead of one call per event."""
         while lo < hi:
             try:
-                self.sink.publish(events[lo:hi] if lo or hi < len(events) else events)
+                self._send(events[lo:hi] if lo or hi < len(events) else events,
+                           where[lo:hi] if lo or hi < len(where) else where)
             except SinkError as exc:
                 if self.reject is None or not exc.permanent:
                     raise
@@ -389,6 +390,14 @@ class _Publisher:
             yield from self._publish(events, where, first, mid)
             yield from self._publish(events, where, mid, end)
             lo = end
+
+    def _send(self, events: Sequence[Event], where: Sequence[Position]) -> None:
+        """One publish call: with the events' positions for a sink that takes them (``Sink.publish_at``:
+        the lake sinks key their commits by them), else ``Sink.publish``."""
+        if getattr(self.sink, "accepts_positions", False):
+            self.sink.publish_at(events, where)
+        else:
+            self.sink.publish(events)
 
     def _confirmed(self, events: Sequence[Event], where: Sequence[Position], start: int,
                    end: int) -> Iterator[Delivery]:
@@ -444,7 +453,7 @@ class _Publisher:
             if attempt > 1:
                 time.sleep(min(policy.backoff_secs * 2 ** (attempt - 2), 30.0))
             try:
-                self.sink.publish([event])
+                self._send([event], [position])
             except SinkError as exc:
                 if not exc.permanent:
                     raise

@@ -655,6 +655,18 @@ class Sink(ABC):
         before it was confirmed.
         """
 
+    #: the sink takes each publish call's ledger positions (:meth:`publish_at`): the lake sinks, whose
+    #: commits carry the last position as their idempotency token
+    accepts_positions: ClassVar[bool] = False
+
+    def publish_at(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
+        """:meth:`publish` with each event's place in the delivery order: ``positions[i]`` is
+        ``(batch_id, ord)`` of ``events[i]`` (its ledger batch and 1-based ordinal in it), strictly
+        increasing; a replay's events come with batch ``0`` (they are not ledger positions). The
+        publisher calls it instead of :meth:`publish` for a sink with :attr:`accepts_positions`; the
+        default ignores the positions."""
+        self.publish(events)
+
     def max_event_bytes(self) -> int | None:
         """The largest payload (its JSON text, in UTF-8 bytes) this sink can ever send, or None when it
         has no limit of its own. What every message of the sink carries at least is the payload, so an
