@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@start=$$(date +%s); \
 	  test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) && \
 	  $(BIN)/python -m pip install -q --upgrade pip && \
-	  $(BIN)/python -m pip install -q -e '.[dev,redis,rabbitmq,nats,kafka,mqtt,aws,metrics]' && \
+	  $(BIN)/python -m pip install -q -e '.[dev,redis,rabbitmq,nats,kafka,mqtt,aws,metrics,lake]' && \
 	  touch $(STAMP) && echo "[venv] done ($$(( $$(date +%s) - start )) s)"
 
 dev: $(STAMP)

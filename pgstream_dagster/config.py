@@ -24,7 +24,7 @@ from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .engine.cluster import database_problem, executors_elsewhere, is_local, sink_problems
-from .sinks import SinkConfig
+from .sinks import LAKE_SINK_TYPES, SinkConfig
 from .sinks.base import EventPath
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -181,6 +181,14 @@ class StreamConfig(_Model):
     slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$",
                                   description="the replication slot the stream reads; default: a name the database "
                                               "derives, unique in the cluster (engine.ledger.stream_slot)")
+
+    @model_validator(mode="after")
+    def _lake_needs_global_order(self) -> StreamConfig:
+        # a lake sink's commits carry the last ledger position as their token: one publisher, in order
+        if self.sink.type in LAKE_SINK_TYPES and self.delivery.ordering == "by_key":
+            raise ValueError(f"sink.type {self.sink.type}: needs delivery.ordering global (its commits are keyed by "
+                             f"the ledger position, which by_key's parallel tasks do not follow)")
+        return self
 
     @property
     def slot_label(self) -> str:

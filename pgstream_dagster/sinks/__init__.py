@@ -2,7 +2,8 @@
 
 ``SinkConfig`` is a pydantic discriminated union (on ``type``) of every sink config; ``build_sink`` turns
 a config (or a plain mapping) into a :class:`Sink`. Importing this package never imports the optional
-client libraries (redis, pika, nats-py, confluent-kafka, paho-mqtt, boto3): they are loaded when the matching
+client libraries (redis, pika, nats-py, confluent-kafka, paho-mqtt, boto3,
+deltalake, pyiceberg): they are loaded when the matching
 sink is built.
 """
 
@@ -14,13 +15,16 @@ from typing import Annotated, Any, Union
 from pydantic import ConfigDict, Field, TypeAdapter
 
 from .base import Event, MissingExtraError, Sink, SinkConfigBase, SinkError
+from .delta import DeltaSink, DeltaSinkConfig
 from .file import FileSink, FileSinkConfig
 from .http import HttpSink, HttpSinkConfig
+from .iceberg import IcebergSink, IcebergSinkConfig
 from .kafka import KafkaSink, KafkaSinkConfig
 from .kinesis import KinesisSink, KinesisSinkConfig
 from .memory import MemorySink, MemorySinkConfig
 from .mqtt import MqttSink, MqttSinkConfig
 from .nats import NatsSink, NatsSinkConfig
+from .parquet import ParquetSink, ParquetSinkConfig
 from .postgres import PostgresSink, PostgresSinkConfig
 from .rabbitmq import RabbitMqSink, RabbitMqSinkConfig
 from .redis import RedisSink, RedisSinkConfig
@@ -28,11 +32,16 @@ from .sns import SnsSink, SnsSinkConfig
 from .sqs import SqsSink, SqsSinkConfig
 
 __all__ = [
+    "LAKE_SINK_TYPES",
+    "DeltaSink",
+    "DeltaSinkConfig",
     "Event",
     "FileSink",
     "FileSinkConfig",
     "HttpSink",
     "HttpSinkConfig",
+    "IcebergSink",
+    "IcebergSinkConfig",
     "KafkaSink",
     "KafkaSinkConfig",
     "KinesisSink",
@@ -44,6 +53,8 @@ __all__ = [
     "MqttSinkConfig",
     "NatsSink",
     "NatsSinkConfig",
+    "ParquetSink",
+    "ParquetSinkConfig",
     "PostgresSink",
     "PostgresSinkConfig",
     "RabbitMqSink",
@@ -76,10 +87,16 @@ SinkConfig = Annotated[
         SqsSinkConfig,
         SnsSinkConfig,
         KinesisSinkConfig,
+        DeltaSinkConfig,
+        IcebergSinkConfig,
+        ParquetSinkConfig,
     ],
     Field(discriminator="type"),
 ]
 """Any sink config, chosen by its ``type`` field."""
+
+#: the sinks whose commits are keyed by the ledger position (:mod:`.lake`): global ordering only
+LAKE_SINK_TYPES = frozenset({"delta", "iceberg", "parquet"})
 
 _adapter: TypeAdapter[SinkConfigBase] = TypeAdapter(SinkConfig, config=ConfigDict(hide_input_in_errors=True))
 

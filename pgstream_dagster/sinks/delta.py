@@ -1,0 +1,100 @@
+"""Delta Lake sink (the ``deltalake`` package, delta-rs: no JVM): each publish call is one Delta commit
+carrying a transaction identifier (app id ``pgstream-stream-<id>``, version: the token of the call's
+last ledger position), so a retried or replayed call is a no-op (see :mod:`.lake`).
+
+Partitioned by ``day``; a column the table lacks is added (``schema_mode: merge``).
+
+Permanent rejections: none (storage and schema failures are about the table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field, SecretStr
+
+from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, token
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["DeltaSink", "DeltaSinkConfig", "delta_app_id"]
+
+
+def delta_app_id(stream_id: int) -> str:
+    """The Delta transaction identifier (``txn.appId``) of a stream's commits."""
+    return f"pgstream-stream-{stream_id}"
+
+
+class DeltaSinkConfig(LakeSinkConfigBase):
+    """Append events to the Delta table at ``path`` (created on the first write), exactly once."""
+
+    type: Literal["delta"] = "delta"
+    path: str = Field(min_length=1, description="the table's location: a local directory or an object store URI "
+                                                "(s3://bucket/table, az://..., gs://...)")
+    storage_options: dict[str, SecretStr] = Field(
+        default_factory=dict, description="delta-rs storage options (credentials, endpoint) for an object store; "
+                                          "values are secrets, never logged")
+
+    def build(self) -> DeltaSink:
+        return DeltaSink(self)
+
+
+class DeltaSink(LakeSink):
+    """Appends to a Delta table; each commit records the stream's transaction version."""
+
+    type_name: ClassVar[str] = "delta"
+    config: DeltaSinkConfig
+
+    def __init__(self, config: DeltaSinkConfig) -> None:
+        super().__init__(config)
+        self._deltalake: Any = self._import("deltalake", "deltalake")
+
+    def where(self) -> str:
+        return f"table {self.config.path}"
+
+    def _options(self) -> dict[str, str] | None:
+        options = {k: v.get_secret_value() for k, v in self.config.storage_options.items()}
+        return options or None
+
+    def _table(self) -> Any:
+        deltalake = self._deltalake
+        if not deltalake.DeltaTable.is_deltatable(self.config.path, storage_options=self._options()):
+            return None
+        return deltalake.DeltaTable(self.config.path, storage_options=self._options())
+
+    def read_token(self, stream_id: int) -> int | None:
+        table = self._table()
+        if table is None:
+            return None
+        version = table.transaction_version(delta_app_id(stream_id))
+        return int(version) if version is not None else None
+
+    def read(self, stream_id: int, columns: Sequence[str]) -> pa.Table:
+        import pyarrow.dataset as ds
+
+        table = self._table()
+        if table is None:
+            return arrow_schema().empty_table().select(list(columns))
+        return table.to_pyarrow_dataset().to_table(columns=list(columns), filter=ds.field("stream_id") == stream_id)
+
+    def present_ids(self, stream_id: int, low: int, high: int) -> set[int]:
+        import pyarrow.dataset as ds
+
+        table = self._table()
+        if table is None:
+            return set()
+        dataset = table.to_pyarrow_dataset()
+        found = dataset.to_table(columns=["id"], filter=(ds.field("stream_id") == stream_id)
+                                 & (ds.field("id") >= low) & (ds.field("id") <= high))
+        return set(found.column("id").to_pylist())
+
+    def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
+        deltalake = self._deltalake
+        properties = deltalake.CommitProperties(
+            app_transactions=[deltalake.Transaction(delta_app_id(stream_id), token(*span[1]))]
+            if span is not None else None)
+        deltalake.write_deltalake(self.config.path, table, mode="append", partition_by=["day"],
+                                  schema_mode="merge", storage_options=self._options(),
+                                  commit_properties=properties)

@@ -1,0 +1,238 @@
+"""What the lake sinks (``delta``, ``iceberg``, ``parquet``) share: the table's columns, events as an
+Arrow table, and exactly-once keyed by the ledger position.
+
+**Exactly once.** The delivery publishes a stream's events in ledger order, one publish call after the
+other, and tells the sink each event's position ``(batch_id, ord)`` (``Sink.publish_at``). A lake sink
+writes the events of a call in one commit that also records the position of its last event (its
+*token*, :func:`token`: ``batch_id * 2**32 + ord``, increasing along the delivery order): Delta's
+transaction identifier of the stream, an Iceberg snapshot property, a Parquet commit marker. Before
+writing, the sink reads the stream's token and drops the events at or before it: a call retried after
+a crash (its commit made, its confirmation not recorded), resumed with other chunk boundaries, or
+replayed from an older position is written once, the part already committed not again.
+
+A replay (``pgstream_replay_stream_<id>``) publishes events by id, not by ledger position (batch
+``0``): the sink reads which ids of the call's id range the table already holds for the stream and
+writes only the others. Replaying a range the table has is a no-op; replaying into an emptied table
+fills it.
+
+Permanent rejections: none. What fails (storage, the catalog, a schema the table cannot take) is
+about the table, not about one event.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, import_extra
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = [
+    "LAKE_COLUMNS",
+    "LakeSink",
+    "LakeSinkConfigBase",
+    "Span",
+    "arrow_schema",
+    "events_table",
+    "position_of",
+    "token",
+]
+
+Span = tuple[tuple[int, int], tuple[int, int]]
+"""The ledger positions ``((batch_id, ord), (batch_id, ord))`` of the first and last event of a commit."""
+
+#: a position's ordinal takes the low 32 bits of a token (a ledger batch holds at most 1,000,000 events)
+_ORD_BITS = 32
+
+#: the columns of every lake table, in order: (name, Arrow type name, description)
+LAKE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("id", "int64", "the event id (pgstream.events.id): unique per event"),
+    ("stream_id", "int64", "the stream"),
+    ("created_at", "timestamp[us, UTC]", "when the event was written (pgstream.events.created_at)"),
+    ("day", "date32", "created_at's UTC date: the partition"),
+    ("operation", "string", "the payload's tg_op: INSERT, UPDATE, DELETE, TRUNCATE or READ (a backfill)"),
+    ("schema_name", "string", "the payload's tg_table_schema"),
+    ("table_name", "string", "the payload's tg_table_name"),
+    ("subscription", "string", "the payload's tg_name: the subscription's key"),
+    ("payload", "string", "the payload as JSON text, as delivered to every other sink"),
+    ("metadata", "string", "the metadata as JSON text (null when there is none)"),
+)
+
+
+def token(batch_id: int, ord: int) -> int:
+    """The idempotency token of ledger position ``(batch_id, ord)``: increasing along the delivery order."""
+    return (batch_id << _ORD_BITS) | ord
+
+
+def position_of(value: int) -> tuple[int, int]:
+    """The ledger position ``(batch_id, ord)`` of a :func:`token`."""
+    return value >> _ORD_BITS, value & ((1 << _ORD_BITS) - 1)
+
+
+def arrow_schema() -> pa.Schema:
+    """The Arrow schema of :data:`LAKE_COLUMNS` (every column nullable, as the table formats read them)."""
+    import pyarrow as pa
+
+    types = {"int64": pa.int64(), "timestamp[us, UTC]": pa.timestamp("us", tz="UTC"), "date32": pa.date32(),
+             "string": pa.string()}
+    return pa.schema([pa.field(name, types[kind]) for name, kind, _ in LAKE_COLUMNS])
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def events_table(events: Sequence[Event]) -> pa.Table:
+    """``events`` as an Arrow table of :func:`arrow_schema`."""
+    import pyarrow as pa
+
+    ids: list[int] = []
+    streams: list[int] = []
+    created: list[dt.datetime] = []
+    days: list[dt.date] = []
+    ops: list[str | None] = []
+    schemas: list[str | None] = []
+    tables: list[str | None] = []
+    subs: list[str | None] = []
+    payloads: list[str] = []
+    metadatas: list[str | None] = []
+    utc = dt.UTC
+    for event in events:
+        payload = event.payload
+        when = event.created_at.astimezone(utc)
+        ids.append(event.id)
+        streams.append(event.stream_id)
+        created.append(when)
+        days.append(when.date())
+        ops.append(_text(payload.get("tg_op")))
+        schemas.append(_text(payload.get("tg_table_schema")))
+        tables.append(_text(payload.get("tg_table_name")))
+        subs.append(_text(payload.get("tg_name")))
+        payloads.append(event.payload_json)
+        metadatas.append(event.metadata_json)
+    columns: tuple[list[Any], ...] = (ids, streams, created, days, ops, schemas, tables, subs, payloads, metadatas)
+    schema = arrow_schema()
+    return pa.Table.from_arrays([pa.array(column, type=field.type) for column, field in zip(columns, schema,
+                                                                                            strict=True)],
+                                schema=schema)
+
+
+class LakeSinkConfigBase(SinkConfigBase):
+    """What every lake sink config has (nothing yet besides the ``type``)."""
+
+
+class LakeSink(Sink):
+    """A sink whose commits are keyed by the ledger position (see the module docstring). Subclasses
+    implement reading the stream's token, reading the ids present in an id range, and one commit."""
+
+    type_name: ClassVar[str]
+    accepts_positions: ClassVar[bool] = True
+    #: the pip extra and library named when the client library is missing
+    extra: ClassVar[str] = "lake"
+
+    def __init__(self, config: SinkConfigBase) -> None:
+        super().__init__(config)
+        #: per stream: the token of the last committed position, as read (``None``: none committed)
+        self._tokens: dict[int, int | None] = {}
+
+    # --- what a format implements ---------------------------------------------------------------
+
+    @abstractmethod
+    def read_token(self, stream_id: int) -> int | None:
+        """The token the table holds for the stream, ``None`` when none (or no table yet)."""
+
+    @abstractmethod
+    def present_ids(self, stream_id: int, low: int, high: int) -> set[int]:
+        """The event ids of the stream in ``low..high`` the table holds."""
+
+    @abstractmethod
+    def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
+        """Write ``table`` in one commit; with ``span`` (the ledger positions of its first and last
+        event), record ``token(*span[1])`` as the stream's token in the same commit."""
+
+    @abstractmethod
+    def read(self, stream_id: int, columns: Sequence[str]) -> pa.Table:
+        """The stream's rows of the table (``columns`` of them), read with the format's own reader; an
+        empty table when there is no table yet."""
+
+    def where(self) -> str:
+        """The table, for messages (never a secret)."""
+        return ""
+
+    def day_counts(self, stream_id: int) -> dict[dt.date, int]:
+        """The stream's events in the table per UTC day of ``created_at`` (the asset check compares
+        them with ``pgstream.events``)."""
+        import pyarrow.compute as pc
+
+        table = self.read(stream_id, ["created_at"])
+        if not table.num_rows:
+            return {}
+        days = pc.cast(table.column("created_at"), "date32")
+        counted = pc.value_counts(days)
+        return {row["values"]: row["counts"] for row in counted.to_pylist()}
+
+    def ids(self, stream_id: int) -> list[int]:
+        """The stream's event ids in the table, in no particular order, duplicates included."""
+        return [int(v) for v in self.read(stream_id, ["id"]).column("id").to_pylist()]
+
+    # --- the Sink contract ----------------------------------------------------------------------
+
+    def publish(self, events: Sequence[Event]) -> None:
+        """Events without ledger positions (a replay, a probe): written unless the table has their id."""
+        if events:
+            self._guard(events, lambda: self._by_id(events))
+
+    def publish_at(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
+        if not events:
+            return
+        if positions[0][0] == 0:  # a replay: positions are event ids
+            self.publish(events)
+            return
+        self._guard(events, lambda: self._positioned(events, positions))
+
+    def _stream(self, events: Sequence[Event]) -> int:
+        stream_id = events[0].stream_id
+        if any(e.stream_id != stream_id for e in events):
+            raise ValueError("the events of one publish call belong to several streams")
+        return stream_id
+
+    def _positioned(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
+        stream_id = self._stream(events)
+        if stream_id not in self._tokens:
+            self._tokens[stream_id] = self.read_token(stream_id)
+        committed = self._tokens[stream_id]
+        if committed is None:
+            start = 0
+        else:
+            start = next((i for i, (b, o) in enumerate(positions) if token(b, o) > committed), len(events))
+        if start == len(events):
+            return  # committed before: a retry or a replay of the same positions
+        self.commit(stream_id, events_table(events[start:]), (positions[start], positions[-1]))
+        self._tokens[stream_id] = token(*positions[-1])
+
+    def _by_id(self, events: Sequence[Event]) -> None:
+        stream_id = self._stream(events)
+        ids = [e.id for e in events]
+        present = self.present_ids(stream_id, min(ids), max(ids))
+        missing = [e for e in events if e.id not in present]
+        if missing:
+            self.commit(stream_id, events_table(missing), None)
+
+    def _guard(self, events: Sequence[Event], write: Any) -> None:
+        try:
+            write()
+        except SinkError:
+            self._tokens.clear()
+            raise
+        except Exception as exc:  # the libraries raise their own types (IO, catalog, schema)
+            self._tokens.clear()  # a commit that failed may have been made: read the token again
+            where, secrets = self.where(), self.config.secret_values()
+            raise SinkError.for_events(self.type_name, events, f"{where + ': ' if where else ''}"
+                                       f"{describe_exception(exc, secrets)}", secrets) from exc
+
+    def _import(self, library: str, *modules: str) -> Any:
+        return import_extra(self.type_name, self.extra, library, *modules)

@@ -1,0 +1,169 @@
+"""Parquet sink: files partitioned by day (``<path>/day=YYYY-MM-DD/``, hive style), one file per
+publish call and day, named by the stream and the call's first..last ledger position, each written
+to a temporary name and renamed (atomic). After a call's files the stream's commit marker
+(``<path>/_pgstream/stream-<id>.json``, the token of the last position, see :mod:`.lake`) is
+replaced the same way: the marker decides what is committed.
+
+A retry reads the marker, deletes the stream's files that start after it (an attempt killed between
+its files and its marker) and writes what comes after the marker again: each event once. Between
+such a kill and the next run, a reader of the directory may see those files; the next publish removes them.
+
+Permanent rejections: none (file system failures are about the directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, position_of, token
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["MARKER_DIR", "ParquetSink", "ParquetSinkConfig", "read_marker"]
+
+#: the directory of the streams' commit markers, under the sink's path
+MARKER_DIR = "_pgstream"
+
+#: a delivered file: stream, first and last position (batch.ord)
+_FILE = re.compile(r"^stream-(\d+)-b(\d+)\.(\d+)-b(\d+)\.(\d+)\.parquet$")
+
+
+class ParquetSinkConfig(LakeSinkConfigBase):
+    """Write events as Parquet files under ``path``, partitioned by day, exactly once."""
+
+    type: Literal["parquet"] = "parquet"
+    path: str = Field(min_length=1, description="the directory (created on demand): day=YYYY-MM-DD/ "
+                                                "subdirectories, and _pgstream/ for the commit markers")
+    compression: Literal["zstd", "snappy", "gzip", "none"] = Field("zstd", description="the files' compression")
+
+    def build(self) -> ParquetSink:
+        return ParquetSink(self)
+
+
+def read_marker(path: str | Path, stream_id: int) -> int | None:
+    """The token the stream's commit marker under ``path`` holds, ``None`` when there is none."""
+    try:
+        data = json.loads((Path(path) / MARKER_DIR / f"stream-{stream_id}.json").read_text())
+    except FileNotFoundError:
+        return None
+    return int(data["token"])
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Make ``tmp`` (written, closed) ``final``, durably."""
+    _fsync(tmp)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+
+
+class ParquetSink(LakeSink):
+    """Writes one Parquet file per publish call and day; a marker per stream records the last position."""
+
+    type_name: ClassVar[str] = "parquet"
+    config: ParquetSinkConfig
+
+    def __init__(self, config: ParquetSinkConfig) -> None:
+        super().__init__(config)
+        self._pq: Any = self._import("pyarrow", "pyarrow.parquet")
+        self._cleaned: set[int] = set()
+
+    def where(self) -> str:
+        return f"directory {self.config.path}"
+
+    def read_token(self, stream_id: int) -> int | None:
+        committed = read_marker(self.config.path, stream_id)
+        self._clean(stream_id, committed)
+        return committed
+
+    def _clean(self, stream_id: int, committed: int | None) -> None:
+        """Delete the stream's files after the marker: written by an attempt that died before its marker."""
+        root = Path(self.config.path)
+        if not root.is_dir():
+            return
+        for day in root.glob("day=*"):
+            for file in day.iterdir():
+                found = _FILE.match(file.name)
+                if found and int(found.group(1)) == stream_id and (
+                        committed is None or token(int(found.group(2)), int(found.group(3))) > committed):
+                    file.unlink()
+                elif file.name.startswith(".tmp-"):
+                    file.unlink(missing_ok=True)
+
+    def read(self, stream_id: int, columns: Sequence[str]) -> pa.Table:
+        root = Path(self.config.path)
+        if not root.is_dir() or not any(root.glob("day=*/*.parquet")):
+            return arrow_schema().empty_table().select(list(columns))
+        # pyarrow's reader: hive partitions (day=...), files starting with _ or . ignored (the markers)
+        result: pa.Table = self._pq.read_table(root, columns=list(columns), filters=[("stream_id", "=", stream_id)],
+                                               partitioning="hive")
+        return result
+
+    def present_ids(self, stream_id: int, low: int, high: int) -> set[int]:
+        import pyarrow.dataset as ds
+
+        root = Path(self.config.path)
+        files = [str(f) for f in root.glob("day=*/stream-*.parquet")] if root.is_dir() else []
+        if not files:
+            return set()
+        dataset = ds.dataset(files, format="parquet")
+        found = dataset.to_table(columns=["id"], filter=(ds.field("stream_id") == stream_id)
+                                 & (ds.field("id") >= low) & (ds.field("id") <= high))
+        return set(found.column("id").to_pylist())
+
+    def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
+        import pyarrow.compute as pc
+
+        root = Path(self.config.path)
+        if span is None:  # a replay: named by the event ids
+            ids = table.column("id")
+            name = f"stream-{stream_id}-replay-{pc.min(ids).as_py()}-{pc.max(ids).as_py()}-{uuid.uuid4().hex[:8]}"
+        else:
+            (b1, o1), (b2, o2) = span
+            name = f"stream-{stream_id}-b{b1}.{o1}-b{b2}.{o2}"
+        days = table.column("day")
+        written: list[tuple[Path, Path]] = []
+        try:
+            for day in pc.unique(days).to_pylist():
+                part = table.filter(pc.equal(days, day)).drop_columns(["day"])
+                directory = root / f"day={day.isoformat()}"
+                directory.mkdir(parents=True, exist_ok=True)
+                tmp = directory / f".tmp-{uuid.uuid4().hex}.parquet"
+                self._pq.write_table(part, tmp, compression=self.config.compression)
+                written.append((tmp, directory / f"{name}.parquet"))
+            for tmp, final in written:
+                _replace(tmp, final)
+        finally:
+            for tmp, _final in written:
+                tmp.unlink(missing_ok=True)
+        if span is not None:
+            self._write_marker(stream_id, token(*span[1]))
+
+    def _write_marker(self, stream_id: int, new_token: int) -> None:
+        directory = Path(self.config.path) / MARKER_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        batch_id, ord = position_of(new_token)
+        tmp = directory / f".tmp-{uuid.uuid4().hex}.json"
+        tmp.write_text(json.dumps({"token": new_token, "batch_id": batch_id, "ord": ord}))
+        _replace(tmp, directory / f"stream-{stream_id}.json")

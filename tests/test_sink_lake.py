@@ -1,0 +1,168 @@
+"""The lake sinks (delta, iceberg, parquet) on their own: real tables on disk (Iceberg's SQL catalog in
+the tests' Postgres), fed by the publisher as a delivery run feeds them, read back with each format's
+own reader (and duckdb for Parquet). Exactly once across retries with other chunk boundaries,
+replays by id and an attempt that died between its files and its commit marker; bad config."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from pgstream_dagster.config import parse_stream
+from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.engine.publish import Positioned, drain, publish
+from pgstream_dagster.sinks import Event, SinkError, build_sink
+from pgstream_dagster.sinks import parquet as parquet_module
+from pgstream_dagster.sinks.lake import LakeSink, position_of, token
+
+from .support.lake import LAKE_FORMATS, lake_config, lake_ids
+
+STREAM = 3
+START = dt.datetime(2026, 11, 26, 22, 0, tzinfo=dt.UTC)
+
+
+def events(n: int, first_id: int = 1000) -> list[Event]:
+    """``n`` events of stream 3 over three UTC days (a chunk spans days), ids not in delivery order."""
+    return [Event(first_id + (i * 7919) % n, STREAM,
+                  {"tg_op": "INSERT", "tg_name": "orders", "tg_table_schema": "public", "tg_table_name": "orders",
+                   "new": {"id": i, "note": "ünïcode ✓"}}, {"txid": i} if i % 3 == 0 else None,
+                  START + dt.timedelta(minutes=90 * i // n * 20))
+            for i in range(n)]
+
+
+def positioned(evs: Sequence[Event], batch_size: int) -> Iterator[Positioned]:
+    """``evs`` in ledger batches of ``batch_size`` (batch ids from 5), as the delivery reads them."""
+    for i, event in enumerate(evs):
+        yield 5 + i // batch_size, i % batch_size + 1, event
+
+
+def sink_of(config: dict[str, Any]) -> LakeSink:
+    sink = build_sink(config)
+    assert isinstance(sink, LakeSink)
+    return sink
+
+
+@pytest.mark.parametrize("kind", LAKE_FORMATS)
+def test_each_event_once_across_retries_other_chunks_and_replays(kind: str, tmp_path: Path,
+                                                                  pg: LocalPostgres) -> None:
+    config = lake_config(kind, tmp_path, pg)
+    evs = events(60)
+    first = [(b, o, e) for b, o, e in positioned(evs, 25)][:37]
+    with sink_of(config) as sink:
+        assert drain(publish(sink, iter(first), 8)) == 37
+    # the run died before recording its last confirmations: the next one resumes from an earlier
+    # position (batch 6 #1), with other chunk boundaries, and goes on to the end
+    resumed = [(b, o, e) for b, o, e in positioned(evs, 25) if (b, o) >= (6, 1)]
+    with sink_of(config) as sink:
+        assert drain(publish(sink, iter(resumed), 11)) == len(resumed)
+        assert position_of(sink.read_token(STREAM) or 0) == (7, 10)
+    assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in evs})
+    # the same positions again (a delivery of batches already delivered): nothing written
+    with sink_of(config) as sink:
+        drain(publish(sink, positioned(evs, 25), 13))
+    # a replay of every event (batch 0, positions are ids), in two overlapping pieces
+    by_id = sorted(evs, key=lambda e: e.id)
+    with sink_of(config) as sink:
+        drain(publish(sink, ((0, e.id, e) for e in by_id[:40]), 9))
+        drain(publish(sink, ((0, e.id, e) for e in by_id[20:]), 9))
+        read = sink.read(STREAM, ["id", "stream_id", "created_at", "operation", "schema_name", "table_name",
+                                  "subscription", "payload", "metadata"])
+        per_day = sink.day_counts(STREAM)
+    assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in evs})
+    rows = {r["id"]: r for r in read.to_pylist()}
+    for event in evs:
+        row = rows[event.id]
+        assert (row["stream_id"], row["created_at"], row["operation"], row["schema_name"], row["table_name"],
+                row["subscription"], row["payload"], row["metadata"]) == (
+            STREAM, event.created_at, "INSERT", "public", "orders", "orders", event.payload_json,
+            event.metadata_json)
+    assert per_day == dict(Counter(e.created_at.date() for e in evs))
+    assert len(per_day) == 3
+
+
+def test_a_replay_into_an_emptied_table_fills_it(tmp_path: Path, pg: LocalPostgres) -> None:
+    config = lake_config("delta", tmp_path, pg)
+    evs = events(30)
+    with sink_of(config) as sink:
+        drain(publish(sink, ((0, e.id, e) for e in sorted(evs, key=lambda e: e.id)), 7))
+        assert sink.read_token(STREAM) is None  # a replay records no ledger position
+    assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in evs})
+
+
+def test_parquet_files_of_an_attempt_killed_before_its_marker_are_replaced(
+        tmp_path: Path, pg: LocalPostgres, monkeypatch: pytest.MonkeyPatch) -> None:
+    import duckdb
+
+    config = lake_config("parquet", tmp_path, pg)
+    evs = events(60)
+    with sink_of(config) as sink:
+        drain(publish(sink, positioned(evs[:20], 25), 20))
+    # the next call spans three days: it dies after renaming its first file, before the others and the marker
+    real_replace = parquet_module._replace
+    renamed: list[Path] = []
+
+    def dies_after_one(tmp: Path, final: Path) -> None:
+        if renamed:
+            raise OSError("killed")
+        real_replace(tmp, final)
+        renamed.append(final)
+    monkeypatch.setattr(parquet_module, "_replace", dies_after_one)
+    with sink_of(config) as sink, pytest.raises(SinkError, match="killed"):
+        drain(publish(sink, ((b, o, e) for b, o, e in positioned(evs, 25) if b > 5 or o > 20), 40))
+    assert renamed and renamed[0].exists()  # an uncommitted file a reader could see
+    monkeypatch.setattr(parquet_module, "_replace", real_replace)
+    with sink_of(config) as sink:  # the next run: from the marker on, chunked otherwise
+        drain(publish(sink, ((b, o, e) for b, o, e in positioned(evs, 25) if b > 5 or o > 20), 15))
+    assert renamed[0].name == "stream-3-b5.21-b7.10.parquet" and not renamed[0].exists()  # removed
+    assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in evs})
+    files = f"{config['path']}/day=*/*.parquet"
+    assert duckdb.execute("select count(*), count(distinct id) from read_parquet(?, hive_partitioning=true)",
+                          [files]).fetchall() == [(60, 60)]
+    assert not list(Path(config["path"]).glob("**/.tmp-*"))
+
+
+def test_the_token_follows_the_delivery_order() -> None:
+    assert token(1, 1_000_000) < token(2, 1) < token(2, 2) < token(2**31, 1)
+    assert position_of(token(123456, 789)) == (123456, 789)
+
+
+def test_bad_config_is_refused_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"table must be namespace\.table"):
+        build_sink({"type": "iceberg", "catalog_url": "postgresql://u:pw@h/db", "warehouse": "file:///x",
+                    "table": "events; drop"})
+    with pytest.raises(ValidationError, match="catalog_url must be a postgresql://"):
+        build_sink({"type": "iceberg", "catalog_url": "sqlite:///x.db", "warehouse": "file:///x", "table": "a.b"})
+    with pytest.raises(ValidationError, match="path"):
+        build_sink({"type": "delta"})
+    with pytest.raises(ValidationError, match="compression"):
+        build_sink({"type": "parquet", "path": str(tmp_path), "compression": "lz9"})
+    with pytest.raises(ValueError, match=r"sink\.type parquet: needs delivery\.ordering global"):
+        parse_stream({"id": 1, "sink": {"type": "parquet", "path": str(tmp_path)},
+                      "delivery": {"ordering": "by_key", "routing_key": "table"}})
+
+
+def test_a_catalog_that_cannot_be_reached_fails_without_its_password(tmp_path: Path) -> None:
+    from pgstream_dagster.devdb import free_port
+
+    url = f"postgresql://lake:S3cretPassw0rd@127.0.0.1:{free_port()}/catalog"
+    with sink_of({"type": "iceberg", "catalog_url": url, "warehouse": f"file://{tmp_path}",
+                  "table": "ns.events"}) as sink:
+        with pytest.raises(SinkError) as raised:
+            sink.publish_at(events(2), [(1, 1), (1, 2)])
+    message = str(raised.value)
+    assert "iceberg sink: events" in message and "ns.events" in message and "127.0.0.1" in message
+    assert "S3cretPassw0rd" not in message and not raised.value.permanent
+    assert "S3cretPassw0rd" not in repr(sink.config)
+
+
+def test_a_sink_in_a_table_a_file_is_in_the_way_of_fails_clearly(tmp_path: Path) -> None:
+    (tmp_path / "blocked").write_text("not a directory")
+    with sink_of({"type": "parquet", "path": str(tmp_path / "blocked")}) as sink:
+        with pytest.raises(SinkError, match=r"parquet sink: events .*: directory .*blocked"):
+            sink.publish_at(events(2), [(1, 1), (1, 2)])
