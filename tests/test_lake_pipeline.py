@@ -1,10 +1,12 @@
 """The lake sinks in a real pipeline (real Postgres with logical replication, the real delivery job
 and replay job on a real Dagster instance): a delivery run SIGKILLed right after a lake commit, before
 the ledger recorded it, then the runs that follow and a replay of every event leave each event in the
-table exactly once, read back with the format's own reader."""
+table exactly once, read back with the format's own reader. The table's asset and its check of
+per-day counts against pgstream.events."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import signal
@@ -19,11 +21,19 @@ import psycopg
 import pytest
 
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import replay_job_name
+from pgstream_dagster.defs.names import (
+    CHECKS_JOB,
+    LAKE_COUNTS_CHECK,
+    deliveries_asset_key,
+    lake_table_asset_key,
+    replay_job_name,
+)
 from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.engine.lakecheck import delivered_day_counts
+from pgstream_dagster.sinks import Event, build_sink
 
 from .support.faults import STREAM, drive, sent_ids, stream_config
-from .support.harness import Driver, insert_events, write_config
+from .support.harness import Driver, backdated, insert_events, write_config
 from .support.lake import LAKE_FORMATS, lake_config, lake_ids
 
 #: the delivery run in a process of its own, SIGKILLed by itself right after its ``KILL_AT``-th lake commit
@@ -93,3 +103,42 @@ def test_a_run_killed_after_a_lake_commit_and_a_replay_leave_each_event_once(
     assert lake_ids(sink, STREAM) == Counter({i: 1 for i in sent}), kind
     print(f"LAKE-PIPELINE {kind}: {len(sent)} events once after SIGKILL and replay "
           f"({time.monotonic() - started:.1f}s)")
+
+
+@pytest.mark.parametrize("kind", LAKE_FORMATS)
+def test_the_lake_table_asset_and_its_day_counts_check(kind: str, db_url: str, tmp_path: Path,
+                                                        instance: dg.DagsterInstance, pg: LocalPostgres) -> None:
+    sink = lake_config(kind, tmp_path, pg)
+    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(sink)])
+    defs = build_definitions(config_path)
+    spec = defs.resolve_assets_def(lake_table_asset_key(STREAM)).specs_by_key[lake_table_asset_key(STREAM)]
+    assert deliveries_asset_key(STREAM) in {dep.asset_key for dep in spec.deps}
+    driver = Driver(config_path, instance)
+    driver.tick(STREAM)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        backdated(conn, "insert into pgstream.events (payload, stream_id, created_at) select "
+                        "jsonb_build_object('n', g), %s, now() - interval '2 days' from generate_series(1, 30) g",
+                  [STREAM])
+    insert_events(db_url, STREAM, 50)
+    sent = sent_ids(db_url)
+    drive(driver, lambda: set(lake_ids(sink, STREAM)) >= set(sent))
+    with psycopg.connect(db_url, autocommit=True) as conn:  # what the check reads, as the runtime role
+        conn.execute("set role pgstream_runtime")
+        owed = delivered_day_counts(conn, STREAM)
+    assert sorted(owed.counts.values()) == [30, 50]
+
+    def check() -> dg.AssetCheckEvaluation:
+        result = defs.resolve_job_def(CHECKS_JOB).execute_in_process(instance=instance, raise_on_error=False)
+        (found,) = [e for e in result.get_asset_check_evaluations() if e.check_name == LAKE_COUNTS_CHECK]
+        return found
+
+    passed = check()
+    assert passed.passed and passed.metadata["days_compared"].value == 2, passed.description
+    # a row the ledger never delivered (written behind pgstream's back), two days ago
+    old_day = min(owed.counts)
+    with build_sink(sink) as writer:
+        writer.publish([Event(10**12, STREAM, {"n": -1}, None,
+                              dt.datetime.combine(old_day, dt.time(12), tzinfo=dt.UTC))])
+    failed = check()
+    assert not failed.passed
+    assert failed.description == f"1 days differ: {old_day}: 30 delivered, 31 in the table"

@@ -3,7 +3,8 @@
 Streams come from ``pgstream.yaml`` and from ``pgstream_dagster.StreamComponent``s (a ``defs.yaml``
 in the defs folder). Each stream has the same definitions wherever it is declared
 (:func:`stream_definitions`): a sensor, a deliveries asset, a status asset, a replay job, a backfill
-job, its subscription assets and its checks. The rest is defined once (:func:`shared_definitions`): the
+job, its subscription assets and its checks (and, for a lake sink, its table's asset and check). The
+rest is defined once (:func:`shared_definitions`): the
 delivery, control, housekeeping and checks jobs, the housekeeping asset, the subscribed tables, the
 schedules, the subscriptions sensor, the executor and the resources.
 
@@ -39,6 +40,7 @@ from .backfill import backfill_job
 from .checks import orphaned_slots_check, stream_checks
 from .controls import control_job
 from .jobs import delivery_job
+from .lake import lake_definitions
 from .names import deliveries_asset_key
 from .replay import replay_job
 from .resources import PgstreamResource
@@ -80,10 +82,11 @@ def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definit
     subs = declared.of_stream(stream.id)
     sub_keys = stream_subscription_keys(stream.id, subs)
     deliveries = _deliveries_asset(stream, list(sub_keys.values()))
+    lake_assets, lake_checks = lake_definitions(stream)
     return dg.Definitions(
         assets=[deliveries, status_asset_spec(stream.id, deliveries.key),
-                stream_subscription_assets(stream.id, declared)],
-        asset_checks=[stream_checks(stream, subs)],
+                stream_subscription_assets(stream.id, declared), *lake_assets],
+        asset_checks=[stream_checks(stream, subs), *lake_checks],
         jobs=[replay_job(stream), backfill_job(stream, sub_keys)],
         sensors=[stream_sensor(stream)],
     )

@@ -56,3 +56,12 @@ def deliveries_asset_key(stream_id: int) -> dg.AssetKey:
 
 def status_asset_key(stream_id: int) -> dg.AssetKey:
     return dg.AssetKey(["pgstream", f"stream_{stream_id}", "status"])
+
+
+def lake_table_asset_key(stream_id: int) -> dg.AssetKey:
+    """The lake table (delta, iceberg, parquet sink) a stream's deliveries write."""
+    return dg.AssetKey(["pgstream", f"stream_{stream_id}", "lake_table"])
+
+
+#: the lake table's check: per-day counts against pgstream.events
+LAKE_COUNTS_CHECK = "lake_day_counts"

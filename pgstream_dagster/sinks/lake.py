@@ -163,12 +163,20 @@ class LakeSink(Sink):
         """The table, for messages (never a secret)."""
         return ""
 
-    def day_counts(self, stream_id: int) -> dict[dt.date, int]:
-        """The stream's events in the table per UTC day of ``created_at`` (the asset check compares
-        them with ``pgstream.events``)."""
+    def day_counts(self, stream_id: int, since: dt.datetime | None = None,
+                   upto: dt.datetime | None = None) -> dict[dt.date, int]:
+        """The stream's events in the table per UTC day of ``created_at`` (in ``[since, upto)`` when
+        given): the asset check compares them with ``pgstream.events``."""
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         table = self.read(stream_id, ["created_at"])
+        created = table.column("created_at")
+        if since is not None:
+            table = table.filter(pc.greater_equal(created, pa.scalar(since, type=created.type)))
+            created = table.column("created_at")
+        if upto is not None:
+            table = table.filter(pc.less(created, pa.scalar(upto, type=created.type)))
         if not table.num_rows:
             return {}
         days = pc.cast(table.column("created_at"), "date32")

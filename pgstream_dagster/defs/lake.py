@@ -1,0 +1,72 @@
+"""A stream with a lake sink (delta, iceberg, parquet): its table is an asset downstream of the
+stream's deliveries asset, with a check comparing per-day counts between ``pgstream.events`` and the
+table (read with the format's own reader; the window is explained in ``engine/lakecheck.py``)."""
+
+from typing import Any
+
+import dagster as dg
+
+from ..config import StreamConfig
+from ..engine.lakecheck import delivered_day_counts, differences
+from ..sinks import LAKE_SINK_TYPES, SinkError, build_sink
+from ..sinks.base import describe_exception, scrub
+from ..sinks.lake import LakeSink
+from .names import LAKE_COUNTS_CHECK, deliveries_asset_key, lake_table_asset_key
+from .resources import PgstreamResource
+
+#: the Dagster kind shown for each lake sink's table
+_KINDS = {"delta": "delta", "iceberg": "iceberg", "parquet": "parquet"}
+
+
+def _where(stream: StreamConfig) -> str:
+    sink: Any = stream.sink
+    return str(getattr(sink, "table", None) or getattr(sink, "path", ""))
+
+
+def lake_table_spec(stream: StreamConfig) -> dg.AssetSpec:
+    return dg.AssetSpec(
+        key=lake_table_asset_key(stream.id), group_name="pgstream", deps=[deliveries_asset_key(stream.id)],
+        description=f"The {stream.sink.type} table stream {stream.id} delivers to ({_where(stream)}): one row per "
+                    f"event, written exactly once (commits keyed by the ledger position).",
+        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "table": _where(stream)},
+        kinds={_KINDS[stream.sink.type]})
+
+
+def lake_counts_check(stream: StreamConfig) -> dg.AssetChecksDefinition:
+    key = lake_table_asset_key(stream.id)
+
+    @dg.asset_check(asset=key, name=LAKE_COUNTS_CHECK, blocking=False,
+                    description="Per UTC day, the table holds as many events of the stream as pgstream.events "
+                                "has delivered (settled days and the delivered part of the current one).")
+    def _check(pgstream: dg.ResourceParam[PgstreamResource]) -> dg.AssetCheckResult:
+        with pgstream.connect() as conn:
+            owed = delivered_day_counts(conn, stream.id)
+        sink = build_sink(stream.sink)
+        assert isinstance(sink, LakeSink)
+        try:
+            with sink:
+                held = sink.day_counts(stream.id, owed.since, owed.upto) if owed.upto is not None else {}
+        except SinkError:
+            raise
+        except Exception as exc:  # the format's reader: name the table, never a secret
+            secrets = stream.sink.secret_values()
+            raise SinkError(scrub(f"{stream.sink.type} sink: {sink.where()}: cannot read the table "
+                                  f"({describe_exception(exc, secrets)})", secrets), sink=stream.sink.type) from None
+        wrong = differences(owed.counts, held)
+        shown = "; ".join(f"{day}: {want} delivered, {got} in the table" for day, want, got in wrong[:10])
+        return dg.AssetCheckResult(
+            passed=not wrong, severity=dg.AssetCheckSeverity.ERROR,
+            description=(f"{len(wrong)} days differ: {shown}" if wrong else
+                         f"{sum(owed.counts.values())} events over {len(owed.counts)} days match"),
+            metadata={"days_compared": len(owed.counts), "events": sum(owed.counts.values()),
+                      "differing_days": dg.MetadataValue.json([[str(d), w, g] for d, w, g in wrong[:100]]),
+                      "window": dg.MetadataValue.json([str(owed.since), str(owed.upto)])})
+
+    return _check
+
+
+def lake_definitions(stream: StreamConfig) -> tuple[list[dg.AssetSpec], list[dg.AssetChecksDefinition]]:
+    """The stream's lake table asset and its check (none unless its sink is a lake sink)."""
+    if stream.sink.type not in LAKE_SINK_TYPES:
+        return [], []
+    return [lake_table_spec(stream)], [lake_counts_check(stream)]
