@@ -24,9 +24,12 @@ from __future__ import annotations
 import datetime as dt
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, import_extra
+from pydantic import Field, SecretStr, model_validator
+
+from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, dumps, import_extra
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -36,7 +39,9 @@ __all__ = [
     "LakeSink",
     "LakeSinkConfigBase",
     "Span",
+    "TypedColumn",
     "arrow_schema",
+    "catalog_columns",
     "events_table",
     "position_of",
     "token",
@@ -86,8 +91,8 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def events_table(events: Sequence[Event]) -> pa.Table:
-    """``events`` as an Arrow table of :func:`arrow_schema`."""
+def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = None) -> pa.Table:
+    """``events`` as an Arrow table of :func:`arrow_schema`, plus the ``typed`` columns."""
     import pyarrow as pa
 
     ids: list[int] = []
@@ -116,13 +121,123 @@ def events_table(events: Sequence[Event]) -> pa.Table:
         metadatas.append(event.metadata_json)
     columns: tuple[list[Any], ...] = (ids, streams, created, days, ops, schemas, tables, subs, payloads, metadatas)
     schema = arrow_schema()
-    return pa.Table.from_arrays([pa.array(column, type=field.type) for column, field in zip(columns, schema,
-                                                                                            strict=True)],
-                                schema=schema)
+    arrays = [pa.array(column, type=field.type) for column, field in zip(columns, schema, strict=True)]
+    fields = list(schema)
+    for column in typed or ():
+        values = []
+        for event in events:
+            row = event.payload.get("new") or event.payload.get("old")
+            values.append(column.convert(row.get(column.column)) if isinstance(row, dict) else None)
+        arrays.append(pa.array(values, type=column.arrow_type()))
+        fields.append(pa.field(column.name, column.arrow_type()))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+#: a typed column's name: the table column's, after this prefix (``id`` is the event's)
+TYPED_PREFIX = "row_"
+
+#: Postgres types (``format_type``, without a modifier) and the Arrow type of their column; any other
+#: type (numeric: exact digits; json, arrays, ranges, enums...) is a string column of its JSON text
+_ARROW_TYPES = {
+    "smallint": "int16", "integer": "int32", "bigint": "int64", "real": "float32", "double precision": "float64",
+    "boolean": "bool", "text": "string", "character varying": "string", "character": "string", "uuid": "string",
+    "name": "string", "citext": "string", "date": "date32", "timestamp without time zone": "timestamp",
+    "timestamp with time zone": "timestamptz",
+}
+
+
+@dataclass(frozen=True)
+class TypedColumn:
+    """A column of a subscription's table in the lake table (``typed_columns: true``): ``row_<column>``,
+    its value taken from the payload's ``new`` (``old`` for a DELETE), typed from the catalog type."""
+
+    column: str
+    pg_type: str
+
+    @property
+    def name(self) -> str:
+        return TYPED_PREFIX + self.column
+
+    @property
+    def kind(self) -> str:
+        return _ARROW_TYPES.get(self.pg_type.split("(")[0].strip(), "string")
+
+    def arrow_type(self) -> pa.DataType:
+        import pyarrow as pa
+
+        return {"int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(),
+                "float64": pa.float64(), "bool": pa.bool_(), "string": pa.string(), "date32": pa.date32(),
+                "timestamp": pa.timestamp("us"), "timestamptz": pa.timestamp("us", tz="UTC")}[self.kind]
+
+    def convert(self, value: Any) -> Any:
+        """The JSON value of the payload as this column's Python value (None when it does not fit)."""
+        if value is None:
+            return None
+        kind = self.kind
+        try:
+            if kind.startswith("int"):
+                return int(value) if isinstance(value, int | str) and not isinstance(value, bool) else None
+            if kind.startswith("float"):
+                return float(value) if isinstance(value, int | float | str) and not isinstance(value, bool) else None
+            if kind == "bool":
+                return value if isinstance(value, bool) else None
+            if kind == "date32":
+                return dt.date.fromisoformat(value) if isinstance(value, str) else None
+            if kind in ("timestamp", "timestamptz"):
+                if not isinstance(value, str):
+                    return None
+                parsed = dt.datetime.fromisoformat(value)
+                if kind == "timestamptz":
+                    return parsed.astimezone(dt.UTC) if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+                return parsed.replace(tzinfo=None)
+        except (ValueError, OverflowError):  # infinity, out of range: the payload keeps it
+            return None
+        return value if isinstance(value, str) else dumps(value)
+
+
+_CATALOG_COLUMNS = """
+select distinct c.name, pg_catalog.format_type(a.atttypid, a.atttypmod)
+from pgstream.subscriptions s
+cross join lateral pg_catalog.unnest(s.column_names) as c(name)
+join pg_catalog.pg_attribute a
+  on a.attrelid = pg_catalog.to_regclass(pg_catalog.quote_ident(s.schema_name) operator(pg_catalog.||) '.'
+                                         operator(pg_catalog.||) pg_catalog.quote_ident(s.table_name))
+ and a.attname = c.name and a.attnum > 0 and not a.attisdropped
+where s.stream_id = %s
+order by 1
+"""
+
+
+def catalog_columns(database_url: str, stream_id: int) -> list[TypedColumn]:
+    """The columns the stream's subscriptions publish, typed from the catalog (``pg_attribute``), in
+    name order; a name two tables give different types is a string column."""
+    import psycopg
+
+    with psycopg.connect(database_url, autocommit=True, application_name="pgstream lake sink") as conn:
+        rows = conn.execute(_CATALOG_COLUMNS, [stream_id]).fetchall()
+    types: dict[str, set[str]] = {}
+    for name, pg_type in rows:
+        types.setdefault(name, set()).add(pg_type)
+    return [TypedColumn(name, next(iter(found)) if len(found) == 1 else "text") for name, found in types.items()]
 
 
 class LakeSinkConfigBase(SinkConfigBase):
-    """What every lake sink config has (nothing yet besides the ``type``)."""
+    """What every lake sink config has."""
+
+    typed_columns: bool = Field(
+        False, description="also a column per column the stream's subscriptions publish (row_<column>, from the "
+                           "payload's new, or old for a DELETE), typed from the table's catalog type; a column a "
+                           "subscription gains is added to the table")
+    database_url: SecretStr | None = Field(
+        None, description="typed_columns: the pgstream database whose catalog types are read (the runtime role "
+                          "can); a secret, never logged")
+
+    @model_validator(mode="after")
+    def _typed_needs_database(self) -> Self:
+        if self.typed_columns and self.database_url is None:
+            raise ValueError("typed_columns: true needs database_url (the pgstream database, e.g. "
+                             "${PGSTREAM_DATABASE_URL}) to read the columns' types")
+        return self
 
 
 class LakeSink(Sink):
@@ -138,6 +253,9 @@ class LakeSink(Sink):
         super().__init__(config)
         #: per stream: the token of the last committed position, as read (``None``: none committed)
         self._tokens: dict[int, int | None] = {}
+        #: per stream (typed_columns): the typed columns known, in the order they joined the table
+        self._typed: dict[int, list[TypedColumn]] = {}
+        self._untyped: dict[int, set[str]] = {}
 
     # --- what a format implements ---------------------------------------------------------------
 
@@ -219,7 +337,7 @@ class LakeSink(Sink):
             start = next((i for i, (b, o) in enumerate(positions) if token(b, o) > committed), len(events))
         if start == len(events):
             return  # committed before: a retry or a replay of the same positions
-        self.commit(stream_id, events_table(events[start:]), (positions[start], positions[-1]))
+        self.commit(stream_id, self._arrow(stream_id, events[start:]), (positions[start], positions[-1]))
         self._tokens[stream_id] = token(*positions[-1])
 
     def _by_id(self, events: Sequence[Event]) -> None:
@@ -228,7 +346,31 @@ class LakeSink(Sink):
         present = self.present_ids(stream_id, min(ids), max(ids))
         missing = [e for e in events if e.id not in present]
         if missing:
-            self.commit(stream_id, events_table(missing), None)
+            self.commit(stream_id, self._arrow(stream_id, missing), None)
+
+    def _arrow(self, stream_id: int, events: Sequence[Event]) -> pa.Table:
+        """The events as the table's rows; with typed_columns, the catalog is read again when an event
+        carries a column not known yet (a subscription gained a column): the new column is added."""
+        config: Any = self.config
+        if not config.typed_columns:
+            return events_table(events)
+        known = self._typed.get(stream_id)
+        names = {c.column for c in known} if known is not None else set()
+        seen: set[str] = set()
+        for event in events:
+            row = event.payload.get("new") or event.payload.get("old")
+            if isinstance(row, dict):
+                seen.update(row)
+        ignored = self._untyped.setdefault(stream_id, set())
+        if known is None or seen - names - ignored:
+            columns = known or []
+            for column in catalog_columns(config.database_url.get_secret_value(), stream_id):
+                if column.column not in names:
+                    columns.append(column)
+                    names.add(column.column)
+            ignored.update(seen - names)  # not in the catalog (a column dropped meanwhile): looked up once
+            self._typed[stream_id] = known = columns
+        return events_table(events, known)
 
     def _guard(self, events: Sequence[Event], write: Any) -> None:
         try:

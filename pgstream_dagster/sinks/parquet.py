@@ -112,12 +112,17 @@ class ParquetSink(LakeSink):
                     file.unlink(missing_ok=True)
 
     def read(self, stream_id: int, columns: Sequence[str]) -> pa.Table:
+        import pyarrow as pa
+        import pyarrow.dataset as ds
+
         root = Path(self.config.path)
-        if not root.is_dir() or not any(root.glob("day=*/*.parquet")):
+        files = sorted(root.glob("day=*/stream-*.parquet")) if root.is_dir() else []
+        if not files:
             return arrow_schema().empty_table().select(list(columns))
-        # pyarrow's reader: hive partitions (day=...), files starting with _ or . ignored (the markers)
-        result: pa.Table = self._pq.read_table(root, columns=list(columns), filters=[("stream_id", "=", stream_id)],
-                                               partitioning="hive")
+        # pyarrow's reader, over every file's columns (a newer file may carry a column the older ones lack)
+        schema = pa.unify_schemas([self._pq.read_schema(f) for f in files])
+        dataset = ds.dataset([str(f) for f in files], schema=schema, format="parquet")
+        result: pa.Table = dataset.to_table(columns=list(columns), filter=ds.field("stream_id") == stream_id)
         return result
 
     def present_ids(self, stream_id: int, low: int, high: int) -> set[int]:
