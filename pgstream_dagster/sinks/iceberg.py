@@ -99,9 +99,15 @@ class IcebergSink(LakeSink):
                 warehouse=self.config.warehouse, **props)
         return self._catalog
 
-    def _table(self, create: bool) -> Any:
+    def reset(self) -> None:
+        self._loaded = None  # a failed commit (a concurrent writer, an outage): load the table again
+
+    def _table(self, create: bool, refresh: bool = True) -> Any:
+        """The table (``None`` when missing and not ``create``); its metadata read again with ``refresh``
+        (the sink's own appends keep it current: a commit needs no refresh, a stale one fails and resets)."""
         if self._loaded is not None:
-            self._loaded.refresh()
+            if refresh:
+                self._loaded.refresh()
             return self._loaded
         catalog = self.catalog()
         if not catalog.table_exists(self.config.table):
@@ -146,7 +152,7 @@ class IcebergSink(LakeSink):
         return set(found.column("id").to_pylist())
 
     def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
-        target = self._table(create=True)
+        target = self._table(create=True, refresh=False)
         names = {f.name for f in target.schema().fields}
         if any(name not in names for name in table.column_names):
             with target.update_schema() as update:

@@ -281,6 +281,10 @@ class LakeSink(Sink):
         """The table, for messages (never a secret)."""
         return ""
 
+    def reset(self) -> None:
+        """Forget what the sink holds of the table (after a failure). The default holds nothing."""
+        return None
+
     def day_counts(self, stream_id: int, since: dt.datetime | None = None,
                    upto: dt.datetime | None = None) -> dict[dt.date, int]:
         """The stream's events in the table per UTC day of ``created_at`` (in ``[since, upto)`` when
@@ -377,9 +381,11 @@ class LakeSink(Sink):
             write()
         except SinkError:
             self._tokens.clear()
+            self.reset()
             raise
         except Exception as exc:  # the libraries raise their own types (IO, catalog, schema)
             self._tokens.clear()  # a commit that failed may have been made: read the token again
+            self.reset()
             where, secrets = self.where(), self.config.secret_values()
             raise SinkError.for_events(self.type_name, events, f"{where + ': ' if where else ''}"
                                        f"{describe_exception(exc, secrets)}", secrets) from exc

@@ -1,0 +1,160 @@
+"""Lake sinks: events per second into each lake sink (delta, iceberg, parquet) against writing the
+same Arrow data directly with the same library, side by side in one run (run by hand: `make
+bench-lake`). Each round publishes N events in publish calls of CHUNK (ledger positions, as a delivery
+run does) through a fresh sink into a new table: the sink builds the Arrow table of each call from the
+events, reads the stream's token once and commits with it. The direct baseline writes the same Arrow
+tables (built before the clock starts) with the library's plain append: ``write_deltalake`` with
+``partition_by day``, ``Table.append`` of pyiceberg, ``pyarrow.parquet.write_table`` per day. Iceberg's
+SQL catalog is a database of the Postgres on 127.0.0.1:5432. Results are appended to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine
+
+from pgstream_dagster.sinks import Event, build_sink
+from pgstream_dagster.sinks.lake import events_table
+
+HERE = Path(__file__).resolve().parent
+SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+CATALOG_DB = "pgstream_bench_lake"
+
+
+def make_events(n: int) -> list[Event]:
+    start = dt.datetime(2026, 11, 26, 12, tzinfo=dt.UTC)
+    return [Event(i, 1, None, None, start + dt.timedelta(seconds=i * 86400 * 2 // n), payload_json=(
+        f'{{"tg_op":"INSERT","tg_name":"orders","tg_table_schema":"public","tg_table_name":"orders",'
+        f'"timestamp":1764158400000,"new":{{"id":{i},"customer":"c-17","amount":42.5,"note":"hello world"}},'
+        f'"old":null}}')) for i in range(1, n + 1)]
+
+
+def _catalog_url() -> str:
+    with psycopg.connect(SERVER, autocommit=True) as conn:
+        if not conn.execute("select 1 from pg_database where datname = %s", [CATALOG_DB]).fetchone():
+            conn.execute(f"create database {CATALOG_DB}")
+    return SERVER.rsplit("/", 1)[0] + "/" + CATALOG_DB
+
+
+def sink_config(kind: str, root: Path, catalog_url: str) -> dict[str, Any]:
+    name = f"t{uuid.uuid4().hex[:10]}"
+    if kind == "iceberg":
+        return {"type": "iceberg", "catalog_url": catalog_url, "warehouse": f"file://{root}",
+                "table": f"bench.{name}", "catalog_name": "bench"}
+    return {"type": kind, "path": str(root / name)}
+
+
+def through_sink(config: dict[str, Any], events: list[Event], chunk: int) -> float:
+    """Seconds to publish ``events`` through a fresh sink (positions: batches of ``chunk``)."""
+    with build_sink(config) as sink:
+        started = time.perf_counter()
+        for n, start in enumerate(range(0, len(events), chunk), start=1):
+            part = events[start:start + chunk]
+            sink.publish_at(part, [(n, i) for i in range(1, len(part) + 1)])
+        return time.perf_counter() - started
+
+
+def direct(kind: str, config: dict[str, Any], tables: list[Any]) -> float:
+    """Seconds to write the Arrow ``tables`` with the library's plain append into a new table."""
+    import pyarrow.compute as pc
+
+    write: Callable[[Any], None]
+    started = time.perf_counter()  # iceberg: creating the table is in the time, as it is in the sink's
+    if kind == "delta":
+        from deltalake import write_deltalake
+
+        def write(table: Any) -> None:
+            write_deltalake(config["path"], table, mode="append", partition_by=["day"])
+    elif kind == "iceberg":
+        from pyiceberg.catalog.sql import SqlCatalog
+
+        catalog = SqlCatalog("bench", uri=config["catalog_url"].replace("postgresql://", "postgresql+psycopg2://"),
+                             warehouse=config["warehouse"])
+        catalog.create_namespace_if_not_exists("bench")
+        target = catalog.create_table(config["table"], schema=tables[0].schema)
+        with target.update_spec() as spec:
+            spec.add_identity("day")
+
+        def write(table: Any) -> None:
+            target.append(table)
+    else:
+        import pyarrow.parquet as pq
+
+        root = Path(config["path"])
+
+        def write(table: Any) -> None:
+            days = table.column("day")
+            for day in pc.unique(days).to_pylist():
+                directory = root / f"day={day.isoformat()}"
+                directory.mkdir(parents=True, exist_ok=True)
+                pq.write_table(table.filter(pc.equal(days, day)).drop_columns(["day"]),
+                               directory / f"{uuid.uuid4().hex}.parquet", compression="zstd")
+    for table in tables:
+        write(table)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--events", type=int, default=100_000)
+    parser.add_argument("--chunk", type=int, default=5000, help="events per publish call (delivery.chunk_size)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--formats", default="delta,iceberg,parquet")
+    args = parser.parse_args()
+    load = machine()
+    events = make_events(args.events)
+    tables = [events_table(events[s:s + args.chunk]) for s in range(0, len(events), args.chunk)]
+    catalog_url = _catalog_url()
+    kinds = args.formats.split(",")
+    results: dict[tuple[str, str], list[float]] = {}
+    root = Path(tempfile.mkdtemp(prefix="pgstream-bench-lake-"))
+    try:
+        for _ in range(args.rounds):
+            for kind in kinds:  # alternated: sink, then direct, per format, every round
+                config = sink_config(kind, root, catalog_url)
+                results.setdefault((kind, "sink"), []).append(args.events / through_sink(config, events, args.chunk))
+                config = sink_config(kind, root, catalog_url)
+                results.setdefault((kind, "direct"), []).append(args.events / direct(kind, config, tables))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"\n## Lake sinks against their library's plain append (bench/lake.py) {stamp}, commit {commit}",
+             f"Machine: {load}. Method: {args.rounds} rounds, each format's sink then its direct baseline per round, "
+             f"{args.events:,} events (~200-byte payload, over 2 UTC days) in publish calls of {args.chunk:,} "
+             "(a commit each), a new table per measurement on the local disk (created in the timed part, both ways); "
+             "sink = publish_at through a fresh sink "
+             "(Arrow table built from the events, the stream's token read once, a commit carrying the token; "
+             "parquet: temp file + rename + fsync and a commit marker); direct = the same Arrow tables (built "
+             "before the clock) appended with the library itself (write_deltalake partition_by day / pyiceberg "
+             "Table.append to a day-partitioned table in the same Postgres SQL catalog / pyarrow.parquet.write_table "
+             "per day); medians of the rounds, events per second."]
+    for kind in kinds:
+        sink = statistics.median(results[(kind, "sink")])
+        base = statistics.median(results[(kind, "direct")])
+        lines.append(f"- {kind}: sink {sink:,.0f} events/s, direct {base:,.0f} events/s: ratio {sink / base:.2f}x "
+                     f"(rounds: sink {', '.join(f'{r:,.0f}' for r in results[(kind, 'sink')])}; direct "
+                     f"{', '.join(f'{r:,.0f}' for r in results[(kind, 'direct')])})")
+    print("\n".join(lines))
+    with (HERE / "RESULTS.md").open("a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
