@@ -91,38 +91,51 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+#: the payload's keys the event columns take (column name, payload key)
+_PAYLOAD_COLUMNS = (("operation", "tg_op"), ("schema_name", "tg_table_schema"), ("table_name", "tg_table_name"),
+                    ("subscription", "tg_name"))
+
+
+def _payload_columns(events: Sequence[Event]) -> list[pa.Array]:
+    """The columns of :data:`_PAYLOAD_COLUMNS`, parsed from the payloads' JSON text by Arrow's JSON reader
+    (C++, nested values skipped); a payload it cannot take (one of these keys not a string) sends the
+    events through Python's parser instead, where such a value is null."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    texts = [e.payload_json for e in events]
+    data = "\n".join(texts).encode()
+    schema = pa.schema([pa.field(key, pa.string()) for _, key in _PAYLOAD_COLUMNS])
+    try:
+        parsed = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=max(len(data) + 1, 1 << 20)),
+                              parse_options=pj.ParseOptions(explicit_schema=schema,
+                                                            unexpected_field_behavior="ignore"))
+        if parsed.num_rows == len(events):
+            return [parsed.column(key).combine_chunks() for _, key in _PAYLOAD_COLUMNS]
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    return [pa.array([_text(e.payload.get(key)) for e in events], type=pa.string()) for _, key in _PAYLOAD_COLUMNS]
+
+
 def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = None) -> pa.Table:
     """``events`` as an Arrow table of :func:`arrow_schema`, plus the ``typed`` columns."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
-    ids: list[int] = []
-    streams: list[int] = []
-    created: list[dt.datetime] = []
-    days: list[dt.date] = []
-    ops: list[str | None] = []
-    schemas: list[str | None] = []
-    tables: list[str | None] = []
-    subs: list[str | None] = []
-    payloads: list[str] = []
-    metadatas: list[str | None] = []
-    utc = dt.UTC
-    for event in events:
-        payload = event.payload
-        when = event.created_at.astimezone(utc)
-        ids.append(event.id)
-        streams.append(event.stream_id)
-        created.append(when)
-        days.append(when.date())
-        ops.append(_text(payload.get("tg_op")))
-        schemas.append(_text(payload.get("tg_table_schema")))
-        tables.append(_text(payload.get("tg_table_name")))
-        subs.append(_text(payload.get("tg_name")))
-        payloads.append(event.payload_json)
-        metadatas.append(event.metadata_json)
-    columns: tuple[list[Any], ...] = (ids, streams, created, days, ops, schemas, tables, subs, payloads, metadatas)
-    schema = arrow_schema()
-    arrays = [pa.array(column, type=field.type) for column, field in zip(columns, schema, strict=True)]
-    fields = list(schema)
+    micros = pa.array([_micros(e.created_at) for e in events], type=pa.int64())
+    created = micros.cast(pa.timestamp("us", tz="UTC"))
+    arrays: list[pa.Array] = [
+        pa.array([e.id for e in events], type=pa.int64()),
+        pa.array([e.stream_id for e in events], type=pa.int64()),
+        created,
+        pc.cast(created, pa.date32()),
+        *_payload_columns(events),
+        pa.array([e.payload_json for e in events], type=pa.string()),
+        pa.array([e.metadata_json for e in events], type=pa.string()),
+    ]
+    fields = list(arrow_schema())
     for column in typed or ():
         values = []
         for event in events:
@@ -131,6 +144,15 @@ def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = 
         arrays.append(pa.array(values, type=column.arrow_type()))
         fields.append(pa.field(column.name, column.arrow_type()))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def _micros(when: dt.datetime) -> int:
+    """Microseconds since the epoch, exactly (``timestamp()`` is a float); a naive time is taken as UTC."""
+    delta = (when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)) - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 #: a typed column's name: the table column's, after this prefix (``id`` is the event's)
