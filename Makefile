@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu clean
 
 # reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
@@ -73,6 +73,9 @@ bench-kafka: $(STAMP)
 
 bench-redis: $(STAMP)
 	$(BIN)/python bench/redis_sink.py
+
+bench-lake: $(STAMP)
+	$(BIN)/python bench/lake.py
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/cpu.py
