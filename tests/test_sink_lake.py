@@ -221,3 +221,33 @@ def test_typed_columns_need_the_database(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match=r"typed_columns: true needs database_url") as raised:
         build_sink({"type": "delta", "path": str(tmp_path), "typed_columns": True})
     assert "database_url" in str(raised.value)
+
+
+@pytest.mark.parametrize("kind", LAKE_FORMATS)
+def test_payloads_of_any_shape_are_written_as_they_are(kind: str, tmp_path: Path, pg: LocalPostgres) -> None:
+    """Whoever writes events decides their payload: an array, a number where tg_op belongs, nesting
+    deeper than Python parses. The row holds the payload text; the columns it lacks are null."""
+    deep = "[" * 5000 + "]" * 5000
+    texts = ['[1, 2]', '{"tg_op": 5, "tg_name": {"x": 1}, "new": "not a row"}', deep,
+             '{"tg_op": "UPDATE", "tg_name": "s", "tg_table_schema": "public", "tg_table_name": "t", "new": {"a": 1}}']
+    evs = [Event(i, STREAM, None, None, START, payload_json=text) for i, text in enumerate(texts, start=1)]
+    config = {**lake_config(kind, tmp_path, pg)}
+    with sink_of(config) as sink:
+        sink.publish_at(evs, [(1, i) for i in range(1, 5)])
+        rows = {r["id"]: r for r in sink.read(STREAM, ["id", "operation", "subscription", "payload"]).to_pylist()}
+    assert {i: (r["operation"], r["subscription"], r["payload"]) for i, r in rows.items()} == {
+        1: (None, None, texts[0]), 2: (None, None, texts[1]), 3: (None, None, deep), 4: ("UPDATE", "s", texts[3])}
+
+
+def test_parquet_files_without_their_marker_stop_the_sink_and_stay(tmp_path: Path, pg: LocalPostgres) -> None:
+    config = lake_config("parquet", tmp_path, pg)
+    with sink_of(config) as sink:
+        drain(publish(sink, positioned(events(10), 25), 5))
+    marker = Path(config["path"]) / "_pgstream" / f"stream-{STREAM}.json"
+    marker.unlink()
+    files = sorted(Path(config["path"]).glob("day=*/*.parquet"))
+    with sink_of(config) as sink, pytest.raises(SinkError, match=r"holds delivered files of stream 3 but no commit "
+                                                                 r"marker \(_pgstream/stream-3\.json\)"):
+        drain(publish(sink, positioned(events(10), 25), 5))
+    assert sorted(Path(config["path"]).glob("day=*/*.parquet")) == files
+    assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in events(10)})

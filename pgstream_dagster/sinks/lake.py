@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from pydantic import Field, SecretStr, model_validator
 
-from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, dumps, import_extra
+from .base import Event, EventContentError, Sink, SinkConfigBase, SinkError, describe_exception, dumps, import_extra
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -87,6 +87,23 @@ def arrow_schema() -> pa.Schema:
     return pa.schema([pa.field(name, types[kind]) for name, kind, _ in LAKE_COLUMNS])
 
 
+def _object(event: Event) -> dict[str, Any]:
+    """The event's payload when it is a JSON object Python can parse, else ``{}``: the lake keeps any
+    payload (its text is the ``payload`` column), it only reads keys from one."""
+    try:
+        payload = event.payload
+    except EventContentError:  # nested deeper than Python parses
+        return {}
+    return payload if isinstance(payload, dict) else {}
+
+
+def _row(event: Event) -> dict[str, Any] | None:
+    """The payload's ``new`` object, else its ``old`` one (a DELETE), else ``None``."""
+    payload = _object(event)
+    row = payload.get("new") or payload.get("old")
+    return row if isinstance(row, dict) else None
+
+
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
@@ -116,7 +133,8 @@ def _payload_columns(events: Sequence[Event]) -> list[pa.Array]:
             return [parsed.column(key).combine_chunks() for _, key in _PAYLOAD_COLUMNS]
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         pass
-    return [pa.array([_text(e.payload.get(key)) for e in events], type=pa.string()) for _, key in _PAYLOAD_COLUMNS]
+    payloads = [_object(e) for e in events]
+    return [pa.array([_text(p.get(key)) for p in payloads], type=pa.string()) for _, key in _PAYLOAD_COLUMNS]
 
 
 def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = None) -> pa.Table:
@@ -136,11 +154,11 @@ def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = 
         pa.array([e.metadata_json for e in events], type=pa.string()),
     ]
     fields = list(arrow_schema())
+    rows = [_row(e) for e in events] if typed else []
     for column in typed or ():
         values = []
-        for event in events:
-            row = event.payload.get("new") or event.payload.get("old")
-            values.append(column.convert(row.get(column.column)) if isinstance(row, dict) else None)
+        for row in rows:
+            values.append(column.convert(row.get(column.column)) if row is not None else None)
         arrays.append(pa.array(values, type=column.arrow_type()))
         fields.append(pa.field(column.name, column.arrow_type()))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
@@ -384,8 +402,8 @@ class LakeSink(Sink):
         names = {c.column for c in known} if known is not None else set()
         seen: set[str] = set()
         for event in events:
-            row = event.payload.get("new") or event.payload.get("old")
-            if isinstance(row, dict):
+            row = _row(event)
+            if row is not None:
                 seen.update(row)
         ignored = self._untyped.setdefault(stream_id, set())
         if known is None or seen - names - ignored:

@@ -7,6 +7,8 @@ replaced the same way: the marker decides what is committed.
 A retry reads the marker, deletes the stream's files that start after it (an attempt killed between
 its files and its marker) and writes what comes after the marker again: each event once. Between
 such a kill and the next run, a reader of the directory may see those files; the next publish removes them.
+The marker is written (position 0) before a stream's first files; a stream's files without a marker
+(the marker removed) stop the sink with an error rather than be deleted.
 
 Permanent rejections: none (file system failures are about the directory).
 """
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
+from .base import SinkError
 from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, position_of, token
 
 if TYPE_CHECKING:
@@ -94,22 +97,35 @@ class ParquetSink(LakeSink):
 
     def read_token(self, stream_id: int) -> int | None:
         committed = read_marker(self.config.path, stream_id)
+        if committed is None:
+            if self._stream_files(stream_id):
+                # never delete what might be committed: the marker was removed, not never written
+                raise SinkError(f"parquet sink: directory {self.config.path} holds delivered files of stream "
+                                f"{stream_id} but no commit marker ({MARKER_DIR}/stream-{stream_id}.json): restore "
+                                f"the marker, or move the stream's files away to write them again", sink="parquet")
+            self._write_marker(stream_id, 0)  # before the first files: a write killed before its marker is undone
+            committed = 0
         self._clean(stream_id, committed)
         return committed
 
-    def _clean(self, stream_id: int, committed: int | None) -> None:
-        """Delete the stream's files after the marker: written by an attempt that died before its marker."""
+    def _stream_files(self, stream_id: int) -> list[Path]:
         root = Path(self.config.path)
         if not root.is_dir():
-            return
-        for day in root.glob("day=*"):
-            for file in day.iterdir():
-                found = _FILE.match(file.name)
-                if found and int(found.group(1)) == stream_id and (
-                        committed is None or token(int(found.group(2)), int(found.group(3))) > committed):
-                    file.unlink()
-                elif file.name.startswith(".tmp-"):
-                    file.unlink(missing_ok=True)
+            return []
+        return [f for f in root.glob(f"day=*/stream-{stream_id}-b*.parquet")
+                if (found := _FILE.match(f.name)) and int(found.group(1)) == stream_id]
+
+    def _clean(self, stream_id: int, committed: int) -> None:
+        """Delete the stream's files after the marker (written by an attempt that died before its
+        marker) and temporary files left by a crash."""
+        for file in self._stream_files(stream_id):
+            found = _FILE.match(file.name)
+            assert found is not None
+            if token(int(found.group(2)), int(found.group(3))) > committed:
+                file.unlink()
+        root = Path(self.config.path)
+        for tmp in root.glob("day=*/.tmp-*"):
+            tmp.unlink(missing_ok=True)
 
     def read(self, stream_id: int, columns: Sequence[str]) -> pa.Table:
         import pyarrow as pa
