@@ -1,7 +1,8 @@
 """Apache Iceberg sink (the ``pyiceberg`` package with a SQL catalog in Postgres): each publish call
 is one append whose snapshot summary holds the token of the call's last ledger position
-(``pgstream.stream-<id>.position``, see :mod:`.lake`); before appending, the sink reads the newest
-snapshot of the table carrying the stream's property, so a retried or replayed call is a no-op.
+(``pgstream.stream-<id>.position``, see :mod:`.lake`), and so does a table property set by the same
+commit (snapshot expiry cannot remove it); before appending, the sink reads it (else the newest
+snapshot carrying it), so a retried or replayed call is a no-op.
 
 The table (and its namespace) is created on the first write, partitioned by ``day``; a column the
 table lacks is added (``update_schema().union_by_name``).
@@ -126,6 +127,9 @@ class IcebergSink(LakeSink):
         if table is None:
             return None
         key = snapshot_property(stream_id)
+        value = table.properties.get(key)  # set by the same commit as the snapshot: survives snapshot expiry
+        if value is not None:
+            return int(value)
         snapshot = table.current_snapshot()
         while snapshot is not None:
             summary = snapshot.summary
@@ -157,5 +161,10 @@ class IcebergSink(LakeSink):
         if any(name not in names for name in table.column_names):
             with target.update_schema() as update:
                 update.union_by_name(table.schema)
-        properties = {snapshot_property(stream_id): str(token(*span[1]))} if span is not None else {}
-        target.append(table, snapshot_properties=properties)
+        if span is None:
+            target.append(table)
+            return
+        properties = {snapshot_property(stream_id): str(token(*span[1]))}
+        with target.transaction() as transaction:  # one commit: the rows, the snapshot's and the table's property
+            transaction.append(table, snapshot_properties=properties)
+            transaction.set_properties(properties)
