@@ -50,6 +50,7 @@ from ..engine.publish import (
 )
 from ..engine.status import stream_status
 from ..sinks import Sink, SinkError, build_sink
+from .lake import lake_materializations
 from .names import CONTROL_JOB, DELIVERY_JOB, RUN_KEY_TAG, STREAM_TAG, deliveries_asset_key
 from .resources import PgstreamResource
 from .status import status_observation
@@ -549,6 +550,8 @@ class _Report:
         self.context.log_event(dg.AssetMaterialization(
             asset_key=deliveries_asset_key(stream_id),
             description=f"batches {first.id}..{last.id} delivered", metadata=metadata))
+        for materialization in lake_materializations(self.stream, metadata):  # a lake sink's table (defs/lake.py)
+            self.context.log_event(materialization)
         rows = stream_status(self.conn, stream_id, last=5) if not (self.conn.closed or self.conn.broken) else []
         if rows:
             row = rows[0]

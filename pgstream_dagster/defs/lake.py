@@ -65,6 +65,18 @@ def lake_counts_check(stream: StreamConfig) -> dg.AssetChecksDefinition:
     return _check
 
 
+def lake_materializations(stream: StreamConfig, metadata: dict[str, Any]) -> list[dg.AssetMaterialization]:
+    """What a delivery run reports of a lake sink's table with its deliveries (``metadata``: theirs):
+    the batches it wrote to the table. Nothing for other sinks."""
+    if stream.sink.type not in LAKE_SINK_TYPES:
+        return []
+    return [dg.AssetMaterialization(
+        asset_key=lake_table_asset_key(stream.id),
+        description=f"batches {metadata['first_batch_id']}..{metadata['last_batch_id']} written to the "
+                    f"{stream.sink.type} table",
+        metadata={key: metadata[key] for key in ("batches", "events", "first_batch_id", "last_batch_id")})]
+
+
 def lake_definitions(stream: StreamConfig) -> tuple[list[dg.AssetSpec], list[dg.AssetChecksDefinition]]:
     """The stream's lake table asset and its check (none unless its sink is a lake sink)."""
     if stream.sink.type not in LAKE_SINK_TYPES:
