@@ -188,16 +188,17 @@ def test_typed_columns_from_the_catalog_and_a_column_the_subscription_gains(
 
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("create table public.orders (id bigint primary key, qty integer, amount numeric(12, 2), "
-                     "placed_at timestamptz, note text, paid boolean, tags text[])")
+                     "placed_at timestamptz, note text, paid boolean, tags text[], \"unit price\" real)")
         conn.execute("select pgstream.ensure_stream(%s)", [STREAM])
         conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
-                     "values ('orders', %s, 'INSERT', 'orders', '{id,qty,amount,placed_at,note,paid,tags}'), "
+                     "values ('orders', %s, 'INSERT', 'orders', "
+                     "'{id,qty,amount,placed_at,note,paid,tags,unit price}'), "
                      "('orders', %s, 'DELETE', 'orders', '{id}')", [STREAM, STREAM])
     # the catalog is read as the runtime role (what a delivery run connects as)
     runtime_url = db_url + ("&" if "?" in db_url else "?") + "options=-c%20role%3Dpgstream_runtime"
     config = {**lake_config(kind, tmp_path, pg), "typed_columns": True, "database_url": runtime_url}
     first = [order_event(1, "INSERT", {"id": 1, "qty": 3, "amount": 12.5, "placed_at": "2026-11-26T22:00:01.5+00:00",
-                                       "note": "ünïcode", "paid": True, "tags": ["a", "b"]}),
+                                       "note": "ünïcode", "paid": True, "tags": ["a", "b"], "unit price": 2.5}),
              order_event(2, "DELETE", {"id": 1})]
     with sink_of(config) as sink:
         sink.publish_at(first, [(1, 1), (1, 2)])
@@ -210,7 +211,8 @@ def test_typed_columns_from_the_catalog_and_a_column_the_subscription_gains(
         sink.publish_at([order_event(3, "INSERT", {"id": 2, "qty": 1, "shipped_on": "2026-11-27"})], [(2, 1)])
         sink.publish_at(first, [(1, 1), (1, 2)])  # a retry of the first commit: nothing
         rows = {r["id"]: r for r in sink.read(STREAM, ["id", "row_id", "row_qty", "row_amount", "row_placed_at",
-                                                        "row_note", "row_paid", "row_tags", "row_shipped_on"])
+                                                        "row_note", "row_paid", "row_tags", "row_shipped_on",
+                                                        "row_unit_price"])
                 .to_pylist()}
         types = {f.name: str(f.type) for f in sink.read(STREAM, ["row_qty", "row_amount", "row_placed_at",
                                                                  "row_shipped_on", "row_tags"]).schema}
@@ -218,7 +220,8 @@ def test_typed_columns_from_the_catalog_and_a_column_the_subscription_gains(
                      "row_shipped_on": "date32[day]", "row_tags": "string"}
     assert rows[1] == {"id": 1, "row_id": 1, "row_qty": 3, "row_amount": "12.5",
                        "row_placed_at": dt.datetime(2026, 11, 26, 22, 0, 1, 500000, tzinfo=dt.UTC),
-                       "row_note": "ünïcode", "row_paid": True, "row_tags": '["a","b"]', "row_shipped_on": None}
+                       "row_note": "ünïcode", "row_paid": True, "row_tags": '["a","b"]', "row_shipped_on": None,
+                       "row_unit_price": 2.5}
     assert rows[2]["row_id"] == 1 and rows[2]["row_qty"] is None  # a DELETE: its old row
     assert rows[3]["row_shipped_on"] == dt.date(2026, 11, 27) and rows[3]["row_qty"] == 1
     assert lake_ids(config, STREAM) == Counter({1: 1, 2: 1, 3: 1})

@@ -22,6 +22,7 @@ about the table, not about one event.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -173,6 +174,8 @@ def _micros(when: dt.datetime) -> int:
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
+_UNSAFE = re.compile(r"[^0-9A-Za-z_]")
+
 #: a typed column's name: the table column's, after this prefix (``id`` is the event's)
 TYPED_PREFIX = "row_"
 
@@ -196,7 +199,9 @@ class TypedColumn:
 
     @property
     def name(self) -> str:
-        return TYPED_PREFIX + self.column
+        """``row_<column>``, any character other than a letter, digit or ``_`` as ``_`` (Delta refuses
+        spaces, commas, semicolons, braces, parentheses and ``=`` in column names)."""
+        return TYPED_PREFIX + _UNSAFE.sub("_", self.column)
 
     @property
     def kind(self) -> str:
@@ -258,7 +263,11 @@ def catalog_columns(database_url: str, stream_id: int) -> list[TypedColumn]:
     types: dict[str, set[str]] = {}
     for name, pg_type in rows:
         types.setdefault(name, set()).add(pg_type)
-    return [TypedColumn(name, next(iter(found)) if len(found) == 1 else "text") for name, found in types.items()]
+    columns: dict[str, TypedColumn] = {}
+    for name, found in types.items():  # a name that collides with an earlier one once made safe is left out
+        column = TypedColumn(name, next(iter(found)) if len(found) == 1 else "text")
+        columns.setdefault(column.name, column)
+    return list(columns.values())
 
 
 class LakeSinkConfigBase(SinkConfigBase):
@@ -408,10 +417,12 @@ class LakeSink(Sink):
         ignored = self._untyped.setdefault(stream_id, set())
         if known is None or seen - names - ignored:
             columns = known or []
+            taken = {c.name for c in columns}
             for column in catalog_columns(config.database_url.get_secret_value(), stream_id):
-                if column.column not in names:
+                if column.column not in names and column.name not in taken:
                     columns.append(column)
                     names.add(column.column)
+                    taken.add(column.name)
             ignored.update(seen - names)  # not in the catalog (a column dropped meanwhile): looked up once
             self._typed[stream_id] = known = columns
         return events_table(events, known)
