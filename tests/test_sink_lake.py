@@ -261,3 +261,22 @@ def test_parquet_files_without_their_marker_stop_the_sink_and_stay(tmp_path: Pat
         drain(publish(sink, positioned(events(10), 25), 5))
     assert sorted(Path(config["path"]).glob("day=*/*.parquet")) == files
     assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in events(10)})
+
+
+def test_closing_an_iceberg_sink_closes_its_catalog_connections(tmp_path: Path, pg: LocalPostgres) -> None:
+    import psycopg
+
+    config = lake_config("iceberg", tmp_path, pg)
+    database = config["catalog_url"].rsplit("/", 1)[1]
+
+    def connections() -> int:
+        with psycopg.connect(pg.url) as conn:
+            row = conn.execute("select count(*) from pg_stat_activity where datname = %s", [database]).fetchone()
+        assert row is not None
+        return int(row[0])
+    for _ in range(3):
+        with sink_of(config) as sink:
+            sink.publish_at(events(3), [(1, 1), (1, 2), (1, 3)])
+            assert connections() >= 1
+    assert connections() == 0
+    assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in events(3)})

@@ -100,6 +100,13 @@ class IcebergSink(LakeSink):
                 warehouse=self.config.warehouse, **props)
         return self._catalog
 
+    def close(self) -> None:
+        """Close the catalog's database connections (SQLAlchemy's pool)."""
+        catalog, self._catalog, self._loaded = self._catalog, None, None
+        engine = getattr(catalog, "engine", None)
+        if engine is not None:
+            engine.dispose()
+
     def reset(self) -> None:
         self._loaded = None  # a failed commit (a concurrent writer, an outage): load the table again
 
