@@ -280,3 +280,12 @@ def test_closing_an_iceberg_sink_closes_its_catalog_connections(tmp_path: Path, 
             assert connections() >= 1
     assert connections() == 0
     assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in events(3)})
+
+
+def test_typed_columns_keep_the_options_of_the_database_url(tmp_path: Path, db_url: str) -> None:
+    """The URL's options (a role to set) reach the catalog's session: a role that does not exist fails it."""
+    url = db_url + ("&" if "?" in db_url else "?") + "options=-c%20role%3Dno_such_role"
+    with sink_of({"type": "parquet", "path": str(tmp_path / "t"), "typed_columns": True,
+                  "database_url": url}) as sink:
+        with pytest.raises(SinkError, match="no_such_role"):
+            sink.publish_at([order_event(1, "INSERT", {"id": 1})], [(1, 1)])
