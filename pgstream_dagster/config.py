@@ -535,7 +535,7 @@ def _subscription_hint(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
 
 
 _SINK_TAGS = {"memory", "file", "http", "webhook", "redis", "rabbitmq", "nats", "kafka", "mqtt", "postgres",
-              "sqs", "sns", "kinesis"}
+              "sqs", "sns", "kinesis", "delta", "iceberg", "parquet"}
 
 
 class MetricsSettings(BaseModel):

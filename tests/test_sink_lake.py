@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from pgstream_dagster.config import parse_stream
+from pgstream_dagster.config import ConfigError, parse_stream
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine.publish import Positioned, drain, publish
 from pgstream_dagster.sinks import Event, SinkError, build_sink
@@ -149,6 +149,13 @@ def test_bad_config_is_refused_naming_the_key(tmp_path: Path) -> None:
         build_sink({"type": "delta"})
     with pytest.raises(ValidationError, match="compression"):
         build_sink({"type": "parquet", "path": str(tmp_path), "compression": "lz9"})
+    with pytest.raises(ConfigError) as located:  # the message names the key where it is
+        parse_stream({"id": 1, "sink": {"type": "iceberg", "catalog_url": "postgresql://u:Pw0rdSecret@h/db",
+                                        "warehouse": "file:///x", "table": "nodots"}}, "pgstream.yaml")
+    assert str(located.value) == ("pgstream.yaml: sink.table: Value error, table must be namespace.table (letters, "
+                                  "digits and _ in each part)")
+    with pytest.raises(ConfigError, match=r"pgstream\.yaml: sink\.path: Field required"):
+        parse_stream({"id": 1, "sink": {"type": "delta"}}, "pgstream.yaml")
     with pytest.raises(ValueError, match=r"sink\.type parquet: needs delivery\.ordering global"):
         parse_stream({"id": 1, "sink": {"type": "parquet", "path": str(tmp_path)},
                       "delivery": {"ordering": "by_key", "routing_key": "table"}})
