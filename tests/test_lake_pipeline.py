@@ -140,4 +140,4 @@ def test_a_run_killed_after_a_lake_commit_a_replay_and_the_day_counts_check(
                               dt.datetime.combine(old_day, dt.time(12), tzinfo=dt.UTC))])
     failed = check()
     assert not failed.passed
-    assert failed.description == f"1 days differ: {old_day}: 30 delivered, 31 in the table"
+    assert failed.description == f"1 day differs: {old_day}: 30 delivered, 31 in the table"

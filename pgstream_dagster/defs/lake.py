@@ -56,7 +56,7 @@ def lake_counts_check(stream: StreamConfig) -> dg.AssetChecksDefinition:
         shown = "; ".join(f"{day}: {want} delivered, {got} in the table" for day, want, got in wrong[:10])
         return dg.AssetCheckResult(
             passed=not wrong, severity=dg.AssetCheckSeverity.ERROR,
-            description=(f"{len(wrong)} days differ: {shown}" if wrong else
+            description=(f"{len(wrong)} {'day differs' if len(wrong) == 1 else 'days differ'}: {shown}" if wrong else
                          f"{sum(owed.counts.values())} events over {len(owed.counts)} days match"),
             metadata={"days_compared": len(owed.counts), "events": sum(owed.counts.values()),
                       "differing_days": dg.MetadataValue.json([[str(d), w, g] for d, w, g in wrong[:100]]),
