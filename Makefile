@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams clean
 
 # reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
@@ -79,6 +79,10 @@ bench-lake: $(STAMP)
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/cpu.py
+
+# 1, 10 and 100 streams through `dg dev`: first events, processes, RSS, CPU per event, slots (issue 30)
+bench-streams: $(STAMP)
+	$(BIN)/python bench/streams.py
 
 # stops the services first: a Postgres left running on a deleted .pgstream/ would keep its port and memory
 clean: stop

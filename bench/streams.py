@@ -1,0 +1,351 @@
+"""Many streams on one database through `dg dev` (issue 30; run by hand: `make bench-streams`).
+
+Per phase (1, 10, 100 streams by default): fresh databases on a private Postgres left at Postgres'
+own defaults for ``max_replication_slots`` and ``max_wal_senders`` (10 each, what a platform team
+finds), N tables each with an INSERT subscription and a stream delivering to its own webhook path,
+`dg dev` started as `make dev` starts it (the repo's dagster.yaml: daemon, queued runs, Postgres
+storage). Measured:
+
+- time from `dg dev` start to the code location being loaded, and from then to each stream's first
+  event at its webhook (one row per table is committed once the location is loaded);
+- with one row a second on every table for ``--duration`` s: commit -> webhook p50/p99 and events
+  missing once the window has drained;
+- processes and total RSS of everything `dg dev` started, at the window's end;
+- CPU-seconds of those processes and of the Postgres server over the window, per event delivered;
+- replication slots and WAL senders in use.
+
+Streams that never deliver within ``--first-timeout`` are counted and named, not waited for. The
+figures are printed and appended to bench/RESULTS.md; ``--goal`` exits 1 when a phase misses
+issue 30's goals (first event <= 10 s, p99 <= 1 s, none missing, RSS <= 2 GiB, slots and WAL
+senders not growing with streams, CPU per event within 1.2x of one stream).
+Usage: python bench/streams.py [--streams 1,10,100] [--duration 60] [--goal]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import psycopg
+import yaml
+from psycopg import sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import machine
+
+from pgstream_dagster.config import load_config
+from pgstream_dagster.devdb import LocalPostgres, ensure_running
+from pgstream_dagster.engine.migrations import migrate
+from pgstream_dagster.engine.subscriptions import apply_subscriptions
+from tests.support.dagster_dev import DagsterDev, descendants, start_dagster_dev, stop_process_group
+
+HERE = Path(__file__).resolve().parent
+GiB = 2**30
+
+
+class _PathReceiver(BaseHTTPRequestHandler):
+    """Records ``(stream from the path /hook/<stream>, payload new.seq, receipt time)``."""
+
+    protocol_version = "HTTP/1.1"
+    received: list[tuple[int, int, float]]
+    lock: threading.Lock
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        now = time.time()
+        stream = int(self.path.rstrip("/").rsplit("/", 1)[1])
+        with self.lock:
+            self.received.extend((stream, int(p["new"]["seq"]), now) for p in (body if isinstance(body, list)
+                                                                                 else [body]))
+        self.send_response(204)
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        with self.lock:
+            data = json.dumps(self.received).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 512
+
+
+def _serve(ports: Any) -> None:
+    _PathReceiver.received = []
+    _PathReceiver.lock = threading.Lock()
+    server = _Server(("127.0.0.1", 0), _PathReceiver)
+    ports.put(server.server_address[1])
+    server.serve_forever()
+
+
+class Receivers:
+    """One receiver process for every stream's webhook (``/hook/<stream id>``)."""
+
+    def __init__(self) -> None:
+        ports: Any = multiprocessing.Queue()
+        self.process = multiprocessing.Process(target=_serve, args=(ports,), daemon=True)
+        self.process.start()
+        self.base = f"http://127.0.0.1:{ports.get(timeout=30)}"
+
+    def received(self) -> list[tuple[int, int, float]]:
+        response = httpx.get(f"{self.base}/received", timeout=60)
+        return [(int(s), int(q), float(t)) for s, q, t in response.json()]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.join(10)
+
+
+def _config(path: Path, url: str, receivers: Receivers, count: int) -> None:
+    streams = [{"id": i, "sink": {"type": "http", "url": f"{receivers.base}/hook/{i}", "mode": "batch"}}
+               for i in range(1, count + 1)]
+    subscriptions = [{"key": f"bench-s{i}", "stream_id": i, "operation": "INSERT", "table_name": f"bench_s{i}",
+                      "column_names": ["id", "seq"]} for i in range(1, count + 1)]
+    path.write_text(yaml.safe_dump({"database_url": url, "spark": {"master": "local[2]"}, "streams": streams,
+                                    "subscriptions": subscriptions}))
+    with psycopg.connect(url, autocommit=True) as conn:
+        for i in range(1, count + 1):
+            conn.execute(sql.SQL("create table public.{} (id bigserial primary key, seq bigint not null)")
+                         .format(sql.Identifier(f"bench_s{i}")))
+        apply_subscriptions(conn, load_config(path))
+
+
+def _location_loaded(dev: DagsterDev) -> bool:
+    try:
+        data = dev.graphql("{ workspaceOrError { ... on Workspace { locationEntries { loadStatus "
+                           "locationOrLoadError { __typename } } } } }", {})
+    except httpx.HTTPError:
+        return False
+    entries = data.get("data", {}).get("workspaceOrError", {}).get("locationEntries") or []
+    return bool(entries) and all(e["loadStatus"] == "LOADED" and
+                                 e["locationOrLoadError"]["__typename"] == "RepositoryLocation" for e in entries)
+
+
+def _cpu(pids: list[int]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[pid] = t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return out
+
+
+def _rss(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def _postgres_pids(pg: LocalPostgres) -> list[int]:
+    with psycopg.connect(pg.url, autocommit=True) as conn:
+        (pid,) = conn.execute("select pg_backend_pid()").fetchone()  # type: ignore[misc]
+    parent = psutil.Process(pid).ppid()
+    return [parent, *(c.pid for c in psutil.Process(parent).children())]
+
+
+def _insert(table: int) -> sql.Composed:
+    return sql.SQL("insert into public.{} (seq) values (%s)").format(sql.Identifier(f"bench_s{table}"))
+
+
+def _writer(url: str, count: int, start: float, duration: float, out: str, base: int) -> None:
+    """One row a second on every table, spread over the second."""
+    committed: dict[str, float] = {}
+    with psycopg.connect(url, autocommit=True) as conn:
+        tick = 0
+        while start + tick <= start + duration:
+            for i in range(1, count + 1):
+                due = start + tick + (i - 1) / count
+                time.sleep(max(0.0, due - time.time()))
+                seq = base + tick
+                conn.execute(_insert(i), [seq])
+                committed[f"{i}:{seq}"] = time.time()
+            tick += 1
+    Path(out).write_text(json.dumps(committed))
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    name = f"streams_{count}"
+    pg.create_database(name)
+    pg.create_database(f"{name}_dagster")
+    url = pg.url_for(name)
+    migrate(url)
+    receivers = Receivers()
+    config = tmpdir / f"{name}.yaml"
+    _config(config, url, receivers, count)
+    home = tmpdir / f"{name}_home"
+    home.mkdir()
+    shutil.copy(HERE.parent / "dagster.yaml", home / "dagster.yaml")
+    dagster_url = pg.url_for(f"{name}_dagster").replace("postgresql://", "postgresql+psycopg2://", 1)
+    env = {"PGSTREAM_CONFIG": str(config), "DAGSTER_HOME": str(home), "DAGSTER_POSTGRES_URL": dagster_url,
+           "PYTHONUNBUFFERED": "1"}
+    (tmpdir / name).mkdir()
+    started = time.monotonic()
+    dev = start_dagster_dev(tmpdir / name, env)
+    result: dict[str, Any] = {"streams": count}
+    try:
+        while not _location_loaded(dev):
+            if dev.proc.poll() is not None or time.monotonic() - started > 300:
+                raise RuntimeError(f"the code location did not load:\n{dev.tail()}")
+            time.sleep(0.2)
+        result["location_secs"] = time.monotonic() - started
+        loaded_at = time.time()
+        with psycopg.connect(url, autocommit=True) as conn:
+            for i in range(1, count + 1):
+                conn.execute(_insert(i), [0])
+        firsts: dict[int, float] = {}
+        deadline = time.monotonic() + args.first_timeout
+        while len(firsts) < count and time.monotonic() < deadline:
+            for stream, seq, at in receivers.received():
+                if seq == 0 and stream not in firsts:
+                    firsts[stream] = at - loaded_at
+            time.sleep(0.5)
+        result["first_event_secs"] = sorted(firsts.values())
+        result["never_delivered"] = sorted(set(range(1, count + 1)) - set(firsts))
+
+        out = tmpdir / f"{name}.json"
+        pg_pids = _postgres_pids(pg)
+        dev_pids = list(descendants(dev.proc.pid))
+        cpu_before = {**_cpu(dev_pids), **_cpu(pg_pids)}
+        start = time.time() + 1
+        writer = multiprocessing.Process(target=_writer, args=(url, count, start, args.duration, str(out), 1))
+        writer.start()
+        writer.join()
+        dev_pids = list(descendants(dev.proc.pid))
+        result["processes"] = len(dev_pids)
+        result["rss_bytes"] = _rss(dev_pids)
+        cpu_after = {**_cpu(dev_pids), **_cpu(pg_pids)}
+        result["cpu_secs"] = sum(cpu_after[p] - cpu_before.get(p, 0.0) for p in cpu_after)
+        with psycopg.connect(url, autocommit=True) as conn:
+            result["slots"] = conn.execute("select count(*) from pg_replication_slots").fetchone()[0]  # type: ignore[index]
+            result["wal_senders"] = conn.execute("select count(*) from pg_stat_replication").fetchone()[0]  # type: ignore[index]
+        committed = {(int(k.split(":")[0]), int(k.split(":")[1])): v
+                     for k, v in json.loads(out.read_text()).items()}
+        drain = time.monotonic() + args.drain_timeout
+        while time.monotonic() < drain:
+            got = {(s, q): t for s, q, t in receivers.received() if q > 0}
+            if set(committed) <= set(got):
+                break
+            time.sleep(1)
+        lat = [got[k] - v for k, v in committed.items() if k in got]
+        result.update(events=len(committed), missing=len(committed) - len(lat), p50=_pct(lat, 0.5),
+                      p99=_pct(lat, 0.99))
+        result["cpu_per_event_ms"] = 1000 * result["cpu_secs"] / max(1, len(lat))
+        with psycopg.connect(dagster_url.replace("+psycopg2", ""), autocommit=True) as conn:
+            result["runs"] = conn.execute("select count(*) from runs where pipeline_name = 'pgstream_delivery'"
+                                          ).fetchone()[0]  # type: ignore[index]
+    finally:
+        stop_process_group(dev.proc)
+        receivers.stop()
+        with psycopg.connect(pg.url, autocommit=True) as conn:  # the next phase counts its own slots only
+            conn.execute("select pg_drop_replication_slot(slot_name) from pg_replication_slots where database = %s",
+                         [name])
+    return result
+
+
+def _misses(r: dict[str, Any], one: dict[str, Any] | None) -> list[str]:
+    misses = []
+    firsts = r["first_event_secs"]
+    if r["never_delivered"] or (firsts and max(firsts) > 10):
+        misses.append("first event > 10 s")
+    if not r["p99"] <= 1.0:
+        misses.append("p99 > 1 s")
+    if r["missing"]:
+        misses.append(f"{r['missing']} events missing")
+    if r["rss_bytes"] > 2 * GiB:
+        misses.append("RSS > 2 GiB")
+    if one is not None and r["slots"] > max(2, one["slots"]):
+        misses.append("slots grow with streams")
+    if one is not None and r["cpu_per_event_ms"] > 1.2 * one["cpu_per_event_ms"]:
+        misses.append("CPU per event > 1.2x one stream's")
+    return misses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", default="1,10,100", help="phases: streams per phase, one after the other")
+    parser.add_argument("--duration", type=float, default=60, help="seconds of one row a second on every table")
+    parser.add_argument("--first-timeout", type=float, default=120, help="give up on a stream's first event after")
+    parser.add_argument("--drain-timeout", type=float, default=120, help="wait this long for the window to drain")
+    parser.add_argument("--postgres-defaults", action=argparse.BooleanOptionalAction, default=True,
+                        help="max_replication_slots and max_wal_senders at 10, Postgres' defaults")
+    parser.add_argument("--goal", action="store_true", help="exit 1 when a phase misses issue 30's goals")
+    args = parser.parse_args()
+    header = machine()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE.parent).stdout.strip()
+    results: list[dict[str, Any]] = []
+    settings = {"fsync": "off", "max_connections": "400"}
+    if args.postgres_defaults:
+        settings.update(max_replication_slots="10", max_wal_senders="10")
+    with tempfile.TemporaryDirectory(prefix="pgstream-streams-") as tmp:
+        tmpdir = Path(tmp)
+        os.chmod(tmpdir, 0o755)
+        pg = ensure_running(tmpdir / "pg", extra_settings=settings)
+        try:
+            for count in (int(c) for c in args.streams.split(",")):
+                results.append(_phase(count, pg, tmpdir, args))
+                print(json.dumps(results[-1], default=str), flush=True)
+        finally:
+            pg.destroy()
+    one = next((r for r in results if r["streams"] == 1), None)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"\n## Many streams through `dg dev` {stamp}, commit {commit}",
+             f"Machine: {header}; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}. "
+             f"Method: bench/streams.py; one row a second on every stream's table for {args.duration:.0f}s; "
+             f"Postgres {'defaults' if args.postgres_defaults else 'devdb settings'} for slots and WAL senders."]
+    failed = False
+    for r in results:
+        firsts = r["first_event_secs"]
+        misses = _misses(r, one)
+        failed |= bool(misses)
+        ratio = f" ({r['cpu_per_event_ms'] / one['cpu_per_event_ms']:.2f}x one stream's)" if one else ""
+        lines.append(
+            f"- {r['streams']} streams: location loaded {r['location_secs']:.1f}s after start; first event "
+            f"{f'p50 {_pct(firsts, 0.5):.1f}s, max {max(firsts):.1f}s' if firsts else 'none'}, "
+            f"{len(r['never_delivered'])} never delivered; p50 {r['p50'] * 1000:.0f} ms, p99 {r['p99'] * 1000:.0f} ms "
+            f"over {r['events']} events ({r['missing']} missing); {r['processes']} processes, "
+            f"RSS {r['rss_bytes'] / GiB:.2f} GiB; CPU {r['cpu_per_event_ms']:.1f} ms per event{ratio}; "
+            f"{r['slots']} slots, {r['wal_senders']} WAL senders; {r['runs']} delivery runs"
+            + (f"; misses: {', '.join(misses)}" if misses else "; meets the goals"))
+    with (HERE / "RESULTS.md").open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if args.goal and failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
