@@ -272,7 +272,7 @@ def test_batch_is_open_is_the_spelled_out_predicate_and_queries_with_it_use_the_
         def plan(query: str) -> str:
             return "\n".join(r[0] for r in c.execute(f"explain (verbose, costs off) {query}").fetchall())
 
-        queries = [  # the shapes of the ledger's queries (engine/ledger.py) and of the functions above
+        queries = [  # the shapes of the ledger's queries (engine/ledger/) and of the functions above
             "select * from pgstream.batches b where b.stream_id = 1 and pgstream.batch_is_open(b.status) "
             "order by b.id limit 1",
             "select id, event_count from pgstream.batches where stream_id = 2 and id >= 500 "
