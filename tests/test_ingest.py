@@ -22,6 +22,7 @@ from pgstream_dagster.engine import batches, ingest, ledger, replication
 from pgstream_dagster.engine.batches import RunStatus, RunView
 from pgstream_dagster.engine.ingest.recorder import Batching, Pending
 from pgstream_dagster.engine.replication import DecodedEvent, Transaction
+from pgstream_dagster.engine.status import render_status, stream_status
 
 from .support.harness import insert_events, slot_of, write_config
 
@@ -157,6 +158,9 @@ def test_the_sensor_does_not_read_while_a_run_is_the_declared_reader(db_url: str
         assert c.execute("select confirmed_flush_lsn from pg_replication_slots where slot_name = %s",
                          [slot_of(db_url, 1)]).fetchone() == confirmed
         assert _recorded(db_url, 1) == []
+        # the operator sees who is to read it
+        assert f"open run: {RUN_KEY} (the slot's declared reader; its reader is not reading yet)" in \
+            render_status(stream_status(c, 1))
         # the run closes: the sensor reads again, from where the slot was
         assert ledger.close_run(c, 1, RUN_KEY)
         assert ledger.slot_reader(c, 1) == ledger.SENSOR
