@@ -6,14 +6,18 @@ run, and a run killed while it reads leaves the slot to the sensor through the s
 from __future__ import annotations
 
 import datetime as dt
+import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import psycopg
 import pytest
 
@@ -24,7 +28,9 @@ from pgstream_dagster.engine.ingest.recorder import Batching, Pending
 from pgstream_dagster.engine.replication import DecodedEvent, Transaction
 from pgstream_dagster.engine.status import render_status, stream_status
 
-from .support.harness import insert_events, slot_of, write_config
+from .support.endpoint import Endpoint
+from .support.faults import delivered_all, drive, sent_ids, stream_config
+from .support.harness import Driver, insert_events, slot_of, tick_until, write_config
 
 RUN_KEY = "test-run"
 NOW = dt.datetime(2026, 3, 4, 12, 0, 0, tzinfo=dt.UTC)
@@ -248,3 +254,66 @@ def test_a_killed_runs_slot_returns_to_the_sensor(db_url: str, tmp_path: Path) -
         assert ingest.consume(c, stream, 1.0).events == 30
     recorded = _recorded(db_url, 1)
     assert len(recorded) == len(set(recorded)) == 70 and recorded == _events(db_url, 1)
+
+
+_RUN_SCRIPT = """
+import json, sys
+import dagster as dg
+from pgstream_dagster.defs.names import DELIVERY_JOB
+from pgstream_dagster.defs.location import build_definitions
+config_path, storage_url, home, request = sys.argv[1:5]
+request = json.loads(request)
+with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": storage_url}}}, temp_dir=home) as inst:
+    job = build_definitions(__import__("pathlib").Path(config_path)).resolve_job_def(DELIVERY_JOB)
+    job.execute_in_process(run_config=request["run_config"], instance=inst, tags=request["tags"],
+                           raise_on_error=False)
+"""
+
+
+def _reading(url: str) -> bool:
+    with psycopg.connect(url) as c:
+        row = c.execute("select a.application_name from pg_replication_slots s join pg_stat_activity a "
+                        "on a.pid = s.active_pid where s.slot_name = %s", [slot_of(url, 1)]).fetchone()
+    return row is not None and str(row[0]).startswith("pgstream reader ")
+
+
+def test_an_open_run_killed_while_it_reads_leaves_the_slot_to_the_sensor_and_loses_nothing(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, dagster_storage_url: str,
+        endpoint: Endpoint) -> None:
+    """Through Dagster: an open run is the slot's declared reader from its launch; its process is
+    killed (-9) while it reads; what commits then is read by nobody until the sensor sees the run dead,
+    fails it (the slot back to the sensor in the same transaction) and launches the next run. Every
+    event reaches the sink, the declared reader ends with the sensor."""
+    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [
+        stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "linger_secs": 5})])
+    driver = Driver(config_path, instance)
+    driver.tick(1)
+    insert_events(db_url, 1, 100)
+    (request,) = tick_until(driver, 1, lambda: _reader_row(db_url, 1)[0] is not None)
+    assert _reader_row(db_url, 1) == (request.run_key, f"run:{request.run_key}")
+    (tmp_path / "home").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN_SCRIPT, str(config_path), dagster_storage_url, str(tmp_path / "home"),
+         json.dumps({"run_config": request.run_config, "tags": {**request.tags, "dagster/run_key": request.run_key}})],
+        env={**os.environ}, start_new_session=True)
+    try:
+        _wait(lambda: _reading(db_url) and len(endpoint.unique()) >= 100, timeout=240)
+        insert_events(db_url, 1, 50, 1000)  # recorded by the run's reader, not the sensor
+        _wait(lambda: len(endpoint.unique()) >= 150, timeout=60)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    with psycopg.connect(db_url) as c:
+        keys = {r[0] for r in c.execute("select distinct run_key from pgstream.batches")}
+    assert keys == {request.run_key}  # every batch so far was handed to the run
+    insert_events(db_url, 1, 40, 2000)  # committed after the run died: nobody reads them yet
+    assert _reader_row(db_url, 1) == (request.run_key, f"run:{request.run_key}")
+    drive(driver, delivered_all(endpoint, db_url), timeout=240)
+    (run,) = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""}))
+    assert run.status == dg.DagsterRunStatus.FAILURE  # the sensor saw its lease gone and failed it
+    sent = sent_ids(db_url)
+    assert len(sent) == 190 and endpoint.unique() == set(sent)
+    assert sorted(_recorded(db_url, 1)) == sent  # each event recorded once
+    _wait(lambda: _reader_row(db_url, 1) == (None, ledger.SENSOR), timeout=30)
