@@ -317,3 +317,29 @@ def test_an_open_run_killed_while_it_reads_leaves_the_slot_to_the_sensor_and_los
     assert len(sent) == 190 and endpoint.unique() == set(sent)
     assert sorted(_recorded(db_url, 1)) == sent  # each event recorded once
     _wait(lambda: _reader_row(db_url, 1) == (None, ledger.SENSOR), timeout=30)
+
+
+def test_one_pass_records_several_streams_ledgers(db_url: str, tmp_path: Path) -> None:
+    """The recorder's pass takes a map stream id -> ledger (issue 30: one reader for several streams):
+    each stream's transactions go to its own ledger, cut by its own max_size, in one database
+    transaction; a stream whose declared reader is no longer the loop's records nothing, and says so."""
+    s1, s2 = _streams(tmp_path, db_url, {"max_size": 4, "max_fill_secs": 0}, ids=(1, 2))
+    insert_events(db_url, 1, 6)
+    insert_events(db_url, 2, 3)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        def read(stream: StreamConfig) -> list[Transaction]:
+            return ingest.PeekSource(c, slot_of(db_url, stream.id), stream.publication, 1000).read(0)
+
+        ledgers = {1: ingest.StreamLedger(s1, ledger.SENSOR), 2: ingest.StreamLedger(s2, ledger.SENSOR)}
+        assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == set()
+        assert _batches(db_url, 1) == [[0, 1, 2, 3], [4, 5]] and _batches(db_url, 2) == [[0, 1, 2]]
+        assert (ledgers[1].events, ledgers[2].events) == (6, 3)
+        # read again (nothing confirmed): what the ledgers hold is not recorded twice
+        assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == set()
+        assert len(_recorded(db_url, 1)) == 6 and len(_recorded(db_url, 2)) == 3
+        # stream 2's run became its reader: stream 2 records nothing in the pass, stream 1 does
+        ledger.open_run(c, 2, RUN_KEY)
+        insert_events(db_url, 1, 2, 100)
+        insert_events(db_url, 2, 2, 100)
+        assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == {2}
+        assert len(_recorded(db_url, 1)) == 8 and len(_recorded(db_url, 2)) == 3
