@@ -19,6 +19,19 @@ oldest open batch of a stream (its *head*) may start a run.
 With ``delivery.keep_warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
 run with no batch that becomes the stream's open run and waits for what commits (it reads the slot
 itself), so the first event after a quiet spell finds a started process.
+
+The stream's open run (``streams.open_run_key``) and the slot's declared reader
+(``streams.slot_reader``: ``sensor`` or ``run:<run key>``) move together, in one UPDATE each::
+
+    none --(Launch keep_open, Warm)--> open, the run reads the slot (delivery.read_slot)
+    open --(Extend)--> open, handed the batches recorded behind its own
+    open --(Launch replaces, FailRun)--> none, the sensor reads
+    open, ended without closing, nothing left --(ReclaimSlot)--> open (until the next batch's run
+        replaces it), the sensor reads
+    open --(the run: ledger.close_run, once it delivered what it was handed)--> none, the sensor reads
+
+and, outside this machine, the run's reader gives the slot back while it cannot read and takes it
+again (``ledger.give_slot_back`` / ``ledger.take_slot``: only while its run is the open run).
 """
 
 from __future__ import annotations
