@@ -272,7 +272,8 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
                     break  # nothing recorded, the slot not advanced: the next tick reads them again
                 result.last_lsn = replication.int_to_lsn(recorder.last_lsn or 0)
                 if source.drained:
-                    seen = source.skip_idle(conn)
+                    # (not skip_idle: advancing past other tables' WAL decodes it again, once per batch)
+                    seen = source.seen_through
                     if seen is not None and (mark or target.batches):
                         ledger.mark_consumed(conn, stream.id, seen)
                 elif time.monotonic() < deadline:

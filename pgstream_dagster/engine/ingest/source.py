@@ -101,6 +101,11 @@ class PeekSource:
                 return []
             time.sleep(min(PEEK_POLL_SECS, remaining))
 
+    @property
+    def seen_through(self) -> dt.datetime | None:
+        """When the last complete peek started: every commit before it was returned (``None``: none yet)."""
+        return self._peeked_at if self._drained else None
+
     def confirm(self, lsn: int) -> None:
         try:
             replication.advance(self.conn, self.slot, lsn)
