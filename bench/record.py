@@ -97,8 +97,8 @@ def _setup(url: str, config: Path, versions: dict[int, tuple[str, Path]]) -> Non
         apply_subscriptions(conn, load_config(config))
         for stream_id, (_, tree) in versions.items():
             slot = ledger.ensure_stream(conn, stream_id)
-            if tree != ROOT:  # a baseline reads the default name of its time
-                slot = f"pgstream_stream_{stream_id}"
+            if tree != ROOT and not (tree / "sql" / "022_lock_timeouts_and_slot_names.sql").exists():
+                slot = f"pgstream_stream_{stream_id}"  # a baseline before 022 reads the default name of its time
             replication.create_slot(conn, slot)
             if not (tree / "sql" / "011_publication_columns.sql").exists():  # before 011: every column
                 conn.execute(sql.SQL("alter publication {} set table pgstream.events where (stream_id = {})").format(

@@ -49,8 +49,10 @@ class BatchConfig(_Model):
                                       "cuts what it reads from the slot into batches of this size (a run takes many "
                                       "batches: delivery.max_events_per_run)")
     max_fill_secs: float = Field(0.5, ge=0, le=3600,
-                                 description="the sensor records waiting events as a batch once the oldest waited "
-                                             "this long, even if the batch is not full")
+                                 description="the slot's reader (the sensor, or an open run's) records what waits "
+                                             "once max_size events wait, the slot has sent everything committed, "
+                                             "or the oldest waiting event committed this long ago (under "
+                                             "continuous traffic)")
 
 
 class DeliveryConfig(_Model):

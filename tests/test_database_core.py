@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 from typing import Any
 
 import psycopg
@@ -543,7 +544,13 @@ def test_pgstreams_own_locks_are_held_by_a_live_session(db_url: str) -> None:
         assert ledger.lock_holder(b, "test", 7) == "a" and ledger.lock_holder(b, "test", 8) is None
         ledger.unlock(b, "test", 7)  # not b's: nothing happens
         assert ledger.lock_holder(b, "test", 7) == "a"
+        pid = a.info.backend_pid
         a.close()
+        # the session ends once its backend has left (a moment after the client closed it)
+        for _ in range(200):
+            if b.execute("select count(*) from pg_stat_activity where pid = %s", [pid]).fetchone() == (0,):
+                break
+            time.sleep(0.05)
         assert ledger.lock_holder(b, "test", 7) is None
         assert ledger.try_lock(b, "test", 7)
         assert ledger.lock_holder(b, "test", 7) == ""

@@ -272,7 +272,7 @@ def test_batch_is_open_is_the_spelled_out_predicate_and_queries_with_it_use_the_
         def plan(query: str) -> str:
             return "\n".join(r[0] for r in c.execute(f"explain (verbose, costs off) {query}").fetchall())
 
-        queries = [  # the shapes of the ledger's queries (engine/ledger.py) and of the functions above
+        queries = [  # the shapes of the ledger's queries (engine/ledger/) and of the functions above
             "select * from pgstream.batches b where b.stream_id = 1 and pgstream.batch_is_open(b.status) "
             "order by b.id limit 1",
             "select id, event_count from pgstream.batches where stream_id = 2 and id >= 500 "
@@ -313,8 +313,9 @@ SUBSCRIPTIONS: list[dict[str, Any]] = [
 ]
 
 _DATA = {
-    # the slot a stream reads is checked on its own (022 added it; tests/test_collisions.py)
-    "streams": "select to_jsonb(s) - 'default_slot' - 'slot' from pgstream.streams s order by id",
+    # the slot a stream reads is checked on its own (022 added it; tests/test_collisions.py), and so is
+    # who reads it (025: 'sensor' for every stream; tests/test_ingest.py)
+    "streams": "select to_jsonb(s) - 'default_slot' - 'slot' - 'slot_reader' from pgstream.streams s order by id",
     # the columns of release 0.1 (later versions add columns, with defaults: checked on their own)
     "subscriptions": "select id, key, stream_id, operation, schema_name, table_name, when_clause, column_names, "
                      "metadata, payload_extensions, created_at, updated_at, managed_by, trigger_mode "
@@ -410,6 +411,8 @@ def test_upgrade_from_release_0_1_ends_as_a_fresh_install(empty_db_url: str, db_
                            ("events_delivered", 2): 1, ("backlog_events", 1): 1, ("backlog_events", 2): 1,
                            ("failovers_entered", 1): 1, ("delivery_attempts_failed", 1): 1,
                            ("dead_letters_opened", 2): 1, ("dead_letters_open", 1): 0, ("dead_letters_open", 2): 1}
+        # 025: every stream starts with the sensor as its slot's reader
+        assert c.execute("select distinct slot_reader from pgstream.streams").fetchall() == [("sensor",)]
         upgraded = snapshot(c)
 
     # a fresh install with the same streams, table and subscriptions has the same catalog

@@ -197,9 +197,15 @@ def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run
                                                                      "to_event_id": replayed[-1]}}}},
         instance=instance, raise_on_error=False)), daemon=True)
     replayer.start()
+    launched = {request.run_key}
     try:
         while replayer.is_alive():
-            runs += [Background(driver, r) for r in driver.tick(STREAM).run_requests or []]
+            # as the daemon does, a run key is launched once (a tick that decides before the run's record
+            # exists asks for it again)
+            for r in driver.tick(STREAM).run_requests or []:
+                if r.run_key not in launched:
+                    launched.add(r.run_key)
+                    runs.append(Background(driver, r))
             time.sleep(0.05)
         time.sleep(0.3)  # live events after the replay too
     finally:

@@ -456,9 +456,9 @@ def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
 
 def test_a_sensor_peeking_back_to_back_leaves_the_slot_to_the_open_runs_reader(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    """Under a steady write load the sensor's tick peeks again as soon as a batch is full: the reader
-    claims the slot first (ledger.claim_slot), the sensor stops peeking, and from then on the run
-    records what commits. Each event once, in commit order."""
+    """Under a steady write load the sensor's tick peeks again as soon as a batch is full: the run is
+    the slot's declared reader from when it is opened, the sensor stops peeking, and from then on the
+    run records what commits. Each event once, in commit order."""
     config = _config(endpoint, linger=3)
     config["batch"] = {"max_size": 20, "max_fill_secs": 0.05}  # every peek finds a full batch
     config["sensor"] = {"tick_budget_secs": 2}
@@ -689,27 +689,32 @@ def test_a_publication_dropped_by_hand_is_put_back_and_nothing_is_lost(db_url: s
 
 def test_what_the_reader_records_right_after_the_sensors_peek_is_recorded_once(
         db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sensor peeks (the slot is not claimed yet), and before it records, an open run's reader
-    connects and records the same transactions: the sensor checks the ledger again under the
-    recording lock and records nothing twice (a test under load caught 25 events recorded twice)."""
+    """The sensor peeks (it is the slot's declared reader), and before it records, a run is opened
+    (the run becomes the declared reader in the same UPDATE) and its reader records the same
+    transactions: the sensor checks the declared reader under the stream row's lock and records
+    nothing (a test under load caught 25 events recorded twice before the reader was declared)."""
     stream = _engine_stream(tmp_path, db_url)
-    _open_stream(db_url)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        replication.create_slot(c, ledger.ensure_stream(c, STREAM))
     insert_events(db_url, STREAM, 30)
     time.sleep(0.3)  # older than max_fill_secs: the sensor records what it peeks at once
-    real = ingest.unrecorded
-    sensor = threading.current_thread()
+    real = ingest.PeekSource.read
     started: list[tuple[threading.Thread, threading.Event, ingest.FollowStats, handoff.Handoff]] = []
 
-    def reader_meanwhile(conn: psycopg.Connection, stream_id: int, txns: list[Any]) -> list[Any]:
-        kept = real(conn, stream_id, txns)
-        if threading.current_thread() is sensor and not started:  # right after the sensor's first check
+    def reader_meanwhile(self: ingest.PeekSource, timeout: float) -> list[Any]:
+        txns = real(self, timeout)
+        if txns and not started:  # right after the sensor's peek
+            with psycopg.connect(db_url, autocommit=True) as c:
+                ledger.open_run(c, STREAM, RUN_KEY)
+                assert ledger.slot_reader(c, STREAM) == ledger.run_reader(RUN_KEY)
             started.append(_reader_with_handoff(db_url, stream))
             _wait(lambda: started[0][2].events == 30)
-        return kept
+        return txns
 
-    monkeypatch.setattr(ingest, "unrecorded", reader_meanwhile)
+    monkeypatch.setattr(ingest.PeekSource, "read", reader_meanwhile)
     with psycopg.connect(db_url, autocommit=True) as c:
-        ingest.consume(c, stream, 0.5)
+        result = ingest.consume(c, stream, 0.5)
+    assert result.slot_busy and not result.batches and result.events == 0
     reader, stop, _stats, _kept = started[0]
     stop.set()
     reader.join(timeout=10)

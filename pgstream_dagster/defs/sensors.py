@@ -3,11 +3,11 @@ requests the stream's delivery runs, one at a time, in order; the delivery runs 
 
 A tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to request a run):
 
-1. **ingest** (``engine/ingest.py``): make sure the slot exists and is usable (a missing or
+1. **ingest** (``engine/ingest/``): make sure the slot exists and is usable (a missing or
    invalidated slot is recreated and every event the ledger does not cover is recovered from the
-   table); record the transactions waiting on it as batches once ``batch.max_size`` events wait or
-   the oldest waited ``batch.max_fill_secs``, and advance the slot, so WAL is released whatever the
-   sink does;
+   table); while the sensor is the slot's declared reader (``streams.slot_reader``: no open run
+   reads it), record the transactions waiting on it as batches (the one batching rule of
+   ``engine/ingest/recorder.py``) and advance the slot, so WAL is released whatever the sink does;
 2. **decide**, after recording a batch and at least every second: read the stream's state in one
    query (``ledger.stream_state``), ask Dagster about the run that state points at (the head
    batch's run, or the open run a pending head would be handed to) as an engine
@@ -195,7 +195,8 @@ def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         if request is not None or consumed.slot_lost or remaining <= 0:
             return total, request
         if not consumed.batches:
-            # while an open run reads the slot the tick only decides (the run records and hands over itself)
+            # while an open run is the slot's declared reader the tick only decides (the run records and
+            # hands over itself; a run that ended without closing gives the slot back: batches.ReclaimSlot)
             time.sleep(min(DECIDE_EVERY_SECS if consumed.slot_busy else POLL_SECS, remaining))
 
 

@@ -1,7 +1,7 @@
 """The batch state machine, without I/O: what a batch's status means (:class:`BatchStatus`), the
 batch model (:class:`Batch`), what the sensor reads of a stream (:class:`StreamState`, one query:
 ``ledger.stream_state``) and sees of its run in Dagster (:class:`RunView`), and :func:`decide`,
-which turns them into one :class:`Action`. ``ledger.py`` reads the state and applies the action
+which turns them into one :class:`Action`. ``ledger`` (``ledger/state.py``) reads the state and applies the action
 (``ledger.apply``: one function per transition); ``defs/sensors.py`` asks Dagster about the run and
 turns the run to request into a ``RunRequest``.
 
@@ -19,6 +19,19 @@ oldest open batch of a stream (its *head*) may start a run.
 With ``delivery.keep_warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
 run with no batch that becomes the stream's open run and waits for what commits (it reads the slot
 itself), so the first event after a quiet spell finds a started process.
+
+The stream's open run (``streams.open_run_key``) and the slot's declared reader
+(``streams.slot_reader``: ``sensor`` or ``run:<run key>``) move together, in one UPDATE each::
+
+    none --(Launch keep_open, Warm)--> open, the run reads the slot (delivery.read_slot)
+    open --(Extend)--> open, handed the batches recorded behind its own
+    open --(Launch replaces, FailRun)--> none, the sensor reads
+    open, ended without closing, nothing left --(ReclaimSlot)--> open (until the next batch's run
+        replaces it), the sensor reads
+    open --(the run: ledger.close_run, once it delivered what it was handed)--> none, the sensor reads
+
+and, outside this machine, the run's reader gives the slot back while it cannot read and takes it
+again (``ledger.give_slot_back`` / ``ledger.take_slot``: only while its run is the open run).
 """
 
 from __future__ import annotations
@@ -97,6 +110,7 @@ class StreamState:
     #: when the newest delivered batch was launched (read in failover while the head is pending)
     last_delivered_launch: dt.datetime | None = None
     incarnation: str = ""  # of the stream row (run keys carry it)
+    slot_reader: str = "sensor"  # the slot's declared reader (streams.slot_reader): 'sensor' or 'run:<run key>'
 
     def __post_init__(self) -> None:
         head = self.head
@@ -250,7 +264,18 @@ class LeaveFailover:
     note: str
 
 
-Action = Wait | Launch | Warm | Extend | Reissue | FailRun | LeaveFailover
+@dataclass(frozen=True)
+class ReclaimSlot:
+    """The open run ``run_key`` ended without closing (failed, canceled, died) with nothing left to
+    deliver: the slot goes back to the sensor (``streams.slot_reader``), which reads it again. The run
+    stays the stream's open run until the next batch's run replaces it (:class:`Launch` ``replaces``),
+    so a run that cannot start is not requested again every tick."""
+
+    run_key: str
+    note: str | None = None
+
+
+Action = Wait | Launch | Warm | Extend | Reissue | FailRun | LeaveFailover | ReclaimSlot
 
 
 def decide(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig) -> Action:
@@ -302,6 +327,10 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
     return Wait()
 
 
+#: what a run that will not read the slot any more looks like
+_ENDED = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.SUCCEEDED)
+
+
 def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
     """The key of a warm run requested at ``now``: a tick evaluated again within the second asks for
     the same run; a second warm run, should one start, finds another open run and ends at once."""
@@ -313,6 +342,11 @@ def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: Strea
     """Nothing is open: with ``delivery.keep_warm`` the stream keeps an open run ready. A warm run that
     ended without closing (failed, killed) is not replaced before the next batch: that batch's run
     replaces it (:func:`_next`), so a run that cannot start does not fail again every second."""
+    if state.open_run_key is not None and run.status in _ENDED and state.slot_reader != "sensor":
+        # nothing reads the slot otherwise: the run that was to read it ended
+        ended = run.run_id or state.open_run_key
+        return ReclaimSlot(state.open_run_key, note=f"stream {state.stream_id}: open run {ended} ended "
+                                                    f"({run.outcome or run.status}); the sensor reads the slot")
     if not stream.delivery.keep_warm or state.paused or in_failover:
         return Wait()
     if state.open_run_key is None:
@@ -327,6 +361,6 @@ def notes(action: Action) -> list[str]:
     match action:
         case LeaveFailover(then=then, note=note):
             return [note, *notes(then)]
-        case Wait(reason=note) | FailRun(note=note) if note is not None:
+        case Wait(reason=note) | FailRun(note=note) | ReclaimSlot(note=note) if note is not None:
             return [note]
     return []

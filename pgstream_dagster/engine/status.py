@@ -11,7 +11,7 @@ from psycopg.rows import dict_row
 from .batches import BatchStatus
 
 _STREAMS = """
-select ss.*, st.open_run_key,
+select ss.*, st.open_run_key, st.slot_reader as declared_reader,
        (select a.application_name from pg_catalog.pg_replication_slots rs
         join pg_catalog.pg_stat_activity a on a.pid = rs.active_pid
         where rs.slot_name = ss.slot_name and rs.database = pg_catalog.current_database()) as slot_reader
@@ -74,7 +74,9 @@ def render_status(streams: list[dict[str, Any]]) -> str:
         if s.get("open_run_key"):
             reader = str(s.get("slot_reader") or "")
             how = (f"it reads the slot: {reader.removeprefix('pgstream reader ')}"
-                   if reader.startswith("pgstream reader ") else "it takes every new batch")
+                   if reader.startswith("pgstream reader ")
+                   else "the slot's declared reader; its reader is not reading yet"
+                   if s.get("declared_reader") == f"run:{s['open_run_key']}" else "it takes every new batch")
             lines.append(f"  open run: {s['open_run_key']} ({how})")
         if s["failover_since"]:
             lines.append(f"  failover since {s['failover_since']}: checkpoint event {s['failover_checkpoint_id']} "

@@ -85,9 +85,9 @@ grant select on pgstream.streams, pgstream.batches, pgstream.events, pgstream.ev
                 pgstream.backfills, pgstream.backfill_partitions, pgstream.backfill_progress,
                 pgstream.stream_status, pgstream.orphaned_slots, pgstream.metrics
     to pgstream_runtime;
--- the open run and how far the slot was read (engine/ledger.py); everything else of a stream row
--- goes through register_stream, set_paused, enter_failover, leave_failover, retry_now
-grant update (open_run_key, consumed_through, recovery_pending) on pgstream.streams to pgstream_runtime;
+-- the open run, the slot's declared reader, and how far the slot was read (engine/ledger); everything
+-- else of a stream row goes through register_stream, set_paused, enter_failover, leave_failover, retry_now
+grant update (open_run_key, slot_reader, consumed_through, recovery_pending) on pgstream.streams to pgstream_runtime;
 -- recording batches and their transitions
 grant insert (stream_id, kind, event_ids, event_count, first_event_id, last_event_id, min_created_at,
               max_created_at, start_lsn, end_lsn, first_commit_at, last_commit_at) on pgstream.batches

@@ -1,0 +1,51 @@
+"""The stream's slot exists and is usable (:func:`ensure_slot`): created when missing, replaced when
+invalidated, and what the ledger does not cover recovered from ``pgstream.events``. The sensor calls it
+at the start of each tick, whoever reads the slot."""
+
+from __future__ import annotations
+
+import psycopg
+
+from ...config import StreamConfig
+from .. import ledger, limits, replication
+from .results import ConsumeResult
+
+
+def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult) -> None:
+    """Create the stream row, publication and slot when missing. A slot that was dropped or
+    invalidated (``wal_status = 'lost'``, e.g. ``max_slot_wal_keep_size`` exceeded) is replaced,
+    then every event no batch covers is recovered from the table.
+
+    Crash-safe: ``recovery_pending`` is set before the slot is touched and cleared in the
+    transaction that records the recovery, so an interruption anywhere makes the next tick
+    recover again (duplicates possible, losses not). An open run's reader does not read while a
+    recovery is pending (it gives the slot back to the sensor)."""
+    slot = result.slot = ledger.ensure_stream(conn, stream.id, stream.slot_name)
+    # a publication dropped by hand: logical decoding skips the stream's events without an error
+    # (Postgres 18 only warns), so it is put back, and what committed meanwhile is recovered from the
+    # table (decoding looks publications up as of each change: re-created, it does not see those)
+    result.publications_created = replication.ensure_publications(conn, stream.id)
+    if result.publications_created:
+        ledger.set_recovery_pending(conn, stream.id)
+    info = replication.slot_info(conn, slot)
+    pending = ledger.recovery_pending(conn, stream.id)
+    if info is not None and info["wal_status"] != "lost" and not pending:
+        return
+    if info is None and (elsewhere := replication.slot_database(conn, slot)) is not None:
+        raise ledger.SlotElsewhere(stream.id, slot, elsewhere)
+    ledger.set_recovery_pending(conn, stream.id)
+    if info is not None and info["wal_status"] == "lost":
+        replication.drop_slot(conn, slot)
+        result.slot_lost = True
+        info = None
+    if info is None:
+        try:
+            replication.create_slot(conn, slot)
+        except psycopg.errors.ConfigurationLimitExceeded:  # all replication slots are in use
+            row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
+            line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [stream.id])
+            raise limits.LimitsExceeded([line or f"stream {stream.id}: no replication slot is free; raise "
+                                                 f"max_replication_slots in postgresql.conf and restart Postgres"]
+                                        ) from None
+        result.slot_created = True
+    result.recovered = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)

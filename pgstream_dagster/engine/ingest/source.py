@@ -1,0 +1,187 @@
+"""Where a slot's transactions come from: :class:`SlotSource`, with two backends.
+
+* :class:`PeekSource`: ``pg_logical_slot_peek_binary_changes`` on an ordinary connection (what the
+  sensor reads between runs). Each read decodes the WAL again from the slot's confirmed position,
+  and returns only what it has not returned before; :meth:`~PeekSource.confirm` advances the slot.
+* :class:`StreamSource`: the replication protocol (:class:`~..walstream.ReplicationStream`, what an
+  open run's reader reads): each transaction is decoded once and arrives as it commits;
+  :meth:`~StreamSource.confirm` sends the server the position.
+
+Both confirm only what the caller says is recorded: a reader that dies before confirming gets the
+same transactions again from a new source. The recording loop (:mod:`.recorder`) is the same for
+both; nothing here knows about the ledger.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Protocol
+
+import psycopg
+
+from .. import replication, walstream
+from ..replication import Transaction
+
+#: a peek source looks again this often while nothing new has committed
+PEEK_POLL_SECS = 0.2
+
+
+class SlotSource(Protocol):
+    """Committed transactions of one slot (one publication), in commit order, each once."""
+
+    slot: str
+    publication: str
+
+    def read(self, timeout: float) -> list[Transaction]:
+        """The transactions committed since the last read (not confirmed, not returned before),
+        waiting up to ``timeout`` seconds for the first."""
+
+    @property
+    def drained(self) -> bool:
+        """The last :meth:`read` reached the end of what had committed (it was not cut short)."""
+
+    @property
+    def in_transaction(self) -> bool:
+        """Part of a transaction was received and its commit not yet (the slot must not move)."""
+
+    def confirm(self, lsn: int) -> None:
+        """Everything before ``lsn`` is recorded: the slot may release it."""
+
+    def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
+        """Nothing received is unrecorded: move the slot past what does not concern the stream (other
+        tables' WAL), and return a time before which every commit has been received (``None``: not
+        known yet), for ``streams.consumed_through``. ``conn``: a ledger connection."""
+
+    def close(self) -> None: ...
+
+
+class PeekSource:
+    """:class:`SlotSource` over ``pg_logical_slot_peek_binary_changes`` on ``conn`` (autocommit).
+
+    Raises :class:`~..walstream.SlotBusy` when another connection holds the slot (safety net: the
+    declared reader is someone else), :class:`~..walstream.SlotGone` when the slot was dropped or
+    invalidated."""
+
+    def __init__(self, conn: psycopg.Connection, slot: str, publication: str, cap: int) -> None:
+        self.conn, self.slot, self.publication, self.cap = conn, slot, publication, cap
+        self._returned = 0  # end LSN of the last transaction returned
+        self._drained = False
+        self._flushed = 0  # the WAL flushed before the last peek
+        self._peeked_at: dt.datetime | None = None
+
+    @property
+    def drained(self) -> bool:
+        return self._drained
+
+    @property
+    def in_transaction(self) -> bool:
+        return False  # a peek returns whole transactions
+
+    def read(self, timeout: float) -> list[Transaction]:
+        deadline = time.monotonic() + timeout
+        while True:
+            peeked_at = dt.datetime.now(dt.UTC)
+            flushed = replication.flush_lsn(self.conn)
+            try:
+                txns, rows = replication.peek_rows(self.conn, self.slot, self.publication, self.cap)
+            except psycopg.errors.ObjectInUse:
+                raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
+            except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject) as exc:
+                raise walstream.SlotGone(f"slot {self.slot}: {str(exc).strip()[:300]}") from None
+            self._drained = rows < self.cap  # the peek saw everything committed before peeked_at
+            if self._drained:
+                self._flushed, self._peeked_at = flushed, peeked_at
+            fresh = [t for t in txns if t.end_lsn > self._returned]
+            if fresh:
+                self._returned = fresh[-1].end_lsn
+                return fresh
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._drained:
+                return []
+            time.sleep(min(PEEK_POLL_SECS, remaining))
+
+    @property
+    def seen_through(self) -> dt.datetime | None:
+        """When the last complete peek started: every commit before it was returned (``None``: none yet)."""
+        return self._peeked_at if self._drained else None
+
+    def confirm(self, lsn: int) -> None:
+        try:
+            replication.advance(self.conn, self.slot, lsn)
+        except psycopg.errors.ObjectInUse:
+            raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
+        except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject) as exc:
+            raise walstream.SlotGone(f"slot {self.slot}: {str(exc).strip()[:300]}") from None
+
+    def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
+        if not self._drained or self._peeked_at is None:
+            return None
+        try:
+            # nothing of the stream committed before the flush position of the last complete peek: skip
+            # the other tables' WAL so the next peek does not decode it again
+            replication.advance_at_least(self.conn, self.slot, self._flushed)
+        except psycopg.errors.ObjectInUse:
+            raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
+        return self._peeked_at
+
+    def close(self) -> None:
+        pass
+
+
+class StreamSource:
+    """:class:`SlotSource` over the replication protocol (:class:`~..walstream.ReplicationStream`).
+
+    ``keep_rows``: decode each event's whole row (for a hand-off to the run), except for a message
+    larger than ``max_row_bytes``. Raises what :class:`~..walstream.ReplicationStream` raises."""
+
+    def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,
+                 max_bytes: int, keep_rows: bool = False) -> None:
+        self.slot, self.publication, self.application_name = slot, publication, application_name
+        self.stream = walstream.ReplicationStream(database_url, slot, publication, application_name,
+                                                  max_bytes=max_bytes)
+        self.decoder = replication.PgOutputDecoder(keep_rows=keep_rows, max_row_bytes=max_bytes // 4)
+        self._probe: tuple[dt.datetime, int] | None = None  # (a time, the WAL flushed then)
+
+    @property
+    def drained(self) -> bool:
+        return not self.stream.full
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.decoder.in_transaction
+
+    @property
+    def confirmed(self) -> int:
+        return self.stream.confirmed
+
+    def read(self, timeout: float) -> list[Transaction]:
+        messages = self.stream.read(timeout)
+        if not messages:
+            return []
+        txns = self.decoder.decode(messages)
+        del messages  # (the rows kept are copies: the messages go before more are read)
+        return txns
+
+    def confirm(self, lsn: int) -> None:
+        self.stream.confirm(lsn)
+
+    def keepalive(self) -> None:
+        """A status update: the server does not time the connection out while the reader waits."""
+        self.stream.confirm(self.stream.confirmed)
+
+    def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
+        seen: dt.datetime | None = None
+        if self._probe is not None and self.stream.wal_end >= self._probe[1]:
+            seen, self._probe = self._probe[0], None
+        if self._probe is None:
+            self._probe = (dt.datetime.now(dt.UTC), replication.flush_lsn(conn))
+        if not replication.publication_exists(conn, self.publication):
+            # dropped: the server skips the stream's events without an error (Postgres 18), so the slot
+            # must not move past what was received (the sensor puts it back and recovers)
+            raise walstream.SlotGone(f'publication "{self.publication}" does not exist')
+        self.stream.confirm(self.stream.wal_end, reply=True)  # the reply brings a fresh wal_end
+        return seen
+
+    def close(self) -> None:
+        self.stream.close()

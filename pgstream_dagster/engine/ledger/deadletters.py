@@ -1,0 +1,108 @@
+"""Dead-letter writes and reads the delivery needs (sql/014_event_integrity.sql): what delivery skips,
+events no longer in the table, and the writer that sets a rejected event aside."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import psycopg
+
+from ...sinks import Event
+from ...sinks.base import event_from_text
+from ..batches import BatchStatus
+from ..publish import TooLarge
+from .state import mark_confirmed
+
+
+def dead_letter_positions(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> frozenset[tuple[int, int]]:
+    """The ``(batch_id, ord)`` of the events of ``batch_ids`` that have a dead letter: delivery
+    skips them."""
+    rows = conn.execute("select batch_id, ord from pgstream.dead_letters where stream_id = %s and batch_id = any(%s)",
+                        [stream_id, batch_ids]).fetchall()
+    return frozenset((int(b), int(o)) for b, o in rows)
+
+
+def vanished(conn: psycopg.Connection, batch_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(batch_id, ord, event_id)`` of the events of ``batch_ids`` that are no longer in
+    ``pgstream.events`` (the join the delivery loader uses), in delivery order."""
+    return [(int(b), int(o), int(e)) for b, o, e in conn.execute(
+        """select b.id, o.ord, o.id from pgstream.batches b
+           cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+           where b.id = any(%s) and not exists (
+               select 1 from pgstream.events e
+               where e.id = o.id and e.stream_id = b.stream_id
+                 and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at)
+           order by b.id, o.ord""", [batch_ids]).fetchall()]
+
+
+class DeadLetterWriter:
+    """Records an event the sink rejected for good as a dead letter (``on_reject: dead_letter``),
+    durably, before the next event is published; moves the batch's confirmed prefix past it so a
+    retry resumes after it. Picklable (``ordering: by_key`` calls it on Spark executors): each call
+    uses its own short connection; set-asides are rare."""
+
+    def __init__(self, database_url: str, stream_id: int, sink: str, *, resumes: bool = True) -> None:
+        self.database_url, self.stream_id, self.sink = database_url, stream_id, sink
+        self.resumes = resumes  # ordered delivery resumes after the confirmed prefix; by_key does not
+
+    def __call__(self, batch_id: int, ord: int, event: Event, error: str, attempts: int) -> None:
+        with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
+            conn.execute(
+                """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
+                                                      payload, metadata, sink, error, attempts)
+                   values (%s, %s, 'deliver', %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s)
+                   on conflict (stream_id, event_id) do nothing""",
+                [self.stream_id, event.id, batch_id, ord, event.created_at, event.payload_json,
+                 event.metadata_json, self.sink, error[:2000], attempts])
+            if self.resumes:
+                mark_confirmed(conn, batch_id, ord)
+
+    def known_good(self) -> Event | None:
+        """The stream's last event the sink confirmed (of its last delivered batches, not a dead letter,
+        still in ``pgstream.events``), or ``None``: what the reject-storm guard sends again to tell a
+        sink that refuses everything from events that are refused for what they are."""
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            row = conn.execute(_KNOWN_GOOD, {"stream": self.stream_id, "delivered": BatchStatus.DELIVERED}).fetchone()
+        if row is None:
+            return None
+        event_id, stream_id, created_at, payload, metadata = row
+        return event_from_text(event_id, stream_id, created_at.astimezone(dt.UTC), payload, metadata)
+
+    def too_large(self, batch_id: int, ord: int, row: TooLarge) -> None:
+        """Record an event too large for the sink (:class:`~.publish.TooLarge`): the database copies its
+        payload and metadata from ``pgstream.events`` (the run never reads them); one attempt."""
+        with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
+            conn.execute(
+                """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
+                                                      payload, metadata, sink, error, attempts)
+                   select e.stream_id, e.id, 'deliver', %s, %s, e.created_at, e.payload, e.metadata, %s, %s, 1
+                   from pgstream.events e where e.id = %s and e.stream_id = %s
+                   on conflict (stream_id, event_id) do nothing""",
+                [batch_id, ord, self.sink, row.reason[:2000], row.id, self.stream_id])
+            if self.resumes:
+                mark_confirmed(conn, batch_id, ord)
+
+    def __repr__(self) -> str:  # never the URL
+        return f"DeadLetterWriter(stream {self.stream_id}, sink {self.sink})"
+
+
+#: the stream's last confirmed event (:meth:`DeadLetterWriter.known_good`): the last event of its last
+#: delivered batches (five at most: a batch may hold nothing but dead letters and vanished events)
+#: that has no dead letter and is still in pgstream.events
+_KNOWN_GOOD = """
+select e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text
+from (select b.id, b.stream_id, b.event_ids, b.min_created_at, b.max_created_at from pgstream.batches b
+      where b.stream_id = %(stream)s and b.status = %(delivered)s order by b.id desc limit 5) b
+cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+join pgstream.events e
+  on e.id = o.id and e.stream_id + 0 = b.stream_id
+ and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+where not exists (select 1 from pgstream.dead_letters d where d.stream_id = b.stream_id and d.event_id = o.id)
+order by b.id desc, o.ord desc
+limit 1
+"""
+
+
+def count_dead_letters(conn: psycopg.Connection, stream_id: int) -> int:
+    row = conn.execute("select count(*) from pgstream.dead_letters where stream_id = %s", [stream_id]).fetchone()
+    return int(row[0]) if row else 0

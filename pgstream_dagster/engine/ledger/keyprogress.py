@@ -1,0 +1,91 @@
+"""Resume points of ``ordering: by_key`` (sql/018_key_progress.sql), written by the Spark tasks."""
+
+from __future__ import annotations
+
+import psycopg
+
+from .locks import lease_name
+
+Position = tuple[int, int]
+
+
+class RunGone(RuntimeError):
+    """A ``by_key`` task's run no longer holds the stream's delivery lease: the task stops."""
+
+
+class KeyProgress:
+    """Where each Spark partition of a ``by_key`` round got to: for the round's ``partitions``
+    (the repartition count) and each bucket (``pmod(hash(routing_key), partitions)``, Spark's hash
+    partitioning of the key), the position ``(batch_id, ord)`` up to which every event of the
+    bucket is handled.
+
+    The Spark tasks write it themselves, straight to the ledger, after each chunk the sink
+    confirmed and before they publish the next one (:meth:`record`), rather than returning it to
+    the driver to record: a task's result reaches the driver only when the task ends, and when
+    one task fails Spark aborts the job and the driver gets no result of the others at all, nor
+    does it when the run process dies. Recorded by the tasks, a confirmation survives a failing
+    task, an aborted job and a dead driver; a retry (another run, or Spark retrying the task)
+    reads it back (:meth:`read`) and publishes only what comes after, so at most the chunk each
+    task had in flight is delivered twice. One small upsert per confirmed chunk, as the ordered
+    path writes ``confirmed_count``. Picklable (sent to the executors); the URL is never shown.
+    """
+
+    def __init__(self, database_url: str, stream_id: int, partitions: int, run_id: str | None = None) -> None:
+        self.database_url, self.stream_id, self.partitions = database_url, stream_id, partitions
+        self.run_id = run_id  # the run whose delivery lease must still be held for a task to go on
+
+    def connect(self) -> psycopg.Connection:
+        return psycopg.connect(self.database_url, autocommit=True, application_name="pgstream by_key task")
+
+    def read(self, conn: psycopg.Connection) -> dict[int, Position]:
+        """Per bucket: every event of it at a position up to this one is handled."""
+        rows = conn.execute("select bucket, batch_id, ord from pgstream.key_progress "
+                            "where stream_id = %s and partitions = %s", [self.stream_id, self.partitions]).fetchall()
+        return {int(b): (int(batch), int(o)) for b, batch, o in rows}
+
+    def record(self, conn: psycopg.Connection, buckets: list[int], batch_id: int, ord: int) -> None:
+        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (positions only move forward).
+        With ``run_id``, raises :class:`RunGone` instead when the run no longer holds its delivery
+        lease (its process died): a Spark Connect server keeps running an abandoned query for
+        minutes, and its tasks must not go on publishing beside the run that replaces it."""
+        row = conn.execute(
+            """with alive as (select %(lease)s::text is null or exists (
+                                  select 1 from pg_stat_activity where application_name = %(lease)s) as ok),
+                    saved as (
+               insert into pgstream.key_progress as p (stream_id, partitions, bucket, batch_id, ord)
+               select %(s)s, %(n)s, b, %(batch)s, %(ord)s from unnest(%(buckets)s::int[]) b, alive where alive.ok
+               on conflict (stream_id, partitions, bucket) do update
+                  set batch_id = excluded.batch_id, ord = excluded.ord, updated_at = now()
+                  where (p.batch_id, p.ord) < (excluded.batch_id, excluded.ord)
+               returning 1)
+               select ok from alive""",
+            {"s": self.stream_id, "n": self.partitions, "buckets": buckets, "batch": batch_id, "ord": ord,
+             "lease": lease_name(self.run_id) if self.run_id is not None else None}).fetchone()
+        if not (row and row[0]):
+            raise RunGone(f"stream {self.stream_id}: run {self.run_id} no longer holds the delivery lease; "
+                          f"this by_key task stops (batch {batch_id} #{ord} was its last confirmed position)")
+
+    def __repr__(self) -> str:  # never the URL
+        return f"KeyProgress(stream {self.stream_id}, {self.partitions} partitions)"
+
+
+def key_progress_partitions(conn: psycopg.Connection, stream_id: int, first_batch_id: int) -> int | None:
+    """The partition count of an interrupted ``by_key`` attempt at the batches from ``first_batch_id``
+    on (its resume points hold only for the same partitioning); None when there is none."""
+    row = conn.execute("select partitions from pgstream.key_progress where stream_id = %s and batch_id >= %s "
+                       "order by updated_at desc limit 1", [stream_id, first_batch_id]).fetchone()
+    return int(row[0]) if row else None
+
+
+def clear_key_progress(conn: psycopg.Connection, stream_id: int, *, through_batch_id: int | None = None,
+                       keep_partitions: int | None = None) -> None:
+    """Forget the stream's ``by_key`` resume points that lie in batches up to ``through_batch_id``
+    (delivered: no later event is at or before them), or, with ``keep_partitions``, those of any
+    other partition count (they cannot be resumed from). A resume point past the round stays: a
+    failover probe delivers the failed batch alone, and the batches after it resume from it."""
+    if through_batch_id is not None:
+        conn.execute("delete from pgstream.key_progress where stream_id = %s and batch_id <= %s",
+                     [stream_id, through_batch_id])
+    if keep_partitions is not None:
+        conn.execute("delete from pgstream.key_progress where stream_id = %s and partitions <> %s",
+                     [stream_id, keep_partitions])

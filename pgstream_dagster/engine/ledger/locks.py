@@ -1,0 +1,226 @@
+"""pgstream's own locks (``pgstream.locks``, sql/repeatable/00_locks.sql) and what is built on them: the
+delivery lease of a run or a replay, and what became of it; the recording lock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+
+import psycopg
+
+# --- pgstream's own locks (sql/repeatable/00_locks.sql) ----------------------------------------------
+# Rows of pgstream.locks, which only the owner can write: not advisory locks, which any role that can
+# connect could take and hold to stall a stream. A lock taken with :func:`try_lock` is held by the
+# session (backend) that took it until :func:`unlock` or until that session ends, however it ends.
+
+#: per stream (key: stream id): the open run's delivery lease; its holder is the run id
+DELIVERY_LOCK = "delivery"
+#: per stream: the slot reader's claim of before the declared reader (``streams.slot_reader``, which
+#: replaced it: no reader takes it any more); the functions stay for installs whose runs predate it
+READER_LOCK = "reader"
+#: per stream: a redelivery of its dead letters
+REDELIVERY_LOCK = "redelivery"
+#: per stream: a replay, held while it waits for the delivery lease and while it delivers; an open run
+#: that sees it closes (it yields the lease to the replay), a delivery run that starts waits for it
+REPLAY_LOCK = "replay"
+#: per stream: a delivery run waiting for the lease while a replay holds it (its holder is the run id:
+#: the run is alive, not dead, although it holds no lease yet)
+LEASE_WAIT_LOCK = "delivery_wait"
+#: how often a run or a replay waiting for the delivery lease looks again (seconds)
+LEASE_POLL_SECS = 0.2
+
+
+def try_lock(conn: psycopg.Connection, name: str, key: int, holder: str | None = None) -> bool:
+    """Take pgstream's lock ``(name, key)`` for ``conn``'s session (false: another live session holds
+    it). ``conn`` must be in autocommit mode: the lock is a row that must be committed at once."""
+    if not conn.autocommit:
+        raise ValueError("try_lock needs a connection in autocommit mode")
+    row = conn.execute("select pgstream.try_lock(%s, %s, %s)", [name, key, holder]).fetchone()
+    return bool(row and row[0])
+
+
+def unlock(conn: psycopg.Connection, name: str, key: int) -> None:
+    """Give pgstream's lock ``(name, key)`` up if ``conn``'s session holds it."""
+    conn.execute("select pgstream.unlock(%s, %s)", [name, key])
+
+
+def lock_holder(conn: psycopg.Connection, name: str, key: int) -> str | None:
+    """Who holds pgstream's lock ``(name, key)`` (``""``: a holder without a name), or None when free."""
+    row = conn.execute("select pgstream.lock_holder(%s, %s)", [name, key]).fetchone()
+    return None if row is None or row[0] is None else str(row[0])
+
+
+def lease_name(run_id: str) -> str:
+    return f"pgstream run {run_id}"
+
+
+class LeaseTaken(RuntimeError):
+    """Another live run holds the stream's delivery lease."""
+
+
+def acquire_lease(database_url: str, stream_id: int, run_id: str,
+                  waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
+    """A connection holding the stream's delivery lease (pgstream's lock ``delivery``, held by the
+    run id), named after the run. It lasts as long as the run's process: if the process dies, Postgres
+    drops the connection and the lease with it, which is how the sensor tells a dead run from a slow
+    one. Two runs of one stream can never deliver at the same time. While a replay of the stream holds
+    or waits for the lease (:func:`acquire_replay_lease`) the run waits for it to end (``waiting`` is
+    told who, every 10 s), holding the ``delivery_wait`` lock meanwhile (it is alive, not dead); another
+    delivery run holding the lease is :class:`LeaseTaken`."""
+    conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
+    try:
+        told = 0.0
+        while True:
+            replay = lock_holder(conn, REPLAY_LOCK, stream_id)
+            if replay is None:
+                if not try_lock(conn, DELIVERY_LOCK, stream_id, run_id):
+                    raise LeaseTaken(f"another run is delivering stream {stream_id}")
+                unlock(conn, LEASE_WAIT_LOCK, stream_id)
+                return conn
+            try_lock(conn, LEASE_WAIT_LOCK, stream_id, run_id)
+            if waiting is not None and time.monotonic() - told >= 10:
+                told = time.monotonic()
+                waiting(replay)
+            time.sleep(LEASE_POLL_SECS)
+    except BaseException:
+        conn.close()
+        raise
+
+
+def acquire_replay_lease(database_url: str, stream_id: int, holder: str,
+                         waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
+    """A connection holding the stream's delivery lease for a replay named ``holder`` (its run id),
+    and the stream's ``replay`` lock: no delivery run delivers while the connection is open, whatever
+    launched the replay (the Launchpad, ``dagster job execute``, a script). It takes the ``replay``
+    lock first (after any other replay of the stream), then waits for the lease: the stream's open run
+    sees the ``replay`` lock between two rounds, stops taking batches, delivers those it was handed and
+    closes, which frees the lease; a run that starts meanwhile waits for the replay
+    (:func:`acquire_lease`). Nothing waits on the replay while it waits, so this cannot deadlock.
+    ``waiting`` is told who holds what it waits for, every 10 s. Close the connection to release both."""
+    conn = psycopg.connect(database_url, autocommit=True, application_name=f"pgstream replay {holder}")
+    try:
+        told = 0.0
+        for name, what in ((REPLAY_LOCK, "another replay"), (DELIVERY_LOCK, "the delivery lease")):
+            while not try_lock(conn, name, stream_id, holder):
+                if waiting is not None and time.monotonic() - told >= 10:
+                    told = time.monotonic()
+                    waiting(f"{what} (held by {lock_holder(conn, name, stream_id) or 'a session that is ending'})")
+                time.sleep(LEASE_POLL_SECS)
+        return conn
+    except BaseException:
+        conn.close()
+        raise
+
+
+def replay_waiting(conn: psycopg.Connection, stream_id: int) -> bool:
+    """Whether a replay of the stream holds or waits for its delivery lease (:func:`acquire_replay_lease`)."""
+    return lock_holder(conn, REPLAY_LOCK, stream_id) is not None
+
+
+def lock_recording(conn: psycopg.Connection, stream_id: int) -> None:
+    """(A safety net since the slot's reader is declared: ``state.lock_slot_reader`` takes the same lock
+    and checks the reader.) Serialise recording what was read from the stream's slot until this transaction ends: the
+    sensor and an open run's reader each check what the ledger holds after taking the lock, so a
+    transaction both read (the reader connected right after the sensor's peek) is recorded once.
+    The stream row's lock, as :func:`extend_run` and :func:`close_run` take it.
+    ``no key update``: batches and dead letters referencing the stream are still inserted meanwhile.
+    Only inside a transaction."""
+    conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
+
+
+def claim_slot(conn: psycopg.Connection, stream_id: int) -> bool:
+    """Take the stream's reader claim on ``conn`` (false: another reader has it). It goes with the
+    connection: a reader that dies leaves the slot to the sensor."""
+    return try_lock(conn, READER_LOCK, stream_id)
+
+
+def release_slot(conn: psycopg.Connection, stream_id: int) -> None:
+    """Give the claim of :func:`claim_slot` up (the sensor peeks again): the reader cannot read for now."""
+    unlock(conn, READER_LOCK, stream_id)
+
+
+def slot_claimed(conn: psycopg.Connection, stream_id: int) -> bool:
+    """Whether an open run's reader claims the stream's slot (:func:`claim_slot`): the sensor leaves it alone."""
+    return lock_holder(conn, READER_LOCK, stream_id) is not None
+
+
+def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:
+    """Whether run ``run_id``'s process holds a delivery lease (of any stream) and is alive."""
+    return lease_state(conn, run_id) is LeaseState.HELD
+
+
+class LeaseState(StrEnum):
+    """What became of a run's delivery lease (:func:`lease_state`)."""
+
+    HELD = "held"  # a live backend of the run holds it
+    #: the run took it and the backend that held it has ended without giving it up: the run's process
+    #: died (or its connection did, with Postgres restarting): the run delivers nothing more
+    LOST = "lost"
+    NOT_TAKEN = "not taken"  # no lease names the run: it has not taken one yet (or gave it up, ending)
+
+
+def lease_state(conn: psycopg.Connection, run_id: str) -> LeaseState:
+    """What became of run ``run_id``'s delivery lease (of any stream), or of its wait for it. The
+    lock's row keeps naming its holder after the holding backend ended, until another run takes the
+    lease or the holder gives it up (:func:`give_up_lease`, when a run ends however it ends, short
+    of its process dying)."""
+    # the lease, or the wait for it while a replay holds it (LEASE_WAIT_LOCK): a run waiting is alive
+    row = conn.execute("select bool_or(pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)), count(*) "
+                       "from pgstream.locks l where l.name in (%s, %s) and l.holder = %s and l.pid is not null",
+                       [DELIVERY_LOCK, LEASE_WAIT_LOCK, run_id]).fetchone()
+    if row is None or not row[1]:
+        return LeaseState.NOT_TAKEN
+    return LeaseState.HELD if row[0] else LeaseState.LOST
+
+
+def give_up_lease(conn: psycopg.Connection, stream_id: int) -> None:
+    """A run that ends (however it ends, short of its process dying) gives its delivery lease up and
+    closes the lease's connection: only a run whose process died leaves a :attr:`LeaseState.LOST`
+    lease behind. A connection already broken gives up nothing (its backend has ended)."""
+    try:
+        if not conn.closed and not conn.broken:
+            unlock(conn, DELIVERY_LOCK, stream_id)
+    except psycopg.Error:
+        pass
+    finally:
+        conn.close()
+
+
+class RecordingCheck:
+    """Whether the run's ledger connection ``conn`` (the lease's: it records what the sink confirms)
+    still answers, asked of Postgres at most every ``every_secs``; once it does not, never again (a
+    sink calls it before each request it sends: :attr:`~..sinks.base.Sink.go_on`)."""
+
+    def __init__(self, conn: psycopg.Connection, every_secs: float = 0.2) -> None:
+        self.conn, self.every_secs = conn, every_secs
+        self.broken: str | None = None  # why it no longer answers
+        self._asked = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> bool:
+        with self._lock:
+            if self.broken is None and (self.conn.closed or self.conn.broken):
+                self.broken = "the connection is closed"
+            if self.broken is not None:
+                return False
+            if time.monotonic() - self._asked < self.every_secs:
+                return True
+            try:
+                self.conn.execute("select 1")
+            except psycopg.Error as exc:
+                self.broken = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                return False
+            self._asked = time.monotonic()
+            return True
+
+
+@contextmanager
+def holding_lease(conn: psycopg.Connection, stream_id: int) -> Iterator[psycopg.Connection]:
+    """``conn`` (from :func:`acquire_lease`) until the block ends, then :func:`give_up_lease`."""
+    try:
+        yield conn
+    finally:
+        give_up_lease(conn, stream_id)

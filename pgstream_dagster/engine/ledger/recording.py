@@ -1,0 +1,212 @@
+"""Recording what was read from a slot: batches (:func:`record`, whole transactions in commit order,
+waiting until they are visible), unreadable events as dead letters (stage 'read'), recovery from the
+table when a slot was lost, and how far the slot was read (``streams.consumed_through``).
+
+Invariants:
+* a transaction read from the slot is recorded in the ledger *whole*, in one database
+  transaction, before the slot is advanced past it; a crash in between re-reads it from the slot
+  and the ledger's last ``end_lsn`` makes that harmless;
+* a batch's ``event_ids`` are in commit order.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+
+import psycopg
+
+from .. import replication
+from ..replication import DecodedEvent, Transaction
+
+
+def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
+    row = conn.execute("select max(end_lsn)::text from pgstream.batches where stream_id = %s", [stream_id]).fetchone()
+    return replication.lsn_to_int(row[0]) if row and row[0] else None
+
+
+def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], max_size: int,
+           kind: str = "stream", standby: str | None = None, give_up: Callable[[], bool] | None = None) -> list[int]:
+    """Record the events of ``txns`` (commit order) as batches of at most ``max_size``, and their
+    unreadable events as dead letters (stage 'read').
+
+    Runs in its own database transaction. Every batch carries the LSN range and commit times of
+    the transactions it covers; the last batch's ``end_lsn`` is the end of the last transaction.
+    Waits first until ``txns`` are visible (:func:`wait_until_visible`; ``standby``: the replication
+    connection that decoded them, if any; ``give_up``: when to stop waiting and raise).
+    """
+    ids: list[int] = []
+    events = [e for t in txns for e in t.events]
+    wait_until_visible(conn, [t.xid for t in txns], standby, give_up)
+    # the transaction of each position where a chunk may start or end
+    txn_at: list[Transaction] = []
+    for t in txns:
+        txn_at.extend([t] * len(t.events))
+    with conn.transaction():
+        for start in range(0, len(events), max_size):
+            chunk = events[start:start + max_size]
+            first_txn, last_txn = txn_at[start], txn_at[start + len(chunk) - 1]
+            created = [e.created_at for e in chunk]
+            row = conn.execute(
+                """insert into pgstream.batches
+                   (stream_id, kind, event_ids, event_count, first_event_id, last_event_id, min_created_at,
+                    max_created_at, start_lsn, end_lsn, first_commit_at, last_commit_at)
+                   values (%s, %s, %s::bigint[], %s, %s, %s, %s, %s, %s::pg_lsn, %s::pg_lsn, %s, %s) returning id""",
+                # the ids as an array literal: psycopg dumps a list element by element in Python (6 ms per
+                # 10,000 ids, against 0.8 ms for this)
+                [stream_id, kind, "{" + ",".join([str(e.id) for e in chunk]) + "}", len(chunk), chunk[0].id,
+                 chunk[-1].id, min(created), max(created),
+                 replication.int_to_lsn(first_txn.commit_lsn), replication.int_to_lsn(last_txn.end_lsn),
+                 first_txn.commit_time, last_txn.commit_time],
+            ).fetchone()
+            assert row is not None
+            ids.append(int(row[0]))
+        record_unreadable(conn, stream_id, txns)
+    return ids
+
+
+#: the transactions of ``xids`` that this statement's snapshot does not see yet (``xids`` are 32-bit, as
+#: the WAL carries them: each is widened to the xid8 at most 2^32 before the snapshot's xmax)
+_NOT_VISIBLE = """
+select count(*) from (select pg_catalog.pg_current_snapshot() as snap) c
+cross join lateral (select pg_catalog.pg_snapshot_xmax(c.snap)::text::bigint as xmax) m
+cross join pg_catalog.unnest(%s::bigint[]) x(xid)
+where not pg_catalog.pg_visible_in_snapshot(
+    (m.xmax - ((m.xmax %% 4294967296) - x.xid + 4294967296) %% 4294967296)::text::xid8, c.snap)"""
+
+
+class ReaderIsSynchronousStandby(RuntimeError):
+    """The reader's replication connection is a synchronous standby of the writers it waits for."""
+
+
+class NotVisibleYet(RuntimeError):
+    """Decoded transactions not visible yet when the caller gave up waiting: nothing was recorded."""
+
+
+def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str | None = None,
+                       give_up: Callable[[], bool] | None = None) -> None:
+    """Return once every transaction of ``xids`` (decoded from the slot, so committed) is visible to
+    the snapshots ``conn`` takes from now on (read committed: each statement's).
+
+    Logical decoding hands out a transaction once its commit record is flushed, which is before its
+    backend leaves the proc array: for a moment (longer with synchronous replication, which waits for
+    the standby in between) its rows are invisible to new snapshots, and ``pg_xact_status`` already
+    says committed. A read of its events then (the batch trigger's count by subscription, a dead
+    letter's payload, a run reading the batch) would miss rows; after this wait none does. Every
+    later read of the batch's events comes after the recording commits, hence after this wait.
+
+    ``standby``: the application name of the replication connection that decoded them (an open
+    run's reader). Should ``synchronous_standby_names`` make it a synchronous standby, the writers
+    wait for it to confirm what it has not recorded yet while it waits for them: raises
+    :class:`ReaderIsSynchronousStandby` (the run reports it; the sensor reads the slot instead).
+    ``give_up``: once it returns true (the run stops, the sensor's tick budget is spent) raises
+    :class:`NotVisibleYet` instead of waiting on: the caller records them later, never without them."""
+    xids = sorted({x for x in xids if x >= 3})  # 0: recovery's own snapshot; 1-2: special xids
+    if not xids:
+        return
+    pause = 0.0005
+    while True:
+        row = conn.execute(_NOT_VISIBLE, [xids]).fetchone()
+        if row is None or row[0] == 0:
+            return
+        if standby is not None and pause >= 0.05 and conn.execute(
+                "select exists (select 1 from pg_catalog.pg_stat_replication "
+                "where application_name = %s and sync_state in ('sync', 'quorum'))", [standby]).fetchone() == (True,):
+            setting = conn.execute("show synchronous_standby_names").fetchone()
+            raise ReaderIsSynchronousStandby(
+                f"the slot reader's replication connection ({standby!r}) is a synchronous standby "
+                f"(synchronous_standby_names = {setting[0] if setting else ''!r} matches it): writers wait "
+                "for it to confirm transactions it can record only once they are visible; list only real "
+                "standbys there")
+        if give_up is not None and give_up():
+            raise NotVisibleYet(f"{row[0]} decoded transactions are not visible yet")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def record_unreadable(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> int:
+    """Dead letters (stage 'read') for the events of ``txns`` the sensor could not record, with the
+    reason and the commit LSN of their transaction; the payload is copied when the row is still
+    there. Idempotent (a transaction read twice sets nothing aside twice). Returns the rows added."""
+    added = 0
+    for t in txns:
+        for bad in t.unreadable:
+            cur = conn.execute(
+                """insert into pgstream.dead_letters
+                          (stream_id, event_id, stage, lsn, payload, metadata, error, attempts)
+                   select %(s)s, %(e)s, 'read', %(lsn)s::pg_lsn, e.payload, e.metadata, %(error)s, 0
+                   from (select 1) one
+                   left join lateral (select payload, metadata from pgstream.events
+                                      where id = %(e)s and stream_id = %(s)s limit 1) e on true
+                   on conflict (stream_id, event_id) do nothing""",
+                {"s": stream_id, "e": bad.id, "lsn": replication.int_to_lsn(t.commit_lsn), "error": bad.reason})
+            added += cur.rowcount
+    return added
+
+
+def recovered_ids_since(conn: psycopg.Connection, stream_id: int, lsn: int) -> set[int]:
+    """Event ids recorded by recovery batches whose snapshot reaches past ``lsn``: a slot
+    transaction committed before that point may already be in them."""
+    rows = conn.execute(
+        "select unnest(event_ids) from pgstream.batches where stream_id = %s and kind = 'recovery' "
+        "and end_lsn >= %s::pg_lsn",
+        [stream_id, replication.int_to_lsn(lsn)],
+    ).fetchall()
+    return {int(r[0]) for r in rows}
+
+
+def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) -> list[int]:
+    """Record every event of the stream that no batch covers yet, in id order (they are all
+    committed), as ``recovery`` batches whose ``end_lsn`` is the WAL position of the snapshot.
+
+    Events older than the stream's ``ledger_horizon`` were delivered by batches pruned since and
+    are not looked at. The anti-join is a hash join over the ledger's ids: linear, not
+    events x batches. Clears ``streams.recovery_pending`` in the same transaction.
+    """
+    with conn.transaction():
+        conn.execute("set transaction isolation level repeatable read")
+        # fetchone() is typed optional; a select without from returns one row
+        (lsn,) = conn.execute("select pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
+        rows = conn.execute(
+            """with covered as materialized (
+                   select distinct unnest(event_ids) as id from pgstream.batches where stream_id = %(s)s)
+               select e.id, e.created_at::text from pgstream.events e
+               left join covered c on c.id = e.id
+               where e.stream_id = %(s)s and c.id is null
+                 and e.created_at > coalesce((select ledger_horizon from pgstream.streams where id = %(s)s),
+                                             '-infinity')
+                 and not exists (select 1 from pgstream.dead_letters d where d.stream_id = %(s)s and d.event_id = e.id)
+               order by e.id""",
+            {"s": stream_id},
+        ).fetchall()
+        conn.execute("update pgstream.streams set recovery_pending = false where id = %s", [stream_id])
+        if not rows:
+            return []
+        txn = Transaction(xid=0, commit_lsn=replication.lsn_to_int(lsn), end_lsn=replication.lsn_to_int(lsn))
+        for event_id, created in rows:
+            parsed = replication.parse_timestamp(created)
+            if parsed is None:
+                txn.unreadable.append(replication.unreadable_timestamp(int(event_id), created))
+            else:
+                txn.events.append(DecodedEvent(int(event_id), parsed))
+        if txn.events:
+            txn.commit_time = max(e.created_at for e in txn.events)
+            return record(conn, stream_id, [txn], max_size, kind="recovery")
+        record_unreadable(conn, stream_id, [txn])
+        return []
+
+
+def set_recovery_pending(conn: psycopg.Connection, stream_id: int) -> None:
+    conn.execute("update pgstream.streams set recovery_pending = true where id = %s", [stream_id])
+
+
+def recovery_pending(conn: psycopg.Connection, stream_id: int) -> bool:
+    row = conn.execute("select recovery_pending from pgstream.streams where id = %s", [stream_id]).fetchone()
+    return bool(row and row[0])
+
+
+def mark_consumed(conn: psycopg.Connection, stream_id: int, through: dt.datetime) -> None:
+    """Everything committed before ``through`` has been read from the slot (see retention)."""
+    conn.execute("update pgstream.streams set consumed_through = greatest(consumed_through, %s) where id = %s",
+                 [through, stream_id])

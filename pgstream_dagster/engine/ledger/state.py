@@ -1,0 +1,385 @@
+"""The stream's state and its transitions: reading a stream's state in one query (:func:`stream_state`,
+for ``batches.decide``), the batch transitions (one function and one UPDATE each: :func:`assign`,
+:func:`open_run`, :func:`clear_open_run`, :func:`release`, :func:`mark_failed`, :func:`mark_confirmed`,
+:func:`mark_delivered`, :func:`enter_failover`, :func:`leave_failover`, :func:`retry_now`,
+:func:`skip_batch`), the run operations made of them (:func:`launch`, :func:`extend_run`,
+:func:`close_run`, :func:`fail_run`), the slot's declared reader, which changes with the open run
+(:func:`open_run`, :func:`clear_open_run`, :func:`take_slot`, :func:`give_slot_back`), and
+:func:`apply` (a decision's action). Statuses are :class:`~..batches.BatchStatus` members; "open" is
+``pgstream.batch_is_open(status)``.
+
+Invariants: batches of a stream are delivered in id order; a batch is ``delivered`` only once the sink
+confirmed every event; ``skipped`` only by an operator (``pgstream.skip_batch``). Both count as done;
+everything else is *open*.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, assert_never
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from ...config import StreamConfig, stream_object_name
+from ..batches import (
+    Action,
+    BatchStatus,
+    Extend,
+    FailRun,
+    Launch,
+    LeaveFailover,
+    ReclaimSlot,
+    Reissue,
+    RunOrder,
+    StreamState,
+    Wait,
+    Warm,
+    WarmRun,
+)
+from ..batches import Batch as Batch  # ledger.Batch: the delivery job's name for it
+
+_BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b.last_event_id, b.status, "
+                  "b.attempts, b.run_key, s.incarnation, b.run_id, b.error, b.next_attempt_at, b.first_commit_at, "
+                  "b.created_at, b.confirmed_count")
+_BATCH_FROM = "from pgstream.batches b join pgstream.streams s on s.id = b.stream_id"
+
+
+
+def _batch(row: dict[str, Any] | None) -> Batch | None:
+    return Batch(**row) if row else None
+
+
+# --- the stream's state: one read per decision (engine/batches.py decides) ------------------------
+
+_STATE = f"""
+select s.paused, s.failover_since, s.open_run_key, s.slot_reader, s.incarnation::text as stream_incarnation, h.*,
+       case when h.status = %(pending)s and not s.paused then (
+           -- what a new run takes: the head, then pending batches while the events fit
+           select array_agg(r.id order by r.id) from (
+               select o.id, row_number() over w as n, sum(o.event_count) over w as events,
+                      bool_and(o.status = %(pending)s) over w as all_pending
+               from (select id, event_count, status from pgstream.batches
+                     where stream_id = s.id and pgstream.batch_is_open(status) and id >= h.id
+                     order by id limit 10000) o
+               window w as (order by o.id)) r
+           where r.n = 1 or (r.all_pending and r.events <= %(max_events)s))
+       end as next_run,
+       case when s.failover_since is not null and h.status = %(pending)s then (
+           select max(launched_at) from pgstream.batches where stream_id = s.id and status = %(delivered)s)
+       end as last_delivered_launch
+from pgstream.streams s
+left join lateral (
+    select {_BATCH_COLUMNS} from pgstream.batches b
+    where b.stream_id = s.id and pgstream.batch_is_open(b.status) order by b.id limit 1) h on true
+where s.id = %(stream_id)s
+"""  # noqa: S608  (column lists, no input)
+
+_STREAM_FIELDS = ("paused", "failover_since", "open_run_key", "slot_reader", "next_run", "last_delivered_launch",
+                  "stream_incarnation")
+
+
+def stream_state(conn: psycopg.Connection, stream_id: int, max_events: int) -> StreamState:
+    """The stream's state for :func:`~.batches.decide`, in one query; ``max_events``:
+    ``delivery.max_events_per_run`` (what a new run may take)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(_STATE, {"stream_id": stream_id, "max_events": max_events, "pending": BatchStatus.PENDING,
+                                   "delivered": BatchStatus.DELIVERED}).fetchone()
+    if row is None:
+        return StreamState(stream_id)
+    stream = {k: row.pop(k) for k in _STREAM_FIELDS}
+    return StreamState(stream_id, head=_batch(row) if row["id"] is not None else None, paused=bool(stream["paused"]),
+                       failover_since=stream["failover_since"], open_run_key=stream["open_run_key"],
+                       next_run=tuple(stream["next_run"] or ()),
+                       last_delivered_launch=stream["last_delivered_launch"],
+                       incarnation=str(stream["stream_incarnation"] or ""),
+                       slot_reader=str(stream["slot_reader"] or SENSOR))
+
+
+def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: int) -> list[Batch]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return [Batch(**r) for r in cur.execute(
+            f"select {_BATCH_COLUMNS} {_BATCH_FROM} where b.stream_id = %s and b.id between %s and %s "
+            "order by b.id", [stream_id, first, last]).fetchall()]
+
+
+def not_delivered(conn: psycopg.Connection, batch_ids: list[int]) -> list[int]:
+    return [int(r[0]) for r in conn.execute(
+        "select id from pgstream.batches where id = any(%s) and status <> %s order by id",
+        [batch_ids, BatchStatus.DELIVERED]).fetchall()]
+
+
+def earlier_open(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int | None:
+    row = conn.execute("select min(id) from pgstream.batches where stream_id = %s and id < %s "
+                       "and pgstream.batch_is_open(status)", [stream_id, batch_id]).fetchone()
+    return int(row[0]) if row and row[0] is not None else None
+
+
+def run_batch_ids(conn: psycopg.Connection, head: Batch) -> list[int]:
+    """The batches assigned to the run of ``head`` (a launched batch), in order."""
+    return [int(r[0]) for r in conn.execute(
+        "select id from pgstream.batches where stream_id = %s and pgstream.batch_is_open(status) "
+        "and run_key = %s and status = %s order by id",
+        [head.stream_id, head.run_key, BatchStatus.LAUNCHED]).fetchall()] or [head.id]
+
+
+def assigned_after(conn: psycopg.Connection, run_key: str, after_batch_id: int) -> list[Batch]:
+    """Batches assigned to the run ``run_key`` since it loaded ``after_batch_id``, in order."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return [Batch(**r) for r in cur.execute(
+            f"select {_BATCH_COLUMNS} {_BATCH_FROM} where b.run_key = %s and b.id > %s and b.status = %s "
+            "order by b.id", [run_key, after_batch_id, BatchStatus.LAUNCHED]).fetchall()]
+
+
+def run_is_open(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+    row = conn.execute("select open_run_key = %s from pgstream.streams where id = %s",
+                       [run_key, stream_id]).fetchone()
+    return bool(row and row[0])
+
+
+def is_paused(conn: psycopg.Connection, stream_id: int) -> bool:
+    row = conn.execute("select paused from pgstream.streams where id = %s", [stream_id]).fetchone()
+    return bool(row and row[0])
+
+
+def run_channel(stream_id: int) -> str:
+    """The NOTIFY channel on which an open run hears that batches were assigned to it."""
+    return f"{stream_object_name(stream_id)}_runs"
+
+
+def listen_runs(conn: psycopg.Connection, stream_id: int) -> None:
+    """LISTEN on the stream's :func:`run_channel` (an open run waits there for batches)."""
+    conn.execute(sql.SQL("listen {}").format(sql.Identifier(run_channel(stream_id))))
+
+
+# --- transitions: one function (one UPDATE) each ----------------------------------------------------
+
+def assign(conn: psycopg.Connection, batch_ids: tuple[int, ...] | list[int], run_key: str) -> None:
+    """pending or failed -> launched: the batches are the run ``run_key``'s (one more attempt each)."""
+    conn.execute("update pgstream.batches set status = %s, run_key = %s, attempts = attempts + 1, "
+                 "launched_at = now(), next_attempt_at = null where id = any(%s)",
+                 [BatchStatus.LAUNCHED, run_key, list(batch_ids)])
+
+
+def open_run(conn: psycopg.Connection, stream_id: int, run_key: str, *, reads_slot: bool = True) -> None:
+    """The run ``run_key`` becomes the stream's open run: :func:`extend_run` hands it new batches.
+    ``reads_slot`` (``delivery.read_slot``): in the same UPDATE it becomes the slot's declared reader
+    (``streams.slot_reader``), so the sensor stops reading it."""
+    conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s where id = %s",
+                 [run_key, run_reader(run_key) if reads_slot else SENSOR, stream_id])
+
+
+def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
+    """The run ``run_key`` is no longer the stream's open run (closed, failed, or gone without closing);
+    in the same UPDATE the slot goes back to the sensor."""
+    conn.execute("update pgstream.streams set open_run_key = null, slot_reader = %s "
+                 "where id = %s and open_run_key = %s", [SENSOR, stream_id, run_key])
+
+
+# --- the slot's declared reader (streams.slot_reader, sql/025_slot_reader.sql) ----------------------
+# One reader of a stream's slot at a time, declared in the stream row: 'sensor', or 'run:<run key>' (the
+# open run's reader). It changes with the open run (open_run, clear_open_run: the same UPDATE; a
+# constraint says a run reads only while it is the open run), and when the open run's reader cannot read
+# (give_slot_back) or can again (take_slot). Each reader reads only while it is the declared one and
+# checks it again under the stream row's lock before it records (lock_slot_reader).
+
+#: the declared reader between runs
+SENSOR = "sensor"
+
+
+def run_reader(run_key: str) -> str:
+    """The declared reader of the slot while the open run ``run_key`` reads it."""
+    return f"run:{run_key}"
+
+
+def slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
+    """Who reads the stream's slot now: :data:`SENSOR` or :func:`run_reader` of the open run."""
+    row = conn.execute("select slot_reader from pgstream.streams where id = %s", [stream_id]).fetchone()
+    return str(row[0]) if row and row[0] is not None else SENSOR
+
+
+def lock_slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
+    """:func:`slot_reader`, holding the stream row's lock (:func:`lock_recording`) until the
+    transaction ends: a reader records only while this is itself. Only inside a transaction."""
+    row = conn.execute("select slot_reader from pgstream.streams where id = %s for no key update",
+                       [stream_id]).fetchone()
+    return str(row[0]) if row and row[0] is not None else SENSOR
+
+
+def take_slot(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+    """The open run ``run_key``'s reader reads the slot (again); false if it is not the open run."""
+    row = conn.execute("update pgstream.streams set slot_reader = %s where id = %s and open_run_key = %s "
+                       "returning 1", [run_reader(run_key), stream_id, run_key]).fetchone()
+    return row is not None
+
+
+def give_slot_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+    """The run ``run_key``'s reader does not read (it stopped, or cannot read for now): the sensor reads
+    the slot and hands batches to the run; false if it was not the declared reader."""
+    row = conn.execute("update pgstream.streams set slot_reader = %s where id = %s and slot_reader = %s "
+                       "returning 1", [SENSOR, stream_id, run_reader(run_key)]).fetchone()
+    return row is not None
+
+
+def release(conn: psycopg.Connection, run_key: str, keep: int) -> None:
+    """launched -> pending: the batches of the run ``run_key`` other than ``keep`` wait for another run."""
+    conn.execute("update pgstream.batches set status = %s, run_key = null where run_key = %s and status = %s "
+                 "and id <> %s", [BatchStatus.PENDING, run_key, BatchStatus.LAUNCHED, keep])
+
+
+def mark_failed(conn: psycopg.Connection, batch_id: int, error: str, retry_at: dt.datetime) -> None:
+    """open -> failed: the batch is retried, alone, at ``retry_at``."""
+    conn.execute("update pgstream.batches set status = %s, error = %s, next_attempt_at = %s "
+                 "where id = %s and pgstream.batch_is_open(status)", [BatchStatus.FAILED, error[:2000], retry_at,
+                                                                      batch_id])
+
+
+def mark_confirmed(conn: psycopg.Connection, batch_id: int, count: int) -> None:
+    """The sink confirmed the first ``count`` events of the batch (a retry resumes after them)."""
+    conn.execute("update pgstream.batches set confirmed_count = greatest(confirmed_count, %s) "
+                 "where id = %s and status <> %s", [count, batch_id, BatchStatus.DELIVERED])
+
+
+def mark_delivered(conn: psycopg.Connection, batch_id: int, run_id: str) -> bool:
+    """-> delivered: the sink confirmed every event of the batch (false if it already was delivered)."""
+    row = conn.execute("update pgstream.batches set status = %s, delivered_at = now(), run_id = %s, "
+                       "error = null where id = %s and status <> %s returning id",
+                       [BatchStatus.DELIVERED, run_id, batch_id, BatchStatus.DELIVERED]).fetchone()
+    return row is not None
+
+
+def enter_failover(conn: psycopg.Connection, head: Batch, error: str, retry_at: dt.datetime) -> None:
+    """The stream is in failover with ``head`` as its checkpoint (or stays in it: one more attempt)."""
+    conn.execute("select pgstream.enter_failover(%s, %s, %s, %s)", [head.stream_id, head.id, error, retry_at])
+
+
+def leave_failover(conn: psycopg.Connection, stream_id: int) -> None:
+    """The stream caught up: its failover ends."""
+    conn.execute("select pgstream.leave_failover(%s)", [stream_id])
+
+
+def retry_now(conn: psycopg.Connection, stream_id: int) -> int | None:
+    """The stream's failed batch is due now instead of after its backoff; its id (``None``: none).
+    Raises ``psycopg.errors.NoDataFound`` for a stream that does not exist."""
+    row = conn.execute("select pgstream.retry_now(%s)", [stream_id]).fetchone()
+    return int(row[0]) if row and row[0] is not None else None
+
+
+def skip_batch(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int:
+    """open -> skipped (an operator gave up on it); the events it held. Raises
+    ``psycopg.errors.NoDataFound`` unless it is an open batch of the stream."""
+    row = conn.execute("select pgstream.skip_batch(%s, %s)", [stream_id, batch_id]).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+# --- runs: transitions composed ---------------------------------------------------------------------
+
+def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] | list[int], run_key: str, *,
+           keep_open: bool, replaces: str | None = None, reads_slot: bool = True) -> None:
+    """Assign ``batch_ids`` to the new run ``run_key``; ``keep_open``: it becomes the stream's open
+    run (and, ``reads_slot``, the slot's declared reader); ``replaces``: an open run that ended without
+    closing, forgotten first (the slot back to the sensor with it)."""
+    with conn.transaction():
+        if replaces is not None:
+            clear_open_run(conn, stream_id, replaces)
+        assign(conn, batch_ids, run_key)
+        if keep_open:
+            open_run(conn, stream_id, run_key, reads_slot=reads_slot)
+
+
+def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
+    """Assign the stream's pending batches to the open run ``run_key`` (oldest first, while nothing
+    else is in between, up to ``max_events`` undelivered events assigned to it) and wake it up.
+    Nothing happens unless ``run_key`` is the stream's open run: the stream row's lock orders this
+    against :func:`close_run`, so a run that closed is never handed a batch."""
+    with conn.transaction():
+        row = conn.execute("select open_run_key from pgstream.streams where id = %s for update",
+                           [stream_id]).fetchone()
+        if row is None or row[0] is None or row[0] != run_key:
+            return []
+        rows = conn.execute(
+            """select id, event_count, status, run_key from pgstream.batches
+               where stream_id = %s and pgstream.batch_is_open(status)
+               order by id limit 10000""", [stream_id]).fetchall()
+        outstanding = 0
+        ids: list[int] = []
+        for batch_id, count, status, key in rows:
+            if status == BatchStatus.LAUNCHED and key == run_key and not ids:
+                outstanding += int(count)
+                continue
+            if status != BatchStatus.PENDING or (outstanding and outstanding + int(count) > max_events):
+                break
+            ids.append(int(batch_id))
+            outstanding += int(count)
+        if ids:
+            assign(conn, ids, run_key)
+            conn.execute("select pg_notify(%s, %s)", [run_channel(stream_id), run_key])
+    return ids
+
+
+def close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+    """The run ``run_key`` stops taking batches: true unless batches were assigned to it and not
+    delivered yet (then it must deliver them first and try again)."""
+    with conn.transaction():
+        conn.execute("select 1 from pgstream.streams where id = %s for update", [stream_id])
+        # a statement after the lock: sees every assignment committed before it was granted
+        row = conn.execute("select exists (select 1 from pgstream.batches where run_key = %s and status = %s)",
+                           [run_key, BatchStatus.LAUNCHED]).fetchone()
+        if row and row[0]:
+            return False
+        clear_open_run(conn, stream_id, run_key)
+    return True
+
+
+def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, retry_at: dt.datetime) -> None:
+    """A delivery run failed: its first undelivered batch waits for ``retry_at`` and the stream
+    enters failover; the run's other batches go back to pending (they were not refused)."""
+    with conn.transaction():
+        clear_open_run(conn, head.stream_id, run_key)
+        release(conn, run_key, keep=head.id)
+        mark_failed(conn, head.id, error, retry_at)
+        enter_failover(conn, head, error, retry_at)
+
+
+def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str, *, reads_slot: bool = True) -> bool:
+    """The run ``run_key`` (no batch yet) becomes the stream's open run (and, ``reads_slot``, the
+    slot's declared reader), unless the stream has one."""
+    row = conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s "
+                       "where id = %s and open_run_key is null returning id",
+                       [run_key, run_reader(run_key) if reads_slot else SENSOR, stream_id]).fetchone()
+    return row is not None
+
+
+def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | WarmRun | None:
+    """Carry out ``action`` (from :func:`~.batches.decide`) in the ledger; the run to request, if
+    any. Reporting a dead run to Dagster (``FailRun.died``) is the caller's, before this."""
+    match action:
+        case LeaveFailover(then=then):
+            leave_failover(conn, stream.id)
+            return apply(conn, stream, then)
+        case Wait():
+            return None
+        case Warm(run=run, again=again):
+            reads = stream.delivery.read_slot
+            return run if again or open_warm_run(conn, stream.id, run.run_key, reads_slot=reads) else None
+        case Launch(order=order, keep_open=keep_open, replaces=replaces):
+            launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces,
+                   reads_slot=stream.delivery.read_slot)
+            return order
+        case ReclaimSlot(run_key=key):
+            give_slot_back(conn, stream.id, key)
+            return None
+        case Extend(run_key=key, otherwise=otherwise):
+            # empty when the run closed meanwhile: then a new run, if the head needs one
+            if extend_run(conn, stream.id, key, stream.delivery.max_events_per_run) or otherwise is None:
+                return None
+            return apply(conn, stream, otherwise)
+        case Reissue(head=head):
+            # asking Dagster again with the same run key is harmless: it skips run keys it has seen
+            return RunOrder(head, tuple(run_batch_ids(conn, head)), head.attempts)
+        case FailRun(head=head, error=error, retry_at=retry_at):
+            fail_run(conn, head, head.run_key or "", error, retry_at)
+            return None
+    assert_never(action)

@@ -1,0 +1,78 @@
+"""Stream rows and the slot each reads (``pgstream.streams``, its ``slot``): the one place Python learns
+a slot's name, and the checks that a slot belongs to one stream."""
+
+from __future__ import annotations
+
+import psycopg
+
+#: The unique index on the slot a stream reads, ``pgstream.streams.slot`` (sql/022_lock_timeouts_and_slot_names.sql).
+SLOT_INDEX = "streams_slot_key"
+
+
+class SlotInUse(RuntimeError):
+    """A stream was to read a replication slot that another stream already reads."""
+
+    def __init__(self, stream_id: int, slot: str, holder: int | None) -> None:
+        self.stream_id, self.slot, self.holder = stream_id, slot, holder
+        other = f"stream {holder}" if holder is not None else "another stream"
+        advice = f"give stream {stream_id} another streams[].slot_name in pgstream.yaml"
+        if holder is not None:  # advice for the operator, never executed
+            advice += (f", or, if stream {holder} is no longer used, delete it (delete from pgstream.streams "  # noqa: S608
+                       f"where id = {holder}) and drop its slot (select pg_drop_replication_slot('{slot}'))")
+        super().__init__(f"stream {stream_id}: slot {slot} is already used by {other}; a slot belongs to one "
+                         f"stream (each would advance it past the other's events): {advice}")
+
+
+class SlotElsewhere(RuntimeError):
+    """The slot a stream reads exists, but in another database of the cluster (slot names are the cluster's)."""
+
+    def __init__(self, stream_id: int, slot: str, database: str) -> None:
+        self.stream_id, self.slot, self.database = stream_id, slot, database
+        super().__init__(f"stream {stream_id}: replication slot {slot} belongs to database {database}, not to this "
+                         f"one (slot names are the cluster's): give stream {stream_id} another streams[].slot_name "
+                         f"in pgstream.yaml, or drop that slot in database {database} if nothing there reads it")
+
+
+def stream_slot(conn: psycopg.Connection, stream_id: int) -> str:
+    """The replication slot stream ``stream_id`` reads (``pgstream.streams.slot``: its ``slot_name``, else
+    its default, a name the database derives, unique in the cluster: ``pgstream.default_slot_name``), or
+    the default a new stream row would get. The one place Python learns a slot's name."""
+    row = conn.execute("select pgstream.stream_slot(%s)", [stream_id]).fetchone()
+    assert row is not None and row[0] is not None
+    return str(row[0])
+
+
+def slot_holder(conn: psycopg.Connection, slot: str, stream_id: int) -> int | None:
+    """The stream other than ``stream_id`` that reads ``slot`` (``pgstream.streams.slot``)."""
+    row = conn.execute("select pgstream.slot_holder(%s, %s)", [slot, stream_id]).fetchone()
+    return int(row[0]) if row and row[0] is not None else None
+
+
+def check_slots(conn: psycopg.Connection, streams: list[tuple[int, str | None]]) -> None:
+    """Raise :class:`SlotInUse` if a stream (``(id, slot_name)``; ``None``: its default slot) would read a
+    slot that another stream row already reads; before anything changes (``pgstream-dagster init``)."""
+    for stream_id, slot_name in streams:
+        slot = slot_name or stream_slot(conn, stream_id)
+        holder = slot_holder(conn, slot, stream_id)
+        if holder is not None:
+            raise SlotInUse(stream_id, slot, holder)
+
+
+def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | None = None) -> str:
+    """The stream row (and so its publication) exists and reads ``slot_name`` (``None``: its default
+    slot); returns the slot it reads.
+
+    Raises :class:`SlotInUse` (nothing changed) when another stream row already reads that slot.
+    """
+    try:
+        with conn.transaction():
+            # the owner's function (the runtime writes no stream row itself): the row exists and reads
+            # slot_name, null for its default; it locks the row only when something changes (a run may
+            # hold its lock)
+            conn.execute("select pgstream.register_stream(%s, %s)", [stream_id, slot_name])
+            return stream_slot(conn, stream_id)
+    except psycopg.errors.UniqueViolation as exc:
+        if exc.diag.constraint_name != SLOT_INDEX:
+            raise
+        wanted = slot_name or stream_slot(conn, stream_id)
+        raise SlotInUse(stream_id, wanted, slot_holder(conn, wanted, stream_id)) from None
