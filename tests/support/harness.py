@@ -23,13 +23,19 @@ from pgstream_dagster.sinks.memory import MemorySink
 
 def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
                  subscriptions: list[dict[str, Any]] | None = None, spark: dict[str, Any] | None = None) -> Path:
-    """``streams`` as in pgstream.yaml; runs do not linger unless a stream sets ``delivery.linger_secs``
-    (the in-process driver executes a run before the next tick, so an open run would only wait)."""
-    streams = [{**s, "delivery": {"linger_secs": 0, **s.get("delivery", {})}} for s in streams]
+    """``streams`` as in pgstream.yaml; a stream that says nothing of its mode gets ``delivery.mode:
+    per_batch`` (the in-process driver executes a run before the next tick, so an open run would only wait)."""
+    streams = [{**s, "delivery": _per_batch_unless_said(s.get("delivery", {}))} for s in streams]
     path.write_text(yaml.safe_dump({"database_url": database_url, "streams": streams,
                                     "subscriptions": subscriptions or [],
                                     "spark": spark or {"master": "local[2]"}}))
     return path
+
+
+def _per_batch_unless_said(delivery: dict[str, Any]) -> dict[str, Any]:
+    if any(key in delivery for key in ("mode", "linger_secs", "keep_warm")):
+        return delivery
+    return {"mode": "per_batch", **delivery}
 
 
 def replay_through_spark(config: Path, stream_id: int, instance: dg.DagsterInstance) -> tuple[bool, list[int]]:
