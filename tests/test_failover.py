@@ -45,6 +45,8 @@ from .support.faults import (
 )
 from .support.harness import Driver, backdated, insert_events, slot_of, write_config
 
+pytestmark = pytest.mark.usefixtures("delivery_mode")  # every row on every delivery mode (faults.MODES)
+
 
 def test_sink_down_500_then_refused_then_back(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                               endpoint: Endpoint) -> None:
