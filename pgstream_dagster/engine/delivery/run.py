@@ -205,11 +205,14 @@ class DeliveryRun:
                 host.log.info(f"stream {stream.id}: {len(batches)} batches {batches[0].id}..{batches[-1].id}, "
                               f"{total} events ({kinds}){rest}")
             after = 0
+            # the batches the run was launched with were recorded before its reader started: not in the hand-off
+            launched = bool(batches)
             try:
                 while True:
                     if batches:
-                        readers = Readers(self.database_url, self.executor_url, conn, reader.handoff, host.spark,
-                                          sink)
+                        handoff = None if launched else reader.handoff
+                        launched = False
+                        readers = Readers(self.database_url, self.executor_url, conn, handoff, host.spark, sink)
                         source = choose_source(stream.delivery, Owed(owed(stream, batches)), readers)
                         delivered = _Round(host, conn, stream, sink, batches, self.database_url,
                                            self.executor_url).deliver(source, recording)
