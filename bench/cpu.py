@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import TABLE_SQL, Driver, delivered_events, machine, write_config
 
 import pgstream_dagster
-from pgstream_dagster.config import DeliveryConfig, load_config
+from pgstream_dagster.config import DeliveryTuning, load_config
 from pgstream_dagster.defs.names import DELIVERY_JOB
 from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.engine import replication, spark
@@ -445,7 +445,7 @@ def main() -> None:
                         help="delivery.read_slot false: the sensor peeks the slot even while a run is open (before "
                              "the slot reader)")
     parser.add_argument("--direct-max-events", type=int,
-                        default=DeliveryConfig.model_fields["direct_max_events"].default,
+                        default=DeliveryTuning.model_fields["direct_max_events"].default,
                         help="delivery.direct_max_events (default: the product's; 0: every round is a Spark job, "
                              "as before)")
     parser.add_argument("--label", default="", help="what this run measures (e.g. 'before', 'after')")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -55,42 +56,19 @@ class BatchConfig(_Model):
                                              "continuous traffic)")
 
 
-class DeliveryConfig(_Model):
-    ordering: Literal["global", "by_key"] = Field(
-        "global", description="global: the run's own process publishes every event in commit order (no Spark for "
-                              "rounds up to direct_max_events); by_key: Spark tasks publish in parallel, each key "
-                              "(routing_key) in commit order")
-    routing_key: EventPath = Field("group_id",
-                                   description="event path (payload, or metadata:<path>) used to partition "
-                                               "deliveries when ordering=by_key")
-    parallelism: int = Field(4, ge=1, le=256, description="ordering by_key: Spark partitions (tasks) a round is "
-                                                           "split into by routing_key")
-    chunk_size: int = Field(500, ge=1, le=100_000, description="events handed to the sink per publish call")
-    max_events_per_run: int = Field(100_000, ge=1, le=10_000_000,
-                                    description="a run takes every pending batch behind the head, up to this many "
-                                                "events (adaptive batching; a backlog drains in few runs)")
-    rows_per_partition: int = Field(50_000, ge=100, le=1_000_000,
-                                    description="events per Spark partition when Spark reads (by_key rounds, a "
-                                                "single batch larger than direct_max_events, direct_max_events "
-                                                "0); the driver holds about two partitions")
-    prefetch_partitions: bool = Field(True, description="ordered delivery read by Spark: Spark reads the next "
-                                                        "partition while the sink publishes the current one")
-    linger_secs: float = Field(120, ge=0, le=86400,
-                               description="a run stays open this long after its last batch, and the sensor hands it "
-                                           "every new batch: fresh events skip run start-up and Spark start "
-                                           "(0: a run ends as soon as its batches are delivered)")
-    keep_warm: bool = Field(False, description="keep an open run ready even with nothing to deliver: it does not "
-                                                "close when idle (only after max_run_secs, then the next one starts), "
-                                                "so the first event after a quiet spell finds a started process "
-                                                "(costs a run process per stream)")
-    read_slot: bool = Field(True, description="an open run reads the stream's slot itself, over the replication "
-                                               "protocol: each transaction is decoded once and arrives as it "
-                                               "commits (false: the sensor peeks the slot, as between runs)")
+class DeliveryTuning(_Model):
+    """Measured defaults of a delivery (``delivery.tuning``): how much, how long, how often; never which
+    route (that is ``delivery.mode`` and ``delivery.ordering``)."""
+
+    linger_secs: float = Field(120, gt=0, le=86400,
+                               description="mode open: a run stays open this long after its last batch, and the sensor "
+                                           "hands it every new batch: fresh events skip run start-up and Spark start "
+                                           "(for a run per batch: mode per_batch)")
     direct_max_events: int = Field(
         100_000, ge=0, le=1_000_000,
-        description="ordering global: a round of at most this many events is read by the run's own connection "
-                    "(5,000 at a time) instead of by Spark (a Spark job costs 0.1-0.3 s and about half a "
-                    "CPU-second); a larger backlog is delivered in rounds of this size (whole batches, at "
+        description="ordering global, modes open and warm: a round of at most this many events is read by the "
+                    "run's own connection (5,000 at a time) instead of by Spark (a Spark job costs 0.1-0.3 s and "
+                    "about half a CPU-second); a larger backlog is delivered in rounds of this size (whole batches, at "
                     "least one). Replays to a sink other than a file also read without Spark, 5,000 events at "
                     "a time (0: always Spark)")
     max_read_bytes: int = Field(
@@ -100,6 +78,12 @@ class DeliveryConfig(_Model):
                     "as at its number of rows, so events that are large as text (small stored: compressed) cannot "
                     "fill the run's memory. A run holds about four times this at its peak, or four times its largest "
                     "event; events of up to 6 KiB never reach it (5,000 are read at a time)")
+    rows_per_partition: int = Field(50_000, ge=100, le=1_000_000,
+                                    description="events per Spark partition when Spark reads (by_key rounds, a "
+                                                "single batch larger than direct_max_events, direct_max_events "
+                                                "0); the driver holds about two partitions")
+    prefetch_partitions: bool = Field(True, description="ordered delivery read by Spark: Spark reads the next "
+                                                        "partition while the sink publishes the current one")
     report_every_secs: float = Field(5, ge=0, le=3600,
                                      description="an open run reports its rounds to Dagster together (run log line, "
                                                  "deliveries materialization, status observation) at most this "
@@ -107,6 +91,82 @@ class DeliveryConfig(_Model):
     max_run_secs: float = Field(1800, ge=1, le=7 * 86400,
                                 description="an open run takes no new batch after this long (a fresh run picks "
                                             "up configuration changes)")
+    read_slot: bool = Field(True, description="modes open and warm: the open run reads the stream's slot itself, over "
+                                               "the replication protocol: each transaction is decoded once and arrives "
+                                               "as it commits (false: the sensor peeks the slot, as between runs; for "
+                                               "comparisons, measured in bench/)")
+
+
+#: keys of ``delivery`` that moved: old key -> where it is now (a ``mode``, or a key of ``tuning``)
+DEPRECATED_DELIVERY_KEYS: dict[str, str] = {
+    "linger_secs": "delivery.mode (0: per_batch) and delivery.tuning.linger_secs",
+    "keep_warm": "delivery.mode: warm",
+    "read_slot": "delivery.tuning.read_slot",
+    "direct_max_events": "delivery.tuning.direct_max_events",
+    "max_read_bytes": "delivery.tuning.max_read_bytes",
+    "rows_per_partition": "delivery.tuning.rows_per_partition",
+    "prefetch_partitions": "delivery.tuning.prefetch_partitions",
+    "report_every_secs": "delivery.tuning.report_every_secs",
+    "max_run_secs": "delivery.tuning.max_run_secs",
+}
+
+
+def _moved_delivery_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a ``delivery`` block) with the keys of :data:`DEPRECATED_DELIVERY_KEYS` moved to
+    ``mode`` / ``tuning``, each with a :class:`DeprecationWarning` naming the new key. An old key that
+    says otherwise than the new key given with it is an error (which one holds would be a guess)."""
+    old = [k for k in DEPRECATED_DELIVERY_KEYS if k in data]
+    if not old or not isinstance(data.get("tuning", {}), dict):
+        return data  # (a tuning that is no mapping: its own error)
+    data = dict(data)
+    tuning: dict[str, Any] = dict(data.get("tuning") or {})
+    implied: str | None = None
+    for key in old:  # linger_secs before keep_warm: keep_warm with linger_secs 0 was a warm run
+        value = data.pop(key)
+        warnings.warn(f"delivery.{key} is deprecated: use {DEPRECATED_DELIVERY_KEYS[key]}", DeprecationWarning,
+                      stacklevel=2)
+        if key == "keep_warm":
+            implied = "warm" if value is True else implied
+            continue
+        if key == "linger_secs" and value == 0 and not isinstance(value, bool):
+            implied = "per_batch"
+            continue
+        if key in tuning and tuning[key] != value:
+            raise ValueError(f"delivery.{key} ({value!r}) and delivery.tuning.{key} ({tuning[key]!r}) disagree: "
+                             f"keep delivery.tuning.{key}")
+        tuning[key] = value
+    if implied is not None:
+        if data.get("mode", implied) != implied:
+            raise ValueError(f"delivery.mode {data['mode']!r} and the deprecated keys {', '.join(old)} (mode "
+                             f"{implied!r}) disagree: keep delivery.mode")
+        data["mode"] = implied
+    if tuning:
+        data["tuning"] = tuning
+    return data
+
+
+class DeliveryConfig(_Model):
+    mode: Literal["open", "per_batch", "warm"] = Field(
+        "open", description="open: a run stays open after its batches (tuning.linger_secs), reads the stream's slot "
+                            "itself and delivers what commits, without Spark for rounds up to "
+                            "tuning.direct_max_events; per_batch: a run per batch (or per run of batches, "
+                            "max_events_per_run), its events read by PySpark, as the design card has it; warm: open, "
+                            "and an open run is kept ready even with nothing to deliver (costs a run process per "
+                            "stream)")
+    tuning: DeliveryTuning = DeliveryTuning()
+    ordering: Literal["global", "by_key"] = Field(
+        "global", description="global: the run's own process publishes every event in commit order (no Spark "
+                              "for rounds up to tuning.direct_max_events); by_key: Spark tasks publish in parallel, "
+                              "each key (routing_key) in commit order")
+    routing_key: EventPath = Field("group_id",
+                                   description="event path (payload, or metadata:<path>) used to partition "
+                                               "deliveries when ordering=by_key")
+    parallelism: int = Field(4, ge=1, le=256, description="ordering by_key: Spark partitions (tasks) a round is "
+                                                           "split into by routing_key")
+    chunk_size: int = Field(500, ge=1, le=100_000, description="events handed to the sink per publish call")
+    max_events_per_run: int = Field(100_000, ge=1, le=10_000_000,
+                                    description="a run takes every pending batch behind the head, up to this many "
+                                                "events (adaptive batching; a backlog drains in few runs)")
     on_reject: Literal["block", "dead_letter"] = Field(
         "block", description="an event the sink rejects for good (see each sink's permanent rejections): block: the "
                              "stream waits for it (failover, retried with backoff) until the sink accepts it or an "
@@ -126,6 +186,40 @@ class DeliveryConfig(_Model):
                                               "it started is dead (its process never got going): it is marked "
                                               "failed and its batches retried. A run whose lease's database "
                                               "session has ended (process killed) is dead at once")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        """Configs written before ``mode`` and ``tuning`` (the keys of :data:`DEPRECATED_DELIVERY_KEYS`)
+        still load, with a warning naming the new key."""
+        if not isinstance(data, dict):
+            return data
+        return _moved_delivery_keys(data)
+
+    @property
+    def keeps_open(self) -> bool:
+        """Whether a run stays open after its batches (modes open and warm)."""
+        return self.mode != "per_batch"
+
+    @property
+    def keep_warm(self) -> bool:
+        """Whether an open run is kept ready with nothing to deliver (mode warm)."""
+        return self.mode == "warm"
+
+    @property
+    def linger_secs(self) -> float:
+        """How long a run stays open after its last batch: 0 in mode per_batch."""
+        return self.tuning.linger_secs if self.keeps_open else 0.0
+
+    @property
+    def read_slot(self) -> bool:
+        """Whether an open run reads the stream's slot itself."""
+        return self.keeps_open and self.tuning.read_slot
+
+    @property
+    def max_read_bytes(self) -> int:
+        """``tuning.max_read_bytes``."""
+        return self.tuning.max_read_bytes
 
 
 class SensorConfig(_Model):

@@ -19,6 +19,7 @@ from psycopg import sql
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine.migrations import migrate
 
+from .support import faults
 from .support.aws import REGION, FakeCredentials, FaultProxy, MotoServer
 from .support.dagster_dev import Databases, drop_databases, make_databases
 from .support.endpoint import Endpoint
@@ -143,6 +144,15 @@ def databases(pg: LocalPostgres) -> Iterator[Databases]:
         yield dbs
     finally:
         drop_databases(pg, dbs)
+
+
+@pytest.fixture(params=faults.MODES)
+def delivery_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fault-matrix row on each delivery mode (``faults.MODES``; the fault files use it for every row):
+    ``faults.stream_config`` configures stream 1 in it."""
+    mode = str(request.param)
+    monkeypatch.setattr(faults, "MODE", mode)
+    return mode
 
 
 @pytest.fixture

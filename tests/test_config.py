@@ -174,8 +174,8 @@ BIG = 2**63  # one past the largest bigint
      "streams[0].retry: Value error, initial_backoff_secs (600) must not exceed max_backoff_secs (300)"),
     ("id: 1\n", "id: 1\n    batch: {max_fill_secs: .nan}\n",
      "streams[0].batch.max_fill_secs: Input should be a finite"),
-    ("id: 1\n", "id: 1\n    delivery: {linger_secs: .inf}\n",
-     "streams[0].delivery.linger_secs: Input should be a finite"),
+    ("id: 1\n", "id: 1\n    delivery: {tuning: {linger_secs: .inf}}\n",
+     "streams[0].delivery.tuning.linger_secs: Input should be a finite"),
     ("id: 1\n", "id: 1\n    sensor: {tick_budget_secs: .nan}\n",
      "streams[0].sensor.tick_budget_secs: Input should be a finite"),
     ("id: 1\n", "id: 1\n    checks: {max_undelivered_age_secs: .inf}\n",
@@ -253,3 +253,56 @@ def test_routing_key_refuses_what_a_sink_payload_path_refuses(path: str) -> None
         DeliveryConfig(routing_key=path)
     with pytest.raises(ValidationError):
         parse_sink_config({"type": "redis", "stream_from": path})
+
+
+@pytest.mark.parametrize(("old", "mode", "tuning"), [
+    ({"linger_secs": 0}, "per_batch", {}),
+    ({"linger_secs": 30}, "open", {"linger_secs": 30}),
+    ({"keep_warm": True}, "warm", {}),
+    ({"keep_warm": False}, "open", {}),
+    ({"keep_warm": True, "linger_secs": 0}, "warm", {}),  # a warm run did not linger: it never closed when idle
+    ({"read_slot": False}, "open", {"read_slot": False}),
+    ({"direct_max_events": 0}, "open", {"direct_max_events": 0}),
+    ({"max_read_bytes": 2**21}, "open", {"max_read_bytes": 2**21}),
+    ({"rows_per_partition": 300}, "open", {"rows_per_partition": 300}),
+    ({"prefetch_partitions": False}, "open", {"prefetch_partitions": False}),
+    ({"report_every_secs": 0}, "open", {"report_every_secs": 0}),
+    ({"max_run_secs": 60}, "open", {"max_run_secs": 60}),
+])
+def test_old_delivery_keys_still_load_with_a_warning_naming_the_new_key(
+        tmp_path: Path, old: dict[str, object], mode: str, tuning: dict[str, object]) -> None:
+    """Configs written before delivery.mode and delivery.tuning: each old key maps to its new place,
+    and a DeprecationWarning names it."""
+    path = tmp_path / "pgstream.yaml"
+    path.write_text("database_url: postgresql://x@h/db\nstreams:\n  - id: 1\n    sink: {type: file, path: /tmp/x}\n"
+                    f"    delivery: {old!r}\n".replace("True", "true").replace("False", "false"))
+    with pytest.warns(DeprecationWarning) as caught:
+        delivery = load_config(path).streams[0].delivery
+    messages = [str(w.message) for w in caught]
+    for key in old:
+        assert any(m.startswith(f"delivery.{key} is deprecated: use delivery.") for m in messages), messages
+    assert delivery.mode == mode
+    for key, value in tuning.items():
+        assert getattr(delivery.tuning, key) == value
+    assert delivery == DeliveryConfig.model_validate({"mode": mode, "tuning": tuning})  # nothing else changed
+
+
+def test_an_old_key_that_contradicts_the_new_one_is_refused_naming_both(tmp_path: Path) -> None:
+    path = tmp_path / "pgstream.yaml"
+    for delivery, words in (("{mode: open, linger_secs: 0}",
+                             "delivery.mode 'open' and the deprecated keys linger_secs"),
+                            ("{direct_max_events: 5, tuning: {direct_max_events: 6}}",
+                             "delivery.direct_max_events (5) and delivery.tuning.direct_max_events (6) disagree")):
+        path.write_text("database_url: postgresql://x@h/db\nstreams:\n  - id: 1\n    sink: {type: file, path: /tmp/x}\n"
+                        f"    delivery: {delivery}\n")
+        with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=r"streams\[0\]\.delivery") as info:
+            load_config(path)
+        assert words in str(info.value)
+
+
+def test_the_default_mode_is_an_open_run_reading_the_slot() -> None:
+    delivery = DeliveryConfig()
+    assert (delivery.mode, delivery.keeps_open, delivery.read_slot, delivery.keep_warm) == ("open", True, True, False)
+    assert delivery.linger_secs == 120
+    per_batch = DeliveryConfig(mode="per_batch")
+    assert (per_batch.keeps_open, per_batch.read_slot, per_batch.linger_secs) == (False, False, 0)

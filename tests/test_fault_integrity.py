@@ -27,6 +27,8 @@ from .support.endpoint import Endpoint
 from .support.faults import STREAM, drive, in_failover, ledger_order, sent_ids, slot_has_events, stream_config
 from .support.harness import Driver, backdated, insert_events, slot_of, write_config
 
+pytestmark = pytest.mark.usefixtures("delivery_mode")  # every row on every delivery mode (faults.MODES)
+
 
 def as_role(db_url: str, role: str) -> psycopg.Connection:
     """A fresh connection logged in as ``role``."""

@@ -66,11 +66,12 @@ def test_more_streams_than_slots_one_line_from_preflight_init_and_the_sensor_and
         "run_coordinator:\n  module: dagster.core.run_coordinator\n  class: QueuedRunCoordinator\n"
         "  config:\n    max_concurrent_runs: 2\ntelemetry:\n  enabled: false\n")
     monkeypatch.setenv("DAGSTER_HOME", str(home))
-    lingering = write_config(tmp_path / "lingering.yaml", url, _streams(tmp_path, linger_secs=60, read_slot=False))
+    lingering = write_config(tmp_path / "lingering.yaml", url,
+                             _streams(tmp_path, mode="open", tuning={"linger_secs": 60, "read_slot": False}))
     assert main(["preflight", "--config", str(lingering)]) == 1
     assert capsys.readouterr().err.splitlines() == [SLOTS_LINE, (
-        "max_concurrent_runs is 2 and 3 streams keep a run open (delivery.linger_secs > 0), plus one for "
-        "housekeeping, checks and replays: a stream without a run waits up to delivery.max_run_secs: set "
+        "max_concurrent_runs is 2 and 3 streams keep a run open (delivery.mode open or warm), plus one for "
+        "housekeeping, checks and replays: a stream without a run waits up to delivery.tuning.max_run_secs: set "
         f"max_concurrent_runs = 8 under run_coordinator.config (or concurrency.runs) in {home / 'dagster.yaml'}")]
     monkeypatch.delenv("DAGSTER_HOME")
 

@@ -364,9 +364,9 @@ def test_replay_to_a_broker_reads_without_spark(replay_setup: tuple[Path, Path],
     chunk_size smaller than the ranges, and ranges of several chunks, keep the order."""
     import redis
 
-    from pgstream_dagster.engine import spark
+    from pgstream_dagster.engine.delivery import sources
 
-    monkeypatch.setattr(spark, "FETCH_ROWS", 30)  # ranges of 30 events: 7 for the whole stream
+    monkeypatch.setattr(sources, "FETCH_ROWS", 30)  # ranges of 30 events: 7 for the whole stream
     client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
     key = f"pgstream-replay-{uuid.uuid4().hex[:8]}"
     cfg = write_config(tmp_path / "redis.yaml", db_url, [
@@ -412,9 +412,9 @@ def test_a_replay_without_spark_stops_at_a_failing_sink_and_a_new_one_delivers_a
     the sink confirmed before is a prefix of the selection in id order, nothing after the failure is
     sent; a new replay once the webhook is back delivers every event, in order (at-least-once: the
     prefix twice)."""
-    from pgstream_dagster.engine import spark
+    from pgstream_dagster.engine.delivery import sources
 
-    monkeypatch.setattr(spark, "FETCH_ROWS", 30)
+    monkeypatch.setattr(sources, "FETCH_ROWS", 30)
     endpoint = Endpoint()
     try:
         cfg = write_config(tmp_path / "http.yaml", db_url, [
@@ -437,9 +437,9 @@ def test_the_replay_says_whether_events_were_added_or_removed_while_it_ran(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An unbounded replay also delivers what commits into its selection after it was planned, and not
     what is deleted before it is read: the run log says which happened, how many, and what the replay did."""
-    from pgstream_dagster.engine import spark
+    from pgstream_dagster.engine.delivery import sources
 
-    monkeypatch.setattr(spark, "FETCH_ROWS", 30)
+    monkeypatch.setattr(sources, "FETCH_ROWS", 30)
     endpoint = Endpoint()
     try:
         cfg = write_config(tmp_path / "http.yaml", db_url, [

@@ -27,6 +27,7 @@ from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.names import WARM_TAG
 from pgstream_dagster.engine import handoff, ingest, ledger, migrations, replication, spark
 from pgstream_dagster.engine.batches import BatchStatus
+from pgstream_dagster.engine.delivery import sources
 from pgstream_dagster.engine.publish import owed_spans
 from pgstream_dagster.engine.status import render_status, stream_status
 from pgstream_dagster.sinks import Event
@@ -331,7 +332,7 @@ def test_a_round_read_directly_equals_the_spark_read(db_url: str, tmp_path: Path
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The run's own read (5,000 events a query; 50 here, so that batches are read in pieces) gives
     the same events, positions and texts as the Spark source."""
-    monkeypatch.setattr(spark, "FETCH_ROWS", 50)
+    monkeypatch.setattr(sources, "FETCH_ROWS", 50)
     stream = _engine_stream(tmp_path, db_url)
     with psycopg.connect(db_url, autocommit=True) as c:
         ledger.ensure_stream(c, STREAM)
@@ -343,11 +344,11 @@ def test_a_round_read_directly_equals_the_spark_read(db_url: str, tmp_path: Path
         ingest.consume(c, stream, 0.5)
         batches = ledger.batches_between(c, STREAM, 0, 10**9)
         spans = owed_spans(batches, resume=True)
-        direct = list(spark.DirectRead(c, spans, routing_key).events())
+        direct = list(sources.TableSource(c, spans, routing_key).events())
     session = spark.open_session(load_config(tmp_path / "pgstream.yaml"))
     frames = spark.load_batches(session, db_url, spans, routing_key, packed=True)
     assert isinstance(frames, list)
-    via_spark = list(spark._packed_events(spark._collected(frames, prefetch=False)))
+    via_spark = list(spark.frame_events(frames, prefetch=False))
     assert len(direct) == 120
     assert _event_rows(direct) == _event_rows(via_spark)
 
@@ -544,7 +545,7 @@ def test_what_the_reader_hands_its_run_equals_what_the_table_holds(db_url: str, 
         offsets = {event.created_at.utcoffset() for events, _size in kept._batches.values() for event in events}
         assert offsets == {dt.timedelta(hours=5, minutes=45)}  # as the WAL sender rendered them
         spans = owed_spans(batches, resume=True)
-        from_table = list(spark.DirectRead(c, spans, "group_id").events())
+        from_table = list(sources.TableSource(c, spans, "group_id").events())
         # a span that starts mid-batch (a retried run resumes after what the sink confirmed)
         spans[0] = dataclasses.replace(spans[0], first=7)
         taken = [e for span in spans for e in kept.take(span.batch_id, span.first, span.last) or []]

@@ -12,6 +12,7 @@ import psycopg
 from pyspark.sql import SparkSession
 
 from pgstream_dagster.engine import spark
+from pgstream_dagster.engine.delivery.sources import SparkSource, publish_in_order
 from pgstream_dagster.engine.publish import Span, drain
 from pgstream_dagster.sinks.file import FileSinkConfig
 
@@ -43,14 +44,14 @@ def test_ordered_delivery_keeps_the_driver_heap_flat(db_url: str, tmp_path: Path
     frames = spark.load_batches(session, db_url, [Span(batch, 1, 2000)], "group_id", rows_per_partition=500,
                                 packed=True)
     assert isinstance(frames, list) and len(frames) == 4  # one single-partition DataFrame per 500 events
-    assert drain(spark.deliver_in_order(frames, sink, 500)) == 2000  # warm-up
+    assert drain(publish_in_order(SparkSource(frames), sink, 500)) == 2000  # warm-up
     before = _heap_used_mb(session)
     rounds = 25  # 100 partitions, ~400 MB of payload moved through the driver
     for _ in range(rounds):
         frames = spark.load_batches(session, db_url, [Span(batch, 1, 2000)], "group_id", rows_per_partition=500,
                                     packed=True)
         assert isinstance(frames, list)
-        assert drain(spark.deliver_in_order(frames, sink, 500)) == 2000
+        assert drain(publish_in_order(SparkSource(frames), sink, 500)) == 2000
     sink.close()
     grown = _heap_used_mb(session) - before
     lines = (tmp_path / "out.jsonl").read_text().count("\n")
@@ -79,6 +80,6 @@ def test_spark_partitions_are_bounded_by_bytes(db_url: str, tmp_path: Path) -> N
                                     packed=True, sizes=c, read_bytes=8 * 2**20)
     assert isinstance(frames, list) and len(frames) == 4  # 2 + 2 + 2 + 1 events
     with FileSinkConfig(path=str(tmp_path / "out.jsonl")).build() as sink:
-        assert drain(spark.deliver_in_order(frames, sink, 500)) == 7
+        assert drain(publish_in_order(SparkSource(frames), sink, 500)) == 7
     with (tmp_path / "out.jsonl").open() as f:
         assert [json.loads(line)["id"] for line in f] == ids

@@ -69,9 +69,11 @@ def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.Asset
         group_name="pgstream",
         description=f"Events of stream {stream.id} delivered to its {stream.sink.type} sink; a run's first round "
                     f"is one materialization, its later rounds one at most every "
-                    f"{stream.delivery.report_every_secs:g} s (delivery.report_every_secs) and one when it ends.",
+                    f"{stream.delivery.tuning.report_every_secs:g} s (delivery.tuning.report_every_secs) and one when "
+                    f"it ends.",
         metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "slot": stream.slot_label,
-                  "batch_max_size": stream.batch.max_size, "ordering": stream.delivery.ordering},
+                  "batch_max_size": stream.batch.max_size, "ordering": stream.delivery.ordering,
+                  "mode": stream.delivery.mode},
         kinds={"postgres", "spark"},
         deps=deps,
     )

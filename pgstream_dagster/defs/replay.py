@@ -26,8 +26,19 @@ from dagster_pyspark import LazyPySparkResource
 from pydantic import Field
 
 from ..config import StreamConfig
-from ..engine import deadletters, ledger, spark
-from ..engine.publish import Finished, Progress, TooLarge, max_event_bytes
+from ..engine import deadletters, ledger
+from ..engine.delivery.sources import (
+    LinesSource,
+    Readers,
+    Route,
+    Selection,
+    Source,
+    choose_source,
+    publish_in_order,
+    range_size,
+    route,
+)
+from ..engine.publish import Finished, Progress, TooLarge
 from ..engine.replay import (
     Counted,
     ReplayError,
@@ -131,17 +142,20 @@ def _replay(context: dg.OpExecutionContext, stream: StreamConfig, config: Replay
     if config.dead_letters or config.dead_letter_ids:
         return _redeliver_dead_letters(context, stream, config, pgstream)
     with build_sink(stream.sink) as sink:  # closed however the replay ends
-        # a sink that takes JSON lines gets them rendered by Postgres, a chunk per range (no Spark)
-        as_lines = sink.accepts_json_lines
-        # any other sink: the events read by the run's own connections unless every read goes to Spark
-        direct = not as_lines and stream.delivery.direct_max_events > 0
+        # where the events come from: the choice every delivery makes (engine.delivery.sources.route): JSON
+        # lines rendered by Postgres for a sink that takes them, else the run's own connections unless every
+        # read goes to Spark
+        readers = Readers(pgstream.database_url, pgstream.executor_database_url,
+                          spark=lambda: pyspark.spark_session, sink=sink)
+        chosen = route(stream.delivery, Selection({}), readers)
+        as_lines, direct = chosen is Route.LINES, chosen is Route.RANGE
         started = time.monotonic()
         chunk_size = config.chunk_size or stream.delivery.chunk_size
         what = (f"events {config.from_event_id or 'first'}..{config.to_event_id or 'last'}, "
                 f"time [{config.from_time or '-inf'}, {config.to_time or '+inf'}), "
                 f"subscriptions {config.subscription_keys or 'all'}")
         count: int | None = None  # a lines replay counts while its first chunks are read (Counted)
-        ranges: list[tuple[int, int]] = []  # Spark's partitions (a lines replay streams its ranges)
+        ranges: list[tuple[int, int]] = []  # the ranges read (a lines replay streams its ranges)
         try:
             if as_lines:
                 params = selection(stream.id, config)
@@ -150,8 +164,7 @@ def _replay(context: dg.OpExecutionContext, stream: StreamConfig, config: Replay
                         count = count_selected(conn, params)
             else:
                 with pgstream.connect() as conn:
-                    count, ranges, params = plan(conn, stream.id, config, spark.FETCH_ROWS if direct
-                                                 else stream.delivery.rows_per_partition)
+                    count, ranges, params = plan(conn, stream.id, config, range_size(stream.delivery, readers))
         except ReplayError as exc:
             raise dg.Failure(f"replay of stream {stream.id}: {exc}") from None
 
@@ -168,11 +181,10 @@ def _replay(context: dg.OpExecutionContext, stream: StreamConfig, config: Replay
                 return 0
         next_log, delivered = 0, 0  # next_log 0: the first progress line once the count is known
         first: tuple[float, int] | None = None  # (time, count) of the first confirmed chunk
-        with closing(deliver_lines(pgstream.database_url, params, chunk_size, sink,
-                                   stream.delivery.max_read_bytes) if as_lines
-                     else _published(context, pyspark if not direct else None, pgstream, stream, ranges, params,
-                                     config, sink, chunk_size)
-                     ) as progress:
+        source = choose_source(stream.delivery, Selection(params, ranges), readers)
+        with closing(deliver_lines(source.database_url, source.params, chunk_size, sink, source.read_bytes)
+                     if isinstance(source, LinesSource)
+                     else _published(context, stream, source, sink, chunk_size)) as progress:
             for done in progress:
                 if isinstance(done, Counted):
                     count = done.events
@@ -210,30 +222,18 @@ def _replay(context: dg.OpExecutionContext, stream: StreamConfig, config: Replay
         return delivered
 
 
-def _published(context: dg.OpExecutionContext, pyspark: LazyPySparkResource | None, pgstream: PgstreamResource,
-               stream: StreamConfig, ranges: list[tuple[int, int]], params: dict[str, Any], config: ReplayConfig,
-               sink: Sink, chunk_size: int) -> Generator[int, None, None]:
-    """The events confirmed so far, as the selected events are read (by Spark with ``pyspark``, else by
-    the run's own connections, at most ``delivery.max_read_bytes`` at a time) and published in order.
-    An event larger than the sink can ever take is not read and not sent: the run log names it."""
-    frames: list[Any] | spark.DirectEvents
-    if pyspark is None:
-        frames = spark.DirectEvents(pgstream.database_url, ranges, params, stream.delivery.routing_key,
-                                    stream.delivery.max_read_bytes, max_event_bytes(sink))
-    else:
-        loaded = spark.load_events(
-            pyspark.spark_session, pgstream.executor_database_url, stream.id, ranges, stream.delivery.routing_key,
-            from_time=params["from_time"].isoformat() if params["from_time"] else None,
-            to_time=params["to_time"].isoformat() if params["to_time"] else None,
-            keys=config.subscription_keys or None, packed=True)
-        assert isinstance(loaded, list)  # packed: one single-partition DataFrame per id range
-        frames = loaded
+def _published(context: dg.OpExecutionContext, stream: StreamConfig, source: Source, sink: Sink,
+               chunk_size: int) -> Generator[int, None, None]:
+    """The events confirmed so far, as ``source`` reads the selected events (at most
+    ``delivery.tuning.max_read_bytes`` at a time) and they are published in order. An event larger than
+    the sink can ever take is not read and not sent: the run log names it."""
+    assert hasattr(source, "events"), f"{type(source).__name__} is no source of a replay's events"
+
     def too_large(_batch_id: int, _ord: int, row: TooLarge) -> None:
         context.log.warning(f"replay of stream {stream.id}: {row.reason} (not replayed)")
 
-    with closing(spark.deliver_in_order(frames, sink, chunk_size, prefetch=stream.delivery.prefetch_partitions,
-                                        too_large=too_large,
-                                        chunk_bytes=stream.delivery.max_read_bytes)) as deliveries:
+    with closing(publish_in_order(source, sink, chunk_size, too_large=too_large,
+                                  chunk_bytes=stream.delivery.tuning.max_read_bytes)) as deliveries:
         for delivery in deliveries:
             if isinstance(delivery, Progress | Finished):
                 yield delivery.handled

@@ -42,6 +42,7 @@ from ..sinks import Event, Sink, SinkError
 from ..sinks.base import excerpt, loads_event_json
 from . import ledger
 from .batches import BatchStatus
+from .delivery.sources import DeadLetterSource, Letters, Readers, choose_source
 
 Status = Literal["open", "redelivered", "discarded"]
 STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")
@@ -385,34 +386,20 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
         ledger.unlock(conn, ledger.REDELIVERY_LOCK, stream.id)
 
 
-def _events(conn: psycopg.Connection, letters: list[DeadLetter]) -> list[Event]:
-    """The events of ``letters`` (listed without their payloads), their payloads read now."""
-    if all(d.payload_bytes is None and d.payload_json for d in letters):  # listed with their payloads
-        return [d.event() for d in letters]
-    texts = {row[0]: row[1:] for row in conn.execute(
-        "select id, payload::text, metadata::text from pgstream.dead_letters where id = any(%s)",
-        [[d.id for d in letters]])}
-    return [dataclasses.replace(d, payload_json=texts[d.id][0], metadata_json=texts[d.id][1]).event()
-            for d in letters]
-
-
 def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadLetter], size: int, by: str,
              report: RedeliveryReport) -> None:
     sink: Sink | None = None
-    budget = stream.delivery.max_read_bytes
+    # the dead letters' source (engine.delivery.sources: chosen as every delivery's), in chunks of at most size
+    # letters and tuning.max_read_bytes of payload, each chunk's payloads read when it is due
+    source = choose_source(stream.delivery, Letters(letters, size), Readers("", conn=conn))
+    assert isinstance(source, DeadLetterSource)
+    position = 0  # letters handled before the chunk
     try:
-        start = 0
-        while start < len(letters):
-            end, used = start, 0
-            while end < len(letters) and end - start < size and \
-                    (end == start or used + (letters[end].payload_bytes or 0) <= budget):
-                used += letters[end].payload_bytes or 0
-                end += 1
-            chunk = letters[start:end]
+        for chunk, events in source.chunks():
             try:
                 if sink is None:
                     sink = stream.sink.build()
-                sink.publish(_events(conn, chunk))
+                sink.publish(events)
             except SinkError as exc:
                 first = chunk[0]
                 message = excerpt(f"redelivery failed: {exc}", ERROR_CHARS)
@@ -421,7 +408,7 @@ def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadL
                                  "sink = %s, updated_at = now() where id = %s and status = 'open'",
                                  [message, stream.sink.type, first.id])
                 report.failed, report.error = first.id, str(exc)
-                report.waiting = [d.id for d in letters[start + 1:]] + report.waiting
+                report.waiting = [d.id for d in letters[position + 1:]] + report.waiting
                 return
             with conn.transaction():
                 marked = conn.execute(
@@ -431,7 +418,7 @@ def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadL
                     [by, stream.sink.type, [d.id for d in chunk]]).fetchall()
             done = {r[0] for r in marked}  # one discarded meanwhile stays discarded
             report.redelivered += [d.id for d in chunk if d.id in done]
-            start = end
+            position += len(chunk)
     finally:
         if sink is not None:
             sink.close()

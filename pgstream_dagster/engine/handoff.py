@@ -4,7 +4,7 @@ The reader (:func:`~.ingest.follow`) decodes each event's INSERT from the WAL, w
 (``PgOutputDecoder(keep_rows=True)``), and records the batches in the ledger, putting their events
 here in the same step (before the commit that wakes the run; dropped again if it fails); when the
 run delivers those batches it takes them instead of reading them from ``pgstream.events``
-(:class:`~.spark.DirectRead`). What it cannot take (a batch recorded
+(:class:`~.delivery.sources.TableSource`). What it cannot take (a batch recorded
 by the sensor or an earlier run, a round too large to be kept, a run that restarted) is read from
 the table as before, so this only saves work: the ledger stays the source of truth.
 
@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from ..sinks.base import Event, event_from_text
 from .publish import Positioned, TooLarge
 from .replication import DecodedEvent, Transaction
+
+if TYPE_CHECKING:
+    from ..config import StreamConfig
 
 #: bytes of the events' WAL messages kept at most (payload and metadata, mostly), whatever ``max_events``
 MAX_BYTES = 128 * 2**20
@@ -120,3 +124,29 @@ def _checked(event: Event | TooLarge, message_bytes: int, limit: int) -> Event |
         return event
     size = len(event.payload_json.encode())
     return TooLarge(event.id, size, limit) if size > limit else event
+
+
+class Log(Protocol):
+    """Where a run writes its log lines (a Dagster op's ``context.log``, a ``logging.Logger``)."""
+
+    def info(self, msg: str) -> Any: ...
+    def warning(self, msg: str) -> Any: ...
+    def error(self, msg: str) -> Any: ...
+
+
+class RunReader(Protocol):
+    """The open run's slot reader, as the delivery run meets it: started on entering, stopped (what
+    it received recorded and handed over) by :meth:`stop` or on leaving; :meth:`report` writes what
+    it has to say to the run log from the run's thread; :attr:`handoff`: what it records, kept for the
+    run (None: the run reads every round back from the table)."""
+
+    handoff: Handoff | None
+
+    def __enter__(self) -> RunReader: ...
+    def __exit__(self, *_exc: object) -> None: ...
+    def stop(self) -> None: ...
+    def report(self) -> None: ...
+
+
+#: makes the open run's reader: (database URL, stream, run key, slot, hand-off, run id, log)
+ReaderFactory: TypeAlias = "Callable[[str, StreamConfig, str, str, Handoff | None, str, Log], RunReader]"

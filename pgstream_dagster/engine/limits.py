@@ -98,7 +98,7 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
     line = slot_problem(limits, len(existing), [s.id for s in streams if slots[s.id] not in existing])
     if line:
         out.append(line)
-    readers = [s.id for s in streams if s.delivery.read_slot and s.delivery.linger_secs > 0]
+    readers = [s.id for s in streams if s.delivery.read_slot]
     # WAL senders other than the streams' own slot readers (told by the slot they hold: pg_stat_replication
     # hides a connection's application_name from roles without pg_read_all_stats)
     row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
@@ -108,8 +108,8 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
     if senders_elsewhere + len(readers) > limits.max_wal_senders:
         needed = senders_elsewhere + len(readers)
         out.append(f"max_wal_senders is {limits.max_wal_senders} and {senders_elsewhere} are in use by others; "
-                   f"{len(readers)} streams' open runs read their slot over replication (delivery.read_slot) and "
-                   f"need one each: set max_wal_senders = {_suggest(needed)} in postgresql.conf and restart "
+                   f"{len(readers)} streams' open runs read their slot over replication (delivery.mode open or warm) "
+                   f"and need one each: set max_wal_senders = {_suggest(needed)} in postgresql.conf and restart "
                    f"Postgres")
     usable = limits.max_connections - limits.reserved_connections
     needed = len(streams) * _CONNECTIONS_PER_STREAM + len(readers) + _CONNECTIONS_SHARED
@@ -122,16 +122,16 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
 
 
 def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig], where: str) -> str | None:
-    """The line saying that the streams with open runs (``delivery.linger_secs`` > 0) and one more run
+    """The line saying that the streams with open runs (``delivery.mode`` open or warm) and one more run
     (housekeeping, checks, a replay) do not fit in the Dagster instance's ``max_concurrent_runs``
     (``None`` or negative: no limit); ``where``: the instance's configuration, named in the line."""
     if max_concurrent_runs is None or max_concurrent_runs < 0:
         return None
-    open_runs = [s.id for s in streams if s.delivery.linger_secs > 0 or s.delivery.keep_warm]
+    open_runs = [s.id for s in streams if s.delivery.keeps_open]
     needed = len(open_runs) + 1
     if needed <= max_concurrent_runs:
         return None
     return (f"max_concurrent_runs is {max_concurrent_runs} and {len(open_runs)} streams keep a run open "
-            f"(delivery.linger_secs > 0), plus one for housekeeping, checks and replays: a stream without a run "
-            f"waits up to delivery.max_run_secs: set max_concurrent_runs = {_suggest(needed)} under "
+            f"(delivery.mode open or warm), plus one for housekeeping, checks and replays: a stream without a "
+            f"run waits up to delivery.tuning.max_run_secs: set max_concurrent_runs = {_suggest(needed)} under "
             f"run_coordinator.config (or concurrency.runs) in {where}")

@@ -6,8 +6,9 @@ A sink that takes JSON lines (the file sink: :attr:`~pgstream_dagster.sinks.base
 is replayed without Spark by :func:`deliver_lines`: Postgres renders each event as the line the sink
 would write (:data:`EVENT_JSON_LINE`) and hands over a chunk of them as one value, so the replay
 costs about what a plain ``COPY ... TO STDOUT`` of the rows does (bench/replay.py). Other sinks get
-the events of :func:`plan`'s ranges read by the run's connections (:class:`~.spark.DirectEvents`), or
-by Spark when ``delivery.direct_max_events`` is 0."""
+the events of :func:`plan`'s ranges read by the run's connections (:class:`~.delivery.sources.RangeSource`),
+or by Spark when ``delivery.tuning.direct_max_events`` is 0: the choice is
+:func:`~.delivery.sources.route`'s, as for a delivery round."""
 
 
 import datetime as dt
@@ -24,7 +25,7 @@ import psycopg
 from psycopg import sql
 
 from ..sinks.base import Sink
-from . import spark
+from .delivery import reads
 
 
 class ReplaySelection(Protocol):
@@ -63,7 +64,7 @@ def _timestamp(name: str, value: str | None) -> dt.datetime | None:
 
 
 def _filter(params: Mapping[str, Any]) -> sql.SQL:
-    return sql.SQL(spark.events_where(params))
+    return sql.SQL(reads.events_where(params))
 
 
 def dead_letter_selection(config: ReplaySelection) -> list[int] | None:
@@ -81,7 +82,7 @@ def dead_letter_selection(config: ReplaySelection) -> list[int] | None:
 
 
 def selection(stream_id: int, config: ReplaySelection) -> dict[str, Any]:
-    """Validate ``config``: the query parameters of :func:`~pgstream_dagster.engine.spark.events_where`
+    """Validate ``config``: the query parameters of :func:`~pgstream_dagster.engine.reads.events_where`
     that select its events."""
     if not (config.all_events or config.subscription_keys or any(
             v is not None for v in (config.from_event_id, config.to_event_id, config.from_time, config.to_time))):
@@ -143,7 +144,7 @@ class IdRanges:
 
 
 def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
-         rows_per_partition: int = spark.ROWS_PER_PARTITION) -> tuple[int, list[tuple[int, int]], dict[str, Any]]:
+         rows_per_partition: int = reads.ROWS_PER_PARTITION) -> tuple[int, list[tuple[int, int]], dict[str, Any]]:
     """Validate ``config`` and count the events: ``(count, id ranges of at most
     rows_per_partition events each, in order, query parameters)``."""
     params = selection(stream_id, config)
@@ -220,7 +221,7 @@ class Lines:
 
 
 def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2,
-               read_bytes: int = spark.READ_BYTES) -> Generator[Counted | Lines, None, None]:
+               read_bytes: int = reads.READ_BYTES) -> Generator[Counted | Lines, None, None]:
     """The events :func:`selection`'s ``params`` select as :class:`Lines` of ``size`` events (the last
     may hold fewer) and at most ``read_bytes`` bytes of payload and metadata (one event at least), in
     id order, and :class:`Counted` once, as soon as the selection is counted. One session walks the
@@ -249,9 +250,9 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
 
     query = _LINES_QUERY.format(line=sql.SQL(EVENT_JSON_LINE), where=_filter(params))
     budget = max(1, read_bytes // _AHEAD)  # what the chunks read ahead hold in all: read_bytes at most
-    sizes_query = spark._events_sizes(params)
+    sizes_query = reads.events_sizes(params)
 
-    def pieces(lo: int, hi: int) -> list[spark.Piece]:
+    def pieces(lo: int, hi: int) -> list[reads.Piece]:
         """The range in pieces within one read's ``budget`` (by the sizes of its events, rendered by the
         server), so that :func:`fetch` reads each whole."""
         conn = idle.get()
@@ -259,7 +260,7 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
             sizes = conn.execute(sizes_query, {**params, "lo": lo, "hi": hi}).fetchall()
         finally:
             idle.put(conn)
-        return [p for p in spark.cut(sizes, lo, hi, budget, None) if isinstance(p, spark.Piece)]
+        return [p for p in reads.cut(sizes, lo, hi, budget, None) if isinstance(p, reads.Piece)]
 
     def fetch(lo: int, hi: int) -> Lines:
         conn = idle.get()
@@ -324,7 +325,7 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
 
 
 def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int, sink: Sink,
-                  read_bytes: int = spark.READ_BYTES) -> Generator[Counted | int, None, None]:
+                  read_bytes: int = reads.READ_BYTES) -> Generator[Counted | int, None, None]:
     """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: the
     selected events in :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` calls of
     ``chunk_size`` events and at most ``read_bytes`` bytes of payload and metadata (one event at

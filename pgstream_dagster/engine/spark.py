@@ -27,26 +27,33 @@ import json
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from ..sinks import Sink, SinkConfig, build_sink
-from ..sinks.base import event_from_text, parse_event_path
+from ..sinks import SinkConfig, build_sink
+from ..sinks.base import event_from_text
 from .cluster import cluster_conf, driver_python_problem, is_local, package_zip
+from .delivery.reads import (
+    BATCH_QUERY,
+    FETCH_ROWS,
+    READ_BYTES,
+    ROWS_PER_PARTITION,
+    events_query,
+    in_turn,
+    routing_params,
+    sized_spans,
+)
 from .publish import (
     CHUNK_BYTES,
     Confirmed,
-    Deliveries,
     Position,
     Positioned,
     RejectPolicy,
     SetAsideTooLarge,
     Span,
-    TooLarge,
     publish,
 )
 
@@ -55,12 +62,10 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from ..config import PgstreamConfig
-    from .handoff import Handoff
     from .ledger import KeyProgress
 
 Frames: TypeAlias = "DataFrame | list[DataFrame]"
 """What the loaders return: one DataFrame, or (packed) one single-partition DataFrame per partition."""
-_T = TypeVar("_T")
 
 BATCHES_SOURCE = "pgstream_batches"
 EVENTS_SOURCE = "pgstream_events"
@@ -69,129 +74,9 @@ SCHEMA = ("batch_id long, ord long, id long, stream_id long, created_at timestam
 # Spark redacts option values whose key matches spark.redaction.regex ("secret", "password", ...),
 # so the database URL never shows in plans or the Spark UI.
 URL_OPTION = "secret.database_url"
-ROWS_PER_PARTITION = 50_000
-#: rows per server-side cursor FETCH, and per packed row
-FETCH_ROWS = 5_000
 #: one row per fetch: the position of its first event, its event count, and the pickled columns
 #: (batch_ids, ords, ids, stream_ids, created_ats, payloads, metadatas) of its events, in order
 PACKED_SCHEMA = "batch_id long, ord long, events int, data binary"
-
-# ``e.stream_id + 0``: never a condition the planner may serve with events_stream_created_idx. With
-# stale or missing statistics of the day's partition (writers filling it, autovacuum behind) it did,
-# scanning the stream's whole day per event of the batch (measured by bench/cpu.py: one 10k batch
-# 4.74 s instead of 0.20 s); by the primary key (id, created_at) each event is one index probe.
-_BATCH_QUERY = """
-select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
-       (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
-           as routing_key
-from pgstream.batches b
-cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
-join pgstream.events e
-  on e.id = o.id and e.stream_id + 0 = b.stream_id
- and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
-where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
-order by o.ord
-"""
-
-#: per event of a batch span: its ordinal, id, and the bytes of its payload and of its metadata as JSON text
-#: (what reading it costs: each is rendered by the server, nothing is sent). A reader cuts what it reads
-#: at a byte budget by these (:func:`cut`), not only at a number of rows: a few thousand events of a few
-#: MiB each as text (small stored: compressed) must not be read at once
-_BATCH_SIZES = """
-select o.ord, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
-       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
-from pgstream.batches b
-cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
-join pgstream.events e
-  on e.id = o.id and e.stream_id + 0 = b.stream_id
- and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
-where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
-order by o.ord
-"""
-
-#: :data:`_BATCH_QUERY` cut at a byte budget by the server, in one pass: every event of the span comes with
-#: the bytes of its payload and metadata as JSON text, but its payload, metadata and routing key only if it
-#: ``fits``: its payload is at most ``limit`` bytes (a null limit: any) and the events that fit before it
-#: and it hold at most ``budget`` bytes (the first one that may fits whatever its size). The rest come as
-#: sizes only (:class:`DirectRead` reads them next, in pieces it cuts by those sizes). The text of what
-#: fits is rendered twice (once to measure it, once to send it): cheap next to the join, which is made once
-_BATCH_QUERY_BOUNDED = """
-select w.batch_id, w.ord, w.id, w.stream_id, w.created_at,
-       case when w.fits then w.payload::pg_catalog.text end,
-       case when w.fits then w.metadata::pg_catalog.text end,
-       w.payload_bytes, w.metadata_bytes
-from (select z.*,
-             z.eligible and (z.running <= %(budget)s or z.running = z.payload_bytes + z.metadata_bytes) as fits
-      from (select y.*,
-                   pg_catalog.sum(case when y.eligible then y.payload_bytes + y.metadata_bytes else 0 end)
-                       over (order by y.ord rows unbounded preceding) as running
-            from (select b.id as batch_id, o.ord, e.id, e.stream_id, e.created_at, e.payload, e.metadata,
-                         x.payload_bytes, x.metadata_bytes,
-                         %(limit)s::bigint is null or x.payload_bytes <= %(limit)s::bigint as eligible
-                  from pgstream.batches b
-                  cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
-                  join pgstream.events e
-                    on e.id = o.id and e.stream_id + 0 = b.stream_id
-                   and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
-                  cross join lateral (
-                      select pg_catalog.octet_length(e.payload::pg_catalog.text) as payload_bytes,
-                             coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0) as metadata_bytes
-                      offset 0) x
-                  where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s) y) z) w
-order by w.ord
-"""
-
-#: bytes of payload and metadata (JSON text) one read holds at most, unless one event is larger
-#: (``delivery.max_read_bytes``'s default)
-READ_BYTES = 32 * 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Positions ``lo..hi`` (ordinals of a batch, or event ids) to read at once: within the byte budget."""
-
-    lo: int
-    hi: int
-    #: bytes of payload and metadata of its events
-    size: int = 0
-
-
-def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: int,
-        limit: int | None, rows: int | None = None) -> Iterator[Piece | tuple[int, TooLarge]]:
-    """``lo..hi`` in order as :class:`Piece` s of at most ``budget`` bytes of payload and metadata each
-    (one event at least) and at most ``rows`` positions, by the ``sizes`` of the events there
-    (``(position, id, payload bytes, metadata bytes)`` in order, as :data:`_BATCH_SIZES` returns them;
-    a position without a row is in no piece's count). An event whose payload is larger than ``limit``
-    is in no piece: it comes as ``(position, TooLarge)`` in its place, never read."""
-    start, used = lo, 0
-    for position, event_id, payload, metadata in sizes:
-        if limit is not None and payload > limit:
-            if start < position:
-                yield Piece(start, position - 1, used)
-            yield position, TooLarge(event_id, payload, limit)
-            start, used = position + 1, 0
-            continue
-        size = payload + metadata
-        if (used and used + size > budget) or (rows is not None and position - start >= rows):
-            yield Piece(start, position - 1, used)
-            start, used = position, 0
-        used += size
-    if start <= hi:
-        yield Piece(start, hi, used)
-
-
-def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budget: int) -> list[tuple[Span, int]]:
-    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes of payload and metadata
-    (one event at least), with their bytes, in order: the sizes of their events come from the server
-    (:data:`_BATCH_SIZES`; rendered there, nothing of the events is sent)."""
-    pieces: list[tuple[Span, int]] = []
-    for whole in spans:
-        for span in whole.split(max(rows, 100_000)):  # (a query per 100,000 sizes at most)
-            sizes = conn.execute(_BATCH_SIZES, {"batch_id": span.batch_id, "lo": span.first,
-                                                "hi": span.last}).fetchall()
-            pieces += [(Span(span.batch_id, p.lo, p.hi), p.size)
-                       for p in cut(sizes, span.first, span.last, budget, None, rows) if isinstance(p, Piece)]
-    return pieces
 
 
 def group_sized(pieces: Sequence[tuple[Span, int]], rows: int, budget: int) -> list[list[Span]]:
@@ -207,51 +92,6 @@ def group_sized(pieces: Sequence[tuple[Span, int]], rows: int, budget: int) -> l
         room_rows -= piece.events
         room_bytes -= size
     return groups
-
-
-def events_where(params: Mapping[str, Any]) -> str:
-    """The filter of a replay's selection (``params``: ``replay.selection``'s; shared with
-    ``replay.plan``, which counts and splits it): the stream and the id range, and the time bounds
-    and subscription keys only where ``params`` give them, so that no row evaluates a test of a
-    parameter that is not there."""
-    tests = ["e.stream_id = %(stream_id)s", "e.id between %(lo)s and %(hi)s"]
-    if params.get("from_time") is not None:
-        tests.append("e.created_at >= %(from_time)s::timestamptz")
-    if params.get("to_time") is not None:
-        tests.append("e.created_at < %(to_time)s::timestamptz")
-    if params.get("keys") is not None:
-        tests.append("e.payload ->> 'tg_name' = any (%(keys)s::text[])")
-    return " and ".join(tests)
-
-
-def _events_query(params: Mapping[str, Any]) -> str:
-    """The events of a replay's selection (:func:`events_where`), a range of ids at a time."""
-    return """
-select 0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
-       (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
-           as routing_key
-from pgstream.events e
-where """ + events_where(params) + """
-order by e.id
-"""
-
-
-def _events_sizes(params: Mapping[str, Any]) -> str:
-    """:data:`_BATCH_SIZES` for a replay's selection: positions are event ids."""
-    return """
-select e.id, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
-       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
-from pgstream.events e
-where """ + events_where(params) + """
-order by e.id
-"""
-
-
-def _routing_params(routing_key: str) -> dict[str, Any]:
-    """The query parameters of the routing key (``delivery.routing_key``, an event path): the column it
-    reads (payload, or metadata for ``metadata:...``) and its path."""
-    source, dotted = parse_event_path(routing_key)
-    return {"routing_source": source, "path": dotted.split(".")}
 
 
 def partition_spans(spans: Sequence[Span], size: int) -> list[Span]:
@@ -303,7 +143,7 @@ class BatchesReader(DataSourceReader):
         # one partition per group of spans, read in order (``partitions``: the JSON of a list of
         # lists of Span fields)
         self.groups = [[Span(**fields) for fields in group] for group in json.loads(options["partitions"])]
-        self.routing = _routing_params(options.get("routing_key", "group_id"))
+        self.routing = routing_params(options.get("routing_key", "group_id"))
         self.packed = options.get("packed") == "true"
 
     def partitions(self) -> list[InputPartition]:
@@ -312,7 +152,7 @@ class BatchesReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         group = partition.value
         assert isinstance(group, list) and all(isinstance(span, Span) for span in group)
-        yield from _read(self.url, _BATCH_QUERY, [{**self.routing, "batch_id": span.batch_id,
+        yield from _read(self.url, BATCH_QUERY, [{**self.routing, "batch_id": span.batch_id,
                                                    "lo": span.first, "hi": span.last} for span in group], self.packed)
 
 
@@ -325,7 +165,7 @@ class EventsReader(DataSourceReader):
             "from_time": options.get("from_time") or None,
             "to_time": options.get("to_time") or None,
             "keys": json.loads(options["keys"]) if options.get("keys") else None,
-            **_routing_params(options.get("routing_key", "group_id")),
+            **routing_params(options.get("routing_key", "group_id")),
         }
         self.packed = options.get("packed") == "true"
 
@@ -334,7 +174,7 @@ class EventsReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         lo, hi = partition.value
-        yield from _read(self.url, _events_query(self.params), [{**self.params, "lo": lo, "hi": hi}], self.packed)
+        yield from _read(self.url, events_query(self.params), [{**self.params, "lo": lo, "hi": hi}], self.packed)
 
 
 class BatchesDataSource(DataSource):
@@ -460,7 +300,7 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
     """The events of ``spans`` (what a run owes of each batch, in delivery order: see
     :func:`~pgstream_dagster.engine.publish.owed_spans`), in partitions of at most
     ``rows_per_partition`` events. ``packed``: in :data:`PACKED_SCHEMA` rows, as one
-    single-partition DataFrame per partition, in order (see :func:`deliver_in_order`), a partition
+    single-partition DataFrame per partition, in order (see :func:`frame_events`), a partition
     reading consecutive spans up to ``rows_per_partition`` events (:func:`group_spans`); else one
     partition per span (:func:`partition_spans`). With ``sizes`` (a connection), a partition also
     holds at most ``read_bytes`` bytes of payload and metadata (one event at least), by the sizes of
@@ -533,7 +373,17 @@ def is_packed(df: DataFrame) -> bool:
 
 
 
-def _collected(frames: list[DataFrame], prefetch: bool) -> Iterator[Any]:
+def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Positioned]:
+    """The events of single-partition DataFrames (as :func:`load_batches` / :func:`load_events` return
+    them packed), in order, each partition collected whole (:func:`_collected`). Closed (by the caller,
+    or when it is done), it waits for the partition being collected ahead: never left to the garbage
+    collector, which may close it in any thread at any time (in one holding the logging module's lock,
+    which py4j's threads need to finish the collect: a deadlock)."""
+    with contextlib.closing(_collected(frames, prefetch)) as rows:
+        yield from _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
+
+
+def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, None]:
     """The rows of single-partition DataFrames, in order, each collected whole; ``prefetch``: the
     next one is collected (by Spark, in a thread) while the caller consumes the current one.
 
@@ -541,168 +391,9 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Iterator[Any]:
     (measured: ~4 MB retained per 4 MB partition, an OutOfMemoryError after ~200 partitions with
     the default 1 GB heap), which a long-lived run or a large replay cannot afford;
     ``collect()`` of one partition at a time keeps the heap flat."""
-    for rows in _in_turn([frame.collect for frame in frames], prefetch):
-        yield from rows
-
-
-def _in_turn(calls: Sequence[Callable[[], _T]], prefetch: bool = True) -> Iterator[_T]:
-    """The results of ``calls``, in order, each made in a thread; ``prefetch``: the next call is
-    made while the caller consumes the current result, else once it asks for the next."""
-    if not calls:
-        return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
-        ahead = pool.submit(calls[0])
-        for i in range(len(calls)):
-            result = ahead.result()
-            more = i + 1 < len(calls)
-            if more and prefetch:
-                ahead = pool.submit(calls[i + 1])
-            yield result
-            if more and not prefetch:
-                ahead = pool.submit(calls[i + 1])
-
-
-def _positioned(rows: list[tuple[Any, ...]]) -> Iterator[Positioned]:
-    """Events of rows of :data:`_BATCH_QUERY` or :func:`_events_query` read by psycopg, in order."""
-    for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
-        yield batch_id, ord_, event_from_text(event_id, stream_id, created.astimezone(dt.UTC), payload, metadata)
-
-
-@dataclasses.dataclass(frozen=True)
-class DirectRead:
-    """A round small enough to read without Spark: ``spans`` read by ``conn`` (the run's own
-    connection) with the query the Spark source runs, as :func:`deliver_in_order` publishes them. A
-    Spark job costs 0.1-0.3 s and about half a CPU-second whatever its size (bench/cpu.py): for the
-    few events an open run gets at a time that is most of the latency and of the CPU."""
-
-    conn: psycopg.Connection
-    spans: Sequence[Span]
-    routing_key: str
-    #: the rows the run's slot reader recorded (:mod:`.handoff`): a span found there is not read
-    handoff: Handoff | None = None
-    #: bytes of payload and metadata one read holds at most (one event at least): ``delivery.max_read_bytes``
-    read_bytes: int = READ_BYTES
-    #: an event whose payload is larger is not read (:class:`~.publish.TooLarge`): the sink's ``max_event_bytes()``
-    event_bytes: int | None = None
-
-    def events(self) -> Iterator[Positioned]:
-        for whole in self.spans:
-            kept = (self.handoff.take(whole.batch_id, whole.first, whole.last, self.event_bytes)
-                    if self.handoff is not None else None)
-            if kept is not None:
-                yield from kept
-                continue
-            for span in whole.split(FETCH_ROWS):
-                # FETCH_ROWS at a time and at most read_bytes (the server cuts), each fetched whole before
-                # anything is yielded: the caller writes the ledger on the same connection
-                yield from self._read(span.batch_id, span.first, span.last)
-
-    def _read(self, batch_id: int, lo: int, hi: int) -> Iterator[Positioned]:
-        where = {"batch_id": batch_id, "budget": self.read_bytes, "limit": self.event_bytes}
-        rows = self.conn.execute(_BATCH_QUERY_BOUNDED, {**where, "lo": lo, "hi": hi}).fetchall()
-        utc = dt.UTC
-        rest: list[tuple[int, int, int, int]] = []  # (ord, id, payload bytes, metadata bytes) after the cut
-        for batch, ord_, event_id, stream_id, created, payload, metadata, payload_bytes, metadata_bytes in rows:
-            if rest or (payload is None and (self.event_bytes is None or payload_bytes <= self.event_bytes)):
-                rest.append((ord_, event_id, payload_bytes, metadata_bytes))
-            elif payload is None:
-                assert self.event_bytes is not None
-                yield batch, ord_, TooLarge(event_id, payload_bytes, self.event_bytes)
-            else:
-                yield batch, ord_, event_from_text(event_id, stream_id, created.astimezone(utc), payload, metadata)
-        del rows
-        if not rest:
-            return
-        for piece in cut(rest, rest[0][0], hi, self.read_bytes, self.event_bytes):
-            if isinstance(piece, Piece):  # fits whole (its events' sizes are known)
-                yield from self._read(batch_id, piece.lo, piece.hi)
-            else:
-                yield batch_id, piece[0], piece[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class DirectEvents:
-    """A replay's selection read without Spark (``delivery.direct_max_events`` above 0): the id
-    ``ranges`` of :func:`~pgstream_dagster.engine.replay.plan`, each read whole with the query the
-    Spark source runs (``params``: its filters), by a connection of its own while the caller publishes
-    the range before. The run's process publishes every event of a replay anyway (id order): Spark
-    would only add its start-up, its JVM and a copy of every row (bench/replay.py)."""
-
-    database_url: str
-    ranges: Sequence[tuple[int, int]]
-    params: dict[str, Any]
-    routing_key: str
-    #: as :class:`DirectRead`'s: a range is read in pieces of at most this many bytes (one event at least)
-    read_bytes: int = READ_BYTES
-    event_bytes: int | None = None
-
-    def events(self) -> Iterator[Positioned]:
-        if not self.ranges:
-            return
-        import psycopg
-
-        params = {**self.params, **_routing_params(self.routing_key)}
-        query, sizes = _events_query(params), _events_sizes(params)
-        with psycopg.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
-                             application_name="pgstream replay") as conn:
-
-            def read(lo: int, hi: int) -> Callable[[], list[Positioned]]:
-                return lambda: list(_positioned(conn.execute(query, {**params, "lo": lo, "hi": hi}).fetchall()))
-
-            def reads() -> Iterator[Callable[[], list[Positioned]]]:
-                """A read per range, or per piece of it within the byte budget (psycopg serialises the
-                sizes query with the read of the piece before, made meanwhile)."""
-                for lo, hi in self.ranges:
-                    pieces = list(cut(conn.execute(sizes, {**params, "lo": lo, "hi": hi}).fetchall(), lo, hi,
-                                      self.read_bytes, self.event_bytes))
-                    for piece in pieces:
-                        if isinstance(piece, Piece):
-                            yield read(piece.lo, piece.hi)
-                        else:
-                            yield lambda piece=piece: [(0, piece[0], piece[1])]  # type: ignore[misc]
-
-            # the piece after the one being published is read meanwhile: two pieces in memory at most
-            for rows in _in_turn_lazily(reads()):
-                yield from rows
-
-
-def _in_turn_lazily(calls: Iterator[Callable[[], _T]]) -> Iterator[_T]:
-    """:func:`_in_turn` (prefetching) of calls made as they are needed."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
-        call = next(calls, None)
-        if call is None:
-            return
-        ahead = pool.submit(call)
-        while True:
-            result = ahead.result()
-            call = next(calls, None)
-            if call is not None:
-                ahead = pool.submit(call)
-            yield result
-            if call is None:
-                return
-
-
-def deliver_in_order(frames: list[DataFrame] | DirectRead | DirectEvents, sink: Sink, chunk_size: int, *,
-                     prefetch: bool = True,
-                     skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
-                     owed: Sequence[Span] | None = None, too_large: SetAsideTooLarge | None = None,
-                     chunk_bytes: int = CHUNK_BYTES) -> Deliveries:
-    """Global order: the partitions come to the driver one at a time, in order (no shuffle), and
-    are published chunk by chunk through ``sink`` (the caller's; a run keeps one for its whole life)
-    by :func:`pgstream_dagster.engine.publish.publish`, whose deliveries this yields (``skip``,
-    ``reject``, ``owed``, ``too_large`` and ``chunk_bytes`` are explained there). ``frames``: one
-    single-partition DataFrame per partition, as :func:`load_batches` / :func:`load_events` return them packed, or a
-    :class:`DirectRead` or :class:`DirectEvents`. ``prefetch``: Spark computes the next partition while
-    the driver publishes the current one (memory: two partitions instead of one)."""
-    events: Iterator[Positioned]
-    if isinstance(frames, DirectRead | DirectEvents):
-        events = frames.events()
-    else:
-        rows: Iterator[Any] = _collected(frames, prefetch)
-        events = _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
-    yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,
-                       chunk_bytes=chunk_bytes)
+    with contextlib.closing(in_turn([frame.collect for frame in frames], prefetch)) as collected:
+        for rows in collected:
+            yield from rows
 
 
 #: what each by_key partition returns to the driver: per batch, the events it handled and, of them,

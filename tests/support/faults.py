@@ -14,22 +14,42 @@ import psycopg
 from pgstream_dagster.engine import replication
 
 from .endpoint import Endpoint
-from .harness import Driver, slot_of
+from .harness import HARNESS_LINGER_SECS, HARNESS_MAX_RUN_SECS, Driver, slot_of
 
 STREAM = 1
 PUBLICATION = "pgstream_stream_1"  # the sensor's publication of stream 1
 
+#: the delivery modes the fault matrix runs on (``delivery.mode``; tests/test_failover.py and
+#: tests/test_fault_integrity.py run every row on each)
+MODES = ("open", "per_batch", "warm")
+#: the mode of the rows being run (the fault files' ``delivery_mode`` fixture sets it): the product's default
+MODE = "open"
+
 
 def stream_config(sink: Endpoint | dict[str, Any], **over: Any) -> dict[str, Any]:
-    """Stream 1 to ``sink`` (the recording endpoint, or a sink configuration), small batches, short backoff."""
+    """Stream 1 to ``sink`` (the recording endpoint, or a sink configuration), small batches, short backoff,
+    delivery mode :data:`MODE` (a ``delivery`` in ``over`` is merged into it)."""
     cfg: dict[str, Any] = {
         "id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
         "retry": {"initial_backoff_secs": 0.5, "max_backoff_secs": 2},
-        "delivery": {"chunk_size": 20, "run_grace_secs": 2},
         "sink": sink.sink() if isinstance(sink, Endpoint) else sink,
     }
+    delivery = {"chunk_size": 20, "run_grace_secs": 2, **over.pop("delivery", {})}
     cfg.update(over)
+    cfg["delivery"] = {**mode_delivery(MODE), **delivery}
     return cfg
+
+
+def mode_delivery(mode: str) -> dict[str, Any]:
+    """``delivery`` of a stream in ``mode`` as the in-process driver runs it: it executes a run before it
+    ticks again, so an open run's idle linger is short (``tuning.linger_secs``) and it takes new batches
+    for ``tuning.max_run_secs`` at most; a warm run, which never closes when idle, is replaced every
+    second (the least)."""
+    modes: dict[str, dict[str, Any]] = {"open": {"mode": "open", "tuning": {"linger_secs": HARNESS_LINGER_SECS,
+                                                                            "max_run_secs": HARNESS_MAX_RUN_SECS}},
+                                        "per_batch": {"mode": "per_batch"},
+                                        "warm": {"mode": "warm", "tuning": {"max_run_secs": 1}}}
+    return modes[mode]
 
 
 def sent_ids(url: str) -> list[int]:

@@ -1,0 +1,232 @@
+"""Reading events from ``pgstream.events``: the queries every reader runs (the run's own
+connection, the replay's, and Spark's data sources on the executors), and the byte budget a read
+is cut at (:func:`cut`). No Spark and no Dagster here: :mod:`.sources` reads with these on the
+run's connections, :mod:`..spark` inside Spark tasks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ...sinks.base import event_from_text, parse_event_path
+from ..publish import Positioned, Span, TooLarge
+
+if TYPE_CHECKING:
+    import psycopg
+
+_T = TypeVar("_T")
+
+#: events per Spark partition (``delivery.rows_per_partition``'s default)
+ROWS_PER_PARTITION = 50_000
+#: rows per server-side cursor FETCH, and per packed row
+FETCH_ROWS = 5_000
+
+
+# ``e.stream_id + 0``: never a condition the planner may serve with events_stream_created_idx. With
+# stale or missing statistics of the day's partition (writers filling it, autovacuum behind) it did,
+# scanning the stream's whole day per event of the batch (measured by bench/cpu.py: one 10k batch
+# 4.74 s instead of 0.20 s); by the primary key (id, created_at) each event is one index probe.
+BATCH_QUERY = """
+select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
+       (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
+           as routing_key
+from pgstream.batches b
+cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+join pgstream.events e
+  on e.id = o.id and e.stream_id + 0 = b.stream_id
+ and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
+order by o.ord
+"""
+
+#: per event of a batch span: its ordinal, id, and the bytes of its payload and of its metadata as JSON text
+#: (what reading it costs: each is rendered by the server, nothing is sent). A reader cuts what it reads
+#: at a byte budget by these (:func:`cut`), not only at a number of rows: a few thousand events of a few
+#: MiB each as text (small stored: compressed) must not be read at once
+BATCH_SIZES = """
+select o.ord, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
+       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
+from pgstream.batches b
+cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+join pgstream.events e
+  on e.id = o.id and e.stream_id + 0 = b.stream_id
+ and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
+order by o.ord
+"""
+
+#: :data:`BATCH_QUERY` cut at a byte budget by the server, in one pass: every event of the span comes with
+#: the bytes of its payload and metadata as JSON text, but its payload, metadata and routing key only if it
+#: ``fits``: its payload is at most ``limit`` bytes (a null limit: any) and the events that fit before it
+#: and it hold at most ``budget`` bytes (the first one that may fits whatever its size). The rest come as
+#: sizes only (:class:`.sources.TableSource` reads them next, in pieces it cuts by those sizes). The text of what
+#: fits is rendered twice (once to measure it, once to send it): cheap next to the join, which is made once
+BATCH_QUERY_BOUNDED = """
+select w.batch_id, w.ord, w.id, w.stream_id, w.created_at,
+       case when w.fits then w.payload::pg_catalog.text end,
+       case when w.fits then w.metadata::pg_catalog.text end,
+       w.payload_bytes, w.metadata_bytes
+from (select z.*,
+             z.eligible and (z.running <= %(budget)s or z.running = z.payload_bytes + z.metadata_bytes) as fits
+      from (select y.*,
+                   pg_catalog.sum(case when y.eligible then y.payload_bytes + y.metadata_bytes else 0 end)
+                       over (order by y.ord rows unbounded preceding) as running
+            from (select b.id as batch_id, o.ord, e.id, e.stream_id, e.created_at, e.payload, e.metadata,
+                         x.payload_bytes, x.metadata_bytes,
+                         %(limit)s::bigint is null or x.payload_bytes <= %(limit)s::bigint as eligible
+                  from pgstream.batches b
+                  cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+                  join pgstream.events e
+                    on e.id = o.id and e.stream_id + 0 = b.stream_id
+                   and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+                  cross join lateral (
+                      select pg_catalog.octet_length(e.payload::pg_catalog.text) as payload_bytes,
+                             coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0) as metadata_bytes
+                      offset 0) x
+                  where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s) y) z) w
+order by w.ord
+"""
+
+#: bytes of payload and metadata (JSON text) one read holds at most, unless one event is larger
+#: (``delivery.max_read_bytes``'s default)
+READ_BYTES = 32 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Positions ``lo..hi`` (ordinals of a batch, or event ids) to read at once: within the byte budget."""
+
+    lo: int
+    hi: int
+    #: bytes of payload and metadata of its events
+    size: int = 0
+
+
+def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: int,
+        limit: int | None, rows: int | None = None) -> Iterator[Piece | tuple[int, TooLarge]]:
+    """``lo..hi`` in order as :class:`Piece` s of at most ``budget`` bytes of payload and metadata each
+    (one event at least) and at most ``rows`` positions, by the ``sizes`` of the events there
+    (``(position, id, payload bytes, metadata bytes)`` in order, as :data:`BATCH_SIZES` returns them;
+    a position without a row is in no piece's count). An event whose payload is larger than ``limit``
+    is in no piece: it comes as ``(position, TooLarge)`` in its place, never read."""
+    start, used = lo, 0
+    for position, event_id, payload, metadata in sizes:
+        if limit is not None and payload > limit:
+            if start < position:
+                yield Piece(start, position - 1, used)
+            yield position, TooLarge(event_id, payload, limit)
+            start, used = position + 1, 0
+            continue
+        size = payload + metadata
+        if (used and used + size > budget) or (rows is not None and position - start >= rows):
+            yield Piece(start, position - 1, used)
+            start, used = position, 0
+        used += size
+    if start <= hi:
+        yield Piece(start, hi, used)
+
+
+def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budget: int) -> list[tuple[Span, int]]:
+    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes of payload and metadata
+    (one event at least), with their bytes, in order: the sizes of their events come from the server
+    (:data:`BATCH_SIZES`; rendered there, nothing of the events is sent)."""
+    pieces: list[tuple[Span, int]] = []
+    for whole in spans:
+        for span in whole.split(max(rows, 100_000)):  # (a query per 100,000 sizes at most)
+            sizes = conn.execute(BATCH_SIZES, {"batch_id": span.batch_id, "lo": span.first,
+                                                "hi": span.last}).fetchall()
+            pieces += [(Span(span.batch_id, p.lo, p.hi), p.size)
+                       for p in cut(sizes, span.first, span.last, budget, None, rows) if isinstance(p, Piece)]
+    return pieces
+
+
+
+def events_where(params: Mapping[str, Any]) -> str:
+    """The filter of a replay's selection (``params``: ``replay.selection``'s; shared with
+    ``replay.plan``, which counts and splits it): the stream and the id range, and the time bounds
+    and subscription keys only where ``params`` give them, so that no row evaluates a test of a
+    parameter that is not there."""
+    tests = ["e.stream_id = %(stream_id)s", "e.id between %(lo)s and %(hi)s"]
+    if params.get("from_time") is not None:
+        tests.append("e.created_at >= %(from_time)s::timestamptz")
+    if params.get("to_time") is not None:
+        tests.append("e.created_at < %(to_time)s::timestamptz")
+    if params.get("keys") is not None:
+        tests.append("e.payload ->> 'tg_name' = any (%(keys)s::text[])")
+    return " and ".join(tests)
+
+
+def events_query(params: Mapping[str, Any]) -> str:
+    """The events of a replay's selection (:func:`events_where`), a range of ids at a time."""
+    return """
+select 0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
+       (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
+           as routing_key
+from pgstream.events e
+where """ + events_where(params) + """
+order by e.id
+"""
+
+
+def events_sizes(params: Mapping[str, Any]) -> str:
+    """:data:`BATCH_SIZES` for a replay's selection: positions are event ids."""
+    return """
+select e.id, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
+       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
+from pgstream.events e
+where """ + events_where(params) + """
+order by e.id
+"""
+
+
+def routing_params(routing_key: str) -> dict[str, Any]:
+    """The query parameters of the routing key (``delivery.routing_key``, an event path): the column it
+    reads (payload, or metadata for ``metadata:...``) and its path."""
+    source, dotted = parse_event_path(routing_key)
+    return {"routing_source": source, "path": dotted.split(".")}
+
+
+def in_turn(calls: Sequence[Callable[[], _T]], prefetch: bool = True) -> Generator[_T, None, None]:
+    """The results of ``calls``, in order, each made in a thread; ``prefetch``: the next call is
+    made while the caller consumes the current result, else once it asks for the next."""
+    if not calls:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
+        ahead = pool.submit(calls[0])
+        for i in range(len(calls)):
+            result = ahead.result()
+            more = i + 1 < len(calls)
+            if more and prefetch:
+                ahead = pool.submit(calls[i + 1])
+            yield result
+            if more and not prefetch:
+                ahead = pool.submit(calls[i + 1])
+
+
+def positioned(rows: list[tuple[Any, ...]]) -> Iterator[Positioned]:
+    """Events of rows of :data:`BATCH_QUERY` or :func:`events_query` read by psycopg, in order."""
+    for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
+        yield batch_id, ord_, event_from_text(event_id, stream_id, created.astimezone(dt.UTC), payload, metadata)
+
+
+
+
+def in_turn_lazily(calls: Iterator[Callable[[], _T]]) -> Generator[_T, None, None]:
+    """:func:`in_turn` (prefetching) of calls made as they are needed."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
+        call = next(calls, None)
+        if call is None:
+            return
+        ahead = pool.submit(call)
+        while True:
+            result = ahead.result()
+            call = next(calls, None)
+            if call is not None:
+                ahead = pool.submit(call)
+            yield result
+            if call is None:
+                return

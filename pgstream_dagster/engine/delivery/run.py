@@ -1,0 +1,566 @@
+"""A delivery run, without Dagster: it delivers consecutive ledger batches of a stream, in order,
+through the stream's sink, and (modes ``open`` and ``warm``) stays open for what commits next.
+
+:meth:`DeliveryRun.start` takes the stream's delivery lease and checks the batches may run (the
+first is the stream's oldest open batch; the range holds only the stream's open batches).
+:meth:`DeliveryRun.deliver` opens the stream's sink (one for the whole run, closed however it
+ends) and delivers round after round, each read from the source :func:`.sources.choose_source`
+picks, marking each batch delivered as soon as the sink confirmed its last event, so a run that
+fails half-way keeps the progress it made; it yields a :class:`RoundReport` per round and raises
+:class:`DeliveryError` (nothing of Dagster). While the run is the stream's open run it reads the
+stream's slot itself (:class:`SlotReader`, a thread running :func:`~..ingest.follow`) and waits
+for the batches the sensor assigns to it (:class:`Linger`); it closes once idle
+``tuning.linger_secs`` (mode ``open``), open ``tuning.max_run_secs``, or when the stream is paused,
+no longer hands it batches (failover), a replay waits for the delivery lease, or the host says
+so (:attr:`Host.stop_check`: Dagster has another run of the stream queued).
+
+The ordered publish loop (:func:`.sources.publish_in_order`) yields what the sink confirmed; the
+run writes it to the ledger before anything more is published: ``Confirmed`` →
+``ledger.mark_confirmed`` (a retry resumes after it), ``BatchDone`` → ``ledger.mark_delivered``,
+``Progress`` → the log. The rounds are told to the host together (:class:`Summary`, at most every
+``tuning.report_every_secs`` and when the run ends) through :attr:`Host.report`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from ...config import StreamConfig
+from ...sinks import Sink, SinkError, build_sink
+from .. import ledger
+from ..collector import fewer_collections
+from ..handoff import Handoff, Log, ReaderFactory, RunReader
+from ..publish import (
+    BatchDone,
+    Confirmed,
+    Finished,
+    MissingEventsError,
+    Progress,
+    RejectPolicy,
+    Span,
+    owed_spans,
+)
+from ..status import stream_status
+from .sources import (
+    KeyedSource,
+    Owed,
+    Readers,
+    Source,
+    SparkLoader,
+    choose_source,
+    publish_in_order,
+)
+
+
+class DeliveryError(RuntimeError):
+    """The run cannot go on: the message says why and what to do; ``metadata`` what the host may show."""
+
+    def __init__(self, message: str, metadata: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.metadata = metadata or {}
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """One round delivered: its batches, the events handled (confirmed, or set aside), and when its
+    read started (``time.monotonic()``)."""
+
+    batches: list[ledger.Batch]
+    delivered: int
+    started: float
+    #: the source it was read from (:class:`.sources.Route`'s value)
+    route: str
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The rounds of a reporting period, told to the host at once (:attr:`Host.report`)."""
+
+    stream_id: int
+    sink_type: str
+    first: ledger.Batch
+    last: ledger.Batch
+    batches: int
+    rounds: int
+    events: int
+    kinds: list[str]
+    duration_secs: float
+    #: the slowest round's first batch: commit -> delivered
+    max_lag_secs: float | None
+    #: the stream's status row (:func:`~..status.stream_status`) after the rounds, if the connection answers
+    status: dict[str, Any] | None
+    #: whether the status row's open run is this run
+    this_run_open: bool
+
+
+def _no_stop() -> str | None:
+    return None
+
+
+def _no_report(_summary: Summary) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the run needs from whoever runs it."""
+
+    #: the run's id (what marks its batches, names its connections)
+    run_id: str
+    log: Log
+    #: the Spark session, started when a round first goes to Spark
+    spark: SparkLoader | None = None
+    #: a reason to close the open run that only the host knows (None: none), asked about once a second
+    stop_check: Callable[[], str | None] = _no_stop
+    #: told what the rounds delivered (:class:`Summary`)
+    report: Callable[[Summary], None] = _no_report
+    #: how the host names its control job (an error tells the operator to use it)
+    control: str = "the control job"
+    #: the open run's slot reader (:class:`~..slotreader.SlotReader`: the ingest stage, met through the
+    #: hand-off interface); None: the run never reads the slot (the sensor does)
+    reader: ReaderFactory | None = None
+
+
+@dataclass
+class DeliveryRun:
+    """A run of ``stream``: ``batch_id`` .. ``through_batch_id`` (``batch_id`` None: a warm run, mode
+    ``warm``, open for what commits; ``run_key``: the open run it is, when it has no batch)."""
+
+    stream: StreamConfig
+    database_url: str
+    executor_url: str
+    run_id: str
+    batch_id: int | None = None
+    through_batch_id: int | None = None
+    run_key: str | None = None
+    batches: list[ledger.Batch] = field(default_factory=list)
+    started: float = 0.0
+    lease: psycopg.Connection | None = None
+
+    def start(self, log: Log) -> DeliveryRun:
+        """Take the stream's delivery lease (waiting for a replay that holds it) and check the batches
+        may run; raises :class:`DeliveryError` (the lease given up) or :class:`~..ledger.LeaseTaken`."""
+        stream_id = self.stream.id
+        self.started = time.monotonic()
+        self.lease = lease = ledger.acquire_lease(
+            self.database_url, stream_id, self.run_id,
+            lambda replay: log.info(f"stream {stream_id}: waiting for replay {replay} to end "
+                                    "(it holds the delivery lease)"))
+        if self.batch_id is None:
+            log.info(f"stream {stream_id}: warm run, open for what commits (delivery.mode warm)")
+            return self
+        try:
+            last = self.through_batch_id or self.batch_id
+            batches = ledger.batches_between(lease, stream_id, self.batch_id, last)
+            if not batches or batches[0].id != self.batch_id:
+                raise DeliveryError(f"batch {self.batch_id} of stream {stream_id} does not exist")
+            done = [b.id for b in batches if not b.status.is_open]
+            if done:
+                raise DeliveryError(f"batches {done} of stream {stream_id} are already delivered or skipped")
+            earlier = ledger.earlier_open(lease, stream_id, self.batch_id)
+            if earlier is not None:
+                raise DeliveryError(f"batch {self.batch_id} would overtake open batch {earlier} of stream "
+                                    f"{stream_id}; batches are delivered in order")
+        except BaseException:
+            ledger.give_up_lease(lease, stream_id)
+            raise
+        self.batches = batches
+        return self
+
+    def deliver(self, host: Host) -> Iterator[RoundReport]:
+        """Deliver the run's batches, then (an open run) what the sensor assigns to it, round by round."""
+        stream, lease = self.stream, self.lease
+        assert lease is not None, "start() the run first"
+        run_key = self.batches[0].run_key if self.batches else self.run_key
+        if not self.batches and not (run_key and ledger.run_is_open(lease, stream.id, run_key)):
+            # a warm run the stream no longer wants (another run is open): nothing to do
+            ledger.give_up_lease(lease, stream.id)
+            host.log.info(f"stream {stream.id}: not the stream's open run; nothing to deliver")
+            return
+        run_key = run_key or ""
+        # the lease is given up when the run ends (it is lost if its process dies); the sink serves every round
+        # of the run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
+        with fewer_collections(), ledger.holding_lease(lease, stream.id) as conn, \
+                build_sink(stream.sink) as sink, \
+                _reader(host, self.database_url, stream, run_key, conn) as reader:
+            ledger.listen_runs(conn, stream.id)
+            # what the sink confirms is recorded on ``conn``: once it is broken the sink sends nothing more
+            recording = sink.go_on = ledger.RecordingCheck(conn)
+            linger = Linger(host, conn, stream, run_key, reader)
+            reports = Reports(host, conn, stream, run_key)
+            batches, started = direct_round(stream, self.batches), self.started
+            if batches:
+                total = sum(b.event_count for b in batches)
+                kinds = ", ".join(sorted({b.kind for b in batches}))
+                rest = (f"; the other {len(self.batches) - len(batches)} batches in the next rounds"
+                        if len(self.batches) > len(batches) else "")
+                host.log.info(f"stream {stream.id}: {len(batches)} batches {batches[0].id}..{batches[-1].id}, "
+                              f"{total} events ({kinds}){rest}")
+            after = 0
+            # the batches the run was launched with were recorded before its reader started: not in the hand-off
+            launched = bool(batches)
+            try:
+                while True:
+                    if batches:
+                        handoff = None if launched else reader.handoff
+                        launched = False
+                        readers = Readers(self.database_url, self.executor_url, conn, handoff, host.spark, sink)
+                        source = choose_source(stream.delivery, Owed(owed(stream, batches)), readers)
+                        delivered = _Round(host, conn, stream, sink, batches, self.database_url,
+                                           self.executor_url).deliver(source, recording)
+                        done = RoundReport(batches, delivered, started, type(source).__name__)
+                        reports.add(done)
+                        yield done
+                        after = batches[-1].id
+                        if reader.handoff is not None:
+                            reader.handoff.forget_through(after)
+                    reader.report()
+                    batches = direct_round(stream, linger.next_batches(after))
+                    if not batches:
+                        break
+                    earlier = ledger.earlier_open(conn, stream.id, batches[0].id)
+                    if earlier is not None:  # only what is next in line is handed over; never overtake
+                        raise DeliveryError(f"batch {batches[0].id} would overtake open batch {earlier} of "
+                                            f"stream {stream.id}")
+                    started = time.monotonic()
+            finally:
+                reports.flush()  # what was delivered before the run ended, however it ended
+
+
+class _NoReader:
+    """A run that does not read the slot: nothing recorded, nothing handed over."""
+
+    handoff: Handoff | None = None
+
+    def __enter__(self) -> _NoReader:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def report(self) -> None:
+        return None
+
+
+def _reader(host: Host, database_url: str, stream: StreamConfig, run_key: str, conn: psycopg.Connection) -> RunReader:
+    """The open run's slot reader (modes open and warm, while the run is the stream's open run)."""
+    if host.reader is None or not (stream.delivery.read_slot and run_key and ledger.run_is_open(conn, stream.id,
+                                                                                                   run_key)):
+        return _NoReader()
+    handoff = None
+    delivery = stream.delivery
+    if delivery.ordering == "global" and delivery.tuning.direct_max_events > 0:
+        handoff = Handoff(max(delivery.tuning.direct_max_events, stream.batch.max_size),
+                          4 * delivery.tuning.max_read_bytes)
+    return host.reader(database_url, stream, run_key, ledger.stream_slot(conn, stream.id), handoff, host.run_id,
+                       host.log)
+
+
+def owed(stream: StreamConfig, batches: list[ledger.Batch]) -> list[Span]:
+    """What the run owes of ``batches``: a retry resumes after the events the sink already confirmed
+    (global order; ``by_key`` reads every event and its Spark tasks skip, per key, what an earlier attempt
+    recorded in ``pgstream.key_progress``)."""
+    return owed_spans(batches, resume=stream.delivery.ordering == "global")
+
+
+def direct_round(stream: StreamConfig, batches: list[ledger.Batch]) -> list[ledger.Batch]:
+    """A run's next round of ``batches``, all assigned to it (ordering global, modes ``open`` and
+    ``warm``): the first of them up to ``tuning.direct_max_events`` events (at least one batch), so
+    that it is read without Spark; the rest come in the next rounds. A backlog is then delivered in
+    rounds the run reads itself instead of a Spark job that, started while the writers take the CPUs,
+    held the stream for 1-2 minutes (bench/sustained.py)."""
+    limit = stream.delivery.tuning.direct_max_events
+    if stream.delivery.ordering != "global" or limit <= 0 or stream.delivery.mode == "per_batch":
+        return batches
+    total = 0
+    for i, batch in enumerate(batches):
+        total += batch.event_count
+        if total > limit and i > 0:
+            return batches[:i]
+    return batches
+
+
+def dead_letters(stream: StreamConfig, database_url: str) -> ledger.DeadLetterWriter:
+    """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and an event too large
+    for the sink whatever ``on_reject`` says (it can never be delivered)."""
+    return ledger.DeadLetterWriter(database_url, stream.id, stream.sink.type,
+                                   resumes=stream.delivery.ordering == "global")
+
+
+def reject_policy(stream: StreamConfig, database_url: str) -> RejectPolicy | None:
+    delivery = stream.delivery
+    if delivery.on_reject != "dead_letter":
+        return None
+    writer = dead_letters(stream, database_url)
+    return RejectPolicy(writer, max_attempts=delivery.max_attempts,
+                        max_consecutive=delivery.max_consecutive_rejects,
+                        backoff_secs=min(stream.retry.initial_backoff_secs, 5.0), known_good=writer.known_good)
+
+
+class _Round:
+    """One round: ``batches`` read from a source, delivered through the run's ``sink``, each marked."""
+
+    def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, sink: Sink,
+                 batches: list[ledger.Batch], database_url: str, executor_url: str) -> None:
+        self.host, self.conn, self.stream, self.sink, self.batches = host, conn, stream, sink, batches
+        # what runs on the executors (by_key tasks) connects with the executors' URL, what runs here with the runtime's
+        self.database_url = executor_url if stream.delivery.ordering == "by_key" else database_url
+        self.owed = owed(stream, batches)
+        self.expected = {span.batch_id: span.events for span in self.owed}
+
+    def deliver(self, source: Source, recording: ledger.RecordingCheck) -> int:
+        """The events handled (confirmed by the sink, or set aside as dead letters). Once ``conn`` is
+        broken (``recording``: Postgres restarted, the connection was cut) the run stops before the
+        sink's next request, as nothing it confirms could be recorded."""
+        try:
+            return self._deliver(source)
+        except (psycopg.Error, SinkError):
+            if recording():  # the connection still answers: not what stopped the run
+                raise
+            raise DeliveryError(
+                f"stream {self.stream.id}: the run's ledger connection is broken ({recording.broken}): what the "
+                f"sink confirms can no longer be recorded, so the run stopped publishing; the next run resumes "
+                f"after the last confirmation recorded") from None
+
+    def _deliver(self, source: Source) -> int:
+        conn, stream = self.conn, self.stream
+        batch_ids = [b.id for b in self.batches]
+        skip = ledger.dead_letter_positions(conn, stream.id, batch_ids)
+        reject = reject_policy(stream, self.database_url)
+        before = ledger.count_dead_letters(conn, stream.id)
+        for batch_id in [b for b, events in self.expected.items() if events == 0]:
+            self._mark_delivered(batch_id, 0)  # confirmed in full by a run that died before marking it
+        try:
+            if isinstance(source, KeyedSource):
+                delivered = self._by_key(source, skip, reject)
+            else:
+                assert hasattr(source, "events"), f"{type(source).__name__} is no source of a delivery round"
+                delivered = self._in_order(source, skip, reject)
+        except MissingEventsError:
+            raise vanished_error(conn, stream.id, batch_ids, self.host.control) from None
+        missing = ledger.not_delivered(conn, batch_ids)
+        if missing:
+            raise DeliveryError(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
+        set_aside = ledger.count_dead_letters(conn, stream.id) - before
+        if set_aside:
+            self.host.log.warning(
+                f"stream {stream.id}: {set_aside} events were rejected by the sink or larger than it can ever take "
+                f"and set aside as dead letters (pgstream-dagster dead-letters list {stream.id})")
+        return delivered
+
+    def _mark_delivered(self, batch_id: int, handled: int) -> None:
+        """Every event the run owed of the batch was handled: mark it delivered."""
+        if handled != self.expected[batch_id]:
+            raise DeliveryError(f"batch {batch_id}: {self.expected[batch_id]} events were owed but {handled} "
+                                f"were handled; refusing to mark it delivered")
+        if not ledger.mark_delivered(self.conn, batch_id, self.host.run_id):
+            raise DeliveryError(f"batch {batch_id} was already marked delivered by another run")
+
+    def _in_order(self, source: Any, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
+        """Global order: the publish loop yields what the sink confirmed and the run records each step in
+        the ledger before the loop publishes anything more. Returns the events handled."""
+        stream, conn = self.stream, self.conn
+        total = sum(self.expected.values())
+        chunk_size = stream.delivery.chunk_size
+        step = max(chunk_size, total // 10)
+        next_log, delivered = step, 0
+        too_large = dead_letters(stream, self.database_url).too_large
+        with closing(publish_in_order(source, self.sink, chunk_size, skip=skip, reject=reject, owed=self.owed,
+                                      too_large=too_large,
+                                      chunk_bytes=stream.delivery.tuning.max_read_bytes)) as deliveries:
+            for delivery in deliveries:
+                match delivery:
+                    case Confirmed(batch_id, ord):  # a retry resumes after it
+                        ledger.mark_confirmed(conn, batch_id, ord)
+                    case BatchDone(batch_id, events):
+                        self._mark_delivered(batch_id, events)
+                    case Progress(handled) if next_log <= handled < total:
+                        self.host.log.info(f"stream {stream.id}: {handled}/{total} events handled")
+                        next_log = handled + step
+                    case Finished(handled):
+                        delivered = handled
+        return delivered
+
+    def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
+        """Per routing key, on the executors (each Spark task with a sink of its own, recording what it
+        confirmed in ``pgstream.key_progress`` as it goes: a retry resumes per key); the tasks return
+        their counts per batch, and each batch is marked delivered once every task is done and the
+        counts add up. Returns the events handled."""
+        from .. import spark
+
+        stream, conn, expected = self.stream, self.conn, self.expected
+        batch_ids = list(expected)
+        # no resume point per batch: every event must be there (or set aside) before anything is sent
+        gone = [(b, o) for b, o, _e in ledger.vanished(conn, batch_ids)]
+        if any(p not in skip for p in gone):
+            raise MissingEventsError([p for p in gone if p not in skip])
+        # an interrupted attempt's resume points hold for its partitioning: keep it until the round is delivered
+        parallelism = stream.delivery.parallelism
+        partitions = ledger.key_progress_partitions(conn, stream.id, batch_ids[0]) or parallelism
+        ledger.clear_key_progress(conn, stream.id, keep_partitions=partitions)
+        if partitions != parallelism:
+            self.host.log.info(f"stream {stream.id}: resuming an interrupted by_key attempt with its {partitions} "
+                               f"partitions (delivery.parallelism {parallelism} applies from the next round)")
+        progress = ledger.KeyProgress(self.database_url, stream.id, partitions, run_id=self.host.run_id)
+        result = spark.deliver_by_key(source.frame, stream.sink, stream.delivery.chunk_size, partitions,
+                                      skip=skip, reject=reject, progress=progress,
+                                      too_large=dead_letters(stream, self.database_url).too_large,
+                                      chunk_bytes=stream.delivery.tuning.max_read_bytes)
+        vanished_in = {b: sum(1 for g, _o in gone if g == b) for b in batch_ids}
+        wrong = {b: (result.handled.get(b, 0), events) for b, events in expected.items()
+                 if result.handled.get(b, 0) + vanished_in[b] != events}
+        if wrong:
+            shown = ", ".join(f"batch {b}: {got} of {events}" for b, (got, events) in list(wrong.items())[:10])
+            raise DeliveryError(f"the ledger and the events handled by the Spark tasks disagree ({shown}); "
+                                f"refusing to mark batches delivered")
+        for b, events in expected.items():
+            self._mark_delivered(b, events)
+        ledger.clear_key_progress(conn, stream.id, through_batch_id=batch_ids[-1])
+        if result.resumed:
+            self.host.log.info(f"stream {stream.id}: {result.resumed} events confirmed by an interrupted attempt "
+                               f"were not published again")
+        return result.total
+
+
+def vanished_error(conn: psycopg.Connection, stream_id: int, batch_ids: list[int],
+                   control: str = "the control job") -> DeliveryError:
+    """The run stops at events that vanished from pgstream.events: say which, and how to go on."""
+    skip = ledger.dead_letter_positions(conn, stream_id, batch_ids)
+    gone = [(b, o, e) for b, o, e in ledger.vanished(conn, batch_ids) if (b, o) not in skip]
+    ids = [e for _b, _o, e in gone]
+    shown = ", ".join(f"{e} (batch {b} #{o})" for b, o, e in gone[:20]) + (" ..." if len(gone) > 20 else "")
+    return DeliveryError(
+        f"stream {stream_id}: {len(gone)} events the ledger owes are no longer in pgstream.events: {shown}. "
+        f"Nothing after the first of them was delivered. To go on without them, set them aside (they become dead "
+        f"letters without payload): `pgstream-dagster dead-letters set-aside {stream_id} "
+        f"{' '.join(map(str, ids[:20]))} --reason vanished --yes`, or {control} with "
+        f"action set_aside; or skip their batch.",
+        metadata={"vanished_event_ids": ids[:1000]})
+
+
+class Linger:
+    """Keeps a run open after its batches (sql/010_open_runs.sql): it waits for batches the sensor
+    assigns to it and closes once idle ``tuning.linger_secs`` (mode ``open``), open
+    ``tuning.max_run_secs``, or when the stream is paused, no longer hands it batches (failover), a
+    replay waits for the delivery lease, however it was launched
+    (:func:`~..ledger.acquire_replay_lease`), or the host has a reason (:attr:`Host.stop_check`)."""
+
+    def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, run_key: str,
+                 reader: RunReader) -> None:
+        self.host, self.conn, self.stream, self.run_key = host, conn, stream, run_key
+        self.reader = reader
+        self.opened = time.monotonic()
+        self._frozen = not stream.delivery.keeps_open
+
+    def next_batches(self, after: int) -> list[ledger.Batch]:
+        """The batches assigned to the run after batch ``after``; empty once the run is closed."""
+        delivery, tuning = self.stream.delivery, self.stream.delivery.tuning
+        linger_secs, warm = delivery.linger_secs, delivery.keep_warm
+        if not self._frozen:
+            # a run that stays open allocates tuples per event for long: what its process holds after
+            # the first round (the host, the Spark session) is not garbage, so the full collections stop
+            # scanning it (collections over 0.1 s: 21 s in a 2-minute sustained run before). Done here,
+            # not at start-up: the first round's events do not wait for it
+            gc.collect()
+            gc.freeze()
+            self._frozen = True
+        idle_since = time.monotonic()
+        checked_at = 0.0
+        while True:
+            batches = ledger.assigned_after(self.conn, self.run_key, after)
+            # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver what
+            # was handed over, close (the lease goes to the replay when the run ends)
+            replay = ledger.replay_waiting(self.conn, self.stream.id)
+            if batches:
+                if replay:
+                    self.reader.stop()
+                return batches
+            now = time.monotonic()
+            reason = None
+            if replay:
+                reason = "a replay of the stream waits for the delivery lease"
+            elif now - idle_since >= linger_secs and not warm:
+                reason = f"idle for {linger_secs:g}s"
+            elif now - self.opened >= tuning.max_run_secs:
+                reason = f"open for {tuning.max_run_secs:g}s (delivery.tuning.max_run_secs)"
+            elif now - checked_at >= 1.0:
+                checked_at = now
+                reason = self._stop_reason()
+            if reason is not None:
+                self.reader.stop()  # what it received is recorded (and handed to this run) before it closes
+                if ledger.close_run(self.conn, self.stream.id, self.run_key):
+                    if linger_secs > 0:
+                        self.host.log.info(f"stream {self.stream.id}: run closed ({reason})")
+                    return []
+                continue  # the sensor assigned batches just before: deliver them first
+            wait = 0.5 if warm else min(0.5, max(0.01, linger_secs - (now - idle_since)))
+            for _ in self.conn.notifies(timeout=wait, stop_after=1):
+                pass
+
+    def _stop_reason(self) -> str | None:
+        if not ledger.run_is_open(self.conn, self.stream.id, self.run_key):
+            return "the sensor hands it no more batches (failover or catch-up)"
+        if ledger.is_paused(self.conn, self.stream.id):
+            return "the stream is paused"
+        return self.host.stop_check()
+
+
+class Reports:
+    """What the run's rounds delivered, told to the host (:class:`Summary`). The first round is
+    reported at once; later rounds of an open run together, at most every ``tuning.report_every_secs``
+    and when the run ends, so a trickle of single events does not become an event-log entry each."""
+
+    def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, run_key: str) -> None:
+        self.host, self.conn, self.stream, self.run_key = host, conn, stream, run_key
+        self.reported_at = -float("inf")
+        self._reset()
+
+    def _reset(self) -> None:
+        self.first: ledger.Batch | None = None
+        self.last: ledger.Batch | None = None
+        self.kinds: set[str] = set()
+        self.batches = self.events = self.rounds = 0
+        self.started = 0.0
+        self.max_lag: float | None = None
+
+    def add(self, done: RoundReport) -> None:
+        batches = done.batches
+        now = dt.datetime.now(dt.UTC)
+        if self.first is None:
+            self.first, self.started = batches[0], done.started
+        self.last = batches[-1]
+        self.kinds |= {b.kind for b in batches}
+        self.batches += len(batches)
+        self.events += done.delivered
+        self.rounds += 1
+        if batches[0].first_commit_at is not None:
+            lag = (now - batches[0].first_commit_at).total_seconds()
+            self.max_lag = lag if self.max_lag is None else max(self.max_lag, lag)
+        if time.monotonic() - self.reported_at >= self.stream.delivery.tuning.report_every_secs:
+            self.flush()
+
+    def flush(self) -> None:
+        first, last = self.first, self.last
+        if first is None or last is None:
+            return
+        rows = stream_status(self.conn, self.stream.id, last=5) if not (self.conn.closed or self.conn.broken) else []
+        status = rows[0] if rows else None
+        self.host.report(Summary(
+            stream_id=self.stream.id, sink_type=self.stream.sink.type, first=first, last=last, batches=self.batches,
+            rounds=self.rounds, events=self.events, kinds=sorted(self.kinds),
+            duration_secs=round(time.monotonic() - self.started, 3),
+            max_lag_secs=round(self.max_lag, 3) if self.max_lag is not None else None, status=status,
+            this_run_open=status is not None and status.get("open_run_key") == self.run_key))
+        self.reported_at = time.monotonic()
+        self._reset()

@@ -1,0 +1,397 @@
+"""Where a delivery's events come from: one :class:`EventSource` interface, its sources, and
+**one** function that chooses the source (:func:`route`, built by :func:`choose_source`) for a
+delivery round, a replay and a dead-letter redelivery alike.
+
+=============  ==========================================================================================
+route          source
+=============  ==========================================================================================
+``handoff``    :class:`TableSource` with the run's hand-off: what its slot reader recorded, taken as
+               read (:mod:`..handoff`); a span not there is read from ``pgstream.events``
+``table``      :class:`TableSource`: a round of at most ``direct_max_events`` events (ordering global)
+               read by the run's own connection
+``spark``      :class:`SparkSource`: packed single-partition DataFrames collected one at a time
+               (a larger ordered round, ``direct_max_events`` 0, a replay through Spark, mode ``per_batch``)
+``by_key``     :class:`KeyedSource`: a DataFrame the Spark tasks publish per routing key
+``range``      :class:`RangeSource`: a replay's id ranges read by the run's connections
+``lines``      :class:`LinesSource`: a replay to a sink that takes JSON lines rendered by Postgres
+``letters``    :class:`DeadLetterSource`: open dead letters, in delivery order
+=============  ==========================================================================================
+
+No Dagster here, and Spark only behind the host's :data:`SparkLoader` (a session is started only
+when a round goes to Spark).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+from collections.abc import Callable, Iterator, Sequence
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+
+import psycopg
+
+from ...sinks.base import Event, Sink, event_from_text
+from ..publish import (
+    CHUNK_BYTES,
+    Deliveries,
+    Position,
+    Positioned,
+    RejectPolicy,
+    SetAsideTooLarge,
+    Span,
+    TooLarge,
+    max_event_bytes,
+    publish,
+)
+from .reads import (
+    BATCH_QUERY_BOUNDED,
+    FETCH_ROWS,
+    READ_BYTES,
+    Piece,
+    cut,
+    events_query,
+    events_sizes,
+    in_turn_lazily,
+    positioned,
+    routing_params,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from ...config import DeliveryConfig
+    from ..deadletters import DeadLetter
+    from ..handoff import Handoff
+
+#: how the host starts (or returns) its Spark session: called only when a round goes to Spark
+SparkLoader: TypeAlias = "Callable[[], SparkSession]"
+
+
+class EventSource(Protocol):
+    """Events in delivery order, each with its position ``(batch_id, ord)`` (a replay: ``(0, id)``),
+    or a :class:`~..publish.TooLarge` in place of one that is never read."""
+
+    def events(self) -> Iterator[Positioned]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSource:
+    """Route ``table``: a round small enough to read without Spark, ``spans`` read by ``conn`` (the
+    run's own connection) with the query the Spark source runs. A Spark job costs 0.1-0.3 s and about
+    half a CPU-second whatever its size (bench/cpu.py): for the few events an open run gets at a time
+    that is most of the latency and of the CPU. With ``handoff`` (route ``handoff``: what the run's
+    slot reader recorded) a span found there is taken as read, the others are read here."""
+
+    conn: psycopg.Connection
+    spans: Sequence[Span]
+    routing_key: str
+    #: the rows the run's slot reader recorded (:mod:`..handoff`): a span found there is not read
+    handoff: Handoff | None = None
+    #: bytes of payload and metadata one read holds at most (one event at least): ``delivery.max_read_bytes``
+    read_bytes: int = READ_BYTES
+    #: an event whose payload is larger is not read (:class:`~..publish.TooLarge`): the sink's ``max_event_bytes()``
+    event_bytes: int | None = None
+
+    def events(self) -> Iterator[Positioned]:
+        for whole in self.spans:
+            kept = (self.handoff.take(whole.batch_id, whole.first, whole.last, self.event_bytes)
+                    if self.handoff is not None else None)
+            if kept is not None:
+                yield from kept
+                continue
+            for span in whole.split(FETCH_ROWS):
+                # FETCH_ROWS at a time and at most read_bytes (the server cuts), each fetched whole before
+                # anything is yielded: the caller writes the ledger on the same connection
+                yield from self._read(span.batch_id, span.first, span.last)
+
+    def _read(self, batch_id: int, lo: int, hi: int) -> Iterator[Positioned]:
+        where = {"batch_id": batch_id, "budget": self.read_bytes, "limit": self.event_bytes}
+        rows = self.conn.execute(BATCH_QUERY_BOUNDED, {**where, "lo": lo, "hi": hi}).fetchall()
+        utc = dt.UTC
+        rest: list[tuple[int, int, int, int]] = []  # (ord, id, payload bytes, metadata bytes) after the cut
+        for batch, ord_, event_id, stream_id, created, payload, metadata, payload_bytes, metadata_bytes in rows:
+            if rest or (payload is None and (self.event_bytes is None or payload_bytes <= self.event_bytes)):
+                rest.append((ord_, event_id, payload_bytes, metadata_bytes))
+            elif payload is None:
+                assert self.event_bytes is not None
+                yield batch, ord_, TooLarge(event_id, payload_bytes, self.event_bytes)
+            else:
+                yield batch, ord_, event_from_text(event_id, stream_id, created.astimezone(utc), payload, metadata)
+        del rows
+        if not rest:
+            return
+        for piece in cut(rest, rest[0][0], hi, self.read_bytes, self.event_bytes):
+            if isinstance(piece, Piece):  # fits whole (its events' sizes are known)
+                yield from self._read(batch_id, piece.lo, piece.hi)
+            else:
+                yield batch_id, piece[0], piece[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeSource:
+    """Route ``range``: a replay's selection read without Spark (``delivery.direct_max_events`` above
+    0): the id ``ranges`` of :func:`~pgstream_dagster.engine.replay.plan`, each read whole with the query the
+    Spark source runs (``params``: its filters), by a connection of its own while the caller publishes
+    the range before. The run's process publishes every event of a replay anyway (id order): Spark
+    would only add its start-up, its JVM and a copy of every row (bench/replay.py)."""
+
+    database_url: str
+    ranges: Sequence[tuple[int, int]]
+    params: dict[str, Any]
+    routing_key: str
+    #: as :class:`TableSource`'s: a range is read in pieces of at most this many bytes (one event at least)
+    read_bytes: int = READ_BYTES
+    event_bytes: int | None = None
+
+    def events(self) -> Iterator[Positioned]:
+        if not self.ranges:
+            return
+        import psycopg
+
+        params = {**self.params, **routing_params(self.routing_key)}
+        query, sizes = events_query(params), events_sizes(params)
+        with psycopg.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
+                             application_name="pgstream replay") as conn:
+
+            def read(lo: int, hi: int) -> Callable[[], list[Positioned]]:
+                return lambda: list(positioned(conn.execute(query, {**params, "lo": lo, "hi": hi}).fetchall()))
+
+            def reads() -> Iterator[Callable[[], list[Positioned]]]:
+                """A read per range, or per piece of it within the byte budget (psycopg serialises the
+                sizes query with the read of the piece before, made meanwhile)."""
+                for lo, hi in self.ranges:
+                    pieces = list(cut(conn.execute(sizes, {**params, "lo": lo, "hi": hi}).fetchall(), lo, hi,
+                                      self.read_bytes, self.event_bytes))
+                    for piece in pieces:
+                        if isinstance(piece, Piece):
+                            yield read(piece.lo, piece.hi)
+                        else:
+                            yield lambda piece=piece: [(0, piece[0], piece[1])]  # type: ignore[misc]
+
+            # the piece after the one being published is read meanwhile: two pieces in memory at most
+            with contextlib.closing(in_turn_lazily(reads())) as pieces:
+                for rows in pieces:
+                    yield from rows
+
+
+@dataclasses.dataclass(frozen=True)
+class SparkSource:
+    """Route ``spark``: single-partition DataFrames (packed, as :func:`..spark.load_batches` /
+    :func:`..spark.load_events` return them), collected one at a time; ``prefetch``: Spark computes the
+    next while the sink publishes the current one (``delivery.tuning.prefetch_partitions``)."""
+
+    frames: list[DataFrame]
+    prefetch: bool = True
+
+    def events(self) -> Iterator[Positioned]:
+        from .. import spark
+
+        return spark.frame_events(self.frames, self.prefetch)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyedSource:
+    """Route ``by_key``: one DataFrame the Spark tasks publish, per routing key
+    (:func:`..spark.deliver_by_key`); nothing comes to the driver but counts."""
+
+    frame: DataFrame
+
+
+@dataclasses.dataclass(frozen=True)
+class LinesSource:
+    """Route ``lines``: a replay to a sink that takes JSON lines (the file sink): Postgres renders each
+    event as the line the sink writes (:func:`..replay.deliver_lines`), nothing is parsed in Python."""
+
+    database_url: str
+    params: dict[str, Any]
+    read_bytes: int = READ_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetterSource:
+    """Route ``letters``: open dead letters (listed without their payloads), in delivery order, in
+    chunks of at most ``chunk_size`` and ``read_bytes`` bytes of payload (one at least), each chunk's
+    payloads read by ``conn`` when it is due (:meth:`chunks`)."""
+
+    conn: psycopg.Connection
+    letters: Sequence[DeadLetter]
+    chunk_size: int
+    read_bytes: int = READ_BYTES
+
+    def chunks(self) -> Iterator[tuple[list[DeadLetter], list[Event]]]:
+        letters, start = list(self.letters), 0
+        while start < len(letters):
+            end, used = start, 0
+            while end < len(letters) and end - start < self.chunk_size and \
+                    (end == start or used + (letters[end].payload_bytes or 0) <= self.read_bytes):
+                used += letters[end].payload_bytes or 0
+                end += 1
+            chunk = letters[start:end]
+            yield chunk, self._events(chunk)
+            start = end
+
+    def _events(self, letters: list[DeadLetter]) -> list[Event]:
+        """The events of ``letters`` (listed without their payloads), their payloads read now."""
+        if all(d.payload_bytes is None and d.payload_json for d in letters):  # listed with their payloads
+            return [d.event() for d in letters]
+        texts = {row[0]: row[1:] for row in self.conn.execute(
+            "select id, payload::text, metadata::text from pgstream.dead_letters where id = any(%s)",
+            [[d.id for d in letters]])}
+        return [dataclasses.replace(d, payload_json=texts[d.id][0], metadata_json=texts[d.id][1]).event()
+                for d in letters]
+
+
+Source: TypeAlias = "TableSource | SparkSource | KeyedSource | RangeSource | LinesSource | DeadLetterSource"
+
+
+class Route(StrEnum):
+    HANDOFF = "handoff"
+    TABLE = "table"
+    SPARK = "spark"
+    BY_KEY = "by_key"
+    RANGE = "range"
+    LINES = "lines"
+    LETTERS = "letters"
+
+
+@dataclasses.dataclass(frozen=True)
+class Owed:
+    """A delivery round: what the run owes of its batches, in order (:func:`~..publish.owed_spans`)."""
+
+    spans: Sequence[Span]
+
+    @property
+    def events(self) -> int:
+        return sum(s.events for s in self.spans)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """A replay: the query parameters of :func:`~..replay.selection` and the id ranges of
+    :func:`~..replay.plan` (sized by :func:`range_size`; a ``lines`` replay walks them itself)."""
+
+    params: dict[str, Any]
+    ranges: Sequence[tuple[int, int]] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Letters:
+    """A redelivery: open dead letters in delivery order."""
+
+    letters: Sequence[DeadLetter]
+    chunk_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Readers:
+    """What the host can read with."""
+
+    #: the runtime's URL (the run's own reads)
+    database_url: str
+    #: what Spark executors connect with
+    executor_url: str = ""
+    #: the run's own connection: a delivery round is read on it (without it every round goes to Spark)
+    conn: psycopg.Connection | None = None
+    #: what the run's slot reader recorded
+    handoff: Handoff | None = None
+    #: the host's Spark session, started when first needed
+    spark: SparkLoader | None = None
+    #: the sink the events go to: whether it takes JSON lines, the largest event it takes
+    sink: Sink | None = None
+
+
+def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: Readers) -> Route:
+    """The one choice of where events are read, for a delivery round (``Owed``), a replay
+    (``Selection``) and a redelivery (``Letters``):
+
+    * a round of an ``ordering: by_key`` stream: Spark tasks per routing key;
+    * a round of an ordered stream: mode ``per_batch`` (the design card's PySpark run per batch) and
+      ``tuning.direct_max_events`` 0 read through Spark; else a round of at most
+      ``direct_max_events`` events is read by the run's own connection (from the hand-off when the
+      run reads the slot), a larger one through Spark;
+    * a replay: JSON lines rendered by Postgres when the sink takes them, else the run's connections
+      unless ``direct_max_events`` is 0 (then Spark);
+    * dead letters: from ``pgstream.dead_letters``."""
+    direct = delivery.tuning.direct_max_events
+    if isinstance(want, Letters):
+        return Route.LETTERS
+    if isinstance(want, Selection):
+        if readers.sink is not None and readers.sink.accepts_json_lines:
+            return Route.LINES
+        return Route.RANGE if direct > 0 else Route.SPARK
+    if delivery.ordering == "by_key":
+        return Route.BY_KEY
+    if delivery.mode == "per_batch" or readers.conn is None or want.events > direct:
+        return Route.SPARK
+    return Route.HANDOFF if readers.handoff is not None else Route.TABLE
+
+
+def range_size(delivery: DeliveryConfig, readers: Readers) -> int:
+    """The events per id range a replay is planned in: a read of the run's connections, or a Spark
+    partition."""
+    chosen = route(delivery, Selection({}), readers)
+    return FETCH_ROWS if chosen is Route.RANGE else delivery.tuning.rows_per_partition
+
+
+def choose_source(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: Readers) -> Source:
+    """The source :func:`route` chooses, ready to read."""
+    chosen = route(delivery, want, readers)
+    limit = max_event_bytes(readers.sink) if readers.sink is not None else None
+    read_bytes = delivery.tuning.max_read_bytes
+    if isinstance(want, Letters):
+        assert readers.conn is not None, "a redelivery reads the dead letters' payloads on the caller's connection"
+        return DeadLetterSource(readers.conn, want.letters, want.chunk_size, read_bytes)
+    if isinstance(want, Selection):
+        if chosen is Route.LINES:
+            return LinesSource(readers.database_url, want.params, read_bytes)
+        if chosen is Route.RANGE:
+            return RangeSource(readers.database_url, want.ranges, want.params, delivery.routing_key, read_bytes, limit)
+        from .. import spark
+
+        params = want.params
+        loaded = spark.load_events(
+            _session(readers), readers.executor_url, params["stream_id"], list(want.ranges), delivery.routing_key,
+            from_time=params["from_time"].isoformat() if params.get("from_time") else None,
+            to_time=params["to_time"].isoformat() if params.get("to_time") else None,
+            keys=params.get("keys") or None, packed=True)
+        assert isinstance(loaded, list)  # packed: one single-partition DataFrame per id range
+        return SparkSource(loaded, delivery.tuning.prefetch_partitions)
+    if chosen in (Route.TABLE, Route.HANDOFF):
+        assert readers.conn is not None
+        return TableSource(readers.conn, want.spans, delivery.routing_key, readers.handoff, read_bytes, limit)
+    from .. import spark
+
+    frames = spark.load_batches(_session(readers), readers.executor_url, want.spans, delivery.routing_key,
+                                rows_per_partition=delivery.tuning.rows_per_partition,
+                                packed=chosen is Route.SPARK, sizes=readers.conn, read_bytes=read_bytes)
+    if chosen is Route.BY_KEY:
+        assert not isinstance(frames, list)
+        return KeyedSource(frames)
+    assert isinstance(frames, list)
+    return SparkSource(frames, delivery.tuning.prefetch_partitions)
+
+
+def _session(readers: Readers) -> SparkSession:
+    if readers.spark is None:
+        raise RuntimeError("this round goes to Spark, and the host gave no Spark session")
+    return readers.spark()
+
+
+def publish_in_order(source: EventSource, sink: Sink, chunk_size: int, *, skip: frozenset[Position] = frozenset(),
+                     reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
+                     too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES) -> Deliveries:
+    """Global order: ``source``'s events published chunk by chunk through ``sink`` (the caller's; a run
+    keeps one for its whole life) by :func:`~..publish.publish`, whose deliveries this yields (``skip``,
+    ``reject``, ``owed``, ``too_large`` and ``chunk_bytes`` are explained there). Closing it closes the
+    source's events in the caller's thread (a reader's prefetch is waited for then, not whenever the
+    garbage collector gets to it)."""
+    events = source.events()
+    try:
+        yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,
+                           chunk_bytes=chunk_bytes)
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,206 @@
+"""The delivery engine without Dagster (``engine/delivery``): a :class:`DeliveryRun` against real
+Postgres (slot, ledger, lease) and a real file sink, driven as the op drives it but with plain
+callables for the host (a log, a stop check, a reporter; a Spark session only for mode ``per_batch``).
+Every test counts what the sink got: each event once, in commit order."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import psycopg
+import pytest
+import yaml
+
+from pgstream_dagster.config import StreamConfig, load_config
+from pgstream_dagster.engine import ingest, ledger, replication, spark
+from pgstream_dagster.engine.batches import BatchStatus
+from pgstream_dagster.engine.delivery.run import DeliveryError, DeliveryRun, Host, RoundReport, Summary
+from pgstream_dagster.engine.delivery.sources import Owed, Readers, Route, Selection, route
+from pgstream_dagster.engine.handoff import Handoff
+from pgstream_dagster.engine.publish import Span
+from pgstream_dagster.engine.slotreader import SlotReader
+
+from .support.harness import read_jsonl
+
+STREAM = 1
+RUN_KEY = "engine-run"
+
+
+class Log:
+    """The run's log lines, by level."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+
+    def info(self, msg: str) -> None:
+        self.lines.append(("info", msg))
+
+    def warning(self, msg: str) -> None:
+        self.lines.append(("warning", msg))
+
+    def error(self, msg: str) -> None:
+        self.lines.append(("error", msg))
+
+    def has(self, text: str) -> bool:
+        return any(text in m for _level, m in self.lines)
+
+
+def _stream(tmp_path: Path, url: str, **delivery: Any) -> StreamConfig:
+    """The stream as ``pgstream.yaml`` declares it (``delivery`` as given: no harness default)."""
+    path = tmp_path / "pgstream.yaml"
+    path.write_text(yaml.safe_dump({"database_url": url, "spark": {"master": "local[2]"}, "streams": [
+        {"id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0.1},
+         "delivery": {"chunk_size": 20, **delivery}, "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]}))
+    return load_config(path).streams[0]
+
+
+def _insert(c: psycopg.Connection, n: int, start: int = 0) -> list[int]:
+    return [r[0] for r in c.execute(
+        "insert into pgstream.events (payload, stream_id) select jsonb_build_object('n', g, 'group_id', g %% 4), %s "
+        "from generate_series(%s::int, %s::int) g returning id", [STREAM, start, start + n - 1])]
+
+
+def _recorded(url: str, stream: StreamConfig, n: int) -> list[ledger.Batch]:
+    """The stream with its slot, ``n`` events recorded in batches by the sensor's read (nothing delivered)."""
+    with psycopg.connect(url, autocommit=True) as c:
+        replication.create_slot(c, ledger.ensure_stream(c, STREAM))
+        _insert(c, n)
+        while sum(b.event_count for b in ledger.batches_between(c, STREAM, 0, 10**9)) < n:
+            ingest.consume(c, stream, 0.5)
+        return ledger.batches_between(c, STREAM, 0, 10**9)
+
+
+def _run(stream: StreamConfig, url: str, batches: list[ledger.Batch], log: Log, *,
+         run_key: str | None = None) -> DeliveryRun:
+    return DeliveryRun(stream, url, url, "engine-test", batches[0].id if batches else None,
+                       batches[-1].id if batches else None, run_key).start(log)
+
+
+def _ids(tmp_path: Path) -> list[int]:
+    return [e["id"] for e in read_jsonl(tmp_path / "out.jsonl")]
+
+
+def _statuses(url: str) -> set[str]:
+    with psycopg.connect(url) as c:
+        return {r[0] for r in c.execute("select status from pgstream.batches where stream_id = %s", [STREAM])}
+
+
+def test_a_run_delivers_its_batches_in_order_marks_them_and_reports(db_url: str, tmp_path: Path) -> None:
+    """A run launched with recorded batches (not the open run): read by its own connection, delivered
+    through the file sink, each batch marked delivered, the rounds reported once; it closes when idle."""
+    stream = _stream(tmp_path, db_url, tuning={"linger_secs": 0.2, "report_every_secs": 0})
+    batches = _recorded(db_url, stream, 230)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ledger.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
+    summaries: list[Summary] = []
+    log = Log()
+    run = _run(stream, db_url, batches, log)
+    rounds = list(run.deliver(Host("engine-test", log, report=summaries.append)))
+    with psycopg.connect(db_url) as c:
+        sent = [r[0] for r in c.execute("select id from pgstream.events order by id")]
+    assert _ids(tmp_path) == sent and len(sent) == 230  # each once, in commit order
+    assert _statuses(db_url) == {BatchStatus.DELIVERED}
+    assert [r.route for r in rounds] == ["TableSource"]
+    assert sum(r.delivered for r in rounds) == 230
+    assert sum(s.events for s in summaries) == 230 and summaries[-1].last.id == batches[-1].id
+    assert summaries[-1].status is not None and int(summaries[-1].status["undelivered_events"]) == 0
+
+
+def test_an_open_run_reads_the_slot_delivers_what_commits_and_the_host_closes_it(db_url: str,
+                                                                                 tmp_path: Path) -> None:
+    """A warm run (no batch) that is the stream's open run: its slot reader records what commits and
+    hands it over (route ``handoff``), until the host's stop check closes it; nothing lost or repeated."""
+    stream = _stream(tmp_path, db_url, mode="warm")
+    with psycopg.connect(db_url, autocommit=True) as c:
+        replication.create_slot(c, ledger.ensure_stream(c, STREAM))
+        ledger.open_run(c, STREAM, RUN_KEY)
+    log = Log()
+    stop = threading.Event()
+    run = _run(stream, db_url, [], log, run_key=RUN_KEY)
+    rounds: list[RoundReport] = []
+    host = Host("engine-test", log, stop_check=lambda: "the host says stop" if stop.is_set() else None,
+                reader=SlotReader)
+    thread = threading.Thread(target=lambda: rounds.extend(run.deliver(host)))
+    thread.start()
+    sent: list[int] = []
+    with psycopg.connect(db_url, autocommit=True) as c:
+        for wave in range(4):
+            sent += _insert(c, 40, 40 * wave)
+            _wait(_delivered(tmp_path, len(sent)))
+    stop.set()
+    thread.join(60)
+    assert not thread.is_alive(), "the run did not close"
+    assert _ids(tmp_path) == sent  # each once, in commit order
+    assert {r.route for r in rounds} == {"TableSource"} and sum(r.delivered for r in rounds) == 160
+    assert log.has("this open run reads slot") and log.has("run closed (the host says stop)")
+    assert log.has("of the events delivered were taken as read")
+    with psycopg.connect(db_url) as c:
+        assert not ledger.run_is_open(c, STREAM, RUN_KEY)
+    assert _statuses(db_url) == {BatchStatus.DELIVERED}
+
+
+def test_a_run_that_would_overtake_or_names_no_batch_fails_and_gives_up_the_lease(db_url: str,
+                                                                                  tmp_path: Path) -> None:
+    stream = _stream(tmp_path, db_url)
+    batches = _recorded(db_url, stream, 120)
+    assert len(batches) >= 2
+    log = Log()
+    with pytest.raises(DeliveryError, match=f"batch {batches[1].id} would overtake open batch {batches[0].id}"):
+        DeliveryRun(stream, db_url, db_url, "engine-test", batches[1].id).start(log)
+    with pytest.raises(DeliveryError, match="does not exist"):
+        DeliveryRun(stream, db_url, db_url, "engine-test", batches[-1].id + 100).start(log)
+    run = _run(stream, db_url, batches, log)  # the lease was given up each time: this one takes it
+    assert run.lease is not None
+    ledger.give_up_lease(run.lease, STREAM)
+    assert _ids(tmp_path) == []
+
+
+def test_per_batch_delivers_through_pyspark(db_url: str, tmp_path: Path) -> None:
+    """Mode ``per_batch``: the design card's run per batch, its events read by PySpark."""
+    stream = _stream(tmp_path, db_url, mode="per_batch")
+    batches = _recorded(db_url, stream, 90)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ledger.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
+    session = spark.open_session(load_config(tmp_path / "pgstream.yaml"))
+    log = Log()
+    rounds = list(_run(stream, db_url, batches, log).deliver(Host("engine-test", log, spark=lambda: session)))
+    with psycopg.connect(db_url) as c:
+        sent = [r[0] for r in c.execute("select id from pgstream.events order by id")]
+    assert _ids(tmp_path) == sent and len(sent) == 90
+    assert [r.route for r in rounds] == ["SparkSource"]
+    assert _statuses(db_url) == {BatchStatus.DELIVERED}
+
+
+@pytest.mark.parametrize(("delivery", "want", "conn", "handoff", "expected"), [
+    ({}, "round", True, False, Route.TABLE),
+    ({}, "round", True, True, Route.HANDOFF),
+    ({}, "round", False, False, Route.SPARK),
+    ({"tuning": {"direct_max_events": 10}}, "round", True, False, Route.SPARK),
+    ({"mode": "per_batch"}, "round", True, False, Route.SPARK),
+    ({"ordering": "by_key"}, "round", True, False, Route.BY_KEY),
+    ({}, "replay", False, False, Route.RANGE),
+    ({"tuning": {"direct_max_events": 0}}, "replay", False, False, Route.SPARK),
+])
+def test_one_function_chooses_every_source(tmp_path: Path, delivery: dict[str, Any], want: str, conn: bool,
+                                          handoff: bool, expected: Route) -> None:
+    """Where a delivery round and a replay read (no database needed: the choice is the configuration's)."""
+    stream = StreamConfig.model_validate({"id": 1, "sink": {"type": "memory", "name": "x"}, "delivery": delivery})
+    readers = Readers("", conn=cast(psycopg.Connection, object()) if conn else None,
+                      handoff=Handoff(10) if handoff else None)
+    what = Owed([Span(1, 1, 20)]) if want == "round" else Selection({})
+    assert route(stream.delivery, what, readers) is expected
+
+
+def _delivered(tmp_path: Path, n: int) -> Callable[[], bool]:
+    return lambda: len(_ids(tmp_path)) >= n
+
+
+def _wait(done: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
