@@ -39,7 +39,7 @@ NOW = dt.datetime(2026, 3, 4, 12, 0, 0, tzinfo=dt.UTC)
 def _streams(tmp_path: Path, url: str, batch: dict[str, Any], ids: tuple[int, ...] = (1,),
              **delivery: Any) -> list[StreamConfig]:
     config = load_config(write_config(tmp_path / "pgstream.yaml", url, [
-        {"id": i, "batch": batch, "delivery": {"linger_secs": 60, **delivery},
+        {"id": i, "batch": batch, "delivery": {"mode": "open", "tuning": {"linger_secs": 60}, **delivery},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids]))
     with psycopg.connect(url, autocommit=True) as c:
         for stream in config.streams:
@@ -197,7 +197,7 @@ def test_the_declared_reader_changes_with_the_open_run(db_url: str, tmp_path: Pa
         failed = decide_and_apply(RunView(RunStatus.FAILED, "r1", "FAILURE", "boom"))
         assert isinstance(failed, batches.FailRun)
         assert _reader_row(db_url, 1) == (None, ledger.SENSOR)
-        # a run that does not read the slot (delivery.read_slot: false) leaves it to the sensor
+        # a run that does not read the slot (delivery.tuning.read_slot: false) leaves it to the sensor
         ledger.launch(c, 1, (), "other-run", keep_open=True, reads_slot=False)
         assert _reader_row(db_url, 1) == ("other-run", ledger.SENSOR)
         # the reader cannot read for a while: it gives the slot back, then takes it again
@@ -285,7 +285,8 @@ def test_an_open_run_killed_while_it_reads_leaves_the_slot_to_the_sensor_and_los
     fails it (the slot back to the sensor in the same transaction) and launches the next run. Every
     event reaches the sink, the declared reader ends with the sensor."""
     config_path = write_config(tmp_path / "pgstream.yaml", db_url, [
-        stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "linger_secs": 5})])
+        stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "mode": "open",
+                                                    "tuning": {"linger_secs": 5, "max_run_secs": 2}})])
     driver = Driver(config_path, instance)
     driver.tick(1)
     insert_events(db_url, 1, 100)
