@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import dagster as dg
-from dagster_pyspark import LazyPySparkResource
 
 from ..config import PgstreamConfig, StreamConfig, StreamDeclaration, config_path, load_config, with_streams
 from ..engine.spark import location_conf
@@ -41,7 +40,7 @@ from .controls import control_job
 from .jobs import delivery_job
 from .names import deliveries_asset_key
 from .replay import replay_job
-from .resources import PgstreamResource
+from .resources import PgstreamResource, PgstreamSparkResource
 from .schedules import checks_job, housekeeping_job, schedules, subscriptions_sensor
 from .sensors import stream_sensor
 from .status import status_asset_spec
@@ -103,7 +102,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
             # ops hand a Spark DataFrame to each other inside one process
             "io_manager": dg.mem_io_manager,
             "pgstream": PgstreamResource(config, str(path)),
-            "pyspark": LazyPySparkResource(spark_config=location_conf(config)),
+            "pyspark": PgstreamSparkResource(spark_config=location_conf(config)),
         },
     )
 
