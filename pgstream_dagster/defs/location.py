@@ -35,7 +35,7 @@ from .assets import (
     stream_subscription_keys,
 )
 from .backfill import backfill_job
-from .checks import orphaned_slots_check, stream_checks
+from .checks import consumers_check, orphaned_slots_check, stream_checks
 from .controls import control_job
 from .jobs import delivery_job
 from .names import deliveries_asset_key
@@ -93,7 +93,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
     ``path`` and the StreamComponents)."""
     return dg.Definitions(
         assets=[events_partitions, *source_table_specs(config)],
-        asset_checks=[orphaned_slots_check],
+        asset_checks=[orphaned_slots_check, consumers_check],
         jobs=[delivery_job, control_job, housekeeping_job, checks_job],
         schedules=schedules(config),
         sensors=[subscriptions_sensor(config)],

@@ -39,7 +39,7 @@ begin
     end if;
     if p_batch_id is null or p_ord is null or p_batch_id < 0 or p_ord < 0 then
         raise exception 'pgstream.consumer_commit: consumer %: a position is a batch id and an ordinal >= 0, got (%, %)',
-                        p_name, pg_catalog.quote_nullable(p_batch_id), pg_catalog.quote_nullable(p_ord)
+                        p_name, coalesce(p_batch_id::text, 'null'), coalesce(p_ord::text, 'null')
             using errcode = 'invalid_parameter_value';
     end if;
     if p_batch_id > 0 then
@@ -94,7 +94,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     if p_days is null or p_days < 1 or p_days > 3650 then
-        raise exception 'pgstream.set_consumer_retention: days must be 1-3650, got %', pg_catalog.quote_nullable(p_days)
+        raise exception 'pgstream.set_consumer_retention: days must be 1-3650, got %', coalesce(p_days::text, 'null')
             using errcode = 'invalid_parameter_value';
     end if;
     update pgstream.consumers c set max_retention_days = p_days, updated_at = pg_catalog.now() where c.name = p_name;
