@@ -18,14 +18,8 @@ from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import spark_source
 from pgstream_dagster.engine.spark_source import BEFORE_ALL, Position, SourceError, SpanRead
 
-from .support.harness import backdated, event_ids, insert_events
-from .support.spark_source import (
-    consumer_row,
-    executor_role,
-    kill_and_restart,
-    ledger_positions,
-    record_batches,
-)
+from .support.harness import backdated, insert_events
+from .support.spark_source import consumer_row, executor_role, record_batches, stream_exactly_once
 
 
 @pytest.fixture
@@ -123,29 +117,7 @@ def spark() -> Iterator[Any]:
 
 def test_stream_killed_mid_stream_and_restarted_reads_each_event_once(
         db_url: str, stream: psycopg.Connection, tmp_path: Path) -> None:
-    insert_events(db_url, 1, 1500)
-    insert_events(db_url, 2, 50)
-    record_batches(db_url, 2, 50)
-    record_batches(db_url, 1, 170)
-
-    def more() -> None:  # recorded while the query is down
-        insert_events(db_url, 1, 700, 1500)
-        record_batches(db_url, 1, 230, seed=11)
-
-    with executor_role(db_url) as url:
-        rows = kill_and_restart(url, tmp_path, {"spark.master": "local[2]"}, inserts=more, owner_url=db_url)
-    check_exactly_once(db_url, rows, 2200)
-
-
-def check_exactly_once(db_url: str, rows: list[dict[str, Any]], expected: int) -> None:
-    ids = [r["id"] for r in rows]
-    assert len(ids) == len(set(ids)) == expected  # each event once
-    assert sorted(ids) == event_ids(db_url, 1)
-    positions = ledger_positions(db_url, 1)
-    assert all((r["batch_id"], r["ord"]) == positions[r["id"]] for r in rows)  # at its ledger position
-    assert {r["stream_id"] for r in rows} == {1}
-    last = max(positions.values())
-    assert consumer_row(db_url, "lake-test") == (last[0], last[1], 0)  # the checkpoint's end, committed
+    stream_exactly_once(db_url, tmp_path, {"spark.master": "local[2]"})
 
 
 def test_batch_read_pushes_filters_down_and_reports_delivery_state(

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from psycopg import sql
 
 from .dagster_dev import repo_root
+from .harness import event_ids, insert_events
 
 _roles = itertools.count()
 
@@ -163,3 +164,32 @@ def kill_and_restart(url: str, tmp: Path, conf: dict[str, str], *, inserts: Any,
         if second.poll() is None:
             kill_hard(second)
     return committed_rows(out)
+
+
+def stream_exactly_once(db_url: str, tmp: Path, conf: dict[str, str]) -> None:
+    """Stream 1 has 1,500 events in ledger batches of 170 (stream 2's 50 events beside them); a
+    streaming query (``conf``: its Spark) is killed mid-stream (:func:`kill_and_restart`), 700 more
+    events are recorded in batches of 230 meanwhile, and the restarted query ends with each of the
+    2,200 events exactly once, at its ledger position, and the consumer's position at the ledger's end."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pgstream.ensure_stream(1)")
+        c.execute("select pgstream.ensure_stream(2)")
+    insert_events(db_url, 1, 1500)
+    insert_events(db_url, 2, 50)
+    record_batches(db_url, 2, 50)
+    record_batches(db_url, 1, 170)
+
+    def more() -> None:  # recorded while the query is down
+        insert_events(db_url, 1, 700, 1500)
+        record_batches(db_url, 1, 230, seed=11)
+
+    with executor_role(db_url) as url:
+        rows = kill_and_restart(url, tmp, conf, inserts=more, owner_url=db_url)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == 2200  # each event once
+    assert sorted(ids) == event_ids(db_url, 1)
+    positions = ledger_positions(db_url, 1)
+    assert all((r["batch_id"], r["ord"]) == positions[r["id"]] for r in rows)  # at its ledger position
+    assert {r["stream_id"] for r in rows} == {1}
+    last = max(positions.values())
+    assert consumer_row(db_url, "lake-test") == (last[0], last[1], 0)  # the checkpoint's end, committed
