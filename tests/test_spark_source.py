@@ -65,6 +65,32 @@ def test_positions_caps_and_partitions(db_url: str, stream: psycopg.Connection) 
     assert ids1
 
 
+def test_bad_options_are_named_and_the_url_is_never_shown(db_url: str, stream: psycopg.Connection) -> None:
+    from pgstream_dagster.engine.spark_source import EventsReader, StreamReader
+
+    base = {"url": db_url, "stream": "1", "consumer": "c1"}
+    for options, message in [({**base, "stream": "one"}, "option 'stream' must be an integer, got 'one'"),
+                             ({**base, "stream": "0"}, "option 'stream' must be >= 1, got 0"),
+                             ({k: v for k, v in base.items() if k != "consumer"}, "option 'consumer' is required"),
+                             ({k: v for k, v in base.items() if k != "url"}, "option 'url' is required"),
+                             ({**base, "maxEventsPerTrigger": "-3"}, "'maxEventsPerTrigger' must be >= 0"),
+                             ({**base, "failOnDataLoss": "maybe"}, "'failOnDataLoss' must be true or false")]:
+        with pytest.raises(SourceError, match=message):
+            StreamReader(options)
+    with pytest.raises(SourceError, match="option 'fromTime' must be an ISO time, got 'monday'"):
+        EventsReader({**base, "fromTime": "monday"})
+    # a wrong password: the message names the failure, never the URL or its password
+    secret = "s3cret-Pa55word"
+    bad = db_url.replace("postgres@", f"nobody:{secret}@")
+    with pytest.raises(SourceError) as info:
+        StreamReader({**base, "url": bad}).initialOffset()
+    assert "cannot connect to the database of option 'url'" in str(info.value)
+    assert secret not in str(info.value) and bad not in str(info.value)
+    with pytest.raises(SourceError, match="not a valid database URL") as info:
+        StreamReader({**base, "url": f"host=x password={secret} ==="}).initialOffset()
+    assert secret not in str(info.value)
+
+
 def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psycopg.Connection) -> None:
     insert_events(db_url, 1, 12)
     (b1, _), (b2, _) = record_batches(db_url, 1, 6)
@@ -199,3 +225,16 @@ def test_batch_read_pushes_filters_down_and_reports_delivery_state(
     assert len(unbatched) == 20 and all(by_id[e].batch_id is None and by_id[e].batch_status is None
                                         for e in unbatched)
     assert {r.subscription for r in everything} == {"a", "b"} and {r.table_name for r in everything} == {"t"}
+
+
+def test_the_pyspark_resource_registers_the_source_on_its_session(spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The code location's ``pyspark`` resource registers ``format("pgstream")`` once, when it creates
+    its session (ops then use the format name directly)."""
+    from pgstream_dagster.defs import resources
+    from pgstream_dagster.engine.spark import spark_conf
+
+    registered: list[Any] = []
+    monkeypatch.setattr(resources, "register", registered.append)
+    resource = resources.PgstreamSparkResource(spark_config=spark_conf("local[2]", None, {}))
+    session = resource.spark_session
+    assert resource.spark_session is session and registered == [session]
