@@ -28,6 +28,7 @@ SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_n
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
 AGE, WAL, FAILOVER, DEAD = "undelivered_age", "slot_retained_wal", "not_in_failover", "no_dead_letters"
 ORPHANS = "no_orphaned_slots"
+CONSUMERS = "consumers_within_retention"
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     init(cfg)  # stream, slot, subscription
     checks = Checks(cfg, instance)
     first = checks.run()
-    assert set(first) == {"trigger", AGE, WAL, FAILOVER, DEAD, ORPHANS}
+    assert set(first) == {"trigger", AGE, WAL, FAILOVER, DEAD, ORPHANS, CONSUMERS}
     assert all(ev.passed for ev in first.values()), {n: ev.description for n, ev in first.items()}
     assert first["trigger"].asset_key == dg.AssetKey(
         ["pgstream", "stream_1", "subscriptions", "user_signup_insert_public_users"])
@@ -311,7 +312,7 @@ def test_a_consumer_past_its_retention_bound_fails_a_check_and_shows_in_status_a
 
     cfg = write_config(tmp_path / "pgstream.yaml", app, stream(), [SIGNUP])
     init(cfg)
-    check = "consumers_within_retention"
+    check = CONSUMERS
     assert Checks(cfg, instance).run()[check].passed
     with psycopg.connect(app, autocommit=True) as c:
         ids = [r[0] for r in backdated(c, "insert into pgstream.events (payload, stream_id, created_at) select "

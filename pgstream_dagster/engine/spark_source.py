@@ -47,6 +47,7 @@ from pyspark.sql.datasource import (
     LessThan,
     LessThanOrEqual,
 )
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 
 if TYPE_CHECKING:
     import psycopg
@@ -290,8 +291,10 @@ class EventsGone(RuntimeError):
     """Events of the ledger the stream reader was to read are no longer in ``pgstream.events``."""
 
 
-class StreamReader(DataSourceStreamReader):
-    """``spark.readStream.format("pgstream")``: see the module's docstring."""
+class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``spark.readStream.format("pgstream")``: see the module's docstring. With ``Trigger.AvailableNow``
+    it reads up to the end of the ledger when the query starts (in micro-batches of at most
+    ``maxEventsPerTrigger``), then the query stops."""
 
     def __init__(self, options: dict[str, str]) -> None:
         self.url = _url(options)
@@ -306,6 +309,8 @@ class StreamReader(DataSourceStreamReader):
         self._conn: psycopg.Connection | None = None
         #: the consumer position last recorded by this reader
         self._recorded: Position | None = None
+        #: Trigger.AvailableNow: the end of the ledger when the query started
+        self._target: Position | None = None
 
     def _db(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
@@ -333,7 +338,13 @@ class StreamReader(DataSourceStreamReader):
         # micro-batch is planned: an idle query's position would stay one micro-batch behind
         self._record(Position.of(start))
         cap = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return next_position(self._db(), self.stream_id, Position.of(start), cap).as_offset()
+        end = next_position(self._db(), self.stream_id, Position.of(start), cap)
+        if self._target is not None:
+            end = max(Position.of(start), min(end, self._target))
+        return end.as_offset()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = next_position(self._db(), self.stream_id, BEFORE_ALL, None)
 
     def _record(self, position: Position) -> None:
         if position != self._recorded:

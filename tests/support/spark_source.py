@@ -142,11 +142,12 @@ def consumer_row(url: str, name: str) -> tuple[int, int, int] | None:
 
 
 def kill_and_restart(url: str, tmp: Path, conf: dict[str, str], *, inserts: Any,
-                     owner_url: str) -> list[dict[str, Any]]:
+                     owner_url: str, restart: str = "until_caught_up") -> list[dict[str, Any]]:
     """A streaming query from the source into Parquet with a checkpoint (at most 300 events a
     micro-batch) is killed with SIGKILL once two micro-batches are committed, ``inserts()`` adds
     events and batches meanwhile, and the query is started again on the same checkpoint until the
-    consumer's position is the ledger's end (``owner_url`` reads it); returns the committed rows."""
+    consumer's position is the ledger's end (``owner_url`` reads it; ``restart`` ``available_now``: with
+    ``Trigger.AvailableNow``, until the query stops by itself); returns the committed rows."""
     checkpoint, out = tmp / "checkpoint", tmp / "out"
     spec = {"url": url, "stream": 1, "consumer": "lake-test", "checkpoint": str(checkpoint), "out": str(out),
             "conf": conf, "max_events": 300, "partitions": 3, "owner_url": owner_url}
@@ -157,7 +158,7 @@ def kill_and_restart(url: str, tmp: Path, conf: dict[str, str], *, inserts: Any,
     finally:
         kill_hard(first)
     inserts()
-    second = start_child({**spec, "mode": "until_caught_up"}, tmp / "second.json")
+    second = start_child({**spec, "mode": restart}, tmp / "second.json")
     try:
         assert second.wait(600) == 0, (tmp / "second.json.log").read_text()[-6000:]
     finally:
@@ -166,7 +167,7 @@ def kill_and_restart(url: str, tmp: Path, conf: dict[str, str], *, inserts: Any,
     return committed_rows(out)
 
 
-def stream_exactly_once(db_url: str, tmp: Path, conf: dict[str, str]) -> None:
+def stream_exactly_once(db_url: str, tmp: Path, conf: dict[str, str], restart: str = "until_caught_up") -> None:
     """Stream 1 has 1,500 events in ledger batches of 170 (stream 2's 50 events beside them); a
     streaming query (``conf``: its Spark) is killed mid-stream (:func:`kill_and_restart`), 700 more
     events are recorded in batches of 230 meanwhile, and the restarted query ends with each of the
@@ -184,7 +185,7 @@ def stream_exactly_once(db_url: str, tmp: Path, conf: dict[str, str]) -> None:
         record_batches(db_url, 1, 230, seed=11)
 
     with executor_role(db_url) as url:
-        rows = kill_and_restart(url, tmp, conf, inserts=more, owner_url=db_url)
+        rows = kill_and_restart(url, tmp, conf, inserts=more, owner_url=db_url, restart=restart)
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)) == 2200  # each event once
     assert sorted(ids) == event_ids(db_url, 1)

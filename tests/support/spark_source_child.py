@@ -4,7 +4,8 @@ Parquet with a checkpoint, on the Spark of ``conf`` (local, a standalone master,
 Usage: python -m tests.support.spark_source_child SPEC.json
 
 ``mode`` ``forever``: runs until killed. ``until_caught_up``: runs until the consumer's position is
-the end of the stream's ledger, then stops the query and exits 0.
+the end of the stream's ledger, then stops the query and exits 0. ``available_now``: runs with
+``Trigger.AvailableNow`` (up to the ledger's end when it starts) and exits 0 when the query stops.
 """
 
 from __future__ import annotations
@@ -35,8 +36,13 @@ def main(spec_path: str) -> None:
               .option("consumer", spec["consumer"]).option("startingPosition", "earliest")
               .option("maxEventsPerTrigger", str(spec["max_events"]))
               .option("numPartitions", str(spec["partitions"])))
-    query = (reader.load().writeStream.format("parquet").option("path", spec["out"])
-             .option("checkpointLocation", spec["checkpoint"]).trigger(processingTime="500 milliseconds").start())
+    writer = (reader.load().writeStream.format("parquet").option("path", spec["out"])
+              .option("checkpointLocation", spec["checkpoint"]))
+    if spec["mode"] == "available_now":  # up to the ledger's end when it starts, then the query stops by itself
+        writer.trigger(availableNow=True).start().awaitTermination()
+        spark.stop()
+        return
+    query = writer.trigger(processingTime="500 milliseconds").start()
     if spec["mode"] == "forever":
         query.awaitTermination()
         return
