@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams bench-spark-source clean
 
 # reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
@@ -52,6 +52,9 @@ bench: $(STAMP)
 
 bench-replay: $(STAMP)
 	$(BIN)/python bench/replay.py
+
+bench-spark-source: $(STAMP)
+	$(BIN)/python bench/spark_source.py
 
 bench-write: $(STAMP)
 	$(BIN)/python bench/write_overhead.py

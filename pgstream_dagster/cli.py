@@ -1,5 +1,5 @@
 """``pgstream-dagster`` command line: migrate, tear-down, init, preflight, status, pause, resume, retry-now, skip,
-dead-letters, metrics, dev."""
+dead-letters, consumers, metrics, dev."""
 
 from __future__ import annotations
 
@@ -173,6 +173,42 @@ def _cmd_status(args: argparse.Namespace) -> int:
     with psycopg.connect(url, autocommit=True) as conn:
         print(render_status(stream_status(conn, args.stream, args.batches)) +
               (render_orphaned_slots(orphaned_slots(conn)) if args.stream is None else ""))
+    return 0
+
+
+def _cmd_consumers_list(args: argparse.Namespace) -> int:
+    from .engine.status import consumers, render_consumer
+
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        readers = consumers(conn, args.stream)
+    for c in readers:
+        print(render_consumer(c))
+    if not readers:
+        print("no registered consumers")
+    return 0
+
+
+def _cmd_consumers_drop(args: argparse.Namespace) -> int:
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        row = conn.execute("select pgstream.drop_consumer(%s)", [args.name]).fetchone()
+    if not (row and row[0]):
+        print(f"no registered consumer {args.name!r}", file=sys.stderr)
+        return 1
+    print(f"dropped consumer {args.name}: housekeeping no longer keeps events for it")
+    return 0
+
+
+def _cmd_consumers_retention(args: argparse.Namespace) -> int:
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        try:
+            row = conn.execute("select pgstream.set_consumer_retention(%s, %s)", [args.name, args.days]).fetchone()
+        except psycopg.errors.InvalidParameterValue as exc:
+            print(f"consumers retention: {exc.diag.message_primary}", file=sys.stderr)
+            return 2
+    if not (row and row[0]):
+        print(f"no registered consumer {args.name!r}", file=sys.stderr)
+        return 1
+    print(f"consumer {args.name}: housekeeping keeps its unread events for up to {args.days} days")
     return 0
 
 
@@ -620,6 +656,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stream", type=_ID, nargs="?", help="only this stream")
     p.add_argument("--batches", type=_COUNT, default=5, help="last batches to show per stream")
     p.set_defaults(func=_cmd_status)
+
+    group = sub.add_parser("consumers", help="the registered consumers (the Spark source's streaming queries): "
+                                             "list, drop, set how long housekeeping keeps what they have not read")
+    consumer_sub = group.add_subparsers(dest="consumers_command", required=True)
+    p = consumer_sub.add_parser("list", parents=[common], help="position, lag and bound of each consumer")
+    p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
+    p.set_defaults(func=_cmd_consumers_list)
+    p = consumer_sub.add_parser("drop", parents=[common], help="forget a consumer (an abandoned query): "
+                                                              "housekeeping stops keeping events for it")
+    p.add_argument("name", help="the consumer's name (the source's consumer option)")
+    p.set_defaults(func=_cmd_consumers_drop)
+    p = consumer_sub.add_parser("retention", parents=[common],
+                                help="days housekeeping keeps what a consumer has not read (default 30)")
+    p.add_argument("name", help="the consumer's name")
+    p.add_argument("days", type=int, help="1-3650")
+    p.set_defaults(func=_cmd_consumers_retention)
 
     controls = (
         ("pause", "pause", "stop starting deliveries (the slot keeps being consumed, so WAL is still released)"),

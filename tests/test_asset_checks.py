@@ -28,6 +28,7 @@ SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_n
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
 AGE, WAL, FAILOVER, DEAD = "undelivered_age", "slot_retained_wal", "not_in_failover", "no_dead_letters"
 ORPHANS = "no_orphaned_slots"
+CONSUMERS = "consumers_within_retention"
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     init(cfg)  # stream, slot, subscription
     checks = Checks(cfg, instance)
     first = checks.run()
-    assert set(first) == {"trigger", AGE, WAL, FAILOVER, DEAD, ORPHANS}
+    assert set(first) == {"trigger", AGE, WAL, FAILOVER, DEAD, ORPHANS, CONSUMERS}
     assert all(ev.passed for ev in first.values()), {n: ev.description for n, ev in first.items()}
     assert first["trigger"].asset_key == dg.AssetKey(
         ["pgstream", "stream_1", "subscriptions", "user_signup_insert_public_users"])
@@ -297,3 +298,57 @@ def test_a_slot_no_stream_reads_fails_a_check_and_shows_in_status(app: str, tmp_
     finally:
         execute(app, "select pg_drop_replication_slot(slot_name) from pg_replication_slots "
                      "where slot_name in ('pgstream_stream_7', 'my_own_slot')")
+
+
+def test_a_consumer_past_its_retention_bound_fails_a_check_and_shows_in_status_and_metrics(
+        app: str, tmp_path: Path, instance: dg.DagsterInstance, capsys: pytest.CaptureFixture[str]) -> None:
+    """A registered consumer (the Spark source) whose oldest unread event is older than its
+    max_retention_days: the consumers_within_retention check on the housekeeping asset fails naming it;
+    ``status``, ``consumers list``, the status asset's observation and the metrics show its position
+    and lag; a longer bound (``consumers retention``) passes the check, ``consumers drop`` forgets it."""
+    from pgstream_dagster.cli import main as cli_main
+    from pgstream_dagster.defs.status import status_observation
+    from pgstream_dagster.engine.status import stream_status
+
+    cfg = write_config(tmp_path / "pgstream.yaml", app, stream(), [SIGNUP])
+    init(cfg)
+    check = CONSUMERS
+    assert Checks(cfg, instance).run()[check].passed
+    with psycopg.connect(app, autocommit=True) as c:
+        ids = [r[0] for r in backdated(c, "insert into pgstream.events (payload, stream_id, created_at) select "
+                                          "'{}', 1, now() - interval '40 days' from generate_series(1, 6) "
+                                          "returning id")]
+        c.execute("insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, last_event_id, "
+                  "min_created_at, max_created_at) values (1, %s, 6, %s, %s, now() - interval '40 days', "
+                  "now() - interval '40 days')", [ids, ids[0], ids[-1]])
+        batch = c.execute("select max(id) from pgstream.batches").fetchone()
+        assert batch is not None
+        c.execute("select pgstream.consumer_commit('lake', 1, %s, 2)", [batch[0]])
+        metrics: dict[str, float] = dict(
+            c.execute("select metric, value from pgstream.metrics where label = 'lake'").fetchall())
+        status_row = stream_status(c, 1)[0]
+    assert metrics["consumer_lag_events"] == 4 and metrics["consumer_overrun"] == 1
+    assert metrics["consumer_oldest_unread_age"] > 39 * 86400
+    observed = values(status_observation(status_row).metadata)
+    assert observed["consumers_max_lag_events"] == 4 and observed["consumers_overrun"] == 1
+    assert "| lake | " in observed["consumers"]
+
+    ev = Checks(cfg, instance).run()[check]
+    assert not ev.passed and ev.asset_key == dg.AssetKey(["pgstream", "events_partitions"])
+    assert "consumer lake (stream 1)" in (ev.description or "") and values(ev.metadata)["overrun"] == ["lake"]
+    assert cli_main(["status", "1", "--database-url", app]) == 0
+    out = capsys.readouterr().out
+    assert f"consumer lake (stream 1): read through batch {batch[0]} ordinal 2, 4 events behind" in out
+    assert "OVERRUN" in out
+    assert cli_main(["consumers", "retention", "lake", "60", "--database-url", app]) == 0
+    assert Checks(cfg, instance).run()[check].passed
+    assert cli_main(["consumers", "list", "--database-url", app]) == 0
+    assert "kept for up to 60 days" in capsys.readouterr().out
+    assert cli_main(["consumers", "retention", "lake", "0", "--database-url", app]) == 2  # nothing changed
+    assert "days must be 1-3650, got 0" in capsys.readouterr().err
+    assert cli_main(["consumers", "list", "--database-url", app]) == 0
+    assert "kept for up to 60 days" in capsys.readouterr().out
+    assert cli_main(["consumers", "drop", "lake", "--database-url", app]) == 0
+    assert cli_main(["consumers", "drop", "lake", "--database-url", app]) == 1
+    assert cli_main(["consumers", "list", "--database-url", app]) == 0
+    assert "no registered consumers" in capsys.readouterr().out

@@ -103,6 +103,50 @@ def test_housekeeping_on_a_simulated_calendar(conn: psycopg.Connection) -> None:
     assert partitions(conn) == {d0 + dt.timedelta(days=i) for i in (7, 10, 11, 12)}
 
 
+def test_a_registered_consumer_holds_back_what_it_has_not_read_until_its_bound(conn: psycopg.Connection) -> None:
+    """The Spark source's registered consumer keeps the partitions and ledger batches it has not read
+    past retention; once its oldest unread event is older than its max_retention_days they are dropped
+    anyway and the pass reports the consumer overrun (report, warning, housekeeping_runs, metrics)."""
+    (d0,) = conn.execute("select pgstream.utc_today()").fetchone()  # type: ignore[misc]
+    conn.execute("select pgstream.ensure_stream(1)")
+    cfg = HousekeepingConfig(days_ahead=1, retention_days=3, ledger_keep_days=1)
+    day1, day3 = d0 + dt.timedelta(days=1), d0 + dt.timedelta(days=3)
+    add_events(conn, day1, 10, BatchStatus.DELIVERED)
+    add_events(conn, day3, 5, BatchStatus.DELIVERED)
+    first, second = (r[0] for r in conn.execute("select id from pgstream.batches order by id").fetchall())
+    conn.execute("select pgstream.consumer_commit('lake', 1, 0, 0)")  # registered, nothing read yet
+    conn.execute("select pgstream.set_consumer_retention('lake', 12)")
+    later = d0 + dt.timedelta(days=10)
+    sensor_read_up_to(conn, later)
+
+    report = run_housekeeping(conn, cfg, today=later)  # delivered, past retention, but not read by 'lake'
+    # from the day of its oldest unread event on, as for undelivered events
+    assert report.kept == [name(d0 + dt.timedelta(days=i)) for i in range(1, 7)] and report.rows_dropped == 0
+    assert any("a registered consumer has not read it" in w for w in report.warnings)
+    assert report.batches_pruned == 0 and report.consumers_overrun == []
+
+    conn.execute("select pgstream.consumer_commit('lake', 1, %s, 10)", [first])  # read the first batch
+    report = run_housekeeping(conn, cfg, today=later)
+    assert report.dropped == [name(day1), name(d0 + dt.timedelta(days=2))] and report.rows_dropped == 10
+    assert report.kept == [name(d0 + dt.timedelta(days=i)) for i in range(3, 7)]
+    assert report.batches_pruned == 1  # the batch it passed; the next one says what it reads next
+    assert conn.execute("select id from pgstream.batches").fetchall() == [(second,)]
+
+    # abandoned: ten more days, its oldest unread event (day 3) is 17 days old, past its 12
+    abandoned = d0 + dt.timedelta(days=20)
+    sensor_read_up_to(conn, abandoned)
+    report = run_housekeeping(conn, cfg, today=abandoned)
+    assert report.consumers_overrun == ["lake"] and name(day3) in report.dropped and report.rows_dropped == 5
+    assert any("consumer lake has not read events since" in w and "max_retention_days (12)" in w
+               for w in report.warnings)
+    assert "consumers past their retention bound (not kept for): lake" in report.summary()
+    assert conn.execute("select overrun, lag_events from pgstream.consumer_positions(%s)",
+                        [abandoned]).fetchall() == [(True, 5)]
+    assert conn.execute("select value from pgstream.metrics where metric = 'housekeeping_consumers_overrun'"
+                        ).fetchall() == [(1.0,)]
+    assert conn.execute("select count(*) from pgstream.events").fetchone() == (0,)
+
+
 def test_expired_rows_of_the_default_partition(conn: psycopg.Connection) -> None:
     (d0,) = conn.execute("select pgstream.utc_today()").fetchone()  # type: ignore[misc]
     # a day with no partition lands in events_default

@@ -148,7 +148,8 @@ def test_every_function_view_and_trigger_is_defined_once_in_a_repeatable_file(db
     assert defined == installed
     assert len(installed["function"]) >= 60 and installed["view"] == {"pgstream.stream_status", "pgstream.metrics",
                                                                   "pgstream.backfill_progress",
-                                                                  "pgstream.orphaned_slots"}
+                                                                  "pgstream.orphaned_slots",
+                                                                  "pgstream.consumer_status"}
 
 
 def test_definitions_are_found_in_code_not_in_strings_or_comments(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from pgstream_dagster.engine.spark import spark_conf
 from .support.dagster_dev import repo_root
 from .support.harness import event_ids, insert_events, read_jsonl, write_config
 from .support.spark_cluster import SparkCluster, pack_executor_env, start_cluster
+from .support.spark_source import stream_exactly_once
 
 
 @pytest.fixture(scope="session")
@@ -337,3 +338,13 @@ def test_a_relative_executor_python_must_exist_on_the_runs_host(tmp_path: Path, 
     port = str(free_port())
     assert cli_main(["spark-connect", "--port", port, "--conf", "spark.pyspark.python=./env/bin/python"]) == 1
     assert "error: spark.pyspark.python './env/bin/python' is relative" in capsys.readouterr().err
+
+
+def test_spark_source_stream_killed_and_restarted_on_a_standalone_cluster(
+        db_url: str, tmp_path: Path, spark_cluster: SparkCluster) -> None:
+    """``readStream.format("pgstream")`` on the cluster (executors without pgstream_dagster: the source
+    reaches them in the shipped zip) into Parquet, killed with SIGKILL mid-stream and restarted on its
+    checkpoint: each event exactly once (tests/support/spark_source.py)."""
+    stream_exactly_once(db_url, tmp_path, {"spark.master": spark_cluster.master_url,
+                                           "spark.pyspark.python": str(spark_cluster.python),
+                                           "spark.executor.memory": "512m"})

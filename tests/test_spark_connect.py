@@ -20,6 +20,7 @@ from .support.dagster_dev import repo_root
 from .support.endpoint import Endpoint
 from .support.faults import stream_config
 from .support.harness import event_ids, insert_events, read_jsonl, write_config
+from .support.spark_source import stream_exactly_once
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,12 @@ def test_backfill_through_spark_connect(db_url: str, tmp_path: Path, connect_url
         ids = [r[0] for r in c.execute("select (payload->'new'->>'id')::int from pgstream.events "
                                        "where payload->>'tg_op' = 'READ' order by 1")]
     assert ids == list(range(1, 5001))
+
+
+def test_spark_source_stream_killed_and_restarted_through_spark_connect(db_url: str, tmp_path: Path,
+                                                                        connect_url: str) -> None:
+    """``readStream.format("pgstream")`` registered from a Spark Connect client (the server's Python
+    workers import the source) into Parquet, the client killed with SIGKILL mid-stream (the server
+    keeps running: its query goes on until the server notices, so the restart waits for nothing but
+    the checkpoint) and restarted: each event exactly once (tests/support/spark_source.py)."""
+    stream_exactly_once(db_url, tmp_path, {"spark.remote": connect_url})

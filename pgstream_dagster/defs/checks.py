@@ -32,6 +32,7 @@ SLOT_WAL_CHECK = "slot_retained_wal"
 FAILOVER_CHECK = "not_in_failover"
 DEAD_LETTERS_CHECK = "no_dead_letters"
 ORPHANED_SLOTS_CHECK = "no_orphaned_slots"
+CONSUMERS_CHECK = "consumers_within_retention"
 #: open dead letters shown in the check's metadata
 DEAD_LETTERS_SHOWN = 20
 
@@ -204,4 +205,21 @@ def orphaned_slots_check(pgstream: dg.ResourceParam[PgstreamResource]) -> dg.Ass
                      "(select pg_catalog.pg_drop_replication_slot('<name>'))" if slots
                      else "every default-named slot of this database belongs to a stream"),
         metadata={"slots": dg.MetadataValue.json(slots), "retained_bytes": retained},
+    )
+
+
+@dg.asset_check(asset=EVENTS_PARTITIONS_KEY, name=CONSUMERS_CHECK, blocking=False,
+                description="Every registered consumer (a Spark source query) has read what is older than its "
+                            "max_retention_days: housekeeping keeps what a consumer has not read only that long, "
+                            "then drops it anyway (an abandoned consumer must not fill the disk).")
+def consumers_check(pgstream: dg.ResourceParam[PgstreamResource]) -> dg.AssetCheckResult:
+    with pgstream.connect() as conn:
+        readers = status.consumers(conn)
+    overrun = [c for c in readers if c["overrun"]]
+    return dg.AssetCheckResult(
+        passed=not overrun, severity=dg.AssetCheckSeverity.ERROR,
+        description=("; ".join(status.render_consumer(c) for c in overrun) if overrun else
+                     f"{len(readers)} registered consumers, none past its retention bound"),
+        metadata={"consumers": len(readers), "overrun": [c["name"] for c in overrun],
+                  "max_lag_events": max((int(c["lag_events"]) for c in readers), default=0)},
     )

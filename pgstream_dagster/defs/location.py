@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import dagster as dg
-from dagster_pyspark import LazyPySparkResource
 
 from ..config import PgstreamConfig, StreamConfig, StreamDeclaration, config_path, load_config, with_streams
 from ..engine.spark import location_conf
@@ -37,13 +36,13 @@ from .assets import (
     stream_subscription_keys,
 )
 from .backfill import backfill_job
-from .checks import orphaned_slots_check, stream_checks
+from .checks import consumers_check, orphaned_slots_check, stream_checks
 from .controls import control_job
 from .jobs import delivery_job
 from .lake import lake_definitions
 from .names import deliveries_asset_key
 from .replay import replay_job
-from .resources import PgstreamResource
+from .resources import PgstreamResource, PgstreamSparkResource
 from .schedules import checks_job, housekeeping_job, schedules, subscriptions_sensor
 from .sensors import stream_sensor
 from .status import status_asset_spec
@@ -99,7 +98,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
     ``path`` and the StreamComponents)."""
     return dg.Definitions(
         assets=[events_partitions, *source_table_specs(config)],
-        asset_checks=[orphaned_slots_check],
+        asset_checks=[orphaned_slots_check, consumers_check],
         jobs=[delivery_job, control_job, housekeeping_job, checks_job],
         schedules=schedules(config),
         sensors=[subscriptions_sensor(config)],
@@ -108,7 +107,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
             # ops hand a Spark DataFrame to each other inside one process
             "io_manager": dg.mem_io_manager,
             "pgstream": PgstreamResource(config, str(path)),
-            "pyspark": LazyPySparkResource(spark_config=location_conf(config)),
+            "pyspark": PgstreamSparkResource(spark_config=location_conf(config)),
         },
     )
 

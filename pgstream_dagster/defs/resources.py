@@ -10,8 +10,10 @@ configuration: ``pgstream.yaml`` plus the streams declared as ``StreamComponent`
 from __future__ import annotations
 
 import psycopg
+from dagster_pyspark import LazyPySparkResource
 
 from ..config import PgstreamConfig, StreamConfig
+from ..engine.spark_source import register
 
 
 class PgstreamResource:
@@ -40,3 +42,18 @@ class PgstreamResource:
     def connect(self, *, autocommit: bool = True) -> psycopg.Connection:
         return psycopg.connect(self.database_url, autocommit=autocommit,
                                application_name="pgstream-dagster")
+
+
+class PgstreamSparkResource(LazyPySparkResource):
+    """The ``pyspark`` resource: dagster-pyspark's lazily created session, with pgstream's data source
+    registered on it when it is created, so an op may ``spark.readStream.format("pgstream")``."""
+
+    @classmethod
+    def _is_dagster_maintained(cls) -> bool:
+        return False
+
+    def _init_session(self) -> None:
+        created = self._spark_session is None
+        super()._init_session()
+        if created and self._spark_session is not None:
+            register(self._spark_session)

@@ -16,7 +16,8 @@ def status_asset_spec(stream_id: int, deliveries_key: dg.AssetKey) -> dg.AssetSp
         description=f"Health of stream {stream_id}, observed by its delivery run after every round of batches and "
                     f"by its sensor whenever something changes and at least every sensor.status_every_secs: "
                     f"healthy / failover since when, checkpoint, cursor, slot lag, backlog, events delivered today, "
-                    f"the open run (live, starting or gone), open dead letters, last batches.",
+                    f"the open run (live, starting or gone), open dead letters, registered consumers (the Spark "
+                    f"source: position, lag, overrun), last batches.",
         metadata={"stream_id": stream_id})
 
 
@@ -25,6 +26,15 @@ def _markdown_batches(batches: list[dict[str, Any]]) -> str:
     for b in batches:
         rows.append(f"| {b['id']} | {b['kind']} | {b['status']} | {b['event_count']} | "
                     f"{b['first_event_id']}..{b['last_event_id']} | {b['attempts']} | {b['delivered_at'] or ''} |")
+    return "\n".join(rows)
+
+
+def _markdown_consumers(readers: list[dict[str, Any]]) -> str:
+    rows = ["| consumer | position | lag (events) | oldest unread | kept for (days) | overrun |",
+            "|---|---|---|---|---|---|"]
+    for c in readers:
+        rows.append(f"| {c['name']} | {c['batch_id']}:{c['ord']} | {c['lag_events']} | {c['oldest_unread'] or ''} | "
+                    f"{c['max_retention_days']} | {'yes' if c['overrun'] else 'no'} |")
     return "\n".join(rows)
 
 
@@ -61,5 +71,10 @@ def status_observation(s: dict[str, Any], open_run_state: str | None = None,
                                   if s.get("oldest_dead_letter_at") else None),
         "last_batches": dg.MetadataValue.md(_markdown_batches(s["last_batches"])),
     }
+    readers = s.get("consumers") or []
+    if readers:  # registered consumers (the Spark source): how far each has read
+        metadata["consumers"] = dg.MetadataValue.md(_markdown_consumers(readers))
+        metadata["consumers_max_lag_events"] = max(int(c["lag_events"]) for c in readers)
+        metadata["consumers_overrun"] = sum(1 for c in readers if c["overrun"])
     return dg.AssetObservation(asset_key=status_asset_key(s["id"]), description=f"stream {s['id']}: {s['state']}",
                                metadata={k: v for k, v in metadata.items() if v is not None})

@@ -7,6 +7,12 @@ it keeps partitions that hold undelivered events and says so with a WARNING, and
 lock on ``pgstream.events`` longer than ``housekeeping.lock_timeout_ms`` (application writes queue
 behind a waiting lock request). Here each partition is dropped in its own transaction, and the
 partitions kept past retention or left for the next pass (their locks were held) are reported.
+
+Registered consumers (the Spark source, ``pgstream.consumers``) hold back the partitions and ledger
+batches they have not read, each for at most its ``max_retention_days``; a consumer whose oldest
+unread event is older than that is **overrun**: what it has not read is dropped anyway, and the pass
+reports it (``consumers_overrun``, a warning, the ``pgstream_housekeeping_consumers_overrun`` metric),
+so an abandoned consumer cannot fill the disk silently.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class HousekeepingReport:
     bytes_dropped: int = 0
     default_rows_deleted: int = 0
     batches_pruned: int = 0
+    #: registered consumers whose unread events are past their max_retention_days (no longer kept)
+    consumers_overrun: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -39,13 +47,16 @@ class HousekeepingReport:
         return (f"housekeeping {self.today}: created {len(self.created)} partitions, dropped {len(self.dropped)} "
                 f"({self.rows_dropped} rows, {self.bytes_dropped} bytes), kept {len(self.kept)} past retention"
                 f"{busy}, deleted {self.default_rows_deleted} expired rows of events_default, "
-                f"pruned {self.batches_pruned} delivered batches")
+                f"pruned {self.batches_pruned} delivered batches"
+                + (f"; consumers past their retention bound (not kept for): {', '.join(self.consumers_overrun)}"
+                   if self.consumers_overrun else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return {"today": self.today.isoformat(), "created": self.created, "dropped": self.dropped,
                 "kept": self.kept, "busy": self.busy, "rows_dropped": self.rows_dropped,
                 "bytes_dropped": self.bytes_dropped, "default_rows_deleted": self.default_rows_deleted,
-                "batches_pruned": self.batches_pruned, "warnings": self.warnings}
+                "batches_pruned": self.batches_pruned, "consumers_overrun": self.consumers_overrun,
+                "warnings": self.warnings}
 
 
 def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
@@ -76,6 +87,13 @@ def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
 
     conn.add_notice_handler(on_notice)
     try:
+        for name, oldest, days in conn.execute(
+                "select name, oldest_unread, max_retention_days from pgstream.consumer_positions(%s) where overrun",
+                [today]).fetchall():
+            report.consumers_overrun.append(name)
+            notices.append(f"pgstream: consumer {name} has not read events since {oldest:%Y-%m-%d %H:%M} UTC, older "
+                           f"than its max_retention_days ({days}): they are no longer kept (an abandoned consumer? "
+                           f"pgstream-dagster consumers drop {name})")
         with conn.transaction():
             report.created = [r[0] for r in conn.execute("select * from pgstream.create_partitions(%s, %s, %s, %s)",
                                                          [config.days_ahead, today, *locks]).fetchall()]
@@ -130,10 +148,10 @@ def record_run(conn: psycopg.Connection, report: HousekeepingReport) -> None:
         conn.execute(
             """insert into pgstream.housekeeping_runs
                    (today, partitions_created, partitions_dropped, partitions_kept, partitions_busy, rows_dropped,
-                    bytes_dropped, default_rows_deleted, batches_pruned, warnings)
-               values (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+                    bytes_dropped, default_rows_deleted, batches_pruned, warnings, consumers_overrun)
+               values (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
             [report.today, len(report.created), len(report.dropped), len(report.kept), len(report.busy),
              report.rows_dropped, report.bytes_dropped, report.default_rows_deleted, report.batches_pruned,
-             len(report.warnings)])
+             len(report.warnings), len(report.consumers_overrun)])
         conn.execute("delete from pgstream.housekeeping_runs where id <= "
                      "(select id from pgstream.housekeeping_runs order by id desc offset %s limit 1)", [KEEP_RUNS])

@@ -260,13 +260,17 @@ def location_conf(config: PgstreamConfig) -> dict[str, str]:
 
 def open_session(config: PgstreamConfig) -> SparkSession:
     """A Spark session with the runs' settings (:func:`location_conf`), outside Dagster (the CLI,
-    benches)."""
+    benches), with ``format("pgstream")`` registered (:mod:`.spark_source`)."""
     from pyspark.sql import SparkSession
+
+    from .spark_source import register
 
     builder = SparkSession.builder
     for key, value in location_conf(config).items():
         builder = builder.config(key, value)
-    return builder.getOrCreate()
+    spark = builder.getOrCreate()
+    register(spark)
+    return spark
 
 
 class DriverPythonMissing(RuntimeError):

@@ -1,5 +1,5 @@
-"""Stream status: state, failover checkpoint, backlog, slot lag, open dead letters and the last
-batches of every stream (``pgstream-dagster status`` and the UI)."""
+"""Stream status: state, failover checkpoint, backlog, slot lag, open dead letters, registered
+consumers and the last batches of every stream (``pgstream-dagster status`` and the UI)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,36 @@ from pgstream.batches where stream_id = %s order by id desc limit %s
 
 
 def stream_status(conn: psycopg.Connection, stream_id: int | None = None, last: int = 5) -> list[dict[str, Any]]:
-    """One dict per stream (all, or ``stream_id``) with its state and the ``last`` batches
-    (``last = 0``: no batches are read)."""
+    """One dict per stream (all, or ``stream_id``) with its state, its registered consumers
+    (:func:`consumers`) and the ``last`` batches (``last = 0``: no batches are read)."""
     with conn.cursor(row_factory=dict_row) as cur:
         streams = cur.execute(_STREAMS, {"stream_id": stream_id}).fetchall()
+    readers = consumers(conn, stream_id)
     for s in streams:
         s["last_batches"] = last_batches(conn, s["id"], last) if last else []
+        s["consumers"] = [c for c in readers if c["stream_id"] == s["id"]]
     return streams
+
+
+def consumers(conn: psycopg.Connection, stream_id: int | None = None) -> list[dict[str, Any]]:
+    """The registered consumers (``pgstream.consumer_status``: the Spark source's queries), of every
+    stream or of ``stream_id``: name, position (batch_id, ord), lag_events, oldest_unread,
+    max_retention_days, overrun (its oldest unread event is past its bound: no longer kept)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute("select * from pgstream.consumer_status where %(s)s::bigint is null or stream_id = %(s)s "
+                           "order by name", {"s": stream_id}).fetchall()
+
+
+def render_consumer(c: dict[str, Any]) -> str:
+    """One line of ``status`` and ``consumers list`` for a registered consumer."""
+    position = "before every batch" if c["batch_id"] == 0 else f"batch {c['batch_id']} ordinal {c['ord']}"
+    unread = (f"{c['lag_events']} events behind (oldest unread created {c['oldest_unread']:%Y-%m-%d %H:%M:%S} UTC)"
+              if c["lag_events"] else "caught up")
+    overrun = (f"; OVERRUN: its unread events are older than {c['max_retention_days']} days and no longer kept "
+               f"(pgstream-dagster consumers drop {c['name']}, if it is abandoned)" if c["overrun"] else
+               f"; kept for up to {c['max_retention_days']} days")
+    return (f"consumer {c['name']} (stream {c['stream_id']}): read through {position}, {unread}{overrun}; "
+            f"updated {c['updated_at']:%Y-%m-%d %H:%M:%S} UTC")
 
 
 def last_batches(conn: psycopg.Connection, stream_id: int, last: int) -> list[dict[str, Any]]:
@@ -84,6 +107,8 @@ def render_status(streams: list[dict[str, Any]]) -> str:
                          f"next retry {s['failover_retry_at'] or '-'}")
             if s["failover_error"]:
                 lines.append(f"  last error: {s['failover_error']}")
+        for c in s.get("consumers", []):
+            lines.append("  " + render_consumer(c))
         for b in s["last_batches"]:
             err = f" error: {b['error']}" if b["error"] and b["status"] != BatchStatus.DELIVERED else ""
             lines.append(f"  batch {b['id']} {b['kind']} {b['status']}: {b['event_count']} events "

@@ -157,8 +157,9 @@ $$;
 revoke all on function pgstream.set_paused(bigint, boolean) from public;
 
 -- ---------------------------------------------------------------------------------------------
--- Ledger housekeeping: delivered (or skipped) batches older than p_keep are removed; each
--- stream's ledger_horizon moves up to the newest event they covered. Returns rows removed.
+-- Ledger housekeeping: delivered (or skipped) batches older than p_keep are removed, except those a
+-- registered consumer has not read (within its bound); each stream's ledger_horizon moves up to the
+-- newest event they covered. Returns rows removed.
 create or replace function pgstream.prune_batches(p_keep interval default interval '7 days')
 returns bigint
 language plpgsql
@@ -171,6 +172,9 @@ begin
     with gone as (
         delete from pgstream.batches
         where not pgstream.batch_is_open(status) and coalesce(delivered_at, created_at) < now() - p_keep
+          -- a batch a registered consumer has not read stays (for its bound at most): it says which
+          -- events the consumer reads next
+          and not pgstream.consumer_unread(stream_id, id, event_count, max_created_at)
         returning stream_id, max_created_at
     ), horizon as (
         update pgstream.streams s

@@ -193,7 +193,8 @@ revoke all on function pgstream.create_partitions(integer, date, integer, intege
 -- a closed (delivered or skipped) batch holds it, or it is a dead letter (its payload was copied),
 -- or it is older than its stream's ledger horizon (delivered by batches pruned since), was read
 -- from the slot (a day of slack, as for partitions) and is in no open batch. A row no batch holds
--- yet (not read from the slot, whatever its date) stays.
+-- yet (not read from the slot, whatever its date) stays, and so does a row of a batch a registered
+-- consumer has not read, within its bound (pgstream.consumer_unread counts such a batch as open).
 -- (A batch holding a row has min_created_at <= its created_at: only batches older than the
 -- cutoff are looked at.) Called by pgstream.delete_expired_default; returns the rows deleted.
 create or replace function pgstream._delete_expired_default(p_before timestamptz)
@@ -207,7 +208,10 @@ declare
 begin
     -- every (stream, event) a batch old enough holds, and whether an open batch holds it
     with held as materialized (
-        select b.stream_id, o.id, pg_catalog.bool_or(pgstream.batch_is_open(b.status)) as open
+        select b.stream_id, o.id,
+               pg_catalog.bool_or(pgstream.batch_is_open(b.status)
+                                  or pgstream.consumer_unread(b.stream_id, b.id, b.event_count, b.max_created_at))
+                   as open
         from pgstream.batches b
         cross join lateral pg_catalog.unnest(b.event_ids) as o(id)
         where b.min_created_at operator(pg_catalog.<) p_before
@@ -336,6 +340,14 @@ begin
     v_protected := pgstream.oldest_protected_day();
     if v_protected is not null and v_day >= v_protected then
         raise warning 'pgstream: keeping partition % past retention: it holds undelivered events', p_name;
+        status := 'kept';
+        return;
+    end if;
+    -- a registered consumer that has not read it holds it back, for its max_retention_days at most
+    -- (repeatable/26_consumers.sql); past that it is dropped and the pass reports the consumer overrun
+    v_protected := pgstream.consumer_protected_day(p_today);
+    if v_protected is not null and v_day >= v_protected then
+        raise warning 'pgstream: keeping partition % past retention: a registered consumer has not read it', p_name;
         status := 'kept';
         return;
     end if;

@@ -284,7 +284,25 @@ cross join lateral (values
     ('housekeeping_rows', 'default_deleted', h.default_rows_deleted::float8),
     ('housekeeping_bytes_dropped', '', h.bytes_dropped::float8),
     ('housekeeping_batches_pruned', '', h.batches_pruned::float8),
-    ('housekeeping_warnings', '', h.warnings::float8)) g(metric, label, value)
+    ('housekeeping_warnings', '', h.warnings::float8),
+    ('housekeeping_consumers_overrun', '', h.consumers_overrun::float8)) g(metric, label, value)
+union all
+-- registered consumers (026_consumers.sql): what each has not read, by the ledger's stream-and-id index;
+-- an abandoned consumer's sum covers at most its max_retention_days of batches (housekeeping prunes the rest).
+-- Spelled out here, not through pgstream.consumer_positions: this file is applied before 26_consumers.sql
+select g.metric, c.stream_id, c.name, g.value
+from pgstream.consumers c
+cross join lateral (
+    select coalesce(sum(b.event_count - case when b.id = c.batch_id then c.ord else 0 end), 0) as events,
+           min(b.min_created_at) as oldest
+    from pgstream.batches b
+    where b.stream_id = c.stream_id and b.id >= c.batch_id and (b.id > c.batch_id or c.ord < b.event_count)) u
+cross join lateral (values
+    ('consumer_lag_events', u.events::float8),
+    ('consumer_oldest_unread_age', coalesce(greatest(extract(epoch from now() - u.oldest), 0), 0)::float8),
+    ('consumer_overrun',
+     coalesce(u.oldest < ((pgstream.utc_today() - c.max_retention_days)::timestamp at time zone 'UTC'),
+              false)::integer::float8)) g(metric, value)
 union all
 select 'orphaned_slot_retained_wal', null::bigint, o.slot_name, o.retained_bytes::float8
 from pgstream.orphaned_slots o

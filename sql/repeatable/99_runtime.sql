@@ -83,7 +83,8 @@ grant usage on schema pgstream to pgstream_runtime, pgstream_executor;
 grant select on pgstream.streams, pgstream.batches, pgstream.events, pgstream.events_default, pgstream.failovers,
                 pgstream.subscriptions, pgstream.dead_letters, pgstream.key_progress, pgstream.locks, pgstream.housekeeping_runs,
                 pgstream.backfills, pgstream.backfill_partitions, pgstream.backfill_progress,
-                pgstream.stream_status, pgstream.orphaned_slots, pgstream.metrics
+                pgstream.stream_status, pgstream.orphaned_slots, pgstream.metrics, pgstream.consumers,
+                pgstream.consumer_status
     to pgstream_runtime;
 -- the open run, the slot's declared reader, and how far the slot was read (engine/ledger); everything
 -- else of a stream row goes through register_stream, set_paused, enter_failover, leave_failover, retry_now
@@ -104,7 +105,8 @@ grant insert, update, delete on pgstream.key_progress to pgstream_runtime;
 grant insert (name, key, pid, backend_start, usesysid, holder, taken_at),
       update (pid, backend_start, usesysid, holder, taken_at) on pgstream.locks to pgstream_runtime;
 grant insert (today, partitions_created, partitions_dropped, partitions_kept, partitions_busy, rows_dropped,
-              bytes_dropped, default_rows_deleted, batches_pruned, warnings), delete on pgstream.housekeeping_runs
+              bytes_dropped, default_rows_deleted, batches_pruned, warnings, consumers_overrun), delete
+    on pgstream.housekeeping_runs
     to pgstream_runtime;
 
 -- pgstream_runtime: functions. SECURITY DEFINER (run as the owner, each validating its input):
@@ -133,7 +135,10 @@ grant execute on function
     pgstream.backfill_next_key(bigint, integer),
     pgstream.backfill_backlog(bigint),
     pgstream.backfill_release(bigint, uuid, text, text),
-    pgstream.backfill_stop(bigint, boolean)
+    pgstream.backfill_stop(bigint, boolean),
+    pgstream.consumer_positions(date),
+    pgstream.drop_consumer(text),
+    pgstream.set_consumer_retention(text, integer)
     to pgstream_runtime;
 -- ... and run as their caller, on the tables granted above (a lock names the session's backend):
 grant execute on function
@@ -148,7 +153,10 @@ grant execute on function
 
 -- ---------------------------------------------------------------------------------------------
 -- pgstream_executor: what Spark tasks run (engine/spark.py readers, ledger.KeyProgress,
--- ledger.DeadLetterWriter on a by_key task, engine/backfill.py run_partition).
+-- ledger.DeadLetterWriter on a by_key task, engine/backfill.py run_partition) and the Spark source
+-- (engine/spark_source.py: it reads events, batches and dead letters, and records a registered
+-- consumer's position through consumer_commit only: it can neither change a consumer's bound nor
+-- drop one).
 grant select on pgstream.events, pgstream.batches, pgstream.key_progress, pgstream.dead_letters
     to pgstream_executor;
 grant insert, update on pgstream.key_progress to pgstream_executor;
@@ -157,5 +165,6 @@ grant insert (stream_id, event_id, stage, batch_id, ord, event_created_at, paylo
 grant select (id, status, owner_token) on pgstream.backfills to pgstream_executor;
 grant execute on function
     pgstream.backfill_chunk(bigint, integer, uuid, integer),
-    pgstream.backfill_next_key(bigint, integer)
+    pgstream.backfill_next_key(bigint, integer),
+    pgstream.consumer_commit(text, bigint, bigint, integer)
     to pgstream_executor;

@@ -1,0 +1,561 @@
+"""The ``pgstream`` Spark data source: a stream's events as a Spark stream whose offsets are positions
+in the ledger, and, for analysis, events with their delivery state as a batch read.
+
+* ``spark.readStream.format("pgstream")`` (:class:`StreamReader`): the events of the stream's recorded
+  batches in the ledger's order (batch id, then the batch's commit order). An offset is a
+  **position** ``{"batch_id": B, "ord": O}``: everything through ordinal ``O`` of ledger batch ``B``
+  (``{"batch_id": 0, "ord": 0}``: before every batch), so a query's checkpoint names a place in the
+  ledger, and a restarted query reads from exactly there. A micro-batch is split into partitions of
+  whole or cut batches, read in parallel by the executors. Its ``commit`` records the position of a
+  **registered consumer** (``pgstream.consumers``, through ``pgstream.consumer_commit``), which
+  housekeeping keeps events for.
+* ``spark.read.format("pgstream")`` (:class:`EventsReader`): a stream's events with the batch that
+  holds each one (its status, delivery time, attempts) and whether it is a dead letter. Its options
+  (time range, subscription keys, operations) are conditions of the query Postgres runs; with
+  ``pushFilters`` Spark's own filters on id, time, subscription key, operation and table are too
+  (:class:`PushdownEventsReader`, opt-in: see there).
+
+Options (both): ``stream`` (the stream id, required), ``url`` (the database URL: the executor role's,
+``spark.executor_database_url``; Spark redacts options whose key matches ``url`` in plans and the
+UI, and no message here repeats it). Stream reader: ``consumer`` (required), ``startingPosition``
+(``earliest``, ``latest``, an event id, or an ISO time), ``maxEventsPerTrigger``, ``numPartitions``,
+``rowsPerPartition``, ``failOnDataLoss``. Batch reader: ``fromTime``, ``toTime``, ``subscription``,
+``operation`` (comma-separated), ``numPartitions``, ``pushFilters``.
+
+:func:`register` registers the source on a session; the package does it where it builds its Spark
+sessions. Nothing here imports Dagster; the module is imported on the executors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    LessThan,
+    LessThanOrEqual,
+)
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+
+if TYPE_CHECKING:
+    import psycopg
+    from pyspark.sql import SparkSession
+    from pyspark.sql.streaming.datasource import ReadLimit
+
+NAME = "pgstream"
+URL_OPTION = "url"
+#: rows per server-side cursor FETCH
+FETCH_ROWS = 5_000
+NUM_PARTITIONS = 4
+ROWS_PER_PARTITION = 50_000
+
+SCHEMA = ("id long, stream_id long, created_at timestamp, subscription string, operation string, "
+                 "table_schema string, table_name string, payload string, metadata string, batch_id long, "
+                 "ord int, batch_status string, delivered_at timestamp, attempts int, dead_letter boolean, "
+                 "dead_letter_status string, dead_letter_error string")
+
+#: the events of one span (ordinals lo..hi of a ledger batch), in the batch's commit order. Joined by the
+#: primary key (id, created_at): ``e.stream_id + 0`` keeps the planner off the stream's day index
+#: (see engine/spark.py's _BATCH_QUERY)
+_SPAN_QUERY = """/* pgstream source: stream */
+select e.id, e.stream_id, e.created_at, e.payload ->> 'tg_name', e.payload ->> 'tg_op',
+       e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text,
+       b.id, o.ord::int, null::text, null::timestamptz, null::int, null::boolean, null::text, null::text
+from pgstream.batches b
+cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+join pgstream.events e
+  on e.id = o.id and e.stream_id + 0 = b.stream_id
+ and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+where b.id = %(batch_id)s and b.stream_id = %(stream_id)s and o.ord between %(lo)s and %(hi)s
+order by o.ord
+"""
+
+
+class SourceError(ValueError):
+    """Bad options of the pgstream source, or a position the ledger does not hold."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Position:
+    """Read through ordinal ``ord`` of ledger batch ``batch_id`` (``Position(0, 0)``: before every batch)."""
+
+    batch_id: int
+    ord: int
+
+    def as_offset(self) -> dict[str, int]:
+        return {"batch_id": self.batch_id, "ord": self.ord}
+
+    @classmethod
+    def of(cls, offset: dict[str, Any]) -> Position:
+        return cls(int(offset["batch_id"]), int(offset["ord"]))
+
+
+BEFORE_ALL = Position(0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanRead:
+    """Ordinals ``lo..hi`` of ledger batch ``batch_id``."""
+
+    batch_id: int
+    lo: int
+    hi: int
+
+    @property
+    def events(self) -> int:
+        return self.hi - self.lo + 1
+
+
+def _option(options: dict[str, str], name: str, default: str | None = None) -> str:
+    value = options.get(name, options.get(name.lower(), default))
+    if value is None or not str(value).strip():
+        raise SourceError(f"pgstream source: option {name!r} is required")
+    return str(value).strip()
+
+
+def _int_option(options: dict[str, str], name: str, default: int | None, minimum: int) -> int:
+    raw = options.get(name, options.get(name.lower()))
+    if raw is None or str(raw).strip() == "":
+        if default is None:
+            raise SourceError(f"pgstream source: option {name!r} is required")
+        return default
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise SourceError(f"pgstream source: option {name!r} must be an integer, got {str(raw)[:40]!r}") from None
+    if value < minimum:
+        raise SourceError(f"pgstream source: option {name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _bool_option(options: dict[str, str], name: str, default: bool) -> bool:
+    raw = options.get(name, options.get(name.lower()))
+    if raw is None:
+        return default
+    text = str(raw).strip().lower()
+    if text not in ("true", "false"):
+        raise SourceError(f"pgstream source: option {name!r} must be true or false, got {str(raw)[:40]!r}")
+    return text == "true"
+
+
+def _url(options: dict[str, str]) -> str:
+    url = options.get(URL_OPTION)
+    if not url:
+        raise SourceError("pgstream source: option 'url' is required (the database URL of the executor role, "
+                          "spark.executor_database_url)")
+    return url
+
+
+def connect(url: str) -> psycopg.Connection:
+    """A connection of the source, in UTC. A failure names no part of the URL (libpq's message names
+    the host and the user, never the password; the URL itself is not repeated)."""
+    import psycopg
+
+    try:
+        return psycopg.connect(url, autocommit=True, options="-c TimeZone=UTC", application_name="pgstream-source")
+    except psycopg.OperationalError as exc:
+        raise SourceError(f"pgstream source: cannot connect to the database of option 'url': {exc}") from None
+    except psycopg.ProgrammingError:
+        raise SourceError("pgstream source: option 'url' is not a valid database URL") from None
+
+
+def _fetch(url: str, query: str, params: Sequence[dict[str, Any]]) -> Iterator[tuple[Any, ...]]:
+    """The rows of ``query`` for each of ``params`` in turn, on one connection, by a server-side cursor."""
+    with connect(url) as conn, conn.transaction():
+        for one in params:
+            with conn.cursor(name="pgstream_source") as cur:
+                cur.execute(query, one)
+                while rows := cur.fetchmany(FETCH_ROWS):
+                    yield from rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Positions in the ledger.
+
+def start_position(conn: psycopg.Connection, stream_id: int, starting: str) -> Position:
+    """Where a new query starts (``startingPosition``): ``earliest`` (before every batch), ``latest``
+    (after the last recorded batch), an event id (just before that event, in its batch), or an ISO
+    time (before the first batch holding an event created at or after it)."""
+    text = starting.strip()
+    if text.lower() == "earliest":
+        return BEFORE_ALL
+    if text.lower() == "latest":
+        row = conn.execute("select id, event_count from pgstream.batches where stream_id = %s order by id desc limit 1",
+                           [stream_id]).fetchone()
+        return Position(row[0], row[1]) if row else BEFORE_ALL
+    if text.isdigit():
+        event_id = int(text)
+        row = conn.execute(
+            """select b.id, o.ord::int from pgstream.events e
+               join pgstream.batches b on b.stream_id = e.stream_id
+                and b.min_created_at <= e.created_at and b.max_created_at >= e.created_at
+               cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+               where e.id = %s and e.stream_id = %s and o.id = e.id
+               order by b.id limit 1""", [event_id, stream_id]).fetchone()
+        if row is None:
+            raise SourceError(f"pgstream source: startingPosition {event_id}: no recorded batch of stream "
+                              f"{stream_id} holds event {event_id}")
+        return Position(row[0], row[1] - 1)
+    try:
+        at = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise SourceError(f"pgstream source: startingPosition must be earliest, latest, an event id or an ISO time, "
+                          f"got {text[:60]!r}") from None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=dt.UTC)
+    row = conn.execute("select id from pgstream.batches where stream_id = %s and max_created_at >= %s "
+                       "order by id limit 1", [stream_id, at]).fetchone()
+    if row is None:  # nothing recorded since: start after what is there
+        return start_position(conn, stream_id, "latest")
+    return Position(row[0], 0)
+
+
+def next_position(conn: psycopg.Connection, stream_id: int, start: Position, max_events: int | None) -> Position:
+    """The end of the next micro-batch from ``start``: the last recorded batch, or the position
+    ``max_events`` events on (cutting a batch if it must)."""
+    if max_events is None:
+        row = conn.execute("select id, event_count from pgstream.batches where stream_id = %s and id >= %s "
+                           "order by id desc limit 1", [stream_id, start.batch_id]).fetchone()
+        if row is None or (row[0] == start.batch_id and start.ord >= row[1]):
+            return start
+        return Position(row[0], row[1])
+    row = conn.execute(
+        """select id, event_count, running from (
+               select id, event_count,
+                      sum(event_count - case when id = %(b)s then least(%(o)s, event_count) else 0 end)
+                          over (order by id) as running
+               from pgstream.batches where stream_id = %(s)s and id >= %(b)s) r
+           where running >= %(cap)s order by id limit 1""",
+        {"s": stream_id, "b": start.batch_id, "o": start.ord, "cap": max_events}).fetchone()
+    if row is None:
+        return next_position(conn, stream_id, start, None)
+    batch_id, count, running = int(row[0]), int(row[1]), int(row[2])
+    return Position(batch_id, count - (running - max_events))
+
+
+def spans_between(conn: psycopg.Connection, stream_id: int, start: Position, end: Position) -> list[SpanRead]:
+    """The events after ``start`` through ``end``, as spans of ledger batches in ledger order."""
+    if end <= start:
+        return []
+    rows = conn.execute("select id, event_count from pgstream.batches where stream_id = %s and id between %s and %s "
+                        "order by id", [stream_id, start.batch_id, end.batch_id]).fetchall()
+    spans: list[SpanRead] = []
+    for batch_id, count in rows:
+        lo = start.ord + 1 if batch_id == start.batch_id else 1
+        hi = end.ord if batch_id == end.batch_id else count
+        if lo <= hi:
+            spans.append(SpanRead(batch_id, lo, min(hi, count)))
+    return spans
+
+
+def split_spans(spans: Sequence[SpanRead], parts: int, rows: int) -> list[list[SpanRead]]:
+    """``spans`` in at most about ``parts`` consecutive groups of equal size (never more than ``rows``
+    events each), cutting a batch where a group ends: each group is one Spark partition."""
+    total = sum(s.events for s in spans)
+    if total == 0:
+        return []
+    size = max(1, min(rows, math.ceil(total / parts)))
+    groups: list[list[SpanRead]] = [[]]
+    room = size
+    for span in spans:
+        lo = span.lo
+        while lo <= span.hi:
+            if room == 0:
+                groups.append([])
+                room = size
+            hi = min(span.hi, lo + room - 1)
+            groups[-1].append(SpanRead(span.batch_id, lo, hi))
+            room -= hi - lo + 1
+            lo = hi + 1
+    return groups
+
+
+def commit_consumer(conn: psycopg.Connection, name: str, stream_id: int, position: Position) -> None:
+    conn.execute("select pgstream.consumer_commit(%s, %s, %s, %s)",
+                 [name, stream_id, position.batch_id, position.ord])
+
+
+class EventsGone(RuntimeError):
+    """Events of the ledger the stream reader was to read are no longer in ``pgstream.events``."""
+
+
+class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``spark.readStream.format("pgstream")``: see the module's docstring. With ``Trigger.AvailableNow``
+    it reads up to the end of the ledger when the query starts (in micro-batches of at most
+    ``maxEventsPerTrigger``), then the query stops."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.url = _url(options)
+        self.stream_id = _int_option(options, "stream", None, 1)
+        self.consumer = _option(options, "consumer")
+        self.starting = options.get("startingPosition", options.get("startingposition", "earliest"))
+        cap = _int_option(options, "maxEventsPerTrigger", 0, 0)
+        self.max_events = cap or None
+        self.parts = _int_option(options, "numPartitions", NUM_PARTITIONS, 1)
+        self.rows = _int_option(options, "rowsPerPartition", ROWS_PER_PARTITION, 1)
+        self.fail_on_data_loss = _bool_option(options, "failOnDataLoss", True)
+        self._conn: psycopg.Connection | None = None
+        #: the consumer position last recorded by this reader
+        self._recorded: Position | None = None
+        #: Trigger.AvailableNow: the end of the ledger when the query started
+        self._target: Position | None = None
+
+    def _db(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.url)
+        return self._conn
+
+    def initialOffset(self) -> dict[str, int]:
+        conn = self._db()
+        position = start_position(conn, self.stream_id, self.starting)
+        # registered from the start: housekeeping keeps what it will read before its first commit
+        self._record(position)
+        return position.as_offset()
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+        return ReadMaxRows(self.max_events) if self.max_events else ReadAllAvailable()
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        from pyspark.sql.streaming.datasource import ReadMaxRows
+
+        # ``start`` is the end of the last micro-batch, which the query's sink has committed (Spark plans
+        # the next one after writing its commit log; a restarted query re-runs an uncommitted one from
+        # its offset log without asking). Spark calls :meth:`commit` with it only once the next
+        # micro-batch is planned: an idle query's position would stay one micro-batch behind
+        self._record(Position.of(start))
+        cap = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        end = next_position(self._db(), self.stream_id, Position.of(start), cap)
+        if self._target is not None:
+            end = max(Position.of(start), min(end, self._target))
+        return end.as_offset()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = next_position(self._db(), self.stream_id, BEFORE_ALL, None)
+
+    def _record(self, position: Position) -> None:
+        if position != self._recorded:
+            commit_consumer(self._db(), self.consumer, self.stream_id, position)
+            self._recorded = position
+
+    def reportLatestOffset(self) -> dict[str, int] | None:
+        return next_position(self._db(), self.stream_id, BEFORE_ALL, None).as_offset()
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        spans = spans_between(self._db(), self.stream_id, Position.of(start), Position.of(end))
+        return [InputPartition([dataclasses.astuple(s) for s in group])
+                for group in split_spans(spans, self.parts, self.rows)]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        spans = [SpanRead(*fields) for fields in partition.value]
+        for span in spans:
+            got = 0
+            for row in _fetch(self.url, _SPAN_QUERY, [{"batch_id": span.batch_id, "stream_id": self.stream_id,
+                                                       "lo": span.lo, "hi": span.hi}]):
+                got += 1
+                yield row
+            if got != span.events and self.fail_on_data_loss:
+                raise EventsGone(
+                    f"pgstream source: stream {self.stream_id}: {span.events - got} of the events of ledger batch "
+                    f"{span.batch_id} (ordinals {span.lo}..{span.hi}) are gone from pgstream.events (housekeeping "
+                    f"dropped them past the consumer's max_retention_days, or the batch was pruned); "
+                    f"set failOnDataLoss=false to go on without them")
+
+    def commit(self, end: dict[str, Any]) -> None:
+        self._record(Position.of(end))
+
+    def stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_conn": None}
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch reads: events with their delivery state.
+
+#: columns a filter may be pushed down on, and their SQL
+PUSHABLE = {
+    "id": "e.id",
+    "stream_id": "e.stream_id",
+    "created_at": "e.created_at",
+    "subscription": "(e.payload ->> 'tg_name')",
+    "operation": "(e.payload ->> 'tg_op')",
+    "table_schema": "(e.payload ->> 'tg_table_schema')",
+    "table_name": "(e.payload ->> 'tg_table_name')",
+}
+_COMPARISONS: dict[type[Filter], str] = {EqualTo: "=", GreaterThan: ">", GreaterThanOrEqual: ">=",
+                                         LessThan: "<", LessThanOrEqual: "<="}
+
+
+def _sql_value(column: str, value: Any) -> Any:
+    """A filter's value as a query parameter of ``column``'s type, or :data:`NotImplemented`."""
+    if column in ("id", "stream_id"):
+        return value if isinstance(value, int) and not isinstance(value, bool) else NotImplemented
+    if column == "created_at":
+        if isinstance(value, dt.datetime):
+            return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)  # Spark's UTC micros
+        return NotImplemented
+    return value if isinstance(value, str) else NotImplemented
+
+
+def pushed_condition(flt: Filter) -> tuple[str, list[Any]] | None:
+    """The SQL condition and parameters of a Spark filter this source can evaluate in Postgres."""
+    attribute: tuple[str, ...] = getattr(flt, "attribute", ())  # every filter but Not has one
+    if len(attribute) != 1 or attribute[0] not in PUSHABLE:
+        return None
+    column = attribute[0]
+    expr = PUSHABLE[column]
+    if type(flt) in _COMPARISONS:
+        value = _sql_value(column, flt.value)  # type: ignore[attr-defined]
+        if value is NotImplemented:
+            return None
+        return f"{expr} {_COMPARISONS[type(flt)]} %s", [value]
+    if isinstance(flt, In):
+        values = [_sql_value(column, v) for v in flt.value]
+        if not values or any(v is NotImplemented for v in values):
+            return None
+        return f"{expr} = any(%s)", [values]
+    return None
+
+
+def _csv(options: dict[str, str], name: str) -> list[str] | None:
+    raw = options.get(name, options.get(name.lower()))
+    if raw is None or not str(raw).strip():
+        return None
+    return [part.strip() for part in str(raw).split(",") if part.strip()]
+
+
+def _time_option(options: dict[str, str], name: str) -> dt.datetime | None:
+    raw = options.get(name, options.get(name.lower()))
+    if raw is None or not str(raw).strip():
+        return None
+    try:
+        at = dt.datetime.fromisoformat(str(raw).strip())
+    except ValueError:
+        raise SourceError(f"pgstream source: option {name!r} must be an ISO time, got {str(raw)[:60]!r}") from None
+    return at if at.tzinfo is not None else at.replace(tzinfo=dt.UTC)
+
+
+class EventsReader(DataSourceReader):
+    """``spark.read.format("pgstream")``: see the module's docstring."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.url = _url(options)
+        self.stream_id = _int_option(options, "stream", None, 1)
+        self.parts = _int_option(options, "numPartitions", NUM_PARTITIONS, 1)
+        self.conditions: list[str] = ["e.stream_id = %s"]
+        self.params: list[Any] = [self.stream_id]
+        if (from_time := _time_option(options, "fromTime")) is not None:
+            self._add("e.created_at >= %s", [from_time])
+        if (to_time := _time_option(options, "toTime")) is not None:
+            self._add("e.created_at < %s", [to_time])
+        if (keys := _csv(options, "subscription")) is not None:
+            self._add(f"{PUSHABLE['subscription']} = any(%s)", [keys])
+        if (ops := _csv(options, "operation")) is not None:
+            self._add(f"{PUSHABLE['operation']} = any(%s)", [[op.upper() for op in ops]])
+
+    def _add(self, condition: str, params: list[Any]) -> None:
+        self.conditions.append(condition)
+        self.params.extend(params)
+
+    def where(self) -> str:
+        return " and ".join(self.conditions + [c for c, _ in getattr(self, "pushed", [])])
+
+    def selection(self) -> list[Any]:
+        return self.params + [p for _, params in getattr(self, "pushed", []) for p in params]
+
+    def query(self) -> str:
+        """The query of one partition (an id range ``lo..hi`` after the selection's parameters):
+        the selected events, the ledger batch holding each one (the stream's batches that overlap the
+        partition's time span, unnested once), and its dead letter."""
+        # where(): fixed SQL fragments of this module (PUSHABLE, the options'); every value is a parameter
+        return f"""/* pgstream source: events */
+with ev as materialized (
+    select e.* from pgstream.events e where {self.where()} and e.id between %s and %s
+), span as (
+    select min(created_at) as lo, max(created_at) as hi from ev
+), held as materialized (
+    select o.id as event_id, b.id as batch_id, o.ord::int as ord, b.status, b.delivered_at, b.attempts
+    from span, pgstream.batches b
+    cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+    where b.stream_id = %s and b.max_created_at >= span.lo and b.min_created_at <= span.hi
+)
+select e.id, e.stream_id, e.created_at, e.payload ->> 'tg_name', e.payload ->> 'tg_op',
+       e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text,
+       h.batch_id, h.ord, h.status, h.delivered_at, h.attempts, d.id is not null, d.status, d.error
+from ev e
+left join lateral (select * from held h where h.event_id = e.id order by h.batch_id limit 1) h on true
+left join pgstream.dead_letters d on d.stream_id = e.stream_id and d.event_id = e.id
+order by e.id"""  # noqa: S608
+
+    def partitions(self) -> Sequence[InputPartition]:
+        with connect(self.url) as conn:
+            row = conn.execute(f"select min(e.id), max(e.id) from pgstream.events e where {self.where()}",  # noqa: S608
+                               self.selection()).fetchone()
+        if row is None or row[0] is None:
+            return []
+        lo, hi = int(row[0]), int(row[1])
+        size = max(1, math.ceil((hi - lo + 1) / self.parts))
+        return [InputPartition((start, min(hi, start + size - 1))) for start in range(lo, hi + 1, size)]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        lo, hi = partition.value
+        yield from _fetch(self.url, self.query(), [[*self.selection(), lo, hi, self.stream_id]])  # type: ignore[list-item]
+
+
+class PushdownEventsReader(EventsReader):
+    """:class:`EventsReader` with Spark's filters pushed down (option ``pushFilters``: true; Spark's
+    ``spark.sql.python.filterPushdown.enabled`` must be true as well). Opt-in: Spark 4.3 keeps the data
+    source of a DataFrame with the reader of its first filtered query, and a later query of the same
+    DataFrame without filters Spark can push reads with those filters (tests/test_spark_source.py shows
+    it): load a DataFrame per query when this is on."""
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        self.pushed: list[tuple[str, list[Any]]] = []  # each call replaces the last one's
+        for flt in filters:
+            pushed = pushed_condition(flt)
+            if pushed is None:
+                yield flt
+            else:
+                self.pushed.append(pushed)
+
+
+class PgstreamDataSource(DataSource):
+    """``format("pgstream")``: a stream's events, as a stream (ledger order) or a batch (with delivery state)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        options = dict(self.options)
+        if _bool_option(options, "pushFilters", False):
+            return PushdownEventsReader(options)
+        return EventsReader(options)
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        return StreamReader(dict(self.options))
+
+
+def register(spark: SparkSession) -> None:
+    """Register ``format("pgstream")`` on ``spark`` (local, a cluster, or Spark Connect)."""
+    spark.dataSource.register(PgstreamDataSource)

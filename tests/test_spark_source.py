@@ -1,0 +1,241 @@
+"""The ``pgstream`` Spark source (engine/spark_source.py): a streaming query into Parquet killed with
+SIGKILL mid-stream and restarted on its checkpoint ends with each event exactly once at its ledger
+position; positions and micro-batch caps; the registered consumer's position and what the executor
+role may do with it; the batch reader's filters pushed down to Postgres (the statements the
+executor role ran, from the server's log) and its delivery-state columns."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.engine import spark_source
+from pgstream_dagster.engine.spark_source import BEFORE_ALL, Position, SourceError, SpanRead
+
+from .support.harness import backdated, insert_events
+from .support.spark_source import consumer_row, executor_role, record_batches, stream_exactly_once
+
+
+@pytest.fixture
+def stream(conn: psycopg.Connection) -> psycopg.Connection:
+    conn.execute("select pgstream.ensure_stream(1)")
+    conn.execute("select pgstream.ensure_stream(2)")
+    return conn
+
+
+def test_positions_caps_and_partitions(db_url: str, stream: psycopg.Connection) -> None:
+    insert_events(db_url, 1, 25)
+    insert_events(db_url, 2, 5)  # another stream's events and batches are never read
+    record_batches(db_url, 2, 5)
+    batches = record_batches(db_url, 1, 10)  # 10, 10, 5
+    (b1, ids1), (b2, ids2), (b3, _ids3) = batches
+    c = stream
+    assert spark_source.start_position(c, 1, "earliest") == BEFORE_ALL
+    assert spark_source.start_position(c, 1, "latest") == Position(b3, 5)
+    # an event id: just before it, in its batch's commit order
+    assert spark_source.start_position(c, 1, str(ids2[3])) == Position(b2, 3)
+    assert spark_source.start_position(c, 1, "2000-01-01T00:00:00Z") == Position(b1, 0)
+    assert spark_source.start_position(c, 1, "2999-01-01") == Position(b3, 5)
+    with pytest.raises(SourceError, match="no recorded batch of stream 1 holds event"):
+        spark_source.start_position(c, 1, "999999")
+    with pytest.raises(SourceError, match="startingPosition must be"):
+        spark_source.start_position(c, 1, "yesterday")
+
+    # caps cut batches where they must; no cap: the ledger's end
+    assert spark_source.next_position(c, 1, BEFORE_ALL, 7) == Position(b1, 7)
+    assert spark_source.next_position(c, 1, Position(b1, 7), 7) == Position(b2, 4)
+    assert spark_source.next_position(c, 1, Position(b2, 4), 100) == Position(b3, 5)
+    assert spark_source.next_position(c, 1, Position(b1, 10), None) == Position(b3, 5)
+    assert spark_source.next_position(c, 1, Position(b3, 5), 3) == Position(b3, 5)  # nothing new
+
+    spans = spark_source.spans_between(c, 1, Position(b1, 7), Position(b3, 2))
+    assert spans == [SpanRead(b1, 8, 10), SpanRead(b2, 1, 10), SpanRead(b3, 1, 2)]
+    groups = spark_source.split_spans(spans, 3, 1000)
+    assert [sum(s.events for s in g) for g in groups] == [5, 5, 5]
+    assert [s for g in groups for s in g] == [SpanRead(b1, 8, 10), SpanRead(b2, 1, 2), SpanRead(b2, 3, 7),
+                                              SpanRead(b2, 8, 10), SpanRead(b3, 1, 2)]
+    assert spark_source.split_spans(spans, 1, 4)[0] == [SpanRead(b1, 8, 10), SpanRead(b2, 1, 1)]
+    assert spark_source.spans_between(c, 1, Position(b3, 2), Position(b3, 2)) == []
+    assert ids1
+
+
+def test_bad_options_are_named_and_the_url_is_never_shown(db_url: str, stream: psycopg.Connection) -> None:
+    from pgstream_dagster.engine.spark_source import EventsReader, StreamReader
+
+    base = {"url": db_url, "stream": "1", "consumer": "c1"}
+    for options, message in [({**base, "stream": "one"}, "option 'stream' must be an integer, got 'one'"),
+                             ({**base, "stream": "0"}, "option 'stream' must be >= 1, got 0"),
+                             ({k: v for k, v in base.items() if k != "consumer"}, "option 'consumer' is required"),
+                             ({k: v for k, v in base.items() if k != "url"}, "option 'url' is required"),
+                             ({**base, "maxEventsPerTrigger": "-3"}, "'maxEventsPerTrigger' must be >= 0"),
+                             ({**base, "failOnDataLoss": "maybe"}, "'failOnDataLoss' must be true or false")]:
+        with pytest.raises(SourceError, match=message):
+            StreamReader(options)
+    with pytest.raises(SourceError, match="option 'fromTime' must be an ISO time, got 'monday'"):
+        EventsReader({**base, "fromTime": "monday"})
+    # a wrong password: the message names the failure, never the URL or its password
+    secret = "s3cret-Pa55word"
+    bad = db_url.replace("postgres@", f"nobody:{secret}@")
+    with pytest.raises(SourceError) as info:
+        StreamReader({**base, "url": bad}).initialOffset()
+    assert "cannot connect to the database of option 'url'" in str(info.value)
+    assert secret not in str(info.value) and bad not in str(info.value)
+    with pytest.raises(SourceError, match="not a valid database URL") as info:
+        StreamReader({**base, "url": f"host=x password={secret} ==="}).initialOffset()
+    assert secret not in str(info.value)
+
+
+def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psycopg.Connection) -> None:
+    insert_events(db_url, 1, 12)
+    (b1, _), (b2, _) = record_batches(db_url, 1, 6)
+    with executor_role(db_url) as url, psycopg.connect(url, autocommit=True) as ex:
+        spark_source.commit_consumer(ex, "lake.orders", 1, Position(b1, 4))
+        assert consumer_row(db_url, "lake.orders") == (b1, 4, 8)
+        spark_source.commit_consumer(ex, "lake.orders", 1, Position(b2, 6))
+        assert consumer_row(db_url, "lake.orders") == (b2, 6, 0)
+        bad: list[tuple[Any, ...]] = [
+            ("bad name!", 1, b1, 1, "a consumer name is"),
+            ("x", 99, 0, 0, "no stream 99"),
+            ("x", 1, b1, 7, "is no position of stream 1"),  # past the batch's 6 events
+            ("x", 2, b1, 1, "is no position of stream 2"),  # another stream's batch
+            ("x", 1, 0, 3, "batch 0"),
+            ("lake.orders", 2, 0, 0, "reads stream 1, not stream 2"),
+        ]
+        for name, stream_id, batch_id, ord_, message in bad:
+            with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
+                ex.execute("select pgstream.consumer_commit(%s, %s, %s, %s)", [name, stream_id, batch_id, ord_])
+        # least privilege: positions through consumer_commit only
+        for statement in ["update pgstream.consumers set max_retention_days = 3650",
+                          "insert into pgstream.consumers (name, stream_id, batch_id, ord) values ('y', 1, 0, 0)",
+                          "delete from pgstream.consumers",
+                          "select pgstream.set_consumer_retention('lake.orders', 3650)",
+                          "select pgstream.drop_consumer('lake.orders')",
+                          "select * from pgstream.consumer_status",
+                          "update pgstream.batches set status = 'delivered'"]:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                ex.execute(statement)
+    rows = stream.execute("select name, stream_id, batch_id, ord, max_retention_days from pgstream.consumers"
+                          ).fetchall()
+    assert rows == [("lake.orders", 1, b2, 6, 30)]
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
+    from pgstream_dagster.engine.spark import spark_conf
+    from pgstream_dagster.engine.spark_source import register
+
+    builder = SparkSession.builder
+    for key, value in spark_conf("local[2]", None, {}).items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.conf.set("spark.sql.python.filterPushdown.enabled", "true")  # for pushFilters=true
+    register(session)
+    yield session
+
+
+def test_stream_killed_mid_stream_and_restarted_reads_each_event_once(
+        db_url: str, stream: psycopg.Connection, tmp_path: Path) -> None:
+    # restarted with Trigger.AvailableNow: it reads to the ledger's end and stops by itself
+    stream_exactly_once(db_url, tmp_path, {"spark.master": "local[2]"}, restart="available_now")
+
+
+def test_batch_read_pushes_filters_down_and_reports_delivery_state(
+        db_url: str, stream: psycopg.Connection, spark: Any, pg: LocalPostgres) -> None:
+    c = stream
+    yesterday = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
+    # 40 events of stream 1 yesterday (subscriptions a/b, INSERT/UPDATE), 40 today, 10 of stream 2
+    backdated(c, "insert into pgstream.events (payload, stream_id, created_at) select jsonb_build_object("
+              "'tg_name', case when g %% 2 = 0 then 'a' else 'b' end, 'tg_op', case when g %% 4 < 2 then 'INSERT' "
+              "else 'UPDATE' end, 'tg_table_schema', 'public', 'tg_table_name', 't', 'n', g), 1, %s "
+              "from generate_series(0, 39) g", [yesterday])
+    c.execute("insert into pgstream.events (payload, stream_id) select jsonb_build_object("
+              "'tg_name', case when g % 2 = 0 then 'a' else 'b' end, 'tg_op', case when g % 4 < 2 then 'INSERT' "
+              "else 'UPDATE' end, 'tg_table_schema', 'public', 'tg_table_name', 't', 'n', g), 1 "
+              "from generate_series(40, 79) g")
+    insert_events(db_url, 2, 10)
+    record_batches(db_url, 2, 10)
+    batches = record_batches(db_url, 1, 30)[:2]  # the last 20 events are in the third batch: dropped
+    c.execute("delete from pgstream.batches where stream_id = 1 and id not in (%s, %s)",
+              [batches[0][0], batches[1][0]])
+    delivered, pending = batches
+    c.execute("update pgstream.batches set status = 'delivered', delivered_at = now(), attempts = 2 where id = %s",
+              [delivered[0]])
+    dead = pending[1][4]
+    c.execute("insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, error) "
+              "values (1, %s, 'deliver', %s, 5, 'rejected: 422')", [dead, pending[0]])
+
+    with executor_role(db_url) as url:
+        role = url.split("://", 1)[1].split("@", 1)[0]
+        c.execute(f"alter role {role} set log_statement = 'all'")
+        log = pg.datadir / "server.log"
+        since = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+
+        def load(**options: str) -> Any:
+            reader = spark.read.format("pgstream").option("url", url).option("stream", "1")
+            for key, value in options.items():
+                reader = reader.option(key, value)
+            return reader.load()
+
+        # the options: conditions of the query Postgres runs
+        seen = log.stat().st_size
+        got = load(subscription="a", operation="update,delete", fromTime=since.isoformat()).collect()
+        by_options = log.read_text(errors="replace")[seen:]
+        # Spark's filters, pushed down (pushFilters)
+        seen = log.stat().st_size
+        pushed_df = load(pushFilters="true", numPartitions="3")
+        pushed = pushed_df.where((pushed_df.subscription == "a") & (pushed_df.operation.isin("UPDATE", "DELETE"))
+                                 & (pushed_df.created_at >= since)).collect()
+        by_filters = log.read_text(errors="replace")[seen:]
+        # why pushFilters is opt-in: Spark 4.3 reads the same DataFrame's later unfiltered query with
+        # the reader its filtered query pushed filters into (if this starts failing, Spark fixed it)
+        assert pushed_df.count() == len(pushed) != 80
+        everything = load(numPartitions="3").collect()
+
+    want = [r[0] for r in c.execute(
+        "select id from pgstream.events where stream_id = 1 and payload->>'tg_name' = 'a' and payload->>'tg_op' = "
+        "'UPDATE' and created_at >= %s order by id", [since])]
+    assert len(want) == 10
+    assert sorted(r.id for r in got) == want and sorted(r.id for r in pushed) == want
+    # the selections ran in Postgres: the statements the executor role issued hold them
+    for issued in (by_options, by_filters):
+        assert "/* pgstream source: events */" in issued
+        for condition in ["(e.payload ->> 'tg_name') = ", "(e.payload ->> 'tg_op') = any($", "e.created_at >= $"]:
+            assert condition in issued, issued[-3000:]
+
+    # delivery state: each event's batch and ordinal, the batch's status, time and attempts, dead letters
+    by_id = {r.id: r for r in everything}
+    assert len(by_id) == 80
+    for batch_id, ids in batches:
+        for i, event_id in enumerate(ids, start=1):
+            row = by_id[event_id]
+            assert (row.batch_id, row.ord) == (batch_id, i)
+            assert row.batch_status == ("delivered" if batch_id == delivered[0] else "pending")
+            assert (row.delivered_at is not None) == (batch_id == delivered[0])
+            assert row.attempts == (2 if batch_id == delivered[0] else 0)
+            assert row.dead_letter == (event_id == dead)
+    assert by_id[dead].dead_letter_status == "open" and by_id[dead].dead_letter_error == "rejected: 422"
+    unbatched = set(by_id) - {e for _b, ids in batches for e in ids}
+    assert len(unbatched) == 20 and all(by_id[e].batch_id is None and by_id[e].batch_status is None
+                                        for e in unbatched)
+    assert {r.subscription for r in everything} == {"a", "b"} and {r.table_name for r in everything} == {"t"}
+
+
+def test_the_pyspark_resource_registers_the_source_on_its_session(spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The code location's ``pyspark`` resource registers ``format("pgstream")`` once, when it creates
+    its session (ops then use the format name directly)."""
+    from pgstream_dagster.defs import resources
+    from pgstream_dagster.engine.spark import spark_conf
+
+    registered: list[Any] = []
+    monkeypatch.setattr(resources, "register", registered.append)
+    resource = resources.PgstreamSparkResource(spark_config=spark_conf("local[2]", None, {}))
+    session = resource.spark_session
+    assert resource.spark_session is session and registered == [session]
