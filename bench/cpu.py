@@ -37,7 +37,13 @@ caches and the scheduler. Prints a table and one JSON line; appends the table to
 stays open (``linger_secs`` 3) while the sensor ticks, as the daemon and a run worker do (the sensor
 then peeks and advances far more often); ``--statements N`` loads pg_stat_statements and lists the
 statements that took the most time during delivery.
-Usage: python bench/cpu.py [--events 200000] [--writers 2] [--rows 100] [--overlap | --open] [--statements N]
+Row and statement mode: by default the bench runs itself twice in child processes, once with the
+subscription in each ``trigger_mode`` (``--modes``; ``--trigger-mode`` runs one mode in this
+process), prints them side by side and exits non-zero when the pipeline's CPU over the writing CPU
+of either mode is over ``--goal`` (default 1.0). It prints the commit and the load average before
+and after.
+Usage: python bench/cpu.py [--modes row,statement] [--goal 1.0] [--events 200000] [--writers 2] [--rows 100]
+                           [--overlap | --open] [--statements N]
                            [--label L] [--json F] [--no-record]
        python bench/cpu.py --compare before.json after.json   (side by side)
 """
@@ -49,6 +55,7 @@ import datetime as dt
 import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +70,7 @@ import psycopg
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TABLE_SQL, Driver, delivered_events, machine, write_config
+from common import TABLE_SQL, Driver, Goals, delivered_events, load_after, machine, write_config
 
 import pgstream_dagster
 from pgstream_dagster.config import DeliveryConfig, load_config
@@ -426,6 +433,49 @@ def table(*results: dict[str, Any]) -> list[str]:
     return out
 
 
+def _modes(args: argparse.Namespace) -> None:
+    """Each trigger mode in a child process (the same arguments, ``--trigger-mode``), side by side."""
+    header = machine()
+    forwarded: list[str] = []
+    skip = False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--modes", "--goal", "--json", "--label"):
+            skip = True
+            continue
+        if arg.startswith(("--modes=", "--goal=", "--json=", "--label=")) or arg == "--no-record":
+            continue
+        forwarded.append(arg)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="pgstream-cpu-modes-") as tmp:
+        for mode in args.modes.split(","):
+            out = Path(tmp) / f"{mode}.json"
+            child = [sys.executable, __file__, *forwarded, "--trigger-mode", mode, "--json", str(out), "--no-record",
+                     "--label", f"{mode} mode{', ' + args.label if args.label else ''}"]
+            if subprocess.run(child, check=False, cwd=tmp).returncode != 0:
+                raise SystemExit(f"bench/cpu.py: the {mode} mode run failed")
+            results.append(json.loads(out.read_text()))
+    after = load_after()
+    goals = Goals()
+    for r in results:
+        goals.check(f"{r['label']}: pipeline CPU / writing CPU", r["summary"]["pipeline_over_writing"],
+                    at_most=args.goal)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"\n## CPU per stage (bench/cpu.py), row and statement mode, {stamp}, {args.events:,} events"
+             f"{', ' + args.label if args.label else ''}",
+             f"Machine: {header}; {after}. Method: bench/cpu.py --modes {args.modes}: one child process per "
+             f"trigger mode, one after the other, each with its own private Postgres ({'--open' if args.open else ''}"
+             f"{' --overlap' if args.overlap and not args.open else ''}); the last column is the last mode over the "
+             "first.", "", *table(*results), "", *goals.lines()]
+    print("\n".join(lines))
+    if not args.no_record:
+        with (HERE / "RESULTS.md").open("a") as f:
+            f.write("\n".join(lines) + "\n")
+    goals.finish()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=200_000)
@@ -454,12 +504,20 @@ def main() -> None:
     parser.add_argument("--statements", type=int, default=0, metavar="N",
                         help="load pg_stat_statements and report the N statements that took the most time "
                              "during delivery (to find what a Postgres figure is made of)")
+    parser.add_argument("--modes", default="row,statement",
+                        help="trigger modes to measure, each in a child process, side by side")
+    parser.add_argument("--trigger-mode", choices=("row", "statement"),
+                        help="measure this one trigger mode in this process")
+    parser.add_argument("--goal", type=float, default=1.0, help="pipeline CPU / writing CPU must be at most this")
     parser.add_argument("--compare", type=Path, nargs="+", metavar="JSON",
                         help="print the results saved with --json side by side (no run)")
     args = parser.parse_args()
     args.overlap = args.overlap or args.open
     if args.compare:
         print("\n".join(table(*(json.loads(path.read_text()) for path in args.compare))))
+        return
+    if args.trigger_mode is None:
+        _modes(args)
         return
     header = machine()
     n = args.events
@@ -484,13 +542,14 @@ def main() -> None:
                       "delivery": {"chunk_size": args.chunk, "max_events_per_run": args.max_events_per_run,
                                    "linger_secs": 3 if args.open else 0,
                                    "read_slot": not args.peek, "direct_max_events": args.direct_max_events}}
-            config_path = write_config(tmpdir / "cpu.yaml", url, stream)
+            config_path = write_config(tmpdir / "cpu.yaml", url, stream, trigger_mode=args.trigger_mode)
             cfg = load_config(config_path).streams[0]
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute(TABLE_SQL.replace("bench_orders", "bench_plain"))
                 if args.statements:
                     conn.execute("create extension if not exists pg_stat_statements")
-            result: dict[str, Any] = {"events": n, "writers": args.writers, "rows": args.rows, "label": args.label,
+            result: dict[str, Any] = {"events": n, "writers": args.writers, "rows": args.rows,
+                                      "label": args.label or f"{args.trigger_mode} mode",
                                       "module": pgstream_dagster.__file__}
             # 1. the insert alone, before any slot exists (its WAL is nobody's to decode)
             result["write_plain"] = write_phase(url, "bench_plain", n, args.writers, args.rows, postmaster)[0]
@@ -573,14 +632,16 @@ def main() -> None:
         finally:
             pg.destroy()
     result["summary"] = summary(result)
+    after = load_after()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     d, s = result["deliver"], result["summary"]
     driving = ("open runs in a thread, linger_secs 3, while the sensor ticks" if args.open
                else "serial: sensor tick, then the requested run")
     lines_out = [
         f"\n## CPU per stage (bench/cpu.py) {stamp}, {n:,} events{', ' + args.label if args.label else ''}",
-        f"Machine: {header}. Method: bench/cpu.py; {args.writers} writer processes, {args.rows} rows per insert "
-        f"statement, fsync off, synchronous_commit off, autovacuum off; "
+        f"Machine: {header}; {after}. Method: bench/cpu.py; {args.writers} writer processes, {args.rows} rows per "
+        f"insert statement, subscription in {args.trigger_mode} mode, fsync off, synchronous_commit off, "
+        "autovacuum off; "
         f"{'while they write (--overlap)' if args.overlap else 'then, once they are done,'} the stream driven "
         "in-process "
         f"({driving}, "
