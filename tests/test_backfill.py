@@ -464,3 +464,62 @@ def test_a_backfill_waits_while_the_stream_has_a_large_backlog(items_stream: str
         c.execute("update pgstream.stream_counters set value = 45000 where name = 'events_done'")  # 5,000 left
     thread.join(60)
     assert outcomes and outcomes[0].done and outcomes[0].progress.rows_read == 3000
+
+
+def test_read_payload_is_byte_for_byte_the_triggers_payload(db_url: str, tmp_path: Path) -> None:
+    """The backfill builds its payload with to_jsonb of typed rows (types resolved once per chunk),
+    the trigger with jsonb_build_object: for the same row, with columns of many types (nulls, a
+    domain, a composite, arrays, json with duplicate keys, NaN), a subset of the columns in another
+    order, a column named like a payload key, payload extensions and metadata, the two payloads are
+    the same jsonb, byte for byte (binary send form and text), but for tg_op and timestamp."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create domain public.money2 as numeric(12, 2)")
+        c.execute("create type public.pt as (x int, label text)")
+        c.execute("""create table public.kinds (
+            id int primary key, n numeric, m public.money2, f float8, txt text, ts timestamptz, d date,
+            b boolean, j json, jb jsonb, arr int[], tarr text[], p public.pt, bin bytea, u uuid, iv interval,
+            "timestamp" text, "new" int, big bigint)""")
+        rows = """insert into public.kinds select g, g * 1.50, g / 3.0, case when g %% 7 = 0 then 'NaN'::float8
+                  else g / 7.0 end, case when g %% 5 = 0 then null else e'caf\\u00e9 "q" \\\\ ' || g end,
+                  '2026-01-02 03:04:05.123456+00'::timestamptz + g * interval '1 min', date '2026-01-01' + g,
+                  g %% 2 = 0, '{"a": 1, "a": 2, "z": [1, 2.50]}'::json, jsonb_build_object('k', g, 'n', null),
+                  array[g, null, 3], array['x', null], row(g, 'l' || g)::public.pt, '\\xdeadbeef'::bytea,
+                  gen_random_uuid(), g * interval '1 hour', 'ts ' || g, -g, 9007199254740993 + g
+                  from generate_series(%s::int, %s::int) g"""
+    _config(tmp_path, db_url, [{
+        "key": "kinds", "stream_id": 1, "operation": "INSERT", "schema_name": "public", "table_name": "kinds",
+        "column_names": ["tarr", "id", "n", "m", "f", "txt", "ts", "d", "b", "j", "jb", "arr", "p", "bin", "u", "iv",
+                         "timestamp", "new", "big"],
+        "metadata": {"source": "kinds"},
+        "payload_extensions": [{"json_path": "extra.total", "expression": "new.n * 2"},
+                               {"json_path": "kind", "expression": "'row ' || new.txt"}]}])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("set session_replication_role = replica")  # no trigger: rows the backfill reads
+        c.execute(rows, [1, 120])
+        c.execute("set session_replication_role = origin")
+    request = backfill.Request(1, ["kinds"], parallelism=2, chunk_size=17, where="new.id % 2 = 0 or new.txt is null")
+    _, backfill_id = _open(db_url, request)
+    assert _run(db_url, request, backfill_id).progress.events_written == 72
+    with psycopg.connect(db_url, autocommit=True) as c:
+        reads = c.execute("select id, (payload->'new'->>'id')::int from pgstream.events "
+                          "where payload->>'tg_op' = 'READ' order by id").fetchall()
+        assert len(reads) == 72
+        for event_id, row_id in reads:
+            # the same row through the trigger: deleted and inserted again, same values
+            with c.transaction():
+                c.execute("create temp table pgstream_test_row on commit drop as "
+                          "select * from public.kinds where id = %s", [row_id])
+                c.execute("delete from public.kinds where id = %s", [row_id])
+                c.execute("insert into public.kinds select * from pgstream_test_row")
+            same = c.execute("""
+                select jsonb_send(t.payload - 'tg_op' - 'timestamp') = jsonb_send(r.payload - 'tg_op' - 'timestamp'),
+                       (t.payload - 'tg_op' - 'timestamp')::text = (r.payload - 'tg_op' - 'timestamp')::text,
+                       r.payload->>'tg_op', jsonb_typeof(r.payload->'timestamp'), r.metadata = t.metadata,
+                       r.metadata, t.payload::text, r.payload::text
+                from pgstream.events r,
+                     lateral (select * from pgstream.events t where t.payload->>'tg_op' = 'INSERT'
+                              order by t.id desc limit 1) t
+                where r.id = %s""", [event_id]).fetchone()
+            assert same is not None
+            assert same[:6] == (True, True, "READ", "number", True, {"source": "kinds"}), same
+            assert f'"new": {{"id": {row_id},' in same[7] or f'"id": {row_id}' in same[7]
