@@ -157,5 +157,6 @@ grant insert (stream_id, event_id, stage, batch_id, ord, event_created_at, paylo
 grant select (id, status, owner_token) on pgstream.backfills to pgstream_executor;
 grant execute on function
     pgstream.backfill_chunk(bigint, integer, uuid, integer),
-    pgstream.backfill_next_key(bigint, integer)
+    pgstream.backfill_next_key(bigint, integer),
+    pgstream.backfill_backlog(bigint)
     to pgstream_executor;
