@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-cpu bench-backfill bench-cold-start clean
 
 # reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
@@ -76,6 +76,12 @@ bench-redis: $(STAMP)
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/cpu.py
+
+bench-backfill: $(STAMP)
+	$(BIN)/python bench/backfill.py
+
+bench-cold-start: $(STAMP)
+	$(BIN)/python bench/cold_start.py
 
 # stops the services first: a Postgres left running on a deleted .pgstream/ would keep its port and memory
 clean: stop

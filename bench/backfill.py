@@ -54,6 +54,7 @@ from common import (
     machine,
     run_child,
     spread,
+    tree_secs,
     write_config,
 )
 from latency import _pct, _writer
@@ -125,13 +126,18 @@ def _throughput(url: str, tmpdir: Path, name: str, how: str, args: argparse.Name
         execute = backfill.spark_executor(spark, url)
     else:
         execute = _threads(url)
+    with psycopg.connect(url, autocommit=True) as conn:
+        (datadir,) = conn.execute("show data_directory").fetchone() or ("",)
+    postmaster = int((Path(datadir) / "postmaster.pid").read_text().split()[0])
     done: dict[str, float] = {}
+    pg_cpu = tree_secs(postmaster)  # Postgres' CPU (backends, also the ended ones): robust to the machine's load
     _run_backfill(url, execute, args.parallelism, None, None, done)
+    pg_cpu = tree_secs(postmaster) - pg_cpu
     with psycopg.connect(url, autocommit=True) as conn:
         events = conn.execute("select count(*) from pgstream.events where stream_id = 1").fetchone()
     assert events == (args.rows,), (events, args.rows)
     return {"how": how, "rows": args.rows, "secs": done["secs"], "rows_per_sec": args.rows / done["secs"],
-            "warmup_secs": warmup}
+            "warmup_secs": warmup, "pg_us_per_row": pg_cpu / args.rows * 1e6}
 
 
 def _warm(batches: Any) -> Any:
@@ -294,11 +300,19 @@ def main() -> None:
                      f"{', '.join(f'{x:.2f}' for x in pairs)})")
         if label == "current":
             goals.check("backfill through Spark / the same partitions in threads", ratio, at_least=args.spark_goal)
+    for label, _ in trees:
+        cpu = [r["pg_us_per_row"] for r in runs if r["code"] == label]
+        if cpu:
+            lines.append(f"- {label}: Postgres CPU per row (all its processes, CPU time, not wall): "
+                         f"{spread(cpu, '{:.1f}')} µs")
     if args.baseline and runs:
         for how in ("spark", "threads"):
             cur = statistics.median([r["rows_per_sec"] for r in runs if r["code"] == "current" and r["how"] == how])
             base = statistics.median([r["rows_per_sec"] for r in runs if r["code"] == "baseline" and r["how"] == how])
-            lines.append(f"- {how}: current / baseline {cur / base:.2f}x (medians)")
+            lines.append(f"- {how}: current / baseline {cur / base:.2f}x rows/s (medians)")
+        cur = statistics.median([r["pg_us_per_row"] for r in runs if r["code"] == "current"])
+        base = statistics.median([r["pg_us_per_row"] for r in runs if r["code"] == "baseline"])
+        lines.append(f"- Postgres CPU per row: current / baseline {cur / base:.2f}x (medians)")
     if latency:
         alone = latency["alone"]
         lines.append(f"- live stream, 1 row every {args.interval}s for {args.duration:.0f}s, webhook (batch), open "

@@ -52,7 +52,7 @@ def commit() -> str:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", "pgstream_dagster", "sql",
-                                "bench"], check=False).returncode != 0
+                                "bench", ":!bench/RESULTS.md"], check=False).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -286,3 +286,55 @@ def run_child(command: list[str], cwd: Path, tree: Path | None, what: str) -> di
     if tree is not None and not result["module"].startswith(str(tree)):
         raise SystemExit(f"{what}: the baseline child imported {result['module']}, not the baseline package")
     return result
+
+
+# --- CPU counters (/proc) -----------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def sched_secs(pid: int) -> float:
+    """CPU time of a single-threaded process (a Postgres backend), in ns precision."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+def _stat(pid: int, children: bool = True) -> tuple[int, float] | None:
+    """(parent pid, utime + stime [+ cutime + cstime] in seconds) of ``pid``; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+    # fields[0] is the state (field 3); utime..cstime are fields 14-17
+    return int(fields[1]), sum(int(x) for x in fields[11:15 if children else 13]) / _TICK
+
+
+def own_secs(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads), without its children."""
+    st = _stat(pid, children=False)
+    return st[1] if st else 0.0
+
+
+def tree_secs(root: int) -> float:
+    """CPU of ``root`` and every live descendant, with what their reaped children spent."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                parents[int(entry)], cpu[int(entry)] = st
+    total, todo = 0.0, [root]
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+# --- writers ------------------------------------------------------------------------------------

@@ -70,7 +70,18 @@ import psycopg
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TABLE_SQL, Driver, Goals, delivered_events, load_after, machine, write_config
+from common import (
+    TABLE_SQL,
+    Driver,
+    Goals,
+    delivered_events,
+    load_after,
+    machine,
+    own_secs,
+    sched_secs,
+    tree_secs,
+    write_config,
+)
 
 import pgstream_dagster
 from pgstream_dagster.config import DeliveryConfig, load_config
@@ -81,57 +92,8 @@ from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.sinks.file import FileSink
 
 HERE = Path(__file__).resolve().parent
-_TICK = os.sysconf("SC_CLK_TCK")
 PER = 100_000  # events per reported unit
 
-
-# --- CPU counters -------------------------------------------------------------------------------
-
-def sched_secs(pid: int) -> float:
-    """CPU time of a single-threaded process (a Postgres backend), in ns precision."""
-    with open(f"/proc/{pid}/schedstat") as f:
-        return int(f.read().split()[0]) / 1e9
-
-
-def _stat(pid: int, children: bool = True) -> tuple[int, float] | None:
-    """(parent pid, utime + stime [+ cutime + cstime] in seconds) of ``pid``; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
-    # fields[0] is the state (field 3); utime..cstime are fields 14-17
-    return int(fields[1]), sum(int(x) for x in fields[11:15 if children else 13]) / _TICK
-
-
-def own_secs(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads), without its children."""
-    st = _stat(pid, children=False)
-    return st[1] if st else 0.0
-
-
-def tree_secs(root: int) -> float:
-    """CPU of ``root`` and every live descendant, with what their reaped children spent."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _stat(int(entry))
-            if st is not None:
-                parents[int(entry)], cpu[int(entry)] = st
-    total, todo = 0.0, [root]
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo.extend(children.get(pid, []))
-    return total
-
-
-# --- writers ------------------------------------------------------------------------------------
 
 def _writer(url: str, table: str, first: int, count: int, rows: int, out: Any) -> None:
     """Insert ``count`` rows, ``rows`` per statement (autocommit: one transaction each); report the
