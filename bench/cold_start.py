@@ -8,8 +8,8 @@ one verified user every ``--interval`` s (the events of rows committed before th
 exists are not the stream's). Phases: *first* (a fresh .pgstream/: initdb, migrations, Spark Connect
 server start) and then ``--restarts`` times *restart* (`dg dev` stopped and started again: Postgres
 and the Spark Connect server reused, as a developer's second `make dev`). Each phase reports, from
-the process start: the preparation done ("ready in"), the stream's slot created (the sensor's first
-tick), the first delivery run created and started (Dagster's run storage), and the first event in
+the process start: the preparation done ("ready in"), the stream's slot there (the preparation's
+`init` creates it), the first delivery run created and started (Dagster's run storage), and the first event in
 the demo's sink file; the machine's load average before and after. Exits 1 when a restart's
 first event takes longer than ``--goal`` seconds (default 10).
 Usage: python bench/cold_start.py [--restarts 2] [--goal 10] [--interval 0.2]
@@ -195,8 +195,8 @@ def main() -> None:
     lines = [f"\n## Cold start of `make dev` {stamp}",
              f"Machine: {header}; {after}. Method: bench/cold_start.py; `pgstream-dagster dev --root <a copy of the "
              "checkout's yaml files>` started, times from the process start: preparation done (`ready in`), the "
-             "stream's slot created (first sensor tick), the first delivery run created and started (Dagster's run "
-             f"storage), the first event in the demo's sink; a writer inserts a verified user every {args.interval}s "
+             "stream's slot exists (created by the preparation's init), the first delivery run created and started "
+             f"(Dagster's run storage), the first event in the demo's sink; a writer inserts a verified user every {args.interval}s "
              "from when demo.users exists; *first* = a fresh .pgstream/ (initdb, migrations, Spark Connect server "
              "start), *restart* = `dg dev` stopped and started again (Postgres and Spark Connect server reused)."]
     for name, r in results:
