@@ -196,7 +196,8 @@ def main() -> None:
              f"Machine: {header}; {after}. Method: bench/cold_start.py; `pgstream-dagster dev --root <a copy of the "
              "checkout's yaml files>` started, times from the process start: preparation done (`ready in`), the "
              "stream's slot exists (created by the preparation's init), the first delivery run created and started "
-             f"(Dagster's run storage), the first event in the demo's sink; a writer inserts a verified user every {args.interval}s "
+             "(Dagster's run storage), the first event in the demo's sink; a writer inserts a verified user every "
+             f"{args.interval}s "
              "from when demo.users exists; *first* = a fresh .pgstream/ (initdb, migrations, Spark Connect server "
              "start), *restart* = `dg dev` stopped and started again (Postgres and Spark Connect server reused)."]
     for name, r in results:
