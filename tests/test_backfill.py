@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -523,3 +524,52 @@ def test_read_payload_is_byte_for_byte_the_triggers_payload(db_url: str, tmp_pat
             assert same is not None
             assert same[:6] == (True, True, "READ", "number", True, {"source": "kinds"}), same
             assert f'"new": {{"id": {row_id},' in same[7] or f'"id": {row_id}' in same[7]
+
+
+def _claimed(url: str, request: backfill.Request) -> tuple[int, str]:
+    """A backfill opened and claimed by a fresh owner token (as ``run`` does), for run_partition."""
+    _, backfill_id = _open(url, request)
+    token = str(uuid.uuid4())
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("select pgstream.backfill_claim(%s, %s::uuid, 'test')", (backfill_id, token))
+    return backfill_id, token
+
+
+def test_a_partition_task_waits_for_the_backlog_before_each_chunk(items_stream: str) -> None:
+    """Inside a round (a Spark task), before each chunk: no chunk while the stream has more than
+    ``max_backlog`` undelivered events; it goes on once the stream caught up."""
+    url = items_stream
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("insert into pgstream.stream_counters (stream_id, name, label, value) values "
+                  "(1, 'events_recorded', '', 50000), (1, 'events_done', '', 10000)")
+    backfill_id, token = _claimed(url, backfill.Request(1, ["items"], parallelism=1))
+    waits: list[float] = []
+
+    def sleep(secs: float) -> None:
+        waits.append(secs)
+        with psycopg.connect(url, autocommit=True) as c:
+            assert backfill.progress(c, backfill_id).rows_read == 0  # waiting: nothing read
+            if len(waits) == 3:
+                c.execute("update pgstream.stream_counters set value = 45000 where name = 'events_done'")
+
+    pace = backfill.Pace(60, max_backlog=30_000, stream_id=1)
+    result = backfill.run_partition(url, backfill_id, 0, token, 500, pace, sleep=sleep)
+    assert (result.status, result.rows, len(waits)) == ("done", 3000, 3)
+
+
+def test_a_throttled_partition_reads_small_chunks_not_bursts(items_stream: str) -> None:
+    """With a rate, a chunk holds at most PACED_CHUNK_SECS of the partition's share of it (here 2,000
+    rows/s: 500 rows, not the 1,000 of chunk_size), and the task sleeps between chunks to keep it."""
+    url = items_stream
+    backfill_id, token = _claimed(url, backfill.Request(1, ["items"], parallelism=1))
+    slept: list[float] = []
+
+    def sleep(secs: float) -> None:
+        slept.append(secs)
+        time.sleep(secs)
+
+    pace = backfill.Pace(60, rows_per_sec=2000)
+    result = backfill.run_partition(url, backfill_id, 0, token, 1000, pace, sleep=sleep)
+    assert (result.status, result.rows, result.chunks) == ("done", 3000, 3000 // int(2000 * backfill.PACED_CHUNK_SECS))
+    with psycopg.connect(url) as c:
+        assert c.execute("select count(*) from pgstream.events where payload->>'tg_op' = 'READ'").fetchone() == (3000,)

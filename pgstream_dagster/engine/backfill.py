@@ -406,11 +406,14 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
 
 def _backlog_below(conn: psycopg.Connection, pace: Pace, started: float, sleep: Callable[[float], None]) -> bool:
     """Until the stream has at most ``pace.max_backlog`` undelivered events; False if the round's
-    time is over first."""
-    while _backlog(conn, pace.stream_id) > (pace.max_backlog or 0):
-        if time.monotonic() - started >= pace.max_secs:
-            return False
-        sleep(BACKLOG_WAIT_SECS)
+    time is over first. A lost connection ends the wait: the chunk reconnects and retries."""
+    try:
+        while _backlog(conn, pace.stream_id) > (pace.max_backlog or 0):
+            if time.monotonic() - started >= pace.max_secs:
+                return False
+            sleep(BACKLOG_WAIT_SECS)
+    except _TRANSIENT:
+        return True
     return True
 
 
