@@ -59,9 +59,12 @@ DEFAULT_MAX_BACKLOG = 20_000
 #: how often a backfill waiting for the stream's backlog looks again
 BACKLOG_WAIT_SECS = 0.5
 #: how long a partition's task works in one round before it gives its Spark task slot back (a
-#: round is one Spark job: its start is paid once a round, so rounds are long; the task keeps the
-#: rate and the backlog bound itself, chunk by chunk)
+#: round is one Spark job: its start is paid once a round, so an unthrottled backfill's rounds are
+#: long; the task keeps the rate and the backlog bound itself, chunk by chunk)
 ROUND_SECS = 60.0
+#: the round of a throttled backfill: its tasks mostly sleep to keep the rate, so a job's start costs
+#: it nothing, and a Spark shared with deliveries gets the slots back every few seconds
+THROTTLED_ROUND_SECS = 5.0
 #: a throttled partition's chunk holds at most this many seconds of its share of the rate, so a
 #: live event never waits behind a burst of more READ events than that
 PACED_CHUNK_SECS = 0.25
@@ -489,9 +492,10 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
         ) -> Generator[Progress | Outcome, None, None]:
     """Run backfill ``backfill_id`` to its end in this process: take its lock (else
     :class:`BackfillBusy`), claim it, and read its unfinished partitions in parallel through
-    ``execute``, in rounds: each partition's task works up to :data:`ROUND_SECS` and gives its
-    Spark slot back, so that a Spark shared with the stream's deliveries (a Spark Connect server, a
-    cluster) runs them between rounds (a round is one Spark job, whose start is paid once a round).
+    ``execute``, in rounds: each partition's task works up to :data:`ROUND_SECS` (throttled:
+    :data:`THROTTLED_ROUND_SECS`) and gives its Spark slot back, so that a Spark shared with the
+    stream's deliveries (a Spark Connect server, a cluster) runs them between rounds (a round is one
+    Spark job, whose start is paid once a round).
     Within a round each task keeps its share of ``max_rows_per_sec`` chunk by chunk (throttled
     chunks hold at most :data:`PACED_CHUNK_SECS` of it) and waits before a chunk while the stream
     has more than ``max_backlog`` undelivered events, so READ events never arrive in bursts that
@@ -521,8 +525,9 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
             if not (yield from _wait_for_backlog(session, request, backfill_id, token, reporter)):
                 break
             # each task keeps its share of the rate and the backlog bound itself, chunk by chunk
-            pace = Pace(ROUND_SECS, rows_per_sec=request.max_rows_per_sec / len(parts) if request.max_rows_per_sec
-                        else None, max_backlog=request.max_backlog, stream_id=request.stream_id)
+            pace = Pace(THROTTLED_ROUND_SECS if request.max_rows_per_sec else ROUND_SECS,
+                        rows_per_sec=request.max_rows_per_sec / len(parts) if request.max_rows_per_sec else None,
+                        max_backlog=request.max_backlog, stream_id=request.stream_id)
             done = yield from _execute(backfill_id, token, parts, request.chunk_size, pace, execute, reporter)
             for r in done:
                 total = results.setdefault(r.part, PartitionResult(r.part, r.status))
