@@ -1,18 +1,25 @@
-"""Backfill benchmark (run by hand): existing rows -> READ events -> sink, and what a backfill does
-to a live stream's latency.
+"""Backfill benchmark (run by hand): existing rows -> READ events, and what a backfill does to a
+live stream's latency. Prints the commit and the load average before and after; exits 1 when a
+goal is missed.
 
-1. Throughput: a table of ``--rows`` rows (written with triggers off, so it starts with no events)
-   is backfilled (the engine's ``run`` on a local Spark, ``--parallelism`` tasks, no throttle) while
-   the stream is driven in-process (sensor ticks, delivery runs in a background thread, as the
-   daemon and a run worker do), once to the file sink and once to Redis. Reported: rows/s written
-   as events (backfill start -> backfill done) and rows/s delivered (backfill start -> last event
-   confirmed by the sink).
+1. Throughput, Spark against no Spark: a table of ``--rows`` rows (written with triggers off, so it
+   starts with no events) is backfilled by the engine's ``run`` (``--parallelism`` partitions, chunk
+   2000, no throttle, no backlog bound, nothing delivering), once through the local Spark
+   (``spark_executor``: the product's path) and once with the same partitions in plain threads
+   (``run_partition`` in a thread pool), interleaved ``--rounds`` times (S T S T), each in a fresh
+   database. Reported: rows/s written as events, median and spread of each, and Spark over threads
+   (goal >= ``--spark-goal``, default 0.9).
 2. Live latency: a writer commits one row every ``--interval`` s for ``--duration`` s into the same
-   table (an INSERT subscription, webhook sink in batch mode, receiver in a child process); once
-   alone, once while a backfill of ``--latency-rows`` rows runs with the default throttle
-   (``max_rows_per_sec`` 5,000), side by side in one run. Reported: p50/p99 commit -> receipt.
+   table (an INSERT subscription, webhook sink in batch mode, receiver in a child process; the
+   stream driven in-process, open runs); once alone, once while a backfill of ``--latency-rows``
+   rows runs through Spark with the defaults (``max_rows_per_sec`` 5,000, ``max_backlog`` 20,000),
+   side by side in one run. Reported: p50/p99 commit -> receipt; goals: p99 during the backfill at
+   most 10x the p99 alone and at most 0.25 s, and the backfill finished.
 
-Appended to bench/RESULTS.md. Usage: python bench/backfill.py [--rows 1000000] [--parallelism 2]
+Each phase runs in a child process on a fresh database; ``--baseline REF`` runs each phase with the
+package as of git REF too, interleaved with the current code's.
+Appended to bench/RESULTS.md. Usage: python bench/backfill.py [--rows 1000000] [--parallelism 2] [--rounds 2]
+       [--baseline REF]
 """
 
 from __future__ import annotations
@@ -22,19 +29,34 @@ import datetime as dt
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import psycopg
-import redis
+from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Driver, Webhook, delivered_events, machine, write_config
+from common import (
+    Driver,
+    Goals,
+    Webhook,
+    delivered_events,
+    extract_tree,
+    load_after,
+    machine,
+    run_child,
+    spread,
+    tree_secs,
+    write_config,
+)
 from latency import _pct, _writer
 
 from pgstream_dagster.devdb import ensure_running
@@ -55,18 +77,29 @@ def _fill(url: str, rows: int, seq_base: int) -> None:
         conn.execute("vacuum analyze public.bench_orders")
 
 
-def _run_backfill(url: str, spark: Any, parallelism: int, rate: float | None, done: dict[str, float]) -> None:
-    request = backfill.Request(1, ["bench-orders"], parallelism=parallelism, chunk_size=2000, max_rows_per_sec=rate)
+def _run_backfill(url: str, execute: backfill.Executor, parallelism: int, rate: float | None, backlog: int | None,
+                  done: dict[str, float]) -> None:
+    request = backfill.Request(1, ["bench-orders"], parallelism=parallelism, chunk_size=2000, max_rows_per_sec=rate,
+                               max_backlog=backlog)
     with psycopg.connect(url, autocommit=True) as conn:
         (target,) = backfill.targets(conn, request)
         backfill_id, _ = backfill.open_backfill(conn, target, request)
     started = time.monotonic()
-    for step in backfill.run(url, backfill_id, request, backfill.spark_executor(spark, url), run_id="bench",
-                             progress_secs=10):
+    for step in backfill.run(url, backfill_id, request, execute, run_id="bench", progress_secs=10):
         if isinstance(step, backfill.Outcome):
             assert step.done, step.progress.line()
             done["rows"] = step.progress.rows_read
     done["secs"] = time.monotonic() - started
+
+
+def _threads(url: str) -> backfill.Executor:
+    """The same partitions in plain threads (the engine's run_partition, no Spark)."""
+    def execute(backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
+                pace: backfill.Pace) -> list[backfill.PartitionResult]:
+        with ThreadPoolExecutor(len(parts)) as pool:
+            return list(pool.map(lambda p: backfill.run_partition(url, backfill_id, p, token, chunk_size, pace),
+                                 parts))
+    return execute
 
 
 def _spark(config: Path) -> Any:
@@ -76,39 +109,48 @@ def _spark(config: Path) -> Any:
     return open_session(load_config(config))
 
 
-def _throughput(pg: Any, tmpdir: Path, sink: dict[str, Any], name: str, args: argparse.Namespace) -> dict[str, Any]:
-    pg.create_database(name)
-    url = pg.url_for(name)
+def _throughput(url: str, tmpdir: Path, name: str, how: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One unthrottled backfill of ``--rows`` rows, nothing delivering: rows/s written as events."""
     migrate(url)
-    config = write_config(tmpdir / f"{name}.yaml", url, {
-        "id": 1, "sink": sink, "slot_name": name, "batch": {"max_size": 20_000, "max_fill_secs": 0.5},
-        "sensor": {"tick_budget_secs": 2}, "delivery": {"linger_secs": 30, "chunk_size": 5000}})
+    config = write_config(tmpdir / f"{name}.yaml", url, {"id": 1, "sink": {"type": "file",
+                                                                          "path": str(tmpdir / f"{name}.jsonl")}})
     _fill(url, args.rows, 0)
-    spark = _spark(config)
-    with dg.DagsterInstance.ephemeral() as instance:
-        driver = Driver(config, instance, background=True)
-        driver.step(1)  # the slot, and a first (empty) look
-        done: dict[str, float] = {}
+    warmup = 0.0
+    if how == "spark":
+        # the session and its Python workers warm, as a run worker's after its first job (the first
+        # job's start-up is paid once per process, not per round: reported apart)
+        spark = _spark(config)
         started = time.monotonic()
-        worker = threading.Thread(target=_run_backfill, args=(url, spark, args.parallelism, None, done))
-        worker.start()
-        with psycopg.connect(url, autocommit=True) as conn:
-            while delivered_events(conn, 1) < args.rows:
-                driver.step(1)
-                assert time.monotonic() - started < 3600, "not delivered within an hour"
-        delivered_secs = time.monotonic() - started
-        worker.join()
-        driver.wait()
-    return {"rows": args.rows, "backfill_secs": round(done["secs"], 1),
-            "written_rows_per_sec": round(args.rows / done["secs"]),
-            "delivered_secs": round(delivered_secs, 1), "delivered_rows_per_sec": round(args.rows / delivered_secs),
-            "runs": driver.runs, "failed_runs": driver.failed}
+        spark.range(0, args.parallelism, 1, args.parallelism).mapInArrow(_warm, "x long").collect()
+        warmup = time.monotonic() - started
+        execute = backfill.spark_executor(spark, url)
+    else:
+        execute = _threads(url)
+    with psycopg.connect(url, autocommit=True) as conn:
+        (datadir,) = conn.execute("show data_directory").fetchone() or ("",)
+    postmaster = int((Path(datadir) / "postmaster.pid").read_text().split()[0])
+    done: dict[str, float] = {}
+    pg_cpu = tree_secs(postmaster)  # Postgres' CPU (backends, also the ended ones): robust to the machine's load
+    _run_backfill(url, execute, args.parallelism, None, None, done)
+    pg_cpu = tree_secs(postmaster) - pg_cpu
+    with psycopg.connect(url, autocommit=True) as conn:
+        events = conn.execute("select count(*) from pgstream.events where stream_id = 1").fetchone()
+    assert events == (args.rows,), (events, args.rows)
+    return {"how": how, "rows": args.rows, "secs": done["secs"], "rows_per_sec": args.rows / done["secs"],
+            "warmup_secs": warmup, "pg_us_per_row": pg_cpu / args.rows * 1e6}
 
 
-def _latency(pg: Any, tmpdir: Path, webhook: Webhook, name: str, args: argparse.Namespace, with_backfill: bool,
+def _warm(batches: Any) -> Any:
+    import pyarrow as pa
+
+    import pgstream_dagster.engine.backfill  # noqa: F401  (what a backfill task imports)
+
+    for _batch in batches:
+        yield pa.RecordBatch.from_pylist([{"x": 1}])
+
+
+def _latency(url: str, tmpdir: Path, webhook: Webhook, name: str, args: argparse.Namespace, with_backfill: bool,
              base: int) -> dict[str, Any]:
-    pg.create_database(name)
-    url = pg.url_for(name)
     migrate(url)
     config = write_config(tmpdir / f"{name}.yaml", url, {
         "id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"}, "slot_name": name,
@@ -129,8 +171,9 @@ def _latency(pg: Any, tmpdir: Path, webhook: Webhook, name: str, args: argparse.
         writer = multiprocessing.Process(target=_writer,
                                          args=(url, start, args.duration, args.interval, str(out), base))
         done: dict[str, float] = {}
-        worker = threading.Thread(target=_run_backfill, args=(url, spark, args.parallelism,
-                                                              backfill.DEFAULT_MAX_ROWS_PER_SEC, done))
+        worker = threading.Thread(target=_run_backfill, args=(url, backfill.spark_executor(spark, url),
+                                                              args.parallelism, backfill.DEFAULT_MAX_ROWS_PER_SEC,
+                                                              backfill.DEFAULT_MAX_BACKLOG, done))
         writer.start()
         if with_backfill:
             worker.start()
@@ -157,59 +200,140 @@ def _latency(pg: Any, tmpdir: Path, webhook: Webhook, name: str, args: argparse.
                if with_backfill else {})}
 
 
+def _child(spec: dict[str, Any], args: argparse.Namespace) -> None:
+    """One phase, in this (child) process: prints its result as JSON."""
+    import pgstream_dagster
+
+    tmpdir = Path(spec["tmpdir"])
+    if spec["phase"] == "throughput":
+        result = _throughput(spec["url"], tmpdir, spec["name"], spec["how"], args)
+    else:
+        webhook = Webhook()
+        try:
+            result = _latency(spec["url"], tmpdir, webhook, spec["name"], args, spec["phase"] == "during",
+                              spec["base"])
+        finally:
+            webhook.stop()
+    print(json.dumps({**result, "module": pgstream_dagster.__file__}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--parallelism", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="Spark / threads pairs, interleaved")
     parser.add_argument("--latency-rows", type=int, default=300_000)
     parser.add_argument("--duration", type=float, default=60)
     parser.add_argument("--interval", type=float, default=0.2)
+    parser.add_argument("--spark-goal", type=float, default=0.9, help="Spark rows/s over threads rows/s, at least")
+    parser.add_argument("--baseline", help="git ref: each phase also with the package as of REF (interleaved)")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        _child(json.loads(args.child), args)
+        return
     header = machine()
-    results: dict[str, dict[str, Any]] = {}
+    runs: list[dict[str, Any]] = []
+    latency: dict[str, dict[str, Any]] = {}
+    forwarded = [f"--rows={args.rows}", f"--parallelism={args.parallelism}", f"--latency-rows={args.latency_rows}",
+                 f"--duration={args.duration}", f"--interval={args.interval}"]
     with tempfile.TemporaryDirectory(prefix="pgstream-backfill-") as tmp:
         tmpdir = Path(tmp)
         os.chmod(tmpdir, 0o755)
+        trees: list[tuple[str, Path | None]] = [("current", None)]
+        if args.baseline:
+            trees.insert(0, ("baseline", extract_tree(args.baseline, tmpdir / "baseline")))
         pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off"})
-        webhook = Webhook()
+        count = [0]
+
+        def phase(spec: dict[str, Any], tree: Path | None) -> dict[str, Any]:
+            count[0] += 1
+            name = f"bf_{count[0]}"
+            pg.create_database(name)
+            spec = {**spec, "url": pg.url_for(name), "name": name, "tmpdir": str(tmpdir)}
+            result = run_child([sys.executable, __file__, *forwarded, "--child", json.dumps(spec)], tmpdir, tree,
+                               f"backfill bench phase {spec['phase']}")
+            with psycopg.connect(pg.url, autocommit=True) as conn:  # its rows and events: not the next one's
+                conn.execute(sql.SQL("drop database {} with (force)").format(sql.Identifier(name)))
+            return result
+
         try:
             if not args.skip_throughput:
-                out = tmpdir / "backfill.jsonl"
-                results["file"] = _throughput(pg, tmpdir, {"type": "file", "path": str(out)}, "bf_file", args)
-                print("file:", results["file"], flush=True)
-                stream_name = f"pgstream-bench-backfill-{os.getpid()}"
-                results["redis"] = _throughput(pg, tmpdir, {"type": "redis", "stream": stream_name}, "bf_redis", args)
-                redis.Redis.from_url("redis://127.0.0.1:6379/0").delete(stream_name)
-                print("redis:", results["redis"], flush=True)
-            results["live alone"] = _latency(pg, tmpdir, webhook, "lat_alone", args, False, 0)
-            print("live alone:", results["live alone"], flush=True)
-            results["live during backfill"] = _latency(pg, tmpdir, webhook, "lat_backfill", args, True, 10_000_000)
-            print("live during backfill:", results["live during backfill"], flush=True)
+                for _ in range(args.rounds):
+                    for label, tree in trees:
+                        for how in ("spark", "threads"):
+                            runs.append({**phase({"phase": "throughput", "how": how}, tree), "code": label})
+                            print(f"{label} {how}: {runs[-1]['rows_per_sec']:,.0f} rows/s ({runs[-1]['secs']:.1f}s)",
+                                  flush=True)
+            if not args.skip_latency:
+                latency["alone"] = phase({"phase": "alone", "base": 0}, None)
+                print("live alone:", latency["alone"], flush=True)
+                for i, (label, tree) in enumerate(trees):
+                    latency[label] = phase({"phase": "during", "base": (i + 1) * 10_000_000}, tree)
+                    print(f"live during a backfill ({label}):", latency[label], flush=True)
         finally:
-            webhook.stop()
             pg.destroy()
+    after = load_after()
+    goals = Goals()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"\n## Backfill {stamp}",
-             f"Machine: {header}. Method: bench/backfill.py; private Postgres (fsync off), local Spark "
-             f"(local[2]), stream driven in-process (sensor ticks; delivery runs in a background thread, open "
-             f"runs); backfill = engine run, parallelism {args.parallelism}, chunk 2000."]
-    for sink in ("file", "redis"):
-        if sink in results:
-            r = results[sink]
-            lines.append(f"- {r['rows']:,} rows to the {sink} sink, unthrottled: written as events in "
-                         f"{r['backfill_secs']}s ({r['written_rows_per_sec']:,} rows/s); all delivered "
-                         f"{r['delivered_secs']}s after the start ({r['delivered_rows_per_sec']:,} rows/s end to end; "
-                         f"{r['runs']} runs, {r['failed_runs']} failed)")
-    alone, during = results["live alone"], results["live during backfill"]
-    lines.append(f"- live stream, 1 row every {args.interval}s for {args.duration:.0f}s, webhook: alone p50 "
-                 f"{alone['p50']}s, p99 {alone['p99']}s; during a throttled backfill of {args.latency_rows:,} rows "
-                 f"(max_rows_per_sec {backfill.DEFAULT_MAX_ROWS_PER_SEC:,.0f}; it took {during.get('backfill_secs')}s) "
-                 f"p50 {during['p50']}s, p99 {during['p99']}s ({during['p99'] / max(alone['p99'], 1e-9):.2f}x); "
-                 f"missing {alone['missing']} / {during['missing']}")
+             f"Machine: {header}; {after}. Method: bench/backfill.py; private Postgres (fsync off), local Spark "
+             f"(local[2]); backfill = the engine's run, parallelism {args.parallelism}, chunk 2000; each phase in a "
+             "child process with a fresh database" + (f"; baseline = the package as of {args.baseline}, its phases "
+                                                     "interleaved with the current code's" if args.baseline else "")
+             + "."]
+    for label, _ in trees:
+        mine = [r for r in runs if r["code"] == label]
+        if not mine:
+            continue
+        spark_rates = [r["rows_per_sec"] for r in mine if r["how"] == "spark"]
+        thread_rates = [r["rows_per_sec"] for r in mine if r["how"] == "threads"]
+        pairs = [s / t for s, t in zip(spark_rates, thread_rates, strict=True)]
+        ratio = statistics.median(spark_rates) / statistics.median(thread_rates)
+        warm = [r["warmup_secs"] for r in mine if r["how"] == "spark"]
+        lines.append(f"- {label}: {args.rows:,} rows, unthrottled, nothing delivering, Spark and threads interleaved "
+                     f"({args.rounds} each; Spark's Python workers started by a first job before the backfill: "
+                     f"{spread(warm, '{:.1f}')} s): through Spark {spread(spark_rates)} rows/s; the same partitions "
+                     f"in plain threads {spread(thread_rates)} rows/s; Spark / threads {ratio:.2f}x (pairwise "
+                     f"{', '.join(f'{x:.2f}' for x in pairs)})")
+        if label == "current":
+            goals.check("backfill through Spark / the same partitions in threads", ratio, at_least=args.spark_goal)
+    for label, _ in trees:
+        cpu = [r["pg_us_per_row"] for r in runs if r["code"] == label]
+        if cpu:
+            lines.append(f"- {label}: Postgres CPU per row (all its processes, CPU time, not wall): "
+                         f"{spread(cpu, '{:.1f}')} µs")
+    if args.baseline and runs:
+        for how in ("spark", "threads"):
+            cur = statistics.median([r["rows_per_sec"] for r in runs if r["code"] == "current" and r["how"] == how])
+            base = statistics.median([r["rows_per_sec"] for r in runs if r["code"] == "baseline" and r["how"] == how])
+            lines.append(f"- {how}: current / baseline {cur / base:.2f}x rows/s (medians)")
+        cur = statistics.median([r["pg_us_per_row"] for r in runs if r["code"] == "current"])
+        base = statistics.median([r["pg_us_per_row"] for r in runs if r["code"] == "baseline"])
+        lines.append(f"- Postgres CPU per row: current / baseline {cur / base:.2f}x (medians)")
+    if latency:
+        alone = latency["alone"]
+        lines.append(f"- live stream, 1 row every {args.interval}s for {args.duration:.0f}s, webhook (batch), open "
+                     f"runs: alone p50 {alone['p50']}s, p99 {alone['p99']}s (missing {alone['missing']})")
+        for label, _ in trees:
+            during = latency[label]
+            lines.append(f"- {label}: during a backfill of {args.latency_rows:,} rows through Spark (max_rows_per_sec "
+                         f"{backfill.DEFAULT_MAX_ROWS_PER_SEC:,.0f}, max_backlog {backfill.DEFAULT_MAX_BACKLOG:,}; "
+                         f"{during.get('backfill_rows') or 0:,} rows in {during.get('backfill_secs')}s) p50 "
+                         f"{during['p50']}s, p99 {during['p99']}s ({during['p99'] / max(alone['p99'], 1e-9):.2f}x "
+                         f"alone); missing {during['missing']}")
+        during = latency["current"]
+        goals.check("live p99 during a backfill / alone", during["p99"] / max(alone["p99"], 1e-9), at_most=10)
+        goals.check("live p99 during a backfill (s)", during["p99"], at_most=0.25)
+        goals.check("backfill rows read during the latency phase", float(during.get("backfill_rows") or 0),
+                    at_least=args.latency_rows)
+    lines += goals.lines()
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    goals.finish()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ import json
 import multiprocessing
 import os
 import platform
+import statistics
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -40,10 +42,67 @@ TABLE_SQL = """create table if not exists public.bench_orders (
     committed_at double precision)"""
 
 
+def load_average() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def commit() -> str:
+    """The checkout's commit (short hash), ``+dirty`` when its tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", "pgstream_dagster", "sql",
+                                "bench", ":!bench/RESULTS.md"], check=False).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def machine() -> str:
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{platform.platform()}, {os.cpu_count()} CPUs, load average {load} at start, "
-            f"Python {platform.python_version()}")
+    """The header of a result: machine, commit, load average at start (print :func:`load_after` at the end)."""
+    text = (f"{platform.platform()}, {os.cpu_count()} CPUs, commit {commit()}, load average {load_average()} at "
+            f"start, Python {platform.python_version()}")
+    print(f"# {text}", flush=True)
+    return text
+
+
+def load_after() -> str:
+    text = f"load average {load_average()} at the end"
+    print(f"# {text}", flush=True)
+    return text
+
+
+def spread(values: list[float], fmt: str = "{:,.0f}") -> str:
+    """``median (min-max, n values)``."""
+    return (f"median {fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))}, "
+            f"{len(values)} values)")
+
+
+class Goals:
+    """A benchmark's stated goals: each :meth:`check` is recorded; :meth:`finish` prints them and
+    exits non-zero when one was missed (after the results are written)."""
+
+    def __init__(self) -> None:
+        self.checks: list[tuple[str, bool]] = []
+
+    def check(self, what: str, value: float, *, at_least: float | None = None, at_most: float | None = None) -> bool:
+        ok = (at_least is None or value >= at_least) and (at_most is None or value <= at_most)
+        bounds = ([f">= {at_least:g}"] if at_least is not None else []) + ([f"<= {at_most:g}"] if at_most is not None
+                                                                          else [])
+        bound = " and ".join(bounds)
+        self.checks.append((f"{what}: {value:.3g} (goal {bound}): {'met' if ok else 'MISSED'}", ok))
+        return ok
+
+    def lines(self) -> list[str]:
+        return [f"- goal {text}" for text, _ in self.checks]
+
+    def finish(self) -> None:
+        for text, _ in self.checks:
+            print(f"goal {text}")
+        missed = [text for text, ok in self.checks if not ok]
+        if missed:
+            print(f"{len(missed)} goal(s) missed", file=sys.stderr)
+            raise SystemExit(1)
 
 
 class _Receiver(BaseHTTPRequestHandler):
@@ -106,8 +165,10 @@ class Webhook:
         self.process.join(10)
 
 
-def write_config(path: Path, url: str, stream: dict[str, Any], spark: dict[str, Any] | None = None) -> Path:
-    """One stream subscribed to inserts into ``bench_orders``; the table and subscription are created.
+def write_config(path: Path, url: str, stream: dict[str, Any], spark: dict[str, Any] | None = None,
+                 trigger_mode: str = "row") -> Path:
+    """One stream subscribed to inserts into ``bench_orders`` (``trigger_mode`` row or statement);
+    the table and subscription are created.
     Runs do not linger unless the stream sets ``delivery.linger_secs`` (the in-process driver runs
     them between ticks)."""
     stream = {**stream, "delivery": {"linger_secs": 0, **stream.get("delivery", {})}}
@@ -115,7 +176,8 @@ def write_config(path: Path, url: str, stream: dict[str, Any], spark: dict[str, 
         "database_url": url, "spark": spark or {"master": "local[2]"}, "streams": [stream],
         "subscriptions": [{"key": "bench-orders", "stream_id": stream["id"], "operation": "INSERT",
                            "table_name": "bench_orders",
-                           "column_names": ["id", "seq", "customer", "amount"]}]}))
+                           "column_names": ["id", "seq", "customer", "amount"],
+                           **({"trigger_mode": trigger_mode} if trigger_mode != "row" else {})}]}))
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(TABLE_SQL)
         apply_subscriptions(conn, load_config(path))
@@ -224,3 +286,55 @@ def run_child(command: list[str], cwd: Path, tree: Path | None, what: str) -> di
     if tree is not None and not result["module"].startswith(str(tree)):
         raise SystemExit(f"{what}: the baseline child imported {result['module']}, not the baseline package")
     return result
+
+
+# --- CPU counters (/proc) -----------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def sched_secs(pid: int) -> float:
+    """CPU time of a single-threaded process (a Postgres backend), in ns precision."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+def _stat(pid: int, children: bool = True) -> tuple[int, float] | None:
+    """(parent pid, utime + stime [+ cutime + cstime] in seconds) of ``pid``; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+    # fields[0] is the state (field 3); utime..cstime are fields 14-17
+    return int(fields[1]), sum(int(x) for x in fields[11:15 if children else 13]) / _TICK
+
+
+def own_secs(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads), without its children."""
+    st = _stat(pid, children=False)
+    return st[1] if st else 0.0
+
+
+def tree_secs(root: int) -> float:
+    """CPU of ``root`` and every live descendant, with what their reaped children spent."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                parents[int(entry)], cpu[int(entry)] = st
+    total, todo = 0.0, [root]
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+# --- writers ------------------------------------------------------------------------------------

@@ -37,7 +37,13 @@ caches and the scheduler. Prints a table and one JSON line; appends the table to
 stays open (``linger_secs`` 3) while the sensor ticks, as the daemon and a run worker do (the sensor
 then peeks and advances far more often); ``--statements N`` loads pg_stat_statements and lists the
 statements that took the most time during delivery.
-Usage: python bench/cpu.py [--events 200000] [--writers 2] [--rows 100] [--overlap | --open] [--statements N]
+Row and statement mode: by default the bench runs itself twice in child processes, once with the
+subscription in each ``trigger_mode`` (``--modes``; ``--trigger-mode`` runs one mode in this
+process), prints them side by side and exits non-zero when the pipeline's CPU over the writing CPU
+of either mode is over ``--goal`` (default 1.0). It prints the commit and the load average before
+and after.
+Usage: python bench/cpu.py [--modes row,statement] [--goal 1.0] [--events 200000] [--writers 2] [--rows 100]
+                           [--overlap | --open] [--statements N]
                            [--label L] [--json F] [--no-record]
        python bench/cpu.py --compare before.json after.json   (side by side)
 """
@@ -49,6 +55,7 @@ import datetime as dt
 import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +70,18 @@ import psycopg
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TABLE_SQL, Driver, delivered_events, machine, write_config
+from common import (
+    TABLE_SQL,
+    Driver,
+    Goals,
+    delivered_events,
+    load_after,
+    machine,
+    own_secs,
+    sched_secs,
+    tree_secs,
+    write_config,
+)
 
 import pgstream_dagster
 from pgstream_dagster.config import DeliveryTuning, load_config
@@ -74,57 +92,8 @@ from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.sinks.file import FileSink
 
 HERE = Path(__file__).resolve().parent
-_TICK = os.sysconf("SC_CLK_TCK")
 PER = 100_000  # events per reported unit
 
-
-# --- CPU counters -------------------------------------------------------------------------------
-
-def sched_secs(pid: int) -> float:
-    """CPU time of a single-threaded process (a Postgres backend), in ns precision."""
-    with open(f"/proc/{pid}/schedstat") as f:
-        return int(f.read().split()[0]) / 1e9
-
-
-def _stat(pid: int, children: bool = True) -> tuple[int, float] | None:
-    """(parent pid, utime + stime [+ cutime + cstime] in seconds) of ``pid``; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
-    # fields[0] is the state (field 3); utime..cstime are fields 14-17
-    return int(fields[1]), sum(int(x) for x in fields[11:15 if children else 13]) / _TICK
-
-
-def own_secs(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads), without its children."""
-    st = _stat(pid, children=False)
-    return st[1] if st else 0.0
-
-
-def tree_secs(root: int) -> float:
-    """CPU of ``root`` and every live descendant, with what their reaped children spent."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _stat(int(entry))
-            if st is not None:
-                parents[int(entry)], cpu[int(entry)] = st
-    total, todo = 0.0, [root]
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo.extend(children.get(pid, []))
-    return total
-
-
-# --- writers ------------------------------------------------------------------------------------
 
 def _writer(url: str, table: str, first: int, count: int, rows: int, out: Any) -> None:
     """Insert ``count`` rows, ``rows`` per statement (autocommit: one transaction each); report the
@@ -426,6 +395,49 @@ def table(*results: dict[str, Any]) -> list[str]:
     return out
 
 
+def _modes(args: argparse.Namespace) -> None:
+    """Each trigger mode in a child process (the same arguments, ``--trigger-mode``), side by side."""
+    header = machine()
+    forwarded: list[str] = []
+    skip = False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--modes", "--goal", "--json", "--label"):
+            skip = True
+            continue
+        if arg.startswith(("--modes=", "--goal=", "--json=", "--label=")) or arg == "--no-record":
+            continue
+        forwarded.append(arg)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="pgstream-cpu-modes-") as tmp:
+        for mode in args.modes.split(","):
+            out = Path(tmp) / f"{mode}.json"
+            child = [sys.executable, __file__, *forwarded, "--trigger-mode", mode, "--json", str(out), "--no-record",
+                     "--label", f"{mode} mode{', ' + args.label if args.label else ''}"]
+            if subprocess.run(child, check=False, cwd=tmp).returncode != 0:
+                raise SystemExit(f"bench/cpu.py: the {mode} mode run failed")
+            results.append(json.loads(out.read_text()))
+    after = load_after()
+    goals = Goals()
+    for r in results:
+        goals.check(f"{r['label']}: pipeline CPU / writing CPU", r["summary"]["pipeline_over_writing"],
+                    at_most=args.goal)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"\n## CPU per stage (bench/cpu.py), row and statement mode, {stamp}, {args.events:,} events"
+             f"{', ' + args.label if args.label else ''}",
+             f"Machine: {header}; {after}. Method: bench/cpu.py --modes {args.modes}: one child process per "
+             f"trigger mode, one after the other, each with its own private Postgres ({'--open' if args.open else ''}"
+             f"{' --overlap' if args.overlap and not args.open else ''}); the last column is the last mode over the "
+             "first.", "", *table(*results), "", *goals.lines()]
+    print("\n".join(lines))
+    if not args.no_record:
+        with (HERE / "RESULTS.md").open("a") as f:
+            f.write("\n".join(lines) + "\n")
+    goals.finish()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=200_000)
@@ -454,12 +466,20 @@ def main() -> None:
     parser.add_argument("--statements", type=int, default=0, metavar="N",
                         help="load pg_stat_statements and report the N statements that took the most time "
                              "during delivery (to find what a Postgres figure is made of)")
+    parser.add_argument("--modes", default="row,statement",
+                        help="trigger modes to measure, each in a child process, side by side")
+    parser.add_argument("--trigger-mode", choices=("row", "statement"),
+                        help="measure this one trigger mode in this process")
+    parser.add_argument("--goal", type=float, default=1.0, help="pipeline CPU / writing CPU must be at most this")
     parser.add_argument("--compare", type=Path, nargs="+", metavar="JSON",
                         help="print the results saved with --json side by side (no run)")
     args = parser.parse_args()
     args.overlap = args.overlap or args.open
     if args.compare:
         print("\n".join(table(*(json.loads(path.read_text()) for path in args.compare))))
+        return
+    if args.trigger_mode is None:
+        _modes(args)
         return
     header = machine()
     n = args.events
@@ -484,13 +504,14 @@ def main() -> None:
                       "delivery": {"chunk_size": args.chunk, "max_events_per_run": args.max_events_per_run,
                                    "linger_secs": 3 if args.open else 0,
                                    "read_slot": not args.peek, "direct_max_events": args.direct_max_events}}
-            config_path = write_config(tmpdir / "cpu.yaml", url, stream)
+            config_path = write_config(tmpdir / "cpu.yaml", url, stream, trigger_mode=args.trigger_mode)
             cfg = load_config(config_path).streams[0]
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute(TABLE_SQL.replace("bench_orders", "bench_plain"))
                 if args.statements:
                     conn.execute("create extension if not exists pg_stat_statements")
-            result: dict[str, Any] = {"events": n, "writers": args.writers, "rows": args.rows, "label": args.label,
+            result: dict[str, Any] = {"events": n, "writers": args.writers, "rows": args.rows,
+                                      "label": args.label or f"{args.trigger_mode} mode",
                                       "module": pgstream_dagster.__file__}
             # 1. the insert alone, before any slot exists (its WAL is nobody's to decode)
             result["write_plain"] = write_phase(url, "bench_plain", n, args.writers, args.rows, postmaster)[0]
@@ -573,14 +594,16 @@ def main() -> None:
         finally:
             pg.destroy()
     result["summary"] = summary(result)
+    after = load_after()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     d, s = result["deliver"], result["summary"]
     driving = ("open runs in a thread, linger_secs 3, while the sensor ticks" if args.open
                else "serial: sensor tick, then the requested run")
     lines_out = [
         f"\n## CPU per stage (bench/cpu.py) {stamp}, {n:,} events{', ' + args.label if args.label else ''}",
-        f"Machine: {header}. Method: bench/cpu.py; {args.writers} writer processes, {args.rows} rows per insert "
-        f"statement, fsync off, synchronous_commit off, autovacuum off; "
+        f"Machine: {header}; {after}. Method: bench/cpu.py; {args.writers} writer processes, {args.rows} rows per "
+        f"insert statement, subscription in {args.trigger_mode} mode, fsync off, synchronous_commit off, "
+        "autovacuum off; "
         f"{'while they write (--overlap)' if args.overlap else 'then, once they are done,'} the stream driven "
         "in-process "
         f"({driving}, "

@@ -4,10 +4,14 @@ driven in-process (bench/common.py ``Driver``: sensor tick, then the requested d
 ``execute_in_process`` against an ephemeral Dagster instance, repeat) and delivers to Redis Streams,
 then (a fresh database) to a webhook (batch mode, receiver in a child process).
 
-Reports events/s written vs events/s delivered (ledger ``delivered``) during the write window, the
-drain time after it, and the backlog (written - delivered) sampled every ``--sample-secs``.
-Results are appended to bench/RESULTS.md.
-Usage: python bench/sustained.py [--duration 300] [--sinks redis,webhook] [--writers 2] [--rows 100]
+Reports events/s written vs events/s delivered (ledger ``delivered``) during the write window, both
+read at the window's end (a timer, not after the last sensor step returns: the drain is not counted
+as in-window), the drain time after it, and the backlog (written - delivered) sampled every
+``--sample-secs``. Before each phase and after the last one the same writers insert into a table
+without a subscription for the same duration (*writers alone*, the baseline on the same machine in
+the same run, interleaved A B A B A). Exits non-zero when a phase's delivered / written at the
+window's end is under ``--goal``. Results are appended to bench/RESULTS.md.
+Usage: python bench/sustained.py [--duration 300] [--sinks redis,webhook] [--writers 2] [--rows 100] [--goal 1.0]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import gc
 import itertools
 import multiprocessing
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -30,7 +35,17 @@ import dagster as dg
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Driver, Webhook, delivered_events, machine, write_config, written_events
+from common import (
+    Driver,
+    Goals,
+    Webhook,
+    delivered_events,
+    load_after,
+    machine,
+    spread,
+    write_config,
+    written_events,
+)
 
 from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.engine.migrations import migrate
@@ -86,7 +101,7 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
                            "linger_secs": 3 if open_runs else 0,
                            # peek: as before the slot reader (the sensor peeks, every round a Spark job)
                            **({"read_slot": False, "direct_max_events": 0} if mode == "peek" else {})}}
-    config = write_config(tmpdir / f"{name}_{mode}.yaml", url, stream)
+    config = write_config(tmpdir / f"{name}_{mode}.yaml", url, stream, trigger_mode=args.trigger_mode)
     counter: Any = multiprocessing.Value("q", 0)
     samples: list[tuple[float, int, int]] = []
     with dg.DagsterInstance.ephemeral() as instance:
@@ -112,14 +127,27 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        # the counts at the window's end, read by a timer on its own connection (a sensor step may
+        # return a second or more after it: what is delivered then is the drain, not the window)
+        at_end: dict[str, int] = {}
+        end_conn = psycopg.connect(url, autocommit=True)
+
+        def snapshot() -> None:
+            at_end["delivered"] = delivered_events(end_conn, 1)
+            at_end["written"] = written_events(end_conn, 1)
+
+        timer = threading.Timer(until - time.time(), snapshot)
+        timer.start()
         while time.time() < until:
             if not driver.step(1):
                 time.sleep(0.05)
         for w in writers:
             w.join()
+        timer.join()
+        end_conn.close()
         with psycopg.connect(url, autocommit=True) as conn:
-            written = written_events(conn, 1)
-            delivered_in_window = delivered_events(conn, 1)
+            written = written_events(conn, 1)  # the writers' last transactions may commit just after the end
+        delivered_in_window, written_in_window = at_end["delivered"], at_end["written"]
         drain_deadline = time.time() + args.drain_secs
         while time.time() < drain_deadline:
             with psycopg.connect(url, autocommit=True) as conn:
@@ -137,9 +165,31 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
             assert webhook.count() >= delivered, (webhook.count(), delivered)
     pauses = [(g, t) for g, t in GC_PAUSES]
     GC_PAUSES.clear()
-    return {"written": written, "window": args.duration, "delivered_in_window": delivered_in_window,
+    return {"written": written, "written_in_window": written_in_window, "window": args.duration,
+            "delivered_in_window": delivered_in_window,
             "delivered": delivered, "drain_secs": drained_at - until, "runs": driver.runs, "failed": driver.failed,
             "samples": samples, "gc_pauses": pauses}
+
+
+def _alone(pg: Any, index: int, tmpdir: Path, args: argparse.Namespace) -> float:
+    """The writers alone: the same inserts into the same subscribed table (the trigger writes the
+    events) in a fresh database with no stream running (no slot, no sensor, no run), for the same
+    duration: events/s."""
+    name = f"sustained_alone_{index}"
+    pg.create_database(name)
+    url = pg.url_for(name)
+    migrate(url)
+    write_config(tmpdir / f"{name}.yaml", url, {"id": 1, "sink": {"type": "file", "path": str(tmpdir / "x.jsonl")}},
+                 trigger_mode=args.trigger_mode)
+    counter: Any = multiprocessing.Value("q", 0)
+    until = time.time() + args.duration
+    writers = [multiprocessing.Process(target=_writer, args=(url, until, args.rows, counter, args.database_cpus))
+               for _ in range(args.writers)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    return float(counter.value) / args.duration
 
 
 def _gc_note(pauses: list[tuple[int, float]]) -> str:
@@ -183,12 +233,17 @@ def main() -> None:
     parser.add_argument("--sample-secs", type=float, default=5)
     parser.add_argument("--drain-secs", type=float, default=600)
     parser.add_argument("--label", default="", help="what this run measures (e.g. the code: 'before', 'after')")
+    parser.add_argument("--trigger-mode", choices=("row", "statement"), default="row",
+                        help="the subscription's trigger_mode")
+    parser.add_argument("--goal", type=float, default=1.0,
+                        help="delivered / written at the window's end each phase must reach (exit 1 if not)")
     parser.add_argument("--split", action="store_true",
                         help="the pipeline's Python (sensor, runs, Spark) on the last CPU, Postgres (the WAL sender "
                              "and ledger included) and the writers on the others: its own core")
     args = parser.parse_args()
     header = machine()
     results: dict[str, dict[str, Any]] = {}
+    alone: list[float] = []
     with tempfile.TemporaryDirectory(prefix="pgstream-sustained-") as tmp:
         tmpdir = Path(tmp)
         os.chmod(tmpdir, 0o755)
@@ -202,6 +257,8 @@ def main() -> None:
         webhook = Webhook()
         try:
             for name, mode in itertools.product(args.sinks.split(","), args.modes.split(",")):
+                alone.append(_alone(pg, len(alone), tmpdir, args))
+                print(f"writers alone: {alone[-1]:,.0f} events/s", flush=True)
                 pg.create_database(f"sustained_{name}_{mode}")
                 url = pg.url_for(f"sustained_{name}_{mode}")
                 migrate(url)
@@ -210,17 +267,21 @@ def main() -> None:
                 print(f"{name} ({mode}): written {r['written'] / r['window']:,.0f} events/s, delivered "
                       f"{r['delivered_in_window'] / r['window']:,.0f} events/s in the window; drained in "
                       f"{r['drain_secs']:.1f}s; {r['runs']} runs ({r['failed']} failed){_gc_note(r['gc_pauses'])}; "
-                      f"backlog {_curve(r['samples'])}")
+                      f"backlog {_curve(r['samples'])}", flush=True)
+            alone.append(_alone(pg, len(alone), tmpdir, args))
+            print(f"writers alone: {alone[-1]:,.0f} events/s", flush=True)
         finally:
             webhook.stop()
             pg.destroy()
+    after = load_after()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     import pgstream_dagster
     label = f", {args.label}" if args.label else ""
     lines = [f"\n## Sustained (P1) {stamp}, {args.duration:.0f}s of writing per sink{label}"
              f"{' (split CPUs)' if args.split else ''}, package {Path(pgstream_dagster.__file__).parent}",
              f"Machine: {header}. Method: bench/sustained.py; {args.writers} writer processes inserting "
-             f"{args.rows} rows per transaction into a table with a real INSERT subscription (Postgres fsync off, "
+             f"{args.rows} rows per transaction into a table with a real INSERT subscription "
+             f"({args.trigger_mode} mode; Postgres fsync off, "
              "synchronous_commit off), as fast as Postgres accepts; the stream is driven in-process (ephemeral "
              "Dagster instance, one warm Spark session local[2]): *serial* = sensor tick, then the requested run "
              "via execute_in_process, one after the other, linger_secs 0; *peek* = *open* as before the slot reader "
@@ -233,16 +294,26 @@ def main() -> None:
              + ("**split**: the pipeline's Python (sensor, runs, Spark driver) pinned to the last CPU, Postgres "
                 "(WAL sender and ledger backends included) and the writers to the others, Redis unpinned; "
                 if args.split else "writers, driver, Spark, Postgres and the sink share the 2 CPUs; ") +
-             f"backlog = written - delivered, sampled every {args.sample_secs:.0f}s."]
+             f"backlog = written - delivered, sampled every {args.sample_secs:.0f}s; written and delivered read "
+             "by a timer at the window's end; *writers alone* = the same writers into the same subscribed "
+             "table in a fresh database with no stream running (no slot, sensor or run), for the same duration, "
+             f"before each phase and after the last; {after}.",
+             f"- writers alone: {spread(alone)} events/s"]
+    goals = Goals()
+    base = statistics.median(alone) if alone else 0.0
     for name, r in results.items():
-        w, d = r["written"] / r["window"], r["delivered_in_window"] / r["window"]
-        lines.append(f"- {name}: written {w:,.0f} events/s, delivered {d:,.0f} events/s in the window "
+        w, d = r["written_in_window"] / r["window"], r["delivered_in_window"] / r["window"]
+        goals.check(f"{name} delivered / written at the window's end", d / w if w else 0.0, at_least=args.goal)
+        lines.append(f"- {name}: written {w:,.0f} events/s ({w / base if base else 0:.2f}x the writers alone), "
+                     f"delivered {d:,.0f} events/s in the window "
                      f"(ratio {d / w if w else 0:.2f}), all {r['delivered']:,} delivered {r['drain_secs']:.0f}s after "
                      f"writing stopped, {r['runs']} runs ({r['failed']} failed); backlog: {_curve(r['samples'])}"
                      f"{_gc_note(r['gc_pauses'])}")
+    lines += goals.lines()
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    goals.finish()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -464,3 +465,111 @@ def test_a_backfill_waits_while_the_stream_has_a_large_backlog(items_stream: str
         c.execute("update pgstream.stream_counters set value = 45000 where name = 'events_done'")  # 5,000 left
     thread.join(60)
     assert outcomes and outcomes[0].done and outcomes[0].progress.rows_read == 3000
+
+
+def test_read_payload_is_byte_for_byte_the_triggers_payload(db_url: str, tmp_path: Path) -> None:
+    """The backfill builds its payload with to_jsonb of typed rows (types resolved once per chunk),
+    the trigger with jsonb_build_object: for the same row, with columns of many types (nulls, a
+    domain, a composite, arrays, json with duplicate keys, NaN), a subset of the columns in another
+    order, a column named like a payload key, payload extensions and metadata, the two payloads are
+    the same jsonb, byte for byte (binary send form and text), but for tg_op and timestamp."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create domain public.money2 as numeric(12, 2)")
+        c.execute("create type public.pt as (x int, label text)")
+        c.execute("""create table public.kinds (
+            id int primary key, n numeric, m public.money2, f float8, txt text, ts timestamptz, d date,
+            b boolean, j json, jb jsonb, arr int[], tarr text[], p public.pt, bin bytea, u uuid, iv interval,
+            "timestamp" text, "new" int, big bigint)""")
+        rows = """insert into public.kinds select g, g * 1.50, g / 3.0, case when g %% 7 = 0 then 'NaN'::float8
+                  else g / 7.0 end, case when g %% 5 = 0 then null else e'caf\\u00e9 "q" \\\\ ' || g end,
+                  '2026-01-02 03:04:05.123456+00'::timestamptz + g * interval '1 min', date '2026-01-01' + g,
+                  g %% 2 = 0, '{"a": 1, "a": 2, "z": [1, 2.50]}'::json, jsonb_build_object('k', g, 'n', null),
+                  array[g, null, 3], array['x', null], row(g, 'l' || g)::public.pt, '\\xdeadbeef'::bytea,
+                  gen_random_uuid(), g * interval '1 hour', 'ts ' || g, -g, 9007199254740993 + g
+                  from generate_series(%s::int, %s::int) g"""
+    _config(tmp_path, db_url, [{
+        "key": "kinds", "stream_id": 1, "operation": "INSERT", "schema_name": "public", "table_name": "kinds",
+        "column_names": ["tarr", "id", "n", "m", "f", "txt", "ts", "d", "b", "j", "jb", "arr", "p", "bin", "u", "iv",
+                         "timestamp", "new", "big"],
+        "metadata": {"source": "kinds"},
+        "payload_extensions": [{"json_path": "extra.total", "expression": "new.n * 2"},
+                               {"json_path": "kind", "expression": "'row ' || new.txt"}]}])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("set session_replication_role = replica")  # no trigger: rows the backfill reads
+        c.execute(rows, [1, 120])
+        c.execute("set session_replication_role = origin")
+    request = backfill.Request(1, ["kinds"], parallelism=2, chunk_size=17, where="new.id % 2 = 0 or new.txt is null")
+    _, backfill_id = _open(db_url, request)
+    assert _run(db_url, request, backfill_id).progress.events_written == 72
+    with psycopg.connect(db_url, autocommit=True) as c:
+        reads = c.execute("select id, (payload->'new'->>'id')::int from pgstream.events "
+                          "where payload->>'tg_op' = 'READ' order by id").fetchall()
+        assert len(reads) == 72
+        for event_id, row_id in reads:
+            # the same row through the trigger: deleted and inserted again, same values
+            with c.transaction():
+                c.execute("create temp table pgstream_test_row on commit drop as "
+                          "select * from public.kinds where id = %s", [row_id])
+                c.execute("delete from public.kinds where id = %s", [row_id])
+                c.execute("insert into public.kinds select * from pgstream_test_row")
+            same = c.execute("""
+                select jsonb_send(t.payload - 'tg_op' - 'timestamp') = jsonb_send(r.payload - 'tg_op' - 'timestamp'),
+                       (t.payload - 'tg_op' - 'timestamp')::text = (r.payload - 'tg_op' - 'timestamp')::text,
+                       r.payload->>'tg_op', jsonb_typeof(r.payload->'timestamp'), r.metadata = t.metadata,
+                       r.metadata, t.payload::text, r.payload::text
+                from pgstream.events r,
+                     lateral (select * from pgstream.events t where t.payload->>'tg_op' = 'INSERT'
+                              order by t.id desc limit 1) t
+                where r.id = %s""", [event_id]).fetchone()
+            assert same is not None
+            assert same[:6] == (True, True, "READ", "number", True, {"source": "kinds"}), same
+            assert f'"new": {{"id": {row_id},' in same[7] or f'"id": {row_id}' in same[7]
+
+
+def _claimed(url: str, request: backfill.Request) -> tuple[int, str]:
+    """A backfill opened and claimed by a fresh owner token (as ``run`` does), for run_partition."""
+    _, backfill_id = _open(url, request)
+    token = str(uuid.uuid4())
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("select pgstream.backfill_claim(%s, %s::uuid, 'test')", (backfill_id, token))
+    return backfill_id, token
+
+
+def test_a_partition_task_waits_for_the_backlog_before_each_chunk(items_stream: str) -> None:
+    """Inside a round (a Spark task), before each chunk: no chunk while the stream has more than
+    ``max_backlog`` undelivered events; it goes on once the stream caught up."""
+    url = items_stream
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("insert into pgstream.stream_counters (stream_id, name, label, value) values "
+                  "(1, 'events_recorded', '', 50000), (1, 'events_done', '', 10000)")
+    backfill_id, token = _claimed(url, backfill.Request(1, ["items"], parallelism=1))
+    waits: list[float] = []
+
+    def sleep(secs: float) -> None:
+        waits.append(secs)
+        with psycopg.connect(url, autocommit=True) as c:
+            assert backfill.progress(c, backfill_id).rows_read == 0  # waiting: nothing read
+            if len(waits) == 3:
+                c.execute("update pgstream.stream_counters set value = 45000 where name = 'events_done'")
+
+    pace = backfill.Pace(60, max_backlog=30_000, stream_id=1)
+    result = backfill.run_partition(url, backfill_id, 0, token, 500, pace, sleep=sleep)
+    assert (result.status, result.rows, len(waits)) == ("done", 3000, 3)
+
+
+def test_a_throttled_partition_reads_small_chunks_not_bursts(items_stream: str) -> None:
+    """With a rate, a chunk holds at most PACED_CHUNK_SECS of the partition's share of it (here 2,000
+    rows/s: 500 rows, not the 1,000 of chunk_size), and the task sleeps between chunks to keep it."""
+    url = items_stream
+    backfill_id, token = _claimed(url, backfill.Request(1, ["items"], parallelism=1))
+    slept: list[float] = []
+
+    def sleep(secs: float) -> None:
+        slept.append(secs)
+        time.sleep(secs)
+
+    pace = backfill.Pace(60, rows_per_sec=2000)
+    result = backfill.run_partition(url, backfill_id, 0, token, 1000, pace, sleep=sleep)
+    assert (result.status, result.rows, result.chunks) == ("done", 3000, 3000 // int(2000 * backfill.PACED_CHUNK_SECS))
+    with psycopg.connect(url) as c:
+        assert c.execute("select count(*) from pgstream.events where payload->>'tg_op' = 'READ'").fetchone() == (3000,)

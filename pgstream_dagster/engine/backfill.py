@@ -58,8 +58,16 @@ DEFAULT_MAX_ROWS_PER_SEC = 5000.0
 DEFAULT_MAX_BACKLOG = 20_000
 #: how often a backfill waiting for the stream's backlog looks again
 BACKLOG_WAIT_SECS = 0.5
-#: how long a partition's task works in one round before it gives its Spark task slot back
-ROUND_SECS = 5.0
+#: how long a partition's task works in one round before it gives its Spark task slot back (a
+#: round is one Spark job: its start is paid once a round, so an unthrottled backfill's rounds are
+#: long; the task keeps the rate and the backlog bound itself, chunk by chunk)
+ROUND_SECS = 60.0
+#: the round of a throttled backfill: its tasks mostly sleep to keep the rate, so a job's start costs
+#: it nothing, and a Spark shared with deliveries gets the slots back every few seconds
+THROTTLED_ROUND_SECS = 5.0
+#: a throttled partition's chunk holds at most this many seconds of its share of the rate, so a
+#: live event never waits behind a burst of more READ events than that
+PACED_CHUNK_SECS = 0.25
 #: the statuses of an unfinished backfill (as backfills_one_unfinished in sql/017_backfills.sql)
 UNFINISHED = ("running", "stopped", "failed")
 
@@ -147,10 +155,16 @@ class Pace:
     """The budget of one partition's task in one round: it returns (status ``more``) after
     ``max_rows`` rows or ``max_secs`` seconds, so that it never holds a Spark task slot for long:
     between rounds, other jobs of a shared Spark (a stream's delivery run on the same Spark Connect
-    server or cluster) get the slots, and the driver paces the backfill without holding any."""
+    server or cluster) get the slots. Within the round the task keeps ``rows_per_sec`` (its share
+    of ``max_rows_per_sec``), chunk by chunk, and before each chunk waits while stream
+    ``stream_id`` has more than ``max_backlog`` undelivered events: READ events never come in
+    bursts that live events queue behind."""
 
     max_secs: float
     max_rows: int | None = None
+    rows_per_sec: float | None = None
+    max_backlog: int | None = None
+    stream_id: int = 0
 
 
 @dataclass
@@ -346,9 +360,14 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
     conn = _connect(url)
     try:
         limit = chunk_size
+        if pace.rows_per_sec:
+            limit = max(1, min(chunk_size, int(pace.rows_per_sec * PACED_CHUNK_SECS)))
         while True:
             if pace.max_rows is not None:
                 limit = max(1, min(limit, pace.max_rows - result.rows))
+            if pace.max_backlog and not _backlog_below(conn, pace, started, sleep):
+                result.status = "more"  # the round's time went by waiting
+                return result
             for attempt in range(CHUNK_ATTEMPTS):
                 try:
                     if conn.broken:
@@ -376,12 +395,29 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
             if status != "read":
                 result.status = status
                 return result
+            if pace.rows_per_sec:  # keep the rate: the next chunk when this one's share of time is over
+                due = min(started + result.rows / pace.rows_per_sec, started + pace.max_secs)
+                while (left := due - time.monotonic()) > 0:
+                    sleep(min(left, 0.5))
             if (time.monotonic() - started >= pace.max_secs
                     or (pace.max_rows is not None and result.rows >= pace.max_rows)):
                 result.status = "more"
                 return result
     finally:
         conn.close()
+
+
+def _backlog_below(conn: psycopg.Connection, pace: Pace, started: float, sleep: Callable[[float], None]) -> bool:
+    """Until the stream has at most ``pace.max_backlog`` undelivered events; False if the round's
+    time is over first. A lost connection ends the wait: the chunk reconnects and retries."""
+    try:
+        while _backlog(conn, pace.stream_id) > (pace.max_backlog or 0):
+            if time.monotonic() - started >= pace.max_secs:
+                return False
+            sleep(BACKLOG_WAIT_SECS)
+    except _TRANSIENT:
+        return True
+    return True
 
 
 def _next_key(conn: psycopg.Connection, backfill_id: int, part: int) -> str | None:
@@ -456,11 +492,14 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
         ) -> Generator[Progress | Outcome, None, None]:
     """Run backfill ``backfill_id`` to its end in this process: take its lock (else
     :class:`BackfillBusy`), claim it, and read its unfinished partitions in parallel through
-    ``execute``, in rounds: each partition's task works up to :data:`ROUND_SECS` (and its share of
-    ``max_rows_per_sec`` for that time) and gives its Spark slot back, so that a Spark shared with
-    the stream's deliveries (a Spark Connect server, a cluster) runs them between rounds. Between
-    rounds, without holding any slot, the driver keeps the rate and waits while the stream has more
-    than ``max_backlog`` undelivered events. Yields :class:`Progress` every ``progress_secs``, then the
+    ``execute``, in rounds: each partition's task works up to :data:`ROUND_SECS` (throttled:
+    :data:`THROTTLED_ROUND_SECS`) and gives its Spark slot back, so that a Spark shared with the
+    stream's deliveries (a Spark Connect server, a cluster) runs them between rounds (a round is one
+    Spark job, whose start is paid once a round).
+    Within a round each task keeps its share of ``max_rows_per_sec`` chunk by chunk (throttled
+    chunks hold at most :data:`PACED_CHUNK_SECS` of it) and waits before a chunk while the stream
+    has more than ``max_backlog`` undelivered events, so READ events never arrive in bursts that
+    live events queue behind. Yields :class:`Progress` every ``progress_secs``, then the
     :class:`Outcome`. A subscription changed meanwhile is checked again and the partitions go on; a
     row that cannot become an event stops its partition ``failed`` (the row named), the others go on.
     If this generator is closed or interrupted before the end (a cancelled run, Ctrl-C), the
@@ -485,11 +524,11 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
                 break
             if not (yield from _wait_for_backlog(session, request, backfill_id, token, reporter)):
                 break
-            started = time.monotonic()
-            max_rows = (max(1, int(request.max_rows_per_sec * ROUND_SECS / len(parts)))
-                        if request.max_rows_per_sec else None)
-            done = yield from _execute(backfill_id, token, parts, request.chunk_size, Pace(ROUND_SECS, max_rows),
-                                       execute, reporter)
+            # each task keeps its share of the rate and the backlog bound itself, chunk by chunk
+            pace = Pace(THROTTLED_ROUND_SECS if request.max_rows_per_sec else ROUND_SECS,
+                        rows_per_sec=request.max_rows_per_sec / len(parts) if request.max_rows_per_sec else None,
+                        max_backlog=request.max_backlog, stream_id=request.stream_id)
+            done = yield from _execute(backfill_id, token, parts, request.chunk_size, pace, execute, reporter)
             for r in done:
                 total = results.setdefault(r.part, PartitionResult(r.part, r.status))
                 total.status, total.error = r.status, r.error
@@ -501,11 +540,6 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
             if "changed" in statuses:
                 _claim(session, backfill_id, token, run_id)  # the subscription changed: checked again
                 continue
-            if request.max_rows_per_sec:  # keep the rate, holding no Spark slot
-                until = started + sum(r.rows for r in done) / request.max_rows_per_sec
-                while (left := until - time.monotonic()) > 0:
-                    time.sleep(min(left, 0.2))
-                    yield from reporter.due()
         outcome = [dataclasses.replace(r, status="stopped") if r.status == "more" else r for r in results.values()]
         failed = [r for r in outcome if r.status in ("failed", "gone")]
         error = "; ".join(f"partition {r.part}: {r.error or 'its subscription was deleted'}" for r in failed) or None

@@ -166,5 +166,6 @@ grant select (id, status, owner_token) on pgstream.backfills to pgstream_executo
 grant execute on function
     pgstream.backfill_chunk(bigint, integer, uuid, integer),
     pgstream.backfill_next_key(bigint, integer),
-    pgstream.consumer_commit(text, bigint, bigint, integer)
+    pgstream.consumer_commit(text, bigint, bigint, integer),
+    pgstream.backfill_backlog(bigint)
     to pgstream_executor;
