@@ -205,6 +205,31 @@ def test_wide_tables_beyond_jsonb_build_object_argument_limit(conn: psycopg.Conn
     assert events(conn)[0][2]["new"] == {c: i for i, c in enumerate(cols)}
 
 
+#: column names PL/pgSQL reads as its own keywords after ``new.`` / ``old.`` unless quoted (SQL leaves
+#: them bare: they are not reserved there), and names that need quoting in any case
+KEYWORD_COLUMNS = ["by", "begin", "if", "loop", "strict", "while", "execute", "declare", "Mixed Case", 'quo"te']
+
+
+@pytest.mark.parametrize("mode", ["row", "statement"])
+def test_columns_named_like_plpgsql_keywords_are_published(conn: psycopg.Connection, mode: str) -> None:
+    """A column named ``by`` or ``loop`` failed the application's own write in row mode ("record new has
+    no field by"): every column reference in a generated trigger is quoted."""
+    conn.execute(sql.SQL("create table public.kw (id int primary key, {})").format(sql.SQL(", ").join(
+        sql.SQL("{} text").format(sql.Identifier(c)) for c in KEYWORD_COLUMNS)))
+    for op in ("INSERT", "UPDATE", "DELETE"):
+        subscribe(conn, f"kw-{op.lower()}", op=op, table="kw", columns=["id", *KEYWORD_COLUMNS],
+                  mode="row" if op == "UPDATE" else mode)  # statement mode pairs no UPDATE rows
+    row = {c: f"v-{i}" for i, c in enumerate(KEYWORD_COLUMNS)}
+    conn.execute(sql.SQL("insert into public.kw (id, {}) values (1, {})").format(
+        sql.SQL(", ").join(map(sql.Identifier, KEYWORD_COLUMNS)), sql.SQL(", ").join(map(sql.Literal, row.values()))))
+    conn.execute('update public.kw set "by" = \'changed\'')
+    conn.execute("delete from public.kw")
+    got = [(p["tg_op"], p["new"], p["old"]) for _, _, p, _ in events(conn)]
+    assert got == [("INSERT", {"id": 1, **row}, None),
+                   ("UPDATE", {"id": 1, **row, "by": "changed"}, {"id": 1, **row}),
+                   ("DELETE", None, {"id": 1, **row, "by": "changed"})]
+
+
 # --------------------------------------------------------------------------------------------
 # the fixes
 

@@ -687,7 +687,10 @@ immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select pgstream._jsonb_object_sql(coalesce(
-        array(select pg_catalog.format('%L::pg_catalog.text, %s.%I', c, p_alias, c)
+        -- the column always double-quoted: %I leaves SQL's unreserved keywords bare, and PL/pgSQL reads
+        -- some of them (by, begin, if, loop, strict, while ...) after new. / old. as its own keywords
+        array(select pg_catalog.format('%L::pg_catalog.text, %s.%s', c, p_alias,
+                                       '"' || pg_catalog.replace(c, '"', '""') || '"')
               from pg_catalog.unnest(p_columns) with ordinality as t(c, ord) order by ord),
         '{}'))
 $$;

@@ -209,7 +209,7 @@ as $$
                '%4$L::pg_catalog.text as tg_table_name, %5$L::pg_catalog.text as tg_table_schema, %6$s as "timestamp", '
                'pgstream_n as "new", null::pg_catalog.jsonb as "old") as pgstream_p',
                pg_catalog.chr(10),
-               coalesce((select pg_catalog.string_agg(pg_catalog.format('new.%I', c), ', ' order by ord)
+               coalesce((select pg_catalog.string_agg('new."' || pg_catalog.replace(c, '"', '""') || '"', ', ' order by ord)
                          from pg_catalog.unnest(p_sub.column_names) with ordinality as t(c, ord)), ''),
                p_sub.key, p_sub.table_name, p_sub.schema_name, p_ts_sql),
            'pg_catalog.to_jsonb(pgstream_p)'
