@@ -471,27 +471,27 @@ def test_read_payload_is_byte_for_byte_the_triggers_payload(db_url: str, tmp_pat
     """The backfill builds its payload with to_jsonb of typed rows (types resolved once per chunk),
     the trigger with jsonb_build_object: for the same row, with columns of many types (nulls, a
     domain, a composite, arrays, json with duplicate keys, NaN), a subset of the columns in another
-    order, a column named like a payload key, one PL/pgSQL reads as a keyword (by), payload
-    extensions and metadata, the two payloads are the same jsonb, byte for byte (binary send form
-    and text), but for tg_op and timestamp."""
+    order, a column named like a payload key, one PL/pgSQL reads as a keyword (by), one named like
+    the chunk's alias (t), payload extensions and metadata, the two payloads are the same jsonb,
+    byte for byte (binary send form and text), but for tg_op and timestamp."""
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("create domain public.money2 as numeric(12, 2)")
         c.execute("create type public.pt as (x int, label text)")
         c.execute("""create table public.kinds (
             id int primary key, n numeric, m public.money2, f float8, txt text, ts timestamptz, d date,
             b boolean, j json, jb jsonb, arr int[], tarr text[], p public.pt, bin bytea, u uuid, iv interval,
-            "timestamp" text, "new" int, big bigint, "by" text)""")
+            "timestamp" text, "new" int, big bigint, "by" text, t text)""")
         rows = """insert into public.kinds select g, g * 1.50, g / 3.0, case when g %% 7 = 0 then 'NaN'::float8
                   else g / 7.0 end, case when g %% 5 = 0 then null else e'caf\\u00e9 "q" \\\\ ' || g end,
                   '2026-01-02 03:04:05.123456+00'::timestamptz + g * interval '1 min', date '2026-01-01' + g,
                   g %% 2 = 0, '{"a": 1, "a": 2, "z": [1, 2.50]}'::json, jsonb_build_object('k', g, 'n', null),
                   array[g, null, 3], array['x', null], row(g, 'l' || g)::public.pt, '\\xdeadbeef'::bytea,
-                  gen_random_uuid(), g * interval '1 hour', 'ts ' || g, -g, 9007199254740993 + g, 'by ' || g
+                  gen_random_uuid(), g * interval '1 hour', 'ts ' || g, -g, 9007199254740993 + g, 'by ' || g, 't ' || g
                   from generate_series(%s::int, %s::int) g"""
     _config(tmp_path, db_url, [{
         "key": "kinds", "stream_id": 1, "operation": "INSERT", "schema_name": "public", "table_name": "kinds",
         "column_names": ["tarr", "id", "n", "m", "f", "txt", "ts", "d", "b", "j", "jb", "arr", "p", "bin", "u", "iv",
-                         "timestamp", "new", "big", "by"],
+                         "timestamp", "new", "big", "by", "t"],
         "metadata": {"source": "kinds"},
         "payload_extensions": [{"json_path": "extra.total", "expression": "new.n * 2"},
                                {"json_path": "kind", "expression": "'row ' || new.txt"}]}])

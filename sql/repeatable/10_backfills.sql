@@ -640,10 +640,14 @@ begin
     execute pg_catalog.format(
         'select pg_catalog.count(*), (pg_catalog.array_agg(c.pgstream_k order by %s))[1], '
         '       %s(pg_catalog.array_agg(c.pgstream_r order by %s)) '
-        'from (select t as pgstream_r, %s as pgstream_k from %I.%I as t where %s order by %s limit $5 for share of t) as c',
+        -- row(t.*): the whole row even when the table has a column named t (a bare t would be the
+        -- column); a cast from record cannot be user-defined (record is a pseudo-type)
+        'from (select row(t.*)::%I.%I as pgstream_r, %s as pgstream_k from %I.%I as t where %s order by %s '
+        'limit $5 for share of t) as c',
         pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, '(c.pgstream_r)', true),
         pg_catalog.format('pg_temp.%I', v_fn),
         pgstream._backfill_order_sql(v_b.schema_name, v_b.table_name, '(c.pgstream_r)'),
+        v_b.schema_name, v_b.table_name,
         pgstream._backfill_key_json_sql(v_b.schema_name, v_b.table_name),
         v_b.schema_name, v_b.table_name,
         pgstream._backfill_where(v_b, case when v_after is not null then '$1' end,
