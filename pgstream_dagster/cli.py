@@ -592,10 +592,10 @@ def _cmd_docs(args: argparse.Namespace) -> int:
     from . import docs_gen
 
     if args.database_url:
-        changed = docs_gen.write(Path(args.root), args.database_url)
+        changed = docs_gen.write(Path(args.root), args.database_url, build_parser())
     else:
         with docs_gen.scratch_database() as url:
-            changed = docs_gen.write(Path(args.root), url)
+            changed = docs_gen.write(Path(args.root), url, build_parser())
     for path in changed:
         print(f"wrote {path}")
     print(f"{len(changed)} page(s) changed")

@@ -178,14 +178,14 @@ def _commands(parser: argparse.ArgumentParser, help_text: str) -> Iterator[tuple
                 yield from _commands(sub, helps.get(name, ""))
 
 
-def cli_page() -> str:
-    from .cli import build_parser
-
+def cli_page(root_parser: argparse.ArgumentParser) -> str:
+    """The CLI reference, from the CLI's own parser (``cli.build_parser()``: passed in, so this module does
+    not import the CLI that runs it)."""
     parts = [HEADER.format(source="the argument parser of pgstream_dagster/cli.py"), "# CLI reference\n\n",
              "`pgstream-dagster` is installed with the package. A command that fails prints one line, "
              "`error: ...`, on stderr and exits 1. See [Operations](../operations.md) for when to use "
              "each.\n"]
-    for parser, help_text in _commands(build_parser(), ""):
+    for parser, help_text in _commands(root_parser, ""):
         if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions) and parser.prog != \
                 "pgstream-dagster":
             continue  # a group (dead-letters, backfill): its commands follow
@@ -313,20 +313,20 @@ def scratch_database() -> Iterator[str]:
             server.destroy()
 
 
-def pages(database_url: str) -> dict[str, str]:
-    """Every generated page: its path under ``docs/reference/`` -> its text."""
+def pages(database_url: str, parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Every generated page: its path under ``docs/reference/`` -> its text (``parser``: the CLI's)."""
     with psycopg.connect(database_url, autocommit=True) as conn:
         sql = sql_page(conn)
-    return {"configuration.md": configuration_page(), "cli.md": cli_page(), "metrics.md": metrics_page(),
+    return {"configuration.md": configuration_page(), "cli.md": cli_page(parser), "metrics.md": metrics_page(),
             "sql.md": sql}
 
 
-def write(root: Path, database_url: str) -> list[Path]:
+def write(root: Path, database_url: str, parser: argparse.ArgumentParser) -> list[Path]:
     """Write the pages under ``root/docs/reference``; returns the files that changed."""
     out = root / REFERENCE_DIR
     out.mkdir(parents=True, exist_ok=True)
     changed = []
-    for name, text in pages(database_url).items():
+    for name, text in pages(database_url, parser).items():
         path = out / name
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pgstream_dagster import docs_gen
-from pgstream_dagster.cli import main
+from pgstream_dagster.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -20,7 +20,7 @@ README = ROOT / "README.md"
 
 def test_the_generated_reference_pages_match_the_code(db_url: str) -> None:
     """db_url is a freshly migrated database: the SQL page is read from its catalog."""
-    stale = [name for name, text in docs_gen.pages(db_url).items()
+    stale = [name for name, text in docs_gen.pages(db_url, build_parser()).items()
              if not (ROOT / docs_gen.REFERENCE_DIR / name).exists()
              or (ROOT / docs_gen.REFERENCE_DIR / name).read_text(encoding="utf-8") != text]
     assert stale == [], f"docs/reference/{', '.join(stale)} out of date: run `{docs_gen.COMMAND}` and commit"

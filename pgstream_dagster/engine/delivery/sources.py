@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 import psycopg
 
 from ...sinks.base import Event, Sink, event_from_text
+from ..ledger.deadletters import DeadLetter
 from ..publish import (
     CHUNK_BYTES,
     Deliveries,
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from ...config import DeliveryConfig
-    from ..deadletters import DeadLetter
     from ..handoff import Handoff
 
 #: how the host starts (or returns) its Spark session: called only when a round goes to Spark

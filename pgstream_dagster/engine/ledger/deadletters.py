@@ -1,17 +1,96 @@
-"""Dead-letter writes and reads the delivery needs (sql/014_event_integrity.sql): what delivery skips,
-events no longer in the table, and the writer that sets a rejected event aside."""
+"""Dead letters in the ledger (sql/014_event_integrity.sql): a row of ``pgstream.dead_letters``
+(:class:`DeadLetter`), what delivery skips, events no longer in the table, and the writer that sets a
+rejected event aside. The operator's side (list, redeliver, discard) is ``engine/deadletters.py``."""
 
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import psycopg
 
 from ...sinks import Event
-from ...sinks.base import event_from_text
+from ...sinks.base import event_from_text, excerpt, loads_event_json
 from ..batches import BatchStatus
 from ..publish import TooLarge
 from .state import mark_confirmed
+
+#: a dead letter's status (``pgstream.dead_letters.status``)
+Status = Literal["open", "redelivered", "discarded"]
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: int
+    stream_id: int
+    event_id: int
+    stage: Literal["read", "deliver"]
+    batch_id: int | None
+    ord: int | None
+    lsn: str | None
+    event_created_at: dt.datetime | None
+    payload_json: str | None  # jsonb::text; None when the event had vanished when it was set aside
+    metadata_json: str | None
+    sink: str | None
+    error: str
+    attempts: int
+    status: Status
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    resolved_at: dt.datetime | None
+    resolved_by: str | None
+    #: the batch its position is relative to: its own (deliver) or the last one starting at or
+    #: before its LSN (read; 0 when there is none)
+    anchor_batch_id: int = 0
+    #: the first batch up to its position that is neither delivered nor skipped: it waits for it
+    waiting_for_batch: int | None = None
+    #: delivered events of the stream after its position (only :func:`get_dead_letter` computes it)
+    overtaken: int | None = None
+    #: listed without its payload (``payloads=False``): the bytes of its payload and metadata as JSON
+    #: text; ``payload_json`` is then ``""`` (or None: no payload), the payload is read when it is sent
+    payload_bytes: int | None = None
+
+    @property
+    def payload(self) -> Any:
+        return None if self.payload_json is None else loads_event_json(self.payload_json, self.event_id)
+
+    @property
+    def metadata(self) -> Any:
+        return None if self.metadata_json is None else loads_event_json(self.metadata_json, self.event_id, "metadata")
+
+    @property
+    def position(self) -> str:
+        """``batch 12 #3`` (deliver) or ``lsn 0/16B3F28`` (read)."""
+        if self.stage == "deliver":
+            return f"batch {self.batch_id} #{self.ord}"
+        return f"lsn {self.lsn}" + (f" (after batch {self.anchor_batch_id})" if self.anchor_batch_id else "")
+
+    @property
+    def undeliverable(self) -> str | None:
+        """Why it can never be redelivered (discard it), or None."""
+        if self.payload_json is None:
+            return "its event had vanished from pgstream.events when it was set aside: there is no payload to send"
+        if self.event_created_at is None:
+            return "the sensor could not read the event's created_at: there is no timestamp to send"
+        return None
+
+    def event(self) -> Event:
+        assert self.payload_json is not None and self.event_created_at is not None
+        return Event(self.event_id, self.stream_id, created_at=self.event_created_at,
+                     payload_json=self.payload_json, metadata_json=self.metadata_json)
+
+    def describe(self) -> str:
+        """One line for lists and logs."""
+        resolved = (f", {self.status} {self.resolved_at:%Y-%m-%d %H:%M:%S} by {self.resolved_by}"
+                    if self.resolved_at else "")
+        return (f"dead letter {self.id}: stream {self.stream_id} event {self.event_id} {self.stage} "
+                f"{self.position}, {self.status}, {self.attempts} attempts, since "
+                f"{self.created_at:%Y-%m-%d %H:%M:%S%z}{resolved}: {excerpt(self.error, 120)}")
+
+
+# --- reading ------------------------------------------------------------------------------------
+
 
 
 def dead_letter_positions(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> frozenset[tuple[int, int]]:
