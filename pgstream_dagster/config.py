@@ -56,6 +56,10 @@ class BatchConfig(_Model):
                                              "continuous traffic)")
 
 
+#: ``delivery.tuning.direct_max_events``'s default
+DIRECT_MAX_EVENTS = 100_000
+
+
 class DeliveryTuning(_Model):
     """Measured defaults of a delivery (``delivery.tuning``): how much, how long, how often; never which
     route (that is ``delivery.mode`` and ``delivery.ordering``)."""
@@ -65,12 +69,13 @@ class DeliveryTuning(_Model):
                                            "hands it every new batch: fresh events skip run start-up and Spark start "
                                            "(for a run per batch: mode per_batch)")
     direct_max_events: int = Field(
-        100_000, ge=0, le=1_000_000,
-        description="ordering global, modes open and warm: a round of at most this many events is read by the "
+        DIRECT_MAX_EVENTS, ge=0, le=1_000_000,
+        description="ordering global: a round of at most this many events is read by the "
                     "run's own connection (5,000 at a time) instead of by Spark (a Spark job costs 0.1-0.3 s and "
                     "about half a CPU-second); a larger backlog is delivered in rounds of this size (whole batches, at "
                     "least one). Replays to a sink other than a file also read without Spark, 5,000 events at "
-                    "a time (0: always Spark)")
+                    "a time (0: always Spark). Mode per_batch reads every round through PySpark unless this is "
+                    "given")
     max_read_bytes: int = Field(
         32 * 2**20, ge=2**20, le=2**30,
         description="bytes of events (payload and metadata as JSON text) a run or a replay reads at once and hands "
@@ -130,6 +135,9 @@ def _moved_delivery_keys(data: dict[str, Any]) -> dict[str, Any]:
             continue
         if key == "linger_secs" and value == 0 and not isinstance(value, bool):
             implied = "per_batch"
+            # a run per batch read as before: by the run's connection up to direct_max_events (mode per_batch
+            # alone reads every round through PySpark)
+            tuning.setdefault("direct_max_events", data.get("direct_max_events", DIRECT_MAX_EVENTS))
             continue
         if key in tuning and tuning[key] != value:
             raise ValueError(f"delivery.{key} ({value!r}) and delivery.tuning.{key} ({tuning[key]!r}) disagree: "
@@ -220,6 +228,15 @@ class DeliveryConfig(_Model):
     def max_read_bytes(self) -> int:
         """``tuning.max_read_bytes``."""
         return self.tuning.max_read_bytes
+
+    @property
+    def direct_max_events(self) -> int:
+        """The largest ordered round read without Spark: ``tuning.direct_max_events``, but 0 (every round
+        through PySpark) in mode per_batch unless ``tuning.direct_max_events`` is given (a configuration
+        written with ``linger_secs: 0`` gets its old value there, and reads as it did)."""
+        if self.mode == "per_batch" and "direct_max_events" not in self.tuning.model_fields_set:
+            return 0
+        return self.tuning.direct_max_events
 
 
 class SensorConfig(_Model):

@@ -256,11 +256,12 @@ def test_routing_key_refuses_what_a_sink_payload_path_refuses(path: str) -> None
 
 
 @pytest.mark.parametrize(("old", "mode", "tuning"), [
-    ({"linger_secs": 0}, "per_batch", {}),
+    ({"linger_secs": 0}, "per_batch", {"direct_max_events": 100_000}),  # read as before, not through Spark
     ({"linger_secs": 30}, "open", {"linger_secs": 30}),
     ({"keep_warm": True}, "warm", {}),
     ({"keep_warm": False}, "open", {}),
-    ({"keep_warm": True, "linger_secs": 0}, "warm", {}),  # a warm run did not linger: it never closed when idle
+    # a warm run did not linger: it never closed when idle
+    ({"keep_warm": True, "linger_secs": 0}, "warm", {"direct_max_events": 100_000}),
     ({"read_slot": False}, "open", {"read_slot": False}),
     ({"direct_max_events": 0}, "open", {"direct_max_events": 0}),
     ({"max_read_bytes": 2**21}, "open", {"max_read_bytes": 2**21}),
@@ -306,3 +307,7 @@ def test_the_default_mode_is_an_open_run_reading_the_slot() -> None:
     assert delivery.linger_secs == 120
     per_batch = DeliveryConfig(mode="per_batch")
     assert (per_batch.keeps_open, per_batch.read_slot, per_batch.linger_secs) == (False, False, 0)
+    # per_batch reads through PySpark (the design card) unless direct_max_events is given
+    assert (delivery.direct_max_events, per_batch.direct_max_events) == (100_000, 0)
+    assert DeliveryConfig.model_validate({"mode": "per_batch", "tuning": {"direct_max_events": 500}}
+                                         ).direct_max_events == 500

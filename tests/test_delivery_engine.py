@@ -181,6 +181,8 @@ def test_per_batch_delivers_through_pyspark(db_url: str, tmp_path: Path) -> None
     ({}, "round", False, False, Route.SPARK),
     ({"tuning": {"direct_max_events": 10}}, "round", True, False, Route.SPARK),
     ({"mode": "per_batch"}, "round", True, False, Route.SPARK),
+    ({"mode": "per_batch", "tuning": {"direct_max_events": 500}}, "round", True, False, Route.TABLE),
+    ({"mode": "per_batch"}, "replay", False, False, Route.RANGE),
     ({"ordering": "by_key"}, "round", True, False, Route.BY_KEY),
     ({}, "replay", False, False, Route.RANGE),
     ({"tuning": {"direct_max_events": 0}}, "replay", False, False, Route.SPARK),

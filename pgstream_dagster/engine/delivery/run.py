@@ -275,13 +275,13 @@ def owed(stream: StreamConfig, batches: list[ledger.Batch]) -> list[Span]:
 
 
 def direct_round(stream: StreamConfig, batches: list[ledger.Batch]) -> list[ledger.Batch]:
-    """A run's next round of ``batches``, all assigned to it (ordering global, modes ``open`` and
-    ``warm``): the first of them up to ``tuning.direct_max_events`` events (at least one batch), so
+    """A run's next round of ``batches``, all assigned to it (ordering global): the first of them up to
+    ``direct_max_events`` events (``DeliveryConfig.direct_max_events``; at least one batch), so
     that it is read without Spark; the rest come in the next rounds. A backlog is then delivered in
     rounds the run reads itself instead of a Spark job that, started while the writers take the CPUs,
     held the stream for 1-2 minutes (bench/sustained.py)."""
-    limit = stream.delivery.tuning.direct_max_events
-    if stream.delivery.ordering != "global" or limit <= 0 or stream.delivery.mode == "per_batch":
+    limit = stream.delivery.direct_max_events
+    if stream.delivery.ordering != "global" or limit <= 0:
         return batches
     total = 0
     for i, batch in enumerate(batches):

@@ -307,23 +307,23 @@ def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: R
     (``Selection``) and a redelivery (``Letters``):
 
     * a round of an ``ordering: by_key`` stream: Spark tasks per routing key;
-    * a round of an ordered stream: mode ``per_batch`` (the design card's PySpark run per batch) and
-      ``tuning.direct_max_events`` 0 read through Spark; else a round of at most
-      ``direct_max_events`` events is read by the run's own connection (from the hand-off when the
-      run reads the slot), a larger one through Spark;
+    * a round of an ordered stream: through Spark in mode ``per_batch`` (the design card's PySpark run
+      per batch) unless ``tuning.direct_max_events`` is given, and with ``direct_max_events`` 0; else
+      a round of at most ``direct_max_events`` events is read by the run's own connection (from the
+      hand-off when the run reads the slot), a larger one through Spark;
     * a replay: JSON lines rendered by Postgres when the sink takes them, else the run's connections
-      unless ``direct_max_events`` is 0 (then Spark);
+      unless ``tuning.direct_max_events`` is 0 (then Spark), in every mode;
     * dead letters: from ``pgstream.dead_letters``."""
-    direct = delivery.tuning.direct_max_events
+    direct = delivery.direct_max_events
     if isinstance(want, Letters):
         return Route.LETTERS
     if isinstance(want, Selection):
         if readers.sink is not None and readers.sink.accepts_json_lines:
             return Route.LINES
-        return Route.RANGE if direct > 0 else Route.SPARK
+        return Route.RANGE if delivery.tuning.direct_max_events > 0 else Route.SPARK  # whatever the mode
     if delivery.ordering == "by_key":
         return Route.BY_KEY
-    if delivery.mode == "per_batch" or readers.conn is None or want.events > direct:
+    if direct <= 0 or readers.conn is None or want.events > direct:
         return Route.SPARK
     return Route.HANDOFF if readers.handoff is not None else Route.TABLE
 
