@@ -175,9 +175,10 @@ def test_the_sensor_does_not_read_while_a_run_is_the_declared_reader(db_url: str
 
 
 def test_the_declared_reader_changes_with_the_open_run(db_url: str, tmp_path: Path) -> None:
-    """Opening, replacing, failing and closing the open run go through batches.decide / ledger.apply,
-    and each moves slot_reader in the same UPDATE; the database refuses a run as reader that is not
-    the open run."""
+    """Opening, replacing, failing and closing the open run go through batches.decide / ledger.apply;
+    an opened run becomes the slot's reader when its reader takes the slot (the sensor reads until
+    then: no moment without a reader), and ending it gives the slot back in the same UPDATE; the
+    database refuses a run as reader that is not the open run."""
     (stream,) = _streams(tmp_path, db_url, {"max_size": 5, "max_fill_secs": 0})
     insert_events(db_url, 1, 12)
     with psycopg.connect(db_url, autocommit=True) as c:
@@ -192,7 +193,8 @@ def test_the_declared_reader_changes_with_the_open_run(db_url: str, tmp_path: Pa
         launch = decide_and_apply(batches.NO_RUN)
         assert isinstance(launch, batches.Launch) and launch.keep_open
         key = launch.order.run_key
-        assert _reader_row(db_url, 1) == (key, f"run:{key}")
+        assert _reader_row(db_url, 1) == (key, ledger.SENSOR)  # a run queued or starting: the sensor reads
+        assert ledger.take_slot(c, 1, key) and _reader_row(db_url, 1) == (key, f"run:{key}")  # its reader began
         # the run failed: failover, the open run forgotten, the slot the sensor's, in one transaction
         failed = decide_and_apply(RunView(RunStatus.FAILED, "r1", "FAILURE", "boom"))
         assert isinstance(failed, batches.FailRun)
@@ -291,7 +293,7 @@ def test_an_open_run_killed_while_it_reads_leaves_the_slot_to_the_sensor_and_los
     driver.tick(1)
     insert_events(db_url, 1, 100)
     (request,) = tick_until(driver, 1, lambda: _reader_row(db_url, 1)[0] is not None)
-    assert _reader_row(db_url, 1) == (request.run_key, f"run:{request.run_key}")
+    assert _reader_row(db_url, 1) == (request.run_key, ledger.SENSOR)  # not started: the sensor reads
     (tmp_path / "home").mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-c", _RUN_SCRIPT, str(config_path), dagster_storage_url, str(tmp_path / "home"),

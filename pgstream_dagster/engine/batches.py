@@ -21,9 +21,10 @@ run with no batch that becomes the stream's open run and waits for what commits 
 itself), so the first event after a quiet spell finds a started process.
 
 The stream's open run (``streams.open_run_key``) and the slot's declared reader
-(``streams.slot_reader``: ``sensor`` or ``run:<run key>``) move together, in one UPDATE each::
+(``streams.slot_reader``: ``sensor`` or ``run:<run key>``); ending an open run gives the slot back in the
+same UPDATE::
 
-    none --(Launch keep_open, Warm)--> open, the run reads the slot (delivery.read_slot)
+    none --(Launch keep_open, Warm)--> open, the sensor reads until the run's reader takes the slot
     open --(Extend)--> open, handed the batches recorded behind its own
     open --(Launch replaces, FailRun)--> none, the sensor reads
     open, ended without closing, nothing left --(ReclaimSlot)--> open (until the next batch's run

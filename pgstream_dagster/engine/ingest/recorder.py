@@ -316,7 +316,8 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
     batches, hand them to the run (``ledger.extend_run``: it is woken by NOTIFY) in the same
     transaction, and only then confirm their end position to the server.
 
-    The run is the declared reader from when it is opened (``ledger.open_run``). While it cannot read
+    The run becomes the declared reader when this starts (``ledger.take_slot``: only while it is the open
+    run; until then the sensor reads and hands it batches). While it cannot read
     (no free WAL sender, the slot missing or lost, a recovery pending) it gives the slot back to the
     sensor (``ledger.give_slot_back``), which records and hands batches to the run meanwhile, and
     takes it again to try again. However it ends, short of its process dying, the slot goes back to

@@ -361,12 +361,14 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
             return apply(conn, stream, then)
         case Wait():
             return None
+        # an open run becomes the slot's declared reader when its reader starts (ledger.take_slot, under the
+        # stream row's lock, only while it is the open run): until then, a run queued or still starting, the
+        # sensor goes on reading and hands the run what it records, so no moment is left without a reader
         case Warm(run=run, again=again):
-            reads = stream.delivery.read_slot
-            return run if again or open_warm_run(conn, stream.id, run.run_key, reads_slot=reads) else None
+            return run if again or open_warm_run(conn, stream.id, run.run_key, reads_slot=False) else None
         case Launch(order=order, keep_open=keep_open, replaces=replaces):
             launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces,
-                   reads_slot=stream.delivery.read_slot)
+                   reads_slot=False)
             return order
         case ReclaimSlot(run_key=key):
             give_slot_back(conn, stream.id, key)
