@@ -687,10 +687,13 @@ immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select pgstream._jsonb_object_sql(coalesce(
-        -- the column always double-quoted: %I leaves SQL's unreserved keywords bare, and PL/pgSQL reads
-        -- some of them (by, begin, if, loop, strict, while ...) after new. / old. as its own keywords
+        -- %I leaves SQL's unreserved keywords bare, and PL/pgSQL reads its own reserved words that SQL does
+        -- not reserve (pl_reserved_kwlist.h) as keywords after new. / old.: those are quoted too (only
+        -- those: every other trigger keeps its code, so an upgrade regenerates none of them)
         array(select pg_catalog.format('%L::pg_catalog.text, %s.%s', c, p_alias,
-                                       '"' || pg_catalog.replace(c, '"', '""') || '"')
+                                       case when c operator(pg_catalog.=) any ('{begin,by,declare,execute,foreach,if,'
+                                                                                'loop,strict,while}'::pg_catalog.text[])
+                                            then '"' || c || '"' else pg_catalog.quote_ident(c) end)
               from pg_catalog.unnest(p_columns) with ordinality as t(c, ord) order by ord),
         '{}'))
 $$;

@@ -125,7 +125,9 @@ def main() -> None:
         result["peak_kb"] = _status()["VmHWM"]
         if background is not None:
             with psycopg.connect(db_url, autocommit=True) as c:
-                c.execute("update pgstream.streams set open_run_key = null where id = %s", [STREAM])
+                # the open run ends: the slot goes back to the sensor with it (the slot_reader constraint)
+                c.execute("update pgstream.streams set open_run_key = null, slot_reader = 'sensor' where id = %s",
+                          [STREAM])
             background.wait(timeout=120)
         result["runs"] = [r.success for r in driver.results]
         with psycopg.connect(db_url) as c:
