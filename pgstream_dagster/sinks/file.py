@@ -49,7 +49,7 @@ class FileSink(Sink):
             created = not path.exists()
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             if created:
-                _fsync_dir(path.parent)
+                fsync_path(path.parent)
         return self._fd
 
     def publish(self, events: Sequence[Event]) -> None:
@@ -98,10 +98,11 @@ def _truncate(fd: int, size: int) -> None:
         pass
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a newly created directory entry durable (best effort; not supported everywhere)."""
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory to make a newly created entry in it durable (best effort: not
+    supported everywhere). The file sink and the parquet sink use it."""
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from .base import SinkError
+from .file import fsync_path
 from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, position_of, token
 
 if TYPE_CHECKING:
@@ -61,24 +62,11 @@ def read_marker(path: str | Path, stream_id: int) -> int | None:
     return int(data["token"])
 
 
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _replace(tmp: Path, final: Path) -> None:
     """Make ``tmp`` (written, closed) ``final``, durably."""
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
 
 
 class ParquetSink(LakeSink):
