@@ -23,7 +23,7 @@ import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.engine import batches, ingest, ledger, replication
-from pgstream_dagster.engine.batches import RunStatus, RunView
+from pgstream_dagster.engine.batches import CloseRun, GiveSlotBack, RunStatus, RunView, TakeSlot
 from pgstream_dagster.engine.ingest.recorder import Batching, Pending
 from pgstream_dagster.engine.replication import DecodedEvent, Transaction
 from pgstream_dagster.engine.status import render_status, stream_status
@@ -168,14 +168,15 @@ def test_the_sensor_does_not_read_while_a_run_is_the_declared_reader(db_url: str
         assert f"open run: {RUN_KEY} (the slot's declared reader; its reader is not reading yet)" in \
             render_status(stream_status(c, 1))
         # the run closes: the sensor reads again, from where the slot was
-        assert ledger.close_run(c, 1, RUN_KEY)
+        assert ledger.apply_run(c, CloseRun(1, RUN_KEY))
         assert ledger.slot_reader(c, 1) == ledger.SENSOR
         assert ingest.consume(c, stream, 1.0).events == 20
     assert _recorded(db_url, 1) == _events(db_url, 1)
 
 
 def test_the_declared_reader_changes_with_the_open_run(db_url: str, tmp_path: Path) -> None:
-    """Opening, replacing, failing and closing the open run go through batches.decide / ledger.apply;
+    """Opening, replacing, failing and closing the open run go through batches.decide / ledger.apply
+    (the sensor's) and ledger.apply_run (the run's: CloseRun, TakeSlot, GiveSlotBack);
     an opened run becomes the slot's reader when its reader takes the slot (the sensor reads until
     then: no moment without a reader), and ending it gives the slot back in the same UPDATE; the
     database refuses a run as reader that is not the open run."""
@@ -194,7 +195,8 @@ def test_the_declared_reader_changes_with_the_open_run(db_url: str, tmp_path: Pa
         assert isinstance(launch, batches.Launch) and launch.keep_open
         key = launch.order.run_key
         assert _reader_row(db_url, 1) == (key, ledger.SENSOR)  # a run queued or starting: the sensor reads
-        assert ledger.take_slot(c, 1, key) and _reader_row(db_url, 1) == (key, f"run:{key}")  # its reader began
+        assert ledger.apply_run(c, TakeSlot(1, key))  # its reader began
+        assert _reader_row(db_url, 1) == (key, f"run:{key}")
         # the run failed: failover, the open run forgotten, the slot the sensor's, in one transaction
         failed = decide_and_apply(RunView(RunStatus.FAILED, "r1", "FAILURE", "boom"))
         assert isinstance(failed, batches.FailRun)
@@ -203,13 +205,16 @@ def test_the_declared_reader_changes_with_the_open_run(db_url: str, tmp_path: Pa
         ledger.launch(c, 1, (), "other-run", keep_open=True, reads_slot=False)
         assert _reader_row(db_url, 1) == ("other-run", ledger.SENSOR)
         # the reader cannot read for a while: it gives the slot back, then takes it again
-        assert ledger.take_slot(c, 1, "other-run") and _reader_row(db_url, 1) == ("other-run", "run:other-run")
-        assert not ledger.take_slot(c, 1, "not-open")
-        assert ledger.give_slot_back(c, 1, "other-run") and _reader_row(db_url, 1) == ("other-run", ledger.SENSOR)
+        assert ledger.apply_run(c, TakeSlot(1, "other-run"))
+        assert _reader_row(db_url, 1) == ("other-run", "run:other-run")
+        assert not ledger.apply_run(c, TakeSlot(1, "not-open"))  # refused: not the open run
+        assert ledger.apply_run(c, GiveSlotBack(1, "other-run"))
+        assert _reader_row(db_url, 1) == ("other-run", ledger.SENSOR)
+        assert not ledger.apply_run(c, GiveSlotBack(1, "other-run"))  # refused: not the reader any more
         # only the open run may be the reader, whoever writes the row
         with pytest.raises(psycopg.errors.CheckViolation):
             c.execute("update pgstream.streams set slot_reader = 'run:not-open' where id = 1")
-        ledger.take_slot(c, 1, "other-run")
+        ledger.apply_run(c, TakeSlot(1, "other-run"))
         with pytest.raises(psycopg.errors.CheckViolation):
             c.execute("update pgstream.streams set open_run_key = null where id = 1")
         ledger.clear_open_run(c, 1, "other-run")

@@ -13,7 +13,7 @@ import dagster as dg
 import psycopg
 
 from pgstream_dagster.engine import ledger
-from pgstream_dagster.engine.batches import BatchStatus
+from pgstream_dagster.engine.batches import BatchStatus, CloseRun
 from pgstream_dagster.engine.status import render_status, stream_status
 
 from .support.endpoint import Endpoint
@@ -125,11 +125,11 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
         second = batch(2)
         assert ledger.extend_run(c, STREAM, "run-a", 1000) == [second]
         assert ledger.extend_run(c, STREAM, "run-x", 1000) == []  # not the open run
-        assert not ledger.close_run(c, STREAM, "run-a")  # batches assigned and not delivered
+        assert not ledger.apply_run(c, CloseRun(STREAM, "run-a"))  # batches assigned and not delivered
         for b in (first, second):
             ledger.mark_delivered(c, b, "r")
         assert [b.id for b in ledger.assigned_after(c, "run-a", first)] == []
-        assert ledger.close_run(c, STREAM, "run-a")
+        assert ledger.apply_run(c, CloseRun(STREAM, "run-a"))
         batch(3)
         assert ledger.extend_run(c, STREAM, "run-a", 1000) == []  # closed: never handed a batch again
 
@@ -155,7 +155,7 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
 
 def _close(url: str, run_key: str) -> bool:
     with psycopg.connect(url, autocommit=True) as c:
-        return ledger.close_run(c, STREAM, run_key)
+        return ledger.apply_run(c, CloseRun(STREAM, run_key))
 
 
 def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run(

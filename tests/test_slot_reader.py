@@ -26,7 +26,7 @@ import pytest
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.names import WARM_TAG
 from pgstream_dagster.engine import handoff, ingest, ledger, migrations, replication, spark
-from pgstream_dagster.engine.batches import BatchStatus
+from pgstream_dagster.engine.batches import BatchStatus, CloseRun
 from pgstream_dagster.engine.delivery import sources
 from pgstream_dagster.engine.publish import owed_spans
 from pgstream_dagster.engine.status import render_status, stream_status
@@ -278,7 +278,7 @@ def test_reader_hands_batches_to_its_run_confirms_and_stops_when_the_run_closes(
         # the run closes: the reader sees it and lets go of the slot
         for b in [r[0] for r in c.execute("select id from pgstream.batches")]:
             ledger.mark_delivered(c, b, "r")
-        assert ledger.close_run(c, STREAM, RUN_KEY)
+        assert ledger.apply_run(c, CloseRun(STREAM, RUN_KEY))
     reader.join(timeout=10)
     assert not reader.is_alive()
     assert _slot_reader(db_url) is None

@@ -21,18 +21,21 @@ run with no batch that becomes the stream's open run and waits for what commits 
 itself), so the first event after a quiet spell finds a started process.
 
 The stream's open run (``streams.open_run_key``) and the slot's declared reader
-(``streams.slot_reader``: ``sensor`` or ``run:<run key>``); ending an open run gives the slot back in the
-same UPDATE::
+(``streams.slot_reader``: ``sensor`` or ``run:<run key>``) change only by these transitions, the sensor's
+(:data:`Action`, from :func:`decide`, applied by ``ledger.apply``) and the run's own (:data:`RunAction`,
+applied by ``ledger.apply_run``); ending an open run gives the slot back in the same UPDATE::
 
     none --(Launch keep_open, Warm)--> open, the sensor reads until the run's reader takes the slot
+    open, the sensor reads --(the run's reader: TakeSlot, only while its run is the open run)--> open,
+        the run reads
+    open, the run reads --(the run's reader: GiveSlotBack, while it cannot read or once it stops)--> open,
+        the sensor reads (and hands the run what it records)
     open --(Extend)--> open, handed the batches recorded behind its own
     open --(Launch replaces, FailRun)--> none, the sensor reads
     open, ended without closing, nothing left --(ReclaimSlot)--> open (until the next batch's run
         replaces it), the sensor reads
-    open --(the run: ledger.close_run, once it delivered what it was handed)--> none, the sensor reads
-
-and, outside this machine, the run's reader gives the slot back while it cannot read and takes it
-again (``ledger.give_slot_back`` / ``ledger.take_slot``: only while its run is the open run).
+    open --(the run: CloseRun, refused while a batch it was handed is not delivered)--> none, the sensor
+        reads
 """
 
 from __future__ import annotations
@@ -277,6 +280,39 @@ class ReclaimSlot:
 
 
 Action = Wait | Launch | Warm | Extend | Reissue | FailRun | LeaveFailover | ReclaimSlot
+
+
+# --- the run's transitions: its own, not the sensor's decisions (ledger.apply_run) ---------------
+
+@dataclass(frozen=True)
+class CloseRun:
+    """The open run ``run_key`` stops taking batches (idle for ``tuning.linger_secs``, paused, a replay
+    waits, ...): the stream has no open run and the sensor reads the slot. Refused (``apply_run`` is
+    false) while batches were assigned to it and not delivered: it delivers them first and tries again."""
+
+    stream_id: int
+    run_key: str
+
+
+@dataclass(frozen=True)
+class TakeSlot:
+    """The open run ``run_key``'s reader reads the slot (again): it becomes the declared reader. Refused
+    (false) unless ``run_key`` is the stream's open run."""
+
+    stream_id: int
+    run_key: str
+
+
+@dataclass(frozen=True)
+class GiveSlotBack:
+    """The run ``run_key``'s reader does not read (it stopped, or cannot read for now): the sensor is the
+    declared reader again and hands the run what it records. False if the run was not the reader."""
+
+    stream_id: int
+    run_key: str
+
+
+RunAction = CloseRun | TakeSlot | GiveSlotBack
 
 
 def decide(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig) -> Action:

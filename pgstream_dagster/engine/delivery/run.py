@@ -36,6 +36,7 @@ import psycopg
 from ...config import StreamConfig
 from ...sinks import Sink, SinkError, build_sink
 from .. import ledger
+from ..batches import CloseRun
 from ..collector import fewer_collections
 from ..handoff import Handoff, Log, ReaderFactory, RunReader
 from ..publish import (
@@ -499,7 +500,7 @@ class Linger:
                 reason = self._stop_reason()
             if reason is not None:
                 self.reader.stop()  # what it received is recorded (and handed to this run) before it closes
-                if ledger.close_run(self.conn, self.stream.id, self.run_key):
+                if ledger.apply_run(self.conn, CloseRun(self.stream.id, self.run_key)):
                     if linger_secs > 0:
                         self.host.log.info(f"stream {self.stream.id}: run closed ({reason})")
                     return []

@@ -29,6 +29,7 @@ import psycopg
 
 from ...config import StreamConfig
 from .. import ledger, replication, walstream
+from ..batches import GiveSlotBack, TakeSlot
 from ..handoff import Handoff
 from ..replication import Transaction
 from .results import ConsumeResult, FollowStats
@@ -316,11 +317,11 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
     batches, hand them to the run (``ledger.extend_run``: it is woken by NOTIFY) in the same
     transaction, and only then confirm their end position to the server.
 
-    The run becomes the declared reader when this starts (``ledger.take_slot``: only while it is the open
-    run; until then the sensor reads and hands it batches). While it cannot read
-    (no free WAL sender, the slot missing or lost, a recovery pending) it gives the slot back to the
-    sensor (``ledger.give_slot_back``), which records and hands batches to the run meanwhile, and
-    takes it again to try again. However it ends, short of its process dying, the slot goes back to
+    The run becomes the declared reader when this starts (``ledger.apply_run(TakeSlot)``: only while it
+    is the open run; until then the sensor reads and hands it batches). While it cannot read (no free
+    WAL sender, the slot missing or lost, a recovery pending) it gives the slot back to the sensor
+    (``GiveSlotBack``), which records and hands batches to the run meanwhile, and takes it again to
+    try again. However it ends, short of its process dying, the slot goes back to
     the sensor. A connection that breaks is opened again: the server sends again what was not
     confirmed, and what the ledger already has is dropped (:func:`unrecorded`); so is the ledger
     connection (a database restart).
@@ -334,7 +335,7 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
                 try:
                     _read_slot(conn, database_url, stream, run_key, stop, stats, application_name, pause, handoff)
                 finally:
-                    ledger.give_slot_back(conn, stream.id, run_key)
+                    ledger.apply_run(conn, GiveSlotBack(stream.id, run_key))
                 return
         except psycopg.OperationalError as exc:
             stats.notes.append(f"the slot reader lost its database connection ({str(exc).strip()[:300]}); "
@@ -351,7 +352,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
         handoff = None  # the WAL carries text in the server's encoding: the run reads it from the table
 
     def wait(secs: float) -> None:
-        ledger.give_slot_back(conn, stream.id, run_key)  # the sensor reads meanwhile
+        ledger.apply_run(conn, GiveSlotBack(stream.id, run_key))  # the sensor reads meanwhile
         pause(secs)
 
     def without_rows(exc: Exception) -> bool:
@@ -372,7 +373,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
         if ledger.recovery_pending(conn, stream.id):
             wait(FOLLOW_CHECK_SECS)
             continue
-        if not ledger.take_slot(conn, stream.id, run_key):
+        if not ledger.apply_run(conn, TakeSlot(stream.id, run_key)):
             return  # closed meanwhile
         try:
             # with a hand-off, the publication with the whole event: the run delivers what it decodes

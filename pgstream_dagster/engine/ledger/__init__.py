@@ -153,6 +153,9 @@ from .state import (
     apply as apply,
 )
 from .state import (
+    apply_run as apply_run,
+)
+from .state import (
     assign as assign,
 )
 from .state import (
@@ -165,9 +168,6 @@ from .state import (
     clear_open_run as clear_open_run,
 )
 from .state import (
-    close_run as close_run,
-)
-from .state import (
     earlier_open as earlier_open,
 )
 from .state import (
@@ -178,9 +178,6 @@ from .state import (
 )
 from .state import (
     fail_run as fail_run,
-)
-from .state import (
-    give_slot_back as give_slot_back,
 )
 from .state import (
     is_paused as is_paused,
@@ -241,9 +238,6 @@ from .state import (
 )
 from .state import (
     stream_state as stream_state,
-)
-from .state import (
-    take_slot as take_slot,
 )
 from .streams import (
     SLOT_INDEX as SLOT_INDEX,

@@ -125,7 +125,7 @@ def lock_recording(conn: psycopg.Connection, stream_id: int) -> None:
     and checks the reader.) Serialise recording what was read from the stream's slot until this transaction ends: the
     sensor and an open run's reader each check what the ledger holds after taking the lock, so a
     transaction both read (the reader connected right after the sensor's peek) is recorded once.
-    The stream row's lock, as :func:`extend_run` and :func:`close_run` take it.
+    The stream row's lock, as :func:`extend_run` and closing a run (``apply_run(CloseRun)``) take it.
     ``no key update``: batches and dead letters referencing the stream are still inserted meanwhile.
     Only inside a transaction."""
     conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])

@@ -3,10 +3,12 @@ for ``batches.decide``), the batch transitions (one function and one UPDATE each
 :func:`open_run`, :func:`clear_open_run`, :func:`release`, :func:`mark_failed`, :func:`mark_confirmed`,
 :func:`mark_delivered`, :func:`enter_failover`, :func:`leave_failover`, :func:`retry_now`,
 :func:`skip_batch`), the run operations made of them (:func:`launch`, :func:`extend_run`,
-:func:`close_run`, :func:`fail_run`), the slot's declared reader, which changes with the open run
-(:func:`open_run`, :func:`clear_open_run`, :func:`take_slot`, :func:`give_slot_back`), and
-:func:`apply` (a decision's action). Statuses are :class:`~..batches.BatchStatus` members; "open" is
-``pgstream.batch_is_open(status)``.
+:func:`fail_run`), the slot's declared reader, which changes with the open run (:func:`open_run`,
+:func:`clear_open_run`), and the two ways in: :func:`apply` (the sensor's decision, a
+:data:`~..batches.Action`) and :func:`apply_run` (the open run's own transitions, a
+:data:`~..batches.RunAction`: close, take the slot, give it back). These are the only writers of
+``streams.open_run_key`` and ``streams.slot_reader`` (tests/test_architecture.py). Statuses are
+:class:`~..batches.BatchStatus` members; "open" is ``pgstream.batch_is_open(status)``.
 
 Invariants: batches of a stream are delivered in id order; a batch is ``delivered`` only once the sink
 confirmed every event; ``skipped`` only by an operator (``pgstream.skip_batch``). Both count as done;
@@ -26,14 +28,18 @@ from ...config import StreamConfig, stream_object_name
 from ..batches import (
     Action,
     BatchStatus,
+    CloseRun,
     Extend,
     FailRun,
+    GiveSlotBack,
     Launch,
     LeaveFailover,
     ReclaimSlot,
     Reissue,
+    RunAction,
     RunOrder,
     StreamState,
+    TakeSlot,
     Wait,
     Warm,
     WarmRun,
@@ -181,8 +187,8 @@ def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> No
 # One reader of a stream's slot at a time, declared in the stream row: 'sensor', or 'run:<run key>' (the
 # open run's reader). It changes with the open run (open_run, clear_open_run: the same UPDATE; a
 # constraint says a run reads only while it is the open run), and when the open run's reader cannot read
-# (give_slot_back) or can again (take_slot). Each reader reads only while it is the declared one and
-# checks it again under the stream row's lock before it records (lock_slot_reader).
+# (GiveSlotBack) or can again (TakeSlot), both by apply_run. Each reader reads only while it is the
+# declared one and checks it again under the stream row's lock before it records (lock_slot_reader).
 
 #: the declared reader between runs
 SENSOR = "sensor"
@@ -207,14 +213,14 @@ def lock_slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
     return str(row[0]) if row and row[0] is not None else SENSOR
 
 
-def take_slot(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+def _take_slot(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
     """The open run ``run_key``'s reader reads the slot (again); false if it is not the open run."""
     row = conn.execute("update pgstream.streams set slot_reader = %s where id = %s and open_run_key = %s "
                        "returning 1", [run_reader(run_key), stream_id, run_key]).fetchone()
     return row is not None
 
 
-def give_slot_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+def _give_slot_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
     """The run ``run_key``'s reader does not read (it stopped, or cannot read for now): the sensor reads
     the slot and hands batches to the run; false if it was not the declared reader."""
     row = conn.execute("update pgstream.streams set slot_reader = %s where id = %s and slot_reader = %s "
@@ -293,7 +299,7 @@ def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_event
     """Assign the stream's pending batches to the open run ``run_key`` (oldest first, while nothing
     else is in between, up to ``max_events`` undelivered events assigned to it) and wake it up.
     Nothing happens unless ``run_key`` is the stream's open run: the stream row's lock orders this
-    against :func:`close_run`, so a run that closed is never handed a batch."""
+    against :func:`_close_run`, so a run that closed is never handed a batch."""
     with conn.transaction():
         row = conn.execute("select open_run_key from pgstream.streams where id = %s for update",
                            [stream_id]).fetchone()
@@ -319,7 +325,7 @@ def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_event
     return ids
 
 
-def close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
     """The run ``run_key`` stops taking batches: true unless batches were assigned to it and not
     delivered yet (then it must deliver them first and try again)."""
     with conn.transaction():
@@ -361,7 +367,7 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
             return apply(conn, stream, then)
         case Wait():
             return None
-        # an open run becomes the slot's declared reader when its reader starts (ledger.take_slot, under the
+        # an open run becomes the slot's declared reader when its reader starts (TakeSlot, under the
         # stream row's lock, only while it is the open run): until then, a run queued or still starting, the
         # sensor goes on reading and hands the run what it records, so no moment is left without a reader
         case Warm(run=run, again=again):
@@ -371,7 +377,7 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
                    reads_slot=False)
             return order
         case ReclaimSlot(run_key=key):
-            give_slot_back(conn, stream.id, key)
+            _give_slot_back(conn, stream.id, key)
             return None
         case Extend(run_key=key, otherwise=otherwise):
             # empty when the run closed meanwhile: then a new run, if the head needs one
@@ -384,4 +390,17 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
         case FailRun(head=head, error=error, retry_at=retry_at):
             fail_run(conn, head, head.run_key or "", error, retry_at)
             return None
+    assert_never(action)
+
+
+def apply_run(conn: psycopg.Connection, action: RunAction) -> bool:
+    """Carry out the open run's own transition ``action`` in the ledger (its delivery loop closes it,
+    its slot reader takes the slot and gives it back); false when it is refused (see each action)."""
+    match action:
+        case CloseRun(stream_id=stream_id, run_key=key):
+            return _close_run(conn, stream_id, key)
+        case TakeSlot(stream_id=stream_id, run_key=key):
+            return _take_slot(conn, stream_id, key)
+        case GiveSlotBack(stream_id=stream_id, run_key=key):
+            return _give_slot_back(conn, stream_id, key)
     assert_never(action)
