@@ -27,6 +27,21 @@ from .support.http_recorder import HttpRecorder, recording_server
 from .support.schema import USERS
 from .support.sinks import nats_admin, unique
 
+#: the slowest files, slowest first (``--durations`` of a full run): the two test processes of ``make test``
+#: (``-n 2 --dist loadfile --no-loadscope-reorder``: a file per process at a time, in this order) start with
+#: them, so they end together
+SLOWEST_FILES = ("test_spark_cluster.py", "test_code_location.py", "test_failover.py", "test_fault_integrity.py",
+                 "test_spark_connect.py", "test_backfill.py", "test_spark_source.py", "test_spark_memory.py",
+                 "test_browser.py", "test_by_key_resume.py", "test_runtime_role.py", "test_lake_pipeline.py",
+                 "test_automation_e2e.py", "test_open_runs.py", "test_asset_checks.py", "test_streaming.py",
+                 "test_memory_bytes.py", "test_components.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest in file order
+
+
 TEMPLATE = "pgstream_template"
 _counter = itertools.count()
 
