@@ -119,12 +119,13 @@ for each row execute function pgstream._touch_updated_at();
 -- first use (pgstream.stream_slot), and their slots created there. A stream from before 022 whose
 -- slot pgstream_stream_<id> existed keeps it (the migration stored it as its default_slot).
 
--- What every default slot name matches, old form (pgstream_stream_<id>) and new: the orphaned_slots
--- view and tear-down recognise pgstream's slots by it.
+-- What every default slot name matches, old form (pgstream_stream_<id>) and new, and a reader group's
+-- slot (pgstream_g_<name>_d<oid>_<8 hex>, 27_reader_groups.sql): the orphaned_slots view and tear-down
+-- recognise pgstream's slots by it.
 create or replace function pgstream.default_slot_pattern()
 returns text language sql immutable
 set search_path = pg_catalog, pg_temp
-as $$ select '^pgstream_stream_[0-9]+(_d[0-9]+_[0-9a-f]{12})?$'::text $$;
+as $$ select '^(pgstream_stream_[0-9]+(_d[0-9]+_[0-9a-f]{12})?|pgstream_g_[a-z][a-z0-9_]{0,30}_d[0-9]+_[0-9a-f]{8})$'::text $$;
 -- a constant: the roles that may read the orphaned_slots view (or the metrics) need it
 grant execute on function pgstream.default_slot_pattern() to public;
 
@@ -253,6 +254,12 @@ begin
     if p_slot operator(pg_catalog.!~) '^[a-z0-9_]{1,63}$' then
         raise exception 'pgstream: register_stream: stream %: slot name % is not [a-z0-9_]{1,63}', p_stream_id,
             pg_catalog.quote_nullable(p_slot) using errcode = 'invalid_parameter_value';
+    end if;
+    if exists (select 1 from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id
+               and s.reader_group is not null) then
+        raise exception 'pgstream: stream % reads with reader group %: leaving a group is not supported (keep its streams[].reader)',
+            p_stream_id, (select s.reader_group from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id)
+            using errcode = 'feature_not_supported';
     end if;
     -- neither statement locks the row when nothing changes (a run may hold its lock); a null slot is
     -- the stream's default (streams.default_slot)
