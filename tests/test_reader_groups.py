@@ -1,0 +1,241 @@
+"""Reader groups (``streams[].reader``): one slot and one publication for several streams, the WAL
+decoded once by the group's reader (``engine/ingest/group.py``), each stream's transactions recorded
+once in its own ledger, in commit order; a stream that had its own slot joins without losing or
+repeating an event; a lost group slot is replaced and every member recovers; nobody but the owner's
+functions changes who is in a group."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from pgstream_dagster.config import StreamConfig, load_config
+from pgstream_dagster.devdb import LocalPostgres, ensure_running
+from pgstream_dagster.engine import ingest, ledger, replication
+from pgstream_dagster.engine.migrations import migrate
+
+from .support.harness import insert_events, slot_of, write_config
+
+GROUP = "shared"
+
+
+@pytest.fixture(scope="module")
+def few_slots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    """A Postgres of its own with room for 4 replication slots only."""
+    server = ensure_running(tmp_path_factory.mktemp("pg4") / "data",
+                            extra_settings={"fsync": "off", "full_page_writes": "off", "max_replication_slots": "4",
+                                            "max_wal_senders": "4"})
+    yield server
+    server.destroy()
+
+
+def _configs(tmp_path: Path, url: str, ids: list[int], *, group: dict[int, str | None] | None = None,
+             batch: dict[str, Any] | None = None) -> list[StreamConfig]:
+    group = group or {}
+    streams = []
+    for i in ids:
+        stream: dict[str, Any] = {"id": i, "batch": batch or {"max_size": 100, "max_fill_secs": 0},
+                                  "delivery": {"mode": "per_batch"},
+                                  "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+        reader = group.get(i, GROUP)
+        if reader is not None:
+            stream["reader"] = reader
+        streams.append(stream)
+    return list(load_config(write_config(tmp_path / "pgstream.yaml", url, streams)).streams)
+
+
+def _recorded(url: str, stream_id: int) -> list[int]:
+    """The stream's ledger, event by event, in ledger order."""
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select e from pgstream.batches b, unnest(b.event_ids) with ordinality u(e, o) "
+                                        "where b.stream_id = %s order by b.id, u.o", [stream_id])]
+
+
+def _events(url: str, stream_id: int) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id",
+                                        [stream_id])]
+
+
+def _pgstream_slots(url: str) -> list[str]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select slot_name from pg_replication_slots where database = "
+                                        "current_database() and slot_name like 'pgstream%' order by 1")]
+
+
+def _drain(conn: psycopg.Connection, streams: list[StreamConfig], until: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "timed out"
+        ingest.consume_group(conn, GROUP, streams, 0.2)
+
+
+def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_commit_order(
+        few_slots: LocalPostgres, tmp_path: Path) -> None:
+    few_slots.create_database("twelve")
+    url = few_slots.url_for("twelve")
+    migrate(url)
+    ids = list(range(1, 13))
+    streams = _configs(tmp_path, url, ids)
+    with psycopg.connect(url, autocommit=True) as c:
+        first = ingest.consume_group(c, GROUP, streams, 0)
+        assert first.slot_created and first.publication == "created"
+        assert _pgstream_slots(url) == [first.slot]  # one slot for twelve streams (4 allowed)
+        # every stream's own sensor: registered, the group reads for it, no slot of its own
+        for s in streams:
+            result = ingest.consume(c, s, 0.1)
+            assert result.slot_busy and result.slot == first.slot and not result.slot_created
+        assert _pgstream_slots(url) == [first.slot]
+        # writes to all twelve, interleaved, and one transaction touching streams 3 and 7
+        for round_ in range(3):
+            for i in ids:
+                insert_events(url, i, 2 + i % 3, start=round_ * 10)
+        with psycopg.connect(url) as w:
+            for n in range(4):
+                w.execute("insert into pgstream.events (payload, stream_id) values (%s, 3), (%s, 7)",
+                          [f'{{"both": {n}}}', f'{{"both": {n}}}'])
+        both = [(r[0], r[1]) for r in c.execute("select id, stream_id from pgstream.events where payload ? 'both'")]
+        result = ingest.consume_group(c, GROUP, streams, 0)  # one pass
+        assert sum(result.events.values()) == sum(len(_events(url, i)) for i in ids)
+        for i in ids:
+            # each event once, in commit order (ids follow commit order here: one writer at a time)
+            assert _recorded(url, i) == _events(url, i), i
+        # the shared transaction is recorded in both ledgers, by the same commit
+        with psycopg.connect(url) as r:
+            ends = {sid: r.execute("select end_lsn from pgstream.batches where stream_id = %s and %s = any(event_ids)",
+                                   [sid, eid]).fetchone() for eid, sid in both}
+        assert {sid for _e, sid in both} == {3, 7} and ends[3] == ends[7]
+        # nothing more, nothing twice
+        assert sum(ingest.consume_group(c, GROUP, streams, 0.3).events.values()) == 0
+        assert all(_recorded(url, i) == _events(url, i) for i in ids)
+        # the group recorded through the end of the last transaction, and the slot moved past it
+        (through,) = c.execute("select recorded_through from pgstream.reader_groups where name = %s",
+                               [GROUP]).fetchone()  # type: ignore[misc]
+        assert through is not None
+        status = c.execute("select slot_name, slot_exists from pgstream.stream_status where id = 5").fetchone()
+        assert status == (first.slot, True)
+        assert _pgstream_slots(url) == [first.slot]
+
+
+def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(db_url: str, tmp_path: Path) -> None:
+    # stream 1 reads its own slot, with events recorded and events waiting; stream 2 is in the group
+    streams = _configs(tmp_path, db_url, [1, 2], group={1: None})
+    own, member = streams
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume(c, own, 0.1)  # creates its slot
+        own_slot = slot_of(db_url, 1)
+        insert_events(db_url, 1, 30)
+        assert ingest.consume(c, own, 0.5).events == 30
+        insert_events(db_url, 1, 20, start=100)  # not recorded yet: waiting in its own slot
+        ingest.consume_group(c, GROUP, [member], 0)
+        # stream 1 gets reader: the group's; its own sensor goes on reading its own slot until the hand-over
+        streams = _configs(tmp_path, db_url, [1, 2])
+        joining = streams[0]
+        insert_events(db_url, 1, 5, start=200)
+        assert ingest.consume(c, joining, 0.3).events == 25  # registered as joining, still its own reader
+        insert_events(db_url, 1, 7, start=300)  # waiting in its own slot at the join
+        # a transaction that began before the join and commits during it
+        writer = psycopg.connect(db_url)
+        writer.execute("insert into pgstream.events (payload, stream_id) values ('{\"late\": 1}', 1)")
+
+        def commit_later() -> None:
+            time.sleep(0.5)
+            writer.commit()
+            insert_events(db_url, 1, 3, start=400)
+
+        later = threading.Thread(target=commit_later)
+        later.start()
+        result = ingest.consume_group(c, GROUP, streams, 1.5)
+        later.join()
+        writer.close()
+        assert result.publication == "altered"
+        assert 1 in result.joined or 1 in result.joining
+        _drain(c, streams, lambda: len(_recorded(db_url, 1)) == len(_events(db_url, 1)))
+        insert_events(db_url, 1, 4, start=500)  # after the join: through the group's slot
+        insert_events(db_url, 2, 4)
+        _drain(c, streams, lambda: len(_recorded(db_url, 1)) == len(_events(db_url, 1)) and
+               len(_recorded(db_url, 2)) == len(_events(db_url, 2)))
+        ingest.consume_group(c, GROUP, streams, 0.3)
+        assert sorted(_recorded(db_url, 1)) == _events(db_url, 1)  # each once
+        assert len(_recorded(db_url, 1)) == len(set(_recorded(db_url, 1))) == 30 + 20 + 5 + 7 + 1 + 3 + 4
+        assert _recorded(db_url, 2) == _events(db_url, 2)
+        assert ledger.slot_reader(c, 1) == ledger.group_reader(GROUP)
+        # its own slot is gone, the group's is the one slot
+        assert own_slot not in _pgstream_slots(db_url) and len(_pgstream_slots(db_url)) == 1
+        # its own sensor does not read (nor create) a slot any more
+        assert ingest.consume(c, joining, 0.2).slot_busy and len(_pgstream_slots(db_url)) == 1
+        # leaving the group is refused, naming the stream, and changes nothing
+        with pytest.raises(ledger.GroupChange, match="stream 1 reads with reader group shared: leaving a group"):
+            ingest.consume(c, own, 0.1)
+        with pytest.raises(ledger.GroupChange, match="stream 1 reads with reader group shared, not other"):
+            ledger.register_group_member(c, 1, "other")
+        assert ledger.slot_reader(c, 1) == ledger.group_reader(GROUP) and len(_pgstream_slots(db_url)) == 1
+
+
+def test_a_dropped_group_slot_is_replaced_and_every_member_recovers(db_url: str, tmp_path: Path) -> None:
+    streams = _configs(tmp_path, db_url, [1, 2, 3])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        slot = ingest.consume_group(c, GROUP, streams, 0).slot
+        for i in (1, 2, 3):
+            insert_events(db_url, i, 10)
+        _drain(c, streams, lambda: all(len(_recorded(db_url, i)) == 10 for i in (1, 2, 3)))
+        # events waiting in the slot, then the slot dropped by hand: they are only in the table now
+        for i in (1, 2):
+            insert_events(db_url, i, 6, start=100)
+        c.execute("select pg_drop_replication_slot(%s)", [slot])
+        insert_events(db_url, 3, 4, start=100)  # committed while there is no slot
+        result = ingest.consume_group(c, GROUP, streams, 0)
+        assert result.slot_created and set(result.recovered) == {1, 2, 3}
+        assert c.execute("select recovery_pending from pgstream.reader_groups").fetchone() == (False,)
+        for i in (1, 2, 3):  # while the next writes go through the new slot
+            insert_events(db_url, i, 5, start=200)
+        _drain(c, streams, lambda: all(len(set(_recorded(db_url, i))) == len(_events(db_url, i)) for i in (1, 2, 3)))
+        ingest.consume_group(c, GROUP, streams, 0.3)
+        # ensure_slot's contract for one stream: every event recorded, none twice (recovered ids are
+        # dropped from what the new slot decodes: unrecorded)
+        for i in (1, 2, 3):
+            assert sorted(_recorded(db_url, i)) == _events(db_url, i), i
+        assert _pgstream_slots(db_url) == [slot]
+
+
+def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db_url: str, tmp_path: Path) -> None:
+    streams = _configs(tmp_path, db_url, [1, 2], group={2: None})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, GROUP, streams[:1], 0)
+        ledger.ensure_stream(c, 2)
+        # the application's role (and so every tenant's) may call none of them; no grant to public either
+        for fn in ("register_group_member(bigint, text)", "ensure_group_publication(text)", "begin_join(bigint)",
+                   "finish_join(bigint)", "group_slot_name(text)"):
+            assert c.execute("select has_function_privilege('pgstream_writer', %s, 'execute')",
+                             [f"pgstream.{fn}"]).fetchone() == (False,), fn
+            assert c.execute("select coalesce(bool_or(a.grantee = 0), false) from pg_proc p, aclexplode(p.proacl) a "
+                             "where p.oid = %s::regprocedure", [f"pgstream.{fn}"]).fetchone() == (False,), fn
+        c.execute("create role hostile_tenant login")
+        c.execute("grant pgstream_runtime to hostile_tenant")
+        c.execute("grant pgstream_writer to hostile_tenant")
+        try:
+            with psycopg.connect(db_url, autocommit=True) as h:
+                h.execute("set role hostile_tenant")
+                # a tenant's role cannot put its stream into another group by writing tables ...
+                for statement in ("update pgstream.streams set reader_group = 'shared' where id = 2",
+                                  "update pgstream.reader_groups set members = '{1,2}'",
+                                  "insert into pgstream.reader_groups (name, slot) values ('mine', 'x')"):
+                    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                        h.execute(statement)
+                # ... nor by declaring the group its reader (the constraint: only a member's reader)
+                with pytest.raises(psycopg.errors.CheckViolation):
+                    h.execute("update pgstream.streams set slot_reader = 'group:shared' where id = 2")
+                # nor by altering the group's publication
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    h.execute("alter publication pgstream_group_shared set table pgstream.events where (true)")
+        finally:
+            c.execute("drop owned by hostile_tenant")
+            c.execute("drop role hostile_tenant")
+        assert c.execute("select reader_group from pgstream.streams where id = 2").fetchone() == (None,)
+        assert c.execute("select members from pgstream.reader_groups").fetchone() == ([1],)
