@@ -6,21 +6,23 @@ functions changes who is in a group."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import psycopg
 import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
-from pgstream_dagster.engine import ingest, ledger, replication
+from pgstream_dagster.engine import ingest, ledger
 from pgstream_dagster.engine.migrations import migrate
 
-from .support.harness import insert_events, slot_of, write_config
+from .support.harness import Driver, insert_events, read_jsonl, slot_of, write_config
 
 GROUP = "shared"
 
@@ -101,8 +103,8 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
                 w.execute("insert into pgstream.events (payload, stream_id) values (%s, 3), (%s, 7)",
                           [f'{{"both": {n}}}', f'{{"both": {n}}}'])
         both = [(r[0], r[1]) for r in c.execute("select id, stream_id from pgstream.events where payload ? 'both'")]
-        result = ingest.consume_group(c, GROUP, streams, 0)  # one pass
-        assert sum(result.events.values()) == sum(len(_events(url, i)) for i in ids)
+        one_pass = ingest.consume_group(c, GROUP, streams, 0)
+        assert sum(one_pass.events.values()) == sum(len(_events(url, i)) for i in ids)
         for i in ids:
             # each event once, in commit order (ids follow commit order here: one writer at a time)
             assert _recorded(url, i) == _events(url, i), i
@@ -239,3 +241,75 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
             c.execute("drop role hostile_tenant")
         assert c.execute("select reader_group from pgstream.streams where id = 2").fetchone() == (None,)
         assert c.execute("select members from pgstream.reader_groups").fetchone() == ([1],)
+
+
+# --- end to end through Dagster ---------------------------------------------------------------------
+
+#: runs dequeued per round, as a run coordinator with max_concurrent_runs 4 would start them: fewer than the streams
+MAX_RUNS = 4
+
+
+def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and_runs(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Twelve streams (more than Postgres' default 10 slots, more than MAX_RUNS runs at a time) in one group:
+    the group's sensor records for all of them from one slot, each stream's sensor requests its runs (per
+    batch), which are executed MAX_RUNS per round (in process, one after another: Dagster's in-process
+    execution is not thread-safe), and every event reaches its stream's sink exactly once."""
+    ids = list(range(1, 13))
+    config = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": "all", "batch": {"max_size": 40, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.05},
+         "delivery": {"mode": "per_batch"}, "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+        for i in ids])
+    driver = Driver(config, instance)
+    group = driver.defs.resolve_sensor_def("pgstream_group_all")
+    cursor: list[str | None] = [None]
+
+    def group_tick() -> str | None:
+        resources = driver.defs.resources or {}
+        ctx = dg.build_sensor_context(instance=instance, cursor=cursor[0], sensor_name=group.name,
+                                      resources={"pgstream": resources["pgstream"]})
+        result = group.evaluate_tick(ctx)
+        assert not result.run_requests
+        cursor[0] = result.cursor
+        return result.skip_message
+
+    def delivered(i: int) -> list[int]:
+        return [e["id"] for e in read_jsonl(tmp_path / f"out{i}.jsonl")]
+
+    started = time.monotonic()
+    group_tick()
+    for i in ids:
+        assert not driver.tick(i).run_requests
+    waves, per_wave = 3, 15
+    queued: list[dg.RunRequest] = []
+    wave, rounds = 0, 0
+    while True:
+        if wave < waves:
+            for i in ids:
+                insert_events(db_url, i, per_wave, start=wave * 100)
+            wave += 1
+        group_tick()
+        waiting = {int(r.tags["pgstream/stream"]) for r in queued}
+        for i in ids:
+            if i not in waiting:  # (a stream whose run is queued waits for it, as it would for a queued run)
+                queued += driver.tick(i).run_requests
+        for request in queued[:MAX_RUNS]:
+            assert driver.execute(request).success
+        queued, rounds = queued[MAX_RUNS:], rounds + 1
+        if wave == waves and not queued and all(len(delivered(i)) >= waves * per_wave for i in ids):
+            break
+        assert time.monotonic() - started < 80, {i: len(delivered(i)) for i in ids}
+    for i in ids:
+        assert sorted(delivered(i)) == _events(db_url, i), i  # every event, once
+        assert len(delivered(i)) == waves * per_wave
+    assert _pgstream_slots(db_url) == [_group_slot(db_url)]  # one slot for twelve streams
+    assert len(driver.results) >= len(ids) > MAX_RUNS
+    # the group's cursor shows each stream's last recorded event
+    shown = json.loads(cursor[0] or "{}")["streams"]
+    assert {int(k): v["last_event_id"] for k, v in shown.items()} == {i: _events(db_url, i)[-1] for i in ids}
+
+
+def _group_slot(url: str) -> str:
+    with psycopg.connect(url) as c:
+        (slot,) = c.execute("select slot from pgstream.reader_groups").fetchone()  # type: ignore[misc]
+    return str(slot)
