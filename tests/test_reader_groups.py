@@ -19,7 +19,7 @@ import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
-from pgstream_dagster.engine import ingest, ledger
+from pgstream_dagster.engine import ingest, ledger, limits
 from pgstream_dagster.engine.migrations import migrate
 
 from .support.harness import Driver, insert_events, read_jsonl, slot_of, write_config
@@ -84,8 +84,14 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
     url = few_slots.url_for("twelve")
     migrate(url)
     ids = list(range(1, 13))
-    streams = _configs(tmp_path, url, ids)
     with psycopg.connect(url, autocommit=True) as c:
+        # the preflight: twelve streams with a slot each do not fit in 4, one group does
+        (line,) = [p for p in limits.postgres_problems(c, _configs(tmp_path, url, ids, group=dict.fromkeys(ids)))
+                   if "max_replication_slots" in p]
+        assert line == ("max_replication_slots is 4 and 0 are in use; streams 5, 6, 7, 8, 9, 10, 11 and 12 need 8 "
+                        "more: set max_replication_slots = 16 in postgresql.conf and restart Postgres")
+        streams = _configs(tmp_path, url, ids)
+        assert not [p for p in limits.postgres_problems(c, streams) if "max_replication_slots" in p]
         first = ingest.consume_group(c, GROUP, streams, 0)
         assert first.slot_created and first.publication == "created"
         assert _pgstream_slots(url) == [first.slot]  # one slot for twelve streams (4 allowed)

@@ -133,9 +133,12 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
     if info is None:
         try:
             replication.create_slot(conn, state.slot)
-        except psycopg.errors.ConfigurationLimitExceeded:
-            raise limits.LimitsExceeded([f"reader group {group}: no replication slot is free; raise "
-                                         "max_replication_slots in postgresql.conf and restart Postgres"]) from None
+        except psycopg.errors.ConfigurationLimitExceeded:  # all replication slots are in use
+            row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
+            line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [group])
+            raise limits.LimitsExceeded([line or f"reader group {group}: no replication slot is free; raise "
+                                                 "max_replication_slots in postgresql.conf and restart Postgres"]
+                                        ) from None
         result.slot_created = True
     by_id = {s.id: s for s in streams}
     for m in joined:
