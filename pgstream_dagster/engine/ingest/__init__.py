@@ -11,7 +11,7 @@
   lost slot took with it.
 """
 
-from .group import GroupResult, consume_group
+from .group import GroupResult, consume_group, ensure_group
 from .recorder import (
     FOLLOW_CHECK_SECS,
     FOLLOW_RECORD_EVERY_SECS,
@@ -43,6 +43,7 @@ __all__ = [
     "StreamSource",
     "consume",
     "consume_group",
+    "ensure_group",
     "ensure_slot",
     "follow",
     "record_pass",
