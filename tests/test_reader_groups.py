@@ -178,6 +178,17 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         assert own_slot not in _pgstream_slots(db_url) and len(_pgstream_slots(db_url)) == 1
         # its own sensor does not read (nor create) a slot any more
         assert ingest.consume(c, joining, 0.2).slot_busy and len(_pgstream_slots(db_url)) == 1
+        # a new stream with reader: registered by its own sensor, written to before the group's sensor has
+        # put it in the publication: those events are not in the group's slot, and are recorded once
+        (_, _, newcomer) = _configs(tmp_path, db_url, [1, 2, 3])
+        assert ingest.consume(c, newcomer, 0.1).slot_busy
+        insert_events(db_url, 3, 6)
+        streams = _configs(tmp_path, db_url, [1, 2, 3])
+        _drain(c, streams, lambda: len(_recorded(db_url, 3)) == 6)
+        insert_events(db_url, 3, 4, start=100)
+        _drain(c, streams, lambda: len(_recorded(db_url, 3)) == 10)
+        ingest.consume_group(c, GROUP, streams, 0.3)
+        assert sorted(_recorded(db_url, 3)) == _events(db_url, 3) and len(_pgstream_slots(db_url)) == 1
         # leaving the group is refused, naming the stream, and changes nothing
         with pytest.raises(ledger.GroupChange, match="stream 1 reads with reader group shared: leaving a group"):
             ingest.consume(c, own, 0.1)

@@ -324,7 +324,8 @@ def _group_log(context: dg.SensorEvaluationContext, group: str, result: GroupRes
         context.log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the "
                          "table")
     for sid in result.joined:
-        context.log.info(f"reader group {group}: stream {sid} joined (its own slot drained and dropped)")
+        context.log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and "
+                         "dropped)")
     for sid, batches in sorted(result.batches.items()):
         if batches:
             context.log.info(f"stream {sid}: recorded batches {batches} ({result.events.get(sid, 0)} events)")

@@ -163,7 +163,8 @@ for each row execute function pgstream._default_slot();
 -- The rows the migration left without a default (their old slot did not exist): the new name.
 update pgstream.streams set default_slot = pgstream.default_slot_name(id) where default_slot is null;
 
--- The slot stream p_stream_id reads (streams.slot), or the default a new row would get. A default
+-- The slot stream p_stream_id reads (streams.slot; a reader group's slot once it has joined one), or the
+-- default a new row would get. A default
 -- derived in another database (the row came with pg_dump or a template copy; that database's slot
 -- is not this one's) is derived again first.
 create or replace function pgstream.stream_slot(p_stream_id bigint)
@@ -185,7 +186,11 @@ begin
         update pgstream.streams set default_slot = v_ours where id = p_stream_id
         returning slot into v_slot;
     end if;
-    return v_slot;
+    -- a stream of a reader group that has joined reads the group's slot (27_reader_groups.sql); while it
+    -- joins, its own
+    return coalesce((select g.slot from pgstream.streams s join pgstream.reader_groups g on g.name = s.reader_group
+                     where s.id = p_stream_id and s.slot_reader = 'group:' || s.reader_group
+                       and s.join_lsn is null), v_slot);
 end
 $$;
 revoke all on function pgstream.stream_slot(bigint) from public;

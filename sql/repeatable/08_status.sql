@@ -45,7 +45,7 @@ cross join lateral (
     where dl.stream_id = s.id and dl.status = 'open') d
 -- a member of a reader group that has joined reads the group's slot
 left join pgstream.reader_groups g
-  on g.name = s.reader_group and s.slot_reader = 'group:' || s.reader_group
+  on g.name = s.reader_group and s.slot_reader = 'group:' || s.reader_group and s.join_lsn is null
 left join pg_catalog.pg_replication_slots r
   on r.slot_name = coalesce(g.slot, s.slot) and r.database = current_database();
 

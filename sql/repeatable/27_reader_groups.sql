@@ -42,10 +42,12 @@ $$;
 revoke all on function pgstream._check_group(text) from public;
 
 -- Stream p_stream_id reads with group p_group: the group row is created when missing; a new stream row
--- is created as a member (slot_reader 'group:<name>', no slot of its own); an existing stream without a
+-- is created as a member (slot_reader 'group:<name>', no slot of its own, joining); an existing stream without a
 -- group becomes a joining member (reader_group set, its own slot still read by its old reader until
 -- the group's reader hands it over: begin_join, finish_join). Moving a stream to another group is
--- refused. Returns the group's slot. Locks the stream row only when something changes.
+-- refused. A new stream joins at the group's next tick too (join_lsn '0/0': nothing to drain, it records
+-- from the table what it has by then). Returns the group's slot. Locks the stream row only when
+-- something changes.
 create or replace function pgstream.register_group_member(p_stream_id bigint, p_group text)
 returns text
 language plpgsql
@@ -68,8 +70,11 @@ begin
     select s.reader_group, true into v_current, v_found from pgstream.streams s
      where s.id operator(pg_catalog.=) p_stream_id;
     if v_found is null then
-        insert into pgstream.streams (id, reader_group, slot_reader)
-        values (p_stream_id, p_group, 'group:' operator(pg_catalog.||) p_group)
+        -- join_lsn '0/0': it joins at the group's next tick like a stream that had a slot, with nothing to
+        -- drain: what it has when it joins is recorded from the table (its events of before the group's
+        -- publication included it are not in the group's slot)
+        insert into pgstream.streams (id, reader_group, slot_reader, join_lsn)
+        values (p_stream_id, p_group, 'group:' operator(pg_catalog.||) p_group, '0/0')
         on conflict (id) do nothing;
         if found then
             return v_slot;
@@ -132,7 +137,8 @@ end
 $$;
 revoke all on function pgstream.ensure_group_publication(text) from public;
 
--- A joining member (reader_group set, its own slot still read by its old reader) hands over: under the
+-- A joining member (reader_group set, its own slot still read by its old reader; or a new stream, join_lsn
+-- '0/0') hands over: under the
 -- group row's and the stream row's locks, its join position L is the WAL insert position now, and the
 -- group's reader becomes its declared reader (an open run reading its own slot loses it: it records
 -- nothing more). The caller has made sure, before, that the group's publication includes the stream and
@@ -163,7 +169,8 @@ begin
     end if;
     select s.slot_reader, s.join_lsn into v_reader, v_join from pgstream.streams s
      where s.id operator(pg_catalog.=) p_stream_id for update;
-    if v_reader operator(pg_catalog.=) ('group:' operator(pg_catalog.||) v_group) then
+    if v_reader operator(pg_catalog.=) ('group:' operator(pg_catalog.||) v_group)
+       and v_join operator(pg_catalog.<>) '0/0'::pg_catalog.pg_lsn then
         return v_join;
     end if;
     update pgstream.streams set join_lsn = pg_catalog.pg_current_wal_insert_lsn(),

@@ -171,7 +171,8 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: ledger.Member
     (with the group's reader as its declared reader); true once every one is recorded."""
     info = replication.slot_info(conn, member.own_slot)
     if info is None or info["wal_status"] == "lost":
-        # nothing to drain (never created, dropped, invalidated): what it held is recovered from the table
+        # nothing to drain (a new stream, or its slot was dropped or invalidated): what it has is recorded
+        # from the table
         ledger.set_recovery_pending(conn, stream.id)
         result.recovered[stream.id] = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
         return True
@@ -227,7 +228,7 @@ def join_members(conn: psycopg.Connection, group: str, state: ledger.Group, stre
     # the publication includes them (ensure_group_publication, committed): a transaction running now may
     # have written before it did and so be incomplete in the group's slot; once they have all ended,
     # every transaction ending after the join position wrote only after it (docs/architecture.md)
-    if any(m.join_lsn is None for m in joining) and \
+    if any(not m.join_begun for m in joining) and \
             not _wait_ended(conn, _running_xids(conn), min(until, time.monotonic() + JOIN_WAIT_SECS)):
         result.joining = [m.id for m in joining]
         result.notes.append(f"reader group {group}: stream(s) {', '.join(str(m.id) for m in joining)} wait for "
@@ -235,7 +236,7 @@ def join_members(conn: psycopg.Connection, group: str, state: ledger.Group, stre
         return False
     done = True
     for m in joining:
-        join_lsn = m.join_lsn if m.join_lsn is not None else ledger.begin_join(conn, m.id)
+        join_lsn = m.join_lsn if m.join_begun and m.join_lsn is not None else ledger.begin_join(conn, m.id)
         if _drain(conn, streams[m.id], m, group, join_lsn, until, result):
             ledger.finish_join(conn, m.id)
             _drop_own_slot(conn, m.own_slot)

@@ -52,13 +52,18 @@ class Member:
 
     id: int
     slot_reader: str
-    join_lsn: int | None  # while it hands over from its own slot (pgstream.begin_join)
+    join_lsn: int | None  # while it hands over from its own slot (pgstream.begin_join); 0: a new stream
     own_slot: str  # streams.slot: its own slot, read before it joined
     open_run_key: str | None
 
     @property
     def joined(self) -> bool:
         return self.slot_reader.startswith(GROUP_PREFIX) and self.join_lsn is None
+
+    @property
+    def join_begun(self) -> bool:
+        """``begin_join`` set its join position (a new stream starts with ``0/0``: not begun)."""
+        return self.slot_reader.startswith(GROUP_PREFIX) and bool(self.join_lsn)
 
 
 @dataclass(frozen=True)
