@@ -19,7 +19,7 @@ import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
-from pgstream_dagster.engine import ingest, ledger, limits
+from pgstream_dagster.engine import ingest, ledger, limits, migrations
 from pgstream_dagster.engine.migrations import migrate
 
 from .support.harness import Driver, insert_events, read_jsonl, slot_of, write_config
@@ -221,6 +221,11 @@ def test_a_dropped_group_slot_is_replaced_and_every_member_recovers(db_url: str,
         for i in (1, 2, 3):
             assert sorted(_recorded(db_url, i)) == _events(db_url, i), i
         assert _pgstream_slots(db_url) == [slot]
+        # the group's slot is pgstream's (not an orphan while the group exists), and tear-down removes it
+        assert c.execute("select count(*) from pgstream.orphaned_slots").fetchone() == (0,)
+    removed = migrations.tear_down(db_url)
+    assert f"replication slot {slot}" in removed and f"publication pgstream_group_{GROUP}" in removed
+    assert _pgstream_slots(db_url) == []
 
 
 def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db_url: str, tmp_path: Path) -> None:
