@@ -22,7 +22,7 @@ from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, ledger, limits, migrations
 from pgstream_dagster.engine.migrations import migrate
 
-from .support.harness import Driver, insert_events, read_jsonl, slot_of, write_config
+from .support.harness import Background, Driver, insert_events, read_jsonl, slot_of, write_config
 
 GROUP = "shared"
 
@@ -274,13 +274,13 @@ MAX_RUNS = 4
 def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and_runs(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
     """Twelve streams (more than Postgres' default 10 slots, more than MAX_RUNS runs at a time) in one group:
-    the group's sensor records for all of them from one slot, each stream's sensor requests its runs (per
-    batch), which are executed MAX_RUNS per round (in process, one after another: Dagster's in-process
+    the group's sensor records for all of them from one slot, each stream's sensor requests its runs (open,
+    closing after a short linger), which are executed MAX_RUNS per round (in process, one after another: Dagster's in-process
     execution is not thread-safe), and every event reaches its stream's sink exactly once."""
     ids = list(range(1, 13))
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "all", "batch": {"max_size": 40, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.05},
-         "delivery": {"mode": "per_batch"}, "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}  # mode open, a short linger (harness)
         for i in ids])
     driver = Driver(config, instance)
     group = driver.defs.resolve_sensor_def("pgstream_group_all")
@@ -335,3 +335,63 @@ def _group_slot(url: str) -> str:
     with psycopg.connect(url) as c:
         (slot,) = c.execute("select slot from pgstream.reader_groups").fetchone()  # type: ignore[misc]
     return str(slot)
+
+
+def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the_group_back(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Stream 1 (mode open, a file sink) and stream 2 (a sink that refuses every call) in one group: stream
+    1's open run starts no slot reader and takes the batches the group's sensor hands it; stream 2 fails
+    over, and the group's sensor goes on recording both."""
+    config = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": 1, "reader": "pair", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 3, "max_run_secs": 60}},
+         "sink": {"type": "file", "path": str(tmp_path / "out1.jsonl")}},
+        {"id": 2, "reader": "pair", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
+         "retry": {"initial_backoff_secs": 60, "max_backoff_secs": 60},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 0.3}},
+         "sink": {"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1}}])
+    driver = Driver(config, instance)
+    group = driver.defs.resolve_sensor_def("pgstream_group_pair")
+
+    def group_tick() -> None:
+        resources = driver.defs.resources or {}
+        group.evaluate_tick(dg.build_sensor_context(instance=instance, sensor_name=group.name,
+                                                    resources={"pgstream": resources["pgstream"]}))
+
+    def delivered() -> list[int]:
+        return [e["id"] for e in read_jsonl(tmp_path / "out1.jsonl")]
+
+    group_tick()
+    insert_events(db_url, 1, 10)
+    insert_events(db_url, 2, 10)
+    group_tick()
+    (request,) = driver.tick(1).run_requests
+    (failing,) = driver.tick(2).run_requests
+    assert not driver.execute(failing).success  # stream 2's sink refuses: its sensor puts it in failover
+    assert not driver.tick(2).run_requests  # (the next attempt after initial_backoff_secs)
+    run = Background(driver, request)
+    deadline = time.monotonic() + 60
+    while len(delivered()) < 10:
+        assert time.monotonic() < deadline
+        group_tick()
+        driver.tick(1)
+    for wave in range(3):  # handed to the open run by the group's sensor: no new run
+        insert_events(db_url, 1, 5, start=100 * (wave + 1))
+        insert_events(db_url, 2, 5, start=100 * (wave + 1))
+        while len(delivered()) < 10 + 5 * (wave + 1):
+            assert time.monotonic() < deadline
+            group_tick()
+            assert not driver.tick(1).run_requests
+            assert not driver.tick(2).run_requests
+        with psycopg.connect(db_url) as c:
+            # the open run is not a slot's reader: the group's is, and no WAL sender reads for it
+            assert c.execute("select open_run_key is not null, slot_reader from pgstream.streams where id = 1"
+                             ).fetchone() == (True, "group:pair")
+            assert c.execute("select count(*) from pg_stat_replication").fetchone() == (0,)
+    assert run.wait(timeout=30).success  # idle for linger_secs: it closes
+    assert sorted(delivered()) == _events(db_url, 1)
+    # stream 2 is in failover, and every event of it is recorded all the same
+    assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 25
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select state from pgstream.stream_status where id = 2").fetchone() == ("failover",)
+    assert _pgstream_slots(db_url) == [_group_slot(db_url)]

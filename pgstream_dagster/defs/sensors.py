@@ -316,7 +316,7 @@ def _group_log(context: dg.SensorEvaluationContext, group: str, result: GroupRes
     if result.slot_lost:
         context.log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
                             "replaced, and every member recovers undelivered events from pgstream.events")
-    if result.publication == "created":
+    if result.publication == "created" and not result.slot_created:  # (a new group creates both)
         context.log.warning(f"reader group {group}: its publication was missing (dropped by hand?) and was created "
                             "again; events committed meanwhile are recovered from pgstream.events")
     if result.slot_created:
