@@ -275,8 +275,8 @@ def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
     """Twelve streams (more than Postgres' default 10 slots, more than MAX_RUNS runs at a time) in one group:
     the group's sensor records for all of them from one slot, each stream's sensor requests its runs (open,
-    closing after a short linger), which are executed MAX_RUNS per round (in process, one after another: Dagster's in-process
-    execution is not thread-safe), and every event reaches its stream's sink exactly once."""
+    closing after a short linger), which are executed MAX_RUNS per round (in process, one after another:
+    Dagster's in-process execution is not thread-safe), and every event reaches its stream's sink exactly once."""
     ids = list(range(1, 13))
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "all", "batch": {"max_size": 40, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.05},
