@@ -64,9 +64,13 @@ begin
             using errcode = 'invalid_parameter_value';
     end if;
     perform pgstream._check_group(p_group);
-    insert into pgstream.reader_groups (name, slot) values (p_group, pgstream.group_slot_name(p_group))
-        on conflict (name) do nothing;
+    -- (an insert that finds the row would wait for the group's recording transaction, which updates it)
     select g.slot into v_slot from pgstream.reader_groups g where g.name operator(pg_catalog.=) p_group;
+    if v_slot is null then
+        insert into pgstream.reader_groups (name, slot) values (p_group, pgstream.group_slot_name(p_group))
+            on conflict (name) do nothing;
+        select g.slot into v_slot from pgstream.reader_groups g where g.name operator(pg_catalog.=) p_group;
+    end if;
     select s.reader_group, true into v_current, v_found from pgstream.streams s
      where s.id operator(pg_catalog.=) p_stream_id;
     if v_found is null then
