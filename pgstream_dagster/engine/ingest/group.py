@@ -12,7 +12,8 @@ the WAL is decoded once for all of them (docs/architecture.md, "One reader for a
 2. **join** (:func:`join_members`): a member that still had its own slot hands over: once the
    publication includes it and every transaction running then has ended, ``begin_join`` sets its join
    position L (the WAL insert position) and makes the group's reader its declared reader; its own slot is
-   drained up to L here, then dropped. Until every member has joined the group's slot is not read.
+   drained up to L here, then dropped. While one drains the group's slot is not read; one that waits for
+   older transactions is skipped in the group's slot (what of it is there ends before its L).
 3. **record**: the one recording loop (:class:`~.recorder.Recorder`) over a peek of the group's slot,
    decoding each event's stream id, routing each transaction by stream and recording each member's part
    in its ledger (with reader ``group:<name>``), all in one ledger transaction that also writes what the
@@ -257,9 +258,17 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
     state = ensure_group(conn, group, streams, result)
     by_id = {s.id: s for s in streams}
     if not join_members(conn, group, state, by_id, max(deadline, started + 1.0), result):
-        return result  # the group's slot waits until every member has joined (its order)
+        state = ledger.group_state(conn, group) or state
+        if any(m.join_begun and not m.joined for m in state.members):
+            return result  # one is draining its own slot: the group's slot waits (the stream's order)
+    # a member that has not begun joining (it waits for older transactions to end) is not read here: what
+    # of it the group's slot holds ends before its join position, where its own slot (or, for a new
+    # stream, the table) gives it
     reader = ledger.group_reader(group)
-    ledgers = {sid: StreamLedger(s, reader) for sid, s in by_id.items()}
+    joined = {m.id for m in state.members if m.joined}
+    ledgers = {sid: StreamLedger(s, reader) for sid, s in by_id.items() if sid in joined}
+    if not ledgers:
+        return result
     source = PeekSource(conn, state.slot, ledger.group_publication(group),
                         max(max(s.batch.max_size for s in streams) * 4, 100_000), keep_stream=True)
     recorder = Recorder(conn, source, ledgers, rule_of(streams), route=route(set(ledgers)),
