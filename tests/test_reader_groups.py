@@ -20,6 +20,7 @@ import pytest
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, ledger, limits, migrations
+from pgstream_dagster.engine.ingest import group as group_reader
 from pgstream_dagster.engine.migrations import migrate
 
 from .support.harness import Background, Driver, insert_events, read_jsonl, slot_of, write_config
@@ -131,7 +132,8 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
         assert _pgstream_slots(url) == [first.slot]
 
 
-def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(db_url: str, tmp_path: Path) -> None:
+def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(db_url: str, tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     # stream 1 reads its own slot, with events recorded and events waiting; stream 2 is in the group
     streams = _configs(tmp_path, db_url, [1, 2], group={1: None})
     own, member = streams
@@ -157,6 +159,17 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
             writer.commit()
             insert_events(db_url, 1, 3, start=400)
 
+        # and, in the tick that hands it over, right after its drain: only in the group's slot, read that tick
+        drop = group_reader._drop_own_slot
+        written: list[bool] = []
+
+        def drop_then_write(conn: psycopg.Connection, slot: str) -> None:
+            drop(conn, slot)
+            if slot == own_slot and not written:
+                written.append(True)
+                insert_events(db_url, 1, 2, start=450)
+
+        monkeypatch.setattr(group_reader, "_drop_own_slot", drop_then_write)
         later = threading.Thread(target=commit_later)
         later.start()
         insert_events(db_url, 2, 3, start=50)
@@ -173,8 +186,9 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         _drain(c, streams, lambda: len(_recorded(db_url, 1)) == len(_events(db_url, 1)) and
                len(_recorded(db_url, 2)) == len(_events(db_url, 2)))
         ingest.consume_group(c, GROUP, streams, 0.3)
+        assert written
         assert sorted(_recorded(db_url, 1)) == _events(db_url, 1)  # each once
-        assert len(_recorded(db_url, 1)) == len(set(_recorded(db_url, 1))) == 30 + 20 + 5 + 7 + 1 + 3 + 4
+        assert len(_recorded(db_url, 1)) == len(set(_recorded(db_url, 1))) == 30 + 20 + 5 + 7 + 1 + 3 + 2 + 4
         assert _recorded(db_url, 2) == _events(db_url, 2)
         assert ledger.slot_reader(c, 1) == ledger.group_reader(GROUP)
         # its own slot is gone, the group's is the one slot

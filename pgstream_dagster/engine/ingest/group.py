@@ -257,10 +257,10 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
     deadline = started + budget_secs
     state = ensure_group(conn, group, streams, result)
     by_id = {s.id: s for s in streams}
-    if not join_members(conn, group, state, by_id, max(deadline, started + 1.0), result):
-        state = ledger.group_state(conn, group) or state
-        if any(m.join_begun and not m.joined for m in state.members):
-            return result  # one is draining its own slot: the group's slot waits (the stream's order)
+    joined_all = join_members(conn, group, state, by_id, max(deadline, started + 1.0), result)
+    state = ledger.group_state(conn, group) or state  # (who has joined now: they are read from here on)
+    if not joined_all and any(m.join_begun and not m.joined for m in state.members):
+        return result  # one is draining its own slot: the group's slot waits (the stream's order)
     # a member that has not begun joining (it waits for older transactions to end) is not read here: what
     # of it the group's slot holds ends before its join position, where its own slot (or, for a new
     # stream, the table) gives it
