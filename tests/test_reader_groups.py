@@ -22,6 +22,7 @@ from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, ledger, limits, migrations
 from pgstream_dagster.engine.ingest import group as group_reader
 from pgstream_dagster.engine.migrations import migrate
+from pgstream_dagster.engine.status import render_status, stream_status
 
 from .support.harness import Background, Driver, insert_events, read_jsonl, slot_of, write_config
 
@@ -129,6 +130,9 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
         assert through is not None
         status = c.execute("select slot_name, slot_exists from pgstream.stream_status where id = 5").fetchone()
         assert status == (first.slot, True)
+        shown = render_status(stream_status(c, 5))
+        assert f"slot {first.slot} (reserved" in shown and "read by reader group shared (its sensor " \
+            "pgstream_group_shared records the stream's batches)" in shown
         assert _pgstream_slots(url) == [first.slot]
 
 
