@@ -20,6 +20,7 @@ import pytest
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, ledger, limits, migrations
+from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import group as group_reader
 from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.status import render_status, stream_status
@@ -416,3 +417,15 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
     with psycopg.connect(db_url) as c:
         assert c.execute("select state from pgstream.stream_status where id = 2").fetchone() == ("failover",)
     assert _pgstream_slots(db_url) == [_group_slot(db_url)]
+
+
+def test_init_creates_one_slot_for_a_group(db_url: str, tmp_path: Path) -> None:
+    """`pgstream-dagster init` registers a group's streams and creates the group's one slot (not one each)."""
+    _configs(tmp_path, db_url, [1, 2, 3, 4], group={4: None})
+    out = init(tmp_path / "pgstream.yaml")
+    (group_line,) = [line for line in out if "reader group" in line]
+    assert group_line.startswith(f"created slot pgstream_g_{GROUP}_d") and group_line.endswith("(streams 1, 2, 3)")
+    assert sorted(_pgstream_slots(db_url)) == sorted([_group_slot(db_url), slot_of(db_url, 4)])
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select id, reader_group from pgstream.streams order by id").fetchall() == [
+            (1, GROUP), (2, GROUP), (3, GROUP), (4, None)]
