@@ -259,6 +259,14 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
         if ledger.slot_reader(conn, stream.id).startswith(ledger.GROUP_PREFIX):
             result.slot_busy = True
             return result
+        # joining: its own slot is read as it is until the group takes over, never created or replaced (a
+        # stream without one joins with nothing to drain: the group records what it has from the table)
+        own = result.slot = ledger.stream_slot(conn, stream.id)
+        info = replication.slot_info(conn, own)
+        if info is None or info["wal_status"] == "lost":
+            result.slot_busy = True
+            return result
+        check_slot = False
     if check_slot:
         ensure_slot(conn, stream, result)
     slot = result.slot = result.slot or ledger.stream_slot(conn, stream.id)
