@@ -18,7 +18,9 @@ Streams that never deliver within ``--first-timeout`` are counted and named, not
 figures are printed and appended to bench/RESULTS.md; ``--goal`` exits 1 when a phase misses
 issue 30's goals (first event <= 10 s, p99 <= 1 s, none missing, RSS <= 2 GiB, slots and WAL
 senders not growing with streams, CPU per event within 1.2x of one stream).
-Usage: python bench/streams.py [--streams 1,10,100] [--duration 60] [--goal]
+``--group NAME`` (default ``bench``) puts every stream in one reader group (``streams[].reader``: one slot,
+the WAL decoded once); ``--no-group`` gives each stream its own slot.
+Usage: python bench/streams.py [--streams 1,10,100] [--duration 60] [--group NAME | --no-group] [--goal]
 """
 
 from __future__ import annotations
@@ -118,9 +120,12 @@ class Receivers:
         self.process.join(10)
 
 
-def _config(path: Path, url: str, receivers: Receivers, count: int) -> None:
-    streams = [{"id": i, "sink": {"type": "http", "url": f"{receivers.base}/hook/{i}", "mode": "batch"}}
-               for i in range(1, count + 1)]
+def _config(path: Path, url: str, receivers: Receivers, count: int, group: str | None) -> None:
+    streams: list[dict[str, Any]] = [{"id": i, "sink": {"type": "http", "url": f"{receivers.base}/hook/{i}",
+                                                        "mode": "batch"}} for i in range(1, count + 1)]
+    if group:  # one reader group: one slot, the WAL decoded once for every stream
+        for stream in streams:
+            stream["reader"] = group
     subscriptions = [{"key": f"bench-s{i}", "stream_id": i, "operation": "INSERT", "table_name": f"bench_s{i}",
                       "column_names": ["id", "seq"]} for i in range(1, count + 1)]
     path.write_text(yaml.safe_dump({"database_url": url, "spark": {"master": "local[2]"}, "streams": streams,
@@ -204,7 +209,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
     migrate(url)
     receivers = Receivers()
     config = tmpdir / f"{name}.yaml"
-    _config(config, url, receivers, count)
+    _config(config, url, receivers, count, args.group or None)
     home = tmpdir / f"{name}_home"
     home.mkdir()
     shutil.copy(HERE.parent / "dagster.yaml", home / "dagster.yaml")
@@ -302,6 +307,9 @@ def main() -> None:
     parser.add_argument("--postgres-defaults", action=argparse.BooleanOptionalAction, default=True,
                         help="max_replication_slots and max_wal_senders at 10, Postgres' defaults")
     parser.add_argument("--goal", action="store_true", help="exit 1 when a phase misses issue 30's goals")
+    parser.add_argument("--group", default="bench",
+                        help="put every stream in this reader group (streams[].reader); '' or --no-group: a slot each")
+    parser.add_argument("--no-group", dest="group", action="store_const", const="")
     args = parser.parse_args()
     header = machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -325,7 +333,8 @@ def main() -> None:
     lines = [f"\n## Many streams through `dg dev` {stamp}, commit {commit}",
              f"Machine: {header}; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}. "
              f"Method: bench/streams.py; one row a second on every stream's table for {args.duration:.0f}s; "
-             f"Postgres {'defaults' if args.postgres_defaults else 'devdb settings'} for slots and WAL senders."]
+             f"Postgres {'defaults' if args.postgres_defaults else 'devdb settings'} for slots and WAL senders; "
+             + (f"every stream in reader group {args.group!r}." if args.group else "a slot per stream (no group).")]
     failed = False
     for r in results:
         firsts = r["first_event_secs"]

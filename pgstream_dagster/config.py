@@ -294,6 +294,14 @@ class StreamConfig(_Model):
     slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$",
                                   description="the replication slot the stream reads; default: a name the database "
                                               "derives, unique in the cluster (engine.ledger.stream_slot)")
+    reader: str | None = Field(
+        None, pattern=r"^[a-z][a-z0-9_]{0,30}$",
+        description="a reader group: the streams naming the same group share one replication slot and one "
+                    "publication (pgstream_group_<name>), read by the group's sensor (pgstream_group_<name>), which "
+                    "decodes the WAL once and records each stream's transactions in its ledger. Without it the "
+                    "stream reads its own slot (one slot per stream). A stream that had its own slot joins "
+                    "without losing or repeating an event (its slot is drained, then dropped); leaving a group, "
+                    "or moving to another, is refused (one-line error naming the stream)")
 
     @model_validator(mode="after")
     def _lake_needs_global_order(self) -> StreamConfig:

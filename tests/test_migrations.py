@@ -315,8 +315,10 @@ SUBSCRIPTIONS: list[dict[str, Any]] = [
 
 _DATA = {
     # the slot a stream reads is checked on its own (022 added it; tests/test_collisions.py), and so is
-    # who reads it (025: 'sensor' for every stream; tests/test_ingest.py)
-    "streams": "select to_jsonb(s) - 'default_slot' - 'slot' - 'slot_reader' from pgstream.streams s order by id",
+    # who reads it (025: 'sensor' for every stream; tests/test_ingest.py), and its reader group (027: none
+    # until a stream is configured with one; tests/test_reader_groups.py)
+    "streams": "select to_jsonb(s) - 'default_slot' - 'slot' - 'slot_reader' - 'reader_group' - 'join_lsn' "
+               "from pgstream.streams s order by id",
     # the columns of release 0.1 (later versions add columns, with defaults: checked on their own)
     "subscriptions": "select id, key, stream_id, operation, schema_name, table_name, when_clause, column_names, "
                      "metadata, payload_extensions, created_at, updated_at, managed_by, trigger_mode "

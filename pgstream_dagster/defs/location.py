@@ -44,7 +44,7 @@ from .names import deliveries_asset_key
 from .replay import replay_job
 from .resources import PgstreamResource, PgstreamSparkResource
 from .schedules import checks_job, housekeeping_job, schedules, subscriptions_sensor
-from .sensors import stream_sensor
+from .sensors import group_sensors, stream_sensor
 from .status import status_asset_spec
 
 
@@ -101,7 +101,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
         asset_checks=[orphaned_slots_check, consumers_check],
         jobs=[delivery_job, control_job, housekeeping_job, checks_job],
         schedules=schedules(config),
-        sensors=[subscriptions_sensor(config)],
+        sensors=[subscriptions_sensor(config), *group_sensors(list(config.streams))],
         executor=dg.in_process_executor,  # asset and check runs are small; io_manager is in-memory
         resources={
             # ops hand a Spark DataFrame to each other inside one process

@@ -40,6 +40,11 @@ def stream_sensor_name(stream_id: int) -> str:
     return stream_object_name(stream_id)
 
 
+def group_sensor_name(group: str) -> str:
+    """The sensor of a reader group (``streams[].reader``): it reads the group's slot for its streams."""
+    return f"pgstream_group_{group}"
+
+
 def subscriptions_op_name(stream_id: int) -> str:
     """The multi-asset that materializes a stream's subscription assets."""
     return f"{stream_object_name(stream_id)}_subscriptions"

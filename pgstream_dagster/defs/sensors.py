@@ -40,7 +40,7 @@ from ..config import StreamConfig
 from ..engine import ledger
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, decide, notes
 from ..engine.collector import fewer_collections
-from ..engine.ingest import ConsumeResult, consume
+from ..engine.ingest import ConsumeResult, GroupResult, consume, consume_group
 from ..engine.limits import LimitsExceeded
 from ..engine.status import last_batches, stream_status
 from .names import (
@@ -51,6 +51,7 @@ from .names import (
     RUN_KEY_TAG,
     STREAM_TAG,
     WARM_TAG,
+    group_sensor_name,
     stream_sensor_name,
 )
 from .resources import PgstreamResource
@@ -255,8 +256,10 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         job_name=DELIVERY_JOB,
         minimum_interval_seconds=stream.sensor.interval_secs,
         default_status=dg.DefaultSensorStatus.RUNNING,
-        description=f"Reads {stream.slot_label}, records batches of stream {stream.id} and requests "
-                    f"one delivery run at a time, in order.",
+        description=(f"Reads {stream.slot_label}, records batches of stream {stream.id} and requests "
+                     f"one delivery run at a time, in order." if stream.reader is None else
+                     f"Requests the delivery runs of stream {stream.id}, one at a time, in order (its reader "
+                     f"group's sensor, {group_sensor_name(stream.reader)}, records its batches)."),
     )
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
@@ -266,8 +269,8 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
             try:
                 with fewer_collections():  # the tick records in bulk
                     consumed, request = tick(conn, context.instance, stream, log, waiting)
-            except (ledger.SlotElsewhere, LimitsExceeded) as exc:  # the operator's to resolve: one line, each
-                # tick, no traceback
+            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange) as exc:
+                # the operator's to resolve: one line, each tick, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
             (row,) = stream_status(conn, stream.id, last=0)  # the tick's one read of the stream's state
@@ -305,3 +308,76 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         return dg.SensorResult(run_requests=[request], cursor=new_cursor, asset_events=events)
 
     return _sensor
+
+
+# --- a reader group's sensor ------------------------------------------------------------------------
+
+def _group_log(context: dg.SensorEvaluationContext, group: str, result: GroupResult) -> None:
+    if result.slot_lost:
+        context.log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
+                            "replaced, and every member recovers undelivered events from pgstream.events")
+    if result.publication == "created" and not result.slot_created:  # (a new group creates both)
+        context.log.warning(f"reader group {group}: its publication was missing (dropped by hand?) and was created "
+                            "again; events committed meanwhile are recovered from pgstream.events")
+    if result.slot_created:
+        recovered = sum(len(b) for b in result.recovered.values())
+        context.log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the "
+                         "table")
+    for sid in result.joined:
+        context.log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and "
+                         "dropped)")
+    for sid, batches in sorted(result.batches.items()):
+        if batches:
+            context.log.info(f"stream {sid}: recorded batches {batches} ({result.events.get(sid, 0)} events)")
+    if result.unreadable:
+        context.log.error(f"reader group {group}: {result.unreadable} events could not be recorded and were set aside "
+                          "as dead letters (stage 'read')")
+    for line in result.notes:
+        context.log.warning(line)
+
+
+def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
+    """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``): each
+    tick reads the group's one slot for up to the shortest ``sensor.tick_budget_secs`` of its streams and
+    records each stream's transactions in its ledger, handing them to the stream's open run
+    (``engine/ingest/group.py``). The streams' own sensors decide and request their runs as usual."""
+    budget = min(s.sensor.tick_budget_secs for s in streams)
+    ids = sorted(s.id for s in streams)
+
+    @dg.sensor(
+        name=group_sensor_name(group),
+        minimum_interval_seconds=min(s.sensor.interval_secs for s in streams),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=f"Reads the slot of reader group {group} (one decoding of the WAL) and records the batches of "
+                    f"streams {', '.join(map(str, ids))}.",
+    )
+    def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
+        cursor = json.loads(context.cursor) if context.cursor else {}
+        with pgstream.connect() as conn:
+            try:
+                with fewer_collections():  # the tick records in bulk
+                    result = consume_group(conn, group, streams, budget)
+            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange) as exc:  # one line, no traceback
+                context.log.error(str(exc))
+                return dg.SensorResult(skip_reason=str(exc))
+            rows = [r for r in stream_status(conn, None, last=0) if r["id"] in ids]
+        # per stream, as each stream's sensor shows it: the last event and LSN its ledger recorded
+        cursor["streams"] = {str(r["id"]): {"last_event_id": r["last_recorded_event_id"],
+                                            "last_lsn": r["last_recorded_lsn"]} for r in rows}
+        _group_log(context, group, result)
+        recorded = sum(result.events.values())
+        joining = f"; stream(s) {result.joining} joining" if result.joining else ""
+        return dg.SensorResult(skip_reason=dg.SkipReason(
+            f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
+            f"{joining}"), cursor=json.dumps(cursor, sort_keys=True, default=str))
+
+    return _sensor
+
+
+def group_sensors(streams: list[StreamConfig]) -> list[dg.SensorDefinition]:
+    """One sensor per reader group named by ``streams[].reader``."""
+    groups: dict[str, list[StreamConfig]] = {}
+    for stream in streams:
+        if stream.reader is not None:
+            groups.setdefault(stream.reader, []).append(stream)
+    return [group_sensor(name, members) for name, members in sorted(groups.items())]

@@ -379,7 +379,7 @@ def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: Strea
     """Nothing is open: with ``delivery.keep_warm`` the stream keeps an open run ready. A warm run that
     ended without closing (failed, killed) is not replaced before the next batch: that batch's run
     replaces it (:func:`_next`), so a run that cannot start does not fail again every second."""
-    if state.open_run_key is not None and run.status in _ENDED and state.slot_reader != "sensor":
+    if state.open_run_key is not None and run.status in _ENDED and state.slot_reader.startswith("run:"):
         # nothing reads the slot otherwise: the run that was to read it ended
         ended = run.run_id or state.open_run_key
         return ReclaimSlot(state.open_run_key, note=f"stream {state.stream_id}: open run {ended} ended "

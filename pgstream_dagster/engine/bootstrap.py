@@ -34,10 +34,10 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
 
     First the limits (:func:`preflight`): streams that do not fit raise
     :class:`~.limits.LimitsExceeded` (one line per problem) before anything changes."""
-    from ..config import load_config
+    from ..config import StreamConfig, load_config
     from . import ledger
     from .housekeeping import run_housekeeping
-    from .ingest import ConsumeResult, ensure_slot
+    from .ingest import ConsumeResult, GroupResult, ensure_group, ensure_slot
     from .migrations import migrate
     from .subscriptions import apply_subscriptions
 
@@ -56,13 +56,24 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
                 or report.default_rows_deleted:
             out.append(report.summary())
     with psycopg.connect(url, autocommit=True) as conn:
+        groups: dict[str, list[StreamConfig]] = {}
         for stream in config.streams:
+            if stream.reader is not None:  # a reader group's slot, once for its streams (below)
+                groups.setdefault(stream.reader, []).append(stream)
+                continue
             ledger.ensure_stream(conn, stream.id, stream.slot_name)
             result = ConsumeResult()
             ensure_slot(conn, stream, result)
             if result.slot_created:
                 out.append(f"created slot {result.slot} for stream {stream.id} "
                            f"(recovered {sum(1 for _ in result.recovered)} batches from the table)")
+        for group, members in sorted(groups.items()):
+            # registers the streams (a stream that had its own slot joins at the group sensor's first tick)
+            grouped = GroupResult()
+            ensure_group(conn, group, members, grouped)
+            if grouped.slot_created:
+                out.append(f"created slot {grouped.slot} for reader group {group} (streams "
+                           f"{', '.join(str(s.id) for s in members)})")
     with psycopg.connect(owner, autocommit=True) as conn:
         for action, key, stream_id in apply_subscriptions(conn, config):
             out.append(f"{action} subscription {key!r} (stream {stream_id})")

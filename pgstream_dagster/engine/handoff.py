@@ -79,10 +79,10 @@ class Handoff:
         utc = dt.UTC
         taken: list[Positioned] = [
             (batch_id, ord_, event_from_text(event_id, row[0], created.astimezone(utc), row[1], row[2]))
-            for ord_, (event_id, created, row) in enumerate(entry[0][first - 1:last], start=first)
+            for ord_, (event_id, created, row, _stream) in enumerate(entry[0][first - 1:last], start=first)
             if row is not None]  # (put keeps no batch with an event without its row)
         if event_bytes is not None:
-            taken = [(b, o, _checked(event, row[3], event_bytes)) for (b, o, event), (_i, _c, row)
+            taken = [(b, o, _checked(event, row[3], event_bytes)) for (b, o, event), (_i, _c, row, _s)
                      in zip(taken, entry[0][first - 1:last], strict=True) if row is not None]
         self.taken += len(taken)
         return taken

@@ -57,11 +57,18 @@ def _suggest(needed: int) -> int:
     return max(8, -(-needed // 8) * 8)
 
 
-def _names(ids: Sequence[int]) -> str:
-    if len(ids) == 1:
-        return f"stream {ids[0]} needs one more"
-    shown = ", ".join(str(i) for i in ids[:-1]) + f" and {ids[-1]}"
-    return f"streams {shown} need {len(ids)} more"
+def _names(ids: Sequence[int | str]) -> str:
+    """Who needs the slots: stream ids, and reader groups (their names, one slot per group)."""
+    groups = [f"reader group {g}" for g in ids if isinstance(g, str)]
+    streams = [i for i in ids if isinstance(i, int)]
+    if len(streams) == 1:
+        who = [f"stream {streams[0]}"]
+    elif streams:
+        who = ["streams " + ", ".join(str(i) for i in streams[:-1]) + f" and {streams[-1]}"]
+    else:
+        who = []
+    names = " and ".join(who + groups)
+    return f"{names} need{'s' if len(ids) == 1 else ''} {'one' if len(ids) == 1 else len(ids)} more"
 
 
 def stream_slots(conn: psycopg.Connection, streams: Sequence[StreamConfig]) -> dict[int, str | None]:
@@ -75,9 +82,16 @@ def stream_slots(conn: psycopg.Connection, streams: Sequence[StreamConfig]) -> d
     return named
 
 
-def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[int]) -> str | None:
-    """The line saying that the streams ``missing`` (ids, without a slot yet) do not fit in
-    ``max_replication_slots`` with ``in_use`` slots taken, if they do not."""
+def group_slot_names(conn: psycopg.Connection) -> dict[str, str]:
+    """Each reader group's slot name (``pgstream.reader_groups``; none before the group's first tick)."""
+    if conn.execute("select pg_catalog.to_regclass('pgstream.reader_groups') is not null").fetchone() != (True,):
+        return {}
+    return {str(name): str(slot) for name, slot in conn.execute("select name, slot from pgstream.reader_groups")}
+
+
+def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[int | str]) -> str | None:
+    """The line saying that the streams ``missing`` (ids, without a slot yet; a name: a reader group, one
+    slot for its streams) do not fit in ``max_replication_slots`` with ``in_use`` slots taken, if they do not."""
     free = limits.max_replication_slots - in_use
     if len(missing) <= max(free, 0):
         return None
@@ -93,12 +107,17 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
     if limits.wal_level != "logical":
         out.append(f"wal_level is {limits.wal_level}; the streams' slots need logical decoding: set "
                    f"wal_level = logical in postgresql.conf and restart Postgres")
-    slots = stream_slots(conn, streams)
+    own = [s for s in streams if s.reader is None]  # a reader group's streams share the group's slot
+    slots = stream_slots(conn, own)
     existing = {str(r[0]) for r in conn.execute("select slot_name from pg_catalog.pg_replication_slots")}
-    line = slot_problem(limits, len(existing), [s.id for s in streams if slots[s.id] not in existing])
+    missing: list[int | str] = [s.id for s in own if slots[s.id] not in existing]
+    group_slots = group_slot_names(conn)
+    missing += sorted({s.reader for s in streams if s.reader is not None and group_slots.get(s.reader) not in existing})
+    line = slot_problem(limits, len(existing), missing)
     if line:
         out.append(line)
-    readers = [s.id for s in streams if s.delivery.read_slot]
+    # an open run of a group's stream reads no slot (the group's sensor peeks the group's slot)
+    readers = [s.id for s in own if s.delivery.read_slot]
     # WAL senders other than the streams' own slot readers (told by the slot they hold: pg_stat_replication
     # hides a connection's application_name from roles without pg_read_all_stats)
     row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
@@ -112,7 +131,8 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
                    f"and need one each: set max_wal_senders = {_suggest(needed)} in postgresql.conf and restart "
                    f"Postgres")
     usable = limits.max_connections - limits.reserved_connections
-    needed = len(streams) * _CONNECTIONS_PER_STREAM + len(readers) + _CONNECTIONS_SHARED
+    groups = {s.reader for s in streams if s.reader is not None}  # a group's sensor: one connection each
+    needed = len(streams) * _CONNECTIONS_PER_STREAM + len(readers) + len(groups) + _CONNECTIONS_SHARED
     if needed > usable:
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
                    f"streams need up to {needed} (a sensor, a delivery run and its lease each, the slot readers, "

@@ -363,7 +363,8 @@ _GENERATED_TRIGGER = """
     t.tgname like 'pgstream\\_%' and p.pronamespace = 'pgstream'::pg_catalog.regnamespace
     and p.proname like '\\_publish\\_%' and not t.tgisinternal"""
 _OLD_DEFAULT_SLOT = rf"^{STREAM_NAME_PREFIX}[0-9]+$"  # a default slot name before pgstream.default_slot_pattern()
-_OWN_PUBLICATION = rf"^{STREAM_NAME_PREFIX}[0-9]+(_rows)?$"  # a stream's publications (the sensor's, the reader's)
+#: a stream's publications (the sensor's, the reader's) and a reader group's
+_OWN_PUBLICATION = rf"^({STREAM_NAME_PREFIX}[0-9]+(_rows)?|pgstream_group_[a-z][a-z0-9_]{{0,30}})$"
 
 #: Every object that ``drop schema pgstream cascade`` would drop, found the way Postgres finds
 #: them (pg_depend from the schema on, a part taking its whole: a view's rule takes the view), less

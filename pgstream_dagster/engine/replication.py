@@ -31,6 +31,8 @@ class DecodedEvent(NamedTuple):
     #: payload and metadata as JSON text, and the size of the message, to bound what is kept), or None
     #: when its text is not UTF-8
     row: tuple[int, str, str | None, int] | None = None
+    #: with ``PgOutputDecoder(keep_stream=True)`` (a reader group's publication): the event's stream
+    stream_id: int | None = None
 
 
 class Unreadable(NamedTuple):
@@ -39,6 +41,7 @@ class Unreadable(NamedTuple):
     id: int
     raw_created_at: str
     reason: str
+    stream_id: int | None = None  # as DecodedEvent.stream_id
 
 
 @dataclass
@@ -92,12 +95,15 @@ class PgOutputDecoder:
     previous one is not parsed again (inline, as :func:`parse_timestamp` does). :meth:`decode` is the
     fast path for many messages (inserts decoded inline)."""
 
-    def __init__(self, *, keep_rows: bool = False, max_row_bytes: int | None = None) -> None:
+    def __init__(self, *, keep_rows: bool = False, max_row_bytes: int | None = None,
+                 keep_stream: bool = False) -> None:
         # relation id (4 bytes, as in the message) -> the positions of the id, created_at, payload,
         # metadata and stream_id columns (the last three -1 unless keep_rows), and how many columns
         # to read (up to the last of them)
         self._relations: dict[bytes, tuple[int, int, int, int, int, int]] = {}
         self._keep_rows = keep_rows
+        #: keep each event's stream_id (DecodedEvent.stream_id): a reader group routes by it
+        self._keep_stream = keep_stream or keep_rows
         #: keep_rows: a row whose message is larger is not kept (None: read from the table)
         self._max_row_bytes = max_row_bytes if max_row_bytes is not None else 2**62
         self._current: Transaction | None = None
@@ -145,22 +151,29 @@ class PgOutputDecoder:
                         last = (raw_ts, from_iso(raw_ts.decode()))
                     except ValueError:  # infinity, years after 9999, BC
                         raw = raw_ts.decode(errors="replace")
-                        unreadable(unreadable_timestamp(event_id, raw))  # type: ignore[misc]  # set with append
+                        raw_sid = values[stream_col] if stream_col >= 0 else None
+                        stream = None if raw_sid is None else int(raw_sid)
+                        unreadable(unreadable_timestamp(event_id, raw)._replace(stream_id=stream))  # type: ignore[misc]
                         continue
-                if stream_col < 0 or len(data) > max_row:
-                    append(new_tuple(DecodedEvent, (event_id, last[1], None)))
+                if stream_col < 0:
+                    append(new_tuple(DecodedEvent, (event_id, last[1], None, None)))
                     continue
-                raw_stream, raw_payload, raw_metadata = values[stream_col], values[payload_col], values[metadata_col]
+                raw_stream = values[stream_col]
+                if raw_stream is not None and raw_stream != last_stream[0]:
+                    last_stream = (raw_stream, int(raw_stream))
+                stream_id = last_stream[1] if raw_stream is not None else None
+                if payload_col < 0 or len(data) > max_row:
+                    append(new_tuple(DecodedEvent, (event_id, last[1], None, stream_id)))
+                    continue
+                raw_payload, raw_metadata = values[payload_col], values[metadata_col]
                 row = None
                 if raw_stream is not None and raw_payload is not None:
-                    if raw_stream != last_stream[0]:
-                        last_stream = (raw_stream, int(raw_stream))
                     try:
                         row = (last_stream[1], raw_payload.decode(),
                                None if raw_metadata is None else raw_metadata.decode(), len(data))
                     except UnicodeDecodeError:
                         pass  # read from the table instead
-                append(new_tuple(DecodedEvent, (event_id, last[1], row)))
+                append(new_tuple(DecodedEvent, (event_id, last[1], row, stream_id)))
             else:
                 txn = self.feed(data)
                 if txn is not None:
@@ -203,12 +216,14 @@ class PgOutputDecoder:
             end = data.index(b"\0", pos)
             names.append(data[pos:end].decode())
             pos = end + 1 + 8  # type oid + typmod
-        wanted = ["id", "created_at"] + (["payload", "metadata", "stream_id"] if self._keep_rows else [])
+        wanted = ["id", "created_at"] + (["payload", "metadata"] if self._keep_rows else [])
+        wanted += ["stream_id"] if self._keep_stream else []
         missing = set(wanted) - set(names)
         if missing:
             raise ValueError(f"the publication does not carry column(s) {sorted(missing)} of pgstream.events")
-        cols = [names.index(name) for name in wanted] + [-1] * (5 - len(wanted))
-        self._relations[data[1:5]] = (cols[0], cols[1], cols[2], cols[3], cols[4], max(cols) + 1)
+        cols = {name: names.index(name) for name in wanted}
+        at = [cols.get(name, -1) for name in ("id", "created_at", "payload", "metadata", "stream_id")]
+        self._relations[data[1:5]] = (at[0], at[1], at[2], at[3], at[4], max(cols.values()) + 1)
 
 
 def ensure_publications(conn: psycopg.Connection, stream_id: int) -> list[str]:
@@ -255,15 +270,16 @@ def peek(conn: psycopg.Connection, slot: str, publication: str, max_changes: int
 
 
 def peek_rows(conn: psycopg.Connection, slot: str, publication: str,
-              max_changes: int) -> tuple[list[Transaction], int]:
+              max_changes: int, *, keep_stream: bool = False) -> tuple[list[Transaction], int]:
     """Like :func:`peek`, with the number of decoded messages: fewer than ``max_changes`` means
-    the peek reached the end of what was committed when it started."""
+    the peek reached the end of what was committed when it started. ``keep_stream``: each event's
+    stream id (a reader group's publication)."""
     messages = [data for (data,) in conn.execute(
         "select data from pg_logical_slot_peek_binary_changes(%s, null, %s, "
         "'proto_version', '1', 'publication_names', %s)",
         [slot, max_changes, publication], binary=True).fetchall()]
     # empty transactions are kept: they still move the slot forward
-    return PgOutputDecoder().decode(messages), len(messages)
+    return PgOutputDecoder(keep_stream=keep_stream).decode(messages), len(messages)
 
 
 def drop_slot(conn: psycopg.Connection, slot: str) -> None:

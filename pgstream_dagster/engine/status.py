@@ -94,6 +94,10 @@ def render_status(streams: list[dict[str, Any]]) -> str:
                          f"pgstream-dagster dead-letters list {s['id']}")
         else:
             lines.append("  dead letters: none open")
+        declared = str(s.get("declared_reader") or "")
+        if declared.startswith("group:"):
+            lines.append(f"  read by reader group {declared.removeprefix('group:')} (its sensor "
+                         f"pgstream_group_{declared.removeprefix('group:')} records the stream's batches)")
         if s.get("open_run_key"):
             reader = str(s.get("slot_reader") or "")
             how = (f"it reads the slot: {reader.removeprefix('pgstream reader ')}"

@@ -119,12 +119,13 @@ for each row execute function pgstream._touch_updated_at();
 -- first use (pgstream.stream_slot), and their slots created there. A stream from before 022 whose
 -- slot pgstream_stream_<id> existed keeps it (the migration stored it as its default_slot).
 
--- What every default slot name matches, old form (pgstream_stream_<id>) and new: the orphaned_slots
--- view and tear-down recognise pgstream's slots by it.
+-- What every default slot name matches, old form (pgstream_stream_<id>) and new, and a reader group's
+-- slot (pgstream_g_<name>_d<oid>_<8 hex>, 27_reader_groups.sql): the orphaned_slots view and tear-down
+-- recognise pgstream's slots by it.
 create or replace function pgstream.default_slot_pattern()
 returns text language sql immutable
 set search_path = pg_catalog, pg_temp
-as $$ select '^pgstream_stream_[0-9]+(_d[0-9]+_[0-9a-f]{12})?$'::text $$;
+as $$ select '^(pgstream_stream_[0-9]+(_d[0-9]+_[0-9a-f]{12})?|pgstream_g_[a-z][a-z0-9_]{0,30}_d[0-9]+_[0-9a-f]{8})$'::text $$;
 -- a constant: the roles that may read the orphaned_slots view (or the metrics) need it
 grant execute on function pgstream.default_slot_pattern() to public;
 
@@ -162,7 +163,8 @@ for each row execute function pgstream._default_slot();
 -- The rows the migration left without a default (their old slot did not exist): the new name.
 update pgstream.streams set default_slot = pgstream.default_slot_name(id) where default_slot is null;
 
--- The slot stream p_stream_id reads (streams.slot), or the default a new row would get. A default
+-- The slot stream p_stream_id reads (streams.slot; a reader group's slot once it has joined one), or the
+-- default a new row would get. A default
 -- derived in another database (the row came with pg_dump or a template copy; that database's slot
 -- is not this one's) is derived again first.
 create or replace function pgstream.stream_slot(p_stream_id bigint)
@@ -184,7 +186,11 @@ begin
         update pgstream.streams set default_slot = v_ours where id = p_stream_id
         returning slot into v_slot;
     end if;
-    return v_slot;
+    -- a stream of a reader group that has joined reads the group's slot (27_reader_groups.sql); while it
+    -- joins, its own
+    return coalesce((select g.slot from pgstream.streams s join pgstream.reader_groups g on g.name = s.reader_group
+                     where s.id = p_stream_id and s.slot_reader = 'group:' || s.reader_group
+                       and s.join_lsn is null), v_slot);
 end
 $$;
 revoke all on function pgstream.stream_slot(bigint) from public;
@@ -253,6 +259,12 @@ begin
     if p_slot operator(pg_catalog.!~) '^[a-z0-9_]{1,63}$' then
         raise exception 'pgstream: register_stream: stream %: slot name % is not [a-z0-9_]{1,63}', p_stream_id,
             pg_catalog.quote_nullable(p_slot) using errcode = 'invalid_parameter_value';
+    end if;
+    if exists (select 1 from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id
+               and s.reader_group is not null) then
+        raise exception 'pgstream: stream % reads with reader group %: leaving a group is not supported (keep its streams[].reader)',
+            p_stream_id, (select s.reader_group from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id)
+            using errcode = 'feature_not_supported';
     end if;
     -- neither statement locks the row when nothing changes (a run may hold its lock); a null slot is
     -- the stream's default (streams.default_slot)

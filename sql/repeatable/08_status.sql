@@ -23,7 +23,7 @@ select s.id,
            and b.delivered_at >= (pgstream.utc_today()::timestamp at time zone 'UTC')) as delivered_today,
        (select max(b.last_event_id) from pgstream.batches b where b.stream_id = s.id) as last_recorded_event_id,
        (select max(b.delivered_at) from pgstream.batches b where b.stream_id = s.id) as last_delivered_at,
-       s.slot as slot_name,
+       coalesce(g.slot, s.slot) as slot_name,
        r.slot_name is not null as slot_exists,
        r.wal_status,
        pg_wal_lsn_diff(pg_current_wal_lsn(), r.restart_lsn)::bigint as slot_retained_bytes,
@@ -43,8 +43,11 @@ cross join lateral (
     select count(*) as open, min(dl.created_at) as oldest
     from pgstream.dead_letters dl
     where dl.stream_id = s.id and dl.status = 'open') d
+-- a member of a reader group that has joined reads the group's slot
+left join pgstream.reader_groups g
+  on g.name = s.reader_group and s.slot_reader = 'group:' || s.reader_group and s.join_lsn is null
 left join pg_catalog.pg_replication_slots r
-  on r.slot_name = s.slot and r.database = current_database();
+  on r.slot_name = coalesce(g.slot, s.slot) and r.database = current_database();
 
 revoke all on pgstream.stream_status from public;
 
@@ -63,6 +66,7 @@ from pg_catalog.pg_replication_slots r
 where r.database = current_database()
   and r.slot_type = 'logical'
   and r.slot_name::text ~ pgstream.default_slot_pattern()
-  and not exists (select 1 from pgstream.streams s where s.slot = r.slot_name::text);
+  and not exists (select 1 from pgstream.streams s where s.slot = r.slot_name::text)
+  and not exists (select 1 from pgstream.reader_groups g where g.slot = r.slot_name::text);
 
 revoke all on pgstream.orphaned_slots from public;

@@ -228,8 +228,11 @@ from pgstream.metric_buckets b
 union all
 select g.metric, s.id, g.label, g.value
 from pgstream.streams s
+-- a reader group's stream that has joined reads the group's slot
+left join pgstream.reader_groups rg
+  on rg.name = s.reader_group and s.slot_reader = 'group:' || s.reader_group and s.join_lsn is null
 left join pg_catalog.pg_replication_slots r
-  on r.slot_name = s.slot and r.database = current_database()
+  on r.slot_name = coalesce(rg.slot, s.slot) and r.database = current_database()
 cross join lateral (
     select coalesce(sum(c.value) filter (where c.name = 'events_recorded'), 0)
              - coalesce(sum(c.value) filter (where c.name = 'events_done'), 0) as events,
@@ -261,7 +264,7 @@ cross join lateral (values
     ('failover_current', '', coalesce(extract(epoch from now() - s.failover_since), 0)::float8),
     ('failover_attempts', '', s.failover_attempts::float8),
     ('dead_letters_open', '', letters.n::float8),
-    ('slot_info', s.slot, 1::float8),
+    ('slot_info', coalesce(rg.slot, s.slot), 1::float8),
     ('slot_exists', '', (r.slot_name is not null)::integer::float8),
     ('slot_active', '', coalesce(r.active, false)::integer::float8),
     ('slot_retained_wal', '', coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), r.restart_lsn), 0)::float8),

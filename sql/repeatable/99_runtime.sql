@@ -84,8 +84,11 @@ grant select on pgstream.streams, pgstream.batches, pgstream.events, pgstream.ev
                 pgstream.subscriptions, pgstream.dead_letters, pgstream.key_progress, pgstream.locks, pgstream.housekeeping_runs,
                 pgstream.backfills, pgstream.backfill_partitions, pgstream.backfill_progress,
                 pgstream.stream_status, pgstream.orphaned_slots, pgstream.metrics, pgstream.consumers,
-                pgstream.consumer_status
+                pgstream.consumer_status, pgstream.reader_groups
     to pgstream_runtime;
+-- a reader group's reader: what it recorded through, how far it read, its slot's recovery
+-- (engine/ingest/group.py); membership and the publication go through the functions below
+grant update (recovery_pending, consumed_through, recorded_through) on pgstream.reader_groups to pgstream_runtime;
 -- the open run, the slot's declared reader, and how far the slot was read (engine/ledger); everything
 -- else of a stream row goes through register_stream, set_paused, enter_failover, leave_failover, retry_now
 grant update (open_run_key, slot_reader, consumed_through, recovery_pending) on pgstream.streams to pgstream_runtime;
@@ -112,6 +115,10 @@ grant insert (today, partitions_created, partitions_dropped, partitions_kept, pa
 -- pgstream_runtime: functions. SECURITY DEFINER (run as the owner, each validating its input):
 grant execute on function
     pgstream.register_stream(bigint, text),
+    pgstream.register_group_member(bigint, text),
+    pgstream.ensure_group_publication(text),
+    pgstream.begin_join(bigint),
+    pgstream.finish_join(bigint),
     pgstream.ensure_stream(bigint),
     pgstream.ensure_publications(bigint),
     pgstream.enter_failover(bigint, bigint, text, timestamptz),

@@ -256,8 +256,9 @@ class _NoReader:
 
 def _reader(host: Host, database_url: str, stream: StreamConfig, run_key: str, conn: psycopg.Connection) -> RunReader:
     """The open run's slot reader (modes open and warm, while the run is the stream's open run)."""
-    if host.reader is None or not (stream.delivery.read_slot and run_key and ledger.run_is_open(conn, stream.id,
-                                                                                                   run_key)):
+    # a reader group's member reads no slot: the group's reader hands its batches to the run
+    if host.reader is None or stream.reader is not None or \
+            not (stream.delivery.read_slot and run_key and ledger.run_is_open(conn, stream.id, run_key)):
         return _NoReader()
     handoff = None
     delivery = stream.delivery

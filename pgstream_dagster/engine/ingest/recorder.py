@@ -135,13 +135,15 @@ def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]
 
 
 def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_stream: dict[int, list[Transaction]],
-                *, standby: str | None = None, give_up: Callable[[], bool] | None = None) -> set[int]:
+                *, standby: str | None = None, give_up: Callable[[], bool] | None = None,
+                also: Callable[[psycopg.Connection], None] | None = None) -> set[int]:
     """Record each stream's transactions in its ledger, all in one database transaction, and hand them
     to the stream's open run if the reader is the run's; returns the streams whose declared reader is
     no longer the loop's (nothing recorded for those: they must not be confirmed).
 
     Raises ``ledger.NotVisibleYet`` (nothing recorded) when ``give_up`` says stop waiting for the
-    transactions to become visible."""
+    transactions to become visible. ``also``: run in the same transaction once everything is recorded
+    (a reader group writes there what it recorded through), unless a stream was lost."""
     lost: set[int] = set()
     done: list[tuple[StreamLedger, list[int], list[Transaction]]] = []
     try:
@@ -165,6 +167,8 @@ def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_s
                         target.handoff.put(ids, fresh, max_size)
                 if target.run_key is not None:
                     ledger.extend_run(conn, stream_id, target.run_key, target.stream.delivery.max_events_per_run)
+            if also is not None and not lost:
+                also(conn)
     except BaseException:
         for target, ids, _fresh in done:
             if target.handoff is not None:
@@ -181,8 +185,11 @@ class Recorder:
 
     def __init__(self, conn: psycopg.Connection, source: SlotSource, ledgers: dict[int, StreamLedger],
                  rule: Batching, *, standby: str | None = None,
-                 route: Callable[[list[Transaction]], dict[int, list[Transaction]]] | None = None) -> None:
+                 route: Callable[[list[Transaction]], dict[int, list[Transaction]]] | None = None,
+                 recorded_through: Callable[[psycopg.Connection, int], None] | None = None) -> None:
         self.conn, self.source, self.ledgers, self.rule, self.standby = conn, source, ledgers, rule, standby
+        #: called in each recording transaction with the end LSN of its last transaction (a reader group)
+        self.recorded_through = recorded_through
         if route is None:
             (only,) = ledgers
             route = lambda txns: {only: txns}  # noqa: E731
@@ -204,7 +211,9 @@ class Recorder:
         loop is no longer the declared reader of a stream."""
         count = len(self.pending.txns) if room is None else _fitting(self.pending.txns, room)
         txns = self.pending.txns[:count]
-        lost = record_pass(self.conn, self.ledgers, self.route(txns), standby=self.standby, give_up=give_up)
+        through, end = self.recorded_through, txns[-1].end_lsn
+        lost = record_pass(self.conn, self.ledgers, self.route(txns), standby=self.standby, give_up=give_up,
+                           also=None if through is None else lambda conn: through(conn, end))
         if lost:
             return False
         self.pending.take(count)
@@ -244,6 +253,21 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
     fails the peek); ``mark``: record how far the slot was read (``streams.consumed_through``).
     Returns after each recording (the sensor decides then)."""
     result = ConsumeResult()
+    if stream.reader is not None:
+        # a reader group's member: once it has joined, the group's reader reads for it (its own slot,
+        # while it joins, is read as before and drained by the group's reader: engine/ingest/group.py)
+        result.slot = ledger.register_group_member(conn, stream.id, stream.reader)
+        if ledger.slot_reader(conn, stream.id).startswith(ledger.GROUP_PREFIX):
+            result.slot_busy = True
+            return result
+        # joining: its own slot is read as it is until the group takes over, never created or replaced (a
+        # stream without one joins with nothing to drain: the group records what it has from the table)
+        own = result.slot = ledger.stream_slot(conn, stream.id)
+        info = replication.slot_info(conn, own)
+        if info is None or info["wal_status"] == "lost":
+            result.slot_busy = True
+            return result
+        check_slot = False
     if check_slot:
         ensure_slot(conn, stream, result)
     slot = result.slot = result.slot or ledger.stream_slot(conn, stream.id)

@@ -20,7 +20,10 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
     transaction that records the recovery, so an interruption anywhere makes the next tick
     recover again (duplicates possible, losses not). An open run's reader does not read while a
     recovery is pending (it gives the slot back to the sensor)."""
-    slot = result.slot = ledger.ensure_stream(conn, stream.id, stream.slot_name)
+    # (a reader group's member that is joining was registered by register_group_member: its own slot
+    # is read until the group's reader takes over)
+    slot = result.slot = ledger.stream_slot(conn, stream.id) if stream.reader is not None else \
+        ledger.ensure_stream(conn, stream.id, stream.slot_name)
     # a publication dropped by hand: logical decoding skips the stream's events without an error
     # (Postgres 18 only warns), so it is put back, and what committed meanwhile is recovered from the
     # table (decoding looks publications up as of each change: re-created, it does not see those)

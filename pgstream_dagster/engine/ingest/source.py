@@ -63,8 +63,10 @@ class PeekSource:
     declared reader is someone else), :class:`~..walstream.SlotGone` when the slot was dropped or
     invalidated."""
 
-    def __init__(self, conn: psycopg.Connection, slot: str, publication: str, cap: int) -> None:
+    def __init__(self, conn: psycopg.Connection, slot: str, publication: str, cap: int, *,
+                 keep_stream: bool = False) -> None:
         self.conn, self.slot, self.publication, self.cap = conn, slot, publication, cap
+        self.keep_stream = keep_stream  # each event's stream id (a reader group's slot)
         self._returned = 0  # end LSN of the last transaction returned
         self._drained = False
         self._flushed = 0  # the WAL flushed before the last peek
@@ -84,7 +86,8 @@ class PeekSource:
             peeked_at = dt.datetime.now(dt.UTC)
             flushed = replication.flush_lsn(self.conn)
             try:
-                txns, rows = replication.peek_rows(self.conn, self.slot, self.publication, self.cap)
+                txns, rows = replication.peek_rows(self.conn, self.slot, self.publication, self.cap,
+                                                       keep_stream=self.keep_stream)
             except psycopg.errors.ObjectInUse:
                 raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
             except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject) as exc:
@@ -100,6 +103,11 @@ class PeekSource:
             if remaining <= 0 or not self._drained:
                 return []
             time.sleep(min(PEEK_POLL_SECS, remaining))
+
+    @property
+    def flushed(self) -> int:
+        """The WAL flushed before the last complete peek: every commit before it was returned."""
+        return self._flushed if self._drained else 0
 
     @property
     def seen_through(self) -> dt.datetime | None:

@@ -6,7 +6,8 @@
   declared reader, and :func:`apply` (a decision of ``batches.decide``);
 * :mod:`.locks`: pgstream's locks, the delivery lease, the recording lock;
 * :mod:`.deadletters`: what delivery skips and the writer that sets a rejected event aside;
-* :mod:`.keyprogress`: the resume points of ``ordering: by_key``.
+* :mod:`.keyprogress`: the resume points of ``ordering: by_key``;
+* :mod:`.groups`: reader groups (streams sharing one slot) and a stream's hand-over to its group.
 
 Every name is re-exported here: ``from pgstream_dagster.engine import ledger; ledger.X``.
 """
@@ -22,6 +23,54 @@ from .deadletters import (
 )
 from .deadletters import (
     vanished as vanished,
+)
+from .groups import (
+    GROUP_PREFIX as GROUP_PREFIX,
+)
+from .groups import (
+    Group as Group,
+)
+from .groups import (
+    GroupChange as GroupChange,
+)
+from .groups import (
+    Member as Member,
+)
+from .groups import (
+    begin_join as begin_join,
+)
+from .groups import (
+    ensure_group_publication as ensure_group_publication,
+)
+from .groups import (
+    finish_join as finish_join,
+)
+from .groups import (
+    group_publication as group_publication,
+)
+from .groups import (
+    group_reader as group_reader,
+)
+from .groups import (
+    group_state as group_state,
+)
+from .groups import (
+    mark_group_consumed as mark_group_consumed,
+)
+from .groups import (
+    mark_members_consumed as mark_members_consumed,
+)
+from .groups import (
+    open_run_keys as open_run_keys,
+)
+from .groups import (
+    record_group_through as record_group_through,
+)
+from .groups import (
+    register_group_member as register_group_member,
+)
+from .groups import (
+    set_group_recovery_pending as set_group_recovery_pending,
 )
 from .keyprogress import (
     KeyProgress as KeyProgress,

@@ -214,9 +214,12 @@ def lock_slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
 
 
 def _take_slot(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
-    """The open run ``run_key``'s reader reads the slot (again); false if it is not the open run."""
+    """The open run ``run_key``'s reader reads the slot (again); false if it is not the open run, or the
+    stream reads with a reader group."""
+    # not a reader group's member once it has handed over (the group's reader reads for it)
     row = conn.execute("update pgstream.streams set slot_reader = %s where id = %s and open_run_key = %s "
-                       "returning 1", [run_reader(run_key), stream_id, run_key]).fetchone()
+                       "and slot_reader not like 'group:%%' returning 1",
+                       [run_reader(run_key), stream_id, run_key]).fetchone()
     return row is not None
 
 

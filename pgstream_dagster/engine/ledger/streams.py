@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import psycopg
 
+from .groups import GroupChange
+
 #: The unique index on the slot a stream reads, ``pgstream.streams.slot`` (sql/022_lock_timeouts_and_slot_names.sql).
 SLOT_INDEX = "streams_slot_key"
 
@@ -71,6 +73,8 @@ def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | Non
             # hold its lock)
             conn.execute("select pgstream.register_stream(%s, %s)", [stream_id, slot_name])
             return stream_slot(conn, stream_id)
+    except psycopg.errors.FeatureNotSupported as exc:  # a reader group's member (it may not leave)
+        raise GroupChange((exc.diag.message_primary or str(exc)).removeprefix("pgstream: ")) from None
     except psycopg.errors.UniqueViolation as exc:
         if exc.diag.constraint_name != SLOT_INDEX:
             raise

@@ -1,0 +1,319 @@
+"""A reader group's reader: one slot and one publication for several streams (``streams[].reader``), so
+the WAL is decoded once for all of them (docs/architecture.md, "One reader for a group of streams").
+
+:func:`consume_group`, each tick of the group's sensor:
+
+1. **ensure** (:func:`ensure_group`): every configured member is registered (``register_group_member``),
+   the group's publication filters on exactly its members (``ensure_group_publication``), and the group's
+   slot exists and is usable. A slot that was dropped or invalidated (or a publication dropped by hand)
+   sets ``recovery_pending`` on the group and each joined member, is replaced, and each member records
+   from ``pgstream.events`` what its ledger does not cover (as :func:`~.slot.ensure_slot` does for one
+   stream: duplicates possible after an interruption, losses not).
+2. **join** (:func:`join_members`): a member that still had its own slot hands over: once the
+   publication includes it and every transaction running then has ended, ``begin_join`` sets its join
+   position L (the WAL insert position) and makes the group's reader its declared reader; its own slot is
+   drained up to L here, then dropped. While one drains the group's slot is not read; one that waits for
+   older transactions is skipped in the group's slot (what of it is there ends before its L).
+3. **record**: the one recording loop (:class:`~.recorder.Recorder`) over a peek of the group's slot,
+   decoding each event's stream id, routing each transaction by stream and recording each member's part
+   in its ledger (with reader ``group:<name>``), all in one ledger transaction that also writes what the
+   group recorded through, handing the batches to a member's open run in the same transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+
+from ...config import StreamConfig
+from .. import ledger, limits, replication, walstream
+from ..replication import Transaction
+from .recorder import Batching, Recorder, StreamLedger, _past, record_pass
+from .source import PeekSource
+
+#: a joining member: how long a tick waits for the transactions running when its join began
+JOIN_WAIT_SECS = 2.0
+#: how often the group's slot is peeked again while nothing waits
+POLL_SECS = 0.1
+
+
+@dataclass
+class GroupResult:
+    """What a tick of the group's reader did."""
+
+    slot: str | None = None
+    slot_created: bool = False
+    slot_lost: bool = False
+    publication: str | None = None  # 'created' (it was missing), 'altered' (the members changed)
+    recovered: dict[int, list[int]] = field(default_factory=dict)  # stream -> recovery batches
+    joined: list[int] = field(default_factory=list)  # members that finished joining this tick
+    joining: list[int] = field(default_factory=list)  # members still handing over
+    batches: dict[int, list[int]] = field(default_factory=dict)
+    events: dict[int, int] = field(default_factory=dict)
+    unreadable: int = 0
+    slot_busy: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def rule_of(streams: list[StreamConfig]) -> Batching:
+    """One batching rule for the group's loop: the tightest of its members' (each member's batches are
+    still cut at its own ``batch.max_size``)."""
+    return Batching(min(s.batch.max_size for s in streams), min(s.batch.max_fill_secs for s in streams),
+                    min(s.delivery.max_read_bytes for s in streams))
+
+
+def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Transaction]]]:
+    """Split each transaction by its events' stream: a transaction touching two members becomes one
+    transaction of each (same xid and positions), recorded in both in the same ledger transaction."""
+
+    def split(txns: list[Transaction]) -> dict[int, list[Transaction]]:
+        out: dict[int, list[Transaction]] = {}
+        for t in txns:
+            parts: dict[int, Transaction] = {}
+            for e in t.events:
+                sid = e.stream_id
+                if sid in members:
+                    part = parts.get(sid)
+                    if part is None:
+                        part = parts[sid] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
+                    part.events.append(e)
+            for u in t.unreadable:
+                sid = u.stream_id
+                if sid in members:
+                    part = parts.get(sid)
+                    if part is None:
+                        part = parts[sid] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
+                    part.unreadable.append(u)
+            for sid, part in parts.items():
+                out.setdefault(sid, []).append(part)
+        return out
+
+    return split
+
+
+def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
+                 result: GroupResult) -> ledger.Group:
+    """Register the members, keep the publication's filter on them, and make sure the group's slot is
+    usable (replaced and recovered when lost). Raises :class:`~..ledger.GroupChange` for a stream the
+    database has in the group that the configuration does not (it would be skipped)."""
+    for stream in streams:
+        ledger.register_group_member(conn, stream.id, group)
+    result.publication = ledger.ensure_group_publication(conn, group)
+    state = ledger.group_state(conn, group)
+    assert state is not None  # registered above
+    configured = {s.id for s in streams}
+    unknown = [m.id for m in state.members if m.id not in configured]
+    if unknown:
+        raise ledger.GroupChange(f"reader group {group}: stream(s) {', '.join(map(str, unknown))} read with it in the "
+                                 f"database but have no streams[] entry with reader: {group} in pgstream.yaml (their "
+                                 f"events would be skipped): configure them again")
+    result.slot = state.slot
+    joined = [m for m in state.members if m.joined]
+    if result.publication == "created":
+        # decoding skips what committed while the publication was missing: recovered from the table
+        ledger.set_group_recovery_pending(conn, group, True)
+    info = replication.slot_info(conn, state.slot)
+    pending = state.recovery_pending or result.publication == "created"
+    if info is not None and info["wal_status"] != "lost" and not pending:
+        return state
+    if info is None and (elsewhere := replication.slot_database(conn, state.slot)) is not None:
+        raise ledger.GroupChange(f"reader group {group}: replication slot {state.slot} belongs to database "
+                                 f"{elsewhere}, not to this one: drop it there if nothing reads it")
+    # crash-safe as ensure_slot: pending first, cleared once every member recovered
+    ledger.set_group_recovery_pending(conn, group, True)
+    for m in joined:
+        ledger.set_recovery_pending(conn, m.id)
+    if info is not None and info["wal_status"] == "lost":
+        replication.drop_slot(conn, state.slot)
+        result.slot_lost = True
+        info = None
+    if info is None:
+        try:
+            replication.create_slot(conn, state.slot)
+        except psycopg.errors.ConfigurationLimitExceeded:  # all replication slots are in use
+            row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
+            line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [group])
+            raise limits.LimitsExceeded([line or f"reader group {group}: no replication slot is free; raise "
+                                                 "max_replication_slots in postgresql.conf and restart Postgres"]
+                                        ) from None
+        result.slot_created = True
+    by_id = {s.id: s for s in streams}
+    for m in joined:
+        result.recovered[m.id] = ledger.recover_from_table(conn, m.id, by_id[m.id].batch.max_size)
+    ledger.set_group_recovery_pending(conn, group, False)
+    return ledger.group_state(conn, group) or state
+
+
+def _running_xids(conn: psycopg.Connection) -> list[int]:
+    return [int(r[0]) for r in conn.execute("select pg_snapshot_xip(pg_current_snapshot())::text::bigint")]
+
+
+def _wait_ended(conn: psycopg.Connection, xids: list[int], until: float) -> bool:
+    """Whether every transaction of ``xids`` has ended (committed or aborted) before ``until``."""
+    while xids:
+        row = conn.execute("select coalesce(array_agg(x), '{}') from unnest(%s::bigint[]) x "
+                           "where pg_xact_status(x::text::xid8) = 'in progress'", [xids]).fetchone()
+        xids = [int(x) for x in (row[0] if row else [])]
+        if not xids:
+            return True
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _drain(conn: psycopg.Connection, stream: StreamConfig, member: ledger.Member, group: str, join_lsn: int,
+           until: float, result: GroupResult) -> bool:
+    """Record the member's transactions that end at or before its join position from its own slot
+    (with the group's reader as its declared reader); true once every one is recorded."""
+    info = replication.slot_info(conn, member.own_slot)
+    if info is None or info["wal_status"] == "lost":
+        # nothing to drain (a new stream, or its slot was dropped or invalidated): what it has is recorded
+        # from the table
+        ledger.set_recovery_pending(conn, stream.id)
+        result.recovered[stream.id] = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
+        return True
+    source = PeekSource(conn, member.own_slot, stream.publication, max(stream.batch.max_size * 4, 100_000))
+    target = StreamLedger(stream, ledger.group_reader(group), run_key=member.open_run_key)
+    try:
+        while True:
+            txns = source.read(0)
+            mine = [t for t in txns if t.end_lsn <= join_lsn]
+            if mine:
+                if record_pass(conn, {stream.id: target}, {stream.id: mine}, give_up=_past(until)):
+                    return False  # not the declared reader (cannot happen once begin_join ran)
+                source.confirm(mine[-1].end_lsn)
+            if len(mine) < len(txns) or (source.drained and source.flushed >= join_lsn):
+                break
+            if time.monotonic() > until:
+                return False
+            if source.drained:
+                time.sleep(0.02)  # the WAL up to the join position is being flushed
+    except walstream.SlotBusy:
+        result.notes.append(f"stream {stream.id}: its own slot {member.own_slot} is still held by its earlier reader "
+                            "(an open run's reader lets go within a second); the join goes on at the next tick")
+        return False
+    except ledger.NotVisibleYet:
+        return False
+    finally:
+        result.batches.setdefault(stream.id, []).extend(target.batches)
+        result.events[stream.id] = result.events.get(stream.id, 0) + target.events
+        result.unreadable += target.unreadable
+    return True
+
+
+def _drop_own_slot(conn: psycopg.Connection, slot: str) -> None:
+    """A joined member's own slot goes (an earlier reader's connection may still hold it a moment: the
+    next tick drops it)."""
+    try:
+        conn.execute("select pg_drop_replication_slot(slot_name) from pg_replication_slots "
+                     "where slot_name = %s and database = current_database() and not active", [slot])
+    except (psycopg.errors.ObjectInUse, psycopg.errors.UndefinedObject):
+        pass
+
+
+def join_members(conn: psycopg.Connection, group: str, state: ledger.Group, streams: dict[int, StreamConfig],
+                 until: float, result: GroupResult) -> bool:
+    """Hand every member that still had its own slot over to the group (see the module); true once every
+    member has joined. Also drops a joined member's own slot left behind."""
+    for m in state.members:
+        if m.joined:
+            _drop_own_slot(conn, m.own_slot)
+    joining = [m for m in state.members if not m.joined]
+    if not joining:
+        return True
+    # the publication includes them (ensure_group_publication, committed): a transaction running now may
+    # have written before it did and so be incomplete in the group's slot; once they have all ended,
+    # every transaction ending after the join position wrote only after it (docs/architecture.md)
+    if any(not m.join_begun for m in joining) and \
+            not _wait_ended(conn, _running_xids(conn), min(until, time.monotonic() + JOIN_WAIT_SECS)):
+        result.joining = [m.id for m in joining]
+        result.notes.append(f"reader group {group}: stream(s) {', '.join(str(m.id) for m in joining)} wait for "
+                            "transactions older than the publication's change to end before joining")
+        return False
+    done = True
+    for m in joining:
+        join_lsn = m.join_lsn if m.join_begun and m.join_lsn is not None else ledger.begin_join(conn, m.id)
+        if _drain(conn, streams[m.id], m, group, join_lsn, until, result):
+            ledger.finish_join(conn, m.id)
+            _drop_own_slot(conn, m.own_slot)
+            result.joined.append(m.id)
+        else:
+            result.joining.append(m.id)
+            done = False
+    return done
+
+
+def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float, *,
+                  mark: bool = True) -> GroupResult:
+    """A tick of the group's reader (see the module): ensure, join, then record what commits on the
+    group's slot for every member until ``budget_secs`` is spent (``0``: one look)."""
+    result = GroupResult()
+    started = time.monotonic()
+    deadline = started + budget_secs
+    state = ensure_group(conn, group, streams, result)
+    by_id = {s.id: s for s in streams}
+    joined_all = join_members(conn, group, state, by_id, max(deadline, started + 1.0), result)
+    state = ledger.group_state(conn, group) or state  # (who has joined now: they are read from here on)
+    if not joined_all and any(m.join_begun and not m.joined for m in state.members):
+        return result  # one is draining its own slot: the group's slot waits (the stream's order)
+    # a member that has not begun joining (it waits for older transactions to end) is not read here: what
+    # of it the group's slot holds ends before its join position, where its own slot (or, for a new
+    # stream, the table) gives it
+    reader = ledger.group_reader(group)
+    joined = {m.id for m in state.members if m.joined}
+    ledgers = {sid: StreamLedger(s, reader) for sid, s in by_id.items() if sid in joined}
+    if not ledgers:
+        return result
+    source = PeekSource(conn, state.slot, ledger.group_publication(group),
+                        max(max(s.batch.max_size for s in streams) * 4, 100_000), keep_stream=True)
+    recorder = Recorder(conn, source, ledgers, rule_of(streams), route=route(set(ledgers)),
+                        recorded_through=lambda c, lsn: ledger.record_group_through(c, group, lsn))
+
+    marked = 0.0
+
+    def seen(through: dt.datetime | None) -> None:
+        nonlocal marked
+        if through is not None and mark and time.monotonic() - marked >= 1.0:
+            marked = time.monotonic()
+            ledger.mark_group_consumed(conn, group, through)
+            ledger.mark_members_consumed(conn, group, through)
+
+    try:
+        while True:
+            recorder.read(0)
+            if recorder.pending.txns and recorder.due():
+                # each member's open run, read at each pass: what is recorded is handed to it
+                for sid, run_key in ledger.open_run_keys(conn, group).items():
+                    if sid in ledgers:
+                        ledgers[sid].run_key = run_key
+                try:
+                    if not recorder.record(give_up=_past(max(deadline, started + 1.0))):
+                        result.slot_busy = True  # a member's reader is no longer the group's (cannot happen)
+                        break
+                except ledger.NotVisibleYet:
+                    break  # nothing recorded, the slot not advanced: the next tick reads them again
+                if not source.drained and time.monotonic() < deadline:
+                    continue  # more waits behind the peek's cap
+                seen(source.seen_through)
+            elif not recorder.pending.txns:
+                seen(source.skip_idle(conn))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            time.sleep(min(0.05 if recorder.pending.txns else POLL_SECS, remaining))
+    except walstream.SlotBusy:
+        result.slot_busy = True
+    except walstream.SlotGone:
+        ledger.set_group_recovery_pending(conn, group, True)  # the next tick replaces it and recovers
+        result.slot_lost = True
+    for sid, target in ledgers.items():
+        if target.batches:
+            result.batches.setdefault(sid, []).extend(target.batches)
+            result.events[sid] = result.events.get(sid, 0) + target.events
+        result.unreadable += target.unreadable
+    return result

@@ -1,0 +1,139 @@
+"""Reader groups (``pgstream.reader_groups``, sql/027_reader_groups.sql): streams that share one slot and
+one publication, read by the group's reader (:mod:`..ingest.group`). Membership, the publication and
+the hand-over of a stream that had its own slot go through the owner's functions
+(``sql/repeatable/27_reader_groups.sql``); the runtime writes only how far the group read and recorded."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import psycopg
+
+#: a member's declared reader: ``group:<name>`` (streams.slot_reader)
+GROUP_PREFIX = "group:"
+
+
+def group_reader(group: str) -> str:
+    """The declared reader of the members of ``group`` once they have joined."""
+    return f"{GROUP_PREFIX}{group}"
+
+
+def group_publication(group: str) -> str:
+    """The group's publication (``pgstream.group_publication_name``)."""
+    return f"pgstream_group_{group}"
+
+
+class GroupChange(RuntimeError):
+    """A stream was to leave its reader group, or move to another (not supported): one line naming it."""
+
+
+def _refused(exc: psycopg.Error) -> GroupChange:
+    message = (exc.diag.message_primary or str(exc)).removeprefix("pgstream: ")
+    return GroupChange(message)
+
+
+def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) -> str:
+    """The stream reads with ``group`` (``pgstream.register_group_member``): a new stream row is created
+    as a member, an existing stream without a group starts joining; returns the group's slot. Raises
+    :class:`GroupChange` (nothing changed) for a stream of another group."""
+    try:
+        with conn.transaction():
+            row = conn.execute("select pgstream.register_group_member(%s, %s)", [stream_id, group]).fetchone()
+    except psycopg.errors.FeatureNotSupported as exc:
+        raise _refused(exc) from None
+    assert row is not None
+    return str(row[0])
+
+
+@dataclass(frozen=True)
+class Member:
+    """A stream of a group, as the database has it."""
+
+    id: int
+    slot_reader: str
+    join_lsn: int | None  # while it hands over from its own slot (pgstream.begin_join); 0: a new stream
+    own_slot: str  # streams.slot: its own slot, read before it joined
+    open_run_key: str | None
+
+    @property
+    def joined(self) -> bool:
+        return self.slot_reader.startswith(GROUP_PREFIX) and self.join_lsn is None
+
+    @property
+    def join_begun(self) -> bool:
+        """``begin_join`` set its join position (a new stream starts with ``0/0``: not begun)."""
+        return self.slot_reader.startswith(GROUP_PREFIX) and bool(self.join_lsn)
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    slot: str
+    recovery_pending: bool
+    recorded_through: int | None
+    members: list[Member]
+
+
+def group_state(conn: psycopg.Connection, group: str) -> Group | None:
+    """The group's row and its members (``None``: no such group yet)."""
+    row = conn.execute("select slot, recovery_pending, (recorded_through - '0/0')::bigint from pgstream.reader_groups "
+                       "where name = %s", [group]).fetchone()
+    if row is None:
+        return None
+    members = [Member(int(r[0]), str(r[1]), None if r[2] is None else int(r[2]), str(r[3]), r[4])
+               for r in conn.execute("select id, slot_reader, (join_lsn - '0/0')::bigint, slot, open_run_key "
+                                     "from pgstream.streams where reader_group = %s order by id", [group])]
+    return Group(group, str(row[0]), bool(row[1]), None if row[2] is None else int(row[2]), members)
+
+
+def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None:
+    """The group's publication exists and filters on its members: ``'created'`` (it was missing: what
+    committed meanwhile is recovered from the table), ``'altered'`` (the members changed) or ``None``."""
+    with conn.transaction():
+        row = conn.execute("select pgstream.ensure_group_publication(%s)", [group]).fetchone()
+    return None if row is None or row[0] is None else str(row[0])
+
+
+def begin_join(conn: psycopg.Connection, stream_id: int) -> int:
+    """The joining stream hands over (``pgstream.begin_join``): its join position L, the group's reader
+    its declared reader."""
+    with conn.transaction():
+        row = conn.execute("select (pgstream.begin_join(%s) - '0/0')::bigint", [stream_id]).fetchone()
+    assert row is not None and row[0] is not None
+    return int(row[0])
+
+
+def finish_join(conn: psycopg.Connection, stream_id: int) -> None:
+    """The stream's own slot was drained to its join position (or recovered): it has joined."""
+    conn.execute("select pgstream.finish_join(%s)", [stream_id])
+
+
+def set_group_recovery_pending(conn: psycopg.Connection, group: str, pending: bool) -> None:
+    conn.execute("update pgstream.reader_groups set recovery_pending = %s where name = %s", [pending, group])
+
+
+def record_group_through(conn: psycopg.Connection, group: str, end_lsn: int) -> None:
+    """In a recording transaction: the group's reader recorded through ``end_lsn``."""
+    conn.execute("update pgstream.reader_groups set recorded_through = greatest(recorded_through, "
+                 "'0/0'::pg_lsn + %s::numeric) where name = %s", [end_lsn, group])
+
+
+def mark_group_consumed(conn: psycopg.Connection, group: str, through: dt.datetime) -> None:
+    """Everything committed before ``through`` has been read from the group's slot."""
+    conn.execute("update pgstream.reader_groups set consumed_through = greatest(consumed_through, %s) "
+                 "where name = %s", [through, group])
+
+
+def mark_members_consumed(conn: psycopg.Connection, group: str, through: dt.datetime) -> None:
+    """Everything committed before ``through`` has been read for each joined member (its
+    ``streams.consumed_through``, which partition retention reads)."""
+    conn.execute("update pgstream.streams set consumed_through = greatest(consumed_through, %s) "
+                 "where reader_group = %s and slot_reader = 'group:' || reader_group and join_lsn is null "
+                 "and consumed_through is distinct from greatest(consumed_through, %s)", [through, group, through])
+
+
+def open_run_keys(conn: psycopg.Connection, group: str) -> dict[int, str | None]:
+    """Each member's open run (the group's reader hands it what it records for the member)."""
+    return {int(r[0]): r[1] for r in conn.execute(
+        "select id, open_run_key from pgstream.streams where reader_group = %s", [group])}

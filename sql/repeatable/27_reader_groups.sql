@@ -1,0 +1,240 @@
+-- Repeatable: reader groups (sql/027_reader_groups.sql). Streams with `streams[].reader: <group>` share
+-- the group's slot and publication; the group's reader (engine/ingest/group.py) decodes the WAL once and
+-- records each member's transactions in its ledger. Every function here runs as the owner (a
+-- publication of pgstream.events needs its owner, the stream rows are the owner's), validates its input,
+-- and is granted to pgstream_runtime only (99_runtime.sql).
+
+-- The group's slot: pgstream_g_<name>_d<database oid>_<8 hex digits of sha256(install secret, oid,
+-- name)>, unique in the cluster and not to be guessed by another database's roles (as a stream's
+-- default slot, 01_streams.sql); at most 63 characters (a name has at most 31). Runs as its caller:
+-- the owner, or a security definer function of pgstream (only they read pgstream.install).
+create or replace function pgstream.group_slot_name(p_group text)
+returns text language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select 'pgstream_g_' || p_group || '_d' || d.oid::text || '_'
+           || pg_catalog.left(pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(
+                  i.secret::text || '/' || d.oid::text || '/group/' || p_group, 'UTF8')), 'hex'), 8)
+    from pgstream.install i
+    join pg_catalog.pg_database d on d.datname = pg_catalog.current_database()
+$$;
+revoke all on function pgstream.group_slot_name(text) from public;
+
+-- The group's publication: pgstream_group_<name>, over pgstream.events (id, stream_id, created_at),
+-- insert only, through the partition root, with the row filter stream_id in (<its members>).
+create or replace function pgstream.group_publication_name(p_group text)
+returns text language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select 'pgstream_group_' || p_group $$;
+revoke all on function pgstream.group_publication_name(text) from public;
+
+create or replace function pgstream._check_group(p_group text)
+returns void language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_group is null or p_group operator(pg_catalog.!~) '^[a-z][a-z0-9_]{0,30}$' then
+        raise exception 'pgstream: reader group name % is not [a-z][a-z0-9_]{0,30}', pg_catalog.quote_nullable(p_group)
+            using errcode = 'invalid_parameter_value';
+    end if;
+end
+$$;
+revoke all on function pgstream._check_group(text) from public;
+
+-- Stream p_stream_id reads with group p_group: the group row is created when missing; a new stream row
+-- is created as a member (slot_reader 'group:<name>', no slot of its own, joining); an existing stream without a
+-- group becomes a joining member (reader_group set, its own slot still read by its old reader until
+-- the group's reader hands it over: begin_join, finish_join). Moving a stream to another group is
+-- refused. A new stream joins at the group's next tick too (join_lsn '0/0': nothing to drain, it records
+-- from the table what it has by then). Returns the group's slot. Locks the stream row only when
+-- something changes.
+create or replace function pgstream.register_group_member(p_stream_id bigint, p_group text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_current text;
+    v_found   boolean;
+    v_slot    text;
+begin
+    if p_stream_id is null or p_stream_id operator(pg_catalog.<=) 0 then
+        raise exception 'pgstream: register_group_member: stream id must be positive, got %', p_stream_id
+            using errcode = 'invalid_parameter_value';
+    end if;
+    perform pgstream._check_group(p_group);
+    -- (an insert that finds the row would wait for the group's recording transaction, which updates it)
+    select g.slot into v_slot from pgstream.reader_groups g where g.name operator(pg_catalog.=) p_group;
+    if v_slot is null then
+        insert into pgstream.reader_groups (name, slot) values (p_group, pgstream.group_slot_name(p_group))
+            on conflict (name) do nothing;
+        select g.slot into v_slot from pgstream.reader_groups g where g.name operator(pg_catalog.=) p_group;
+    end if;
+    select s.reader_group, true into v_current, v_found from pgstream.streams s
+     where s.id operator(pg_catalog.=) p_stream_id;
+    if v_found is null then
+        -- join_lsn '0/0': it joins at the group's next tick like a stream that had a slot, with nothing to
+        -- drain: what it has when it joins is recorded from the table (its events of before the group's
+        -- publication included it are not in the group's slot)
+        insert into pgstream.streams (id, reader_group, slot_reader, join_lsn)
+        values (p_stream_id, p_group, 'group:' operator(pg_catalog.||) p_group, '0/0')
+        on conflict (id) do nothing;
+        if found then
+            return v_slot;
+        end if;
+        select s.reader_group into v_current from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id;
+    end if;
+    if v_current is null then
+        update pgstream.streams set reader_group = p_group
+         where id operator(pg_catalog.=) p_stream_id and reader_group is null;
+    elsif v_current operator(pg_catalog.<>) p_group then
+        raise exception 'pgstream: stream % reads with reader group %, not %: moving a stream to another group is not supported',
+            p_stream_id, v_current, p_group using errcode = 'feature_not_supported';
+    end if;
+    return v_slot;
+end
+$$;
+revoke all on function pgstream.register_group_member(bigint, text) from public;
+
+-- The group's publication exists and its row filter names exactly the group's members (joined and
+-- joining): created when missing ('created': what committed meanwhile was not decoded, the members
+-- recover from the table), altered when the members changed ('altered'), else null.
+create or replace function pgstream.ensure_group_publication(p_group text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_members bigint[];
+    v_had     bigint[];
+    v_name    text := pgstream.group_publication_name(p_group);
+    v_filter  text;
+begin
+    perform pgstream._check_group(p_group);
+    select g.members into v_had from pgstream.reader_groups g where g.name operator(pg_catalog.=) p_group for update;
+    if not found then
+        raise exception 'pgstream: reader group % does not exist', p_group using errcode = 'no_data_found';
+    end if;
+    select coalesce(pg_catalog.array_agg(s.id order by s.id), '{}') into v_members
+      from pgstream.streams s where s.reader_group operator(pg_catalog.=) p_group;
+    -- bigints only: nothing of the input reaches the statement but the checked group name
+    v_filter := coalesce(nullif(pg_catalog.array_to_string(v_members, ', '), ''), '0');
+    if not exists (select 1 from pg_catalog.pg_publication where pubname operator(pg_catalog.=) v_name) then
+        execute pg_catalog.format(
+            'create publication %I for table pgstream.events (id, stream_id, created_at) '
+            'where (stream_id in (%s)) with (publish = %L, publish_via_partition_root = true)',
+            v_name, v_filter, 'insert');
+        update pgstream.reader_groups set members = v_members where name operator(pg_catalog.=) p_group;
+        return 'created';
+    end if;
+    if v_members operator(pg_catalog.=) v_had then
+        return null;
+    end if;
+    execute pg_catalog.format(
+        'alter publication %I set table pgstream.events (id, stream_id, created_at) where (stream_id in (%s))',
+        v_name, v_filter);
+    update pgstream.reader_groups set members = v_members where name operator(pg_catalog.=) p_group;
+    return 'altered';
+end
+$$;
+revoke all on function pgstream.ensure_group_publication(text) from public;
+
+-- A joining member (reader_group set, its own slot still read by its old reader; or a new stream, join_lsn
+-- '0/0') hands over: under the
+-- group row's and the stream row's locks, its join position L is the WAL insert position now, and the
+-- group's reader becomes its declared reader (an open run reading its own slot loses it: it records
+-- nothing more). The caller has made sure, before, that the group's publication includes the stream and
+-- that every transaction running when it did has ended (docs/architecture.md: the join): each of the
+-- stream's transactions that ends after L is then whole in the group's slot. Returns L (again, for a
+-- stream already handing over).
+create or replace function pgstream.begin_join(p_stream_id bigint)
+returns pg_lsn
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_group  text;
+    v_reader text;
+    v_join   pg_lsn;
+begin
+    select s.reader_group, s.slot_reader, s.join_lsn into v_group, v_reader, v_join
+      from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id;
+    if v_group is null then
+        raise exception 'pgstream: stream % is not in a reader group', p_stream_id using errcode = 'no_data_found';
+    end if;
+    perform 1 from pgstream.reader_groups g where g.name operator(pg_catalog.=) v_group
+        and p_stream_id operator(pg_catalog.=) any (g.members) for update;
+    if not found then
+        raise exception 'pgstream: stream %: the publication of reader group % does not include it yet', p_stream_id,
+            v_group using errcode = 'object_not_in_prerequisite_state';
+    end if;
+    select s.slot_reader, s.join_lsn into v_reader, v_join from pgstream.streams s
+     where s.id operator(pg_catalog.=) p_stream_id for update;
+    if v_reader operator(pg_catalog.=) ('group:' operator(pg_catalog.||) v_group)
+       and v_join operator(pg_catalog.<>) '0/0'::pg_catalog.pg_lsn then
+        return v_join;
+    end if;
+    update pgstream.streams set join_lsn = pg_catalog.pg_current_wal_insert_lsn(),
+                                slot_reader = 'group:' operator(pg_catalog.||) v_group
+     where id operator(pg_catalog.=) p_stream_id
+    returning join_lsn into v_join;
+    return v_join;
+end
+$$;
+revoke all on function pgstream.begin_join(bigint) from public;
+
+-- The member's own slot is drained up to its join position (or recovered from the table): it has joined.
+create or replace function pgstream.finish_join(p_stream_id bigint)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    update pgstream.streams set join_lsn = null
+     where id operator(pg_catalog.=) p_stream_id and join_lsn is not null
+       and slot_reader operator(pg_catalog.=) ('group:' operator(pg_catalog.||) reader_group);
+end
+$$;
+revoke all on function pgstream.finish_join(bigint) from public;
+
+-- Once a member has joined, its slot_reader stays 'group:<name>': opening and closing its runs (which
+-- set 'sensor' or 'run:<key>') leave it to the group's reader.
+create or replace function pgstream._keep_group_reader()
+returns trigger
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if old.slot_reader operator(pg_catalog.~~) 'group:%'
+       and new.reader_group is not distinct from old.reader_group
+       and new.slot_reader operator(pg_catalog.!~~) 'group:%' then
+        new.slot_reader := old.slot_reader;
+    end if;
+    return new;
+end
+$$;
+revoke all on function pgstream._keep_group_reader() from public;
+
+create or replace trigger keep_group_reader before update of slot_reader on pgstream.streams
+for each row execute function pgstream._keep_group_reader();
+
+-- The group's publication goes with its row.
+create or replace function pgstream._drop_group_publication()
+returns trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    execute pg_catalog.format('drop publication if exists %I', pgstream.group_publication_name(old.name));
+    return old;
+end
+$$;
+revoke all on function pgstream._drop_group_publication() from public;
+
+create or replace trigger drop_group_publication after delete on pgstream.reader_groups
+for each row execute function pgstream._drop_group_publication();

@@ -1,0 +1,440 @@
+"""Reader groups (``streams[].reader``): one slot and one publication for several streams, the WAL
+decoded once by the group's reader (``engine/ingest/group.py``), each stream's transactions recorded
+once in its own ledger, in commit order; a stream that had its own slot joins without losing or
+repeating an event; a lost group slot is replaced and every member recovers; nobody but the owner's
+functions changes who is in a group."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pgstream_dagster.config import StreamConfig, load_config
+from pgstream_dagster.devdb import LocalPostgres, ensure_running
+from pgstream_dagster.engine import ingest, ledger, limits, migrations
+from pgstream_dagster.engine.bootstrap import init
+from pgstream_dagster.engine.ingest import group as group_reader
+from pgstream_dagster.engine.migrations import migrate
+from pgstream_dagster.engine.status import render_status, stream_status
+
+from .support.harness import Background, Driver, insert_events, read_jsonl, slot_of, write_config
+
+GROUP = "shared"
+
+
+@pytest.fixture(scope="module")
+def few_slots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    """A Postgres of its own with room for 4 replication slots only."""
+    server = ensure_running(tmp_path_factory.mktemp("pg4") / "data",
+                            extra_settings={"fsync": "off", "full_page_writes": "off", "max_replication_slots": "4",
+                                            "max_wal_senders": "4"})
+    yield server
+    server.destroy()
+
+
+def _configs(tmp_path: Path, url: str, ids: list[int], *, group: dict[int, str | None] | None = None,
+             batch: dict[str, Any] | None = None) -> list[StreamConfig]:
+    group = group or {}
+    streams = []
+    for i in ids:
+        stream: dict[str, Any] = {"id": i, "batch": batch or {"max_size": 100, "max_fill_secs": 0},
+                                  "delivery": {"mode": "per_batch"},
+                                  "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+        reader = group.get(i, GROUP)
+        if reader is not None:
+            stream["reader"] = reader
+        streams.append(stream)
+    return list(load_config(write_config(tmp_path / "pgstream.yaml", url, streams)).streams)
+
+
+def _recorded(url: str, stream_id: int) -> list[int]:
+    """The stream's ledger, event by event, in ledger order."""
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select e from pgstream.batches b, unnest(b.event_ids) with ordinality u(e, o) "
+                                        "where b.stream_id = %s order by b.id, u.o", [stream_id])]
+
+
+def _events(url: str, stream_id: int) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id",
+                                        [stream_id])]
+
+
+def _pgstream_slots(url: str) -> list[str]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select slot_name from pg_replication_slots where database = "
+                                        "current_database() and slot_name like 'pgstream%' order by 1")]
+
+
+def _drain(conn: psycopg.Connection, streams: list[StreamConfig], until: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "timed out"
+        ingest.consume_group(conn, GROUP, streams, 0.2)
+
+
+def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_commit_order(
+        few_slots: LocalPostgres, tmp_path: Path) -> None:
+    few_slots.create_database("twelve")
+    url = few_slots.url_for("twelve")
+    migrate(url)
+    ids = list(range(1, 13))
+    with psycopg.connect(url, autocommit=True) as c:
+        # the preflight: twelve streams with a slot each do not fit in 4, one group does
+        (line,) = [p for p in limits.postgres_problems(c, _configs(tmp_path, url, ids, group=dict.fromkeys(ids)))
+                   if "max_replication_slots" in p]
+        assert line == ("max_replication_slots is 4 and 0 are in use; streams 5, 6, 7, 8, 9, 10, 11 and 12 need 8 "
+                        "more: set max_replication_slots = 16 in postgresql.conf and restart Postgres")
+        streams = _configs(tmp_path, url, ids)
+        assert not [p for p in limits.postgres_problems(c, streams) if "max_replication_slots" in p]
+        # half of the rows exist already (a subscription creates its stream's row): their sensors, ticking
+        # before the group's, create no slot of their own (there would be room for 4 only)
+        for i in ids[:6]:
+            ledger.ensure_stream(c, i)
+        insert_events(url, 2, 3)
+        for s in streams:
+            assert ingest.consume(c, s, 0.1).slot_busy
+        assert _pgstream_slots(url) == []
+        first = ingest.consume_group(c, GROUP, streams, 0)
+        assert first.slot_created and first.publication == "created"
+        assert _pgstream_slots(url) == [first.slot]  # one slot for twelve streams (4 allowed)
+        # every stream's own sensor: registered, the group reads for it, no slot of its own
+        for s in streams:
+            result = ingest.consume(c, s, 0.1)
+            assert result.slot_busy and result.slot == first.slot and not result.slot_created
+        assert _pgstream_slots(url) == [first.slot]
+        # writes to all twelve, interleaved, and one transaction touching streams 3 and 7
+        for round_ in range(3):
+            for i in ids:
+                insert_events(url, i, 2 + i % 3, start=round_ * 10)
+        with psycopg.connect(url) as w:
+            for n in range(4):
+                w.execute("insert into pgstream.events (payload, stream_id) values (%s, 3), (%s, 7)",
+                          [f'{{"both": {n}}}', f'{{"both": {n}}}'])
+        both = [(r[0], r[1]) for r in c.execute("select id, stream_id from pgstream.events where payload ? 'both'")]
+        one_pass = ingest.consume_group(c, GROUP, streams, 0)
+        assert sum(one_pass.events.values()) == sum(len(_events(url, i)) for i in ids) - 3  # (recovered: below)
+        assert {i: len(b) for i, b in first.recovered.items()} == {i: int(i == 2) for i in ids}  # from the table
+        for i in ids:
+            # each event once, in commit order (ids follow commit order here: one writer at a time)
+            assert _recorded(url, i) == _events(url, i), i
+        # the shared transaction is recorded in both ledgers, by the same commit
+        with psycopg.connect(url) as r:
+            ends = {sid: r.execute("select end_lsn from pgstream.batches where stream_id = %s and %s = any(event_ids)",
+                                   [sid, eid]).fetchone() for eid, sid in both}
+        assert {sid for _e, sid in both} == {3, 7} and ends[3] == ends[7]
+        # nothing more, nothing twice
+        assert sum(ingest.consume_group(c, GROUP, streams, 0.3).events.values()) == 0
+        assert all(_recorded(url, i) == _events(url, i) for i in ids)
+        # the group recorded through the end of the last transaction, and the slot moved past it
+        (through,) = c.execute("select recorded_through from pgstream.reader_groups where name = %s",
+                               [GROUP]).fetchone()  # type: ignore[misc]
+        assert through is not None
+        status = c.execute("select slot_name, slot_exists from pgstream.stream_status where id = 5").fetchone()
+        assert status == (first.slot, True)
+        shown = render_status(stream_status(c, 5))
+        assert f"slot {first.slot} (reserved" in shown and "read by reader group shared (its sensor " \
+            "pgstream_group_shared records the stream's batches)" in shown
+        assert _pgstream_slots(url) == [first.slot]
+
+
+def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(db_url: str, tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # stream 1 reads its own slot, with events recorded and events waiting; stream 2 is in the group
+    streams = _configs(tmp_path, db_url, [1, 2], group={1: None})
+    own, member = streams
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume(c, own, 0.1)  # creates its slot
+        own_slot = slot_of(db_url, 1)
+        insert_events(db_url, 1, 30)
+        assert ingest.consume(c, own, 0.5).events == 30
+        insert_events(db_url, 1, 20, start=100)  # not recorded yet: waiting in its own slot
+        ingest.consume_group(c, GROUP, [member], 0)
+        # stream 1 gets reader: the group's; its own sensor goes on reading its own slot until the hand-over
+        streams = _configs(tmp_path, db_url, [1, 2])
+        joining = streams[0]
+        insert_events(db_url, 1, 5, start=200)
+        assert ingest.consume(c, joining, 0.3).events == 25  # registered as joining, still its own reader
+        insert_events(db_url, 1, 7, start=300)  # waiting in its own slot at the join
+        # a transaction that began before the join and commits during it
+        writer = psycopg.connect(db_url)
+        writer.execute("insert into pgstream.events (payload, stream_id) values ('{\"late\": 1}', 1)")
+
+        def commit_later() -> None:
+            time.sleep(2.5)
+            writer.commit()
+            insert_events(db_url, 1, 3, start=400)
+
+        # and, in the tick that hands it over, right after its drain: only in the group's slot, read that tick
+        drop = group_reader._drop_own_slot
+        written: list[bool] = []
+
+        def drop_then_write(conn: psycopg.Connection, slot: str) -> None:
+            drop(conn, slot)
+            if slot == own_slot and not written:
+                written.append(True)
+                insert_events(db_url, 1, 2, start=450)
+
+        monkeypatch.setattr(group_reader, "_drop_own_slot", drop_then_write)
+        later = threading.Thread(target=commit_later)
+        later.start()
+        insert_events(db_url, 2, 3, start=50)
+        # the join waits for the transaction that began before the publication included stream 1 (at most
+        # a tick's budget); meanwhile the group goes on recording stream 2
+        result = ingest.consume_group(c, GROUP, streams, 0.5)
+        assert result.publication == "altered" and result.joining == [1] and result.events.get(2) == 3
+        assert ledger.slot_reader(c, 1) == ledger.SENSOR  # not handed over yet: its own slot is its reader's
+        later.join()
+        writer.close()
+        _drain(c, streams, lambda: len(_recorded(db_url, 1)) == len(_events(db_url, 1)))
+        insert_events(db_url, 1, 4, start=500)  # after the join: through the group's slot
+        insert_events(db_url, 2, 4)
+        _drain(c, streams, lambda: len(_recorded(db_url, 1)) == len(_events(db_url, 1)) and
+               len(_recorded(db_url, 2)) == len(_events(db_url, 2)))
+        ingest.consume_group(c, GROUP, streams, 0.3)
+        assert written
+        assert sorted(_recorded(db_url, 1)) == _events(db_url, 1)  # each once
+        assert len(_recorded(db_url, 1)) == len(set(_recorded(db_url, 1))) == 30 + 20 + 5 + 7 + 1 + 3 + 2 + 4
+        assert _recorded(db_url, 2) == _events(db_url, 2)
+        assert ledger.slot_reader(c, 1) == ledger.group_reader(GROUP)
+        # its own slot is gone, the group's is the one slot
+        assert own_slot not in _pgstream_slots(db_url) and len(_pgstream_slots(db_url)) == 1
+        # its own sensor does not read (nor create) a slot any more
+        assert ingest.consume(c, joining, 0.2).slot_busy and len(_pgstream_slots(db_url)) == 1
+        # a new stream with reader: registered by its own sensor, written to before the group's sensor has
+        # put it in the publication: those events are not in the group's slot, and are recorded once
+        (_, _, newcomer) = _configs(tmp_path, db_url, [1, 2, 3])
+        assert ingest.consume(c, newcomer, 0.1).slot_busy
+        insert_events(db_url, 3, 6)
+        streams = _configs(tmp_path, db_url, [1, 2, 3])
+        _drain(c, streams, lambda: len(_recorded(db_url, 3)) == 6)
+        insert_events(db_url, 3, 4, start=100)
+        _drain(c, streams, lambda: len(_recorded(db_url, 3)) == 10)
+        ingest.consume_group(c, GROUP, streams, 0.3)
+        assert sorted(_recorded(db_url, 3)) == _events(db_url, 3) and len(_pgstream_slots(db_url)) == 1
+        # leaving the group is refused, naming the stream, and changes nothing
+        with pytest.raises(ledger.GroupChange, match="stream 1 reads with reader group shared: leaving a group"):
+            ingest.consume(c, own, 0.1)
+        with pytest.raises(ledger.GroupChange, match="stream 1 reads with reader group shared, not other"):
+            ledger.register_group_member(c, 1, "other")
+        assert ledger.slot_reader(c, 1) == ledger.group_reader(GROUP) and len(_pgstream_slots(db_url)) == 1
+
+
+def test_a_dropped_group_slot_is_replaced_and_every_member_recovers(db_url: str, tmp_path: Path) -> None:
+    streams = _configs(tmp_path, db_url, [1, 2, 3])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        slot = ingest.consume_group(c, GROUP, streams, 0).slot
+        for i in (1, 2, 3):
+            insert_events(db_url, i, 10)
+        _drain(c, streams, lambda: all(len(_recorded(db_url, i)) == 10 for i in (1, 2, 3)))
+        # events waiting in the slot, then the slot dropped by hand: they are only in the table now
+        for i in (1, 2):
+            insert_events(db_url, i, 6, start=100)
+        c.execute("select pg_drop_replication_slot(%s)", [slot])
+        insert_events(db_url, 3, 4, start=100)  # committed while there is no slot
+        result = ingest.consume_group(c, GROUP, streams, 0)
+        assert result.slot_created and set(result.recovered) == {1, 2, 3}
+        assert c.execute("select recovery_pending from pgstream.reader_groups").fetchone() == (False,)
+        for i in (1, 2, 3):  # while the next writes go through the new slot
+            insert_events(db_url, i, 5, start=200)
+        _drain(c, streams, lambda: all(len(set(_recorded(db_url, i))) == len(_events(db_url, i)) for i in (1, 2, 3)))
+        ingest.consume_group(c, GROUP, streams, 0.3)
+        # ensure_slot's contract for one stream: every event recorded, none twice (recovered ids are
+        # dropped from what the new slot decodes: unrecorded)
+        for i in (1, 2, 3):
+            assert sorted(_recorded(db_url, i)) == _events(db_url, i), i
+        assert _pgstream_slots(db_url) == [slot]
+        # the group's slot is pgstream's (not an orphan while the group exists), and tear-down removes it
+        assert c.execute("select count(*) from pgstream.orphaned_slots").fetchone() == (0,)
+    removed = migrations.tear_down(db_url)
+    assert f"replication slot {slot}" in removed and f"publication pgstream_group_{GROUP}" in removed
+    assert _pgstream_slots(db_url) == []
+
+
+def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db_url: str, tmp_path: Path) -> None:
+    streams = _configs(tmp_path, db_url, [1, 2], group={2: None})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, GROUP, streams[:1], 0)
+        ledger.ensure_stream(c, 2)
+        # the application's role (and so every tenant's) may call none of them; no grant to public either
+        for fn in ("register_group_member(bigint, text)", "ensure_group_publication(text)", "begin_join(bigint)",
+                   "finish_join(bigint)", "group_slot_name(text)"):
+            assert c.execute("select has_function_privilege('pgstream_writer', %s, 'execute')",
+                             [f"pgstream.{fn}"]).fetchone() == (False,), fn
+            assert c.execute("select coalesce(bool_or(a.grantee = 0), false) from pg_proc p, aclexplode(p.proacl) a "
+                             "where p.oid = %s::regprocedure", [f"pgstream.{fn}"]).fetchone() == (False,), fn
+        c.execute("create role hostile_tenant login")
+        c.execute("grant pgstream_runtime to hostile_tenant")
+        c.execute("grant pgstream_writer to hostile_tenant")
+        try:
+            with psycopg.connect(db_url, autocommit=True) as h:
+                h.execute("set role hostile_tenant")
+                # a tenant's role cannot put its stream into another group by writing tables ...
+                for statement in ("update pgstream.streams set reader_group = 'shared' where id = 2",
+                                  "update pgstream.reader_groups set members = '{1,2}'",
+                                  "insert into pgstream.reader_groups (name, slot) values ('mine', 'x')"):
+                    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                        h.execute(statement)
+                # ... nor by declaring the group its reader (the constraint: only a member's reader)
+                with pytest.raises(psycopg.errors.CheckViolation):
+                    h.execute("update pgstream.streams set slot_reader = 'group:shared' where id = 2")
+                # nor by altering the group's publication
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    h.execute("alter publication pgstream_group_shared set table pgstream.events where (true)")
+        finally:
+            c.execute("drop owned by hostile_tenant")
+            c.execute("drop role hostile_tenant")
+        assert c.execute("select reader_group from pgstream.streams where id = 2").fetchone() == (None,)
+        assert c.execute("select members from pgstream.reader_groups").fetchone() == ([1],)
+
+
+# --- end to end through Dagster ---------------------------------------------------------------------
+
+#: runs dequeued per round, as a run coordinator with max_concurrent_runs 4 would start them: fewer than the streams
+MAX_RUNS = 4
+
+
+def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and_runs(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Twelve streams (more than Postgres' default 10 slots, more than MAX_RUNS runs at a time) in one group:
+    the group's sensor records for all of them from one slot, each stream's sensor requests its runs (open,
+    closing after a short linger), which are executed MAX_RUNS per round (in process, one after another:
+    Dagster's in-process execution is not thread-safe), and every event reaches its stream's sink exactly once."""
+    ids = list(range(1, 13))
+    config = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": "all", "batch": {"max_size": 40, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.05},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}  # mode open, a short linger (harness)
+        for i in ids])
+    driver = Driver(config, instance)
+    group = driver.defs.resolve_sensor_def("pgstream_group_all")
+    cursor: list[str | None] = [None]
+
+    def group_tick() -> str | None:
+        resources = driver.defs.resources or {}
+        ctx = dg.build_sensor_context(instance=instance, cursor=cursor[0], sensor_name=group.name,
+                                      resources={"pgstream": resources["pgstream"]})
+        result = group.evaluate_tick(ctx)
+        assert not result.run_requests
+        cursor[0] = result.cursor
+        return result.skip_message
+
+    def delivered(i: int) -> list[int]:
+        return [e["id"] for e in read_jsonl(tmp_path / f"out{i}.jsonl")]
+
+    started = time.monotonic()
+    group_tick()
+    for i in ids:
+        assert not driver.tick(i).run_requests
+    waves, per_wave = 3, 15
+    queued: list[dg.RunRequest] = []
+    wave, rounds = 0, 0
+    while True:
+        if wave < waves:
+            for i in ids:
+                insert_events(db_url, i, per_wave, start=wave * 100)
+            wave += 1
+        group_tick()
+        waiting = {int(r.tags["pgstream/stream"]) for r in queued}
+        for i in ids:
+            if i not in waiting:  # (a stream whose run is queued waits for it, as it would for a queued run)
+                queued += driver.tick(i).run_requests
+        for request in queued[:MAX_RUNS]:
+            assert driver.execute(request).success
+        queued, rounds = queued[MAX_RUNS:], rounds + 1
+        if wave == waves and not queued and all(len(delivered(i)) >= waves * per_wave for i in ids):
+            break
+        assert time.monotonic() - started < 80, {i: len(delivered(i)) for i in ids}
+    for i in ids:
+        assert sorted(delivered(i)) == _events(db_url, i), i  # every event, once
+        assert len(delivered(i)) == waves * per_wave
+    assert _pgstream_slots(db_url) == [_group_slot(db_url)]  # one slot for twelve streams
+    assert len(driver.results) >= len(ids) > MAX_RUNS
+    # the group's cursor shows each stream's last recorded event
+    shown = json.loads(cursor[0] or "{}")["streams"]
+    assert {int(k): v["last_event_id"] for k, v in shown.items()} == {i: _events(db_url, i)[-1] for i in ids}
+
+
+def _group_slot(url: str) -> str:
+    with psycopg.connect(url) as c:
+        (slot,) = c.execute("select slot from pgstream.reader_groups").fetchone()  # type: ignore[misc]
+    return str(slot)
+
+
+def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the_group_back(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Stream 1 (mode open, a file sink) and stream 2 (a sink that refuses every call) in one group: stream
+    1's open run starts no slot reader and takes the batches the group's sensor hands it; stream 2 fails
+    over, and the group's sensor goes on recording both."""
+    config = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": 1, "reader": "pair", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 3, "max_run_secs": 60}},
+         "sink": {"type": "file", "path": str(tmp_path / "out1.jsonl")}},
+        {"id": 2, "reader": "pair", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
+         "retry": {"initial_backoff_secs": 60, "max_backoff_secs": 60},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 0.3}},
+         "sink": {"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1}}])
+    driver = Driver(config, instance)
+    group = driver.defs.resolve_sensor_def("pgstream_group_pair")
+
+    def group_tick() -> None:
+        resources = driver.defs.resources or {}
+        group.evaluate_tick(dg.build_sensor_context(instance=instance, sensor_name=group.name,
+                                                    resources={"pgstream": resources["pgstream"]}))
+
+    def delivered() -> list[int]:
+        return [e["id"] for e in read_jsonl(tmp_path / "out1.jsonl")]
+
+    group_tick()
+    insert_events(db_url, 1, 10)
+    insert_events(db_url, 2, 10)
+    group_tick()
+    (request,) = driver.tick(1).run_requests
+    (failing,) = driver.tick(2).run_requests
+    assert not driver.execute(failing).success  # stream 2's sink refuses: its sensor puts it in failover
+    assert not driver.tick(2).run_requests  # (the next attempt after initial_backoff_secs)
+    run = Background(driver, request)
+    deadline = time.monotonic() + 60
+    while len(delivered()) < 10:
+        assert time.monotonic() < deadline
+        group_tick()
+        driver.tick(1)
+    for wave in range(3):  # handed to the open run by the group's sensor: no new run
+        insert_events(db_url, 1, 5, start=100 * (wave + 1))
+        insert_events(db_url, 2, 5, start=100 * (wave + 1))
+        while len(delivered()) < 10 + 5 * (wave + 1):
+            assert time.monotonic() < deadline
+            group_tick()
+            assert not driver.tick(1).run_requests
+            assert not driver.tick(2).run_requests
+        with psycopg.connect(db_url) as c:
+            # the open run is not a slot's reader: the group's is, and no WAL sender reads for it
+            assert c.execute("select open_run_key is not null, slot_reader from pgstream.streams where id = 1"
+                             ).fetchone() == (True, "group:pair")
+            assert c.execute("select count(*) from pg_stat_replication").fetchone() == (0,)
+    assert run.wait(timeout=30).success  # idle for linger_secs: it closes
+    assert sorted(delivered()) == _events(db_url, 1)
+    # stream 2 is in failover, and every event of it is recorded all the same
+    assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 25
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select state from pgstream.stream_status where id = 2").fetchone() == ("failover",)
+    assert _pgstream_slots(db_url) == [_group_slot(db_url)]
+
+
+def test_init_creates_one_slot_for_a_group(db_url: str, tmp_path: Path) -> None:
+    """`pgstream-dagster init` registers a group's streams and creates the group's one slot (not one each)."""
+    _configs(tmp_path, db_url, [1, 2, 3, 4], group={4: None})
+    out = init(tmp_path / "pgstream.yaml")
+    (group_line,) = [line for line in out if "reader group" in line]
+    assert group_line.startswith(f"created slot pgstream_g_{GROUP}_d") and group_line.endswith("(streams 1, 2, 3)")
+    assert sorted(_pgstream_slots(db_url)) == sorted([_group_slot(db_url), slot_of(db_url, 4)])
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select id, reader_group from pgstream.streams order by id").fetchall() == [
+            (1, GROUP), (2, GROUP), (3, GROUP), (4, None)]
