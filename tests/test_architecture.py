@@ -64,8 +64,25 @@ def test_only_the_ledger_state_writes_the_open_run_and_the_slot_reader() -> None
     writers = {(str(path.relative_to(PACKAGE)), name)
                for path in sorted(PACKAGE.rglob("*.py")) for name in _functions_writing(path)}
     assert writers == {("engine/ledger/state.py", name) for name in STATE_WRITERS}, writers
-    in_sql = [str(p.relative_to(SQL_DIR)) for p in sorted(SQL_DIR.rglob("*.sql")) if _writes_columns(p.read_text())]
-    assert in_sql == [], f"SQL writing streams.open_run_key / slot_reader outside ledger/state.py: {in_sql}"
+    in_sql = {(str(p.relative_to(SQL_DIR)), name) for p in sorted(SQL_DIR.rglob("*.sql"))
+              for name, body in _sql_functions(p.read_text()) if _writes_columns(body)}
+    assert in_sql == GROUP_SQL_WRITERS, f"SQL writing streams.open_run_key / slot_reader: {in_sql}"
+    callers = {str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
+               for _file, name in GROUP_SQL_WRITERS if f"pgstream.{name}(" in path.read_text()}
+    assert callers == {"engine/ledger/groups.py"}, callers
+
+
+#: the one SQL function that sets slot_reader: a stream joining its reader group hands the slot to the
+#: group's reader (the owner's function, as the runtime cannot write pgstream.streams); only
+#: engine/ledger/groups.py calls it
+GROUP_SQL_WRITERS = {("repeatable/27_reader_groups.sql", "begin_join")}
+
+
+def _sql_functions(text: str) -> list[tuple[str, str]]:
+    """(name, text up to the next function) of each ``create or replace function pgstream.<name>`` of
+    ``text``; what comes before the first function is named ``""``."""
+    parts = re.split(r"create\s+(?:or\s+replace\s+)?function\s+pgstream\.(\w+)", text, flags=re.I)
+    return [("", parts[0]), *zip(parts[1::2], parts[2::2], strict=True)]
 
 
 def test_the_pattern_finds_what_it_is_meant_to() -> None:

@@ -36,6 +36,10 @@ applied by ``ledger.apply_run``); ending an open run gives the slot back in the 
         replaces it), the sensor reads
     open --(the run: CloseRun, refused while a batch it was handed is not delivered)--> none, the sensor
         reads
+
+A stream of a reader group (``streams[].reader``) hands its slot over once, when it joins
+(``ledger.groups``: ``pgstream.begin_join``): its reader becomes ``group:<name>`` for good, its open runs
+read no slot, and the group's reader hands them what it records (``ledger.extend_run``).
 """
 
 from __future__ import annotations
