@@ -87,6 +87,7 @@ bench-cpu: $(STAMP)
 bench-streams: $(STAMP)
 	$(BIN)/python bench/streams.py
 
+# many streams' deliveries without Dagster: a process per stream vs one process hosting them (issue 30)
 bench-delivery-pool: $(STAMP)
 	$(BIN)/python bench/delivery_pool.py
 
