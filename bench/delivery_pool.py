@@ -291,7 +291,7 @@ def _connections(procs: list[psutil.Process], port: int) -> int:
 def _postgres(pg: LocalPostgres) -> list[psutil.Process]:
     with psycopg.connect(pg.url, autocommit=True) as conn:
         (pid,) = conn.execute("select pg_backend_pid()").fetchone()  # type: ignore[misc]
-    parent = psutil.Process(psutil.Process(pid).ppid())
+        parent = psutil.Process(psutil.Process(pid).ppid())  # (while the backend lives)
     return [parent, *parent.children()]
 
 
