@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams bench-spark-source bench-backfill bench-cold-start clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams bench-delivery-pool bench-spark-source bench-backfill bench-cold-start clean
 
 # reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
@@ -86,6 +86,10 @@ bench-cpu: $(STAMP)
 # 1, 10 and 100 streams through `dg dev`: first events, processes, RSS, CPU per event, slots (issue 30)
 bench-streams: $(STAMP)
 	$(BIN)/python bench/streams.py
+
+# many streams' deliveries without Dagster: a process per stream vs one process hosting them (issue 30)
+bench-delivery-pool: $(STAMP)
+	$(BIN)/python bench/delivery_pool.py
 
 bench-backfill: $(STAMP)
 	$(BIN)/python bench/backfill.py

@@ -24,7 +24,7 @@ from pgstream_dagster.engine.handoff import Handoff
 from pgstream_dagster.engine.publish import Span
 from pgstream_dagster.engine.slotreader import SlotReader
 
-from .support.harness import read_jsonl
+from .support.harness import insert_events, read_jsonl, write_config
 
 STREAM = 1
 RUN_KEY = "engine-run"
@@ -206,3 +206,70 @@ def _wait(done: Callable[[], bool], timeout: float = 60) -> None:
     while not done():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_one_process_hosts_a_groups_runs_in_threads_and_a_failing_sink_stops_only_its_own(
+        db_url: str, tmp_path: Path) -> None:
+    """Four streams of one reader group, each delivered by a warm run of its own in a thread of this process
+    (each with its own sink, lease and ledger connection), fed by the group's recording loop: stream 4's sink
+    refuses every call, its run fails in its thread and gives its lease up, and streams 1-3 get every event
+    once, in commit order, before and after that failure."""
+    ids, failing = [1, 2, 3, 4], 4
+    path = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": "hosted", "batch": {"max_size": 50, "max_fill_secs": 0},
+         "delivery": {"mode": "warm", "tuning": {"max_run_secs": 300}},
+         "sink": ({"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1, "max_retry_secs": 0}
+                  if i == failing else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")})}
+        for i in ids])
+    streams = list(load_config(path).streams)
+    stop = threading.Event()
+    errors: dict[int, BaseException] = {}
+    logs = {i: Log() for i in ids}
+
+    def host(stream: StreamConfig) -> None:
+        run = DeliveryRun(stream, db_url, db_url, f"hosted-{stream.id}", run_key=f"hosted-{stream.id}").start(
+            logs[stream.id])
+        try:
+            for _round in run.deliver(Host(f"hosted-{stream.id}", logs[stream.id],
+                                           stop_check=lambda: "the host says stop" if stop.is_set() else None)):
+                pass
+        except Exception as exc:  # (the test looks at it)
+            errors[stream.id] = exc
+
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, "hosted", streams, 0)  # the group's slot; every member joined
+        for i in ids:
+            assert ledger.open_warm_run(c, i, f"hosted-{i}", reads_slot=False)
+        threads = [threading.Thread(target=host, args=(s,), daemon=True) for s in streams]
+        for thread in threads:
+            thread.start()
+
+        def out(i: int) -> list[int]:
+            return [e["id"] for e in read_jsonl(tmp_path / f"out{i}.jsonl")]
+
+        for wave in range(3):
+            for i in ids:
+                insert_events(db_url, i, 20, start=100 * wave)
+            deadline = time.monotonic() + 60
+            while not all(len(out(i)) >= 20 * (wave + 1) for i in ids if i != failing):
+                assert time.monotonic() < deadline, {i: len(out(i)) for i in ids}
+                ingest.consume_group(c, "hosted", streams, 0.2)
+            if wave == 0:
+                threads[failing - 1].join(30)  # its first round failed: its thread ended, the others go on
+                assert not threads[failing - 1].is_alive()
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+            assert not thread.is_alive()
+        for i in ids:
+            sent = [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [i])]
+            assert len(sent) == 60
+            if i != failing:
+                assert out(i) == sent, i  # each once, in commit order
+                assert logs[i].has("run closed (the host says stop)")
+        assert set(errors) == {failing}
+        assert "connection failed" in str(errors[failing]), errors[failing]
+        # the failed run gave its lease up (its thread ended, the process lives on): a new run may take it
+        assert ledger.lease_state(c, f"hosted-{failing}") is not ledger.LeaseState.HELD
+        assert {r[0] for r in c.execute("select status from pgstream.batches where stream_id <> %s",
+                                        [failing])} == {BatchStatus.DELIVERED}

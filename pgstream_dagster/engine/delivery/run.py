@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -451,6 +452,22 @@ def vanished_error(conn: psycopg.Connection, stream_id: int, batch_ids: list[int
         metadata={"vanished_event_ids": ids[:1000]})
 
 
+_freeze_lock = threading.Lock()
+#: set once a run of this process froze what the process holds
+_frozen_process = threading.Event()
+
+
+def _freeze_once() -> None:
+    """A full collection, then what survives it is left out of later ones (``gc.freeze``): the first
+    time a run of this process goes idle, not again for each run."""
+    with _freeze_lock:
+        if _frozen_process.is_set():
+            return
+        gc.collect()
+        gc.freeze()
+        _frozen_process.set()
+
+
 class Linger:
     """Keeps a run open after its batches (sql/010_open_runs.sql): it waits for batches the sensor
     assigns to it and closes once idle ``tuning.linger_secs`` (mode ``open``), open
@@ -473,9 +490,9 @@ class Linger:
             # a run that stays open allocates tuples per event for long: what its process holds after
             # the first round (the host, the Spark session) is not garbage, so the full collections stop
             # scanning it (collections over 0.1 s: 21 s in a 2-minute sustained run before). Done here,
-            # not at start-up: the first round's events do not wait for it
-            gc.collect()
-            gc.freeze()
+            # not at start-up: the first round's events do not wait for it. Once per process: a process
+            # hosting many runs (a thread each) would otherwise stop them all for a full collection per run
+            _freeze_once()
             self._frozen = True
         idle_since = time.monotonic()
         checked_at = 0.0
