@@ -622,6 +622,8 @@ def test_http_url_path_tokens_are_masked_in_messages_reprs_and_logs(
      ["abcdefghijklmnopqrstuvwxyz"]),  # 16+ characters: masked even when lower case
     ("https://example.com/Hook/x", "https://example.com/***", ["Hook/x"]),
     ("http://[::1]:8080/hook/", "http://[::1]:8080/hook/", []),
+    # a masked part too short to be masked on its own: log lines keep their 5s (127.0.0.1:5432, event 5)
+    ("http://127.0.0.1:8080/hook/5", "http://127.0.0.1:8080/hook/***", ["http://127.0.0.1:8080/hook/5"]),
     ("http://127.0.0.1:8080", "http://127.0.0.1:8080", []),
     ("redis://:pw@127.0.0.1:6379/0", "redis://127.0.0.1:6379/0", ["pw"]),  # other schemes keep their path
     ("amqp://guest:guest@127.0.0.1:5672/%2F", "amqp://127.0.0.1:5672/%2F", ["guest"]),
@@ -637,6 +639,14 @@ def test_redact_url_masks_path_tokens_and_url_secrets_lists_them(url: str, redac
     assert_nowhere(secrets, scrub(text, listed))
     if redacted != url:
         assert url not in scrub(text, listed)
+
+
+def test_a_short_masked_path_part_leaves_the_rest_of_a_log_line_alone() -> None:
+    from pgstream_dagster.sinks.base import scrub, url_secrets
+
+    url = "http://127.0.0.1:8080/hook/5"
+    line = f"POST {url} failed; event 5 to 127.0.0.1:5432"
+    assert scrub(line, url_secrets(url)) == "POST *** failed; event 5 to 127.0.0.1:5432"
 
 
 def test_scrub_masks_escaped_forms_and_describe_exception_never_cuts_a_secret() -> None:

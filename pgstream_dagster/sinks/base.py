@@ -524,6 +524,9 @@ _PLAIN_SEGMENT = re.compile(r"[a-z][a-z._-]{0,14}|v[0-9]{1,3}")
 #: masked path segments at least this long are also masked on their own wherever they occur (shorter
 #: ones would mask unrelated text such as event ids; they are masked as part of the masked path)
 _MIN_SEGMENT_SECRET = 8
+#: the masked part of a path (as a whole) is masked wherever it occurs from this length on: a shorter one
+#: (``/hook/5``) would turn every ``5`` of a log line into ``***``; the whole URL is masked still
+_MIN_MASKED_SECRET = 4
 
 
 def _split_path(path: str) -> tuple[str, str]:
@@ -579,7 +582,7 @@ def url_secrets(url: str) -> list[str]:
         secrets += [fragment, unquote(fragment)]
     if parts.scheme in _TOKEN_PATH_SCHEMES:
         _shown, masked = _split_path(parts.path)
-        if masked:
+        if len(masked) >= _MIN_MASKED_SECRET:
             secrets += [masked, unquote(masked)]
             for segment in masked.split("/"):
                 if len(segment) >= _MIN_SEGMENT_SECRET:
