@@ -107,7 +107,7 @@ def touch() -> None:
         f.write(f"{time.time()}\\n")
 
 
-@dg.job
+@dg.job(executor_def=dg.in_process_executor)  # as the delivery job: its op in the run's process
 def bare_job() -> None:
     touch()
 
@@ -395,7 +395,7 @@ def main() -> None:
              "Connect server start), *restart* = `dg dev` stopped and started again (Postgres and Spark Connect "
              "server reused). *bare* = the same `dg dev` command and dagster.yaml (storage: a database of its own on "
              "the same Postgres, schema created before) on a code location of one sensor (interval 1 s, as the "
-             "demo's) that requests one run of a one-op job on its first tick; the op writes a file. Phases "
+             "demo's) that requests one run of a one-op job (in-process executor, as the delivery job) on its first tick; the op writes a file. Phases "
              "alternate bare, restart, bare, restart."]
     for name, r in results:
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in r.items())

@@ -58,6 +58,10 @@ from .resources import PgstreamResource
 from .status import status_observation
 
 _FAILED = {dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
+#: the run tag and value Dagster sets on a run whose process was interrupted (SIGINT/SIGTERM) with no
+#: termination requested (dagster._core.storage.tags.RUN_FAILURE_REASON_TAG, RunFailureReason)
+FAILURE_REASON_TAG = "dagster/failure_reason"
+_INTERRUPTED = "UNEXPECTED_TERMINATION"
 _LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
          dg.DagsterRunStatus.STARTED}
 #: how often a tick looks at the slot when nothing is waiting, and at the run in flight
@@ -140,8 +144,9 @@ def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.Da
     if run.status in _LIVE:
         return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
     if run.status in _FAILED:
-        return (RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id)),
-                None)
+        interrupted = run.tags.get(FAILURE_REASON_TAG) == _INTERRUPTED
+        return (RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id),
+                        interrupted=interrupted), None)
     if run.status == dg.DagsterRunStatus.SUCCESS:
         return RunView(RunStatus.SUCCEEDED, run.run_id), None
     return RunView(RunStatus.OTHER, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
