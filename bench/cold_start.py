@@ -395,8 +395,8 @@ def main() -> None:
              "Connect server start), *restart* = `dg dev` stopped and started again (Postgres and Spark Connect "
              "server reused). *bare* = the same `dg dev` command and dagster.yaml (storage: a database of its own on "
              "the same Postgres, schema created before) on a code location of one sensor (interval 1 s, as the "
-             "demo's) that requests one run of a one-op job (in-process executor, as the delivery job) on its first tick; the op writes a file. Phases "
-             "alternate bare, restart, bare, restart."]
+             "demo's) that requests one run of a one-op job (in-process executor, as the delivery job) on its first "
+             "tick; the op writes a file. Phases alternate bare, restart, bare, restart."]
     for name, r in results:
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in r.items())
         lines.append(f"- {name}: {parts}")
