@@ -45,6 +45,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Goals, load_after, machine, spread
 
+import pgstream_dagster
 from pgstream_dagster.defs.names import DELIVERY_JOB, stream_sensor_name
 from pgstream_dagster.devdb import free_port
 
@@ -353,6 +354,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--goal", type=float, default=10.0, help="seconds to the first event of a restart, at most")
     parser.add_argument("--logs", type=Path, help="copy each phase's `dg dev` log into this directory")
+    parser.add_argument("--label", default="", help="what the heading says of this run (e.g. the package measured)")
     args = parser.parse_args()
     header = machine()
     results: list[tuple[str, dict[str, Any]]] = []
@@ -384,7 +386,9 @@ def main() -> None:
     after = load_after()
     goals = Goals()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"\n## Cold start of `make dev` against bare Dagster {stamp}",
+    label = f", {args.label}" if args.label else ""
+    package = Path(pgstream_dagster.__file__).resolve().parent
+    lines = [f"\n## Cold start of `make dev` against bare Dagster {stamp}{label}, package {package}",
              f"Machine: {header}; {after}. Method: bench/cold_start.py; `pgstream-dagster dev --root <a copy of the "
              "checkout's yaml files>` started, times from the process start: preparation done (`ready in`), the "
              "webserver serving (its log line), the code location loaded (the UI's GraphQL: loadStatus LOADED), the "
