@@ -188,12 +188,17 @@ def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: 
                      delivered_before_kill=delivered_before_kill, drive_secs=round(recover, 1))
 
 
-def test_run_interrupted_mid_delivery_is_retried_without_backoff(db_url: str, tmp_path: Path,
-                                                                 instance: dg.DagsterInstance,
-                                                                 dagster_storage_url: str, endpoint: Endpoint) -> None:
+def test_run_interrupted_by_the_shutdown_before_a_restart_is_retried_without_backoff(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, dagster_storage_url: str, endpoint: Endpoint,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A run stopped by SIGINT (what `dg dev` shutting down does to its runs): Dagster records it failed
-    with reason UNEXPECTED_TERMINATION (the interrupt, not an error of the run's last status report);
-    its batch is the failover checkpoint, retried at once, not after the backoff (here 600 s)."""
+    with reason UNEXPECTED_TERMINATION (the interrupt, not an error of the run's last status report).
+    Seen by the code location that saw it run (a shutdown under way) it is a failure as any other (it
+    backs off); seen first by a location loaded after it ended (a restart), its batch, the failover
+    checkpoint, is retried at once, not after the backoff (here 600 s), and every event is delivered in
+    order."""
+    from pgstream_dagster.defs import sensors
+
     stream = {**stream_config(endpoint), "retry": {"initial_backoff_secs": 600, "max_backoff_secs": 600}}
     config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream])
     driver = Driver(config_path, instance)
@@ -217,22 +222,27 @@ def test_run_interrupted_mid_delivery_is_retried_without_backoff(db_url: str, tm
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    interrupted_at = time.monotonic()
     endpoint.delay = 0
     delivered_before = len(endpoint.unique())
     assert delivered_before < 300
     (run,) = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""}))
     assert run.status == dg.DagsterRunStatus.FAILURE
     assert run.tags.get("dagster/failure_reason") == "UNEXPECTED_TERMINATION"
+    # seen by the location that saw it run (a shutdown under way): a failure as any other, it backs off
+    assert not sensors._interrupted_before_load(instance, run)
+    # a restart: the code location loaded after the run ended
+    monkeypatch.setattr(sensors, "LOADED_AT", time.time())
+    assert sensors._interrupted_before_load(instance, run)
+    restarted_at = time.monotonic()
     retry: list[dg.RunRequest] = []
     while not retry:  # the checkpoint's run, requested within a few ticks (the backoff would be 600 s)
-        assert time.monotonic() - interrupted_at < 30, "the interrupted run's batch waits for the backoff"
+        assert time.monotonic() - restarted_at < 30, "the interrupted run's batch waits for the backoff"
         retry = driver.tick(STREAM).run_requests or []
     for again in retry:
         driver.execute(again)
     recover = drive(driver, delivered_all(endpoint, db_url))
-    check_and_report("run process interrupted (SIGINT) mid-delivery", endpoint, db_url,
-                     time.monotonic() - interrupted_at, delivered_before_interrupt=delivered_before,
+    check_and_report("run process interrupted (SIGINT) mid-delivery, then a restart", endpoint, db_url,
+                     time.monotonic() - restarted_at, delivered_before_interrupt=delivered_before,
                      drive_secs=round(recover, 1))
 
 

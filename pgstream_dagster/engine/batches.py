@@ -179,7 +179,8 @@ class RunView:
     outcome: str = ""  # how it ended in Dagster's words (FAILURE, CANCELED; a dead run: FAILURE)
     error: str | None = None  # the root cause of its failure, if Dagster recorded one (dead: why it is)
     #: it failed because its process was interrupted (SIGINT/SIGTERM: `dg dev` or its host shutting down)
-    #: with no termination requested: Dagster's failure reason ``UNEXPECTED_TERMINATION``
+    #: with no termination requested (Dagster's failure reason ``UNEXPECTED_TERMINATION``), before the
+    #: sensor's code location started: the shutdown before a restart
     interrupted: bool = False
 
 
@@ -365,7 +366,7 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
         interrupted = run.status is RunStatus.FAILED and run.interrupted
         retry_at = now if interrupted else now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
         reason = run.error or run.outcome
-        how = "interrupted (its process was stopped)" if interrupted else run.outcome
+        how = "interrupted by the shutdown before this start" if interrupted else run.outcome
         return FailRun(head, run.run_id, f"run {run.run_id}: {reason}", retry_at, died=run.status is RunStatus.DEAD,
                        note=f"stream {sid} in failover at batch {head.id}: run {run.run_id} {how} "
                             f"({reason}); retry at {retry_at:%H:%M:%S}")
