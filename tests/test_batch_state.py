@@ -191,6 +191,16 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
     ("launched, run failed: failover, backoff of attempt 1",
      state(LAUNCHED), run(RunStatus.FAILED, "FAILURE", "HTTP 500 from sink"), LINGER,
      failed(LAUNCHED, 5, "HTTP 500 from sink", "FAILURE")),
+    ("launched, run interrupted by the shutdown before this start: failover, retried at once",
+     state(LAUNCHED), RunView(RunStatus.FAILED, "r1", "FAILURE", "DagsterExecutionInterruptedError", interrupted=True),
+     LINGER, FailRun(LAUNCHED, "r1", "run r1: DagsterExecutionInterruptedError", NOW,
+                     note="stream 7 in failover at batch 10: run r1 interrupted by the shutdown before this start "
+                          f"(DagsterExecutionInterruptedError); retry at {NOW:%H:%M:%S}")),
+    ("launched, third attempt interrupted: retried at once all the same",
+     state(LAUNCHED_3, failover_since=SINCE), RunView(RunStatus.FAILED, "r1", "FAILURE", None, interrupted=True),
+     LINGER, FailRun(LAUNCHED_3, "r1", "run r1: FAILURE", NOW,
+                     note="stream 7 in failover at batch 10: run r1 interrupted by the shutdown before this start "
+                          f"(FAILURE); retry at {NOW:%H:%M:%S}")),
     ("launched, run canceled (no step failed)", state(LAUNCHED), run(RunStatus.FAILED, "CANCELED"), LINGER,
      failed(LAUNCHED, 5, "CANCELED", "CANCELED")),
     ("launched, third attempt failed: backoff doubled twice",

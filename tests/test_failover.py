@@ -188,6 +188,64 @@ def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: 
                      delivered_before_kill=delivered_before_kill, drive_secs=round(recover, 1))
 
 
+def test_run_interrupted_by_the_shutdown_before_a_restart_is_retried_without_backoff(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, dagster_storage_url: str, endpoint: Endpoint,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stopped by SIGINT (what `dg dev` shutting down does to its runs): Dagster records it failed
+    with reason UNEXPECTED_TERMINATION (the interrupt, not an error of the run's last status report).
+    Seen by the code location that saw it run (a shutdown under way) it is a failure as any other (it
+    backs off); seen first by a location loaded after it ended (a restart), its batch, the failover
+    checkpoint, is retried at once, not after the backoff (here 600 s), and every event is delivered in
+    order."""
+    from pgstream_dagster.defs import sensors
+
+    stream = {**stream_config(endpoint), "retry": {"initial_backoff_secs": 600, "max_backoff_secs": 600}}
+    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream])
+    driver = Driver(config_path, instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 300)
+    (request,) = driver.tick(STREAM).run_requests
+    endpoint.delay = 0.2
+    (tmp_path / "home").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN_SCRIPT, str(config_path), dagster_storage_url, str(tmp_path / "home"),
+         json.dumps({"run_config": request.run_config,
+                     "tags": {**request.tags, "dagster/run_key": request.run_key}})],
+        env={**os.environ}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(endpoint.accepted) < 60:  # part of the way through
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # the run's process alone, as a terminal's Ctrl-C reaches it
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    endpoint.delay = 0
+    delivered_before = len(endpoint.unique())
+    assert delivered_before < 300
+    (run,) = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""}))
+    assert run.status == dg.DagsterRunStatus.FAILURE
+    assert run.tags.get("dagster/failure_reason") == "UNEXPECTED_TERMINATION"
+    # seen by the location that saw it run (a shutdown under way): a failure as any other, it backs off
+    assert not sensors._interrupted_before_load(instance, run)
+    # a restart: the code location loaded after the run ended
+    monkeypatch.setattr(sensors, "LOADED_AT", time.time())
+    assert sensors._interrupted_before_load(instance, run)
+    restarted_at = time.monotonic()
+    retry: list[dg.RunRequest] = []
+    while not retry:  # the checkpoint's run, requested within a few ticks (the backoff would be 600 s)
+        assert time.monotonic() - restarted_at < 30, "the interrupted run's batch waits for the backoff"
+        retry = driver.tick(STREAM).run_requests or []
+    for again in retry:
+        driver.execute(again)
+    recover = drive(driver, delivered_all(endpoint, db_url))
+    check_and_report("run process interrupted (SIGINT) mid-delivery, then a restart", endpoint, db_url,
+                     time.monotonic() - restarted_at, delivered_before_interrupt=delivered_before,
+                     drive_secs=round(recover, 1))
+
+
 def test_sensor_restarted_and_crashing_between_steps(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                                      endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)])

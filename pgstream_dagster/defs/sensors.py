@@ -58,6 +58,23 @@ from .resources import PgstreamResource
 from .status import status_observation
 
 _FAILED = {dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
+#: the run tag and value Dagster sets on a run whose process was interrupted (SIGINT/SIGTERM) with no
+#: termination requested (dagster._core.storage.tags.RUN_FAILURE_REASON_TAG, RunFailureReason)
+FAILURE_REASON_TAG = "dagster/failure_reason"
+_INTERRUPTED = "UNEXPECTED_TERMINATION"
+#: when this code location was loaded (epoch seconds): `dg dev` (or a deployment) started it, or reloaded it
+LOADED_AT = time.time()
+
+
+def _interrupted_before_load(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    """The run was interrupted (SIGINT/SIGTERM, no termination requested) and ended before this code
+    location was loaded: stopped by the shutdown that preceded this start, not by anything of its batch.
+    One interrupted later (while this location runs: a shutdown under way, the run signalled alone)
+    backs off as any failure (a retry requested during a shutdown would fail to launch)."""
+    if run.tags.get(FAILURE_REASON_TAG) != _INTERRUPTED:
+        return False
+    record = instance.get_run_record_by_id(run.run_id)
+    return record is not None and record.end_time is not None and record.end_time < LOADED_AT
 _LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
          dg.DagsterRunStatus.STARTED}
 #: how often a tick looks at the slot when nothing is waiting, and at the run in flight
@@ -140,8 +157,9 @@ def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.Da
     if run.status in _LIVE:
         return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
     if run.status in _FAILED:
-        return (RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id)),
-                None)
+        interrupted = _interrupted_before_load(instance, run)
+        return (RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id),
+                        interrupted=interrupted), None)
     if run.status == dg.DagsterRunStatus.SUCCESS:
         return RunView(RunStatus.SUCCEEDED, run.run_id), None
     return RunView(RunStatus.OTHER, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"

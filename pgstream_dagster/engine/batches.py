@@ -178,6 +178,10 @@ class RunView:
     run_id: str = ""
     outcome: str = ""  # how it ended in Dagster's words (FAILURE, CANCELED; a dead run: FAILURE)
     error: str | None = None  # the root cause of its failure, if Dagster recorded one (dead: why it is)
+    #: it failed because its process was interrupted (SIGINT/SIGTERM: `dg dev` or its host shutting down)
+    #: with no termination requested (Dagster's failure reason ``UNEXPECTED_TERMINATION``), before the
+    #: sensor's code location started: the shutdown before a restart
+    interrupted: bool = False
 
 
 NO_RUN = RunView(RunStatus.NOT_FOUND)
@@ -357,10 +361,14 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
     if run.status is RunStatus.LIVE:
         return Extend(head.run_key or "")  # it may be open: hand it what was recorded behind its batches
     if run.status in (RunStatus.FAILED, RunStatus.DEAD):
-        retry_at = now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
+        # an interrupted run says nothing about its batch or the sink (a shutdown stopped it): retried at once,
+        # still alone, as the failover checkpoint; a failure backs off
+        interrupted = run.status is RunStatus.FAILED and run.interrupted
+        retry_at = now if interrupted else now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
         reason = run.error or run.outcome
+        how = "interrupted by the shutdown before this start" if interrupted else run.outcome
         return FailRun(head, run.run_id, f"run {run.run_id}: {reason}", retry_at, died=run.status is RunStatus.DEAD,
-                       note=f"stream {sid} in failover at batch {head.id}: run {run.run_id} {run.outcome} "
+                       note=f"stream {sid} in failover at batch {head.id}: run {run.run_id} {how} "
                             f"({reason}); retry at {retry_at:%H:%M:%S}")
     if run.status is RunStatus.SUCCEEDED:
         # a successful run delivers all its batches; a success without it is an inconsistency

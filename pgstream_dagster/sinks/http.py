@@ -41,10 +41,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
 from pydantic import Field, SecretStr, field_validator, model_validator
 from tenacity import (
     RetryCallState,
@@ -73,6 +72,10 @@ from .base import (
     redact_url,
     scrub,
 )
+
+if TYPE_CHECKING:
+    # imported where a request is made (HttpSink._http): loading a code location or a run does not import it
+    import httpx
 
 __all__ = ["HttpSink", "HttpSinkConfig", "decode_signing_secret", "sign"]
 
@@ -121,6 +124,8 @@ class _RedactUrls(logging.Filter):
     string or fragment, path tokens masked)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        import httpx  # a record of httpx's logger: httpx is loaded
+
         if isinstance(record.args, tuple):
             record.args = tuple(redact_url(str(a)) if isinstance(a, httpx.URL) else a for a in record.args)
         return True
@@ -571,6 +576,8 @@ class HttpSink(Sink):
             raise _Failure(reason, retryable=False, permanent=exc.permanent) from None
 
     def _attempt(self, request: _Request) -> None:
+        import httpx  # loaded by _http() already
+
         headers = dict(request.headers)
         timestamp = int(time.time())
         headers["webhook-timestamp"] = str(timestamp)
@@ -662,6 +669,8 @@ class HttpSink(Sink):
         return SinkError(message, sink="http", event_ids=[e.id for e in failed], permanent=permanent)
 
     def _http(self) -> httpx.Client:
+        import httpx
+
         if self._client is None:
             size = self.config.max_concurrency
             self._client = httpx.Client(

@@ -573,7 +573,11 @@ class Reports:
         first, last = self.first, self.last
         if first is None or last is None:
             return
-        rows = stream_status(self.conn, self.stream.id, last=5) if not (self.conn.closed or self.conn.broken) else []
+        # not on a connection with a command in progress (an interrupt stopped this run in a query: the
+        # interrupt must end the run, not an error of this report)
+        usable = not (self.conn.closed or self.conn.broken
+                      or self.conn.info.transaction_status is psycopg.pq.TransactionStatus.ACTIVE)
+        rows = stream_status(self.conn, self.stream.id, last=5) if usable else []
         status = rows[0] if rows else None
         self.host.report(Summary(
             stream_id=self.stream.id, sink_type=self.stream.sink.type, first=first, last=last, batches=self.batches,
