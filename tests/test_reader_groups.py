@@ -265,8 +265,8 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
         ingest.consume_group(c, GROUP, streams[:1], 0)
         ledger.ensure_stream(c, 2)
         # the application's role (and so every tenant's) may call none of them; no grant to public either
-        for fn in ("register_group_member(bigint, text)", "ensure_group_publication(text)", "begin_join(bigint)",
-                   "finish_join(bigint)", "group_slot_name(text)"):
+        for fn in ("register_group_member(bigint, text)", "ensure_group_publication(text)", "begin_join(bigint, text)",
+                   "finish_join(bigint, text)", "group_slot_name(text)"):
             assert c.execute("select has_function_privilege('pgstream_writer', %s, 'execute')",
                              [f"pgstream.{fn}"]).fetchone() == (False,), fn
             assert c.execute("select coalesce(bool_or(a.grantee = 0), false) from pg_proc p, aclexplode(p.proacl) a "

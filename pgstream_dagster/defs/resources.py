@@ -13,6 +13,7 @@ import psycopg
 from dagster_pyspark import LazyPySparkResource
 
 from ..config import PgstreamConfig, StreamConfig
+from ..engine import dbconn
 from ..engine.spark_source import register
 
 
@@ -40,8 +41,8 @@ class PgstreamResource:
         return self.config.executor_url
 
     def connect(self, *, autocommit: bool = True) -> psycopg.Connection:
-        return psycopg.connect(self.database_url, autocommit=autocommit,
-                               application_name="pgstream-dagster")
+        # the search path pinned to pg_catalog, pg_temp (engine/dbconn.py)
+        return dbconn.connect(self.database_url, autocommit=autocommit, application_name="pgstream-dagster")
 
 
 class PgstreamSparkResource(LazyPySparkResource):

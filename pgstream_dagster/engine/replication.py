@@ -240,8 +240,8 @@ def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
     """Slot state: confirmed position, retained WAL bytes, WAL status (reserved/lost...)."""
     row = conn.execute(
         """select confirmed_flush_lsn::text, wal_status,
-                  pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, active
-           from pg_replication_slots where slot_name = %s and database = current_database()""",
+                  pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), restart_lsn)::bigint, active
+           from pg_catalog.pg_replication_slots where slot_name = %s and database = pg_catalog.current_database()""",
         [slot]).fetchone()
     if row is None:
         return None
@@ -251,15 +251,16 @@ def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
 def slot_database(conn: psycopg.Connection, slot: str) -> str | None:
     """The database of the cluster's slot named ``slot``, if it is another database's (slot names are the
     cluster's: ``pg_create_logical_replication_slot`` would fail with "already exists")."""
-    row = conn.execute("select database from pg_replication_slots where slot_name = %s "
-                       "and database is distinct from current_database()", [slot]).fetchone()
+    row = conn.execute("select database from pg_catalog.pg_replication_slots where slot_name = %s "
+                       "and database is distinct from pg_catalog.current_database()", [slot]).fetchone()
     return None if row is None else str(row[0] or "(a physical slot)")
 
 
 def create_slot(conn: psycopg.Connection, slot: str) -> str:
     """Create the pgoutput slot; returns its consistent point. Must not run inside a transaction
     that has written anything (Postgres requires a fresh snapshot)."""
-    row = conn.execute("select lsn::text from pg_create_logical_replication_slot(%s, 'pgoutput')", [slot]).fetchone()
+    row = conn.execute("select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput')",
+                       [slot]).fetchone()
     assert row is not None
     return str(row[0])
 
@@ -275,7 +276,7 @@ def peek_rows(conn: psycopg.Connection, slot: str, publication: str,
     the peek reached the end of what was committed when it started. ``keep_stream``: each event's
     stream id (a reader group's publication)."""
     messages = [data for (data,) in conn.execute(
-        "select data from pg_logical_slot_peek_binary_changes(%s, null, %s, "
+        "select data from pg_catalog.pg_logical_slot_peek_binary_changes(%s, null, %s, "
         "'proto_version', '1', 'publication_names', %s)",
         [slot, max_changes, publication], binary=True).fetchall()]
     # empty transactions are kept: they still move the slot forward
@@ -283,25 +284,26 @@ def peek_rows(conn: psycopg.Connection, slot: str, publication: str,
 
 
 def drop_slot(conn: psycopg.Connection, slot: str) -> None:
-    conn.execute("select pg_drop_replication_slot(slot_name) from pg_replication_slots "
-                 "where slot_name = %s and database = current_database()", [slot])
+    conn.execute("select pg_catalog.pg_drop_replication_slot(slot_name) from pg_catalog.pg_replication_slots "
+                 "where slot_name = %s and database = pg_catalog.current_database()", [slot])
 
 
 def advance(conn: psycopg.Connection, slot: str, lsn: int) -> None:
     """Release WAL up to ``lsn`` (an end LSN of a recorded transaction)."""
-    conn.execute("select pg_replication_slot_advance(%s, %s::pg_lsn)", [slot, int_to_lsn(lsn)])
+    conn.execute("select pg_catalog.pg_replication_slot_advance(%s, %s::pg_lsn)", [slot, int_to_lsn(lsn)])
 
 
 def flush_lsn(conn: psycopg.Connection) -> int:
     """The WAL position flushed now: a peek that starts later sees every commit before it."""
     # fetchone() is typed optional; a select without from returns one row
-    (lsn,) = conn.execute("select pg_current_wal_flush_lsn()::text").fetchone()  # type: ignore[misc]
+    (lsn,) = conn.execute("select pg_catalog.pg_current_wal_flush_lsn()::text").fetchone()  # type: ignore[misc]
     return lsn_to_int(str(lsn))
 
 
 def advance_at_least(conn: psycopg.Connection, slot: str, lsn: int) -> None:
     """Advance the slot to ``lsn`` unless it is there already (after a peek that found nothing)."""
-    conn.execute("select pg_replication_slot_advance(slot_name, %s::pg_lsn) from pg_replication_slots "
-                 "where slot_name = %s and database = current_database() and confirmed_flush_lsn < %s::pg_lsn",
+    conn.execute("select pg_catalog.pg_replication_slot_advance(slot_name, %s::pg_lsn) "
+                 "from pg_catalog.pg_replication_slots where slot_name = %s "
+                 "and database = pg_catalog.current_database() and confirmed_flush_lsn < %s::pg_lsn",
                  [int_to_lsn(lsn), slot, int_to_lsn(lsn)])
 

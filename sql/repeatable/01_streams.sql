@@ -244,7 +244,8 @@ revoke all on function pgstream.ensure_stream(bigint) from public;
 -- missing (and so its publications), its slot_name set when it differs. Runs as the owner: the runtime role registers
 -- the streams of its configuration at each tick (engine/ledger.py ensure_stream) and may write no
 -- other column of pgstream.streams this way. A slot another stream reads is refused
--- (unique_violation on streams_slot_key, which the caller names).
+-- (unique_violation on streams_slot_key, which the caller names), and so is a reader group's slot
+-- (reader_groups_slot_key).
 create or replace function pgstream.register_stream(p_stream_id bigint, p_slot text)
 returns void
 language plpgsql
@@ -259,6 +260,12 @@ begin
     if p_slot operator(pg_catalog.!~) '^[a-z0-9_]{1,63}$' then
         raise exception 'pgstream: register_stream: stream %: slot name % is not [a-z0-9_]{1,63}', p_stream_id,
             pg_catalog.quote_nullable(p_slot) using errcode = 'invalid_parameter_value';
+    end if;
+    -- a reader group's slot (each reader would advance it past the other's events)
+    if exists (select 1 from pgstream.reader_groups g where g.slot operator(pg_catalog.=) p_slot) then
+        raise exception 'pgstream: register_stream: stream %: slot % is the slot of reader group %', p_stream_id, p_slot,
+            (select g.name from pgstream.reader_groups g where g.slot operator(pg_catalog.=) p_slot)
+            using errcode = 'unique_violation', constraint = 'reader_groups_slot_key';
     end if;
     if exists (select 1 from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id
                and s.reader_group is not null) then

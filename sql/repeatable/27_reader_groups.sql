@@ -28,24 +28,48 @@ set search_path = pg_catalog, pg_temp
 as $$ select 'pgstream_group_' || p_group $$;
 revoke all on function pgstream.group_publication_name(text) from public;
 
-create or replace function pgstream._check_group(p_group text)
-returns void language plpgsql immutable
+-- The one prelude of the functions below, which the runtime calls: p_group is a group name, each of
+-- p_stream_ids a stream id; with p_lock, the group's row (which must exist) is locked and returned.
+-- Each refusal is one line naming the function and the argument.
+create or replace function pgstream._group_call(p_function text, p_group text, p_stream_ids bigint[], p_lock boolean)
+returns pgstream.reader_groups
+language plpgsql
+volatile
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_id  bigint;
+    v_row pgstream.reader_groups;
 begin
     if p_group is null or p_group operator(pg_catalog.!~) '^[a-z][a-z0-9_]{0,30}$' then
-        raise exception 'pgstream: reader group name % is not [a-z][a-z0-9_]{0,30}', pg_catalog.quote_nullable(p_group)
-            using errcode = 'invalid_parameter_value';
+        raise exception 'pgstream: %: reader group name % is not [a-z][a-z0-9_]{0,30}', p_function,
+            pg_catalog.quote_nullable(p_group) using errcode = 'invalid_parameter_value';
     end if;
+    foreach v_id in array p_stream_ids loop
+        if v_id is null or v_id operator(pg_catalog.<=) 0 then
+            raise exception 'pgstream: %: stream id must be positive, got %', p_function,
+                pg_catalog.quote_nullable(v_id) using errcode = 'invalid_parameter_value';
+        end if;
+    end loop;
+    if p_lock then
+        select g.* into v_row from pgstream.reader_groups g where g.name operator(pg_catalog.=) p_group for update;
+        if not found then
+            raise exception 'pgstream: %: reader group % does not exist', p_function, p_group
+                using errcode = 'no_data_found';
+        end if;
+    end if;
+    return v_row;
 end
 $$;
-revoke all on function pgstream._check_group(text) from public;
+revoke all on function pgstream._group_call(text, text, bigint[], boolean) from public;
+drop function if exists pgstream._check_group(text);
 
 -- Stream p_stream_id reads with group p_group: the group row is created when missing; a new stream row
 -- is created as a member (slot_reader 'group:<name>', no slot of its own, joining); an existing stream without a
 -- group becomes a joining member (reader_group set, its own slot still read by its old reader until
 -- the group's reader hands it over: begin_join, finish_join). Moving a stream to another group is
--- refused. A new stream joins at the group's next tick too (join_lsn '0/0': nothing to drain, it records
+-- refused, and so is a group whose slot name a stream reads (register_stream refuses a group's slot). A
+-- new stream joins at the group's next tick too (join_lsn '0/0': nothing to drain, it records
 -- from the table what it has by then). Returns the group's slot. Locks the stream row only when
 -- something changes.
 create or replace function pgstream.register_group_member(p_stream_id bigint, p_group text)
@@ -58,17 +82,19 @@ declare
     v_current text;
     v_found   boolean;
     v_slot    text;
+    v_holder  bigint;
 begin
-    if p_stream_id is null or p_stream_id operator(pg_catalog.<=) 0 then
-        raise exception 'pgstream: register_group_member: stream id must be positive, got %', p_stream_id
-            using errcode = 'invalid_parameter_value';
-    end if;
-    perform pgstream._check_group(p_group);
+    perform pgstream._group_call('register_group_member', p_group, array[p_stream_id], false);
     -- (an insert that finds the row would wait for the group's recording transaction, which updates it)
     select g.slot into v_slot from pgstream.reader_groups g where g.name operator(pg_catalog.=) p_group;
     if v_slot is null then
-        insert into pgstream.reader_groups (name, slot) values (p_group, pgstream.group_slot_name(p_group))
-            on conflict (name) do nothing;
+        v_slot := pgstream.group_slot_name(p_group);
+        v_holder := pgstream.slot_holder(v_slot, 0);
+        if v_holder is not null then
+            raise exception 'pgstream: reader group %: its slot % is stream %''s slot', p_group, v_slot, v_holder
+                using errcode = 'unique_violation';
+        end if;
+        insert into pgstream.reader_groups (name, slot) values (p_group, v_slot) on conflict (name) do nothing;
         select g.slot into v_slot from pgstream.reader_groups g where g.name operator(pg_catalog.=) p_group;
     end if;
     select s.reader_group, true into v_current, v_found from pgstream.streams s
@@ -99,7 +125,9 @@ revoke all on function pgstream.register_group_member(bigint, text) from public;
 
 -- The group's publication exists and its row filter names exactly the group's members (joined and
 -- joining): created when missing ('created': what committed meanwhile was not decoded, the members
--- recover from the table), altered when the members changed ('altered'), else null.
+-- recover from the table), altered when the members changed ('altered'), else null. A publication of
+-- that name that is not the owner's, or publishes anything but pgstream.events, is refused (any role
+-- with CREATE on the database may create one by that name before the group exists).
 create or replace function pgstream.ensure_group_publication(p_group text)
 returns text
 language plpgsql
@@ -111,23 +139,34 @@ declare
     v_had     bigint[];
     v_name    text := pgstream.group_publication_name(p_group);
     v_filter  text;
+    v_owner   text;
 begin
-    perform pgstream._check_group(p_group);
-    select g.members into v_had from pgstream.reader_groups g where g.name operator(pg_catalog.=) p_group for update;
-    if not found then
-        raise exception 'pgstream: reader group % does not exist', p_group using errcode = 'no_data_found';
-    end if;
+    v_had := (pgstream._group_call('ensure_group_publication', p_group, '{}', true)).members;
     select coalesce(pg_catalog.array_agg(s.id order by s.id), '{}') into v_members
       from pgstream.streams s where s.reader_group operator(pg_catalog.=) p_group;
     -- bigints only: nothing of the input reaches the statement but the checked group name
     v_filter := coalesce(nullif(pg_catalog.array_to_string(v_members, ', '), ''), '0');
-    if not exists (select 1 from pg_catalog.pg_publication where pubname operator(pg_catalog.=) v_name) then
+    select pg_catalog.pg_get_userbyid(p.pubowner)::pg_catalog.text into v_owner
+      from pg_catalog.pg_publication p where p.pubname operator(pg_catalog.=) v_name;
+    if v_owner is null then
         execute pg_catalog.format(
             'create publication %I for table pgstream.events (id, stream_id, created_at) '
             'where (stream_id in (%s)) with (publish = %L, publish_via_partition_root = true)',
             v_name, v_filter, 'insert');
-        update pgstream.reader_groups set members = v_members where name operator(pg_catalog.=) p_group;
+        update pgstream.reader_groups set members = v_members, changed_xmax = pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())
+         where name operator(pg_catalog.=) p_group;
         return 'created';
+    end if;
+    if v_owner operator(pg_catalog.<>) current_user::pg_catalog.text
+       or exists (select 1 from pg_catalog.pg_publication p where p.pubname operator(pg_catalog.=) v_name
+                     and p.puballtables)
+       or exists (select 1 from pg_catalog.pg_publication_namespace n join pg_catalog.pg_publication p
+                    on p.oid operator(pg_catalog.=) n.pnpubid where p.pubname operator(pg_catalog.=) v_name)
+       or exists (select 1 from pg_catalog.pg_publication_rel r join pg_catalog.pg_publication p
+                    on p.oid operator(pg_catalog.=) r.prpubid where p.pubname operator(pg_catalog.=) v_name
+                     and r.prrelid operator(pg_catalog.<>) 'pgstream.events'::pg_catalog.regclass) then
+        raise exception 'pgstream: reader group %: publication % is not the group''s (owner %, or it publishes more '
+            'than pgstream.events): drop it', p_group, v_name, v_owner using errcode = 'duplicate_object';
     end if;
     if v_members operator(pg_catalog.=) v_had then
         return null;
@@ -135,71 +174,116 @@ begin
     execute pg_catalog.format(
         'alter publication %I set table pgstream.events (id, stream_id, created_at) where (stream_id in (%s))',
         v_name, v_filter);
-    update pgstream.reader_groups set members = v_members where name operator(pg_catalog.=) p_group;
+    update pgstream.reader_groups set members = v_members, changed_xmax = pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())
+     where name operator(pg_catalog.=) p_group;
     return 'altered';
 end
 $$;
 revoke all on function pgstream.ensure_group_publication(text) from public;
 
--- A joining member (reader_group set, its own slot still read by its old reader; or a new stream, join_lsn
--- '0/0') hands over: under the
--- group row's and the stream row's locks, its join position L is the WAL insert position now, and the
--- group's reader becomes its declared reader (an open run reading its own slot loses it: it records
--- nothing more). The caller has made sure, before, that the group's publication includes the stream and
--- that every transaction running when it did has ended (docs/architecture.md: the join): each of the
--- stream's transactions that ends after L is then whole in the group's slot. Returns L (again, for a
--- stream already handing over).
-create or replace function pgstream.begin_join(p_stream_id bigint)
+-- A joining member of p_group (reader_group set, its own slot still read by its old reader; or a new
+-- stream, join_lsn '0/0') hands over: under the group row's and the stream row's locks, its join
+-- position L is the WAL insert position now, and the group's reader becomes its declared reader (an open
+-- run reading its own slot loses it: it records nothing more). Refused unless the group's publication
+-- includes the stream and every transaction that was running when the publication last changed has
+-- ended (changed_xmax; docs/architecture.md: the join): each of the stream's transactions that ends after
+-- L is then whole in the group's slot. Returns L (again, for a stream already handing over); refused
+-- for a stream of another group or one that has joined.
+drop function if exists pgstream.begin_join(bigint);
+create or replace function pgstream.begin_join(p_stream_id bigint, p_group text)
 returns pg_lsn
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
+    v_row    pgstream.reader_groups;
     v_group  text;
     v_reader text;
     v_join   pg_lsn;
+    v_now    pg_catalog.pg_snapshot := pg_catalog.pg_current_snapshot();
 begin
+    v_row := pgstream._group_call('begin_join', p_group, array[p_stream_id], true);
     select s.reader_group, s.slot_reader, s.join_lsn into v_group, v_reader, v_join
-      from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id;
-    if v_group is null then
-        raise exception 'pgstream: stream % is not in a reader group', p_stream_id using errcode = 'no_data_found';
+      from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id for update;
+    if v_group is distinct from p_group then
+        raise exception 'pgstream: begin_join: stream % is not a member of reader group %', p_stream_id, p_group
+            using errcode = 'no_data_found';
     end if;
-    perform 1 from pgstream.reader_groups g where g.name operator(pg_catalog.=) v_group
-        and p_stream_id operator(pg_catalog.=) any (g.members) for update;
-    if not found then
-        raise exception 'pgstream: stream %: the publication of reader group % does not include it yet', p_stream_id,
-            v_group using errcode = 'object_not_in_prerequisite_state';
+    if v_reader operator(pg_catalog.=) ('group:' operator(pg_catalog.||) p_group) and v_join is null then
+        raise exception 'pgstream: begin_join: stream % has joined reader group % already', p_stream_id, p_group
+            using errcode = 'object_not_in_prerequisite_state';
     end if;
-    select s.slot_reader, s.join_lsn into v_reader, v_join from pgstream.streams s
-     where s.id operator(pg_catalog.=) p_stream_id for update;
-    if v_reader operator(pg_catalog.=) ('group:' operator(pg_catalog.||) v_group)
+    if v_reader operator(pg_catalog.=) ('group:' operator(pg_catalog.||) p_group)
        and v_join operator(pg_catalog.<>) '0/0'::pg_catalog.pg_lsn then
         return v_join;
     end if;
+    if not (p_stream_id operator(pg_catalog.=) any (v_row.members)) then
+        raise exception 'pgstream: begin_join: stream %: the publication of reader group % does not include it yet',
+            p_stream_id, p_group using errcode = 'object_not_in_prerequisite_state';
+    end if;
+    -- the snapshot is not older than the change, and none of the transactions running then runs now
+    if v_row.changed_xmax is not null
+       and (pg_catalog.pg_snapshot_xmax(v_now) operator(pg_catalog.<) v_row.changed_xmax
+            or exists (select 1 from pg_catalog.pg_snapshot_xip(v_now) x
+                        where x operator(pg_catalog.<) v_row.changed_xmax)) then
+        raise exception 'pgstream: begin_join: stream %: transactions older than the last change of reader group %''s '
+            'publication are still running', p_stream_id, p_group using errcode = 'object_not_in_prerequisite_state';
+    end if;
     update pgstream.streams set join_lsn = pg_catalog.pg_current_wal_insert_lsn(),
-                                slot_reader = 'group:' operator(pg_catalog.||) v_group
+                                slot_reader = 'group:' operator(pg_catalog.||) p_group
      where id operator(pg_catalog.=) p_stream_id
     returning join_lsn into v_join;
     return v_join;
 end
 $$;
-revoke all on function pgstream.begin_join(bigint) from public;
+revoke all on function pgstream.begin_join(bigint, text) from public;
 
--- The member's own slot is drained up to its join position (or recovered from the table): it has joined.
-create or replace function pgstream.finish_join(p_stream_id bigint)
+-- The member's own slot is drained up to its join position L (its confirmed position is L or later), or
+-- is gone or lost (what it had was recovered from the table): it has joined. Refused before begin_join,
+-- while its own slot is behind L, and for a stream of another group; nothing to do once it has joined.
+drop function if exists pgstream.finish_join(bigint);
+create or replace function pgstream.finish_join(p_stream_id bigint, p_group text)
 returns void
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_group     text;
+    v_reader    text;
+    v_join      pg_lsn;
+    v_slot      text;
+    v_confirmed pg_lsn;
+    v_status    text;
 begin
-    update pgstream.streams set join_lsn = null
-     where id operator(pg_catalog.=) p_stream_id and join_lsn is not null
-       and slot_reader operator(pg_catalog.=) ('group:' operator(pg_catalog.||) reader_group);
+    perform pgstream._group_call('finish_join', p_group, array[p_stream_id], false);
+    select s.reader_group, s.slot_reader, s.join_lsn, s.slot into v_group, v_reader, v_join, v_slot
+      from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id for update;
+    if v_group is distinct from p_group then
+        raise exception 'pgstream: finish_join: stream % is not a member of reader group %', p_stream_id, p_group
+            using errcode = 'no_data_found';
+    end if;
+    if v_reader operator(pg_catalog.<>) ('group:' operator(pg_catalog.||) p_group)
+       or v_join operator(pg_catalog.=) '0/0'::pg_catalog.pg_lsn then
+        raise exception 'pgstream: finish_join: stream % has not begun joining reader group % (begin_join)',
+            p_stream_id, p_group using errcode = 'object_not_in_prerequisite_state';
+    end if;
+    if v_join is null then
+        return;
+    end if;
+    select r.confirmed_flush_lsn, r.wal_status into v_confirmed, v_status from pg_catalog.pg_replication_slots r
+     where r.slot_name operator(pg_catalog.=) v_slot and r.database operator(pg_catalog.=) pg_catalog.current_database();
+    if found and v_status operator(pg_catalog.<>) 'lost'
+       and (v_confirmed is null or v_confirmed operator(pg_catalog.<) v_join) then
+        raise exception 'pgstream: finish_join: stream %: its own slot % is at %, not drained to its join position % yet',
+            p_stream_id, v_slot, coalesce(v_confirmed::pg_catalog.text, 'nothing'), v_join
+            using errcode = 'object_not_in_prerequisite_state';
+    end if;
+    update pgstream.streams set join_lsn = null where id operator(pg_catalog.=) p_stream_id;
 end
 $$;
-revoke all on function pgstream.finish_join(bigint) from public;
+revoke all on function pgstream.finish_join(bigint, text) from public;
 
 -- Once a member has joined, its slot_reader stays 'group:<name>': opening and closing its runs (which
 -- set 'sensor' or 'run:<key>') leave it to the group's reader.

@@ -149,14 +149,17 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
 
 
 def _running_xids(conn: psycopg.Connection) -> list[int]:
-    return [int(r[0]) for r in conn.execute("select pg_snapshot_xip(pg_current_snapshot())::text::bigint")]
+    return [int(r[0]) for r in conn.execute(
+        "select pg_catalog.pg_snapshot_xip(pg_catalog.pg_current_snapshot())::pg_catalog.text::pg_catalog.int8")]
 
 
 def _wait_ended(conn: psycopg.Connection, xids: list[int], until: float) -> bool:
     """Whether every transaction of ``xids`` has ended (committed or aborted) before ``until``."""
     while xids:
-        row = conn.execute("select coalesce(array_agg(x), '{}') from unnest(%s::bigint[]) x "
-                           "where pg_xact_status(x::text::xid8) = 'in progress'", [xids]).fetchone()
+        row = conn.execute("select coalesce(pg_catalog.array_agg(x), '{}') "
+                           "from pg_catalog.unnest(%s::pg_catalog.int8[]) x "
+                           "where pg_catalog.pg_xact_status(x::pg_catalog.text::pg_catalog.xid8) "
+                           "operator(pg_catalog.=) 'in progress'", [xids]).fetchone()
         xids = [int(x) for x in (row[0] if row else [])]
         if not xids:
             return True
@@ -188,6 +191,8 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: ledger.Member
                     return False  # not the declared reader (cannot happen once begin_join ran)
                 source.confirm(mine[-1].end_lsn)
             if len(mine) < len(txns) or (source.drained and source.flushed >= join_lsn):
+                # drained to L: its slot says so (finish_join checks it)
+                replication.advance_at_least(conn, member.own_slot, join_lsn)
                 break
             if time.monotonic() > until:
                 return False
@@ -210,8 +215,9 @@ def _drop_own_slot(conn: psycopg.Connection, slot: str) -> None:
     """A joined member's own slot goes (an earlier reader's connection may still hold it a moment: the
     next tick drops it)."""
     try:
-        conn.execute("select pg_drop_replication_slot(slot_name) from pg_replication_slots "
-                     "where slot_name = %s and database = current_database() and not active", [slot])
+        conn.execute("select pg_catalog.pg_drop_replication_slot(slot_name) from pg_catalog.pg_replication_slots "
+                     "where slot_name operator(pg_catalog.=) %s and database operator(pg_catalog.=) "
+                     "pg_catalog.current_database() and not active", [slot])
     except (psycopg.errors.ObjectInUse, psycopg.errors.UndefinedObject):
         pass
 
@@ -237,9 +243,18 @@ def join_members(conn: psycopg.Connection, group: str, state: ledger.Group, stre
         return False
     done = True
     for m in joining:
-        join_lsn = m.join_lsn if m.join_begun and m.join_lsn is not None else ledger.begin_join(conn, m.id)
+        if m.join_begun and m.join_lsn is not None:
+            join_lsn = m.join_lsn
+        else:
+            try:
+                join_lsn = ledger.begin_join(conn, m.id, group)
+            except psycopg.errors.ObjectNotInPrerequisiteState as exc:  # (the owner's check of the wait above)
+                result.notes.append(str(exc.diag.message_primary or exc).removeprefix("pgstream: "))
+                result.joining.append(m.id)
+                done = False
+                continue
         if _drain(conn, streams[m.id], m, group, join_lsn, until, result):
-            ledger.finish_join(conn, m.id)
+            ledger.finish_join(conn, m.id, group)
             _drop_own_slot(conn, m.own_slot)
             result.joined.append(m.id)
         else:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from ...config import StreamConfig
-from .. import ledger, replication, walstream
+from .. import dbconn, ledger, replication, walstream
 from ..batches import GiveSlotBack, TakeSlot
 from ..handoff import Handoff
 from ..replication import Transaction
@@ -355,7 +355,7 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
     pause = wait or stop.wait
     while not stop.is_set():
         try:
-            with psycopg.connect(database_url, autocommit=True, application_name=application_name) as conn:
+            with dbconn.connect(database_url, autocommit=True, application_name=application_name) as conn:
                 try:
                     _read_slot(conn, database_url, stream, run_key, stop, stats, application_name, pause, handoff)
                 finally:

@@ -95,18 +95,21 @@ def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None
     return None if row is None or row[0] is None else str(row[0])
 
 
-def begin_join(conn: psycopg.Connection, stream_id: int) -> int:
-    """The joining stream hands over (``pgstream.begin_join``): its join position L, the group's reader
-    its declared reader."""
+def begin_join(conn: psycopg.Connection, stream_id: int, group: str) -> int:
+    """The joining member of ``group`` hands over (``pgstream.begin_join``): its join position L, the
+    group's reader its declared reader. Refused (``ObjectNotInPrerequisiteState``) while a transaction
+    older than the publication's last change runs."""
     with conn.transaction():
-        row = conn.execute("select (pgstream.begin_join(%s) - '0/0')::bigint", [stream_id]).fetchone()
+        row = conn.execute("select (pgstream.begin_join(%s, %s) operator(pg_catalog.-) '0/0')::bigint",
+                           [stream_id, group]).fetchone()
     assert row is not None and row[0] is not None
     return int(row[0])
 
 
-def finish_join(conn: psycopg.Connection, stream_id: int) -> None:
-    """The stream's own slot was drained to its join position (or recovered): it has joined."""
-    conn.execute("select pgstream.finish_join(%s)", [stream_id])
+def finish_join(conn: psycopg.Connection, stream_id: int, group: str) -> None:
+    """The stream's own slot was drained to (and confirmed at) its join position, or is gone (recovered
+    from the table): it has joined ``group``."""
+    conn.execute("select pgstream.finish_join(%s, %s)", [stream_id, group])
 
 
 def set_group_recovery_pending(conn: psycopg.Connection, group: str, pending: bool) -> None:

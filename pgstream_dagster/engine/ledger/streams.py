@@ -9,14 +9,18 @@ from .groups import GroupChange
 
 #: The unique index on the slot a stream reads, ``pgstream.streams.slot`` (sql/022_lock_timeouts_and_slot_names.sql).
 SLOT_INDEX = "streams_slot_key"
+#: A reader group's slot (``pgstream.reader_groups.slot``): register_stream refuses it for a stream.
+GROUP_SLOT_KEY = "reader_groups_slot_key"
 
 
 class SlotInUse(RuntimeError):
     """A stream was to read a replication slot that another stream already reads."""
 
-    def __init__(self, stream_id: int, slot: str, holder: int | None) -> None:
+    def __init__(self, stream_id: int, slot: str, holder: int | None, group: str | None = None) -> None:
         self.stream_id, self.slot, self.holder = stream_id, slot, holder
         other = f"stream {holder}" if holder is not None else "another stream"
+        if group is not None:
+            other = f"reader group {group} (its slot)"
         advice = f"give stream {stream_id} another streams[].slot_name in pgstream.yaml"
         if holder is not None:  # advice for the operator, never executed
             advice += (f", or, if stream {holder} is no longer used, delete it (delete from pgstream.streams "  # noqa: S608
@@ -76,6 +80,9 @@ def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | Non
     except psycopg.errors.FeatureNotSupported as exc:  # a reader group's member (it may not leave)
         raise GroupChange((exc.diag.message_primary or str(exc)).removeprefix("pgstream: ")) from None
     except psycopg.errors.UniqueViolation as exc:
+        if exc.diag.constraint_name == GROUP_SLOT_KEY and slot_name is not None:
+            row = conn.execute("select name from pgstream.reader_groups where slot = %s", [slot_name]).fetchone()
+            raise SlotInUse(stream_id, slot_name, None, group=str(row[0]) if row else "?") from None
         if exc.diag.constraint_name != SLOT_INDEX:
             raise
         wanted = slot_name or stream_slot(conn, stream_id)

@@ -1,0 +1,27 @@
+"""The runtime's connections: nothing on the login role's search path can redirect a name pgstream's
+SQL uses. A role that may create functions in a schema of that path (``public`` where it is writable,
+a schema named like the role) could otherwise shadow a built-in called with an untyped argument (a
+``public.pg_logical_slot_peek_binary_changes(text, ...)`` is a better match for a string literal than
+the built-in's ``name``) and so run its code as the runtime and feed it changes of its own. The
+session's search path is ``pg_catalog, pg_temp``; options of the URL (a role to set) are kept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+#: the session setting every runtime connection gets
+PINNED_SEARCH_PATH = "-c search_path=pg_catalog,pg_temp"
+
+
+def pinned_options(database_url: str, extra: str = "") -> str:
+    """The URL's ``options`` (kept), ``extra``, then the pinned search path (which wins)."""
+    given = conninfo_to_dict(database_url).get("options") or ""
+    return " ".join(part for part in (str(given), extra, PINNED_SEARCH_PATH) if part)
+
+
+def connect(database_url: str, *, options: str = "", **kwargs: Any) -> psycopg.Connection:
+    """``psycopg.connect`` with the pinned search path (``options``: more ``-c`` settings)."""
+    return psycopg.connect(database_url, options=pinned_options(database_url, options), **kwargs)
