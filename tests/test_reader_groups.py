@@ -438,3 +438,82 @@ def test_init_creates_one_slot_for_a_group(db_url: str, tmp_path: Path) -> None:
     with psycopg.connect(db_url) as c:
         assert c.execute("select id, reader_group from pgstream.streams order by id").fetchall() == [
             (1, GROUP), (2, GROUP), (3, GROUP), (4, None)]
+
+
+# --- hostile roles ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hostile(db_url: str) -> Iterator[dict[str, str]]:
+    """Fresh LOGIN roles of this database: ``runtime`` (a login member of pgstream_runtime with REPLICATION,
+    as the code location connects), ``app`` (writes its own table ``public.orders``), ``owner`` (owns a
+    table and may CREATE in the database and in schema public: publications, schemas, functions)."""
+    suffix = db_url.rsplit("/", 1)[1]
+    names = {kind: f"hostile_{kind}_{suffix}" for kind in ("runtime", "app", "owner")}
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(f"create role {names['runtime']} login replication in role pgstream_runtime")
+        c.execute(f"create role {names['app']} login")
+        c.execute(f"create role {names['owner']} login")
+        c.execute(f"grant create on database {suffix} to {names['owner']}")
+        c.execute(f"grant create on schema public to {names['owner']}")
+        c.execute(f"create table public.orders (id bigint primary key) ; alter table public.orders owner to "
+                  f"{names['owner']}; grant insert on public.orders to {names['app']}")
+    yield names
+    with psycopg.connect(db_url, autocommit=True) as c:
+        for name in names.values():
+            c.execute(f"drop owned by {name} cascade")
+            c.execute(f"drop role {name}")
+
+
+def _as(url: str, role: str) -> psycopg.Connection:
+    """A fresh connection as ``role`` (PL/pgSQL caches plans per session: each attack in a new one)."""
+    return psycopg.connect(url, user=role, autocommit=True)
+
+
+def _refused(url: str, role: str, statement: str, params: list[Any] | None = None) -> psycopg.Error:
+    with _as(url, role) as h, pytest.raises(psycopg.Error) as refused:
+        h.execute(statement, params)
+    return refused.value
+
+
+def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
+        db_url: str, tmp_path: Path, hostile: dict[str, str]) -> None:
+    """A role that may create functions in ``public`` (on the default search path of every role) plants
+    look-alikes of the built-ins the group's reader calls with untyped arguments (a ``text`` parameter
+    is a better match for a string than the built-in's ``name``): each would record who ran it and
+    return no change. The group's reader, on a connection with the default search path, runs none of
+    them and records every event; the runtime's own connections pin the search path."""
+    owner = hostile["owner"]
+    with _as(db_url, owner) as h:
+        h.execute("create table public.ran (who text, what text)")
+        h.execute("grant insert on public.ran to public")
+        for name, args, returns, row in [
+                ("pg_logical_slot_peek_binary_changes", "text, text, integer, text, text, text, text",
+                 "table (data bytea)", "select null::bytea where false"),
+                ("pg_logical_slot_peek_binary_changes", "text, text, bigint, text, text, text, text",
+                 "table (data bytea)", "select null::bytea where false"),
+                ("pg_create_logical_replication_slot", "text, text", "table (slot_name text, lsn text)",
+                 "select 'x', '0/0' where false"),
+                ("pg_replication_slot_advance", "text, text", "void", "select"),
+                ("pg_drop_replication_slot", "text", "void", "select"),
+                ("pg_xact_status", "text", "text", "select 'committed'"),
+                ("unnest", "text", "setof bigint", "select 1::bigint where false")]:
+            h.execute(f"create function public.{name}({args}) returns {returns} language sql as $$ "
+                      f"insert into public.ran values (current_user, '{name}'); {row} $$")
+            h.execute(f"grant execute on function public.{name}({args}) to public")
+    streams = _configs(tmp_path, db_url, [1, 2])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert "public" in str(c.execute("show search_path").fetchone())
+        first = ingest.consume_group(c, GROUP, streams, 0)
+        assert first.slot_created
+        insert_events(db_url, 1, 5)
+        insert_events(db_url, 2, 3)
+        _drain(c, streams, lambda: len(_recorded(db_url, 1)) == 5 and len(_recorded(db_url, 2)) == 3, timeout=20)
+        assert c.execute("select count(*) from public.ran").fetchone() == (0,)
+        assert _recorded(db_url, 1) == _events(db_url, 1) and _recorded(db_url, 2) == _events(db_url, 2)
+    # the runtime's connections (the sensors' resource, an open run's reader) see pg_catalog, pg_temp only,
+    # and keep what the URL's options say
+    from pgstream_dagster.engine import dbconn
+    with dbconn.connect(db_url + "?options=-c%20statement_timeout%3D12345") as r:
+        assert r.execute("show search_path").fetchone() == ("pg_catalog,pg_temp",)
+        assert r.execute("show statement_timeout").fetchone() == ("12345ms",)
