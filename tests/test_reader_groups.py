@@ -517,3 +517,54 @@ def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
     with dbconn.connect(db_url + "?options=-c%20statement_timeout%3D12345") as r:
         assert r.execute("show search_path").fetchone() == ("pg_catalog,pg_temp",)
         assert r.execute("show statement_timeout").fetchone() == ("12345ms",)
+
+
+@pytest.mark.parametrize(("statement", "params", "message"), [
+    ("select pgstream.register_group_member(%s, %s)", [1, "x') ; drop table pgstream.streams; --"],
+     "register_group_member: reader group name 'x'') ; drop table pgstream.streams; --' is not [a-z][a-z0-9_]{0,30}"),
+    ("select pgstream.register_group_member(%s, %s)", [1, "a,pgstream_stream_1_rows"],
+     "register_group_member: reader group name 'a,pgstream_stream_1_rows' is not"),
+    ("select pgstream.register_group_member(%s, %s)", [1, "Shared"], "reader group name 'Shared' is not"),
+    ("select pgstream.register_group_member(%s, %s)", [1, "a" * 32], "is not [a-z][a-z0-9_]{0,30}"),
+    ("select pgstream.register_group_member(%s, %s)", [1, None], "reader group name NULL is not"),
+    ("select pgstream.register_group_member(%s, %s)", [0, GROUP], "register_group_member: stream id must be positive, got '0'"),
+    ("select pgstream.register_group_member(%s, %s)", [None, GROUP], "stream id must be positive, got NULL"),
+    ("select pgstream.ensure_group_publication(%s)", ["nosuch"], "ensure_group_publication: reader group nosuch does not exist"),
+    ("select pgstream.ensure_group_publication(%s)", ["a\"; drop publication x; --"], "is not [a-z]"),
+    ("select pgstream.begin_join(%s, %s)", [-5, GROUP], "begin_join: stream id must be positive, got '-5'"),
+    ("select pgstream.begin_join(%s, %s)", [1, "other"], "begin_join: stream 1 is not a member of reader group other"),
+    ("select pgstream.finish_join(%s, %s)", [3, GROUP], "finish_join: stream 3 is not a member of reader group shared"),
+    ("select pgstream.register_group_member(%s, %s)", [3, GROUP],
+     "stream 3 reads with reader group other, not shared: moving a stream to another group is not supported"),
+    ("select pgstream.begin_join(%s, %s)", [1, GROUP], "begin_join: stream 1 has joined reader group shared already"),
+    ("select pgstream.begin_join(%s, %s)", [1, "nosuch"], "begin_join: reader group nosuch does not exist"),
+    ("select pgstream.finish_join(%s, %s)", [9, GROUP], "finish_join: stream 9 is not a member of reader group shared"),
+    ("select pgstream.begin_join(%s::text::bigint, %s)", ["1; select 1", GROUP], "invalid input syntax for type bigint"),
+    ("select pgstream.register_stream(%s, (select slot from pgstream.reader_groups where name = 'shared'))", [5],
+     "register_stream: stream 5: slot pgstream_g_shared_d"),
+])
+def test_the_group_functions_refuse_crafted_arguments_in_one_line_and_change_nothing(
+        db_url: str, tmp_path: Path, hostile: dict[str, str], statement: str, params: list[Any],
+        message: str) -> None:
+    """As the runtime, from a fresh connection: names that would inject into the publication's DDL or a
+    slot's publication_names, ids out of range, another group's or no group, a joined member's join
+    again, a group's slot for a stream: each refused with one line naming the function and the
+    argument; the group, its members and its publication are as before."""
+    streams = _configs(tmp_path, db_url, [1, 2, 3], group={3: "other"})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, GROUP, streams[:2], 0)
+        ingest.consume_group(c, "other", streams[2:], 0)
+        before = c.execute("select name, slot, members from pgstream.reader_groups order by 1").fetchall()
+        rows = c.execute("select id, reader_group, slot_reader, join_lsn from pgstream.streams order by id").fetchall()
+        pubs = c.execute("select pubname, rowfilter from pg_publication_tables order by 1").fetchall()
+    error = _refused(db_url, hostile["runtime"], statement, params)
+    assert isinstance(error, psycopg.errors.InvalidParameterValue | psycopg.errors.NoDataFound |
+                      psycopg.errors.ObjectNotInPrerequisiteState | psycopg.errors.FeatureNotSupported |
+                      psycopg.errors.UniqueViolation | psycopg.errors.InvalidTextRepresentation), error
+    assert message in str(error).splitlines()[0] and "\n" not in (error.diag.message_primary or "")
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select name, slot, members from pgstream.reader_groups order by 1").fetchall() == before
+        assert c.execute("select id, reader_group, slot_reader, join_lsn from pgstream.streams "
+                         "order by id").fetchall() == rows
+        assert c.execute("select pubname, rowfilter from pg_publication_tables order by 1").fetchall() == pubs
+        assert c.execute("select count(*) from pg_roles where rolsuper and rolname like 'hostile%'").fetchone() == (0,)
