@@ -6,6 +6,7 @@ functions changes who is in a group."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -568,3 +569,106 @@ def test_the_group_functions_refuse_crafted_arguments_in_one_line_and_change_not
                          "order by id").fetchall() == rows
         assert c.execute("select pubname, rowfilter from pg_publication_tables order by 1").fetchall() == pubs
         assert c.execute("select count(*) from pg_roles where rolsuper and rolname like 'hostile%'").fetchone() == (0,)
+
+
+def test_a_runtime_calling_the_hand_over_out_of_order_is_refused_and_the_join_loses_nothing(
+        db_url: str, tmp_path: Path, hostile: dict[str, str]) -> None:
+    """As the runtime, from fresh connections: finish_join before begin_join; begin_join while a
+    transaction older than the publication's change still runs (its events would be in neither slot);
+    finish_join while the member's own slot is behind its join position; a joined member's declared
+    reader set back to the sensor or to a run (the trigger keeps the group's). Each is refused or kept,
+    and the group's reader then hands the stream over with every event recorded once."""
+    runtime = hostile["runtime"]
+    streams = _configs(tmp_path, db_url, [1, 2], group={2: None})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, GROUP, streams[:1], 0)
+        ingest.consume(c, streams[1], 0.1)  # stream 2 reads its own slot
+        insert_events(db_url, 2, 10)
+        assert ingest.consume(c, streams[1], 0.5).events == 10
+        insert_events(db_url, 2, 4, start=100)  # waiting in its own slot
+        writer = psycopg.connect(db_url)  # began before the publication includes stream 2
+        writer.execute("insert into pgstream.events (payload, stream_id) values ('{\"late\": 1}', 2)")
+        try:
+            with _as(db_url, runtime) as h:
+                h.execute("select pgstream.register_group_member(2, 'shared')")
+                assert h.execute("select pgstream.ensure_group_publication('shared')").fetchone() == ("altered",)
+            early = _refused(db_url, runtime, "select pgstream.finish_join(2, 'shared')")
+            assert "finish_join: stream 2 has not begun joining reader group shared (begin_join)" in str(early)
+            racing = _refused(db_url, runtime, "select pgstream.begin_join(2, 'shared')")
+            assert isinstance(racing, psycopg.errors.ObjectNotInPrerequisiteState)
+            assert "begin_join: stream 2: transactions older than the last change of reader group shared's " \
+                   "publication are still running" in str(racing)
+            # a repeatable-read snapshot taken before the change does not pass for a newer one
+            with _as(db_url, runtime) as h:
+                h.execute("begin isolation level repeatable read")
+                h.execute("select 1")
+                writer.commit()
+                with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+                    h.execute("select pgstream.begin_join(2, 'shared')")
+                h.execute("rollback")
+        finally:
+            writer.close()
+        assert ledger.slot_reader(c, 2) == ledger.SENSOR  # nothing changed so far
+        with _as(db_url, runtime) as h:
+            (join_lsn,) = h.execute("select pgstream.begin_join(2, 'shared')").fetchone()  # type: ignore[misc]
+        behind = _refused(db_url, runtime, "select pgstream.finish_join(2, 'shared')")
+        assert f"not drained to its join position {join_lsn} yet" in str(behind)
+        # the trigger keeps a joined member's reader, whatever the runtime sets
+        with _as(db_url, runtime) as h:
+            h.execute("update pgstream.streams set slot_reader = 'sensor' where id = 1")
+            h.execute("update pgstream.streams set open_run_key = 'k', slot_reader = 'run:k' where id = 1")
+            assert h.execute("select slot_reader from pgstream.streams where id = 1").fetchone() == ("group:shared",)
+            h.execute("update pgstream.streams set open_run_key = null where id = 1")
+        # the group's reader goes on: drains stream 2's own slot to L, which finish_join then accepts
+        insert_events(db_url, 2, 3, start=200)
+        grouped = _configs(tmp_path, db_url, [1, 2])
+        _drain(c, grouped, lambda: ledger.slot_reader(c, 2) == ledger.group_reader(GROUP) and
+               len(_recorded(db_url, 2)) == len(_events(db_url, 2)))
+        assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 10 + 4 + 1 + 3
+        assert c.execute("select join_lsn from pgstream.streams where id = 2").fetchone() == (None,)
+        assert len(_pgstream_slots(db_url)) == 1  # its own slot dropped
+
+
+def test_a_publication_by_the_groups_name_or_another_roles_locks_do_not_take_the_group_over(
+        db_url: str, tmp_path: Path, hostile: dict[str, str]) -> None:
+    """A role with CREATE on the database creates ``pgstream_group_<name>`` for its own table before the
+    group exists: the group's reader refuses it, naming it and its owner, and reads nothing through it.
+    The application and table-owning roles can neither lock the group's row or the streams (the runtime
+    can: it is the group's reader) and their open transactions and table locks do not keep the group
+    from recording."""
+    owner, app = hostile["owner"], hostile["app"]
+    with _as(db_url, owner) as h:
+        h.execute("create publication pgstream_group_squat for table public.orders")
+    squat = _configs(tmp_path, db_url, [7], group={7: "squat"})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        with pytest.raises(psycopg.errors.DuplicateObject) as refused:
+            ingest.consume_group(c, "squat", squat, 0)
+        assert str(refused.value).splitlines()[0] == (
+            f"pgstream: reader group squat: publication pgstream_group_squat is not the group's (owner {owner}, or "
+            "it publishes more than pgstream.events): drop it")
+        assert _pgstream_slots(db_url) == []
+    for role, statement in itertools.product((app, owner), [
+            "begin; lock table pgstream.reader_groups in access share mode",
+            "select 1 from pgstream.reader_groups for update",
+            "begin; lock table pgstream.streams in access share mode",
+            "select 1 from pgstream.streams for key share",
+            "select pgstream.register_group_member(1, 'shared')"]):
+        assert isinstance(_refused(db_url, role, statement), psycopg.errors.InsufficientPrivilege), (role, statement)
+    streams = _configs(tmp_path, db_url, [1, 2])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, GROUP, streams, 0)
+        # the table's owner holds its table locked, the application an open transaction that wrote
+        locker, idle = _as(db_url, owner), _as(db_url, app)
+        try:
+            locker.execute("begin")
+            locker.execute("lock table public.orders in access exclusive mode")
+            idle.execute("begin")
+            idle.execute("select txid_current()")
+            insert_events(db_url, 1, 5)
+            insert_events(db_url, 2, 5)
+            started = time.monotonic()
+            _drain(c, streams, lambda: len(_recorded(db_url, 1)) == 5 and len(_recorded(db_url, 2)) == 5, timeout=15)
+            assert time.monotonic() - started < 10
+        finally:
+            locker.close()
+            idle.close()
