@@ -20,7 +20,7 @@ import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
-from pgstream_dagster.engine import ingest, ledger, limits, migrations
+from pgstream_dagster.engine import ingest, ledger, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import group as group_reader
 from pgstream_dagster.engine.migrations import migrate
@@ -499,7 +499,7 @@ def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
                 ("pg_drop_replication_slot", "text", "void", "select"),
                 ("pg_xact_status", "text", "text", "select 'committed'"),
                 ("unnest", "text", "setof bigint", "select 1::bigint where false")]:
-            h.execute(f"create function public.{name}({args}) returns {returns} language sql as $$ "
+            h.execute(f"create function public.{name}({args}) returns {returns} language sql as $$ "  # noqa: S608
                       f"insert into public.ran values (current_user, '{name}'); {row} $$")
             h.execute(f"grant execute on function public.{name}({args}) to public")
     streams = _configs(tmp_path, db_url, [1, 2])
@@ -528,9 +528,11 @@ def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
     ("select pgstream.register_group_member(%s, %s)", [1, "Shared"], "reader group name 'Shared' is not"),
     ("select pgstream.register_group_member(%s, %s)", [1, "a" * 32], "is not [a-z][a-z0-9_]{0,30}"),
     ("select pgstream.register_group_member(%s, %s)", [1, None], "reader group name NULL is not"),
-    ("select pgstream.register_group_member(%s, %s)", [0, GROUP], "register_group_member: stream id must be positive, got '0'"),
+    ("select pgstream.register_group_member(%s, %s)", [0, GROUP],
+     "register_group_member: stream id must be positive, got '0'"),
     ("select pgstream.register_group_member(%s, %s)", [None, GROUP], "stream id must be positive, got NULL"),
-    ("select pgstream.ensure_group_publication(%s)", ["nosuch"], "ensure_group_publication: reader group nosuch does not exist"),
+    ("select pgstream.ensure_group_publication(%s)", ["nosuch"],
+     "ensure_group_publication: reader group nosuch does not exist"),
     ("select pgstream.ensure_group_publication(%s)", ["a\"; drop publication x; --"], "is not [a-z]"),
     ("select pgstream.begin_join(%s, %s)", [-5, GROUP], "begin_join: stream id must be positive, got '-5'"),
     ("select pgstream.begin_join(%s, %s)", [1, "other"], "begin_join: stream 1 is not a member of reader group other"),
@@ -540,7 +542,8 @@ def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
     ("select pgstream.begin_join(%s, %s)", [1, GROUP], "begin_join: stream 1 has joined reader group shared already"),
     ("select pgstream.begin_join(%s, %s)", [1, "nosuch"], "begin_join: reader group nosuch does not exist"),
     ("select pgstream.finish_join(%s, %s)", [9, GROUP], "finish_join: stream 9 is not a member of reader group shared"),
-    ("select pgstream.begin_join(%s::text::bigint, %s)", ["1; select 1", GROUP], "invalid input syntax for type bigint"),
+    ("select pgstream.begin_join(%s::text::bigint, %s)", ["1; select 1", GROUP],
+     "invalid input syntax for type bigint"),
     ("select pgstream.register_stream(%s, (select slot from pgstream.reader_groups where name = 'shared'))", [5],
      "register_stream: stream 5: slot pgstream_g_shared_d"),
 ])
@@ -641,10 +644,10 @@ def test_a_publication_by_the_groups_name_or_another_roles_locks_do_not_take_the
         h.execute("create publication pgstream_group_squat for table public.orders")
     squat = _configs(tmp_path, db_url, [7], group={7: "squat"})
     with psycopg.connect(db_url, autocommit=True) as c:
-        with pytest.raises(psycopg.errors.DuplicateObject) as refused:
+        with pytest.raises(ledger.GroupChange) as refused:
             ingest.consume_group(c, "squat", squat, 0)
-        assert str(refused.value).splitlines()[0] == (
-            f"pgstream: reader group squat: publication pgstream_group_squat is not the group's (owner {owner}, or "
+        assert str(refused.value) == (
+            f"reader group squat: publication pgstream_group_squat is not the group's (owner {owner}, or "
             "it publishes more than pgstream.events): drop it")
         assert _pgstream_slots(db_url) == []
     for role, statement in itertools.product((app, owner), [
@@ -672,3 +675,31 @@ def test_a_publication_by_the_groups_name_or_another_roles_locks_do_not_take_the
         finally:
             locker.close()
             idle.close()
+
+
+def test_an_open_transaction_of_another_role_bounds_the_group_slots_creation_and_is_named(
+        db_url: str, tmp_path: Path, hostile: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Creating a slot waits for every transaction running (Postgres needs a point where none is): an
+    application role that keeps one open (it wrote, or locked its table) would hold the group's sensor in
+    its first tick for as long as it likes. The wait is bounded; the tick ends with one line naming the
+    backend, nothing is created, and the next tick after the transaction ends creates the slot."""
+    monkeypatch.setattr(group_reader, "SLOT_CREATION_WAIT_SECS", 1.0)
+    streams = _configs(tmp_path, db_url, [1])
+    idle = _as(db_url, hostile["owner"])
+    try:
+        idle.execute("begin")
+        idle.execute("lock table public.orders in access exclusive mode")  # (takes a transaction id)
+        pid = idle.info.backend_pid
+        with psycopg.connect(db_url, autocommit=True) as c:
+            started = time.monotonic()
+            with pytest.raises(replication.SlotCreationWaits) as waits:
+                ingest.consume_group(c, GROUP, streams, 0)
+            assert time.monotonic() - started < 5
+            assert f"backends {pid} (role {hostile['owner']})" in str(waits.value)
+            assert str(waits.value).startswith(f"creating replication slot {_group_slot(db_url)} waited 1 s ")
+            assert _pgstream_slots(db_url) == []
+            idle.execute("rollback")
+            assert ingest.consume_group(c, GROUP, streams, 0).slot_created
+            assert _pgstream_slots(db_url) == [_group_slot(db_url)]
+    finally:
+        idle.close()

@@ -42,6 +42,7 @@ from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, deci
 from ..engine.collector import fewer_collections
 from ..engine.ingest import ConsumeResult, GroupResult, consume, consume_group
 from ..engine.limits import LimitsExceeded
+from ..engine.replication import SlotCreationWaits
 from ..engine.status import last_batches, stream_status
 from .names import (
     ATTEMPT_TAG,
@@ -375,7 +376,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             try:
                 with fewer_collections():  # the tick records in bulk
                     result = consume_group(conn, group, streams, budget)
-            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange) as exc:  # one line, no traceback
+            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange,
+                    SlotCreationWaits) as exc:  # one line, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
             rows = [r for r in stream_status(conn, None, last=0) if r["id"] in ids]

@@ -256,11 +256,36 @@ def slot_database(conn: psycopg.Connection, slot: str) -> str | None:
     return None if row is None else str(row[0] or "(a physical slot)")
 
 
-def create_slot(conn: psycopg.Connection, slot: str) -> str:
+class SlotCreationWaits(RuntimeError):
+    """Creating a slot waited ``wait_secs`` for transactions that were running to end (Postgres needs a
+    point where none is): one line naming their backends. Nothing was created; try again later."""
+
+
+def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None = None) -> str:
     """Create the pgoutput slot; returns its consistent point. Must not run inside a transaction
-    that has written anything (Postgres requires a fresh snapshot)."""
-    row = conn.execute("select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput')",
-                       [slot]).fetchone()
+    that has written anything (Postgres requires a fresh snapshot). Postgres waits for every transaction
+    running (with a transaction id, in any database) to end first: with ``wait_secs``, at most that long,
+    then :class:`SlotCreationWaits` (any role that can write a table can keep a transaction open)."""
+    query = "select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput')"
+    if wait_secs is None:
+        row = conn.execute(query, [slot]).fetchone()
+    else:
+        try:
+            with conn.transaction():
+                conn.execute("select pg_catalog.set_config('statement_timeout', %s, true)",
+                             [f"{max(1, int(wait_secs * 1000))}ms"])
+                row = conn.execute(query, [slot]).fetchone()
+        except psycopg.errors.QueryCanceled:
+            holders = conn.execute(
+                "select l.pid, coalesce(a.usename::pg_catalog.text, '?') from pg_catalog.pg_locks l "
+                "left join pg_catalog.pg_stat_activity a on a.pid operator(pg_catalog.=) l.pid "
+                "where l.locktype operator(pg_catalog.=) 'transactionid' and l.granted "
+                "and l.mode operator(pg_catalog.=) 'ExclusiveLock' "
+                "and l.pid operator(pg_catalog.<>) pg_catalog.pg_backend_pid() order by 1").fetchall()
+            named = ", ".join(f"{pid} (role {role})" for pid, role in holders) or "none left"
+            raise SlotCreationWaits(f"creating replication slot {slot} waited {wait_secs:g} s for transactions that "
+                                    f"were running to end (backends {named}); it is tried again at the next "
+                                    "tick") from None
     assert row is not None
     return str(row[0])
 

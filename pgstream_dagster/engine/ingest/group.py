@@ -39,6 +39,9 @@ from .source import PeekSource
 JOIN_WAIT_SECS = 2.0
 #: how often the group's slot is peeked again while nothing waits
 POLL_SECS = 0.1
+#: how long creating the group's slot waits for the transactions running then to end (any role that writes
+#: a table can keep one open): then the tick ends, naming them (replication.SlotCreationWaits)
+SLOT_CREATION_WAIT_SECS = 5.0
 
 
 @dataclass
@@ -133,7 +136,7 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
         info = None
     if info is None:
         try:
-            replication.create_slot(conn, state.slot)
+            replication.create_slot(conn, state.slot, wait_secs=SLOT_CREATION_WAIT_SECS)
         except psycopg.errors.ConfigurationLimitExceeded:  # all replication slots are in use
             row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
             line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [group])

@@ -25,7 +25,8 @@ def group_publication(group: str) -> str:
 
 
 class GroupChange(RuntimeError):
-    """A stream was to leave its reader group, or move to another (not supported): one line naming it."""
+    """A stream was to leave its reader group, or move to another (not supported), or the group's
+    publication name is taken by another publication: one line naming it."""
 
 
 def _refused(exc: psycopg.Error) -> GroupChange:
@@ -89,9 +90,13 @@ def group_state(conn: psycopg.Connection, group: str) -> Group | None:
 
 def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None:
     """The group's publication exists and filters on its members: ``'created'`` (it was missing: what
-    committed meanwhile is recovered from the table), ``'altered'`` (the members changed) or ``None``."""
-    with conn.transaction():
-        row = conn.execute("select pgstream.ensure_group_publication(%s)", [group]).fetchone()
+    committed meanwhile is recovered from the table), ``'altered'`` (the members changed) or ``None``.
+    Raises :class:`GroupChange` for a publication of that name that is not the group's."""
+    try:
+        with conn.transaction():
+            row = conn.execute("select pgstream.ensure_group_publication(%s)", [group]).fetchone()
+    except psycopg.errors.DuplicateObject as exc:  # a publication by its name that is not the group's
+        raise _refused(exc) from None
     return None if row is None or row[0] is None else str(row[0])
 
 
