@@ -256,10 +256,14 @@ order by 1
 def catalog_columns(database_url: str, stream_id: int) -> list[TypedColumn]:
     """The columns the stream's subscriptions publish, typed from the catalog (``pg_attribute``), in
     name order; a name two tables give different types is a string column."""
-    from ..engine import dbconn
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
 
-    # nothing on the role's search path can redirect a name of the query (every one is qualified anyway)
-    with dbconn.connect(database_url, autocommit=True, application_name="pgstream lake sink") as conn:
+    # nothing on the role's search path can redirect a name of the query (every one is qualified anyway);
+    # options of the URL (a role to set) are kept
+    options = f"{conninfo_to_dict(database_url).get('options') or ''} -c search_path=pg_catalog,pg_temp".strip()
+    with psycopg.connect(database_url, autocommit=True, application_name="pgstream lake sink",
+                         options=options) as conn:
         rows = conn.execute(_CATALOG_COLUMNS, [stream_id]).fetchall()
     types: dict[str, set[str]] = {}
     for name, pg_type in rows:
