@@ -30,6 +30,7 @@ from pgstream_dagster.engine.batches import (
     WarmRun,
     decide,
     notes,
+    tick_notes,
 )
 
 NOW = dt.datetime(2026, 3, 4, 12, 0, 0, tzinfo=dt.UTC)
@@ -284,3 +285,24 @@ def test_batch_status_from_the_database() -> None:
     assert Batch(**row).status is BatchStatus.LAUNCHED
     with pytest.raises(ValueError):
         Batch(**(row | {"status": "lost"}))
+
+
+def test_a_lasting_state_is_said_once_then_recalled_at_most_once_a_minute() -> None:
+    """The sensor decides about every second and ticks every few: the failover it waits in is said when
+    it starts or changes, then in short once a minute; a transition each time; nothing once it is over."""
+    by_name = {r[0]: decide(r[1], r[2], NOW, r[3]) for r in ROWS}
+    waiting = by_name["failed, backoff not over"]
+    failed = by_name["launched, run failed: failover, backoff of attempt 1"]
+    said: dict[str, Any] = {}
+    t0 = 1_000_000.0
+    lines = [line for i in range(180) for line in tick_notes(waiting, said, t0 + i * 0.5)]  # 90 s, twice a second
+    assert lines == ["stream 7 in failover at batch 10 (run r1: HTTP 500); retry at 12:00:30",
+                     "stream 7 still in failover at batch 10 (attempt 1); retry at 12:00:30"]
+    assert tick_notes(failed, said, t0 + 91) == [failed.note]  # type: ignore[union-attr]
+    assert tick_notes(failed, said, t0 + 92) == [failed.note]  # type: ignore[union-attr]
+    assert tick_notes(waiting, said, t0 + 93) == ["stream 7 in failover at batch 10 (run r1: HTTP 500); retry at "
+                                                  "12:00:30"]  # said again: it had ended
+    paused = by_name["failover caught up, paused: failover ends, then the pause"]
+    assert tick_notes(paused, said, t0 + 94) == [CAUGHT_UP, PAUSED]
+    assert tick_notes(by_name["paused, pending head"], said, t0 + 95) == []
+    assert tick_notes(by_name["paused, pending head"], said, t0 + 155) == ["stream 7 still paused"]

@@ -11,6 +11,7 @@ from typing import Any
 
 import dagster as dg
 import psycopg
+import pytest
 
 from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.batches import BatchStatus, CloseRun
@@ -304,3 +305,44 @@ def test_the_delivery_lease_goes_to_a_waiting_replay_and_back_without_deadlock(d
         assert not ledger.replay_waiting(observer, STREAM)
         assert ledger.lock_holder(observer, ledger.LEASE_WAIT_LOCK, STREAM) is None
         results["run-2"].close()
+
+
+def test_the_sensor_says_a_failover_once_and_recalls_it_at_most_once_a_minute(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, capfd: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream in failover waits for its retry (backoff 600 s): the sensor decides about every second of
+    its tick, and used to log the same warning at each decision. Over several ticks it logs the failed
+    run once and the failover once; while it lasts, a short reminder at most every REMIND_EVERY_SECS."""
+    from pgstream_dagster.engine import batches
+
+    config = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": STREAM, "batch": {"max_size": 20, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 2.5},
+         "retry": {"initial_backoff_secs": 600, "max_backoff_secs": 600}, "delivery": {"mode": "per_batch"},
+         "sink": {"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1}}])
+    driver = Driver(config, instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 5)
+    (request,) = driver.tick(STREAM).run_requests
+    assert not driver.execute(request).success
+    capfd.readouterr()
+
+    def failover_lines() -> list[str]:
+        """The sensor's warnings since the last call (its context.log writes to the process's stderr)."""
+        return [line for line in capfd.readouterr().err.splitlines() if " - WARNING - " in line and "failover" in line]
+
+    started = time.monotonic()
+    for _ in range(3):  # about 3 decisions a tick
+        assert not driver.tick(STREAM).run_requests
+    assert time.monotonic() - started >= 6
+    lines = failover_lines()
+    assert len(lines) == 2, lines
+    assert "stream 1 in failover at batch" in lines[0] and "FAILURE" in lines[0]  # the failed run
+    assert "stream 1 in failover at batch" in lines[1] and "; retry at " in lines[1]  # the state it waits in
+    monkeypatch.setattr(batches, "REMIND_EVERY_SECS", 2.0)
+    started = time.monotonic()
+    for _ in range(2):
+        assert not driver.tick(STREAM).run_requests
+    elapsed = time.monotonic() - started
+    reminders = failover_lines()
+    assert 1 <= len(reminders) <= elapsed / 2.0 + 1, reminders
+    assert all("stream 1 still in failover at batch" in line and "(attempt 1)" in line for line in reminders)

@@ -38,7 +38,7 @@ import psycopg
 
 from ..config import StreamConfig
 from ..engine import ledger
-from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, decide, notes
+from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
 from ..engine.ingest import ConsumeResult, GroupResult, consume, consume_group
 from ..engine.limits import LimitsExceeded
@@ -173,11 +173,12 @@ def _report_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, view: RunView
 
 
 def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-         log: list[str], waiting: list[str] | None = None) -> dg.RunRequest | None:
+         log: list[str], waiting: list[str] | None = None, said: dict[str, Any] | None = None) -> dg.RunRequest | None:
     """One decision: read the stream's state, look at its run in Dagster, decide, apply; the run to
-    request, if any. ``log`` receives what the tick log should say (why nothing was launched),
-    ``waiting`` what the run the stream waits for is doing (for the skip reason). A dead run is
-    reported failed to Dagster as soon as it is seen."""
+    request, if any. ``log`` receives what the tick log should say (why nothing was launched; with
+    ``said``, what was said before, a lasting state once and then a reminder a minute:
+    :func:`~..engine.batches.tick_notes`), ``waiting`` what the run the stream waits for is doing (for the
+    skip reason). A dead run is reported failed to Dagster as soon as it is seen."""
     state = ledger.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
     run = _find_run(instance, state.watched_run_key)
@@ -187,13 +188,14 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         _report_dead(instance, run, view, stream, log)
     if waiting is not None:
         waiting[:] = [f"waiting for {doing}"] if doing is not None and state.head is not None else []
-    log.extend(notes(action))
+    log.extend(notes(action) if said is None else tick_notes(action, said, time.time()))
     order = ledger.apply(conn, stream, action)
     return _request(order) if order is not None else None
 
 
 def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-         log: list[str], waiting: list[str] | None = None) -> tuple[ConsumeResult, dg.RunRequest | None]:
+         log: list[str], waiting: list[str] | None = None,
+         said: dict[str, Any] | None = None) -> tuple[ConsumeResult, dg.RunRequest | None]:
     """One sensor evaluation: keep recording what commits (and handing it to the open run) until a
     new run must be requested or ``sensor.tick_budget_secs`` is spent. A long tick is what lets an
     open run deliver an event well under a second after its commit: the daemon starts ticks every
@@ -209,7 +211,7 @@ def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         total.add(consumed)
         request = None
         if consumed.batches or time.monotonic() - decided_at >= DECIDE_EVERY_SECS:
-            request = step(conn, instance, stream, log, waiting)
+            request = step(conn, instance, stream, log, waiting, said)
             decided_at = time.monotonic()
         remaining = deadline - time.monotonic()
         if request is not None or consumed.slot_lost or remaining <= 0:
@@ -287,7 +289,8 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         with pgstream.connect() as conn:
             try:
                 with fewer_collections():  # the tick records in bulk
-                    consumed, request = tick(conn, context.instance, stream, log, waiting)
+                    consumed, request = tick(conn, context.instance, stream, log, waiting,
+                                             cursor.setdefault("said", {}))
             except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange) as exc:
                 # the operator's to resolve: one line, each tick, no traceback
                 context.log.error(str(exc))

@@ -45,8 +45,9 @@ read no slot, and the group's reader hands them what it records (``ledger.extend
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
 from ..config import StreamConfig
 
@@ -204,9 +205,12 @@ class RunOrder:
 
 @dataclass(frozen=True)
 class Wait:
-    """Nothing to do now; ``reason`` goes to the tick log (``None``: nothing worth saying)."""
+    """Nothing to do now; ``reason`` goes to the tick log (``None``: nothing worth saying): a state that
+    lasts (paused, failover waiting for its retry), said once when it starts or changes, then ``short``
+    at most every :data:`REMIND_EVERY_SECS` while it lasts (:func:`tick_notes`)."""
 
     reason: str | None = None
+    short: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -338,7 +342,8 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
         return _keep_warm(state, run, now, stream, in_failover=in_failover)
     sid = state.stream_id
     if state.paused:
-        return Wait(f"stream {sid} is paused: batch {head.id} waits (`pgstream-dagster resume {sid}`)")
+        return Wait(f"stream {sid} is paused: batch {head.id} waits (`pgstream-dagster resume {sid}`)",
+                    short=f"stream {sid} still paused")
     # a run stays open for new batches only on a healthy stream: catch-up runs end when done
     keep_open = stream.delivery.linger_secs > 0 and not in_failover
     if head.status is BatchStatus.PENDING:
@@ -352,7 +357,9 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
     if head.status is BatchStatus.FAILED:
         if head.next_attempt_at is not None and head.next_attempt_at > now:
             return Wait(f"stream {sid} in failover at batch {head.id} ({head.error}); "
-                        f"retry at {head.next_attempt_at:%H:%M:%S}")
+                        f"retry at {head.next_attempt_at:%H:%M:%S}",
+                        short=f"stream {sid} still in failover at batch {head.id} (attempt {head.attempts}); "
+                              f"retry at {head.next_attempt_at:%H:%M:%S}")
         # the failover probe: the failed batch is retried alone
         return Launch(RunOrder(head, (head.id,), head.attempts + 1), keep_open)
     # launched: what became of its run
@@ -413,3 +420,36 @@ def notes(action: Action) -> list[str]:
         case Wait(reason=note) | FailRun(note=note) | ReclaimSlot(note=note) if note is not None:
             return [note]
     return []
+
+
+#: how often a state the tick log said (paused, failover waiting for its retry) is recalled while it lasts
+REMIND_EVERY_SECS = 60.0
+
+
+def _lasting(action: Action) -> Wait | None:
+    match action:
+        case LeaveFailover(then=then):
+            return _lasting(then)
+        case Wait(reason=reason) if reason is not None:
+            return action
+    return None
+
+
+def tick_notes(action: Action, said: dict[str, Any], now: float) -> list[str]:
+    """:func:`notes` for a sensor that decides many times a tick and ticks every few seconds: a
+    transition (a run failed, failover left, the slot reclaimed) each time, a lasting state once when it
+    starts or changes, then its short form at most every :data:`REMIND_EVERY_SECS` (``now``: epoch
+    seconds) while it lasts. ``said`` remembers what was said (the sensor keeps it in its cursor)."""
+    state = _lasting(action)
+    lines = [n for n in notes(action) if state is None or n != state.reason]
+    if state is None or state.reason is None:
+        said.pop("state", None)
+        said.pop("at", None)
+        return lines
+    if said.get("state") != state.reason:
+        said["state"], said["at"] = state.reason, now
+        return [*lines, state.reason]
+    if now - float(said.get("at") or 0) >= REMIND_EVERY_SECS:
+        said["at"] = now
+        return [*lines, state.short or state.reason]
+    return lines
