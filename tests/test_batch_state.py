@@ -21,6 +21,7 @@ from pgstream_dagster.engine.batches import (
     LeaveFailover,
     ReclaimSlot,
     Reissue,
+    Requeue,
     RunOrder,
     RunStatus,
     RunView,
@@ -192,16 +193,16 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
     ("launched, run failed: failover, backoff of attempt 1",
      state(LAUNCHED), run(RunStatus.FAILED, "FAILURE", "HTTP 500 from sink"), LINGER,
      failed(LAUNCHED, 5, "HTTP 500 from sink", "FAILURE")),
-    ("launched, run interrupted by the shutdown before this start: failover, retried at once",
+    ("launched, run interrupted by the shutdown before this start: launched again, no failover",
      state(LAUNCHED), RunView(RunStatus.FAILED, "r1", "FAILURE", "DagsterExecutionInterruptedError", interrupted=True),
-     LINGER, FailRun(LAUNCHED, "r1", "run r1: DagsterExecutionInterruptedError", NOW,
-                     note="stream 7 in failover at batch 10: run r1 interrupted by the shutdown before this start "
-                          f"(DagsterExecutionInterruptedError); retry at {NOW:%H:%M:%S}")),
-    ("launched, third attempt interrupted: retried at once all the same",
+     LINGER, Requeue(LAUNCHED, "r1", checkpoint=False,
+                     note="stream 7: run r1 was interrupted by the shutdown before this start; batch 10 is launched "
+                          "again (not a failure: no failover, no attempt counted)")),
+    ("launched in failover, third attempt interrupted: the checkpoint again at once, not counted",
      state(LAUNCHED_3, failover_since=SINCE), RunView(RunStatus.FAILED, "r1", "FAILURE", None, interrupted=True),
-     LINGER, FailRun(LAUNCHED_3, "r1", "run r1: FAILURE", NOW,
-                     note="stream 7 in failover at batch 10: run r1 interrupted by the shutdown before this start "
-                          f"(FAILURE); retry at {NOW:%H:%M:%S}")),
+     LINGER, Requeue(LAUNCHED_3, "r1", checkpoint=True,
+                     note="stream 7: run r1 was interrupted by the shutdown before this start; batch 10 is launched "
+                          "again (not a failure: no failover, no attempt counted)")),
     ("launched, run canceled (no step failed)", state(LAUNCHED), run(RunStatus.FAILED, "CANCELED"), LINGER,
      failed(LAUNCHED, 5, "CANCELED", "CANCELED")),
     ("launched, third attempt failed: backoff doubled twice",
@@ -234,7 +235,7 @@ def test_every_status_is_covered() -> None:
 def test_every_run_status_and_action_is_covered() -> None:
     assert {r[2].status for r in ROWS} == set(RunStatus)
     kinds = {type(r[4]) for r in ROWS} | {type(r[4].then) for r in ROWS if isinstance(r[4], LeaveFailover)}
-    assert kinds == {Wait, Launch, Warm, Extend, Reissue, FailRun, LeaveFailover, ReclaimSlot}
+    assert kinds == {Wait, Launch, Warm, Extend, Reissue, FailRun, Requeue, LeaveFailover, ReclaimSlot}
 
 
 @pytest.mark.parametrize(("state", "watched"), [

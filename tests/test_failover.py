@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,13 +153,11 @@ with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": st
 """
 
 
-def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
-                                         dagster_storage_url: str, endpoint: Endpoint) -> None:
-    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)])
-    driver = Driver(config_path, instance)
-    driver.tick(STREAM)
-    insert_events(db_url, STREAM, 300)
-    (request,) = driver.tick(STREAM).run_requests
+def _stop_run_midway(tmp_path: Path, config_path: Path, dagster_storage_url: str, request: dg.RunRequest,
+                     endpoint: Endpoint, stop: Callable[[subprocess.Popen[bytes]], None]) -> int:
+    """Execute ``request`` in a process of its own (as the run launcher would), slowly (``endpoint.delay``),
+    and ``stop`` it once 60 events reached the endpoint: part of the way through. Returns the events
+    delivered by then (fewer than all)."""
     endpoint.delay = 0.2
     (tmp_path / "home").mkdir()
     proc = subprocess.Popen(
@@ -172,15 +170,28 @@ def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: 
         while len(endpoint.accepted) < 60:  # part of the way through
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)  # the run process and its Spark JVM
-        proc.wait()
+        stop(proc)
+        proc.wait(120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
     endpoint.delay = 0
-    delivered_before_kill = len(endpoint.unique())
-    assert delivered_before_kill < 300
+    delivered = len(endpoint.unique())
+    assert delivered < 300
+    return delivered
+
+
+def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                         dagster_storage_url: str, endpoint: Endpoint) -> None:
+    config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)])
+    driver = Driver(config_path, instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 300)
+    (request,) = driver.tick(STREAM).run_requests
+    # the run process and its Spark JVM
+    delivered_before_kill = _stop_run_midway(tmp_path, config_path, dagster_storage_url, request, endpoint,
+                                             lambda proc: os.killpg(proc.pid, signal.SIGKILL))
+    killed_at = time.monotonic()
     recover = drive(driver, delivered_all(endpoint, db_url))
     (run,) = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""}))
     assert run.status == dg.DagsterRunStatus.FAILURE  # the sensor saw the lease gone and failed it
@@ -194,9 +205,9 @@ def test_run_interrupted_by_the_shutdown_before_a_restart_is_retried_without_bac
     """A run stopped by SIGINT (what `dg dev` shutting down does to its runs): Dagster records it failed
     with reason UNEXPECTED_TERMINATION (the interrupt, not an error of the run's last status report).
     Seen by the code location that saw it run (a shutdown under way) it is a failure as any other (it
-    backs off); seen first by a location loaded after it ended (a restart), its batch, the failover
-    checkpoint, is retried at once, not after the backoff (here 600 s), and every event is delivered in
-    order."""
+    backs off); seen first by a location loaded after it ended (a restart), it is no failure at all: its
+    batches are launched again at once (not after the backoff, here 600 s), the stream does not enter
+    failover, no attempt is counted, and every event is delivered in order."""
     from pgstream_dagster.defs import sensors
 
     stream = {**stream_config(endpoint), "retry": {"initial_backoff_secs": 600, "max_backoff_secs": 600}}
@@ -205,26 +216,9 @@ def test_run_interrupted_by_the_shutdown_before_a_restart_is_retried_without_bac
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 300)
     (request,) = driver.tick(STREAM).run_requests
-    endpoint.delay = 0.2
-    (tmp_path / "home").mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _RUN_SCRIPT, str(config_path), dagster_storage_url, str(tmp_path / "home"),
-         json.dumps({"run_config": request.run_config,
-                     "tags": {**request.tags, "dagster/run_key": request.run_key}})],
-        env={**os.environ}, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while len(endpoint.accepted) < 60:  # part of the way through
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)  # the run's process alone, as a terminal's Ctrl-C reaches it
-        proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    endpoint.delay = 0
-    delivered_before = len(endpoint.unique())
-    assert delivered_before < 300
+    # the run's process alone, as a terminal's Ctrl-C reaches it
+    delivered_before = _stop_run_midway(tmp_path, config_path, dagster_storage_url, request, endpoint,
+                                        lambda proc: proc.send_signal(signal.SIGINT))
     (run,) = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""}))
     assert run.status == dg.DagsterRunStatus.FAILURE
     assert run.tags.get("dagster/failure_reason") == "UNEXPECTED_TERMINATION"
@@ -235,9 +229,16 @@ def test_run_interrupted_by_the_shutdown_before_a_restart_is_retried_without_bac
     assert sensors._interrupted_before_load(instance, run)
     restarted_at = time.monotonic()
     retry: list[dg.RunRequest] = []
-    while not retry:  # the checkpoint's run, requested within a few ticks (the backoff would be 600 s)
+    while not retry:  # the batch's run again, requested within a few ticks (the backoff would be 600 s)
         assert time.monotonic() - restarted_at < 30, "the interrupted run's batch waits for the backoff"
         retry = driver.tick(STREAM).run_requests or []
+    # no failure was counted: no failover, no attempt
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select failover_since, failover_attempts from pgstream.streams where id = %s",
+                         [STREAM]).fetchone() == (None, 0)
+        assert c.execute("select count(*) from pgstream.failovers").fetchone() == (0,)
+        assert c.execute("select count(*) from pgstream.batches where status = 'failed' or error is not null"
+                         ).fetchone() == (0,)
     for again in retry:
         driver.execute(again)
     recover = drive(driver, delivered_all(endpoint, db_url))

@@ -273,6 +273,19 @@ class FailRun:
 
 
 @dataclass(frozen=True)
+class Requeue:
+    """The head's run was interrupted by the instance's shutdown before this code location started (a
+    restart of `dg dev` or of the deployment): that says nothing of its batches or the sink. Its batches go
+    back to pending (``checkpoint``: the stream is in failover, the head stays its checkpoint, due now);
+    no failover is entered and none counts an attempt more. The next decision launches them again."""
+
+    head: Batch
+    run_id: str
+    checkpoint: bool = False
+    note: str | None = None  # for the tick log
+
+
+@dataclass(frozen=True)
 class LeaveFailover:
     """The stream caught up: failover ends, then ``then`` (decided as for a healthy stream)."""
 
@@ -291,7 +304,7 @@ class ReclaimSlot:
     note: str | None = None
 
 
-Action = Wait | Launch | Warm | Extend | Reissue | FailRun | LeaveFailover | ReclaimSlot
+Action = Wait | Launch | Warm | Extend | Reissue | FailRun | Requeue | LeaveFailover | ReclaimSlot
 
 
 # --- the run's transitions: its own, not the sensor's decisions (ledger.apply_run) ---------------
@@ -367,15 +380,17 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
         return Reissue(head)
     if run.status is RunStatus.LIVE:
         return Extend(head.run_key or "")  # it may be open: hand it what was recorded behind its batches
+    if run.status is RunStatus.FAILED and run.interrupted:
+        # an interrupted run says nothing about its batch or the sink (a shutdown stopped it): launched again
+        # at once, no failure counted
+        return Requeue(head, run.run_id, checkpoint=in_failover,
+                       note=f"stream {sid}: run {run.run_id} was interrupted by the shutdown before this start; "
+                            f"batch {head.id} is launched again (not a failure: no failover, no attempt counted)")
     if run.status in (RunStatus.FAILED, RunStatus.DEAD):
-        # an interrupted run says nothing about its batch or the sink (a shutdown stopped it): retried at once,
-        # still alone, as the failover checkpoint; a failure backs off
-        interrupted = run.status is RunStatus.FAILED and run.interrupted
-        retry_at = now if interrupted else now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
+        retry_at = now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
         reason = run.error or run.outcome
-        how = "interrupted by the shutdown before this start" if interrupted else run.outcome
         return FailRun(head, run.run_id, f"run {run.run_id}: {reason}", retry_at, died=run.status is RunStatus.DEAD,
-                       note=f"stream {sid} in failover at batch {head.id}: run {run.run_id} {how} "
+                       note=f"stream {sid} in failover at batch {head.id}: run {run.run_id} {run.outcome} "
                             f"({reason}); retry at {retry_at:%H:%M:%S}")
     if run.status is RunStatus.SUCCEEDED:
         # a successful run delivers all its batches; a success without it is an inconsistency
@@ -417,7 +432,7 @@ def notes(action: Action) -> list[str]:
     match action:
         case LeaveFailover(then=then, note=note):
             return [note, *notes(then)]
-        case Wait(reason=note) | FailRun(note=note) | ReclaimSlot(note=note) if note is not None:
+        case Wait(reason=note) | FailRun(note=note) | Requeue(note=note) | ReclaimSlot(note=note) if note is not None:
             return [note]
     return []
 

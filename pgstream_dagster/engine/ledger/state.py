@@ -36,6 +36,7 @@ from ..batches import (
     LeaveFailover,
     ReclaimSlot,
     Reissue,
+    Requeue,
     RunAction,
     RunOrder,
     StreamState,
@@ -352,6 +353,18 @@ def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, re
         enter_failover(conn, head, error, retry_at)
 
 
+def requeue_run(conn: psycopg.Connection, head: Batch, run_key: str, *, checkpoint: bool) -> None:
+    """The run ``run_key`` was interrupted by the instance's shutdown (:class:`~..batches.Requeue`): it is
+    no longer the open run and its batches go back to pending, no failover entered, none counted; with
+    ``checkpoint`` (the stream is in failover) the head stays the failed checkpoint, due now."""
+    with conn.transaction():
+        clear_open_run(conn, head.stream_id, run_key)
+        release(conn, run_key, keep=head.id if checkpoint else 0)
+        if checkpoint:
+            conn.execute("update pgstream.batches set status = %s, next_attempt_at = now() "
+                         "where id = %s and pgstream.batch_is_open(status)", [BatchStatus.FAILED, head.id])
+
+
 def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str, *, reads_slot: bool = True) -> bool:
     """The run ``run_key`` (no batch yet) becomes the stream's open run (and, ``reads_slot``, the
     slot's declared reader), unless the stream has one."""
@@ -392,6 +405,9 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
             return RunOrder(head, tuple(run_batch_ids(conn, head)), head.attempts)
         case FailRun(head=head, error=error, retry_at=retry_at):
             fail_run(conn, head, head.run_key or "", error, retry_at)
+            return None
+        case Requeue(head=head, checkpoint=checkpoint):
+            requeue_run(conn, head, head.run_key or "", checkpoint=checkpoint)
             return None
     assert_never(action)
 
