@@ -4,6 +4,8 @@ otherwise."""
 
 from __future__ import annotations
 
+import datetime as dt
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -352,3 +354,63 @@ def test_a_consumer_past_its_retention_bound_fails_a_check_and_shows_in_status_a
     assert cli_main(["consumers", "drop", "lake", "--database-url", app]) == 1
     assert cli_main(["consumers", "list", "--database-url", app]) == 0
     assert "no registered consumers" in capsys.readouterr().out
+
+
+def test_a_checks_tick_missed_while_dagster_was_down_is_not_caught_up(
+        app: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dagster's scheduler, when it starts again, launches the last tick of a schedule that passed while it
+    was down: `pgstream_checks` would start a run at every `dg dev` start, beside the streams' first
+    delivery runs. Dagster's own scheduler iteration, on a real instance, over this code location: the
+    tick due while the location was not running is skipped, naming why, and no run starts; a tick due while
+    it runs (and evaluated on time) requests its run."""
+    import logging
+
+    from dagster._core.remote_origin import InProcessCodeLocationOrigin
+    from dagster._core.scheduler.instigation import (
+        InstigatorState,
+        InstigatorStatus,
+        InstigatorType,
+        ScheduleInstigatorData,
+        TickStatus,
+    )
+    from dagster._core.test_utils import create_test_daemon_workspace_context
+    from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+    from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
+    from dagster._scheduler.scheduler import launch_scheduled_runs
+    from dagster._time import get_current_datetime
+
+    from pgstream_dagster.defs import schedules, sensors
+
+    cfg = write_config(tmp_path / "pgstream.yaml", app, stream(), [SIGNUP])
+    cfg.write_text(cfg.read_text() + "checks: {cron: '* * * * *'}\n")
+    location = tmp_path / "location.py"
+    location.write_text("from pathlib import Path\nfrom pgstream_dagster.defs.location import build_definitions\n"
+                        f"defs = build_definitions(Path({str(cfg)!r}))\n")
+    origin = InProcessCodeLocationOrigin(LoadableTargetOrigin(python_file=str(location), attribute="defs",
+                                                              working_directory=str(tmp_path)),
+                                         location_name="pgstream")
+    now = time.time()
+    with create_test_daemon_workspace_context(InProcessWorkspaceLoadTarget(origin), instance) as workspace:
+        (entry,) = workspace.create_request_context().get_code_location_entries().values()
+        assert entry.code_location is not None, entry.load_error
+        (repo,) = entry.code_location.get_repositories().values()
+        remote = repo.get_schedule(CHECKS_JOB)
+        # running since 5 minutes (its ticks every minute), and `dg dev` (this location) started just now
+        instance.add_instigator_state(InstigatorState(
+            remote.get_remote_origin(), InstigatorType.SCHEDULE, InstigatorStatus.RUNNING,
+            ScheduleInstigatorData(remote.cron_schedule, start_timestamp=now - 300)))
+        monkeypatch.setattr(sensors, "LOADED_AT", now)
+        list(launch_scheduled_runs(workspace, logging.getLogger("scheduler"), get_current_datetime(), {}))
+        ticks = instance.get_ticks(remote.get_remote_origin_id(), remote.selector_id)
+        assert [t.status for t in ticks] == [TickStatus.SKIPPED], ticks
+        assert "passed while this code location was not running: not caught up" in (ticks[0].skip_reason or "")
+        assert not instance.get_runs(dg.RunsFilter(job_name=CHECKS_JOB))
+    # on time, the location running: its run; the scheduler down for long: skipped too
+    defs = build_definitions(cfg)
+    due = dg.build_schedule_context(instance=instance, scheduled_execution_time=get_current_datetime())
+    monkeypatch.setattr(sensors, "LOADED_AT", now - 600)
+    assert defs.resolve_schedule_def(CHECKS_JOB).evaluate_tick(due).run_requests
+    late = dt.datetime.fromtimestamp(time.time() - schedules.CATCH_UP_AFTER_SECS - 60, dt.UTC)
+    skipped = defs.resolve_schedule_def(CHECKS_JOB).evaluate_tick(
+        dg.build_schedule_context(instance=instance, scheduled_execution_time=late))
+    assert not skipped.run_requests and "late (the scheduler was down): not caught up" in (skipped.skip_message or "")
