@@ -106,16 +106,28 @@ class Goals:
 
 
 class _Receiver(BaseHTTPRequestHandler):
+    """POST ``/hook`` (one stream) or ``/hook/<stream>``: records ``(stream (0 for /hook), payload new.seq,
+    receipt time)`` and answers 204; ``/fail/<stream>``: 500. GET ``/received``: what was recorded, GET
+    ``/count``: how many."""
+
     protocol_version = "HTTP/1.1"
-    received: list[tuple[int, float]]  # (payload new.seq, receipt time)
+    received: list[tuple[int, int, float]]
     lock: threading.Lock
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path.startswith("/fail/"):
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         now = time.time()
-        items = body if isinstance(body, list) else [body]
+        payloads = json.loads(body)
+        tail = self.path.rstrip("/").rsplit("/", 1)[1]
+        stream = int(tail) if tail.isdigit() else 0
         with self.lock:
-            self.received.extend((int(p["new"]["seq"]), now) for p in items)
+            self.received.extend((stream, int(p["new"]["seq"]), now)
+                                 for p in (payloads if isinstance(payloads, list) else [payloads]))
         self.send_response(204)
         self.end_headers()
 
@@ -133,6 +145,7 @@ class _Receiver(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 512
 
 
 def _serve(ports: Any) -> None:
@@ -144,21 +157,28 @@ def _serve(ports: Any) -> None:
 
 
 class Webhook:
-    """A webhook receiver (answers 204) in its own process; records ``(seq, receipt time)``."""
+    """The benches' webhook receiver (answers 204) in its own process: ``url`` (``/hook``) for one stream,
+    ``base`` + ``/hook/<stream>`` (or ``/fail/<stream>``, which answers 500) for many."""
 
     def __init__(self) -> None:
         ports: Any = multiprocessing.Queue()
         self.process = multiprocessing.Process(target=_serve, args=(ports,), daemon=True)
         self.process.start()
-        self.url = f"http://127.0.0.1:{ports.get(timeout=30)}/hook"
+        self.base = f"http://127.0.0.1:{ports.get(timeout=30)}"
+        self.url = f"{self.base}/hook"
 
     def count(self) -> int:
-        with urllib.request.urlopen(self.url.replace("/hook", "/count"), timeout=30) as r:
+        with urllib.request.urlopen(f"{self.base}/count", timeout=30) as r:
             return int(json.loads(r.read()))
 
+    def received_by_stream(self) -> list[tuple[int, int, float]]:
+        """``(stream, seq, receipt time)`` of every payload received."""
+        with urllib.request.urlopen(f"{self.base}/received", timeout=60) as r:
+            return [(int(s), int(q), float(t)) for s, q, t in json.loads(r.read())]
+
     def received(self) -> list[tuple[int, float]]:
-        with urllib.request.urlopen(self.url.replace("/hook", "/received"), timeout=60) as r:
-            return [(int(s), float(t)) for s, t in json.loads(r.read())]
+        """``(seq, receipt time)`` of every payload received (one stream)."""
+        return [(q, t) for _s, q, t in self.received_by_stream()]
 
     def stop(self) -> None:
         self.process.terminate()

@@ -34,23 +34,21 @@ import argparse
 import datetime as dt
 import json
 import logging
-import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import psutil
 import psycopg
 import yaml
 from psycopg import sql
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pgstream_dagster.config import StreamConfig, load_config
@@ -60,74 +58,12 @@ from pgstream_dagster.engine.delivery.run import DeliveryRun, Host
 from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.subscriptions import apply_subscriptions
 
+if TYPE_CHECKING:
+    from common import Webhook
+
 HERE = Path(__file__).resolve().parent
 GROUP = "pool"
 MiB = 2**20
-
-
-# --- the receiver (a child process) ---------------------------------------------------------------
-
-class _Receiver(BaseHTTPRequestHandler):
-    """``/hook/<stream>``: records ``(stream, new.seq, receipt time)``, answers 204; ``/fail/<stream>``: 500."""
-
-    protocol_version = "HTTP/1.1"
-    received: list[tuple[int, int, float]]
-    lock: threading.Lock
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path.startswith("/fail/"):
-            self.send_response(500)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        now = time.time()
-        payloads = json.loads(body)
-        stream = int(self.path.rstrip("/").rsplit("/", 1)[1])
-        with self.lock:
-            self.received.extend((stream, int(p["new"]["seq"]), now)
-                                 for p in (payloads if isinstance(payloads, list) else [payloads]))
-        self.send_response(204)
-        self.end_headers()
-
-    def do_GET(self) -> None:
-        with self.lock:
-            data = json.dumps(self.received).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 512
-
-
-def _serve(ports: Any) -> None:
-    _Receiver.received = []
-    _Receiver.lock = threading.Lock()
-    server = _Server(("127.0.0.1", 0), _Receiver)
-    ports.put(server.server_address[1])
-    server.serve_forever()
-
-
-class Receiver:
-    def __init__(self) -> None:
-        ports: Any = multiprocessing.Queue()
-        self.process = multiprocessing.Process(target=_serve, args=(ports,), daemon=True)
-        self.process.start()
-        self.base = f"http://127.0.0.1:{ports.get(timeout=30)}"
-
-    def received(self) -> list[tuple[int, int, float]]:
-        return [(int(s), int(q), float(t)) for s, q, t in httpx.get(f"{self.base}/received", timeout=60).json()]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.join(10)
 
 
 # --- the children: the group's reader, and delivery hosts -----------------------------------------
@@ -221,7 +157,7 @@ def _insert(table: int) -> sql.Composed:
     return sql.SQL("insert into public.{} (seq) values (%s)").format(sql.Identifier(f"bench_s{table}"))
 
 
-def _setup(pg: LocalPostgres, name: str, count: int, receiver: Receiver, tmp: Path, failing: set[int]) -> Path:
+def _setup(pg: LocalPostgres, name: str, count: int, receiver: Webhook, tmp: Path, failing: set[int]) -> Path:
     pg.create_database(name)
     url = pg.url_for(name)
     migrate(url)
@@ -309,7 +245,9 @@ def _writer(url: str, count: int, start: float, window: float, committed: dict[t
 
 def phase(pg: LocalPostgres, tmp: Path, count: int, mode: str, window: float, failing: set[int]) -> dict[str, Any]:
     name = f"pool_{mode}_{count}" + ("_fail" if failing else "")
-    receiver = Receiver()
+    from common import Webhook  # (here: the children this bench starts stay free of Dagster)
+
+    receiver = Webhook()
     config = _setup(pg, name, count, receiver, tmp, failing)
     url = pg.url_for(name)
     stop = tmp / f"{name}.stop"
@@ -334,7 +272,7 @@ def phase(pg: LocalPostgres, tmp: Path, count: int, mode: str, window: float, fa
         firsts: dict[int, float] = {}
         deadline = time.monotonic() + 60
         while len(firsts) < len(healthy) and time.monotonic() < deadline:
-            for s, q, t in receiver.received():
+            for s, q, t in receiver.received_by_stream():
                 if q == 0 and s not in firsts:
                     firsts[s] = t - first_at
             time.sleep(0.2)
@@ -346,7 +284,7 @@ def phase(pg: LocalPostgres, tmp: Path, count: int, mode: str, window: float, fa
         committed: dict[tuple[int, int], float] = {}
         _writer(url, count, time.time() + 0.5, window, committed)
         time.sleep(1.0)  # the window's end: 1 s after the last commit
-        at_end = {(s, q) for s, q, _t in receiver.received()}
+        at_end = {(s, q) for s, q, _t in receiver.received_by_stream()}
         after = (_cpu(procs), _cpu(pg_procs + [p for p in _postgres(pg) if p not in pg_procs]), _cpu(reader_proc))
         result["processes"] = len(hosts)
         result["rss_bytes"], result["pss_bytes"] = _memory(procs)
@@ -359,7 +297,7 @@ def phase(pg: LocalPostgres, tmp: Path, count: int, mode: str, window: float, fa
                 [name]).fetchone()[0]  # type: ignore[index]
         drain = time.monotonic() + 15
         while time.monotonic() < drain:
-            got = {(s, q): t for s, q, t in receiver.received() if q > 0}
+            got = {(s, q): t for s, q, t in receiver.received_by_stream() if q > 0}
             if all(k in got for k in committed if k[0] not in failing):
                 break
             time.sleep(0.5)

@@ -34,9 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +46,7 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import machine
+from common import Webhook, machine
 
 from pgstream_dagster.config import load_config
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
@@ -60,67 +58,7 @@ HERE = Path(__file__).resolve().parent
 GiB = 2**30
 
 
-class _PathReceiver(BaseHTTPRequestHandler):
-    """Records ``(stream from the path /hook/<stream>, payload new.seq, receipt time)``."""
-
-    protocol_version = "HTTP/1.1"
-    received: list[tuple[int, int, float]]
-    lock: threading.Lock
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        now = time.time()
-        stream = int(self.path.rstrip("/").rsplit("/", 1)[1])
-        with self.lock:
-            self.received.extend((stream, int(p["new"]["seq"]), now) for p in (body if isinstance(body, list)
-                                                                                 else [body]))
-        self.send_response(204)
-        self.end_headers()
-
-    def do_GET(self) -> None:
-        with self.lock:
-            data = json.dumps(self.received).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 512
-
-
-def _serve(ports: Any) -> None:
-    _PathReceiver.received = []
-    _PathReceiver.lock = threading.Lock()
-    server = _Server(("127.0.0.1", 0), _PathReceiver)
-    ports.put(server.server_address[1])
-    server.serve_forever()
-
-
-class Receivers:
-    """One receiver process for every stream's webhook (``/hook/<stream id>``)."""
-
-    def __init__(self) -> None:
-        ports: Any = multiprocessing.Queue()
-        self.process = multiprocessing.Process(target=_serve, args=(ports,), daemon=True)
-        self.process.start()
-        self.base = f"http://127.0.0.1:{ports.get(timeout=30)}"
-
-    def received(self) -> list[tuple[int, int, float]]:
-        response = httpx.get(f"{self.base}/received", timeout=60)
-        return [(int(s), int(q), float(t)) for s, q, t in response.json()]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.join(10)
-
-
-def _config(path: Path, url: str, receivers: Receivers, count: int, group: str | None) -> None:
+def _config(path: Path, url: str, receivers: Webhook, count: int, group: str | None) -> None:
     streams: list[dict[str, Any]] = [{"id": i, "sink": {"type": "http", "url": f"{receivers.base}/hook/{i}",
                                                         "mode": "batch"}} for i in range(1, count + 1)]
     if group:  # one reader group: one slot, the WAL decoded once for every stream
@@ -207,7 +145,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
     pg.create_database(f"{name}_dagster")
     url = pg.url_for(name)
     migrate(url)
-    receivers = Receivers()
+    receivers = Webhook()
     config = tmpdir / f"{name}.yaml"
     _config(config, url, receivers, count, args.group or None)
     home = tmpdir / f"{name}_home"
@@ -233,7 +171,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         firsts: dict[int, float] = {}
         deadline = time.monotonic() + args.first_timeout
         while len(firsts) < count and time.monotonic() < deadline:
-            for stream, seq, at in receivers.received():
+            for stream, seq, at in receivers.received_by_stream():
                 if seq == 0 and stream not in firsts:
                     firsts[stream] = at - loaded_at
             time.sleep(0.5)
@@ -260,7 +198,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
                      for k, v in json.loads(out.read_text()).items()}
         drain = time.monotonic() + args.drain_timeout
         while time.monotonic() < drain:
-            got = {(s, q): t for s, q, t in receivers.received() if q > 0}
+            got = {(s, q): t for s, q, t in receivers.received_by_stream() if q > 0}
             if set(committed) <= set(got):
                 break
             time.sleep(1)
