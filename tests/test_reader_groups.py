@@ -284,8 +284,8 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
                                   "insert into pgstream.reader_groups (name, slot) values ('mine', 'x')"):
                     with pytest.raises(psycopg.errors.InsufficientPrivilege):
                         h.execute(statement)
-                # ... nor by declaring the group its reader (the constraint: only a member's reader)
-                with pytest.raises(psycopg.errors.CheckViolation):
+                # ... nor by declaring the group its reader (only begin_join may; the constraint: only a member's)
+                with pytest.raises(psycopg.errors.InsufficientPrivilege, match="only pgstream.begin_join hands"):
                     h.execute("update pgstream.streams set slot_reader = 'group:shared' where id = 2")
                 # nor by altering the group's publication
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -616,7 +616,14 @@ def test_a_runtime_calling_the_hand_over_out_of_order_is_refused_and_the_join_lo
             (join_lsn,) = h.execute("select pgstream.begin_join(2, 'shared')").fetchone()  # type: ignore[misc]
         behind = _refused(db_url, runtime, "select pgstream.finish_join(2, 'shared')")
         assert f"not drained to its join position {join_lsn} yet" in str(behind)
-        # the trigger keeps a joined member's reader, whatever the runtime sets
+        # the trigger keeps a joined member's reader, whatever the runtime sets, and lets only begin_join hand
+        # a joining member over (stream 3 joins: its reader set by hand would skip draining its own slot)
+        ledger.ensure_stream(c, 3)  # a stream's row, before it gets reader:
+        with _as(db_url, runtime) as h:
+            h.execute("select pgstream.register_group_member(3, 'shared')")
+        skipped = _refused(db_url, runtime, "update pgstream.streams set slot_reader = 'group:shared' where id = 3")
+        assert isinstance(skipped, psycopg.errors.InsufficientPrivilege)
+        assert "stream 3: only pgstream.begin_join hands a stream over to its reader group" in str(skipped)
         with _as(db_url, runtime) as h:
             h.execute("update pgstream.streams set slot_reader = 'sensor' where id = 1")
             h.execute("update pgstream.streams set open_run_key = 'k', slot_reader = 'run:k' where id = 1")
@@ -624,7 +631,7 @@ def test_a_runtime_calling_the_hand_over_out_of_order_is_refused_and_the_join_lo
             h.execute("update pgstream.streams set open_run_key = null where id = 1")
         # the group's reader goes on: drains stream 2's own slot to L, which finish_join then accepts
         insert_events(db_url, 2, 3, start=200)
-        grouped = _configs(tmp_path, db_url, [1, 2])
+        grouped = _configs(tmp_path, db_url, [1, 2, 3])
         _drain(c, grouped, lambda: ledger.slot_reader(c, 2) == ledger.group_reader(GROUP) and
                len(_recorded(db_url, 2)) == len(_events(db_url, 2)))
         assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 10 + 4 + 1 + 3

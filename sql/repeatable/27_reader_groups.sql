@@ -286,7 +286,9 @@ $$;
 revoke all on function pgstream.finish_join(bigint, text) from public;
 
 -- Once a member has joined, its slot_reader stays 'group:<name>': opening and closing its runs (which
--- set 'sensor' or 'run:<key>') leave it to the group's reader.
+-- set 'sensor' or 'run:<key>') leave it to the group's reader. And only the owner (begin_join) makes the
+-- group a joining member's reader: the runtime, which may write slot_reader, would otherwise skip the
+-- hand-over (its own slot's events never drained).
 create or replace function pgstream._keep_group_reader()
 returns trigger
 language plpgsql
@@ -297,6 +299,13 @@ begin
        and new.reader_group is not distinct from old.reader_group
        and new.slot_reader operator(pg_catalog.!~~) 'group:%' then
         new.slot_reader := old.slot_reader;
+    end if;
+    if new.slot_reader operator(pg_catalog.~~) 'group:%'
+       and new.slot_reader is distinct from old.slot_reader
+       and current_user operator(pg_catalog.<>) (select pg_catalog.pg_get_userbyid(c.relowner)
+                                                   from pg_catalog.pg_class c where c.oid operator(pg_catalog.=) tg_relid) then
+        raise exception 'pgstream: stream %: only pgstream.begin_join hands a stream over to its reader group', new.id
+            using errcode = 'insufficient_privilege';
     end if;
     return new;
 end
