@@ -4,6 +4,7 @@ once in its own ledger, in commit order; a stream that had its own slot joins wi
 repeating an event; a lost group slot is replaced and every member recovers; nobody but the owner's
 functions changes who is in a group."""
 
+# ruff: noqa: S608 -- the attacks are SQL built from the test's own role, type and function names
 from __future__ import annotations
 
 import itertools
@@ -285,7 +286,7 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
                     with pytest.raises(psycopg.errors.InsufficientPrivilege):
                         h.execute(statement)
                 # ... nor by declaring the group its reader (only begin_join may; the constraint: only a member's)
-                with pytest.raises(psycopg.errors.InsufficientPrivilege, match="only pgstream.begin_join hands"):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege, match=r"only pgstream\.begin_join hands"):
                     h.execute("update pgstream.streams set slot_reader = 'group:shared' where id = 2")
                 # nor by altering the group's publication
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -499,7 +500,7 @@ def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
                 ("pg_drop_replication_slot", "text", "void", "select"),
                 ("pg_xact_status", "text", "text", "select 'committed'"),
                 ("unnest", "text", "setof bigint", "select 1::bigint where false")]:
-            h.execute(f"create function public.{name}({args}) returns {returns} language sql as $$ "  # noqa: S608
+            h.execute(f"create function public.{name}({args}) returns {returns} language sql as $$ "
                       f"insert into public.ran values (current_user, '{name}'); {row} $$")
             h.execute(f"grant execute on function public.{name}({args}) to public")
     streams = _configs(tmp_path, db_url, [1, 2])
@@ -710,3 +711,50 @@ def test_an_open_transaction_of_another_role_bounds_the_group_slots_creation_and
             assert _pgstream_slots(db_url) == [_group_slot(db_url)]
     finally:
         idle.close()
+
+
+def test_shadows_in_pg_temp_and_the_search_path_change_nothing_the_group_functions_do(
+        db_url: str, tmp_path: Path, hostile: dict[str, str]) -> None:
+    """The runtime (the one role that may call them) plants, in its session's pg_temp and in public (first
+    on its search path), types named like the ones the group functions use with implicit casts that try to
+    make it superuser, and functions and an operator named like theirs; the functions run as the owner (a
+    superuser here) and use none of them: the group and the hand-over come out right, no role gained
+    anything, nothing planted ran."""
+    runtime = hostile["runtime"]
+    escalate = f"begin execute 'alter role {runtime} superuser'; exception when others then null; end;"
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(f"grant create on schema public to {runtime}")
+        c.execute("create table public.ran (what text)")
+        c.execute("grant insert on public.ran to public")
+        ledger.ensure_stream(c, 2)
+    with _as(db_url, runtime) as h:
+        h.execute("set search_path = pg_temp, public, pg_catalog")
+        for name in ("text", "pg_lsn", "int8"):
+            h.execute(f"create type pg_temp.{name} as enum ('x')")
+            h.execute(f"create function pg_temp.to_{name}(pg_catalog.{name}) returns pg_temp.{name} language plpgsql "
+                      f"as $$ begin insert into public.ran values ('cast {name}'); {escalate} return 'x'; end $$")
+            h.execute(f"create cast (pg_catalog.{name} as pg_temp.{name}) with function "
+                      f"pg_temp.to_{name}(pg_catalog.{name}) as implicit")
+        for fn, args in [("array_to_string", "bigint[], text"), ("format", "text, variadic text[]"),
+                         ("pg_current_wal_insert_lsn", ""), ("quote_nullable", "anyelement"),
+                         ("pg_get_userbyid", "oid"), ("left", "text, integer")]:
+            h.execute(f"create function public.{fn}({args}) returns text language plpgsql as "
+                      f"$$ begin insert into public.ran values ('{fn}'); {escalate} return 'x'; end $$")
+        h.execute("create function public.eq(text, text) returns boolean language plpgsql as "
+                  f"$$ begin insert into public.ran values ('='); {escalate} return true; end $$")
+        h.execute("create operator public.= (leftarg = text, rightarg = text, function = public.eq)")
+        assert h.execute("select pgstream.register_group_member(1, 'shared')").fetchone() is not None
+        assert h.execute("select pgstream.register_group_member(2, 'shared')").fetchone() is not None
+        assert h.execute("select pgstream.ensure_group_publication('shared')").fetchone() == ("created",)
+        h.execute("select pgstream.begin_join(1, 'shared')")
+        h.execute("select pgstream.finish_join(1, 'shared')")
+        with pytest.raises(psycopg.errors.InvalidParameterValue):
+            h.execute("select pgstream.begin_join(2, 'Shared''')")
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select count(*) from public.ran").fetchone() == (0,)
+        assert c.execute("select rolsuper from pg_roles where rolname = %s", [runtime]).fetchone() == (False,)
+        assert c.execute("select members from pgstream.reader_groups where name = 'shared'").fetchone() == ([1, 2],)
+        assert c.execute("select id, slot_reader, join_lsn is null from pgstream.streams order by id").fetchall() == [
+            (1, "group:shared", True), (2, "sensor", True)]
+        assert c.execute("select rowfilter from pg_publication_tables where pubname = 'pgstream_group_shared'"
+                         ).fetchone() == ("(stream_id = ANY (ARRAY[(1)::bigint, (2)::bigint]))",)
