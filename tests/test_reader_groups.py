@@ -650,6 +650,14 @@ def test_a_publication_by_the_groups_name_or_another_roles_locks_do_not_take_the
     owner, app = hostile["owner"], hostile["app"]
     with _as(db_url, owner) as h:
         h.execute("create publication pgstream_group_squat for table public.orders")
+    # a stream configured with the slot of a group (slot_name) is refused, naming the group
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, "other", _configs(tmp_path, db_url, [8], group={8: "other"}), 0)
+        taken = _group_slot(db_url)
+        with pytest.raises(ledger.SlotInUse, match=f"stream 9: slot {taken} is already used by reader group other "
+                                                   r"\(its slot\)"):
+            ledger.ensure_stream(c, 9, taken)
+        assert c.execute("select count(*) from pgstream.streams where id = 9").fetchone() == (0,)
     squat = _configs(tmp_path, db_url, [7], group={7: "squat"})
     with psycopg.connect(db_url, autocommit=True) as c:
         with pytest.raises(ledger.GroupChange) as refused:
@@ -657,7 +665,7 @@ def test_a_publication_by_the_groups_name_or_another_roles_locks_do_not_take_the
         assert str(refused.value) == (
             f"reader group squat: publication pgstream_group_squat is not the group's (owner {owner}, or "
             "it publishes more than pgstream.events): drop it")
-        assert _pgstream_slots(db_url) == []
+        assert _pgstream_slots(db_url) == [taken]  # (group other's): none for the squatted group
     for role, statement in itertools.product((app, owner), [
             "begin; lock table pgstream.reader_groups in access share mode",
             "select 1 from pgstream.reader_groups for update",
