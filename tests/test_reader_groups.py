@@ -24,6 +24,7 @@ from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, ledger, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import group as group_reader
+from pgstream_dagster.engine.ingest import recorder
 from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.status import render_status, stream_status
 
@@ -700,6 +701,7 @@ def test_an_open_transaction_of_another_role_bounds_the_group_slots_creation_and
     its first tick for as long as it likes. The wait is bounded; the tick ends with one line naming the
     backend, nothing is created, and the next tick after the transaction ends creates the slot."""
     monkeypatch.setattr(group_reader, "SLOT_CREATION_WAIT_SECS", 1.0)
+    monkeypatch.setattr(recorder, "SLOT_CREATION_WAIT_SECS", 1.0)
     streams = _configs(tmp_path, db_url, [1])
     idle = _as(db_url, hostile["owner"])
     try:
@@ -714,9 +716,14 @@ def test_an_open_transaction_of_another_role_bounds_the_group_slots_creation_and
             assert f"backends {pid} (role {hostile['owner']})" in str(waits.value)
             assert str(waits.value).startswith(f"creating replication slot {_group_slot(db_url)} waited 1 s ")
             assert _pgstream_slots(db_url) == []
+            # a stream's own sensor (its own slot) as well
+            (own,) = _configs(tmp_path, db_url, [5], group={5: None})
+            with pytest.raises(replication.SlotCreationWaits, match=f"backends {pid} "):
+                ingest.consume(c, own, 0)
             idle.execute("rollback")
+            assert ingest.consume(c, own, 0).slot_created
             assert ingest.consume_group(c, GROUP, streams, 0).slot_created
-            assert _pgstream_slots(db_url) == [_group_slot(db_url)]
+            assert sorted(_pgstream_slots(db_url)) == sorted([_group_slot(db_url), slot_of(db_url, 5)])
     finally:
         idle.close()
 

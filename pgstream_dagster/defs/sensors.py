@@ -291,8 +291,8 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
                 with fewer_collections():  # the tick records in bulk
                     consumed, request = tick(conn, context.instance, stream, log, waiting,
                                              cursor.setdefault("said", {}))
-            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange) as exc:
-                # the operator's to resolve: one line, each tick, no traceback
+            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits) as exc:
+                # the operator's to resolve (or a transaction to end): one line, each tick, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
             (row,) = stream_status(conn, stream.id, last=0)  # the tick's one read of the stream's state

@@ -33,15 +33,13 @@ from ...config import StreamConfig
 from .. import ledger, limits, replication, walstream
 from ..replication import Transaction
 from .recorder import Batching, Recorder, StreamLedger, _past, record_pass
+from .slot import SLOT_CREATION_WAIT_SECS
 from .source import PeekSource
 
 #: a joining member: how long a tick waits for the transactions running when its join began
 JOIN_WAIT_SECS = 2.0
 #: how often the group's slot is peeked again while nothing waits
 POLL_SECS = 0.1
-#: how long creating the group's slot waits for the transactions running then to end (any role that writes
-#: a table can keep one open): then the tick ends, naming them (replication.SlotCreationWaits)
-SLOT_CREATION_WAIT_SECS = 5.0
 
 
 @dataclass

@@ -33,7 +33,7 @@ from ..batches import GiveSlotBack, TakeSlot
 from ..handoff import Handoff
 from ..replication import Transaction
 from .results import ConsumeResult, FollowStats
-from .slot import ensure_slot
+from .slot import SLOT_CREATION_WAIT_SECS, ensure_slot
 from .source import PeekSource, SlotSource, StreamSource
 
 #: with the source drained, what is waiting is recorded at once, but at most this often (under
@@ -269,7 +269,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
             return result
         check_slot = False
     if check_slot:
-        ensure_slot(conn, stream, result)
+        ensure_slot(conn, stream, result, wait_secs=SLOT_CREATION_WAIT_SECS)
     slot = result.slot = result.slot or ledger.stream_slot(conn, stream.id)
     if ledger.slot_reader(conn, stream.id) != ledger.SENSOR:
         result.slot_busy = True  # an open run's reader is the declared reader: it records and hands over itself

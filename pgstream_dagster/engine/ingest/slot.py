@@ -10,11 +10,18 @@ from ...config import StreamConfig
 from .. import ledger, limits, replication
 from .results import ConsumeResult
 
+#: how long the sensor's creation of a slot waits for the transactions running then to end (any role that
+#: writes a table can keep one open): then the tick ends naming them (replication.SlotCreationWaits)
+SLOT_CREATION_WAIT_SECS = 5.0
 
-def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult) -> None:
+
+def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeResult, *,
+                wait_secs: float | None = None) -> None:
     """Create the stream row, publication and slot when missing. A slot that was dropped or
     invalidated (``wal_status = 'lost'``, e.g. ``max_slot_wal_keep_size`` exceeded) is replaced,
-    then every event no batch covers is recovered from the table.
+    then every event no batch covers is recovered from the table. ``wait_secs``: how long creating the
+    slot may wait for running transactions (:func:`~..replication.create_slot`; ``None``: as long as
+    they run).
 
     Crash-safe: ``recovery_pending`` is set before the slot is touched and cleared in the
     transaction that records the recovery, so an interruption anywhere makes the next tick
@@ -43,7 +50,7 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
         info = None
     if info is None:
         try:
-            replication.create_slot(conn, slot)
+            replication.create_slot(conn, slot, wait_secs=wait_secs)
         except psycopg.errors.ConfigurationLimitExceeded:  # all replication slots are in use
             row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
             line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [stream.id])
