@@ -52,6 +52,8 @@ def _copy(url: str, out: Path) -> float:
 
 
 def _stream(spark: object, url: str, tmp: Path, i: int, max_events: int, n: int) -> float:
+    with psycopg.connect(url, autocommit=True) as c:  # the operator registers the query's consumer
+        c.execute("select pgstream.register_consumer(%s, 1, true)", [f"bench-{i}"])
     started = time.monotonic()
     query = (spark.readStream.format("pgstream").option("url", url).option("stream", "1")  # type: ignore[attr-defined]
              .option("consumer", f"bench-{i}").option("startingPosition", "earliest")

@@ -188,6 +188,23 @@ def _cmd_consumers_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_consumers_add(args: argparse.Namespace) -> int:
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        try:
+            row = conn.execute("select pgstream.register_consumer(%s, %s, %s, %s)",
+                               [args.name, args.stream, args.from_start, args.retention_days]).fetchone()
+        except psycopg.errors.InvalidParameterValue as exc:
+            print(f"consumers add: {exc.diag.message_primary}", file=sys.stderr)
+            return 2
+    if not (row and row[0]):
+        print(f"consumer {args.name} of stream {args.stream} was registered already: nothing changed")
+        return 0
+    start = "before every batch the stream's ledger has" if args.from_start else "at the end of the stream's ledger"
+    print(f"registered consumer {args.name} of stream {args.stream}, its position {start}: housekeeping keeps "
+          f"what it has not read for up to {args.retention_days} days")
+    return 0
+
+
 def _cmd_consumers_drop(args: argparse.Namespace) -> int:
     with psycopg.connect(_database_url(args), autocommit=True) as conn:
         row = conn.execute("select pgstream.drop_consumer(%s)", [args.name]).fetchone()
@@ -658,11 +675,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_status)
 
     group = sub.add_parser("consumers", help="the registered consumers (the Spark source's streaming queries): "
-                                             "list, drop, set how long housekeeping keeps what they have not read")
+                                             "add, list, drop, set how long housekeeping keeps what they have not read")
     consumer_sub = group.add_subparsers(dest="consumers_command", required=True)
     p = consumer_sub.add_parser("list", parents=[common], help="position, lag and bound of each consumer")
     p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
     p.set_defaults(func=_cmd_consumers_list)
+    p = consumer_sub.add_parser("add", parents=[common],
+                                help="register a consumer (a streaming query's `consumer` option): the Spark "
+                                     "executors may record its position, and housekeeping keeps what it has not read")
+    p.add_argument("name", help="the consumer's name (1-100 letters, digits, _ . : -)")
+    p.add_argument("stream", type=_ID, help="the stream it reads")
+    p.add_argument("--from-start", action="store_true",
+                   help="start before every batch the stream's ledger has (default: at its end)")
+    p.add_argument("--retention-days", type=int, default=30, help="1-3650 (default 30)")
+    p.set_defaults(func=_cmd_consumers_add)
     p = consumer_sub.add_parser("drop", parents=[common], help="forget a consumer (an abandoned query): "
                                                               "housekeeping stops keeping events for it")
     p.add_argument("name", help="the consumer's name (the source's consumer option)")

@@ -114,7 +114,7 @@ def test_a_registered_consumer_holds_back_what_it_has_not_read_until_its_bound(c
     add_events(conn, day1, 10, BatchStatus.DELIVERED)
     add_events(conn, day3, 5, BatchStatus.DELIVERED)
     first, second = (r[0] for r in conn.execute("select id from pgstream.batches order by id").fetchall())
-    conn.execute("select pgstream.consumer_commit('lake', 1, 0, 0)")  # registered, nothing read yet
+    conn.execute("select pgstream.register_consumer('lake', 1, true)")  # registered, nothing read yet
     conn.execute("select pgstream.set_consumer_retention('lake', 12)")
     later = d0 + dt.timedelta(days=10)
     sensor_read_up_to(conn, later)

@@ -91,10 +91,34 @@ def test_bad_options_are_named_and_the_url_is_never_shown(db_url: str, stream: p
     assert secret not in str(info.value)
 
 
-def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psycopg.Connection) -> None:
+def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psycopg.Connection,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Only an operator registers a consumer (it holds events back): the executor role records the position
+    of a registered consumer of its stream, and can neither register one nor change or drop one."""
+    from pgstream_dagster.cli import main as cli_main
+
     insert_events(db_url, 1, 12)
     (b1, _), (b2, _) = record_batches(db_url, 1, 6)
     with executor_role(db_url) as url, psycopg.connect(url, autocommit=True) as ex:
+        with pytest.raises(SourceError, match=r"consumer lake\.orders is not registered \(An operator registers it: "
+                                              r"pgstream-dagster consumers add lake\.orders 1\)"):
+            spark_source.commit_consumer(ex, "lake.orders", 1, Position(b1, 4))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            ex.execute("select pgstream.register_consumer('mine', 1, true, 3650)")
+        assert stream.execute("select count(*) from pgstream.consumers").fetchone() == (0,)
+        # the operator registers it (the runtime role may): before every batch, or at the ledger's end
+        assert cli_main(["consumers", "add", "lake.orders", "1", "--from-start", "--database-url", db_url]) == 0
+        assert consumer_row(db_url, "lake.orders") == (0, 0, 12)
+        assert cli_main(["consumers", "add", "lake.audit", "1", "--retention-days", "7", "--database-url", db_url]) == 0
+        assert consumer_row(db_url, "lake.audit") == (b2, 6, 0)
+        assert cli_main(["consumers", "add", "lake.orders", "1", "--database-url", db_url]) == 0
+        assert "registered already: nothing changed" in capsys.readouterr().out
+        assert cli_main(["consumers", "add", "lake.orders", "2", "--database-url", db_url]) == 2
+        assert cli_main(["consumers", "add", "bad name!", "1", "--database-url", db_url]) == 2
+        assert cli_main(["consumers", "add", "x", "1", "--retention-days", "0", "--database-url", db_url]) == 2
+        err = capsys.readouterr().err
+        assert "consumer lake.orders reads stream 1, not stream 2" in err and "a consumer name is" in err
+        assert "days must be 1-3650, got 0" in err
         spark_source.commit_consumer(ex, "lake.orders", 1, Position(b1, 4))
         assert consumer_row(db_url, "lake.orders") == (b1, 4, 8)
         spark_source.commit_consumer(ex, "lake.orders", 1, Position(b2, 6))
@@ -106,6 +130,7 @@ def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psy
             ("x", 2, b1, 1, "is no position of stream 2"),  # another stream's batch
             ("x", 1, 0, 3, "batch 0"),
             ("lake.orders", 2, 0, 0, "reads stream 1, not stream 2"),
+            ("nobody", 1, 0, 0, "consumer nobody is not registered"),
         ]
         for name, stream_id, batch_id, ord_, message in bad:
             with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
@@ -121,8 +146,8 @@ def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psy
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 ex.execute(statement)
     rows = stream.execute("select name, stream_id, batch_id, ord, max_retention_days from pgstream.consumers"
-                          ).fetchall()
-    assert rows == [("lake.orders", 1, b2, 6, 30)]
+                          " order by name").fetchall()
+    assert rows == [("lake.audit", 1, b2, 6, 7), ("lake.orders", 1, b2, 6, 30)]
 
 
 @pytest.fixture(scope="module")

@@ -283,8 +283,17 @@ def split_spans(spans: Sequence[SpanRead], parts: int, rows: int) -> list[list[S
 
 
 def commit_consumer(conn: psycopg.Connection, name: str, stream_id: int, position: Position) -> None:
-    conn.execute("select pgstream.consumer_commit(%s, %s, %s, %s)",
-                 [name, stream_id, position.batch_id, position.ord])
+    """Records the position of registered consumer ``name``; one an operator has not registered (or
+    registered for another stream), or a position the ledger does not hold, is a :class:`SourceError`
+    naming it and what to do."""
+    import psycopg
+
+    try:
+        conn.execute("select pgstream.consumer_commit(%s, %s, %s, %s)",
+                     [name, stream_id, position.batch_id, position.ord])
+    except psycopg.errors.InvalidParameterValue as exc:
+        hint = f" ({exc.diag.message_hint})" if exc.diag.message_hint else ""
+        raise SourceError(f"pgstream source: {exc.diag.message_primary}{hint}") from None
 
 
 class EventsGone(RuntimeError):

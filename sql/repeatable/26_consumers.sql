@@ -3,16 +3,88 @@
 -- (batch_id, ord: read through ordinal ord of batch batch_id, in the ledger's order) is stored here,
 -- so that housekeeping keeps what it has not read, for at most its max_retention_days.
 --
--- Security: the Spark executors (pgstream_executor) write a position only through consumer_commit
--- (SECURITY DEFINER: it validates the name, the stream and the position, and cannot change a
--- consumer's bound or its stream); the runtime reads the consumers, and drops one or changes its
--- bound through drop_consumer / set_consumer_retention. Grants in 99_runtime.sql.
+-- Security: only the runtime (an operator: `pgstream-dagster consumers add`) registers a consumer
+-- (register_consumer), since a consumer holds events back for up to its bound. The Spark executors
+-- (pgstream_executor, whose credentials a shared Spark cluster holds) write the position of a
+-- registered consumer only, through consumer_commit (SECURITY DEFINER: it validates the name, the
+-- stream and the position, and can neither create a consumer nor change its bound or its stream);
+-- the runtime reads the consumers, and drops one or changes its bound through drop_consumer /
+-- set_consumer_retention. Grants in 99_runtime.sql.
 
 -- ---------------------------------------------------------------------------------------------
 -- Writing a position.
 
--- Records that consumer p_name has read stream p_stream_id through ordinal p_ord of ledger batch
--- p_batch_id (0, 0: before every batch), creating the consumer at its first call. A position must
+-- Checks a consumer's name and its stream (both functions below).
+create or replace function pgstream.consumer_check(p_fn text, p_name text, p_stream_id bigint)
+returns void
+language plpgsql
+stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_name is null or p_name !~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$' then
+        raise exception 'pgstream.%: a consumer name is 1-100 letters, digits, _ . : - '
+                        '(starting with a letter or digit), got %', p_fn, pg_catalog.quote_nullable(pg_catalog.left(p_name, 120))
+            using errcode = 'invalid_parameter_value';
+    end if;
+    if p_stream_id is null or not exists (select 1 from pgstream.streams s where s.id = p_stream_id) then
+        raise exception 'pgstream.%: consumer %: no stream %', p_fn, p_name, coalesce(p_stream_id::text, 'null')
+            using errcode = 'invalid_parameter_value';
+    end if;
+end
+$$;
+revoke all on function pgstream.consumer_check(text, text, bigint) from public;
+
+-- Registers consumer p_name of stream p_stream_id (an operator's act: it holds events back for up to
+-- p_max_retention_days). Its position starts at the end of the stream's ledger (what is recorded from
+-- now on is kept for it), or before every batch with p_from_start (everything the stream's ledger
+-- still has is kept for it). True if it was registered now, false if it already was (for this
+-- stream: nothing changes); a consumer of another stream is refused.
+create or replace function pgstream.register_consumer(p_name text, p_stream_id bigint,
+                                                      p_from_start boolean default false,
+                                                      p_max_retention_days integer default 30)
+returns boolean
+language plpgsql
+volatile
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_batch  bigint := 0;
+    v_ord    integer := 0;
+    v_stream bigint;
+begin
+    perform pgstream.consumer_check('register_consumer', p_name, p_stream_id);
+    if p_max_retention_days is null or p_max_retention_days < 1 or p_max_retention_days > 3650 then
+        raise exception 'pgstream.register_consumer: consumer %: days must be 1-3650, got %', p_name,
+                        coalesce(p_max_retention_days::text, 'null')
+            using errcode = 'invalid_parameter_value';
+    end if;
+    select c.stream_id into v_stream from pgstream.consumers c where c.name = p_name;
+    if v_stream is not null then
+        if v_stream <> p_stream_id then
+            raise exception 'pgstream.register_consumer: consumer % reads stream %, not stream %', p_name, v_stream,
+                            p_stream_id
+                using errcode = 'invalid_parameter_value',
+                      hint = 'Use another consumer name, or drop the consumer first (pgstream-dagster consumers drop).';
+        end if;
+        return false;
+    end if;
+    if not coalesce(p_from_start, false) then
+        select b.id, b.event_count into v_batch, v_ord from pgstream.batches b
+         where b.stream_id = p_stream_id order by b.id desc limit 1;
+    end if;
+    insert into pgstream.consumers (name, stream_id, batch_id, ord, max_retention_days)
+    values (p_name, p_stream_id, coalesce(v_batch, 0), coalesce(v_ord, 0), p_max_retention_days)
+    on conflict (name) do nothing;
+    return found;
+end
+$$;
+revoke all on function pgstream.register_consumer(text, bigint, boolean, integer) from public;
+
+-- Records that registered consumer p_name has read stream p_stream_id through ordinal p_ord of ledger
+-- batch p_batch_id (0, 0: before every batch). A consumer that is not registered is refused. A position must
 -- exist in the stream's ledger (batch 0 with ordinal 0, or a batch of that stream and an ordinal
 -- up to its event count); a consumer reads one stream. It may move back (a query restarted from an
 -- earlier position): the position is where the consumer's next read starts.
@@ -28,15 +100,7 @@ declare
     v_count  integer;
     v_stream bigint;
 begin
-    if p_name is null or p_name !~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$' then
-        raise exception 'pgstream.consumer_commit: a consumer name is 1-100 letters, digits, _ . : - '
-                        '(starting with a letter or digit), got %', pg_catalog.quote_nullable(pg_catalog.left(p_name, 120))
-            using errcode = 'invalid_parameter_value';
-    end if;
-    if p_stream_id is null or not exists (select 1 from pgstream.streams s where s.id = p_stream_id) then
-        raise exception 'pgstream.consumer_commit: consumer %: no stream %', p_name, coalesce(p_stream_id::text, 'null')
-            using errcode = 'invalid_parameter_value';
-    end if;
+    perform pgstream.consumer_check('consumer_commit', p_name, p_stream_id);
     if p_batch_id is null or p_ord is null or p_batch_id < 0 or p_ord < 0 then
         raise exception 'pgstream.consumer_commit: consumer %: a position is a batch id and an ordinal >= 0, got (%, %)',
                         p_name, coalesce(p_batch_id::text, 'null'), coalesce(p_ord::text, 'null')
@@ -54,13 +118,17 @@ begin
         raise exception 'pgstream.consumer_commit: consumer %: batch 0 (before every batch) has ordinal 0, got %',
                         p_name, p_ord using errcode = 'invalid_parameter_value';
     end if;
-    insert into pgstream.consumers as c (name, stream_id, batch_id, ord)
-    values (p_name, p_stream_id, p_batch_id, p_ord)
-    on conflict (name) do update set batch_id = excluded.batch_id, ord = excluded.ord, updated_at = pg_catalog.now()
-     where c.stream_id = excluded.stream_id
+    update pgstream.consumers c set batch_id = p_batch_id, ord = p_ord, updated_at = pg_catalog.now()
+     where c.name = p_name and c.stream_id = p_stream_id
     returning c.stream_id into v_stream;
     if v_stream is null then
         select c.stream_id into v_stream from pgstream.consumers c where c.name = p_name;
+        if v_stream is null then
+            raise exception 'pgstream.consumer_commit: consumer % is not registered', p_name
+                using errcode = 'invalid_parameter_value',
+                      hint = pg_catalog.format('An operator registers it: pgstream-dagster consumers add %s %s',
+                                               p_name, p_stream_id);
+        end if;
         raise exception 'pgstream.consumer_commit: consumer % reads stream %, not stream %', p_name, v_stream, p_stream_id
             using errcode = 'invalid_parameter_value',
                   hint = 'Use another consumer name, or drop the consumer first (pgstream-dagster consumers drop).';

@@ -144,6 +144,7 @@ grant execute on function
     pgstream.backfill_release(bigint, uuid, text, text),
     pgstream.backfill_stop(bigint, boolean),
     pgstream.consumer_positions(date),
+    pgstream.register_consumer(text, bigint, boolean, integer),
     pgstream.drop_consumer(text),
     pgstream.set_consumer_retention(text, integer)
     to pgstream_runtime;
@@ -161,9 +162,9 @@ grant execute on function
 -- ---------------------------------------------------------------------------------------------
 -- pgstream_executor: what Spark tasks run (engine/spark.py readers, ledger.KeyProgress,
 -- ledger.DeadLetterWriter on a by_key task, engine/backfill.py run_partition) and the Spark source
--- (engine/spark_source.py: it reads events, batches and dead letters, and records a registered
--- consumer's position through consumer_commit only: it can neither change a consumer's bound nor
--- drop one).
+-- (engine/spark_source.py: it reads events, batches and dead letters, and records a
+-- registered consumer's position through consumer_commit only: it can neither register a consumer,
+-- change a consumer's bound nor drop one).
 grant select on pgstream.events, pgstream.batches, pgstream.key_progress, pgstream.dead_letters
     to pgstream_executor;
 grant insert, update on pgstream.key_progress to pgstream_executor;

@@ -179,6 +179,8 @@ def stream_exactly_once(db_url: str, tmp: Path, conf: dict[str, str], restart: s
     insert_events(db_url, 2, 50)
     record_batches(db_url, 2, 50)
     record_batches(db_url, 1, 170)
+    with psycopg.connect(db_url, autocommit=True) as c:  # the operator registers the query's consumer
+        c.execute("select pgstream.register_consumer('lake-test', 1)")
 
     def more() -> None:  # recorded while the query is down
         insert_events(db_url, 1, 700, 1500)
