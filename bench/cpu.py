@@ -195,6 +195,16 @@ def _timed_thread(attr: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     return wrap
 
 
+def _past_first_round(timeout: float = 30.0) -> None:
+    """Wait until a run of this process has gone idle once (``delivery.run._frozen_process``, where
+    the package has it: the full collection and ``gc.freeze`` it does once per process)."""
+    from pgstream_dagster.engine.delivery import run as delivery_run
+
+    frozen = getattr(delivery_run, "_frozen_process", None)
+    if frozen is not None:
+        frozen.wait(timeout)
+
+
 def _spark_jvm_pid() -> int | None:
     """The pid of this process' Spark JVM, if a Spark context was started (by any thread: the active
     session is per thread, and an open run's session is its thread's)."""
@@ -534,6 +544,9 @@ def main() -> None:
                         while delivered_events(conn, 1) < 1:
                             if not driver.step(1):
                                 time.sleep(0.05)
+                    # and past what a run does once per process after its first round (a full collection,
+                    # then gc.freeze: 0.1-0.2 CPU-s, which a long-running run worker has behind it)
+                    _past_first_round()
                 else:
                     deliver_phase(driver, url, 1, postmaster, args.timeout)
                 with psycopg.connect(url, autocommit=True) as conn:
