@@ -467,8 +467,9 @@ def main() -> None:
                         help="with --overlap: runs in a thread and stay open (linger_secs 3) while the sensor "
                              "ticks, as the daemon and a run worker overlap (the sensor then peeks far more often)")
     parser.add_argument("--tick-secs", type=float, default=1.0,
-                        help="--open: the sensor is evaluated at most this often (the daemon: sensor.interval_secs, "
-                             "1 s by default; before 2026-11-27 the bench ticked every 0.05 s)")
+                        help="--open: the sensor is evaluated at most this often (the daemon: at most every "
+                             "sensor.interval_secs, 1 s by default, and every 5 s at most; before 2026-11-27 the "
+                             "bench ticked every 0.05 s)")
     parser.add_argument("--peek", action="store_true",
                         help="delivery.read_slot false: the sensor peeks the slot even while a run is open (before "
                              "the slot reader)")

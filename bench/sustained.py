@@ -318,8 +318,9 @@ def main() -> None:
     parser.add_argument("--goal", type=float, default=1.0,
                         help="delivered / written at the window's end each phase must reach (exit 1 if not)")
     parser.add_argument("--tick-secs", type=float, default=1.0,
-                        help="the sensor is evaluated at most this often (the daemon: sensor.interval_secs, 1 s by "
-                             "default; before 2026-11-27 the bench ticked every 0.05 s)")
+                        help="the sensor is evaluated at most this often (the daemon: at most every "
+                             "sensor.interval_secs, 1 s by default, and every 5 s at most; before 2026-11-27 the "
+                             "bench ticked every 0.05 s)")
     parser.add_argument("--split", action="store_true",
                         help="the pipeline's Python (sensor, runs, Spark) on the last CPU, Postgres (the WAL sender "
                              "and ledger included) and the writers on the others: its own core")
