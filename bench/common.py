@@ -244,6 +244,19 @@ class Driver:
         self._start_next()
         return bool(tick.run_requests)
 
+    def paced_step(self, stream_id: int, every: float, until: float | None = None) -> bool:
+        """:meth:`step`, then wait until ``every`` seconds after it began (not past ``until``, a
+        ``time.monotonic()``): the daemon evaluates a sensor at most every ``sensor.interval_secs``
+        (1 s by default; and starts a tick at most every 5 s), not as often as it can. At least
+        0.05 s when nothing was requested."""
+        began = time.monotonic()
+        ran = self.step(stream_id)
+        wait = max(every - (time.monotonic() - began), 0.0 if ran else 0.05)
+        if until is not None:
+            wait = min(wait, max(0.0, until - time.monotonic()))
+        time.sleep(wait)
+        return ran
+
     def _start_next(self) -> None:
         if self._thread is not None:
             if self._thread.is_alive():

@@ -195,6 +195,16 @@ def _timed_thread(attr: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     return wrap
 
 
+def _past_first_round(timeout: float = 30.0) -> None:
+    """Wait until a run of this process has gone idle once (``delivery.run._frozen_process``, where
+    the package has it: the full collection and ``gc.freeze`` it does once per process)."""
+    from pgstream_dagster.engine.delivery import run as delivery_run
+
+    frozen = getattr(delivery_run, "_frozen_process", None)
+    if frozen is not None:
+        frozen.wait(timeout)
+
+
 def _spark_jvm_pid() -> int | None:
     """The pid of this process' Spark JVM, if a Spark context was started (by any thread: the active
     session is per thread, and an open run's session is its thread's)."""
@@ -258,7 +268,7 @@ def deliver_phase(driver: Driver, url: str, target: int, postmaster: int, timeou
     return totals
 
 
-def open_phase(driver: Driver, url: str, target: int, timeout: float) -> DeliverTotals:
+def open_phase(driver: Driver, url: str, target: int, timeout: float, tick_secs: float) -> DeliverTotals:
     """``--open``: the daemon's way, runs in a thread (``delivery.linger_secs``: the sensor hands new
     batches to the open run) while this thread ticks; CPU over the whole phase (this thread = the
     sensor; the rest of this process = the runs)."""
@@ -269,17 +279,20 @@ def open_phase(driver: Driver, url: str, target: int, timeout: float) -> Deliver
     py0, proc0 = time.thread_time(), time.process_time()
     started = time.monotonic()
     senders: dict[int, float] = {}  # WAL sender pid -> its CPU when last sampled (it exits with its run)
-    sampled = 0.0
+    sampled = next_tick = 0.0
     with psycopg.connect(url, autocommit=True) as conn:
         while delivered_events(conn, 1) < target:
             if time.monotonic() - started > timeout:
                 raise SystemExit(f"not delivered after {timeout:.0f}s")
-            totals.ticks += 1
             if time.monotonic() - sampled >= 0.25:
                 sampled = time.monotonic()
                 _sample_senders(conn, senders)
-            if not driver.step(1):
-                time.sleep(0.05)
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + tick_secs
+                totals.ticks += 1
+                if driver.step(1):
+                    continue
+            time.sleep(0.05 if tick_secs < 0.25 else 0.25)  # (this loop's own reads are Postgres' CPU too)
         _sample_senders(conn, senders)
     driver.wait()  # the open run closes once idle for linger_secs
     METER.walsender_pg += sum(senders.values())
@@ -453,6 +466,10 @@ def main() -> None:
     parser.add_argument("--open", action="store_true",
                         help="with --overlap: runs in a thread and stay open (linger_secs 3) while the sensor "
                              "ticks, as the daemon and a run worker overlap (the sensor then peeks far more often)")
+    parser.add_argument("--tick-secs", type=float, default=1.0,
+                        help="--open: the sensor is evaluated at most this often (the daemon: at most every "
+                             "sensor.interval_secs, 1 s by default, and every 5 s at most; before 2026-11-27 the "
+                             "bench ticked every 0.05 s)")
     parser.add_argument("--peek", action="store_true",
                         help="delivery.read_slot false: the sensor peeks the slot even while a run is open (before "
                              "the slot reader)")
@@ -534,6 +551,9 @@ def main() -> None:
                         while delivered_events(conn, 1) < 1:
                             if not driver.step(1):
                                 time.sleep(0.05)
+                    # and past what a run does once per process after its first round (a full collection,
+                    # then gc.freeze: 0.1-0.2 CPU-s, which a long-running run worker has behind it)
+                    _past_first_round()
                 else:
                     deliver_phase(driver, url, 1, postmaster, args.timeout)
                 with psycopg.connect(url, autocommit=True) as conn:
@@ -547,7 +567,7 @@ def main() -> None:
                     # 2+3. deliver while the same inserts go through the subscription trigger
                     result["write_subscribed"], totals = write_phase(
                         url, "bench_orders", n, args.writers, args.rows, postmaster,
-                        during=lambda: open_phase(driver, url, n + 1, args.timeout) if args.open
+                        during=lambda: open_phase(driver, url, n + 1, args.timeout, args.tick_secs) if args.open
                         else deliver_phase(driver, url, n + 1, postmaster, args.timeout))
                 else:
                     # 2. the same inserts through the subscription trigger

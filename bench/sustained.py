@@ -9,8 +9,13 @@ read at the window's end (a timer, not after the last sensor step returns: the d
 as in-window), the drain time after it, and the backlog (written - delivered) sampled every
 ``--sample-secs``. Before each phase and after the last one the same writers insert into a table
 without a subscription for the same duration (*writers alone*, the baseline on the same machine in
-the same run, interleaved A B A B A). Exits non-zero when a phase's delivered / written at the
-window's end is under ``--goal``. Results are appended to bench/RESULTS.md.
+the same run, interleaved A B A B A). The ratio at the window's end cannot reach 1 while events are
+written (what is in flight counts as not delivered): the steady state is delivered / written over the
+window's second half (above 1 when the backlog shrank). Where the CPU went during the window (the
+writers' processes and backends, the sensor's and runs' Python, the Spark JVM, the rest of Postgres,
+Redis), per 100,000 events written, says up to which rate the machine's CPUs can carry writing and
+delivering together. Exits non-zero when a phase's delivered / written at the window's end, or in
+its second half, is under ``--goal``. Results are appended to bench/RESULTS.md.
 Usage: python bench/sustained.py [--duration 300] [--sinks redis,webhook] [--writers 2] [--rows 100] [--goal 1.0]
 """
 
@@ -42,7 +47,10 @@ from common import (
     delivered_events,
     load_after,
     machine,
+    own_secs,
+    sched_secs,
     spread,
+    tree_secs,
     write_config,
     written_events,
 )
@@ -53,12 +61,16 @@ from pgstream_dagster.engine.migrations import migrate
 HERE = Path(__file__).resolve().parent
 
 
-def _writer(url: str, until: float, rows: int, counter: Any, cpus: set[int] | None = None) -> None:
-    """Insert ``rows`` rows per transaction until ``until`` (wall clock); ``cpus``: only on these."""
+def _writer(url: str, until: float, rows: int, counter: Any, cpus: set[int] | None = None,
+            out: Any = None) -> None:
+    """Insert ``rows`` rows per transaction until ``until`` (wall clock); ``cpus``: only on these;
+    ``out``: gets (this process' CPU, its backend's CPU) in seconds, once done."""
     if cpus:
         os.sched_setaffinity(0, cpus)
     seq = 0
     with psycopg.connect(url, autocommit=True) as conn:
+        backend = conn.info.backend_pid
+        backend0, own0 = sched_secs(backend), time.process_time()
         while time.time() < until:
             conn.execute("insert into public.bench_orders (seq, customer, amount) "
                          "select g, 'c-' || (g %% 1000), g * 1.5 from generate_series(%s::bigint, %s::bigint) g",
@@ -66,6 +78,33 @@ def _writer(url: str, until: float, rows: int, counter: Any, cpus: set[int] | No
             seq += rows
             with counter.get_lock():
                 counter.value += rows
+        if out is not None:
+            out.put((time.process_time() - own0, sched_secs(backend) - backend0))
+
+
+def _redis_pid() -> int | None:
+    """The local Redis server's pid (its CPU is the sink's), if it answers."""
+    try:
+        import redis
+
+        return int(redis.Redis.from_url("redis://127.0.0.1:6379/0").info("server")["process_id"])
+    except Exception:
+        return None
+
+
+def _cpu_now(postmaster: int, redis_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far: this process (sensor, runs, their threads), its Spark JVM (if started), Postgres'
+    whole tree, the Redis server."""
+    jvm = _spark_jvm_pid()
+    return {"driver": own_secs(os.getpid()), "jvm": tree_secs(jvm) if jvm else 0.0,
+            "postgres": tree_secs(postmaster), "redis": own_secs(redis_pid) if redis_pid else 0.0}
+
+
+def _spark_jvm_pid() -> int | None:
+    from pyspark import SparkContext
+
+    context: Any = SparkContext._active_spark_context
+    return None if context is None else int(context._jvm.java.lang.ProcessHandle.current().pid())
 
 
 #: garbage collections of this process (the sensor's and the runs' Python) that took over 0.1 s:
@@ -111,9 +150,13 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
             conn.execute("insert into public.bench_orders (seq, customer, amount) values (-1, 'warm-up', 0)")
             while delivered_events(conn, 1) < 1:
                 driver.step(1)
+        redis_pid = _redis_pid() if name == "redis" else None
+        cpu_out: Any = multiprocessing.Queue()
+        cpu0 = _cpu_now(args.postmaster, redis_pid)
         started = time.time()
         until = started + args.duration
-        writers = [multiprocessing.Process(target=_writer, args=(url, until, args.rows, counter, args.database_cpus))
+        writers = [multiprocessing.Process(target=_writer, args=(url, until, args.rows, counter, args.database_cpus,
+                                                                 cpu_out))
                    for _ in range(args.writers)]
         for w in writers:
             w.start()
@@ -132,15 +175,18 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
         at_end: dict[str, int] = {}
         end_conn = psycopg.connect(url, autocommit=True)
 
+        cpu_end: dict[str, float] = {}
+
         def snapshot() -> None:
             at_end["delivered"] = delivered_events(end_conn, 1)
             at_end["written"] = written_events(end_conn, 1)
+            cpu_end.update(_cpu_now(args.postmaster, redis_pid))
 
         timer = threading.Timer(until - time.time(), snapshot)
         timer.start()
         while time.time() < until:
-            if not driver.step(1):
-                time.sleep(0.05)
+            driver.paced_step(1, args.tick_secs, time.monotonic() + (until - time.time()))
+        writer_cpu = [cpu_out.get(timeout=60) for _ in writers]
         for w in writers:
             w.join()
         timer.join()
@@ -153,8 +199,7 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
             with psycopg.connect(url, autocommit=True) as conn:
                 if delivered_events(conn, 1) >= written:
                     break
-            if not driver.step(1):
-                time.sleep(0.05)
+            driver.paced_step(1, args.tick_secs)
         drained_at = time.time()
         driver.wait()  # the open run closes once idle
         stop.set()
@@ -165,7 +210,11 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
             assert webhook.count() >= delivered, (webhook.count(), delivered)
     pauses = [(g, t) for g, t in GC_PAUSES]
     GC_PAUSES.clear()
-    return {"written": written, "written_in_window": written_in_window, "window": args.duration,
+    cpu = {k: cpu_end[k] - cpu0[k] for k in cpu0}
+    cpu["writers_client"] = sum(c for c, _b in writer_cpu)
+    cpu["writers_backend"] = sum(b for _c, b in writer_cpu)
+    cpu["postgres_else"] = max(0.0, cpu.pop("postgres") - cpu["writers_backend"])
+    return {"written": written, "written_in_window": written_in_window, "window": args.duration, "cpu": cpu,
             "delivered_in_window": delivered_in_window,
             "delivered": delivered, "drain_secs": drained_at - until, "runs": driver.runs, "failed": driver.failed,
             "samples": samples, "gc_pauses": pauses}
@@ -217,6 +266,37 @@ def _curve(samples: list[tuple[float, int, int]], points: int = 16) -> str:
     return ", ".join(f"{t:.0f}s {w - d:,}" for t, w, d in picked)
 
 
+def _steady(samples: list[tuple[float, int, int]], window: float) -> float | None:
+    """Delivered / written over the window's second half (from the first sample at half the window to the
+    last one in it): above 1 when the backlog shrank. The ratio at the window's end cannot reach 1 while
+    events are written: what is in flight (read, recorded, being published) counts as not delivered."""
+    inside = [s for s in samples if window / 2 <= s[0] <= window]
+    if len(inside) < 2:
+        return None
+    (_t0, w0, d0), (_t1, w1, d1) = inside[0], inside[-1]
+    return (d1 - d0) / (w1 - w0) if w1 > w0 else None
+
+
+def _cpu_note(r: dict[str, Any], cpus: int) -> str:
+    """Where the CPU went during the window, per 100,000 events written, and the rate at which the writers and
+    the pipeline together fit the machine's CPUs."""
+    cpu, per = r["cpu"], r["written_in_window"] / 100_000
+    if not per:
+        return "no events written"
+    writers = cpu["writers_client"] + cpu["writers_backend"]
+    pipeline = cpu["driver"] + cpu["jvm"] + cpu["postgres_else"] + cpu["redis"]
+    total = writers + pipeline
+    fits = cpus / (total / r["written_in_window"])
+    return (f"CPU-s per 100k events written: writers {writers / per:.2f} (their backends "
+            f"{cpu['writers_backend'] / per:.2f}, their Python {cpu['writers_client'] / per:.2f}), "
+            f"pipeline {pipeline / per:.2f} (sensor and run Python {cpu['driver'] / per:.2f}, "
+            f"Spark JVM {cpu['jvm'] / per:.2f}, the rest of Postgres: WAL sender, ledger, WAL writer "
+            f"{cpu['postgres_else'] / per:.2f}, Redis {cpu['redis'] / per:.2f}); pipeline / writers "
+            f"{pipeline / writers if writers else 0:.2f}; {total / r['window']:.2f} of {cpus} CPUs busy with both; "
+            f"at these costs {cpus} CPUs carry writing and delivering together up to {fits:,.0f} events/s "
+            f"(written: {r['written_in_window'] / r['window']:,.0f}/s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=300, help="seconds of writing per sink")
@@ -237,6 +317,10 @@ def main() -> None:
                         help="the subscription's trigger_mode")
     parser.add_argument("--goal", type=float, default=1.0,
                         help="delivered / written at the window's end each phase must reach (exit 1 if not)")
+    parser.add_argument("--tick-secs", type=float, default=1.0,
+                        help="the sensor is evaluated at most this often (the daemon: at most every "
+                             "sensor.interval_secs, 1 s by default, and every 5 s at most; before 2026-11-27 the "
+                             "bench ticked every 0.05 s)")
     parser.add_argument("--split", action="store_true",
                         help="the pipeline's Python (sensor, runs, Spark) on the last CPU, Postgres (the WAL sender "
                              "and ledger included) and the writers on the others: its own core")
@@ -249,6 +333,7 @@ def main() -> None:
         os.chmod(tmpdir, 0o755)
         pg = ensure_running(tmpdir / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off"})
         args.database_cpus = None
+        args.postmaster = int((tmpdir / "pg" / "postmaster.pid").read_text().split()[0])
         if args.split:
             cpus = sorted(os.sched_getaffinity(0))
             args.database_cpus = set(cpus[:-1])
@@ -304,11 +389,16 @@ def main() -> None:
     for name, r in results.items():
         w, d = r["written_in_window"] / r["window"], r["delivered_in_window"] / r["window"]
         goals.check(f"{name} delivered / written at the window's end", d / w if w else 0.0, at_least=args.goal)
+        steady = _steady(r["samples"], r["window"])
+        if steady is not None:
+            goals.check(f"{name} delivered / written in the window's second half (steady state)", steady,
+                         at_least=args.goal)
         lines.append(f"- {name}: written {w:,.0f} events/s ({w / base if base else 0:.2f}x the writers alone), "
                      f"delivered {d:,.0f} events/s in the window "
                      f"(ratio {d / w if w else 0:.2f}), all {r['delivered']:,} delivered {r['drain_secs']:.0f}s after "
                      f"writing stopped, {r['runs']} runs ({r['failed']} failed); backlog: {_curve(r['samples'])}"
                      f"{_gc_note(r['gc_pauses'])}")
+        lines.append(f"  - {name}: {_cpu_note(r, os.cpu_count() or 1)}")
     lines += goals.lines()
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")

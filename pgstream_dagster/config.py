@@ -92,7 +92,8 @@ class DeliveryTuning(_Model):
     report_every_secs: float = Field(5, ge=0, le=3600,
                                      description="an open run reports its rounds to Dagster together (run log line, "
                                                  "deliveries materialization, status observation) at most this "
-                                                 "often; the first round at once (0: every round)")
+                                                 "often; the first round at once (0: every round); a "
+                                                 "round logs its progress (every tenth) at most this often too")
     max_run_secs: float = Field(1800, ge=1, le=7 * 86400,
                                 description="an open run takes no new batch after this long (a fresh run picks "
                                             "up configuration changes)")

@@ -110,6 +110,25 @@ def test_a_run_delivers_its_batches_in_order_marks_them_and_reports(db_url: str,
     assert summaries[-1].status is not None and int(summaries[-1].status["undelivered_events"]) == 0
 
 
+@pytest.mark.parametrize("every, lines", [(0, True), (5, False)])
+def test_a_round_logs_its_progress_only_when_it_lasts(db_url: str, tmp_path: Path, every: float,
+                                                       lines: bool) -> None:
+    """A round logs its progress (every tenth of it) at most every ``tuning.report_every_secs``: each
+    line is a write to Dagster's event log, which a round delivered in a fraction of a second does
+    not need (0: every tenth)."""
+    stream = _stream(tmp_path, db_url, tuning={"linger_secs": 0.2, "report_every_secs": every})
+    batches = _recorded(db_url, stream, 230)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ledger.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
+    log = Log()
+    rounds = list(_run(stream, db_url, batches, log).deliver(Host("engine-test", log)))
+    assert sum(r.delivered for r in rounds) == 230 and len(_ids(tmp_path)) == 230
+    progress = [m for _level, m in log.lines if "events handled" in m]
+    assert bool(progress) is lines, log.lines
+    if lines:  # chunks of 20 of 230 events: a line for each tenth reached
+        assert progress[0] == f"stream {STREAM}: 40/230 events handled", progress
+
+
 def test_an_open_run_reads_the_slot_delivers_what_commits_and_the_host_closes_it(db_url: str,
                                                                                  tmp_path: Path) -> None:
     """A warm run (no batch) that is the stream's open run: its slot reader records what commits and

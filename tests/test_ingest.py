@@ -351,3 +351,31 @@ def test_one_pass_records_several_streams_ledgers(db_url: str, tmp_path: Path) -
         insert_events(db_url, 2, 2, 100)
         assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == {2}
         assert len(_recorded(db_url, 1)) == 8 and len(_recorded(db_url, 2)) == 3
+
+
+def test_a_recording_pass_is_one_transaction_without_savepoints(db_url: str, tmp_path: Path) -> None:
+    """The reader's recording pass (the batches, then the hand-over to the open run) is one database
+    transaction: the ledger functions it calls take the caller's transaction, without a SAVEPOINT and
+    its RELEASE each (two round trips per function, on the reader's path); called alone, each is still a
+    transaction of its own."""
+    (stream,) = _streams(tmp_path, db_url, {"max_size": 4, "max_fill_secs": 0})
+    insert_events(db_url, 1, 6)
+    trace = tmp_path / "trace.txt"
+    with psycopg.connect(db_url, autocommit=True) as c, trace.open("w") as out:
+        ledger.open_run(c, 1, RUN_KEY)
+        ledger.apply_run(c, TakeSlot(1, RUN_KEY))
+        txns = ingest.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)
+        c.pgconn.trace(out.fileno())
+        target = ingest.StreamLedger(stream, ledger.run_reader(RUN_KEY), run_key=RUN_KEY)
+        assert ingest.record_pass(c, {1: target}, {1: txns}) == set()
+        c.pgconn.untrace()
+    sent = trace.read_text()
+    assert "pgstream.batches" in sent and "BEGIN" in sent and "COMMIT" in sent
+    assert "SAVEPOINT" not in sent.upper(), [line for line in sent.splitlines() if "SAVEPOINT" in line.upper()]
+    assert len(_recorded(db_url, 1)) == 6
+    with psycopg.connect(db_url, autocommit=True) as c:  # alone: a transaction of its own
+        assert [b.run_key for b in ledger.batches_between(c, 1, 0, 10**9)] == [RUN_KEY, RUN_KEY]
+        insert_events(db_url, 1, 2, 100)
+        ledger.record(c, 1, ingest.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)[-1:], 4)
+        assert c.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert len(_recorded(db_url, 1)) == 8

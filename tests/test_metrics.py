@@ -391,37 +391,81 @@ def test_the_metric_reference_names_every_exported_metric() -> None:
     assert missing == []
 
 
-def test_recording_a_batch_probes_its_events_by_key_whatever_the_statistics(db_url: str) -> None:
+def _count_plans(c: psycopg.Connection, ids: list[int], lo: object, hi: object) -> list[str]:
+    """Record a batch of ``ids`` (created between ``lo`` and ``hi``) for stream 1; the plans of the statements
+    that counted its events by subscription key (auto_explain)."""
+    plans: list[str] = []
+    c.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+    c.execute("load 'auto_explain'")
+    c.execute("set auto_explain.log_min_duration = 0")
+    c.execute("set auto_explain.log_nested_statements = on")
+    c.execute("set auto_explain.log_level = notice")
+    c.execute("insert into pgstream.batches (stream_id, kind, event_ids, event_count, first_event_id, "
+              "last_event_id, min_created_at, max_created_at) values (1, 'stream', %s, %s, %s, %s, %s, %s)",
+              [ids, len(ids), ids[0], ids[-1], lo, hi])
+    c.execute("set auto_explain.log_min_duration = -1")
+    return [p for p in plans if "tg_name" in p and "Query Text: insert into pgstream.stream_counters" in p]
+
+
+def _written(c: psycopg.Connection) -> dict[str, int]:
+    return {str(label): int(value) for label, value in c.execute(
+        "select label, value from pgstream.stream_counters where stream_id = 1 and name = 'events_written'")}
+
+
+def test_recording_a_batch_reads_its_events_once_whatever_the_statistics(db_url: str) -> None:
     """The batch trigger counts the batch's events by subscription (``events_written``): once the
     partition has statistics, a batch newer than its histogram looked empty to the planner, which
     then scanned the stream's (stream_id, created_at) index range once per event id: seconds per
-    batch of 10,000 under load, the reader stalled and the run closed. The lookup must be one primary
-    key probe per id (plan read with auto_explain)."""
+    batch of 10,000 under load, the reader stalled and the run closed. A batch whose ids are dense
+    (the usual case) is read by one scan of its id range, the ids hashed: no nested loop, whatever
+    the plan chooses for the scan; only the batch's events of the stream are counted, each by its
+    tg_name (plan read with auto_explain)."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into pgstream.streams (id) values (1), (2) on conflict do nothing")
+        c.execute("insert into pgstream.events (payload, stream_id) "
+                  "select jsonb_build_object('tg_name', 'k', 'n', g), 1 from generate_series(1, 30000) g")
+        c.execute("analyze pgstream.events")
+        # the batch's 3,000 events, among them 500 without a subscription key ('other' is no key of stream 1);
+        # interleaved: 1,000 events of stream 2 and 500 of stream 1 that are not in the batch, in its id range
+        c.execute("insert into pgstream.events (payload, stream_id) "
+                  "select jsonb_build_object('tg_name', case when g % 6 = 0 then 'other' else 'k' end, 'n', g), "
+                  "case when g % 5 = 4 then 2 else 1 end from generate_series(1, 5000) g")
+        c.execute("create table if not exists public.keyed (id bigint)")
+        c.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name) "
+                  "values ('k', 1, 'INSERT', 'keyed')")
+        rows = c.execute("select id, created_at, stream_id from pgstream.events order by id desc limit 5000"
+                         ).fetchall()[::-1]
+        mine = [(i, at) for n, (i, at, sid) in enumerate(rows) if sid == 1 and n % 7 != 3][:3000]
+        ids = [i for i, _at in mine]
+        assert max(ids) - min(ids) < 4 * len(ids)  # dense: the scan of the range
+        plans = _count_plans(c, ids, min(at for _i, at in mine), max(at for _i, at in mine))
+        assert len(plans) == 1, plans
+        assert "Nested Loop" not in plans[0], plans[0]
+        expected = c.execute("select count(*) filter (where payload ->> 'tg_name' = 'k'), "
+                             "count(*) filter (where payload ->> 'tg_name' <> 'k') from pgstream.events "
+                             "where id = any(%s)", [ids]).fetchone()
+        assert expected is not None and expected[0] > 0 and expected[1] > 0
+        assert _written(c) == {"k": expected[0], "": expected[1]}
+
+
+def test_recording_a_sparse_batch_probes_its_events_by_key(db_url: str) -> None:
+    """A batch whose ids are spread over a range more than 4 times its size (a long transaction's
+    events recorded with recent ones) is not read by a scan of the range: one primary key probe per
+    id, whatever the statistics."""
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("insert into pgstream.streams (id) values (1) on conflict do nothing")
         c.execute("insert into pgstream.events (payload, stream_id) "
                   "select jsonb_build_object('tg_name', 'k', 'n', g), 1 from generate_series(1, 30000) g")
         c.execute("analyze pgstream.events")
-        c.execute("insert into pgstream.events (payload, stream_id) "
-                  "select jsonb_build_object('tg_name', 'k', 'n', g), 1 from generate_series(1, 3000) g")
-        ids, lo, hi = c.execute("select array_agg(id order by id), min(created_at), max(created_at) from (select "
-                                "id, created_at from pgstream.events order by id desc limit 3000) e").fetchone() or ()
-        plans: list[str] = []
-        c.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
-        c.execute("load 'auto_explain'")
-        c.execute("set auto_explain.log_min_duration = 0")
-        c.execute("set auto_explain.log_nested_statements = on")
-        c.execute("set auto_explain.log_level = notice")
-        c.execute("insert into pgstream.batches (stream_id, kind, event_ids, event_count, first_event_id, "
-                  "last_event_id, min_created_at, max_created_at) values (1, 'stream', %s, %s, %s, %s, %s, %s)",
-                  [ids, len(ids), ids[0], ids[-1], lo, hi])
-        c.execute("set auto_explain.log_min_duration = -1")
-        counted = [p for p in plans if "tg_name" in p]
-        assert counted, plans
-        assert "events_" in counted[0] and "_pkey" in counted[0], counted[0]
-        assert "stream_id_created_at" not in counted[0], counted[0]
-        assert c.execute("select value from pgstream.stream_counters where stream_id = 1 and name = 'events_written'"
-                         ).fetchall() == [(3000,)]
+        rows = c.execute("select id, created_at from pgstream.events order by id").fetchall()
+        picked = rows[::20][:1000] + rows[-100:]
+        ids = [i for i, _at in picked]
+        assert max(ids) - min(ids) >= 4 * len(ids)
+        plans = _count_plans(c, ids, min(at for _i, at in picked), max(at for _i, at in picked))
+        assert len(plans) == 1, plans
+        assert "events_" in plans[0] and "_pkey" in plans[0], plans[0]
+        assert "stream_id_created_at" not in plans[0], plans[0]
+        assert _written(c) == {"": 1100}
 
 
 # --- events just decoded from the slot: counted and read back whatever the commit's visibility -------

@@ -55,6 +55,72 @@ as $$
 $$;
 revoke all on function pgstream._observe(bigint, text, float8) from public;
 
+-- events_written by subscription key, for a batch just recorded: the recording transaction reads the
+-- batch's events once (the writers' triggers count nothing), and looks at each event's payload.tg_name
+-- (a key of one of the stream's subscriptions, '' otherwise). Every event is found: the recorder waited
+-- until the batch's transactions are visible to new snapshots first (engine/ledger wait_until_visible;
+-- decoding hands a commit out before it leaves the proc array).
+--
+-- Two ways to find them, by how the batch's ids lie:
+-- * dense (the usual case: the ids of a batch come from one sequence in commit order, so they span little
+--   more than the batch): one scan of the id range on the primary key (id, created_at; the created_at
+--   range prunes the partitions), the batch's ids hashed. At most 4 rows of the range per event of the
+--   batch are read. No nested loop (enable_nestloop off in this function): a plan that probed the range
+--   once per id cost seconds per batch (the planner's estimate of the range was stale);
+-- * sparse (a long transaction's ids among many others'): one index probe per id, whatever the statistics
+--   (the stream is checked after the probe, not in it).
+-- Measured on 5,000-event batches: 7.3 ms per batch by probes, 2.1 ms by the range (bench/RESULTS.md,
+-- issue 32 items 2 and 3).
+create or replace function pgstream._count_written(p_stream_id bigint, p_ids bigint[], p_count bigint,
+                                                   p_from timestamptz, p_to timestamptz)
+returns void language plpgsql security definer
+set search_path = pg_catalog, pg_temp set enable_nestloop = off
+as $$
+declare
+    v_lo bigint;
+    v_hi bigint;
+begin
+    select min(x), max(x) into v_lo, v_hi from pg_catalog.unnest(p_ids) as x;
+    if v_lo is null then
+        return;
+    end if;
+    if v_hi - v_lo < 4 * greatest(p_count, 1) then
+        insert into pgstream.stream_counters as c (stream_id, name, label, value)
+        select p_stream_id, 'events_written', k.key, sum(k.n)
+        from (select case when exists (select 1 from pgstream.subscriptions s
+                                       where s.stream_id = p_stream_id and s.key = t.tg) then t.tg
+                          else '' end as key, t.n
+              from (select ev.payload ->> 'tg_name' as tg, count(*) as n
+                    from pgstream.events ev
+                    where ev.id between v_lo and v_hi
+                      and ev.created_at >= p_from and ev.created_at <= p_to
+                      and ev.stream_id = p_stream_id
+                      and ev.id in (select x from pg_catalog.unnest(p_ids) as x)
+                    group by 1) t) k
+        group by k.key
+        on conflict (stream_id, name, label) do update set value = c.value + excluded.value;
+        return;
+    end if;
+    insert into pgstream.stream_counters as c (stream_id, name, label, value)
+    select p_stream_id, 'events_written', k.key, sum(k.n)
+    from (select case when exists (select 1 from pgstream.subscriptions s
+                                   where s.stream_id = p_stream_id and s.key = t.tg) then t.tg
+                      else '' end as key, t.n
+          from (select e.tg, count(*) as n
+                from pg_catalog.unnest(p_ids) as x(id)
+                cross join lateral (
+                    select ev.payload ->> 'tg_name' as tg, ev.stream_id
+                    from pgstream.events ev
+                    where ev.id = x.id and ev.created_at >= p_from and ev.created_at <= p_to
+                    limit 1) e
+                where e.stream_id = p_stream_id
+                group by 1) t) k
+    group by k.key
+    on conflict (stream_id, name, label) do update set value = c.value + excluded.value;
+end
+$$;
+revoke all on function pgstream._count_written(bigint, bigint[], bigint, timestamptz, timestamptz) from public;
+
 -- The function of the triggers count_changes (below): what a row of pgstream.batches,
 -- pgstream.dead_letters or pgstream.failovers that was inserted, or whose status changed (a
 -- failover: ended), adds to the counters.
@@ -90,31 +156,8 @@ begin
     if tg_op = 'INSERT' then
         perform pgstream._count(new.stream_id, 'batches_recorded', '', 1);
         perform pgstream._count(new.stream_id, 'events_recorded', '', new.event_count);
-        -- by subscription key: the recording transaction reads the batch's events once, each by its
-        -- primary key (id, created_at; the created_at range prunes the partitions); the writers'
-        -- triggers do nothing more. The lookup is one index probe per id whatever the statistics: the
-        -- stream is checked after it (not in the probe), else once the partition is analyzed, a batch
-        -- newer than its histogram looked empty to the planner, which then scanned the stream's
-        -- (stream_id, created_at) index range once per id (seconds per batch of 10,000). Every event is
-        -- found: the recorder waited until the batch's transactions are visible to new snapshots first
-        -- (engine/ledger.py wait_until_visible; decoding hands a commit out before it leaves the proc array)
-        insert into pgstream.stream_counters as c (stream_id, name, label, value)
-        select new.stream_id, 'events_written', k.key, sum(k.n)
-        from (select case when exists (select 1 from pgstream.subscriptions s
-                                       where s.stream_id = new.stream_id and s.key = t.tg) then t.tg
-                          else '' end as key, t.n
-              from (select e.tg, count(*) as n
-                    from pg_catalog.unnest(new.event_ids) as x(id)
-                    cross join lateral (
-                        select ev.payload ->> 'tg_name' as tg, ev.stream_id
-                        from pgstream.events ev
-                        where ev.id = x.id
-                          and ev.created_at >= new.min_created_at and ev.created_at <= new.max_created_at
-                        limit 1) e
-                    where e.stream_id = new.stream_id
-                    group by 1) t) k
-        group by k.key
-        on conflict (stream_id, name, label) do update set value = c.value + excluded.value;
+        perform pgstream._count_written(new.stream_id, new.event_ids, new.event_count, new.min_created_at,
+                                        new.max_created_at);
         return null;
     end if;
     -- a status change

@@ -372,12 +372,17 @@ class _Round:
 
     def _in_order(self, source: Any, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
         """Global order: the publish loop yields what the sink confirmed and the run records each step in
-        the ledger before the loop publishes anything more. Returns the events handled."""
+        the ledger before the loop publishes anything more. Returns the events handled. A round that
+        lasts logs its progress (every tenth of it, at most every ``tuning.report_every_secs``): a
+        line of the run log is a write to Dagster's event log, which a round of a few thousand events
+        delivered in a fraction of a second does not need."""
         stream, conn = self.stream, self.conn
         total = sum(self.expected.values())
         chunk_size = stream.delivery.chunk_size
         step = max(chunk_size, total // 10)
         next_log, delivered = step, 0
+        every = stream.delivery.tuning.report_every_secs
+        logged_at = time.monotonic()
         too_large = dead_letters(stream, self.database_url).too_large
         with closing(publish_in_order(source, self.sink, chunk_size, skip=skip, reject=reject, owed=self.owed,
                                       too_large=too_large,
@@ -389,8 +394,10 @@ class _Round:
                     case BatchDone(batch_id, events):
                         self._mark_delivered(batch_id, events)
                     case Progress(handled) if next_log <= handled < total:
-                        self.host.log.info(f"stream {stream.id}: {handled}/{total} events handled")
                         next_log = handled + step
+                        if time.monotonic() - logged_at >= every:
+                            self.host.log.info(f"stream {stream.id}: {handled}/{total} events handled")
+                            logged_at = time.monotonic()
                     case Finished(handled):
                         delivered = handled
         return delivered

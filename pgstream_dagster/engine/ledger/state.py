@@ -46,6 +46,7 @@ from ..batches import (
     WarmRun,
 )
 from ..batches import Batch as Batch  # ledger.Batch: the delivery job's name for it
+from .recording import atomic
 
 _BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b.last_event_id, b.status, "
                   "b.attempts, b.run_key, s.incarnation, b.run_id, b.error, b.next_attempt_at, b.first_commit_at, "
@@ -304,7 +305,7 @@ def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_event
     else is in between, up to ``max_events`` undelivered events assigned to it) and wake it up.
     Nothing happens unless ``run_key`` is the stream's open run: the stream row's lock orders this
     against :func:`_close_run`, so a run that closed is never handed a batch."""
-    with conn.transaction():
+    with atomic(conn):
         row = conn.execute("select open_run_key from pgstream.streams where id = %s for update",
                            [stream_id]).fetchone()
         if row is None or row[0] is None or row[0] != run_key:
