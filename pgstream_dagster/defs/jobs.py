@@ -10,6 +10,8 @@ materialization of the stream's deliveries asset and an observation of its statu
 Engine errors become ``dg.Failure`` s with their metadata.
 """
 
+import json
+import threading
 from typing import Any
 
 import dagster as dg
@@ -17,10 +19,20 @@ from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig
 from ..engine import ledger
+from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
 from ..engine.slotreader import SlotReader
 from .lake import lake_materializations
-from .names import CONTROL_JOB, DELIVERY_JOB, RUN_KEY_TAG, STREAM_TAG, deliveries_asset_key
+from .names import (
+    CONTROL_JOB,
+    DELIVERY_JOB,
+    GROUP_DELIVERY_JOB,
+    GROUP_TAG,
+    RUN_KEY_TAG,
+    STREAM_TAG,
+    deliveries_asset_key,
+    member_tag,
+)
 from .resources import PgstreamResource
 from .status import status_observation
 
@@ -72,7 +84,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
         raise _failure(exc) from None
 
 
-def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary) -> None:
+def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, run_id: str | None = None) -> None:
     """The rounds of a reporting period: a line in the run log, a materialization of the stream's deliveries
     asset and an observation of its status asset (fresh counts without waiting for the sensor)."""
     rounds = f" in {s.rounds} rounds" if s.rounds > 1 else ""
@@ -90,8 +102,9 @@ def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary) ->
     for materialization in lake_materializations(stream, metadata):  # a lake sink's table (defs/lake.py)
         context.log_event(materialization)
     if s.status is not None:
-        state = f"live: run {context.run_id} (this run)" if s.this_run_open else None
-        context.log_event(status_observation(s.status, state, observer=f"delivery run {context.run_id}"))
+        run_id = run_id or context.run_id
+        state = f"live: run {run_id} (this run)" if s.this_run_open else None
+        context.log_event(status_observation(s.status, state, observer=f"delivery run {run_id}"))
 
 
 @dg.job(
@@ -101,3 +114,85 @@ def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary) ->
 )
 def delivery_job() -> None:
     deliver_batches(load_batches())
+
+
+# --- a reader group's delivery run -------------------------------------------------------------------
+
+class GroupDeliveryConfig(dg.Config):
+    group: str
+
+
+def member_state(run_key: str, state: str, error: str | None = None) -> str:
+    """The value of a group delivery run's :func:`~.names.member_tag`."""
+    return json.dumps({"run_key": run_key, "state": state, "error": error}, sort_keys=True)
+
+
+def _hosted_elsewhere(instance: dg.DagsterInstance, group: str, run_id: str, stream_id: int, run_key: str) -> bool:
+    """Whether a run other than group run ``run_id`` took member run ``run_key``: a run of the stream's own
+    (requested with that run key before its group's run delivered it), or another group delivery run."""
+    if instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1):
+        return True
+    for run in instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=20):
+        tag = run.tags.get(member_tag(stream_id))
+        if run.run_id != run_id and tag is not None and json.loads(tag).get("run_key") == run_key:
+            return True
+    return False
+
+
+@dg.op(description="Host the delivery runs of a reader group's streams in one process, one thread each (each with "
+                   "its own sink, delivery lease and ledger state); the streams' sensors decide their runs as for a "
+                   "run per stream. Ends after the shortest delivery.tuning.max_run_secs of its streams, or when no "
+                   "stream had a run for the longest delivery.tuning.linger_secs.")
+def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
+                  pgstream: dg.ResourceParam[PgstreamResource], pyspark: LazyPySparkResource) -> None:
+    group = config.group
+    streams = [s for s in pgstream.config.streams if s.reader == group]
+    if not streams:
+        raise dg.Failure(f"reader group {group} has no stream in {pgstream.config_path} (streams[].reader)")
+    instance, run_id = context.instance, context.run_id
+    lock = threading.Lock()  # one Spark session for the process; Dagster's event log written one at a time
+
+    def spark() -> Any:
+        with lock:
+            return pyspark.spark_session
+
+    def report(stream: StreamConfig, member: str) -> Any:
+        def told(summary: Summary) -> None:
+            with lock:
+                _report(context, stream, summary, member)
+        return told
+
+    def member_host(stream: StreamConfig, member: str) -> Host:
+        return Host(member, context.log, spark=spark, report=report(stream, member), control=f"the {CONTROL_JOB} job")
+
+    def claim(stream_id: int, run_key: str) -> bool:
+        with lock:
+            if _hosted_elsewhere(instance, group, run_id, stream_id, run_key):
+                return False
+            instance.add_run_tags(run_id, {member_tag(stream_id): member_state(run_key, "running")})
+        return True
+
+    def ended(stream_id: int, run_key: str, error: str | None) -> None:
+        with lock:
+            instance.add_run_tags(run_id, {member_tag(stream_id): member_state(
+                run_key, "ended" if error is None else "failed", error)})
+
+    host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended)
+    delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
+                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
+                             idle_secs=max(5.0, *(s.delivery.linger_secs for s in streams)))
+    try:
+        reason = delivery.run()
+    except ledger.LeaseTaken as exc:
+        raise dg.Failure(str(exc)) from None
+    context.log.info(f"reader group {group}: group delivery run ended ({reason})")
+
+
+@dg.job(
+    name=GROUP_DELIVERY_JOB,
+    description="Deliver the events of a reader group's streams, each stream's runs hosted in a thread of this one "
+                "run (requested by the group's sensor).",
+    executor_def=dg.in_process_executor,
+)
+def group_delivery_job() -> None:
+    deliver_group()
