@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
@@ -65,6 +66,10 @@ def _run_worker(root: int, run_id: str) -> int:
     (worker,) = {_parent(pid) for pid in descendants(root) if f"/storage/{run_id}/compute_logs" in _cmdline(pid)}
     assert "python" in _cmdline(worker) and worker != root, _cmdline(worker)
     return worker
+
+
+def _all_at_least(delivered: Callable[[int], list[int]], ids: list[int], n: int) -> Callable[[], bool]:
+    return lambda: all(len(delivered(i)) >= n for i in ids)
 
 
 def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_survives_kill_9(
@@ -127,8 +132,8 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_s
             for wave in range(1, 3):  # the failing member's retries do not hold the others back
                 for i in others:
                     insert_events(app, i, 10, start=100 * wave)
-                wait_for(f"wave {wave} on the healthy streams",
-                         lambda n=20 + 10 * wave: all(len(delivered(i)) >= n for i in others), 60, dev, state)
+                wait_for(f"wave {wave} on the healthy streams", _all_at_least(delivered, others, 20 + 10 * wave), 60,
+                         dev, state)
             # one group delivery run, no run per stream: one of the instance's 2 run slots for 12 streams
             (group_run,) = runs(GROUP_DELIVERY_JOB)
             assert group_run.status == dg.DagsterRunStatus.STARTED and group_run.tags[GROUP_TAG] == GROUP
@@ -169,3 +174,38 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_s
     finally:
         survivors = stop_process_group(dev.proc)
     assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
+
+
+def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(db_url: str, tmp_path: Path) -> None:
+    """The limits a group delivery run leaves: one of ``max_concurrent_runs`` for the whole group (a line only
+    once the ungrouped open runs, the group's run and one more do not fit), and a connection per member all the
+    same: a group too large for ``max_connections`` is one line naming the setting and the value to set."""
+    from pgstream_dagster.config import load_config
+    from pgstream_dagster.engine import limits
+
+    with psycopg.connect(db_url) as c:
+        server = limits.server_limits(c)
+    usable = server.max_connections - server.reserved_connections
+    members = usable // 3 + 1  # a sensor, a delivery run and its lease each: more than there is room for
+    streams = [{"id": i, "reader": "big", "delivery": {"mode": "open"},
+                "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in range(1, members + 1)]
+    streams += [{"id": 1000 + i, "delivery": {"mode": "open"},
+                 "sink": {"type": "file", "path": str(tmp_path / f"own{i}.jsonl")}} for i in (1, 2)]
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, streams))
+    # 2 ungrouped open runs + 1 group run + 1: fits in 4 whatever the group's size, not in 3
+    assert limits.run_problem(4, config.streams, "dagster.yaml") is None
+    assert limits.run_problem(3, config.streams, "dagster.yaml") == (
+        "max_concurrent_runs is 3 and 2 streams keep a run open (delivery.mode open or warm) and 1 reader groups keep "
+        "a group delivery run, plus one for housekeeping, checks and replays: a stream without a run waits up to "
+        "delivery.tuning.max_run_secs: set max_concurrent_runs = 8 under run_coordinator.config (or "
+        "concurrency.runs) in dagster.yaml")
+    with psycopg.connect(db_url) as c:
+        (line,) = [p for p in limits.postgres_problems(c, config.streams) if "max_connections" in p]
+    total = members + 2
+    needed = total * 3 + 2 + 3 + 4  # the 2 ungrouped streams read their slots; the group: its sensor, run, lease
+    suggest = max(8, -(-(needed + server.reserved_connections) // 8) * 8)
+    assert line == (
+        f"max_connections is {server.max_connections} ({usable} usable by the streams); {total} streams need up to "
+        f"{needed} (a sensor, a delivery run and its lease each, {members} of them in 1 reader group(s) whose "
+        f"delivery runs hold a connection per stream all the same, the slot readers, housekeeping): set "
+        f"max_connections = {suggest} in postgresql.conf and restart Postgres")

@@ -93,6 +93,9 @@ class GroupDelivery:
     hosted: set[str] = field(default_factory=set)  # every run key this group run took (or refused)
     errors: dict[int, str] = field(default_factory=dict)  # the last failure of each member
     _members: dict[int, _Member] = field(default_factory=dict)
+    #: per member: set when its ledger row moved (``ledger.member_signals``) or its run channel was notified
+    _wake: dict[int, threading.Event] = field(default_factory=dict)
+    _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
     _stopping: threading.Event = field(default_factory=threading.Event)
     _stop_reason: str | None = None
 
@@ -102,8 +105,10 @@ class GroupDelivery:
         lease = ledger.acquire_group_lease(self.database_url, self.group, self.host.run_id)
         log = self.host.log
         try:
-            for stream_id in by_id:  # a member's batches handed over wake the loop (extend_run notifies)
+            channels = {ledger.run_channel(stream_id): stream_id for stream_id in by_id}
+            for stream_id in by_id:  # a member's batches handed over wake its run (extend_run notifies)
                 ledger.listen_runs(lease, stream_id)
+                self._wake[stream_id] = threading.Event()
             log.info(f"reader group {self.group}: group delivery run hosting streams "
                      f"{', '.join(map(str, sorted(by_id)))}")
             opened = time.monotonic()
@@ -124,8 +129,9 @@ class GroupDelivery:
                 if self._stop_reason is not None:
                     if not self._members:
                         return self._stop_reason
-                    self._wait(lease, 0.2)
+                    self._wait(lease, channels, 0.2)
                     continue
+                self._watch(lease)
                 wanted = [m for m in ledger.member_runs(lease, self.group)
                           if m.stream_id in by_id and m.run_key not in self.hosted]
                 for order in wanted:
@@ -141,7 +147,7 @@ class GroupDelivery:
                     idle_since = now
                 elif now - idle_since >= self.idle_secs:
                     return f"no member had a run for {self.idle_secs:g}s"
-                self._wait(lease, POLL_SECS)
+                self._wait(lease, channels, POLL_SECS)
         except BaseException:
             self._stop("the group run is ending (interrupted or failed)")
             for member in list(self._members.values()):
@@ -153,12 +159,37 @@ class GroupDelivery:
     def _stop(self, reason: str) -> None:
         self._stop_reason = reason
         self._stopping.set()
+        for event in self._wake.values():
+            event.set()
         self.host.log.info(f"reader group {self.group}: the group delivery run ends ({reason}); its members' runs "
                            f"close")
 
-    def _wait(self, lease: psycopg.Connection, secs: float) -> None:
-        for _ in lease.notifies(timeout=secs, stop_after=1):
-            pass
+    def _wait(self, lease: psycopg.Connection, channels: dict[str, int], secs: float) -> None:
+        """Up to ``secs``, waking each member whose run channel is notified (batches handed to its run)."""
+        for notify in lease.notifies(timeout=secs):
+            stream_id = channels.get(notify.channel)
+            if stream_id is not None:
+                self._wake[stream_id].set()
+
+    def _watch(self, lease: psycopg.Connection) -> None:
+        """One query for the whole group: wake each member whose ledger row moved (paused, its open run, a
+        replay waiting, a batch launched): its run looks at the ledger only then (and every
+        ``WOKEN_POLL_SECS``), instead of twice a second."""
+        signals = ledger.member_signals(lease, self.group)
+        for stream_id, row in signals.items():
+            if stream_id in self._wake and self._signals.get(stream_id) != row:
+                self._wake[stream_id].set()
+        self._signals = signals
+
+    def _waker(self, stream_id: int) -> Callable[[float], bool]:
+        event = self._wake[stream_id]
+
+        def wake(timeout: float) -> bool:
+            woken = event.wait(timeout)
+            event.clear()  # before the run looks at the ledger: a change after this wakes it again
+            return woken
+
+        return wake
 
     def _reap(self) -> None:
         for stream_id in [s for s, m in self._members.items() if not m.thread.is_alive()]:
@@ -181,7 +212,7 @@ class GroupDelivery:
             return base.stop_check()
 
         host = Host(run_id, base.log, spark=base.spark, stop_check=stop_check, report=base.report,
-                    control=base.control, reader=None)
+                    control=base.control, reader=None, wake=self._waker(stream.id))
         error: str | None = None
         try:
             run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,

@@ -67,6 +67,9 @@ from .groups import (
     member_runs as member_runs,
 )
 from .groups import (
+    member_signals as member_signals,
+)
+from .groups import (
     open_run_keys as open_run_keys,
 )
 from .groups import (

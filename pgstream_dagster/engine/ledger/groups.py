@@ -173,3 +173,14 @@ def member_runs(conn: psycopg.Connection, group: str) -> list[MemberRun]:
         elif open_key is not None and head_key is None:
             out.append(MemberRun(int(stream_id), str(open_key)))
     return out
+
+
+def member_signals(conn: psycopg.Connection, group: str) -> dict[int, tuple[object, ...]]:
+    """What a member's open run waits on, per member, in one query for the group: paused, its open run, a
+    replay holding or waiting for its delivery lease, its newest launched batch. The group's delivery run
+    wakes a member's run when its row changed (instead of each idle run polling the ledger itself)."""
+    return {int(r[0]): tuple(r[1:]) for r in conn.execute(
+        """select s.id, s.paused, s.open_run_key, pgstream.lock_holder('replay', s.id) is not null,
+                  (select max(b.id) from pgstream.batches b
+                   where b.stream_id = s.id and b.status <> 'delivered' and b.status = 'launched')
+           from pgstream.streams s where s.reader_group = %s""", [group])}
