@@ -150,10 +150,11 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     if not streams:
         raise dg.Failure(f"reader group {group} has no stream in {pgstream.config_path} (streams[].reader)")
     instance, run_id = context.instance, context.run_id
-    lock = threading.Lock()  # one Spark session for the process; Dagster's event log written one at a time
+    lock = threading.Lock()  # Dagster's event log and the run's tags written one member at a time
+    spark_lock = threading.Lock()  # one Spark session for the process, started by the first member needing it
 
     def spark() -> Any:
-        with lock:
+        with spark_lock:
             return pyspark.spark_session
 
     def report(stream: StreamConfig, member: str) -> Any:
