@@ -466,8 +466,11 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         cursor = json.loads(context.cursor) if context.cursor else {}
         with pgstream.connect() as conn:
             try:
+                # without a live group delivery run the tick is short: the run its members wait for is requested
+                # at the tick's end (a group run process takes seconds to start)
+                live = any(r.status in _LIVE for r in _group_runs(context.instance, group, limit=5))
                 with fewer_collections():  # the tick records in bulk
-                    result = consume_group(conn, group, streams, budget)
+                    result = consume_group(conn, group, streams, budget if live else min(budget, 1.0))
             except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange) as exc:  # one line, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
