@@ -141,8 +141,8 @@ def _hosted_elsewhere(instance: dg.DagsterInstance, group: str, run_id: str, str
 
 @dg.op(description="Host the delivery runs of a reader group's streams in one process, one thread each (each with "
                    "its own sink, delivery lease and ledger state); the streams' sensors decide their runs as for a "
-                   "run per stream. Ends after the shortest delivery.tuning.max_run_secs of its streams, or when no "
-                   "stream had a run for the longest delivery.tuning.linger_secs.")
+                   "run per stream. Ends after the shortest delivery.tuning.max_run_secs of its streams, or (streams "
+                   "in mode per_batch only) when no stream had a run for 5 s.")
 def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
                   pgstream: dg.ResourceParam[PgstreamResource], pyspark: LazyPySparkResource) -> None:
     group = config.group
@@ -181,7 +181,7 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended)
     delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
                              max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
-                             idle_secs=max(5.0, *(s.delivery.linger_secs for s in streams)))
+                             idle_secs=(float("inf") if any(s.delivery.keeps_open for s in streams) else 5.0))
     try:
         reason = delivery.run()
     except ledger.LeaseTaken as exc:

@@ -436,13 +436,17 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                 continue
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()})"
     wanted = ledger.member_runs(conn, group)
-    if not wanted:
+    # a group with streams in modes open or warm keeps its delivery run up (a first event after a quiet spell,
+    # or the location's start, waits for no process to start); one of mode per_batch streams only is requested
+    # when a member has a run to host, and ends once idle
+    if not wanted and not any(s.delivery.keeps_open for s in streams):
         return None, "no member has a run to host"
     key = f"pgstream-group-{group}-{int(time.time())}"
     members = ", ".join(str(m.stream_id) for m in wanted)
     return dg.RunRequest(run_key=key, job_name=GROUP_DELIVERY_JOB,
                          run_config={"ops": {"deliver_group": {"config": {"group": group}}}},
-                         tags={GROUP_TAG: group}), f"requested for stream(s) {members}"
+                         tags={GROUP_TAG: group}), (f"requested for stream(s) {members}" if wanted else
+                                                    "requested (its streams keep their runs open)")
 
 
 def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
