@@ -382,9 +382,10 @@ def _group_slot(url: str) -> str:
 def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the_group_back(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
     """Stream 1 (mode open, a file sink) and stream 2 (a sink that refuses every call) in one group, hosted by
-    the group's delivery run (one run throughout, until the shortest max_run_secs of the two): stream 1's open run starts no slot reader and takes the batches the group's
-    sensor hands it; stream 2's member run fails in its thread (the group run goes on), its sensor puts it in
-    failover, and the group's sensor goes on recording both."""
+    the group's delivery run (one run throughout, until the shortest max_run_secs of the two): stream 1's open
+    run starts no slot reader and takes the batches the group's sensor hands it; stream 2's member run fails in
+    its thread (the group run goes on), its sensor puts it in failover, and the group's sensor goes on
+    recording both."""
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "reader": "pair", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
          "delivery": {"mode": "open", "tuning": {"linger_secs": 3, "max_run_secs": 60}},
