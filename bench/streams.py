@@ -172,9 +172,9 @@ def _rss(pids: list[int]) -> int:
 
 
 def _postgres_pids(pg: LocalPostgres) -> list[int]:
-    with psycopg.connect(pg.url, autocommit=True) as conn:
+    with psycopg.connect(pg.url, autocommit=True) as conn:  # its backend's parent, while the backend lives
         (pid,) = conn.execute("select pg_backend_pid()").fetchone()  # type: ignore[misc]
-    parent = psutil.Process(pid).ppid()
+        parent = psutil.Process(pid).ppid()
     return [parent, *(c.pid for c in psutil.Process(parent).children())]
 
 
