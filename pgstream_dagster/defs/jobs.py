@@ -11,7 +11,9 @@ Engine errors become ``dg.Failure`` s with their metadata.
 """
 
 import json
+import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
@@ -28,6 +30,7 @@ from .names import (
     DELIVERY_JOB,
     GROUP_DELIVERY_JOB,
     GROUP_TAG,
+    MEMBER_TAG_PREFIX,
     RUN_KEY_TAG,
     STREAM_TAG,
     deliveries_asset_key,
@@ -127,16 +130,45 @@ def member_state(run_key: str, state: str, error: str | None = None) -> str:
     return json.dumps({"run_key": run_key, "state": state, "error": error}, sort_keys=True)
 
 
-def _hosted_elsewhere(instance: dg.DagsterInstance, group: str, run_id: str, stream_id: int, run_key: str) -> bool:
-    """Whether a run other than group run ``run_id`` took member run ``run_key``: a run of the stream's own
-    (requested with that run key before its group's run delivered it), or another group delivery run."""
-    if instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1):
-        return True
+def _hosted_by_other_group_runs(instance: dg.DagsterInstance, group: str, run_id: str) -> set[tuple[int, str]]:
+    """The member runs (stream id, run key) the group's other delivery runs took: runs that ended or died
+    (one group delivery run at a time), so read once when a group run starts."""
+    taken: set[tuple[int, str]] = set()
     for run in instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=20):
-        tag = run.tags.get(member_tag(stream_id))
-        if run.run_id != run_id and tag is not None and json.loads(tag).get("run_key") == run_key:
-            return True
-    return False
+        if run.run_id == run_id:
+            continue
+        for key, value in run.tags.items():
+            if key.startswith(MEMBER_TAG_PREFIX):
+                taken.add((int(key.removeprefix(MEMBER_TAG_PREFIX)), str(json.loads(value).get("run_key"))))
+    return taken
+
+
+class _Reporter:
+    """Writes the members' reports (materializations, status observations) to Dagster's event log from one
+    thread of its own, in order: a member's delivery loop only queues them, so a hundred members do not wait
+    for each other's event-log writes."""
+
+    def __init__(self, context: dg.OpExecutionContext) -> None:
+        self.context = context
+        self.queue: queue.SimpleQueue[tuple[StreamConfig, Summary, str] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._write, name="pgstream-group-reports", daemon=True)
+        self.thread.start()
+
+    def told(self, stream: StreamConfig, member: str) -> Callable[[Summary], None]:
+        return lambda summary: self.queue.put((stream, summary, member))
+
+    def _write(self) -> None:
+        while (item := self.queue.get()) is not None:
+            stream, summary, member = item
+            try:
+                _report(self.context, stream, summary, member)
+            except Exception as exc:  # a report lost is logged; deliveries go on
+                self.context.log.warning(f"stream {stream.id}: report of member run {member} not written: {exc}")
+
+    def close(self) -> None:
+        """Write what is queued, then stop."""
+        self.queue.put(None)
+        self.thread.join(60)
 
 
 @dg.op(description="Host the delivery runs of a reader group's streams in one process, one thread each (each with "
@@ -150,26 +182,25 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     if not streams:
         raise dg.Failure(f"reader group {group} has no stream in {pgstream.config_path} (streams[].reader)")
     instance, run_id = context.instance, context.run_id
-    lock = threading.Lock()  # Dagster's event log and the run's tags written one member at a time
+    lock = threading.Lock()  # the run's tags written one member at a time
     spark_lock = threading.Lock()  # one Spark session for the process, started by the first member needing it
+    elsewhere = _hosted_by_other_group_runs(instance, group, run_id)
+    reporter = _Reporter(context)
 
     def spark() -> Any:
         with spark_lock:
             return pyspark.spark_session
 
-    def report(stream: StreamConfig, member: str) -> Any:
-        def told(summary: Summary) -> None:
-            with lock:
-                _report(context, stream, summary, member)
-        return told
-
     def member_host(stream: StreamConfig, member: str) -> Host:
-        return Host(member, context.log, spark=spark, report=report(stream, member), control=f"the {CONTROL_JOB} job")
+        return Host(member, context.log, spark=spark, report=reporter.told(stream, member),
+                    control=f"the {CONTROL_JOB} job")
 
     def claim(stream_id: int, run_key: str) -> bool:
+        """Not a run key a run of the stream's own (requested before its group's run delivered it) or another
+        group delivery run took: a member run is hosted once; recorded in the member's tag."""
+        if (stream_id, run_key) in elsewhere or instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1):
+            return False
         with lock:
-            if _hosted_elsewhere(instance, group, run_id, stream_id, run_key):
-                return False
             instance.add_run_tags(run_id, {member_tag(stream_id): member_state(run_key, "running")})
         return True
 
@@ -186,6 +217,8 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         reason = delivery.run()
     except ledger.LeaseTaken as exc:
         raise dg.Failure(str(exc)) from None
+    finally:
+        reporter.close()
     context.log.info(f"reader group {group}: group delivery run ended ({reason})")
 
 

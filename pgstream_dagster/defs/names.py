@@ -49,10 +49,14 @@ def group_sensor_name(group: str) -> str:
     return f"pgstream_group_{group}"
 
 
+#: a group delivery run's tags of its members' runs (:func:`member_tag`)
+MEMBER_TAG_PREFIX = "pgstream/member_"
+
+
 def member_tag(stream_id: int) -> str:
     """The tag of a group delivery run saying what became of the member run of stream ``stream_id`` it
     hosts (a JSON object: ``run_key``, ``state`` running, ended or failed, ``error``)."""
-    return f"pgstream/member_{stream_id}"
+    return f"{MEMBER_TAG_PREFIX}{stream_id}"
 
 
 def subscriptions_op_name(stream_id: int) -> str:
