@@ -432,6 +432,10 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
                              ).fetchone() == (True, "group:pair")
             assert c.execute("select count(*) from pg_stat_replication").fetchone() == (0,)
     assert len(group.runs) == 1 and run.thread.is_alive()  # one group run hosted both throughout
+    # stream 1's status asset shows its open run as the member run the group run hosts, holding the lease
+    shown = [str(o.metadata["open_run_state"].value) for o in driver.observations
+             if o.asset_key == dg.AssetKey(["pgstream", "stream_1", "status"]) and "open_run_state" in o.metadata]
+    assert any(state.startswith(f"live: member run {dagster_run.run_id}/1") for state in shown), shown
     assert sorted(delivered()) == _events(db_url, 1)
     # stream 2 is in failover, and every event of it is recorded all the same
     assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 25
