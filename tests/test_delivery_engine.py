@@ -281,7 +281,8 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
     decided (here: warm runs written in the ledger, one run key already hosted elsewhere), hosts each in a
     thread as member run ``<group run>/<stream>`` holding the member's lease; idle members do not poll the ledger
     (the group watches their rows in one query and wakes the one whose batches were handed over: delivered
-    within a second); stream 4's sink refuses, its run ends alone and is told; the group run ends once idle."""
+    within a second), and the one a replay waits for (it closes, the replay takes the lease); stream 4's sink
+    refuses, its run ends alone and is told; the group run ends once idle."""
     from pgstream_dagster.engine.delivery import group as group_delivery
     from pgstream_dagster.engine.delivery import run as delivery_run
 
@@ -341,6 +342,11 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
         for i in (1, 2, 3):
             sent = [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [i])]
             assert out(i) == sent
+        # a replay of stream 1 waits for its delivery lease: the group wakes the member's idle run, which closes
+        took = time.monotonic()
+        ledger.acquire_replay_lease(db_url, 1, "replay-test").close()
+        assert time.monotonic() - took < 4
+        assert any("stream 1: run closed (a replay of the stream waits" in m for _level, m in logs.lines)
         thread.join(30)  # idle for linger_secs: the members' runs close, then the group run ends
         assert not thread.is_alive() and outcome == ["no member had a run for 1s"], (outcome, logs.lines[-5:])
         assert set(ended) == {1, 2, 3, failing} and all(ended[i] is None for i in (1, 2, 3))
