@@ -4,14 +4,15 @@ lease, ledger connection and state machine, exactly as a run per stream has (doc
 for many streams").
 
 The streams' sensors decide as for a run per stream (``batches.decide``: launch, hand over, fail over) and
-write the member's run in the ledger (a launched head batch, an open run); :class:`GroupDelivery` picks
-up what each member wants hosted (``ledger.member_runs``: one query per second for the whole group, or at
-once when a member's batches are handed over: one ``LISTEN`` connection for the group) and starts that
-member's run in a thread as *member run* ``<group run id>/<stream id>``, the holder of the member's delivery
-lease. A member's run that fails (its sink refuses) ends its own thread only, gives its lease up and is
-told to the host (:attr:`GroupHost.ended`): the stream's sensor sees it failed and puts the stream in
-failover; the other members go on. A run key is hosted once (:attr:`GroupHost.claim`): a retry is a new
-run the sensor decides.
+write the member's run in the ledger (a launched head batch, an open run); :class:`GroupDelivery` picks up
+what each member wants hosted (``ledger.member_runs``: one query a second for the whole group) and starts
+that member's run in a thread as *member run* ``<group run id>/<stream id>``, the holder of the member's
+delivery lease. The members' runs do not poll the ledger while idle: one ``LISTEN`` on their run channels
+and one query a second (``ledger.member_signals``) wake the member whose run was handed batches, paused,
+closed or waited for by a replay (:attr:`~.run.Host.wake`). A member's run that fails (its sink refuses)
+ends its own thread only, gives its lease up and is told to the host (:attr:`GroupHost.ended`): the stream's
+sensor sees it failed and puts the stream in failover; the other members go on. A run key is hosted once
+(:attr:`GroupHost.claim`): a retry is a new run the sensor decides.
 
 The group run holds the group's delivery lease (``ledger.acquire_group_lease``) for as long as it lives,
 so a dead group run (its process killed) is told from a live one; it ends once
