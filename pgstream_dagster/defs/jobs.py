@@ -134,7 +134,7 @@ def _hosted_by_other_group_runs(instance: dg.DagsterInstance, group: str, run_id
     """The member runs (stream id, run key) the group's other delivery runs took: runs that ended or died
     (one group delivery run at a time), so read once when a group run starts."""
     taken: set[tuple[int, str]] = set()
-    for run in instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=20):
+    for run in instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=100):
         if run.run_id == run_id:
             continue
         for key, value in run.tags.items():

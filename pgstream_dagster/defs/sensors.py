@@ -175,37 +175,53 @@ def _group_runs(instance: dg.DagsterInstance, group: str, limit: int = 20) -> li
     return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=limit))
 
 
+def _member_host(instance: dg.DagsterInstance, group: str, stream_id: int,
+                 run_key: str) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
+    """The group delivery run that took member run ``run_key`` of stream ``stream_id``, and its member tag:
+    the newest group runs first (nearly always one of them), then the older ones."""
+    for limit in (3, 100):
+        for run in _group_runs(instance, group, limit=limit):
+            raw = run.tags.get(member_tag(stream_id))
+            member = json.loads(raw) if raw else {}
+            if member.get("run_key") == run_key:
+                return run, member
+    return None
+
+
 def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-                 run_key: str) -> tuple[RunView, str | None]:
+                 run_key: str) -> tuple[RunView, str | None] | None:
     """The member run ``run_key`` of a reader group's stream, hosted by the group's delivery run: what that
     run said of it (its member tag: running, ended, failed with the error), the group run's Dagster status
-    and, while it is started, the member's delivery lease (held: live; lost: dead, its process died). A run
-    no group run took yet waits for one (the group's sensor requests it)."""
-    group = stream.reader or ""
-    for run in _group_runs(instance, group):
-        raw = run.tags.get(member_tag(stream.id))
-        member = json.loads(raw) if raw else {}
-        if member.get("run_key") != run_key:
-            continue
-        member_id = member_run_id(run.run_id, stream.id)
-        if member.get("state") == "failed":
-            return RunView(RunStatus.FAILED, member_id, dg.DagsterRunStatus.FAILURE.value, member.get("error")), None
-        if member.get("state") == "ended":
-            return RunView(RunStatus.SUCCEEDED, member_id), None
-        if run.status == dg.DagsterRunStatus.STARTED:
-            state = ledger.lease_state(conn, member_id)
-            if state is ledger.LeaseState.LOST:
-                return RunView(RunStatus.DEAD, member_id, dg.DagsterRunStatus.FAILURE.value,
-                               "the database session holding its delivery lease has ended (the group delivery run's "
-                               "process died, or Postgres restarted): it delivers nothing more"), None
-            held = "it holds the delivery lease" if state is ledger.LeaseState.HELD else "starting"
-            return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({held})"
-        if run.status in _LIVE:
-            return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({run.status.value.lower()})"
-        error = run_failure_message(instance, run.run_id) or f"group delivery run {run.run_id} is {run.status.value}"
-        return RunView(RunStatus.FAILED, member_id, run.status.value, error,
-                       interrupted=run.status in _FAILED and _interrupted_before_load(instance, run)), None
-    return RunView(RunStatus.LIVE, run_key), f"the delivery run of reader group {group} to take run {run_key}"
+    and, while it is started, the member's delivery lease (held: live; lost: dead, its process died). None:
+    no group run took it (yet)."""
+    found = _member_host(instance, stream.reader or "", stream.id, run_key)
+    if found is None:
+        return None
+    run, member = found
+    member_id = member_run_id(run.run_id, stream.id)
+    if member.get("state") == "failed":
+        return RunView(RunStatus.FAILED, member_id, dg.DagsterRunStatus.FAILURE.value, member.get("error")), None
+    if member.get("state") == "ended":
+        return RunView(RunStatus.SUCCEEDED, member_id), None
+    if run.status == dg.DagsterRunStatus.STARTED:
+        state = ledger.lease_state(conn, member_id)
+        if state is ledger.LeaseState.LOST:
+            return RunView(RunStatus.DEAD, member_id, dg.DagsterRunStatus.FAILURE.value,
+                           "the database session holding its delivery lease has ended (the group delivery run's "
+                           "process died, or Postgres restarted): it delivers nothing more"), None
+        held = "it holds the delivery lease" if state is ledger.LeaseState.HELD else "starting"
+        return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({held})"
+    if run.status in _LIVE:
+        return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({run.status.value.lower()})"
+    error = run_failure_message(instance, run.run_id) or f"group delivery run {run.run_id} is {run.status.value}"
+    return RunView(RunStatus.FAILED, member_id, run.status.value, error,
+                   interrupted=run.status in _FAILED and _interrupted_before_load(instance, run)), None
+
+
+def _waiting_member(stream: StreamConfig, run_key: str) -> tuple[RunView, str]:
+    """A member run no group run took yet: it waits for the group's delivery run (the group's sensor
+    requests one when none is live)."""
+    return RunView(RunStatus.LIVE, run_key), f"the delivery run of reader group {stream.reader} to take run {run_key}"
 
 
 def _report_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, view: RunView, stream: StreamConfig,
@@ -222,10 +238,15 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     reported failed to Dagster as soon as it is seen."""
     state = ledger.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
-    run = _find_run(instance, state.watched_run_key)
-    if run is None and stream.reader is not None and state.watched_run_key:
-        # a reader group's member: its runs are hosted by the group's delivery run (no Dagster run of its own)
-        view, doing = _member_view(conn, instance, stream, state.watched_run_key)
+    key = state.watched_run_key
+    # a reader group's member: its runs are hosted by the group's delivery run (no Dagster run of its own,
+    # unless one was requested before its group's run delivered it)
+    member = _member_view(conn, instance, stream, key) if stream.reader is not None and key else None
+    run = _find_run(instance, key) if member is None else None
+    if member is not None:
+        view, doing = member
+    elif run is None and stream.reader is not None and key:
+        view, doing = _waiting_member(stream, key)
     else:
         view, doing = _run_view(conn, instance, run, stream, now)
     action = decide(state, view, now, stream)
@@ -284,9 +305,10 @@ def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_k
     lease), ``starting`` (not delivering yet), or ``gone`` with why (no such run, it ended, or it took
     the lease and holds it no more: its process died; the sensor fails it at its next decision). A reader
     group's member: its member run in the group's delivery run."""
-    run = _find_run(instance, run_key)
+    member = _member_view(conn, instance, stream, run_key) if stream is not None and stream.reader else None
+    run = _find_run(instance, run_key) if member is None else None
     if run is None and stream is not None and stream.reader is not None:
-        view, doing = _member_view(conn, instance, stream, run_key)
+        view, doing = member or _waiting_member(stream, run_key)
         if view.status is RunStatus.LIVE:
             held = doing is not None and "holds the delivery lease" in doing
             return f"{'live' if held else 'starting'}: {doing}"
