@@ -11,6 +11,8 @@ storage). Measured:
 - with one row a second on every table for ``--duration`` s: commit -> webhook p50/p99 and events
   missing once the window has drained;
 - processes and total RSS of everything `dg dev` started, at the window's end;
+- the delivery runs Dagster ran: runs per stream (``pgstream_delivery``) and, for a reader group, group
+  delivery runs (``pgstream_group_delivery``: one process hosting every member's runs);
 - CPU-seconds of those processes and of the Postgres server over the window, per event delivered;
 - replication slots and WAL senders in use.
 
@@ -108,9 +110,9 @@ def _rss(pids: list[int]) -> int:
 
 
 def _postgres_pids(pg: LocalPostgres) -> list[int]:
-    with psycopg.connect(pg.url, autocommit=True) as conn:
+    with psycopg.connect(pg.url, autocommit=True) as conn:  # its backend's parent, while the backend lives
         (pid,) = conn.execute("select pg_backend_pid()").fetchone()  # type: ignore[misc]
-    parent = psutil.Process(pid).ppid()
+        parent = psutil.Process(pid).ppid()
     return [parent, *(c.pid for c in psutil.Process(parent).children())]
 
 
@@ -209,6 +211,8 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         with psycopg.connect(dagster_url.replace("+psycopg2", ""), autocommit=True) as conn:
             result["runs"] = conn.execute("select count(*) from runs where pipeline_name = 'pgstream_delivery'"
                                           ).fetchone()[0]  # type: ignore[index]
+            result["group_runs"] = conn.execute("select count(*) from runs where pipeline_name = "
+                                                "'pgstream_group_delivery'").fetchone()[0]  # type: ignore[index]
     finally:
         stop_process_group(dev.proc)
         receivers.stop()
@@ -285,7 +289,8 @@ def main() -> None:
             f"{len(r['never_delivered'])} never delivered; p50 {r['p50'] * 1000:.0f} ms, p99 {r['p99'] * 1000:.0f} ms "
             f"over {r['events']} events ({r['missing']} missing); {r['processes']} processes, "
             f"RSS {r['rss_bytes'] / GiB:.2f} GiB; CPU {r['cpu_per_event_ms']:.1f} ms per event{ratio}; "
-            f"{r['slots']} slots, {r['wal_senders']} WAL senders; {r['runs']} delivery runs"
+            f"{r['slots']} slots, {r['wal_senders']} WAL senders; {r['runs']} delivery runs, "
+            f"{r.get('group_runs', 0)} group delivery runs"
             + (f"; misses: {', '.join(misses)}" if misses else "; meets the goals"))
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")

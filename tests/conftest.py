@@ -33,8 +33,8 @@ from .support.sinks import nats_admin, unique
 SLOWEST_FILES = ("test_spark_cluster.py", "test_code_location.py", "test_failover.py", "test_fault_integrity.py",
                  "test_spark_connect.py", "test_backfill.py", "test_spark_source.py", "test_spark_memory.py",
                  "test_browser.py", "test_by_key_resume.py", "test_runtime_role.py", "test_lake_pipeline.py",
-                 "test_automation_e2e.py", "test_open_runs.py", "test_asset_checks.py", "test_streaming.py",
-                 "test_memory_bytes.py", "test_components.py")
+                 "test_automation_e2e.py", "test_group_delivery.py", "test_open_runs.py", "test_asset_checks.py",
+                 "test_streaming.py", "test_memory_bytes.py", "test_components.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

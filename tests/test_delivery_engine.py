@@ -292,3 +292,82 @@ def test_one_process_hosts_a_groups_runs_in_threads_and_a_failing_sink_stops_onl
         assert ledger.lease_state(c, f"hosted-{failing}") is not ledger.LeaseState.HELD
         assert {r[0] for r in c.execute("select status from pgstream.batches where stream_id <> %s",
                                         [failing])} == {BatchStatus.DELIVERED}
+
+
+def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member_ends_alone(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group delivery run without Dagster (:class:`GroupDelivery`): it takes the runs the members' sensors
+    decided (here: warm runs written in the ledger, one run key already hosted elsewhere), hosts each in a
+    thread as member run ``<group run>/<stream>`` holding the member's lease; idle members do not poll the ledger
+    (the group watches their rows in one query and wakes the one whose batches were handed over: delivered
+    within a second), and the one a replay waits for (it closes, the replay takes the lease); stream 4's sink
+    refuses, its run ends alone and is told; the group run ends once idle."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+    from pgstream_dagster.engine.delivery import run as delivery_run
+
+    ids, failing, elsewhere = [1, 2, 3, 4, 5], 4, 5
+    path = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": "hosted", "batch": {"max_size": 50, "max_fill_secs": 0},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 6, "max_run_secs": 300}},
+         "sink": ({"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1, "max_retry_secs": 0}
+                  if i == failing else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")})}
+        for i in ids])
+    streams = list(load_config(path).streams)
+    polls: dict[str, int] = {}
+    assigned_after = ledger.assigned_after
+
+    def counted(conn: psycopg.Connection, run_key: str, after: int) -> list[ledger.Batch]:
+        polls[run_key] = polls.get(run_key, 0) + 1
+        return assigned_after(conn, run_key, after)
+
+    monkeypatch.setattr(ledger, "assigned_after", counted)
+    ended: dict[int, str | None] = {}
+    logs = Log()
+    host = group_delivery.GroupHost("grp", logs, lambda stream, run_id: Host(run_id, logs),
+                                    claim=lambda stream_id, _key: stream_id != elsewhere,
+                                    ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error))
+    delivery = group_delivery.GroupDelivery("hosted", streams, db_url, db_url, host, max_run_secs=300, idle_secs=1)
+    outcome: list[str] = []
+
+    def out(i: int) -> list[int]:
+        sink = tmp_path / f"out{i}.jsonl"
+        return [e["id"] for e in read_jsonl(sink)] if sink.exists() else []
+
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, "hosted", streams, 0)
+        for i in ids:  # what the members' sensors decide: a warm run each (the group's reader hands them batches)
+            assert ledger.open_warm_run(c, i, f"warm-{i}", reads_slot=False)
+        insert_events(db_url, failing, 5)
+        while not ledger.assigned_after(c, f"warm-{failing}", 0):  # handed to its run: its sink refuses them
+            ingest.consume_group(c, "hosted", streams, 0.05)
+        thread = threading.Thread(target=lambda: outcome.append(delivery.run()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while ledger.lease_state(c, "grp/1") is not ledger.LeaseState.HELD or failing not in ended:
+            assert time.monotonic() < deadline and thread.is_alive(), (ended, logs.lines[-5:])
+            time.sleep(0.1)
+        assert ended == {failing: ended[failing]} and "connection failed" in str(ended[failing])  # it alone ended
+        assert ledger.lease_state(c, "grp/5") is ledger.LeaseState.NOT_TAKEN  # hosted elsewhere: left alone
+        polls.clear()
+        time.sleep(1.5)  # idle (linger 6 s): the members wait to be woken
+        assert sum(polls.values()) <= 3, polls  # a run polling on its own looks about 3 times each in 1.5 s
+        for i in (1, 2, 3):
+            insert_events(db_url, i, 10)
+        handed = time.monotonic()
+        while not all(len(out(i)) == 10 for i in (1, 2, 3)):
+            assert time.monotonic() - handed < 10
+            ingest.consume_group(c, "hosted", streams, 0.05)
+        assert time.monotonic() - handed < 3  # woken when the group's reader handed the batches over
+        for i in (1, 2, 3):
+            sent = [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [i])]
+            assert out(i) == sent
+        # a replay of stream 1 waits for its delivery lease: the group wakes the member's idle run, which closes
+        took = time.monotonic()
+        ledger.acquire_replay_lease(db_url, 1, "replay-test").close()
+        assert time.monotonic() - took < 4
+        assert any("stream 1: run closed (a replay of the stream waits" in m for _level, m in logs.lines)
+        thread.join(30)  # idle for linger_secs: the members' runs close, then the group run ends
+        assert not thread.is_alive() and outcome == ["no member had a run for 1s"], (outcome, logs.lines[-5:])
+        assert set(ended) == {1, 2, 3, failing} and all(ended[i] is None for i in (1, 2, 3))
+        assert ledger.group_lease_state(c, "hosted", "grp") is ledger.LeaseState.NOT_TAKEN  # given up
+    assert delivery_run.WOKEN_POLL_SECS > 1.5

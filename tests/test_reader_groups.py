@@ -20,6 +20,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config
+from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, ledger, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
@@ -301,68 +302,78 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
 
 # --- end to end through Dagster ---------------------------------------------------------------------
 
-#: runs dequeued per round, as a run coordinator with max_concurrent_runs 4 would start them: fewer than the streams
-MAX_RUNS = 4
+class GroupRuns:
+    """The reader group's sensor ticked by the test, and the group delivery runs it requests executed in a
+    thread of the test (one at a time, as the tag pgstream/group allows), while the test ticks the sensors."""
+
+    def __init__(self, driver: Driver, instance: dg.DagsterInstance, group: str) -> None:
+        self.driver, self.instance, self.group = driver, instance, group
+        self.sensor = driver.defs.resolve_sensor_def(f"pgstream_group_{group}")
+        self.cursor: str | None = None
+        self.runs: list[Background] = []
+
+    def tick(self) -> str | None:
+        resources = self.driver.defs.resources or {}
+        ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursor, sensor_name=self.sensor.name,
+                                      resources={"pgstream": resources["pgstream"]})
+        result = self.sensor.evaluate_tick(ctx)
+        self.cursor = result.cursor
+        for request in result.run_requests or []:
+            assert request.job_name == GROUP_DELIVERY_JOB and request.tags["pgstream/group"] == self.group
+            for run in self.runs:  # Dagster shows a run ended a moment before execute_in_process returns
+                assert run.wait(10).success, "a second group run while one is live"
+            self.runs.append(Background(self.driver, request))
+        return result.skip_message
+
+    def wait(self, timeout: float = 60) -> None:
+        for run in self.runs:
+            assert run.wait(timeout).success
 
 
-def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and_runs(
+def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and_a_group_run(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    """Twelve streams (more than Postgres' default 10 slots, more than MAX_RUNS runs at a time) in one group:
-    the group's sensor records for all of them from one slot, each stream's sensor requests its runs (open,
-    closing after a short linger), which are executed MAX_RUNS per round (in process, one after another:
-    Dagster's in-process execution is not thread-safe), and every event reaches its stream's sink exactly once."""
+    """Twelve streams (more than Postgres' default 10 slots) in one group: the group's sensor records for all of
+    them from one slot and requests the group's delivery run, which hosts each stream's runs (open, closing
+    after a short linger; the group run itself ends after max_run_secs and the sensor requests the next one);
+    the streams' sensors decide their runs and request no Dagster run; every event reaches its stream's sink
+    exactly once, in commit order."""
     ids = list(range(1, 13))
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "all", "batch": {"max_size": 40, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.05},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}  # mode open, a short linger (harness)
         for i in ids])
     driver = Driver(config, instance)
-    group = driver.defs.resolve_sensor_def("pgstream_group_all")
-    cursor: list[str | None] = [None]
-
-    def group_tick() -> str | None:
-        resources = driver.defs.resources or {}
-        ctx = dg.build_sensor_context(instance=instance, cursor=cursor[0], sensor_name=group.name,
-                                      resources={"pgstream": resources["pgstream"]})
-        result = group.evaluate_tick(ctx)
-        assert not result.run_requests
-        cursor[0] = result.cursor
-        return result.skip_message
+    group = GroupRuns(driver, instance, "all")
 
     def delivered(i: int) -> list[int]:
-        return [e["id"] for e in read_jsonl(tmp_path / f"out{i}.jsonl")]
+        path = tmp_path / f"out{i}.jsonl"
+        return [e["id"] for e in read_jsonl(path)] if path.exists() else []
 
     started = time.monotonic()
-    group_tick()
-    for i in ids:
-        assert not driver.tick(i).run_requests
+    group.tick()
+    assert len(group.runs) == 1  # its streams keep runs open (mode open): the group run is up before any batch
     waves, per_wave = 3, 15
-    queued: list[dg.RunRequest] = []
-    wave, rounds = 0, 0
+    wave = 0
     while True:
         if wave < waves:
             for i in ids:
                 insert_events(db_url, i, per_wave, start=wave * 100)
             wave += 1
-        group_tick()
-        waiting = {int(r.tags["pgstream/stream"]) for r in queued}
+        group.tick()
         for i in ids:
-            if i not in waiting:  # (a stream whose run is queued waits for it, as it would for a queued run)
-                queued += driver.tick(i).run_requests
-        for request in queued[:MAX_RUNS]:
-            assert driver.execute(request).success
-        queued, rounds = queued[MAX_RUNS:], rounds + 1
-        if wave == waves and not queued and all(len(delivered(i)) >= waves * per_wave for i in ids):
+            assert not driver.tick(i).run_requests  # a member's runs are the group run's
+        if wave == waves and all(len(delivered(i)) >= waves * per_wave for i in ids):
             break
         assert time.monotonic() - started < 80, {i: len(delivered(i)) for i in ids}
     for i in ids:
-        assert sorted(delivered(i)) == _events(db_url, i), i  # every event, once
-        assert len(delivered(i)) == waves * per_wave
+        assert delivered(i) == _events(db_url, i), i  # every event, once, in commit order
     assert _pgstream_slots(db_url) == [_group_slot(db_url)]  # one slot for twelve streams
-    assert len(driver.results) >= len(ids) > MAX_RUNS
+    assert group.runs and {r.job_name for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "all"}))} == {
+        GROUP_DELIVERY_JOB}
     # the group's cursor shows each stream's last recorded event
-    shown = json.loads(cursor[0] or "{}")["streams"]
+    shown = json.loads(group.cursor or "{}")["streams"]
     assert {int(k): v["last_event_id"] for k, v in shown.items()} == {i: _events(db_url, i)[-1] for i in ids}
+    group.wait()
 
 
 def _group_slot(url: str) -> str:
@@ -373,48 +384,49 @@ def _group_slot(url: str) -> str:
 
 def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the_group_back(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    """Stream 1 (mode open, a file sink) and stream 2 (a sink that refuses every call) in one group: stream
-    1's open run starts no slot reader and takes the batches the group's sensor hands it; stream 2 fails
-    over, and the group's sensor goes on recording both."""
+    """Stream 1 (mode open, a file sink) and stream 2 (a sink that refuses every call) in one group, hosted by
+    the group's delivery run (one run throughout, until the shortest max_run_secs of the two): stream 1's open
+    run starts no slot reader and takes the batches the group's sensor hands it; stream 2's member run fails in
+    its thread (the group run goes on), its sensor puts it in failover, and the group's sensor goes on
+    recording both."""
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "reader": "pair", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
          "delivery": {"mode": "open", "tuning": {"linger_secs": 3, "max_run_secs": 60}},
          "sink": {"type": "file", "path": str(tmp_path / "out1.jsonl")}},
         {"id": 2, "reader": "pair", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
          "retry": {"initial_backoff_secs": 60, "max_backoff_secs": 60},
-         "delivery": {"mode": "open", "tuning": {"linger_secs": 0.3}},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 0.3, "max_run_secs": 25}},
          "sink": {"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1}}])
     driver = Driver(config, instance)
-    group = driver.defs.resolve_sensor_def("pgstream_group_pair")
-
-    def group_tick() -> None:
-        resources = driver.defs.resources or {}
-        group.evaluate_tick(dg.build_sensor_context(instance=instance, sensor_name=group.name,
-                                                    resources={"pgstream": resources["pgstream"]}))
+    group = GroupRuns(driver, instance, "pair")
 
     def delivered() -> list[int]:
-        return [e["id"] for e in read_jsonl(tmp_path / "out1.jsonl")]
+        path = tmp_path / "out1.jsonl"
+        return [e["id"] for e in read_jsonl(path)] if path.exists() else []
 
-    group_tick()
+    def state(i: int) -> str:
+        with psycopg.connect(db_url) as c:
+            row = c.execute("select state from pgstream.stream_status where id = %s", [i]).fetchone()
+        return str(row[0]) if row else ""
+
+    group.tick()
     insert_events(db_url, 1, 10)
     insert_events(db_url, 2, 10)
-    group_tick()
-    (request,) = driver.tick(1).run_requests
-    (failing,) = driver.tick(2).run_requests
-    assert not driver.execute(failing).success  # stream 2's sink refuses: its sensor puts it in failover
-    assert not driver.tick(2).run_requests  # (the next attempt after initial_backoff_secs)
-    run = Background(driver, request)
     deadline = time.monotonic() + 60
-    while len(delivered()) < 10:
-        assert time.monotonic() < deadline
-        group_tick()
-        driver.tick(1)
+    while len(delivered()) < 10 or state(2) != "failover":
+        assert time.monotonic() < deadline, (len(delivered()), state(2))
+        group.tick()
+        assert not driver.tick(1).run_requests and not driver.tick(2).run_requests
+    (run,) = group.runs
+    (dagster_run,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "pair"}))
+    member = json.loads(dagster_run.tags["pgstream/member_2"])
+    assert member["state"] == "failed" and "127.0.0.1:9" in member["error"], member  # its thread only
     for wave in range(3):  # handed to the open run by the group's sensor: no new run
         insert_events(db_url, 1, 5, start=100 * (wave + 1))
         insert_events(db_url, 2, 5, start=100 * (wave + 1))
         while len(delivered()) < 10 + 5 * (wave + 1):
             assert time.monotonic() < deadline
-            group_tick()
+            group.tick()
             assert not driver.tick(1).run_requests
             assert not driver.tick(2).run_requests
         with psycopg.connect(db_url) as c:
@@ -422,13 +434,17 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
             assert c.execute("select open_run_key is not null, slot_reader from pgstream.streams where id = 1"
                              ).fetchone() == (True, "group:pair")
             assert c.execute("select count(*) from pg_stat_replication").fetchone() == (0,)
-    assert run.wait(timeout=30).success  # idle for linger_secs: it closes
+    assert len(group.runs) == 1 and run.thread.is_alive()  # one group run hosted both throughout
+    # stream 1's status asset shows its open run as the member run the group run hosts, holding the lease
+    shown = [str(o.metadata["open_run_state"].value) for o in driver.observations
+             if o.asset_key == dg.AssetKey(["pgstream", "stream_1", "status"]) and "open_run_state" in o.metadata]
+    assert any(state.startswith(f"live: member run {dagster_run.run_id}/1") for state in shown), shown
     assert sorted(delivered()) == _events(db_url, 1)
     # stream 2 is in failover, and every event of it is recorded all the same
     assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 25
-    with psycopg.connect(db_url) as c:
-        assert c.execute("select state from pgstream.stream_status where id = 2").fetchone() == ("failover",)
+    assert state(2) == "failover"
     assert _pgstream_slots(db_url) == [_group_slot(db_url)]
+    run.wait(timeout=60)  # the shortest max_run_secs of its streams: the group run ends (its members close)
 
 
 def test_init_creates_one_slot_for_a_group(db_url: str, tmp_path: Path) -> None:

@@ -10,6 +10,10 @@ materialization of the stream's deliveries asset and an observation of its statu
 Engine errors become ``dg.Failure`` s with their metadata.
 """
 
+import json
+import queue
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
@@ -17,10 +21,21 @@ from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig
 from ..engine import ledger
+from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
 from ..engine.slotreader import SlotReader
 from .lake import lake_materializations
-from .names import CONTROL_JOB, DELIVERY_JOB, RUN_KEY_TAG, STREAM_TAG, deliveries_asset_key
+from .names import (
+    CONTROL_JOB,
+    DELIVERY_JOB,
+    GROUP_DELIVERY_JOB,
+    GROUP_TAG,
+    MEMBER_TAG_PREFIX,
+    RUN_KEY_TAG,
+    STREAM_TAG,
+    deliveries_asset_key,
+    member_tag,
+)
 from .resources import PgstreamResource
 from .status import status_observation
 
@@ -72,7 +87,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
         raise _failure(exc) from None
 
 
-def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary) -> None:
+def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, run_id: str | None = None) -> None:
     """The rounds of a reporting period: a line in the run log, a materialization of the stream's deliveries
     asset and an observation of its status asset (fresh counts without waiting for the sensor)."""
     rounds = f" in {s.rounds} rounds" if s.rounds > 1 else ""
@@ -90,8 +105,9 @@ def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary) ->
     for materialization in lake_materializations(stream, metadata):  # a lake sink's table (defs/lake.py)
         context.log_event(materialization)
     if s.status is not None:
-        state = f"live: run {context.run_id} (this run)" if s.this_run_open else None
-        context.log_event(status_observation(s.status, state, observer=f"delivery run {context.run_id}"))
+        run_id = run_id or context.run_id
+        state = f"live: run {run_id} (this run)" if s.this_run_open else None
+        context.log_event(status_observation(s.status, state, observer=f"delivery run {run_id}"))
 
 
 @dg.job(
@@ -101,3 +117,116 @@ def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary) ->
 )
 def delivery_job() -> None:
     deliver_batches(load_batches())
+
+
+# --- a reader group's delivery run -------------------------------------------------------------------
+
+class GroupDeliveryConfig(dg.Config):
+    group: str
+
+
+def member_state(run_key: str, state: str, error: str | None = None) -> str:
+    """The value of a group delivery run's :func:`~.names.member_tag`."""
+    return json.dumps({"run_key": run_key, "state": state, "error": error}, sort_keys=True)
+
+
+def _hosted_by_other_group_runs(instance: dg.DagsterInstance, group: str, run_id: str) -> set[tuple[int, str]]:
+    """The member runs (stream id, run key) the group's other delivery runs took: runs that ended or died
+    (one group delivery run at a time), so read once when a group run starts."""
+    taken: set[tuple[int, str]] = set()
+    for run in instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=100):
+        if run.run_id == run_id:
+            continue
+        for key, value in run.tags.items():
+            if key.startswith(MEMBER_TAG_PREFIX):
+                taken.add((int(key.removeprefix(MEMBER_TAG_PREFIX)), str(json.loads(value).get("run_key"))))
+    return taken
+
+
+class _Reporter:
+    """Writes the members' reports (materializations, status observations) to Dagster's event log from one
+    thread of its own, in order: a member's delivery loop only queues them, so a hundred members do not wait
+    for each other's event-log writes."""
+
+    def __init__(self, context: dg.OpExecutionContext) -> None:
+        self.context = context
+        self.queue: queue.SimpleQueue[tuple[StreamConfig, Summary, str] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._write, name="pgstream-group-reports", daemon=True)
+        self.thread.start()
+
+    def told(self, stream: StreamConfig, member: str) -> Callable[[Summary], None]:
+        return lambda summary: self.queue.put((stream, summary, member))
+
+    def _write(self) -> None:
+        while (item := self.queue.get()) is not None:
+            stream, summary, member = item
+            try:
+                _report(self.context, stream, summary, member)
+            except Exception as exc:  # a report lost is logged; deliveries go on
+                self.context.log.warning(f"stream {stream.id}: report of member run {member} not written: {exc}")
+
+    def close(self) -> None:
+        """Write what is queued, then stop."""
+        self.queue.put(None)
+        self.thread.join(60)
+
+
+@dg.op(description="Host the delivery runs of a reader group's streams in one process, one thread each (each with "
+                   "its own sink, delivery lease and ledger state); the streams' sensors decide their runs as for a "
+                   "run per stream. Ends after the shortest delivery.tuning.max_run_secs of its streams, or (streams "
+                   "in mode per_batch only) when no stream had a run for 5 s.")
+def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
+                  pgstream: dg.ResourceParam[PgstreamResource], pyspark: LazyPySparkResource) -> None:
+    group = config.group
+    streams = [s for s in pgstream.config.streams if s.reader == group]
+    if not streams:
+        raise dg.Failure(f"reader group {group} has no stream in {pgstream.config_path} (streams[].reader)")
+    instance, run_id = context.instance, context.run_id
+    lock = threading.Lock()  # the run's tags written one member at a time
+    spark_lock = threading.Lock()  # one Spark session for the process, started by the first member needing it
+    elsewhere = _hosted_by_other_group_runs(instance, group, run_id)
+    reporter = _Reporter(context)
+
+    def spark() -> Any:
+        with spark_lock:
+            return pyspark.spark_session
+
+    def member_host(stream: StreamConfig, member: str) -> Host:
+        return Host(member, context.log, spark=spark, report=reporter.told(stream, member),
+                    control=f"the {CONTROL_JOB} job")
+
+    def claim(stream_id: int, run_key: str) -> bool:
+        """Not a run key a run of the stream's own (requested before its group's run delivered it) or another
+        group delivery run took: a member run is hosted once; recorded in the member's tag."""
+        if (stream_id, run_key) in elsewhere or instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1):
+            return False
+        with lock:
+            instance.add_run_tags(run_id, {member_tag(stream_id): member_state(run_key, "running")})
+        return True
+
+    def ended(stream_id: int, run_key: str, error: str | None) -> None:
+        with lock:
+            instance.add_run_tags(run_id, {member_tag(stream_id): member_state(
+                run_key, "ended" if error is None else "failed", error)})
+
+    host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended)
+    delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
+                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
+                             idle_secs=(float("inf") if any(s.delivery.keeps_open for s in streams) else 5.0))
+    try:
+        reason = delivery.run()
+    except ledger.LeaseTaken as exc:
+        raise dg.Failure(str(exc)) from None
+    finally:
+        reporter.close()
+    context.log.info(f"reader group {group}: group delivery run ended ({reason})")
+
+
+@dg.job(
+    name=GROUP_DELIVERY_JOB,
+    description="Deliver the events of a reader group's streams, each stream's runs hosted in a thread of this one "
+                "run (requested by the group's sensor).",
+    executor_def=dg.in_process_executor,
+)
+def group_delivery_job() -> None:
+    deliver_group()

@@ -38,7 +38,7 @@ from .assets import (
 from .backfill import backfill_job
 from .checks import consumers_check, orphaned_slots_check, stream_checks
 from .controls import control_job
-from .jobs import delivery_job
+from .jobs import delivery_job, group_delivery_job
 from .lake import lake_definitions
 from .names import deliveries_asset_key
 from .replay import replay_job
@@ -99,7 +99,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
     return dg.Definitions(
         assets=[events_partitions, *source_table_specs(config)],
         asset_checks=[orphaned_slots_check, consumers_check],
-        jobs=[delivery_job, control_job, housekeeping_job, checks_job],
+        jobs=[delivery_job, group_delivery_job, control_job, housekeeping_job, checks_job],
         schedules=schedules(config),
         sensors=[subscriptions_sensor(config), *group_sensors(list(config.streams))],
         executor=dg.in_process_executor,  # asset and check runs are small; io_manager is in-memory

@@ -16,9 +16,13 @@ RUN_KEY_TAG = "dagster/run_key"
 WARM_TAG = "pgstream/warm"
 #: a backfill run (value: the stream id); never pgstream/stream, so deliveries go on meanwhile
 BACKFILL_TAG = "pgstream/backfill"
+#: a reader group's delivery run (value: the group's name): one at a time per group (dagster.yaml)
+GROUP_TAG = "pgstream/group"
 
 #: jobs
 DELIVERY_JOB = "pgstream_delivery"
+#: a reader group's delivery run: one process hosting the delivery runs of the group's streams
+GROUP_DELIVERY_JOB = "pgstream_group_delivery"
 CONTROL_JOB = "pgstream_stream_control"
 HOUSEKEEPING_JOB = "pgstream_housekeeping"
 CHECKS_JOB = "pgstream_checks"
@@ -43,6 +47,16 @@ def stream_sensor_name(stream_id: int) -> str:
 def group_sensor_name(group: str) -> str:
     """The sensor of a reader group (``streams[].reader``): it reads the group's slot for its streams."""
     return f"pgstream_group_{group}"
+
+
+#: a group delivery run's tags of its members' runs (:func:`member_tag`)
+MEMBER_TAG_PREFIX = "pgstream/member_"
+
+
+def member_tag(stream_id: int) -> str:
+    """The tag of a group delivery run saying what became of the member run of stream ``stream_id`` it
+    hosts (a JSON object: ``run_key``, ``state`` running, ended or failed, ``error``)."""
+    return f"{MEMBER_TAG_PREFIX}{stream_id}"
 
 
 def subscriptions_op_name(stream_id: int) -> str:

@@ -1,7 +1,8 @@
 """One sensor per stream: it records what commits on the stream's slot as ledger batches and
 requests the stream's delivery runs, one at a time, in order; the delivery runs do the work.
 
-A tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to request a run):
+A tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to request a run; the tick of a
+reader group's member, whose group's sensor reads for it, decides once and ends):
 
 1. **ingest** (``engine/ingest/``): make sure the slot exists and is usable (a missing or
    invalidated slot is recreated and every event the ledger does not cover is recovered from the
@@ -40,6 +41,7 @@ from ..config import StreamConfig
 from ..engine import ledger
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
+from ..engine.delivery.group import member_run_id
 from ..engine.ingest import ConsumeResult, GroupResult, consume, consume_group
 from ..engine.limits import LimitsExceeded
 from ..engine.replication import SlotCreationWaits
@@ -49,10 +51,13 @@ from .names import (
     BATCH_TAG,
     BATCHES_TAG,
     DELIVERY_JOB,
+    GROUP_DELIVERY_JOB,
+    GROUP_TAG,
     RUN_KEY_TAG,
     STREAM_TAG,
     WARM_TAG,
     group_sensor_name,
+    member_tag,
     stream_sensor_name,
 )
 from .resources import PgstreamResource
@@ -166,6 +171,60 @@ def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.Da
     return RunView(RunStatus.OTHER, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
 
 
+def _group_runs(instance: dg.DagsterInstance, group: str, limit: int = 20) -> list[dg.DagsterRun]:
+    """The reader group's delivery runs, newest first."""
+    return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=limit))
+
+
+def _member_host(instance: dg.DagsterInstance, group: str, stream_id: int,
+                 run_key: str) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
+    """The group delivery run that took member run ``run_key`` of stream ``stream_id``, and its member tag:
+    the newest group runs first (nearly always one of them), then the older ones."""
+    for limit in (3, 100):
+        for run in _group_runs(instance, group, limit=limit):
+            raw = run.tags.get(member_tag(stream_id))
+            member = json.loads(raw) if raw else {}
+            if member.get("run_key") == run_key:
+                return run, member
+    return None
+
+
+def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
+                 run_key: str) -> tuple[RunView, str | None] | None:
+    """The member run ``run_key`` of a reader group's stream, hosted by the group's delivery run: what that
+    run said of it (its member tag: running, ended, failed with the error), the group run's Dagster status
+    and, while it is started, the member's delivery lease (held: live; lost: dead, its process died). None:
+    no group run took it (yet)."""
+    found = _member_host(instance, stream.reader or "", stream.id, run_key)
+    if found is None:
+        return None
+    run, member = found
+    member_id = member_run_id(run.run_id, stream.id)
+    if member.get("state") == "failed":
+        return RunView(RunStatus.FAILED, member_id, dg.DagsterRunStatus.FAILURE.value, member.get("error")), None
+    if member.get("state") == "ended":
+        return RunView(RunStatus.SUCCEEDED, member_id), None
+    if run.status == dg.DagsterRunStatus.STARTED:
+        state = ledger.lease_state(conn, member_id)
+        if state is ledger.LeaseState.LOST:
+            return RunView(RunStatus.DEAD, member_id, dg.DagsterRunStatus.FAILURE.value,
+                           "the database session holding its delivery lease has ended (the group delivery run's "
+                           "process died, or Postgres restarted): it delivers nothing more"), None
+        held = "it holds the delivery lease" if state is ledger.LeaseState.HELD else "starting"
+        return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({held})"
+    if run.status in _LIVE:
+        return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({run.status.value.lower()})"
+    error = run_failure_message(instance, run.run_id) or f"group delivery run {run.run_id} is {run.status.value}"
+    return RunView(RunStatus.FAILED, member_id, run.status.value, error,
+                   interrupted=run.status in _FAILED and _interrupted_before_load(instance, run)), None
+
+
+def _waiting_member(stream: StreamConfig, run_key: str) -> tuple[RunView, str]:
+    """A member run no group run took yet: it waits for the group's delivery run (the group's sensor
+    requests one when none is live)."""
+    return RunView(RunStatus.LIVE, run_key), f"the delivery run of reader group {stream.reader} to take run {run_key}"
+
+
 def _report_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, view: RunView, stream: StreamConfig,
                  log: list[str]) -> None:
     instance.report_run_failed(run, f"pgstream: run {run.run_id} of stream {stream.id} died: {view.error}")
@@ -181,8 +240,17 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     skip reason). A dead run is reported failed to Dagster as soon as it is seen."""
     state = ledger.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
-    run = _find_run(instance, state.watched_run_key)
-    view, doing = _run_view(conn, instance, run, stream, now)
+    key = state.watched_run_key
+    # a reader group's member: its runs are hosted by the group's delivery run (no Dagster run of its own,
+    # unless one was requested before its group's run delivered it)
+    member = _member_view(conn, instance, stream, key) if stream.reader is not None and key else None
+    run = _find_run(instance, key) if member is None else None
+    if member is not None:
+        view, doing = member
+    elif run is None and stream.reader is not None and key:
+        view, doing = _waiting_member(stream, key)
+    else:
+        view, doing = _run_view(conn, instance, run, stream, now)
     action = decide(state, view, now, stream)
     if view.status is RunStatus.DEAD and run is not None:
         _report_dead(instance, run, view, stream, log)
@@ -190,7 +258,9 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         waiting[:] = [f"waiting for {doing}"] if doing is not None and state.head is not None else []
     log.extend(notes(action) if said is None else tick_notes(action, said, time.time()))
     order = ledger.apply(conn, stream, action)
-    return _request(order) if order is not None else None
+    if order is None or stream.reader is not None:  # a member's run: the group's delivery run takes it
+        return None
+    return _request(order)
 
 
 def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
@@ -214,7 +284,11 @@ def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
             request = step(conn, instance, stream, log, waiting, said)
             decided_at = time.monotonic()
         remaining = deadline - time.monotonic()
-        if request is not None or consumed.slot_lost or remaining <= 0:
+        # a reader group's member (joined: the group's sensor reads for it) decides once and ends its tick: the
+        # group's reader hands its batches to its open run, and a short tick leaves the daemon's sensor workers
+        # to the other streams and the group's sensor (100 members ticking 4.5 s each held them all)
+        member = stream.reader is not None and consumed.slot_busy
+        if request is not None or consumed.slot_lost or remaining <= 0 or member:
             return total, request
         if not consumed.batches:
             # while an open run is the slot's declared reader the tick only decides (the run records and
@@ -228,11 +302,20 @@ def _deliveries_began(instance: dg.DagsterInstance, run_id: str) -> bool:
     return any(r.event_log_entry.step_key == "load_batches" for r in records)
 
 
-def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str) -> str:
+def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str,
+                   stream: StreamConfig | None = None) -> str:
     """What became of the stream's open run, for the status asset: ``live`` (it holds the delivery
     lease), ``starting`` (not delivering yet), or ``gone`` with why (no such run, it ended, or it took
-    the lease and holds it no more: its process died; the sensor fails it at its next decision)."""
-    run = _find_run(instance, run_key)
+    the lease and holds it no more: its process died; the sensor fails it at its next decision). A reader
+    group's member: its member run in the group's delivery run."""
+    member = _member_view(conn, instance, stream, run_key) if stream is not None and stream.reader else None
+    run = _find_run(instance, run_key) if member is None else None
+    if run is None and stream is not None and stream.reader is not None:
+        view, doing = member or _waiting_member(stream, run_key)
+        if view.status is RunStatus.LIVE:
+            held = doing is not None and "holds the delivery lease" in doing
+            return f"{'live' if held else 'starting'}: {doing}"
+        return f"gone: member run {view.run_id} {view.status.value}" + (f" ({view.error})" if view.error else "")
     if run is None:
         return "gone: Dagster has no run with this key"
     if run.status not in _LIVE:
@@ -257,7 +340,7 @@ def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stre
                     row: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObservation | None:
     """An observation of the stream status asset when anything it shows changed (counts, state, the
     open run and what became of it) or it is due (``sensor.status_every_secs``)."""
-    run_state = open_run_state(conn, instance, row["open_run_key"]) if row.get("open_run_key") else None
+    run_state = open_run_state(conn, instance, row["open_run_key"], stream) if row.get("open_run_key") else None
     seen = json.dumps([row.get(k) for k in _SEEN] + [run_state], default=str)
     due = time.time() - float(cursor.get("status_at", 0)) >= stream.sensor.status_every_secs
     if not due and cursor.get("status_seen") == seen:
@@ -358,6 +441,45 @@ def _group_log(context: dg.SensorEvaluationContext, group: str, result: GroupRes
         context.log.warning(line)
 
 
+def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
+                   log: list[str]) -> tuple[dg.RunRequest | None, str]:
+    """The group's delivery run: the one live (queued, starting, or started and holding the group's
+    delivery lease), or one to request when a member wants a run hosted (``ledger.member_runs``) and none
+    is live. A started group run whose lease was lost (its process died), or that took none
+    ``delivery.run_grace_secs`` after it started, is reported failed (its members' sensors see their runs
+    dead or failed, and retry them)."""
+    grace = min(s.delivery.run_grace_secs for s in streams)
+    for run in _group_runs(instance, group, limit=5):
+        if run.status not in _LIVE:
+            continue
+        if run.status == dg.DagsterRunStatus.STARTED:
+            state = ledger.group_lease_state(conn, group, run.run_id)
+            record = instance.get_run_record_by_id(run.run_id)
+            started = record.start_time if record else None
+            late = started is not None and time.time() - started >= grace
+            if state is ledger.LeaseState.LOST or (state is ledger.LeaseState.NOT_TAKEN and late):
+                why = ("the database session holding the group's delivery lease has ended (its process died)"
+                       if state is ledger.LeaseState.LOST else
+                       f"no group delivery lease {grace:g} s after it started (delivery.run_grace_secs)")
+                instance.report_run_failed(run, f"pgstream: group delivery run {run.run_id} of reader group {group} "
+                                                f"died: {why}")
+                log.append(f"reader group {group}: group delivery run {run.run_id} died ({why}); marked failed")
+                continue
+        return None, f"group delivery run {run.run_id} ({run.status.value.lower()})"
+    wanted = ledger.member_runs(conn, group)
+    # a group with streams in modes open or warm keeps its delivery run up (a first event after a quiet spell,
+    # or the location's start, waits for no process to start); one of mode per_batch streams only is requested
+    # when a member has a run to host, and ends once idle
+    if not wanted and not any(s.delivery.keeps_open for s in streams):
+        return None, "no member has a run to host"
+    key = f"pgstream-group-{group}-{int(time.time())}"
+    members = ", ".join(str(m.stream_id) for m in wanted)
+    return dg.RunRequest(run_key=key, job_name=GROUP_DELIVERY_JOB,
+                         run_config={"ops": {"deliver_group": {"config": {"group": group}}}},
+                         tags={GROUP_TAG: group}), (f"requested for stream(s) {members}" if wanted else
+                                                    "requested (its streams keep their runs open)")
+
+
 def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
     """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``): each
     tick reads the group's one slot for up to the shortest ``sensor.tick_budget_secs`` of its streams and
@@ -368,31 +490,44 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
 
     @dg.sensor(
         name=group_sensor_name(group),
+        job_name=GROUP_DELIVERY_JOB,
         minimum_interval_seconds=min(s.sensor.interval_secs for s in streams),
         default_status=dg.DefaultSensorStatus.RUNNING,
-        description=f"Reads the slot of reader group {group} (one decoding of the WAL) and records the batches of "
-                    f"streams {', '.join(map(str, ids))}.",
+        description=f"Reads the slot of reader group {group} (one decoding of the WAL), records the batches of "
+                    f"streams {', '.join(map(str, ids))} and requests the group's delivery run (one process "
+                    f"hosting their delivery runs) when none is live.",
     )
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         with pgstream.connect() as conn:
             try:
+                # without a live group delivery run the tick is short: the run its members wait for is requested
+                # at the tick's end (a group run process takes seconds to start)
+                live = any(r.status in _LIVE for r in _group_runs(context.instance, group, limit=5))
                 with fewer_collections():  # the tick records in bulk
-                    result = consume_group(conn, group, streams, budget)
+                    result = consume_group(conn, group, streams, budget if live else min(budget, 1.0))
             except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange,
                     SlotCreationWaits) as exc:  # one line, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
             rows = [r for r in stream_status(conn, None, last=0) if r["id"] in ids]
+            notes_: list[str] = []
+            request, delivery = group_delivery(conn, context.instance, group, streams, notes_)
+        for line in notes_:
+            context.log.warning(line)
         # per stream, as each stream's sensor shows it: the last event and LSN its ledger recorded
         cursor["streams"] = {str(r["id"]): {"last_event_id": r["last_recorded_event_id"],
                                             "last_lsn": r["last_recorded_lsn"]} for r in rows}
         _group_log(context, group, result)
         recorded = sum(result.events.values())
         joining = f"; stream(s) {result.joining} joining" if result.joining else ""
+        new_cursor = json.dumps(cursor, sort_keys=True, default=str)
+        if request is not None:
+            context.log.info(f"reader group {group}: group delivery run {delivery}")
+            return dg.SensorResult(run_requests=[request], cursor=new_cursor)
         return dg.SensorResult(skip_reason=dg.SkipReason(
             f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
-            f"{joining}"), cursor=json.dumps(cursor, sort_keys=True, default=str))
+            f"{joining}; {delivery}"), cursor=new_cursor)
 
     return _sensor
 

@@ -131,27 +131,34 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
                    f"and need one each: set max_wal_senders = {_suggest(needed)} in postgresql.conf and restart "
                    f"Postgres")
     usable = limits.max_connections - limits.reserved_connections
-    groups = {s.reader for s in streams if s.reader is not None}  # a group's sensor: one connection each
-    needed = len(streams) * _CONNECTIONS_PER_STREAM + len(readers) + len(groups) + _CONNECTIONS_SHARED
+    # a group's sensor, and its delivery run's lease and listener: three connections per group
+    groups = {s.reader for s in streams if s.reader is not None}
+    needed = len(streams) * _CONNECTIONS_PER_STREAM + len(readers) + 3 * len(groups) + _CONNECTIONS_SHARED
     if needed > usable:
+        grouped = sum(1 for s in streams if s.reader is not None)
+        of_groups = (f", {grouped} of them in {len(groups)} reader group(s) whose delivery runs hold a connection per "
+                     f"stream all the same" if groups else "")
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
-                   f"streams need up to {needed} (a sensor, a delivery run and its lease each, the slot readers, "
-                   f"housekeeping): set max_connections = {_suggest(needed + limits.reserved_connections)} in "
+                   f"streams need up to {needed} (a sensor, a delivery run and its lease each{of_groups}, the slot "
+                   f"readers, housekeeping): set max_connections = {_suggest(needed + limits.reserved_connections)} in "
                    f"postgresql.conf and restart Postgres")
     return out
 
 
 def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig], where: str) -> str | None:
-    """The line saying that the streams with open runs (``delivery.mode`` open or warm) and one more run
-    (housekeeping, checks, a replay) do not fit in the Dagster instance's ``max_concurrent_runs``
-    (``None`` or negative: no limit); ``where``: the instance's configuration, named in the line."""
+    """The line saying that the streams with open runs (``delivery.mode`` open or warm; a reader group's
+    streams: one group delivery run for all of them) and one more run (housekeeping, checks, a replay) do
+    not fit in the Dagster instance's ``max_concurrent_runs`` (``None`` or negative: no limit); ``where``:
+    the instance's configuration, named in the line."""
     if max_concurrent_runs is None or max_concurrent_runs < 0:
         return None
-    open_runs = [s.id for s in streams if s.delivery.keeps_open]
-    needed = len(open_runs) + 1
+    open_runs = [s.id for s in streams if s.delivery.keeps_open and s.reader is None]
+    groups = sorted({s.reader for s in streams if s.reader is not None})
+    needed = len(open_runs) + len(groups) + 1
     if needed <= max_concurrent_runs:
         return None
+    of_groups = f" and {len(groups)} reader groups keep a group delivery run" if groups else ""
     return (f"max_concurrent_runs is {max_concurrent_runs} and {len(open_runs)} streams keep a run open "
-            f"(delivery.mode open or warm), plus one for housekeeping, checks and replays: a stream without a "
-            f"run waits up to delivery.tuning.max_run_secs: set max_concurrent_runs = {_suggest(needed)} under "
-            f"run_coordinator.config (or concurrency.runs) in {where}")
+            f"(delivery.mode open or warm){of_groups}, plus one for housekeeping, checks and replays: a stream "
+            f"without a run waits up to delivery.tuning.max_run_secs: set max_concurrent_runs = {_suggest(needed)} "
+            f"under run_coordinator.config (or concurrency.runs) in {where}")

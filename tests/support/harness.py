@@ -140,7 +140,8 @@ class Driver:
         return Tick(list(result.run_requests or []), result.skip_message, result.cursor, result.asset_events)
 
     def execute(self, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
-        job = self.defs.resolve_job_def(DELIVERY_JOB)
+        """Execute the run ``request`` asks for (its job: a stream's delivery run, or a reader group's)."""
+        job = self.defs.resolve_job_def(request.job_name or DELIVERY_JOB)
         tags = {**request.tags, "dagster/run_key": request.run_key or ""}
         result = job.execute_in_process(run_config=request.run_config, instance=self.instance, tags=tags,
                                         raise_on_error=False)

@@ -129,6 +129,11 @@ class Host:
     #: the open run's slot reader (:class:`~..slotreader.SlotReader`: the ingest stage, met through the
     #: hand-off interface); None: the run never reads the slot (the sensor does)
     reader: ReaderFactory | None = None
+    #: waits up to the given seconds for a sign that the open run's ledger moved (batches handed to it, the
+    #: stream paused or its run closed, a replay waiting, the host stopping); true if one came. A host of many
+    #: runs (a reader group's delivery run) watches their ledger rows in one query and one ``LISTEN`` for them
+    #: all; None: the run listens on its own connection and polls the ledger about twice a second
+    wake: Callable[[float], bool] | None = None
 
 
 @dataclass
@@ -193,7 +198,8 @@ class DeliveryRun:
         with fewer_collections(), ledger.holding_lease(lease, stream.id) as conn, \
                 build_sink(stream.sink) as sink, \
                 _reader(host, self.database_url, stream, run_key, conn) as reader:
-            ledger.listen_runs(conn, stream.id)
+            if host.wake is None:  # (a host that wakes the run listens for it)
+                ledger.listen_runs(conn, stream.id)
             # what the sink confirms is recorded on ``conn``: once it is broken the sink sends nothing more
             recording = sink.go_on = ledger.RecordingCheck(conn)
             linger = Linger(host, conn, stream, run_key, reader)
@@ -459,6 +465,10 @@ def vanished_error(conn: psycopg.Connection, stream_id: int, batch_ids: list[int
         metadata={"vanished_event_ids": ids[:1000]})
 
 
+#: a run its host wakes (:attr:`Host.wake`) still looks at the ledger this often (what the host does not watch)
+WOKEN_POLL_SECS = 5.0
+
+
 _freeze_lock = threading.Lock()
 #: set once a run of this process froze what the process holds
 _frozen_process = threading.Event()
@@ -503,11 +513,20 @@ class Linger:
             self._frozen = True
         idle_since = time.monotonic()
         checked_at = 0.0
+        wake = self.host.wake
+        woken, polled_at = True, 0.0
         while True:
-            batches = ledger.assigned_after(self.conn, self.run_key, after)
-            # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver what
-            # was handed over, close (the lease goes to the replay when the run ends)
-            replay = ledger.replay_waiting(self.conn, self.stream.id)
+            now = time.monotonic()
+            # woken by the host (or its safety interval passed), or polling on its own: look at the ledger
+            look = wake is None or woken or now - polled_at >= WOKEN_POLL_SECS
+            batches: list[ledger.Batch] = []
+            replay = False
+            if look:
+                polled_at = now
+                batches = ledger.assigned_after(self.conn, self.run_key, after)
+                # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver what
+                # was handed over, close (the lease goes to the replay when the run ends)
+                replay = ledger.replay_waiting(self.conn, self.stream.id)
             if batches:
                 if replay:
                     self.reader.stop()
@@ -520,7 +539,7 @@ class Linger:
                 reason = f"idle for {linger_secs:g}s"
             elif now - self.opened >= tuning.max_run_secs:
                 reason = f"open for {tuning.max_run_secs:g}s (delivery.tuning.max_run_secs)"
-            elif now - checked_at >= 1.0:
+            elif look and (wake is not None or now - checked_at >= 1.0):
                 checked_at = now
                 reason = self._stop_reason()
             if reason is not None:
@@ -530,6 +549,10 @@ class Linger:
                         self.host.log.info(f"stream {self.stream.id}: run closed ({reason})")
                     return []
                 continue  # the sensor assigned batches just before: deliver them first
+            if wake is not None:
+                left = WOKEN_POLL_SECS - (time.monotonic() - polled_at)
+                woken = wake(max(0.01, left if warm else min(left, linger_secs - (now - idle_since))))
+                continue
             wait = 0.5 if warm else min(0.5, max(0.01, linger_secs - (now - idle_since)))
             for _ in self.conn.notifies(timeout=wait, stop_after=1):
                 pass

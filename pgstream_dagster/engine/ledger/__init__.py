@@ -37,6 +37,9 @@ from .groups import (
     Member as Member,
 )
 from .groups import (
+    MemberRun as MemberRun,
+)
+from .groups import (
     begin_join as begin_join,
 )
 from .groups import (
@@ -59,6 +62,12 @@ from .groups import (
 )
 from .groups import (
     mark_members_consumed as mark_members_consumed,
+)
+from .groups import (
+    member_runs as member_runs,
+)
+from .groups import (
+    member_signals as member_signals,
 )
 from .groups import (
     open_run_keys as open_run_keys,
@@ -115,6 +124,9 @@ from .locks import (
     RecordingCheck as RecordingCheck,
 )
 from .locks import (
+    acquire_group_lease as acquire_group_lease,
+)
+from .locks import (
     acquire_lease as acquire_lease,
 )
 from .locks import (
@@ -124,7 +136,13 @@ from .locks import (
     claim_slot as claim_slot,
 )
 from .locks import (
+    give_up_group_lease as give_up_group_lease,
+)
+from .locks import (
     give_up_lease as give_up_lease,
+)
+from .locks import (
+    group_lease_state as group_lease_state,
 )
 from .locks import (
     holding_lease as holding_lease,

@@ -145,3 +145,50 @@ def open_run_keys(conn: psycopg.Connection, group: str) -> dict[int, str | None]
     """Each member's open run (the group's reader hands it what it records for the member)."""
     return {int(r[0]): r[1] for r in conn.execute(
         "select id, open_run_key from pgstream.streams where reader_group = %s", [group])}
+
+
+@dataclass(frozen=True)
+class MemberRun:
+    """A member's run the group's delivery run is to host: the run of its head batch (``batch_id`` ..
+    ``through_batch_id``, assigned to ``run_key``) or, with nothing launched, its open run (a warm run, or an
+    open run whose batches are delivered: ``batch_id`` None)."""
+
+    stream_id: int
+    run_key: str
+    batch_id: int | None = None
+    through_batch_id: int | None = None
+
+
+def member_runs(conn: psycopg.Connection, group: str) -> list[MemberRun]:
+    """The runs the group's members want hosted now (:class:`MemberRun`), in stream order: the stream
+    sensors decide them (a launched head, an open run); the group's delivery run hosts them."""
+    rows = conn.execute(
+        """select s.id, s.open_run_key, h.run_key, r.first_id, r.last_id
+           from pgstream.streams s
+           left join lateral (
+               select b.run_key, b.status from pgstream.batches b
+               where b.stream_id = s.id and pgstream.batch_is_open(b.status) order by b.id limit 1) h on true
+           left join lateral (
+               select min(b.id) as first_id, max(b.id) as last_id from pgstream.batches b
+               where b.stream_id = s.id and b.run_key = h.run_key and b.status = 'launched') r
+               on h.status = 'launched'
+           where s.reader_group = %s and not s.paused
+           order by s.id""", [group]).fetchall()
+    out = []
+    for stream_id, open_key, head_key, first, last in rows:
+        if head_key is not None and first is not None:
+            out.append(MemberRun(int(stream_id), str(head_key), int(first), int(last)))
+        elif open_key is not None and head_key is None:
+            out.append(MemberRun(int(stream_id), str(open_key)))
+    return out
+
+
+def member_signals(conn: psycopg.Connection, group: str) -> dict[int, tuple[object, ...]]:
+    """What a member's open run waits on, per member, in one query for the group: paused, its open run, a
+    replay holding or waiting for its delivery lease, its newest launched batch. The group's delivery run
+    wakes a member's run when its row changed (instead of each idle run polling the ledger itself)."""
+    return {int(r[0]): tuple(r[1:]) for r in conn.execute(
+        """select s.id, s.paused, s.open_run_key, pgstream.lock_holder('replay', s.id) is not null,
+                  (select max(b.id) from pgstream.batches b
+                   where b.stream_id = s.id and b.status <> 'delivered' and b.status = 'launched')
+           from pgstream.streams s where s.reader_group = %s""", [group])}

@@ -224,3 +224,48 @@ def holding_lease(conn: psycopg.Connection, stream_id: int) -> Iterator[psycopg.
         yield conn
     finally:
         give_up_lease(conn, stream_id)
+
+
+#: per reader group (the lock's name is this and the group's name; key 0): its group delivery run's lease,
+#: held by the run id for as long as the run's process lives (one group delivery run at a time)
+GROUP_DELIVERY_LOCK = "group_delivery"
+
+
+def _group_lock(group: str) -> str:
+    return f"{GROUP_DELIVERY_LOCK}:{group}"
+
+
+def acquire_group_lease(database_url: str, group: str, run_id: str) -> psycopg.Connection:
+    """A connection holding reader group ``group``'s delivery lease for the group delivery run ``run_id``
+    (:class:`LeaseTaken`: another live run hosts the group's deliveries). As the delivery lease, it ends
+    with the run's process: that is how the group's sensor tells a dead group run from a live one."""
+    conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
+    try:
+        if not try_lock(conn, _group_lock(group), 0, run_id):
+            raise LeaseTaken(f"another group delivery run ({lock_holder(conn, _group_lock(group), 0)}) hosts the "
+                             f"deliveries of reader group {group}")
+        return conn
+    except BaseException:
+        conn.close()
+        raise
+
+
+def group_lease_state(conn: psycopg.Connection, group: str, run_id: str) -> LeaseState:
+    """What became of group delivery run ``run_id``'s lease of reader group ``group``."""
+    row = conn.execute("select pgstream.backend_alive(l.pid, l.backend_start, l.usesysid) from pgstream.locks l "
+                       "where l.name = %s and l.key = 0 and l.holder = %s and l.pid is not null",
+                       [_group_lock(group), run_id]).fetchone()
+    if row is None:
+        return LeaseState.NOT_TAKEN
+    return LeaseState.HELD if row[0] else LeaseState.LOST
+
+
+def give_up_group_lease(conn: psycopg.Connection, group: str) -> None:
+    """A group delivery run that ends (short of its process dying) gives the group's lease up."""
+    try:
+        if not conn.closed and not conn.broken:
+            unlock(conn, _group_lock(group), 0)
+    except psycopg.Error:
+        pass
+    finally:
+        conn.close()

@@ -1,0 +1,229 @@
+"""A reader group's delivery run, without Dagster: one process hosting the delivery runs of the group's
+members, one :class:`~.run.DeliveryRun` per member in a thread of its own, each with its own sink, delivery
+lease, ledger connection and state machine, exactly as a run per stream has (docs/architecture.md, "Delivery
+for many streams").
+
+The streams' sensors decide as for a run per stream (``batches.decide``: launch, hand over, fail over) and
+write the member's run in the ledger (a launched head batch, an open run); :class:`GroupDelivery` picks up
+what each member wants hosted (``ledger.member_runs``: one query a second for the whole group) and starts
+that member's run in a thread as *member run* ``<group run id>/<stream id>``, the holder of the member's
+delivery lease. The members' runs do not poll the ledger while idle: one ``LISTEN`` on their run channels
+and one query a second (``ledger.member_signals``) wake the member whose run was handed batches, paused,
+closed or waited for by a replay (:attr:`~.run.Host.wake`). A member's run that fails (its sink refuses)
+ends its own thread only, gives its lease up and is told to the host (:attr:`GroupHost.ended`): the stream's
+sensor sees it failed and puts the stream in failover; the other members go on. A run key is hosted once
+(:attr:`GroupHost.claim`): a retry is a new run the sensor decides.
+
+The group run holds the group's delivery lease (``ledger.acquire_group_lease``) for as long as it lives,
+so a dead group run (its process killed) is told from a live one; it ends once
+``max_run_secs`` passed (it stops taking member runs and asks its members to close: a fresh group run picks
+up configuration changes) or when no member had a run for ``idle_secs``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+
+from ...config import StreamConfig
+from .. import ledger
+from ..handoff import Log
+from .run import DeliveryRun, Host
+
+#: how often the group run looks at what its members want hosted when no notification woke it
+POLL_SECS = 1.0
+
+
+def member_run_id(group_run_id: str, stream_id: int) -> str:
+    """The run id of a member's delivery run hosted by group delivery run ``group_run_id``: it holds the
+    member's delivery lease (the stream's sensor reads what became of it with ``ledger.lease_state``)."""
+    return f"{group_run_id}/{stream_id}"
+
+
+def _no_claim(_stream_id: int, _run_key: str) -> bool:
+    return True
+
+
+def _no_end(_stream_id: int, _run_key: str, _error: str | None) -> None:
+    return None
+
+
+def _no_stop() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class GroupHost:
+    """What the group run needs from whoever runs it."""
+
+    #: the group run's id (its member runs are ``<run_id>/<stream id>``)
+    run_id: str
+    log: Log
+    #: the host of one member's run (its run id given): log, Spark, reporter, stop check of its own
+    member_host: Callable[[StreamConfig, str], Host]
+    #: whether this group run may host member run ``run_key`` of the stream (no other run hosted it); a yes
+    #: records that it does. Asked once per run key, before its thread starts
+    claim: Callable[[int, str], bool] = _no_claim
+    #: told when a member's run ended: ``error`` None when it closed, else why it failed (one line)
+    ended: Callable[[int, str, str | None], None] = _no_end
+    #: a reason to end the group run that only the host knows (None: none), asked about once a second
+    stop_check: Callable[[], str | None] = _no_stop
+
+
+@dataclass
+class _Member:
+    run: ledger.MemberRun
+    thread: threading.Thread
+
+
+@dataclass
+class GroupDelivery:
+    """The delivery run of reader group ``group`` (its members: ``streams``)."""
+
+    group: str
+    streams: list[StreamConfig]
+    database_url: str
+    executor_url: str
+    host: GroupHost
+    max_run_secs: float
+    idle_secs: float
+    hosted: set[str] = field(default_factory=set)  # every run key this group run took (or refused)
+    errors: dict[int, str] = field(default_factory=dict)  # the last failure of each member
+    _members: dict[int, _Member] = field(default_factory=dict)
+    #: per member: set when its ledger row moved (``ledger.member_signals``) or its run channel was notified
+    _wake: dict[int, threading.Event] = field(default_factory=dict)
+    _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _stop_reason: str | None = None
+
+    def run(self) -> str:
+        """Host the members' runs until the group run ends; why it ended."""
+        by_id = {s.id: s for s in self.streams}
+        lease = ledger.acquire_group_lease(self.database_url, self.group, self.host.run_id)
+        log = self.host.log
+        try:
+            channels = {ledger.run_channel(stream_id): stream_id for stream_id in by_id}
+            for stream_id in by_id:  # a member's batches handed over wake its run (extend_run notifies)
+                ledger.listen_runs(lease, stream_id)
+                self._wake[stream_id] = threading.Event()
+            log.info(f"reader group {self.group}: group delivery run hosting streams "
+                     f"{', '.join(map(str, sorted(by_id)))}")
+            opened = time.monotonic()
+            idle_since = opened
+            checked_at = 0.0
+            while True:
+                self._reap()
+                now = time.monotonic()
+                if self._stop_reason is None:
+                    if now - opened >= self.max_run_secs:
+                        self._stop(f"open for {self.max_run_secs:g}s (the shortest delivery.tuning.max_run_secs "
+                                   f"of its streams)")
+                    elif now - checked_at >= 1.0:
+                        checked_at = now
+                        reason = self.host.stop_check()
+                        if reason is not None:
+                            self._stop(reason)
+                if self._stop_reason is not None:
+                    if not self._members:
+                        return self._stop_reason
+                    self._wait(lease, channels, 0.2)
+                    continue
+                self._watch(lease)
+                wanted = [m for m in ledger.member_runs(lease, self.group)
+                          if m.stream_id in by_id and m.run_key not in self.hosted]
+                for order in wanted:
+                    if order.stream_id in self._members:  # its previous run is still ending
+                        continue
+                    self.hosted.add(order.run_key)
+                    if not self.host.claim(order.stream_id, order.run_key):
+                        log.warning(f"stream {order.stream_id}: run {order.run_key} was hosted elsewhere; left to "
+                                    f"its sensor")
+                        continue
+                    self._start(by_id[order.stream_id], order)
+                if self._members or wanted:
+                    idle_since = now
+                elif now - idle_since >= self.idle_secs:
+                    return f"no member had a run for {self.idle_secs:g}s"
+                self._wait(lease, channels, POLL_SECS)
+        except BaseException:
+            self._stop("the group run is ending (interrupted or failed)")
+            for member in list(self._members.values()):
+                member.thread.join(30)
+            raise
+        finally:
+            ledger.give_up_group_lease(lease, self.group)
+
+    def _stop(self, reason: str) -> None:
+        self._stop_reason = reason
+        self._stopping.set()
+        for event in self._wake.values():
+            event.set()
+        self.host.log.info(f"reader group {self.group}: the group delivery run ends ({reason}); its members' runs "
+                           f"close")
+
+    def _wait(self, lease: psycopg.Connection, channels: dict[str, int], secs: float) -> None:
+        """Up to ``secs``, waking each member whose run channel is notified (batches handed to its run)."""
+        for notify in lease.notifies(timeout=secs):
+            stream_id = channels.get(notify.channel)
+            if stream_id is not None:
+                self._wake[stream_id].set()
+
+    def _watch(self, lease: psycopg.Connection) -> None:
+        """One query for the whole group: wake each member whose ledger row moved (paused, its open run, a
+        replay waiting, a batch launched): its run looks at the ledger only then (and every
+        ``WOKEN_POLL_SECS``), instead of twice a second."""
+        signals = ledger.member_signals(lease, self.group)
+        for stream_id, row in signals.items():
+            if stream_id in self._wake and self._signals.get(stream_id) != row:
+                self._wake[stream_id].set()
+        self._signals = signals
+
+    def _waker(self, stream_id: int) -> Callable[[float], bool]:
+        event = self._wake[stream_id]
+
+        def wake(timeout: float) -> bool:
+            woken = event.wait(timeout)
+            event.clear()  # before the run looks at the ledger: a change after this wakes it again
+            return woken
+
+        return wake
+
+    def _reap(self) -> None:
+        for stream_id in [s for s, m in self._members.items() if not m.thread.is_alive()]:
+            del self._members[stream_id]
+
+    def _start(self, stream: StreamConfig, order: ledger.MemberRun) -> None:
+        thread = threading.Thread(target=self._member, args=(stream, order), daemon=True,
+                                  name=f"pgstream-member-{stream.id}")
+        self._members[stream.id] = _Member(order, thread)
+        thread.start()
+
+    def _member(self, stream: StreamConfig, order: ledger.MemberRun) -> None:
+        """One member's run, in its own thread: its failure ends only this thread."""
+        run_id = member_run_id(self.host.run_id, stream.id)
+        base = self.host.member_host(stream, run_id)
+
+        def stop_check() -> str | None:
+            if self._stopping.is_set():
+                return f"the group delivery run ends ({self._stop_reason})"
+            return base.stop_check()
+
+        host = Host(run_id, base.log, spark=base.spark, stop_check=stop_check, report=base.report,
+                    control=base.control, reader=None, wake=self._waker(stream.id))
+        error: str | None = None
+        try:
+            run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,
+                              order.through_batch_id, order.run_key).start(host.log)
+            for _round in run.deliver(host):
+                pass
+        except Exception as exc:
+            text = str(exc).strip()
+            error = (text.splitlines()[0] if text else type(exc).__name__)[:500]
+            self.errors[stream.id] = error
+            host.log.error(f"stream {stream.id}: member run {run_id} ({order.run_key}) failed: {error}")
+        finally:
+            self.host.ended(stream.id, order.run_key, error)

@@ -1,0 +1,211 @@
+"""A reader group's delivery run (``pgstream_group_delivery``) end to end through `dg dev`, as a user runs
+it: the daemon ticks the sensors, the queued run coordinator (``max_concurrent_runs`` 2 here, fewer than
+the streams) launches the runs as processes. Twelve streams of one group (more than Postgres' default 10
+slots, more than the instance's runs) are delivered by one group run hosting a delivery run per stream in
+threads; a member whose sink refuses goes to failover without delaying the others and recovers once its
+sink answers; kill -9 of the group run's process loses nothing and the run is replaced."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import dagster as dg
+import psycopg
+import pytest
+import yaml
+
+from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB, GROUP_TAG
+from pgstream_dagster.engine.bootstrap import init
+from pgstream_dagster.engine.migrations import migrate
+
+from .support.dagster_dev import (
+    READY_TIMEOUT_SECS,
+    Databases,
+    descendants,
+    repo_root,
+    start_dagster_dev,
+    stop_process_group,
+    wait_for,
+)
+from .support.endpoint import Endpoint
+from .support.harness import insert_events, read_jsonl, write_config
+
+GROUP = "all"
+IDS = list(range(1, 13))
+FAILING = 12  # its sink is an HTTP endpoint that answers 500 until the test lets it through
+MAX_RUNS = 2
+
+
+def _sent(url: str, stream_id: int) -> list[int]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id",
+                                        [stream_id])]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _run_worker(root: int, run_id: str) -> int:
+    """The process of run ``run_id`` among ``root``'s descendants: the parent of the ``tail`` processes that
+    capture its compute logs (``<home>/storage/<run id>/compute_logs``)."""
+    (worker,) = {_parent(pid) for pid in descendants(root) if f"/storage/{run_id}/compute_logs" in _cmdline(pid)}
+    assert "python" in _cmdline(worker) and worker != root, _cmdline(worker)
+    return worker
+
+
+def _all_at_least(delivered: Callable[[int], list[int]], ids: list[int], n: int) -> Callable[[], bool]:
+    return lambda: all(len(delivered(i)) >= n for i in ids)
+
+
+def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_survives_kill_9(
+        databases: Databases, endpoint: Endpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = databases.app_url
+    migrate(app)
+    endpoint.mode = "error"
+    streams = [{"id": i, "reader": GROUP, "batch": {"max_size": 100, "max_fill_secs": 0.2},
+                "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
+                "retry": {"initial_backoff_secs": 1, "max_backoff_secs": 2},
+                "delivery": {"mode": "open", "tuning": {"linger_secs": 120, "max_run_secs": 600}},
+                "sink": endpoint.sink() if i == FAILING else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+               for i in IDS]
+    config_path = write_config(tmp_path / "pgstream.yaml", app, streams)
+    print("\n" + "\n".join(init(config_path)))
+
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    instance_yaml = yaml.safe_load((repo_root() / "dagster.yaml").read_text())
+    instance_yaml["run_coordinator"]["config"]["max_concurrent_runs"] = MAX_RUNS  # fewer than the streams
+    (home / "dagster.yaml").write_text(yaml.safe_dump(instance_yaml))
+    env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
+           "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
+
+    def delivered(i: int) -> list[int]:
+        if i == FAILING:
+            return endpoint.first_seen_order()
+        path = tmp_path / f"out{i}.jsonl"
+        return [e["id"] for e in read_jsonl(path)] if path.exists() else []
+
+    def counts() -> str:
+        return str({i: (len(delivered(i)), len(_sent(app, i))) for i in IDS})
+
+    started = time.monotonic()
+    dev = start_dagster_dev(tmp_path, env)
+    try:
+        with dg.DagsterInstance.get() as instance:
+            def runs(job: str, *statuses: dg.DagsterRunStatus) -> list[dg.DagsterRun]:
+                return list(instance.get_runs(dg.RunsFilter(job_name=job, statuses=list(statuses) or None)))
+
+            def state() -> str:
+                return (f"delivered/sent {counts()}; endpoint refused {endpoint.refused_answers}; runs "
+                        f"{[(r.job_name, r.status.value, r.tags.get(GROUP_TAG)) for r in instance.get_runs()]}")
+
+            # 1. a first wave on every stream: eleven arrive, each event once, in commit order, while stream 12's
+            # sink refuses (its member run fails, the stream goes to failover; the others are not held back)
+            for i in IDS:
+                insert_events(app, i, 20)
+            others = [i for i in IDS if i != FAILING]
+            wait_for("the first wave on the eleven healthy streams",
+                     lambda: all(len(delivered(i)) >= 20 for i in others), READY_TIMEOUT_SECS, dev, state)
+            first_wave = time.monotonic()
+            with psycopg.connect(app) as c:
+                wait_for("stream 12 in failover", lambda: c.execute(
+                    "select state from pgstream.stream_status where id = %s", [FAILING]).fetchone() == ("failover",),
+                    60, dev, state)
+            assert endpoint.refused_answers > 0 and not endpoint.unique()
+            for wave in range(1, 3):  # the failing member's retries do not hold the others back
+                for i in others:
+                    insert_events(app, i, 10, start=100 * wave)
+                wait_for(f"wave {wave} on the healthy streams", _all_at_least(delivered, others, 20 + 10 * wave), 60,
+                         dev, state)
+            # one group delivery run, no run per stream: one of the instance's 2 run slots for 12 streams
+            (group_run,) = runs(GROUP_DELIVERY_JOB)
+            assert group_run.status == dg.DagsterRunStatus.STARTED and group_run.tags[GROUP_TAG] == GROUP
+            assert not runs(DELIVERY_JOB)
+
+            # 2. the sink comes back: stream 12 recovers (failover probe, then its open run), the rest follows
+            endpoint.mode = "ok"
+            wait_for("stream 12 to recover", lambda: endpoint.unique() == set(_sent(app, FAILING)), 60, dev, state)
+            recovered = time.monotonic()
+
+            # 3. kill -9 of the group run's process, with a wave committed right after it: the group's sensor
+            # sees its lease lost and replaces the run, the members' sensors see their runs dead and retry them
+            (group_run,) = runs(GROUP_DELIVERY_JOB, dg.DagsterRunStatus.STARTED)
+            worker = _run_worker(dev.proc.pid, group_run.run_id)
+            print("killing", worker, _cmdline(worker)[:200])
+            os.kill(worker, signal.SIGKILL)
+            killed = time.monotonic()
+            for i in IDS:
+                insert_events(app, i, 15, start=1000)
+            wait_for("every event of every stream after the kill",
+                     lambda: all(set(delivered(i)) == set(_sent(app, i)) for i in IDS), 120, dev, state)
+            replaced = time.monotonic()
+            print(state())
+            dead = instance.get_run_by_id(group_run.run_id)
+            assert dead is not None and dead.status == dg.DagsterRunStatus.FAILURE
+            assert [r.status for r in runs(GROUP_DELIVERY_JOB)].count(dg.DagsterRunStatus.STARTED) == 1
+            assert not runs(DELIVERY_JOB)
+            for i in IDS:
+                sent = _sent(app, i)
+                if i == FAILING:  # an HTTP sink: at least once; first deliveries in commit order
+                    assert endpoint.first_seen_order() == sent
+                else:  # nothing was in flight when the process died: each event once, in commit order
+                    assert delivered(i) == sent, i
+                assert all(a < b for a, b in itertools.pairwise(delivered(i)))
+            print(json.dumps({"first_wave_secs": round(first_wave - started, 1),
+                              "recovery_secs": round(recovered - first_wave, 1),
+                              "after_kill_secs": round(replaced - killed, 1)}))
+    finally:
+        survivors = stop_process_group(dev.proc)
+    assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
+
+
+def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(db_url: str, tmp_path: Path) -> None:
+    """The limits a group delivery run leaves: one of ``max_concurrent_runs`` for the whole group (a line only
+    once the ungrouped open runs, the group's run and one more do not fit), and a connection per member all the
+    same: a group too large for ``max_connections`` is one line naming the setting and the value to set."""
+    from pgstream_dagster.config import load_config
+    from pgstream_dagster.engine import limits
+
+    with psycopg.connect(db_url) as c:
+        server = limits.server_limits(c)
+    usable = server.max_connections - server.reserved_connections
+    members = usable // 3 + 1  # a sensor, a delivery run and its lease each: more than there is room for
+    streams = [{"id": i, "reader": "big", "delivery": {"mode": "open"},
+                "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in range(1, members + 1)]
+    streams += [{"id": 1000 + i, "delivery": {"mode": "open"},
+                 "sink": {"type": "file", "path": str(tmp_path / f"own{i}.jsonl")}} for i in (1, 2)]
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, streams))
+    # 2 ungrouped open runs + 1 group run + 1: fits in 4 whatever the group's size, not in 3
+    assert limits.run_problem(4, config.streams, "dagster.yaml") is None
+    assert limits.run_problem(3, config.streams, "dagster.yaml") == (
+        "max_concurrent_runs is 3 and 2 streams keep a run open (delivery.mode open or warm) and 1 reader groups keep "
+        "a group delivery run, plus one for housekeeping, checks and replays: a stream without a run waits up to "
+        "delivery.tuning.max_run_secs: set max_concurrent_runs = 8 under run_coordinator.config (or "
+        "concurrency.runs) in dagster.yaml")
+    with psycopg.connect(db_url) as c:
+        (line,) = [p for p in limits.postgres_problems(c, config.streams) if "max_connections" in p]
+    total = members + 2
+    needed = total * 3 + 2 + 3 + 4  # the 2 ungrouped streams read their slots; the group: its sensor, run, lease
+    suggest = max(8, -(-(needed + server.reserved_connections) // 8) * 8)
+    assert line == (
+        f"max_connections is {server.max_connections} ({usable} usable by the streams); {total} streams need up to "
+        f"{needed} (a sensor, a delivery run and its lease each, {members} of them in 1 reader group(s) whose "
+        f"delivery runs hold a connection per stream all the same, the slot readers, housekeeping): set "
+        f"max_connections = {suggest} in postgresql.conf and restart Postgres")
