@@ -779,10 +779,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .engine.deadletters import DeadLetterError
         from .engine.ledger import SlotElsewhere, SlotInUse
         from .engine.migrations import MigrationError
+        from .engine.replication import PublicationTaken
         from .sparkserver import SparkServerError
 
         if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | SlotElsewhere |
-                      BackfillError | SparkServerError) or \
+                      BackfillError | SparkServerError | PublicationTaken) or \
                 type(exc).__module__.startswith("psycopg"):
             print(f"error: {exc}", file=sys.stderr)
             return 1

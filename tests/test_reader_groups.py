@@ -789,3 +789,46 @@ def test_shadows_in_pg_temp_and_the_search_path_change_nothing_the_group_functio
             (1, "group:shared", True), (2, "sensor", True)]
         assert c.execute("select rowfilter from pg_publication_tables where pubname = 'pgstream_group_shared'"
                          ).fetchone() == ("(stream_id = ANY (ARRAY[(1)::bigint, (2)::bigint]))",)
+
+
+def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_reads_nothing(
+        db_url: str, tmp_path: Path, hostile: dict[str, str]) -> None:
+    """A role with CREATE on the database creates the publications a stream will read by their names
+    (``pgstream_stream_<id>``, ``_rows``) for its own table, before the stream exists or after one was
+    dropped by hand: the stream's slot would decode that table under the stream's name, and none of the
+    stream's events. Registering the stream (alone or as a group's member) and the sensor's check of its
+    publications refuse it in one line naming the publication and its owner, and change nothing; once
+    the operator drops it, the stream gets its own."""
+    owner = hostile["owner"]
+    with _as(db_url, owner) as h:
+        h.execute("create publication pgstream_stream_7 for table public.orders")
+        h.execute("create publication pgstream_stream_8_rows for table public.orders")
+    with psycopg.connect(db_url, autocommit=True) as c:
+        with pytest.raises(replication.PublicationTaken) as refused:
+            ledger.ensure_stream(c, 7)
+        assert str(refused.value) == (f"stream 7: publication pgstream_stream_7 is not the stream's (owner {owner}, "
+                                      "or it publishes more than pgstream.events): drop it")
+        with pytest.raises(replication.PublicationTaken, match="publication pgstream_stream_8_rows is not the stream"):
+            ingest.consume(c, _configs(tmp_path, db_url, [8], group={8: None})[0], 0)
+        with pytest.raises(replication.PublicationTaken, match="publication pgstream_stream_7 is not the stream's"):
+            ingest.consume_group(c, "squat", _configs(tmp_path, db_url, [7], group={7: "squat"}), 0)
+        assert c.execute("select count(*) from pgstream.streams where id in (7, 8)").fetchone() == (0,)
+        # an existing stream whose publication was dropped by hand and taken meanwhile
+        ledger.ensure_stream(c, 9)
+        c.execute("drop publication pgstream_stream_9")
+    with _as(db_url, owner) as h:
+        h.execute("create publication pgstream_stream_9 for table public.orders")
+    with psycopg.connect(db_url, autocommit=True) as c:
+        with pytest.raises(replication.PublicationTaken, match="stream 9: publication pgstream_stream_9 is not"):
+            replication.ensure_publications(c, 9)
+        assert c.execute("select pg_get_userbyid(pubowner) from pg_publication where pubname = 'pgstream_stream_9'"
+                         ).fetchone() == (owner,)
+        # the operator drops the other role's publications: the streams get their own
+        for name in ("pgstream_stream_7", "pgstream_stream_8_rows", "pgstream_stream_9"):
+            c.execute(f"drop publication {name}")
+        ledger.ensure_stream(c, 7)
+        assert replication.ensure_publications(c, 9) == ["pgstream_stream_9"]
+        rows = c.execute("select p.pubname, r.prrelid::regclass::text from pg_publication p join pg_publication_rel r "
+                         "on r.prpubid = p.oid where p.pubname in ('pgstream_stream_7', 'pgstream_stream_9') "
+                         "order by 1").fetchall()
+        assert rows == [("pgstream_stream_7", "pgstream.events"), ("pgstream_stream_9", "pgstream.events")]

@@ -44,7 +44,7 @@ from ..engine.collector import fewer_collections
 from ..engine.delivery.group import member_run_id
 from ..engine.ingest import ConsumeResult, GroupResult, consume, consume_group
 from ..engine.limits import LimitsExceeded
-from ..engine.replication import SlotCreationWaits
+from ..engine.replication import PublicationTaken, SlotCreationWaits
 from ..engine.status import last_batches, stream_status
 from .names import (
     ATTEMPT_TAG,
@@ -374,7 +374,8 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
                 with fewer_collections():  # the tick records in bulk
                     consumed, request = tick(conn, context.instance, stream, log, waiting,
                                              cursor.setdefault("said", {}))
-            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits) as exc:
+            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits,
+                    PublicationTaken) as exc:
                 # the operator's to resolve (or a transaction to end): one line, each tick, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
@@ -506,8 +507,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 live = any(r.status in _LIVE for r in _group_runs(context.instance, group, limit=5))
                 with fewer_collections():  # the tick records in bulk
                     result = consume_group(conn, group, streams, budget if live else min(budget, 1.0))
-            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange,
-                    SlotCreationWaits) as exc:  # one line, no traceback
+            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits,
+                    PublicationTaken) as exc:  # one line, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
             rows = [r for r in stream_status(conn, None, last=0) if r["id"] in ids]

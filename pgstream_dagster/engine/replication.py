@@ -226,9 +226,23 @@ class PgOutputDecoder:
         self._relations[data[1:5]] = (at[0], at[1], at[2], at[3], at[4], max(cols.values()) + 1)
 
 
+class PublicationTaken(RuntimeError):
+    """A publication by a stream's or a reader group's name is not pgstream's (another role created it
+    for its own tables): one line naming it and its owner; nothing was created or read through it."""
+
+    @classmethod
+    def of(cls, exc: psycopg.Error) -> PublicationTaken:
+        return cls((exc.diag.message_primary or str(exc)).removeprefix("pgstream: "))
+
+
 def ensure_publications(conn: psycopg.Connection, stream_id: int) -> list[str]:
-    """Create the stream's publications that are missing (``pgstream.ensure_publications``); their names."""
-    return [str(name) for (name,) in conn.execute("select pgstream.ensure_publications(%s)", [stream_id])]
+    """Create the stream's publications that are missing (``pgstream.ensure_publications``); their names.
+    Raises :class:`PublicationTaken` when a publication by one of their names is not pgstream's."""
+    try:
+        with conn.transaction():
+            return [str(name) for (name,) in conn.execute("select pgstream.ensure_publications(%s)", [stream_id])]
+    except psycopg.errors.DuplicateObject as exc:
+        raise PublicationTaken.of(exc) from None
 
 
 def publication_exists(conn: psycopg.Connection, name: str) -> bool:

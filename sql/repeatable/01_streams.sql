@@ -29,7 +29,34 @@ set search_path = pg_catalog, pg_temp
 as $$ select 'pgstream_stream_' || p_stream_id || '_rows' $$;
 revoke all on function pgstream.rows_publication_name(bigint) from public;
 
--- The stream's publications that are missing, created; returns their names. Called by the trigger
+-- Who owns publication p_name when it is not one of pgstream's (a role with CREATE on the database may
+-- create a publication by a stream's or a group's name before pgstream does, for its own tables): its
+-- owner's name when it is another role's, or publishes anything but pgstream.events (all tables, a
+-- schema, another table); null when it is pgstream's own or does not exist.
+create or replace function pgstream.foreign_publication_owner(p_name text)
+returns text
+language sql
+stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.pg_get_userbyid(p.pubowner)::pg_catalog.text
+      from pg_catalog.pg_publication p
+     where p.pubname operator(pg_catalog.=) p_name
+       and (p.pubowner operator(pg_catalog.<>) (select r.oid from pg_catalog.pg_roles r
+                                                 where r.rolname operator(pg_catalog.=) current_user)
+            or p.puballtables
+            or exists (select 1 from pg_catalog.pg_publication_namespace n
+                        where n.pnpubid operator(pg_catalog.=) p.oid)
+            or exists (select 1 from pg_catalog.pg_publication_rel r
+                        where r.prpubid operator(pg_catalog.=) p.oid
+                          and r.prrelid operator(pg_catalog.<>) 'pgstream.events'::pg_catalog.regclass))
+$$;
+revoke all on function pgstream.foreign_publication_owner(text) from public;
+
+-- The stream's publications that are missing, created; returns their names. A publication by one of
+-- their names that is not pgstream's (pgstream.foreign_publication_owner) is refused, naming it: the
+-- slot would decode another role's tables under the stream's name, and none of the stream's events. Called by the trigger
 -- below, and by the sensor each tick (engine/ingest.py ensure_slot): a publication dropped by hand
 -- would make logical decoding skip the stream's events without an error (Postgres 18 warns
 -- "skipped loading publication" and sends nothing), so the sensor puts it back and recovers from
@@ -44,6 +71,7 @@ as $$
 declare
     v_name    text;
     v_columns text;  -- constants below, never input
+    v_owner   text;
 begin
     if not exists (select 1 from pgstream.streams s where s.id operator(pg_catalog.=) p_stream_id) then
         raise exception 'pgstream: stream % does not exist: no publication is created for it', p_stream_id
@@ -53,7 +81,12 @@ begin
         values (pgstream.publication_name(p_stream_id), 'id, stream_id, created_at'),
                (pgstream.rows_publication_name(p_stream_id), 'id, payload, metadata, stream_id, created_at')
     loop
-        if not exists (select 1 from pg_catalog.pg_publication where pubname = v_name) then
+        v_owner := pgstream.foreign_publication_owner(v_name);
+        if v_owner is not null then
+            raise exception 'pgstream: stream %: publication % is not the stream''s (owner %, or it publishes more '
+                'than pgstream.events): drop it', p_stream_id, v_name, v_owner using errcode = 'duplicate_object';
+        end if;
+        if not exists (select 1 from pg_catalog.pg_publication p where p.pubname operator(pg_catalog.=) v_name) then
             execute pg_catalog.format(
                 'create publication %I for table pgstream.events (%s) '
                 'where (stream_id = %s) with (publish = %L, publish_via_partition_root = true)',

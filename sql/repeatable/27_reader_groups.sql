@@ -157,14 +157,7 @@ begin
          where name operator(pg_catalog.=) p_group;
         return 'created';
     end if;
-    if v_owner operator(pg_catalog.<>) current_user::pg_catalog.text
-       or exists (select 1 from pg_catalog.pg_publication p where p.pubname operator(pg_catalog.=) v_name
-                     and p.puballtables)
-       or exists (select 1 from pg_catalog.pg_publication_namespace n join pg_catalog.pg_publication p
-                    on p.oid operator(pg_catalog.=) n.pnpubid where p.pubname operator(pg_catalog.=) v_name)
-       or exists (select 1 from pg_catalog.pg_publication_rel r join pg_catalog.pg_publication p
-                    on p.oid operator(pg_catalog.=) r.prpubid where p.pubname operator(pg_catalog.=) v_name
-                     and r.prrelid operator(pg_catalog.<>) 'pgstream.events'::pg_catalog.regclass) then
+    if pgstream.foreign_publication_owner(v_name) is not null then
         raise exception 'pgstream: reader group %: publication % is not the group''s (owner %, or it publishes more '
             'than pgstream.events): drop it', p_group, v_name, v_owner using errcode = 'duplicate_object';
     end if;

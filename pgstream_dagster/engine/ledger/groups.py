@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import psycopg
 
+from ..replication import PublicationTaken
+
 #: a member's declared reader: ``group:<name>`` (streams.slot_reader)
 GROUP_PREFIX = "group:"
 
@@ -43,6 +45,8 @@ def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) 
             row = conn.execute("select pgstream.register_group_member(%s, %s)", [stream_id, group]).fetchone()
     except psycopg.errors.FeatureNotSupported as exc:
         raise _refused(exc) from None
+    except psycopg.errors.DuplicateObject as exc:  # a new stream row: its publication's name is another role's
+        raise PublicationTaken.of(exc) from None
     assert row is not None
     return str(row[0])
 

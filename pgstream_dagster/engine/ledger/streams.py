@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import psycopg
 
+from ..replication import PublicationTaken
 from .groups import GroupChange
 
 #: The unique index on the slot a stream reads, ``pgstream.streams.slot`` (sql/022_lock_timeouts_and_slot_names.sql).
@@ -68,7 +69,8 @@ def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | Non
     """The stream row (and so its publication) exists and reads ``slot_name`` (``None``: its default
     slot); returns the slot it reads.
 
-    Raises :class:`SlotInUse` (nothing changed) when another stream row already reads that slot.
+    Raises :class:`SlotInUse` (nothing changed) when another stream row already reads that slot, and
+    :class:`~..replication.PublicationTaken` when a publication by its publications' names is another role's.
     """
     try:
         with conn.transaction():
@@ -79,6 +81,8 @@ def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | Non
             return stream_slot(conn, stream_id)
     except psycopg.errors.FeatureNotSupported as exc:  # a reader group's member (it may not leave)
         raise GroupChange((exc.diag.message_primary or str(exc)).removeprefix("pgstream: ")) from None
+    except psycopg.errors.DuplicateObject as exc:  # its publication's name is another role's publication
+        raise PublicationTaken.of(exc) from None
     except psycopg.errors.UniqueViolation as exc:
         if exc.diag.constraint_name == GROUP_SLOT_KEY and slot_name is not None:
             row = conn.execute("select name from pgstream.reader_groups where slot = %s", [slot_name]).fetchone()
