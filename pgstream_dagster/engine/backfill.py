@@ -30,7 +30,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -448,12 +448,12 @@ def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int],
 
 
 def partition_rdd_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                       pace: Pace) -> Callable[[Iterator[int]], Iterator[dict[str, Any]]]:
+                       pace: Pace) -> Callable[[Iterable[int]], Iterable[dict[str, Any]]]:
     """The ``mapPartitions`` function of a backfill's Spark job on a classic session: each input is
     the index in ``parts`` of the partition to read; yields one :class:`PartitionResult` (as a dict)
     per partition."""
 
-    def task(indexes: Iterator[int]) -> Iterator[dict[str, Any]]:
+    def task(indexes: Iterable[int]) -> Iterable[dict[str, Any]]:
         for index in indexes:
             yield asdict(run_partition(url, backfill_id, parts[index], token, chunk_size, pace))
 
