@@ -463,11 +463,6 @@ def partition_rdd_task(url: str, backfill_id: int, token: str, parts: Sequence[i
 RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, error string"
 
 
-def is_classic(spark: SparkSession) -> bool:
-    """A classic session (a JVM driver in this process), not Spark Connect."""
-    return not type(spark).__module__.startswith("pyspark.sql.connect")
-
-
 def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                  pace: Pace) -> list[PartitionResult]:
     """Read ``parts`` in parallel, one Spark task each (on a cluster the executors import this module
@@ -476,7 +471,7 @@ def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, pa
     A classic session runs them as an RDD job (``parallelize`` + ``mapPartitions``): no query to
     plan, no Arrow, about half the fixed start of a DataFrame job (bench/RESULTS.md, issue 32 item 4b);
     Spark Connect has no RDDs, so there it is ``spark.range(n).mapInArrow``."""
-    from .spark import ship_package
+    from .spark import is_classic, ship_package
 
     ship_package(spark)
     if is_classic(spark):
