@@ -7,8 +7,10 @@ goal is missed.
    2000, no throttle, no backlog bound, nothing delivering), once through the local Spark
    (``spark_executor``: the product's path) and once with the same partitions in plain threads
    (``run_partition`` in a thread pool), interleaved ``--rounds`` times (S T S T), each in a fresh
-   database. Reported: rows/s written as events, median and spread of each, and Spark over threads
-   (goal >= ``--spark-goal``, default 0.9).
+   database. Reported: rows/s written as events, median and spread of each, how long after the run's
+   start its first chunk began and how long after its last chunk the run ended (Spark's fixed costs),
+   and Spark over threads: the median of the pairwise ratios, each Spark phase against the threads
+   phase right after it (goal >= ``--spark-goal``, default 0.9).
 2. Live latency: a writer commits one row every ``--interval`` s for ``--duration`` s into the same
    table (an INSERT subscription, webhook sink in batch mode, receiver in a child process; the
    stream driven in-process, open runs); once alone, once while a backfill of ``--latency-rows``
@@ -84,12 +86,12 @@ def _run_backfill(url: str, execute: backfill.Executor, parallelism: int, rate: 
     with psycopg.connect(url, autocommit=True) as conn:
         (target,) = backfill.targets(conn, request)
         backfill_id, _ = backfill.open_backfill(conn, target, request)
-    started = time.monotonic()
+    started, done["t0"] = time.monotonic(), time.time()
     for step in backfill.run(url, backfill_id, request, execute, run_id="bench", progress_secs=10):
         if isinstance(step, backfill.Outcome):
             assert step.done, step.progress.line()
             done["rows"] = step.progress.rows_read
-    done["secs"] = time.monotonic() - started
+    done["secs"], done["t1"] = time.monotonic() - started, time.time()
 
 
 def _threads(url: str) -> backfill.Executor:
@@ -122,6 +124,8 @@ def _throughput(url: str, tmpdir: Path, name: str, how: str, args: argparse.Name
         spark = _spark(config)
         started = time.monotonic()
         spark.range(0, args.parallelism, 1, args.parallelism).mapInArrow(_warm, "x long").collect()
+        # an RDD job's Python workers are not a DataFrame job's (classic sessions' backfill jobs are RDD jobs)
+        spark.sparkContext.parallelize(range(args.parallelism), args.parallelism).mapPartitions(_warm_rdd).collect()
         warmup = time.monotonic() - started
         execute = backfill.spark_executor(spark, url)
     else:
@@ -134,10 +138,14 @@ def _throughput(url: str, tmpdir: Path, name: str, how: str, args: argparse.Name
     _run_backfill(url, execute, args.parallelism, None, None, done)
     pg_cpu = tree_secs(postmaster) - pg_cpu
     with psycopg.connect(url, autocommit=True) as conn:
-        events = conn.execute("select count(*) from pgstream.events where stream_id = 1").fetchone()
-    assert events == (args.rows,), (events, args.rows)
+        events, first, last = conn.execute(
+            "select count(*), extract(epoch from min(created_at)), extract(epoch from max(created_at)) "
+            "from pgstream.events where stream_id = 1").fetchone() or (0, 0, 0)
+    assert events == args.rows, (events, args.rows)
+    # the fixed ends of the backfill: to its first chunk's transaction, and after its last one's
     return {"how": how, "rows": args.rows, "secs": done["secs"], "rows_per_sec": args.rows / done["secs"],
-            "warmup_secs": warmup, "pg_us_per_row": pg_cpu / args.rows * 1e6}
+            "warmup_secs": warmup, "pg_us_per_row": pg_cpu / args.rows * 1e6,
+            "start_secs": float(first) - done["t0"], "end_secs": done["t1"] - float(last)}
 
 
 def _warm(batches: Any) -> Any:
@@ -147,6 +155,12 @@ def _warm(batches: Any) -> Any:
 
     for _batch in batches:
         yield pa.RecordBatch.from_pylist([{"x": 1}])
+
+
+def _warm_rdd(indexes: Any) -> Any:
+    import pgstream_dagster.engine.backfill  # noqa: F401  (what a backfill task imports)
+
+    yield from indexes
 
 
 def _latency(url: str, tmpdir: Path, webhook: Webhook, name: str, args: argparse.Namespace, with_backfill: bool,
@@ -291,13 +305,22 @@ def main() -> None:
         spark_rates = [r["rows_per_sec"] for r in mine if r["how"] == "spark"]
         thread_rates = [r["rows_per_sec"] for r in mine if r["how"] == "threads"]
         pairs = [s / t for s, t in zip(spark_rates, thread_rates, strict=True)]
-        ratio = statistics.median(spark_rates) / statistics.median(thread_rates)
+        # the goal's figure: the median of the pairwise ratios (a Spark phase and the threads phase right
+        # after it share the machine's load; the two medians alone may come from different loads)
+        ratio = statistics.median(pairs)
+        of_medians = statistics.median(spark_rates) / statistics.median(thread_rates)
         warm = [r["warmup_secs"] for r in mine if r["how"] == "spark"]
+        ends = {how: (spread([r["start_secs"] for r in mine if r["how"] == how], "{:.2f}"),
+                      spread([r["end_secs"] for r in mine if r["how"] == how], "{:.2f}"))
+                for how in ("spark", "threads") if all("start_secs" in r for r in mine)}
         lines.append(f"- {label}: {args.rows:,} rows, unthrottled, nothing delivering, Spark and threads interleaved "
                      f"({args.rounds} each; Spark's Python workers started by a first job before the backfill: "
                      f"{spread(warm, '{:.1f}')} s): through Spark {spread(spark_rates)} rows/s; the same partitions "
-                     f"in plain threads {spread(thread_rates)} rows/s; Spark / threads {ratio:.2f}x (pairwise "
-                     f"{', '.join(f'{x:.2f}' for x in pairs)})")
+                     f"in plain threads {spread(thread_rates)} rows/s; Spark / threads {ratio:.2f}x (median "
+                     f"of the pairwise {', '.join(f'{x:.2f}' for x in pairs)}; of the medians {of_medians:.2f}x)")
+        for how, (start, end) in ends.items():
+            lines.append(f"  - {label} {how}: first chunk's transaction {start} s after the run's start, the run's "
+                         f"end {end} s after the last chunk's")
         if label == "current":
             goals.check("backfill through Spark / the same partitions in threads", ratio, at_least=args.spark_goal)
     for label, _ in trees:

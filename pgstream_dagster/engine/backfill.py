@@ -30,7 +30,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -430,8 +430,9 @@ def _next_key(conn: psycopg.Connection, backfill_id: int, part: int) -> str | No
 
 def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                    pace: Pace) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The ``mapInArrow`` function of a backfill's Spark job: each input row (``id``) is the index
-    in ``parts`` of the partition to read; yields one :class:`PartitionResult` row per partition."""
+    """The ``mapInArrow`` function of a backfill's Spark job on Spark Connect: each input row
+    (``id``) is the index in ``parts`` of the partition to read; yields one
+    :class:`PartitionResult` row per partition."""
 
     def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
@@ -446,16 +447,38 @@ def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int],
     return task
 
 
+def partition_rdd_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
+                       pace: Pace) -> Callable[[Iterable[int]], Iterable[dict[str, Any]]]:
+    """The ``mapPartitions`` function of a backfill's Spark job on a classic session: each input is
+    the index in ``parts`` of the partition to read; yields one :class:`PartitionResult` (as a dict)
+    per partition."""
+
+    def task(indexes: Iterable[int]) -> Iterable[dict[str, Any]]:
+        for index in indexes:
+            yield asdict(run_partition(url, backfill_id, parts[index], token, chunk_size, pace))
+
+    return task
+
+
 RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, error string"
 
 
 def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                  pace: Pace) -> list[PartitionResult]:
-    """Read ``parts`` in parallel, one Spark task each (classic Spark and Spark Connect alike; on a
-    cluster the executors import this module from the package zip, see ``spark.ship_package``)."""
-    from .spark import ship_package
+    """Read ``parts`` in parallel, one Spark task each (on a cluster the executors import this module
+    from the package zip, see ``spark.ship_package``). The job's tasks read nothing through Spark:
+    each calls ``pgstream.backfill_chunk`` in a loop, and only its :class:`PartitionResult` comes back.
+    A classic session runs them as an RDD job (``parallelize`` + ``mapPartitions``): no query to
+    plan, no Arrow, about half the fixed start of a DataFrame job (bench/RESULTS.md, issue 32 item 4b);
+    Spark Connect has no RDDs, so there it is ``spark.range(n).mapInArrow``."""
+    from .spark import is_classic, ship_package
 
     ship_package(spark)
+    if is_classic(spark):
+        task = partition_rdd_task(url, backfill_id, token, list(parts), chunk_size, pace)
+        rows: list[dict[str, Any]] = (spark.sparkContext.parallelize(range(len(parts)), len(parts))
+                                      .mapPartitions(task).collect())
+        return [PartitionResult(**r) for r in rows]
     frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(
         partition_task(url, backfill_id, token, list(parts), chunk_size, pace), RESULT_SCHEMA)
     return [PartitionResult(r["part"], r["status"], r["rows"], r["events"], r["chunks"], r["error"])

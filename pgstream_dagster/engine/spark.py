@@ -278,6 +278,11 @@ class DriverPythonMissing(RuntimeError):
     (:func:`~pgstream_dagster.engine.cluster.driver_python_problem`)."""
 
 
+def is_classic(spark: SparkSession) -> bool:
+    """A classic session (its JVM driver in this process), not a Spark Connect client."""
+    return not type(spark).__module__.startswith("pyspark.sql.connect")
+
+
 def ship_package(spark: SparkSession) -> None:
     """Before a run's Spark reads anything. Spark Connect on a cluster master: add the package zip to
     the session as a Python artifact, once per session, so the server's executors import the data
@@ -285,7 +290,7 @@ def ship_package(spark: SparkSession) -> None:
     have this environment. A classic session got the zip from ``spark.submit.pyFiles``
     (:func:`spark_conf`); raises :class:`DriverPythonMissing` when its driver could not start the
     workers' interpreter to plan the data sources (a relative ``spark.pyspark.python``)."""
-    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+    if is_classic(spark):
         problem = driver_python_problem(str(spark.sparkContext.pythonExec), Path.cwd())
         if problem is not None:
             raise DriverPythonMissing(problem)

@@ -92,7 +92,7 @@ def main() -> None:
         # replay of the global stream through the cluster, in id order
         result["replay"], result["replayed"] = replay_through_spark(cfg, GLOBAL, instance)
 
-        # a backfill of 2,000 rows on the cluster's executors (mapInArrow tasks, the package from the zip)
+        # a backfill of 2,000 rows on the cluster's executors (an RDD job's tasks, the package from the zip)
         with psycopg.connect(db_url, autocommit=True) as c:
             c.execute("create table public.things (id int primary key, label text)")
             c.execute("insert into public.things select g, 'thing ' || g from generate_series(1, 2000) g")
