@@ -17,12 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
+import psycopg
 from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig
 from ..engine import ledger
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
+from ..engine.ingest import consume_group
 from ..engine.slotreader import SlotReader
 from .lake import lake_materializations
 from .names import (
@@ -37,6 +39,7 @@ from .names import (
     member_tag,
 )
 from .resources import PgstreamResource
+from .sensors import group_log
 from .status import status_observation
 
 
@@ -209,7 +212,13 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
             instance.add_run_tags(run_id, {member_tag(stream_id): member_state(
                 run_key, "ended" if error is None else "failed", error)})
 
-    host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended)
+    noted: set[str] = set()
+
+    def read(conn: psycopg.Connection, secs: float) -> None:
+        """The group run's reader: the group's slot read as the group's sensor reads it (the same function)."""
+        group_log(context.log, group, consume_group(conn, group, streams, secs), batches=False, noted=noted)
+
+    host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, read=read)
     delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
                              max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
                              idle_secs=(float("inf") if any(s.delivery.keeps_open for s in streams) else 5.0))

@@ -42,6 +42,7 @@ from ..engine import ledger
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
 from ..engine.delivery.group import member_run_id
+from ..engine.handoff import Log
 from ..engine.ingest import ConsumeResult, GroupResult, consume, consume_group
 from ..engine.limits import LimitsExceeded
 from ..engine.replication import PublicationTaken, SlotCreationWaits
@@ -418,28 +419,36 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
 
 # --- a reader group's sensor ------------------------------------------------------------------------
 
-def _group_log(context: dg.SensorEvaluationContext, group: str, result: GroupResult) -> None:
+def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True,
+              noted: set[str] | None = None) -> None:
+    """What a pass of the group's reader did that an operator should see (the sensor's tick, or the group
+    delivery run's reader: ``batches`` False leaves out the batches recorded, ``noted`` the notes logged at
+    its previous pass, updated: its passes follow each other within a second)."""
     if result.slot_lost:
-        context.log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
+        log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
                             "replaced, and every member recovers undelivered events from pgstream.events")
     if result.publication == "created" and not result.slot_created:  # (a new group creates both)
-        context.log.warning(f"reader group {group}: its publication was missing (dropped by hand?) and was created "
+        log.warning(f"reader group {group}: its publication was missing (dropped by hand?) and was created "
                             "again; events committed meanwhile are recovered from pgstream.events")
     if result.slot_created:
         recovered = sum(len(b) for b in result.recovered.values())
-        context.log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the "
+        log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the "
                          "table")
     for sid in result.joined:
-        context.log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and "
+        log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and "
                          "dropped)")
-    for sid, batches in sorted(result.batches.items()):
-        if batches:
-            context.log.info(f"stream {sid}: recorded batches {batches} ({result.events.get(sid, 0)} events)")
+    for sid, recorded in sorted(result.batches.items()):
+        if recorded and batches:
+            log.info(f"stream {sid}: recorded batches {recorded} ({result.events.get(sid, 0)} events)")
     if result.unreadable:
-        context.log.error(f"reader group {group}: {result.unreadable} events could not be recorded and were set aside "
+        log.error(f"reader group {group}: {result.unreadable} events could not be recorded and were set aside "
                           "as dead letters (stage 'read')")
     for line in result.notes:
-        context.log.warning(line)
+        if noted is None or line not in noted:
+            log.warning(line)
+    if noted is not None:
+        noted.clear()
+        noted.update(result.notes)
 
 
 def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
@@ -505,8 +514,18 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 # without a live group delivery run the tick is short: the run its members wait for is requested
                 # at the tick's end (a group run process takes seconds to start)
                 live = any(r.status in _LIVE for r in _group_runs(context.instance, group, limit=5))
-                with fewer_collections():  # the tick records in bulk
-                    result = consume_group(conn, group, streams, budget if live else min(budget, 1.0))
+                # one reader of the group's slot at a time: the tick reads only when the group delivery run's
+                # reader does not (it reads continuously while the run lives; its lock ends with its session)
+                if ledger.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
+                    try:
+                        with fewer_collections():  # the tick records in bulk
+                            result = consume_group(conn, group, streams, budget if live else min(budget, 1.0))
+                    finally:
+                        ledger.release_group_reading(conn, group)
+                    reading = None
+                else:
+                    result = GroupResult()
+                    reading = ledger.group_reading_holder(conn, group) or "a session that is ending"
             except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits,
                     PublicationTaken) as exc:  # one line, no traceback
                 context.log.error(str(exc))
@@ -519,16 +538,16 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         # per stream, as each stream's sensor shows it: the last event and LSN its ledger recorded
         cursor["streams"] = {str(r["id"]): {"last_event_id": r["last_recorded_event_id"],
                                             "last_lsn": r["last_recorded_lsn"]} for r in rows}
-        _group_log(context, group, result)
+        group_log(context.log, group, result)
         recorded = sum(result.events.values())
         joining = f"; stream(s) {result.joining} joining" if result.joining else ""
         new_cursor = json.dumps(cursor, sort_keys=True, default=str)
         if request is not None:
             context.log.info(f"reader group {group}: group delivery run {delivery}")
             return dg.SensorResult(run_requests=[request], cursor=new_cursor)
-        return dg.SensorResult(skip_reason=dg.SkipReason(
-            f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
-            f"{joining}; {delivery}"), cursor=new_cursor)
+        read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
+                if reading is None else f"read nothing: {reading} reads the group's slot")
+        return dg.SensorResult(skip_reason=dg.SkipReason(f"{read}{joining}; {delivery}"), cursor=new_cursor)
 
     return _sensor
 

@@ -14,6 +14,13 @@ ends its own thread only, gives its lease up and is told to the host (:attr:`Gro
 sensor sees it failed and puts the stream in failover; the other members go on. A run key is hosted once
 (:attr:`GroupHost.claim`): a retry is a new run the sensor decides.
 
+While the group run lives, its reader thread reads the group's slot itself, continuously
+(:attr:`GroupHost.read`: ``consume_group``, as the group's sensor does: ensure, joins, recording, batches
+handed to the members' open runs in the same transaction), on a connection of its own holding the group's
+reading (``ledger.claim_group_reading``, named after the run): the group's sensor, whose tick takes the same
+lock, does not read while it is held. The lock goes with the reader's session: if the run's process dies (or
+the reader's connection does), the sensor reads again at its next tick.
+
 The group run holds the group's delivery lease (``ledger.acquire_group_lease``) for as long as it lives,
 so a dead group run (its process killed) is told from a live one; it ends once
 ``max_run_secs`` passed (it stops taking member runs and asks its members to close: a fresh group run picks
@@ -30,18 +37,29 @@ from dataclasses import dataclass, field
 import psycopg
 
 from ...config import StreamConfig
-from .. import ledger
+from .. import dbconn, ledger
 from ..handoff import Log
 from .run import DeliveryRun, Host
 
 #: how often the group run looks at what its members want hosted when no notification woke it
 POLL_SECS = 1.0
+#: the group run's reader: how long each ``consume_group`` call reads (the reader ends within it once the run
+#: ends), and how long it waits before it tries again for the group's reading (the sensor's tick holds it) or
+#: after an error (its connection closed: the sensor reads meanwhile)
+READ_SECS = 1.0
+READ_RETRY_SECS = 0.2
+READ_ERROR_SECS = 5.0
 
 
 def member_run_id(group_run_id: str, stream_id: int) -> str:
     """The run id of a member's delivery run hosted by group delivery run ``group_run_id``: it holds the
     member's delivery lease (the stream's sensor reads what became of it with ``ledger.lease_state``)."""
     return f"{group_run_id}/{stream_id}"
+
+
+def reader_name(group_run_id: str) -> str:
+    """How the group's reading lock names the group delivery run ``group_run_id``'s reader while it reads."""
+    return f"group delivery run {group_run_id}"
 
 
 def _no_claim(_stream_id: int, _run_key: str) -> bool:
@@ -72,6 +90,11 @@ class GroupHost:
     ended: Callable[[int, str, str | None], None] = _no_end
     #: a reason to end the group run that only the host knows (None: none), asked about once a second
     stop_check: Callable[[], str | None] = _no_stop
+    #: reads the group's slot on the connection given for up to the seconds given (ingest's ``consume_group``:
+    #: ensure, joins, recording, batches handed to the members' open runs) and logs what it did that an
+    #: operator should see; called again and again by the run's reader thread while it holds the group's
+    #: reading. None: the run reads nothing (the group's sensor does)
+    read: Callable[[psycopg.Connection, float], None] | None = None
 
 
 @dataclass
@@ -99,12 +122,15 @@ class GroupDelivery:
     _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
     _stopping: threading.Event = field(default_factory=threading.Event)
     _stop_reason: str | None = None
+    #: set when the group run ends: its reader stops reading and gives the group's reading up
+    _reading_ends: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> str:
         """Host the members' runs until the group run ends; why it ended."""
         by_id = {s.id: s for s in self.streams}
         lease = ledger.acquire_group_lease(self.database_url, self.group, self.host.run_id)
         log = self.host.log
+        reader: threading.Thread | None = None
         try:
             channels = {ledger.run_channel(stream_id): stream_id for stream_id in by_id}
             for stream_id in by_id:  # a member's batches handed over wake its run (extend_run notifies)
@@ -112,6 +138,8 @@ class GroupDelivery:
                 self._wake[stream_id] = threading.Event()
             log.info(f"reader group {self.group}: group delivery run hosting streams "
                      f"{', '.join(map(str, sorted(by_id)))}")
+            reader = threading.Thread(target=self._read, daemon=True, name=f"pgstream-group-reader-{self.group}")
+            reader.start()
             opened = time.monotonic()
             idle_since = opened
             checked_at = 0.0
@@ -155,7 +183,51 @@ class GroupDelivery:
                 member.thread.join(30)
             raise
         finally:
+            self._reading_ends.set()
+            if reader is not None:
+                reader.join(READ_SECS + 30)
             ledger.give_up_group_lease(lease, self.group)
+
+    def _read(self) -> None:
+        """The group run's reader (its own thread and connection): while it holds the group's reading, it
+        reads the group's slot continuously; whenever the group's sensor holds it (its tick), it waits."""
+        log, read = self.host.log, self.host.read
+        if read is None:
+            return
+        conn: psycopg.Connection | None = None
+        told: str | None = None
+        try:
+            while not self._reading_ends.is_set():
+                try:
+                    if conn is None:
+                        conn = dbconn.connect(self.database_url, autocommit=True,
+                                              application_name=f"pgstream group reader {self.host.run_id}")
+                    if not ledger.claim_group_reading(conn, self.group, reader_name(self.host.run_id)):
+                        self._reading_ends.wait(READ_RETRY_SECS)
+                        continue
+                    if told is not None:
+                        log.info(f"reader group {self.group}: the group delivery run reads the group's slot again")
+                        told = None
+                    read(conn, READ_SECS)
+                except Exception as exc:  # the sensor reads while this one cannot (the lock goes with the session)
+                    text = str(exc).strip()
+                    line = (text.splitlines()[0] if text else type(exc).__name__)[:500]
+                    if line != told:
+                        log.warning(f"reader group {self.group}: the group delivery run's reader stopped ({line}); "
+                                    f"the group's sensor reads meanwhile, the run tries again in "
+                                    f"{READ_ERROR_SECS:g}s")
+                        told = line
+                    if conn is not None:
+                        conn.close()
+                        conn = None
+                    self._reading_ends.wait(READ_ERROR_SECS)
+        finally:
+            if conn is not None:
+                try:
+                    ledger.release_group_reading(conn, self.group)
+                except psycopg.Error:
+                    pass
+                conn.close()
 
     def _stop(self, reason: str) -> None:
         self._stop_reason = reason

@@ -133,6 +133,9 @@ from .locks import (
     acquire_replay_lease as acquire_replay_lease,
 )
 from .locks import (
+    claim_group_reading as claim_group_reading,
+)
+from .locks import (
     claim_slot as claim_slot,
 )
 from .locks import (
@@ -143,6 +146,9 @@ from .locks import (
 )
 from .locks import (
     group_lease_state as group_lease_state,
+)
+from .locks import (
+    group_reading_holder as group_reading_holder,
 )
 from .locks import (
     holding_lease as holding_lease,
@@ -161,6 +167,9 @@ from .locks import (
 )
 from .locks import (
     lock_recording as lock_recording,
+)
+from .locks import (
+    release_group_reading as release_group_reading,
 )
 from .locks import (
     release_slot as release_slot,

@@ -269,3 +269,30 @@ def give_up_group_lease(conn: psycopg.Connection, group: str) -> None:
         pass
     finally:
         conn.close()
+
+
+#: per reader group (the lock's name is this and the group's name; key 0): the reading of the group's slot.
+#: The group delivery run's reader holds it for as long as it reads (its session: freed when its process or
+#: its connection dies), the group's sensor for its tick: one reader of the group's slot at a time
+GROUP_READER_LOCK = "group_reader"
+
+
+def _group_reader_lock(group: str) -> str:
+    return f"{GROUP_READER_LOCK}:{group}"
+
+
+def claim_group_reading(conn: psycopg.Connection, group: str, holder: str) -> bool:
+    """Take the reading of reader group ``group``'s slot for ``conn``'s session (autocommit), naming
+    ``holder`` (false: another live session reads it)."""
+    return try_lock(conn, _group_reader_lock(group), 0, holder)
+
+
+def release_group_reading(conn: psycopg.Connection, group: str) -> None:
+    """Give the reading of :func:`claim_group_reading` up (a connection already broken holds nothing)."""
+    if not conn.closed and not conn.broken:
+        unlock(conn, _group_reader_lock(group), 0)
+
+
+def group_reading_holder(conn: psycopg.Connection, group: str) -> str | None:
+    """Who reads reader group ``group``'s slot now (:func:`claim_group_reading`), or None."""
+    return lock_holder(conn, _group_reader_lock(group), 0)
