@@ -832,3 +832,178 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
                          "on r.prpubid = p.oid where p.pubname in ('pgstream_stream_7', 'pgstream_stream_9') "
                          "order by 1").fetchall()
         assert rows == [("pgstream_stream_7", "pgstream.events"), ("pgstream_stream_9", "pgstream.events")]
+
+
+class Readers:
+    """Every ``consume_group`` call of the group's sensor and of the group delivery run's reader (both wrapped):
+    who called it, whether the calling session held the group's reading (``pgstream.locks``) while it read,
+    and how many read at once at most."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from pgstream_dagster.defs import jobs, sensors
+
+        self.calls: list[tuple[str, bool]] = []  # (who, the session held the group's reading)
+        self.reading = 0
+        self.most = 0
+        self._guard = threading.Lock()
+        monkeypatch.setattr(sensors, "consume_group", self._wrap("sensor", sensors.consume_group))
+        monkeypatch.setattr(jobs, "consume_group", self._wrap("run", jobs.consume_group))
+
+    def _wrap(self, who: str, real: Any) -> Any:
+        def consume_group(conn: psycopg.Connection, group: str, *args: Any, **kwargs: Any) -> Any:
+            row = conn.execute("select pid = pg_backend_pid() from pgstream.locks where name = %s and key = 0",
+                               [f"group_reader:{group}"]).fetchone()
+            with self._guard:
+                self.calls.append((who, bool(row and row[0])))
+                self.reading += 1
+                self.most = max(self.most, self.reading)
+            try:
+                return real(conn, group, *args, **kwargs)
+            finally:
+                with self._guard:
+                    self.reading -= 1
+
+        return consume_group
+
+    def by(self, who: str) -> int:
+        return sum(1 for w, _ in self.calls if w == who)
+
+
+def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: list[int]) -> tuple[Driver, GroupRuns]:
+    """A group ``live`` of streams in mode open (file sinks), its sensor ticked once: its delivery run starts."""
+    config = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": "live", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 15}},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
+    driver = Driver(config, instance)
+    group = GroupRuns(driver, instance, "live")
+    group.tick()
+    assert len(group.runs) == 1
+    return driver, group
+
+
+def _run_reads(db_url: str, timeout: float = 60) -> str:
+    """Wait until the group delivery run's reader holds the group's reading; its holder."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(db_url, autocommit=True) as c:
+        while not (holder := ledger.group_reading_holder(c, "live") or "").startswith("group delivery run "):
+            assert time.monotonic() < deadline, holder
+            time.sleep(0.1)
+    return holder
+
+
+def _delivered(tmp_path: Path, i: int) -> list[int]:
+    path = tmp_path / f"out{i}.jsonl"
+    return [e["id"] for e in read_jsonl(path)] if path.exists() else []
+
+
+def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_nothing(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the group delivery run lives, its reader reads the group's slot itself: events committed now reach
+    the members' sinks (each once, in commit order) without a tick of the group's sensor, whose ticks read
+    nothing and say who reads."""
+    readers = Readers(monkeypatch)
+    ids = [1, 2, 3]
+    driver, group = _live_group(db_url, tmp_path, instance, ids)
+    ticks = readers.by("sensor")
+    for wave in range(3):
+        for i in ids:
+            insert_events(db_url, i, 10, start=100 * wave)
+    deadline = time.monotonic() + 30
+    while not all(len(_delivered(tmp_path, i)) >= 30 for i in ids):  # no tick of the group's sensor here
+        assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
+        for i in ids:  # (the members' sensors launch their runs: the group run hosts them)
+            assert not driver.tick(i).run_requests
+        time.sleep(0.1)
+    holder = _run_reads(db_url)
+    (run,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "live"}))
+    assert holder == f"group delivery run {run.run_id}"  # named after the run holding it
+    skipped = group.tick()  # the group's sensor: the run reads, the tick does not
+    assert skipped is not None and skipped.startswith(f"read nothing: {holder} reads the group's slot"), skipped
+    assert readers.by("sensor") == ticks
+    for i in ids:
+        assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
+        assert _recorded(db_url, i) == _events(db_url, i), i
+    assert readers.by("run") > 0 and all(held for _, held in readers.calls) and readers.most == 1
+    group.wait()
+
+
+def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_nothing_is_lost(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group run's reader connection terminated (as when its process is killed -9): the group's reading is
+    freed with its session, the sensor's next tick reads what committed meanwhile; the run's reader takes the
+    reading back later; every event arrives, in commit order."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    monkeypatch.setattr(group_delivery, "READ_ERROR_SECS", 3.0)
+    readers = Readers(monkeypatch)
+    ids = [1, 2]
+    driver, group = _live_group(db_url, tmp_path, instance, ids)
+    holder = _run_reads(db_url)
+    for i in ids:
+        assert not driver.tick(i).run_requests
+    for i in ids:
+        insert_events(db_url, i, 10)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        wait = time.monotonic() + 30
+        while not all(len(_recorded(db_url, i)) == 10 for i in ids):
+            assert time.monotonic() < wait
+            time.sleep(0.05)
+        (terminated,) = c.execute("select pg_terminate_backend(pid) from pg_stat_activity where application_name = %s",
+                                  ["pgstream group reader " + holder.removeprefix("group delivery run ")]).fetchone()
+        assert terminated
+        wait = time.monotonic() + 10
+        # freed with the reader's session (and the run's reader has seen its connection end)
+        while ledger.group_reading_holder(c, "live") is not None or readers.reading:
+            assert time.monotonic() < wait
+            time.sleep(0.05)
+    for i in ids:
+        insert_events(db_url, i, 10, start=100)
+    ticks = readers.by("sensor")
+    skipped = group.tick()  # the run's reader waits before it connects again: the sensor reads
+    assert skipped is not None and skipped.startswith("recorded 20 events for 2 of 2 streams"), skipped
+    assert readers.by("sensor") == ticks + 1
+    assert _run_reads(db_url) == holder  # the run's reader reads again
+    for i in ids:
+        insert_events(db_url, i, 10, start=200)
+    deadline = time.monotonic() + 30
+    while not all(len(_delivered(tmp_path, i)) >= 30 for i in ids):
+        assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
+        for i in ids:
+            assert not driver.tick(i).run_requests
+        time.sleep(0.1)
+    for i in ids:
+        assert _delivered(tmp_path, i) == _events(db_url, i), i
+        assert _recorded(db_url, i) == _events(db_url, i), i
+    assert all(held for _, held in readers.calls) and readers.most == 1
+    group.wait()
+
+
+def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactly one reader of the group's slot: the group's sensor ticking without pause while its delivery run
+    starts and reads (each taking the group's reading for what it reads), events committing all along: never
+    two ``consume_group`` at once, each by the session holding the group's reading."""
+    readers = Readers(monkeypatch)
+    ids = [1, 2]
+    driver, group = _live_group(db_url, tmp_path, instance, ids)
+    deadline = time.monotonic() + 60
+    wave = 0
+    while readers.by("run") < 5 or wave < 10:
+        assert time.monotonic() < deadline, readers.calls[-5:]
+        for i in ids:
+            insert_events(db_url, i, 3, start=10 * wave)
+            assert not driver.tick(i).run_requests
+        wave += 1
+        group.tick()
+    assert readers.by("sensor") >= 1 and readers.by("run") >= 5
+    assert all(held for _, held in readers.calls) and readers.most == 1, readers.calls
+    deadline = time.monotonic() + 30
+    while not all(len(_delivered(tmp_path, i)) >= 3 * wave for i in ids):
+        assert time.monotonic() < deadline
+        for i in ids:
+            assert not driver.tick(i).run_requests
+        time.sleep(0.1)
+    for i in ids:
+        assert _delivered(tmp_path, i) == _events(db_url, i), i
+    group.wait()
