@@ -202,7 +202,7 @@ def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(d
     with psycopg.connect(db_url) as c:
         (line,) = [p for p in limits.postgres_problems(c, config.streams) if "max_connections" in p]
     total = members + 2
-    needed = total * 3 + 2 + 3 + 4  # the 2 ungrouped streams read their slots; the group: its sensor, run, lease
+    needed = total * 3 + 2 + 4 + 4  # the 2 ungrouped streams read their slots; the group: sensor, run, lease, reader
     suggest = max(8, -(-(needed + server.reserved_connections) // 8) * 8)
     assert line == (
         f"max_connections is {server.max_connections} ({usable} usable by the streams); {total} streams need up to "

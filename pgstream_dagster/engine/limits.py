@@ -116,7 +116,7 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
     line = slot_problem(limits, len(existing), missing)
     if line:
         out.append(line)
-    # an open run of a group's stream reads no slot (the group's sensor peeks the group's slot)
+    # an open run of a group's stream reads no slot (the group's reader peeks the group's slot)
     readers = [s.id for s in own if s.delivery.read_slot]
     # WAL senders other than the streams' own slot readers (told by the slot they hold: pg_stat_replication
     # hides a connection's application_name from roles without pg_read_all_stats)
@@ -131,9 +131,9 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
                    f"and need one each: set max_wal_senders = {_suggest(needed)} in postgresql.conf and restart "
                    f"Postgres")
     usable = limits.max_connections - limits.reserved_connections
-    # a group's sensor, and its delivery run's lease and listener: three connections per group
+    # a group's sensor, and its delivery run's lease and listener and its reader: four connections per group
     groups = {s.reader for s in streams if s.reader is not None}
-    needed = len(streams) * _CONNECTIONS_PER_STREAM + len(readers) + 3 * len(groups) + _CONNECTIONS_SHARED
+    needed = len(streams) * _CONNECTIONS_PER_STREAM + len(readers) + 4 * len(groups) + _CONNECTIONS_SHARED
     if needed > usable:
         grouped = sum(1 for s in streams if s.reader is not None)
         of_groups = (f", {grouped} of them in {len(groups)} reader group(s) whose delivery runs hold a connection per "
