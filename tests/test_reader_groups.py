@@ -846,8 +846,8 @@ class Readers:
         self.reading = 0
         self.most = 0
         self._guard = threading.Lock()
-        monkeypatch.setattr(sensors, "consume_group", self._wrap("sensor", sensors.consume_group))
-        monkeypatch.setattr(jobs, "consume_group", self._wrap("run", jobs.consume_group))
+        monkeypatch.setattr(sensors, "consume_group", self._wrap("sensor", ingest.consume_group))
+        monkeypatch.setattr(jobs, "consume_group", self._wrap("run", ingest.consume_group))
 
     def _wrap(self, who: str, real: Any) -> Any:
         def consume_group(conn: psycopg.Connection, group: str, *args: Any, **kwargs: Any) -> Any:
@@ -949,9 +949,9 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
         while not all(len(_recorded(db_url, i)) == 10 for i in ids):
             assert time.monotonic() < wait
             time.sleep(0.05)
-        (terminated,) = c.execute("select pg_terminate_backend(pid) from pg_stat_activity where application_name = %s",
-                                  ["pgstream group reader " + holder.removeprefix("group delivery run ")]).fetchone()
-        assert terminated
+        terminated = c.execute("select pg_terminate_backend(pid) from pg_stat_activity where application_name = %s",
+                               ["pgstream group reader " + holder.removeprefix("group delivery run ")]).fetchall()
+        assert terminated == [(True,)]
         wait = time.monotonic() + 10
         # freed with the reader's session (and the run's reader has seen its connection end)
         while ledger.group_reading_holder(c, "live") is not None or readers.reading:
