@@ -44,10 +44,11 @@ from .run import DeliveryRun, Host
 #: how often the group run looks at what its members want hosted when no notification woke it
 POLL_SECS = 1.0
 #: the group run's reader: how long each ``consume_group`` call reads (the reader ends within it once the run
-#: ends), and how long it waits before it tries again for the group's reading (the sensor's tick holds it) or
-#: after an error (its connection closed: the sensor reads meanwhile)
-READ_SECS = 1.0
+#: ends), how long it waits before it tries again for the group's reading (the sensor's tick holds it), after
+#: a call that returned early, and after an error (its connection closed: the sensor reads meanwhile)
+READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
+READ_EARLY_SECS = 0.5
 READ_ERROR_SECS = 5.0
 
 
@@ -208,7 +209,10 @@ class GroupDelivery:
                     if told is not None:
                         log.info(f"reader group {self.group}: the group delivery run reads the group's slot again")
                         told = None
+                    began = time.monotonic()
                     read(conn, READ_SECS)
+                    if time.monotonic() - began < READ_SECS / 2:  # it returned early (a join waits, nothing joined
+                        self._reading_ends.wait(READ_EARLY_SECS)  # yet, a slot lost): not a busy loop
                 except Exception as exc:  # the sensor reads while this one cannot (the lock goes with the session)
                     text = str(exc).strip()
                     line = (text.splitlines()[0] if text else type(exc).__name__)[:500]
