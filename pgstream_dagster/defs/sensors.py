@@ -423,26 +423,26 @@ def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True
               noted: set[str] | None = None) -> None:
     """What a pass of the group's reader did that an operator should see (the sensor's tick, or the group
     delivery run's reader: ``batches`` False leaves out the batches recorded, ``noted`` the notes logged at
-    its previous pass, updated: its passes follow each other within a second)."""
+    its previous pass, updated: its passes follow each other without a pause)."""
     if result.slot_lost:
         log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
-                            "replaced, and every member recovers undelivered events from pgstream.events")
+                    "replaced, and every member recovers undelivered events from pgstream.events")
     if result.publication == "created" and not result.slot_created:  # (a new group creates both)
         log.warning(f"reader group {group}: its publication was missing (dropped by hand?) and was created "
-                            "again; events committed meanwhile are recovered from pgstream.events")
+                    "again; events committed meanwhile are recovered from pgstream.events")
     if result.slot_created:
         recovered = sum(len(b) for b in result.recovered.values())
         log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the "
-                         "table")
+                 "table")
     for sid in result.joined:
         log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and "
-                         "dropped)")
+                 "dropped)")
     for sid, recorded in sorted(result.batches.items()):
         if recorded and batches:
             log.info(f"stream {sid}: recorded batches {recorded} ({result.events.get(sid, 0)} events)")
     if result.unreadable:
         log.error(f"reader group {group}: {result.unreadable} events could not be recorded and were set aside "
-                          "as dead letters (stage 'read')")
+                  "as dead letters (stage 'read')")
     for line in result.notes:
         if noted is None or line not in noted:
             log.warning(line)
