@@ -23,6 +23,7 @@ from typing import Any
 import dagster as dg
 import psycopg
 import yaml
+from psycopg import sql
 
 from pgstream_dagster.config import load_config
 
@@ -200,6 +201,22 @@ def write_config(path: Path, url: str, stream: dict[str, Any], spark: dict[str, 
                            **({"trigger_mode": trigger_mode} if trigger_mode != "row" else {})}]}))
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(TABLE_SQL)
+        apply_subscriptions(conn, load_config(path))
+    return path
+
+
+def write_many_streams(path: Path, url: str, streams: list[dict[str, Any]]) -> Path:
+    """Streams 1..N (``streams``, in id order), each subscribed to inserts into its own table
+    ``bench_s<id>`` (``id``, ``seq``); the tables and subscriptions are created."""
+    ids = [int(s["id"]) for s in streams]
+    path.write_text(yaml.safe_dump({
+        "database_url": url, "spark": {"master": "local[2]"}, "streams": streams,
+        "subscriptions": [{"key": f"bench-s{i}", "stream_id": i, "operation": "INSERT", "table_name": f"bench_s{i}",
+                           "column_names": ["id", "seq"]} for i in ids]}))
+    with psycopg.connect(url, autocommit=True) as conn:
+        for i in ids:
+            conn.execute(sql.SQL("create table public.{} (id bigserial primary key, seq bigint not null)")
+                         .format(sql.Identifier(f"bench_s{i}")))
         apply_subscriptions(conn, load_config(path))
     return path
 

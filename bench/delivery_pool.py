@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 import psycopg
-import yaml
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,7 +55,6 @@ from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, ledger
 from pgstream_dagster.engine.delivery.run import DeliveryRun, Host
 from pgstream_dagster.engine.migrations import migrate
-from pgstream_dagster.engine.subscriptions import apply_subscriptions
 
 if TYPE_CHECKING:
     from common import Webhook
@@ -167,18 +165,11 @@ def _setup(pg: LocalPostgres, name: str, count: int, receiver: Webhook, tmp: Pat
                 "sink": {"type": "http", "mode": "batch", "max_retry_secs": 3,
                          "url": f"{receiver.base}/{'fail' if i in failing else 'hook'}/{i}"}}
                for i in range(1, count + 1)]
-    subscriptions = [{"key": f"bench-s{i}", "stream_id": i, "operation": "INSERT", "table_name": f"bench_s{i}",
-                      "column_names": ["id", "seq"]} for i in range(1, count + 1)]
-    config = tmp / f"{name}.yaml"
-    config.write_text(yaml.safe_dump({"database_url": url, "spark": {"master": "local[2]"}, "streams": streams,
-                                      "subscriptions": subscriptions}))
+    from common import write_many_streams  # (here: the children this bench starts stay free of Dagster)
+
+    config = write_many_streams(tmp / f"{name}.yaml", url, streams)
     with psycopg.connect(url, autocommit=True) as conn:
-        for i in range(1, count + 1):
-            conn.execute(sql.SQL("create table public.{} (id bigserial primary key, seq bigint not null)")
-                         .format(sql.Identifier(f"bench_s{i}")))
-        loaded = load_config(config)
-        apply_subscriptions(conn, loaded)
-        ingest.consume_group(conn, GROUP, list(loaded.streams), 0)  # the group's slot, every member joined
+        ingest.consume_group(conn, GROUP, list(load_config(config).streams), 0)  # the group's slot, every member joined
     return config
 
 

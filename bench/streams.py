@@ -43,17 +43,14 @@ from typing import Any
 import httpx
 import psutil
 import psycopg
-import yaml
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Webhook, machine
+from common import Webhook, machine, write_many_streams
 
-from pgstream_dagster.config import load_config
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine.migrations import migrate
-from pgstream_dagster.engine.subscriptions import apply_subscriptions
 from tests.support.dagster_dev import DagsterDev, descendants, start_dagster_dev, stop_process_group
 
 HERE = Path(__file__).resolve().parent
@@ -66,15 +63,7 @@ def _config(path: Path, url: str, receivers: Webhook, count: int, group: str | N
     if group:  # one reader group: one slot, the WAL decoded once for every stream
         for stream in streams:
             stream["reader"] = group
-    subscriptions = [{"key": f"bench-s{i}", "stream_id": i, "operation": "INSERT", "table_name": f"bench_s{i}",
-                      "column_names": ["id", "seq"]} for i in range(1, count + 1)]
-    path.write_text(yaml.safe_dump({"database_url": url, "spark": {"master": "local[2]"}, "streams": streams,
-                                    "subscriptions": subscriptions}))
-    with psycopg.connect(url, autocommit=True) as conn:
-        for i in range(1, count + 1):
-            conn.execute(sql.SQL("create table public.{} (id bigserial primary key, seq bigint not null)")
-                         .format(sql.Identifier(f"bench_s{i}")))
-        apply_subscriptions(conn, load_config(path))
+    write_many_streams(path, url, streams)
 
 
 def _location_loaded(dev: DagsterDev) -> bool:
