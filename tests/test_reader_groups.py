@@ -318,6 +318,8 @@ class GroupRuns:
                                       resources={"pgstream": resources["pgstream"]})
         result = self.sensor.evaluate_tick(ctx)
         self.cursor = result.cursor
+        # the members' status assets: their group's sensor observes them
+        self.driver.observations += [e for e in result.asset_events or [] if isinstance(e, dg.AssetObservation)]
         for request in result.run_requests or []:
             assert request.job_name == GROUP_DELIVERY_JOB and request.tags["pgstream/group"] == self.group
             for run in self.runs:  # Dagster shows a run ended a moment before execute_in_process returns
@@ -343,6 +345,9 @@ def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}  # mode open, a short linger (harness)
         for i in ids])
     driver = Driver(config, instance)
+    # one sensor for the twelve: none of a member's own
+    assert sorted(str(s.name) for s in driver.defs.sensors or [] if str(s.name).startswith("pgstream_")) == [
+        "pgstream_group_all", "pgstream_subscriptions"]
     group = GroupRuns(driver, instance, "all")
 
     def delivered(i: int) -> list[int]:
@@ -360,8 +365,6 @@ def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and
                 insert_events(db_url, i, per_wave, start=wave * 100)
             wave += 1
         group.tick()
-        for i in ids:
-            assert not driver.tick(i).run_requests  # a member's runs are the group run's
         if wave == waves and all(len(delivered(i)) >= waves * per_wave for i in ids):
             break
         assert time.monotonic() - started < 80, {i: len(delivered(i)) for i in ids}
@@ -371,7 +374,7 @@ def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and
     assert group.runs and {r.job_name for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "all"}))} == {
         GROUP_DELIVERY_JOB}
     # the group's cursor shows each stream's last recorded event
-    shown = json.loads(group.cursor or "{}")["streams"]
+    shown = json.loads(group.cursor or "{}")["members"]
     assert {int(k): v["last_event_id"] for k, v in shown.items()} == {i: _events(db_url, i)[-1] for i in ids}
     group.wait()
 
@@ -416,7 +419,6 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
     while len(delivered()) < 10 or state(2) != "failover":
         assert time.monotonic() < deadline, (len(delivered()), state(2))
         group.tick()
-        assert not driver.tick(1).run_requests and not driver.tick(2).run_requests
     (run,) = group.runs
     (dagster_run,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "pair"}))
     member = json.loads(dagster_run.tags["pgstream/member_2"])
@@ -427,8 +429,6 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
         while len(delivered()) < 10 + 5 * (wave + 1):
             assert time.monotonic() < deadline
             group.tick()
-            assert not driver.tick(1).run_requests
-            assert not driver.tick(2).run_requests
         with psycopg.connect(db_url) as c:
             # the open run is not a slot's reader: the group's is, and no WAL sender reads for it
             assert c.execute("select open_run_key is not null, slot_reader from pgstream.streams where id = 1"
@@ -900,26 +900,24 @@ def _delivered(tmp_path: Path, i: int) -> list[int]:
 def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_nothing(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
     """While the group delivery run lives, its reader reads the group's slot itself: events committed now reach
-    the members' sinks (each once, in commit order) without a tick of the group's sensor, whose ticks read
-    nothing and say who reads."""
+    the members' sinks (each once, in commit order); the group's sensor keeps deciding for the members, and its
+    ticks read nothing and say who reads."""
     readers = Readers(monkeypatch)
     ids = [1, 2, 3]
-    driver, group = _live_group(db_url, tmp_path, instance, ids)
+    _driver, group = _live_group(db_url, tmp_path, instance, ids)
+    holder = _run_reads(db_url)
+    (run,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "live"}))
+    assert holder == f"group delivery run {run.run_id}"  # named after the run holding it
     ticks = readers.by("sensor")
     for wave in range(3):
         for i in ids:
             insert_events(db_url, i, 10, start=100 * wave)
     deadline = time.monotonic() + 30
-    while not all(len(_delivered(tmp_path, i)) >= 30 for i in ids):  # no tick of the group's sensor here
+    while not all(len(_delivered(tmp_path, i)) >= 30 for i in ids):
         assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
-        for i in ids:  # (the members' sensors launch their runs: the group run hosts them)
-            assert not driver.tick(i).run_requests
+        skipped = group.tick()  # the group's sensor decides for the members: the run reads, the tick does not
+        assert skipped is not None and skipped.startswith(f"read nothing: {holder} reads the group's slot"), skipped
         time.sleep(0.1)
-    holder = _run_reads(db_url)
-    (run,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "live"}))
-    assert holder == f"group delivery run {run.run_id}"  # named after the run holding it
-    skipped = group.tick()  # the group's sensor: the run reads, the tick does not
-    assert skipped is not None and skipped.startswith(f"read nothing: {holder} reads the group's slot"), skipped
     assert readers.by("sensor") == ticks
     for i in ids:
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
@@ -938,10 +936,8 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
     monkeypatch.setattr(group_delivery, "READ_ERROR_SECS", 3.0)
     readers = Readers(monkeypatch)
     ids = [1, 2]
-    driver, group = _live_group(db_url, tmp_path, instance, ids)
+    _driver, group = _live_group(db_url, tmp_path, instance, ids)
     holder = _run_reads(db_url)
-    for i in ids:
-        assert not driver.tick(i).run_requests
     for i in ids:
         insert_events(db_url, i, 10)
     with psycopg.connect(db_url, autocommit=True) as c:
@@ -969,8 +965,6 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
     deadline = time.monotonic() + 30
     while not all(len(_delivered(tmp_path, i)) >= 30 for i in ids):
         assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
-        for i in ids:
-            assert not driver.tick(i).run_requests
         time.sleep(0.1)
     for i in ids:
         assert _delivered(tmp_path, i) == _events(db_url, i), i
@@ -986,14 +980,13 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
     two ``consume_group`` at once, each by the session holding the group's reading."""
     readers = Readers(monkeypatch)
     ids = [1, 2]
-    driver, group = _live_group(db_url, tmp_path, instance, ids)
+    _driver, group = _live_group(db_url, tmp_path, instance, ids)
     deadline = time.monotonic() + 60
     wave = 0
     while readers.by("run") < 5 or wave < 10:
         assert time.monotonic() < deadline, readers.calls[-5:]
         for i in ids:
             insert_events(db_url, i, 3, start=10 * wave)
-            assert not driver.tick(i).run_requests
         wave += 1
         group.tick()
     assert readers.by("sensor") >= 1 and readers.by("run") >= 5
@@ -1001,8 +994,6 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
     deadline = time.monotonic() + 30
     while not all(len(_delivered(tmp_path, i)) >= 3 * wave for i in ids):
         assert time.monotonic() < deadline
-        for i in ids:
-            assert not driver.tick(i).run_requests
         time.sleep(0.1)
     for i in ids:
         assert _delivered(tmp_path, i) == _events(db_url, i), i

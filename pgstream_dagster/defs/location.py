@@ -2,9 +2,9 @@
 
 Streams come from ``pgstream.yaml`` and from ``pgstream_dagster.StreamComponent``s (a ``defs.yaml``
 in the defs folder). Each stream has the same definitions wherever it is declared
-(:func:`stream_definitions`): a sensor, a deliveries asset, a status asset, a replay job, a backfill
-job, its subscription assets and its checks (and, for a lake sink, its table's asset and check). The
-rest is defined once (:func:`shared_definitions`): the
+(:func:`stream_definitions`): a sensor (none for a reader group's member: its group's sensor decides for
+it), a deliveries asset, a status asset, a replay job, a backfill job, its subscription assets and its
+checks (and, for a lake sink, its table's asset and check). The rest is defined once (:func:`shared_definitions`): the
 delivery, control, housekeeping and checks jobs, the housekeeping asset, the subscribed tables, the
 schedules, the subscriptions sensor, the executor and the resources.
 
@@ -89,7 +89,8 @@ def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definit
                 stream_subscription_assets(stream.id, declared), *lake_assets],
         asset_checks=[stream_checks(stream, subs), *lake_checks],
         jobs=[replay_job(stream), backfill_job(stream, sub_keys)],
-        sensors=[stream_sensor(stream)],
+        # a reader group's member has no sensor of its own: its group's sensor decides for it
+        sensors=[stream_sensor(stream)] if stream.reader is None else [],
     )
 
 

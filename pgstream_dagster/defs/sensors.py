@@ -1,8 +1,9 @@
-"""One sensor per stream: it records what commits on the stream's slot as ledger batches and
-requests the stream's delivery runs, one at a time, in order; the delivery runs do the work.
+"""One sensor per stream that reads its own slot, one per reader group (``streams[].reader``) for all its
+members: it records what commits on the slot as ledger batches and decides the streams' delivery runs, one at
+a time per stream, in order; the delivery runs do the work (a group's: one group delivery run hosting them).
 
-A tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to request a run; the tick of a
-reader group's member, whose group's sensor reads for it, decides once and ends):
+A stream's tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to request a run); a
+group's tick reads the group's slot (``engine/ingest/group.py``) and then decides once for each member:
 
 1. **ingest** (``engine/ingest/``): make sure the slot exists and is usable (a missing or
    invalidated slot is recreated and every event the ledger does not cover is recovered from the
@@ -30,6 +31,7 @@ live) or it is due; the delivery run observes it too, after every round.
 
 
 import datetime as dt
+import hashlib
 import json
 import time
 from typing import Any
@@ -87,6 +89,8 @@ _LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.Dagster
 #: how often a tick looks at the slot when nothing is waiting, and at the run in flight
 POLL_SECS = 0.1
 DECIDE_EVERY_SECS = 1.0
+#: a reader group's member still handing its own slot over: how long the group's tick reads that slot for it
+JOINING_READ_SECS = 0.5
 
 
 def _request(order: RunOrder | WarmRun) -> dg.RunRequest:
@@ -177,12 +181,14 @@ def _group_runs(instance: dg.DagsterInstance, group: str, limit: int = 20) -> li
     return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=limit))
 
 
-def _member_host(instance: dg.DagsterInstance, group: str, stream_id: int,
-                 run_key: str) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
+def _member_host(instance: dg.DagsterInstance, group: str, stream_id: int, run_key: str,
+                 newest: list[dg.DagsterRun] | None = None) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
     """The group delivery run that took member run ``run_key`` of stream ``stream_id``, and its member tag:
-    the newest group runs first (nearly always one of them), then the older ones."""
+    the newest group runs first (nearly always one of them: ``newest``, when the caller read them already
+    for all the group's members), then the older ones."""
     for limit in (3, 100):
-        for run in _group_runs(instance, group, limit=limit):
+        runs = newest if limit == 3 and newest is not None else _group_runs(instance, group, limit=limit)
+        for run in runs:
             raw = run.tags.get(member_tag(stream_id))
             member = json.loads(raw) if raw else {}
             if member.get("run_key") == run_key:
@@ -191,12 +197,12 @@ def _member_host(instance: dg.DagsterInstance, group: str, stream_id: int,
 
 
 def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-                 run_key: str) -> tuple[RunView, str | None] | None:
+                 run_key: str, newest: list[dg.DagsterRun] | None = None) -> tuple[RunView, str | None] | None:
     """The member run ``run_key`` of a reader group's stream, hosted by the group's delivery run: what that
     run said of it (its member tag: running, ended, failed with the error), the group run's Dagster status
     and, while it is started, the member's delivery lease (held: live; lost: dead, its process died). None:
     no group run took it (yet)."""
-    found = _member_host(instance, stream.reader or "", stream.id, run_key)
+    found = _member_host(instance, stream.reader or "", stream.id, run_key, newest)
     if found is None:
         return None
     run, member = found
@@ -233,18 +239,20 @@ def _report_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, view: RunView
 
 
 def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-         log: list[str], waiting: list[str] | None = None, said: dict[str, Any] | None = None) -> dg.RunRequest | None:
+         log: list[str], waiting: list[str] | None = None, said: dict[str, Any] | None = None,
+         group_runs: list[dg.DagsterRun] | None = None) -> dg.RunRequest | None:
     """One decision: read the stream's state, look at its run in Dagster, decide, apply; the run to
     request, if any. ``log`` receives what the tick log should say (why nothing was launched; with
     ``said``, what was said before, a lasting state once and then a reminder a minute:
     :func:`~..engine.batches.tick_notes`), ``waiting`` what the run the stream waits for is doing (for the
-    skip reason). A dead run is reported failed to Dagster as soon as it is seen."""
+    skip reason), ``group_runs`` a reader group's newest delivery runs when its sensor read them once for all
+    its members. A dead run is reported failed to Dagster as soon as it is seen."""
     state = ledger.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
     key = state.watched_run_key
     # a reader group's member: its runs are hosted by the group's delivery run (no Dagster run of its own,
     # unless one was requested before its group's run delivered it)
-    member = _member_view(conn, instance, stream, key) if stream.reader is not None and key else None
+    member = _member_view(conn, instance, stream, key, group_runs) if stream.reader is not None and key else None
     run = _find_run(instance, key) if member is None else None
     if member is not None:
         view, doing = member
@@ -285,11 +293,7 @@ def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
             request = step(conn, instance, stream, log, waiting, said)
             decided_at = time.monotonic()
         remaining = deadline - time.monotonic()
-        # a reader group's member (joined: the group's sensor reads for it) decides once and ends its tick: the
-        # group's reader hands its batches to its open run, and a short tick leaves the daemon's sensor workers
-        # to the other streams and the group's sensor (100 members ticking 4.5 s each held them all)
-        member = stream.reader is not None and consumed.slot_busy
-        if request is not None or consumed.slot_lost or remaining <= 0 or member:
+        if request is not None or consumed.slot_lost or remaining <= 0:
             return total, request
         if not consumed.batches:
             # while an open run is the slot's declared reader the tick only decides (the run records and
@@ -304,12 +308,14 @@ def _deliveries_began(instance: dg.DagsterInstance, run_id: str) -> bool:
 
 
 def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str,
-                   stream: StreamConfig | None = None) -> str:
+                   stream: StreamConfig | None = None, group_runs: list[dg.DagsterRun] | None = None) -> str:
     """What became of the stream's open run, for the status asset: ``live`` (it holds the delivery
     lease), ``starting`` (not delivering yet), or ``gone`` with why (no such run, it ended, or it took
     the lease and holds it no more: its process died; the sensor fails it at its next decision). A reader
-    group's member: its member run in the group's delivery run."""
-    member = _member_view(conn, instance, stream, run_key) if stream is not None and stream.reader else None
+    group's member: its member run in the group's delivery run (``group_runs``: the group's newest delivery
+    runs, when the caller read them)."""
+    member = (_member_view(conn, instance, stream, run_key, group_runs) if stream is not None and stream.reader
+              else None)
     run = _find_run(instance, run_key) if member is None else None
     if run is None and stream is not None and stream.reader is not None:
         view, doing = member or _waiting_member(stream, run_key)
@@ -338,11 +344,14 @@ _SEEN = ("state", "last_recorded_event_id", "undelivered_events", "undelivered_b
 
 
 def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-                    row: dict[str, Any], cursor: dict[str, Any]) -> dg.AssetObservation | None:
+                    row: dict[str, Any], cursor: dict[str, Any],
+                    group_runs: list[dg.DagsterRun] | None = None) -> dg.AssetObservation | None:
     """An observation of the stream status asset when anything it shows changed (counts, state, the
     open run and what became of it) or it is due (``sensor.status_every_secs``)."""
-    run_state = open_run_state(conn, instance, row["open_run_key"], stream) if row.get("open_run_key") else None
-    seen = json.dumps([row.get(k) for k in _SEEN] + [run_state], default=str)
+    run_state = (open_run_state(conn, instance, row["open_run_key"], stream, group_runs) if row.get("open_run_key")
+                 else None)
+    # (a digest: a group's cursor holds one per member)
+    seen = hashlib.sha1(json.dumps([row.get(k) for k in _SEEN] + [run_state], default=str).encode()).hexdigest()
     due = time.time() - float(cursor.get("status_at", 0)) >= stream.sensor.status_every_secs
     if not due and cursor.get("status_seen") == seen:
         return None
@@ -354,7 +363,9 @@ def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stre
 
 
 def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
-    """The sensor of one stream."""
+    """The sensor of one stream that reads its own slot (a reader group's member has none: its group's
+    sensor decides for it, :func:`group_sensor`)."""
+    assert stream.reader is None, f"stream {stream.id} is a member of reader group {stream.reader}"
 
     @dg.sensor(
         name=stream_sensor_name(stream.id),
@@ -362,9 +373,7 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         minimum_interval_seconds=stream.sensor.interval_secs,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=(f"Reads {stream.slot_label}, records batches of stream {stream.id} and requests "
-                     f"one delivery run at a time, in order." if stream.reader is None else
-                     f"Requests the delivery runs of stream {stream.id}, one at a time, in order (its reader "
-                     f"group's sensor, {group_sensor_name(stream.reader)}, records its batches)."),
+                     f"one delivery run at a time, in order."),
     )
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
@@ -490,11 +499,44 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                                                     "requested (its streams keep their runs open)")
 
 
+def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
+                    cursor: dict[str, Any], log: list[str]) -> list[dg.AssetObservation]:
+    """The decisions of every member, once each (:func:`step`, as a stream's own sensor decides; a member's
+    runs are the group delivery run's, so none is requested here), and the observations of their status
+    assets. A member still handing its own slot over (it had one before it joined) has it read first, as its
+    own sensor did (``consume``: its events are delivered meanwhile). The group's newest delivery runs are read
+    once for all of them."""
+    state = ledger.group_state(conn, group)
+    joined = {m.id for m in state.members if m.joined} if state is not None else set()
+    newest = _group_runs(instance, group, limit=3)
+    members: dict[str, Any] = cursor.setdefault("members", {})
+    for stream in streams:
+        if stream.id not in joined:
+            consume(conn, stream, JOINING_READ_SECS)
+        mine = members.setdefault(str(stream.id), {})
+        step(conn, instance, stream, log, said=mine.setdefault("said", {}), group_runs=newest)
+    by_id = {s.id: s for s in streams}
+    observed: list[dg.AssetObservation] = []
+    for row in stream_status(conn, None, last=0):  # the tick's one read of the members' state
+        if (member := by_id.get(int(row["id"]))) is None:
+            continue
+        mine = members[str(member.id)]
+        mine["last_event_id"], mine["last_lsn"] = row["last_recorded_event_id"], row["last_recorded_lsn"]
+        mine["undelivered_batches"] = int(row["undelivered_batches"])
+        mine["undelivered_events"] = int(row["undelivered_events"])
+        observation = _observe_status(conn, instance, member, row, mine, newest)
+        if observation is not None:
+            observed.append(observation)
+    return observed
+
+
 def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
-    """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``): each
-    tick reads the group's one slot for up to the shortest ``sensor.tick_budget_secs`` of its streams and
+    """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``), the one
+    sensor of all its members: each tick reads the group's one slot (while no group delivery run reads it) and
     records each stream's transactions in its ledger, handing them to the stream's open run
-    (``engine/ingest/group.py``). The streams' own sensors decide and request their runs as usual."""
+    (``engine/ingest/group.py``), decides for each member as a stream's own sensor does (launch, hand over,
+    fail over, retry: the group delivery run hosts what is decided) and requests the group's delivery run
+    when none is live."""
     budget = min(s.sensor.tick_budget_secs for s in streams)
     ids = sorted(s.id for s in streams)
 
@@ -503,16 +545,19 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         job_name=GROUP_DELIVERY_JOB,
         minimum_interval_seconds=min(s.sensor.interval_secs for s in streams),
         default_status=dg.DefaultSensorStatus.RUNNING,
-        description=f"Reads the slot of reader group {group} (one decoding of the WAL), records the batches of "
-                    f"streams {', '.join(map(str, ids))} and requests the group's delivery run (one process "
-                    f"hosting their delivery runs) when none is live.",
+        description=f"The sensor of streams {', '.join(map(str, ids))} (reader group {group}): reads the group's "
+                    f"slot (one decoding of the WAL) while its delivery run does not, records each stream's "
+                    f"batches, decides each stream's runs, in order, and requests the group's delivery run (one "
+                    f"process hosting their runs) when none is live.",
     )
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
+        cursor.pop("streams", None)  # what cursors of earlier versions kept (now under "members")
+        decisions: list[str] = []
         with pgstream.connect() as conn:
             try:
-                # without a live group delivery run the tick is short: the run its members wait for is requested
-                # at the tick's end (a group run process takes seconds to start)
+                # without a live group delivery run the tick reads briefly: the run its members wait for is
+                # requested at the tick's end (a group run process takes seconds to start)
                 live = any(r.status in _LIVE for r in _group_runs(context.instance, group, limit=5))
                 # one reader of the group's slot at a time: the tick reads only when the group delivery run's
                 # reader does not (it reads continuously while the run lives; its lock ends with its session)
@@ -526,28 +571,30 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 else:
                     result = GroupResult()
                     reading = ledger.group_reading_holder(conn, group) or "a session that is ending"
+                observed = _decide_members(conn, context.instance, group, streams, cursor, decisions)
             except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits,
                     PublicationTaken) as exc:  # one line, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
-            rows = [r for r in stream_status(conn, None, last=0) if r["id"] in ids]
             notes_: list[str] = []
             request, delivery = group_delivery(conn, context.instance, group, streams, notes_)
-        for line in notes_:
+        for line in [*decisions, *notes_]:
             context.log.warning(line)
-        # per stream, as each stream's sensor shows it: the last event and LSN its ledger recorded
-        cursor["streams"] = {str(r["id"]): {"last_event_id": r["last_recorded_event_id"],
-                                            "last_lsn": r["last_recorded_lsn"]} for r in rows}
         group_log(context.log, group, result)
+        members = cursor.get("members", {})
+        pending = sum(int(m.get("undelivered_events") or 0) for m in members.values())
+        batches = sum(int(m.get("undelivered_batches") or 0) for m in members.values())
         recorded = sum(result.events.values())
         joining = f"; stream(s) {result.joining} joining" if result.joining else ""
         new_cursor = json.dumps(cursor, sort_keys=True, default=str)
         if request is not None:
             context.log.info(f"reader group {group}: group delivery run {delivery}")
-            return dg.SensorResult(run_requests=[request], cursor=new_cursor)
+            return dg.SensorResult(run_requests=[request], cursor=new_cursor, asset_events=observed)
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
                 if reading is None else f"read nothing: {reading} reads the group's slot")
-        return dg.SensorResult(skip_reason=dg.SkipReason(f"{read}{joining}; {delivery}"), cursor=new_cursor)
+        return dg.SensorResult(skip_reason=dg.SkipReason(
+            f"{read}{joining}; {pending} undelivered events in {batches} batches; {delivery}"), cursor=new_cursor,
+            asset_events=observed)
 
     return _sensor
 

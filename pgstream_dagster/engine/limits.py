@@ -15,8 +15,10 @@ import psycopg
 
 from ..config import StreamConfig
 
-#: connections a stream may hold at once: its sensor's, and its delivery run's own and delivery lease
+#: connections a stream may hold at once: its sensor's, and its delivery run's own and delivery lease (a reader
+#: group's member has no sensor of its own: its group's sensor decides for it)
 _CONNECTIONS_PER_STREAM = 3
+_CONNECTIONS_PER_MEMBER = 2
 #: housekeeping, checks, metrics and a replay or backfill beside the streams
 _CONNECTIONS_SHARED = 4
 
@@ -133,11 +135,12 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
     usable = limits.max_connections - limits.reserved_connections
     # a group's sensor, and its delivery run's lease and listener and its reader: four connections per group
     groups = {s.reader for s in streams if s.reader is not None}
-    needed = len(streams) * _CONNECTIONS_PER_STREAM + len(readers) + 4 * len(groups) + _CONNECTIONS_SHARED
+    grouped = sum(1 for s in streams if s.reader is not None)
+    needed = ((len(streams) - grouped) * _CONNECTIONS_PER_STREAM + grouped * _CONNECTIONS_PER_MEMBER + len(readers)
+              + 4 * len(groups) + _CONNECTIONS_SHARED)
     if needed > usable:
-        grouped = sum(1 for s in streams if s.reader is not None)
-        of_groups = (f", {grouped} of them in {len(groups)} reader group(s) whose delivery runs hold a connection per "
-                     f"stream all the same" if groups else "")
+        of_groups = (f", {grouped} of them in {len(groups)} reader group(s) whose delivery runs hold two connections "
+                     f"per stream all the same" if groups else "")
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
                    f"streams need up to {needed} (a sensor, a delivery run and its lease each{of_groups}, the slot "
                    f"readers, housekeeping): set max_connections = {_suggest(needed + limits.reserved_connections)} in "
