@@ -506,7 +506,7 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
                 ] == new_ids
     (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": name}))
     stop = dagster_old.tags.get("pgstream/stop", "")
-    assert f"configuration of reader group {name} changed" in stop, dagster_old.tags
+    assert stop.startswith("the configuration of its streams changed"), dagster_old.tags
     for i in new_ids:  # written while the old run ends
         insert_events(db_url, i, 5, start=200)
     until(lambda: not old.thread.is_alive(), new_ids, timeout=15)
@@ -556,6 +556,63 @@ def test_a_members_changed_sink_is_picked_up_by_a_fresh_group_run_within_seconds
     old_file = [e["id"] for e in read_jsonl(tmp_path / "out2.jsonl")]
     new_file = [e["id"] for e in read_jsonl(tmp_path / "out2-new.jsonl")]
     assert len(old_file) >= 10 and new_file[-5:] == _events(db_url, 2)[-5:]  # the last wave: the new sink's
+    _end_group_run(group)
+
+
+def test_a_group_runs_reader_refused_ends_the_run_and_the_sensor_reports_the_refusal(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """While the group run of streams 1 and 2 lives, stream 3 is registered in the group by a newer configuration
+    (`pgstream-dagster init`) the code location has not loaded: the run's reader meets ``GroupChange`` and the run
+    ends with that line as the reason (not a reader retrying forever); the group's sensor reports the refusal
+    and requests no run; once the code location reloads with stream 3, a fresh run delivers every event once."""
+    before = [_member("refused", i, tmp_path / f"out{i}.jsonl") for i in (1, 2)]
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance)
+    group = GroupRuns(driver, instance, "refused")
+
+    def delivered(i: int) -> list[int]:
+        return [e["id"] for e in read_jsonl(tmp_path / f"out{i}.jsonl")]
+
+    group.tick()
+    (old,) = group.runs
+    for i in (1, 2):
+        insert_events(db_url, i, 10)
+    deadline = time.monotonic() + 60
+    while not all(len(delivered(i)) == 10 for i in (1, 2)):
+        assert time.monotonic() < deadline
+        group.tick()
+        _tick_members(driver, [1, 2])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ledger.register_group_member(c, 3, "refused")
+    insert_events(db_url, 3, 5)
+    registered = time.monotonic()
+    while old.thread.is_alive():  # the group's sensor is not ticked: the run ends on its own
+        assert time.monotonic() - registered < 15, "the group run did not end"
+        _tick_members(driver, [1, 2])
+        time.sleep(0.2)
+    (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "refused"}))
+    assert old.wait(5).success and "pgstream/stop" not in dagster_old.tags
+    ends = [e.user_message for e in instance.all_logs(dagster_old.run_id)
+            if "group delivery run ended (" in e.user_message]
+    assert len(ends) == 1 and "stream(s) 3 read with it in the database" in ends[0], ends
+    retried = [e.user_message for e in instance.all_logs(dagster_old.run_id) if "reader stopped" in e.user_message]
+    assert not retried, retried
+    for _ in range(3):  # the sensor, with the configuration of before, refuses as well, and requests no run
+        skipped = group.tick()
+        assert skipped is not None and "stream(s) 3 read with it in the database" in skipped, skipped
+    assert len(group.runs) == 1
+    for i in (1, 2):
+        insert_events(db_url, i, 5, start=100)
+    after = [*before, _member("refused", 3, tmp_path / "out3.jsonl")]
+    reloaded = Driver(write_config(tmp_path / "pgstream2.yaml", db_url, after), instance)
+    group.reload(reloaded)
+    deadline = time.monotonic() + 60
+    while not all(len(delivered(i)) >= len(_events(db_url, i)) for i in (1, 2, 3)):
+        assert time.monotonic() < deadline, {i: len(delivered(i)) for i in (1, 2, 3)}
+        group.tick()
+        _tick_members(reloaded, [1, 2, 3])
+    for i in (1, 2, 3):
+        assert delivered(i) == _events(db_url, i), i
+    assert len(group.runs) == 2
     _end_group_run(group)
 
 

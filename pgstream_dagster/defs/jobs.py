@@ -227,7 +227,7 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         code location's any more); asked about once a second."""
         run = instance.get_run_by_id(run_id)
         reason = run.tags.get(STOP_TAG) if run is not None else None
-        return f"the group's sensor asked it to end: {reason}" if reason else None
+        return f"asked to end by the group's sensor: {reason}" if reason else None
 
     noted: set[str] = set()
 

@@ -478,8 +478,8 @@ def _ask_to_end(instance: dg.DagsterInstance, run: dg.DagsterRun, group: str, fi
     if run.tags.get(CONFIG_TAG) == fingerprint:
         return ""
     if STOP_TAG not in run.tags:
-        reason = (f"the configuration of reader group {group} changed (code location loaded with "
-                  f"{CONFIG_TAG} {fingerprint}, the run was requested with {run.tags.get(CONFIG_TAG) or 'none'})")
+        reason = (f"the configuration of its streams changed ({CONFIG_TAG} {run.tags.get(CONFIG_TAG) or 'none'}, "
+                  f"the code location's {fingerprint})")
         instance.add_run_tags(run.run_id, {STOP_TAG: reason})
         log.append(f"reader group {group}: group delivery run {run.run_id} asked to end: {reason}; a fresh one is "
                    f"requested once it has ended")
