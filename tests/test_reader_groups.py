@@ -512,7 +512,8 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
     until(lambda: not old.thread.is_alive(), new_ids, timeout=15)
     ended_after = time.monotonic() - reload_at
     assert old.wait(5).success
-    assert instance.get_run_by_id(dagster_old.run_id).tags["pgstream/stop"] == stop  # added once
+    ended = instance.get_run_by_id(dagster_old.run_id)
+    assert ended is not None and ended.tags["pgstream/stop"] == stop
     until(lambda: len(group.runs) == 2, new_ids, timeout=30)  # the new run, once the old one ended
     for i in new_ids:  # written to the new run
         insert_events(db_url, i, 5, start=300)
