@@ -223,11 +223,11 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
                             f"loaded it: reload the code location); the run delivers with the one it loaded")
 
     def stop_check() -> str | None:
-        """The group's sensor asked the run to end (:data:`~.names.STOP_TAG`: its configuration is not the
-        code location's any more); asked about once a second."""
+        """The run was asked to end (:data:`~.names.STOP_TAG`, by the group's sensor when its configuration is
+        not the code location's any more, or by hand); asked about once a second."""
         run = instance.get_run_by_id(run_id)
         reason = run.tags.get(STOP_TAG) if run is not None else None
-        return f"asked to end by the group's sensor: {reason}" if reason else None
+        return f"asked to end ({STOP_TAG}): {reason}" if reason else None
 
     noted: set[str] = set()
 
