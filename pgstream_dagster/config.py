@@ -13,6 +13,8 @@ such streams to a configuration under the same checks (ids and slots unique) as 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import warnings
@@ -540,6 +542,17 @@ class StreamDeclaration(StreamConfig):
     def stream(self) -> StreamConfig:
         """The stream without its subscriptions, as a stream of ``pgstream.yaml``."""
         return StreamConfig.model_validate({name: getattr(self, name) for name in StreamConfig.model_fields})
+
+
+def streams_fingerprint(streams: Sequence[StreamConfig]) -> str:
+    """A stable hash of the configuration of ``streams`` (in stream order), the same in every process that
+    loads the same configuration: a reader group's delivery run is requested with its members' fingerprint
+    (run tag ``pgstream/config``) and the group's sensor asks a live run built from another configuration
+    to end. Secret values (sink credentials) are left out: they are masked, so a fingerprint in a run tag
+    tells nothing of them (a secret changed alone reaches deliveries with the next group run)."""
+    dumped = [s.model_dump(mode="json") for s in sorted(streams, key=lambda s: s.id)]
+    text = json.dumps(dumped, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class PgstreamConfig(_Model):

@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import psycopg
@@ -171,6 +172,101 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_s
             print(json.dumps({"first_wave_secs": round(first_wave - started, 1),
                               "recovery_secs": round(recovered - first_wave, 1),
                               "after_kill_secs": round(replaced - killed, 1)}))
+    finally:
+        survivors = stop_process_group(dev.proc)
+    assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
+
+
+RELOAD = """
+mutation ($name: String!) {
+  reloadRepositoryLocation(repositoryLocationName: $name) {
+    __typename
+    ... on WorkspaceLocationEntry { locationOrLoadError { __typename } }
+  }
+}
+"""
+
+
+def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_location_reload(
+        databases: Databases, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `dg dev`: streams 1..3 of group ``grows`` are delivered by its group run (max_run_secs 600);
+    pgstream.yaml gains stream 4 in the group and the code location is reloaded (as an operator does): the group's
+    sensor registers stream 4 and asks the live group run to end (tag pgstream/stop), the run ends gracefully (success),
+    one new group run of the new configuration starts, and every event of the four streams, written before,
+    during and after, reaches its file once, in commit order."""
+    app = databases.app_url
+    migrate(app)
+
+    def stream(i: int) -> dict[str, Any]:
+        return {"id": i, "reader": "grows", "batch": {"max_size": 100, "max_fill_secs": 0.2},
+                "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
+                "delivery": {"mode": "open", "tuning": {"linger_secs": 120, "max_run_secs": 600}},
+                "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+
+    config_path = write_config(tmp_path / "pgstream.yaml", app, [stream(i) for i in (1, 2, 3)])
+    print("\n" + "\n".join(init(config_path)))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((repo_root() / "dagster.yaml").read_text())
+    env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
+           "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
+
+    def delivered(i: int) -> list[int]:
+        return [e["id"] for e in read_jsonl(tmp_path / f"out{i}.jsonl")]
+
+    dev = start_dagster_dev(tmp_path, env)
+    try:
+        with dg.DagsterInstance.get() as instance:
+            def group_runs() -> list[dg.DagsterRun]:
+                return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB)))
+
+            def state() -> str:
+                return (f"delivered/sent {[(len(delivered(i)), len(_sent(app, i))) for i in (1, 2, 3, 4)]}; group "
+                        f"runs {[(r.run_id[:8], r.status.value, r.tags.get('pgstream/stop')) for r in group_runs()]}")
+
+            for i in (1, 2, 3):
+                insert_events(app, i, 20)
+            wait_for("the first wave", _all_at_least(delivered, [1, 2, 3], 20), READY_TIMEOUT_SECS, dev, state)
+            (old,) = group_runs()
+            assert old.status == dg.DagsterRunStatus.STARTED
+            for i in (1, 2, 3):  # written before the reload
+                insert_events(app, i, 10, start=100)
+
+            write_config(config_path, app, [stream(i) for i in (1, 2, 3, 4)])
+            answer = dev.graphql(RELOAD, {"name": "pgstream"})
+            assert answer["data"]["reloadRepositoryLocation"]["__typename"] == "WorkspaceLocationEntry", answer
+            reloaded = time.monotonic()
+            with psycopg.connect(app) as c:
+                wait_for("stream 4 registered", lambda: c.execute(
+                    "select reader_group from pgstream.streams where id = 4").fetchone() == ("grows",), 30, dev, state)
+            for i in (1, 2, 3, 4):  # written while the old run ends
+                insert_events(app, i, 10, start=200)
+
+            def ended() -> bool:
+                run = instance.get_run_by_id(old.run_id)
+                return run is not None and run.status not in (dg.DagsterRunStatus.STARTED,
+                                                              dg.DagsterRunStatus.STARTING)
+            wait_for("the old group run to end", ended, 60, dev, state)
+            ended_secs = time.monotonic() - reloaded
+            finished = instance.get_run_by_id(old.run_id)
+            assert finished is not None and finished.status == dg.DagsterRunStatus.SUCCESS, state()
+            assert finished.tags["pgstream/stop"].startswith("the configuration of its streams changed")
+            wait_for("a new group run", lambda: any(r.status == dg.DagsterRunStatus.STARTED for r in group_runs()),
+                     60, dev, state)
+            for i in (1, 2, 3, 4):  # written to the new run
+                insert_events(app, i, 10, start=300)
+            wait_for("every event of the four streams",
+                     lambda: all(len(delivered(i)) >= len(_sent(app, i)) for i in (1, 2, 3, 4)), 120, dev, state)
+            for i in (1, 2, 3, 4):
+                assert delivered(i) == _sent(app, i), i  # once each, in commit order
+            runs = group_runs()
+            assert len(runs) == 2 and runs[0].status == dg.DagsterRunStatus.STARTED, state()
+            assert "pgstream/stop" not in runs[0].tags
+            assert runs[0].tags["pgstream/config"] != old.tags["pgstream/config"]
+            print(json.dumps({"old_run_ended_secs": round(ended_secs, 1),
+                              "all_delivered_secs": round(time.monotonic() - reloaded, 1)}))
     finally:
         survivors = stop_process_group(dev.proc)
     assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"

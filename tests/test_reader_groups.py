@@ -11,7 +11,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster.config import StreamConfig, load_config
+from pgstream_dagster.config import StreamConfig, load_config, streams_fingerprint
 from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, ledger, limits, migrations, replication
@@ -331,6 +331,12 @@ class GroupRuns:
         for run in self.runs:
             assert run.wait(timeout).success
 
+    def reload(self, driver: Driver) -> None:
+        """The code location reloaded with ``driver``'s definitions (a new pgstream.yaml): the group's sensor is
+        the new one (its cursor kept); the runs already executing keep the definitions they started with."""
+        self.driver = driver
+        self.sensor = driver.defs.resolve_sensor_def(f"pgstream_group_{self.group}")
+
 
 def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and_a_group_run(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
@@ -445,6 +451,177 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
     assert state(2) == "failover"
     assert _pgstream_slots(db_url) == [_group_slot(db_url)]
     run.wait(timeout=60)  # the shortest max_run_secs of its streams: the group run ends (its members close)
+
+
+def _tick_members(driver: Driver, ids: list[int]) -> None:
+    """The members' own sensors decide their runs (none requested: the group run hosts them)."""
+    for i in ids:
+        assert not driver.tick(i).run_requests
+
+
+def _member(group: str, i: int, sink: Path) -> dict[str, Any]:
+    """A member of ``group`` in mode open whose group run would live 5 minutes."""
+    return {"id": i, "reader": group, "batch": {"max_size": 50, "max_fill_secs": 0},
+            "sensor": {"tick_budget_secs": 0.1},
+            "delivery": {"mode": "open", "tuning": {"linger_secs": 1, "max_run_secs": 300}},
+            "sink": {"type": "file", "path": str(sink)}}
+
+
+def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
+                                          before: list[dict[str, Any]], after: list[dict[str, Any]],
+                                          sinks: Callable[[int], list[Path]]) -> tuple[GroupRuns, float]:
+    """The group run of ``before`` is live and delivering; the code location reloads with ``after``: the old run
+    ends within seconds (asked to by the group's sensor), one new run of ``after`` starts, and every event
+    written before, during and after arrives once, in commit order (through ``sinks(i)``, concatenated). The
+    harness, and how long the old run took to end after the reload."""
+    name = str(before[0]["reader"])  # (the instance is the tests': its runs are told apart by their group)
+    old_ids, new_ids = [s["id"] for s in before], [s["id"] for s in after]
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance)
+    group = GroupRuns(driver, instance, name)
+
+    def delivered(i: int) -> list[int]:
+        return [e["id"] for path in sinks(i) for e in read_jsonl(path)]
+
+    def until(done: Callable[[], bool], ids: list[int], timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, {i: len(delivered(i)) for i in ids}
+            group.tick()
+            _tick_members(group.driver, ids)
+
+    group.tick()
+    (old,) = group.runs
+    for i in old_ids:
+        insert_events(db_url, i, 10)
+    until(lambda: all(len(delivered(i)) == 10 for i in old_ids), old_ids)
+    for i in old_ids:  # written before the reload, maybe delivered after it
+        insert_events(db_url, i, 5, start=100)
+
+    reloaded = Driver(write_config(tmp_path / "pgstream2.yaml", db_url, after), instance)
+    group.reload(reloaded)
+    reload_at = time.monotonic()
+    group.tick()  # the group's sensor alone: it registers a new member and asks the old run to end
+    with psycopg.connect(db_url) as c:
+        assert [r[0] for r in c.execute("select id from pgstream.streams where reader_group = %s order by id", [name])
+                ] == new_ids
+    (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": name}))
+    stop = dagster_old.tags.get("pgstream/stop", "")
+    assert stop.startswith("the configuration of its streams changed"), dagster_old.tags
+    for i in new_ids:  # written while the old run ends
+        insert_events(db_url, i, 5, start=200)
+    until(lambda: not old.thread.is_alive(), new_ids, timeout=15)
+    ended_after = time.monotonic() - reload_at
+    assert old.wait(5).success
+    ended = instance.get_run_by_id(dagster_old.run_id)
+    assert ended is not None and ended.tags["pgstream/stop"] == stop
+    until(lambda: len(group.runs) == 2, new_ids, timeout=30)  # the new run, once the old one ended
+    for i in new_ids:  # written to the new run
+        insert_events(db_url, i, 5, start=300)
+    until(lambda: all(len(delivered(i)) >= len(_events(db_url, i)) for i in new_ids), new_ids)
+    for i in new_ids:
+        assert delivered(i) == _events(db_url, i), i  # every event, once, in commit order
+    assert len(group.runs) == 2 and group.runs[1].thread.is_alive()
+    (dagster_new,) = [r for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": name}))
+                      if r.run_id != dagster_old.run_id]
+    assert dagster_new.tags["pgstream/config"] == streams_fingerprint(load_config(reloaded.config_path).streams)
+    assert "pgstream/stop" not in dagster_new.tags
+    return group, ended_after
+
+
+def test_a_stream_added_to_a_group_while_its_run_lives_is_registered_and_hosted_by_a_fresh_run(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Streams 1..3 are delivered by their group's run (max_run_secs 300); the code location reloads with a
+    stream 4 in the group: the group's sensor registers stream 4 at its first tick (the run's reader holds the
+    group's reading) and asks the run to end; it ends within seconds (its members close as at max_run_secs),
+    one new run hosts 1..4, and every event of the four streams, written before, during and after, arrives
+    once, in commit order."""
+    before = [_member("grown", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3)]
+    after = [_member("grown", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3, 4)]
+    group, ended_after = _reconfigured_while_a_group_run_lives(
+        db_url, tmp_path, instance, before, after, lambda i: [tmp_path / f"out{i}.jsonl"])
+    assert ended_after < 10
+    _end_group_run(group)
+
+
+def test_a_members_changed_sink_is_picked_up_by_a_fresh_group_run_within_seconds(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """The code location reloads with stream 2's sink writing another file: the live group run is asked to end
+    and ends within seconds; what was delivered before went to the old file, every event written after the new
+    run started goes to the new one, and none is lost or repeated across the two."""
+    before = [_member("resink", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3)]
+    after = [_member("resink", i, tmp_path / ("out2-new.jsonl" if i == 2 else f"out{i}.jsonl")) for i in (1, 2, 3)]
+    group, ended_after = _reconfigured_while_a_group_run_lives(
+        db_url, tmp_path, instance, before, after,
+        lambda i: [tmp_path / "out2.jsonl", tmp_path / "out2-new.jsonl"] if i == 2 else [tmp_path / f"out{i}.jsonl"])
+    assert ended_after < 10
+    old_file = [e["id"] for e in read_jsonl(tmp_path / "out2.jsonl")]
+    new_file = [e["id"] for e in read_jsonl(tmp_path / "out2-new.jsonl")]
+    assert len(old_file) >= 10 and new_file[-5:] == _events(db_url, 2)[-5:]  # the last wave: the new sink's
+    _end_group_run(group)
+
+
+def test_a_group_runs_reader_refused_ends_the_run_and_the_sensor_reports_the_refusal(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """While the group run of streams 1 and 2 lives, stream 3 is registered in the group by a newer configuration
+    (`pgstream-dagster init`) the code location has not loaded: the run's reader meets ``GroupChange`` and the run
+    ends with that line as the reason (not a reader retrying forever); the group's sensor reports the refusal
+    and requests no run; once the code location reloads with stream 3, a fresh run delivers every event once."""
+    before = [_member("refused", i, tmp_path / f"out{i}.jsonl") for i in (1, 2)]
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance)
+    group = GroupRuns(driver, instance, "refused")
+
+    def delivered(i: int) -> list[int]:
+        return [e["id"] for e in read_jsonl(tmp_path / f"out{i}.jsonl")]
+
+    group.tick()
+    (old,) = group.runs
+    for i in (1, 2):
+        insert_events(db_url, i, 10)
+    deadline = time.monotonic() + 60
+    while not all(len(delivered(i)) == 10 for i in (1, 2)):
+        assert time.monotonic() < deadline
+        group.tick()
+        _tick_members(driver, [1, 2])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ledger.register_group_member(c, 3, "refused")
+    insert_events(db_url, 3, 5)
+    registered = time.monotonic()
+    while old.thread.is_alive():  # the group's sensor is not ticked: the run ends on its own
+        assert time.monotonic() - registered < 15, "the group run did not end"
+        _tick_members(driver, [1, 2])
+        time.sleep(0.2)
+    (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "refused"}))
+    assert old.wait(5).success and "pgstream/stop" not in dagster_old.tags
+    ends = [e.user_message for e in instance.all_logs(dagster_old.run_id)
+            if "group delivery run ended (" in e.user_message]
+    assert len(ends) == 1 and "stream(s) 3 read with it in the database" in ends[0], ends
+    retried = [e.user_message for e in instance.all_logs(dagster_old.run_id) if "reader stopped" in e.user_message]
+    assert not retried, retried
+    for _ in range(3):  # the sensor, with the configuration of before, refuses as well, and requests no run
+        skipped = group.tick()
+        assert skipped is not None and "stream(s) 3 read with it in the database" in skipped, skipped
+    assert len(group.runs) == 1
+    for i in (1, 2):
+        insert_events(db_url, i, 5, start=100)
+    after = [*before, _member("refused", 3, tmp_path / "out3.jsonl")]
+    reloaded = Driver(write_config(tmp_path / "pgstream2.yaml", db_url, after), instance)
+    group.reload(reloaded)
+    deadline = time.monotonic() + 60
+    while not all(len(delivered(i)) >= len(_events(db_url, i)) for i in (1, 2, 3)):
+        assert time.monotonic() < deadline, {i: len(delivered(i)) for i in (1, 2, 3)}
+        group.tick()
+        _tick_members(reloaded, [1, 2, 3])
+    for i in (1, 2, 3):
+        assert delivered(i) == _events(db_url, i), i
+    assert len(group.runs) == 2
+    _end_group_run(group)
+
+
+def _end_group_run(group: GroupRuns) -> None:
+    """The test's last group run ends (asked to, as the sensor asks one of another configuration)."""
+    run = group.instance.get_runs(dg.RunsFilter(tags={"pgstream/group": group.group}), limit=1)[0]
+    group.instance.add_run_tags(run.run_id, {"pgstream/stop": "the test ends"})
+    group.wait(30)
 
 
 def test_init_creates_one_slot_for_a_group(db_url: str, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import dagster as dg
 import psycopg
 from dagster_pyspark import LazyPySparkResource
 
-from ..config import StreamConfig
+from ..config import StreamConfig, streams_fingerprint
 from ..engine import ledger
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
@@ -28,12 +28,14 @@ from ..engine.ingest import consume_group
 from ..engine.slotreader import SlotReader
 from .lake import lake_materializations
 from .names import (
+    CONFIG_TAG,
     CONTROL_JOB,
     DELIVERY_JOB,
     GROUP_DELIVERY_JOB,
     GROUP_TAG,
     MEMBER_TAG_PREFIX,
     RUN_KEY_TAG,
+    STOP_TAG,
     STREAM_TAG,
     deliveries_asset_key,
     member_tag,
@@ -177,7 +179,9 @@ class _Reporter:
 @dg.op(description="Host the delivery runs of a reader group's streams in one process, one thread each (each with "
                    "its own sink, delivery lease and ledger state); the streams' sensors decide their runs as for a "
                    "run per stream. Ends after the shortest delivery.tuning.max_run_secs of its streams, or (streams "
-                   "in mode per_batch only) when no stream had a run for 5 s.")
+                   "in mode per_batch only) when no stream had a run for 5 s, or when the group's sensor asks it to "
+                   "end (its configuration is not the code location's any more) or its reader is refused (e.g. a "
+                   "stream added to the group by a newer configuration).")
 def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
                   pgstream: dg.ResourceParam[PgstreamResource], pyspark: LazyPySparkResource) -> None:
     group = config.group
@@ -212,13 +216,26 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
             instance.add_run_tags(run_id, {member_tag(stream_id): member_state(
                 run_key, "ended" if error is None else "failed", error)})
 
+    requested = context.run.tags.get(CONFIG_TAG)
+    if requested is not None and requested != streams_fingerprint(streams):
+        context.log.warning(f"reader group {group}: the configuration this run loaded ({pgstream.config_path}) is "
+                            f"not the one the group's sensor requested it with (changed since the code location "
+                            f"loaded it: reload the code location); the run delivers with the one it loaded")
+
+    def stop_check() -> str | None:
+        """The run was asked to end (:data:`~.names.STOP_TAG`, by the group's sensor when its configuration is
+        not the code location's any more, or by hand); asked about once a second."""
+        run = instance.get_run_by_id(run_id)
+        reason = run.tags.get(STOP_TAG) if run is not None else None
+        return f"asked to end ({STOP_TAG}): {reason}" if reason else None
+
     noted: set[str] = set()
 
     def read(conn: psycopg.Connection, secs: float) -> None:
         """The group run's reader: the group's slot read as the group's sensor reads it (the same function)."""
         group_log(context.log, group, consume_group(conn, group, streams, secs), batches=False, noted=noted)
 
-    host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, read=read)
+    host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read)
     delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
                              max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
                              idle_secs=(float("inf") if any(s.delivery.keeps_open for s in streams) else 5.0))

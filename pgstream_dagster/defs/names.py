@@ -18,6 +18,12 @@ WARM_TAG = "pgstream/warm"
 BACKFILL_TAG = "pgstream/backfill"
 #: a reader group's delivery run (value: the group's name): one at a time per group (dagster.yaml)
 GROUP_TAG = "pgstream/group"
+#: a reader group's delivery run: the fingerprint of its members' configuration it was requested with
+#: (``config.streams_fingerprint``)
+CONFIG_TAG = "pgstream/config"
+#: a reader group's delivery run asked to end (value: why), added once by the group's sensor when the
+#: run's configuration is not the code location's any more; the run's stop check ends it gracefully
+STOP_TAG = "pgstream/stop"
 
 #: jobs
 DELIVERY_JOB = "pgstream_delivery"

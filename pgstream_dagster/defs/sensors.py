@@ -39,7 +39,7 @@ from typing import Any
 import dagster as dg
 import psycopg
 
-from ..config import StreamConfig
+from ..config import StreamConfig, streams_fingerprint
 from ..engine import ledger
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
@@ -53,10 +53,12 @@ from .names import (
     ATTEMPT_TAG,
     BATCH_TAG,
     BATCHES_TAG,
+    CONFIG_TAG,
     DELIVERY_JOB,
     GROUP_DELIVERY_JOB,
     GROUP_TAG,
     RUN_KEY_TAG,
+    STOP_TAG,
     STREAM_TAG,
     WARM_TAG,
     group_sensor_name,
@@ -460,13 +462,51 @@ def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True
         noted.update(result.notes)
 
 
+def _register_members(conn: psycopg.Connection, group: str, streams: list[StreamConfig], log: list[str]) -> None:
+    """The members the database does not have in the group yet are registered now, even while the group run's
+    reader holds the group's reading (one query when none is missing): the run, built from an older
+    configuration, meets the new member (``ledger.GroupChange``) and ends, and the next one hosts it. A
+    refusal (a stream of another group) is the tick's to tell; the group's reader refuses it too."""
+    try:
+        added = ledger.register_missing_members(conn, group, [s.id for s in streams])
+    except (ledger.GroupChange, PublicationTaken) as exc:
+        log.append(str(exc))
+        return
+    if added:
+        log.append(f"reader group {group}: stream(s) {', '.join(map(str, added))} registered; they join at the "
+                   f"group reader's next pass")
+
+
+def _ask_to_end(instance: dg.DagsterInstance, run: dg.DagsterRun, group: str, fingerprint: str,
+                log: list[str]) -> str:
+    """A live group run requested with another configuration than the code location's (its
+    :data:`~.names.CONFIG_TAG`) is asked to end, once (:data:`~.names.STOP_TAG`, which its stop check
+    reads; logged when added): its members' runs close as at ``max_run_secs`` and the group's next run,
+    requested once it has ended, is built from the code location's configuration. What the skip reason
+    adds ('' for a run of the current configuration)."""
+    if run.tags.get(CONFIG_TAG) == fingerprint:
+        return ""
+    if STOP_TAG not in run.tags:
+        reason = (f"the configuration of its streams changed ({CONFIG_TAG} {run.tags.get(CONFIG_TAG) or 'none'}, "
+                  f"the code location's {fingerprint})")
+        instance.add_run_tags(run.run_id, {STOP_TAG: reason})
+        log.append(f"reader group {group}: group delivery run {run.run_id} asked to end: {reason}; a fresh one is "
+                   f"requested once it has ended")
+    return "; asked to end (configuration changed)"
+
+
 def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
                    log: list[str]) -> tuple[dg.RunRequest | None, str]:
     """The group's delivery run: the one live (queued, starting, or started and holding the group's
     delivery lease), or one to request when a member wants a run hosted (``ledger.member_runs``) and none
     is live. A started group run whose lease was lost (its process died), or that took none
     ``delivery.run_grace_secs`` after it started, is reported failed (its members' sensors see their runs
-    dead or failed, and retry them)."""
+    dead or failed, and retry them). The run is requested with the fingerprint of the members'
+    configuration (:data:`~.names.CONFIG_TAG`); a live one of another configuration is asked to end
+    (:func:`_ask_to_end`), and the next one is requested once it has. Members the database does not have
+    in the group yet are registered first (:func:`_register_members`)."""
+    _register_members(conn, group, streams, log)
+    fingerprint = streams_fingerprint(streams)
     grace = min(s.delivery.run_grace_secs for s in streams)
     for run in _group_runs(instance, group, limit=5):
         if run.status not in _LIVE:
@@ -484,7 +524,8 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                                                 f"died: {why}")
                 log.append(f"reader group {group}: group delivery run {run.run_id} died ({why}); marked failed")
                 continue
-        return None, f"group delivery run {run.run_id} ({run.status.value.lower()})"
+        ending = _ask_to_end(instance, run, group, fingerprint, log)
+        return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
     wanted = ledger.member_runs(conn, group)
     # a group with streams in modes open or warm keeps its delivery run up (a first event after a quiet spell,
     # or the location's start, waits for no process to start); one of mode per_batch streams only is requested
@@ -495,8 +536,8 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     members = ", ".join(str(m.stream_id) for m in wanted)
     return dg.RunRequest(run_key=key, job_name=GROUP_DELIVERY_JOB,
                          run_config={"ops": {"deliver_group": {"config": {"group": group}}}},
-                         tags={GROUP_TAG: group}), (f"requested for stream(s) {members}" if wanted else
-                                                    "requested (its streams keep their runs open)")
+                         tags={GROUP_TAG: group, CONFIG_TAG: fingerprint}), (
+        f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
 
 
 def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],

@@ -24,7 +24,11 @@ the reader's connection does), the sensor reads again at its next tick.
 The group run holds the group's delivery lease (``ledger.acquire_group_lease``) for as long as it lives,
 so a dead group run (its process killed) is told from a live one; it ends once
 ``max_run_secs`` passed (it stops taking member runs and asks its members to close: a fresh group run picks
-up configuration changes) or when no member had a run for ``idle_secs``.
+up configuration changes) or when no member had a run for ``idle_secs``. It also ends, the same way, when
+its host's stop check gives a reason (:attr:`GroupHost.stop_check`: the group's sensor asks a run built from
+a configuration that is not the code location's any more to end), and when its reader is refused
+(:data:`REFUSALS`, e.g. ``ledger.GroupChange``: a stream was added to the group by a newer configuration),
+with that line as the reason, instead of reading on with a configuration that no longer holds.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import psycopg
 from ...config import StreamConfig
 from .. import dbconn, ledger
 from ..handoff import Log
+from ..limits import LimitsExceeded
+from ..replication import PublicationTaken
 from .run import DeliveryRun, Host
 
 #: how often the group run looks at what its members want hosted when no notification woke it
@@ -50,6 +56,11 @@ READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
 READ_ERROR_SECS = 5.0
+#: what the group run's reader cannot get past with the configuration the run was built from (a stream the
+#: database has in the group that the run's configuration does not, a publication or slot not the group's,
+#: no slot free): the group run ends with its line as the reason; the group's sensor reads then, with the
+#: code location's configuration, and reports it if it stands
+REFUSALS: tuple[type[Exception], ...] = (ledger.GroupChange, PublicationTaken, LimitsExceeded)
 
 
 def member_run_id(group_run_id: str, stream_id: int) -> str:
@@ -61,6 +72,13 @@ def member_run_id(group_run_id: str, stream_id: int) -> str:
 def reader_name(group_run_id: str) -> str:
     """How the group's reading lock names the group delivery run ``group_run_id``'s reader while it reads."""
     return f"group delivery run {group_run_id}"
+
+
+def _one_line(exc: BaseException, *, every_line: bool = False) -> str:
+    """The error in one line: its first (or, ``every_line``, all of them: one problem each, as
+    ``LimitsExceeded`` has), at most 500 characters."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return ("; ".join(lines) if every_line else lines[0] if lines else "")[:500] or type(exc).__name__
 
 
 def _no_claim(_stream_id: int, _run_key: str) -> bool:
@@ -123,6 +141,8 @@ class GroupDelivery:
     _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
     _stopping: threading.Event = field(default_factory=threading.Event)
     _stop_reason: str | None = None
+    #: set by the reader when it met one of :data:`REFUSALS`: the group run ends with this line as the reason
+    _refused: str | None = None
     #: set when the group run ends: its reader stops reading and gives the group's reading up
     _reading_ends: threading.Event = field(default_factory=threading.Event)
 
@@ -148,7 +168,9 @@ class GroupDelivery:
                 self._reap()
                 now = time.monotonic()
                 if self._stop_reason is None:
-                    if now - opened >= self.max_run_secs:
+                    if self._refused is not None:
+                        self._stop(self._refused)
+                    elif now - opened >= self.max_run_secs:
                         self._stop(f"open for {self.max_run_secs:g}s (the shortest delivery.tuning.max_run_secs "
                                    f"of its streams)")
                     elif now - checked_at >= 1.0:
@@ -213,9 +235,11 @@ class GroupDelivery:
                     read(conn, READ_SECS)
                     if time.monotonic() - began < READ_SECS / 2:  # it returned early (a join waits, nothing joined
                         self._reading_ends.wait(READ_EARLY_SECS)  # yet, a slot lost): not a busy loop
+                except REFUSALS as exc:  # the run's configuration cannot go on: it ends (run() sees this)
+                    self._refused = _one_line(exc, every_line=True)
+                    return
                 except Exception as exc:  # the sensor reads while this one cannot (the lock goes with the session)
-                    text = str(exc).strip()
-                    line = (text.splitlines()[0] if text else type(exc).__name__)[:500]
+                    line = _one_line(exc)
                     if line != told:
                         log.warning(f"reader group {self.group}: the group delivery run's reader stopped ({line}); "
                                     f"the group's sensor reads meanwhile, the run tries again in "

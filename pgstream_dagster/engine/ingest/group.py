@@ -3,7 +3,8 @@ the WAL is decoded once for all of them (docs/architecture.md, "One reader for a
 
 :func:`consume_group`, each tick of the group's sensor:
 
-1. **ensure** (:func:`ensure_group`): every configured member is registered (``register_group_member``),
+1. **ensure** (:func:`ensure_group`): every configured member is registered (``register_missing_members``:
+   ``register_group_member`` for those the database does not have in the group yet),
    the group's publication filters on exactly its members (``ensure_group_publication``), and the group's
    slot exists and is usable. A slot that was dropped or invalidated (or a publication dropped by hand)
    sets ``recovery_pending`` on the group and each joined member, is replaced, and each member records
@@ -101,8 +102,8 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
     """Register the members, keep the publication's filter on them, and make sure the group's slot is
     usable (replaced and recovered when lost). Raises :class:`~..ledger.GroupChange` for a stream the
     database has in the group that the configuration does not (it would be skipped)."""
-    for stream in streams:
-        ledger.register_group_member(conn, stream.id, group)
+    # one query when every member is registered (each tick, each pass of the group run's reader)
+    ledger.register_missing_members(conn, group, [s.id for s in streams])
     result.publication = ledger.ensure_group_publication(conn, group)
     state = ledger.group_state(conn, group)
     assert state is not None  # registered above

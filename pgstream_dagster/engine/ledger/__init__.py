@@ -79,6 +79,9 @@ from .groups import (
     register_group_member as register_group_member,
 )
 from .groups import (
+    register_missing_members as register_missing_members,
+)
+from .groups import (
     set_group_recovery_pending as set_group_recovery_pending,
 )
 from .keyprogress import (

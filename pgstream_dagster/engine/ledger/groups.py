@@ -51,6 +51,17 @@ def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) 
     return str(row[0])
 
 
+def register_missing_members(conn: psycopg.Connection, group: str, stream_ids: list[int]) -> list[int]:
+    """Register (:func:`register_group_member`) the streams of ``stream_ids`` the database does not have in
+    ``group`` yet: one query when every one is registered already. Returns those registered now; raises as
+    :func:`register_group_member` does (a stream of another group)."""
+    known = {int(r[0]) for r in conn.execute("select id from pgstream.streams where reader_group = %s", [group])}
+    missing = [i for i in stream_ids if i not in known]
+    for stream_id in missing:
+        register_group_member(conn, stream_id, group)
+    return missing
+
+
 @dataclass(frozen=True)
 class Member:
     """A stream of a group, as the database has it."""
