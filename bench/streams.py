@@ -98,6 +98,45 @@ def _rss(pids: list[int]) -> int:
     return total
 
 
+#: what each process `dg dev` starts is, told by its command line (the first match)
+_ROLES = (("run worker", "execute_run"), ("code server", " grpc"), ("code server", "code-server"),
+          ("daemon", "daemon"), ("webserver", "webserver"))
+
+
+def _role(pid: int) -> str:
+    try:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return "gone"
+    return next((role for role, mark in _ROLES if mark in cmd), "other")
+
+
+def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
+    """From the Dagster instance's storage, seconds after ``since`` (the location loaded): the group sensors'
+    first ticks (start and end), the group delivery runs' creation, start, and the first line of each saying
+    whom it hosts; and the group sensors' tick durations (median and max over every tick)."""
+    out: dict[str, Any] = {}
+    with psycopg.connect(dagster_url, autocommit=True) as conn:
+        ticks = [json.loads(r[0]) for r in conn.execute("select tick_body from job_ticks order by id")]
+        spans = [(t["instigator_name"], t["timestamp"], t.get("end_timestamp")) for t in ticks
+                 if t.get("instigator_name", "").startswith("pgstream_group_")]
+        if spans:
+            out["first_group_tick"] = [round(spans[0][1] - since, 1),
+                                       round((spans[0][2] or spans[0][1]) - since, 1)]
+            took = sorted(e - b for _, b, e in spans if e)
+            out["group_tick_secs"] = {"n": len(took), "p50": round(_pct(took, 0.5), 2), "max": round(max(took), 2)}
+        for run_id, created, start in conn.execute(
+                "select run_id, extract(epoch from create_timestamp), start_time from runs "
+                "where pipeline_name = 'pgstream_group_delivery' order by create_timestamp"):
+            hosting = conn.execute("select extract(epoch from timestamp) from event_logs where run_id = %s and "
+                                   "event like %s order by id limit 1", [run_id, "%hosting streams%"]).fetchone()
+            out.setdefault("group_runs", []).append({
+                "created": round(float(created) - since, 1),
+                "started": round(float(start) - since, 1) if start else None,
+                "hosting": round(float(hosting[0]) - since, 1) if hosting else None})
+    return out
+
+
 def _postgres_pids(pg: LocalPostgres) -> list[int]:
     with psycopg.connect(pg.url, autocommit=True) as conn:  # its backend's parent, while the backend lives
         (pid,) = conn.execute("select pg_backend_pid()").fetchone()  # type: ignore[misc]
@@ -168,6 +207,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
             time.sleep(0.5)
         result["first_event_secs"] = sorted(firsts.values())
         result["never_delivered"] = sorted(set(range(1, count + 1)) - set(firsts))
+        result["timeline"] = _timeline(dagster_url.replace("+psycopg2", ""), loaded_at)
 
         out = tmpdir / f"{name}.json"
         pg_pids = _postgres_pids(pg)
@@ -182,6 +222,11 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         result["rss_bytes"] = _rss(dev_pids)
         cpu_after = {**_cpu(dev_pids), **_cpu(pg_pids)}
         result["cpu_secs"] = sum(cpu_after[p] - cpu_before.get(p, 0.0) for p in cpu_after)
+        roles: dict[str, float] = {}
+        for p in cpu_after:  # where the window's CPU went
+            role = "postgres" if p in pg_pids else _role(p)
+            roles[role] = roles.get(role, 0.0) + cpu_after[p] - cpu_before.get(p, 0.0)
+        result["cpu_secs_by_role"] = {k: round(v, 1) for k, v in sorted(roles.items(), key=lambda kv: -kv[1])}
         with psycopg.connect(url, autocommit=True) as conn:
             result["slots"] = conn.execute("select count(*) from pg_replication_slots").fetchone()[0]  # type: ignore[index]
             result["wal_senders"] = conn.execute("select count(*) from pg_stat_replication").fetchone()[0]  # type: ignore[index]
@@ -279,7 +324,9 @@ def main() -> None:
             f"over {r['events']} events ({r['missing']} missing); {r['processes']} processes, "
             f"RSS {r['rss_bytes'] / GiB:.2f} GiB; CPU {r['cpu_per_event_ms']:.1f} ms per event{ratio}; "
             f"{r['slots']} slots, {r['wal_senders']} WAL senders; {r['runs']} delivery runs, "
-            f"{r.get('group_runs', 0)} group delivery runs"
+            f"{r.get('group_runs', 0)} group delivery runs; CPU-s by process: "
+            f"{', '.join(f'{k} {v}' for k, v in r.get('cpu_secs_by_role', {}).items())}; timeline (s after the "
+            f"location loaded): {json.dumps(r.get('timeline', {}))}"
             + (f"; misses: {', '.join(misses)}" if misses else "; meets the goals"))
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")

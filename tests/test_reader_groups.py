@@ -453,12 +453,6 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
     run.wait(timeout=60)  # the shortest max_run_secs of its streams: the group run ends (its members close)
 
 
-def _tick_members(driver: Driver, ids: list[int]) -> None:
-    """The members' own sensors decide their runs (none requested: the group run hosts them)."""
-    for i in ids:
-        assert not driver.tick(i).run_requests
-
-
 def _member(group: str, i: int, sink: Path) -> dict[str, Any]:
     """A member of ``group`` in mode open whose group run would live 5 minutes."""
     return {"id": i, "reader": group, "batch": {"max_size": 50, "max_fill_secs": 0},
@@ -487,7 +481,6 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
         while not done():
             assert time.monotonic() < deadline, {i: len(delivered(i)) for i in ids}
             group.tick()
-            _tick_members(group.driver, ids)
 
     group.tick()
     (old,) = group.runs
@@ -581,14 +574,12 @@ def test_a_group_runs_reader_refused_ends_the_run_and_the_sensor_reports_the_ref
     while not all(len(delivered(i)) == 10 for i in (1, 2)):
         assert time.monotonic() < deadline
         group.tick()
-        _tick_members(driver, [1, 2])
     with psycopg.connect(db_url, autocommit=True) as c:
         ledger.register_group_member(c, 3, "refused")
     insert_events(db_url, 3, 5)
     registered = time.monotonic()
     while old.thread.is_alive():  # the group's sensor is not ticked: the run ends on its own
         assert time.monotonic() - registered < 15, "the group run did not end"
-        _tick_members(driver, [1, 2])
         time.sleep(0.2)
     (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "refused"}))
     assert old.wait(5).success and "pgstream/stop" not in dagster_old.tags
@@ -610,7 +601,6 @@ def test_a_group_runs_reader_refused_ends_the_run_and_the_sensor_reports_the_ref
     while not all(len(delivered(i)) >= len(_events(db_url, i)) for i in (1, 2, 3)):
         assert time.monotonic() < deadline, {i: len(delivered(i)) for i in (1, 2, 3)}
         group.tick()
-        _tick_members(reloaded, [1, 2, 3])
     for i in (1, 2, 3):
         assert delivered(i) == _events(db_url, i), i
     assert len(group.runs) == 2
