@@ -28,6 +28,7 @@ Usage: python bench/streams.py [--streams 1,10,100] [--duration 60] [--group NAM
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as dt
 import json
 import multiprocessing
@@ -36,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -108,7 +110,32 @@ def _role(pid: int) -> str:
         cmd = " ".join(psutil.Process(pid).cmdline())
     except psutil.Error:
         return "gone"
-    return next((role for role, mark in _ROLES if mark in cmd), "other")
+    return next((role for role, mark in _ROLES if mark in cmd), f"other ({cmd[:80]})")
+
+
+class _Sampler:
+    """What Postgres is busy with during the window: every 50 ms, the active backends (client, and the first
+    words of their statement), counted; each count is about 50 ms of a backend's time."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.counts, self.stop = url, collections.Counter[str](), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self.stop.wait(0.05):
+                for app, query in conn.execute(
+                        "select application_name, regexp_replace(left(query, 70), '\\s+', ' ', 'g') "
+                        "from pg_stat_activity where state = 'active' and pid <> pg_backend_pid() "
+                        "and backend_type = 'client backend'"):
+                    client = "member run" if "/" in (app or "") else (app or "?").split(" 0")[0][:40]
+                    self.counts[f"{client}: {query}"] += 1
+
+    def top(self, n: int = 12) -> list[tuple[str, int]]:
+        self.stop.set()
+        self.thread.join(5)
+        return self.counts.most_common(n)
 
 
 def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
@@ -118,8 +145,9 @@ def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with psycopg.connect(dagster_url, autocommit=True) as conn:
         ticks = [json.loads(r[0]) for r in conn.execute("select tick_body from job_ticks order by id")]
-        spans = [(t["instigator_name"], t["timestamp"], t.get("end_timestamp")) for t in ticks
-                 if t.get("instigator_name", "").startswith("pgstream_group_")]
+        # (TickData keeps its fields under their old names: job_name is the instigator's)
+        spans = [(t["job_name"], t["timestamp"], t.get("end_timestamp")) for t in ticks
+                 if str(t.get("job_name", "")).startswith("pgstream_group_")]
         if spans:
             out["first_group_tick"] = [round(spans[0][1] - since, 1),
                                        round((spans[0][2] or spans[0][1]) - since, 1)]
@@ -207,16 +235,18 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
             time.sleep(0.5)
         result["first_event_secs"] = sorted(firsts.values())
         result["never_delivered"] = sorted(set(range(1, count + 1)) - set(firsts))
-        result["timeline"] = _timeline(dagster_url.replace("+psycopg2", ""), loaded_at)
 
         out = tmpdir / f"{name}.json"
         pg_pids = _postgres_pids(pg)
         dev_pids = list(descendants(dev.proc.pid))
         cpu_before = {**_cpu(dev_pids), **_cpu(pg_pids)}
+        sampler = _Sampler(pg.url)
         start = time.time() + 1
         writer = multiprocessing.Process(target=_writer, args=(url, count, start, args.duration, str(out), 1))
         writer.start()
         writer.join()
+        result["postgres_busy"] = sampler.top()
+        result["timeline"] = _timeline(dagster_url.replace("+psycopg2", ""), loaded_at)
         dev_pids = list(descendants(dev.proc.pid))
         result["processes"] = len(dev_pids)
         result["rss_bytes"] = _rss(dev_pids)

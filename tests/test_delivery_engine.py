@@ -324,7 +324,7 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
     ended: dict[int, str | None] = {}
     logs = Log()
     host = group_delivery.GroupHost("grp", logs, lambda stream, run_id: Host(run_id, logs),
-                                    claim=lambda stream_id, _key: stream_id != elsewhere,
+                                    claim=lambda wanted: [(sid, key) for sid, key in wanted if sid != elsewhere],
                                     ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error))
     delivery = group_delivery.GroupDelivery("hosted", streams, db_url, db_url, host, max_run_secs=300, idle_secs=1)
     outcome: list[str] = []

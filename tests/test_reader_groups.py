@@ -325,6 +325,11 @@ class GroupRuns:
             for run in self.runs:  # Dagster shows a run ended a moment before execute_in_process returns
                 assert run.wait(10).success, "a second group run while one is live"
             self.runs.append(Background(self.driver, request))
+            # as the daemon does, the run exists (queued) before the next tick looks for a live one
+            deadline = time.monotonic() + 30
+            while not self.instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""})):
+                assert time.monotonic() < deadline, "the requested group run was not created"
+                time.sleep(0.02)
         return result.skip_message
 
     def wait(self, timeout: float = 60) -> None:

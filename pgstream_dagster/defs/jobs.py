@@ -202,14 +202,17 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         return Host(member, context.log, spark=spark, report=reporter.told(stream, member),
                     control=f"the {CONTROL_JOB} job")
 
-    def claim(stream_id: int, run_key: str) -> bool:
-        """Not a run key a run of the stream's own (requested before its group's run delivered it) or another
-        group delivery run took: a member run is hosted once; recorded in the member's tag."""
-        if (stream_id, run_key) in elsewhere or instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1):
-            return False
-        with lock:
-            instance.add_run_tags(run_id, {member_tag(stream_id): member_state(run_key, "running")})
-        return True
+    def claim(wanted: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """Of the member runs wanted, those no run of the stream's own (requested before its group's run
+        delivered it) or other group delivery run took: a member run is hosted once; recorded in the members'
+        tags, all in one write (as the look-up: one query for every run key)."""
+        keys = [key for _, key in wanted]
+        own = {r.tags.get(RUN_KEY_TAG) for r in instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: keys}))}
+        mine = [(sid, key) for sid, key in wanted if (sid, key) not in elsewhere and key not in own]
+        if mine:
+            with lock:
+                instance.add_run_tags(run_id, {member_tag(sid): member_state(key, "running") for sid, key in mine})
+        return mine
 
     def ended(stream_id: int, run_key: str, error: str | None) -> None:
         with lock:

@@ -45,7 +45,7 @@ from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, deci
 from ..engine.collector import fewer_collections
 from ..engine.delivery.group import member_run_id
 from ..engine.handoff import Log
-from ..engine.ingest import ConsumeResult, GroupResult, consume, consume_group
+from ..engine.ingest import ConsumeResult, GroupResult, check_members, consume, consume_group
 from ..engine.limits import LimitsExceeded
 from ..engine.replication import PublicationTaken, SlotCreationWaits
 from ..engine.status import last_batches, stream_status
@@ -600,6 +600,19 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 # without a live group delivery run the tick reads briefly: the run its members wait for is
                 # requested at the tick's end (a group run process takes seconds to start)
                 live = any(r.status in _LIVE for r in _group_runs(context.instance, group, limit=5))
+                if not live:
+                    # the group run's process takes seconds to start: requested first, and this tick ends (the
+                    # next one reads and decides meanwhile, or the run's reader reads once it is up); not while
+                    # the database has members the configuration has not (the reader would refuse, below)
+                    if (state := ledger.group_state(conn, group)) is not None:
+                        check_members(state, streams)
+                    notes_: list[str] = []
+                    request, delivery = group_delivery(conn, context.instance, group, streams, notes_)
+                    if request is not None:
+                        for line in notes_:
+                            context.log.warning(line)
+                        context.log.info(f"reader group {group}: group delivery run {delivery}")
+                        return dg.SensorResult(run_requests=[request], cursor=context.cursor)
                 # one reader of the group's slot at a time: the tick reads only when the group delivery run's
                 # reader does not (it reads continuously while the run lives; its lock ends with its session)
                 if ledger.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
@@ -617,7 +630,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     PublicationTaken) as exc:  # one line, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
-            notes_: list[str] = []
+            notes_ = []
             request, delivery = group_delivery(conn, context.instance, group, streams, notes_)
         for line in [*decisions, *notes_]:
             context.log.warning(line)

@@ -12,7 +12,8 @@ and one query a second (``ledger.member_signals``) wake the member whose run was
 closed or waited for by a replay (:attr:`~.run.Host.wake`). A member's run that fails (its sink refuses)
 ends its own thread only, gives its lease up and is told to the host (:attr:`GroupHost.ended`): the stream's
 sensor sees it failed and puts the stream in failover; the other members go on. A run key is hosted once
-(:attr:`GroupHost.claim`): a retry is a new run the sensor decides.
+(:attr:`GroupHost.claim`, asked once for every run key wanted at a look): a retry is a new run the sensor
+decides.
 
 While the group run lives, its reader thread reads the group's slot itself, continuously
 (:attr:`GroupHost.read`: ``consume_group``, as the group's sensor does: ensure, joins, recording, batches
@@ -81,8 +82,8 @@ def _one_line(exc: BaseException, *, every_line: bool = False) -> str:
     return ("; ".join(lines) if every_line else lines[0] if lines else "")[:500] or type(exc).__name__
 
 
-def _no_claim(_stream_id: int, _run_key: str) -> bool:
-    return True
+def _no_claim(wanted: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    return wanted
 
 
 def _no_end(_stream_id: int, _run_key: str, _error: str | None) -> None:
@@ -102,9 +103,10 @@ class GroupHost:
     log: Log
     #: the host of one member's run (its run id given): log, Spark, reporter, stop check of its own
     member_host: Callable[[StreamConfig, str], Host]
-    #: whether this group run may host member run ``run_key`` of the stream (no other run hosted it); a yes
-    #: records that it does. Asked once per run key, before its thread starts
-    claim: Callable[[int, str], bool] = _no_claim
+    #: of the member runs ``(stream id, run key)`` wanted, those this group run may host (no other run hosted
+    #: them); what it returns is recorded as hosted here. Asked once per run key, for every run key wanted at
+    #: once (a hundred members starting wait for one answer, not a hundred), before their threads start
+    claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = _no_claim
     #: told when a member's run ended: ``error`` None when it closed, else why it failed (one line)
     ended: Callable[[int, str, str | None], None] = _no_end
     #: a reason to end the group run that only the host knows (None: none), asked about once a second
@@ -186,11 +188,12 @@ class GroupDelivery:
                 self._watch(lease)
                 wanted = [m for m in ledger.member_runs(lease, self.group)
                           if m.stream_id in by_id and m.run_key not in self.hosted]
-                for order in wanted:
-                    if order.stream_id in self._members:  # its previous run is still ending
-                        continue
-                    self.hosted.add(order.run_key)
-                    if not self.host.claim(order.stream_id, order.run_key):
+                # (a member whose previous run is still ending waits for it)
+                starting = [m for m in wanted if m.stream_id not in self._members]
+                self.hosted.update(m.run_key for m in starting)
+                claimed = set(self.host.claim([(m.stream_id, m.run_key) for m in starting])) if starting else set()
+                for order in starting:
+                    if (order.stream_id, order.run_key) not in claimed:
                         log.warning(f"stream {order.stream_id}: run {order.run_key} was hosted elsewhere; left to "
                                     f"its sensor")
                         continue

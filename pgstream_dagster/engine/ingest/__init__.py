@@ -11,7 +11,7 @@
   lost slot took with it.
 """
 
-from .group import GroupResult, consume_group, ensure_group
+from .group import GroupResult, check_members, consume_group, ensure_group
 from .recorder import (
     FOLLOW_CHECK_SECS,
     FOLLOW_RECORD_EVERY_SECS,
@@ -41,6 +41,7 @@ __all__ = [
     "SlotSource",
     "StreamLedger",
     "StreamSource",
+    "check_members",
     "consume",
     "consume_group",
     "ensure_group",

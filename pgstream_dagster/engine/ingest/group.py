@@ -97,6 +97,17 @@ def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Tra
     return split
 
 
+def check_members(state: ledger.Group, streams: list[StreamConfig]) -> None:
+    """Raises :class:`~..ledger.GroupChange` for a stream the database has in the group that the configuration
+    (``streams``) does not: its events would be skipped."""
+    configured = {s.id for s in streams}
+    unknown = [m.id for m in state.members if m.id not in configured]
+    if unknown:
+        raise ledger.GroupChange(f"reader group {state.name}: stream(s) {', '.join(map(str, unknown))} read with it "
+                                 f"in the database but have no streams[] entry with reader: {state.name} in "
+                                 f"pgstream.yaml (their events would be skipped): configure them again")
+
+
 def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
                  result: GroupResult) -> ledger.Group:
     """Register the members, keep the publication's filter on them, and make sure the group's slot is
@@ -107,12 +118,7 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
     result.publication = ledger.ensure_group_publication(conn, group)
     state = ledger.group_state(conn, group)
     assert state is not None  # registered above
-    configured = {s.id for s in streams}
-    unknown = [m.id for m in state.members if m.id not in configured]
-    if unknown:
-        raise ledger.GroupChange(f"reader group {group}: stream(s) {', '.join(map(str, unknown))} read with it in the "
-                                 f"database but have no streams[] entry with reader: {group} in pgstream.yaml (their "
-                                 f"events would be skipped): configure them again")
+    check_members(state, streams)
     result.slot = state.slot
     joined = [m for m in state.members if m.joined]
     if result.publication == "created":
