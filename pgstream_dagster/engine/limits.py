@@ -131,12 +131,11 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
     senders_elsewhere = int(row[0]) if row else 0
     if senders_elsewhere + len(readers) + len(groups) > limits.max_wal_senders:
         needed = senders_elsewhere + len(readers) + len(groups)
-        of_groups = (f" and {len(groups)} reader groups' delivery runs read the group's slot over replication"
-                     if groups else "")
+        who = [f"{len(readers)} streams' open runs read their slot (delivery.mode open or warm)"] if readers else []
+        who += [f"{len(groups)} reader groups' delivery runs read their group's slot"] if groups else []
         out.append(f"max_wal_senders is {limits.max_wal_senders} and {senders_elsewhere} are in use by others; "
-                   f"{len(readers)} streams' open runs read their slot over replication (delivery.mode open or warm)"
-                   f"{of_groups} and need one each: set max_wal_senders = {_suggest(needed)} in postgresql.conf and "
-                   f"restart Postgres")
+                   f"{' and '.join(who)} over replication, one WAL sender each: set max_wal_senders = "
+                   f"{_suggest(needed)} in postgresql.conf and restart Postgres")
     usable = limits.max_connections - limits.reserved_connections
     # a group's sensor, and its delivery run's lease and listener and its reader: four connections per group
     grouped = sum(1 for s in streams if s.reader is not None)
