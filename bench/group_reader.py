@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -107,6 +108,7 @@ def main() -> None:
                       f"Postgres {server:.2f} CPU-s, together {per_event:.1f} ms per event", flush=True)
     finally:
         pg.destroy()
+        shutil.rmtree(tmp, ignore_errors=True)
     load_after()
 
 
