@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams bench-delivery-pool bench-spark-source bench-backfill bench-cold-start clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams bench-group-reader bench-delivery-pool bench-spark-source bench-backfill bench-cold-start clean
 
 # reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
@@ -86,6 +86,10 @@ bench-cpu: $(STAMP)
 # 1, 10 and 100 streams through `dg dev`: first events, processes, RSS, CPU per event, slots (issue 30)
 bench-streams: $(STAMP)
 	$(BIN)/python bench/streams.py
+
+# a reader group's reader alone, without Dagster: the group's slot peeked every 0.1 s vs one replication connection
+bench-group-reader: $(STAMP)
+	$(BIN)/python bench/group_reader.py
 
 # many streams' deliveries without Dagster: a process per stream vs one process hosting them (issue 30)
 bench-delivery-pool: $(STAMP)

@@ -90,3 +90,29 @@ def test_more_streams_than_slots_one_line_from_preflight_init_and_the_sensor_and
         driver.run_until(stream_id, at_least(
             lambda: len(read_jsonl(sink_file)) if sink_file.exists() else 0, 5), timeout=120)  # noqa: B023
         assert [e["id"] for e in read_jsonl(tmp_path / f"out-{stream_id}.jsonl")] == event_ids(url, stream_id)
+
+
+def test_preflight_counts_one_wal_sender_per_reader_group(
+        small_pg: LocalPostgres, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader group's delivery run reads the group's slot over replication (one WAL sender per group, however
+    many streams it has): with max_wal_senders = 4, five groups do not fit and preflight says so in one line;
+    four groups of three streams each do."""
+    url = small_pg.url
+    migrate(url)
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+
+    def senders_line(groups: int, per_group: int) -> list[str]:
+        streams = [{"id": 100 + i, "reader": f"g{i % groups}", "batch": {"max_size": 100, "max_fill_secs": 0},
+                    "sink": {"type": "file", "path": str(tmp_path / f"out-g{i}.jsonl")}}
+                   for i in range(groups * per_group)]
+        config = write_config(tmp_path / f"groups-{groups}.yaml", url, streams)
+        capsys.readouterr()
+        main(["preflight", "--config", str(config)])
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("max_wal_senders")]
+
+    (line,) = senders_line(5, 1)
+    assert line.startswith("max_wal_senders is 4 and ") and line.endswith(
+        "; 5 reader groups' delivery runs read their group's slot over replication, one WAL sender each: set "
+        "max_wal_senders = 8 in postgresql.conf and restart Postgres"), line
+    assert senders_line(4, 3) == []

@@ -441,10 +441,14 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
             assert time.monotonic() < deadline
             group.tick()
         with psycopg.connect(db_url) as c:
-            # the open run is not a slot's reader: the group's is, and no WAL sender reads for it
+            # the open run is not a slot's reader: the group's is, and no WAL sender reads for it (one at most
+            # serves the group's slot: the group run's reader)
             assert c.execute("select open_run_key is not null, slot_reader from pgstream.streams where id = 1"
                              ).fetchone() == (True, "group:pair")
-            assert c.execute("select count(*) from pg_stat_replication").fetchone() == (0,)
+            senders, of_group = c.execute(
+                "select count(*), count(*) filter (where s.slot_name = (select slot from pgstream.reader_groups)) "
+                "from pg_stat_replication r left join pg_replication_slots s on s.active_pid = r.pid").fetchone()  # type: ignore[misc]
+            assert senders == of_group <= 1, (senders, of_group)
     assert len(group.runs) == 1 and run.thread.is_alive()  # one group run hosted both throughout
     # stream 1's status asset shows its open run as the member run the group run hosts, holding the lease
     shown = [str(o.metadata["open_run_state"].value) for o in driver.observations
@@ -1041,11 +1045,12 @@ class Readers:
         return sum(1 for w, _ in self.calls if w == who)
 
 
-def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: list[int]) -> tuple[Driver, GroupRuns]:
+def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: list[int], *,
+                max_run_secs: float = 15) -> tuple[Driver, GroupRuns]:
     """A group ``live`` of streams in mode open (file sinks), its sensor ticked once: its delivery run starts."""
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "live", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
-         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 15}},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": max_run_secs}},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
     driver = Driver(config, instance)
     group = GroupRuns(driver, instance, "live")
@@ -1062,6 +1067,14 @@ def _run_reads(db_url: str, timeout: float = 60) -> str:
             assert time.monotonic() < deadline, holder
             time.sleep(0.1)
     return holder
+
+
+def _group_senders(url: str) -> list[tuple[int, str]]:
+    """The WAL senders (pg_stat_replication) serving the group's slot: (pid, application_name)."""
+    with psycopg.connect(url) as c:
+        return [(int(p), str(a)) for p, a in c.execute(
+            "select r.pid, r.application_name from pg_stat_replication r join pg_replication_slots s "
+            "on s.active_pid = r.pid where s.slot_name = (select slot from pgstream.reader_groups) order by 1")]
 
 
 def _delivered(tmp_path: Path, i: int) -> list[int]:
@@ -1090,6 +1103,8 @@ def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_noth
         skipped = group.tick()  # the group's sensor decides for the members: the run reads, the tick does not
         assert skipped is not None and skipped.startswith(f"read nothing: {holder} reads the group's slot"), skipped
         time.sleep(0.1)
+    # one WAL sender serves the group's slot: the run's reader, over the replication protocol
+    assert [a for _, a in _group_senders(db_url)] == [f"pgstream group slot reader {run.run_id}"]
     assert readers.by("sensor") == ticks
     for i in ids:
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
@@ -1140,6 +1155,66 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
         time.sleep(0.1)
     for i in ids:
         assert _delivered(tmp_path, i) == _events(db_url, i), i
+        assert _recorded(db_url, i) == _events(db_url, i), i
+    assert all(held for _, held in readers.calls) and readers.most == 1
+    group.wait()
+
+
+def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_killed_loses_nothing(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group run's reader reads the group's slot over one replication connection, kept across its calls
+    (many here, a second each): exactly one WAL sender serves the group's slot, the same one, while events are
+    recorded. Its WAL sender terminated while events commit: the reader opens a new one, from the slot's
+    confirmed position; every event reaches the members' ledgers and sinks once, in commit order."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)
+    monkeypatch.setattr(group_delivery, "READ_ERROR_SECS", 2.0)
+    readers = Readers(monkeypatch)
+    ids = [1, 2]
+    _driver, group = _live_group(db_url, tmp_path, instance, ids, max_run_secs=40)  # one group run throughout
+    holder = _run_reads(db_url)
+    name = "pgstream group slot reader " + holder.removeprefix("group delivery run ")
+    deadline = time.monotonic() + 30
+    while not (senders := _group_senders(db_url)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    calls = readers.by("run")
+    for wave in range(4):
+        for i in ids:
+            insert_events(db_url, i, 5, start=10 * wave)
+        group.tick()  # (it decides for the members; it reads only while the run's reader does not)
+        time.sleep(0.8)
+    deadline = time.monotonic() + 30
+    while not all(len(_recorded(db_url, i)) == 20 for i in ids):
+        assert time.monotonic() < deadline, {i: len(_recorded(db_url, i)) for i in ids}
+        time.sleep(0.1)
+    assert readers.by("run") >= calls + 2  # several calls of the reader ...
+    assert _group_senders(db_url) == senders and [a for _, a in senders] == [name]  # ... one WAL sender all along
+
+    (pid, _name), = senders
+    for i in ids:
+        insert_events(db_url, i, 10, start=100)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select pg_terminate_backend(%s)", [pid]).fetchone() == (True,)
+    for i in ids:
+        insert_events(db_url, i, 10, start=200)
+    deadline = time.monotonic() + 30
+    while not ((now := _group_senders(db_url)) and now[0][0] != pid):  # it comes back
+        assert time.monotonic() < deadline, now
+        group.tick()  # (it decides for the members; it reads only while the run's reader does not)
+        time.sleep(0.2)
+    assert [a for _, a in now] == [name]
+    for i in ids:
+        insert_events(db_url, i, 10, start=300)
+    deadline = time.monotonic() + 60
+    while not all(len(_delivered(tmp_path, i)) >= 50 for i in ids):
+        assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
+        group.tick()  # (it decides for the members; it reads only while the run's reader does not)
+        time.sleep(0.1)
+    for i in ids:
+        assert len(_events(db_url, i)) == 50
+        assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert all(held for _, held in readers.calls) and readers.most == 1
     group.wait()

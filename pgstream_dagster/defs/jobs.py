@@ -24,7 +24,7 @@ from ..config import StreamConfig, streams_fingerprint
 from ..engine import ledger
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
-from ..engine.ingest import consume_group
+from ..engine.ingest import GroupStream, consume_group
 from ..engine.slotreader import SlotReader
 from .lake import lake_materializations
 from .names import (
@@ -233,12 +233,17 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         return f"asked to end ({STOP_TAG}): {reason}" if reason else None
 
     noted: set[str] = set()
+    # the group's slot over the replication protocol, kept open across the reader's calls (one WAL sender)
+    kept = GroupStream(pgstream.database_url, application_name=f"pgstream group slot reader {run_id}")
 
     def read(conn: psycopg.Connection, secs: float) -> None:
-        """The group run's reader: the group's slot read as the group's sensor reads it (the same function)."""
-        group_log(context.log, group, consume_group(conn, group, streams, secs), batches=False, noted=noted)
+        """The group run's reader: the group's slot read as the group's sensor reads it (the same function), over
+        one replication connection kept open across the calls."""
+        group_log(context.log, group, consume_group(conn, group, streams, secs, kept=kept), batches=False,
+                  noted=noted)
 
-    host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read)
+    host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read,
+                     read_ends=kept.close)
     delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
                              max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
                              idle_secs=(float("inf") if any(s.delivery.keeps_open for s in streams) else 5.0))

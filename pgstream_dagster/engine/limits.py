@@ -118,23 +118,26 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
     line = slot_problem(limits, len(existing), missing)
     if line:
         out.append(line)
-    # an open run of a group's stream reads no slot (the group's reader peeks the group's slot)
+    # an open run of a group's stream reads no slot: the group delivery run's reader reads the group's, one
+    # WAL sender per group
     readers = [s.id for s in own if s.delivery.read_slot]
-    # WAL senders other than the streams' own slot readers (told by the slot they hold: pg_stat_replication
-    # hides a connection's application_name from roles without pg_read_all_stats)
+    groups = sorted({s.reader for s in streams if s.reader is not None})
+    # WAL senders other than the streams' and groups' own slot readers (told by the slot they hold:
+    # pg_stat_replication hides a connection's application_name from roles without pg_read_all_stats)
+    ours = [v for v in slots.values() if v] + [group_slots[g] for g in groups if g in group_slots]
     row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
-                       "pg_catalog.pg_replication_slots s where s.active_pid = r.pid and s.slot_name = any(%s))",
-                       [[v for v in slots.values() if v]]).fetchone()
+                       "pg_catalog.pg_replication_slots s where s.active_pid operator(pg_catalog.=) r.pid and "
+                       "s.slot_name operator(pg_catalog.=) any(%s))", [ours]).fetchone()
     senders_elsewhere = int(row[0]) if row else 0
-    if senders_elsewhere + len(readers) > limits.max_wal_senders:
-        needed = senders_elsewhere + len(readers)
+    if senders_elsewhere + len(readers) + len(groups) > limits.max_wal_senders:
+        needed = senders_elsewhere + len(readers) + len(groups)
+        who = [f"{len(readers)} streams' open runs read their slot (delivery.mode open or warm)"] if readers else []
+        who += [f"{len(groups)} reader groups' delivery runs read their group's slot"] if groups else []
         out.append(f"max_wal_senders is {limits.max_wal_senders} and {senders_elsewhere} are in use by others; "
-                   f"{len(readers)} streams' open runs read their slot over replication (delivery.mode open or warm) "
-                   f"and need one each: set max_wal_senders = {_suggest(needed)} in postgresql.conf and restart "
-                   f"Postgres")
+                   f"{' and '.join(who)} over replication, one WAL sender each: set max_wal_senders = "
+                   f"{_suggest(needed)} in postgresql.conf and restart Postgres")
     usable = limits.max_connections - limits.reserved_connections
     # a group's sensor, and its delivery run's lease and listener and its reader: four connections per group
-    groups = {s.reader for s in streams if s.reader is not None}
     grouped = sum(1 for s in streams if s.reader is not None)
     needed = ((len(streams) - grouped) * _CONNECTIONS_PER_STREAM + grouped * _CONNECTIONS_PER_MEMBER + len(readers)
               + 4 * len(groups) + _CONNECTIONS_SHARED)

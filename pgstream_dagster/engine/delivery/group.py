@@ -17,10 +17,13 @@ decides.
 
 While the group run lives, its reader thread reads the group's slot itself, continuously
 (:attr:`GroupHost.read`: ``consume_group``, as the group's sensor does: ensure, joins, recording, batches
-handed to the members' open runs in the same transaction), on a connection of its own holding the group's
-reading (``ledger.claim_group_reading``, named after the run): the group's sensor, whose tick takes the same
-lock, does not read while it is held. The lock goes with the reader's session: if the run's process dies (or
-the reader's connection does), the sensor reads again at its next tick.
+handed to the members' open runs in the same transaction, but over the replication protocol: one
+replication connection kept open across the calls, pushed what commits), on a connection of its own holding
+the group's reading (``ledger.claim_group_reading``, named after the run): the group's sensor, whose tick
+takes the same lock, does not read while it is held. On an error, and when the run ends, the reader closes
+its replication connection (:attr:`GroupHost.read_ends`) and gives the reading up: the sensor peeks
+meanwhile. The lock goes with the reader's session: if the run's process dies (or the reader's connection
+does), the sensor reads again at its next tick.
 
 The group run holds the group's delivery lease (``ledger.acquire_group_lease``) for as long as it lives,
 so a dead group run (its process killed) is told from a live one; it ends once
@@ -94,6 +97,10 @@ def _no_stop() -> str | None:
     return None
 
 
+def _nothing() -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class GroupHost:
     """What the group run needs from whoever runs it."""
@@ -114,8 +121,12 @@ class GroupHost:
     #: reads the group's slot on the connection given for up to the seconds given (ingest's ``consume_group``:
     #: ensure, joins, recording, batches handed to the members' open runs) and logs what it did that an
     #: operator should see; called again and again by the run's reader thread while it holds the group's
-    #: reading. None: the run reads nothing (the group's sensor does)
+    #: reading. None: the run reads nothing (the group's sensor does). It may keep the group's slot open
+    #: across calls (ingest's ``GroupStream``: one replication connection while the run reads)
     read: Callable[[psycopg.Connection, float], None] | None = None
+    #: the reader gives the group's reading up (an error, the run ending): what ``read`` kept open across
+    #: calls closes (the slot let go), before the group's sensor may read it
+    read_ends: Callable[[], None] = _nothing
 
 
 @dataclass
@@ -248,11 +259,13 @@ class GroupDelivery:
                                     f"the group's sensor reads meanwhile, the run tries again in "
                                     f"{READ_ERROR_SECS:g}s")
                         told = line
+                    self.host.read_ends()  # the slot let go before the reading is
                     if conn is not None:
                         conn.close()
                         conn = None
                     self._reading_ends.wait(READ_ERROR_SECS)
         finally:
+            self.host.read_ends()
             if conn is not None:
                 try:
                     ledger.release_group_reading(conn, self.group)

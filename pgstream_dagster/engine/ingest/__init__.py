@@ -11,7 +11,7 @@
   lost slot took with it.
 """
 
-from .group import GroupResult, check_members, consume_group, ensure_group
+from .group import GroupResult, GroupStream, check_members, consume_group, ensure_group
 from .recorder import (
     FOLLOW_CHECK_SECS,
     FOLLOW_RECORD_EVERY_SECS,
@@ -36,6 +36,7 @@ __all__ = [
     "ConsumeResult",
     "FollowStats",
     "GroupResult",
+    "GroupStream",
     "PeekSource",
     "Recorder",
     "SlotSource",

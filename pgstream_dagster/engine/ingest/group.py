@@ -1,7 +1,7 @@
 """A reader group's reader: one slot and one publication for several streams (``streams[].reader``), so
 the WAL is decoded once for all of them (docs/architecture.md, "One reader for a group of streams").
 
-:func:`consume_group`, each tick of the group's sensor:
+:func:`consume_group`, each tick of the group's sensor (and each call of a group delivery run's reader):
 
 1. **ensure** (:func:`ensure_group`): every configured member is registered (``register_missing_members``:
    ``register_group_member`` for those the database does not have in the group yet),
@@ -15,10 +15,12 @@ the WAL is decoded once for all of them (docs/architecture.md, "One reader for a
    position L (the WAL insert position) and makes the group's reader its declared reader; its own slot is
    drained up to L here, then dropped. While one drains the group's slot is not read; one that waits for
    older transactions is skipped in the group's slot (what of it is there ends before its L).
-3. **record**: the one recording loop (:class:`~.recorder.Recorder`) over a peek of the group's slot,
-   decoding each event's stream id, routing each transaction by stream and recording each member's part
-   in its ledger (with reader ``group:<name>``), all in one ledger transaction that also writes what the
-   group recorded through, handing the batches to a member's open run in the same transaction.
+3. **record**: the one recording loop (:class:`~.recorder.Recorder`) over the group's slot (the
+   sensor peeks it; a group delivery run's reader reads it over the replication protocol, one connection
+   kept open across its calls: :class:`GroupStream`), decoding each event's stream id, routing each
+   transaction by stream and recording each member's part in its ledger (with reader ``group:<name>``),
+   all in one ledger transaction that also writes what the group recorded through, handing the batches
+   to a member's open run in the same transaction.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ import psycopg
 from ...config import StreamConfig
 from .. import ledger, limits, replication, walstream
 from ..replication import Transaction
-from .recorder import Batching, Recorder, StreamLedger, _past, record_pass
+from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, _past, record_pass
 from .slot import SLOT_CREATION_WAIT_SECS
-from .source import PeekSource
+from .source import PeekSource, StreamSource
 
 #: a joining member: how long a tick waits for the transactions running when its join began
 JOIN_WAIT_SECS = 2.0
@@ -271,10 +273,86 @@ def join_members(conn: psycopg.Connection, group: str, state: ledger.Group, stre
     return done
 
 
+class GroupStream:
+    """The group's slot over the replication protocol, for a group delivery run's reader: a
+    :class:`~.source.StreamSource` (one WAL sender; each transaction decoded once by the server and sent
+    as it commits) and the recording loop over it, opened by the first :func:`consume_group` given it
+    and kept open across the calls that follow, with what was received and not recorded yet. Opened again
+    when the slot, the ledger connection or the joined members change.
+
+    :meth:`close` lets the slot go (on an error, when the run ends or gives the group's reading up): what
+    was received and not recorded is dropped, and sent again, from the slot's confirmed position, by the
+    next reader of the slot (this one opened again, or the sensor's peek)."""
+
+    def __init__(self, database_url: str, application_name: str) -> None:
+        self.database_url, self.application_name = database_url, application_name
+        self.source: StreamSource | None = None
+        self._recorder: Recorder | None = None
+        self._key: tuple[str, str, frozenset[int]] | None = None
+        #: when the loop last moved the slot past what was all received (``skip_idle``; monotonic)
+        self.checked_at = 0.0
+
+    def recorder(self, conn: psycopg.Connection, group: str, slot: str, ledgers: dict[int, StreamLedger],
+                 rule: Batching) -> Recorder:
+        """The recording loop over the group's slot recording into ``ledgers`` (this call's: what they
+        record is counted in them) on ``conn``: the open one, or a new one over a new replication
+        connection."""
+        key = (slot, ledger.group_publication(group), frozenset(ledgers))
+        recorder = self._recorder
+        if recorder is None or recorder.conn is not conn or key != self._key:
+            self.close()
+            self.source = StreamSource(self.database_url, slot, key[1], self.application_name,
+                                       max_bytes=rule.max_bytes, keep_stream=True)
+            recorder = self._recorder = Recorder(
+                conn, self.source, ledgers, rule, standby=self.application_name, route=route(set(ledgers)),
+                recorded_through=lambda c, lsn: ledger.record_group_through(c, group, lsn))
+            self._key = key
+            self.checked_at = 0.0
+        recorder.ledgers = ledgers
+        return recorder
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+        self.source = self._recorder = self._key = None
+
+
+def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: dict[int, StreamLedger],
+            until: float, result: GroupResult) -> bool:
+    """Record what waits, handed to each member's open run in the same transaction; false when nothing
+    was (they are not visible yet by ``until``; or a member's reader is no longer the group's:
+    ``result.slot_busy``)."""
+    # each member's open run, read at each pass: what is recorded is handed to it
+    for sid, run_key in ledger.open_run_keys(conn, group).items():
+        if sid in ledgers:
+            ledgers[sid].run_key = run_key
+    try:
+        if not recorder.record(give_up=_past(until)):
+            result.slot_busy = True  # a member's reader is no longer the group's (cannot happen)
+            return False
+    except ledger.NotVisibleYet:
+        return False  # nothing recorded, the slot not advanced: read again (kept, or from the slot)
+    return True
+
+
 def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float, *,
-                  mark: bool = True) -> GroupResult:
+                  mark: bool = True, kept: GroupStream | None = None) -> GroupResult:
     """A tick of the group's reader (see the module): ensure, join, then record what commits on the
-    group's slot for every member until ``budget_secs`` is spent (``0``: one look)."""
+    group's slot for every member until ``budget_secs`` is spent (``0``: one look).
+
+    ``kept``: read the group's slot over the replication protocol, kept open across calls (a group
+    delivery run's reader); else peek it (the group's sensor). It is closed (the slot let go) when a
+    member drains its own slot, when the slot is busy or lost, and on an error."""
+    try:
+        return _consume_group(conn, group, streams, budget_secs, mark, kept)
+    except BaseException:
+        if kept is not None:
+            kept.close()
+        raise
+
+
+def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float,
+                   mark: bool, kept: GroupStream | None) -> GroupResult:
     result = GroupResult()
     started = time.monotonic()
     deadline = started + budget_secs
@@ -283,6 +361,8 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
     joined_all = join_members(conn, group, state, by_id, max(deadline, started + 1.0), result)
     state = ledger.group_state(conn, group) or state  # (who has joined now: they are read from here on)
     if not joined_all and any(m.join_begun and not m.joined for m in state.members):
+        if kept is not None:
+            kept.close()
         return result  # one is draining its own slot: the group's slot waits (the stream's order)
     # a member that has not begun joining (it waits for older transactions to end) is not read here: what
     # of it the group's slot holds ends before its join position, where its own slot (or, for a new
@@ -291,11 +371,10 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
     joined = {m.id for m in state.members if m.joined}
     ledgers = {sid: StreamLedger(s, reader) for sid, s in by_id.items() if sid in joined}
     if not ledgers:
+        if kept is not None:
+            kept.close()
         return result
-    source = PeekSource(conn, state.slot, ledger.group_publication(group),
-                        max(max(s.batch.max_size for s in streams) * 4, 100_000), keep_stream=True)
-    recorder = Recorder(conn, source, ledgers, rule_of(streams), route=route(set(ledgers)),
-                        recorded_through=lambda c, lsn: ledger.record_group_through(c, group, lsn))
+    until = max(deadline, started + 1.0)  # how long a recording waits for its transactions to be visible
 
     marked = 0.0
 
@@ -307,36 +386,67 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
             ledger.mark_members_consumed(conn, group, through)
 
     try:
-        while True:
-            recorder.read(0)
-            if recorder.pending.txns and recorder.due():
-                # each member's open run, read at each pass: what is recorded is handed to it
-                for sid, run_key in ledger.open_run_keys(conn, group).items():
-                    if sid in ledgers:
-                        ledgers[sid].run_key = run_key
-                try:
-                    if not recorder.record(give_up=_past(max(deadline, started + 1.0))):
-                        result.slot_busy = True  # a member's reader is no longer the group's (cannot happen)
-                        break
-                except ledger.NotVisibleYet:
-                    break  # nothing recorded, the slot not advanced: the next tick reads them again
-                if not source.drained and time.monotonic() < deadline:
-                    continue  # more waits behind the peek's cap
-                seen(source.seen_through)
-            elif not recorder.pending.txns:
-                seen(source.skip_idle(conn))
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            time.sleep(min(0.05 if recorder.pending.txns else POLL_SECS, remaining))
+        if kept is not None:
+            _follow_group(conn, group, kept, kept.recorder(conn, group, state.slot, ledgers, rule_of(streams)),
+                          ledgers, deadline, until, result, seen)
+        else:
+            _peek_group(conn, group, streams, state.slot, ledgers, deadline, until, result, seen)
     except walstream.SlotBusy:
         result.slot_busy = True
     except walstream.SlotGone:
         ledger.set_group_recovery_pending(conn, group, True)  # the next tick replaces it and recovers
         result.slot_lost = True
+    if kept is not None and (result.slot_busy or result.slot_lost):
+        kept.close()
     for sid, target in ledgers.items():
         if target.batches:
             result.batches.setdefault(sid, []).extend(target.batches)
             result.events[sid] = result.events.get(sid, 0) + target.events
         result.unreadable += target.unreadable
     return result
+
+
+def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], slot: str,
+                ledgers: dict[int, StreamLedger], deadline: float, until: float, result: GroupResult,
+                seen: Callable[[dt.datetime | None], None]) -> None:
+    """The group's sensor: peek the group's slot every :data:`POLL_SECS` until ``deadline``."""
+    source = PeekSource(conn, slot, ledger.group_publication(group),
+                        max(max(s.batch.max_size for s in streams) * 4, 100_000), keep_stream=True)
+    recorder = Recorder(conn, source, ledgers, rule_of(streams), route=route(set(ledgers)),
+                        recorded_through=lambda c, lsn: ledger.record_group_through(c, group, lsn))
+    while True:
+        recorder.read(0)
+        if recorder.pending.txns and recorder.due():
+            if not _record(conn, group, recorder, ledgers, until, result):
+                break
+            if not source.drained and time.monotonic() < deadline:
+                continue  # more waits behind the peek's cap
+            seen(source.seen_through)
+        elif not recorder.pending.txns:
+            seen(source.skip_idle(conn))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        time.sleep(min(0.05 if recorder.pending.txns else POLL_SECS, remaining))
+
+
+def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recorder: Recorder,
+                  ledgers: dict[int, StreamLedger], deadline: float, until: float, result: GroupResult,
+                  seen: Callable[[dt.datetime | None], None]) -> None:
+    """A group delivery run's reader: what the server sends as it commits, until ``deadline`` (what was
+    received and not recorded by then waits in ``kept`` for the next call); the slot is moved past other
+    tables' WAL once a second while nothing received is unrecorded (as an open run's reader does)."""
+    source = kept.source
+    assert source is not None
+    while True:
+        remaining = deadline - time.monotonic()
+        recorder.read(max(0.0, min(RECORD_EVERY_SECS if recorder.pending.txns else 0.5, remaining)))
+        if recorder.due() and not _record(conn, group, recorder, ledgers, until, result):
+            break
+        now = time.monotonic()
+        if not recorder.pending.txns and not source.in_transaction and now - kept.checked_at >= FOLLOW_CHECK_SECS:
+            # every transaction that committed before the server's position has been received and recorded
+            kept.checked_at = now
+            seen(source.skip_idle(conn))
+        if now >= deadline:
+            break

@@ -4,7 +4,7 @@
   sensor reads between runs). Each read decodes the WAL again from the slot's confirmed position,
   and returns only what it has not returned before; :meth:`~PeekSource.confirm` advances the slot.
 * :class:`StreamSource`: the replication protocol (:class:`~..walstream.ReplicationStream`, what an
-  open run's reader reads): each transaction is decoded once and arrives as it commits;
+  open run's reader and a group delivery run's reader read): each transaction is decoded once and arrives as it commits;
   :meth:`~StreamSource.confirm` sends the server the position.
 
 Both confirm only what the caller says is recorded: a reader that dies before confirming gets the
@@ -141,14 +141,16 @@ class StreamSource:
     """:class:`SlotSource` over the replication protocol (:class:`~..walstream.ReplicationStream`).
 
     ``keep_rows``: decode each event's whole row (for a hand-off to the run), except for a message
-    larger than ``max_row_bytes``. Raises what :class:`~..walstream.ReplicationStream` raises."""
+    larger than ``max_row_bytes``; ``keep_stream``: each event's stream id (a reader group's slot).
+    Raises what :class:`~..walstream.ReplicationStream` raises."""
 
     def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,
-                 max_bytes: int, keep_rows: bool = False) -> None:
+                 max_bytes: int, keep_rows: bool = False, keep_stream: bool = False) -> None:
         self.slot, self.publication, self.application_name = slot, publication, application_name
         self.stream = walstream.ReplicationStream(database_url, slot, publication, application_name,
                                                   max_bytes=max_bytes)
-        self.decoder = replication.PgOutputDecoder(keep_rows=keep_rows, max_row_bytes=max_bytes // 4)
+        self.decoder = replication.PgOutputDecoder(keep_rows=keep_rows, max_row_bytes=max_bytes // 4,
+                                                   keep_stream=keep_stream)
         self._probe: tuple[dt.datetime, int] | None = None  # (a time, the WAL flushed then)
 
     @property
