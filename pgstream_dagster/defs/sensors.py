@@ -34,6 +34,7 @@ import datetime as dt
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -41,7 +42,7 @@ import psycopg
 
 from ..config import StreamConfig, streams_fingerprint
 from ..engine import ledger
-from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, WarmRun, decide, notes, tick_notes
+from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, WarmRun, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
 from ..engine.delivery.group import member_run_id
 from ..engine.handoff import Log
@@ -183,13 +184,30 @@ def _group_runs(instance: dg.DagsterInstance, group: str, limit: int = 20) -> li
     return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=limit))
 
 
+@dataclass(frozen=True)
+class GroupLook:
+    """What a reader group's sensor reads once a tick for all its members: the group's newest delivery runs
+    and the delivery leases of the member runs they host."""
+
+    runs: list[dg.DagsterRun]
+    leases: dict[str, ledger.LeaseState]
+
+    @classmethod
+    def of(cls, conn: psycopg.Connection, instance: dg.DagsterInstance, group: str,
+           streams: list[StreamConfig]) -> "GroupLook":
+        runs = _group_runs(instance, group, limit=3)
+        ids = [member_run_id(r.run_id, s.id) for r in runs if r.status == dg.DagsterRunStatus.STARTED
+               for s in streams]
+        return cls(runs, ledger.lease_states(conn, ids) if ids else {})
+
+
 def _member_host(instance: dg.DagsterInstance, group: str, stream_id: int, run_key: str,
-                 newest: list[dg.DagsterRun] | None = None) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
+                 look: GroupLook | None = None) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
     """The group delivery run that took member run ``run_key`` of stream ``stream_id``, and its member tag:
-    the newest group runs first (nearly always one of them: ``newest``, when the caller read them already
+    the newest group runs first (nearly always one of them: ``look.runs``, when the caller read them already
     for all the group's members), then the older ones."""
     for limit in (3, 100):
-        runs = newest if limit == 3 and newest is not None else _group_runs(instance, group, limit=limit)
+        runs = look.runs if limit == 3 and look is not None else _group_runs(instance, group, limit=limit)
         for run in runs:
             raw = run.tags.get(member_tag(stream_id))
             member = json.loads(raw) if raw else {}
@@ -199,12 +217,12 @@ def _member_host(instance: dg.DagsterInstance, group: str, stream_id: int, run_k
 
 
 def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-                 run_key: str, newest: list[dg.DagsterRun] | None = None) -> tuple[RunView, str | None] | None:
+                 run_key: str, look: GroupLook | None = None) -> tuple[RunView, str | None] | None:
     """The member run ``run_key`` of a reader group's stream, hosted by the group's delivery run: what that
     run said of it (its member tag: running, ended, failed with the error), the group run's Dagster status
     and, while it is started, the member's delivery lease (held: live; lost: dead, its process died). None:
     no group run took it (yet)."""
-    found = _member_host(instance, stream.reader or "", stream.id, run_key, newest)
+    found = _member_host(instance, stream.reader or "", stream.id, run_key, look)
     if found is None:
         return None
     run, member = found
@@ -214,7 +232,8 @@ def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream:
     if member.get("state") == "ended":
         return RunView(RunStatus.SUCCEEDED, member_id), None
     if run.status == dg.DagsterRunStatus.STARTED:
-        state = ledger.lease_state(conn, member_id)
+        state = (look.leases[member_id] if look is not None and member_id in look.leases
+                 else ledger.lease_state(conn, member_id))
         if state is ledger.LeaseState.LOST:
             return RunView(RunStatus.DEAD, member_id, dg.DagsterRunStatus.FAILURE.value,
                            "the database session holding its delivery lease has ended (the group delivery run's "
@@ -242,19 +261,21 @@ def _report_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, view: RunView
 
 def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
          log: list[str], waiting: list[str] | None = None, said: dict[str, Any] | None = None,
-         group_runs: list[dg.DagsterRun] | None = None) -> dg.RunRequest | None:
+         look: GroupLook | None = None, state: StreamState | None = None) -> dg.RunRequest | None:
     """One decision: read the stream's state, look at its run in Dagster, decide, apply; the run to
     request, if any. ``log`` receives what the tick log should say (why nothing was launched; with
     ``said``, what was said before, a lasting state once and then a reminder a minute:
     :func:`~..engine.batches.tick_notes`), ``waiting`` what the run the stream waits for is doing (for the
-    skip reason), ``group_runs`` a reader group's newest delivery runs when its sensor read them once for all
+    skip reason), ``look`` and ``state`` a reader group's delivery runs and leases, and the stream's state, when
+    its sensor read them once for all
     its members. A dead run is reported failed to Dagster as soon as it is seen."""
-    state = ledger.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
+    if state is None:
+        state = ledger.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
     key = state.watched_run_key
     # a reader group's member: its runs are hosted by the group's delivery run (no Dagster run of its own,
     # unless one was requested before its group's run delivered it)
-    member = _member_view(conn, instance, stream, key, group_runs) if stream.reader is not None and key else None
+    member = _member_view(conn, instance, stream, key, look) if stream.reader is not None and key else None
     run = _find_run(instance, key) if member is None else None
     if member is not None:
         view, doing = member
@@ -310,13 +331,13 @@ def _deliveries_began(instance: dg.DagsterInstance, run_id: str) -> bool:
 
 
 def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str,
-                   stream: StreamConfig | None = None, group_runs: list[dg.DagsterRun] | None = None) -> str:
+                   stream: StreamConfig | None = None, look: GroupLook | None = None) -> str:
     """What became of the stream's open run, for the status asset: ``live`` (it holds the delivery
     lease), ``starting`` (not delivering yet), or ``gone`` with why (no such run, it ended, or it took
     the lease and holds it no more: its process died; the sensor fails it at its next decision). A reader
-    group's member: its member run in the group's delivery run (``group_runs``: the group's newest delivery
+    group's member: its member run in the group's delivery run (``look``: the group's newest delivery
     runs, when the caller read them)."""
-    member = (_member_view(conn, instance, stream, run_key, group_runs) if stream is not None and stream.reader
+    member = (_member_view(conn, instance, stream, run_key, look) if stream is not None and stream.reader
               else None)
     run = _find_run(instance, run_key) if member is None else None
     if run is None and stream is not None and stream.reader is not None:
@@ -340,24 +361,34 @@ def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_k
     return f"starting: run {run.run_id} has not taken the delivery lease yet"
 
 
-#: what the status asset shows that a new observation must not wait for
-_SEEN = ("state", "last_recorded_event_id", "undelivered_events", "undelivered_batches", "delivered_today",
-         "open_dead_letters", "open_run_key", "failover_attempts", "wal_status")
+#: what the status asset shows that a new observation must not wait for: the state, and the counts (a reader
+#: group's member: the state only, its counts when due)
+_SEEN_STATE = ("state", "open_dead_letters", "open_run_key", "failover_attempts", "wal_status")
+_SEEN_COUNTS = ("last_recorded_event_id", "undelivered_events", "undelivered_batches", "delivered_today")
+#: a reader group's sensor observes its members' changed counts at most this many times a second together (each
+#: observation is a few writes to Dagster's event log; the state, when it changes, at once): a member's counts
+#: are observed every ``max(sensor.status_every_secs, members / OBSERVATIONS_PER_SEC)`` seconds
+OBSERVATIONS_PER_SEC = 5.0
 
 
 def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
                     row: dict[str, Any], cursor: dict[str, Any],
-                    group_runs: list[dg.DagsterRun] | None = None) -> dg.AssetObservation | None:
+                    look: GroupLook | None = None, members: int = 0) -> dg.AssetObservation | None:
     """An observation of the stream status asset when anything it shows changed (counts, state, the
-    open run and what became of it) or it is due (``sensor.status_every_secs``)."""
-    run_state = (open_run_state(conn, instance, row["open_run_key"], stream, group_runs) if row.get("open_run_key")
+    open run and what became of it) or it is due (``sensor.status_every_secs``); a member of a reader group of
+    ``members`` streams: when its state changed, or it is due (every ``members / OBSERVATIONS_PER_SEC``
+    seconds at least)."""
+    run_state = (open_run_state(conn, instance, row["open_run_key"], stream, look) if row.get("open_run_key")
                  else None)
+    shown = [row.get(k) for k in _SEEN_STATE] + [run_state] + ([] if members else [row.get(k) for k in _SEEN_COUNTS])
     # (a digest: a group's cursor holds one per member)
-    seen = hashlib.sha1(json.dumps([row.get(k) for k in _SEEN] + [run_state], default=str).encode()).hexdigest()
-    due = time.time() - float(cursor.get("status_at", 0)) >= stream.sensor.status_every_secs
+    seen = hashlib.sha1(json.dumps(shown, default=str).encode()).hexdigest()
+    every = max(stream.sensor.status_every_secs, members / OBSERVATIONS_PER_SEC)
+    due = time.time() - float(cursor.get("status_at", 0)) >= every
     if not due and cursor.get("status_seen") == seen:
         return None
-    cursor["status_at"] = time.time()
+    # a group's members each at their own phase of the period (not a hundred observations in one tick)
+    cursor["status_at"] = time.time() - (every * ((stream.id * 0.618) % 1.0) if members else 0.0)
     cursor["status_seen"] = seen
     for old in ("status_state", "status_dead_letters"):  # what cursors of earlier versions kept
         cursor.pop(old, None)
@@ -513,9 +544,11 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             continue
         if run.status == dg.DagsterRunStatus.STARTED:
             state = ledger.group_lease_state(conn, group, run.run_id)
-            record = instance.get_run_record_by_id(run.run_id)
-            started = record.start_time if record else None
-            late = started is not None and time.time() - started >= grace
+            late = False
+            if state is ledger.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
+                record = instance.get_run_record_by_id(run.run_id)
+                started = record.start_time if record else None
+                late = started is not None and time.time() - started >= grace
             if state is ledger.LeaseState.LOST or (state is ledger.LeaseState.NOT_TAKEN and late):
                 why = ("the database session holding the group's delivery lease has ended (its process died)"
                        if state is ledger.LeaseState.LOST else
@@ -549,13 +582,16 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     once for all of them."""
     state = ledger.group_state(conn, group)
     joined = {m.id for m in state.members if m.joined} if state is not None else set()
-    newest = _group_runs(instance, group, limit=3)
+    look = GroupLook.of(conn, instance, group, streams)
+    states = ledger.stream_states(conn, {s.id: s.delivery.max_events_per_run for s in streams})
     members: dict[str, Any] = cursor.setdefault("members", {})
     for stream in streams:
         if stream.id not in joined:
             consume(conn, stream, JOINING_READ_SECS)
         mine = members.setdefault(str(stream.id), {})
-        step(conn, instance, stream, log, said=mine.setdefault("said", {}), group_runs=newest)
+        # (a joining member's own slot was just read: its state read again)
+        step(conn, instance, stream, log, said=mine.setdefault("said", {}), look=look,
+             state=states[stream.id] if stream.id in joined else None)
     by_id = {s.id: s for s in streams}
     observed: list[dg.AssetObservation] = []
     for row in stream_status(conn, None, last=0):  # the tick's one read of the members' state
@@ -565,7 +601,7 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
         mine["last_event_id"], mine["last_lsn"] = row["last_recorded_event_id"], row["last_recorded_lsn"]
         mine["undelivered_batches"] = int(row["undelivered_batches"])
         mine["undelivered_events"] = int(row["undelivered_events"])
-        observation = _observe_status(conn, instance, member, row, mine, newest)
+        observation = _observe_status(conn, instance, member, row, mine, look, members=len(streams))
         if observation is not None:
             observed.append(observation)
     return observed

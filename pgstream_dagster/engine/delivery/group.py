@@ -53,6 +53,11 @@ from .run import DeliveryRun, Host
 
 #: how often the group run looks at what its members want hosted when no notification woke it
 POLL_SECS = 1.0
+#: the members' reports (a materialization of each one's deliveries asset) together, at most this many a
+#: second: each is a few writes to Dagster's event log, and a hundred members reporting every
+#: ``tuning.report_every_secs`` (5 s) were a fifth of the group's database load. A member reports every
+#: ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
+REPORTS_PER_SEC = 5.0
 #: the group run's reader: how long each ``consume_group`` call reads (the reader ends within it once the run
 #: ends), how long it waits before it tries again for the group's reading (the sensor's tick holds it), after
 #: a call that returned early, and after an error (its connection closed: the sensor reads meanwhile)
@@ -328,8 +333,9 @@ class GroupDelivery:
                 return f"the group delivery run ends ({self._stop_reason})"
             return base.stop_check()
 
+        every = max(stream.delivery.tuning.report_every_secs, len(self.streams) / REPORTS_PER_SEC)
         host = Host(run_id, base.log, spark=base.spark, stop_check=stop_check, report=base.report,
-                    control=base.control, reader=None, wake=self._waker(stream.id))
+                    control=base.control, reader=None, wake=self._waker(stream.id), report_every_secs=every)
         error: str | None = None
         try:
             run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,

@@ -134,6 +134,9 @@ class Host:
     #: runs (a reader group's delivery run) watches their ledger rows in one query and one ``LISTEN`` for them
     #: all; None: the run listens on its own connection and polls the ledger about twice a second
     wake: Callable[[float], bool] | None = None
+    #: how often the rounds are reported at most (None: the stream's ``tuning.report_every_secs``); a host of
+    #: many runs spreads its event-log writes (a reader group's delivery run: :mod:`.group`)
+    report_every_secs: float | None = None
 
 
 @dataclass
@@ -596,7 +599,8 @@ class Reports:
         if batches[0].first_commit_at is not None:
             lag = (now - batches[0].first_commit_at).total_seconds()
             self.max_lag = lag if self.max_lag is None else max(self.max_lag, lag)
-        if time.monotonic() - self.reported_at >= self.stream.delivery.tuning.report_every_secs:
+        every = self.host.report_every_secs or self.stream.delivery.tuning.report_every_secs
+        if time.monotonic() - self.reported_at >= every:
             self.flush()
 
     def flush(self) -> None:

@@ -166,6 +166,9 @@ from .locks import (
     lease_state as lease_state,
 )
 from .locks import (
+    lease_states as lease_states,
+)
+from .locks import (
     lock_holder as lock_holder,
 )
 from .locks import (
@@ -317,6 +320,9 @@ from .state import (
 )
 from .state import (
     stream_state as stream_state,
+)
+from .state import (
+    stream_states as stream_states,
 )
 from .streams import (
     SLOT_INDEX as SLOT_INDEX,

@@ -176,6 +176,18 @@ def lease_state(conn: psycopg.Connection, run_id: str) -> LeaseState:
     return LeaseState.HELD if row[0] else LeaseState.LOST
 
 
+def lease_states(conn: psycopg.Connection, run_ids: list[str]) -> dict[str, LeaseState]:
+    """:func:`lease_state` of each of ``run_ids``, in one query (a reader group's sensor looks at every
+    member run's lease each tick)."""
+    states = dict.fromkeys(run_ids, LeaseState.NOT_TAKEN)
+    for holder, alive in conn.execute(
+            "select l.holder, bool_or(pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)) "
+            "from pgstream.locks l where l.name in (%s, %s) and l.holder = any(%s) and l.pid is not null "
+            "group by l.holder", [DELIVERY_LOCK, LEASE_WAIT_LOCK, run_ids]):
+        states[str(holder)] = LeaseState.HELD if alive else LeaseState.LOST
+    return states
+
+
 def give_up_lease(conn: psycopg.Connection, stream_id: int) -> None:
     """A run that ends (however it ends, short of its process dying) gives its delivery lease up and
     closes the lease's connection: only a run whose process died leaves a :attr:`LeaseState.LOST`

@@ -62,7 +62,8 @@ def _batch(row: dict[str, Any] | None) -> Batch | None:
 # --- the stream's state: one read per decision (engine/batches.py decides) ------------------------
 
 _STATE = f"""
-select s.paused, s.failover_since, s.open_run_key, s.slot_reader, s.incarnation::text as stream_incarnation, h.*,
+select p.id as state_of, s.paused, s.failover_since, s.open_run_key, s.slot_reader,
+       s.incarnation::text as stream_incarnation, h.*,
        case when h.status = %(pending)s and not s.paused then (
            -- what a new run takes: the head, then pending batches while the events fit
            select array_agg(r.id order by r.id) from (
@@ -72,16 +73,16 @@ select s.paused, s.failover_since, s.open_run_key, s.slot_reader, s.incarnation:
                      where stream_id = s.id and pgstream.batch_is_open(status) and id >= h.id
                      order by id limit 10000) o
                window w as (order by o.id)) r
-           where r.n = 1 or (r.all_pending and r.events <= %(max_events)s))
+           where r.n = 1 or (r.all_pending and r.events <= p.max_events))
        end as next_run,
        case when s.failover_since is not null and h.status = %(pending)s then (
            select max(launched_at) from pgstream.batches where stream_id = s.id and status = %(delivered)s)
        end as last_delivered_launch
-from pgstream.streams s
+from rows from (pg_catalog.unnest(%(ids)s::bigint[]), pg_catalog.unnest(%(max_events)s::bigint[])) as p(id, max_events)
+join pgstream.streams s on s.id = p.id
 left join lateral (
     select {_BATCH_COLUMNS} from pgstream.batches b
     where b.stream_id = s.id and pgstream.batch_is_open(b.status) order by b.id limit 1) h on true
-where s.id = %(stream_id)s
 """  # noqa: S608  (column lists, no input)
 
 _STREAM_FIELDS = ("paused", "failover_since", "open_run_key", "slot_reader", "next_run", "last_delivered_launch",
@@ -91,18 +92,26 @@ _STREAM_FIELDS = ("paused", "failover_since", "open_run_key", "slot_reader", "ne
 def stream_state(conn: psycopg.Connection, stream_id: int, max_events: int) -> StreamState:
     """The stream's state for :func:`~.batches.decide`, in one query; ``max_events``:
     ``delivery.max_events_per_run`` (what a new run may take)."""
+    return stream_states(conn, {stream_id: max_events})[stream_id]
+
+
+def stream_states(conn: psycopg.Connection, max_events: dict[int, int]) -> dict[int, StreamState]:
+    """:func:`stream_state` of each stream of ``max_events`` (stream id -> its ``delivery.max_events_per_run``),
+    in one query (a reader group's sensor decides for every member each tick)."""
+    ids = list(max_events)
+    states = {sid: StreamState(sid) for sid in ids}  # (a stream without a row yet: nothing to decide)
     with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(_STATE, {"stream_id": stream_id, "max_events": max_events, "pending": BatchStatus.PENDING,
-                                   "delivered": BatchStatus.DELIVERED}).fetchone()
-    if row is None:
-        return StreamState(stream_id)
-    stream = {k: row.pop(k) for k in _STREAM_FIELDS}
-    return StreamState(stream_id, head=_batch(row) if row["id"] is not None else None, paused=bool(stream["paused"]),
-                       failover_since=stream["failover_since"], open_run_key=stream["open_run_key"],
-                       next_run=tuple(stream["next_run"] or ()),
-                       last_delivered_launch=stream["last_delivered_launch"],
-                       incarnation=str(stream["stream_incarnation"] or ""),
-                       slot_reader=str(stream["slot_reader"] or SENSOR))
+        rows = cur.execute(_STATE, {"ids": ids, "max_events": [max_events[i] for i in ids],
+                                    "pending": BatchStatus.PENDING, "delivered": BatchStatus.DELIVERED}).fetchall()
+    for row in rows:
+        stream_id = int(row.pop("state_of"))
+        stream = {k: row.pop(k) for k in _STREAM_FIELDS}
+        states[stream_id] = StreamState(
+            stream_id, head=_batch(row) if row["id"] is not None else None, paused=bool(stream["paused"]),
+            failover_since=stream["failover_since"], open_run_key=stream["open_run_key"],
+            next_run=tuple(stream["next_run"] or ()), last_delivered_launch=stream["last_delivered_launch"],
+            incarnation=str(stream["stream_incarnation"] or ""), slot_reader=str(stream["slot_reader"] or SENSOR))
+    return states
 
 
 def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: int) -> list[Batch]:
