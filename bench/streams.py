@@ -101,8 +101,9 @@ def _rss(pids: list[int]) -> int:
 
 
 #: what each process `dg dev` starts is, told by its command line (the first match)
-_ROLES = (("run worker", "execute_run"), ("code server", " grpc"), ("code server", "code-server"),
-          ("daemon", "daemon"), ("webserver", "webserver"))
+_ROLES = (("run worker", "execute_run"), ("run worker", "multiprocessing.spawn"), ("code server", " grpc"),
+          ("code server", "code-server"), ("daemon", "daemon"), ("webserver", "webserver"), ("log tail", "tail -F"),
+          ("resource tracker", "resource_tracker"), ("dg dev", "dagster"))
 
 
 def _role(pid: int) -> str:
