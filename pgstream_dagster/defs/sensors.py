@@ -369,6 +369,8 @@ _SEEN_COUNTS = ("last_recorded_event_id", "undelivered_events", "undelivered_bat
 #: observation is a few writes to Dagster's event log; the state, when it changes, at once): a member's counts
 #: are observed every ``max(sensor.status_every_secs, members / OBSERVATIONS_PER_SEC)`` seconds
 OBSERVATIONS_PER_SEC = 5.0
+#: and at most this many in one tick of the group's sensor
+OBSERVATIONS_PER_TICK = 10
 
 
 def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
@@ -594,14 +596,22 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
              state=states[stream.id] if stream.id in joined else None)
     by_id = {s.id: s for s in streams}
     observed: list[dg.AssetObservation] = []
-    for row in stream_status(conn, None, last=0):  # the tick's one read of the members' state
-        if (member := by_id.get(int(row["id"]))) is None:
-            continue
-        mine = members[str(member.id)]
+    rows = [r for r in stream_status(conn, None, last=0) if int(r["id"]) in by_id]  # the tick's one read of them
+    for row in rows:
+        mine = members[str(row["id"])]
         mine["last_event_id"], mine["last_lsn"] = row["last_recorded_event_id"], row["last_recorded_lsn"]
         mine["undelivered_batches"] = int(row["undelivered_batches"])
         mine["undelivered_events"] = int(row["undelivered_events"])
-        observation = _observe_status(conn, instance, member, row, mine, look, members=len(streams))
+    # at most OBSERVATIONS_PER_TICK, the members observed longest ago first (the others at the next ticks): the
+    # daemon stores what a tick returns before the group's next tick starts, and a hundred observations at
+    # once (the first tick, or many states changing together) held the members' decisions for seconds
+    rows.sort(key=lambda r: float(members[str(r["id"])].get("status_at", 0)))
+    for row in rows:
+        if len(observed) >= OBSERVATIONS_PER_TICK:
+            break
+        member = by_id[int(row["id"])]
+        observation = _observe_status(conn, instance, member, row, members[str(member.id)], look,
+                                      members=len(streams))
         if observation is not None:
             observed.append(observation)
     return observed
