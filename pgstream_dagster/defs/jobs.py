@@ -177,7 +177,7 @@ class _Reporter:
 
 
 @dg.op(description="Host the delivery runs of a reader group's streams in one process, one thread each (each with "
-                   "its own sink, delivery lease and ledger state); the streams' sensors decide their runs as for a "
+                   "its own sink, delivery lease and ledger state); the group's sensor decides their runs as for a "
                    "run per stream. Ends after the shortest delivery.tuning.max_run_secs of its streams, or (streams "
                    "in mode per_batch only) when no stream had a run for 5 s, or when the group's sensor asks it to "
                    "end (its configuration is not the code location's any more) or its reader is refused (e.g. a "

@@ -533,8 +533,8 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     """The group's delivery run: the one live (queued, starting, or started and holding the group's
     delivery lease), or one to request when a member wants a run hosted (``ledger.member_runs``) and none
     is live. A started group run whose lease was lost (its process died), or that took none
-    ``delivery.run_grace_secs`` after it started, is reported failed (its members' sensors see their runs
-    dead or failed, and retry them). The run is requested with the fingerprint of the members'
+    ``delivery.run_grace_secs`` after it started, is reported failed (the group's sensor sees its members' runs
+    dead or failed, and retries them). The run is requested with the fingerprint of the members'
     configuration (:data:`~.names.CONFIG_TAG`); a live one of another configuration is asked to end
     (:func:`_ask_to_end`), and the next one is requested once it has. Members the database does not have
     in the group yet are registered first (:func:`_register_members`)."""

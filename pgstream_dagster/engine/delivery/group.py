@@ -3,17 +3,17 @@ members, one :class:`~.run.DeliveryRun` per member in a thread of its own, each 
 lease, ledger connection and state machine, exactly as a run per stream has (docs/architecture.md, "Delivery
 for many streams").
 
-The streams' sensors decide as for a run per stream (``batches.decide``: launch, hand over, fail over) and
-write the member's run in the ledger (a launched head batch, an open run); :class:`GroupDelivery` picks up
-what each member wants hosted (``ledger.member_runs``: one query a second for the whole group) and starts
-that member's run in a thread as *member run* ``<group run id>/<stream id>``, the holder of the member's
-delivery lease. The members' runs do not poll the ledger while idle: one ``LISTEN`` on their run channels
-and one query a second (``ledger.member_signals``) wake the member whose run was handed batches, paused,
-closed or waited for by a replay (:attr:`~.run.Host.wake`). A member's run that fails (its sink refuses)
-ends its own thread only, gives its lease up and is told to the host (:attr:`GroupHost.ended`): the stream's
-sensor sees it failed and puts the stream in failover; the other members go on. A run key is hosted once
-(:attr:`GroupHost.claim`, asked once for every run key wanted at a look): a retry is a new run the sensor
-decides.
+The group's sensor decides for each member as for a run per stream (``batches.decide``: launch, hand over,
+fail over) and writes the member's run in the ledger (a launched head batch, an open run);
+:class:`GroupDelivery` picks up what each member wants hosted (``ledger.member_runs``: one query a second for
+the whole group) and starts that member's run in a thread as *member run* ``<group run id>/<stream id>``, the
+holder of the member's delivery lease. The members' runs do not poll the ledger while idle: one ``LISTEN`` on
+their run channels and one query a second (``ledger.member_signals``) wake the member whose run was handed
+batches, paused, closed or waited for by a replay (:attr:`~.run.Host.wake`). A member's run that fails (its
+sink refuses) ends its own thread only, gives its lease up and is told to the host (:attr:`GroupHost.ended`):
+the group's sensor sees it failed and puts the stream in failover; the other members go on. A run key is
+hosted once (:attr:`GroupHost.claim`, asked once for every run key wanted at a look): a retry is a new run the
+sensor decides.
 
 While the group run lives, its reader thread reads the group's slot itself, continuously
 (:attr:`GroupHost.read`: ``consume_group``, as the group's sensor does: ensure, joins, recording, batches
@@ -74,7 +74,7 @@ REFUSALS: tuple[type[Exception], ...] = (ledger.GroupChange, PublicationTaken, L
 
 def member_run_id(group_run_id: str, stream_id: int) -> str:
     """The run id of a member's delivery run hosted by group delivery run ``group_run_id``: it holds the
-    member's delivery lease (the stream's sensor reads what became of it with ``ledger.lease_state``)."""
+    member's delivery lease (the group's sensor reads what became of it with ``ledger.lease_states``)."""
     return f"{group_run_id}/{stream_id}"
 
 
