@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,9 +97,15 @@ def test_a_task_stops_once_its_run_no_longer_holds_the_delivery_lease(db_url: st
     with progress.connect() as task:
         lease = ledger.acquire_lease(db_url, 1, "r-1")
         progress.record(task, [0], 1, 4)
-        lease.close()
-        with pytest.raises(ledger.RunGone, match="run r-1 no longer holds the delivery lease"):
-            progress.record(task, [0], 1, 8)
+        lease.close()  # the run's process died: its backend ends a moment after the socket closes
+        deadline = time.monotonic() + 10
+        while ledger.lease_state(task, "r-1") is ledger.LeaseState.HELD and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # another session naming itself after the run (any role can set its application_name) keeps
+        # nothing alive: the lease is pgstream's lock row
+        with psycopg.connect(db_url, application_name=ledger.lease_name("r-1")):
+            with pytest.raises(ledger.RunGone, match="run r-1 no longer holds the delivery lease"):
+                progress.record(task, [0], 1, 8)
         assert progress.read(task) == {0: (1, 4)}  # nothing recorded once the run is gone
 
 

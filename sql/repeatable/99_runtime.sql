@@ -47,6 +47,24 @@ end
 $$;
 revoke all on function pgstream.expected_trigger(text, text, pgstream.operation_type, text) from public;
 
+-- Whether run p_run_id holds stream p_stream_id's delivery lease (pgstream's lock 'delivery' names it
+-- and its backend lives): a by_key task asks before it records a chunk and publishes the next one,
+-- and stops once its run is gone. Runs as the owner so the executors need no privilege on
+-- pgstream.locks; it answers that one question and nothing else.
+create or replace function pgstream.delivery_lease_held(p_stream_id bigint, p_run_id text)
+returns boolean
+language sql
+stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select 1 from pgstream.locks l
+                   where l.name = 'delivery' and l.key = p_stream_id and l.holder = p_run_id
+                     and l.pid is not null
+                     and pgstream.backend_alive(l.pid, l.backend_start, l.usesysid))
+$$;
+revoke all on function pgstream.delivery_lease_held(bigint, text) from public;
+
 -- ---------------------------------------------------------------------------------------------
 -- Start from nothing: the grants below are all these roles hold in schema pgstream. Only what names
 -- them is revoked (a revoke on an object that grants them nothing would still write its ACL out).
@@ -146,7 +164,8 @@ grant execute on function
     pgstream.consumer_positions(date),
     pgstream.register_consumer(text, bigint, boolean, integer),
     pgstream.drop_consumer(text),
-    pgstream.set_consumer_retention(text, integer)
+    pgstream.set_consumer_retention(text, integer),
+    pgstream.delivery_lease_held(bigint, text)
     to pgstream_runtime;
 -- ... and run as their caller, on the tables granted above (a lock names the session's backend):
 grant execute on function
@@ -175,5 +194,6 @@ grant execute on function
     pgstream.backfill_chunk(bigint, integer, uuid, integer),
     pgstream.backfill_next_key(bigint, integer),
     pgstream.consumer_commit(text, bigint, bigint, integer),
-    pgstream.backfill_backlog(bigint)
+    pgstream.backfill_backlog(bigint),
+    pgstream.delivery_lease_held(bigint, text)
     to pgstream_executor;

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import psycopg
 
-from .locks import lease_name
-
 Position = tuple[int, int]
 
 
@@ -47,10 +45,11 @@ class KeyProgress:
         """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (positions only move forward).
         With ``run_id``, raises :class:`RunGone` instead when the run no longer holds its delivery
         lease (its process died): a Spark Connect server keeps running an abandoned query for
-        minutes, and its tasks must not go on publishing beside the run that replaces it."""
+        minutes, and its tasks must not go on publishing beside the run that replaces it. The lease is
+        pgstream's lock row (``pgstream.delivery_lease_held``; only pgstream's roles write it), not a
+        connection's ``application_name``, which any role can give itself."""
         row = conn.execute(
-            """with alive as (select %(lease)s::text is null or exists (
-                                  select 1 from pg_stat_activity where application_name = %(lease)s) as ok),
+            """with alive as (select %(run)s::text is null or pgstream.delivery_lease_held(%(s)s, %(run)s) as ok),
                     saved as (
                insert into pgstream.key_progress as p (stream_id, partitions, bucket, batch_id, ord)
                select %(s)s, %(n)s, b, %(batch)s, %(ord)s from unnest(%(buckets)s::int[]) b, alive where alive.ok
@@ -60,7 +59,7 @@ class KeyProgress:
                returning 1)
                select ok from alive""",
             {"s": self.stream_id, "n": self.partitions, "buckets": buckets, "batch": batch_id, "ord": ord,
-             "lease": lease_name(self.run_id) if self.run_id is not None else None}).fetchone()
+             "run": self.run_id}).fetchone()
         if not (row and row[0]):
             raise RunGone(f"stream {self.stream_id}: run {self.run_id} no longer holds the delivery lease; "
                           f"this by_key task stops (batch {batch_id} #{ord} was its last confirmed position)")
