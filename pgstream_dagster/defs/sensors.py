@@ -576,12 +576,13 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
 
 
 def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
-                    cursor: dict[str, Any], log: list[str]) -> list[dg.AssetObservation]:
+                    cursor: dict[str, Any], log: list[str],
+                    observations: int = OBSERVATIONS_PER_TICK) -> list[dg.AssetObservation]:
     """The decisions of every member, once each (:func:`step`, as a stream's own sensor decides; a member's
     runs are the group delivery run's, so none is requested here), and the observations of their status
-    assets. A member still handing its own slot over (it had one before it joined) has it read first, as its
-    own sensor did (``consume``: its events are delivered meanwhile). The group's newest delivery runs are read
-    once for all of them."""
+    assets (at most ``observations``). A member still handing its own slot over (it had one before it joined) has
+    it read first, as its own sensor did (``consume``: its events are delivered meanwhile). The group's newest
+    delivery runs are read once for all of them."""
     state = ledger.group_state(conn, group)
     joined = {m.id for m in state.members if m.joined} if state is not None else set()
     look = GroupLook.of(conn, instance, group, streams)
@@ -607,7 +608,7 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     # once (the first tick, or many states changing together) held the members' decisions for seconds
     rows.sort(key=lambda r: float(members[str(r["id"])].get("status_at", 0)))
     for row in rows:
-        if len(observed) >= OBSERVATIONS_PER_TICK:
+        if len(observed) >= observations:
             break
         member = by_id[int(row["id"])]
         observation = _observe_status(conn, instance, member, row, members[str(member.id)], look,
@@ -660,18 +661,27 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                         context.log.info(f"reader group {group}: group delivery run {delivery}")
                         return dg.SensorResult(run_requests=[request], cursor=context.cursor)
                 # one reader of the group's slot at a time: the tick reads only when the group delivery run's
-                # reader does not (it reads continuously while the run lives; its lock ends with its session)
-                if ledger.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
-                    try:
-                        with fewer_collections():  # the tick records in bulk
-                            result = consume_group(conn, group, streams, budget if live else min(budget, 1.0))
-                    finally:
-                        ledger.release_group_reading(conn, group)
+                # reader does not (it reads continuously while the run lives; its lock ends with its session).
+                # It reads in slices of DECIDE_EVERY_SECS and decides for the members after each, as a stream's
+                # own sensor does: what it recorded is handed to the members' runs within a second, not at the
+                # end of the budget, and the group run's reader, once up, takes the reading over between slices
+                result, observed = GroupResult(), list[dg.AssetObservation]()
+                deadline = time.monotonic() + (budget if live else min(budget, 1.0))
+                while True:
                     reading = None
-                else:
-                    result = GroupResult()
-                    reading = ledger.group_reading_holder(conn, group) or "a session that is ending"
-                observed = _decide_members(conn, context.instance, group, streams, cursor, decisions)
+                    if ledger.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
+                        try:
+                            with fewer_collections():  # the tick records in bulk
+                                result.add(consume_group(conn, group, streams,
+                                                         min(DECIDE_EVERY_SECS, max(0.0, deadline - time.monotonic()))))
+                        finally:
+                            ledger.release_group_reading(conn, group)
+                    else:
+                        reading = ledger.group_reading_holder(conn, group) or "a session that is ending"
+                    observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
+                                                observations=OBSERVATIONS_PER_TICK - len(observed))
+                    if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
+                        break
             except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits,
                     PublicationTaken) as exc:  # one line, no traceback
                 context.log.error(str(exc))

@@ -130,6 +130,7 @@ as $$
 declare
     v_sign integer;
     v_set_aside bigint;
+    v_lag float8;
 begin
     if tg_table_name = 'failovers' then
         if tg_op = 'INSERT' then
@@ -152,38 +153,45 @@ begin
         end if;
         return null;
     end if;
-    -- pgstream.batches
+    -- pgstream.batches: what one change adds, in one upsert (its names are distinct: no row is hit twice),
+    -- planned once per session (a static statement of this function), not one call of _count per counter
     if tg_op = 'INSERT' then
-        perform pgstream._count(new.stream_id, 'batches_recorded', '', 1);
-        perform pgstream._count(new.stream_id, 'events_recorded', '', new.event_count);
+        insert into pgstream.stream_counters as c (stream_id, name, label, value)
+        values (new.stream_id, 'batches_recorded', '', 1), (new.stream_id, 'events_recorded', '', new.event_count)
+        on conflict (stream_id, name, label) do update set value = c.value + excluded.value;
         perform pgstream._count_written(new.stream_id, new.event_ids, new.event_count, new.min_created_at,
                                         new.max_created_at);
         return null;
     end if;
     -- a status change
-    if new.status = 'launched' then
-        perform pgstream._count(new.stream_id, 'delivery_attempts', '', 1);
-    elsif new.status = 'failed' then
-        perform pgstream._count(new.stream_id, 'delivery_attempts_failed', '', 1);
-    end if;
     if pgstream.batch_is_open(old.status) <> pgstream.batch_is_open(new.status) then
         v_sign := case when pgstream.batch_is_open(new.status) then -1 else 1 end;
-        perform pgstream._count(new.stream_id, 'batches_done', '', v_sign);
-        perform pgstream._count(new.stream_id, 'events_done', '', v_sign * new.event_count);
     end if;
     if new.status = 'delivered' then
         select count(*) into v_set_aside from pgstream.dead_letters d
          where d.batch_id = new.id and d.stage = 'deliver';
-        perform pgstream._count(new.stream_id, 'batches_delivered', '', 1);
-        perform pgstream._count(new.stream_id, 'events_delivered', '', new.event_count - v_set_aside);
         if new.first_commit_at is not null and new.delivered_at is not null then
-            perform pgstream._observe(new.stream_id, 'delivery_lag',
-                                      extract(epoch from new.delivered_at - new.first_commit_at)::float8);
+            v_lag := greatest(extract(epoch from new.delivered_at - new.first_commit_at)::float8, 0);
         end if;
-    elsif new.status = 'skipped' then
-        perform pgstream._count(new.stream_id, 'batches_skipped', '', 1);
-        perform pgstream._count(new.stream_id, 'events_skipped', '', new.event_count);
     end if;
+    insert into pgstream.stream_counters as c (stream_id, name, label, value)
+    select new.stream_id, v.name, v.label, v.value
+    from (values
+        ('delivery_attempts', '', case when new.status = 'launched' then 1 end::numeric),
+        ('delivery_attempts_failed', '', case when new.status = 'failed' then 1 end::numeric),
+        ('batches_done', '', v_sign::numeric),
+        ('events_done', '', (v_sign * new.event_count)::numeric),
+        ('batches_delivered', '', case when new.status = 'delivered' then 1 end::numeric),
+        ('events_delivered', '', case when new.status = 'delivered' then new.event_count - v_set_aside end::numeric),
+        ('delivery_lag_bucket', (select min(b.le)::text from pgstream.metric_buckets b
+                                 where b.histogram = 'delivery_lag' and b.le >= v_lag),
+         case when v_lag is not null then 1 end::numeric),
+        ('delivery_lag_sum', '', v_lag::numeric),
+        ('batches_skipped', '', case when new.status = 'skipped' then 1 end::numeric),
+        ('events_skipped', '', case when new.status = 'skipped' then new.event_count end::numeric)
+    ) v(name, label, value)
+    where v.value is not null
+    on conflict (stream_id, name, label) do update set value = c.value + excluded.value;
     return null;
 end
 $$;

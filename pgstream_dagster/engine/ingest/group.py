@@ -62,6 +62,24 @@ class GroupResult:
     slot_busy: bool = False
     notes: list[str] = field(default_factory=list)
 
+    def add(self, later: GroupResult) -> None:
+        """What a later read of the same tick did, added to this one."""
+        self.slot = later.slot or self.slot
+        self.slot_created |= later.slot_created
+        self.slot_lost |= later.slot_lost
+        self.publication = later.publication or self.publication
+        for sid, ids in later.recovered.items():
+            self.recovered.setdefault(sid, []).extend(ids)
+        self.joined.extend(later.joined)
+        self.joining = later.joining
+        for sid, ids in later.batches.items():
+            self.batches.setdefault(sid, []).extend(ids)
+        for sid, n in later.events.items():
+            self.events[sid] = self.events.get(sid, 0) + n
+        self.unreadable += later.unreadable
+        self.slot_busy |= later.slot_busy
+        self.notes.extend(later.notes)
+
 
 def rule_of(streams: list[StreamConfig]) -> Batching:
     """One batching rule for the group's loop: the tightest of its members' (each member's batches are
