@@ -139,10 +139,44 @@ class _Sampler:
         return self.counts.most_common(n)
 
 
+def _statements(url: str, n: int = 15) -> dict[str, Any]:
+    """The window's statements by Postgres time (pg_stat_statements, nested ones too: a trigger's statements
+    are counted apart from the statement that fired it, and in it), in every database (pgstream's and
+    Dagster's storage): per database the top-level calls and their total ms, then the top ``n``. Times
+    are wall-clock inside Postgres: on a saturated host they include the wait for a CPU."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        dbs = {str(db): {"calls": int(c), "total_ms": round(float(t))} for db, c, t in conn.execute(
+            "select d.datname, sum(s.calls), sum(s.total_exec_time) from pg_stat_statements s "
+            "join pg_database d on d.oid = s.dbid where s.toplevel group by 1 order by 1")}
+        rows = conn.execute(
+            "select d.datname, regexp_replace(left(s.query, 90), '\\s+', ' ', 'g'), s.calls, s.total_exec_time, "
+            "s.toplevel from pg_stat_statements s join pg_database d on d.oid = s.dbid "
+            "order by s.total_exec_time desc limit %s", [n]).fetchall()
+    return {"databases": dbs,
+            "top": [{"db": db, "query": q, "calls": c, "total_ms": round(t), "mean_ms": round(t / max(c, 1), 3),
+                     "toplevel": top} for db, q, c, t, top in rows]}
+
+
+def _first_batches(url: str, since: float) -> dict[str, Any]:
+    """Each stream's first batch in the ledger, seconds after ``since`` (the location loaded): recorded,
+    handed to a run (launched), delivered; p50 and max over the streams."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "select distinct on (stream_id) extract(epoch from created_at), extract(epoch from launched_at), "
+            "extract(epoch from delivered_at) from pgstream.batches order by stream_id, id").fetchall()
+    out: dict[str, Any] = {}
+    for i, what in enumerate(("recorded", "launched", "delivered")):
+        values = sorted(float(r[i]) - since for r in rows if r[i] is not None)
+        if values:
+            out[what] = [round(_pct(values, 0.5), 1), round(values[-1], 1)]
+    return out
+
+
 def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
     """From the Dagster instance's storage, seconds after ``since`` (the location loaded): the group sensors'
     first ticks (start and end), the group delivery runs' creation, start, and the first line of each saying
-    whom it hosts; and the group sensors' tick durations (median and max over every tick)."""
+    whom it hosts; the group sensors' tick durations (median and max over every tick); the other jobs' runs
+    (how many, the first created and started, the last ended)."""
     out: dict[str, Any] = {}
     with psycopg.connect(dagster_url, autocommit=True) as conn:
         ticks = [json.loads(r[0]) for r in conn.execute("select tick_body from job_ticks order by id")]
@@ -163,6 +197,13 @@ def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
                 "created": round(float(created) - since, 1),
                 "started": round(float(start) - since, 1) if start else None,
                 "hosting": round(float(hosting[0]) - since, 1) if hosting else None})
+        for job, n, created, start, end in conn.execute(  # what else ran: the subscriptions' first materializations
+                "select pipeline_name, count(*), extract(epoch from min(create_timestamp)), min(start_time), "
+                "max(end_time) from runs where pipeline_name <> 'pgstream_group_delivery' group by 1 order by 1"):
+            out.setdefault("other_runs", {})[job] = {
+                "runs": n, "created": round(float(created) - since, 1),
+                "started": round(float(start) - since, 1) if start else None,
+                "ended": round(float(end) - since, 1) if end else None}
     return out
 
 
@@ -204,6 +245,8 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
     pg.create_database(f"{name}_dagster")
     url = pg.url_for(name)
     migrate(url)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("create extension if not exists pg_stat_statements")
     receivers = Webhook()
     config = tmpdir / f"{name}.yaml"
     _config(config, url, receivers, count, args.group or None)
@@ -235,6 +278,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
                     firsts[stream] = at - loaded_at
             time.sleep(0.5)
         result["first_event_secs"] = sorted(firsts.values())
+        result["first_batches"] = _first_batches(url, loaded_at)
         result["never_delivered"] = sorted(set(range(1, count + 1)) - set(firsts))
 
         out = tmpdir / f"{name}.json"
@@ -242,11 +286,14 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         dev_pids = list(descendants(dev.proc.pid))
         cpu_before = {**_cpu(dev_pids), **_cpu(pg_pids)}
         sampler = _Sampler(pg.url)
+        with psycopg.connect(url, autocommit=True) as conn:  # the window's statements alone
+            conn.execute("select pg_stat_statements_reset()")  # (of every database)
         start = time.time() + 1
         writer = multiprocessing.Process(target=_writer, args=(url, count, start, args.duration, str(out), 1))
         writer.start()
         writer.join()
         result["postgres_busy"] = sampler.top()
+        result["statements"] = _statements(url)
         result["timeline"] = _timeline(dagster_url.replace("+psycopg2", ""), loaded_at)
         dev_pids = list(descendants(dev.proc.pid))
         result["processes"] = len(dev_pids)
@@ -322,7 +369,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE.parent).stdout.strip()
     results: list[dict[str, Any]] = []
-    settings = {"fsync": "off", "max_connections": "400"}
+    settings = {"fsync": "off", "max_connections": "400", "shared_preload_libraries": "pg_stat_statements",
+                "pg_stat_statements.track": "all"}
     if args.postgres_defaults:
         settings.update(max_replication_slots="10", max_wal_senders="10")
     with tempfile.TemporaryDirectory(prefix="pgstream-streams-") as tmp:
