@@ -314,13 +314,13 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
         for i in ids])
     streams = list(load_config(path).streams)
     polls: dict[str, int] = {}
-    assigned_after = ledger.assigned_after
+    next_assigned = ledger.next_assigned
 
-    def counted(conn: psycopg.Connection, run_key: str, after: int) -> list[ledger.Batch]:
+    def counted(conn: psycopg.Connection, stream_id: int, run_key: str, after: int) -> ledger.Assigned:
         polls[run_key] = polls.get(run_key, 0) + 1
-        return assigned_after(conn, run_key, after)
+        return next_assigned(conn, stream_id, run_key, after)
 
-    monkeypatch.setattr(ledger, "assigned_after", counted)
+    monkeypatch.setattr(ledger, "next_assigned", counted)
     ended: dict[int, str | None] = {}
     logs = Log()
     host = group_delivery.GroupHost("grp", logs, lambda stream, run_id: Host(run_id, logs),

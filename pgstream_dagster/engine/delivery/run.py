@@ -237,7 +237,7 @@ class DeliveryRun:
                     batches = direct_round(stream, linger.next_batches(after))
                     if not batches:
                         break
-                    earlier = ledger.earlier_open(conn, stream.id, batches[0].id)
+                    earlier = linger.earlier_open  # (of the first batch handed over, read with it)
                     if earlier is not None:  # only what is next in line is handed over; never overtake
                         raise DeliveryError(f"batch {batches[0].id} would overtake open batch {earlier} of "
                                             f"stream {stream.id}")
@@ -350,7 +350,6 @@ class _Round:
         batch_ids = [b.id for b in self.batches]
         skip = ledger.dead_letter_positions(conn, stream.id, batch_ids)
         reject = reject_policy(stream, self.database_url)
-        before = ledger.count_dead_letters(conn, stream.id)
         for batch_id in [b for b, events in self.expected.items() if events == 0]:
             self._mark_delivered(batch_id, 0)  # confirmed in full by a run that died before marking it
         try:
@@ -361,10 +360,10 @@ class _Round:
                 delivered = self._in_order(source, skip, reject)
         except MissingEventsError:
             raise vanished_error(conn, stream.id, batch_ids, self.host.control) from None
-        missing = ledger.not_delivered(conn, batch_ids)
+        missing, dead = ledger.round_outcome(conn, stream.id, batch_ids)
         if missing:
             raise DeliveryError(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
-        set_aside = ledger.count_dead_letters(conn, stream.id) - before
+        set_aside = dead - len(skip)  # (the round skipped those set aside before it)
         if set_aside:
             self.host.log.warning(
                 f"stream {stream.id}: {set_aside} events were rejected by the sink or larger than it can ever take "
@@ -501,6 +500,9 @@ class Linger:
         self.reader = reader
         self.opened = time.monotonic()
         self._frozen = not stream.delivery.keeps_open
+        #: the stream's oldest open batch before the first batch :meth:`next_batches` returned (None: none)
+        self.earlier_open: int | None = None
+        self._looked = False
 
     def next_batches(self, after: int) -> list[ledger.Batch]:
         """The batches assigned to the run after batch ``after``; empty once the run is closed."""
@@ -518,6 +520,11 @@ class Linger:
         checked_at = 0.0
         wake = self.host.wake
         woken, polled_at = True, 0.0
+        if wake is not None and self._looked and not wake(0.0):
+            # after a round, a run its host wakes looks again only once woken (batches handed over during the
+            # round woke it already) or at its safety interval: not one empty look per round
+            woken, polled_at = False, idle_since
+        self._looked = True
         while True:
             now = time.monotonic()
             # woken by the host (or its safety interval passed), or polling on its own: look at the ledger
@@ -526,10 +533,10 @@ class Linger:
             replay = False
             if look:
                 polled_at = now
-                batches = ledger.assigned_after(self.conn, self.run_key, after)
                 # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver what
                 # was handed over, close (the lease goes to the replay when the run ends)
-                replay = ledger.replay_waiting(self.conn, self.stream.id)
+                seen = ledger.next_assigned(self.conn, self.stream.id, self.run_key, after)
+                batches, replay, self.earlier_open = seen.batches, seen.replay_waiting, seen.earlier_open
             if batches:
                 if replay:
                     self.reader.stop()

@@ -229,6 +229,9 @@ from .state import (
     SENSOR as SENSOR,
 )
 from .state import (
+    Assigned as Assigned,
+)
+from .state import (
     Batch as Batch,
 )
 from .state import (
@@ -286,6 +289,9 @@ from .state import (
     mark_failed as mark_failed,
 )
 from .state import (
+    next_assigned as next_assigned,
+)
+from .state import (
     not_delivered as not_delivered,
 )
 from .state import (
@@ -299,6 +305,9 @@ from .state import (
 )
 from .state import (
     retry_now as retry_now,
+)
+from .state import (
+    round_outcome as round_outcome,
 )
 from .state import (
     run_batch_ids as run_batch_ids,

@@ -18,6 +18,7 @@ everything else is *open*.
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 from typing import Any, assert_never
 
 import psycopg
@@ -46,6 +47,7 @@ from ..batches import (
     WarmRun,
 )
 from ..batches import Batch as Batch  # ledger.Batch: the delivery job's name for it
+from .locks import REPLAY_LOCK
 from .recording import atomic
 
 _BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b.last_event_id, b.status, "
@@ -121,6 +123,18 @@ def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: 
             "order by b.id", [stream_id, first, last]).fetchall()]
 
 
+def round_outcome(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> tuple[list[int], int]:
+    """After a round of ``batch_ids``: those not delivered (in order), and how many dead letters their
+    events have (the round set aside that many, minus those it skipped), in one statement."""
+    row = conn.execute(
+        "select array(select id from pgstream.batches where id = any(%(ids)s) and status <> %(delivered)s "
+        "order by id), (select count(*) from pgstream.dead_letters "
+        "where stream_id = %(stream)s and batch_id = any(%(ids)s))",
+        {"ids": batch_ids, "delivered": BatchStatus.DELIVERED, "stream": stream_id}).fetchone()
+    assert row is not None
+    return [int(i) for i in row[0]], int(row[1])
+
+
 def not_delivered(conn: psycopg.Connection, batch_ids: list[int]) -> list[int]:
     return [int(r[0]) for r in conn.execute(
         "select id from pgstream.batches where id = any(%s) and status <> %s order by id",
@@ -147,6 +161,40 @@ def assigned_after(conn: psycopg.Connection, run_key: str, after_batch_id: int) 
         return [Batch(**r) for r in cur.execute(
             f"select {_BATCH_COLUMNS} {_BATCH_FROM} where b.run_key = %s and b.id > %s and b.status = %s "
             "order by b.id", [run_key, after_batch_id, BatchStatus.LAUNCHED]).fetchall()]
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """What an open run sees when it looks at the ledger (:func:`next_assigned`)."""
+
+    #: the batches assigned to it after the one it loaded last, in order
+    batches: list[Batch]
+    #: a replay holds or waits for the stream's delivery lease (the run takes nothing more)
+    replay_waiting: bool
+    #: the stream's oldest open batch before the first of ``batches`` (None: none; the run must not overtake it)
+    earlier_open: int | None
+
+
+def next_assigned(conn: psycopg.Connection, stream_id: int, run_key: str, after_batch_id: int) -> Assigned:
+    """:func:`assigned_after`, whether a replay waits (``locks.replay_waiting``) and :func:`earlier_open`
+    of the first batch assigned, in one statement: an open run's look at the ledger between rounds."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(
+            f"""with mine as (select {_BATCH_COLUMNS} {_BATCH_FROM}
+                              where b.run_key = %(run)s and b.id > %(after)s and b.status = %(launched)s)
+                select m.*, r.replay, r.earlier
+                from (select pgstream.lock_holder(%(replay)s, %(stream)s) is not null as replay,
+                             (select min(e.id) from pgstream.batches e
+                              where e.stream_id = %(stream)s and e.id < (select min(f.id) from mine f)
+                                and pgstream.batch_is_open(e.status)) as earlier) r
+                left join mine m on true
+                order by m.id""",  # noqa: S608  (column lists, no input)
+            {"run": run_key, "after": after_batch_id, "launched": BatchStatus.LAUNCHED, "replay": REPLAY_LOCK,
+             "stream": stream_id}).fetchall()
+    replay, earlier = bool(rows[0]["replay"]), rows[0]["earlier"]
+    batches = [Batch(**{k: v for k, v in r.items() if k not in ("replay", "earlier")}) for r in rows
+               if r["id"] is not None]
+    return Assigned(batches, replay, int(earlier) if earlier is not None else None)
 
 
 def run_is_open(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
