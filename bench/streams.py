@@ -152,7 +152,12 @@ def _statements(url: str, n: int = 15) -> dict[str, Any]:
             "select d.datname, regexp_replace(left(s.query, 90), '\\s+', ' ', 'g'), s.calls, s.total_exec_time, "
             "s.toplevel from pg_stat_statements s join pg_database d on d.oid = s.dbid "
             "order by s.total_exec_time desc limit %s", [n]).fetchall()
+        by_calls = conn.execute(
+            "select d.datname, regexp_replace(left(s.query, 90), '\\s+', ' ', 'g'), s.calls, s.total_exec_time "
+            "from pg_stat_statements s join pg_database d on d.oid = s.dbid where s.toplevel "
+            "order by s.calls desc limit %s", [n]).fetchall()
     return {"databases": dbs,
+            "most_called": [{"db": db, "query": q, "calls": c, "total_ms": round(t)} for db, q, c, t in by_calls],
             "top": [{"db": db, "query": q, "calls": c, "total_ms": round(t), "mean_ms": round(t / max(c, 1), 3),
                      "toplevel": top} for db, q, c, t, top in rows]}
 
@@ -174,9 +179,9 @@ def _first_batches(url: str, since: float) -> dict[str, Any]:
 
 def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
     """From the Dagster instance's storage, seconds after ``since`` (the location loaded): the group sensors'
-    first ticks (start and end), the group delivery runs' creation, start, and the first line of each saying
-    whom it hosts; the group sensors' tick durations (median and max over every tick); the other jobs' runs
-    (how many, the first created and started, the last ended)."""
+    first ticks (start and end; the first six with what they said), the group delivery runs' creation, start,
+    and the first line of each saying whom it hosts; the group sensors' tick durations (median and max over
+    every tick); the other jobs' runs (how many, the first created and started, the last ended)."""
     out: dict[str, Any] = {}
     with psycopg.connect(dagster_url, autocommit=True) as conn:
         ticks = [json.loads(r[0]) for r in conn.execute("select tick_body from job_ticks order by id")]
@@ -186,6 +191,10 @@ def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
         if spans:
             out["first_group_tick"] = [round(spans[0][1] - since, 1),
                                        round((spans[0][2] or spans[0][1]) - since, 1)]
+            group_ticks = [t for t in ticks if str(t.get("job_name", "")).startswith("pgstream_group_")]
+            out["group_ticks"] = [[round(b - since, 1), round((e or b) - since, 1),
+                                   str(t.get("skip_reason") or "")[:80]]
+                                  for t, (_, b, e) in zip(group_ticks, spans, strict=True)][:6]
             took = sorted(e - b for _, b, e in spans if e)
             out["group_tick_secs"] = {"n": len(took), "p50": round(_pct(took, 0.5), 2), "max": round(max(took), 2)}
         for run_id, created, start in conn.execute(
@@ -205,6 +214,26 @@ def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
                 "started": round(float(start) - since, 1) if start else None,
                 "ended": round(float(end) - since, 1) if end else None}
     return out
+
+
+def _postgres_kinds(url: str) -> dict[int, str]:
+    """What each Postgres process serves (walsender, the member runs' backends, the group reader's, Dagster's
+    storage, a background worker ...), by pid: where Postgres' CPU goes."""
+    kinds: dict[int, str] = {}
+    with psycopg.connect(url, autocommit=True) as conn:
+        for pid, backend, app, db in conn.execute(
+                "select pid, backend_type, coalesce(application_name, ''), coalesce(datname, '') "
+                "from pg_stat_activity"):
+            if backend != "client backend":
+                kinds[pid] = str(backend)
+            elif db.endswith("_dagster"):
+                kinds[pid] = "dagster storage"
+            elif "/" in app:
+                kinds[pid] = "member runs"
+            else:
+                # (the words of its name without ids: "pgstream group reader", "pgstream-dagster" ...)
+                kinds[pid] = " ".join(w for w in app.split() if not any(c.isdigit() for c in w)) or "?"
+    return kinds
 
 
 def _postgres_pids(pg: LocalPostgres) -> list[int]:
@@ -305,6 +334,13 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
             role = "postgres" if p in pg_pids else _role(p)
             roles[role] = roles.get(role, 0.0) + cpu_after[p] - cpu_before.get(p, 0.0)
         result["cpu_secs_by_role"] = {k: round(v, 1) for k, v in sorted(roles.items(), key=lambda kv: -kv[1])}
+        kinds, by_kind = _postgres_kinds(pg.url), dict[str, float]()
+        for p in pg_pids:
+            if p in cpu_after:
+                kind = kinds.get(p, "ended")
+                by_kind[kind] = by_kind.get(kind, 0.0) + cpu_after[p] - cpu_before.get(p, 0.0)
+        result["postgres_cpu_secs"] = {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+                                       if v >= 0.05}
         with psycopg.connect(url, autocommit=True) as conn:
             result["slots"] = conn.execute("select count(*) from pg_replication_slots").fetchone()[0]  # type: ignore[index]
             result["wal_senders"] = conn.execute("select count(*) from pg_stat_replication").fetchone()[0]  # type: ignore[index]
