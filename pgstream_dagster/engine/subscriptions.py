@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -111,12 +112,14 @@ def _db_error(exc: psycopg.Error) -> str:
     return diag.message_primary or str(exc).strip().splitlines()[0]
 
 
-def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], source: str) -> None:
+def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], source: str,
+                 positions: Sequence[int] | None = None) -> None:
     """Validate the subscriptions of a file (``source``) against the database (tables, columns,
     expressions) without writing anything. Raises ``SubscriptionError`` naming the file, the
-    subscription and the reason."""
+    subscription (its index in the file: ``positions``, default their order) and the reason."""
     with conn.transaction(force_rollback=True):
-        for i, sub in enumerate(subscriptions):
+        for i, sub in zip(positions if positions is not None else range(len(subscriptions)), subscriptions,
+                          strict=True):
             try:
                 with conn.transaction():
                     conn.execute("select pgstream.validate_subscription("
@@ -124,6 +127,31 @@ def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
             except psycopg.Error as exc:
                 raise SubscriptionError(f"{source}: subscriptions[{i}] (subscription {sub.key!r}, stream "
                                         f"{sub.stream_id}): {_db_error(exc)}") from None
+
+
+#: how long a file found valid as a whole is not validated again as a whole by the next stream's apply (its
+#: own subscriptions are, every time): the streams of one file are applied one after the other by one run
+FILE_VALID_SECS = 60.0
+#: (file, digest of the database and the file's subscriptions) -> when it was found valid as a whole
+_valid_files: dict[tuple[str, str], float] = {}
+
+
+def _validate_file(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int,
+                   source: str) -> None:
+    """:func:`validate_all` of the file before one of its streams is applied (a bad subscription anywhere in
+    it changes nothing), once per ``FILE_VALID_SECS`` for the same file content: a run applying a file's
+    hundred streams validated its hundred subscriptions a hundred times. The stream's own subscriptions are
+    validated every time (the database may have changed since)."""
+    info = conn.info
+    digest = hashlib.sha256(json.dumps([info.host, info.port, info.dbname, [definition(s) for s in subscriptions]],
+                                       sort_keys=True, default=str).encode()).hexdigest()
+    now = time.monotonic()
+    if now - _valid_files.get((source, digest), -FILE_VALID_SECS) < FILE_VALID_SECS:
+        own = [(i, s) for i, s in enumerate(subscriptions) if s.stream_id == stream_id]
+        validate_all(conn, [s for _i, s in own], source, positions=[i for i, _s in own])
+        return
+    validate_all(conn, subscriptions, source)
+    _valid_files[(source, digest)] = now
 
 
 @dataclass(frozen=True)
@@ -151,7 +179,7 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     """
     if not may_write_subscriptions(conn):
         return _verify_stream(conn, subscriptions, stream_id, source, selected, remove_absent)
-    validate_all(conn, subscriptions, source)
+    _validate_file(conn, subscriptions, stream_id, source)
     yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
     declared = {identity(s) for s in yaml_subs}
     written = [s for s in yaml_subs if selected is None or identity(s) in selected]
