@@ -216,6 +216,17 @@ def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
     return out
 
 
+def _dagster_writes(dagster_url: str, since: float) -> list[tuple[str, str, int]]:
+    """The window's writes to Dagster's event log: (the run's job, or the sensor's/daemon's when none; the
+    event type; how many), most first. Each costs Dagster's Postgres storage a connection of its own."""
+    with psycopg.connect(dagster_url, autocommit=True) as conn:
+        return [(str(job), str(kind), int(n)) for job, kind, n in conn.execute(
+            "select coalesce(nullif(r.pipeline_name, ''), 'no run'), coalesce(e.dagster_event_type, 'log'), count(*) "
+            "from event_logs e left join runs r on r.run_id = e.run_id "
+            "where e.timestamp >= to_timestamp(%s) at time zone 'UTC' group by 1, 2 order by 3 desc limit 15",
+            [since])]
+
+
 def _postgres_kinds(url: str) -> dict[int, str]:
     """What each Postgres process serves (walsender, the member runs' backends, the group reader's, Dagster's
     storage, a background worker ...), by pid: where Postgres' CPU goes."""
@@ -324,6 +335,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         result["postgres_busy"] = sampler.top()
         result["statements"] = _statements(url)
         result["timeline"] = _timeline(dagster_url.replace("+psycopg2", ""), loaded_at)
+        result["dagster_writes"] = _dagster_writes(dagster_url.replace("+psycopg2", ""), start)
         dev_pids = list(descendants(dev.proc.pid))
         result["processes"] = len(dev_pids)
         result["rss_bytes"] = _rss(dev_pids)
