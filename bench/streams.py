@@ -365,6 +365,11 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
                 break
             time.sleep(1)
         lat = [got[k] - v for k, v in committed.items() if k in got]
+        buckets: dict[int, list[float]] = {}  # p99 of what committed in each 5 s of the window: when it was slow
+        for k, v in committed.items():
+            if k in got:
+                buckets.setdefault(int((v - start) // 5), []).append(got[k] - v)
+        result["p99_by_5s"] = [round(_pct(buckets[b], 0.99), 2) for b in sorted(buckets)]
         result.update(events=len(committed), missing=len(committed) - len(lat), p50=_pct(lat, 0.5),
                       p99=_pct(lat, 0.99))
         result["cpu_per_event_ms"] = 1000 * result["cpu_secs"] / max(1, len(lat))
@@ -448,7 +453,8 @@ def main() -> None:
             f"- {r['streams']} streams: location loaded {r['location_secs']:.1f}s after start; first event "
             f"{f'p50 {_pct(firsts, 0.5):.1f}s, max {max(firsts):.1f}s' if firsts else 'none'}, "
             f"{len(r['never_delivered'])} never delivered; p50 {r['p50'] * 1000:.0f} ms, p99 {r['p99'] * 1000:.0f} ms "
-            f"over {r['events']} events ({r['missing']} missing); {r['processes']} processes, "
+            f"over {r['events']} events ({r['missing']} missing; p99 of each 5 s of commits: "
+            f"{' '.join(f'{x:.2f}' for x in r.get('p99_by_5s', []))} s); {r['processes']} processes, "
             f"RSS {r['rss_bytes'] / GiB:.2f} GiB; CPU {r['cpu_per_event_ms']:.1f} ms per event{ratio}; "
             f"{r['slots']} slots, {r['wal_senders']} WAL senders; {r['runs']} delivery runs, "
             f"{r.get('group_runs', 0)} group delivery runs; CPU-s by process: "

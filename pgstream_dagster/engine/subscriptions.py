@@ -184,6 +184,9 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     declared = {identity(s) for s in yaml_subs}
     written = [s for s in yaml_subs if selected is None or identity(s) in selected]
     written_ids = {identity(s) for s in written}
+    unchanged = _unchanged(conn, stream_id, written, declared, remove_absent)
+    if unchanged is not None:  # what set_subscriptions would find unchanged: nothing to write, no lock to take
+        return StreamApply(changes={}, hand_made=unchanged)
     with conn.transaction():
         # set_subscriptions' own lock, taken before we read what to keep (re-entrant in this transaction)
         conn.execute("select pgstream.lock_for_transaction('regenerate')")
@@ -210,6 +213,30 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
             raise SubscriptionError(f"{source}: stream {stream_id}: {_db_error(exc)}") from None
     return StreamApply(changes={(r[1], r[2], r[3], r[4]): r[0] for r in changed},
                        hand_made=sum(1 for r in rows if not r[4]))
+
+
+def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[SubscriptionConfig],
+               declared: set[Identity], remove_absent: bool) -> int | None:
+    """When the database already holds ``written`` as the YAML declares them (and, ``remove_absent``, no
+    YAML-managed subscription of the stream that is no longer declared), the count of the stream's
+    subscriptions created by hand; else None. One read: the common case of a code location starting with
+    a hundred streams applied already (``set_subscriptions`` would find every one unchanged, after creating
+    its temporary input table)."""
+    rows = conn.execute(
+        """select key, schema_name, table_name, operation::text, when_clause, column_names, metadata,
+                  payload_extensions, managed_by, trigger_mode, metadata_extensions, emit_truncate
+           from pgstream.subscriptions where stream_id = %s""", [stream_id]).fetchall()
+    stored = {(r[0], r[1], r[2], r[3]): {
+        "when_clause": r[4], "column_names": list(r[5]), "metadata": r[6], "payload_extensions": r[7],
+        "managed_by": r[8], "trigger_mode": r[9], "metadata_extensions": r[10], "emit_truncate": r[11]}
+        for r in rows}
+    for sub in written:
+        row = stored.get(identity(sub))
+        if row is None or row["managed_by"] != MANAGED_BY or differences(sub, row):
+            return None
+    if remove_absent and any(v["managed_by"] == MANAGED_BY and k not in declared for k, v in stored.items()):
+        return None
+    return sum(1 for v in stored.values() if v["managed_by"] != MANAGED_BY)
 
 
 def may_write_subscriptions(conn: psycopg.Connection) -> bool:
