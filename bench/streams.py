@@ -216,6 +216,40 @@ def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
     return out
 
 
+def _profile(pids: list[int], out: Path, secs: float) -> list[tuple[str, Path, subprocess.Popen[bytes]]]:
+    """``--profile``: py-spy samples the code server and the run workers for the window (``pip install py-spy``;
+    not one of the project's dependencies)."""
+    started = []
+    for pid in pids:
+        role = _role(pid)
+        if role in ("code server", "run worker"):
+            path = out / f"profile-{role.replace(' ', '-')}-{pid}.txt"
+            started.append((f"{role} {pid}", path, subprocess.Popen(
+                ["py-spy", "record", "--format", "raw", "--rate", "50", "--nonblocking", "--duration",
+                 str(int(secs)), "--pid", str(pid), "--output", str(path)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+    return started
+
+
+def _profiled(profiles: list[tuple[str, Path, subprocess.Popen[bytes]]], n: int = 12) -> dict[str, Any]:
+    """Per profiled process: its samples and the functions most often on the stack (inclusive share), of
+    pgstream's code and Dagster's."""
+    out: dict[str, Any] = {}
+    for label, path, proc in profiles:
+        proc.wait(60)
+        total, inclusive = 0, collections.Counter[str]()
+        for line in path.read_text().splitlines() if path.exists() else []:
+            stack, _, count = line.rpartition(" ")
+            total += int(count)
+            frames = {f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 2)[-1]
+                      for f in stack.split(";") if " (" in f and ("pgstream_dagster" in f or "dagster/" in f)}
+            for frame in frames:
+                inclusive[frame] += int(count)
+        if total:
+            out[label] = {"samples": total, "top": [(f, round(c / total, 3)) for f, c in inclusive.most_common(n)]}
+    return out
+
+
 def _dagster_writes(dagster_url: str, since: float) -> list[tuple[str, str, int]]:
     """The window's writes to Dagster's event log: (the run's job, or the sensor's/daemon's when none; the
     event type; how many), most first. Each costs Dagster's Postgres storage a connection of its own."""
@@ -331,7 +365,10 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         start = time.time() + 1
         writer = multiprocessing.Process(target=_writer, args=(url, count, start, args.duration, str(out), 1))
         writer.start()
+        profiles = _profile(dev_pids, tmpdir / name, args.duration) if args.profile else []
         writer.join()
+        if profiles:
+            result["profiles"] = _profiled(profiles)
         result["postgres_busy"] = sampler.top()
         result["statements"] = _statements(url)
         result["timeline"] = _timeline(dagster_url.replace("+psycopg2", ""), loaded_at)
@@ -417,6 +454,8 @@ def main() -> None:
     parser.add_argument("--group", default="bench",
                         help="put every stream in this reader group (streams[].reader); '' or --no-group: a slot each")
     parser.add_argument("--no-group", dest="group", action="store_const", const="")
+    parser.add_argument("--profile", action="store_true",
+                        help="sample the code server and run workers with py-spy during the window")
     args = parser.parse_args()
     header = machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
