@@ -224,8 +224,9 @@ def _profile(pids: list[int], out: Path, secs: float) -> list[tuple[str, Path, s
         role = _role(pid)
         if role in ("code server", "run worker"):
             path = out / f"profile-{role.replace(' ', '-')}-{pid}.txt"
+            spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # (the venv's, not on PATH)
             started.append((f"{role} {pid}", path, subprocess.Popen(
-                ["py-spy", "record", "--format", "raw", "--rate", "50", "--nonblocking", "--duration",
+                [spy, "record", "--format", "raw", "--rate", "50", "--nonblocking", "--duration",
                  str(int(secs)), "--pid", str(pid), "--output", str(path)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     return started
