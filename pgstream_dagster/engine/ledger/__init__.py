@@ -16,9 +16,6 @@ from .deadletters import (
     DeadLetterWriter as DeadLetterWriter,
 )
 from .deadletters import (
-    count_dead_letters as count_dead_letters,
-)
-from .deadletters import (
     dead_letter_positions as dead_letter_positions,
 )
 from .deadletters import (
@@ -290,9 +287,6 @@ from .state import (
 )
 from .state import (
     next_assigned as next_assigned,
-)
-from .state import (
-    not_delivered as not_delivered,
 )
 from .state import (
     open_run as open_run,

@@ -180,8 +180,3 @@ where not exists (select 1 from pgstream.dead_letters d where d.stream_id = b.st
 order by b.id desc, o.ord desc
 limit 1
 """
-
-
-def count_dead_letters(conn: psycopg.Connection, stream_id: int) -> int:
-    row = conn.execute("select count(*) from pgstream.dead_letters where stream_id = %s", [stream_id]).fetchone()
-    return int(row[0]) if row else 0

@@ -135,12 +135,6 @@ def round_outcome(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]
     return [int(i) for i in row[0]], int(row[1])
 
 
-def not_delivered(conn: psycopg.Connection, batch_ids: list[int]) -> list[int]:
-    return [int(r[0]) for r in conn.execute(
-        "select id from pgstream.batches where id = any(%s) and status <> %s order by id",
-        [batch_ids, BatchStatus.DELIVERED]).fetchall()]
-
-
 def earlier_open(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int | None:
     row = conn.execute("select min(id) from pgstream.batches where stream_id = %s and id < %s "
                        "and pgstream.batch_is_open(status)", [stream_id, batch_id]).fetchone()
