@@ -45,6 +45,7 @@ from typing import Any
 import httpx
 import psutil
 import psycopg
+import yaml
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,13 +60,16 @@ HERE = Path(__file__).resolve().parent
 GiB = 2**30
 
 
-def _config(path: Path, url: str, receivers: Webhook, count: int, group: str | None) -> None:
+def _config(path: Path, url: str, receivers: Webhook, count: int, group: str | None,
+            checks: dict[str, Any] | None = None) -> None:
     streams: list[dict[str, Any]] = [{"id": i, "sink": {"type": "http", "url": f"{receivers.base}/hook/{i}",
                                                         "mode": "batch"}} for i in range(1, count + 1)]
     if group:  # one reader group: one slot, the WAL decoded once for every stream
         for stream in streams:
             stream["reader"] = group
     write_many_streams(path, url, streams)
+    if checks:  # (the checks schedule's settings: --checks-cron, --checks-rate)
+        path.write_text(path.read_text() + yaml.safe_dump({"checks": checks}))
 
 
 def _location_loaded(dev: DagsterDev) -> bool:
@@ -324,7 +328,8 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         conn.execute("create extension if not exists pg_stat_statements")
     receivers = Webhook()
     config = tmpdir / f"{name}.yaml"
-    _config(config, url, receivers, count, args.group or None)
+    checks = {k: v for k, v in (("cron", args.checks_cron), ("streams_per_sec", args.checks_rate)) if v is not None}
+    _config(config, url, receivers, count, args.group or None, checks)
     home = tmpdir / f"{name}_home"
     home.mkdir()
     shutil.copy(HERE.parent / "dagster.yaml", home / "dagster.yaml")
@@ -455,6 +460,9 @@ def main() -> None:
     parser.add_argument("--group", default="bench",
                         help="put every stream in this reader group (streams[].reader); '' or --no-group: a slot each")
     parser.add_argument("--no-group", dest="group", action="store_const", const="")
+    parser.add_argument("--checks-cron", help="checks.cron of the streams' configuration ('* * * * *': a checks run "
+                                              "in every minute of the window)")
+    parser.add_argument("--checks-rate", type=float, help="checks.streams_per_sec (0: no pacing)")
     parser.add_argument("--profile", action="store_true",
                         help="sample the code server and run workers with py-spy during the window")
     args = parser.parse_args()

@@ -402,6 +402,11 @@ class HousekeepingConfig(_Model):
 
 class ChecksConfig(_Model):
     cron: str = Field("*/5 * * * *", description="schedule of the pgstream_checks job (UTC)")
+    streams_per_sec: float = Field(
+        2.0, ge=0, description="a scheduled pgstream_checks run checks at most this many streams a second (0: "
+                               "no limit), so that many streams' checks and their writes to Dagster's event log "
+                               "do not take the CPUs from the deliveries at once; checks run from the UI are "
+                               "not paced")
 
     _valid_cron = field_validator("cron")(_cron)
 

@@ -415,3 +415,25 @@ def test_a_checks_tick_missed_while_dagster_was_down_is_not_caught_up(
     skipped = defs.resolve_schedule_def(CHECKS_JOB).evaluate_tick(
         dg.build_schedule_context(instance=instance, scheduled_execution_time=late))
     assert not skipped.run_requests and "late (the scheduler was down): not caught up" in (skipped.skip_message or "")
+
+
+def test_a_scheduled_checks_run_paces_its_streams_and_one_from_the_ui_does_not(
+        app: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run the ``pgstream_checks`` schedule launched waits ``1 / checks.streams_per_sec`` before each
+    stream's checks (many streams' check events spread over time instead of at once); a run launched
+    by hand waits for nothing. Every check reports either way."""
+    from pgstream_dagster.defs import checks as checks_module
+
+    streams = [{"id": i, "sink": {"type": "memory"}} for i in (1, 2, 3)]
+    cfg = write_config(tmp_path / "pgstream.yaml", app, streams,
+                       [{**SIGNUP, "stream_id": i, "key": f"signup-{i}"} for i in (1, 2, 3)])
+    cfg.write_text(cfg.read_text() + "checks: {streams_per_sec: 4}\n")
+    init(cfg)
+    slept: list[float] = []
+    monkeypatch.setattr(checks_module, "_pause", slept.append)
+    job = build_definitions(cfg).resolve_job_def(CHECKS_JOB)
+    for tags, pauses in (({checks_module.SCHEDULE_TAG: CHECKS_JOB}, [0.25] * 3), ({}, [])):
+        slept.clear()
+        result = job.execute_in_process(instance=instance, raise_on_error=False, tags=tags)
+        assert slept == pauses
+        assert len(result.get_asset_check_evaluations()) == 3 * 5 + 2  # (trigger + 4 a stream; 2 of the location)

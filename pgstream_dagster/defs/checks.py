@@ -12,6 +12,7 @@ from the UI):
 """
 
 import datetime as dt
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,8 +24,16 @@ from ..engine import deadletters, ledger, status
 from ..engine.subscriptions import differences, identity, stored_definition, trigger_state
 from ..sinks.base import excerpt
 from .assets import stream_subscription_keys
-from .names import CONTROL_JOB, EVENTS_PARTITIONS_KEY, checks_op_name, deliveries_asset_key, replay_job_name
+from .names import CHECKS_JOB, CONTROL_JOB, EVENTS_PARTITIONS_KEY, checks_op_name, deliveries_asset_key, replay_job_name
 from .resources import PgstreamResource
+
+#: the tag Dagster gives a run its schedule launched (its value: the schedule's name)
+SCHEDULE_TAG = "dagster/schedule_name"
+
+
+def _pause(secs: float) -> None:
+    """A scheduled checks run's pause before a stream's checks (``checks.streams_per_sec``)."""
+    time.sleep(secs)
 
 TRIGGER_CHECK = "trigger_matches"
 UNDELIVERED_AGE_CHECK = "undelivered_age"
@@ -173,6 +182,9 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
     def _checks(context: dg.AssetCheckExecutionContext,
                 pgstream: dg.ResourceParam[PgstreamResource]) -> Iterator[dg.AssetCheckResult]:
         selected = context.selected_asset_check_keys
+        rate = pgstream.config.checks.streams_per_sec
+        if rate > 0 and context.run.tags.get(SCHEDULE_TAG) == CHECKS_JOB:
+            _pause(1 / rate)  # (the run's streams are checked one after the other: in-process executor)
         with pgstream.connect() as conn:
             for sub in subs:
                 key = keys[identity(sub)]
