@@ -281,3 +281,18 @@ def test_demo_location_loads_with_assets_checks_and_schedules(monkeypatch: pytes
     assert {s.name for s in repo.schedule_defs} == {"pgstream_housekeeping", "pgstream_checks"}
     assert {s.name for s in repo.sensor_defs} == {"pgstream_stream_1", "pgstream_subscriptions"}
     assert "s3cr3t" not in str([graph.get(k).metadata for k in graph.get_all_asset_keys()])
+
+
+def test_the_subscriptions_sensor_evaluates_less_often_as_subscription_assets_grow(tmp_path: Path) -> None:
+    """One evaluation reads Dagster's storage about a dozen times per asset: every 15 s for a few
+    streams, every 0.3 s per subscription asset beyond that (100 streams, 200 assets: every 60 s)."""
+    from pgstream_dagster.defs.names import SUBSCRIPTIONS_SENSOR
+
+    def interval(count: int) -> int | None:
+        cfg = write_config(tmp_path / f"s{count}.yaml", "postgresql://nobody@127.0.0.1:1/none",
+                           [{"id": i, "sink": {"type": "memory"}} for i in range(1, count + 1)],
+                           [{"key": f"k{i}", "stream_id": i, "operation": "INSERT", "table_name": f"t{i}",
+                             "column_names": ["id"]} for i in range(1, count + 1)])
+        return build_definitions(cfg).resolve_sensor_def(SUBSCRIPTIONS_SENSOR).minimum_interval_seconds
+
+    assert (interval(1), interval(25), interval(100)) == (15, 15, 60)

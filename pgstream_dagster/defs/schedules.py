@@ -74,12 +74,21 @@ def schedules(config: PgstreamConfig) -> list[dg.ScheduleDefinition]:
     ]
 
 
+#: the subscriptions sensor evaluates at most every this many seconds, and at most every
+#: ``SUBSCRIPTION_SECS_PER_ASSET`` times the number of assets it evaluates: one evaluation reads Dagster's storage
+#: about a dozen times per asset (each read a connection of its own with Postgres storage), so 200 subscription
+#: assets (100 streams) evaluated every 15 s were most of the code server's CPU and of Postgres' connections
+SUBSCRIPTIONS_MIN_INTERVAL_SECS = 15
+SUBSCRIPTION_SECS_PER_ASSET = 0.3
+
+
 def subscriptions_sensor(config: PgstreamConfig) -> dg.AutomationConditionSensorDefinition:
     keys = [k for s in config.streams for k in [*subscription_keys(config, s.id).values(), subscription_set_key(s.id)]]
+    interval = max(SUBSCRIPTIONS_MIN_INTERVAL_SECS, round(len(keys) * SUBSCRIPTION_SECS_PER_ASSET))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)  # use_user_code_server
         return dg.AutomationConditionSensorDefinition(
             SUBSCRIPTIONS_SENSOR, target=dg.AssetSelection.assets(*keys),
-            default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=15,
+            default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=interval,
             use_user_code_server=True,  # the condition has a custom part (CodeVersionOutdated)
             description="Applies new and edited subscriptions of pgstream.yaml (and removes deleted ones).")
