@@ -222,14 +222,10 @@ def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[Subsc
     subscriptions created by hand; else None. One read: the common case of a code location starting with
     a hundred streams applied already (``set_subscriptions`` would find every one unchanged, after creating
     its temporary input table)."""
-    rows = conn.execute(
-        """select key, schema_name, table_name, operation::text, when_clause, column_names, metadata,
-                  payload_extensions, managed_by, trigger_mode, metadata_extensions, emit_truncate
-           from pgstream.subscriptions where stream_id = %s""", [stream_id]).fetchall()
-    stored = {(r[0], r[1], r[2], r[3]): {
-        "when_clause": r[4], "column_names": list(r[5]), "metadata": r[6], "payload_extensions": r[7],
-        "managed_by": r[8], "trigger_mode": r[9], "metadata_extensions": r[10], "emit_truncate": r[11]}
-        for r in rows}
+    columns = f"key, schema_name, table_name, operation::text, {_STORED_COLUMNS}"
+    rows = conn.execute(f"select {columns} from pgstream.subscriptions where stream_id = %s",  # noqa: S608
+                        [stream_id]).fetchall()  # (column lists, no input)
+    stored = {(r[0], r[1], r[2], r[3]): _stored(r[4:]) for r in rows}
     for sub in written:
         row = stored.get(identity(sub))
         if row is None or row["managed_by"] != MANAGED_BY or differences(sub, row):
@@ -345,18 +341,24 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
                    installed_source=installed[3], enabled=installed[4], installed_confined=installed[5])
 
 
+#: the stored columns :func:`differences` compares (and ``managed_by``), in the order :func:`_stored` reads them
+_STORED_COLUMNS = ("when_clause, column_names, metadata, payload_extensions, managed_by, trigger_mode, "
+                   "metadata_extensions, emit_truncate")
+
+
+def _stored(row: Sequence[Any]) -> dict[str, Any]:
+    """A subscription row's ``_STORED_COLUMNS``, normalised like ``definition``."""
+    return {"when_clause": row[0], "column_names": list(row[1]), "metadata": row[2], "payload_extensions": row[3],
+            "managed_by": row[4], "trigger_mode": row[5], "metadata_extensions": row[6], "emit_truncate": row[7]}
+
+
 def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity) -> dict[str, Any] | None:
     """The subscription row as stored (normalised like ``definition``), or None."""
     row = conn.execute(
-        """select when_clause, column_names, metadata, payload_extensions, managed_by, trigger_mode,
-                  metadata_extensions, emit_truncate
-           from pgstream.subscriptions
-           where stream_id = %s and key = %s and schema_name = %s and table_name = %s and operation::text = %s""",
+        f"select {_STORED_COLUMNS} from pgstream.subscriptions "  # noqa: S608  (column list, no input)
+        "where stream_id = %s and key = %s and schema_name = %s and table_name = %s and operation::text = %s",
         [stream_id, *ident]).fetchone()
-    if row is None:
-        return None
-    return {"when_clause": row[0], "column_names": list(row[1]), "metadata": row[2], "payload_extensions": row[3],
-            "managed_by": row[4], "trigger_mode": row[5], "metadata_extensions": row[6], "emit_truncate": row[7]}
+    return _stored(row) if row is not None else None
 
 
 def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:

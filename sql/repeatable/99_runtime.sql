@@ -48,9 +48,9 @@ $$;
 revoke all on function pgstream.expected_trigger(text, text, pgstream.operation_type, text) from public;
 
 -- Whether run p_run_id holds stream p_stream_id's delivery lease (pgstream's lock 'delivery' names it
--- and its backend lives): a by_key task asks before it records a chunk and publishes the next one,
--- and stops once its run is gone. Runs as the owner so the executors need no privilege on
--- pgstream.locks; it answers that one question and nothing else.
+-- and its backend lives: pgstream.lock_holder): a by_key task asks before it records a chunk and
+-- publishes the next one, and stops once its run is gone. Runs as the owner so the executors need no
+-- privilege on pgstream.locks; it answers that one question and nothing else.
 create or replace function pgstream.delivery_lease_held(p_stream_id bigint, p_run_id text)
 returns boolean
 language sql
@@ -58,10 +58,7 @@ stable
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
-    select exists (select 1 from pgstream.locks l
-                   where l.name = 'delivery' and l.key = p_stream_id and l.holder = p_run_id
-                     and l.pid is not null
-                     and pgstream.backend_alive(l.pid, l.backend_start, l.usesysid))
+    select coalesce(pgstream.lock_holder('delivery', p_stream_id) = p_run_id, false)
 $$;
 revoke all on function pgstream.delivery_lease_held(bigint, text) from public;
 
