@@ -206,8 +206,16 @@ def _timeline(dagster_url: str, since: float) -> dict[str, Any]:
                 "where pipeline_name = 'pgstream_group_delivery' order by create_timestamp"):
             hosting = conn.execute("select extract(epoch from timestamp) from event_logs where run_id = %s and "
                                    "event like %s order by id limit 1", [run_id, "%hosting streams%"]).fetchone()
+            # the run's way to its process: dequeued by the daemon, launched by the code server, its
+            # process's first event (the definitions loaded), the run started
+            steps = {kind: round(float(at) - since, 1) for kind, at in conn.execute(
+                "select dagster_event_type, extract(epoch from min(timestamp)) from event_logs where run_id = %s "
+                "and dagster_event_type in ('RUN_DEQUEUED', 'PIPELINE_STARTING', 'ENGINE_EVENT', "
+                "'PIPELINE_START') group by 1", [run_id])}
             out.setdefault("group_runs", []).append({
                 "created": round(float(created) - since, 1),
+                "dequeued": steps.get("RUN_DEQUEUED"), "launched": steps.get("PIPELINE_STARTING"),
+                "first_engine_event": steps.get("ENGINE_EVENT"), "run_start": steps.get("PIPELINE_START"),
                 "started": round(float(start) - since, 1) if start else None,
                 "hosting": round(float(hosting[0]) - since, 1) if hosting else None})
         for job, n, created, start, end in conn.execute(  # what else ran: the subscriptions' first materializations
@@ -347,6 +355,11 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
             time.sleep(0.2)
         result["location_secs"] = time.monotonic() - started
         loaded_at = time.time()
+        pg_pids = _postgres_pids(pg)
+        start_cpu = {**_cpu(list(descendants(dev.proc.pid))), **_cpu(pg_pids)}
+        start_sampler = _Sampler(pg.url)
+        with psycopg.connect(url, autocommit=True) as conn:  # the start's statements alone
+            conn.execute("select pg_stat_statements_reset()")
         with psycopg.connect(url, autocommit=True) as conn:
             for i in range(1, count + 1):
                 conn.execute(_insert(i), [0])
@@ -358,11 +371,22 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
                     firsts[stream] = at - loaded_at
             time.sleep(0.5)
         result["first_event_secs"] = sorted(firsts.values())
+        # what ran while the streams waited for their first event (a process started meanwhile counts whole)
+        start_pids = list(descendants(dev.proc.pid))
+        start_roles: dict[str, float] = {}
+        start_pg = set(pg_pids) | set(_postgres_pids(pg))
+        for p, secs in {**_cpu(start_pids), **_cpu(list(start_pg))}.items():
+            role = "postgres" if p in start_pg else _role(p)
+            start_roles[role] = start_roles.get(role, 0.0) + secs - start_cpu.get(p, 0.0)
+        result["start_postgres_busy"] = start_sampler.top(8)
+        result["start_statements"] = {k: v for k, v in _statements(url, 8).items() if k != "most_called"}
+        result["start_cpu_secs_by_role"] = {k: round(v, 1) for k, v in sorted(start_roles.items(),
+                                                                              key=lambda kv: -kv[1]) if v >= 0.05}
         result["first_batches"] = _first_batches(url, loaded_at)
         result["never_delivered"] = sorted(set(range(1, count + 1)) - set(firsts))
 
         out = tmpdir / f"{name}.json"
-        pg_pids = _postgres_pids(pg)
+        pg_pids = _postgres_pids(pg)  # (the backends of now)
         dev_pids = list(descendants(dev.proc.pid))
         cpu_before = {**_cpu(dev_pids), **_cpu(pg_pids)}
         sampler = _Sampler(pg.url)

@@ -83,11 +83,16 @@ def _report(context: dg.OpExecutionContext, asset: dg.AssetKey | None, progress:
                                               tags={"dagster/code_version": applied}))
 
 
+#: the backfill ops' config schema, inferred from :class:`BackfillConfig` once for every stream's op
+_BACKFILL_CONFIG_SCHEMA = BackfillConfig.to_config_schema()
+
+
 def _backfill_op(stream: StreamConfig, assets: Mapping[Identity, dg.AssetKey]) -> dg.OpDefinition:
-    @dg.op(name=f"backfill_stream_{stream.id}",
+    @dg.op(name=f"backfill_stream_{stream.id}", config_schema=_BACKFILL_CONFIG_SCHEMA,
            description=f"Existing rows of subscribed tables become READ events of stream {stream.id}.")
-    def _op(context: dg.OpExecutionContext, config: BackfillConfig, pgstream: dg.ResourceParam[PgstreamResource],
+    def _op(context: dg.OpExecutionContext, pgstream: dg.ResourceParam[PgstreamResource],
             pyspark: LazyPySparkResource) -> int:
+        config = BackfillConfig(**context.op_config)
         url = pgstream.database_url
         try:
             request = _request(stream, config)

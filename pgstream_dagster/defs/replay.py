@@ -110,11 +110,17 @@ def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig
     return 0 if config.dry_run else len(report.redelivered)
 
 
+#: the replay ops' config schema, inferred from :class:`ReplayConfig` once for every stream's op (inferring it
+#: per op took most of building a stream's definitions, in every process that loads the location)
+_REPLAY_CONFIG_SCHEMA = ReplayConfig.to_config_schema()
+
+
 def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
-    @dg.op(name=f"replay_stream_{stream.id}",
+    @dg.op(name=f"replay_stream_{stream.id}", config_schema=_REPLAY_CONFIG_SCHEMA,
            description=f"Replay events of stream {stream.id} from pgstream.events through its {stream.sink.type} sink.")
-    def _op(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: dg.ResourceParam[PgstreamResource],
+    def _op(context: dg.OpExecutionContext, pgstream: dg.ResourceParam[PgstreamResource],
             pyspark: LazyPySparkResource) -> int:
+        config = ReplayConfig(**context.op_config)
         try:  # a bad request fails before it takes anything
             if config.dead_letters or config.dead_letter_ids:
                 dead_letter_selection(config)

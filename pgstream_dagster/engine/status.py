@@ -13,7 +13,8 @@ from .batches import BatchStatus
 _STREAMS = """
 select ss.*, st.open_run_key, st.slot_reader as declared_reader,
        (select a.application_name from pg_catalog.pg_replication_slots rs
-        join pg_catalog.pg_stat_activity a on a.pid = rs.active_pid
+        -- that one backend's entry (pg_stat_activity would read every backend's, for each stream)
+        cross join lateral pg_catalog.pg_stat_get_activity(coalesce(rs.active_pid, 0)) a
         where rs.slot_name = ss.slot_name and rs.database = pg_catalog.current_database()) as slot_reader
 from pgstream.stream_status ss join pgstream.streams st on st.id = ss.id
 where %(stream_id)s::bigint is null or ss.id = %(stream_id)s::bigint

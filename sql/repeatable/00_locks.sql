@@ -15,13 +15,15 @@
 -- another role than the caller's hides its backend_start (pg_stat_activity): one with that pid and
 -- role counts as alive then (a holder connected as another role of pgstream's: never taken over
 -- while it may live); a backend of any other role with that pid (a reused pid) is not the holder.
+-- pg_stat_get_activity(pid) reads that one backend's entry (pg_stat_activity reads every backend's:
+-- a cost that grew with connections, paid per lock checked).
 create or replace function pgstream.backend_alive(p_pid integer, p_started timestamptz, p_role oid)
 returns boolean
 language sql
 stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select exists (select 1 from pg_catalog.pg_stat_activity a
+    select exists (select 1 from pg_catalog.pg_stat_get_activity(p_pid) a
                    where a.pid = p_pid and a.usesysid = p_role
                      and (a.backend_start = p_started or a.backend_start is null))
 $$;
@@ -37,8 +39,8 @@ volatile
 set search_path = pg_catalog, pg_temp
 as $$
     with me as (
-        select a.pid, a.backend_start, a.usesysid from pg_catalog.pg_stat_activity a
-        where a.pid = pg_catalog.pg_backend_pid()
+        select a.pid, a.backend_start, a.usesysid
+        from pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) a
     ), taken as (
         insert into pgstream.locks as l (name, key, pid, backend_start, usesysid, holder, taken_at)
         select p_name, p_key, me.pid, me.backend_start, me.usesysid, p_holder, pg_catalog.clock_timestamp() from me

@@ -1,0 +1,83 @@
+"""Dagster's instance storage on Postgres, with a connection pool in every process.
+
+``dagster-postgres`` opens a new database connection for every storage call outside the webserver
+(SQLAlchemy ``NullPool``): every event a run or a sensor writes, every run or tick read. At 100 streams
+that is thousands of connections a minute, each a Postgres backend started for one statement, and
+their start-up cost more Postgres CPU than the events' own statements (``bench/streams.py``).
+:class:`PooledPostgresStorage` is ``dagster_postgres.DagsterPostgresStorage`` with each of its three
+storages (runs, event log, schedules) keeping up to ``pool_size`` idle connections per process,
+checked before each use (``pool_pre_ping``: a restarted Postgres costs one failed ping, not an error),
+and closed after ``pool_recycle_secs``. The webserver replaces it with its own pool, as with
+``dagster-postgres``.
+
+``dagster.yaml``::
+
+    storage:
+      custom:
+        module: pgstream_dagster.instance
+        class: PooledPostgresStorage
+        config:
+          postgres_url:
+            env: DAGSTER_POSTGRES_URL
+          pool_size: 1   # idle connections kept per storage and process (3 per process)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import dagster as dg
+from dagster._serdes import ConfigurableClassData
+from dagster_postgres import DagsterPostgresStorage
+from dagster_postgres.utils import (
+    create_pg_engine,
+    get_token_provider_from_config,
+    pg_config,
+    pg_url_from_config,
+)
+
+#: idle connections each storage keeps per process, unless configured
+DEFAULT_POOL_SIZE = 1
+#: connections opened beyond the pool when threads of one process use a storage at once (closed after use);
+#: -1: no bound, as without a pool (a bound would make the daemon's threads wait for each other)
+DEFAULT_MAX_OVERFLOW = -1
+#: a pooled connection older than this is closed and replaced at its next use
+DEFAULT_POOL_RECYCLE_SECS = 3600
+
+
+class PooledPostgresStorage(DagsterPostgresStorage):
+    """``DagsterPostgresStorage`` whose storages keep a small connection pool in each process."""
+
+    def __init__(self, postgres_url: str, should_autocreate_tables: bool = True,
+                 inst_data: ConfigurableClassData | None = None, pool_size: int = DEFAULT_POOL_SIZE,
+                 max_overflow: int = DEFAULT_MAX_OVERFLOW,
+                 pool_recycle_secs: int = DEFAULT_POOL_RECYCLE_SECS, token_provider: Any = None) -> None:
+        super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)
+        for storage in (self._run_storage, self._event_log_storage, self._schedule_storage):
+            storage._engine.dispose()  # (the NullPool engine holds no connection: nothing is closed)
+            storage._engine = create_pg_engine(  # type: ignore[union-attr]
+                postgres_url, token_provider, isolation_level="AUTOCOMMIT", pool_size=pool_size, max_overflow=max_overflow,
+                pool_recycle=pool_recycle_secs, pool_pre_ping=True)
+
+    @classmethod
+    def config_type(cls) -> dg.Shape:
+        return dg.Shape({
+            **pg_config(),
+            "pool_size": dg.Field(dg.IntSource, is_required=False, default_value=DEFAULT_POOL_SIZE,
+                                  description="idle connections each storage keeps per process"),
+            "max_overflow": dg.Field(dg.IntSource, is_required=False, default_value=DEFAULT_MAX_OVERFLOW,
+                                     description="connections opened beyond the pool by concurrent threads "
+                                                 "(-1: no bound)"),
+            "pool_recycle_secs": dg.Field(dg.IntSource, is_required=False, default_value=DEFAULT_POOL_RECYCLE_SECS,
+                                          description="a pooled connection older than this is replaced"),
+        })
+
+    @classmethod
+    def from_config_value(cls, inst_data: ConfigurableClassData | None,  # type: ignore[override]
+                          config_value: Mapping[str, Any]) -> PooledPostgresStorage:
+        return cls(pg_url_from_config(config_value), config_value.get("should_autocreate_tables", True), inst_data,
+                   pool_size=config_value.get("pool_size", DEFAULT_POOL_SIZE),
+                   max_overflow=config_value.get("max_overflow", DEFAULT_MAX_OVERFLOW),
+                   pool_recycle_secs=config_value.get("pool_recycle_secs", DEFAULT_POOL_RECYCLE_SECS),
+                   token_provider=get_token_provider_from_config(config_value))
