@@ -10,10 +10,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import psycopg
 import pytest
+import yaml
 from psycopg import sql
 
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
@@ -21,7 +23,7 @@ from pgstream_dagster.engine.migrations import migrate
 
 from .support import faults
 from .support.aws import REGION, FakeCredentials, FaultProxy, MotoServer
-from .support.dagster_dev import Databases, drop_databases, make_databases
+from .support.dagster_dev import Databases, drop_databases, make_databases, repo_root
 from .support.endpoint import Endpoint
 from .support.http_recorder import HttpRecorder, recording_server
 from .support.schema import USERS
@@ -157,11 +159,19 @@ def dagster_storage_url(pg: LocalPostgres) -> str:
     return pg.url_for("dagster_storage").replace("postgresql://", "postgresql+psycopg2://")
 
 
+def storage_overrides(postgres_url: str) -> dict[str, Any]:
+    """The repository's dagster.yaml storage (what users run: Postgres, pooled), on ``postgres_url``."""
+    storage = yaml.safe_load((repo_root() / "dagster.yaml").read_text())["storage"]
+    for kind in storage.values():
+        (kind.get("config", kind))["postgres_url"] = postgres_url
+    return {"storage": storage}
+
+
 @pytest.fixture
 def instance(dagster_storage_url: str, tmp_path: Path) -> Iterator[dg.DagsterInstance]:
-    """A real Dagster instance with Postgres storage (shared by the tests: filter by run)."""
+    """A real Dagster instance with the repository's Postgres storage (shared by the tests: filter by run)."""
     (tmp_path / "dagster_home").mkdir()
-    with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": dagster_storage_url}}},
+    with dg.instance_for_test(overrides=storage_overrides(dagster_storage_url),
                               temp_dir=str(tmp_path / "dagster_home")) as inst:
         yield inst
 
