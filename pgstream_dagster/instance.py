@@ -25,7 +25,7 @@ and closed after ``pool_recycle_secs``. The webserver replaces it with its own p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import dagster as dg
 from dagster._serdes import ConfigurableClassData
@@ -56,14 +56,14 @@ class PooledPostgresStorage(DagsterPostgresStorage):
         super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)
         for storage in (self._run_storage, self._event_log_storage, self._schedule_storage):
             storage._engine.dispose()  # (the NullPool engine holds no connection: nothing is closed)
-            storage._engine = create_pg_engine(  # type: ignore[union-attr]
-                postgres_url, token_provider, isolation_level="AUTOCOMMIT", pool_size=pool_size, max_overflow=max_overflow,
-                pool_recycle=pool_recycle_secs, pool_pre_ping=True)
+            storage._engine = create_pg_engine(
+                postgres_url, token_provider, isolation_level="AUTOCOMMIT", pool_size=pool_size,
+                max_overflow=max_overflow, pool_recycle=pool_recycle_secs, pool_pre_ping=True)
 
     @classmethod
     def config_type(cls) -> dg.Shape:
-        return dg.Shape({
-            **pg_config(),
+        return dg.Shape({  # type: ignore[no-untyped-call]
+            **cast("dict[str, dg.Field]", pg_config()),
             "pool_size": dg.Field(dg.IntSource, is_required=False, default_value=DEFAULT_POOL_SIZE,
                                   description="idle connections each storage keeps per process"),
             "max_overflow": dg.Field(dg.IntSource, is_required=False, default_value=DEFAULT_MAX_OVERFLOW,
@@ -74,7 +74,7 @@ class PooledPostgresStorage(DagsterPostgresStorage):
         })
 
     @classmethod
-    def from_config_value(cls, inst_data: ConfigurableClassData | None,  # type: ignore[override]
+    def from_config_value(cls, inst_data: ConfigurableClassData | None,
                           config_value: Mapping[str, Any]) -> PooledPostgresStorage:
         return cls(pg_url_from_config(config_value), config_value.get("should_autocreate_tables", True), inst_data,
                    pool_size=config_value.get("pool_size", DEFAULT_POOL_SIZE),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import dagster as dg
 import psycopg
@@ -32,8 +33,8 @@ def _engines(instance: dg.DagsterInstance) -> list[sqlalchemy.engine.Engine]:
     data = instance.get_ref().storage_data  # the composite storage dagster.yaml configures
     assert data is not None and (data.module_name, data.class_name) == (PooledPostgresStorage.__module__,
                                                                        PooledPostgresStorage.__name__)
-    return [s._engine for s in (instance._run_storage, instance._event_storage,  # type: ignore[attr-defined]
-                                instance._schedule_storage)]
+    return [cast(Any, s)._engine for s in (instance._run_storage, instance._event_storage,
+                                           instance._schedule_storage)]
 
 
 def _count_connects(engines: list[sqlalchemy.engine.Engine]) -> list[int]:
@@ -49,7 +50,7 @@ def _count_connects(engines: list[sqlalchemy.engine.Engine]) -> list[int]:
 
 def _write_events(instance: dg.DagsterInstance, run_id: str, n: int) -> None:
     for i in range(n):
-        instance.store_event(EventLogEntry(
+        instance.store_event(EventLogEntry(  # type: ignore[no-untyped-call]
             error_info=None, level="INFO", user_message="", run_id=run_id, timestamp=float(i + 1),
             dagster_event=DagsterEvent(DagsterEventType.ENGINE_EVENT.value, "test_job", message=f"event {i}",
                                        event_specific_data=EngineEventData())))

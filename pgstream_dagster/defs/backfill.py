@@ -84,7 +84,7 @@ def _report(context: dg.OpExecutionContext, asset: dg.AssetKey | None, progress:
 
 
 #: the backfill ops' config schema, inferred from :class:`BackfillConfig` once for every stream's op
-_BACKFILL_CONFIG_SCHEMA = BackfillConfig.to_config_schema()
+_BACKFILL_CONFIG_SCHEMA = BackfillConfig.to_config_schema().as_field()
 
 
 def _backfill_op(stream: StreamConfig, assets: Mapping[Identity, dg.AssetKey]) -> dg.OpDefinition:

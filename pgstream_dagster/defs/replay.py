@@ -112,7 +112,7 @@ def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig
 
 #: the replay ops' config schema, inferred from :class:`ReplayConfig` once for every stream's op (inferring it
 #: per op took most of building a stream's definitions, in every process that loads the location)
-_REPLAY_CONFIG_SCHEMA = ReplayConfig.to_config_schema()
+_REPLAY_CONFIG_SCHEMA = ReplayConfig.to_config_schema().as_field()
 
 
 def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
