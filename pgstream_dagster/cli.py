@@ -16,6 +16,7 @@ from . import __version__
 
 if TYPE_CHECKING:
     from .engine.controls import Action
+    from .engine.limits import DagsterStorage
 
 
 def _ranged(name: str, low: int, high: int) -> Callable[[str], int]:
@@ -117,18 +118,19 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_limit() -> tuple[int | None, str]:
+def _instance_limits() -> tuple[int | None, str, DagsterStorage | None]:
     """The Dagster instance's ``max_concurrent_runs`` (``$DAGSTER_HOME``; ``None``: no instance or no
-    limit) and the file that sets it."""
+    limit), the file that sets it, and the connections its storage keeps open (``None``: none)."""
     home = os.environ.get("DAGSTER_HOME")
     if not home:
-        return None, "dagster.yaml"
+        return None, "dagster.yaml", None
     import dagster as dg
 
-    from .defs.limits import max_concurrent_runs
+    from .defs.limits import max_concurrent_runs, storage_connections
 
     with dg.DagsterInstance.get() as instance:
-        return max_concurrent_runs(instance), str(Path(home) / "dagster.yaml")
+        runs = max_concurrent_runs(instance)
+        return runs, str(Path(home) / "dagster.yaml"), storage_connections(instance, runs)
 
 
 def _cmd_preflight(args: argparse.Namespace) -> int:
@@ -136,8 +138,8 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     from .engine.bootstrap import preflight
 
     config = load_config(Path(args.config) if args.config else None, _defs_folder(args))
-    runs, where = _run_limit()
-    problems = preflight(config, runs, where)
+    runs, where, dagster = _instance_limits()
+    problems = preflight(config, runs, where, dagster)
     for line in problems:
         print(line, file=sys.stderr)
     if problems:
@@ -152,10 +154,10 @@ def _cmd_init(args: argparse.Namespace) -> int:
     from .engine.limits import LimitsExceeded
 
     owner = args.owner_database_url or os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or None
-    runs, where = _run_limit()
+    runs, where, dagster = _instance_limits()
     try:
         lines = init(Path(args.config) if args.config else None, owner_url=owner, defs_folder=_defs_folder(args),
-                     max_concurrent_runs=runs, runs_where=where)
+                     max_concurrent_runs=runs, runs_where=where, dagster=dagster)
     except LimitsExceeded as exc:
         for line in exc.lines:
             print(line, file=sys.stderr)

@@ -12,11 +12,13 @@ from pathlib import Path
 import dagster as dg
 import psycopg
 import pytest
+import yaml
 
 from pgstream_dagster.cli import main
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine.migrations import migrate
 
+from .support.dagster_dev import repo_root
 from .support.harness import Driver, at_least, event_ids, insert_events, read_jsonl, write_config
 
 SLOTS_LINE = ("max_replication_slots is 2 and 0 are in use; stream 3 needs one more: set max_replication_slots = 8 "
@@ -116,3 +118,38 @@ def test_preflight_counts_one_wal_sender_per_reader_group(
         "; 5 reader groups' delivery runs read their group's slot over replication, one WAL sender each: set "
         "max_wal_senders = 8 in postgresql.conf and restart Postgres"), line
     assert senders_line(4, 3) == []
+
+
+def test_preflight_counts_the_connections_dagsters_storage_keeps_on_the_same_server(
+        small_pg: LocalPostgres, pg: LocalPostgres, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The repository's storage keeps three idle connections per Dagster process (its webserver, daemon and code
+    server, and each run at once): on the streams' server they count against max_connections (200 here)."""
+    url = small_pg.url
+    migrate(url)
+    config = write_config(tmp_path / "pgstream.yaml", url, _streams(tmp_path)[:2])
+
+    def connections_line(server: LocalPostgres, runs: int) -> list[str]:
+        """preflight's max_connections line with Dagster's storage on ``server`` (the other lines are the other
+        tests' slots on this cluster)."""
+        name = f"dagster_limits_{server.port}_{runs}"
+        server.create_database(name)
+        home = tmp_path / name
+        home.mkdir()
+        instance = yaml.safe_load((repo_root() / "dagster.yaml").read_text())
+        instance["run_coordinator"]["config"] = {"max_concurrent_runs": runs}
+        (home / "dagster.yaml").write_text(yaml.safe_dump(instance))
+        monkeypatch.setenv("DAGSTER_HOME", str(home))
+        monkeypatch.setenv("DAGSTER_POSTGRES_URL",
+                           server.url_for(name).replace("postgresql://", "postgresql+psycopg2://"))
+        capsys.readouterr()
+        main(["preflight", "--config", str(config)])
+        return [line for line in capsys.readouterr().err.splitlines() if "max_connections" in line]
+
+    # 2 streams: 6 connections and 2 slot readers, housekeeping 4; Dagster: 3 per process, 3 processes and 60 runs
+    assert connections_line(small_pg, 60) == [
+        "max_connections is 200 (197 usable by the streams); 2 streams need up to 201 (a sensor, a delivery run and "
+        "its lease each, the slot readers, housekeeping, Dagster's storage on this server 189): set max_connections "
+        "= 208 in postgresql.conf and restart Postgres"]
+    assert connections_line(small_pg, 58) == []  # 183 + 12 fit
+    assert connections_line(pg, 60) == []  # on another server: not this one's

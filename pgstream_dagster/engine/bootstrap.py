@@ -8,25 +8,26 @@ from pathlib import Path
 import psycopg
 
 from ..config import PgstreamConfig
-from .limits import LimitsExceeded
+from .limits import DagsterStorage, LimitsExceeded
 
 
 def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
-              runs_where: str = "dagster.yaml") -> list[str]:
+              runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
     """One line per Postgres or Dagster limit the streams of ``config`` do not fit in (empty: they
-    fit): ``wal_level``, ``max_replication_slots``, ``max_wal_senders``, ``max_connections``, and
-    ``max_concurrent_runs`` (the Dagster instance's, when known; ``runs_where`` names its file)."""
+    fit): ``wal_level``, ``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with
+    ``dagster``'s connections when its storage is on the same server), and ``max_concurrent_runs`` (the
+    Dagster instance's, when known; ``runs_where`` names its file)."""
     from .limits import postgres_problems, run_problem
 
     with psycopg.connect(config.database_url.get_secret_value(), autocommit=True) as conn:
-        lines = postgres_problems(conn, config.streams)
+        lines = postgres_problems(conn, config.streams, dagster)
     runs = run_problem(max_concurrent_runs, config.streams, runs_where)
     return [*lines, *([runs] if runs else [])]
 
 
 def init(config_path: Path | None = None, owner_url: str | None = None,
          defs_folder: Path | str | None = None, max_concurrent_runs: int | None = None,
-         runs_where: str = "dagster.yaml") -> list[str]:
+         runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
     """As the owner (``owner_url``, default ``database_url``): migrate, run housekeeping once (today's
     partitions), apply the YAML subscriptions. As the runtime (``database_url``): register the streams and
     create their slots, through the runtime's API, as its sensors do. With ``defs_folder``, also the streams
@@ -42,7 +43,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
     from .subscriptions import apply_subscriptions
 
     config = load_config(config_path, defs_folder)
-    problems = preflight(config, max_concurrent_runs, runs_where)
+    problems = preflight(config, max_concurrent_runs, runs_where, dagster)
     if problems:
         raise LimitsExceeded(problems)
     url = config.database_url.get_secret_value()

@@ -1,7 +1,8 @@
 """The Postgres and Dagster limits that can stop a stream, checked before they do (``pgstream-dagster
 preflight``, ``init``, and a sensor whose slot cannot be created): ``wal_level``,
-``max_replication_slots``, ``max_wal_senders``, ``max_connections``, and the Dagster instance's
-``max_concurrent_runs`` (given by the caller: the engine does not know Dagster).
+``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with the connections Dagster's storage
+keeps on the same server), and the Dagster instance's ``max_concurrent_runs`` (both given by the caller:
+the engine does not know Dagster).
 
 Each problem is one line naming the setting, its value, what the streams need and the value to set.
 """
@@ -21,6 +22,32 @@ _CONNECTIONS_PER_STREAM = 3
 _CONNECTIONS_PER_MEMBER = 2
 #: housekeeping, checks, metrics and a replay or backfill beside the streams
 _CONNECTIONS_SHARED = 4
+
+
+@dataclass(frozen=True)
+class DagsterStorage:
+    """Dagster's instance storage when it keeps connections open on a Postgres server (a pool in each
+    process): the server's address and how many connections it keeps there at most when idle."""
+
+    host: str
+    port: int
+    connections: int
+
+
+_LOCAL = frozenset({"localhost", "127.0.0.1", "::1", ""})
+
+
+def _server(host: str, port: int) -> tuple[str, int]:
+    """``host``, ``port`` told apart only as far as the name says: loopback names and socket directories
+    are this host."""
+    return ("local" if host in _LOCAL or host.startswith("/") else host.lower(), port)
+
+
+def _dagster_on_server(conn: psycopg.Connection, dagster: DagsterStorage | None) -> int:
+    """The connections ``dagster`` keeps on the server of ``conn`` (0: elsewhere or none)."""
+    if dagster is None or _server(conn.info.host, conn.info.port) != _server(dagster.host, dagster.port):
+        return 0
+    return dagster.connections
 
 
 class LimitsExceeded(RuntimeError):
@@ -102,7 +129,8 @@ def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[int | str]
             f"set max_replication_slots = {_suggest(in_use + len(missing))} in postgresql.conf and restart Postgres")
 
 
-def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig]) -> list[str]:
+def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
+                      dagster: DagsterStorage | None = None) -> list[str]:
     """One line per Postgres limit the streams do not fit in (empty: they all fit)."""
     limits = server_limits(conn)
     out: list[str] = []
@@ -139,15 +167,17 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig])
     usable = limits.max_connections - limits.reserved_connections
     # a group's sensor, and its delivery run's lease and listener and its reader: four connections per group
     grouped = sum(1 for s in streams if s.reader is not None)
+    storage = _dagster_on_server(conn, dagster)
     needed = ((len(streams) - grouped) * _CONNECTIONS_PER_STREAM + grouped * _CONNECTIONS_PER_MEMBER + len(readers)
-              + 4 * len(groups) + _CONNECTIONS_SHARED)
+              + 4 * len(groups) + _CONNECTIONS_SHARED + storage)
     if needed > usable:
         of_groups = (f", {grouped} of them in {len(groups)} reader group(s) whose delivery runs hold two connections "
                      f"per stream all the same" if groups else "")
+        of_dagster = f", Dagster's storage on this server {storage}" if storage else ""
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
                    f"streams need up to {needed} (a sensor, a delivery run and its lease each{of_groups}, the slot "
-                   f"readers, housekeeping): set max_connections = {_suggest(needed + limits.reserved_connections)} in "
-                   f"postgresql.conf and restart Postgres")
+                   f"readers, housekeeping{of_dagster}): set max_connections = "
+                   f"{_suggest(needed + limits.reserved_connections)} in postgresql.conf and restart Postgres")
     return out
 
 
