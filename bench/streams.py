@@ -326,8 +326,12 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    name = f"streams_{count}"
+#: Dagster's storage as dagster-postgres configures it: a connection per storage call (``--storage``)
+_DAGSTER_POSTGRES_STORAGE = {"postgres": {"postgres_url": {"env": "DAGSTER_POSTGRES_URL"}}}
+
+
+def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace, storage: str) -> dict[str, Any]:
+    name = f"streams_{count}" if storage == "pooled" else f"streams_{count}_{storage.replace('-', '_')}"
     pg.create_database(name)
     pg.create_database(f"{name}_dagster")
     url = pg.url_for(name)
@@ -341,13 +345,17 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
     home = tmpdir / f"{name}_home"
     home.mkdir()
     shutil.copy(HERE.parent / "dagster.yaml", home / "dagster.yaml")
+    if storage == "dagster-postgres":  # the baseline: the repository's dagster.yaml with dagster-postgres' storage
+        instance = yaml.safe_load((home / "dagster.yaml").read_text())
+        instance["storage"] = _DAGSTER_POSTGRES_STORAGE
+        (home / "dagster.yaml").write_text(yaml.safe_dump(instance))
     dagster_url = pg.url_for(f"{name}_dagster").replace("postgresql://", "postgresql+psycopg2://", 1)
     env = {"PGSTREAM_CONFIG": str(config), "DAGSTER_HOME": str(home), "DAGSTER_POSTGRES_URL": dagster_url,
            "PYTHONUNBUFFERED": "1"}
     (tmpdir / name).mkdir()
     started = time.monotonic()
     dev = start_dagster_dev(tmpdir / name, env)
-    result: dict[str, Any] = {"streams": count}
+    result: dict[str, Any] = {"streams": count, "storage": storage}
     try:
         while not _location_loaded(dev):
             if dev.proc.poll() is not None or time.monotonic() - started > 300:
@@ -487,6 +495,9 @@ def main() -> None:
     parser.add_argument("--checks-cron", help="checks.cron of the streams' configuration ('* * * * *': a checks run "
                                               "in every minute of the window)")
     parser.add_argument("--checks-rate", type=float, help="checks.streams_per_sec (0: no pacing)")
+    parser.add_argument("--storage", default="pooled",
+                        help="Dagster's storage, comma-separated for one phase each, in this order: pooled (the "
+                             "repository's dagster.yaml), dagster-postgres (a connection per storage call)")
     parser.add_argument("--profile", action="store_true",
                         help="sample the code server and run workers with py-spy during the window")
     args = parser.parse_args()
@@ -504,11 +515,12 @@ def main() -> None:
         pg = ensure_running(tmpdir / "pg", extra_settings=settings)
         try:
             for count in (int(c) for c in args.streams.split(",")):
-                results.append(_phase(count, pg, tmpdir, args))
-                print(json.dumps(results[-1], default=str), flush=True)
+                for storage in args.storage.split(","):
+                    results.append(_phase(count, pg, tmpdir, args, storage))
+                    print(json.dumps(results[-1], default=str), flush=True)
         finally:
             pg.destroy()
-    one = next((r for r in results if r["streams"] == 1), None)
+    one = next((r for r in results if r["streams"] == 1 and r["storage"] == "pooled"), None)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"\n## Many streams through `dg dev` {stamp}, commit {commit}",
              f"Machine: {header}; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}. "
@@ -522,7 +534,8 @@ def main() -> None:
         failed |= bool(misses)
         ratio = f" ({r['cpu_per_event_ms'] / one['cpu_per_event_ms']:.2f}x one stream's)" if one else ""
         lines.append(
-            f"- {r['streams']} streams: location loaded {r['location_secs']:.1f}s after start; first event "
+            f"- {r['streams']} streams{'' if r['storage'] == 'pooled' else ', ' + r['storage'] + ' storage'}: "
+            f"location loaded {r['location_secs']:.1f}s after start; first event "
             f"{f'p50 {_pct(firsts, 0.5):.1f}s, max {max(firsts):.1f}s' if firsts else 'none'}, "
             f"{len(r['never_delivered'])} never delivered; p50 {r['p50'] * 1000:.0f} ms, p99 {r['p99'] * 1000:.0f} ms "
             f"over {r['events']} events ({r['missing']} missing; p99 of each 5 s of commits: "
