@@ -1046,10 +1046,11 @@ class Readers:
 
 
 def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: list[int], *,
-                max_run_secs: float = 15) -> tuple[Driver, GroupRuns]:
+                max_run_secs: float = 15, tick_budget_secs: float = 0.1) -> tuple[Driver, GroupRuns]:
     """A group ``live`` of streams in mode open (file sinks), its sensor ticked once: its delivery run starts."""
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": i, "reader": "live", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
+        {"id": i, "reader": "live", "batch": {"max_size": 50, "max_fill_secs": 0},
+         "sensor": {"tick_budget_secs": tick_budget_secs},
          "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": max_run_secs}},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
     driver = Driver(config, instance)
@@ -1110,6 +1111,38 @@ def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_noth
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert readers.by("run") > 0 and all(held for _, held in readers.calls) and readers.most == 1
+    group.wait()
+
+
+def test_a_batch_the_group_runs_reader_records_for_a_member_without_a_run_gets_its_run_within_the_tick(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """The group run's reader records the first batch of a member that has no run yet while the group's tick is
+    under way: the tick sees the batch waiting and decides its run within a second, not at the group's next tick
+    (an interval later); the events reach the sink once, in order."""
+    _driver, group = _live_group(db_url, tmp_path, instance, [1, 2], tick_budget_secs=4.0)
+    _run_reads(db_url)
+    ticked: dict[str, Any] = {}
+
+    def tick() -> None:
+        started = time.monotonic()
+        ticked["skip"] = group.tick()
+        ticked["secs"] = time.monotonic() - started
+
+    during = threading.Thread(target=tick)
+    during.start()
+    time.sleep(1.0)  # the tick has decided once: nothing was waiting then
+    insert_events(db_url, 2, 3)
+    during.join(30)
+    assert not during.is_alive() and ticked["secs"] < 6, ticked
+    with psycopg.connect(db_url) as c:
+        waited = c.execute("select extract(epoch from launched_at - created_at) from pgstream.batches "
+                           "where stream_id = 2 order by id").fetchall()
+    assert waited and all(w is not None and float(w) < 1.5 for (w,) in waited), waited
+    deadline = time.monotonic() + 30
+    while _delivered(tmp_path, 2) != _events(db_url, 2):
+        assert time.monotonic() < deadline, _delivered(tmp_path, 2)
+        time.sleep(0.1)
+    assert _delivered(tmp_path, 1) == []
     group.wait()
 
 

@@ -92,6 +92,10 @@ _LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.Dagster
 #: how often a tick looks at the slot when nothing is waiting, and at the run in flight
 POLL_SECS = 0.1
 DECIDE_EVERY_SECS = 1.0
+#: while the group delivery run's reader records, how often a group's tick looks for a member's batch waiting for
+#: a decision (one indexed query; a member without a run gets its first batch's run within this, not at the next
+#: tick)
+LAUNCH_LOOK_SECS = 0.5
 #: a reader group's member still handing its own slot over: how long the group's tick reads that slot for it
 JOINING_READ_SECS = 0.5
 
@@ -575,6 +579,16 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
 
 
+def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> bool:
+    """Look every LAUNCH_LOOK_SECS until ``deadline`` for a member of ``ids`` whose batch waits for a decision
+    (``ledger.launch_waiting``): true as soon as one does."""
+    while time.monotonic() + LAUNCH_LOOK_SECS < deadline:
+        time.sleep(LAUNCH_LOOK_SECS)
+        if ledger.launch_waiting(conn, ids):
+            return True
+    return False
+
+
 def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
                     cursor: dict[str, Any], log: list[str],
                     observations: int = OBSERVATIONS_PER_TICK) -> list[dg.AssetObservation]:
@@ -680,7 +694,11 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                         reading = ledger.group_reading_holder(conn, group) or "a session that is ending"
                     observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
                                                 observations=OBSERVATIONS_PER_TICK - len(observed))
-                    if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
+                    if result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
+                        break
+                    # the group run's reader records: a batch it records for a member without a run waits for a
+                    # decision, taken when the tick sees one waiting (within LAUNCH_LOOK_SECS, not at the next tick)
+                    if reading is not None and not _launch_waits(conn, ids, deadline):
                         break
             except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits,
                     PublicationTaken) as exc:  # one line, no traceback

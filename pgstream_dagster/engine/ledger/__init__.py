@@ -268,6 +268,9 @@ from .state import (
     launch as launch,
 )
 from .state import (
+    launch_waiting as launch_waiting,
+)
+from .state import (
     leave_failover as leave_failover,
 )
 from .state import (

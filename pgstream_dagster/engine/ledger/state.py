@@ -123,6 +123,17 @@ def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: 
             "order by b.id", [stream_id, first, last]).fetchall()]
 
 
+def launch_waiting(conn: psycopg.Connection, stream_ids: list[int]) -> bool:
+    """Whether one of ``stream_ids`` has a batch no run was ever given while nothing holds its stream back (not
+    paused, not in failover): it waits for a decision. A reader group's sensor asks it between its decisions
+    while the group delivery run's reader records (one indexed look, not a decision for every member)."""
+    row = conn.execute(
+        "select exists (select 1 from pgstream.batches b join pgstream.streams s on s.id = b.stream_id "
+        "where b.stream_id = any(%s) and b.status = %s and b.attempts = 0 and not s.paused "
+        "and s.failover_since is null)", [stream_ids, BatchStatus.PENDING]).fetchone()
+    return bool(row and row[0])
+
+
 def round_outcome(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> tuple[list[int], int]:
     """After a round of ``batch_ids``: those not delivered (in order), and how many dead letters their
     events have (the round set aside that many, minus those it skipped), in one statement."""
