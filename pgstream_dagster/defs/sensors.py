@@ -579,6 +579,10 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
 
 
+#: what a group's tick tells in one line (its skip reason), without a traceback
+_TOLD_IN_ONE_LINE = (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits, PublicationTaken)
+
+
 def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> bool:
     """Look every LAUNCH_LOOK_SECS until ``deadline`` for a member of ``ids`` whose batch waits for a decision
     (``ledger.launch_waiting``): true as soon as one does."""
@@ -694,18 +698,24 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                         reading = ledger.group_reading_holder(conn, group) or "a session that is ending"
                     observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
                                                 observations=OBSERVATIONS_PER_TICK - len(observed))
-                    if result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
+                    if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
                         break
-                    # the group run's reader records: a batch it records for a member without a run waits for a
-                    # decision, taken when the tick sees one waiting (within LAUNCH_LOOK_SECS, not at the next tick)
-                    if reading is not None and not _launch_waits(conn, ids, deadline):
-                        break
-            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits,
-                    PublicationTaken) as exc:  # one line, no traceback
+            except _TOLD_IN_ONE_LINE as exc:  # one line, no traceback
                 context.log.error(str(exc))
                 return dg.SensorResult(skip_reason=str(exc))
             notes_ = []
             request, delivery = group_delivery(conn, context.instance, group, streams, notes_)
+            # the group run's reader records: a batch it records for a member without a run waits for a decision,
+            # taken when the tick sees one waiting (within LAUNCH_LOOK_SECS, not at the next tick); after the
+            # group's run was seen to (members registered, a run of another configuration asked to end)
+            if request is None and reading is not None:
+                try:
+                    while _launch_waits(conn, ids, deadline):
+                        observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
+                                                    observations=OBSERVATIONS_PER_TICK - len(observed))
+                except _TOLD_IN_ONE_LINE as exc:
+                    context.log.error(str(exc))
+                    return dg.SensorResult(skip_reason=str(exc))
         for line in [*decisions, *notes_]:
             context.log.warning(line)
         group_log(context.log, group, result)
