@@ -94,6 +94,17 @@ def _cpu(pids: list[int]) -> dict[int, float]:
     return out
 
 
+def _by_role(before: dict[int, float], after: dict[int, float], postgres: set[int],
+             floor: float | None = None) -> dict[str, float]:
+    """The CPU-s each kind of process spent from ``before`` to ``after`` (a process missing from ``before``
+    counts whole), most first; with ``floor``, only those that spent at least that."""
+    roles: dict[str, float] = {}
+    for pid, secs in after.items():
+        role = "postgres" if pid in postgres else _role(pid)
+        roles[role] = roles.get(role, 0.0) + secs - before.get(pid, 0.0)
+    return {k: round(v, 1) for k, v in sorted(roles.items(), key=lambda kv: -kv[1]) if floor is None or v >= floor}
+
+
 def _rss(pids: list[int]) -> int:
     total = 0
     for pid in pids:
@@ -381,15 +392,11 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         result["first_event_secs"] = sorted(firsts.values())
         # what ran while the streams waited for their first event (a process started meanwhile counts whole)
         start_pids = list(descendants(dev.proc.pid))
-        start_roles: dict[str, float] = {}
         start_pg = set(pg_pids) | set(_postgres_pids(pg))
-        for p, secs in {**_cpu(start_pids), **_cpu(list(start_pg))}.items():
-            role = "postgres" if p in start_pg else _role(p)
-            start_roles[role] = start_roles.get(role, 0.0) + secs - start_cpu.get(p, 0.0)
         result["start_postgres_busy"] = start_sampler.top(8)
         result["start_statements"] = {k: v for k, v in _statements(url, 8).items() if k != "most_called"}
-        result["start_cpu_secs_by_role"] = {k: round(v, 1) for k, v in sorted(start_roles.items(),
-                                                                              key=lambda kv: -kv[1]) if v >= 0.05}
+        result["start_cpu_secs_by_role"] = _by_role(start_cpu, {**_cpu(start_pids), **_cpu(list(start_pg))},
+                                                    start_pg, floor=0.05)
         result["first_batches"] = _first_batches(url, loaded_at)
         result["never_delivered"] = sorted(set(range(1, count + 1)) - set(firsts))
 
@@ -416,11 +423,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         result["rss_bytes"] = _rss(dev_pids)
         cpu_after = {**_cpu(dev_pids), **_cpu(pg_pids)}
         result["cpu_secs"] = sum(cpu_after[p] - cpu_before.get(p, 0.0) for p in cpu_after)
-        roles: dict[str, float] = {}
-        for p in cpu_after:  # where the window's CPU went
-            role = "postgres" if p in pg_pids else _role(p)
-            roles[role] = roles.get(role, 0.0) + cpu_after[p] - cpu_before.get(p, 0.0)
-        result["cpu_secs_by_role"] = {k: round(v, 1) for k, v in sorted(roles.items(), key=lambda kv: -kv[1])}
+        result["cpu_secs_by_role"] = _by_role(cpu_before, cpu_after, set(pg_pids))  # where the window's CPU went
         kinds, by_kind = _postgres_kinds(pg.url), dict[str, float]()
         for p in pg_pids:
             if p in cpu_after:
