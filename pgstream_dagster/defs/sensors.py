@@ -583,6 +583,12 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
 _TOLD_IN_ONE_LINE = (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits, PublicationTaken)
 
 
+def _told(context: dg.SensorEvaluationContext, exc: Exception) -> dg.SensorResult:
+    """The tick ends with ``exc`` in one line: logged and its skip reason (:data:`_TOLD_IN_ONE_LINE`)."""
+    context.log.error(str(exc))
+    return dg.SensorResult(skip_reason=str(exc))
+
+
 def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> bool:
     """Look every LAUNCH_LOOK_SECS until ``deadline`` for a member of ``ids`` whose batch waits for a decision
     (``ledger.launch_waiting``): true as soon as one does."""
@@ -700,9 +706,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                                 observations=OBSERVATIONS_PER_TICK - len(observed))
                     if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
                         break
-            except _TOLD_IN_ONE_LINE as exc:  # one line, no traceback
-                context.log.error(str(exc))
-                return dg.SensorResult(skip_reason=str(exc))
+            except _TOLD_IN_ONE_LINE as exc:
+                return _told(context, exc)
             notes_ = []
             request, delivery = group_delivery(conn, context.instance, group, streams, notes_)
             # the group run's reader records: a batch it records for a member without a run waits for a decision,
@@ -714,8 +719,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                         observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
                                                     observations=OBSERVATIONS_PER_TICK - len(observed))
                 except _TOLD_IN_ONE_LINE as exc:
-                    context.log.error(str(exc))
-                    return dg.SensorResult(skip_reason=str(exc))
+                    return _told(context, exc)
         for line in [*decisions, *notes_]:
             context.log.warning(line)
         group_log(context.log, group, result)
