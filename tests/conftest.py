@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import itertools
 import shutil
 import sys
@@ -100,11 +101,22 @@ def _keep_server_log(datadir: Path) -> None:
                                              + "\n".join(notable[-20:]) + "\n")
 
 
-@pytest.fixture(scope="session")
+#: the migrated template of each UTC day the session has run in
+_templates: dict[dt.date, str] = {}
+
+
+@pytest.fixture
 def template_db(pg: LocalPostgres) -> str:
-    pg.create_database(TEMPLATE)
-    migrate(pg.url_for(TEMPLATE))
-    return TEMPLATE
+    """A migrated database to copy, of today (UTC): migrate creates today's partition of pgstream.events and
+    the week ahead, and the tests that check those would find yesterday's in a template made before a
+    midnight the suite ran across. Made once a day (per test worker)."""
+    today = dt.datetime.now(dt.UTC).date()
+    if today not in _templates:
+        name = f"{TEMPLATE}_{today:%Y%m%d}"
+        pg.create_database(name)
+        migrate(pg.url_for(name))
+        _templates[today] = name
+    return _templates[today]
 
 
 def _fresh_database(pg: LocalPostgres, template: str) -> str:
