@@ -549,6 +549,15 @@ class StreamDeclaration(StreamConfig):
         return StreamConfig.model_validate({name: getattr(self, name) for name in StreamConfig.model_fields})
 
 
+def reader_groups(streams: Sequence[StreamConfig]) -> dict[str, list[StreamConfig]]:
+    """The reader groups ``streams`` name (``streams[].reader``), by name in name order, each with its streams."""
+    groups: dict[str, list[StreamConfig]] = {}
+    for stream in streams:
+        if stream.reader is not None:
+            groups.setdefault(stream.reader, []).append(stream)
+    return dict(sorted(groups.items()))
+
+
 def streams_fingerprint(streams: Sequence[StreamConfig]) -> str:
     """A stable hash of the configuration of ``streams`` (in stream order), the same in every process that
     loads the same configuration: a reader group's delivery run is requested with its members' fingerprint

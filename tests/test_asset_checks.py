@@ -5,6 +5,9 @@ otherwise."""
 from __future__ import annotations
 
 import datetime as dt
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -419,9 +422,9 @@ def test_a_checks_tick_missed_while_dagster_was_down_is_not_caught_up(
 
 def test_a_scheduled_checks_run_paces_its_streams_and_one_from_the_ui_does_not(
         app: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run the ``pgstream_checks`` schedule launched waits ``1 / checks.streams_per_sec`` before each
-    stream's checks (many streams' check events spread over time instead of at once); a run launched
-    by hand waits for nothing. Every check reports either way."""
+    """A run the ``pgstream_checks`` schedule launched goes to the background (its process's niceness raised)
+    and waits ``1 / checks.streams_per_sec`` before each stream's checks (many streams' check events spread
+    over time instead of at once); a run launched by hand does neither. Every check reports either way."""
     from pgstream_dagster.defs import checks as checks_module
 
     streams = [{"id": i, "sink": {"type": "memory"}} for i in (1, 2, 3)]
@@ -430,10 +433,73 @@ def test_a_scheduled_checks_run_paces_its_streams_and_one_from_the_ui_does_not(
     cfg.write_text(cfg.read_text() + "checks: {streams_per_sec: 4}\n")
     init(cfg)
     slept: list[float] = []
+    backgrounded: list[bool] = []
     monkeypatch.setattr(checks_module, "_pause", slept.append)
+    # (the test's own process is not to be niced: what _background does is tried in a process of its own, below)
+    monkeypatch.setattr(checks_module, "_background", lambda: backgrounded.append(True))
     job = build_definitions(cfg).resolve_job_def(CHECKS_JOB)
     for tags, pauses in (({checks_module.SCHEDULE_TAG: CHECKS_JOB}, [0.25] * 3), ({}, [])):
         slept.clear()
+        backgrounded.clear()
         result = job.execute_in_process(instance=instance, raise_on_error=False, tags=tags)
         assert slept == pauses
+        assert backgrounded == [True] * len(pauses)
         assert len(result.get_asset_check_evaluations()) == 3 * 5 + 2  # (trigger + 4 a stream; 2 of the location)
+
+
+def test_a_scheduled_checks_runs_process_yields_the_cpus_and_never_lowers_its_niceness() -> None:
+    """``_background`` (what a scheduled checks run calls, in its own process) raises the process's niceness
+    to CHECKS_NICENESS, and leaves a higher one alone."""
+    probe = ("import os; from pgstream_dagster.defs.checks import CHECKS_NICENESS, _background; "
+             "os.nice({start}); _background(); _background(); "
+             "print(os.getpriority(os.PRIO_PROCESS, 0), CHECKS_NICENESS)")
+    for start in (0, 15):
+        out = subprocess.run([sys.executable, "-c", probe.format(start=start)], capture_output=True, text=True,
+                             check=True).stdout.split()
+        niceness, wanted = int(out[0]), int(out[1])
+        assert wanted == 10
+        assert niceness == max(start + os.getpriority(os.PRIO_PROCESS, 0), wanted)
+
+
+def test_a_reader_groups_slot_has_one_check_for_its_streams(app: str, tmp_path: Path,
+                                                            instance: dg.DagsterInstance) -> None:
+    """A reader group's streams share one slot: it is checked once (``group_<name>_slot_retained_wal`` on
+    ``pgstream/events_partitions``, the smallest ``max_retained_wal_bytes`` of its streams), and the members'
+    deliveries carry no slot check of their own. It fails on WAL held back past the limit, and on no slot."""
+    streams = [{"id": 1, "sink": {"type": "memory"}, "reader": "team",
+                "checks": {"max_retained_wal_bytes": 1024**3}},
+               {"id": 2, "sink": {"type": "memory"}, "reader": "team",
+                "checks": {"max_retained_wal_bytes": 1024**3}},
+               {"id": 3, "sink": {"type": "memory"}}]  # (a stream of its own keeps its slot check)
+    subs = [{**SIGNUP, "stream_id": i, "key": f"signup-{i}"} for i in (1, 2, 3)]
+    roomy = write_config(tmp_path / "roomy.yaml", app, streams, subs)
+    streams[1]["checks"] = {"max_retained_wal_bytes": 64 * 1024}  # (one member's tighter limit is the group's)
+    tight = write_config(tmp_path / "tight.yaml", app, streams, subs)
+    init(roomy)
+    group_check = "group_team_slot_retained_wal"
+
+    def run(cfg: Path) -> dict[tuple[str, str], dg.AssetCheckEvaluation]:
+        result = build_definitions(cfg).resolve_job_def(CHECKS_JOB).execute_in_process(instance=instance,
+                                                                                        raise_on_error=False)
+        return {(ev.asset_key.to_user_string(), ev.check_name): ev for ev in result.get_asset_check_evaluations()}
+
+    evs = run(roomy)
+    slot_checks = sorted(k for k in evs if "slot_retained_wal" in k[1])
+    assert slot_checks == [("pgstream/events_partitions", group_check), ("pgstream/stream_3/deliveries", WAL)]
+    ev = evs[("pgstream/events_partitions", group_check)]
+    assert ev.passed, ev.description
+    meta = values(ev.metadata)
+    with psycopg.connect(app) as c:
+        group_slot = c.execute("select slot from pgstream.reader_groups where name = 'team'").fetchone()
+    assert group_slot is not None and meta["slot"] == group_slot[0] and meta["members"] == 2
+    assert meta["max_retained_wal_bytes"] == 1024**3
+    # WAL the group's slot holds back (nobody reads it while the table changes, ~1 MB): over the tighter limit
+    execute(app, "insert into public.users (email) select 'g' || g || '@example.com' from generate_series(1, 10000) g")
+    ev = run(tight)[("pgstream/events_partitions", group_check)]
+    assert not ev.passed and values(ev.metadata)["max_retained_wal_bytes"] == 64 * 1024
+    assert f"slot {group_slot[0]} retains" in (ev.description or "") and "(limit 65536)" in (ev.description or "")
+    assert run(roomy)[("pgstream/events_partitions", group_check)].passed
+    # no slot: the group's check fails, naming it
+    execute(app, f"select pg_drop_replication_slot('{group_slot[0]}')")
+    ev = run(roomy)[("pgstream/events_partitions", group_check)]
+    assert not ev.passed and f"slot {group_slot[0]} does not exist" in (ev.description or "")

@@ -6,12 +6,19 @@ from the UI):
   what ``pgstream.generated_trigger`` produces now and calls the unmodified generated function;
 * on the stream's deliveries asset: ``undelivered_age`` (oldest undelivered event younger than
   ``streams[].checks.max_undelivered_age_secs``), ``slot_retained_wal`` (the slot exists, is not
-  lost and holds back at most ``streams[].checks.max_retained_wal_bytes`` of WAL) and
+  lost and holds back at most ``streams[].checks.max_retained_wal_bytes`` of WAL; not on a reader group's
+  member: its group's slot has one check, ``group_<name>_slot_retained_wal``, below) and
   ``not_in_failover`` (``pgstream.streams.failover_since`` is null; WARN) and ``no_dead_letters`` (no
   open dead letter: an event the stream went on without waits for an operator to redeliver or discard it).
+
+On ``pgstream/events_partitions``, the location's: ``no_orphaned_slots``, ``consumers_within_retention``, and per
+reader group ``group_<name>_slot_retained_wal`` (the group's slot, and the own slot of a member still joining,
+exists, is not lost and holds back at most the smallest ``max_retained_wal_bytes`` of its members: one check
+where a hundred members would each check the same slot, every check being a few writes to Dagster's event log).
 """
 
 import datetime as dt
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -19,21 +26,45 @@ from typing import Any
 import dagster as dg
 import psycopg
 
-from ..config import StreamConfig, SubscriptionConfig
+from ..config import StreamConfig, SubscriptionConfig, reader_groups
 from ..engine import deadletters, ledger, status
 from ..engine.subscriptions import differences, identity, stored_definition, trigger_state
 from ..sinks.base import excerpt
 from .assets import stream_subscription_keys
-from .names import CHECKS_JOB, CONTROL_JOB, EVENTS_PARTITIONS_KEY, checks_op_name, deliveries_asset_key, replay_job_name
+from .names import (
+    CHECKS_JOB,
+    CONTROL_JOB,
+    EVENTS_PARTITIONS_KEY,
+    checks_op_name,
+    deliveries_asset_key,
+    group_sensor_name,
+    group_slot_check_name,
+    replay_job_name,
+)
 from .resources import PgstreamResource
 
 #: the tag Dagster gives a run its schedule launched (its value: the schedule's name)
 SCHEDULE_TAG = "dagster/schedule_name"
 
 
+#: the niceness a scheduled checks run takes: its process (the run worker) yields the CPUs to the deliveries
+#: sharing them; a health check can wait a few seconds, an event should not
+CHECKS_NICENESS = 10
+
+
 def _pause(secs: float) -> None:
     """A scheduled checks run's pause before a stream's checks (``checks.streams_per_sec``)."""
     time.sleep(secs)
+
+
+def _background() -> None:
+    """A scheduled checks run's process goes to the background: its niceness raised to
+    :data:`CHECKS_NICENESS` (never lowered; where the platform has none, nothing)."""
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), CHECKS_NICENESS))
+        except OSError:
+            pass
 
 TRIGGER_CHECK = "trigger_matches"
 UNDELIVERED_AGE_CHECK = "undelivered_age"
@@ -106,6 +137,48 @@ def check_slot_wal(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCh
     )
 
 
+def check_group_slot(conn: psycopg.Connection, group: str, members: Sequence[StreamConfig]) -> dg.AssetCheckResult:
+    """Reader group ``group``'s slot exists, is not lost and retains at most the smallest
+    ``max_retained_wal_bytes`` of its ``members``; so does the own slot of a member not joined yet (it is
+    drained, then dropped: one missing is not a failure)."""
+    limit = min(m.checks.max_retained_wal_bytes for m in members)
+    state = ledger.group_state(conn, group)
+    own = {m.id: m.own_slot for m in state.members if not m.joined} if state is not None else {}
+    registered = {m.id for m in state.members} if state is not None else set()
+    # a stream of the configuration the group's sensor has not registered yet still reads its own slot, if any
+    own.update({m.id: ledger.stream_slot(conn, m.id) for m in members if m.id not in registered})
+    problems: list[str] = []
+    slots: list[dict[str, Any]] = []
+    if state is None:
+        problems.append(f"reader group {group} has no slot yet (its sensor, {group_sensor_name(group)}, creates it "
+                        f"at its first tick)")
+    for slot, stream_id in ([(state.slot, None)] if state is not None else []) + [(v, k) for k, v in own.items()]:
+        row = status.slot_wal(conn, slot)
+        if row is None:
+            if stream_id is None:
+                problems.append(f"slot {slot} does not exist")
+            continue
+        wal_status, retained = row[0], int(row[1] or 0)
+        whose = f"stream {stream_id}'s own slot {slot} (not joined yet)" if stream_id is not None else f"slot {slot}"
+        if wal_status == "lost":
+            problems.append(f"{whose} is lost: its WAL was removed")
+        elif retained > limit:
+            problems.append(f"{whose} retains {retained} bytes of WAL (limit {limit})")
+        slots.append({"slot": slot, "stream": stream_id, "wal_status": wal_status or "", "retained_bytes": retained,
+                      "active": bool(row[2])})
+    group_slot = next((s for s in slots if s["stream"] is None), None)
+    return dg.AssetCheckResult(
+        asset_key=EVENTS_PARTITIONS_KEY, check_name=group_slot_check_name(group), passed=not problems,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description="; ".join(problems) or (f"slot {group_slot['slot']} retains {group_slot['retained_bytes']} "
+                                            f"bytes of WAL (limit {limit})" if group_slot else ""),
+        metadata={"group": group, "slot": state.slot if state is not None else dg.MetadataValue.null(),
+                  "members": len(members), "max_retained_wal_bytes": limit,
+                  "retained_bytes": group_slot["retained_bytes"] if group_slot else dg.MetadataValue.null(),
+                  "slots": dg.MetadataValue.json(slots)},
+    )
+
+
 def check_failover(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCheckResult:
     """The stream is not in failover (``pgstream.streams.failover_since`` is null)."""
     row = status.failover_state(conn, stream.id)
@@ -162,14 +235,15 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                                description="The subscription is applied and its generated trigger exists, is "
                                            "enabled and matches its definition.")
              for s in subs]
+    specs.append(dg.AssetCheckSpec(UNDELIVERED_AGE_CHECK, asset=deliveries,
+                                   description=f"Oldest undelivered event younger than "
+                                               f"{stream.checks.max_undelivered_age_secs:.0f}s."))
+    if stream.reader is None:  # (a reader group's slot is checked once, for every member: group_slot_check)
+        specs.append(dg.AssetCheckSpec(
+            SLOT_WAL_CHECK, asset=deliveries,
+            description=f"The stream's slot ({stream.slot_name or 'its default'}) exists and retains at most "
+                        f"{stream.checks.max_retained_wal_bytes} bytes of WAL."))
     specs += [
-        dg.AssetCheckSpec(UNDELIVERED_AGE_CHECK, asset=deliveries,
-                          description=f"Oldest undelivered event younger than "
-                                      f"{stream.checks.max_undelivered_age_secs:.0f}s."),
-        dg.AssetCheckSpec(SLOT_WAL_CHECK, asset=deliveries,
-                          description=f"The stream's slot ({stream.slot_name or 'its default'}) exists and retains at "
-                                      f"most "
-                                      f"{stream.checks.max_retained_wal_bytes} bytes of WAL."),
         dg.AssetCheckSpec(FAILOVER_CHECK, asset=deliveries, description="The stream is not in failover."),
         dg.AssetCheckSpec(DEAD_LETTERS_CHECK, asset=deliveries,
                           description="No open dead letter: every event the stream went on without (rejected by "
@@ -183,8 +257,10 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                 pgstream: dg.ResourceParam[PgstreamResource]) -> Iterator[dg.AssetCheckResult]:
         selected = context.selected_asset_check_keys
         rate = pgstream.config.checks.streams_per_sec
-        if rate > 0 and context.run.tags.get(SCHEDULE_TAG) == CHECKS_JOB:
-            _pause(1 / rate)  # (the run's streams are checked one after the other: in-process executor)
+        if context.run.tags.get(SCHEDULE_TAG) == CHECKS_JOB:  # (the run's own process: the run worker)
+            _background()
+            if rate > 0:
+                _pause(1 / rate)  # (the run's streams are checked one after the other: in-process executor)
         with pgstream.connect() as conn:
             for sub in subs:
                 key = keys[identity(sub)]
@@ -192,7 +268,7 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                     yield check_subscription(conn, sub, key)
             if dg.AssetCheckKey(deliveries, UNDELIVERED_AGE_CHECK) in selected:
                 yield check_undelivered_age(conn, stream, pgstream.config.housekeeping.ledger_keep_days)
-            if dg.AssetCheckKey(deliveries, SLOT_WAL_CHECK) in selected:
+            if stream.reader is None and dg.AssetCheckKey(deliveries, SLOT_WAL_CHECK) in selected:
                 yield check_slot_wal(conn, stream)
             if dg.AssetCheckKey(deliveries, FAILOVER_CHECK) in selected:
                 yield check_failover(conn, stream)
@@ -200,6 +276,26 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                 yield check_dead_letters(conn, stream)
 
     return _checks
+
+
+def group_slot_check(group: str, members: Sequence[StreamConfig]) -> dg.AssetChecksDefinition:
+    """Reader group ``group``'s slot check (``members``: the streams naming it), on the location's asset."""
+    limit = min(m.checks.max_retained_wal_bytes for m in members)
+
+    @dg.asset_check(asset=EVENTS_PARTITIONS_KEY, name=group_slot_check_name(group), blocking=False,
+                    description=f"Reader group {group}'s slot, read once for its {len(members)} streams, exists and "
+                                f"retains at most {limit} bytes of WAL (the smallest checks.max_retained_wal_bytes "
+                                f"of its streams); so does the own slot of a stream still joining the group.")
+    def _check(pgstream: dg.ResourceParam[PgstreamResource]) -> dg.AssetCheckResult:
+        with pgstream.connect() as conn:
+            return check_group_slot(conn, group, members)
+
+    return _check
+
+
+def group_slot_checks(streams: Sequence[StreamConfig]) -> list[dg.AssetChecksDefinition]:
+    """One slot check per reader group named by ``streams[].reader``."""
+    return [group_slot_check(name, members) for name, members in reader_groups(streams).items()]
 
 
 @dg.asset_check(asset=EVENTS_PARTITIONS_KEY, name=ORPHANED_SLOTS_CHECK, blocking=False,

@@ -36,7 +36,7 @@ from .assets import (
     stream_subscription_keys,
 )
 from .backfill import backfill_job
-from .checks import consumers_check, orphaned_slots_check, stream_checks
+from .checks import consumers_check, group_slot_checks, orphaned_slots_check, stream_checks
 from .controls import control_job
 from .jobs import delivery_job, group_delivery_job
 from .lake import lake_definitions
@@ -99,7 +99,7 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
     ``path`` and the StreamComponents)."""
     return dg.Definitions(
         assets=[events_partitions, *source_table_specs(config)],
-        asset_checks=[orphaned_slots_check, consumers_check],
+        asset_checks=[orphaned_slots_check, consumers_check, *group_slot_checks(list(config.streams))],
         jobs=[delivery_job, group_delivery_job, control_job, housekeeping_job, checks_job],
         schedules=schedules(config),
         sensors=[subscriptions_sensor(config), *group_sensors(list(config.streams))],

@@ -55,6 +55,12 @@ def group_sensor_name(group: str) -> str:
     return f"pgstream_group_{group}"
 
 
+def group_slot_check_name(group: str) -> str:
+    """The asset check of a reader group's slot (on ``pgstream/events_partitions``, one per group: its members
+    share the slot, so their deliveries assets carry no slot check of their own)."""
+    return f"group_{group}_slot_retained_wal"
+
+
 #: a group delivery run's tags of its members' runs (:func:`member_tag`)
 MEMBER_TAG_PREFIX = "pgstream/member_"
 

@@ -40,7 +40,7 @@ from typing import Any
 import dagster as dg
 import psycopg
 
-from ..config import StreamConfig, streams_fingerprint
+from ..config import StreamConfig, reader_groups, streams_fingerprint
 from ..engine import ledger
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, WarmRun, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
@@ -743,8 +743,4 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
 
 def group_sensors(streams: list[StreamConfig]) -> list[dg.SensorDefinition]:
     """One sensor per reader group named by ``streams[].reader``."""
-    groups: dict[str, list[StreamConfig]] = {}
-    for stream in streams:
-        if stream.reader is not None:
-            groups.setdefault(stream.reader, []).append(stream)
-    return [group_sensor(name, members) for name, members in sorted(groups.items())]
+    return [group_sensor(name, members) for name, members in reader_groups(streams).items()]
