@@ -20,7 +20,7 @@ import pytest
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.checks import check_undelivered_age
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import CHECKS_JOB, deliveries_asset_key
+from pgstream_dagster.defs.names import CHECKS_JOB, SCHEDULED_CHECKS_TAG, deliveries_asset_key
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
@@ -413,7 +413,9 @@ def test_a_checks_tick_missed_while_dagster_was_down_is_not_caught_up(
     defs = build_definitions(cfg)
     due = dg.build_schedule_context(instance=instance, scheduled_execution_time=get_current_datetime())
     monkeypatch.setattr(sensors, "LOADED_AT", now - 600)
-    assert defs.resolve_schedule_def(CHECKS_JOB).evaluate_tick(due).run_requests
+    # (a scheduled run is paced and in the background: the tag says so)
+    assert [r.tags.get(SCHEDULED_CHECKS_TAG) for r in
+            defs.resolve_schedule_def(CHECKS_JOB).evaluate_tick(due).run_requests or []] == ["true"]
     late = dt.datetime.fromtimestamp(time.time() - schedules.CATCH_UP_AFTER_SECS - 60, dt.UTC)
     skipped = defs.resolve_schedule_def(CHECKS_JOB).evaluate_tick(
         dg.build_schedule_context(instance=instance, scheduled_execution_time=late))
@@ -438,7 +440,7 @@ def test_a_scheduled_checks_run_paces_its_streams_and_one_from_the_ui_does_not(
     # (the test's own process is not to be niced: what _background does is tried in a process of its own, below)
     monkeypatch.setattr(checks_module, "_background", lambda: backgrounded.append(True))
     job = build_definitions(cfg).resolve_job_def(CHECKS_JOB)
-    for tags, pauses in (({checks_module.SCHEDULE_TAG: CHECKS_JOB}, [0.25] * 3), ({}, [])):
+    for tags, pauses in (({SCHEDULED_CHECKS_TAG: "true"}, [0.25] * 3), ({}, [])):
         slept.clear()
         backgrounded.clear()
         result = job.execute_in_process(instance=instance, raise_on_error=False, tags=tags)

@@ -282,7 +282,7 @@ def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(d
     with psycopg.connect(db_url) as c:
         server = limits.server_limits(c)
     usable = server.max_connections - server.reserved_connections
-    members = usable // 2 + 1  # a delivery run and its lease each (their group's sensor decides): more than fit
+    members = usable + 1  # a delivery lease each, its run's ledger work on it (their group's sensor decides)
     streams = [{"id": i, "reader": "big", "delivery": {"mode": "open"},
                 "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in range(1, members + 1)]
     streams += [{"id": 1000 + i, "delivery": {"mode": "open"},
@@ -298,12 +298,12 @@ def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(d
     with psycopg.connect(db_url) as c:
         (line,) = [p for p in limits.postgres_problems(c, config.streams) if "max_connections" in p]
     total = members + 2
-    # members: a delivery run and its lease; the 2 ungrouped: a sensor too, and their slot readers; the group's
-    # sensor, run, lease and reader; housekeeping
-    needed = members * 2 + 2 * 3 + 2 + 4 + 4
+    # members: a delivery lease; the 2 ungrouped: a sensor, a delivery run and its lease, and their slot readers;
+    # the group's sensor, run, lease and reader; housekeeping
+    needed = members + 2 * 3 + 2 + 4 + 4
     suggest = max(8, -(-(needed + server.reserved_connections) // 8) * 8)
     assert line == (
         f"max_connections is {server.max_connections} ({usable} usable by the streams); {total} streams need up to "
         f"{needed} (a sensor, a delivery run and its lease each, {members} of them in 1 reader group(s) whose "
-        f"delivery runs hold two connections per stream all the same, the slot readers, housekeeping): set "
+        f"delivery runs hold a connection per stream all the same, the slot readers, housekeeping): set "
         f"max_connections = {suggest} in postgresql.conf and restart Postgres")

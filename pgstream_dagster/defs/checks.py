@@ -32,9 +32,9 @@ from ..engine.subscriptions import differences, identity, stored_definition, tri
 from ..sinks.base import excerpt
 from .assets import stream_subscription_keys
 from .names import (
-    CHECKS_JOB,
     CONTROL_JOB,
     EVENTS_PARTITIONS_KEY,
+    SCHEDULED_CHECKS_TAG,
     checks_op_name,
     deliveries_asset_key,
     group_sensor_name,
@@ -42,10 +42,6 @@ from .names import (
     replay_job_name,
 )
 from .resources import PgstreamResource
-
-#: the tag Dagster gives a run its schedule launched (its value: the schedule's name)
-SCHEDULE_TAG = "dagster/schedule_name"
-
 
 #: the niceness a scheduled checks run takes: its process (the run worker) yields the CPUs to the deliveries
 #: sharing them; a health check can wait a few seconds, an event should not
@@ -257,7 +253,7 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                 pgstream: dg.ResourceParam[PgstreamResource]) -> Iterator[dg.AssetCheckResult]:
         selected = context.selected_asset_check_keys
         rate = pgstream.config.checks.streams_per_sec
-        if context.run.tags.get(SCHEDULE_TAG) == CHECKS_JOB:  # (the run's own process: the run worker)
+        if context.run.tags.get(SCHEDULED_CHECKS_TAG) == "true":  # (the run's own process: the run worker)
             _background()
             if rate > 0:
                 _pause(1 / rate)  # (the run's streams are checked one after the other: in-process executor)

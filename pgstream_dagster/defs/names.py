@@ -24,6 +24,9 @@ CONFIG_TAG = "pgstream/config"
 #: a reader group's delivery run asked to end (value: why), added once by the group's sensor when the
 #: run's configuration is not the code location's any more; the run's stop check ends it gracefully
 STOP_TAG = "pgstream/stop"
+#: a checks run the ``pgstream_checks`` schedule launched (value ``true``): paced (``checks.streams_per_sec``) and
+#: in the background (its process's niceness raised); a checks run launched from the UI is neither
+SCHEDULED_CHECKS_TAG = "pgstream/scheduled_checks"
 
 #: jobs
 DELIVERY_JOB = "pgstream_delivery"

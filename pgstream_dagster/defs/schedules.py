@@ -18,7 +18,7 @@ import dagster as dg
 from ..config import PgstreamConfig
 from . import sensors
 from .assets import subscription_keys, subscription_set_key
-from .names import CHECKS_JOB, EVENTS_PARTITIONS_KEY, HOUSEKEEPING_JOB, SUBSCRIPTIONS_SENSOR
+from .names import CHECKS_JOB, EVENTS_PARTITIONS_KEY, HOUSEKEEPING_JOB, SCHEDULED_CHECKS_TAG, SUBSCRIPTIONS_SENSOR
 
 housekeeping_job = dg.define_asset_job(
     HOUSEKEEPING_JOB, selection=dg.AssetSelection.assets(EVENTS_PARTITIONS_KEY),
@@ -60,7 +60,7 @@ def checks_schedule(config: PgstreamConfig) -> dg.ScheduleDefinition:
                              "not caught up.")
     def _checks(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
         why = missed_while_down(context.scheduled_execution_time, sensors.LOADED_AT, time.time())
-        return dg.SkipReason(why) if why is not None else dg.RunRequest()
+        return dg.SkipReason(why) if why is not None else dg.RunRequest(tags={SCHEDULED_CHECKS_TAG: "true"})
 
     return _checks
 

@@ -16,10 +16,11 @@ import psycopg
 
 from ..config import StreamConfig
 
-#: connections a stream may hold at once: its sensor's, and its delivery run's own and delivery lease (a reader
-#: group's member has no sensor of its own: its group's sensor decides for it)
+#: connections a stream may hold at once: its sensor's, and its delivery run's own and delivery lease; a reader
+#: group's member one: its run's delivery lease, on which the run does its ledger work (its group's sensor decides
+#: for it, its group's run listens and reads for it)
 _CONNECTIONS_PER_STREAM = 3
-_CONNECTIONS_PER_MEMBER = 2
+_CONNECTIONS_PER_MEMBER = 1
 #: housekeeping, checks, metrics and a replay or backfill beside the streams
 _CONNECTIONS_SHARED = 4
 
@@ -171,8 +172,8 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
     needed = ((len(streams) - grouped) * _CONNECTIONS_PER_STREAM + grouped * _CONNECTIONS_PER_MEMBER + len(readers)
               + 4 * len(groups) + _CONNECTIONS_SHARED + storage)
     if needed > usable:
-        of_groups = (f", {grouped} of them in {len(groups)} reader group(s) whose delivery runs hold two connections "
-                     f"per stream all the same" if groups else "")
+        of_groups = (f", {grouped} of them in {len(groups)} reader group(s) whose delivery runs hold a connection per "
+                     f"stream all the same" if groups else "")
         of_dagster = f", Dagster's storage on this server {storage}" if storage else ""
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
                    f"streams need up to {needed} (a sensor, a delivery run and its lease each{of_groups}, the slot "
