@@ -505,3 +505,24 @@ def test_a_reader_groups_slot_has_one_check_for_its_streams(app: str, tmp_path: 
     execute(app, f"select pg_drop_replication_slot('{group_slot[0]}')")
     ev = run(roomy)[("pgstream/events_partitions", group_check)]
     assert not ev.passed and f"slot {group_slot[0]} does not exist" in (ev.description or "")
+
+
+def test_a_streams_own_slot_is_checked_with_its_groups_until_it_has_joined(app: str, tmp_path: Path,
+                                                                           instance: dg.DagsterInstance) -> None:
+    """A stream that had a slot of its own and is now declared in a reader group keeps reading its own slot
+    until its join is done (the group's sensor drains it, then drops it): the group's check looks at that
+    slot too, and names it when it holds back too much WAL."""
+    alone = [{"id": 1, "sink": {"type": "memory"}}, {"id": 2, "sink": {"type": "memory"}}]
+    subs = [{**SIGNUP, "stream_id": i, "key": f"signup-{i}"} for i in (1, 2)]
+    init(write_config(tmp_path / "alone.yaml", app, alone, subs))
+    own = slot_of(app, 1)
+    grouped = [{**s, "reader": "team", "checks": {"max_retained_wal_bytes": 64 * 1024}} for s in alone]
+    cfg = write_config(tmp_path / "grouped.yaml", app, grouped, subs)
+    init(cfg)  # (registers the streams in the group; each joins at the group sensor's first tick: none ran)
+    execute(app, "insert into public.users (email) select 'j' || g || '@example.com' from generate_series(1, 10000) g")
+    result = build_definitions(cfg).resolve_job_def(CHECKS_JOB).execute_in_process(instance=instance,
+                                                                                    raise_on_error=False)
+    (ev,) = [e for e in result.get_asset_check_evaluations() if e.check_name == "group_team_slot_retained_wal"]
+    assert not ev.passed
+    assert f"stream 1's own slot {own} (not joined yet) retains" in (ev.description or "")
+    assert {s["slot"] for s in values(ev.metadata)["slots"] if s["stream"] == 1} == {own}

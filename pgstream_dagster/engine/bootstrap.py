@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psycopg
 
-from ..config import PgstreamConfig
+from ..config import PgstreamConfig, reader_groups
 from .limits import DagsterStorage, LimitsExceeded
 
 
@@ -35,7 +35,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
 
     First the limits (:func:`preflight`): streams that do not fit raise
     :class:`~.limits.LimitsExceeded` (one line per problem) before anything changes."""
-    from ..config import StreamConfig, load_config
+    from ..config import load_config
     from . import ledger
     from .housekeeping import run_housekeeping
     from .ingest import ConsumeResult, GroupResult, ensure_group, ensure_slot
@@ -57,10 +57,8 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
                 or report.default_rows_deleted:
             out.append(report.summary())
     with psycopg.connect(url, autocommit=True) as conn:
-        groups: dict[str, list[StreamConfig]] = {}
         for stream in config.streams:
             if stream.reader is not None:  # a reader group's slot, once for its streams (below)
-                groups.setdefault(stream.reader, []).append(stream)
                 continue
             ledger.ensure_stream(conn, stream.id, stream.slot_name)
             result = ConsumeResult()
@@ -68,7 +66,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
             if result.slot_created:
                 out.append(f"created slot {result.slot} for stream {stream.id} "
                            f"(recovered {sum(1 for _ in result.recovered)} batches from the table)")
-        for group, members in sorted(groups.items()):
+        for group, members in reader_groups(config.streams).items():
             # registers the streams (a stream that had its own slot joins at the group sensor's first tick)
             grouped = GroupResult()
             ensure_group(conn, group, members, grouped)
