@@ -13,7 +13,8 @@ storage). Measured:
 - processes and total RSS of everything `dg dev` started, at the window's end;
 - the delivery runs Dagster ran: runs per stream (``pgstream_delivery``) and, for a reader group, group
   delivery runs (``pgstream_group_delivery``: one process hosting every member's runs);
-- CPU-seconds of those processes and of the Postgres server over the window, per event delivered;
+- CPU-seconds of those processes and of the Postgres server over the window, per event delivered (a process
+  started in the window counts whole; one that ended in it counts from the window's start, in its parent);
 - replication slots and WAL senders in use.
 
 Streams that never deliver within ``--first-timeout`` are counted and named, not waited for. The
@@ -84,6 +85,7 @@ def _location_loaded(dev: DagsterDev) -> bool:
 
 
 def _cpu(pids: list[int]) -> dict[int, float]:
+    """Each process's CPU-s so far: its own and its ended children's (reaped: their whole life)."""
     out: dict[int, float] = {}
     for pid in pids:
         try:
@@ -94,14 +96,34 @@ def _cpu(pids: list[int]) -> dict[int, float]:
     return out
 
 
-def _by_role(before: dict[int, float], after: dict[int, float], postgres: set[int],
-             floor: float | None = None) -> dict[str, float]:
-    """The CPU-s each kind of process spent from ``before`` to ``after`` (a process missing from ``before``
-    counts whole), most first; with ``floor``, only those that spent at least that."""
+def _parents(pids: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for pid in pids:
+        try:
+            out[pid] = psutil.Process(pid).ppid()
+        except psutil.Error:
+            pass
+    return out
+
+
+def _spent(before: dict[int, float], after: dict[int, float], parents: dict[int, int]) -> dict[int, float]:
+    """Each process's CPU-s from ``before`` to ``after``: one started meanwhile counts whole; one that ended
+    meanwhile is in its parent's (its reaped children's time holds the ended one's whole life), so what it had
+    spent before is taken off its parent's (``parents``: each process's parent at ``before``)."""
+    spent = {pid: secs - before.get(pid, 0.0) for pid, secs in after.items()}
+    for pid, secs in before.items():
+        if pid not in after and parents.get(pid) in spent:
+            spent[parents[pid]] -= secs
+    return spent
+
+
+def _by_role(spent: dict[int, float], postgres: set[int], floor: float | None = None) -> dict[str, float]:
+    """The CPU-s each kind of process spent (:func:`_spent`), most first; with ``floor``, only those that spent
+    at least that."""
     roles: dict[str, float] = {}
-    for pid, secs in after.items():
+    for pid, secs in spent.items():
         role = "postgres" if pid in postgres else _role(pid)
-        roles[role] = roles.get(role, 0.0) + secs - before.get(pid, 0.0)
+        roles[role] = roles.get(role, 0.0) + secs
     return {k: round(v, 1) for k, v in sorted(roles.items(), key=lambda kv: -kv[1]) if floor is None or v >= floor}
 
 
@@ -375,7 +397,8 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         result["location_secs"] = time.monotonic() - started
         loaded_at = time.time()
         pg_pids = _postgres_pids(pg)
-        start_cpu = {**_cpu(list(descendants(dev.proc.pid))), **_cpu(pg_pids)}
+        start_all = [*descendants(dev.proc.pid), *pg_pids]
+        start_cpu, start_parents = _cpu(start_all), _parents(start_all)
         start_sampler = _Sampler(pg.url)
         with psycopg.connect(url, autocommit=True) as conn:  # the start's statements alone
             conn.execute("select pg_stat_statements_reset()")
@@ -395,15 +418,15 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         start_pg = set(pg_pids) | set(_postgres_pids(pg))
         result["start_postgres_busy"] = start_sampler.top(8)
         result["start_statements"] = {k: v for k, v in _statements(url, 8).items() if k != "most_called"}
-        result["start_cpu_secs_by_role"] = _by_role(start_cpu, {**_cpu(start_pids), **_cpu(list(start_pg))},
-                                                    start_pg, floor=0.05)
+        result["start_cpu_secs_by_role"] = _by_role(
+            _spent(start_cpu, _cpu([*start_pids, *start_pg]), start_parents), start_pg, floor=0.05)
         result["first_batches"] = _first_batches(url, loaded_at)
         result["never_delivered"] = sorted(set(range(1, count + 1)) - set(firsts))
 
         out = tmpdir / f"{name}.json"
         pg_pids = _postgres_pids(pg)  # (the backends of now)
         dev_pids = list(descendants(dev.proc.pid))
-        cpu_before = {**_cpu(dev_pids), **_cpu(pg_pids)}
+        cpu_before, parents = _cpu([*dev_pids, *pg_pids]), _parents([*dev_pids, *pg_pids])
         sampler = _Sampler(pg.url)
         with psycopg.connect(url, autocommit=True) as conn:  # the window's statements alone
             conn.execute("select pg_stat_statements_reset()")  # (of every database)
@@ -421,14 +444,16 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         dev_pids = list(descendants(dev.proc.pid))
         result["processes"] = len(dev_pids)
         result["rss_bytes"] = _rss(dev_pids)
-        cpu_after = {**_cpu(dev_pids), **_cpu(pg_pids)}
-        result["cpu_secs"] = sum(cpu_after[p] - cpu_before.get(p, 0.0) for p in cpu_after)
-        result["cpu_secs_by_role"] = _by_role(cpu_before, cpu_after, set(pg_pids))  # where the window's CPU went
+        # (a backend started in the window and still there counts whole; one that ended, in the postmaster's)
+        pg_pids = sorted(set(pg_pids) | set(_postgres_pids(pg)))
+        spent = _spent(cpu_before, _cpu([*dev_pids, *pg_pids]), parents)
+        result["cpu_secs"] = sum(spent.values())
+        result["cpu_secs_by_role"] = _by_role(spent, set(pg_pids))  # where the window's CPU went
         kinds, by_kind = _postgres_kinds(pg.url), dict[str, float]()
         for p in pg_pids:
-            if p in cpu_after:
-                kind = kinds.get(p, "ended")
-                by_kind[kind] = by_kind.get(kind, 0.0) + cpu_after[p] - cpu_before.get(p, 0.0)
+            if p in spent:
+                kind = kinds.get(p, "ended (the postmaster's reaped backends)")
+                by_kind[kind] = by_kind.get(kind, 0.0) + spent[p]
         result["postgres_cpu_secs"] = {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
                                        if v >= 0.05}
         with psycopg.connect(url, autocommit=True) as conn:
