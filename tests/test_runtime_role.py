@@ -394,3 +394,24 @@ def test_the_executors_url_is_checked_and_kept_secret(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.yaml", "postgresql://runtime:rt-secret@db.internal/app",
                        [{"id": 1, "sink": {"type": "file", "path": "/x"}}], spark={"executor_database_url": " "})
     assert load_config(cfg).executor_url == "postgresql://runtime:rt-secret@db.internal/app"
+
+
+def test_a_reader_groups_checks_run_as_the_runtime_role(install: Install, instance: dg.DagsterInstance,
+                                                        tmp_path: Path) -> None:
+    """The checks of a reader group's streams (the group's slot check, each member's own) read what they need
+    as the runtime role: every check of the location runs and passes, none fails for want of a grant."""
+    from pgstream_dagster.defs.names import CHECKS_JOB
+
+    i = install
+    cfg = write_config(tmp_path / "grouped.yaml", i.runtime_url, [
+        {"id": s, "reader": "rt", "sink": {"type": "file", "path": str(tmp_path / f"g{s}.jsonl")}} for s in (3, 4)],
+        [{"key": f"items-{s}", "stream_id": s, "operation": "INSERT", "schema_name": "public", "table_name": "items",
+          "column_names": ["id", "name"]} for s in (3, 4)])
+    init(cfg, owner_url=i.owner_url)
+    result = build_definitions(cfg).resolve_job_def(CHECKS_JOB).execute_in_process(instance=instance,
+                                                                                    raise_on_error=False)
+    evaluations = {(e.asset_key.to_user_string(), e.check_name): e for e in result.get_asset_check_evaluations()}
+    assert ("pgstream/events_partitions", "group_rt_slot_retained_wal") in evaluations
+    assert len(evaluations) == 2 * 4 + 3  # (trigger, age, failover, dead letters a member; the location's three)
+    failed = {k: e.description for k, e in evaluations.items() if not e.passed}
+    assert not failed and result.success
