@@ -62,6 +62,7 @@ def _background() -> None:
         except OSError:
             pass
 
+
 TRIGGER_CHECK = "trigger_matches"
 UNDELIVERED_AGE_CHECK = "undelivered_age"
 SLOT_WAL_CHECK = "slot_retained_wal"
@@ -133,11 +134,16 @@ def check_slot_wal(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCh
     )
 
 
+def group_wal_limit(members: Sequence[StreamConfig]) -> int:
+    """The WAL a reader group's slot may hold back: the smallest ``checks.max_retained_wal_bytes`` of its streams."""
+    return min(m.checks.max_retained_wal_bytes for m in members)
+
+
 def check_group_slot(conn: psycopg.Connection, group: str, members: Sequence[StreamConfig]) -> dg.AssetCheckResult:
-    """Reader group ``group``'s slot exists, is not lost and retains at most the smallest
-    ``max_retained_wal_bytes`` of its ``members``; so does the own slot of a member not joined yet (it is
-    drained, then dropped: one missing is not a failure)."""
-    limit = min(m.checks.max_retained_wal_bytes for m in members)
+    """Reader group ``group``'s slot exists, is not lost and retains at most :func:`group_wal_limit` of its
+    ``members``; so does the own slot of a member not joined yet (it is drained, then dropped: one missing is
+    not a failure)."""
+    limit = group_wal_limit(members)
     state = ledger.group_state(conn, group)
     own = {m.id: m.own_slot for m in state.members if not m.joined} if state is not None else {}
     registered = {m.id for m in state.members} if state is not None else set()
@@ -264,7 +270,7 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                     yield check_subscription(conn, sub, key)
             if dg.AssetCheckKey(deliveries, UNDELIVERED_AGE_CHECK) in selected:
                 yield check_undelivered_age(conn, stream, pgstream.config.housekeeping.ledger_keep_days)
-            if stream.reader is None and dg.AssetCheckKey(deliveries, SLOT_WAL_CHECK) in selected:
+            if dg.AssetCheckKey(deliveries, SLOT_WAL_CHECK) in selected:  # (not a group member's: no such spec)
                 yield check_slot_wal(conn, stream)
             if dg.AssetCheckKey(deliveries, FAILOVER_CHECK) in selected:
                 yield check_failover(conn, stream)
@@ -276,7 +282,7 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
 
 def group_slot_check(group: str, members: Sequence[StreamConfig]) -> dg.AssetChecksDefinition:
     """Reader group ``group``'s slot check (``members``: the streams naming it), on the location's asset."""
-    limit = min(m.checks.max_retained_wal_bytes for m in members)
+    limit = group_wal_limit(members)
 
     @dg.asset_check(asset=EVENTS_PARTITIONS_KEY, name=group_slot_check_name(group), blocking=False,
                     description=f"Reader group {group}'s slot, read once for its {len(members)} streams, exists and "
