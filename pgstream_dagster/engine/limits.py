@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from ..config import StreamConfig
+from ..config import StreamConfig, reader_groups
 
 #: connections a stream may hold at once: its sensor's, and its delivery run's own and delivery lease; a reader
 #: group's member one: its run's delivery lease, on which the run does its ledger work (its group's sensor decides
@@ -150,7 +150,7 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
     # an open run of a group's stream reads no slot: the group delivery run's reader reads the group's, one
     # WAL sender per group
     readers = [s.id for s in own if s.delivery.read_slot]
-    groups = sorted({s.reader for s in streams if s.reader is not None})
+    groups = list(reader_groups(streams))
     # WAL senders other than the streams' and groups' own slot readers (told by the slot they hold:
     # pg_stat_replication hides a connection's application_name from roles without pg_read_all_stats)
     ours = [v for v in slots.values() if v] + [group_slots[g] for g in groups if g in group_slots]
@@ -190,7 +190,7 @@ def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig]
     if max_concurrent_runs is None or max_concurrent_runs < 0:
         return None
     open_runs = [s.id for s in streams if s.delivery.keeps_open and s.reader is None]
-    groups = sorted({s.reader for s in streams if s.reader is not None})
+    groups = list(reader_groups(streams))
     needed = len(open_runs) + len(groups) + 1
     if needed <= max_concurrent_runs:
         return None
