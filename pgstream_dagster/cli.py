@@ -1,5 +1,6 @@
-"""``pgstream-dagster`` command line: migrate, tear-down, init, preflight, status, pause, resume, retry-now, skip,
-dead-letters, consumers, metrics, dev."""
+"""The pgstream-dagster command line: install and migrate the pgstream schema, apply the streams of
+pgstream.yaml, operate the streams (status, controls, dead letters, consumers, backfills), serve their
+metrics, run the local demo and a Spark Connect server, write the reference docs."""
 
 from __future__ import annotations
 
@@ -87,8 +88,6 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 def _cmd_install_drift_guard(args: argparse.Namespace) -> int:
     from .engine.migrations import install_drift_guard
 
-    if not args.database_url:
-        raise SystemExit("error: pass --database-url, a superuser's URL for the pgstream database")
     install_drift_guard(args.database_url)
     print("the schema-drift guard is active (event triggers pgstream_drift_guard_alter, pgstream_drift_guard_drop)")
     return 0
@@ -378,13 +377,13 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
 
     p = dl.add_parser("show", parents=[common], help="everything about one dead letter: payload, error, position, "
                                                      "how many later events overtook it")
-    p.add_argument("id", type=_ID)
+    p.add_argument("id", type=_ID, help="the dead letter's id (dead-letters list shows them)")
     p.set_defaults(func=_cmd_dead_letters_show)
 
     p = dl.add_parser("redeliver", parents=[common],
                       help="publish open dead letters of STREAM (all, or the IDs) through its sink, in delivery "
                            "order; stops at the first one the sink refuses")
-    p.add_argument("stream", type=_ID)
+    p.add_argument("stream", type=_ID, help="the stream whose dead letters to redeliver")
     p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="only these dead letters (default: all open)")
     p.add_argument("--config", help="pgstream.yaml with the stream's sink (default: $PGSTREAM_CONFIG or "
                                     "./pgstream.yaml); its database_url unless --database-url is given")
@@ -395,8 +394,8 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
     p.set_defaults(func=_cmd_dead_letters_redeliver)
 
     p = dl.add_parser("discard", parents=[common], help="give up on open dead letters of STREAM (IDs, or --all)")
-    p.add_argument("stream", type=_ID)
-    p.add_argument("ids", type=_ID, nargs="*", metavar="ID")
+    p.add_argument("stream", type=_ID, help="the stream whose dead letters to discard")
+    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="the open dead letters to discard (or --all)")
     p.add_argument("--all", action="store_true", help="every open dead letter of the stream")
     p.add_argument("--yes", action="store_true", help="confirm: their events are never delivered")
     p.set_defaults(func=_cmd_dead_letters_discard)
@@ -404,8 +403,9 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
     p = dl.add_parser("set-aside", parents=[common],
                       help="make undelivered events of STREAM's open batches dead letters: delivery goes on "
                            "without them")
-    p.add_argument("stream", type=_ID)
-    p.add_argument("event_ids", type=_ID, nargs="+", metavar="EVENT_ID")
+    p.add_argument("stream", type=_ID, help="the stream the events belong to")
+    p.add_argument("event_ids", type=_ID, nargs="+", metavar="EVENT_ID",
+                   help="undelivered events of the stream's open batches")
     p.add_argument("--reason", required=True, help="why (kept with the dead letters)")
     p.add_argument("--yes", action="store_true", help="confirm: delivery goes on without these events")
     p.set_defaults(func=_cmd_dead_letters_set_aside)
@@ -480,7 +480,7 @@ def _add_backfill_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
                       help="backfill subscriptions of STREAM in the foreground, in parallel on Spark (the stream's "
                            "spark settings); resumes an unfinished backfill of the same selection; Ctrl-C stops it "
                            "(resumable)")
-    p.add_argument("stream", type=_ID)
+    p.add_argument("stream", type=_ID, help="the stream whose subscriptions to backfill")
     p.add_argument("keys", nargs="+", metavar="KEY", help="subscription keys")
     p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml); its "
                                     "database_url unless --database-url is given")
@@ -491,8 +491,10 @@ def _add_backfill_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
                    help="first primary key (inclusive), one value per key column")
     p.add_argument("--to", dest="to_key", nargs="+", metavar="VALUE",
                    help="last primary key (inclusive), one value per key column")
-    p.add_argument("--chunk-size", type=_ranged("chunk size", 1, 100_000), default=1000)
-    p.add_argument("--parallelism", type=_ranged("parallelism", 1, 1024), default=4)
+    p.add_argument("--chunk-size", type=_ranged("chunk size", 1, 100_000), default=1000,
+                   help="rows per chunk: one transaction, rows locked FOR SHARE meanwhile (1-100000)")
+    p.add_argument("--parallelism", type=_ranged("parallelism", 1, 1024), default=4,
+                   help="key-range partitions read at once (Spark tasks), fixed when a backfill starts (1-1024)")
     p.add_argument("--max-rows-per-sec", type=float, default=5000.0, help="throttle (0: none; default 5000)")
     p.add_argument("--max-backlog", type=_ranged("max backlog", 0, 10**9), default=20_000,
                    help="wait while the stream has more undelivered events than this (0: never; default 20000)")
@@ -502,14 +504,14 @@ def _add_backfill_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
     _add_defs_folder(p)
     p.set_defaults(func=_cmd_backfill_run)
     p = bf.add_parser("list", parents=[common], help="backfills (of STREAM), newest first, with their progress")
-    p.add_argument("stream", type=_ID, nargs="?")
+    p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
     p.set_defaults(func=_cmd_backfill_list)
     p = bf.add_parser("stop", parents=[common], help="stop a backfill wherever it runs (resumable)")
-    p.add_argument("id", type=_ID)
+    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
     p.set_defaults(func=lambda a: _cmd_backfill_stop(a, cancel=False))
     p = bf.add_parser("cancel", parents=[common], help="cancel a backfill for good (the rows it read stay delivered)")
-    p.add_argument("id", type=_ID)
-    p.add_argument("--yes", action="store_true", help="confirm")
+    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
+    p.add_argument("--yes", action="store_true", help="confirm: the backfill cannot be resumed")
     p.set_defaults(func=lambda a: _cmd_backfill_stop(a, cancel=True))
 
 
@@ -629,7 +631,7 @@ def _key_value(item: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pgstream-dagster", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pgstream-dagster")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                         help="print the installed release and exit")
     common = argparse.ArgumentParser(add_help=False)
@@ -643,9 +645,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days-ahead", type=_ranged("days", 0, 365), default=7, help="daily partitions to create ahead")
     p.set_defaults(func=_cmd_migrate)
 
-    p = sub.add_parser("install-drift-guard", parents=[common],
+    p = sub.add_parser("install-drift-guard",
                        help="create the schema-drift guard's event triggers as a superuser (--database-url), on an "
                             "install whose owner is not one")
+    p.add_argument("--database-url", required=True,
+                   help="a superuser's Postgres URL of the pgstream database (required, no default: only a "
+                        "superuser may create event triggers, and neither the owner's nor the runtime's URL is one)")
     p.set_defaults(func=_cmd_install_drift_guard)
 
     p = sub.add_parser("tear-down", parents=[owner],
@@ -683,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
     p.set_defaults(func=_cmd_consumers_list)
     p = consumer_sub.add_parser("add", parents=[common],
-                                help="register a consumer (a streaming query's `consumer` option): the Spark "
+                                help="register a consumer (a streaming query's consumer option): the Spark "
                                      "executors may record its position, and housekeeping keeps what it has not read")
     p.add_argument("name", help="the consumer's name (1-100 letters, digits, _ . : -)")
     p.add_argument("stream", type=_ID, help="the stream it reads")
@@ -709,9 +714,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, action, text in controls:
         p = sub.add_parser(name, parents=[common], help=text)
-        p.add_argument("stream", type=_ID)
+        p.add_argument("stream", type=_ID, help="the stream's id")
         if action == "skip_batch":
-            p.add_argument("batch", type=_ID)
+            p.add_argument("batch", type=_ID, help="the undelivered batch's id (status STREAM lists them)")
             p.add_argument("--yes", action="store_true", help="confirm: the batch's events are not delivered")
         p.set_defaults(func=lambda a, _action=action: _control(a, _action))
 
@@ -729,29 +734,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)  # make dev's exporter
     p.set_defaults(func=_cmd_metrics)
 
-    p = sub.add_parser("dev", help="local Postgres + migrations + demo + `dagster dev` (what `make dev` runs)")
-    p.add_argument("--port", type=int, default=3000)
+    p = sub.add_parser("dev", help="the local demo, what make dev runs: a Postgres in .pgstream/, the roles, "
+                                   "migrations, the demo's table and stream, a Spark Connect server, the Prometheus "
+                                   "exporter and dg dev")
+    p.add_argument("--port", type=_ranged("port", 1, 65535), default=3000, help="the port of the Dagster UI (dg dev)")
     p.add_argument("--no-spark-server", action="store_true",
-                   help="runs start their own Spark instead of using a Spark Connect server kept in .pgstream/")
+                   help="runs start their own Spark instead of using a Spark Connect server kept in .pgstream/ (a "
+                        "JVM of about 1 GB)")
     p.add_argument("--root", default=".", help="the checkout whose .pgstream/ holds the demo's services (default: .)")
     services = p.add_mutually_exclusive_group()
     services.add_argument("--status", action="store_true",
-                        help="list the services of `make dev` (Postgres, Spark Connect server, dg dev) and whether "
-                             "each runs")
+                        help="list the services of make dev (Postgres, Spark Connect server, dg dev, Prometheus "
+                             "exporter) and whether each runs")
     services.add_argument("--stop", action="store_true",
-                        help="stop the services of `make dev` (what `make stop` and `make clean` run); the data stays")
+                        help="stop the services of make dev (what make stop and make clean run); the data stays")
     p.set_defaults(func=_cmd_dev)
 
     p = sub.add_parser("spark-connect", help="run a Spark Connect server for the runs (spark.remote) in the "
                                              "foreground, from PySpark's own jars")
-    p.add_argument("--port", type=int, default=15002)
+    p.add_argument("--port", type=_ranged("port", 1, 65535), default=15002,
+                   help="the port to listen on (spark.remote: sc://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (Spark Connect has no authentication: keep it private)")
     p.add_argument("--master", default="local[*]",
                    help="the server's Spark master (spark://host:7077, k8s://...: see docs/spark-clusters.md)")
     p.add_argument("--conf", action="append", metavar="KEY=VALUE",
                    help="a Spark setting of the server (repeatable), e.g. spark.pyspark.python=/opt/venv/bin/python")
-    p.add_argument("--stop", action="store_true", help="stop the server `make dev` started in .pgstream/")
+    p.add_argument("--stop", action="store_true", help="stop the server make dev started in .pgstream/")
     p.set_defaults(func=_cmd_spark_connect)
 
     p = sub.add_parser("executor-requirements",
@@ -768,6 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "one migrated on a throw-away local Postgres)")
     p.add_argument("--root", default=".", help="the repository to write into")
     p.set_defaults(func=_cmd_docs)
+    # the summary names every command, from the parser itself (pgstream-dagster COMMAND --help for one)
+    parser.description = (f"{__doc__} Commands: {', '.join(sub.choices)} (pgstream-dagster COMMAND --help "
+                          "describes one).")
     return parser
 
 

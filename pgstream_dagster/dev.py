@@ -37,10 +37,36 @@ def _start_exporter(config: Path) -> str | None:
         return None
     subprocess.Popen([sys.executable, "-m", "pgstream_dagster.cli", "metrics", "--config", str(config),
                       "--exit-with-parent"])
-    host = f"[{metrics.host}]" if ":" in metrics.host else metrics.host
-    url = f"http://{host}:{metrics.port}/metrics"
+    url = _exporter_url(config)
     print(f"Prometheus exporter: {url} (metrics.enabled: false in {config.name} to go without)")
     return url
+
+
+def _exporter_url(config: Path) -> str:
+    """Where the exporter of ``make dev`` serves, as ``metrics`` of ``config`` sets it."""
+    from .config import load_metrics_settings
+
+    metrics = load_metrics_settings(config, database_url=False).metrics
+    host = f"[{metrics.host}]" if ":" in metrics.host else metrics.host
+    return f"http://{host}:{metrics.port}/metrics"
+
+
+def _exporter(dg_pid: int | None) -> str:
+    """The status line of the Prometheus exporter of ``make dev``: a child of ``dg dev`` (it exits with it)."""
+    from .config import ConfigError
+
+    for pid in _descendants(dg_pid) if dg_pid is not None else []:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmdline[1:4] == [b"-m", b"pgstream_dagster.cli", b"metrics"]:
+            try:
+                where = f" on {_exporter_url(Path(os.fsdecode(cmdline[cmdline.index(b'--config') + 1])))}"
+            except (ValueError, IndexError, ConfigError):
+                where = ""
+            return f"Prometheus exporter:  running (pid {pid}){where}"
+    return "Prometheus exporter:  not running"
 
 
 #: the demo's roles (README, "Security"): the owner (migrate, init), the runtime's login role (the code
@@ -254,6 +280,7 @@ def dev_services(root: Path) -> list[str]:
         f"Spark Connect server: running (pid {spark_pid}), log {state / 'spark-connect.log'}" if spark_pid
         else "Spark Connect server: not running",
         f"dg dev:               running (pid {dg_pid})" if dg_pid else "dg dev:               not running",
+        _exporter(dg_pid),
     ]
 
 

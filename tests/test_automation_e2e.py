@@ -1,5 +1,5 @@
 """End to end with the real daemon: on a fresh install (migrated only, no ``init``) the
-``pgstream_subscriptions`` automation sensor applies the YAML subscriptions by itself, and after an
+``pgstream_subscriptions`` sensor applies the YAML subscriptions by itself (runs of the ``pgstream_subscriptions`` job), and after an
 edit of pgstream.yaml and a reload of the code location (what a deploy does) applies the edit;
 nobody materializes anything by hand."""
 
@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from dagster import DagsterRunStatus, RunsFilter
 
+from pgstream_dagster.defs.names import SUBSCRIPTIONS_JOB, SUBSCRIPTIONS_SENSOR
 from pgstream_dagster.engine.migrations import migrate
 
 from .support.dagster_dev import (
@@ -72,7 +73,7 @@ def test_daemon_applies_new_and_edited_subscriptions(databases: Databases, tmp_p
             return f"stored when_clause {_stored_when(app)!r}, trigger oid {_trigger_oid(app)}"
 
         # 1. the sensor materializes the new subscription: the trigger appears
-        wait_for("the automation sensor to apply the subscription", lambda: _trigger_oid(app) is not None,
+        wait_for("the subscriptions sensor to apply the subscription", lambda: _trigger_oid(app) is not None,
                  READY_TIMEOUT_SECS + 120, dev, state)
         assert _stored_when(app) == "new.verified"
         first_oid = _trigger_oid(app)
@@ -82,7 +83,7 @@ def test_daemon_applies_new_and_edited_subscriptions(databases: Databases, tmp_p
         answer = httpx.post(f"http://127.0.0.1:{dev.port}/graphql", timeout=60,
                             json={"query": RELOAD, "variables": {"name": "pgstream"}}).json()
         assert answer["data"]["reloadRepositoryLocation"]["__typename"] == "WorkspaceLocationEntry", answer
-        wait_for("the automation sensor to apply the edit",
+        wait_for("the subscriptions sensor to apply the edit",
                  lambda: _stored_when(app) == "new.verified and new.email is not null", 240, dev, state)
         wait_for("the new trigger", lambda: _trigger_oid(app) not in (None, first_oid), 30, dev, state)
 
@@ -95,12 +96,12 @@ def test_daemon_applies_new_and_edited_subscriptions(databases: Databases, tmp_p
                 return len(instance.fetch_materializations(key, limit=10).records)
 
             def automated() -> list[dg.DagsterRun]:
-                runs = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.SUCCESS],
-                                                    tags={"dagster/from_automation_condition": "true"}))
+                runs = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.SUCCESS], job_name=SUBSCRIPTIONS_JOB,
+                                                    tags={"dagster/sensor_name": SUBSCRIPTIONS_SENSOR}))
                 return [r for r in runs if key in (r.asset_selection or set())]
 
             # the materialization is recorded a moment before its run finishes
-            wait_for("two successful automation runs of the subscription", lambda: len(automated()) >= 2, 60,
+            wait_for("two successful pgstream_subscriptions runs of the subscription", lambda: len(automated()) >= 2, 60,
                      dev, lambda: f"{state()}; runs: {[(r.job_name, r.status, r.tags) for r in instance.get_runs()]}")
             assert materialized() == 2
     finally:

@@ -4,8 +4,10 @@ the README's "where things live" table and the architecture page's module map ma
 
 from __future__ import annotations
 
+import argparse
 import re
 import tomllib
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
@@ -90,3 +92,42 @@ def test_the_architecture_page_maps_every_module_and_sql_file() -> None:
     expected |= {str(p.relative_to(ROOT)) for p in (ROOT / "sql" / "repeatable").glob("*.sql")}
     expected.add("pgstream_dagster/engine/metrics.yaml")
     assert sorted(expected - set(named)) == []
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """The parser and every subcommand's, depth first."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_command_and_argument_of_the_cli_has_plain_help_and_the_summary_names_every_command() -> None:
+    """The help is what the CLI reference is generated from: every subcommand and every argument says what it is,
+    in plain text (no backtick markup, which a terminal shows as is), and the top-level summary names every
+    command."""
+    root = build_parser()
+    undescribed, marked = [], []
+
+    def described(where: str, text: str | None) -> None:
+        if not (text or "").strip():
+            undescribed.append(where)
+        elif "`" in (text or ""):
+            marked.append(f"{where}: {text}")
+
+    for parser in _parsers(root):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    described(f"{parser.prog} {choice.dest}", choice.help)
+            elif action.help != argparse.SUPPRESS:
+                described(f"{parser.prog} {', '.join(action.option_strings) or action.dest}", action.help)
+        if parser.description:
+            described(parser.prog, parser.description)
+    assert undescribed == []
+    assert marked == []
+    commands = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = [name for name in commands
+               if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", root.description or "")]
+    assert missing == []

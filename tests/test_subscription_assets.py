@@ -1,10 +1,11 @@
 """Subscriptions of pgstream.yaml as Dagster assets: materializing applies them through
-set_subscriptions, the automation condition picks exactly the new/edited ones, removal and
+set_subscriptions, the pgstream_subscriptions sensor requests exactly the new/edited ones (a run of the
+pgstream_subscriptions job), removal and
 hand-made subscriptions behave, a bad YAML changes nothing."""
 
 from __future__ import annotations
 
-import datetime as dt
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,11 @@ import pytest
 from pgstream_dagster.config import ConfigError
 from pgstream_dagster.defs.assets import subscription_keys, subscription_set_key
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import deliveries_asset_key
+from pgstream_dagster.defs.names import SUBSCRIPTIONS_JOB, SUBSCRIPTIONS_SENSOR, deliveries_asset_key
+from pgstream_dagster.defs.schedules import RETRY_SECS
 from pgstream_dagster.devdb import LocalPostgres
 
-from .support.dagster_instance import materializations, materialize, postgres_instance, step_failure
+from .support.dagster_instance import materializations, postgres_instance, step_failure
 from .support.harness import write_config
 
 STREAMS = [{"id": 1, "sink": {"type": "memory"}}, {"id": 2, "sink": {"type": "memory"}}]
@@ -68,12 +70,24 @@ def subscriptions(url: str) -> dict[tuple[int, str, str], tuple[Any, ...]]:
     return {(r[0], r[1], r[2]): r[3:] for r in rows}
 
 
-def requested(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: Any = None,
-              evaluation_time: dt.datetime | None = None) -> tuple[set[dg.AssetKey], Any]:
-    """What the automation sensor would materialize now (or at ``evaluation_time``)."""
-    result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor,
-                                               evaluation_time=evaluation_time)
-    return {r.key for r in result.results if r.true_subset.size > 0}, result.cursor
+def requested(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None = None, *,
+              aged_secs: float = 0.0) -> tuple[set[dg.AssetKey], str | None]:
+    """What the ``pgstream_subscriptions`` sensor requests now (``aged_secs``: with its cursor's requests that much
+    older), and its cursor after the tick."""
+    if cursor and aged_secs:
+        cursor = json.dumps({k: [version, at - aged_secs] for k, (version, at) in json.loads(cursor).items()})
+    repo = defs.get_repository_def()
+    sensor = repo.get_sensor_def(SUBSCRIPTIONS_SENSOR)
+    assert sensor.job_name == SUBSCRIPTIONS_JOB  # its runs are of the named job, not Dagster's __ASSET_JOB
+    with dg.build_sensor_context(instance=instance, cursor=cursor, repository_def=repo) as context:
+        tick = sensor.evaluate_tick(context)
+    return {k for r in tick.run_requests or [] for k in r.asset_selection or []}, tick.cursor or cursor
+
+
+def apply(defs: dg.Definitions, instance: dg.DagsterInstance, keys: list[dg.AssetKey]) -> dg.ExecuteInProcessResult:
+    """A run of the ``pgstream_subscriptions`` job for ``keys``, as the sensor requests it (with their checks)."""
+    return defs.resolve_job_def(SUBSCRIPTIONS_JOB).execute_in_process(instance=instance, asset_selection=keys,
+                                                                       raise_on_error=False)
 
 
 def keys(cfg: Path) -> dict[str, dg.AssetKey]:
@@ -95,10 +109,10 @@ def test_subscription_assets_apply_edit_and_remove(app: str, tmp_path: Path, ins
     assert graph.get(deliveries_asset_key(1)).parent_keys == {k["user-signup"], k["email-changed"], k["order-placed"]}
     assert graph.get(deliveries_asset_key(2)).parent_keys == {k["audit"]}
 
-    # 1. a fresh location: the automation sensor asks for every subscription (missing)
+    # 1. a fresh location: the sensor asks for every subscription (missing)
     wanted, cursor = requested(defs, instance)
     assert wanted == set(k.values())
-    result = materialize(defs, instance, sorted(wanted, key=str))
+    result = apply(defs, instance, sorted(wanted, key=str))
     assert result.success, step_failure(result)
     installed = triggers(app)
     assert set(installed) == {"public.users pgstream_insert", "public.users pgstream_update",
@@ -118,7 +132,7 @@ def test_subscription_assets_apply_edit_and_remove(app: str, tmp_path: Path, ins
     # 2. nothing changed: nothing requested; materializing anyway recreates no trigger
     wanted, cursor = requested(defs, instance, cursor)
     assert wanted == set()
-    again = materialize(defs, instance, sorted(k.values(), key=str))
+    again = apply(defs, instance, sorted(k.values(), key=str))
     assert again.success, step_failure(again)
     assert triggers(app) == installed
     assert {m["action"] for key, m in materializations(again).items() if key not in (k["set1"], k["set2"])} \
@@ -130,7 +144,7 @@ def test_subscription_assets_apply_edit_and_remove(app: str, tmp_path: Path, ins
     defs = build_definitions(cfg)
     wanted, cursor = requested(defs, instance, cursor)
     assert wanted == {k["email-changed"]}
-    result = materialize(defs, instance, [k["email-changed"]])
+    result = apply(defs, instance, [k["email-changed"]])
     assert result.success, step_failure(result)
     assert materializations(result)[k["email-changed"]]["action"] == "updated"
     after = triggers(app)
@@ -142,13 +156,13 @@ def test_subscription_assets_apply_edit_and_remove(app: str, tmp_path: Path, ins
     renamed_cols = {**SIGNUP, "column_names": ["id"]}
     cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS, [renamed_cols, edited, ORDER, AUDIT])
     defs = build_definitions(cfg)
-    result = materialize(defs, instance, [k["order-placed"]])
+    result = apply(defs, instance, [k["order-placed"]])
     assert result.success, step_failure(result)
     assert triggers(app) == after
     assert subscriptions(app)[(1, "user-signup", "INSERT")][1] == ["id", "email"]  # not applied: not selected
     wanted, cursor = requested(defs, instance, cursor)
     assert wanted == {k["user-signup"]}
-    assert materialize(defs, instance, [k["user-signup"]]).success
+    assert apply(defs, instance, [k["user-signup"]]).success
     assert subscriptions(app)[(1, "user-signup", "INSERT")][1] == ["id"]
     after = triggers(app)
 
@@ -158,7 +172,7 @@ def test_subscription_assets_apply_edit_and_remove(app: str, tmp_path: Path, ins
     defs = build_definitions(cfg)
     wanted, cursor = requested(defs, instance, cursor)
     assert wanted == {k["set1"]}
-    result = materialize(defs, instance, [k["set1"]])
+    result = apply(defs, instance, [k["set1"]])
     assert result.success, step_failure(result)
     assert materializations(result)[k["set1"]]["deleted"] == ["order-placed (INSERT on shop.orders)"]
     assert set(subscriptions(app)) == {(1, "user-signup", "INSERT"), (1, "email-changed", "UPDATE"),
@@ -175,7 +189,7 @@ def test_subscription_assets_apply_edit_and_remove(app: str, tmp_path: Path, ins
     defs = build_definitions(cfg)
     wanted, cursor = requested(defs, instance, cursor)
     assert wanted == {k["audit"]}
-    result = materialize(defs, instance, [k["audit"]])
+    result = apply(defs, instance, [k["audit"]])
     assert result.success, step_failure(result)
     mats = materializations(result)
     assert (mats[k["audit"]]["action"], mats[k["audit"]]["trigger"], mats[k["audit"]]["trigger_mode"]) == (
@@ -214,7 +228,7 @@ def test_bad_yaml_fails_to_load_naming_file_key_and_reason(app: str, tmp_path: P
 def test_bad_subscription_changes_nothing(app: str, tmp_path: Path, instance: dg.DagsterInstance,
                                           bad: dict[str, Any], reason: str) -> None:
     good = write_config(tmp_path / "good.yaml", app, STREAMS, [SIGNUP, AUDIT])
-    assert materialize(build_definitions(good), instance, sorted(keys(good).values(), key=str)).success
+    assert apply(build_definitions(good), instance, sorted(keys(good).values(), key=str)).success
     before_triggers, before_subs = triggers(app), subscriptions(app)
 
     # an edit of a good one plus a broken new one in the same file: neither is applied, not even
@@ -223,13 +237,10 @@ def test_bad_subscription_changes_nothing(app: str, tmp_path: Path, instance: dg
                        [{**SIGNUP, "when_clause": "not new.verified"}, {**AUDIT, "column_names": ["id", "email"]}, bad])
     defs = build_definitions(cfg)
     k = keys(cfg)
-    # simulated evaluation times, 30 s into a 5-minute window (the retry cron is */5)
-    now = dt.datetime.now(dt.UTC).replace(second=30, microsecond=0)
-    now += dt.timedelta(minutes=5 - now.minute % 5)
-    wanted, cursor = requested(defs, instance, evaluation_time=now)
+    wanted, cursor = requested(defs, instance)
     assert wanted == {k["user-signup"], k["order-placed"], k["set1"], k["audit"]}
     for selection in ([k["user-signup"], k["order-placed"], k["set1"]], [k["audit"]]):
-        result = materialize(defs, instance, selection)
+        result = apply(defs, instance, selection)
         assert not result.success
         message = step_failure(result)
         assert str(cfg) in message and "subscriptions[2]" in message and "'order-placed'" in message, message
@@ -237,21 +248,37 @@ def test_bad_subscription_changes_nothing(app: str, tmp_path: Path, instance: dg
     assert triggers(app) == before_triggers
     assert subscriptions(app) == before_subs
     # the failed applies are not retried in a loop...
-    wanted, cursor = requested(defs, instance, cursor, evaluation_time=now + dt.timedelta(seconds=20))
+    wanted, cursor = requested(defs, instance, cursor)
     assert wanted == set()
+    # ...but an edit is requested at once
+    signup = {**SIGNUP, "when_clause": "new.verified is not true"}
+    audit = {**AUDIT, "column_names": ["id", "email"]}
+    cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS, [signup, audit, bad])
+    wanted, cursor = requested(build_definitions(cfg), instance, cursor)
+    assert wanted == {k["user-signup"]}
 
-    # ...but once the file is fixed, the next retry tick applies what failed because of it
-    fixed = write_config(tmp_path / "pgstream.yaml", app, STREAMS,
-                         [{**SIGNUP, "when_clause": "not new.verified"}, {**AUDIT, "column_names": ["id", "email"]}])
+    # once the file is fixed, the next retry applies what failed because of it
+    fixed = write_config(tmp_path / "pgstream.yaml", app, STREAMS, [signup, audit])
     defs = build_definitions(fixed)
-    wanted, cursor = requested(defs, instance, cursor, evaluation_time=now + dt.timedelta(seconds=40))
-    assert wanted == set()  # the failed edits wait for the retry tick; set1 is back to its applied membership
-    wanted, cursor = requested(defs, instance, cursor, evaluation_time=now + dt.timedelta(minutes=6))
+    wanted, cursor = requested(defs, instance, cursor)
+    assert wanted == set()  # the failed edits wait for the retry; set1 is back to its applied membership
+    wanted, cursor = requested(defs, instance, cursor, aged_secs=RETRY_SECS)
     assert wanted == {k["user-signup"], k["audit"]}
-    result = materialize(defs, instance, sorted(wanted, key=str))
-    assert result.success, step_failure(result)
-    assert subscriptions(app)[(1, "user-signup", "INSERT")][0] == "not new.verified"
-    assert subscriptions(app)[(2, "audit", "DELETE")][1] == ["id", "email"]
+    assert apply(defs, instance, sorted(wanted, key=str)).success
+    assert subscriptions(app)[(1, "user-signup", "INSERT")][0] == "new.verified is not true"
+    assert requested(defs, instance, cursor, aged_secs=RETRY_SECS)[0] == set()
+
+
+def test_the_subscriptions_sensor_waits_for_a_run_in_progress(app: str, tmp_path: Path,
+                                                              instance: dg.DagsterInstance) -> None:
+    """A run of the job not finished yet (applying, or queued behind others): the sensor requests nothing more."""
+    cfg = write_config(tmp_path / "pgstream.yaml", app, STREAMS, [SIGNUP, AUDIT])
+    defs = build_definitions(cfg)
+    job = defs.resolve_job_def(SUBSCRIPTIONS_JOB)
+    run = instance.create_run_for_job(job, status=dg.DagsterRunStatus.STARTED)
+    assert requested(defs, instance) == (set(), None)
+    instance.report_run_failed(run)
+    assert requested(defs, instance)[0] == set(keys(cfg).values())
 
 
 def test_demo_location_loads_with_assets_checks_and_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,7 +296,9 @@ def test_demo_location_loads_with_assets_checks_and_schedules(monkeypatch: pytes
             dg.AssetKey(["pgstream", "events_partitions"])} <= set(graph.get_all_asset_keys())
     assert graph.get(deliveries_asset_key(1)).parent_keys == {signup, changed}
     node = graph.get(signup)
-    assert node.code_version and node.automation_condition is not None
+    assert node.code_version
+    assert set(defs.resolve_job_def(SUBSCRIPTIONS_JOB).asset_layer.selected_asset_keys) == {
+        signup, changed, subscription_set_key(1)}
     assert node.group_name == "stream_1_subscriptions"
     assert node.metadata["table"] == "demo.users" and node.metadata["filter"] == "new.email_verified = true"
     assert {(c.asset_key, c.name) for c in graph.asset_check_keys} == {

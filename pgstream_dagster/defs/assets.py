@@ -2,18 +2,19 @@
 partition housekeeping of ``pgstream.events``.
 
 Each subscription of ``pgstream.yaml`` is an asset ``pgstream/stream_<id>/subscriptions/<name>``
-whose code version is a digest of its definition. Its automation condition materializes it when it
-is missing (new) or its code version changed (edited), so the automation sensor applies YAML edits
-without anyone clicking. Applying goes through ``pgstream.set_subscriptions`` (one call per stream,
+whose code version is a digest of its definition. The ``pgstream_subscriptions`` sensor
+(``schedules.py``) requests a run of the ``pgstream_subscriptions`` job for those never materialized
+(new) or materialized with another code version (edited), so YAML edits are applied without anyone
+clicking. Applying goes through ``pgstream.set_subscriptions`` (one call per stream,
 one transaction): unchanged subscriptions never recreate their trigger, and a subset materialization
 passes the stream's other subscriptions back unchanged. The stream's ``subscription_set`` asset
 (code version = which subscriptions the YAML declares) removes the ones deleted from the YAML.
 """
 
 import datetime as dt
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias, cast
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
@@ -33,62 +34,6 @@ from ..engine.subscriptions import (
 )
 from .names import EVENTS_PARTITIONS_KEY, subscriptions_op_name
 from .resources import PgstreamResource
-
-
-class CodeVersionOutdated(dg.AutomationCondition[dg.AssetKey]):
-    """True when the asset's latest materialization was made with another code version than its
-    current one: state-based, so an edit is never missed (unlike ``code_version_changed``, which
-    only compares consecutive evaluations and loses to a materialization in between)."""
-
-    @property
-    def name(self) -> str:
-        return "code_version_outdated"
-
-    def evaluate(self, context: dg.AutomationContext[dg.AssetKey]) -> dg.AutomationResult[dg.AssetKey]:
-        key = context.key
-        current = context.asset_graph.get(key).code_version
-        latest = _latest_code_versions(context).get(key)
-        outdated = latest is not None and latest != current
-        return dg.AutomationResult(context, context.candidate_subset if outdated else context.get_empty_subset())
-
-
-#: the evaluation (its asset graph view) whose latest materialization code versions were read, and those
-_code_versions: tuple[object, Mapping[dg.AssetKey, str | None]] | None = None
-
-
-def _latest_code_versions(context: dg.AutomationContext[dg.AssetKey]) -> Mapping[dg.AssetKey, str | None]:
-    """The latest materialization code version of every asset that has a code version, read once per
-    evaluation of the automation sensor for all of them (one storage query, not one per subscription
-    asset: a hundred streams' 200 assets every 15 s were most of the code server's work)."""
-    global _code_versions
-    view = context.asset_graph_view
-    known = _code_versions
-    if known is not None and known[0] is view:
-        return known[1]
-    graph = context.asset_graph
-    keys = [k for k in graph.get_all_asset_keys() if graph.get(k).code_version is not None]
-    versions = view.instance.get_latest_materialization_code_versions(keys)
-    _code_versions = (view, versions)
-    return versions
-
-
-#: A failed apply is retried on the next edit of the subscription, else every 5 minutes (the
-#: cause may be another subscription of the file, or a table not created yet): never in a loop.
-RETRY_CRON = "*/5 * * * *"
-
-# dagster 1.13 types ``since_last_handled`` for asset-or-check conditions only (and its type parameter is
-# invariant), while code_version_changed and cron_tick_passed are typed as asset conditions: it works on
-# both, hence the casts below.
-_AssetOrCheckCondition: TypeAlias = "dg.AutomationCondition[dg.AssetKey | dg.AssetCheckKey]"
-
-#: Apply a subscription that was never applied (new) or whose definition changed (edited).
-SUBSCRIPTION_CONDITION = (
-    (dg.AutomationCondition.missing() | CodeVersionOutdated())
-    & (~dg.AutomationCondition.execution_failed()
-       | cast(_AssetOrCheckCondition, dg.AutomationCondition.code_version_changed()).since_last_handled()
-       | cast(_AssetOrCheckCondition, dg.AutomationCondition.cron_tick_passed(RETRY_CRON)).since_last_handled())
-    & ~dg.AutomationCondition.in_progress()
-).with_label("subscription new or changed")
 
 
 @dataclass(frozen=True)
@@ -173,14 +118,14 @@ def _stream_subscriptions(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefi
     specs = [
         dg.AssetSpec(
             key=keys[identity(s)], group_name=group, description=_describe(s, origin), metadata=_spec_metadata(s),
-            code_version=code_version(s), automation_condition=SUBSCRIPTION_CONDITION, kinds={"postgres"},
+            code_version=code_version(s), kinds={"postgres"},
             deps=[source_table_key(s.schema_name, s.table_name)], skippable=True,
         )
         for s in subs
     ]
     specs.append(dg.AssetSpec(
         key=set_key, group_name=group, kinds={"postgres"}, skippable=True,
-        code_version=set_code_version(subs), automation_condition=SUBSCRIPTION_CONDITION,
+        code_version=set_code_version(subs),
         description=f"The set of stream {stream_id}'s YAML subscriptions: materializing it deletes the "
                     f"subscriptions removed from {origin} (those created in SQL are left alone).",
         metadata={"stream_id": stream_id, "declared": dg.MetadataValue.json(sorted(s.key for s in subs))},

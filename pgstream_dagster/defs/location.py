@@ -5,8 +5,8 @@ in the defs folder). Each stream has the same definitions wherever it is declare
 (:func:`stream_definitions`): a sensor (none for a reader group's member: its group's sensor decides for
 it), a deliveries asset, a status asset, a replay job, a backfill job, its subscription assets and its
 checks (and, for a lake sink, its table's asset and check). The rest is defined once (:func:`shared_definitions`): the
-delivery, control, housekeeping and checks jobs, the housekeeping asset, the subscribed tables, the
-schedules, the subscriptions sensor, the executor and the resources.
+delivery, control, housekeeping, checks and subscriptions jobs, the housekeeping asset, the subscribed tables,
+the schedules, the subscriptions sensor, the executor and the resources.
 
 The configuration is read once, when the definitions are loaded: the ``pgstream`` resource holds
 ``pgstream.yaml`` plus the streams of every StreamComponent of the project, validated together
@@ -43,7 +43,7 @@ from .lake import lake_definitions
 from .names import deliveries_asset_key
 from .replay import replay_job
 from .resources import PgstreamResource, PgstreamSparkResource
-from .schedules import checks_job, housekeeping_job, schedules, subscriptions_sensor
+from .schedules import checks_job, housekeeping_job, schedules, subscriptions_job, subscriptions_sensor
 from .sensors import group_sensors, stream_sensor
 from .status import status_asset_spec
 
@@ -97,12 +97,13 @@ def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definit
 def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
     """The definitions of the location, defined once, for every stream of ``config`` (read from
     ``path`` and the StreamComponents)."""
+    subscriptions = subscriptions_job(config)
     return dg.Definitions(
         assets=[events_partitions, *source_table_specs(config)],
         asset_checks=[orphaned_slots_check, consumers_check, *group_slot_checks(list(config.streams))],
-        jobs=[delivery_job, group_delivery_job, control_job, housekeeping_job, checks_job],
+        jobs=[delivery_job, group_delivery_job, control_job, housekeeping_job, checks_job, subscriptions],
         schedules=schedules(config),
-        sensors=[subscriptions_sensor(config), *group_sensors(list(config.streams))],
+        sensors=[subscriptions_sensor(config, subscriptions), *group_sensors(list(config.streams))],
         executor=dg.in_process_executor,  # asset and check runs are small; io_manager is in-memory
         resources={
             # ops hand a Spark DataFrame to each other inside one process

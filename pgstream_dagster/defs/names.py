@@ -35,7 +35,9 @@ GROUP_DELIVERY_JOB = "pgstream_group_delivery"
 CONTROL_JOB = "pgstream_stream_control"
 HOUSEKEEPING_JOB = "pgstream_housekeeping"
 CHECKS_JOB = "pgstream_checks"
-SUBSCRIPTIONS_SENSOR = "pgstream_subscriptions"
+#: the runs of the subscription assets, and the sensor that requests them
+SUBSCRIPTIONS_JOB = "pgstream_subscriptions"
+SUBSCRIPTIONS_SENSOR = SUBSCRIPTIONS_JOB
 
 #: assets
 EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])

@@ -1,24 +1,37 @@
-"""Automation: the housekeeping and checks schedules, and the sensor that applies subscription edits.
+"""Automation: the housekeeping and checks schedules, and the subscriptions job with its sensor.
 
 * ``pgstream_housekeeping`` (``housekeeping.cron``, UTC): materializes ``pgstream/events_partitions``
   (partitions ahead, expired partitions dropped, ledger pruned);
 * ``pgstream_checks`` (``checks.cron``, UTC): runs every asset check of the location; a tick that was
   due while Dagster or this code location was down is not caught up when it comes back (the next tick
   runs the checks): at a restart it would compete with the streams' first delivery runs;
-* ``pgstream_subscriptions``: an automation condition sensor over the subscription assets, running by
-  default, so a new or edited subscription in pgstream.yaml is applied without anyone clicking.
+* ``pgstream_subscriptions``: the job of the subscription assets, and its sensor (running by default), which
+  requests a run of the new, edited and removed subscriptions of pgstream.yaml without anyone clicking: the run
+  applies them as the owner, or checks them as the runtime role (``engine.subscriptions.apply_stream``).
 """
 
 import datetime as dt
+import json
 import time
-import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
 from ..config import PgstreamConfig
 from . import sensors
 from .assets import subscription_keys, subscription_set_key
-from .names import CHECKS_JOB, EVENTS_PARTITIONS_KEY, HOUSEKEEPING_JOB, SCHEDULED_CHECKS_TAG, SUBSCRIPTIONS_SENSOR
+from .names import (
+    CHECKS_JOB,
+    EVENTS_PARTITIONS_KEY,
+    HOUSEKEEPING_JOB,
+    SCHEDULED_CHECKS_TAG,
+    SUBSCRIPTIONS_JOB,
+    SUBSCRIPTIONS_SENSOR,
+)
+
+if TYPE_CHECKING:  # what define_asset_job returns (not exported by dagster)
+    from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 housekeeping_job = dg.define_asset_job(
     HOUSEKEEPING_JOB, selection=dg.AssetSelection.assets(EVENTS_PARTITIONS_KEY),
@@ -75,20 +88,79 @@ def schedules(config: PgstreamConfig) -> list[dg.ScheduleDefinition]:
 
 
 #: the subscriptions sensor evaluates at most every this many seconds, and at most every
-#: ``SUBSCRIPTION_SECS_PER_ASSET`` times the number of assets it evaluates: one evaluation reads Dagster's storage
-#: about a dozen times per asset (each read a connection of its own with Postgres storage), so 200 subscription
-#: assets (100 streams) evaluated every 15 s were most of the code server's CPU and of Postgres' connections
+#: ``SUBSCRIPTION_SECS_PER_ASSET`` times the number of assets it evaluates (a tick reads Dagster's storage twice,
+#: whatever the number of streams, but a hundred streams need no more than a tick a minute)
 SUBSCRIPTIONS_MIN_INTERVAL_SECS = 15
 SUBSCRIPTION_SECS_PER_ASSET = 0.3
+#: a subscription whose run failed is requested again when it is edited, else after this many seconds: never in
+#: a loop (the cause may be another subscription of the file, or a table not created yet)
+RETRY_SECS = 300.0
+#: a run of the subscriptions job in one of these: the sensor waits for it
+_UNFINISHED = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+               dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 
 
-def subscriptions_sensor(config: PgstreamConfig) -> dg.AutomationConditionSensorDefinition:
-    keys = [k for s in config.streams for k in [*subscription_keys(config, s.id).values(), subscription_set_key(s.id)]]
+def _subscription_asset_keys(config: PgstreamConfig) -> list[dg.AssetKey]:
+    """Every subscription asset of ``config``'s streams, and each stream's subscription set."""
+    return [k for s in config.streams for k in [*subscription_keys(config, s.id).values(), subscription_set_key(s.id)]]
+
+
+def subscriptions_job(config: PgstreamConfig) -> "UnresolvedAssetJobDefinition":
+    """``pgstream_subscriptions``: the runs of the subscription assets, the ones its sensor requests and the ones
+    launched by hand (Jobs, or Materialize in the catalog)."""
+    return dg.define_asset_job(
+        SUBSCRIPTIONS_JOB, selection=dg.AssetSelection.assets(*_subscription_asset_keys(config)),
+        description="Apply the subscriptions of pgstream.yaml when the code location's role may write them (the "
+                    "owner's), else check them against what `pgstream-dagster init` applied (the runtime role's); "
+                    "a stream's subscription set removes, or checks the removal of, those deleted from the file.")
+
+
+def due_subscriptions(current: Mapping[dg.AssetKey, str | None], applied: Mapping[dg.AssetKey, str | None],
+                      requested: Mapping[str, Sequence[Any]], now: float) -> list[dg.AssetKey]:
+    """The subscription assets to run: those whose latest materialization (``applied``: its code version, ``None``:
+    never materialized) is not of their ``current`` code version (new, edited; a stream's subscription set: one
+    removed), unless ``requested`` for that code version less than :data:`RETRY_SECS` before ``now`` (``requested``:
+    by key, the code version and time of the sensor's last request, its cursor)."""
+    due = []
+    for key, version in current.items():
+        if applied.get(key) == version:
+            continue
+        asked = requested.get(key.to_user_string())
+        if asked is not None and asked[0] == version and now - float(asked[1]) < RETRY_SECS:
+            continue
+        due.append(key)
+    return due
+
+
+def subscriptions_sensor(config: PgstreamConfig, job: "UnresolvedAssetJobDefinition") -> dg.SensorDefinition:
+    """``pgstream_subscriptions``: requests a run of ``job`` for the subscription assets :func:`due_subscriptions`
+    names, once no run of it is in progress."""
+    keys = _subscription_asset_keys(config)
     interval = max(SUBSCRIPTIONS_MIN_INTERVAL_SECS, round(len(keys) * SUBSCRIPTION_SECS_PER_ASSET))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dg.BetaWarning)  # use_user_code_server
-        return dg.AutomationConditionSensorDefinition(
-            SUBSCRIPTIONS_SENSOR, target=dg.AssetSelection.assets(*keys),
-            default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=interval,
-            use_user_code_server=True,  # the condition has a custom part (CodeVersionOutdated)
-            description="Applies new and edited subscriptions of pgstream.yaml (and removes deleted ones).")
+
+    @dg.sensor(name=SUBSCRIPTIONS_SENSOR, job=job, default_status=dg.DefaultSensorStatus.RUNNING,
+               minimum_interval_seconds=interval,
+               description="Requests a pgstream_subscriptions run for the subscriptions of pgstream.yaml that are "
+                           "new, edited or removed since their last run (which applies them as the owner, or checks "
+                           f"them as the runtime role); a failed one again when edited, else after {RETRY_SECS:.0f} s.")
+    def _subscriptions(context: dg.SensorEvaluationContext) -> dg.SensorResult | dg.SkipReason:
+        repository = context.repository_def
+        if repository is None:
+            raise dg.DagsterInvariantViolationError(f"{SUBSCRIPTIONS_SENSOR}: evaluated without its repository")
+        graph = repository.asset_graph
+        current = {key: graph.get(key).code_version for key in keys}
+        instance = context.instance
+        if instance.get_runs_count(dg.RunsFilter(job_name=SUBSCRIPTIONS_JOB, statuses=_UNFINISHED)):
+            return dg.SkipReason(f"a {SUBSCRIPTIONS_JOB} run is in progress")
+        requested: dict[str, list[Any]] = json.loads(context.cursor) if context.cursor else {}
+        now = time.time()
+        due = due_subscriptions(current, instance.get_latest_materialization_code_versions(keys), requested, now)
+        if not due:
+            return dg.SkipReason("every subscription is as its last run applied or checked it")
+        names = {key.to_user_string() for key in keys}
+        cursor = {name: asked for name, asked in requested.items() if name in names}
+        cursor.update({key.to_user_string(): [current[key], now] for key in due})
+        return dg.SensorResult(run_requests=[dg.RunRequest(asset_selection=due)],
+                               cursor=json.dumps(cursor, sort_keys=True))
+
+    return _subscriptions
