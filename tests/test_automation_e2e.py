@@ -1,6 +1,6 @@
 """End to end with the real daemon: on a fresh install (migrated only, no ``init``) the
-``pgstream_subscriptions`` sensor applies the YAML subscriptions by itself (runs of the ``pgstream_subscriptions`` job), and after an
-edit of pgstream.yaml and a reload of the code location (what a deploy does) applies the edit;
+``pgstream_subscriptions`` sensor applies the YAML subscriptions by itself (runs of the ``pgstream_subscriptions``
+job), and after an edit of pgstream.yaml and a reload of the code location (what a deploy does) applies the edit;
 nobody materializes anything by hand."""
 
 from __future__ import annotations
@@ -95,13 +95,13 @@ def test_daemon_applies_new_and_edited_subscriptions(databases: Databases, tmp_p
             def materialized() -> int:
                 return len(instance.fetch_materializations(key, limit=10).records)
 
-            def automated() -> list[dg.DagsterRun]:
+            def applied() -> list[dg.DagsterRun]:
                 runs = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.SUCCESS], job_name=SUBSCRIPTIONS_JOB,
                                                     tags={"dagster/sensor_name": SUBSCRIPTIONS_SENSOR}))
                 return [r for r in runs if key in (r.asset_selection or set())]
 
             # the materialization is recorded a moment before its run finishes
-            wait_for("two successful pgstream_subscriptions runs of the subscription", lambda: len(automated()) >= 2, 60,
+            wait_for("two successful pgstream_subscriptions runs of the subscription", lambda: len(applied()) >= 2, 60,
                      dev, lambda: f"{state()}; runs: {[(r.job_name, r.status, r.tags) for r in instance.get_runs()]}")
             assert materialized() == 2
     finally:
