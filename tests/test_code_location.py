@@ -19,9 +19,18 @@ import dagster as dg
 import httpx
 import psycopg
 import pytest
+import yaml
 from dagster import DagsterRunStatus, RunsFilter
 
-from pgstream_dagster.defs.names import DELIVERY_JOB, STREAM_TAG, backfill_job_name
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import (
+    CONTROL_JOB,
+    DELIVERY_JOB,
+    STREAM_TAG,
+    SUBSCRIPTIONS_JOB,
+    SUBSCRIPTIONS_SENSOR,
+    backfill_job_name,
+)
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import migrate
@@ -34,6 +43,7 @@ from .support.dagster_dev import (
     stop_process_group,
     wait_for,
 )
+from .support.dagster_instance import step_failure
 from .support.harness import write_config
 
 EVENTS_TIMEOUT_SECS = 240  # the first run starts Spark
@@ -418,3 +428,43 @@ def test_dagster_dev_killed_whole_recovers_at_the_next_ticks(databases: Database
     finally:
         survivors = stop_process_group(dev.proc)
     assert not survivors, survivors
+
+
+# --------------------------------------------------------------------------------------------
+# the Launchpad, as the UI shows the demo's jobs
+
+
+def _launchpad_template(job: dg.JobDefinition) -> Any:
+    """The YAML the Launchpad opens a job with: the webserver's own function (``rootDefaultYaml``), the fields
+    with a default."""
+    from dagster._core.snap.snap_to_yaml import default_values_yaml_from_type_snap
+
+    snap = job.get_job_snapshot()
+    schema = snap.config_schema_snapshot
+    root_key = snap.mode_def_snaps[0].root_config_key
+    assert root_key is not None
+    root = schema.get_config_snap(root_key)
+    return yaml.safe_load(default_values_yaml_from_type_snap(schema, root))
+
+
+def test_the_launchpad_offers_every_control_field_and_subscription_runs_have_a_job_of_their_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGSTREAM_DATABASE_URL", "postgresql://demo@127.0.0.1:1/demo")
+    repo = build_definitions(repo_root() / "pgstream.yaml").get_repository_def()
+    control = repo.get_job(CONTROL_JOB)
+    template = _launchpad_template(control)
+    assert template == {"ops": {"stream_control": {"config": {
+        "stream_id": 0, "action": "pause", "batch_id": 0, "event_ids": [], "reason": "", "dead_letter_ids": [],
+        "all_dead_letters": False, "confirm": ""}}}}
+    # launched as the template opens, it names what to set, before it connects to anything
+    unedited = control.execute_in_process(run_config=template, raise_on_error=False)
+    assert not unedited.success
+    assert "stream_id: set the stream to act on" in step_failure(unedited)
+
+    # the subscriptions' runs are of a job named for them (not Dagster's __ASSET_JOB), the one the sensor requests
+    sensor = repo.get_sensor_def(SUBSCRIPTIONS_SENSOR)
+    assert sensor.job_name == SUBSCRIPTIONS_JOB
+    subscriptions = repo.get_job(SUBSCRIPTIONS_JOB)
+    assert {k.path[-1] for k in subscriptions.asset_layer.selected_asset_keys} == {
+        "user_signup_insert_demo_users", "user_email_changed_update_demo_users", "subscription_set"}
+    assert sensor.description is not None and "checks them as the runtime role" in sensor.description
