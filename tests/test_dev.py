@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,13 +161,51 @@ def _status(root: Path, env: dict[str, str]) -> list[str]:
     return done.stdout.splitlines()
 
 
+def test_dev_status_lists_the_exporter_running_beside_dg_dev(demo: Demo, tmp_path: Path) -> None:
+    """run_dev starts the exporter, then becomes dg dev (execv): the exporter is a child of dg dev's pid, and exits
+    with it. A parent started the same way stands in for dg dev here (dg dev itself is a minute of CPU)."""
+    from pgstream_dagster.dev import _exporter
+
+    exported = dict(re.findall(r"^export (\w+)=(.*)$", (demo.root / ".pgstream" / "env").read_text(), re.M))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "pgstream.yaml"
+    config.write_text(f"database_url: {exported['PGSTREAM_DATABASE_URL']}\nmetrics: {{port: {port}}}\n")
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                               "'-m', 'pgstream_dagster.cli', 'metrics', '--config', sys.argv[1], "
+                               "'--exit-with-parent']); time.sleep(300)", str(config)], env=demo.env)
+    try:
+        deadline = time.monotonic() + 60
+        while "running (" not in _exporter(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        line = _exporter(parent.pid)
+        assert re.fullmatch(rf"Prometheus exporter:  running \(pid \d+\) on http://127\.0\.0\.1:{port}/metrics",
+                            line), line
+        exporter = int(line.split("pid ")[1].split(")")[0])
+        while time.monotonic() < deadline:  # serving: it knows its parent (what it watches) by now
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while _running(exporter) and time.monotonic() < deadline:  # it exits with its parent
+        time.sleep(0.2)
+    assert not _running(exporter)
+    assert _exporter(parent.pid) == "Prometheus exporter:  not running"
+
+
 def test_make_clean_stops_the_demo_services_before_deleting_them(demo: Demo) -> None:
     datadir = demo.root / ".pgstream" / "data"
     pid = int((datadir / "postmaster.pid").read_text().split()[0])
     port = (demo.root / ".pgstream" / "data.port").read_text()
     assert _status(demo.root, demo.env) == [
         f"Postgres:             running (pid {pid}) on 127.0.0.1:{port}, data in {datadir}",
-        "Spark Connect server: not running", "dg dev:               not running"]
+        "Spark Connect server: not running", "dg dev:               not running", "Prometheus exporter:  not running"]
     done = subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "-C", str(demo.root), "clean",
                            f"VENV={sys.prefix}"], env=demo.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -174,4 +215,4 @@ def test_make_clean_stops_the_demo_services_before_deleting_them(demo: Demo) -> 
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", connect_timeout=2)
     assert _status(demo.root, demo.env) == ["Postgres:             none", "Spark Connect server: not running",
-                                            "dg dev:               not running"]
+                                            "dg dev:               not running", "Prometheus exporter:  not running"]
