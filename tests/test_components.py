@@ -159,8 +159,8 @@ def _view(defs: dg.Definitions) -> dict[str, Any]:
         "schedules": sorted((s.name, str(s.cron_schedule)) for s in repo.schedule_defs),
         "sensors": sorted((s.name, s.minimum_interval_seconds, s.description, s.default_status)
                           for s in repo.sensor_defs),
-        "subscriptions_target": sorted(k.to_user_string() for k in repo.get_sensor_def("pgstream_subscriptions")
-                                       .asset_selection.resolve(graph)),  # type: ignore[union-attr]
+        "subscriptions_target": sorted(k.to_user_string() for k in repo.get_job("pgstream_subscriptions")
+                                       .asset_layer.selected_asset_keys),
         "resources": sorted(defs.resources or {}),
     }
 
