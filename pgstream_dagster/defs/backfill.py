@@ -71,8 +71,8 @@ def _metadata(progress: backfill.Progress) -> dict[str, Any]:
 def _report(context: dg.OpExecutionContext, asset: dg.AssetKey | None, progress: backfill.Progress,
             description: str) -> None:
     """Progress as a materialization of the subscription's asset. It carries the code version of the
-    asset's latest materialization (the definition applied), so the automation that applies YAML
-    edits sees the same state as before; an asset never materialized gets an observation."""
+    asset's latest materialization (the definition applied), so the ``pgstream_subscriptions`` sensor,
+    which requests YAML edits, sees the same state as before; an asset never materialized gets an observation."""
     if asset is None:
         return
     applied = context.instance.get_latest_materialization_code_versions([asset]).get(asset)

@@ -46,8 +46,8 @@ def child_instance(storage_url: str, tmp: Path) -> Iterator[dg.DagsterInstance]:
 
 def materialize(defs: dg.Definitions, instance: dg.DagsterInstance, keys: list[dg.AssetKey],
                 run_config: dict[str, Any] | None = None) -> dg.ExecuteInProcessResult:
-    """Materialize ``keys`` (and run their checks) the way a run launched from the UI or the
-    automation sensor would: the location's implicit asset job, a real instance."""
+    """Materialize ``keys`` (and run their checks) the way a run launched from the catalog would: the
+    location's implicit asset job, a real instance."""
     job = defs.resolve_implicit_global_asset_job_def()
     return job.execute_in_process(instance=instance, asset_selection=keys, run_config=run_config or {},
                                   raise_on_error=False)
