@@ -107,7 +107,7 @@ def _subscription_asset_keys(config: PgstreamConfig) -> list[dg.AssetKey]:
 
 def subscriptions_job(config: PgstreamConfig) -> "UnresolvedAssetJobDefinition":
     """``pgstream_subscriptions``: the runs of the subscription assets, the ones its sensor requests and the ones
-    launched by hand (Jobs, or Materialize in the catalog)."""
+    launched by hand from the job's page (Jobs → pgstream_subscriptions → Materialize)."""
     return dg.define_asset_job(
         SUBSCRIPTIONS_JOB, selection=dg.AssetSelection.assets(*_subscription_asset_keys(config)),
         description="Apply the subscriptions of pgstream.yaml when the code location's role may write them (the "
