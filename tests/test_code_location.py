@@ -447,7 +447,7 @@ def _launchpad_template(job: dg.JobDefinition) -> Any:
     return yaml.safe_load(default_values_yaml_from_type_snap(schema, root))
 
 
-def test_the_launchpad_offers_every_control_field_and_subscription_runs_have_a_job_of_their_own(
+def test_the_launchpad_templates_show_what_to_type_and_subscription_runs_have_a_job_of_their_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PGSTREAM_DATABASE_URL", "postgresql://demo@127.0.0.1:1/demo")
     repo = build_definitions(repo_root() / "pgstream.yaml").get_repository_def()
@@ -460,6 +460,13 @@ def test_the_launchpad_offers_every_control_field_and_subscription_runs_have_a_j
     unedited = control.execute_in_process(run_config=template, raise_on_error=False)
     assert not unedited.success
     assert "stream_id: set the stream to act on" in step_failure(unedited)
+
+    # the backfill job opens with its subscription keys to fill in; launched so, it names them
+    backfill = repo.get_job(backfill_job_name(1))
+    template = _launchpad_template(backfill)
+    assert template["ops"]["backfill_stream_1"]["config"]["subscriptions"] == []
+    unedited = backfill.execute_in_process(run_config={"ops": template["ops"]}, raise_on_error=False)
+    assert not unedited.success and "name at least one subscription key" in step_failure(unedited)
 
     # the subscriptions' runs are of a job named for them (not Dagster's __ASSET_JOB), the one the sensor requests
     sensor = repo.get_sensor_def(SUBSCRIPTIONS_SENSOR)

@@ -32,7 +32,8 @@ class BackfillConfig(dg.Config):
     """What to backfill. Each subscription key is read through its INSERT subscription (else its
     UPDATE one) on each of its tables; its existing rows become events with ``tg_op: "READ"``."""
 
-    subscriptions: list[str] = Field(description="subscription keys of this stream to backfill")
+    # a default, so the Launchpad's template shows it (an empty list is refused naming it)
+    subscriptions: list[str] = Field([], description="subscription keys of this stream to backfill (at least one)")
     table: str | None = Field(None, description="schema.table: only this table of those subscriptions")
     where: str | None = Field(None, description="only rows for which this boolean SQL expression over the row "
                                                 "(new.<column>) is true; checked like a when_clause")
