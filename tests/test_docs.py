@@ -131,3 +131,18 @@ def test_every_command_and_argument_of_the_cli_has_plain_help_and_the_summary_na
     missing = [name for name in commands
                if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", root.description or "")]
     assert missing == []
+
+
+def test_install_drift_guard_takes_a_superusers_url_and_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Neither the runtime's URL ($PGSTREAM_DATABASE_URL) nor the owner's is a superuser's: the command has no
+    default URL, and its help does not offer one."""
+    command = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)) \
+        .choices["install-drift-guard"]
+    (url,) = [a for a in command._actions if "--database-url" in a.option_strings]
+    assert url.required and "superuser" in (url.help or "") and "$PGSTREAM" not in (url.help or "")
+    monkeypatch.setenv("PGSTREAM_DATABASE_URL", "postgresql://runtime@127.0.0.1:1/pgstream")
+    with pytest.raises(SystemExit) as exited:
+        main(["install-drift-guard"])
+    assert exited.value.code == 2
+    assert "the following arguments are required: --database-url" in capsys.readouterr().err
