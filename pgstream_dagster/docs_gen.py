@@ -190,8 +190,9 @@ def cli_page(root_parser: argparse.ArgumentParser) -> str:
                 "pgstream-dagster":
             continue  # a group (dead-letters, backfill): its commands follow
         parts.append(f"\n## `{parser.prog}`\n\n")
-        if help_text:
-            parts.append(f"{help_text[0].upper()}{help_text[1:]}.\n\n")
+        text = " ".join((help_text or parser.description or "").split()).rstrip(".")  # the root: its summary
+        if text:
+            parts.append(f"{text[0].upper()}{text[1:]}.\n\n")
         parts.append(f"```text\n{_usage(parser)}\n```\n\n")
         rows = []
         for action in parser._actions:
