@@ -128,6 +128,12 @@ def test_every_demo_command_of_the_docs_runs_as_written_without_a_warning(demo: 
         if done.returncode != 0 or _warnings(output):
             failures.append(f"{name} (exit {done.returncode}):\n{block}\n{output}")
     assert failures == [], "\n\n".join(failures)
+    # nothing left in the checkout that git would track (a config the docs write goes under .pgstream/)
+    left = [p.name + ("/" if p.is_dir() else "") for p in demo.root.iterdir()
+            if p.name not in {*CHECKOUT_FILES, ".venv", "pgstream_dagster", "sql"}]
+    tracked = [name for name in left if subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "--no-index",
+                                                        name], capture_output=True).returncode != 0]
+    assert tracked == []
     owner = dict(re.findall(r"^export (\w+)=(.*)$", (demo.root / ".pgstream" / "env").read_text(), re.M))
     with psycopg.connect(owner["PGSTREAM_OWNER_DATABASE_URL"].strip("'")) as c:  # the inserts went in
         assert c.execute("select count(*) from demo.users").fetchone()[0] >= 2  # type: ignore[index]
