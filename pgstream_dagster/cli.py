@@ -630,6 +630,16 @@ def _key_value(item: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+def _describe_commands(parser: argparse.ArgumentParser) -> None:
+    """Each command's help (its line in the list of its group) is also what ``COMMAND --help`` opens with."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                sub.description = sub.description or helps.get(name)
+                _describe_commands(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pgstream-dagster")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
@@ -740,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_ranged("port", 1, 65535), default=3000, help="the port of the Dagster UI (dg dev)")
     p.add_argument("--no-spark-server", action="store_true",
                    help="runs start their own Spark instead of using a Spark Connect server kept in .pgstream/ (a "
-                        "JVM of about 1 GB)")
+                        "JVM: about 300 MB idle, its heap capped at 1 GB)")
     p.add_argument("--root", default=".", help="the checkout whose .pgstream/ holds the demo's services (default: .)")
     services = p.add_mutually_exclusive_group()
     services.add_argument("--status", action="store_true",
@@ -777,6 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "one migrated on a throw-away local Postgres)")
     p.add_argument("--root", default=".", help="the repository to write into")
     p.set_defaults(func=_cmd_docs)
+    _describe_commands(parser)
     # the summary names every command, from the parser itself (pgstream-dagster COMMAND --help for one)
     parser.description = (f"{__doc__} Commands: {', '.join(sub.choices)} (pgstream-dagster COMMAND --help "
                           "describes one).")
