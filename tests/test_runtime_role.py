@@ -282,6 +282,11 @@ def test_the_runtime_and_executor_roles_cannot_change_definitions_or_become_the_
                       "select pgstream.try_lock('delivery', 1)", "select * from pgstream.subscriptions",
                       "insert into pgstream.events (payload, stream_id) values ('{}', 1)",
                       "select * from pgstream.locks",  # (a by_key task asks delivery_lease_held, below)
+                      # it writes through the owner's functions with a token only (tests/test_executor_role.py)
+                      "insert into pgstream.dead_letters (stream_id, event_id, stage, error) values (1, 1, 'read', '')",
+                      "update pgstream.key_progress set ord = 0", "begin; lock table pgstream.key_progress",
+                      "begin; lock table pgstream.dead_letters in row exclusive mode",
+                      "select pgstream.issue_delivery_token(1, 'r')", "select pgstream.consumer_token('lake')",
                       f"set role {i.owner}", f"set role {i.runtime}"):
         with psycopg.connect(i.executor_url, autocommit=True) as c:
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
