@@ -86,7 +86,7 @@ def test_the_executor_cannot_forge_or_suppress_another_streams_event_through_a_d
                 ex.execute(set_aside, [token, b1, 4])
         finally:
             lease.close()
-    real = dict(conn.execute("select id, payload from pgstream.events where stream_id = 1").fetchall())
+    real: dict[int, Any] = dict(conn.execute("select id, payload from pgstream.events where stream_id = 1").fetchall())
     # the events at those positions, with their own payloads; stream 2 delivers all its events
     assert _dead_letters(conn) == [(1, ids1[1], b1, 2, real[ids1[1]]), (1, ids1[0], b1, 1, real[ids1[0]]),
                                    (1, ids1[2], b1, 3, real[ids1[2]])]
