@@ -23,3 +23,5 @@ alter table pgstream.consumers add column if not exists token_hash bytea;
 
 -- replaced by consumer_commit(text, bigint, bigint, integer, text): a position moves with the consumer's token
 drop function if exists pgstream.consumer_commit(text, bigint, bigint, integer);
+-- replaced by the lease check of record_key_progress and set_aside_rejected (the round's delivery token)
+drop function if exists pgstream.delivery_lease_held(bigint, text);

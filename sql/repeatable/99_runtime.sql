@@ -52,21 +52,6 @@ end
 $$;
 revoke all on function pgstream.expected_trigger(text, text, pgstream.operation_type, text) from public;
 
--- Whether run p_run_id holds stream p_stream_id's delivery lease (pgstream's lock 'delivery' names it
--- and its backend lives: pgstream.lock_holder): a by_key task asks before it records a chunk and
--- publishes the next one, and stops once its run is gone. Runs as the owner so the executors need no
--- privilege on pgstream.locks; it answers that one question and nothing else.
-create or replace function pgstream.delivery_lease_held(p_stream_id bigint, p_run_id text)
-returns boolean
-language sql
-stable
-security definer
-set search_path = pg_catalog, pg_temp
-as $$
-    select coalesce(pgstream.lock_holder('delivery', p_stream_id) = p_run_id, false)
-$$;
-revoke all on function pgstream.delivery_lease_held(bigint, text) from public;
-
 -- ---------------------------------------------------------------------------------------------
 -- A by_key round's delivery token (sql/030_executor_writes.sql): what its Spark tasks write with.
 
@@ -290,7 +275,6 @@ grant execute on function
     pgstream.consumer_token(text),
     pgstream.drop_consumer(text),
     pgstream.set_consumer_retention(text, integer),
-    pgstream.delivery_lease_held(bigint, text),
     pgstream.issue_delivery_token(bigint, text)
     to pgstream_runtime;
 -- ... and run as their caller, on the tables granted above (a lock names the session's backend):
@@ -320,6 +304,5 @@ grant execute on function
     pgstream.consumer_commit(text, bigint, bigint, integer, text),
     pgstream.record_key_progress(text, integer, integer[], bigint, bigint),
     pgstream.set_aside_rejected(text, bigint, integer, text, text, integer),
-    pgstream.backfill_backlog(bigint),
-    pgstream.delivery_lease_held(bigint, text)
+    pgstream.backfill_backlog(bigint)
     to pgstream_executor;
