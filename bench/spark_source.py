@@ -54,9 +54,12 @@ def _copy(url: str, out: Path) -> float:
 def _stream(spark: object, url: str, tmp: Path, i: int, max_events: int, n: int) -> float:
     with psycopg.connect(url, autocommit=True) as c:  # the operator registers the query's consumer
         c.execute("select pgstream.register_consumer(%s, 1, true)", [f"bench-{i}"])
+        token = c.execute("select pgstream.consumer_token(%s)", [f"bench-{i}"]).fetchone()
+    assert token is not None
     started = time.monotonic()
     query = (spark.readStream.format("pgstream").option("url", url).option("stream", "1")  # type: ignore[attr-defined]
-             .option("consumer", f"bench-{i}").option("startingPosition", "earliest")
+             .option("consumer", f"bench-{i}").option("consumerToken", token[0])
+             .option("startingPosition", "earliest")
              .option("maxEventsPerTrigger", str(max_events)).option("numPartitions", "2").load()
              .writeStream.format("noop").option("checkpointLocation", str(tmp / f"checkpoint-{i}"))
              .trigger(processingTime="0 seconds").start())

@@ -190,19 +190,44 @@ def _cmd_consumers_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_consumers_add(args: argparse.Namespace) -> int:
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+    with psycopg.connect(_database_url(args), autocommit=True) as conn, conn.transaction():
         try:
             row = conn.execute("select pgstream.register_consumer(%s, %s, %s, %s)",
                                [args.name, args.stream, args.from_start, args.retention_days]).fetchone()
         except psycopg.errors.InvalidParameterValue as exc:
             print(f"consumers add: {exc.diag.message_primary}", file=sys.stderr)
             return 2
-    if not (row and row[0]):
-        print(f"consumer {args.name} of stream {args.stream} was registered already: nothing changed")
+        token = _consumer_token(conn, args.name) if row and row[0] else None
+    if token is None:
+        print(f"consumer {args.name} of stream {args.stream} was registered already: nothing changed "
+              f"(`pgstream-dagster consumers token {args.name}` issues a new token)")
         return 0
     start = "before every batch the stream's ledger has" if args.from_start else "at the end of the stream's ledger"
     print(f"registered consumer {args.name} of stream {args.stream}, its position {start}: housekeeping keeps "
           f"what it has not read for up to {args.retention_days} days")
+    _print_token(token)
+    return 0
+
+
+def _consumer_token(conn: psycopg.Connection, name: str) -> str | None:
+    row = conn.execute("select pgstream.consumer_token(%s)", [name]).fetchone()
+    return None if row is None or row[0] is None else str(row[0])
+
+
+def _print_token(token: str) -> None:
+    """The consumer's token, once (the database keeps its hash only): its query's consumerToken option."""
+    print("its token (the query's option consumerToken; shown once, stored hashed; keep it secret like a "
+          f"password):\n{token}")
+
+
+def _cmd_consumers_token(args: argparse.Namespace) -> int:
+    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        token = _consumer_token(conn, args.name)
+    if token is None:
+        print(f"no registered consumer {args.name!r}", file=sys.stderr)
+        return 1
+    print(f"consumer {args.name}: a new token; the last one no longer records its position")
+    _print_token(token)
     return 0
 
 
@@ -698,14 +723,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
     p.set_defaults(func=_cmd_consumers_list)
     p = consumer_sub.add_parser("add", parents=[common],
-                                help="register a consumer (a streaming query's consumer option): the Spark "
-                                     "executors may record its position, and housekeeping keeps what it has not read")
+                                help="register a consumer (a streaming query's consumer option) and print its "
+                                     "token (its consumerToken option): the query records its position with it, "
+                                     "and housekeeping keeps what it has not read")
     p.add_argument("name", help="the consumer's name (1-100 letters, digits, _ . : -)")
     p.add_argument("stream", type=_ID, help="the stream it reads")
     p.add_argument("--from-start", action="store_true",
                    help="start before every batch the stream's ledger has (default: at its end)")
     p.add_argument("--retention-days", type=int, default=30, help="1-3650 (default 30)")
     p.set_defaults(func=_cmd_consumers_add)
+    p = consumer_sub.add_parser("token", parents=[common],
+                                help="issue a consumer a new token (its query's consumerToken option); the last "
+                                     "one stops working")
+    p.add_argument("name", help="the consumer's name")
+    p.set_defaults(func=_cmd_consumers_token)
     p = consumer_sub.add_parser("drop", parents=[common], help="forget a consumer (an abandoned query): "
                                                               "housekeeping stops keeping events for it")
     p.add_argument("name", help="the consumer's name (the source's consumer option)")

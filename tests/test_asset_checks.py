@@ -329,7 +329,7 @@ def test_a_consumer_past_its_retention_bound_fails_a_check_and_shows_in_status_a
         batch = c.execute("select max(id) from pgstream.batches").fetchone()
         assert batch is not None
         c.execute("select pgstream.register_consumer('lake', 1, true)")
-        c.execute("select pgstream.consumer_commit('lake', 1, %s, 2)", [batch[0]])
+        c.execute("select pgstream.consumer_commit('lake', 1, %s, 2, pgstream.consumer_token('lake'))", [batch[0]])
         metrics: dict[str, float] = dict(
             c.execute("select metric, value from pgstream.metrics where label = 'lake'").fetchall())
         status_row = stream_status(c, 1)[0]

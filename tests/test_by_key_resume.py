@@ -58,7 +58,8 @@ def test_a_retried_partition_resumes_per_bucket_and_counts_every_event_once(db_u
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("select pgstream.ensure_stream(1)")
     rows = _rows()
-    progress = ledger.KeyProgress(db_url, 1, PARTITIONS)
+    lease = ledger.acquire_lease(db_url, 1, "r-1")  # the run, which gives its round's tasks the token
+    progress = ledger.KeyProgress(db_url, 1, PARTITIONS, token=ledger.issue_delivery_token(lease, 1, "r-1"))
     poison = 210  # batch 2 #10: its chunk (207..210) delivers 207..209, then the sink refuses 210
     with pytest.raises(SinkError):
         _attempt(rows, progress, reject_ids=[poison], reject_times=1)
@@ -86,6 +87,8 @@ def test_a_retried_partition_resumes_per_bucket_and_counts_every_event_once(db_u
         ledger.clear_key_progress(c, 1, through_batch_id=2)
         assert c.execute("select count(*) from pgstream.key_progress").fetchone() == (0,)
     assert "postgresql" not in repr(progress)  # pickled to the executors, shown in tracebacks: never the URL
+    assert progress.token and progress.token not in repr(progress)  # nor the token
+    lease.close()
 
 
 def test_a_task_stops_once_its_run_no_longer_holds_the_delivery_lease(db_url: str) -> None:
@@ -93,9 +96,10 @@ def test_a_task_stops_once_its_run_no_longer_holds_the_delivery_lease(db_url: st
     every record, that the run still holds its lease, and stop after the chunk in flight."""
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("select pgstream.ensure_stream(1)")
-    progress = ledger.KeyProgress(db_url, 1, PARTITIONS, run_id="r-1")
+    progress = ledger.KeyProgress(db_url, 1, PARTITIONS)
     with progress.connect() as task:
         lease = ledger.acquire_lease(db_url, 1, "r-1")
+        progress.token = ledger.issue_delivery_token(lease, 1, "r-1")
         progress.record(task, [0], 1, 4)
         lease.close()  # the run's process died: its backend ends a moment after the socket closes
         deadline = time.monotonic() + 10
@@ -104,7 +108,7 @@ def test_a_task_stops_once_its_run_no_longer_holds_the_delivery_lease(db_url: st
         # another session naming itself after the run (any role can set its application_name) keeps
         # nothing alive: the lease is pgstream's lock row
         with psycopg.connect(db_url, application_name=ledger.lease_name("r-1")):
-            with pytest.raises(ledger.RunGone, match="run r-1 no longer holds the delivery lease"):
+            with pytest.raises(ledger.RunGone, match="the run of this by_key round no longer holds the delivery lease"):
                 progress.record(task, [0], 1, 8)
         assert progress.read(task) == {0: (1, 4)}  # nothing recorded once the run is gone
 

@@ -125,7 +125,8 @@ def test_a_registered_consumer_holds_back_what_it_has_not_read_until_its_bound(c
     assert any("a registered consumer has not read it" in w for w in report.warnings)
     assert report.batches_pruned == 0 and report.consumers_overrun == []
 
-    conn.execute("select pgstream.consumer_commit('lake', 1, %s, 10)", [first])  # read the first batch
+    # read the first batch
+    conn.execute("select pgstream.consumer_commit('lake', 1, %s, 10, pgstream.consumer_token('lake'))", [first])
     report = run_housekeeping(conn, cfg, today=later)
     assert report.dropped == [name(day1), name(d0 + dt.timedelta(days=2))] and report.rows_dropped == 10
     assert report.kept == [name(d0 + dt.timedelta(days=i)) for i in range(3, 7)]

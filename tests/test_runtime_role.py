@@ -281,19 +281,24 @@ def test_the_runtime_and_executor_roles_cannot_change_definitions_or_become_the_
                       "select pgstream.register_stream(2, 'two')", "select pgstream.ensure_publications(1)",
                       "select pgstream.try_lock('delivery', 1)", "select * from pgstream.subscriptions",
                       "insert into pgstream.events (payload, stream_id) values ('{}', 1)",
-                      "select * from pgstream.locks",  # (a by_key task asks delivery_lease_held, below)
+                      "select * from pgstream.locks",
+                      # it writes through the owner's functions with a token only (tests/test_executor_role.py)
+                      "insert into pgstream.dead_letters (stream_id, event_id, stage, error) values (1, 1, 'read', '')",
+                      "update pgstream.key_progress set ord = 0", "begin; lock table pgstream.key_progress",
+                      "begin; lock table pgstream.dead_letters in row exclusive mode",
+                      "select pgstream.issue_delivery_token(1, 'r')", "select pgstream.consumer_token('lake')",
                       f"set role {i.owner}", f"set role {i.runtime}"):
         with psycopg.connect(i.executor_url, autocommit=True) as c:
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 c.execute(statement)
-    with psycopg.connect(i.executor_url, autocommit=True) as c:  # the one question it may ask of the leases
-        assert c.execute("select pgstream.delivery_lease_held(1, 'no such run')").fetchone() == (False,)
+    with psycopg.connect(i.executor_url, autocommit=True) as c:  # its writes, with a token (none here: nothing)
+        assert c.execute("select pgstream.record_key_progress('no token', 3, '{0}', 1, 1)").fetchone() == (False,)
     app = f"rt_app_{i.runtime.rsplit('_', 1)[-1]}"
     _run(i.superuser_url, f"create role {app} login")
     try:  # a role of the application's: not even that
         with psycopg.connect(i.runtime_url.replace(f"{i.runtime}@", f"{app}@", 1), autocommit=True) as c:
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
-                c.execute("select pgstream.delivery_lease_held(1, 'no such run')")
+                c.execute("select pgstream.record_key_progress('no token', 3, '{0}', 1, 1)")
     finally:
         _run(i.superuser_url, f"drop role {app}")
     with psycopg.connect(i.owner_url) as c:

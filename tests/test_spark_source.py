@@ -68,7 +68,7 @@ def test_positions_caps_and_partitions(db_url: str, stream: psycopg.Connection) 
 def test_bad_options_are_named_and_the_url_is_never_shown(db_url: str, stream: psycopg.Connection) -> None:
     from pgstream_dagster.engine.spark_source import EventsReader, StreamReader
 
-    base = {"url": db_url, "stream": "1", "consumer": "c1"}
+    base = {"url": db_url, "stream": "1", "consumer": "c1", "consumerToken": "t"}
     for options, message in [({**base, "stream": "one"}, "option 'stream' must be an integer, got 'one'"),
                              ({**base, "stream": "0"}, "option 'stream' must be >= 1, got 0"),
                              ({k: v for k, v in base.items() if k != "consumer"}, "option 'consumer' is required"),
@@ -93,8 +93,9 @@ def test_bad_options_are_named_and_the_url_is_never_shown(db_url: str, stream: p
 
 def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psycopg.Connection,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """Only an operator registers a consumer (it holds events back): the executor role records the position
-    of a registered consumer of its stream, and can neither register one nor change or drop one."""
+    """Only an operator registers a consumer (it holds events back) and issues its token: the executor role
+    records the position of a registered consumer of its stream with that consumer's token, and can
+    neither register one nor change or drop one (moving another's: tests/test_executor_role.py)."""
     from pgstream_dagster.cli import main as cli_main
 
     insert_events(db_url, 1, 12)
@@ -102,45 +103,59 @@ def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psy
     with executor_role(db_url) as url, psycopg.connect(url, autocommit=True) as ex:
         with pytest.raises(SourceError, match=r"consumer lake\.orders is not registered \(An operator registers it: "
                                               r"pgstream-dagster consumers add lake\.orders 1\)"):
-            spark_source.commit_consumer(ex, "lake.orders", 1, Position(b1, 4))
+            spark_source.commit_consumer(ex, "lake.orders", 1, Position(b1, 4), "no token")
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             ex.execute("select pgstream.register_consumer('mine', 1, true, 3650)")
         assert stream.execute("select count(*) from pgstream.consumers").fetchone() == (0,)
         # the operator registers it (the runtime role may): before every batch, or at the ledger's end
         assert cli_main(["consumers", "add", "lake.orders", "1", "--from-start", "--database-url", db_url]) == 0
+        token = capsys.readouterr().out.splitlines()[-1]
         assert consumer_row(db_url, "lake.orders") == (0, 0, 12)
         assert cli_main(["consumers", "add", "lake.audit", "1", "--retention-days", "7", "--database-url", db_url]) == 0
+        audit_token = capsys.readouterr().out.splitlines()[-1]
         assert consumer_row(db_url, "lake.audit") == (b2, 6, 0)
+        assert len(token) == len(audit_token) == 64 and token != audit_token
         assert cli_main(["consumers", "add", "lake.orders", "1", "--database-url", db_url]) == 0
-        assert "registered already: nothing changed" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "registered already: nothing changed" in out and token not in out
         assert cli_main(["consumers", "add", "lake.orders", "2", "--database-url", db_url]) == 2
         assert cli_main(["consumers", "add", "bad name!", "1", "--database-url", db_url]) == 2
         assert cli_main(["consumers", "add", "x", "1", "--retention-days", "0", "--database-url", db_url]) == 2
         err = capsys.readouterr().err
         assert "consumer lake.orders reads stream 1, not stream 2" in err and "a consumer name is" in err
         assert "days must be 1-3650, got 0" in err
-        spark_source.commit_consumer(ex, "lake.orders", 1, Position(b1, 4))
+        spark_source.commit_consumer(ex, "lake.orders", 1, Position(b1, 4), token)
         assert consumer_row(db_url, "lake.orders") == (b1, 4, 8)
-        spark_source.commit_consumer(ex, "lake.orders", 1, Position(b2, 6))
+        spark_source.commit_consumer(ex, "lake.orders", 1, Position(b2, 6), token)
         assert consumer_row(db_url, "lake.orders") == (b2, 6, 0)
         bad: list[tuple[Any, ...]] = [
             ("bad name!", 1, b1, 1, "a consumer name is"),
-            ("x", 99, 0, 0, "no stream 99"),
-            ("x", 1, b1, 7, "is no position of stream 1"),  # past the batch's 6 events
-            ("x", 2, b1, 1, "is no position of stream 2"),  # another stream's batch
-            ("x", 1, 0, 3, "batch 0"),
-            ("lake.orders", 2, 0, 0, "reads stream 1, not stream 2"),
+            ("lake.orders", 99, 0, 0, "no stream 99"),
+            ("lake.orders", 1, b1, 7, "is no position of stream 1"),  # past the batch's 6 events
+            ("lake.orders", 1, 0, 3, "batch 0"),
+            ("lake.orders", 2, b1, 1, "reads stream 1, not stream 2"),
             ("nobody", 1, 0, 0, "consumer nobody is not registered"),
         ]
         for name, stream_id, batch_id, ord_, message in bad:
             with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
-                ex.execute("select pgstream.consumer_commit(%s, %s, %s, %s)", [name, stream_id, batch_id, ord_])
+                ex.execute("select pgstream.consumer_commit(%s, %s, %s, %s, %s)", [name, stream_id, batch_id, ord_,
+                                                                                  token])
+        # a new token: the last one no longer moves the position
+        assert cli_main(["consumers", "token", "lake.orders", "--database-url", db_url]) == 0
+        new_token = capsys.readouterr().out.splitlines()[-1]
+        assert len(new_token) == 64 and new_token != token
+        with pytest.raises(SourceError, match=r"the token \(option consumerToken\) is not this consumer's") as info:
+            spark_source.commit_consumer(ex, "lake.orders", 1, Position(b1, 1), token)
+        assert token not in str(info.value)
+        spark_source.commit_consumer(ex, "lake.orders", 1, Position(b2, 6), new_token)
+        assert cli_main(["consumers", "token", "nobody", "--database-url", db_url]) == 1
         # least privilege: positions through consumer_commit only
         for statement in ["update pgstream.consumers set max_retention_days = 3650",
                           "insert into pgstream.consumers (name, stream_id, batch_id, ord) values ('y', 1, 0, 0)",
                           "delete from pgstream.consumers",
                           "select pgstream.set_consumer_retention('lake.orders', 3650)",
                           "select pgstream.drop_consumer('lake.orders')",
+                          "select pgstream.consumer_token('lake.orders')",
                           "select * from pgstream.consumer_status",
                           "update pgstream.batches set status = 'delivered'"]:
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -148,6 +163,9 @@ def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psy
     rows = stream.execute("select name, stream_id, batch_id, ord, max_retention_days from pgstream.consumers"
                           " order by name").fetchall()
     assert rows == [("lake.audit", 1, b2, 6, 7), ("lake.orders", 1, b2, 6, 30)]
+    # the source's own options: without the token, a message saying where it comes from
+    with pytest.raises(SourceError, match=r"option 'consumerToken' is required \(consumer c1's token: "):
+        spark_source.StreamReader({"url": db_url, "stream": "1", "consumer": "c1"})
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ in the ledger, and, for analysis, events with their delivery state as a batch re
   (``{"batch_id": 0, "ord": 0}``: before every batch), so a query's checkpoint names a place in the
   ledger, and a restarted query reads from exactly there. A micro-batch is split into partitions of
   whole or cut batches, read in parallel by the executors. Its ``commit`` records the position of a
-  **registered consumer** (``pgstream.consumers``, through ``pgstream.consumer_commit``), which
-  housekeeping keeps events for.
+  **registered consumer** (``pgstream.consumers``, through ``pgstream.consumer_commit`` with the
+  consumer's token: a query moves its own consumer's position only), which housekeeping keeps events for.
 * ``spark.read.format("pgstream")`` (:class:`EventsReader`): a stream's events with the batch that
   holds each one (its status, delivery time, attempts) and whether it is a dead letter. Its options
   (time range, subscription keys, operations) are conditions of the query Postgres runs; with
@@ -17,7 +17,9 @@ in the ledger, and, for analysis, events with their delivery state as a batch re
 
 Options (both): ``stream`` (the stream id, required), ``url`` (the database URL: the executor role's,
 ``spark.executor_database_url``; Spark redacts options whose key matches ``url`` in plans and the
-UI, and no message here repeats it). Stream reader: ``consumer`` (required), ``startingPosition``
+UI, and no message here repeats it). Stream reader: ``consumer`` and ``consumerToken`` (required: the
+token ``pgstream-dagster consumers add`` or ``consumers token`` printed; Spark redacts options whose
+key matches ``token`` too), ``startingPosition``
 (``earliest``, ``latest``, an event id, or an ISO time), ``maxEventsPerTrigger``, ``numPartitions``,
 ``rowsPerPartition``, ``failOnDataLoss``. Batch reader: ``fromTime``, ``toTime``, ``subscription``,
 ``operation`` (comma-separated), ``numPartitions``, ``pushFilters``.
@@ -118,10 +120,10 @@ class SpanRead:
         return self.hi - self.lo + 1
 
 
-def _option(options: dict[str, str], name: str, default: str | None = None) -> str:
+def _option(options: dict[str, str], name: str, default: str | None = None, what: str = "") -> str:
     value = options.get(name, options.get(name.lower(), default))
     if value is None or not str(value).strip():
-        raise SourceError(f"pgstream source: option {name!r} is required")
+        raise SourceError(f"pgstream source: option {name!r} is required{what}")
     return str(value).strip()
 
 
@@ -282,16 +284,16 @@ def split_spans(spans: Sequence[SpanRead], parts: int, rows: int) -> list[list[S
     return groups
 
 
-def commit_consumer(conn: psycopg.Connection, name: str, stream_id: int, position: Position) -> None:
-    """Records the position of registered consumer ``name``; one an operator has not registered (or
-    registered for another stream), or a position the ledger does not hold, is a :class:`SourceError`
-    naming it and what to do."""
+def commit_consumer(conn: psycopg.Connection, name: str, stream_id: int, position: Position, token: str) -> None:
+    """Records the position of registered consumer ``name`` whose token is ``token``; one an operator
+    has not registered (or registered for another stream), another token, or a position the ledger does
+    not hold, is a :class:`SourceError` naming it and what to do (never the token)."""
     import psycopg
 
     try:
-        conn.execute("select pgstream.consumer_commit(%s, %s, %s, %s)",
-                     [name, stream_id, position.batch_id, position.ord])
-    except psycopg.errors.InvalidParameterValue as exc:
+        conn.execute("select pgstream.consumer_commit(%s, %s, %s, %s, %s)",
+                     [name, stream_id, position.batch_id, position.ord, token])
+    except (psycopg.errors.InvalidParameterValue, psycopg.errors.InsufficientPrivilege) as exc:
         hint = f" ({exc.diag.message_hint})" if exc.diag.message_hint else ""
         raise SourceError(f"pgstream source: {exc.diag.message_primary}{hint}") from None
 
@@ -309,6 +311,9 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.url = _url(options)
         self.stream_id = _int_option(options, "stream", None, 1)
         self.consumer = _option(options, "consumer")
+        self.token = _option(options, "consumerToken", what=(
+            f" (consumer {self.consumer}'s token: `pgstream-dagster consumers add` printed it, "
+            f"`pgstream-dagster consumers token {self.consumer}` issues a new one)"))
         self.starting = options.get("startingPosition", options.get("startingposition", "earliest"))
         cap = _int_option(options, "maxEventsPerTrigger", 0, 0)
         self.max_events = cap or None
@@ -357,7 +362,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _record(self, position: Position) -> None:
         if position != self._recorded:
-            commit_consumer(self._db(), self.consumer, self.stream_id, position)
+            commit_consumer(self._db(), self.consumer, self.stream_id, position, self.token)
             self._recorded = position
 
     def reportLatestOffset(self) -> dict[str, int] | None:

@@ -4,11 +4,13 @@
 -- so that housekeeping keeps what it has not read, for at most its max_retention_days.
 --
 -- Security: only the runtime (an operator: `pgstream-dagster consumers add`) registers a consumer
--- (register_consumer), since a consumer holds events back for up to its bound. The Spark executors
+-- (register_consumer), since a consumer holds events back for up to its bound, and issues its token
+-- (consumer_token: shown once, stored as its sha256; a new one replaces the last). The Spark executors
 -- (pgstream_executor, whose credentials a shared Spark cluster holds) write the position of a
--- registered consumer only, through consumer_commit (SECURITY DEFINER: it validates the name, the
--- stream and the position, and can neither create a consumer nor change its bound or its stream);
--- the runtime reads the consumers, and drops one or changes its bound through drop_consumer /
+-- registered consumer only, through consumer_commit with that consumer's token (SECURITY DEFINER: it
+-- checks the token, validates the name, the stream and the position, and can neither create a
+-- consumer nor change its bound or its stream): a query moves its own consumer's position, never
+-- another's. The runtime reads the consumers, and drops one or changes its bound through drop_consumer /
 -- set_consumer_retention. Grants in 99_runtime.sql.
 
 -- ---------------------------------------------------------------------------------------------
@@ -83,13 +85,33 @@ end
 $$;
 revoke all on function pgstream.register_consumer(text, bigint, boolean, integer) from public;
 
--- Records that registered consumer p_name has read stream p_stream_id through ordinal p_ord of ledger
--- batch p_batch_id (0, 0: before every batch). A consumer that is not registered is refused. A position must
+-- Issues consumer p_name's token (what its query gives consumer_commit: option consumerToken) and
+-- returns it; the last one it had stops working. Null when there is no such consumer.
+create or replace function pgstream.consumer_token(p_name text)
+returns text
+language plpgsql
+volatile
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_token text := pgstream.new_token();
+begin
+    update pgstream.consumers c set token_hash = pgstream.token_hash(v_token), updated_at = pg_catalog.now()
+     where c.name = p_name;
+    return case when found then v_token end;
+end
+$$;
+revoke all on function pgstream.consumer_token(text) from public;
+
+-- Records that registered consumer p_name, whose token is p_token, has read stream p_stream_id through
+-- ordinal p_ord of ledger batch p_batch_id (0, 0: before every batch). A consumer that is not
+-- registered, or another token, is refused (the token never appears in a message). A position must
 -- exist in the stream's ledger (batch 0 with ordinal 0, or a batch of that stream and an ordinal
 -- up to its event count); a consumer reads one stream. It may move back (a query restarted from an
 -- earlier position): the position is where the consumer's next read starts.
 create or replace function pgstream.consumer_commit(p_name text, p_stream_id bigint, p_batch_id bigint,
-                                                    p_ord integer)
+                                                    p_ord integer, p_token text)
 returns void
 language plpgsql
 volatile
@@ -99,8 +121,33 @@ as $$
 declare
     v_count  integer;
     v_stream bigint;
+    v_hash   bytea;
 begin
     perform pgstream.consumer_check('consumer_commit', p_name, p_stream_id);
+    select c.stream_id, c.token_hash into v_stream, v_hash from pgstream.consumers c where c.name = p_name for update;
+    if v_stream is null then
+        raise exception 'pgstream.consumer_commit: consumer % is not registered', p_name
+            using errcode = 'invalid_parameter_value',
+                  hint = pg_catalog.format('An operator registers it: pgstream-dagster consumers add %s %s',
+                                           p_name, p_stream_id);
+    end if;
+    if v_hash is null then
+        raise exception 'pgstream.consumer_commit: consumer % has no token yet: an operator issues one with '
+                        '`pgstream-dagster consumers token %` and gives it to the query as option consumerToken',
+                        p_name, p_name
+            using errcode = 'insufficient_privilege';
+    end if;
+    if p_token is null or pgstream.token_hash(p_token) <> v_hash then
+        raise exception 'pgstream.consumer_commit: consumer %: the token (option consumerToken) is not this '
+                        'consumer''s', p_name
+            using errcode = 'insufficient_privilege',
+                  hint = pg_catalog.format('`pgstream-dagster consumers token %s` issues a new one', p_name);
+    end if;
+    if v_stream <> p_stream_id then
+        raise exception 'pgstream.consumer_commit: consumer % reads stream %, not stream %', p_name, v_stream, p_stream_id
+            using errcode = 'invalid_parameter_value',
+                  hint = 'Use another consumer name, or drop the consumer first (pgstream-dagster consumers drop).';
+    end if;
     if p_batch_id is null or p_ord is null or p_batch_id < 0 or p_ord < 0 then
         raise exception 'pgstream.consumer_commit: consumer %: a position is a batch id and an ordinal >= 0, got (%, %)',
                         p_name, coalesce(p_batch_id::text, 'null'), coalesce(p_ord::text, 'null')
@@ -119,23 +166,10 @@ begin
                         p_name, p_ord using errcode = 'invalid_parameter_value';
     end if;
     update pgstream.consumers c set batch_id = p_batch_id, ord = p_ord, updated_at = pg_catalog.now()
-     where c.name = p_name and c.stream_id = p_stream_id
-    returning c.stream_id into v_stream;
-    if v_stream is null then
-        select c.stream_id into v_stream from pgstream.consumers c where c.name = p_name;
-        if v_stream is null then
-            raise exception 'pgstream.consumer_commit: consumer % is not registered', p_name
-                using errcode = 'invalid_parameter_value',
-                      hint = pg_catalog.format('An operator registers it: pgstream-dagster consumers add %s %s',
-                                               p_name, p_stream_id);
-        end if;
-        raise exception 'pgstream.consumer_commit: consumer % reads stream %, not stream %', p_name, v_stream, p_stream_id
-            using errcode = 'invalid_parameter_value',
-                  hint = 'Use another consumer name, or drop the consumer first (pgstream-dagster consumers drop).';
-    end if;
+     where c.name = p_name;
 end
 $$;
-revoke all on function pgstream.consumer_commit(text, bigint, bigint, integer) from public;
+revoke all on function pgstream.consumer_commit(text, bigint, bigint, integer, text) from public;
 
 -- Drops consumer p_name (its position no longer holds anything back); true if it existed.
 create or replace function pgstream.drop_consumer(p_name text)

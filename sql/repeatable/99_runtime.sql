@@ -13,8 +13,13 @@
 --     definition: no subscription, table, function, trigger or publication of its own, nothing it
 --     could make the owner run.
 --   * pgstream_executor (Spark executors: by_key tasks, the readers of Spark rounds, backfill
---     partitions): reads events and batches, writes the resume points of by_key rounds and the dead
---     letters a by_key task sets aside, runs backfill chunks.
+--     partitions, the Spark source; every executor host holds its credentials): reads events,
+--     batches, resume points and dead letters, and holds no other table privilege (a write privilege
+--     would let it LOCK the table in a mode that stalls every writer). It writes through the owner's
+--     functions only, each with a token that names what it may write: a by_key round's resume points
+--     and dead letters with the round's delivery token (record_key_progress, set_aside_rejected), a
+--     registered consumer's position with that consumer's token (consumer_commit), backfill chunks
+--     with the backfill's owner token (backfill_chunk).
 
 -- ---------------------------------------------------------------------------------------------
 -- The owner's functions that exist for the runtime.
@@ -47,20 +52,127 @@ end
 $$;
 revoke all on function pgstream.expected_trigger(text, text, pgstream.operation_type, text) from public;
 
--- Whether run p_run_id holds stream p_stream_id's delivery lease (pgstream's lock 'delivery' names it
--- and its backend lives: pgstream.lock_holder): a by_key task asks before it records a chunk and
--- publishes the next one, and stops once its run is gone. Runs as the owner so the executors need no
--- privilege on pgstream.locks; it answers that one question and nothing else.
-create or replace function pgstream.delivery_lease_held(p_stream_id bigint, p_run_id text)
-returns boolean
-language sql
-stable
+-- ---------------------------------------------------------------------------------------------
+-- A by_key round's delivery token (sql/030_executor_writes.sql): what its Spark tasks write with.
+
+-- Issues stream p_stream_id's delivery token for run p_run_id, whose delivery lease this session
+-- holds (the run's lease connection), and returns it; it replaces the stream's last one. The run
+-- gives it to its round's Spark tasks: with it they write that stream's resume points and dead
+-- letters, and only while that run holds the lease.
+create or replace function pgstream.issue_delivery_token(p_stream_id bigint, p_run_id text)
+returns text
+language plpgsql
+volatile
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
-    select coalesce(pgstream.lock_holder('delivery', p_stream_id) = p_run_id, false)
+declare
+    v_token text := pgstream.new_token();
+begin
+    -- the lock row names this backend: its pid and its login role (its backend_start is hidden from
+    -- the owner when the caller is another role: pg_stat_get_activity)
+    if not exists (select 1 from pgstream.locks l
+                   where l.name = 'delivery' and l.key = p_stream_id and l.holder = p_run_id
+                     and l.pid = pg_catalog.pg_backend_pid()
+                     and l.usesysid = (select r.oid from pg_catalog.pg_roles r where r.rolname = session_user)) then
+        raise exception 'pgstream.issue_delivery_token: this session does not hold stream %''s delivery lease for '
+                        'run %', p_stream_id, pg_catalog.quote_nullable(pg_catalog.left(p_run_id, 100))
+            using errcode = 'insufficient_privilege';
+    end if;
+    insert into pgstream.delivery_tokens as t (stream_id, run_id, token_hash)
+    values (p_stream_id, p_run_id, pgstream.token_hash(v_token))
+    on conflict (stream_id) do update
+        set run_id = excluded.run_id, token_hash = excluded.token_hash, issued_at = pg_catalog.now();
+    return v_token;
+end
 $$;
-revoke all on function pgstream.delivery_lease_held(bigint, text) from public;
+revoke all on function pgstream.issue_delivery_token(bigint, text) from public;
+
+-- The stream whose delivery token p_token is, while the run it was issued to holds the stream's
+-- delivery lease; null otherwise (another token, a run that ended or died).
+create or replace function pgstream.delivery_token_stream(p_token text)
+returns bigint
+language sql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select t.stream_id from pgstream.delivery_tokens t
+    where t.token_hash = pgstream.token_hash(p_token)
+      and pgstream.lock_holder('delivery', t.stream_id) = t.run_id
+$$;
+revoke all on function pgstream.delivery_token_stream(text) from public;
+
+-- A by_key task records that every event of its buckets p_buckets (of p_partitions) up to position
+-- (p_batch_id, p_ord) of its stream is handled (sql/018_key_progress.sql; positions only move
+-- forward). The stream is the one whose delivery token p_token is; false (nothing written) when it
+-- is no live run's token: the run is gone and the task stops.
+create or replace function pgstream.record_key_progress(p_token text, p_partitions integer, p_buckets integer[],
+                                                        p_batch_id bigint, p_ord bigint)
+returns boolean
+language plpgsql
+volatile
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_stream bigint := pgstream.delivery_token_stream(p_token);
+begin
+    if v_stream is null then
+        return false;
+    end if;
+    insert into pgstream.key_progress as p (stream_id, partitions, bucket, batch_id, ord)
+    select v_stream, p_partitions, b, p_batch_id, p_ord from pg_catalog.unnest(p_buckets) b
+    on conflict (stream_id, partitions, bucket) do update
+       set batch_id = excluded.batch_id, ord = excluded.ord, updated_at = pg_catalog.now()
+       where (p.batch_id, p.ord) < (excluded.batch_id, excluded.ord);
+    return true;
+end
+$$;
+revoke all on function pgstream.record_key_progress(text, integer, integer[], bigint, bigint) from public;
+
+-- A by_key task sets aside the event the sink rejected for good (or that is too large for it) at
+-- ordinal p_ord of open batch p_batch_id of the stream whose delivery token p_token is: a dead
+-- letter with the event's own created_at, payload and metadata from pgstream.events (none if it
+-- vanished), never the caller's. True when set aside now, false when it had a dead letter already.
+create or replace function pgstream.set_aside_rejected(p_token text, p_batch_id bigint, p_ord integer,
+                                                       p_sink text, p_error text, p_attempts integer)
+returns boolean
+language plpgsql
+volatile
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_stream bigint := pgstream.delivery_token_stream(p_token);
+    v_event  bigint;
+    v_lo     timestamptz;
+    v_hi     timestamptz;
+begin
+    if v_stream is null then
+        raise exception 'pgstream.set_aside_rejected: not the delivery token of a run that holds a stream''s '
+                        'delivery lease' using errcode = 'insufficient_privilege';
+    end if;
+    select b.event_ids[p_ord], b.min_created_at, b.max_created_at into v_event, v_lo, v_hi
+    from pgstream.batches b
+    where b.id = p_batch_id and b.stream_id = v_stream and pgstream.batch_is_open(b.status);
+    if v_event is null then
+        raise exception 'pgstream.set_aside_rejected: (batch %, ordinal %) holds no event of an open batch of stream %',
+                        coalesce(p_batch_id::text, 'null'), coalesce(p_ord::text, 'null'), v_stream
+            using errcode = 'invalid_parameter_value';
+    end if;
+    insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at, payload,
+                                       metadata, sink, error, attempts)
+    select v_stream, v_event, 'deliver', p_batch_id, p_ord, e.created_at, e.payload, e.metadata,
+           pg_catalog.left(p_sink, 200), pg_catalog.left(coalesce(p_error, ''), 2000),
+           greatest(coalesce(p_attempts, 0), 0)
+    from (select 1) one
+    left join pgstream.events e
+      on e.id = v_event and e.stream_id = v_stream and e.created_at >= v_lo and e.created_at <= v_hi
+    on conflict (stream_id, event_id) do nothing;
+    return found;
+end
+$$;
+revoke all on function pgstream.set_aside_rejected(text, bigint, integer, text, text, integer) from public;
 
 -- ---------------------------------------------------------------------------------------------
 -- Start from nothing: the grants below are all these roles hold in schema pgstream. Only what names
@@ -160,9 +272,10 @@ grant execute on function
     pgstream.backfill_stop(bigint, boolean),
     pgstream.consumer_positions(date),
     pgstream.register_consumer(text, bigint, boolean, integer),
+    pgstream.consumer_token(text),
     pgstream.drop_consumer(text),
     pgstream.set_consumer_retention(text, integer),
-    pgstream.delivery_lease_held(bigint, text)
+    pgstream.issue_delivery_token(bigint, text)
     to pgstream_runtime;
 -- ... and run as their caller, on the tables granted above (a lock names the session's backend):
 grant execute on function
@@ -178,19 +291,18 @@ grant execute on function
 -- ---------------------------------------------------------------------------------------------
 -- pgstream_executor: what Spark tasks run (engine/spark.py readers, ledger.KeyProgress,
 -- ledger.DeadLetterWriter on a by_key task, engine/backfill.py run_partition) and the Spark source
--- (engine/spark_source.py: it reads events, batches and dead letters, and records a
--- registered consumer's position through consumer_commit only: it can neither register a consumer,
--- change a consumer's bound nor drop one).
+-- (engine/spark_source.py: it reads events, batches and dead letters, and records its registered
+-- consumer's position through consumer_commit with that consumer's token: it can neither register a
+-- consumer, change a consumer's bound, drop one nor move another's position). SELECT only on tables:
+-- it allows no LOCK mode but ACCESS SHARE, which blocks no reader or writer, and no row lock.
 grant select on pgstream.events, pgstream.batches, pgstream.key_progress, pgstream.dead_letters
     to pgstream_executor;
-grant insert, update on pgstream.key_progress to pgstream_executor;
-grant insert (stream_id, event_id, stage, batch_id, ord, event_created_at, payload, metadata, sink, error, attempts)
-    on pgstream.dead_letters to pgstream_executor;
 grant select (id, status, owner_token) on pgstream.backfills to pgstream_executor;
 grant execute on function
     pgstream.backfill_chunk(bigint, integer, uuid, integer),
     pgstream.backfill_next_key(bigint, integer),
-    pgstream.consumer_commit(text, bigint, bigint, integer),
-    pgstream.backfill_backlog(bigint),
-    pgstream.delivery_lease_held(bigint, text)
+    pgstream.consumer_commit(text, bigint, bigint, integer, text),
+    pgstream.record_key_progress(text, integer, integer[], bigint, bigint),
+    pgstream.set_aside_rejected(text, bigint, integer, text, text, integer),
+    pgstream.backfill_backlog(bigint)
     to pgstream_executor;

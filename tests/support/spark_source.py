@@ -142,15 +142,16 @@ def consumer_row(url: str, name: str) -> tuple[int, int, int] | None:
 
 
 def kill_and_restart(url: str, tmp: Path, conf: dict[str, str], *, inserts: Any,
-                     owner_url: str, restart: str = "until_caught_up") -> list[dict[str, Any]]:
+                     owner_url: str, token: str, restart: str = "until_caught_up") -> list[dict[str, Any]]:
     """A streaming query from the source into Parquet with a checkpoint (at most 300 events a
     micro-batch) is killed with SIGKILL once two micro-batches are committed, ``inserts()`` adds
     events and batches meanwhile, and the query is started again on the same checkpoint until the
-    consumer's position is the ledger's end (``owner_url`` reads it; ``restart`` ``available_now``: with
-    ``Trigger.AvailableNow``, until the query stops by itself); returns the committed rows."""
+    consumer's position is the ledger's end (``owner_url`` reads it; ``token``: the consumer's; ``restart``
+    ``available_now``: with ``Trigger.AvailableNow``, until the query stops by itself); returns the
+    committed rows."""
     checkpoint, out = tmp / "checkpoint", tmp / "out"
-    spec = {"url": url, "stream": 1, "consumer": "lake-test", "checkpoint": str(checkpoint), "out": str(out),
-            "conf": conf, "max_events": 300, "partitions": 3, "owner_url": owner_url}
+    spec = {"url": url, "stream": 1, "consumer": "lake-test", "token": token, "checkpoint": str(checkpoint),
+            "out": str(out), "conf": conf, "max_events": 300, "partitions": 3, "owner_url": owner_url}
     first = start_child({**spec, "mode": "forever"}, tmp / "first.json")
     log = tmp / "first.json.log"
     try:
@@ -181,13 +182,15 @@ def stream_exactly_once(db_url: str, tmp: Path, conf: dict[str, str], restart: s
     record_batches(db_url, 1, 170)
     with psycopg.connect(db_url, autocommit=True) as c:  # the operator registers the query's consumer
         c.execute("select pgstream.register_consumer('lake-test', 1)")
+        token = c.execute("select pgstream.consumer_token('lake-test')").fetchone()
+    assert token is not None
 
     def more() -> None:  # recorded while the query is down
         insert_events(db_url, 1, 700, 1500)
         record_batches(db_url, 1, 230, seed=11)
 
     with executor_role(db_url) as url:
-        rows = kill_and_restart(url, tmp, conf, inserts=more, owner_url=db_url, restart=restart)
+        rows = kill_and_restart(url, tmp, conf, inserts=more, owner_url=db_url, token=token[0], restart=restart)
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)) == 2200  # each event once
     assert sorted(ids) == event_ids(db_url, 1)

@@ -303,18 +303,19 @@ def direct_round(stream: StreamConfig, batches: list[ledger.Batch]) -> list[ledg
     return batches
 
 
-def dead_letters(stream: StreamConfig, database_url: str) -> ledger.DeadLetterWriter:
+def dead_letters(stream: StreamConfig, database_url: str, token: str | None = None) -> ledger.DeadLetterWriter:
     """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and an event too large
-    for the sink whatever ``on_reject`` says (it can never be delivered)."""
+    for the sink whatever ``on_reject`` says (it can never be delivered). ``token``: a by_key round's
+    delivery token, what its Spark tasks write with."""
     return ledger.DeadLetterWriter(database_url, stream.id, stream.sink.type,
-                                   resumes=stream.delivery.ordering == "global")
+                                   resumes=stream.delivery.ordering == "global", token=token)
 
 
-def reject_policy(stream: StreamConfig, database_url: str) -> RejectPolicy | None:
+def reject_policy(stream: StreamConfig, database_url: str, token: str | None = None) -> RejectPolicy | None:
     delivery = stream.delivery
     if delivery.on_reject != "dead_letter":
         return None
-    writer = dead_letters(stream, database_url)
+    writer = dead_letters(stream, database_url, token)
     return RejectPolicy(writer, max_attempts=delivery.max_attempts,
                         max_consecutive=delivery.max_consecutive_rejects,
                         backoff_secs=min(stream.retry.initial_backoff_secs, 5.0), known_good=writer.known_good)
@@ -349,15 +350,16 @@ class _Round:
         conn, stream = self.conn, self.stream
         batch_ids = [b.id for b in self.batches]
         skip = ledger.dead_letter_positions(conn, stream.id, batch_ids)
-        reject = reject_policy(stream, self.database_url)
         for batch_id in [b for b, events in self.expected.items() if events == 0]:
             self._mark_delivered(batch_id, 0)  # confirmed in full by a run that died before marking it
         try:
             if isinstance(source, KeyedSource):
-                delivered = self._by_key(source, skip, reject)
+                # the Spark tasks write (resume points, dead letters) with the round's delivery token only
+                token = ledger.issue_delivery_token(conn, stream.id, self.host.run_id)
+                delivered = self._by_key(source, skip, reject_policy(stream, self.database_url, token), token)
             else:
                 assert hasattr(source, "events"), f"{type(source).__name__} is no source of a delivery round"
-                delivered = self._in_order(source, skip, reject)
+                delivered = self._in_order(source, skip, reject_policy(stream, self.database_url))
         except MissingEventsError:
             raise vanished_error(conn, stream.id, batch_ids, self.host.control) from None
         missing, dead = ledger.round_outcome(conn, stream.id, batch_ids)
@@ -410,7 +412,8 @@ class _Round:
                         delivered = handled
         return delivered
 
-    def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
+    def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None,
+                token: str) -> int:
         """Per routing key, on the executors (each Spark task with a sink of its own, recording what it
         confirmed in ``pgstream.key_progress`` as it goes: a retry resumes per key); the tasks return
         their counts per batch, and each batch is marked delivered once every task is done and the
@@ -430,10 +433,10 @@ class _Round:
         if partitions != parallelism:
             self.host.log.info(f"stream {stream.id}: resuming an interrupted by_key attempt with its {partitions} "
                                f"partitions (delivery.parallelism {parallelism} applies from the next round)")
-        progress = ledger.KeyProgress(self.database_url, stream.id, partitions, run_id=self.host.run_id)
+        progress = ledger.KeyProgress(self.database_url, stream.id, partitions, token=token)
         result = spark.deliver_by_key(source.frame, stream.sink, stream.delivery.chunk_size, partitions,
                                       skip=skip, reject=reject, progress=progress,
-                                      too_large=dead_letters(stream, self.database_url).too_large,
+                                      too_large=dead_letters(stream, self.database_url, token).too_large,
                                       chunk_bytes=stream.delivery.tuning.max_read_bytes)
         vanished_in = {b: sum(1 for g, _o in gone if g == b) for b in batch_ids}
         wrong = {b: (result.handled.get(b, 0), events) for b, events in expected.items()

@@ -94,6 +94,9 @@ from .keyprogress import (
     clear_key_progress as clear_key_progress,
 )
 from .keyprogress import (
+    issue_delivery_token as issue_delivery_token,
+)
+from .keyprogress import (
     key_progress_partitions as key_progress_partitions,
 )
 from .locks import (

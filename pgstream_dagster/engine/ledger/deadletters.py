@@ -118,13 +118,21 @@ class DeadLetterWriter:
     """Records an event the sink rejected for good as a dead letter (``on_reject: dead_letter``),
     durably, before the next event is published; moves the batch's confirmed prefix past it so a
     retry resumes after it. Picklable (``ordering: by_key`` calls it on Spark executors): each call
-    uses its own short connection; set-asides are rare."""
+    uses its own short connection; set-asides are rare. With ``token`` (a by_key round's delivery
+    token, :func:`~.keyprogress.issue_delivery_token`) it writes through the owner's
+    ``pgstream.set_aside_rejected``, which takes the event's payload from ``pgstream.events``: the
+    executors write no dead letter of their own making."""
 
-    def __init__(self, database_url: str, stream_id: int, sink: str, *, resumes: bool = True) -> None:
+    def __init__(self, database_url: str, stream_id: int, sink: str, *, resumes: bool = True,
+                 token: str | None = None) -> None:
         self.database_url, self.stream_id, self.sink = database_url, stream_id, sink
         self.resumes = resumes  # ordered delivery resumes after the confirmed prefix; by_key does not
+        self.token = token
 
     def __call__(self, batch_id: int, ord: int, event: Event, error: str, attempts: int) -> None:
+        if self.token is not None:
+            self._set_aside(batch_id, ord, error, attempts)
+            return
         with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
             conn.execute(
                 """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
@@ -135,6 +143,12 @@ class DeadLetterWriter:
                  event.metadata_json, self.sink, error[:2000], attempts])
             if self.resumes:
                 mark_confirmed(conn, batch_id, ord)
+
+    def _set_aside(self, batch_id: int, ord: int, error: str, attempts: int) -> None:
+        """A by_key task's set-aside, with its round's token (by_key does not resume: nothing to confirm)."""
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            conn.execute("select pgstream.set_aside_rejected(%s, %s, %s, %s, %s, %s)",
+                         [self.token, batch_id, ord, self.sink, error[:2000], attempts])
 
     def known_good(self) -> Event | None:
         """The stream's last event the sink confirmed (of its last delivered batches, not a dead letter,
@@ -150,6 +164,9 @@ class DeadLetterWriter:
     def too_large(self, batch_id: int, ord: int, row: TooLarge) -> None:
         """Record an event too large for the sink (:class:`~.publish.TooLarge`): the database copies its
         payload and metadata from ``pgstream.events`` (the run never reads them); one attempt."""
+        if self.token is not None:
+            self._set_aside(batch_id, ord, row.reason, 1)
+            return
         with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
             conn.execute(
                 """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,

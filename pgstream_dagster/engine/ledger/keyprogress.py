@@ -28,9 +28,11 @@ class KeyProgress:
     path writes ``confirmed_count``. Picklable (sent to the executors); the URL is never shown.
     """
 
-    def __init__(self, database_url: str, stream_id: int, partitions: int, run_id: str | None = None) -> None:
+    def __init__(self, database_url: str, stream_id: int, partitions: int, token: str | None = None) -> None:
         self.database_url, self.stream_id, self.partitions = database_url, stream_id, partitions
-        self.run_id = run_id  # the run whose delivery lease must still be held for a task to go on
+        #: the round's delivery token (:func:`issue_delivery_token`): what the tasks write with, while
+        #: the run it was issued to holds the stream's delivery lease
+        self.token = token
 
     def connect(self) -> psycopg.Connection:
         return psycopg.connect(self.database_url, autocommit=True, application_name="pgstream by_key task")
@@ -42,30 +44,31 @@ class KeyProgress:
         return {int(b): (int(batch), int(o)) for b, batch, o in rows}
 
     def record(self, conn: psycopg.Connection, buckets: list[int], batch_id: int, ord: int) -> None:
-        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (positions only move forward).
-        With ``run_id``, raises :class:`RunGone` instead when the run no longer holds its delivery
-        lease (its process died): a Spark Connect server keeps running an abandoned query for
-        minutes, and its tasks must not go on publishing beside the run that replaces it. The lease is
-        pgstream's lock row (``pgstream.delivery_lease_held``; only pgstream's roles write it), not a
+        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (positions only move forward),
+        written by the owner's ``pgstream.record_key_progress`` with the round's token: the executors
+        hold no write privilege on the table (one would let them LOCK it and stall every by_key run),
+        and the token names the one stream they may write for. Raises :class:`RunGone` instead when the
+        run no longer holds its delivery lease (its process died): a Spark Connect server keeps running
+        an abandoned query for minutes, and its tasks must not go on publishing beside the run that
+        replaces it. The lease is pgstream's lock row (only pgstream's roles write it), not a
         connection's ``application_name``, which any role can give itself."""
-        row = conn.execute(
-            """with alive as (select %(run)s::text is null or pgstream.delivery_lease_held(%(s)s, %(run)s) as ok),
-                    saved as (
-               insert into pgstream.key_progress as p (stream_id, partitions, bucket, batch_id, ord)
-               select %(s)s, %(n)s, b, %(batch)s, %(ord)s from unnest(%(buckets)s::int[]) b, alive where alive.ok
-               on conflict (stream_id, partitions, bucket) do update
-                  set batch_id = excluded.batch_id, ord = excluded.ord, updated_at = now()
-                  where (p.batch_id, p.ord) < (excluded.batch_id, excluded.ord)
-               returning 1)
-               select ok from alive""",
-            {"s": self.stream_id, "n": self.partitions, "buckets": buckets, "batch": batch_id, "ord": ord,
-             "run": self.run_id}).fetchone()
+        row = conn.execute("select pgstream.record_key_progress(%s, %s, %s, %s, %s)",
+                           [self.token, self.partitions, buckets, batch_id, ord]).fetchone()
         if not (row and row[0]):
-            raise RunGone(f"stream {self.stream_id}: run {self.run_id} no longer holds the delivery lease; "
-                          f"this by_key task stops (batch {batch_id} #{ord} was its last confirmed position)")
+            raise RunGone(f"stream {self.stream_id}: the run of this by_key round no longer holds the delivery "
+                          f"lease; this task stops (batch {batch_id} #{ord} was its last confirmed position)")
 
     def __repr__(self) -> str:  # never the URL
         return f"KeyProgress(stream {self.stream_id}, {self.partitions} partitions)"
+
+
+def issue_delivery_token(conn: psycopg.Connection, stream_id: int, run_id: str) -> str:
+    """A new delivery token of the stream for its round's Spark tasks (:class:`KeyProgress`,
+    :class:`~.deadletters.DeadLetterWriter`): ``conn`` is the lease connection of run ``run_id``.
+    Secret: the tasks' objects carry it, their ``repr`` never shows it."""
+    row = conn.execute("select pgstream.issue_delivery_token(%s, %s)", [stream_id, run_id]).fetchone()
+    assert row is not None and row[0]
+    return str(row[0])
 
 
 def key_progress_partitions(conn: psycopg.Connection, stream_id: int, first_batch_id: int) -> int | None:
