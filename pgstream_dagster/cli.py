@@ -85,12 +85,12 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_install_drift_guard(args: argparse.Namespace) -> int:
-    from .engine.migrations import install_drift_guard
+    from .engine.migrations import DRIFT_GUARD_TRIGGERS, install_drift_guard
 
     if not args.database_url:
         raise SystemExit("error: pass --database-url, a superuser's URL for the pgstream database")
     install_drift_guard(args.database_url)
-    print("the schema-drift guard is active (event triggers pgstream_drift_guard_alter, pgstream_drift_guard_drop)")
+    print(f"the schema-drift guard is active (event triggers {', '.join(DRIFT_GUARD_TRIGGERS)})")
     return 0
 
 

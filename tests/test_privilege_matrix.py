@@ -34,14 +34,16 @@ KINDS = ["cast", "domain_check", "operator", "function", "rls_policy", "trigger"
 
 #: pgstream's entry points that touch user-controlled code
 ENTRY_POINTS = ["insert_subscription", "set_subscriptions", "regenerate_trigger", "repair_trigger",
-                "drift_guard_alter_table", "backfill_start", "backfill_chunk", "generated_trigger"]
+                "drift_guard_alter_table", "drift_guard_partitions", "backfill_start", "backfill_chunk",
+                "generated_trigger"]
 
 #: where the code must run as pgstream_writer: the matrix also proves each of these cells exercised it
 #: (parsing an array literal of the domain's array type runs the CHECK; a backfill's filter is
 #: "new.tags = '{1}'"; the other kinds run when a subscription's code is evaluated)
 RUNS_AT = {
     ("domain_check", e) for e in ("insert_subscription", "set_subscriptions", "regenerate_trigger",
-                                  "repair_trigger", "drift_guard_alter_table", "backfill_start")
+                                  "repair_trigger", "drift_guard_alter_table", "drift_guard_partitions",
+                                  "backfill_start")
 } | {(k, e) for k in ("cast", "operator", "function") for e in ("backfill_chunk", "generated_trigger")}
 
 
@@ -130,6 +132,22 @@ def _enter(url: str, attacker: str, schema: str, kind: str, entry: str) -> None:
                       [schema, sub["when"], sub["columns"]])
         return
     run(url, f"insert into {schema}.t (id, tags) values (1, '{{1}}'), (2, '{{2}}')", role=attacker)
+    if entry == "drift_guard_partitions":
+        # t, rows and code, attached to a subscribed partitioned table and detached again: the guard
+        # validates the subscriptions, gives t the triggers' copies, then reads whether t holds rows
+        # (its DELETE subscriber opted in: the detach is its TRUNCATE event)
+        run(url, f"create table {schema}.pp (like {schema}.t including defaults) partition by range (id)",
+            role=attacker)
+        sub = _subscription(schema, kind)
+        subscribe(url, "hostile", "pp", schema=schema, columns=sub["columns"], when=sub["when"])
+        subscribe(url, "hostile-gone", "pp", schema=schema, op="DELETE", columns=["id"])
+        run(url, "update pgstream.subscriptions set emit_truncate = true where key = 'hostile-gone'")
+        run(url, f"alter table {schema}.pp attach partition {schema}.t for values from (0) to (100)",
+            f"alter table {schema}.pp detach partition {schema}.t", role=attacker)
+        with connect(url) as c:  # the cell exercised the read: t's rows left as its TRUNCATE event
+            assert c.execute("select count(*) from pgstream.events where payload ->> 'tg_op' = 'TRUNCATE' "
+                             "and payload ->> 'tg_table_name' = 't'").fetchone() == (1,)
+        return
     _subscribe(url, schema, kind)
     if entry in ("regenerate_trigger", "repair_trigger"):
         run(url, f"select pgstream.{entry}('{schema}', 't', 'INSERT')")

@@ -5,8 +5,15 @@
 --   * dropping, renaming or retyping a column a subscription uses (column_names, when_clause,
 --     payload and metadata extension expressions), and changing the type of a column_names column;
 --   * renaming or moving a subscribed table or its schema;
---   * dropping, renaming or disabling a generated trigger, dropping, replacing or altering a
---     generated function;
+--   * dropping, renaming or disabling a generated trigger (a partition's copies included: a trigger
+--     is pgstream's when it calls a generated function, not by its name), dropping, replacing or
+--     altering a generated function;
+--   * attaching or creating a partition of a subscribed partitioned table that carries a trigger of
+--     its own under a generated trigger's name;
+--   * detaching a partition that holds rows, or dropping a partition, of a table with DELETE
+--     subscriptions that take no TRUNCATE events (emit_truncate); with the opt-in it is the
+--     partition's TRUNCATE event (the ddl_command_start trigger notes, before a DROP, which tables
+--     are such partitions: once dropped they are gone from the catalog);
 --   * creating, replacing, altering (SECURITY INVOKER, SET, OWNER TO, RENAME) or dropping any
 --     function in schema pgstream, whoever owns it, outside pgstream's own DDL (internal DDL: trigger
 --     regeneration, and every file `pgstream-dagster migrate` applies): code that runs as
