@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
+from pgstream_dagster.engine.migrations import WRITER_ROLE, install_drift_guard, migrate
 
 from .test_security import connect, is_super, roles, run, subscribe
 
@@ -281,6 +281,48 @@ def test_a_backfill_never_runs_the_table_owners_rls_policy_as_a_non_superuser_ow
         run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}",
             f"revoke {attacker} from {owner}",
             f"alter role {owner} nobypassrls")
+
+
+def test_a_detach_never_runs_the_table_owners_rls_policy_as_a_non_superuser_owner(
+        pg: Any, roles: Callable[..., str]) -> None:
+    """After DETACH PARTITION the drift guard reads, as pgstream's owner, whether the detached table
+    holds rows. On an install whose owner is no superuser (a superuser added the guard's event triggers)
+    the table owner's forced RLS policy would run as that owner: the read refuses it instead, and the
+    table counts as holding rows (its DELETE subscriber, opted in, gets the TRUNCATE event)."""
+    owner = roles("alter role {role} createrole replication")
+    attacker = roles()
+    name = f"rlsd_{owner}"
+    run(pg.url, f"create database {name} owner {owner}", f"grant {WRITER_ROLE} to {owner}")
+    owner_url = pg.url_for(name).replace("postgres@", f"{owner}@", 1)
+    attacker_url = pg.url_for(name).replace("postgres@", f"{attacker}@", 1)
+    try:
+        migrate(owner_url)
+        install_drift_guard(pg.url_for(name))
+        run(owner_url, f"grant create on database {name} to {attacker}")
+        s = f"s_{attacker}"
+        run(attacker_url, f"create schema {s}", f"grant usage on schema {s} to {owner}, {WRITER_ROLE}",
+            f"create sequence {s}.as_owner", f"grant usage, update on sequence {s}.as_owner to public",
+            f"create function {s}.pol() returns boolean language plpgsql as $$ begin "
+            f"if current_user = '{owner}' then perform pg_catalog.nextval('{s}.as_owner'); end if; "
+            "return true; end $$",
+            f"create table {s}.pt (id int, k int) partition by range (k)",
+            f"create table {s}.p1 partition of {s}.pt for values from (0) to (10)",
+            f"insert into {s}.pt values (1, 1)",
+            f"alter table {s}.p1 enable row level security", f"alter table {s}.p1 force row level security",
+            f"create policy p on {s}.p1 using ({s}.pol())",
+            f"grant select, trigger on {s}.pt, {s}.p1 to {owner}")
+        run(pg.url, f"grant {attacker} to {owner}")
+        subscribe(owner_url, "gone", "pt", schema=s, op="DELETE", columns=["id"])
+        run(owner_url, "update pgstream.subscriptions set emit_truncate = true")
+        run(attacker_url, f"alter table {s}.pt detach partition {s}.p1")
+        with connect(owner_url) as c:
+            assert c.execute(f"select is_called from {s}.as_owner").fetchone() == (False,)
+            assert c.execute("select payload ->> 'tg_table_name' from pgstream.events "
+                             "where payload ->> 'tg_op' = 'TRUNCATE'").fetchall() == [("p1",)]
+        assert not is_super(pg.url, attacker)
+    finally:
+        run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}",
+            f"revoke {attacker} from {owner}")
 
 
 # --------------------------------------------------------------------------------------------

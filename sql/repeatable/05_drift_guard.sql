@@ -217,12 +217,16 @@ revoke all on function pgstream._drift_partition_removed(text, text, text, text,
 -- The tables detached from the tree of p_schema.p_table (a table with DELETE subscriptions) by the
 -- DDL being checked: those that still carry a copy of its TRUNCATE trigger (a trigger calling its
 -- function) but are no longer in its tree. Each that holds rows goes through _drift_partition_removed
--- (a table it cannot read, or a foreign table, is taken to hold rows).
+-- (a table it cannot read, or a foreign table, is taken to hold rows). Read with row_security off: a
+-- row-level security policy of the table's owner would run as pgstream's owner (a non-superuser
+-- owner; a superuser bypasses them); Postgres refuses the read instead, and the table counts as
+-- holding rows.
 create or replace function pgstream._drift_check_detached(p_schema text, p_table text, p_what text)
 returns void
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set row_security = off
 as $$
 declare
     v_rel  pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
