@@ -17,7 +17,9 @@ literal of an array (or composite) of the domain, and which the domain_check kin
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -234,21 +236,44 @@ def test_parsing_an_expression_runs_the_table_owners_domain_check_as_the_writer(
     assert not is_super(db_url, attacker)
 
 
+@dataclass(frozen=True)
+class _Install:
+    """A database pgstream is installed in by a non-superuser owner, and a hostile role that may create in it."""
+
+    name: str
+    owner: str
+    attacker: str
+    owner_url: str
+    attacker_url: str
+
+
+@contextmanager
+def _non_superuser_install(pg: Any, roles: Callable[..., str], prefix: str) -> Iterator[_Install]:
+    """Database ``<prefix>_<owner>`` owned and migrated by a non-superuser owner (a member of pgstream_writer,
+    later of the attacker's role, as a migrator that subscribes an application's tables can be); dropped after."""
+    owner = roles("alter role {role} createrole replication")
+    attacker = roles()
+    name = f"{prefix}_{owner}"
+    run(pg.url, f"create database {name} owner {owner}", f"grant {WRITER_ROLE} to {owner}")
+    install = _Install(name, owner, attacker, pg.url_for(name).replace("postgres@", f"{owner}@", 1),
+                       pg.url_for(name).replace("postgres@", f"{attacker}@", 1))
+    try:
+        migrate(install.owner_url)
+        run(install.owner_url, f"grant create on database {name} to {attacker}")
+        yield install
+    finally:
+        run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}",
+            f"revoke {attacker} from {owner}")
+
+
 def test_a_backfill_never_runs_the_table_owners_rls_policy_as_a_non_superuser_owner(
         pg: Any, roles: Callable[..., str]) -> None:
     """The table owner's forced RLS policy would run as pgstream's (non-superuser) owner when a backfill
     reads the table, and could then rewrite pgstream.subscriptions: the backfill refuses instead, naming
     the table and the fix. (pgstream's owner is a member of the table's owner role, as a migrator that
     subscribes an application's tables can be.)"""
-    owner = roles("alter role {role} createrole replication")
-    attacker = roles()
-    name = f"rls_{owner}"
-    run(pg.url, f"create database {name} owner {owner}", f"grant {WRITER_ROLE} to {owner}")
-    owner_url = pg.url_for(name).replace("postgres@", f"{owner}@", 1)
-    attacker_url = pg.url_for(name).replace("postgres@", f"{attacker}@", 1)
-    try:
-        migrate(owner_url)
-        run(owner_url, f"grant create on database {name} to {attacker}")
+    with _non_superuser_install(pg, roles, "rls") as db:
+        owner, attacker, owner_url, attacker_url = db.owner, db.attacker, db.owner_url, db.attacker_url
         s = f"s_{attacker}"
         run(attacker_url, f"create schema {s}",
             f"create table {s}.t (id int primary key, note text)",
@@ -277,10 +302,7 @@ def test_a_backfill_never_runs_the_table_owners_rls_policy_as_a_non_superuser_ow
             assert c.execute("select when_clause from pgstream.subscriptions").fetchall() == [(None,)]
             assert c.execute("select count(*) from pgstream.events where payload->>'tg_op' = 'READ'"
                              ).fetchone() == (2,)
-    finally:
-        run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}",
-            f"revoke {attacker} from {owner}",
-            f"alter role {owner} nobypassrls")
+        run(pg.url, f"alter role {owner} nobypassrls")
 
 
 def test_a_detach_never_runs_the_table_owners_rls_policy_as_a_non_superuser_owner(
@@ -289,16 +311,9 @@ def test_a_detach_never_runs_the_table_owners_rls_policy_as_a_non_superuser_owne
     holds rows. On an install whose owner is no superuser (a superuser added the guard's event triggers)
     the table owner's forced RLS policy would run as that owner: the read refuses it instead, and the
     table counts as holding rows (its DELETE subscriber, opted in, gets the TRUNCATE event)."""
-    owner = roles("alter role {role} createrole replication")
-    attacker = roles()
-    name = f"rlsd_{owner}"
-    run(pg.url, f"create database {name} owner {owner}", f"grant {WRITER_ROLE} to {owner}")
-    owner_url = pg.url_for(name).replace("postgres@", f"{owner}@", 1)
-    attacker_url = pg.url_for(name).replace("postgres@", f"{attacker}@", 1)
-    try:
-        migrate(owner_url)
-        install_drift_guard(pg.url_for(name))
-        run(owner_url, f"grant create on database {name} to {attacker}")
+    with _non_superuser_install(pg, roles, "rlsd") as db:
+        owner, attacker, owner_url, attacker_url = db.owner, db.attacker, db.owner_url, db.attacker_url
+        install_drift_guard(pg.url_for(db.name))
         s = f"s_{attacker}"
         run(attacker_url, f"create schema {s}", f"grant usage on schema {s} to {owner}, {WRITER_ROLE}",
             f"create sequence {s}.as_owner", f"grant usage, update on sequence {s}.as_owner to public",
@@ -320,9 +335,6 @@ def test_a_detach_never_runs_the_table_owners_rls_policy_as_a_non_superuser_owne
             assert c.execute("select payload ->> 'tg_table_name' from pgstream.events "
                              "where payload ->> 'tg_op' = 'TRUNCATE'").fetchall() == [("p1",)]
         assert not is_super(pg.url, attacker)
-    finally:
-        run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}",
-            f"revoke {attacker} from {owner}")
 
 
 # --------------------------------------------------------------------------------------------
