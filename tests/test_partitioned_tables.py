@@ -332,7 +332,15 @@ def test_a_partition_with_rows_leaves_its_table_only_as_its_truncate(
     owner, schema = owned_partitioned_table(db_url, roles, mode)
     with connect(db_url, owner) as c:
         c.execute(f"create table {schema}.p3 partition of {schema}.pt for values from (20) to (30)")
+        # a partition whose own partition key calls the owner's function: DROP FUNCTION ... CASCADE drops it
+        c.execute(f"create function {schema}.kf(int) returns int language sql immutable as $$ select $1 $$")
+        c.execute(f"create table {schema}.p4 partition of {schema}.pt for values from (30) to (40) "
+                  f"partition by range ({schema}.kf(k))")
+        c.execute(f"create table {schema}.p4a partition of {schema}.p4 for values from (30) to (40)")
         c.execute(f"insert into {schema}.pt values (1, 1, 'a'), (2, 12, 'b'), (3, 23, 'c')")
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState,
+                           match=rf"refusing DROP FUNCTION of {schema}\.p4: {schema}\.p4 is a partition"):
+            c.execute(f"drop function {schema}.kf(int) cascade")
         with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState,
                            match=rf"refusing ALTER TABLE on {schema}\.pt: {schema}\.p1 is a partition of {schema}\.pt "
                                  r'that holds rows, and DELETE subscriptions "pt-delete" \(stream 1\)'):

@@ -1249,7 +1249,8 @@ begin
                                 'and the subscriptions of % need that name on each of its partitions',
                     p_what, pg_catalog.quote_ident(v_trg), v_part.rel, v_other, v_rel
                     using errcode = 'duplicate_object',
-                          hint = 'Rename or drop that trigger, then repeat the DDL.';
+                          hint = 'Rename or drop that trigger, then repeat the DDL (on a partition attached with it while '
+                                 'the guard was off, pgstream.repair_trigger, run by pgstream''s owner, replaces it).';
             end if;
             raise warning 'pgstream: replacing the trigger % on % (it called %()): the subscriptions of % need that '
                           'name on each of its partitions', pg_catalog.quote_ident(v_trg), v_part.rel, v_other, v_rel;

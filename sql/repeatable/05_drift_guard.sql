@@ -12,8 +12,8 @@
 --     its own under a generated trigger's name;
 --   * detaching a partition that holds rows, or dropping a partition, of a table with DELETE
 --     subscriptions that take no TRUNCATE events (emit_truncate); with the opt-in it is the
---     partition's TRUNCATE event (the ddl_command_start trigger notes, before a DROP, which tables
---     are such partitions: once dropped they are gone from the catalog);
+--     partition's TRUNCATE event (the ddl_command_start trigger notes, before each command, which
+--     tables are such partitions: once dropped they are gone from the catalog);
 --   * creating, replacing, altering (SECURITY INVOKER, SET, OWNER TO, RENAME) or dropping any
 --     function in schema pgstream, whoever owns it, outside pgstream's own DDL (internal DDL: trigger
 --     regeneration, and every file `pgstream-dagster migrate` applies): code that runs as
@@ -331,11 +331,13 @@ end
 $$;
 revoke all on function pgstream._drift_check_partitions(oid, text) from public;
 
--- Before a DROP command (ddl_command_start, which cannot see what it drops): the partitions of the
--- subscribed tables with DELETE subscriptions, as {partition oid: [table oid, ...]}, for
--- _drift_guard_sql_drop, which runs once the partitions are gone from the catalog. Set for the
--- transaction at the start of every DROP command, so that no earlier value (a role may set any
--- setting of its session) is ever read; empty for other DDL.
+-- Before each DDL command (ddl_command_start, which cannot see what it will drop: besides DROP TABLE,
+-- DROP SCHEMA and DROP OWNED, a CASCADE from a function, type, operator class or column of a
+-- partition key drops a partition too): the partitions of the subscribed tables with DELETE
+-- subscriptions, as {partition oid: [table oid, ...]}, for _drift_guard_sql_drop, which runs once
+-- they are gone from the catalog. Set for the transaction at the start of every command, so that no
+-- earlier value (a role may set any setting of its session) is ever read. Without such tables it is
+-- one look at pgstream.subscriptions.
 create or replace function pgstream._drift_guard_ddl_start()
 returns event_trigger
 language plpgsql
@@ -346,14 +348,14 @@ begin
     if pg_catalog.to_regclass('pgstream.subscriptions') is null or pgstream._in_internal_ddl() then
         return;
     end if;
-    perform pg_catalog.set_config('pgstream.drift_partitions', case when tg_tag like 'DROP %' then coalesce((
+    perform pg_catalog.set_config('pgstream.drift_partitions', coalesce((
         select pg_catalog.jsonb_object_agg(x.part, x.roots)::text
         from (select p.relid::pg_catalog.oid::text as part, pg_catalog.jsonb_agg(r.oid::pg_catalog.oid) as roots
               from (select distinct pg_catalog.to_regclass(pg_catalog.format('%I.%I', s.schema_name, s.table_name)) as oid
                     from pgstream.subscriptions s where s.operation = 'DELETE') r
               cross join lateral pg_catalog.pg_partition_tree(r.oid) p
               where r.oid is not null and p.relid <> r.oid
-              group by p.relid) x), '') else '' end, true);
+              group by p.relid) x), ''), true);
 end
 $$;
 revoke all on function pgstream._drift_guard_ddl_start() from public;
@@ -384,7 +386,7 @@ begin
         end if;
     end loop;
     -- a partition of a table with DELETE subscriptions (see _drift_guard_ddl_start)
-    v_parts := case when tg_tag like 'DROP %' then nullif(pg_catalog.current_setting('pgstream.drift_partitions', true), '')::pg_catalog.jsonb end;
+    v_parts := nullif(pg_catalog.current_setting('pgstream.drift_partitions', true), '')::pg_catalog.jsonb;
     for v_obj in select d.*, n.nspname::text as root_schema, c.relname::text as root_table
                  from pg_catalog.pg_event_trigger_dropped_objects() d
                  cross join lateral pg_catalog.jsonb_array_elements_text(v_parts -> d.objid::text) r(oid)
