@@ -86,10 +86,10 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_install_drift_guard(args: argparse.Namespace) -> int:
-    from .engine.migrations import install_drift_guard
+    from .engine.migrations import DRIFT_GUARD_TRIGGERS, install_drift_guard
 
     install_drift_guard(args.database_url)
-    print("the schema-drift guard is active (event triggers pgstream_drift_guard_alter, pgstream_drift_guard_drop)")
+    print(f"the schema-drift guard is active (event triggers {', '.join(DRIFT_GUARD_TRIGGERS)})")
     return 0
 
 

@@ -12,6 +12,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from pgstream_dagster.engine.subscriptions import trigger_state
+
 from .test_security import connect, events, is_super, roles, run, subscribe
 
 __all__ = ["roles"]  # the fixture, imported for this module's tests
@@ -64,7 +66,8 @@ def test_every_write_to_a_partitioned_table_is_its_event_whatever_partition_it_t
 def test_the_table_owner_maintains_partitions_by_hand(db_url: str, roles: Callable[..., str], mode: str) -> None:
     """Create, attach (pg_partman's way: a table like the parent, then ATTACH), alter, detach and drop
     partitions as the table's owner: every step passes, a new partition's writes are events, a
-    detached table's are not, and the generated triggers of a partition stay protected."""
+    detached table's are not, a partition's rows leave only with their events, and the generated
+    triggers of a partition stay protected."""
     owner, schema = owned_partitioned_table(db_url, roles, mode)
     with connect(db_url, owner) as c:
         c.execute(f"create table {schema}.p3 partition of {schema}.pt for values from (20) to (30)")
@@ -78,13 +81,17 @@ def test_the_table_owner_maintains_partitions_by_hand(db_url: str, roles: Callab
         assert ops(db_url) == Counter({"INSERT": 2, "UPDATE": 1})
         c.execute(f"alter table {schema}.pt detach partition {schema}.p4")
         c.execute(f"insert into {schema}.p4 values (5, 35, 'detached')")
-        c.execute(f"drop table {schema}.p3")  # retention: its rows go without events, like any dropped partition
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="take no TRUNCATE events"):
+            c.execute(f"drop table {schema}.p3")  # its rows would go without an event to the DELETE subscription
+        c.execute(f"delete from {schema}.p3")  # retention without emit_truncate: delete, detach, drop
+        c.execute(f"alter table {schema}.pt detach partition {schema}.p3")
+        c.execute(f"drop table {schema}.p3")
         c.execute(f"insert into {schema}.pt values (6, 6, 'after')")
         for attempt in (f"alter table {schema}.p1 disable trigger all",
                         f"drop trigger {'pgstream_insert' + ('_stmt' if mode == 'statement' else '')} on {schema}.p1"):
             with pytest.raises(psycopg.errors.DependentObjectsStillExist, match="pgstream: refusing"):
                 c.execute(attempt)
-    assert ops(db_url) == Counter({"INSERT": 3, "UPDATE": 1})
+    assert ops(db_url) == Counter({"INSERT": 3, "UPDATE": 1, "DELETE": 2})
     assert not is_super(db_url, owner)
     with connect(db_url) as c:
         detached = c.execute("select count(*) from pg_trigger where tgrelid = %s::regclass",
@@ -236,3 +243,156 @@ def test_without_the_guard_regeneration_brings_the_partitions_in_step(db_url: st
         c.execute(f"insert into {schema}.p3 values (1, 21, 'a')")
         c.execute(f"insert into {schema}.p2 values (2, 12, 'detached')")
     assert [(e["tg_op"], e["new"]["id"]) for e in events(db_url)] == [("INSERT", 1)]
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 43: the table owner's partitions as an attack on the generated triggers and their events
+
+#: (mode, the no-op trigger the owner names like a generated one, the event it fires on)
+FAKE_TRIGGERS = [("statement", "pgstream_insert_stmt", "insert"), ("row", "pgstream_insert", "insert"),
+                 ("row", "pgstream_truncate", "truncate")]
+
+
+def trigger_problems(db_url: str, schema: str, op: str, mode: str) -> list[str]:
+    """What the ``trigger_matches`` asset check reports for the table's subscription (as the runtime would)."""
+    with connect(db_url) as c:
+        return trigger_state(c, schema, "pt", op, mode).problems()
+
+
+def partition_with_its_own_trigger(schema: str, fake: str, fires_on: str) -> list[str]:
+    """The owner's statements: a table p_us like pt, with a no-op statement trigger named ``fake``."""
+    return [f"create table {schema}.p_us (like {schema}.pt including all)",
+            f"create function {schema}.noop() returns trigger language plpgsql as $$ begin return null; end $$",
+            f"create trigger {fake} after {fires_on} on {schema}.p_us for each statement "
+            f"execute function {schema}.noop()"]
+
+
+@pytest.mark.parametrize(("mode", "fake", "fires_on"), FAKE_TRIGGERS)
+def test_a_partition_that_brings_a_trigger_named_like_a_generated_one_is_refused(
+        db_url: str, roles: Callable[..., str], mode: str, fake: str, fires_on: str) -> None:
+    """The owner attaches a partition carrying its own no-op trigger under a generated trigger's name:
+    the ATTACH is refused, naming it (it would have kept pgstream's copy off the partition: rows written
+    to it no event, its TRUNCATE neither refused nor told). Its own trigger is its own to drop, and the
+    partition attached without it is a partition like the others."""
+    owner, schema = owned_partitioned_table(db_url, roles, mode)
+    attach = f"alter table {schema}.pt attach partition {schema}.p_us for values from (20) to (30)"
+    with connect(db_url, owner) as c:
+        for statement in partition_with_its_own_trigger(schema, fake, fires_on):
+            c.execute(statement)
+        with pytest.raises(psycopg.errors.DuplicateObject,
+                           match=rf"refusing ALTER TABLE on {schema}\.pt: the trigger {fake} on {schema}\.p_us "
+                                 rf"calls {schema}\.noop\(\), not pgstream's generated function"):
+            c.execute(attach)
+        assert c.execute("select count(*) from pg_inherits where inhrelid = %s::regclass",
+                         [f"{schema}.p_us"]).fetchone() == (0,)
+        c.execute(f"drop trigger {fake} on {schema}.p_us")
+        c.execute(attach)
+        c.execute(f"insert into {schema}.p_us values (1, 21, 'straight to the partition')")
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match=rf"refusing TRUNCATE of {schema}\.p_us"):
+            c.execute(f"truncate {schema}.p_us")
+    assert ops(db_url) == Counter({"INSERT": 1})
+    assert trigger_problems(db_url, schema, "INSERT", mode) == []
+    assert trigger_problems(db_url, schema, "DELETE", mode) == []
+    assert not is_super(db_url, owner)
+
+
+@pytest.mark.parametrize(("mode", "fake", "fires_on"), FAKE_TRIGGERS)
+def test_the_asset_check_sees_a_partitions_own_trigger_under_a_generated_name_and_repair_replaces_it(
+        db_url: str, roles: Callable[..., str], mode: str, fake: str, fires_on: str) -> None:
+    """Attached while the drift guard was off (an install without superuser has none): trigger_matches
+    reports the partition, and regenerating the table's triggers replaces the owner's trigger."""
+    owner, schema = owned_partitioned_table(db_url, roles, mode)
+    run(db_url, "alter event trigger pgstream_drift_guard_alter disable")
+    try:
+        run(db_url, *partition_with_its_own_trigger(schema, fake, fires_on),
+            f"alter table {schema}.pt attach partition {schema}.p_us for values from (20) to (30)", role=owner)
+    finally:
+        run(db_url, "alter event trigger pgstream_drift_guard_alter enable")
+    op = "DELETE" if fires_on == "truncate" else "INSERT"
+    assert (f"partition {schema}.p_us has a trigger {fake} of its own, calling {schema}.noop(), "
+            f"instead of the copy of the table's") in trigger_problems(db_url, schema, op, mode)
+    with connect(db_url) as c:
+        for each in ("INSERT", "UPDATE", "DELETE"):
+            c.execute("select pgstream.repair_trigger(%s, 'pt', %s)", [schema, each])
+    assert trigger_problems(db_url, schema, op, mode) == []
+    with connect(db_url, owner) as c:
+        c.execute(f"insert into {schema}.p_us values (1, 21, 'straight to the partition')")
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match=rf"refusing TRUNCATE of {schema}\.p_us"):
+            c.execute(f"truncate {schema}.p_us")
+    assert ops(db_url) == Counter({"INSERT": 1})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_partition_with_rows_leaves_its_table_only_as_its_truncate(
+        db_url: str, roles: Callable[..., str], mode: str) -> None:
+    """DETACH PARTITION of a partition holding rows and DROP TABLE of a partition are, for the DELETE
+    subscribers, its TRUNCATE: refused without their opt-in (emit_truncate), like the TRUNCATE, with the
+    way out named; with it, one TRUNCATE event naming the partition. An empty partition detaches
+    freely, and a detached table drops freely: retention by delete, detach and drop stays possible."""
+    owner, schema = owned_partitioned_table(db_url, roles, mode)
+    with connect(db_url, owner) as c:
+        c.execute(f"create table {schema}.p3 partition of {schema}.pt for values from (20) to (30)")
+        # a partition whose own partition key calls the owner's function: DROP FUNCTION ... CASCADE drops it
+        c.execute(f"create function {schema}.kf(int) returns int language sql immutable as $$ select $1 $$")
+        c.execute(f"create table {schema}.p4 partition of {schema}.pt for values from (30) to (40) "
+                  f"partition by range ({schema}.kf(k))")
+        c.execute(f"create table {schema}.p4a partition of {schema}.p4 for values from (30) to (40)")
+        c.execute(f"insert into {schema}.pt values (1, 1, 'a'), (2, 12, 'b'), (3, 23, 'c')")
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState,
+                           match=rf"refusing DROP FUNCTION of {schema}\.p4: {schema}\.p4 is a partition"):
+            c.execute(f"drop function {schema}.kf(int) cascade")
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState,
+                           match=rf"refusing ALTER TABLE on {schema}\.pt: {schema}\.p1 is a partition of {schema}\.pt "
+                                 r'that holds rows, and DELETE subscriptions "pt-delete" \(stream 1\)'):
+            c.execute(f"alter table {schema}.pt detach partition {schema}.p1")
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState,
+                           match=rf"refusing DROP TABLE of {schema}\.p2: {schema}\.p2 is a partition of {schema}\.pt "
+                                 r"\(its rows go with it\)") as refused:
+            c.execute(f"drop table {schema}.p2")
+        assert refused.value.diag.message_hint is not None
+        assert f"DETACH PARTITION {schema}.p2" in refused.value.diag.message_hint
+        assert c.execute(f"select count(*) from {schema}.pt").fetchone() == (3,)
+        c.execute(f"delete from {schema}.p3")  # retention without the opt-in: delete, detach, drop
+        c.execute(f"alter table {schema}.pt detach partition {schema}.p3")
+        c.execute(f"drop table {schema}.p3")
+    assert ops(db_url) == Counter({"INSERT": 3, "DELETE": 1})
+    run(db_url, "update pgstream.subscriptions set emit_truncate = true where operation = 'DELETE'")
+    with connect(db_url, owner) as c:
+        c.execute(f"alter table {schema}.pt detach partition {schema}.p1")
+        c.execute(f"drop table {schema}.p2")
+        c.execute(f"insert into {schema}.p1 values (4, 4, 'detached')")
+    truncated = [(e["tg_name"], e["tg_table_schema"], e["tg_table_name"]) for e in events(db_url)
+                 if e["tg_op"] == "TRUNCATE"]
+    assert truncated == [("pt-delete", schema, "p1"), ("pt-delete", schema, "p2")]
+    assert ops(db_url) == Counter({"INSERT": 3, "DELETE": 1, "TRUNCATE": 2})
+    assert not is_super(db_url, owner)
+
+
+def test_a_renamed_partition_trigger_never_blocks_subscription_changes(db_url: str, roles: Callable[..., str]) -> None:
+    """Renaming pgstream's copy of a trigger on a partition is refused like renaming the table's own; one
+    renamed while the drift guard was off neither blocks deleting or changing the table's subscriptions
+    (also in a set_subscriptions of other tables) nor, once they are gone, dropping the schema."""
+    owner, schema = owned_partitioned_table(db_url, roles, "statement")
+    rename = f"alter trigger pgstream_insert_stmt on {schema}.p1 rename to mine"
+    with connect(db_url, owner) as c:
+        with pytest.raises(psycopg.errors.DependentObjectsStillExist,
+                           match=rf"refusing ALTER TRIGGER on mine on {schema}\.p1: the generated trigger "
+                                 rf"pgstream_insert_stmt of INSERT on {schema}\.p1 would be missing"):
+            c.execute(rename)
+    run(db_url, "alter event trigger pgstream_drift_guard_alter disable")
+    try:
+        run(db_url, rename, role=owner)
+    finally:
+        run(db_url, "alter event trigger pgstream_drift_guard_alter enable")
+    run(db_url, "create table public.other (id int)")
+    with connect(db_url) as c:
+        c.execute("update pgstream.subscriptions set column_names = '{id}' where key = 'pt-insert'")
+        changes = c.execute(
+            "select action from pgstream.set_subscriptions(1, array[jsonb_populate_record("
+            "null::pgstream.subscriptions, '{\"key\": \"other\", \"operation\": \"INSERT\", "
+            "\"table_name\": \"other\"}')])").fetchall()
+        assert sorted(a for (a,) in changes) == ["deleted", "deleted", "deleted", "inserted"]
+        assert c.execute("select count(*) from pg_trigger where tgname = 'mine'").fetchone() == (0,)
+    run(db_url, f"drop schema {schema} cascade", role=owner)
+    run(db_url, "insert into public.other values (1)")
+    assert ops(db_url) == Counter({"INSERT": 1})

@@ -17,13 +17,15 @@ literal of an array (or composite) of the domain, and which the domain_check kin
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import pytest
 
-from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
+from pgstream_dagster.engine.migrations import WRITER_ROLE, install_drift_guard, migrate
 
 from .test_security import connect, is_super, roles, run, subscribe
 
@@ -34,14 +36,16 @@ KINDS = ["cast", "domain_check", "operator", "function", "rls_policy", "trigger"
 
 #: pgstream's entry points that touch user-controlled code
 ENTRY_POINTS = ["insert_subscription", "set_subscriptions", "regenerate_trigger", "repair_trigger",
-                "drift_guard_alter_table", "backfill_start", "backfill_chunk", "generated_trigger"]
+                "drift_guard_alter_table", "drift_guard_partitions", "backfill_start", "backfill_chunk",
+                "generated_trigger"]
 
 #: where the code must run as pgstream_writer: the matrix also proves each of these cells exercised it
 #: (parsing an array literal of the domain's array type runs the CHECK; a backfill's filter is
 #: "new.tags = '{1}'"; the other kinds run when a subscription's code is evaluated)
 RUNS_AT = {
     ("domain_check", e) for e in ("insert_subscription", "set_subscriptions", "regenerate_trigger",
-                                  "repair_trigger", "drift_guard_alter_table", "backfill_start")
+                                  "repair_trigger", "drift_guard_alter_table", "drift_guard_partitions",
+                                  "backfill_start")
 } | {(k, e) for k in ("cast", "operator", "function") for e in ("backfill_chunk", "generated_trigger")}
 
 
@@ -130,6 +134,22 @@ def _enter(url: str, attacker: str, schema: str, kind: str, entry: str) -> None:
                       [schema, sub["when"], sub["columns"]])
         return
     run(url, f"insert into {schema}.t (id, tags) values (1, '{{1}}'), (2, '{{2}}')", role=attacker)
+    if entry == "drift_guard_partitions":
+        # t, rows and code, attached to a subscribed partitioned table and detached again: the guard
+        # validates the subscriptions, gives t the triggers' copies, then reads whether t holds rows
+        # (its DELETE subscriber opted in: the detach is its TRUNCATE event)
+        run(url, f"create table {schema}.pp (like {schema}.t including defaults) partition by range (id)",
+            role=attacker)
+        sub = _subscription(schema, kind)
+        subscribe(url, "hostile", "pp", schema=schema, columns=sub["columns"], when=sub["when"])
+        subscribe(url, "hostile-gone", "pp", schema=schema, op="DELETE", columns=["id"])
+        run(url, "update pgstream.subscriptions set emit_truncate = true where key = 'hostile-gone'")
+        run(url, f"alter table {schema}.pp attach partition {schema}.t for values from (0) to (100)",
+            f"alter table {schema}.pp detach partition {schema}.t", role=attacker)
+        with connect(url) as c:  # the cell exercised the read: t's rows left as its TRUNCATE event
+            assert c.execute("select count(*) from pgstream.events where payload ->> 'tg_op' = 'TRUNCATE' "
+                             "and payload ->> 'tg_table_name' = 't'").fetchone() == (1,)
+        return
     _subscribe(url, schema, kind)
     if entry in ("regenerate_trigger", "repair_trigger"):
         run(url, f"select pgstream.{entry}('{schema}', 't', 'INSERT')")
@@ -216,21 +236,44 @@ def test_parsing_an_expression_runs_the_table_owners_domain_check_as_the_writer(
     assert not is_super(db_url, attacker)
 
 
+@dataclass(frozen=True)
+class _Install:
+    """A database pgstream is installed in by a non-superuser owner, and a hostile role that may create in it."""
+
+    name: str
+    owner: str
+    attacker: str
+    owner_url: str
+    attacker_url: str
+
+
+@contextmanager
+def _non_superuser_install(pg: Any, roles: Callable[..., str], prefix: str) -> Iterator[_Install]:
+    """Database ``<prefix>_<owner>`` owned and migrated by a non-superuser owner (a member of pgstream_writer,
+    later of the attacker's role, as a migrator that subscribes an application's tables can be); dropped after."""
+    owner = roles("alter role {role} createrole replication")
+    attacker = roles()
+    name = f"{prefix}_{owner}"
+    run(pg.url, f"create database {name} owner {owner}", f"grant {WRITER_ROLE} to {owner}")
+    install = _Install(name, owner, attacker, pg.url_for(name).replace("postgres@", f"{owner}@", 1),
+                       pg.url_for(name).replace("postgres@", f"{attacker}@", 1))
+    try:
+        migrate(install.owner_url)
+        run(install.owner_url, f"grant create on database {name} to {attacker}")
+        yield install
+    finally:
+        run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}",
+            f"revoke {attacker} from {owner}")
+
+
 def test_a_backfill_never_runs_the_table_owners_rls_policy_as_a_non_superuser_owner(
         pg: Any, roles: Callable[..., str]) -> None:
     """The table owner's forced RLS policy would run as pgstream's (non-superuser) owner when a backfill
     reads the table, and could then rewrite pgstream.subscriptions: the backfill refuses instead, naming
     the table and the fix. (pgstream's owner is a member of the table's owner role, as a migrator that
     subscribes an application's tables can be.)"""
-    owner = roles("alter role {role} createrole replication")
-    attacker = roles()
-    name = f"rls_{owner}"
-    run(pg.url, f"create database {name} owner {owner}", f"grant {WRITER_ROLE} to {owner}")
-    owner_url = pg.url_for(name).replace("postgres@", f"{owner}@", 1)
-    attacker_url = pg.url_for(name).replace("postgres@", f"{attacker}@", 1)
-    try:
-        migrate(owner_url)
-        run(owner_url, f"grant create on database {name} to {attacker}")
+    with _non_superuser_install(pg, roles, "rls") as db:
+        owner, attacker, owner_url, attacker_url = db.owner, db.attacker, db.owner_url, db.attacker_url
         s = f"s_{attacker}"
         run(attacker_url, f"create schema {s}",
             f"create table {s}.t (id int primary key, note text)",
@@ -259,10 +302,39 @@ def test_a_backfill_never_runs_the_table_owners_rls_policy_as_a_non_superuser_ow
             assert c.execute("select when_clause from pgstream.subscriptions").fetchall() == [(None,)]
             assert c.execute("select count(*) from pgstream.events where payload->>'tg_op' = 'READ'"
                              ).fetchone() == (2,)
-    finally:
-        run(pg.url, f"drop database if exists {name} with (force)", f"revoke {WRITER_ROLE} from {owner}",
-            f"revoke {attacker} from {owner}",
-            f"alter role {owner} nobypassrls")
+        run(pg.url, f"alter role {owner} nobypassrls")
+
+
+def test_a_detach_never_runs_the_table_owners_rls_policy_as_a_non_superuser_owner(
+        pg: Any, roles: Callable[..., str]) -> None:
+    """After DETACH PARTITION the drift guard reads, as pgstream's owner, whether the detached table
+    holds rows. On an install whose owner is no superuser (a superuser added the guard's event triggers)
+    the table owner's forced RLS policy would run as that owner: the read refuses it instead, and the
+    table counts as holding rows (its DELETE subscriber, opted in, gets the TRUNCATE event)."""
+    with _non_superuser_install(pg, roles, "rlsd") as db:
+        owner, attacker, owner_url, attacker_url = db.owner, db.attacker, db.owner_url, db.attacker_url
+        install_drift_guard(pg.url_for(db.name))
+        s = f"s_{attacker}"
+        run(attacker_url, f"create schema {s}", f"grant usage on schema {s} to {owner}, {WRITER_ROLE}",
+            f"create sequence {s}.as_owner", f"grant usage, update on sequence {s}.as_owner to public",
+            f"create function {s}.pol() returns boolean language plpgsql as $$ begin "
+            f"if current_user = '{owner}' then perform pg_catalog.nextval('{s}.as_owner'); end if; "
+            "return true; end $$",
+            f"create table {s}.pt (id int, k int) partition by range (k)",
+            f"create table {s}.p1 partition of {s}.pt for values from (0) to (10)",
+            f"insert into {s}.pt values (1, 1)",
+            f"alter table {s}.p1 enable row level security", f"alter table {s}.p1 force row level security",
+            f"create policy p on {s}.p1 using ({s}.pol())",
+            f"grant select, trigger on {s}.pt, {s}.p1 to {owner}")
+        run(pg.url, f"grant {attacker} to {owner}")
+        subscribe(owner_url, "gone", "pt", schema=s, op="DELETE", columns=["id"])
+        run(owner_url, "update pgstream.subscriptions set emit_truncate = true")
+        run(attacker_url, f"alter table {s}.pt detach partition {s}.p1")
+        with connect(owner_url) as c:
+            assert c.execute(f"select is_called from {s}.as_owner").fetchone() == (False,)
+            assert c.execute("select payload ->> 'tg_table_name' from pgstream.events "
+                             "where payload ->> 'tg_op' = 'TRUNCATE'").fetchall() == [("p1",)]
+        assert not is_super(pg.url, attacker)
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ from the UI):
 
 * on each subscription asset, ``trigger_matches`` (blocking): the subscription is in the database as
   the YAML declares it, and its table's generated trigger exists, is enabled, carries the md5 of
-  what ``pgstream.generated_trigger`` produces now and calls the unmodified generated function;
+  what ``pgstream.generated_trigger`` produces now and calls the unmodified generated function, and
+  so does its copy on each partition of a partitioned table;
 * on the stream's deliveries asset: ``undelivered_age`` (oldest undelivered event younger than
   ``streams[].checks.max_undelivered_age_secs``), ``slot_retained_wal`` (the slot exists, is not
   lost and holds back at most ``streams[].checks.max_retained_wal_bytes`` of WAL; not on a reader group's

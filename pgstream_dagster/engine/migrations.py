@@ -300,11 +300,11 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
 
 
 #: the drift guard's event triggers (sql/repeatable/05_drift_guard.sql), which only a superuser can create
-DRIFT_GUARD_TRIGGERS = ("pgstream_drift_guard_alter", "pgstream_drift_guard_drop")
+DRIFT_GUARD_TRIGGERS = ("pgstream_drift_guard_alter", "pgstream_drift_guard_drop", "pgstream_drift_guard_start")
 
 
 def drift_guard_installed(conn: psycopg.Connection) -> bool:
-    """Whether both event triggers of the schema-drift guard exist and are enabled."""
+    """Whether every event trigger of the schema-drift guard exists and is enabled."""
     row = conn.execute("select count(*) from pg_catalog.pg_event_trigger where evtname = any(%s) and evtenabled <> 'D'",
                        [list(DRIFT_GUARD_TRIGGERS)]).fetchone()
     return bool(row and row[0] == len(DRIFT_GUARD_TRIGGERS))

@@ -291,6 +291,8 @@ class TriggerState:
     mode: str = "row"  # 'row' or 'statement' (trigger_mode)
     #: the function is SECURITY DEFINER, owned by pgstream_writer, with search_path = pg_catalog, pg_temp
     installed_confined: bool | None = None
+    #: why partitions of a partitioned table lack their copies of its generated triggers (see partition_problems)
+    partition_problems: tuple[str, ...] = ()
 
     def problems(self) -> list[str]:
         """Why the installed trigger does not match its definition (empty: it matches)."""
@@ -313,7 +315,7 @@ class TriggerState:
                        f"guard?): pgstream.repair_trigger restores it")
         if self.enabled == "D":
             out.append(f"trigger {self.trigger_name} is disabled")
-        return out
+        return out + list(self.partition_problems)
 
 
 def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: str,
@@ -338,7 +340,42 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
     if installed is None:
         return state
     return replace(state, trigger_oid=installed[0], installed_hash=installed[1], installed_function=installed[2],
-                   installed_source=installed[3], enabled=installed[4], installed_confined=installed[5])
+                   installed_source=installed[3], enabled=installed[4], installed_confined=installed[5],
+                   partition_problems=partition_problems(conn, schema, table, operation, state.trigger_name))
+
+
+def partition_problems(conn: psycopg.Connection, schema: str, table: str, operation: str,
+                       trigger_name: str) -> tuple[str, ...]:
+    """Why partitions of a partitioned table lack their copies of its generated trigger ``trigger_name``
+    (and, for DELETE, of its TRUNCATE trigger): every partition at every level needs a trigger of the same
+    name calling the same function, enabled, with the same comment. Identified by the function the
+    table's trigger calls, never by name alone: a partition's own trigger that bears the name is reported."""
+    rows = conn.execute(
+        """select p.relid::regclass::text, r.tgname::text, c.tgfoid::regprocedure::text, c.tgfoid = r.tgfoid,
+                  c.tgenabled = 'D'
+           from pg_catalog.pg_trigger r
+           join pg_catalog.pg_proc f on f.oid = r.tgfoid and f.pronamespace = 'pgstream'::regnamespace
+           cross join lateral pg_catalog.pg_partition_tree(r.tgrelid) p
+           left join pg_catalog.pg_trigger c on c.tgrelid = p.relid and c.tgname = r.tgname
+           where r.tgrelid = to_regclass(format('%%I.%%I', %(schema)s::text, %(table)s::text))
+             and p.relid <> r.tgrelid
+             and (r.tgname = %(trigger)s or (%(op)s = 'DELETE' and r.tgtype & 32 <> 0))
+             and (c.oid is null or c.tgfoid <> r.tgfoid or c.tgenabled = 'D'
+                  or obj_description(c.oid, 'pg_trigger') is distinct from obj_description(r.oid, 'pg_trigger'))
+           order by p.level, 1, 2""",
+        {"schema": schema, "table": table, "trigger": trigger_name, "op": operation}).fetchall()
+    out: list[str] = []
+    for partition, name, calls, same_function, disabled in rows:
+        if calls is None:
+            out.append(f"partition {partition} has no copy of trigger {name}")
+        elif not same_function:
+            out.append(f"partition {partition} has a trigger {name} of its own, calling {calls}, "
+                       f"instead of the copy of the table's")
+        elif disabled:
+            out.append(f"trigger {name} on partition {partition} is disabled")
+        else:
+            out.append(f"trigger {name} on partition {partition} was not generated from the current subscriptions")
+    return tuple(out)
 
 
 #: the stored columns :func:`differences` compares (and ``managed_by``), in the order :func:`_stored` reads them

@@ -1194,11 +1194,16 @@ revoke all on function pgstream._create_trigger_sql(text, pgstream.operation_typ
 -- The copies of the generated statement trigger of one (operation, mode) on the partitions of a
 -- partitioned subscribed table: every partition of its tree gets one (same name, function
 -- and comment), and a table that carries one but is no longer in the tree (detached) loses it, as
--- does every table when the subscribed table has none. Called in pgstream's own DDL
--- (pgstream.internal_ddl) by trigger regeneration and by the drift guard after CREATE TABLE ...
--- PARTITION OF and ALTER TABLE ... ATTACH / DETACH PARTITION.
+-- does every table when the subscribed table has none. A copy is a trigger that calls the generated
+-- function, whatever its name: one renamed (while the drift guard was off) is dropped and made
+-- again under its name. A trigger of that name on a partition that calls anything else is not
+-- pgstream's: p_what null (trigger regeneration, the owner's call) replaces it, with a WARNING naming
+-- it; else (p_what names the DDL the drift guard checks) the DDL is refused, naming it. Called in
+-- pgstream's own DDL (pgstream.internal_ddl) by trigger regeneration and by the drift guard after
+-- CREATE TABLE ... PARTITION OF and ALTER TABLE ... ATTACH / DETACH PARTITION.
+drop function if exists pgstream._sync_partition_triggers(text, text, pgstream.operation_type, text);
 create or replace function pgstream._sync_partition_triggers(
-    p_schema text, p_table text, p_op pgstream.operation_type, p_mode text
+    p_schema text, p_table text, p_op pgstream.operation_type, p_mode text, p_what text
 )
 returns void
 language plpgsql
@@ -1206,12 +1211,13 @@ volatile
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_rel  pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
-    v_trg  text := pgstream.trigger_name(p_op, p_mode);
-    v_name text := pgstream.trigger_function_name(p_schema, p_table, p_op, p_mode);
-    v_fn   pg_catalog.oid := pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', v_name));
-    v_root record;
-    v_part record;
+    v_rel   pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_trg   text := pgstream.trigger_name(p_op, p_mode);
+    v_name  text := pgstream.trigger_function_name(p_schema, p_table, p_op, p_mode);
+    v_fn    pg_catalog.oid := pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', v_name));
+    v_root  record;
+    v_part  record;
+    v_other pg_catalog.regproc;
 begin
     if v_fn is null then
         return;
@@ -1219,26 +1225,43 @@ begin
     select t.oid, pg_catalog.obj_description(t.oid, 'pg_trigger') as hash into v_root
     from pg_catalog.pg_trigger t
     where t.tgrelid = v_rel and t.tgname = v_trg and t.tgfoid = v_fn;
-    for v_part in select t.tgrelid::pg_catalog.regclass as rel from pg_catalog.pg_trigger t
-                  where t.tgfoid = v_fn and t.tgname = v_trg and t.tgparentid = 0
+    for v_part in select t.tgrelid::pg_catalog.regclass as rel, t.tgname from pg_catalog.pg_trigger t
+                  where t.tgfoid = v_fn and t.tgparentid = 0
                     and t.tgrelid is distinct from v_rel::pg_catalog.oid
-                    and (v_root.oid is null
+                    and (v_root.oid is null or t.tgname <> v_trg
                          or not exists (select 1 from pg_catalog.pg_partition_tree(v_rel) p where p.relid = t.tgrelid)) loop
-        execute pg_catalog.format('drop trigger %I on %s', v_trg, v_part.rel);
+        execute pg_catalog.format('drop trigger %I on %s', v_part.tgname, v_part.rel);
     end loop;
     if v_root.oid is null or not pgstream._is_partitioned(p_schema, p_table) then
         return;
     end if;
-    for v_part in select p.relid as rel from pg_catalog.pg_partition_tree(v_rel) p
+    for v_part in select p.relid::pg_catalog.regclass as rel from pg_catalog.pg_partition_tree(v_rel) p
                   where p.relid <> v_rel
-                    and not exists (select 1 from pg_catalog.pg_trigger t where t.tgrelid = p.relid and t.tgname = v_trg)
+                    and not exists (select 1 from pg_catalog.pg_trigger t
+                                    where t.tgrelid = p.relid and t.tgname = v_trg and t.tgfoid = v_fn)
                   order by p.level, p.relid loop
+        -- a trigger of the generated name that is not pgstream's (it would keep the copy off the partition)
+        select t.tgfoid::pg_catalog.regproc into v_other
+        from pg_catalog.pg_trigger t where t.tgrelid = v_part.rel and t.tgname = v_trg;
+        if found then
+            if p_what is not null then
+                raise exception 'pgstream: refusing %: the trigger % on % calls %(), not pgstream''s generated function, '
+                                'and the subscriptions of % need that name on each of its partitions',
+                    p_what, pg_catalog.quote_ident(v_trg), v_part.rel, v_other, v_rel
+                    using errcode = 'duplicate_object',
+                          hint = 'Rename or drop that trigger, then repeat the DDL (on a partition attached with it while '
+                                 'the guard was off, pgstream.repair_trigger, run by pgstream''s owner, replaces it).';
+            end if;
+            raise warning 'pgstream: replacing the trigger % on % (it called %()): the subscriptions of % need that '
+                          'name on each of its partitions', pg_catalog.quote_ident(v_trg), v_part.rel, v_other, v_rel;
+            execute pg_catalog.format('drop trigger %I on %s', v_trg, v_part.rel);
+        end if;
         execute pgstream._create_trigger_sql(v_trg, p_op, p_mode, v_part.rel, true, null, v_name);
         execute pg_catalog.format('comment on trigger %I on %s is %L', v_trg, v_part.rel, v_root.hash);
     end loop;
 end
 $$;
-revoke all on function pgstream._sync_partition_triggers(text, text, pgstream.operation_type, text) from public;
+revoke all on function pgstream._sync_partition_triggers(text, text, pgstream.operation_type, text, text) from public;
 
 -- Regenerates the trigger of one (schema, table, operation, mode). An identical definition is
 -- left untouched (same trigger oid) unless p_force. The function belongs to pgstream_writer.
@@ -1256,6 +1279,7 @@ declare
     v_trg     text := pgstream.trigger_name(p_op, p_mode);
     v_rel     pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
     v_gen     record;
+    v_old     record;
     v_hash    text;
     v_current text;
     v_owner   pg_catalog.name;
@@ -1281,7 +1305,7 @@ begin
        and v_owner = 'pgstream_writer' and v_fn_ok then
         -- unchanged; the partitions created or detached since get or lose their copy
         v_begun := pgstream._internal_ddl_begin();
-        perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
+        perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode, null);
         perform pgstream._internal_ddl_end(v_begun);
         return false;
     end if;
@@ -1301,8 +1325,13 @@ begin
     if v_rel is not null then
         execute pg_catalog.format('drop trigger if exists %I on %s', v_trg, v_rel);
     end if;
-    -- its copies on partitions, and on tables detached while the guard was off
-    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
+    -- every trigger that calls the function, whatever its name and table: its copies on partitions,
+    -- on tables detached while the guard was off, and one renamed while the guard was off
+    for v_old in select t.tgname, t.tgrelid::pg_catalog.regclass as rel from pg_catalog.pg_trigger t
+                 where t.tgfoid = pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', v_fn))
+                   and t.tgparentid = 0 loop
+        execute pg_catalog.format('drop trigger %I on %s', v_old.tgname, v_old.rel);
+    end loop;
     execute pg_catalog.format('drop function if exists pgstream.%I()', v_fn);
     if v_gen.function_body is not null then
         execute pg_catalog.format(
@@ -1323,7 +1352,7 @@ begin
                                              v_gen.when_clause, v_fn);
         execute pg_catalog.format('comment on trigger %I on %s is %L', v_trg, v_rel, v_hash);
     end if;
-    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode);
+    perform pgstream._sync_partition_triggers(p_schema, p_table, p_op, p_mode, null);
     perform pgstream._internal_ddl_end(v_begun);
     return true;
 end
