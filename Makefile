@@ -1,4 +1,4 @@
-# make dev  - venv + local Postgres (wal_level=logical) + migrations + demo + `dg dev`
+# make dev  - venv + local Postgres (wal_level=logical) + migrations + demo + `dg dev` (DEV_ARGS="--port 3001": more options of `pgstream-dagster dev`)
 # make test - venv + lint + `dg check defs` / `dg list defs` + `mkdocs build --strict` + the whole test suite (what CI runs)
 # make stop - stop make dev's services (dg dev, Spark Connect server, Postgres); `pgstream-dagster dev --status` lists them
 # make clean - stop them, then delete .pgstream/ (the demo's data) and Dagster's local files
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	  touch $(STAMP) && echo "[venv] done ($$(( $$(date +%s) - start )) s)"
 
 dev: $(STAMP)
-	$(BIN)/pgstream-dagster dev
+	$(BIN)/pgstream-dagster dev $(DEV_ARGS)
 
 stop:
 	test ! -x $(BIN)/pgstream-dagster || $(BIN)/pgstream-dagster dev --stop
