@@ -20,13 +20,23 @@ import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from croniter import croniter
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .engine.cluster import database_problem, executors_elsewhere, is_local, sink_problems
+from .engine.dbconn import conninfo_problem
 from .sinks import LAKE_SINK_TYPES, SinkConfig
 from .sinks.base import EventPath
 
@@ -36,6 +46,17 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 class ConfigError(ValueError):
     """The configuration file is missing, unreadable or invalid."""
 
+
+def _libpq_parses(value: SecretStr) -> SecretStr:
+    """A connection string libpq can parse, else its problem (the password masked: libpq echoes it)."""
+    problem = conninfo_problem(value.get_secret_value())
+    if problem:
+        raise ValueError(f"not a connection string libpq can parse: {problem}")
+    return value
+
+
+#: a database URL (or key=value connection string): a secret, refused when libpq cannot parse it
+DatabaseUrl = Annotated[SecretStr, AfterValidator(_libpq_parses)]
 
 #: The largest stream id: ids are ``bigint`` in the database.
 MAX_STREAM_ID = 2**63 - 1
@@ -426,7 +447,7 @@ class SparkConfig(_Model):
     host_local_settings: bool = Field(False, description="accept settings the executors read that name their own "
                                                          "host (relative file paths, loopback hosts) on a cluster "
                                                          "master: every executor host has what they name")
-    executor_database_url: SecretStr | None = Field(
+    executor_database_url: DatabaseUrl | None = Field(
         None, description="the URL Spark executors connect with: a login role that is a member of pgstream_executor "
                           "(reads events and batches, writes by_key resume points, runs backfill chunks); default: "
                           "database_url (the runtime's), which executor hosts then hold; empty = none")
@@ -444,7 +465,7 @@ class MetricsConfig(_Model):
     host: str = Field("127.0.0.1", min_length=1, max_length=253, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$",
                       description="address the exporter listens on (0.0.0.0: every interface)")
     port: int = Field(9187, ge=1, le=65535, description="port the exporter listens on")
-    database_url: SecretStr | None = Field(None, description="the exporter's connection (e.g. a read-only role "
+    database_url: DatabaseUrl | None = Field(None, description="the exporter's connection (e.g. a read-only role "
                                                              "granted SELECT on pgstream.metrics); default: "
                                                              "database_url")
     scrape_timeout_secs: float = Field(5.0, gt=0, le=300, description="a scrape's read of the database gives up "
@@ -570,7 +591,7 @@ def streams_fingerprint(streams: Sequence[StreamConfig]) -> str:
 
 
 class PgstreamConfig(_Model):
-    database_url: SecretStr = Field(description="what the code location, sensors, runs and CLI connect with: a "
+    database_url: DatabaseUrl = Field(description="what the code location, sensors, runs and CLI connect with: a "
                                                 "login member of pgstream_runtime (never shown)")
     streams: list[StreamConfig] = Field(min_length=1, description="the streams, each with its sink")
     subscriptions: list[SubscriptionConfig] = Field(default_factory=list, description="row changes that become "
@@ -692,7 +713,7 @@ class MetricsSettings(BaseModel):
     no sink credentials), validated by the same models."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-    database_url: SecretStr | None = None
+    database_url: DatabaseUrl | None = None
     metrics: MetricsConfig = MetricsConfig()
 
 
