@@ -352,6 +352,9 @@ def test_a_value_a_typed_column_cannot_hold_is_that_events_rejection(kind: str, 
             assert rejected.value.permanent and rejected.value.event_ids == (event.id,)
             assert UNFIT[i - 1][1] in str(rejected.value)
         sink.publish_at([last], [(1, len(unfit) + 2)])
+        with pytest.raises(SinkError) as rejected:  # a replay (by id) rejects it the same way
+            sink.publish([ok, unfit[0], last])
+        assert rejected.value.permanent and rejected.value.event_ids == (unfit[0].id,)
         rows = {r["id"]: r for r in sink.read(STREAM, ["id", "row_n", "row_on_day", "payload"]).to_pylist()}
     assert lake_ids(config, STREAM) == Counter({ok.id: 1, last.id: 1})
     assert rows[ok.id]["row_on_day"] is None and '"on_day":"infinity"' in rows[ok.id]["payload"]

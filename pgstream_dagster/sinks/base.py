@@ -774,7 +774,8 @@ class SinkConfigBase(BaseModel):
 def _secret_strings(value: Any) -> list[str]:
     if isinstance(value, SecretStr):
         text = value.get_secret_value()
-        return url_secrets(text) if "://" in text else [text]
+        # a connection URL's password also when libpq refuses the URL and echoes it (conninfo_secrets)
+        return [*url_secrets(text), *conninfo_secrets(text)] if "://" in text else [text]
     if isinstance(value, dict):
         return [s for v in value.values() for s in _secret_strings(v)]
     if isinstance(value, list | tuple):
