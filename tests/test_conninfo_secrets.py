@@ -73,3 +73,18 @@ def test_the_runtimes_connections_never_raise_the_password(url: str, wrong: str)
         dbconn.connect(url, autocommit=True)
     assert PASSWORD not in str(refused.value) and wrong in str(refused.value)
     assert dbconn.conninfo_problem(url) is not None and PASSWORD not in (dbconn.conninfo_problem(url) or "")
+
+
+@pytest.mark.parametrize(("url", "wrong"), BAD_URLS)
+def test_a_lake_sinks_database_url_libpq_refuses_fails_without_its_password(url: str, wrong: str,
+                                                                           tmp_path: Path) -> None:
+    import datetime as dt
+
+    from pgstream_dagster.sinks import Event, SinkError, build_sink
+
+    event = Event(1, 1, {"tg_op": "INSERT", "new": {"id": 1}}, None, dt.datetime(2026, 12, 1, tzinfo=dt.UTC))
+    with build_sink({"type": "parquet", "path": str(tmp_path / "t"), "typed_columns": True,
+                     "database_url": url}) as sink, pytest.raises(SinkError) as failed:
+        sink.publish_at([event], [(1, 1)])
+    assert PASSWORD not in str(failed.value) and not failed.value.permanent
+    assert wrong.split('"')[0] in str(failed.value)  # what libpq says is wrong
