@@ -832,6 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
         from .config import ConfigError
         from .engine.backfill import BackfillError
+        from .engine.dbconn import scrubbed_error
         from .engine.deadletters import DeadLetterError
         from .engine.ledger import SlotElsewhere, SlotInUse
         from .engine.migrations import MigrationError
@@ -841,9 +842,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | SlotElsewhere |
                       BackfillError | SparkServerError | PublicationTaken) or \
                 type(exc).__module__.startswith("psycopg"):
-            print(f"error: {exc}", file=sys.stderr)
+            # libpq echoes a connection string it cannot parse, the password included
+            print(f"error: {scrubbed_error(exc, *_urls_given(args))}", file=sys.stderr)
             return 1
         raise
+
+
+def _urls_given(args: argparse.Namespace) -> list[str | None]:
+    """The connection strings the command may have used: ``--database-url`` and the environment's."""
+    return [getattr(args, "database_url", None), os.environ.get("PGSTREAM_DATABASE_URL"),
+            os.environ.get("PGSTREAM_OWNER_DATABASE_URL")]
 
 
 if __name__ == "__main__":

@@ -20,13 +20,23 @@ import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from croniter import croniter
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .engine.cluster import database_problem, executors_elsewhere, is_local, sink_problems
+from .engine.dbconn import conninfo_problem
 from .sinks import LAKE_SINK_TYPES, SinkConfig
 from .sinks.base import EventPath
 
@@ -36,6 +46,17 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 class ConfigError(ValueError):
     """The configuration file is missing, unreadable or invalid."""
 
+
+def _libpq_parses(value: SecretStr) -> SecretStr:
+    """A connection string libpq can parse, else its problem (the password masked: libpq echoes it)."""
+    problem = conninfo_problem(value.get_secret_value())
+    if problem:
+        raise ValueError(f"not a connection string libpq can parse: {problem}")
+    return value
+
+
+#: a database URL (or key=value connection string): a secret, refused when libpq cannot parse it
+DatabaseUrl = Annotated[SecretStr, AfterValidator(_libpq_parses)]
 
 #: The largest stream id: ids are ``bigint`` in the database.
 MAX_STREAM_ID = 2**63 - 1
@@ -426,7 +447,7 @@ class SparkConfig(_Model):
     host_local_settings: bool = Field(False, description="accept settings the executors read that name their own "
                                                          "host (relative file paths, loopback hosts) on a cluster "
                                                          "master: every executor host has what they name")
-    executor_database_url: SecretStr | None = Field(
+    executor_database_url: DatabaseUrl | None = Field(
         None, description="the URL Spark executors connect with: a login role that is a member of pgstream_executor "
                           "(reads events and batches, writes by_key resume points, runs backfill chunks); default: "
                           "database_url (the runtime's), which executor hosts then hold; empty = none")
@@ -444,7 +465,7 @@ class MetricsConfig(_Model):
     host: str = Field("127.0.0.1", min_length=1, max_length=253, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$",
                       description="address the exporter listens on (0.0.0.0: every interface)")
     port: int = Field(9187, ge=1, le=65535, description="port the exporter listens on")
-    database_url: SecretStr | None = Field(None, description="the exporter's connection (e.g. a read-only role "
+    database_url: DatabaseUrl | None = Field(None, description="the exporter's connection (e.g. a read-only role "
                                                              "granted SELECT on pgstream.metrics); default: "
                                                              "database_url")
     scrape_timeout_secs: float = Field(5.0, gt=0, le=300, description="a scrape's read of the database gives up "
@@ -570,7 +591,7 @@ def streams_fingerprint(streams: Sequence[StreamConfig]) -> str:
 
 
 class PgstreamConfig(_Model):
-    database_url: SecretStr = Field(description="what the code location, sensors, runs and CLI connect with: a "
+    database_url: DatabaseUrl = Field(description="what the code location, sensors, runs and CLI connect with: a "
                                                 "login member of pgstream_runtime (never shown)")
     streams: list[StreamConfig] = Field(min_length=1, description="the streams, each with its sink")
     subscriptions: list[SubscriptionConfig] = Field(default_factory=list, description="row changes that become "
@@ -692,7 +713,7 @@ class MetricsSettings(BaseModel):
     no sink credentials), validated by the same models."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-    database_url: SecretStr | None = None
+    database_url: DatabaseUrl | None = None
     metrics: MetricsConfig = MetricsConfig()
 
 
@@ -700,16 +721,94 @@ def load_metrics_settings(path: Path | str, *, database_url: bool = True) -> Met
     """``database_url`` (unless ``database_url`` is false: the caller has its own) and the ``metrics``
     block of the configuration file at ``path``."""
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read the pgstream configuration: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    data = read_yaml(p, "the pgstream configuration", single=True)[0]
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
     wanted = {k: data[k] for k in ("database_url", "metrics") if k in data and (database_url or k == "metrics")}
     return _validated(MetricsSettings, wanted, str(p))
+
+
+#: the values (mappings, sequences, scalars) a YAML document may hold once its aliases are followed: a
+#: configuration holds thousands; a few hundred bytes of aliases nesting aliases expand to billions
+#: (an alias bomb), which every reader of the data (``${VAR}`` substitution, validation) would copy
+MAX_YAML_VALUES = 1_000_000
+
+
+class _YamlBomb(yaml.YAMLError):
+    """A document whose aliases expand beyond :data:`MAX_YAML_VALUES` values, or refer to a node holding them."""
+
+
+def _expanded_values(root: yaml.Node) -> int:
+    """How many values ``root`` holds with every alias followed (each shared node counted once per
+    reference, computed once per node); raises :class:`_YamlBomb` past :data:`MAX_YAML_VALUES` or on
+    an alias inside the node it names."""
+    sizes: dict[int, int] = {}
+    entered: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
+        if done:
+            sizes[key] = total = 1 + sum(sizes[id(child)] for child in children)
+            if total > MAX_YAML_VALUES:
+                raise _YamlBomb(f"its aliases expand to more than {MAX_YAML_VALUES:,} values (an alias bomb?): "
+                                "write the values out or use fewer aliases")
+            continue
+        if key in sizes:
+            continue
+        if key in entered:
+            raise _YamlBomb("an alias refers to a node that holds it (a recursive structure)")
+        entered.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in sizes)
+    return sizes[id(root)]
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a document whose aliases expand beyond :data:`MAX_YAML_VALUES`
+    values before anything is built from it."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _expanded_values(node)
+        return super().construct_document(node)
+
+
+def read_yaml(path: Path, what: str, *, single: bool = False) -> list[Any]:
+    """The documents of the YAML file at ``path`` (``what`` it is, for messages; ``single``: it must
+    hold one, the result is then a list of one, ``[None]`` for an empty file), loaded safely; a
+    :class:`ConfigError` of one line naming the file when it cannot be read, is not YAML, nests too
+    deep, or holds an alias bomb (:data:`MAX_YAML_VALUES`)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read {what}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: cannot read {what}: not UTF-8 text") from None
+    try:
+        documents = list(yaml.load_all(text, Loader=_BoundedLoader))
+    except _YamlBomb as exc:
+        raise ConfigError(f"{path}: refused: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: refused: it nests deeper than the YAML reader goes") from None
+    if single and len(documents) > 1:
+        raise ConfigError(f"{path}: invalid YAML: {len(documents)} documents (--- separated), expected one")
+    return (documents or [None]) if single else documents
+
+
+#: the files of a defs folder that declare components
+_COMPONENT_FILES = ("defs.yaml", "component.yaml")
+
+
+def check_defs_yaml(folder: Path | str) -> None:
+    """Read every ``defs.yaml`` (and ``component.yaml``) under ``folder`` as :func:`read_yaml` does, before
+    Dagster reads them (its reader follows every alias): an alias bomb is refused at once."""
+    root = Path(folder)
+    for file in sorted(p for name in _COMPONENT_FILES for p in root.rglob(name)):
+        read_yaml(file, "it")
 
 
 def config_path() -> Path:
@@ -732,15 +831,9 @@ def load_component_streams(folder: Path | str) -> tuple[list[StreamDeclaration],
         raise ConfigError(f"{root}: not a directory (the defs folder with the streams' defs.yaml)")
     declared: list[StreamDeclaration] = []
     sources: list[str] = []
-    files = sorted(p for name in ("defs.yaml", "component.yaml") for p in root.rglob(name))
+    files = sorted(p for name in _COMPONENT_FILES for p in root.rglob(name))
     for file in files:
-        try:
-            documents = list(yaml.safe_load_all(file.read_text(encoding="utf-8")))
-        except OSError as exc:
-            raise ConfigError(f"{file}: cannot read it: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{file}: invalid YAML: {exc}") from None
-        for doc in documents:
+        for doc in read_yaml(file, "it"):
             if isinstance(doc, dict) and doc.get("type") in STREAM_COMPONENT_TYPES:
                 declared.append(parse_stream(doc.get("attributes") or {}, str(file), at="attributes"))
                 sources.append(str(file))
@@ -754,12 +847,4 @@ def load_config(path: Path | str | None = None, defs_folder: Path | str | None =
     if defs_folder is not None:
         declared, sources = load_component_streams(defs_folder)
         return with_streams(load_config(p), declared, f"{p} + {', '.join(sorted(set(sources)))}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read the pgstream configuration: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
-    return parse_config(data, str(p))
+    return parse_config(read_yaml(p, "the pgstream configuration", single=True)[0], str(p))

@@ -13,11 +13,14 @@ from pathlib import Path
 import dagster as dg
 
 from . import defs as defs_module
+from .config import check_defs_yaml
 
 # (Dagster's preview warnings about its own defs-folder loading: filtered in pgstream_dagster/__init__.py)
 
 
 @dg.definitions
 def defs() -> dg.Definitions:
-    tree = dg.ComponentTree.from_module(defs_module=defs_module, project_root=Path(__file__).resolve().parent)
+    root = Path(__file__).resolve().parent
+    check_defs_yaml(root / "defs")  # before Dagster's reader, which follows every alias of an alias bomb
+    tree = dg.ComponentTree.from_module(defs_module=defs_module, project_root=root)
     return tree.build_defs()

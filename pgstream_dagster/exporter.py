@@ -49,7 +49,12 @@ class Exporter:
 def start(database_url: str, host: str, port: int, timeout_secs: float = 5.0) -> Exporter:
     """Serve ``/metrics`` on ``host:port`` in a background thread (``port`` 0: any free port)."""
     prometheus_client = _prometheus()
+    from .engine.dbconn import conninfo_problem
     from .engine.metrics import PgstreamCollector
+
+    problem = conninfo_problem(database_url)
+    if problem:
+        raise ConfigError(f"metrics: the database URL is not a connection string libpq can parse: {problem}")
 
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
     collector = PgstreamCollector(database_url, timeout_secs)

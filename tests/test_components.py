@@ -384,3 +384,39 @@ def test_the_component_has_a_package_of_its_own_and_its_old_import_path_still_wo
         assert not graph.chain_exists(importer="pgstream_dagster.defs.location", imported=module)
     assert graph.chain_exists(importer="pgstream_dagster.component.stream", imported="pgstream_dagster.defs.location")
 
+
+
+def test_an_alias_bomb_in_a_teams_defs_yaml_is_refused_at_once(tmp_path: Path, env: dict[str, str]) -> None:
+    """Issue 43, finding 10: about 600 bytes of aliases nesting aliases (9 levels of 9) in a defs.yaml.
+    The code location (this package's definitions, as installed) and the CLI's reading of the defs
+    folder refuse it in one line naming the file, instead of expanding it for minutes."""
+    from .test_config import alias_bomb
+
+    text = ("type: pgstream_dagster.StreamComponent\nattributes:\n  id: 2\n  sink: {type: memory}\n  x:\n"
+            + alias_bomb("    "))
+    assert len(text) < 700
+    site = tmp_path / "site"
+    shutil.copytree(repo_root() / "pgstream_dagster", site / "pgstream_dagster",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo_root() / "sql", site / "pgstream_dagster" / "sql")
+    defs_yaml = site / "pgstream_dagster" / "defs" / "team_orders" / "defs.yaml"
+    defs_yaml.parent.mkdir()
+    defs_yaml.write_text(text)
+    (tmp_path / "pgstream.yaml").write_text(yaml.safe_dump({"database_url": URL, "streams": [STREAM_1]}))
+    message = (f"{defs_yaml}: refused: its aliases expand to more than 1,000,000 values (an alias bomb?): write "
+               "the values out or use fewer aliases")
+    code = ("import time\nfrom pgstream_dagster.config import ConfigError\n"
+            "from pgstream_dagster.definitions import defs\nstarted = time.monotonic()\n"
+            "try:\n    defs()\nexcept ConfigError as exc:\n    print(f'{time.monotonic() - started:.3f}')\n"
+            "    print(exc)\n")
+    run_env = {**os.environ, "PYTHONPATH": str(site), "PGSTREAM_CONFIG": str(tmp_path / "pgstream.yaml")}
+    run_env.pop("DAGSTER_HOME", None)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=run_env, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    took, refused = result.stdout.strip().splitlines()[-2:]
+    assert refused == message and float(took) < 5
+    # what reads the defs folder without loading it (the CLI)
+    with pytest.raises(ConfigError) as raised:
+        load_config(tmp_path / "pgstream.yaml", defs_folder=site / "pgstream_dagster" / "defs")
+    assert str(raised.value) == message

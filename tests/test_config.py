@@ -311,3 +311,72 @@ def test_the_default_mode_is_an_open_run_reading_the_slot() -> None:
     assert (delivery.direct_max_events, per_batch.direct_max_events) == (100_000, 0)
     assert DeliveryConfig.model_validate({"mode": "per_batch", "tuning": {"direct_max_events": 500}}
                                          ).direct_max_events == 500
+
+
+# --------------------------------------------------------------------------------------------
+# issue 43, finding 10: a YAML alias bomb
+
+
+def alias_bomb(indent: str = "") -> str:
+    """About 500 bytes: 9 levels of aliases, each a list of 9 of the level below (9**9 values expanded)."""
+    lines = [f"{indent}l0: &l0 [boom]"]
+    lines += [f"{indent}l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 10)]
+    return "\n".join(lines) + "\n"
+
+
+def bombed(tmp_path: Path) -> Path:
+    """pgstream.yaml: a valid configuration plus the bomb (about 600 bytes in all)."""
+    path = write(tmp_path, "database_url: postgresql://x@127.0.0.1:1/db\nstreams: []\nbomb:\n" + alias_bomb("  "))
+    assert len(path.read_bytes()) < 700
+    return path
+
+
+def test_an_alias_bomb_in_pgstream_yaml_is_refused_at_once(tmp_path: Path) -> None:
+    import time
+
+    from pgstream_dagster.config import load_metrics_settings
+
+    path = bombed(tmp_path)
+    for load in (load_config, load_metrics_settings):
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as refused:
+            load(path)
+        assert time.monotonic() - started < 5  # expanding it takes minutes
+        assert str(refused.value) == (f"{path}: refused: its aliases expand to more than 1,000,000 values (an alias "
+                                      "bomb?): write the values out or use fewer aliases")
+    # an alias inside the node it names (a structure that contains itself) is refused too
+    write(tmp_path, "database_url: postgresql://x@127.0.0.1:1/db\nstreams: &s [*s]\n")
+    with pytest.raises(ConfigError, match=r"pgstream.yaml: refused: an alias refers to a node that holds it"):
+        load_config(path)
+
+
+def test_the_cli_refuses_an_alias_bomb_in_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    path = bombed(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "pgstream_dagster.cli", "executor-requirements", "--config",
+                             str(path)], capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"error: {path}: refused: its aliases expand to more than 1,000,000 "
+                                          "values (an alias bomb?): write the values out or use fewer aliases"]
+
+
+def test_anchors_and_aliases_of_a_normal_configuration_still_work(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://u:hunter2@db/x")
+    # anchors on values of keys the configuration has: the first stream's, used by the second
+    path = write(tmp_path, """
+database_url: ${TEST_PG_URL}
+streams:
+  - id: 1
+    sink: &sink {type: http, url: http://127.0.0.1:9/hook, headers: {Authorization: "Bearer x"}}
+    batch: &batch {max_size: 10, max_fill_secs: 0}
+  - {id: 2, sink: {<<: *sink, url: http://127.0.0.1:9/other}, batch: *batch}
+subscriptions: []
+""")
+    cfg = load_config(path)
+    assert [s.batch.max_size for s in cfg.streams] == [10, 10]
+    urls = [s.sink.url.get_secret_value() for s in cfg.streams]  # type: ignore[union-attr]
+    assert urls == ["http://127.0.0.1:9/hook", "http://127.0.0.1:9/other"]

@@ -296,3 +296,66 @@ def test_typed_columns_keep_the_options_of_the_database_url(tmp_path: Path, db_u
                   "database_url": url}) as sink:
         with pytest.raises(SinkError, match="no_such_role"):
             sink.publish_at([order_event(1, "INSERT", {"id": 1})], [(1, 1)])
+
+
+def gauge_event(event_id: int, row: dict[str, Any]) -> Event:
+    return Event(event_id, STREAM, {"tg_op": "INSERT", "tg_name": "gauges", "tg_table_schema": "public",
+                                    "tg_table_name": "gauges", "new": row}, None, START)
+
+
+def gauges_table(db_url: str, stream_id: int = STREAM) -> None:
+    """``public.gauges`` (a smallint, a date, a real, a boolean, a timestamptz), subscribed on ``stream_id``."""
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("create table public.gauges (id bigint primary key, n smallint, on_day date, ratio real, "
+                     "ok boolean, at timestamptz)")
+        conn.execute("select pgstream.ensure_stream(%s)", [stream_id])
+        conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
+                     "values ('gauges', %s, 'INSERT', 'gauges', '{id,n,on_day,ratio,ok,at}')", [stream_id])
+
+
+#: rows a typed column cannot hold (issue 43, finding 5), and why
+UNFIT: list[tuple[dict[str, Any], str]] = [
+    ({"id": 2, "n": 70000}, "'n' (smallint) cannot hold the row's value: out of range"),
+    ({"id": 3, "on_day": "2026-13-45"}, "'on_day' (date) cannot hold the row's value: not a date"),
+    ({"id": 4, "n": "seven"}, "'n' (smallint) cannot hold the row's value: not an integer"),
+    ({"id": 5, "ratio": 1e39}, "'ratio' (real) cannot hold the row's value: out of range"),
+    ({"id": 6, "ok": "yes"}, "'ok' (boolean) cannot hold the row's value: not true or false"),
+    ({"id": 7, "at": {"x": 1}}, "'at' (timestamp with time zone) cannot hold the row's value: not a timestamp"),
+]
+
+
+@pytest.mark.parametrize("kind", LAKE_FORMATS)
+def test_a_value_a_typed_column_cannot_hold_is_that_events_rejection(kind: str, tmp_path: Path, pg: LocalPostgres,
+                                                                     db_url: str) -> None:
+    """Issue 43, finding 5: a manual event whose row value the typed column cannot hold (70000 for a
+    smallint, a date that is none...) is a permanent rejection of that event alone, after the events
+    before it in the call were committed; retried, it is rejected again and nothing is written twice.
+    A value Postgres holds and the lake cannot (a date of infinity) is null, the payload keeps it."""
+    gauges_table(db_url)
+    config = {**lake_config(kind, tmp_path, pg), "typed_columns": True, "database_url": db_url}
+    ok = gauge_event(1, {"id": 1, "n": 7, "on_day": "infinity", "ratio": 0.5, "ok": True,
+                         "at": "2026-12-01T10:00:00+00:00"})
+    unfit = [gauge_event(10 + i, row) for i, (row, _why) in enumerate(UNFIT)]
+    last = gauge_event(99, {"id": 9, "n": -32768})
+    with sink_of(config) as sink:
+        for attempt in range(2):  # the call, then its retry
+            with pytest.raises(SinkError) as rejected:
+                sink.publish_at([ok, *unfit, last], [(1, i) for i in range(1, len(unfit) + 3)])
+            assert rejected.value.permanent and rejected.value.event_ids == (unfit[0].id,), attempt
+            assert UNFIT[0][1] in str(rejected.value) and "70000" not in str(rejected.value)
+        # the publisher goes on with the events after it, one rejection at a time
+        for i, event in enumerate(unfit[1:], start=2):
+            with pytest.raises(SinkError) as rejected:
+                sink.publish_at([event, last], [(1, i + 1), (1, len(unfit) + 2)])
+            assert rejected.value.permanent and rejected.value.event_ids == (event.id,)
+            assert UNFIT[i - 1][1] in str(rejected.value)
+        sink.publish_at([last], [(1, len(unfit) + 2)])
+        with pytest.raises(SinkError) as rejected:  # a replay (by id) rejects it the same way
+            sink.publish([ok, unfit[0], last])
+        assert rejected.value.permanent and rejected.value.event_ids == (unfit[0].id,)
+        rows = {r["id"]: r for r in sink.read(STREAM, ["id", "row_n", "row_on_day", "payload"]).to_pylist()}
+    assert lake_ids(config, STREAM) == Counter({ok.id: 1, last.id: 1})
+    assert rows[ok.id]["row_on_day"] is None and '"on_day":"infinity"' in rows[ok.id]["payload"]
+    assert rows[last.id]["row_n"] == -32768

@@ -15,6 +15,7 @@ events, in order, with ``on_reject: dead_letter`` setting aside exactly the even
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,16 @@ import redis
 
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import load_config
+from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import deadletters
 
 from .support.endpoint import Endpoint
 from .support.faults import STREAM, fail_into_failover, in_failover, stream_config
 from .support.harness import Driver, write_config
+from .support.lake import LAKE_FORMATS, lake_config, lake_ids
 from .support.sinks import REDIS_URL, stream_entries, unique
 from .test_fault_integrity import as_role
+from .test_sink_lake import gauges_table
 
 #: nested deeper than Python's json parser goes (its recursion limit, 1,000), well within Postgres'
 DEEP = '{"tenant": "a", "deep": ' + "[" * 3000 + "]" * 3000 + "}"
@@ -190,3 +194,33 @@ def test_a_receiver_that_refuses_everything_still_blocks_the_stream(
     assert "HTTP 404" in error and f"now also rejects event {good[-1]}, which it confirmed before" in error
     assert letters_by_event(db_url) == {}  # checked at the first rejection: nothing was set aside
     assert endpoint.unique() == set(good)
+
+
+# --------------------------------------------------------------------------------------------
+# issue 43, finding 5: a value a lake table's typed column cannot hold
+
+
+@pytest.mark.parametrize("kind", LAKE_FORMATS)
+def test_a_manual_event_a_typed_lake_column_cannot_hold_is_one_dead_letter(
+        kind: str, db_url: str, pg: LocalPostgres, tmp_path: Path, instance: dg.DagsterInstance,
+        manual_role: str) -> None:
+    """A manual event ``{"new": {"n": 70000}}`` for a ``smallint`` column (and a date that is none)
+    once kept the stream in failover, whatever ``on_reject`` said. Now each is a dead letter; the
+    events around it, in the same publish call, land in the table exactly once."""
+    gauges_table(db_url, STREAM)
+    sink = {**lake_config(kind, tmp_path, pg), "typed_columns": True, "database_url": db_url}
+    driver = start(tmp_path, db_url, instance, stream_config(sink, delivery=delivery()))
+
+    def row(values: str) -> str:
+        return ('{"tg_op": "INSERT", "tg_name": "gauges", "tg_table_schema": "public", "tg_table_name": "gauges", '
+                '"new": {' + values + '}}')
+    written = write(db_url, manual_role, [row('"id": 1, "n": 7'), row('"id": 2, "n": 70000'), row('"id": 3, "n": 8'),
+                                          row('"id": 4, "on_day": "2026-13-45"'), row('"id": 5, "n": 9')])
+    good = [written[0], written[2], written[4]]
+    deliver(driver, lambda: set(lake_ids(sink, STREAM)) >= set(good))
+    assert lake_ids(sink, STREAM) == Counter({i: 1 for i in good})
+    letters = letters_by_event(db_url)
+    assert list(letters) == [written[1], written[3]]
+    assert "'n' (smallint) cannot hold the row's value: out of range" in letters[written[1]]
+    assert "'on_day' (date) cannot hold the row's value: not a date" in letters[written[3]]
+    assert not in_failover(db_url)

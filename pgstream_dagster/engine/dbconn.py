@@ -3,7 +3,11 @@ SQL uses. A role that may create functions in a schema of that path (``public`` 
 a schema named like the role) could otherwise shadow a built-in called with an untyped argument (a
 ``public.pg_logical_slot_peek_binary_changes(text, ...)`` is a better match for a string literal than
 the built-in's ``name``) and so run its code as the runtime and feed it changes of its own. The
-session's search path is ``pg_catalog, pg_temp``; options of the URL (a role to set) are kept."""
+session's search path is ``pg_catalog, pg_temp``; options of the URL (a role to set) are kept.
+
+libpq echoes what it cannot parse of a connection string, the password included (``missing "="
+after "postgresql//app:pw@host"``, ``invalid percent-encoded token: "pw%"``): :func:`conninfo_problem`
+says what is wrong without it, and :func:`connect` raises psycopg's error with it masked."""
 
 from __future__ import annotations
 
@@ -12,8 +16,24 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from ..sinks.base import scrub_conninfo
+
 #: the session setting every runtime connection gets
 PINNED_SEARCH_PATH = "-c search_path=pg_catalog,pg_temp"
+
+
+def conninfo_problem(database_url: str) -> str | None:
+    """Why libpq cannot parse ``database_url`` (its message, one line, the password masked), or None."""
+    try:
+        conninfo_to_dict(database_url)
+    except psycopg.Error as exc:
+        return scrubbed_error(exc, database_url)
+    return None
+
+
+def scrubbed_error(error: BaseException | str, *database_urls: str | None) -> str:
+    """``error``'s message in one line, the passwords of ``database_urls`` (and any other it shows) masked."""
+    return scrub_conninfo(" ".join(str(error).split()), *database_urls)
 
 
 def pinned_options(database_url: str, extra: str = "") -> str:
@@ -23,5 +43,12 @@ def pinned_options(database_url: str, extra: str = "") -> str:
 
 
 def connect(database_url: str, *, options: str = "", **kwargs: Any) -> psycopg.Connection:
-    """``psycopg.connect`` with the pinned search path (``options``: more ``-c`` settings)."""
-    return psycopg.connect(database_url, options=pinned_options(database_url, options), **kwargs)
+    """``psycopg.connect`` with the pinned search path (``options``: more ``-c`` settings); a failure
+    raises psycopg's error with the URL's password masked."""
+    try:
+        return psycopg.connect(database_url, options=pinned_options(database_url, options), **kwargs)
+    except psycopg.Error as exc:
+        message = scrub_conninfo(str(exc), database_url)
+        if message == str(exc):
+            raise
+        raise type(exc)(message) from None

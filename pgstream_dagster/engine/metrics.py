@@ -29,6 +29,8 @@ import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .dbconn import scrubbed_error
+
 Kind = Literal["counter", "gauge"]
 
 #: the read of one scrape (the view is the one place that knows where each value comes from)
@@ -157,7 +159,9 @@ class PgstreamCollector(Collector):
                     self._log("pgstream metrics: reading the database again")
                 self.last_error = None
             except psycopg.Error as exc:
-                error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                # libpq echoes a connection string it cannot parse, the password included
+                first_line = (str(exc).strip().splitlines() or [""])[0]
+                error = f"{type(exc).__name__}: {scrubbed_error(first_line, self._url)}"
                 if error != self.last_error:  # once per kind of failure, not at every scrape
                     self._log(f"pgstream metrics: cannot read the database ({error}); reporting {UP} 0")
                 self.last_error = error

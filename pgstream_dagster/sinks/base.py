@@ -28,6 +28,7 @@ __all__ = [
     "Sink",
     "SinkConfigBase",
     "SinkError",
+    "conninfo_secrets",
     "describe_events",
     "describe_exception",
     "describe_path",
@@ -46,6 +47,7 @@ __all__ = [
     "route",
     "route_name",
     "scrub",
+    "scrub_conninfo",
     "url_secrets",
 ]
 
@@ -590,6 +592,46 @@ def url_secrets(url: str) -> list[str]:
     return list(dict.fromkeys(secrets))
 
 
+#: a ``user:password@`` in text (a connection URL, well-formed or not: ``postgresql//app:pw@host``)
+_USERINFO = re.compile(r"(?P<user>(?:^|[\s\"'(/])[^\s:/@\"'()]*):(?P<password>[^\s@\"']*)@")
+#: a ``password=...`` (``sslpassword``) of a key=value connection string or a URL's query
+_PASSWORD_PARAM = re.compile(r"(?P<key>\b(?:ssl)?password\s*=\s*)(?P<value>'(?:[^'\\]|\\.)*'|[^\s&'\"]+)",
+                             re.IGNORECASE)
+
+
+def conninfo_secrets(conninfo: str) -> list[str]:
+    """The passwords a libpq connection string holds, for :func:`scrub`: a URL's (also when the URL is
+    malformed, so that libpq refuses it and echoes it: ``postgresql//app:pw@host``, a raw ``%`` in the
+    password), ``password=`` and ``sslpassword=`` values (key=value pairs or a URL's query), each as
+    written and percent-decoded. The host, user and database are not secrets."""
+    from urllib.parse import unquote, urlsplit
+
+    found: list[str] = []
+    try:
+        found.append(urlsplit(conninfo).password or "")
+    except ValueError:
+        pass
+    before, at, _after = conninfo.rpartition("@")
+    if at:
+        # the user info of a URL however malformed: after its last "/" (or "//"), password after the first ":"
+        found += [before.rsplit("/", 1)[-1].partition(":")[2], before.split("//", 1)[-1].partition(":")[2]]
+    found += [m.group("password") for m in _USERINFO.finditer(conninfo)]
+    for m in _PASSWORD_PARAM.finditer(conninfo):
+        value = m.group("value")
+        found += [value, value[1:-1]] if value.startswith("'") else [value]
+    return list(dict.fromkeys(form for secret in found if secret for form in (secret, unquote(secret))))
+
+
+def scrub_conninfo(text: str, *conninfos: str | None) -> str:
+    """``text`` (a libpq or psycopg message: libpq echoes what it cannot parse of a connection string)
+    with the passwords of ``conninfos`` masked (:func:`conninfo_secrets`), and any other
+    ``user:password@`` or ``password=...`` it holds: what is wrong stays readable
+    (``missing "=" after "postgresql//app:***@host/db"``)."""
+    text = scrub(text, [s for conninfo in conninfos if conninfo for s in conninfo_secrets(conninfo)])
+    text = _USERINFO.sub(lambda m: f"{m.group('user')}:***@" if m.group("password") != "***" else m.group(0), text)
+    return _PASSWORD_PARAM.sub(lambda m: f"{m.group('key')}***", text)
+
+
 #: an HTTP header name (RFC 9110 token)
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
@@ -732,7 +774,8 @@ class SinkConfigBase(BaseModel):
 def _secret_strings(value: Any) -> list[str]:
     if isinstance(value, SecretStr):
         text = value.get_secret_value()
-        return url_secrets(text) if "://" in text else [text]
+        # a connection URL's password also when libpq refuses the URL and echoes it (conninfo_secrets)
+        return [*url_secrets(text), *conninfo_secrets(text)] if "://" in text else [text]
     if isinstance(value, dict):
         return [s for v in value.values() for s in _secret_strings(v)]
     if isinstance(value, list | tuple):

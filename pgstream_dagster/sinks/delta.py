@@ -4,7 +4,8 @@ last ledger position), so a retried or replayed call is a no-op (see :mod:`.lake
 
 Partitioned by ``day``; a column the table lacks is added (``schema_mode: merge``).
 
-Permanent rejections: none (storage and schema failures are about the table).
+Permanent rejections: with ``typed_columns``, an event whose row holds a value its typed column cannot
+hold (see :mod:`.lake`); storage and schema failures are about the table.
 """
 
 from __future__ import annotations

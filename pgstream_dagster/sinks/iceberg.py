@@ -7,7 +7,8 @@ snapshot carrying it), so a retried or replayed call is a no-op.
 The table (and its namespace) is created on the first write, partitioned by ``day``; a column the
 table lacks is added (``update_schema().union_by_name``).
 
-Permanent rejections: none (catalog, storage and schema failures are about the table).
+Permanent rejections: with ``typed_columns``, an event whose row holds a value its typed column cannot
+hold (see :mod:`.lake`); catalog, storage and schema failures are about the table.
 """
 
 from __future__ import annotations

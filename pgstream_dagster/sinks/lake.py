@@ -15,13 +15,20 @@ A replay (``pgstream_replay_stream_<id>``) publishes events by id, not by ledger
 writes only the others. Replaying a range the table has is a no-op; replaying into an emptied table
 fills it.
 
-Permanent rejections: none. What fails (storage, the catalog, a schema the table cannot take) is
-about the table, not about one event.
+Permanent rejections (``SinkError.permanent``), the events before it committed: with
+``typed_columns``, an event whose row holds a value its typed column cannot hold, one Postgres would
+refuse for the column's type too (70000 for a ``smallint``, a date that is none, a string for a
+``boolean``): the sink commits the events before it, then names it. A value Postgres holds and
+Arrow cannot (a date or timestamp of ``infinity``, before year 1 or after 9999) is null instead, the
+``payload`` column keeps it. What else fails (storage, the catalog, a schema the table cannot take)
+is about the table, not about one event.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import decimal
+import math
 import re
 from abc import abstractmethod
 from collections.abc import Sequence
@@ -41,11 +48,13 @@ __all__ = [
     "LakeSinkConfigBase",
     "Span",
     "TypedColumn",
+    "UnfitValue",
     "arrow_schema",
     "catalog_columns",
     "events_table",
     "position_of",
     "token",
+    "typed_values",
 ]
 
 Span = tuple[tuple[int, int], tuple[int, int]]
@@ -138,8 +147,30 @@ def _payload_columns(events: Sequence[Event]) -> list[pa.Array]:
     return [pa.array([_text(p.get(key)) for p in payloads], type=pa.string()) for _, key in _PAYLOAD_COLUMNS]
 
 
-def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = None) -> pa.Table:
-    """``events`` as an Arrow table of :func:`arrow_schema`, plus the ``typed`` columns."""
+class UnfitValue(ValueError):
+    """A row's value its typed column cannot hold (:meth:`TypedColumn.convert`): the event's rejection."""
+
+
+def typed_values(events: Sequence[Event], typed: Sequence[TypedColumn]) -> tuple[list[list[Any]], int | None, str]:
+    """Each ``typed`` column's values for ``events``, up to the first event with a value its column cannot
+    hold: ``(values, index of that event, why)``, ``(values, None, "")`` when every event fits."""
+    columns: list[list[Any]] = [[] for _ in typed]
+    for index, event in enumerate(events):
+        row = _row(event)
+        try:
+            converted = [column.convert(row.get(column.column)) if row is not None else None for column in typed]
+        except UnfitValue as exc:
+            return columns, index, str(exc)
+        for values, value in zip(columns, converted, strict=True):
+            values.append(value)
+    return columns, None, ""
+
+
+def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = None,
+                 values: list[list[Any]] | None = None) -> pa.Table:
+    """``events`` as an Arrow table of :func:`arrow_schema`, plus the ``typed`` columns (their
+    :func:`typed_values` for ``events`` when given; :class:`UnfitValue` when an event has one that
+    does not fit)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -155,12 +186,12 @@ def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = 
         pa.array([e.metadata_json for e in events], type=pa.string()),
     ]
     fields = list(arrow_schema())
-    rows = [_row(e) for e in events] if typed else []
-    for column in typed or ():
-        values = []
-        for row in rows:
-            values.append(column.convert(row.get(column.column)) if row is not None else None)
-        arrays.append(pa.array(values, type=column.arrow_type()))
+    if typed and values is None:
+        values, unfit, why = typed_values(events, typed)
+        if unfit is not None:
+            raise UnfitValue(f"event {events[unfit].id}: {why}")
+    for column, column_values in zip(typed or (), values or (), strict=True):
+        arrays.append(pa.array(column_values, type=column.arrow_type()))
         fields.append(pa.field(column.name, column.arrow_type()))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
@@ -189,6 +220,16 @@ _ARROW_TYPES = {
 }
 
 
+#: the values of each integer kind
+_INT_RANGES = {"int16": (-(2**15), 2**15 - 1), "int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+#: the largest finite float32 (Postgres ``real``)
+_FLOAT32_MAX = 3.4028234663852886e38
+#: a date or timestamp Postgres holds and Python (so Arrow) cannot: infinity, a year of 5+ digits, BC
+_BEYOND_ARROW = re.compile(r"\s*[-+]?infinity\s*|\s*\d{5,}-.*|.*\sBC\s*", re.IGNORECASE)
+#: the spellings of an infinite float (``float()`` takes them; a finite number that overflows is refused)
+_INFINITY = frozenset({"inf", "infinity"})
+
+
 @dataclass(frozen=True)
 class TypedColumn:
     """A column of a subscription's table in the lake table (``typed_columns: true``): ``row_<column>``,
@@ -215,29 +256,74 @@ class TypedColumn:
                 "timestamp": pa.timestamp("us"), "timestamptz": pa.timestamp("us", tz="UTC")}[self.kind]
 
     def convert(self, value: Any) -> Any:
-        """The JSON value of the payload as this column's Python value (None when it does not fit)."""
+        """The JSON value of the payload as this column's Python value. A value Postgres holds in the
+        column's type and Arrow cannot (a date of infinity, after year 9999) is None (the payload keeps
+        it); one the type cannot hold at all (out of range, not a number, not a date) raises
+        :class:`UnfitValue`, naming the column and why, never the value."""
         if value is None:
             return None
         kind = self.kind
-        try:
-            if kind.startswith("int"):
-                return int(value) if isinstance(value, int | str) and not isinstance(value, bool) else None
-            if kind.startswith("float"):
-                return float(value) if isinstance(value, int | float | str) and not isinstance(value, bool) else None
-            if kind == "bool":
-                return value if isinstance(value, bool) else None
-            if kind == "date32":
-                return dt.date.fromisoformat(value) if isinstance(value, str) else None
-            if kind in ("timestamp", "timestamptz"):
-                if not isinstance(value, str):
-                    return None
-                parsed = dt.datetime.fromisoformat(value)
-                if kind == "timestamptz":
-                    return parsed.astimezone(dt.UTC) if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
-                return parsed.replace(tzinfo=None)
-        except (ValueError, OverflowError):  # infinity, out of range: the payload keeps it
-            return None
+        if kind.startswith("int"):
+            return self._integer(value, *_INT_RANGES[kind])
+        if kind.startswith("float"):
+            return self._float(value, kind == "float32")
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise self._unfit("not true or false")
+            return value
+        if kind == "date32":
+            return self._temporal(value, "date", dt.date.fromisoformat)
+        if kind in ("timestamp", "timestamptz"):
+            parsed = self._temporal(value, "timestamp", dt.datetime.fromisoformat)
+            try:
+                if parsed is None or kind == "timestamp":
+                    return parsed if parsed is None else parsed.replace(tzinfo=None)
+                return parsed.astimezone(dt.UTC) if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+            except OverflowError:  # 9999-12-31T23:00-05:00: past Python's last UTC instant
+                return None
         return value if isinstance(value, str) else dumps(value)
+
+    def _unfit(self, why: str) -> UnfitValue:
+        return UnfitValue(f"column {self.column!r} ({self.pg_type}) cannot hold the row's value: {why}")
+
+    def _integer(self, value: Any, low: int, high: int) -> int:
+        # an integer longer than Python converts is a Decimal (loads_event_json); a numeric string is taken
+        if isinstance(value, bool) or not isinstance(value, int | str | decimal.Decimal):
+            raise self._unfit("not an integer")
+        try:
+            number = int(value)
+        except ValueError:
+            raise self._unfit("not an integer") from None
+        if isinstance(value, decimal.Decimal) and number != value:
+            raise self._unfit("not an integer")
+        if not low <= number <= high:
+            raise self._unfit("out of range")
+        return number
+
+    def _float(self, value: Any, single: bool) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str | decimal.Decimal):
+            raise self._unfit("not a number")
+        try:
+            number = float(value)
+        except OverflowError:
+            raise self._unfit("out of range") from None
+        except ValueError:
+            raise self._unfit("not a number") from None
+        if math.isinf(number) and not (isinstance(value, str) and value.strip().lstrip("+-").lower() in _INFINITY):
+            raise self._unfit("out of range")  # a finite number past float64
+        if single and math.isfinite(number) and abs(number) > _FLOAT32_MAX:
+            raise self._unfit("out of range")
+        return number
+
+    def _temporal(self, value: Any, what: str, parse: Any) -> Any:
+        if not isinstance(value, str):
+            raise self._unfit(f"not a {what}")
+        try:
+            return parse(value)
+        except ValueError:
+            if _BEYOND_ARROW.fullmatch(value):
+                return None
+            raise self._unfit(f"not a {what}") from None
 
 
 _CATALOG_COLUMNS = """
@@ -395,8 +481,14 @@ class LakeSink(Sink):
             start = next((i for i, (b, o) in enumerate(positions) if token(b, o) > committed), len(events))
         if start == len(events):
             return  # committed before: a retry or a replay of the same positions
-        self.commit(stream_id, self._arrow(stream_id, events[start:]), (positions[start], positions[-1]))
-        self._tokens[stream_id] = token(*positions[-1])
+        pending = events[start:]
+        table, unfit, why = self._arrow(stream_id, pending)
+        if table is not None:
+            last = positions[start + table.num_rows - 1]
+            self.commit(stream_id, table, (positions[start], last))
+            self._tokens[stream_id] = token(*last)
+        if unfit is not None:
+            raise self._rejection(pending[unfit], why)
 
     def _by_id(self, events: Sequence[Event]) -> None:
         stream_id = self._stream(events)
@@ -404,14 +496,26 @@ class LakeSink(Sink):
         present = self.present_ids(stream_id, min(ids), max(ids))
         missing = [e for e in events if e.id not in present]
         if missing:
-            self.commit(stream_id, self._arrow(stream_id, missing), None)
+            table, unfit, why = self._arrow(stream_id, missing)
+            if table is not None:
+                self.commit(stream_id, table, None)
+            if unfit is not None:
+                raise self._rejection(missing[unfit], why)
 
-    def _arrow(self, stream_id: int, events: Sequence[Event]) -> pa.Table:
-        """The events as the table's rows; with typed_columns, the catalog is read again when an event
-        carries a column not known yet (a subscription gained a column): the new column is added."""
+    def _rejection(self, event: Event, why: str) -> SinkError:
+        """The permanent rejection of ``event``, whose row holds a value its typed column cannot hold."""
+        where = self.where()
+        return SinkError.for_events(self.type_name, [event], f"{where + ': ' if where else ''}{why}",
+                                    self.config.secret_values(), permanent=True)
+
+    def _arrow(self, stream_id: int, events: Sequence[Event]) -> tuple[pa.Table | None, int | None, str]:
+        """The events as the table's rows, up to the first one with a value its typed column cannot
+        hold: ``(rows, its index, why)`` (rows ``None`` when it is the first). With typed_columns, the
+        catalog is read again when an event carries a column not known yet (a subscription gained a
+        column): the new column is added."""
         config: Any = self.config
         if not config.typed_columns:
-            return events_table(events)
+            return events_table(events), None, ""
         known = self._typed.get(stream_id)
         names = {c.column for c in known} if known is not None else set()
         seen: set[str] = set()
@@ -430,14 +534,17 @@ class LakeSink(Sink):
                     taken.add(column.name)
             ignored.update(seen - names)  # not in the catalog (a column dropped meanwhile): looked up once
             self._typed[stream_id] = known = columns
-        return events_table(events, known)
+        values, unfit, why = typed_values(events, known)
+        fitting = events if unfit is None else events[:unfit]
+        return (events_table(fitting, known, values) if fitting else None), unfit, why
 
     def _guard(self, events: Sequence[Event], write: Any) -> None:
         try:
             write()
-        except SinkError:
-            self._tokens.clear()
-            self.reset()
+        except SinkError as exc:
+            if not exc.permanent:  # a rejection comes after the commit of the events before it
+                self._tokens.clear()
+                self.reset()
             raise
         except Exception as exc:  # the libraries raise their own types (IO, catalog, schema)
             self._tokens.clear()  # a commit that failed may have been made: read the token again

@@ -10,7 +10,8 @@ such a kill and the next run, a reader of the directory may see those files; the
 The marker is written (position 0) before a stream's first files; a stream's files without a marker
 (the marker removed) stop the sink with an error rather than be deleted.
 
-Permanent rejections: none (file system failures are about the directory).
+Permanent rejections: with ``typed_columns``, an event whose row holds a value its typed column cannot
+hold (see :mod:`.lake`); file system failures are about the directory.
 """
 
 from __future__ import annotations
