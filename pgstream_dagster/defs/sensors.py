@@ -735,7 +735,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         batches = sum(int(m.get("undelivered_batches") or 0) for m in members.values())
         recorded = sum(result.events.values())
         joining = f"; stream(s) {result.joining} joining" if result.joining else ""
-        joining += "".join(f"; {line}" for _, line in sorted(left_out.items()))
+        left = "".join(f"; {line}" for _, line in sorted(left_out.items()))
         new_cursor = json.dumps(cursor, sort_keys=True, default=str)
         if request is not None:
             context.log.info(f"reader group {group}: group delivery run {delivery}")
@@ -743,7 +743,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
                 if reading is None else f"read nothing: {reading} reads the group's slot")
         return dg.SensorResult(skip_reason=dg.SkipReason(
-            f"{read}{joining}; {pending} undelivered events in {batches} batches; {delivery}"), cursor=new_cursor,
+            f"{read}{joining}{left}; {pending} undelivered events in {batches} batches; {delivery}"), cursor=new_cursor,
             asset_events=observed)
 
     return _sensor
