@@ -986,9 +986,14 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
                                       "or it publishes more than pgstream.events): drop it")
         with pytest.raises(replication.PublicationTaken, match="publication pgstream_stream_8_rows is not the stream"):
             ingest.consume(c, _configs(tmp_path, db_url, [8], group={8: None})[0], 0)
-        with pytest.raises(replication.PublicationTaken, match="publication pgstream_stream_7 is not the stream's"):
-            ingest.consume_group(c, "squat", _configs(tmp_path, db_url, [7], group={7: "squat"}), 0)
+        # a group's only member refused: left out, in one line; no group, publication or slot for nothing
+        alone = ingest.consume_group(c, "squat", _configs(tmp_path, db_url, [7], group={7: "squat"}), 0)
+        assert alone.left_out == {7: f"reader group squat: stream 7 is left out: publication pgstream_stream_7 is "
+                                     f"not the stream's (owner {owner}, or it publishes more than pgstream.events): "
+                                     "drop it"}
+        assert alone.notes == list(alone.left_out.values()) and alone.slot is None
         assert c.execute("select count(*) from pgstream.streams where id in (7, 8)").fetchone() == (0,)
+        assert c.execute("select count(*) from pgstream.reader_groups").fetchone() == (0,)
         # an existing stream whose publication was dropped by hand and taken meanwhile
         ledger.ensure_stream(c, 9)
         c.execute("drop publication pgstream_stream_9")
@@ -1008,6 +1013,77 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
                          "on r.prpubid = p.oid where p.pubname in ('pgstream_stream_7', 'pgstream_stream_9') "
                          "order by 1").fetchall()
         assert rows == [("pgstream_stream_7", "pgstream.events"), ("pgstream_stream_9", "pgstream.events")]
+
+
+def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the_group_goes_on(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, hostile: dict[str, str]) -> None:
+    """Streams 1 and 2 deliver through their group's sensor and delivery run when a role with CREATE on the
+    database, from a fresh connection, creates ``pgstream_stream_3`` (ids are small and sequential) for its own
+    table before stream 3 exists; then stream 3 is added to the group. Stream 3 cannot join: it is left out,
+    told in one line by the group's sensor (each tick's status) and once by the group delivery run, and nothing
+    is read through the squatted publication; every event of streams 1 and 2 keeps being recorded and delivered,
+    once, in commit order. Once the operator drops the publication, stream 3 joins and delivers."""
+    owner = hostile["owner"]
+    before = [_member("held", i, tmp_path / f"out{i}.jsonl") for i in (1, 2)]
+    group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance), instance, "held")
+    group.tick()
+
+    def deliver(ids: tuple[int, ...], each: int, skips: list[str | None]) -> None:
+        deadline = time.monotonic() + 60
+        while not all(len(_delivered(tmp_path, i)) >= each for i in ids):
+            assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
+            skips.append(group.tick())
+            time.sleep(0.1)
+
+    for i in (1, 2):
+        insert_events(db_url, i, 10)
+    deliver((1, 2), 10, [])
+    with _as(db_url, owner) as h:
+        h.execute("create publication pgstream_stream_3 for table public.orders")
+        h.execute("insert into public.orders values (1)")
+    after = [*before, _member("held", 3, tmp_path / "out3.jsonl")]
+    group.reload(Driver(write_config(tmp_path / "pgstream2.yaml", db_url, after), instance))
+    line = (f"reader group held: stream 3 is left out: publication pgstream_stream_3 is not the stream's (owner "
+            f"{owner}, or it publishes more than pgstream.events): drop it")
+    skips: list[str | None] = []
+    deadline = time.monotonic() + 60
+    while len(group.runs) < 2:  # the run of before is asked to end (configuration changed), a fresh one requested
+        assert time.monotonic() < deadline, skips
+        skips.append(group.tick())
+        time.sleep(0.1)
+    (fresh, _before) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "held"}))
+    assert _run_reads(db_url, group="held") == f"group delivery run {fresh.run_id}"  # its reader reads
+    for wave in range(1, 4):
+        for i in (1, 2):
+            insert_events(db_url, i, 10, start=100 * wave)
+        deliver((1, 2), 10 * (wave + 1), skips)
+    for i in (1, 2):
+        assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
+        assert _recorded(db_url, i) == _events(db_url, i), i
+    told = [s for s in skips if s is not None and line in s]
+    assert told and all(s.count("is left out") == 1 for s in told), skips
+    deadline = time.monotonic() + 30  # (the run's reader tells what a read did when it ends: 5 s each)
+    while line not in (said := [e.user_message for e in instance.all_logs(fresh.run_id)]):
+        assert time.monotonic() < deadline, said
+        time.sleep(0.2)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select id from pgstream.streams order by id").fetchall() == [(1,), (2,)]
+        assert c.execute("select members from pgstream.reader_groups").fetchone() == ([1, 2],)
+        assert c.execute("select pg_get_userbyid(pubowner) from pg_publication where pubname = 'pgstream_stream_3'"
+                         ).fetchone() == (owner,)
+        # the operator drops it: stream 3 is registered at the next pass and joins; its events are delivered
+        c.execute("drop publication pgstream_stream_3")
+        deadline = time.monotonic() + 30
+        while c.execute("select count(*) from pgstream.streams where id = 3 and slot_reader = 'group:held' "
+                        "and join_lsn is null").fetchone() != (1,):
+            assert time.monotonic() < deadline
+            group.tick()
+            time.sleep(0.1)
+    insert_events(db_url, 3, 5)
+    deliver((3,), 5, skips)
+    assert _delivered(tmp_path, 3) == _events(db_url, 3)
+    assert [e.user_message for e in instance.all_logs(fresh.run_id)].count(line) == 1  # told once while it stood
+    _end_group_run(group)
 
 
 class Readers:
@@ -1060,11 +1136,11 @@ def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: 
     return driver, group
 
 
-def _run_reads(db_url: str, timeout: float = 60) -> str:
+def _run_reads(db_url: str, timeout: float = 60, group: str = "live") -> str:
     """Wait until the group delivery run's reader holds the group's reading; its holder."""
     deadline = time.monotonic() + timeout
     with psycopg.connect(db_url, autocommit=True) as c:
-        while not (holder := ledger.group_reading_holder(c, "live") or "").startswith("group delivery run "):
+        while not (holder := ledger.group_reading_holder(c, group) or "").startswith("group delivery run "):
             assert time.monotonic() < deadline, holder
             time.sleep(0.1)
     return holder

@@ -6,6 +6,7 @@ sql/repeatable/99_runtime.sql)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 from collections import Counter
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import housekeeping, metrics
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
-from pgstream_dagster.engine.subscriptions import SubscriptionError, apply_stream
+from pgstream_dagster.engine.subscriptions import SubscriptionError, apply_stream, trigger_state
 
 from .support.harness import Background, Driver, read_jsonl, tick_until, write_config
 
@@ -369,6 +370,12 @@ def test_make_dev_installs_as_a_non_superuser_owner_and_runs_as_the_runtime(pg: 
                 (c.execute("select slot from pgstream.streams where id = 1").fetchall()[0][0],)]
         _run(urls["owner"], "insert into demo.users (email, email_verified) values ('ada@example.com', true)")
         assert _count(urls["runtime"], "select count(*) from pgstream.events") == 1
+        with psycopg.connect(urls["runtime"]) as c:
+            # the runtime has no right on schema demo, and needs none: its subscription checks pass
+            assert c.execute("select has_schema_privilege('demo', 'usage')").fetchone() == (False,)
+            for sub in config.subscriptions:
+                state = trigger_state(c, sub.schema_name, sub.table_name, sub.operation, sub.trigger_mode)
+                assert state.trigger_oid is not None and state.problems() == []
         init(demo, owner_url=urls["owner"])  # again: nothing to do
     finally:
         with psycopg.connect(pg.url_for(name), autocommit=True) as c:
@@ -420,3 +427,66 @@ def test_a_reader_groups_checks_run_as_the_runtime_role(install: Install, instan
     assert len(evaluations) == 2 * 4 + 3  # (trigger, age, failover, dead letters a member; the location's three)
     failed = {k: e.description for k, e in evaluations.items() if not e.passed}
     assert not failed and result.success
+
+
+def test_the_runtime_needs_no_right_on_the_application_schema(install: Install, instance: dg.DagsterInstance,
+                                                              pg: LocalPostgres, tmp_path: Path) -> None:
+    """A table owner's schema grants ``pgstream_runtime`` nothing (revoked here, as its owner may at any time):
+    the subscription assets, the stream's checks (``trigger_matches`` among them) and a lake stream with
+    ``typed_columns`` (its catalog types) still run as the runtime role and pass; every event is delivered,
+    typed. Nothing the runtime does reads the application's schema by a path that needs ``USAGE`` on it."""
+    from pgstream_dagster.defs.assets import subscription_keys, subscription_set_key
+    from pgstream_dagster.defs.checks import TRIGGER_CHECK
+    from pgstream_dagster.defs.names import CHECKS_JOB
+    from pgstream_dagster.sinks import build_sink
+    from pgstream_dagster.sinks.lake import LakeSink, catalog_columns
+
+    from .support.dagster_instance import materialize
+    from .support.lake import lake_config
+
+    i = install
+    _run(i.owner_url, "create schema app",
+         "create table app.orders (id bigint primary key, qty integer, placed date, note text)",
+         f"revoke all on schema app from {RUNTIME_GROUP}, {i.runtime}, public")
+    with psycopg.connect(i.runtime_url) as c:
+        assert c.execute("select has_schema_privilege('app', 'usage')").fetchone() == (False,)
+    sink = {**lake_config("parquet", tmp_path, pg), "typed_columns": True,
+            "database_url": i.runtime_url}
+    cfg = write_config(tmp_path / "app.yaml", i.runtime_url, [
+        {"id": 5, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
+         "sink": sink}],
+        [{"key": "orders", "stream_id": 5, "operation": "INSERT", "schema_name": "app", "table_name": "orders",
+          "column_names": ["id", "qty", "placed", "note"]}])
+    init(cfg, owner_url=i.owner_url)
+    # the subscription assets, as the runtime: they find the owner applied the YAML
+    config = load_config(cfg)
+    driver = Driver(cfg, instance)
+    materialized = materialize(driver.defs, instance, [*subscription_keys(config, 5).values(),
+                                                       subscription_set_key(5)])
+    assert materialized.success, [e.message for e in materialized.all_events if e.is_failure]
+    # the lake sink's catalog types, read as the runtime
+    assert [(c.name, c.kind) for c in catalog_columns(i.runtime_url, 5)] == [
+        ("row_id", "int64"), ("row_note", "string"), ("row_placed", "date32"), ("row_qty", "int32")]
+    _run(i.owner_url, "insert into app.orders select g, g * 10, date '2026-12-01' + g, 'order ' || g "
+                      "from generate_series(1, 12) g")
+    driver.run_until(5, lambda: _count(i.owner_url, "select count(*) from pgstream.batches "
+                                                    "where stream_id = 5 and status <> 'delivered'") == 0
+                     and _count(i.owner_url, "select count(*) from pgstream.batches where stream_id = 5") > 0,
+                     timeout=300)
+    assert driver.results and all(r.success for r in driver.results)
+    typed = build_sink(sink)
+    assert isinstance(typed, LakeSink)
+    with typed:
+        table = typed.read(5, ["row_id", "row_qty", "row_placed", "row_note"])
+    assert {f.name: str(f.type) for f in table.schema} == {"row_id": "int64", "row_qty": "int32",
+                                                           "row_placed": "date32[day]", "row_note": "string"}
+    rows = sorted(table.to_pylist(), key=lambda r: r["row_id"])
+    assert [r["row_id"] for r in rows] == list(range(1, 13))
+    assert rows[0] == {"row_id": 1, "row_qty": 10, "row_placed": dt.date(2026, 12, 2), "row_note": "order 1"}
+    # every check of the location, as the runtime (trigger_matches reads the app table's trigger)
+    checked = build_definitions(cfg).resolve_job_def(CHECKS_JOB).execute_in_process(instance=instance,
+                                                                                     raise_on_error=False)
+    evaluations = {(e.asset_key.to_user_string(), e.check_name): e for e in checked.get_asset_check_evaluations()}
+    assert ("app/orders/orders", TRIGGER_CHECK) in evaluations or any(n == TRIGGER_CHECK for _, n in evaluations)
+    failed = {k: e.description for k, e in evaluations.items() if not e.passed}
+    assert not failed and checked.success

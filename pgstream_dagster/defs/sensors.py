@@ -491,7 +491,7 @@ def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True
     if result.unreadable:
         log.error(f"reader group {group}: {result.unreadable} events could not be recorded and were set aside "
                   "as dead letters (stage 'read')")
-    for line in result.notes:
+    for line in dict.fromkeys(result.notes):  # (a tick's reads may note the same line)
         if noted is None or line not in noted:
             log.warning(line)
     if noted is not None:
@@ -499,16 +499,17 @@ def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True
         noted.update(result.notes)
 
 
-def _register_members(conn: psycopg.Connection, group: str, streams: list[StreamConfig], log: list[str]) -> None:
+def _register_members(conn: psycopg.Connection, group: str, streams: list[StreamConfig], log: list[str],
+                      left_out: dict[int, str]) -> None:
     """The members the database does not have in the group yet are registered now, even while the group run's
     reader holds the group's reading (one query when none is missing): the run, built from an older
-    configuration, meets the new member (``ledger.GroupChange``) and ends, and the next one hosts it. A
-    refusal (a stream of another group) is the tick's to tell; the group's reader refuses it too."""
-    try:
-        added = ledger.register_missing_members(conn, group, [s.id for s in streams])
-    except (ledger.GroupChange, PublicationTaken) as exc:
-        log.append(str(exc))
-        return
+    configuration, meets the new member (``ledger.GroupChange``) and ends, and the next one hosts it. A member
+    whose registration is refused (a stream of another group, a publication by its name that another role
+    made) is left out, in one line (``log`` and ``left_out``), and the others go on; the group's reader
+    leaves it out too."""
+    added, refused = ledger.register_missing_members(conn, group, [s.id for s in streams])
+    log.extend(refused.values())
+    left_out.update(refused)
     if added:
         log.append(f"reader group {group}: stream(s) {', '.join(map(str, added))} registered; they join at the "
                    f"group reader's next pass")
@@ -533,7 +534,7 @@ def _ask_to_end(instance: dg.DagsterInstance, run: dg.DagsterRun, group: str, fi
 
 
 def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
-                   log: list[str]) -> tuple[dg.RunRequest | None, str]:
+                   log: list[str], left_out: dict[int, str]) -> tuple[dg.RunRequest | None, str]:
     """The group's delivery run: the one live (queued, starting, or started and holding the group's
     delivery lease), or one to request when a member wants a run hosted (``ledger.member_runs``) and none
     is live. A started group run whose lease was lost (its process died), or that took none
@@ -541,8 +542,9 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     dead or failed, and retries them). The run is requested with the fingerprint of the members'
     configuration (:data:`~.names.CONFIG_TAG`); a live one of another configuration is asked to end
     (:func:`_ask_to_end`), and the next one is requested once it has. Members the database does not have
-    in the group yet are registered first (:func:`_register_members`)."""
-    _register_members(conn, group, streams, log)
+    in the group yet are registered first (:func:`_register_members`; those refused are left out, in
+    ``left_out``)."""
+    _register_members(conn, group, streams, log, left_out)
     fingerprint = streams_fingerprint(streams)
     grace = min(s.delivery.run_grace_secs for s in streams)
     for run in _group_runs(instance, group, limit=5):
@@ -609,6 +611,9 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     delivery runs are read once for all of them."""
     state = ledger.group_state(conn, group)
     joined = {m.id for m in state.members if m.joined} if state is not None else set()
+    # a member the database does not have in the group was left out (its registration refused, told by the tick)
+    registered = {m.id for m in state.members} if state is not None else set()
+    streams = [s for s in streams if s.id in registered]
     look = GroupLook.of(conn, instance, group, streams)
     states = ledger.stream_states(conn, {s.id: s.delivery.max_events_per_run for s in streams})
     members: dict[str, Any] = cursor.setdefault("members", {})
@@ -666,6 +671,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         cursor = json.loads(context.cursor) if context.cursor else {}
         cursor.pop("streams", None)  # what cursors of earlier versions kept (now under "members")
         decisions: list[str] = []
+        left_out: dict[int, str] = {}  # members whose registration was refused: not read, told in one line each
         with pgstream.connect() as conn:
             try:
                 # without a live group delivery run the tick reads briefly: the run its members wait for is
@@ -678,7 +684,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     if (state := ledger.group_state(conn, group)) is not None:
                         check_members(state, streams)
                     notes_: list[str] = []
-                    request, delivery = group_delivery(conn, context.instance, group, streams, notes_)
+                    request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
                     if request is not None:
                         for line in notes_:
                             context.log.warning(line)
@@ -709,7 +715,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             except _TOLD_IN_ONE_LINE as exc:
                 return _told(context, exc)
             notes_ = []
-            request, delivery = group_delivery(conn, context.instance, group, streams, notes_)
+            request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
             # the group run's reader records: a batch it records for a member without a run waits for a decision,
             # taken when the tick sees one waiting (within LAUNCH_LOOK_SECS, not at the next tick); after the
             # group's run was seen to (members registered, a run of another configuration asked to end)
@@ -722,12 +728,14 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     return _told(context, exc)
         for line in [*decisions, *notes_]:
             context.log.warning(line)
-        group_log(context.log, group, result)
+        group_log(context.log, group, result, noted=set(notes_))  # (a member left out: told once)
+        left_out.update(result.left_out)
         members = cursor.get("members", {})
         pending = sum(int(m.get("undelivered_events") or 0) for m in members.values())
         batches = sum(int(m.get("undelivered_batches") or 0) for m in members.values())
         recorded = sum(result.events.values())
         joining = f"; stream(s) {result.joining} joining" if result.joining else ""
+        left = "".join(f"; {line}" for _, line in sorted(left_out.items()))
         new_cursor = json.dumps(cursor, sort_keys=True, default=str)
         if request is not None:
             context.log.info(f"reader group {group}: group delivery run {delivery}")
@@ -735,7 +743,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
                 if reading is None else f"read nothing: {reading} reads the group's slot")
         return dg.SensorResult(skip_reason=dg.SkipReason(
-            f"{read}{joining}; {pending} undelivered events in {batches} batches; {delivery}"), cursor=new_cursor,
+            f"{read}{joining}{left}; {pending} undelivered events in {batches} batches; {delivery}"), cursor=new_cursor,
             asset_events=observed)
 
     return _sensor

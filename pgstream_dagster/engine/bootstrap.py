@@ -70,6 +70,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
             # registers the streams (a stream that had its own slot joins at the group sensor's first tick)
             grouped = GroupResult()
             ensure_group(conn, group, members, grouped)
+            out += grouped.left_out.values()  # (a member refused is left out, the others registered)
             if grouped.slot_created:
                 out.append(f"created slot {grouped.slot} for reader group {group} (streams "
                            f"{', '.join(str(s.id) for s in members)})")

@@ -322,7 +322,8 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
                   mode: str = "row") -> TriggerState:
     """The installed ``mode`` ('row' or 'statement') trigger of a table and operation vs its definition."""
     # the owner's function: generating the trigger checks the subscriptions' expressions, which the
-    # runtime role does not do as itself (sql/repeatable/99_runtime.sql)
+    # runtime role does not do as itself (sql/repeatable/99_runtime.sql). The installed trigger is read
+    # from the catalog by name: the runtime has no right on the table's schema (to_regclass needs USAGE)
     row = conn.execute(
         """select g.trigger_name, g.function_name, g.function_body, g.when_clause, g.trigger_hash
            from pgstream.expected_trigger(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s) g""",
@@ -335,7 +336,9 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
                   p.prosecdef and p.proowner = 'pgstream_writer'::regrole
                   and p.proconfig = array['search_path=pg_catalog, pg_temp']
            from pg_catalog.pg_trigger t join pg_catalog.pg_proc p on p.oid = t.tgfoid
-           where t.tgrelid = to_regclass(format('%%I.%%I', %s::text, %s::text)) and t.tgname = %s""",
+           join pg_catalog.pg_class c on c.oid = t.tgrelid
+           join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+           where n.nspname = %s and c.relname = %s and t.tgname = %s""",
         [schema, table, state.trigger_name]).fetchone()
     if installed is None:
         return state

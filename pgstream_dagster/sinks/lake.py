@@ -326,14 +326,15 @@ class TypedColumn:
             raise self._unfit(f"not a {what}") from None
 
 
+#: the table by its names in the catalog (to_regclass would need USAGE on its schema, which the runtime has not)
 _CATALOG_COLUMNS = """
 select distinct c.name, pg_catalog.format_type(a.atttypid, a.atttypmod)
 from pgstream.subscriptions s
 cross join lateral pg_catalog.unnest(s.column_names) as c(name)
+join pg_catalog.pg_namespace n on n.nspname = s.schema_name
+join pg_catalog.pg_class r on r.relnamespace = n.oid and r.relname = s.table_name
 join pg_catalog.pg_attribute a
-  on a.attrelid = pg_catalog.to_regclass(pg_catalog.quote_ident(s.schema_name) operator(pg_catalog.||) '.'
-                                         operator(pg_catalog.||) pg_catalog.quote_ident(s.table_name))
- and a.attname = c.name and a.attnum > 0 and not a.attisdropped
+  on a.attrelid = r.oid and a.attname = c.name and a.attnum > 0 and not a.attisdropped
 where s.stream_id = %s
 order by 1
 """

@@ -60,6 +60,8 @@ class GroupResult:
     events: dict[int, int] = field(default_factory=dict)
     unreadable: int = 0
     slot_busy: bool = False
+    #: members whose registration was refused (stream -> its one line, also in ``notes``): not read
+    left_out: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def add(self, later: GroupResult) -> None:
@@ -78,6 +80,7 @@ class GroupResult:
             self.events[sid] = self.events.get(sid, 0) + n
         self.unreadable += later.unreadable
         self.slot_busy |= later.slot_busy
+        self.left_out.update(later.left_out)
         self.notes.extend(later.notes)
 
 
@@ -129,12 +132,21 @@ def check_members(state: ledger.Group, streams: list[StreamConfig]) -> None:
 
 
 def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
-                 result: GroupResult) -> ledger.Group:
+                 result: GroupResult) -> ledger.Group | None:
     """Register the members, keep the publication's filter on them, and make sure the group's slot is
-    usable (replaced and recovered when lost). Raises :class:`~..ledger.GroupChange` for a stream the
-    database has in the group that the configuration does not (it would be skipped)."""
+    usable (replaced and recovered when lost). A member whose registration is refused (its publication's
+    name taken by another role, or it reads with another group) is left out, told in one line
+    (``result.left_out``, ``result.notes``), and the others go on; ``None`` when every member was left out
+    (no group to read). Raises :class:`~..ledger.GroupChange` for a stream the database has in the group
+    that the configuration does not (it would be skipped)."""
     # one query when every member is registered (each tick, each pass of the group run's reader)
-    ledger.register_missing_members(conn, group, [s.id for s in streams])
+    _added, refused = ledger.register_missing_members(conn, group, [s.id for s in streams])
+    if refused:
+        result.left_out.update(refused)
+        result.notes.extend(refused.values())
+        streams = [s for s in streams if s.id not in refused]
+        if ledger.group_state(conn, group) is None:
+            return None
     result.publication = ledger.ensure_group_publication(conn, group)
     state = ledger.group_state(conn, group)
     assert state is not None  # registered above
@@ -374,7 +386,13 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     result = GroupResult()
     started = time.monotonic()
     deadline = started + budget_secs
-    state = ensure_group(conn, group, streams, result)
+    ensured = ensure_group(conn, group, streams, result)
+    if ensured is None:
+        if kept is not None:
+            kept.close()
+        return result  # every member is left out
+    state = ensured
+    streams = [s for s in streams if s.id not in result.left_out]  # (read without them; tried again next time)
     by_id = {s.id: s for s in streams}
     joined_all = join_members(conn, group, state, by_id, max(deadline, started + 1.0), result)
     state = ledger.group_state(conn, group) or state  # (who has joined now: they are read from here on)

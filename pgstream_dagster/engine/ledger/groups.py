@@ -51,15 +51,26 @@ def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) 
     return str(row[0])
 
 
-def register_missing_members(conn: psycopg.Connection, group: str, stream_ids: list[int]) -> list[int]:
+def register_missing_members(conn: psycopg.Connection, group: str,
+                             stream_ids: list[int]) -> tuple[list[int], dict[int, str]]:
     """Register (:func:`register_group_member`) the streams of ``stream_ids`` the database does not have in
-    ``group`` yet: one query when every one is registered already. Returns those registered now; raises as
-    :func:`register_group_member` does (a stream of another group)."""
+    ``group`` yet: one query when every one is registered already. Returns those registered now, and those
+    refused, each with its one line (``reader group <name>: stream <id> is left out: <why>``): a stream of
+    another group, or one whose publication's name another role took (:class:`PublicationTaken`: any role
+    with CREATE on the database can, before the stream exists). A refusal changes nothing and holds no
+    other member back; the stream is tried again at the next call."""
     known = {int(r[0]) for r in conn.execute("select id from pgstream.streams where reader_group = %s", [group])}
-    missing = [i for i in stream_ids if i not in known]
-    for stream_id in missing:
-        register_group_member(conn, stream_id, group)
-    return missing
+    added: list[int] = []
+    refused: dict[int, str] = {}
+    for stream_id in (i for i in stream_ids if i not in known):
+        try:
+            register_group_member(conn, stream_id, group)
+        except (GroupChange, PublicationTaken) as exc:
+            why = str(exc).removeprefix(f"stream {stream_id}: ")
+            refused[stream_id] = f"reader group {group}: stream {stream_id} is left out: {why}"
+            continue
+        added.append(stream_id)
+    return added, refused
 
 
 @dataclass(frozen=True)
