@@ -337,6 +337,30 @@ def test_a_detach_never_runs_the_table_owners_rls_policy_as_a_non_superuser_owne
         assert not is_super(pg.url, attacker)
 
 
+def test_the_drift_guard_never_needs_rights_on_a_schema_pgstream_does_not_subscribe(
+        pg: Any, roles: Callable[..., str]) -> None:
+    """The guard's event triggers run as pgstream's owner on every DDL command of every role. In a schema
+    the owner may not use (no subscription there), another role's DDL goes through as without the guard:
+    the guard finds tables by name in the catalog, never by resolving a name that needs USAGE."""
+    with _non_superuser_install(pg, roles, "nouse") as db:
+        install_drift_guard(pg.url_for(db.name))
+        run(db.owner_url, "create table public.mine (id int primary key)")
+        subscribe(db.owner_url, "mine", "mine", schema="public", op="DELETE", columns=["id"])
+        s = f"priv_{db.attacker}"
+        run(db.attacker_url, f"create schema {s}", f"revoke all on schema {s} from public",
+            f"create table {s}.t (id int, note text)", f"alter table {s}.t add column extra int",
+            f"create function {s}.f() returns trigger language plpgsql as $$ begin return new; end $$",
+            f"create trigger tr before insert on {s}.t for each row execute function {s}.f()",
+            f"drop trigger tr on {s}.t", f"alter table {s}.t drop column note",
+            f"create table {s}.pt (id int, k int) partition by range (k)",
+            f"create table {s}.p1 partition of {s}.pt for values from (0) to (10)",
+            f"insert into {s}.pt values (1, 1)",
+            f"alter table {s}.pt detach partition {s}.p1", f"drop table {s}.p1", f"drop schema {s} cascade")
+        with connect(db.owner_url) as c:
+            assert c.execute("select has_schema_privilege(current_user, 'pgstream', 'usage')").fetchone() == (True,)
+            assert c.execute("select count(*) from pg_namespace where nspname = %s", [s]).fetchone() == (0,)
+
+
 # --------------------------------------------------------------------------------------------
 # What code that ran as pgstream_writer could leave behind for the owner
 

@@ -45,6 +45,20 @@
 -- Transactions running pgstream's own DDL (trigger regeneration) are recorded in
 -- pgstream.internal_ddl, a table only the owner can write, so no session can pretend to be
 -- pgstream to the drift guard.
+-- The relation a subscription names, found by name in the catalog (null: none). Every role may read
+-- pg_class and pg_namespace, so this needs no USAGE on the table's schema, unlike to_regclass: the
+-- drift guard runs as the owner on every role's DDL, in schemas the owner may not use.
+create or replace function pgstream._relid(p_schema text, p_table text)
+returns pg_catalog.oid
+language sql
+stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select c.oid from pg_catalog.pg_class c join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+    where n.nspname = p_schema and c.relname = p_table
+$$;
+revoke all on function pgstream._relid(text, text) from public;
+
 create or replace function pgstream._internal_ddl_begin()
 returns boolean
 language sql
@@ -233,7 +247,7 @@ stable
 set search_path = pg_catalog, pg_temp
 as $$
     select coalesce((select c.relkind = 'p' from pg_catalog.pg_class c
-                     where c.oid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table))), false)
+                     where c.oid = pgstream._relid(p_schema, p_table)), false)
 $$;
 revoke all on function pgstream._is_partitioned(text, text) from public;
 
@@ -352,7 +366,7 @@ declare
     v_id     text := pg_catalog.replace(pg_catalog.gen_random_uuid()::text, '-', '');
     v_view   text := 'pgstream_check_' || v_id;
     v_src    text := 'pgstream_row_' || v_id;
-    v_table  pg_catalog.oid := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_sub.schema_name, p_sub.table_name));
+    v_table  pg_catalog.oid := pgstream._relid(p_sub.schema_name, p_sub.table_name);
     v_srcrel pg_catalog.oid;
     v_rel    pg_catalog.oid;
     v_rule   pg_catalog.oid;
@@ -643,7 +657,7 @@ begin
     -- a partitioned table's UPDATE trigger numbers the statement's old and new rows in this column
     if p_sub.operation = 'UPDATE' and pgstream._is_partitioned(p_sub.schema_name, p_sub.table_name)
        and exists (select 1 from pg_catalog.pg_attribute a
-                   where a.attrelid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_sub.schema_name, p_sub.table_name))
+                   where a.attrelid = pgstream._relid(p_sub.schema_name, p_sub.table_name)
                      and a.attname = 'pgstream_pos' and a.attnum > 0 and not a.attisdropped) then
         perform pgstream._subscription_error(p_sub.key, p_sub.stream_id, p_sub.operation,
             p_sub.schema_name, p_sub.table_name, 'table',
@@ -1152,7 +1166,7 @@ as $$
     from pgstream.subscriptions s
     cross join lateral pg_catalog.unnest(s.column_names) as c(name)
     join pg_catalog.pg_attribute a
-      on a.attrelid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table))
+      on a.attrelid = pgstream._relid(p_schema, p_table)
      and a.attname = c.name and a.attnum > 0 and not a.attisdropped
     where s.schema_name = p_schema and s.table_name = p_table;
 $$;
@@ -1211,7 +1225,7 @@ volatile
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_rel   pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_rel   pg_catalog.regclass := pgstream._relid(p_schema, p_table);
     v_trg   text := pgstream.trigger_name(p_op, p_mode);
     v_name  text := pgstream.trigger_function_name(p_schema, p_table, p_op, p_mode);
     v_fn    pg_catalog.oid := pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()', v_name));
@@ -1277,7 +1291,7 @@ as $$
 declare
     v_fn      text := pgstream.trigger_function_name(p_schema, p_table, p_op, p_mode);
     v_trg     text := pgstream.trigger_name(p_op, p_mode);
-    v_rel     pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_rel     pg_catalog.regclass := pgstream._relid(p_schema, p_table);
     v_gen     record;
     v_old     record;
     v_hash    text;
@@ -1614,7 +1628,7 @@ begin
         execute pg_catalog.format('drop function %s cascade', v_target.fn);
     end loop;
     for v_target in select distinct s.schema_name, s.table_name, s.operation from pgstream.subscriptions s
-                    where pg_catalog.to_regclass(pg_catalog.format('%I.%I', s.schema_name, s.table_name)) is not null
+                    where pgstream._relid(s.schema_name, s.table_name) is not null
                     order by 1, 2, 3 loop
         perform pgstream.regenerate_trigger(v_target.schema_name, v_target.table_name, v_target.operation);
     end loop;

@@ -83,7 +83,7 @@ as $$
 declare
     v_sub   pgstream.subscriptions;
     v_msg   text;
-    v_rel   pg_catalog.oid := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_rel   pg_catalog.oid := pgstream._relid(p_schema, p_table);
     v_col   record;
 begin
     if v_rel is null or not exists (select 1 from pgstream.subscriptions
@@ -153,7 +153,7 @@ begin
       and (s.schema_name <> n.nspname::text or s.table_name <> c.relname::text)
       -- a partition carries the triggers of the partitioned table it belongs to
       and not exists (select 1 from pg_catalog.pg_partition_ancestors(p_rel::pg_catalog.regclass) a
-                      where a.relid = pg_catalog.to_regclass(pg_catalog.format('%I.%I', s.schema_name, s.table_name)))
+                      where a.relid = pgstream._relid(s.schema_name, s.table_name))
     order by 1, 2
     limit 1;
     if found then
@@ -229,7 +229,7 @@ set search_path = pg_catalog, pg_temp
 set row_security = off
 as $$
 declare
-    v_rel  pg_catalog.regclass := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_rel  pg_catalog.regclass := pgstream._relid(p_schema, p_table);
     v_fn   pg_catalog.oid := pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%I()',
                                  pgstream.trigger_function_name(p_schema, p_table, 'DELETE', 'truncate')));
     v_part record;
@@ -351,7 +351,7 @@ begin
     perform pg_catalog.set_config('pgstream.drift_partitions', coalesce((
         select pg_catalog.jsonb_object_agg(x.part, x.roots)::text
         from (select p.relid::pg_catalog.oid::text as part, pg_catalog.jsonb_agg(r.oid::pg_catalog.oid) as roots
-              from (select distinct pg_catalog.to_regclass(pg_catalog.format('%I.%I', s.schema_name, s.table_name)) as oid
+              from (select distinct pgstream._relid(s.schema_name, s.table_name) as oid
                     from pgstream.subscriptions s where s.operation = 'DELETE') r
               cross join lateral pg_catalog.pg_partition_tree(r.oid) p
               where r.oid is not null and p.relid <> r.oid
@@ -411,7 +411,7 @@ begin
                  order by 1, 2, 3 loop
         v_what := pg_catalog.format('%s of %s', tg_tag, v_obj.object_identity);
         perform pgstream._drift_check_table(v_obj.nsp, v_obj.rel, v_what);
-        perform pgstream._drift_check_partition_triggers(pg_catalog.to_regclass(pg_catalog.format('%I.%I', v_obj.nsp, v_obj.rel)),
+        perform pgstream._drift_check_partition_triggers(pgstream._relid(v_obj.nsp, v_obj.rel),
                                                          v_what);
     end loop;
     for v_obj in select * from pg_catalog.pg_event_trigger_dropped_objects() d

@@ -69,7 +69,7 @@ stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_rel pg_catalog.oid := pg_catalog.to_regclass(pg_catalog.format('%I.%I', p_schema, p_table));
+    v_rel pg_catalog.oid := pgstream._relid(p_schema, p_table);
     v_bad text;
 begin
     if v_rel is null then
