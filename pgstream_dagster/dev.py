@@ -21,9 +21,7 @@ from pathlib import Path
 
 import psycopg
 
-
-def _dagster_url(url: str) -> str:
-    return url.replace("postgresql://", "postgresql+psycopg2://", 1).replace("postgres://", "postgresql+psycopg2://", 1)
+from .sinks.base import psycopg2_url
 
 
 def _start_exporter(config: Path) -> str | None:
@@ -191,7 +189,7 @@ def prepare_dev(root: Path, spark_server: bool = True) -> bool:
         os.environ["PGSTREAM_DATABASE_URL"] = urls["runtime"]
         os.environ["PGSTREAM_OWNER_DATABASE_URL"] = urls["owner"]
         os.environ["PGSTREAM_EXECUTOR_DATABASE_URL"] = urls["executor"]
-        os.environ.setdefault("DAGSTER_POSTGRES_URL", _dagster_url(pg.url_for("dagster")))
+        os.environ.setdefault("DAGSTER_POSTGRES_URL", psycopg2_url(pg.url_for("dagster")))
     if not os.environ.get("DAGSTER_POSTGRES_URL"):
         raise SystemExit("error: set DAGSTER_POSTGRES_URL (a database for Dagster's own storage)")
     url = os.environ["PGSTREAM_DATABASE_URL"]

@@ -20,6 +20,10 @@ and closed after ``pool_recycle_secs``. The webserver replaces it with its own p
           postgres_url:
             env: DAGSTER_POSTGRES_URL
           pool_size: 1   # idle connections kept per storage and process (3 per process)
+
+The URL may be ``postgresql://``, ``postgres://`` or ``postgresql+psycopg2://``: all run on psycopg2,
+which dagster-postgres' statements need (on psycopg 3, SQLAlchemy 2.1's default for ``postgresql://``,
+every event write fails on its ``NOTIFY``). Any other driver is refused when the instance loads.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from dagster_postgres.utils import (
     pg_url_from_config,
 )
 
+from .sinks.base import psycopg2_url
+
 #: idle connections each storage keeps per process, unless configured
 DEFAULT_POOL_SIZE = 1
 #: connections opened beyond the pool when threads of one process use a storage at once (closed after use);
@@ -46,6 +52,15 @@ DEFAULT_MAX_OVERFLOW = -1
 DEFAULT_POOL_RECYCLE_SECS = 3600
 
 
+def storage_url(postgres_url: str) -> str:
+    """The storage's URL on psycopg2; another driver raises one line saying what to write (no password)."""
+    try:
+        return psycopg2_url(postgres_url)
+    except ValueError as exc:
+        raise dg.DagsterInvariantViolationError(
+            f"Dagster storage postgres_url (DAGSTER_POSTGRES_URL) {exc}") from None
+
+
 class PooledPostgresStorage(DagsterPostgresStorage):
     """``DagsterPostgresStorage`` whose storages keep a small connection pool in each process."""
 
@@ -53,6 +68,7 @@ class PooledPostgresStorage(DagsterPostgresStorage):
                  inst_data: ConfigurableClassData | None = None, pool_size: int = DEFAULT_POOL_SIZE,
                  max_overflow: int = DEFAULT_MAX_OVERFLOW,
                  pool_recycle_secs: int = DEFAULT_POOL_RECYCLE_SECS, token_provider: Any = None) -> None:
+        postgres_url = storage_url(postgres_url)
         super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)
         for storage in (self._run_storage, self._event_log_storage, self._schedule_storage):
             storage._engine.dispose()  # (the NullPool engine holds no connection: nothing is closed)

@@ -5,6 +5,7 @@ every read opened a Postgres connection of its own (a backend started for one st
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
 
@@ -94,3 +95,53 @@ def test_the_webserver_keeps_its_own_pool(pooled: dg.DagsterInstance) -> None:
     for engine in _engines(pooled):
         with engine.connect() as conn:
             assert conn.exec_driver_sql("show statement_timeout").scalar() == "5s"
+
+
+@dg.op
+def _one() -> int:
+    return 1
+
+
+@dg.job
+def _one_op_job() -> None:
+    _one()
+
+
+def _env_instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                  url: str) -> AbstractContextManager[dg.DagsterInstance]:
+    """An instance with the repository's dagster.yaml storage as is: its URL from DAGSTER_POSTGRES_URL."""
+    monkeypatch.setenv("DAGSTER_POSTGRES_URL", url)
+    storage = yaml.safe_load((repo_root() / "dagster.yaml").read_text())["storage"]
+    (tmp_path / "env-home").mkdir()
+    return dg.instance_for_test(overrides={"storage": storage}, temp_dir=str(tmp_path / "env-home"))
+
+
+@pytest.mark.parametrize("scheme", ["postgresql://", "postgres://"])
+def test_a_plain_postgres_url_writes_and_reads_a_runs_events(dagster_storage_url: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
+    plain = dagster_storage_url.replace("postgresql+psycopg2://", scheme)
+    assert plain != dagster_storage_url
+    with _env_instance(tmp_path, monkeypatch, plain) as instance:
+        result = _one_op_job.execute_in_process(instance=instance)  # a run: its events written as it goes
+        assert result.success
+        _write_events(instance, result.run_id, 2)
+        kinds = [e.dagster_event.event_type for e in instance.all_logs(result.run_id) if e.dagster_event]
+        assert DagsterEventType.RUN_SUCCESS in kinds and kinds.count(DagsterEventType.ENGINE_EVENT) >= 2
+        run = instance.get_run_by_id(result.run_id)
+        assert run is not None and run.status == dg.DagsterRunStatus.SUCCESS
+        assert {e.url.drivername for e in _engines(instance)} == {"postgresql+psycopg2"}
+
+
+@pytest.mark.parametrize(("url", "named"), [("postgresql+psycopg://app:s3cr%40t@127.0.0.1:9/dagster", "postgresql+psycopg://"),
+                                             ("postgresql+asyncpg://app:s3cr%40t@127.0.0.1:9/dagster", "postgresql+asyncpg://"),
+                                             ("mysql://app:s3cr%40t@127.0.0.1:9/dagster", "mysql://"),
+                                             ("app:s3cr%40t@127.0.0.1:9/dagster", "not a URL")])
+def test_another_driver_is_refused_at_load_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       url: str, named: str) -> None:
+    with pytest.raises(dg.DagsterInvariantViolationError) as refused, _env_instance(tmp_path, monkeypatch, url):
+        pass
+    message = str(refused.value)
+    assert "\n" not in message and "s3cr" not in message, message
+    assert message.startswith("Dagster storage postgres_url (DAGSTER_POSTGRES_URL) must be a "
+                              "postgresql+psycopg2:// URL"), message
+    assert message.endswith(f"not {named}"), message

@@ -564,6 +564,21 @@ def redact_url(url: str) -> str:
         return "<invalid url>"
 
 
+#: the URL schemes of Postgres that SQLAlchemy may be given here: all run on psycopg2 (:func:`psycopg2_url`)
+POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg2")
+
+
+def psycopg2_url(url: str) -> str:
+    """``url`` for SQLAlchemy on psycopg2: a ``postgresql://`` or ``postgres://`` URL becomes
+    ``postgresql+psycopg2://`` (SQLAlchemy 2.1 would pick psycopg 3 for it). Any other scheme raises
+    ``ValueError`` in one line naming the scheme (when it is one), never the rest of the URL."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in POSTGRES_SCHEMES:
+        return f"postgresql+psycopg2://{rest}"
+    named = f"{scheme}://" if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]{0,40}", scheme) else "not a URL"
+    raise ValueError(f"must be a postgresql+psycopg2:// URL (or postgresql://, the same here), not {named}")
+
+
 def url_secrets(url: str) -> list[str]:
     """The secret parts of a URL for :func:`scrub`: the whole URL when :func:`redact_url` hides anything of
     it, its password, query string and fragment, and the masked part of an http(s) path (as a whole and

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from .base import redact_url
+from .base import POSTGRES_SCHEMES, psycopg2_url, redact_url
 from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, token
 
 if TYPE_CHECKING:
@@ -33,14 +33,6 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 def snapshot_property(stream_id: int) -> str:
     """The snapshot summary property holding a stream's last committed position (its token)."""
     return f"pgstream.stream-{stream_id}.position"
-
-
-def catalog_uri(url: str) -> str:
-    """A SQLAlchemy URL of ``url``: ``postgresql://`` and ``postgres://`` become ``postgresql+psycopg2://``."""
-    for prefix in ("postgresql://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg2://" + url[len(prefix):]
-    return url
 
 
 class IcebergSinkConfig(LakeSinkConfigBase):
@@ -69,7 +61,7 @@ class IcebergSinkConfig(LakeSinkConfigBase):
     @classmethod
     def _url(cls, value: SecretStr) -> SecretStr:
         scheme = value.get_secret_value().partition("://")[0]
-        if scheme not in ("postgresql", "postgres", "postgresql+psycopg2"):
+        if scheme not in POSTGRES_SCHEMES:
             raise ValueError("catalog_url must be a postgresql:// URL (the SQL catalog lives in Postgres)")
         return value
 
@@ -97,7 +89,7 @@ class IcebergSink(LakeSink):
         if self._catalog is None:
             props = {k: v.get_secret_value() for k, v in self.config.properties.items()}
             self._catalog = self._sql.SqlCatalog(
-                self.config.catalog_name, uri=catalog_uri(self.config.catalog_url.get_secret_value()),
+                self.config.catalog_name, uri=psycopg2_url(self.config.catalog_url.get_secret_value()),
                 warehouse=self.config.warehouse, **props)
         return self._catalog
 
