@@ -3,8 +3,8 @@ what runs, `.pgstream/env` for the commands of the docs, every command of the do
 as written against that demo, and `pgstream-dagster dev --status`, `make stop`, `make clean`.
 
 One demo for the module, prepared as `make dev` prepares it before `dg dev` (its own Postgres under a
-throw-away checkout's `.pgstream/`, no Spark Connect server: the demo blocks need none); the tests run
-in file order and the last one stops and deletes it.
+throw-away checkout's `.pgstream/`, its Spark Connect server, on a free port: the Spark source's worked
+example runs on it); the tests run in file order and the last one stops and deletes it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,37 +24,45 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pgstream_dagster.devdb import _bin_dir
+from pgstream_dagster.devdb import _bin_dir, free_port
 from tests.support.dagster_dev import repo_root
+from tests.support.harness import insert_events
+from tests.support.spark_source import record_batches
 
 ROOT = repo_root()
-#: a fenced block right after a `<!-- demo -->` line runs as written on the demo (in bash, from the checkout)
-DEMO_BLOCK = re.compile(r"^[ \t]*<!-- demo -->[ \t]*\n[ \t]*```bash\n(.*?)^[ \t]*```", re.S | re.M)
+#: a fenced block right after a `<!-- demo -->` line runs as written on the demo, from the checkout: a bash
+#: block in bash, a python block in the checkout's .venv/bin/python with the demo's environment (.pgstream/env)
+DEMO_BLOCK = re.compile(r"^[ \t]*<!-- demo -->[ \t]*\n[ \t]*```(bash|python)\n(.*?)^[ \t]*```", re.S | re.M)
+#: how each kind of block runs (a python block reads its program on stdin)
+RUNNERS = {"bash": ["bash", "-euo", "pipefail", "-c"],
+           "python": ["bash", "-euo", "pipefail", "-c", ". .pgstream/env && exec .venv/bin/python -"]}
 CHECKOUT_FILES = ("pgstream.yaml", "dagster.yaml", "workspace.yaml", "pyproject.toml")
 
 
 @dataclass
 class Demo:
     root: Path
-    env: dict[str, str]  # the environment of a user's shell: no PGSTREAM_* or DAGSTER_* variable
+    env: dict[str, str]  # a user's shell: no DAGSTER_* or PYSPARK_* variable, PGSTREAM_SPARK_PORT the only PGSTREAM_*
     first: str  # what the first `make dev` printed before `dg dev`
     second: str  # and the second
 
 
 def _user_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PGSTREAM_", "DAGSTER_", "VIRTUAL_ENV"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PGSTREAM_", "DAGSTER_", "VIRTUAL_ENV", "PYSPARK_"))}
     if os.environ.get("PGSTREAM_PG_BIN"):
         env["PGSTREAM_PG_BIN"] = os.environ["PGSTREAM_PG_BIN"]
     # psql: the docs say where it is if the machine has none
     env["PATH"] = f"{env.get('PATH', '')}:{_bin_dir()}"
     env["PYTHONPATH"] = str(ROOT)
+    env["PGSTREAM_SPARK_PORT"] = str(free_port())  # not make dev's default port: another test may hold it
     return env
 
 
 def _prepare(root: Path, env: dict[str, str]) -> str:
     """What `make dev` runs before `dg dev`, in a process of its own (it sets os.environ)."""
     done = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
-                           "from pgstream_dagster.dev import prepare_dev; prepare_dev(Path(sys.argv[1]), False)",
+                           "from pgstream_dagster.dev import prepare_dev; prepare_dev(Path(sys.argv[1]))",
                            str(root)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
@@ -85,16 +94,18 @@ def test_make_dev_prints_each_step_with_its_duration_and_a_second_start_reuses_w
     second = {m[3]: m[4] for m in step.finditer(demo.second)}
     postgres = f"local Postgres (wal_level=logical) in {demo.root / '.pgstream' / 'data'}"
     port = (demo.root / ".pgstream" / "data.port").read_text()
+    spark = (f"Spark Connect server for the runs on port {demo.env['PGSTREAM_SPARK_PORT']} "
+             f"(log: {demo.root / '.pgstream' / 'spark-connect.log'})")
     assert first == {postgres: f"initialised and started on port {port}", "roles and databases": "done",
-                     "migrations and the demo schema": first["migrations and the demo schema"],
+                     "migrations and the demo schema": first["migrations and the demo schema"], spark: "started",
                      "streams and subscriptions of pgstream.yaml": first["streams and subscriptions of pgstream.yaml"],
                      "environment for other shells": f"written to {demo.root / '.pgstream' / 'env'}"}, demo.first
     assert re.fullmatch(r"applied \d+ migrations", first["migrations and the demo schema"])
     assert first["streams and subscriptions of pgstream.yaml"] == "3 changes"  # a slot, two subscriptions
     assert "      created slot pgstream_stream_1_" in demo.first
     assert second == {**first, postgres: f"running on port {port}", "migrations and the demo schema": "up to date",
-                      "streams and subscriptions of pgstream.yaml": "up to date"}, demo.second
-    assert [m.group(1, 2) for m in step.finditer(demo.second)] == [(str(i), "5") for i in range(1, 6)]
+                      spark: "running", "streams and subscriptions of pgstream.yaml": "up to date"}, demo.second
+    assert [m.group(1, 2) for m in step.finditer(demo.second)] == [(str(i), "6") for i in range(1, 7)]
     assert _warnings(demo.first + demo.second) == []
 
 
@@ -103,7 +114,9 @@ def test_the_env_file_holds_what_the_docs_commands_need(demo: Demo) -> None:
     assert env_file.stat().st_mode & 0o077 == 0  # URLs are credentials elsewhere: the owner's only
     exported = dict(re.findall(r"^export (\w+)=(.*)$", env_file.read_text(), re.M))
     assert set(exported) == {"PGSTREAM_DATABASE_URL", "PGSTREAM_OWNER_DATABASE_URL", "PGSTREAM_EXECUTOR_DATABASE_URL",
-                             "PGSTREAM_CONFIG", "PGSTREAM_DEMO_SINK", "DAGSTER_POSTGRES_URL", "DAGSTER_HOME"}
+                             "PGSTREAM_CONFIG", "PGSTREAM_DEMO_SINK", "PGSTREAM_SPARK_REMOTE", "DAGSTER_POSTGRES_URL",
+                             "DAGSTER_HOME"}
+    assert exported["PGSTREAM_SPARK_REMOTE"] == f"sc://127.0.0.1:{demo.env['PGSTREAM_SPARK_PORT']}"
     who = "psql -XAtc 'select current_user'"
     shell = subprocess.run(["bash", "-c", f'. .pgstream/env && {who} "$PGSTREAM_DATABASE_URL" && '
                             f'{who} "$PGSTREAM_OWNER_DATABASE_URL"'],
@@ -111,31 +124,40 @@ def test_the_env_file_holds_what_the_docs_commands_need(demo: Demo) -> None:
     assert shell.stdout.split() == ["pgstream_demo_runtime", "pgstream_demo_owner"], shell.stderr
 
 
-def _demo_blocks() -> list[tuple[str, str]]:
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return [(f"{page.relative_to(ROOT)}#{n}", re.sub(r"^[ \t]+", "", block, flags=re.M))
-            for page in pages for n, block in enumerate(DEMO_BLOCK.findall(page.read_text()), 1)]
+def _demo_blocks() -> list[tuple[str, str, str]]:
+    """(page#n, language, block) of each demo block, in page order (a page's blocks in order)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs").glob("*/*.md"))]
+    return [(f"{page.relative_to(ROOT)}#{n}", language,
+             textwrap.dedent(block) if language == "python" else re.sub(r"^[ \t]+", "", block, flags=re.M))
+            for page in pages for n, (language, block) in enumerate(DEMO_BLOCK.findall(page.read_text()), 1)]
 
 
 def test_every_demo_command_of_the_docs_runs_as_written_without_a_warning(demo: Demo) -> None:
     blocks = _demo_blocks()
-    assert {name.split("#")[0] for name, _ in blocks} >= {"README.md", "docs/quickstart.md"}
-    failures = []
-    for name, block in blocks:
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=demo.root, env=demo.env,
+    assert {name.split("#")[0] for name, _, _ in blocks} >= {"README.md", "docs/quickstart.md", "docs/spark-source.md"}
+    owner = dict(re.findall(r"^export (\w+)=(.*)$", (demo.root / ".pgstream" / "env").read_text(), re.M))
+    owner_url = owner["PGSTREAM_OWNER_DATABASE_URL"].strip("'")
+    # stream 1's ledger holds 30 events in 3 batches, as after dg dev's deliveries (none run here)
+    insert_events(owner_url, 1, 30)
+    record_batches(owner_url, 1, 10)
+    failures, outputs = [], {}
+    for name, language, block in blocks:
+        command, stdin = (RUNNERS["bash"] + [block], None) if language == "bash" else (RUNNERS[language], block)
+        done = subprocess.run(command, input=stdin, cwd=demo.root, env=demo.env,
                               capture_output=True, text=True, timeout=300)
-        output = done.stdout + done.stderr
+        output = outputs[name] = done.stdout + done.stderr
         if done.returncode != 0 or _warnings(output):
             failures.append(f"{name} (exit {done.returncode}):\n{block}\n{output}")
     assert failures == [], "\n\n".join(failures)
+    # the Spark source's worked example landed the ledger's events (on make dev's Spark Connect server)
+    assert outputs["docs/spark-source.md#2"].startswith("30 events landed in "), outputs["docs/spark-source.md#2"]
     # nothing left in the checkout that git would track (a config the docs write goes under .pgstream/)
     left = [p.name + ("/" if p.is_dir() else "") for p in demo.root.iterdir()
             if p.name not in {*CHECKOUT_FILES, ".venv", "pgstream_dagster", "sql"}]
     tracked = [name for name in left if subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "--no-index",
                                                         name], capture_output=True).returncode != 0]
     assert tracked == []
-    owner = dict(re.findall(r"^export (\w+)=(.*)$", (demo.root / ".pgstream" / "env").read_text(), re.M))
-    with psycopg.connect(owner["PGSTREAM_OWNER_DATABASE_URL"].strip("'")) as c:  # the inserts went in
+    with psycopg.connect(owner_url) as c:  # the inserts went in
         assert c.execute("select count(*) from demo.users").fetchone()[0] >= 2  # type: ignore[index]
         # the pause block ended with resume
         assert c.execute("select paused from pgstream.streams where id = 1").fetchone() == (False,)
@@ -209,13 +231,17 @@ def test_make_clean_stops_the_demo_services_before_deleting_them(demo: Demo) -> 
     datadir = demo.root / ".pgstream" / "data"
     pid = int((datadir / "postmaster.pid").read_text().split()[0])
     port = (demo.root / ".pgstream" / "data.port").read_text()
+    spark = int((demo.root / ".pgstream" / "spark-connect.pid").read_text())
     assert _status(demo.root, demo.env) == [
         f"Postgres:             running (pid {pid}) on 127.0.0.1:{port}, data in {datadir}",
-        "Spark Connect server: not running", "dg dev:               not running", "Prometheus exporter:  not running"]
+        f"Spark Connect server: running (pid {spark}), log {demo.root / '.pgstream' / 'spark-connect.log'}",
+        "dg dev:               not running", "Prometheus exporter:  not running"]
     done = subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "-C", str(demo.root), "clean",
                            f"VENV={sys.prefix}"], env=demo.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"stopped Postgres (pid {pid}, data in {datadir})" in done.stdout
+    assert f"stopped the Spark Connect server (pid {spark})" in done.stdout
+    assert not _running(spark)
     assert not (demo.root / ".pgstream").exists()
     assert not _running(pid)  # not left running on the deleted directory
     with pytest.raises(psycopg.OperationalError):

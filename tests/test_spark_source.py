@@ -282,3 +282,30 @@ def test_the_pyspark_resource_registers_the_source_on_its_session(spark: Any, mo
     resource = resources.PgstreamSparkResource(spark_config=spark_conf("local[2]", None, {}))
     session = resource.spark_session
     assert resource.spark_session is session and registered == [session]
+
+
+def test_a_local_session_without_pyspark_python_runs_the_source_in_this_interpreter(
+        db_url: str, stream: psycopg.Connection, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session of a user's script (docs/spark-source.md): PYSPARK_PYTHON unset, so PySpark gives its Python
+    workers the ``python3`` of PATH, which may lack pyarrow and this package (the source then fails with "Python
+    worker failed to connect back"). ``register`` gives a local master's workers this interpreter; an explicit
+    PYSPARK_PYTHON is left as set."""
+    import sys
+
+    from pyspark import SparkConf
+
+    from pgstream_dagster.engine.spark_source import register
+
+    context = spark.sparkContext
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    monkeypatch.setattr(context, "pythonExec", "python3")  # what PySpark gives a context without PYSPARK_PYTHON
+    monkeypatch.setattr(context, "getConf", lambda: SparkConf(loadDefaults=False))  # nor spark.pyspark.python
+    register(spark)
+    assert context.pythonExec == sys.executable
+    insert_events(db_url, 1, 5)
+    assert spark.read.format("pgstream").option("url", db_url).option("stream", 1).load().count() == 5
+
+    monkeypatch.setenv("PYSPARK_PYTHON", "python3")  # the user's choice: theirs
+    monkeypatch.setattr(context, "pythonExec", "python3")
+    register(spark)
+    assert context.pythonExec == "python3"

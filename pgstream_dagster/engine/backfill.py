@@ -471,7 +471,8 @@ def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, pa
     A classic session runs them as an RDD job (``parallelize`` + ``mapPartitions``): no query to
     plan, no Arrow, about half the fixed start of a DataFrame job (bench/RESULTS.md, issue 32 item 4b);
     Spark Connect has no RDDs, so there it is ``spark.range(n).mapInArrow``."""
-    from .spark import is_classic, ship_package
+    from .spark import ship_package
+    from .spark_source import is_classic
 
     ship_package(spark)
     if is_classic(spark):

@@ -56,6 +56,7 @@ from .publish import (
     Span,
     publish,
 )
+from .spark_source import is_classic
 
 if TYPE_CHECKING:
     import psycopg
@@ -276,11 +277,6 @@ def open_session(config: PgstreamConfig) -> SparkSession:
 class DriverPythonMissing(RuntimeError):
     """The Python workers' interpreter is a relative path the run's host does not have
     (:func:`~pgstream_dagster.engine.cluster.driver_python_problem`)."""
-
-
-def is_classic(spark: SparkSession) -> bool:
-    """A classic session (its JVM driver in this process), not a Spark Connect client."""
-    return not type(spark).__module__.startswith("pyspark.sql.connect")
 
 
 def ship_package(spark: SparkSession) -> None:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import math
+import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -570,6 +572,36 @@ class PgstreamDataSource(DataSource):
         return StreamReader(dict(self.options))
 
 
+#: the interpreter PySpark gives a classic session's Python workers when ``PYSPARK_PYTHON`` is unset
+PYSPARK_DEFAULT_PYTHON = "python3"
+
+
+def is_classic(spark: SparkSession) -> bool:
+    """A classic session (its JVM driver in this process), not a Spark Connect client."""
+    return not type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def workers_python(spark: SparkSession) -> str:
+    """The Python workers' interpreter of a classic session's Python functions registered from now on.
+
+    PySpark sends ``$PYSPARK_PYTHON`` as read when the session's context started with every Python
+    function (this source included), else ``python3`` from ``PATH``, which may lack pyarrow and this
+    package: the source's planning then fails with "Python worker failed to connect back", the cause in
+    the JVM's log only. With ``PYSPARK_PYTHON`` unset and a local master (its workers on this host), the
+    workers run ``spark.pyspark.python`` of the session's conf if set, else this interpreter; a cluster's
+    is the operator's to set (``PYSPARK_PYTHON``: the executors' Python)."""
+    from .cluster import is_local
+
+    context = spark.sparkContext
+    if (context.pythonExec == PYSPARK_DEFAULT_PYTHON and not os.environ.get("PYSPARK_PYTHON")
+            and is_local(context.master or "")):
+        context.pythonExec = context.getConf().get("spark.pyspark.python") or sys.executable
+    return str(context.pythonExec)
+
+
 def register(spark: SparkSession) -> None:
-    """Register ``format("pgstream")`` on ``spark`` (local, a cluster, or Spark Connect)."""
+    """Register ``format("pgstream")`` on ``spark`` (local, a cluster, or Spark Connect); on a classic
+    session, with the Python workers :func:`workers_python` says."""
+    if is_classic(spark):
+        workers_python(spark)
     spark.dataSource.register(PgstreamDataSource)
