@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -50,9 +51,9 @@ class RunningDemo:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def runs(self) -> list[dict[str, object]]:
+    def runs(self) -> list[dict[str, Any]]:
         answer = httpx.post(f"http://127.0.0.1:{self.port}/graphql", json={"query": RUNS}, timeout=10).json()
-        results: list[dict[str, object]] = answer["data"]["runsOrError"]["results"]
+        results: list[dict[str, Any]] = answer["data"]["runsOrError"]["results"]
         return results
 
     def exported(self) -> dict[str, str]:
@@ -154,7 +155,7 @@ def test_a_fresh_make_dev_stays_green_past_a_checks_tick_and_make_stop_ends_it_i
 
     def checks_ended() -> bool:
         return any(r["jobName"] == "pgstream_checks" and r["status"] in ("SUCCESS", "FAILURE", "CANCELED")
-                   and any(t["key"] == "pgstream/scheduled_checks" for t in r["tags"])  # type: ignore[union-attr]
+                   and any(t["key"] == "pgstream/scheduled_checks" for t in r["tags"])
                    for r in demo.runs())
 
     _wait("the first scheduled pgstream_checks run", checks_ended, 200, demo)
