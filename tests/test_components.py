@@ -108,7 +108,7 @@ def test_dg_check_and_list_defs_of_this_project(tmp_path: Path) -> None:
     assert "All definitions loaded successfully" in checked.stdout + checked.stderr
     listed = _dg(["list", "defs"], repo_root(), env, tmp_path)
     assert listed.returncode == 0, listed.stdout + listed.stderr
-    for name in ("pgstream_stream_1", "pgstream_delivery", "pgstream_stream_control", "pgstream_replay_stream_1",
+    for name in ("pgstream_stream_1", "pgstream_delivery", "pgstream_stream_control", "pgstream_replay",
                  "pgstream_housekeeping", "pgstream_checks", "pgstream_subscriptions",
                  "pgstream/stream_1/deliveries", "pgstream/events_partitions"):
         assert name in listed.stdout, (name, listed.stdout)
@@ -292,7 +292,7 @@ def test_the_code_location_loads_from_an_installed_package_without_pyproject(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     where, names = result.stdout.strip().splitlines()[-2:]
     assert where.startswith(str(site / "pgstream_dagster")) and str(site / "pgstream_dagster" / "sql") in where
-    assert "'pgstream_delivery'" in names and "'pgstream_replay_stream_3'" in names and "'pgstream_stream_3'" in names
+    assert "'pgstream_delivery'" in names and "'pgstream_replay'" in names and "'pgstream_stream_3'" in names
 
 
 def test_the_cli_reads_the_streams_of_the_defs_folder(tmp_path: Path, env: dict[str, str], db_url: str,
