@@ -20,6 +20,7 @@ import yaml
 import pgstream_dagster
 from pgstream_dagster.component import StreamComponent
 from pgstream_dagster.config import ConfigError, HousekeepingConfig, load_config
+from pgstream_dagster.defs.assets import subscription_keys
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.resources import PgstreamResource
 
@@ -192,6 +193,9 @@ def test_stream_component_gives_the_definitions_of_the_same_stream_in_pgstream_y
     assert resource.config == from_yaml.resources["pgstream"].config  # type: ignore[index]
     assert resource.stream(2).sink.type == "http" and resource.stream(2).slot_name == "orders_slot"
     assert [s.key for s in resource.config.subscriptions if s.stream_id == 2] == ["order-paid", "signup"]
+    # the one backfill job finds a component stream's subscription assets (it reports its progress there)
+    assert {k.to_user_string() for k in subscription_keys(resource.config, 2).values()} == {
+        a for a in component_view["assets"] if a.startswith("pgstream/stream_2/subscriptions/")}
     # nothing secret in what Dagster shows
     assert "hunter2" not in repr(resource) and SECRET not in repr(resource)
     meta = str([spec.metadata for spec in from_component.resolve_all_asset_specs()])
