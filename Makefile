@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams bench-group-reader bench-delivery-pool bench-spark-source bench-backfill bench-cold-start clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams bench-group-reader bench-delivery-pool bench-spark-source bench-backfill bench-cold-start bench-snapshot clean
 
 # reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
@@ -100,6 +100,10 @@ bench-backfill: $(STAMP)
 
 bench-cold-start: $(STAMP)
 	$(BIN)/python bench/cold_start.py
+
+# the repository snapshot the daemon fetches every 60 s, at 1, 10 and 100 streams (issue 45)
+bench-snapshot: $(STAMP)
+	$(BIN)/python bench/snapshot.py
 
 # stops the services first: a Postgres left running on a deleted .pgstream/ would keep its port and memory
 clean: stop

@@ -55,23 +55,29 @@ import dagster as dg
 import pgstream_dagster
 try:
     from pgstream_dagster.defs.location import build_definitions
-    from pgstream_dagster.defs.names import replay_job_name
 except ImportError:  # a --baseline from before pgstream_dagster/defs/
     from pgstream_dagster.location import build_definitions
-    from pgstream_dagster.replay import replay_job_name
+try:  # one replay job, the stream in its run config
+    from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
+    job_name, op, config = REPLAY_JOB, REPLAY_OP, {"stream_id": 1, "all_events": True}
+except ImportError:  # a --baseline with a replay job per stream
+    try:
+        from pgstream_dagster.defs.names import replay_job_name
+    except ImportError:
+        from pgstream_dagster.replay import replay_job_name
+    job_name, op, config = replay_job_name(1), "replay_stream_1", {"all_events": True}
 
 config_path = Path(sys.argv[1])
 defs = build_definitions(config_path)
-job = defs.resolve_job_def(replay_job_name(1))
+job = defs.resolve_job_def(job_name)
 runs = []
 with dg.DagsterInstance.ephemeral() as instance:
     for _ in range(2):  # cold, then warm (same Spark session)
         started = time.monotonic()
-        result = job.execute_in_process(run_config={"ops": {"replay_stream_1": {"config": {"all_events": True}}}},
-                                        instance=instance)
+        result = job.execute_in_process(run_config={"ops": {op: {"config": config}}}, instance=instance)
         elapsed = time.monotonic() - started
-        meta = {k: v.value for k, v in result.asset_materializations_for_node("replay_stream_1")[0].metadata.items()}
-        runs.append({"events": result.output_for_node("replay_stream_1"), "secs": elapsed,
+        meta = {k: v.value for k, v in result.asset_materializations_for_node(op)[0].metadata.items()}
+        runs.append({"events": result.output_for_node(op), "secs": elapsed,
                      "first_chunk_secs": meta.get("first_chunk_secs"),
                      "streaming_rate": meta.get("streaming_events_per_sec")})
     jvm_hwm_kb = 0

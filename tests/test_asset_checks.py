@@ -207,7 +207,7 @@ def test_dead_letters_check_is_red_while_any_is_open(app: str, tmp_path: Path,
     ev = checks.run()[DEAD]
     assert not ev.passed and ev.severity == dg.AssetCheckSeverity.ERROR
     assert (ev.description or "").startswith("25 open dead letters (first 20 in the metadata), oldest since")
-    assert "pgstream_replay_stream_1" in (ev.description or "")
+    assert "pgstream_replay, stream_id: 1, dead_letters: true" in (ev.description or "")
     assert values(ev.metadata)["open_dead_letters"] == 25
     assert values(ev.metadata)["oldest_dead_letter_age_secs"] >= 0
     table = values(ev.metadata)["dead_letters"]

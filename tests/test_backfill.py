@@ -24,12 +24,12 @@ import psycopg
 import pytest
 
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import BACKFILL_TAG, STREAM_TAG, backfill_job_name
+from pgstream_dagster.defs.names import BACKFILL_JOB, BACKFILL_OP, BACKFILL_TAG, STREAM_TAG
 from pgstream_dagster.engine import backfill
 from pgstream_dagster.engine.bootstrap import init
 
 from .support.dagster_dev import repo_root
-from .support.dagster_instance import run_log
+from .support.dagster_instance import run_log, step_failure
 from .support.harness import Driver, read_jsonl, write_config
 
 ITEMS = """
@@ -59,9 +59,9 @@ def _config(tmp_path: Path, url: str, subscriptions: list[dict[str, Any]]) -> tu
 
 
 def _launch(cfg: Path, instance: dg.DagsterInstance, **config: Any) -> dg.ExecuteInProcessResult:
-    job = build_definitions(cfg).resolve_job_def(backfill_job_name(1))
-    return job.execute_in_process(run_config={"ops": {"backfill_stream_1": {"config": config}}}, instance=instance,
-                                  raise_on_error=False)
+    job = build_definitions(cfg).resolve_job_def(BACKFILL_JOB)
+    return job.execute_in_process(run_config={"ops": {BACKFILL_OP: {"config": {"stream_id": 1, **config}}}},
+                                  instance=instance, raise_on_error=False)
 
 
 def _deliver_all(cfg: Path, instance: dg.DagsterInstance, url: str, out: Path) -> list[dict[str, Any]]:
@@ -152,6 +152,8 @@ def test_backfill_50k_rows_in_parallel_exactly_once_after_a_kill(db_url: str, tm
     result = _launch(cfg, instance, subscriptions=["items"], where=where, parallelism=4, chunk_size=500,
                      max_rows_per_sec=0)
     assert result.success, result.all_events
+    run = instance.get_run_by_id(result.run_id)
+    assert run is not None and run.tags[BACKFILL_TAG] == "1"  # the run's stream, once it started
     with psycopg.connect(db_url, autocommit=True) as c:
         progress = backfill.list_backfills(c, 1)
     assert len(progress) == 1 and progress[0].status == "done" and progress[0].rows_read == 50_000
@@ -185,10 +187,23 @@ def test_backfill_50k_rows_in_parallel_exactly_once_after_a_kill(db_url: str, tm
         assert read["payload"]["old"] is None and read["payload"]["group_id"] == str(i)
 
 
-def test_backfill_job_is_not_queued_with_deliveries(db_url: str, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [{"id": 1, "sink": {"type": "file", "path": "x"}}])
-    job = build_definitions(cfg).resolve_job_def(backfill_job_name(1))
-    assert job.tags.get(BACKFILL_TAG) == "1" and STREAM_TAG not in job.tags  # live delivery runs beside it
+def test_backfill_job_is_not_queued_with_deliveries_and_names_the_streams_there_are(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [{"id": i, "sink": {"type": "file", "path": "x"}}
+                                                            for i in (1, 2, 3, 5)])
+    job = build_definitions(cfg).resolve_job_def(BACKFILL_JOB)
+    # the run queue limits backfills by the tag's key; live delivery runs go on beside them
+    assert job.tags.get(BACKFILL_TAG) == "true" and STREAM_TAG not in job.tags
+    for stream_id, message in (
+            (0, "stream_id: set the stream to backfill (the template's 0 is none); the streams of this code "
+                "location: 1-3, 5"),
+            (4, "stream_id 4: no such stream to backfill; the streams of this code location: 1-3, 5")):
+        result = job.execute_in_process(run_config={"ops": {BACKFILL_OP: {"config": {
+            "stream_id": stream_id, "subscriptions": ["items"]}}}}, instance=instance, raise_on_error=False)
+        failure = step_failure(result).strip()
+        assert not result.success and failure.endswith(f"Failure: {message}") and "\n" not in failure, failure
+        run = instance.get_run_by_id(result.run_id)
+        assert run is not None and run.tags[BACKFILL_TAG] == "true"
 
 
 def test_backfill_consistent_with_concurrent_changes(db_url: str, tmp_path: Path,

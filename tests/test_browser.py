@@ -33,8 +33,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 TIMEOUT_MS = 240_000
 
 REPLAY_CONFIG = """ops:
-  replay_stream_1:
+  replay:
     config:
+      stream_id: 1
       from_time: "{since}"
       subscription_keys: [user-signup]
 """
@@ -167,7 +168,7 @@ def test_the_ui_shows_the_demo_and_launches_a_replay(databases: Databases, tmp_p
         # replay a time range of one subscription from the Launchpad
         before = len(read_jsonl(sink))
         since = (dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)).isoformat(timespec="seconds")
-        run_page = _launch(page, f"{base}/locations/pgstream/jobs/pgstream_replay_stream_1/playground",
+        run_page = _launch(page, f"{base}/locations/pgstream/jobs/pgstream_replay/playground",
                            REPLAY_CONFIG.format(since=since), shots / "05-launchpad-replay.png")
         page.screenshot(path=str(shots / "06-replay-run.png"))
         assert "replay of stream 1: 5 events" in run_page

@@ -24,12 +24,16 @@ from dagster import DagsterRunStatus, RunsFilter
 
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import (
+    BACKFILL_JOB,
+    BACKFILL_OP,
+    BACKFILL_TAG,
     CONTROL_JOB,
     DELIVERY_JOB,
+    REPLAY_JOB,
+    REPLAY_OP,
     STREAM_TAG,
     SUBSCRIPTIONS_JOB,
     SUBSCRIPTIONS_SENSOR,
-    backfill_job_name,
 )
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
@@ -277,12 +281,12 @@ def _backfill_cancelled_and_resumed(dev: Any, app: str, instance: dg.DagsterInst
                      "from generate_series(1, 3000) g")
 
     def launch(rate: int) -> str:
-        config = {"subscriptions": ["user-signup"], "parallelism": 2, "chunk_size": 50, "max_rows_per_sec": rate,
-                  "progress_secs": 1}
+        config = {"stream_id": 1, "subscriptions": ["user-signup"], "parallelism": 2, "chunk_size": 50,
+                  "max_rows_per_sec": rate, "progress_secs": 1}
         answer = dev.graphql(LAUNCH_MUTATION, {"params": {
             "selector": {"repositoryLocationName": "pgstream", "repositoryName": "__repository__",
-                         "jobName": backfill_job_name(1)},
-            "runConfigData": {"ops": {"backfill_stream_1": {"config": config}}}}})
+                         "jobName": BACKFILL_JOB},
+            "runConfigData": {"ops": {BACKFILL_OP: {"config": config}}}}})
         launched = answer["data"]["launchRun"]
         assert launched["__typename"] == "LaunchRunSuccess", answer
         return str(launched["run"]["runId"])
@@ -310,6 +314,9 @@ def _backfill_cancelled_and_resumed(dev: Any, app: str, instance: dg.DagsterInst
     second = launch(0)
     wait_for("the resumed backfill to finish", lambda: run_status(second) == DagsterRunStatus.SUCCESS, 240, dev,
              lambda: f"backfill {backfill_state()}, run {run_status(second)}")
+    # both runs carry their stream, for the Runs page's filter (pgstream/backfill=1)
+    assert {r.run_id for r in instance.get_runs(RunsFilter(job_name=BACKFILL_JOB, tags={BACKFILL_TAG: "1"}))} == {
+        first, second}
     with psycopg.connect(app, autocommit=True) as conn:
         verified = conn.execute("select count(*) from public.users where verified").fetchone()
         reads = conn.execute("select count(*), count(distinct payload->'new'->>'id') from pgstream.events "
@@ -447,6 +454,17 @@ def _launchpad_template(job: dg.JobDefinition) -> Any:
     return yaml.safe_load(default_values_yaml_from_type_snap(schema, root))
 
 
+def test_the_jobs_are_the_same_at_any_number_of_streams(tmp_path: Path) -> None:
+    """The replay and backfill jobs are one each for the location (the stream in their run config): the
+    location's jobs, and what the code server sends of them, do not grow with streams (issue 45)."""
+    names = []
+    for count in (1, 12):
+        cfg = write_config(tmp_path / f"{count}.yaml", "postgresql://demo@127.0.0.1:1/demo",
+                           [{"id": i, "sink": {"type": "file", "path": "x"}} for i in range(1, count + 1)])
+        names.append({j.name for j in build_definitions(cfg).get_repository_def().get_all_jobs()})
+    assert names[0] == names[1] and {REPLAY_JOB, BACKFILL_JOB} <= names[0], names
+
+
 def test_the_launchpad_templates_show_what_to_type_and_subscription_runs_have_a_job_of_their_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PGSTREAM_DATABASE_URL", "postgresql://demo@127.0.0.1:1/demo")
@@ -461,11 +479,28 @@ def test_the_launchpad_templates_show_what_to_type_and_subscription_runs_have_a_
     assert not unedited.success
     assert "stream_id: set the stream to act on" in step_failure(unedited)
 
-    # the backfill job opens with its subscription keys to fill in; launched so, it names them
-    backfill = repo.get_job(backfill_job_name(1))
+    # the replay and backfill jobs, one each for the location: they open with the stream and every field to fill
+    # in; launched as they open, they name the stream to set and the streams there are
+    replay = repo.get_job(REPLAY_JOB)
+    template = _launchpad_template(replay)
+    assert template["ops"] == {REPLAY_OP: {"config": {
+        "stream_id": 0, "from_event_id": 0, "to_event_id": 0, "from_time": "", "to_time": "", "subscription_keys": [],
+        "all_events": False, "dry_run": False, "chunk_size": 0, "dead_letters": False, "dead_letter_ids": []}}}
+    unedited = replay.execute_in_process(run_config={"ops": template["ops"]}, raise_on_error=False)
+    assert not unedited.success
+    assert ("stream_id: set the stream to replay (the template's 0 is none); the streams of this code location: 1"
+            in step_failure(unedited))
+    backfill = repo.get_job(BACKFILL_JOB)
     template = _launchpad_template(backfill)
-    assert template["ops"]["backfill_stream_1"]["config"]["subscriptions"] == []
+    assert template["ops"] == {BACKFILL_OP: {"config": {
+        "stream_id": 0, "subscriptions": [], "table": "", "where": "", "from_key": [], "to_key": [],
+        "chunk_size": 1000, "parallelism": 4, "max_rows_per_sec": 5000.0, "max_backlog": 20_000, "restart": False,
+        "progress_secs": 5.0}}}
     unedited = backfill.execute_in_process(run_config={"ops": template["ops"]}, raise_on_error=False)
+    assert not unedited.success and "stream_id: set the stream to backfill" in step_failure(unedited)
+    # the stream chosen, it names the subscription keys to fill in
+    chosen = {BACKFILL_OP: {"config": {**template["ops"][BACKFILL_OP]["config"], "stream_id": 1}}}
+    unedited = backfill.execute_in_process(run_config={"ops": chosen}, raise_on_error=False)
     assert not unedited.success and "name at least one subscription key" in step_failure(unedited)
 
     # the subscriptions' runs are of a job named for them (not Dagster's __ASSET_JOB), the one the sensor requests

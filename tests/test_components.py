@@ -20,6 +20,7 @@ import yaml
 import pgstream_dagster
 from pgstream_dagster.component import StreamComponent
 from pgstream_dagster.config import ConfigError, HousekeepingConfig, load_config
+from pgstream_dagster.defs.assets import subscription_keys
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.resources import PgstreamResource
 
@@ -108,7 +109,7 @@ def test_dg_check_and_list_defs_of_this_project(tmp_path: Path) -> None:
     assert "All definitions loaded successfully" in checked.stdout + checked.stderr
     listed = _dg(["list", "defs"], repo_root(), env, tmp_path)
     assert listed.returncode == 0, listed.stdout + listed.stderr
-    for name in ("pgstream_stream_1", "pgstream_delivery", "pgstream_stream_control", "pgstream_replay_stream_1",
+    for name in ("pgstream_stream_1", "pgstream_delivery", "pgstream_stream_control", "pgstream_replay",
                  "pgstream_housekeeping", "pgstream_checks", "pgstream_subscriptions",
                  "pgstream/stream_1/deliveries", "pgstream/events_partitions"):
         assert name in listed.stdout, (name, listed.stdout)
@@ -192,6 +193,9 @@ def test_stream_component_gives_the_definitions_of_the_same_stream_in_pgstream_y
     assert resource.config == from_yaml.resources["pgstream"].config  # type: ignore[index]
     assert resource.stream(2).sink.type == "http" and resource.stream(2).slot_name == "orders_slot"
     assert [s.key for s in resource.config.subscriptions if s.stream_id == 2] == ["order-paid", "signup"]
+    # the one backfill job finds a component stream's subscription assets (it reports its progress there)
+    assert {k.to_user_string() for k in subscription_keys(resource.config, 2).values()} == {
+        a for a in component_view["assets"] if a.startswith("pgstream/stream_2/subscriptions/")}
     # nothing secret in what Dagster shows
     assert "hunter2" not in repr(resource) and SECRET not in repr(resource)
     meta = str([spec.metadata for spec in from_component.resolve_all_asset_specs()])
@@ -292,7 +296,7 @@ def test_the_code_location_loads_from_an_installed_package_without_pyproject(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     where, names = result.stdout.strip().splitlines()[-2:]
     assert where.startswith(str(site / "pgstream_dagster")) and str(site / "pgstream_dagster" / "sql") in where
-    assert "'pgstream_delivery'" in names and "'pgstream_replay_stream_3'" in names and "'pgstream_stream_3'" in names
+    assert "'pgstream_delivery'" in names and "'pgstream_replay'" in names and "'pgstream_stream_3'" in names
 
 
 def test_the_cli_reads_the_streams_of_the_defs_folder(tmp_path: Path, env: dict[str, str], db_url: str,

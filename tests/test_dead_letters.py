@@ -18,7 +18,7 @@ import pytest
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import CONTROL_JOB, replay_job_name
+from pgstream_dagster.defs.names import CONTROL_JOB, REPLAY_JOB, REPLAY_OP
 from pgstream_dagster.defs.status import status_observation
 from pgstream_dagster.engine import deadletters
 from pgstream_dagster.engine import ledger as ledger_module
@@ -319,10 +319,10 @@ def test_redeliver_through_the_replay_job(conn: psycopg.Connection, db_url: str,
                                           tmp_path: Path, instance: dg.DagsterInstance) -> None:
     MemorySink.reset("replay-dl")
     cfg = stream_config(tmp_path, db_url, {"type": "memory", "name": "replay-dl", "fail_times": 1})
-    job = build_definitions(cfg).resolve_job_def(replay_job_name(1))
+    job = build_definitions(cfg).resolve_job_def(REPLAY_JOB)
 
     def replay(**config: Any) -> dg.ExecuteInProcessResult:
-        return job.execute_in_process(run_config={"ops": {"replay_stream_1": {"config": config}}},
+        return job.execute_in_process(run_config={"ops": {REPLAY_OP: {"config": {"stream_id": 1, **config}}}},
                                       instance=instance, raise_on_error=False)
 
     deadletters.set_aside(conn, 1, [ledger["b"][0], ledger["a"][2], ledger["a"][0]], "poison")
@@ -353,9 +353,9 @@ def test_redeliver_through_the_replay_job(conn: psycopg.Connection, db_url: str,
     only = replay(dead_letter_ids=[ids[1]])
     assert only.success and [e.id for e in MemorySink.delivered("replay-dl")] == [ledger["a"][2]]
     rest = replay(dead_letters=True, chunk_size=1)
-    assert rest.success and rest.output_for_node("replay_stream_1") == 2
+    assert rest.success and rest.output_for_node(REPLAY_OP) == 2
     assert [e.id for e in MemorySink.delivered("replay-dl")] == [ledger["a"][2], ledger["a"][0], ledger["b"][0]]
-    materialization = rest.asset_materializations_for_node("replay_stream_1")[0]
+    materialization = rest.asset_materializations_for_node(REPLAY_OP)[0]
     assert materialization.metadata["kind"].value == "dead_letters"
     assert materialization.metadata["redelivered"].value == 2
     assert {r[5] for r in letters(conn)} == {f"dagster run {only.run_id}", f"dagster run {rest.run_id}"}

@@ -170,7 +170,7 @@ def test_the_code_location_loads_without_a_warning(demo: Demo) -> None:
                            ". .pgstream/env && .venv/bin/dg check defs && .venv/bin/dg list defs"],
                           cwd=demo.root, env=demo.env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "pgstream_replay_stream_1" in done.stdout
+    assert "pgstream_replay" in done.stdout and "pgstream_backfill" in done.stdout
     assert _warnings(done.stdout + done.stderr) == [], done.stderr
 
 

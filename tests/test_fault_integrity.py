@@ -20,7 +20,7 @@ import pytest
 from psycopg import sql
 
 from pgstream_dagster.config import HousekeepingConfig
-from pgstream_dagster.defs.names import replay_job_name
+from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
 from pgstream_dagster.engine.housekeeping import run_housekeeping
 
 from .support.endpoint import Endpoint
@@ -218,8 +218,9 @@ def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_ur
     # the receiver is fixed: the operator redelivers them from the Launchpad (the replay job), in order
     endpoint.reject_ids = set()
     before = len(endpoint.accepted)
-    job = driver.defs.resolve_job_def(replay_job_name(STREAM))
-    result = job.execute_in_process(run_config={"ops": {f"replay_stream_{STREAM}": {"config": {"dead_letters": True}}}},
+    job = driver.defs.resolve_job_def(REPLAY_JOB)
+    result = job.execute_in_process(run_config={"ops": {REPLAY_OP: {"config": {"stream_id": STREAM,
+                                                                             "dead_letters": True}}}},
                                     instance=instance, raise_on_error=False)
     assert result.success
     assert endpoint.accepted[before:] == sorted(poison)

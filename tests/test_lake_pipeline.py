@@ -24,9 +24,10 @@ from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import (
     CHECKS_JOB,
     LAKE_COUNTS_CHECK,
+    REPLAY_JOB,
+    REPLAY_OP,
     deliveries_asset_key,
     lake_table_asset_key,
-    replay_job_name,
 )
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine.lakecheck import delivered_day_counts
@@ -113,8 +114,8 @@ def test_a_run_killed_after_a_lake_commit_a_replay_and_the_day_counts_check(
     assert sum(int(str(r.asset_materialization.metadata["events"].value)) for r in written
                if r.asset_materialization is not None and r.run_id in runs) == len(sent) - recorded
     # a replay of every event of the stream: the table has them all, nothing is written twice
-    replay = defs.resolve_job_def(replay_job_name(STREAM)).execute_in_process(
-        run_config={"ops": {f"replay_stream_{STREAM}": {"config": {"all_events": True}}}}, instance=instance)
+    replay = defs.resolve_job_def(REPLAY_JOB).execute_in_process(
+        run_config={"ops": {REPLAY_OP: {"config": {"stream_id": STREAM, "all_events": True}}}}, instance=instance)
     assert replay.success
     assert lake_ids(sink, STREAM) == Counter({i: 1 for i in sent}), kind
     print(f"LAKE-PIPELINE {kind}: {len(sent)} events once after SIGKILL and replay "

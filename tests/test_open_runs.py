@@ -167,7 +167,7 @@ def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run
     as one contiguous block, live events before or after it, none in the middle; every event arrives,
     first arrivals in commit order."""
     from pgstream_dagster.defs.location import build_definitions
-    from pgstream_dagster.defs.names import replay_job_name
+    from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
 
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=2)])
     driver = Driver(cfg, instance)
@@ -192,10 +192,10 @@ def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run
     writer.start()
     time.sleep(0.3)  # the open run delivers live events
     replay: list[dg.ExecuteInProcessResult] = []
-    job = build_definitions(cfg).resolve_job_def(replay_job_name(STREAM))
+    job = build_definitions(cfg).resolve_job_def(REPLAY_JOB)
     replayer = threading.Thread(target=lambda: replay.append(job.execute_in_process(
-        run_config={"ops": {f"replay_stream_{STREAM}": {"config": {"from_event_id": replayed[0],
-                                                                     "to_event_id": replayed[-1]}}}},
+        run_config={"ops": {REPLAY_OP: {"config": {"stream_id": STREAM, "from_event_id": replayed[0],
+                                                   "to_event_id": replayed[-1]}}}},
         instance=instance, raise_on_error=False)), daemon=True)
     replayer.start()
     launched = {request.run_key}

@@ -18,7 +18,7 @@ import pytest
 
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import CONTROL_JOB, STREAM_TAG, replay_job_name
+from pgstream_dagster.defs.names import CONTROL_JOB, REPLAY_JOB, REPLAY_OP, REPLAY_TAG, STREAM_TAG
 from pgstream_dagster.engine.batches import BatchStatus
 
 from .support.dagster_instance import run_log, step_failure
@@ -51,10 +51,11 @@ def replay_setup(db_url: str, tmp_path: Path) -> tuple[Path, Path]:
     return cfg, out
 
 
-def _replay(cfg: Path, instance: dg.DagsterInstance, **config: Any) -> dg.ExecuteInProcessResult:
-    job = build_definitions(cfg).resolve_job_def(replay_job_name(1))
-    return job.execute_in_process(run_config={"ops": {"replay_stream_1": {"config": config}}}, instance=instance,
-                                  raise_on_error=False)
+def _replay(cfg: Path, instance: dg.DagsterInstance, stream_id: int = 1,
+            **config: Any) -> dg.ExecuteInProcessResult:
+    job = build_definitions(cfg).resolve_job_def(REPLAY_JOB)
+    return job.execute_in_process(run_config={"ops": {REPLAY_OP: {"config": {"stream_id": stream_id, **config}}}},
+                                  instance=instance, raise_on_error=False)
 
 
 def _ids_before(url: str, before: dt.date) -> list[int]:
@@ -66,10 +67,11 @@ def _ids_before(url: str, before: dt.date) -> list[int]:
 def test_replay_by_id_range_time_range_and_keys(replay_setup: tuple[Path, Path], db_url: str,
                                                 instance: dg.DagsterInstance) -> None:
     cfg, out = replay_setup
-    job = build_definitions(cfg).resolve_job_def(replay_job_name(1))
-    assert job.tags[STREAM_TAG] == "1"  # queued behind the stream's deliveries, never interleaved
-
-    assert _replay(cfg, instance, from_event_id=20, to_event_id=150).success
+    result = _replay(cfg, instance, from_event_id=20, to_event_id=150)
+    assert result.success
+    run = instance.get_run_by_id(result.run_id)
+    assert run is not None  # tagged with its stream: the queue holds the stream's deliveries behind it, the UI filters
+    assert run.tags[STREAM_TAG] == "1" and run.tags[REPLAY_TAG] == "true"
     assert [e["id"] for e in read_jsonl(out)] == list(range(20, 151))
 
     out.unlink()
@@ -88,7 +90,7 @@ def test_replay_by_id_range_time_range_and_keys(replay_setup: tuple[Path, Path],
     result = _replay(cfg, instance, all_events=True, chunk_size=3)
     assert result.success
     assert [e["id"] for e in read_jsonl(out)] == list(range(1, 201))  # stream 2's events are not in it
-    materialization = result.asset_materializations_for_node("replay_stream_1")[0]
+    materialization = result.asset_materializations_for_node(REPLAY_OP)[0]
     assert materialization.metadata["events"].value == 200
     assert materialization.metadata["kind"].value == "replay"
 
@@ -98,10 +100,16 @@ def test_replay_dry_run_counts_and_bad_requests_deliver_nothing(replay_setup: tu
     cfg, out = replay_setup
     dry = _replay(cfg, instance, subscription_keys=["a"], dry_run=True)
     assert dry.success
-    assert dry.output_for_node("replay_stream_1") == 0 and not out.exists()
+    assert dry.output_for_node(REPLAY_OP) == 0 and not out.exists()
     assert "replay of stream 1: 100 events" in run_log(instance, dry)
+    # the Launchpad template's values (0, "": not given) select what leaving the fields out selects
+    shown = _replay(cfg, instance, subscription_keys=["a"], dry_run=True, from_event_id=0, to_event_id=0,
+                    from_time="", to_time="", chunk_size=0, dead_letter_ids=[], all_events=False, dead_letters=False)
+    assert shown.success and "replay of stream 1: 100 events" in run_log(instance, shown)
     for config, message in (
         ({}, "give an event-id range, a time range or subscription keys"),
+        ({"from_event_id": 0, "to_event_id": 0, "from_time": "", "to_time": ""},
+         "give an event-id range, a time range or subscription keys"),
         ({"from_event_id": 9, "to_event_id": 3}, "from_event_id 9 is after to_event_id 3"),
         ({"from_time": "yesterday"}, "from_time: 'yesterday' is not an ISO 8601 timestamp"),
         ({"from_time": "2026-01-02", "to_time": "2026-01-01"}, "is not before to_time"),
@@ -109,11 +117,22 @@ def test_replay_dry_run_counts_and_bad_requests_deliver_nothing(replay_setup: tu
         result = _replay(cfg, instance, **config)
         assert not result.success
         assert message in run_log(instance, result), config
+    # the stream comes from the run config: none chosen, or one the code location does not have, is named in one
+    # line with the streams there are, before anything is taken; the run is not tagged with a stream
+    for stream_id, message in (
+            (0, "stream_id: set the stream to replay (the template's 0 is none); the streams of this code location: "
+                "1-2"),
+            (7, "stream_id 7: no such stream to replay; the streams of this code location: 1-2")):
+        result = _replay(cfg, instance, stream_id, all_events=True)
+        failure = step_failure(result).strip()
+        assert not result.success and failure.endswith(f"Failure: {message}") and "\n" not in failure, failure
+        run = instance.get_run_by_id(result.run_id)
+        assert run is not None and STREAM_TAG not in run.tags
     assert not out.exists()
     empty = _replay(cfg, instance, from_event_id=10**9)  # nothing selected: a success that delivers nothing
-    assert empty.success and empty.output_for_node("replay_stream_1") == 0
+    assert empty.success and empty.output_for_node(REPLAY_OP) == 0
     assert "nothing to replay" in run_log(instance, empty) and not out.exists()
-    assert not empty.asset_materializations_for_node("replay_stream_1")
+    assert not empty.asset_materializations_for_node(REPLAY_OP)
 
 
 def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
@@ -220,7 +239,7 @@ def test_replay_to_a_file_writes_what_the_sink_writes_without_spark(db_url: str,
                                                              "delivery": {"chunk_size": 3}}])
     active = SparkSession.getActiveSession()
     result = _replay(cfg, instance, all_events=True)
-    assert result.success and result.output_for_node("replay_stream_1") == 4
+    assert result.success and result.output_for_node(REPLAY_OP) == 4
     assert SparkSession.getActiveSession() is active  # the file replay started no Spark session
     assert "replay of stream 1: 4 events (events first..last, time [-inf, +inf), subscriptions all) in 2 chunks" \
         in run_log(instance, result)

@@ -23,7 +23,7 @@ from psycopg import sql
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import ConfigError, HousekeepingConfig, load_config
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import backfill_job_name, replay_job_name
+from pgstream_dagster.defs.names import BACKFILL_JOB, BACKFILL_OP, REPLAY_JOB, REPLAY_OP
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import housekeeping, metrics
 from pgstream_dagster.engine.bootstrap import init
@@ -169,8 +169,8 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     driver = Driver(i.config, instance)
 
     # a backfill: the 40 rows become READ events (partitions run on the executors), then delivered
-    assert _job(i.config, backfill_job_name(1), "backfill_stream_1",
-                {"subscriptions": ["items"], "parallelism": 2, "chunk_size": 7}, instance)
+    assert _job(i.config, BACKFILL_JOB, BACKFILL_OP,
+                {"stream_id": 1, "subscriptions": ["items"], "parallelism": 2, "chunk_size": 7}, instance)
     driver.run_until(1, lambda: len(read_jsonl(i.out)) >= 50, timeout=300)
     assert driver.results and all(r.success for r in driver.results)
     reads = Counter(e["payload"]["new"]["id"] for e in read_jsonl(i.out) if e["payload"]["tg_op"] == "READ")
@@ -178,7 +178,7 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     assert _count(i.owner_url, "select count(*) from pgstream.backfills where status = 'done'") == 1
 
     # a replay of every event, through the same sink: each event once more
-    assert _job(i.config, replay_job_name(1), "replay_stream_1", {"all_events": True}, instance)
+    assert _job(i.config, REPLAY_JOB, REPLAY_OP, {"stream_id": 1, "all_events": True}, instance)
     delivered = Counter(e["id"] for e in read_jsonl(i.out))
     assert len(delivered) == 50 and set(delivered.values()) == {2}
 

@@ -1,15 +1,15 @@
-"""The backfill job of a stream (``pgstream_backfill_stream_<id>``): existing rows of subscribed
-tables become READ events of the stream, in parallel on Spark (:mod:`pgstream_dagster.engine.backfill`).
+"""The backfill job (``pgstream_backfill``, one for the location): existing rows of subscribed tables
+become READ events of the stream its run config names (``stream_id``), in parallel on Spark
+(:mod:`pgstream_dagster.engine.backfill`).
 
 Launched from the Launchpad with :class:`BackfillConfig`; ``pgstream-dagster backfill`` runs the
-same engine from a shell. The run carries the tag ``pgstream/backfill`` (not ``pgstream/stream``):
-the stream's delivery runs keep going while it runs, and the run queue limits how many backfills
-run at once. Terminating the run stops the backfill cleanly (chunks in flight commit; resumable);
-launching it again with the same selection resumes it.
+same engine from a shell. The run carries the tag ``pgstream/backfill`` (not ``pgstream/stream``),
+whose value becomes the stream's id when the run starts: the stream's delivery runs keep going while it
+runs, and the run queue limits how many backfills run at once. Terminating the run stops the backfill
+cleanly (chunks in flight commit; resumable); launching it again with the same selection resumes it.
 """
 
 import time
-from collections.abc import Mapping
 from contextlib import closing
 from functools import partial
 from typing import Any
@@ -20,8 +20,8 @@ from pydantic import Field
 
 from ..config import StreamConfig
 from ..engine import backfill
-from ..engine.subscriptions import Identity
-from .names import BACKFILL_TAG, backfill_job_name
+from .assets import subscription_keys
+from .names import BACKFILL_JOB, BACKFILL_OP, BACKFILL_TAG
 from .resources import PgstreamResource
 
 #: how often a running backfill's progress becomes a materialization of its subscription's asset
@@ -30,15 +30,21 @@ MATERIALIZE_EVERY_SECS = 60.0
 
 class BackfillConfig(dg.Config):
     """What to backfill. Each subscription key is read through its INSERT subscription (else its
-    UPDATE one) on each of its tables; its existing rows become events with ``tg_op: "READ"``."""
+    UPDATE one) on each of its tables; its existing rows become events with ``tg_op: "READ"``. The fields to
+    fill have a default, so the Launchpad's template shows them; the default stream, 0, is none: a run launched
+    without choosing one fails, naming ``stream_id`` and the streams there are."""
 
+    stream_id: int = Field(0, ge=0, description="the stream whose subscriptions to backfill (required: the "
+                                                "default, 0, is none)")
     # a default, so the Launchpad's template shows it (an empty list is refused naming it)
     subscriptions: list[str] = Field([], description="subscription keys of this stream to backfill (at least one)")
-    table: str | None = Field(None, description="schema.table: only this table of those subscriptions")
-    where: str | None = Field(None, description="only rows for which this boolean SQL expression over the row "
-                                                "(new.<column>) is true; checked like a when_clause")
-    from_key: list[str] | None = Field(None, description="first primary key (inclusive), one value per key column")
-    to_key: list[str] | None = Field(None, description="last primary key (inclusive), one value per key column")
+    table: str = Field("", description="schema.table: only this table of those subscriptions (empty: every table)")
+    where: str = Field("", description="only rows for which this boolean SQL expression over the row "
+                                       "(new.<column>) is true; checked like a when_clause (empty: every row)")
+    from_key: list[str] = Field([], description="first primary key (inclusive), one value per key column (empty: "
+                                                "from the first row)")
+    to_key: list[str] = Field([], description="last primary key (inclusive), one value per key column (empty: "
+                                              "through the last row)")
     chunk_size: int = Field(backfill.DEFAULT_CHUNK_SIZE, ge=1, le=100_000,
                             description="rows per chunk: one transaction, rows locked FOR SHARE meanwhile")
     parallelism: int = Field(backfill.DEFAULT_PARALLELISM, ge=1, le=1024,
@@ -55,8 +61,9 @@ class BackfillConfig(dg.Config):
 
 
 def _request(stream: StreamConfig, config: BackfillConfig) -> backfill.Request:
-    return backfill.Request(stream.id, config.subscriptions, table=config.table, where=config.where,
-                            from_key=config.from_key, to_key=config.to_key, chunk_size=config.chunk_size,
+    return backfill.Request(stream.id, config.subscriptions, table=config.table or None, where=config.where or None,
+                            from_key=config.from_key or None, to_key=config.to_key or None,
+                            chunk_size=config.chunk_size,
                             parallelism=config.parallelism, max_rows_per_sec=config.max_rows_per_sec or None,
                             max_backlog=config.max_backlog or None, restart=config.restart)
 
@@ -84,71 +91,63 @@ def _report(context: dg.OpExecutionContext, asset: dg.AssetKey | None, progress:
                                               tags={"dagster/code_version": applied}))
 
 
-#: the backfill ops' config schema, inferred from :class:`BackfillConfig` once for every stream's op
-_BACKFILL_CONFIG_SCHEMA = BackfillConfig.to_config_schema().as_field()
-
-
-def _backfill_op(stream: StreamConfig, assets: Mapping[Identity, dg.AssetKey]) -> dg.OpDefinition:
-    @dg.op(name=f"backfill_stream_{stream.id}", config_schema=_BACKFILL_CONFIG_SCHEMA,
-           description=f"Existing rows of subscribed tables become READ events of stream {stream.id}.")
-    def _op(context: dg.OpExecutionContext, pgstream: dg.ResourceParam[PgstreamResource],
-            pyspark: LazyPySparkResource) -> int:
-        config = BackfillConfig(**context.op_config)
-        url = pgstream.database_url
+@dg.op(name=BACKFILL_OP, description="Existing rows of subscribed tables become READ events of the stream "
+                                      "stream_id.")
+def backfill_rows(context: dg.OpExecutionContext, config: BackfillConfig, pgstream: dg.ResourceParam[PgstreamResource],
+                  pyspark: LazyPySparkResource) -> int:
+    stream = pgstream.chosen_stream(config.stream_id, "backfill")
+    # the run's stream (the UI filters by it); the tag's key is what the run queue limits
+    context.instance.add_run_tags(context.run_id, {BACKFILL_TAG: str(stream.id)})
+    # the asset of each YAML subscription of the stream, by identity: its progress is reported there
+    assets = subscription_keys(pgstream.config, stream.id)
+    url = pgstream.database_url
+    try:
+        request = _request(stream, config)
+        with pgstream.connect() as conn:
+            chosen = backfill.targets(conn, request)
+    except backfill.BackfillError as exc:
+        raise dg.Failure(str(exc)) from None
+    spark = pyspark.spark_session  # after the request was checked: starting Spark takes a while
+    written, problems = 0, []
+    for target in chosen:
+        asset = assets.get((target.key, target.schema_name, target.table_name, target.operation))
         try:
-            request = _request(stream, config)
             with pgstream.connect() as conn:
-                chosen = backfill.targets(conn, request)
+                backfill_id, resumed = backfill.open_backfill(conn, target, request)
+            context.log.info(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of "
+                             f"{target.describe()}")
+            last_report = time.monotonic()
+            executor = backfill.spark_executor(spark, pgstream.executor_database_url)
+            with closing(backfill.run(url, backfill_id, request, executor,
+                                      run_id=context.run_id, progress_secs=config.progress_secs,
+                                      on_stop=partial(backfill.cancel_spark, spark))) as steps:
+                for step in steps:
+                    if isinstance(step, backfill.Progress):
+                        context.log.info(step.line())
+                        if time.monotonic() - last_report >= MATERIALIZE_EVERY_SECS:
+                            _report(context, asset, step, f"backfill {backfill_id} running")
+                            last_report = time.monotonic()
+                        continue
+                    progress = step.progress
+                    context.log.info(progress.line())
+                    _report(context, asset, progress, f"backfill {backfill_id} {progress.status}")
+                    written += progress.events_written
+                    if not step.done:
+                        problems.append(progress.line())
         except backfill.BackfillError as exc:
-            raise dg.Failure(str(exc)) from None
-        spark = pyspark.spark_session  # after the request was checked: starting Spark takes a while
-        written, problems = 0, []
-        for target in chosen:
-            asset = assets.get((target.key, target.schema_name, target.table_name, target.operation))
-            try:
-                with pgstream.connect() as conn:
-                    backfill_id, resumed = backfill.open_backfill(conn, target, request)
-                context.log.info(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of "
-                                 f"{target.describe()}")
-                last_report = time.monotonic()
-                executor = backfill.spark_executor(spark, pgstream.executor_database_url)
-                with closing(backfill.run(url, backfill_id, request, executor,
-                                          run_id=context.run_id, progress_secs=config.progress_secs,
-                                          on_stop=partial(backfill.cancel_spark, spark))) as steps:
-                    for step in steps:
-                        if isinstance(step, backfill.Progress):
-                            context.log.info(step.line())
-                            if time.monotonic() - last_report >= MATERIALIZE_EVERY_SECS:
-                                _report(context, asset, step, f"backfill {backfill_id} running")
-                                last_report = time.monotonic()
-                            continue
-                        progress = step.progress
-                        context.log.info(progress.line())
-                        _report(context, asset, progress, f"backfill {backfill_id} {progress.status}")
-                        written += progress.events_written
-                        if not step.done:
-                            problems.append(progress.line())
-            except backfill.BackfillError as exc:
-                problems.append(str(exc))
-                context.log.error(str(exc))
-        context.add_output_metadata({"targets": len(chosen), "events_written": written})
-        if problems:
-            raise dg.Failure("backfill did not finish: " + " | ".join(problems))
-        return written
-
-    return _op
+            problems.append(str(exc))
+            context.log.error(str(exc))
+    context.add_output_metadata({"targets": len(chosen), "events_written": written})
+    if problems:
+        raise dg.Failure("backfill did not finish: " + " | ".join(problems))
+    return written
 
 
-def backfill_job(stream: StreamConfig, assets: Mapping[Identity, dg.AssetKey]) -> dg.JobDefinition:
-    """``assets``: the asset key of each YAML subscription of the stream, by identity."""
-    op = _backfill_op(stream, assets)
-
-    @dg.job(name=backfill_job_name(stream.id),
-            description=f"Backfill: existing rows of subscribed tables become READ events of stream {stream.id}, "
-                        f"in parallel key ranges on Spark, throttled, resumable (launch from the Launchpad).",
-            tags={BACKFILL_TAG: str(stream.id)},
-            executor_def=dg.in_process_executor)
-    def _job() -> None:
-        op()
-
-    return _job
+@dg.job(name=BACKFILL_JOB,
+        description="Backfill: existing rows of subscribed tables become READ events of a stream (stream_id), in "
+                    "parallel key ranges on Spark, throttled, resumable (launch from the Launchpad). Its runs are "
+                    f"tagged {BACKFILL_TAG}=<stream_id> when they start.",
+        tags={BACKFILL_TAG: "true"},
+        executor_def=dg.in_process_executor)
+def backfill_job() -> None:
+    backfill_rows()

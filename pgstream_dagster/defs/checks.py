@@ -35,12 +35,12 @@ from .assets import stream_subscription_keys
 from .names import (
     CONTROL_JOB,
     EVENTS_PARTITIONS_KEY,
+    REPLAY_JOB,
     SCHEDULED_CHECKS_TAG,
     checks_op_name,
     deliveries_asset_key,
     group_sensor_name,
     group_slot_check_name,
-    replay_job_name,
 )
 from .resources import PgstreamResource
 
@@ -224,7 +224,7 @@ def check_dead_letters(conn: psycopg.Connection, stream: StreamConfig) -> dg.Ass
         severity=dg.AssetCheckSeverity.ERROR,
         description=("no open dead letters" if count == 0 else
                      f"{count} open dead letters{shown}, oldest since {oldest:%Y-%m-%d %H:%M:%S%z}: redeliver them "
-                     f"(job {replay_job_name(stream.id)}, dead_letters: true) or discard them (job "
+                     f"(job {REPLAY_JOB}, stream_id: {stream.id}, dead_letters: true) or discard them (job "
                      f"{CONTROL_JOB}, action discard_dead_letters)"),
         metadata=metadata,
     )

@@ -3,10 +3,11 @@
 Streams come from ``pgstream.yaml`` and from ``pgstream_dagster.StreamComponent``s (a ``defs.yaml``
 in the defs folder). Each stream has the same definitions wherever it is declared
 (:func:`stream_definitions`): a sensor (none for a reader group's member: its group's sensor decides for
-it), a deliveries asset, a status asset, a replay job, a backfill job, its subscription assets and its
-checks (and, for a lake sink, its table's asset and check). The rest is defined once (:func:`shared_definitions`): the
-delivery, control, housekeeping, checks and subscriptions jobs, the housekeeping asset, the subscribed tables,
-the schedules, the subscriptions sensor, the executor and the resources.
+it), a deliveries asset, a status asset, its subscription assets and its checks (and, for a lake sink, its
+table's asset and check). The rest is defined once (:func:`shared_definitions`): the delivery, replay, backfill,
+control, housekeeping, checks and subscriptions jobs (a run of the replay, backfill or control job names its stream
+in its run config), the housekeeping asset, the subscribed tables, the schedules, the subscriptions sensor, the
+executor and the resources.
 
 The configuration is read once, when the definitions are loaded: the ``pgstream`` resource holds
 ``pgstream.yaml`` plus the streams of every StreamComponent of the project, validated together
@@ -81,14 +82,12 @@ def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.Asset
 def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definitions:
     """Everything of one stream (``declared``: the file that declares it, with its subscriptions)."""
     subs = declared.of_stream(stream.id)
-    sub_keys = stream_subscription_keys(stream.id, subs)
-    deliveries = _deliveries_asset(stream, list(sub_keys.values()))
+    deliveries = _deliveries_asset(stream, list(stream_subscription_keys(stream.id, subs).values()))
     lake_assets, lake_checks = lake_definitions(stream)
     return dg.Definitions(
         assets=[deliveries, status_asset_spec(stream.id, deliveries.key),
                 stream_subscription_assets(stream.id, declared), *lake_assets],
         asset_checks=[stream_checks(stream, subs), *lake_checks],
-        jobs=[replay_job(stream), backfill_job(stream, sub_keys)],
         # a reader group's member has no sensor of its own: its group's sensor decides for it
         sensors=[stream_sensor(stream)] if stream.reader is None else [],
     )
@@ -101,7 +100,8 @@ def shared_definitions(config: PgstreamConfig, path: Path) -> dg.Definitions:
     return dg.Definitions(
         assets=[events_partitions, *source_table_specs(config)],
         asset_checks=[orphaned_slots_check, consumers_check, *group_slot_checks(list(config.streams))],
-        jobs=[delivery_job, group_delivery_job, control_job, housekeeping_job, checks_job, subscriptions],
+        jobs=[delivery_job, group_delivery_job, replay_job, backfill_job, control_job, housekeeping_job, checks_job,
+              subscriptions],
         schedules=schedules(config),
         sensors=[subscriptions_sensor(config, subscriptions), *group_sensors(list(config.streams))],
         executor=dg.in_process_executor,  # asset and check runs are small; io_manager is in-memory

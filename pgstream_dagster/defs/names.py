@@ -5,6 +5,7 @@ import dagster as dg
 from ..config import stream_object_name
 
 #: run tags
+#: the stream of a delivery run (at launch) and of a replay run (added when the run starts: the run config names it)
 STREAM_TAG = "pgstream/stream"
 BATCH_TAG = "pgstream/batch"
 REPLAY_TAG = "pgstream/replay"
@@ -14,7 +15,8 @@ BATCHES_TAG = "pgstream/batches"
 RUN_KEY_TAG = "dagster/run_key"
 #: a warm run (delivery.keep_warm): requested with no batch, it waits for what commits
 WARM_TAG = "pgstream/warm"
-#: a backfill run (value: the stream id); never pgstream/stream, so deliveries go on meanwhile
+#: a backfill run: ``true`` when launched, the stream id from when the run starts (the run config names it); never
+#: pgstream/stream, so deliveries go on meanwhile
 BACKFILL_TAG = "pgstream/backfill"
 #: a reader group's delivery run (value: the group's name): one at a time per group (dagster.yaml)
 GROUP_TAG = "pgstream/group"
@@ -35,20 +37,18 @@ GROUP_DELIVERY_JOB = "pgstream_group_delivery"
 CONTROL_JOB = "pgstream_stream_control"
 HOUSEKEEPING_JOB = "pgstream_housekeeping"
 CHECKS_JOB = "pgstream_checks"
+#: the replay and backfill jobs: one each for the location, the stream in their run config (``stream_id``)
+REPLAY_JOB = "pgstream_replay"
+BACKFILL_JOB = "pgstream_backfill"
+#: their ops (what their run config is under: ``ops: {replay: {config: ...}}``)
+REPLAY_OP = "replay"
+BACKFILL_OP = "backfill"
 #: the runs of the subscription assets, and the sensor that requests them
 SUBSCRIPTIONS_JOB = "pgstream_subscriptions"
 SUBSCRIPTIONS_SENSOR = SUBSCRIPTIONS_JOB
 
 #: assets
 EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
-
-
-def replay_job_name(stream_id: int) -> str:
-    return f"pgstream_replay_stream_{stream_id}"
-
-
-def backfill_job_name(stream_id: int) -> str:
-    return f"pgstream_backfill_stream_{stream_id}"
 
 
 def stream_sensor_name(stream_id: int) -> str:

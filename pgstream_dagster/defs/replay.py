@@ -1,10 +1,10 @@
 """Replay: re-deliver a stream's events from ``pgstream.events`` through its sink, selected by
 event-id range, time range and/or subscription keys, in id order, in chunks, with progress in the
-run log. One job per stream (``pgstream_replay_stream_<id>``), tagged with the stream so the run
-queue holds it behind the stream's deliveries; whatever launches it (``dagster job execute`` bypasses
-the queue), a replay holds the stream's delivery lease for its whole length
-(:func:`~..engine.ledger.acquire_replay_lease`), so it never interleaves with the stream's deliveries.
-``dry_run`` only counts (and takes no lease).
+run log. One job for the location (``pgstream_replay``), the stream in its run config (``stream_id``); a run
+is tagged with its stream (``pgstream/stream``) when it starts, so the run queue holds the stream's deliveries
+behind it. Whatever launches it (``dagster job execute`` bypasses the queue), a replay holds the stream's
+delivery lease for its whole length (:func:`~..engine.ledger.acquire_replay_lease`), so it never interleaves
+with the stream's deliveries. ``dry_run`` only counts (and takes no lease).
 
 Replays are at-least-once by nature: the sink sees the events again, with the same ids as
 idempotency keys. The ledger is not touched.
@@ -51,26 +51,32 @@ from ..engine.replay import (
 )
 from ..sinks import build_sink
 from ..sinks.base import Sink
-from .names import REPLAY_TAG, STREAM_TAG, deliveries_asset_key, replay_job_name
+from .names import REPLAY_JOB, REPLAY_OP, REPLAY_TAG, STREAM_TAG, deliveries_asset_key
 from .resources import PgstreamResource
 
 
 class ReplayConfig(dg.Config):
     """What to replay. Bounds are inclusive except ``to_time``; at least one filter is required
-    (``all_events: true`` replays everything still in the table)."""
+    (``all_events: true`` replays everything still in the table). The fields to fill have a default, so the
+    Launchpad's template shows them; the default stream, 0, is none: a run launched without choosing one fails,
+    naming ``stream_id`` and the streams there are."""
 
-    from_event_id: int | None = Field(None, description="first event id (inclusive)")
-    to_event_id: int | None = Field(None, description="last event id (inclusive)")
-    from_time: str | None = Field(None, description="ISO 8601, events created at or after (UTC if no offset)")
-    to_time: str | None = Field(None, description="ISO 8601, events created before (UTC if no offset)")
-    subscription_keys: list[str] = Field(default_factory=list, description="only events of these subscriptions")
+    stream_id: int = Field(0, ge=0, description="the stream to replay (required: the default, 0, is none)")
+    from_event_id: int = Field(0, ge=0, description="first event id (inclusive; 0: from the first)")
+    to_event_id: int = Field(0, ge=0, description="last event id (inclusive; 0: through the last)")
+    from_time: str = Field("", description="ISO 8601, events created at or after (UTC if no offset; empty: no "
+                                           "lower bound)")
+    to_time: str = Field("", description="ISO 8601, events created before (UTC if no offset; empty: no upper "
+                                         "bound)")
+    # a list default is copied for each config (pydantic), and unlike default_factory Dagster shows it
+    subscription_keys: list[str] = Field([], description="only events of these subscriptions")
     all_events: bool = Field(False, description="replay every event of the stream still in pgstream.events")
     dry_run: bool = Field(False, description="count what would be replayed, deliver nothing")
-    chunk_size: int | None = Field(None, ge=1, le=100_000, description="events per publish call (default: "
-                                                                     "the stream's delivery.chunk_size)")
+    chunk_size: int = Field(0, ge=0, le=100_000, description="events per publish call (0: the stream's "
+                                                             "delivery.chunk_size)")
     dead_letters: bool = Field(False, description="instead of events from the table: redeliver every open dead "
                                                   "letter of the stream, in delivery order (dry_run lists them)")
-    dead_letter_ids: list[int] = Field(default_factory=list,
+    dead_letter_ids: list[int] = Field([],
                                        description="instead of events from the table: redeliver these open dead "
                                                    "letters of the stream, in delivery order")
 
@@ -110,37 +116,31 @@ def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig
     return 0 if config.dry_run else len(report.redelivered)
 
 
-#: the replay ops' config schema, inferred from :class:`ReplayConfig` once for every stream's op (inferring it
-#: per op took most of building a stream's definitions, in every process that loads the location)
-_REPLAY_CONFIG_SCHEMA = ReplayConfig.to_config_schema().as_field()
-
-
-def _replay_op(stream: StreamConfig) -> dg.OpDefinition:
-    @dg.op(name=f"replay_stream_{stream.id}", config_schema=_REPLAY_CONFIG_SCHEMA,
-           description=f"Replay events of stream {stream.id} from pgstream.events through its {stream.sink.type} sink.")
-    def _op(context: dg.OpExecutionContext, pgstream: dg.ResourceParam[PgstreamResource],
-            pyspark: LazyPySparkResource) -> int:
-        config = ReplayConfig(**context.op_config)
-        try:  # a bad request fails before it takes anything
-            if config.dead_letters or config.dead_letter_ids:
-                dead_letter_selection(config)
-            else:
-                selection(stream.id, config)
-        except ReplayError as exc:
-            what = (f"redelivery of stream {stream.id}'s dead letters" if config.dead_letters or config.dead_letter_ids
-                    else f"replay of stream {stream.id}")
-            raise dg.Failure(f"{what}: {exc}") from None
-        with ExitStack() as held:
-            if not config.dry_run:
-                # the stream's delivery lease for the whole replay, whatever launched it: live delivery waits
-                context.log.info(f"replay of stream {stream.id}: taking the stream's delivery lease (the open "
-                                 "run, if any, delivers what it was handed and closes)")
-                held.enter_context(ledger.acquire_replay_lease(
-                    pgstream.database_url, stream.id, context.run_id,
-                    lambda what: context.log.info(f"replay of stream {stream.id}: waiting for {what}")))
-            return _replay(context, stream, config, pgstream, pyspark)
-
-    return _op
+@dg.op(name=REPLAY_OP, description="Replay events of the stream stream_id from pgstream.events through its sink, or "
+                                    "redeliver its dead letters.")
+def replay(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: dg.ResourceParam[PgstreamResource],
+           pyspark: LazyPySparkResource) -> int:
+    stream = pgstream.chosen_stream(config.stream_id, "replay")
+    # the run's stream: the run queue holds the stream's deliveries behind it, the UI filters by it
+    context.instance.add_run_tags(context.run_id, {STREAM_TAG: str(stream.id)})
+    try:  # a bad request fails before it takes anything
+        if config.dead_letters or config.dead_letter_ids:
+            dead_letter_selection(config)
+        else:
+            selection(stream.id, config)
+    except ReplayError as exc:
+        what = (f"redelivery of stream {stream.id}'s dead letters" if config.dead_letters or config.dead_letter_ids
+                else f"replay of stream {stream.id}")
+        raise dg.Failure(f"{what}: {exc}") from None
+    with ExitStack() as held:
+        if not config.dry_run:
+            # the stream's delivery lease for the whole replay, whatever launched it: live delivery waits
+            context.log.info(f"replay of stream {stream.id}: taking the stream's delivery lease (the open "
+                             "run, if any, delivers what it was handed and closes)")
+            held.enter_context(ledger.acquire_replay_lease(
+                pgstream.database_url, stream.id, context.run_id,
+                lambda what: context.log.info(f"replay of stream {stream.id}: waiting for {what}")))
+        return _replay(context, stream, config, pgstream, pyspark)
 
 
 def _replay(context: dg.OpExecutionContext, stream: StreamConfig, config: ReplayConfig, pgstream: PgstreamResource,
@@ -245,15 +245,11 @@ def _published(context: dg.OpExecutionContext, stream: StreamConfig, source: Sou
                 yield delivery.handled
 
 
-def replay_job(stream: StreamConfig) -> dg.JobDefinition:
-    op = _replay_op(stream)
-
-    @dg.job(name=replay_job_name(stream.id),
-            description=f"Replay events of stream {stream.id} by id range, time range or subscription keys, or "
-                        f"redeliver its dead letters (launch from the Launchpad; dry_run only counts).",
-            tags={STREAM_TAG: str(stream.id), REPLAY_TAG: "true"},
-            executor_def=dg.in_process_executor)
-    def _job() -> None:
-        op()
-
-    return _job
+@dg.job(name=REPLAY_JOB,
+        description="Replay events of a stream (stream_id) by id range, time range or subscription keys, or redeliver "
+                    "its dead letters (launch from the Launchpad; dry_run only counts). Its runs are tagged "
+                    f"{STREAM_TAG}=<stream_id> when they start.",
+        tags={REPLAY_TAG: "true"},
+        executor_def=dg.in_process_executor)
+def replay_job() -> None:
+    replay()

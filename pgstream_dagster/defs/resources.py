@@ -9,6 +9,9 @@ configuration: ``pgstream.yaml`` plus the streams declared as ``StreamComponent`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import dagster as dg
 import psycopg
 from dagster_pyspark import LazyPySparkResource
 
@@ -30,6 +33,17 @@ class PgstreamResource:
 
     def stream(self, stream_id: int) -> StreamConfig:
         return self.config.stream(stream_id)
+
+    def chosen_stream(self, stream_id: int, what: str) -> StreamConfig:
+        """The stream a run's config names (``stream_id``, for ``what``: "replay", "backfill"), else a one-line
+        :class:`dagster.Failure` naming it and the streams there are (the template's 0 is none)."""
+        there = f"the streams of this code location: {id_ranges(s.id for s in self.config.streams) or 'none'}"
+        if stream_id == 0:
+            raise dg.Failure(f"stream_id: set the stream to {what} (the template's 0 is none); {there}")
+        for stream in self.config.streams:
+            if stream.id == stream_id:
+                return stream
+        raise dg.Failure(f"stream_id {stream_id}: no such stream to {what}; {there}")
 
     @property
     def database_url(self) -> str:
@@ -58,3 +72,14 @@ class PgstreamSparkResource(LazyPySparkResource):
         super()._init_session()
         if created and self._spark_session is not None:
             register(self._spark_session)
+
+
+def id_ranges(ids: Iterable[int]) -> str:
+    """``1-3, 7, 9-12``: ``ids`` in order, consecutive ones as a range (a line at any number of streams)."""
+    spans: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -14,7 +14,7 @@ the reading role is refused (its policies never run as the owner).
 Here (no Dagster): choosing what to backfill (:func:`targets`), starting or resuming one
 (:func:`open_backfill`), running its partitions in parallel on Spark executors
 (:func:`run`, :func:`run_partition`), stopping and cancelling (:func:`stop`), and its progress
-(:func:`progress`, :class:`Progress`). The ``pgstream_backfill_stream_<id>`` job and
+(:func:`progress`, :class:`Progress`). The ``pgstream_backfill`` job and
 ``pgstream-dagster backfill`` both call :func:`run`.
 
 Ownership: the process running a backfill holds a session-level advisory lock on it

@@ -1,5 +1,5 @@
 """Replay planning: validate a replay request (``ReplayConfig`` of ``defs/replay.py``, the
-``pgstream_replay_stream_<id>`` job) and split the selected events of ``pgstream.events`` into id
+``pgstream_replay`` job) and split the selected events of ``pgstream.events`` into id
 ranges. No Dagster here: the job runs the plan.
 
 A sink that takes JSON lines (the file sink: :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`)
@@ -29,7 +29,8 @@ from .delivery import reads
 
 
 class ReplaySelection(Protocol):
-    """What to replay (``defs.replay.ReplayConfig`` has these fields)."""
+    """What to replay (``defs.replay.ReplayConfig`` has these fields). A bound that is ``None``, 0 or ``""`` is
+    not given (the Launchpad's template shows 0 and ``""``): event ids start at 1."""
 
     @property
     def from_event_id(self) -> int | None: ...
@@ -54,7 +55,7 @@ class ReplayError(ValueError):
 
 
 def _timestamp(name: str, value: str | None) -> dt.datetime | None:
-    if value is None:
+    if not value:
         return None
     try:
         parsed = dt.datetime.fromisoformat(value)
@@ -72,7 +73,7 @@ def dead_letter_selection(config: ReplaySelection) -> list[int] | None:
     others = [name for name, value in (("from_event_id", config.from_event_id), ("to_event_id", config.to_event_id),
                                        ("from_time", config.from_time), ("to_time", config.to_time),
                                        ("subscription_keys", config.subscription_keys),
-                                       ("all_events", config.all_events)) if value not in (None, [], False)]
+                                       ("all_events", config.all_events)) if value]
     if others:
         raise ReplayError(f"dead_letters/dead_letter_ids redeliver dead letters and take no event filter: "
                           f"remove {', '.join(others)}")
@@ -85,15 +86,15 @@ def selection(stream_id: int, config: ReplaySelection) -> dict[str, Any]:
     """Validate ``config``: the query parameters of :func:`~pgstream_dagster.engine.reads.events_where`
     that select its events."""
     if not (config.all_events or config.subscription_keys or any(
-            v is not None for v in (config.from_event_id, config.to_event_id, config.from_time, config.to_time))):
+            (config.from_event_id, config.to_event_id, config.from_time, config.to_time))):
         raise ReplayError("give an event-id range, a time range or subscription keys "
                           "(or all_events: true to replay the whole table)")
     from_time = _timestamp("from_time", config.from_time)
     to_time = _timestamp("to_time", config.to_time)
     if from_time and to_time and from_time >= to_time:
         raise ReplayError(f"from_time {from_time.isoformat()} is not before to_time {to_time.isoformat()}")
-    lo = config.from_event_id if config.from_event_id is not None else 0
-    hi = config.to_event_id if config.to_event_id is not None else 2**63 - 1
+    lo = config.from_event_id or 0
+    hi = config.to_event_id or 2**63 - 1
     if lo > hi:
         raise ReplayError(f"from_event_id {lo} is after to_event_id {hi}")
     return {"stream_id": stream_id, "lo": lo, "hi": hi, "from_time": from_time, "to_time": to_time,

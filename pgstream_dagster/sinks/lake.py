@@ -10,7 +10,7 @@ writing, the sink reads the stream's token and drops the events at or before it:
 a crash (its commit made, its confirmation not recorded), resumed with other chunk boundaries, or
 replayed from an older position is written once, the part already committed not again.
 
-A replay (``pgstream_replay_stream_<id>``) publishes events by id, not by ledger position (batch
+A replay (``pgstream_replay``) publishes events by id, not by ledger position (batch
 ``0``): the sink reads which ids of the call's id range the table already holds for the stream and
 writes only the others. Replaying a range the table has is a no-op; replaying into an emptied table
 fills it.

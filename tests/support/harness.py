@@ -16,7 +16,7 @@ import psycopg
 import yaml
 
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import DELIVERY_JOB, replay_job_name
+from pgstream_dagster.defs.names import DELIVERY_JOB, REPLAY_JOB, REPLAY_OP
 from pgstream_dagster.engine import ledger
 from pgstream_dagster.sinks.memory import MemorySink
 
@@ -64,8 +64,8 @@ def replay_through_spark(config: Path, stream_id: int, instance: dg.DagsterInsta
     other = config.with_name(f"{config.stem}-replay{config.suffix}")
     other.write_text(yaml.safe_dump(data))
     MemorySink.reset(name)
-    result = build_definitions(other).resolve_job_def(replay_job_name(stream_id)).execute_in_process(
-        run_config={"ops": {f"replay_stream_{stream_id}": {"config": {"all_events": True}}}}, instance=instance,
+    result = build_definitions(other).resolve_job_def(REPLAY_JOB).execute_in_process(
+        run_config={"ops": {REPLAY_OP: {"config": {"stream_id": stream_id, "all_events": True}}}}, instance=instance,
         raise_on_error=False)
     return result.success, [e.id for e in MemorySink.delivered(name)]
 

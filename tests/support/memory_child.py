@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 
-from pgstream_dagster.defs.names import replay_job_name
+from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
 
 from .dagster_instance import child_instance
 from .harness import Background, Driver, tick_until, write_config
@@ -114,9 +114,9 @@ def main() -> None:
             driver.run_until(STREAM, lambda: _lines(out) >= total, timeout=300)
             out.unlink()
             result["rss_kb"] = _reset_peak()
-            job = driver.defs.resolve_job_def(replay_job_name(STREAM))
-            replayed = job.execute_in_process(run_config={"ops": {f"replay_stream_{STREAM}": {"config": {
-                "all_events": True}}}}, instance=instance, raise_on_error=False)
+            job = driver.defs.resolve_job_def(REPLAY_JOB)
+            replayed = job.execute_in_process(run_config={"ops": {REPLAY_OP: {"config": {
+                "stream_id": STREAM, "all_events": True}}}}, instance=instance, raise_on_error=False)
             result["replay_success"] = replayed.success
         elif mode == "open":
             tick_until(driver, STREAM, lambda: _lines(out) >= total, timeout=300)

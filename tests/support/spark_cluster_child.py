@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import backfill_job_name
+from pgstream_dagster.defs.names import BACKFILL_JOB, BACKFILL_OP
 
 from .dagster_instance import child_instance
 from .endpoint import Endpoint
@@ -98,9 +98,10 @@ def main() -> None:
             c.execute("insert into public.things select g, 'thing ' || g from generate_series(1, 2000) g")
             c.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
                       "values ('things', %s, 'INSERT', 'things', '{id,label}')", [GLOBAL])
-        backfilled = build_definitions(cfg).resolve_job_def(backfill_job_name(GLOBAL)).execute_in_process(
-            run_config={"ops": {f"backfill_stream_{GLOBAL}": {"config": {
-                "subscriptions": ["things"], "parallelism": 3, "chunk_size": 300, "max_rows_per_sec": 0}}}},
+        backfilled = build_definitions(cfg).resolve_job_def(BACKFILL_JOB).execute_in_process(
+            run_config={"ops": {BACKFILL_OP: {"config": {
+                "stream_id": GLOBAL, "subscriptions": ["things"], "parallelism": 3, "chunk_size": 300,
+                "max_rows_per_sec": 0}}}},
             instance=instance, raise_on_error=False)
         with psycopg.connect(db_url) as c:
             result["backfill"] = {"success": backfilled.success, "read_ids": [r[0] for r in c.execute(
