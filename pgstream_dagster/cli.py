@@ -778,15 +778,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
         from .config import ConfigError
         from .engine.backfill import BackfillError
+        from .engine.bootstrap import InitError
+        from .engine.dbconn import error_line
         from .engine.deadletters import DeadLetterError
         from .engine.ledger import SlotElsewhere, SlotInUse
         from .engine.migrations import MigrationError
         from .engine.replication import PublicationTaken
         from .sparkserver import SparkServerError
 
+        if type(exc).__module__.startswith("psycopg"):  # Postgres' message, not its PL/pgSQL CONTEXT lines
+            print(f"error: {error_line(exc)}", file=sys.stderr)
+            return 1
         if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | SlotElsewhere |
-                      BackfillError | SparkServerError | PublicationTaken) or \
-                type(exc).__module__.startswith("psycopg"):
+                      BackfillError | SparkServerError | PublicationTaken | InitError):
             print(f"error: {exc}", file=sys.stderr)
             return 1
         raise

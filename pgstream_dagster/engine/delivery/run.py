@@ -225,8 +225,16 @@ class DeliveryRun:
                         launched = False
                         readers = Readers(self.database_url, self.executor_url, conn, handoff, host.spark, sink)
                         source = choose_source(stream.delivery, Owed(owed(stream, batches)), readers)
-                        delivered = _Round(host, conn, stream, sink, batches, self.database_url,
-                                           self.executor_url).deliver(source, recording)
+                        try:
+                            delivered = _Round(host, conn, stream, sink, batches, self.database_url,
+                                               self.executor_url).deliver(source, recording)
+                        except ledger.StreamPaused:
+                            reader.stop()  # what it received is recorded before the batches go back
+                            waiting = ledger.yield_to_pause(conn, stream.id, run_key)
+                            shown = f"batches {waiting[0]}..{waiting[-1]}" if waiting else "nothing"
+                            host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
+                                          f"{shown} of it waits for `pgstream-dagster resume {stream.id}`")
+                            return
                         done = RoundReport(batches, delivered, started, type(source).__name__)
                         reports.add(done)
                         yield done
@@ -392,9 +400,10 @@ class _Round:
         every = stream.delivery.tuning.report_every_secs
         logged_at = time.monotonic()
         too_large = dead_letters(stream, self.database_url).too_large
+        # each publish call holds the stream row against a pause (``ledger.publishing``): none after one
         with closing(publish_in_order(source, self.sink, chunk_size, skip=skip, reject=reject, owed=self.owed,
-                                      too_large=too_large,
-                                      chunk_bytes=stream.delivery.tuning.max_read_bytes)) as deliveries:
+                                      too_large=too_large, chunk_bytes=stream.delivery.tuning.max_read_bytes,
+                                      gate=lambda: ledger.publishing(conn, stream.id))) as deliveries:
             for delivery in deliveries:
                 match delivery:
                     case Confirmed(batch_id, ord):  # a retry resumes after it
@@ -431,10 +440,12 @@ class _Round:
             self.host.log.info(f"stream {stream.id}: resuming an interrupted by_key attempt with its {partitions} "
                                f"partitions (delivery.parallelism {parallelism} applies from the next round)")
         progress = ledger.KeyProgress(self.database_url, stream.id, partitions, run_id=self.host.run_id)
-        result = spark.deliver_by_key(source.frame, stream.sink, stream.delivery.chunk_size, partitions,
-                                      skip=skip, reject=reject, progress=progress,
-                                      too_large=dead_letters(stream, self.database_url).too_large,
-                                      chunk_bytes=stream.delivery.tuning.max_read_bytes)
+        # the whole round's tasks publish holding the stream row against a pause (it waits for the round)
+        with ledger.publishing(conn, stream.id):
+            result = spark.deliver_by_key(source.frame, stream.sink, stream.delivery.chunk_size, partitions,
+                                          skip=skip, reject=reject, progress=progress,
+                                          too_large=dead_letters(stream, self.database_url).too_large,
+                                          chunk_bytes=stream.delivery.tuning.max_read_bytes)
         vanished_in = {b: sum(1 for g, _o in gone if g == b) for b in batch_ids}
         wrong = {b: (result.handled.get(b, 0), events) for b, events in expected.items()
                  if result.handled.get(b, 0) + vanished_in[b] != events}

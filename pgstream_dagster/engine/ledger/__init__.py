@@ -232,6 +232,9 @@ from .state import (
     Batch as Batch,
 )
 from .state import (
+    StreamPaused as StreamPaused,
+)
+from .state import (
     apply as apply,
 )
 from .state import (
@@ -298,6 +301,9 @@ from .state import (
     open_warm_run as open_warm_run,
 )
 from .state import (
+    publishing as publishing,
+)
+from .state import (
     release as release,
 )
 from .state import (
@@ -329,6 +335,9 @@ from .state import (
 )
 from .state import (
     stream_states as stream_states,
+)
+from .state import (
+    yield_to_pause as yield_to_pause,
 )
 from .streams import (
     SLOT_INDEX as SLOT_INDEX,
