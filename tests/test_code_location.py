@@ -21,7 +21,9 @@ import psycopg
 import pytest
 from dagster import DagsterRunStatus, RunsFilter
 
-from pgstream_dagster.defs.names import DELIVERY_JOB, STREAM_TAG, backfill_job_name
+from pgstream_dagster.defs.location import build_definitions
+from pgstream_dagster.defs.names import DELIVERY_JOB, STREAM_TAG, backfill_job_name, group_sensor_name
+from pgstream_dagster.devdb import free_port
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import migrate
@@ -418,3 +420,30 @@ def test_dagster_dev_killed_whole_recovers_at_the_next_ticks(databases: Database
     finally:
         survivors = stop_process_group(dev.proc)
     assert not survivors, survivors
+
+
+def test_a_database_the_sensors_cannot_reach_is_one_line_per_tick(tmp_path: Path, instance: dg.DagsterInstance,
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    """A wrong database_url (nothing listens there): the location loads (nothing connects at load), and each
+    tick of a stream's sensor and of a reader group's sensor is skipped with one line naming the URL's role and
+    host (never its password) and why, logged as an error: no SensorExecutionError, no stack trace."""
+    url = f"postgresql://app:s3cret@127.0.0.1:{free_port()}/nowhere"
+    config = write_config(tmp_path / "pgstream.yaml", url, [
+        {"id": 1, "sink": {"type": "memory", "name": "m1"}},
+        {"id": 2, "reader": "pair", "sink": {"type": "memory", "name": "m2"}},
+        {"id": 3, "reader": "pair", "sink": {"type": "memory", "name": "m3"}}])
+    defs = build_definitions(config)
+    port = url.split(":")[-1].split("/")[0]
+    for name in ("pgstream_stream_1", group_sensor_name("pair")):
+        sensor = defs.resolve_sensor_def(name)
+        ctx = dg.build_sensor_context(instance=instance, sensor_name=name,
+                                      resources={"pgstream": (defs.resources or {})["pgstream"]})
+        capfd.readouterr()
+        result = sensor.evaluate_tick(ctx)
+        assert not result.run_requests
+        message = result.skip_message or ""
+        assert message.startswith(f"cannot connect to the database (role app at 127.0.0.1:{port}/nowhere, from "
+                                  "database_url): connection failed: "), message
+        assert "\n" not in message and "s3cret" not in message
+        err = capfd.readouterr().err
+        assert f" - ERROR - {message}" in err and "Traceback" not in err and "s3cret" not in err
