@@ -590,7 +590,7 @@ def _cmd_spark_connect(args: argparse.Namespace) -> int:
     proc: subprocess.Popen[bytes] | None = None
     try:
         proc = subprocess.Popen(sparkserver.command(args.port, args.master, host=args.host, conf=conf),
-                                env=sparkserver.environment(conf), start_new_session=True)
+                                env=sparkserver.environment(conf, args.master), start_new_session=True)
         print(f"Spark Connect server (pid {proc.pid}) on sc://{args.host}:{args.port}; set spark.remote to it",
               flush=True)
         return proc.wait()
