@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
+import psutil  # type: ignore[import-untyped]  # (a dependency of dagster)
 import psycopg
 import pytest
 
