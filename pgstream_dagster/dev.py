@@ -288,11 +288,12 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def _stop_tree(pid: int, keep_group: int | None = None, grace: float = 15) -> None:
-    """Stop ``dg dev`` as Ctrl-C does (SIGINT: it stops its webserver, daemon, code server and runs);
-    whatever of its process tree is left after ``grace`` seconds gets SIGTERM, then SIGKILL. The
-    process group ``keep_group`` (the Spark Connect server ``make dev`` started before it became
-    ``dg dev``: a child of it, in a session of its own) is left alone."""
+def _stop_tree(pid: int, keep_group: int | None = None, grace: float = 7.0) -> bool:
+    """Stop ``dg dev`` as Ctrl-C does: SIGINT to it and every process below it at once (webserver, daemon,
+    code server, run workers: a delivery run closes, gives its batches back and ends, not fails); whatever
+    of the tree is left after ``grace`` seconds gets SIGTERM, then SIGKILL. The process group
+    ``keep_group`` (the Spark Connect server ``make dev`` started before it became ``dg dev``: a child of
+    it, in a session of its own) is left alone. True if SIGINT was enough."""
 
     def tree_of(root: int) -> list[int]:
         found = []
@@ -306,23 +307,60 @@ def _stop_tree(pid: int, keep_group: int | None = None, grace: float = 15) -> No
         return found
 
     tree = [pid, *tree_of(pid)]
-    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        targets = [pid] if sig == signal.SIGINT else _alive(tree + tree_of(pid))
-        for target in targets:
+    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 1.5), (signal.SIGKILL, 1.0)):
+        for target in _alive(tree + tree_of(pid)):
             try:
                 os.kill(target, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
         while _alive(tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.1)
         if not _alive(tree):
-            return
+            return sig == signal.SIGINT
+    return False
+
+
+def _unix_sockets(pids: list[int]) -> set[Path]:
+    """The paths of the Unix sockets the processes ``pids`` hold (Dagster's code servers listen on some in
+    the temporary directory), from /proc."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    try:
+        table = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    return {Path(fields[7]) for fields in (line.split() for line in table)
+            if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/")}
+
+
+def _remove_leftovers(root: Path, sockets: set[Path]) -> None:
+    """What the stopped ``dg dev`` left: its sockets still on disk, an empty ``logs/`` in ``root``."""
+    import stat
+    import tempfile
+
+    temp = Path(tempfile.gettempdir()).resolve()
+    for path in sockets:
+        try:
+            if path.resolve().is_relative_to(temp) and stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()
+        except OSError:
+            continue
+    logs = root / "logs"
+    if logs.is_dir() and not any(logs.iterdir()):
+        logs.rmdir()
 
 
 def stop_dev(root: Path) -> list[str]:
-    """Stop ``make dev``'s services under ``root``: ``dg dev`` (and the exporter, which exits with it),
-    the Spark Connect server, the local Postgres. Returns what was stopped, one line each."""
+    """Stop ``make dev``'s services under ``root``, in order: ``dg dev`` as Ctrl-C does (its runs close
+    first, then the daemon, webserver and code server; the exporter exits with it), then the Spark Connect
+    server, then the local Postgres; then what ``dg dev`` left (sockets, an empty ``logs/``). Returns what
+    was stopped, one line each."""
     from . import sparkserver
     from .devdb import LocalPostgres
 
@@ -330,8 +368,12 @@ def stop_dev(root: Path) -> list[str]:
     stopped: list[str] = []
     dg_pid = _dg_dev_pid(state)
     if dg_pid is not None:
-        _stop_tree(dg_pid, keep_group=sparkserver.recorded_pid(state))
-        stopped.append(f"stopped dg dev (pid {dg_pid}) and its processes")
+        started = time.monotonic()
+        sockets = _unix_sockets([dg_pid, *_descendants(dg_pid)])
+        clean = _stop_tree(dg_pid, keep_group=sparkserver.recorded_pid(state))
+        _remove_leftovers(root, sockets)
+        stopped.append(f"stopped dg dev (pid {dg_pid}) and its processes in {time.monotonic() - started:.1f} s"
+                       + ("" if clean else " (some only by SIGTERM/SIGKILL)"))
     (state / "dg-dev.pid").unlink(missing_ok=True)
     spark_pid = sparkserver.recorded_pid(state)
     if sparkserver.stop_recorded(state) and spark_pid is not None:

@@ -13,14 +13,15 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from pgstream_dagster.devdb import _bin_dir
+from pgstream_dagster.devdb import _bin_dir, free_port
 from tests.support.dagster_dev import repo_root
 
 ROOT = repo_root()
@@ -125,8 +126,8 @@ def test_every_demo_command_of_the_docs_runs_as_written_without_a_warning(demo: 
         if done.returncode != 0 or _warnings(output):
             failures.append(f"{name} (exit {done.returncode}):\n{block}\n{output}")
     assert failures == [], "\n\n".join(failures)
-    owner = dict(re.findall(r"^export (\w+)=(.*)$", (demo.root / ".pgstream" / "env").read_text(), re.M))
-    with psycopg.connect(owner["PGSTREAM_OWNER_DATABASE_URL"].strip("'")) as c:  # the inserts went in
+    owner = _exported(demo.root)
+    with psycopg.connect(owner["PGSTREAM_OWNER_DATABASE_URL"]) as c:  # the inserts went in
         assert c.execute("select count(*) from demo.users").fetchone()[0] >= 2  # type: ignore[index]
         # the pause block ended with resume
         assert c.execute("select paused from pgstream.streams where id = 1").fetchone() == (False,)
@@ -156,6 +157,68 @@ def _status(root: Path, env: dict[str, str]) -> list[str]:
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
+
+
+def test_make_stop_stops_dg_dev_in_order_its_open_run_closing_not_failing(demo: Demo, tmp_path: Path) -> None:
+    """`make dev` running with its warm run open (it reads the slot and delivered a row), then `make stop`
+    (`dev --stop`): within 10 s, in order: the run is interrupted as Ctrl-C interrupts it and closes (its
+    batches back to the ledger, no failure, no traceback), then the daemon, webserver and code server (no
+    SIGKILL: `make dev` exits by itself, not `Killed`), then Postgres; nothing is left (no empty `logs/`)."""
+    log = tmp_path / "make-dev.log"
+    owner = _exported(demo.root)["PGSTREAM_OWNER_DATABASE_URL"]
+    with log.open("wb") as out:
+        dev = subprocess.Popen([sys.executable, "-m", "pgstream_dagster.cli", "dev", "--no-spark-server", "--port",
+                                str(free_port()), "--root", str(demo.root)], cwd=demo.root, env=demo.env,
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait(lambda: _one(owner, "select slot_reader like 'run:%' from pgstream.streams where id = 1"), 300, log)
+        _run(owner, "insert into demo.users (email, email_verified) values ('stop@example.com', true)")
+        sink = demo.root / ".pgstream" / "demo-events.jsonl"
+        _wait(lambda: sink.exists() and "stop@example.com" in sink.read_text(), 120, log)
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "pgstream_dagster.cli", "dev", "--stop", "--root",
+                               str(demo.root)], env=demo.env, capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - started
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert dev.wait(timeout=5) >= 0  # ended by itself, not by a signal (SIGKILL: make's `Killed`)
+    finally:
+        if dev.poll() is None:
+            dev.kill()
+    lines = done.stdout.splitlines()
+    assert re.fullmatch(rf"stopped dg dev \(pid {dev.pid}\) and its processes in \d+\.\d s", lines[0]), lines
+    assert lines[-1].startswith("stopped Postgres (pid "), lines
+    assert elapsed < 10, (elapsed, lines)
+    output = log.read_text(errors="replace")
+    assert "the run was interrupted (shutdown) and closed" in output, output[-3000:]
+    assert "Traceback" not in output and "RUN_FAILURE" not in output, output[-3000:]
+    assert not (demo.root / "logs").exists()
+    _prepare(demo.root, demo.env)  # Postgres again (the next test stops it): the run gave its stream back
+    assert _one(owner, "select open_run_key is null and slot_reader = 'sensor' from pgstream.streams where id = 1")
+    assert _one(owner, "select count(*) = 0 from pgstream.batches where status = 'launched'")
+
+
+def _exported(root: Path) -> dict[str, str]:
+    """The variables `.pgstream/env` exports (unquoted)."""
+    return {k: v.strip("'") for k, v in re.findall(r"^export (\w+)=(.*)$", (root / ".pgstream" / "env").read_text(),
+                                                    re.M)}
+
+
+def _one(url: str, query: str) -> object:
+    with psycopg.connect(url, connect_timeout=5) as c:
+        row = c.execute(query).fetchone()
+    return row[0] if row else None
+
+
+def _run(url: str, statement: str) -> None:
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute(statement)
+
+
+def _wait(done: Callable[[], object], timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.5)
 
 
 def test_make_clean_stops_the_demo_services_before_deleting_them(demo: Demo) -> None:

@@ -185,6 +185,17 @@ class DeliveryRun:
         self.batches = batches
         return self
 
+    def give_back(self) -> list[int]:
+        """The run was interrupted (a shutdown) and has ended: it is no longer the stream's open run and the
+        batches it held go back to pending for the next run (``ledger.give_back``), on a connection of its
+        own (the lease's has ended with the run). Returns those batches."""
+        run_key = self.batches[0].run_key if self.batches else self.run_key
+        if not run_key:
+            return []
+        with psycopg.connect(self.database_url, autocommit=True, application_name=ledger.lease_name(self.run_id)) \
+                as conn:
+            return ledger.give_back(conn, self.stream.id, run_key)
+
     def deliver(self, host: Host) -> Iterator[RoundReport]:
         """Deliver the run's batches, then (an open run) what the sensor assigns to it, round by round."""
         stream, lease = self.stream, self.lease
@@ -230,7 +241,7 @@ class DeliveryRun:
                                                self.executor_url).deliver(source, recording)
                         except ledger.StreamPaused:
                             reader.stop()  # what it received is recorded before the batches go back
-                            waiting = ledger.yield_to_pause(conn, stream.id, run_key)
+                            waiting = ledger.give_back(conn, stream.id, run_key)
                             shown = f"batches {waiting[0]}..{waiting[-1]}" if waiting else "nothing"
                             host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
                                           f"{shown} of it waits for `pgstream-dagster resume {stream.id}`")

@@ -265,6 +265,9 @@ from .state import (
     fail_run as fail_run,
 )
 from .state import (
+    give_back as give_back,
+)
+from .state import (
     is_paused as is_paused,
 )
 from .state import (
@@ -335,9 +338,6 @@ from .state import (
 )
 from .state import (
     stream_states as stream_states,
-)
-from .state import (
-    yield_to_pause as yield_to_pause,
 )
 from .streams import (
     SLOT_INDEX as SLOT_INDEX,

@@ -428,10 +428,10 @@ def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
     return True
 
 
-def yield_to_pause(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[int]:
-    """The run ``run_key`` stopped publishing because the stream was paused (:class:`StreamPaused`): it is
-    no longer the open run and its undelivered batches go back to pending (in order, for the run after
-    ``resume``), no failover entered; returns those batches."""
+def give_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[int]:
+    """The run ``run_key`` ends without delivering what it holds (the stream was paused,
+    :class:`StreamPaused`, or a shutdown interrupted it): it is no longer the open run and its undelivered
+    batches go back to pending, in order, for the next run; no failover entered. Returns those batches."""
     with conn.transaction():
         conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
         ids = [int(r[0]) for r in conn.execute(
