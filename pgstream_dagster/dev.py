@@ -276,8 +276,14 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _alive(pids: list[int]) -> list[int]:
+    """Of ``pids``, those still running (an exited process its parent has not reaped yet, a zombie, is not)."""
     alive = []
     for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+        except (OSError, IndexError):
+            pass
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -288,12 +294,50 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def _stop_tree(pid: int, keep_group: int | None = None, grace: float = 7.0) -> bool:
-    """Stop ``dg dev`` as Ctrl-C does: SIGINT to it and every process below it at once (webserver, daemon,
-    code server, run workers: a delivery run closes, gives its batches back and ends, not fails); whatever
-    of the tree is left after ``grace`` seconds gets SIGTERM, then SIGKILL. The process group
-    ``keep_group`` (the Spark Connect server ``make dev`` started before it became ``dg dev``: a child of
-    it, in a session of its own) is left alone. True if SIGINT was enough."""
+def _run_workers(pids: list[int]) -> list[int]:
+    """Of ``pids``, Dagster's run workers: the processes a code server started for its runs
+    (``multiprocessing`` children of ``dagster api grpc``)."""
+    workers = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.spawn" in cmdline and b"--multiprocessing-fork" in cmdline:
+            workers.append(pid)
+    return workers
+
+
+def _signal_and_wait(pids: list[int], sig: int, until: float) -> bool:
+    """Send ``sig`` to ``pids`` and wait until they ended or ``until`` (monotonic); true if they ended."""
+    for pid in _alive(pids):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    while _alive(pids) and time.monotonic() < until:
+        time.sleep(0.1)
+    return not _alive(pids)
+
+
+def _name(pid: int) -> str:
+    """A process's command, short (for a line saying what had to be killed)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return str(pid)
+    words = [a.decode(errors="replace") for a in args if a and not a.startswith(b"{")][:4]
+    return f"{pid} ({' '.join(Path(words[0]).name if i == 0 else w for i, w in enumerate(words))[:60]})"
+
+
+def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 8.0) -> list[str]:
+    """Stop ``dg dev`` within ``budget`` seconds: its run workers interrupted as Dagster interrupts a run
+    (SIGINT: a delivery run closes, gives its batches back and ends, not fails; the code server waits for its
+    runs before it exits) and ``dg dev`` itself as Ctrl-C stops it (SIGINT: it stops its daemon, webserver
+    and code server); whatever of its tree is left then gets SIGTERM, then SIGKILL.
+    The process group ``keep_group`` (the Spark Connect server ``make dev`` started before it became ``dg
+    dev``: a child of it, in a session of its own) is left alone. Returns the processes SIGINT did not end
+    (empty: it was enough)."""
 
     def tree_of(root: int) -> list[int]:
         found = []
@@ -307,18 +351,16 @@ def _stop_tree(pid: int, keep_group: int | None = None, grace: float = 7.0) -> b
         return found
 
     tree = [pid, *tree_of(pid)]
-    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 1.5), (signal.SIGKILL, 1.0)):
-        for target in _alive(tree + tree_of(pid)):
-            try:
-                os.kill(target, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while _alive(tree) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not _alive(tree):
-            return sig == signal.SIGINT
-    return False
+    # at once: the runs close while the daemon ends its tick (its sensors' tick budget), so it requests no new run
+    until = time.monotonic() + budget
+    _signal_and_wait([*_run_workers(tree), pid], signal.SIGINT, until)
+    # what `dg dev` leaves to end by itself (a code server ends once its heartbeats stop): interrupted as well
+    _signal_and_wait(tree + tree_of(pid), signal.SIGINT, max(until, time.monotonic() + 1.5))
+    left = _alive(tree + tree_of(pid))
+    names = [_name(p) for p in left]
+    _signal_and_wait(left, signal.SIGTERM, time.monotonic() + 1.5)
+    _signal_and_wait(left, signal.SIGKILL, time.monotonic() + 1.0)
+    return names
 
 
 def _unix_sockets(pids: list[int]) -> set[Path]:
@@ -370,10 +412,10 @@ def stop_dev(root: Path) -> list[str]:
     if dg_pid is not None:
         started = time.monotonic()
         sockets = _unix_sockets([dg_pid, *_descendants(dg_pid)])
-        clean = _stop_tree(dg_pid, keep_group=sparkserver.recorded_pid(state))
+        left = _stop_tree(dg_pid, keep_group=sparkserver.recorded_pid(state))
         _remove_leftovers(root, sockets)
         stopped.append(f"stopped dg dev (pid {dg_pid}) and its processes in {time.monotonic() - started:.1f} s"
-                       + ("" if clean else " (some only by SIGTERM/SIGKILL)"))
+                       + (f" (by SIGTERM/SIGKILL: {', '.join(left)})" if left else ""))
     (state / "dg-dev.pid").unlink(missing_ok=True)
     spark_pid = sparkserver.recorded_pid(state)
     if sparkserver.stop_recorded(state) and spark_pid is not None:
