@@ -294,23 +294,34 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def _run_workers(pids: list[int]) -> list[int]:
-    """Of ``pids``, Dagster's run workers: the processes a code server started for its runs
-    (``multiprocessing`` children of ``dagster api grpc``)."""
-    workers = []
+def _with_args(pids: list[int], *parts: bytes) -> list[int]:
+    """Of ``pids``, the processes whose command line holds every one of ``parts``."""
+    found = []
     for pid in pids:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"multiprocessing.spawn" in cmdline and b"--multiprocessing-fork" in cmdline:
-            workers.append(pid)
-    return workers
+        if all(part in cmdline for part in parts):
+            found.append(pid)
+    return found
+
+
+def _run_workers(pids: list[int]) -> list[int]:
+    """Of ``pids``, Dagster's run workers: the processes a code server started for its runs
+    (``multiprocessing`` children of ``dagster api grpc``)."""
+    return _with_args(pids, b"multiprocessing.spawn", b"--multiprocessing-fork")
+
+
+def _daemons(pids: list[int]) -> list[int]:
+    """Of ``pids``, the Dagster daemon ``dg dev`` runs."""
+    return _with_args(pids, b"dagster._daemon", b"run")
 
 
 def _signal_and_wait(pids: list[int], sig: int, until: float) -> bool:
-    """Send ``sig`` to ``pids`` and wait until they ended or ``until`` (monotonic); true if they ended."""
-    for pid in _alive(pids):
+    """Send ``sig`` (0: none) to ``pids`` and wait until they ended or ``until`` (monotonic); true if they
+    ended."""
+    for pid in _alive(pids) if sig else []:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -331,13 +342,14 @@ def _name(pid: int) -> str:
 
 
 def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 8.0) -> list[str]:
-    """Stop ``dg dev`` within ``budget`` seconds: its run workers interrupted as Dagster interrupts a run
-    (SIGINT: a delivery run closes, gives its batches back and ends, not fails; the code server waits for its
-    runs before it exits) and ``dg dev`` itself as Ctrl-C stops it (SIGINT: it stops its daemon, webserver
-    and code server); whatever of its tree is left then gets SIGTERM, then SIGKILL.
+    """Stop ``dg dev`` within ``budget`` seconds, in order: ``dg dev`` as Ctrl-C stops it (SIGINT: its daemon
+    ends its tick, its webserver stops), then, once the daemon has ended, its run workers interrupted as
+    Dagster interrupts a run (SIGINT: a delivery run closes, gives its batches back and ends, not fails),
+    which the code server waits for before it ends; whatever of its tree is left then gets SIGTERM, and
+    SIGKILL if that is not enough.
     The process group ``keep_group`` (the Spark Connect server ``make dev`` started before it became ``dg
-    dev``: a child of it, in a session of its own) is left alone. Returns the processes SIGINT did not end
-    (empty: it was enough)."""
+    dev``: a child of it, in a session of its own) is left alone. Returns the processes that had to be
+    killed (SIGKILL)."""
 
     def tree_of(root: int) -> list[int]:
         found = []
@@ -351,14 +363,18 @@ def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 8.0) -> 
         return found
 
     tree = [pid, *tree_of(pid)]
-    # at once: the runs close while the daemon ends its tick (its sensors' tick budget), so it requests no new run
     until = time.monotonic() + budget
-    _signal_and_wait([*_run_workers(tree), pid], signal.SIGINT, until)
-    # what `dg dev` leaves to end by itself (a code server ends once its heartbeats stop): interrupted as well
-    _signal_and_wait(tree + tree_of(pid), signal.SIGINT, max(until, time.monotonic() + 1.5))
+    # `dg dev` first: its daemon ends the tick under way (a sensor's tick budget) and requests nothing more; then
+    # the runs, which the code server waits for (an open run would wait for its max_run_secs)
+    _signal_and_wait([pid], signal.SIGINT, time.monotonic() + 0.2)
+    _signal_and_wait(_daemons(tree), 0, time.monotonic() + budget * 0.6)
+    _signal_and_wait(_run_workers(tree + tree_of(pid)), signal.SIGINT, until)
+    _signal_and_wait([pid], 0, until)  # (a second SIGINT would cut its shutdown short)
+    # what `dg dev` leaves to end by itself, its runs over (a code server ends once its heartbeats stop, up to
+    # 45 s later): asked to end now (SIGTERM); SIGKILL only for what does not
+    _signal_and_wait(tree + tree_of(pid), signal.SIGTERM, max(until, time.monotonic() + 1.5))
     left = _alive(tree + tree_of(pid))
     names = [_name(p) for p in left]
-    _signal_and_wait(left, signal.SIGTERM, time.monotonic() + 1.5)
     _signal_and_wait(left, signal.SIGKILL, time.monotonic() + 1.0)
     return names
 
@@ -415,7 +431,7 @@ def stop_dev(root: Path) -> list[str]:
         left = _stop_tree(dg_pid, keep_group=sparkserver.recorded_pid(state))
         _remove_leftovers(root, sockets)
         stopped.append(f"stopped dg dev (pid {dg_pid}) and its processes in {time.monotonic() - started:.1f} s"
-                       + (f" (by SIGTERM/SIGKILL: {', '.join(left)})" if left else ""))
+                       + (f" (killed: {', '.join(left)})" if left else ""))
     (state / "dg-dev.pid").unlink(missing_ok=True)
     spark_pid = sparkserver.recorded_pid(state)
     if sparkserver.stop_recorded(state) and spark_pid is not None:

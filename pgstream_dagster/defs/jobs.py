@@ -86,8 +86,9 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
     host = Host(context.run_id, context.log, spark=lambda: pyspark.spark_session, stop_check=queued,
                 report=lambda summary: _report(context, loaded.stream, summary), control=f"the {CONTROL_JOB} job",
                 reader=SlotReader)
+    rounds = loaded.deliver(host)
     try:
-        for _round in loaded.deliver(host):
+        for _round in rounds:
             pass
     except DeliveryError as exc:
         raise _failure(exc) from None
@@ -95,6 +96,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
         # a shutdown (`make stop`, Ctrl-C: SIGINT) or a termination: the run ends, not fails; what it held waits
         # for the next run (no failover). A second signal waits until that is written (capture_interrupts)
         with capture_interrupts():
+            rounds.close()  # (interrupted between two rounds: its reader stopped and its lease given up first)
             waiting = loaded.give_back()
         shown = f"batches {waiting[0]}..{waiting[-1]} wait" if waiting else "nothing was left"
         context.log.info(f"stream {stream_id}: the run was interrupted (shutdown) and closed; {shown} for the "

@@ -27,7 +27,7 @@ import datetime as dt
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,7 +196,7 @@ class DeliveryRun:
                 as conn:
             return ledger.give_back(conn, self.stream.id, run_key)
 
-    def deliver(self, host: Host) -> Iterator[RoundReport]:
+    def deliver(self, host: Host) -> Generator[RoundReport, None, None]:
         """Deliver the run's batches, then (an open run) what the sensor assigns to it, round by round."""
         stream, lease = self.stream, self.lease
         assert lease is not None, "start() the run first"
