@@ -92,9 +92,10 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
             pass
     except DeliveryError as exc:
         raise _failure(exc) from None
-    except dg.DagsterExecutionInterruptedError:
+    except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
         # a shutdown (`make stop`, Ctrl-C: SIGINT) or a termination: the run ends, not fails; what it held waits
-        # for the next run (no failover). A second signal waits until that is written (capture_interrupts)
+        # for the next run (no failover). A second signal waits until that is written (capture_interrupts).
+        # (KeyboardInterrupt: once a local Spark runs in the process, PySpark's own SIGINT handler raises it)
         with capture_interrupts():
             rounds.close()  # (interrupted between two rounds: its reader stopped and its lease given up first)
             waiting = loaded.give_back()
