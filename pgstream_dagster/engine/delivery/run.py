@@ -242,9 +242,10 @@ class DeliveryRun:
                         except ledger.StreamPaused:
                             reader.stop()  # what it received is recorded before the batches go back
                             waiting = ledger.give_back(conn, stream.id, run_key)
-                            shown = f"batches {waiting[0]}..{waiting[-1]}" if waiting else "nothing"
+                            shown = (f"its batches {waiting[0]}..{waiting[-1]} wait" if waiting
+                                     else "nothing of it waits")
                             host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
-                                          f"{shown} of it waits for `pgstream-dagster resume {stream.id}`")
+                                          f"{shown} for `pgstream-dagster resume {stream.id}`")
                             return
                         done = RoundReport(batches, delivered, started, type(source).__name__)
                         reports.add(done)
