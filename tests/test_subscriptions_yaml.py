@@ -108,7 +108,7 @@ def test_yaml_trigger_mode_statement_round_trip(db_url: str, tmp_path: Path) -> 
     assert init(cfg) == []
     bad = write_config(tmp_path / "bad.yaml", db_url, streams,
                        [stmt, {**SUB, "key": "upd", "operation": "UPDATE", "trigger_mode": "statement"}])
-    with pytest.raises(psycopg.Error, match=r'subscription "upd".*statement mode supports INSERT and DELETE only'):
+    with pytest.raises(InitError, match=r'subscription "upd".*statement mode supports INSERT and DELETE only'):
         init(bad)
     with psycopg.connect(db_url) as c:
         assert c.execute("select key, trigger_mode from pgstream.subscriptions").fetchall() == [("signup", "statement")]
@@ -155,7 +155,7 @@ def test_yaml_metadata_extensions_round_trip(db_url: str, tmp_path: Path) -> Non
     assert init(cfg) == ["updated subscription 'signup' (stream 1)"]
     bad = write_config(tmp_path / "bad.yaml", db_url, streams,
                        [{**computed, "metadata_extensions": [{"json_path": "region", "expression": "new.nope"}]}])
-    with pytest.raises(psycopg.Error, match=r'subscription "signup".*metadata_extensions\[1\]\.expression: '
+    with pytest.raises(InitError, match=r'subscription "signup".*metadata_extensions\[1\]\.expression: '
                                             r"column new\.nope does not exist"):
         init(bad)
     with psycopg.connect(db_url) as c:
@@ -187,7 +187,7 @@ def test_yaml_emit_truncate_round_trip(db_url: str, tmp_path: Path) -> None:
             ("TRUNCATE", "gone")]
     bad = write_config(tmp_path / "bad.yaml", db_url, streams, [{**gone, "emit_truncate": True},
                                                                 {**SUB, "emit_truncate": True}])
-    with pytest.raises(psycopg.Error, match=r'subscription "signup".*emit_truncate: only a DELETE subscription'):
+    with pytest.raises(InitError, match=r'subscription "signup".*emit_truncate: only a DELETE subscription'):
         init(bad)
     with psycopg.connect(db_url) as c:
         assert c.execute("select key, emit_truncate from pgstream.subscriptions").fetchall() == [("gone", True)]
