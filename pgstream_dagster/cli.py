@@ -617,7 +617,7 @@ def _cmd_spark_connect(args: argparse.Namespace) -> int:
     proc: subprocess.Popen[bytes] | None = None
     try:
         proc = subprocess.Popen(sparkserver.command(args.port, args.master, host=args.host, conf=conf),
-                                env=sparkserver.environment(conf), start_new_session=True)
+                                env=sparkserver.environment(conf, args.master), start_new_session=True)
         print(f"Spark Connect server (pid {proc.pid}) on sc://{args.host}:{args.port}; set spark.remote to it",
               flush=True)
         return proc.wait()
@@ -832,16 +832,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
         from .config import ConfigError
         from .engine.backfill import BackfillError
-        from .engine.dbconn import scrubbed_error
+        from .engine.bootstrap import InitError
+        from .engine.dbconn import error_line, scrubbed_error
         from .engine.deadletters import DeadLetterError
         from .engine.ledger import SlotElsewhere, SlotInUse
         from .engine.migrations import MigrationError
         from .engine.replication import PublicationTaken
         from .sparkserver import SparkServerError
 
+        if type(exc).__module__.startswith("psycopg"):  # Postgres' message, not its PL/pgSQL CONTEXT lines
+            print(f"error: {scrubbed_error(error_line(exc), *_urls_given(args))}", file=sys.stderr)
+            return 1
         if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | SlotElsewhere |
-                      BackfillError | SparkServerError | PublicationTaken) or \
-                type(exc).__module__.startswith("psycopg"):
+                      BackfillError | SparkServerError | PublicationTaken | InitError):
             # libpq echoes a connection string it cannot parse, the password included
             print(f"error: {scrubbed_error(exc, *_urls_given(args))}", file=sys.stderr)
             return 1

@@ -17,6 +17,8 @@ import hashlib
 import json
 import os
 import re
+import types
+import typing
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -662,8 +664,44 @@ def _validated(model: type[_M], data: Any, source: str, at: str = "") -> _M:
         for err in exc.errors():
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in _SINK_TAGS))
             where = _location(((at,) if at else ()) + loc)
-            problems.append(f"{source}: {where}: {err['msg']}{_subscription_hint(data, err['loc'])}")
+            allowed = _allowed_keys(model, err["loc"][:-1]) if err["type"] == "extra_forbidden" else None
+            said = f"unknown key (allowed: {', '.join(allowed)})" if allowed else err["msg"]
+            problems.append(f"{source}: {where}: {said}{_subscription_hint(data, err['loc'])}")
         raise ConfigError("\n".join(problems)) from None
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:
+    """The keys the model at ``loc`` of ``model`` takes (None: not a model found there), for an unknown key."""
+    current: Any = model
+    for part in loc:
+        current = _inner(current, part)
+        if current is None:
+            return None
+    if not (isinstance(current, type) and issubclass(current, BaseModel)):
+        return None
+    return [f.alias or name for name, f in current.model_fields.items()]
+
+
+def _inner(tp: Any, part: int | str) -> Any:
+    """What ``part`` (a key, an index, a sink's type tag) of a value of type ``tp`` is."""
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        if isinstance(part, str) and part in _SINK_TAGS:  # a sink's tag: the member whose type it is
+            return next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel) and "type" in
+                         m.model_fields and part in typing.get_args(m.model_fields["type"].annotation)), None)
+        found = [x for x in (_inner(m, part) for m in members) if x is not None]
+        return found[0] if len(found) == 1 else None
+    if isinstance(part, int):
+        return args[0] if origin in (list, tuple, Sequence) and args else None
+    if origin is dict:
+        return args[1] if len(args) == 2 else None
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        fields = {f.alias or n: f for n, f in tp.model_fields.items()}
+        return fields[part].annotation if part in fields else None
+    return None
 
 
 def parse_config(data: Any, source: str = "<config>") -> PgstreamConfig:

@@ -301,8 +301,14 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _alive(pids: list[int]) -> list[int]:
+    """Of ``pids``, those still running (an exited process its parent has not reaped yet, a zombie, is not)."""
     alive = []
     for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+        except (OSError, IndexError):
+            pass
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -313,11 +319,62 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def _stop_tree(pid: int, keep_group: int | None = None, grace: float = 15) -> None:
-    """Stop ``dg dev`` as Ctrl-C does (SIGINT: it stops its webserver, daemon, code server and runs);
-    whatever of its process tree is left after ``grace`` seconds gets SIGTERM, then SIGKILL. The
-    process group ``keep_group`` (the Spark Connect server ``make dev`` started before it became
-    ``dg dev``: a child of it, in a session of its own) is left alone."""
+def _with_args(pids: list[int], *parts: bytes) -> list[int]:
+    """Of ``pids``, the processes whose command line holds every one of ``parts``."""
+    found = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if all(part in cmdline for part in parts):
+            found.append(pid)
+    return found
+
+
+def _run_workers(pids: list[int]) -> list[int]:
+    """Of ``pids``, Dagster's run workers: the processes a code server started for its runs
+    (``multiprocessing`` children of ``dagster api grpc``)."""
+    return _with_args(pids, b"multiprocessing.spawn", b"--multiprocessing-fork")
+
+
+def _daemons(pids: list[int]) -> list[int]:
+    """Of ``pids``, the Dagster daemon ``dg dev`` runs."""
+    return _with_args(pids, b"dagster._daemon", b"run")
+
+
+def _signal_and_wait(pids: list[int], sig: int, until: float) -> bool:
+    """Send ``sig`` (0: none) to ``pids`` and wait until they ended or ``until`` (monotonic); true if they
+    ended."""
+    for pid in _alive(pids) if sig else []:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    while _alive(pids) and time.monotonic() < until:
+        time.sleep(0.1)
+    return not _alive(pids)
+
+
+def _name(pid: int) -> str:
+    """A process's command, short (for a line saying what had to be killed)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return str(pid)
+    words = [a.decode(errors="replace") for a in args if a and not a.startswith(b"{")][:4]
+    return f"{pid} ({' '.join(Path(words[0]).name if i == 0 else w for i, w in enumerate(words))[:60]})"
+
+
+def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 8.0) -> list[str]:
+    """Stop ``dg dev`` within ``budget`` seconds, in order: ``dg dev`` as Ctrl-C stops it (SIGINT: its daemon
+    ends its tick, its webserver stops), then, once the daemon has ended, its run workers interrupted as
+    Dagster interrupts a run (SIGINT: a delivery run closes, gives its batches back and ends, not fails),
+    which the code server waits for before it ends; whatever of its tree is left then gets SIGTERM, and
+    SIGKILL if that is not enough.
+    The process group ``keep_group`` (the Spark Connect server ``make dev`` started before it became ``dg
+    dev``: a child of it, in a session of its own) is left alone. Returns the processes that had to be
+    killed (SIGKILL)."""
 
     def tree_of(root: int) -> list[int]:
         found = []
@@ -331,23 +388,62 @@ def _stop_tree(pid: int, keep_group: int | None = None, grace: float = 15) -> No
         return found
 
     tree = [pid, *tree_of(pid)]
-    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        targets = [pid] if sig == signal.SIGINT else _alive(tree + tree_of(pid))
-        for target in targets:
-            try:
-                os.kill(target, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while _alive(tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not _alive(tree):
-            return
+    until = time.monotonic() + budget
+    # `dg dev` first: its daemon ends the tick under way (a sensor's tick budget) and requests nothing more; then
+    # the runs, which the code server waits for (an open run would wait for its max_run_secs)
+    _signal_and_wait([pid], signal.SIGINT, time.monotonic() + 0.2)
+    _signal_and_wait(_daemons(tree), 0, time.monotonic() + budget * 0.6)
+    _signal_and_wait(_run_workers(tree + tree_of(pid)), signal.SIGINT, until)
+    _signal_and_wait([pid], 0, until)  # (a second SIGINT would cut its shutdown short)
+    # what `dg dev` leaves to end by itself, its runs over (a code server ends once its heartbeats stop, up to
+    # 45 s later): asked to end now (SIGTERM); SIGKILL only for what does not
+    _signal_and_wait(tree + tree_of(pid), signal.SIGTERM, max(until, time.monotonic() + 1.5))
+    left = _alive(tree + tree_of(pid))
+    names = [_name(p) for p in left]
+    _signal_and_wait(left, signal.SIGKILL, time.monotonic() + 1.0)
+    return names
+
+
+def _unix_sockets(pids: list[int]) -> set[Path]:
+    """The paths of the Unix sockets the processes ``pids`` hold (Dagster's code servers listen on some in
+    the temporary directory), from /proc."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    try:
+        table = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    return {Path(fields[7]) for fields in (line.split() for line in table)
+            if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/")}
+
+
+def _remove_leftovers(root: Path, sockets: set[Path]) -> None:
+    """What the stopped ``dg dev`` left: its sockets still on disk, an empty ``logs/`` in ``root``."""
+    import stat
+    import tempfile
+
+    temp = Path(tempfile.gettempdir()).resolve()
+    for path in sockets:
+        try:
+            if path.resolve().is_relative_to(temp) and stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()
+        except OSError:
+            continue
+    logs = root / "logs"
+    if logs.is_dir() and not any(logs.iterdir()):
+        logs.rmdir()
 
 
 def stop_dev(root: Path) -> list[str]:
-    """Stop ``make dev``'s services under ``root``: ``dg dev`` (and the exporter, which exits with it),
-    the Spark Connect server, the local Postgres. Returns what was stopped, one line each."""
+    """Stop ``make dev``'s services under ``root``, in order: ``dg dev`` as Ctrl-C does (its runs close
+    first, then the daemon, webserver and code server; the exporter exits with it), then the Spark Connect
+    server, then the local Postgres; then what ``dg dev`` left (sockets, an empty ``logs/``). Returns what
+    was stopped, one line each."""
     from . import sparkserver
     from .devdb import LocalPostgres
 
@@ -355,8 +451,12 @@ def stop_dev(root: Path) -> list[str]:
     stopped: list[str] = []
     dg_pid = _dg_dev_pid(state)
     if dg_pid is not None:
-        _stop_tree(dg_pid, keep_group=sparkserver.recorded_pid(state))
-        stopped.append(f"stopped dg dev (pid {dg_pid}) and its processes")
+        started = time.monotonic()
+        sockets = _unix_sockets([dg_pid, *_descendants(dg_pid)])
+        left = _stop_tree(dg_pid, keep_group=sparkserver.recorded_pid(state))
+        _remove_leftovers(root, sockets)
+        stopped.append(f"stopped dg dev (pid {dg_pid}) and its processes in {time.monotonic() - started:.1f} s"
+                       + (f" (killed: {', '.join(left)})" if left else ""))
     (state / "dg-dev.pid").unlink(missing_ok=True)
     spark_pid = sparkserver.recorded_pid(state)
     if sparkserver.stop_recorded(state) and spark_pid is not None:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .engine.cluster import cluster_conf, driver_python_problem
+from .engine.cluster import cluster_conf, driver_python_problem, is_local
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_PORT = 15002
@@ -49,7 +49,12 @@ def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127
     problem = driver_python_problem(python, Path.cwd(), "the Spark Connect server") if python else None
     if problem is not None:
         raise SparkServerError(problem)
+    # a local master: nothing but the Connect port is for other hosts, and that one is ``host``: the driver's RPC
+    # and block manager (random ports, on every interface by default) listen on the loopback only. A cluster
+    # master's executors connect to the driver: its address stays Spark's (or conf's)
+    loopback = {"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"} if is_local(master) else {}
     settings = {
+        **loopback,
         "spark.connect.grpc.binding.address": host,
         "spark.connect.grpc.binding.port": str(port),
         "spark.ui.enabled": "false",
@@ -70,11 +75,13 @@ def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127
     return args
 
 
-def environment(conf: dict[str, str] | None = None) -> dict[str, str]:
+def environment(conf: dict[str, str] | None = None, master: str = "local[*]") -> dict[str, str]:
     """The server's environment: its Python workers run ``spark.pyspark.python`` of ``conf`` if set
-    (the executors' Python), else this interpreter."""
+    (the executors' Python), else this interpreter; with a local master, Spark's own address is the
+    loopback (``SPARK_LOCAL_IP``: whatever else it binds, none on another interface)."""
     conf = conf or {}
-    return {**os.environ, "SPARK_HOME": spark_home(),
+    local = {"SPARK_LOCAL_IP": "127.0.0.1"} if is_local(master) else {}
+    return {**os.environ, **local, "SPARK_HOME": spark_home(),
             "PYSPARK_PYTHON": conf.get("spark.pyspark.python") or sys.executable,
             "PYSPARK_DRIVER_PYTHON": conf.get("spark.pyspark.driver.python") or sys.executable}
 
@@ -90,7 +97,7 @@ def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None =
     """Start a server in a session of its own and wait until it accepts connections."""
     out = log.open("ab") if log is not None else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen(command(port, master, conf=conf), env=environment(conf), stdout=out,
+        proc = subprocess.Popen(command(port, master, conf=conf), env=environment(conf, master), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     finally:
         if not isinstance(out, int):  # the log file (DEVNULL is an int)

@@ -307,3 +307,17 @@ def test_a_lasting_state_is_said_once_then_recalled_at_most_once_a_minute() -> N
     assert tick_notes(paused, said, t0 + 94) == [CAUGHT_UP, PAUSED]
     assert tick_notes(by_name["paused, pending head"], said, t0 + 95) == []
     assert tick_notes(by_name["paused, pending head"], said, t0 + 155) == ["stream 7 still paused"]
+
+
+def test_a_failed_run_and_the_failover_it_starts_are_one_line() -> None:
+    """A run fails: its note says the failover and its retry time; the wait the sensor's next decision (the
+    same tick) finds is that failover, not said again, and recalled in short a minute later."""
+    fail = failed(LAUNCHED, 30, "HTTP 500", "FAILURE")
+    assert fail.note is not None
+    head = dataclasses.replace(FAILED_LATER, next_attempt_at=fail.retry_at, error=fail.error)
+    waiting = decide(state(head, failover_since=SINCE), NO_RUN, NOW, LINGER)
+    said: dict[str, Any] = {}
+    t0 = 1_000_000.0
+    assert [*tick_notes(fail, said, t0), *tick_notes(waiting, said, t0 + 1)] == [fail.note]
+    assert tick_notes(waiting, said, t0 + 61) == ["stream 7 still in failover at batch 10 (attempt 1); retry at "
+                                                  f"{fail.retry_at:%H:%M:%S}"]

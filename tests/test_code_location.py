@@ -34,7 +34,9 @@ from pgstream_dagster.defs.names import (
     STREAM_TAG,
     SUBSCRIPTIONS_JOB,
     SUBSCRIPTIONS_SENSOR,
+    group_sensor_name,
 )
+from pgstream_dagster.devdb import free_port
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import migrate
@@ -510,3 +512,30 @@ def test_the_launchpad_templates_show_what_to_type_and_subscription_runs_have_a_
     assert {k.path[-1] for k in subscriptions.asset_layer.selected_asset_keys} == {
         "user_signup_insert_demo_users", "user_email_changed_update_demo_users", "subscription_set"}
     assert sensor.description is not None and "checks them as the runtime role" in sensor.description
+
+
+def test_a_database_the_sensors_cannot_reach_is_one_line_per_tick(tmp_path: Path, instance: dg.DagsterInstance,
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    """A wrong database_url (nothing listens there): the location loads (nothing connects at load), and each
+    tick of a stream's sensor and of a reader group's sensor is skipped with one line naming the URL's role and
+    host (never its password) and why, logged as an error: no SensorExecutionError, no stack trace."""
+    url = f"postgresql://app:s3cret@127.0.0.1:{free_port()}/nowhere"
+    config = write_config(tmp_path / "pgstream.yaml", url, [
+        {"id": 1, "sink": {"type": "memory", "name": "m1"}},
+        {"id": 2, "reader": "pair", "sink": {"type": "memory", "name": "m2"}},
+        {"id": 3, "reader": "pair", "sink": {"type": "memory", "name": "m3"}}])
+    defs = build_definitions(config)
+    port = url.split(":")[-1].split("/")[0]
+    for name in ("pgstream_stream_1", group_sensor_name("pair")):
+        sensor = defs.resolve_sensor_def(name)
+        ctx = dg.build_sensor_context(instance=instance, sensor_name=name,
+                                      resources={"pgstream": (defs.resources or {})["pgstream"]})
+        capfd.readouterr()
+        result = sensor.evaluate_tick(ctx)
+        assert not result.run_requests
+        message = result.skip_message or ""
+        assert message.startswith(f"cannot connect to the database (role app at 127.0.0.1:{port}/nowhere, from "
+                                  "database_url): connection failed: "), message
+        assert "\n" not in message and "s3cret" not in message
+        err = capfd.readouterr().err
+        assert f" - ERROR - {message}" in err and "Traceback" not in err and "s3cret" not in err

@@ -41,7 +41,7 @@ def test_good_config_substitutes_env_and_hides_secrets(tmp_path: Path, monkeypat
     ("streams: [", "invalid YAML"),
     ("- a\n- b", "expected a mapping"),
     (GOOD.replace("${TEST_PG_URL}", "${NOT_SET_ANYWHERE}"), "database_url: environment variable NOT_SET_ANYWHERE"),
-    (GOOD.replace("id: 1\n", "id: 1\n    colour: blue\n"), "streams[0].colour: Extra inputs are not permitted"),
+    (GOOD.replace("id: 1\n", "id: 1\n    colour: blue\n"), "streams[0].colour: unknown key (allowed: id, batch, "),
     (GOOD.replace("id: 1\n", "id: 1\n    batch: {max_size: 0}\n"), "streams[0].batch.max_size"),
     (GOOD.replace("type: http", "type: carrier-pigeon"), "streams[0].sink"),
     (GOOD.replace("stream_id: 1, operation", "stream_id: 2, operation"), "uses stream_id 2"),
@@ -380,3 +380,22 @@ subscriptions: []
     assert [s.batch.max_size for s in cfg.streams] == [10, 10]
     urls = [s.sink.url.get_secret_value() for s in cfg.streams]  # type: ignore[union-attr]
     assert urls == ["http://127.0.0.1:9/hook", "http://127.0.0.1:9/other"]
+
+
+def test_a_typo_stops_the_code_location_with_one_error_naming_file_key_and_what_is_allowed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The code location's entry point (what `dg dev` and the UI load): a mistake in pgstream.yaml is the error
+    itself, one line naming the file, the key and the keys allowed there, not a cause under Dagster's dump of the
+    component tree."""
+    from pgstream_dagster import definitions
+
+    monkeypatch.setenv("TEST_PG_URL", "postgresql://x")
+    monkeypatch.setenv("TEST_TOKEN", "s3cr3t")
+    path = write(tmp_path, GOOD.replace("id: 1\n", "id: 1\n    delivery: {mdoe: warm}\n"))
+    monkeypatch.setenv("PGSTREAM_CONFIG", str(path))
+    with pytest.raises(ConfigError) as err:
+        definitions.defs()
+    assert str(err.value) == (f"{path}: streams[0].delivery.mdoe: unknown key (allowed: mode, tuning, ordering, "
+                              "routing_key, parallelism, chunk_size, max_events_per_run, on_reject, max_attempts, "
+                              "max_consecutive_rejects, run_grace_secs)")
+    assert err.value.__cause__ is None and err.value.__suppress_context__

@@ -199,38 +199,33 @@ def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: 
                      delivered_before_kill=delivered_before_kill, drive_secs=round(recover, 1))
 
 
-def test_run_interrupted_by_the_shutdown_before_a_restart_is_retried_without_backoff(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, dagster_storage_url: str, endpoint: Endpoint,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run stopped by SIGINT (what `dg dev` shutting down does to its runs): Dagster records it failed
-    with reason UNEXPECTED_TERMINATION (the interrupt, not an error of the run's last status report).
-    Seen by the code location that saw it run (a shutdown under way) it is a failure as any other (it
-    backs off); seen first by a location loaded after it ended (a restart), it is no failure at all: its
-    batches are launched again at once (not after the backoff, here 600 s), the stream does not enter
-    failover, no attempt is counted, and every event is delivered in order."""
-    from pgstream_dagster.defs import sensors
-
+def test_run_interrupted_by_the_shutdown_closes_and_its_batches_go_on_without_backoff(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, dagster_storage_url: str,
+        endpoint: Endpoint) -> None:
+    """A run stopped by SIGINT mid-delivery (what `dg dev` shutting down, Ctrl-C or `make stop`, does to its
+    runs): it closes instead of failing (Dagster records a success, its log says it was interrupted), the
+    batches it held go back to the ledger, and the next tick launches them at once (not after the backoff,
+    here 600 s): no failover, no attempt failed, every event delivered in order."""
     stream = {**stream_config(endpoint), "retry": {"initial_backoff_secs": 600, "max_backoff_secs": 600}}
     config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream])
     driver = Driver(config_path, instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 300)
     (request,) = driver.tick(STREAM).run_requests
-    # the run's process alone, as a terminal's Ctrl-C reaches it
+    # the run's process alone, as Dagster interrupts a run (and a terminal's Ctrl-C reaches it)
     delivered_before = _stop_run_midway(tmp_path, config_path, dagster_storage_url, request, endpoint,
                                         lambda proc: proc.send_signal(signal.SIGINT))
     (run,) = instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""}))
-    assert run.status == dg.DagsterRunStatus.FAILURE
-    assert run.tags.get("dagster/failure_reason") == "UNEXPECTED_TERMINATION"
-    # seen by the location that saw it run (a shutdown under way): a failure as any other, it backs off
-    assert not sensors._interrupted_before_load(instance, run)
-    # a restart: the code location loaded after the run ended
-    monkeypatch.setattr(sensors, "LOADED_AT", time.time())
-    assert sensors._interrupted_before_load(instance, run)
+    assert run.status == dg.DagsterRunStatus.SUCCESS
+    logs = [e.user_message for e in instance.all_logs(run.run_id)]
+    assert any("the run was interrupted (shutdown) and closed; batches " in m for m in logs), logs
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone() == (None,)
+        assert c.execute("select count(*) from pgstream.batches where status = 'launched'").fetchone() == (0,)
     restarted_at = time.monotonic()
     retry: list[dg.RunRequest] = []
-    while not retry:  # the batch's run again, requested within a few ticks (the backoff would be 600 s)
-        assert time.monotonic() - restarted_at < 30, "the interrupted run's batch waits for the backoff"
+    while not retry:  # the batches' run again, requested within a few ticks (the backoff would be 600 s)
+        assert time.monotonic() - restarted_at < 30, "the interrupted run's batches wait for the backoff"
         retry = driver.tick(STREAM).run_requests or []
     # no failure was counted: no failover, no attempt
     with psycopg.connect(db_url) as c:
@@ -242,7 +237,7 @@ def test_run_interrupted_by_the_shutdown_before_a_restart_is_retried_without_bac
     for again in retry:
         driver.execute(again)
     recover = drive(driver, delivered_all(endpoint, db_url))
-    check_and_report("run process interrupted (SIGINT) mid-delivery, then a restart", endpoint, db_url,
+    check_and_report("run process interrupted (SIGINT) mid-delivery", endpoint, db_url,
                      time.monotonic() - restarted_at, delivered_before_interrupt=delivered_before,
                      drive_secs=round(recover, 1))
 

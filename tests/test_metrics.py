@@ -323,7 +323,7 @@ def test_bad_metrics_configuration_is_refused_with_a_clear_message(db_url: str, 
     base = {"database_url": "postgresql://reader:hunter2@127.0.0.1/x",
             "streams": [{"id": 1, "sink": {"type": "memory", "name": "m"}}]}
     cases = [({"port": 70000}, "metrics.port: Input should be less than or equal to 65535"),
-             ({"prot": 9187}, "metrics.prot: Extra inputs are not permitted"),
+             ({"prot": 9187}, "metrics.prot: unknown key (allowed: enabled, host, port, "),
              ({"scrape_timeout_secs": 0}, "metrics.scrape_timeout_secs: Input should be greater than 0"),
              ({"host": "a b"}, "metrics.host: String should match pattern"),
              ({"database_url": "postgresql://u:hunter2@h/db", "enabled": "maybe"},

@@ -15,6 +15,7 @@ import pytest
 
 from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.batches import BatchStatus, CloseRun
+from pgstream_dagster.engine.controls import apply_control
 from pgstream_dagster.engine.status import render_status, stream_status
 
 from .support.endpoint import Endpoint
@@ -107,6 +108,67 @@ def test_sink_failure_in_a_later_round_enters_failover_and_loses_nothing(db_url:
     assert endpoint.unique() == set(sent_ids(db_url))
     order = endpoint.first_seen_order()
     assert order == sorted(order)
+
+
+def test_pause_waits_for_the_publish_in_flight_and_nothing_is_published_after_it(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """`pause` on a warm open run reading the slot: it returns only once the publish call in flight has
+    ended, and nothing of the stream is published after it returned (neither what the run was handed nor
+    what commits next: the run closes, not failed, its batches back to pending); after `resume` the
+    backlog is delivered, each event once, in commit order."""
+    config = {"id": STREAM, "batch": {"max_size": 5, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
+              "delivery": {"mode": "warm", "chunk_size": 5, "tuning": {"max_run_secs": 300}}, "sink": endpoint.sink()}
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [config]), instance)
+    (request,) = driver.tick(STREAM).run_requests  # the warm run
+    run = Background(driver, request)
+    insert_events(db_url, STREAM, 10)
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 10)
+
+    in_flight, release = threading.Event(), threading.Event()
+
+    def hang(_request: int) -> None:  # the next publish call hangs until released
+        in_flight.set()
+        release.wait(30)
+
+    endpoint.hook = hang
+    insert_events(db_url, STREAM, 10, 100)
+    assert in_flight.wait(30)
+    paused = threading.Event()
+
+    def pause() -> None:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            apply_control(c, STREAM, "pause")
+        paused.set()
+
+    threading.Thread(target=pause, daemon=True).start()
+    assert not paused.wait(1.5), "pause returned while a publish call was in flight"
+    endpoint.hook = None
+    release.set()
+    assert paused.wait(30)
+    published = len(endpoint.accepted)
+    insert_events(db_url, STREAM, 10, 200)  # committed after the pause: recorded, not published
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        assert driver.tick(STREAM).run_requests == []
+    assert len(endpoint.accepted) == published, "published after pause returned"
+    result = run.wait(timeout=30)
+    assert result.success  # it closed: the pause is no failure
+    row = stream_row(db_url)
+    assert row["open_run_key"] is None and row["failover_since"] is None
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select count(*) from pgstream.batches where status = 'launched'").fetchone() == (0,)
+        apply_control(c, STREAM, "resume")
+    sent = sent_ids(db_url)
+    assert len(sent) == 30 and published < 30
+    runs: list[Background] = []
+    deadline = time.monotonic() + 120
+    while endpoint.unique() != set(sent):
+        assert time.monotonic() < deadline, "the backlog was not delivered after resume"
+        runs += [Background(driver, r) for r in driver.tick(STREAM).run_requests]
+    assert endpoint.first_seen_order() == sent  # commit order, each event once at least
+    with psycopg.connect(db_url, autocommit=True) as c:  # the warm run closes
+        apply_control(c, STREAM, "pause")
+    assert all(r.wait(timeout=30).success for r in runs)
 
 
 def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
@@ -311,8 +373,8 @@ def test_the_sensor_says_a_failover_once_and_recalls_it_at_most_once_a_minute(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, capfd: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream in failover waits for its retry (backoff 600 s): the sensor decides about every second of
-    its tick, and used to log the same warning at each decision. Over several ticks it logs the failed
-    run once and the failover once; while it lasts, a short reminder at most every REMIND_EVERY_SECS."""
+    its tick. Over several ticks it logs the failed run once, which says the failover it starts; while it
+    lasts, a short reminder at most every REMIND_EVERY_SECS."""
     from pgstream_dagster.engine import batches
 
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
@@ -335,9 +397,8 @@ def test_the_sensor_says_a_failover_once_and_recalls_it_at_most_once_a_minute(
         assert not driver.tick(STREAM).run_requests
     assert time.monotonic() - started >= 6
     lines = failover_lines()
-    assert len(lines) == 2, lines
-    assert "stream 1 in failover at batch" in lines[0] and "FAILURE" in lines[0]  # the failed run
-    assert "stream 1 in failover at batch" in lines[1] and "; retry at " in lines[1]  # the state it waits in
+    assert len(lines) == 1, lines  # the failed run, and the failover it waits in: one line
+    assert "stream 1 in failover at batch" in lines[0] and "FAILURE" in lines[0] and "; retry at " in lines[0]
     monkeypatch.setattr(batches, "REMIND_EVERY_SECS", 2.0)
     started = time.monotonic()
     for _ in range(2):

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil  # type: ignore[import-untyped]  # (a dependency of dagster)
 import psycopg
 import pytest
 
@@ -33,6 +35,24 @@ def connect_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         sparkserver.stop(proc)
     assert proc.poll() is not None
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def test_the_server_listens_on_the_loopback_only(connect_url: str) -> None:
+    """The server on a local master (what `make dev` starts): its Connect port, the driver's RPC and block
+    manager and whatever its Python workers open listen on 127.0.0.1, none on another interface (no UI)."""
+    port = int(connect_url.rsplit(":", 1)[1])
+    (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    server = psutil.Process(pid)
+    listening = [(p.pid, c.laddr.ip, c.laddr.port) for p in [server, *server.children(recursive=True)]
+                 for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert len({lport for _pid, _ip, lport in listening}) >= 3, listening  # Connect, driver RPC, block manager
+    assert [x for x in listening if not _loopback(x[1])] == [], listening
 
 
 def test_delivery_and_replay_through_spark_connect(db_url: str, tmp_path: Path, connect_url: str) -> None:

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from pathlib import Path
 
 import dagster as dg
 import psycopg
 import pytest
 
+from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import SubscriptionConfig, load_config
 from pgstream_dagster.defs.checks import check_subscription
-from pgstream_dagster.engine.bootstrap import init
-from pgstream_dagster.engine.subscriptions import code_version, definition
+from pgstream_dagster.engine.bootstrap import InitError, init
+from pgstream_dagster.engine.subscriptions import SubscriptionError, apply_stream, code_version, definition
 
 from .support.harness import write_config
 
@@ -36,7 +38,7 @@ def test_init_applies_yaml_and_a_bad_yaml_changes_nothing(db_url: str, tmp_path:
         oids = c.execute("select oid from pg_trigger where tgname like 'pgstream_%' order by 1").fetchall()
     bad = write_config(tmp_path / "bad.yaml", db_url, streams,
                        [{**SUB, "key": "signup"}, {**SUB, "key": "broken", "column_names": ["nope"]}])
-    with pytest.raises(psycopg.Error, match=r'subscription "broken".*column_names'):
+    with pytest.raises(InitError, match=r'subscription "broken".*column_names'):
         init(bad)
     removed = write_config(tmp_path / "removed.yaml", db_url, streams, [])
     assert init(removed) == ["deleted subscription 'signup' (stream 1)"]
@@ -44,6 +46,40 @@ def test_init_applies_yaml_and_a_bad_yaml_changes_nothing(db_url: str, tmp_path:
         keys = c.execute("select key from pgstream.subscriptions").fetchall()
         assert keys == [("by-hand",)]  # hand-made subscriptions are left alone
         assert len(oids) == 3  # the by-hand DELETE subscription's pgstream_delete and pgstream_truncate
+
+
+def test_a_missing_table_is_one_line_naming_the_url_role_and_the_table(db_url: str, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`init` with a subscription of a table that does not exist: one line on stderr naming the URL it used (its
+    role, host and database; no password, no URL) and the table, none of Postgres' PL/pgSQL CONTEXT lines; the
+    subscription check as the runtime says the table does not exist (not that the subscription is missing)."""
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [{"id": 1, "sink": {"type": "memory"}}],
+                       [{**SUB, "table_name": "nosuch"}])
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    owner = db_url.replace("postgres@", "postgres:s3cret-pw@")  # (trust authentication: any password)
+    for env, source in ((None, "from database_url (no owner URL given)"),
+                        (owner, "from --owner-database-url / PGSTREAM_OWNER_DATABASE_URL")):
+        if env is None:
+            monkeypatch.delenv("PGSTREAM_OWNER_DATABASE_URL", raising=False)
+        else:
+            monkeypatch.setenv("PGSTREAM_OWNER_DATABASE_URL", env)
+        assert cli_main(["init", "--config", str(cfg)]) == 1
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: init as the owner (role postgres at {db_url.split('@')[1]}, {source}): "), line
+        assert "table public.nosuch does not exist" in line and "s3cret" not in line, line
+    role = f"checker_{uuid.uuid4().hex[:8]}"
+    runtime_url = db_url.replace("postgres@", f"{role}@")
+    runtime = write_config(tmp_path / "runtime.yaml", runtime_url,
+                           [{"id": 1, "sink": {"type": "memory"}}], [{**SUB, "table_name": "nosuch"}])
+    assert cli_main(["init", "--config", str(runtime)]) == 1  # the runtime's URL is used first: its role named
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: init as the runtime (role {role} at "), line
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(f"create role {role} login in role pgstream_runtime")
+    with psycopg.connect(runtime_url, autocommit=True) as c, \
+            pytest.raises(SubscriptionError, match=r"'signup' \(INSERT\): table public.nosuch does not exist$"):
+        apply_stream(c, [SubscriptionConfig.model_validate({**SUB, "table_name": "nosuch"})], 1, "pgstream.yaml")
 
 
 def test_yaml_trigger_mode_statement_round_trip(db_url: str, tmp_path: Path) -> None:
@@ -72,7 +108,7 @@ def test_yaml_trigger_mode_statement_round_trip(db_url: str, tmp_path: Path) -> 
     assert init(cfg) == []
     bad = write_config(tmp_path / "bad.yaml", db_url, streams,
                        [stmt, {**SUB, "key": "upd", "operation": "UPDATE", "trigger_mode": "statement"}])
-    with pytest.raises(psycopg.Error, match=r'subscription "upd".*statement mode supports INSERT and DELETE only'):
+    with pytest.raises(InitError, match=r'subscription "upd".*statement mode supports INSERT and DELETE only'):
         init(bad)
     with psycopg.connect(db_url) as c:
         assert c.execute("select key, trigger_mode from pgstream.subscriptions").fetchall() == [("signup", "statement")]
@@ -119,7 +155,7 @@ def test_yaml_metadata_extensions_round_trip(db_url: str, tmp_path: Path) -> Non
     assert init(cfg) == ["updated subscription 'signup' (stream 1)"]
     bad = write_config(tmp_path / "bad.yaml", db_url, streams,
                        [{**computed, "metadata_extensions": [{"json_path": "region", "expression": "new.nope"}]}])
-    with pytest.raises(psycopg.Error, match=r'subscription "signup".*metadata_extensions\[1\]\.expression: '
+    with pytest.raises(InitError, match=r'subscription "signup".*metadata_extensions\[1\]\.expression: '
                                             r"column new\.nope does not exist"):
         init(bad)
     with psycopg.connect(db_url) as c:
@@ -151,7 +187,7 @@ def test_yaml_emit_truncate_round_trip(db_url: str, tmp_path: Path) -> None:
             ("TRUNCATE", "gone")]
     bad = write_config(tmp_path / "bad.yaml", db_url, streams, [{**gone, "emit_truncate": True},
                                                                 {**SUB, "emit_truncate": True}])
-    with pytest.raises(psycopg.Error, match=r'subscription "signup".*emit_truncate: only a DELETE subscription'):
+    with pytest.raises(InitError, match=r'subscription "signup".*emit_truncate: only a DELETE subscription'):
         init(bad)
     with psycopg.connect(db_url) as c:
         assert c.execute("select key, emit_truncate from pgstream.subscriptions").fetchall() == [("gone", True)]

@@ -18,6 +18,7 @@ from typing import Any
 
 import dagster as dg
 import psycopg
+from dagster._utils.interrupts import capture_interrupts  # (Dagster's own: a signal waits meanwhile)
 from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig, streams_fingerprint
@@ -85,11 +86,22 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
     host = Host(context.run_id, context.log, spark=lambda: pyspark.spark_session, stop_check=queued,
                 report=lambda summary: _report(context, loaded.stream, summary), control=f"the {CONTROL_JOB} job",
                 reader=SlotReader)
+    rounds = loaded.deliver(host)
     try:
-        for _round in loaded.deliver(host):
+        for _round in rounds:
             pass
     except DeliveryError as exc:
         raise _failure(exc) from None
+    except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
+        # a shutdown (`make stop`, Ctrl-C: SIGINT) or a termination: the run ends, not fails; what it held waits
+        # for the next run (no failover). A second signal waits until that is written (capture_interrupts).
+        # (KeyboardInterrupt: once a local Spark runs in the process, PySpark's own SIGINT handler raises it)
+        with capture_interrupts():
+            rounds.close()  # (interrupted between two rounds: its reader stopped and its lease given up first)
+            waiting = loaded.give_back()
+        shown = f"batches {waiting[0]}..{waiting[-1]} wait" if waiting else "nothing was left"
+        context.log.info(f"stream {stream_id}: the run was interrupted (shutdown) and closed; {shown} for the "
+                         f"next run")
 
 
 def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, run_id: str | None = None, *,

@@ -44,6 +44,7 @@ from ..config import StreamConfig, reader_groups, streams_fingerprint
 from ..engine import ledger
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, WarmRun, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
+from ..engine.dbconn import describe_url, error_line
 from ..engine.delivery.group import member_run_id
 from ..engine.handoff import Log
 from ..engine.ingest import ConsumeResult, GroupResult, check_members, consume, consume_group
@@ -418,16 +419,18 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         cursor = json.loads(context.cursor) if context.cursor else {}
         log: list[str] = []
         waiting: list[str] = []
-        with pgstream.connect() as conn:
+        try:
+            connection = _connect(pgstream)
+        except DatabaseUnreachable as exc:
+            return _told(context, exc)
+        with connection as conn:
             try:
                 with fewer_collections():  # the tick records in bulk
                     consumed, request = tick(conn, context.instance, stream, log, waiting,
                                              cursor.setdefault("said", {}))
-            except (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits,
-                    PublicationTaken) as exc:
+            except _TOLD_IN_ONE_LINE as exc:
                 # the operator's to resolve (or a transaction to end): one line, each tick, no traceback
-                context.log.error(str(exc))
-                return dg.SensorResult(skip_reason=str(exc))
+                return _told(context, exc)
             (row,) = stream_status(conn, stream.id, last=0)  # the tick's one read of the stream's state
             pending_batches, pending_events = int(row["undelivered_batches"]), int(row["undelivered_events"])
             # the ledger's: what is recorded, whoever read the slot (this tick, or an open run's reader)
@@ -581,12 +584,27 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
 
 
+class DatabaseUnreachable(RuntimeError):
+    """The sensor cannot connect to ``database_url``: its tick says so in one line (:func:`_told`)."""
+
+
+def _connect(pgstream: PgstreamResource) -> psycopg.Connection:
+    """The tick's connection; a database that cannot be reached (a wrong URL, Postgres down) is
+    :class:`DatabaseUnreachable`, naming the URL's role and host (never the URL) and Postgres' message."""
+    try:
+        return pgstream.connect()
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnreachable(f"cannot connect to the database ({describe_url(pgstream.database_url)}, from "
+                                  f"database_url): {error_line(exc)}") from None
+
+
 #: what a group's tick tells in one line (its skip reason), without a traceback
 _TOLD_IN_ONE_LINE = (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits, PublicationTaken)
 
 
 def _told(context: dg.SensorEvaluationContext, exc: Exception) -> dg.SensorResult:
-    """The tick ends with ``exc`` in one line: logged and its skip reason (:data:`_TOLD_IN_ONE_LINE`)."""
+    """The tick ends with ``exc`` in one line: logged and its skip reason (:data:`_TOLD_IN_ONE_LINE`,
+    :class:`DatabaseUnreachable`)."""
     context.log.error(str(exc))
     return dg.SensorResult(skip_reason=str(exc))
 
@@ -672,7 +690,11 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         cursor.pop("streams", None)  # what cursors of earlier versions kept (now under "members")
         decisions: list[str] = []
         left_out: dict[int, str] = {}  # members whose registration was refused: not read, told in one line each
-        with pgstream.connect() as conn:
+        try:
+            connection = _connect(pgstream)
+        except DatabaseUnreachable as exc:
+            return _told(context, exc)
+        with connection as conn:
             try:
                 # without a live group delivery run the tick reads briefly: the run its members wait for is
                 # requested at the tick's end (a group run process takes seconds to start)

@@ -211,6 +211,9 @@ class Wait:
 
     reason: str | None = None
     short: str | None = field(default=None, compare=False)
+    #: what the state is, when its reason says more than that (a failover: its batch and retry time, which a
+    #: failed run's note told already, :func:`failover_key`)
+    key: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -372,7 +375,8 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
             return Wait(f"stream {sid} in failover at batch {head.id} ({head.error}); "
                         f"retry at {head.next_attempt_at:%H:%M:%S}",
                         short=f"stream {sid} still in failover at batch {head.id} (attempt {head.attempts}); "
-                              f"retry at {head.next_attempt_at:%H:%M:%S}")
+                              f"retry at {head.next_attempt_at:%H:%M:%S}",
+                        key=failover_key(head.id, head.next_attempt_at))
         # the failover probe: the failed batch is retried alone
         return Launch(RunOrder(head, (head.id,), head.attempts + 1), keep_open)
     # launched: what became of its run
@@ -450,6 +454,11 @@ def _lasting(action: Action) -> Wait | None:
     return None
 
 
+def failover_key(batch_id: int, retry_at: dt.datetime) -> str:
+    """What a failover waiting for its retry is (:attr:`Wait.key`): its checkpoint and retry time."""
+    return f"failover at {batch_id} until {retry_at.timestamp():.6f}"
+
+
 def tick_notes(action: Action, said: dict[str, Any], now: float) -> list[str]:
     """:func:`notes` for a sensor that decides many times a tick and ticks every few seconds: a
     transition (a run failed, failover left, the slot reclaimed) each time, a lasting state once when it
@@ -457,12 +466,15 @@ def tick_notes(action: Action, said: dict[str, Any], now: float) -> list[str]:
     seconds) while it lasts. ``said`` remembers what was said (the sensor keeps it in its cursor)."""
     state = _lasting(action)
     lines = [n for n in notes(action) if state is None or n != state.reason]
+    if isinstance(action, FailRun):  # its note tells the failover it starts: the wait that follows was said
+        said["state"], said["at"] = failover_key(action.head.id, action.retry_at), now
+        return lines
     if state is None or state.reason is None:
         said.pop("state", None)
         said.pop("at", None)
         return lines
-    if said.get("state") != state.reason:
-        said["state"], said["at"] = state.reason, now
+    if said.get("state") != (state.key or state.reason):
+        said["state"], said["at"] = state.key or state.reason, now
         return [*lines, state.reason]
     if now - float(said.get("at") or 0) >= REMIND_EVERY_SECS:
         said["at"] = now

@@ -3,12 +3,31 @@ partitions, the streams and their slots, the YAML subscriptions."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
 
 from ..config import PgstreamConfig, reader_groups
+from .dbconn import describe_url, error_line
 from .limits import DagsterStorage, LimitsExceeded
+
+
+class InitError(RuntimeError):
+    """``init`` stopped at a database error: one line naming the URL it used (its role, never the URL)
+    and Postgres' message."""
+
+
+@contextmanager
+def _as(role: str, url: str) -> Iterator[None]:
+    """A database error in the block becomes an :class:`InitError` naming ``role`` (who, and which
+    setting its URL came from)."""
+    who, _, source = role.partition(" from ")
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise InitError(f"init as the {who} ({describe_url(url)}, from {source}): {error_line(exc)}") from None
 
 
 def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
@@ -43,20 +62,25 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
     from .subscriptions import apply_subscriptions
 
     config = load_config(config_path, defs_folder)
-    problems = preflight(config, max_concurrent_runs, runs_where, dagster)
-    if problems:
-        raise LimitsExceeded(problems)
     url = config.database_url.get_secret_value()
     owner = owner_url or url
-    out = [f"applied migration {m}" for m in migrate(owner, partitions_ahead=config.housekeeping.days_ahead)]
-    with psycopg.connect(owner, autocommit=True) as conn:
+    runtime = "runtime from database_url"
+    owner_role = ("owner from --owner-database-url / PGSTREAM_OWNER_DATABASE_URL" if owner_url
+                  else "owner from database_url (no owner URL given)")
+    with _as(runtime, url):
+        problems = preflight(config, max_concurrent_runs, runs_where, dagster)
+    if problems:
+        raise LimitsExceeded(problems)
+    with _as(owner_role, owner):
+        out = [f"applied migration {m}" for m in migrate(owner, partitions_ahead=config.housekeeping.days_ahead)]
+    with _as(owner_role, owner), psycopg.connect(owner, autocommit=True) as conn:
         # a slot another stream reads is refused before anything changes
         ledger.check_slots(conn, [(s.id, s.slot_name) for s in config.streams])
         report = run_housekeeping(conn, config.housekeeping)
         if report.created or report.dropped or report.kept or report.busy or report.batches_pruned \
                 or report.default_rows_deleted:
             out.append(report.summary())
-    with psycopg.connect(url, autocommit=True) as conn:
+    with _as(runtime, url), psycopg.connect(url, autocommit=True) as conn:
         for stream in config.streams:
             if stream.reader is not None:  # a reader group's slot, once for its streams (below)
                 continue
@@ -74,7 +98,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
             if grouped.slot_created:
                 out.append(f"created slot {grouped.slot} for reader group {group} (streams "
                            f"{', '.join(str(s.id) for s in members)})")
-    with psycopg.connect(owner, autocommit=True) as conn:
+    with _as(owner_role, owner), psycopg.connect(owner, autocommit=True) as conn:
         for action, key, stream_id in apply_subscriptions(conn, config):
             out.append(f"{action} subscription {key!r} (stream {stream_id})")
     return out

@@ -52,3 +52,26 @@ def connect(database_url: str, *, options: str = "", **kwargs: Any) -> psycopg.C
         if message == str(exc):
             raise
         raise type(exc)(message) from None
+
+
+def describe_url(database_url: str) -> str:
+    """Whom and where ``database_url`` connects, for a message: ``role R at host:port/database``, never its
+    password (nor anything else of it)."""
+    try:
+        info = conninfo_to_dict(database_url)
+    except psycopg.Error:
+        return "a URL that does not parse"
+    port = f":{info['port']}" if info.get("port") else ""
+    return (f"role {info.get('user') or '(the default user)'} at {info.get('host') or '(the local socket)'}{port}/"
+            f"{info.get('dbname') or '(the default database)'}")
+
+
+def error_line(exc: BaseException) -> str:
+    """A database error in one line: Postgres' message and its hint, without the CONTEXT lines (the
+    PL/pgSQL call stack); another error's first line."""
+    diag = exc.diag if isinstance(exc, psycopg.Error) else None
+    if diag is not None and diag.message_primary:
+        return diag.message_primary + (f" ({diag.message_hint.strip()})" if diag.message_hint else "")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+

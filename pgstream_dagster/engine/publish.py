@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
@@ -187,17 +188,23 @@ class RejectPolicy:
 CHUNK_BYTES = 32 * 2**20
 
 
+#: what each publish call runs in (a delivery run's: the stream is not paused, :func:`~.ledger.publishing`)
+Gate = Callable[[], AbstractContextManager[None]]
+
+
 def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: frozenset[Position] = frozenset(),
             reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
-            too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES) -> Deliveries:
+            too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
+            gate: Gate = nullcontext) -> Deliveries:
     """Publish ``rows`` (in the order owed) in chunks of at most ``chunk_size`` events and
     ``chunk_bytes`` bytes of JSON text (one event at least) through ``sink`` (the caller's: it is not
     closed here), yielding what happened (see the module docstring). A batch is reported done only
     after the publish call that carried its last event returned. ``owed``: the spans the rows must
     cover (a position missing from the rows and not in ``skip`` vanished). ``too_large``: records a
     :class:`TooLarge` row as a dead letter, after the events before it were confirmed; without it such
-    a row stops the publisher (:class:`EventTooLargeError`)."""
-    return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes).run(rows)
+    a row stops the publisher (:class:`EventTooLargeError`). ``gate``: every publish call runs inside it,
+    which may refuse it by raising (a paused stream)."""
+    return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes, gate=gate).run(rows)
 
 
 def max_event_bytes(sink: Sink) -> int | None:
@@ -229,6 +236,7 @@ class _Publisher:
     owed: Sequence[Span] | None
     too_large: SetAsideTooLarge | None = None
     chunk_bytes: int = CHUNK_BYTES
+    gate: Gate = nullcontext
     handled: int = 0  # published + set aside + skipped
     consecutive_rejects: int = 0
     last_good: Event | None = None  # the last event the sink confirmed in this call (or its known_good)
@@ -393,11 +401,12 @@ class _Publisher:
 
     def _send(self, events: Sequence[Event], where: Sequence[Position]) -> None:
         """One publish call: with the events' positions for a sink that takes them (``Sink.publish_at``:
-        the lake sinks key their commits by them), else ``Sink.publish``."""
-        if getattr(self.sink, "accepts_positions", False):
-            self.sink.publish_at(events, where)
-        else:
-            self.sink.publish(events)
+        the lake sinks key their commits by them), else ``Sink.publish``; inside the gate."""
+        with self.gate():
+            if getattr(self.sink, "accepts_positions", False):
+                self.sink.publish_at(events, where)
+            else:
+                self.sink.publish(events)
 
     def _confirmed(self, events: Sequence[Event], where: Sequence[Position], start: int,
                    end: int) -> Iterator[Delivery]:
@@ -431,7 +440,8 @@ class _Publisher:
                 f"rejects everything is misconfigured, so the stream waits instead of setting them aside",
                 sink=error.sink, event_ids=[event.id])
         try:
-            self.sink.publish([probe])
+            with self.gate():
+                self.sink.publish([probe])
         except SinkError as exc:
             if not exc.permanent:
                 raise

@@ -235,6 +235,13 @@ def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[Subsc
     return sum(1 for v in stored.values() if v["managed_by"] != MANAGED_BY)
 
 
+def table_exists(conn: psycopg.Connection, schema: str, table: str) -> bool:
+    """Whether ``schema.table`` exists (read from the catalog: whatever the role's privileges on it)."""
+    row = conn.execute("select exists (select 1 from pg_catalog.pg_class c join pg_catalog.pg_namespace n "
+                       "on n.oid = c.relnamespace where n.nspname = %s and c.relname = %s)", [schema, table]).fetchone()
+    return bool(row and row[0])
+
+
 def may_write_subscriptions(conn: psycopg.Connection) -> bool:
     """Whether the connection's role may write ``pgstream.subscriptions`` (the owner; never the runtime)."""
     row = conn.execute("select pg_catalog.has_table_privilege('pgstream.subscriptions', 'INSERT')").fetchone()
@@ -252,7 +259,9 @@ def _verify_stream(conn: psycopg.Connection, subscriptions: Sequence[Subscriptio
         if selected is not None and identity(sub) not in selected:
             continue
         stored = stored_definition(conn, stream_id, identity(sub))
-        if stored is None:
+        if stored is None and not table_exists(conn, sub.schema_name, sub.table_name):
+            problems.append(f"{sub.key!r} ({sub.operation}): table {sub.schema_name}.{sub.table_name} does not exist")
+        elif stored is None:
             problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) is missing")
         elif stored["managed_by"] != MANAGED_BY:
             problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) was created by hand")

@@ -141,6 +141,9 @@ $$;
 revoke all on function pgstream.skip_batch(bigint, bigint) from public;
 
 -- Operator: pause or resume a stream (its sensor records batches but requests no delivery run).
+-- A run publishes each chunk holding the stream row FOR KEY SHARE and only while the stream is not
+-- paused (ledger.publishing): the FOR UPDATE below waits for a chunk in flight, so once this returns no
+-- run publishes anything more of the stream.
 create or replace function pgstream.set_paused(p_stream_id bigint, p_paused boolean)
 returns void
 language plpgsql
@@ -148,6 +151,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 begin
+    perform 1 from pgstream.streams where id operator(pg_catalog.=) p_stream_id for update;
     update pgstream.streams set paused = p_paused, updated_at = now() where id = p_stream_id;
     if not found then
         raise exception 'pgstream: stream % does not exist', p_stream_id using errcode = 'no_data_found';

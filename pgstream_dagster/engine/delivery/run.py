@@ -27,7 +27,7 @@ import datetime as dt
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,7 +185,18 @@ class DeliveryRun:
         self.batches = batches
         return self
 
-    def deliver(self, host: Host) -> Iterator[RoundReport]:
+    def give_back(self) -> list[int]:
+        """The run was interrupted (a shutdown) and has ended: it is no longer the stream's open run and the
+        batches it held go back to pending for the next run (``ledger.give_back``), on a connection of its
+        own (the lease's has ended with the run). Returns those batches."""
+        run_key = self.batches[0].run_key if self.batches else self.run_key
+        if not run_key:
+            return []
+        with psycopg.connect(self.database_url, autocommit=True, application_name=ledger.lease_name(self.run_id)) \
+                as conn:
+            return ledger.give_back(conn, self.stream.id, run_key)
+
+    def deliver(self, host: Host) -> Generator[RoundReport, None, None]:
         """Deliver the run's batches, then (an open run) what the sensor assigns to it, round by round."""
         stream, lease = self.stream, self.lease
         assert lease is not None, "start() the run first"
@@ -225,8 +236,17 @@ class DeliveryRun:
                         launched = False
                         readers = Readers(self.database_url, self.executor_url, conn, handoff, host.spark, sink)
                         source = choose_source(stream.delivery, Owed(owed(stream, batches)), readers)
-                        delivered = _Round(host, conn, stream, sink, batches, self.database_url,
-                                           self.executor_url).deliver(source, recording)
+                        try:
+                            delivered = _Round(host, conn, stream, sink, batches, self.database_url,
+                                               self.executor_url).deliver(source, recording)
+                        except ledger.StreamPaused:
+                            reader.stop()  # what it received is recorded before the batches go back
+                            waiting = ledger.give_back(conn, stream.id, run_key)
+                            shown = (f"its batches {waiting[0]}..{waiting[-1]} wait" if waiting
+                                     else "nothing of it waits")
+                            host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
+                                          f"{shown} for `pgstream-dagster resume {stream.id}`")
+                            return
                         done = RoundReport(batches, delivered, started, type(source).__name__)
                         reports.add(done)
                         yield done
@@ -394,9 +414,10 @@ class _Round:
         every = stream.delivery.tuning.report_every_secs
         logged_at = time.monotonic()
         too_large = dead_letters(stream, self.database_url).too_large
+        # each publish call holds the stream row against a pause (``ledger.publishing``): none after one
         with closing(publish_in_order(source, self.sink, chunk_size, skip=skip, reject=reject, owed=self.owed,
-                                      too_large=too_large,
-                                      chunk_bytes=stream.delivery.tuning.max_read_bytes)) as deliveries:
+                                      too_large=too_large, chunk_bytes=stream.delivery.tuning.max_read_bytes,
+                                      gate=lambda: ledger.publishing(conn, stream.id))) as deliveries:
             for delivery in deliveries:
                 match delivery:
                     case Confirmed(batch_id, ord):  # a retry resumes after it
@@ -434,10 +455,12 @@ class _Round:
             self.host.log.info(f"stream {stream.id}: resuming an interrupted by_key attempt with its {partitions} "
                                f"partitions (delivery.parallelism {parallelism} applies from the next round)")
         progress = ledger.KeyProgress(self.database_url, stream.id, partitions, token=token)
-        result = spark.deliver_by_key(source.frame, stream.sink, stream.delivery.chunk_size, partitions,
-                                      skip=skip, reject=reject, progress=progress,
-                                      too_large=dead_letters(stream, self.database_url, token).too_large,
-                                      chunk_bytes=stream.delivery.tuning.max_read_bytes)
+        # the whole round's tasks publish holding the stream row against a pause (it waits for the round)
+        with ledger.publishing(conn, stream.id):
+            result = spark.deliver_by_key(source.frame, stream.sink, stream.delivery.chunk_size, partitions,
+                                          skip=skip, reject=reject, progress=progress,
+                                          too_large=dead_letters(stream, self.database_url, token).too_large,
+                                          chunk_bytes=stream.delivery.tuning.max_read_bytes)
         vanished_in = {b: sum(1 for g, _o in gone if g == b) for b in batch_ids}
         wrong = {b: (result.handled.get(b, 0), events) for b, events in expected.items()
                  if result.handled.get(b, 0) + vanished_in[b] != events}

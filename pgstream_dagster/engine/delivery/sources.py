@@ -37,6 +37,7 @@ from ..ledger.deadletters import DeadLetter
 from ..publish import (
     CHUNK_BYTES,
     Deliveries,
+    Gate,
     Position,
     Positioned,
     RejectPolicy,
@@ -381,16 +382,17 @@ def _session(readers: Readers) -> SparkSession:
 
 def publish_in_order(source: EventSource, sink: Sink, chunk_size: int, *, skip: frozenset[Position] = frozenset(),
                      reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
-                     too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES) -> Deliveries:
+                     too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
+                     gate: Gate = contextlib.nullcontext) -> Deliveries:
     """Global order: ``source``'s events published chunk by chunk through ``sink`` (the caller's; a run
     keeps one for its whole life) by :func:`~..publish.publish`, whose deliveries this yields (``skip``,
     ``reject``, ``owed``, ``too_large`` and ``chunk_bytes`` are explained there). Closing it closes the
     source's events in the caller's thread (a reader's prefetch is waited for then, not whenever the
-    garbage collector gets to it)."""
+    garbage collector gets to it). ``gate``: what each publish call runs in (:func:`~..publish.publish`)."""
     events = source.events()
     try:
         yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,
-                           chunk_bytes=chunk_bytes)
+                           chunk_bytes=chunk_bytes, gate=gate)
     finally:
         close = getattr(events, "close", None)
         if close is not None:

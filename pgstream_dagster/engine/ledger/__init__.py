@@ -235,6 +235,9 @@ from .state import (
     Batch as Batch,
 )
 from .state import (
+    StreamPaused as StreamPaused,
+)
+from .state import (
     apply as apply,
 )
 from .state import (
@@ -263,6 +266,9 @@ from .state import (
 )
 from .state import (
     fail_run as fail_run,
+)
+from .state import (
+    give_back as give_back,
 )
 from .state import (
     is_paused as is_paused,
@@ -299,6 +305,9 @@ from .state import (
 )
 from .state import (
     open_warm_run as open_warm_run,
+)
+from .state import (
+    publishing as publishing,
 )
 from .state import (
     release as release,

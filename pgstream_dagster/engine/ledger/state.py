@@ -18,6 +18,8 @@ everything else is *open*.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, assert_never
 
@@ -213,6 +215,26 @@ def is_paused(conn: psycopg.Connection, stream_id: int) -> bool:
     return bool(row and row[0])
 
 
+class StreamPaused(RuntimeError):
+    """The stream is paused: a run publishes nothing more of it (:func:`publishing`)."""
+
+
+@contextmanager
+def publishing(conn: psycopg.Connection, stream_id: int) -> Iterator[None]:
+    """A publish call of the stream's run, allowed only while the stream is not paused: the block runs in
+    a transaction on ``conn`` holding the stream row ``FOR KEY SHARE``, which ``pgstream.set_paused``
+    (``FOR UPDATE``) waits for, so a pause returns only once no publish is in flight, and every publish
+    after it sees it (:class:`StreamPaused`, raised before the block). Recording a batch (``for no key
+    update``) and inserting batches do not wait for it. The transaction only locks: its commit is not
+    waited for on disk (``synchronous_commit`` off)."""
+    with conn.transaction():
+        row = conn.execute("select s.paused, pg_catalog.set_config('synchronous_commit', 'off', true) "
+                           "from pgstream.streams s where s.id = %s for key share", [stream_id]).fetchone()
+        if row is None or row[0]:
+            raise StreamPaused(f"stream {stream_id} is paused" if row else f"stream {stream_id} does not exist")
+        yield
+
+
 def run_channel(stream_id: int) -> str:
     """The NOTIFY channel on which an open run hears that batches were assigned to it."""
     return f"{stream_object_name(stream_id)}_runs"
@@ -368,7 +390,7 @@ def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_event
     Nothing happens unless ``run_key`` is the stream's open run: the stream row's lock orders this
     against :func:`_close_run`, so a run that closed is never handed a batch."""
     with atomic(conn):
-        row = conn.execute("select open_run_key from pgstream.streams where id = %s for update",
+        row = conn.execute("select open_run_key from pgstream.streams where id = %s for no key update",
                            [stream_id]).fetchone()
         if row is None or row[0] is None or row[0] != run_key:
             return []
@@ -396,7 +418,7 @@ def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
     """The run ``run_key`` stops taking batches: true unless batches were assigned to it and not
     delivered yet (then it must deliver them first and try again)."""
     with conn.transaction():
-        conn.execute("select 1 from pgstream.streams where id = %s for update", [stream_id])
+        conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
         # a statement after the lock: sees every assignment committed before it was granted
         row = conn.execute("select exists (select 1 from pgstream.batches where run_key = %s and status = %s)",
                            [run_key, BatchStatus.LAUNCHED]).fetchone()
@@ -404,6 +426,20 @@ def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
             return False
         clear_open_run(conn, stream_id, run_key)
     return True
+
+
+def give_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[int]:
+    """The run ``run_key`` ends without delivering what it holds (the stream was paused,
+    :class:`StreamPaused`, or a shutdown interrupted it): it is no longer the open run and its undelivered
+    batches go back to pending, in order, for the next run; no failover entered. Returns those batches."""
+    with conn.transaction():
+        conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
+        ids = [int(r[0]) for r in conn.execute(
+            "select id from pgstream.batches where run_key = %s and status = %s order by id",
+            [run_key, BatchStatus.LAUNCHED]).fetchall()]
+        clear_open_run(conn, stream_id, run_key)
+        release(conn, run_key, keep=0)
+    return ids
 
 
 def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, retry_at: dt.datetime) -> None:
