@@ -38,6 +38,10 @@ ROOT = repo_root()
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 RUNS = """query { runsOrError { ... on Runs { results { runId jobName status tags { key value } } } } }"""
+#: what a failed run said: its failure events' messages and errors
+FAILURE = """query ($runId: ID!) { logsForRun(runId: $runId) { ... on EventConnection { events {
+  __typename ... on MessageEvent { message } ... on ExecutionStepFailureEvent { error { message causes { message } } }
+  ... on RunFailureEvent { message } } } } }"""
 
 
 @dataclass
@@ -55,6 +59,18 @@ class RunningDemo:
         answer = httpx.post(f"http://127.0.0.1:{self.port}/graphql", json={"query": RUNS}, timeout=10).json()
         results: list[dict[str, Any]] = answer["data"]["runsOrError"]["results"]
         return results
+
+    def failure(self, run_id: str) -> str:
+        answer = httpx.post(f"http://127.0.0.1:{self.port}/graphql", json={"query": FAILURE,
+                            "variables": {"runId": run_id}}, timeout=10).json()
+        events = answer["data"]["logsForRun"]["events"]
+        said = []
+        for e in events:
+            if "Failure" in e["__typename"]:
+                error = e.get("error") or {}
+                causes = " / caused by: ".join(c["message"] for c in error.get("causes") or [])
+                said.append(f"{e['__typename']}: {error.get('message') or e.get('message')} {causes}")
+        return "\n".join(said)
 
     def exported(self) -> dict[str, str]:
         text = (self.root / ".pgstream" / "env").read_text()
@@ -162,7 +178,8 @@ def test_a_fresh_make_dev_stays_green_past_a_checks_tick_and_make_stop_ends_it_i
     runs = demo.runs()
     assert {r["jobName"] for r in runs} >= {"pgstream_delivery", "pgstream_checks"}
     bad = [(r["jobName"], r["status"], r["runId"]) for r in runs if r["status"] not in ("SUCCESS", "STARTED")]
-    assert bad == [], f"runs of a fresh demo that are not green: {bad}"
+    assert bad == [], f"runs of a fresh demo that are not green: {bad}\n" + "\n".join(
+        demo.failure(run_id) for _job, _status, run_id in bad)
 
     # what make dev and its processes printed: no stack trace, no error
     output = demo.output()

@@ -369,7 +369,9 @@ def partition_problems(conn: psycopg.Connection, schema: str, table: str, operat
            join pg_catalog.pg_proc f on f.oid = r.tgfoid and f.pronamespace = 'pgstream'::regnamespace
            cross join lateral pg_catalog.pg_partition_tree(r.tgrelid) p
            left join pg_catalog.pg_trigger c on c.tgrelid = p.relid and c.tgname = r.tgname
-           where r.tgrelid = to_regclass(format('%%I.%%I', %(schema)s::text, %(table)s::text))
+           where r.tgrelid = (select c.oid from pg_catalog.pg_class c  -- by name: no right on its schema needed
+                              join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+                              where n.nspname = %(schema)s and c.relname = %(table)s)
              and p.relid <> r.tgrelid
              and (r.tgname = %(trigger)s or (%(op)s = 'DELETE' and r.tgtype & 32 <> 0))
              and (c.oid is null or c.tgfoid <> r.tgfoid or c.tgenabled = 'D'
