@@ -477,8 +477,8 @@ def _subscribed_stream(db_url: str, tmp_path: Path, *, fill_secs: float, open_ru
     """Stream STREAM (a file sink) with a subscription on public.users and its slot; with ``open_run`` an
     open run ("run") whose reader will read the slot."""
     config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": fill_secs}, "delivery": {"linger_secs": 60},
-         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": fill_secs},
+         "delivery": {"tuning": {"linger_secs": 60}}, "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute(USERS)
         subscribe(c, "user-signup", columns=["id", "email"])

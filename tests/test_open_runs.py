@@ -27,7 +27,7 @@ STREAM = 1
 def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any]:
     return {"id": STREAM, "batch": {"max_size": 20, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
             "retry": {"initial_backoff_secs": 0.2, "max_backoff_secs": 0.5},
-            "delivery": {"linger_secs": linger, "chunk_size": 10, **delivery}, "sink": endpoint.sink()}
+            "delivery": {"chunk_size": 10, "tuning": {"linger_secs": linger}, **delivery}, "sink": endpoint.sink()}
 
 
 def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_path: Path,

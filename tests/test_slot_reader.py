@@ -1,4 +1,4 @@
-"""An open run reads its stream's slot over the replication protocol (``delivery.read_slot``):
+"""An open run reads its stream's slot over the replication protocol (``delivery.tuning.read_slot``):
 events reach the sink with no sensor tick in between, the sensor only decides while the run holds
 the slot, and takes over when the run closes or dies. Killed between recording and confirming,
 or with the slot dropped under it, nothing is lost and nothing is recorded twice."""
@@ -49,9 +49,10 @@ STREAM = 1
 RUN_KEY = "test-run"
 
 
-def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any]:
+def _config(endpoint: Endpoint, linger: float, mode: str = "open", **tuning: Any) -> dict[str, Any]:
     return {"id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0.2}, "sensor": {"tick_budget_secs": 0.3},
-            "delivery": {"linger_secs": linger, "chunk_size": 20, **delivery}, "sink": endpoint.sink()}
+            "delivery": {"mode": mode, "chunk_size": 20, "tuning": {"linger_secs": linger, **tuning}},
+            "sink": endpoint.sink()}
 
 
 def _slot_reader(url: str) -> str | None:
@@ -178,7 +179,7 @@ def _launched(url: str) -> bool:
 
 def _engine_stream(tmp_path: Path, url: str) -> Any:
     config = load_config(write_config(tmp_path / "pgstream.yaml", url, [
-        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"linger_secs": 60},
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"tuning": {"linger_secs": 60}},
          "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
     return config.streams[0]
 
@@ -357,7 +358,7 @@ def test_keep_warm_stream_has_an_open_run_before_its_first_event(db_url: str, tm
                                                                    instance: dg.DagsterInstance,
                                                                    endpoint: Endpoint) -> None:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url,
-                                 [_config(endpoint, linger=0.5, keep_warm=True)]), instance)
+                                 [_config(endpoint, linger=0.5, mode="warm")]), instance)
     (request,) = tick_until(driver, STREAM, lambda: bool(driver.cursors) and _open_run_key(db_url) is not None)
     assert request.tags[WARM_TAG] == "true" and request.run_key == _open_run_key(db_url)
     # until Dagster has made the run the sensor asks again for the same one (Dagster skips a run key it

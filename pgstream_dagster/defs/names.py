@@ -12,7 +12,7 @@ ATTEMPT_TAG = "pgstream/attempt"
 BATCHES_TAG = "pgstream/batches"
 #: Dagster's own tag of a run a sensor requested with a run key
 RUN_KEY_TAG = "dagster/run_key"
-#: a warm run (delivery.keep_warm): requested with no batch, it waits for what commits
+#: a warm run (delivery.mode warm): requested with no batch, it waits for what commits
 WARM_TAG = "pgstream/warm"
 #: a backfill run (value: the stream id); never pgstream/stream, so deliveries go on meanwhile
 BACKFILL_TAG = "pgstream/backfill"

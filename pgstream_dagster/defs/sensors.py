@@ -101,7 +101,7 @@ JOINING_READ_SECS = 0.5
 
 
 def _request(order: RunOrder | WarmRun) -> dg.RunRequest:
-    if isinstance(order, WarmRun):  # delivery.keep_warm: a run with no batch, open for what commits
+    if isinstance(order, WarmRun):  # delivery.mode warm: a run with no batch, open for what commits
         return dg.RunRequest(run_key=order.run_key, job_name=DELIVERY_JOB,
                              run_config={"ops": {"load_batches": {"config": {"stream_id": order.stream_id}}}},
                              tags={STREAM_TAG: str(order.stream_id), WARM_TAG: "true"})

@@ -16,7 +16,7 @@ A ledger batch moves through these statuses (``pgstream.batches.status``)::
 ``pending``, ``launched`` and ``failed`` are *open*; ``delivered`` and ``skipped`` are done. Only the
 oldest open batch of a stream (its *head*) may start a run.
 
-With ``delivery.keep_warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
+With ``delivery.mode: warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
 run with no batch that becomes the stream's open run and waits for what commits (it reads the slot
 itself), so the first event after a quiet spell finds a started process.
 
@@ -226,7 +226,7 @@ class Launch:
 
 @dataclass(frozen=True)
 class WarmRun:
-    """A run with no batch to request (``delivery.keep_warm``): the stream's open run ``run_key``."""
+    """A run with no batch to request (``delivery.mode: warm``): the stream's open run ``run_key``."""
 
     stream_id: int
     run_key: str
@@ -410,7 +410,7 @@ def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
 
 def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *,
                in_failover: bool) -> Action:
-    """Nothing is open: with ``delivery.keep_warm`` the stream keeps an open run ready. A warm run that
+    """Nothing is open: with ``delivery.mode: warm`` the stream keeps an open run ready. A warm run that
     ended without closing (failed, killed) is not replaced before the next batch: that batch's run
     replaces it (:func:`_next`), so a run that cannot start does not fail again every second."""
     if state.open_run_key is not None and run.status in _ENDED and state.slot_reader.startswith("run:"):

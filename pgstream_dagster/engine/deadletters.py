@@ -275,7 +275,7 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
               chunk_size: int | None = None, *, dry_run: bool = False) -> RedeliveryReport:
     """Publish the stream's open dead letters (all, or ``ids``) through its sink in delivery order,
     ``chunk_size`` events per publish call (default: the stream's ``delivery.chunk_size``) and at most
-    ``delivery.max_read_bytes`` of payload and metadata (one at least; their payloads are read a chunk
+    ``delivery.tuning.max_read_bytes`` of payload and metadata (one at least; their payloads are read a chunk
     at a time), marking each chunk ``redelivered`` only once the sink confirmed it.
 
     * A dead letter with no payload or no event timestamp cannot be redelivered: it is reported and

@@ -43,16 +43,16 @@ HARNESS_MAX_RUN_SECS = 2.0
 def _product_default_unless_said(delivery: dict[str, Any]) -> dict[str, Any]:
     """A stream's ``delivery`` with the product's default mode (open: the run stays open and reads the
     slot) and a short linger, unless it says otherwise."""
-    if any(key in delivery for key in ("mode", "linger_secs", "keep_warm")):
-        return delivery
     tuning = delivery.get("tuning", {})
+    if "mode" in delivery or "linger_secs" in tuning:
+        return delivery
     return {**delivery, "tuning": {"linger_secs": HARNESS_LINGER_SECS, "max_run_secs": HARNESS_MAX_RUN_SECS,
                                    **tuning}}
 
 
 def replay_through_spark(config: Path, stream_id: int, instance: dg.DagsterInstance) -> tuple[bool, list[int]]:
     """Replay every event of ``stream_id`` with ``config`` (its Spark settings), its sink replaced by a
-    memory sink and ``delivery.direct_max_events`` by 0: a file sink takes JSON lines rendered by
+    memory sink and ``delivery.tuning.direct_max_events`` by 0: a file sink takes JSON lines rendered by
     Postgres, and other sinks' replays read without Spark unless it is 0. Whether
     the run succeeded, and the ids the sink got, in order."""
     data = yaml.safe_load(config.read_text())
@@ -60,7 +60,8 @@ def replay_through_spark(config: Path, stream_id: int, instance: dg.DagsterInsta
     for stream in data["streams"]:
         if stream["id"] == stream_id:
             stream["sink"] = {"type": "memory", "name": name}
-            stream["delivery"] = {**stream.get("delivery", {}), "direct_max_events": 0}  # read by Spark
+            delivery = stream.get("delivery", {})
+            stream["delivery"] = {**delivery, "tuning": {**delivery.get("tuning", {}), "direct_max_events": 0}}
     other = config.with_name(f"{config.stem}-replay{config.suffix}")
     other.write_text(yaml.safe_dump(data))
     MemorySink.reset(name)

@@ -88,7 +88,7 @@ def rule_of(streams: list[StreamConfig]) -> Batching:
     """One batching rule for the group's loop: the tightest of its members' (each member's batches are
     still cut at its own ``batch.max_size``)."""
     return Batching(min(s.batch.max_size for s in streams), min(s.batch.max_fill_secs for s in streams),
-                    min(s.delivery.max_read_bytes for s in streams))
+                    min(s.delivery.tuning.max_read_bytes for s in streams))
 
 
 def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Transaction]]]:

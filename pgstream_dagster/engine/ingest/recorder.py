@@ -48,7 +48,7 @@ FOLLOW_RECORD_EVERY_SECS = RECORD_EVERY_SECS
 
 @dataclass(frozen=True)
 class Batching:
-    """The one batching rule (``batch:`` and ``delivery.max_read_bytes``): what waits is recorded once
+    """The one batching rule (``batch:`` and ``delivery.tuning.max_read_bytes``): what waits is recorded once
     ``max_size`` events (or unreadable ones) wait, or ``max_bytes`` of kept rows, or the oldest waiting
     transaction committed ``max_fill_secs`` ago, or the source has sent everything committed so far
     (at most every :data:`RECORD_EVERY_SECS`). Recorded, it is cut into batches of ``max_size``."""
@@ -59,7 +59,7 @@ class Batching:
 
     @classmethod
     def of(cls, stream: StreamConfig) -> Batching:
-        return cls(stream.batch.max_size, stream.batch.max_fill_secs, stream.delivery.max_read_bytes)
+        return cls(stream.batch.max_size, stream.batch.max_fill_secs, stream.delivery.tuning.max_read_bytes)
 
     def due(self, pending: Pending, *, drained: bool, now: dt.datetime, since_record: float) -> bool:
         if not pending.txns:
@@ -404,7 +404,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
             publication = stream.rows_publication if handoff is not None else stream.publication
             slot = stats.slot = ledger.stream_slot(conn, stream.id)
             source = StreamSource(database_url, slot, publication, application_name,
-                                  max_bytes=stream.delivery.max_read_bytes, keep_rows=handoff is not None)
+                                  max_bytes=stream.delivery.tuning.max_read_bytes, keep_rows=handoff is not None)
         except walstream.SlotBusy:
             pause(0.1)  # safety net: the sensor's last peek, from before the run took the slot, under way
             continue

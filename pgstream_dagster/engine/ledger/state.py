@@ -234,7 +234,7 @@ def assign(conn: psycopg.Connection, batch_ids: tuple[int, ...] | list[int], run
 
 def open_run(conn: psycopg.Connection, stream_id: int, run_key: str, *, reads_slot: bool = True) -> None:
     """The run ``run_key`` becomes the stream's open run: :func:`extend_run` hands it new batches.
-    ``reads_slot`` (``delivery.read_slot``): in the same UPDATE it becomes the slot's declared reader
+    ``reads_slot`` (``delivery.tuning.read_slot``): in the same UPDATE it becomes the slot's declared reader
     (``streams.slot_reader``), so the sensor stops reading it."""
     conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s where id = %s",
                  [run_key, run_reader(run_key) if reads_slot else SENSOR, stream_id])
