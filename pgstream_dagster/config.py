@@ -760,10 +760,9 @@ def config_path() -> Path:
 
 
 #: the ``type`` of a stream declared in a ``defs.yaml`` (:class:`pgstream_dagster.StreamComponent`), as
-#: registered with ``dg``, by its package and module, and by its old module (a re-export)
+#: registered with ``dg``, and by its package and module
 STREAM_COMPONENT_TYPES = ("pgstream_dagster.StreamComponent", "pgstream_dagster.component.StreamComponent",
-                          "pgstream_dagster.component.stream.StreamComponent",
-                          "pgstream_dagster.defs.components.StreamComponent")
+                          "pgstream_dagster.component.stream.StreamComponent")
 
 
 def load_component_streams(folder: Path | str) -> tuple[list[StreamDeclaration], list[str]]:
