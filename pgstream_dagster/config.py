@@ -242,7 +242,7 @@ class StreamChecksConfig(_Model):
 #: (so is its Dagster sensor), the publication its open run's reader decodes with
 #: ``pgstream_stream_<id>_rows``, an open run's NOTIFY channel ``pgstream_stream_<id>_runs``. Tear-down
 #: recognises the publications by it. The default replication slot's name is the database's to derive
-#: (``pgstream.default_slot_name``, unique in the cluster): see ``engine.ledger.stream_slot``.
+#: (``pgstream.default_slot_name``, unique in the cluster): see ``engine.ledger.streams.stream_slot``.
 STREAM_NAME_PREFIX = "pgstream_stream_"
 
 
@@ -261,7 +261,7 @@ class StreamConfig(_Model):
     checks: StreamChecksConfig = StreamChecksConfig()
     slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$",
                                   description="the replication slot the stream reads; default: a name the database "
-                                              "derives, unique in the cluster (engine.ledger.stream_slot)")
+                                              "derives, unique in the cluster (engine.ledger.streams.stream_slot)")
     reader: str | None = Field(
         None, pattern=r"^[a-z][a-z0-9_]{0,30}$",
         description="a reader group: the streams naming the same group share one replication slot and one "
@@ -428,7 +428,7 @@ def _check_streams(streams: Sequence[StreamConfig]) -> None:
     if dupes:
         raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
     # one slot, one stream: two streams on a slot each advance it past the other's events (a default
-    # slot name is unique; one that a slot_name takes is refused by the database: ledger.SlotInUse)
+    # slot name is unique; one that a slot_name takes is refused by the database: ledger.streams.SlotInUse)
     readers: dict[str, int] = {}
     for s in streams:
         if s.slot_name is None:

@@ -95,7 +95,7 @@ class Span:
 
 
 class BatchProgress(Protocol):
-    """What :func:`owed_spans` reads of a ledger batch (:class:`~.ledger.Batch`)."""
+    """What :func:`owed_spans` reads of a ledger batch (:class:`~.ledger.state.Batch`)."""
 
     @property
     def id(self) -> int: ...

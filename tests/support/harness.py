@@ -17,7 +17,7 @@ import yaml
 
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import DELIVERY_JOB, replay_job_name
-from pgstream_dagster.engine import ledger
+from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.sinks.memory import MemorySink
 
 
@@ -82,7 +82,7 @@ def slot_of(url: str, stream_id: int) -> str:
     """The replication slot stream ``stream_id`` reads in that database (or would read, created now): the
     database derives its default name (``pgstream.default_slot_name``), unique in the cluster."""
     with psycopg.connect(url) as conn:
-        return ledger.stream_slot(conn, stream_id)
+        return ledger_streams.stream_slot(conn, stream_id)
 
 
 def event_ids(url: str, stream_id: int) -> list[int]:

@@ -46,7 +46,7 @@ from ..batches import (
     Warm,
     WarmRun,
 )
-from ..batches import Batch as Batch  # ledger.Batch: the delivery job's name for it
+from ..batches import Batch as Batch  # ledger.state.Batch: the delivery job's name for it
 from .locks import REPLAY_LOCK
 from .recording import atomic
 
@@ -270,8 +270,9 @@ def slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
 
 
 def lock_slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
-    """:func:`slot_reader`, holding the stream row's lock (:func:`lock_recording`) until the
-    transaction ends: a reader records only while this is itself. Only inside a transaction."""
+    """:func:`slot_reader`, holding the stream row's lock until the transaction ends (as :func:`extend_run`
+    and closing a run take it; ``no key update``: batches and dead letters referencing the stream are still
+    inserted meanwhile): a reader records only while this is itself. Only inside a transaction."""
     row = conn.execute("select slot_reader from pgstream.streams where id = %s for no key update",
                        [stream_id]).fetchone()
     return str(row[0]) if row and row[0] is not None else SENSOR
