@@ -151,6 +151,31 @@ def test_the_same_batch_settings_give_the_same_batches_through_both_sources(
 
 # --- the declared reader ----------------------------------------------------------------------------
 
+def test_the_sensor_backs_off_while_another_connection_still_holds_its_slot(db_url: str, tmp_path: Path) -> None:
+    """The sensor is the declared reader, but a reader that has not seen the change yet (a closed run's,
+    between two looks at the ledger) still streams the slot: the sensor's tick backs off (SlotBusy),
+    records nothing and touches nothing, and records every event once when the slot is let go."""
+    (stream,) = _streams(tmp_path, db_url, {"max_size": 100, "max_fill_secs": 0})
+    insert_events(db_url, 1, 20)
+    stale = ingest.StreamSource(db_url, slot_of(db_url, 1), stream.publication, "stale reader",
+                                max_bytes=stream.delivery.tuning.max_read_bytes)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        try:
+            assert ledger_state.slot_reader(c, 1) == ledger_state.SENSOR
+            result = ingest.consume(c, stream, 0.3)
+            assert result.slot_busy and not result.batches and result.events == 0
+            assert _recorded(db_url, 1) == []
+        finally:
+            stale.close()
+
+        def ticked() -> bool:
+            ingest.consume(c, stream, 0.3)
+            return len(_recorded(db_url, 1)) >= 20
+
+        _wait(ticked)
+    assert sorted(_recorded(db_url, 1)) == _recorded(db_url, 1) and len(set(_recorded(db_url, 1))) == 20
+
+
 def test_the_sensor_does_not_read_while_a_run_is_the_declared_reader(db_url: str, tmp_path: Path) -> None:
     (stream,) = _streams(tmp_path, db_url, {"max_size": 100, "max_fill_secs": 0})
     with psycopg.connect(db_url, autocommit=True) as c:

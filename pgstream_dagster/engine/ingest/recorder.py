@@ -12,9 +12,10 @@ under the stream row's lock and before recording anything, that they are still t
 
 The loop records a map stream id -> :class:`StreamLedger` in one pass, so that one reader can serve
 several streams' ledgers (``route`` splits what was read by stream); today each slot serves one
-stream. Safety nets, kept from before the reader was declared (they should never act): a reader that
-finds the slot held by another connection (``SlotBusy``, ``ObjectInUse``) backs off; the ledger is
-checked again under the recording lock for what another reader recorded (:func:`unrecorded`).
+stream. A reader that finds the slot still held by another connection (``SlotBusy``: a reader that has
+not seen the declared reader change yet, the sensor's peek begun before a run took the slot) backs off;
+what the ledger holds already (read again after a crash between recording and confirming) is dropped
+under the stream row's lock (:func:`unrecorded`). Both act (``tests/test_ingest.py``).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_s
                 if state.lock_slot_reader(conn, stream_id) != target.reader:
                     lost.add(stream_id)
                     continue
-                # safety net: what another reader recorded meanwhile is recorded once
+                # what the ledger holds already (read again: not confirmed yet) is recorded once
                 fresh = [t for t in unrecorded(conn, stream_id, txns) if t.events or t.unreadable]
                 ids: list[int] = []
                 if fresh:
@@ -317,9 +318,9 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
                 wait = max(0.05, min(wait, stream.batch.max_fill_secs - age))
             time.sleep(min(wait, remaining))
     except walstream.SlotBusy:
-        # safety net: another connection holds the slot although the sensor is the declared reader (an
-        # open run's reader that has not seen the change yet): what was recorded is confirmed by whoever
-        # reads next, and dropped by them as recorded (unrecorded)
+        # another connection holds the slot although the sensor is the declared reader (an open run's
+        # reader that has not seen the change yet): what was recorded is confirmed by whoever reads next,
+        # and dropped by them as recorded (unrecorded)
         result.slot_busy = True
     except walstream.SlotGone:
         # invalidated or dropped since the check: the next tick replaces it and recovers
@@ -407,7 +408,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
             source = StreamSource(database_url, slot, publication, application_name,
                                   max_bytes=stream.delivery.tuning.max_read_bytes, keep_rows=handoff is not None)
         except walstream.SlotBusy:
-            pause(0.1)  # safety net: the sensor's last peek, from before the run took the slot, under way
+            pause(0.1)  # the sensor's last peek, from before the run took the slot, under way
             continue
         except (walstream.SlotGone, walstream.StreamBroken, ConnectionError) as exc:
             if without_rows(exc):
