@@ -25,7 +25,7 @@ import psycopg
 import yaml
 from psycopg import sql
 
-from pgstream_dagster.config import load_config
+from pgstream_dagster.config import DIRECT_MAX_EVENTS, load_config
 
 try:
     from pgstream_dagster.defs.location import build_definitions
@@ -190,9 +190,12 @@ def write_config(path: Path, url: str, stream: dict[str, Any], spark: dict[str, 
                  trigger_mode: str = "row") -> Path:
     """One stream subscribed to inserts into ``bench_orders`` (``trigger_mode`` row or statement);
     the table and subscription are created.
-    Runs do not linger unless the stream sets ``delivery.linger_secs`` (the in-process driver runs
-    them between ticks)."""
-    stream = {**stream, "delivery": {"linger_secs": 0, **stream.get("delivery", {})}}
+    Runs do not linger unless the stream sets ``delivery.mode`` (the in-process driver runs them
+    between ticks); mode per_batch reads its rounds as an open run does unless ``tuning`` says."""
+    delivery = {"mode": "per_batch", **stream.get("delivery", {})}
+    if delivery["mode"] == "per_batch":
+        delivery["tuning"] = {"direct_max_events": DIRECT_MAX_EVENTS, **delivery.get("tuning", {})}
+    stream = {**stream, "delivery": delivery}
     path.write_text(yaml.safe_dump({
         "database_url": url, "spark": spark or {"master": "local[2]"}, "streams": [stream],
         "subscriptions": [{"key": "bench-orders", "stream_id": stream["id"], "operation": "INSERT",
@@ -226,7 +229,7 @@ class Driver:
 
     ``background``: runs execute in a thread, one at a time (as the run queue allows one run per
     stream), while the ticks go on: the sensor records and hands batches to the open run
-    (``delivery.linger_secs``) at the same time, as with the daemon and a run worker. A run requested
+    (``delivery.tuning.linger_secs``) at the same time, as with the daemon and a run worker. A run requested
     while another is in flight waits in a queue, and the ticks go on meanwhile, as with the daemon's
     run queue. A run key is used once, as the daemon does."""
 

@@ -145,7 +145,7 @@ class Meter:
     peek_messages: int = 0
     advance_pg: float = 0.0
     advance_calls: int = 0
-    walsender_pg: float = 0.0  # open runs' slot readers: their WAL senders decode (delivery.read_slot)
+    walsender_pg: float = 0.0  # open runs' slot readers: their WAL senders decode (delivery.tuning.read_slot)
     decode_py: float = 0.0
     publish_py: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
@@ -269,7 +269,7 @@ def deliver_phase(driver: Driver, url: str, target: int, postmaster: int, timeou
 
 
 def open_phase(driver: Driver, url: str, target: int, timeout: float, tick_secs: float) -> DeliverTotals:
-    """``--open``: the daemon's way, runs in a thread (``delivery.linger_secs``: the sensor hands new
+    """``--open``: the daemon's way, runs in a thread (``delivery.tuning.linger_secs``: the sensor hands new
     batches to the open run) while this thread ticks; CPU over the whole phase (this thread = the
     sensor; the rest of this process = the runs)."""
     totals = DeliverTotals()
@@ -471,12 +471,12 @@ def main() -> None:
                              "sensor.interval_secs, 1 s by default, and every 5 s at most; before 2026-11-27 the "
                              "bench ticked every 0.05 s)")
     parser.add_argument("--peek", action="store_true",
-                        help="delivery.read_slot false: the sensor peeks the slot even while a run is open (before "
-                             "the slot reader)")
+                        help="delivery.tuning.read_slot false: the sensor peeks the slot even while a run is "
+                             "open (before the slot reader)")
     parser.add_argument("--direct-max-events", type=int,
                         default=DeliveryTuning.model_fields["direct_max_events"].default,
-                        help="delivery.direct_max_events (default: the product's; 0: every round is a Spark job, "
-                             "as before)")
+                        help="delivery.tuning.direct_max_events (default: the product's; 0: every round is a "
+                             "Spark job, as before)")
     parser.add_argument("--label", default="", help="what this run measures (e.g. 'before', 'after')")
     parser.add_argument("--json", type=Path, help="also write the JSON result to this file")
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
@@ -519,8 +519,9 @@ def main() -> None:
                       "batch": {"max_size": args.batch_size, "max_fill_secs": 1.0},
                       "sensor": {"tick_budget_secs": 2},
                       "delivery": {"chunk_size": args.chunk, "max_events_per_run": args.max_events_per_run,
-                                   "linger_secs": 3 if args.open else 0,
-                                   "read_slot": not args.peek, "direct_max_events": args.direct_max_events}}
+                                   "mode": "open" if args.open else "per_batch",
+                                   "tuning": {"linger_secs": 3, "read_slot": not args.peek,
+                                              "direct_max_events": args.direct_max_events}}}
             config_path = write_config(tmpdir / "cpu.yaml", url, stream, trigger_mode=args.trigger_mode)
             cfg = load_config(config_path).streams[0]
             with psycopg.connect(url, autocommit=True) as conn:

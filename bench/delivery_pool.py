@@ -52,8 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
-from pgstream_dagster.engine import ingest, ledger
+from pgstream_dagster.engine import ingest
 from pgstream_dagster.engine.delivery.run import DeliveryRun, Host
+from pgstream_dagster.engine.ledger import state
 from pgstream_dagster.engine.migrations import migrate
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def _serve_stream(stream: StreamConfig, url: str, stop: Path, ready: threading.E
     run_key = f"pool-{stream.id}"
     log = _Log(stream.id)
     with psycopg.connect(url, autocommit=True) as conn:
-        ledger.open_warm_run(conn, stream.id, run_key, reads_slot=False)
+        state.open_warm_run(conn, stream.id, run_key, reads_slot=False)
     attempt = 0
     while not stop.exists():
         attempt += 1

@@ -63,11 +63,10 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
     url = pg.url_for(name)
     migrate(url)
     stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"}, "slot_name": name,
-              "delivery": {"linger_secs": linger}}
+              "delivery": {"mode": "warm" if warm else "open" if linger else "per_batch",
+                           "tuning": {"linger_secs": linger} if linger else {}}}
     if peek:  # the path before the slot reader: the sensor peeks and hands batches over, a Spark job per round
-        stream["delivery"].update(read_slot=False, direct_max_events=0)
-    if warm:
-        stream["delivery"]["keep_warm"] = True
+        stream["delivery"]["tuning"].update(read_slot=False, direct_max_events=0)
     server = None
     spark: dict[str, Any] = {"master": "local[2]"}
     if connect:

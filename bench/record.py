@@ -42,14 +42,16 @@ from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.devdb import ensure_running
 
 try:
-    from pgstream_dagster.engine import ingest, ledger, replication
+    from pgstream_dagster.engine import ingest, replication
+    from pgstream_dagster.engine.ledger import streams
     from pgstream_dagster.engine.migrations import migrate
     from pgstream_dagster.engine.subscriptions import apply_subscriptions
 except ImportError:  # a --ref from before pgstream_dagster/engine/ (the worker runs that tree)
     from pgstream_dagster.migrations import migrate
     from pgstream_dagster.subscriptions import apply_subscriptions
 
-    from pgstream_dagster import ledger, replication
+    from pgstream_dagster import ledger as streams  # type: ignore[no-redef]
+    from pgstream_dagster import replication
     from pgstream_dagster import sensors as ingest
 
 HERE = Path(__file__).resolve().parent
@@ -96,7 +98,7 @@ def _setup(url: str, config: Path, versions: dict[int, tuple[str, Path]]) -> Non
         conn.execute(TABLE_SQL)
         apply_subscriptions(conn, load_config(config))
         for stream_id, (_, tree) in versions.items():
-            slot = ledger.ensure_stream(conn, stream_id)
+            slot = streams.ensure_stream(conn, stream_id)
             if tree != ROOT and not (tree / "sql" / "022_lock_timeouts_and_slot_names.sql").exists():
                 slot = f"pgstream_stream_{stream_id}"  # a baseline before 022 reads the default name of its time
             replication.create_slot(conn, slot)

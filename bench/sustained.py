@@ -137,9 +137,10 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
               "batch": {"max_size": args.batch_size, "max_fill_secs": args.max_fill_secs},
               "sensor": {"tick_budget_secs": 2},
               "delivery": {"chunk_size": 5000, "max_events_per_run": args.max_events_per_run,
-                           "linger_secs": 3 if open_runs else 0,
+                           "mode": "open" if open_runs else "per_batch",
                            # peek: as before the slot reader (the sensor peeks, every round a Spark job)
-                           **({"read_slot": False, "direct_max_events": 0} if mode == "peek" else {})}}
+                           "tuning": {"linger_secs": 3, **({"read_slot": False, "direct_max_events": 0}
+                                                           if mode == "peek" else {})}}}
     config = write_config(tmpdir / f"{name}_{mode}.yaml", url, stream, trigger_mode=args.trigger_mode)
     counter: Any = multiprocessing.Value("q", 0)
     samples: list[tuple[float, int, int]] = []

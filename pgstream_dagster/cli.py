@@ -337,15 +337,15 @@ def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
     from .config import load_config
-    from .engine import ledger
     from .engine.deadletters import redeliver
+    from .engine.ledger import locks
 
     config = load_config(Path(args.config) if args.config else None, _defs_folder(args))
     stream = config.stream(args.stream)
     url = args.database_url or config.database_url.get_secret_value()
     with ExitStack() as held:
         if not args.dry_run:  # the stream's delivery lease, as a replay holds it: never between live deliveries
-            held.enter_context(ledger.acquire_replay_lease(
+            held.enter_context(locks.acquire_replay_lease(
                 url, stream.id, _operator(), lambda what: print(f"waiting for {what}", file=sys.stderr)))
         with psycopg.connect(url, autocommit=True) as conn:
             report = redeliver(conn, stream, args.ids or None, _operator(), args.chunk_size, dry_run=args.dry_run)
@@ -835,7 +835,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .engine.bootstrap import InitError
         from .engine.dbconn import error_line, scrubbed_error
         from .engine.deadletters import DeadLetterError
-        from .engine.ledger import SlotElsewhere, SlotInUse
+        from .engine.ledger.streams import SlotElsewhere, SlotInUse
         from .engine.migrations import MigrationError
         from .engine.replication import PublicationTaken
         from .sparkserver import SparkServerError

@@ -19,7 +19,6 @@ import os
 import re
 import types
 import typing
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -128,57 +127,6 @@ class DeliveryTuning(_Model):
                                                "comparisons, measured in bench/)")
 
 
-#: keys of ``delivery`` that moved: old key -> where it is now (a ``mode``, or a key of ``tuning``)
-DEPRECATED_DELIVERY_KEYS: dict[str, str] = {
-    "linger_secs": "delivery.mode (0: per_batch) and delivery.tuning.linger_secs",
-    "keep_warm": "delivery.mode: warm",
-    "read_slot": "delivery.tuning.read_slot",
-    "direct_max_events": "delivery.tuning.direct_max_events",
-    "max_read_bytes": "delivery.tuning.max_read_bytes",
-    "rows_per_partition": "delivery.tuning.rows_per_partition",
-    "prefetch_partitions": "delivery.tuning.prefetch_partitions",
-    "report_every_secs": "delivery.tuning.report_every_secs",
-    "max_run_secs": "delivery.tuning.max_run_secs",
-}
-
-
-def _moved_delivery_keys(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` (a ``delivery`` block) with the keys of :data:`DEPRECATED_DELIVERY_KEYS` moved to
-    ``mode`` / ``tuning``, each with a :class:`DeprecationWarning` naming the new key. An old key that
-    says otherwise than the new key given with it is an error (which one holds would be a guess)."""
-    old = [k for k in DEPRECATED_DELIVERY_KEYS if k in data]
-    if not old or not isinstance(data.get("tuning", {}), dict):
-        return data  # (a tuning that is no mapping: its own error)
-    data = dict(data)
-    tuning: dict[str, Any] = dict(data.get("tuning") or {})
-    implied: str | None = None
-    for key in old:  # linger_secs before keep_warm: keep_warm with linger_secs 0 was a warm run
-        value = data.pop(key)
-        warnings.warn(f"delivery.{key} is deprecated: use {DEPRECATED_DELIVERY_KEYS[key]}", DeprecationWarning,
-                      stacklevel=2)
-        if key == "keep_warm":
-            implied = "warm" if value is True else implied
-            continue
-        if key == "linger_secs" and value == 0 and not isinstance(value, bool):
-            implied = "per_batch"
-            # a run per batch read as before: by the run's connection up to direct_max_events (mode per_batch
-            # alone reads every round through PySpark)
-            tuning.setdefault("direct_max_events", data.get("direct_max_events", DIRECT_MAX_EVENTS))
-            continue
-        if key in tuning and tuning[key] != value:
-            raise ValueError(f"delivery.{key} ({value!r}) and delivery.tuning.{key} ({tuning[key]!r}) disagree: "
-                             f"keep delivery.tuning.{key}")
-        tuning[key] = value
-    if implied is not None:
-        if data.get("mode", implied) != implied:
-            raise ValueError(f"delivery.mode {data['mode']!r} and the deprecated keys {', '.join(old)} (mode "
-                             f"{implied!r}) disagree: keep delivery.mode")
-        data["mode"] = implied
-    if tuning:
-        data["tuning"] = tuning
-    return data
-
-
 class DeliveryConfig(_Model):
     mode: Literal["open", "per_batch", "warm"] = Field(
         "open", description="open: a run stays open after its batches (tuning.linger_secs), reads the stream's slot "
@@ -223,12 +171,14 @@ class DeliveryConfig(_Model):
 
     @model_validator(mode="before")
     @classmethod
-    def _old_keys(cls, data: Any) -> Any:
-        """Configs written before ``mode`` and ``tuning`` (the keys of :data:`DEPRECATED_DELIVERY_KEYS`)
-        still load, with a warning naming the new key."""
-        if not isinstance(data, dict):
-            return data
-        return _moved_delivery_keys(data)
+    def _moved_keys(cls, data: Any) -> Any:
+        """A key of ``tuning`` (or ``keep_warm``) given here is refused, naming where it goes."""
+        for key in data if isinstance(data, dict) else ():
+            if key == "keep_warm" or (key in DeliveryTuning.model_fields and key not in cls.model_fields):
+                where = "mode: warm" if key == "keep_warm" else f"tuning.{key}" + (
+                    " (0: delivery.mode: per_batch)" if key == "linger_secs" else "")
+                raise ValueError(f"delivery.{key} is no longer read: write delivery.{where}")
+        return data
 
     @property
     def keeps_open(self) -> bool:
@@ -251,15 +201,9 @@ class DeliveryConfig(_Model):
         return self.keeps_open and self.tuning.read_slot
 
     @property
-    def max_read_bytes(self) -> int:
-        """``tuning.max_read_bytes``."""
-        return self.tuning.max_read_bytes
-
-    @property
     def direct_max_events(self) -> int:
         """The largest ordered round read without Spark: ``tuning.direct_max_events``, but 0 (every round
-        through PySpark) in mode per_batch unless ``tuning.direct_max_events`` is given (a configuration
-        written with ``linger_secs: 0`` gets its old value there, and reads as it did)."""
+        through PySpark) in mode per_batch unless ``tuning.direct_max_events`` is given."""
         if self.mode == "per_batch" and "direct_max_events" not in self.tuning.model_fields_set:
             return 0
         return self.tuning.direct_max_events
@@ -300,7 +244,7 @@ class StreamChecksConfig(_Model):
 #: (so is its Dagster sensor), the publication its open run's reader decodes with
 #: ``pgstream_stream_<id>_rows``, an open run's NOTIFY channel ``pgstream_stream_<id>_runs``. Tear-down
 #: recognises the publications by it. The default replication slot's name is the database's to derive
-#: (``pgstream.default_slot_name``, unique in the cluster): see ``engine.ledger.stream_slot``.
+#: (``pgstream.default_slot_name``, unique in the cluster): see ``engine.ledger.streams.stream_slot``.
 STREAM_NAME_PREFIX = "pgstream_stream_"
 
 
@@ -319,7 +263,7 @@ class StreamConfig(_Model):
     checks: StreamChecksConfig = StreamChecksConfig()
     slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$",
                                   description="the replication slot the stream reads; default: a name the database "
-                                              "derives, unique in the cluster (engine.ledger.stream_slot)")
+                                              "derives, unique in the cluster (engine.ledger.streams.stream_slot)")
     reader: str | None = Field(
         None, pattern=r"^[a-z][a-z0-9_]{0,30}$",
         description="a reader group: the streams naming the same group share one replication slot and one "
@@ -486,7 +430,7 @@ def _check_streams(streams: Sequence[StreamConfig]) -> None:
     if dupes:
         raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
     # one slot, one stream: two streams on a slot each advance it past the other's events (a default
-    # slot name is unique; one that a slot_name takes is refused by the database: ledger.SlotInUse)
+    # slot name is unique; one that a slot_name takes is refused by the database: ledger.streams.SlotInUse)
     readers: dict[str, int] = {}
     for s in streams:
         if s.slot_name is None:
@@ -854,10 +798,9 @@ def config_path() -> Path:
 
 
 #: the ``type`` of a stream declared in a ``defs.yaml`` (:class:`pgstream_dagster.StreamComponent`), as
-#: registered with ``dg``, by its package and module, and by its old module (a re-export)
+#: registered with ``dg``, and by its package and module
 STREAM_COMPONENT_TYPES = ("pgstream_dagster.StreamComponent", "pgstream_dagster.component.StreamComponent",
-                          "pgstream_dagster.component.stream.StreamComponent",
-                          "pgstream_dagster.defs.components.StreamComponent")
+                          "pgstream_dagster.component.stream.StreamComponent")
 
 
 def load_component_streams(folder: Path | str) -> tuple[list[StreamDeclaration], list[str]]:

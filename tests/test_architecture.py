@@ -95,15 +95,19 @@ def test_the_pattern_finds_what_it_is_meant_to() -> None:
 
 
 def _ledger_names_used(path: Path) -> set[str]:
-    """The names of the ledger a module uses: ``ledger.X`` and ``from ..ledger(.state) import X``."""
+    """The names of ``engine/ledger/state.py`` a module uses: ``<alias>.X`` of a ``from ..ledger import
+    state [as alias]`` and ``from ..ledger.state import X``."""
+    tree = ast.parse(path.read_text())
+    aliases: set[str] = set()
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
-                node.value.id in ("ledger", "engine_ledger"):
-            names.add(node.attr)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] in ("ledger", "state") and \
-                "ledger" in (node.module or "") + "".join(a.name for a in node.names if a.name == "ledger"):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "ledger":
+            aliases.update(a.asname or a.name for a in node.names if a.name == "state")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith("ledger.state"):
             names.update(a.name for a in node.names)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            names.add(node.attr)
     return names
 
 
@@ -117,5 +121,5 @@ def test_outside_the_ledger_the_open_run_changes_by_actions() -> None:
     assert direct == {}, f"transitions called outside ledger.apply / ledger.apply_run: {direct}"
     assert "apply" in uses["defs/sensors.py"]
     assert "apply_run" in uses["engine/delivery/run.py"] and "apply_run" in uses["engine/ingest/recorder.py"]
-    from pgstream_dagster.engine import ledger
-    assert not (set(dir(ledger)) & {"close_run", "take_slot", "give_slot_back"}), "the run's transitions are actions"
+    from pgstream_dagster.engine.ledger import state
+    assert not (set(dir(state)) & {"close_run", "take_slot", "give_slot_back"}), "the run's transitions are actions"

@@ -41,17 +41,17 @@ RUN_KEY = "pgstream-s7-inc0-b10-a1"
 OPEN_KEY = "pgstream-s7-inc0-b9-a1"
 
 
-def stream_config(**delivery: Any) -> StreamConfig:
+def stream_config(mode: str = "open") -> StreamConfig:
     return StreamConfig.model_validate({
         "id": SID, "sink": {"type": "file", "path": "/dev/null"},
         "retry": {"initial_backoff_secs": 5, "max_backoff_secs": 300},
-        "delivery": {"linger_secs": 120, **delivery}})
+        "delivery": {"mode": mode, "tuning": {"linger_secs": 120}}})
 
 
 LINGER = stream_config()
-WARM = stream_config(keep_warm=True)
+WARM = stream_config("warm")
 WARM_KEY = "pgstream-s7-inc0-warm-1772625600"  # NOW's epoch second
-NO_LINGER = stream_config(linger_secs=0)
+NO_LINGER = stream_config("per_batch")
 
 
 def batch(status: BatchStatus, **over: Any) -> Batch:
@@ -106,18 +106,18 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
     ("empty stream", state(None), NO_RUN, LINGER, Wait()),
     ("empty stream in failover: failover ends", state(None, failover_since=SINCE), NO_RUN, LINGER,
      LeaveFailover(Wait(), CAUGHT_UP)),
-    # keep_warm: with nothing open, an open run with no batch is kept ready
-    ("empty, keep_warm, no open run: a warm run", state(None, incarnation="inc0"), NO_RUN, WARM,
+    # mode warm: with nothing open, an open run with no batch is kept ready
+    ("empty, mode warm, no open run: a warm run", state(None, incarnation="inc0"), NO_RUN, WARM,
      Warm(WarmRun(SID, WARM_KEY))),
-    ("empty, keep_warm, warm run live: wait", state(None, open_run_key=WARM_KEY), run(RunStatus.LIVE), WARM, Wait()),
-    ("empty, keep_warm, warm run not made yet: request it again", state(None, open_run_key=WARM_KEY), NO_RUN, WARM,
+    ("empty, mode warm, warm run live: wait", state(None, open_run_key=WARM_KEY), run(RunStatus.LIVE), WARM, Wait()),
+    ("empty, mode warm, warm run not made yet: request it again", state(None, open_run_key=WARM_KEY), NO_RUN, WARM,
      Warm(WarmRun(SID, WARM_KEY), again=True)),
-    ("empty, keep_warm, warm run failed: not replaced before the next batch",
+    ("empty, mode warm, warm run failed: not replaced before the next batch",
      state(None, open_run_key=WARM_KEY), run(RunStatus.FAILED, "FAILURE", "boom"), WARM, Wait()),
-    ("empty, keep_warm, paused: nothing", state(None, paused=True), NO_RUN, WARM, Wait()),
-    ("empty, keep_warm, in failover: failover ends, then a warm run", state(None, failover_since=SINCE), NO_RUN, WARM,
+    ("empty, mode warm, paused: nothing", state(None, paused=True), NO_RUN, WARM, Wait()),
+    ("empty, mode warm, in failover: failover ends, then a warm run", state(None, failover_since=SINCE), NO_RUN, WARM,
      LeaveFailover(Warm(WarmRun(SID, "pgstream-s7--warm-1772625600")), CAUGHT_UP)),
-    ("empty, open run idle (no keep_warm): wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.LIVE), LINGER,
+    ("empty, open run idle (mode open): wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.LIVE), LINGER,
      Wait()),
     # the open run is the slot's declared reader: once it ended without closing, the sensor reads again
     ("empty, open run reading live: wait", state(None, open_run_key=OPEN_KEY, slot_reader=f"run:{OPEN_KEY}"),
@@ -125,13 +125,13 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
     ("empty, open run reading died: the slot back to the sensor",
      state(None, open_run_key=OPEN_KEY, slot_reader=f"run:{OPEN_KEY}"), run(RunStatus.DEAD, "FAILURE"), LINGER,
      ReclaimSlot(OPEN_KEY, "stream 7: open run r1 ended (FAILURE); the sensor reads the slot")),
-    ("empty, keep_warm, warm run reading failed: the slot back to the sensor, not replaced",
+    ("empty, mode warm, warm run reading failed: the slot back to the sensor, not replaced",
      state(None, open_run_key=WARM_KEY, slot_reader=f"run:{WARM_KEY}"), run(RunStatus.FAILED, "CANCELED"), WARM,
      ReclaimSlot(WARM_KEY, "stream 7: open run r1 ended (CANCELED); the sensor reads the slot")),
     ("empty, open run reading succeeded without closing: the slot back to the sensor",
      state(None, open_run_key=OPEN_KEY, slot_reader=f"run:{OPEN_KEY}"), run(RunStatus.SUCCEEDED), LINGER,
      ReclaimSlot(OPEN_KEY, "stream 7: open run r1 ended (succeeded); the sensor reads the slot")),
-    ("empty, open run reading, not made yet (keep_warm): request it again",
+    ("empty, open run reading, not made yet (mode warm): request it again",
      state(None, open_run_key=WARM_KEY, slot_reader=f"run:{WARM_KEY}"), NO_RUN, WARM,
      Warm(WarmRun(SID, WARM_KEY), again=True)),
     # paused: nothing starts, whatever the head and its run
@@ -142,7 +142,7 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
     # pending head: a new run takes the backlog, or the open run does
     ("pending, no open run: launch, open", state(PENDING), NO_RUN, LINGER,
      launch(PENDING, NEXT_RUN, keep_open=True)),
-    ("pending, no open run, linger_secs 0: launch, not open", state(PENDING), NO_RUN, NO_LINGER,
+    ("pending, no open run, mode per_batch: launch, not open", state(PENDING), NO_RUN, NO_LINGER,
      launch(PENDING, NEXT_RUN, keep_open=False)),
     ("pending after a failed run: the next attempt", state(PENDING_RETRIED), NO_RUN, LINGER,
      launch(PENDING_RETRIED, NEXT_RUN, keep_open=True)),

@@ -19,7 +19,7 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from pgstream_dagster.engine import ledger
+from pgstream_dagster.engine.ledger import keyprogress, locks
 from pgstream_dagster.engine.spark import _publish_partition
 from pgstream_dagster.sinks import MemorySink, MemorySinkConfig, SinkError
 
@@ -44,7 +44,7 @@ def _rows() -> list[dict[str, Any]]:
     return rows
 
 
-def _attempt(rows: list[dict[str, Any]], progress: ledger.KeyProgress, **sink: Any) -> dict[int, tuple[int, int]]:
+def _attempt(rows: list[dict[str, Any]], progress: keyprogress.KeyProgress, **sink: Any) -> dict[int, tuple[int, int]]:
     """One attempt of the partition: its result per batch, ``(handled, resumed)``."""
     batches: Iterator[Any] = iter([pa.RecordBatch.from_pylist(rows[:25]), pa.RecordBatch.from_pylist(rows[25:])])
     out = list(_publish_partition(batches, MemorySinkConfig(name="resume", **sink), CHUNK, frozenset(), None,
@@ -58,8 +58,8 @@ def test_a_retried_partition_resumes_per_bucket_and_counts_every_event_once(db_u
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("select pgstream.ensure_stream(1)")
     rows = _rows()
-    lease = ledger.acquire_lease(db_url, 1, "r-1")  # the run, which gives its round's tasks the token
-    progress = ledger.KeyProgress(db_url, 1, PARTITIONS, token=ledger.issue_delivery_token(lease, 1, "r-1"))
+    lease = locks.acquire_lease(db_url, 1, "r-1")  # the run, which gives its round's tasks the token
+    progress = keyprogress.KeyProgress(db_url, 1, PARTITIONS, token=keyprogress.issue_delivery_token(lease, 1, "r-1"))
     poison = 210  # batch 2 #10: its chunk (207..210) delivers 207..209, then the sink refuses 210
     with pytest.raises(SinkError):
         _attempt(rows, progress, reject_ids=[poison], reject_times=1)
@@ -82,9 +82,9 @@ def test_a_retried_partition_resumes_per_bucket_and_counts_every_event_once(db_u
     with psycopg.connect(db_url) as c:
         assert c.execute("select bucket, batch_id, ord from pgstream.key_progress where stream_id = 1 "
                          "order by bucket").fetchall() == [(0, 2, 30), (1, 2, 30)]
-        ledger.clear_key_progress(c, 1, through_batch_id=1)  # a round of batch 1 alone keeps what is past it
+        keyprogress.clear_key_progress(c, 1, through_batch_id=1)  # a round of batch 1 alone keeps what is past it
         assert c.execute("select count(*) from pgstream.key_progress").fetchone() == (2,)
-        ledger.clear_key_progress(c, 1, through_batch_id=2)
+        keyprogress.clear_key_progress(c, 1, through_batch_id=2)
         assert c.execute("select count(*) from pgstream.key_progress").fetchone() == (0,)
     assert "postgresql" not in repr(progress)  # pickled to the executors, shown in tracebacks: never the URL
     assert progress.token and progress.token not in repr(progress)  # nor the token
@@ -96,19 +96,20 @@ def test_a_task_stops_once_its_run_no_longer_holds_the_delivery_lease(db_url: st
     every record, that the run still holds its lease, and stop after the chunk in flight."""
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("select pgstream.ensure_stream(1)")
-    progress = ledger.KeyProgress(db_url, 1, PARTITIONS)
+    progress = keyprogress.KeyProgress(db_url, 1, PARTITIONS)
     with progress.connect() as task:
-        lease = ledger.acquire_lease(db_url, 1, "r-1")
-        progress.token = ledger.issue_delivery_token(lease, 1, "r-1")
+        lease = locks.acquire_lease(db_url, 1, "r-1")
+        progress.token = keyprogress.issue_delivery_token(lease, 1, "r-1")
         progress.record(task, [0], 1, 4)
         lease.close()  # the run's process died: its backend ends a moment after the socket closes
         deadline = time.monotonic() + 10
-        while ledger.lease_state(task, "r-1") is ledger.LeaseState.HELD and time.monotonic() < deadline:
+        while locks.lease_state(task, "r-1") is locks.LeaseState.HELD and time.monotonic() < deadline:
             time.sleep(0.02)
         # another session naming itself after the run (any role can set its application_name) keeps
         # nothing alive: the lease is pgstream's lock row
-        with psycopg.connect(db_url, application_name=ledger.lease_name("r-1")):
-            with pytest.raises(ledger.RunGone, match="the run of this by_key round no longer holds the delivery lease"):
+        with psycopg.connect(db_url, application_name=locks.lease_name("r-1")):
+            with pytest.raises(keyprogress.RunGone,
+                               match="the run of this by_key round no longer holds the delivery lease"):
                 progress.record(task, [0], 1, 8)
         assert progress.read(task) == {0: (1, 4)}  # nothing recorded once the run is gone
 

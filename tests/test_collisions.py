@@ -19,10 +19,11 @@ import pytest
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import load_config
 from pgstream_dagster.devdb import LocalPostgres
-from pgstream_dagster.engine import ledger, replication
+from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import consume
-from pgstream_dagster.engine.ledger import SlotElsewhere, SlotInUse
+from pgstream_dagster.engine.ledger import streams
+from pgstream_dagster.engine.ledger.streams import SlotElsewhere, SlotInUse
 from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, tear_down
 
 from .support.harness import Driver, insert_events, write_config
@@ -55,7 +56,7 @@ def test_init_refuses_a_slot_another_stream_reads_and_changes_nothing(db_url: st
     insert_events(db_url, 2, 2)
     before = _streams_and_slots(db_url)
     with psycopg.connect(db_url) as c:
-        slot1, slot2, slot3 = (ledger.stream_slot(c, i) for i in (1, 2, 3))
+        slot1, slot2, slot3 = (streams.stream_slot(c, i) for i in (1, 2, 3))
     assert [r[:2] for r in before["streams"]] == [(1, slot1), (2, slot2)]
     # pgstream.yaml changed: stream 1 left it, stream 2 now names stream 1's slot, stream 3 is new
     # (each file alone is consistent, so only the database can tell)
@@ -112,7 +113,7 @@ def test_two_databases_of_one_cluster_each_run_their_stream_77(
             cfg = write_config(tmp_path / f"{_dbname(url)}.yaml", url, [{"id": 77, "sink": MEMORY}])
             out = init(cfg)
             with psycopg.connect(url, autocommit=True) as c:
-                slots[url] = ledger.stream_slot(c, 77)
+                slots[url] = streams.stream_slot(c, 77)
                 assert f"created slot {slots[url]} for stream 77 (recovered 0 batches from the table)" in out
                 insert_events(url, 77, 3)
                 result = consume(c, load_config(cfg).stream(77), 1.0)
@@ -159,8 +160,8 @@ def test_an_upgrade_keeps_the_slot_each_stream_reads_and_loses_or_repeats_no_eve
     migrate(empty_db_url)
     cfg = write_config(tmp_path / "pgstream.yaml", empty_db_url, [{"id": 1, "sink": MEMORY}])
     with psycopg.connect(empty_db_url, autocommit=True) as c:
-        assert ledger.stream_slot(c, 1) == "pgstream_stream_1"
-        slot2 = ledger.stream_slot(c, 2)
+        assert streams.stream_slot(c, 1) == "pgstream_stream_1"
+        slot2 = streams.stream_slot(c, 2)
         (pattern,) = c.execute("select pgstream.default_slot_pattern()").fetchone()  # type: ignore[misc]
         assert slot2.startswith("pgstream_stream_2_d") and re.fullmatch(pattern, slot2)
         result = consume(c, load_config(cfg).stream(1), 1.0)
@@ -178,20 +179,20 @@ def test_a_copied_database_reads_slots_of_its_own(db_url: str, pg: LocalPostgres
     stream rows with the original's default slot names. The copy has another oid: it derives its own
     names the first time it looks, and creates its slots next to the original's."""
     with psycopg.connect(db_url, autocommit=True) as c:
-        original = ledger.ensure_stream(c, 5)
+        original = streams.ensure_stream(c, 5)
     copy = f"{_dbname(db_url)}_copy"
     with psycopg.connect(pg.url, autocommit=True) as c:
         c.execute(f"create database {copy} template {_dbname(db_url)}")
     try:
         with psycopg.connect(pg.url_for(copy), autocommit=True) as c:
             assert c.execute("select slot from pgstream.streams where id = 5").fetchone() == (original,)
-            mine = ledger.ensure_stream(c, 5)
+            mine = streams.ensure_stream(c, 5)
             assert mine != original and mine.startswith("pgstream_stream_5_d")
             assert c.execute("select slot from pgstream.streams where id = 5").fetchone() == (mine,)
             replication.create_slot(c, mine)
             c.execute("select pg_drop_replication_slot(%s)", [mine])
         with psycopg.connect(db_url, autocommit=True) as c:
-            assert ledger.stream_slot(c, 5) == original
+            assert streams.stream_slot(c, 5) == original
             replication.create_slot(c, original)
     finally:
         with psycopg.connect(pg.url, autocommit=True) as c:
@@ -200,21 +201,21 @@ def test_a_copied_database_reads_slots_of_its_own(db_url: str, pg: LocalPostgres
 
 def test_a_new_stream_whose_default_slot_is_taken_is_refused(conn: psycopg.Connection) -> None:
     conn.execute("create table public.users (id serial primary key, email text)")
-    slot2 = ledger.stream_slot(conn, 2)  # what stream 2 would read, before it exists
-    ledger.ensure_stream(conn, 1, slot2)  # stream 1 reads a slot named like stream 2's default
+    slot2 = streams.stream_slot(conn, 2)  # what stream 2 would read, before it exists
+    streams.ensure_stream(conn, 1, slot2)  # stream 1 reads a slot named like stream 2's default
     with pytest.raises(psycopg.errors.UniqueViolation, match=f"stream 2: slot {slot2} is already used by stream 1"):
         conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
                      "values ('a', 2, 'INSERT', 'users', '{id}')")
     with pytest.raises(SlotInUse, match=f"stream 2: slot {slot2} is already used by stream 1"):
-        ledger.ensure_stream(conn, 2)
+        streams.ensure_stream(conn, 2)
     assert conn.execute("select id from pgstream.streams").fetchall() == [(1,)]
     assert conn.execute("select count(*) from pgstream.subscriptions").fetchone() == (0,)
     # a stream created with its own slot name is fine, and so is the largest stream id
-    ledger.ensure_stream(conn, 2, "users_slot")
-    ledger.ensure_stream(conn, 2**63 - 1, None)
+    streams.ensure_stream(conn, 2, "users_slot")
+    streams.ensure_stream(conn, 2**63 - 1, None)
     assert conn.execute("select id, coalesce(slot_name, '-') from pgstream.streams order by 1").fetchall() == [
         (1, slot2), (2, "users_slot"), (2**63 - 1, "-")]
-    assert len(ledger.stream_slot(conn, 2**63 - 1)) <= 63  # a slot name's limit
+    assert len(streams.stream_slot(conn, 2**63 - 1)) <= 63  # a slot name's limit
     assert conn.execute("select count(*) from pg_publication where pubname = %s",
                         [f"pgstream_stream_{2**63 - 1}"]).fetchone() == (1,)
 
@@ -314,8 +315,8 @@ def _install_with_user_objects(conn: psycopg.Connection) -> None:
     conn.execute("create table public.users (id serial primary key, email text)")
     conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
                  "values ('a', 1, 'INSERT', 'users', '{id}')")  # a generated trigger: pgstream's own
-    ledger.ensure_stream(conn, 1, "orders_cdc")  # a custom slot name
-    ledger.ensure_stream(conn, 2, None)
+    streams.ensure_stream(conn, 1, "orders_cdc")  # a custom slot name
+    streams.ensure_stream(conn, 2, None)
     for slot in ("orders_cdc", "pgstream_stream_2", "pgstream_peer"):  # pgstream_peer: not ours
         conn.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [slot])
     conn.execute("insert into public.users (email) values ('a')")
@@ -391,7 +392,7 @@ def test_tear_down_cascade_drops_and_lists_them_and_every_slot_of_a_stream(conn:
 
 
 def test_tear_down_without_dependents_needs_no_cascade(conn: psycopg.Connection, db_url: str) -> None:
-    ledger.ensure_stream(conn, 7, "custom_slot")
+    streams.ensure_stream(conn, 7, "custom_slot")
     conn.execute("select pg_create_logical_replication_slot('custom_slot', 'pgoutput')")
     removed = tear_down(db_url)
     assert "replication slot custom_slot" in removed and "publication pgstream_stream_7" in removed

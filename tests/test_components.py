@@ -36,7 +36,7 @@ STREAM_1: dict[str, Any] = {"id": 1, "sink": {"type": "memory", "name": "one"}}
 STREAM_2: dict[str, Any] = {
     "id": 2, "slot_name": "orders_slot", "batch": {"max_size": 50, "max_fill_secs": 0.2},
     "sink": {"type": "http", "url": "http://127.0.0.1:9/hook", "headers": {"Authorization": "Bearer ${HOOK_TOKEN}"}},
-    "delivery": {"linger_secs": 30, "on_reject": "dead_letter"}, "sensor": {"interval_secs": 2},
+    "delivery": {"tuning": {"linger_secs": 30}, "on_reject": "dead_letter"}, "sensor": {"interval_secs": 2},
     "checks": {"max_undelivered_age_secs": 60},
 }
 SUBS_1 = [{"key": "signup", "stream_id": 1, "operation": "INSERT", "table_name": "users", "column_names": ["id"]}]
@@ -314,7 +314,7 @@ def test_the_cli_reads_the_streams_of_the_defs_folder(tmp_path: Path, env: dict[
     (defs / "other").mkdir()
     (defs / "other" / "defs.yaml").write_text(  # another component type, and a second document of ours
         "type: dagster.DefsFolderComponent\nattributes: {}\n---\n" + yaml.safe_dump(
-            {"type": "pgstream_dagster.defs.components.StreamComponent",
+            {"type": "pgstream_dagster.component.stream.StreamComponent",
              "attributes": {"id": 3, "sink": {"type": "redis", "url": "redis://127.0.0.1:6379/0", "stream": "s3"},
                             "delivery": {"ordering": "by_key", "routing_key": "record.id"}}}))
     cfg = tmp_path / "pgstream.yaml"
@@ -371,20 +371,17 @@ def test_the_cli_reads_the_streams_of_the_defs_folder(tmp_path: Path, env: dict[
     assert SECRET not in text + err
 
 
-def test_the_component_has_a_package_of_its_own_and_its_old_import_path_still_works() -> None:
+def test_the_component_has_a_package_of_its_own() -> None:
     """``StreamComponent`` lives in ``pgstream_dagster.component``, above the definitions: the location
-    finds the components by their base class and imports no module that imports it back (no cycle);
-    ``pgstream_dagster.defs.components`` re-exports it for defs.yaml files that name that path."""
+    finds the components by their base class and imports no module that imports it back (no cycle)."""
     import grimp
 
-    from pgstream_dagster.defs import components as old_path
     from pgstream_dagster.defs.location import StreamDeclaringComponent
 
-    assert old_path.StreamComponent is StreamComponent is pgstream_dagster.StreamComponent
+    assert StreamComponent is pgstream_dagster.StreamComponent
     assert issubclass(StreamComponent, StreamDeclaringComponent)
     graph = grimp.build_graph("pgstream_dagster")
-    for module in ("pgstream_dagster.component", "pgstream_dagster.component.stream",
-                   "pgstream_dagster.defs.components"):
+    for module in ("pgstream_dagster.component", "pgstream_dagster.component.stream"):
         assert not graph.chain_exists(importer="pgstream_dagster.defs.location", imported=module)
     assert graph.chain_exists(importer="pgstream_dagster.component.stream", imported="pgstream_dagster.defs.location")
 

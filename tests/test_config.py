@@ -255,50 +255,26 @@ def test_routing_key_refuses_what_a_sink_payload_path_refuses(path: str) -> None
         parse_sink_config({"type": "redis", "stream_from": path})
 
 
-@pytest.mark.parametrize(("old", "mode", "tuning"), [
-    ({"linger_secs": 0}, "per_batch", {"direct_max_events": 100_000}),  # read as before, not through Spark
-    ({"linger_secs": 30}, "open", {"linger_secs": 30}),
-    ({"keep_warm": True}, "warm", {}),
-    ({"keep_warm": False}, "open", {}),
-    # a warm run did not linger: it never closed when idle
-    ({"keep_warm": True, "linger_secs": 0}, "warm", {"direct_max_events": 100_000}),
-    ({"read_slot": False}, "open", {"read_slot": False}),
-    ({"direct_max_events": 0}, "open", {"direct_max_events": 0}),
-    ({"max_read_bytes": 2**21}, "open", {"max_read_bytes": 2**21}),
-    ({"rows_per_partition": 300}, "open", {"rows_per_partition": 300}),
-    ({"prefetch_partitions": False}, "open", {"prefetch_partitions": False}),
-    ({"report_every_secs": 0}, "open", {"report_every_secs": 0}),
-    ({"max_run_secs": 60}, "open", {"max_run_secs": 60}),
+@pytest.mark.parametrize(("old", "where"), [
+    ("linger_secs: 0", "delivery.tuning.linger_secs (0: delivery.mode: per_batch)"),
+    ("keep_warm: true", "delivery.mode: warm"),
+    *[(f"{key}: 1", f"delivery.tuning.{key}") for key in (
+        "read_slot", "direct_max_events", "max_read_bytes", "rows_per_partition", "prefetch_partitions",
+        "report_every_secs", "max_run_secs")],
 ])
-def test_old_delivery_keys_still_load_with_a_warning_naming_the_new_key(
-        tmp_path: Path, old: dict[str, object], mode: str, tuning: dict[str, object]) -> None:
-    """Configs written before delivery.mode and delivery.tuning: each old key maps to its new place,
-    and a DeprecationWarning names it."""
+def test_a_delivery_key_that_moved_is_refused_in_one_line_naming_where_it_goes(
+        tmp_path: Path, old: str, where: str) -> None:
+    """A key of delivery.tuning (or keep_warm, now a mode) written under delivery is not read: loading
+    fails in one line naming the stream, the key and what to write instead."""
     path = tmp_path / "pgstream.yaml"
     path.write_text("database_url: postgresql://x@h/db\nstreams:\n  - id: 1\n    sink: {type: file, path: /tmp/x}\n"
-                    f"    delivery: {old!r}\n".replace("True", "true").replace("False", "false"))
-    with pytest.warns(DeprecationWarning) as caught:
-        delivery = load_config(path).streams[0].delivery
-    messages = [str(w.message) for w in caught]
-    for key in old:
-        assert any(m.startswith(f"delivery.{key} is deprecated: use delivery.") for m in messages), messages
-    assert delivery.mode == mode
-    for key, value in tuning.items():
-        assert getattr(delivery.tuning, key) == value
-    assert delivery == DeliveryConfig.model_validate({"mode": mode, "tuning": tuning})  # nothing else changed
-
-
-def test_an_old_key_that_contradicts_the_new_one_is_refused_naming_both(tmp_path: Path) -> None:
-    path = tmp_path / "pgstream.yaml"
-    for delivery, words in (("{mode: open, linger_secs: 0}",
-                             "delivery.mode 'open' and the deprecated keys linger_secs"),
-                            ("{direct_max_events: 5, tuning: {direct_max_events: 6}}",
-                             "delivery.direct_max_events (5) and delivery.tuning.direct_max_events (6) disagree")):
-        path.write_text("database_url: postgresql://x@h/db\nstreams:\n  - id: 1\n    sink: {type: file, path: /tmp/x}\n"
-                        f"    delivery: {delivery}\n")
-        with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=r"streams\[0\]\.delivery") as info:
-            load_config(path)
-        assert words in str(info.value)
+                    f"    delivery: {{mode: open, {old}}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    key = old.split(":")[0]
+    (line,) = str(info.value).splitlines()
+    assert line.endswith(f"pgstream.yaml: streams[0].delivery: Value error, delivery.{key} is no longer read: "
+                         f"write {where}"), line
 
 
 def test_the_default_mode_is_an_open_run_reading_the_slot() -> None:

@@ -13,8 +13,8 @@ import pytest
 from psycopg import sql
 
 from pgstream_dagster.cli import main as cli_main
-from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.batches import BatchStatus
+from pgstream_dagster.engine.ledger import locks
 from pgstream_dagster.engine.migrations import (
     migrate,
     sql_dir,
@@ -564,11 +564,11 @@ def test_pgstreams_own_locks_are_held_by_a_live_session(db_url: str) -> None:
     a = psycopg.connect(db_url, autocommit=True)
     b = psycopg.connect(db_url, autocommit=True)
     try:
-        assert ledger.try_lock(a, "test", 7, "a") and ledger.try_lock(a, "test", 7, "a")
-        assert not ledger.try_lock(b, "test", 7, "b")
-        assert ledger.lock_holder(b, "test", 7) == "a" and ledger.lock_holder(b, "test", 8) is None
-        ledger.unlock(b, "test", 7)  # not b's: nothing happens
-        assert ledger.lock_holder(b, "test", 7) == "a"
+        assert locks.try_lock(a, "test", 7, "a") and locks.try_lock(a, "test", 7, "a")
+        assert not locks.try_lock(b, "test", 7, "b")
+        assert locks.lock_holder(b, "test", 7) == "a" and locks.lock_holder(b, "test", 8) is None
+        locks.unlock(b, "test", 7)  # not b's: nothing happens
+        assert locks.lock_holder(b, "test", 7) == "a"
         pid = a.info.backend_pid
         a.close()
         # the session ends once its backend has left (a moment after the client closed it)
@@ -576,34 +576,34 @@ def test_pgstreams_own_locks_are_held_by_a_live_session(db_url: str) -> None:
             if b.execute("select count(*) from pg_stat_activity where pid = %s", [pid]).fetchone() == (0,):
                 break
             time.sleep(0.05)
-        assert ledger.lock_holder(b, "test", 7) is None
-        assert ledger.try_lock(b, "test", 7)
-        assert ledger.lock_holder(b, "test", 7) == ""
-        ledger.unlock(b, "test", 7)
-        assert ledger.lock_holder(b, "test", 7) is None
+        assert locks.lock_holder(b, "test", 7) is None
+        assert locks.try_lock(b, "test", 7)
+        assert locks.lock_holder(b, "test", 7) == ""
+        locks.unlock(b, "test", 7)
+        assert locks.lock_holder(b, "test", 7) is None
         # a pid that was reused: alive, but not the backend that took the lock
         row = b.execute("select backend_start, usesysid from pg_stat_activity where pid = pg_backend_pid()").fetchone()
         assert row is not None
         started, role = row
         b.execute("update pgstream.locks set pid = pg_backend_pid(), backend_start = %s - interval '1 day', "
                   "usesysid = %s, holder = 'old' where name = 'test' and key = 7", [started, role])
-        assert ledger.lock_holder(b, "test", 7) is None
+        assert locks.lock_holder(b, "test", 7) is None
         # ... and alive, started then, but of another role
         b.execute("update pgstream.locks set backend_start = %s, usesysid = 1 where name = 'test' and key = 7",
                   [started])
-        assert ledger.lock_holder(b, "test", 7) is None
+        assert locks.lock_holder(b, "test", 7) is None
         b.execute("update pgstream.locks set usesysid = %s where name = 'test' and key = 7", [role])
-        assert ledger.lock_holder(b, "test", 7) == "old"  # (the row as this session would have written it)
+        assert locks.lock_holder(b, "test", 7) == "old"  # (the row as this session would have written it)
         b.execute("update pgstream.locks set pid = null, backend_start = null, usesysid = null "
                   "where name = 'test' and key = 7")
         c = psycopg.connect(db_url, autocommit=True)
         try:
-            assert ledger.try_lock(c, "test", 7, "c")
+            assert locks.try_lock(c, "test", 7, "c")
         finally:
             c.close()
         with pytest.raises(ValueError, match="autocommit"):
             with psycopg.connect(db_url) as tx:
-                ledger.try_lock(tx, "test", 7)
+                locks.try_lock(tx, "test", 7)
         # a transaction lock: the second transaction waits for the first to end
         a = psycopg.connect(db_url, autocommit=True)
         with a.transaction():

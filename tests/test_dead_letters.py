@@ -21,9 +21,9 @@ from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CONTROL_JOB, REPLAY_JOB, REPLAY_OP
 from pgstream_dagster.defs.status import status_observation
 from pgstream_dagster.engine import deadletters
-from pgstream_dagster.engine import ledger as ledger_module
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.deadletters import DeadLetterError
+from pgstream_dagster.engine.ledger import locks
 from pgstream_dagster.engine.status import render_status, stream_status
 from pgstream_dagster.sinks import MemorySink
 
@@ -302,10 +302,10 @@ def test_one_redelivery_per_stream_at_a_time(conn: psycopg.Connection, db_url: s
     deadletters.set_aside(conn, 1, ledger["a"][:1], "x")
     delivered(conn, ledger["A"])
     with psycopg.connect(db_url, autocommit=True) as other:
-        assert ledger_module.try_lock(other, ledger_module.REDELIVERY_LOCK, 1)
+        assert locks.try_lock(other, locks.REDELIVERY_LOCK, 1)
         with pytest.raises(DeadLetterError, match="another redelivery of stream 1"):
             deadletters.redeliver(conn, stream, None, "tester")
-        ledger_module.unlock(other, ledger_module.REDELIVERY_LOCK, 1)
+        locks.unlock(other, locks.REDELIVERY_LOCK, 1)
     assert [r[2] for r in letters(conn)] == ["open"]
     MemorySink.reset("lock")
     assert deadletters.redeliver(conn, stream, None, "tester").redelivered == [letters(conn)[0][0]]

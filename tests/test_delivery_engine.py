@@ -16,11 +16,13 @@ import pytest
 import yaml
 
 from pgstream_dagster.config import StreamConfig, load_config
-from pgstream_dagster.engine import ingest, ledger, replication, spark
+from pgstream_dagster.engine import ingest, replication, spark
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.delivery.run import DeliveryError, DeliveryRun, Host, RoundReport, Summary
 from pgstream_dagster.engine.delivery.sources import Owed, Readers, Route, Selection, route
 from pgstream_dagster.engine.handoff import Handoff
+from pgstream_dagster.engine.ledger import locks, state
+from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.engine.publish import Span
 from pgstream_dagster.engine.slotreader import SlotReader
 
@@ -64,17 +66,17 @@ def _insert(c: psycopg.Connection, n: int, start: int = 0) -> list[int]:
         "from generate_series(%s::int, %s::int) g returning id", [STREAM, start, start + n - 1])]
 
 
-def _recorded(url: str, stream: StreamConfig, n: int) -> list[ledger.Batch]:
+def _recorded(url: str, stream: StreamConfig, n: int) -> list[state.Batch]:
     """The stream with its slot, ``n`` events recorded in batches by the sensor's read (nothing delivered)."""
     with psycopg.connect(url, autocommit=True) as c:
-        replication.create_slot(c, ledger.ensure_stream(c, STREAM))
+        replication.create_slot(c, ledger_streams.ensure_stream(c, STREAM))
         _insert(c, n)
-        while sum(b.event_count for b in ledger.batches_between(c, STREAM, 0, 10**9)) < n:
+        while sum(b.event_count for b in state.batches_between(c, STREAM, 0, 10**9)) < n:
             ingest.consume(c, stream, 0.5)
-        return ledger.batches_between(c, STREAM, 0, 10**9)
+        return state.batches_between(c, STREAM, 0, 10**9)
 
 
-def _run(stream: StreamConfig, url: str, batches: list[ledger.Batch], log: Log, *,
+def _run(stream: StreamConfig, url: str, batches: list[state.Batch], log: Log, *,
          run_key: str | None = None) -> DeliveryRun:
     return DeliveryRun(stream, url, url, "engine-test", batches[0].id if batches else None,
                        batches[-1].id if batches else None, run_key).start(log)
@@ -95,7 +97,7 @@ def test_a_run_delivers_its_batches_in_order_marks_them_and_reports(db_url: str,
     stream = _stream(tmp_path, db_url, tuning={"linger_secs": 0.2, "report_every_secs": 0})
     batches = _recorded(db_url, stream, 230)
     with psycopg.connect(db_url, autocommit=True) as c:
-        ledger.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
+        state.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
     summaries: list[Summary] = []
     log = Log()
     run = _run(stream, db_url, batches, log)
@@ -119,7 +121,7 @@ def test_a_round_logs_its_progress_only_when_it_lasts(db_url: str, tmp_path: Pat
     stream = _stream(tmp_path, db_url, tuning={"linger_secs": 0.2, "report_every_secs": every})
     batches = _recorded(db_url, stream, 230)
     with psycopg.connect(db_url, autocommit=True) as c:
-        ledger.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
+        state.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
     log = Log()
     rounds = list(_run(stream, db_url, batches, log).deliver(Host("engine-test", log)))
     assert sum(r.delivered for r in rounds) == 230 and len(_ids(tmp_path)) == 230
@@ -135,8 +137,8 @@ def test_an_open_run_reads_the_slot_delivers_what_commits_and_the_host_closes_it
     hands it over (route ``handoff``), until the host's stop check closes it; nothing lost or repeated."""
     stream = _stream(tmp_path, db_url, mode="warm")
     with psycopg.connect(db_url, autocommit=True) as c:
-        replication.create_slot(c, ledger.ensure_stream(c, STREAM))
-        ledger.open_run(c, STREAM, RUN_KEY)
+        replication.create_slot(c, ledger_streams.ensure_stream(c, STREAM))
+        state.open_run(c, STREAM, RUN_KEY)
     log = Log()
     stop = threading.Event()
     run = _run(stream, db_url, [], log, run_key=RUN_KEY)
@@ -158,7 +160,7 @@ def test_an_open_run_reads_the_slot_delivers_what_commits_and_the_host_closes_it
     assert log.has("this open run reads slot") and log.has("run closed (the host says stop)")
     assert log.has("of the events delivered were taken as read")
     with psycopg.connect(db_url) as c:
-        assert not ledger.run_is_open(c, STREAM, RUN_KEY)
+        assert not state.run_is_open(c, STREAM, RUN_KEY)
     assert _statuses(db_url) == {BatchStatus.DELIVERED}
 
 
@@ -174,7 +176,7 @@ def test_a_run_that_would_overtake_or_names_no_batch_fails_and_gives_up_the_leas
         DeliveryRun(stream, db_url, db_url, "engine-test", batches[-1].id + 100).start(log)
     run = _run(stream, db_url, batches, log)  # the lease was given up each time: this one takes it
     assert run.lease is not None
-    ledger.give_up_lease(run.lease, STREAM)
+    locks.give_up_lease(run.lease, STREAM)
     assert _ids(tmp_path) == []
 
 
@@ -183,7 +185,7 @@ def test_per_batch_delivers_through_pyspark(db_url: str, tmp_path: Path) -> None
     stream = _stream(tmp_path, db_url, mode="per_batch")
     batches = _recorded(db_url, stream, 90)
     with psycopg.connect(db_url, autocommit=True) as c:
-        ledger.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
+        state.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
     session = spark.open_session(load_config(tmp_path / "pgstream.yaml"))
     log = Log()
     rounds = list(_run(stream, db_url, batches, log).deliver(Host("engine-test", log, spark=lambda: session)))
@@ -258,7 +260,7 @@ def test_one_process_hosts_a_groups_runs_in_threads_and_a_failing_sink_stops_onl
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, "hosted", streams, 0)  # the group's slot; every member joined
         for i in ids:
-            assert ledger.open_warm_run(c, i, f"hosted-{i}", reads_slot=False)
+            assert state.open_warm_run(c, i, f"hosted-{i}", reads_slot=False)
         threads = [threading.Thread(target=host, args=(s,), daemon=True) for s in streams]
         for thread in threads:
             thread.start()
@@ -289,7 +291,7 @@ def test_one_process_hosts_a_groups_runs_in_threads_and_a_failing_sink_stops_onl
         assert set(errors) == {failing}
         assert "connection failed" in str(errors[failing]), errors[failing]
         # the failed run gave its lease up (its thread ended, the process lives on): a new run may take it
-        assert ledger.lease_state(c, f"hosted-{failing}") is not ledger.LeaseState.HELD
+        assert locks.lease_state(c, f"hosted-{failing}") is not locks.LeaseState.HELD
         assert {r[0] for r in c.execute("select status from pgstream.batches where stream_id <> %s",
                                         [failing])} == {BatchStatus.DELIVERED}
 
@@ -314,13 +316,13 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
         for i in ids])
     streams = list(load_config(path).streams)
     polls: dict[str, int] = {}
-    next_assigned = ledger.next_assigned
+    next_assigned = state.next_assigned
 
-    def counted(conn: psycopg.Connection, stream_id: int, run_key: str, after: int) -> ledger.Assigned:
+    def counted(conn: psycopg.Connection, stream_id: int, run_key: str, after: int) -> state.Assigned:
         polls[run_key] = polls.get(run_key, 0) + 1
         return next_assigned(conn, stream_id, run_key, after)
 
-    monkeypatch.setattr(ledger, "next_assigned", counted)
+    monkeypatch.setattr(state, "next_assigned", counted)
     ended: dict[int, str | None] = {}
     logs = Log()
     host = group_delivery.GroupHost("grp", logs, lambda stream, run_id: Host(run_id, logs),
@@ -336,18 +338,18 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, "hosted", streams, 0)
         for i in ids:  # what the members' sensors decide: a warm run each (the group's reader hands them batches)
-            assert ledger.open_warm_run(c, i, f"warm-{i}", reads_slot=False)
+            assert state.open_warm_run(c, i, f"warm-{i}", reads_slot=False)
         insert_events(db_url, failing, 5)
-        while not ledger.assigned_after(c, f"warm-{failing}", 0):  # handed to its run: its sink refuses them
+        while not state.assigned_after(c, f"warm-{failing}", 0):  # handed to its run: its sink refuses them
             ingest.consume_group(c, "hosted", streams, 0.05)
         thread = threading.Thread(target=lambda: outcome.append(delivery.run()), daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
-        while ledger.lease_state(c, "grp/1") is not ledger.LeaseState.HELD or failing not in ended:
+        while locks.lease_state(c, "grp/1") is not locks.LeaseState.HELD or failing not in ended:
             assert time.monotonic() < deadline and thread.is_alive(), (ended, logs.lines[-5:])
             time.sleep(0.1)
         assert ended == {failing: ended[failing]} and "connection failed" in str(ended[failing])  # it alone ended
-        assert ledger.lease_state(c, "grp/5") is ledger.LeaseState.NOT_TAKEN  # hosted elsewhere: left alone
+        assert locks.lease_state(c, "grp/5") is locks.LeaseState.NOT_TAKEN  # hosted elsewhere: left alone
         polls.clear()
         time.sleep(1.5)  # idle (linger 6 s): the members wait to be woken
         assert sum(polls.values()) <= 3, polls  # a run polling on its own looks about 3 times each in 1.5 s
@@ -363,11 +365,11 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
             assert out(i) == sent
         # a replay of stream 1 waits for its delivery lease: the group wakes the member's idle run, which closes
         took = time.monotonic()
-        ledger.acquire_replay_lease(db_url, 1, "replay-test").close()
+        locks.acquire_replay_lease(db_url, 1, "replay-test").close()
         assert time.monotonic() - took < 4
         assert any("stream 1: run closed (a replay of the stream waits" in m for _level, m in logs.lines)
         thread.join(30)  # idle for linger_secs: the members' runs close, then the group run ends
         assert not thread.is_alive() and outcome == ["no member had a run for 1s"], (outcome, logs.lines[-5:])
         assert set(ended) == {1, 2, 3, failing} and all(ended[i] is None for i in (1, 2, 3))
-        assert ledger.group_lease_state(c, "hosted", "grp") is ledger.LeaseState.NOT_TAKEN  # given up
+        assert locks.group_lease_state(c, "hosted", "grp") is locks.LeaseState.NOT_TAKEN  # given up
     assert delivery_run.WOKEN_POLL_SECS > 1.5

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgstream_dagster.engine import ledger
+from pgstream_dagster.engine.ledger import deadletters, keyprogress, locks
 from pgstream_dagster.engine.publish import TooLarge
 from pgstream_dagster.engine.spark_source import Position, SourceError, commit_consumer
 from pgstream_dagster.sinks import Event
@@ -60,9 +60,9 @@ def test_the_executor_cannot_forge_or_suppress_another_streams_event_through_a_d
             with psycopg.connect(url, autocommit=True) as ex, pytest.raises(psycopg.errors.InsufficientPrivilege):
                 ex.execute(*statement)
         # a run of stream 1 holds its lease and gives its round's tasks the token; stream 2 has none
-        lease = ledger.acquire_lease(db_url, 1, "run-1")
+        lease = locks.acquire_lease(db_url, 1, "run-1")
         try:
-            token = ledger.issue_delivery_token(lease, 1, "run-1")
+            token = keyprogress.issue_delivery_token(lease, 1, "run-1")
             with psycopg.connect(url, autocommit=True) as ex:
                 set_aside = "select pgstream.set_aside_rejected(%s, %s, %s, 'http', 'rejected: 422', 3)"
                 with pytest.raises(psycopg.errors.InsufficientPrivilege, match="not the delivery token of a run"):
@@ -76,12 +76,12 @@ def test_the_executor_cannot_forge_or_suppress_another_streams_event_through_a_d
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):  # only the runtime issues tokens
                     ex.execute("select pgstream.issue_delivery_token(2, 'run-1')")
             # what a by_key task runs: the event it hands over is not what is written, pgstream.events is
-            writer = ledger.DeadLetterWriter(url, 1, "http", resumes=False, token=token)
+            writer = deadletters.DeadLetterWriter(url, 1, "http", resumes=False, token=token)
             forged = Event(ids1[0], 1, {"forged": True}, created_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
             writer(b1, 1, forged, "rejected: 422", 2)
             writer.too_large(b1, 3, TooLarge(ids2[0], 10_000, 100))  # (the id is not what names the event)
             assert token not in repr(writer)
-            ledger.give_up_lease(lease, 1)  # the run ended: its token writes nothing more
+            locks.give_up_lease(lease, 1)  # the run ended: its token writes nothing more
             with psycopg.connect(url, autocommit=True) as ex, pytest.raises(psycopg.errors.InsufficientPrivilege):
                 ex.execute(set_aside, [token, b1, 4])
         finally:
@@ -155,14 +155,14 @@ def test_the_executor_cannot_lock_what_a_run_writes(
                     "and has_table_privilege(current_user, c.oid, %s)", [privilege]).fetchone()
                 assert held == (None,), f"the executor holds {privilege} on {held}"
         # the by_key task's write, through the owner's function, for the stream its token names
-        progress = ledger.KeyProgress(url, 2, 3, token="not-a-token")
+        progress = keyprogress.KeyProgress(url, 2, 3, token="not-a-token")
         (b1, _), _ = streams[1]
         with progress.connect() as task:
-            with pytest.raises(ledger.RunGone):
+            with pytest.raises(keyprogress.RunGone):
                 progress.record(task, [0], b1, 4)
-            lease = ledger.acquire_lease(db_url, 1, "run-1")
+            lease = locks.acquire_lease(db_url, 1, "run-1")
             try:
-                progress.token = ledger.issue_delivery_token(lease, 1, "run-1")
+                progress.token = keyprogress.issue_delivery_token(lease, 1, "run-1")
                 progress.record(task, [0, 2], b1, 4)  # (its stream_id says 2: the token's stream is written)
             finally:
                 lease.close()

@@ -426,7 +426,7 @@ def test_run_whose_lease_session_ended_is_failed_at_the_next_tick(db_url: str, t
     waits (``run_grace_secs``); once the database session that held its lease has ended (its process
     died) the next tick marks it failed, whatever ``run_grace_secs`` says, and the next run delivers."""
     from pgstream_dagster.defs.names import DELIVERY_JOB
-    from pgstream_dagster.engine import ledger
+    from pgstream_dagster.engine.ledger import locks
 
     cfg = stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 120})
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
@@ -444,7 +444,7 @@ def test_run_whose_lease_session_ended_is_failed_at_the_next_tick(db_url: str, t
     assert re.search(f"30 undelivered events in 1 batches; waiting for run {run.run_id}: started \\d+ s ago, has not "
                      r"taken its delivery lease yet \(run_grace_secs 120\)", tick.skip_message), tick.skip_message
     # its process takes the lease, then dies (kill -9: the session ends, the lease was not given up)
-    lease = ledger.acquire_lease(db_url, STREAM, run.run_id)
+    lease = locks.acquire_lease(db_url, STREAM, run.run_id)
     tick = driver.tick(STREAM)
     assert not tick.run_requests and f"waiting for run {run.run_id} (it holds the delivery lease)" in str(
         tick.skip_message)

@@ -22,9 +22,11 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config
-from pgstream_dagster.engine import batches, ingest, ledger, replication
+from pgstream_dagster.engine import batches, ingest, replication
 from pgstream_dagster.engine.batches import CloseRun, GiveSlotBack, RunStatus, RunView, TakeSlot
 from pgstream_dagster.engine.ingest.recorder import Batching, Pending
+from pgstream_dagster.engine.ledger import recording, streams
+from pgstream_dagster.engine.ledger import state as ledger_state
 from pgstream_dagster.engine.replication import DecodedEvent, Transaction
 from pgstream_dagster.engine.status import render_status, stream_status
 
@@ -43,7 +45,7 @@ def _streams(tmp_path: Path, url: str, batch: dict[str, Any], ids: tuple[int, ..
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids]))
     with psycopg.connect(url, autocommit=True) as c:
         for stream in config.streams:
-            replication.create_slot(c, ledger.ensure_stream(c, stream.id))
+            replication.create_slot(c, streams.ensure_stream(c, stream.id))
     return list(config.streams)
 
 
@@ -121,7 +123,7 @@ def test_the_same_batch_settings_give_the_same_batches_through_both_sources(
     then, but never how it is cut)."""
     peeked, streamed = _streams(tmp_path, db_url, batch, ids=(1, 2))
     with psycopg.connect(db_url, autocommit=True) as c:
-        ledger.open_run(c, streamed.id, RUN_KEY)
+        ledger_state.open_run(c, streamed.id, RUN_KEY)
     stop, stats = threading.Event(), ingest.FollowStats()
     reader = threading.Thread(target=ingest.follow, args=(db_url, streamed, RUN_KEY, stop, stats),
                               kwargs={"application_name": "pgstream reader t"})
@@ -149,11 +151,36 @@ def test_the_same_batch_settings_give_the_same_batches_through_both_sources(
 
 # --- the declared reader ----------------------------------------------------------------------------
 
+def test_the_sensor_backs_off_while_another_connection_still_holds_its_slot(db_url: str, tmp_path: Path) -> None:
+    """The sensor is the declared reader, but a reader that has not seen the change yet (a closed run's,
+    between two looks at the ledger) still streams the slot: the sensor's tick backs off (SlotBusy),
+    records nothing and touches nothing, and records every event once when the slot is let go."""
+    (stream,) = _streams(tmp_path, db_url, {"max_size": 100, "max_fill_secs": 0})
+    insert_events(db_url, 1, 20)
+    stale = ingest.StreamSource(db_url, slot_of(db_url, 1), stream.publication, "stale reader",
+                                max_bytes=stream.delivery.tuning.max_read_bytes)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        try:
+            assert ledger_state.slot_reader(c, 1) == ledger_state.SENSOR
+            result = ingest.consume(c, stream, 0.3)
+            assert result.slot_busy and not result.batches and result.events == 0
+            assert _recorded(db_url, 1) == []
+        finally:
+            stale.close()
+
+        def ticked() -> bool:
+            ingest.consume(c, stream, 0.3)
+            return len(_recorded(db_url, 1)) >= 20
+
+        _wait(ticked)
+    assert sorted(_recorded(db_url, 1)) == _recorded(db_url, 1) and len(set(_recorded(db_url, 1))) == 20
+
+
 def test_the_sensor_does_not_read_while_a_run_is_the_declared_reader(db_url: str, tmp_path: Path) -> None:
     (stream,) = _streams(tmp_path, db_url, {"max_size": 100, "max_fill_secs": 0})
     with psycopg.connect(db_url, autocommit=True) as c:
-        assert ledger.slot_reader(c, 1) == ledger.SENSOR
-        ledger.open_run(c, 1, RUN_KEY)
+        assert ledger_state.slot_reader(c, 1) == ledger_state.SENSOR
+        ledger_state.open_run(c, 1, RUN_KEY)
         insert_events(db_url, 1, 20)
         confirmed = c.execute("select confirmed_flush_lsn from pg_replication_slots where slot_name = %s",
                               [slot_of(db_url, 1)]).fetchone()
@@ -168,15 +195,15 @@ def test_the_sensor_does_not_read_while_a_run_is_the_declared_reader(db_url: str
         assert f"open run: {RUN_KEY} (the slot's declared reader; its reader is not reading yet)" in \
             render_status(stream_status(c, 1))
         # the run closes: the sensor reads again, from where the slot was
-        assert ledger.apply_run(c, CloseRun(1, RUN_KEY))
-        assert ledger.slot_reader(c, 1) == ledger.SENSOR
+        assert ledger_state.apply_run(c, CloseRun(1, RUN_KEY))
+        assert ledger_state.slot_reader(c, 1) == ledger_state.SENSOR
         assert ingest.consume(c, stream, 1.0).events == 20
     assert _recorded(db_url, 1) == _events(db_url, 1)
 
 
 def test_the_declared_reader_changes_with_the_open_run(db_url: str, tmp_path: Path) -> None:
-    """Opening, replacing, failing and closing the open run go through batches.decide / ledger.apply
-    (the sensor's) and ledger.apply_run (the run's: CloseRun, TakeSlot, GiveSlotBack);
+    """Opening, replacing, failing and closing the open run go through batches.decide / ledger.state.apply
+    (the sensor's) and ledger.state.apply_run (the run's: CloseRun, TakeSlot, GiveSlotBack);
     an opened run becomes the slot's reader when its reader takes the slot (the sensor reads until
     then: no moment without a reader), and ending it gives the slot back in the same UPDATE; the
     database refuses a run as reader that is not the open run."""
@@ -186,39 +213,39 @@ def test_the_declared_reader_changes_with_the_open_run(db_url: str, tmp_path: Pa
         ingest.consume(c, stream, 1.0)
 
         def decide_and_apply(view: RunView) -> Any:
-            state = ledger.stream_state(c, 1, stream.delivery.max_events_per_run)
+            state = ledger_state.stream_state(c, 1, stream.delivery.max_events_per_run)
             action = batches.decide(state, view, dt.datetime.now(dt.UTC), stream)
-            ledger.apply(c, stream, action)
+            ledger_state.apply(c, stream, action)
             return action
 
         launch = decide_and_apply(batches.NO_RUN)
         assert isinstance(launch, batches.Launch) and launch.keep_open
         key = launch.order.run_key
-        assert _reader_row(db_url, 1) == (key, ledger.SENSOR)  # a run queued or starting: the sensor reads
-        assert ledger.apply_run(c, TakeSlot(1, key))  # its reader began
+        assert _reader_row(db_url, 1) == (key, ledger_state.SENSOR)  # a run queued or starting: the sensor reads
+        assert ledger_state.apply_run(c, TakeSlot(1, key))  # its reader began
         assert _reader_row(db_url, 1) == (key, f"run:{key}")
         # the run failed: failover, the open run forgotten, the slot the sensor's, in one transaction
         failed = decide_and_apply(RunView(RunStatus.FAILED, "r1", "FAILURE", "boom"))
         assert isinstance(failed, batches.FailRun)
-        assert _reader_row(db_url, 1) == (None, ledger.SENSOR)
+        assert _reader_row(db_url, 1) == (None, ledger_state.SENSOR)
         # a run that does not read the slot (delivery.tuning.read_slot: false) leaves it to the sensor
-        ledger.launch(c, 1, (), "other-run", keep_open=True, reads_slot=False)
-        assert _reader_row(db_url, 1) == ("other-run", ledger.SENSOR)
+        ledger_state.launch(c, 1, (), "other-run", keep_open=True, reads_slot=False)
+        assert _reader_row(db_url, 1) == ("other-run", ledger_state.SENSOR)
         # the reader cannot read for a while: it gives the slot back, then takes it again
-        assert ledger.apply_run(c, TakeSlot(1, "other-run"))
+        assert ledger_state.apply_run(c, TakeSlot(1, "other-run"))
         assert _reader_row(db_url, 1) == ("other-run", "run:other-run")
-        assert not ledger.apply_run(c, TakeSlot(1, "not-open"))  # refused: not the open run
-        assert ledger.apply_run(c, GiveSlotBack(1, "other-run"))
-        assert _reader_row(db_url, 1) == ("other-run", ledger.SENSOR)
-        assert not ledger.apply_run(c, GiveSlotBack(1, "other-run"))  # refused: not the reader any more
+        assert not ledger_state.apply_run(c, TakeSlot(1, "not-open"))  # refused: not the open run
+        assert ledger_state.apply_run(c, GiveSlotBack(1, "other-run"))
+        assert _reader_row(db_url, 1) == ("other-run", ledger_state.SENSOR)
+        assert not ledger_state.apply_run(c, GiveSlotBack(1, "other-run"))  # refused: not the reader any more
         # only the open run may be the reader, whoever writes the row
         with pytest.raises(psycopg.errors.CheckViolation):
             c.execute("update pgstream.streams set slot_reader = 'run:not-open' where id = 1")
-        ledger.apply_run(c, TakeSlot(1, "other-run"))
+        ledger_state.apply_run(c, TakeSlot(1, "other-run"))
         with pytest.raises(psycopg.errors.CheckViolation):
             c.execute("update pgstream.streams set open_run_key = null where id = 1")
-        ledger.clear_open_run(c, 1, "other-run")
-        assert _reader_row(db_url, 1) == (None, ledger.SENSOR)
+        ledger_state.clear_open_run(c, 1, "other-run")
+        assert _reader_row(db_url, 1) == (None, ledger_state.SENSOR)
 
 
 def _follow_in_child(url: str, tmp_path: str) -> None:
@@ -233,7 +260,7 @@ def test_a_killed_runs_slot_returns_to_the_sensor(db_url: str, tmp_path: Path) -
     and it records what committed meanwhile: every event once."""
     (stream,) = _streams(tmp_path, db_url, {"max_size": 50, "max_fill_secs": 0})
     with psycopg.connect(db_url, autocommit=True) as c:
-        ledger.open_run(c, 1, RUN_KEY)
+        ledger_state.open_run(c, 1, RUN_KEY)
     child = multiprocessing.get_context("spawn").Process(target=_follow_in_child, args=(db_url, str(tmp_path)))
     child.start()
     insert_events(db_url, 1, 40)
@@ -250,14 +277,14 @@ def test_a_killed_runs_slot_returns_to_the_sensor(db_url: str, tmp_path: Path) -
         # every batch recorded was handed to the run, delivered by nobody: mark them delivered so the
         # stream's head is empty, as after a run that delivered everything and then died
         for (batch_id,) in c.execute("select id from pgstream.batches where stream_id = 1").fetchall():
-            ledger.mark_delivered(c, batch_id, "r1")
-        state = ledger.stream_state(c, 1, stream.delivery.max_events_per_run)
+            ledger_state.mark_delivered(c, batch_id, "r1")
+        state = ledger_state.stream_state(c, 1, stream.delivery.max_events_per_run)
         action = batches.decide(state, RunView(RunStatus.DEAD, "r1", "FAILURE", "its process died"),
                                 dt.datetime.now(dt.UTC), stream)
         assert action == batches.ReclaimSlot(RUN_KEY, "stream 1: open run r1 ended (FAILURE); the sensor reads "
                                                       "the slot")
-        ledger.apply(c, stream, action)
-        assert _reader_row(db_url, 1) == (RUN_KEY, ledger.SENSOR)
+        ledger_state.apply(c, stream, action)
+        assert _reader_row(db_url, 1) == (RUN_KEY, ledger_state.SENSOR)
         assert ingest.consume(c, stream, 1.0).events == 30
     recorded = _recorded(db_url, 1)
     assert len(recorded) == len(set(recorded)) == 70 and recorded == _events(db_url, 1)
@@ -298,7 +325,7 @@ def test_an_open_run_killed_while_it_reads_leaves_the_slot_to_the_sensor_and_los
     driver.tick(1)
     insert_events(db_url, 1, 100)
     (request,) = tick_until(driver, 1, lambda: _reader_row(db_url, 1)[0] is not None)
-    assert _reader_row(db_url, 1) == (request.run_key, ledger.SENSOR)  # not started: the sensor reads
+    assert _reader_row(db_url, 1) == (request.run_key, ledger_state.SENSOR)  # not started: the sensor reads
     (tmp_path / "home").mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-c", _RUN_SCRIPT, str(config_path), dagster_storage_url, str(tmp_path / "home"),
@@ -324,7 +351,7 @@ def test_an_open_run_killed_while_it_reads_leaves_the_slot_to_the_sensor_and_los
     sent = sent_ids(db_url)
     assert len(sent) == 190 and endpoint.unique() == set(sent)
     assert sorted(_recorded(db_url, 1)) == sent  # each event recorded once
-    _wait(lambda: _reader_row(db_url, 1) == (None, ledger.SENSOR), timeout=30)
+    _wait(lambda: _reader_row(db_url, 1) == (None, ledger_state.SENSOR), timeout=30)
 
 
 def test_one_pass_records_several_streams_ledgers(db_url: str, tmp_path: Path) -> None:
@@ -338,7 +365,7 @@ def test_one_pass_records_several_streams_ledgers(db_url: str, tmp_path: Path) -
         def read(stream: StreamConfig) -> list[Transaction]:
             return ingest.PeekSource(c, slot_of(db_url, stream.id), stream.publication, 1000).read(0)
 
-        ledgers = {1: ingest.StreamLedger(s1, ledger.SENSOR), 2: ingest.StreamLedger(s2, ledger.SENSOR)}
+        ledgers = {1: ingest.StreamLedger(s1, ledger_state.SENSOR), 2: ingest.StreamLedger(s2, ledger_state.SENSOR)}
         assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == set()
         assert _batches(db_url, 1) == [[0, 1, 2, 3], [4, 5]] and _batches(db_url, 2) == [[0, 1, 2]]
         assert (ledgers[1].events, ledgers[2].events) == (6, 3)
@@ -346,7 +373,7 @@ def test_one_pass_records_several_streams_ledgers(db_url: str, tmp_path: Path) -
         assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == set()
         assert len(_recorded(db_url, 1)) == 6 and len(_recorded(db_url, 2)) == 3
         # stream 2's run became its reader: stream 2 records nothing in the pass, stream 1 does
-        ledger.open_run(c, 2, RUN_KEY)
+        ledger_state.open_run(c, 2, RUN_KEY)
         insert_events(db_url, 1, 2, 100)
         insert_events(db_url, 2, 2, 100)
         assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == {2}
@@ -362,11 +389,11 @@ def test_a_recording_pass_is_one_transaction_without_savepoints(db_url: str, tmp
     insert_events(db_url, 1, 6)
     trace = tmp_path / "trace.txt"
     with psycopg.connect(db_url, autocommit=True) as c, trace.open("w") as out:
-        ledger.open_run(c, 1, RUN_KEY)
-        ledger.apply_run(c, TakeSlot(1, RUN_KEY))
+        ledger_state.open_run(c, 1, RUN_KEY)
+        ledger_state.apply_run(c, TakeSlot(1, RUN_KEY))
         txns = ingest.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)
         c.pgconn.trace(out.fileno())
-        target = ingest.StreamLedger(stream, ledger.run_reader(RUN_KEY), run_key=RUN_KEY)
+        target = ingest.StreamLedger(stream, ledger_state.run_reader(RUN_KEY), run_key=RUN_KEY)
         assert ingest.record_pass(c, {1: target}, {1: txns}) == set()
         c.pgconn.untrace()
     sent = trace.read_text()
@@ -374,8 +401,8 @@ def test_a_recording_pass_is_one_transaction_without_savepoints(db_url: str, tmp
     assert "SAVEPOINT" not in sent.upper(), [line for line in sent.splitlines() if "SAVEPOINT" in line.upper()]
     assert len(_recorded(db_url, 1)) == 6
     with psycopg.connect(db_url, autocommit=True) as c:  # alone: a transaction of its own
-        assert [b.run_key for b in ledger.batches_between(c, 1, 0, 10**9)] == [RUN_KEY, RUN_KEY]
+        assert [b.run_key for b in ledger_state.batches_between(c, 1, 0, 10**9)] == [RUN_KEY, RUN_KEY]
         insert_events(db_url, 1, 2, 100)
-        ledger.record(c, 1, ingest.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)[-1:], 4)
+        recording.record(c, 1, ingest.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)[-1:], 4)
         assert c.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
         assert len(_recorded(db_url, 1)) == 8

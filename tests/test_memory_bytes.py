@@ -27,7 +27,7 @@ from .support.harness import Driver, event_ids, write_config
 
 EVENTS, MIB = 8, 20
 #: what a run may hold while it delivers them (measured: 120-202 MiB on a loaded machine; 480-920 MiB when
-#: reads were bounded by rows only): the open run's hand-off (four reads of delivery.max_read_bytes, 32 MiB)
+#: reads were bounded by rows only): the open run's hand-off (four reads of delivery.tuning.max_read_bytes, 32 MiB)
 #: plus the largest event as text, bytes and the sink's copy; half of the row-bounded figures
 BOUND_MIB = 12 * MIB
 
@@ -94,8 +94,9 @@ def test_the_publish_loop_sets_aside_what_a_reader_could_not_check(endpoint: End
 
 def test_dead_letters_are_redelivered_a_read_budget_at_a_time(db_url: str, endpoint: Endpoint) -> None:
     """Redelivery lists sizes, not payloads, and reads and sends each chunk's payloads within
-    delivery.max_read_bytes (2 MiB): three dead letters of 1.5 MiB as text are three requests, in order."""
-    stream = StreamConfig.model_validate({"id": 1, "sink": endpoint.sink(), "delivery": {"max_read_bytes": 2**21}})
+    delivery.tuning.max_read_bytes (2 MiB): three dead letters of 1.5 MiB as text are three requests, in order."""
+    stream = StreamConfig.model_validate({"id": 1, "sink": endpoint.sink(),
+                                          "delivery": {"tuning": {"max_read_bytes": 2**21}}})
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("select pgstream.ensure_stream(1)")
         ids = [r[0] for r in c.execute(

@@ -26,7 +26,8 @@ from pgstream_dagster.config import ConfigError, StreamConfig, load_config, load
 from pgstream_dagster.defs.names import status_asset_key
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.engine import ingest, replication
-from pgstream_dagster.engine import ledger as engine_ledger
+from pgstream_dagster.engine.ledger import recording, streams
+from pgstream_dagster.engine.ledger import state as ledger_state
 from pgstream_dagster.engine.metrics import HISTOGRAMS, METRICS, SCRAPE_DURATION, UP
 
 from .support.endpoint import Endpoint
@@ -477,14 +478,14 @@ def _subscribed_stream(db_url: str, tmp_path: Path, *, fill_secs: float, open_ru
     """Stream STREAM (a file sink) with a subscription on public.users and its slot; with ``open_run`` an
     open run ("run") whose reader will read the slot."""
     config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": fill_secs}, "delivery": {"linger_secs": 60},
-         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": fill_secs},
+         "delivery": {"tuning": {"linger_secs": 60}}, "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute(USERS)
         subscribe(c, "user-signup", columns=["id", "email"])
-        replication.create_slot(c, engine_ledger.ensure_stream(c, STREAM))
+        replication.create_slot(c, streams.ensure_stream(c, STREAM))
         if open_run:
-            engine_ledger.open_run(c, STREAM, "run")
+            ledger_state.open_run(c, STREAM, "run")
     return config.streams[0]
 
 
@@ -693,11 +694,11 @@ def test_a_reader_made_a_synchronous_standby_says_so_instead_of_waiting_for_its_
             admin.execute("select pg_reload_conf()")
             held.join()
             reader.join()
-    assert len(failed) == 1 and isinstance(failed[0], engine_ledger.ReaderIsSynchronousStandby), failed
+    assert len(failed) == 1 and isinstance(failed[0], recording.ReaderIsSynchronousStandby), failed
     assert "'pgstream reader t'" in str(failed[0]) and "synchronous_standby_names" in str(failed[0])
     with psycopg.connect(db_url, autocommit=True) as c:
         assert c.execute("select count(*) from pgstream.batches").fetchone() == (0,)  # nothing recorded unseen
-        engine_ledger.clear_open_run(c, STREAM, "run")
+        ledger_state.clear_open_run(c, STREAM, "run")
         assert ingest.consume(c, stream, 1.0).events == 1
         assert c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters where "
                          "name in ('events_recorded', 'events_written') order by 1").fetchall() == [

@@ -13,9 +13,10 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.batches import BatchStatus, CloseRun
 from pgstream_dagster.engine.controls import apply_control
+from pgstream_dagster.engine.ledger import locks
+from pgstream_dagster.engine.ledger import state as ledger_state
 from pgstream_dagster.engine.status import render_status, stream_status
 
 from .support.endpoint import Endpoint
@@ -28,7 +29,7 @@ STREAM = 1
 def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any]:
     return {"id": STREAM, "batch": {"max_size": 20, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
             "retry": {"initial_backoff_secs": 0.2, "max_backoff_secs": 0.5},
-            "delivery": {"linger_secs": linger, "chunk_size": 10, **delivery}, "sink": endpoint.sink()}
+            "delivery": {"chunk_size": 10, "tuning": {"linger_secs": linger}, **delivery}, "sink": endpoint.sink()}
 
 
 def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_path: Path,
@@ -184,28 +185,28 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
             return int(bid)
 
         first = batch(1)
-        ledger.launch(c, STREAM, [first], "run-a", keep_open=True)
+        ledger_state.launch(c, STREAM, [first], "run-a", keep_open=True)
         second = batch(2)
-        assert ledger.extend_run(c, STREAM, "run-a", 1000) == [second]
-        assert ledger.extend_run(c, STREAM, "run-x", 1000) == []  # not the open run
-        assert not ledger.apply_run(c, CloseRun(STREAM, "run-a"))  # batches assigned and not delivered
+        assert ledger_state.extend_run(c, STREAM, "run-a", 1000) == [second]
+        assert ledger_state.extend_run(c, STREAM, "run-x", 1000) == []  # not the open run
+        assert not ledger_state.apply_run(c, CloseRun(STREAM, "run-a"))  # batches assigned and not delivered
         for b in (first, second):
-            ledger.mark_delivered(c, b, "r")
-        assert [b.id for b in ledger.assigned_after(c, "run-a", first)] == []
-        assert ledger.apply_run(c, CloseRun(STREAM, "run-a"))
+            ledger_state.mark_delivered(c, b, "r")
+        assert [b.id for b in ledger_state.assigned_after(c, "run-a", first)] == []
+        assert ledger_state.apply_run(c, CloseRun(STREAM, "run-a"))
         batch(3)
-        assert ledger.extend_run(c, STREAM, "run-a", 1000) == []  # closed: never handed a batch again
+        assert ledger_state.extend_run(c, STREAM, "run-a", 1000) == []  # closed: never handed a batch again
 
         # the lock: a close waiting behind an assignment sees it and refuses
-        third = ledger.stream_state(c, STREAM, 1000).head
+        third = ledger_state.stream_state(c, STREAM, 1000).head
         assert third is not None
-        ledger.launch(c, STREAM, [third.id], "run-b", keep_open=True)
+        ledger_state.launch(c, STREAM, [third.id], "run-b", keep_open=True)
         fourth = batch(3)
         with psycopg.connect(db_url) as sensor:
             sensor.execute("select 1 from pgstream.streams where id = %s for update", [STREAM])
             sensor.execute("update pgstream.batches set status = %s, run_key = 'run-b' where id = %s",
                            [BatchStatus.LAUNCHED, fourth])
-            ledger.mark_delivered(c, third.id, "r")
+            ledger_state.mark_delivered(c, third.id, "r")
             outcome: list[bool] = []
             closer = threading.Thread(target=lambda: outcome.append(_close(db_url, "run-b")))
             closer.start()
@@ -218,7 +219,7 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
 
 def _close(url: str, run_key: str) -> bool:
     with psycopg.connect(url, autocommit=True) as c:
-        return ledger.apply_run(c, CloseRun(STREAM, run_key))
+        return ledger_state.apply_run(c, CloseRun(STREAM, run_key))
 
 
 def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run(
@@ -345,27 +346,27 @@ def test_the_delivery_lease_goes_to_a_waiting_replay_and_back_without_deadlock(d
             time.sleep(0.05)
 
     with psycopg.connect(db_url, autocommit=True) as observer:
-        first = ledger.acquire_lease(db_url, STREAM, "run-1")
+        first = locks.acquire_lease(db_url, STREAM, "run-1")
         try:
-            ledger.acquire_lease(db_url, STREAM, "run-0")
+            locks.acquire_lease(db_url, STREAM, "run-0")
             raise AssertionError("two runs held the lease")
-        except ledger.LeaseTaken:
+        except locks.LeaseTaken:
             pass
-        replay = take("replay", lambda: ledger.acquire_replay_lease(db_url, STREAM, "replay-1"))
-        until(lambda: ledger.replay_waiting(observer, STREAM))
-        second = take("run-2", lambda: ledger.acquire_lease(db_url, STREAM, "run-2"))
-        until(lambda: ledger.lease_alive(observer, "run-2"))  # waiting, and alive for the sensor
-        assert ledger.lock_holder(observer, ledger.DELIVERY_LOCK, STREAM) == "run-1"
+        replay = take("replay", lambda: locks.acquire_replay_lease(db_url, STREAM, "replay-1"))
+        until(lambda: locks.replay_waiting(observer, STREAM))
+        second = take("run-2", lambda: locks.acquire_lease(db_url, STREAM, "run-2"))
+        until(lambda: locks.lease_alive(observer, "run-2"))  # waiting, and alive for the sensor
+        assert locks.lock_holder(observer, locks.DELIVERY_LOCK, STREAM) == "run-1"
         assert replay.is_alive() and second.is_alive()
         first.close()  # the open run closed: the lease goes to the replay, not to the run waiting
         replay.join(30)
-        assert ledger.lock_holder(observer, ledger.DELIVERY_LOCK, STREAM) == "replay-1"
+        assert locks.lock_holder(observer, locks.DELIVERY_LOCK, STREAM) == "replay-1"
         assert second.is_alive()
         results["replay"].close()  # the replay ended
         second.join(30)
-        assert ledger.lock_holder(observer, ledger.DELIVERY_LOCK, STREAM) == "run-2"
-        assert not ledger.replay_waiting(observer, STREAM)
-        assert ledger.lock_holder(observer, ledger.LEASE_WAIT_LOCK, STREAM) is None
+        assert locks.lock_holder(observer, locks.DELIVERY_LOCK, STREAM) == "run-2"
+        assert not locks.replay_waiting(observer, STREAM)
+        assert locks.lock_holder(observer, locks.LEASE_WAIT_LOCK, STREAM) is None
         results["run-2"].close()
 
 

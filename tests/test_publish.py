@@ -302,7 +302,7 @@ def test_closing_the_publish_loop_publishes_nothing_more() -> None:
 
 @dataclass
 class LedgerBatch:
-    """What the publish loop's caller knows of a ledger batch (engine.ledger.Batch's fields that matter)."""
+    """What the publish loop's caller knows of a ledger batch (engine.ledger.state.Batch's fields that matter)."""
 
     id: int
     event_count: int

@@ -22,10 +22,13 @@ import pytest
 from pgstream_dagster.config import StreamConfig, load_config, streams_fingerprint
 from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
-from pgstream_dagster.engine import ingest, ledger, limits, migrations, replication
+from pgstream_dagster.engine import ingest, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import group as group_reader
 from pgstream_dagster.engine.ingest import recorder
+from pgstream_dagster.engine.ledger import groups, locks
+from pgstream_dagster.engine.ledger import state as ledger_state
+from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.status import render_status, stream_status
 
@@ -102,7 +105,7 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
         # half of the rows exist already (a subscription creates its stream's row): their sensors, ticking
         # before the group's, create no slot of their own (there would be room for 4 only)
         for i in ids[:6]:
-            ledger.ensure_stream(c, i)
+            ledger_streams.ensure_stream(c, i)
         insert_events(url, 2, 3)
         for s in streams:
             assert ingest.consume(c, s, 0.1).slot_busy
@@ -195,7 +198,8 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         # a tick's budget); meanwhile the group goes on recording stream 2
         result = ingest.consume_group(c, GROUP, streams, 0.5)
         assert result.publication == "altered" and result.joining == [1] and result.events.get(2) == 3
-        assert ledger.slot_reader(c, 1) == ledger.SENSOR  # not handed over yet: its own slot is its reader's
+        # not handed over yet: its own slot is its reader's
+        assert ledger_state.slot_reader(c, 1) == ledger_state.SENSOR
         later.join()
         writer.close()
         _drain(c, streams, lambda: len(_recorded(db_url, 1)) == len(_events(db_url, 1)))
@@ -208,7 +212,7 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         assert sorted(_recorded(db_url, 1)) == _events(db_url, 1)  # each once
         assert len(_recorded(db_url, 1)) == len(set(_recorded(db_url, 1))) == 30 + 20 + 5 + 7 + 1 + 3 + 2 + 4
         assert _recorded(db_url, 2) == _events(db_url, 2)
-        assert ledger.slot_reader(c, 1) == ledger.group_reader(GROUP)
+        assert ledger_state.slot_reader(c, 1) == groups.group_reader(GROUP)
         # its own slot is gone, the group's is the one slot
         assert own_slot not in _pgstream_slots(db_url) and len(_pgstream_slots(db_url)) == 1
         # its own sensor does not read (nor create) a slot any more
@@ -225,11 +229,11 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         ingest.consume_group(c, GROUP, streams, 0.3)
         assert sorted(_recorded(db_url, 3)) == _events(db_url, 3) and len(_pgstream_slots(db_url)) == 1
         # leaving the group is refused, naming the stream, and changes nothing
-        with pytest.raises(ledger.GroupChange, match="stream 1 reads with reader group shared: leaving a group"):
+        with pytest.raises(groups.GroupChange, match="stream 1 reads with reader group shared: leaving a group"):
             ingest.consume(c, own, 0.1)
-        with pytest.raises(ledger.GroupChange, match="stream 1 reads with reader group shared, not other"):
-            ledger.register_group_member(c, 1, "other")
-        assert ledger.slot_reader(c, 1) == ledger.group_reader(GROUP) and len(_pgstream_slots(db_url)) == 1
+        with pytest.raises(groups.GroupChange, match="stream 1 reads with reader group shared, not other"):
+            groups.register_group_member(c, 1, "other")
+        assert ledger_state.slot_reader(c, 1) == groups.group_reader(GROUP) and len(_pgstream_slots(db_url)) == 1
 
 
 def test_a_dropped_group_slot_is_replaced_and_every_member_recovers(db_url: str, tmp_path: Path) -> None:
@@ -267,7 +271,7 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
     streams = _configs(tmp_path, db_url, [1, 2], group={2: None})
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, GROUP, streams[:1], 0)
-        ledger.ensure_stream(c, 2)
+        ledger_streams.ensure_stream(c, 2)
         # the application's role (and so every tenant's) may call none of them; no grant to public either
         for fn in ("register_group_member(bigint, text)", "ensure_group_publication(text)", "begin_join(bigint, text)",
                    "finish_join(bigint, text)", "group_slot_name(text)"):
@@ -584,7 +588,7 @@ def test_a_group_runs_reader_refused_ends_the_run_and_the_sensor_reports_the_ref
         assert time.monotonic() < deadline
         group.tick()
     with psycopg.connect(db_url, autocommit=True) as c:
-        ledger.register_group_member(c, 3, "refused")
+        groups.register_group_member(c, 3, "refused")
     insert_events(db_url, 3, 5)
     registered = time.monotonic()
     while old.thread.is_alive():  # the group's sensor is not ticked: the run ends on its own
@@ -805,14 +809,14 @@ def test_a_runtime_calling_the_hand_over_out_of_order_is_refused_and_the_join_lo
                 h.execute("rollback")
         finally:
             writer.close()
-        assert ledger.slot_reader(c, 2) == ledger.SENSOR  # nothing changed so far
+        assert ledger_state.slot_reader(c, 2) == ledger_state.SENSOR  # nothing changed so far
         with _as(db_url, runtime) as h:
             (join_lsn,) = h.execute("select pgstream.begin_join(2, 'shared')").fetchone()  # type: ignore[misc]
         behind = _refused(db_url, runtime, "select pgstream.finish_join(2, 'shared')")
         assert f"not drained to its join position {join_lsn} yet" in str(behind)
         # the trigger keeps a joined member's reader, whatever the runtime sets, and lets only begin_join hand
         # a joining member over (stream 3 joins: its reader set by hand would skip draining its own slot)
-        ledger.ensure_stream(c, 3)  # a stream's row, before it gets reader:
+        ledger_streams.ensure_stream(c, 3)  # a stream's row, before it gets reader:
         with _as(db_url, runtime) as h:
             h.execute("select pgstream.register_group_member(3, 'shared')")
         skipped = _refused(db_url, runtime, "update pgstream.streams set slot_reader = 'group:shared' where id = 3")
@@ -826,7 +830,7 @@ def test_a_runtime_calling_the_hand_over_out_of_order_is_refused_and_the_join_lo
         # the group's reader goes on: drains stream 2's own slot to L, which finish_join then accepts
         insert_events(db_url, 2, 3, start=200)
         grouped = _configs(tmp_path, db_url, [1, 2, 3])
-        _drain(c, grouped, lambda: ledger.slot_reader(c, 2) == ledger.group_reader(GROUP) and
+        _drain(c, grouped, lambda: ledger_state.slot_reader(c, 2) == groups.group_reader(GROUP) and
                len(_recorded(db_url, 2)) == len(_events(db_url, 2)))
         assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 10 + 4 + 1 + 3
         assert c.execute("select join_lsn from pgstream.streams where id = 2").fetchone() == (None,)
@@ -847,13 +851,13 @@ def test_a_publication_by_the_groups_name_or_another_roles_locks_do_not_take_the
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, "other", _configs(tmp_path, db_url, [8], group={8: "other"}), 0)
         taken = _group_slot(db_url)
-        with pytest.raises(ledger.SlotInUse, match=f"stream 9: slot {taken} is already used by reader group other "
-                                                   r"\(its slot\)"):
-            ledger.ensure_stream(c, 9, taken)
+        with pytest.raises(ledger_streams.SlotInUse,
+                           match=f"stream 9: slot {taken} is already used by reader group other " r"\(its slot\)"):
+            ledger_streams.ensure_stream(c, 9, taken)
         assert c.execute("select count(*) from pgstream.streams where id = 9").fetchone() == (0,)
     squat = _configs(tmp_path, db_url, [7], group={7: "squat"})
     with psycopg.connect(db_url, autocommit=True) as c:
-        with pytest.raises(ledger.GroupChange) as refused:
+        with pytest.raises(groups.GroupChange) as refused:
             ingest.consume_group(c, "squat", squat, 0)
         assert str(refused.value) == (
             f"reader group squat: publication pgstream_group_squat is not the group's (owner {owner}, or "
@@ -933,7 +937,7 @@ def test_shadows_in_pg_temp_and_the_search_path_change_nothing_the_group_functio
         c.execute(f"grant create on schema public to {runtime}")
         c.execute("create table public.ran (what text)")
         c.execute("grant insert on public.ran to public")
-        ledger.ensure_stream(c, 2)
+        ledger_streams.ensure_stream(c, 2)
     with _as(db_url, runtime) as h:
         h.execute("set search_path = pg_temp, public, pg_catalog")
         for name in ("text", "pg_lsn", "int8"):
@@ -981,7 +985,7 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
         h.execute("create publication pgstream_stream_8_rows for table public.orders")
     with psycopg.connect(db_url, autocommit=True) as c:
         with pytest.raises(replication.PublicationTaken) as refused:
-            ledger.ensure_stream(c, 7)
+            ledger_streams.ensure_stream(c, 7)
         assert str(refused.value) == (f"stream 7: publication pgstream_stream_7 is not the stream's (owner {owner}, "
                                       "or it publishes more than pgstream.events): drop it")
         with pytest.raises(replication.PublicationTaken, match="publication pgstream_stream_8_rows is not the stream"):
@@ -995,7 +999,7 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
         assert c.execute("select count(*) from pgstream.streams where id in (7, 8)").fetchone() == (0,)
         assert c.execute("select count(*) from pgstream.reader_groups").fetchone() == (0,)
         # an existing stream whose publication was dropped by hand and taken meanwhile
-        ledger.ensure_stream(c, 9)
+        ledger_streams.ensure_stream(c, 9)
         c.execute("drop publication pgstream_stream_9")
     with _as(db_url, owner) as h:
         h.execute("create publication pgstream_stream_9 for table public.orders")
@@ -1007,7 +1011,7 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
         # the operator drops the other role's publications: the streams get their own
         for name in ("pgstream_stream_7", "pgstream_stream_8_rows", "pgstream_stream_9"):
             c.execute(f"drop publication {name}")
-        ledger.ensure_stream(c, 7)
+        ledger_streams.ensure_stream(c, 7)
         assert replication.ensure_publications(c, 9) == ["pgstream_stream_9"]
         rows = c.execute("select p.pubname, r.prrelid::regclass::text from pg_publication p join pg_publication_rel r "
                          "on r.prpubid = p.oid where p.pubname in ('pgstream_stream_7', 'pgstream_stream_9') "
@@ -1140,7 +1144,7 @@ def _run_reads(db_url: str, timeout: float = 60, group: str = "live") -> str:
     """Wait until the group delivery run's reader holds the group's reading; its holder."""
     deadline = time.monotonic() + timeout
     with psycopg.connect(db_url, autocommit=True) as c:
-        while not (holder := ledger.group_reading_holder(c, group) or "").startswith("group delivery run "):
+        while not (holder := locks.group_reading_holder(c, group) or "").startswith("group delivery run "):
             assert time.monotonic() < deadline, holder
             time.sleep(0.1)
     return holder
@@ -1246,7 +1250,7 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
         assert terminated == [(True,)]
         wait = time.monotonic() + 10
         # freed with the reader's session (and the run's reader has seen its connection end)
-        while ledger.group_reading_holder(c, "live") is not None or readers.reading:
+        while locks.group_reading_holder(c, "live") is not None or readers.reading:
             assert time.monotonic() < wait
             time.sleep(0.05)
     for i in ids:

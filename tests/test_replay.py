@@ -378,7 +378,7 @@ def test_lines_come_in_order_with_the_count_and_leave_nothing_open(db_url: str) 
 def test_replay_to_a_broker_reads_without_spark(replay_setup: tuple[Path, Path], db_url: str, tmp_path: Path,
                                                instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sink that takes no JSON lines (Redis here) gets the selected events read by the run's own
-    connections (delivery.direct_max_events above 0, the default), in id order, with the same
+    connections (delivery.tuning.direct_max_events above 0, the default), in id order, with the same
     selections and the same events as the file replay's lines and as the Spark read it replaces; a
     chunk_size smaller than the ranges, and ranges of several chunks, keep the order."""
     import redis

@@ -29,7 +29,7 @@ def name() -> Iterator[str]:
 def _config(name: str, linger: float) -> dict[str, Any]:
     return {"id": STREAM, "batch": {"max_size": 20, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
             "retry": {"initial_backoff_secs": 0.2, "max_backoff_secs": 0.5},
-            "delivery": {"linger_secs": linger, "chunk_size": 10}, "sink": {"type": "memory", "name": name}}
+            "delivery": {"tuning": {"linger_secs": linger}, "chunk_size": 10}, "sink": {"type": "memory", "name": name}}
 
 
 def _delivered(name: str) -> list[int]:

@@ -85,7 +85,7 @@ def install(pg: LocalPostgres, template_db: str, tmp_path: Path) -> Iterator[Ins
             {"id": 1, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
              # Spark reads every round: the executors connect as the executor role; a run stays open
              # 8 s after its last batch, reading the slot itself (replication protocol)
-             "delivery": {"direct_max_events": 0, "linger_secs": 8},
+             "delivery": {"tuning": {"direct_max_events": 0, "linger_secs": 8}},
              "sink": {"type": "file", "path": str(out)}},
             # by_key: Spark tasks publish and record their resume points as the executor role
             {"id": 2, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
@@ -164,7 +164,7 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
 
     # runs that end once delivered from here on (a lingering run only waits in this in-process driver)
     data = yaml.safe_load(i.config.read_text())
-    data["streams"][0]["delivery"]["linger_secs"] = 0
+    data["streams"][0]["delivery"]["mode"] = "per_batch"
     i.config.write_text(yaml.safe_dump(data))
     driver = Driver(i.config, instance)
 

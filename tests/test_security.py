@@ -23,8 +23,8 @@ import pytest
 from psycopg import sql
 
 from pgstream_dagster.config import HousekeepingConfig
-from pgstream_dagster.engine import ledger
 from pgstream_dagster.engine.housekeeping import HousekeepingReport, run_housekeeping
+from pgstream_dagster.engine.ledger import locks, streams
 from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
 
 from .support.releases import released_sql
@@ -770,17 +770,14 @@ def test_an_application_role_can_neither_take_nor_hold_pgstreams_locks(
         hostile.execute("select pg_advisory_lock(hashtext('pgstream.regenerate'))")
         hostile.execute("select pg_advisory_lock(hashtext('pgstream.backfill'), 1)")
         with psycopg.connect(db_url, autocommit=True, options="-c statement_timeout=20000") as owner:
-            lease = ledger.acquire_lease(db_url, 1, "r2")
+            lease = locks.acquire_lease(db_url, 1, "r2")
             try:
-                assert ledger.lock_holder(owner, ledger.DELIVERY_LOCK, 1) == "r2"
-                assert not ledger.lease_alive(owner, "r1") and ledger.lease_alive(owner, "r2")
+                assert locks.lock_holder(owner, locks.DELIVERY_LOCK, 1) == "r2"
+                assert not locks.lease_alive(owner, "r1") and locks.lease_alive(owner, "r2")
             finally:
                 lease.close()
-            assert ledger.claim_slot(owner, 1) and ledger.slot_claimed(owner, 1)
-            ledger.release_slot(owner, 1)
-            assert not ledger.slot_claimed(owner, 1)
-            assert ledger.try_lock(owner, ledger.REDELIVERY_LOCK, 1)
-            ledger.unlock(owner, ledger.REDELIVERY_LOCK, 1)
+            assert locks.try_lock(owner, locks.REDELIVERY_LOCK, 1)
+            locks.unlock(owner, locks.REDELIVERY_LOCK, 1)
             assert owner.execute("select pgstream.backfill_try_lock(1), pgstream.backfill_unlock(1)").fetchone() == (
                 True, True)
             owner.execute("select pgstream.regenerate_trigger('public', 't', 'INSERT')")
@@ -913,7 +910,7 @@ def test_the_views_migrate_creates_bind_nothing_from_the_migrators_search_path(e
             c.execute("select pg_create_logical_replication_slot('pgstream_stream_9', 'pgoutput')")
             try:
                 statuses = c.execute("select slot_name from pgstream.stream_status order by id").fetchall()
-                assert statuses == [(ledger.stream_slot(c, 1),), (ledger.stream_slot(c, 2),)]
+                assert statuses == [(streams.stream_slot(c, 1),), (streams.stream_slot(c, 2),)]
                 assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == [("pgstream_stream_9",)]
                 c.execute("select * from pgstream.metrics").fetchall()
             finally:

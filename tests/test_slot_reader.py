@@ -1,4 +1,4 @@
-"""An open run reads its stream's slot over the replication protocol (``delivery.read_slot``):
+"""An open run reads its stream's slot over the replication protocol (``delivery.tuning.read_slot``):
 events reach the sink with no sensor tick in between, the sensor only decides while the run holds
 the slot, and takes over when the run closes or dies. Killed between recording and confirming,
 or with the slot dropped under it, nothing is lost and nothing is recorded twice."""
@@ -25,9 +25,10 @@ import pytest
 
 from pgstream_dagster.config import load_config
 from pgstream_dagster.defs.names import WARM_TAG
-from pgstream_dagster.engine import handoff, ingest, ledger, migrations, replication, spark
+from pgstream_dagster.engine import handoff, ingest, migrations, replication, spark
 from pgstream_dagster.engine.batches import BatchStatus, CloseRun
 from pgstream_dagster.engine.delivery import sources
+from pgstream_dagster.engine.ledger import recording, state, streams
 from pgstream_dagster.engine.publish import owed_spans
 from pgstream_dagster.engine.status import render_status, stream_status
 from pgstream_dagster.sinks import Event
@@ -49,9 +50,10 @@ STREAM = 1
 RUN_KEY = "test-run"
 
 
-def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any]:
+def _config(endpoint: Endpoint, linger: float, mode: str = "open", **tuning: Any) -> dict[str, Any]:
     return {"id": STREAM, "batch": {"max_size": 50, "max_fill_secs": 0.2}, "sensor": {"tick_budget_secs": 0.3},
-            "delivery": {"linger_secs": linger, "chunk_size": 20, **delivery}, "sink": endpoint.sink()}
+            "delivery": {"mode": mode, "chunk_size": 20, "tuning": {"linger_secs": linger, **tuning}},
+            "sink": endpoint.sink()}
 
 
 def _slot_reader(url: str) -> str | None:
@@ -178,7 +180,7 @@ def _launched(url: str) -> bool:
 
 def _engine_stream(tmp_path: Path, url: str) -> Any:
     config = load_config(write_config(tmp_path / "pgstream.yaml", url, [
-        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"linger_secs": 60},
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"tuning": {"linger_secs": 60}},
          "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
     return config.streams[0]
 
@@ -186,8 +188,8 @@ def _engine_stream(tmp_path: Path, url: str) -> Any:
 def _open_stream(url: str) -> None:
     """The stream, its slot and an open run ``RUN_KEY`` (as the sensor leaves them when it launches one)."""
     with psycopg.connect(url, autocommit=True) as c:
-        replication.create_slot(c, ledger.ensure_stream(c, STREAM))
-        ledger.open_run(c, STREAM, RUN_KEY)
+        replication.create_slot(c, streams.ensure_stream(c, STREAM))
+        state.open_run(c, STREAM, RUN_KEY)
 
 
 def _follow_in_child(url: str, tmp_path: str) -> None:
@@ -209,7 +211,7 @@ def _writer(url: str, stop: threading.Event, written: list[int]) -> None:
 
 def _catch_up_with_sensor(url: str, stream: Any) -> None:
     with psycopg.connect(url, autocommit=True) as c:
-        ledger.clear_open_run(c, STREAM, RUN_KEY)
+        state.clear_open_run(c, STREAM, RUN_KEY)
         for _ in range(50):
             result = ingest.consume(c, stream, 0.5)
             if not result.batches and not result.slot_busy:
@@ -271,14 +273,14 @@ def test_reader_hands_batches_to_its_run_confirms_and_stops_when_the_run_closes(
         # confirmed after recording: the slot's position is past the last batch
         (confirmed,) = c.execute("select confirmed_flush_lsn::text from pg_replication_slots "
                                  "where slot_name = %s", [slot_of(db_url, STREAM)]).fetchone()  # type: ignore[misc]
-        assert replication.lsn_to_int(confirmed) >= (ledger.last_end_lsn(c, STREAM) or 0)
+        assert replication.lsn_to_int(confirmed) >= (recording.last_end_lsn(c, STREAM) or 0)
         # the reader records how far it has read (retention keeps what it has not)
         _wait(lambda: c.execute("select consumed_through > now() - interval '10 seconds' from pgstream.streams "
                                 "where id = %s", [STREAM]).fetchone() == (True,))
         # the run closes: the reader sees it and lets go of the slot
         for b in [r[0] for r in c.execute("select id from pgstream.batches")]:
-            ledger.mark_delivered(c, b, "r")
-        assert ledger.apply_run(c, CloseRun(STREAM, RUN_KEY))
+            state.mark_delivered(c, b, "r")
+        assert state.apply_run(c, CloseRun(STREAM, RUN_KEY))
     reader.join(timeout=10)
     assert not reader.is_alive()
     assert _slot_reader(db_url) is None
@@ -335,14 +337,14 @@ def test_a_round_read_directly_equals_the_spark_read(db_url: str, tmp_path: Path
     monkeypatch.setattr(sources, "FETCH_ROWS", 50)
     stream = _engine_stream(tmp_path, db_url)
     with psycopg.connect(db_url, autocommit=True) as c:
-        ledger.ensure_stream(c, STREAM)
-        replication.create_slot(c, ledger.stream_slot(c, STREAM))
+        streams.ensure_stream(c, STREAM)
+        replication.create_slot(c, streams.stream_slot(c, STREAM))
         c.execute("insert into pgstream.events (payload, metadata, stream_id) select "
                   "jsonb_build_object('n', g, 'group_id', g %% 3, 's', 'ünï \"q\"', 'big', 12345678901234567890), "
                   "case when g %% 2 = 0 then jsonb_build_object('team', 'a') end, %s "
                   "from generate_series(1, 120) g", [STREAM])
         ingest.consume(c, stream, 0.5)
-        batches = ledger.batches_between(c, STREAM, 0, 10**9)
+        batches = state.batches_between(c, STREAM, 0, 10**9)
         spans = owed_spans(batches, resume=True)
         direct = list(sources.TableSource(c, spans, routing_key).events())
     session = spark.open_session(load_config(tmp_path / "pgstream.yaml"))
@@ -357,7 +359,7 @@ def test_keep_warm_stream_has_an_open_run_before_its_first_event(db_url: str, tm
                                                                    instance: dg.DagsterInstance,
                                                                    endpoint: Endpoint) -> None:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url,
-                                 [_config(endpoint, linger=0.5, keep_warm=True)]), instance)
+                                 [_config(endpoint, linger=0.5, mode="warm")]), instance)
     (request,) = tick_until(driver, STREAM, lambda: bool(driver.cursors) and _open_run_key(db_url) is not None)
     assert request.tags[WARM_TAG] == "true" and request.run_key == _open_run_key(db_url)
     # until Dagster has made the run the sensor asks again for the same one (Dagster skips a run key it
@@ -540,7 +542,7 @@ def test_what_the_reader_hands_its_run_equals_what_the_table_holds(db_url: str, 
         reader.join(timeout=10)
     assert kept.events == 390
     with psycopg.connect(db_url) as c:
-        batches = ledger.batches_between(c, STREAM, 0, 10**9)
+        batches = state.batches_between(c, STREAM, 0, 10**9)
         assert sum(b.event_count for b in batches) == 390 and max(b.event_count for b in batches) == 100
         offsets = {event.created_at.utcoffset() for events, _size in kept._batches.values() for event in events}
         assert offsets == {dt.timedelta(hours=5, minutes=45)}  # as the WAL sender rendered them
@@ -696,7 +698,7 @@ def test_what_the_reader_records_right_after_the_sensors_peek_is_recorded_once(
     nothing (a test under load caught 25 events recorded twice before the reader was declared)."""
     stream = _engine_stream(tmp_path, db_url)
     with psycopg.connect(db_url, autocommit=True) as c:
-        replication.create_slot(c, ledger.ensure_stream(c, STREAM))
+        replication.create_slot(c, streams.ensure_stream(c, STREAM))
     insert_events(db_url, STREAM, 30)
     time.sleep(0.3)  # older than max_fill_secs: the sensor records what it peeks at once
     real = ingest.PeekSource.read
@@ -706,8 +708,8 @@ def test_what_the_reader_records_right_after_the_sensors_peek_is_recorded_once(
         txns = real(self, timeout)
         if txns and not started:  # right after the sensor's peek
             with psycopg.connect(db_url, autocommit=True) as c:
-                ledger.open_run(c, STREAM, RUN_KEY)
-                assert ledger.slot_reader(c, STREAM) == ledger.run_reader(RUN_KEY)
+                state.open_run(c, STREAM, RUN_KEY)
+                assert state.slot_reader(c, STREAM) == state.run_reader(RUN_KEY)
             started.append(_reader_with_handoff(db_url, stream))
             _wait(lambda: started[0][2].events == 30)
         return txns

@@ -110,7 +110,7 @@ def test_spark_connect_server_on_the_cluster(db_url: str, tmp_path: Path, spark_
         out = tmp_path / "sink.jsonl"
         cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
             {"id": 1, "batch": {"max_size": 400, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
-             "delivery": {"chunk_size": 100, "rows_per_partition": 300, "direct_max_events": 0},
+             "delivery": {"chunk_size": 100, "tuning": {"rows_per_partition": 300, "direct_max_events": 0}},
              "sink": {"type": "file", "path": str(out)},
              "retry": {"initial_backoff_secs": 0, "max_backoff_secs": 0}}],
             spark={"remote": f"sc://127.0.0.1:{port}"})

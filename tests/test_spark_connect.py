@@ -59,7 +59,7 @@ def test_delivery_and_replay_through_spark_connect(db_url: str, tmp_path: Path, 
     out = tmp_path / "sink.jsonl"
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "batch": {"max_size": 400, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
-         "delivery": {"chunk_size": 100, "rows_per_partition": 300, "direct_max_events": 0},
+         "delivery": {"chunk_size": 100, "tuning": {"rows_per_partition": 300, "direct_max_events": 0}},
          "sink": {"type": "file", "path": str(out)}}],
         spark={"remote": connect_url})
     Path(str(cfg) + ".sink").write_text(json.dumps(str(out)))

@@ -28,7 +28,9 @@ import dagster as dg
 import psycopg
 
 from ..config import StreamConfig, SubscriptionConfig, reader_groups
-from ..engine import deadletters, ledger, status
+from ..engine import deadletters, status
+from ..engine.ledger import groups
+from ..engine.ledger import streams as ledger_streams
 from ..engine.subscriptions import differences, identity, stored_definition, trigger_state
 from ..sinks.base import excerpt
 from .assets import stream_subscription_keys
@@ -117,7 +119,7 @@ def check_undelivered_age(conn: psycopg.Connection, stream: StreamConfig,
 
 def check_slot_wal(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCheckResult:
     """The stream's slot exists, is not lost, and retains at most the configured WAL."""
-    slot = ledger.stream_slot(conn, stream.id)
+    slot = ledger_streams.stream_slot(conn, stream.id)
     row = status.slot_wal(conn, slot)
     limit = stream.checks.max_retained_wal_bytes
     if row is None:
@@ -145,11 +147,11 @@ def check_group_slot(conn: psycopg.Connection, group: str, members: Sequence[Str
     ``members``; so does the own slot of a member not joined yet (it is drained, then dropped: one missing is
     not a failure)."""
     limit = group_wal_limit(members)
-    state = ledger.group_state(conn, group)
+    state = groups.group_state(conn, group)
     own = {m.id: m.own_slot for m in state.members if not m.joined} if state is not None else {}
     registered = {m.id for m in state.members} if state is not None else set()
     # a stream of the configuration the group's sensor has not registered yet still reads its own slot, if any
-    own.update({m.id: ledger.stream_slot(conn, m.id) for m in members if m.id not in registered})
+    own.update({m.id: ledger_streams.stream_slot(conn, m.id) for m in members if m.id not in registered})
     problems: list[str] = []
     slots: list[dict[str, Any]] = []
     if state is None:

@@ -22,10 +22,10 @@ from dagster._utils.interrupts import capture_interrupts  # (Dagster's own: a si
 from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig, streams_fingerprint
-from ..engine import ledger
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
 from ..engine.ingest import GroupStream, consume_group
+from ..engine.ledger import locks
 from ..engine.slotreader import SlotReader
 from .lake import lake_materializations
 from .names import (
@@ -64,7 +64,7 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
                       context.run_id, config.batch_id, config.through_batch_id, context.run.tags.get(RUN_KEY_TAG))
     try:
         return run.start(context.log)
-    except ledger.LeaseTaken as exc:
+    except locks.LeaseTaken as exc:
         raise dg.Failure(str(exc)) from None
     except DeliveryError as exc:
         raise _failure(exc) from None
@@ -263,7 +263,7 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
                              idle_secs=(float("inf") if any(s.delivery.keeps_open for s in streams) else 5.0))
     try:
         reason = delivery.run()
-    except ledger.LeaseTaken as exc:
+    except locks.LeaseTaken as exc:
         raise dg.Failure(str(exc)) from None
     finally:
         reporter.close()

@@ -13,7 +13,7 @@ ATTEMPT_TAG = "pgstream/attempt"
 BATCHES_TAG = "pgstream/batches"
 #: Dagster's own tag of a run a sensor requested with a run key
 RUN_KEY_TAG = "dagster/run_key"
-#: a warm run (delivery.keep_warm): requested with no batch, it waits for what commits
+#: a warm run (delivery.mode warm): requested with no batch, it waits for what commits
 WARM_TAG = "pgstream/warm"
 #: a backfill run: ``true`` when launched, the stream id from when the run starts (the run config names it); never
 #: pgstream/stream, so deliveries go on meanwhile

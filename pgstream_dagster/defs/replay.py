@@ -3,7 +3,7 @@ event-id range, time range and/or subscription keys, in id order, in chunks, wit
 run log. One job for the location (``pgstream_replay``), the stream in its run config (``stream_id``); a run
 is tagged with its stream (``pgstream/stream``) when it starts, so the run queue holds the stream's deliveries
 behind it. Whatever launches it (``dagster job execute`` bypasses the queue), a replay holds the stream's
-delivery lease for its whole length (:func:`~..engine.ledger.acquire_replay_lease`), so it never interleaves
+delivery lease for its whole length (:func:`~..engine.ledger.locks.acquire_replay_lease`), so it never interleaves
 with the stream's deliveries. ``dry_run`` only counts (and takes no lease).
 
 Replays are at-least-once by nature: the sink sees the events again, with the same ids as
@@ -26,7 +26,7 @@ from dagster_pyspark import LazyPySparkResource
 from pydantic import Field
 
 from ..config import StreamConfig
-from ..engine import deadletters, ledger
+from ..engine import deadletters
 from ..engine.delivery.sources import (
     LinesSource,
     Readers,
@@ -38,6 +38,7 @@ from ..engine.delivery.sources import (
     range_size,
     route,
 )
+from ..engine.ledger import locks
 from ..engine.publish import Finished, Progress, TooLarge
 from ..engine.replay import (
     Counted,
@@ -137,7 +138,7 @@ def replay(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: dg.Re
             # the stream's delivery lease for the whole replay, whatever launched it: live delivery waits
             context.log.info(f"replay of stream {stream.id}: taking the stream's delivery lease (the open "
                              "run, if any, delivers what it was handed and closes)")
-            held.enter_context(ledger.acquire_replay_lease(
+            held.enter_context(locks.acquire_replay_lease(
                 pgstream.database_url, stream.id, context.run_id,
                 lambda what: context.log.info(f"replay of stream {stream.id}: waiting for {what}")))
         return _replay(context, stream, config, pgstream, pyspark)

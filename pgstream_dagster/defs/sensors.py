@@ -11,7 +11,7 @@ group's tick reads the group's slot (``engine/ingest/group.py``) and then decide
    reads it), record the transactions waiting on it as batches (the one batching rule of
    ``engine/ingest/recorder.py``) and advance the slot, so WAL is released whatever the sink does;
 2. **decide**, after recording a batch and at least every second: read the stream's state in one
-   query (``ledger.stream_state``), ask Dagster about the run that state points at (the head
+   query (``ledger.state.stream_state``), ask Dagster about the run that state points at (the head
    batch's run, or the open run a pending head would be handed to) as an engine
    :class:`~..engine.batches.RunView` (a started run is *dead* once the database session that held
    its delivery lease has ended, or when it has taken none ``delivery.run_grace_secs`` after it
@@ -19,7 +19,7 @@ group's tick reads the group's slot (``engine/ingest/group.py``) and then decide
    the action: wait (paused, failover backoff, run busy), launch a run (the pending backlog, or the
    failed checkpoint alone), hand new batches to the open run, request a lost run again, fail a
    run (failover), leave failover once caught up;
-3. **apply** it: ``ledger.apply`` makes the
+3. **apply** it: ``ledger.state.apply`` makes the
    ledger's transitions; a run to request becomes the ``RunRequest`` (``run_key`` = stream,
    installation, batches, attempt: a re-evaluated tick requests nothing twice).
 
@@ -41,13 +41,15 @@ import dagster as dg
 import psycopg
 
 from ..config import StreamConfig, reader_groups, streams_fingerprint
-from ..engine import ledger
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, WarmRun, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
 from ..engine.dbconn import describe_url, error_line
 from ..engine.delivery.group import member_run_id
 from ..engine.handoff import Log
 from ..engine.ingest import ConsumeResult, GroupResult, check_members, consume, consume_group
+from ..engine.ledger import groups, locks
+from ..engine.ledger import state as ledger_state
+from ..engine.ledger import streams as ledger_streams
 from ..engine.limits import LimitsExceeded
 from ..engine.replication import PublicationTaken, SlotCreationWaits
 from ..engine.status import last_batches, stream_status
@@ -102,7 +104,7 @@ JOINING_READ_SECS = 0.5
 
 
 def _request(order: RunOrder | WarmRun) -> dg.RunRequest:
-    if isinstance(order, WarmRun):  # delivery.keep_warm: a run with no batch, open for what commits
+    if isinstance(order, WarmRun):  # delivery.mode warm: a run with no batch, open for what commits
         return dg.RunRequest(run_key=order.run_key, job_name=DELIVERY_JOB,
                              run_config={"ops": {"load_batches": {"config": {"stream_id": order.stream_id}}}},
                              tags={STREAM_TAG: str(order.stream_id), WARM_TAG: "true"})
@@ -146,10 +148,10 @@ def _lease_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.
     Dead at once when the backend that held its lease has ended (its process died, or Postgres
     restarted under it: it can record nothing more); one that has not taken its lease yet is given
     ``delivery.run_grace_secs`` from its start."""
-    state = ledger.lease_state(conn, run.run_id)
-    if state is ledger.LeaseState.HELD:
+    state = locks.lease_state(conn, run.run_id)
+    if state is locks.LeaseState.HELD:
         return None, f"run {run.run_id} (it holds the delivery lease)"
-    if state is ledger.LeaseState.LOST:
+    if state is locks.LeaseState.LOST:
         return ("the database session holding its delivery lease has ended (its process died, or Postgres "
                 "restarted): it delivers nothing more"), ""
     grace = stream.delivery.run_grace_secs
@@ -195,7 +197,7 @@ class GroupLook:
     and the delivery leases of the member runs they host."""
 
     runs: list[dg.DagsterRun]
-    leases: dict[str, ledger.LeaseState]
+    leases: dict[str, locks.LeaseState]
 
     @classmethod
     def of(cls, conn: psycopg.Connection, instance: dg.DagsterInstance, group: str,
@@ -203,7 +205,7 @@ class GroupLook:
         runs = _group_runs(instance, group, limit=3)
         ids = [member_run_id(r.run_id, s.id) for r in runs if r.status == dg.DagsterRunStatus.STARTED
                for s in streams]
-        return cls(runs, ledger.lease_states(conn, ids) if ids else {})
+        return cls(runs, locks.lease_states(conn, ids) if ids else {})
 
 
 def _member_host(instance: dg.DagsterInstance, group: str, stream_id: int, run_key: str,
@@ -238,12 +240,12 @@ def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream:
         return RunView(RunStatus.SUCCEEDED, member_id), None
     if run.status == dg.DagsterRunStatus.STARTED:
         state = (look.leases[member_id] if look is not None and member_id in look.leases
-                 else ledger.lease_state(conn, member_id))
-        if state is ledger.LeaseState.LOST:
+                 else locks.lease_state(conn, member_id))
+        if state is locks.LeaseState.LOST:
             return RunView(RunStatus.DEAD, member_id, dg.DagsterRunStatus.FAILURE.value,
                            "the database session holding its delivery lease has ended (the group delivery run's "
                            "process died, or Postgres restarted): it delivers nothing more"), None
-        held = "it holds the delivery lease" if state is ledger.LeaseState.HELD else "starting"
+        held = "it holds the delivery lease" if state is locks.LeaseState.HELD else "starting"
         return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({held})"
     if run.status in _LIVE:
         return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({run.status.value.lower()})"
@@ -275,7 +277,7 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     its sensor read them once for all
     its members. A dead run is reported failed to Dagster as soon as it is seen."""
     if state is None:
-        state = ledger.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
+        state = ledger_state.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
     key = state.watched_run_key
     # a reader group's member: its runs are hosted by the group's delivery run (no Dagster run of its own,
@@ -294,7 +296,7 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     if waiting is not None:
         waiting[:] = [f"waiting for {doing}"] if doing is not None and state.head is not None else []
     log.extend(notes(action) if said is None else tick_notes(action, said, time.time()))
-    order = ledger.apply(conn, stream, action)
+    order = ledger_state.apply(conn, stream, action)
     if order is None or stream.reader is not None:  # a member's run: the group's delivery run takes it
         return None
     return _request(order)
@@ -357,10 +359,10 @@ def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_k
         return f"gone: run {run.run_id} is {run.status.value}"
     if run.status != dg.DagsterRunStatus.STARTED:
         return f"starting: run {run.run_id} is {run.status.value}"
-    state = ledger.lease_state(conn, run.run_id)
-    if state is ledger.LeaseState.HELD:
+    state = locks.lease_state(conn, run.run_id)
+    if state is locks.LeaseState.HELD:
         return f"live: run {run.run_id}"
-    if state is ledger.LeaseState.LOST or _deliveries_began(instance, run.run_id):
+    if state is locks.LeaseState.LOST or _deliveries_began(instance, run.run_id):
         return (f"gone: run {run.run_id} holds no delivery lease any more (its process died; the sensor marks "
                 f"it failed at its next decision)")
     return f"starting: run {run.run_id} has not taken the delivery lease yet"
@@ -506,11 +508,11 @@ def _register_members(conn: psycopg.Connection, group: str, streams: list[Stream
                       left_out: dict[int, str]) -> None:
     """The members the database does not have in the group yet are registered now, even while the group run's
     reader holds the group's reading (one query when none is missing): the run, built from an older
-    configuration, meets the new member (``ledger.GroupChange``) and ends, and the next one hosts it. A member
+    configuration, meets the new member (``ledger.groups.GroupChange``) and ends, and the next one hosts it. A member
     whose registration is refused (a stream of another group, a publication by its name that another role
     made) is left out, in one line (``log`` and ``left_out``), and the others go on; the group's reader
     leaves it out too."""
-    added, refused = ledger.register_missing_members(conn, group, [s.id for s in streams])
+    added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     log.extend(refused.values())
     left_out.update(refused)
     if added:
@@ -539,7 +541,7 @@ def _ask_to_end(instance: dg.DagsterInstance, run: dg.DagsterRun, group: str, fi
 def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
                    log: list[str], left_out: dict[int, str]) -> tuple[dg.RunRequest | None, str]:
     """The group's delivery run: the one live (queued, starting, or started and holding the group's
-    delivery lease), or one to request when a member wants a run hosted (``ledger.member_runs``) and none
+    delivery lease), or one to request when a member wants a run hosted (``ledger.groups.member_runs``) and none
     is live. A started group run whose lease was lost (its process died), or that took none
     ``delivery.run_grace_secs`` after it started, is reported failed (the group's sensor sees its members' runs
     dead or failed, and retries them). The run is requested with the fingerprint of the members'
@@ -554,15 +556,15 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         if run.status not in _LIVE:
             continue
         if run.status == dg.DagsterRunStatus.STARTED:
-            state = ledger.group_lease_state(conn, group, run.run_id)
+            state = locks.group_lease_state(conn, group, run.run_id)
             late = False
-            if state is ledger.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
+            if state is locks.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
                 record = instance.get_run_record_by_id(run.run_id)
                 started = record.start_time if record else None
                 late = started is not None and time.time() - started >= grace
-            if state is ledger.LeaseState.LOST or (state is ledger.LeaseState.NOT_TAKEN and late):
+            if state is locks.LeaseState.LOST or (state is locks.LeaseState.NOT_TAKEN and late):
                 why = ("the database session holding the group's delivery lease has ended (its process died)"
-                       if state is ledger.LeaseState.LOST else
+                       if state is locks.LeaseState.LOST else
                        f"no group delivery lease {grace:g} s after it started (delivery.run_grace_secs)")
                 instance.report_run_failed(run, f"pgstream: group delivery run {run.run_id} of reader group {group} "
                                                 f"died: {why}")
@@ -570,7 +572,7 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                 continue
         ending = _ask_to_end(instance, run, group, fingerprint, log)
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
-    wanted = ledger.member_runs(conn, group)
+    wanted = groups.member_runs(conn, group)
     # a group with streams in modes open or warm keeps its delivery run up (a first event after a quiet spell,
     # or the location's start, waits for no process to start); one of mode per_batch streams only is requested
     # when a member has a run to host, and ends once idle
@@ -599,7 +601,8 @@ def _connect(pgstream: PgstreamResource) -> psycopg.Connection:
 
 
 #: what a group's tick tells in one line (its skip reason), without a traceback
-_TOLD_IN_ONE_LINE = (ledger.SlotElsewhere, LimitsExceeded, ledger.GroupChange, SlotCreationWaits, PublicationTaken)
+_TOLD_IN_ONE_LINE = (ledger_streams.SlotElsewhere, LimitsExceeded, groups.GroupChange, SlotCreationWaits,
+                     PublicationTaken)
 
 
 def _told(context: dg.SensorEvaluationContext, exc: Exception) -> dg.SensorResult:
@@ -611,10 +614,10 @@ def _told(context: dg.SensorEvaluationContext, exc: Exception) -> dg.SensorResul
 
 def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> bool:
     """Look every LAUNCH_LOOK_SECS until ``deadline`` for a member of ``ids`` whose batch waits for a decision
-    (``ledger.launch_waiting``): true as soon as one does."""
+    (``ledger.state.launch_waiting``): true as soon as one does."""
     while time.monotonic() + LAUNCH_LOOK_SECS < deadline:
         time.sleep(LAUNCH_LOOK_SECS)
-        if ledger.launch_waiting(conn, ids):
+        if ledger_state.launch_waiting(conn, ids):
             return True
     return False
 
@@ -627,13 +630,13 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     assets (at most ``observations``). A member still handing its own slot over (it had one before it joined) has
     it read first, as its own sensor did (``consume``: its events are delivered meanwhile). The group's newest
     delivery runs are read once for all of them."""
-    state = ledger.group_state(conn, group)
+    state = groups.group_state(conn, group)
     joined = {m.id for m in state.members if m.joined} if state is not None else set()
     # a member the database does not have in the group was left out (its registration refused, told by the tick)
     registered = {m.id for m in state.members} if state is not None else set()
     streams = [s for s in streams if s.id in registered]
     look = GroupLook.of(conn, instance, group, streams)
-    states = ledger.stream_states(conn, {s.id: s.delivery.max_events_per_run for s in streams})
+    states = ledger_state.stream_states(conn, {s.id: s.delivery.max_events_per_run for s in streams})
     members: dict[str, Any] = cursor.setdefault("members", {})
     for stream in streams:
         if stream.id not in joined:
@@ -703,7 +706,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     # the group run's process takes seconds to start: requested first, and this tick ends (the
                     # next one reads and decides meanwhile, or the run's reader reads once it is up); not while
                     # the database has members the configuration has not (the reader would refuse, below)
-                    if (state := ledger.group_state(conn, group)) is not None:
+                    if (state := groups.group_state(conn, group)) is not None:
                         check_members(state, streams)
                     notes_: list[str] = []
                     request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
@@ -721,15 +724,15 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 deadline = time.monotonic() + (budget if live else min(budget, 1.0))
                 while True:
                     reading = None
-                    if ledger.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
+                    if locks.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
                         try:
                             with fewer_collections():  # the tick records in bulk
                                 result.add(consume_group(conn, group, streams,
                                                          min(DECIDE_EVERY_SECS, max(0.0, deadline - time.monotonic()))))
                         finally:
-                            ledger.release_group_reading(conn, group)
+                            locks.release_group_reading(conn, group)
                     else:
-                        reading = ledger.group_reading_holder(conn, group) or "a session that is ending"
+                        reading = locks.group_reading_holder(conn, group) or "a session that is ending"
                     observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
                                                 observations=OBSERVATIONS_PER_TICK - len(observed))
                     if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:

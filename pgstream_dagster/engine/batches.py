@@ -1,8 +1,8 @@
 """The batch state machine, without I/O: what a batch's status means (:class:`BatchStatus`), the
 batch model (:class:`Batch`), what the sensor reads of a stream (:class:`StreamState`, one query:
-``ledger.stream_state``) and sees of its run in Dagster (:class:`RunView`), and :func:`decide`,
+``ledger.state.stream_state``) and sees of its run in Dagster (:class:`RunView`), and :func:`decide`,
 which turns them into one :class:`Action`. ``ledger`` (``ledger/state.py``) reads the state and applies the action
-(``ledger.apply``: one function per transition); ``defs/sensors.py`` asks Dagster about the run and
+(``ledger.state.apply``: one function per transition); ``defs/sensors.py`` asks Dagster about the run and
 turns the run to request into a ``RunRequest``.
 
 A ledger batch moves through these statuses (``pgstream.batches.status``)::
@@ -16,14 +16,14 @@ A ledger batch moves through these statuses (``pgstream.batches.status``)::
 ``pending``, ``launched`` and ``failed`` are *open*; ``delivered`` and ``skipped`` are done. Only the
 oldest open batch of a stream (its *head*) may start a run.
 
-With ``delivery.keep_warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
+With ``delivery.mode: warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
 run with no batch that becomes the stream's open run and waits for what commits (it reads the slot
 itself), so the first event after a quiet spell finds a started process.
 
 The stream's open run (``streams.open_run_key``) and the slot's declared reader
 (``streams.slot_reader``: ``sensor`` or ``run:<run key>``) change only by these transitions, the sensor's
-(:data:`Action`, from :func:`decide`, applied by ``ledger.apply``) and the run's own (:data:`RunAction`,
-applied by ``ledger.apply_run``); ending an open run gives the slot back in the same UPDATE::
+(:data:`Action`, from :func:`decide`, applied by ``ledger.state.apply``) and the run's own (:data:`RunAction`,
+applied by ``ledger.state.apply_run``); ending an open run gives the slot back in the same UPDATE::
 
     none --(Launch keep_open, Warm)--> open, the sensor reads until the run's reader takes the slot
     open, the sensor reads --(the run's reader: TakeSlot, only while its run is the open run)--> open,
@@ -39,7 +39,7 @@ applied by ``ledger.apply_run``); ending an open run gives the slot back in the 
 
 A stream of a reader group (``streams[].reader``) hands its slot over once, when it joins
 (``ledger.groups``: ``pgstream.begin_join``): its reader becomes ``group:<name>`` for good, its open runs
-read no slot, and the group's reader hands them what it records (``ledger.extend_run``).
+read no slot, and the group's reader hands them what it records (``ledger.state.extend_run``).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def run_key(stream_id: int, incarnation: str, batch_ids: tuple[int, ...], attemp
 
 @dataclass(frozen=True)
 class StreamState:
-    """What one decision needs to know of a stream, read at once (``ledger.stream_state``)."""
+    """What one decision needs to know of a stream, read at once (``ledger.state.stream_state``)."""
 
     stream_id: int
     head: Batch | None = None  # the oldest open batch: the only one that may start a run
@@ -229,7 +229,7 @@ class Launch:
 
 @dataclass(frozen=True)
 class WarmRun:
-    """A run with no batch to request (``delivery.keep_warm``): the stream's open run ``run_key``."""
+    """A run with no batch to request (``delivery.mode: warm``): the stream's open run ``run_key``."""
 
     stream_id: int
     run_key: str
@@ -310,7 +310,7 @@ class ReclaimSlot:
 Action = Wait | Launch | Warm | Extend | Reissue | FailRun | Requeue | LeaveFailover | ReclaimSlot
 
 
-# --- the run's transitions: its own, not the sensor's decisions (ledger.apply_run) ---------------
+# --- the run's transitions: its own, not the sensor's decisions (ledger.state.apply_run) ---------------
 
 @dataclass(frozen=True)
 class CloseRun:
@@ -414,7 +414,7 @@ def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
 
 def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *,
                in_failover: bool) -> Action:
-    """Nothing is open: with ``delivery.keep_warm`` the stream keeps an open run ready. A warm run that
+    """Nothing is open: with ``delivery.mode: warm`` the stream keeps an open run ready. A warm run that
     ended without closing (failed, killed) is not replaced before the next batch: that batch's run
     replaces it (:func:`_next`), so a run that cannot start does not fail again every second."""
     if state.open_run_key is not None and run.status in _ENDED and state.slot_reader.startswith("run:"):

@@ -55,9 +55,9 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
     First the limits (:func:`preflight`): streams that do not fit raise
     :class:`~.limits.LimitsExceeded` (one line per problem) before anything changes."""
     from ..config import load_config
-    from . import ledger
     from .housekeeping import run_housekeeping
     from .ingest import ConsumeResult, GroupResult, ensure_group, ensure_slot
+    from .ledger import streams
     from .migrations import migrate
     from .subscriptions import apply_subscriptions
 
@@ -75,7 +75,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
         out = [f"applied migration {m}" for m in migrate(owner, partitions_ahead=config.housekeeping.days_ahead)]
     with _as(owner_role, owner), psycopg.connect(owner, autocommit=True) as conn:
         # a slot another stream reads is refused before anything changes
-        ledger.check_slots(conn, [(s.id, s.slot_name) for s in config.streams])
+        streams.check_slots(conn, [(s.id, s.slot_name) for s in config.streams])
         report = run_housekeeping(conn, config.housekeeping)
         if report.created or report.dropped or report.kept or report.busy or report.batches_pruned \
                 or report.default_rows_deleted:
@@ -84,7 +84,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
         for stream in config.streams:
             if stream.reader is not None:  # a reader group's slot, once for its streams (below)
                 continue
-            ledger.ensure_stream(conn, stream.id, stream.slot_name)
+            streams.ensure_stream(conn, stream.id, stream.slot_name)
             result = ConsumeResult()
             ensure_slot(conn, stream, result)
             if result.slot_created:

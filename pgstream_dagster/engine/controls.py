@@ -11,7 +11,8 @@ from typing import Literal
 
 import psycopg
 
-from . import deadletters, ledger
+from . import deadletters
+from .ledger import state
 
 Action = Literal["pause", "resume", "retry_now", "skip_batch", "set_aside", "discard_dead_letters"]
 #: what an operator types to confirm an action that takes events out of delivery
@@ -50,14 +51,14 @@ def apply_control(conn: psycopg.Connection, stream_id: int, action: Action, batc
             return (f"stream {stream_id} paused: the slot is still consumed (WAL released), no deliveries start"
                     if action == "pause" else f"stream {stream_id} resumed")
         if action == "retry_now":
-            due = ledger.retry_now(conn, stream_id)
+            due = state.retry_now(conn, stream_id)
             if due is None:
                 return f"stream {stream_id} has no failed batch to retry"
             return (f"stream {stream_id}: batch {due} will be retried at the next sensor tick; failover ends "
                     f"once the backlog is delivered")
         if batch_id is None:
             raise ControlError("skip_batch needs batch_id")
-        skipped = ledger.skip_batch(conn, stream_id, batch_id)
+        skipped = state.skip_batch(conn, stream_id, batch_id)
         return (f"stream {stream_id}: batch {batch_id} skipped ({skipped} events will not be delivered; they stay in "
                 f"pgstream.events and can be replayed by id range)")
     except psycopg.errors.NoDataFound as exc:

@@ -40,9 +40,9 @@ from psycopg.rows import dict_row
 from ..config import StreamConfig
 from ..sinks import Sink, SinkError
 from ..sinks.base import excerpt
-from . import ledger
 from .batches import BatchStatus
 from .delivery.sources import DeadLetterSource, Letters, Readers, choose_source
+from .ledger import locks
 from .ledger.deadletters import DeadLetter
 
 STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")
@@ -275,7 +275,7 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
               chunk_size: int | None = None, *, dry_run: bool = False) -> RedeliveryReport:
     """Publish the stream's open dead letters (all, or ``ids``) through its sink in delivery order,
     ``chunk_size`` events per publish call (default: the stream's ``delivery.chunk_size``) and at most
-    ``delivery.max_read_bytes`` of payload and metadata (one at least; their payloads are read a chunk
+    ``delivery.tuning.max_read_bytes`` of payload and metadata (one at least; their payloads are read a chunk
     at a time), marking each chunk ``redelivered`` only once the sink confirmed it.
 
     * A dead letter with no payload or no event timestamp cannot be redelivered: it is reported and
@@ -290,7 +290,7 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
     size = chunk_size or stream.delivery.chunk_size
     if size < 1:
         raise DeadLetterError(f"chunk_size must be at least 1, not {size}")
-    if not ledger.try_lock(conn, ledger.REDELIVERY_LOCK, stream.id):
+    if not locks.try_lock(conn, locks.REDELIVERY_LOCK, stream.id):
         raise DeadLetterError(f"another redelivery of stream {stream.id}'s dead letters is running")
     try:
         report = RedeliveryReport(stream.id, redelivery_plan(conn, stream.id, ids), dry_run=dry_run)
@@ -312,7 +312,7 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
         _publish(conn, stream, sendable, size, by, report)
         return report
     finally:
-        ledger.unlock(conn, ledger.REDELIVERY_LOCK, stream.id)
+        locks.unlock(conn, locks.REDELIVERY_LOCK, stream.id)
 
 
 def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadLetter], size: int, by: str,

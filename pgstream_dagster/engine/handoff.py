@@ -44,7 +44,7 @@ class Handoff:
         self.taken = self.missed = 0
 
     def put(self, batch_ids: Sequence[int], txns: Sequence[Transaction], max_size: int) -> int:
-        """The rows of batches just recorded by :func:`~.ledger.record` from ``txns`` with
+        """The rows of batches just recorded by :func:`~.ledger.recording.record` from ``txns`` with
         ``max_size``: batch ``batch_ids[i]`` holds events ``i * max_size`` to ``(i + 1) * max_size``
         of the transactions' events in order, as there. Returns the events kept."""
         events: list[DecodedEvent] = [e for t in txns for e in t.events]

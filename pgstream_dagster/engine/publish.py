@@ -96,7 +96,7 @@ class Span:
 
 
 class BatchProgress(Protocol):
-    """What :func:`owed_spans` reads of a ledger batch (:class:`~.ledger.Batch`)."""
+    """What :func:`owed_spans` reads of a ledger batch (:class:`~.ledger.state.Batch`)."""
 
     @property
     def id(self) -> int: ...
@@ -188,7 +188,7 @@ class RejectPolicy:
 CHUNK_BYTES = 32 * 2**20
 
 
-#: what each publish call runs in (a delivery run's: the stream is not paused, :func:`~.ledger.publishing`)
+#: what each publish call runs in (a delivery run's: the stream is not paused, :func:`~.ledger.state.publishing`)
 Gate = Callable[[], AbstractContextManager[None]]
 
 

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from ..config import PgstreamConfig
-    from .ledger import KeyProgress
+    from .ledger.keyprogress import KeyProgress
 
 Frames: TypeAlias = "DataFrame | list[DataFrame]"
 """What the loaders return: one DataFrame, or (packed) one single-partition DataFrame per partition."""
@@ -483,7 +483,7 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
     counts as rows, which the driver collects, so this works on classic Spark and Spark Connect
     alike. With ``progress`` each partition records what the sink confirmed, chunk by chunk,
     durably, and skips what an earlier attempt recorded (see
-    :class:`~pgstream_dagster.engine.ledger.KeyProgress` for why the tasks write it, not the driver)."""
+    :class:`~pgstream_dagster.engine.ledger.keyprogress.KeyProgress` for why the tasks write it, not the driver)."""
     from pyspark.sql import functions as F
 
     partitions = progress.partitions if progress is not None else parallelism

@@ -17,7 +17,7 @@ import yaml
 
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import DELIVERY_JOB, REPLAY_JOB, REPLAY_OP
-from pgstream_dagster.engine import ledger
+from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.sinks.memory import MemorySink
 
 
@@ -43,16 +43,16 @@ HARNESS_MAX_RUN_SECS = 2.0
 def _product_default_unless_said(delivery: dict[str, Any]) -> dict[str, Any]:
     """A stream's ``delivery`` with the product's default mode (open: the run stays open and reads the
     slot) and a short linger, unless it says otherwise."""
-    if any(key in delivery for key in ("mode", "linger_secs", "keep_warm")):
-        return delivery
     tuning = delivery.get("tuning", {})
+    if "mode" in delivery or "linger_secs" in tuning:
+        return delivery
     return {**delivery, "tuning": {"linger_secs": HARNESS_LINGER_SECS, "max_run_secs": HARNESS_MAX_RUN_SECS,
                                    **tuning}}
 
 
 def replay_through_spark(config: Path, stream_id: int, instance: dg.DagsterInstance) -> tuple[bool, list[int]]:
     """Replay every event of ``stream_id`` with ``config`` (its Spark settings), its sink replaced by a
-    memory sink and ``delivery.direct_max_events`` by 0: a file sink takes JSON lines rendered by
+    memory sink and ``delivery.tuning.direct_max_events`` by 0: a file sink takes JSON lines rendered by
     Postgres, and other sinks' replays read without Spark unless it is 0. Whether
     the run succeeded, and the ids the sink got, in order."""
     data = yaml.safe_load(config.read_text())
@@ -60,7 +60,8 @@ def replay_through_spark(config: Path, stream_id: int, instance: dg.DagsterInsta
     for stream in data["streams"]:
         if stream["id"] == stream_id:
             stream["sink"] = {"type": "memory", "name": name}
-            stream["delivery"] = {**stream.get("delivery", {}), "direct_max_events": 0}  # read by Spark
+            delivery = stream.get("delivery", {})
+            stream["delivery"] = {**delivery, "tuning": {**delivery.get("tuning", {}), "direct_max_events": 0}}
     other = config.with_name(f"{config.stem}-replay{config.suffix}")
     other.write_text(yaml.safe_dump(data))
     MemorySink.reset(name)
@@ -81,7 +82,7 @@ def slot_of(url: str, stream_id: int) -> str:
     """The replication slot stream ``stream_id`` reads in that database (or would read, created now): the
     database derives its default name (``pgstream.default_slot_name``), unique in the cluster."""
     with psycopg.connect(url) as conn:
-        return ledger.stream_slot(conn, stream_id)
+        return ledger_streams.stream_slot(conn, stream_id)
 
 
 def event_ids(url: str, stream_id: int) -> list[int]:

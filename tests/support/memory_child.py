@@ -80,7 +80,7 @@ def main() -> None:
     out = tmp / "out.jsonl"
     delivery: dict[str, Any] = {"chunk_size": 500, **spec.get("delivery", {})}
     if mode == "open":
-        delivery["linger_secs"] = 30
+        delivery["tuning"] = {"linger_secs": 30}
     cfg = write_config(tmp / "pgstream.yaml", db_url, [
         {"id": STREAM, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
          "delivery": delivery, "sink": {"type": "file", "path": str(out)}}])

@@ -43,7 +43,7 @@ def main() -> None:
     cfg = write_config(tmp / "pgstream.yaml", db_url, [
         {"id": GLOBAL, "batch": {"max_size": 400, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
          # every round through Spark (by default the run reads rounds of global order itself)
-         "delivery": {"chunk_size": 100, "rows_per_partition": 300, "direct_max_events": 0},
+         "delivery": {"chunk_size": 100, "tuning": {"rows_per_partition": 300, "direct_max_events": 0}},
          "sink": {"type": "file", "path": str(out)}},
         {"id": BY_KEY, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
          "delivery": {"ordering": "by_key", "routing_key": "group_id", "parallelism": 2, "chunk_size": 10},

@@ -5,10 +5,10 @@ for many streams").
 
 The group's sensor decides for each member as for a run per stream (``batches.decide``: launch, hand over,
 fail over) and writes the member's run in the ledger (a launched head batch, an open run);
-:class:`GroupDelivery` picks up what each member wants hosted (``ledger.member_runs``: one query a second for
+:class:`GroupDelivery` picks up what each member wants hosted (``ledger.groups.member_runs``: one query a second for
 the whole group) and starts that member's run in a thread as *member run* ``<group run id>/<stream id>``, the
 holder of the member's delivery lease. The members' runs do not poll the ledger while idle: one ``LISTEN`` on
-their run channels and one query a second (``ledger.member_signals``) wake the member whose run was handed
+their run channels and one query a second (``ledger.groups.member_signals``) wake the member whose run was handed
 batches, paused, closed or waited for by a replay (:attr:`~.run.Host.wake`). A member's run that fails (its
 sink refuses) ends its own thread only, gives its lease up and is told to the host (:attr:`GroupHost.ended`):
 the group's sensor sees it failed and puts the stream in failover; the other members go on. A run key is
@@ -19,19 +19,19 @@ While the group run lives, its reader thread reads the group's slot itself, cont
 (:attr:`GroupHost.read`: ``consume_group``, as the group's sensor does: ensure, joins, recording, batches
 handed to the members' open runs in the same transaction, but over the replication protocol: one
 replication connection kept open across the calls, pushed what commits), on a connection of its own holding
-the group's reading (``ledger.claim_group_reading``, named after the run): the group's sensor, whose tick
+the group's reading (``ledger.locks.claim_group_reading``, named after the run): the group's sensor, whose tick
 takes the same lock, does not read while it is held. On an error, and when the run ends, the reader closes
 its replication connection (:attr:`GroupHost.read_ends`) and gives the reading up: the sensor peeks
 meanwhile. The lock goes with the reader's session: if the run's process dies (or the reader's connection
 does), the sensor reads again at its next tick.
 
-The group run holds the group's delivery lease (``ledger.acquire_group_lease``) for as long as it lives,
+The group run holds the group's delivery lease (``ledger.locks.acquire_group_lease``) for as long as it lives,
 so a dead group run (its process killed) is told from a live one; it ends once
 ``max_run_secs`` passed (it stops taking member runs and asks its members to close: a fresh group run picks
 up configuration changes) or when no member had a run for ``idle_secs``. It also ends, the same way, when
 its host's stop check gives a reason (:attr:`GroupHost.stop_check`: the group's sensor asks a run built from
 a configuration that is not the code location's any more to end), and when its reader is refused
-(:data:`REFUSALS`, e.g. ``ledger.GroupChange``: a stream was added to the group by a newer configuration),
+(:data:`REFUSALS`, e.g. ``ledger.groups.GroupChange``: a stream was added to the group by a newer configuration),
 with that line as the reason, instead of reading on with a configuration that no longer holds.
 """
 
@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 import psycopg
 
 from ...config import StreamConfig
-from .. import dbconn, ledger
+from .. import dbconn
 from ..handoff import Log
+from ..ledger import groups, locks, state
 from ..limits import LimitsExceeded
 from ..replication import PublicationTaken
 from .run import DeliveryRun, Host
@@ -69,12 +70,12 @@ READ_ERROR_SECS = 5.0
 #: database has in the group that the run's configuration does not, a publication or slot not the group's,
 #: no slot free): the group run ends with its line as the reason; the group's sensor reads then, with the
 #: code location's configuration, and reports it if it stands
-REFUSALS: tuple[type[Exception], ...] = (ledger.GroupChange, PublicationTaken, LimitsExceeded)
+REFUSALS: tuple[type[Exception], ...] = (groups.GroupChange, PublicationTaken, LimitsExceeded)
 
 
 def member_run_id(group_run_id: str, stream_id: int) -> str:
     """The run id of a member's delivery run hosted by group delivery run ``group_run_id``: it holds the
-    member's delivery lease (the group's sensor reads what became of it with ``ledger.lease_states``)."""
+    member's delivery lease (the group's sensor reads what became of it with ``ledger.locks.lease_states``)."""
     return f"{group_run_id}/{stream_id}"
 
 
@@ -136,7 +137,7 @@ class GroupHost:
 
 @dataclass
 class _Member:
-    run: ledger.MemberRun
+    run: groups.MemberRun
     thread: threading.Thread
 
 
@@ -154,7 +155,7 @@ class GroupDelivery:
     hosted: set[str] = field(default_factory=set)  # every run key this group run took (or refused)
     errors: dict[int, str] = field(default_factory=dict)  # the last failure of each member
     _members: dict[int, _Member] = field(default_factory=dict)
-    #: per member: set when its ledger row moved (``ledger.member_signals``) or its run channel was notified
+    #: per member: set when its ledger row moved (``ledger.groups.member_signals``) or its run channel was notified
     _wake: dict[int, threading.Event] = field(default_factory=dict)
     _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
     _stopping: threading.Event = field(default_factory=threading.Event)
@@ -167,13 +168,13 @@ class GroupDelivery:
     def run(self) -> str:
         """Host the members' runs until the group run ends; why it ended."""
         by_id = {s.id: s for s in self.streams}
-        lease = ledger.acquire_group_lease(self.database_url, self.group, self.host.run_id)
+        lease = locks.acquire_group_lease(self.database_url, self.group, self.host.run_id)
         log = self.host.log
         reader: threading.Thread | None = None
         try:
-            channels = {ledger.run_channel(stream_id): stream_id for stream_id in by_id}
+            channels = {state.run_channel(stream_id): stream_id for stream_id in by_id}
             for stream_id in by_id:  # a member's batches handed over wake its run (extend_run notifies)
-                ledger.listen_runs(lease, stream_id)
+                state.listen_runs(lease, stream_id)
                 self._wake[stream_id] = threading.Event()
             log.info(f"reader group {self.group}: group delivery run hosting streams "
                      f"{', '.join(map(str, sorted(by_id)))}")
@@ -202,7 +203,7 @@ class GroupDelivery:
                     self._wait(lease, channels, 0.2)
                     continue
                 self._watch(lease)
-                wanted = [m for m in ledger.member_runs(lease, self.group)
+                wanted = [m for m in groups.member_runs(lease, self.group)
                           if m.stream_id in by_id and m.run_key not in self.hosted]
                 # (a member whose previous run is still ending waits for it)
                 starting = [m for m in wanted if m.stream_id not in self._members]
@@ -228,7 +229,7 @@ class GroupDelivery:
             self._reading_ends.set()
             if reader is not None:
                 reader.join(READ_SECS + 30)
-            ledger.give_up_group_lease(lease, self.group)
+            locks.give_up_group_lease(lease, self.group)
 
     def _read(self) -> None:
         """The group run's reader (its own thread and connection): while it holds the group's reading, it
@@ -244,7 +245,7 @@ class GroupDelivery:
                     if conn is None:
                         conn = dbconn.connect(self.database_url, autocommit=True,
                                               application_name=f"pgstream group reader {self.host.run_id}")
-                    if not ledger.claim_group_reading(conn, self.group, reader_name(self.host.run_id)):
+                    if not locks.claim_group_reading(conn, self.group, reader_name(self.host.run_id)):
                         self._reading_ends.wait(READ_RETRY_SECS)
                         continue
                     if told is not None:
@@ -273,7 +274,7 @@ class GroupDelivery:
             self.host.read_ends()
             if conn is not None:
                 try:
-                    ledger.release_group_reading(conn, self.group)
+                    locks.release_group_reading(conn, self.group)
                 except psycopg.Error:
                     pass
                 conn.close()
@@ -297,7 +298,7 @@ class GroupDelivery:
         """One query for the whole group: wake each member whose ledger row moved (paused, its open run, a
         replay waiting, a batch launched): its run looks at the ledger only then (and every
         ``WOKEN_POLL_SECS``), instead of twice a second."""
-        signals = ledger.member_signals(lease, self.group)
+        signals = groups.member_signals(lease, self.group)
         for stream_id, row in signals.items():
             if stream_id in self._wake and self._signals.get(stream_id) != row:
                 self._wake[stream_id].set()
@@ -317,13 +318,13 @@ class GroupDelivery:
         for stream_id in [s for s, m in self._members.items() if not m.thread.is_alive()]:
             del self._members[stream_id]
 
-    def _start(self, stream: StreamConfig, order: ledger.MemberRun) -> None:
+    def _start(self, stream: StreamConfig, order: groups.MemberRun) -> None:
         thread = threading.Thread(target=self._member, args=(stream, order), daemon=True,
                                   name=f"pgstream-member-{stream.id}")
         self._members[stream.id] = _Member(order, thread)
         thread.start()
 
-    def _member(self, stream: StreamConfig, order: ledger.MemberRun) -> None:
+    def _member(self, stream: StreamConfig, order: groups.MemberRun) -> None:
         """One member's run, in its own thread: its failure ends only this thread."""
         run_id = member_run_id(self.host.run_id, stream.id)
         base = self.host.member_host(stream, run_id)

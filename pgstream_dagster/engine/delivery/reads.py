@@ -92,7 +92,7 @@ order by w.ord
 """
 
 #: bytes of payload and metadata (JSON text) one read holds at most, unless one event is larger
-#: (``delivery.max_read_bytes``'s default)
+#: (``delivery.tuning.max_read_bytes``'s default)
 READ_BYTES = 32 * 2**20
 
 

@@ -16,7 +16,7 @@ so (:attr:`Host.stop_check`: Dagster has another run of the stream queued).
 
 The ordered publish loop (:func:`.sources.publish_in_order`) yields what the sink confirmed; the
 run writes it to the ledger before anything more is published: ``Confirmed`` →
-``ledger.mark_confirmed`` (a retry resumes after it), ``BatchDone`` → ``ledger.mark_delivered``,
+``ledger.state.mark_confirmed`` (a retry resumes after it), ``BatchDone`` → ``ledger.state.mark_delivered``,
 ``Progress`` → the log. The rounds are told to the host together (:class:`Summary`, at most every
 ``tuning.report_every_secs`` and when the run ends) through :attr:`Host.report`.
 """
@@ -36,10 +36,10 @@ import psycopg
 
 from ...config import StreamConfig
 from ...sinks import Sink, SinkError, build_sink
-from .. import ledger
 from ..batches import CloseRun
 from ..collector import fewer_collections
 from ..handoff import Handoff, Log, ReaderFactory, RunReader
+from ..ledger import deadletters, keyprogress, locks, state, streams
 from ..publish import (
     BatchDone,
     Confirmed,
@@ -75,7 +75,7 @@ class RoundReport:
     """One round delivered: its batches, the events handled (confirmed, or set aside), and when its
     read started (``time.monotonic()``)."""
 
-    batches: list[ledger.Batch]
+    batches: list[state.Batch]
     delivered: int
     started: float
     #: the source it was read from (:class:`.sources.Route`'s value)
@@ -88,8 +88,8 @@ class Summary:
 
     stream_id: int
     sink_type: str
-    first: ledger.Batch
-    last: ledger.Batch
+    first: state.Batch
+    last: state.Batch
     batches: int
     rounds: int
     events: int
@@ -151,16 +151,16 @@ class DeliveryRun:
     batch_id: int | None = None
     through_batch_id: int | None = None
     run_key: str | None = None
-    batches: list[ledger.Batch] = field(default_factory=list)
+    batches: list[state.Batch] = field(default_factory=list)
     started: float = 0.0
     lease: psycopg.Connection | None = None
 
     def start(self, log: Log) -> DeliveryRun:
         """Take the stream's delivery lease (waiting for a replay that holds it) and check the batches
-        may run; raises :class:`DeliveryError` (the lease given up) or :class:`~..ledger.LeaseTaken`."""
+        may run; raises :class:`DeliveryError` (the lease given up) or :class:`~..ledger.locks.LeaseTaken`."""
         stream_id = self.stream.id
         self.started = time.monotonic()
-        self.lease = lease = ledger.acquire_lease(
+        self.lease = lease = locks.acquire_lease(
             self.database_url, stream_id, self.run_id,
             lambda replay: log.info(f"stream {stream_id}: waiting for replay {replay} to end "
                                     "(it holds the delivery lease)"))
@@ -169,53 +169,53 @@ class DeliveryRun:
             return self
         try:
             last = self.through_batch_id or self.batch_id
-            batches = ledger.batches_between(lease, stream_id, self.batch_id, last)
+            batches = state.batches_between(lease, stream_id, self.batch_id, last)
             if not batches or batches[0].id != self.batch_id:
                 raise DeliveryError(f"batch {self.batch_id} of stream {stream_id} does not exist")
             done = [b.id for b in batches if not b.status.is_open]
             if done:
                 raise DeliveryError(f"batches {done} of stream {stream_id} are already delivered or skipped")
-            earlier = ledger.earlier_open(lease, stream_id, self.batch_id)
+            earlier = state.earlier_open(lease, stream_id, self.batch_id)
             if earlier is not None:
                 raise DeliveryError(f"batch {self.batch_id} would overtake open batch {earlier} of stream "
                                     f"{stream_id}; batches are delivered in order")
         except BaseException:
-            ledger.give_up_lease(lease, stream_id)
+            locks.give_up_lease(lease, stream_id)
             raise
         self.batches = batches
         return self
 
     def give_back(self) -> list[int]:
         """The run was interrupted (a shutdown) and has ended: it is no longer the stream's open run and the
-        batches it held go back to pending for the next run (``ledger.give_back``), on a connection of its
+        batches it held go back to pending for the next run (``state.give_back``), on a connection of its
         own (the lease's has ended with the run). Returns those batches."""
         run_key = self.batches[0].run_key if self.batches else self.run_key
         if not run_key:
             return []
-        with psycopg.connect(self.database_url, autocommit=True, application_name=ledger.lease_name(self.run_id)) \
+        with psycopg.connect(self.database_url, autocommit=True, application_name=locks.lease_name(self.run_id)) \
                 as conn:
-            return ledger.give_back(conn, self.stream.id, run_key)
+            return state.give_back(conn, self.stream.id, run_key)
 
     def deliver(self, host: Host) -> Generator[RoundReport, None, None]:
         """Deliver the run's batches, then (an open run) what the sensor assigns to it, round by round."""
         stream, lease = self.stream, self.lease
         assert lease is not None, "start() the run first"
         run_key = self.batches[0].run_key if self.batches else self.run_key
-        if not self.batches and not (run_key and ledger.run_is_open(lease, stream.id, run_key)):
+        if not self.batches and not (run_key and state.run_is_open(lease, stream.id, run_key)):
             # a warm run the stream no longer wants (another run is open): nothing to do
-            ledger.give_up_lease(lease, stream.id)
+            locks.give_up_lease(lease, stream.id)
             host.log.info(f"stream {stream.id}: not the stream's open run; nothing to deliver")
             return
         run_key = run_key or ""
         # the lease is given up when the run ends (it is lost if its process dies); the sink serves every round
         # of the run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
-        with fewer_collections(), ledger.holding_lease(lease, stream.id) as conn, \
+        with fewer_collections(), locks.holding_lease(lease, stream.id) as conn, \
                 build_sink(stream.sink) as sink, \
                 _reader(host, self.database_url, stream, run_key, conn) as reader:
             if host.wake is None:  # (a host that wakes the run listens for it)
-                ledger.listen_runs(conn, stream.id)
+                state.listen_runs(conn, stream.id)
             # what the sink confirms is recorded on ``conn``: once it is broken the sink sends nothing more
-            recording = sink.go_on = ledger.RecordingCheck(conn)
+            recording = sink.go_on = locks.RecordingCheck(conn)
             linger = Linger(host, conn, stream, run_key, reader)
             reports = Reports(host, conn, stream, run_key)
             batches, started = direct_round(stream, self.batches), self.started
@@ -239,9 +239,9 @@ class DeliveryRun:
                         try:
                             delivered = _Round(host, conn, stream, sink, batches, self.database_url,
                                                self.executor_url).deliver(source, recording)
-                        except ledger.StreamPaused:
+                        except state.StreamPaused:
                             reader.stop()  # what it received is recorded before the batches go back
-                            waiting = ledger.give_back(conn, stream.id, run_key)
+                            waiting = state.give_back(conn, stream.id, run_key)
                             shown = (f"its batches {waiting[0]}..{waiting[-1]} wait" if waiting
                                      else "nothing of it waits")
                             host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
@@ -288,25 +288,25 @@ def _reader(host: Host, database_url: str, stream: StreamConfig, run_key: str, c
     """The open run's slot reader (modes open and warm, while the run is the stream's open run)."""
     # a reader group's member reads no slot: the group's reader hands its batches to the run
     if host.reader is None or stream.reader is not None or \
-            not (stream.delivery.read_slot and run_key and ledger.run_is_open(conn, stream.id, run_key)):
+            not (stream.delivery.read_slot and run_key and state.run_is_open(conn, stream.id, run_key)):
         return _NoReader()
     handoff = None
     delivery = stream.delivery
     if delivery.ordering == "global" and delivery.tuning.direct_max_events > 0:
         handoff = Handoff(max(delivery.tuning.direct_max_events, stream.batch.max_size),
                           4 * delivery.tuning.max_read_bytes)
-    return host.reader(database_url, stream, run_key, ledger.stream_slot(conn, stream.id), handoff, host.run_id,
+    return host.reader(database_url, stream, run_key, streams.stream_slot(conn, stream.id), handoff, host.run_id,
                        host.log)
 
 
-def owed(stream: StreamConfig, batches: list[ledger.Batch]) -> list[Span]:
+def owed(stream: StreamConfig, batches: list[state.Batch]) -> list[Span]:
     """What the run owes of ``batches``: a retry resumes after the events the sink already confirmed
     (global order; ``by_key`` reads every event and its Spark tasks skip, per key, what an earlier attempt
     recorded in ``pgstream.key_progress``)."""
     return owed_spans(batches, resume=stream.delivery.ordering == "global")
 
 
-def direct_round(stream: StreamConfig, batches: list[ledger.Batch]) -> list[ledger.Batch]:
+def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state.Batch]:
     """A run's next round of ``batches``, all assigned to it (ordering global): the first of them up to
     ``direct_max_events`` events (``DeliveryConfig.direct_max_events``; at least one batch), so
     that it is read without Spark; the rest come in the next rounds. A backlog is then delivered in
@@ -323,11 +323,11 @@ def direct_round(stream: StreamConfig, batches: list[ledger.Batch]) -> list[ledg
     return batches
 
 
-def dead_letters(stream: StreamConfig, database_url: str, token: str | None = None) -> ledger.DeadLetterWriter:
+def dead_letters(stream: StreamConfig, database_url: str, token: str | None = None) -> deadletters.DeadLetterWriter:
     """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and an event too large
     for the sink whatever ``on_reject`` says (it can never be delivered). ``token``: a by_key round's
     delivery token, what its Spark tasks write with."""
-    return ledger.DeadLetterWriter(database_url, stream.id, stream.sink.type,
+    return deadletters.DeadLetterWriter(database_url, stream.id, stream.sink.type,
                                    resumes=stream.delivery.ordering == "global", token=token)
 
 
@@ -345,14 +345,14 @@ class _Round:
     """One round: ``batches`` read from a source, delivered through the run's ``sink``, each marked."""
 
     def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, sink: Sink,
-                 batches: list[ledger.Batch], database_url: str, executor_url: str) -> None:
+                 batches: list[state.Batch], database_url: str, executor_url: str) -> None:
         self.host, self.conn, self.stream, self.sink, self.batches = host, conn, stream, sink, batches
         # what runs on the executors (by_key tasks) connects with the executors' URL, what runs here with the runtime's
         self.database_url = executor_url if stream.delivery.ordering == "by_key" else database_url
         self.owed = owed(stream, batches)
         self.expected = {span.batch_id: span.events for span in self.owed}
 
-    def deliver(self, source: Source, recording: ledger.RecordingCheck) -> int:
+    def deliver(self, source: Source, recording: locks.RecordingCheck) -> int:
         """The events handled (confirmed by the sink, or set aside as dead letters). Once ``conn`` is
         broken (``recording``: Postgres restarted, the connection was cut) the run stops before the
         sink's next request, as nothing it confirms could be recorded."""
@@ -369,20 +369,20 @@ class _Round:
     def _deliver(self, source: Source) -> int:
         conn, stream = self.conn, self.stream
         batch_ids = [b.id for b in self.batches]
-        skip = ledger.dead_letter_positions(conn, stream.id, batch_ids)
+        skip = deadletters.dead_letter_positions(conn, stream.id, batch_ids)
         for batch_id in [b for b, events in self.expected.items() if events == 0]:
             self._mark_delivered(batch_id, 0)  # confirmed in full by a run that died before marking it
         try:
             if isinstance(source, KeyedSource):
                 # the Spark tasks write (resume points, dead letters) with the round's delivery token only
-                token = ledger.issue_delivery_token(conn, stream.id, self.host.run_id)
+                token = keyprogress.issue_delivery_token(conn, stream.id, self.host.run_id)
                 delivered = self._by_key(source, skip, reject_policy(stream, self.database_url, token), token)
             else:
                 assert hasattr(source, "events"), f"{type(source).__name__} is no source of a delivery round"
                 delivered = self._in_order(source, skip, reject_policy(stream, self.database_url))
         except MissingEventsError:
             raise vanished_error(conn, stream.id, batch_ids, self.host.control) from None
-        missing, dead = ledger.round_outcome(conn, stream.id, batch_ids)
+        missing, dead = state.round_outcome(conn, stream.id, batch_ids)
         if missing:
             raise DeliveryError(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
         set_aside = dead - len(skip)  # (the round skipped those set aside before it)
@@ -397,7 +397,7 @@ class _Round:
         if handled != self.expected[batch_id]:
             raise DeliveryError(f"batch {batch_id}: {self.expected[batch_id]} events were owed but {handled} "
                                 f"were handled; refusing to mark it delivered")
-        if not ledger.mark_delivered(self.conn, batch_id, self.host.run_id):
+        if not state.mark_delivered(self.conn, batch_id, self.host.run_id):
             raise DeliveryError(f"batch {batch_id} was already marked delivered by another run")
 
     def _in_order(self, source: Any, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
@@ -414,14 +414,14 @@ class _Round:
         every = stream.delivery.tuning.report_every_secs
         logged_at = time.monotonic()
         too_large = dead_letters(stream, self.database_url).too_large
-        # each publish call holds the stream row against a pause (``ledger.publishing``): none after one
+        # each publish call holds the stream row against a pause (``state.publishing``): none after one
         with closing(publish_in_order(source, self.sink, chunk_size, skip=skip, reject=reject, owed=self.owed,
                                       too_large=too_large, chunk_bytes=stream.delivery.tuning.max_read_bytes,
-                                      gate=lambda: ledger.publishing(conn, stream.id))) as deliveries:
+                                      gate=lambda: state.publishing(conn, stream.id))) as deliveries:
             for delivery in deliveries:
                 match delivery:
                     case Confirmed(batch_id, ord):  # a retry resumes after it
-                        ledger.mark_confirmed(conn, batch_id, ord)
+                        state.mark_confirmed(conn, batch_id, ord)
                     case BatchDone(batch_id, events):
                         self._mark_delivered(batch_id, events)
                     case Progress(handled) if next_log <= handled < total:
@@ -444,19 +444,19 @@ class _Round:
         stream, conn, expected = self.stream, self.conn, self.expected
         batch_ids = list(expected)
         # no resume point per batch: every event must be there (or set aside) before anything is sent
-        gone = [(b, o) for b, o, _e in ledger.vanished(conn, batch_ids)]
+        gone = [(b, o) for b, o, _e in deadletters.vanished(conn, batch_ids)]
         if any(p not in skip for p in gone):
             raise MissingEventsError([p for p in gone if p not in skip])
         # an interrupted attempt's resume points hold for its partitioning: keep it until the round is delivered
         parallelism = stream.delivery.parallelism
-        partitions = ledger.key_progress_partitions(conn, stream.id, batch_ids[0]) or parallelism
-        ledger.clear_key_progress(conn, stream.id, keep_partitions=partitions)
+        partitions = keyprogress.key_progress_partitions(conn, stream.id, batch_ids[0]) or parallelism
+        keyprogress.clear_key_progress(conn, stream.id, keep_partitions=partitions)
         if partitions != parallelism:
             self.host.log.info(f"stream {stream.id}: resuming an interrupted by_key attempt with its {partitions} "
                                f"partitions (delivery.parallelism {parallelism} applies from the next round)")
-        progress = ledger.KeyProgress(self.database_url, stream.id, partitions, token=token)
+        progress = keyprogress.KeyProgress(self.database_url, stream.id, partitions, token=token)
         # the whole round's tasks publish holding the stream row against a pause (it waits for the round)
-        with ledger.publishing(conn, stream.id):
+        with state.publishing(conn, stream.id):
             result = spark.deliver_by_key(source.frame, stream.sink, stream.delivery.chunk_size, partitions,
                                           skip=skip, reject=reject, progress=progress,
                                           too_large=dead_letters(stream, self.database_url, token).too_large,
@@ -470,7 +470,7 @@ class _Round:
                                 f"refusing to mark batches delivered")
         for b, events in expected.items():
             self._mark_delivered(b, events)
-        ledger.clear_key_progress(conn, stream.id, through_batch_id=batch_ids[-1])
+        keyprogress.clear_key_progress(conn, stream.id, through_batch_id=batch_ids[-1])
         if result.resumed:
             self.host.log.info(f"stream {stream.id}: {result.resumed} events confirmed by an interrupted attempt "
                                f"were not published again")
@@ -480,8 +480,8 @@ class _Round:
 def vanished_error(conn: psycopg.Connection, stream_id: int, batch_ids: list[int],
                    control: str = "the control job") -> DeliveryError:
     """The run stops at events that vanished from pgstream.events: say which, and how to go on."""
-    skip = ledger.dead_letter_positions(conn, stream_id, batch_ids)
-    gone = [(b, o, e) for b, o, e in ledger.vanished(conn, batch_ids) if (b, o) not in skip]
+    skip = deadletters.dead_letter_positions(conn, stream_id, batch_ids)
+    gone = [(b, o, e) for b, o, e in deadletters.vanished(conn, batch_ids) if (b, o) not in skip]
     ids = [e for _b, _o, e in gone]
     shown = ", ".join(f"{e} (batch {b} #{o})" for b, o, e in gone[:20]) + (" ..." if len(gone) > 20 else "")
     return DeliveryError(
@@ -518,7 +518,7 @@ class Linger:
     assigns to it and closes once idle ``tuning.linger_secs`` (mode ``open``), open
     ``tuning.max_run_secs``, or when the stream is paused, no longer hands it batches (failover), a
     replay waits for the delivery lease, however it was launched
-    (:func:`~..ledger.acquire_replay_lease`), or the host has a reason (:attr:`Host.stop_check`)."""
+    (:func:`~..ledger.locks.acquire_replay_lease`), or the host has a reason (:attr:`Host.stop_check`)."""
 
     def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, run_key: str,
                  reader: RunReader) -> None:
@@ -530,7 +530,7 @@ class Linger:
         self.earlier_open: int | None = None
         self._looked = False
 
-    def next_batches(self, after: int) -> list[ledger.Batch]:
+    def next_batches(self, after: int) -> list[state.Batch]:
         """The batches assigned to the run after batch ``after``; empty once the run is closed."""
         delivery, tuning = self.stream.delivery, self.stream.delivery.tuning
         linger_secs, warm = delivery.linger_secs, delivery.keep_warm
@@ -555,13 +555,13 @@ class Linger:
             now = time.monotonic()
             # woken by the host (or its safety interval passed), or polling on its own: look at the ledger
             look = wake is None or woken or now - polled_at >= WOKEN_POLL_SECS
-            batches: list[ledger.Batch] = []
+            batches: list[state.Batch] = []
             replay = False
             if look:
                 polled_at = now
                 # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver what
                 # was handed over, close (the lease goes to the replay when the run ends)
-                seen = ledger.next_assigned(self.conn, self.stream.id, self.run_key, after)
+                seen = state.next_assigned(self.conn, self.stream.id, self.run_key, after)
                 batches, replay, self.earlier_open = seen.batches, seen.replay_waiting, seen.earlier_open
             if batches:
                 if replay:
@@ -580,7 +580,7 @@ class Linger:
                 reason = self._stop_reason()
             if reason is not None:
                 self.reader.stop()  # what it received is recorded (and handed to this run) before it closes
-                if ledger.apply_run(self.conn, CloseRun(self.stream.id, self.run_key)):
+                if state.apply_run(self.conn, CloseRun(self.stream.id, self.run_key)):
                     if linger_secs > 0:
                         self.host.log.info(f"stream {self.stream.id}: run closed ({reason})")
                     return []
@@ -594,9 +594,9 @@ class Linger:
                 pass
 
     def _stop_reason(self) -> str | None:
-        if not ledger.run_is_open(self.conn, self.stream.id, self.run_key):
+        if not state.run_is_open(self.conn, self.stream.id, self.run_key):
             return "the sensor hands it no more batches (failover or catch-up)"
-        if ledger.is_paused(self.conn, self.stream.id):
+        if state.is_paused(self.conn, self.stream.id):
             return "the stream is paused"
         return self.host.stop_check()
 
@@ -612,8 +612,8 @@ class Reports:
         self._reset()
 
     def _reset(self) -> None:
-        self.first: ledger.Batch | None = None
-        self.last: ledger.Batch | None = None
+        self.first: state.Batch | None = None
+        self.last: state.Batch | None = None
         self.kinds: set[str] = set()
         self.batches = self.events = self.rounds = 0
         self.started = 0.0

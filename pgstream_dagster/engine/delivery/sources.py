@@ -90,7 +90,7 @@ class TableSource:
     routing_key: str
     #: the rows the run's slot reader recorded (:mod:`..handoff`): a span found there is not read
     handoff: Handoff | None = None
-    #: bytes of payload and metadata one read holds at most (one event at least): ``delivery.max_read_bytes``
+    #: bytes of payload and metadata one read holds at most (one event at least): ``delivery.tuning.max_read_bytes``
     read_bytes: int = READ_BYTES
     #: an event whose payload is larger is not read (:class:`~..publish.TooLarge`): the sink's ``max_event_bytes()``
     event_bytes: int | None = None
@@ -132,7 +132,7 @@ class TableSource:
 
 @dataclasses.dataclass(frozen=True)
 class RangeSource:
-    """Route ``range``: a replay's selection read without Spark (``delivery.direct_max_events`` above
+    """Route ``range``: a replay's selection read without Spark (``delivery.tuning.direct_max_events`` above
     0): the id ``ranges`` of :func:`~pgstream_dagster.engine.replay.plan`, each read whole with the query the
     Spark source runs (``params``: its filters), by a connection of its own while the caller publishes
     the range before. The run's process publishes every event of a replay anyway (id order): Spark

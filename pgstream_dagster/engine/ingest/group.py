@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import psycopg
 
 from ...config import StreamConfig
-from .. import ledger, limits, replication, walstream
+from .. import limits, replication, walstream
+from ..ledger import groups, recording
 from ..replication import Transaction
 from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, _past, record_pass
 from .slot import SLOT_CREATION_WAIT_SECS
@@ -88,7 +89,7 @@ def rule_of(streams: list[StreamConfig]) -> Batching:
     """One batching rule for the group's loop: the tightest of its members' (each member's batches are
     still cut at its own ``batch.max_size``)."""
     return Batching(min(s.batch.max_size for s in streams), min(s.batch.max_fill_secs for s in streams),
-                    min(s.delivery.max_read_bytes for s in streams))
+                    min(s.delivery.tuning.max_read_bytes for s in streams))
 
 
 def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Transaction]]]:
@@ -120,53 +121,53 @@ def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Tra
     return split
 
 
-def check_members(state: ledger.Group, streams: list[StreamConfig]) -> None:
-    """Raises :class:`~..ledger.GroupChange` for a stream the database has in the group that the configuration
+def check_members(state: groups.Group, streams: list[StreamConfig]) -> None:
+    """Raises :class:`~..ledger.groups.GroupChange` for a stream the database has in the group that the configuration
     (``streams``) does not: its events would be skipped."""
     configured = {s.id for s in streams}
     unknown = [m.id for m in state.members if m.id not in configured]
     if unknown:
-        raise ledger.GroupChange(f"reader group {state.name}: stream(s) {', '.join(map(str, unknown))} read with it "
+        raise groups.GroupChange(f"reader group {state.name}: stream(s) {', '.join(map(str, unknown))} read with it "
                                  f"in the database but have no streams[] entry with reader: {state.name} in "
                                  f"pgstream.yaml (their events would be skipped): configure them again")
 
 
 def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
-                 result: GroupResult) -> ledger.Group | None:
+                 result: GroupResult) -> groups.Group | None:
     """Register the members, keep the publication's filter on them, and make sure the group's slot is
     usable (replaced and recovered when lost). A member whose registration is refused (its publication's
     name taken by another role, or it reads with another group) is left out, told in one line
     (``result.left_out``, ``result.notes``), and the others go on; ``None`` when every member was left out
-    (no group to read). Raises :class:`~..ledger.GroupChange` for a stream the database has in the group
+    (no group to read). Raises :class:`~..ledger.groups.GroupChange` for a stream the database has in the group
     that the configuration does not (it would be skipped)."""
     # one query when every member is registered (each tick, each pass of the group run's reader)
-    _added, refused = ledger.register_missing_members(conn, group, [s.id for s in streams])
+    _added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     if refused:
         result.left_out.update(refused)
         result.notes.extend(refused.values())
         streams = [s for s in streams if s.id not in refused]
-        if ledger.group_state(conn, group) is None:
+        if groups.group_state(conn, group) is None:
             return None
-    result.publication = ledger.ensure_group_publication(conn, group)
-    state = ledger.group_state(conn, group)
+    result.publication = groups.ensure_group_publication(conn, group)
+    state = groups.group_state(conn, group)
     assert state is not None  # registered above
     check_members(state, streams)
     result.slot = state.slot
     joined = [m for m in state.members if m.joined]
     if result.publication == "created":
         # decoding skips what committed while the publication was missing: recovered from the table
-        ledger.set_group_recovery_pending(conn, group, True)
+        groups.set_group_recovery_pending(conn, group, True)
     info = replication.slot_info(conn, state.slot)
     pending = state.recovery_pending or result.publication == "created"
     if info is not None and info["wal_status"] != "lost" and not pending:
         return state
     if info is None and (elsewhere := replication.slot_database(conn, state.slot)) is not None:
-        raise ledger.GroupChange(f"reader group {group}: replication slot {state.slot} belongs to database "
+        raise groups.GroupChange(f"reader group {group}: replication slot {state.slot} belongs to database "
                                  f"{elsewhere}, not to this one: drop it there if nothing reads it")
     # crash-safe as ensure_slot: pending first, cleared once every member recovered
-    ledger.set_group_recovery_pending(conn, group, True)
+    groups.set_group_recovery_pending(conn, group, True)
     for m in joined:
-        ledger.set_recovery_pending(conn, m.id)
+        recording.set_recovery_pending(conn, m.id)
     if info is not None and info["wal_status"] == "lost":
         replication.drop_slot(conn, state.slot)
         result.slot_lost = True
@@ -183,9 +184,9 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
         result.slot_created = True
     by_id = {s.id: s for s in streams}
     for m in joined:
-        result.recovered[m.id] = ledger.recover_from_table(conn, m.id, by_id[m.id].batch.max_size)
-    ledger.set_group_recovery_pending(conn, group, False)
-    return ledger.group_state(conn, group) or state
+        result.recovered[m.id] = recording.recover_from_table(conn, m.id, by_id[m.id].batch.max_size)
+    groups.set_group_recovery_pending(conn, group, False)
+    return groups.group_state(conn, group) or state
 
 
 def _running_xids(conn: psycopg.Connection) -> list[int]:
@@ -209,7 +210,7 @@ def _wait_ended(conn: psycopg.Connection, xids: list[int], until: float) -> bool
     return True
 
 
-def _drain(conn: psycopg.Connection, stream: StreamConfig, member: ledger.Member, group: str, join_lsn: int,
+def _drain(conn: psycopg.Connection, stream: StreamConfig, member: groups.Member, group: str, join_lsn: int,
            until: float, result: GroupResult) -> bool:
     """Record the member's transactions that end at or before its join position from its own slot
     (with the group's reader as its declared reader); true once every one is recorded."""
@@ -217,11 +218,11 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: ledger.Member
     if info is None or info["wal_status"] == "lost":
         # nothing to drain (a new stream, or its slot was dropped or invalidated): what it has is recorded
         # from the table
-        ledger.set_recovery_pending(conn, stream.id)
-        result.recovered[stream.id] = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
+        recording.set_recovery_pending(conn, stream.id)
+        result.recovered[stream.id] = recording.recover_from_table(conn, stream.id, stream.batch.max_size)
         return True
     source = PeekSource(conn, member.own_slot, stream.publication, max(stream.batch.max_size * 4, 100_000))
-    target = StreamLedger(stream, ledger.group_reader(group), run_key=member.open_run_key)
+    target = StreamLedger(stream, groups.group_reader(group), run_key=member.open_run_key)
     try:
         while True:
             txns = source.read(0)
@@ -242,7 +243,7 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: ledger.Member
         result.notes.append(f"stream {stream.id}: its own slot {member.own_slot} is still held by its earlier reader "
                             "(an open run's reader lets go within a second); the join goes on at the next tick")
         return False
-    except ledger.NotVisibleYet:
+    except recording.NotVisibleYet:
         return False
     finally:
         result.batches.setdefault(stream.id, []).extend(target.batches)
@@ -262,7 +263,7 @@ def _drop_own_slot(conn: psycopg.Connection, slot: str) -> None:
         pass
 
 
-def join_members(conn: psycopg.Connection, group: str, state: ledger.Group, streams: dict[int, StreamConfig],
+def join_members(conn: psycopg.Connection, group: str, state: groups.Group, streams: dict[int, StreamConfig],
                  until: float, result: GroupResult) -> bool:
     """Hand every member that still had its own slot over to the group (see the module); true once every
     member has joined. Also drops a joined member's own slot left behind."""
@@ -287,14 +288,14 @@ def join_members(conn: psycopg.Connection, group: str, state: ledger.Group, stre
             join_lsn = m.join_lsn
         else:
             try:
-                join_lsn = ledger.begin_join(conn, m.id, group)
+                join_lsn = groups.begin_join(conn, m.id, group)
             except psycopg.errors.ObjectNotInPrerequisiteState as exc:  # (the owner's check of the wait above)
                 result.notes.append(str(exc.diag.message_primary or exc).removeprefix("pgstream: "))
                 result.joining.append(m.id)
                 done = False
                 continue
         if _drain(conn, streams[m.id], m, group, join_lsn, until, result):
-            ledger.finish_join(conn, m.id, group)
+            groups.finish_join(conn, m.id, group)
             _drop_own_slot(conn, m.own_slot)
             result.joined.append(m.id)
         else:
@@ -327,7 +328,7 @@ class GroupStream:
         """The recording loop over the group's slot recording into ``ledgers`` (this call's: what they
         record is counted in them) on ``conn``: the open one, or a new one over a new replication
         connection."""
-        key = (slot, ledger.group_publication(group), frozenset(ledgers))
+        key = (slot, groups.group_publication(group), frozenset(ledgers))
         recorder = self._recorder
         if recorder is None or recorder.conn is not conn or key != self._key:
             self.close()
@@ -335,7 +336,7 @@ class GroupStream:
                                        max_bytes=rule.max_bytes, keep_stream=True)
             recorder = self._recorder = Recorder(
                 conn, self.source, ledgers, rule, standby=self.application_name, route=route(set(ledgers)),
-                recorded_through=lambda c, lsn: ledger.record_group_through(c, group, lsn))
+                recorded_through=lambda c, lsn: groups.record_group_through(c, group, lsn))
             self._key = key
             self.checked_at = 0.0
         recorder.ledgers = ledgers
@@ -353,14 +354,14 @@ def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: d
     was (they are not visible yet by ``until``; or a member's reader is no longer the group's:
     ``result.slot_busy``)."""
     # each member's open run, read at each pass: what is recorded is handed to it
-    for sid, run_key in ledger.open_run_keys(conn, group).items():
+    for sid, run_key in groups.open_run_keys(conn, group).items():
         if sid in ledgers:
             ledgers[sid].run_key = run_key
     try:
         if not recorder.record(give_up=_past(until)):
             result.slot_busy = True  # a member's reader is no longer the group's (cannot happen)
             return False
-    except ledger.NotVisibleYet:
+    except recording.NotVisibleYet:
         return False  # nothing recorded, the slot not advanced: read again (kept, or from the slot)
     return True
 
@@ -395,7 +396,7 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     streams = [s for s in streams if s.id not in result.left_out]  # (read without them; tried again next time)
     by_id = {s.id: s for s in streams}
     joined_all = join_members(conn, group, state, by_id, max(deadline, started + 1.0), result)
-    state = ledger.group_state(conn, group) or state  # (who has joined now: they are read from here on)
+    state = groups.group_state(conn, group) or state  # (who has joined now: they are read from here on)
     if not joined_all and any(m.join_begun and not m.joined for m in state.members):
         if kept is not None:
             kept.close()
@@ -403,7 +404,7 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     # a member that has not begun joining (it waits for older transactions to end) is not read here: what
     # of it the group's slot holds ends before its join position, where its own slot (or, for a new
     # stream, the table) gives it
-    reader = ledger.group_reader(group)
+    reader = groups.group_reader(group)
     joined = {m.id for m in state.members if m.joined}
     ledgers = {sid: StreamLedger(s, reader) for sid, s in by_id.items() if sid in joined}
     if not ledgers:
@@ -418,8 +419,8 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
         nonlocal marked
         if through is not None and mark and time.monotonic() - marked >= 1.0:
             marked = time.monotonic()
-            ledger.mark_group_consumed(conn, group, through)
-            ledger.mark_members_consumed(conn, group, through)
+            groups.mark_group_consumed(conn, group, through)
+            groups.mark_members_consumed(conn, group, through)
 
     try:
         if kept is not None:
@@ -430,7 +431,7 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     except walstream.SlotBusy:
         result.slot_busy = True
     except walstream.SlotGone:
-        ledger.set_group_recovery_pending(conn, group, True)  # the next tick replaces it and recovers
+        groups.set_group_recovery_pending(conn, group, True)  # the next tick replaces it and recovers
         result.slot_lost = True
     if kept is not None and (result.slot_busy or result.slot_lost):
         kept.close()
@@ -446,10 +447,10 @@ def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig
                 ledgers: dict[int, StreamLedger], deadline: float, until: float, result: GroupResult,
                 seen: Callable[[dt.datetime | None], None]) -> None:
     """The group's sensor: peek the group's slot every :data:`POLL_SECS` until ``deadline``."""
-    source = PeekSource(conn, slot, ledger.group_publication(group),
+    source = PeekSource(conn, slot, groups.group_publication(group),
                         max(max(s.batch.max_size for s in streams) * 4, 100_000), keep_stream=True)
     recorder = Recorder(conn, source, ledgers, rule_of(streams), route=route(set(ledgers)),
-                        recorded_through=lambda c, lsn: ledger.record_group_through(c, group, lsn))
+                        recorded_through=lambda c, lsn: groups.record_group_through(c, group, lsn))
     while True:
         recorder.read(0)
         if recorder.pending.txns and recorder.due():

@@ -5,16 +5,17 @@
   reader (``streams.slot_reader = 'sensor'``), within a tick's budget.
 * An open run's reader (:func:`follow`, in a thread of the run, a :class:`~.source.StreamSource`)
   reads while its run is (``'run:<run key>'``), hands what it records to the run in the same ledger
-  transaction (``ledger.extend_run``) and, with a hand-off, the rows themselves.
+  transaction (``ledger.state.extend_run``) and, with a hand-off, the rows themselves.
 
 Both cut batches the same way for the same ``batch:`` settings (:class:`Batching`), and both check,
 under the stream row's lock and before recording anything, that they are still the declared reader.
 
 The loop records a map stream id -> :class:`StreamLedger` in one pass, so that one reader can serve
 several streams' ledgers (``route`` splits what was read by stream); today each slot serves one
-stream. Safety nets, kept from before the reader was declared (they should never act): a reader that
-finds the slot held by another connection (``SlotBusy``, ``ObjectInUse``) backs off; the ledger is
-checked again under the recording lock for what another reader recorded (:func:`unrecorded`).
+stream. A reader that finds the slot still held by another connection (``SlotBusy``: a reader that has
+not seen the declared reader change yet, the sensor's peek begun before a run took the slot) backs off;
+what the ledger holds already (read again after a crash between recording and confirming) is dropped
+under the stream row's lock (:func:`unrecorded`). Both act (``tests/test_ingest.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from dataclasses import dataclass, field
 import psycopg
 
 from ...config import StreamConfig
-from .. import dbconn, ledger, replication, walstream
+from .. import dbconn, replication, walstream
 from ..batches import GiveSlotBack, TakeSlot
 from ..handoff import Handoff
+from ..ledger import groups, recording, state, streams
 from ..replication import Transaction
 from .results import ConsumeResult, FollowStats
 from .slot import SLOT_CREATION_WAIT_SECS, ensure_slot
@@ -48,7 +50,7 @@ FOLLOW_RECORD_EVERY_SECS = RECORD_EVERY_SECS
 
 @dataclass(frozen=True)
 class Batching:
-    """The one batching rule (``batch:`` and ``delivery.max_read_bytes``): what waits is recorded once
+    """The one batching rule (``batch:`` and ``delivery.tuning.max_read_bytes``): what waits is recorded once
     ``max_size`` events (or unreadable ones) wait, or ``max_bytes`` of kept rows, or the oldest waiting
     transaction committed ``max_fill_secs`` ago, or the source has sent everything committed so far
     (at most every :data:`RECORD_EVERY_SECS`). Recorded, it is cut into batches of ``max_size``."""
@@ -59,7 +61,7 @@ class Batching:
 
     @classmethod
     def of(cls, stream: StreamConfig) -> Batching:
-        return cls(stream.batch.max_size, stream.batch.max_fill_secs, stream.delivery.max_read_bytes)
+        return cls(stream.batch.max_size, stream.batch.max_fill_secs, stream.delivery.tuning.max_read_bytes)
 
     def due(self, pending: Pending, *, drained: bool, now: dt.datetime, since_record: float) -> bool:
         if not pending.txns:
@@ -100,7 +102,7 @@ class Pending:
 @dataclass
 class StreamLedger:
     """Where a stream's transactions are recorded, and as whom: ``reader`` is the declared reader the
-    recording loop reads as (``ledger.SENSOR`` or ``ledger.run_reader(run_key)``); ``run_key``: hand
+    recording loop reads as (``ledger.state.SENSOR`` or ``ledger.state.run_reader(run_key)``); ``run_key``: hand
     what is recorded to this open run; ``handoff``: and the rows themselves."""
 
     stream: StreamConfig
@@ -123,11 +125,11 @@ class StreamLedger:
 def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> list[Transaction]:
     """``txns`` without what the ledger has already: transactions at or before the last recorded end
     LSN (read again after a crash between recording and confirming), and events a recovery recorded."""
-    recorded_to = ledger.last_end_lsn(conn, stream_id)
+    recorded_to = recording.last_end_lsn(conn, stream_id)
     if recorded_to is not None:
         txns = [t for t in txns if t.end_lsn > recorded_to]
     if txns:
-        seen = ledger.recovered_ids_since(conn, stream_id, txns[0].commit_lsn)
+        seen = recording.recovered_ids_since(conn, stream_id, txns[0].commit_lsn)
         if seen:
             for t in txns:
                 t.events = [e for e in t.events if e.id not in seen]
@@ -141,7 +143,7 @@ def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_s
     to the stream's open run if the reader is the run's; returns the streams whose declared reader is
     no longer the loop's (nothing recorded for those: they must not be confirmed).
 
-    Raises ``ledger.NotVisibleYet`` (nothing recorded) when ``give_up`` says stop waiting for the
+    Raises ``ledger.recording.NotVisibleYet`` (nothing recorded) when ``give_up`` says stop waiting for the
     transactions to become visible. ``also``: run in the same transaction once everything is recorded
     (a reader group writes there what it recorded through), unless a stream was lost."""
     lost: set[int] = set()
@@ -152,21 +154,21 @@ def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_s
                 target = ledgers[stream_id]
                 # the declared reader, under the stream row's lock: the open run may have been opened or
                 # closed since the read (the reader that took over reads these again)
-                if ledger.lock_slot_reader(conn, stream_id) != target.reader:
+                if state.lock_slot_reader(conn, stream_id) != target.reader:
                     lost.add(stream_id)
                     continue
-                # safety net: what another reader recorded meanwhile is recorded once
+                # what the ledger holds already (read again: not confirmed yet) is recorded once
                 fresh = [t for t in unrecorded(conn, stream_id, txns) if t.events or t.unreadable]
                 ids: list[int] = []
                 if fresh:
                     max_size = target.stream.batch.max_size
-                    ids = ledger.record(conn, stream_id, fresh, max_size, standby=standby, give_up=give_up)
+                    ids = recording.record(conn, stream_id, fresh, max_size, standby=standby, give_up=give_up)
                     done.append((target, ids, fresh))
                     if target.handoff is not None:
                         # before the commit that wakes the run: there when it asks; dropped if it fails
                         target.handoff.put(ids, fresh, max_size)
                 if target.run_key is not None:
-                    ledger.extend_run(conn, stream_id, target.run_key, target.stream.delivery.max_events_per_run)
+                    state.extend_run(conn, stream_id, target.run_key, target.stream.delivery.max_events_per_run)
             if also is not None and not lost:
                 also(conn)
     except BaseException:
@@ -256,13 +258,13 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
     if stream.reader is not None:
         # a reader group's member: once it has joined, the group's reader reads for it (its own slot,
         # while it joins, is read as before and drained by the group's reader: engine/ingest/group.py)
-        result.slot = ledger.register_group_member(conn, stream.id, stream.reader)
-        if ledger.slot_reader(conn, stream.id).startswith(ledger.GROUP_PREFIX):
+        result.slot = groups.register_group_member(conn, stream.id, stream.reader)
+        if state.slot_reader(conn, stream.id).startswith(groups.GROUP_PREFIX):
             result.slot_busy = True
             return result
         # joining: its own slot is read as it is until the group takes over, never created or replaced (a
         # stream without one joins with nothing to drain: the group records what it has from the table)
-        own = result.slot = ledger.stream_slot(conn, stream.id)
+        own = result.slot = streams.stream_slot(conn, stream.id)
         info = replication.slot_info(conn, own)
         if info is None or info["wal_status"] == "lost":
             result.slot_busy = True
@@ -270,14 +272,14 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
         check_slot = False
     if check_slot:
         ensure_slot(conn, stream, result, wait_secs=SLOT_CREATION_WAIT_SECS)
-    slot = result.slot = result.slot or ledger.stream_slot(conn, stream.id)
-    if ledger.slot_reader(conn, stream.id) != ledger.SENSOR:
+    slot = result.slot = result.slot or streams.stream_slot(conn, stream.id)
+    if state.slot_reader(conn, stream.id) != state.SENSOR:
         result.slot_busy = True  # an open run's reader is the declared reader: it records and hands over itself
         return result
     started = time.monotonic()
     deadline = started + budget_secs
     source = PeekSource(conn, slot, stream.publication, max(stream.batch.max_size * 4, 100_000))
-    target = StreamLedger(stream, ledger.SENSOR)
+    target = StreamLedger(stream, state.SENSOR)
     recorder = Recorder(conn, source, {stream.id: target}, Batching.of(stream))
     try:
         while True:
@@ -285,7 +287,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
             if not recorder.pending.txns:
                 seen = source.skip_idle(conn)
                 if seen is not None and mark:
-                    ledger.mark_consumed(conn, stream.id, seen)
+                    recording.mark_consumed(conn, stream.id, seen)
                 break
             if recorder.due():
                 try:
@@ -293,14 +295,14 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
                     if not recorder.record(give_up=_past(max(deadline, started + 1.0))):
                         result.slot_busy = True  # a run was opened since the read: its reader reads them
                         break
-                except ledger.NotVisibleYet:
+                except recording.NotVisibleYet:
                     break  # nothing recorded, the slot not advanced: the next tick reads them again
                 result.last_lsn = replication.int_to_lsn(recorder.last_lsn or 0)
                 if source.drained:
                     # (not skip_idle: advancing past other tables' WAL decodes it again, once per batch)
                     seen = source.seen_through
                     if seen is not None and (mark or target.batches):
-                        ledger.mark_consumed(conn, stream.id, seen)
+                        recording.mark_consumed(conn, stream.id, seen)
                 elif time.monotonic() < deadline:
                     continue  # more waits behind the peek's cap
                 break
@@ -308,7 +310,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
             oldest = recorder.pending.oldest_commit
             if remaining <= 0:
                 if oldest is not None and mark:
-                    ledger.mark_consumed(conn, stream.id, oldest)
+                    recording.mark_consumed(conn, stream.id, oldest)
                 break
             wait = 0.2
             if oldest is not None:
@@ -316,13 +318,13 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
                 wait = max(0.05, min(wait, stream.batch.max_fill_secs - age))
             time.sleep(min(wait, remaining))
     except walstream.SlotBusy:
-        # safety net: another connection holds the slot although the sensor is the declared reader (an
-        # open run's reader that has not seen the change yet): what was recorded is confirmed by whoever
-        # reads next, and dropped by them as recorded (unrecorded)
+        # another connection holds the slot although the sensor is the declared reader (an open run's
+        # reader that has not seen the change yet): what was recorded is confirmed by whoever reads next,
+        # and dropped by them as recorded (unrecorded)
         result.slot_busy = True
     except walstream.SlotGone:
         # invalidated or dropped since the check: the next tick replaces it and recovers
-        ledger.set_recovery_pending(conn, stream.id)
+        recording.set_recovery_pending(conn, stream.id)
         result.slot_lost = True
     result.batches += target.batches
     result.events += target.events
@@ -338,10 +340,10 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
            handoff: Handoff | None = None) -> None:
     """Read the stream's slot over the replication protocol for the open run ``run_key`` until
     ``stop`` is set or the run is no longer the slot's declared reader: record what commits as
-    batches, hand them to the run (``ledger.extend_run``: it is woken by NOTIFY) in the same
+    batches, hand them to the run (``ledger.state.extend_run``: it is woken by NOTIFY) in the same
     transaction, and only then confirm their end position to the server.
 
-    The run becomes the declared reader when this starts (``ledger.apply_run(TakeSlot)``: only while it
+    The run becomes the declared reader when this starts (``ledger.state.apply_run(TakeSlot)``: only while it
     is the open run; until then the sensor reads and hands it batches). While it cannot read (no free
     WAL sender, the slot missing or lost, a recovery pending) it gives the slot back to the sensor
     (``GiveSlotBack``), which records and hands batches to the run meanwhile, and takes it again to
@@ -359,7 +361,7 @@ def follow(database_url: str, stream: StreamConfig, run_key: str, stop: threadin
                 try:
                     _read_slot(conn, database_url, stream, run_key, stop, stats, application_name, pause, handoff)
                 finally:
-                    ledger.apply_run(conn, GiveSlotBack(stream.id, run_key))
+                    state.apply_run(conn, GiveSlotBack(stream.id, run_key))
                 return
         except psycopg.OperationalError as exc:
             stats.notes.append(f"the slot reader lost its database connection ({str(exc).strip()[:300]}); "
@@ -376,7 +378,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
         handoff = None  # the WAL carries text in the server's encoding: the run reads it from the table
 
     def wait(secs: float) -> None:
-        ledger.apply_run(conn, GiveSlotBack(stream.id, run_key))  # the sensor reads meanwhile
+        state.apply_run(conn, GiveSlotBack(stream.id, run_key))  # the sensor reads meanwhile
         pause(secs)
 
     def without_rows(exc: Exception) -> bool:
@@ -392,21 +394,21 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
         return True
 
     while not stop.is_set():
-        if not ledger.run_is_open(conn, stream.id, run_key):
+        if not state.run_is_open(conn, stream.id, run_key):
             return
-        if ledger.recovery_pending(conn, stream.id):
+        if recording.recovery_pending(conn, stream.id):
             wait(FOLLOW_CHECK_SECS)
             continue
-        if not ledger.apply_run(conn, TakeSlot(stream.id, run_key)):
+        if not state.apply_run(conn, TakeSlot(stream.id, run_key)):
             return  # closed meanwhile
         try:
             # with a hand-off, the publication with the whole event: the run delivers what it decodes
             publication = stream.rows_publication if handoff is not None else stream.publication
-            slot = stats.slot = ledger.stream_slot(conn, stream.id)
+            slot = stats.slot = streams.stream_slot(conn, stream.id)
             source = StreamSource(database_url, slot, publication, application_name,
-                                  max_bytes=stream.delivery.max_read_bytes, keep_rows=handoff is not None)
+                                  max_bytes=stream.delivery.tuning.max_read_bytes, keep_rows=handoff is not None)
         except walstream.SlotBusy:
-            pause(0.1)  # safety net: the sensor's last peek, from before the run took the slot, under way
+            pause(0.1)  # the sensor's last peek, from before the run took the slot, under way
             continue
         except (walstream.SlotGone, walstream.StreamBroken, ConnectionError) as exc:
             if without_rows(exc):
@@ -432,7 +434,7 @@ def _read_slot(conn: psycopg.Connection, database_url: str, stream: StreamConfig
 def _follow(conn: psycopg.Connection, source: StreamSource, stream: StreamConfig, run_key: str,
             stop: threading.Event, stats: FollowStats, handoff: Handoff | None) -> bool:
     """One replication connection's life; false once the run is no longer the slot's declared reader."""
-    reader = ledger.run_reader(run_key)
+    reader = state.run_reader(run_key)
     target = StreamLedger(stream, reader, run_key=run_key, handoff=handoff)
     recorder = Recorder(conn, source, {stream.id: target}, Batching.of(stream), standby=source.application_name)
     checked_at = 0.0
@@ -443,7 +445,7 @@ def _follow(conn: psycopg.Connection, source: StreamSource, stream: StreamConfig
             try:
                 # with a hand-off, what it has room for (one transaction at least): the rest waits
                 owned = recorder.record(give_up=stop.is_set, room=handoff.room() if handoff is not None else None)
-            except ledger.NotVisibleYet:
+            except recording.NotVisibleYet:
                 return True  # stopped while waiting: nothing recorded or confirmed
             finally:
                 stats.batches += len(target.batches) - before[0]
@@ -460,11 +462,11 @@ def _follow(conn: psycopg.Connection, source: StreamSource, stream: StreamConfig
         # nothing received is unrecorded: every transaction that committed before the server's
         # position has been seen, so the slot may move there (past other tables' WAL)
         checked_at = now
-        if ledger.slot_reader(conn, stream.id) != reader:
+        if state.slot_reader(conn, stream.id) != reader:
             return False  # the run closed, or failed
         seen = source.skip_idle(conn)
         if seen is not None:
-            ledger.mark_consumed(conn, stream.id, seen)
+            recording.mark_consumed(conn, stream.id, seen)
     return True
 
 
@@ -481,8 +483,8 @@ def _wait_for_room(conn: psycopg.Connection, source: StreamSource, stream: Strea
         if time.monotonic() - checked < FOLLOW_CHECK_SECS:
             continue
         checked = time.monotonic()
-        if not ledger.extend_run(conn, stream.id, run_key, stream.delivery.max_events_per_run) and \
-                not ledger.run_is_open(conn, stream.id, run_key):
+        if not state.extend_run(conn, stream.id, run_key, stream.delivery.max_events_per_run) and \
+                not state.run_is_open(conn, stream.id, run_key):
             return False
         source.keepalive()
     return True

@@ -16,8 +16,8 @@ class ConsumeResult:
     slot_lost: bool = False
     recovered: list[int] = field(default_factory=list)
     unreadable: int = 0  # events set aside as dead letters (stage 'read')
-    #: the sensor is not the slot's declared reader (an open run's reader is), or, as a safety net, another
-    #: connection held the slot: nothing read
+    #: the sensor is not the slot's declared reader (an open run's reader is), or another connection still
+    #: held the slot: nothing read
     slot_busy: bool = False
     publications_created: list[str] = field(default_factory=list)  # were missing (dropped by hand)
     slot: str | None = None  # the slot read (pgstream.streams.slot)

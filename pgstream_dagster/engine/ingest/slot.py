@@ -7,7 +7,8 @@ from __future__ import annotations
 import psycopg
 
 from ...config import StreamConfig
-from .. import ledger, limits, replication
+from .. import limits, replication
+from ..ledger import recording, streams
 from .results import ConsumeResult
 
 #: how long the sensor's creation of a slot waits for the transactions running then to end (any role that
@@ -29,21 +30,21 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
     recovery is pending (it gives the slot back to the sensor)."""
     # (a reader group's member that is joining was registered by register_group_member: its own slot
     # is read until the group's reader takes over)
-    slot = result.slot = ledger.stream_slot(conn, stream.id) if stream.reader is not None else \
-        ledger.ensure_stream(conn, stream.id, stream.slot_name)
+    slot = result.slot = streams.stream_slot(conn, stream.id) if stream.reader is not None else \
+        streams.ensure_stream(conn, stream.id, stream.slot_name)
     # a publication dropped by hand: logical decoding skips the stream's events without an error
     # (Postgres 18 only warns), so it is put back, and what committed meanwhile is recovered from the
     # table (decoding looks publications up as of each change: re-created, it does not see those)
     result.publications_created = replication.ensure_publications(conn, stream.id)
     if result.publications_created:
-        ledger.set_recovery_pending(conn, stream.id)
+        recording.set_recovery_pending(conn, stream.id)
     info = replication.slot_info(conn, slot)
-    pending = ledger.recovery_pending(conn, stream.id)
+    pending = recording.recovery_pending(conn, stream.id)
     if info is not None and info["wal_status"] != "lost" and not pending:
         return
     if info is None and (elsewhere := replication.slot_database(conn, slot)) is not None:
-        raise ledger.SlotElsewhere(stream.id, slot, elsewhere)
-    ledger.set_recovery_pending(conn, stream.id)
+        raise streams.SlotElsewhere(stream.id, slot, elsewhere)
+    recording.set_recovery_pending(conn, stream.id)
     if info is not None and info["wal_status"] == "lost":
         replication.drop_slot(conn, slot)
         result.slot_lost = True
@@ -58,4 +59,4 @@ def ensure_slot(conn: psycopg.Connection, stream: StreamConfig, result: ConsumeR
                                                  f"max_replication_slots in postgresql.conf and restart Postgres"]
                                         ) from None
         result.slot_created = True
-    result.recovered = ledger.recover_from_table(conn, stream.id, stream.batch.max_size)
+    result.recovered = recording.recover_from_table(conn, stream.id, stream.batch.max_size)

@@ -59,8 +59,8 @@ class SlotSource(Protocol):
 class PeekSource:
     """:class:`SlotSource` over ``pg_logical_slot_peek_binary_changes`` on ``conn`` (autocommit).
 
-    Raises :class:`~..walstream.SlotBusy` when another connection holds the slot (safety net: the
-    declared reader is someone else), :class:`~..walstream.SlotGone` when the slot was dropped or
+    Raises :class:`~..walstream.SlotBusy` when another connection still holds the slot (a reader that has
+    not seen the declared reader change yet), :class:`~..walstream.SlotGone` when the slot was dropped or
     invalidated."""
 
     def __init__(self, conn: psycopg.Connection, slot: str, publication: str, cap: int, *,

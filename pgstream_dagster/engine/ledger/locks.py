@@ -1,5 +1,5 @@
 """pgstream's own locks (``pgstream.locks``, sql/repeatable/00_locks.sql) and what is built on them: the
-delivery lease of a run or a replay, and what became of it; the recording lock."""
+delivery lease of a run or a replay, and what became of it."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ import psycopg
 
 #: per stream (key: stream id): the open run's delivery lease; its holder is the run id
 DELIVERY_LOCK = "delivery"
-#: per stream: the slot reader's claim of before the declared reader (``streams.slot_reader``, which
-#: replaced it: no reader takes it any more); the functions stay for installs whose runs predate it
-READER_LOCK = "reader"
 #: per stream: a redelivery of its dead letters
 REDELIVERY_LOCK = "redelivery"
 #: per stream: a replay, held while it waits for the delivery lease and while it delivers; an open run
@@ -118,33 +115,6 @@ def acquire_replay_lease(database_url: str, stream_id: int, holder: str,
 def replay_waiting(conn: psycopg.Connection, stream_id: int) -> bool:
     """Whether a replay of the stream holds or waits for its delivery lease (:func:`acquire_replay_lease`)."""
     return lock_holder(conn, REPLAY_LOCK, stream_id) is not None
-
-
-def lock_recording(conn: psycopg.Connection, stream_id: int) -> None:
-    """(A safety net since the slot's reader is declared: ``state.lock_slot_reader`` takes the same lock
-    and checks the reader.) Serialise recording what was read from the stream's slot until this transaction ends: the
-    sensor and an open run's reader each check what the ledger holds after taking the lock, so a
-    transaction both read (the reader connected right after the sensor's peek) is recorded once.
-    The stream row's lock, as :func:`extend_run` and closing a run (``apply_run(CloseRun)``) take it.
-    ``no key update``: batches and dead letters referencing the stream are still inserted meanwhile.
-    Only inside a transaction."""
-    conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
-
-
-def claim_slot(conn: psycopg.Connection, stream_id: int) -> bool:
-    """Take the stream's reader claim on ``conn`` (false: another reader has it). It goes with the
-    connection: a reader that dies leaves the slot to the sensor."""
-    return try_lock(conn, READER_LOCK, stream_id)
-
-
-def release_slot(conn: psycopg.Connection, stream_id: int) -> None:
-    """Give the claim of :func:`claim_slot` up (the sensor peeks again): the reader cannot read for now."""
-    unlock(conn, READER_LOCK, stream_id)
-
-
-def slot_claimed(conn: psycopg.Connection, stream_id: int) -> bool:
-    """Whether an open run's reader claims the stream's slot (:func:`claim_slot`): the sensor leaves it alone."""
-    return lock_holder(conn, READER_LOCK, stream_id) is not None
 
 
 def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:

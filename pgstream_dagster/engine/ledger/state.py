@@ -48,7 +48,7 @@ from ..batches import (
     Warm,
     WarmRun,
 )
-from ..batches import Batch as Batch  # ledger.Batch: the delivery job's name for it
+from ..batches import Batch as Batch  # ledger.state.Batch: the delivery job's name for it
 from .locks import REPLAY_LOCK
 from .recording import atomic
 
@@ -256,7 +256,7 @@ def assign(conn: psycopg.Connection, batch_ids: tuple[int, ...] | list[int], run
 
 def open_run(conn: psycopg.Connection, stream_id: int, run_key: str, *, reads_slot: bool = True) -> None:
     """The run ``run_key`` becomes the stream's open run: :func:`extend_run` hands it new batches.
-    ``reads_slot`` (``delivery.read_slot``): in the same UPDATE it becomes the slot's declared reader
+    ``reads_slot`` (``delivery.tuning.read_slot``): in the same UPDATE it becomes the slot's declared reader
     (``streams.slot_reader``), so the sensor stops reading it."""
     conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s where id = %s",
                  [run_key, run_reader(run_key) if reads_slot else SENSOR, stream_id])
@@ -292,8 +292,9 @@ def slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
 
 
 def lock_slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
-    """:func:`slot_reader`, holding the stream row's lock (:func:`lock_recording`) until the
-    transaction ends: a reader records only while this is itself. Only inside a transaction."""
+    """:func:`slot_reader`, holding the stream row's lock until the transaction ends (as :func:`extend_run`
+    and closing a run take it; ``no key update``: batches and dead letters referencing the stream are still
+    inserted meanwhile): a reader records only while this is itself. Only inside a transaction."""
     row = conn.execute("select slot_reader from pgstream.streams where id = %s for no key update",
                        [stream_id]).fetchone()
     return str(row[0]) if row and row[0] is not None else SENSOR
