@@ -123,7 +123,7 @@ def _sockets_of(pids: set[int]) -> list[tuple[int, str, int]]:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDemo]:
     root = tmp_path_factory.mktemp("fresh-clone")
-    for name in CHECKOUT_FILES:  # with their times: make's venv stamp stays newer than pyproject.toml
+    for name in CHECKOUT_FILES:
         shutil.copy2(ROOT / name, root / name)
     config = (root / "pgstream.yaml").read_text()
     config = config.replace("port: 9187", f"port: {free_port()}")
@@ -137,7 +137,9 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDemo]:
     log = root / "make-dev.log"
     with log.open("wb") as out:
         # `make dev` with the UI on a free port: what the Makefile runs, `pgstream-dagster dev`, with --port
-        proc = subprocess.Popen(["make", "dev", f"VENV={sys.prefix}", f"DEV_ARGS=--port {port}"], cwd=root, env=env,
+        # (-o: this environment's venv is installed; make's stamp may be older than a pyproject.toml edited since)
+        proc = subprocess.Popen(["make", "-o", f"{sys.prefix}/.installed", "dev", f"VENV={sys.prefix}",
+                                 f"DEV_ARGS=--port {port}"], cwd=root, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     running = RunningDemo(root, proc, log, port, env)
