@@ -9,6 +9,7 @@ Starts (once) a Postgres with ``wal_level=logical`` under ``.pgstream/`` unless
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shlex
 import signal
@@ -442,7 +443,7 @@ def _remove_leftovers(root: Path, sockets: set[Path]) -> None:
 def stop_dev(root: Path) -> list[str]:
     """Stop ``make dev``'s services under ``root``, in order: ``dg dev`` as Ctrl-C does (its runs close
     first, then the daemon, webserver and code server; the exporter exits with it), then the Spark Connect
-    server, then the local Postgres; then what ``dg dev`` left (sockets, an empty ``logs/``). Returns what
+    server and the local Postgres together; then what ``dg dev`` left (sockets, an empty ``logs/``). Returns what
     was stopped, one line each."""
     from . import sparkserver
     from .devdb import LocalPostgres
@@ -458,13 +459,19 @@ def stop_dev(root: Path) -> list[str]:
         stopped.append(f"stopped dg dev (pid {dg_pid}) and its processes in {time.monotonic() - started:.1f} s"
                        + (f" (killed: {', '.join(left)})" if left else ""))
     (state / "dg-dev.pid").unlink(missing_ok=True)
+    # the runs over, nothing uses the Spark Connect server or Postgres any more: both stop at once (a JVM takes
+    # a second or two to end)
     spark_pid = sparkserver.recorded_pid(state)
-    if sparkserver.stop_recorded(state) and spark_pid is not None:
-        stopped.append(f"stopped the Spark Connect server (pid {spark_pid})")
+    spark = concurrent.futures.ThreadPoolExecutor(1)
+    spark_stopped = spark.submit(sparkserver.stop_recorded, state)
     datadir = state / "data"
     pg_pid = _postgres_pid(datadir)
     if pg_pid is not None:
         LocalPostgres(datadir, 0, {}).stop("fast")
+    if spark_stopped.result() and spark_pid is not None:
+        stopped.append(f"stopped the Spark Connect server (pid {spark_pid})")
+    spark.shutdown()
+    if pg_pid is not None:
         stopped.append(f"stopped Postgres (pid {pg_pid}, data in {datadir})")
     return stopped
 

@@ -1,6 +1,7 @@
 """`make dev` for a newcomer: what it prints while it prepares the demo, a second start that reuses
 what runs, `.pgstream/env` for the commands of the docs, every command of the docs' `demo` blocks run
-as written against that demo, and `pgstream-dagster dev --status`, `make stop`, `make clean`.
+as written against that demo, `pgstream-dagster dev --status` and `make clean` (`make stop` with `dg dev`
+running: tests/test_demo_green.py).
 
 One demo for the module, prepared as `make dev` prepares it before `dg dev` (its own Postgres under a
 throw-away checkout's `.pgstream/`, its Spark Connect server, on a free port: the Spark source's worked
@@ -17,7 +18,7 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,73 +226,6 @@ def test_dev_status_lists_the_exporter_running_beside_dg_dev(demo: Demo, tmp_pat
         time.sleep(0.2)
     assert not _running(exporter)
     assert _exporter(parent.pid) == "Prometheus exporter:  not running"
-
-
-def test_make_stop_stops_dg_dev_in_order_its_open_run_closing_not_failing(demo: Demo, tmp_path: Path) -> None:
-    """`make dev` running with its warm run open (it reads the slot and delivered a row), then `make stop`
-    (`dev --stop`): within 10 s, in order: `dg dev` as Ctrl-C stops it (its daemon ends its tick), its run
-    interrupted as Dagster interrupts a run, closing (its batches back to the ledger, no failure), then the
-    code server (no SIGTERM or SIGKILL: `make dev` exits by itself, not `Killed`), then Postgres; nothing is
-    left (no empty `logs/`)."""
-    log = tmp_path / "make-dev.log"
-    owner = _exported(demo.root)["PGSTREAM_OWNER_DATABASE_URL"]
-    with log.open("wb") as out:
-        dev = subprocess.Popen([sys.executable, "-m", "pgstream_dagster.cli", "dev", "--no-spark-server", "--port",
-                                str(free_port()), "--root", str(demo.root)], cwd=demo.root, env=demo.env,
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait(lambda: _one(owner, "select slot_reader like 'run:%' from pgstream.streams where id = 1"), 300, log)
-        warm = _one(owner, "select open_run_key from pgstream.streams where id = 1")
-        _run(owner, "insert into demo.users (email, email_verified) values ('stop@example.com', true)")
-        sink = demo.root / ".pgstream" / "demo-events.jsonl"
-        _wait(lambda: sink.exists() and "stop@example.com" in sink.read_text(), 120, log)
-        started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "pgstream_dagster.cli", "dev", "--stop", "--root",
-                               str(demo.root)], env=demo.env, capture_output=True, text=True, timeout=60)
-        elapsed = time.monotonic() - started
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert dev.wait(timeout=5) >= 0  # ended by itself, not by a signal (SIGKILL: make's `Killed`)
-    finally:
-        if dev.poll() is None:
-            dev.kill()
-    lines = done.stdout.splitlines()
-    assert re.fullmatch(rf"stopped dg dev \(pid {dev.pid}\) and its processes in \d+\.\d s", lines[0]), lines
-    assert lines[-1].startswith("stopped Postgres (pid "), lines
-    assert elapsed < 10, (elapsed, lines)
-    output = log.read_text(errors="replace")
-    assert "the run was interrupted (shutdown) and closed" in output, output[-3000:]
-    ours = [line for line in output.splitlines() if "pgstream_delivery" in line]
-    assert not [line for line in ours if "FAILURE" in line or "rror" in line], ours
-    assert not (demo.root / "logs").exists()
-    _prepare(demo.root, demo.env)  # Postgres again (the next test stops it): the run gave its stream back
-    # (the sensor may have opened another warm run in the ledger before the daemon stopped)
-    assert _one(owner, "select open_run_key is distinct from %s and slot_reader = 'sensor' "
-                       "from pgstream.streams where id = 1", warm)
-    assert _one(owner, "select count(*) = 0 from pgstream.batches where status = 'launched'")
-
-
-def _exported(root: Path) -> dict[str, str]:
-    """The variables `.pgstream/env` exports (unquoted)."""
-    return {k: v.strip("'") for k, v in re.findall(r"^export (\w+)=(.*)$", (root / ".pgstream" / "env").read_text(),
-                                                    re.M)}
-
-
-def _one(url: str, query: str, *params: object) -> object:
-    with psycopg.connect(url, connect_timeout=5) as c:
-        row = c.execute(query, params or None).fetchone()
-    return row[0] if row else None
-
-
-def _run(url: str, statement: str) -> None:
-    with psycopg.connect(url, autocommit=True) as c:
-        c.execute(statement)
-
-
-def _wait(done: Callable[[], object], timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-        time.sleep(0.5)
 
 
 def test_make_clean_stops_the_demo_services_before_deleting_them(demo: Demo) -> None:

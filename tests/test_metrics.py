@@ -564,6 +564,20 @@ def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_wr
 HELD = 5
 
 
+def _reload(admin: psycopg.Connection, url: str, name: str, value: str) -> None:
+    """Reload the server's configuration and wait until a new session sees ``name`` at ``value``: the
+    postmaster reads the file when it handles the signal, and a session started before that keeps the old
+    value (a transaction meant to be held by synchronous replication would commit at once)."""
+    admin.execute("select pg_reload_conf()")
+    deadline = time.monotonic() + 10
+    while True:
+        with psycopg.connect(url) as c:
+            if c.execute("select current_setting(%s)", [name]).fetchone() == (value,):
+                return
+        assert time.monotonic() < deadline, f"{name} never became {value!r}"
+        time.sleep(0.05)
+
+
 def _commit_held(url: str) -> None:
     """One event committed, then held out of the proc array by synchronous replication (its commit
     record is flushed, so decodable, but its rows stay invisible until the standby answers)."""
@@ -607,7 +621,7 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
     with psycopg.connect(pg.url, autocommit=True) as admin:
         admin.execute("alter system set synchronous_commit = 'local'")  # every other session: no wait
         admin.execute("alter system set synchronous_standby_names = 'pgstream_absent_standby'")
-        admin.execute("select pg_reload_conf()")
+        _reload(admin, pg.url, "synchronous_standby_names", "pgstream_absent_standby")
         try:
             reader.start()
             for t in held:
@@ -637,7 +651,7 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
         finally:
             admin.execute("alter system reset synchronous_standby_names")
             admin.execute("alter system reset synchronous_commit")
-            admin.execute("select pg_reload_conf()")
+            _reload(admin, pg.url, "synchronous_standby_names", "")
             for t in held:
                 t.join()
     deadline = time.monotonic() + 60
