@@ -33,11 +33,12 @@ from .support.sinks import nats_admin, unique
 #: the slowest files, slowest first (``--durations`` of a full run): the two test processes of ``make test``
 #: (``-n 2 --dist loadfile --no-loadscope-reorder``: a file per process at a time, in this order) start with
 #: them, so they end together
-SLOWEST_FILES = ("test_spark_cluster.py", "test_demo_green.py", "test_code_location.py", "test_failover.py", "test_fault_integrity.py",
-                 "test_spark_connect.py", "test_backfill.py", "test_spark_source.py", "test_spark_memory.py",
-                 "test_browser.py", "test_by_key_resume.py", "test_runtime_role.py", "test_lake_pipeline.py",
-                 "test_automation_e2e.py", "test_dev.py", "test_group_delivery.py", "test_open_runs.py", "test_asset_checks.py",
-                 "test_streaming.py", "test_memory_bytes.py", "test_components.py")
+SLOWEST_FILES = ("test_spark_cluster.py", "test_demo_green.py", "test_code_location.py", "test_failover.py",
+                 "test_fault_integrity.py", "test_spark_connect.py", "test_backfill.py", "test_spark_source.py",
+                 "test_spark_memory.py", "test_browser.py", "test_by_key_resume.py", "test_runtime_role.py",
+                 "test_lake_pipeline.py", "test_automation_e2e.py", "test_dev.py", "test_group_delivery.py",
+                 "test_open_runs.py", "test_asset_checks.py", "test_streaming.py", "test_memory_bytes.py",
+                 "test_components.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
