@@ -328,7 +328,7 @@ def dead_letters(stream: StreamConfig, database_url: str, token: str | None = No
     for the sink whatever ``on_reject`` says (it can never be delivered). ``token``: a by_key round's
     delivery token, what its Spark tasks write with."""
     return deadletters.DeadLetterWriter(database_url, stream.id, stream.sink.type,
-                                   resumes=stream.delivery.ordering == "global", token=token)
+                                        resumes=stream.delivery.ordering == "global", token=token)
 
 
 def reject_policy(stream: StreamConfig, database_url: str, token: str | None = None) -> RejectPolicy | None:
