@@ -1,8 +1,8 @@
 -- Repeatable: event integrity. An event's id and created_at are the database's: every insert into
 -- pgstream.events not made by a generated trigger (manual events, the owner's own inserts) goes
--- through pgstream._check_event(): its id is taken from the sequence whatever was given, a
--- created_at that is not the insert's own clock time is refused, and so is a stream that does not
--- exist. (Column privileges, in 014_event_integrity.sql, keep id, created_at and lsn out of reach of
+-- through pgstream._check_event(): its id is taken from the sequence and the WAL timeline (as the
+-- column's default: 031_event_ids_per_timeline.sql) whatever was given, a created_at that is not the
+-- insert's own clock time is refused, and so is a stream that does not exist. (Column privileges, in 014_event_integrity.sql, keep id, created_at and lsn out of reach of
 -- the roles that insert events.)
 --
 -- Applied by `pgstream-dagster migrate` after the versioned migrations (sql/NNN_*.sql), and again
@@ -30,8 +30,12 @@ begin
             using errcode = 'check_violation',
                   hint = 'insert payload, metadata and stream_id only; put your own timestamps in the payload';
     end if;
-    -- a fresh id whatever was given: ids stay unique and increasing (the default's id is a gap)
-    new.id := pg_catalog.nextval('pgstream.events_id_seq'::pg_catalog.regclass);
+    -- a fresh id whatever was given: ids stay unique and increasing (the default's id is a gap); the
+    -- column's default, the timeline in the high bits (031_event_ids_per_timeline.sql)
+    new.id := pg_catalog.nextval('pgstream.events_id_seq'::pg_catalog.regclass)
+              operator(pg_catalog.+) ((('x' operator(pg_catalog.||) pg_catalog.substr(
+                  pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::pg_catalog.bit(32)
+                  ::pg_catalog.int8 operator(pg_catalog.-) 1) operator(pg_catalog.<<) 48);
     return new;
 end
 $$;
