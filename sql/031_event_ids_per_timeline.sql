@@ -13,9 +13,9 @@
 -- events) rather than run into the next timeline's range; timelines up to 32768 fit a bigint.
 --
 -- The timeline is the one WAL is inserted on (pg_walfile_name of the insert position: its first 8 hex
--- digits), read in shared memory: about 0.4 us per row on top of nextval (bench/RESULTS.md). The same
--- expression assigns the id of every insert that goes through pgstream._check_event
--- (repeatable/06_event_integrity.sql).
+-- digits), read in shared memory: 0.4 to 1.2 us per event on top of nextval (bench/event_ids.py,
+-- bench/RESULTS.md "Event ids with the timeline"). The same expression assigns the id of every insert
+-- that goes through pgstream._check_event (repeatable/06_event_integrity.sql).
 
 alter sequence pgstream.events_id_seq maxvalue 281474976710655;
 

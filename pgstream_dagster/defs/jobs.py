@@ -22,6 +22,7 @@ from dagster._utils.interrupts import capture_interrupts  # (Dagster's own: a si
 from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig, streams_fingerprint
+from ..engine.dbconn import server_gone
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
 from ..engine.ingest import GroupStream, consume_group
@@ -57,6 +58,13 @@ def _failure(exc: DeliveryError) -> dg.Failure:
     return dg.Failure(str(exc), metadata=metadata)
 
 
+def _gone(stream_id: int, exc: psycopg.Error) -> Exception:
+    """The run's server went away or is read-only (a failover): the run fails in one line, and the stream retries
+    after its backoff (``retry``); any other database error as it is."""
+    line = server_gone(exc)
+    return exc if line is None else dg.Failure(f"stream {stream_id}: {line}; the stream retries after its backoff")
+
+
 @dg.op(description="Take the stream's delivery lease and check the batches may run.")
 def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
                  pgstream: dg.ResourceParam[PgstreamResource]) -> DeliveryRun:
@@ -68,6 +76,8 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
         raise dg.Failure(str(exc)) from None
     except DeliveryError as exc:
         raise _failure(exc) from None
+    except psycopg.Error as exc:
+        raise _gone(config.stream_id, exc) from None
 
 
 @dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
@@ -92,6 +102,8 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
             pass
     except DeliveryError as exc:
         raise _failure(exc) from None
+    except psycopg.Error as exc:
+        raise _gone(stream_id, exc) from None
     except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
         # a shutdown (`make stop`, Ctrl-C: SIGINT) or a termination: the run ends, not fails; what it held waits
         # for the next run (no failover). A second signal waits until that is written (capture_interrupts).

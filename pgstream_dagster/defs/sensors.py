@@ -31,9 +31,11 @@ live) or it is due; the delivery run observes it too, after every round.
 
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +45,7 @@ import psycopg
 from ..config import StreamConfig, reader_groups, streams_fingerprint
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, WarmRun, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
-from ..engine.dbconn import describe_url, error_line
+from ..engine.dbconn import describe_url, error_line, server_gone
 from ..engine.delivery.group import member_run_id
 from ..engine.handoff import Log
 from ..engine.ingest import ConsumeResult, GroupResult, check_members, consume, consume_group
@@ -417,6 +419,7 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
         description=(f"Reads {stream.slot_label}, records batches of stream {stream.id} and requests "
                      f"one delivery run at a time, in order."),
     )
+    @_waits_for_the_database
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         log: list[str] = []
@@ -612,6 +615,25 @@ def _told(context: dg.SensorEvaluationContext, exc: Exception) -> dg.SensorResul
     return dg.SensorResult(skip_reason=str(exc))
 
 
+Tick = Callable[[dg.SensorEvaluationContext, PgstreamResource], dg.SensorResult]
+
+
+def _waits_for_the_database(tick: Tick) -> Tick:
+    """A tick whose server goes away mid-way (the primary crashed or is failing over) or is read-only ends
+    with that in one line (:func:`~..engine.dbconn.server_gone`), as a database it cannot connect to does
+    (:class:`DatabaseUnreachable`): no traceback; the next tick tries again."""
+    @functools.wraps(tick)
+    def waiting(context: dg.SensorEvaluationContext, pgstream: PgstreamResource) -> dg.SensorResult:
+        try:
+            return tick(context, pgstream)
+        except psycopg.Error as exc:
+            line = server_gone(exc)
+            if line is None:
+                raise
+            return _told(context, DatabaseUnreachable(f"{describe_url(pgstream.database_url)}: {line}"))
+    return waiting
+
+
 def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> bool:
     """Look every LAUNCH_LOOK_SECS until ``deadline`` for a member of ``ids`` whose batch waits for a decision
     (``ledger.state.launch_waiting``): true as soon as one does."""
@@ -688,6 +710,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     f"batches, decides each stream's runs, in order, and requests the group's delivery run (one "
                     f"process hosting their runs) when none is live.",
     )
+    @_waits_for_the_database
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         cursor.pop("streams", None)  # what cursors of earlier versions kept (now under "members")

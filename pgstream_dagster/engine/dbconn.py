@@ -75,3 +75,13 @@ def error_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
 
+
+def server_gone(exc: BaseException) -> str | None:
+    """What a tick or a run says, in one line, when its server went away mid-way (a crash, a restart, a
+    failover: the connection lost, an administrator's shutdown) or is read-only (a standby, reached before
+    its promotion by a URL without ``target_session_attrs=read-write``); None for any other error."""
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        return f"the server is read-only (a standby?), waiting for the primary: {error_line(exc)}"
+    if isinstance(exc, psycopg.OperationalError) and (exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P"))):
+        return f"the primary is gone (a crash, a restart or a failover), waiting for it: {error_line(exc)}"
+    return None

@@ -123,8 +123,9 @@ class StreamLedger:
 
 
 def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> list[Transaction]:
-    """``txns`` without what the ledger has already: transactions at or before the last recorded end
-    LSN (read again after a crash between recording and confirming), and events a recovery recorded."""
+    """``txns`` without what the ledger has already: transactions at or before the end LSN of the last one
+    recorded from the slot (read again after a crash between recording and confirming), and events a
+    recovery recorded (by id: a transaction before the recovery's position may not have been visible to it)."""
     recorded_to = recording.last_end_lsn(conn, stream_id)
     if recorded_to is not None:
         txns = [t for t in txns if t.end_lsn > recorded_to]

@@ -35,7 +35,12 @@ def atomic(conn: psycopg.Connection) -> Iterator[None]:
 
 
 def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
-    row = conn.execute("select max(end_lsn)::text from pgstream.batches where stream_id = %s", [stream_id]).fetchone()
+    """The end of the last transaction read from the slot and recorded. Not a recovery's: its position is
+    where its snapshot was taken, and a transaction committed before that point may not have been visible
+    to the snapshot yet (its backend still in the proc array, waiting for a synchronous standby): the slot's
+    batch keeps it, and drops what the recovery holds by id (:func:`recovered_ids_since`)."""
+    row = conn.execute("select max(end_lsn)::text from pgstream.batches where stream_id = %s and kind = 'stream'",
+                       [stream_id]).fetchone()
     return replication.lsn_to_int(row[0]) if row and row[0] else None
 
 
