@@ -13,7 +13,7 @@
 -- events) rather than run into the next timeline's range; timelines up to 32768 fit a bigint.
 --
 -- The timeline is the one WAL is inserted on (pg_walfile_name of the insert position: its first 8 hex
--- digits), read in shared memory: 0.4 to 1.2 us per event on top of nextval (bench/event_ids.py,
+-- digits), read in shared memory: 0.8 to 1.2 us per event on top of nextval (bench/event_ids.py,
 -- bench/RESULTS.md "Event ids with the timeline"). The same expression assigns the id of every insert
 -- that goes through pgstream._check_event (repeatable/06_event_integrity.sql).
 
