@@ -150,9 +150,11 @@ def _failures(driver: Driver) -> list[str]:
 
 
 def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, instance: dg.DagsterInstance,
-                             recorder: HttpRecorder, lagging: bool) -> dict[str, Any]:
+                             recorder: HttpRecorder, lagging: bool, held_back: bool = False,
+                             before_kill: Any = None) -> dict[str, Any]:
     """The trickle, kill -9 of the primary once 150 events went out (with ``lagging``: the standby cut off
-    after 100, and 20 events written after that delivered, which it never gets), promotion, 2 s of writes
+    after 100, and 20 events written after that delivered, which it never gets; with ``held_back`` as well,
+    the primary's decoding waits for the standby: 1 s of writes it never gets), promotion, 2 s of writes
     on the new primary; every check that holds in each mode. Returns what was counted."""
     url = _database(pair, name)
     configs = [stream_config({"type": "http", "url": recorder.url, "mode": "per_event", "max_attempts": 1,
@@ -168,12 +170,16 @@ def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, insta
             return sum(writer.committed_at.get(t, 0) > since for _i, t, _a in _delivered(recorder)) >= n
         while not sent(100):
             time.sleep(0.02)
+        if before_kill is not None:
+            before_kill()  # (the standby has synchronized the slots)
         if lagging:
             pair.cut_off_standby()
             cut_off = time.monotonic()
-            while not sent(20, since=cut_off):  # rows the standby never got, delivered
+            while not held_back and not sent(20, since=cut_off):  # rows the standby never got, delivered
                 time.sleep(0.02)
-        while not sent(150):
+        if held_back:
+            time.sleep(1)  # rows the standby never gets: held back from the sink
+        while not held_back and not sent(150):
             time.sleep(0.02)
         promoted.append(pair.fail_over())
         time.sleep(2)
@@ -225,7 +231,8 @@ def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, insta
     # the first row written on the new primary, from its promotion to its delivery (reported, not asserted)
     written_after = {t for t, at in writer.committed_at.items() if at >= promoted[0]}
     first_after_promotion = min((at for _i, t, at in delivered if t in written_after), default=None)
-    counts = {"mode": "async, standby lagging" if lagging else "sync", "committed": len(writer.committed),
+    mode = ("async, standby lagging" if lagging else "sync") + (", failover slots" if held_back else "")
+    counts = {"mode": mode, "committed": len(writer.committed),
               "held": len(held), "delivered": len(rows_of), "phantoms": len(phantoms),
               "acknowledged_but_lost": len(set(writer.committed) - {t for _s, t in held.values()}),
               "duplicates": len(delivered) - len(rows_of),
@@ -244,6 +251,24 @@ def test_async_standby_lagging_at_the_kill_reuses_no_delivered_id(
     # the standby was cut off before the last deliveries: the sink got events the new primary lacks, and
     # the new primary's sequence resumed below their ids
     assert counts["phantoms"] > 0 and counts["ids_a_plain_sequence_would_reuse"] > 0
+
+
+def test_async_standby_with_failover_slots_lagging_at_the_kill_delivers_no_phantom(
+        pair: StandbyPair, tmp_path: Path, instance: dg.DagsterInstance, http_server: HttpRecorder) -> None:
+    """Failover slots (Postgres 17+): pgstream's slots are created with failover => true, the standby
+    synchronizes them, and the primary's decoding of them waits for the standby (synchronized_standby_slots):
+    cut off, the standby holds the primary's deliveries back; nothing went out that the new primary lacks.
+    After the promotion the synchronized slots are replaced (replication.slot_info) and the gap recovered."""
+    standby = pair.add_standby(synchronous=False, failover_slots=True)
+    with psycopg.connect(standby.url, autocommit=True) as s:
+        counts = _fail_over_under_trickle(pair, "ha_slots", tmp_path, instance, http_server, lagging=True,
+                                          held_back=True, before_kill=lambda: _wait_for(lambda: s.execute(
+                                              "select count(*) from pg_replication_slots where synced and "
+                                              "database = 'ha_slots'").fetchone() == (len(STREAMS),), timeout=60))
+    assert counts["phantoms"] == 0
+    with psycopg.connect(pair.url_for("ha_slots")) as c:
+        assert c.execute("select count(*) from pg_replication_slots where database = 'ha_slots' and failover "
+                         "and not synced").fetchone() == (len(STREAMS),)  # replaced, failover slots again
 
 
 def test_sync_standby_loses_no_acknowledged_row_and_delivers_no_phantom(

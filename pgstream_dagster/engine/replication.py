@@ -251,11 +251,19 @@ def publication_exists(conn: psycopg.Connection, name: str) -> bool:
 
 
 def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
-    """Slot state: confirmed position, retained WAL bytes, WAL status (reserved/lost...)."""
+    """Slot state: confirmed position, retained WAL bytes, WAL status (reserved/lost...).
+
+    A slot synchronized from the former primary to a standby since promoted (``synced``, Postgres 17+) is
+    ``lost``: it is replaced and what the ledger does not cover recovered from the table, as for a slot
+    invalidated. Its position is only as far as the standby's WAL, which may hold it past the ledger
+    transaction that recorded what it had read (asynchronous replication): events then in neither."""
     row = conn.execute(
-        """select confirmed_flush_lsn::text, wal_status,
+        """select confirmed_flush_lsn::text,
+                  case when coalesce((pg_catalog.to_jsonb(s) operator(pg_catalog.->>) 'synced')::boolean, false)
+                            and not pg_catalog.pg_is_in_recovery() then 'lost' else wal_status end,
                   pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), restart_lsn)::bigint, active
-           from pg_catalog.pg_replication_slots where slot_name = %s and database = pg_catalog.current_database()""",
+           from pg_catalog.pg_replication_slots s
+           where slot_name = %s and database = pg_catalog.current_database()""",
         [slot]).fetchone()
     if row is None:
         return None
@@ -275,20 +283,28 @@ class SlotCreationWaits(RuntimeError):
     point where none is): one line naming their backends. Nothing was created; try again later."""
 
 
+_CREATE_SLOT = "select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput')"
+_CREATE_FAILOVER_SLOT = ("select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput', "
+                         "failover => true)")
+
+
 def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None = None) -> str:
     """Create the pgoutput slot; returns its consistent point. Must not run inside a transaction
     that has written anything (Postgres requires a fresh snapshot). Postgres waits for every transaction
     running (with a transaction id, in any database) to end first: with ``wait_secs``, at most that long,
     then :class:`SlotCreationWaits` (any role that can write a table can keep a transaction open)."""
-    query = "select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput')"
+    # a failover slot where Postgres has them (17+): a primary's synchronized_standby_slots then holds its
+    # decoding until the standby has the WAL (no event goes out that a promoted standby would lack)
+    query = _CREATE_FAILOVER_SLOT if conn.info.server_version >= 170000 else _CREATE_SLOT
+    params = [slot]
     if wait_secs is None:
-        row = conn.execute(query, [slot]).fetchone()
+        row = conn.execute(query, params).fetchone()
     else:
         try:
             with conn.transaction():
                 conn.execute("select pg_catalog.set_config('statement_timeout', %s, true)",
                              [f"{max(1, int(wait_secs * 1000))}ms"])
-                row = conn.execute(query, [slot]).fetchone()
+                row = conn.execute(query, params).fetchone()
         except psycopg.errors.QueryCanceled:
             holders = conn.execute(
                 "select l.pid, coalesce(a.usename::pg_catalog.text, '?') from pg_catalog.pg_locks l "

@@ -43,9 +43,12 @@ class StandbyPair:
 
     # -- building ------------------------------------------------------------------------------------
 
-    def add_standby(self, synchronous: bool = False) -> LocalPostgres:
+    def add_standby(self, synchronous: bool = False, failover_slots: bool = False) -> LocalPostgres:
         """A new standby of the primary (``pg_basebackup -R``), caught up; ``synchronous``: the primary
-        waits for its flush at each commit (``synchronous_standby_names = '*'``), else asynchronous."""
+        waits for its flush at each commit (``synchronous_standby_names = '*'``), else asynchronous.
+        ``failover_slots`` (Postgres 17+): the standby streams through a physical slot, synchronizes the
+        primary's failover slots (``sync_replication_slots``), and the primary's decoding of them waits
+        for it (``synchronized_standby_slots``)."""
         assert self.standby is None, "the pair has a standby already"
         self._generation += 1
         datadir = self.root / f"node{self._generation}"
@@ -54,9 +57,25 @@ class StandbyPair:
         if ids is not None:
             os.chown(datadir, *ids)
         datadir.chmod(0o700)
+        slot = f"standby{self._generation}"
+        extra: list[str] = []
+        settings = {k: v for k, v in self.primary.settings.items() if k != "sync_replication_slots"}
+        if failover_slots:
+            with psycopg.connect(self.primary.url, autocommit=True) as c:
+                c.execute("select pg_create_physical_replication_slot(%s)", [slot])
+            extra = ["-S", slot, "-d", "dbname=postgres"]  # the slot sync worker connects to a database
+            settings["sync_replication_slots"] = "on"
         self.primary._run(["pg_basebackup", "-D", str(datadir), "-h", "127.0.0.1", "-p", str(self.primary.port),
-                           "-U", "postgres", "-R", "-X", "stream", "-c", "fast"])
-        standby = LocalPostgres(datadir, free_port(), dict(self.primary.settings))
+                           "-U", "postgres", "-R", "-X", "stream", "-c", "fast", *extra])
+        if failover_slots:
+            with psycopg.connect(self.primary.url, autocommit=True) as c:
+                c.execute(f"alter system set synchronized_standby_slots = '{slot}'")
+                c.execute("select pg_reload_conf()")
+        else:  # a primary that was such a standby passed its physical slot's name on (the new one has none)
+            auto = datadir / "postgresql.auto.conf"
+            auto.write_text("".join(line for line in auto.read_text().splitlines(keepends=True)
+                                    if not line.startswith("primary_slot_name")))
+        standby = LocalPostgres(datadir, free_port(), settings)
         standby.start()
         self.standby = standby
         self.set_synchronous(synchronous)
@@ -134,9 +153,10 @@ class StandbyPair:
         with psycopg.connect(self.standby.url, autocommit=True) as c:
             c.execute("select pg_promote(wait => true, wait_seconds => 60)")
             promoted = time.monotonic()
-            # a standby taken while the primary replicated synchronously inherited the setting: alone, it
-            # would wait for a standby it does not have at every commit
+            # a standby taken while the primary replicated synchronously inherited the settings: alone, it
+            # would wait for a standby it does not have at every commit, and its decoding for a slot it lacks
             c.execute("alter system reset synchronous_standby_names")
+            c.execute("alter system reset synchronized_standby_slots")
             c.execute("select pg_reload_conf()")
         self.primary, self.standby = self.standby, None
         return promoted
