@@ -85,7 +85,11 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_refusing_hanging_and
     endpoint.mode = "error"
     hanging, poison = Endpoint(), Endpoint()
     release = threading.Event()
-    hanging.hook = lambda _n: release.wait(120)  # every call waits until the test lets it through
+
+    def hang(_request: int) -> None:  # every call waits until the test lets it through
+        release.wait(120)
+
+    hanging.hook = hang
     poison.reject_marker = b'"poison"'
     sinks: dict[int, dict[str, Any]] = {FAILING: endpoint.sink(), HANGING: hanging.sink(),
                                         POISON: poison.sink("per_event")}
