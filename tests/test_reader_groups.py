@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config, streams_fingerprint
-from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB
+from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
@@ -315,6 +315,7 @@ class GroupRuns:
         self.sensor = driver.defs.resolve_sensor_def(f"pgstream_group_{group}")
         self.cursor: str | None = None
         self.runs: list[Background] = []
+        self.own: list[dg.ExecuteInProcessResult] = []  # the runs of members in mode per_batch
 
     def tick(self) -> str | None:
         resources = self.driver.defs.resources or {}
@@ -325,6 +326,9 @@ class GroupRuns:
         # the members' status assets: their group's sensor observes them
         self.driver.observations += [e for e in result.asset_events or [] if isinstance(e, dg.AssetObservation)]
         for request in result.run_requests or []:
+            if request.job_name == DELIVERY_JOB:  # a member in mode per_batch: a run of its own, executed here
+                self.own.append(self.driver.execute(request))
+                continue
             assert request.job_name == GROUP_DELIVERY_JOB and request.tags["pgstream/group"] == self.group
             for run in self.runs:  # Dagster shows a run ended a moment before execute_in_process returns
                 assert run.wait(10).success, "a second group run while one is live"
@@ -1087,6 +1091,46 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
     deliver((3,), 5, skips)
     assert _delivered(tmp_path, 3) == _events(db_url, 3)
     assert [e.user_message for e in instance.all_logs(fresh.run_id)].count(line) == 1  # told once while it stood
+    _end_group_run(group)
+
+
+def test_a_member_in_mode_per_batch_gets_a_dagster_run_per_batch_through_pyspark_beside_hosted_members(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The design card's route for a reader group's member: stream 2 (mode per_batch) gets a run of the delivery
+    job of its own per batch (read through PySpark), requested by the group's sensor; stream 1 (mode open) is
+    hosted by the group delivery run, which never takes stream 2's runs. Every event of both arrives once, in
+    commit order."""
+    from pgstream_dagster.engine.delivery.run import DeliveryRun
+
+    routes: dict[int, list[str]] = {}  # the source of each round delivered, by stream
+    deliver = DeliveryRun.deliver
+
+    def seen(run: DeliveryRun, host: Any) -> Any:
+        for delivered in deliver(run, host):
+            routes.setdefault(run.stream.id, []).append(delivered.route)
+            yield delivered
+
+    monkeypatch.setattr(DeliveryRun, "deliver", seen)
+    members = [_member("card", 1, tmp_path / "out1.jsonl"),
+               {**_member("card", 2, tmp_path / "out2.jsonl"), "delivery": {"mode": "per_batch"}}]
+    group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, members), instance), instance, "card")
+    group.tick()
+    assert len(group.runs) == 1  # stream 1 keeps its run open: the group run is up first
+    deadline = time.monotonic() + 120
+    for wave in range(2):
+        for i in (1, 2):
+            insert_events(db_url, i, 15, start=100 * wave)
+        while not all(len(_delivered(tmp_path, i)) >= 15 * (wave + 1) for i in (1, 2)):
+            assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in (1, 2)}
+            group.tick()
+            time.sleep(0.1)
+    for i in (1, 2):
+        assert _delivered(tmp_path, i) == _events(db_url, i), i
+    assert len(group.own) >= 2 and all(r.success for r in group.own)  # a run per batch (or run of batches)
+    assert all(r.dagster_run.tags["pgstream/stream"] == "2" for r in group.own)
+    assert set(routes[2]) == {"SparkSource"} and "SparkSource" not in routes[1], routes  # stream 2's: PySpark
+    (hosting,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "card"}))
+    assert "pgstream/member_1" in hosting.tags and "pgstream/member_2" not in hosting.tags
     _end_group_run(group)
 
 

@@ -24,7 +24,7 @@ from dagster_pyspark import LazyPySparkResource
 from ..config import StreamConfig, streams_fingerprint
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
-from ..engine.ingest import GroupStream, consume_group
+from ..engine.ingest import GroupStream, consume_group, group_log
 from ..engine.ledger import locks
 from ..engine.slotreader import SlotReader
 from .lake import lake_materializations
@@ -42,7 +42,6 @@ from .names import (
     member_tag,
 )
 from .resources import PgstreamResource
-from .sensors import group_log
 from .status import status_observation
 
 
@@ -192,8 +191,8 @@ class _Reporter:
 
 @dg.op(description="Host the delivery runs of a reader group's streams in one process, one thread each (each with "
                    "its own sink, delivery lease and ledger state); the group's sensor decides their runs as for a "
-                   "run per stream. Ends after the shortest delivery.tuning.max_run_secs of its streams, or (streams "
-                   "in mode per_batch only) when no stream had a run for 5 s, or when the group's sensor asks it to "
+                   "run per stream (a stream in mode per_batch has Dagster runs of its own). Ends after the shortest "
+                   "delivery.tuning.max_run_secs of its streams, or when the group's sensor asks it to "
                    "end (its configuration is not the code location's any more) or its reader is refused (e.g. a "
                    "stream added to the group by a newer configuration).")
 def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
@@ -259,8 +258,7 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read,
                      read_ends=kept.close)
     delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
-                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
-                             idle_secs=(float("inf") if any(s.delivery.keeps_open for s in streams) else 5.0))
+                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams))
     try:
         reason = delivery.run()
     except locks.LeaseTaken as exc:

@@ -34,6 +34,7 @@ import psycopg
 
 from ...config import StreamConfig, recording_stand_in
 from .. import limits, replication, walstream
+from ..handoff import Log
 from ..ledger import groups, recording
 from ..replication import Transaction
 from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, _past, record_pass
@@ -519,3 +520,35 @@ def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recor
             seen(source.skip_idle(conn))
         if now >= deadline:
             break
+
+
+def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True,
+              noted: set[str] | None = None) -> None:
+    """What a pass of the group's reader did that an operator should see (the sensor's tick, or the group
+    delivery run's reader: ``batches`` False leaves out the batches recorded, ``noted`` the notes logged at
+    its previous pass, updated: its passes follow each other without a pause)."""
+    if result.slot_lost:
+        log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
+                    "replaced, and every member recovers undelivered events from pgstream.events")
+    if result.publication == "created" and not result.slot_created:  # (a new group creates both)
+        log.warning(f"reader group {group}: its publication was missing (dropped by hand?) and was created "
+                    "again; events committed meanwhile are recovered from pgstream.events")
+    if result.slot_created:
+        recovered = sum(len(b) for b in result.recovered.values())
+        log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the "
+                 "table")
+    for sid in result.joined:
+        log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and "
+                 "dropped)")
+    for sid, recorded in sorted(result.batches.items()):
+        if recorded and batches:
+            log.info(f"stream {sid}: recorded batches {recorded} ({result.events.get(sid, 0)} events)")
+    if result.unreadable:
+        log.error(f"reader group {group}: {result.unreadable} events could not be recorded and were set aside "
+                  "as dead letters (stage 'read')")
+    for line in dict.fromkeys(result.notes):  # (a tick's reads may note the same line)
+        if noted is None or line not in noted:
+            log.warning(line)
+    if noted is not None:
+        noted.clear()
+        noted.update(result.notes)
