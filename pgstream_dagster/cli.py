@@ -70,7 +70,7 @@ def _add_defs_folder(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    from .engine.migrations import DRIFT_GUARD_MISSING, drift_guard_installed, migrate
+    from .engine.migrations import migrate
 
     url = _owner_url(args)
     applied = migrate(url, partitions_ahead=args.days_ahead)
@@ -79,10 +79,18 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
             print(f"applied {name}")
     else:
         print("up to date")
-    with psycopg.connect(url, autocommit=True) as conn:
+    _warn_without_drift_guard(url)
+    return 0
+
+
+def _warn_without_drift_guard(owner_url: str) -> None:
+    """``migrate`` and ``init``: say on stderr, in one line, that the drift guard is off (an install by a
+    non-superuser owner, as on a managed service), and what that leaves open."""
+    from .engine.migrations import DRIFT_GUARD_MISSING, drift_guard_installed
+
+    with psycopg.connect(owner_url, autocommit=True) as conn:
         if not drift_guard_installed(conn):
             print(DRIFT_GUARD_MISSING, file=sys.stderr)
-    return 0
 
 
 def _cmd_install_drift_guard(args: argparse.Namespace) -> int:
@@ -149,6 +157,7 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
+    from .config import load_config
     from .engine.bootstrap import init
     from .engine.limits import LimitsExceeded
 
@@ -163,6 +172,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
         return 1
     for line in lines:
         print(line)
+    _warn_without_drift_guard(owner or load_config(Path(args.config) if args.config else None,
+                                                   _defs_folder(args)).database_url.get_secret_value())
     print("ready")
     return 0
 

@@ -310,10 +310,12 @@ def drift_guard_installed(conn: psycopg.Connection) -> bool:
     return bool(row and row[0] == len(DRIFT_GUARD_TRIGGERS))
 
 
-#: what ``migrate`` says when a non-superuser owner installed pgstream: the guard is not active
+#: what ``migrate`` and ``init`` say when a non-superuser owner installed pgstream (a managed service's
+#: profile): the guard is not active
 DRIFT_GUARD_MISSING = ("warning: the schema-drift guard is NOT active (its event triggers need a superuser): a table "
-                       "owner can drop, rename, disable or retype what a subscription depends on. A superuser "
-                       "installs it with: pgstream-dagster install-drift-guard --database-url <superuser URL>")
+                       "owner can drop, rename, disable or retype what a subscription depends on (docs/security.md, "
+                       "Without the drift guard). A superuser installs it with: pgstream-dagster install-drift-guard "
+                       "--database-url <superuser URL>")
 
 
 def install_drift_guard(superuser_url: str, directory: Path | None = None) -> None:
