@@ -715,8 +715,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_init)
 
     p = sub.add_parser("preflight", help="check the Postgres and Dagster limits the streams need (wal_level, "
-                                         "max_replication_slots, max_wal_senders, max_connections, the instance's "
-                                         "max_concurrent_runs of $DAGSTER_HOME): one line per problem, exit 1")
+                                         "database_url's replication right, max_replication_slots, max_wal_senders, "
+                                         "max_connections, the instance's max_concurrent_runs of $DAGSTER_HOME): one "
+                                         "line per problem naming the setting to change (on RDS, Cloud SQL or Azure: "
+                                         "the service's), exit 1")
     p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
     _add_defs_folder(p)
     p.set_defaults(func=_cmd_preflight)

@@ -20,6 +20,7 @@ from pgstream_dagster.cli import main
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
+from pgstream_dagster.engine.subscriptions import trigger_state
 
 from .support.harness import Background, Driver, tick_until, write_config
 from .support.http_recorder import HttpRecorder
@@ -128,3 +129,70 @@ def test_the_whole_pipeline_runs_with_no_superuser_after_the_clouds_bootstrap(
     assert not {user.split()[0] for user in connected} & supers
     assert connected[f"{RUNTIME} (replication)"] >= 1  # the open run's slot reader
     assert roles == {ADMIN: (True, True), OWNER: (False, False), RUNTIME: (False, True), APP: (False, False)}
+
+    # the drift guard is off (docs/security.md, Without the drift guard): the table's owner disables the
+    # trigger (the trigger_matches check names it) and drops a subscribed column (the writes fail)
+    _run(app, "alter table public.orders disable trigger pgstream_insert")
+    with psycopg.connect(runtime) as c:
+        assert trigger_state(c, "public", "orders", "INSERT").problems() == ["trigger pgstream_insert is disabled"]
+    _run(app, "alter table public.orders enable trigger pgstream_insert", "alter table public.orders drop column amount")
+    with pytest.raises(psycopg.errors.UndefinedColumn, match='record "new" has no field "amount"'):
+        _run(app, "insert into public.orders values (31)")
+
+
+def test_preflight_names_the_managed_services_setting_for_each_missing_prerequisite(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server with none of the prerequisites (wal_level replica, one slot, one WAL sender) and a runtime
+    role that may not read slots: one line each, naming postgresql.conf, then each service's own setting
+    once the cluster holds that service's administrator role; on RDS, membership in rds_replication is
+    the replication right."""
+    server = ensure_running(tmp_path / "bare", extra_settings={"fsync": "off", "wal_level": "replica",
+                                                               "max_replication_slots": "1", "max_wal_senders": "1"})
+    try:
+        _run(server.url, "create role reader login")
+        config = write_config(tmp_path / "pgstream.yaml", _as(server, "reader", "postgres"), [
+            {"id": i, "sink": {"type": "http", "url": "http://127.0.0.1:9/hook"}} for i in (1, 2)])
+        monkeypatch.delenv("DAGSTER_HOME", raising=False)
+
+        def preflight(service_role: str | None = None) -> list[str]:
+            if service_role:
+                _run(server.url, f"create role {service_role} nologin")
+            try:
+                capsys.readouterr()
+                assert main(["preflight", "--config", str(config)]) == 1
+                return capsys.readouterr().err.splitlines()
+            finally:
+                if service_role:
+                    _run(server.url, f"drop role {service_role}")
+
+        needs = ["wal_level is replica; the streams' slots need logical decoding: ",
+                 "role reader (database_url) may not read replication slots and the streams' sensors and runs read "
+                 "theirs as it: ",
+                 "max_replication_slots is 1 and 0 are in use; stream 2 needs one more: ",
+                 "max_wal_senders is 1 and 0 are in use by others; 2 streams' open runs read their slot (delivery.mode "
+                 "open or warm) over replication, one WAL sender each: "]
+        assert preflight() == [a + b for a, b in zip(needs, [
+            "set wal_level = logical in postgresql.conf and restart Postgres",
+            "as a superuser: alter role reader replication",
+            "set max_replication_slots = 8 in postgresql.conf and restart Postgres",
+            "set max_wal_senders = 8 in postgresql.conf and restart Postgres"], strict=True)]
+        rds = " in the DB parameter group (Aurora: the DB cluster parameter group) and reboot the instance"
+        assert preflight("rds_superuser") == [a + b for a, b in zip(needs, [
+            f"set rds.logical_replication = 1{rds}",
+            "as the master user (rds_superuser): grant rds_replication to reader",
+            f"set max_replication_slots = 8{rds}", f"set max_wal_senders = 8{rds}"], strict=True)]
+        assert preflight("cloudsqlsuperuser") == [a + b for a, b in zip(needs, [
+            "set the database flag cloudsql.logical_decoding = on and restart the instance",
+            "as a cloudsqlsuperuser (the postgres user): alter role reader with replication",
+            "set the database flag max_replication_slots = 8 and restart the instance",
+            "set the database flag max_wal_senders = 8 and restart the instance"], strict=True)]
+        assert preflight("azure_pg_admin") == [a + b for a, b in zip(needs, [
+            "set the server parameter wal_level = logical and restart the server",
+            "as the administrator (azure_pg_admin): alter role reader with replication",
+            "set the server parameter max_replication_slots = 8 and restart the server",
+            "set the server parameter max_wal_senders = 8 and restart the server"], strict=True)]
+        # RDS gives the right through its role: a member of rds_replication may read slots
+        _run(server.url, "create role rds_replication nologin", "grant rds_replication to reader")
+        assert [line for line in preflight("rds_superuser") if line.startswith("role reader")] == []
+    finally:
+        server.destroy()
