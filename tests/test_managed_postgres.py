@@ -135,7 +135,8 @@ def test_the_whole_pipeline_runs_with_no_superuser_after_the_clouds_bootstrap(
     _run(app, "alter table public.orders disable trigger pgstream_insert")
     with psycopg.connect(runtime) as c:
         assert trigger_state(c, "public", "orders", "INSERT").problems() == ["trigger pgstream_insert is disabled"]
-    _run(app, "alter table public.orders enable trigger pgstream_insert", "alter table public.orders drop column amount")
+    _run(app, "alter table public.orders enable trigger pgstream_insert",
+         "alter table public.orders drop column amount")
     with pytest.raises(psycopg.errors.UndefinedColumn, match='record "new" has no field "amount"'):
         _run(app, "insert into public.orders values (31)")
 
