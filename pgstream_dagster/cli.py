@@ -693,10 +693,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("install-drift-guard",
                        help="create the schema-drift guard's event triggers as a superuser (--database-url), on an "
-                            "install whose owner is not one")
+                            "install whose owner is not one (on Amazon RDS, as the master user)")
     p.add_argument("--database-url", required=True,
-                   help="a superuser's Postgres URL of the pgstream database (required, no default: only a "
-                        "superuser may create event triggers, and neither the owner's nor the runtime's URL is one)")
+                   help="a superuser's Postgres URL of the pgstream database (on Amazon RDS: the master user's; "
+                        "required, no default: only a superuser may create event triggers, and neither the owner's "
+                        "nor the runtime's URL is one)")
     p.set_defaults(func=_cmd_install_drift_guard)
 
     p = sub.add_parser("tear-down", parents=[owner],

@@ -57,6 +57,24 @@ def managed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]
     server.destroy()
 
 
+def _restart_with(server: LocalPostgres, **settings: str) -> None:
+    """Restart ``server`` with ``settings`` unless it runs with them."""
+    if any(server.settings.get(k) != v for k, v in settings.items()):
+        server.settings.update(settings)
+        server.restart()
+
+
+@pytest.fixture
+def cloud(managed: LocalPostgres) -> Iterator[LocalPostgres]:
+    """What the cloud does as a superuser, and nothing more: the administrator (CREATEROLE, no superuser)
+    and its database ``app``. Afterwards the database and its slots are dropped."""
+    _restart_with(managed, wal_level="logical", max_replication_slots="32", max_wal_senders="32")
+    _run(managed.url, f"create role {ADMIN} login createrole replication", f"create database app owner {ADMIN}")
+    yield managed
+    _run(managed.url, "select pg_drop_replication_slot(slot_name) from pg_replication_slots where database = 'app'",
+         "drop database app with (force)")
+
+
 def _connections(server: LocalPostgres, since: int) -> Counter[str]:
     """The roles of the connections authorized since byte ``since`` of the server's log (replication
     connections as ``<role> (replication)``)."""
@@ -68,10 +86,9 @@ def _connections(server: LocalPostgres, since: int) -> Counter[str]:
 
 
 def test_the_whole_pipeline_runs_with_no_superuser_after_the_clouds_bootstrap(
-        managed: LocalPostgres, http_server: HttpRecorder, instance: dg.DagsterInstance, tmp_path: Path,
+        cloud: LocalPostgres, http_server: HttpRecorder, instance: dg.DagsterInstance, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    # the cloud: the administrator (CREATEROLE, no superuser) and its database; nothing more as a superuser
-    _run(managed.url, f"create role {ADMIN} login createrole replication", f"create database app owner {ADMIN}")
+    managed = cloud
     since = (managed.datadir / "server.log").stat().st_size
     admin = _as(managed, ADMIN)
     # the application: its role (made by the administrator) and its table
@@ -117,6 +134,14 @@ def test_the_whole_pipeline_runs_with_no_superuser_after_the_clouds_bootstrap(
     assert replay.success
     assert Counter(int(r.headers["webhook-id"]) for r in http_server.received) == Counter(events * 2)
 
+    # the administrator may not create the drift guard's event triggers here (RDS's master user may): refused
+    # in one line, nothing changed
+    capsys.readouterr()
+    assert main(["install-drift-guard", "--database-url", admin]) == 1
+    assert capsys.readouterr().err == ("error: install-drift-guard: the role of --database-url may not create event "
+                                       "triggers: it must be a superuser (on Amazon RDS: the master user); nothing "
+                                       "was changed\n")
+
     # no event trigger anywhere, and every connection since the bootstrap was one of the profile's roles
     connected = _connections(managed, since)
     with psycopg.connect(admin) as c:
@@ -142,15 +167,16 @@ def test_the_whole_pipeline_runs_with_no_superuser_after_the_clouds_bootstrap(
 
 
 def test_preflight_names_the_managed_services_setting_for_each_missing_prerequisite(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        managed: LocalPostgres, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A server with none of the prerequisites (wal_level replica, one slot, one WAL sender) and a runtime
     role that may not read slots: one line each, naming postgresql.conf, then each service's own setting
     once the cluster holds that service's administrator role; on RDS, membership in rds_replication is
     the replication right."""
-    server = ensure_running(tmp_path / "bare", extra_settings={"fsync": "off", "wal_level": "replica",
-                                                               "max_replication_slots": "1", "max_wal_senders": "1"})
+    server = managed
+    _restart_with(server, wal_level="replica", max_replication_slots="1", max_wal_senders="1")
+    _run(server.url, "create role reader login")
     try:
-        _run(server.url, "create role reader login")
         config = write_config(tmp_path / "pgstream.yaml", _as(server, "reader", "postgres"), [
             {"id": i, "sink": {"type": "http", "url": "http://127.0.0.1:9/hook"}} for i in (1, 2)])
         monkeypatch.delenv("DAGSTER_HOME", raising=False)
@@ -196,4 +222,4 @@ def test_preflight_names_the_managed_services_setting_for_each_missing_prerequis
         _run(server.url, "create role rds_replication nologin", "grant rds_replication to reader")
         assert [line for line in preflight("rds_superuser") if line.startswith("role reader")] == []
     finally:
-        server.destroy()
+        _run(server.url, "drop role if exists rds_replication", "drop role reader")
