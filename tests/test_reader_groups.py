@@ -1090,6 +1090,62 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
     _end_group_run(group)
 
 
+def test_a_members_invalid_entry_leaves_it_out_and_the_group_goes_on_recording_it(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Streams 1-3 deliver through their group; the code location reloads with stream 2's entry invalid (a
+    misspelled sink key). Stream 2 is left out, told in one line by a sensor of its own and at every tick of the
+    group's sensor; streams 1 and 3 go on delivering every event once, in commit order; stream 2's events are
+    recorded meanwhile (the group's slot never moves past them). Once its entry is fixed, stream 2 delivers what
+    it missed, once, in commit order."""
+    members = [_member("mixed", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3)]
+    group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, members), instance), instance, "mixed")
+    group.tick()
+    skips: list[str | None] = []
+
+    def deliver(ids: tuple[int, ...], each: int) -> None:
+        deadline = time.monotonic() + 60
+        while not all(len(_delivered(tmp_path, i)) >= each for i in ids):
+            assert time.monotonic() < deadline, ({i: len(_delivered(tmp_path, i)) for i in ids}, skips[-3:])
+            skips.append(group.tick())
+            time.sleep(0.1)
+
+    for i in (1, 2, 3):
+        insert_events(db_url, i, 10)
+    deliver((1, 2, 3), 10)
+    broken = [members[0], {**members[1], "sink": {**members[1]["sink"], "colour": "red"}}, members[2]]
+    driver = Driver(write_config(tmp_path / "pgstream2.yaml", db_url, broken), instance)
+    problem = f"{tmp_path / 'pgstream2.yaml'}: streams[1].sink.colour: unknown key (allowed: "
+    told = driver.tick(2).skip_message or ""  # the left-out stream's own sensor
+    assert told.startswith(f"stream 2 is left out: its streams[] entry is invalid: {problem}") and "\n" not in told
+    assert not any(str(s.name) == "pgstream_stream_1" for s in driver.defs.sensors or [])  # (members have none)
+    group.reload(driver)
+    deadline = time.monotonic() + 60
+    while len(group.runs) < 2:  # the run of before is asked to end (configuration changed), a fresh one requested
+        assert time.monotonic() < deadline, skips[-3:]
+        skips.append(group.tick())
+        time.sleep(0.1)
+    assert group.runs[0].wait(10).success
+    for wave in range(1, 4):
+        for i in (1, 2, 3):
+            insert_events(db_url, i, 10, start=100 * wave)
+        deliver((1, 3), 10 * (wave + 1))
+    deadline = time.monotonic() + 30
+    while _recorded(db_url, 2) != _events(db_url, 2):  # recorded meanwhile, in commit order
+        assert time.monotonic() < deadline, (_recorded(db_url, 2), _events(db_url, 2))
+        skips.append(group.tick())
+    assert len(_delivered(tmp_path, 2)) == 10  # and not delivered
+    line = f"reader group mixed: stream 2 is left out of delivery, its streams[] entry is invalid ({problem}"
+    assert any(line in (s or "") for s in skips[-3:]), skips[-3:]
+    for i in (1, 3):
+        assert _delivered(tmp_path, i) == _events(db_url, i), i
+    # fixed: stream 2 delivers what it missed, once, in commit order
+    group.reload(Driver(write_config(tmp_path / "pgstream3.yaml", db_url, members), instance))
+    deliver((2,), 40)
+    for i in (1, 2, 3):
+        assert _delivered(tmp_path, i) == _events(db_url, i) == _recorded(db_url, i), i
+    _end_group_run(group)
+
+
 class Readers:
     """Every ``consume_group`` call of the group's sensor and of the group delivery run's reader (both wrapped):
     who called it, whether the calling session held the group's reading (``pgstream.locks``) while it read,

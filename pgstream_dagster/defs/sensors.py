@@ -34,6 +34,7 @@ import datetime as dt
 import hashlib
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ from ..engine.collector import fewer_collections
 from ..engine.dbconn import describe_url, error_line
 from ..engine.delivery.group import member_run_id
 from ..engine.handoff import Log
-from ..engine.ingest import ConsumeResult, GroupResult, check_members, consume, consume_group
+from ..engine.ingest import ConsumeResult, GroupResult, check_members, consume, consume_group, unconfigured
 from ..engine.ledger import groups, locks
 from ..engine.ledger import state as ledger_state
 from ..engine.ledger import streams as ledger_streams
@@ -404,6 +405,28 @@ def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stre
     return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, run_state)
 
 
+#: how often the sensor of a stream whose entry is invalid tells it (:func:`left_out_sensor`)
+LEFT_OUT_TELL_SECS = 30
+
+
+def left_out_sensor(stream_id: int, problem: str) -> dg.SensorDefinition:
+    """The sensor of a stream whose ``streams[]`` entry is invalid (the code location left it out, the other
+    streams go on): each tick tells ``problem`` in one line, as its log's error and its skip reason, and
+    does nothing else. The stream's events wait for the entry to be fixed: a reader group's member is
+    recorded meanwhile by its group (``ingest.group.unconfigured``); a stream reading its own slot is read
+    again once it is fixed (its slot keeps the WAL meanwhile)."""
+    line = f"stream {stream_id} is left out: its streams[] entry is invalid: {problem}"
+
+    @dg.sensor(name=stream_sensor_name(stream_id), minimum_interval_seconds=LEFT_OUT_TELL_SECS,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description=f"{line}. Fix the entry and reload the code location.")
+    def _sensor(context: dg.SensorEvaluationContext) -> dg.SkipReason:
+        context.log.error(line)
+        return dg.SkipReason(line)
+
+    return _sensor
+
+
 def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
     """The sensor of one stream that reads its own slot (a reader group's member has none: its group's
     sensor decides for it, :func:`group_sensor`)."""
@@ -668,6 +691,13 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     return observed
 
 
+def _unconfigured(conn: psycopg.Connection, group: str, invalid: Mapping[int, str]) -> dict[int, str]:
+    """The group's members whose streams[] entry is invalid (the code location left them out), each told in
+    one line (as the group's reader tells it: ``ingest.group``)."""
+    state = groups.group_state(conn, group)
+    return unconfigured(state, [], invalid) if state is not None else {}
+
+
 def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
     """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``), the one
     sensor of all its members: each tick reads the group's one slot (while no group delivery run reads it) and
@@ -691,6 +721,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         cursor.pop("streams", None)  # what cursors of earlier versions kept (now under "members")
+        invalid = pgstream.config.left_out  # streams[] entries left out of the code location: recorded, not delivered
         decisions: list[str] = []
         left_out: dict[int, str] = {}  # members whose registration was refused: not read, told in one line each
         try:
@@ -707,7 +738,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     # next one reads and decides meanwhile, or the run's reader reads once it is up); not while
                     # the database has members the configuration has not (the reader would refuse, below)
                     if (state := groups.group_state(conn, group)) is not None:
-                        check_members(state, streams)
+                        check_members(state, streams, invalid)
                     notes_: list[str] = []
                     request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
                     if request is not None:
@@ -728,7 +759,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                         try:
                             with fewer_collections():  # the tick records in bulk
                                 result.add(consume_group(conn, group, streams,
-                                                         min(DECIDE_EVERY_SECS, max(0.0, deadline - time.monotonic()))))
+                                                         min(DECIDE_EVERY_SECS, max(0.0, deadline - time.monotonic())),
+                                                         invalid=invalid))
                         finally:
                             locks.release_group_reading(conn, group)
                     else:
@@ -751,6 +783,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                                     observations=OBSERVATIONS_PER_TICK - len(observed))
                 except _TOLD_IN_ONE_LINE as exc:
                     return _told(context, exc)
+            if invalid:  # told at every tick, whoever read
+                left_out.update(_unconfigured(conn, group, invalid))
         for line in [*decisions, *notes_]:
             context.log.warning(line)
         group_log(context.log, group, result, noted=set(notes_))  # (a member left out: told once)

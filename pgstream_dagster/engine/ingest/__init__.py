@@ -11,7 +11,7 @@
   lost slot took with it.
 """
 
-from .group import GroupResult, GroupStream, check_members, consume_group, ensure_group
+from .group import GroupResult, GroupStream, check_members, consume_group, ensure_group, unconfigured
 from .recorder import (
     FOLLOW_CHECK_SECS,
     FOLLOW_RECORD_EVERY_SECS,
@@ -49,5 +49,6 @@ __all__ = [
     "ensure_slot",
     "follow",
     "record_pass",
+    "unconfigured",
     "unrecorded",
 ]
