@@ -66,7 +66,8 @@ class Deployment:
     def start(self, name: str, argv: list[str], env: dict[str, str], cwd: Path) -> None:
         log = cwd / f"{name}.log"
         with log.open("wb") as out:  # a session of its own: stopped with its run workers (stop_process_group)
-            proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+            inherited = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "PGSTREAM_"))}
+            proc = subprocess.Popen(argv, cwd=cwd, env={**inherited, **env}, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes.append(Process(name, proc, log))
 
@@ -125,13 +126,16 @@ def deployment(databases: Databases, endpoint: Endpoint, tmp_path: Path) -> Iter
     workspace.write_text(yaml.safe_dump({"load_from": [{"grpc_server": {
         "host": "127.0.0.1", "port": grpc_port, "location_name": LOCATION}}]}))
     plain_url = databases.dagster_url.replace("postgresql+psycopg2://", "postgresql://", 1)
-    env = {"DAGSTER_HOME": str(home), "DAGSTER_POSTGRES_URL": plain_url, "PYTHONUNBUFFERED": "1"}
+    storage = {"DAGSTER_POSTGRES_URL": plain_url, "PYTHONUNBUFFERED": "1"}
+    env = {**storage, "DAGSTER_HOME": str(home)}
     deployed = Deployment([], webserver_port)
     try:
-        # the code server: the only process that imports the code location (and reads pgstream.yaml)
+        # the code server: the only process that imports the code location (and reads pgstream.yaml); no
+        # DAGSTER_HOME: the runs it starts load the instance of whoever launched them (the daemon, the
+        # webserver), each process reading the storage's URL from its own environment
         deployed.start("code-server", [_bin("dagster"), "api", "grpc", "--module-name", "pgstream_dagster.definitions",
                                        "--host", "127.0.0.1", "--port", str(grpc_port), "--location-name", LOCATION],
-                       {**env, "PGSTREAM_CONFIG": str(config)}, tmp_path)
+                       {**storage, "PGSTREAM_CONFIG": str(config)}, tmp_path)
         deployed.wait("the code server to answer", lambda: subprocess.run(
             [_bin("dagster"), "api", "grpc-health-check", "--host", "127.0.0.1", "--port", str(grpc_port)],
             capture_output=True).returncode == 0, READY_TIMEOUT_SECS)
