@@ -37,7 +37,7 @@ SLOWEST_FILES = ("test_failover.py", "test_reader_groups.py", "test_spark_cluste
                  "test_group_delivery.py", "test_fault_integrity.py", "test_open_runs.py", "test_slot_reader.py",
                  "test_spark_connect.py", "test_spark_source.py", "test_asset_checks.py", "test_browser.py",
                  "test_dev.py", "test_backfill.py", "test_kafka_sink.py", "test_demo_green.py", "test_security.py",
-                 "test_automation_e2e.py", "test_privilege_matrix.py", "test_by_key_resume.py",
+                 "test_deployment.py", "test_automation_e2e.py", "test_privilege_matrix.py", "test_by_key_resume.py",
                  "test_memory_bytes.py", "test_metrics.py", "test_spark_memory.py", "test_components.py",
                  "test_subscription_assets.py", "test_lake_pipeline.py", "test_runtime_role.py", "test_replay.py",
                  "test_database_core.py", "test_streaming.py", "test_sink_sqs.py")
