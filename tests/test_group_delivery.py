@@ -211,6 +211,12 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_refusing_hanging_and
         hanging.down()
         poison.down()
     assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
+    # 4. the shutdown (SIGTERM to `dg dev`'s processes, as `make stop`) ends the live group run, not fails it
+    with dg.DagsterInstance.get() as instance:
+        last = instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB), limit=1)[0]
+        assert last.status == dg.DagsterRunStatus.SUCCESS, last.status
+        said = [e.user_message for e in instance.all_logs(last.run_id)]
+        assert any("group delivery run ended (interrupted (shutdown)" in m for m in said), said[-5:]
 
 
 RELOAD = """

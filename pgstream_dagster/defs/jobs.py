@@ -263,6 +263,11 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         reason = delivery.run()
     except locks.LeaseTaken as exc:
         raise dg.Failure(str(exc)) from None
+    except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
+        # a shutdown (`make stop`, Ctrl-C, the run worker's SIGTERM) or a termination: the group run ends, not
+        # fails (its members' runs closed and its leases given up first: ``GroupDelivery.run``); what they held
+        # waits for the next group run, and no member goes to failover
+        reason = "interrupted (shutdown): its members' runs closed; what they held waits for the next group run"
     finally:
         reporter.close()
     context.log.info(f"reader group {group}: group delivery run ended ({reason})")
