@@ -23,7 +23,7 @@ from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig, streams_fingerprint
 from ..engine.delivery.group import GroupDelivery, GroupHost
-from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
+from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary, waiting_batches
 from ..engine.ingest import GroupStream, consume_group, group_log
 from ..engine.ledger import locks
 from ..engine.slotreader import SlotReader
@@ -98,9 +98,8 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
         with capture_interrupts():
             rounds.close()  # (interrupted between two rounds: its reader stopped and its lease given up first)
             waiting = loaded.give_back()
-        shown = f"batches {waiting[0]}..{waiting[-1]} wait" if waiting else "nothing was left"
-        context.log.info(f"stream {stream_id}: the run was interrupted (shutdown) and closed; {shown} for the "
-                         f"next run")
+        context.log.info(f"stream {stream_id}: the run was interrupted (shutdown) and closed; "
+                         f"{waiting_batches(waiting)} for the next run")
 
 
 def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, run_id: str | None = None, *,
