@@ -140,6 +140,16 @@ def _instance_limits() -> tuple[int | None, str, DagsterStorage | None]:
         return runs, str(Path(home) / "dagster.yaml"), storage_connections(instance, runs)
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    config = load_config(Path(args.config) if args.config else None, _defs_folder(args))  # (ConfigError: exit 1)
+    groups = sorted({s.reader for s in config.streams if s.reader is not None})
+    print(f"{len(config.streams)} streams and {len(config.subscriptions)} subscriptions are valid"
+          + (f" (reader groups: {', '.join(groups)})" if groups else ""))
+    return 0
+
+
 def _cmd_preflight(args: argparse.Namespace) -> int:
     from .config import load_config
     from .engine.bootstrap import preflight
@@ -714,6 +724,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "else database_url of pgstream.yaml)")
     _add_defs_folder(p)
     p.set_defaults(func=_cmd_init)
+
+    p = sub.add_parser("check", help="validate pgstream.yaml (and the StreamComponents of --defs-folder) without "
+                                     "connecting anywhere, as strictly as init applies it: one line per problem, exit "
+                                     "1 (the code location only leaves an invalid stream out; run this in CI)")
+    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
+    _add_defs_folder(p)
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("preflight", help="check the Postgres and Dagster limits the streams need (wal_level, "
                                          "database_url's replication right, max_replication_slots, max_wal_senders, "
