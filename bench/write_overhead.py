@@ -17,9 +17,15 @@ Two workloads, interleaved per round with the table order rotated each round:
 * bulk ``INSERT ... SELECT generate_series`` of 10,000 rows in one transaction, ``BULK_REPS``
   per table per round, reported as ms per statement.
 
-Per table the median over rounds is reported with its ratio to ``orders_bare``. A cost breakdown
-for 10,000 payloads follows: building them only, writing a constant payload to events, and building +
-writing to a plain heap, to a heap with the events indexes, and to ``pgstream.events`` itself.
+Per table the median over rounds is reported with its ratio to ``orders_bare``, and the WAL one
+10,000-row INSERT writes per row. A cost breakdown for 10,000 payloads follows: building them only,
+writing a constant payload to events, and building + writing to a plain heap, to a heap with the
+events indexes, and to ``pgstream.events`` itself; then the row mode's shape, one INSERT per event
+(a plpgsql loop of 10,000 single-row INSERTs of a constant payload) into a plain heap, a heap with
+the events indexes, a partitioned table with them (no trigger), and ``pgstream.events`` (the same plus
+``check_event``, the BEFORE ROW trigger every insert into events passes, whose setup each statement
+pays); and what a WAL-only transport would cost instead of the heap row: the payloads built as
+``json`` and emitted with ``pg_logical_emit_message``, in one statement and one call per event.
 Results are appended to bench/RESULTS.md.
 """
 
@@ -62,10 +68,11 @@ SECONDS = 4
 BULK_ROWS = 10_000
 BULK_REPS = 3
 
-_PAYLOAD = sql.SQL("jsonb_build_object('tg_name', 'orders', 'tg_op', 'INSERT', 'tg_table_name', 'orders', "
+_PAYLOAD_TEXT = ("jsonb_build_object('tg_name', 'orders', 'tg_op', 'INSERT', 'tg_table_name', 'orders', "
             "'tg_table_schema', 'public', 'timestamp', (extract(epoch from now()) * 1000)::bigint, "
             "'new', jsonb_build_object('id', g, 'customer', 'c-' || (g % 1000), 'amount', g * 1.5, "
             "'created_at', now()), 'old', null)")
+_PAYLOAD = sql.SQL(_PAYLOAD_TEXT)  # type: ignore[arg-type]
 
 
 def _setup(url: str) -> None:
@@ -108,6 +115,28 @@ def _bulk_ms(url: str, table: str) -> float:
         return statistics.median(times)
 
 
+def _one_insert_per_event(target: tuple[str, ...]) -> sql.Composed:
+    """Row mode's shape: one single-row INSERT statement per event, as pgstream_writer."""
+    insert = sql.SQL("""insert into {t} (payload, stream_id) values ('{{"k": 1}}'::jsonb, 1)""").format(
+        t=sql.Identifier(*target))
+    return sql.SQL("set role pgstream_writer; do $$ begin for i in 1..{n} loop {i}; end loop; end $$; "
+                   "reset role").format(n=sql.Literal(BULK_ROWS), i=insert)
+
+
+def _wal_per_row(url: str) -> dict[str, float]:
+    """WAL bytes one 10,000-row INSERT writes per row, per table (nothing else writes meanwhile)."""
+    out = {}
+    with psycopg.connect(url, autocommit=True) as c:
+        for mode, table in TABLES.items():
+            start = c.execute("select pg_catalog.pg_current_wal_insert_lsn()").fetchone()[0]  # type: ignore[index]
+            c.execute(sql.SQL("insert into {} (customer, amount) select 'c-' || (g %% 1000), g * 1.5 "
+                              "from generate_series(1, %s) g").format(sql.Identifier(table)), [BULK_ROWS])
+            row = c.execute("select pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_insert_lsn(), %s)",
+                            [start]).fetchone()
+            out[mode] = float(row[0]) / BULK_ROWS  # type: ignore[index]
+    return out
+
+
 def _breakdown(url: str, rounds: int) -> dict[str, float]:
     """ms for 10,000 payloads: building them, and writing them (or a constant) to events-like targets.
     Steps interleaved per round, one warm-up round, median over rounds."""
@@ -129,6 +158,18 @@ def _breakdown(url: str, rounds: int) -> dict[str, float]:
         # a manual insert: the same rows through pgstream._check_event (id from the sequence, checks)
         "build + write to pgstream.events as a manual insert": sql.SQL(
             "insert into pgstream.events (payload, stream_id) select {p}, 1 {src}").format(p=_PAYLOAD, src=src),
+        **{f"one INSERT per event, constant payload, to {label}": _one_insert_per_event(target)
+           for label, target in [("a plain heap", ("bench_plain",)),
+                                 ("a heap with the two events indexes", ("bench_indexed",)),
+                                 ("a partitioned heap with them, no trigger", ("bench_parted",)),
+                                 ("pgstream.events (check_event's WHEN)", ("pgstream", "events"))]},
+        # a WAL-only transport: the payload as json text in a transactional logical decoding message
+        "build as json + emit as WAL messages (pg_logical_emit_message)": sql.SQL(
+            "select count(pg_catalog.pg_logical_emit_message(true, 'pgstream', ({p})::text)) {src}").format(
+            p=sql.SQL(_PAYLOAD_TEXT.replace("jsonb_", "json_")), src=src),  # type: ignore[arg-type]
+        "one WAL message per event, constant payload": sql.SQL(
+            "do $$ begin for i in 1..{n} loop perform pg_catalog.pg_logical_emit_message(true, 'pgstream', "
+            "'{{\"k\": 1}}'); end loop; end $$").format(n=sql.Literal(BULK_ROWS)),
     }
     with psycopg.connect(url, autocommit=True) as c:
         c.execute("create table bench_plain (id bigint default nextval('pgstream.events_id_seq'), payload jsonb, "
@@ -137,6 +178,11 @@ def _breakdown(url: str, rounds: int) -> dict[str, float]:
         c.execute("create table bench_indexed (like bench_plain including defaults)")
         c.execute("alter table bench_indexed add primary key (id, created_at)")
         c.execute("create index on bench_indexed (stream_id, created_at, id)")
+        c.execute("create table bench_parted (like bench_plain including defaults) partition by range (created_at)")
+        c.execute("alter table bench_parted add primary key (id, created_at)")
+        c.execute("create index on bench_parted (stream_id, created_at, id)")
+        c.execute("create table bench_parted_default partition of bench_parted default")
+        c.execute("grant insert on bench_plain, bench_indexed, bench_parted to pgstream_writer")
         times: dict[str, list[float]] = {name: [] for name in steps}
         for r in range(rounds + 1):
             for name, q in steps.items():
@@ -176,6 +222,7 @@ def main() -> None:
             with psycopg.connect(url) as c:
                 n_events = c.execute("select count(*) from pgstream.events").fetchone()[0]  # type: ignore[index]
             breakdown = _breakdown(url, rounds)
+            wal = _wal_per_row(url)
         finally:
             pg.destroy()
 
@@ -203,6 +250,8 @@ def main() -> None:
         lines.append(f"- bulk {BULK_ROWS:,}-row INSERT, {mode}{notes.get(mode, '')}: {med_bulk[mode]:,.1f} ms "
                      f"({med_bulk[mode] / med_bulk['bare']:.2f}x bare); all rounds "
                      f"{[round(x, 1) for x in bulk[mode]]}")
+    lines.append(f"- WAL per row of a {BULK_ROWS:,}-row INSERT (bytes): "
+                 + "; ".join(f"{m}: {v:,.0f}" for m, v in wal.items()))
     lines.append(f"- cost breakdown, {BULK_ROWS:,} payloads (ms, median of {rounds} interleaved rounds): "
                  + "; ".join(f"{k}: {v:,.1f}" for k, v in breakdown.items()))
     text = "\n".join(lines) + "\n"
