@@ -17,7 +17,10 @@ Two workloads, interleaved per round with the table order rotated each round:
 * bulk ``INSERT ... SELECT generate_series`` of 10,000 rows in one transaction, ``BULK_REPS``
   per table per round, reported as ms per statement.
 
-Per table the median over rounds is reported with its ratio to ``orders_bare``, and the WAL one
+Both workloads are also measured in the backend's CPU time (``/proc/<pid>/schedstat``, which the
+host's other load does not inflate): ``SINGLE_TXNS`` single-row INSERT transactions per table per round
+from one connection (autocommit, prepared; the deferred trigger runs at commit, in that backend), and
+the bulk INSERTs. Per table the median over rounds is reported with its ratio to ``orders_bare``, and the WAL one
 10,000-row INSERT writes per row. A cost breakdown for 10,000 payloads follows: building them only,
 writing a constant payload to events, and building + writing to a plain heap, to a heap with the
 events indexes, and to ``pgstream.events`` itself; then the row mode's shape, one INSERT per event
@@ -67,12 +70,13 @@ _DECOMPOSE = [
 SECONDS = 4
 BULK_ROWS = 10_000
 BULK_REPS = 3
+SINGLE_TXNS = 2_000
 
 _PAYLOAD_TEXT = ("jsonb_build_object('tg_name', 'orders', 'tg_op', 'INSERT', 'tg_table_name', 'orders', "
             "'tg_table_schema', 'public', 'timestamp', (extract(epoch from now()) * 1000)::bigint, "
             "'new', jsonb_build_object('id', g, 'customer', 'c-' || (g % 1000), 'amount', g * 1.5, "
             "'created_at', now()), 'old', null)")
-_PAYLOAD = sql.SQL(_PAYLOAD_TEXT)  # type: ignore[arg-type]
+_PAYLOAD = sql.SQL(_PAYLOAD_TEXT)
 
 
 def _setup(url: str) -> None:
@@ -103,16 +107,38 @@ def _pgbench_tps(url: str, port: int, table: str, script_dir: Path) -> float:
     raise RuntimeError(f"no tps in pgbench output:\n{out}")
 
 
-def _bulk_ms(url: str, table: str) -> float:
+def _backend_cpu_ms(conn: psycopg.Connection) -> float:
+    """CPU time the connection's backend has run, in ms (Linux: /proc/<pid>/schedstat, ns resolution):
+    unlike wall time, other processes on a shared host do not add to it."""
+    with open(f"/proc/{conn.info.backend_pid}/schedstat", encoding="ascii") as f:
+        return int(f.read().split()[0]) / 1e6
+
+
+def _bulk_ms(url: str, table: str) -> tuple[float, float]:
+    """Median wall ms and backend CPU ms of one INSERT ... SELECT of BULK_ROWS rows."""
     with psycopg.connect(url, autocommit=True) as c:
         q = sql.SQL("insert into {} (customer, amount) select 'c-' || (g %% 1000), g * 1.5 "
                     "from generate_series(1, %s) g").format(sql.Identifier(table))
-        times = []
+        times, cpu = [], []
         for _ in range(BULK_REPS):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _backend_cpu_ms(c)
             c.execute(q, [BULK_ROWS])
             times.append((time.perf_counter() - t0) * 1000)
-        return statistics.median(times)
+            cpu.append(_backend_cpu_ms(c) - c0)
+        return statistics.median(times), statistics.median(cpu)
+
+
+def _single_row_cpu_us(url: str, table: str) -> float:
+    """Backend CPU µs per single-row INSERT transaction (autocommit, prepared), commit and deferred
+    triggers included."""
+    with psycopg.connect(url, autocommit=True) as c:
+        q = sql.SQL("insert into {} (customer, amount) values ('c-' || %s::text, 12.5)").format(sql.Identifier(table))
+        for i in range(100):  # prepares the statement, warms the caches
+            c.execute(q, [i], prepare=True)
+        c0 = _backend_cpu_ms(c)
+        for i in range(SINGLE_TXNS):
+            c.execute(q, [i % 1000], prepare=True)
+        return (_backend_cpu_ms(c) - c0) * 1000 / SINGLE_TXNS
 
 
 def _one_insert_per_event(target: tuple[str, ...]) -> sql.Composed:
@@ -138,8 +164,8 @@ def _wal_per_row(url: str) -> dict[str, float]:
 
 
 def _breakdown(url: str, rounds: int) -> dict[str, float]:
-    """ms for 10,000 payloads: building them, and writing them (or a constant) to events-like targets.
-    Steps interleaved per round, one warm-up round, median over rounds."""
+    """Backend CPU ms for 10,000 payloads: building them, and writing them (or a constant) to events-like
+    targets. Steps interleaved per round, one warm-up round, median over rounds."""
     src = sql.SQL("from generate_series(1, {n}) g").format(n=sql.Literal(BULK_ROWS))
     const = sql.SQL("""'{"k": 1}'::jsonb""")
     steps = {
@@ -166,7 +192,7 @@ def _breakdown(url: str, rounds: int) -> dict[str, float]:
         # a WAL-only transport: the payload as json text in a transactional logical decoding message
         "build as json + emit as WAL messages (pg_logical_emit_message)": sql.SQL(
             "select count(pg_catalog.pg_logical_emit_message(true, 'pgstream', ({p})::text)) {src}").format(
-            p=sql.SQL(_PAYLOAD_TEXT.replace("jsonb_", "json_")), src=src),  # type: ignore[arg-type]
+            p=sql.SQL(_PAYLOAD_TEXT.replace("jsonb_", "json_")), src=src),
         "one WAL message per event, constant payload": sql.SQL(
             "do $$ begin for i in 1..{n} loop perform pg_catalog.pg_logical_emit_message(true, 'pgstream', "
             "'{{\"k\": 1}}'); end loop; end $$").format(n=sql.Literal(BULK_ROWS)),
@@ -186,10 +212,10 @@ def _breakdown(url: str, rounds: int) -> dict[str, float]:
         times: dict[str, list[float]] = {name: [] for name in steps}
         for r in range(rounds + 1):
             for name, q in steps.items():
-                t0 = time.perf_counter()
+                c0 = _backend_cpu_ms(c)
                 c.execute(q)
                 if r:  # round 0 warms up
-                    times[name].append((time.perf_counter() - t0) * 1000)
+                    times[name].append(_backend_cpu_ms(c) - c0)
     return {name: statistics.median(v) for name, v in times.items()}
 
 
@@ -209,16 +235,24 @@ def main() -> None:
             with psycopg.connect(url) as c:
                 version = c.execute("show server_version").fetchone()[0]  # type: ignore[index]
             tps: dict[str, list[float]] = {m: [] for m in TABLES}
+            single_cpu: dict[str, list[float]] = {m: [] for m in TABLES}
             bulk: dict[str, list[float]] = {m: [] for m in TABLES}
+            bulk_cpu: dict[str, list[float]] = {m: [] for m in TABLES}
             modes = list(TABLES)
             for r in range(rounds):
                 order = modes[r % len(modes):] + modes[:r % len(modes)]
                 for mode in order:
                     tps[mode].append(_pgbench_tps(url, pg.port, TABLES[mode], tmpdir))
                 for mode in order:
-                    bulk[mode].append(_bulk_ms(url, TABLES[mode]))
+                    single_cpu[mode].append(_single_row_cpu_us(url, TABLES[mode]))
+                for mode in order:
+                    wall, cpu = _bulk_ms(url, TABLES[mode])
+                    bulk[mode].append(wall)
+                    bulk_cpu[mode].append(cpu)
                 print(f"round {r + 1}/{rounds}: tps {[round(tps[m][-1]) for m in modes]}, "
-                      f"bulk ms {[round(bulk[m][-1], 1) for m in modes]}", flush=True)
+                      f"single-row CPU us {[round(single_cpu[m][-1], 1) for m in modes]}, "
+                      f"bulk ms {[round(bulk[m][-1], 1) for m in modes]}, "
+                      f"bulk CPU ms {[round(bulk_cpu[m][-1], 1) for m in modes]}", flush=True)
             with psycopg.connect(url) as c:
                 n_events = c.execute("select count(*) from pgstream.events").fetchone()[0]  # type: ignore[index]
             breakdown = _breakdown(url, rounds)
@@ -228,6 +262,8 @@ def main() -> None:
 
     med_tps = {m: statistics.median(v) for m, v in tps.items()}
     med_bulk = {m: statistics.median(v) for m, v in bulk.items()}
+    med_single_cpu = {m: statistics.median(v) for m, v in single_cpu.items()}
+    med_bulk_cpu = {m: statistics.median(v) for m, v in bulk_cpu.items()}
     notes = {"noop trigger": " (deferred row trigger, empty function)",
              "constant event": " (deferred row trigger inserting a constant payload into pgstream.events)"}
     lines = [
@@ -241,18 +277,28 @@ def main() -> None:
         f"each table gets pgbench -c 1 -M prepared -T {SECONDS} of single-row INSERT transactions, then "
         f"{BULK_REPS}x INSERT ... SELECT generate_series of {BULK_ROWS:,} rows (median); tables interleaved, "
         f"order rotated per round; medians over rounds; ratios = cost relative to bare "
-        f"(bare tps / tps, ms / bare ms). {n_events:,} events written.",
+        f"(bare tps / tps, ms / bare ms). The same with the backend's CPU time (/proc/<pid>/schedstat), "
+        f"which the host's other load does not inflate: {SINGLE_TXNS:,} single-row INSERT transactions "
+        f"(autocommit, prepared) per table per round, and the bulk INSERTs above. {n_events:,} events written.",
     ]
     for mode in modes:
         lines.append(f"- single-row INSERT, {mode}{notes.get(mode, '')}: {med_tps[mode]:,.0f} tps "
                      f"({med_tps['bare'] / med_tps[mode]:.2f}x bare cost); all rounds {[round(x) for x in tps[mode]]}")
     for mode in modes:
+        lines.append(f"- single-row INSERT, {mode}, backend CPU: {med_single_cpu[mode]:,.1f} µs per transaction "
+                     f"({med_single_cpu[mode] / med_single_cpu['bare']:.2f}x bare); all rounds "
+                     f"{[round(x, 1) for x in single_cpu[mode]]}")
+    for mode in modes:
         lines.append(f"- bulk {BULK_ROWS:,}-row INSERT, {mode}{notes.get(mode, '')}: {med_bulk[mode]:,.1f} ms "
                      f"({med_bulk[mode] / med_bulk['bare']:.2f}x bare); all rounds "
                      f"{[round(x, 1) for x in bulk[mode]]}")
+    for mode in modes:
+        lines.append(f"- bulk {BULK_ROWS:,}-row INSERT, {mode}, backend CPU: {med_bulk_cpu[mode]:,.1f} ms "
+                     f"({med_bulk_cpu[mode] / med_bulk_cpu['bare']:.2f}x bare); all rounds "
+                     f"{[round(x, 1) for x in bulk_cpu[mode]]}")
     lines.append(f"- WAL per row of a {BULK_ROWS:,}-row INSERT (bytes): "
                  + "; ".join(f"{m}: {v:,.0f}" for m, v in wal.items()))
-    lines.append(f"- cost breakdown, {BULK_ROWS:,} payloads (ms, median of {rounds} interleaved rounds): "
+    lines.append(f"- cost breakdown, {BULK_ROWS:,} payloads (backend CPU ms, median of {rounds} interleaved rounds): "
                  + "; ".join(f"{k}: {v:,.1f}" for k, v in breakdown.items()))
     text = "\n".join(lines) + "\n"
     print(text)
