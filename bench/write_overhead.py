@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -168,16 +169,39 @@ def _bulk_ms(url: str, table: str) -> tuple[float, float]:
 
 
 def _single_row_cpu_us(url: str, table: str) -> float:
-    """Backend CPU µs per single-row INSERT transaction (autocommit, prepared), commit and deferred
-    triggers included."""
+    """Backend CPU µs per single-row INSERT transaction into an orders table (autocommit, prepared),
+    commit and deferred triggers included."""
+    return _txn_cpu_us(url, sql.SQL("insert into {} (customer, amount) values ('c-' || %s::text, 12.5)").format(
+        sql.Identifier(table)), lambda i: [i % 1000])
+
+
+def _txn_cpu_us(url: str, insert: sql.Composed, params: Callable[[int], list[object]],
+                role: str | None = None) -> float:
+    """Backend CPU µs per transaction of one prepared ``insert`` (autocommit), as ``role`` if given."""
     with psycopg.connect(url, autocommit=True) as c:
-        q = sql.SQL("insert into {} (customer, amount) values ('c-' || %s::text, 12.5)").format(sql.Identifier(table))
+        if role:
+            c.execute(sql.SQL("set role {}").format(sql.Identifier(role)))
         for i in range(100):  # prepares the statement, warms the caches
-            c.execute(q, [i], prepare=True)
+            c.execute(insert, params(i), prepare=True)
         c0 = _backend_cpu_ms(c)
         for i in range(SINGLE_TXNS):
-            c.execute(q, [i % 1000], prepare=True)
+            c.execute(insert, params(i), prepare=True)
         return (_backend_cpu_ms(c) - c0) * 1000 / SINGLE_TXNS
+
+
+def _event_txn_cpu_us(url: str, rounds: int) -> dict[str, float]:
+    """Backend CPU µs per transaction inserting one constant event as pgstream_writer (as a generated
+    trigger does) into the breakdown's partitioned copy of pgstream.events without a trigger, and into
+    pgstream.events (check_event's WHEN): what the trigger costs a transaction. Interleaved, medians."""
+    targets = {"a partitioned heap with the events indexes, no trigger": ("bench_parted",),
+               "pgstream.events (check_event's WHEN)": ("pgstream", "events")}
+    times: dict[str, list[float]] = {label: [] for label in targets}
+    for _ in range(rounds):
+        for label, target in targets.items():
+            times[label].append(_txn_cpu_us(url, sql.SQL(
+                """insert into {} (payload, stream_id) values ('{{"k": 1}}'::jsonb, %s)""").format(
+                sql.Identifier(*target)), lambda i: [1], role="pgstream_writer"))
+    return {label: statistics.median(v) for label, v in times.items()}
 
 
 def _one_insert_per_event(target: tuple[str, ...]) -> sql.Composed:
@@ -296,6 +320,7 @@ def main() -> None:
                 n_events = c.execute("select count(*) from pgstream.events").fetchone()[0]  # type: ignore[index]
             breakdown = _breakdown(url, rounds)
             wal = _wal_per_row(url)
+            event_txn = _event_txn_cpu_us(url, rounds)
         finally:
             pg.destroy()
 
@@ -339,6 +364,9 @@ def main() -> None:
                      f"{[round(x, 1) for x in bulk_cpu[mode]]}")
     lines.append(f"- WAL per row of a {BULK_ROWS:,}-row INSERT (bytes): "
                  + "; ".join(f"{m}: {v:,.0f}" for m, v in wal.items()))
+    lines.append(f"- one transaction inserting one constant event as pgstream_writer (backend CPU µs, median of "
+                 f"{rounds} interleaved rounds of {SINGLE_TXNS:,}): "
+                 + "; ".join(f"into {k}: {v:,.1f}" for k, v in event_txn.items()))
     lines.append(f"- cost breakdown, {BULK_ROWS:,} payloads (backend CPU ms, median of {rounds} interleaved rounds): "
                  + "; ".join(f"{k}: {v:,.1f}" for k, v in breakdown.items()))
     text = "\n".join(lines) + "\n"
