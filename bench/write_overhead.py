@@ -191,10 +191,20 @@ def _txn_cpu_us(url: str, insert: sql.Composed, params: Callable[[int], list[obj
 
 def _event_txn_cpu_us(url: str, rounds: int) -> dict[str, float]:
     """Backend CPU µs per transaction inserting one constant event as pgstream_writer (as a generated
-    trigger does) into the breakdown's partitioned copy of pgstream.events without a trigger, and into
-    pgstream.events (check_event's WHEN): what the trigger costs a transaction. Interleaved, medians."""
+    trigger does) into the breakdown's partitioned copy of pgstream.events without a trigger, into a
+    second one with pgstream.events' check_event trigger (its WHEN false for pgstream_writer), and into
+    pgstream.events itself (its daily partitions, the streams' publications): what the trigger costs a
+    transaction. Interleaved, medians."""
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("create table bench_parted_check (like bench_parted including all) partition by range (created_at)")
+        c.execute("create table bench_parted_check_default partition of bench_parted_check default")
+        c.execute("create trigger check_event before insert on bench_parted_check for each row "
+                  "when (current_user operator(pg_catalog.<>) 'pgstream_writer'::pg_catalog.name) "
+                  "execute function pgstream._check_event()")
+        c.execute("grant insert on bench_parted_check to pgstream_writer")
     targets = {"a partitioned heap with the events indexes, no trigger": ("bench_parted",),
-               "pgstream.events (check_event's WHEN)": ("pgstream", "events")}
+               "the same with pgstream.events' check_event trigger": ("bench_parted_check",),
+               "pgstream.events": ("pgstream", "events")}
     times: dict[str, list[float]] = {label: [] for label in targets}
     for _ in range(rounds):
         for label, target in targets.items():
