@@ -24,7 +24,9 @@ Both workloads are also measured in the backend's CPU time (``/proc/<pid>/scheds
 host's other load does not inflate): ``SINGLE_TXNS`` single-row INSERT transactions per table per round
 from one connection (autocommit, prepared; the deferred trigger runs at commit, in that backend), and
 the bulk INSERTs. Per table the median over rounds is reported with its ratio to ``orders_bare``, and the WAL one
-10,000-row INSERT writes per row. A cost breakdown for 10,000 payloads follows: building them only,
+10,000-row INSERT writes per row; then the CPU of a transaction inserting one constant event as
+pgstream_writer into a partitioned copy of events, the same with ``check_event``, and
+``pgstream.events``. A cost breakdown for 10,000 payloads (backend CPU) follows: building them only,
 writing a constant payload to events, and building + writing to a plain heap, to a heap with the
 events indexes, and to ``pgstream.events`` itself; then the row mode's shape, one INSERT per event
 (a plpgsql loop of 10,000 single-row INSERTs of a constant payload) into a plain heap, a heap with
