@@ -67,7 +67,8 @@ class DagsterDev:
         return "\n".join(text.splitlines()[-lines:])
 
     def graphql(self, query: str, variables: dict[str, Any]) -> dict[str, Any]:
-        response = httpx.post(f"http://127.0.0.1:{self.port}/graphql", timeout=10,
+        # (a reload starts a code server: slow on a loaded host)
+        response = httpx.post(f"http://127.0.0.1:{self.port}/graphql", timeout=60,
                               json={"query": query, "variables": variables})
         response.raise_for_status()
         data: dict[str, Any] = response.json()
