@@ -138,9 +138,9 @@ _PAYLOAD_COLUMNS = (("operation", "tg_op"), ("schema_name", "tg_table_schema"), 
 
 def _payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.Array]:
     """The columns of :data:`_PAYLOAD_COLUMNS`, parsed from the payloads' JSON text (``texts``) by Arrow's
-    JSON reader in one pass over the call (C++, nested values skipped); a payload it cannot take (one
-    of these keys not a string) sends the events through Python's parser instead, where such a value
-    is null."""
+    JSON reader in one pass over the call (C++, nested values skipped; one block, in this thread); a
+    payload it cannot take (one of these keys not a string) sends the events through Python's parser
+    instead, where such a value is null."""
     import io
 
     import pyarrow as pa
@@ -149,7 +149,8 @@ def _payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.A
     data = "\n".join(texts).encode()
     schema = pa.schema([pa.field(key, pa.string()) for _, key in _PAYLOAD_COLUMNS])
     try:
-        parsed = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=max(len(data) + 1, 1 << 20)),
+        parsed = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(use_threads=False,
+                                                                   block_size=max(len(data) + 1, 1 << 20)),
                               parse_options=pj.ParseOptions(explicit_schema=schema,
                                                             unexpected_field_behavior="ignore"))
         if parsed.num_rows == len(texts):
