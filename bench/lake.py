@@ -63,22 +63,25 @@ def sink_config(kind: str, root: Path, catalog_url: str) -> dict[str, Any]:
     return {"type": kind, "path": str(root / name)}
 
 
-def through_sink(config: dict[str, Any], events: list[Event], chunk: int) -> float:
-    """Seconds to publish ``events`` through a fresh sink (positions: batches of ``chunk``)."""
+def through_sink(config: dict[str, Any], events: list[Event], chunk: int) -> tuple[float, float]:
+    """Seconds and CPU-seconds of this process to publish ``events`` through a fresh sink (positions:
+    batches of ``chunk``)."""
     with build_sink(config) as sink:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for n, start in enumerate(range(0, len(events), chunk), start=1):
             part = events[start:start + chunk]
             sink.publish_at(part, [(n, i) for i in range(1, len(part) + 1)])
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - cpu
 
 
-def direct(kind: str, config: dict[str, Any], tables: list[Any]) -> float:
-    """Seconds to write the Arrow ``tables`` with the library's plain append into a new table."""
+def direct(kind: str, config: dict[str, Any], tables: list[Any]) -> tuple[float, float]:
+    """Seconds and CPU-seconds of this process to write the Arrow ``tables`` with the library's plain
+    append into a new table."""
     import pyarrow.compute as pc
 
     write: Callable[[Any], None]
-    started = time.perf_counter()  # iceberg: creating the table is in the time, as it is in the sink's
+    # iceberg: creating the table is in the time, as it is in the sink's
+    started, cpu = time.perf_counter(), time.process_time()
     if kind == "delta":
         from deltalake import write_deltalake
 
@@ -112,7 +115,7 @@ def direct(kind: str, config: dict[str, Any], tables: list[Any]) -> float:
                 fsync_path(directory)
     for table in tables:
         write(table)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
 
 
 def _spread(values: list[float], digits: str = ",.0f") -> str:
@@ -132,25 +135,31 @@ def main() -> None:
     catalog_url = _catalog_url()
     kinds = args.formats.split(",")
     results: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}  # CPU-seconds of this process (threads included)
     root = Path(tempfile.mkdtemp(prefix="pgstream-bench-lake-"))
     try:
+        for kind in kinds:  # untimed: each way's imports and first table (catalog connection) before the rounds
+            through_sink(sink_config(kind, root, catalog_url), make_events(args.chunk), args.chunk)
+            direct(kind, sink_config(kind, root, catalog_url), tables[:1])
         for n in range(args.rounds):
             for kind in kinds:  # per format, every round: the sink and its baseline, the first one alternated
                 for way in ("sink", "direct") if n % 2 == 0 else ("direct", "sink"):
                     config = sink_config(kind, root, catalog_url)
                     if way == "sink":
                         fresh = make_events(args.events)  # as a run reads them: payloads not parsed yet
-                        seconds = through_sink(config, fresh, args.chunk)
+                        seconds, cpu = through_sink(config, fresh, args.chunk)
                     else:
-                        seconds = direct(kind, config, tables)
+                        seconds, cpu = direct(kind, config, tables)
                     results.setdefault((kind, way), []).append(args.events / seconds)
+                    cpus.setdefault((kind, way), []).append(cpu)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"\n## Lake sinks against their library's plain append (bench/lake.py) {stamp}, commit {commit()}",
              f"Command: `make bench-lake` (bench/lake.py --events {args.events} --chunk {args.chunk} --rounds "
-             f"{args.rounds}). Machine: {load}. Method: {args.rounds} rounds; per round and format the sink and its "
-             "direct baseline back to back (which goes first alternates by round), "
+             f"{args.rounds}). Machine: {load}. Method: one untimed call each way per format first, then "
+             f"{args.rounds} rounds; per round and format the sink and its direct baseline back to back (which goes "
+             "first alternates by round), "
              f"{args.events:,} events (~230-byte payload as Postgres prints the jsonb, over 2 UTC days) in publish "
              f"calls of {args.chunk:,} (a commit each), a new table per measurement on the local disk (created in "
              "the timed part, both ways); sink = publish_at through a fresh sink of events built before the clock "
@@ -159,12 +168,16 @@ def main() -> None:
              "commit marker the same way); direct = the same Arrow tables (built before the clock) appended with "
              "the library itself (write_deltalake partition_by day / pyiceberg Table.append to a day-partitioned "
              "table in the same Postgres SQL catalog / pyarrow.parquet.write_table per day, each file and its "
-             "directory fsynced); events per second and the ratio sink/direct of each round: median (min-max)."]
+             "directory fsynced); events per second and the ratio sink/direct of each round: median (min-max); CPU: "
+             "this process's CPU-seconds (its threads included; not the catalog's Postgres), and their ratio "
+             "sink/direct per round, less sensitive to the machine's other load than the rates."]
     for kind in kinds:
         sink, base = results[(kind, "sink")], results[(kind, "direct")]
         ratios = [a / b for a, b in zip(sink, base, strict=True)]
+        cpu_ratios = [a / b for a, b in zip(cpus[(kind, "sink")], cpus[(kind, "direct")], strict=True)]
         lines.append(f"- {kind}: ratio {_spread(ratios, '.2f')}x; sink {_spread(sink)} events/s, direct "
-                     f"{_spread(base)} events/s")
+                     f"{_spread(base)} events/s; CPU sink/direct {_spread(cpu_ratios, '.2f')}x (sink "
+                     f"{_spread(cpus[(kind, 'sink')], '.3f')} s, direct {_spread(cpus[(kind, 'direct')], '.3f')} s)")
     print("\n".join(lines))
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
