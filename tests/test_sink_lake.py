@@ -413,6 +413,7 @@ def test_typed_values_stop_at_the_first_event_with_an_unfit_value_whichever_its_
     from pgstream_dagster.sinks.lake import TypedColumn, typed_values
 
     columns = [TypedColumn("n", "smallint"), TypedColumn("ok", "boolean")]
-    rows = [{"n": 1, "ok": True}, {"n": 2, "ok": False}, {"n": 3, "ok": "yes"}, {"n": 70000, "ok": True}]
+    rows: list[dict[str, Any]] = [{"n": 1, "ok": True}, {"n": 2, "ok": False}, {"n": 3, "ok": "yes"},
+                                  {"n": 70000, "ok": True}]
     arrays, unfit, why = typed_values([gauge_event(i, row) for i, row in enumerate(rows)], columns)
     assert unfit == 2 and "'ok' (boolean)" in why and [a.to_pylist() for a in arrays] == [[1, 2], [True, False]]

@@ -36,6 +36,7 @@ __all__ = [
     "dumps",
     "event_columns",
     "event_scalar",
+    "event_stream",
     "excerpt",
     "header_value",
     "import_extra",
@@ -230,6 +231,15 @@ def event_columns(events: Sequence[Event]) -> tuple[list[int], list[int], list[d
         metadata = [e.metadata_json for e in events]
     return (list(map(get_id, events)), list(map(get_stream, events)), list(map(get_created, events)), payloads,
             metadata)
+
+
+def event_stream(events: Sequence[Event]) -> int:
+    """The one stream of ``events`` (not empty), read from their slots; ``ValueError`` when they
+    belong to several."""
+    streams = list(map(_slot_getters[1], events))
+    if streams.count(streams[0]) != len(streams):
+        raise ValueError("the events of one publish call belong to several streams")
+    return int(streams[0])
 
 
 def _make_event(id: int, stream_id: int, payload: dict[str, Any] | None, metadata: dict[str, Any] | None,

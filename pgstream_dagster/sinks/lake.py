@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import math
-import operator
 import re
 from abc import abstractmethod
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ from .base import (
     describe_exception,
     dumps,
     event_columns,
+    event_stream,
     import_extra,
 )
 
@@ -70,8 +70,6 @@ __all__ = [
 
 Span = tuple[tuple[int, int], tuple[int, int]]
 """The ledger positions ``((batch_id, ord), (batch_id, ord))`` of the first and last event of a commit."""
-
-_STREAM_ID = operator.attrgetter("stream_id")
 
 #: a position's ordinal takes the low 32 bits of a token (a ledger batch holds at most 1,000,000 events)
 _ORD_BITS = 32
@@ -529,14 +527,8 @@ class LakeSink(Sink):
             return
         self._guard(events, lambda: self._positioned(events, positions))
 
-    def _stream(self, events: Sequence[Event]) -> int:
-        streams = set(map(_STREAM_ID, events))
-        if len(streams) > 1:
-            raise ValueError("the events of one publish call belong to several streams")
-        return int(streams.pop())
-
     def _positioned(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
-        stream_id = self._stream(events)
+        stream_id = event_stream(events)
         if stream_id not in self._tokens:
             self._tokens[stream_id] = self.read_token(stream_id)
         committed = self._tokens[stream_id]
@@ -556,7 +548,7 @@ class LakeSink(Sink):
             raise self._rejection(pending[unfit], why)
 
     def _by_id(self, events: Sequence[Event]) -> None:
-        stream_id = self._stream(events)
+        stream_id = event_stream(events)
         ids = [e.id for e in events]
         present = self.present_ids(stream_id, min(ids), max(ids))
         missing = [e for e in events if e.id not in present]
