@@ -373,7 +373,11 @@ TYPED_LISTS: list[tuple[str, list[Any], bool]] = [
     ("real", [0.5, 3.5e38], False),
     ("double precision", [1.5, None, 1e300], True),
     ("double precision", [1.5, float("inf")], False),  # a number past float64 (Python's parser gives inf)
-    ("double precision", [1, 2.5], False),  # an integer among floats
+    ("double precision", [1, 2.5, float("nan")], True),  # Postgres prints 1.0 as 1
+    ("double precision", [float("nan"), float("inf")], False),
+    ("double precision", [2**53 + 1, 2.5], False),  # an integer a float64 rounds: one by one, as float() does
+    ("real", [1, -2.5, 3.4028234663852886e38], True),
+    ("real", [3.5e38, float("nan")], False),
     ("boolean", [True, None, False], True),
     ("boolean", [True, 1], False),
     ("text", ["a", None, "ü"], True),
@@ -405,7 +409,10 @@ def test_a_typed_column_converted_at_once_holds_what_one_value_at_a_time_gives(
             unfit, why = index, str(exc)
             break
     array, got_unfit, got_why = column.array(values)
-    assert (array, got_unfit, got_why) == (pa.array(expected, type=column.arrow_type()), unfit, why)
+    def held(a: pa.Array) -> list[Any]:  # NaN as a string: equal to itself
+        return ["NaN" if isinstance(v, float) and v != v else v for v in a.to_pylist()]
+
+    assert (held(array), got_unfit, got_why) == (held(pa.array(expected, type=column.arrow_type())), unfit, why)
     assert (column._at_once(values) is not None) == at_once
 
 

@@ -330,12 +330,13 @@ class TypedColumn:
                 return pa.array(values, type=self.arrow_type())
             if (kind == "bool" and kinds <= {bool}) or (kind == "string" and kinds <= {str}):
                 return pa.array(values, type=self.arrow_type())
-            if kind.startswith("float") and kinds <= {float}:
+            if kind.startswith("float") and kinds <= {float, int}:  # an integer past 2**53 raises
                 numbers = pa.array(values, type=pa.float64())
-                largest = pc.max(pc.abs(numbers)).as_py()  # NaN is skipped; inf: a finite number past float64
-                if largest is not None and (math.isinf(largest) or (kind == "float32" and largest > _FLOAT32_MAX)):
+                if pc.any(pc.is_inf(numbers)).as_py():  # a finite number past float64 (Python's parser gives inf)
                     return None
-                return numbers.cast(self.arrow_type())
+                if kind == "float32" and pc.any(pc.greater(pc.abs(numbers), _FLOAT32_MAX)).as_py():
+                    return None
+                return numbers.cast(self.arrow_type())  # NaN fits, as in convert
             if kind == "date32" and kinds <= {str}:
                 texts = pa.array(values, type=pa.string())
                 if pc.all(pc.match_substring_regex(texts, _PLAIN_DATE)).as_py() is False:
