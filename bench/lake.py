@@ -160,7 +160,7 @@ def main() -> None:
              f"{args.rounds}). Machine: {load}. Method: one untimed call each way per format first, then "
              f"{args.rounds} rounds; per round and format the sink and its direct baseline back to back (which goes "
              "first alternates by round), "
-             f"{args.events:,} events (~230-byte payload as Postgres prints the jsonb, over 2 UTC days) in publish "
+             f"{args.events:,} events (~215-byte payload as Postgres prints the jsonb, over 2 UTC days) in publish "
              f"calls of {args.chunk:,} (a commit each), a new table per measurement on the local disk (created in "
              "the timed part, both ways); sink = publish_at through a fresh sink of events built before the clock "
              "(payload text, parsed by the sink: Arrow table built from the events, the stream's token read once, "
