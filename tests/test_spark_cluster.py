@@ -189,6 +189,7 @@ def test_executor_requirements() -> None:
     assert all("==" in r for r in reqs)  # pinned to what the driver runs
     with_sinks = [r.split("==")[0] for r in cluster.executor_requirements(["redis", "kinesis", "file"])]
     assert {"redis", "boto3"} <= set(with_sinks)
+    assert {"deltalake", "pyiceberg"} <= {r.split("==")[0] for r in cluster.executor_requirements(["delta"])}
 
 
 def test_settings_that_mean_something_else_on_an_executor_are_refused(tmp_path: Path) -> None:

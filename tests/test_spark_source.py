@@ -309,3 +309,31 @@ def test_a_local_session_without_pyspark_python_runs_the_source_in_this_interpre
     monkeypatch.setattr(context, "pythonExec", "python3")
     register(spark)
     assert context.pythonExec == "python3"
+
+
+def test_an_executors_python_missing_or_without_pyarrow_fails_in_one_line_naming_it(
+        spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: a by_key round (a lake sink on the executors) whose executors' Python is not where they
+    run, or lacks pyarrow, fails in one line naming that Python and PYSPARK_PYTHON, not with Spark's
+    Python traceback or Java stack trace."""
+    import sys
+
+    from pgstream_dagster.engine.spark import ExecutorPythonError, deliver_by_key
+    from pgstream_dagster.sinks.parquet import ParquetSinkConfig
+
+    blocked = tmp_path / "blocked" / "pyarrow"  # this interpreter, pyarrow hidden from it
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'pyarrow'\", name='pyarrow')\n")
+    without_pyarrow = tmp_path / "python-without-pyarrow"
+    without_pyarrow.write_text(f'#!/bin/sh\nPYTHONPATH="{blocked.parent}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
+    without_pyarrow.chmod(0o755)
+    frame = spark.createDataFrame([(1, 1, "k")], "batch_id long, ord long, routing_key string")
+    sink = ParquetSinkConfig(path=str(tmp_path / "lake"))
+    for python, says in ((without_pyarrow, "cannot import 'pyarrow'"),
+                         (tmp_path / "no-such-python", "is not where the executors run")):
+        monkeypatch.setattr(spark.sparkContext, "pythonExec", str(python))
+        with pytest.raises(ExecutorPythonError) as failed:
+            deliver_by_key(frame, sink, 100, 1)
+        message = str(failed.value)
+        assert says in message and str(python) in message and "PYSPARK_PYTHON" in message, message
+        assert "\n" not in message and failed.value.__cause__ is None and failed.value.__suppress_context__
