@@ -122,7 +122,7 @@ def template_db(pg: LocalPostgres) -> str:
     return _templates[today]
 
 
-def _fresh_database(pg: LocalPostgres, template: str) -> str:
+def fresh_database(pg: LocalPostgres, template: str) -> str:
     name = f"t{next(_counter)}"
     with psycopg.connect(pg.url, autocommit=True) as conn:
         conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
@@ -131,7 +131,7 @@ def _fresh_database(pg: LocalPostgres, template: str) -> str:
     return name
 
 
-def _drop_database(pg: LocalPostgres, name: str) -> None:
+def drop_database(pg: LocalPostgres, name: str) -> None:
     """Drop the test's database and its slots (slot names are the cluster's: one left behind fails
     every later test). A slot still held (a failed test's run thread reading it) is taken from its
     holder first, as often as the holder comes back, for up to 60 s."""
@@ -154,17 +154,17 @@ def _drop_database(pg: LocalPostgres, name: str) -> None:
 @pytest.fixture
 def db_url(pg: LocalPostgres, template_db: str) -> Iterator[str]:
     """A freshly migrated database of its own."""
-    name = _fresh_database(pg, template_db)
+    name = fresh_database(pg, template_db)
     yield pg.url_for(name)
-    _drop_database(pg, name)
+    drop_database(pg, name)
 
 
 @pytest.fixture
 def empty_db_url(pg: LocalPostgres) -> Iterator[str]:
     """A database without pgstream installed."""
-    name = _fresh_database(pg, "template1")
+    name = fresh_database(pg, "template1")
     yield pg.url_for(name)
-    _drop_database(pg, name)
+    drop_database(pg, name)
 
 
 @pytest.fixture(scope="session")

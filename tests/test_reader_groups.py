@@ -463,7 +463,7 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
     assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 25
     assert state(2) == "failover"
     assert _pgstream_slots(db_url) == [_group_slot(db_url)]
-    run.wait(timeout=60)  # the shortest max_run_secs of its streams: the group run ends (its members close)
+    _end_group_run(group)
 
 
 def _member(group: str, i: int, sink: Path) -> dict[str, Any]:
@@ -1020,13 +1020,17 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
 
 
 def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the_group_goes_on(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, hostile: dict[str, str]) -> None:
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, hostile: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Streams 1 and 2 deliver through their group's sensor and delivery run when a role with CREATE on the
     database, from a fresh connection, creates ``pgstream_stream_3`` (ids are small and sequential) for its own
     table before stream 3 exists; then stream 3 is added to the group. Stream 3 cannot join: it is left out,
     told in one line by the group's sensor (each tick's status) and once by the group delivery run, and nothing
     is read through the squatted publication; every event of streams 1 and 2 keeps being recorded and delivered,
     once, in commit order. Once the operator drops the publication, stream 3 joins and delivers."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)  # the run's reader tells what a read did when it ends
     owner = hostile["owner"]
     before = [_member("held", i, tmp_path / f"out{i}.jsonl") for i in (1, 2)]
     group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance), instance, "held")
@@ -1066,7 +1070,7 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
         assert _recorded(db_url, i) == _events(db_url, i), i
     told = [s for s in skips if s is not None and line in s]
     assert told and all(s.count("is left out") == 1 for s in told), skips
-    deadline = time.monotonic() + 30  # (the run's reader tells what a read did when it ends: 5 s each)
+    deadline = time.monotonic() + 30  # (the run's reader tells what a read did when it ends)
     while line not in (said := [e.user_message for e in instance.all_logs(fresh.run_id)]):
         assert time.monotonic() < deadline, said
         time.sleep(0.2)
@@ -1126,12 +1130,13 @@ class Readers:
 
 
 def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: list[int], *,
-                max_run_secs: float = 15, tick_budget_secs: float = 0.1) -> tuple[Driver, GroupRuns]:
-    """A group ``live`` of streams in mode open (file sinks), its sensor ticked once: its delivery run starts."""
+                tick_budget_secs: float = 0.1) -> tuple[Driver, GroupRuns]:
+    """A group ``live`` of streams in mode open (file sinks), its sensor ticked once: its delivery run starts
+    (one run throughout the test: max_run_secs 300; the test ends it, :func:`_end_group_run`)."""
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "live", "batch": {"max_size": 50, "max_fill_secs": 0},
          "sensor": {"tick_budget_secs": tick_budget_secs},
-         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": max_run_secs}},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 300}},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
     driver = Driver(config, instance)
     group = GroupRuns(driver, instance, "live")
@@ -1191,7 +1196,7 @@ def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_noth
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert readers.by("run") > 0 and all(held for _, held in readers.calls) and readers.most == 1
-    group.wait()
+    _end_group_run(group)
 
 
 def test_a_batch_the_group_runs_reader_records_for_a_member_without_a_run_gets_its_run_within_the_tick(
@@ -1223,7 +1228,7 @@ def test_a_batch_the_group_runs_reader_records_for_a_member_without_a_run_gets_i
         assert time.monotonic() < deadline, _delivered(tmp_path, 2)
         time.sleep(0.1)
     assert _delivered(tmp_path, 1) == []
-    group.wait()
+    _end_group_run(group)
 
 
 def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_nothing_is_lost(
@@ -1270,7 +1275,7 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
         assert _delivered(tmp_path, i) == _events(db_url, i), i
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert all(held for _, held in readers.calls) and readers.most == 1
-    group.wait()
+    _end_group_run(group)
 
 
 def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_killed_loses_nothing(
@@ -1285,7 +1290,7 @@ def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_kil
     monkeypatch.setattr(group_delivery, "READ_ERROR_SECS", 2.0)
     readers = Readers(monkeypatch)
     ids = [1, 2]
-    _driver, group = _live_group(db_url, tmp_path, instance, ids, max_run_secs=40)  # one group run throughout
+    _driver, group = _live_group(db_url, tmp_path, instance, ids)
     holder = _run_reads(db_url)
     name = "pgstream group slot reader " + holder.removeprefix("group delivery run ")
     deadline = time.monotonic() + 30
@@ -1330,7 +1335,7 @@ def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_kil
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert all(held for _, held in readers.calls) and readers.most == 1
-    group.wait()
+    _end_group_run(group)
 
 
 def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
@@ -1357,4 +1362,4 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
         time.sleep(0.1)
     for i in ids:
         assert _delivered(tmp_path, i) == _events(db_url, i), i
-    group.wait()
+    _end_group_run(group)
