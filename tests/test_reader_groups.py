@@ -1343,6 +1343,9 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
     """Exactly one reader of the group's slot: the group's sensor ticking without pause while its delivery run
     starts and reads (each taking the group's reading for what it reads), events committing all along: never
     two ``consume_group`` at once, each by the session holding the group's reading."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)  # the run's reader's calls: a second each, not 5
     readers = Readers(monkeypatch)
     ids = [1, 2]
     _driver, group = _live_group(db_url, tmp_path, instance, ids)
