@@ -10,7 +10,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +110,11 @@ _templates: dict[dt.date, str] = {}
 
 @pytest.fixture
 def template_db(pg: LocalPostgres) -> str:
+    """:func:`migrated_template`."""
+    return migrated_template(pg)
+
+
+def migrated_template(pg: LocalPostgres) -> str:
     """A migrated database to copy, of today (UTC): migrate creates today's partition of pgstream.events and
     the week ahead, and the tests that check those would find yesterday's in a template made before a
     midnight the suite ran across. Made once a day (per test worker)."""
@@ -152,55 +156,10 @@ def drop_database(pg: LocalPostgres, name: str) -> None:
         conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
 
 
-class NextDatabase:
-    """The next test's database, copied from the template in a thread while the current test runs: a copy
-    takes a few tenths of a second, most of a short test's setup. One copy at a time (CREATE DATABASE refuses
-    a template another session is copying), and the tests copy the template only through :meth:`take`."""
-
-    def __init__(self, pg: LocalPostgres) -> None:
-        self.pg = pg
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="next-test-database")
-        self.pending: tuple[str, Future[str]] | None = None
-
-    def _made(self) -> tuple[str, str] | None:
-        """The copy made meanwhile (its template, its name), if it was made."""
-        if self.pending is None:
-            return None
-        template, future = self.pending
-        self.pending = None
-        try:
-            return template, future.result()
-        except psycopg.Error:  # the server restarted or stopped under it (a test restarts Postgres)
-            return None
-
-    def take(self, template: str) -> str:
-        """A fresh copy of ``template`` (the one made meanwhile, or one made now); the next one is begun."""
-        made = self._made()
-        if made is not None and made[0] != template:  # made from yesterday's template, before midnight
-            drop_database(self.pg, made[1])
-            made = None
-        name = made[1] if made is not None else fresh_database(self.pg, template)
-        self.pending = (template, self.pool.submit(fresh_database, self.pg, template))
-        return name
-
-    def close(self) -> None:
-        made = self._made()
-        if made is not None:
-            drop_database(self.pg, made[1])
-        self.pool.shutdown()
-
-
-@pytest.fixture(scope="session")
-def next_database(pg: LocalPostgres) -> Iterator[NextDatabase]:
-    databases = NextDatabase(pg)
-    yield databases
-    databases.close()
-
-
 @pytest.fixture
-def db_url(pg: LocalPostgres, template_db: str, next_database: NextDatabase) -> Iterator[str]:
+def db_url(pg: LocalPostgres, template_db: str) -> Iterator[str]:
     """A freshly migrated database of its own."""
-    name = next_database.take(template_db)
+    name = fresh_database(pg, template_db)
     yield pg.url_for(name)
     drop_database(pg, name)
 

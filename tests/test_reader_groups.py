@@ -7,6 +7,7 @@ functions changes who is in a group."""
 # ruff: noqa: S608 -- the attacks are SQL built from the test's own role, type and function names
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import threading
@@ -32,6 +33,7 @@ from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.status import render_status, stream_status
 
+from .conftest import drop_database, fresh_database, migrated_template
 from .support.harness import Background, Driver, insert_events, read_jsonl, slot_of, write_config
 
 GROUP = "shared"
@@ -644,6 +646,13 @@ def test_init_creates_one_slot_for_a_group(db_url: str, tmp_path: Path) -> None:
 
 @pytest.fixture
 def hostile(db_url: str) -> Iterator[dict[str, str]]:
+    """Fresh LOGIN roles of this database (:func:`_hostile_roles`)."""
+    with _hostile_roles(db_url) as names:
+        yield names
+
+
+@contextlib.contextmanager
+def _hostile_roles(db_url: str) -> Iterator[dict[str, str]]:
     """Fresh LOGIN roles of this database: ``runtime`` (a login member of pgstream_runtime with REPLICATION,
     as the code location connects), ``app`` (writes its own table ``public.orders``), ``owner`` (owns a
     table and may CREATE in the database and in schema public: publications, schemas, functions)."""
@@ -718,6 +727,21 @@ def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
         assert r.execute("show statement_timeout").fetchone() == ("12345ms",)
 
 
+@pytest.fixture(scope="module")
+def two_groups(pg: LocalPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    """A database of its own for the crafted-argument rows (each refused and changing nothing: they share it)
+    with the hostile roles, group ``shared`` of streams 1 and 2 and group ``other`` of stream 3."""
+    name = fresh_database(pg, migrated_template(pg))
+    url = pg.url_for(name)
+    streams = _configs(tmp_path_factory.mktemp("two-groups"), url, [1, 2, 3], group={3: "other"})
+    with _hostile_roles(url) as roles:
+        with psycopg.connect(url, autocommit=True) as c:
+            ingest.consume_group(c, GROUP, streams[:2], 0)
+            ingest.consume_group(c, "other", streams[2:], 0)
+        yield url, roles
+    drop_database(pg, name)
+
+
 @pytest.mark.parametrize(("statement", "params", "message"), [
     ("select pgstream.register_group_member(%s, %s)", [1, "x') ; drop table pgstream.streams; --"],
      "register_group_member: reader group name 'x'') ; drop table pgstream.streams; --' is not [a-z][a-z0-9_]{0,30}"),
@@ -746,16 +770,13 @@ def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
      "register_stream: stream 5: slot pgstream_g_shared_d"),
 ])
 def test_the_group_functions_refuse_crafted_arguments_in_one_line_and_change_nothing(
-        db_url: str, tmp_path: Path, hostile: dict[str, str], statement: str, params: list[Any],
-        message: str) -> None:
+        two_groups: tuple[str, dict[str, str]], statement: str, params: list[Any], message: str) -> None:
     """As the runtime, from a fresh connection: names that would inject into the publication's DDL or a
     slot's publication_names, ids out of range, another group's or no group, a joined member's join
     again, a group's slot for a stream: each refused with one line naming the function and the
     argument; the group, its members and its publication are as before."""
-    streams = _configs(tmp_path, db_url, [1, 2, 3], group={3: "other"})
+    db_url, hostile = two_groups
     with psycopg.connect(db_url, autocommit=True) as c:
-        ingest.consume_group(c, GROUP, streams[:2], 0)
-        ingest.consume_group(c, "other", streams[2:], 0)
         before = c.execute("select name, slot, members from pgstream.reader_groups order by 1").fetchall()
         rows = c.execute("select id, reader_group, slot_reader, join_lsn from pgstream.streams order by id").fetchall()
         pubs = c.execute("select pubname, rowfilter from pg_publication_tables order by 1").fetchall()
