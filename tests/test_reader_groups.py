@@ -536,21 +536,6 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
     return group, ended_after
 
 
-def test_a_stream_added_to_a_group_while_its_run_lives_is_registered_and_hosted_by_a_fresh_run(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    """Streams 1..3 are delivered by their group's run (max_run_secs 300); the code location reloads with a
-    stream 4 in the group: the group's sensor registers stream 4 at its first tick (the run's reader holds the
-    group's reading) and asks the run to end; it ends within seconds (its members close as at max_run_secs),
-    one new run hosts 1..4, and every event of the four streams, written before, during and after, arrives
-    once, in commit order."""
-    before = [_member("grown", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3)]
-    after = [_member("grown", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3, 4)]
-    group, ended_after = _reconfigured_while_a_group_run_lives(
-        db_url, tmp_path, instance, before, after, lambda i: [tmp_path / f"out{i}.jsonl"])
-    assert ended_after < 10
-    _end_group_run(group)
-
-
 def test_a_members_changed_sink_is_picked_up_by_a_fresh_group_run_within_seconds(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
     """The code location reloads with stream 2's sink writing another file: the live group run is asked to end
