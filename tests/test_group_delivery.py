@@ -24,6 +24,7 @@ import psycopg
 import pytest
 import yaml
 
+from pgstream_dagster.config import load_config, streams_fingerprint
 from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB, GROUP_TAG
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import migrate
@@ -306,6 +307,8 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
             runs = group_runs()
             assert len(runs) == 2 and runs[0].status == dg.DagsterRunStatus.STARTED, state()
             assert "pgstream/stop" not in runs[0].tags
+            # the new run is of the reloaded configuration (the four streams)
+            assert runs[0].tags["pgstream/config"] == streams_fingerprint(load_config(config_path).streams)
             assert runs[0].tags["pgstream/config"] != old.tags["pgstream/config"]
             print(json.dumps({"old_run_ended_secs": round(ended_secs, 1),
                               "all_delivered_secs": round(time.monotonic() - reloaded, 1)}))
