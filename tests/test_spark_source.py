@@ -281,11 +281,12 @@ def test_arrow_reads_give_the_values_of_a_plain_query(db_url: str, stream: psyco
     the same columns returns them, in PySpark's Arrow schema; a span whose events are gone fails the
     stream read (failOnDataLoss) naming its batch, or is read without them."""
     from pyspark.sql.pandas.types import to_arrow_schema
-    from pyspark.sql.types import _parse_datatype_string
+    from pyspark.sql.types import StructType, _parse_datatype_string
 
     from pgstream_dagster.engine.spark_source import EventsGone, EventsReader, StreamReader, arrow_schema
 
-    assert arrow_schema().equals(to_arrow_schema(_parse_datatype_string(spark_source.SCHEMA), timezone="UTC"))
+    schema = _parse_datatype_string(spark_source.SCHEMA)
+    assert isinstance(schema, StructType) and arrow_schema().equals(to_arrow_schema(schema, timezone="UTC"))
     monkeypatch.setattr(spark_source, "ARROW_BATCH_ROWS", 4)  # several record batches a partition
     monkeypatch.setattr(spark_source, "ARROW_BATCH_BYTES", 1 << 20)
     payloads = [

@@ -222,7 +222,7 @@ def _copy_batches(url: str, query: str, params: Sequence[Any] | dict[str, Any]) 
     literals: a COPY takes no parameters) as Arrow record batches, by one ``COPY (query) TO STDOUT`` in
     CSV that pyarrow parses: no Python object per value."""
     with connect(url) as conn, conn.cursor().copy(
-            f"copy ({query}) to stdout with (format csv, encoding 'UTF8')", params) as copy:  # type: ignore[arg-type]
+            f"copy ({query}) to stdout with (format csv, encoding 'UTF8')", params) as copy:
         rows: list[Any] = []  # each CopyData message of a COPY TO is one row
         size = 0
         for row in copy:
