@@ -74,25 +74,28 @@ SCHEMA = ("id long, stream_id long, created_at timestamp, subscription string, o
                  "ord int, batch_status string, delivered_at timestamp, attempts int, dead_letter boolean, "
                  "dead_letter_status string, dead_letter_error string")
 
-#: the events of a partition's spans (ordinals ``los[i]..his[i]`` of ledger batch ``batch_ids[i]``), span
-#: by span, each in its batch's commit order. Joined by the primary key (id, created_at): ``e.stream_id + 0``
-#: keeps the planner off the stream's day index (see engine/spark.py's _BATCH_QUERY); the spans' time
-#: bounds (init plans) prune the daily partitions once, before the first lookup, not at each one
-_SPANS_QUERY = """/* pgstream source: stream */
-select e.id, e.stream_id, e.created_at, e.payload ->> 'tg_name', e.payload ->> 'tg_op',
-       e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text,
-       b.id, (s.lo + o.k - 1)::int, null::text, null::timestamptz, null::int, null::boolean, null::text, null::text
+#: a stream partition's spans (ordinals ``los[i]..his[i]`` of ledger batch ``batch_ids[i]``), in order: the
+#: batch id, the first ordinal and the span's event ids in the batch's commit order (a span whose batch is
+#: gone: no row)
+_POSITIONS_QUERY = """/* pgstream source: positions */
+select b.id, s.lo, b.event_ids[s.lo:s.hi]
 from unnest(%(batch_ids)s::bigint[], %(los)s::int[], %(his)s::int[]) with ordinality as s(batch_id, lo, hi, n)
 join pgstream.batches b on b.id = s.batch_id and b.stream_id = %(stream_id)s
-cross join lateral unnest(b.event_ids[s.lo:s.hi]) with ordinality as o(id, k)
-join pgstream.events e
-  on e.id = o.id and e.stream_id + 0 = b.stream_id
- and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
-where e.created_at >= (select min(w.min_created_at) from pgstream.batches w
+order by s.n
+"""
+
+#: the stream's events in the time span of a partition's batches and the id range of its positions: a
+#: range scan as cheap as a plain COPY's (the time bounds, init plans, prune the daily partitions), joined
+#: to the positions by the reader, not by a lookup per event in Postgres
+_WINDOW_QUERY = """/* pgstream source: stream */
+select e.id, e.stream_id, e.created_at, e.payload ->> 'tg_name', e.payload ->> 'tg_op',
+       e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text
+from pgstream.events e
+where e.stream_id = %(stream_id)s and e.id between %(min_id)s and %(max_id)s
+  and e.created_at >= (select min(w.min_created_at) from pgstream.batches w
                        where w.id = any(%(batch_ids)s::bigint[]) and w.stream_id = %(stream_id)s)
   and e.created_at <= (select max(w.max_created_at) from pgstream.batches w
                        where w.id = any(%(batch_ids)s::bigint[]) and w.stream_id = %(stream_id)s)
-order by s.n, o.k
 """
 
 
@@ -200,13 +203,12 @@ def arrow_schema() -> pa.Schema:
                       for name, kind in fields])
 
 
-def _parse_csv(data: bytes) -> pa.RecordBatch:
-    """Rows of ``COPY ... (format csv)`` (each of :data:`SCHEMA`'s columns) as one record batch: an
-    unquoted empty field is NULL, a quoted one the empty string; booleans ``t``/``f``; times ISO in UTC."""
+def _parse_csv(data: bytes, schema: pa.Schema) -> pa.RecordBatch:
+    """Rows of ``COPY ... (format csv)`` (``schema``'s columns) as one record batch: an unquoted empty
+    field is NULL, a quoted one the empty string; booleans ``t``/``f``; times ISO in UTC."""
     import pyarrow as pa
     from pyarrow import csv
 
-    schema = arrow_schema()
     table = csv.read_csv(
         pa.BufferReader(data),
         read_options=csv.ReadOptions(column_names=schema.names, block_size=len(data) + 1, use_threads=False),
@@ -217,22 +219,39 @@ def _parse_csv(data: bytes) -> pa.RecordBatch:
     return table.combine_chunks().to_batches()[0]
 
 
-def _copy_batches(url: str, query: str, params: Sequence[Any] | dict[str, Any]) -> Iterator[pa.RecordBatch]:
-    """The rows of ``query`` (:data:`SCHEMA`'s columns; ``params`` bound by psycopg on the client, as
+def _copy_batches(conn: psycopg.Connection, query: str, params: Sequence[Any] | dict[str, Any],
+                  schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """The rows of ``query`` (``schema``'s columns; ``params`` bound by psycopg on the client, as
     literals: a COPY takes no parameters) as Arrow record batches, by one ``COPY (query) TO STDOUT`` in
     CSV that pyarrow parses: no Python object per value."""
-    with connect(url) as conn, conn.cursor().copy(
-            f"copy ({query}) to stdout with (format csv, encoding 'UTF8')", params) as copy:
+    with conn.cursor().copy(f"copy ({query}) to stdout with (format csv, encoding 'UTF8')", params) as copy:
         rows: list[Any] = []  # each CopyData message of a COPY TO is one row
         size = 0
         for row in copy:
             rows.append(row)
             size += len(row)
             if len(rows) >= ARROW_BATCH_ROWS or size >= ARROW_BATCH_BYTES:
-                yield _parse_csv(b"".join(rows))
+                yield _parse_csv(b"".join(rows), schema)
                 rows, size = [], 0
         if rows:
-            yield _parse_csv(b"".join(rows))
+            yield _parse_csv(b"".join(rows), schema)
+
+
+def _positions(conn: psycopg.Connection, params: dict[str, Any]) -> pa.Table:
+    """The ledger positions of a stream partition's spans (:data:`_POSITIONS_QUERY`), in order: event id,
+    batch id, ordinal, and the row's place in the partition (``position``)."""
+    import pyarrow as pa
+
+    rows = conn.execute(_POSITIONS_QUERY, params).fetchall()
+    ids = [pa.array(events, pa.int64()) for _batch_id, _lo, events in rows]
+    table = pa.table({
+        "id": pa.concat_arrays([*ids, pa.array([], pa.int64())]),
+        "batch_id": pa.concat_arrays([pa.nulls(len(events), pa.int64()).fill_null(batch_id)
+                                      for (batch_id, _lo, _e), events in zip(rows, ids, strict=True)]
+                                     + [pa.array([], pa.int64())]),
+        "ord": pa.concat_arrays([pa.array(range(lo, lo + len(events)), pa.int32()) for _b, lo, events in rows]
+                                + [pa.array([], pa.int32())])})
+    return table.append_column("position", pa.array(range(table.num_rows), pa.int64()))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -426,19 +445,32 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 for group in split_spans(spans, self.parts, self.rows)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        """The partition's events as Arrow record batches, by one COPY; then, with ``failOnDataLoss``,
-        an :class:`EventsGone` naming the first span whose events are not all there (a partition holds
-        each ledger batch in one span at most)."""
+        """The partition's events in the ledger's order, as Arrow record batches: its positions (one COPY)
+        joined in Arrow to the stream's events in their time span and id range (another), then sorted by
+        position; the partition is held whole (at most ``rowsPerPartition`` events). With
+        ``failOnDataLoss``, an :class:`EventsGone` names the first span whose events are not all there
+        (a partition holds each ledger batch in one span at most)."""
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         spans = [SpanRead(*fields) for fields in partition.value]
-        got: dict[int, int] = {}
-        params = {"batch_ids": [s.batch_id for s in spans], "los": [s.lo for s in spans],
-                  "his": [s.hi for s in spans], "stream_id": self.stream_id}
-        for batch in _copy_batches(self.url, _SPANS_QUERY, params):
-            for count in pc.value_counts(batch.column("batch_id")).to_pylist():
-                got[count["values"]] = got.get(count["values"], 0) + count["counts"]
-            yield batch
+        params: dict[str, Any] = {"batch_ids": [s.batch_id for s in spans], "los": [s.lo for s in spans],
+                                  "his": [s.hi for s in spans], "stream_id": self.stream_id}
+        schema = arrow_schema()
+        events_schema = pa.schema(list(schema)[:9])
+        with connect(self.url) as conn:
+            positions = _positions(conn, params)
+            bounds = pc.min_max(positions.column("id")).as_py()
+            window = {**params, "min_id": bounds["min"], "max_id": bounds["max"]}
+            events = pa.Table.from_batches(list(_copy_batches(conn, _WINDOW_QUERY, window, events_schema))
+                                           if positions.num_rows else [], schema=events_schema)
+        joined = positions.join(events, keys="id", join_type="inner").sort_by("position")
+        n = joined.num_rows
+        table = pa.Table.from_arrays(
+            [joined.column(name) if name in joined.column_names else pa.nulls(n, field.type)
+             for name, field in zip(schema.names, schema, strict=True)], schema=schema)
+        yield from table.to_batches(max_chunksize=ARROW_BATCH_ROWS)
+        got = {c["values"]: c["counts"] for c in pc.value_counts(table.column("batch_id")).to_pylist()}
         short = [(s, s.events - got.get(s.batch_id, 0)) for s in spans if got.get(s.batch_id, 0) != s.events]
         if short and self.fail_on_data_loss:
             span, missing = short[0]
@@ -594,7 +626,8 @@ order by e.id"""  # noqa: S608
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         lo, hi = partition.value
-        yield from _copy_batches(self.url, self.query(), [*self.selection(), lo, hi, self.stream_id])
+        with connect(self.url) as conn:
+            yield from _copy_batches(conn, self.query(), [*self.selection(), lo, hi, self.stream_id], arrow_schema())
 
 
 class PushdownEventsReader(EventsReader):
