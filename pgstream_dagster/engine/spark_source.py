@@ -445,9 +445,9 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 for group in split_spans(spans, self.parts, self.rows)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        """The partition's events in the ledger's order, as Arrow record batches: its positions (one COPY)
-        joined in Arrow to the stream's events in their time span and id range (another), then sorted by
-        position; the partition is held whole (at most ``rowsPerPartition`` events). With
+        """The partition's events in the ledger's order, as Arrow record batches: its positions (a row a
+        span) joined in Arrow to the stream's events in their time span and id range (one COPY), then
+        sorted by position; the partition is held whole (at most ``rowsPerPartition`` events). With
         ``failOnDataLoss``, an :class:`EventsGone` names the first span whose events are not all there
         (a partition holds each ledger batch in one span at most)."""
         import pyarrow as pa
