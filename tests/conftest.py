@@ -33,14 +33,15 @@ from .support.sinks import nats_admin, unique
 #: the slowest files, slowest first (each file's total of ``--durations=0`` in a full run): the two test processes
 #: of ``make test`` (``-n 2 --dist loadfile --no-loadscope-reorder``: a file per process at a time, in this order)
 #: start with them, longest first, so they end together
-SLOWEST_FILES = ("test_failover.py", "test_reader_groups.py", "test_spark_cluster.py", "test_code_location.py",
-                 "test_group_delivery.py", "test_fault_integrity.py", "test_open_runs.py", "test_slot_reader.py",
+SLOWEST_FILES = ("test_failover.py", "test_spark_cluster.py", "test_code_location.py", "test_group_delivery.py",
+                 "test_fault_integrity.py", "test_reader_groups.py", "test_open_runs.py", "test_slot_reader.py",
                  "test_spark_connect.py", "test_spark_source.py", "test_asset_checks.py", "test_browser.py",
                  "test_dev.py", "test_backfill.py", "test_kafka_sink.py", "test_standby_failover.py",
-                 "test_demo_green.py", "test_security.py", "test_automation_e2e.py", "test_privilege_matrix.py",
-                 "test_by_key_resume.py", "test_memory_bytes.py", "test_metrics.py", "test_spark_memory.py",
-                 "test_components.py", "test_subscription_assets.py", "test_lake_pipeline.py", "test_runtime_role.py",
-                 "test_replay.py", "test_database_core.py", "test_streaming.py", "test_sink_sqs.py")
+                 "test_demo_green.py", "test_security.py", "test_deployment.py", "test_automation_e2e.py",
+                 "test_privilege_matrix.py", "test_by_key_resume.py", "test_memory_bytes.py", "test_metrics.py",
+                 "test_spark_memory.py", "test_components.py", "test_subscription_assets.py", "test_lake_pipeline.py",
+                 "test_runtime_role.py", "test_replay.py", "test_database_core.py", "test_streaming.py",
+                 "test_sink_sqs.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -110,6 +111,11 @@ _templates: dict[dt.date, str] = {}
 
 @pytest.fixture
 def template_db(pg: LocalPostgres) -> str:
+    """:func:`migrated_template`."""
+    return migrated_template(pg)
+
+
+def migrated_template(pg: LocalPostgres) -> str:
     """A migrated database to copy, of today (UTC): migrate creates today's partition of pgstream.events and
     the week ahead, and the tests that check those would find yesterday's in a template made before a
     midnight the suite ran across. Made once a day (per test worker)."""
@@ -122,7 +128,7 @@ def template_db(pg: LocalPostgres) -> str:
     return _templates[today]
 
 
-def _fresh_database(pg: LocalPostgres, template: str) -> str:
+def fresh_database(pg: LocalPostgres, template: str) -> str:
     name = f"t{next(_counter)}"
     with psycopg.connect(pg.url, autocommit=True) as conn:
         conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
@@ -131,7 +137,7 @@ def _fresh_database(pg: LocalPostgres, template: str) -> str:
     return name
 
 
-def _drop_database(pg: LocalPostgres, name: str) -> None:
+def drop_database(pg: LocalPostgres, name: str) -> None:
     """Drop the test's database and its slots (slot names are the cluster's: one left behind fails
     every later test). A slot still held (a failed test's run thread reading it) is taken from its
     holder first, as often as the holder comes back, for up to 60 s."""
@@ -154,17 +160,17 @@ def _drop_database(pg: LocalPostgres, name: str) -> None:
 @pytest.fixture
 def db_url(pg: LocalPostgres, template_db: str) -> Iterator[str]:
     """A freshly migrated database of its own."""
-    name = _fresh_database(pg, template_db)
+    name = fresh_database(pg, template_db)
     yield pg.url_for(name)
-    _drop_database(pg, name)
+    drop_database(pg, name)
 
 
 @pytest.fixture
 def empty_db_url(pg: LocalPostgres) -> Iterator[str]:
     """A database without pgstream installed."""
-    name = _fresh_database(pg, "template1")
+    name = fresh_database(pg, "template1")
     yield pg.url_for(name)
-    _drop_database(pg, name)
+    drop_database(pg, name)
 
 
 @pytest.fixture(scope="session")

@@ -375,3 +375,64 @@ def test_a_typo_stops_the_code_location_with_one_error_naming_file_key_and_what_
                               "routing_key, parallelism, chunk_size, max_events_per_run, on_reject, max_attempts, "
                               "max_consecutive_rejects, run_grace_secs)")
     assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_the_code_location_leaves_an_invalid_stream_out_and_keeps_the_others_while_the_cli_refuses_the_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One stream's mistake stops no other: read as the code location reads it, an entry invalid on its own is
+    left out with its problems in one line (naming the file and the key, never the value) and its subscriptions
+    are kept (its events go on being written); the CLI, which applies the file, refuses it whole. A file with
+    no valid stream, or a problem outside the streams, is refused either way."""
+    from pgstream_dagster.defs.location import build_definitions
+
+    path = tmp_path / "pgstream.yaml"
+    path.write_text("""
+database_url: postgresql://u:secretpw@127.0.0.1/db
+streams:
+  - {id: 1, sink: {type: file, path: /tmp/a.jsonl}}
+  - {id: 2, sink: {type: http, url: "http://x.example/hook", timeout_secs: -1, colour: red}}
+  - {id: 3, reader: g, sink: {type: file, path: /tmp/c.jsonl}}
+subscriptions:
+  - {key: orders, stream_id: 2, table_name: orders, operation: INSERT}
+""")
+    config = load_config(path, leave_out_invalid=True)
+    assert [s.id for s in config.streams] == [1, 3]
+    assert list(config.left_out) == [2]
+    line = config.left_out[2]
+    assert line.startswith(f"{path}: streams[1].sink.timeout_secs: ") and "streams[1].sink.colour: unknown key" in line
+    assert "\n" not in line and "secretpw" not in line and "x.example" not in line
+    assert [s.key for s in config.subscriptions] == ["orders"]
+    with pytest.raises(ConfigError, match=r"streams\[1\]\.sink\.colour"):
+        load_config(path)  # the CLI: the whole file
+    from pgstream_dagster.cli import main
+
+    assert main(["check", "--config", str(path)]) == 1  # what a CI runs: every problem, one line each
+    err = capsys.readouterr().err
+    assert "streams[1].sink.colour: unknown key" in err and "streams[1].sink.timeout_secs" in err
+    assert "secretpw" not in err
+    defs = build_definitions(path)
+    sensors = sorted(str(s.name) for s in defs.sensors or [])
+    assert "pgstream_stream_2" in sensors and "pgstream_stream_1" in sensors and "pgstream_group_g" in sensors
+    assert defs.resolve_sensor_def("pgstream_stream_2").description == (
+        f"stream 2 is left out: its streams[] entry is invalid: {line}. Fix the entry and reload the code location.")
+    path.write_text(path.read_text().replace("id: 1, sink", "id: 1, snk").replace("id: 3, reader: g, sink",
+                                                                                 "id: 3, reader: g, snk"))
+    with pytest.raises(ConfigError, match=r"streams\[1\]\.sink"):  # nothing valid is left: the file is refused
+        load_config(path, leave_out_invalid=True)
+    path.write_text("database_url: nope\nstreams:\n  - {id: 1, sink: {type: file, path: /tmp/a.jsonl}}\n"
+                    "  - {id: 2, snk: {}}\n")
+    with pytest.raises(ConfigError, match="database_url"):  # a problem outside the streams refuses the file
+        load_config(path, leave_out_invalid=True)
+
+
+def test_check_validates_the_file_without_connecting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pgstream-dagster check` reads and validates the file (no server is running at the URL) and says what
+    it holds."""
+    from pgstream_dagster.cli import main
+
+    path = tmp_path / "pgstream.yaml"
+    path.write_text("database_url: postgresql://u@127.0.0.1:1/db\nstreams:\n"
+                    "  - {id: 1, sink: {type: file, path: /tmp/a.jsonl}}\n"
+                    "  - {id: 2, reader: g, sink: {type: file, path: /tmp/b.jsonl}}\n")
+    assert main(["check", "--config", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == "2 streams and 0 subscriptions are valid (reader groups: g)"

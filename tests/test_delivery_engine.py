@@ -325,10 +325,12 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
     monkeypatch.setattr(state, "next_assigned", counted)
     ended: dict[int, str | None] = {}
     logs = Log()
+    stopping = threading.Event()
     host = group_delivery.GroupHost("grp", logs, lambda stream, run_id: Host(run_id, logs),
                                     claim=lambda wanted: [(sid, key) for sid, key in wanted if sid != elsewhere],
-                                    ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error))
-    delivery = group_delivery.GroupDelivery("hosted", streams, db_url, db_url, host, max_run_secs=300, idle_secs=1)
+                                    ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error),
+                                    stop_check=lambda: "the test ends" if stopping.is_set() else None)
+    delivery = group_delivery.GroupDelivery("hosted", streams, db_url, db_url, host, max_run_secs=300)
     outcome: list[str] = []
 
     def out(i: int) -> list[int]:
@@ -368,8 +370,9 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
         locks.acquire_replay_lease(db_url, 1, "replay-test").close()
         assert time.monotonic() - took < 4
         assert any("stream 1: run closed (a replay of the stream waits" in m for _level, m in logs.lines)
-        thread.join(30)  # idle for linger_secs: the members' runs close, then the group run ends
-        assert not thread.is_alive() and outcome == ["no member had a run for 1s"], (outcome, logs.lines[-5:])
+        stopping.set()  # the group run is asked to end: its members' runs close, then it ends
+        thread.join(30)
+        assert not thread.is_alive() and outcome == ["the test ends"], (outcome, logs.lines[-5:])
         assert set(ended) == {1, 2, 3, failing} and all(ended[i] is None for i in (1, 2, 3))
         assert locks.group_lease_state(c, "hosted", "grp") is locks.LeaseState.NOT_TAKEN  # given up
     assert delivery_run.WOKEN_POLL_SECS > 1.5

@@ -226,24 +226,3 @@ def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_ur
     assert endpoint.accepted[before:] == sorted(poison)
     assert {d["status"] for d in dead_letters(db_url)} == {"redelivered"} and open_dead_letters(db_url) == 0
     assert endpoint.unique() == set(sent_ids(db_url))
-
-
-def test_the_event_check_ignores_a_manual_roles_temporary_objects(db_url: str, manual_role: str) -> None:
-    """pgstream._check_event runs as the owner: a role allowed to insert events shadows the tables and
-    types it names in pg_temp, from a fresh connection, and gains nothing."""
-    with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute("select pgstream.ensure_stream(1)")
-    with as_role(db_url, manual_role) as app:
-        app.execute("create temporary table streams (id bigint)")
-        app.execute("insert into pg_temp.streams values (99)")  # a stream only the shadow knows
-        app.execute("create domain pg_temp.timestamptz as pg_catalog.timestamptz check (value is null)")
-        app.execute("create domain pg_temp.interval as pg_catalog.interval check (value is null)")
-        app.execute("create domain pg_temp.regclass as pg_catalog.regclass check (value is null)")
-        with pytest.raises(psycopg.errors.ForeignKeyViolation, match="stream 99 does not exist"):
-            app.execute("insert into pgstream.events (payload, stream_id) values ('{}', 99)")
-        app.execute("insert into pgstream.events (payload, stream_id) values ('{\"shadowed\": true}', 1)")
-        assert app.execute("select rolsuper from pg_roles where rolname = current_user").fetchone() == (False,)
-    with psycopg.connect(db_url) as c:
-        assert c.execute("select count(*) from pgstream.events where stream_id = 99").fetchone() == (0,)
-        assert c.execute("select count(*) from pgstream.events where stream_id = 1 and payload ? 'shadowed' "
-                         "and created_at <= now()").fetchone() == (1,)

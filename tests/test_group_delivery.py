@@ -2,8 +2,10 @@
 it: the daemon ticks the sensors, the queued run coordinator (``max_concurrent_runs`` 2 here, fewer than
 the streams) launches the runs as processes. Twelve streams of one group (more than Postgres' default 10
 slots, more than the instance's runs) are delivered by one group run hosting a delivery run per stream in
-threads; a member whose sink refuses goes to failover without delaying the others and recovers once its
-sink answers; kill -9 of the group run's process loses nothing and the run is replaced."""
+threads. A member's trouble never holds the others back: one whose sink refuses goes to failover and recovers
+once its sink answers, one whose sink hangs in a call delays no one else's deliveries, one whose receiver
+rejects an event for good sets it aside and goes on; kill -9 of the group run's process loses nothing and the
+run is replaced."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import itertools
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +24,7 @@ import psycopg
 import pytest
 import yaml
 
+from pgstream_dagster.config import load_config, streams_fingerprint
 from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB, GROUP_TAG
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import migrate
@@ -40,6 +44,8 @@ from .support.harness import insert_events, read_jsonl, write_config
 GROUP = "all"
 IDS = list(range(1, 13))
 FAILING = 12  # its sink is an HTTP endpoint that answers 500 until the test lets it through
+HANGING = 11  # its sink's calls hang until the test lets them through
+POISON = 10  # its receiver rejects (422) the events marked "poison" for good: each becomes a dead letter
 MAX_RUNS = 2
 
 
@@ -73,16 +79,27 @@ def _all_at_least(delivered: Callable[[int], list[int]], ids: list[int], n: int)
     return lambda: all(len(delivered(i)) >= n for i in ids)
 
 
-def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_survives_kill_9(
+def test_a_group_delivery_run_hosts_twelve_streams_isolates_refusing_hanging_and_rejecting_sinks_and_survives_kill_9(
         databases: Databases, endpoint: Endpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     app = databases.app_url
     migrate(app)
     endpoint.mode = "error"
+    hanging, poison = Endpoint(), Endpoint()
+    release = threading.Event()
+
+    def hang(_request: int) -> None:  # every call waits until the test lets it through
+        release.wait(120)
+
+    hanging.hook = hang
+    poison.reject_marker = b'"poison"'
+    sinks: dict[int, dict[str, Any]] = {FAILING: endpoint.sink(), HANGING: hanging.sink(),
+                                        POISON: poison.sink("per_event")}
     streams = [{"id": i, "reader": GROUP, "batch": {"max_size": 100, "max_fill_secs": 0.2},
                 "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
                 "retry": {"initial_backoff_secs": 1, "max_backoff_secs": 2},
-                "delivery": {"mode": "open", "tuning": {"linger_secs": 120, "max_run_secs": 600}},
-                "sink": endpoint.sink() if i == FAILING else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+                "delivery": {"mode": "open", "tuning": {"linger_secs": 120, "max_run_secs": 600},
+                             **({"on_reject": "dead_letter", "max_attempts": 1} if i == POISON else {})},
+                "sink": sinks.get(i) or {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
                for i in IDS]
     config_path = write_config(tmp_path / "pgstream.yaml", app, streams)
     print("\n" + "\n".join(init(config_path)))
@@ -98,8 +115,8 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_s
     monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
 
     def delivered(i: int) -> list[int]:
-        if i == FAILING:
-            return endpoint.first_seen_order()
+        if i in (FAILING, HANGING, POISON):
+            return {FAILING: endpoint, HANGING: hanging, POISON: poison}[i].first_seen_order()
         path = tmp_path / f"out{i}.jsonl"
         return [e["id"] for e in read_jsonl(path)] if path.exists() else []
 
@@ -117,24 +134,40 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_s
                 return (f"delivered/sent {counts()}; endpoint refused {endpoint.refused_answers}; runs "
                         f"{[(r.job_name, r.status.value, r.tags.get(GROUP_TAG)) for r in instance.get_runs()]}")
 
-            # 1. a first wave on every stream: eleven arrive, each event once, in commit order, while stream 12's
-            # sink refuses (its member run fails, the stream goes to failover; the others are not held back)
+            # 1. a first wave on every stream: the healthy ones arrive, each event once, in commit order, while
+            # stream 12's sink refuses (its member run fails, the stream goes to failover), stream 11's sink hangs
+            # in its first call and stream 10's receiver rejects its poison events: none holds the others back
             for i in IDS:
                 insert_events(app, i, 20)
-            others = [i for i in IDS if i != FAILING]
-            wait_for("the first wave on the eleven healthy streams",
-                     lambda: all(len(delivered(i)) >= 20 for i in others), READY_TIMEOUT_SECS, dev, state)
+            with psycopg.connect(app) as c:
+                poisoned = [r[0] for r in c.execute(
+                    "insert into pgstream.events (payload, stream_id) select jsonb_build_object('kind', 'poison', "
+                    "'n', g), %s from generate_series(1, 3) g returning id", [POISON])]
+            insert_events(app, POISON, 5, start=100)
+            others = [i for i in IDS if i not in (FAILING, HANGING)]
+            wait_for("the first wave on the healthy streams and stream 10's events around its poison",
+                     lambda: all(len(delivered(i)) >= 20 for i in others) and len(delivered(POISON)) >= 25,
+                     READY_TIMEOUT_SECS, dev, state)
+            assert hanging.requests >= 1 and not hanging.accepted  # stream 11's call still hangs meanwhile
+            assert sorted(set(poison.rejected)) == poisoned and not set(poisoned) & set(delivered(POISON))
+            with psycopg.connect(app) as c:
+                assert sorted(r[0] for r in c.execute("select event_id from pgstream.dead_letters where stream_id "
+                                                      "= %s", [POISON])) == poisoned
             first_wave = time.monotonic()
             with psycopg.connect(app) as c:
                 wait_for("stream 12 in failover", lambda: c.execute(
                     "select state from pgstream.stream_status where id = %s", [FAILING]).fetchone() == ("failover",),
                     60, dev, state)
             assert endpoint.refused_answers > 0 and not endpoint.unique()
-            for wave in range(1, 3):  # the failing member's retries do not hold the others back
+            for wave in range(1, 3):  # the failing member's retries and the hanging call hold no one back
                 for i in others:
-                    insert_events(app, i, 10, start=100 * wave)
-                wait_for(f"wave {wave} on the healthy streams", _all_at_least(delivered, others, 20 + 10 * wave), 60,
-                         dev, state)
+                    insert_events(app, i, 10, start=100 * (wave + 1))
+                wait_for(f"wave {wave} on the healthy streams",
+                         _all_at_least(delivered, others, 20 + 10 * wave), 60, dev, state)
+            assert not hanging.accepted and not release.is_set()
+            release.set()  # stream 11's sink answers: what it held is delivered
+            wait_for("stream 11 once its sink answers", lambda: hanging.unique() == set(_sent(app, HANGING)), 60,
+                     dev, state)
             # one group delivery run, no run per stream: one of the instance's 2 run slots for 12 streams
             (group_run,) = runs(GROUP_DELIVERY_JOB)
             assert group_run.status == dg.DagsterRunStatus.STARTED and group_run.tags[GROUP_TAG] == GROUP
@@ -154,8 +187,9 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_s
             killed = time.monotonic()
             for i in IDS:
                 insert_events(app, i, 15, start=1000)
-            wait_for("every event of every stream after the kill",
-                     lambda: all(set(delivered(i)) == set(_sent(app, i)) for i in IDS), 120, dev, state)
+            wait_for("every event of every stream after the kill", lambda: all(
+                set(delivered(i)) == set(_sent(app, i)) - set(poisoned if i == POISON else []) for i in IDS), 120,
+                dev, state)
             replaced = time.monotonic()
             print(state())
             dead = instance.get_run_by_id(group_run.run_id)
@@ -163,9 +197,9 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_s
             assert [r.status for r in runs(GROUP_DELIVERY_JOB)].count(dg.DagsterRunStatus.STARTED) == 1
             assert not runs(DELIVERY_JOB)
             for i in IDS:
-                sent = _sent(app, i)
-                if i == FAILING:  # an HTTP sink: at least once; first deliveries in commit order
-                    assert endpoint.first_seen_order() == sent
+                sent = [e for e in _sent(app, i) if i != POISON or e not in poisoned]
+                if i in (FAILING, HANGING, POISON):  # an HTTP sink: at least once; first deliveries in commit order
+                    assert delivered(i) == sent, i
                 else:  # nothing was in flight when the process died: each event once, in commit order
                     assert delivered(i) == sent, i
                 assert all(a < b for a, b in itertools.pairwise(delivered(i)))
@@ -173,8 +207,17 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_a_failing_sink_and_s
                               "recovery_secs": round(recovered - first_wave, 1),
                               "after_kill_secs": round(replaced - killed, 1)}))
     finally:
+        release.set()
         survivors = stop_process_group(dev.proc)
+        hanging.down()
+        poison.down()
     assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
+    # 4. the shutdown (SIGTERM to `dg dev`'s processes, as `make stop`) ends the live group run, not fails it
+    with dg.DagsterInstance.get() as instance:
+        last = instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB), limit=1)[0]
+        assert last.status == dg.DagsterRunStatus.SUCCESS, last.status
+        said = [e.user_message for e in instance.all_logs(last.run_id)]
+        assert any("group delivery run ended (interrupted (shutdown)" in m for m in said), said[-5:]
 
 
 RELOAD = """
@@ -264,6 +307,8 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
             runs = group_runs()
             assert len(runs) == 2 and runs[0].status == dg.DagsterRunStatus.STARTED, state()
             assert "pgstream/stop" not in runs[0].tags
+            # the new run is of the reloaded configuration (the four streams)
+            assert runs[0].tags["pgstream/config"] == streams_fingerprint(load_config(config_path).streams)
             assert runs[0].tags["pgstream/config"] != old.tags["pgstream/config"]
             print(json.dumps({"old_run_ended_secs": round(ended_secs, 1),
                               "all_delivered_secs": round(time.monotonic() - reloaded, 1)}))

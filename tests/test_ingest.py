@@ -30,6 +30,7 @@ from pgstream_dagster.engine.ledger import state as ledger_state
 from pgstream_dagster.engine.replication import DecodedEvent, Transaction
 from pgstream_dagster.engine.status import render_status, stream_status
 
+from .support import reader_child
 from .support.endpoint import Endpoint
 from .support.faults import delivered_all, drive, sent_ids, stream_config
 from .support.harness import Driver, insert_events, slot_of, tick_until, write_config
@@ -248,12 +249,6 @@ def test_the_declared_reader_changes_with_the_open_run(db_url: str, tmp_path: Pa
         assert _reader_row(db_url, 1) == (None, ledger_state.SENSOR)
 
 
-def _follow_in_child(url: str, tmp_path: str) -> None:
-    config = load_config(Path(tmp_path) / "pgstream.yaml")
-    ingest.follow(url, config.streams[0], RUN_KEY, threading.Event(), ingest.FollowStats(),
-                  application_name="pgstream reader child")
-
-
 def test_a_killed_runs_slot_returns_to_the_sensor(db_url: str, tmp_path: Path) -> None:
     """The open run's reader is killed (-9) while it reads: the slot stays declared to the run, the
     sensor does not read; once the sensor's decision sees the run dead, the slot is the sensor's again
@@ -261,7 +256,8 @@ def test_a_killed_runs_slot_returns_to_the_sensor(db_url: str, tmp_path: Path) -
     (stream,) = _streams(tmp_path, db_url, {"max_size": 50, "max_fill_secs": 0})
     with psycopg.connect(db_url, autocommit=True) as c:
         ledger_state.open_run(c, 1, RUN_KEY)
-    child = multiprocessing.get_context("spawn").Process(target=_follow_in_child, args=(db_url, str(tmp_path)))
+    child = multiprocessing.get_context("spawn").Process(target=reader_child.follow,
+                                                         args=(db_url, str(tmp_path / "pgstream.yaml"), RUN_KEY))
     child.start()
     insert_events(db_url, 1, 40)
     _wait(lambda: len(_recorded(db_url, 1)) == 40)

@@ -7,6 +7,7 @@ functions changes who is in a group."""
 # ruff: noqa: S608 -- the attacks are SQL built from the test's own role, type and function names
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import threading
@@ -20,7 +21,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config, streams_fingerprint
-from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB
+from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
@@ -32,6 +33,7 @@ from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.status import render_status, stream_status
 
+from .conftest import drop_database, fresh_database, migrated_template
 from .support.harness import Background, Driver, insert_events, read_jsonl, slot_of, write_config
 
 GROUP = "shared"
@@ -315,6 +317,7 @@ class GroupRuns:
         self.sensor = driver.defs.resolve_sensor_def(f"pgstream_group_{group}")
         self.cursor: str | None = None
         self.runs: list[Background] = []
+        self.own: list[dg.ExecuteInProcessResult] = []  # the runs of members in mode per_batch
 
     def tick(self) -> str | None:
         resources = self.driver.defs.resources or {}
@@ -325,6 +328,9 @@ class GroupRuns:
         # the members' status assets: their group's sensor observes them
         self.driver.observations += [e for e in result.asset_events or [] if isinstance(e, dg.AssetObservation)]
         for request in result.run_requests or []:
+            if request.job_name == DELIVERY_JOB:  # a member in mode per_batch: a run of its own, executed here
+                self.own.append(self.driver.execute(request))
+                continue
             assert request.job_name == GROUP_DELIVERY_JOB and request.tags["pgstream/group"] == self.group
             for run in self.runs:  # Dagster shows a run ended a moment before execute_in_process returns
                 assert run.wait(10).success, "a second group run while one is live"
@@ -463,7 +469,7 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
     assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 25
     assert state(2) == "failover"
     assert _pgstream_slots(db_url) == [_group_slot(db_url)]
-    run.wait(timeout=60)  # the shortest max_run_secs of its streams: the group run ends (its members close)
+    _end_group_run(group)
 
 
 def _member(group: str, i: int, sink: Path) -> dict[str, Any]:
@@ -532,21 +538,6 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
     assert dagster_new.tags["pgstream/config"] == streams_fingerprint(load_config(reloaded.config_path).streams)
     assert "pgstream/stop" not in dagster_new.tags
     return group, ended_after
-
-
-def test_a_stream_added_to_a_group_while_its_run_lives_is_registered_and_hosted_by_a_fresh_run(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    """Streams 1..3 are delivered by their group's run (max_run_secs 300); the code location reloads with a
-    stream 4 in the group: the group's sensor registers stream 4 at its first tick (the run's reader holds the
-    group's reading) and asks the run to end; it ends within seconds (its members close as at max_run_secs),
-    one new run hosts 1..4, and every event of the four streams, written before, during and after, arrives
-    once, in commit order."""
-    before = [_member("grown", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3)]
-    after = [_member("grown", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3, 4)]
-    group, ended_after = _reconfigured_while_a_group_run_lives(
-        db_url, tmp_path, instance, before, after, lambda i: [tmp_path / f"out{i}.jsonl"])
-    assert ended_after < 10
-    _end_group_run(group)
 
 
 def test_a_members_changed_sink_is_picked_up_by_a_fresh_group_run_within_seconds(
@@ -644,6 +635,13 @@ def test_init_creates_one_slot_for_a_group(db_url: str, tmp_path: Path) -> None:
 
 @pytest.fixture
 def hostile(db_url: str) -> Iterator[dict[str, str]]:
+    """Fresh LOGIN roles of this database (:func:`_hostile_roles`)."""
+    with _hostile_roles(db_url) as names:
+        yield names
+
+
+@contextlib.contextmanager
+def _hostile_roles(db_url: str) -> Iterator[dict[str, str]]:
     """Fresh LOGIN roles of this database: ``runtime`` (a login member of pgstream_runtime with REPLICATION,
     as the code location connects), ``app`` (writes its own table ``public.orders``), ``owner`` (owns a
     table and may CREATE in the database and in schema public: publications, schemas, functions)."""
@@ -718,6 +716,21 @@ def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
         assert r.execute("show statement_timeout").fetchone() == ("12345ms",)
 
 
+@pytest.fixture(scope="module")
+def two_groups(pg: LocalPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    """A database of its own for the crafted-argument rows (each refused and changing nothing: they share it)
+    with the hostile roles, group ``shared`` of streams 1 and 2 and group ``other`` of stream 3."""
+    name = fresh_database(pg, migrated_template(pg))
+    url = pg.url_for(name)
+    streams = _configs(tmp_path_factory.mktemp("two-groups"), url, [1, 2, 3], group={3: "other"})
+    with _hostile_roles(url) as roles:
+        with psycopg.connect(url, autocommit=True) as c:
+            ingest.consume_group(c, GROUP, streams[:2], 0)
+            ingest.consume_group(c, "other", streams[2:], 0)
+        yield url, roles
+    drop_database(pg, name)
+
+
 @pytest.mark.parametrize(("statement", "params", "message"), [
     ("select pgstream.register_group_member(%s, %s)", [1, "x') ; drop table pgstream.streams; --"],
      "register_group_member: reader group name 'x'') ; drop table pgstream.streams; --' is not [a-z][a-z0-9_]{0,30}"),
@@ -746,16 +759,13 @@ def test_a_function_planted_in_public_redirects_none_of_the_group_readers_calls(
      "register_stream: stream 5: slot pgstream_g_shared_d"),
 ])
 def test_the_group_functions_refuse_crafted_arguments_in_one_line_and_change_nothing(
-        db_url: str, tmp_path: Path, hostile: dict[str, str], statement: str, params: list[Any],
-        message: str) -> None:
+        two_groups: tuple[str, dict[str, str]], statement: str, params: list[Any], message: str) -> None:
     """As the runtime, from a fresh connection: names that would inject into the publication's DDL or a
     slot's publication_names, ids out of range, another group's or no group, a joined member's join
     again, a group's slot for a stream: each refused with one line naming the function and the
     argument; the group, its members and its publication are as before."""
-    streams = _configs(tmp_path, db_url, [1, 2, 3], group={3: "other"})
+    db_url, hostile = two_groups
     with psycopg.connect(db_url, autocommit=True) as c:
-        ingest.consume_group(c, GROUP, streams[:2], 0)
-        ingest.consume_group(c, "other", streams[2:], 0)
         before = c.execute("select name, slot, members from pgstream.reader_groups order by 1").fetchall()
         rows = c.execute("select id, reader_group, slot_reader, join_lsn from pgstream.streams order by id").fetchall()
         pubs = c.execute("select pubname, rowfilter from pg_publication_tables order by 1").fetchall()
@@ -1020,13 +1030,17 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
 
 
 def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the_group_goes_on(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, hostile: dict[str, str]) -> None:
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, hostile: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Streams 1 and 2 deliver through their group's sensor and delivery run when a role with CREATE on the
     database, from a fresh connection, creates ``pgstream_stream_3`` (ids are small and sequential) for its own
     table before stream 3 exists; then stream 3 is added to the group. Stream 3 cannot join: it is left out,
     told in one line by the group's sensor (each tick's status) and once by the group delivery run, and nothing
     is read through the squatted publication; every event of streams 1 and 2 keeps being recorded and delivered,
     once, in commit order. Once the operator drops the publication, stream 3 joins and delivers."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)  # the run's reader tells what a read did when it ends
     owner = hostile["owner"]
     before = [_member("held", i, tmp_path / f"out{i}.jsonl") for i in (1, 2)]
     group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance), instance, "held")
@@ -1066,7 +1080,7 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
         assert _recorded(db_url, i) == _events(db_url, i), i
     told = [s for s in skips if s is not None and line in s]
     assert told and all(s.count("is left out") == 1 for s in told), skips
-    deadline = time.monotonic() + 30  # (the run's reader tells what a read did when it ends: 5 s each)
+    deadline = time.monotonic() + 30  # (the run's reader tells what a read did when it ends)
     while line not in (said := [e.user_message for e in instance.all_logs(fresh.run_id)]):
         assert time.monotonic() < deadline, said
         time.sleep(0.2)
@@ -1087,6 +1101,102 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
     deliver((3,), 5, skips)
     assert _delivered(tmp_path, 3) == _events(db_url, 3)
     assert [e.user_message for e in instance.all_logs(fresh.run_id)].count(line) == 1  # told once while it stood
+    _end_group_run(group)
+
+
+def test_a_member_in_mode_per_batch_gets_a_dagster_run_per_batch_through_pyspark_beside_hosted_members(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The design card's route for a reader group's member: stream 2 (mode per_batch) gets a run of the delivery
+    job of its own per batch (read through PySpark), requested by the group's sensor; stream 1 (mode open) is
+    hosted by the group delivery run, which never takes stream 2's runs. Every event of both arrives once, in
+    commit order."""
+    from pgstream_dagster.engine.delivery.run import DeliveryRun
+
+    routes: dict[int, list[str]] = {}  # the source of each round delivered, by stream
+    deliver = DeliveryRun.deliver
+
+    def seen(run: DeliveryRun, host: Any) -> Any:
+        for delivered in deliver(run, host):
+            routes.setdefault(run.stream.id, []).append(delivered.route)
+            yield delivered
+
+    monkeypatch.setattr(DeliveryRun, "deliver", seen)
+    members = [_member("card", 1, tmp_path / "out1.jsonl"),
+               {**_member("card", 2, tmp_path / "out2.jsonl"), "delivery": {"mode": "per_batch"}}]
+    group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, members), instance), instance, "card")
+    group.tick()
+    assert len(group.runs) == 1  # stream 1 keeps its run open: the group run is up first
+    deadline = time.monotonic() + 120
+    for wave in range(2):
+        for i in (1, 2):
+            insert_events(db_url, i, 15, start=100 * wave)
+        while not all(len(_delivered(tmp_path, i)) >= 15 * (wave + 1) for i in (1, 2)):
+            assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in (1, 2)}
+            group.tick()
+            time.sleep(0.1)
+    for i in (1, 2):
+        assert _delivered(tmp_path, i) == _events(db_url, i), i
+    assert len(group.own) >= 2 and all(r.success for r in group.own)  # a run per batch (or run of batches)
+    assert all(r.dagster_run.tags["pgstream/stream"] == "2" for r in group.own)
+    assert set(routes[2]) == {"SparkSource"} and "SparkSource" not in routes[1], routes  # stream 2's: PySpark
+    (hosting,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "card"}))
+    assert "pgstream/member_1" in hosting.tags and "pgstream/member_2" not in hosting.tags
+    _end_group_run(group)
+
+
+def test_a_members_invalid_entry_leaves_it_out_and_the_group_goes_on_recording_it(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Streams 1-3 deliver through their group; the code location reloads with stream 2's entry invalid (a
+    misspelled sink key). Stream 2 is left out, told in one line by a sensor of its own and at every tick of the
+    group's sensor; streams 1 and 3 go on delivering every event once, in commit order; stream 2's events are
+    recorded meanwhile (the group's slot never moves past them). Once its entry is fixed, stream 2 delivers what
+    it missed, once, in commit order."""
+    members = [_member("mixed", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3)]
+    group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, members), instance), instance, "mixed")
+    group.tick()
+    skips: list[str | None] = []
+
+    def deliver(ids: tuple[int, ...], each: int) -> None:
+        deadline = time.monotonic() + 60
+        while not all(len(_delivered(tmp_path, i)) >= each for i in ids):
+            assert time.monotonic() < deadline, ({i: len(_delivered(tmp_path, i)) for i in ids}, skips[-3:])
+            skips.append(group.tick())
+            time.sleep(0.1)
+
+    for i in (1, 2, 3):
+        insert_events(db_url, i, 10)
+    deliver((1, 2, 3), 10)
+    broken = [members[0], {**members[1], "sink": {**members[1]["sink"], "colour": "red"}}, members[2]]
+    driver = Driver(write_config(tmp_path / "pgstream2.yaml", db_url, broken), instance)
+    problem = f"{tmp_path / 'pgstream2.yaml'}: streams[1].sink.colour: unknown key (allowed: "
+    told = driver.tick(2).skip_message or ""  # the left-out stream's own sensor
+    assert told.startswith(f"stream 2 is left out: its streams[] entry is invalid: {problem}") and "\n" not in told
+    assert not any(str(s.name) == "pgstream_stream_1" for s in driver.defs.sensors or [])  # (members have none)
+    group.reload(driver)
+    deadline = time.monotonic() + 60
+    while len(group.runs) < 2:  # the run of before is asked to end (configuration changed), a fresh one requested
+        assert time.monotonic() < deadline, skips[-3:]
+        skips.append(group.tick())
+        time.sleep(0.1)
+    assert group.runs[0].wait(10).success
+    for wave in range(1, 4):
+        for i in (1, 2, 3):
+            insert_events(db_url, i, 10, start=100 * wave)
+        deliver((1, 3), 10 * (wave + 1))
+    deadline = time.monotonic() + 30
+    while _recorded(db_url, 2) != _events(db_url, 2):  # recorded meanwhile, in commit order
+        assert time.monotonic() < deadline, (_recorded(db_url, 2), _events(db_url, 2))
+        skips.append(group.tick())
+    assert len(_delivered(tmp_path, 2)) == 10  # and not delivered
+    line = f"reader group mixed: stream 2 is left out of delivery, its streams[] entry is invalid ({problem}"
+    assert any(line in (s or "") for s in skips[-3:]), skips[-3:]
+    for i in (1, 3):
+        assert _delivered(tmp_path, i) == _events(db_url, i), i
+    # fixed: stream 2 delivers what it missed, once, in commit order
+    group.reload(Driver(write_config(tmp_path / "pgstream3.yaml", db_url, members), instance))
+    deliver((2,), 40)
+    for i in (1, 2, 3):
+        assert _delivered(tmp_path, i) == _events(db_url, i) == _recorded(db_url, i), i
     _end_group_run(group)
 
 
@@ -1126,12 +1236,13 @@ class Readers:
 
 
 def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: list[int], *,
-                max_run_secs: float = 15, tick_budget_secs: float = 0.1) -> tuple[Driver, GroupRuns]:
-    """A group ``live`` of streams in mode open (file sinks), its sensor ticked once: its delivery run starts."""
+                tick_budget_secs: float = 0.1) -> tuple[Driver, GroupRuns]:
+    """A group ``live`` of streams in mode open (file sinks), its sensor ticked once: its delivery run starts
+    (one run throughout the test: max_run_secs 300; the test ends it, :func:`_end_group_run`)."""
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "live", "batch": {"max_size": 50, "max_fill_secs": 0},
          "sensor": {"tick_budget_secs": tick_budget_secs},
-         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": max_run_secs}},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 300}},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
     driver = Driver(config, instance)
     group = GroupRuns(driver, instance, "live")
@@ -1191,7 +1302,7 @@ def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_noth
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert readers.by("run") > 0 and all(held for _, held in readers.calls) and readers.most == 1
-    group.wait()
+    _end_group_run(group)
 
 
 def test_a_batch_the_group_runs_reader_records_for_a_member_without_a_run_gets_its_run_within_the_tick(
@@ -1223,7 +1334,7 @@ def test_a_batch_the_group_runs_reader_records_for_a_member_without_a_run_gets_i
         assert time.monotonic() < deadline, _delivered(tmp_path, 2)
         time.sleep(0.1)
     assert _delivered(tmp_path, 1) == []
-    group.wait()
+    _end_group_run(group)
 
 
 def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_nothing_is_lost(
@@ -1270,7 +1381,7 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
         assert _delivered(tmp_path, i) == _events(db_url, i), i
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert all(held for _, held in readers.calls) and readers.most == 1
-    group.wait()
+    _end_group_run(group)
 
 
 def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_killed_loses_nothing(
@@ -1285,7 +1396,7 @@ def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_kil
     monkeypatch.setattr(group_delivery, "READ_ERROR_SECS", 2.0)
     readers = Readers(monkeypatch)
     ids = [1, 2]
-    _driver, group = _live_group(db_url, tmp_path, instance, ids, max_run_secs=40)  # one group run throughout
+    _driver, group = _live_group(db_url, tmp_path, instance, ids)
     holder = _run_reads(db_url)
     name = "pgstream group slot reader " + holder.removeprefix("group delivery run ")
     deadline = time.monotonic() + 30
@@ -1330,7 +1441,7 @@ def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_kil
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert all(held for _, held in readers.calls) and readers.most == 1
-    group.wait()
+    _end_group_run(group)
 
 
 def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
@@ -1338,6 +1449,9 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
     """Exactly one reader of the group's slot: the group's sensor ticking without pause while its delivery run
     starts and reads (each taking the group's reading for what it reads), events committing all along: never
     two ``consume_group`` at once, each by the session holding the group's reading."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)  # the run's reader's calls: a second each, not 5
     readers = Readers(monkeypatch)
     ids = [1, 2]
     _driver, group = _live_group(db_url, tmp_path, instance, ids)
@@ -1357,4 +1471,4 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
         time.sleep(0.1)
     for i in ids:
         assert _delivered(tmp_path, i) == _events(db_url, i), i
-    group.wait()
+    _end_group_run(group)

@@ -359,3 +359,68 @@ def test_a_value_a_typed_column_cannot_hold_is_that_events_rejection(kind: str, 
     assert lake_ids(config, STREAM) == Counter({ok.id: 1, last.id: 1})
     assert rows[ok.id]["row_on_day"] is None and '"on_day":"infinity"' in rows[ok.id]["payload"]
     assert rows[last.id]["row_n"] == -32768
+
+
+#: per Postgres type, lists of row values (as the payload's JSON gives them) and whether Arrow converts the
+#: list at once (else one value at a time): fitting ones, and ones with a value the column cannot hold
+TYPED_LISTS: list[tuple[str, list[Any], bool]] = [
+    ("smallint", [1, None, -32768, 32767], True),
+    ("smallint", [1, 70000, 2], False),  # out of range: found one by one
+    ("smallint", [1, True], False),  # a boolean is no integer
+    ("bigint", ["5", 2], False),  # a numeric string is taken
+    ("bigint", [2**63, 1], False),
+    ("real", [0.5, None, 1e30, -2.25], True),
+    ("real", [0.5, 3.5e38], False),
+    ("double precision", [1.5, None, 1e300], True),
+    ("double precision", [1.5, float("inf")], False),  # a number past float64 (Python's parser gives inf)
+    ("double precision", [1, 2.5, float("nan")], True),  # Postgres prints 1.0 as 1
+    ("double precision", [float("nan"), float("inf")], False),
+    ("double precision", [2**53 + 1, 2.5], False),  # an integer a float64 rounds: one by one, as float() does
+    ("real", [1, -2.5, 3.4028234663852886e38], True),
+    ("real", [3.5e38, float("nan")], False),
+    ("boolean", [True, None, False], True),
+    ("boolean", [True, 1], False),
+    ("text", ["a", None, "ü"], True),
+    ("text", ["a", 1, {"k": 1}], False),  # as JSON text
+    ("date", ["2026-01-01", None, "0001-01-01", "9999-12-31"], True),
+    ("date", ["2026-01-01", "infinity"], False),  # null: Postgres holds it, Arrow cannot
+    ("date", ["2026-02-28", "2026-02-30"], False),
+    ("date", ["0000-01-01"], False),
+    ("timestamp with time zone", ["2026-12-01T10:00:00+01:00", None], False),
+]
+
+
+@pytest.mark.parametrize(("pg_type", "values", "at_once"), TYPED_LISTS)
+def test_a_typed_column_converted_at_once_holds_what_one_value_at_a_time_gives(
+        pg_type: str, values: list[Any], at_once: bool) -> None:
+    """Issue 48: a typed column's values are converted a column at a time (Arrow) where Arrow reads them as
+    TypedColumn.convert does, else one by one; either way the same values, the same first unfit one."""
+    import pyarrow as pa
+
+    from pgstream_dagster.sinks.lake import TypedColumn, UnfitValue
+
+    column = TypedColumn("c", pg_type)
+    expected: list[Any] = []
+    unfit, why = None, ""
+    for index, value in enumerate(values):
+        try:
+            expected.append(column.convert(value))
+        except UnfitValue as exc:
+            unfit, why = index, str(exc)
+            break
+    array, got_unfit, got_why = column.array(values)
+    def held(a: pa.Array) -> list[Any]:  # NaN as a string: equal to itself
+        return ["NaN" if isinstance(v, float) and v != v else v for v in a.to_pylist()]
+
+    assert (held(array), got_unfit, got_why) == (held(pa.array(expected, type=column.arrow_type())), unfit, why)
+    assert (column._at_once(values) is not None) == at_once
+
+
+def test_typed_values_stop_at_the_first_event_with_an_unfit_value_whichever_its_column() -> None:
+    from pgstream_dagster.sinks.lake import TypedColumn, typed_values
+
+    columns = [TypedColumn("n", "smallint"), TypedColumn("ok", "boolean")]
+    rows: list[dict[str, Any]] = [{"n": 1, "ok": True}, {"n": 2, "ok": False}, {"n": 3, "ok": "yes"},
+                                  {"n": 70000, "ok": True}]
+    arrays, unfit, why = typed_values([gauge_event(i, row) for i, row in enumerate(rows)], columns)
+    assert unfit == 2 and "'ok' (boolean)" in why and [a.to_pylist() for a in arrays] == [[1, 2], [True, False]]

@@ -33,6 +33,7 @@ from pgstream_dagster.engine.publish import owed_spans
 from pgstream_dagster.engine.status import render_status, stream_status
 from pgstream_dagster.sinks import Event
 
+from .support import reader_child
 from .support.endpoint import Endpoint
 from .support.faults import sent_ids
 from .support.harness import (
@@ -192,12 +193,6 @@ def _open_stream(url: str) -> None:
         state.open_run(c, STREAM, RUN_KEY)
 
 
-def _follow_in_child(url: str, tmp_path: str) -> None:
-    stream = _engine_stream(Path(tmp_path), url)
-    ingest.follow(url, stream, RUN_KEY, threading.Event(), ingest.FollowStats(),
-                  application_name="pgstream reader child")
-
-
 def _writer(url: str, stop: threading.Event, written: list[int]) -> None:
     n = 0
     with psycopg.connect(url, autocommit=True) as c:
@@ -229,8 +224,8 @@ def test_reader_killed_while_recording_loses_nothing_and_records_nothing_twice(d
     try:
         for _round in range(3):  # kill -9 the reading process three times mid-stream
             before = len(_ledger_ids(db_url))
-            child = multiprocessing.get_context("spawn").Process(target=_follow_in_child,
-                                                                 args=(db_url, str(tmp_path)))
+            child = multiprocessing.get_context("spawn").Process(
+                target=reader_child.follow, args=(db_url, str(tmp_path / "pgstream.yaml"), RUN_KEY))
             child.start()
             _wait(lambda before=before: len(_ledger_ids(db_url)) >= before + 300)
             assert child.pid is not None

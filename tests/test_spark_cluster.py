@@ -100,21 +100,36 @@ def test_delivery_by_key_replay_and_backfill_on_a_standalone_cluster(
 
 
 def test_spark_connect_server_on_the_cluster(db_url: str, tmp_path: Path, spark_cluster: SparkCluster) -> None:
-    """`pgstream-dagster spark-connect --master spark://...`: the server is an application of the
-    cluster with the same defaults (the package zip, a bounded share, no task retries), its
-    executors run the configured Python; a delivery run and a replay go through it."""
+    """`pgstream-dagster spark-connect --master spark://...`, run as a service manager runs it: the server is an
+    application of the cluster with the same defaults (the package zip, a bounded share, no task retries), its
+    executors run the configured Python; a delivery run and a replay go through it. SIGTERM to the command: the
+    server's whole process group (the JVM, its Python workers) is gone when the command exits."""
     port = free_port()
-    proc = sparkserver.start(port, spark_cluster.master_url, log=tmp_path / "server.log",
-                             conf={"spark.pyspark.python": str(spark_cluster.python), "spark.executor.memory": "512m"})
+    log = tmp_path / "command.log"
+    with log.open("wb") as out:
+        wrapper = subprocess.Popen([sys.executable, "-m", "pgstream_dagster.cli", "spark-connect", "--port", str(port),
+                                    "--master", spark_cluster.master_url,
+                                    "--conf", f"spark.pyspark.python={spark_cluster.python}",
+                                    "--conf", "spark.executor.memory=512m"],
+                                   cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    jvm_group = 0
     try:
-        out = tmp_path / "sink.jsonl"
+        deadline = time.monotonic() + 180
+        while not (match := re.search(r"Spark Connect server \(pid (\d+)\)", log.read_text(errors="replace"))):
+            assert wrapper.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.1)
+        jvm_group = int(match.group(1))
+        while not sparkserver.listening(port):
+            assert wrapper.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.3)
+        out_path = tmp_path / "sink.jsonl"
         cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
             {"id": 1, "batch": {"max_size": 400, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
              "delivery": {"chunk_size": 100, "tuning": {"rows_per_partition": 300, "direct_max_events": 0}},
-             "sink": {"type": "file", "path": str(out)},
+             "sink": {"type": "file", "path": str(out_path)},
              "retry": {"initial_backoff_secs": 0, "max_backoff_secs": 0}}],
             spark={"remote": f"sc://127.0.0.1:{port}"})
-        Path(str(cfg) + ".sink").write_text(json.dumps(str(out)))
+        Path(str(cfg) + ".sink").write_text(json.dumps(str(out_path)))
         with psycopg.connect(db_url, autocommit=True) as c:
             c.execute("select pgstream.ensure_stream(1)")
         insert_events(db_url, 1, 700)
@@ -124,11 +139,21 @@ def test_spark_connect_server_on_the_cluster(db_url: str, tmp_path: Path, spark_
         assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
         result = json.loads(Path(str(cfg) + ".out").read_text())
         assert all(result["runs"]) and result["replay"], result
-        assert [e["id"] for e in read_jsonl(out)] == ids and result["replayed"] == ids
+        assert [e["id"] for e in read_jsonl(out_path)] == ids and result["replayed"] == ids
         apps = [a for a in spark_cluster.state()["activeapps"] if a["name"] == "pgstream spark connect"]
         assert [a["cores"] for a in apps] == [sparkserver.SERVER_CORES_MAX]
+
+        assert _group_alive(jvm_group)
+        wrapper.send_signal(signal.SIGTERM)
+        assert wrapper.wait(60) == 0
+        assert not _group_alive(jvm_group)  # no JVM (nor Python worker) survives the command
+        assert not sparkserver.listening(port)
     finally:
-        sparkserver.stop(proc)
+        if wrapper.poll() is None:
+            wrapper.kill()
+            wrapper.wait(10)
+        if jvm_group and _group_alive(jvm_group):
+            sparkserver.stop(jvm_group)
 
 
 def test_spark_conf_of_a_cluster_master(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,6 +214,7 @@ def test_executor_requirements() -> None:
     assert all("==" in r for r in reqs)  # pinned to what the driver runs
     with_sinks = [r.split("==")[0] for r in cluster.executor_requirements(["redis", "kinesis", "file"])]
     assert {"redis", "boto3"} <= set(with_sinks)
+    assert {"deltalake", "pyiceberg"} <= {r.split("==")[0] for r in cluster.executor_requirements(["delta"])}
 
 
 def test_settings_that_mean_something_else_on_an_executor_are_refused(tmp_path: Path) -> None:
@@ -239,37 +265,6 @@ def _group_alive(pgid: int) -> bool:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             return True
     return False
-
-
-def test_spark_connect_command_stops_its_jvm_on_sigterm(tmp_path: Path) -> None:
-    """What a service manager does: SIGTERM to `pgstream-dagster spark-connect`; the server's whole
-    process group (the JVM, its Python workers) is gone when the command exits."""
-    port = free_port()
-    wrapper = subprocess.Popen([sys.executable, "-m", "pgstream_dagster.cli", "spark-connect", "--port", str(port),
-                                "--master", "local[1]"], cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
-    jvm_group = 0
-    try:
-        assert wrapper.stdout is not None
-        line = wrapper.stdout.readline()
-        match = re.search(r"\(pid (\d+)\)", line)
-        assert match, line
-        jvm_group = int(match.group(1))
-        deadline = time.monotonic() + 180
-        while not sparkserver.listening(port):
-            assert wrapper.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.3)
-        assert _group_alive(jvm_group)
-        wrapper.send_signal(signal.SIGTERM)
-        assert wrapper.wait(60) == 0
-        assert not _group_alive(jvm_group)  # no JVM (nor Python worker) survives the wrapper
-        assert not sparkserver.listening(port)
-    finally:
-        if wrapper.poll() is None:
-            wrapper.kill()
-            wrapper.wait(10)
-        if jvm_group and _group_alive(jvm_group):
-            sparkserver.stop(jvm_group)
 
 
 def test_a_packed_environment_in_spark_archives(db_url: str, dagster_storage_url: str, tmp_path: Path,

@@ -2,7 +2,8 @@
 SIGKILL mid-stream and restarted on its checkpoint ends with each event exactly once at its ledger
 position; positions and micro-batch caps; the registered consumer's position and what the executor
 role may do with it; the batch reader's filters pushed down to Postgres (the statements the
-executor role ran, from the server's log) and its delivery-state columns."""
+executor role ran, from the server's log) and its delivery-state columns; the values both readers parse from
+CSV into Arrow against a plain query's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import spark_source
@@ -247,10 +249,11 @@ def test_batch_read_pushes_filters_down_and_reports_delivery_state(
         "'UPDATE' and created_at >= %s order by id", [since])]
     assert len(want) == 10
     assert sorted(r.id for r in got) == want and sorted(r.id for r in pushed) == want
-    # the selections ran in Postgres: the statements the executor role issued hold them
+    # the selections ran in Postgres: the statements the executor role issued hold them (their values
+    # quoted into the COPY by psycopg)
     for issued in (by_options, by_filters):
         assert "/* pgstream source: events */" in issued
-        for condition in ["(e.payload ->> 'tg_name') = ", "(e.payload ->> 'tg_op') = any($", "e.created_at >= $"]:
+        for condition in ["(e.payload ->> 'tg_name') = ", "(e.payload ->> 'tg_op') = any('{", "e.created_at >= '"]:
             assert condition in issued, issued[-3000:]
 
     # delivery state: each event's batch and ordinal, the batch's status, time and attempts, dead letters
@@ -269,6 +272,77 @@ def test_batch_read_pushes_filters_down_and_reports_delivery_state(
     assert len(unbatched) == 20 and all(by_id[e].batch_id is None and by_id[e].batch_status is None
                                         for e in unbatched)
     assert {r.subscription for r in everything} == {"a", "b"} and {r.table_name for r in everything} == {"t"}
+
+
+def test_arrow_reads_give_the_values_of_a_plain_query(db_url: str, stream: psycopg.Connection, spark: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both readers parse a COPY in CSV into Arrow record batches: odd JSON (quotes, commas, backslashes,
+    newlines, unicode, empty strings, no tg_* keys), NULL and empty text, a payload larger than a
+    record batch's byte budget, and dead-letter errors over several lines come out as a plain query of
+    the same columns returns them, in PySpark's Arrow schema; a span whose events are gone fails the
+    stream read (failOnDataLoss) naming its batch, or is read without them."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import StructType, _parse_datatype_string
+
+    from pgstream_dagster.engine.spark_source import EventsGone, EventsReader, StreamReader, arrow_schema
+
+    schema = _parse_datatype_string(spark_source.SCHEMA)
+    assert isinstance(schema, StructType) and arrow_schema().equals(to_arrow_schema(schema, timezone="UTC"))
+    monkeypatch.setattr(spark_source, "ARROW_BATCH_ROWS", 4)  # several record batches a partition
+    monkeypatch.setattr(spark_source, "ARROW_BATCH_BYTES", 1 << 20)
+    payloads = [
+        {"tg_name": "orders_insert", "tg_op": "INSERT", "tg_table_schema": "public", "tg_table_name": "orders",
+         "new": {"note": 'a "quoted", comma\nline\\ back\\slash', "uni": "é ü 漢字 🚀", "empty": "", "nul": None}},
+        {"tg_name": "", "tg_op": "UPDATE", "tg_table_schema": "s p", "tg_table_name": "t,\"x\""},
+        {"n": 1},  # no tg_* keys: NULL columns
+        {"tg_name": "big", "blob": "x" * (3 << 20)},  # one event larger than a record batch's byte budget
+        [1, "two", {"three": 3.5}],
+        "just a string",
+        {"tg_name": "NULL", "tg_op": "\\N"},
+    ] * 2
+    c = stream
+    for i, payload in enumerate(payloads):
+        c.execute("insert into pgstream.events (payload, metadata, stream_id) values (%s, %s, 1)",
+                  [Jsonb(payload), None if i % 3 == 0 else Jsonb({"i": i, "m": "ü\n" if i % 2 else ""}), ])
+    (b1, ids1), (b2, ids2) = record_batches(db_url, 1, 8)
+    for event_id, batch_id, error in [(ids1[2], b1, 'line one\nline "two", three'), (ids2[0], b2, "")]:
+        c.execute("insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, error) "
+                  "values (1, %s, 'deliver', %s, 1, %s)", [event_id, batch_id, error])
+    columns = ("e.id, e.stream_id, e.created_at, e.payload ->> 'tg_name', e.payload ->> 'tg_op', "
+               "e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text")
+    c.execute("set timezone = 'UTC'")
+    plain = {r[0]: r for r in c.execute(
+        f"select {columns}, d.id is not null, d.status, d.error from pgstream.events e left join "  # noqa: S608
+        "pgstream.dead_letters d on d.event_id = e.id where e.stream_id = 1")}
+    order = [(b1, i + 1, e) for i, e in enumerate(ids1)] + [(b2, i + 1, e) for i, e in enumerate(ids2)]
+
+    def read(reader: Any, start: dict[str, int], end: dict[str, int] | None = None) -> list[dict[str, Any]]:
+        parts = reader.partitions(start, end) if end is not None else reader.partitions()
+        batches = [batch for part in parts for batch in reader.read(part)]
+        assert all(batch.schema.equals(arrow_schema()) for batch in batches) and len(batches) > len(parts)
+        return [row for batch in batches for row in batch.to_pylist()]
+
+    def as_plain(row: dict[str, Any], n: int) -> tuple[Any, ...]:
+        return tuple(row.values())[:9] + tuple(row.values())[14:17][:n]
+
+    base = {"url": db_url, "stream": "1", "consumer": "c", "consumerToken": "t", "numPartitions": "3"}
+    end = {"batch_id": b2, "ord": len(ids2)}
+    streamed = read(StreamReader(base), BEFORE_ALL.as_offset(), end)
+    assert [(r["batch_id"], r["ord"], r["id"]) for r in streamed] == order  # the ledger's order
+    assert [as_plain(r, 0) for r in streamed] == [plain[e][:9] for _b, _o, e in order]
+    assert all(r["batch_status"] is r["dead_letter"] is None for r in streamed)
+    batch_read = read(EventsReader({**base, "numPartitions": "2"}), {})
+    assert [r["id"] for r in batch_read] == sorted(plain)
+    assert [as_plain(r, 3) for r in batch_read] == [plain[e] for e in sorted(plain)]
+    assert {(r["id"], r["batch_id"], r["ord"]) for r in batch_read} == {(e, b, o) for b, o, e in order}
+
+    # events of the ledger gone from pgstream.events
+    c.execute("delete from pgstream.events where id = any(%s)", [ids2[1:3]])
+    with pytest.raises(EventsGone, match=rf"2 of the events of ledger batch {b2} \(ordinals 1\.\.{len(ids2)}\) are "
+                                         r"gone .*set failOnDataLoss=false"):
+        read(StreamReader({**base, "numPartitions": "1"}), BEFORE_ALL.as_offset(), end)
+    rest = read(StreamReader({**base, "failOnDataLoss": "false"}), BEFORE_ALL.as_offset(), end)
+    assert [r["id"] for r in rest] == [e for _b, _o, e in order if e not in ids2[1:3]]
 
 
 def test_the_pyspark_resource_registers_the_source_on_its_session(spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,3 +383,31 @@ def test_a_local_session_without_pyspark_python_runs_the_source_in_this_interpre
     monkeypatch.setattr(context, "pythonExec", "python3")
     register(spark)
     assert context.pythonExec == "python3"
+
+
+def test_an_executors_python_missing_or_without_pyarrow_fails_in_one_line_naming_it(
+        spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: a by_key round (a lake sink on the executors) whose executors' Python is not where they
+    run, or lacks pyarrow, fails in one line naming that Python and PYSPARK_PYTHON, not with Spark's
+    Python traceback or Java stack trace."""
+    import sys
+
+    from pgstream_dagster.engine.spark import ExecutorPythonError, deliver_by_key
+    from pgstream_dagster.sinks.parquet import ParquetSinkConfig
+
+    blocked = tmp_path / "blocked" / "pyarrow"  # this interpreter, pyarrow hidden from it
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'pyarrow'\", name='pyarrow')\n")
+    without_pyarrow = tmp_path / "python-without-pyarrow"
+    without_pyarrow.write_text(f'#!/bin/sh\nPYTHONPATH="{blocked.parent}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
+    without_pyarrow.chmod(0o755)
+    frame = spark.createDataFrame([(1, 1, "k")], "batch_id long, ord long, routing_key string")
+    sink = ParquetSinkConfig(path=str(tmp_path / "lake"))
+    for python, says in ((without_pyarrow, "cannot import 'pyarrow'"),
+                         (tmp_path / "no-such-python", "is not where the executors run")):
+        monkeypatch.setattr(spark.sparkContext, "pythonExec", str(python))
+        with pytest.raises(ExecutorPythonError) as failed:
+            deliver_by_key(frame, sink, 100, 1)
+        message = str(failed.value)
+        assert says in message and str(python) in message and "PYSPARK_PYTHON" in message, message
+        assert "\n" not in message and failed.value.__cause__ is None and failed.value.__suppress_context__

@@ -24,8 +24,8 @@ from dagster_pyspark import LazyPySparkResource
 from ..config import StreamConfig, streams_fingerprint
 from ..engine.dbconn import server_gone
 from ..engine.delivery.group import GroupDelivery, GroupHost
-from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
-from ..engine.ingest import GroupStream, consume_group
+from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary, waiting_batches
+from ..engine.ingest import GroupStream, consume_group, group_log
 from ..engine.ledger import locks
 from ..engine.slotreader import SlotReader
 from .lake import lake_materializations
@@ -43,7 +43,6 @@ from .names import (
     member_tag,
 )
 from .resources import PgstreamResource
-from .sensors import group_log
 from .status import status_observation
 
 
@@ -111,9 +110,8 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
         with capture_interrupts():
             rounds.close()  # (interrupted between two rounds: its reader stopped and its lease given up first)
             waiting = loaded.give_back()
-        shown = f"batches {waiting[0]}..{waiting[-1]} wait" if waiting else "nothing was left"
-        context.log.info(f"stream {stream_id}: the run was interrupted (shutdown) and closed; {shown} for the "
-                         f"next run")
+        context.log.info(f"stream {stream_id}: the run was interrupted (shutdown) and closed; "
+                         f"{waiting_batches(waiting)} for the next run")
 
 
 def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, run_id: str | None = None, *,
@@ -204,8 +202,8 @@ class _Reporter:
 
 @dg.op(description="Host the delivery runs of a reader group's streams in one process, one thread each (each with "
                    "its own sink, delivery lease and ledger state); the group's sensor decides their runs as for a "
-                   "run per stream. Ends after the shortest delivery.tuning.max_run_secs of its streams, or (streams "
-                   "in mode per_batch only) when no stream had a run for 5 s, or when the group's sensor asks it to "
+                   "run per stream (a stream in mode per_batch has Dagster runs of its own). Ends after the shortest "
+                   "delivery.tuning.max_run_secs of its streams, or when the group's sensor asks it to "
                    "end (its configuration is not the code location's any more) or its reader is refused (e.g. a "
                    "stream added to the group by a newer configuration).")
 def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
@@ -265,18 +263,22 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     def read(conn: psycopg.Connection, secs: float) -> None:
         """The group run's reader: the group's slot read as the group's sensor reads it (the same function), over
         one replication connection kept open across the calls."""
-        group_log(context.log, group, consume_group(conn, group, streams, secs, kept=kept), batches=False,
-                  noted=noted)
+        group_log(context.log, group, consume_group(conn, group, streams, secs, kept=kept,
+                                                    invalid=pgstream.config.left_out), batches=False, noted=noted)
 
     host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read,
                      read_ends=kept.close)
     delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
-                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
-                             idle_secs=(float("inf") if any(s.delivery.keeps_open for s in streams) else 5.0))
+                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams))
     try:
         reason = delivery.run()
     except locks.LeaseTaken as exc:
         raise dg.Failure(str(exc)) from None
+    except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
+        # a shutdown (`make stop`, Ctrl-C, the run worker's SIGTERM) or a termination: the group run ends, not
+        # fails (its members' runs closed and its leases given up first: ``GroupDelivery.run``); what they held
+        # waits for the next group run, and no member goes to failover
+        reason = "interrupted (shutdown): its members' runs closed; what they held waits for the next group run"
     finally:
         reporter.close()
     context.log.info(f"reader group {group}: group delivery run ended ({reason})")

@@ -45,7 +45,7 @@ from .names import deliveries_asset_key
 from .replay import replay_job
 from .resources import PgstreamResource, PgstreamSparkResource
 from .schedules import checks_job, housekeeping_job, schedules, subscriptions_job, subscriptions_sensor
-from .sensors import group_sensors, stream_sensor
+from .sensors import group_sensors, left_out_sensor, stream_sensor
 from .status import status_asset_spec
 
 
@@ -118,12 +118,15 @@ def location_definitions(path: Path, components: Sequence[StreamDeclaringCompone
     """The streams of ``pgstream.yaml`` at ``path`` and the shared definitions, whose resource also
     holds the streams of ``components`` (validated with pgstream.yaml's: ids and slots unique). The
     components' own definitions are theirs to build (:meth:`StreamComponent.build_defs`)."""
-    config = load_config(path)
+    # a streams[] entry that is invalid on its own leaves that stream out (its sensor tells why), not the others
+    config = load_config(path, leave_out_invalid=True)
     merged = with_streams(config, [c.declaration for c in components],
                           f"{path} + {', '.join(sorted({c.source for c in components}))}")
     declared = DeclaredIn(config.subscriptions, str(path), "pgstream.yaml")
     return dg.Definitions.merge(shared_definitions(merged, path),
-                                *(stream_definitions(s, declared) for s in config.streams))
+                                *(stream_definitions(s, declared) for s in config.streams),
+                                dg.Definitions(sensors=[left_out_sensor(i, line)
+                                                        for i, line in sorted(config.left_out.items())]))
 
 
 def build_definitions(path: Path | None = None) -> dg.Definitions:

@@ -35,7 +35,7 @@ import functools
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,14 +47,14 @@ from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, 
 from ..engine.collector import fewer_collections
 from ..engine.dbconn import describe_url, error_line, server_gone
 from ..engine.delivery.group import member_run_id
-from ..engine.handoff import Log
-from ..engine.ingest import ConsumeResult, GroupResult, check_members, consume, consume_group
+from ..engine.ingest import ConsumeResult, GroupResult, check_members, consume, consume_group, group_log, unconfigured
 from ..engine.ledger import groups, locks
 from ..engine.ledger import state as ledger_state
 from ..engine.ledger import streams as ledger_streams
 from ..engine.limits import LimitsExceeded
 from ..engine.replication import PublicationTaken, SlotCreationWaits
 from ..engine.status import last_batches, stream_status
+from .jobs import delivery_job, group_delivery_job
 from .names import (
     ATTEMPT_TAG,
     BATCH_TAG,
@@ -299,9 +299,9 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         waiting[:] = [f"waiting for {doing}"] if doing is not None and state.head is not None else []
     log.extend(notes(action) if said is None else tick_notes(action, said, time.time()))
     order = ledger_state.apply(conn, stream, action)
-    if order is None or stream.reader is not None:  # a member's run: the group's delivery run takes it
-        return None
-    return _request(order)
+    if order is None or (stream.reader is not None and stream.delivery.keeps_open):
+        return None  # a member's open or warm run: the group's delivery run hosts it
+    return _request(order)  # a run of its own (a member's in mode per_batch too: the design card's run per batch)
 
 
 def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
@@ -406,6 +406,28 @@ def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stre
     return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, run_state)
 
 
+#: how often the sensor of a stream whose entry is invalid tells it (:func:`left_out_sensor`)
+LEFT_OUT_TELL_SECS = 30
+
+
+def left_out_sensor(stream_id: int, problem: str) -> dg.SensorDefinition:
+    """The sensor of a stream whose ``streams[]`` entry is invalid (the code location left it out, the other
+    streams go on): each tick tells ``problem`` in one line, as its log's error and its skip reason, and
+    does nothing else. The stream's events wait for the entry to be fixed: a reader group's member is
+    recorded meanwhile by its group (``ingest.group.unconfigured``); a stream reading its own slot is read
+    again once it is fixed (its slot keeps the WAL meanwhile)."""
+    line = f"stream {stream_id} is left out: its streams[] entry is invalid: {problem}"
+
+    @dg.sensor(name=stream_sensor_name(stream_id), minimum_interval_seconds=LEFT_OUT_TELL_SECS,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description=f"{line}. Fix the entry and reload the code location.")
+    def _sensor(context: dg.SensorEvaluationContext) -> dg.SkipReason:
+        context.log.error(line)
+        return dg.SkipReason(line)
+
+    return _sensor
+
+
 def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
     """The sensor of one stream that reads its own slot (a reader group's member has none: its group's
     sensor decides for it, :func:`group_sensor`)."""
@@ -475,38 +497,6 @@ def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
 
 # --- a reader group's sensor ------------------------------------------------------------------------
 
-def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True,
-              noted: set[str] | None = None) -> None:
-    """What a pass of the group's reader did that an operator should see (the sensor's tick, or the group
-    delivery run's reader: ``batches`` False leaves out the batches recorded, ``noted`` the notes logged at
-    its previous pass, updated: its passes follow each other without a pause)."""
-    if result.slot_lost:
-        log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
-                    "replaced, and every member recovers undelivered events from pgstream.events")
-    if result.publication == "created" and not result.slot_created:  # (a new group creates both)
-        log.warning(f"reader group {group}: its publication was missing (dropped by hand?) and was created "
-                    "again; events committed meanwhile are recovered from pgstream.events")
-    if result.slot_created:
-        recovered = sum(len(b) for b in result.recovered.values())
-        log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the "
-                 "table")
-    for sid in result.joined:
-        log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and "
-                 "dropped)")
-    for sid, recorded in sorted(result.batches.items()):
-        if recorded and batches:
-            log.info(f"stream {sid}: recorded batches {recorded} ({result.events.get(sid, 0)} events)")
-    if result.unreadable:
-        log.error(f"reader group {group}: {result.unreadable} events could not be recorded and were set aside "
-                  "as dead letters (stage 'read')")
-    for line in dict.fromkeys(result.notes):  # (a tick's reads may note the same line)
-        if noted is None or line not in noted:
-            log.warning(line)
-    if noted is not None:
-        noted.clear()
-        noted.update(result.notes)
-
-
 def _register_members(conn: psycopg.Connection, group: str, streams: list[StreamConfig], log: list[str],
                       left_out: dict[int, str]) -> None:
     """The members the database does not have in the group yet are registered now, even while the group run's
@@ -575,12 +565,13 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                 continue
         ending = _ask_to_end(instance, run, group, fingerprint, log)
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
-    wanted = groups.member_runs(conn, group)
+    hosted = {s.id for s in streams if s.delivery.keeps_open}  # (a per_batch member's runs are its own)
+    wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
     # a group with streams in modes open or warm keeps its delivery run up (a first event after a quiet spell,
-    # or the location's start, waits for no process to start); one of mode per_batch streams only is requested
-    # when a member has a run to host, and ends once idle
-    if not wanted and not any(s.delivery.keeps_open for s in streams):
-        return None, "no member has a run to host"
+    # or the location's start, waits for no process to start); a group of streams in mode per_batch only has
+    # none (each of their runs is a Dagster run of its own: the sensor reads the group's slot)
+    if not hosted:
+        return None, "its streams (mode per_batch) have runs of their own"
     key = f"pgstream-group-{group}-{int(time.time())}"
     members = ", ".join(str(m.stream_id) for m in wanted)
     return dg.RunRequest(run_key=key, job_name=GROUP_DELIVERY_JOB,
@@ -645,11 +636,12 @@ def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> 
 
 
 def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
-                    cursor: dict[str, Any], log: list[str],
+                    cursor: dict[str, Any], log: list[str], requests: list[dg.RunRequest],
                     observations: int = OBSERVATIONS_PER_TICK) -> list[dg.AssetObservation]:
-    """The decisions of every member, once each (:func:`step`, as a stream's own sensor decides; a member's
-    runs are the group delivery run's, so none is requested here), and the observations of their status
-    assets (at most ``observations``). A member still handing its own slot over (it had one before it joined) has
+    """The decisions of every member, once each (:func:`step`, as a stream's own sensor decides: an open or
+    warm member's runs are hosted by the group delivery run; a run of a member in mode per_batch is a Dagster
+    run of its own, added to ``requests``), and the observations of their status assets (at most
+    ``observations``). A member still handing its own slot over (it had one before it joined) has
     it read first, as its own sensor did (``consume``: its events are delivered meanwhile). The group's newest
     delivery runs are read once for all of them."""
     state = groups.group_state(conn, group)
@@ -665,8 +657,10 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
             consume(conn, stream, JOINING_READ_SECS)
         mine = members.setdefault(str(stream.id), {})
         # (a joining member's own slot was just read: its state read again)
-        step(conn, instance, stream, log, said=mine.setdefault("said", {}), look=look,
-             state=states[stream.id] if stream.id in joined else None)
+        request = step(conn, instance, stream, log, said=mine.setdefault("said", {}), look=look,
+                       state=states[stream.id] if stream.id in joined else None)
+        if request is not None:
+            requests.append(request)
     by_id = {s.id: s for s in streams}
     observed: list[dg.AssetObservation] = []
     rows = [r for r in stream_status(conn, None, last=0) if int(r["id"]) in by_id]  # the tick's one read of them
@@ -690,6 +684,13 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     return observed
 
 
+def _unconfigured(conn: psycopg.Connection, group: str, invalid: Mapping[int, str]) -> dict[int, str]:
+    """The group's members whose streams[] entry is invalid (the code location left them out), each told in
+    one line (as the group's reader tells it: ``ingest.group``)."""
+    state = groups.group_state(conn, group)
+    return unconfigured(state, [], invalid) if state is not None else {}
+
+
 def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
     """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``), the one
     sensor of all its members: each tick reads the group's one slot (while no group delivery run reads it) and
@@ -702,7 +703,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
 
     @dg.sensor(
         name=group_sensor_name(group),
-        job_name=GROUP_DELIVERY_JOB,
+        jobs=[group_delivery_job, delivery_job],  # (a per_batch member's runs are runs of the delivery job)
         minimum_interval_seconds=min(s.sensor.interval_secs for s in streams),
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"The sensor of streams {', '.join(map(str, ids))} (reader group {group}): reads the group's "
@@ -714,6 +715,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         cursor.pop("streams", None)  # what cursors of earlier versions kept (now under "members")
+        invalid = pgstream.config.left_out  # streams[] entries left out of the code location: recorded, not delivered
         decisions: list[str] = []
         left_out: dict[int, str] = {}  # members whose registration was refused: not read, told in one line each
         try:
@@ -730,7 +732,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     # next one reads and decides meanwhile, or the run's reader reads once it is up); not while
                     # the database has members the configuration has not (the reader would refuse, below)
                     if (state := groups.group_state(conn, group)) is not None:
-                        check_members(state, streams)
+                        check_members(state, streams, invalid)
                     notes_: list[str] = []
                     request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
                     if request is not None:
@@ -744,6 +746,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 # own sensor does: what it recorded is handed to the members' runs within a second, not at the
                 # end of the budget, and the group run's reader, once up, takes the reading over between slices
                 result, observed = GroupResult(), list[dg.AssetObservation]()
+                own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
                 deadline = time.monotonic() + (budget if live else min(budget, 1.0))
                 while True:
                     reading = None
@@ -751,13 +754,14 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                         try:
                             with fewer_collections():  # the tick records in bulk
                                 result.add(consume_group(conn, group, streams,
-                                                         min(DECIDE_EVERY_SECS, max(0.0, deadline - time.monotonic()))))
+                                                         min(DECIDE_EVERY_SECS, max(0.0, deadline - time.monotonic())),
+                                                         invalid=invalid))
                         finally:
                             locks.release_group_reading(conn, group)
                     else:
                         reading = locks.group_reading_holder(conn, group) or "a session that is ending"
                     observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                observations=OBSERVATIONS_PER_TICK - len(observed))
+                                                own_runs, observations=OBSERVATIONS_PER_TICK - len(observed))
                     if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
                         break
             except _TOLD_IN_ONE_LINE as exc:
@@ -771,9 +775,11 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 try:
                     while _launch_waits(conn, ids, deadline):
                         observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                    observations=OBSERVATIONS_PER_TICK - len(observed))
+                                                    own_runs, observations=OBSERVATIONS_PER_TICK - len(observed))
                 except _TOLD_IN_ONE_LINE as exc:
                     return _told(context, exc)
+            if invalid:  # told at every tick, whoever read
+                left_out.update(_unconfigured(conn, group, invalid))
         for line in [*decisions, *notes_]:
             context.log.warning(line)
         group_log(context.log, group, result, noted=set(notes_))  # (a member left out: told once)
@@ -785,9 +791,13 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         joining = f"; stream(s) {result.joining} joining" if result.joining else ""
         left = "".join(f"; {line}" for _, line in sorted(left_out.items()))
         new_cursor = json.dumps(cursor, sort_keys=True, default=str)
-        if request is not None:
-            context.log.info(f"reader group {group}: group delivery run {delivery}")
-            return dg.SensorResult(run_requests=[request], cursor=new_cursor, asset_events=observed)
+        if request is not None or own_runs:
+            if request is not None:
+                context.log.info(f"reader group {group}: group delivery run {delivery}")
+            for run in own_runs:
+                context.log.info(f"stream {run.tags[STREAM_TAG]}: run {run.run_key} requested (mode per_batch)")
+            return dg.SensorResult(run_requests=[*own_runs, *([request] if request is not None else [])],
+                                   cursor=new_cursor, asset_events=observed)
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
                 if reading is None else f"read nothing: {reading} reads the group's slot")
         return dg.SensorResult(skip_reason=dg.SkipReason(

@@ -471,19 +471,20 @@ def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, pa
     A classic session runs them as an RDD job (``parallelize`` + ``mapPartitions``): no query to
     plan, no Arrow, about half the fixed start of a DataFrame job (bench/RESULTS.md, issue 32 item 4b);
     Spark Connect has no RDDs, so there it is ``spark.range(n).mapInArrow``."""
-    from .spark import ship_package
+    from .spark import executor_python_errors, ship_package
     from .spark_source import is_classic
 
     ship_package(spark)
-    if is_classic(spark):
-        task = partition_rdd_task(url, backfill_id, token, list(parts), chunk_size, pace)
-        rows: list[dict[str, Any]] = (spark.sparkContext.parallelize(range(len(parts)), len(parts))
-                                      .mapPartitions(task).collect())
-        return [PartitionResult(**r) for r in rows]
-    frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(
-        partition_task(url, backfill_id, token, list(parts), chunk_size, pace), RESULT_SCHEMA)
-    return [PartitionResult(r["part"], r["status"], r["rows"], r["events"], r["chunks"], r["error"])
-            for r in frame.collect()]
+    with executor_python_errors(spark):
+        if is_classic(spark):
+            task = partition_rdd_task(url, backfill_id, token, list(parts), chunk_size, pace)
+            rows: list[dict[str, Any]] = (spark.sparkContext.parallelize(range(len(parts)), len(parts))
+                                          .mapPartitions(task).collect())
+            return [PartitionResult(**r) for r in rows]
+        frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(
+            partition_task(url, backfill_id, token, list(parts), chunk_size, pace), RESULT_SCHEMA)
+        return [PartitionResult(r["part"], r["status"], r["rows"], r["events"], r["chunks"], r["error"])
+                for r in frame.collect()]
 
 
 def cancel_spark(spark: SparkSession) -> None:

@@ -41,7 +41,7 @@ EXECUTOR_REQUIREMENTS = ("psycopg", "psycopg-binary", "pydantic", "httpx", "tena
 
 #: The pgstream-dagster extra that holds a sink type's client library.
 SINK_EXTRAS = {"redis": "redis", "rabbitmq": "rabbitmq", "nats": "nats", "kafka": "kafka", "mqtt": "mqtt",
-               "sqs": "aws", "sns": "aws", "kinesis": "aws"}
+               "sqs": "aws", "sns": "aws", "kinesis": "aws", "delta": "lake", "iceberg": "lake", "parquet": "lake"}
 
 #: The settings this module defaults for a cluster master (each one the user's spark.conf may set).
 PY_FILES = "spark.submit.pyFiles"

@@ -1,10 +1,12 @@
 """The Postgres and Dagster limits that can stop a stream, checked before they do (``pgstream-dagster
-preflight``, ``init``, and a sensor whose slot cannot be created): ``wal_level``,
-``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with the connections Dagster's storage
-keeps on the same server), and the Dagster instance's ``max_concurrent_runs`` (both given by the caller:
-the engine does not know Dagster).
+preflight``, ``init``, and a sensor whose slot cannot be created): ``wal_level``, the runtime role's
+replication right, ``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with the
+connections Dagster's storage keeps on the same server), and the Dagster instance's
+``max_concurrent_runs`` (both given by the caller: the engine does not know Dagster).
 
-Each problem is one line naming the setting, its value, what the streams need and the value to set.
+Each problem is one line naming the setting, its value, what the streams need and the value to set, where
+it is set: ``postgresql.conf``, or on a managed service (told by the role its administrator is a member
+of) the service's own setting (:func:`how_to_set`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,44 @@ class LimitsExceeded(RuntimeError):
         super().__init__("\n".join(self.lines))
 
 
+#: the managed services, told apart by the role the service creates for its administrator
+MANAGED_SERVICES = {"rds_superuser": "rds", "cloudsqlsuperuser": "cloudsql", "azure_pg_admin": "azure"}
+
+
+def managed_service(conn: psycopg.Connection) -> str | None:
+    """``rds`` (Amazon RDS and Aurora), ``cloudsql`` (Google Cloud SQL), ``azure`` (Azure Database for
+    PostgreSQL flexible server) or ``None`` (self-hosted): by the administrator's role, which the service
+    creates in the cluster."""
+    row = conn.execute("select rolname::text from pg_catalog.pg_roles where rolname operator(pg_catalog.=) any(%s) "
+                       "order by 1 limit 1", [list(MANAGED_SERVICES)]).fetchone()
+    return MANAGED_SERVICES[row[0]] if row else None
+
+
+def how_to_set(service: str | None, setting: str, value: object) -> str:
+    """The words that tell how to set ``setting`` to ``value`` on ``service`` (:func:`managed_service`): a
+    server setting that takes a restart. ``wal_level = logical`` is its own setting on RDS and Cloud SQL."""
+    if service == "rds":
+        named = "rds.logical_replication = 1" if setting == "wal_level" else f"{setting} = {value}"
+        return f"set {named} in the DB parameter group (Aurora: the DB cluster parameter group) and reboot the instance"
+    if service == "cloudsql":
+        named = "cloudsql.logical_decoding = on" if setting == "wal_level" else f"{setting} = {value}"
+        return f"set the database flag {named} and restart the instance"
+    if service == "azure":
+        return f"set the server parameter {setting} = {value} and restart the server"
+    return f"set {setting} = {value} in postgresql.conf and restart Postgres"
+
+
+def _grant_replication(service: str | None, role: str) -> str:
+    """How the administrator gives ``role`` the right to read replication slots on ``service``."""
+    if service == "rds":
+        return f"as the master user (rds_superuser): grant rds_replication to {role}"
+    if service == "cloudsql":
+        return f"as a cloudsqlsuperuser (the postgres user): alter role {role} with replication"
+    if service == "azure":
+        return f"as the administrator (azure_pg_admin): alter role {role} with replication"
+    return f"as a superuser: alter role {role} replication"
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     wal_level: str
@@ -66,6 +106,7 @@ class ServerLimits:
     max_wal_senders: int
     max_connections: int
     reserved_connections: int  # superuser_reserved_connections (+ reserved_connections on Postgres 16+)
+    service: str | None = None  # the managed service (:func:`managed_service`), None: self-hosted
 
 
 def _setting(conn: psycopg.Connection, name: str) -> str | None:
@@ -79,7 +120,7 @@ def server_limits(conn: psycopg.Connection) -> ServerLimits:
                         max_replication_slots=int(_setting(conn, "max_replication_slots") or 0),
                         max_wal_senders=int(_setting(conn, "max_wal_senders") or 0),
                         max_connections=int(_setting(conn, "max_connections") or 0),
-                        reserved_connections=reserved)
+                        reserved_connections=reserved, service=managed_service(conn))
 
 
 def _suggest(needed: int) -> int:
@@ -127,7 +168,21 @@ def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[int | str]
         return None
     short = list(missing[max(free, 0):])
     return (f"max_replication_slots is {limits.max_replication_slots} and {in_use} are in use; {_names(short)}: "
-            f"set max_replication_slots = {_suggest(in_use + len(missing))} in postgresql.conf and restart Postgres")
+            + how_to_set(limits.service, "max_replication_slots", _suggest(in_use + len(missing))))
+
+
+def replication_problem(conn: psycopg.Connection, service: str | None) -> str | None:
+    """The line saying that the session's role (the runtime's login role) may not read replication slots,
+    if it may not: a superuser, a role with ``REPLICATION``, or on RDS a member of ``rds_replication`` may."""
+    row = conn.execute(
+        "select current_user::text, r.rolsuper or r.rolreplication or coalesce(pg_catalog.pg_has_role("
+        "current_user, (select g.oid from pg_catalog.pg_roles g where g.rolname operator(pg_catalog.=) "
+        "'rds_replication'), 'MEMBER'), false) from pg_catalog.pg_roles r "
+        "where r.rolname operator(pg_catalog.=) current_user").fetchone()
+    if row is None or row[1]:
+        return None
+    return (f"role {row[0]} (database_url) may not read replication slots and the streams' sensors and runs "
+            f"read theirs as it: {_grant_replication(service, row[0])}")
 
 
 def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
@@ -136,8 +191,11 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
     limits = server_limits(conn)
     out: list[str] = []
     if limits.wal_level != "logical":
-        out.append(f"wal_level is {limits.wal_level}; the streams' slots need logical decoding: set "
-                   f"wal_level = logical in postgresql.conf and restart Postgres")
+        out.append(f"wal_level is {limits.wal_level}; the streams' slots need logical decoding: "
+                   + how_to_set(limits.service, "wal_level", "logical"))
+    line = replication_problem(conn, limits.service)
+    if line:
+        out.append(line)
     own = [s for s in streams if s.reader is None]  # a reader group's streams share the group's slot
     slots = stream_slots(conn, own)
     existing = {str(r[0]) for r in conn.execute("select slot_name from pg_catalog.pg_replication_slots")}
@@ -163,8 +221,8 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
         who = [f"{len(readers)} streams' open runs read their slot (delivery.mode open or warm)"] if readers else []
         who += [f"{len(groups)} reader groups' delivery runs read their group's slot"] if groups else []
         out.append(f"max_wal_senders is {limits.max_wal_senders} and {senders_elsewhere} are in use by others; "
-                   f"{' and '.join(who)} over replication, one WAL sender each: set max_wal_senders = "
-                   f"{_suggest(needed)} in postgresql.conf and restart Postgres")
+                   f"{' and '.join(who)} over replication, one WAL sender each: "
+                   + how_to_set(limits.service, "max_wal_senders", _suggest(needed)))
     usable = limits.max_connections - limits.reserved_connections
     # a group's sensor, and its delivery run's lease and listener and its reader: four connections per group
     grouped = sum(1 for s in streams if s.reader is not None)
@@ -177,8 +235,8 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
         of_dagster = f", Dagster's storage on this server {storage}" if storage else ""
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
                    f"streams need up to {needed} (a sensor, a delivery run and its lease each{of_groups}, the slot "
-                   f"readers, housekeeping{of_dagster}): set max_connections = "
-                   f"{_suggest(needed + limits.reserved_connections)} in postgresql.conf and restart Postgres")
+                   f"readers, housekeeping{of_dagster}): "
+                   + how_to_set(limits.service, "max_connections", _suggest(needed + limits.reserved_connections)))
     return out
 
 

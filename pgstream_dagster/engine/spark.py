@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import sys
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
@@ -279,6 +280,50 @@ class DriverPythonMissing(RuntimeError):
     (:func:`~pgstream_dagster.engine.cluster.driver_python_problem`)."""
 
 
+class ExecutorPythonError(RuntimeError):
+    """The executors' Python cannot run the run's tasks: it is not where they run, or it lacks a
+    module they import (pyarrow, this package, a sink's client library). One line, naming it and
+    where it is set (``PYSPARK_PYTHON`` / ``spark.pyspark.python``)."""
+
+
+_NO_PROGRAM = re.compile(r'Cannot run program "([^"]+)"')
+_NO_MODULE = re.compile(r"No module named '([^']+)'|the '([^']+)' package is not installed")
+
+
+def executor_python_problem(exc: BaseException, python: str | None) -> str | None:
+    """What ``exc``, raised by a Spark action, says of the executors' Python (``python``: the
+    interpreter the session gives them, ``None`` when the driver cannot tell: Spark Connect), in
+    one line; ``None`` when it says nothing of it (a failure of the tasks themselves)."""
+    if not type(exc).__module__.startswith(("pyspark", "py4j")):
+        return None  # raised here, not by the executors
+    text = str(exc)
+    where = f"PYSPARK_PYTHON / spark.pyspark.python{f': {python}' if python else ''}"
+    requirements = "what `pgstream-dagster executor-requirements --config pgstream.yaml` lists"
+    if found := _NO_PROGRAM.search(text):
+        return (f"the Spark executors' Python {found.group(1)!r} is not where the executors run ({where}): "
+                f"point it at a Python that has {requirements}")
+    if found := _NO_MODULE.search(text):
+        module = found.group(1) or found.group(2)
+        return (f"the Spark executors' Python ({where}) cannot import {module!r}: install {requirements} "
+                f"into it, or point PYSPARK_PYTHON at one that has them")
+    return None
+
+
+@contextlib.contextmanager
+def executor_python_errors(spark: SparkSession) -> Iterator[None]:
+    """Spark actions whose failure for want of the executors' Python, or of a module in it, raises
+    :class:`ExecutorPythonError` (one line) instead of Spark's error (a Python traceback or a Java
+    stack trace, the cause somewhere inside)."""
+    try:
+        yield
+    except Exception as exc:
+        python = str(spark.sparkContext.pythonExec) if is_classic(spark) else None
+        problem = executor_python_problem(exc, python)
+        if problem is None:
+            raise
+        raise ExecutorPythonError(problem) from None
+
+
 def ship_package(spark: SparkSession) -> None:
     """Before a run's Spark reads anything. Spark Connect on a cluster master: add the package zip to
     the session as a Python artifact, once per session, so the server's executors import the data
@@ -396,7 +441,10 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, 
     (measured: ~4 MB retained per 4 MB partition, an OutOfMemoryError after ~200 partitions with
     the default 1 GB heap), which a long-lived run or a large replay cannot afford;
     ``collect()`` of one partition at a time keeps the heap flat."""
-    with contextlib.closing(in_turn([frame.collect for frame in frames], prefetch)) as collected:
+    if not frames:
+        return
+    with executor_python_errors(frames[0].sparkSession), \
+            contextlib.closing(in_turn([frame.collect for frame in frames], prefetch)) as collected:
         for rows in collected:
             yield from rows
 
@@ -492,9 +540,10 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
         return _publish_partition(batches, sink_config, chunk_size, skip, reject, progress, too_large, chunk_bytes)
 
     # bucket: the partition Spark's hash partitioning sends the key to, and what resume points are kept by
-    rows = (df.withColumn("bucket", F.pmod(F.hash("routing_key"), F.lit(partitions)))
-              .repartition(partitions, "routing_key").sortWithinPartitions("batch_id", "ord")
-              .mapInArrow(publish_partition, BY_KEY_RESULT_SCHEMA).collect())
+    with executor_python_errors(df.sparkSession):
+        rows = (df.withColumn("bucket", F.pmod(F.hash("routing_key"), F.lit(partitions)))
+                  .repartition(partitions, "routing_key").sortWithinPartitions("batch_id", "ord")
+                  .mapInArrow(publish_partition, BY_KEY_RESULT_SCHEMA).collect())
     handled: dict[int, int] = {}
     resumed = 0
     for row in rows:

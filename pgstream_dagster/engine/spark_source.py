@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import math
 import os
 import sys
@@ -55,35 +56,46 @@ from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 
 if TYPE_CHECKING:
     import psycopg
+    import pyarrow as pa
     from pyspark.sql import SparkSession
     from pyspark.sql.streaming.datasource import ReadLimit
 
 NAME = "pgstream"
 URL_OPTION = "url"
-#: rows per server-side cursor FETCH
-FETCH_ROWS = 5_000
 NUM_PARTITIONS = 4
 ROWS_PER_PARTITION = 50_000
+#: a reader yields Arrow record batches of at most this many events, or of about this much COPY data
+#: (a batch holds one event at least, however large)
+ARROW_BATCH_ROWS = 10_000
+ARROW_BATCH_BYTES = 8 << 20
 
 SCHEMA = ("id long, stream_id long, created_at timestamp, subscription string, operation string, "
                  "table_schema string, table_name string, payload string, metadata string, batch_id long, "
                  "ord int, batch_status string, delivered_at timestamp, attempts int, dead_letter boolean, "
                  "dead_letter_status string, dead_letter_error string")
 
-#: the events of one span (ordinals lo..hi of a ledger batch), in the batch's commit order. Joined by the
-#: primary key (id, created_at): ``e.stream_id + 0`` keeps the planner off the stream's day index
-#: (see engine/spark.py's _BATCH_QUERY)
-_SPAN_QUERY = """/* pgstream source: stream */
+#: a stream partition's spans (ordinals ``los[i]..his[i]`` of ledger batch ``batch_ids[i]``), in order: the
+#: batch id, the first ordinal and the span's event ids in the batch's commit order (a span whose batch is
+#: gone: no row)
+_POSITIONS_QUERY = """/* pgstream source: positions */
+select b.id, s.lo, b.event_ids[s.lo:s.hi]
+from unnest(%(batch_ids)s::bigint[], %(los)s::int[], %(his)s::int[]) with ordinality as s(batch_id, lo, hi, n)
+join pgstream.batches b on b.id = s.batch_id and b.stream_id = %(stream_id)s
+order by s.n
+"""
+
+#: the stream's events in the time span of a partition's batches and the id range of its positions: a
+#: range scan as cheap as a plain COPY's (the time bounds, init plans, prune the daily partitions), joined
+#: to the positions by the reader, not by a lookup per event in Postgres
+_WINDOW_QUERY = """/* pgstream source: stream */
 select e.id, e.stream_id, e.created_at, e.payload ->> 'tg_name', e.payload ->> 'tg_op',
-       e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text,
-       b.id, o.ord::int, null::text, null::timestamptz, null::int, null::boolean, null::text, null::text
-from pgstream.batches b
-cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
-join pgstream.events e
-  on e.id = o.id and e.stream_id + 0 = b.stream_id
- and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
-where b.id = %(batch_id)s and b.stream_id = %(stream_id)s and o.ord between %(lo)s and %(hi)s
-order by o.ord
+       e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text
+from pgstream.events e
+where e.stream_id = %(stream_id)s and e.id between %(min_id)s and %(max_id)s
+  and e.created_at >= (select min(w.min_created_at) from pgstream.batches w
+                       where w.id = any(%(batch_ids)s::bigint[]) and w.stream_id = %(stream_id)s)
+  and e.created_at <= (select max(w.max_created_at) from pgstream.batches w
+                       where w.id = any(%(batch_ids)s::bigint[]) and w.stream_id = %(stream_id)s)
 """
 
 
@@ -163,26 +175,83 @@ def _url(options: dict[str, str]) -> str:
 
 
 def connect(url: str) -> psycopg.Connection:
-    """A connection of the source, in UTC. A failure names no part of the URL (libpq's message names
-    the host and the user, never the password; the URL itself is not repeated)."""
+    """A connection of the source, in UTC with ISO dates (the text :func:`_copy_batches` parses). A
+    failure names no part of the URL (libpq's message names the host and the user, never the password;
+    the URL itself is not repeated)."""
     import psycopg
 
     try:
-        return psycopg.connect(url, autocommit=True, options="-c TimeZone=UTC", application_name="pgstream-source")
+        return psycopg.connect(url, autocommit=True, options="-c TimeZone=UTC -c DateStyle=ISO",
+                               application_name="pgstream-source")
     except psycopg.OperationalError as exc:
         raise SourceError(f"pgstream source: cannot connect to the database of option 'url': {exc}") from None
     except psycopg.ProgrammingError:
         raise SourceError("pgstream source: option 'url' is not a valid database URL") from None
 
 
-def _fetch(url: str, query: str, params: Sequence[dict[str, Any]]) -> Iterator[tuple[Any, ...]]:
-    """The rows of ``query`` for each of ``params`` in turn, on one connection, by a server-side cursor."""
-    with connect(url) as conn, conn.transaction():
-        for one in params:
-            with conn.cursor(name="pgstream_source") as cur:
-                cur.execute(query, one)
-                while rows := cur.fetchmany(FETCH_ROWS):
-                    yield from rows
+_ARROW_TYPES = {"long": "int64", "int": "int32", "string": "string", "boolean": "bool_"}
+
+
+@functools.cache
+def arrow_schema() -> pa.Schema:
+    """:data:`SCHEMA` as the Arrow schema PySpark takes a reader's record batches in (timestamps:
+    microseconds in UTC)."""
+    import pyarrow as pa
+
+    fields = [column.split() for column in SCHEMA.split(",")]
+    return pa.schema([(name, pa.timestamp("us", tz="UTC") if kind == "timestamp" else getattr(pa, _ARROW_TYPES[kind])())
+                      for name, kind in fields])
+
+
+def _parse_csv(data: bytes, schema: pa.Schema) -> pa.RecordBatch:
+    """Rows of ``COPY ... (format csv)`` (``schema``'s columns) as one record batch: an unquoted empty
+    field is NULL, a quoted one the empty string; booleans ``t``/``f``; times ISO in UTC."""
+    import pyarrow as pa
+    from pyarrow import csv
+
+    table = csv.read_csv(
+        pa.BufferReader(data),
+        read_options=csv.ReadOptions(column_names=schema.names, block_size=len(data) + 1, use_threads=False),
+        parse_options=csv.ParseOptions(newlines_in_values=True),
+        convert_options=csv.ConvertOptions(column_types=schema, null_values=[""], strings_can_be_null=True,
+                                           quoted_strings_can_be_null=False, true_values=["t"],
+                                           false_values=["f"]))
+    return table.combine_chunks().to_batches()[0]
+
+
+def _copy_batches(conn: psycopg.Connection, query: str, params: Sequence[Any] | dict[str, Any],
+                  schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """The rows of ``query`` (``schema``'s columns; ``params`` bound by psycopg on the client, as
+    literals: a COPY takes no parameters) as Arrow record batches, by one ``COPY (query) TO STDOUT`` in
+    CSV that pyarrow parses: no Python object per value."""
+    with conn.cursor().copy(f"copy ({query}) to stdout with (format csv, encoding 'UTF8')", params) as copy:
+        rows: list[Any] = []  # each CopyData message of a COPY TO is one row
+        size = 0
+        for row in copy:
+            rows.append(row)
+            size += len(row)
+            if len(rows) >= ARROW_BATCH_ROWS or size >= ARROW_BATCH_BYTES:
+                yield _parse_csv(b"".join(rows), schema)
+                rows, size = [], 0
+        if rows:
+            yield _parse_csv(b"".join(rows), schema)
+
+
+def _positions(conn: psycopg.Connection, params: dict[str, Any]) -> pa.Table:
+    """The ledger positions of a stream partition's spans (:data:`_POSITIONS_QUERY`), in order: event id,
+    batch id, ordinal, and the row's place in the partition (``position``)."""
+    import pyarrow as pa
+
+    rows = conn.execute(_POSITIONS_QUERY, params).fetchall()
+    ids = [pa.array(events, pa.int64()) for _batch_id, _lo, events in rows]
+    table = pa.table({
+        "id": pa.concat_arrays([*ids, pa.array([], pa.int64())]),
+        "batch_id": pa.concat_arrays([pa.nulls(len(events), pa.int64()).fill_null(batch_id)
+                                      for (batch_id, _lo, _e), events in zip(rows, ids, strict=True)]
+                                     + [pa.array([], pa.int64())]),
+        "ord": pa.concat_arrays([pa.array(range(lo, lo + len(events)), pa.int32()) for _b, lo, events in rows]
+                                + [pa.array([], pa.int32())])})
+    return table.append_column("position", pa.array(range(table.num_rows), pa.int64()))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -375,20 +444,41 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return [InputPartition([dataclasses.astuple(s) for s in group])
                 for group in split_spans(spans, self.parts, self.rows)]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The partition's events in the ledger's order, as Arrow record batches: its positions (a row a
+        span) joined in Arrow to the stream's events in their time span and id range (one COPY), then
+        sorted by position; the partition is held whole (at most ``rowsPerPartition`` events). With
+        ``failOnDataLoss``, an :class:`EventsGone` names the first span whose events are not all there
+        (a partition holds each ledger batch in one span at most)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
         spans = [SpanRead(*fields) for fields in partition.value]
-        for span in spans:
-            got = 0
-            for row in _fetch(self.url, _SPAN_QUERY, [{"batch_id": span.batch_id, "stream_id": self.stream_id,
-                                                       "lo": span.lo, "hi": span.hi}]):
-                got += 1
-                yield row
-            if got != span.events and self.fail_on_data_loss:
-                raise EventsGone(
-                    f"pgstream source: stream {self.stream_id}: {span.events - got} of the events of ledger batch "
-                    f"{span.batch_id} (ordinals {span.lo}..{span.hi}) are gone from pgstream.events (housekeeping "
-                    f"dropped them past the consumer's max_retention_days, or the batch was pruned); "
-                    f"set failOnDataLoss=false to go on without them")
+        params: dict[str, Any] = {"batch_ids": [s.batch_id for s in spans], "los": [s.lo for s in spans],
+                                  "his": [s.hi for s in spans], "stream_id": self.stream_id}
+        schema = arrow_schema()
+        events_schema = pa.schema(list(schema)[:9])
+        with connect(self.url) as conn:
+            positions = _positions(conn, params)
+            bounds = pc.min_max(positions.column("id")).as_py()
+            window = {**params, "min_id": bounds["min"], "max_id": bounds["max"]}
+            events = pa.Table.from_batches(list(_copy_batches(conn, _WINDOW_QUERY, window, events_schema))
+                                           if positions.num_rows else [], schema=events_schema)
+        joined = positions.join(events, keys="id", join_type="inner").sort_by("position")
+        n = joined.num_rows
+        table = pa.Table.from_arrays(
+            [joined.column(name) if name in joined.column_names else pa.nulls(n, field.type)
+             for name, field in zip(schema.names, schema, strict=True)], schema=schema)
+        yield from table.to_batches(max_chunksize=ARROW_BATCH_ROWS)
+        got = {c["values"]: c["counts"] for c in pc.value_counts(table.column("batch_id")).to_pylist()}
+        short = [(s, s.events - got.get(s.batch_id, 0)) for s in spans if got.get(s.batch_id, 0) != s.events]
+        if short and self.fail_on_data_loss:
+            span, missing = short[0]
+            raise EventsGone(
+                f"pgstream source: stream {self.stream_id}: {missing} of the events of ledger batch "
+                f"{span.batch_id} (ordinals {span.lo}..{span.hi}) are gone from pgstream.events (housekeeping "
+                f"dropped them past the consumer's max_retention_days, or the batch was pruned); "
+                f"set failOnDataLoss=false to go on without them")
 
     def commit(self, end: dict[str, Any]) -> None:
         self._record(Position.of(end))
@@ -498,25 +588,29 @@ class EventsReader(DataSourceReader):
 
     def query(self) -> str:
         """The query of one partition (an id range ``lo..hi`` after the selection's parameters):
-        the selected events, the ledger batch holding each one (the stream's batches that overlap the
-        partition's time span, unnested once), and its dead letter."""
-        # where(): fixed SQL fragments of this module (PUSHABLE, the options'); every value is a parameter
+        the selected events, the ledger batch holding each one (the first of the stream's batches that
+        overlap the partition's time span, unnested once, that holds it: one join, not a lookup per
+        event), and its dead letter."""
+        # where(): fixed SQL fragments of this module (PUSHABLE, the options'); every value is a parameter (psycopg
+        # quotes it into the COPY, which takes no server-side parameters)
         return f"""/* pgstream source: events */
 with ev as materialized (
     select e.* from pgstream.events e where {self.where()} and e.id between %s and %s
 ), span as (
     select min(created_at) as lo, max(created_at) as hi from ev
 ), held as materialized (
-    select o.id as event_id, b.id as batch_id, o.ord::int as ord, b.status, b.delivered_at, b.attempts
+    select distinct on (o.id) o.id as event_id, b.id as batch_id, o.ord::int as ord, b.status, b.delivered_at,
+           b.attempts
     from span, pgstream.batches b
     cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
     where b.stream_id = %s and b.max_created_at >= span.lo and b.min_created_at <= span.hi
+    order by o.id, b.id
 )
 select e.id, e.stream_id, e.created_at, e.payload ->> 'tg_name', e.payload ->> 'tg_op',
        e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text,
        h.batch_id, h.ord, h.status, h.delivered_at, h.attempts, d.id is not null, d.status, d.error
 from ev e
-left join lateral (select * from held h where h.event_id = e.id order by h.batch_id limit 1) h on true
+left join held h on h.event_id = e.id
 left join pgstream.dead_letters d on d.stream_id = e.stream_id and d.event_id = e.id
 order by e.id"""  # noqa: S608
 
@@ -530,9 +624,10 @@ order by e.id"""  # noqa: S608
         size = max(1, math.ceil((hi - lo + 1) / self.parts))
         return [InputPartition((start, min(hi, start + size - 1))) for start in range(lo, hi + 1, size)]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         lo, hi = partition.value
-        yield from _fetch(self.url, self.query(), [[*self.selection(), lo, hi, self.stream_id]])  # type: ignore[list-item]
+        with connect(self.url) as conn:
+            yield from _copy_batches(conn, self.query(), [*self.selection(), lo, hi, self.stream_id], arrow_schema())
 
 
 class PushdownEventsReader(EventsReader):

@@ -7,6 +7,7 @@ import decimal
 import functools
 import importlib
 import json
+import operator
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -33,7 +34,9 @@ __all__ = [
     "describe_exception",
     "describe_path",
     "dumps",
+    "event_columns",
     "event_scalar",
+    "event_stream",
     "excerpt",
     "header_value",
     "import_extra",
@@ -207,6 +210,36 @@ def event_from_text(id: int, stream_id: int, created_at: dt.datetime, payload_js
     _set_metadata(event, None if metadata_json is None else _UNSET)
     _set_metadata_json(event, metadata_json)
     return event
+
+
+_slot_getters = tuple(operator.attrgetter(name)
+                      for name in ("_id", "_stream_id", "_created_at", "_payload_json", "_metadata", "_metadata_json"))
+
+
+def event_columns(events: Sequence[Event]) -> tuple[list[int], list[int], list[dt.datetime], list[str],
+                                                    list[str | None]]:
+    """The events' ids, stream ids, creation times, payload texts and metadata texts (``None``: no
+    metadata), one list each, read from the slots without a Python call per event (the lake sinks'
+    Arrow columns); the text of an event built from a dict is made here, once."""
+    get_id, get_stream, get_created, get_payload_json, get_metadata, get_metadata_json = _slot_getters
+    payloads: list[Any] = list(map(get_payload_json, events))
+    if None in payloads:  # built from a dict
+        payloads = [e.payload_json for e in events]
+    metadata: list[Any] = list(map(get_metadata_json, events))
+    # an event without metadata text has either none (None) or a dict without its text yet
+    if None in metadata and metadata.count(None) != list(map(get_metadata, events)).count(None):
+        metadata = [e.metadata_json for e in events]
+    return (list(map(get_id, events)), list(map(get_stream, events)), list(map(get_created, events)), payloads,
+            metadata)
+
+
+def event_stream(events: Sequence[Event]) -> int:
+    """The one stream of ``events`` (not empty), read from their slots; ``ValueError`` when they
+    belong to several."""
+    streams = list(map(_slot_getters[1], events))
+    if streams.count(streams[0]) != len(streams):
+        raise ValueError("the events of one publish call belong to several streams")
+    return int(streams[0])
 
 
 def _make_event(id: int, stream_id: int, payload: dict[str, Any] | None, metadata: dict[str, Any] | None,

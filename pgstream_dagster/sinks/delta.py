@@ -51,6 +51,8 @@ class DeltaSink(LakeSink):
     def __init__(self, config: DeltaSinkConfig) -> None:
         super().__init__(config)
         self._deltalake: Any = self._import("deltalake", "deltalake")
+        #: the table the commits go to, kept open between them (each commit advances it; a failure drops it)
+        self._target: Any = None
 
     def where(self) -> str:
         return f"table {self.config.path}"
@@ -65,8 +67,11 @@ class DeltaSink(LakeSink):
             return None
         return deltalake.DeltaTable(self.config.path, storage_options=self._options())
 
+    def reset(self) -> None:
+        self._target = None  # a failed commit (a concurrent writer, an outage): open the table again
+
     def read_token(self, stream_id: int) -> int | None:
-        table = self._table()
+        table = self._target = self._table()
         if table is None:
             return None
         version = table.transaction_version(delta_app_id(stream_id))
@@ -96,6 +101,10 @@ class DeltaSink(LakeSink):
         properties = deltalake.CommitProperties(
             app_transactions=[deltalake.Transaction(delta_app_id(stream_id), token(*span[1]))]
             if span is not None else None)
-        deltalake.write_deltalake(self.config.path, table, mode="append", partition_by=["day"],
-                                  schema_mode="merge", storage_options=self._options(),
+        target = self._target
+        deltalake.write_deltalake(self.config.path if target is None else target, table, mode="append",
+                                  partition_by=["day"], schema_mode="merge",
+                                  storage_options=self._options() if target is None else None,
                                   commit_properties=properties)
+        if target is None:  # the table's first commit (by this sink): the next ones go to it, open
+            self._target = self._table()

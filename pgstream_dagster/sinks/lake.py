@@ -37,7 +37,18 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from pydantic import Field, SecretStr, model_validator
 
-from .base import Event, EventContentError, Sink, SinkConfigBase, SinkError, describe_exception, dumps, import_extra
+from .base import (
+    Event,
+    EventContentError,
+    Sink,
+    SinkConfigBase,
+    SinkError,
+    describe_exception,
+    dumps,
+    event_columns,
+    event_stream,
+    import_extra,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -123,23 +134,24 @@ _PAYLOAD_COLUMNS = (("operation", "tg_op"), ("schema_name", "tg_table_schema"), 
                     ("subscription", "tg_name"))
 
 
-def _payload_columns(events: Sequence[Event]) -> list[pa.Array]:
-    """The columns of :data:`_PAYLOAD_COLUMNS`, parsed from the payloads' JSON text by Arrow's JSON reader
-    (C++, nested values skipped); a payload it cannot take (one of these keys not a string) sends the
-    events through Python's parser instead, where such a value is null."""
+def _payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.Array]:
+    """The columns of :data:`_PAYLOAD_COLUMNS`, parsed from the payloads' JSON text (``texts``) by Arrow's
+    JSON reader in one pass over the call (C++, nested values skipped; one block, in this thread); a
+    payload it cannot take (one of these keys not a string) sends the events through Python's parser
+    instead, where such a value is null."""
     import io
 
     import pyarrow as pa
     import pyarrow.json as pj
 
-    texts = [e.payload_json for e in events]
     data = "\n".join(texts).encode()
     schema = pa.schema([pa.field(key, pa.string()) for _, key in _PAYLOAD_COLUMNS])
     try:
-        parsed = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=max(len(data) + 1, 1 << 20)),
+        parsed = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(use_threads=False,
+                                                                   block_size=max(len(data) + 1, 1 << 20)),
                               parse_options=pj.ParseOptions(explicit_schema=schema,
                                                             unexpected_field_behavior="ignore"))
-        if parsed.num_rows == len(events):
+        if parsed.num_rows == len(texts):
             return [parsed.column(key).combine_chunks() for _, key in _PAYLOAD_COLUMNS]
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         pass
@@ -151,58 +163,57 @@ class UnfitValue(ValueError):
     """A row's value its typed column cannot hold (:meth:`TypedColumn.convert`): the event's rejection."""
 
 
-def typed_values(events: Sequence[Event], typed: Sequence[TypedColumn]) -> tuple[list[list[Any]], int | None, str]:
-    """Each ``typed`` column's values for ``events``, up to the first event with a value its column cannot
-    hold: ``(values, index of that event, why)``, ``(values, None, "")`` when every event fits."""
-    columns: list[list[Any]] = [[] for _ in typed]
-    for index, event in enumerate(events):
-        row = _row(event)
-        try:
-            converted = [column.convert(row.get(column.column)) if row is not None else None for column in typed]
-        except UnfitValue as exc:
-            return columns, index, str(exc)
-        for values, value in zip(columns, converted, strict=True):
-            values.append(value)
-    return columns, None, ""
+def typed_values(events: Sequence[Event], typed: Sequence[TypedColumn]) -> tuple[list[pa.Array], int | None, str]:
+    """Each ``typed`` column's values for ``events`` as an Arrow array (converted a column at a time,
+    :meth:`TypedColumn.array`), up to the first event with a value its column cannot hold: ``(arrays,
+    index of that event, why)``, ``(arrays, None, "")`` when every event fits."""
+    rows = [_row(e) for e in events]
+    first: int | None = None
+    why = ""
+    arrays: list[pa.Array] = []
+    for column in typed:
+        name = column.column
+        values = [row.get(name) if row is not None else None for row in rows]
+        # after an unfit event, only the events before it: a later column can only name an earlier one
+        array, unfit, reason = column.array(values if first is None else values[:first])
+        if unfit is not None:
+            first, why = unfit, reason
+        arrays.append(array)
+    if first is not None:
+        arrays = [array.slice(0, first) for array in arrays]
+    return arrays, first, why
 
 
 def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = None,
-                 values: list[list[Any]] | None = None) -> pa.Table:
-    """``events`` as an Arrow table of :func:`arrow_schema`, plus the ``typed`` columns (their
+                 values: Sequence[pa.Array] | None = None) -> pa.Table:
+    """``events`` as an Arrow table of :func:`arrow_schema`, built a column at a time (no Python
+    object per event but the JSON reader's input), plus the ``typed`` columns (their
     :func:`typed_values` for ``events`` when given; :class:`UnfitValue` when an event has one that
     does not fit)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    micros = pa.array([_micros(e.created_at) for e in events], type=pa.int64())
-    created = micros.cast(pa.timestamp("us", tz="UTC"))
+    ids, streams, created_at, payloads, metadata = event_columns(events)
+    # a naive time is taken as UTC, an aware one converted to UTC
+    created = pa.array(created_at, type=pa.timestamp("us", tz="UTC"))
     arrays: list[pa.Array] = [
-        pa.array([e.id for e in events], type=pa.int64()),
-        pa.array([e.stream_id for e in events], type=pa.int64()),
+        pa.array(ids, type=pa.int64()),
+        pa.array(streams, type=pa.int64()),
         created,
         pc.cast(created, pa.date32()),
-        *_payload_columns(events),
-        pa.array([e.payload_json for e in events], type=pa.string()),
-        pa.array([e.metadata_json for e in events], type=pa.string()),
+        *_payload_columns(events, payloads),
+        pa.array(payloads, type=pa.string()),
+        pa.array(metadata, type=pa.string()),
     ]
     fields = list(arrow_schema())
     if typed and values is None:
         values, unfit, why = typed_values(events, typed)
         if unfit is not None:
             raise UnfitValue(f"event {events[unfit].id}: {why}")
-    for column, column_values in zip(typed or (), values or (), strict=True):
-        arrays.append(pa.array(column_values, type=column.arrow_type()))
+    for column, array in zip(typed or (), values or (), strict=True):
+        arrays.append(array)
         fields.append(pa.field(column.name, column.arrow_type()))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
-
-
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-
-
-def _micros(when: dt.datetime) -> int:
-    """Microseconds since the epoch, exactly (``timestamp()`` is a float); a naive time is taken as UTC."""
-    delta = (when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)) - _EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 _UNSAFE = re.compile(r"[^0-9A-Za-z_]")
@@ -226,6 +237,8 @@ _INT_RANGES = {"int16": (-(2**15), 2**15 - 1), "int32": (-(2**31), 2**31 - 1), "
 _FLOAT32_MAX = 3.4028234663852886e38
 #: a date or timestamp Postgres holds and Python (so Arrow) cannot: infinity, a year of 5+ digits, BC
 _BEYOND_ARROW = re.compile(r"\s*[-+]?infinity\s*|\s*\d{5,}-.*|.*\sBC\s*", re.IGNORECASE)
+#: a date both Python's and Arrow's parser read alike (year 1 to 9999)
+_PLAIN_DATE = r"^(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-[0-9]{2}-[0-9]{2}$"
 #: the spellings of an infinite float (``float()`` takes them; a finite number that overflows is refused)
 _INFINITY = frozenset({"inf", "infinity"})
 
@@ -282,6 +295,56 @@ class TypedColumn:
             except OverflowError:  # 9999-12-31T23:00-05:00: past Python's last UTC instant
                 return None
         return value if isinstance(value, str) else dumps(value)
+
+    def array(self, values: Sequence[Any]) -> tuple[pa.Array, int | None, str]:
+        """The JSON ``values`` of the payloads as this column's Arrow array, up to the first one the
+        column cannot hold: ``(array, its index, why)``, ``(array, None, "")`` when all fit. A column
+        whose values are all of the kind Arrow converts the way :meth:`convert` would (integers in
+        range, finite numbers, booleans, strings, plain dates) is converted at once; any other is
+        converted a value at a time by :meth:`convert`."""
+        import pyarrow as pa
+
+        fast = self._at_once(values)
+        if fast is not None:
+            return fast, None, ""
+        converted: list[Any] = []
+        for index, value in enumerate(values):
+            try:
+                converted.append(self.convert(value))
+            except UnfitValue as exc:
+                return pa.array(converted, type=self.arrow_type()), index, str(exc)
+        return pa.array(converted, type=self.arrow_type()), None, ""
+
+    def _at_once(self, values: Sequence[Any]) -> pa.Array | None:
+        """``values`` converted by Arrow in one call when they are all of one kind on which it agrees
+        with :meth:`convert`; ``None`` when not, or when one does not fit (then :meth:`convert` finds
+        which and why)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        kinds = set(map(type, values))
+        kinds.discard(type(None))
+        kind = self.kind
+        try:
+            if kind.startswith("int") and kinds <= {int}:  # out of range raises (bool, Decimal, str: one by one)
+                return pa.array(values, type=self.arrow_type())
+            if (kind == "bool" and kinds <= {bool}) or (kind == "string" and kinds <= {str}):
+                return pa.array(values, type=self.arrow_type())
+            if kind.startswith("float") and kinds <= {float, int}:  # an integer past 2**53 raises
+                numbers = pa.array(values, type=pa.float64())
+                if pc.any(pc.is_inf(numbers)).as_py():  # a finite number past float64 (Python's parser gives inf)
+                    return None
+                if kind == "float32" and pc.any(pc.greater(pc.abs(numbers), _FLOAT32_MAX)).as_py():
+                    return None
+                return numbers.cast(self.arrow_type())  # NaN fits, as in convert
+            if kind == "date32" and kinds <= {str}:
+                texts = pa.array(values, type=pa.string())
+                if pc.all(pc.match_substring_regex(texts, _PLAIN_DATE)).as_py() is False:
+                    return None
+                return texts.cast(pa.date32())  # a day the month has not raises
+        except (pa.ArrowInvalid, OverflowError):
+            return None
+        return None
 
     def _unfit(self, why: str) -> UnfitValue:
         return UnfitValue(f"column {self.column!r} ({self.pg_type}) cannot hold the row's value: {why}")
@@ -465,14 +528,8 @@ class LakeSink(Sink):
             return
         self._guard(events, lambda: self._positioned(events, positions))
 
-    def _stream(self, events: Sequence[Event]) -> int:
-        stream_id = events[0].stream_id
-        if any(e.stream_id != stream_id for e in events):
-            raise ValueError("the events of one publish call belong to several streams")
-        return stream_id
-
     def _positioned(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
-        stream_id = self._stream(events)
+        stream_id = event_stream(events)
         if stream_id not in self._tokens:
             self._tokens[stream_id] = self.read_token(stream_id)
         committed = self._tokens[stream_id]
@@ -492,7 +549,7 @@ class LakeSink(Sink):
             raise self._rejection(pending[unfit], why)
 
     def _by_id(self, events: Sequence[Event]) -> None:
-        stream_id = self._stream(events)
+        stream_id = event_stream(events)
         ids = [e.id for e in events]
         present = self.present_ids(stream_id, min(ids), max(ids))
         missing = [e for e in events if e.id not in present]

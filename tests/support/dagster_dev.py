@@ -67,7 +67,8 @@ class DagsterDev:
         return "\n".join(text.splitlines()[-lines:])
 
     def graphql(self, query: str, variables: dict[str, Any]) -> dict[str, Any]:
-        response = httpx.post(f"http://127.0.0.1:{self.port}/graphql", timeout=10,
+        # (a reload starts a code server: slow on a loaded host)
+        response = httpx.post(f"http://127.0.0.1:{self.port}/graphql", timeout=60,
                               json={"query": query, "variables": variables})
         response.raise_for_status()
         data: dict[str, Any] = response.json()
@@ -130,7 +131,7 @@ def descendants(root: int) -> dict[int, int]:
     return found
 
 
-def stop_process_group(proc: subprocess.Popen[bytes], *, crash: bool = False) -> list[int]:
+def stop_process_group(proc: subprocess.Popen[bytes], *, crash: bool = False, name: str = "`dg dev`") -> list[int]:
     """SIGTERM the whole group (webserver, daemon, code servers, run workers, Spark), wait up to
     20 s, then SIGKILL whatever is left of it, and of the descendants that left the group (PySpark's
     worker daemons make sessions of their own). ``crash``: SIGKILL at once (kill -9 of the group, as
@@ -138,7 +139,7 @@ def stop_process_group(proc: subprocess.Popen[bytes], *, crash: bool = False) ->
     pgid = proc.pid  # start_new_session: the leader's pid is the group id
     tree = descendants(proc.pid)
     outside = [pid for pid in tree if _pgid(pid) not in (None, pgid)]
-    print(f"{'killing' if crash else 'stopping'} `dg dev`: {len(tree)} descendants, {len(outside)} outside its "
+    print(f"{'killing' if crash else 'stopping'} {name}: {len(tree)} descendants, {len(outside)} outside its "
           "process group")
     try:
         os.killpg(pgid, signal.SIGKILL if crash else signal.SIGTERM)

@@ -90,14 +90,20 @@ def drive(driver: Driver, done: Callable[[], bool], timeout: float = 300) -> flo
     return time.monotonic() - started
 
 
+def tick_failing_until(driver: Driver, done: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """With the sink down: tick and execute (every run must fail) until ``done``."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for request in driver.tick(STREAM).run_requests or []:
+            assert not driver.execute(request).success
+        time.sleep(0.05)
+
+
 def fail_into_failover(driver: Driver, url: str, timeout: float = 60) -> str:
     """With the sink down: tick and execute (every run must fail) until the stream is in failover;
     returns the failover's error."""
-    deadline = time.monotonic() + timeout
-    while not in_failover(url):
-        assert time.monotonic() < deadline, "the stream did not enter failover"
-        for request in driver.tick(STREAM).run_requests or []:
-            assert not driver.execute(request).success
+    tick_failing_until(driver, lambda: in_failover(url), "the stream to enter failover", timeout)
     error = stream_row(url)["failover_error"]
     assert isinstance(error, str)
     return error

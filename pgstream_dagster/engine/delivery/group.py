@@ -28,7 +28,7 @@ does), the sensor reads again at its next tick.
 The group run holds the group's delivery lease (``ledger.locks.acquire_group_lease``) for as long as it lives,
 so a dead group run (its process killed) is told from a live one; it ends once
 ``max_run_secs`` passed (it stops taking member runs and asks its members to close: a fresh group run picks
-up configuration changes) or when no member had a run for ``idle_secs``. It also ends, the same way, when
+up configuration changes). It also ends, the same way, when
 its host's stop check gives a reason (:attr:`GroupHost.stop_check`: the group's sensor asks a run built from
 a configuration that is not the code location's any more to end), and when its reader is refused
 (:data:`REFUSALS`, e.g. ``ledger.groups.GroupChange``: a stream was added to the group by a newer configuration),
@@ -151,7 +151,6 @@ class GroupDelivery:
     executor_url: str
     host: GroupHost
     max_run_secs: float
-    idle_secs: float
     hosted: set[str] = field(default_factory=set)  # every run key this group run took (or refused)
     errors: dict[int, str] = field(default_factory=dict)  # the last failure of each member
     _members: dict[int, _Member] = field(default_factory=dict)
@@ -181,7 +180,6 @@ class GroupDelivery:
             reader = threading.Thread(target=self._read, daemon=True, name=f"pgstream-group-reader-{self.group}")
             reader.start()
             opened = time.monotonic()
-            idle_since = opened
             checked_at = 0.0
             while True:
                 self._reap()
@@ -203,8 +201,10 @@ class GroupDelivery:
                     self._wait(lease, channels, 0.2)
                     continue
                 self._watch(lease)
+                # (a member in mode per_batch has Dagster runs of its own: the design card's run per batch)
                 wanted = [m for m in groups.member_runs(lease, self.group)
-                          if m.stream_id in by_id and m.run_key not in self.hosted]
+                          if m.stream_id in by_id and by_id[m.stream_id].delivery.keeps_open
+                          and m.run_key not in self.hosted]
                 # (a member whose previous run is still ending waits for it)
                 starting = [m for m in wanted if m.stream_id not in self._members]
                 self.hosted.update(m.run_key for m in starting)
@@ -215,10 +215,6 @@ class GroupDelivery:
                                     f"its sensor")
                         continue
                     self._start(by_id[order.stream_id], order)
-                if self._members or wanted:
-                    idle_since = now
-                elif now - idle_since >= self.idle_secs:
-                    return f"no member had a run for {self.idle_secs:g}s"
                 self._wait(lease, channels, POLL_SECS)
         except BaseException:
             self._stop("the group run is ending (interrupted or failed)")

@@ -242,10 +242,8 @@ class DeliveryRun:
                         except state.StreamPaused:
                             reader.stop()  # what it received is recorded before the batches go back
                             waiting = state.give_back(conn, stream.id, run_key)
-                            shown = (f"its batches {waiting[0]}..{waiting[-1]} wait" if waiting
-                                     else "nothing of it waits")
                             host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
-                                          f"{shown} for `pgstream-dagster resume {stream.id}`")
+                                          f"{waiting_batches(waiting)} for `pgstream-dagster resume {stream.id}`")
                             return
                         done = RoundReport(batches, delivered, started, type(source).__name__)
                         reports.add(done)
@@ -475,6 +473,12 @@ class _Round:
             self.host.log.info(f"stream {stream.id}: {result.resumed} events confirmed by an interrupted attempt "
                                f"were not published again")
         return result.total
+
+
+def waiting_batches(batch_ids: list[int]) -> str:
+    """What a run that closed early left waiting, as its log says it: ``batches 3..7 wait`` or ``no batch
+    waits``."""
+    return f"batches {batch_ids[0]}..{batch_ids[-1]} wait" if batch_ids else "no batch waits"
 
 
 def vanished_error(conn: psycopg.Connection, stream_id: int, batch_ids: list[int],

@@ -11,7 +11,7 @@
   lost slot took with it.
 """
 
-from .group import GroupResult, GroupStream, check_members, consume_group, ensure_group
+from .group import GroupResult, GroupStream, check_members, consume_group, ensure_group, group_log, unconfigured
 from .recorder import (
     FOLLOW_CHECK_SECS,
     FOLLOW_RECORD_EVERY_SECS,
@@ -48,6 +48,8 @@ __all__ = [
     "ensure_group",
     "ensure_slot",
     "follow",
+    "group_log",
     "record_pass",
+    "unconfigured",
     "unrecorded",
 ]

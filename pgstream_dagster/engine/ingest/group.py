@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import psycopg
 
-from ...config import StreamConfig
+from ...config import StreamConfig, recording_stand_in
 from .. import limits, replication, walstream
+from ..handoff import Log
 from ..ledger import groups, recording
 from ..replication import Transaction
 from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, _past, record_pass
@@ -63,6 +64,9 @@ class GroupResult:
     slot_busy: bool = False
     #: members whose registration was refused (stream -> its one line, also in ``notes``): not read
     left_out: dict[int, str] = field(default_factory=dict)
+    #: members whose streams[] entry is invalid (the code location left them out): recorded with the default
+    #: batching and delivered by no run until it is fixed (stream -> its one line, also in ``notes``)
+    unconfigured: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def add(self, later: GroupResult) -> None:
@@ -121,10 +125,11 @@ def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Tra
     return split
 
 
-def check_members(state: groups.Group, streams: list[StreamConfig]) -> None:
+def check_members(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str] | None = None) -> None:
     """Raises :class:`~..ledger.groups.GroupChange` for a stream the database has in the group that the configuration
-    (``streams``) does not: its events would be skipped."""
-    configured = {s.id for s in streams}
+    (``streams``) does not, its entry not even invalid (``invalid``: recorded all the same): its events would be
+    skipped."""
+    configured = {s.id for s in streams} | set(invalid or {})
     unknown = [m.id for m in state.members if m.id not in configured]
     if unknown:
         raise groups.GroupChange(f"reader group {state.name}: stream(s) {', '.join(map(str, unknown))} read with it "
@@ -132,8 +137,29 @@ def check_members(state: groups.Group, streams: list[StreamConfig]) -> None:
                                  f"pgstream.yaml (their events would be skipped): configure them again")
 
 
+def unconfigured(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str]) -> dict[int, str]:
+    """The members the database has in the group whose streams[] entry is invalid (``invalid``: the code location
+    left them out; ``streams``: those configured), each with its one line."""
+    configured = {s.id for s in streams}
+    return {m.id: (f"reader group {state.name}: stream {m.id} is left out of delivery, its streams[] entry is "
+                   f"invalid ({invalid[m.id]}): its events are recorded and wait until it is fixed")
+            for m in state.members if m.id in invalid and m.id not in configured}
+
+
+def _stand_ins(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str],
+               result: GroupResult) -> list[StreamConfig]:
+    """The :func:`unconfigured` members, as the group records them meanwhile
+    (:func:`~...config.recording_stand_in`): their events are recorded, so the group's slot never moves past them
+    and nothing of them is lost, and no run delivers them. Told in one line each (``result.unconfigured``,
+    ``result.notes``)."""
+    lines = unconfigured(state, streams, invalid)
+    result.unconfigured.update(lines)
+    result.notes.extend(lines.values())
+    return [recording_stand_in(sid, state.name) for sid in lines]
+
+
 def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
-                 result: GroupResult) -> groups.Group | None:
+                 result: GroupResult, invalid: Mapping[int, str] | None = None) -> groups.Group | None:
     """Register the members, keep the publication's filter on them, and make sure the group's slot is
     usable (replaced and recovered when lost). A member whose registration is refused (its publication's
     name taken by another role, or it reads with another group) is left out, told in one line
@@ -151,6 +177,7 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
     result.publication = groups.ensure_group_publication(conn, group)
     state = groups.group_state(conn, group)
     assert state is not None  # registered above
+    streams = streams + _stand_ins(state, streams, invalid or {}, result)
     check_members(state, streams)
     result.slot = state.slot
     joined = [m for m in state.members if m.joined]
@@ -367,15 +394,19 @@ def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: d
 
 
 def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float, *,
-                  mark: bool = True, kept: GroupStream | None = None) -> GroupResult:
+                  mark: bool = True, kept: GroupStream | None = None,
+                  invalid: Mapping[int, str] | None = None) -> GroupResult:
     """A tick of the group's reader (see the module): ensure, join, then record what commits on the
     group's slot for every member until ``budget_secs`` is spent (``0``: one look).
 
     ``kept``: read the group's slot over the replication protocol, kept open across calls (a group
     delivery run's reader); else peek it (the group's sensor). It is closed (the slot let go) when a
-    member drains its own slot, when the slot is busy or lost, and on an error."""
+    member drains its own slot, when the slot is busy or lost, and on an error.
+
+    ``invalid``: the streams whose streams[] entry the code location left out (id -> what is wrong): those the
+    database has in the group are recorded all the same and told (:func:`_stand_ins`)."""
     try:
-        return _consume_group(conn, group, streams, budget_secs, mark, kept)
+        return _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {})
     except BaseException:
         if kept is not None:
             kept.close()
@@ -383,17 +414,19 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
 
 
 def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float,
-                   mark: bool, kept: GroupStream | None) -> GroupResult:
+                   mark: bool, kept: GroupStream | None, invalid: Mapping[int, str]) -> GroupResult:
     result = GroupResult()
     started = time.monotonic()
     deadline = started + budget_secs
-    ensured = ensure_group(conn, group, streams, result)
+    ensured = ensure_group(conn, group, streams, result, invalid)
     if ensured is None:
         if kept is not None:
             kept.close()
         return result  # every member is left out
     state = ensured
-    streams = [s for s in streams if s.id not in result.left_out]  # (read without them; tried again next time)
+    # (read without those left out: tried again next time; with those whose entry is invalid: recorded)
+    streams = [s for s in streams if s.id not in result.left_out] + [
+        recording_stand_in(sid, group) for sid in result.unconfigured]
     by_id = {s.id: s for s in streams}
     joined_all = join_members(conn, group, state, by_id, max(deadline, started + 1.0), result)
     state = groups.group_state(conn, group) or state  # (who has joined now: they are read from here on)
@@ -487,3 +520,35 @@ def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recor
             seen(source.skip_idle(conn))
         if now >= deadline:
             break
+
+
+def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True,
+              noted: set[str] | None = None) -> None:
+    """What a pass of the group's reader did that an operator should see (the sensor's tick, or the group
+    delivery run's reader: ``batches`` False leaves out the batches recorded, ``noted`` the notes logged at
+    its previous pass, updated: its passes follow each other without a pause)."""
+    if result.slot_lost:
+        log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
+                    "replaced, and every member recovers undelivered events from pgstream.events")
+    if result.publication == "created" and not result.slot_created:  # (a new group creates both)
+        log.warning(f"reader group {group}: its publication was missing (dropped by hand?) and was created "
+                    "again; events committed meanwhile are recovered from pgstream.events")
+    if result.slot_created:
+        recovered = sum(len(b) for b in result.recovered.values())
+        log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the "
+                 "table")
+    for sid in result.joined:
+        log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and "
+                 "dropped)")
+    for sid, recorded in sorted(result.batches.items()):
+        if recorded and batches:
+            log.info(f"stream {sid}: recorded batches {recorded} ({result.events.get(sid, 0)} events)")
+    if result.unreadable:
+        log.error(f"reader group {group}: {result.unreadable} events could not be recorded and were set aside "
+                  "as dead letters (stage 'read')")
+    for line in dict.fromkeys(result.notes):  # (a tick's reads may note the same line)
+        if noted is None or line not in noted:
+            log.warning(line)
+    if noted is not None:
+        noted.clear()
+        noted.update(result.notes)
