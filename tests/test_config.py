@@ -360,9 +360,10 @@ subscriptions: []
 
 def test_a_typo_stops_the_code_location_with_one_error_naming_file_key_and_what_is_allowed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The code location's entry point (what `dg dev` and the UI load): a mistake in pgstream.yaml is the error
-    itself, one line naming the file, the key and the keys allowed there, not a cause under Dagster's dump of the
-    component tree."""
+    """The code location's entry point (what `dg dev` and the UI load): a mistake in pgstream.yaml that leaves no
+    stream valid (here its only stream's) is the error itself, one line naming the file, the key and the keys
+    allowed there, not a cause under Dagster's dump of the component tree (with other streams valid, only that
+    stream is left out: below)."""
     from pgstream_dagster import definitions
 
     monkeypatch.setenv("TEST_PG_URL", "postgresql://x")

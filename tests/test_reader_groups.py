@@ -1472,3 +1472,27 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
     for i in ids:
         assert _delivered(tmp_path, i) == _events(db_url, i), i
     _end_group_run(group)
+
+
+def test_a_group_run_whose_server_goes_away_fails_in_one_line(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group delivery run's server going away mid-run (a crash, a failover) fails the run with one line
+    saying so, not a traceback; the group's sensor requests a fresh one as for any dead group run."""
+    from pgstream_dagster.engine.delivery.group import GroupDelivery
+
+    def gone(self: GroupDelivery) -> str:
+        raise psycopg.OperationalError("consuming input failed: server closed the connection unexpectedly")
+
+    monkeypatch.setattr(GroupDelivery, "run", gone)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_member("lost", 1, tmp_path / "o.jsonl")]),
+                    instance)
+    result = driver.execute(dg.RunRequest(run_key="lost-1", job_name=GROUP_DELIVERY_JOB,
+                                          run_config={"ops": {"deliver_group": {"config": {"group": "lost"}}}},
+                                          tags={"pgstream/group": "lost"}))
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    message = failure.step_failure_data.error.message if failure.step_failure_data.error else ""
+    (line,) = message.strip().splitlines()  # one line, Dagster's Failure: no traceback of ours
+    assert line.endswith(
+        ": reader group lost: the primary is gone (a crash, a restart or a failover), waiting for it: consuming input "
+        "failed: server closed the connection unexpectedly; the group's sensor requests a fresh group run"), message

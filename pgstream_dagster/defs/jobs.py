@@ -279,6 +279,11 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         # fails (its members' runs closed and its leases given up first: ``GroupDelivery.run``); what they held
         # waits for the next group run, and no member goes to failover
         reason = "interrupted (shutdown): its members' runs closed; what they held waits for the next group run"
+    except psycopg.Error as exc:
+        line = server_gone(exc)  # the server went away or is read-only (a failover): one line, the sensor retries
+        if line is None:
+            raise
+        raise dg.Failure(f"reader group {group}: {line}; the group's sensor requests a fresh group run") from None
     finally:
         reporter.close()
     context.log.info(f"reader group {group}: group delivery run ended ({reason})")
