@@ -40,8 +40,10 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg
 
@@ -266,37 +268,81 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
     applied: list[str] = []
     with psycopg.connect(database_url, autocommit=True) as conn:
         _bootstrap(conn, migrations[0])
-        while True:
-            with conn.transaction():
-                _locked(conn)
-                m = _pending(conn, migrations)
-                if m is None:
-                    break
-                _apply(conn, m, f"migration {m.path.name}",
-                       "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
-                       [m.version, m.name, m.checksum])
+        while (m := _retried(lambda: _next_migration(conn, migrations))) is not None:
             applied.append(m.path.name)
-        while True:
-            with conn.transaction():
-                _locked(conn)
-                r = _changed(conn, repeatables)
-                if r is None:
-                    break
-                _apply(conn, r, f"repeatable {REPEATABLE_DIR}/{r.name}",
-                       "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
-                       "on conflict (name) do update set checksum = excluded.checksum, applied_at = now()",
-                       [r.name, r.checksum])
+        while (r := _retried(lambda: _next_repeatable(conn, repeatables))) is not None:
             applied.append(f"{REPEATABLE_DIR}/{r.name}")
         grants = repeatables[-1] if repeatables else None
         if grants is not None and applied and f"{REPEATABLE_DIR}/{grants.name}" not in applied:
             # the last file holds every grant to the runtime roles (99_runtime.sql): a function an earlier
             # file dropped and created again would come back without them
-            with conn.transaction():
-                _locked(conn)
-                _apply(conn, grants, f"repeatable {REPEATABLE_DIR}/{grants.name}",
-                       "update pgstream.schema_repeatables set applied_at = now() where name = %s", [grants.name])
-        conn.execute("select pgstream.create_partitions(%s)", [partitions_ahead])
+            _retried(lambda: _reapply(conn, grants))
+        _retried(lambda: _partitions(conn, partitions_ahead))
     return applied
+
+
+#: what another database's migrator (roles are the cluster's) or a concurrent catalog update makes a file
+#: fail with once; the file's transaction rolled back, it is tried again
+_RACES = (psycopg.errors.InternalError_, psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject)
+_RACE_ATTEMPTS = 5
+_T = TypeVar("_T")
+
+
+def _retried(step: Callable[[], _T]) -> _T:
+    """``step`` (one transaction), tried again a few times when it lost a race on the cluster's catalogs:
+    roles are shared by every database, so two databases migrated at once (two installs in one cluster) can
+    both create or grant the same role ("tuple concurrently updated", a duplicate role)."""
+    for attempt in range(_RACE_ATTEMPTS):
+        try:
+            return step()
+        except (MigrationError, *_RACES) as exc:
+            cause = exc.__cause__ if isinstance(exc, MigrationError) else exc  # (_apply names the file)
+            lost = isinstance(cause, _RACES) and (not isinstance(cause, psycopg.errors.InternalError_)
+                                                  or "concurrently" in str(cause))
+            if not lost or attempt == _RACE_ATTEMPTS - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _next_migration(conn: psycopg.Connection, migrations: list[Migration]) -> Migration | None:
+    """The next pending versioned migration, applied with its ledger row behind the ledger's lock (None: none)."""
+    with conn.transaction():
+        _locked(conn)
+        m = _pending(conn, migrations)
+        if m is not None:
+            _apply(conn, m, f"migration {m.path.name}",
+                   "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
+                   [m.version, m.name, m.checksum])
+        return m
+
+
+def _next_repeatable(conn: psycopg.Connection, repeatables: list[Repeatable]) -> Repeatable | None:
+    """The next changed repeatable file, applied with its ledger row behind the ledger's lock (None: none)."""
+    with conn.transaction():
+        _locked(conn)
+        r = _changed(conn, repeatables)
+        if r is not None:
+            _apply(conn, r, f"repeatable {REPEATABLE_DIR}/{r.name}",
+                   "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
+                   "on conflict (name) do update set checksum = excluded.checksum, applied_at = now()",
+                   [r.name, r.checksum])
+        return r
+
+
+def _reapply(conn: psycopg.Connection, grants: Repeatable) -> None:
+    with conn.transaction():
+        _locked(conn)
+        _apply(conn, grants, f"repeatable {REPEATABLE_DIR}/{grants.name}",
+               "update pgstream.schema_repeatables set applied_at = now() where name = %s", [grants.name])
+
+
+def _partitions(conn: psycopg.Connection, ahead: int) -> None:
+    # behind the ledger's lock too: creating a partition clones the events table's triggers, which another
+    # migrator's repeatable file may be replacing meanwhile
+    with conn.transaction():
+        _locked(conn)
+        conn.execute("select pgstream.create_partitions(%s)", [ahead])
 
 
 #: the drift guard's event triggers (sql/repeatable/05_drift_guard.sql), which only a superuser can create (and on
