@@ -50,6 +50,7 @@ from common import (
     Driver,
     Goals,
     Webhook,
+    append_results,
     delivered_events,
     extract_tree,
     load_after,
@@ -353,8 +354,7 @@ def main() -> None:
         goals.check("backfill rows read during the latency phase", float(during.get("backfill_rows") or 0),
                     at_least=args.latency_rows)
     lines += goals.lines()
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
     goals.finish()
 

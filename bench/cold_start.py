@@ -43,7 +43,7 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Goals, load_after, machine, spread
+from common import Goals, append_results, load_after, machine, spread
 
 import pgstream_dagster
 from pgstream_dagster.defs.names import DELIVERY_JOB, stream_sensor_name
@@ -415,8 +415,7 @@ def main() -> None:
         goals.check("seconds from starting `pgstream-dagster dev` (services running) to the first event",
                     statistics.median(events), at_most=args.goal)
     lines += goals.lines()
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
     goals.finish()
 

@@ -43,6 +43,12 @@ TABLE_SQL = """create table if not exists public.bench_orders (
     committed_at double precision)"""
 
 
+def append_results(text: str) -> None:
+    """Append ``text`` to bench/RESULTS.md, as given (the history every bench keeps)."""
+    with (Path(__file__).resolve().parent / "RESULTS.md").open("a", encoding="utf-8") as f:
+        f.write(text)
+
+
 def load_average() -> str:
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 

@@ -74,6 +74,7 @@ from common import (
     TABLE_SQL,
     Driver,
     Goals,
+    append_results,
     delivered_events,
     load_after,
     machine,
@@ -446,8 +447,7 @@ def _modes(args: argparse.Namespace) -> None:
              "first.", "", *table(*results), "", *goals.lines()]
     print("\n".join(lines))
     if not args.no_record:
-        with (HERE / "RESULTS.md").open("a") as f:
-            f.write("\n".join(lines) + "\n")
+        append_results("\n".join(lines) + "\n")
     goals.finish()
 
 
@@ -647,8 +647,7 @@ def main() -> None:
         lines_out.append(f"- {st['secs']:.2f}s in {st['calls']} calls ({st['rows']} rows): `{st['query']}`")
     print("\n".join(lines_out))
     if not args.no_record:
-        with (HERE / "RESULTS.md").open("a") as f:
-            f.write("\n".join(lines_out) + "\n")
+        append_results("\n".join(lines_out) + "\n")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psycopg
 
-from bench.common import load_after, machine, spread
+from bench.common import append_results, load_after, machine, spread
 from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.engine.migrations import migrate
 
@@ -109,8 +109,7 @@ def main() -> None:
                  f"{med[new][1] / med[base][1]:.3f}x; the default alone +{med[new][2] - med[base][2]:,.0f} ns an event")
     text = "\n".join(lines) + "\n"
     print(text)
-    with (HERE / "RESULTS.md").open("a", encoding="utf-8") as f:
-        f.write("\n" + text)
+    append_results("\n" + text)
 
 
 if __name__ == "__main__":

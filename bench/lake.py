@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import commit, machine
+from common import append_results, commit, machine
 
 from pgstream_dagster.sinks import Event, build_sink
 from pgstream_dagster.sinks.base import event_from_text
@@ -179,8 +179,7 @@ def main() -> None:
                      f"{_spread(base)} events/s; CPU sink/direct {_spread(cpu_ratios, '.2f')}x (sink "
                      f"{_spread(cpus[(kind, 'sink')], '.3f')} s, direct {_spread(cpus[(kind, 'direct')], '.3f')} s)")
     print("\n".join(lines))
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

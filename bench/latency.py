@@ -32,7 +32,7 @@ import dagster as dg
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Driver, Webhook, delivered_events, extract_tree, machine, run_child, write_config
+from common import Driver, Webhook, append_results, delivered_events, extract_tree, machine, run_child, write_config
 
 from pgstream_dagster.devdb import ensure_running
 
@@ -181,8 +181,7 @@ def main() -> None:
             if base is not None:
                 lines.append(_line(f"{label}, baseline {args.baseline}", base, None))
             lines.append(_line(label + (" (current)" if base is not None else ""), r, base))
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -31,7 +31,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Webhook, machine, write_config
+from common import Webhook, append_results, machine, write_config
 from latency import _pct, _writer
 
 from pgstream_dagster import sparkserver
@@ -176,8 +176,7 @@ def main() -> None:
                      f"p99 {r['p99'] * 1000:.0f} ms, max {r['max'] * 1000:.0f} ms over {r['events']} events "
                      f"({r['missing']} missing); {r['runs']} delivery runs; cold start (first event once the sensor "
                      f"created the slot, {r['ready']:.1f}s after dg dev started) {r['cold']:.1f}s{quiet}")
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

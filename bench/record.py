@@ -35,7 +35,7 @@ import yaml
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TABLE_SQL, machine
+from common import TABLE_SQL, append_results, machine
 
 import pgstream_dagster
 from pgstream_dagster.config import StreamConfig, load_config
@@ -182,8 +182,7 @@ def main() -> None:
         old = statistics.median(timings[i])
         lines.append(f"- baseline {versions[i][0]}: {old:.2f}s = {args.events / old:,.0f} events/s; current is "
                      f"{old / now:.2f}x faster (rounds {', '.join(f'{t:.2f}' for t in timings[i])})")
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

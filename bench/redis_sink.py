@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine
+from common import append_results, machine
 
 from pgstream_dagster.sinks import Event, build_sink
 
@@ -84,8 +84,7 @@ def main() -> None:
                  f"{(median(True, 0) + median(True, 1)) / (median(False, 0) + median(False, 1)):.2f}x, wall "
                  f"{median(True, 2) / median(False, 2):.2f}x")
     print("\n".join(lines))
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

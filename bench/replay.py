@@ -39,7 +39,7 @@ import psycopg
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Goals, extract_tree, load_after, machine, run_child, spread
+from common import Goals, append_results, extract_tree, load_after, machine, run_child, spread
 
 from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.engine.migrations import migrate
@@ -244,8 +244,7 @@ def main() -> None:
                 lines.append(f"- {text} (COPY children of two passes before, between and after the replays)")
                 goals.check("file replay (warm) / median COPY pass", warm, at_least=args.goal)
     lines += goals.lines()
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
     goals.finish()
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine
+from common import append_results, machine
 
 from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.engine.migrations import migrate
@@ -172,8 +172,7 @@ def main() -> None:
                  f"{rate:,.0f} events/s (median {statistics.median(batch_reads):.2f}s, {min(batch_reads):.2f}-"
                  f"{max(batch_reads):.2f}s), {rate / copy_rate:.2f}x COPY\n")
     print(text)
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write(text)
+    append_results(text)
 
 
 if __name__ == "__main__":

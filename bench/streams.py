@@ -51,7 +51,7 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Webhook, machine, write_many_streams
+from common import Webhook, append_results, machine, write_many_streams
 
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine.migrations import migrate
@@ -574,8 +574,7 @@ def main() -> None:
             f"{', '.join(f'{k} {v}' for k, v in r.get('cpu_secs_by_role', {}).items())}; timeline (s after the "
             f"location loaded): {json.dumps(r.get('timeline', {}))}"
             + (f"; misses: {', '.join(misses)}" if misses else "; meets the goals"))
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
     if args.goal and failed:
         sys.exit(1)

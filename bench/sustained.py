@@ -44,6 +44,7 @@ from common import (
     Driver,
     Goals,
     Webhook,
+    append_results,
     delivered_events,
     load_after,
     machine,
@@ -401,8 +402,7 @@ def main() -> None:
                      f"{_gc_note(r['gc_pauses'])}")
         lines.append(f"  - {name}: {_cpu_note(r, os.cpu_count() or 1)}")
     lines += goals.lines()
-    with (HERE / "RESULTS.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
     goals.finish()
 
