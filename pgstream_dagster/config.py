@@ -255,6 +255,10 @@ def stream_object_name(stream_id: int) -> str:
     return f"{STREAM_NAME_PREFIX}{stream_id}"
 
 
+#: the reader group of a stream that names none (``streams[].reader``)
+DEFAULT_READER = "default"
+
+
 class StreamConfig(_Model):
     id: int = Field(ge=1, le=MAX_STREAM_ID, description="the stream's id (unique)")
     batch: BatchConfig = BatchConfig()
@@ -266,14 +270,16 @@ class StreamConfig(_Model):
     slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$",
                                   description="the replication slot the stream reads; default: a name the database "
                                               "derives, unique in the cluster (engine.ledger.streams.stream_slot)")
-    reader: str | None = Field(
-        None, pattern=r"^[a-z][a-z0-9_]{0,30}$",
-        description="a reader group: the streams naming the same group share one replication slot and one "
-                    "publication (pgstream_group_<name>), read by the group's sensor (pgstream_group_<name>), which "
-                    "decodes the WAL once and records each stream's transactions in its ledger. Without it the "
-                    "stream reads its own slot (one slot per stream). A stream that had its own slot joins "
-                    "without losing or repeating an event (its slot is drained, then dropped); leaving a group, "
-                    "or moving to another, is refused (one-line error naming the stream)")
+    reader: str = Field(
+        DEFAULT_READER, pattern=r"^[a-z][a-z0-9_]{0,30}$",
+        description="the stream's reader group: the streams naming the same group share one replication slot and "
+                    "one publication (pgstream_group_<name>), read by the group's sensor (pgstream_group_<name>) "
+                    "and its delivery run, which decode the WAL once and record each stream's transactions in its "
+                    "ledger. Every stream belongs to one: a stream that names none shares the database's default "
+                    "group, so any number of streams take one slot and one WAL sender; name a group of its own to "
+                    "give a stream a slot of its own. A stream that had its own slot joins without losing or "
+                    "repeating an event (its slot is drained, then dropped); leaving a group, or moving to another, "
+                    "is refused (one-line error naming the stream)")
 
     @model_validator(mode="after")
     def _lake_needs_global_order(self) -> StreamConfig:

@@ -26,6 +26,7 @@ from .support import faults
 from .support.aws import REGION, FakeCredentials, FaultProxy, MotoServer
 from .support.dagster_dev import Databases, drop_databases, make_databases, repo_root
 from .support.endpoint import Endpoint
+from .support.harness import Driver
 from .support.http_recorder import HttpRecorder, recording_server
 from .support.schema import USERS
 from .support.sinks import nats_admin, unique
@@ -220,6 +221,15 @@ def delivery_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     mode = str(request.param)
     monkeypatch.setattr(faults, "MODE", mode)
     return mode
+
+
+@pytest.fixture(autouse=True)
+def _drivers_closed() -> Iterator[None]:
+    """The group delivery runs a test's drivers launched end with the test (asked, as the sensor asks)."""
+    yield
+    made, Driver.made[:] = list(Driver.made), []
+    for driver in made:
+        driver.close()
 
 
 @pytest.fixture
