@@ -561,7 +561,7 @@ def main() -> None:
              f"Machine: {header}; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}. "
              f"Method: bench/streams.py; one row a second on every stream's table for {args.duration:.0f}s; "
              f"Postgres {'defaults' if args.postgres_defaults else 'devdb settings'} for slots and WAL senders; "
-             + (f"every stream in reader group {args.group!r}." if args.group else "no reader: key (the default group).")]
+             + (f"every stream in reader group {args.group!r}." if args.group else "no reader: key (group default).")]
     failed = False
     for r in results:
         firsts = r["first_event_secs"]
