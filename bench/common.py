@@ -262,7 +262,7 @@ class Driver:
         self._run_keys: set[str] = set()
         self._group_runs: list[threading.Thread] = []
 
-    def _sensor(self, stream_id: int) -> Any:
+    def sensor(self, stream_id: int) -> Any:
         """The sensor that decides for the stream: its reader group's (every stream is in one: ``default``
         unless it names another), or in a baseline tree from before that, the stream's own."""
         streams = self.defs.resources["pgstream"].config.streams
@@ -273,7 +273,7 @@ class Driver:
     def step(self, stream_id: int) -> bool:
         """One tick and its runs; True if a run was started or executed. A group delivery run (it hosts the
         group's streams' runs until asked to end) is always started in a thread of its own."""
-        sensor = self._sensor(stream_id)
+        sensor = self.sensor(stream_id)
         ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursor, sensor_name=sensor.name,
                                       resources={"pgstream": self.defs.resources["pgstream"]})
         tick: Any = sensor.evaluate_tick(ctx)
