@@ -72,12 +72,13 @@ class _Model(BaseModel):
 
 class BatchConfig(_Model):
     max_size: int = Field(1000, ge=1, le=1_000_000,
-                          description="events per ledger batch at most: the sensor (or an open run's slot reader) "
+                          description="events per ledger batch at most: its reader group's reader "
                                       "cuts what it reads from the slot into batches of this size (a run takes many "
                                       "batches: delivery.max_events_per_run)")
     max_fill_secs: float = Field(0.5, ge=0, le=3600,
-                                 description="the slot's reader (the sensor, or an open run's) records what waits "
-                                             "once max_size events wait, the slot has sent everything committed, "
+                                 description="the group's slot reader (its sensor, or its delivery run's) records "
+                                             "what waits once max_size events wait, the slot has sent everything "
+                                             "committed, "
                                              "or the oldest waiting event committed this long ago (under "
                                              "continuous traffic)")
 

@@ -132,7 +132,8 @@ def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, *,
 
 @dg.job(
     name=DELIVERY_JOB,
-    description="Deliver consecutive batches of a stream's events to its sink (requested by the stream's sensor).",
+    description="Deliver consecutive batches of a stream's events to its sink (a stream in mode per_batch; "
+                "requested by its reader group's sensor).",
     executor_def=dg.in_process_executor,
 )
 def delivery_job() -> None:

@@ -270,7 +270,8 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: groups.Member
                 time.sleep(0.02)  # the WAL up to the join position is being flushed
     except walstream.SlotBusy:
         result.notes.append(f"stream {stream.id}: its own slot {member.own_slot} is still held by its earlier reader "
-                            "(an open run's reader lets go within a second); the join goes on at the next tick")
+                            "(a reader of the version before lets go within a second); the join goes on at the next "
+                            "tick")
         return False
     except recording.NotVisibleYet:
         return False
@@ -507,7 +508,7 @@ def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recor
                   seen: Callable[[dt.datetime | None], None]) -> None:
     """A group delivery run's reader: what the server sends as it commits, until ``deadline`` (what was
     received and not recorded by then waits in ``kept`` for the next call); the slot is moved past other
-    tables' WAL once a second while nothing received is unrecorded (as an open run's reader does)."""
+    tables' WAL once a second while nothing received is unrecorded."""
     source = kept.source
     assert source is not None
     while True:
