@@ -591,8 +591,6 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             return _told(context, exc)
         with connection as conn:
             try:
-                # without a live group delivery run the tick reads briefly: the run its members wait for is
-                # requested at the tick's end (a group run process takes seconds to start)
                 live = any(r.status in _LIVE for r in _group_runs(context.instance, group, limit=5))
                 if not live:
                     # the group run's process takes seconds to start: requested first, and this tick ends (the
@@ -611,10 +609,11 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 # reader does not (it reads continuously while the run lives; its lock ends with its session).
                 # It reads in slices of DECIDE_EVERY_SECS and decides for the members after each: what it recorded
                 # is handed to the members' runs within a second, not at the end of the budget, and the group
-                # run's reader, once up, takes the reading over between slices
+                # run's reader, once up, takes the reading over between slices. (Here without a live group run:
+                # its members are all in mode per_batch, which keeps none; the tick reads its whole budget.)
                 result, observed = GroupResult(), list[dg.AssetObservation]()
                 own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
-                deadline = time.monotonic() + (budget if live else min(budget, 1.0))
+                deadline = time.monotonic() + budget
                 while True:
                     reading = None
                     if locks.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
