@@ -66,7 +66,10 @@ def _group_run(driver: Driver) -> Background:
 
 
 def _member(driver: Driver) -> dict[str, Any]:
-    """What the group's delivery run says of the stream's member run (its tag: run key, state, error)."""
+    """What the group's delivery run says of the stream's member run (its tag: run key, state, error; none
+    before the group's delivery run was launched)."""
+    if not driver.group_runs.get(GROUP):
+        return {}
     run_id = _group_run(driver).run_id
     run = driver.instance.get_run_by_id(run_id) if run_id is not None else None
     raw = run.tags.get(member_tag(STREAM)) if run is not None else None
@@ -400,8 +403,9 @@ def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
     """Every WAL sender taken (max_wal_senders): the group delivery run's reader cannot connect and says so in
     the run log, the group's sensor keeps recording and handing batches to the open run; once a sender is
-    free the run's reader reads the group's slot itself. Each event once, in commit order."""
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=3)]), instance)
+    free the run's reader reads the group's slot itself (it tries again every few seconds: the open run lingers
+    longer). Each event once, in commit order."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=60)]), instance)
     holders = _take_every_wal_sender(db_url)
     try:
         driver.tick(STREAM)  # the group's delivery run: its reader cannot open a replication connection
