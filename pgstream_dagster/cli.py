@@ -717,8 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also drop the objects outside schema pgstream that depend on it (listed without it)")
     p.set_defaults(func=_cmd_tear_down)
 
-    p = sub.add_parser("init", help="migrate and apply the YAML subscriptions as the owner; create the streams and "
-                                    "their slots as the runtime (database_url)")
+    p = sub.add_parser("init", help="migrate and apply the YAML subscriptions as the owner; register the streams in "
+                                    "their reader groups and create the groups' slots as the runtime (database_url)")
     p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
     p.add_argument("--owner-database-url", help="the owner's Postgres URL (default: $PGSTREAM_OWNER_DATABASE_URL, "
                                                 "else database_url of pgstream.yaml)")
