@@ -207,7 +207,7 @@ class DeliveryRun:
             # what the sink confirms is recorded on ``conn``: once it is broken the sink sends nothing more
             recording = sink.go_on = locks.RecordingCheck(conn)
             linger = Linger(host, conn, stream, run_key)
-            reports = Reports(host, conn, stream, run_key)
+            reports = Reports(host, stream)
             batches, started = direct_round(stream, self.batches), self.started
             if batches:
                 total = sum(b.event_count for b in batches)
@@ -554,8 +554,8 @@ class Reports:
     reported at once; later rounds of an open run together, at most every ``tuning.report_every_secs``
     and when the run ends, so a trickle of single events does not become an event-log entry each."""
 
-    def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, run_key: str) -> None:
-        self.host, self.conn, self.stream, self.run_key = host, conn, stream, run_key
+    def __init__(self, host: Host, stream: StreamConfig) -> None:
+        self.host, self.stream = host, stream
         self.reported_at = -float("inf")
         self._reset()
 
