@@ -83,6 +83,26 @@ def _pgstream_slots(url: str) -> list[str]:
                                         "current_database() and slot_name like 'pgstream%' order by 1")]
 
 
+def _own_slot(conn: psycopg.Connection, stream_id: int) -> str:
+    """Stream ``stream_id`` as a version with a slot per stream left it: its row, outside any group, and its own
+    slot (created now); the slot's name."""
+    slot = ledger_streams.ensure_stream(conn, stream_id)
+    replication.create_slot(conn, slot)
+    return slot
+
+
+def _read_as_before(conn: psycopg.Connection, stream: StreamConfig) -> int:
+    """What such a stream's own sensor did at each tick: what waits in its own slot recorded in its ledger (as
+    ``sensor``), then confirmed; the events recorded."""
+    source = ingest.PeekSource(conn, ledger_streams.stream_slot(conn, stream.id), stream.publication, 100_000)
+    txns = source.read(0)
+    target = ingest.StreamLedger(stream, ledger_state.SENSOR)
+    assert ingest.record_pass(conn, {stream.id: target}, {stream.id: txns}) == set()
+    if txns:
+        source.confirm(txns[-1].end_lsn)
+    return target.events
+
+
 def _drain(conn: psycopg.Connection, streams: list[StreamConfig], until: Any, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not until():
@@ -157,17 +177,18 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
 
 def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(db_url: str, tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # stream 1 reads its own slot, with events recorded and events waiting; stream 2 is in the group
-    streams = _configs(tmp_path, db_url, [1, 2], group={1: None})
+    # stream 1 reads its own slot (as a version with a slot per stream left it), with events recorded and events
+    # waiting; stream 2 is in the group
+    streams = _configs(tmp_path, db_url, [1, 2])
     own, member = streams
     with psycopg.connect(db_url, autocommit=True) as c:
-        ingest.consume(c, own, 0.1)  # creates its slot
-        own_slot = slot_of(db_url, 1)
+        own_slot = _own_slot(c, 1)
         insert_events(db_url, 1, 30)
-        assert ingest.consume(c, own, 0.5).events == 30
+        assert _read_as_before(c, own) == 30
         insert_events(db_url, 1, 20, start=100)  # not recorded yet: waiting in its own slot
         ingest.consume_group(c, GROUP, [member], 0)
-        # stream 1 gets reader: the group's; its own sensor goes on reading its own slot until the hand-over
+        # stream 1 is configured in the group (the upgrade): the group's sensor reads its own slot for it until
+        # the hand-over
         streams = _configs(tmp_path, db_url, [1, 2])
         joining = streams[0]
         insert_events(db_url, 1, 5, start=200)
@@ -217,10 +238,10 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         assert ledger_state.slot_reader(c, 1) == groups.group_reader(GROUP)
         # its own slot is gone, the group's is the one slot
         assert own_slot not in _pgstream_slots(db_url) and len(_pgstream_slots(db_url)) == 1
-        # its own sensor does not read (nor create) a slot any more
+        # its own slot is not read (nor created) any more
         assert ingest.consume(c, joining, 0.2).slot_busy and len(_pgstream_slots(db_url)) == 1
-        # a new stream with reader: registered by its own sensor, written to before the group's sensor has
-        # put it in the publication: those events are not in the group's slot, and are recorded once
+        # a new stream with reader: registered, written to before the group's sensor has put it in the
+        # publication: those events are not in the group's slot, and are recorded once
         (_, _, newcomer) = _configs(tmp_path, db_url, [1, 2, 3])
         assert ingest.consume(c, newcomer, 0.1).slot_busy
         insert_events(db_url, 3, 6)
@@ -230,9 +251,10 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         _drain(c, streams, lambda: len(_recorded(db_url, 3)) == 10)
         ingest.consume_group(c, GROUP, streams, 0.3)
         assert sorted(_recorded(db_url, 3)) == _events(db_url, 3) and len(_pgstream_slots(db_url)) == 1
-        # leaving the group is refused, naming the stream, and changes nothing
+        # leaving the group (a slot of its own again, as the version before registered it) is refused, naming the
+        # stream, and changes nothing
         with pytest.raises(groups.GroupChange, match="stream 1 reads with reader group shared: leaving a group"):
-            ingest.consume(c, own, 0.1)
+            ledger_streams.ensure_stream(c, 1)
         with pytest.raises(groups.GroupChange, match="stream 1 reads with reader group shared, not other"):
             groups.register_group_member(c, 1, "other")
         assert ledger_state.slot_reader(c, 1) == groups.group_reader(GROUP) and len(_pgstream_slots(db_url)) == 1
@@ -790,12 +812,12 @@ def test_a_runtime_calling_the_hand_over_out_of_order_is_refused_and_the_join_lo
     reader set back to the sensor or to a run (the trigger keeps the group's). Each is refused or kept,
     and the group's reader then hands the stream over with every event recorded once."""
     runtime = hostile["runtime"]
-    streams = _configs(tmp_path, db_url, [1, 2], group={2: None})
+    streams = _configs(tmp_path, db_url, [1, 2])
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, GROUP, streams[:1], 0)
-        ingest.consume(c, streams[1], 0.1)  # stream 2 reads its own slot
+        _own_slot(c, 2)  # stream 2 reads its own slot (a version with a slot per stream)
         insert_events(db_url, 2, 10)
-        assert ingest.consume(c, streams[1], 0.5).events == 10
+        assert _read_as_before(c, streams[1]) == 10
         insert_events(db_url, 2, 4, start=100)  # waiting in its own slot
         writer = psycopg.connect(db_url)  # began before the publication includes stream 2
         writer.execute("insert into pgstream.events (payload, stream_id) values ('{\"late\": 1}', 2)")

@@ -71,7 +71,7 @@ def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.Asset
                     f"is one materialization, its later rounds one at most every "
                     f"{stream.delivery.tuning.report_every_secs:g} s (delivery.tuning.report_every_secs) and one when "
                     f"it ends.",
-        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "slot": stream.slot_label,
+        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "reader_group": stream.reader,
                   "batch_max_size": stream.batch.max_size, "ordering": stream.delivery.ordering,
                   "mode": stream.delivery.mode},
         kinds={"postgres", "spark"},

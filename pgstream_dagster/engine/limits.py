@@ -1,5 +1,5 @@
 """The Postgres and Dagster limits that can stop a stream, checked before they do (``pgstream-dagster
-preflight``, ``init``, and a sensor whose slot cannot be created): ``wal_level``, the runtime role's
+preflight``, ``init``, and a group's sensor whose slot cannot be created): ``wal_level``, the runtime role's
 replication right, ``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with the
 connections Dagster's storage keeps on the same server), and the Dagster instance's
 ``max_concurrent_runs`` (both given by the caller: the engine does not know Dagster).
@@ -126,18 +126,10 @@ def _suggest(needed: int) -> int:
     return max(8, -(-needed // 8) * 8)
 
 
-def _names(ids: Sequence[int | str]) -> str:
-    """Who needs the slots: stream ids, and reader groups (their names, one slot per group)."""
-    groups = [f"reader group {g}" for g in ids if isinstance(g, str)]
-    streams = [i for i in ids if isinstance(i, int)]
-    if len(streams) == 1:
-        who = [f"stream {streams[0]}"]
-    elif streams:
-        who = ["streams " + ", ".join(str(i) for i in streams[:-1]) + f" and {streams[-1]}"]
-    else:
-        who = []
-    names = " and ".join(who + groups)
-    return f"{names} need{'s' if len(ids) == 1 else ''} {'one' if len(ids) == 1 else len(ids)} more"
+def _names(groups: Sequence[str]) -> str:
+    """Who needs the slots: reader groups (one slot per group)."""
+    names = " and ".join(f"reader group {g}" for g in groups)
+    return f"{names} need{'s' if len(groups) == 1 else ''} {'one' if len(groups) == 1 else len(groups)} more"
 
 
 def group_slot_names(conn: psycopg.Connection) -> dict[str, str]:
@@ -147,9 +139,9 @@ def group_slot_names(conn: psycopg.Connection) -> dict[str, str]:
     return {str(name): str(slot) for name, slot in conn.execute("select name, slot from pgstream.reader_groups")}
 
 
-def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[int | str]) -> str | None:
-    """The line saying that the streams ``missing`` (ids, without a slot yet; a name: a reader group, one
-    slot for its streams) do not fit in ``max_replication_slots`` with ``in_use`` slots taken, if they do not."""
+def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[str]) -> str | None:
+    """The line saying that the reader groups ``missing`` (without a slot yet: one slot for each group's
+    streams) do not fit in ``max_replication_slots`` with ``in_use`` slots taken, if they do not."""
     free = limits.max_replication_slots - in_use
     if len(missing) <= max(free, 0):
         return None
@@ -187,7 +179,7 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
     existing = {str(r[0]) for r in conn.execute("select slot_name from pg_catalog.pg_replication_slots")}
     group_slots = group_slot_names(conn)
     groups = list(reader_groups(streams))
-    missing: list[int | str] = [g for g in groups if group_slots.get(g) not in existing]
+    missing = [g for g in groups if group_slots.get(g) not in existing]
     line = slot_problem(limits, len(existing), missing)
     if line:
         out.append(line)

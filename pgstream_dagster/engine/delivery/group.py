@@ -46,10 +46,10 @@ import psycopg
 
 from ...config import StreamConfig
 from .. import dbconn
-from ..handoff import Log
 from ..ledger import groups, locks, state
 from ..limits import LimitsExceeded
 from ..replication import PublicationTaken
+from ..runlog import Log
 from .run import DeliveryRun, Host
 
 #: how often the group run looks at what its members want hosted when no notification woke it
@@ -332,7 +332,7 @@ class GroupDelivery:
 
         every = max(stream.delivery.tuning.report_every_secs, len(self.streams) / REPORTS_PER_SEC)
         host = Host(run_id, base.log, spark=base.spark, stop_check=stop_check, report=base.report,
-                    control=base.control, reader=None, wake=self._waker(stream.id), report_every_secs=every)
+                    control=base.control, wake=self._waker(stream.id), report_every_secs=every)
         error: str | None = None
         try:
             run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,

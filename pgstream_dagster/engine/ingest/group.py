@@ -8,8 +8,8 @@ the WAL is decoded once for all of them (docs/architecture.md, "One reader for a
    the group's publication filters on exactly its members (``ensure_group_publication``), and the group's
    slot exists and is usable. A slot that was dropped or invalidated (or a publication dropped by hand)
    sets ``recovery_pending`` on the group and each joined member, is replaced, and each member records
-   from ``pgstream.events`` what its ledger does not cover (as :func:`~.slot.ensure_slot` does for one
-   stream: duplicates possible after an interruption, losses not).
+   from ``pgstream.events`` what its ledger does not cover (duplicates possible after an interruption,
+   losses not).
 2. **join** (:func:`join_members`): a member that still had its own slot hands over: once the
    publication includes it and every transaction running then has ended, ``begin_join`` sets its join
    position L (the WAL insert position) and makes the group's reader its declared reader; its own slot is
@@ -34,13 +34,15 @@ import psycopg
 
 from ...config import StreamConfig, recording_stand_in
 from .. import limits, replication, walstream
-from ..handoff import Log
 from ..ledger import groups, recording
 from ..replication import Transaction
+from ..runlog import Log
 from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, _past, record_pass
-from .slot import SLOT_CREATION_WAIT_SECS
 from .source import PeekSource, StreamSource
 
+#: how long the creation of the group's slot waits for the transactions running then to end (any role that
+#: writes a table can keep one open): then the tick ends naming them (replication.SlotCreationWaits)
+SLOT_CREATION_WAIT_SECS = 5.0
 #: a joining member: how long a tick waits for the transactions running when its join began
 JOIN_WAIT_SECS = 2.0
 #: how often the group's slot is peeked again while nothing waits
@@ -191,7 +193,7 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
     if info is None and (elsewhere := replication.slot_database(conn, state.slot)) is not None:
         raise groups.GroupChange(f"reader group {group}: replication slot {state.slot} belongs to database "
                                  f"{elsewhere}, not to this one: drop it there if nothing reads it")
-    # crash-safe as ensure_slot: pending first, cleared once every member recovered
+    # crash-safe: pending first, cleared once every member recovered
     groups.set_group_recovery_pending(conn, group, True)
     for m in joined:
         recording.set_recovery_pending(conn, m.id)
@@ -268,7 +270,8 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: groups.Member
                 time.sleep(0.02)  # the WAL up to the join position is being flushed
     except walstream.SlotBusy:
         result.notes.append(f"stream {stream.id}: its own slot {member.own_slot} is still held by its earlier reader "
-                            "(an open run's reader lets go within a second); the join goes on at the next tick")
+                            "(a reader of the version before lets go within a second); the join goes on at the next "
+                            "tick")
         return False
     except recording.NotVisibleYet:
         return False
@@ -505,7 +508,7 @@ def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recor
                   seen: Callable[[dt.datetime | None], None]) -> None:
     """A group delivery run's reader: what the server sends as it commits, until ``deadline`` (what was
     received and not recorded by then waits in ``kept`` for the next call); the slot is moved past other
-    tables' WAL once a second while nothing received is unrecorded (as an open run's reader does)."""
+    tables' WAL once a second while nothing received is unrecorded."""
     source = kept.source
     assert source is not None
     while True:
