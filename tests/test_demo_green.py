@@ -181,7 +181,10 @@ def test_a_fresh_make_dev_stays_green_past_a_checks_tick_and_make_stop_ends_it_i
     _wait("the first scheduled pgstream_checks run", checks_ended, 200, demo)
     runs = demo.runs()
     assert {r["jobName"] for r in runs} >= {"pgstream_group_delivery", "pgstream_checks"}
-    bad = [(r["jobName"], r["status"], r["runId"]) for r in runs if r["status"] not in ("SUCCESS", "STARTED")]
+    # (a run still on its way, e.g. the next minute's checks run, launched late on a loaded host, is not a failure;
+    # make stop ends it, and every run's last status is checked after the stop below)
+    bad = [(r["jobName"], r["status"], r["runId"]) for r in runs
+           if r["status"] not in ("SUCCESS", "STARTED", "STARTING", "QUEUED", "NOT_STARTED")]
     assert bad == [], f"runs of a fresh demo that are not green: {bad}\n" + "\n".join(
         demo.failure(run_id) for _job, _status, run_id in bad)
 
