@@ -17,30 +17,25 @@ import json
 import os
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 import psycopg
-import yaml
 
 from pgstream_dagster.config import load_config
-from pgstream_dagster.defs.names import member_tag
 
-from .dagster_dev import repo_root
+from .dagster_instance import child_instance
 from .harness import Driver, read_jsonl, replay_through_spark
+from .members import MemberRuns, drive, end
 
 
 @contextlib.contextmanager
 def _instance() -> Iterator[dg.DagsterInstance]:
-    """A Dagster instance on the repository's Postgres storage at ``$PGSTREAM_TEST_DAGSTER_STORAGE`` (the group
-    delivery runs write to it from threads of their own, which an in-memory instance does not take)."""
-    storage = yaml.safe_load((repo_root() / "dagster.yaml").read_text())["storage"]
-    for kind in storage.values():
-        (kind.get("config", kind))["postgres_url"] = os.environ["PGSTREAM_TEST_DAGSTER_STORAGE"]
-    with tempfile.TemporaryDirectory() as home, dg.instance_for_test(overrides={"storage": storage},
-                                                                      temp_dir=home) as instance:
+    """The Dagster storage at ``$PGSTREAM_TEST_DAGSTER_STORAGE`` (the group delivery runs write to it from
+    threads of their own, which an in-memory instance does not take)."""
+    with tempfile.TemporaryDirectory() as tmp, child_instance(os.environ["PGSTREAM_TEST_DAGSTER_STORAGE"],
+                                                              Path(tmp)) as instance:
         yield instance
 
 
@@ -55,50 +50,16 @@ def delivered_events(config: Path) -> tuple[int, bool]:
     return int(row[0]), bool(row[1])
 
 
-class Members:
-    """Each member run of stream 1 the group delivery runs hosted (its run key) and its last state, in order:
-    what the group runs' member tags say (a group run's tag holds its latest one), looked at before each tick,
-    the only thing that requests the next."""
-
-    def __init__(self, driver: Driver) -> None:
-        self.driver = driver
-        self.states: dict[str, str] = {}
-
-    def look(self) -> None:
-        for background in self.driver.group_runs.get(self.driver.group_of(1), []):  # in launch order
-            run = self.driver.instance.get_run_by_id(background.run_id or "")
-            raw = run.tags.get(member_tag(1)) if run is not None else None
-            if raw:
-                member = json.loads(raw)
-                self.states[member["run_key"]] = member["state"]
-
-    def succeeded(self) -> list[bool]:
-        return [state == "ended" for state in self.states.values()]
-
-
-def drive(driver: Driver, members: Members, done: Callable[[], bool], what: Callable[[], str]) -> None:
-    """Tick stream 1's group (executing what it requests of its own) until ``done()``, then end the group runs
-    (each member run ends: its state is its last)."""
-    deadline = time.monotonic() + 300
-    while not done():
-        assert time.monotonic() < deadline, f"not done in time: {what()}"
-        members.look()
-        for request in driver.tick(1).run_requests or []:
-            driver.execute(request)
-        time.sleep(0.05)
-    driver.stop_group_runs("done")
-    members.look()
-
-
 def by_key(config: Path, expected: int, out: Path) -> None:
     with _instance() as instance:
         driver = Driver(config, instance)
-        members = Members(driver)
-        drive(driver, members, lambda: delivered_events(config) == (expected, False),
-              lambda: str(delivered_events(config)))
+        members = MemberRuns(driver, 1)
+        drive(driver, members, lambda: delivered_events(config) == (expected, False))
+        end(driver, members)
         rounds = [[e.event_specific_data.materialization.metadata["events"].value  # type: ignore[union-attr]
                    for e in r.all_events if e.event_type_value == "ASSET_MATERIALIZATION"] for r in driver.results]
-        out.write_text(json.dumps({"runs": members.succeeded(), "rounds": rounds, "members": members.states}))
+        out.write_text(json.dumps({"runs": members.outcomes(), "rounds": rounds,
+                                   "members": list(members.seen.values())}))
 
 
 def main() -> None:
@@ -109,12 +70,12 @@ def main() -> None:
         return
     with _instance() as instance:
         driver = Driver(config, instance)
-        members = Members(driver)
+        members = MemberRuns(driver, 1)
         sink = Path(json.loads(Path(str(config) + ".sink").read_text()))
-        drive(driver, members, lambda: len(read_jsonl(sink)) >= expected,
-              lambda: f"{len(read_jsonl(sink))} events in the sink")
+        drive(driver, members, lambda: len(read_jsonl(sink)) >= expected)
+        end(driver, members)
         replayed, ids = replay_through_spark(config, 1, instance)
-        out.write_text(json.dumps({"runs": members.succeeded() + [r.success for r in driver.results],
+        out.write_text(json.dumps({"runs": members.outcomes() + [r.success for r in driver.results],
                                    "replay": replayed, "replayed": ids}))
 
 
