@@ -256,7 +256,8 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         """The group run's reader: the group's slot read as the group's sensor reads it (the same function), over
         one replication connection kept open across the calls."""
         group_log(context.log, group, consume_group(conn, group, streams, secs, kept=kept,
-                                                    invalid=pgstream.config.left_out), batches=False, noted=noted)
+                                                    invalid=pgstream.config.left_out, stop=delivery.reading_ended),
+                  batches=False, noted=noted)
 
     host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read,
                      read_ends=kept.close)

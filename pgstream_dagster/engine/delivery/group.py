@@ -59,9 +59,10 @@ POLL_SECS = 1.0
 #: ``tuning.report_every_secs`` (5 s) were a fifth of the group's database load. A member reports every
 #: ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
 REPORTS_PER_SEC = 5.0
-#: the group run's reader: how long each ``consume_group`` call reads (the reader ends within it once the run
-#: ends), how long it waits before it tries again for the group's reading (the sensor's tick holds it), after
-#: a call that returned early, and after an error (its connection closed: the sensor reads meanwhile)
+#: the group run's reader: how long each ``consume_group`` call reads (the reader returns within half a second
+#: once the run ends: ``reading_ended``), how long it waits before it tries again for the group's reading (the
+#: sensor's tick holds it), after a call that returned early, and after an error (its connection closed: the
+#: sensor reads meanwhile)
 READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
@@ -226,6 +227,11 @@ class GroupDelivery:
             if reader is not None:
                 reader.join(READ_SECS + 30)
             locks.give_up_group_lease(lease, self.group)
+
+    def reading_ended(self) -> bool:
+        """The group run is ending: its reader returns from the read under way (``consume_group``'s ``stop``)
+        within half a second, not at its end (:data:`READ_SECS`), so a shutdown does not wait for it."""
+        return self._reading_ends.is_set()
 
     def _read(self) -> None:
         """The group run's reader (its own thread and connection): while it holds the group's reading, it

@@ -398,7 +398,7 @@ def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: d
 
 def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float, *,
                   mark: bool = True, kept: GroupStream | None = None,
-                  invalid: Mapping[int, str] | None = None) -> GroupResult:
+                  invalid: Mapping[int, str] | None = None, stop: Callable[[], bool] | None = None) -> GroupResult:
     """A tick of the group's reader (see the module): ensure, join, then record what commits on the
     group's slot for every member until ``budget_secs`` is spent (``0``: one look).
 
@@ -407,9 +407,12 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
     member drains its own slot, when the slot is busy or lost, and on an error.
 
     ``invalid``: the streams whose streams[] entry the code location left out (id -> what is wrong): those the
-    database has in the group are recorded all the same and told (:func:`_stand_ins`)."""
+    database has in the group are recorded all the same and told (:func:`_stand_ins`).
+
+    ``stop``: with ``kept``, true once the reader is to end (its group run ends): the call returns within
+    half a second instead of at ``budget_secs`` (what was received and not recorded waits in ``kept``)."""
     try:
-        return _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {})
+        return _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {}, stop)
     except BaseException:
         if kept is not None:
             kept.close()
@@ -417,7 +420,8 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
 
 
 def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float,
-                   mark: bool, kept: GroupStream | None, invalid: Mapping[int, str]) -> GroupResult:
+                   mark: bool, kept: GroupStream | None, invalid: Mapping[int, str],
+                   stop: Callable[[], bool] | None = None) -> GroupResult:
     result = GroupResult()
     started = time.monotonic()
     deadline = started + budget_secs
@@ -461,7 +465,7 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     try:
         if kept is not None:
             _follow_group(conn, group, kept, kept.recorder(conn, group, state.slot, ledgers, rule_of(streams)),
-                          ledgers, deadline, until, result, seen)
+                          ledgers, deadline, until, result, seen, stop)
         else:
             _peek_group(conn, group, streams, state.slot, ledgers, deadline, until, result, seen)
     except walstream.SlotBusy:
@@ -505,10 +509,10 @@ def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig
 
 def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recorder: Recorder,
                   ledgers: dict[int, StreamLedger], deadline: float, until: float, result: GroupResult,
-                  seen: Callable[[dt.datetime | None], None]) -> None:
-    """A group delivery run's reader: what the server sends as it commits, until ``deadline`` (what was
-    received and not recorded by then waits in ``kept`` for the next call); the slot is moved past other
-    tables' WAL once a second while nothing received is unrecorded."""
+                  seen: Callable[[dt.datetime | None], None], stop: Callable[[], bool] | None = None) -> None:
+    """A group delivery run's reader: what the server sends as it commits, until ``deadline`` or ``stop()``
+    (what was received and not recorded by then waits in ``kept`` for the next call); the slot is moved past
+    other tables' WAL once a second while nothing received is unrecorded."""
     source = kept.source
     assert source is not None
     while True:
@@ -521,7 +525,7 @@ def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recor
             # every transaction that committed before the server's position has been received and recorded
             kept.checked_at = now
             seen(source.skip_idle(conn))
-        if now >= deadline:
+        if now >= deadline or (stop is not None and stop()):
             break
 
 
