@@ -289,7 +289,9 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     run = _find_run(instance, key) if member is None else None
     if member is not None:
         view, doing = member
-    elif run is None and stream.reader is not None and key:
+    elif run is None and stream.reader is not None and stream.delivery.keeps_open and key:
+        # (a member in mode per_batch has Dagster runs of its own: one requested that Dagster does not have was
+        # lost, and is requested again below, as a stream's own)
         view, doing = _waiting_member(stream, key)
     else:
         view, doing = _run_view(conn, instance, run, stream, now)
