@@ -296,12 +296,17 @@ def test_a_slot_no_stream_reads_fails_a_check_and_shows_in_status(app: str, tmp_
         assert "slot pgstream_stream_7: no stream reads it, and it retains " in out
         assert "select pg_catalog.pg_drop_replication_slot('pgstream_stream_7')" in out and "my_own_slot" not in out
 
-        # a stream given another slot_name leaves its default slot behind: listed too
-        default_1 = slot_of(app, 1)
+        # a stream given another slot_name leaves its own default slot (a slot each: an install of before every
+        # stream was in a reader group) behind: listed too; the group's slot, read for it, is not
+        with psycopg.connect(app, autocommit=True) as c:
+            default_1 = ledger_streams.stream_slot(c, 1)
+            replication.create_slot(c, default_1)
+        assert [s["slot_name"] for s in values(Checks(cfg, instance).run()[orphan].metadata)["slots"]] == [
+            "pgstream_stream_7"]
         execute(app, "update pgstream.streams set slot_name = 'stream_one' where id = 1")
         ev = Checks(cfg, instance).run()[orphan]
-        assert [s["slot_name"] for s in values(ev.metadata)["slots"]] == [
-            default_1, "pgstream_stream_7"]
+        assert [s["slot_name"] for s in values(ev.metadata)["slots"]] == sorted([default_1, "pgstream_stream_7"])
+        assert slot_of(app, 1) not in (ev.description or "")
         execute(app, "update pgstream.streams set slot_name = null where id = 1",
                 "select pg_drop_replication_slot('pgstream_stream_7')")
         assert Checks(cfg, instance).run()[orphan].passed
@@ -451,7 +456,8 @@ def test_a_scheduled_checks_run_paces_its_streams_and_one_from_the_ui_does_not(
         result = job.execute_in_process(instance=instance, raise_on_error=False, tags=tags)
         assert slept == pauses
         assert backgrounded == [True] * len(pauses)
-        assert len(result.get_asset_check_evaluations()) == 3 * 5 + 2  # (trigger + 4 a stream; 2 of the location)
+        # (trigger + 3 a stream; 2 of the location, and the slot check of their reader group, default)
+        assert len(result.get_asset_check_evaluations()) == 3 * 4 + 3
 
 
 def test_a_scheduled_checks_runs_process_yields_the_cpus_and_never_lowers_its_niceness() -> None:
