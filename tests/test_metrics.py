@@ -22,17 +22,17 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from pgstream_dagster import cli, exporter
-from pgstream_dagster.config import ConfigError, StreamConfig, load_config, load_metrics_settings
+from pgstream_dagster.config import DEFAULT_READER, ConfigError, StreamConfig, load_config, load_metrics_settings
 from pgstream_dagster.defs.names import status_asset_key
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.engine import ingest, replication
-from pgstream_dagster.engine.ledger import recording, streams
+from pgstream_dagster.engine.ledger import groups, recording, streams
 from pgstream_dagster.engine.ledger import state as ledger_state
 from pgstream_dagster.engine.metrics import HISTOGRAMS, METRICS, SCRAPE_DURATION, UP
 
 from .support.endpoint import Endpoint
 from .support.faults import STREAM, delivered_all, drive, in_failover, sent_ids, stream_config
-from .support.harness import Driver, insert_events, slot_of, write_config
+from .support.harness import Driver, insert_events, slot_of, tick_until, write_config
 from .support.metrics import Samples, bucket, scrape, value
 from .support.schema import USERS, subscribe
 
@@ -63,10 +63,19 @@ def ledger(url: str) -> dict[str, Any]:
     return row
 
 
+def joined(url: str) -> bool:
+    """Stream 1 has joined its reader group (``default``), whose slot exists."""
+    with psycopg.connect(url) as c:
+        group = groups.group_state(c, DEFAULT_READER)
+        return (group is not None and replication.slot_info(c, group.slot) is not None
+                and any(m.id == STREAM and m.joined for m in group.members))
+
+
 def started(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> Driver:
-    """The in-process driver of stream 1 (to the HTTP endpoint), after its first tick (stream row, slot)."""
+    """The in-process driver of stream 1 (to the HTTP endpoint), once its group's ticks made its stream row and
+    slot (the group's delivery run, in the background, reads it)."""
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    tick_until(driver, STREAM, lambda: joined(db_url))
     return driver
 
 
@@ -97,15 +106,14 @@ def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: 
     assert value(s, "pgstream_slot_wal_status", stream=S, wal_status="reserved") == 1
     assert value(s, "pgstream_slot_info", stream=S, slot=slot_of(db_url, STREAM)) == 1
 
+    # the endpoint holds its answers: the stream's run (in its group's delivery run) takes the batches and waits
+    held = threading.Event()
+    endpoint.hook = lambda _n: held.wait(120) and None
     insert_events(db_url, STREAM, 120)  # manual events: no subscription key
     with psycopg.connect(db_url) as conn:
         conn.execute("insert into public.users (email) select 'u' || g || '@example.com' from generate_series(1, 7) g")
-    requests: list[dg.RunRequest] = []
-    deadline = time.monotonic() + 60
-    while ledger(db_url)["open_events"] < 127:
-        assert time.monotonic() < deadline
-        requests += driver.tick(STREAM).run_requests or []
-    requests += driver.tick(STREAM).run_requests or []
+    tick_until(driver, STREAM, lambda: ledger(db_url)["open_events"] >= 127 and ledger(db_url)["launched"] >= 1,
+               timeout=60)
     s = scrape(metrics_url)
     state = ledger(db_url)
     assert value(s, "pgstream_events_recorded_total", stream=S) == 127
@@ -119,7 +127,8 @@ def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: 
     time.sleep(1.2)
     assert value(scrape(metrics_url), "pgstream_oldest_undelivered_age_seconds", stream=S) >= first_age + 1
 
-    assert requests
+    assert driver.group_runs[DEFAULT_READER]  # (the stream's runs are its group delivery run's)
+    held.set()
     drive(driver, lambda: ledger(db_url)["open_events"] == 0)
     s = scrape(metrics_url)
     state = ledger(db_url)
@@ -142,16 +151,16 @@ def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: 
     assert value(s, f"{LAG}_sum", stream=S) == pytest.approx(sum(lags), abs=1e-3)
     assert bucket(s, LAG, "600", stream=S) == len([x for x in lags if x <= 600])
 
-    # the status asset: every delivery round observed it with fresh counts (in the instance's event log)
-    run_ids = {r.run_id for r in driver.results}
-    records = instance.fetch_observations(status_asset_key(STREAM), limit=100).records
-    from_runs = [r for r in records if r.event_log_entry.run_id in run_ids]
-    assert from_runs, "the delivery runs did not observe the status asset"
-    latest = from_runs[0].event_log_entry.asset_observation
-    assert latest is not None
-    assert latest.metadata["delivered_today"].value == 127
-    assert latest.metadata["undelivered_events"].value == 0
-    assert str(latest.metadata["observed_by"].value).startswith("delivery run ")
+    # the status asset: the group's sensor observes it with fresh counts (a member's delivery rounds do not: a
+    # hundred members' reports asking for their status were a group's largest query load)
+    def fresh() -> bool:
+        latest = driver.observations[-1].metadata if driver.observations else {}
+        return latest.get("undelivered_events") is not None and latest["undelivered_events"].value == 0 \
+            and latest["delivered_today"].value == 127
+    tick_until(driver, STREAM, fresh, timeout=60)
+    latest = driver.observations[-1]
+    assert latest.asset_key == status_asset_key(STREAM)
+    assert latest.metadata["observed_by"].value == "sensor"
 
 
 def test_failover_gauges_during_an_outage(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
@@ -167,9 +176,8 @@ def test_failover_gauges_during_an_outage(db_url: str, tmp_path: Path, instance:
     deadline = time.monotonic() + 120
     while not in_failover(db_url):
         assert time.monotonic() < deadline
-        for request in driver.tick(STREAM).run_requests or []:
-            assert not driver.execute(request).success
-    time.sleep(1.0)
+        assert driver.tick(STREAM).run_requests == []  # (its runs are its group delivery run's)
+    time.sleep(1.0)  # (the failover lasts a second at least: the gauge of its duration)
     s = scrape(metrics_url)
     assert value(s, "pgstream_failover_active", stream=S) == 1
     assert value(s, "pgstream_failovers_entered_total", stream=S) == 1
@@ -297,26 +305,32 @@ def test_a_scrape_never_blocks_delivery_and_never_waits_long_for_a_lock(db_url: 
     assert value(scrape(metrics_url), UP) == 1
 
 
-def test_the_status_shows_an_open_run_that_is_gone_as_gone(db_url: str, tmp_path: Path,
-                                                           instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    driver = started(db_url, tmp_path, instance, endpoint)
+def test_the_status_shows_what_became_of_a_members_open_run(db_url: str, tmp_path: Path,
+                                                            instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """The ledger names an open run of stream 1 that no group delivery run has taken yet: its status shows it
+    starting, waiting for its group's run (not gone: the group's live run takes every member run its ledger
+    wants), then live once that run hosts it; a change of what the status shows is observed at once, nothing
+    new is not observed."""
+    lingering = stream_config(endpoint, delivery={"tuning": {"linger_secs": 60, "max_run_secs": 120}})
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [lingering]), instance)
+    tick_until(driver, STREAM, lambda: joined(db_url))
+    (group_run,) = driver.group_runs[DEFAULT_READER]
+    key = "pgstream-s1-gone-b1-a1"
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("update pgstream.streams set open_run_key = 'pgstream-s1-gone-b1-a1' where id = 1")
+        conn.execute("update pgstream.streams set open_run_key = %s where id = 1", [key])
     driver.observations.clear()
-    driver.tick(STREAM)
-    (observation,) = driver.observations
-    assert observation.metadata["open_run_key"].value == "pgstream-s1-gone-b1-a1"
-    assert str(observation.metadata["open_run_state"].value).startswith("gone: Dagster has no run")
-    # a change of what the status shows is observed at once; nothing new, nothing observed
+    tick_until(driver, STREAM, lambda: bool(driver.observations))
+    first = driver.observations[0]
+    assert first.metadata["open_run_key"].value == key
+    assert str(first.metadata["open_run_state"].value) in (
+        f"starting: the delivery run of reader group {DEFAULT_READER} to take run {key}",
+        f"live: member run {group_run.run_id}/{STREAM} (it holds the delivery lease)")  # (taken meanwhile)
+    tick_until(driver, STREAM, lambda: str(driver.observations[-1].metadata["open_run_state"].value) ==
+               f"live: member run {group_run.run_id}/{STREAM} (it holds the delivery lease)", timeout=60)
+    # nothing new, nothing observed
     driver.observations.clear()
     driver.tick(STREAM)
     assert driver.observations == []
-    insert_events(db_url, STREAM, 3)
-    deadline = time.monotonic() + 30
-    while not driver.observations:
-        assert time.monotonic() < deadline
-        driver.tick(STREAM)
-    assert driver.observations[-1].metadata["undelivered_events"].value == 3
 
 
 def test_bad_metrics_configuration_is_refused_with_a_clear_message(db_url: str, tmp_path: Path,

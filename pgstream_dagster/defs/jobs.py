@@ -23,6 +23,7 @@ from dagster._utils.interrupts import capture_interrupts  # (Dagster's own: a si
 from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig, streams_fingerprint
+from ..engine.collector import fewer_collections
 from ..engine.dbconn import server_gone
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary, waiting_batches
@@ -255,9 +256,10 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     def read(conn: psycopg.Connection, secs: float) -> None:
         """The group run's reader: the group's slot read as the group's sensor reads it (the same function), over
         one replication connection kept open across the calls."""
-        group_log(context.log, group, consume_group(conn, group, streams, secs, kept=kept,
-                                                    invalid=pgstream.config.left_out, stop=delivery.reading_ended),
-                  batches=False, noted=noted)
+        with fewer_collections():  # the reader records in bulk (as the group's sensor's tick does)
+            result = consume_group(conn, group, streams, secs, kept=kept, invalid=pgstream.config.left_out,
+                                   stop=delivery.reading_ended)
+        group_log(context.log, group, result, batches=False, noted=noted)
 
     host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read,
                      read_ends=kept.close)

@@ -39,6 +39,7 @@ import dagster as dg
 import psycopg
 
 from ..config import StreamConfig, reader_groups, streams_fingerprint
+from ..engine import limits, replication
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
 from ..engine.dbconn import describe_url, error_line, server_gone
@@ -278,7 +279,9 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     run = _find_run(instance, key) if member is None else None
     if member is not None:
         view, doing = member
-    elif run is None and key:
+    elif run is None and stream.delivery.keeps_open and key:
+        # (a member in mode per_batch has Dagster runs of its own: one requested that Dagster does not have was
+        # lost, and is requested again below, as a stream's own)
         view, doing = _waiting_member(stream, key)
     else:
         view, doing = _run_view(conn, instance, run, stream, now)
@@ -552,6 +555,19 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     return observed
 
 
+def _slot_fits(conn: psycopg.Connection, group: str) -> None:
+    """:class:`LimitsExceeded` (the slot line of ``engine.limits``) when the group's slot does not exist and
+    every replication slot is in use: a group run requested then would end at once (its reader refused), and
+    the next tick would request another."""
+    state = groups.group_state(conn, group)
+    if state is None or replication.slot_info(conn, state.slot) is not None:
+        return
+    row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
+    line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [group])
+    if line is not None:
+        raise LimitsExceeded([line])
+
+
 def _unconfigured(conn: psycopg.Connection, group: str, invalid: Mapping[int, str]) -> dict[int, str]:
     """The group's members whose streams[] entry is invalid (the code location left them out), each told in
     one line (as the group's reader tells it: ``ingest.group``)."""
@@ -601,6 +617,9 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     notes_: list[str] = []
                     request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
                     if request is not None:
+                        # a group whose slot cannot be created: the tick says why (its run's reader would be
+                        # refused at once, and every tick would request another)
+                        _slot_fits(conn, group)
                         for line in notes_:
                             context.log.warning(line)
                         context.log.info(f"reader group {group}: group delivery run {delivery}")
