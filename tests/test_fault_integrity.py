@@ -24,8 +24,18 @@ from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
 from pgstream_dagster.engine.housekeeping import run_housekeeping
 
 from .support.endpoint import Endpoint
-from .support.faults import STREAM, drive, in_failover, ledger_order, sent_ids, slot_has_events, stream_config
-from .support.harness import Driver, backdated, insert_events, slot_of, write_config
+from .support.faults import (
+    STREAM,
+    drive,
+    drop_slot,
+    in_failover,
+    ledger_order,
+    sent_ids,
+    slot_has_events,
+    start,
+    stream_config,
+)
+from .support.harness import Driver, backdated, insert_events, write_config
 
 pytestmark = pytest.mark.usefixtures("delivery_mode")  # every row on every delivery mode (faults.MODES)
 
@@ -72,7 +82,7 @@ def test_manual_events_cannot_choose_id_created_at_or_an_unknown_stream(db_url: 
                                                                         endpoint: Endpoint,
                                                                         manual_role: str) -> None:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    start(driver)
     with as_role(db_url, manual_role) as app:
         for column, value in (("id", "5"), ("created_at", "'infinity'"), ("created_at", "'10000-01-01'"),
                               ("created_at", "'0044-03-15 BC'"), ("lsn", "'0/0'")):
@@ -110,7 +120,7 @@ def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str,
                                                                     endpoint: Endpoint) -> None:
     """Only a superuser with triggers off can write such a row; the sensor must not stall on it."""
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    start(driver)
     insert_events(db_url, STREAM, 30)
     with psycopg.connect(db_url, autocommit=True) as c:
         for value in ("infinity", "-infinity", "10000-01-01", "0044-03-15 BC"):
@@ -128,8 +138,7 @@ def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str,
     insert_events(db_url, STREAM, 5, 60)
     until(driver, lambda: len(endpoint.unique()) >= 65)
     # a lost slot recovers from the table without recording them again
-    with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute("select pg_drop_replication_slot(%s)", [slot_of(db_url, STREAM)])
+    drop_slot(db_url)
     insert_events(db_url, STREAM, 5, 65)
     until(driver, lambda: len(endpoint.unique()) >= 70)
     assert len(dead_letters(db_url)) == 4
@@ -143,7 +152,7 @@ def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str,
 def test_housekeeping_keeps_an_old_event_nobody_delivered(db_url: str, tmp_path: Path,
                                                           instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    start(driver)
     insert_events(db_url, STREAM, 10)
     until(driver, lambda: len(endpoint.unique()) >= 10)
     with psycopg.connect(db_url, autocommit=True) as c:
@@ -170,14 +179,11 @@ def test_poison_event_with_block_waits_until_the_operator_sets_it_aside(db_url: 
                                                                         instance: dg.DagsterInstance,
                                                                         endpoint: Endpoint) -> None:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    start(driver)
     insert_events(db_url, STREAM, 100)
     poison = sent_ids(db_url)[42]
     endpoint.reject_ids = {poison}
-    for _ in range(6):
-        for request in driver.tick(STREAM).run_requests or []:
-            driver.execute(request)
-    assert in_failover(db_url)
+    drive(driver, lambda: in_failover(db_url), timeout=60)  # the events before it are delivered, then it blocks
     assert poison not in endpoint.unique() and max(endpoint.unique()) < poison  # nothing overtook it
     with psycopg.connect(db_url) as c:
         (error,) = c.execute("select failover_error from pgstream.streams where id = %s", [STREAM]).fetchone()  # type: ignore[misc]
@@ -200,7 +206,7 @@ def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_ur
     cfg = stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "on_reject": "dead_letter",
                                              "max_attempts": 2})
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
-    driver.tick(STREAM)
+    start(driver)
     insert_events(db_url, STREAM, 100)
     ids = sent_ids(db_url)
     poison = {ids[0], ids[42], ids[99]}  # first, middle (mid-chunk) and last

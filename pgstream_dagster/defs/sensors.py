@@ -548,13 +548,18 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     for run in _group_runs(instance, group, limit=5):
         if run.status not in _LIVE:
             continue
+        doing = ""
         if run.status == dg.DagsterRunStatus.STARTED:
             state = locks.group_lease_state(conn, group, run.run_id)
             late = False
+            doing = " (it holds the group's delivery lease)"
             if state is locks.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
                 record = instance.get_run_record_by_id(run.run_id)
                 started = record.start_time if record else None
                 late = started is not None and time.time() - started >= grace
+                age = time.time() - started if started is not None else 0.0
+                doing = (f": started {age:.0f} s ago, has not taken its delivery lease yet (run_grace_secs "
+                         f"{grace:g})")
             if state is locks.LeaseState.LOST or (state is locks.LeaseState.NOT_TAKEN and late):
                 why = ("the database session holding the group's delivery lease has ended (its process died)"
                        if state is locks.LeaseState.LOST else
@@ -564,6 +569,8 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                 log.append(f"reader group {group}: group delivery run {run.run_id} died ({why}); marked failed")
                 continue
         ending = _ask_to_end(instance, run, group, fingerprint, log)
+        if doing:  # started: whether it holds its lease, or how long it has not taken it
+            return None, f"group delivery run {run.run_id}{doing}{ending}"
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
     hosted = {s.id for s in streams if s.delivery.keeps_open}  # (a per_batch member's runs are its own)
     wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
