@@ -129,27 +129,28 @@ def in_failover(url: str) -> bool:
     return stream_row(url)["failover_since"] is not None
 
 
-def joined(url: str) -> bool:
-    """Stream 1 has joined its reader group: the group's slot exists and the group's reader reads it."""
+def joined(url: str, stream_id: int = STREAM) -> bool:
+    """The stream has joined its reader group: the group's slot exists and the group's reader reads it."""
     with psycopg.connect(url) as c:
         row = c.execute("select s.slot_reader = 'group:' || s.reader_group and s.join_lsn is null "
                         "and exists (select 1 from pg_replication_slots r where r.slot_name = g.slot) "
                         "from pgstream.streams s join pgstream.reader_groups g on g.name = s.reader_group "
-                        "where s.id = %s", [STREAM]).fetchone()
+                        "where s.id = %s", [stream_id]).fetchone()
     return bool(row and row[0])
 
 
-def start(driver: Driver, timeout: float = 60) -> None:
-    """Tick until stream 1 has joined its group (the group's slot made): what commits from now on is read from
-    the slot. (In modes open and warm the first tick requests the group delivery run, whose reader joins it.)"""
+def start(driver: Driver, streams: tuple[int, ...] = (STREAM,), timeout: float = 120) -> None:
+    """Tick until the streams have joined their group (the group's slot made): what commits from now on is read
+    from the slot. (In modes open and warm the first tick requests the group delivery run, whose reader joins
+    them.)"""
     url = database_url(driver)
     deadline = time.monotonic() + timeout
     while True:
-        for request in driver.tick(STREAM).run_requests or []:
+        for request in driver.tick(streams[0]).run_requests or []:
             driver.execute(request)
-        if joined(url):
+        if all(joined(url, s) for s in streams):
             return
-        assert time.monotonic() < deadline, "stream 1 did not join its reader group"
+        assert time.monotonic() < deadline, f"streams {streams} did not join their reader group"
         time.sleep(0.05)
 
 
