@@ -600,7 +600,7 @@ def test_run_whose_lease_session_ended_is_failed_at_the_next_tick(db_url: str, t
     tick = tick_until_recorded()
     assert not tick.run_requests
     assert tick.skip_message is not None
-    waiting = "group delivery run" if hosted() else "waiting for run"
+    waiting = "group delivery run" if hosted() else "stream 1 waiting for run"
     assert re.search(f"30 undelivered events in 1 batches; {waiting} {run.run_id}: started \\d+ s ago, has not "
                      r"taken its delivery lease yet \(run_grace_secs 120\)", tick.skip_message), tick.skip_message
     # its process takes the lease, then dies (kill -9: the session ends, the lease was not given up)

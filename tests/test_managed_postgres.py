@@ -2,8 +2,9 @@
 managed service does (the administrator, a role with CREATEROLE and no superuser, and its database) and
 nothing more; the administrator runs the page's roles block; the owner migrates and applies the
 subscriptions; the group's sensor, the group delivery run (hosting the stream's open run) and a replay run
-as the runtime's login role, to a real HTTP endpoint that counts the events. No event trigger is created and no connection after the bootstrap
-is a superuser's. ``preflight`` names the managed service's setting for each missing prerequisite."""
+as the runtime's login role, to a real HTTP endpoint that counts the events. No event trigger is created and
+no connection after the bootstrap is a superuser's. ``preflight`` names the managed service's setting for each
+missing prerequisite."""
 
 from __future__ import annotations
 
@@ -172,9 +173,9 @@ def test_preflight_names_the_managed_services_setting_for_each_missing_prerequis
         managed: LocalPostgres, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A server with none of the prerequisites (wal_level replica, one slot and one WAL sender for two reader
-    groups) and a runtime role that may not read slots: one line each, naming postgresql.conf, then each service's own setting
-    once the cluster holds that service's administrator role; on RDS, membership in rds_replication is
-    the replication right."""
+    groups) and a runtime role that may not read slots: one line each, naming postgresql.conf, then each
+    service's own setting once the cluster holds that service's administrator role; on RDS, membership in
+    rds_replication is the replication right."""
     server = managed
     _restart_with(server, wal_level="replica", max_replication_slots="1", max_wal_senders="1")
     _run(server.url, "create role reader login")

@@ -644,13 +644,15 @@ def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> 
 
 def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
                     cursor: dict[str, Any], log: list[str], requests: list[dg.RunRequest],
-                    observations: int = OBSERVATIONS_PER_TICK) -> list[dg.AssetObservation]:
+                    observations: int = OBSERVATIONS_PER_TICK,
+                    waits: dict[int, str] | None = None) -> list[dg.AssetObservation]:
     """The decisions of every member, once each (:func:`step`, as a stream's own sensor decides: an open or
     warm member's runs are hosted by the group delivery run; a run of a member in mode per_batch is a Dagster
     run of its own, added to ``requests``), and the observations of their status assets (at most
-    ``observations``). A member still handing its own slot over (it had one before it joined) has
-    it read first, as its own sensor did (``consume``: its events are delivered meanwhile). The group's newest
-    delivery runs are read once for all of them."""
+    ``observations``; ``waits``: what the run of each member in mode per_batch with a backlog is doing, for the
+    tick's skip reason, as a stream's own sensor says it). A member still handing its own slot over (it had one
+    before it joined) has it read first, as its own sensor did (``consume``: its events are delivered
+    meanwhile). The group's newest delivery runs are read once for all of them."""
     state = groups.group_state(conn, group)
     joined = {m.id for m in state.members if m.joined} if state is not None else set()
     # a member the database does not have in the group was left out (its registration refused, told by the tick)
@@ -664,8 +666,14 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
             consume(conn, stream, JOINING_READ_SECS)
         mine = members.setdefault(str(stream.id), {})
         # (a joining member's own slot was just read: its state read again)
-        request = step(conn, instance, stream, log, said=mine.setdefault("said", {}), look=look,
+        waiting: list[str] = []
+        request = step(conn, instance, stream, log, waiting, said=mine.setdefault("said", {}), look=look,
                        state=states[stream.id] if stream.id in joined else None)
+        if waits is not None and not stream.delivery.keeps_open:  # (a run of its own: the group run's are told)
+            if waiting:
+                waits[stream.id] = waiting[0]
+            else:
+                waits.pop(stream.id, None)
         if request is not None:
             requests.append(request)
     by_id = {s.id: s for s in streams}
@@ -754,6 +762,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 # end of the budget, and the group run's reader, once up, takes the reading over between slices
                 result, observed = GroupResult(), list[dg.AssetObservation]()
                 own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
+                waits: dict[int, str] = {}  # what the runs of members in mode per_batch are doing
                 deadline = time.monotonic() + (budget if live else min(budget, 1.0))
                 while True:
                     reading = None
@@ -768,7 +777,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     else:
                         reading = locks.group_reading_holder(conn, group) or "a session that is ending"
                     observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                own_runs, observations=OBSERVATIONS_PER_TICK - len(observed))
+                                                own_runs, observations=OBSERVATIONS_PER_TICK - len(observed),
+                                                waits=waits)
                     if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
                         break
             except _TOLD_IN_ONE_LINE as exc:
@@ -782,7 +792,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 try:
                     while _launch_waits(conn, ids, deadline):
                         observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                    own_runs, observations=OBSERVATIONS_PER_TICK - len(observed))
+                                                    own_runs, observations=OBSERVATIONS_PER_TICK - len(observed),
+                                                    waits=waits)
                 except _TOLD_IN_ONE_LINE as exc:
                     return _told(context, exc)
             if invalid:  # told at every tick, whoever read
@@ -807,9 +818,10 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                    cursor=new_cursor, asset_events=observed)
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
                 if reading is None else f"read nothing: {reading} reads the group's slot")
+        why = "".join(f"; stream {sid} {line}" for sid, line in sorted(waits.items()))
         return dg.SensorResult(skip_reason=dg.SkipReason(
-            f"{read}{joining}{left}; {pending} undelivered events in {batches} batches; {delivery}"), cursor=new_cursor,
-            asset_events=observed)
+            f"{read}{joining}{left}; {pending} undelivered events in {batches} batches{why}; {delivery}"),
+            cursor=new_cursor, asset_events=observed)
 
     return _sensor
 
