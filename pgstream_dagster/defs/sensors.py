@@ -288,7 +288,8 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     run = _find_run(instance, key) if member is None else None
     if member is not None:
         view, doing = member
-    elif run is None and stream.reader is not None and key:
+    elif run is None and stream.reader is not None and key and stream.delivery.keeps_open:
+        # (a member in mode per_batch has runs of its own: one Dagster does not have was lost, requested again)
         view, doing = _waiting_member(stream, key)
     else:
         view, doing = _run_view(conn, instance, run, stream, now)

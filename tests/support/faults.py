@@ -192,7 +192,7 @@ def _batches(url: str, *statuses: str) -> set[int]:
                                         [STREAM, list(statuses)])}
 
 
-def tick_failing_until(driver: Driver, done: Callable[[], bool], what: str, timeout: float = 60) -> None:
+def tick_failing_until(driver: Driver, done: Callable[[], bool], what: str, timeout: float = 300) -> None:
     """With the sink down: tick until ``done``; every run fails. A run executed here (mode per_batch) must fail;
     the member runs the group delivery run hosts (open, warm) are seen through what the product shows: each one
     that began meanwhile with batches to deliver ends failed (its tag in the group run, with its error), and no
@@ -214,7 +214,7 @@ def tick_failing_until(driver: Driver, done: Callable[[], bool], what: str, time
         time.sleep(0.05)
 
 
-def fail_into_failover(driver: Driver, url: str, timeout: float = 60) -> str:
+def fail_into_failover(driver: Driver, url: str, timeout: float = 300) -> str:
     """With the sink down: tick (every run must fail) until the stream is in failover; returns the failover's
     error."""
     tick_failing_until(driver, lambda: in_failover(url), "the stream to enter failover", timeout)
