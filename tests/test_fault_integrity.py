@@ -69,6 +69,15 @@ def report(row: str, endpoint: Endpoint, url: str, **extra: Any) -> None:
                                         "dead_letters": len(aside), "duplicates": endpoint.duplicates(), **extra}))
 
 
+def caught_up(url: str) -> bool:
+    """Every batch of the stream is delivered (its run, hosted by the group run in the background, is done with
+    them: their dead letters written)."""
+    with psycopg.connect(url) as c:
+        row = c.execute("select count(*) from pgstream.batches where stream_id = %s and status <> 'delivered'",
+                        [STREAM]).fetchone()
+    return row == (0,)
+
+
 def until(driver: Driver, done: Callable[[], bool]) -> float:
     return drive(driver, done, timeout=240)
 
@@ -163,7 +172,7 @@ def test_housekeeping_keeps_an_old_event_nobody_delivered(db_url: str, tmp_path:
         left = c.execute("select count(*) from pgstream.events_default").fetchone()
     assert report_.default_rows_deleted == 0 and left == (1,)
     assert any("1 expired rows of events_default are kept" in w for w in report_.warnings)
-    until(driver, lambda: len(endpoint.unique()) >= 11)
+    until(driver, lambda: len(endpoint.unique()) >= 11 and caught_up(db_url))
     report("undelivered old event across housekeeping", endpoint, db_url)
     with psycopg.connect(db_url, autocommit=True) as c:
         # once delivered (and its batch closed), it is deleted like any expired row
@@ -211,7 +220,7 @@ def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_ur
     ids = sent_ids(db_url)
     poison = {ids[0], ids[42], ids[99]}  # first, middle (mid-chunk) and last
     endpoint.reject_ids = set(poison)
-    until(driver, lambda: len(endpoint.unique()) >= 97)
+    until(driver, lambda: len(endpoint.unique()) >= 97 and caught_up(db_url))
     assert not in_failover(db_url)
     letters = dead_letters(db_url)
     assert {d["event_id"] for d in letters} == poison

@@ -94,7 +94,8 @@ def stream_row(url: str) -> dict[str, Any]:
 def slot_has_events(url: str) -> bool:
     """Whether the group's slot holds events of stream 1 not recorded yet: peeked while nothing holds it (the
     group's sensor reads it); while the group delivery run's reader holds it (over the replication protocol: no
-    peek), every event sent is in the ledger and the slot's confirmed position is past the last one recorded."""
+    peek), whether an event sent is in no batch (nor set aside as unreadable, a dead letter of stage read), or the
+    slot's confirmed position is short of the last one recorded."""
     slot = slot_of(url, STREAM)
     with psycopg.connect(url, autocommit=True) as c:
         try:
@@ -102,10 +103,18 @@ def slot_has_events(url: str) -> bool:
             return any(e.stream_id == STREAM for t in txns for e in t.events)
         except psycopg.errors.ObjectInUse:
             pass
-        row = c.execute("select coalesce(r.confirmed_flush_lsn >= (select max(end_lsn) from pgstream.batches "
-                        "where stream_id = %s), true) from pg_replication_slots r where r.slot_name = %s",
-                        [STREAM, slot]).fetchone()
-    return not (row is not None and row[0] and set(ledger_order(url)) >= set(sent_ids(url)))
+        row = c.execute(
+            """with read as (select unnest(event_ids) as id from pgstream.batches where stream_id = %(s)s
+                             union select event_id from pgstream.dead_letters where stream_id = %(s)s
+                             and stage = 'read')
+               select not exists (select 1 from pgstream.events e where e.stream_id = %(s)s
+                                  and e.id not in (select id from read))
+                      and coalesce(r.confirmed_flush_lsn >= greatest(
+                          (select max(end_lsn) from pgstream.batches where stream_id = %(s)s),
+                          (select max(lsn) from pgstream.dead_letters where stream_id = %(s)s and stage = 'read')),
+                          true)
+               from pg_replication_slots r where r.slot_name = %(slot)s""", {"s": STREAM, "slot": slot}).fetchone()
+    return not (row is not None and row[0])
 
 
 def drop_slot(url: str) -> None:
