@@ -14,13 +14,13 @@ from typing import Any, cast
 import psycopg
 import pytest
 import yaml
+from pgstream_dagster.engine.handoff import Handoff
 
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.engine import ingest, replication, spark
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
 from pgstream_dagster.engine.delivery.sources import Owed, Readers, Route, Selection, route
-from pgstream_dagster.engine.handoff import Handoff
 from pgstream_dagster.engine.ledger import locks, state
 from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.engine.publish import Span

@@ -420,13 +420,18 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     for run in _group_runs(instance, group, limit=5):
         if run.status not in _LIVE:
             continue
+        doing = ""
         if run.status == dg.DagsterRunStatus.STARTED:
             state = locks.group_lease_state(conn, group, run.run_id)
             late = False
+            doing = " (it holds the group's delivery lease)"
             if state is locks.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
                 record = instance.get_run_record_by_id(run.run_id)
                 started = record.start_time if record else None
                 late = started is not None and time.time() - started >= grace
+                age = time.time() - started if started is not None else 0.0
+                doing = (f": started {age:.0f} s ago, has not taken its delivery lease yet (run_grace_secs "
+                         f"{grace:g})")
             if state is locks.LeaseState.LOST or (state is locks.LeaseState.NOT_TAKEN and late):
                 why = ("the database session holding the group's delivery lease has ended (its process died)"
                        if state is locks.LeaseState.LOST else
@@ -436,6 +441,8 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                 log.append(f"reader group {group}: group delivery run {run.run_id} died ({why}); marked failed")
                 continue
         ending = _ask_to_end(instance, run, group, fingerprint, log)
+        if doing:  # started: whether it holds its lease, or how long it has not taken it
+            return None, f"group delivery run {run.run_id}{doing}{ending}"
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
     hosted = {s.id for s in streams if s.delivery.keeps_open}  # (a per_batch member's runs are its own)
     wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
@@ -508,13 +515,14 @@ def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> 
 
 def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
                     cursor: dict[str, Any], log: list[str], requests: list[dg.RunRequest],
-                    observations: int = OBSERVATIONS_PER_TICK) -> list[dg.AssetObservation]:
-    """The decisions of every member, once each (:func:`step`: an open or
-    warm member's runs are hosted by the group delivery run; a run of a member in mode per_batch is a Dagster
-    run of its own, added to ``requests``), and the observations of their status assets (at most
-    ``observations``). A member still handing its own slot over (it had one before it joined) has
-    it read first (``consume``: its events are delivered meanwhile). The group's newest
-    delivery runs are read once for all of them."""
+                    observations: int = OBSERVATIONS_PER_TICK,
+                    waits: dict[int, str] | None = None) -> list[dg.AssetObservation]:
+    """The decisions of every member, once each (:func:`step`: an open or warm member's runs are hosted by the
+    group delivery run; a run of a member in mode per_batch is a Dagster run of its own, added to ``requests``),
+    and the observations of their status assets (at most ``observations``; ``waits``: what the run of each
+    member in mode per_batch with a backlog is doing, for the tick's skip reason). A member still handing its
+    own slot over (it had one before it joined) has it read first (``consume``: its events are delivered
+    meanwhile). The group's newest delivery runs are read once for all of them."""
     state = groups.group_state(conn, group)
     joined = {m.id for m in state.members if m.joined} if state is not None else set()
     # a member the database does not have in the group was left out (its registration refused, told by the tick)
@@ -528,8 +536,14 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
             consume(conn, stream, JOINING_READ_SECS)
         mine = members.setdefault(str(stream.id), {})
         # (a joining member's own slot was just read: its state read again)
-        request = step(conn, instance, stream, log, said=mine.setdefault("said", {}), look=look,
+        waiting: list[str] = []
+        request = step(conn, instance, stream, log, waiting, said=mine.setdefault("said", {}), look=look,
                        state=states[stream.id] if stream.id in joined else None)
+        if waits is not None and not stream.delivery.keeps_open:  # (a run of its own: the group run's are told)
+            if waiting:
+                waits[stream.id] = waiting[0]
+            else:
+                waits.pop(stream.id, None)
         if request is not None:
             requests.append(request)
     by_id = {s.id: s for s in streams}
@@ -632,6 +646,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 # its members are all in mode per_batch, which keeps none; the tick reads its whole budget.)
                 result, observed = GroupResult(), list[dg.AssetObservation]()
                 own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
+                waits: dict[int, str] = {}  # what the runs of members in mode per_batch are doing
                 deadline = time.monotonic() + budget
                 while True:
                     reading = None
@@ -646,7 +661,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     else:
                         reading = locks.group_reading_holder(conn, group) or "a session that is ending"
                     observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                own_runs, observations=OBSERVATIONS_PER_TICK - len(observed))
+                                                own_runs, observations=OBSERVATIONS_PER_TICK - len(observed),
+                                                waits=waits)
                     if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
                         break
             except _TOLD_IN_ONE_LINE as exc:
@@ -660,7 +676,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 try:
                     while _launch_waits(conn, ids, deadline):
                         observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                    own_runs, observations=OBSERVATIONS_PER_TICK - len(observed))
+                                                    own_runs, observations=OBSERVATIONS_PER_TICK - len(observed),
+                                                    waits=waits)
                 except _TOLD_IN_ONE_LINE as exc:
                     return _told(context, exc)
             if invalid:  # told at every tick, whoever read
@@ -685,9 +702,10 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                    cursor=new_cursor, asset_events=observed)
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
                 if reading is None else f"read nothing: {reading} reads the group's slot")
+        why = "".join(f"; stream {sid} {line}" for sid, line in sorted(waits.items()))
         return dg.SensorResult(skip_reason=dg.SkipReason(
-            f"{read}{joining}{left}; {pending} undelivered events in {batches} batches; {delivery}"), cursor=new_cursor,
-            asset_events=observed)
+            f"{read}{joining}{left}; {pending} undelivered events in {batches} batches{why}; {delivery}"),
+            cursor=new_cursor, asset_events=observed)
 
     return _sensor
 
