@@ -34,7 +34,7 @@ COMPONENT_METADATA = {"dagster/code_references", "dagster/component_origin"}
 
 STREAM_1: dict[str, Any] = {"id": 1, "sink": {"type": "memory", "name": "one"}}
 STREAM_2: dict[str, Any] = {
-    "id": 2, "slot_name": "orders_slot", "batch": {"max_size": 50, "max_fill_secs": 0.2},
+    "id": 2, "reader": "orders", "batch": {"max_size": 50, "max_fill_secs": 0.2},
     "sink": {"type": "http", "url": "http://127.0.0.1:9/hook", "headers": {"Authorization": "Bearer ${HOOK_TOKEN}"}},
     "delivery": {"tuning": {"linger_secs": 30}, "on_reject": "dead_letter"}, "sensor": {"interval_secs": 2},
     "checks": {"max_undelivered_age_secs": 60},
@@ -193,7 +193,7 @@ def test_stream_component_gives_the_definitions_of_the_same_stream_in_pgstream_y
     resource = from_component.resources["pgstream"]  # type: ignore[index]
     assert isinstance(resource, PgstreamResource)
     assert resource.config == from_yaml.resources["pgstream"].config  # type: ignore[index]
-    assert resource.stream(2).sink.type == "http" and resource.stream(2).slot_name == "orders_slot"
+    assert resource.stream(2).sink.type == "http" and resource.stream(2).reader == "orders"
     assert [s.key for s in resource.config.subscriptions if s.stream_id == 2] == ["order-paid", "signup"]
     # the one backfill job finds a component stream's subscription assets (it reports its progress there)
     assert {k.to_user_string() for k in subscription_keys(resource.config, 2).values()} == {
@@ -237,15 +237,13 @@ def test_a_bad_defs_yaml_gives_the_pgstream_yaml_error(tmp_path: Path, env: dict
 
 @pytest.mark.parametrize(("component", "message"), [
     ({"id": 1, "sink": {"type": "memory"}}, "stream ids must be unique, duplicated: [1]"),
-    ({"id": 3, "slot_name": "one_slot", "sink": {"type": "memory"}},
-     "streams 1 and 3 both read replication slot one_slot"),
     ({"id": 3, "sink": {"type": "memory"}, "subscriptions": [{"key": "k", "stream_id": 4, "operation": "INSERT",
                                                               "table_name": "t"}]},
      "subscriptions[0] ('k') uses stream_id 4, which is not this stream's id 3 (leave stream_id out)"),
 ])
 def test_component_streams_collide_with_nothing(tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
                                                 component: dict[str, Any], message: str) -> None:
-    module = _project(tmp_path, component, streams=[{**STREAM_1, "slot_name": "one_slot"}])
+    module = _project(tmp_path, component, streams=[STREAM_1])
     with pytest.raises(Exception) as raised:
         _load(tmp_path, module, monkeypatch)
     assert isinstance(raised.value.__cause__, ConfigError), raised.value
