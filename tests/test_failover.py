@@ -288,7 +288,7 @@ def test_run_interrupted_by_the_shutdown_closes_and_its_batches_go_on_without_ba
     every event delivered in order."""
     # a run takes 100 events at a time (two batches): a member's run of the group run ends after its round
     # (open, warm), with batches left for the next run
-    stream = {**stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "max_events_per_run": 100}),
+    stream = {**stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 10, "max_events_per_run": 100}),
               "retry": {"initial_backoff_secs": 600, "max_backoff_secs": 600}}
     config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream])
     driver = Driver(config_path, instance)

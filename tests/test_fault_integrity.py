@@ -212,7 +212,7 @@ def test_poison_event_with_block_waits_until_the_operator_sets_it_aside(db_url: 
 def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_url: str, tmp_path: Path,
                                                                           instance: dg.DagsterInstance,
                                                                           endpoint: Endpoint) -> None:
-    cfg = stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "on_reject": "dead_letter",
+    cfg = stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 10, "on_reject": "dead_letter",
                                              "max_attempts": 2})
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
     start(driver)

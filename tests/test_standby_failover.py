@@ -185,10 +185,19 @@ def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, insta
         time.sleep(2)
         writer.finish()
 
-    faulting = threading.Thread(target=fault, daemon=True)
+    failed: list[BaseException] = []  # what the fault's thread raised (raised here)
+
+    def faulting_thread() -> None:
+        try:
+            fault()
+        except BaseException as exc:
+            failed.append(exc)
+    faulting = threading.Thread(target=faulting_thread, daemon=True)
     faulting.start()
     try:
         def caught_up() -> bool:
+            if failed:
+                raise failed[0]
             if faulting.is_alive():
                 return False
             held = _held(pair.url_for(name))

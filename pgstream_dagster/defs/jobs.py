@@ -244,9 +244,13 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
 
     def stop_check() -> str | None:
         """The run was asked to end (:data:`~.names.STOP_TAG`, by the group's sensor when its configuration is
-        not the code location's any more, or by hand); asked about once a second."""
+        not the code location's any more, or by hand), or Dagster no longer shows it started (the group's sensor
+        marked it failed: it took no lease within ``delivery.run_grace_secs``, and a fresh group run is requested
+        meanwhile); asked about once a second."""
         run = instance.get_run_by_id(run_id)
         reason = run.tags.get(STOP_TAG) if run is not None else None
+        if run is not None and run.status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED):
+            return f"Dagster shows it {run.status.value} (marked by the group's sensor)"
         return f"asked to end ({STOP_TAG}): {reason}" if reason else None
 
     noted: set[str] = set()

@@ -46,7 +46,9 @@ def stream_config(sink: Endpoint | dict[str, Any], **over: Any) -> dict[str, Any
         "retry": {"initial_backoff_secs": 0.5, "max_backoff_secs": 2},
         "sink": sink.sink() if isinstance(sink, Endpoint) else sink,
     }
-    delivery = {"chunk_size": 20, "run_grace_secs": 2, **over.pop("delivery", {})}
+    # (run_grace_secs: a run, or group delivery run, that took no lease 10 s after it started is dead; a loaded
+    # host took 3 s to start one)
+    delivery = {"chunk_size": 20, "run_grace_secs": 10, **over.pop("delivery", {})}
     cfg.update(over)
     cfg["delivery"] = {**mode_delivery(MODE), **delivery}
     return cfg
