@@ -197,8 +197,8 @@ def test_preflight_names_the_managed_services_setting_for_each_missing_prerequis
                     _run(server.url, f"drop role {service_role}")
 
         needs = ["wal_level is replica; the streams' slots need logical decoding: ",
-                 "role reader (database_url) may not read replication slots and the streams' sensors and runs read "
-                 "theirs as it: ",
+                 "role reader (database_url) may not read replication slots and the reader groups' sensors and "
+                 "delivery runs read their slots as it: ",
                  "max_replication_slots is 1 and 0 are in use; reader group other needs one more: ",
                  "max_wal_senders is 1 and 0 are in use by others; 2 reader groups' delivery runs read their group's "
                  "slot over replication, one WAL sender each: "]

@@ -160,8 +160,8 @@ def replication_problem(conn: psycopg.Connection, service: str | None) -> str | 
         "where r.rolname operator(pg_catalog.=) current_user").fetchone()
     if row is None or row[1]:
         return None
-    return (f"role {row[0]} (database_url) may not read replication slots and the streams' sensors and runs "
-            f"read theirs as it: {_grant_replication(service, row[0])}")
+    return (f"role {row[0]} (database_url) may not read replication slots and the reader groups' sensors and "
+            f"delivery runs read their slots as it: {_grant_replication(service, row[0])}")
 
 
 def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
@@ -192,8 +192,9 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
     senders_elsewhere = int(row[0]) if row else 0
     if senders_elsewhere + len(groups) > limits.max_wal_senders:
         out.append(f"max_wal_senders is {limits.max_wal_senders} and {senders_elsewhere} are in use by others; "
-                   f"{len(groups)} reader groups' delivery runs read their group's slot over replication, one WAL "
-                   f"sender each: "
+                   + (f"{len(groups)} reader groups' delivery runs read their group's slot" if len(groups) > 1 else
+                      f"reader group {groups[0]}'s delivery run reads its slot")
+                   + " over replication, one WAL sender each: "
                    + how_to_set(limits.service, "max_wal_senders", _suggest(senders_elsewhere + len(groups))))
     usable = limits.max_connections - limits.reserved_connections
     # a group's sensor, and its delivery run's lease and listener and its reader: four connections per group
