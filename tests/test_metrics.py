@@ -108,7 +108,11 @@ def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: 
 
     # the endpoint holds its answers: the stream's run (in its group's delivery run) takes the batches and waits
     held = threading.Event()
-    endpoint.hook = lambda _n: held.wait(120) and None
+
+    def hold(_n: int) -> None:
+        held.wait(120)
+
+    endpoint.hook = hold
     insert_events(db_url, STREAM, 120)  # manual events: no subscription key
     with psycopg.connect(db_url) as conn:
         conn.execute("insert into public.users (email) select 'u' || g || '@example.com' from generate_series(1, 7) g")

@@ -128,6 +128,7 @@ def test_runs_and_ticks_collect_garbage_less_often_while_they_move_events(
 
     from pgstream_dagster.defs import jobs, sensors
     from pgstream_dagster.engine.collector import BULK_THRESHOLDS
+    from pgstream_dagster.engine.ingest import consume_group
 
     published: list[tuple[int, ...]] = []
     recorded: list[tuple[int, ...]] = []
@@ -144,8 +145,8 @@ def test_runs_and_ticks_collect_garbage_less_often_while_they_move_events(
         return reading
 
     monkeypatch.setattr(MemorySink, "publish", recording_publish)
-    monkeypatch.setattr(sensors, "consume_group", recording(sensors.consume_group))
-    monkeypatch.setattr(jobs, "consume_group", recording(jobs.consume_group))
+    monkeypatch.setattr(sensors, "consume_group", recording(consume_group))
+    monkeypatch.setattr(jobs, "consume_group", recording(consume_group))
     before = gc.get_threshold()
     assert before != BULK_THRESHOLDS
     driver, run = _open_run(db_url, tmp_path, instance, name, linger=0.5, events=30)

@@ -88,8 +88,10 @@ def install(pg: LocalPostgres, template_db: str, tmp_path: Path) -> Iterator[Ins
              "delivery": {"tuning": {"direct_max_events": 0, "linger_secs": 8}},
              "sink": {"type": "file", "path": str(out)}},
             # by_key: Spark tasks publish and record their resume points as the executor role
+            # (its group's delivery run, hosting both streams, stays up for the test: max_run_secs)
             {"id": 2, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
-             "delivery": {"ordering": "by_key", "routing_key": "new.id", "parallelism": 2},
+             "delivery": {"ordering": "by_key", "routing_key": "new.id", "parallelism": 2,
+                          "tuning": {"max_run_secs": 600}},
              "sink": {"type": "file", "path": str(tmp_path / "by_key.jsonl")}}],
             [{"key": "items", "stream_id": s, "operation": "INSERT", "schema_name": "public", "table_name": "items",
               "column_names": ["id", "name"]} for s in (1, 2)],
@@ -163,7 +165,7 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     driver.stop_group_runs()
     assert run.wait(timeout=120).success
     assert [r for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": DEFAULT_READER}))
-            if "failed" in r.tags.get(member_tag(1), "") + r.tags.get(member_tag(2), "")] == []
+            if '"failed"' in r.tags.get(member_tag(1), "") + r.tags.get(member_tag(2), "")] == []
 
     # runs that end once delivered from here on (a lingering run only waits in this in-process driver)
     data = yaml.safe_load(i.config.read_text())
@@ -278,8 +280,8 @@ def test_the_runtime_and_executor_roles_cannot_change_definitions_or_become_the_
             c.execute("select pgstream.register_stream(1, 'x; drop')")
         with pytest.raises(psycopg.errors.NoDataFound, match="stream 77 does not exist"):
             c.execute("select pgstream.ensure_publications(77)")
-        # what it may do: its own columns, through its API
-        c.execute("select pgstream.register_stream(1, 'pgstream_stream_1')")
+        # what it may do: its own columns, through its API (stream 1 reads with its reader group, default)
+        c.execute("select pgstream.register_group_member(1, 'default')")
         c.execute("update pgstream.streams set consumed_through = consumed_through where id = 1")
     for statement in ("update pgstream.batches set status = 'delivered'", "delete from pgstream.key_progress",
                       "select pgstream.register_stream(2, 'two')", "select pgstream.ensure_publications(1)",
@@ -369,8 +371,9 @@ def test_make_dev_installs_as_a_non_superuser_owner_and_runs_as_the_runtime(pg: 
             assert c.execute("select nspowner::regrole::text from pg_namespace where nspname in ('pgstream', 'demo')"
                              ).fetchall() == [(DEMO_OWNER,), (DEMO_OWNER,)]
             assert c.execute("select count(*) from pgstream.subscriptions").fetchone() == (2,)
+            # (the demo's streams read with their reader group, default: its one slot)
             assert c.execute("select slot_name from pg_replication_slots where database = %s", [name]).fetchall() == [
-                (c.execute("select slot from pgstream.streams where id = 1").fetchall()[0][0],)]
+                (c.execute("select slot from pgstream.reader_groups where name = 'default'").fetchall()[0][0],)]
         _run(urls["owner"], "insert into demo.users (email, email_verified) values ('ada@example.com', true)")
         assert _count(urls["runtime"], "select count(*) from pgstream.events") == 1
         with psycopg.connect(urls["runtime"]) as c:
@@ -456,8 +459,8 @@ def test_the_runtime_needs_no_right_on_the_application_schema(install: Install, 
     sink = {**lake_config("parquet", tmp_path, pg), "typed_columns": True,
             "database_url": i.runtime_url}
     cfg = write_config(tmp_path / "app.yaml", i.runtime_url, [
-        {"id": 5, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
-         "sink": sink}],
+        {"id": 5, "reader": "app", "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
+         "sink": sink}],  # (a group of its own: the install's streams 1 and 2 are in the default group)
         [{"key": "orders", "stream_id": 5, "operation": "INSERT", "schema_name": "app", "table_name": "orders",
           "column_names": ["id", "qty", "placed", "note"]}])
     init(cfg, owner_url=i.owner_url)
@@ -476,7 +479,10 @@ def test_the_runtime_needs_no_right_on_the_application_schema(install: Install, 
                                                     "where stream_id = 5 and status <> 'delivered'") == 0
                      and _count(i.owner_url, "select count(*) from pgstream.batches where stream_id = 5") > 0,
                      timeout=300)
+    driver.stop_group_runs()  # (its group's delivery runs: ended, each a success, no member run failed)
     assert driver.results and all(r.success for r in driver.results)
+    assert not [r for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "app"}))
+                if '"failed"' in r.tags.get(member_tag(5), "")]
     typed = build_sink(sink)
     assert isinstance(typed, LakeSink)
     with typed:
