@@ -172,9 +172,9 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
 def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(db_url: str, tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The upgrade path of every existing install: stream 1 read its own slot (the version before: with events
-    recorded and events waiting in it) and is now in a reader group (its entry names ``shared``; one naming
-    none is in group ``default`` as well); its own slot is drained to the join position, then dropped, and
-    every event is recorded once, in commit order."""
+    recorded and events waiting in it) and is now in a reader group (``shared`` here; an entry naming none joins
+    group ``default`` the same way); its own slot is drained to the join position, then dropped, and every event
+    is recorded once, in commit order."""
     # stream 1 reads its own slot, with events recorded and events waiting; stream 2 is in the group
     streams = _configs(tmp_path, db_url, [1, 2])
     own, member = _before_the_upgrade(streams[0]), streams[1]
@@ -259,6 +259,47 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         with pytest.raises(groups.GroupChange, match="stream 1 reads with reader group shared, not other"):
             groups.register_group_member(c, 1, "other")
         assert ledger_state.slot_reader(c, 1) == groups.group_reader(GROUP) and len(_pgstream_slots(db_url)) == 1
+
+
+def test_an_install_whose_streams_read_their_own_slots_delivers_every_event_once_through_the_default_group(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Every existing install, end to end: streams 1 and 2 read slots of their own (the version before), with
+    events recorded and not delivered yet and events waiting in their slots; the code location of this version
+    (their entries name no group) puts them in group ``default``: its sensor and delivery run deliver every
+    event once, in commit order, written before, during and after the join; their own slots are dropped."""
+    ids = (1, 2)
+    config = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.2},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])  # mode open (harness)
+    before = [_before_the_upgrade(s) for s in load_config(config).streams]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        for own in before:
+            ingest.consume(c, own, 0.1)  # creates its slot
+        own_slots = [slot_of(db_url, i) for i in ids]
+        for i in ids:
+            insert_events(db_url, i, 20)
+        for own in before:
+            assert ingest.consume(c, own, 0.5).events == 20  # recorded, not delivered
+        for i in ids:
+            insert_events(db_url, i, 10, start=100)  # waiting in its own slot
+    driver = Driver(config, instance)
+    assert driver.group_of(1) == driver.group_of(2) == DEFAULT_READER
+    deadline = time.monotonic() + 90
+    for wave in range(3):  # written while they join, and after
+        for i in ids:
+            insert_events(db_url, i, 5, start=200 + 10 * wave)
+        _tick(driver, DEFAULT_READER)
+    while not all(len(_delivered(tmp_path, i)) >= len(_events(db_url, i)) for i in ids):
+        assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
+        _tick(driver, DEFAULT_READER)
+    for i in ids:
+        assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
+        assert len(_events(db_url, i)) == 20 + 10 + 15
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select id, slot_reader from pgstream.streams order by id").fetchall() == [
+            (i, groups.group_reader(DEFAULT_READER)) for i in ids]
+    assert _pgstream_slots(db_url) == [_group_slot(db_url)] and not set(own_slots) & set(_pgstream_slots(db_url))
+    _end_group_runs(driver)
 
 
 def test_a_dropped_group_slot_is_replaced_and_every_member_recovers(db_url: str, tmp_path: Path) -> None:
