@@ -5,7 +5,6 @@ maintenance. Against a real Postgres."""
 from __future__ import annotations
 
 import datetime as dt
-import re
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -127,31 +126,41 @@ def test_two_databases_of_one_cluster_each_run_their_stream_77(
             c.execute(f"drop role {tenant}")
 
 
-def test_an_upgrade_keeps_the_slot_each_stream_reads_and_loses_or_repeats_no_event(
+def test_an_install_of_release_0_1_joins_the_default_group_and_loses_or_repeats_no_event(
         empty_db_url: str, tmp_path: Path) -> None:
     """An install of release 0.1: stream 1 reads slot pgstream_stream_1 (three committed events wait in
-    it), stream 2's slot was never created. After the upgrade stream 1 keeps its slot and records
-    each event once; stream 2 gets the new default name."""
+    it), stream 2's slot was never created. After the upgrade both streams (their entries name no group)
+    join the default group: stream 1's own slot is drained and dropped, each event is recorded once, and the
+    database has the group's one slot."""
     migrate(empty_db_url, directory=released_sql(tmp_path / "sql", upto=14))
     with psycopg.connect(empty_db_url, autocommit=True) as c:
         c.execute("insert into pgstream.streams (id) values (1), (2)")
         c.execute("select pg_create_logical_replication_slot('pgstream_stream_1', 'pgoutput')")
     insert_events(empty_db_url, 1, 3)
     migrate(empty_db_url)
-    cfg = write_config(tmp_path / "pgstream.yaml", empty_db_url, [{"id": 1, "sink": MEMORY}])
+    cfg = write_config(tmp_path / "pgstream.yaml", empty_db_url, [{"id": 1, "sink": MEMORY}, {"id": 2, "sink": MEMORY}])
+    members = list(load_config(cfg).streams)
     with psycopg.connect(empty_db_url, autocommit=True) as c:
-        assert streams.stream_slot(c, 1) == "pgstream_stream_1"
-        slot2 = streams.stream_slot(c, 2)
-        (pattern,) = c.execute("select pgstream.default_slot_pattern()").fetchone()  # type: ignore[misc]
-        assert slot2.startswith("pgstream_stream_2_d") and re.fullmatch(pattern, slot2)
-        result = consume(c, load_config(cfg).stream(1), 1.0)
-        assert not result.slot_created and result.slot == "pgstream_stream_1"
+        assert streams.stream_slot(c, 1) == "pgstream_stream_1"  # what 0.1 read
+        insert_events(empty_db_url, 1, 2, start=10)  # written after the upgrade, before the join
+        deadline = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=60)
+        while True:  # the group's sensor's ticks: a member still joining has its own slot read first
+            assert dt.datetime.now(dt.UTC) < deadline, "stream 1 did not join"
+            for member in members:
+                consume(c, member, 0.2)
+            consume_group(c, DEFAULT_READER, members, 0.2)
+            joined = c.execute("select count(*) from pgstream.streams where slot_reader = %s",
+                               [f"group:{DEFAULT_READER}"]).fetchone()
+            slots = [r[0] for r in c.execute("select slot_name from pg_replication_slots where database = "
+                                             "current_database()")]
+            if joined == (2,) and "pgstream_stream_1" not in slots:
+                break
         recorded = [i for (ids,) in c.execute("select event_ids from pgstream.batches where stream_id = 1")
                     for i in ids]
-        events = [r[0] for r in c.execute("select id from pgstream.events where stream_id = 1 order by id")]
-        assert sorted(recorded) == events and len(events) == 3  # each once
-        assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == []
-        c.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+        assert sorted(recorded) == event_ids(empty_db_url, 1) and len(recorded) == 5  # each once
+        (group_slot,) = c.execute("select slot from pgstream.reader_groups where name = %s",
+                                  [DEFAULT_READER]).fetchone()  # type: ignore[misc]
+        assert slots == [group_slot]  # one slot for the database's streams
 
 
 def test_a_copied_database_reads_slots_of_its_own(db_url: str, pg: LocalPostgres) -> None:
