@@ -14,7 +14,6 @@ from typing import Any, cast
 import psycopg
 import pytest
 import yaml
-from pgstream_dagster.engine.handoff import Handoff
 
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.engine import ingest, replication, spark
@@ -111,7 +110,7 @@ def test_a_run_delivers_its_batches_in_order_marks_them_and_reports(db_url: str,
     assert sum(s.events for s in summaries) == 230 and summaries[-1].last.id == batches[-1].id
     # a reader group's member (every stream is one): its group's sensor observes its status at each tick, its
     # run's reports do not ask for it
-    assert stream.reader == "default" and summaries[-1].status is None
+    assert stream.reader == "default"
     with psycopg.connect(db_url) as c:
         (status,) = stream_status(c, STREAM)
     assert int(status["undelivered_events"]) == 0
@@ -168,24 +167,22 @@ def test_per_batch_delivers_through_pyspark(db_url: str, tmp_path: Path) -> None
     assert _statuses(db_url) == {BatchStatus.DELIVERED}
 
 
-@pytest.mark.parametrize(("delivery", "want", "conn", "handoff", "expected"), [
-    ({}, "round", True, False, Route.TABLE),
-    ({}, "round", True, True, Route.HANDOFF),
-    ({}, "round", False, False, Route.SPARK),
-    ({"tuning": {"direct_max_events": 10}}, "round", True, False, Route.SPARK),
-    ({"mode": "per_batch"}, "round", True, False, Route.SPARK),
-    ({"mode": "per_batch", "tuning": {"direct_max_events": 500}}, "round", True, False, Route.TABLE),
-    ({"mode": "per_batch"}, "replay", False, False, Route.RANGE),
-    ({"ordering": "by_key"}, "round", True, False, Route.BY_KEY),
-    ({}, "replay", False, False, Route.RANGE),
-    ({"tuning": {"direct_max_events": 0}}, "replay", False, False, Route.SPARK),
+@pytest.mark.parametrize(("delivery", "want", "conn", "expected"), [
+    ({}, "round", True, Route.TABLE),
+    ({}, "round", False, Route.SPARK),
+    ({"tuning": {"direct_max_events": 10}}, "round", True, Route.SPARK),
+    ({"mode": "per_batch"}, "round", True, Route.SPARK),
+    ({"mode": "per_batch", "tuning": {"direct_max_events": 500}}, "round", True, Route.TABLE),
+    ({"mode": "per_batch"}, "replay", False, Route.RANGE),
+    ({"ordering": "by_key"}, "round", True, Route.BY_KEY),
+    ({}, "replay", False, Route.RANGE),
+    ({"tuning": {"direct_max_events": 0}}, "replay", False, Route.SPARK),
 ])
 def test_one_function_chooses_every_source(tmp_path: Path, delivery: dict[str, Any], want: str, conn: bool,
-                                          handoff: bool, expected: Route) -> None:
+                                          expected: Route) -> None:
     """Where a delivery round and a replay read (no database needed: the choice is the configuration's)."""
     stream = StreamConfig.model_validate({"id": 1, "sink": {"type": "memory", "name": "x"}, "delivery": delivery})
-    readers = Readers("", conn=cast(psycopg.Connection, object()) if conn else None,
-                      handoff=Handoff(10) if handoff else None)
+    readers = Readers("", conn=cast(psycopg.Connection, object()) if conn else None)
     what = Owed([Span(1, 1, 20)]) if want == "round" else Selection({})
     assert route(stream.delivery, what, readers) is expected
 
@@ -232,7 +229,7 @@ def test_one_process_hosts_a_groups_runs_in_threads_and_a_failing_sink_stops_onl
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, "hosted", streams, 0)  # the group's slot; every member joined
         for i in ids:
-            assert state.open_warm_run(c, i, f"hosted-{i}", reads_slot=False)
+            assert state.open_warm_run(c, i, f"hosted-{i}")
         threads = [threading.Thread(target=host, args=(s,), daemon=True) for s in streams]
         for thread in threads:
             thread.start()
@@ -312,7 +309,7 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, "hosted", streams, 0)
         for i in ids:  # what the members' sensors decide: a warm run each (the group's reader hands them batches)
-            assert state.open_warm_run(c, i, f"warm-{i}", reads_slot=False)
+            assert state.open_warm_run(c, i, f"warm-{i}")
         insert_events(db_url, failing, 5)
         while not state.assigned_after(c, f"warm-{failing}", 0):  # handed to its run: its sink refuses them
             ingest.consume_group(c, "hosted", streams, 0.05)

@@ -26,8 +26,7 @@ from pgstream_dagster.config import DEFAULT_READER, ConfigError, StreamConfig, l
 from pgstream_dagster.defs.names import status_asset_key
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.engine import ingest, replication
-from pgstream_dagster.engine.ledger import groups, recording, streams
-from pgstream_dagster.engine.ledger import state as ledger_state
+from pgstream_dagster.engine.ledger import groups, recording
 from pgstream_dagster.engine.metrics import HISTOGRAMS, METRICS, SCRAPE_DURATION, UP
 
 from .support.endpoint import Endpoint
@@ -492,19 +491,40 @@ def test_recording_a_sparse_batch_probes_its_events_by_key(db_url: str) -> None:
 WRITERS = 8
 
 
-def _subscribed_stream(db_url: str, tmp_path: Path, *, fill_secs: float, open_run: bool) -> StreamConfig:
-    """Stream STREAM (a file sink) with a subscription on public.users and its slot; with ``open_run`` an
-    open run ("run") whose reader will read the slot."""
+def _subscribed_stream(db_url: str, tmp_path: Path, *, fill_secs: float) -> StreamConfig:
+    """Stream STREAM (a file sink) with a subscription on public.users, a member of the default group (the
+    group's slot created, the stream joined)."""
     config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": fill_secs},
          "delivery": {"tuning": {"linger_secs": 60}}, "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute(USERS)
         subscribe(c, "user-signup", columns=["id", "email"])
-        replication.create_slot(c, streams.ensure_stream(c, STREAM))
-        if open_run:
-            ledger_state.open_run(c, STREAM, "run")
+        ingest.consume_group(c, DEFAULT_READER, list(config.streams), 0)
     return config.streams[0]
+
+
+class _Read:
+    """What a reader recorded so far (events), and a note per pass of the group's sensor."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.notes: list[str] = []
+
+
+def _group_run_reader(url: str, stream: StreamConfig, stop: threading.Event, read: _Read,
+                      application_name: str = "pgstream reader t") -> None:
+    """The group delivery run's reader: the default group's slot over the replication protocol, read pass after
+    pass (as ``GroupDelivery`` calls ``consume_group``) until ``stop``; its connections named
+    ``application_name``."""
+    kept = ingest.GroupStream(url, application_name)
+    try:
+        with psycopg.connect(url, autocommit=True, application_name=application_name) as c:
+            while not stop.is_set():
+                result = ingest.consume_group(c, DEFAULT_READER, [stream], 0.2, kept=kept, stop=stop.is_set)
+                read.events += sum(result.events.values())
+    finally:
+        kept.close()
 
 
 def _recorded_and_written(url: str) -> dict[str, int]:
@@ -542,14 +562,13 @@ def _read_batches_as_recorded(url: str, stop: threading.Event, short: list[tuple
 def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_writers(db_url: str,
                                                                                     tmp_path: Path) -> None:
     """Logical decoding hands out a transaction's commit once its WAL is flushed, before the writer's
-    backend leaves the proc array: for a moment other snapshots do not see its rows yet. The open
-    run's reader records such transactions 1-12 ms after their commit; the batch trigger's
+    backend leaves the proc array: for a moment other snapshots do not see its rows yet. The group
+    delivery run's reader records such transactions 1-12 ms after their commit; the batch trigger's
     per-subscription count (and any read of the batch's events right after) must still see every
     event: ``events_written`` by key equals what was written, to the event, under 8 writers."""
-    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.2, open_run=True)
-    stop_reader, stats = threading.Event(), ingest.FollowStats()
-    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop_reader, stats),
-                              kwargs={"application_name": "pgstream reader t"})
+    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.2)
+    stop_reader, stats = threading.Event(), _Read()
+    reader = threading.Thread(target=_group_run_reader, args=(db_url, stream, stop_reader, stats))
     reader.start()
     stop = threading.Event()
     written: list[list[int]] = [[] for _ in range(WRITERS)]
@@ -614,27 +633,26 @@ def _reader_waits_for_visibility(url: str) -> bool:
                          ).fetchone() == (True,)
 
 
-def _sensor(url: str, stream: Any, stop: threading.Event, stats: ingest.FollowStats) -> None:
-    """The sensor's ticks (peek, record) on a connection named like the reader's, until stopped."""
+def _sensor(url: str, stream: Any, stop: threading.Event, stats: _Read) -> None:
+    """The group's sensor's ticks (peek, record) on a connection named like the reader's, until stopped."""
     with psycopg.connect(url, autocommit=True, application_name="pgstream reader t") as c:
         while not stop.is_set():
-            stats.events += ingest.consume(c, stream, 0.2).events
+            stats.events += sum(ingest.consume_group(c, DEFAULT_READER, [stream], 0.2).events.values())
             stats.notes.append("tick ended")
 
 
-@pytest.mark.parametrize("recorder", ["open run's reader", "sensor"])
+@pytest.mark.parametrize("recorder", ["group run's reader", "sensor"])
 def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_visible(
         pg: Any, db_url: str, tmp_path: Path, recorder: str) -> None:
     """The window made wide and certain: synchronous replication to a standby that never answers
     holds ``HELD`` committed transactions between their flushed commit record (decodable) and the
-    proc array (nobody sees their rows). The open run's reader (replication protocol) and the sensor
-    (peek) wait for them instead of recording batches whose events they cannot see; once the standby
+    proc array (nobody sees their rows). The group delivery run's reader (replication protocol) and the
+    group's sensor (peek) wait for them instead of recording batches whose events they cannot see; once the standby
     requirement is lifted, each event is counted by subscription and its batch reads whole."""
-    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1, open_run=recorder != "sensor")
-    stop, stats = threading.Event(), ingest.FollowStats()
-    reader = (threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
-                               kwargs={"application_name": "pgstream reader t"}) if recorder != "sensor" else
-              threading.Thread(target=_sensor, args=(db_url, stream, stop, stats)))
+    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1)
+    stop, stats = threading.Event(), _Read()
+    reader = (threading.Thread(target=_group_run_reader, args=(db_url, stream, stop, stats)) if recorder != "sensor"
+              else threading.Thread(target=_sensor, args=(db_url, stream, stop, stats)))
     held = [threading.Thread(target=_commit_held, args=(db_url,)) for _ in range(HELD)]
     with psycopg.connect(pg.url, autocommit=True) as admin:
         admin.execute("alter system set synchronous_commit = 'local'")  # every other session: no wait
@@ -663,8 +681,7 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
                 reader.join()
                 assert stats.events == 0
                 stop = threading.Event()
-                reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
-                                          kwargs={"application_name": "pgstream reader t"})
+                reader = threading.Thread(target=_group_run_reader, args=(db_url, stream, stop, stats))
                 reader.start()
         finally:
             admin.execute("alter system reset synchronous_standby_names")
@@ -692,14 +709,14 @@ def test_a_reader_made_a_synchronous_standby_says_so_instead_of_waiting_for_its_
     reader to confirm its commit, the reader for the commit to become visible. The reader stops with
     a clear error (the run reports it); once the setting lists real standbys only, the sensor records
     every event, counted by subscription."""
-    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1, open_run=True)
+    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1)
     failed: list[BaseException] = []
     stop = threading.Event()
 
     def follow() -> None:
         try:
-            ingest.follow(db_url, stream, "run", stop, ingest.FollowStats(), application_name="pgstream reader t")
-        except BaseException as exc:  # what the run's thread reports
+            _group_run_reader(db_url, stream, stop, _Read())
+        except BaseException as exc:  # what the run's reader thread reports
             failed.append(exc)
 
     reader = threading.Thread(target=follow)
@@ -730,8 +747,7 @@ def test_a_reader_made_a_synchronous_standby_says_so_instead_of_waiting_for_its_
     assert "'pgstream reader t'" in str(failed[0]) and "synchronous_standby_names" in str(failed[0])
     with psycopg.connect(db_url, autocommit=True) as c:
         assert c.execute("select count(*) from pgstream.batches").fetchone() == (0,)  # nothing recorded unseen
-        ledger_state.clear_open_run(c, STREAM, "run")
-        assert ingest.consume(c, stream, 1.0).events == 1
+        assert ingest.consume_group(c, DEFAULT_READER, [stream], 1.0).events == {STREAM: 1}
         assert c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters where "
                          "name in ('events_recorded', 'events_written') order by 1").fetchall() == [
             ("events_recorded:", 1), ("events_written:user-signup", 1)]

@@ -115,22 +115,6 @@ def test_decoder_reads_id_and_created_at_wherever_the_relation_puts_them() -> No
     split = replication.PgOutputDecoder()
     assert split.decode(messages[:3]) == []
     assert [(e.id, e.created_at) for t in split.decode(messages[3:]) for e in t.events] == expected
-    # keep_rows (an open run's reader): the rest of the row too, wherever its columns are; a NULL
-    # metadata is None; text that is not UTF-8 leaves the row out (the run reads that event from the table)
-    keeping = replication.PgOutputDecoder(keep_rows=True)
-    kept = keeping.decode([
-        begin, messages[1],
-        _insert(16400, [None, "2026-11-22 10:00:00.5+00", "3", "41", '{"ü": "\u2028"}']),
-        _insert(16400, ['{"a": 1}', "2026-11-22 10:00:00.5+00", "3", "42", "[]"]),
-        _insert(16400, [None, "2026-11-22 10:00:00.5+00", "3", "43", b'{"s": "\xff"}']),
-        commit])
-    assert [(e.id, e.row and e.row[:3]) for e in kept[0].events] == [
-        (41, (3, '{"ü": "\u2028"}', None)), (42, (3, "[]", '{"a": 1}')), (43, None)]
-    assert [e.row[3] for e in kept[0].events[:2] if e.row] == [len(m) for m in (_insert(16400, [  # the message's size
-        None, "2026-11-22 10:00:00.5+00", "3", "41", '{"ü": "\u2028"}']), _insert(16400, [
-        '{"a": 1}', "2026-11-22 10:00:00.5+00", "3", "42", "[]"]))]
-    with pytest.raises(ValueError, match=r"does not carry column\(s\) \['metadata', 'payload', 'stream_id'\]"):
-        replication.PgOutputDecoder(keep_rows=True).decode(messages[:1] + messages[5:7])
     # an id or created_at that is NULL (cannot happen for pgstream.events) is an error, not a guess
     with pytest.raises(ValueError, match="without id or created_at"):
         replication.PgOutputDecoder().decode([begin, _relation(1, ["id", "created_at"]), _insert(1, ["1", None])])
