@@ -211,6 +211,10 @@ def test_a_fresh_make_dev_stays_green_past_a_checks_tick_and_make_stop_ends_it_i
     # left behind. It takes 6-8 s on
     # a quiet host; the bound here is looser, as another test process shares the suite's two CPUs
     owner_url = demo.exported()["PGSTREAM_OWNER_DATABASE_URL"]
+    # (on a loaded host the queued run coordinator launches a minute's checks run late, beside the next one: a run
+    # worker still starting when make stop comes is interrupted in its imports and killed; wait until none is)
+    _wait("every launched run to have started or ended", lambda: not [
+        r for r in demo.runs() if r["status"] in ("QUEUED", "NOT_STARTED", "STARTING")], 120, demo)
     with psycopg.connect(owner_url) as conn:
         (warm,) = conn.execute("select open_run_key from pgstream.streams where id = 1").fetchone() or (None,)
     assert warm is not None

@@ -63,6 +63,11 @@ def by_key(config: Path, expected: int, out: Path) -> None:
 
 
 def main() -> None:
+    # PySpark's Spark Connect logging, imported here first: its import swaps logging's logger class for a moment
+    # (PySparkLogger.getLogger), and imported by a group run's member thread it raced with the tick's Dagster
+    # logger in this thread (TypeError: PySparkLogger.__init__() got an unexpected keyword argument 'level')
+    import pyspark.sql.connect.logging  # noqa: F401
+
     config, expected = Path(sys.argv[1]), int(sys.argv[2])
     out = Path(str(config) + ".out")
     if sys.argv[3:] == ["by_key"]:
