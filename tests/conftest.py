@@ -35,7 +35,7 @@ from .support.sinks import nats_admin, unique
 #: of ``make test`` (``-n 2 --dist loadfile --no-loadscope-reorder``: a file per process at a time, in this order)
 #: start with them, longest first, so they end together
 SLOWEST_FILES = ("test_failover.py", "test_spark_cluster.py", "test_code_location.py", "test_group_delivery.py",
-                 "test_fault_integrity.py", "test_reader_groups.py", "test_open_runs.py", "test_slot_reader.py",
+                 "test_fault_integrity.py", "test_reader_groups.py", "test_open_runs.py",
                  "test_spark_connect.py", "test_spark_source.py", "test_asset_checks.py", "test_browser.py",
                  "test_dev.py", "test_backfill.py", "test_kafka_sink.py", "test_standby_failover.py",
                  "test_demo_green.py", "test_security.py", "test_deployment.py", "test_automation_e2e.py",
