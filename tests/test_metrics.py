@@ -25,13 +25,13 @@ from pgstream_dagster import cli, exporter
 from pgstream_dagster.config import DEFAULT_READER, ConfigError, StreamConfig, load_config, load_metrics_settings
 from pgstream_dagster.defs.names import status_asset_key
 from pgstream_dagster.devdb import free_port
-from pgstream_dagster.engine import ingest, replication
-from pgstream_dagster.engine.ledger import groups, recording
+from pgstream_dagster.engine import ingest
+from pgstream_dagster.engine.ledger import recording
 from pgstream_dagster.engine.metrics import HISTOGRAMS, METRICS, SCRAPE_DURATION, UP
 
 from .support.endpoint import Endpoint
 from .support.faults import STREAM, delivered_all, drive, in_failover, sent_ids, stream_config
-from .support.harness import Driver, insert_events, slot_of, tick_until, write_config
+from .support.harness import Driver, insert_events, joined, slot_of, tick_until, write_config
 from .support.metrics import Samples, bucket, scrape, value
 from .support.schema import USERS, subscribe
 
@@ -62,19 +62,11 @@ def ledger(url: str) -> dict[str, Any]:
     return row
 
 
-def joined(url: str) -> bool:
-    """Stream 1 has joined its reader group (``default``), whose slot exists."""
-    with psycopg.connect(url) as c:
-        group = groups.group_state(c, DEFAULT_READER)
-        return (group is not None and replication.slot_info(c, group.slot) is not None
-                and any(m.id == STREAM and m.joined for m in group.members))
-
-
 def started(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> Driver:
     """The in-process driver of stream 1 (to the HTTP endpoint), once its group's ticks made its stream row and
     slot (the group's delivery run, in the background, reads it)."""
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    tick_until(driver, STREAM, lambda: joined(db_url))
+    tick_until(driver, STREAM, lambda: joined(db_url, STREAM))
     return driver
 
 
@@ -316,7 +308,7 @@ def test_the_status_shows_what_became_of_a_members_open_run(db_url: str, tmp_pat
     new is not observed."""
     lingering = stream_config(endpoint, delivery={"tuning": {"linger_secs": 60, "max_run_secs": 120}})
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [lingering]), instance)
-    tick_until(driver, STREAM, lambda: joined(db_url))
+    tick_until(driver, STREAM, lambda: joined(db_url, STREAM))
     (group_run,) = driver.group_runs[DEFAULT_READER]
     key = "pgstream-s1-gone-b1-a1"
     with psycopg.connect(db_url, autocommit=True) as conn:

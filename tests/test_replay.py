@@ -17,16 +17,13 @@ import psycopg
 import pytest
 
 from pgstream_dagster.cli import main as cli_main
-from pgstream_dagster.config import DEFAULT_READER
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CONTROL_JOB, REPLAY_JOB, REPLAY_OP, REPLAY_TAG, STREAM_TAG
-from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.batches import BatchStatus
-from pgstream_dagster.engine.ledger import groups
 
 from .support.dagster_instance import run_log, step_failure
 from .support.endpoint import Endpoint
-from .support.harness import Driver, backdated, event_ids, read_jsonl, tick_until, values, write_config
+from .support.harness import Driver, backdated, event_ids, joined, read_jsonl, tick_until, values, write_config
 from .support.sinks import stream_entries
 
 YESTERDAY = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(days=1)
@@ -145,14 +142,6 @@ def _stream(url: str) -> dict[str, Any]:
     return row
 
 
-def _joined(url: str) -> bool:
-    """Stream 1 has joined its reader group (``default``), whose slot exists: what commits is read from it."""
-    with psycopg.connect(url) as c:
-        group = groups.group_state(c, DEFAULT_READER)
-        return (group is not None and replication.slot_info(c, group.slot) is not None
-                and any(m.id == 1 and m.joined for m in group.members))
-
-
 def _batches(url: str) -> list[tuple[int, str]]:
     with psycopg.connect(url) as c:
         return [(int(r[0]), str(r[1])) for r in c.execute("select id, status from pgstream.batches order by id")]
@@ -174,7 +163,7 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
             return control.execute_in_process(run_config={"ops": {"stream_control": {"config": config}}},
                                               instance=instance, raise_on_error=False)
 
-        tick_until(driver, 1, lambda: _joined(db_url))
+        tick_until(driver, 1, lambda: joined(db_url, 1))
         assert run_control(stream_id=1, action="pause").success
         with psycopg.connect(db_url) as c:
             c.execute("insert into pgstream.events (payload, stream_id) "

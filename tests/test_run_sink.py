@@ -12,17 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-import psycopg
 import pytest
 
-from pgstream_dagster.config import DEFAULT_READER
 from pgstream_dagster.defs.names import member_tag
-from pgstream_dagster.engine import replication
-from pgstream_dagster.engine.ledger import groups
 from pgstream_dagster.sinks import MemorySink
 
 from .support.faults import STREAM, sent_ids, stream_row
-from .support.harness import Background, Driver, at_least, insert_events, run_metadata, tick_until, write_config
+from .support.harness import Background, Driver, at_least, insert_events, joined, run_metadata, tick_until, write_config
 
 
 @pytest.fixture
@@ -50,14 +46,6 @@ def _member(instance: dg.DagsterInstance, run: Background) -> dict[str, Any]:
     return dict(json.loads(raw)) if raw else {}
 
 
-def _joined(url: str) -> bool:
-    """The stream has joined its reader group (``default``), whose slot exists: what commits is read from it."""
-    with psycopg.connect(url) as c:
-        group = groups.group_state(c, DEFAULT_READER)
-        return (group is not None and replication.slot_info(c, group.slot) is not None
-                and any(m.id == STREAM and m.joined for m in group.members))
-
-
 def _until(done: Callable[[], bool], timeout: float = 60) -> None:
     """Wait for ``done()`` without ticking (the group delivery run works in the background)."""
     deadline = time.monotonic() + timeout
@@ -71,7 +59,7 @@ def _open_run(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, name: s
     """The stream's group delivery run (in the background), once the stream's member run in it delivered
     ``events`` events (it stays open)."""
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(name, linger)]), instance)
-    tick_until(driver, STREAM, lambda: _joined(db_url))
+    tick_until(driver, STREAM, lambda: joined(db_url, STREAM))
     insert_events(db_url, STREAM, events)
     tick_until(driver, STREAM, lambda: len(_delivered(name)) >= events)
     (run,) = driver.group_runs[driver.group_of(STREAM)]

@@ -24,6 +24,7 @@ from pgstream_dagster.engine.ledger import groups
 
 from .endpoint import Endpoint
 from .harness import HARNESS_LINGER_SECS, Driver, slot_of
+from .harness import joined as harness_joined
 
 STREAM = 1
 #: the reader group of stream 1 (it names none: the default)
@@ -141,13 +142,8 @@ def in_failover(url: str) -> bool:
 
 
 def joined(url: str, stream_id: int = STREAM) -> bool:
-    """The stream has joined its reader group: the group's slot exists and the group's reader reads it."""
-    with psycopg.connect(url) as c:
-        row = c.execute("select s.slot_reader = 'group:' || s.reader_group and s.join_lsn is null "
-                        "and exists (select 1 from pg_replication_slots r where r.slot_name = g.slot) "
-                        "from pgstream.streams s join pgstream.reader_groups g on g.name = s.reader_group "
-                        "where s.id = %s", [stream_id]).fetchone()
-    return bool(row and row[0])
+    """Stream 1 (or ``stream_id``) has joined its reader group (:func:`harness.joined`)."""
+    return harness_joined(url, stream_id)
 
 
 def start(driver: Driver, streams: tuple[int, ...] = (STREAM,), timeout: float = 120) -> None:

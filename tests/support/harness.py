@@ -88,6 +88,16 @@ def slot_of(url: str, stream_id: int) -> str:
         return str(row[0]) if row else ledger_streams.stream_slot(conn, stream_id)
 
 
+def joined(url: str, stream_id: int) -> bool:
+    """The stream has joined its reader group: the group's slot exists and the group's reader reads it."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute("select s.slot_reader = 'group:' || s.reader_group and s.join_lsn is null "
+                           "and exists (select 1 from pg_replication_slots r where r.slot_name = g.slot) "
+                           "from pgstream.streams s join pgstream.reader_groups g on g.name = s.reader_group "
+                           "where s.id = %s", [stream_id]).fetchone()
+    return bool(row and row[0])
+
+
 def event_ids(url: str, stream_id: int) -> list[int]:
     """The ids of the stream's events in ``pgstream.events``, in id order (the database chooses ids:
     a manual insert's id is not the next integer, see ``pgstream._check_event``)."""
