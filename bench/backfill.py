@@ -168,7 +168,7 @@ def _latency(url: str, tmpdir: Path, webhook: Webhook, name: str, args: argparse
              base: int) -> dict[str, Any]:
     migrate(url)
     config = write_config(tmpdir / f"{name}.yaml", url, {
-        "id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"}, "slot_name": name,
+        "id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"},
         "batch": {"max_size": 5000, "max_fill_secs": 0.2}, "sensor": {"tick_budget_secs": 2},
         "delivery": {"mode": "open", "tuning": {"linger_secs": 60}, "chunk_size": 5000}})
     if with_backfill:

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Goals, append_results, load_after, machine, spread
 
 import pgstream_dagster
-from pgstream_dagster.defs.names import DELIVERY_JOB, stream_sensor_name
+from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, group_sensor_name
 from pgstream_dagster.devdb import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -265,7 +265,7 @@ def _phase(root: Path, name: str, args: argparse.Namespace, port: int) -> dict[s
         return _env_file(root)["DAGSTER_POSTGRES_URL"].replace("+psycopg2", "")
 
     try:
-        marks = _watch(proc, log, started, args.timeout, sink, DELIVERY_JOB, stream_sensor_name(1), port,
+        marks = _watch(proc, log, started, args.timeout, sink, GROUP_DELIVERY_JOB, group_sensor_name("default"), port,
                        dagster_url)
     finally:
         writer.stop.set()

@@ -1,7 +1,8 @@
 """Shared pieces of the streaming benchmarks (bench/sustained.py, bench/latency.py): a private
 Postgres, a webhook receiver in a child process that records when each event arrived, and the
-in-process driver (sensor tick, then every requested run with ``execute_in_process``, repeat) that
-``tests/support/harness.py`` uses, against a real (ephemeral) Dagster instance."""
+in-process driver (the stream's group's sensor tick, then every requested run with ``execute_in_process``,
+repeat) that ``tests/support/harness.py`` uses, against a real (ephemeral) Dagster instance. A benchmark
+ended by SIGTERM (``timeout``) unwinds as on Ctrl-C: the Postgres and ``dg dev`` it started are stopped."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,14 +31,22 @@ from pgstream_dagster.config import DIRECT_MAX_EVENTS, load_config
 
 try:
     from pgstream_dagster.defs.location import build_definitions
-    from pgstream_dagster.defs.names import DELIVERY_JOB
+    from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB
     from pgstream_dagster.engine.subscriptions import apply_subscriptions
 except ImportError:  # a --baseline tree from before pgstream_dagster/engine and defs/ (ecb0130 and older)
     from pgstream_dagster.jobs import DELIVERY_JOB  # type: ignore[no-redef]
+    GROUP_DELIVERY_JOB = "pgstream_group_delivery"
     from pgstream_dagster.location import build_definitions  # type: ignore[no-redef]
     from pgstream_dagster.subscriptions import apply_subscriptions  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _unwind(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, _unwind)  # the benchmark's finally blocks stop what it started
 
 TABLE_SQL = """create table if not exists public.bench_orders (
     id bigserial primary key, seq bigint not null, customer text not null, amount numeric not null,
@@ -250,10 +260,20 @@ class Driver:
         self._thread: threading.Thread | None = None
         self._queue: collections.deque[dg.RunRequest] = collections.deque()
         self._run_keys: set[str] = set()
+        self._group_runs: list[threading.Thread] = []
+
+    def sensor(self, stream_id: int) -> Any:
+        """The sensor that decides for the stream: its reader group's (every stream is in one: ``default``
+        unless it names another), or in a baseline tree from before that, the stream's own."""
+        streams = self.defs.resources["pgstream"].config.streams
+        reader = next((getattr(s, "reader", None) for s in streams if s.id == stream_id), None)
+        name = f"pgstream_group_{reader}" if reader else f"pgstream_stream_{stream_id}"
+        return self.defs.resolve_sensor_def(name)
 
     def step(self, stream_id: int) -> bool:
-        """One tick and its runs; True if a run was started or executed."""
-        sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
+        """One tick and its runs; True if a run was started or executed. A group delivery run (it hosts the
+        group's streams' runs until asked to end) is always started in a thread of its own."""
+        sensor = self.sensor(stream_id)
         ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursor, sensor_name=sensor.name,
                                       resources={"pgstream": self.defs.resources["pgstream"]})
         tick: Any = sensor.evaluate_tick(ctx)
@@ -263,12 +283,26 @@ class Driver:
                 continue  # as the daemon does: a sensor's run key is used once (this one may still be starting)
             if request.run_key:
                 self._run_keys.add(request.run_key)
-            if self.background:
+            if request.job_name == GROUP_DELIVERY_JOB:
+                self._start_group_run(request)
+            elif self.background:
                 self._queue.append(request)  # the run queue: one run of the stream at a time
             else:
                 self._execute(request)
         self._start_next()
         return bool(tick.run_requests)
+
+    def _start_group_run(self, request: dg.RunRequest) -> None:
+        for thread in self._group_runs:  # one group run at a time (the tag pgstream/group)
+            thread.join()
+        thread = threading.Thread(target=self._execute, args=(request,), daemon=True)
+        thread.start()
+        self._group_runs.append(thread)
+        deadline = time.monotonic() + 30  # as the daemon does, the run exists before the next tick looks for one
+        while not self.instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""})):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the requested group delivery run was not created")
+            time.sleep(0.02)
 
     def paced_step(self, stream_id: int, every: float, until: float | None = None) -> bool:
         """:meth:`step`, then wait until ``every`` seconds after it began (not past ``until``, a
@@ -293,7 +327,7 @@ class Driver:
             self._thread.start()
 
     def _execute(self, request: dg.RunRequest) -> None:
-        job = self.defs.resolve_job_def(DELIVERY_JOB)
+        job = self.defs.resolve_job_def(request.job_name or DELIVERY_JOB)
         tags = {**request.tags, "dagster/run_key": request.run_key or ""}
         result = job.execute_in_process(run_config=request.run_config, instance=self.instance, tags=tags,
                                         raise_on_error=False)
@@ -301,10 +335,18 @@ class Driver:
         self.failed += 0 if result.success else 1
 
     def wait(self) -> None:
-        """Until the runs in flight and queued (background) have ended."""
+        """Until the runs in flight and queued (background) have ended; a live group delivery run is asked to
+        end (tag pgstream/stop, as its sensor asks it)."""
         while self._thread is not None:
             self._thread.join()
             self._start_next()
+        for run in self.instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB,
+                                                        statuses=[dg.DagsterRunStatus.STARTED,
+                                                                  dg.DagsterRunStatus.STARTING,
+                                                                  dg.DagsterRunStatus.NOT_STARTED])):
+            self.instance.add_run_tags(run.run_id, {"pgstream/stop": "the benchmark ends"})
+        for thread in self._group_runs:
+            thread.join()
 
 
 def delivered_events(conn: psycopg.Connection, stream_id: int) -> int:

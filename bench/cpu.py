@@ -146,7 +146,7 @@ class Meter:
     peek_messages: int = 0
     advance_pg: float = 0.0
     advance_calls: int = 0
-    walsender_pg: float = 0.0  # open runs' slot readers: their WAL senders decode (delivery.tuning.read_slot)
+    walsender_pg: float = 0.0  # the group delivery run's reader: its WAL sender decodes
     decode_py: float = 0.0
     publish_py: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
@@ -235,7 +235,7 @@ def deliver_phase(driver: Driver, url: str, target: int, postmaster: int, timeou
     """Tick and run (serially) until ``target`` events of stream 1 are delivered; CPU per side."""
     totals = DeliverTotals()
     job = driver.defs.resolve_job_def(DELIVERY_JOB)
-    sensor = driver.defs.resolve_sensor_def("pgstream_stream_1")
+    sensor = driver.sensor(1)  # stream 1's reader group's
     resources: Any = driver.defs.resources
     started = time.monotonic()
     with psycopg.connect(url, autocommit=True) as conn:
@@ -356,7 +356,7 @@ def rows_of(r: dict[str, Any]) -> list[tuple[str, float]]:
         ("write: other Postgres processes (WAL writer, checkpointer...)", w1["postgres_other"] / n),
         ("decode in Postgres: peeks", d["peek_pg"] / n),
         ("decode in Postgres: slot advances", d["advance_pg"] / n),
-        ("decode in Postgres: open runs' WAL senders (replication protocol)", d.get("walsender_pg", 0.0) / n),
+        ("decode in Postgres: the group run's WAL sender (replication protocol)", d.get("walsender_pg", 0.0) / n),
         ("  one decoding pass of the same WAL (reference slot)", once["pg"] / n),
         (sensor_pg, d["tick_pg_other"] / n),
         ("sensor in Python: reading/recording (tick thread)", d["tick_py"] / n),
@@ -470,9 +470,6 @@ def main() -> None:
                         help="--open: the sensor is evaluated at most this often (the daemon: at most every "
                              "sensor.interval_secs, 1 s by default, and every 5 s at most; before 2026-11-27 the "
                              "bench ticked every 0.05 s)")
-    parser.add_argument("--peek", action="store_true",
-                        help="delivery.tuning.read_slot false: the sensor peeks the slot even while a run is "
-                             "open (before the slot reader)")
     parser.add_argument("--direct-max-events", type=int,
                         default=DeliveryTuning.model_fields["direct_max_events"].default,
                         help="delivery.tuning.direct_max_events (default: the product's; 0: every round is a "
@@ -520,8 +517,7 @@ def main() -> None:
                       "sensor": {"tick_budget_secs": 2},
                       "delivery": {"chunk_size": args.chunk, "max_events_per_run": args.max_events_per_run,
                                    "mode": "open" if args.open else "per_batch",
-                                   "tuning": {"linger_secs": 3, "read_slot": not args.peek,
-                                              "direct_max_events": args.direct_max_events}}}
+                                   "tuning": {"linger_secs": 3, "direct_max_events": args.direct_max_events}}}
             config_path = write_config(tmpdir / "cpu.yaml", url, stream, trigger_mode=args.trigger_mode)
             cfg = load_config(config_path).streams[0]
             with psycopg.connect(url, autocommit=True) as conn:
@@ -629,8 +625,8 @@ def main() -> None:
         "in-process "
         f"({driving}, "
         "execute_in_process; Spark local[2], warm; batch.max_size "
-        f"{args.batch_size}, chunk {args.chunk}, max_events_per_run {args.max_events_per_run}, read_slot "
-        f"{str(not args.peek).lower()}, direct_max_events {args.direct_max_events}) until all "
+        f"{args.batch_size}, chunk {args.chunk}, max_events_per_run {args.max_events_per_run}, "
+        f"direct_max_events {args.direct_max_events}) until all "
         f"{n:,} are in the file sink (counted: {result['sink_lines'] - 1:,} lines after the warm-up event); "
         "CPU from /proc (Postgres backends: schedstat; process trees: utime+stime+reaped children) and "
         f"thread_time in the driver. Writes took {result['write_plain']['wall']:.1f}s (plain) and "

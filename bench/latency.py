@@ -70,7 +70,7 @@ def _phase(fill: float, pg: Any, tmpdir: Path, webhook: Webhook, args: argparse.
     pg.create_database(name)
     url = pg.url_for(name)
     migrate(url)
-    stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"}, "slot_name": name,
+    stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"},
               "batch": {"max_size": 1000, "max_fill_secs": fill}, "sensor": {"tick_budget_secs": 10}}
     config = write_config(tmpdir / f"{name}.yaml", url, stream)
     before = {seq for seq, _ in webhook.received()}

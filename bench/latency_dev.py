@@ -1,16 +1,16 @@
 """Latency through `dagster dev` (P4, run by hand: `make bench-latency-dev`): commit -> webhook
 receipt with the real daemon, run launcher (a run is a subprocess), Dagster's Postgres storage and
-a Spark session per run, as `make dev` runs it. Side by side in one run: ``delivery.linger_secs``
-0 (every batch waits for a new run: process start + Spark start), the default (the run stays
-open and the sensor hands it each new batch), and the default with a Spark Connect server
-(``spark.remote``: a run opens a session on a warm server instead of starting Spark).
+a Spark session per run, as `make dev` runs it. Side by side in one run: mode open (the default: the
+stream's run stays open in its reader group's delivery run, handed each batch as it is recorded), mode warm,
+and mode per_batch (every batch waits for a new run: process start + Spark start), each with a Spark Connect
+server (``spark.remote``: a run opens a session on a warm server instead of starting Spark).
 
 Per phase: fresh databases, `dagster dev` started with the repo's dagster.yaml and workspace.yaml;
-once the sensor has created the slot, one warm-up row (its latency is the cold start: run launch +
+once the group's sensor has created the group's slot, one warm-up row (its latency is the cold start: run launch +
 Spark start), then a writer commits one row every ``--interval`` s for ``--duration`` s. Reports
 p50/p95/p99/max of receipt - commit, the number of delivery runs, and appends to bench/RESULTS.md.
 Usage: python bench/latency_dev.py [--duration 60] [--interval 0.2]
-       [--phases 120+connect+peek,120+connect,10+connect+warm]
+       [--phases 120+connect,10+connect+warm,0+connect]
 """
 
 from __future__ import annotations
@@ -56,17 +56,15 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
            base: int) -> dict[str, Any]:
     linger = float(spec.split("+")[0])
     flags = set(spec.split("+")[1:])
-    connect, peek, warm = "connect" in flags, "peek" in flags, "warm" in flags
+    connect, warm = "connect" in flags, "warm" in flags
     name = f"latency_dev_{int(linger)}" + "".join(f"_{f}" for f in sorted(flags))
     pg.create_database(name)
     pg.create_database(f"{name}_dagster")
     url = pg.url_for(name)
     migrate(url)
-    stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"}, "slot_name": name,
+    stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"},
               "delivery": {"mode": "warm" if warm else "open" if linger else "per_batch",
                            "tuning": {"linger_secs": linger} if linger else {}}}
-    if peek:  # the path before the slot reader: the sensor peeks and hands batches over, a Spark job per round
-        stream["delivery"]["tuning"].update(read_slot=False, direct_max_events=0)
     server = None
     spark: dict[str, Any] = {"master": "local[2]"}
     if connect:
@@ -86,8 +84,8 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
     try:
         with psycopg.connect(url, autocommit=True) as conn:
             def slot() -> bool:
-                return conn.execute("select count(*) from pg_replication_slots where slot_name = %s",
-                                    [name]).fetchone() == (1,)
+                return conn.execute("select count(*) from pg_replication_slots where database = current_database()"
+                                    ).fetchone() == (1,)  # the stream's reader group's
 
             ready = _wait("the sensor to create the slot", slot, 300)
             conn.execute("insert into public.bench_orders (seq, customer, amount) values (%s, 'warm-up', 0)",
@@ -114,7 +112,8 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
             _wait("the event after a quiet spell", lambda: any(s == base - 2 for s, _ in webhook.received()), 300)
             quiet = next(t for s, t in webhook.received() if s == base - 2) - committed_at
         with psycopg.connect(dagster_url.replace("+psycopg2", ""), autocommit=True) as conn:
-            (runs,) = conn.execute("select count(*) from runs where pipeline_name = 'pgstream_delivery'").fetchone()
+            (runs,) = conn.execute("select count(*) from runs where pipeline_name in ('pgstream_delivery', "
+                                   "'pgstream_group_delivery')").fetchone()
     finally:
         stop_process_group(dev.proc)
         if server is not None:
@@ -126,20 +125,17 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
             "ready": ready, "quiet": quiet}
 
 
-_FLAG_LABELS = {"connect": ", Spark Connect server",
-                "peek": ", read_slot false + direct_max_events 0 (the sensor peeks; a Spark job per round)",
-                "warm": ", keep_warm"}
+_FLAG_LABELS = {"connect": ", Spark Connect server", "warm": ", mode warm"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=60)
     parser.add_argument("--interval", type=float, default=0.2)
-    parser.add_argument("--phases", default="120+connect+peek,120+connect,10+connect+warm",
-                        help="delivery.linger_secs values to compare; +connect: runs use a Spark Connect server "
-                             "started for the phase (spark.remote); +peek: the sensor reads the slot and every "
-                             "round is a Spark job (read_slot false, direct_max_events 0: before the slot reader); "
-                             "+warm: delivery.keep_warm, and the first event after a quiet spell > linger_secs")
+    parser.add_argument("--phases", default="120+connect,10+connect+warm,0+connect",
+                        help="delivery.tuning.linger_secs values to compare (0: mode per_batch, a run per batch); "
+                             "+connect: runs use a Spark Connect server started for the phase (spark.remote); "
+                             "+warm: delivery.mode warm, and the first event after a quiet spell > linger_secs")
     args = parser.parse_args()
     header = machine()
     results: dict[str, dict[str, Any]] = {}

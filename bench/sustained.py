@@ -133,15 +133,12 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
     else:
         assert webhook is not None
         sink = {"type": "http", "url": webhook.url, "mode": "batch", "max_batch_size": 1000}
-    open_runs = mode in ("open", "peek")
-    stream = {"id": 1, "sink": sink, "slot_name": f"sustained_{name}_{mode}",
+    open_runs = mode == "open"
+    stream = {"id": 1, "sink": sink,
               "batch": {"max_size": args.batch_size, "max_fill_secs": args.max_fill_secs},
               "sensor": {"tick_budget_secs": 2},
               "delivery": {"chunk_size": 5000, "max_events_per_run": args.max_events_per_run,
-                           "mode": "open" if open_runs else "per_batch",
-                           # peek: as before the slot reader (the sensor peeks, every round a Spark job)
-                           "tuning": {"linger_secs": 3, **({"read_slot": False, "direct_max_events": 0}
-                                                           if mode == "peek" else {})}}}
+                           "mode": "open" if open_runs else "per_batch", "tuning": {"linger_secs": 3}}}
     config = write_config(tmpdir / f"{name}_{mode}.yaml", url, stream, trigger_mode=args.trigger_mode)
     counter: Any = multiprocessing.Value("q", 0)
     samples: list[tuple[float, int, int]] = []
@@ -303,10 +300,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=300, help="seconds of writing per sink")
     parser.add_argument("--sinks", default="redis,webhook")
-    parser.add_argument("--modes", default="peek,open",
-                        help="serial: runs between ticks, linger_secs 0 (the first method); open: runs in a thread "
-                             "while the sensor ticks and the open run reads the slot (linger_secs 3); peek: open, "
-                             "as before the slot reader (read_slot false, direct_max_events 0)")
+    parser.add_argument("--modes", default="serial,open",
+                        help="serial: runs between ticks, mode per_batch (the first method); open: the stream's run "
+                             "open in its reader group's delivery run, in a thread while the group's sensor ticks "
+                             "(linger_secs 3)")
     parser.add_argument("--writers", type=int, default=2, help="writer processes")
     parser.add_argument("--rows", type=int, default=100, help="rows per writer transaction")
     parser.add_argument("--batch-size", type=int, default=10_000, help="batch.max_size")
@@ -371,10 +368,10 @@ def main() -> None:
              f"({args.trigger_mode} mode; Postgres fsync off, "
              "synchronous_commit off), as fast as Postgres accepts; the stream is driven in-process (ephemeral "
              "Dagster instance, one warm Spark session local[2]): *serial* = sensor tick, then the requested run "
-             "via execute_in_process, one after the other, linger_secs 0; *peek* = *open* as before the slot reader "
-             "(read_slot false: the sensor peeks and records, direct_max_events 0: every round a Spark job); "
-             "*open* = runs in a thread while the sensor keeps ticking (linger_secs 3), as the daemon and a run "
-             "worker overlap; the open run reads the slot itself (replication protocol) and reads small rounds "
+             "via execute_in_process, one after the other, mode per_batch; "
+             "*open* = the group delivery run in a thread while the group's sensor keeps ticking (linger_secs 3), "
+             "as the daemon and a run worker overlap; the group run reads the group's slot (replication protocol), "
+             "the stream's open run reads small rounds "
              f"without Spark; batch.max_size {args.batch_size}, max_fill_secs {args.max_fill_secs}, "
              f"max_events_per_run {args.max_events_per_run}, chunk 5000; delivered = ledger batches marked "
              "delivered (sink-confirmed); "

@@ -144,9 +144,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .config import load_config
 
     config = load_config(Path(args.config) if args.config else None, _defs_folder(args))  # (ConfigError: exit 1)
-    groups = sorted({s.reader for s in config.streams if s.reader is not None})
-    print(f"{len(config.streams)} streams and {len(config.subscriptions)} subscriptions are valid"
-          + (f" (reader groups: {', '.join(groups)})" if groups else ""))
+    groups = sorted({s.reader for s in config.streams})
+    print(f"{len(config.streams)} streams and {len(config.subscriptions)} subscriptions are valid "
+          f"(reader groups: {', '.join(groups)})")
     return 0
 
 
@@ -717,8 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also drop the objects outside schema pgstream that depend on it (listed without it)")
     p.set_defaults(func=_cmd_tear_down)
 
-    p = sub.add_parser("init", help="migrate and apply the YAML subscriptions as the owner; create the streams and "
-                                    "their slots as the runtime (database_url)")
+    p = sub.add_parser("init", help="migrate and apply the YAML subscriptions as the owner; register the streams in "
+                                    "their reader groups and create the groups' slots as the runtime (database_url)")
     p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
     p.add_argument("--owner-database-url", help="the owner's Postgres URL (default: $PGSTREAM_OWNER_DATABASE_URL, "
                                                 "else database_url of pgstream.yaml)")
@@ -866,7 +866,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .engine.bootstrap import InitError
         from .engine.dbconn import error_line, scrubbed_error
         from .engine.deadletters import DeadLetterError
-        from .engine.ledger.streams import SlotElsewhere, SlotInUse
         from .engine.migrations import MigrationError
         from .engine.replication import PublicationTaken
         from .sparkserver import SparkServerError
@@ -874,8 +873,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if type(exc).__module__.startswith("psycopg"):  # Postgres' message, not its PL/pgSQL CONTEXT lines
             print(f"error: {scrubbed_error(error_line(exc), *_urls_given(args))}", file=sys.stderr)
             return 1
-        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | SlotInUse | SlotElsewhere |
-                      BackfillError | SparkServerError | PublicationTaken | InitError):
+        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | BackfillError | SparkServerError |
+                      PublicationTaken | InitError):
             # libpq echoes a connection string it cannot parse, the password included
             print(f"error: {scrubbed_error(exc, *_urls_given(args))}", file=sys.stderr)
             return 1

@@ -72,18 +72,25 @@ class _Model(BaseModel):
 
 class BatchConfig(_Model):
     max_size: int = Field(1000, ge=1, le=1_000_000,
-                          description="events per ledger batch at most: the sensor (or an open run's slot reader) "
+                          description="events per ledger batch at most: its reader group's reader "
                                       "cuts what it reads from the slot into batches of this size (a run takes many "
                                       "batches: delivery.max_events_per_run)")
     max_fill_secs: float = Field(0.5, ge=0, le=3600,
-                                 description="the slot's reader (the sensor, or an open run's) records what waits "
-                                             "once max_size events wait, the slot has sent everything committed, "
+                                 description="the group's slot reader (its sensor, or its delivery run's) records "
+                                             "what waits once max_size events wait, the slot has sent everything "
+                                             "committed, "
                                              "or the oldest waiting event committed this long ago (under "
                                              "continuous traffic)")
 
 
 #: ``delivery.tuning.direct_max_events``'s default
 DIRECT_MAX_EVENTS = 100_000
+
+
+#: what a ``read_slot`` key (delivery.tuning's, or delivery's) is told
+READ_SLOT_GONE = ("delivery.tuning.read_slot is no longer read: every stream's events are read by its reader "
+                  "group (the group's delivery run reads the group's slot over the replication protocol); remove "
+                  "the key")
 
 
 class DeliveryTuning(_Model):
@@ -123,16 +130,19 @@ class DeliveryTuning(_Model):
     max_run_secs: float = Field(1800, ge=1, le=7 * 86400,
                                 description="an open run takes no new batch after this long (a fresh run picks "
                                             "up configuration changes)")
-    read_slot: bool = Field(True, description="modes open and warm: the open run reads the stream's slot itself, over "
-                                               "the replication protocol: each transaction is decoded once and arrives "
-                                               "as it commits (false: the sensor peeks the slot, as between runs; for "
-                                               "comparisons, measured in bench/)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gone_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "read_slot" in data:
+            raise ValueError(READ_SLOT_GONE)
+        return data
 
 
 class DeliveryConfig(_Model):
     mode: Literal["open", "per_batch", "warm"] = Field(
-        "open", description="open: a run stays open after its batches (tuning.linger_secs), reads the stream's slot "
-                            "itself and delivers what commits, without Spark for rounds up to "
+        "open", description="open: a run stays open after its batches (tuning.linger_secs), hosted by its reader "
+                            "group's delivery run, and delivers what commits, without Spark for rounds up to "
                             "tuning.direct_max_events; per_batch: a run per batch (or per run of batches, "
                             "max_events_per_run), its events read by PySpark, as the design card has it; warm: open, "
                             "and an open run is kept ready even with nothing to deliver (costs a run process per "
@@ -176,6 +186,8 @@ class DeliveryConfig(_Model):
     def _moved_keys(cls, data: Any) -> Any:
         """A key of ``tuning`` (or ``keep_warm``) given here is refused, naming where it goes."""
         for key in data if isinstance(data, dict) else ():
+            if key == "read_slot":
+                raise ValueError(READ_SLOT_GONE)
             if key == "keep_warm" or (key in DeliveryTuning.model_fields and key not in cls.model_fields):
                 where = "mode: warm" if key == "keep_warm" else f"tuning.{key}" + (
                     " (0: delivery.mode: per_batch)" if key == "linger_secs" else "")
@@ -196,11 +208,6 @@ class DeliveryConfig(_Model):
     def linger_secs(self) -> float:
         """How long a run stays open after its last batch: 0 in mode per_batch."""
         return self.tuning.linger_secs if self.keeps_open else 0.0
-
-    @property
-    def read_slot(self) -> bool:
-        """Whether an open run reads the stream's slot itself."""
-        return self.keeps_open and self.tuning.read_slot
 
     @property
     def direct_max_events(self) -> int:
@@ -243,8 +250,8 @@ class StreamChecksConfig(_Model):
 
 
 #: The prefix of the names pgstream gives a stream's objects: its publication is ``pgstream_stream_<id>``
-#: (so is its Dagster sensor), the publication its open run's reader decodes with
-#: ``pgstream_stream_<id>_rows``, an open run's NOTIFY channel ``pgstream_stream_<id>_runs``. Tear-down
+#: (so is the sensor that tells an invalid entry), an open run's NOTIFY channel ``pgstream_stream_<id>_runs``
+#: (a version with a slot per stream also made ``pgstream_stream_<id>_rows``). Tear-down
 #: recognises the publications by it. The default replication slot's name is the database's to derive
 #: (``pgstream.default_slot_name``, unique in the cluster): see ``engine.ledger.streams.stream_slot``.
 STREAM_NAME_PREFIX = "pgstream_stream_"
@@ -255,6 +262,10 @@ def stream_object_name(stream_id: int) -> str:
     return f"{STREAM_NAME_PREFIX}{stream_id}"
 
 
+#: the reader group of a stream that names none (``streams[].reader``)
+DEFAULT_READER = "default"
+
+
 class StreamConfig(_Model):
     id: int = Field(ge=1, le=MAX_STREAM_ID, description="the stream's id (unique)")
     batch: BatchConfig = BatchConfig()
@@ -263,17 +274,24 @@ class StreamConfig(_Model):
     sensor: SensorConfig = SensorConfig()
     retry: RetryConfig = RetryConfig()
     checks: StreamChecksConfig = StreamChecksConfig()
-    slot_name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,63}$",
-                                  description="the replication slot the stream reads; default: a name the database "
-                                              "derives, unique in the cluster (engine.ledger.streams.stream_slot)")
-    reader: str | None = Field(
-        None, pattern=r"^[a-z][a-z0-9_]{0,30}$",
-        description="a reader group: the streams naming the same group share one replication slot and one "
-                    "publication (pgstream_group_<name>), read by the group's sensor (pgstream_group_<name>), which "
-                    "decodes the WAL once and records each stream's transactions in its ledger. Without it the "
-                    "stream reads its own slot (one slot per stream). A stream that had its own slot joins "
-                    "without losing or repeating an event (its slot is drained, then dropped); leaving a group, "
-                    "or moving to another, is refused (one-line error naming the stream)")
+    reader: str = Field(
+        DEFAULT_READER, pattern=r"^[a-z][a-z0-9_]{0,30}$",
+        description="the stream's reader group: the streams naming the same group share one replication slot and "
+                    "one publication (pgstream_group_<name>), read by the group's sensor (pgstream_group_<name>) "
+                    "and its delivery run, which decode the WAL once and record each stream's transactions in its "
+                    "ledger. Every stream belongs to one: a stream that names none shares the database's default "
+                    "group, so any number of streams take one slot and one WAL sender; name a group of its own to "
+                    "give a stream a slot of its own. A stream that had its own slot joins without losing or "
+                    "repeating an event (its slot is drained, then dropped); leaving a group, or moving to another, "
+                    "is refused (one-line error naming the stream)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gone_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "slot_name" in data:
+            raise ValueError("streams[].slot_name is no longer read: every stream reads its reader group's slot; "
+                             "give a stream a reader group of its own (reader: <name>) for a slot of its own")
+        return data
 
     @model_validator(mode="after")
     def _lake_needs_global_order(self) -> StreamConfig:
@@ -284,19 +302,10 @@ class StreamConfig(_Model):
         return self
 
     @property
-    def slot_label(self) -> str:
-        """The slot, for descriptions written without a database (the default's name is the database's)."""
-        return self.slot_name or "the stream's default slot"
-
-    @property
     def publication(self) -> str:
-        """What the sensor decodes with: the event id and created_at only."""
+        """What a joining member's own slot is decoded with: the event id and created_at only."""
         return stream_object_name(self.id)
 
-    @property
-    def rows_publication(self) -> str:
-        """What an open run's reader decodes with: the whole event (``sql/019_reader_publication.sql``)."""
-        return f"{stream_object_name(self.id)}_rows"
 
 
 class Extension(_Model):
@@ -431,17 +440,6 @@ def _check_streams(streams: Sequence[StreamConfig]) -> None:
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
-    # one slot, one stream: two streams on a slot each advance it past the other's events (a default
-    # slot name is unique; one that a slot_name takes is refused by the database: ledger.streams.SlotInUse)
-    readers: dict[str, int] = {}
-    for s in streams:
-        if s.slot_name is None:
-            continue
-        if s.slot_name in readers:
-            raise ValueError(f"streams {readers[s.slot_name]} and {s.id} both read replication slot {s.slot_name} "
-                             f"(streams[].slot_name): a slot belongs to one stream; give one of them another "
-                             f"slot_name")
-        readers[s.slot_name] = s.id
 
 
 def _check_cluster(config: PgstreamConfig) -> None:
@@ -528,8 +526,7 @@ def reader_groups(streams: Sequence[StreamConfig]) -> dict[str, list[StreamConfi
     """The reader groups ``streams`` name (``streams[].reader``), by name in name order, each with its streams."""
     groups: dict[str, list[StreamConfig]] = {}
     for stream in streams:
-        if stream.reader is not None:
-            groups.setdefault(stream.reader, []).append(stream)
+        groups.setdefault(stream.reader, []).append(stream)
     return dict(sorted(groups.items()))
 
 

@@ -26,6 +26,7 @@ from .support import faults
 from .support.aws import REGION, FakeCredentials, FaultProxy, MotoServer
 from .support.dagster_dev import Databases, drop_databases, make_databases, repo_root
 from .support.endpoint import Endpoint
+from .support.harness import Driver
 from .support.http_recorder import HttpRecorder, recording_server
 from .support.schema import USERS
 from .support.sinks import nats_admin, unique
@@ -34,7 +35,7 @@ from .support.sinks import nats_admin, unique
 #: of ``make test`` (``-n 2 --dist loadfile --no-loadscope-reorder``: a file per process at a time, in this order)
 #: start with them, longest first, so they end together
 SLOWEST_FILES = ("test_failover.py", "test_spark_cluster.py", "test_code_location.py", "test_group_delivery.py",
-                 "test_fault_integrity.py", "test_reader_groups.py", "test_open_runs.py", "test_slot_reader.py",
+                 "test_fault_integrity.py", "test_reader_groups.py", "test_open_runs.py",
                  "test_spark_connect.py", "test_spark_source.py", "test_asset_checks.py", "test_browser.py",
                  "test_dev.py", "test_backfill.py", "test_kafka_sink.py", "test_standby_failover.py",
                  "test_demo_green.py", "test_security.py", "test_deployment.py", "test_automation_e2e.py",
@@ -220,6 +221,15 @@ def delivery_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     mode = str(request.param)
     monkeypatch.setattr(faults, "MODE", mode)
     return mode
+
+
+@pytest.fixture(autouse=True)
+def _drivers_closed() -> Iterator[None]:
+    """The group delivery runs a test's drivers launched end with the test (asked, as the sensor asks)."""
+    yield
+    made, Driver.made[:] = list(Driver.made), []
+    for driver in made:
+        driver.close()
 
 
 @pytest.fixture

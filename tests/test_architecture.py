@@ -32,9 +32,9 @@ _WRITES = re.compile(r"update\s+pgstream\.streams\s+(?:\w+\s+)?set\s+((?:(?!\bwh
 _COLUMNS = re.compile(r"\b(open_run_key|slot_reader)\s*=", re.I)
 #: ledger/state.py's functions that run that SQL; apply and apply_run are the only ways to them from
 #: outside the ledger
-STATE_WRITERS = {"open_run", "clear_open_run", "open_warm_run", "_take_slot", "_give_slot_back"}
+STATE_WRITERS = {"open_run", "clear_open_run", "open_warm_run"}
 #: the ledger functions that reach those writers (the transitions composed of them)
-TRANSITIONS = STATE_WRITERS | {"launch", "fail_run", "_close_run", "close_run", "take_slot", "give_slot_back"}
+TRANSITIONS = STATE_WRITERS | {"launch", "fail_run", "_close_run", "close_run"}
 
 
 def _writes_columns(text: str) -> bool:
@@ -112,14 +112,14 @@ def _ledger_names_used(path: Path) -> set[str]:
 
 
 def test_outside_the_ledger_the_open_run_changes_by_actions() -> None:
-    """Outside engine/ledger the open run and the slot's reader change only through ledger.apply (the
-    sensor's decision) and ledger.apply_run (the run's CloseRun, TakeSlot, GiveSlotBack): no module
-    calls a transition function itself. The run's delivery loop and its slot reader do use apply_run."""
+    """Outside engine/ledger the open run changes only through ledger.apply (the sensor's decision) and
+    ledger.apply_run (the run's CloseRun): no module calls a transition function itself. The run's delivery
+    loop does use apply_run."""
     uses = {str(path.relative_to(PACKAGE)): _ledger_names_used(path)
             for path in sorted(PACKAGE.rglob("*.py")) if "ledger" not in path.relative_to(PACKAGE).parts}
     direct = {module: sorted(names & TRANSITIONS) for module, names in uses.items() if names & TRANSITIONS}
     assert direct == {}, f"transitions called outside ledger.apply / ledger.apply_run: {direct}"
     assert "apply" in uses["defs/sensors.py"]
-    assert "apply_run" in uses["engine/delivery/run.py"] and "apply_run" in uses["engine/ingest/recorder.py"]
+    assert "apply_run" in uses["engine/delivery/run.py"]
     from pgstream_dagster.engine.ledger import state
-    assert not (set(dir(state)) & {"close_run", "take_slot", "give_slot_back"}), "the run's transitions are actions"
+    assert not (set(dir(state)) & {"close_run"}), "the run's transition is an action"

@@ -22,8 +22,10 @@ from pgstream_dagster.defs.checks import check_undelivered_age
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import CHECKS_JOB, SCHEDULED_CHECKS_TAG, deliveries_asset_key
 from pgstream_dagster.devdb import LocalPostgres
+from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
+from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.engine.migrations import WRITER_ROLE
 
 from .support.dagster_instance import postgres_instance
@@ -31,7 +33,9 @@ from .support.harness import backdated, slot_of, values, write_config
 
 SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
-AGE, WAL, FAILOVER, DEAD = "undelivered_age", "slot_retained_wal", "not_in_failover", "no_dead_letters"
+AGE, FAILOVER, DEAD = "undelivered_age", "not_in_failover", "no_dead_letters"
+#: the slot check of a stream that names no reader group: its group's (``default``), on pgstream/events_partitions
+WAL = "group_default_slot_retained_wal"
 ORPHANS = "no_orphaned_slots"
 CONSUMERS = "consumers_within_retention"
 
@@ -98,6 +102,7 @@ def test_checks_pass_on_a_healthy_stream_and_fail_on_each_fault(app: str, tmp_pa
     assert first["trigger"].asset_key == dg.AssetKey(
         ["pgstream", "stream_1", "subscriptions", "user_signup_insert_public_users"])
     assert first[AGE].asset_key == deliveries_asset_key(1)
+    assert first[WAL].asset_key == dg.AssetKey(["pgstream", "events_partitions"])  # the group's slot: one check
     assert first["trigger"].severity == dg.AssetCheckSeverity.ERROR
     assert first[FAILOVER].severity == dg.AssetCheckSeverity.WARN
 
@@ -291,12 +296,17 @@ def test_a_slot_no_stream_reads_fails_a_check_and_shows_in_status(app: str, tmp_
         assert "slot pgstream_stream_7: no stream reads it, and it retains " in out
         assert "select pg_catalog.pg_drop_replication_slot('pgstream_stream_7')" in out and "my_own_slot" not in out
 
-        # a stream given another slot_name leaves its default slot behind: listed too
-        default_1 = slot_of(app, 1)
+        # a stream given another slot_name leaves its own default slot (a slot each: an install of before every
+        # stream was in a reader group) behind: listed too; the group's slot, read for it, is not
+        with psycopg.connect(app, autocommit=True) as c:
+            default_1 = ledger_streams.stream_slot(c, 1)
+            replication.create_slot(c, default_1)
+        assert [s["slot_name"] for s in values(Checks(cfg, instance).run()[orphan].metadata)["slots"]] == [
+            "pgstream_stream_7"]
         execute(app, "update pgstream.streams set slot_name = 'stream_one' where id = 1")
         ev = Checks(cfg, instance).run()[orphan]
-        assert [s["slot_name"] for s in values(ev.metadata)["slots"]] == [
-            default_1, "pgstream_stream_7"]
+        assert [s["slot_name"] for s in values(ev.metadata)["slots"]] == sorted([default_1, "pgstream_stream_7"])
+        assert slot_of(app, 1) not in (ev.description or "")
         execute(app, "update pgstream.streams set slot_name = null where id = 1",
                 "select pg_drop_replication_slot('pgstream_stream_7')")
         assert Checks(cfg, instance).run()[orphan].passed
@@ -446,7 +456,8 @@ def test_a_scheduled_checks_run_paces_its_streams_and_one_from_the_ui_does_not(
         result = job.execute_in_process(instance=instance, raise_on_error=False, tags=tags)
         assert slept == pauses
         assert backgrounded == [True] * len(pauses)
-        assert len(result.get_asset_check_evaluations()) == 3 * 5 + 2  # (trigger + 4 a stream; 2 of the location)
+        # (trigger + 3 a stream; 2 of the location, and the slot check of their reader group, default)
+        assert len(result.get_asset_check_evaluations()) == 3 * 4 + 3
 
 
 def test_a_scheduled_checks_runs_process_yields_the_cpus_and_never_lowers_its_niceness() -> None:
@@ -467,12 +478,13 @@ def test_a_reader_groups_slot_has_one_check_for_its_streams(app: str, tmp_path: 
                                                             instance: dg.DagsterInstance) -> None:
     """A reader group's streams share one slot: it is checked once (``group_<name>_slot_retained_wal`` on
     ``pgstream/events_partitions``, the smallest ``max_retained_wal_bytes`` of its streams), and the members'
-    deliveries carry no slot check of their own. It fails on WAL held back past the limit, and on no slot."""
+    deliveries carry no slot check of their own (a stream naming no group is in group ``default``: its check). It
+    fails on WAL held back past the limit, and on no slot."""
     streams = [{"id": 1, "sink": {"type": "memory"}, "reader": "team",
                 "checks": {"max_retained_wal_bytes": 1024**3}},
                {"id": 2, "sink": {"type": "memory"}, "reader": "team",
                 "checks": {"max_retained_wal_bytes": 1024**3}},
-               {"id": 3, "sink": {"type": "memory"}}]  # (a stream of its own keeps its slot check)
+               {"id": 3, "sink": {"type": "memory"}}]  # (a stream naming no group: the default group's check)
     subs = [{**SIGNUP, "stream_id": i, "key": f"signup-{i}"} for i in (1, 2, 3)]
     roomy = write_config(tmp_path / "roomy.yaml", app, streams, subs)
     streams[1]["checks"] = {"max_retained_wal_bytes": 64 * 1024}  # (one member's tighter limit is the group's)
@@ -487,7 +499,7 @@ def test_a_reader_groups_slot_has_one_check_for_its_streams(app: str, tmp_path: 
 
     evs = run(roomy)
     slot_checks = sorted(k for k in evs if "slot_retained_wal" in k[1])
-    assert slot_checks == [("pgstream/events_partitions", group_check), ("pgstream/stream_3/deliveries", WAL)]
+    assert slot_checks == [("pgstream/events_partitions", WAL), ("pgstream/events_partitions", group_check)]
     ev = evs[("pgstream/events_partitions", group_check)]
     assert ev.passed, ev.description
     meta = values(ev.metadata)
@@ -514,7 +526,9 @@ def test_a_streams_own_slot_is_checked_with_its_groups_until_it_has_joined(app: 
     slot too, and names it when it holds back too much WAL."""
     alone = [{"id": 1, "sink": {"type": "memory"}}, {"id": 2, "sink": {"type": "memory"}}]
     subs = [{**SIGNUP, "stream_id": i, "key": f"signup-{i}"} for i in (1, 2)]
-    init(write_config(tmp_path / "alone.yaml", app, alone, subs))
+    with psycopg.connect(app, autocommit=True) as c:  # an install of before every stream was in a group: a slot each
+        for i in (1, 2):
+            replication.create_slot(c, ledger_streams.ensure_stream(c, i))
     own = slot_of(app, 1)
     grouped = [{**s, "reader": "team", "checks": {"max_retained_wal_bytes": 64 * 1024}} for s in alone]
     cfg = write_config(tmp_path / "grouped.yaml", app, grouped, subs)

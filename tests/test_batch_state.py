@@ -19,7 +19,6 @@ from pgstream_dagster.engine.batches import (
     FailRun,
     Launch,
     LeaveFailover,
-    ReclaimSlot,
     Reissue,
     Requeue,
     RunOrder,
@@ -119,21 +118,12 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
      LeaveFailover(Warm(WarmRun(SID, "pgstream-s7--warm-1772625600")), CAUGHT_UP)),
     ("empty, open run idle (mode open): wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.LIVE), LINGER,
      Wait()),
-    # the open run is the slot's declared reader: once it ended without closing, the sensor reads again
-    ("empty, open run reading live: wait", state(None, open_run_key=OPEN_KEY, slot_reader=f"run:{OPEN_KEY}"),
-     run(RunStatus.LIVE), LINGER, Wait()),
-    ("empty, open run reading died: the slot back to the sensor",
-     state(None, open_run_key=OPEN_KEY, slot_reader=f"run:{OPEN_KEY}"), run(RunStatus.DEAD, "FAILURE"), LINGER,
-     ReclaimSlot(OPEN_KEY, "stream 7: open run r1 ended (FAILURE); the sensor reads the slot")),
-    ("empty, mode warm, warm run reading failed: the slot back to the sensor, not replaced",
-     state(None, open_run_key=WARM_KEY, slot_reader=f"run:{WARM_KEY}"), run(RunStatus.FAILED, "CANCELED"), WARM,
-     ReclaimSlot(WARM_KEY, "stream 7: open run r1 ended (CANCELED); the sensor reads the slot")),
-    ("empty, open run reading succeeded without closing: the slot back to the sensor",
-     state(None, open_run_key=OPEN_KEY, slot_reader=f"run:{OPEN_KEY}"), run(RunStatus.SUCCEEDED), LINGER,
-     ReclaimSlot(OPEN_KEY, "stream 7: open run r1 ended (succeeded); the sensor reads the slot")),
-    ("empty, open run reading, not made yet (mode warm): request it again",
-     state(None, open_run_key=WARM_KEY, slot_reader=f"run:{WARM_KEY}"), NO_RUN, WARM,
-     Warm(WarmRun(SID, WARM_KEY), again=True)),
+    # an open run that ended without closing, nothing left: it stays the open run until the next batch's run
+    # replaces it (a run that cannot start is not requested again every tick)
+    ("empty, open run died: wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.DEAD, "FAILURE"), LINGER,
+     Wait()),
+    ("empty, open run succeeded without closing: wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.SUCCEEDED),
+     LINGER, Wait()),
     # paused: nothing starts, whatever the head and its run
     ("paused, pending head", state(PENDING, paused=True), NO_RUN, LINGER, Wait(PAUSED)),
     ("paused, launched head (its run is not looked at)", state(LAUNCHED, paused=True), NO_RUN, LINGER,
@@ -235,7 +225,7 @@ def test_every_status_is_covered() -> None:
 def test_every_run_status_and_action_is_covered() -> None:
     assert {r[2].status for r in ROWS} == set(RunStatus)
     kinds = {type(r[4]) for r in ROWS} | {type(r[4].then) for r in ROWS if isinstance(r[4], LeaveFailover)}
-    assert kinds == {Wait, Launch, Warm, Extend, Reissue, FailRun, Requeue, LeaveFailover, ReclaimSlot}
+    assert kinds == {Wait, Launch, Warm, Extend, Reissue, FailRun, Requeue, LeaveFailover}
 
 
 @pytest.mark.parametrize(("state", "watched"), [

@@ -140,11 +140,11 @@ def test_the_ui_shows_the_demo_and_launches_a_replay(databases: Databases, tmp_p
             assert expected in body, (expected, body[:2000])
         page.screenshot(path=str(shots / "02-assets.png"))
 
-        # automation: the stream's sensor and the housekeeping schedule
+        # automation: the sensor of the stream's reader group (default) and the housekeeping schedule
         page.goto(f"{base}/automation", wait_until="networkidle")
-        page.get_by_text("pgstream_stream_1").first.wait_for()
+        page.get_by_text("pgstream_group_default").first.wait_for()
         body = _body(page)
-        assert "pgstream_stream_1" in body and "pgstream_housekeeping" in body, body[:2000]
+        assert "pgstream_group_default" in body and "pgstream_housekeeping" in body, body[:2000]
         page.screenshot(path=str(shots / "03-automation.png"))
 
         # the stream's health: its status asset, observed by the sensor

@@ -1,6 +1,7 @@
 """End to end, the way a user runs it: ``init`` + ``dg dev`` on the repo's workspace.yaml and
-dagster.yaml; a row inserted in Postgres reaches a real HTTP endpoint through the real sensor daemon
-and a real delivery run on Spark."""
+dagster.yaml; a row inserted in Postgres reaches a real HTTP endpoint through the real sensor daemon (the
+sensor of reader group ``default``, the group of a stream that names none) and a real group delivery run
+hosting the stream's delivery run."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 import yaml
 from dagster import DagsterRunStatus, RunsFilter
 
+from pgstream_dagster.config import DEFAULT_READER
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import (
     BACKFILL_JOB,
@@ -29,12 +31,14 @@ from pgstream_dagster.defs.names import (
     BACKFILL_TAG,
     CONTROL_JOB,
     DELIVERY_JOB,
+    GROUP_DELIVERY_JOB,
+    GROUP_TAG,
     REPLAY_JOB,
     REPLAY_OP,
-    STREAM_TAG,
     SUBSCRIPTIONS_JOB,
     SUBSCRIPTIONS_SENSOR,
     group_sensor_name,
+    member_tag,
 )
 from pgstream_dagster.devdb import free_port
 from pgstream_dagster.engine.batches import BatchStatus
@@ -165,9 +169,9 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
 
     dev = start_dagster_dev(tmp_path, env)
     try:
-        # 1. the code location is loaded and the daemon ticks the stream's sensor
+        # 1. the code location is loaded and the daemon ticks the sensor of the stream's group (default)
         selector = {"repositoryLocationName": "pgstream", "repositoryName": "__repository__",
-                    "sensorName": "pgstream_stream_1"}
+                    "sensorName": group_sensor_name(DEFAULT_READER)}
         last_answer: list[object] = [None]
 
         def sensor_ticked() -> bool:
@@ -207,13 +211,13 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
         # 3. they arrive at the endpoint
         def batches() -> list[tuple[Any, ...]]:
             with psycopg.connect(app, autocommit=True) as c:
-                return c.execute("select id, status, event_count, attempts, error from pgstream.batches "
+                return c.execute("select id, status, event_count, attempts, error, run_key from pgstream.batches "
                                  "where stream_id = 1 order by id").fetchall()
 
         def state() -> str:
             got = hook.snapshot()
             return (f"received {len(got)} bodies: {[r.body.get('new', {}).get('email') for r in got]}\n"
-                    f"batches (id, status, events, attempts, error): {batches()}")
+                    f"batches (id, status, events, attempts, error, run key): {batches()}")
 
         wait_for("20 events at the HTTP endpoint", lambda: len(hook.snapshot()) >= 20, EVENTS_TIMEOUT_SECS,
                  dev, state)
@@ -228,7 +232,7 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
         first_latency = got[0].at - first_commit_at
         last_latency = got[-1].at - last_commit_at
 
-        # 3b. the run stays open: a second wave is handed to it by the sensor, no new run
+        # 3b. the member run stays open in the group run: a second wave is handed to it, no new run
         with psycopg.connect(app, autocommit=True) as conn:
             conn.execute("insert into public.users (email, verified) select 'late' || g || '@example.com', true "
                          "from generate_series(1, 5) g")
@@ -239,9 +243,10 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
         assert [r.body["new"]["email"] for r in hook.snapshot()] == expected, state()
         with psycopg.connect(app, autocommit=True) as conn:
             assert len({r[0] for r in conn.execute("select run_key from pgstream.batches")}) == 1, state()
-            conn.execute("select pgstream.set_paused(1, true)")  # the open run closes within a second
+            conn.execute("select pgstream.set_paused(1, true)")  # the open member run closes within a second
 
-        # 4. the ledger and Dagster agree: every batch delivered by a successful run
+        # 4. the ledger and Dagster agree: every batch delivered by the member run the group run hosted, which
+        # ended (not failed); the group run lives on, no run of the stream's own
         wait_for("every batch of stream 1 to be delivered",
                  lambda: bool(batches()) and all(b[1] == BatchStatus.DELIVERED for b in batches()), 60, dev, state)
         recorded = batches()
@@ -250,26 +255,28 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
         monkeypatch.setenv("DAGSTER_HOME", str(home))
         monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
         with dg.DagsterInstance.get() as instance:
-            def succeeded() -> list[dg.DagsterRun]:
-                return list(instance.get_runs(RunsFilter(job_name=DELIVERY_JOB,
-                                                         statuses=[DagsterRunStatus.SUCCESS])))
+            def member() -> dict[str, Any]:
+                runs = instance.get_runs(RunsFilter(job_name=GROUP_DELIVERY_JOB))
+                return json.loads(runs[0].tags.get(member_tag(1), "{}")) if runs else {}
 
-            # the batch is marked delivered inside the run, a moment before the run itself succeeds
-            wait_for(f"a successful {DELIVERY_JOB} run", lambda: len(succeeded()) >= 1, 60, dev,
-                     lambda: f"runs: {[(r.run_id, r.status) for r in instance.get_runs()]}")
-            runs = succeeded()
-            assert len(runs) == 1  # one open run delivered both waves
-            assert all(r.tags.get(STREAM_TAG) == "1" for r in runs)
-            assert not instance.get_runs(RunsFilter(job_name=DELIVERY_JOB, statuses=[DagsterRunStatus.FAILURE]))
+            # the batch is marked delivered inside the member run, a moment before the run says it ended
+            wait_for("the member run of stream 1 to end", lambda: member().get("state") == "ended", 60, dev,
+                     lambda: f"runs: {[(r.run_id, r.status, r.tags) for r in instance.get_runs()]}")
+            runs = list(instance.get_runs(RunsFilter(job_name=GROUP_DELIVERY_JOB)))
+            assert len(runs) == 1 and runs[0].status == DagsterRunStatus.STARTED, runs  # one group run, still up
+            assert runs[0].tags.get(GROUP_TAG) == DEFAULT_READER
+            assert member() == {"run_key": recorded[0][5], "state": "ended", "error": None}  # it delivered both waves
+            assert not instance.get_runs(RunsFilter(job_name=DELIVERY_JOB))
 
             # 5. a backfill launched as the Launchpad does, cancelled as the UI does (terminateRun): it
             # stops cleanly, resumable; launched again, it resumes: every verified user once
             _backfill_cancelled_and_resumed(dev, app, instance)
 
-        print(f"{len(recorded)} batches {[b[2] for b in recorded]} delivered by {len(runs)} successful runs")
+        print(f"{len(recorded)} batches {[b[2] for b in recorded]} delivered by one member run of group run "
+              f"{runs[0].run_id}")
         print(f"latency insert commit -> arrival: first event {first_latency:.2f}s, "
               f"last event {last_latency:.2f}s (last commit -> last arrival), "
-              f"second wave {warm_latency:.2f}s (open run)")
+              f"second wave {warm_latency:.2f}s (open member run)")
     finally:
         survivors = stop_process_group(dev.proc)
     assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
@@ -338,10 +345,11 @@ query ($selector: SensorSelector!) {
 
 def test_dagster_dev_killed_whole_recovers_at_the_next_ticks(databases: Databases, hook: Hook, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """kill -9 of the whole `dg dev` group while the stream's open run holds its delivery lease, then
-    `dg dev` again on the same home: the first ticks see that the session holding the dead run's lease
-    has ended, mark the run failed (well before delivery.run_grace_secs, counted from its start) and
-    request the next run, which delivers what committed meanwhile; nothing lost, commit order kept."""
+    """kill -9 of the whole `dg dev` group while the stream's open member run (hosted by the group delivery
+    run of group default) holds its delivery lease, then `dg dev` again on the same home: the first ticks of
+    the group's sensor see that the session holding the dead group run's lease has ended, mark the run failed
+    (well before delivery.run_grace_secs, counted from its start) and request the next group run, which
+    delivers what committed meanwhile; nothing lost, commit order kept."""
     app = databases.app_url
     migrate(app)
     with psycopg.connect(app, autocommit=True) as conn:
@@ -362,7 +370,7 @@ def test_dagster_dev_killed_whole_recovers_at_the_next_ticks(databases: Database
     env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
            "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
     selector = {"repositoryLocationName": "pgstream", "repositoryName": "__repository__",
-                "sensorName": "pgstream_stream_1"}
+                "sensorName": group_sensor_name(DEFAULT_READER)}
 
     def insert(n: int, start: int) -> None:
         with psycopg.connect(app, autocommit=True) as conn:
@@ -391,8 +399,9 @@ def test_dagster_dev_killed_whole_recovers_at_the_next_ticks(databases: Database
         insert(5, 0)
         wait_for("5 events at the endpoint", lambda: len(received()) >= 5, EVENTS_TIMEOUT_SECS, dev)
         held = lease()
-        assert held is not None and held[1], held  # the open run holds the lease, lingering
-        dead_run_id = str(held[0])
+        assert held is not None and held[1], held  # the open member run holds the lease, lingering
+        dead_run_id, member = str(held[0]).rsplit("/", 1)  # the member run's id: <group run id>/<stream id>
+        assert member == "1", held
     finally:
         survivors = stop_process_group(dev.proc, crash=True)  # kill -9 of the whole group
     assert not survivors, survivors
@@ -417,9 +426,10 @@ def test_dagster_dev_killed_whole_recovers_at_the_next_ticks(databases: Database
             record = instance.get_run_record_by_id(dead_run_id)
             assert record is not None and record.dagster_run.status == DagsterRunStatus.FAILURE
             failures = instance.get_records_for_run(dead_run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records
-            assert failures, "the dead run was not marked failed"
+            assert failures, "the dead group run was not marked failed"
+            assert record.dagster_run.job_name == GROUP_DELIVERY_JOB
             message = failures[0].event_log_entry.dagster_event.message  # type: ignore[union-attr]
-            assert message is not None and "session holding its delivery lease has ended" in message, message
+            assert message is not None and "session holding the group's delivery lease has ended" in message, message
             # failed by the lease, not by delivery.run_grace_secs (120 s) counted from its start
             assert record.start_time is not None
             assert failures[0].event_log_entry.timestamp - record.start_time < 120
@@ -517,8 +527,9 @@ def test_the_launchpad_templates_show_what_to_type_and_subscription_runs_have_a_
 def test_a_database_the_sensors_cannot_reach_is_one_line_per_tick(tmp_path: Path, instance: dg.DagsterInstance,
                                                                   capfd: pytest.CaptureFixture[str]) -> None:
     """A wrong database_url (nothing listens there): the location loads (nothing connects at load), and each
-    tick of a stream's sensor and of a reader group's sensor is skipped with one line naming the URL's role and
-    host (never its password) and why, logged as an error: no SensorExecutionError, no stack trace."""
+    tick of the default group's sensor (stream 1 names no reader) and of a named reader group's sensor is skipped
+    with one line naming the URL's role and host (never its password) and why, logged as an error: no
+    SensorExecutionError, no stack trace."""
     url = f"postgresql://app:s3cret@127.0.0.1:{free_port()}/nowhere"
     config = write_config(tmp_path / "pgstream.yaml", url, [
         {"id": 1, "sink": {"type": "memory", "name": "m1"}},
@@ -526,7 +537,7 @@ def test_a_database_the_sensors_cannot_reach_is_one_line_per_tick(tmp_path: Path
         {"id": 3, "reader": "pair", "sink": {"type": "memory", "name": "m3"}}])
     defs = build_definitions(config)
     port = url.split(":")[-1].split("/")[0]
-    for name in ("pgstream_stream_1", group_sensor_name("pair")):
+    for name in (group_sensor_name(DEFAULT_READER), group_sensor_name("pair")):
         sensor = defs.resolve_sensor_def(name)
         ctx = dg.build_sensor_context(instance=instance, sensor_name=name,
                                       resources={"pgstream": (defs.resources or {})["pgstream"]})

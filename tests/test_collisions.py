@@ -5,28 +5,26 @@ maintenance. Against a real Postgres."""
 from __future__ import annotations
 
 import datetime as dt
-import re
 import threading
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import psycopg
 import pytest
 
 from pgstream_dagster.cli import main as cli_main
-from pgstream_dagster.config import load_config
+from pgstream_dagster.config import DEFAULT_READER, load_config
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.bootstrap import init
-from pgstream_dagster.engine.ingest import consume
+from pgstream_dagster.engine.ingest import consume, consume_group
 from pgstream_dagster.engine.ledger import streams
-from pgstream_dagster.engine.ledger.streams import SlotElsewhere, SlotInUse
+from pgstream_dagster.engine.ledger.streams import SlotInUse
 from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, tear_down
 
-from .support.harness import Driver, insert_events, write_config
+from .support.harness import event_ids, insert_events, slot_of, write_config
 from .support.releases import released_sql
 
 MEMORY = {"type": "memory"}
@@ -56,7 +54,7 @@ def test_init_refuses_a_slot_another_stream_reads_and_changes_nothing(db_url: st
     insert_events(db_url, 2, 2)
     before = _streams_and_slots(db_url)
     with psycopg.connect(db_url) as c:
-        slot1, slot2, slot3 = (streams.stream_slot(c, i) for i in (1, 2, 3))
+        slot1, slot2 = (streams.stream_slot(c, i) for i in (1, 2))
     assert [r[:2] for r in before["streams"]] == [(1, slot1), (2, slot2)]
     # pgstream.yaml changed: stream 1 left it, stream 2 now names stream 1's slot, stream 3 is new
     # (each file alone is consistent, so only the database can tell)
@@ -70,23 +68,16 @@ def test_init_refuses_a_slot_another_stream_reads_and_changes_nothing(db_url: st
     assert f"error: stream 2: slot {slot1} is already used by stream 1" in capsys.readouterr().err
     assert _streams_and_slots(db_url) == before
 
-    # a sensor tick of stream 2 (it checks its slot first) fails loudly instead of reading stream 1's slot
+    # stream 2 reads its reader group's slot (the default group's): a read for it (the group's sensor reads a
+    # member's own slot until it has joined) never reads stream 1's, and changes nothing
     stream2 = load_config(v2).stream(2)
     with psycopg.connect(db_url, autocommit=True) as conn:
-        with pytest.raises(SlotInUse, match=f"stream 2: slot {slot1} is already used by stream 1"):
-            consume(conn, stream2, 0.1)
+        read = consume(conn, stream2, 0.1)
+        assert read.slot != slot1 and read.events == 0
         # and the database refuses it whoever writes
         with pytest.raises(psycopg.errors.UniqueViolation, match="streams_slot_key"):
             conn.execute("update pgstream.streams set slot_name = %s where id = 2", [slot1])
     assert _streams_and_slots(db_url) == before
-
-    # once stream 1 is really gone (row and slot), stream 2 may take the name: a new slot, recovered
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("delete from pgstream.streams where id = 1")
-        conn.execute("select pg_drop_replication_slot(%s)", [slot1])
-    out = init(v2)
-    assert any(line.startswith(f"created slot {slot1} for stream 2") for line in out), out
-    assert [r[:2] for r in _streams_and_slots(db_url)["streams"]] == [(2, slot1), (3, slot3)]
 
 
 def _dbname(url: str) -> str:
@@ -94,12 +85,11 @@ def _dbname(url: str) -> str:
 
 
 def test_two_databases_of_one_cluster_each_run_their_stream_77(
-        db_url: str, empty_db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        instance: dg.DagsterInstance) -> None:
+        db_url: str, empty_db_url: str, tmp_path: Path) -> None:
     """Slots are the cluster's. A tenant of database B that may create slots (REPLICATION) takes the
-    name stream 77's slot used to have, from a fresh connection, before A installs: A's and B's stream
-    77 both create and read their own slots. Each database's orphaned_slots lists its own slots only,
-    and a stream whose slot exists in the other database is refused in one line."""
+    name stream 77's slot had before every stream read its reader group's, from a fresh connection, before A
+    installs: A's and B's stream 77 (group default) both create and read their group's own slot. Each
+    database's orphaned_slots lists its own slots only."""
     a, b = db_url, empty_db_url
     migrate(b)
     tenant = f"tenant_{_dbname(b)}"
@@ -112,66 +102,65 @@ def test_two_databases_of_one_cluster_each_run_their_stream_77(
         for url in (a, b):
             cfg = write_config(tmp_path / f"{_dbname(url)}.yaml", url, [{"id": 77, "sink": MEMORY}])
             out = init(cfg)
+            slots[url] = slot_of(url, 77)
+            assert f"created slot {slots[url]} for reader group {DEFAULT_READER} (streams 77)" in out
+            insert_events(url, 77, 3)
             with psycopg.connect(url, autocommit=True) as c:
-                slots[url] = streams.stream_slot(c, 77)
-                assert f"created slot {slots[url]} for stream 77 (recovered 0 batches from the table)" in out
-                insert_events(url, 77, 3)
-                result = consume(c, load_config(cfg).stream(77), 1.0)
-                assert (result.slot, result.events, result.slot_created) == (slots[url], 3, False)
+                # (the first pass joins stream 77: what it has in the table is recovered from there)
+                result = consume_group(c, DEFAULT_READER, list(load_config(cfg).streams), 1.0)
+                assert (result.slot, result.slot_created) == (slots[url], False)
+                recorded = [i for (ids,) in c.execute("select event_ids from pgstream.batches where stream_id = 77")
+                            for i in ids]
+                assert sorted(recorded) == event_ids(url, 77) and len(recorded) == 3  # each once
                 assert c.execute("select database from pg_replication_slots where slot_name = %s",
                                  [slots[url]]).fetchone() == (_dbname(url),)
         assert len(set(slots.values()) | {"pgstream_stream_77"}) == 3
-        # B's stream 77 is deleted: its slot is B's orphan, not A's
+        # the tenant's slot is B's orphan, not A's
         with psycopg.connect(b, autocommit=True) as c:
-            c.execute("delete from pgstream.streams where id = 77")
-            assert {r[0] for r in c.execute("select slot_name from pgstream.orphaned_slots")} == {
-                slots[b], "pgstream_stream_77"}
+            assert {r[0] for r in c.execute("select slot_name from pgstream.orphaned_slots")} == {"pgstream_stream_77"}
         with psycopg.connect(a, autocommit=True) as c:
             assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == []
-        # a stream of A told to read B's slot: one clear line, no slot taken from B
-        clash = write_config(tmp_path / "clash.yaml", a, [{"id": 77, "sink": MEMORY},
-                                                          {"id": 78, "sink": MEMORY, "slot_name": slots[b]}])
-        with pytest.raises(SlotElsewhere, match=rf"^stream 78: replication slot {slots[b]} belongs to database "
-                                                rf"{_dbname(b)}, not to this one \(slot names are the cluster's\)"):
-            init(clash)
-        assert cli_main(["init", "--config", str(clash)]) == 1
-        err = capsys.readouterr().err
-        assert err.startswith(f"error: stream 78: replication slot {slots[b]} belongs to database {_dbname(b)}")
-        assert err.count("\n") == 1
-        tick = Driver(clash, instance).tick(78)  # the sensor says so too, and requests nothing
-        assert not tick.run_requests and (tick.skip_message or "").startswith(
-            f"stream 78: replication slot {slots[b]} belongs to database {_dbname(b)}, not to this one")
     finally:
         with psycopg.connect(b, autocommit=True) as c:
             c.execute("select pg_drop_replication_slot('pgstream_stream_77')")
             c.execute(f"drop role {tenant}")
 
 
-def test_an_upgrade_keeps_the_slot_each_stream_reads_and_loses_or_repeats_no_event(
+def test_an_install_of_release_0_1_joins_the_default_group_and_loses_or_repeats_no_event(
         empty_db_url: str, tmp_path: Path) -> None:
     """An install of release 0.1: stream 1 reads slot pgstream_stream_1 (three committed events wait in
-    it), stream 2's slot was never created. After the upgrade stream 1 keeps its slot and records
-    each event once; stream 2 gets the new default name."""
+    it), stream 2's slot was never created. After the upgrade both streams (their entries name no group)
+    join the default group: stream 1's own slot is drained and dropped, each event is recorded once, and the
+    database has the group's one slot."""
     migrate(empty_db_url, directory=released_sql(tmp_path / "sql", upto=14))
     with psycopg.connect(empty_db_url, autocommit=True) as c:
         c.execute("insert into pgstream.streams (id) values (1), (2)")
         c.execute("select pg_create_logical_replication_slot('pgstream_stream_1', 'pgoutput')")
     insert_events(empty_db_url, 1, 3)
     migrate(empty_db_url)
-    cfg = write_config(tmp_path / "pgstream.yaml", empty_db_url, [{"id": 1, "sink": MEMORY}])
+    cfg = write_config(tmp_path / "pgstream.yaml", empty_db_url, [{"id": 1, "sink": MEMORY}, {"id": 2, "sink": MEMORY}])
+    members = list(load_config(cfg).streams)
     with psycopg.connect(empty_db_url, autocommit=True) as c:
-        assert streams.stream_slot(c, 1) == "pgstream_stream_1"
-        slot2 = streams.stream_slot(c, 2)
-        (pattern,) = c.execute("select pgstream.default_slot_pattern()").fetchone()  # type: ignore[misc]
-        assert slot2.startswith("pgstream_stream_2_d") and re.fullmatch(pattern, slot2)
-        result = consume(c, load_config(cfg).stream(1), 1.0)
-        assert not result.slot_created and result.slot == "pgstream_stream_1"
+        assert streams.stream_slot(c, 1) == "pgstream_stream_1"  # what 0.1 read
+        insert_events(empty_db_url, 1, 2, start=10)  # written after the upgrade, before the join
+        deadline = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=60)
+        while True:  # the group's sensor's ticks: a member still joining has its own slot read first
+            assert dt.datetime.now(dt.UTC) < deadline, "stream 1 did not join"
+            for member in members:
+                consume(c, member, 0.2)
+            consume_group(c, DEFAULT_READER, members, 0.2)
+            joined = c.execute("select count(*) from pgstream.streams where slot_reader = %s",
+                               [f"group:{DEFAULT_READER}"]).fetchone()
+            slots = [r[0] for r in c.execute("select slot_name from pg_replication_slots where database = "
+                                             "current_database()")]
+            if joined == (2,) and "pgstream_stream_1" not in slots:
+                break
         recorded = [i for (ids,) in c.execute("select event_ids from pgstream.batches where stream_id = 1")
                     for i in ids]
-        events = [r[0] for r in c.execute("select id from pgstream.events where stream_id = 1 order by id")]
-        assert sorted(recorded) == events and len(events) == 3  # each once
-        assert c.execute("select slot_name from pgstream.orphaned_slots").fetchall() == []
-        c.execute("select pg_drop_replication_slot('pgstream_stream_1')")
+        assert sorted(recorded) == event_ids(empty_db_url, 1) and len(recorded) == 5  # each once
+        (group_slot,) = c.execute("select slot from pgstream.reader_groups where name = %s",
+                                  [DEFAULT_READER]).fetchone()  # type: ignore[misc]
+        assert slots == [group_slot]  # one slot for the database's streams
 
 
 def test_a_copied_database_reads_slots_of_its_own(db_url: str, pg: LocalPostgres) -> None:

@@ -34,7 +34,7 @@ COMPONENT_METADATA = {"dagster/code_references", "dagster/component_origin"}
 
 STREAM_1: dict[str, Any] = {"id": 1, "sink": {"type": "memory", "name": "one"}}
 STREAM_2: dict[str, Any] = {
-    "id": 2, "slot_name": "orders_slot", "batch": {"max_size": 50, "max_fill_secs": 0.2},
+    "id": 2, "reader": "orders", "batch": {"max_size": 50, "max_fill_secs": 0.2},
     "sink": {"type": "http", "url": "http://127.0.0.1:9/hook", "headers": {"Authorization": "Bearer ${HOOK_TOKEN}"}},
     "delivery": {"tuning": {"linger_secs": 30}, "on_reject": "dead_letter"}, "sensor": {"interval_secs": 2},
     "checks": {"max_undelivered_age_secs": 60},
@@ -109,7 +109,7 @@ def test_dg_check_and_list_defs_of_this_project(tmp_path: Path) -> None:
     assert "All definitions loaded successfully" in checked.stdout + checked.stderr
     listed = _dg(["list", "defs"], repo_root(), env, tmp_path)
     assert listed.returncode == 0, listed.stdout + listed.stderr
-    for name in ("pgstream_stream_1", "pgstream_delivery", "pgstream_stream_control", "pgstream_replay",
+    for name in ("pgstream_group_default", "pgstream_delivery", "pgstream_stream_control", "pgstream_replay",
                  "pgstream_housekeeping", "pgstream_checks", "pgstream_subscriptions",
                  "pgstream/stream_1/deliveries", "pgstream/events_partitions"):
         assert name in listed.stdout, (name, listed.stdout)
@@ -129,7 +129,9 @@ def test_dg_scaffold_check_and_a_bad_defs_yaml_in_a_users_project(tmp_path: Path
     checked = _dg(["check", "defs"], tmp_path, env, tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     listed = _dg(["list", "defs"], tmp_path, env, tmp_path)
-    assert "pgstream_stream_7" in listed.stdout and "pgstream_stream_1" in listed.stdout, listed.stdout
+    # both streams' definitions, read by the sensor of their reader group (default: they name none)
+    assert all(name in listed.stdout for name in ("pgstream/stream_7/deliveries", "pgstream/stream_1/deliveries",
+                                                  "pgstream_group_default")), listed.stdout
 
     written.write_text(text.replace("max_size: 1000", "max_size: 0").replace("operation: INSERT", "operation: UPSERT"))
     broken = _dg(["check", "defs"], tmp_path, env, tmp_path)
@@ -182,7 +184,7 @@ def test_stream_component_gives_the_definitions_of_the_same_stream_in_pgstream_y
 
     component_view, yaml_view = _view(from_component), _view(from_yaml)
     assert component_view == yaml_view
-    assert "pgstream_stream_2" in {s[0] for s in yaml_view["sensors"]}
+    assert "pgstream_group_default" in {s[0] for s in yaml_view["sensors"]}  # the streams' group's (no reader:)
     assert {"pgstream/stream_2/deliveries", "pgstream/stream_2/status", "pgstream/stream_2/subscription_set",
             "pgstream/stream_2/subscriptions/order_paid_update_shop_orders", "postgres/shop/orders",
             "postgres/public/users"} <= set(yaml_view["assets"])
@@ -191,7 +193,7 @@ def test_stream_component_gives_the_definitions_of_the_same_stream_in_pgstream_y
     resource = from_component.resources["pgstream"]  # type: ignore[index]
     assert isinstance(resource, PgstreamResource)
     assert resource.config == from_yaml.resources["pgstream"].config  # type: ignore[index]
-    assert resource.stream(2).sink.type == "http" and resource.stream(2).slot_name == "orders_slot"
+    assert resource.stream(2).sink.type == "http" and resource.stream(2).reader == "orders"
     assert [s.key for s in resource.config.subscriptions if s.stream_id == 2] == ["order-paid", "signup"]
     # the one backfill job finds a component stream's subscription assets (it reports its progress there)
     assert {k.to_user_string() for k in subscription_keys(resource.config, 2).values()} == {
@@ -235,15 +237,13 @@ def test_a_bad_defs_yaml_gives_the_pgstream_yaml_error(tmp_path: Path, env: dict
 
 @pytest.mark.parametrize(("component", "message"), [
     ({"id": 1, "sink": {"type": "memory"}}, "stream ids must be unique, duplicated: [1]"),
-    ({"id": 3, "slot_name": "one_slot", "sink": {"type": "memory"}},
-     "streams 1 and 3 both read replication slot one_slot"),
     ({"id": 3, "sink": {"type": "memory"}, "subscriptions": [{"key": "k", "stream_id": 4, "operation": "INSERT",
                                                               "table_name": "t"}]},
      "subscriptions[0] ('k') uses stream_id 4, which is not this stream's id 3 (leave stream_id out)"),
 ])
 def test_component_streams_collide_with_nothing(tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
                                                 component: dict[str, Any], message: str) -> None:
-    module = _project(tmp_path, component, streams=[{**STREAM_1, "slot_name": "one_slot"}])
+    module = _project(tmp_path, component, streams=[STREAM_1])
     with pytest.raises(Exception) as raised:
         _load(tmp_path, module, monkeypatch)
     assert isinstance(raised.value.__cause__, ConfigError), raised.value
@@ -296,7 +296,7 @@ def test_the_code_location_loads_from_an_installed_package_without_pyproject(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     where, names = result.stdout.strip().splitlines()[-2:]
     assert where.startswith(str(site / "pgstream_dagster")) and str(site / "pgstream_dagster" / "sql") in where
-    assert "'pgstream_delivery'" in names and "'pgstream_replay'" in names and "'pgstream_stream_3'" in names
+    assert "'pgstream_delivery'" in names and "'pgstream_replay'" in names and "'pgstream_group_default'" in names
 
 
 def test_the_cli_reads_the_streams_of_the_defs_folder(tmp_path: Path, env: dict[str, str], db_url: str,

@@ -34,7 +34,7 @@ def test_good_config_substitutes_env_and_hides_secrets(tmp_path: Path, monkeypat
     assert cfg.subscriptions[0].operation == "INSERT"
     assert cfg.stream(1).batch.max_size == 1000
     assert "hunter2" not in repr(cfg) and "s3cr3t" not in repr(cfg)
-    assert cfg.stream(1).slot_name is None  # its default slot: the database derives its name
+    assert cfg.stream(1).reader == "default"  # a stream that names no reader group reads with the default one
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -131,30 +131,32 @@ def test_kafka_credentials_in_options_point_to_secret_options(tmp_path: Path, mo
 # sensor meets them
 
 
+@pytest.mark.parametrize(("entry", "line"), [
+    ("slot_name: orders_cdc", "streams[0]: Value error, streams[].slot_name is no longer read: every stream reads "
+                              "its reader group's slot; give a stream a reader group of its own (reader: <name>) for "
+                              "a slot of its own"),
+    ("delivery: {tuning: {read_slot: false}}", "streams[0].delivery.tuning: Value error, delivery.tuning.read_slot is "
+                                               "no longer read: every stream's events are read by its reader group"),
+    ("delivery: {read_slot: true}", "streams[0].delivery: Value error, delivery.tuning.read_slot is no longer read"),
+])
+def test_the_keys_of_a_slot_per_stream_are_refused_in_one_line_saying_what_to_do(tmp_path: Path, entry: str,
+                                                                                   line: str) -> None:
+    """A stream reads its reader group's slot: ``streams[].slot_name`` (a slot of its own) and
+    ``delivery.tuning.read_slot`` (an open run reading the stream's slot itself) are refused when the file is
+    read, in one line naming the stream and what to write instead."""
+    path = write(tmp_path, f"database_url: postgresql://x\nstreams:\n  - {{id: 1, sink: {{type: memory}}, {entry}}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    (shown,) = str(err.value).splitlines()
+    assert f"{path}: {line}" in shown, shown
+
+
 TWO_STREAMS = """
 database_url: postgresql://x
 streams:
   - {id: 1, sink: {type: memory}SLOT1}
   - {id: 2, sink: {type: memory}SLOT2}
 """
-
-
-@pytest.mark.parametrize(("slot1", "slot2", "slot"), [
-    (", slot_name: shared", ", slot_name: shared", "shared"),
-    # a default name is the database's: one a slot_name takes is refused there (tests/test_collisions.py)
-])
-def test_two_streams_on_one_slot_are_refused(tmp_path: Path, slot1: str, slot2: str, slot: str) -> None:
-    path = write(tmp_path, TWO_STREAMS.replace("SLOT1", slot1).replace("SLOT2", slot2))
-    with pytest.raises(ConfigError) as err:
-        load_config(path)
-    assert f"{path}: (top level): Value error, streams 1 and 2 both read replication slot {slot} " in str(err.value)
-    assert "a slot belongs to one stream" in str(err.value)
-
-
-def test_distinct_slots_are_accepted(tmp_path: Path) -> None:
-    cfg = load_config(write(tmp_path, TWO_STREAMS.replace("SLOT1", ", slot_name: pgstream_stream_2")
-                            .replace("SLOT2", ", slot_name: pgstream_stream_1")))
-    assert [s.slot_name for s in cfg.streams] == ["pgstream_stream_2", "pgstream_stream_1"]
 
 
 BIG = 2**63  # one past the largest bigint
@@ -259,7 +261,7 @@ def test_routing_key_refuses_what_a_sink_payload_path_refuses(path: str) -> None
     ("linger_secs: 0", "delivery.tuning.linger_secs (0: delivery.mode: per_batch)"),
     ("keep_warm: true", "delivery.mode: warm"),
     *[(f"{key}: 1", f"delivery.tuning.{key}") for key in (
-        "read_slot", "direct_max_events", "max_read_bytes", "rows_per_partition", "prefetch_partitions",
+        "direct_max_events", "max_read_bytes", "rows_per_partition", "prefetch_partitions",
         "report_every_secs", "max_run_secs")],
 ])
 def test_a_delivery_key_that_moved_is_refused_in_one_line_naming_where_it_goes(
@@ -277,12 +279,12 @@ def test_a_delivery_key_that_moved_is_refused_in_one_line_naming_where_it_goes(
                          f"write {where}"), line
 
 
-def test_the_default_mode_is_an_open_run_reading_the_slot() -> None:
+def test_the_default_mode_is_an_open_run() -> None:
     delivery = DeliveryConfig()
-    assert (delivery.mode, delivery.keeps_open, delivery.read_slot, delivery.keep_warm) == ("open", True, True, False)
+    assert (delivery.mode, delivery.keeps_open, delivery.keep_warm) == ("open", True, False)
     assert delivery.linger_secs == 120
     per_batch = DeliveryConfig(mode="per_batch")
-    assert (per_batch.keeps_open, per_batch.read_slot, per_batch.linger_secs) == (False, False, 0)
+    assert (per_batch.keeps_open, per_batch.linger_secs) == (False, 0)
     # per_batch reads through PySpark (the design card) unless direct_max_events is given
     assert (delivery.direct_max_events, per_batch.direct_max_events) == (100_000, 0)
     assert DeliveryConfig.model_validate({"mode": "per_batch", "tuning": {"direct_max_events": 500}}
@@ -413,7 +415,9 @@ subscriptions:
     assert "secretpw" not in err
     defs = build_definitions(path)
     sensors = sorted(str(s.name) for s in defs.sensors or [])
-    assert "pgstream_stream_2" in sensors and "pgstream_stream_1" in sensors and "pgstream_group_g" in sensors
+    # the valid streams are read by their groups' sensors (stream 1 by the default group's), the entry left out
+    # has a sensor of its own that tells what is wrong
+    assert sensors == ["pgstream_group_default", "pgstream_group_g", "pgstream_stream_2", "pgstream_subscriptions"]
     assert defs.resolve_sensor_def("pgstream_stream_2").description == (
         f"stream 2 is left out: its streams[] entry is invalid: {line}. Fix the entry and reload the code location.")
     path.write_text(path.read_text().replace("id: 1, sink", "id: 1, snk").replace("id: 3, reader: g, sink",
@@ -436,4 +440,4 @@ def test_check_validates_the_file_without_connecting(tmp_path: Path, capsys: pyt
                     "  - {id: 1, sink: {type: file, path: /tmp/a.jsonl}}\n"
                     "  - {id: 2, reader: g, sink: {type: file, path: /tmp/b.jsonl}}\n")
     assert main(["check", "--config", str(path)]) == 0
-    assert capsys.readouterr().out.strip() == "2 streams and 0 subscriptions are valid (reader groups: g)"
+    assert capsys.readouterr().out.strip() == "2 streams and 0 subscriptions are valid (reader groups: default, g)"

@@ -18,13 +18,12 @@ import yaml
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.engine import ingest, replication, spark
 from pgstream_dagster.engine.batches import BatchStatus
-from pgstream_dagster.engine.delivery.run import DeliveryError, DeliveryRun, Host, RoundReport, Summary
+from pgstream_dagster.engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
 from pgstream_dagster.engine.delivery.sources import Owed, Readers, Route, Selection, route
-from pgstream_dagster.engine.handoff import Handoff
 from pgstream_dagster.engine.ledger import locks, state
 from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.engine.publish import Span
-from pgstream_dagster.engine.slotreader import SlotReader
+from pgstream_dagster.engine.status import stream_status
 
 from .support.harness import insert_events, read_jsonl, write_config
 
@@ -109,7 +108,12 @@ def test_a_run_delivers_its_batches_in_order_marks_them_and_reports(db_url: str,
     assert [r.route for r in rounds] == ["TableSource"]
     assert sum(r.delivered for r in rounds) == 230
     assert sum(s.events for s in summaries) == 230 and summaries[-1].last.id == batches[-1].id
-    assert summaries[-1].status is not None and int(summaries[-1].status["undelivered_events"]) == 0
+    # a reader group's member (every stream is one): its group's sensor observes its status at each tick, its
+    # run's reports do not ask for it
+    assert stream.reader == "default"
+    with psycopg.connect(db_url) as c:
+        (status,) = stream_status(c, STREAM)
+    assert int(status["undelivered_events"]) == 0
 
 
 @pytest.mark.parametrize("every, lines", [(0, True), (5, False)])
@@ -129,39 +133,6 @@ def test_a_round_logs_its_progress_only_when_it_lasts(db_url: str, tmp_path: Pat
     assert bool(progress) is lines, log.lines
     if lines:  # chunks of 20 of 230 events: a line for each tenth reached
         assert progress[0] == f"stream {STREAM}: 40/230 events handled", progress
-
-
-def test_an_open_run_reads_the_slot_delivers_what_commits_and_the_host_closes_it(db_url: str,
-                                                                                 tmp_path: Path) -> None:
-    """A warm run (no batch) that is the stream's open run: its slot reader records what commits and
-    hands it over (route ``handoff``), until the host's stop check closes it; nothing lost or repeated."""
-    stream = _stream(tmp_path, db_url, mode="warm")
-    with psycopg.connect(db_url, autocommit=True) as c:
-        replication.create_slot(c, ledger_streams.ensure_stream(c, STREAM))
-        state.open_run(c, STREAM, RUN_KEY)
-    log = Log()
-    stop = threading.Event()
-    run = _run(stream, db_url, [], log, run_key=RUN_KEY)
-    rounds: list[RoundReport] = []
-    host = Host("engine-test", log, stop_check=lambda: "the host says stop" if stop.is_set() else None,
-                reader=SlotReader)
-    thread = threading.Thread(target=lambda: rounds.extend(run.deliver(host)))
-    thread.start()
-    sent: list[int] = []
-    with psycopg.connect(db_url, autocommit=True) as c:
-        for wave in range(4):
-            sent += _insert(c, 40, 40 * wave)
-            _wait(_delivered(tmp_path, len(sent)))
-    stop.set()
-    thread.join(60)
-    assert not thread.is_alive(), "the run did not close"
-    assert _ids(tmp_path) == sent  # each once, in commit order
-    assert {r.route for r in rounds} == {"TableSource"} and sum(r.delivered for r in rounds) == 160
-    assert log.has("this open run reads slot") and log.has("run closed (the host says stop)")
-    assert log.has("of the events delivered were taken as read")
-    with psycopg.connect(db_url) as c:
-        assert not state.run_is_open(c, STREAM, RUN_KEY)
-    assert _statuses(db_url) == {BatchStatus.DELIVERED}
 
 
 def test_a_run_that_would_overtake_or_names_no_batch_fails_and_gives_up_the_lease(db_url: str,
@@ -196,24 +167,22 @@ def test_per_batch_delivers_through_pyspark(db_url: str, tmp_path: Path) -> None
     assert _statuses(db_url) == {BatchStatus.DELIVERED}
 
 
-@pytest.mark.parametrize(("delivery", "want", "conn", "handoff", "expected"), [
-    ({}, "round", True, False, Route.TABLE),
-    ({}, "round", True, True, Route.HANDOFF),
-    ({}, "round", False, False, Route.SPARK),
-    ({"tuning": {"direct_max_events": 10}}, "round", True, False, Route.SPARK),
-    ({"mode": "per_batch"}, "round", True, False, Route.SPARK),
-    ({"mode": "per_batch", "tuning": {"direct_max_events": 500}}, "round", True, False, Route.TABLE),
-    ({"mode": "per_batch"}, "replay", False, False, Route.RANGE),
-    ({"ordering": "by_key"}, "round", True, False, Route.BY_KEY),
-    ({}, "replay", False, False, Route.RANGE),
-    ({"tuning": {"direct_max_events": 0}}, "replay", False, False, Route.SPARK),
+@pytest.mark.parametrize(("delivery", "want", "conn", "expected"), [
+    ({}, "round", True, Route.TABLE),
+    ({}, "round", False, Route.SPARK),
+    ({"tuning": {"direct_max_events": 10}}, "round", True, Route.SPARK),
+    ({"mode": "per_batch"}, "round", True, Route.SPARK),
+    ({"mode": "per_batch", "tuning": {"direct_max_events": 500}}, "round", True, Route.TABLE),
+    ({"mode": "per_batch"}, "replay", False, Route.RANGE),
+    ({"ordering": "by_key"}, "round", True, Route.BY_KEY),
+    ({}, "replay", False, Route.RANGE),
+    ({"tuning": {"direct_max_events": 0}}, "replay", False, Route.SPARK),
 ])
 def test_one_function_chooses_every_source(tmp_path: Path, delivery: dict[str, Any], want: str, conn: bool,
-                                          handoff: bool, expected: Route) -> None:
+                                          expected: Route) -> None:
     """Where a delivery round and a replay read (no database needed: the choice is the configuration's)."""
     stream = StreamConfig.model_validate({"id": 1, "sink": {"type": "memory", "name": "x"}, "delivery": delivery})
-    readers = Readers("", conn=cast(psycopg.Connection, object()) if conn else None,
-                      handoff=Handoff(10) if handoff else None)
+    readers = Readers("", conn=cast(psycopg.Connection, object()) if conn else None)
     what = Owed([Span(1, 1, 20)]) if want == "round" else Selection({})
     assert route(stream.delivery, what, readers) is expected
 
@@ -260,7 +229,7 @@ def test_one_process_hosts_a_groups_runs_in_threads_and_a_failing_sink_stops_onl
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, "hosted", streams, 0)  # the group's slot; every member joined
         for i in ids:
-            assert state.open_warm_run(c, i, f"hosted-{i}", reads_slot=False)
+            assert state.open_warm_run(c, i, f"hosted-{i}")
         threads = [threading.Thread(target=host, args=(s,), daemon=True) for s in streams]
         for thread in threads:
             thread.start()
@@ -340,7 +309,7 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, "hosted", streams, 0)
         for i in ids:  # what the members' sensors decide: a warm run each (the group's reader hands them batches)
-            assert state.open_warm_run(c, i, f"warm-{i}", reads_slot=False)
+            assert state.open_warm_run(c, i, f"warm-{i}")
         insert_events(db_url, failing, 5)
         while not state.assigned_after(c, f"warm-{failing}", 0):  # handed to its run: its sink refuses them
             ingest.consume_group(c, "hosted", streams, 0.05)

@@ -181,16 +181,17 @@ def test_code_server_daemon_and_webserver_deliver_replay_and_fail_over(deploymen
     deployed.wait("the webserver to load the code location from the code server", location_loaded,
                   READY_TIMEOUT_SECS)
 
-    # 1. delivery: the daemon's sensor (the code server evaluates it) records batches, the run the code server
-    # starts delivers them
+    # 1. delivery: the daemon's sensor of the stream's reader group (the code server evaluates it) records batches,
+    # the group run the code server starts delivers them
     _insert(app, 20, 0)
     deployed.wait("20 events at the endpoint", lambda: len(endpoint.unique()) >= 20, READY_TIMEOUT_SECS, state)
     first = _committed(app)
     assert len(first) == 20 and endpoint.first_seen_order() == first, state()
     delivered_at = time.monotonic()
     code_server, daemon, webserver = deployed.processes
-    # the open run lingers, a process of the code server's (the run launcher asked it); the daemon and the
-    # webserver, which never load the code location, started none
+    # the group delivery run (reader group default) hosting the stream's open run lingers, a process of the code
+    # server's (the run launcher asked it); the daemon and the webserver, which never load the code location,
+    # started none
     assert descendants(code_server.proc.pid), "no run worker under the code server"
     assert not descendants(daemon.proc.pid) and not descendants(webserver.proc.pid)
 

@@ -103,7 +103,9 @@ def test_make_dev_prints_each_step_with_its_duration_and_a_second_start_reuses_w
                      "environment for other shells": f"written to {demo.root / '.pgstream' / 'env'}"}, demo.first
     assert re.fullmatch(r"applied \d+ migrations", first["migrations and the demo schema"])
     assert first["streams and subscriptions of pgstream.yaml"] == "3 changes"  # a slot, two subscriptions
-    assert "      created slot pgstream_stream_1_" in demo.first
+    # stream 1 names no reader: it reads with reader group default, whose slot init created
+    assert re.search(r"^      created slot pgstream_g_default_\w+ for reader group default \(streams 1\)$", demo.first,
+                     re.M), demo.first
     assert second == {**first, postgres: f"running on port {port}", "migrations and the demo schema": "up to date",
                       spark: "running", "streams and subscriptions of pgstream.yaml": "up to date"}, demo.second
     assert [m.group(1, 2) for m in step.finditer(demo.second)] == [(str(i), "6") for i in range(1, 7)]

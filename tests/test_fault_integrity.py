@@ -24,8 +24,18 @@ from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
 from pgstream_dagster.engine.housekeeping import run_housekeeping
 
 from .support.endpoint import Endpoint
-from .support.faults import STREAM, drive, in_failover, ledger_order, sent_ids, slot_has_events, stream_config
-from .support.harness import Driver, backdated, insert_events, slot_of, write_config
+from .support.faults import (
+    STREAM,
+    drive,
+    drop_slot,
+    in_failover,
+    ledger_order,
+    sent_ids,
+    slot_has_events,
+    start,
+    stream_config,
+)
+from .support.harness import Driver, backdated, insert_events, write_config
 
 pytestmark = pytest.mark.usefixtures("delivery_mode")  # every row on every delivery mode (faults.MODES)
 
@@ -59,6 +69,15 @@ def report(row: str, endpoint: Endpoint, url: str, **extra: Any) -> None:
                                         "dead_letters": len(aside), "duplicates": endpoint.duplicates(), **extra}))
 
 
+def caught_up(url: str) -> bool:
+    """Every batch of the stream is delivered (its run, hosted by the group run in the background, is done with
+    them: their dead letters written)."""
+    with psycopg.connect(url) as c:
+        row = c.execute("select count(*) from pgstream.batches where stream_id = %s and status <> 'delivered'",
+                        [STREAM]).fetchone()
+    return row == (0,)
+
+
 def until(driver: Driver, done: Callable[[], bool]) -> float:
     return drive(driver, done, timeout=240)
 
@@ -72,7 +91,7 @@ def test_manual_events_cannot_choose_id_created_at_or_an_unknown_stream(db_url: 
                                                                         endpoint: Endpoint,
                                                                         manual_role: str) -> None:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    start(driver)
     with as_role(db_url, manual_role) as app:
         for column, value in (("id", "5"), ("created_at", "'infinity'"), ("created_at", "'10000-01-01'"),
                               ("created_at", "'0044-03-15 BC'"), ("lsn", "'0/0'")):
@@ -110,7 +129,7 @@ def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str,
                                                                     endpoint: Endpoint) -> None:
     """Only a superuser with triggers off can write such a row; the sensor must not stall on it."""
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    start(driver)
     insert_events(db_url, STREAM, 30)
     with psycopg.connect(db_url, autocommit=True) as c:
         for value in ("infinity", "-infinity", "10000-01-01", "0044-03-15 BC"):
@@ -128,8 +147,7 @@ def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str,
     insert_events(db_url, STREAM, 5, 60)
     until(driver, lambda: len(endpoint.unique()) >= 65)
     # a lost slot recovers from the table without recording them again
-    with psycopg.connect(db_url, autocommit=True) as c:
-        c.execute("select pg_drop_replication_slot(%s)", [slot_of(db_url, STREAM)])
+    drop_slot(db_url)
     insert_events(db_url, STREAM, 5, 65)
     until(driver, lambda: len(endpoint.unique()) >= 70)
     assert len(dead_letters(db_url)) == 4
@@ -143,7 +161,7 @@ def test_unreadable_created_at_is_set_aside_and_the_stream_moves_on(db_url: str,
 def test_housekeeping_keeps_an_old_event_nobody_delivered(db_url: str, tmp_path: Path,
                                                           instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    start(driver)
     insert_events(db_url, STREAM, 10)
     until(driver, lambda: len(endpoint.unique()) >= 10)
     with psycopg.connect(db_url, autocommit=True) as c:
@@ -154,7 +172,7 @@ def test_housekeeping_keeps_an_old_event_nobody_delivered(db_url: str, tmp_path:
         left = c.execute("select count(*) from pgstream.events_default").fetchone()
     assert report_.default_rows_deleted == 0 and left == (1,)
     assert any("1 expired rows of events_default are kept" in w for w in report_.warnings)
-    until(driver, lambda: len(endpoint.unique()) >= 11)
+    until(driver, lambda: len(endpoint.unique()) >= 11 and caught_up(db_url))
     report("undelivered old event across housekeeping", endpoint, db_url)
     with psycopg.connect(db_url, autocommit=True) as c:
         # once delivered (and its batch closed), it is deleted like any expired row
@@ -170,14 +188,11 @@ def test_poison_event_with_block_waits_until_the_operator_sets_it_aside(db_url: 
                                                                         instance: dg.DagsterInstance,
                                                                         endpoint: Endpoint) -> None:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    start(driver)
     insert_events(db_url, STREAM, 100)
     poison = sent_ids(db_url)[42]
     endpoint.reject_ids = {poison}
-    for _ in range(6):
-        for request in driver.tick(STREAM).run_requests or []:
-            driver.execute(request)
-    assert in_failover(db_url)
+    drive(driver, lambda: in_failover(db_url), timeout=60)  # the events before it are delivered, then it blocks
     assert poison not in endpoint.unique() and max(endpoint.unique()) < poison  # nothing overtook it
     with psycopg.connect(db_url) as c:
         (error,) = c.execute("select failover_error from pgstream.streams where id = %s", [STREAM]).fetchone()  # type: ignore[misc]
@@ -197,15 +212,15 @@ def test_poison_event_with_block_waits_until_the_operator_sets_it_aside(db_url: 
 def test_poison_event_with_dead_letter_is_set_aside_and_the_rest_delivered(db_url: str, tmp_path: Path,
                                                                           instance: dg.DagsterInstance,
                                                                           endpoint: Endpoint) -> None:
-    cfg = stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 2, "on_reject": "dead_letter",
+    cfg = stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 10, "on_reject": "dead_letter",
                                              "max_attempts": 2})
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [cfg]), instance)
-    driver.tick(STREAM)
+    start(driver)
     insert_events(db_url, STREAM, 100)
     ids = sent_ids(db_url)
     poison = {ids[0], ids[42], ids[99]}  # first, middle (mid-chunk) and last
     endpoint.reject_ids = set(poison)
-    until(driver, lambda: len(endpoint.unique()) >= 97)
+    until(driver, lambda: len(endpoint.unique()) >= 97 and caught_up(db_url))
     assert not in_failover(db_url)
     letters = dead_letters(db_url)
     assert {d["event_id"] for d in letters} == poison

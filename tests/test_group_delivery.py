@@ -179,7 +179,7 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_refusing_hanging_and
             recovered = time.monotonic()
 
             # 3. kill -9 of the group run's process, with a wave committed right after it: the group's sensor
-            # sees its lease lost and replaces the run, the members' sensors see their runs dead and retry them
+            # sees its lease lost and replaces the run, which takes its members back
             (group_run,) = runs(GROUP_DELIVERY_JOB, dg.DagsterRunStatus.STARTED)
             worker = _run_worker(dev.proc.pid, group_run.run_id)
             print("killing", worker, _cmdline(worker)[:200])
@@ -318,9 +318,10 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
 
 
 def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(db_url: str, tmp_path: Path) -> None:
-    """The limits a group delivery run leaves: one of ``max_concurrent_runs`` for the whole group (a line only
-    once the ungrouped open runs, the group's run and one more do not fit), and a connection per member all the
-    same: a group too large for ``max_connections`` is one line naming the setting and the value to set."""
+    """The limits a group delivery run leaves: one of ``max_concurrent_runs`` for the whole group (streams
+    without ``reader:`` are the group ``default``'s: one run for all of them too; a line only once the groups'
+    runs and one more do not fit), and a connection per member all the same: a group too large for
+    ``max_connections`` is one line naming the setting and the value to set."""
     from pgstream_dagster.config import load_config
     from pgstream_dagster.engine import limits
 
@@ -333,22 +334,20 @@ def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(d
     streams += [{"id": 1000 + i, "delivery": {"mode": "open"},
                  "sink": {"type": "file", "path": str(tmp_path / f"own{i}.jsonl")}} for i in (1, 2)]
     config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, streams))
-    # 2 ungrouped open runs + 1 group run + 1: fits in 4 whatever the group's size, not in 3
-    assert limits.run_problem(4, config.streams, "dagster.yaml") is None
-    assert limits.run_problem(3, config.streams, "dagster.yaml") == (
-        "max_concurrent_runs is 3 and 2 streams keep a run open (delivery.mode open or warm) and 1 reader groups keep "
-        "a group delivery run, plus one for housekeeping, checks and replays: a stream without a run waits up to "
-        "delivery.tuning.max_run_secs: set max_concurrent_runs = 8 under run_coordinator.config (or "
-        "concurrency.runs) in dagster.yaml")
+    # group big's run + group default's run (the 2 streams without a reader) + 1: fits in 3 whatever the
+    # groups' sizes, not in 2
+    assert limits.run_problem(3, config.streams, "dagster.yaml") is None
+    assert limits.run_problem(2, config.streams, "dagster.yaml") == (
+        "max_concurrent_runs is 2 and 2 reader groups keep a group delivery run, plus one for housekeeping, checks "
+        "and replays: a stream without a run waits up to delivery.tuning.max_run_secs: set max_concurrent_runs = 8 "
+        "under run_coordinator.config (or concurrency.runs) in dagster.yaml")
     with psycopg.connect(db_url) as c:
         (line,) = [p for p in limits.postgres_problems(c, config.streams) if "max_connections" in p]
     total = members + 2
-    # members: a delivery lease; the 2 ungrouped: a sensor, a delivery run and its lease, and their slot readers;
-    # the group's sensor, run, lease and reader; housekeeping
-    needed = members + 2 * 3 + 2 + 4 + 4
+    # every stream: a delivery lease; each of the 2 groups: its sensor, run, lease and reader; housekeeping
+    needed = total + 2 * 4 + 4
     suggest = max(8, -(-(needed + server.reserved_connections) // 8) * 8)
     assert line == (
-        f"max_connections is {server.max_connections} ({usable} usable by the streams); {total} streams need up to "
-        f"{needed} (a sensor, a delivery run and its lease each, {members} of them in 1 reader group(s) whose "
-        f"delivery runs hold a connection per stream all the same, the slot readers, housekeeping): set "
-        f"max_connections = {suggest} in postgresql.conf and restart Postgres")
+        f"max_connections is {server.max_connections} ({usable} usable by the streams); {total} streams in 2 reader "
+        f"group(s) need up to {needed} (a connection per stream in its group's delivery run, the groups' sensors, "
+        f"readers and leases, housekeeping): set max_connections = {suggest} in postgresql.conf and restart Postgres")

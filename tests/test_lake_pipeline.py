@@ -20,6 +20,7 @@ import dagster as dg
 import psycopg
 import pytest
 
+from pgstream_dagster.config import DIRECT_MAX_EVENTS
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.defs.names import (
     CHECKS_JOB,
@@ -43,6 +44,7 @@ _RUN_SCRIPT = """
 import json, os, signal, sys
 import dagster as dg
 from pgstream_dagster.defs.names import DELIVERY_JOB
+from pgstream_dagster.config import DIRECT_MAX_EVENTS
 from pgstream_dagster.defs.location import build_definitions
 from pgstream_dagster.sinks.lake import LakeSink
 config_path, storage_url, home, request, kill_at = sys.argv[1:6]
@@ -70,7 +72,11 @@ def test_a_run_killed_after_a_lake_commit_a_replay_and_the_day_counts_check(
         kind: str, db_url: str, tmp_path: Path, instance: dg.DagsterInstance, dagster_storage_url: str,
         pg: LocalPostgres) -> None:
     sink = lake_config(kind, tmp_path, pg)
-    config_path = write_config(tmp_path / f"pgstream-{kind}.yaml", db_url, [stream_config(sink)])
+    # mode per_batch: the stream's runs are Dagster runs of the delivery job of their own (requested by its
+    # group's sensor), one of which the test runs in a process of its own and kills (a stream in mode open is
+    # hosted by its group's delivery run, in the test's process); read without Spark, as an open run reads
+    config_path = write_config(tmp_path / f"pgstream-{kind}.yaml", db_url, [stream_config(
+        sink, delivery={"mode": "per_batch", "tuning": {"direct_max_events": DIRECT_MAX_EVENTS}})])
     defs = build_definitions(config_path)
     spec = defs.resolve_assets_def(lake_table_asset_key(STREAM)).specs_by_key[lake_table_asset_key(STREAM)]
     assert deliveries_asset_key(STREAM) in {dep.asset_key for dep in spec.deps}

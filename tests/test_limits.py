@@ -1,11 +1,14 @@
 """The limits that can stop a stream are reported before they do, one line each naming the setting
 and the value to set: ``pgstream-dagster preflight`` and ``init`` exit non-zero and change nothing; a
-sensor whose slot cannot be created says so in its tick's skip reason; the streams that fit deliver.
+reader group's sensor whose slot cannot be created says so in its tick's skip reason; the groups that fit deliver.
+Every stream is in a reader group (``default`` unless it names one): a slot and a WAL sender per group, whatever
+the number of its streams.
 
-A private cluster with ``max_replication_slots = 2`` and three streams (the session's cluster has 32)."""
+A private cluster with ``max_replication_slots = 2`` and ``max_wal_senders = 4`` (the session's cluster has 32)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +22,10 @@ from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine.migrations import migrate
 
 from .support.dagster_dev import repo_root
-from .support.harness import Driver, at_least, event_ids, insert_events, read_jsonl, write_config
+from .support.harness import Driver, at_least, event_ids, insert_events, read_jsonl, tick_until, write_config
 
-SLOTS_LINE = ("max_replication_slots is 2 and 0 are in use; stream 3 needs one more: set max_replication_slots = 8 "
-              "in postgresql.conf and restart Postgres")
+SLOTS_LINE = ("max_replication_slots is 2 and 0 are in use; reader group g3 needs one more: set "
+              "max_replication_slots = 8 in postgresql.conf and restart Postgres")
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +37,13 @@ def small_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres
     server.destroy()
 
 
-def _streams(tmp_path: Path, **delivery: object) -> list[dict[str, object]]:
-    return [{"id": i, "batch": {"max_size": 100, "max_fill_secs": 0}, "delivery": dict(delivery),
-             "sink": {"type": "file", "path": str(tmp_path / f"out-{i}.jsonl")}} for i in (1, 2, 3)]
+def _streams(tmp_path: Path, reader: bool = False,
+             delivery: dict[str, object] | None = None) -> list[dict[str, object]]:
+    """Streams 1, 2 and 3; ``reader``: each in a reader group of its own (g1, g2, g3), else all in the default
+    group."""
+    return [{"id": i, "batch": {"max_size": 100, "max_fill_secs": 0}, "delivery": delivery or {},
+             "sink": {"type": "file", "path": str(tmp_path / f"out-{i}.jsonl")},
+             **({"reader": f"g{i}"} if reader else {})} for i in (1, 2, 3)]
 
 
 def _slots(url: str) -> int:
@@ -46,14 +53,20 @@ def _slots(url: str) -> int:
     return int(row[0])
 
 
-def test_more_streams_than_slots_one_line_from_preflight_init_and_the_sensor_and_the_others_deliver(
+def test_more_groups_than_slots_one_line_from_preflight_init_and_the_sensor_and_the_others_deliver(
         small_pg: LocalPostgres, tmp_path: Path, instance: dg.DagsterInstance,
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three streams in the default group take one slot (they fit in max_replication_slots = 2); three streams in
+    three reader groups take three: preflight and init say so in one line (init changes nothing), the third
+    group's sensor says it in its skip reason (and requests no run), and the two groups that fit deliver."""
     url = small_pg.url
     migrate(url)
-    config = write_config(tmp_path / "pgstream.yaml", url, _streams(tmp_path))
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     capsys.readouterr()
+    default = write_config(tmp_path / "default.yaml", url, _streams(tmp_path))
+    assert main(["preflight", "--config", str(default)]) == 0
+    assert capsys.readouterr().err.splitlines() == []
+    config = write_config(tmp_path / "pgstream.yaml", url, _streams(tmp_path, reader=True))
     assert main(["preflight", "--config", str(config)]) == 1
     assert capsys.readouterr().err.splitlines() == [SLOTS_LINE]
     assert main(["init", "--config", str(config)]) == 1
@@ -61,36 +74,46 @@ def test_more_streams_than_slots_one_line_from_preflight_init_and_the_sensor_and
     assert out.err.splitlines() == [SLOTS_LINE] and "ready" not in out.out
     assert _slots(url) == 0  # init changed nothing
 
-    # the Dagster instance's max_concurrent_runs (its run coordinator) against the streams' open runs
+    # the Dagster instance's max_concurrent_runs (its run coordinator) against the groups' delivery runs: one per
+    # group whatever the number of its streams
     home = tmp_path / "preflight_home"
     home.mkdir()
     (home / "dagster.yaml").write_text(
         "run_coordinator:\n  module: dagster.core.run_coordinator\n  class: QueuedRunCoordinator\n"
         "  config:\n    max_concurrent_runs: 2\ntelemetry:\n  enabled: false\n")
     monkeypatch.setenv("DAGSTER_HOME", str(home))
-    lingering = write_config(tmp_path / "lingering.yaml", url,
-                             _streams(tmp_path, mode="open", tuning={"linger_secs": 60, "read_slot": False}))
-    assert main(["preflight", "--config", str(lingering)]) == 1
+    lingering: dict[str, object] = {"mode": "open", "tuning": {"linger_secs": 60}}
+    assert main(["preflight", "--config", str(write_config(tmp_path / "lingering-default.yaml", url,
+                                                           _streams(tmp_path, delivery=lingering)))]) == 0
+    assert capsys.readouterr().err.splitlines() == []
+    assert main(["preflight", "--config", str(write_config(tmp_path / "lingering.yaml", url,
+                                                           _streams(tmp_path, reader=True, delivery=lingering)))]) == 1
     assert capsys.readouterr().err.splitlines() == [SLOTS_LINE, (
-        "max_concurrent_runs is 2 and 3 streams keep a run open (delivery.mode open or warm), plus one for "
-        "housekeeping, checks and replays: a stream without a run waits up to delivery.tuning.max_run_secs: set "
-        f"max_concurrent_runs = 8 under run_coordinator.config (or concurrency.runs) in {home / 'dagster.yaml'}")]
+        "max_concurrent_runs is 2 and 3 reader groups keep a group delivery run, plus one for housekeeping, checks "
+        "and replays: a stream without a run waits up to delivery.tuning.max_run_secs: set max_concurrent_runs = 8 "
+        f"under run_coordinator.config (or concurrency.runs) in {home / 'dagster.yaml'}")]
     monkeypatch.delenv("DAGSTER_HOME")
 
-    # the sensors: streams 1 and 2 take the two slots; stream 3's tick says why it cannot, in one line
+    # the sensors: groups g1 and g2 take the two slots (their group runs' readers create them); g3's tick says why
+    # it cannot, in one line, and requests no group run (one would end at once, and another be requested)
     driver = Driver(config, instance)
-    for stream_id in (1, 2):
-        driver.tick(stream_id)
-    result = driver.tick(3)
-    assert not result.run_requests
-    assert result.skip_message == ("max_replication_slots is 2 and 2 are in use; stream 3 needs one more: set "
-                                  "max_replication_slots = 8 in postgresql.conf and restart Postgres")
+    deadline = time.monotonic() + 60
+    while _slots(url) < 2:
+        assert time.monotonic() < deadline, "the groups' slots were not created"
+        for stream_id in (1, 2):
+            driver.tick(stream_id)
+    for _ in range(2):
+        result = driver.tick(3)
+        assert not result.run_requests
+        assert result.skip_message == ("max_replication_slots is 2 and 2 are in use; reader group g3 needs one "
+                                      "more: set max_replication_slots = 8 in postgresql.conf and restart Postgres")
+    assert "g3" not in driver.group_runs
+    assert not instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "g3"}))
     assert _slots(url) == 2
-    for stream_id in (1, 2):  # the streams that fit deliver
+    for stream_id in (1, 2):  # the groups that fit deliver
         insert_events(url, stream_id, 5)
         sink_file = tmp_path / f"out-{stream_id}.jsonl"
-        driver.run_until(stream_id, at_least(
-            lambda: len(read_jsonl(sink_file)) if sink_file.exists() else 0, 5), timeout=120)  # noqa: B023
+        tick_until(driver, stream_id, at_least(lambda: len(read_jsonl(sink_file)), 5))  # noqa: B023
         assert [e["id"] for e in read_jsonl(tmp_path / f"out-{stream_id}.jsonl")] == event_ids(url, stream_id)
 
 
@@ -118,6 +141,12 @@ def test_preflight_counts_one_wal_sender_per_reader_group(
         "; 5 reader groups' delivery runs read their group's slot over replication, one WAL sender each: set "
         "max_wal_senders = 8 in postgresql.conf and restart Postgres"), line
     assert senders_line(4, 3) == []
+    # streams that name no group: one (the default group), however many
+    streams = [{"id": 200 + i, "batch": {"max_size": 100, "max_fill_secs": 0},
+                "sink": {"type": "file", "path": str(tmp_path / f"out-d{i}.jsonl")}} for i in range(20)]
+    capsys.readouterr()
+    main(["preflight", "--config", str(write_config(tmp_path / "default.yaml", url, streams))])
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("max_wal_senders")] == []
 
 
 def test_preflight_counts_the_connections_dagsters_storage_keeps_on_the_same_server(
@@ -146,10 +175,11 @@ def test_preflight_counts_the_connections_dagsters_storage_keeps_on_the_same_ser
         main(["preflight", "--config", str(config)])
         return [line for line in capsys.readouterr().err.splitlines() if "max_connections" in line]
 
-    # 2 streams: 6 connections and 2 slot readers, housekeeping 4; Dagster: 3 per process, 3 processes and 60 runs
+    # 2 streams in the default group: a connection each in the group's delivery run, the group's sensor, run, lease
+    # and reader, housekeeping 4; Dagster: 3 per process, 3 processes and 60 runs
     assert connections_line(small_pg, 60) == [
-        "max_connections is 200 (197 usable by the streams); 2 streams need up to 201 (a sensor, a delivery run and "
-        "its lease each, the slot readers, housekeeping, Dagster's storage on this server 189): set max_connections "
-        "= 208 in postgresql.conf and restart Postgres"]
-    assert connections_line(small_pg, 58) == []  # 183 + 12 fit
+        "max_connections is 200 (197 usable by the streams); 2 streams in 1 reader group(s) need up to 199 (a "
+        "connection per stream in its group's delivery run, the groups' sensors, readers and leases, housekeeping, "
+        "Dagster's storage on this server 189): set max_connections = 208 in postgresql.conf and restart Postgres"]
+    assert connections_line(small_pg, 59) == []  # 186 + 10 fit
     assert connections_line(pg, 60) == []  # on another server: not this one's

@@ -1,9 +1,10 @@
 """No superuser anywhere (docs/managed-postgres.md): on a Postgres of its own, the superuser does what a
 managed service does (the administrator, a role with CREATEROLE and no superuser, and its database) and
 nothing more; the administrator runs the page's roles block; the owner migrates and applies the
-subscriptions; the sensor, an open delivery run and a replay run as the runtime's login role, to a real
-HTTP endpoint that counts the events. No event trigger is created and no connection after the bootstrap
-is a superuser's. ``preflight`` names the managed service's setting for each missing prerequisite."""
+subscriptions; the group's sensor, the group delivery run (hosting the stream's open run) and a replay run
+as the runtime's login role, to a real HTTP endpoint that counts the events. No event trigger is created and
+no connection after the bootstrap is a superuser's. ``preflight`` names the managed service's setting for each
+missing prerequisite."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine.subscriptions import trigger_state
 
-from .support.harness import Background, Driver, tick_until, write_config
+from .support.harness import Driver, tick_until, write_config
 from .support.http_recorder import HttpRecorder
 
 ADMIN = "cloud_admin"  # the service's administrator: RDS's master user, Cloud SQL's postgres user
@@ -114,12 +115,14 @@ def test_the_whole_pipeline_runs_with_no_superuser_after_the_clouds_bootstrap(
 
     driver = Driver(config, instance)
     _run(app, "insert into public.orders select g, g * 10 from generate_series(1, 20) g")
-    (request,) = driver.tick(1).run_requests
-    run = Background(driver, request)
-    tick_until(driver, 1, lambda: len(http_server.received) >= 20, timeout=120)
-    # handed to the open run, which reads them from the slot over the replication protocol
+    # the first tick requests the group delivery run (launched in the background): it hosts the stream's open run
+    assert tick_until(driver, 1, lambda: len(http_server.received) >= 20, timeout=120) == []
+    # handed to the open run; the group delivery run's reader reads them from the slot over the replication
+    # protocol
     _run(app, "insert into public.orders select g, g * 10 from generate_series(21, 30) g")
     assert tick_until(driver, 1, lambda: len(http_server.received) >= 30, timeout=120) == []
+    driver.stop_group_runs()
+    (run,) = driver.group_runs["default"]  # one group delivery run delivered them all
     assert run.wait(timeout=60).success
     with psycopg.connect(runtime) as c:
         events = [r[0] for r in c.execute("select id from pgstream.events where stream_id = 1 order by id")]
@@ -152,7 +155,7 @@ def test_the_whole_pipeline_runs_with_no_superuser_after_the_clouds_bootstrap(
             [[ADMIN, OWNER, RUNTIME, APP]])}
     assert {user.split()[0] for user in connected} == {ADMIN, APP, OWNER, RUNTIME}, connected
     assert not {user.split()[0] for user in connected} & supers
-    assert connected[f"{RUNTIME} (replication)"] >= 1  # the open run's slot reader
+    assert connected[f"{RUNTIME} (replication)"] >= 1  # the group delivery run's reader of the slot
     assert roles == {ADMIN: (True, True), OWNER: (False, False), RUNTIME: (False, True), APP: (False, False)}
 
     # the drift guard is off (docs/security.md, Without the drift guard): the table's owner disables the
@@ -169,16 +172,17 @@ def test_the_whole_pipeline_runs_with_no_superuser_after_the_clouds_bootstrap(
 def test_preflight_names_the_managed_services_setting_for_each_missing_prerequisite(
         managed: LocalPostgres, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A server with none of the prerequisites (wal_level replica, one slot, one WAL sender) and a runtime
-    role that may not read slots: one line each, naming postgresql.conf, then each service's own setting
-    once the cluster holds that service's administrator role; on RDS, membership in rds_replication is
-    the replication right."""
+    """A server with none of the prerequisites (wal_level replica, one slot and one WAL sender for two reader
+    groups) and a runtime role that may not read slots: one line each, naming postgresql.conf, then each
+    service's own setting once the cluster holds that service's administrator role; on RDS, membership in
+    rds_replication is the replication right."""
     server = managed
     _restart_with(server, wal_level="replica", max_replication_slots="1", max_wal_senders="1")
     _run(server.url, "create role reader login")
     try:
         config = write_config(tmp_path / "pgstream.yaml", _as(server, "reader", "postgres"), [
-            {"id": i, "sink": {"type": "http", "url": "http://127.0.0.1:9/hook"}} for i in (1, 2)])
+            {"id": i, "reader": reader, "sink": {"type": "http", "url": "http://127.0.0.1:9/hook"}}
+            for i, reader in ((1, "default"), (2, "other"))])  # two reader groups: a slot and a WAL sender each
         monkeypatch.delenv("DAGSTER_HOME", raising=False)
 
         def preflight(service_role: str | None = None) -> list[str]:
@@ -193,11 +197,11 @@ def test_preflight_names_the_managed_services_setting_for_each_missing_prerequis
                     _run(server.url, f"drop role {service_role}")
 
         needs = ["wal_level is replica; the streams' slots need logical decoding: ",
-                 "role reader (database_url) may not read replication slots and the streams' sensors and runs read "
-                 "theirs as it: ",
-                 "max_replication_slots is 1 and 0 are in use; stream 2 needs one more: ",
-                 "max_wal_senders is 1 and 0 are in use by others; 2 streams' open runs read their slot (delivery.mode "
-                 "open or warm) over replication, one WAL sender each: "]
+                 "role reader (database_url) may not read replication slots and the reader groups' sensors and "
+                 "delivery runs read their slots as it: ",
+                 "max_replication_slots is 1 and 0 are in use; reader group other needs one more: ",
+                 "max_wal_senders is 1 and 0 are in use by others; 2 reader groups' delivery runs read their group's "
+                 "slot over replication, one WAL sender each: "]
         assert preflight() == [a + b for a, b in zip(needs, [
             "set wal_level = logical in postgresql.conf and restart Postgres",
             "as a superuser: alter role reader replication",

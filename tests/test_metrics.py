@@ -22,17 +22,16 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from pgstream_dagster import cli, exporter
-from pgstream_dagster.config import ConfigError, StreamConfig, load_config, load_metrics_settings
+from pgstream_dagster.config import DEFAULT_READER, ConfigError, StreamConfig, load_config, load_metrics_settings
 from pgstream_dagster.defs.names import status_asset_key
 from pgstream_dagster.devdb import free_port
-from pgstream_dagster.engine import ingest, replication
-from pgstream_dagster.engine.ledger import recording, streams
-from pgstream_dagster.engine.ledger import state as ledger_state
+from pgstream_dagster.engine import ingest
+from pgstream_dagster.engine.ledger import recording
 from pgstream_dagster.engine.metrics import HISTOGRAMS, METRICS, SCRAPE_DURATION, UP
 
 from .support.endpoint import Endpoint
 from .support.faults import STREAM, delivered_all, drive, in_failover, sent_ids, stream_config
-from .support.harness import Driver, insert_events, slot_of, write_config
+from .support.harness import Driver, insert_events, joined, slot_of, tick_until, write_config
 from .support.metrics import Samples, bucket, scrape, value
 from .support.schema import USERS, subscribe
 
@@ -64,9 +63,10 @@ def ledger(url: str) -> dict[str, Any]:
 
 
 def started(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> Driver:
-    """The in-process driver of stream 1 (to the HTTP endpoint), after its first tick (stream row, slot)."""
+    """The in-process driver of stream 1 (to the HTTP endpoint), once its group's ticks made its stream row and
+    slot (the group's delivery run, in the background, reads it)."""
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)]), instance)
-    driver.tick(STREAM)
+    tick_until(driver, STREAM, lambda: joined(db_url, STREAM))
     return driver
 
 
@@ -97,15 +97,18 @@ def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: 
     assert value(s, "pgstream_slot_wal_status", stream=S, wal_status="reserved") == 1
     assert value(s, "pgstream_slot_info", stream=S, slot=slot_of(db_url, STREAM)) == 1
 
+    # the endpoint holds its answers: the stream's run (in its group's delivery run) takes the batches and waits
+    held = threading.Event()
+
+    def hold(_n: int) -> None:
+        held.wait(120)
+
+    endpoint.hook = hold
     insert_events(db_url, STREAM, 120)  # manual events: no subscription key
     with psycopg.connect(db_url) as conn:
         conn.execute("insert into public.users (email) select 'u' || g || '@example.com' from generate_series(1, 7) g")
-    requests: list[dg.RunRequest] = []
-    deadline = time.monotonic() + 60
-    while ledger(db_url)["open_events"] < 127:
-        assert time.monotonic() < deadline
-        requests += driver.tick(STREAM).run_requests or []
-    requests += driver.tick(STREAM).run_requests or []
+    tick_until(driver, STREAM, lambda: ledger(db_url)["open_events"] >= 127 and ledger(db_url)["launched"] >= 1,
+               timeout=60)
     s = scrape(metrics_url)
     state = ledger(db_url)
     assert value(s, "pgstream_events_recorded_total", stream=S) == 127
@@ -119,7 +122,8 @@ def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: 
     time.sleep(1.2)
     assert value(scrape(metrics_url), "pgstream_oldest_undelivered_age_seconds", stream=S) >= first_age + 1
 
-    assert requests
+    assert driver.group_runs[DEFAULT_READER]  # (the stream's runs are its group delivery run's)
+    held.set()
     drive(driver, lambda: ledger(db_url)["open_events"] == 0)
     s = scrape(metrics_url)
     state = ledger(db_url)
@@ -142,16 +146,16 @@ def test_counters_backlog_and_lag_follow_a_real_pipeline(db_url: str, tmp_path: 
     assert value(s, f"{LAG}_sum", stream=S) == pytest.approx(sum(lags), abs=1e-3)
     assert bucket(s, LAG, "600", stream=S) == len([x for x in lags if x <= 600])
 
-    # the status asset: every delivery round observed it with fresh counts (in the instance's event log)
-    run_ids = {r.run_id for r in driver.results}
-    records = instance.fetch_observations(status_asset_key(STREAM), limit=100).records
-    from_runs = [r for r in records if r.event_log_entry.run_id in run_ids]
-    assert from_runs, "the delivery runs did not observe the status asset"
-    latest = from_runs[0].event_log_entry.asset_observation
-    assert latest is not None
-    assert latest.metadata["delivered_today"].value == 127
-    assert latest.metadata["undelivered_events"].value == 0
-    assert str(latest.metadata["observed_by"].value).startswith("delivery run ")
+    # the status asset: the group's sensor observes it with fresh counts (a member's delivery rounds do not: a
+    # hundred members' reports asking for their status were a group's largest query load)
+    def fresh() -> bool:
+        latest = driver.observations[-1].metadata if driver.observations else {}
+        return latest.get("undelivered_events") is not None and latest["undelivered_events"].value == 0 \
+            and latest["delivered_today"].value == 127
+    tick_until(driver, STREAM, fresh, timeout=60)
+    latest = driver.observations[-1]
+    assert latest.asset_key == status_asset_key(STREAM)
+    assert latest.metadata["observed_by"].value == "sensor"
 
 
 def test_failover_gauges_during_an_outage(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
@@ -167,9 +171,8 @@ def test_failover_gauges_during_an_outage(db_url: str, tmp_path: Path, instance:
     deadline = time.monotonic() + 120
     while not in_failover(db_url):
         assert time.monotonic() < deadline
-        for request in driver.tick(STREAM).run_requests or []:
-            assert not driver.execute(request).success
-    time.sleep(1.0)
+        assert driver.tick(STREAM).run_requests == []  # (its runs are its group delivery run's)
+    time.sleep(1.0)  # (the failover lasts a second at least: the gauge of its duration)
     s = scrape(metrics_url)
     assert value(s, "pgstream_failover_active", stream=S) == 1
     assert value(s, "pgstream_failovers_entered_total", stream=S) == 1
@@ -297,26 +300,32 @@ def test_a_scrape_never_blocks_delivery_and_never_waits_long_for_a_lock(db_url: 
     assert value(scrape(metrics_url), UP) == 1
 
 
-def test_the_status_shows_an_open_run_that_is_gone_as_gone(db_url: str, tmp_path: Path,
-                                                           instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    driver = started(db_url, tmp_path, instance, endpoint)
+def test_the_status_shows_what_became_of_a_members_open_run(db_url: str, tmp_path: Path,
+                                                            instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """The ledger names an open run of stream 1 that no group delivery run has taken yet: its status shows it
+    starting, waiting for its group's run (not gone: the group's live run takes every member run its ledger
+    wants), then live once that run hosts it; a change of what the status shows is observed at once, nothing
+    new is not observed."""
+    lingering = stream_config(endpoint, delivery={"tuning": {"linger_secs": 60, "max_run_secs": 120}})
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [lingering]), instance)
+    tick_until(driver, STREAM, lambda: joined(db_url, STREAM))
+    (group_run,) = driver.group_runs[DEFAULT_READER]
+    key = "pgstream-s1-gone-b1-a1"
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("update pgstream.streams set open_run_key = 'pgstream-s1-gone-b1-a1' where id = 1")
+        conn.execute("update pgstream.streams set open_run_key = %s where id = 1", [key])
     driver.observations.clear()
-    driver.tick(STREAM)
-    (observation,) = driver.observations
-    assert observation.metadata["open_run_key"].value == "pgstream-s1-gone-b1-a1"
-    assert str(observation.metadata["open_run_state"].value).startswith("gone: Dagster has no run")
-    # a change of what the status shows is observed at once; nothing new, nothing observed
+    tick_until(driver, STREAM, lambda: bool(driver.observations))
+    first = driver.observations[0]
+    assert first.metadata["open_run_key"].value == key
+    assert str(first.metadata["open_run_state"].value) in (
+        f"starting: the delivery run of reader group {DEFAULT_READER} to take run {key}",
+        f"live: member run {group_run.run_id}/{STREAM} (it holds the delivery lease)")  # (taken meanwhile)
+    tick_until(driver, STREAM, lambda: str(driver.observations[-1].metadata["open_run_state"].value) ==
+               f"live: member run {group_run.run_id}/{STREAM} (it holds the delivery lease)", timeout=60)
+    # nothing new, nothing observed
     driver.observations.clear()
     driver.tick(STREAM)
     assert driver.observations == []
-    insert_events(db_url, STREAM, 3)
-    deadline = time.monotonic() + 30
-    while not driver.observations:
-        assert time.monotonic() < deadline
-        driver.tick(STREAM)
-    assert driver.observations[-1].metadata["undelivered_events"].value == 3
 
 
 def test_bad_metrics_configuration_is_refused_with_a_clear_message(db_url: str, tmp_path: Path,
@@ -474,19 +483,40 @@ def test_recording_a_sparse_batch_probes_its_events_by_key(db_url: str) -> None:
 WRITERS = 8
 
 
-def _subscribed_stream(db_url: str, tmp_path: Path, *, fill_secs: float, open_run: bool) -> StreamConfig:
-    """Stream STREAM (a file sink) with a subscription on public.users and its slot; with ``open_run`` an
-    open run ("run") whose reader will read the slot."""
+def _subscribed_stream(db_url: str, tmp_path: Path, *, fill_secs: float) -> StreamConfig:
+    """Stream STREAM (a file sink) with a subscription on public.users, a member of the default group (the
+    group's slot created, the stream joined)."""
     config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": fill_secs},
          "delivery": {"tuning": {"linger_secs": 60}}, "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute(USERS)
         subscribe(c, "user-signup", columns=["id", "email"])
-        replication.create_slot(c, streams.ensure_stream(c, STREAM))
-        if open_run:
-            ledger_state.open_run(c, STREAM, "run")
+        ingest.consume_group(c, DEFAULT_READER, list(config.streams), 0)
     return config.streams[0]
+
+
+class _Read:
+    """What a reader recorded so far (events), and a note per pass of the group's sensor."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.notes: list[str] = []
+
+
+def _group_run_reader(url: str, stream: StreamConfig, stop: threading.Event, read: _Read,
+                      application_name: str = "pgstream reader t") -> None:
+    """The group delivery run's reader: the default group's slot over the replication protocol, read pass after
+    pass (as ``GroupDelivery`` calls ``consume_group``) until ``stop``; its connections named
+    ``application_name``."""
+    kept = ingest.GroupStream(url, application_name)
+    try:
+        with psycopg.connect(url, autocommit=True, application_name=application_name) as c:
+            while not stop.is_set():
+                result = ingest.consume_group(c, DEFAULT_READER, [stream], 0.2, kept=kept, stop=stop.is_set)
+                read.events += sum(result.events.values())
+    finally:
+        kept.close()
 
 
 def _recorded_and_written(url: str) -> dict[str, int]:
@@ -524,14 +554,13 @@ def _read_batches_as_recorded(url: str, stop: threading.Event, short: list[tuple
 def test_every_event_just_decoded_is_counted_by_subscription_under_concurrent_writers(db_url: str,
                                                                                     tmp_path: Path) -> None:
     """Logical decoding hands out a transaction's commit once its WAL is flushed, before the writer's
-    backend leaves the proc array: for a moment other snapshots do not see its rows yet. The open
-    run's reader records such transactions 1-12 ms after their commit; the batch trigger's
+    backend leaves the proc array: for a moment other snapshots do not see its rows yet. The group
+    delivery run's reader records such transactions 1-12 ms after their commit; the batch trigger's
     per-subscription count (and any read of the batch's events right after) must still see every
     event: ``events_written`` by key equals what was written, to the event, under 8 writers."""
-    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.2, open_run=True)
-    stop_reader, stats = threading.Event(), ingest.FollowStats()
-    reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop_reader, stats),
-                              kwargs={"application_name": "pgstream reader t"})
+    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.2)
+    stop_reader, stats = threading.Event(), _Read()
+    reader = threading.Thread(target=_group_run_reader, args=(db_url, stream, stop_reader, stats))
     reader.start()
     stop = threading.Event()
     written: list[list[int]] = [[] for _ in range(WRITERS)]
@@ -596,27 +625,26 @@ def _reader_waits_for_visibility(url: str) -> bool:
                          ).fetchone() == (True,)
 
 
-def _sensor(url: str, stream: Any, stop: threading.Event, stats: ingest.FollowStats) -> None:
-    """The sensor's ticks (peek, record) on a connection named like the reader's, until stopped."""
+def _sensor(url: str, stream: Any, stop: threading.Event, stats: _Read) -> None:
+    """The group's sensor's ticks (peek, record) on a connection named like the reader's, until stopped."""
     with psycopg.connect(url, autocommit=True, application_name="pgstream reader t") as c:
         while not stop.is_set():
-            stats.events += ingest.consume(c, stream, 0.2).events
+            stats.events += sum(ingest.consume_group(c, DEFAULT_READER, [stream], 0.2).events.values())
             stats.notes.append("tick ended")
 
 
-@pytest.mark.parametrize("recorder", ["open run's reader", "sensor"])
+@pytest.mark.parametrize("recorder", ["group run's reader", "sensor"])
 def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_visible(
         pg: Any, db_url: str, tmp_path: Path, recorder: str) -> None:
     """The window made wide and certain: synchronous replication to a standby that never answers
     holds ``HELD`` committed transactions between their flushed commit record (decodable) and the
-    proc array (nobody sees their rows). The open run's reader (replication protocol) and the sensor
-    (peek) wait for them instead of recording batches whose events they cannot see; once the standby
+    proc array (nobody sees their rows). The group delivery run's reader (replication protocol) and the
+    group's sensor (peek) wait for them instead of recording batches whose events they cannot see; once the standby
     requirement is lifted, each event is counted by subscription and its batch reads whole."""
-    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1, open_run=recorder != "sensor")
-    stop, stats = threading.Event(), ingest.FollowStats()
-    reader = (threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
-                               kwargs={"application_name": "pgstream reader t"}) if recorder != "sensor" else
-              threading.Thread(target=_sensor, args=(db_url, stream, stop, stats)))
+    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1)
+    stop, stats = threading.Event(), _Read()
+    reader = (threading.Thread(target=_group_run_reader, args=(db_url, stream, stop, stats)) if recorder != "sensor"
+              else threading.Thread(target=_sensor, args=(db_url, stream, stop, stats)))
     held = [threading.Thread(target=_commit_held, args=(db_url,)) for _ in range(HELD)]
     with psycopg.connect(pg.url, autocommit=True) as admin:
         admin.execute("alter system set synchronous_commit = 'local'")  # every other session: no wait
@@ -645,8 +673,7 @@ def test_a_transaction_decoded_before_it_is_visible_is_counted_and_read_once_vis
                 reader.join()
                 assert stats.events == 0
                 stop = threading.Event()
-                reader = threading.Thread(target=ingest.follow, args=(db_url, stream, "run", stop, stats),
-                                          kwargs={"application_name": "pgstream reader t"})
+                reader = threading.Thread(target=_group_run_reader, args=(db_url, stream, stop, stats))
                 reader.start()
         finally:
             admin.execute("alter system reset synchronous_standby_names")
@@ -674,14 +701,14 @@ def test_a_reader_made_a_synchronous_standby_says_so_instead_of_waiting_for_its_
     reader to confirm its commit, the reader for the commit to become visible. The reader stops with
     a clear error (the run reports it); once the setting lists real standbys only, the sensor records
     every event, counted by subscription."""
-    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1, open_run=True)
+    stream = _subscribed_stream(db_url, tmp_path, fill_secs=0.1)
     failed: list[BaseException] = []
     stop = threading.Event()
 
     def follow() -> None:
         try:
-            ingest.follow(db_url, stream, "run", stop, ingest.FollowStats(), application_name="pgstream reader t")
-        except BaseException as exc:  # what the run's thread reports
+            _group_run_reader(db_url, stream, stop, _Read())
+        except BaseException as exc:  # what the run's reader thread reports
             failed.append(exc)
 
     reader = threading.Thread(target=follow)
@@ -712,8 +739,7 @@ def test_a_reader_made_a_synchronous_standby_says_so_instead_of_waiting_for_its_
     assert "'pgstream reader t'" in str(failed[0]) and "synchronous_standby_names" in str(failed[0])
     with psycopg.connect(db_url, autocommit=True) as c:
         assert c.execute("select count(*) from pgstream.batches").fetchone() == (0,)  # nothing recorded unseen
-        ledger_state.clear_open_run(c, STREAM, "run")
-        assert ingest.consume(c, stream, 1.0).events == 1
+        assert ingest.consume_group(c, DEFAULT_READER, [stream], 1.0).events == {STREAM: 1}
         assert c.execute("select name || ':' || label, value::bigint from pgstream.stream_counters where "
                          "name in ('events_recorded', 'events_written') order by 1").fetchall() == [
             ("events_recorded:", 1), ("events_written:user-signup", 1)]

@@ -1,11 +1,15 @@
-"""Open (lingering) delivery runs: while a run is open the sensor hands it every batch it records,
-no new run is requested, order and counts hold; the run closes when idle; a failure in a later
-round puts the stream into failover and loses nothing; close and assign never race."""
+"""Open (lingering) delivery runs, hosted by their reader group's delivery run: while a stream's run is open the
+group's reader hands it every batch it records, no new run is requested, order and counts hold; the run
+closes when idle (a warm one stays open); a failure in a later round puts the stream into failover and loses
+nothing; a pause waits for the publish in flight; a backlog is delivered in direct rounds without Spark; the
+group's sensor records for the members while its run's reader cannot read; close and assign never race."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +17,33 @@ import dagster as dg
 import psycopg
 import pytest
 
+from pgstream_dagster.config import load_config
+from pgstream_dagster.defs.names import member_tag
+from pgstream_dagster.engine import ingest, migrations, spark
 from pgstream_dagster.engine.batches import BatchStatus, CloseRun
 from pgstream_dagster.engine.controls import apply_control
+from pgstream_dagster.engine.delivery import sources
 from pgstream_dagster.engine.ledger import locks
 from pgstream_dagster.engine.ledger import state as ledger_state
+from pgstream_dagster.engine.publish import owed_spans
 from pgstream_dagster.engine.status import render_status, stream_status
+from pgstream_dagster.sinks import Event
 
 from .support.endpoint import Endpoint
 from .support.faults import sent_ids, stream_row
-from .support.harness import Background, Driver, at_least, insert_events, run_metadata, tick_until, write_config
+from .support.harness import (
+    Background,
+    Driver,
+    at_least,
+    insert_events,
+    run_metadata,
+    slot_of,
+    tick_until,
+    write_config,
+)
 
 STREAM = 1
+GROUP = "default"
 
 
 def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any]:
@@ -32,15 +52,60 @@ def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any
             "delivery": {"chunk_size": 10, "tuning": {"linger_secs": linger}, **delivery}, "sink": endpoint.sink()}
 
 
+def _wait(done: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _group_run(driver: Driver) -> Background:
+    """The group's delivery run (one per test here: it lives until the test ends)."""
+    (run,) = driver.group_runs[GROUP]
+    return run
+
+
+def _member(driver: Driver) -> dict[str, Any]:
+    """What the group's delivery run says of the stream's member run (its tag: run key, state, error; none
+    before the group's delivery run was launched)."""
+    if not driver.group_runs.get(GROUP):
+        return {}
+    run_id = _group_run(driver).run_id
+    run = driver.instance.get_run_by_id(run_id) if run_id is not None else None
+    raw = run.tags.get(member_tag(STREAM)) if run is not None else None
+    return dict(json.loads(raw)) if raw else {}
+
+
+def _ended(driver: Driver) -> dict[str, Any]:
+    """The group delivery run's result, once asked to end (as at the end of every test)."""
+    driver.stop_group_runs()
+    result = _group_run(driver).wait(timeout=30)
+    assert result.success
+    return {"rounds": run_metadata(result, "ASSET_MATERIALIZATION"), "run_id": result.run_id}
+
+
+def _open_run_key(url: str) -> str | None:
+    with psycopg.connect(url) as c:
+        row = c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone()
+    return row[0] if row else None
+
+
+def _run_keys(url: str) -> list[str]:
+    """The run keys the stream's batches were delivered by, in batch order, each once."""
+    with psycopg.connect(url) as c:
+        keys = [r[0] for r in c.execute("select run_key from pgstream.batches where stream_id = %s order by id",
+                                        [STREAM])]
+    return list(dict.fromkeys(keys))
+
+
 def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_path: Path,
                                                               instance: dg.DagsterInstance,
                                                               endpoint: Endpoint) -> None:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=4)]), instance)
-    driver.tick(STREAM)
+    driver.tick(STREAM)  # the group's delivery run, launched
     insert_events(db_url, STREAM, 30)
-    (request,) = driver.tick(STREAM).run_requests
-    run = Background(driver, request)
     tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 30)
+    (key,) = _run_keys(db_url)
     latencies = []
     for wave in range(4):  # the run is open: each wave is delivered by it, no new run is requested
         insert_events(db_url, STREAM, 25, 1000 * (wave + 1))
@@ -48,39 +113,29 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
         expected = len(sent_ids(db_url))
         assert tick_until(driver, STREAM, at_least(lambda: len(endpoint.unique()), expected)) == []
         latencies.append(time.monotonic() - committed)
+    assert _run_keys(db_url) == [key] and _open_run_key(db_url) == key
+    assert _member(driver) == {"run_key": key, "state": "running", "error": None}
     with psycopg.connect(db_url) as c:
-        (open_key,) = c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone() or ()
-        assert open_key == request.run_key
-        keys = {r[0] for r in c.execute("select distinct run_key from pgstream.batches")}
-        assert keys == {request.run_key}
-        assert f"open run: {request.run_key}" in render_status(stream_status(c, STREAM))
-    result = run.wait(timeout=30)  # idle for linger_secs: it closes and succeeds
-    assert result.success
+        assert f"open run: {key}" in render_status(stream_status(c, STREAM))
+    _wait(lambda: _open_run_key(db_url) is None, timeout=30)  # idle for linger_secs: it closes, not failed
+    _wait(lambda: _member(driver).get("state") == "ended", timeout=30)
     sent = sent_ids(db_url)
     assert endpoint.unique() == set(sent) and endpoint.duplicates() == 0
     assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
     with psycopg.connect(db_url) as c:
-        assert c.execute("select open_run_key from pgstream.streams where id = %s", [STREAM]).fetchone() == (None,)
         assert c.execute("select count(*) from pgstream.batches where status <> %s",
                          [BatchStatus.DELIVERED]).fetchone() == (0,)
-    rounds = run_metadata(result, "ASSET_MATERIALIZATION")
-    # the first load plus one round per wave at least (reported together at most every report_every_secs)
-    assert sum(m["rounds"] for m in rounds) >= 5
-    assert sum(m["events"] for m in rounds) == len(sent)
     assert max(latencies) < 5, latencies  # handed over within a tick or two, not a new run
 
-    # once closed, a new batch gets a new run
+    # once closed, a new batch gets a new run (in the same group delivery run)
     insert_events(db_url, STREAM, 5, 9000)
-    requests = tick_until(driver, STREAM, lambda: bool(driver.cursors) and _pending_launched(db_url))
-    assert len(requests) == 1 and requests[0].run_key != request.run_key
-    assert driver.execute(requests[0]).success
-    assert endpoint.unique() == set(sent_ids(db_url))
-
-
-def _pending_launched(url: str) -> bool:
-    with psycopg.connect(url) as c:
-        return c.execute("select count(*) from pgstream.batches where status = %s",
-                         [BatchStatus.LAUNCHED]).fetchone() != (0,)
+    assert tick_until(driver, STREAM, lambda: endpoint.unique() == set(sent_ids(db_url))) == []
+    (_, again) = _run_keys(db_url)
+    assert again != key
+    rounds = _ended(driver)["rounds"]
+    # the first load plus one round per wave at least (reported together at most every report_every_secs)
+    assert sum(m["rounds"] for m in rounds) >= 6
+    assert sum(m["events"] for m in rounds) == len(sent_ids(db_url))
 
 
 def test_sink_failure_in_a_later_round_enters_failover_and_loses_nothing(db_url: str, tmp_path: Path,
@@ -89,41 +144,38 @@ def test_sink_failure_in_a_later_round_enters_failover_and_loses_nothing(db_url:
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=30)]), instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 20)
-    (request,) = driver.tick(STREAM).run_requests
-    run = Background(driver, request)
     tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 20)
+    (key,) = _run_keys(db_url)
     endpoint.mode = "error"  # the open run's next round fails
     insert_events(db_url, STREAM, 40, 100)
-    tick_until(driver, STREAM, lambda: not run.thread.is_alive())
-    assert not run.wait(timeout=5).success
     tick_until(driver, STREAM, lambda: stream_row(db_url)["failover_since"] is not None)
-    state = stream_row(db_url)
-    assert state["open_run_key"] is None  # a failed run is closed: nothing is handed to it again
+    member = _member(driver)
+    assert member["run_key"] == key and member["state"] == "failed" and member["error"]
+    assert stream_row(db_url)["open_run_key"] is None  # a failed run is closed: nothing is handed to it again
     endpoint.mode = "ok"
     insert_events(db_url, STREAM, 10, 500)
-    deadline = time.monotonic() + 120
-    while endpoint.unique() != set(sent_ids(db_url)) or stream_row(db_url)["failover_since"] is not None:
-        assert time.monotonic() < deadline, "did not recover"
-        for req in driver.tick(STREAM).run_requests or []:
-            Background(driver, req).wait(timeout=120)  # catch-up runs do not linger: they end
+    tick_until(driver, STREAM, lambda: endpoint.unique() == set(sent_ids(db_url))
+               and stream_row(db_url)["failover_since"] is None)
     assert endpoint.unique() == set(sent_ids(db_url))
     order = endpoint.first_seen_order()
     assert order == sorted(order)
+    assert _group_run(driver).thread.is_alive()  # a member's failure does not end its group's run
 
 
 def test_pause_waits_for_the_publish_in_flight_and_nothing_is_published_after_it(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    """`pause` on a warm open run reading the slot: it returns only once the publish call in flight has
-    ended, and nothing of the stream is published after it returned (neither what the run was handed nor
-    what commits next: the run closes, not failed, its batches back to pending); after `resume` the
-    backlog is delivered, each event once, in commit order."""
+    """`pause` on a warm open run: it returns only once the publish call in flight has ended, and nothing of
+    the stream is published after it returned (neither what the run was handed nor what commits next: the run
+    closes, not failed, its batches back to pending); after `resume` the backlog is delivered, each event
+    once, in commit order."""
     config = {"id": STREAM, "batch": {"max_size": 5, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
               "delivery": {"mode": "warm", "chunk_size": 5, "tuning": {"max_run_secs": 300}}, "sink": endpoint.sink()}
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [config]), instance)
-    (request,) = driver.tick(STREAM).run_requests  # the warm run
-    run = Background(driver, request)
+    assert driver.tick(STREAM).run_requests == []  # the warm run is the group delivery run's
+    tick_until(driver, STREAM, lambda: _member(driver).get("state") == "running")
     insert_events(db_url, STREAM, 10)
     tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 10)
+    warm = _open_run_key(db_url)
 
     in_flight, release = threading.Event(), threading.Event()
 
@@ -152,8 +204,8 @@ def test_pause_waits_for_the_publish_in_flight_and_nothing_is_published_after_it
     while time.monotonic() < deadline:
         assert driver.tick(STREAM).run_requests == []
     assert len(endpoint.accepted) == published, "published after pause returned"
-    result = run.wait(timeout=30)
-    assert result.success  # it closed: the pause is no failure
+    # it closed: the pause is no failure
+    _wait(lambda: _member(driver) == {"run_key": warm, "state": "ended", "error": None}, timeout=30)
     row = stream_row(db_url)
     assert row["open_run_key"] is None and row["failover_since"] is None
     with psycopg.connect(db_url) as c:
@@ -161,15 +213,283 @@ def test_pause_waits_for_the_publish_in_flight_and_nothing_is_published_after_it
         apply_control(c, STREAM, "resume")
     sent = sent_ids(db_url)
     assert len(sent) == 30 and published < 30
-    runs: list[Background] = []
-    deadline = time.monotonic() + 120
-    while endpoint.unique() != set(sent):
-        assert time.monotonic() < deadline, "the backlog was not delivered after resume"
-        runs += [Background(driver, r) for r in driver.tick(STREAM).run_requests]
+    tick_until(driver, STREAM, lambda: endpoint.unique() == set(sent), timeout=120)
     assert endpoint.first_seen_order() == sent  # commit order, each event once at least
-    with psycopg.connect(db_url, autocommit=True) as c:  # the warm run closes
+    _ended(driver)
+
+
+def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """A replay executed in process (what ``dagster job execute`` does: no run queue) while events are
+    inserted and an open run delivers them: the open run yields the delivery lease to the replay, the
+    run the sensor launches meanwhile (hosted by the group's delivery run) waits for the replay to end. At
+    the sink the replayed range arrives as one contiguous block, live events before or after it, none in the
+    middle; every event arrives, first arrivals in commit order."""
+    from pgstream_dagster.defs.location import build_definitions
+    from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
+
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=2)])
+    driver = Driver(cfg, instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 150)
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 150)
+    replayed = sent_ids(db_url)
+    endpoint.delay = 0.01  # the replay's 15 calls take a while: live events have time to come in between
+
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 10_000
+        while not stop.is_set():
+            insert_events(db_url, STREAM, 2, n)
+            n += 2
+            time.sleep(0.03)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    time.sleep(0.3)  # the open run delivers live events
+    replay: list[dg.ExecuteInProcessResult] = []
+    job = build_definitions(cfg).resolve_job_def(REPLAY_JOB)
+    replayer = threading.Thread(target=lambda: replay.append(job.execute_in_process(
+        run_config={"ops": {REPLAY_OP: {"config": {"stream_id": STREAM, "from_event_id": replayed[0],
+                                                   "to_event_id": replayed[-1]}}}},
+        instance=instance, raise_on_error=False)), daemon=True)
+    replayer.start()
+    try:
+        while replayer.is_alive():
+            assert driver.tick(STREAM).run_requests == []
+        time.sleep(0.3)  # live events after the replay too
+    finally:
+        stop.set()
+        writer.join()
+    assert replay and replay[0].success
+    tick_until(driver, STREAM, lambda: endpoint.unique() >= set(sent_ids(db_url)))
+    assert len(_run_keys(db_url)) >= 2  # the open run closed for the replay; the next one delivered after it
+    _ended(driver)
+
+    arrivals = endpoint.accepted[len(replayed):]  # after the first delivery of the replayed range
+    again = [i for i, event_id in enumerate(arrivals) if event_id <= replayed[-1]]
+    assert [arrivals[i] for i in again] == replayed
+    assert again[-1] - again[0] + 1 == len(replayed), "live events arrived in the middle of the replay"
+    live = [e for e in arrivals if e > replayed[-1]]
+    assert live[:1] and [e for e in arrivals[again[-1] + 1:]], "live events before and after the replay"
+    sent = sent_ids(db_url)
+    assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
+
+
+def test_a_flaky_receiver_costs_a_retry_per_failure_not_a_backoff_window(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """50 events/s are written while an open run delivers them to an HTTP receiver (the sink's default
+    retry settings, one request per event): first for 6 s with every call answered, then for 6 s with
+    a random 20% (seeded) answered 500. The sink retries a failed request at once, so the flaky window
+    delivers at least half as many events as the fault-free one; in the end every event arrives, first
+    arrivals in commit order, and the run never failed over."""
+    stream = {**_config(endpoint, linger=3), "sink": {"type": "http", "url": endpoint.url, "timeout_secs": 30}}
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 10)
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 10)
+
+    def window(first: int, secs: float = 6.0) -> int:
+        """Write 5 events every 0.1 s for ``secs``; the events delivered meanwhile."""
+        before = len(endpoint.unique())
+        started = time.monotonic()
+        for k in range(int(secs * 10)):
+            insert_events(db_url, STREAM, 5, first + 5 * k)  # the group run's reader hands them to the open run
+            time.sleep(max(0.0, started + (k + 1) * 0.1 - time.monotonic()))
+        return len(endpoint.unique()) - before
+
+    fault_free = window(100_000)
+    endpoint.fail_rate = 0.2
+    flaky = window(200_000)
+    refused = endpoint.refused_answers
+    endpoint.fail_rate = 0.0
+    assert refused > 0.1 * flaky
+    assert flaky >= 0.5 * fault_free, f"{flaky} events delivered with 20% failures, {fault_free} without"
+    tick_until(driver, STREAM, lambda: endpoint.unique() >= set(sent_ids(db_url)))
+    assert len(_run_keys(db_url)) == 1 and _member(driver)["state"] == "running"  # one open run throughout: no
+    assert stream_row(db_url)["failover_since"] is None  # failover, no new run
+    assert endpoint.first_seen_order() == sent_ids(db_url)  # one writer: commit order is id order
+
+
+def test_keep_warm_stream_has_an_open_run_before_its_first_event(db_url: str, tmp_path: Path,
+                                                                   instance: dg.DagsterInstance,
+                                                                   endpoint: Endpoint) -> None:
+    """Mode warm: with nothing to deliver the stream has an open run (hosted by the group's delivery run), so its
+    first event finds a run ready; idle past linger_secs it stays open; paused it closes, resumed the sensor
+    opens the next one."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url,
+                                 [_config(endpoint, linger=0.5, mode="warm")]), instance)
+    assert tick_until(driver, STREAM, lambda: _member(driver).get("state") == "running") == []
+    key = _open_run_key(db_url)
+    assert key is not None and _member(driver)["run_key"] == key
+    insert_events(db_url, STREAM, 15)
+    _wait(lambda: len(endpoint.unique()) == 15)  # no tick: the group run's reader hands them to the warm run
+    time.sleep(1.5)  # idle past linger_secs: a warm run stays open
+    insert_events(db_url, STREAM, 15, 100)
+    _wait(lambda: len(endpoint.unique()) == 30)
+    assert _open_run_key(db_url) == key and _run_keys(db_url) == [key]
+    # paused: it closes; resumed: the sensor opens the next warm run
+    with psycopg.connect(db_url, autocommit=True) as c:
         apply_control(c, STREAM, "pause")
-    assert all(r.wait(timeout=30).success for r in runs)
+    _wait(lambda: _member(driver) == {"run_key": key, "state": "ended", "error": None}, timeout=30)
+    assert _open_run_key(db_url) is None
+    with psycopg.connect(db_url, autocommit=True) as c:
+        apply_control(c, STREAM, "resume")
+    tick_until(driver, STREAM, lambda: _member(driver).get("state") == "running"
+               and _member(driver)["run_key"] != key)
+    assert _open_run_key(db_url) == _member(driver)["run_key"]
+    sent = sent_ids(db_url)
+    assert endpoint.unique() == set(sent) and endpoint.duplicates() == 0 and endpoint.first_seen_order() == sent
+    _ended(driver)
+
+
+def test_open_run_delivers_a_backlog_in_direct_rounds_without_spark(db_url: str, tmp_path: Path,
+                                                                   instance: dg.DagsterInstance, endpoint: Endpoint,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backlog larger than direct_max_events, in the batches a run is launched with and then while it is
+    open: it delivers it in rounds of at most that many events (whole batches), in order, and never loads a
+    round through Spark."""
+
+    def no_spark(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("an open run loaded a round of global order through Spark")
+
+    monkeypatch.setattr(spark, "load_batches", no_spark)
+    stream = {**_config(endpoint, linger=3, tuning={"linger_secs": 3, "direct_max_events": 120}),
+              "batch": {"max_size": 50, "max_fill_secs": 0.2}}
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream]), instance)
+    driver.tick(STREAM)  # the group's delivery run
+    insert_events(db_url, STREAM, 300)  # launched with batches of 50: 2 in the first round, the rest after
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 300)
+    with psycopg.connect(db_url, autocommit=True) as c:  # one transaction of 600 events: a backlog at once
+        c.execute("insert into pgstream.events (payload, stream_id) select jsonb_build_object('n', g), %s "
+                  "from generate_series(1, 600) g", [STREAM])
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 900)
+    sent = sent_ids(db_url)
+    assert len(sent) == 900 and endpoint.unique() == set(sent) and endpoint.duplicates() == 0
+    assert endpoint.first_seen_order() == sent
+    ended = _ended(driver)
+    assert sum(m["rounds"] for m in ended["rounds"]) >= 900 // 100  # batches of 50: at most 2 a round
+    assert sum(m["events"] for m in ended["rounds"]) == 900
+    logs = [e.message for e in instance.all_logs(ended["run_id"]) if e.message]
+    assert any("; the other " in m and " batches in the next rounds" in m for m in logs)  # the launched round
+
+
+def _slot_reader(url: str) -> str | None:
+    """The application name of the connection that holds the stream's slot (its group's), if any."""
+    with psycopg.connect(url) as c:
+        row = c.execute("select a.application_name from pg_replication_slots s "
+                        "join pg_stat_activity a on a.pid = s.active_pid where s.slot_name = %s",
+                        [slot_of(url, STREAM)]).fetchone()
+    return row[0] if row else None
+
+
+def _take_every_wal_sender(url: str) -> list[psycopg.Connection]:
+    """Replication connections until the server refuses one (max_wal_senders reached): held by the caller."""
+    holders: list[psycopg.Connection] = []
+    while True:
+        try:
+            holders.append(psycopg.connect(url, replication="database", autocommit=True))
+        except psycopg.OperationalError as exc:
+            assert "max_wal_senders" in str(exc), exc
+            return holders
+        assert len(holders) < 200, "max_wal_senders never reached"
+
+
+GROUP_READER = "pgstream group slot reader "
+
+
+def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
+    """Every WAL sender taken (max_wal_senders): the group delivery run's reader cannot connect and says so in
+    the run log, the group's sensor keeps recording and handing batches to the open run; once a sender is
+    free the run's reader reads the group's slot itself (it tries again every few seconds: the open run lingers
+    longer). Each event once, in commit order."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=60)]), instance)
+    holders = _take_every_wal_sender(db_url)
+    try:
+        driver.tick(STREAM)  # the group's delivery run: its reader cannot open a replication connection
+        insert_events(db_url, STREAM, 30)
+        tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 30)
+        for wave in range(3):  # the sensor records; the open run takes the batches
+            insert_events(db_url, STREAM, 20, 1000 * (wave + 1))
+            tick_until(driver, STREAM, at_least(lambda: len(endpoint.unique()), 50 + 20 * wave))
+        assert not (_slot_reader(db_url) or "").startswith(GROUP_READER)
+    finally:
+        for holder in holders:
+            holder.close()
+    _wait(lambda: (_slot_reader(db_url) or "").startswith(GROUP_READER))
+    insert_events(db_url, STREAM, 25, 9000)  # no tick from now on: the group run's reader reads it
+    _wait(lambda: len(endpoint.unique()) >= 115)
+    sent = sent_ids(db_url)
+    assert len(sent) == 115 and endpoint.first_seen_order() == sent and endpoint.duplicates() == 0
+    run_id = _ended(driver)["run_id"]
+    logs = [e.message for e in instance.all_logs(run_id) if e.message]
+    assert any("the group delivery run's reader stopped (cannot open a replication connection" in m
+               and "max_wal_senders" in m for m in logs), logs
+    assert any("the group delivery run reads the group's slot again" in m for m in logs), logs
+
+
+def _stream(tmp_path: Path, url: str) -> Any:
+    config = load_config(write_config(tmp_path / "pgstream.yaml", url, [
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"tuning": {"linger_secs": 60}},
+         "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+    return config.streams[0]
+
+
+def test_tear_down_ends_a_reading_group_run_and_drops_its_slot(db_url: str, tmp_path: Path) -> None:
+    """The group's slot held by a group delivery run's reader (a replication connection kept open across its
+    reads): tear-down ends it and drops the slot."""
+    stream = _stream(tmp_path, db_url)
+    kept = ingest.GroupStream(db_url, GROUP_READER + "t")
+    try:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            ingest.consume_group(c, GROUP, [stream], 0)  # the slot
+            ingest.consume_group(c, GROUP, [stream], 0.2, kept=kept)
+        assert _slot_reader(db_url) == GROUP_READER + "t"
+        slot = slot_of(db_url, STREAM)
+        removed = migrations.tear_down(db_url)
+        assert f"replication slot {slot}" in removed
+        with psycopg.connect(db_url) as c:
+            assert c.execute("select count(*) from pg_replication_slots").fetchone() == (0,)
+    finally:
+        kept.close()
+
+
+def _event_rows(read: Iterable[tuple[int, int, Any]]) -> list[tuple[Any, ...]]:
+    """(batch, ordinal, id, stream, created_at, payload, metadata) of each event read (none too large)."""
+    rows: list[tuple[Any, ...]] = []
+    for batch, ordinal, event in read:
+        assert isinstance(event, Event)
+        rows.append((batch, ordinal, event.id, event.stream_id, event.created_at, event.payload_json,
+                     event.metadata_json))
+    return rows
+
+
+@pytest.mark.parametrize("routing_key", ["group_id", "metadata:team"])
+def test_a_round_read_directly_equals_the_spark_read(db_url: str, tmp_path: Path, routing_key: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's own read (5,000 events a query; 50 here, so that batches are read in pieces) gives
+    the same events, positions and texts as the Spark source."""
+    monkeypatch.setattr(sources, "FETCH_ROWS", 50)
+    stream = _stream(tmp_path, db_url)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, GROUP, [stream], 0)  # the slot
+        c.execute("insert into pgstream.events (payload, metadata, stream_id) select "
+                  "jsonb_build_object('n', g, 'group_id', g %% 3, 's', 'ünï \"q\"', 'big', 12345678901234567890), "
+                  "case when g %% 2 = 0 then jsonb_build_object('team', 'a') end, %s "
+                  "from generate_series(1, 120) g", [STREAM])
+        _wait(lambda: sum(ingest.consume_group(c, GROUP, [stream], 0.3).events.values()) == 0
+              and len(ledger_state.batches_between(c, STREAM, 0, 10**9)) > 0)
+        batches = ledger_state.batches_between(c, STREAM, 0, 10**9)
+        spans = owed_spans(batches, resume=True)
+        direct = list(sources.TableSource(c, spans, routing_key).events())
+    session = spark.open_session(load_config(tmp_path / "pgstream.yaml"))
+    frames = spark.load_batches(session, db_url, spans, routing_key, packed=True)
+    assert isinstance(frames, list)
+    via_spark = list(spark.frame_events(frames, prefetch=False))
+    assert len(direct) == 120
+    assert _event_rows(direct) == _event_rows(via_spark)
 
 
 def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
@@ -220,112 +540,6 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
 def _close(url: str, run_key: str) -> bool:
     with psycopg.connect(url, autocommit=True) as c:
         return ledger_state.apply_run(c, CloseRun(STREAM, run_key))
-
-
-def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    """A replay executed in process (what ``dagster job execute`` does: no run queue) while events are
-    inserted and an open run delivers them: the open run yields the delivery lease to the replay, the
-    run the sensor requests meanwhile waits for the replay to end. At the sink the replayed range arrives
-    as one contiguous block, live events before or after it, none in the middle; every event arrives,
-    first arrivals in commit order."""
-    from pgstream_dagster.defs.location import build_definitions
-    from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
-
-    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=2)])
-    driver = Driver(cfg, instance)
-    driver.tick(STREAM)
-    insert_events(db_url, STREAM, 150)
-    (request,) = driver.tick(STREAM).run_requests
-    runs = [Background(driver, request)]
-    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 150)
-    replayed = sent_ids(db_url)
-    endpoint.delay = 0.01  # the replay's 15 calls take a while: live events have time to come in between
-
-    stop = threading.Event()
-
-    def write() -> None:
-        n = 10_000
-        while not stop.is_set():
-            insert_events(db_url, STREAM, 2, n)
-            n += 2
-            time.sleep(0.03)
-
-    writer = threading.Thread(target=write, daemon=True)
-    writer.start()
-    time.sleep(0.3)  # the open run delivers live events
-    replay: list[dg.ExecuteInProcessResult] = []
-    job = build_definitions(cfg).resolve_job_def(REPLAY_JOB)
-    replayer = threading.Thread(target=lambda: replay.append(job.execute_in_process(
-        run_config={"ops": {REPLAY_OP: {"config": {"stream_id": STREAM, "from_event_id": replayed[0],
-                                                   "to_event_id": replayed[-1]}}}},
-        instance=instance, raise_on_error=False)), daemon=True)
-    replayer.start()
-    launched = {request.run_key}
-    try:
-        while replayer.is_alive():
-            # as the daemon does, a run key is launched once (a tick that decides before the run's record
-            # exists asks for it again)
-            for r in driver.tick(STREAM).run_requests or []:
-                if r.run_key not in launched:
-                    launched.add(r.run_key)
-                    runs.append(Background(driver, r))
-            time.sleep(0.05)
-        time.sleep(0.3)  # live events after the replay too
-    finally:
-        stop.set()
-        writer.join()
-    assert replay and replay[0].success
-    tick_until(driver, STREAM, lambda: endpoint.unique() >= set(sent_ids(db_url)))
-    for run in runs:
-        assert run.wait(timeout=60).success
-
-    arrivals = endpoint.accepted[len(replayed):]  # after the first delivery of the replayed range
-    again = [i for i, event_id in enumerate(arrivals) if event_id <= replayed[-1]]
-    assert [arrivals[i] for i in again] == replayed
-    assert again[-1] - again[0] + 1 == len(replayed), "live events arrived in the middle of the replay"
-    live = [e for e in arrivals if e > replayed[-1]]
-    assert live[:1] and [e for e in arrivals[again[-1] + 1:]], "live events before and after the replay"
-    sent = sent_ids(db_url)
-    assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
-
-
-def test_a_flaky_receiver_costs_a_retry_per_failure_not_a_backoff_window(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
-    """50 events/s are written while an open run delivers them to an HTTP receiver (the sink's default
-    retry settings, one request per event): first for 6 s with every call answered, then for 6 s with
-    a random 20% (seeded) answered 500. The sink retries a failed request at once, so the flaky window
-    delivers at least half as many events as the fault-free one; in the end every event arrives, first
-    arrivals in commit order, and the run never failed over."""
-    stream = {**_config(endpoint, linger=3), "sink": {"type": "http", "url": endpoint.url, "timeout_secs": 30}}
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream]), instance)
-    driver.tick(STREAM)
-    insert_events(db_url, STREAM, 10)
-    (request,) = driver.tick(STREAM).run_requests
-    runs = [Background(driver, request)]
-    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 10)
-
-    def window(first: int, secs: float = 6.0) -> int:
-        """Write 5 events every 0.1 s for ``secs``; the events delivered meanwhile."""
-        before = len(endpoint.unique())
-        started = time.monotonic()
-        for k in range(int(secs * 10)):
-            insert_events(db_url, STREAM, 5, first + 5 * k)  # the open run reads the slot itself
-            time.sleep(max(0.0, started + (k + 1) * 0.1 - time.monotonic()))
-        return len(endpoint.unique()) - before
-
-    fault_free = window(100_000)
-    endpoint.fail_rate = 0.2
-    flaky = window(200_000)
-    refused = endpoint.refused_answers
-    endpoint.fail_rate = 0.0
-    assert refused > 0.1 * flaky
-    assert flaky >= 0.5 * fault_free, f"{flaky} events delivered with 20% failures, {fault_free} without"
-    tick_until(driver, STREAM, lambda: endpoint.unique() >= set(sent_ids(db_url)))
-    for run in runs:
-        assert run.wait(timeout=60).success
-    assert len(runs) == 1  # one open run throughout: no failover, no new run
-    assert endpoint.first_seen_order() == sent_ids(db_url)  # one writer: commit order is id order
 
 
 def test_the_delivery_lease_goes_to_a_waiting_replay_and_back_without_deadlock(db_url: str) -> None:

@@ -12,7 +12,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,12 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster.config import StreamConfig, load_config, streams_fingerprint
-from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB
+from pgstream_dagster.config import DEFAULT_READER, StreamConfig, load_config, streams_fingerprint
+from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, stream_sensor_name
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import group as group_reader
-from pgstream_dagster.engine.ingest import recorder
 from pgstream_dagster.engine.ledger import groups, locks
 from pgstream_dagster.engine.ledger import state as ledger_state
 from pgstream_dagster.engine.ledger import streams as ledger_streams
@@ -49,8 +48,10 @@ def few_slots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgre
     server.destroy()
 
 
-def _configs(tmp_path: Path, url: str, ids: list[int], *, group: dict[int, str | None] | None = None,
+def _configs(tmp_path: Path, url: str, ids: list[int], *, group: Mapping[int, str | None] | None = None,
              batch: dict[str, Any] | None = None) -> list[StreamConfig]:
+    """Streams ``ids`` in mode per_batch, each in group :data:`GROUP` unless ``group`` names another (``None``: the
+    entry names none, so the stream is in the default group)."""
     group = group or {}
     streams = []
     for i in ids:
@@ -83,6 +84,26 @@ def _pgstream_slots(url: str) -> list[str]:
                                         "current_database() and slot_name like 'pgstream%' order by 1")]
 
 
+def _own_slot(conn: psycopg.Connection, stream_id: int) -> str:
+    """Stream ``stream_id`` as a version with a slot per stream left it: its row, outside any group, and its own
+    slot (created now); the slot's name."""
+    slot = ledger_streams.ensure_stream(conn, stream_id)
+    replication.create_slot(conn, slot)
+    return slot
+
+
+def _read_as_before(conn: psycopg.Connection, stream: StreamConfig) -> int:
+    """What such a stream's own sensor did at each tick: what waits in its own slot recorded in its ledger (as
+    ``sensor``), then confirmed; the events recorded."""
+    source = ingest.PeekSource(conn, ledger_streams.stream_slot(conn, stream.id), stream.publication, 100_000)
+    txns = source.read(0)
+    target = ingest.StreamLedger(stream, ledger_state.SENSOR)
+    assert ingest.record_pass(conn, {stream.id: target}, {stream.id: txns}) == set()
+    if txns:
+        source.confirm(txns[-1].end_lsn)
+    return target.events
+
+
 def _drain(conn: psycopg.Connection, streams: list[StreamConfig], until: Any, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not until():
@@ -97,15 +118,21 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
     migrate(url)
     ids = list(range(1, 13))
     with psycopg.connect(url, autocommit=True) as c:
-        # the preflight: twelve streams with a slot each do not fit in 4, one group does
-        (line,) = [p for p in limits.postgres_problems(c, _configs(tmp_path, url, ids, group=dict.fromkeys(ids)))
+        # the preflight: twelve streams in a group each (a slot each) do not fit in 4, one group does
+        alone = {i: f"g{i:02d}" for i in ids}
+        (line,) = [p for p in limits.postgres_problems(c, _configs(tmp_path, url, ids, group=alone))
                    if "max_replication_slots" in p]
-        assert line == ("max_replication_slots is 4 and 0 are in use; streams 5, 6, 7, 8, 9, 10, 11 and 12 need 8 "
-                        "more: set max_replication_slots = 16 in postgresql.conf and restart Postgres")
+        assert line == ("max_replication_slots is 4 and 0 are in use; "
+                        + " and ".join(f"reader group g{i:02d}" for i in range(5, 13)) + " need 8 more: set "
+                        "max_replication_slots = 16 in postgresql.conf and restart Postgres")
+        # (twelve streams that name no group share the default group's one slot)
+        assert not [p for p in limits.postgres_problems(c, _configs(tmp_path, url, ids, group=dict.fromkeys(ids)))
+                    if "max_replication_slots" in p]
         streams = _configs(tmp_path, url, ids)
         assert not [p for p in limits.postgres_problems(c, streams) if "max_replication_slots" in p]
-        # half of the rows exist already (a subscription creates its stream's row): their sensors, ticking
-        # before the group's, create no slot of their own (there would be room for 4 only)
+        # half of the rows exist already (a subscription creates its stream's row): a member's read of its own
+        # slot while it joins (the group's sensor reads it, ingest.consume) creates none (there would be room
+        # for 4 only)
         for i in ids[:6]:
             ledger_streams.ensure_stream(c, i)
         insert_events(url, 2, 3)
@@ -115,10 +142,10 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
         first = ingest.consume_group(c, GROUP, streams, 0)
         assert first.slot_created and first.publication == "created"
         assert _pgstream_slots(url) == [first.slot]  # one slot for twelve streams (4 allowed)
-        # every stream's own sensor: registered, the group reads for it, no slot of its own
+        # every member's own read: registered, the group reads for it, no slot of its own
         for s in streams:
             result = ingest.consume(c, s, 0.1)
-            assert result.slot_busy and result.slot == first.slot and not result.slot_created
+            assert result.slot_busy and result.slot == first.slot
         assert _pgstream_slots(url) == [first.slot]
         # writes to all twelve, interleaved, and one transaction touching streams 3 and 7
         for round_ in range(3):
@@ -157,17 +184,22 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
 
 def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(db_url: str, tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # stream 1 reads its own slot, with events recorded and events waiting; stream 2 is in the group
-    streams = _configs(tmp_path, db_url, [1, 2], group={1: None})
+    """The upgrade path of every existing install: stream 1 read its own slot (the version before: with events
+    recorded and events waiting in it) and is now in a reader group (``shared`` here; an entry naming none joins
+    group ``default`` the same way); its own slot is drained to the join position, then dropped, and every event
+    is recorded once, in commit order."""
+    # stream 1 reads its own slot (as a version with a slot per stream left it), with events recorded and events
+    # waiting; stream 2 is in the group
+    streams = _configs(tmp_path, db_url, [1, 2])
     own, member = streams
     with psycopg.connect(db_url, autocommit=True) as c:
-        ingest.consume(c, own, 0.1)  # creates its slot
-        own_slot = slot_of(db_url, 1)
+        own_slot = _own_slot(c, 1)
         insert_events(db_url, 1, 30)
-        assert ingest.consume(c, own, 0.5).events == 30
+        assert _read_as_before(c, own) == 30
         insert_events(db_url, 1, 20, start=100)  # not recorded yet: waiting in its own slot
         ingest.consume_group(c, GROUP, [member], 0)
-        # stream 1 gets reader: the group's; its own sensor goes on reading its own slot until the hand-over
+        # stream 1 is configured in the group (the upgrade): the group's sensor reads its own slot for it until
+        # the hand-over
         streams = _configs(tmp_path, db_url, [1, 2])
         joining = streams[0]
         insert_events(db_url, 1, 5, start=200)
@@ -217,10 +249,10 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         assert ledger_state.slot_reader(c, 1) == groups.group_reader(GROUP)
         # its own slot is gone, the group's is the one slot
         assert own_slot not in _pgstream_slots(db_url) and len(_pgstream_slots(db_url)) == 1
-        # its own sensor does not read (nor create) a slot any more
+        # its own slot is not read (nor created) any more
         assert ingest.consume(c, joining, 0.2).slot_busy and len(_pgstream_slots(db_url)) == 1
-        # a new stream with reader: registered by its own sensor, written to before the group's sensor has
-        # put it in the publication: those events are not in the group's slot, and are recorded once
+        # a new stream with reader: registered, written to before the group's sensor has put it in the
+        # publication: those events are not in the group's slot, and are recorded once
         (_, _, newcomer) = _configs(tmp_path, db_url, [1, 2, 3])
         assert ingest.consume(c, newcomer, 0.1).slot_busy
         insert_events(db_url, 3, 6)
@@ -230,12 +262,52 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         _drain(c, streams, lambda: len(_recorded(db_url, 3)) == 10)
         ingest.consume_group(c, GROUP, streams, 0.3)
         assert sorted(_recorded(db_url, 3)) == _events(db_url, 3) and len(_pgstream_slots(db_url)) == 1
-        # leaving the group is refused, naming the stream, and changes nothing
+        # leaving the group (a slot of its own again, as the version before registered it) is refused, naming the
+        # stream, and changes nothing
         with pytest.raises(groups.GroupChange, match="stream 1 reads with reader group shared: leaving a group"):
-            ingest.consume(c, own, 0.1)
+            ledger_streams.ensure_stream(c, 1)
         with pytest.raises(groups.GroupChange, match="stream 1 reads with reader group shared, not other"):
             groups.register_group_member(c, 1, "other")
         assert ledger_state.slot_reader(c, 1) == groups.group_reader(GROUP) and len(_pgstream_slots(db_url)) == 1
+
+
+def test_an_install_whose_streams_read_their_own_slots_delivers_every_event_once_through_the_default_group(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Every existing install, end to end: streams 1 and 2 read slots of their own (the version before), with
+    events recorded and not delivered yet and events waiting in their slots; the code location of this version
+    (their entries name no group) puts them in group ``default``: its sensor and delivery run deliver every
+    event once, in commit order, written before, during and after the join; their own slots are dropped."""
+    ids = (1, 2)
+    config = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.2},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])  # mode open (harness)
+    before = list(load_config(config).streams)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        own_slots = [_own_slot(c, i) for i in ids]  # as the version before left them
+        for i in ids:
+            insert_events(db_url, i, 20)
+        for own in before:
+            assert _read_as_before(c, own) == 20  # recorded, not delivered
+        for i in ids:
+            insert_events(db_url, i, 10, start=100)  # waiting in its own slot
+    driver = Driver(config, instance)
+    assert driver.group_of(1) == driver.group_of(2) == DEFAULT_READER
+    deadline = time.monotonic() + 90
+    for wave in range(3):  # written while they join, and after
+        for i in ids:
+            insert_events(db_url, i, 5, start=200 + 10 * wave)
+        _tick(driver, DEFAULT_READER)
+    while not all(len(_delivered(tmp_path, i)) >= len(_events(db_url, i)) for i in ids):
+        assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
+        _tick(driver, DEFAULT_READER)
+    for i in ids:
+        assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
+        assert len(_events(db_url, i)) == 20 + 10 + 15
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select id, slot_reader from pgstream.streams order by id").fetchall() == [
+            (i, groups.group_reader(DEFAULT_READER)) for i in ids]
+    assert _pgstream_slots(db_url) == [_group_slot(db_url)] and not set(own_slots) & set(_pgstream_slots(db_url))
+    _end_group_runs(driver)
 
 
 def test_a_dropped_group_slot_is_replaced_and_every_member_recovers(db_url: str, tmp_path: Path) -> None:
@@ -270,10 +342,10 @@ def test_a_dropped_group_slot_is_replaced_and_every_member_recovers(db_url: str,
 
 
 def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db_url: str, tmp_path: Path) -> None:
-    streams = _configs(tmp_path, db_url, [1, 2], group={2: None})
+    streams = _configs(tmp_path, db_url, [1])
     with psycopg.connect(db_url, autocommit=True) as c:
-        ingest.consume_group(c, GROUP, streams[:1], 0)
-        ledger_streams.ensure_stream(c, 2)
+        ingest.consume_group(c, GROUP, streams, 0)
+        ledger_streams.ensure_stream(c, 2)  # a stream not in a group yet (its row only)
         # the application's role (and so every tenant's) may call none of them; no grant to public either
         for fn in ("register_group_member(bigint, text)", "ensure_group_publication(text)", "begin_join(bigint, text)",
                    "finish_join(bigint, text)", "group_slot_name(text)"):
@@ -308,49 +380,26 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
 
 # --- end to end through Dagster ---------------------------------------------------------------------
 
-class GroupRuns:
-    """The reader group's sensor ticked by the test, and the group delivery runs it requests executed in a
-    thread of the test (one at a time, as the tag pgstream/group allows), while the test ticks the sensors."""
+def _tick(driver: Driver, group: str) -> str | None:
+    """One tick of the group's sensor (the group delivery run it requests is launched in the background by the
+    driver: ``driver.group_runs[group]``); its skip reason. Its members are hosted: no run of their own."""
+    tick = driver.tick_group(group)
+    assert not tick.run_requests, tick.run_requests
+    return tick.skip_message
 
-    def __init__(self, driver: Driver, instance: dg.DagsterInstance, group: str) -> None:
-        self.driver, self.instance, self.group = driver, instance, group
-        self.sensor = driver.defs.resolve_sensor_def(f"pgstream_group_{group}")
-        self.cursor: str | None = None
-        self.runs: list[Background] = []
-        self.own: list[dg.ExecuteInProcessResult] = []  # the runs of members in mode per_batch
 
-    def tick(self) -> str | None:
-        resources = self.driver.defs.resources or {}
-        ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursor, sensor_name=self.sensor.name,
-                                      resources={"pgstream": resources["pgstream"]})
-        result = self.sensor.evaluate_tick(ctx)
-        self.cursor = result.cursor
-        # the members' status assets: their group's sensor observes them
-        self.driver.observations += [e for e in result.asset_events or [] if isinstance(e, dg.AssetObservation)]
-        for request in result.run_requests or []:
-            if request.job_name == DELIVERY_JOB:  # a member in mode per_batch: a run of its own, executed here
-                self.own.append(self.driver.execute(request))
-                continue
-            assert request.job_name == GROUP_DELIVERY_JOB and request.tags["pgstream/group"] == self.group
-            for run in self.runs:  # Dagster shows a run ended a moment before execute_in_process returns
-                assert run.wait(10).success, "a second group run while one is live"
-            self.runs.append(Background(self.driver, request))
-            # as the daemon does, the run exists (queued) before the next tick looks for a live one
-            deadline = time.monotonic() + 30
-            while not self.instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""})):
-                assert time.monotonic() < deadline, "the requested group run was not created"
-                time.sleep(0.02)
-        return result.skip_message
+def _runs(driver: Driver, group: str) -> list[Background]:
+    """The group delivery runs the driver launched for ``group``, in launch order."""
+    return driver.group_runs.get(group, [])
 
-    def wait(self, timeout: float = 60) -> None:
-        for run in self.runs:
-            assert run.wait(timeout).success
 
-    def reload(self, driver: Driver) -> None:
-        """The code location reloaded with ``driver``'s definitions (a new pgstream.yaml): the group's sensor is
-        the new one (its cursor kept); the runs already executing keep the definitions they started with."""
-        self.driver = driver
-        self.sensor = driver.defs.resolve_sensor_def(f"pgstream_group_{self.group}")
+def _end_group_runs(driver: Driver) -> None:
+    """The test's group runs end (the live one asked to, as the sensor asks one of another configuration), each
+    having succeeded."""
+    driver.stop_group_runs(timeout=30)
+    for runs in driver.group_runs.values():
+        for run in runs:
+            assert run.wait(0).success
 
 
 def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and_a_group_run(
@@ -369,15 +418,14 @@ def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and
     # one sensor for the twelve: none of a member's own
     assert sorted(str(s.name) for s in driver.defs.sensors or [] if str(s.name).startswith("pgstream_")) == [
         "pgstream_group_all", "pgstream_subscriptions"]
-    group = GroupRuns(driver, instance, "all")
 
     def delivered(i: int) -> list[int]:
         path = tmp_path / f"out{i}.jsonl"
         return [e["id"] for e in read_jsonl(path)] if path.exists() else []
 
     started = time.monotonic()
-    group.tick()
-    assert len(group.runs) == 1  # its streams keep runs open (mode open): the group run is up before any batch
+    _tick(driver, "all")
+    assert len(_runs(driver, "all")) == 1  # its streams keep runs open (mode open): the group run is up first
     waves, per_wave = 3, 15
     wave = 0
     while True:
@@ -385,19 +433,20 @@ def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and
             for i in ids:
                 insert_events(db_url, i, per_wave, start=wave * 100)
             wave += 1
-        group.tick()
+        _tick(driver, "all")
         if wave == waves and all(len(delivered(i)) >= waves * per_wave for i in ids):
             break
         assert time.monotonic() - started < 80, {i: len(delivered(i)) for i in ids}
     for i in ids:
         assert delivered(i) == _events(db_url, i), i  # every event, once, in commit order
     assert _pgstream_slots(db_url) == [_group_slot(db_url)]  # one slot for twelve streams
-    assert group.runs and {r.job_name for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "all"}))} == {
+    assert _runs(driver, "all")
+    assert {r.job_name for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "all"}))} == {
         GROUP_DELIVERY_JOB}
     # the group's cursor shows each stream's last recorded event
-    shown = json.loads(group.cursor or "{}")["members"]
+    shown = json.loads(driver.cursors["all"] or "{}")["members"]
     assert {int(k): v["last_event_id"] for k, v in shown.items()} == {i: _events(db_url, i)[-1] for i in ids}
-    group.wait()
+    _end_group_runs(driver)
 
 
 def _group_slot(url: str) -> str:
@@ -422,7 +471,6 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
          "delivery": {"mode": "open", "tuning": {"linger_secs": 0.3, "max_run_secs": 25}},
          "sink": {"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1}}])
     driver = Driver(config, instance)
-    group = GroupRuns(driver, instance, "pair")
 
     def delivered() -> list[int]:
         path = tmp_path / "out1.jsonl"
@@ -433,14 +481,14 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
             row = c.execute("select state from pgstream.stream_status where id = %s", [i]).fetchone()
         return str(row[0]) if row else ""
 
-    group.tick()
+    _tick(driver, "pair")
     insert_events(db_url, 1, 10)
     insert_events(db_url, 2, 10)
     deadline = time.monotonic() + 60
     while len(delivered()) < 10 or state(2) != "failover":
         assert time.monotonic() < deadline, (len(delivered()), state(2))
-        group.tick()
-    (run,) = group.runs
+        _tick(driver, "pair")
+    (run,) = _runs(driver, "pair")
     (dagster_run,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "pair"}))
     member = json.loads(dagster_run.tags["pgstream/member_2"])
     assert member["state"] == "failed" and "127.0.0.1:9" in member["error"], member  # its thread only
@@ -449,7 +497,7 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
         insert_events(db_url, 2, 5, start=100 * (wave + 1))
         while len(delivered()) < 10 + 5 * (wave + 1):
             assert time.monotonic() < deadline
-            group.tick()
+            _tick(driver, "pair")
         with psycopg.connect(db_url) as c:
             # the open run is not a slot's reader: the group's is, and no WAL sender reads for it (one at most
             # serves the group's slot: the group run's reader)
@@ -459,7 +507,7 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
                 "select count(*), count(*) filter (where s.slot_name = (select slot from pgstream.reader_groups)) "
                 "from pg_stat_replication r left join pg_replication_slots s on s.active_pid = r.pid").fetchone()  # type: ignore[misc]
             assert senders == of_group <= 1, (senders, of_group)
-    assert len(group.runs) == 1 and run.thread.is_alive()  # one group run hosted both throughout
+    assert len(_runs(driver, "pair")) == 1 and run.thread.is_alive()  # one group run hosted both throughout
     # stream 1's status asset shows its open run as the member run the group run hosts, holding the lease
     shown = [str(o.metadata["open_run_state"].value) for o in driver.observations
              if o.asset_key == dg.AssetKey(["pgstream", "stream_1", "status"]) and "open_run_state" in o.metadata]
@@ -469,7 +517,7 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
     assert sorted(_recorded(db_url, 2)) == _events(db_url, 2) and len(_events(db_url, 2)) == 25
     assert state(2) == "failover"
     assert _pgstream_slots(db_url) == [_group_slot(db_url)]
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 def _member(group: str, i: int, sink: Path) -> dict[str, Any]:
@@ -482,15 +530,14 @@ def _member(group: str, i: int, sink: Path) -> dict[str, Any]:
 
 def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                           before: list[dict[str, Any]], after: list[dict[str, Any]],
-                                          sinks: Callable[[int], list[Path]]) -> tuple[GroupRuns, float]:
+                                          sinks: Callable[[int], list[Path]]) -> tuple[Driver, float]:
     """The group run of ``before`` is live and delivering; the code location reloads with ``after``: the old run
     ends within seconds (asked to by the group's sensor), one new run of ``after`` starts, and every event
     written before, during and after arrives once, in commit order (through ``sinks(i)``, concatenated). The
-    harness, and how long the old run took to end after the reload."""
+    driver, and how long the old run took to end after the reload."""
     name = str(before[0]["reader"])  # (the instance is the tests': its runs are told apart by their group)
     old_ids, new_ids = [s["id"] for s in before], [s["id"] for s in after]
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance)
-    group = GroupRuns(driver, instance, name)
 
     def delivered(i: int) -> list[int]:
         return [e["id"] for path in sinks(i) for e in read_jsonl(path)]
@@ -499,20 +546,19 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
         deadline = time.monotonic() + timeout
         while not done():
             assert time.monotonic() < deadline, {i: len(delivered(i)) for i in ids}
-            group.tick()
+            _tick(driver, name)
 
-    group.tick()
-    (old,) = group.runs
+    _tick(driver, name)
+    (old,) = _runs(driver, name)
     for i in old_ids:
         insert_events(db_url, i, 10)
     until(lambda: all(len(delivered(i)) == 10 for i in old_ids), old_ids)
     for i in old_ids:  # written before the reload, maybe delivered after it
         insert_events(db_url, i, 5, start=100)
 
-    reloaded = Driver(write_config(tmp_path / "pgstream2.yaml", db_url, after), instance)
-    group.reload(reloaded)
+    driver.reload(write_config(tmp_path / "pgstream2.yaml", db_url, after))
     reload_at = time.monotonic()
-    group.tick()  # the group's sensor alone: it registers a new member and asks the old run to end
+    _tick(driver, name)  # the group's sensor alone: it registers a new member and asks the old run to end
     with psycopg.connect(db_url) as c:
         assert [r[0] for r in c.execute("select id from pgstream.streams where reader_group = %s order by id", [name])
                 ] == new_ids
@@ -526,18 +572,18 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
     assert old.wait(5).success
     ended = instance.get_run_by_id(dagster_old.run_id)
     assert ended is not None and ended.tags["pgstream/stop"] == stop
-    until(lambda: len(group.runs) == 2, new_ids, timeout=30)  # the new run, once the old one ended
+    until(lambda: len(_runs(driver, name)) == 2, new_ids, timeout=30)  # the new run, once the old one ended
     for i in new_ids:  # written to the new run
         insert_events(db_url, i, 5, start=300)
     until(lambda: all(len(delivered(i)) >= len(_events(db_url, i)) for i in new_ids), new_ids)
     for i in new_ids:
         assert delivered(i) == _events(db_url, i), i  # every event, once, in commit order
-    assert len(group.runs) == 2 and group.runs[1].thread.is_alive()
+    assert len(_runs(driver, name)) == 2 and _runs(driver, name)[1].thread.is_alive()
     (dagster_new,) = [r for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": name}))
                       if r.run_id != dagster_old.run_id]
-    assert dagster_new.tags["pgstream/config"] == streams_fingerprint(load_config(reloaded.config_path).streams)
+    assert dagster_new.tags["pgstream/config"] == streams_fingerprint(load_config(driver.config_path).streams)
     assert "pgstream/stop" not in dagster_new.tags
-    return group, ended_after
+    return driver, ended_after
 
 
 def test_a_members_changed_sink_is_picked_up_by_a_fresh_group_run_within_seconds(
@@ -547,14 +593,14 @@ def test_a_members_changed_sink_is_picked_up_by_a_fresh_group_run_within_seconds
     run started goes to the new one, and none is lost or repeated across the two."""
     before = [_member("resink", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3)]
     after = [_member("resink", i, tmp_path / ("out2-new.jsonl" if i == 2 else f"out{i}.jsonl")) for i in (1, 2, 3)]
-    group, ended_after = _reconfigured_while_a_group_run_lives(
+    driver, ended_after = _reconfigured_while_a_group_run_lives(
         db_url, tmp_path, instance, before, after,
         lambda i: [tmp_path / "out2.jsonl", tmp_path / "out2-new.jsonl"] if i == 2 else [tmp_path / f"out{i}.jsonl"])
     assert ended_after < 10
     old_file = [e["id"] for e in read_jsonl(tmp_path / "out2.jsonl")]
     new_file = [e["id"] for e in read_jsonl(tmp_path / "out2-new.jsonl")]
     assert len(old_file) >= 10 and new_file[-5:] == _events(db_url, 2)[-5:]  # the last wave: the new sink's
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 def test_a_group_runs_reader_refused_ends_the_run_and_the_sensor_reports_the_refusal(
@@ -565,19 +611,18 @@ def test_a_group_runs_reader_refused_ends_the_run_and_the_sensor_reports_the_ref
     and requests no run; once the code location reloads with stream 3, a fresh run delivers every event once."""
     before = [_member("refused", i, tmp_path / f"out{i}.jsonl") for i in (1, 2)]
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance)
-    group = GroupRuns(driver, instance, "refused")
 
     def delivered(i: int) -> list[int]:
         return [e["id"] for e in read_jsonl(tmp_path / f"out{i}.jsonl")]
 
-    group.tick()
-    (old,) = group.runs
+    _tick(driver, "refused")
+    (old,) = _runs(driver, "refused")
     for i in (1, 2):
         insert_events(db_url, i, 10)
     deadline = time.monotonic() + 60
     while not all(len(delivered(i)) == 10 for i in (1, 2)):
         assert time.monotonic() < deadline
-        group.tick()
+        _tick(driver, "refused")
     with psycopg.connect(db_url, autocommit=True) as c:
         groups.register_group_member(c, 3, "refused")
     insert_events(db_url, 3, 5)
@@ -593,41 +638,39 @@ def test_a_group_runs_reader_refused_ends_the_run_and_the_sensor_reports_the_ref
     retried = [e.user_message for e in instance.all_logs(dagster_old.run_id) if "reader stopped" in e.user_message]
     assert not retried, retried
     for _ in range(3):  # the sensor, with the configuration of before, refuses as well, and requests no run
-        skipped = group.tick()
+        skipped = _tick(driver, "refused")
         assert skipped is not None and "stream(s) 3 read with it in the database" in skipped, skipped
-    assert len(group.runs) == 1
+    assert len(_runs(driver, "refused")) == 1
     for i in (1, 2):
         insert_events(db_url, i, 5, start=100)
     after = [*before, _member("refused", 3, tmp_path / "out3.jsonl")]
-    reloaded = Driver(write_config(tmp_path / "pgstream2.yaml", db_url, after), instance)
-    group.reload(reloaded)
+    driver.reload(write_config(tmp_path / "pgstream2.yaml", db_url, after))
     deadline = time.monotonic() + 60
     while not all(len(delivered(i)) >= len(_events(db_url, i)) for i in (1, 2, 3)):
         assert time.monotonic() < deadline, {i: len(delivered(i)) for i in (1, 2, 3)}
-        group.tick()
+        _tick(driver, "refused")
     for i in (1, 2, 3):
         assert delivered(i) == _events(db_url, i), i
-    assert len(group.runs) == 2
-    _end_group_run(group)
-
-
-def _end_group_run(group: GroupRuns) -> None:
-    """The test's last group run ends (asked to, as the sensor asks one of another configuration)."""
-    run = group.instance.get_runs(dg.RunsFilter(tags={"pgstream/group": group.group}), limit=1)[0]
-    group.instance.add_run_tags(run.run_id, {"pgstream/stop": "the test ends"})
-    group.wait(30)
+    assert len(_runs(driver, "refused")) == 2
+    _end_group_runs(driver)
 
 
 def test_init_creates_one_slot_for_a_group(db_url: str, tmp_path: Path) -> None:
-    """`pgstream-dagster init` registers a group's streams and creates the group's one slot (not one each)."""
+    """`pgstream-dagster init` registers a group's streams and creates the group's one slot (not one each); a
+    stream whose entry names no group is in group ``default``, its slot created as well."""
     _configs(tmp_path, db_url, [1, 2, 3, 4], group={4: None})
     out = init(tmp_path / "pgstream.yaml")
-    (group_line,) = [line for line in out if "reader group" in line]
-    assert group_line.startswith(f"created slot pgstream_g_{GROUP}_d") and group_line.endswith("(streams 1, 2, 3)")
-    assert sorted(_pgstream_slots(db_url)) == sorted([_group_slot(db_url), slot_of(db_url, 4)])
+    (default_line, group_line) = sorted(line for line in out if "reader group" in line)  # (default < shared)
+    assert group_line.startswith(f"created slot pgstream_g_{GROUP}_d") and group_line.endswith(
+        f"for reader group {GROUP} (streams 1, 2, 3)")
+    assert default_line.startswith(f"created slot pgstream_g_{DEFAULT_READER}_d") and default_line.endswith(
+        f"for reader group {DEFAULT_READER} (streams 4)")
+    assert not [line for line in out if "for stream " in line]  # no slot of a stream's own
     with psycopg.connect(db_url) as c:
         assert c.execute("select id, reader_group from pgstream.streams order by id").fetchall() == [
-            (1, GROUP), (2, GROUP), (3, GROUP), (4, None)]
+            (1, GROUP), (2, GROUP), (3, GROUP), (4, DEFAULT_READER)]
+        slots = [r[0] for r in c.execute("select slot from pgstream.reader_groups order by name")]
+    assert slot_of(db_url, 4) == slots[0] and sorted(_pgstream_slots(db_url)) == sorted(slots)
 
 
 # --- hostile roles ----------------------------------------------------------------------------------
@@ -790,12 +833,12 @@ def test_a_runtime_calling_the_hand_over_out_of_order_is_refused_and_the_join_lo
     reader set back to the sensor or to a run (the trigger keeps the group's). Each is refused or kept,
     and the group's reader then hands the stream over with every event recorded once."""
     runtime = hostile["runtime"]
-    streams = _configs(tmp_path, db_url, [1, 2], group={2: None})
+    streams = _configs(tmp_path, db_url, [1, 2])
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, GROUP, streams[:1], 0)
-        ingest.consume(c, streams[1], 0.1)  # stream 2 reads its own slot
+        _own_slot(c, 2)  # stream 2 reads its own slot (a version with a slot per stream)
         insert_events(db_url, 2, 10)
-        assert ingest.consume(c, streams[1], 0.5).events == 10
+        assert _read_as_before(c, streams[1]) == 10
         insert_events(db_url, 2, 4, start=100)  # waiting in its own slot
         writer = psycopg.connect(db_url)  # began before the publication includes stream 2
         writer.execute("insert into pgstream.events (payload, stream_id) values ('{\"late\": 1}', 2)")
@@ -907,7 +950,6 @@ def test_an_open_transaction_of_another_role_bounds_the_group_slots_creation_and
     its first tick for as long as it likes. The wait is bounded; the tick ends with one line naming the
     backend, nothing is created, and the next tick after the transaction ends creates the slot."""
     monkeypatch.setattr(group_reader, "SLOT_CREATION_WAIT_SECS", 1.0)
-    monkeypatch.setattr(recorder, "SLOT_CREATION_WAIT_SECS", 1.0)
     streams = _configs(tmp_path, db_url, [1])
     idle = _as(db_url, hostile["owner"])
     try:
@@ -922,14 +964,14 @@ def test_an_open_transaction_of_another_role_bounds_the_group_slots_creation_and
             assert f"backends {pid} (role {hostile['owner']})" in str(waits.value)
             assert str(waits.value).startswith(f"creating replication slot {_group_slot(db_url)} waited 1 s ")
             assert _pgstream_slots(db_url) == []
-            # a stream's own sensor (its own slot) as well
-            (own,) = _configs(tmp_path, db_url, [5], group={5: None})
+            # another group's as well (stream 5 names none: group default)
+            other = _configs(tmp_path, db_url, [5], group={5: None})
             with pytest.raises(replication.SlotCreationWaits, match=f"backends {pid} "):
-                ingest.consume(c, own, 0)
+                ingest.consume_group(c, DEFAULT_READER, other, 0)
             idle.execute("rollback")
-            assert ingest.consume(c, own, 0).slot_created
+            assert ingest.consume_group(c, DEFAULT_READER, other, 0).slot_created
             assert ingest.consume_group(c, GROUP, streams, 0).slot_created
-            assert sorted(_pgstream_slots(db_url)) == sorted([_group_slot(db_url), slot_of(db_url, 5)])
+            assert sorted(_pgstream_slots(db_url)) == sorted([slot_of(db_url, 1), slot_of(db_url, 5)])
     finally:
         idle.close()
 
@@ -983,12 +1025,10 @@ def test_shadows_in_pg_temp_and_the_search_path_change_nothing_the_group_functio
 
 def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_reads_nothing(
         db_url: str, tmp_path: Path, hostile: dict[str, str]) -> None:
-    """A role with CREATE on the database creates the publications a stream will read by their names
-    (``pgstream_stream_<id>``, ``_rows``) for its own table, before the stream exists or after one was
-    dropped by hand: the stream's slot would decode that table under the stream's name, and none of the
-    stream's events. Registering the stream (alone or as a group's member) and the sensor's check of its
-    publications refuse it in one line naming the publication and its owner, and change nothing; once
-    the operator drops it, the stream gets its own."""
+    """A role with CREATE on the database creates the publications a stream will have by their names
+    (``pgstream_stream_<id>``, ``_rows``) for its own table, before the stream exists: registering the stream
+    (alone, or as a group's member) refuses it in one line naming the publication and its owner, and changes
+    nothing; once the operator drops it, the stream gets its own."""
     owner = hostile["owner"]
     with _as(db_url, owner) as h:
         h.execute("create publication pgstream_stream_7 for table public.orders")
@@ -999,7 +1039,7 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
         assert str(refused.value) == (f"stream 7: publication pgstream_stream_7 is not the stream's (owner {owner}, "
                                       "or it publishes more than pgstream.events): drop it")
         with pytest.raises(replication.PublicationTaken, match="publication pgstream_stream_8_rows is not the stream"):
-            ingest.consume(c, _configs(tmp_path, db_url, [8], group={8: None})[0], 0)
+            groups.register_group_member(c, 8, "squat")
         # a group's only member refused: left out, in one line; no group, publication or slot for nothing
         alone = ingest.consume_group(c, "squat", _configs(tmp_path, db_url, [7], group={7: "squat"}), 0)
         assert alone.left_out == {7: f"reader group squat: stream 7 is left out: publication pgstream_stream_7 is "
@@ -1008,25 +1048,15 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
         assert alone.notes == list(alone.left_out.values()) and alone.slot is None
         assert c.execute("select count(*) from pgstream.streams where id in (7, 8)").fetchone() == (0,)
         assert c.execute("select count(*) from pgstream.reader_groups").fetchone() == (0,)
-        # an existing stream whose publication was dropped by hand and taken meanwhile
-        ledger_streams.ensure_stream(c, 9)
-        c.execute("drop publication pgstream_stream_9")
-    with _as(db_url, owner) as h:
-        h.execute("create publication pgstream_stream_9 for table public.orders")
-    with psycopg.connect(db_url, autocommit=True) as c:
-        with pytest.raises(replication.PublicationTaken, match="stream 9: publication pgstream_stream_9 is not"):
-            replication.ensure_publications(c, 9)
-        assert c.execute("select pg_get_userbyid(pubowner) from pg_publication where pubname = 'pgstream_stream_9'"
-                         ).fetchone() == (owner,)
         # the operator drops the other role's publications: the streams get their own
-        for name in ("pgstream_stream_7", "pgstream_stream_8_rows", "pgstream_stream_9"):
+        for name in ("pgstream_stream_7", "pgstream_stream_8_rows"):
             c.execute(f"drop publication {name}")
         ledger_streams.ensure_stream(c, 7)
-        assert replication.ensure_publications(c, 9) == ["pgstream_stream_9"]
+        groups.register_group_member(c, 8, "squat")
         rows = c.execute("select p.pubname, r.prrelid::regclass::text from pg_publication p join pg_publication_rel r "
-                         "on r.prpubid = p.oid where p.pubname in ('pgstream_stream_7', 'pgstream_stream_9') "
+                         "on r.prpubid = p.oid where p.pubname in ('pgstream_stream_7', 'pgstream_stream_8_rows') "
                          "order by 1").fetchall()
-        assert rows == [("pgstream_stream_7", "pgstream.events"), ("pgstream_stream_9", "pgstream.events")]
+        assert rows == [("pgstream_stream_7", "pgstream.events"), ("pgstream_stream_8_rows", "pgstream.events")]
 
 
 def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the_group_goes_on(
@@ -1043,14 +1073,14 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
     monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)  # the run's reader tells what a read did when it ends
     owner = hostile["owner"]
     before = [_member("held", i, tmp_path / f"out{i}.jsonl") for i in (1, 2)]
-    group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance), instance, "held")
-    group.tick()
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance)
+    _tick(driver, "held")
 
     def deliver(ids: tuple[int, ...], each: int, skips: list[str | None]) -> None:
         deadline = time.monotonic() + 60
         while not all(len(_delivered(tmp_path, i)) >= each for i in ids):
             assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
-            skips.append(group.tick())
+            skips.append(_tick(driver, "held"))
             time.sleep(0.1)
 
     for i in (1, 2):
@@ -1060,14 +1090,15 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
         h.execute("create publication pgstream_stream_3 for table public.orders")
         h.execute("insert into public.orders values (1)")
     after = [*before, _member("held", 3, tmp_path / "out3.jsonl")]
-    group.reload(Driver(write_config(tmp_path / "pgstream2.yaml", db_url, after), instance))
+    driver.reload(write_config(tmp_path / "pgstream2.yaml", db_url, after))
     line = (f"reader group held: stream 3 is left out: publication pgstream_stream_3 is not the stream's (owner "
             f"{owner}, or it publishes more than pgstream.events): drop it")
     skips: list[str | None] = []
     deadline = time.monotonic() + 60
-    while len(group.runs) < 2:  # the run of before is asked to end (configuration changed), a fresh one requested
+    # the run of before is asked to end (configuration changed), a fresh one requested
+    while len(_runs(driver, "held")) < 2:
         assert time.monotonic() < deadline, skips
-        skips.append(group.tick())
+        skips.append(_tick(driver, "held"))
         time.sleep(0.1)
     (fresh, _before) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "held"}))
     assert _run_reads(db_url, group="held") == f"group delivery run {fresh.run_id}"  # its reader reads
@@ -1095,13 +1126,13 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
         while c.execute("select count(*) from pgstream.streams where id = 3 and slot_reader = 'group:held' "
                         "and join_lsn is null").fetchone() != (1,):
             assert time.monotonic() < deadline
-            group.tick()
+            _tick(driver, "held")
             time.sleep(0.1)
     insert_events(db_url, 3, 5)
     deliver((3,), 5, skips)
     assert _delivered(tmp_path, 3) == _events(db_url, 3)
     assert [e.user_message for e in instance.all_logs(fresh.run_id)].count(line) == 1  # told once while it stood
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 def test_a_member_in_mode_per_batch_gets_a_dagster_run_per_batch_through_pyspark_beside_hosted_members(
@@ -1123,25 +1154,30 @@ def test_a_member_in_mode_per_batch_gets_a_dagster_run_per_batch_through_pyspark
     monkeypatch.setattr(DeliveryRun, "deliver", seen)
     members = [_member("card", 1, tmp_path / "out1.jsonl"),
                {**_member("card", 2, tmp_path / "out2.jsonl"), "delivery": {"mode": "per_batch"}}]
-    group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, members), instance), instance, "card")
-    group.tick()
-    assert len(group.runs) == 1  # stream 1 keeps its run open: the group run is up first
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, members), instance)
+    own: list[dg.ExecuteInProcessResult] = []  # stream 2's runs, executed here (as the run launcher would)
+
+    def tick() -> None:
+        own.extend(driver.execute(request) for request in driver.tick_group("card").run_requests)
+
+    tick()
+    assert len(_runs(driver, "card")) == 1  # stream 1 keeps its run open: the group run is up first
     deadline = time.monotonic() + 120
     for wave in range(2):
         for i in (1, 2):
             insert_events(db_url, i, 15, start=100 * wave)
         while not all(len(_delivered(tmp_path, i)) >= 15 * (wave + 1) for i in (1, 2)):
             assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in (1, 2)}
-            group.tick()
+            tick()
             time.sleep(0.1)
     for i in (1, 2):
         assert _delivered(tmp_path, i) == _events(db_url, i), i
-    assert len(group.own) >= 2 and all(r.success for r in group.own)  # a run per batch (or run of batches)
-    assert all(r.dagster_run.tags["pgstream/stream"] == "2" for r in group.own)
+    assert len(own) >= 2 and all(r.success for r in own)  # a run per batch (or run of batches)
+    assert all(r.dagster_run.tags["pgstream/stream"] == "2" for r in own)
     assert set(routes[2]) == {"SparkSource"} and "SparkSource" not in routes[1], routes  # stream 2's: PySpark
     (hosting,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "card"}))
     assert "pgstream/member_1" in hosting.tags and "pgstream/member_2" not in hosting.tags
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 def test_a_members_invalid_entry_leaves_it_out_and_the_group_goes_on_recording_it(
@@ -1152,33 +1188,35 @@ def test_a_members_invalid_entry_leaves_it_out_and_the_group_goes_on_recording_i
     recorded meanwhile (the group's slot never moves past them). Once its entry is fixed, stream 2 delivers what
     it missed, once, in commit order."""
     members = [_member("mixed", i, tmp_path / f"out{i}.jsonl") for i in (1, 2, 3)]
-    group = GroupRuns(Driver(write_config(tmp_path / "pgstream.yaml", db_url, members), instance), instance, "mixed")
-    group.tick()
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, members), instance)
+    _tick(driver, "mixed")
     skips: list[str | None] = []
 
     def deliver(ids: tuple[int, ...], each: int) -> None:
         deadline = time.monotonic() + 60
         while not all(len(_delivered(tmp_path, i)) >= each for i in ids):
             assert time.monotonic() < deadline, ({i: len(_delivered(tmp_path, i)) for i in ids}, skips[-3:])
-            skips.append(group.tick())
+            skips.append(_tick(driver, "mixed"))
             time.sleep(0.1)
 
     for i in (1, 2, 3):
         insert_events(db_url, i, 10)
     deliver((1, 2, 3), 10)
     broken = [members[0], {**members[1], "sink": {**members[1]["sink"], "colour": "red"}}, members[2]]
-    driver = Driver(write_config(tmp_path / "pgstream2.yaml", db_url, broken), instance)
+    driver.reload(write_config(tmp_path / "pgstream2.yaml", db_url, broken))
     problem = f"{tmp_path / 'pgstream2.yaml'}: streams[1].sink.colour: unknown key (allowed: "
-    told = driver.tick(2).skip_message or ""  # the left-out stream's own sensor
-    assert told.startswith(f"stream 2 is left out: its streams[] entry is invalid: {problem}") and "\n" not in told
-    assert not any(str(s.name) == "pgstream_stream_1" for s in driver.defs.sensors or [])  # (members have none)
-    group.reload(driver)
+    left_out = driver.defs.resolve_sensor_def(stream_sensor_name(2))  # the left-out stream's own sensor
+    told = left_out.evaluate_tick(dg.build_sensor_context(instance=instance, sensor_name=left_out.name)).skip_message
+    assert (told or "").startswith(f"stream 2 is left out: its streams[] entry is invalid: {problem}")
+    assert "\n" not in (told or "")
+    assert not any(str(s.name) == stream_sensor_name(1) for s in driver.defs.sensors or [])  # (members have none)
     deadline = time.monotonic() + 60
-    while len(group.runs) < 2:  # the run of before is asked to end (configuration changed), a fresh one requested
+    # the run of before is asked to end (configuration changed), a fresh one requested
+    while len(_runs(driver, "mixed")) < 2:
         assert time.monotonic() < deadline, skips[-3:]
-        skips.append(group.tick())
+        skips.append(_tick(driver, "mixed"))
         time.sleep(0.1)
-    assert group.runs[0].wait(10).success
+    assert _runs(driver, "mixed")[0].wait(10).success
     for wave in range(1, 4):
         for i in (1, 2, 3):
             insert_events(db_url, i, 10, start=100 * wave)
@@ -1186,18 +1224,18 @@ def test_a_members_invalid_entry_leaves_it_out_and_the_group_goes_on_recording_i
     deadline = time.monotonic() + 30
     while _recorded(db_url, 2) != _events(db_url, 2):  # recorded meanwhile, in commit order
         assert time.monotonic() < deadline, (_recorded(db_url, 2), _events(db_url, 2))
-        skips.append(group.tick())
+        skips.append(_tick(driver, "mixed"))
     assert len(_delivered(tmp_path, 2)) == 10  # and not delivered
     line = f"reader group mixed: stream 2 is left out of delivery, its streams[] entry is invalid ({problem}"
     assert any(line in (s or "") for s in skips[-3:]), skips[-3:]
     for i in (1, 3):
         assert _delivered(tmp_path, i) == _events(db_url, i), i
     # fixed: stream 2 delivers what it missed, once, in commit order
-    group.reload(Driver(write_config(tmp_path / "pgstream3.yaml", db_url, members), instance))
+    driver.reload(write_config(tmp_path / "pgstream3.yaml", db_url, members))
     deliver((2,), 40)
     for i in (1, 2, 3):
         assert _delivered(tmp_path, i) == _events(db_url, i) == _recorded(db_url, i), i
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 class Readers:
@@ -1236,19 +1274,18 @@ class Readers:
 
 
 def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: list[int], *,
-                tick_budget_secs: float = 0.1) -> tuple[Driver, GroupRuns]:
+                tick_budget_secs: float = 0.1) -> Driver:
     """A group ``live`` of streams in mode open (file sinks), its sensor ticked once: its delivery run starts
-    (one run throughout the test: max_run_secs 300; the test ends it, :func:`_end_group_run`)."""
+    (one run throughout the test: max_run_secs 300; the test ends it, :func:`_end_group_runs`)."""
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "live", "batch": {"max_size": 50, "max_fill_secs": 0},
          "sensor": {"tick_budget_secs": tick_budget_secs},
          "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 300}},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
     driver = Driver(config, instance)
-    group = GroupRuns(driver, instance, "live")
-    group.tick()
-    assert len(group.runs) == 1
-    return driver, group
+    _tick(driver, "live")
+    assert len(_runs(driver, "live")) == 1
+    return driver
 
 
 def _run_reads(db_url: str, timeout: float = 60, group: str = "live") -> str:
@@ -1281,7 +1318,7 @@ def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_noth
     ticks read nothing and say who reads."""
     readers = Readers(monkeypatch)
     ids = [1, 2, 3]
-    _driver, group = _live_group(db_url, tmp_path, instance, ids)
+    driver = _live_group(db_url, tmp_path, instance, ids)
     holder = _run_reads(db_url)
     (run,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "live"}))
     assert holder == f"group delivery run {run.run_id}"  # named after the run holding it
@@ -1292,7 +1329,7 @@ def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_noth
     deadline = time.monotonic() + 30
     while not all(len(_delivered(tmp_path, i)) >= 30 for i in ids):
         assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
-        skipped = group.tick()  # the group's sensor decides for the members: the run reads, the tick does not
+        skipped = _tick(driver, "live")  # the group's sensor decides for the members: the run reads, the tick does not
         assert skipped is not None and skipped.startswith(f"read nothing: {holder} reads the group's slot"), skipped
         time.sleep(0.1)
     # one WAL sender serves the group's slot: the run's reader, over the replication protocol
@@ -1302,7 +1339,7 @@ def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_noth
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert readers.by("run") > 0 and all(held for _, held in readers.calls) and readers.most == 1
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 def test_a_batch_the_group_runs_reader_records_for_a_member_without_a_run_gets_its_run_within_the_tick(
@@ -1310,13 +1347,13 @@ def test_a_batch_the_group_runs_reader_records_for_a_member_without_a_run_gets_i
     """The group run's reader records the first batch of a member that has no run yet while the group's tick is
     under way: the tick sees the batch waiting and decides its run within a second, not at the group's next tick
     (an interval later); the events reach the sink once, in order."""
-    _driver, group = _live_group(db_url, tmp_path, instance, [1, 2], tick_budget_secs=4.0)
+    driver = _live_group(db_url, tmp_path, instance, [1, 2], tick_budget_secs=4.0)
     _run_reads(db_url)
     ticked: dict[str, Any] = {}
 
     def tick() -> None:
         started = time.monotonic()
-        ticked["skip"] = group.tick()
+        ticked["skip"] = _tick(driver, "live")
         ticked["secs"] = time.monotonic() - started
 
     during = threading.Thread(target=tick)
@@ -1334,7 +1371,7 @@ def test_a_batch_the_group_runs_reader_records_for_a_member_without_a_run_gets_i
         assert time.monotonic() < deadline, _delivered(tmp_path, 2)
         time.sleep(0.1)
     assert _delivered(tmp_path, 1) == []
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_nothing_is_lost(
@@ -1347,7 +1384,7 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
     monkeypatch.setattr(group_delivery, "READ_ERROR_SECS", 3.0)
     readers = Readers(monkeypatch)
     ids = [1, 2]
-    _driver, group = _live_group(db_url, tmp_path, instance, ids)
+    driver = _live_group(db_url, tmp_path, instance, ids)
     holder = _run_reads(db_url)
     for i in ids:
         insert_events(db_url, i, 10)
@@ -1367,7 +1404,7 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
     for i in ids:
         insert_events(db_url, i, 10, start=100)
     ticks = readers.by("sensor")
-    skipped = group.tick()  # the run's reader waits before it connects again: the sensor reads
+    skipped = _tick(driver, "live")  # the run's reader waits before it connects again: the sensor reads
     assert skipped is not None and skipped.startswith("recorded 20 events for 2 of 2 streams"), skipped
     assert readers.by("sensor") == ticks + 1
     assert _run_reads(db_url) == holder  # the run's reader reads again
@@ -1381,7 +1418,7 @@ def test_the_sensor_reads_again_once_the_group_runs_reader_connection_dies_and_n
         assert _delivered(tmp_path, i) == _events(db_url, i), i
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert all(held for _, held in readers.calls) and readers.most == 1
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_killed_loses_nothing(
@@ -1396,7 +1433,7 @@ def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_kil
     monkeypatch.setattr(group_delivery, "READ_ERROR_SECS", 2.0)
     readers = Readers(monkeypatch)
     ids = [1, 2]
-    _driver, group = _live_group(db_url, tmp_path, instance, ids)
+    driver = _live_group(db_url, tmp_path, instance, ids)
     holder = _run_reads(db_url)
     name = "pgstream group slot reader " + holder.removeprefix("group delivery run ")
     deadline = time.monotonic() + 30
@@ -1407,7 +1444,7 @@ def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_kil
     for wave in range(4):
         for i in ids:
             insert_events(db_url, i, 5, start=10 * wave)
-        group.tick()  # (it decides for the members; it reads only while the run's reader does not)
+        _tick(driver, "live")  # (it decides for the members; it reads only while the run's reader does not)
         time.sleep(0.8)
     deadline = time.monotonic() + 30
     while not all(len(_recorded(db_url, i)) == 20 for i in ids):
@@ -1426,7 +1463,7 @@ def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_kil
     deadline = time.monotonic() + 30
     while not ((now := _group_senders(db_url)) and now[0][0] != pid):  # it comes back
         assert time.monotonic() < deadline, now
-        group.tick()  # (it decides for the members; it reads only while the run's reader does not)
+        _tick(driver, "live")  # (it decides for the members; it reads only while the run's reader does not)
         time.sleep(0.2)
     assert [a for _, a in now] == [name]
     for i in ids:
@@ -1434,14 +1471,14 @@ def test_the_group_runs_reader_keeps_one_wal_sender_across_its_reads_and_one_kil
     deadline = time.monotonic() + 60
     while not all(len(_delivered(tmp_path, i)) >= 50 for i in ids):
         assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in ids}
-        group.tick()  # (it decides for the members; it reads only while the run's reader does not)
+        _tick(driver, "live")  # (it decides for the members; it reads only while the run's reader does not)
         time.sleep(0.1)
     for i in ids:
         assert len(_events(db_url, i)) == 50
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
         assert _recorded(db_url, i) == _events(db_url, i), i
     assert all(held for _, held in readers.calls) and readers.most == 1
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
@@ -1454,7 +1491,7 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
     monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)  # the run's reader's calls: a second each, not 5
     readers = Readers(monkeypatch)
     ids = [1, 2]
-    _driver, group = _live_group(db_url, tmp_path, instance, ids)
+    driver = _live_group(db_url, tmp_path, instance, ids)
     deadline = time.monotonic() + 60
     wave = 0
     while readers.by("run") < 5 or wave < 10:
@@ -1462,7 +1499,7 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
         for i in ids:
             insert_events(db_url, i, 3, start=10 * wave)
         wave += 1
-        group.tick()
+        _tick(driver, "live")
     assert readers.by("sensor") >= 1 and readers.by("run") >= 5
     assert all(held for _, held in readers.calls) and readers.most == 1, readers.calls
     deadline = time.monotonic() + 30
@@ -1471,7 +1508,7 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
         time.sleep(0.1)
     for i in ids:
         assert _delivered(tmp_path, i) == _events(db_url, i), i
-    _end_group_run(group)
+    _end_group_runs(driver)
 
 
 def test_a_group_run_whose_server_goes_away_fails_in_one_line(

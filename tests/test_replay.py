@@ -23,7 +23,7 @@ from pgstream_dagster.engine.batches import BatchStatus
 
 from .support.dagster_instance import run_log, step_failure
 from .support.endpoint import Endpoint
-from .support.harness import Driver, backdated, event_ids, read_jsonl, values, write_config
+from .support.harness import Driver, backdated, event_ids, joined, read_jsonl, tick_until, values, write_config
 from .support.sinks import stream_entries
 
 YESTERDAY = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(days=1)
@@ -135,8 +135,22 @@ def test_replay_dry_run_counts_and_bad_requests_deliver_nothing(replay_setup: tu
     assert not empty.asset_materializations_for_node(REPLAY_OP)
 
 
+def _stream(url: str) -> dict[str, Any]:
+    with psycopg.connect(url) as c, c.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        row = cur.execute("select * from pgstream.streams where id = 1").fetchone()
+    assert row is not None
+    return row
+
+
+def _batches(url: str) -> list[tuple[int, str]]:
+    with psycopg.connect(url) as c:
+        return [(int(r[0]), str(r[1])) for r in c.execute("select id, status from pgstream.batches order by id")]
+
+
 def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The stream is delivered by its reader group's delivery run (``default``), in the background: each step waits
+    for what the operator's control changes (ticking the group's sensor, which decides for the stream)."""
     endpoint = Endpoint()
     try:
         cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
@@ -149,18 +163,22 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
             return control.execute_in_process(run_config={"ops": {"stream_control": {"config": config}}},
                                               instance=instance, raise_on_error=False)
 
-        driver.tick(1)
+        tick_until(driver, 1, lambda: joined(db_url, 1))
         assert run_control(stream_id=1, action="pause").success
         with psycopg.connect(db_url) as c:
             c.execute("insert into pgstream.events (payload, stream_id) "
                       "select jsonb_build_object('n', g), 1 from generate_series(1, 30) g")
-        assert not driver.tick(1).run_requests  # paused
+        tick_until(driver, 1, lambda: len(_batches(db_url)) == 3)  # recorded while paused
+        for _ in range(2):
+            assert not driver.tick(1).run_requests
+        assert {status for _, status in _batches(db_url)} == {BatchStatus.PENDING}  # paused: nothing launched
+        assert endpoint.unique() == set()
         assert run_control(stream_id=1, action="resume").success
         endpoint.mode = "error"
-        for request in driver.tick(1).run_requests:
-            driver.execute(request)
-        driver.tick(1)
-        assert not driver.tick(1).run_requests  # failover, next retry in an hour
+        tick_until(driver, 1, lambda: _stream(db_url)["failover_since"] is not None)
+        for _ in range(2):  # failover, next retry in an hour
+            driver.tick(1)
+        assert endpoint.unique() == set()
 
         assert cli_main(["status", "--database-url", db_url]) == 0
         status = capsys.readouterr().out
@@ -171,12 +189,8 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
         endpoint.mode = "ok"
         assert cli_main(["retry-now", "1", "--database-url", db_url]) == 0  # no need to wait an hour
         assert "will be retried at the next sensor tick" in capsys.readouterr().out
-        deadline = 60
-        while len(endpoint.unique()) < 30 and deadline:
-            for request in driver.tick(1).run_requests:
-                driver.execute(request)
-            deadline -= 1
-        driver.tick(1)
+        tick_until(driver, 1, lambda: len(endpoint.unique()) >= 30 and _stream(db_url)["failover_since"] is None
+                   and driver.observations[-1].metadata["state"].value == "healthy", timeout=60)
         assert endpoint.unique() == set(ids) and len(ids) == 30
         assert cli_main(["status", "1", "--database-url", db_url]) == 0
         assert "stream 1: HEALTHY" in capsys.readouterr().out
@@ -190,19 +204,17 @@ def test_operator_controls_from_the_ui_job_and_the_cli(db_url: str, tmp_path: Pa
         assert "| 1 | stream |" in values(failover.metadata)["last_batches"]
 
         # skip: refused without confirmation, then a poison batch is given up on
+        endpoint.mode = "error"
         with psycopg.connect(db_url) as c:
             c.execute("insert into pgstream.events (payload, stream_id) values ('{\"poison\": true}', 1)")
-        endpoint.mode = "error"
-        for request in driver.tick(1).run_requests:
-            driver.execute(request)
-        driver.tick(1)
+        tick_until(driver, 1, lambda: BatchStatus.FAILED in {status for _, status in _batches(db_url)})
         with psycopg.connect(db_url) as c:
             (poison_batch,) = c.execute("select id from pgstream.batches where status = %s",
                                         [BatchStatus.FAILED]).fetchone() or ()
         assert not run_control(stream_id=1, action="skip_batch", batch_id=poison_batch).success  # no confirm
         assert cli_main(["skip", "1", str(poison_batch), "--database-url", db_url]) == 2  # no --yes
         assert run_control(stream_id=1, action="skip_batch", batch_id=poison_batch, confirm="skip").success
-        driver.tick(1)
+        tick_until(driver, 1, lambda: _stream(db_url)["failover_since"] is None)
         assert cli_main(["status", "1", "--database-url", db_url]) == 0
         out = capsys.readouterr().out
         assert "stream 1: HEALTHY" in out and BatchStatus.SKIPPED in out

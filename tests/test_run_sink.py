@@ -1,21 +1,24 @@
 """A delivery run owns one sink for its whole life: every round of an open (lingering) run publishes
-through it, and it is closed when the run ends, whether the run succeeds or fails."""
+through it, and it is closed when the run ends, whether the run succeeds or fails. The stream's runs are member
+runs of its reader group's delivery run (``default``: the stream names no group)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pytest
 
+from pgstream_dagster.defs.names import member_tag
 from pgstream_dagster.sinks import MemorySink
 
 from .support.faults import STREAM, sent_ids, stream_row
-from .support.harness import Background, Driver, at_least, insert_events, run_metadata, tick_until, write_config
+from .support.harness import Background, Driver, at_least, insert_events, joined, run_metadata, tick_until, write_config
 
 
 @pytest.fixture
@@ -36,15 +39,30 @@ def _delivered(name: str) -> list[int]:
     return [e.id for e in MemorySink.delivered(name)]
 
 
+def _member(instance: dg.DagsterInstance, run: Background) -> dict[str, Any]:
+    """What the group delivery run ``run`` says of the stream's member run (its tag: run key, state, error)."""
+    dagster_run = instance.get_run_by_id(run.run_id or "")
+    raw = dagster_run.tags.get(member_tag(STREAM)) if dagster_run is not None else None
+    return dict(json.loads(raw)) if raw else {}
+
+
+def _until(done: Callable[[], bool], timeout: float = 60) -> None:
+    """Wait for ``done()`` without ticking (the group delivery run works in the background)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def _open_run(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, name: str, linger: float,
               events: int) -> tuple[Driver, Background]:
-    """A run of ``events`` events, in the background, once it delivered them (it stays open)."""
+    """The stream's group delivery run (in the background), once the stream's member run in it delivered
+    ``events`` events (it stays open)."""
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(name, linger)]), instance)
-    driver.tick(STREAM)
+    tick_until(driver, STREAM, lambda: joined(db_url, STREAM))
     insert_events(db_url, STREAM, events)
-    (request,) = driver.tick(STREAM).run_requests
-    run = Background(driver, request)
     tick_until(driver, STREAM, lambda: len(_delivered(name)) >= events)
+    (run,) = driver.group_runs[driver.group_of(STREAM)]
     return driver, run
 
 
@@ -56,12 +74,15 @@ def test_an_open_run_delivers_every_round_through_one_sink(db_url: str, tmp_path
         expected = len(sent_ids(db_url))
         assert tick_until(driver, STREAM, at_least(lambda: len(_delivered(name)), expected)) == []
         assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 0)  # the same sink, still open
-    result = run.wait(timeout=30)  # idle for linger_secs: the run closes and succeeds
+    # idle for linger_secs: the member run closes (its group run goes on)
+    _until(lambda: _member(instance, run).get("state") == "ended")
+    assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 1)  # closed when the run ended
+    driver.stop_group_runs()
+    result = run.wait(timeout=30)
     assert result.success
     rounds = run_metadata(result, "ASSET_MATERIALIZATION")
     # the first load and a round per wave at least (reported together at most every report_every_secs)
     assert sum(m["rounds"] for m in rounds) >= 4
-    assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 1)  # closed when the run ended
     assert _delivered(name) == sent_ids(db_url)  # each event once, in commit order (one writer: id order)
 
 
@@ -70,49 +91,57 @@ def test_a_run_that_fails_in_a_later_round_closes_its_sink(db_url: str, tmp_path
     driver, run = _open_run(db_url, tmp_path, instance, name, linger=30, events=20)
     MemorySink.fail_next(name)  # the open run's next publish call fails
     insert_events(db_url, STREAM, 40, 100)
-    tick_until(driver, STREAM, lambda: not run.thread.is_alive())
-    assert not run.wait(timeout=5).success
+    # (not ticked: the group run's reader records the events and hands them to the open member run)
+    _until(lambda: _member(instance, run).get("state") == "failed")
+    assert _member(instance, run)["error"]
+    # (no tick decided a retry yet: no other run opened a sink)
     assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 1)  # closed on failure too
+    assert run.thread.is_alive()  # a member's failure does not end its group run
     # failover: catch-up runs (which do not linger) deliver the rest, each through a sink of its own
     deadline = time.monotonic() + 120
-    while _delivered(name) != sent_ids(db_url) or stream_row(db_url)["failover_since"] is not None:
+    while _delivered(name) != sent_ids(db_url) or stream_row(db_url)["failover_since"] is not None \
+            or MemorySink.opened(name) != MemorySink.closed(name):
         assert time.monotonic() < deadline, "did not recover"
-        for req in driver.tick(STREAM).run_requests or []:
-            assert Background(driver, req).wait(timeout=120).success
-    runs = len(driver.results)
-    assert runs >= 2 and MemorySink.opened(name) == MemorySink.closed(name) == runs
+        assert driver.tick(STREAM).run_requests == []
+    assert MemorySink.opened(name) >= 2
     assert _delivered(name) == sent_ids(db_url)  # nothing lost or repeated: the failed call delivered nothing
 
 
 def test_runs_and_ticks_collect_garbage_less_often_while_they_move_events(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a run delivers and while a sensor tick records, the garbage collector runs at the bulk
-    thresholds (a young collection per 50,000 tracked objects, not 700: the rounds are not garbage);
-    the process's own come back when they end."""
+    """While a run delivers and while its group's slot is read and recorded (by the group run's reader, or the
+    group's sensor's tick), the garbage collector runs at the bulk thresholds (a young collection per 50,000
+    tracked objects, not 700: the rounds are not garbage); the process's own come back when they end."""
     import gc
 
-    from pgstream_dagster.defs import sensors
+    from pgstream_dagster.defs import jobs, sensors
     from pgstream_dagster.engine.collector import BULK_THRESHOLDS
+    from pgstream_dagster.engine.ingest import consume_group
 
     published: list[tuple[int, ...]] = []
-    ticked: list[tuple[int, ...]] = []
-    publish, tick = MemorySink.publish, sensors.tick
+    recorded: list[tuple[int, ...]] = []
+    publish = MemorySink.publish
 
     def recording_publish(self: MemorySink, events: Any) -> None:
         published.append(gc.get_threshold())
         publish(self, events)
 
-    def recording_tick(*args: Any) -> Any:
-        ticked.append(gc.get_threshold())
-        return tick(*args)
+    def recording(read: Callable[..., Any]) -> Callable[..., Any]:
+        def reading(*args: Any, **kwargs: Any) -> Any:
+            recorded.append(gc.get_threshold())
+            return read(*args, **kwargs)
+        return reading
 
     monkeypatch.setattr(MemorySink, "publish", recording_publish)
-    monkeypatch.setattr(sensors, "tick", recording_tick)
+    monkeypatch.setattr(sensors, "consume_group", recording(consume_group))
+    monkeypatch.setattr(jobs, "consume_group", recording(consume_group))
     before = gc.get_threshold()
     assert before != BULK_THRESHOLDS
-    _driver, run = _open_run(db_url, tmp_path, instance, name, linger=0.5, events=30)
+    driver, run = _open_run(db_url, tmp_path, instance, name, linger=0.5, events=30)
+    _until(lambda: _member(instance, run).get("state") == "ended")
+    driver.stop_group_runs()
     assert run.wait(timeout=30).success
     assert published and set(published) == {BULK_THRESHOLDS}
-    assert ticked and set(ticked) == {BULK_THRESHOLDS}
+    assert recorded and set(recorded) == {BULK_THRESHOLDS}
     assert gc.get_threshold() == before
     assert _delivered(name) == sent_ids(db_url)

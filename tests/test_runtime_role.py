@@ -21,16 +21,16 @@ import yaml
 from psycopg import sql
 
 from pgstream_dagster.cli import main as cli_main
-from pgstream_dagster.config import ConfigError, HousekeepingConfig, load_config
+from pgstream_dagster.config import DEFAULT_READER, ConfigError, HousekeepingConfig, load_config
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import BACKFILL_JOB, BACKFILL_OP, REPLAY_JOB, REPLAY_OP
+from pgstream_dagster.defs.names import BACKFILL_JOB, BACKFILL_OP, REPLAY_JOB, REPLAY_OP, member_tag
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import housekeeping, metrics
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
 from pgstream_dagster.engine.subscriptions import SubscriptionError, apply_stream, trigger_state
 
-from .support.harness import Background, Driver, read_jsonl, tick_until, write_config
+from .support.harness import Driver, read_jsonl, tick_until, write_config
 
 RUNTIME_GROUP = "pgstream_runtime"
 EXECUTOR_GROUP = "pgstream_executor"
@@ -84,12 +84,14 @@ def install(pg: LocalPostgres, template_db: str, tmp_path: Path) -> Iterator[Ins
         cfg = write_config(tmp_path / "pgstream.yaml", runtime_url, [
             {"id": 1, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
              # Spark reads every round: the executors connect as the executor role; a run stays open
-             # 8 s after its last batch, reading the slot itself (replication protocol)
+             # 8 s after its last batch (its group delivery run's reader reads the slot: replication protocol)
              "delivery": {"tuning": {"direct_max_events": 0, "linger_secs": 8}},
              "sink": {"type": "file", "path": str(out)}},
             # by_key: Spark tasks publish and record their resume points as the executor role
+            # (its group's delivery run, hosting both streams, stays up for the test: max_run_secs)
             {"id": 2, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
-             "delivery": {"ordering": "by_key", "routing_key": "new.id", "parallelism": 2},
+             "delivery": {"ordering": "by_key", "routing_key": "new.id", "parallelism": 2,
+                          "tuning": {"max_run_secs": 600}},
              "sink": {"type": "file", "path": str(tmp_path / "by_key.jsonl")}}],
             [{"key": "items", "stream_id": s, "operation": "INSERT", "schema_name": "public", "table_name": "items",
               "column_names": ["id", "name"]} for s in (1, 2)],
@@ -97,6 +99,8 @@ def install(pg: LocalPostgres, template_db: str, tmp_path: Path) -> Iterator[Ins
         init(cfg, owner_url=owner_url)
         yield Install(owner, runtime, executor, owner_url, runtime_url, executor_url, pg.url, cfg, out)
     finally:
+        for driver in Driver.made:  # the group delivery runs end before their slot is dropped
+            driver.close()
         with psycopg.connect(pg.url_for(name), autocommit=True) as c:
             slots = c.execute("select slot_name from pg_replication_slots where database = %s", [name]).fetchall()
             for (slot,) in slots:
@@ -132,7 +136,7 @@ def _job(cfg: Path, name: str, op: str, config: dict[str, Any], instance: dg.Dag
 
 
 def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance: dg.DagsterInstance) -> None:
-    """Sensor ticks and an open delivery run (its slot reader over the replication protocol; rounds read
+    """The group's sensor ticks and its delivery run (its slot reader over the replication protocol; rounds read
     by Spark executors as the executor role), a by_key stream (Spark tasks publish and record resume
     points as the executor role), a backfill of the 40 rows (partitions on Spark), a replay, pause,
     set-aside, resume and a dead-letter redelivery through the CLI, housekeeping, metrics and the
@@ -141,14 +145,14 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     # the code location's only connection is the runtime's (the owner's URL is not in its configuration)
     assert load_config(i.config).database_url.get_secret_value() == i.runtime_url
     driver = Driver(i.config, instance)
+    by_key = i.out.with_name("by_key.jsonl")
     _run(i.owner_url, "insert into public.items select g, 'item ' || g from generate_series(31, 35) g")
-    (request,) = driver.tick(1).run_requests
-    run = Background(driver, request)
-    tick_until(driver, 1, lambda: len(read_jsonl(i.out)) >= 5, timeout=300)
-    # the run is open and reads the slot itself: these are handed to it, no new run is requested
+    # streams 1 and 2 are in the default reader group: its delivery run (in the background) hosts their runs
+    assert tick_until(driver, 1, lambda: len(read_jsonl(i.out)) >= 5, timeout=300) == []
+    (run,) = driver.group_runs[DEFAULT_READER]
+    # the run is open: these are handed to it, no new run is requested
     _run(i.owner_url, "insert into public.items select g, 'item ' || g from generate_series(36, 40) g")
     assert tick_until(driver, 1, lambda: len(read_jsonl(i.out)) >= 10, timeout=300) == []
-    assert run.wait(timeout=120).success
     assert sorted(e["payload"]["new"]["id"] for e in read_jsonl(i.out)) == list(range(31, 41))
     with psycopg.connect(i.owner_url) as c:
         # every batch went to the one open run
@@ -156,11 +160,12 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
                          "from pgstream.batches where stream_id = 1").fetchone() == (1, 0)
 
     # stream 2 (by_key) delivers the same 10 events from Spark tasks
-    by_key = i.out.with_name("by_key.jsonl")
-    keyed = Driver(i.config, instance)
-    keyed.run_until(2, lambda: len(read_jsonl(by_key)) >= 10, timeout=300)
+    tick_until(driver, 2, lambda: len(read_jsonl(by_key)) >= 10, timeout=300)
     assert sorted(e["payload"]["new"]["id"] for e in read_jsonl(by_key)) == list(range(31, 41))
-    assert keyed.results and all(r.success for r in keyed.results)
+    driver.stop_group_runs()
+    assert run.wait(timeout=120).success
+    assert [r for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": DEFAULT_READER}))
+            if '"failed"' in r.tags.get(member_tag(1), "") + r.tags.get(member_tag(2), "")] == []
 
     # runs that end once delivered from here on (a lingering run only waits in this in-process driver)
     data = yaml.safe_load(i.config.read_text())
@@ -275,8 +280,8 @@ def test_the_runtime_and_executor_roles_cannot_change_definitions_or_become_the_
             c.execute("select pgstream.register_stream(1, 'x; drop')")
         with pytest.raises(psycopg.errors.NoDataFound, match="stream 77 does not exist"):
             c.execute("select pgstream.ensure_publications(77)")
-        # what it may do: its own columns, through its API
-        c.execute("select pgstream.register_stream(1, 'pgstream_stream_1')")
+        # what it may do: its own columns, through its API (stream 1 reads with its reader group, default)
+        c.execute("select pgstream.register_group_member(1, 'default')")
         c.execute("update pgstream.streams set consumed_through = consumed_through where id = 1")
     for statement in ("update pgstream.batches set status = 'delivered'", "delete from pgstream.key_progress",
                       "select pgstream.register_stream(2, 'two')", "select pgstream.ensure_publications(1)",
@@ -366,8 +371,9 @@ def test_make_dev_installs_as_a_non_superuser_owner_and_runs_as_the_runtime(pg: 
             assert c.execute("select nspowner::regrole::text from pg_namespace where nspname in ('pgstream', 'demo')"
                              ).fetchall() == [(DEMO_OWNER,), (DEMO_OWNER,)]
             assert c.execute("select count(*) from pgstream.subscriptions").fetchone() == (2,)
+            # (the demo's streams read with their reader group, default: its one slot)
             assert c.execute("select slot_name from pg_replication_slots where database = %s", [name]).fetchall() == [
-                (c.execute("select slot from pgstream.streams where id = 1").fetchall()[0][0],)]
+                (c.execute("select slot from pgstream.reader_groups where name = 'default'").fetchall()[0][0],)]
         _run(urls["owner"], "insert into demo.users (email, email_verified) values ('ada@example.com', true)")
         assert _count(urls["runtime"], "select count(*) from pgstream.events") == 1
         with psycopg.connect(urls["runtime"]) as c:
@@ -453,8 +459,8 @@ def test_the_runtime_needs_no_right_on_the_application_schema(install: Install, 
     sink = {**lake_config("parquet", tmp_path, pg), "typed_columns": True,
             "database_url": i.runtime_url}
     cfg = write_config(tmp_path / "app.yaml", i.runtime_url, [
-        {"id": 5, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
-         "sink": sink}],
+        {"id": 5, "reader": "app", "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
+         "sink": sink}],  # (a group of its own: the install's streams 1 and 2 are in the default group)
         [{"key": "orders", "stream_id": 5, "operation": "INSERT", "schema_name": "app", "table_name": "orders",
           "column_names": ["id", "qty", "placed", "note"]}])
     init(cfg, owner_url=i.owner_url)
@@ -473,7 +479,10 @@ def test_the_runtime_needs_no_right_on_the_application_schema(install: Install, 
                                                     "where stream_id = 5 and status <> 'delivered'") == 0
                      and _count(i.owner_url, "select count(*) from pgstream.batches where stream_id = 5") > 0,
                      timeout=300)
+    driver.stop_group_runs()  # (its group's delivery runs: ended, each a success, no member run failed)
     assert driver.results and all(r.success for r in driver.results)
+    assert not [r for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "app"}))
+                if '"failed"' in r.tags.get(member_tag(5), "")]
     typed = build_sink(sink)
     assert isinstance(typed, LakeSink)
     with typed:

@@ -99,7 +99,8 @@ def test_delivery_by_key_replay_and_backfill_on_a_standalone_cluster(
     assert not [p for d in spark_cluster.worker_dirs() for p in d.rglob("*.jsonl")]
 
 
-def test_spark_connect_server_on_the_cluster(db_url: str, tmp_path: Path, spark_cluster: SparkCluster) -> None:
+def test_spark_connect_server_on_the_cluster(db_url: str, dagster_storage_url: str, tmp_path: Path,
+                                             spark_cluster: SparkCluster) -> None:
     """`pgstream-dagster spark-connect --master spark://...`, run as a service manager runs it: the server is an
     application of the cluster with the same defaults (the package zip, a bounded share, no task retries), its
     executors run the configured Python; a delivery run and a replay go through it. SIGTERM to the command: the
@@ -135,7 +136,8 @@ def test_spark_connect_server_on_the_cluster(db_url: str, tmp_path: Path, spark_
         insert_events(db_url, 1, 700)
         ids = event_ids(db_url, 1)
         child = subprocess.run([sys.executable, "-m", "tests.support.spark_connect_child", str(cfg), "700"],
-                               cwd=repo_root(), capture_output=True, text=True, timeout=600)
+                               cwd=repo_root(), capture_output=True, text=True, timeout=600,
+                               env={**os.environ, "PGSTREAM_TEST_DAGSTER_STORAGE": dagster_storage_url})
         assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
         result = json.loads(Path(str(cfg) + ".out").read_text())
         assert all(result["runs"]) and result["replay"], result

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -55,7 +56,13 @@ def test_the_server_listens_on_the_loopback_only(connect_url: str) -> None:
     assert [x for x in listening if not _loopback(x[1])] == [], listening
 
 
-def test_delivery_and_replay_through_spark_connect(db_url: str, tmp_path: Path, connect_url: str) -> None:
+def _child_env(dagster_storage_url: str) -> dict[str, str]:
+    """The child's environment: the Dagster storage its instance writes to (the group delivery runs, in threads)."""
+    return {**os.environ, "PGSTREAM_TEST_DAGSTER_STORAGE": dagster_storage_url}
+
+
+def test_delivery_and_replay_through_spark_connect(db_url: str, tmp_path: Path, connect_url: str,
+                                                   dagster_storage_url: str) -> None:
     out = tmp_path / "sink.jsonl"
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "batch": {"max_size": 400, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
@@ -69,7 +76,8 @@ def test_delivery_and_replay_through_spark_connect(db_url: str, tmp_path: Path, 
     insert_events(db_url, 1, 500, 1000)
     ids = event_ids(db_url, 1)
     child = subprocess.run([sys.executable, "-m", "tests.support.spark_connect_child", str(cfg), "1500"],
-                           cwd=repo_root(), capture_output=True, text=True, timeout=600)
+                           cwd=repo_root(), capture_output=True, text=True, timeout=600,
+                           env=_child_env(dagster_storage_url))
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
     result = json.loads(Path(str(cfg) + ".out").read_text())
     assert all(result["runs"]) and result["replay"], result
@@ -80,11 +88,13 @@ def test_delivery_and_replay_through_spark_connect(db_url: str, tmp_path: Path, 
 
 
 def test_by_key_through_spark_connect_resumes_per_key_after_a_failure(db_url: str, tmp_path: Path,
-                                                                      connect_url: str) -> None:
-    """``ordering: by_key`` on a Spark Connect server: the first run fails mid-way (the sink refuses
-    the chunk holding one key's event near the end); the failover probe and the catch-up run resume
-    from what the Spark tasks recorded, so only chunks in flight when the run stopped (at most one
-    per other partition) are delivered twice, each key keeps its order and the counts add up."""
+                                                                      connect_url: str,
+                                                                      dagster_storage_url: str) -> None:
+    """``ordering: by_key`` on a Spark Connect server: the first run (a member run hosted by the group delivery
+    run of group default) fails mid-way (the sink refuses the chunk holding one key's event near the end); the
+    failover probe and the catch-up run resume from what the Spark tasks recorded, so only chunks in flight when
+    the run stopped (at most one per other partition) are delivered twice, each key keeps its order and the
+    counts add up (each batch counted once in the group runs' materializations)."""
     parallelism, chunk = 3, 20
     endpoint = Endpoint()
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(
@@ -99,7 +109,8 @@ def test_by_key_through_spark_connect_resumes_per_key_after_a_failure(db_url: st
                            "where stream_id = 1 order by id").fetchall()
     endpoint.fail_once_ids = {i for i, _k, n in events if n == 790}  # key k2, in the last batch
     child = subprocess.run([sys.executable, "-m", "tests.support.spark_connect_child", str(cfg), "800", "by_key"],
-                           cwd=repo_root(), capture_output=True, text=True, timeout=600)
+                           cwd=repo_root(), capture_output=True, text=True, timeout=600,
+                           env=_child_env(dagster_storage_url))
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
     result = json.loads(Path(str(cfg) + ".out").read_text())
     assert result["runs"][0] is False and result["runs"][-1] is True, result

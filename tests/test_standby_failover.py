@@ -26,12 +26,13 @@ import pytest
 
 from pgstream_dagster.engine.migrations import migrate
 
-from .support.faults import stream_config
+from .support.faults import start, stream_config
 from .support.harness import Driver, write_config
 from .support.http_recorder import HttpRecorder
 from .support.standby import StandbyPair
 
 STREAMS = (1, 2)  # 1: rows of public.items through the generated trigger; 2: events inserted directly
+SLOTS = 1  # the two streams' slot: their reader group's (default)
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +161,7 @@ def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, insta
     configs = [stream_config({"type": "http", "url": recorder.url, "mode": "per_event", "max_attempts": 1,
                               "timeout_secs": 10}, id=stream) for stream in STREAMS]
     driver = Driver(write_config(tmp_path / "pgstream.yaml", url, configs), instance)
-    for stream in STREAMS:
-        driver.tick(stream)  # the slots
+    start(driver, STREAMS)  # the group's slot
     writer = Writer(url)
     promoted: list[float] = []
 
@@ -185,10 +185,19 @@ def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, insta
         time.sleep(2)
         writer.finish()
 
-    faulting = threading.Thread(target=fault, daemon=True)
+    failed: list[BaseException] = []  # what the fault's thread raised (raised here)
+
+    def faulting_thread() -> None:
+        try:
+            fault()
+        except BaseException as exc:
+            failed.append(exc)
+    faulting = threading.Thread(target=faulting_thread, daemon=True)
     faulting.start()
     try:
         def caught_up() -> bool:
+            if failed:
+                raise failed[0]
             if faulting.is_alive():
                 return False
             held = _held(pair.url_for(name))
@@ -264,11 +273,11 @@ def test_async_standby_with_failover_slots_lagging_at_the_kill_delivers_no_phant
         counts = _fail_over_under_trickle(pair, "ha_slots", tmp_path, instance, http_server, lagging=True,
                                           held_back=True, before_kill=lambda: _wait_for(lambda: s.execute(
                                               "select count(*) from pg_replication_slots where synced and "
-                                              "database = 'ha_slots'").fetchone() == (len(STREAMS),), timeout=60))
+                                              "database = 'ha_slots'").fetchone() == (SLOTS,), timeout=60))
     assert counts["phantoms"] == 0
     with psycopg.connect(pair.url_for("ha_slots")) as c:
         assert c.execute("select count(*) from pg_replication_slots where database = 'ha_slots' and failover "
-                         "and not synced").fetchone() == (len(STREAMS),)  # replaced, failover slots again
+                         "and not synced").fetchone() == (SLOTS,)  # replaced, failover slots again
 
 
 def test_sync_standby_loses_no_acknowledged_row_and_delivers_no_phantom(
@@ -295,7 +304,7 @@ def test_an_event_committed_but_not_yet_visible_during_a_recovery_is_recorded_fr
     with psycopg.connect(url, autocommit=True) as c:
         c.execute("insert into pgstream.streams (id) values (2) on conflict do nothing")
         c.execute("alter database ha_visible set synchronous_commit = local")
-    driver.tick(2)  # the slot
+    start(driver, (2,))  # the group's slot
     _synchronous_standby(pair, "nobody")
     held = psycopg.connect(url, autocommit=True)
     try:
@@ -309,9 +318,13 @@ def test_an_event_committed_but_not_yet_visible_during_a_recovery_is_recorded_fr
                       == ("SyncRep",))
             # an event committed after it, visible: the recovery records it, at a WAL position past the held one
             c.execute("insert into pgstream.events (payload, stream_id) values ('{\"tag\": \"visible\"}', 2)")
-            c.execute("update pgstream.streams set recovery_pending = true where id = 2")  # as after a promotion
-            driver.tick(2)  # the recovery (the held event not visible to it), then the slot (both decoded)
-            assert c.execute("select count(*) from pgstream.batches where kind = 'recovery'").fetchone() == (1,)
+            # as after a promotion (the group's slot replaced): the group's members recover from the table
+            c.execute("update pgstream.reader_groups set recovery_pending = true where name = 'default'")
+
+            def recovered() -> bool:  # the recovery (the held event not visible to it), then the slot (both decoded)
+                driver.tick(2)  # (the group delivery run's reader recovers, at its next read, or this tick)
+                return c.execute("select count(*) from pgstream.batches where kind = 'recovery'").fetchone() == (1,)
+            _wait_for(recovered, timeout=30)
             c.execute("select pg_cancel_backend(%s)", [pid])  # the wait ends: committed locally, visible now
             writing.join(10)
 

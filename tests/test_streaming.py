@@ -15,13 +15,34 @@ import dagster as dg
 import psycopg
 import pytest
 
+from pgstream_dagster.config import DEFAULT_READER
 from pgstream_dagster.defs.names import deliveries_asset_key
 from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.batches import BatchStatus
+from pgstream_dagster.engine.ledger import groups
 from pgstream_dagster.engine.status import stream_status
 from pgstream_dagster.sinks import MemorySink
 
-from .support.harness import Driver, event_ids, insert_events, read_jsonl, slot_of, values, write_config
+from .support.harness import Driver, event_ids, insert_events, read_jsonl, slot_of, tick_until, values, write_config
+
+#: the reader group of a stream that names none: its slot and publication are the stream's
+PUBLICATION = groups.group_publication(DEFAULT_READER)
+
+
+#: a stream whose runs are Dagster runs of their own (requested by its group's sensor), reading the ledger's events
+#: from the table (not through PySpark: mode per_batch's default)
+PER_BATCH = {"mode": "per_batch", "tuning": {"direct_max_events": 1000}}
+
+
+def _joined(driver: Driver, url: str, stream_id: int) -> None:
+    """Tick the stream's group until the group's slot exists and the stream has joined it (what a stream's
+    first tick did at once when it read a slot of its own): what commits from then on is read from the slot."""
+    def ready() -> bool:
+        with psycopg.connect(url) as c:
+            state = groups.group_state(c, driver.group_of(stream_id))
+            return (state is not None and replication.slot_info(c, state.slot) is not None
+                    and any(m.id == stream_id and m.joined for m in state.members))
+    tick_until(driver, stream_id, ready, timeout=60)
 
 
 def test_decoder_returns_transactions_in_commit_order(db_url: str) -> None:
@@ -94,22 +115,6 @@ def test_decoder_reads_id_and_created_at_wherever_the_relation_puts_them() -> No
     split = replication.PgOutputDecoder()
     assert split.decode(messages[:3]) == []
     assert [(e.id, e.created_at) for t in split.decode(messages[3:]) for e in t.events] == expected
-    # keep_rows (an open run's reader): the rest of the row too, wherever its columns are; a NULL
-    # metadata is None; text that is not UTF-8 leaves the row out (the run reads that event from the table)
-    keeping = replication.PgOutputDecoder(keep_rows=True)
-    kept = keeping.decode([
-        begin, messages[1],
-        _insert(16400, [None, "2026-11-22 10:00:00.5+00", "3", "41", '{"ü": "\u2028"}']),
-        _insert(16400, ['{"a": 1}', "2026-11-22 10:00:00.5+00", "3", "42", "[]"]),
-        _insert(16400, [None, "2026-11-22 10:00:00.5+00", "3", "43", b'{"s": "\xff"}']),
-        commit])
-    assert [(e.id, e.row and e.row[:3]) for e in kept[0].events] == [
-        (41, (3, '{"ü": "\u2028"}', None)), (42, (3, "[]", '{"a": 1}')), (43, None)]
-    assert [e.row[3] for e in kept[0].events[:2] if e.row] == [len(m) for m in (_insert(16400, [  # the message's size
-        None, "2026-11-22 10:00:00.5+00", "3", "41", '{"ü": "\u2028"}']), _insert(16400, [
-        '{"a": 1}', "2026-11-22 10:00:00.5+00", "3", "42", "[]"]))]
-    with pytest.raises(ValueError, match=r"does not carry column\(s\) \['metadata', 'payload', 'stream_id'\]"):
-        replication.PgOutputDecoder(keep_rows=True).decode(messages[:1] + messages[5:7])
     # an id or created_at that is NULL (cannot happen for pgstream.events) is an error, not a guess
     with pytest.raises(ValueError, match="without id or created_at"):
         replication.PgOutputDecoder().decode([begin, _relation(1, ["id", "created_at"]), _insert(1, ["1", None])])
@@ -117,34 +122,39 @@ def test_decoder_reads_id_and_created_at_wherever_the_relation_puts_them() -> No
 
 def test_tick_records_batches_and_rerun_requests_nothing_twice(db_url: str, tmp_path: Path,
                                                                instance: dg.DagsterInstance) -> None:
+    """A stream in mode per_batch (a Dagster run of its own per decision, requested by its group's sensor, which
+    reads the group's slot while no group run does): the tick records batches and releases the WAL, one run takes
+    every pending batch, and a tick evaluated again requests the same run key only."""
     out = tmp_path / "sink.jsonl"
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "batch": {"max_size": 10, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
-         "sink": {"type": "file", "path": str(out)}}])
+         "delivery": PER_BATCH, "sink": {"type": "file", "path": str(out)}}])
     driver = Driver(cfg, instance)
-    first = driver.tick(1)  # creates the slot
-    assert not first.run_requests
+    _joined(driver, db_url, 1)  # the group's slot, read by its sensor
+    assert not driver.group_runs  # (a group of per_batch streams has no group run)
+    before = driver.cursors[DEFAULT_READER]
     insert_events(db_url, 1, 25)
     tick = driver.tick(1)
     with psycopg.connect(db_url) as c:
         (inc,) = c.execute("select incarnation from pgstream.streams where id = 1").fetchone() or ()
     # adaptive batching: one run takes every pending batch (up to max_events_per_run)
-    assert [r.run_key for r in tick.run_requests] == [f"pgstream-s1-{inc}-b1-3-a1"]
+    assert [r.run_key for r in tick.run_requests] == [f"pgstream-s1-{inc}-b1-3-a1"], tick.skip_message
     with psycopg.connect(db_url) as c:
         rows = c.execute("select id, event_count, status from pgstream.batches order by id").fetchall()
         assert rows == [(1, 10, BatchStatus.LAUNCHED), (2, 10, BatchStatus.LAUNCHED), (3, 5, BatchStatus.LAUNCHED)]
         # WAL released at once: nothing left in the slot
-        assert [t for t in replication.peek(c, slot_of(db_url, 1), "pgstream_stream_1", 100) if t.events] == []
+        assert [t for t in replication.peek(c, slot_of(db_url, 1), PUBLICATION, 100) if t.events] == []
     # re-evaluating (the same cursor, as after a crash of the tick) asks for the same run key only
+    driver.cursors[DEFAULT_READER] = before
     again = driver.tick(1)
     assert [r.run_key for r in again.run_requests] == [f"pgstream-s1-{inc}-b1-3-a1"]
     assert driver.execute(tick.run_requests[0]).success
     insert_events(db_url, 1, 3)
     again2 = driver.tick(1)
     assert [r.run_key for r in again2.run_requests] == [f"pgstream-s1-{inc}-b4-a1"]
-    cursor = json.loads(driver.cursors[1] or "{}")
+    cursor = json.loads(driver.cursors[DEFAULT_READER] or "{}")
     ids = event_ids(db_url, 1)
-    assert cursor["last_event_id"] == ids[-1] and len(ids) == 28
+    assert cursor["members"]["1"]["last_event_id"] == ids[-1] and len(ids) == 28
     assert [e["id"] for e in read_jsonl(out)] == ids[:25]
 
 
@@ -180,7 +190,7 @@ def test_end_to_end_10k_events_in_commit_order(db_url: str, tmp_path: Path, inst
         {"id": 1, "batch": {"max_size": 2500, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
          "sink": {"type": "file", "path": str(out)}}])
     driver = Driver(cfg, instance)
-    driver.tick(1)
+    _joined(driver, db_url, 1)
     # 10,000 events in 200 transactions, 5 open at a time, committed out of id order; meanwhile a
     # second writer commits concurrently from another thread
     background: list[int] = []
@@ -216,7 +226,9 @@ def test_end_to_end_10k_events_in_commit_order(db_url: str, tmp_path: Path, inst
         assert c.execute("select count(*) from pgstream.batches where status <> %s",
                          [BatchStatus.DELIVERED]).fetchone() == (0,)
     assert delivered == ledger_order
-    runs = {r.run_id for r in driver.results}
+    runs = {r.run_id for r in driver.results}  # (the group delivery runs: their member runs materialize the stream's)
+    driver.stop_group_runs()
+    runs |= {r.run_id for r in driver.results}
     materializations = [m for m in instance.fetch_materializations(deliveries_asset_key(1), limit=1000).records
                         if m.run_id in runs]  # the instance storage is shared by the tests
     events = [values(a.metadata)["events"] for m in materializations if (a := m.asset_materialization) is not None]
@@ -227,10 +239,11 @@ def test_end_to_end_10k_events_in_commit_order(db_url: str, tmp_path: Path, inst
 
 def test_failed_batch_is_retried_and_never_overtaken(db_url: str, tmp_path: Path,
                                                      instance: dg.DagsterInstance) -> None:
+    """A stream in mode per_batch (its runs are Dagster runs of their own, requested by its group's sensor)."""
     MemorySink.reset("retry")
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "batch": {"max_size": 5, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
-         "retry": {"initial_backoff_secs": 0, "max_backoff_secs": 0},
+         "retry": {"initial_backoff_secs": 0, "max_backoff_secs": 0}, "delivery": PER_BATCH,
          "sink": {"type": "memory", "name": "retry", "fail_times": 2}}])
     driver = Driver(cfg, instance)
     driver.tick(1)
@@ -267,24 +280,38 @@ def test_failed_batch_is_retried_and_never_overtaken(db_url: str, tmp_path: Path
 
 def test_events_written_before_the_slot_existed_are_recovered(db_url: str, tmp_path: Path,
                                                               instance: dg.DagsterInstance) -> None:
+    """30 events committed before the group's slot exists are recovered from the table; 20 committed as it is
+    created (and its members recovered) are delivered too: every one once."""
     MemorySink.reset("recover")
     with psycopg.connect(db_url) as c:
         c.execute("select pgstream.ensure_stream(1)")
     insert_events(db_url, 1, 30)
+    before = event_ids(db_url, 1)
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "batch": {"max_size": 100, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
          "sink": {"type": "memory", "name": "recover"}}])
     driver = Driver(cfg, instance)
-    insert_after = threading.Timer(0.2, insert_events, args=(db_url, 1, 20, 100))
+
+    def insert_once_the_slot_exists() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with psycopg.connect(db_url) as c:
+                state = groups.group_state(c, DEFAULT_READER)
+                if state is not None and replication.slot_info(c, state.slot) is not None:
+                    break
+            time.sleep(0.01)
+        insert_events(db_url, 1, 20, 100)
+
+    insert_after = threading.Thread(target=insert_once_the_slot_exists)
     insert_after.start()
-    driver.tick(1)  # creates the slot and recovers the 30 from the table
-    insert_after.join()
+    driver.tick(1)  # the group run's reader creates the slot and recovers the 30 from the table
     driver.run_until(1, lambda: len(MemorySink.delivered("recover")) >= 50, timeout=120)
+    insert_after.join()
     ids = [e.id for e in MemorySink.delivered("recover")]
     assert sorted(ids) == event_ids(db_url, 1) and len(ids) == 50
     with psycopg.connect(db_url) as c:
-        kinds = c.execute("select kind, sum(event_count) from pgstream.batches group by 1 order by 1").fetchall()
-    assert kinds[0] == ("recovery", 30)
+        recovered = {r[0] for r in c.execute("select unnest(event_ids) from pgstream.batches where kind = 'recovery'")}
+    assert set(before) <= recovered
 
 
 def test_paused_stream_keeps_releasing_wal_but_launches_nothing(db_url: str, tmp_path: Path,
@@ -294,17 +321,35 @@ def test_paused_stream_keeps_releasing_wal_but_launches_nothing(db_url: str, tmp
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "batch": {"max_size": 10, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
          "sink": {"type": "memory", "name": "paused"}}])
+    MemorySink.reset("paused")
     driver = Driver(cfg, instance)
-    driver.tick(1)
+    _joined(driver, db_url, 1)
     assert cli_main(["pause", "1", "--database-url", db_url]) == 0
     insert_events(db_url, 1, 10)
-    assert not driver.tick(1).run_requests
+
+    def recorded() -> bool:
+        with psycopg.connect(db_url) as c:
+            (status,) = stream_status(c, 1)
+            return (status["undelivered_batches"], status["undelivered_events"]) == (1, 10)
+
     with psycopg.connect(db_url) as c:
-        (status,) = stream_status(c, 1)
-        assert (status["undelivered_batches"], status["undelivered_events"]) == (1, 10)  # recorded while paused
-        assert [t for t in replication.peek(c, slot_of(db_url, 1), "pgstream_stream_1", 100) if t.events] == []
+        (written,) = c.execute("select pg_current_wal_lsn()::text").fetchone() or ()
+
+    def released() -> bool:  # the group's slot moved past the events (the group run's reader holds it: no peek)
+        with psycopg.connect(db_url) as c:
+            (lsn,) = c.execute("select confirmed_flush_lsn::text from pg_replication_slots where slot_name = %s",
+                               [slot_of(db_url, 1)]).fetchone() or ()
+        return replication.lsn_to_int(lsn) >= replication.lsn_to_int(written)
+
+    tick_until(driver, 1, lambda: recorded() and released(), timeout=60)  # recorded while paused, WAL released
+    for _ in range(3):  # the group's sensor decides for it at each tick: nothing is launched
+        assert not driver.tick(1).run_requests
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select status from pgstream.batches").fetchall() == [(BatchStatus.PENDING,)]
+    assert MemorySink.delivered("paused") == []
     assert cli_main(["resume", "1", "--database-url", db_url]) == 0
-    assert len(driver.tick(1).run_requests) == 1
+    tick_until(driver, 1, lambda: len(MemorySink.delivered("paused")) >= 10, timeout=60)
+    assert [e.id for e in MemorySink.delivered("paused")] == event_ids(db_url, 1)
 
 
 def test_by_key_delivery_keeps_order_per_routing_key(db_url: str, tmp_path: Path,
@@ -315,7 +360,7 @@ def test_by_key_delivery_keeps_order_per_routing_key(db_url: str, tmp_path: Path
          "delivery": {"ordering": "by_key", "routing_key": "group_id", "parallelism": 3, "chunk_size": 7},
          "sink": {"type": "file", "path": str(out)}}])
     driver = Driver(cfg, instance)
-    driver.tick(1)
+    _joined(driver, db_url, 1)
     with psycopg.connect(db_url) as c:
         c.execute("insert into pgstream.events (payload, stream_id) "
                   "select jsonb_build_object('group_id', (g % 5)::text, 'n', g), 1 from generate_series(1, 300) g")
@@ -329,14 +374,14 @@ def test_by_key_delivery_keeps_order_per_routing_key(db_url: str, tmp_path: Path
 
 def test_tick_skips_other_tables_wal_without_losing_events(db_url: str, tmp_path: Path,
                                                            instance: dg.DagsterInstance) -> None:
-    """A peek that finds nothing of the stream moves the slot past the WAL it read (other tables,
-    other streams), so the next peek does not decode it again; events committed meanwhile stay."""
+    """A read that finds nothing of the group's streams moves the group's slot past the WAL it read (other tables,
+    other streams), so the next read does not decode it again; events committed meanwhile stay."""
     out = tmp_path / "sink.jsonl"
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "batch": {"max_size": 100, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
          "sink": {"type": "file", "path": str(out)}}])
     driver = Driver(cfg, instance)
-    driver.tick(1)
+    _joined(driver, db_url, 1)
 
     def confirmed() -> int:
         with psycopg.connect(db_url) as c:
@@ -352,8 +397,10 @@ def test_tick_skips_other_tables_wal_without_losing_events(db_url: str, tmp_path
         c.commit()
         insert_events(db_url, 2, 500)  # another stream's events: filtered out by the publication
         (written,) = c.execute("select pg_current_wal_lsn()::text").fetchone() or ()
-    assert not driver.tick(1).run_requests
-    assert confirmed() >= replication.lsn_to_int(written) > before
+    tick_until(driver, 1, lambda: confirmed() >= replication.lsn_to_int(written), timeout=60)
+    assert confirmed() > before
+    with psycopg.connect(db_url) as c:
+        assert c.execute("select count(*) from pgstream.batches").fetchone() == (0,)
     insert_events(db_url, 1, 7)
     driver.run_until(1, lambda: len(read_jsonl(out)) >= 7)
     assert [e["payload"]["n"] for e in read_jsonl(out)] == list(range(7))

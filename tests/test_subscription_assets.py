@@ -303,12 +303,13 @@ def test_demo_location_loads_with_assets_checks_and_schedules(monkeypatch: pytes
     assert node.metadata["table"] == "demo.users" and node.metadata["filter"] == "new.email_verified = true"
     assert {(c.asset_key, c.name) for c in graph.asset_check_keys} == {
         (signup, "trigger_matches"), (changed, "trigger_matches"), (deliveries_asset_key(1), "undelivered_age"),
-        (deliveries_asset_key(1), "slot_retained_wal"), (deliveries_asset_key(1), "not_in_failover"),
-        (deliveries_asset_key(1), "no_dead_letters"),
+        (deliveries_asset_key(1), "not_in_failover"), (deliveries_asset_key(1), "no_dead_letters"),
+        # stream 1 reads with its reader group (default): the group's slot has the slot check, once for the group
+        (dg.AssetKey(["pgstream", "events_partitions"]), "group_default_slot_retained_wal"),
         (dg.AssetKey(["pgstream", "events_partitions"]), "no_orphaned_slots"),
         (dg.AssetKey(["pgstream", "events_partitions"]), "consumers_within_retention")}
     assert {s.name for s in repo.schedule_defs} == {"pgstream_housekeeping", "pgstream_checks"}
-    assert {s.name for s in repo.sensor_defs} == {"pgstream_stream_1", "pgstream_subscriptions"}
+    assert {s.name for s in repo.sensor_defs} == {"pgstream_group_default", "pgstream_subscriptions"}
     assert "s3cr3t" not in str([graph.get(k).metadata for k in graph.get_all_asset_keys()])
 
 

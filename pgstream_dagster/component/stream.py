@@ -40,12 +40,12 @@ _EXAMPLE = """\
 # A pgstream stream and its subscriptions. The attributes are those of a stream in pgstream.yaml
 # (README, "Configuration") plus `subscriptions`, checked by the same models; ${{VAR}} and
 # ${{VAR:-default}} are read from the environment. The database, housekeeping and Spark settings
-# stay in pgstream.yaml. Stream ids and slots are unique across pgstream.yaml and every
-# StreamComponent of the project.
+# stay in pgstream.yaml. Stream ids are unique across pgstream.yaml and every StreamComponent of
+# the project.
 type: {type_name}
 attributes:
   id: {id}                                  # 1 .. 2^63-1
-  # slot_name: null                       # default: a name unique in the cluster; one slot, one stream
+  # reader: default                      # its reader group: the streams naming one share its slot
   batch: {{max_size: 1000, max_fill_secs: 0.5}}
   sink:                                   # file, http, redis, rabbitmq, nats, kafka, mqtt, postgres (README, "Sinks")
     type: file

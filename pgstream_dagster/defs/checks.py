@@ -6,11 +6,10 @@ from the UI):
   what ``pgstream.generated_trigger`` produces now and calls the unmodified generated function, and
   so does its copy on each partition of a partitioned table;
 * on the stream's deliveries asset: ``undelivered_age`` (oldest undelivered event younger than
-  ``streams[].checks.max_undelivered_age_secs``), ``slot_retained_wal`` (the slot exists, is not
-  lost and holds back at most ``streams[].checks.max_retained_wal_bytes`` of WAL; not on a reader group's
-  member: its group's slot has one check, ``group_<name>_slot_retained_wal``, below) and
-  ``not_in_failover`` (``pgstream.streams.failover_since`` is null; WARN) and ``no_dead_letters`` (no
-  open dead letter: an event the stream went on without waits for an operator to redeliver or discard it).
+  ``streams[].checks.max_undelivered_age_secs``; the stream's slot is its reader group's, which has one
+  check, ``group_<name>_slot_retained_wal``, below), ``not_in_failover`` (``pgstream.streams.failover_since``
+  is null; WARN) and ``no_dead_letters`` (no open dead letter: an event the stream went on without waits for
+  an operator to redeliver or discard it).
 
 On ``pgstream/events_partitions``, the location's: ``no_orphaned_slots``, ``consumers_within_retention``, and per
 reader group ``group_<name>_slot_retained_wal`` (the group's slot, and the own slot of a member still joining,
@@ -68,7 +67,6 @@ def _background() -> None:
 
 TRIGGER_CHECK = "trigger_matches"
 UNDELIVERED_AGE_CHECK = "undelivered_age"
-SLOT_WAL_CHECK = "slot_retained_wal"
 FAILOVER_CHECK = "not_in_failover"
 DEAD_LETTERS_CHECK = "no_dead_letters"
 ORPHANED_SLOTS_CHECK = "no_orphaned_slots"
@@ -114,26 +112,6 @@ def check_undelivered_age(conn: psycopg.Connection, stream: StreamConfig,
         metadata={"oldest_undelivered_age_secs": round(age, 3) if age is not None else dg.MetadataValue.null(),
                   "max_undelivered_age_secs": limit, "undelivered_batches": batches,
                   "undelivered_events": events, "events_waiting_in_slot": waiting},
-    )
-
-
-def check_slot_wal(conn: psycopg.Connection, stream: StreamConfig) -> dg.AssetCheckResult:
-    """The stream's slot exists, is not lost, and retains at most the configured WAL."""
-    slot = ledger_streams.stream_slot(conn, stream.id)
-    row = status.slot_wal(conn, slot)
-    limit = stream.checks.max_retained_wal_bytes
-    if row is None:
-        passed, description, metadata = False, f"slot {slot} does not exist", {}
-    else:
-        wal_status, retained, active = row[0], int(row[1] or 0), bool(row[2])
-        passed = wal_status != "lost" and retained <= limit
-        description = (f"slot {slot} is lost: its WAL was removed" if wal_status == "lost" else
-                       f"slot {slot} retains {retained} bytes of WAL (limit {limit})")
-        metadata = {"wal_status": wal_status or "", "retained_bytes": retained, "active": active}
-    return dg.AssetCheckResult(
-        asset_key=deliveries_asset_key(stream.id), check_name=SLOT_WAL_CHECK, passed=passed,
-        severity=dg.AssetCheckSeverity.ERROR, description=description,
-        metadata={"slot": slot, "max_retained_wal_bytes": limit, **metadata},
     )
 
 
@@ -243,11 +221,7 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
     specs.append(dg.AssetCheckSpec(UNDELIVERED_AGE_CHECK, asset=deliveries,
                                    description=f"Oldest undelivered event younger than "
                                                f"{stream.checks.max_undelivered_age_secs:.0f}s."))
-    if stream.reader is None:  # (a reader group's slot is checked once, for every member: group_slot_check)
-        specs.append(dg.AssetCheckSpec(
-            SLOT_WAL_CHECK, asset=deliveries,
-            description=f"The stream's slot ({stream.slot_name or 'its default'}) exists and retains at most "
-                        f"{stream.checks.max_retained_wal_bytes} bytes of WAL."))
+    # (the stream's slot is its reader group's: checked once, for every member, by group_slot_check)
     specs += [
         dg.AssetCheckSpec(FAILOVER_CHECK, asset=deliveries, description="The stream is not in failover."),
         dg.AssetCheckSpec(DEAD_LETTERS_CHECK, asset=deliveries,
@@ -273,8 +247,6 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                     yield check_subscription(conn, sub, key)
             if dg.AssetCheckKey(deliveries, UNDELIVERED_AGE_CHECK) in selected:
                 yield check_undelivered_age(conn, stream, pgstream.config.housekeeping.ledger_keep_days)
-            if dg.AssetCheckKey(deliveries, SLOT_WAL_CHECK) in selected:  # (not a group member's: no such spec)
-                yield check_slot_wal(conn, stream)
             if dg.AssetCheckKey(deliveries, FAILOVER_CHECK) in selected:
                 yield check_failover(conn, stream)
             if dg.AssetCheckKey(deliveries, DEAD_LETTERS_CHECK) in selected:

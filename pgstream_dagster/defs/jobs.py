@@ -1,6 +1,7 @@
 """The delivery job: a thin Dagster op around the engine's delivery run
-(:class:`~pgstream_dagster.engine.delivery.run.DeliveryRun`, which holds the rounds, the open run's
-slot reader and its linger loop, and chooses each round's source).
+(:class:`~pgstream_dagster.engine.delivery.run.DeliveryRun`, which holds the rounds and the open run's
+linger loop, and chooses each round's source): the run of a stream in mode per_batch (one per batch, as the
+design card has it); the group delivery job hosts the open and warm runs of a reader group's members.
 
 ``load_batches`` takes the stream's delivery lease and checks the batches may run (the sensor
 knows a run got past it); ``deliver_batches`` runs the rounds with what only Dagster has: the
@@ -22,12 +23,12 @@ from dagster._utils.interrupts import capture_interrupts  # (Dagster's own: a si
 from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig, streams_fingerprint
+from ..engine.collector import fewer_collections
 from ..engine.dbconn import server_gone
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary, waiting_batches
 from ..engine.ingest import GroupStream, consume_group, group_log
 from ..engine.ledger import locks
-from ..engine.slotreader import SlotReader
 from .lake import lake_materializations
 from .names import (
     CONFIG_TAG,
@@ -43,7 +44,6 @@ from .names import (
     member_tag,
 )
 from .resources import PgstreamResource
-from .status import status_observation
 
 
 class DeliveryRunConfig(dg.Config):
@@ -80,9 +80,7 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
 
 
 @dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
-                   "as soon as the sink confirmed all its events. While the run is open (delivery.mode open or "
-                   "warm) it reads the stream's slot and delivers what commits, through the same sink; rounds are "
-                   "reported as materializations.")
+                   "as soon as the sink confirmed all its events; rounds are reported as materializations.")
 def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark: LazyPySparkResource) -> None:
     stream_id = loaded.stream.id
 
@@ -93,8 +91,7 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
         return None
 
     host = Host(context.run_id, context.log, spark=lambda: pyspark.spark_session, stop_check=queued,
-                report=lambda summary: _report(context, loaded.stream, summary), control=f"the {CONTROL_JOB} job",
-                reader=SlotReader)
+                report=lambda summary: _report(context, loaded.stream, summary), control=f"the {CONTROL_JOB} job")
     rounds = loaded.deliver(host)
     try:
         for _round in rounds:
@@ -114,10 +111,9 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
                          f"{waiting_batches(waiting)} for the next run")
 
 
-def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, run_id: str | None = None, *,
-            line: bool = True) -> None:
-    """The rounds of a reporting period: a line in the run log (``line``), a materialization of the stream's
-    deliveries asset and an observation of its status asset (fresh counts without waiting for the sensor)."""
+def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, *, line: bool = True) -> None:
+    """The rounds of a reporting period: a line in the run log (``line``) and a materialization of the stream's
+    deliveries asset (its status asset is observed by the group's sensor)."""
     if line:
         rounds = f" in {s.rounds} rounds" if s.rounds > 1 else ""
         context.log.info(f"stream {s.stream_id}: sink {s.sink_type} handled {s.events} events of "
@@ -133,15 +129,12 @@ def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, ru
                                               metadata=metadata))
     for materialization in lake_materializations(stream, metadata):  # a lake sink's table (defs/lake.py)
         context.log_event(materialization)
-    if s.status is not None:
-        run_id = run_id or context.run_id
-        state = f"live: run {run_id} (this run)" if s.this_run_open else None
-        context.log_event(status_observation(s.status, state, observer=f"delivery run {run_id}"))
 
 
 @dg.job(
     name=DELIVERY_JOB,
-    description="Deliver consecutive batches of a stream's events to its sink (requested by the stream's sensor).",
+    description="Deliver consecutive batches of a stream's events to its sink (a stream in mode per_batch; "
+                "requested by its reader group's sensor).",
     executor_def=dg.in_process_executor,
 )
 def delivery_job() -> None:
@@ -173,7 +166,7 @@ def _hosted_by_other_group_runs(instance: dg.DagsterInstance, group: str, run_id
 
 
 class _Reporter:
-    """Writes the members' reports (materializations, status observations) to Dagster's event log from one
+    """Writes the members' reports (materializations) to Dagster's event log from one
     thread of its own, in order: a member's delivery loop only queues them, so a hundred members do not wait
     for each other's event-log writes."""
 
@@ -190,7 +183,7 @@ class _Reporter:
         while (item := self.queue.get()) is not None:
             stream, summary, member = item
             try:  # (no line in the run log: the materialization in it says the same, one write less per report)
-                _report(self.context, stream, summary, member, line=False)
+                _report(self.context, stream, summary, line=False)
             except Exception as exc:  # a report lost is logged; deliveries go on
                 self.context.log.warning(f"stream {stream.id}: report of member run {member} not written: {exc}")
 
@@ -251,9 +244,13 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
 
     def stop_check() -> str | None:
         """The run was asked to end (:data:`~.names.STOP_TAG`, by the group's sensor when its configuration is
-        not the code location's any more, or by hand); asked about once a second."""
+        not the code location's any more, or by hand), or Dagster no longer shows it started (the group's sensor
+        marked it failed: it took no lease within ``delivery.run_grace_secs``, and a fresh group run is requested
+        meanwhile); asked about once a second."""
         run = instance.get_run_by_id(run_id)
         reason = run.tags.get(STOP_TAG) if run is not None else None
+        if run is not None and run.status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED):
+            return f"Dagster shows it {run.status.value} (marked by the group's sensor)"
         return f"asked to end ({STOP_TAG}): {reason}" if reason else None
 
     noted: set[str] = set()
@@ -263,8 +260,10 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     def read(conn: psycopg.Connection, secs: float) -> None:
         """The group run's reader: the group's slot read as the group's sensor reads it (the same function), over
         one replication connection kept open across the calls."""
-        group_log(context.log, group, consume_group(conn, group, streams, secs, kept=kept,
-                                                    invalid=pgstream.config.left_out), batches=False, noted=noted)
+        with fewer_collections():  # the reader records in bulk (as the group's sensor's tick does)
+            result = consume_group(conn, group, streams, secs, kept=kept, invalid=pgstream.config.left_out,
+                                   stop=delivery.reading_ended)
+        group_log(context.log, group, result, batches=False, noted=noted)
 
     host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read,
                      read_ends=kept.close)

@@ -45,7 +45,7 @@ from .names import deliveries_asset_key
 from .replay import replay_job
 from .resources import PgstreamResource, PgstreamSparkResource
 from .schedules import checks_job, housekeeping_job, schedules, subscriptions_job, subscriptions_sensor
-from .sensors import group_sensors, left_out_sensor, stream_sensor
+from .sensors import group_sensors, left_out_sensor
 from .status import status_asset_spec
 
 
@@ -71,7 +71,7 @@ def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.Asset
                     f"is one materialization, its later rounds one at most every "
                     f"{stream.delivery.tuning.report_every_secs:g} s (delivery.tuning.report_every_secs) and one when "
                     f"it ends.",
-        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "slot": stream.slot_label,
+        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "reader_group": stream.reader,
                   "batch_max_size": stream.batch.max_size, "ordering": stream.delivery.ordering,
                   "mode": stream.delivery.mode},
         kinds={"postgres", "spark"},
@@ -88,8 +88,6 @@ def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definit
         assets=[deliveries, status_asset_spec(stream.id, deliveries.key),
                 stream_subscription_assets(stream.id, declared), *lake_assets],
         asset_checks=[stream_checks(stream, subs), *lake_checks],
-        # a reader group's member has no sensor of its own: its group's sensor decides for it
-        sensors=[stream_sensor(stream)] if stream.reader is None else [],
     )
 
 

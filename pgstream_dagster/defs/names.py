@@ -13,8 +13,6 @@ ATTEMPT_TAG = "pgstream/attempt"
 BATCHES_TAG = "pgstream/batches"
 #: Dagster's own tag of a run a sensor requested with a run key
 RUN_KEY_TAG = "dagster/run_key"
-#: a warm run (delivery.mode warm): requested with no batch, it waits for what commits
-WARM_TAG = "pgstream/warm"
 #: a backfill run: ``true`` when launched, the stream id from when the run starts (the run config names it); never
 #: pgstream/stream, so deliveries go on meanwhile
 BACKFILL_TAG = "pgstream/backfill"
@@ -52,6 +50,7 @@ EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
 
 
 def stream_sensor_name(stream_id: int) -> str:
+    """The sensor of a stream whose ``streams[]`` entry is invalid (it tells what is wrong)."""
     return stream_object_name(stream_id)
 
 

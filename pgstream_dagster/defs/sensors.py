@@ -1,32 +1,28 @@
-"""One sensor per stream that reads its own slot, one per reader group (``streams[].reader``) for all its
-members: it records what commits on the slot as ledger batches and decides the streams' delivery runs, one at
-a time per stream, in order; the delivery runs do the work (a group's: one group delivery run hosting them).
+"""One sensor per reader group (``streams[].reader``; a stream that names none is in group ``default``) for
+all its members: it records what commits on the group's slot as each member's ledger batches and decides the
+members' delivery runs, one at a time per stream, in order; the group's delivery run hosts them (a member in
+mode per_batch has Dagster runs of its own).
 
-A stream's tick, repeated for up to ``sensor.tick_budget_secs`` (it ends early only to request a run); a
-group's tick reads the group's slot (``engine/ingest/group.py``) and then decides once for each member:
+A group's tick, repeated for up to ``sensor.tick_budget_secs``:
 
-1. **ingest** (``engine/ingest/``): make sure the slot exists and is usable (a missing or
-   invalidated slot is recreated and every event the ledger does not cover is recovered from the
-   table); while the sensor is the slot's declared reader (``streams.slot_reader``: no open run
-   reads it), record the transactions waiting on it as batches (the one batching rule of
-   ``engine/ingest/recorder.py``) and advance the slot, so WAL is released whatever the sink does;
-2. **decide**, after recording a batch and at least every second: read the stream's state in one
-   query (``ledger.state.stream_state``), ask Dagster about the run that state points at (the head
-   batch's run, or the open run a pending head would be handed to) as an engine
-   :class:`~..engine.batches.RunView` (a started run is *dead* once the database session that held
-   its delivery lease has ended, or when it has taken none ``delivery.run_grace_secs`` after it
-   started; a dead run is reported failed to Dagster at once), and let the pure :func:`~..engine.batches.decide` choose
-   the action: wait (paused, failover backoff, run busy), launch a run (the pending backlog, or the
-   failed checkpoint alone), hand new batches to the open run, request a lost run again, fail a
-   run (failover), leave failover once caught up;
-3. **apply** it: ``ledger.state.apply`` makes the
-   ledger's transitions; a run to request becomes the ``RunRequest`` (``run_key`` = stream,
-   installation, batches, attempt: a re-evaluated tick requests nothing twice).
+1. **ingest** (``engine/ingest/group.py``): while the group delivery run's reader does not read the group's
+   slot, make sure it exists and is usable (a missing or invalidated slot is recreated and every event the
+   ledger does not cover is recovered from the table), let a stream that had a slot of its own join, record
+   the transactions waiting as batches and advance the slot, so WAL is released whatever the sinks do;
+2. **decide**, for each member, after each slice of reading: read the streams' states in one query
+   (``ledger.state.stream_states``), look at the run each state points at (the head batch's run, or the
+   open run a pending head would be handed to) as an engine :class:`~..engine.batches.RunView` (a member
+   run whose delivery lease was lost is *dead*; a started Dagster run is dead once the session that held its
+   lease has ended, or when it has taken none ``delivery.run_grace_secs`` after it started, and is reported
+   failed at once), and let the pure :func:`~..engine.batches.decide` choose the action: wait (paused,
+   failover backoff, run busy), launch a run, hand new batches to the open run, request a lost run again,
+   fail a run (failover), leave failover once caught up;
+3. **apply** it: ``ledger.state.apply`` makes the ledger's transitions; a run of a member in mode per_batch
+   becomes a ``RunRequest`` (``run_key`` = stream, installation, batches, attempt: a re-evaluated tick
+   requests nothing twice), the group's delivery run is requested when none is live.
 
-Each tick also updates the cursor (the last event id and LSN the ledger recorded, whoever read the
-slot, and the backlog) and observes the stream
-status asset when anything it shows changed (counts, state, the open run and whether it is still
-live) or it is due; the delivery run observes it too, after every round.
+Each tick also updates the cursor (per member: the last event id and LSN the ledger recorded, and the
+backlog) and observes a member's status asset when its state changed or it is due.
 """
 
 
@@ -43,14 +39,14 @@ import dagster as dg
 import psycopg
 
 from ..config import StreamConfig, reader_groups, streams_fingerprint
-from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, WarmRun, decide, notes, tick_notes
+from ..engine import limits, replication
+from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
 from ..engine.dbconn import describe_url, error_line, server_gone
 from ..engine.delivery.group import member_run_id
-from ..engine.ingest import ConsumeResult, GroupResult, check_members, consume, consume_group, group_log, unconfigured
+from ..engine.ingest import GroupResult, check_members, consume, consume_group, group_log, unconfigured
 from ..engine.ledger import groups, locks
 from ..engine.ledger import state as ledger_state
-from ..engine.ledger import streams as ledger_streams
 from ..engine.limits import LimitsExceeded
 from ..engine.replication import PublicationTaken, SlotCreationWaits
 from ..engine.status import last_batches, stream_status
@@ -66,7 +62,6 @@ from .names import (
     RUN_KEY_TAG,
     STOP_TAG,
     STREAM_TAG,
-    WARM_TAG,
     group_sensor_name,
     member_tag,
     stream_sensor_name,
@@ -94,8 +89,7 @@ def _interrupted_before_load(instance: dg.DagsterInstance, run: dg.DagsterRun) -
     return record is not None and record.end_time is not None and record.end_time < LOADED_AT
 _LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
          dg.DagsterRunStatus.STARTED}
-#: how often a tick looks at the slot when nothing is waiting, and at the run in flight
-POLL_SECS = 0.1
+#: how long a group's tick reads the group's slot before it decides for the members again
 DECIDE_EVERY_SECS = 1.0
 #: while the group delivery run's reader records, how often a group's tick looks for a member's batch waiting for
 #: a decision (one indexed query; a member without a run gets its first batch's run within this, not at the next
@@ -105,11 +99,8 @@ LAUNCH_LOOK_SECS = 0.5
 JOINING_READ_SECS = 0.5
 
 
-def _request(order: RunOrder | WarmRun) -> dg.RunRequest:
-    if isinstance(order, WarmRun):  # delivery.mode warm: a run with no batch, open for what commits
-        return dg.RunRequest(run_key=order.run_key, job_name=DELIVERY_JOB,
-                             run_config={"ops": {"load_batches": {"config": {"stream_id": order.stream_id}}}},
-                             tags={STREAM_TAG: str(order.stream_id), WARM_TAG: "true"})
+def _request(order: RunOrder) -> dg.RunRequest:
+    """The Dagster run of a member in mode per_batch (the design card's run per batch)."""
     head, batch_ids = order.head, order.batch_ids
     config: dict[str, int] = {"stream_id": head.stream_id, "batch_id": batch_ids[0]}
     if len(batch_ids) > 1:
@@ -231,7 +222,7 @@ def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream:
     run said of it (its member tag: running, ended, failed with the error), the group run's Dagster status
     and, while it is started, the member's delivery lease (held: live; lost: dead, its process died). None:
     no group run took it (yet)."""
-    found = _member_host(instance, stream.reader or "", stream.id, run_key, look)
+    found = _member_host(instance, stream.reader, stream.id, run_key, look)
     if found is None:
         return None
     run, member = found
@@ -282,13 +273,15 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         state = ledger_state.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
     key = state.watched_run_key
-    # a reader group's member: its runs are hosted by the group's delivery run (no Dagster run of its own,
-    # unless one was requested before its group's run delivered it)
-    member = _member_view(conn, instance, stream, key, look) if stream.reader is not None and key else None
+    # an open or warm run is hosted by the group's delivery run; a run in mode per_batch (or one requested
+    # before the stream joined its group) is a Dagster run of its own
+    member = _member_view(conn, instance, stream, key, look) if key else None
     run = _find_run(instance, key) if member is None else None
     if member is not None:
         view, doing = member
-    elif run is None and stream.reader is not None and key:
+    elif run is None and stream.delivery.keeps_open and key:
+        # (a member in mode per_batch has Dagster runs of its own: one requested that Dagster does not have was
+        # lost, and is requested again below, as a stream's own)
         view, doing = _waiting_member(stream, key)
     else:
         view, doing = _run_view(conn, instance, run, stream, now)
@@ -299,75 +292,21 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         waiting[:] = [f"waiting for {doing}"] if doing is not None and state.head is not None else []
     log.extend(notes(action) if said is None else tick_notes(action, said, time.time()))
     order = ledger_state.apply(conn, stream, action)
-    if order is None or (stream.reader is not None and stream.delivery.keeps_open):
-        return None  # a member's open or warm run: the group's delivery run hosts it
-    return _request(order)  # a run of its own (a member's in mode per_batch too: the design card's run per batch)
+    if order is None or stream.delivery.keeps_open:
+        return None  # an open or warm run: the group's delivery run hosts it
+    return _request(order)  # mode per_batch: a run of its own (the design card's run per batch)
 
 
-def tick(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-         log: list[str], waiting: list[str] | None = None,
-         said: dict[str, Any] | None = None) -> tuple[ConsumeResult, dg.RunRequest | None]:
-    """One sensor evaluation: keep recording what commits (and handing it to the open run) until a
-    new run must be requested or ``sensor.tick_budget_secs`` is spent. A long tick is what lets an
-    open run deliver an event well under a second after its commit: the daemon starts ticks every
-    few seconds at best."""
-    total = ConsumeResult()
-    deadline = time.monotonic() + stream.sensor.tick_budget_secs
-    decided_at = 0.0
-    first = True
-    while True:
-        consumed = consume(conn, stream, max(0.0, deadline - time.monotonic()), check_slot=first,
-                           mark=first or time.monotonic() - decided_at >= DECIDE_EVERY_SECS)
-        first = False
-        total.add(consumed)
-        request = None
-        if consumed.batches or time.monotonic() - decided_at >= DECIDE_EVERY_SECS:
-            request = step(conn, instance, stream, log, waiting, said)
-            decided_at = time.monotonic()
-        remaining = deadline - time.monotonic()
-        if request is not None or consumed.slot_lost or remaining <= 0:
-            return total, request
-        if not consumed.batches:
-            # while an open run is the slot's declared reader the tick only decides (the run records and
-            # hands over itself; a run that ended without closing gives the slot back: batches.ReclaimSlot)
-            time.sleep(min(DECIDE_EVERY_SECS if consumed.slot_busy else POLL_SECS, remaining))
-
-
-def _deliveries_began(instance: dg.DagsterInstance, run_id: str) -> bool:
-    """Whether the run got past ``load_batches`` (which takes the delivery lease first)."""
-    records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_SUCCESS).records
-    return any(r.event_log_entry.step_key == "load_batches" for r in records)
-
-
-def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str,
-                   stream: StreamConfig | None = None, look: GroupLook | None = None) -> str:
-    """What became of the stream's open run, for the status asset: ``live`` (it holds the delivery
-    lease), ``starting`` (not delivering yet), or ``gone`` with why (no such run, it ended, or it took
-    the lease and holds it no more: its process died; the sensor fails it at its next decision). A reader
-    group's member: its member run in the group's delivery run (``look``: the group's newest delivery
-    runs, when the caller read them)."""
-    member = (_member_view(conn, instance, stream, run_key, look) if stream is not None and stream.reader
-              else None)
-    run = _find_run(instance, run_key) if member is None else None
-    if run is None and stream is not None and stream.reader is not None:
-        view, doing = member or _waiting_member(stream, run_key)
-        if view.status is RunStatus.LIVE:
-            held = doing is not None and "holds the delivery lease" in doing
-            return f"{'live' if held else 'starting'}: {doing}"
-        return f"gone: member run {view.run_id} {view.status.value}" + (f" ({view.error})" if view.error else "")
-    if run is None:
-        return "gone: Dagster has no run with this key"
-    if run.status not in _LIVE:
-        return f"gone: run {run.run_id} is {run.status.value}"
-    if run.status != dg.DagsterRunStatus.STARTED:
-        return f"starting: run {run.run_id} is {run.status.value}"
-    state = locks.lease_state(conn, run.run_id)
-    if state is locks.LeaseState.HELD:
-        return f"live: run {run.run_id}"
-    if state is locks.LeaseState.LOST or _deliveries_began(instance, run.run_id):
-        return (f"gone: run {run.run_id} holds no delivery lease any more (its process died; the sensor marks "
-                f"it failed at its next decision)")
-    return f"starting: run {run.run_id} has not taken the delivery lease yet"
+def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str, stream: StreamConfig,
+                   look: GroupLook | None = None) -> str:
+    """What became of the stream's open run (its member run in the group's delivery run), for the status
+    asset: ``live`` (it holds the delivery lease), ``starting`` (not delivering yet), or ``gone`` with why
+    (``look``: the group's newest delivery runs, when the caller read them)."""
+    view, doing = _member_view(conn, instance, stream, run_key, look) or _waiting_member(stream, run_key)
+    if view.status is RunStatus.LIVE:
+        held = doing is not None and "holds the delivery lease" in doing
+        return f"{'live' if held else 'starting'}: {doing}"
+    return f"gone: member run {view.run_id} {view.status.value}" + (f" ({view.error})" if view.error else "")
 
 
 #: what the status asset shows that a new observation must not wait for: the state, and the counts (a reader
@@ -413,9 +352,9 @@ LEFT_OUT_TELL_SECS = 30
 def left_out_sensor(stream_id: int, problem: str) -> dg.SensorDefinition:
     """The sensor of a stream whose ``streams[]`` entry is invalid (the code location left it out, the other
     streams go on): each tick tells ``problem`` in one line, as its log's error and its skip reason, and
-    does nothing else. The stream's events wait for the entry to be fixed: a reader group's member is
-    recorded meanwhile by its group (``ingest.group.unconfigured``); a stream reading its own slot is read
-    again once it is fixed (its slot keeps the WAL meanwhile)."""
+    does nothing else. The stream's events wait for the entry to be fixed: its group records them meanwhile
+    (``ingest.group.unconfigured``; a stream that still has a slot of its own from an earlier version joins
+    once it is fixed, its slot keeping the WAL meanwhile)."""
     line = f"stream {stream_id} is left out: its streams[] entry is invalid: {problem}"
 
     @dg.sensor(name=stream_sensor_name(stream_id), minimum_interval_seconds=LEFT_OUT_TELL_SECS,
@@ -424,73 +363,6 @@ def left_out_sensor(stream_id: int, problem: str) -> dg.SensorDefinition:
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SkipReason:
         context.log.error(line)
         return dg.SkipReason(line)
-
-    return _sensor
-
-
-def stream_sensor(stream: StreamConfig) -> dg.SensorDefinition:
-    """The sensor of one stream that reads its own slot (a reader group's member has none: its group's
-    sensor decides for it, :func:`group_sensor`)."""
-    assert stream.reader is None, f"stream {stream.id} is a member of reader group {stream.reader}"
-
-    @dg.sensor(
-        name=stream_sensor_name(stream.id),
-        job_name=DELIVERY_JOB,
-        minimum_interval_seconds=stream.sensor.interval_secs,
-        default_status=dg.DefaultSensorStatus.RUNNING,
-        description=(f"Reads {stream.slot_label}, records batches of stream {stream.id} and requests "
-                     f"one delivery run at a time, in order."),
-    )
-    @_waits_for_the_database
-    def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
-        cursor = json.loads(context.cursor) if context.cursor else {}
-        log: list[str] = []
-        waiting: list[str] = []
-        try:
-            connection = _connect(pgstream)
-        except DatabaseUnreachable as exc:
-            return _told(context, exc)
-        with connection as conn:
-            try:
-                with fewer_collections():  # the tick records in bulk
-                    consumed, request = tick(conn, context.instance, stream, log, waiting,
-                                             cursor.setdefault("said", {}))
-            except _TOLD_IN_ONE_LINE as exc:
-                # the operator's to resolve (or a transaction to end): one line, each tick, no traceback
-                return _told(context, exc)
-            (row,) = stream_status(conn, stream.id, last=0)  # the tick's one read of the stream's state
-            pending_batches, pending_events = int(row["undelivered_batches"]), int(row["undelivered_events"])
-            # the ledger's: what is recorded, whoever read the slot (this tick, or an open run's reader)
-            cursor["last_event_id"] = row["last_recorded_event_id"]
-            cursor["last_lsn"] = row["last_recorded_lsn"]
-            cursor["undelivered_batches"] = pending_batches
-            cursor["undelivered_events"] = pending_events
-            observed = _observe_status(conn, context.instance, stream, row, cursor)
-        if consumed.slot_lost:
-            context.log.warning(f"slot {consumed.slot} was invalidated (WAL limit) or dropped; replacing it and "
-                                "recovering undelivered events from pgstream.events")
-        if consumed.publications_created:
-            context.log.warning(f"publication(s) {', '.join(consumed.publications_created)} were missing (dropped by "
-                                "hand?) and were created again; events committed meanwhile are recovered from "
-                                "pgstream.events")
-        if consumed.slot_created:
-            context.log.info(f"created slot {consumed.slot}; recovered {len(consumed.recovered)} batches from the "
-                             "table")
-        if consumed.batches:
-            context.log.info(f"recorded batches {consumed.batches} ({consumed.events} events)")
-        if consumed.unreadable:
-            context.log.error(f"{consumed.unreadable} events could not be recorded and were set aside as dead letters "
-                              f"(stage 'read'): `pgstream-dagster dead-letters list {stream.id}`")
-        for line in log:
-            context.log.warning(line)
-        new_cursor = json.dumps(cursor, sort_keys=True, default=str)
-        events = [observed] if observed is not None else []
-        if request is None:
-            why = "".join(f"; {w}" for w in waiting)
-            return dg.SensorResult(skip_reason=dg.SkipReason(
-                f"{pending_events} undelivered events in {pending_batches} batches{why}"), cursor=new_cursor,
-                asset_events=events)
-        return dg.SensorResult(run_requests=[request], cursor=new_cursor, asset_events=events)
 
     return _sensor
 
@@ -548,13 +420,18 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     for run in _group_runs(instance, group, limit=5):
         if run.status not in _LIVE:
             continue
+        doing = ""
         if run.status == dg.DagsterRunStatus.STARTED:
             state = locks.group_lease_state(conn, group, run.run_id)
             late = False
+            doing = " (it holds the group's delivery lease)"
             if state is locks.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
                 record = instance.get_run_record_by_id(run.run_id)
                 started = record.start_time if record else None
                 late = started is not None and time.time() - started >= grace
+                age = time.time() - started if started is not None else 0.0
+                doing = (f": started {age:.0f} s ago, has not taken its delivery lease yet (run_grace_secs "
+                         f"{grace:g})")
             if state is locks.LeaseState.LOST or (state is locks.LeaseState.NOT_TAKEN and late):
                 why = ("the database session holding the group's delivery lease has ended (its process died)"
                        if state is locks.LeaseState.LOST else
@@ -564,6 +441,8 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                 log.append(f"reader group {group}: group delivery run {run.run_id} died ({why}); marked failed")
                 continue
         ending = _ask_to_end(instance, run, group, fingerprint, log)
+        if doing:  # started: whether it holds its lease, or how long it has not taken it
+            return None, f"group delivery run {run.run_id}{doing}{ending}"
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
     hosted = {s.id for s in streams if s.delivery.keeps_open}  # (a per_batch member's runs are its own)
     wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
@@ -595,8 +474,7 @@ def _connect(pgstream: PgstreamResource) -> psycopg.Connection:
 
 
 #: what a group's tick tells in one line (its skip reason), without a traceback
-_TOLD_IN_ONE_LINE = (ledger_streams.SlotElsewhere, LimitsExceeded, groups.GroupChange, SlotCreationWaits,
-                     PublicationTaken)
+_TOLD_IN_ONE_LINE = (LimitsExceeded, groups.GroupChange, SlotCreationWaits, PublicationTaken)
 
 
 def _told(context: dg.SensorEvaluationContext, exc: Exception) -> dg.SensorResult:
@@ -637,13 +515,14 @@ def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> 
 
 def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
                     cursor: dict[str, Any], log: list[str], requests: list[dg.RunRequest],
-                    observations: int = OBSERVATIONS_PER_TICK) -> list[dg.AssetObservation]:
-    """The decisions of every member, once each (:func:`step`, as a stream's own sensor decides: an open or
-    warm member's runs are hosted by the group delivery run; a run of a member in mode per_batch is a Dagster
-    run of its own, added to ``requests``), and the observations of their status assets (at most
-    ``observations``). A member still handing its own slot over (it had one before it joined) has
-    it read first, as its own sensor did (``consume``: its events are delivered meanwhile). The group's newest
-    delivery runs are read once for all of them."""
+                    observations: int = OBSERVATIONS_PER_TICK,
+                    waits: dict[int, str] | None = None) -> list[dg.AssetObservation]:
+    """The decisions of every member, once each (:func:`step`: an open or warm member's runs are hosted by the
+    group delivery run; a run of a member in mode per_batch is a Dagster run of its own, added to ``requests``),
+    and the observations of their status assets (at most ``observations``; ``waits``: what the run of each
+    member in mode per_batch with a backlog is doing, for the tick's skip reason). A member still handing its
+    own slot over (it had one before it joined) has it read first (``consume``: its events are delivered
+    meanwhile). The group's newest delivery runs are read once for all of them."""
     state = groups.group_state(conn, group)
     joined = {m.id for m in state.members if m.joined} if state is not None else set()
     # a member the database does not have in the group was left out (its registration refused, told by the tick)
@@ -657,8 +536,14 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
             consume(conn, stream, JOINING_READ_SECS)
         mine = members.setdefault(str(stream.id), {})
         # (a joining member's own slot was just read: its state read again)
-        request = step(conn, instance, stream, log, said=mine.setdefault("said", {}), look=look,
+        waiting: list[str] = []
+        request = step(conn, instance, stream, log, waiting, said=mine.setdefault("said", {}), look=look,
                        state=states[stream.id] if stream.id in joined else None)
+        if waits is not None and not stream.delivery.keeps_open:  # (a run of its own: the group run's are told)
+            if waiting:
+                waits[stream.id] = waiting[0]
+            else:
+                waits.pop(stream.id, None)
         if request is not None:
             requests.append(request)
     by_id = {s.id: s for s in streams}
@@ -684,6 +569,19 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     return observed
 
 
+def _slot_fits(conn: psycopg.Connection, group: str) -> None:
+    """:class:`LimitsExceeded` (the slot line of ``engine.limits``) when the group's slot does not exist and
+    every replication slot is in use: a group run requested then would end at once (its reader refused), and
+    the next tick would request another."""
+    state = groups.group_state(conn, group)
+    if state is None or replication.slot_info(conn, state.slot) is not None:
+        return
+    row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
+    line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [group])
+    if line is not None:
+        raise LimitsExceeded([line])
+
+
 def _unconfigured(conn: psycopg.Connection, group: str, invalid: Mapping[int, str]) -> dict[int, str]:
     """The group's members whose streams[] entry is invalid (the code location left them out), each told in
     one line (as the group's reader tells it: ``ingest.group``)."""
@@ -695,9 +593,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
     """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``), the one
     sensor of all its members: each tick reads the group's one slot (while no group delivery run reads it) and
     records each stream's transactions in its ledger, handing them to the stream's open run
-    (``engine/ingest/group.py``), decides for each member as a stream's own sensor does (launch, hand over,
-    fail over, retry: the group delivery run hosts what is decided) and requests the group's delivery run
-    when none is live."""
+    (``engine/ingest/group.py``), decides for each member (launch, hand over, fail over, retry: the group
+    delivery run hosts what is decided) and requests the group's delivery run when none is live."""
     budget = min(s.sensor.tick_budget_secs for s in streams)
     ids = sorted(s.id for s in streams)
 
@@ -724,8 +621,6 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             return _told(context, exc)
         with connection as conn:
             try:
-                # without a live group delivery run the tick reads briefly: the run its members wait for is
-                # requested at the tick's end (a group run process takes seconds to start)
                 live = any(r.status in _LIVE for r in _group_runs(context.instance, group, limit=5))
                 if not live:
                     # the group run's process takes seconds to start: requested first, and this tick ends (the
@@ -736,18 +631,23 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     notes_: list[str] = []
                     request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
                     if request is not None:
+                        # a group whose slot cannot be created: the tick says why (its run's reader would be
+                        # refused at once, and every tick would request another)
+                        _slot_fits(conn, group)
                         for line in notes_:
                             context.log.warning(line)
                         context.log.info(f"reader group {group}: group delivery run {delivery}")
                         return dg.SensorResult(run_requests=[request], cursor=context.cursor)
                 # one reader of the group's slot at a time: the tick reads only when the group delivery run's
                 # reader does not (it reads continuously while the run lives; its lock ends with its session).
-                # It reads in slices of DECIDE_EVERY_SECS and decides for the members after each, as a stream's
-                # own sensor does: what it recorded is handed to the members' runs within a second, not at the
-                # end of the budget, and the group run's reader, once up, takes the reading over between slices
+                # It reads in slices of DECIDE_EVERY_SECS and decides for the members after each: what it recorded
+                # is handed to the members' runs within a second, not at the end of the budget, and the group
+                # run's reader, once up, takes the reading over between slices. (Here without a live group run:
+                # its members are all in mode per_batch, which keeps none; the tick reads its whole budget.)
                 result, observed = GroupResult(), list[dg.AssetObservation]()
                 own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
-                deadline = time.monotonic() + (budget if live else min(budget, 1.0))
+                waits: dict[int, str] = {}  # what the runs of members in mode per_batch are doing
+                deadline = time.monotonic() + budget
                 while True:
                     reading = None
                     if locks.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
@@ -761,7 +661,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     else:
                         reading = locks.group_reading_holder(conn, group) or "a session that is ending"
                     observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                own_runs, observations=OBSERVATIONS_PER_TICK - len(observed))
+                                                own_runs, observations=OBSERVATIONS_PER_TICK - len(observed),
+                                                waits=waits)
                     if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
                         break
             except _TOLD_IN_ONE_LINE as exc:
@@ -775,7 +676,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 try:
                     while _launch_waits(conn, ids, deadline):
                         observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                    own_runs, observations=OBSERVATIONS_PER_TICK - len(observed))
+                                                    own_runs, observations=OBSERVATIONS_PER_TICK - len(observed),
+                                                    waits=waits)
                 except _TOLD_IN_ONE_LINE as exc:
                     return _told(context, exc)
             if invalid:  # told at every tick, whoever read
@@ -800,9 +702,10 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                    cursor=new_cursor, asset_events=observed)
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
                 if reading is None else f"read nothing: {reading} reads the group's slot")
+        why = "".join(f"; stream {sid} {line}" for sid, line in sorted(waits.items()))
         return dg.SensorResult(skip_reason=dg.SkipReason(
-            f"{read}{joining}{left}; {pending} undelivered events in {batches} batches; {delivery}"), cursor=new_cursor,
-            asset_events=observed)
+            f"{read}{joining}{left}; {pending} undelivered events in {batches} batches{why}; {delivery}"),
+            cursor=new_cursor, asset_events=observed)
 
     return _sensor
 

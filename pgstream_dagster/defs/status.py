@@ -1,4 +1,4 @@
-"""The stream status asset, observed by the stream's sensor (the queries: ``engine/status.py``)."""
+"""The stream status asset, observed by its reader group's sensor (the queries: ``engine/status.py``)."""
 
 from __future__ import annotations
 

@@ -17,29 +17,22 @@ A ledger batch moves through these statuses (``pgstream.batches.status``)::
 oldest open batch of a stream (its *head*) may start a run.
 
 With ``delivery.mode: warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
-run with no batch that becomes the stream's open run and waits for what commits (it reads the slot
-itself), so the first event after a quiet spell finds a started process.
+run with no batch that becomes the stream's open run and waits for what commits, so the first event
+after a quiet spell finds a run ready.
 
-The stream's open run (``streams.open_run_key``) and the slot's declared reader
-(``streams.slot_reader``: ``sensor`` or ``run:<run key>``) change only by these transitions, the sensor's
-(:data:`Action`, from :func:`decide`, applied by ``ledger.state.apply``) and the run's own (:data:`RunAction`,
-applied by ``ledger.state.apply_run``); ending an open run gives the slot back in the same UPDATE::
+The stream's open run (``streams.open_run_key``) changes only by these transitions, the sensor's
+(:data:`Action`, from :func:`decide`, applied by ``ledger.state.apply``) and the run's own
+(:data:`RunAction`, applied by ``ledger.state.apply_run``)::
 
-    none --(Launch keep_open, Warm)--> open, the sensor reads until the run's reader takes the slot
-    open, the sensor reads --(the run's reader: TakeSlot, only while its run is the open run)--> open,
-        the run reads
-    open, the run reads --(the run's reader: GiveSlotBack, while it cannot read or once it stops)--> open,
-        the sensor reads (and hands the run what it records)
+    none --(Launch keep_open, Warm)--> open
     open --(Extend)--> open, handed the batches recorded behind its own
-    open --(Launch replaces, FailRun)--> none, the sensor reads
-    open, ended without closing, nothing left --(ReclaimSlot)--> open (until the next batch's run
-        replaces it), the sensor reads
-    open --(the run: CloseRun, refused while a batch it was handed is not delivered)--> none, the sensor
-        reads
+    open --(Launch replaces, FailRun)--> none
+    open --(the run: CloseRun, refused while a batch it was handed is not delivered)--> none
 
-A stream of a reader group (``streams[].reader``) hands its slot over once, when it joins
-(``ledger.groups``: ``pgstream.begin_join``): its reader becomes ``group:<name>`` for good, its open runs
-read no slot, and the group's reader hands them what it records (``ledger.state.extend_run``).
+Every stream reads with a reader group (``streams[].reader``): the group's reader records its batches and
+hands them to its open run (``ledger.state.extend_run``). A stream that had a slot of its own hands it over
+once, when it joins (``ledger.groups``: ``pgstream.begin_join``): its declared reader
+(``streams.slot_reader``) becomes ``group:<name>`` for good.
 """
 
 from __future__ import annotations
@@ -119,7 +112,6 @@ class StreamState:
     #: when the newest delivered batch was launched (read in failover while the head is pending)
     last_delivered_launch: dt.datetime | None = None
     incarnation: str = ""  # of the stream row (run keys carry it)
-    slot_reader: str = "sensor"  # the slot's declared reader (streams.slot_reader): 'sensor' or 'run:<run key>'
 
     def __post_init__(self) -> None:
         head = self.head
@@ -296,18 +288,7 @@ class LeaveFailover:
     note: str
 
 
-@dataclass(frozen=True)
-class ReclaimSlot:
-    """The open run ``run_key`` ended without closing (failed, canceled, died) with nothing left to
-    deliver: the slot goes back to the sensor (``streams.slot_reader``), which reads it again. The run
-    stays the stream's open run until the next batch's run replaces it (:class:`Launch` ``replaces``),
-    so a run that cannot start is not requested again every tick."""
-
-    run_key: str
-    note: str | None = None
-
-
-Action = Wait | Launch | Warm | Extend | Reissue | FailRun | Requeue | LeaveFailover | ReclaimSlot
+Action = Wait | Launch | Warm | Extend | Reissue | FailRun | Requeue | LeaveFailover
 
 
 # --- the run's transitions: its own, not the sensor's decisions (ledger.state.apply_run) ---------------
@@ -315,32 +296,14 @@ Action = Wait | Launch | Warm | Extend | Reissue | FailRun | Requeue | LeaveFail
 @dataclass(frozen=True)
 class CloseRun:
     """The open run ``run_key`` stops taking batches (idle for ``tuning.linger_secs``, paused, a replay
-    waits, ...): the stream has no open run and the sensor reads the slot. Refused (``apply_run`` is
+    waits, ...): the stream has no open run. Refused (``apply_run`` is
     false) while batches were assigned to it and not delivered: it delivers them first and tries again."""
 
     stream_id: int
     run_key: str
 
 
-@dataclass(frozen=True)
-class TakeSlot:
-    """The open run ``run_key``'s reader reads the slot (again): it becomes the declared reader. Refused
-    (false) unless ``run_key`` is the stream's open run."""
-
-    stream_id: int
-    run_key: str
-
-
-@dataclass(frozen=True)
-class GiveSlotBack:
-    """The run ``run_key``'s reader does not read (it stopped, or cannot read for now): the sensor is the
-    declared reader again and hands the run what it records. False if the run was not the reader."""
-
-    stream_id: int
-    run_key: str
-
-
-RunAction = CloseRun | TakeSlot | GiveSlotBack
+RunAction = CloseRun
 
 
 def decide(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig) -> Action:
@@ -402,10 +365,6 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
     return Wait()
 
 
-#: what a run that will not read the slot any more looks like
-_ENDED = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.SUCCEEDED)
-
-
 def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
     """The key of a warm run requested at ``now``: a tick evaluated again within the second asks for
     the same run; a second warm run, should one start, finds another open run and ends at once."""
@@ -417,11 +376,6 @@ def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: Strea
     """Nothing is open: with ``delivery.mode: warm`` the stream keeps an open run ready. A warm run that
     ended without closing (failed, killed) is not replaced before the next batch: that batch's run
     replaces it (:func:`_next`), so a run that cannot start does not fail again every second."""
-    if state.open_run_key is not None and run.status in _ENDED and state.slot_reader.startswith("run:"):
-        # nothing reads the slot otherwise: the run that was to read it ended
-        ended = run.run_id or state.open_run_key
-        return ReclaimSlot(state.open_run_key, note=f"stream {state.stream_id}: open run {ended} ended "
-                                                    f"({run.outcome or run.status}); the sensor reads the slot")
     if not stream.delivery.keep_warm or state.paused or in_failover:
         return Wait()
     if state.open_run_key is None:
@@ -436,7 +390,7 @@ def notes(action: Action) -> list[str]:
     match action:
         case LeaveFailover(then=then, note=note):
             return [note, *notes(then)]
-        case Wait(reason=note) | FailRun(note=note) | Requeue(note=note) | ReclaimSlot(note=note) if note is not None:
+        case Wait(reason=note) | FailRun(note=note) | Requeue(note=note) if note is not None:
             return [note]
     return []
 
@@ -461,7 +415,7 @@ def failover_key(batch_id: int, retry_at: dt.datetime) -> str:
 
 def tick_notes(action: Action, said: dict[str, Any], now: float) -> list[str]:
     """:func:`notes` for a sensor that decides many times a tick and ticks every few seconds: a
-    transition (a run failed, failover left, the slot reclaimed) each time, a lasting state once when it
+    transition (a run failed, failover left) each time, a lasting state once when it
     starts or changes, then its short form at most every :data:`REMIND_EVERY_SECS` (``now``: epoch
     seconds) while it lasts. ``said`` remembers what was said (the sensor keeps it in its cursor)."""
     state = _lasting(action)

@@ -48,16 +48,15 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
          defs_folder: Path | str | None = None, max_concurrent_runs: int | None = None,
          runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
     """As the owner (``owner_url``, default ``database_url``): migrate, run housekeeping once (today's
-    partitions), apply the YAML subscriptions. As the runtime (``database_url``): register the streams and
-    create their slots, through the runtime's API, as its sensors do. With ``defs_folder``, also the streams
-    declared as StreamComponents there, and their subscriptions.
+    partitions), apply the YAML subscriptions. As the runtime (``database_url``): register the streams in their
+    reader groups and create the groups' slots, through the runtime's API, as their sensors do. With
+    ``defs_folder``, also the streams declared as StreamComponents there, and their subscriptions.
 
     First the limits (:func:`preflight`): streams that do not fit raise
     :class:`~.limits.LimitsExceeded` (one line per problem) before anything changes."""
     from ..config import load_config
     from .housekeeping import run_housekeeping
-    from .ingest import ConsumeResult, GroupResult, ensure_group, ensure_slot
-    from .ledger import streams
+    from .ingest import GroupResult, ensure_group
     from .migrations import migrate
     from .subscriptions import apply_subscriptions
 
@@ -74,22 +73,11 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
     with _as(owner_role, owner):
         out = [f"applied migration {m}" for m in migrate(owner, partitions_ahead=config.housekeeping.days_ahead)]
     with _as(owner_role, owner), psycopg.connect(owner, autocommit=True) as conn:
-        # a slot another stream reads is refused before anything changes
-        streams.check_slots(conn, [(s.id, s.slot_name) for s in config.streams])
         report = run_housekeeping(conn, config.housekeeping)
         if report.created or report.dropped or report.kept or report.busy or report.batches_pruned \
                 or report.default_rows_deleted:
             out.append(report.summary())
     with _as(runtime, url), psycopg.connect(url, autocommit=True) as conn:
-        for stream in config.streams:
-            if stream.reader is not None:  # a reader group's slot, once for its streams (below)
-                continue
-            streams.ensure_stream(conn, stream.id, stream.slot_name)
-            result = ConsumeResult()
-            ensure_slot(conn, stream, result)
-            if result.slot_created:
-                out.append(f"created slot {result.slot} for stream {stream.id} "
-                           f"(recovered {sum(1 for _ in result.recovered)} batches from the table)")
         for group, members in reader_groups(config.streams).items():
             # registers the streams (a stream that had its own slot joins at the group sensor's first tick)
             grouped = GroupResult()

@@ -1,5 +1,5 @@
 """The Postgres and Dagster limits that can stop a stream, checked before they do (``pgstream-dagster
-preflight``, ``init``, and a sensor whose slot cannot be created): ``wal_level``, the runtime role's
+preflight``, ``init``, and a group's sensor whose slot cannot be created): ``wal_level``, the runtime role's
 replication right, ``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with the
 connections Dagster's storage keeps on the same server), and the Dagster instance's
 ``max_concurrent_runs`` (both given by the caller: the engine does not know Dagster).
@@ -18,10 +18,8 @@ import psycopg
 
 from ..config import StreamConfig, reader_groups
 
-#: connections a stream may hold at once: its sensor's, and its delivery run's own and delivery lease; a reader
-#: group's member one: its run's delivery lease, on which the run does its ledger work (its group's sensor decides
-#: for it, its group's run listens and reads for it)
-_CONNECTIONS_PER_STREAM = 3
+#: connections a stream holds at once: its member run's delivery lease, on which the run does its ledger work
+#: (its group's sensor decides for it, its group's run listens and reads for it)
 _CONNECTIONS_PER_MEMBER = 1
 #: housekeeping, checks, metrics and a replay or backfill beside the streams
 _CONNECTIONS_SHARED = 4
@@ -128,29 +126,10 @@ def _suggest(needed: int) -> int:
     return max(8, -(-needed // 8) * 8)
 
 
-def _names(ids: Sequence[int | str]) -> str:
-    """Who needs the slots: stream ids, and reader groups (their names, one slot per group)."""
-    groups = [f"reader group {g}" for g in ids if isinstance(g, str)]
-    streams = [i for i in ids if isinstance(i, int)]
-    if len(streams) == 1:
-        who = [f"stream {streams[0]}"]
-    elif streams:
-        who = ["streams " + ", ".join(str(i) for i in streams[:-1]) + f" and {streams[-1]}"]
-    else:
-        who = []
-    names = " and ".join(who + groups)
-    return f"{names} need{'s' if len(ids) == 1 else ''} {'one' if len(ids) == 1 else len(ids)} more"
-
-
-def stream_slots(conn: psycopg.Connection, streams: Sequence[StreamConfig]) -> dict[int, str | None]:
-    """Each stream's slot name: its ``slot_name``, else the one its ``pgstream.streams`` row names
-    (``None``: the stream has no row yet, so no slot)."""
-    named: dict[int, str | None] = {s.id: s.slot_name for s in streams}
-    if conn.execute("select pg_catalog.to_regclass('pgstream.streams') is not null").fetchone() == (True,):
-        for stream_id, slot in conn.execute("select id, slot from pgstream.streams where id = any(%s)",
-                                            [[s.id for s in streams if not s.slot_name]]):
-            named[int(stream_id)] = str(slot) if slot else None
-    return named
+def _names(groups: Sequence[str]) -> str:
+    """Who needs the slots: reader groups (one slot per group)."""
+    names = " and ".join(f"reader group {g}" for g in groups)
+    return f"{names} need{'s' if len(groups) == 1 else ''} {'one' if len(groups) == 1 else len(groups)} more"
 
 
 def group_slot_names(conn: psycopg.Connection) -> dict[str, str]:
@@ -160,9 +139,9 @@ def group_slot_names(conn: psycopg.Connection) -> dict[str, str]:
     return {str(name): str(slot) for name, slot in conn.execute("select name, slot from pgstream.reader_groups")}
 
 
-def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[int | str]) -> str | None:
-    """The line saying that the streams ``missing`` (ids, without a slot yet; a name: a reader group, one
-    slot for its streams) do not fit in ``max_replication_slots`` with ``in_use`` slots taken, if they do not."""
+def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[str]) -> str | None:
+    """The line saying that the reader groups ``missing`` (without a slot yet: one slot for each group's
+    streams) do not fit in ``max_replication_slots`` with ``in_use`` slots taken, if they do not."""
     free = limits.max_replication_slots - in_use
     if len(missing) <= max(free, 0):
         return None
@@ -181,8 +160,8 @@ def replication_problem(conn: psycopg.Connection, service: str | None) -> str | 
         "where r.rolname operator(pg_catalog.=) current_user").fetchone()
     if row is None or row[1]:
         return None
-    return (f"role {row[0]} (database_url) may not read replication slots and the streams' sensors and runs "
-            f"read theirs as it: {_grant_replication(service, row[0])}")
+    return (f"role {row[0]} (database_url) may not read replication slots and the reader groups' sensors and "
+            f"delivery runs read their slots as it: {_grant_replication(service, row[0])}")
 
 
 def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
@@ -196,46 +175,36 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
     line = replication_problem(conn, limits.service)
     if line:
         out.append(line)
-    own = [s for s in streams if s.reader is None]  # a reader group's streams share the group's slot
-    slots = stream_slots(conn, own)
+    # every stream reads with its reader group: one slot, one WAL sender (the group delivery run's reader) per group
     existing = {str(r[0]) for r in conn.execute("select slot_name from pg_catalog.pg_replication_slots")}
-    missing: list[int | str] = [s.id for s in own if slots[s.id] not in existing]
     group_slots = group_slot_names(conn)
-    missing += sorted({s.reader for s in streams if s.reader is not None and group_slots.get(s.reader) not in existing})
+    groups = list(reader_groups(streams))
+    missing = [g for g in groups if group_slots.get(g) not in existing]
     line = slot_problem(limits, len(existing), missing)
     if line:
         out.append(line)
-    # an open run of a group's stream reads no slot: the group delivery run's reader reads the group's, one
-    # WAL sender per group
-    readers = [s.id for s in own if s.delivery.read_slot]
-    groups = list(reader_groups(streams))
-    # WAL senders other than the streams' and groups' own slot readers (told by the slot they hold:
-    # pg_stat_replication hides a connection's application_name from roles without pg_read_all_stats)
-    ours = [v for v in slots.values() if v] + [group_slots[g] for g in groups if g in group_slots]
+    # WAL senders other than the groups' own slot readers (told by the slot they hold: pg_stat_replication
+    # hides a connection's application_name from roles without pg_read_all_stats)
+    ours = [group_slots[g] for g in groups if g in group_slots]
     row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
                        "pg_catalog.pg_replication_slots s where s.active_pid operator(pg_catalog.=) r.pid and "
                        "s.slot_name operator(pg_catalog.=) any(%s))", [ours]).fetchone()
     senders_elsewhere = int(row[0]) if row else 0
-    if senders_elsewhere + len(readers) + len(groups) > limits.max_wal_senders:
-        needed = senders_elsewhere + len(readers) + len(groups)
-        who = [f"{len(readers)} streams' open runs read their slot (delivery.mode open or warm)"] if readers else []
-        who += [f"{len(groups)} reader groups' delivery runs read their group's slot"] if groups else []
+    if senders_elsewhere + len(groups) > limits.max_wal_senders:
         out.append(f"max_wal_senders is {limits.max_wal_senders} and {senders_elsewhere} are in use by others; "
-                   f"{' and '.join(who)} over replication, one WAL sender each: "
-                   + how_to_set(limits.service, "max_wal_senders", _suggest(needed)))
+                   + (f"{len(groups)} reader groups' delivery runs read their group's slot" if len(groups) > 1 else
+                      f"reader group {groups[0]}'s delivery run reads its slot")
+                   + " over replication, one WAL sender each: "
+                   + how_to_set(limits.service, "max_wal_senders", _suggest(senders_elsewhere + len(groups))))
     usable = limits.max_connections - limits.reserved_connections
     # a group's sensor, and its delivery run's lease and listener and its reader: four connections per group
-    grouped = sum(1 for s in streams if s.reader is not None)
     storage = _dagster_on_server(conn, dagster)
-    needed = ((len(streams) - grouped) * _CONNECTIONS_PER_STREAM + grouped * _CONNECTIONS_PER_MEMBER + len(readers)
-              + 4 * len(groups) + _CONNECTIONS_SHARED + storage)
+    needed = len(streams) * _CONNECTIONS_PER_MEMBER + 4 * len(groups) + _CONNECTIONS_SHARED + storage
     if needed > usable:
-        of_groups = (f", {grouped} of them in {len(groups)} reader group(s) whose delivery runs hold a connection per "
-                     f"stream all the same" if groups else "")
         of_dagster = f", Dagster's storage on this server {storage}" if storage else ""
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
-                   f"streams need up to {needed} (a sensor, a delivery run and its lease each{of_groups}, the slot "
-                   f"readers, housekeeping{of_dagster}): "
+                   f"streams in {len(groups)} reader group(s) need up to {needed} (a connection per stream in its "
+                   f"group's delivery run, the groups' sensors, readers and leases, housekeeping{of_dagster}): "
                    + how_to_set(limits.service, "max_connections", _suggest(needed + limits.reserved_connections)))
     return out
 
@@ -247,13 +216,11 @@ def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig]
     the instance's configuration, named in the line."""
     if max_concurrent_runs is None or max_concurrent_runs < 0:
         return None
-    open_runs = [s.id for s in streams if s.delivery.keeps_open and s.reader is None]
     groups = list(reader_groups(streams))
-    needed = len(open_runs) + len(groups) + 1
+    needed = len(groups) + 1
     if needed <= max_concurrent_runs:
         return None
-    of_groups = f" and {len(groups)} reader groups keep a group delivery run" if groups else ""
-    return (f"max_concurrent_runs is {max_concurrent_runs} and {len(open_runs)} streams keep a run open "
-            f"(delivery.mode open or warm){of_groups}, plus one for housekeeping, checks and replays: a stream "
+    return (f"max_concurrent_runs is {max_concurrent_runs} and {len(groups)} reader groups keep a group delivery "
+            f"run, plus one for housekeeping, checks and replays: a stream "
             f"without a run waits up to delivery.tuning.max_run_secs: set max_concurrent_runs = {_suggest(needed)} "
             f"under run_coordinator.config (or concurrency.runs) in {where}")

@@ -556,7 +556,7 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
             "and database = current_database() order by 1", [sorted(slots), default_slot]
         ).fetchall():
             if pid is not None:
-                # an open run's reader (a walsender) holds it: ended, it lets go of the slot within moments
+                # a group delivery run's reader (a walsender) holds it: ended, it lets go of the slot within moments
                 conn.execute("select pg_terminate_backend(%s, 10000)", [pid])
                 _wait_slot_released(conn, slot)
             conn.execute("select pg_drop_replication_slot(%s)", [slot])

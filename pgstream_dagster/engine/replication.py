@@ -27,10 +27,6 @@ _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 class DecodedEvent(NamedTuple):
     id: int
     created_at: dt.datetime
-    #: with ``PgOutputDecoder(keep_rows=True)``: the rest of the row as the WAL carries it (stream id,
-    #: payload and metadata as JSON text, and the size of the message, to bound what is kept), or None
-    #: when its text is not UTF-8
-    row: tuple[int, str, str | None, int] | None = None
     #: with ``PgOutputDecoder(keep_stream=True)`` (a reader group's publication): the event's stream
     stream_id: int | None = None
 
@@ -88,24 +84,17 @@ class PgOutputDecoder:
 
     Only what the ledger needs is read from an INSERT: the ``id`` and ``created_at`` columns (their
     positions come from the Relation message); other columns before them are stepped over without
-    decoding, the ones after are not looked at. ``keep_rows``: also the ``stream_id``, ``payload``
-    and ``metadata`` columns (:attr:`DecodedEvent.row`), for a reader that hands what it recorded to
-    its run in memory instead of having it read back from the table (not of a message larger than
-    ``max_row_bytes``: that event is read from the table). A ``created_at`` equal to the
+    decoding, the ones after are not looked at (``keep_stream``: the ``stream_id`` column too, by which a
+    reader group routes). A ``created_at`` equal to the
     previous one is not parsed again (inline, as :func:`parse_timestamp` does). :meth:`decode` is the
     fast path for many messages (inserts decoded inline)."""
 
-    def __init__(self, *, keep_rows: bool = False, max_row_bytes: int | None = None,
-                 keep_stream: bool = False) -> None:
-        # relation id (4 bytes, as in the message) -> the positions of the id, created_at, payload,
-        # metadata and stream_id columns (the last three -1 unless keep_rows), and how many columns
-        # to read (up to the last of them)
-        self._relations: dict[bytes, tuple[int, int, int, int, int, int]] = {}
-        self._keep_rows = keep_rows
+    def __init__(self, *, keep_stream: bool = False) -> None:
+        # relation id (4 bytes, as in the message) -> the positions of the id, created_at and stream_id
+        # columns (-1 unless keep_stream), and how many columns to read (up to the last of them)
+        self._relations: dict[bytes, tuple[int, int, int, int]] = {}
         #: keep each event's stream_id (DecodedEvent.stream_id): a reader group routes by it
-        self._keep_stream = keep_stream or keep_rows
-        #: keep_rows: a row whose message is larger is not kept (None: read from the table)
-        self._max_row_bytes = max_row_bytes if max_row_bytes is not None else 2**62
+        self._keep_stream = keep_stream
         self._current: Transaction | None = None
         self._last_ts: tuple[bytes, dt.datetime] = (b"", _PG_EPOCH)
 
@@ -124,10 +113,9 @@ class PgOutputDecoder:
         last_stream = (b"", 0)
         from_iso = dt.datetime.fromisoformat
         new_tuple = tuple.__new__
-        max_row = self._max_row_bytes
         for data in messages:
             if data[0] == _INSERT and append is not None:
-                id_col, ts_col, payload_col, metadata_col, stream_col, ncols = relations[data[1:5]]
+                id_col, ts_col, stream_col, ncols = relations[data[1:5]]
                 # TupleData after 'I', relation id, 'N' and the column count: per column a kind
                 # byte, then for 't' a 4-byte length and the value; 'n' (null) carries nothing.
                 # The columns up to the last one wanted, as bytes (None: null)
@@ -156,24 +144,12 @@ class PgOutputDecoder:
                         unreadable(unreadable_timestamp(event_id, raw)._replace(stream_id=stream))  # type: ignore[misc]
                         continue
                 if stream_col < 0:
-                    append(new_tuple(DecodedEvent, (event_id, last[1], None, None)))
+                    append(new_tuple(DecodedEvent, (event_id, last[1], None)))
                     continue
                 raw_stream = values[stream_col]
                 if raw_stream is not None and raw_stream != last_stream[0]:
                     last_stream = (raw_stream, int(raw_stream))
-                stream_id = last_stream[1] if raw_stream is not None else None
-                if payload_col < 0 or len(data) > max_row:
-                    append(new_tuple(DecodedEvent, (event_id, last[1], None, stream_id)))
-                    continue
-                raw_payload, raw_metadata = values[payload_col], values[metadata_col]
-                row = None
-                if raw_stream is not None and raw_payload is not None:
-                    try:
-                        row = (last_stream[1], raw_payload.decode(),
-                               None if raw_metadata is None else raw_metadata.decode(), len(data))
-                    except UnicodeDecodeError:
-                        pass  # read from the table instead
-                append(new_tuple(DecodedEvent, (event_id, last[1], row, stream_id)))
+                append(new_tuple(DecodedEvent, (event_id, last[1], last_stream[1] if raw_stream is not None else None)))
             else:
                 txn = self.feed(data)
                 if txn is not None:
@@ -216,14 +192,13 @@ class PgOutputDecoder:
             end = data.index(b"\0", pos)
             names.append(data[pos:end].decode())
             pos = end + 1 + 8  # type oid + typmod
-        wanted = ["id", "created_at"] + (["payload", "metadata"] if self._keep_rows else [])
-        wanted += ["stream_id"] if self._keep_stream else []
+        wanted = ["id", "created_at"] + (["stream_id"] if self._keep_stream else [])
         missing = set(wanted) - set(names)
         if missing:
             raise ValueError(f"the publication does not carry column(s) {sorted(missing)} of pgstream.events")
         cols = {name: names.index(name) for name in wanted}
-        at = [cols.get(name, -1) for name in ("id", "created_at", "payload", "metadata", "stream_id")]
-        self._relations[data[1:5]] = (at[0], at[1], at[2], at[3], at[4], max(cols.values()) + 1)
+        self._relations[data[1:5]] = (cols["id"], cols["created_at"], cols.get("stream_id", -1),
+                                      max(cols.values()) + 1)
 
 
 class PublicationTaken(RuntimeError):
@@ -233,16 +208,6 @@ class PublicationTaken(RuntimeError):
     @classmethod
     def of(cls, exc: psycopg.Error) -> PublicationTaken:
         return cls((exc.diag.message_primary or str(exc)).removeprefix("pgstream: "))
-
-
-def ensure_publications(conn: psycopg.Connection, stream_id: int) -> list[str]:
-    """Create the stream's publications that are missing (``pgstream.ensure_publications``); their names.
-    Raises :class:`PublicationTaken` when a publication by one of their names is not pgstream's."""
-    try:
-        with conn.transaction():
-            return [str(name) for (name,) in conn.execute("select pgstream.ensure_publications(%s)", [stream_id])]
-    except psycopg.errors.DuplicateObject as exc:
-        raise PublicationTaken.of(exc) from None
 
 
 def publication_exists(conn: psycopg.Connection, name: str) -> bool:

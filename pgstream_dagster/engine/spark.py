@@ -28,6 +28,7 @@ import os
 import pickle
 import re
 import sys
+import threading
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -324,6 +325,18 @@ def executor_python_errors(spark: SparkSession) -> Iterator[None]:
         raise ExecutorPythonError(problem) from None
 
 
+#: one registration of a Python data source at a time in the process: Spark checks that the name is not taken, then
+#: registers it, and a check made while another thread registers the same source finds it taken as if another
+#: library's (DATA_SOURCE_ALREADY_EXISTS); a group delivery run's members share the process's session
+_REGISTERING = threading.Lock()
+
+
+def register_source(spark: SparkSession, source: type[DataSource]) -> None:
+    """Register the Python data source ``source`` on ``spark`` (again: Spark replaces it), one thread at a time."""
+    with _REGISTERING:
+        spark.dataSource.register(source)
+
+
 def ship_package(spark: SparkSession) -> None:
     """Before a run's Spark reads anything. Spark Connect on a cluster master: add the package zip to
     the session as a Python artifact, once per session, so the server's executors import the data
@@ -357,7 +370,7 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
     the events (:func:`sized_spans`): the driver collects a partition whole, and an executor reads one
     whole."""
     ship_package(spark)
-    spark.dataSource.register(BatchesDataSource)
+    register_source(spark, BatchesDataSource)
 
     def frame(groups: list[list[Span]]) -> DataFrame:
         return (spark.read.format(BATCHES_SOURCE)
@@ -383,7 +396,7 @@ def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: 
     """A stream's events with ids in ``ranges`` (one partition each, in order) passing the filters;
     ``packed``: in :data:`PACKED_SCHEMA` rows, one single-partition DataFrame per range."""
     ship_package(spark)
-    spark.dataSource.register(EventsDataSource)
+    register_source(spark, EventsDataSource)
 
     def frame(selected: list[tuple[int, int]]) -> DataFrame:
         return (spark.read.format(EVENTS_SOURCE)

@@ -11,11 +11,7 @@ from psycopg.rows import dict_row
 from .batches import BatchStatus
 
 _STREAMS = """
-select ss.*, st.open_run_key, st.slot_reader as declared_reader,
-       (select a.application_name from pg_catalog.pg_replication_slots rs
-        -- that one backend's entry (pg_stat_activity would read every backend's, for each stream)
-        cross join lateral pg_catalog.pg_stat_get_activity(coalesce(rs.active_pid, 0)) a
-        where rs.slot_name = ss.slot_name and rs.database = pg_catalog.current_database()) as slot_reader
+select ss.*, st.open_run_key, st.slot_reader as declared_reader
 from pgstream.stream_status ss join pgstream.streams st on st.id = ss.id
 where %(stream_id)s::bigint is null or ss.id = %(stream_id)s::bigint
 order by ss.id
@@ -100,12 +96,7 @@ def render_status(streams: list[dict[str, Any]]) -> str:
             lines.append(f"  read by reader group {declared.removeprefix('group:')} (its sensor "
                          f"pgstream_group_{declared.removeprefix('group:')} records the stream's batches)")
         if s.get("open_run_key"):
-            reader = str(s.get("slot_reader") or "")
-            how = (f"it reads the slot: {reader.removeprefix('pgstream reader ')}"
-                   if reader.startswith("pgstream reader ")
-                   else "the slot's declared reader; its reader is not reading yet"
-                   if s.get("declared_reader") == f"run:{s['open_run_key']}" else "it takes every new batch")
-            lines.append(f"  open run: {s['open_run_key']} ({how})")
+            lines.append(f"  open run: {s['open_run_key']} (it takes every new batch)")
         if s["failover_since"]:
             lines.append(f"  failover since {s['failover_since']}: checkpoint event {s['failover_checkpoint_id']} "
                          f"(committed {s['failover_checkpoint_ts']}), {s['failover_attempts']} failed attempts, "

@@ -1,5 +1,5 @@
-"""A stream's slot over the replication protocol (psycopg2's ``LogicalReplicationConnection``;
-psycopg 3 has none): what an open delivery run reads (``ingest.follow``). Apart from
+"""A slot over the replication protocol (psycopg2's ``LogicalReplicationConnection``; psycopg 3 has none):
+what a group delivery run's reader reads (``ingest.GroupStream``). Apart from
 ``replication.py`` so that nothing the Spark executors import needs psycopg2."""
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ the task within the run. A process of its own: the session's other tests already
 (``getOrCreate`` would hand that one back, with no task retries).
 
 Usage: python -m tests.support.by_key_retry_child SPEC_JSON   (keys: tmp, db_url, dagster_storage_url)
-Writes SPEC_JSON.out: the runs' outcomes, what the endpoint accepted, the run log's messages.
+Writes SPEC_JSON.out: the runs' outcomes (the reader group's delivery runs, their member runs, the stream's
+failover), what the endpoint accepted, the run log's messages.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+
+from pgstream_dagster.defs.names import member_tag
 
 from .dagster_instance import child_instance
 from .endpoint import Endpoint
@@ -46,9 +49,16 @@ def main() -> None:
             c.commit()
         endpoint.fail_once_ids = {ids[EVENTS // 2]}  # one chunk in the middle of a partition: refused once
         driver.run_until(STREAM, lambda: len(endpoint.unique()) >= EVENTS, timeout=300)
+        driver.close()  # the reader group's delivery runs, which hosted the stream's runs, end
         result["runs"] = [r.success for r in driver.results]
         result["messages"] = [e.message for r in driver.results for e in instance.all_logs(r.run_id) if e.message]
+        # what became of the member runs each group run hosted (the last one's: failed, with its error, or ended)
+        result["members"] = [json.loads(r.dagster_run.tags[member_tag(STREAM)]) for r in driver.results
+                             if member_tag(STREAM) in r.dagster_run.tags]
         with psycopg.connect(db_url) as c:
+            row = c.execute("select failover_since is not null, failover_attempts from pgstream.streams where id = %s",
+                            [STREAM]).fetchone()
+            result["failover"] = list(row) if row else None
             result["sent"] = [r[0] for r in c.execute(
                 "select id from pgstream.events where stream_id = %s order by id", [STREAM])]
             result["groups"] = dict(c.execute("select id, payload->>'group_id' from pgstream.events"))

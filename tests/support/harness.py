@@ -16,7 +16,7 @@ import psycopg
 import yaml
 
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import DELIVERY_JOB, REPLAY_JOB, REPLAY_OP
+from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB, GROUP_TAG, REPLAY_JOB, REPLAY_OP, STOP_TAG
 from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.sinks.memory import MemorySink
 
@@ -79,10 +79,23 @@ def insert_events(url: str, stream_id: int, n: int, start: int = 0) -> None:
 
 
 def slot_of(url: str, stream_id: int) -> str:
-    """The replication slot stream ``stream_id`` reads in that database (or would read, created now): the
-    database derives its default name (``pgstream.default_slot_name``), unique in the cluster."""
+    """The replication slot stream ``stream_id`` is read from in that database: its reader group's, once it is
+    a member; else its own (or the one it would read, created now: the database derives its default name,
+    ``pgstream.default_slot_name``, unique in the cluster)."""
     with psycopg.connect(url) as conn:
-        return ledger_streams.stream_slot(conn, stream_id)
+        row = conn.execute("select g.slot from pgstream.streams s join pgstream.reader_groups g "
+                           "on g.name = s.reader_group where s.id = %s", [stream_id]).fetchone()
+        return str(row[0]) if row else ledger_streams.stream_slot(conn, stream_id)
+
+
+def joined(url: str, stream_id: int) -> bool:
+    """The stream has joined its reader group: the group's slot exists and the group's reader reads it."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute("select s.slot_reader = 'group:' || s.reader_group and s.join_lsn is null "
+                           "and exists (select 1 from pg_replication_slots r where r.slot_name = g.slot) "
+                           "from pgstream.streams s join pgstream.reader_groups g on g.name = s.reader_group "
+                           "where s.id = %s", [stream_id]).fetchone()
+    return bool(row and row[0])
 
 
 def event_ids(url: str, stream_id: int) -> list[int]:
@@ -122,26 +135,77 @@ class Tick:
 
 
 class Driver:
+    """Drives streams as Dagster's daemon does, in-process: :meth:`tick` evaluates the sensor of the stream's
+    reader group (every stream has one: ``default`` unless it names another); the group delivery run it requests
+    is launched at once in a thread of the test (:class:`Background`, one live run per group, as the tag
+    pgstream/group allows), the runs of a stream in mode per_batch are returned for the test to execute
+    (:meth:`execute`). :meth:`close` (after every test: ``tests/conftest.py``) asks the live group runs to end and
+    waits for them."""
+
+    #: every driver a test made (closed after the test)
+    made: list[Driver] = []
+
     def __init__(self, config_path: Path, instance: dg.DagsterInstance) -> None:
         self.defs = build_definitions(config_path)
         self.config_path = config_path
         self.instance = instance
-        self.cursors: dict[int, str | None] = {}
+        self.cursors: dict[str, str | None] = {}  # per reader group
         self.results: list[dg.ExecuteInProcessResult] = []
         self.observations: list[dg.AssetObservation] = []  # of the stream status assets
+        self.group_runs: dict[str, list[Background]] = {}  # per reader group, in launch order
+        Driver.made.append(self)
+
+    def group_of(self, stream_id: int) -> str:
+        resources = self.defs.resources or {}
+        for stream in resources["pgstream"].config.streams:
+            if stream.id == stream_id:
+                return str(stream.reader)
+        raise KeyError(f"no stream {stream_id} in {self.config_path}")
+
+    def reload(self, config_path: Path) -> None:
+        """The code location reloaded with another pgstream.yaml: the sensors are the new ones (their cursors
+        kept); the runs already executing keep the definitions they started with."""
+        self.defs = build_definitions(config_path)
+        self.config_path = config_path
 
     def tick(self, stream_id: int) -> Tick:
-        sensor = self.defs.resolve_sensor_def(f"pgstream_stream_{stream_id}")
+        """One tick of the sensor of ``stream_id``'s reader group: the group delivery run it requests is
+        launched (in the background); the runs of members in mode per_batch are the tick's ``run_requests``."""
+        return self.tick_group(self.group_of(stream_id))
+
+    def tick_group(self, group: str) -> Tick:
+        sensor = self.defs.resolve_sensor_def(f"pgstream_group_{group}")
         resources = self.defs.resources or {}
-        ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursors.get(stream_id),
+        ctx = dg.build_sensor_context(instance=self.instance, cursor=self.cursors.get(group),
                                       sensor_name=sensor.name, resources={"pgstream": resources["pgstream"]})
         result = sensor.evaluate_tick(ctx)
-        self.cursors[stream_id] = result.cursor
+        self.cursors[group] = result.cursor
         self.observations += [e for e in result.asset_events or [] if isinstance(e, dg.AssetObservation)]
-        return Tick(list(result.run_requests or []), result.skip_message, result.cursor, result.asset_events)
+        own: list[dg.RunRequest] = []
+        for request in result.run_requests or []:
+            if request.job_name == GROUP_DELIVERY_JOB:
+                self.launch_group_run(group, request)
+            else:
+                own.append(request)
+        return Tick(own, result.skip_message, result.cursor, result.asset_events)
+
+    def launch_group_run(self, group: str, request: dg.RunRequest) -> Background:
+        assert request.tags.get(GROUP_TAG) == group, request.tags
+        runs = self.group_runs.setdefault(group, [])
+        for run in runs:  # Dagster shows a run ended a moment before execute_in_process returns
+            run.wait(30)
+        run = Background(self, request)
+        runs.append(run)
+        # as the daemon does, the run exists (queued) before the next tick looks for a live one
+        deadline = time.monotonic() + 30
+        while not self.instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""})):
+            assert time.monotonic() < deadline, "the requested group run was not created"
+            time.sleep(0.02)
+        return run
 
     def execute(self, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
-        """Execute the run ``request`` asks for (its job: a stream's delivery run, or a reader group's)."""
+        """Execute the run ``request`` asks for (its job: a stream's run in mode per_batch, or a reader group's
+        delivery run), in this thread."""
         job = self.defs.resolve_job_def(request.job_name or DELIVERY_JOB)
         tags = {**request.tags, "dagster/run_key": request.run_key or ""}
         result = job.execute_in_process(run_config=request.run_config, instance=self.instance, tags=tags,
@@ -158,14 +222,37 @@ class Driver:
             for request in tick.run_requests or []:
                 self.execute(request)
 
+    def stop_group_runs(self, reason: str = "the test ends", timeout: float = 60) -> None:
+        """Ask every live group delivery run to end (tag pgstream/stop, as the group's sensor does) and wait."""
+        for runs in self.group_runs.values():
+            for run in runs:
+                if run.run_id is not None and run.thread.is_alive():
+                    self.instance.add_run_tags(run.run_id, {STOP_TAG: reason})
+        for runs in self.group_runs.values():
+            for run in runs:
+                run.thread.join(timeout)
+                assert not run.thread.is_alive(), "a group delivery run did not end when asked"
+
+    def close(self) -> None:
+        self.stop_group_runs()
+
 
 class Background:
     """Executes one requested run in a thread (as the run launcher would), while the test ticks."""
 
     def __init__(self, driver: Driver, request: dg.RunRequest) -> None:
         self.result: dg.ExecuteInProcessResult | None = None
+        self.request = request
+        self.driver = driver
         self.thread = threading.Thread(target=self._run, args=(driver, request), daemon=True)
         self.thread.start()
+
+    @property
+    def run_id(self) -> str | None:
+        """The Dagster run's id, once it exists."""
+        runs = self.driver.instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": self.request.run_key or ""}),
+                                             limit=1)
+        return runs[0].run_id if runs else None
 
     def _run(self, driver: Driver, request: dg.RunRequest) -> None:
         self.result = driver.execute(request)

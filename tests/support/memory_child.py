@@ -8,7 +8,8 @@ before delivery); the run delivers them to a file sink. Reported: the resident m
 was reset and the peak after (kB), and the ids of the lines written, in order.
 
 Usage: python -m tests.support.memory_child SPEC_JSON   (keys: tmp, db_url, dagster_storage_url,
-events, mib, mode: "run" | "open" | "replay", delivery: extra delivery settings)
+events, mib, mode: "run" (a delivery run of its own: mode per_batch) | "open" (hosted by the reader group's
+delivery run) | "replay", delivery: extra delivery settings)
 Writes SPEC_JSON.out.
 """
 
@@ -23,10 +24,11 @@ from typing import Any
 
 import psycopg
 
+from pgstream_dagster.config import DIRECT_MAX_EVENTS
 from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
 
 from .dagster_instance import child_instance
-from .harness import Background, Driver, tick_until, write_config
+from .harness import Driver, tick_until, write_config
 
 STREAM = 1
 
@@ -79,8 +81,10 @@ def main() -> None:
     tmp, db_url, mode = Path(spec["tmp"]), spec["db_url"], spec["mode"]
     out = tmp / "out.jsonl"
     delivery: dict[str, Any] = {"chunk_size": 500, **spec.get("delivery", {})}
-    if mode == "open":
+    if mode == "open":  # hosted by the reader group's delivery run (in a thread of this process)
         delivery["tuning"] = {"linger_secs": 30}
+    elif mode == "run":  # a Dagster run of its own (mode per_batch), reading without Spark as an open run does
+        delivery.update(mode="per_batch", tuning={"direct_max_events": DIRECT_MAX_EVENTS})
     cfg = write_config(tmp / "pgstream.yaml", db_url, [
         {"id": STREAM, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
          "delivery": delivery, "sink": {"type": "file", "path": str(out)}}])
@@ -98,12 +102,7 @@ def main() -> None:
                           "from generate_series(1, %s) g", [chars, STREAM, n])
 
         insert(2, 10)  # warm-up: everything a run loads is loaded before the peak is reset
-        background = None
-        if mode == "open":
-            requests: list[Any] = []
-            while not requests:
-                requests = driver.tick(STREAM).run_requests or []
-            background = Background(driver, requests[0])
+        if mode == "open":  # the group's delivery run, launched by the first tick, delivers in the background
             tick_until(driver, STREAM, lambda: _lines(out) >= 2, timeout=120)
         else:
             driver.run_until(STREAM, lambda: _lines(out) >= 2, timeout=120)
@@ -123,12 +122,7 @@ def main() -> None:
         else:
             driver.run_until(STREAM, lambda: _lines(out) >= total, timeout=300)
         result["peak_kb"] = _status()["VmHWM"]
-        if background is not None:
-            with psycopg.connect(db_url, autocommit=True) as c:
-                # the open run ends: the slot goes back to the sensor with it (the slot_reader constraint)
-                c.execute("update pgstream.streams set open_run_key = null, slot_reader = 'sensor' where id = %s",
-                          [STREAM])
-            background.wait(timeout=120)
+        driver.close()  # the group's delivery run ends (asked to, as its sensor asks)
         result["runs"] = [r.success for r in driver.results]
         with psycopg.connect(db_url) as c:
             result["expected"] = [r[0] for r in c.execute(

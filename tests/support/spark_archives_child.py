@@ -17,9 +17,10 @@ from typing import Any
 
 import psycopg
 
-from .dagster_instance import child_instance, run_log
+from .dagster_instance import child_instance
 from .endpoint import Endpoint
 from .harness import Driver, write_config
+from .members import MemberRuns, drive, end
 from .spark_cluster import executor_origins
 
 STREAM = 1
@@ -42,7 +43,8 @@ def main() -> None:
         c.execute("select pgstream.ensure_stream(1)")
     result: dict[str, Any] = {}
     with child_instance(spec["dagster_storage_url"], tmp) as instance:
-        driver = Driver(cfg, instance)
+        driver = Driver(cfg, instance)  # its runs: member runs of group default's delivery run
+        runs = MemberRuns(driver, STREAM)
         driver.tick(STREAM)
         with psycopg.connect(db_url) as c:
             c.execute("insert into pgstream.events (payload, stream_id) select "
@@ -50,16 +52,17 @@ def main() -> None:
             c.commit()
 
         # the run's working directory has no ./env: the first run fails, naming the setting and the fix
-        driver.run_until(STREAM, lambda: len(driver.results) >= 1, timeout=300)
-        first = driver.results[0]
-        result["first_run"] = {"success": first.success, "accepted": len(endpoint.accepted),
-                               "error": run_log(instance, first)}
+        drive(driver, runs, lambda: bool(runs.finished()))
+        first = runs.finished()[0]
+        result["first_run"] = {"success": first["state"] == "ended", "accepted": len(endpoint.accepted),
+                               "error": first["error"] or ""}
 
         # the same environment unpacked there, as a run image has it: every event, each key in order
         with tarfile.open(spec["archive"]) as tar:
             tar.extractall(Path.cwd() / "env", filter="tar")
-        driver.run_until(STREAM, lambda: len(endpoint.unique()) >= 300, timeout=300)
-        result["runs"] = [r.success for r in driver.results]
+        drive(driver, runs, lambda: len(endpoint.unique()) >= 300)
+        end(driver, runs)
+        result["runs"] = runs.outcomes()
         result["accepted"] = list(endpoint.accepted)
         result["executors"] = executor_origins()
     endpoint.down()

@@ -104,7 +104,7 @@ def pack_executor_env(cluster: SparkCluster, archive: Path) -> Path:
 
 
 def executor_origins() -> list[str]:
-    """Run in a cluster child: the interpreter of the active session's executors' Python workers, and
+    """Run in a cluster child: the interpreter of the runs' session's executors' Python workers, and
     where they import psycopg and pgstream_dagster from (``sys.executable psycopg pgstream_dagster``)."""
     from pyspark.sql import SparkSession
 
@@ -117,8 +117,8 @@ def executor_origins() -> list[str]:
 
         yield f"{sys.executable} {psycopg.__file__} {pgstream_dagster.__file__}"
 
-    session = SparkSession.getActiveSession()
-    assert session is not None
+    # (the runs' session: started in a group delivery run's thread, it is the process's default one here)
+    session = SparkSession.active()
     return sorted(set(session.sparkContext.parallelize(range(4), 4).mapPartitions(probe).collect()))
 
 

@@ -23,6 +23,7 @@ from pgstream_dagster.defs.names import BACKFILL_JOB, BACKFILL_OP
 from .dagster_instance import child_instance
 from .endpoint import Endpoint
 from .harness import Driver, insert_events, read_jsonl, replay_through_spark, write_config
+from .members import MemberRuns, drive, end
 from .spark_cluster import executor_origins
 
 GLOBAL, BY_KEY = 1, 2
@@ -54,16 +55,16 @@ def main() -> None:
         c.execute("select pgstream.ensure_stream(1), pgstream.ensure_stream(2)")
     result: dict[str, Any] = {}
     with child_instance(spec["dagster_storage_url"], tmp) as instance:
+        # both streams name no reader: their runs are member runs of group default's delivery run
         driver = Driver(cfg, instance)
+        global_runs, by_key_runs = MemberRuns(driver, GLOBAL), MemberRuns(driver, BY_KEY)
         driver.tick(GLOBAL)
-        driver.tick(BY_KEY)
 
         # global order: 1,500 events in two transactions
         insert_events(db_url, GLOBAL, 1000)
         insert_events(db_url, GLOBAL, 500, 1000)
-        driver.run_until(GLOBAL, lambda: len(read_jsonl(out)) >= 1500, timeout=300)
-        result["global_runs"] = [r.success for r in driver.results]
-        result["apps"] = _apps(spec["webui"])  # the run's application is still open
+        drive(driver, global_runs, lambda: len(read_jsonl(out)) >= 1500)
+        result["apps"] = _apps(spec["webui"])  # the group run's application is still open
         result["executors"] = executor_origins()
 
         # by_key, the sink failing from its 5th request on: the run fails once (no task retry)
@@ -77,16 +78,17 @@ def main() -> None:
                 endpoint.mode = "error"
 
         endpoint.hook = fail_from_5th
-        before = len(driver.results)
-        driver.run_until(BY_KEY, lambda: len(driver.results) > before, timeout=300)
-        result["by_key_failed_run"] = {"success": driver.results[-1].success,
+        drive(driver, by_key_runs, lambda: bool(by_key_runs.finished()))  # the first member run of stream 2 ends
+        result["by_key_failed_run"] = {"success": by_key_runs.finished()[0]["state"] == "ended",
                                        "accepted": len(endpoint.accepted),
                                        "refused_answers": endpoint.refused_answers,
                                        "requests": endpoint.requests}
         endpoint.hook = None
         endpoint.mode = "ok"
-        driver.run_until(BY_KEY, lambda: len(endpoint.unique()) >= 300, timeout=300)
-        result["by_key_runs"] = [r.success for r in driver.results[before:]]
+        drive(driver, by_key_runs, lambda: len(endpoint.unique()) >= 300)
+        end(driver, global_runs, by_key_runs)
+        result["global_runs"] = global_runs.outcomes()
+        result["by_key_runs"] = by_key_runs.outcomes()
         result["by_key_accepted"] = list(endpoint.accepted)
 
         # replay of the global stream through the cluster, in id order

@@ -4,16 +4,20 @@ Connect server. A process of its own because PySpark switches a whole process to
 
 Usage: python -m tests.support.spark_connect_child CONFIG EXPECTED_EVENTS [by_key]
 
-``by_key``: ticks and executes (failed runs included: failover, probe, catch-up) until the ledger
-has ``EXPECTED_EVENTS`` events delivered and the stream is out of failover; writes each run's
-success and the events of its materializations (no replay).
+``by_key``: ticks (the group delivery run hosting the stream's runs in the background: failed member runs
+included, failover, probe, catch-up) until the ledger has ``EXPECTED_EVENTS`` events delivered and the stream
+is out of failover, then ends the group runs; writes whether each member run of the stream succeeded, in order
+(from the group runs' member tags), and the events of each group run's materializations (no replay).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
-import time
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
@@ -21,7 +25,18 @@ import psycopg
 
 from pgstream_dagster.config import load_config
 
+from .dagster_instance import child_instance
 from .harness import Driver, read_jsonl, replay_through_spark
+from .members import MemberRuns, drive, end
+
+
+@contextlib.contextmanager
+def _instance() -> Iterator[dg.DagsterInstance]:
+    """The Dagster storage at ``$PGSTREAM_TEST_DAGSTER_STORAGE`` (the group delivery runs write to it from
+    threads of their own, which an in-memory instance does not take)."""
+    with tempfile.TemporaryDirectory() as tmp, child_instance(os.environ["PGSTREAM_TEST_DAGSTER_STORAGE"],
+                                                              Path(tmp)) as instance:
+        yield instance
 
 
 def delivered_events(config: Path) -> tuple[int, bool]:
@@ -36,32 +51,37 @@ def delivered_events(config: Path) -> tuple[int, bool]:
 
 
 def by_key(config: Path, expected: int, out: Path) -> None:
-    with dg.DagsterInstance.ephemeral() as instance:
+    with _instance() as instance:
         driver = Driver(config, instance)
-        deadline = time.monotonic() + 300
-        while (state := delivered_events(config)) != (expected, False):
-            assert time.monotonic() < deadline, f"not delivered in time: {state}"
-            for request in driver.tick(1).run_requests or []:
-                driver.execute(request)
-            time.sleep(0.05)
+        members = MemberRuns(driver, 1)
+        drive(driver, members, lambda: delivered_events(config) == (expected, False))
+        end(driver, members)
         rounds = [[e.event_specific_data.materialization.metadata["events"].value  # type: ignore[union-attr]
                    for e in r.all_events if e.event_type_value == "ASSET_MATERIALIZATION"] for r in driver.results]
-        out.write_text(json.dumps({"runs": [r.success for r in driver.results], "rounds": rounds}))
+        out.write_text(json.dumps({"runs": members.outcomes(), "rounds": rounds,
+                                   "members": list(members.seen.values())}))
 
 
 def main() -> None:
+    # PySpark's Spark Connect logging, imported here first: its import swaps logging's logger class for a moment
+    # (PySparkLogger.getLogger), and imported by a group run's member thread it raced with the tick's Dagster
+    # logger in this thread (TypeError: PySparkLogger.__init__() got an unexpected keyword argument 'level')
+    import pyspark.sql.connect.logging  # noqa: F401
+
     config, expected = Path(sys.argv[1]), int(sys.argv[2])
     out = Path(str(config) + ".out")
     if sys.argv[3:] == ["by_key"]:
         by_key(config, expected, out)
         return
-    with dg.DagsterInstance.ephemeral() as instance:
+    with _instance() as instance:
         driver = Driver(config, instance)
+        members = MemberRuns(driver, 1)
         sink = Path(json.loads(Path(str(config) + ".sink").read_text()))
-        driver.run_until(1, lambda: len(read_jsonl(sink)) >= expected, timeout=300)
+        drive(driver, members, lambda: len(read_jsonl(sink)) >= expected)
+        end(driver, members)
         replayed, ids = replay_through_spark(config, 1, instance)
-        out.write_text(json.dumps({"runs": [r.success for r in driver.results], "replay": replayed,
-                                   "replayed": ids}))
+        out.write_text(json.dumps({"runs": members.outcomes() + [r.success for r in driver.results],
+                                   "replay": replayed, "replayed": ids}))
 
 
 if __name__ == "__main__":

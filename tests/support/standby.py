@@ -93,8 +93,11 @@ class StandbyPair:
     # -- what the two servers say --------------------------------------------------------------------
 
     def _sync_state(self) -> str | None:
+        """The standby's WAL sender's sync state (None: it does not stream); a logical one (a group delivery run's
+        reader, connected to its database) is not the standby's."""
         with psycopg.connect(self.primary.url) as c:
-            row = c.execute("select sync_state from pg_stat_replication").fetchone()
+            row = c.execute("select r.sync_state from pg_stat_replication r join pg_stat_activity a on a.pid = r.pid "
+                            "where a.datname is null").fetchone()
         return None if row is None else str(row[0])
 
     def _streaming(self) -> bool:

@@ -46,10 +46,10 @@ import psycopg
 
 from ...config import StreamConfig
 from .. import dbconn
-from ..handoff import Log
 from ..ledger import groups, locks, state
 from ..limits import LimitsExceeded
 from ..replication import PublicationTaken
+from ..runlog import Log
 from .run import DeliveryRun, Host
 
 #: how often the group run looks at what its members want hosted when no notification woke it
@@ -59,9 +59,10 @@ POLL_SECS = 1.0
 #: ``tuning.report_every_secs`` (5 s) were a fifth of the group's database load. A member reports every
 #: ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
 REPORTS_PER_SEC = 5.0
-#: the group run's reader: how long each ``consume_group`` call reads (the reader ends within it once the run
-#: ends), how long it waits before it tries again for the group's reading (the sensor's tick holds it), after
-#: a call that returned early, and after an error (its connection closed: the sensor reads meanwhile)
+#: the group run's reader: how long each ``consume_group`` call reads (the reader returns within half a second
+#: once the run ends: ``reading_ended``), how long it waits before it tries again for the group's reading (the
+#: sensor's tick holds it), after a call that returned early, and after an error (its connection closed: the
+#: sensor reads meanwhile)
 READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
@@ -227,6 +228,11 @@ class GroupDelivery:
                 reader.join(READ_SECS + 30)
             locks.give_up_group_lease(lease, self.group)
 
+    def reading_ended(self) -> bool:
+        """The group run is ending: its reader returns from the read under way (``consume_group``'s ``stop``)
+        within half a second, not at its end (:data:`READ_SECS`), so a shutdown does not wait for it."""
+        return self._reading_ends.is_set()
+
     def _read(self) -> None:
         """The group run's reader (its own thread and connection): while it holds the group's reading, it
         reads the group's slot continuously; whenever the group's sensor holds it (its tick), it waits."""
@@ -332,7 +338,7 @@ class GroupDelivery:
 
         every = max(stream.delivery.tuning.report_every_secs, len(self.streams) / REPORTS_PER_SEC)
         host = Host(run_id, base.log, spark=base.spark, stop_check=stop_check, report=base.report,
-                    control=base.control, reader=None, wake=self._waker(stream.id), report_every_secs=every)
+                    control=base.control, wake=self._waker(stream.id), report_every_secs=every)
         error: str | None = None
         try:
             run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,

@@ -7,9 +7,8 @@ first is the stream's oldest open batch; the range holds only the stream's open 
 ends) and delivers round after round, each read from the source :func:`.sources.choose_source`
 picks, marking each batch delivered as soon as the sink confirmed its last event, so a run that
 fails half-way keeps the progress it made; it yields a :class:`RoundReport` per round and raises
-:class:`DeliveryError` (nothing of Dagster). While the run is the stream's open run it reads the
-stream's slot itself (:class:`SlotReader`, a thread running :func:`~..ingest.follow`) and waits
-for the batches the sensor assigns to it (:class:`Linger`); it closes once idle
+:class:`DeliveryError` (nothing of Dagster). While the run is the stream's open run it waits for the
+batches the group's reader hands to it (:class:`Linger`); it closes once idle
 ``tuning.linger_secs`` (mode ``open``), open ``tuning.max_run_secs``, or when the stream is paused,
 no longer hands it batches (failover), a replay waits for the delivery lease, or the host says
 so (:attr:`Host.stop_check`: Dagster has another run of the stream queued).
@@ -38,8 +37,7 @@ from ...config import StreamConfig
 from ...sinks import Sink, SinkError, build_sink
 from ..batches import CloseRun
 from ..collector import fewer_collections
-from ..handoff import Handoff, Log, ReaderFactory, RunReader
-from ..ledger import deadletters, keyprogress, locks, state, streams
+from ..ledger import deadletters, keyprogress, locks, state
 from ..publish import (
     BatchDone,
     Confirmed,
@@ -50,7 +48,7 @@ from ..publish import (
     Span,
     owed_spans,
 )
-from ..status import stream_status
+from ..runlog import Log
 from .sources import (
     KeyedSource,
     Owed,
@@ -97,10 +95,6 @@ class Summary:
     duration_secs: float
     #: the slowest round's first batch: commit -> delivered
     max_lag_secs: float | None
-    #: the stream's status row (:func:`~..status.stream_status`) after the rounds, if the connection answers
-    status: dict[str, Any] | None
-    #: whether the status row's open run is this run
-    this_run_open: bool
 
 
 def _no_stop() -> str | None:
@@ -126,9 +120,6 @@ class Host:
     report: Callable[[Summary], None] = _no_report
     #: how the host names its control job (an error tells the operator to use it)
     control: str = "the control job"
-    #: the open run's slot reader (:class:`~..slotreader.SlotReader`: the ingest stage, met through the
-    #: hand-off interface); None: the run never reads the slot (the sensor does)
-    reader: ReaderFactory | None = None
     #: waits up to the given seconds for a sign that the open run's ledger moved (batches handed to it, the
     #: stream paused or its run closed, a replay waiting, the host stopping); true if one came. A host of many
     #: runs (a reader group's delivery run) watches their ledger rows in one query and one ``LISTEN`` for them
@@ -210,14 +201,13 @@ class DeliveryRun:
         # the lease is given up when the run ends (it is lost if its process dies); the sink serves every round
         # of the run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
         with fewer_collections(), locks.holding_lease(lease, stream.id) as conn, \
-                build_sink(stream.sink) as sink, \
-                _reader(host, self.database_url, stream, run_key, conn) as reader:
+                build_sink(stream.sink) as sink:
             if host.wake is None:  # (a host that wakes the run listens for it)
                 state.listen_runs(conn, stream.id)
             # what the sink confirms is recorded on ``conn``: once it is broken the sink sends nothing more
             recording = sink.go_on = locks.RecordingCheck(conn)
-            linger = Linger(host, conn, stream, run_key, reader)
-            reports = Reports(host, conn, stream, run_key)
+            linger = Linger(host, conn, stream, run_key)
+            reports = Reports(host, stream)
             batches, started = direct_round(stream, self.batches), self.started
             if batches:
                 total = sum(b.event_count for b in batches)
@@ -227,20 +217,15 @@ class DeliveryRun:
                 host.log.info(f"stream {stream.id}: {len(batches)} batches {batches[0].id}..{batches[-1].id}, "
                               f"{total} events ({kinds}){rest}")
             after = 0
-            # the batches the run was launched with were recorded before its reader started: not in the hand-off
-            launched = bool(batches)
             try:
                 while True:
                     if batches:
-                        handoff = None if launched else reader.handoff
-                        launched = False
-                        readers = Readers(self.database_url, self.executor_url, conn, handoff, host.spark, sink)
+                        readers = Readers(self.database_url, self.executor_url, conn, host.spark, sink)
                         source = choose_source(stream.delivery, Owed(owed(stream, batches)), readers)
                         try:
                             delivered = _Round(host, conn, stream, sink, batches, self.database_url,
                                                self.executor_url).deliver(source, recording)
                         except state.StreamPaused:
-                            reader.stop()  # what it received is recorded before the batches go back
                             waiting = state.give_back(conn, stream.id, run_key)
                             host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
                                           f"{waiting_batches(waiting)} for `pgstream-dagster resume {stream.id}`")
@@ -249,9 +234,6 @@ class DeliveryRun:
                         reports.add(done)
                         yield done
                         after = batches[-1].id
-                        if reader.handoff is not None:
-                            reader.handoff.forget_through(after)
-                    reader.report()
                     batches = direct_round(stream, linger.next_batches(after))
                     if not batches:
                         break
@@ -262,39 +244,6 @@ class DeliveryRun:
                     started = time.monotonic()
             finally:
                 reports.flush()  # what was delivered before the run ended, however it ended
-
-
-class _NoReader:
-    """A run that does not read the slot: nothing recorded, nothing handed over."""
-
-    handoff: Handoff | None = None
-
-    def __enter__(self) -> _NoReader:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None
-
-    def report(self) -> None:
-        return None
-
-
-def _reader(host: Host, database_url: str, stream: StreamConfig, run_key: str, conn: psycopg.Connection) -> RunReader:
-    """The open run's slot reader (modes open and warm, while the run is the stream's open run)."""
-    # a reader group's member reads no slot: the group's reader hands its batches to the run
-    if host.reader is None or stream.reader is not None or \
-            not (stream.delivery.read_slot and run_key and state.run_is_open(conn, stream.id, run_key)):
-        return _NoReader()
-    handoff = None
-    delivery = stream.delivery
-    if delivery.ordering == "global" and delivery.tuning.direct_max_events > 0:
-        handoff = Handoff(max(delivery.tuning.direct_max_events, stream.batch.max_size),
-                          4 * delivery.tuning.max_read_bytes)
-    return host.reader(database_url, stream, run_key, streams.stream_slot(conn, stream.id), handoff, host.run_id,
-                       host.log)
 
 
 def owed(stream: StreamConfig, batches: list[state.Batch]) -> list[Span]:
@@ -524,10 +473,8 @@ class Linger:
     replay waits for the delivery lease, however it was launched
     (:func:`~..ledger.locks.acquire_replay_lease`), or the host has a reason (:attr:`Host.stop_check`)."""
 
-    def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, run_key: str,
-                 reader: RunReader) -> None:
+    def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, run_key: str) -> None:
         self.host, self.conn, self.stream, self.run_key = host, conn, stream, run_key
-        self.reader = reader
         self.opened = time.monotonic()
         self._frozen = not stream.delivery.keeps_open
         #: the stream's oldest open batch before the first batch :meth:`next_batches` returned (None: none)
@@ -568,8 +515,6 @@ class Linger:
                 seen = state.next_assigned(self.conn, self.stream.id, self.run_key, after)
                 batches, replay, self.earlier_open = seen.batches, seen.replay_waiting, seen.earlier_open
             if batches:
-                if replay:
-                    self.reader.stop()
                 return batches
             now = time.monotonic()
             reason = None
@@ -583,7 +528,6 @@ class Linger:
                 checked_at = now
                 reason = self._stop_reason()
             if reason is not None:
-                self.reader.stop()  # what it received is recorded (and handed to this run) before it closes
                 if state.apply_run(self.conn, CloseRun(self.stream.id, self.run_key)):
                     if linger_secs > 0:
                         self.host.log.info(f"stream {self.stream.id}: run closed ({reason})")
@@ -610,8 +554,8 @@ class Reports:
     reported at once; later rounds of an open run together, at most every ``tuning.report_every_secs``
     and when the run ends, so a trickle of single events does not become an event-log entry each."""
 
-    def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, run_key: str) -> None:
-        self.host, self.conn, self.stream, self.run_key = host, conn, stream, run_key
+    def __init__(self, host: Host, stream: StreamConfig) -> None:
+        self.host, self.stream = host, stream
         self.reported_at = -float("inf")
         self._reset()
 
@@ -644,19 +588,12 @@ class Reports:
         first, last = self.first, self.last
         if first is None or last is None:
             return
-        # not on a connection with a command in progress (an interrupt stopped this run in a query: the
-        # interrupt must end the run, not an error of this report)
-        usable = not (self.conn.closed or self.conn.broken
-                      or self.conn.info.transaction_status is psycopg.pq.TransactionStatus.ACTIVE)
-        # (a reader group's member: its group's sensor observes the status each tick; a hundred members' reports
+        # (no status read here: the group's sensor observes each member's status; a hundred members' reports
         # asking for it every report_every_secs were the largest query load of a group's deliveries)
-        rows = stream_status(self.conn, self.stream.id, last=5) if usable and self.stream.reader is None else []
-        status = rows[0] if rows else None
         self.host.report(Summary(
             stream_id=self.stream.id, sink_type=self.stream.sink.type, first=first, last=last, batches=self.batches,
             rounds=self.rounds, events=self.events, kinds=sorted(self.kinds),
             duration_secs=round(time.monotonic() - self.started, 3),
-            max_lag_secs=round(self.max_lag, 3) if self.max_lag is not None else None, status=status,
-            this_run_open=status is not None and status.get("open_run_key") == self.run_key))
+            max_lag_secs=round(self.max_lag, 3) if self.max_lag is not None else None))
         self.reported_at = time.monotonic()
         self._reset()

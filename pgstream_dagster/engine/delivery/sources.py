@@ -5,8 +5,6 @@ delivery round, a replay and a dead-letter redelivery alike.
 =============  ==========================================================================================
 route          source
 =============  ==========================================================================================
-``handoff``    :class:`TableSource` with the run's hand-off: what its slot reader recorded, taken as
-               read (:mod:`..handoff`); a span not there is read from ``pgstream.events``
 ``table``      :class:`TableSource`: a round of at most ``direct_max_events`` events (ordering global)
                read by the run's own connection
 ``spark``      :class:`SparkSource`: packed single-partition DataFrames collected one at a time
@@ -64,7 +62,6 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from ...config import DeliveryConfig
-    from ..handoff import Handoff
 
 #: how the host starts (or returns) its Spark session: called only when a round goes to Spark
 SparkLoader: TypeAlias = "Callable[[], SparkSession]"
@@ -82,14 +79,11 @@ class TableSource:
     """Route ``table``: a round small enough to read without Spark, ``spans`` read by ``conn`` (the
     run's own connection) with the query the Spark source runs. A Spark job costs 0.1-0.3 s and about
     half a CPU-second whatever its size (bench/cpu.py): for the few events an open run gets at a time
-    that is most of the latency and of the CPU. With ``handoff`` (route ``handoff``: what the run's
-    slot reader recorded) a span found there is taken as read, the others are read here."""
+    that is most of the latency and of the CPU."""
 
     conn: psycopg.Connection
     spans: Sequence[Span]
     routing_key: str
-    #: the rows the run's slot reader recorded (:mod:`..handoff`): a span found there is not read
-    handoff: Handoff | None = None
     #: bytes of payload and metadata one read holds at most (one event at least): ``delivery.tuning.max_read_bytes``
     read_bytes: int = READ_BYTES
     #: an event whose payload is larger is not read (:class:`~..publish.TooLarge`): the sink's ``max_event_bytes()``
@@ -97,11 +91,6 @@ class TableSource:
 
     def events(self) -> Iterator[Positioned]:
         for whole in self.spans:
-            kept = (self.handoff.take(whole.batch_id, whole.first, whole.last, self.event_bytes)
-                    if self.handoff is not None else None)
-            if kept is not None:
-                yield from kept
-                continue
             for span in whole.split(FETCH_ROWS):
                 # FETCH_ROWS at a time and at most read_bytes (the server cuts), each fetched whole before
                 # anything is yielded: the caller writes the ledger on the same connection
@@ -248,7 +237,6 @@ Source: TypeAlias = "TableSource | SparkSource | KeyedSource | RangeSource | Lin
 
 
 class Route(StrEnum):
-    HANDOFF = "handoff"
     TABLE = "table"
     SPARK = "spark"
     BY_KEY = "by_key"
@@ -295,8 +283,6 @@ class Readers:
     executor_url: str = ""
     #: the run's own connection: a delivery round is read on it (without it every round goes to Spark)
     conn: psycopg.Connection | None = None
-    #: what the run's slot reader recorded
-    handoff: Handoff | None = None
     #: the host's Spark session, started when first needed
     spark: SparkLoader | None = None
     #: the sink the events go to: whether it takes JSON lines, the largest event it takes
@@ -310,8 +296,7 @@ def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: R
     * a round of an ``ordering: by_key`` stream: Spark tasks per routing key;
     * a round of an ordered stream: through Spark in mode ``per_batch`` (the design card's PySpark run
       per batch) unless ``tuning.direct_max_events`` is given, and with ``direct_max_events`` 0; else
-      a round of at most ``direct_max_events`` events is read by the run's own connection (from the
-      hand-off when the run reads the slot), a larger one through Spark;
+      a round of at most ``direct_max_events`` events is read by the run's own connection, a larger one through Spark;
     * a replay: JSON lines rendered by Postgres when the sink takes them, else the run's connections
       unless ``tuning.direct_max_events`` is 0 (then Spark), in every mode;
     * dead letters: from ``pgstream.dead_letters``."""
@@ -326,7 +311,7 @@ def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: R
         return Route.BY_KEY
     if direct <= 0 or readers.conn is None or want.events > direct:
         return Route.SPARK
-    return Route.HANDOFF if readers.handoff is not None else Route.TABLE
+    return Route.TABLE
 
 
 def range_size(delivery: DeliveryConfig, readers: Readers) -> int:
@@ -359,9 +344,9 @@ def choose_source(delivery: DeliveryConfig, want: Owed | Selection | Letters, re
             keys=params.get("keys") or None, packed=True)
         assert isinstance(loaded, list)  # packed: one single-partition DataFrame per id range
         return SparkSource(loaded, delivery.tuning.prefetch_partitions)
-    if chosen in (Route.TABLE, Route.HANDOFF):
+    if chosen is Route.TABLE:
         assert readers.conn is not None
-        return TableSource(readers.conn, want.spans, delivery.routing_key, readers.handoff, read_bytes, limit)
+        return TableSource(readers.conn, want.spans, delivery.routing_key, read_bytes, limit)
     from .. import spark
 
     frames = spark.load_batches(_session(readers), readers.executor_url, want.spans, delivery.routing_key,

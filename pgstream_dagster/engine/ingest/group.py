@@ -8,8 +8,8 @@ the WAL is decoded once for all of them (docs/architecture.md, "One reader for a
    the group's publication filters on exactly its members (``ensure_group_publication``), and the group's
    slot exists and is usable. A slot that was dropped or invalidated (or a publication dropped by hand)
    sets ``recovery_pending`` on the group and each joined member, is replaced, and each member records
-   from ``pgstream.events`` what its ledger does not cover (as :func:`~.slot.ensure_slot` does for one
-   stream: duplicates possible after an interruption, losses not).
+   from ``pgstream.events`` what its ledger does not cover (duplicates possible after an interruption,
+   losses not).
 2. **join** (:func:`join_members`): a member that still had its own slot hands over: once the
    publication includes it and every transaction running then has ended, ``begin_join`` sets its join
    position L (the WAL insert position) and makes the group's reader its declared reader; its own slot is
@@ -34,13 +34,15 @@ import psycopg
 
 from ...config import StreamConfig, recording_stand_in
 from .. import limits, replication, walstream
-from ..handoff import Log
 from ..ledger import groups, recording
 from ..replication import Transaction
+from ..runlog import Log
 from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, _past, record_pass
-from .slot import SLOT_CREATION_WAIT_SECS
 from .source import PeekSource, StreamSource
 
+#: how long the creation of the group's slot waits for the transactions running then to end (any role that
+#: writes a table can keep one open): then the tick ends naming them (replication.SlotCreationWaits)
+SLOT_CREATION_WAIT_SECS = 5.0
 #: a joining member: how long a tick waits for the transactions running when its join began
 JOIN_WAIT_SECS = 2.0
 #: how often the group's slot is peeked again while nothing waits
@@ -191,7 +193,7 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
     if info is None and (elsewhere := replication.slot_database(conn, state.slot)) is not None:
         raise groups.GroupChange(f"reader group {group}: replication slot {state.slot} belongs to database "
                                  f"{elsewhere}, not to this one: drop it there if nothing reads it")
-    # crash-safe as ensure_slot: pending first, cleared once every member recovered
+    # crash-safe: pending first, cleared once every member recovered
     groups.set_group_recovery_pending(conn, group, True)
     for m in joined:
         recording.set_recovery_pending(conn, m.id)
@@ -268,7 +270,8 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: groups.Member
                 time.sleep(0.02)  # the WAL up to the join position is being flushed
     except walstream.SlotBusy:
         result.notes.append(f"stream {stream.id}: its own slot {member.own_slot} is still held by its earlier reader "
-                            "(an open run's reader lets go within a second); the join goes on at the next tick")
+                            "(a reader of the version before lets go within a second); the join goes on at the next "
+                            "tick")
         return False
     except recording.NotVisibleYet:
         return False
@@ -395,7 +398,7 @@ def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: d
 
 def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float, *,
                   mark: bool = True, kept: GroupStream | None = None,
-                  invalid: Mapping[int, str] | None = None) -> GroupResult:
+                  invalid: Mapping[int, str] | None = None, stop: Callable[[], bool] | None = None) -> GroupResult:
     """A tick of the group's reader (see the module): ensure, join, then record what commits on the
     group's slot for every member until ``budget_secs`` is spent (``0``: one look).
 
@@ -404,9 +407,12 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
     member drains its own slot, when the slot is busy or lost, and on an error.
 
     ``invalid``: the streams whose streams[] entry the code location left out (id -> what is wrong): those the
-    database has in the group are recorded all the same and told (:func:`_stand_ins`)."""
+    database has in the group are recorded all the same and told (:func:`_stand_ins`).
+
+    ``stop``: with ``kept``, true once the reader is to end (its group run ends): the call returns within
+    half a second instead of at ``budget_secs`` (what was received and not recorded waits in ``kept``)."""
     try:
-        return _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {})
+        return _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {}, stop)
     except BaseException:
         if kept is not None:
             kept.close()
@@ -414,7 +420,8 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
 
 
 def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float,
-                   mark: bool, kept: GroupStream | None, invalid: Mapping[int, str]) -> GroupResult:
+                   mark: bool, kept: GroupStream | None, invalid: Mapping[int, str],
+                   stop: Callable[[], bool] | None = None) -> GroupResult:
     result = GroupResult()
     started = time.monotonic()
     deadline = started + budget_secs
@@ -458,7 +465,7 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     try:
         if kept is not None:
             _follow_group(conn, group, kept, kept.recorder(conn, group, state.slot, ledgers, rule_of(streams)),
-                          ledgers, deadline, until, result, seen)
+                          ledgers, deadline, until, result, seen, stop)
         else:
             _peek_group(conn, group, streams, state.slot, ledgers, deadline, until, result, seen)
     except walstream.SlotBusy:
@@ -502,10 +509,10 @@ def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig
 
 def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recorder: Recorder,
                   ledgers: dict[int, StreamLedger], deadline: float, until: float, result: GroupResult,
-                  seen: Callable[[dt.datetime | None], None]) -> None:
-    """A group delivery run's reader: what the server sends as it commits, until ``deadline`` (what was
-    received and not recorded by then waits in ``kept`` for the next call); the slot is moved past other
-    tables' WAL once a second while nothing received is unrecorded (as an open run's reader does)."""
+                  seen: Callable[[dt.datetime | None], None], stop: Callable[[], bool] | None = None) -> None:
+    """A group delivery run's reader: what the server sends as it commits, until ``deadline`` or ``stop()``
+    (what was received and not recorded by then waits in ``kept`` for the next call); the slot is moved past
+    other tables' WAL once a second while nothing received is unrecorded."""
     source = kept.source
     assert source is not None
     while True:
@@ -518,7 +525,7 @@ def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recor
             # every transaction that committed before the server's position has been received and recorded
             kept.checked_at = now
             seen(source.skip_idle(conn))
-        if now >= deadline:
+        if now >= deadline or (stop is not None and stop()):
             break
 
 

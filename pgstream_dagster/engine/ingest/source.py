@@ -1,10 +1,11 @@
 """Where a slot's transactions come from: :class:`SlotSource`, with two backends.
 
-* :class:`PeekSource`: ``pg_logical_slot_peek_binary_changes`` on an ordinary connection (what the
-  sensor reads between runs). Each read decodes the WAL again from the slot's confirmed position,
-  and returns only what it has not returned before; :meth:`~PeekSource.confirm` advances the slot.
-* :class:`StreamSource`: the replication protocol (:class:`~..walstream.ReplicationStream`, what an
-  open run's reader and a group delivery run's reader read): each transaction is decoded once and arrives as it commits;
+* :class:`PeekSource`: ``pg_logical_slot_peek_binary_changes`` on an ordinary connection (what a
+  group's sensor reads, and a joining member's own slot). Each read decodes the WAL again from the
+  slot's confirmed position, and returns only what it has not returned before;
+  :meth:`~PeekSource.confirm` advances the slot.
+* :class:`StreamSource`: the replication protocol (:class:`~..walstream.ReplicationStream`, what a
+  group delivery run's reader reads): each transaction is decoded once and arrives as it commits;
   :meth:`~StreamSource.confirm` sends the server the position.
 
 Both confirm only what the caller says is recorded: a reader that dies before confirming gets the
@@ -140,17 +141,15 @@ class PeekSource:
 class StreamSource:
     """:class:`SlotSource` over the replication protocol (:class:`~..walstream.ReplicationStream`).
 
-    ``keep_rows``: decode each event's whole row (for a hand-off to the run), except for a message
-    larger than ``max_row_bytes``; ``keep_stream``: each event's stream id (a reader group's slot).
+    ``keep_stream``: decode each event's stream id (a reader group's slot).
     Raises what :class:`~..walstream.ReplicationStream` raises."""
 
     def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,
-                 max_bytes: int, keep_rows: bool = False, keep_stream: bool = False) -> None:
+                 max_bytes: int, keep_stream: bool = False) -> None:
         self.slot, self.publication, self.application_name = slot, publication, application_name
         self.stream = walstream.ReplicationStream(database_url, slot, publication, application_name,
                                                   max_bytes=max_bytes)
-        self.decoder = replication.PgOutputDecoder(keep_rows=keep_rows, max_row_bytes=max_bytes // 4,
-                                                   keep_stream=keep_stream)
+        self.decoder = replication.PgOutputDecoder(keep_stream=keep_stream)
         self._probe: tuple[dt.datetime, int] | None = None  # (a time, the WAL flushed then)
 
     @property

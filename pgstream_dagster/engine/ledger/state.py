@@ -3,10 +3,9 @@ for ``batches.decide``), the batch transitions (one function and one UPDATE each
 :func:`open_run`, :func:`clear_open_run`, :func:`release`, :func:`mark_failed`, :func:`mark_confirmed`,
 :func:`mark_delivered`, :func:`enter_failover`, :func:`leave_failover`, :func:`retry_now`,
 :func:`skip_batch`), the run operations made of them (:func:`launch`, :func:`extend_run`,
-:func:`fail_run`), the slot's declared reader, which changes with the open run (:func:`open_run`,
-:func:`clear_open_run`), and the two ways in: :func:`apply` (the sensor's decision, a
-:data:`~..batches.Action`) and :func:`apply_run` (the open run's own transitions, a
-:data:`~..batches.RunAction`: close, take the slot, give it back). These are the only writers of
+:func:`fail_run`), who reads the stream's slot (:func:`slot_reader`, :func:`lock_slot_reader`), and the two
+ways in: :func:`apply` (the sensor's decision, a :data:`~..batches.Action`) and :func:`apply_run` (the open
+run's own transition, a :data:`~..batches.RunAction`: close). These are the only writers of
 ``streams.open_run_key`` and ``streams.slot_reader`` (tests/test_architecture.py). Statuses are
 :class:`~..batches.BatchStatus` members; "open" is ``pgstream.batch_is_open(status)``.
 
@@ -34,19 +33,15 @@ from ..batches import (
     CloseRun,
     Extend,
     FailRun,
-    GiveSlotBack,
     Launch,
     LeaveFailover,
-    ReclaimSlot,
     Reissue,
     Requeue,
     RunAction,
     RunOrder,
     StreamState,
-    TakeSlot,
     Wait,
     Warm,
-    WarmRun,
 )
 from ..batches import Batch as Batch  # ledger.state.Batch: the delivery job's name for it
 from .locks import REPLAY_LOCK
@@ -66,7 +61,7 @@ def _batch(row: dict[str, Any] | None) -> Batch | None:
 # --- the stream's state: one read per decision (engine/batches.py decides) ------------------------
 
 _STATE = f"""
-select p.id as state_of, s.paused, s.failover_since, s.open_run_key, s.slot_reader,
+select p.id as state_of, s.paused, s.failover_since, s.open_run_key,
        s.incarnation::text as stream_incarnation, h.*,
        case when h.status = %(pending)s and not s.paused then (
            -- what a new run takes: the head, then pending batches while the events fit
@@ -89,7 +84,7 @@ left join lateral (
     where b.stream_id = s.id and pgstream.batch_is_open(b.status) order by b.id limit 1) h on true
 """  # noqa: S608  (column lists, no input)
 
-_STREAM_FIELDS = ("paused", "failover_since", "open_run_key", "slot_reader", "next_run", "last_delivered_launch",
+_STREAM_FIELDS = ("paused", "failover_since", "open_run_key", "next_run", "last_delivered_launch",
                   "stream_incarnation")
 
 
@@ -114,7 +109,7 @@ def stream_states(conn: psycopg.Connection, max_events: dict[int, int]) -> dict[
             stream_id, head=_batch(row) if row["id"] is not None else None, paused=bool(stream["paused"]),
             failover_since=stream["failover_since"], open_run_key=stream["open_run_key"],
             next_run=tuple(stream["next_run"] or ()), last_delivered_launch=stream["last_delivered_launch"],
-            incarnation=str(stream["stream_incarnation"] or ""), slot_reader=str(stream["slot_reader"] or SENSOR))
+            incarnation=str(stream["stream_incarnation"] or ""))
     return states
 
 
@@ -254,39 +249,33 @@ def assign(conn: psycopg.Connection, batch_ids: tuple[int, ...] | list[int], run
                  [BatchStatus.LAUNCHED, run_key, list(batch_ids)])
 
 
-def open_run(conn: psycopg.Connection, stream_id: int, run_key: str, *, reads_slot: bool = True) -> None:
-    """The run ``run_key`` becomes the stream's open run: :func:`extend_run` hands it new batches.
-    ``reads_slot`` (``delivery.tuning.read_slot``): in the same UPDATE it becomes the slot's declared reader
-    (``streams.slot_reader``), so the sensor stops reading it."""
+def open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
+    """The run ``run_key`` becomes the stream's open run: :func:`extend_run` hands it new batches."""
     conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s where id = %s",
-                 [run_key, run_reader(run_key) if reads_slot else SENSOR, stream_id])
+                 [run_key, SENSOR, stream_id])
 
 
 def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
-    """The run ``run_key`` is no longer the stream's open run (closed, failed, or gone without closing);
-    in the same UPDATE the slot goes back to the sensor."""
+    """The run ``run_key`` is no longer the stream's open run (closed, failed, or gone without closing)."""
     conn.execute("update pgstream.streams set open_run_key = null, slot_reader = %s "
                  "where id = %s and open_run_key = %s", [SENSOR, stream_id, run_key])
 
 
 # --- the slot's declared reader (streams.slot_reader, sql/025_slot_reader.sql) ----------------------
-# One reader of a stream's slot at a time, declared in the stream row: 'sensor', or 'run:<run key>' (the
-# open run's reader). It changes with the open run (open_run, clear_open_run: the same UPDATE; a
-# constraint says a run reads only while it is the open run), and when the open run's reader cannot read
-# (GiveSlotBack) or can again (TakeSlot), both by apply_run. Each reader reads only while it is the
-# declared one and checks it again under the stream row's lock before it records (lock_slot_reader).
+# Who reads the stream's slot: 'group:<name>' once the stream has joined its reader group (for good: a
+# trigger keeps it), 'sensor' for a stream still reading a slot of its own until it joins (an install of a
+# version with a slot per stream), whose own slot the group's sensor reads meanwhile (ingest.consume).
+# A constraint of sql/025 ties 'run:<key>' (that version's open run reading its slot) to open_run_key:
+# the open run's writers above set 'sensor' with it, which the trigger turns into the group's reader
+# for a member that has joined. Each reader checks it under the stream row's lock before it records
+# (lock_slot_reader).
 
-#: the declared reader between runs
+#: the declared reader of a stream's own slot before it joins its group
 SENSOR = "sensor"
 
 
-def run_reader(run_key: str) -> str:
-    """The declared reader of the slot while the open run ``run_key`` reads it."""
-    return f"run:{run_key}"
-
-
 def slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
-    """Who reads the stream's slot now: :data:`SENSOR` or :func:`run_reader` of the open run."""
+    """Who reads the stream's slot now: ``group:<name>``, or :data:`SENSOR` (its own, while it joins)."""
     row = conn.execute("select slot_reader from pgstream.streams where id = %s", [stream_id]).fetchone()
     return str(row[0]) if row and row[0] is not None else SENSOR
 
@@ -298,24 +287,6 @@ def lock_slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
     row = conn.execute("select slot_reader from pgstream.streams where id = %s for no key update",
                        [stream_id]).fetchone()
     return str(row[0]) if row and row[0] is not None else SENSOR
-
-
-def _take_slot(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
-    """The open run ``run_key``'s reader reads the slot (again); false if it is not the open run, or the
-    stream reads with a reader group."""
-    # not a reader group's member once it has handed over (the group's reader reads for it)
-    row = conn.execute("update pgstream.streams set slot_reader = %s where id = %s and open_run_key = %s "
-                       "and slot_reader not like 'group:%%' returning 1",
-                       [run_reader(run_key), stream_id, run_key]).fetchone()
-    return row is not None
-
-
-def _give_slot_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
-    """The run ``run_key``'s reader does not read (it stopped, or cannot read for now): the sensor reads
-    the slot and hands batches to the run; false if it was not the declared reader."""
-    row = conn.execute("update pgstream.streams set slot_reader = %s where id = %s and slot_reader = %s "
-                       "returning 1", [SENSOR, stream_id, run_reader(run_key)]).fetchone()
-    return row is not None
 
 
 def release(conn: psycopg.Connection, run_key: str, keep: int) -> None:
@@ -373,16 +344,15 @@ def skip_batch(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int:
 # --- runs: transitions composed ---------------------------------------------------------------------
 
 def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] | list[int], run_key: str, *,
-           keep_open: bool, replaces: str | None = None, reads_slot: bool = True) -> None:
+           keep_open: bool, replaces: str | None = None) -> None:
     """Assign ``batch_ids`` to the new run ``run_key``; ``keep_open``: it becomes the stream's open
-    run (and, ``reads_slot``, the slot's declared reader); ``replaces``: an open run that ended without
-    closing, forgotten first (the slot back to the sensor with it)."""
+    run; ``replaces``: an open run that ended without closing, forgotten first."""
     with conn.transaction():
         if replaces is not None:
             clear_open_run(conn, stream_id, replaces)
         assign(conn, batch_ids, run_key)
         if keep_open:
-            open_run(conn, stream_id, run_key, reads_slot=reads_slot)
+            open_run(conn, stream_id, run_key)
 
 
 def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
@@ -465,36 +435,30 @@ def requeue_run(conn: psycopg.Connection, head: Batch, run_key: str, *, checkpoi
                          "where id = %s and pgstream.batch_is_open(status)", [BatchStatus.FAILED, head.id])
 
 
-def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str, *, reads_slot: bool = True) -> bool:
-    """The run ``run_key`` (no batch yet) becomes the stream's open run (and, ``reads_slot``, the
-    slot's declared reader), unless the stream has one."""
+def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
+    """The run ``run_key`` (no batch yet) becomes the stream's open run, unless the stream has one."""
     row = conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s "
-                       "where id = %s and open_run_key is null returning id",
-                       [run_key, run_reader(run_key) if reads_slot else SENSOR, stream_id]).fetchone()
+                       "where id = %s and open_run_key is null returning id", [run_key, SENSOR, stream_id]).fetchone()
     return row is not None
 
 
-def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | WarmRun | None:
+def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | None:
     """Carry out ``action`` (from :func:`~.batches.decide`) in the ledger; the run to request, if
-    any. Reporting a dead run to Dagster (``FailRun.died``) is the caller's, before this."""
+    any (a run of its own, for a stream in mode per_batch: the group's delivery run hosts open and warm
+    runs). Reporting a dead run to Dagster (``FailRun.died``) is the caller's, before this."""
     match action:
         case LeaveFailover(then=then):
             leave_failover(conn, stream.id)
             return apply(conn, stream, then)
         case Wait():
             return None
-        # an open run becomes the slot's declared reader when its reader starts (TakeSlot, under the
-        # stream row's lock, only while it is the open run): until then, a run queued or still starting, the
-        # sensor goes on reading and hands the run what it records, so no moment is left without a reader
         case Warm(run=run, again=again):
-            return run if again or open_warm_run(conn, stream.id, run.run_key, reads_slot=False) else None
-        case Launch(order=order, keep_open=keep_open, replaces=replaces):
-            launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces,
-                   reads_slot=False)
-            return order
-        case ReclaimSlot(run_key=key):
-            _give_slot_back(conn, stream.id, key)
+            if not again:
+                open_warm_run(conn, stream.id, run.run_key)
             return None
+        case Launch(order=order, keep_open=keep_open, replaces=replaces):
+            launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces)
+            return order
         case Extend(run_key=key, otherwise=otherwise):
             # empty when the run closed meanwhile: then a new run, if the head needs one
             if extend_run(conn, stream.id, key, stream.delivery.max_events_per_run) or otherwise is None:
@@ -513,13 +477,9 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
 
 
 def apply_run(conn: psycopg.Connection, action: RunAction) -> bool:
-    """Carry out the open run's own transition ``action`` in the ledger (its delivery loop closes it,
-    its slot reader takes the slot and gives it back); false when it is refused (see each action)."""
+    """Carry out the open run's own transition ``action`` in the ledger (its delivery loop closes it); false
+    when it is refused (see the action)."""
     match action:
         case CloseRun(stream_id=stream_id, run_key=key):
             return _close_run(conn, stream_id, key)
-        case TakeSlot(stream_id=stream_id, run_key=key):
-            return _take_slot(conn, stream_id, key)
-        case GiveSlotBack(stream_id=stream_id, run_key=key):
-            return _give_slot_back(conn, stream_id, key)
     assert_never(action)

@@ -1,5 +1,7 @@
 """Stream rows and the slot each reads (``pgstream.streams``, its ``slot``): the one place Python learns
-a slot's name, and the checks that a slot belongs to one stream."""
+a slot's name. A stream reads its reader group's slot once it has joined; ``slot`` is the slot of its own it
+had before (a version with a slot per stream: :func:`ensure_stream` makes such a row), drained and dropped
+when it joins."""
 
 from __future__ import annotations
 
@@ -30,16 +32,6 @@ class SlotInUse(RuntimeError):
                          f"stream (each would advance it past the other's events): {advice}")
 
 
-class SlotElsewhere(RuntimeError):
-    """The slot a stream reads exists, but in another database of the cluster (slot names are the cluster's)."""
-
-    def __init__(self, stream_id: int, slot: str, database: str) -> None:
-        self.stream_id, self.slot, self.database = stream_id, slot, database
-        super().__init__(f"stream {stream_id}: replication slot {slot} belongs to database {database}, not to this "
-                         f"one (slot names are the cluster's): give stream {stream_id} another streams[].slot_name "
-                         f"in pgstream.yaml, or drop that slot in database {database} if nothing there reads it")
-
-
 def stream_slot(conn: psycopg.Connection, stream_id: int) -> str:
     """The replication slot stream ``stream_id`` reads (``pgstream.streams.slot``: its ``slot_name``, else
     its default, a name the database derives, unique in the cluster: ``pgstream.default_slot_name``), or
@@ -55,19 +47,9 @@ def slot_holder(conn: psycopg.Connection, slot: str, stream_id: int) -> int | No
     return int(row[0]) if row and row[0] is not None else None
 
 
-def check_slots(conn: psycopg.Connection, streams: list[tuple[int, str | None]]) -> None:
-    """Raise :class:`SlotInUse` if a stream (``(id, slot_name)``; ``None``: its default slot) would read a
-    slot that another stream row already reads; before anything changes (``pgstream-dagster init``)."""
-    for stream_id, slot_name in streams:
-        slot = slot_name or stream_slot(conn, stream_id)
-        holder = slot_holder(conn, slot, stream_id)
-        if holder is not None:
-            raise SlotInUse(stream_id, slot, holder)
-
-
 def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | None = None) -> str:
-    """The stream row (and so its publication) exists and reads ``slot_name`` (``None``: its default
-    slot); returns the slot it reads.
+    """The stream row (and so its publication) exists, outside any reader group, and reads ``slot_name``
+    (``None``: its default slot), as a version with a slot per stream made it; returns that slot.
 
     Raises :class:`SlotInUse` (nothing changed) when another stream row already reads that slot, and
     :class:`~..replication.PublicationTaken` when a publication by its publications' names is another role's.
