@@ -182,11 +182,15 @@ def dagster_storage_url(pg: LocalPostgres) -> str:
 
 
 def storage_overrides(postgres_url: str) -> dict[str, Any]:
-    """The repository's dagster.yaml storage (what users run: Postgres, pooled), on ``postgres_url``."""
+    """The repository's dagster.yaml storage (what users run: Postgres, pooled), on ``postgres_url``; runs
+    executed in process keep no compute logs: Dagster's local capture follows each run's output with a
+    ``tail -F`` and waits up to 30 s for it when a run ends in a thread (no test reads compute logs)."""
     storage = yaml.safe_load((repo_root() / "dagster.yaml").read_text())["storage"]
     for kind in storage.values():
         (kind.get("config", kind))["postgres_url"] = postgres_url
-    return {"storage": storage}
+    return {"storage": storage,
+            "compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
+                             "class": "NoOpComputeLogManager"}}
 
 
 @pytest.fixture
