@@ -54,7 +54,7 @@ from .support.dagster_dev import (
     wait_for,
 )
 from .support.dagster_instance import step_failure
-from .support.harness import write_config
+from .support.harness import group_tag_of, write_config
 
 EVENTS_TIMEOUT_SECS = 240  # the first run starts Spark
 
@@ -264,7 +264,7 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
                      lambda: f"runs: {[(r.run_id, r.status, r.tags) for r in instance.get_runs()]}")
             runs = list(instance.get_runs(RunsFilter(job_name=GROUP_DELIVERY_JOB)))
             assert len(runs) == 1 and runs[0].status == DagsterRunStatus.STARTED, runs  # one group run, still up
-            assert runs[0].tags.get(GROUP_TAG) == DEFAULT_READER
+            assert runs[0].tags.get(GROUP_TAG) == group_tag_of(app, DEFAULT_READER)
             assert member() == {"run_key": recorded[0][5], "state": "ended", "error": None}  # it delivered both waves
             assert not instance.get_runs(RunsFilter(job_name=DELIVERY_JOB))
 

@@ -168,7 +168,8 @@ def test_a_fresh_make_dev_stays_green_past_a_checks_tick_and_make_stop_ends_it_i
     _wait("the UI", answers, 300, demo)
     _wait("the demo's group delivery run (reader group default)",
           lambda: any(r["jobName"] == "pgstream_group_delivery" and r["status"] == "STARTED"
-                      and {"key": "pgstream/group", "value": "default"} in r["tags"] for r in demo.runs()), 180, demo)
+                      and any(t["key"] == "pgstream/group" and t["value"].startswith("default@") for t in r["tags"])
+                      for r in demo.runs()), 180, demo)
     with psycopg.connect(demo.exported()["PGSTREAM_OWNER_DATABASE_URL"], autocommit=True) as conn:
         conn.execute("insert into demo.users (email, email_verified) values ('ada@example.com', true)")
     _wait("the tour's event in the sink", lambda: sink.exists() and "ada@example.com" in sink.read_text(), 60, demo)

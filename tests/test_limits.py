@@ -18,11 +18,21 @@ import pytest
 import yaml
 
 from pgstream_dagster.cli import main
+from pgstream_dagster.defs.names import GROUP_TAG
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine.migrations import migrate
 
 from .support.dagster_dev import repo_root
-from .support.harness import Driver, at_least, event_ids, insert_events, read_jsonl, tick_until, write_config
+from .support.harness import (
+    Driver,
+    at_least,
+    event_ids,
+    group_tag_of,
+    insert_events,
+    read_jsonl,
+    tick_until,
+    write_config,
+)
 
 SLOTS_LINE = ("max_replication_slots is 2 and 0 are in use; reader group g3 needs one more: set "
               "max_replication_slots = 8 in postgresql.conf and restart Postgres")
@@ -108,7 +118,7 @@ def test_more_groups_than_slots_one_line_from_preflight_init_and_the_sensor_and_
         assert result.skip_message == ("max_replication_slots is 2 and 2 are in use; reader group g3 needs one "
                                       "more: set max_replication_slots = 8 in postgresql.conf and restart Postgres")
     assert "g3" not in driver.group_runs
-    assert not instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "g3"}))
+    assert not instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(url, "g3")}))
     assert _slots(url) == 2
     for stream_id in (1, 2):  # the groups that fit deliver
         insert_events(url, stream_id, 5)

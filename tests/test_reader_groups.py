@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import DEFAULT_READER, StreamConfig, load_config, streams_fingerprint
-from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, stream_sensor_name
+from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, GROUP_TAG, stream_sensor_name
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
@@ -33,7 +33,7 @@ from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.status import render_status, stream_status
 
 from .conftest import drop_database, fresh_database, migrated_template
-from .support.harness import Background, Driver, insert_events, read_jsonl, slot_of, write_config
+from .support.harness import Background, Driver, group_tag_of, insert_events, read_jsonl, slot_of, write_config
 
 GROUP = "shared"
 
@@ -441,7 +441,7 @@ def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and
         assert delivered(i) == _events(db_url, i), i  # every event, once, in commit order
     assert _pgstream_slots(db_url) == [_group_slot(db_url)]  # one slot for twelve streams
     assert _runs(driver, "all")
-    assert {r.job_name for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "all"}))} == {
+    assert {r.job_name for r in instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, "all")}))} == {
         GROUP_DELIVERY_JOB}
     # the group's cursor shows each stream's last recorded event
     shown = json.loads(driver.cursors["all"] or "{}")["members"]
@@ -489,7 +489,7 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
         assert time.monotonic() < deadline, (len(delivered()), state(2))
         _tick(driver, "pair")
     (run,) = _runs(driver, "pair")
-    (dagster_run,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "pair"}))
+    (dagster_run,) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, "pair")}))
     member = json.loads(dagster_run.tags["pgstream/member_2"])
     assert member["state"] == "failed" and "127.0.0.1:9" in member["error"], member  # its thread only
     for wave in range(3):  # handed to the open run by the group's sensor: no new run
@@ -562,7 +562,7 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
     with psycopg.connect(db_url) as c:
         assert [r[0] for r in c.execute("select id from pgstream.streams where reader_group = %s order by id", [name])
                 ] == new_ids
-    (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": name}))
+    (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, name)}))
     stop = dagster_old.tags.get("pgstream/stop", "")
     assert stop.startswith("the configuration of its streams changed"), dagster_old.tags
     for i in new_ids:  # written while the old run ends
@@ -579,7 +579,7 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
     for i in new_ids:
         assert delivered(i) == _events(db_url, i), i  # every event, once, in commit order
     assert len(_runs(driver, name)) == 2 and _runs(driver, name)[1].thread.is_alive()
-    (dagster_new,) = [r for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": name}))
+    (dagster_new,) = [r for r in instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, name)}))
                       if r.run_id != dagster_old.run_id]
     assert dagster_new.tags["pgstream/config"] == streams_fingerprint(load_config(driver.config_path).streams)
     assert "pgstream/stop" not in dagster_new.tags
@@ -630,7 +630,7 @@ def test_a_group_runs_reader_refused_ends_the_run_and_the_sensor_reports_the_ref
     while old.thread.is_alive():  # the group's sensor is not ticked: the run ends on its own
         assert time.monotonic() - registered < 15, "the group run did not end"
         time.sleep(0.2)
-    (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "refused"}))
+    (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, "refused")}))
     assert old.wait(5).success and "pgstream/stop" not in dagster_old.tags
     ends = [e.user_message for e in instance.all_logs(dagster_old.run_id)
             if "group delivery run ended (" in e.user_message]
@@ -1100,7 +1100,7 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
         assert time.monotonic() < deadline, skips
         skips.append(_tick(driver, "held"))
         time.sleep(0.1)
-    (fresh, _before) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "held"}))
+    (fresh, _before) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, "held")}))
     assert _run_reads(db_url, group="held") == f"group delivery run {fresh.run_id}"  # its reader reads
     for wave in range(1, 4):
         for i in (1, 2):
@@ -1175,7 +1175,7 @@ def test_a_member_in_mode_per_batch_gets_a_dagster_run_per_batch_through_pyspark
     assert len(own) >= 2 and all(r.success for r in own)  # a run per batch (or run of batches)
     assert all(r.dagster_run.tags["pgstream/stream"] == "2" for r in own)
     assert set(routes[2]) == {"SparkSource"} and "SparkSource" not in routes[1], routes  # stream 2's: PySpark
-    (hosting,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "card"}))
+    (hosting,) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, "card")}))
     assert "pgstream/member_1" in hosting.tags and "pgstream/member_2" not in hosting.tags
     _end_group_runs(driver)
 
@@ -1320,7 +1320,7 @@ def test_a_live_group_runs_reader_records_continuously_and_the_sensor_reads_noth
     ids = [1, 2, 3]
     driver = _live_group(db_url, tmp_path, instance, ids)
     holder = _run_reads(db_url)
-    (run,) = instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "live"}))
+    (run,) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, "live")}))
     assert holder == f"group delivery run {run.run_id}"  # named after the run holding it
     ticks = readers.by("sensor")
     for wave in range(3):
@@ -1525,7 +1525,7 @@ def test_a_group_run_whose_server_goes_away_fails_in_one_line(
                     instance)
     result = driver.execute(dg.RunRequest(run_key="lost-1", job_name=GROUP_DELIVERY_JOB,
                                           run_config={"ops": {"deliver_group": {"config": {"group": "lost"}}}},
-                                          tags={"pgstream/group": "lost"}))
+                                          tags={GROUP_TAG: group_tag_of(db_url, "lost")}))
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     message = failure.step_failure_data.error.message if failure.step_failure_data.error else ""

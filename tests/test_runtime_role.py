@@ -23,14 +23,14 @@ from psycopg import sql
 from pgstream_dagster.cli import main as cli_main
 from pgstream_dagster.config import DEFAULT_READER, ConfigError, HousekeepingConfig, load_config
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import BACKFILL_JOB, BACKFILL_OP, REPLAY_JOB, REPLAY_OP, member_tag
+from pgstream_dagster.defs.names import BACKFILL_JOB, BACKFILL_OP, GROUP_TAG, REPLAY_JOB, REPLAY_OP, member_tag
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import housekeeping, metrics
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import WRITER_ROLE, migrate
 from pgstream_dagster.engine.subscriptions import SubscriptionError, apply_stream, trigger_state
 
-from .support.harness import Driver, read_jsonl, tick_until, write_config
+from .support.harness import Driver, group_tag_of, read_jsonl, tick_until, write_config
 
 RUNTIME_GROUP = "pgstream_runtime"
 EXECUTOR_GROUP = "pgstream_executor"
@@ -164,7 +164,7 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     assert sorted(e["payload"]["new"]["id"] for e in read_jsonl(by_key)) == list(range(31, 41))
     driver.stop_group_runs()
     assert run.wait(timeout=120).success
-    assert [r for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": DEFAULT_READER}))
+    assert [r for r in instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(i.runtime_url, DEFAULT_READER)}))
             if '"failed"' in r.tags.get(member_tag(1), "") + r.tags.get(member_tag(2), "")] == []
 
     # runs that end once delivered from here on (a lingering run only waits in this in-process driver)
@@ -481,7 +481,7 @@ def test_the_runtime_needs_no_right_on_the_application_schema(install: Install, 
                      timeout=300)
     driver.stop_group_runs()  # (its group's delivery runs: ended, each a success, no member run failed)
     assert driver.results and all(r.success for r in driver.results)
-    assert not [r for r in instance.get_runs(dg.RunsFilter(tags={"pgstream/group": "app"}))
+    assert not [r for r in instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(i.runtime_url, "app")}))
                 if '"failed"' in r.tags.get(member_tag(5), "")]
     typed = build_sink(sink)
     assert isinstance(typed, LakeSink)

@@ -24,7 +24,7 @@ from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig, streams_fingerprint
 from ..engine.collector import fewer_collections
-from ..engine.dbconn import server_gone
+from ..engine.dbconn import database_key, server_gone
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary, waiting_batches
 from ..engine.ingest import GroupStream, consume_group, group_log
@@ -41,6 +41,7 @@ from .names import (
     STOP_TAG,
     STREAM_TAG,
     deliveries_asset_key,
+    group_tag,
     member_tag,
 )
 from .resources import PgstreamResource
@@ -152,11 +153,11 @@ def member_state(run_key: str, state: str, error: str | None = None) -> str:
     return json.dumps({"run_key": run_key, "state": state, "error": error}, sort_keys=True)
 
 
-def _hosted_by_other_group_runs(instance: dg.DagsterInstance, group: str, run_id: str) -> set[tuple[int, str]]:
+def _hosted_by_other_group_runs(instance: dg.DagsterInstance, tag: str, run_id: str) -> set[tuple[int, str]]:
     """The member runs (stream id, run key) the group's other delivery runs took: runs that ended or died
     (one group delivery run at a time), so read once when a group run starts."""
     taken: set[tuple[int, str]] = set()
-    for run in instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=100):
+    for run in instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: tag}), limit=100):
         if run.run_id == run_id:
             continue
         for key, value in run.tags.items():
@@ -208,7 +209,12 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     instance, run_id = context.instance, context.run_id
     lock = threading.Lock()  # the run's tags written one member at a time
     spark_lock = threading.Lock()  # one Spark session for the process, started by the first member needing it
-    elsewhere = _hosted_by_other_group_runs(instance, group, run_id)
+    tag = context.run.tags.get(GROUP_TAG)
+    if tag is None:  # launched by hand: tagged as the group's sensor tags the runs it requests
+        with pgstream.connect() as conn:
+            tag = group_tag(group, database_key(conn))
+        instance.add_run_tags(run_id, {GROUP_TAG: tag})
+    elsewhere = _hosted_by_other_group_runs(instance, tag, run_id)
     reporter = _Reporter(context)
 
     def spark() -> Any:

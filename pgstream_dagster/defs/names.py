@@ -16,7 +16,8 @@ RUN_KEY_TAG = "dagster/run_key"
 #: a backfill run: ``true`` when launched, the stream id from when the run starts (the run config names it); never
 #: pgstream/stream, so deliveries go on meanwhile
 BACKFILL_TAG = "pgstream/backfill"
-#: a reader group's delivery run (value: the group's name): one at a time per group (dagster.yaml)
+#: a reader group's delivery run (value: :func:`group_tag`, the group and its database): one at a time per group
+#: (dagster.yaml)
 GROUP_TAG = "pgstream/group"
 #: a reader group's delivery run: the fingerprint of its members' configuration it was requested with
 #: (``config.streams_fingerprint``)
@@ -52,6 +53,13 @@ EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
 def stream_sensor_name(stream_id: int) -> str:
     """The sensor of a stream whose ``streams[]`` entry is invalid (it tells what is wrong)."""
     return stream_object_name(stream_id)
+
+
+def group_tag(group: str, database: str) -> str:
+    """The value of :data:`GROUP_TAG` of reader group ``group`` of ``database`` (``engine.dbconn.database_key``):
+    ``default@db.internal:5432/app``. Two databases served by one Dagster instance can both have a group
+    ``default``: each has its own delivery run."""
+    return f"{group}@{database}"
 
 
 def group_sensor_name(group: str) -> str:

@@ -42,7 +42,7 @@ from ..config import StreamConfig, reader_groups, streams_fingerprint
 from ..engine import limits, replication
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, decide, notes, tick_notes
 from ..engine.collector import fewer_collections
-from ..engine.dbconn import describe_url, error_line, server_gone
+from ..engine.dbconn import database_key, describe_url, error_line, server_gone
 from ..engine.delivery.group import member_run_id
 from ..engine.ingest import GroupResult, check_members, consume, consume_group, group_log, unconfigured
 from ..engine.ledger import groups, locks
@@ -63,6 +63,7 @@ from .names import (
     STOP_TAG,
     STREAM_TAG,
     group_sensor_name,
+    group_tag,
     member_tag,
     stream_sensor_name,
 )
@@ -179,9 +180,11 @@ def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.Da
     return RunView(RunStatus.OTHER, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
 
 
-def _group_runs(instance: dg.DagsterInstance, group: str, limit: int = 20) -> list[dg.DagsterRun]:
-    """The reader group's delivery runs, newest first."""
-    return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: group}), limit=limit))
+def _group_runs(instance: dg.DagsterInstance, conn: psycopg.Connection, group: str,
+                limit: int = 20) -> list[dg.DagsterRun]:
+    """The reader group's delivery runs (of ``conn``'s database), newest first."""
+    return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB,
+                                                tags={GROUP_TAG: group_tag(group, database_key(conn))}), limit=limit))
 
 
 @dataclass(frozen=True)
@@ -195,19 +198,19 @@ class GroupLook:
     @classmethod
     def of(cls, conn: psycopg.Connection, instance: dg.DagsterInstance, group: str,
            streams: list[StreamConfig]) -> "GroupLook":
-        runs = _group_runs(instance, group, limit=3)
+        runs = _group_runs(instance, conn, group, limit=3)
         ids = [member_run_id(r.run_id, s.id) for r in runs if r.status == dg.DagsterRunStatus.STARTED
                for s in streams]
         return cls(runs, locks.lease_states(conn, ids) if ids else {})
 
 
-def _member_host(instance: dg.DagsterInstance, group: str, stream_id: int, run_key: str,
-                 look: GroupLook | None = None) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
+def _member_host(instance: dg.DagsterInstance, conn: psycopg.Connection, group: str, stream_id: int,
+                 run_key: str, look: GroupLook | None = None) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
     """The group delivery run that took member run ``run_key`` of stream ``stream_id``, and its member tag:
     the newest group runs first (nearly always one of them: ``look.runs``, when the caller read them already
     for all the group's members), then the older ones."""
     for limit in (3, 100):
-        runs = look.runs if limit == 3 and look is not None else _group_runs(instance, group, limit=limit)
+        runs = look.runs if limit == 3 and look is not None else _group_runs(instance, conn, group, limit=limit)
         for run in runs:
             raw = run.tags.get(member_tag(stream_id))
             member = json.loads(raw) if raw else {}
@@ -222,7 +225,7 @@ def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream:
     run said of it (its member tag: running, ended, failed with the error), the group run's Dagster status
     and, while it is started, the member's delivery lease (held: live; lost: dead, its process died). None:
     no group run took it (yet)."""
-    found = _member_host(instance, stream.reader, stream.id, run_key, look)
+    found = _member_host(instance, conn, stream.reader, stream.id, run_key, look)
     if found is None:
         return None
     run, member = found
@@ -417,7 +420,7 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     _register_members(conn, group, streams, log, left_out)
     fingerprint = streams_fingerprint(streams)
     grace = min(s.delivery.run_grace_secs for s in streams)
-    for run in _group_runs(instance, group, limit=5):
+    for run in _group_runs(instance, conn, group, limit=5):
         if run.status not in _LIVE:
             continue
         doing = ""
@@ -455,7 +458,7 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     members = ", ".join(str(m.stream_id) for m in wanted)
     return dg.RunRequest(run_key=key, job_name=GROUP_DELIVERY_JOB,
                          run_config={"ops": {"deliver_group": {"config": {"group": group}}}},
-                         tags={GROUP_TAG: group, CONFIG_TAG: fingerprint}), (
+                         tags={GROUP_TAG: group_tag(group, database_key(conn)), CONFIG_TAG: fingerprint}), (
         f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
 
 
@@ -621,7 +624,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             return _told(context, exc)
         with connection as conn:
             try:
-                live = any(r.status in _LIVE for r in _group_runs(context.instance, group, limit=5))
+                live = any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5))
                 if not live:
                     # the group run's process takes seconds to start: requested first, and this tick ends (the
                     # next one reads and decides meanwhile, or the run's reader reads once it is up); not while

@@ -42,6 +42,15 @@ def pinned_options(database_url: str, extra: str = "") -> str:
     return " ".join(part for part in (str(given), extra, PINNED_SEARCH_PATH) if part)
 
 
+def database_key(conn: psycopg.Connection) -> str:
+    """The database ``conn`` is connected to, as its URL names it: ``host:port/database`` (every host of a
+    multi-host URL; never the role or the password). A Dagster instance can serve the code locations of several
+    databases: this tells one database's reader groups from another's."""
+    info = conninfo_to_dict(conn.info.dsn)
+    host = info.get("host") or info.get("hostaddr") or "(the local socket)"
+    return f"{host}:{info.get('port') or 5432}/{conn.info.dbname}"
+
+
 def connect(database_url: str, *, options: str = "", **kwargs: Any) -> psycopg.Connection:
     """``psycopg.connect`` with the pinned search path (``options``: more ``-c`` settings); a failure
     raises psycopg's error with the URL's password masked."""

@@ -18,7 +18,7 @@ import dagster as dg
 import psycopg
 
 from pgstream_dagster.config import DEFAULT_READER
-from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, GROUP_TAG, member_tag
+from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, member_tag
 from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.ledger import groups
 
@@ -173,10 +173,9 @@ def drive(driver: Driver, done: Callable[[], bool], timeout: float = 300) -> flo
     return time.monotonic() - started
 
 
-def group_runs(instance: dg.DagsterInstance, run_ids: list[str] | None = None) -> list[dg.DagsterRun]:
-    """The group's delivery runs (``run_ids``: those only), newest first."""
-    runs = instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: GROUP},
-                                           run_ids=run_ids))
+def group_runs(instance: dg.DagsterInstance, run_ids: list[str]) -> list[dg.DagsterRun]:
+    """The group delivery runs ``run_ids``, newest first."""
+    runs = instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, run_ids=run_ids))
     return list(runs)
 
 

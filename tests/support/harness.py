@@ -16,7 +16,16 @@ import psycopg
 import yaml
 
 from pgstream_dagster.defs.location import build_definitions
-from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB, GROUP_TAG, REPLAY_JOB, REPLAY_OP, STOP_TAG
+from pgstream_dagster.defs.names import (
+    DELIVERY_JOB,
+    GROUP_DELIVERY_JOB,
+    GROUP_TAG,
+    REPLAY_JOB,
+    REPLAY_OP,
+    STOP_TAG,
+    group_tag,
+)
+from pgstream_dagster.engine.dbconn import database_key
 from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.sinks.memory import MemorySink
 
@@ -86,6 +95,13 @@ def slot_of(url: str, stream_id: int) -> str:
         row = conn.execute("select g.slot from pgstream.streams s join pgstream.reader_groups g "
                            "on g.name = s.reader_group where s.id = %s", [stream_id]).fetchone()
         return str(row[0]) if row else ledger_streams.stream_slot(conn, stream_id)
+
+
+def group_tag_of(url: str, group: str) -> str:
+    """The value of the tag pgstream/group of the delivery runs of reader group ``group`` of the database at
+    ``url`` (the tests share one Dagster instance's storage: each test's database has its own groups' runs)."""
+    with psycopg.connect(url) as conn:
+        return group_tag(group, database_key(conn))
 
 
 def joined(url: str, stream_id: int) -> bool:
@@ -190,7 +206,8 @@ class Driver:
         return Tick(own, result.skip_message, result.cursor, result.asset_events)
 
     def launch_group_run(self, group: str, request: dg.RunRequest) -> Background:
-        assert request.tags.get(GROUP_TAG) == group, request.tags
+        url = (self.defs.resources or {})["pgstream"].database_url
+        assert request.tags.get(GROUP_TAG) == group_tag_of(url, group), request.tags
         runs = self.group_runs.setdefault(group, [])
         for run in runs:  # Dagster shows a run ended a moment before execute_in_process returns
             run.wait(30)
