@@ -163,6 +163,7 @@ def db_url(pg: LocalPostgres, template_db: str) -> Iterator[str]:
     """A freshly migrated database of its own."""
     name = fresh_database(pg, template_db)
     yield pg.url_for(name)
+    _close_drivers()  # (their runs end before their database goes: no run waits on a dropped database)
     drop_database(pg, name)
 
 
@@ -171,6 +172,7 @@ def empty_db_url(pg: LocalPostgres) -> Iterator[str]:
     """A database without pgstream installed."""
     name = fresh_database(pg, "template1")
     yield pg.url_for(name)
+    _close_drivers()
     drop_database(pg, name)
 
 
@@ -231,6 +233,10 @@ def delivery_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 def _drivers_closed() -> Iterator[None]:
     """The group delivery runs a test's drivers launched end with the test (asked, as the sensor asks)."""
     yield
+    _close_drivers()
+
+
+def _close_drivers() -> None:
     made, Driver.made[:] = list(Driver.made), []
     for driver in made:
         driver.close()

@@ -310,6 +310,51 @@ def test_an_install_whose_streams_read_their_own_slots_delivers_every_event_once
     _end_group_runs(driver)
 
 
+def test_two_databases_served_by_one_dagster_instance_each_run_their_group_default(
+        db_url: str, empty_db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """A platform's Dagster instance serves the code locations of two databases, each with a stream 1 in group
+    ``default``: each group's sensor requests and sees its own delivery run (tag pgstream/group names the group
+    and its database: one live run per group *of a database*), both live at once, and each database's events are
+    delivered once, in commit order, to its own sink; neither sensor marks the other database's run failed."""
+    migrate(empty_db_url)
+    urls = {"a": db_url, "b": empty_db_url}
+    configs = {name: write_config(tmp_path / f"{name}.yaml", url, [
+        {"id": 1, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.2},
+         "delivery": {"mode": "open", "run_grace_secs": 5, "tuning": {"linger_secs": 30, "max_run_secs": 300}},
+         "sink": {"type": "file", "path": str(tmp_path / f"{name}.jsonl")}}]) for name, url in urls.items()}
+    for config in configs.values():
+        init(config)
+    drivers = {name: Driver(config, instance) for name, config in configs.items()}
+
+    def delivered(name: str) -> list[int]:
+        path = tmp_path / f"{name}.jsonl"
+        return [e["id"] for e in read_jsonl(path)] if path.exists() else []
+
+    deadline = time.monotonic() + 120
+    for wave in range(3):
+        for n, url in enumerate(urls.values()):
+            insert_events(url, 1, 10 + n, start=100 * wave)
+        for driver in drivers.values():
+            _tick(driver, DEFAULT_READER)
+    while not all(len(delivered(name)) >= len(_events(url, 1)) for name, url in urls.items()):
+        assert time.monotonic() < deadline, {name: len(delivered(name)) for name in urls}
+        for driver in drivers.values():
+            _tick(driver, DEFAULT_READER)
+        time.sleep(0.1)
+    time.sleep(6)  # past run_grace_secs: a sensor that took the other database's run for its own would fail it
+    for driver in drivers.values():
+        _tick(driver, DEFAULT_READER)
+    for name, url in urls.items():
+        assert delivered(name) == _events(url, 1) and len(delivered(name)) == 3 * (10 + list(urls).index(name))
+    live = instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, statuses=[dg.DagsterRunStatus.STARTED]))
+    tags = sorted(r.tags[GROUP_TAG] for r in live if r.run_id in {b.run_id for d in drivers.values()
+                                                                   for b in d.group_runs[DEFAULT_READER]})
+    assert tags == sorted(group_tag_of(url, DEFAULT_READER) for url in urls.values()) and tags[0] != tags[1], tags
+    assert all(len(d.group_runs[DEFAULT_READER]) == 1 for d in drivers.values())  # no run failed and replaced
+    for driver in drivers.values():
+        _end_group_runs(driver)
+
+
 def test_a_dropped_group_slot_is_replaced_and_every_member_recovers(db_url: str, tmp_path: Path) -> None:
     streams = _configs(tmp_path, db_url, [1, 2, 3])
     with psycopg.connect(db_url, autocommit=True) as c:

@@ -32,7 +32,8 @@ def test_init_applies_yaml_and_a_bad_yaml_changes_nothing(db_url: str, tmp_path:
     cfg = write_config(tmp_path / "pgstream.yaml", db_url, streams, [SUB])
     out = init(cfg)
     assert "inserted subscription 'signup' (stream 1)" in out
-    assert any(line.startswith("created slot pgstream_stream_1") for line in out)
+    assert any(line.startswith("created slot pgstream_g_default_")
+               and line.endswith("for reader group default (streams 1)") for line in out), out
     assert init(cfg) == []  # unchanged: nothing written, nothing recreated
     with psycopg.connect(db_url) as c:
         oids = c.execute("select oid from pg_trigger where tgname like 'pgstream_%' order by 1").fetchall()

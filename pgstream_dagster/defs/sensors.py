@@ -534,7 +534,11 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     look = GroupLook.of(conn, instance, group, streams)
     states = ledger_state.stream_states(conn, {s.id: s.delivery.max_events_per_run for s in streams})
     members: dict[str, Any] = cursor.setdefault("members", {})
+    # a run a member in mode per_batch got this tick: Dagster creates it when the tick returns (decided once)
+    asked = {r.tags.get(STREAM_TAG) for r in requests}
     for stream in streams:
+        if str(stream.id) in asked:
+            continue
         if stream.id not in joined:
             consume(conn, stream, JOINING_READ_SECS)
         mine = members.setdefault(str(stream.id), {})
