@@ -215,7 +215,7 @@ class Driver:
         runs.append(run)
         # as the daemon does, the run exists (queued) before the next tick looks for a live one
         deadline = time.monotonic() + 30
-        while not self.instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key or ""})):
+        while run.run_id is None:
             assert time.monotonic() < deadline, "the requested group run was not created"
             time.sleep(0.02)
         return run
@@ -266,9 +266,11 @@ class Background:
 
     @property
     def run_id(self) -> str | None:
-        """The Dagster run's id, once it exists."""
-        runs = self.driver.instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": self.request.run_key or ""}),
-                                             limit=1)
+        """The Dagster run's id, once it exists (a run key is unique per sensor: the group ``default`` of two
+        databases can have the same one, told apart by their tag pgstream/group)."""
+        tags = {"dagster/run_key": self.request.run_key or "",
+                **{k: v for k, v in self.request.tags.items() if k == GROUP_TAG}}
+        runs = self.driver.instance.get_runs(dg.RunsFilter(tags=tags), limit=1)
         return runs[0].run_id if runs else None
 
     def _run(self, driver: Driver, request: dg.RunRequest) -> None:
