@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import DEFAULT_READER, StreamConfig, load_config, streams_fingerprint
-from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, GROUP_TAG, stream_sensor_name
+from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, GROUP_TAG, STREAM_TAG, stream_sensor_name
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
@@ -33,7 +33,16 @@ from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.status import render_status, stream_status
 
 from .conftest import drop_database, fresh_database, migrated_template
-from .support.harness import Background, Driver, group_tag_of, insert_events, read_jsonl, slot_of, write_config
+from .support.harness import (
+    Background,
+    Driver,
+    group_tag_of,
+    insert_events,
+    read_jsonl,
+    slot_of,
+    stream_tag_of,
+    write_config,
+)
 
 GROUP = "shared"
 
@@ -1218,7 +1227,7 @@ def test_a_member_in_mode_per_batch_gets_a_dagster_run_per_batch_through_pyspark
     for i in (1, 2):
         assert _delivered(tmp_path, i) == _events(db_url, i), i
     assert len(own) >= 2 and all(r.success for r in own)  # a run per batch (or run of batches)
-    assert all(r.dagster_run.tags["pgstream/stream"] == "2" for r in own)
+    assert all(r.dagster_run.tags[STREAM_TAG] == stream_tag_of(db_url, 2) for r in own)
     assert set(routes[2]) == {"SparkSource"} and "SparkSource" not in routes[1], routes  # stream 2's: PySpark
     (hosting,) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, "card")}))
     assert "pgstream/member_1" in hosting.tags and "pgstream/member_2" not in hosting.tags

@@ -23,7 +23,17 @@ from pgstream_dagster.engine.batches import BatchStatus
 
 from .support.dagster_instance import run_log, step_failure
 from .support.endpoint import Endpoint
-from .support.harness import Driver, backdated, event_ids, joined, read_jsonl, tick_until, values, write_config
+from .support.harness import (
+    Driver,
+    backdated,
+    event_ids,
+    joined,
+    read_jsonl,
+    stream_tag_of,
+    tick_until,
+    values,
+    write_config,
+)
 from .support.sinks import stream_entries
 
 YESTERDAY = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(days=1)
@@ -71,7 +81,7 @@ def test_replay_by_id_range_time_range_and_keys(replay_setup: tuple[Path, Path],
     assert result.success
     run = instance.get_run_by_id(result.run_id)
     assert run is not None  # tagged with its stream: the queue holds the stream's deliveries behind it, the UI filters
-    assert run.tags[STREAM_TAG] == "1" and run.tags[REPLAY_TAG] == "true"
+    assert run.tags[STREAM_TAG] == stream_tag_of(db_url, 1) and run.tags[REPLAY_TAG] == "true"
     assert [e["id"] for e in read_jsonl(out)] == list(range(20, 151))
 
     out.unlink()

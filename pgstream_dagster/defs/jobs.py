@@ -24,7 +24,7 @@ from dagster_pyspark import LazyPySparkResource
 
 from ..config import StreamConfig, streams_fingerprint
 from ..engine.collector import fewer_collections
-from ..engine.dbconn import database_key, server_gone
+from ..engine.dbconn import connect, database_key, server_gone
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary, waiting_batches
 from ..engine.ingest import GroupStream, consume_group, group_log
@@ -43,6 +43,7 @@ from .names import (
     deliveries_asset_key,
     group_tag,
     member_tag,
+    stream_tag,
 )
 from .resources import PgstreamResource
 
@@ -84,9 +85,13 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
                    "as soon as the sink confirmed all its events; rounds are reported as materializations.")
 def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark: LazyPySparkResource) -> None:
     stream_id = loaded.stream.id
+    tag = context.run.tags.get(STREAM_TAG)
+    if tag is None:  # launched by hand: no other run of the stream is held back by it either
+        with connect(loaded.database_url) as conn:
+            tag = stream_tag(stream_id, database_key(conn))
 
     def queued() -> str | None:
-        if context.instance.get_runs_count(dg.RunsFilter(tags={STREAM_TAG: str(stream_id)},
+        if context.instance.get_runs_count(dg.RunsFilter(tags={STREAM_TAG: tag},
                                                          statuses=[dg.DagsterRunStatus.QUEUED])):
             return "another run of the stream is queued"
         return None

@@ -5,7 +5,8 @@ import dagster as dg
 from ..config import stream_object_name
 
 #: run tags
-#: the stream of a delivery run (at launch) and of a replay run (added when the run starts: the run config names it)
+#: the stream of a delivery run (at launch) and of a replay run (added when the run starts: the run config names it);
+#: value :func:`stream_tag`, the stream and its database: one at a time per stream (dagster.yaml)
 STREAM_TAG = "pgstream/stream"
 BATCH_TAG = "pgstream/batch"
 REPLAY_TAG = "pgstream/replay"
@@ -53,6 +54,13 @@ EVENTS_PARTITIONS_KEY = dg.AssetKey(["pgstream", "events_partitions"])
 def stream_sensor_name(stream_id: int) -> str:
     """The sensor of a stream whose ``streams[]`` entry is invalid (it tells what is wrong)."""
     return stream_object_name(stream_id)
+
+
+def stream_tag(stream_id: int, database: str) -> str:
+    """The value of :data:`STREAM_TAG` of stream ``stream_id`` of ``database`` (``engine.dbconn.database_key``):
+    ``1@db.internal:5432/app``. Stream ids repeat across the databases one Dagster instance serves: each
+    database's stream 1 has its own runs."""
+    return f"{stream_id}@{database}"
 
 
 def group_tag(group: str, database: str) -> str:

@@ -27,6 +27,7 @@ from pydantic import Field
 
 from ..config import StreamConfig
 from ..engine import deadletters
+from ..engine.dbconn import database_key
 from ..engine.delivery.sources import (
     LinesSource,
     Readers,
@@ -52,7 +53,7 @@ from ..engine.replay import (
 )
 from ..sinks import build_sink
 from ..sinks.base import Sink
-from .names import REPLAY_JOB, REPLAY_OP, REPLAY_TAG, STREAM_TAG, deliveries_asset_key
+from .names import REPLAY_JOB, REPLAY_OP, REPLAY_TAG, STREAM_TAG, deliveries_asset_key, stream_tag
 from .resources import PgstreamResource
 
 
@@ -123,7 +124,8 @@ def replay(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: dg.Re
            pyspark: LazyPySparkResource) -> int:
     stream = pgstream.chosen_stream(config.stream_id, "replay")
     # the run's stream: the run queue holds the stream's deliveries behind it, the UI filters by it
-    context.instance.add_run_tags(context.run_id, {STREAM_TAG: str(stream.id)})
+    with pgstream.connect() as conn:
+        context.instance.add_run_tags(context.run_id, {STREAM_TAG: stream_tag(stream.id, database_key(conn))})
     try:  # a bad request fails before it takes anything
         if config.dead_letters or config.dead_letter_ids:
             dead_letter_selection(config)
@@ -249,7 +251,7 @@ def _published(context: dg.OpExecutionContext, stream: StreamConfig, source: Sou
 @dg.job(name=REPLAY_JOB,
         description="Replay events of a stream (stream_id) by id range, time range or subscription keys, or redeliver "
                     "its dead letters (launch from the Launchpad; dry_run only counts). Its runs are tagged "
-                    f"{STREAM_TAG}=<stream_id> when they start.",
+                    f"{STREAM_TAG}=<stream_id>@<host:port/database> when they start.",
         tags={REPLAY_TAG: "true"},
         executor_def=dg.in_process_executor)
 def replay_job() -> None:

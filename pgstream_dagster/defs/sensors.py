@@ -66,6 +66,7 @@ from .names import (
     group_tag,
     member_tag,
     stream_sensor_name,
+    stream_tag,
 )
 from .resources import PgstreamResource
 from .status import status_observation
@@ -100,8 +101,9 @@ LAUNCH_LOOK_SECS = 0.5
 JOINING_READ_SECS = 0.5
 
 
-def _request(order: RunOrder) -> dg.RunRequest:
-    """The Dagster run of a member in mode per_batch (the design card's run per batch)."""
+def _request(order: RunOrder, database: str) -> dg.RunRequest:
+    """The Dagster run of a member in mode per_batch (the design card's run per batch) of ``database``
+    (``database_key``)."""
     head, batch_ids = order.head, order.batch_ids
     config: dict[str, int] = {"stream_id": head.stream_id, "batch_id": batch_ids[0]}
     if len(batch_ids) > 1:
@@ -110,8 +112,8 @@ def _request(order: RunOrder) -> dg.RunRequest:
         run_key=order.run_key,
         job_name=DELIVERY_JOB,
         run_config={"ops": {"load_batches": {"config": config}}},
-        tags={STREAM_TAG: str(head.stream_id), BATCH_TAG: str(head.id), ATTEMPT_TAG: str(order.attempt),
-              BATCHES_TAG: str(len(batch_ids))},
+        tags={STREAM_TAG: stream_tag(head.stream_id, database), BATCH_TAG: str(head.id),
+              ATTEMPT_TAG: str(order.attempt), BATCHES_TAG: str(len(batch_ids))},
     )
 
 
@@ -297,7 +299,7 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     order = ledger_state.apply(conn, stream, action)
     if order is None or stream.delivery.keeps_open:
         return None  # an open or warm run: the group's delivery run hosts it
-    return _request(order)  # mode per_batch: a run of its own (the design card's run per batch)
+    return _request(order, database_key(conn))  # mode per_batch: a run of its own (the design card's run per batch)
 
 
 def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str, stream: StreamConfig,
@@ -536,8 +538,9 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     members: dict[str, Any] = cursor.setdefault("members", {})
     # a run a member in mode per_batch got this tick: Dagster creates it when the tick returns (decided once)
     asked = {r.tags.get(STREAM_TAG) for r in requests}
+    database = database_key(conn)
     for stream in streams:
-        if str(stream.id) in asked:
+        if stream_tag(stream.id, database) in asked:
             continue
         if stream.id not in joined:
             consume(conn, stream, JOINING_READ_SECS)
@@ -704,7 +707,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             if request is not None:
                 context.log.info(f"reader group {group}: group delivery run {delivery}")
             for run in own_runs:
-                context.log.info(f"stream {run.tags[STREAM_TAG]}: run {run.run_key} requested (mode per_batch)")
+                stream_id = run.run_config["ops"]["load_batches"]["config"]["stream_id"]
+                context.log.info(f"stream {stream_id}: run {run.run_key} requested (mode per_batch)")
             return dg.SensorResult(run_requests=[*own_runs, *([request] if request is not None else [])],
                                    cursor=new_cursor, asset_events=observed)
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"

@@ -24,6 +24,7 @@ from pgstream_dagster.defs.names import (
     REPLAY_OP,
     STOP_TAG,
     group_tag,
+    stream_tag,
 )
 from pgstream_dagster.engine.dbconn import database_key
 from pgstream_dagster.engine.ledger import streams as ledger_streams
@@ -102,6 +103,12 @@ def group_tag_of(url: str, group: str) -> str:
     ``url`` (the tests share one Dagster instance's storage: each test's database has its own groups' runs)."""
     with psycopg.connect(url) as conn:
         return group_tag(group, database_key(conn))
+
+
+def stream_tag_of(url: str, stream_id: int) -> str:
+    """The value of the tag pgstream/stream of the runs of stream ``stream_id`` of the database at ``url``."""
+    with psycopg.connect(url) as conn:
+        return stream_tag(stream_id, database_key(conn))
 
 
 def joined(url: str, stream_id: int) -> bool:
