@@ -15,6 +15,7 @@ events, in order, with ``on_reject: dead_letter`` setting aside exactly the even
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,15 +67,16 @@ def write(db_url: str, role: str | None, payloads: list[str]) -> list[int]:
     return ids[::-1]
 
 
-def deliver(driver: Driver, done: Callable[[], bool], rounds: int = 40) -> None:
-    """Tick and execute until ``done``; every run must succeed (nothing stalls the stream)."""
-    for _ in range(rounds):
-        if done():
-            return
+def deliver(driver: Driver, done: Callable[[], bool], timeout: float = 60) -> None:
+    """Tick and execute until ``done`` (the group delivery run, in the background, delivers meanwhile); every run
+    must succeed (nothing stalls the stream)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the stream did not deliver in time"
         for request in driver.tick(STREAM).run_requests or []:
             result = driver.execute(request)
             assert result.success, [e.message for e in result.all_events if e.is_failure]
-    assert done(), "the stream did not deliver in time"
+        time.sleep(0.05)
 
 
 def letters_by_event(db_url: str) -> dict[int, str]:

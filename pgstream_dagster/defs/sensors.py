@@ -44,7 +44,7 @@ from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, 
 from ..engine.collector import fewer_collections
 from ..engine.dbconn import database_key, describe_url, error_line, server_gone
 from ..engine.delivery.group import member_run_id
-from ..engine.ingest import GroupResult, check_members, consume, consume_group, group_log, unconfigured
+from ..engine.ingest import GroupResult, consume, consume_group, group_log, unconfigured
 from ..engine.ledger import groups, locks
 from ..engine.ledger import state as ledger_state
 from ..engine.limits import LimitsExceeded
@@ -378,7 +378,8 @@ def _register_members(conn: psycopg.Connection, group: str, streams: list[Stream
                       left_out: dict[int, str]) -> None:
     """The members the database does not have in the group yet are registered now, even while the group run's
     reader holds the group's reading (one query when none is missing): the run, built from an older
-    configuration, meets the new member (``ledger.groups.GroupChange``) and ends, and the next one hosts it. A member
+    configuration, records the new member meanwhile (``ingest.group.unconfigured``) and is asked to end (its
+    configuration is not the code location's: :func:`_ask_to_end`), and the next one hosts it. A member
     whose registration is refused (a stream of another group, a publication by its name that another role
     made) is left out, in one line (``log`` and ``left_out``), and the others go on; the group's reader
     leaves it out too."""
@@ -592,11 +593,12 @@ def _slot_fits(conn: psycopg.Connection, group: str) -> None:
         raise LimitsExceeded([line])
 
 
-def _unconfigured(conn: psycopg.Connection, group: str, invalid: Mapping[int, str]) -> dict[int, str]:
-    """The group's members whose streams[] entry is invalid (the code location left them out), each told in
-    one line (as the group's reader tells it: ``ingest.group``)."""
+def _unconfigured(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
+                  invalid: Mapping[int, str]) -> dict[int, str]:
+    """The group's members the configuration does not deliver (their streams[] entry invalid, or missing), each
+    told in one line (as the group's reader tells it: ``ingest.group.unconfigured``)."""
     state = groups.group_state(conn, group)
-    return unconfigured(state, [], invalid) if state is not None else {}
+    return unconfigured(state, streams, invalid) if state is not None else {}
 
 
 def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
@@ -634,10 +636,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 live = any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5))
                 if not live:
                     # the group run's process takes seconds to start: requested first, and this tick ends (the
-                    # next one reads and decides meanwhile, or the run's reader reads once it is up); not while
-                    # the database has members the configuration has not (the reader would refuse, below)
-                    if (state := groups.group_state(conn, group)) is not None:
-                        check_members(state, streams, invalid)
+                    # next one reads and decides meanwhile, or the run's reader reads once it is up)
                     notes_: list[str] = []
                     request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
                     if request is not None:
@@ -690,8 +689,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                                     waits=waits)
                 except _TOLD_IN_ONE_LINE as exc:
                     return _told(context, exc)
-            if invalid:  # told at every tick, whoever read
-                left_out.update(_unconfigured(conn, group, invalid))
+            left_out.update(_unconfigured(conn, group, streams, invalid))  # told at every tick, whoever read
         for line in [*decisions, *notes_]:
             context.log.warning(line)
         group_log(context.log, group, result, noted=set(notes_))  # (a member left out: told once)

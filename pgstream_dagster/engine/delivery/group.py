@@ -31,8 +31,8 @@ so a dead group run (its process killed) is told from a live one; it ends once
 up configuration changes). It also ends, the same way, when
 its host's stop check gives a reason (:attr:`GroupHost.stop_check`: the group's sensor asks a run built from
 a configuration that is not the code location's any more to end), and when its reader is refused
-(:data:`REFUSALS`, e.g. ``ledger.groups.GroupChange``: a stream was added to the group by a newer configuration),
-with that line as the reason, instead of reading on with a configuration that no longer holds.
+(:data:`REFUSALS`, e.g. ``ledger.groups.GroupChange``: the group's slot belongs to another database), with that
+line as the reason, instead of reading on with a configuration that no longer holds.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
   hand-over of a stream that had its own slot.
 """
 
-from .group import GroupResult, GroupStream, check_members, consume_group, ensure_group, group_log, unconfigured
+from .group import GroupResult, GroupStream, consume_group, ensure_group, group_log, unconfigured
 from .recorder import (
     FOLLOW_CHECK_SECS,
     RECORD_EVERY_SECS,
@@ -35,7 +35,6 @@ __all__ = [
     "SlotSource",
     "StreamLedger",
     "StreamSource",
-    "check_members",
     "consume",
     "consume_group",
     "ensure_group",

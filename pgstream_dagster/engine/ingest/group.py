@@ -66,8 +66,8 @@ class GroupResult:
     slot_busy: bool = False
     #: members whose registration was refused (stream -> its one line, also in ``notes``): not read
     left_out: dict[int, str] = field(default_factory=dict)
-    #: members whose streams[] entry is invalid (the code location left them out): recorded with the default
-    #: batching and delivered by no run until it is fixed (stream -> its one line, also in ``notes``)
+    #: members whose streams[] entry is invalid (the code location left them out) or missing: recorded with the
+    #: default batching and delivered by no run until it is fixed (stream -> its one line, also in ``notes``)
     unconfigured: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -127,25 +127,25 @@ def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Tra
     return split
 
 
-def check_members(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str] | None = None) -> None:
-    """Raises :class:`~..ledger.groups.GroupChange` for a stream the database has in the group that the configuration
-    (``streams``) does not, its entry not even invalid (``invalid``: recorded all the same): its events would be
-    skipped."""
-    configured = {s.id for s in streams} | set(invalid or {})
-    unknown = [m.id for m in state.members if m.id not in configured]
-    if unknown:
-        raise groups.GroupChange(f"reader group {state.name}: stream(s) {', '.join(map(str, unknown))} read with it "
-                                 f"in the database but have no streams[] entry with reader: {state.name} in "
-                                 f"pgstream.yaml (their events would be skipped): configure them again")
-
-
 def unconfigured(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str]) -> dict[int, str]:
-    """The members the database has in the group whose streams[] entry is invalid (``invalid``: the code location
-    left them out; ``streams``: those configured), each with its one line."""
+    """The members the database has in the group that the configuration does not deliver (``streams``: those it
+    does), each with its one line: its streams[] entry is invalid (``invalid``: the code location left it out),
+    or it has none (removed from pgstream.yaml, or added to the group by a newer configuration the code location
+    has not loaded yet)."""
     configured = {s.id for s in streams}
-    return {m.id: (f"reader group {state.name}: stream {m.id} is left out of delivery, its streams[] entry is "
-                   f"invalid ({invalid[m.id]}): its events are recorded and wait until it is fixed")
-            for m in state.members if m.id in invalid and m.id not in configured}
+    lines: dict[int, str] = {}
+    for m in state.members:
+        if m.id in configured:
+            continue
+        if m.id in invalid:
+            lines[m.id] = (f"reader group {state.name}: stream {m.id} is left out of delivery, its streams[] entry "
+                           f"is invalid ({invalid[m.id]}): its events are recorded and wait until it is fixed")
+        else:
+            lines[m.id] = (f"reader group {state.name}: stream {m.id} is in the group in the database but has no "
+                           f"streams[] entry with reader: {state.name} in pgstream.yaml: its events are recorded "
+                           f"and wait (configure it again and reload the code location, or retire it: its row "
+                           f"in pgstream.streams deleted by the owner)")
+    return lines
 
 
 def _stand_ins(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str],
@@ -166,8 +166,9 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
     usable (replaced and recovered when lost). A member whose registration is refused (its publication's
     name taken by another role, or it reads with another group) is left out, told in one line
     (``result.left_out``, ``result.notes``), and the others go on; ``None`` when every member was left out
-    (no group to read). Raises :class:`~..ledger.groups.GroupChange` for a stream the database has in the group
-    that the configuration does not (it would be skipped)."""
+    (no group to read). A stream the database has in the group that the configuration does not deliver (its
+    entry invalid or missing) is recorded all the same and told (:func:`_stand_ins`): nothing of it is skipped,
+    and the others go on."""
     # one query when every member is registered (each tick, each pass of the group run's reader)
     _added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     if refused:
@@ -180,7 +181,6 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
     state = groups.group_state(conn, group)
     assert state is not None  # registered above
     streams = streams + _stand_ins(state, streams, invalid or {}, result)
-    check_members(state, streams)
     result.slot = state.slot
     joined = [m for m in state.members if m.joined]
     if result.publication == "created":
@@ -407,7 +407,8 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
     member drains its own slot, when the slot is busy or lost, and on an error.
 
     ``invalid``: the streams whose streams[] entry the code location left out (id -> what is wrong): those the
-    database has in the group are recorded all the same and told (:func:`_stand_ins`).
+    database has in the group are recorded all the same and told (:func:`_stand_ins`), as those that have no
+    entry at all.
 
     ``stop``: with ``kept``, true once the reader is to end (its group run ends): the call returns within
     half a second instead of at ``budget_secs`` (what was received and not recorded waits in ``kept``)."""
@@ -431,7 +432,7 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
             kept.close()
         return result  # every member is left out
     state = ensured
-    # (read without those left out: tried again next time; with those whose entry is invalid: recorded)
+    # (read without those left out: tried again next time; with those whose entry is invalid or missing: recorded)
     streams = [s for s in streams if s.id not in result.left_out] + [
         recording_stand_in(sid, group) for sid in result.unconfigured]
     by_id = {s.id: s for s in streams}
