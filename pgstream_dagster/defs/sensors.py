@@ -587,8 +587,7 @@ def _slot_fits(conn: psycopg.Connection, group: str) -> None:
     state = groups.group_state(conn, group)
     if state is None or replication.slot_info(conn, state.slot) is not None:
         return
-    row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
-    line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [group])
+    line = limits.group_slot_problem(conn, group)
     if line is not None:
         raise LimitsExceeded([line])
 

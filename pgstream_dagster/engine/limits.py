@@ -139,6 +139,12 @@ def group_slot_names(conn: psycopg.Connection) -> dict[str, str]:
     return {str(name): str(slot) for name, slot in conn.execute("select name, slot from pgstream.reader_groups")}
 
 
+def group_slot_problem(conn: psycopg.Connection, group: str) -> str | None:
+    """:func:`slot_problem` for reader group ``group``'s slot, with the slots the cluster has in use now."""
+    row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
+    return slot_problem(server_limits(conn), int(row[0]) if row else 0, [group])
+
+
 def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[str]) -> str | None:
     """The line saying that the reader groups ``missing`` (without a slot yet: one slot for each group's
     streams) do not fit in ``max_replication_slots`` with ``in_use`` slots taken, if they do not."""

@@ -205,8 +205,7 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
         try:
             replication.create_slot(conn, state.slot, wait_secs=SLOT_CREATION_WAIT_SECS)
         except psycopg.errors.ConfigurationLimitExceeded:  # all replication slots are in use
-            row = conn.execute("select count(*) from pg_catalog.pg_replication_slots").fetchone()
-            line = limits.slot_problem(limits.server_limits(conn), int(row[0]) if row else 0, [group])
+            line = limits.group_slot_problem(conn, group)
             raise limits.LimitsExceeded([line or f"reader group {group}: no replication slot is free; raise "
                                                  "max_replication_slots in postgresql.conf and restart Postgres"]
                                         ) from None
