@@ -163,8 +163,10 @@ def db_url(pg: LocalPostgres, template_db: str) -> Iterator[str]:
     """A freshly migrated database of its own."""
     name = fresh_database(pg, template_db)
     yield pg.url_for(name)
-    _close_drivers()  # (their runs end before their database goes: no run waits on a dropped database)
-    drop_database(pg, name)
+    try:
+        _close_drivers()  # (their runs end before their database goes: no run waits on a dropped database)
+    finally:  # (a run that did not end fails this test only: its database and slots go all the same)
+        drop_database(pg, name)
 
 
 @pytest.fixture
@@ -172,8 +174,10 @@ def empty_db_url(pg: LocalPostgres) -> Iterator[str]:
     """A database without pgstream installed."""
     name = fresh_database(pg, "template1")
     yield pg.url_for(name)
-    _close_drivers()
-    drop_database(pg, name)
+    try:
+        _close_drivers()
+    finally:
+        drop_database(pg, name)
 
 
 @pytest.fixture(scope="session")
@@ -238,8 +242,13 @@ def _drivers_closed() -> Iterator[None]:
 
 def _close_drivers() -> None:
     made, Driver.made[:] = list(Driver.made), []
-    for driver in made:
-        driver.close()
+    failed: list[str] = []
+    for driver in made:  # (every driver's runs are asked to end, even when one's do not)
+        try:
+            driver.close()
+        except AssertionError as exc:
+            failed.append(str(exc))
+    assert not failed, "\n".join(failed)
 
 
 @pytest.fixture

@@ -451,7 +451,8 @@ def test_tear_down_ends_a_reading_group_run_and_drops_its_slot(db_url: str, tmp_
         removed = migrations.tear_down(db_url)
         assert f"replication slot {slot}" in removed
         with psycopg.connect(db_url) as c:
-            assert c.execute("select count(*) from pg_replication_slots").fetchone() == (0,)
+            assert c.execute("select count(*) from pg_replication_slots where database = current_database()"
+                             ).fetchone() == (0,)
     finally:
         kept.close()
 

@@ -4,8 +4,10 @@ run it requests against the real Dagster instance, repeat."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,15 +252,22 @@ class Driver:
         """Ask every live group delivery run to end (tag pgstream/stop, as the group's sensor does) and wait."""
         for runs in self.group_runs.values():
             for run in runs:
-                if run.run_id is not None and run.thread.is_alive():
-                    self.instance.add_run_tags(run.run_id, {STOP_TAG: reason})
+                if run.thread.is_alive():  # (every unfinished run of its group: a run key may name two runs)
+                    for live in self.instance.get_runs(dg.RunsFilter(
+                            tags={GROUP_TAG: run.request.tags[GROUP_TAG]},
+                            statuses=[s for s in dg.DagsterRunStatus if s not in FINISHED])):
+                        self.instance.add_run_tags(live.run_id, {STOP_TAG: reason})
         for runs in self.group_runs.values():
             for run in runs:
                 run.thread.join(timeout)
-                assert not run.thread.is_alive(), "a group delivery run did not end when asked"
+                assert not run.thread.is_alive(), f"a group delivery run did not end when asked: {run.described()}"
 
     def close(self) -> None:
         self.stop_group_runs()
+
+
+#: the states of a Dagster run that has ended
+FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 
 
 class Background:
@@ -282,6 +291,19 @@ class Background:
 
     def _run(self, driver: Driver, request: dg.RunRequest) -> None:
         self.result = driver.execute(request)
+
+    def described(self) -> str:
+        """What a run that did not end was doing: its Dagster status and tags, and where each of this process's
+        pgstream threads is (why a test waited in vain for it)."""
+        run_id = self.run_id
+        run = self.driver.instance.get_run_by_id(run_id) if run_id else None
+        lines = [f"run {run_id} ({run.status.value if run else 'not in Dagster'}), tags {run.tags if run else {}}"]
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            name = names.get(ident, "")
+            if name.startswith("pgstream") or ident == self.thread.ident:
+                lines.append(f"thread {name}:\n" + "".join(traceback.format_stack(frame)[-8:]))
+        return "\n".join(lines)
 
     def wait(self, timeout: float) -> dg.ExecuteInProcessResult:
         self.thread.join(timeout)
