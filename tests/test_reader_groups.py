@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -1241,6 +1242,69 @@ def test_a_member_in_mode_per_batch_gets_a_dagster_run_per_batch_through_pyspark
     assert set(routes[2]) == {"SparkSource"} and "SparkSource" not in routes[1], routes  # stream 2's: PySpark
     (hosting,) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, "card")}))
     assert "pgstream/member_1" in hosting.tags and "pgstream/member_2" not in hosting.tags
+    _end_group_runs(driver)
+
+
+def test_a_members_dropped_or_altered_table_holds_no_other_member_back(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Three streams with no ``reader:`` key (the database's default group), each subscribed to INSERTs on a table
+    of its own. While the group's delivery run delivers, the application writes to stream 2's table and drops it
+    at once (its subscription deleted first: pgstream's guard refuses the drop in one line), and alters stream 3's
+    (a column added, one it does not publish retyped: the table rewritten; a rename and retyping a column it
+    publishes are refused in one line each). Every event stream 2 had is delivered; streams 1 and 3 go on: every
+    event once, in commit order, each wave within seconds, by the same group delivery run, while the group's
+    sensor ticks on."""
+    ids = [1, 2, 3]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        for i in ids:
+            c.execute(f"create table public.t{i} (id int primary key, v text, w int)")
+    config = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
+         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 300}},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids],
+        subscriptions=[{"key": f"s{i}", "stream_id": i, "operation": "INSERT", "schema_name": "public",
+                        "table_name": f"t{i}", "column_names": ["id", "v"]} for i in ids])
+    init(config)
+    driver = Driver(config, instance)
+
+    def write(table: str, start: int, n: int) -> None:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute(f"insert into public.{table} select g, 'v' || g, g from generate_series(%s::int, %s::int) g",
+                      [start, start + n - 1])
+
+    def deliver(want: dict[int, int]) -> None:
+        deadline = time.monotonic() + 30
+        while not all(len(_delivered(tmp_path, i)) >= n for i, n in want.items()):
+            assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in want}
+            _tick(driver, DEFAULT_READER)
+            time.sleep(0.1)
+
+    for i in ids:
+        write(f"t{i}", 1, 20)
+    deliver({1: 20, 2: 20, 3: 20})
+    (run,) = _runs(driver, DEFAULT_READER)
+    write("t2", 21, 5)  # (dropped before they are delivered)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        with pytest.raises(psycopg.errors.DependentObjectsStillExist, match=re.escape(
+                'subscriptions "s2" (stream 2, INSERT) depend on it')):
+            c.execute("drop table public.t2")  # (pgstream's guard: in one line, with the statement to run first)
+        c.execute("delete from pgstream.subscriptions where schema_name = 'public' and table_name = 't2'")
+        c.execute("drop table public.t2")
+        c.execute("alter table public.t3 add column extra int")
+        refused = psycopg.errors.DependentObjectsStillExist
+        with pytest.raises(refused, match=re.escape("column v of public.t3 is published")):
+            c.execute("alter table public.t3 alter column v type varchar(10)")  # (the guard, in one line)
+        c.execute("alter table public.t3 alter column w type bigint")  # (not published; the table rewritten)
+        with pytest.raises(psycopg.errors.DependentObjectsStillExist, match='subscribed by "s3"'):
+            c.execute("alter table public.t3 rename to t3_renamed")
+    for wave in range(1, 4):
+        write("t1", 100 * wave, 10)
+        write("t3", 100 * wave, 10)
+        deliver({1: 20 + 10 * wave, 2: 25, 3: 20 + 10 * wave})
+    assert _runs(driver, DEFAULT_READER) == [run] and run.thread.is_alive()  # the same run throughout
+    for i in ids:
+        assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
+    assert len(_delivered(tmp_path, 2)) == 25
     _end_group_runs(driver)
 
 
