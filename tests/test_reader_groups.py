@@ -34,6 +34,7 @@ from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.status import render_status, stream_status
 
 from .conftest import drop_database, fresh_database, migrated_template
+from .support.endpoint import Endpoint
 from .support.harness import (
     Background,
     Driver,
@@ -1306,6 +1307,63 @@ def test_a_members_dropped_or_altered_table_holds_no_other_member_back(
         assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
     assert len(_delivered(tmp_path, 2)) == 25
     _end_group_runs(driver)
+
+
+def test_a_members_publish_call_that_hangs_holds_no_other_member_back(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Stream 1's webhook hangs in its first call (the run waits up to its 30 s timeout, the stream row held
+    against a pause meanwhile); streams 2 and 3, in the same default group, go on: each wave committed while the
+    call hangs is delivered within seconds, every event once, in commit order. The group's reader, which moves
+    every member's read position once a second, does not wait for the call (an update of a stream row is no
+    key update: it does not conflict with the publish's lock), nor do the other members' publishes."""
+    hanging, release = Endpoint(), threading.Event()
+
+    def hang(_request: int) -> None:  # every call waits until the test lets it through
+        release.wait(120)
+
+    hanging.hook = hang
+    try:
+        config = write_config(tmp_path / "pgstream.yaml", db_url, [
+            {"id": i, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
+             "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 300}},
+             "sink": hanging.sink() if i == 1 else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+            for i in (1, 2, 3)])
+        init(config)
+        driver = Driver(config, instance)
+
+        def deliver(want: int, secs: float) -> None:
+            deadline = time.monotonic() + secs
+            while not all(len(_delivered(tmp_path, i)) >= want for i in (2, 3)):
+                assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in (2, 3)}
+                _tick(driver, DEFAULT_READER)
+                time.sleep(0.1)
+
+        for i in (1, 2, 3):
+            insert_events(db_url, i, 5)
+        deliver(5, 60)
+        deadline = time.monotonic() + 30
+        while not hanging.requests:
+            assert time.monotonic() < deadline
+            _tick(driver, DEFAULT_READER)
+            time.sleep(0.1)
+        for wave in range(1, 4):
+            time.sleep(1.5)  # (the reader has moved the members' read positions since)
+            for i in (2, 3):
+                insert_events(db_url, i, 10, start=100 * wave)
+            deliver(5 + 10 * wave, 10)
+        assert hanging.requests == 1 and not hanging.accepted  # stream 1's call hung throughout
+        for i in (2, 3):
+            assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
+        release.set()
+        deadline = time.monotonic() + 60
+        while hanging.unique() != set(_events(db_url, 1)):
+            assert time.monotonic() < deadline, (hanging.unique(), _events(db_url, 1))
+            _tick(driver, DEFAULT_READER)
+            time.sleep(0.1)
+        _end_group_runs(driver)
+    finally:
+        release.set()
+        hanging.down()
 
 
 def test_a_members_invalid_entry_leaves_it_out_and_the_group_goes_on_recording_it(
