@@ -114,7 +114,8 @@ def test_in_order_with_batches_done_after_their_last_event() -> None:
     assert rec.run(sink, rows({1: [10, 11, 12], 2: [13, 14]}), 2, owed=owed) == 5
     assert sink.delivered == [10, 11, 12, 13, 14]
     assert rec.done == [(1, 3), (2, 2)]
-    assert rec.confirmed[-1] == (2, 2)
+    # the call of [12, 13] confirms batch 2's first event; the last call ends batch 2: its BatchDone says it
+    assert rec.confirmed == [(1, 2), (2, 1)]
 
 
 def test_rows_out_of_order_stop_before_publishing() -> None:
@@ -189,8 +190,8 @@ def test_dead_letter_policy_retries_then_sets_aside_and_goes_on_in_order() -> No
     assert "422 invalid" in rec.aside[0][3]
     assert rec.done == [(1, 4), (2, 3)]
     assert sink.calls.count([12]) == 3  # the first rejection came with its chunk, then 3 attempts alone
-    # the confirmed prefix moves past a set-aside event
-    assert (1, 3) in rec.confirmed and rec.confirmed[-1] == (2, 3)
+    # the confirmed prefix moves past a set-aside event (and batch 2's last call ends it: its BatchDone says so)
+    assert (1, 3) in rec.confirmed and rec.confirmed[-1] == (2, 2)
 
 
 def test_a_request_rejected_as_a_whole_is_split_to_find_the_bad_event() -> None:
@@ -284,7 +285,7 @@ def test_each_delivery_reaches_the_caller_before_anything_more_is_published() ->
     assert timeline == [
         ("publish", [10, 11]), Confirmed(1, 2), Progress(2),
         ("publish", [12, 13]), Confirmed(2, 1), Progress(4), BatchDone(1, 3),  # batch 1 done with the call
-        ("publish", [14]), Confirmed(2, 2), Progress(5), BatchDone(2, 2),      # carrying its last event
+        ("publish", [14]), Progress(5), BatchDone(2, 2),  # carrying its last event: done says confirmed
         Finished(5),
     ]
     assert not sink.closed  # the caller's sink: a run keeps it for its next round
@@ -355,7 +356,7 @@ def test_a_batch_confirmed_in_full_is_owed_nothing() -> None:
         yield 2, 2, Event(14, 1, {}, None, NOW)
 
     assert rec.run(sink, resumed(), 10, owed=owed) == 1
-    assert rec.done == [(2, 1)] and rec.confirmed == [(2, 2)]
+    assert rec.done == [(2, 1)] and rec.confirmed == []  # (the call ended the batch: its BatchDone says it)
 
 
 def test_packed_partitions_group_consecutive_spans_up_to_the_partition_size() -> None:

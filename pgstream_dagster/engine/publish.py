@@ -4,7 +4,8 @@ rows in delivery order from the driver, ``ordering: by_key`` partitions from the
 
 The caller owns the sink (a delivery run opens one for its whole life) and :func:`publish` is a
 generator of what happened, in order: :class:`Confirmed` after every publish call the sink
-confirmed, :class:`Progress`, :class:`BatchDone` once a batch's last event is confirmed, and
+confirmed (but a call that ends a batch: the :class:`BatchDone` that follows at once says it),
+:class:`Progress`, :class:`BatchDone` once a batch's last event is confirmed, and
 :class:`Finished` at the end. The generator is suspended while the caller handles an event, so
 nothing more is published until the caller has recorded it (the delivery run writes each one to
 the ledger).
@@ -382,7 +383,11 @@ class _Publisher:
                     raise
                 rejected = exc
             else:
-                yield from self._confirmed(events, where, lo, hi)
+                # the whole chunk in one call, and its last batch done with it: BatchDone follows at once (no
+                # request between), which records the batch delivered; its confirmation would be written and
+                # overwritten in the same breath
+                done = lo == 0 and hi == len(events) and where[-1][0] in self.finished
+                yield from self._confirmed(events, where, lo, hi, then_done=done)
                 return
             # the events before the first rejected one were confirmed (sink contract)
             ids = set(rejected.event_ids)
@@ -409,13 +414,16 @@ class _Publisher:
                 self.sink.publish(events)
 
     def _confirmed(self, events: Sequence[Event], where: Sequence[Position], start: int,
-                   end: int) -> Iterator[Delivery]:
+                   end: int, *, then_done: bool = False) -> Iterator[Delivery]:
+        """What the sink confirmed of ``events[start:end]``; ``then_done``: the batch of the last one is
+        done at once (:meth:`_flush`'s ``BatchDone``, no request sent between), which says it instead."""
         if end <= start:
             return
         self.handled += end - start
         self.consecutive_rejects = 0
         self.last_good = events[end - 1]
-        yield Confirmed(*where[end - 1])
+        if not then_done:
+            yield Confirmed(*where[end - 1])
         yield Progress(self.handled)
 
     def _check_sink(self, event: Event, error: SinkError, *, storm: bool) -> bool:

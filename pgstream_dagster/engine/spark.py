@@ -50,6 +50,7 @@ from .delivery.reads import (
 )
 from .publish import (
     CHUNK_BYTES,
+    BatchDone,
     Confirmed,
     Position,
     Positioned,
@@ -504,6 +505,8 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
         conn = stack.enter_context(progress.connect()) if progress is not None else None
         done = progress.read(conn) if progress is not None and conn is not None else {}
 
+        last: dict[int, int] = {}  # per batch: the ordinal of the last of its rows given to the publisher
+
         def rows() -> Iterator[Positioned]:
             for record_batch in itertools.chain([first], batches):
                 for row in record_batch.to_pylist():
@@ -514,16 +517,28 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                     if reached is not None and (batch_id, row["ord"]) <= reached:
                         resumed[batch_id] = resumed.get(batch_id, 0) + 1
                         continue
+                    last[batch_id] = row["ord"]
                     yield from _row_events(iter([row]))
 
         sink = stack.enter_context(build_sink(sink_config))
         deliveries = stack.enter_context(contextlib.closing(
             publish(sink, rows(), chunk_size, skip=skip, reject=reject, too_large=too_large,
                     chunk_bytes=chunk_bytes)))
+        recorded: Position = (0, 0)
         for delivery in deliveries:
-            if isinstance(delivery, Confirmed) and progress is not None and conn is not None:
-                # every event of these buckets up to here is handled: a retry resumes after it
-                progress.record(conn, sorted(buckets), delivery.batch_id, delivery.ord)
+            if progress is None or conn is None:
+                continue
+            # every event of these buckets up to here is handled: a retry resumes after it (a call that ends a
+            # batch is said by its BatchDone, at the batch's last row here)
+            if isinstance(delivery, Confirmed):
+                position = (delivery.batch_id, delivery.ord)
+            elif isinstance(delivery, BatchDone) and delivery.batch_id in last:
+                position = (delivery.batch_id, last[delivery.batch_id])
+            else:
+                continue
+            if position > recorded:
+                progress.record(conn, sorted(buckets), *position)
+                recorded = position
     yield pa.RecordBatch.from_pylist(
         [{"batch_id": b, "handled": n, "resumed": resumed.get(b, 0)} for b, n in handled.items()],
         schema=pa.schema([("batch_id", pa.int64()), ("handled", pa.int64()), ("resumed", pa.int64())]))

@@ -26,8 +26,8 @@ import datetime as dt
 import gc
 import threading
 import time
-from collections.abc import Callable, Generator
-from contextlib import closing
+from collections.abc import Callable, Generator, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,11 +298,13 @@ class _Round:
         self.database_url = executor_url if stream.delivery.ordering == "by_key" else database_url
         self.owed = owed(stream, batches)
         self.expected = {span.batch_id: span.events for span in self.owed}
+        self.recording: locks.RecordingCheck | None = None  # (deliver's)
 
     def deliver(self, source: Source, recording: locks.RecordingCheck) -> int:
         """The events handled (confirmed by the sink, or set aside as dead letters). Once ``conn`` is
         broken (``recording``: Postgres restarted, the connection was cut) the run stops before the
         sink's next request, as nothing it confirms could be recorded."""
+        self.recording = recording
         try:
             return self._deliver(source)
         except (psycopg.Error, SinkError):
@@ -364,7 +366,7 @@ class _Round:
         # each publish call holds the stream row against a pause (``state.publishing``): none after one
         with closing(publish_in_order(source, self.sink, chunk_size, skip=skip, reject=reject, owed=self.owed,
                                       too_large=too_large, chunk_bytes=stream.delivery.tuning.max_read_bytes,
-                                      gate=lambda: state.publishing(conn, stream.id))) as deliveries:
+                                      gate=self._publishing)) as deliveries:
             for delivery in deliveries:
                 match delivery:
                     case Confirmed(batch_id, ord):  # a retry resumes after it
@@ -379,6 +381,15 @@ class _Round:
                     case Finished(handled):
                         delivered = handled
         return delivered
+
+    @contextmanager
+    def _publishing(self) -> Iterator[None]:
+        """A publish call's gate (``state.publishing``): the connection has just answered its statement, so
+        the sink's first request does not ask it again (``RecordingCheck``)."""
+        with state.publishing(self.conn, self.stream.id):
+            if self.recording is not None:
+                self.recording.answered()
+            yield
 
     def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None,
                 token: str) -> int:

@@ -182,6 +182,13 @@ class RecordingCheck:
         self._asked = 0.0
         self._lock = threading.Lock()
 
+    def answered(self) -> None:
+        """A statement on the connection has just returned (the publish call's gate): the sink's next request
+        does not ask again before ``every_secs``."""
+        with self._lock:
+            if self.broken is None:
+                self._asked = time.monotonic()
+
     def __call__(self) -> bool:
         with self._lock:
             if self.broken is None and (self.conn.closed or self.conn.broken):
