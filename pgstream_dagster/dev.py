@@ -397,8 +397,9 @@ def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 8.0) -> 
     _signal_and_wait(_run_workers(tree + tree_of(pid)), signal.SIGINT, until)
     _signal_and_wait([pid], 0, until)  # (a second SIGINT would cut its shutdown short)
     # what `dg dev` leaves to end by itself, its runs over (a code server ends once its heartbeats stop, up to
-    # 45 s later): asked to end now (SIGTERM); SIGKILL only for what does not
-    _signal_and_wait(tree + tree_of(pid), signal.SIGTERM, max(until, time.monotonic() + 1.5))
+    # 45 s later): asked to end now (SIGTERM, a few seconds for a code server on a loaded host); SIGKILL only for
+    # what does not
+    _signal_and_wait(tree + tree_of(pid), signal.SIGTERM, max(until, time.monotonic() + 3.0))
     left = _alive(tree + tree_of(pid))
     names = [_name(p) for p in left]
     _signal_and_wait(left, signal.SIGKILL, time.monotonic() + 1.0)
