@@ -10,6 +10,7 @@ Rows print ``FAULT-MATRIX {...}`` like tests/test_failover.py.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -164,12 +165,20 @@ def test_housekeeping_keeps_an_old_event_nobody_delivered(db_url: str, tmp_path:
     start(driver)
     insert_events(db_url, STREAM, 10)
     until(driver, lambda: len(endpoint.unique()) >= 10)
+    held = threading.Event()
+
+    def hold(_request: int) -> None:  # (an open run would deliver it within milliseconds)
+        held.wait(60)
+
+    endpoint.hook = hold
     with psycopg.connect(db_url, autocommit=True) as c:
-        # dated 40 days ago and not read yet: must stay
+        # dated 40 days ago and not delivered yet (not read, or read and its call held): must stay
         backdated(c, "insert into pgstream.events (payload, stream_id, created_at) "
                      "values ('{\"old\": true}', %s, now() - interval '40 days')", [STREAM])
         report_ = run_housekeeping(c, HousekeepingConfig(retention_days=7))
         left = c.execute("select count(*) from pgstream.events_default").fetchone()
+    held.set()
+    endpoint.hook = None
     assert report_.default_rows_deleted == 0 and left == (1,)
     assert any("1 expired rows of events_default are kept" in w for w in report_.warnings)
     until(driver, lambda: len(endpoint.unique()) >= 11 and caught_up(db_url))
