@@ -76,6 +76,14 @@ def _member(driver: Driver) -> dict[str, Any]:
     return dict(json.loads(raw)) if raw else {}
 
 
+#: what the group delivery run's reader says when every WAL sender is taken
+_NO_SENDER = "the group delivery run's reader stopped (cannot open a replication connection"
+
+
+def _messages(instance: dg.DagsterInstance, run_id: str | None) -> list[str]:
+    return [e.message for e in instance.all_logs(run_id) if e.message] if run_id else []
+
+
 def _ended(driver: Driver) -> dict[str, Any]:
     """The group delivery run's result, once asked to end (as at the end of every test)."""
     driver.stop_group_runs()
@@ -415,6 +423,10 @@ def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
             insert_events(db_url, STREAM, 20, 1000 * (wave + 1))
             tick_until(driver, STREAM, at_least(lambda: len(endpoint.unique()), 50 + 20 * wave))
         assert not (_slot_reader(db_url) or "").startswith(GROUP_READER)
+        # the run's reader has tried meanwhile, and said why it could not (the waves may be delivered before the
+        # run's process is up: the senders stay taken until it has)
+        _wait(lambda: any(_NO_SENDER in m and "max_wal_senders" in m for m in _messages(
+            instance, _group_run(driver).run_id)), 120)
     finally:
         for holder in holders:
             holder.close()
@@ -425,8 +437,7 @@ def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
     assert len(sent) == 115 and endpoint.first_seen_order() == sent and endpoint.duplicates() == 0
     run_id = _ended(driver)["run_id"]
     logs = [e.message for e in instance.all_logs(run_id) if e.message]
-    assert any("the group delivery run's reader stopped (cannot open a replication connection" in m
-               and "max_wal_senders" in m for m in logs), logs
+    assert any(_NO_SENDER in m and "max_wal_senders" in m for m in logs), logs
     assert any("the group delivery run reads the group's slot again" in m for m in logs), logs
 
 

@@ -80,8 +80,9 @@ def main() -> None:
         drive(driver, members, lambda: len(read_jsonl(sink)) >= expected)
         end(driver, members)
         replayed, ids = replay_through_spark(config, 1, instance)
+        # (each member run's state and error: what a failed assertion on "runs" prints first)
         out.write_text(json.dumps({"runs": members.outcomes() + [r.success for r in driver.results],
-                                   "replay": replayed, "replayed": ids}))
+                                   "members": list(members.seen.values()), "replay": replayed, "replayed": ids}))
 
 
 if __name__ == "__main__":
