@@ -252,11 +252,8 @@ class Driver:
         """Ask every live group delivery run to end (tag pgstream/stop, as the group's sensor does) and wait."""
         for runs in self.group_runs.values():
             for run in runs:
-                if run.thread.is_alive():  # (every unfinished run of its group: a run key may name two runs)
-                    for live in self.instance.get_runs(dg.RunsFilter(
-                            tags={GROUP_TAG: run.request.tags[GROUP_TAG]},
-                            statuses=[s for s in dg.DagsterRunStatus if s not in FINISHED])):
-                        self.instance.add_run_tags(live.run_id, {STOP_TAG: reason})
+                if run.run_id is not None and run.thread.is_alive():
+                    self.instance.add_run_tags(run.run_id, {STOP_TAG: reason})
         for runs in self.group_runs.values():
             for run in runs:
                 run.thread.join(timeout)
@@ -264,10 +261,6 @@ class Driver:
 
     def close(self) -> None:
         self.stop_group_runs()
-
-
-#: the states of a Dagster run that has ended
-FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 
 
 class Background:
