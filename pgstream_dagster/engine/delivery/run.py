@@ -223,8 +223,8 @@ class DeliveryRun:
                         readers = Readers(self.database_url, self.executor_url, conn, host.spark, sink)
                         source = choose_source(stream.delivery, Owed(owed(stream, batches)), readers)
                         try:
-                            delivered = _Round(host, conn, stream, sink, batches, self.database_url,
-                                               self.executor_url).deliver(source, recording)
+                            delivered = _Round(host, conn, recording, stream, sink, batches, self.database_url,
+                                               self.executor_url).deliver(source)
                         except state.StreamPaused:
                             waiting = state.give_back(conn, stream.id, run_key)
                             host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
@@ -291,20 +291,20 @@ def reject_policy(stream: StreamConfig, database_url: str, token: str | None = N
 class _Round:
     """One round: ``batches`` read from a source, delivered through the run's ``sink``, each marked."""
 
-    def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, sink: Sink,
-                 batches: list[state.Batch], database_url: str, executor_url: str) -> None:
+    def __init__(self, host: Host, conn: psycopg.Connection, recording: locks.RecordingCheck, stream: StreamConfig,
+                 sink: Sink, batches: list[state.Batch], database_url: str, executor_url: str) -> None:
         self.host, self.conn, self.stream, self.sink, self.batches = host, conn, stream, sink, batches
+        self.recording = recording  # whether ``conn`` still answers (the sink asks it before each request)
         # what runs on the executors (by_key tasks) connects with the executors' URL, what runs here with the runtime's
         self.database_url = executor_url if stream.delivery.ordering == "by_key" else database_url
         self.owed = owed(stream, batches)
         self.expected = {span.batch_id: span.events for span in self.owed}
-        self.recording: locks.RecordingCheck | None = None  # (deliver's)
 
-    def deliver(self, source: Source, recording: locks.RecordingCheck) -> int:
+    def deliver(self, source: Source) -> int:
         """The events handled (confirmed by the sink, or set aside as dead letters). Once ``conn`` is
         broken (``recording``: Postgres restarted, the connection was cut) the run stops before the
         sink's next request, as nothing it confirms could be recorded."""
-        self.recording = recording
+        recording = self.recording
         try:
             return self._deliver(source)
         except (psycopg.Error, SinkError):
@@ -387,8 +387,7 @@ class _Round:
         """A publish call's gate (``state.publishing``): the connection has just answered its statement, so
         the sink's first request does not ask it again (``RecordingCheck``)."""
         with state.publishing(self.conn, self.stream.id):
-            if self.recording is not None:
-                self.recording.answered()
+            self.recording.answered()
             yield
 
     def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None,
