@@ -146,6 +146,31 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
     assert sum(m["events"] for m in rounds) == len(sent_ids(db_url))
 
 
+def test_a_members_state_put_back_by_another_processs_tag_write_is_written_again(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dagster writes a run's tags by reading the run and writing it back whole: another process adding a tag
+    (the group's sensor asking the run to end, an operator) while a member's run ends puts its older state
+    back. The group run writes its members' states again within a stop check (a second)."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=1)]), instance)
+    driver.tick(STREAM)
+    insert_events(db_url, STREAM, 5)
+    tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 5)
+    run_id = _group_run(driver).run_id
+    assert run_id is not None and _member(driver)["state"] == "running"
+    stale = instance.get_run_by_id(run_id)  # what the other process read...
+    _wait(lambda: _member(driver).get("state") == "ended")
+    storage = instance.run_storage
+    with monkeypatch.context() as m:  # ... and writes back with its tag, after the member's run ended
+        m.setattr(storage, "_get_run_by_id", lambda _run_id: stale)
+        storage.add_run_tags(run_id, {"team": "payments"})
+    assert _member(driver)["state"] == "running"  # Dagster shows the older state for a moment
+    _wait(lambda: _member(driver).get("state") == "ended", timeout=5)
+    assert sent_ids(db_url) == sorted(endpoint.unique()) and endpoint.duplicates() == 0
+    _ended(driver)
+    assert _member(driver)["state"] == "ended"
+
+
 def test_sink_failure_in_a_later_round_enters_failover_and_loses_nothing(db_url: str, tmp_path: Path,
                                                                           instance: dg.DagsterInstance,
                                                                           endpoint: Endpoint) -> None:

@@ -238,14 +238,28 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         own = {r.tags.get(RUN_KEY_TAG) for r in instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: keys}))}
         mine = [(sid, key) for sid, key in wanted if (sid, key) not in elsewhere and key not in own]
         if mine:
-            with lock:
-                instance.add_run_tags(run_id, {member_tag(sid): member_state(key, "running") for sid, key in mine})
+            tell({member_tag(sid): member_state(key, "running") for sid, key in mine})
         return mine
 
     def ended(stream_id: int, run_key: str, error: str | None) -> None:
+        tell({member_tag(stream_id): member_state(run_key, "ended" if error is None else "failed", error)})
+
+    # Dagster writes a run's tags by reading the run and writing it back whole (``add_run_tags``, also a status
+    # change): a write by another process meanwhile (the group's sensor asking the run to end, an operator's
+    # tag) can put back a member's older state. The run keeps what it wrote and, at each stop check and when it
+    # ends, writes again what the run does not show.
+    told: dict[str, str] = {}
+
+    def tell(tags: dict[str, str]) -> None:
         with lock:
-            instance.add_run_tags(run_id, {member_tag(stream_id): member_state(
-                run_key, "ended" if error is None else "failed", error)})
+            instance.add_run_tags(run_id, tags)
+            told.update(tags)
+
+    def retell(run: dg.DagsterRun | None) -> None:
+        with lock:
+            lost = {k: v for k, v in told.items() if run is not None and run.tags.get(k) != v}
+            if lost:
+                instance.add_run_tags(run_id, lost)
 
     requested = context.run.tags.get(CONFIG_TAG)
     if requested is not None and requested != streams_fingerprint(streams):
@@ -259,6 +273,7 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         marked it failed: it took no lease within ``delivery.run_grace_secs``, and a fresh group run is requested
         meanwhile); asked about once a second."""
         run = instance.get_run_by_id(run_id)
+        retell(run)
         reason = run.tags.get(STOP_TAG) if run is not None else None
         if run is not None and run.status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED):
             return f"Dagster shows it {run.status.value} (marked by the group's sensor)"
@@ -296,6 +311,7 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
         raise dg.Failure(f"reader group {group}: {line}; the group's sensor requests a fresh group run") from None
     finally:
         reporter.close()
+    retell(instance.get_run_by_id(run_id))
     context.log.info(f"reader group {group}: group delivery run ended ({reason})")
 
 
