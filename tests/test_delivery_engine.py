@@ -146,8 +146,7 @@ def test_a_run_that_would_overtake_or_names_no_batch_fails_and_gives_up_the_leas
     with pytest.raises(DeliveryError, match="does not exist"):
         DeliveryRun(stream, db_url, db_url, "engine-test", batches[-1].id + 100).start(log)
     run = _run(stream, db_url, batches, log)  # the lease was given up each time: this one takes it
-    assert run.lease is not None
-    locks.give_up_lease(run.lease, STREAM)
+    run.ledger.give_up_lease(STREAM)
     assert _ids(tmp_path) == []
 
 
@@ -345,3 +344,72 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
         assert set(ended) == {1, 2, 3, failing} and all(ended[i] is None for i in (1, 2, 3))
         assert locks.group_lease_state(c, "hosted", "grp") is locks.LeaseState.NOT_TAKEN  # given up
     assert delivery_run.WOKEN_POLL_SECS > 1.5
+
+
+def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_publishes_nothing(
+        db_url: str, tmp_path: Path) -> None:
+    """A group delivery run's members hold their leases on one session of its own and take a pooled connection
+    only for a round or a look at the ledger (at most one each). That session killed (``pg_terminate_backend``,
+    as a cut connection or a server restart would end it), every member's lease is lost at once: a member
+    handed a batch publishes none of it (its pause gate checks the lease) and fails in one line, an idle one
+    closes at its next look, and another run may take their leases."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    ids = [1, 2, 3]
+    path = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": "shared", "batch": {"max_size": 50, "max_fill_secs": 0},
+         "delivery": {"mode": "warm", "tuning": {"max_run_secs": 300}},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
+    streams = list(load_config(path).streams)
+    ended: dict[int, str | None] = {}
+    logs = Log()
+    stopping = threading.Event()
+    host = group_delivery.GroupHost("grp", logs, lambda stream, run_id: Host(run_id, logs),
+                                    claim=lambda wanted: wanted,
+                                    ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error),
+                                    stop_check=lambda: "the test ends" if stopping.is_set() else None)
+    delivery = group_delivery.GroupDelivery("shared", streams, db_url, db_url, host, max_run_secs=300)
+
+    def out(i: int) -> list[int]:
+        sink = tmp_path / f"out{i}.jsonl"
+        return [e["id"] for e in read_jsonl(sink)] if sink.exists() else []
+
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, "shared", streams, 0)
+        for i in ids:
+            assert state.open_warm_run(c, i, f"warm-{i}")
+        thread = threading.Thread(target=delivery.run, daemon=True)
+        thread.start()
+        for i in ids:
+            insert_events(db_url, i, 5)
+        deadline = time.monotonic() + 30
+        while not all(len(out(i)) == 5 for i in ids):
+            assert time.monotonic() < deadline and thread.is_alive(), (ended, logs.lines[-5:])
+            ingest.consume_group(c, "shared", streams, 0.05)
+        # one session holds the three leases; the pool holds at most one connection per member
+        (sessions,) = c.execute("select array_agg(distinct pid) from pgstream.locks where name = %s and holder = "
+                                "any(%s)", [locks.DELIVERY_LOCK, [f"grp/{i}" for i in ids]]).fetchone() or [None]
+        assert sessions is not None and len(sessions) == 1
+        (pooled,) = c.execute("select count(*) from pg_stat_activity where application_name = %s "
+                              "and pid <> %s", ["pgstream group members grp", sessions[0]]).fetchone() or [0]
+        assert 1 <= pooled <= len(ids)
+
+        c.execute("select pg_terminate_backend(%s)", [sessions[0]])
+        insert_events(db_url, 1, 5, start=100)
+        deadline = time.monotonic() + 30
+        while set(ended) != set(ids):  # 1: handed a batch, fails at its gate; 2 and 3 close at their next look
+            assert time.monotonic() < deadline, (ended, logs.lines[-5:])
+            ingest.consume_group(c, "shared", streams, 0.1)
+        assert "run grp/1 no longer holds the stream's delivery lease" in str(ended[1]), ended
+        assert ended[2] is None and ended[3] is None
+        assert [m for _l, m in logs.lines if "stream 2: run closed" in m] == [
+            "stream 2: run closed (run grp/2 no longer holds the stream's delivery lease (the session "
+            "holding it ended: the server restarted or the connection was cut); it publishes nothing more, the next "
+            "run resumes after the last confirmation recorded)"]
+        assert len(out(1)) == 5  # nothing of the batch handed over after the session ended
+        for i in ids:
+            assert locks.lease_state(c, f"grp/{i}") is locks.LeaseState.LOST
+            locks.acquire_lease(db_url, i, f"next-{i}").close()  # free for another run
+        stopping.set()
+        thread.join(30)
+        assert not thread.is_alive()

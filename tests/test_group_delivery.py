@@ -329,7 +329,7 @@ def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(d
     with psycopg.connect(db_url) as c:
         server = limits.server_limits(c)
     usable = server.max_connections - server.reserved_connections
-    members = usable + 1  # a delivery lease each, its run's ledger work on it (their group's sensor decides)
+    members = usable + 1  # up to a connection each (all delivering at once), their group's sensor decides
     streams = [{"id": i, "reader": "big", "delivery": {"mode": "open"},
                 "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in range(1, members + 1)]
     streams += [{"id": 1000 + i, "delivery": {"mode": "open"},
@@ -345,10 +345,11 @@ def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(d
     with psycopg.connect(db_url) as c:
         (line,) = [p for p in limits.postgres_problems(c, config.streams) if "max_connections" in p]
     total = members + 2
-    # every stream: a delivery lease; each of the 2 groups: its sensor, run, lease and reader; housekeeping
-    needed = total + 2 * 4 + 4
+    # every stream: a connection while it delivers; each of the 2 groups: its sensor, run, lease, reader and its
+    # members' lease session; housekeeping
+    needed = total + 2 * 5 + 4
     suggest = max(8, -(-(needed + server.reserved_connections) // 8) * 8)
     assert line == (
         f"max_connections is {server.max_connections} ({usable} usable by the streams); {total} streams in 2 reader "
-        f"group(s) need up to {needed} (a connection per stream in its group's delivery run, the groups' sensors, "
+        f"group(s) need up to {needed} (a connection per stream delivering at once, the groups' sensors, "
         f"readers and leases, housekeeping): set max_connections = {suggest} in postgresql.conf and restart Postgres")

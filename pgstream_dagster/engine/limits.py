@@ -18,9 +18,12 @@ import psycopg
 
 from ..config import StreamConfig, reader_groups
 
-#: connections a stream holds at once: its member run's delivery lease, on which the run does its ledger work
-#: (its group's sensor decides for it, its group's run listens and reads for it)
+#: connections a stream holds at most: one of its group delivery run's pool, while its member run delivers a round
+#: or looks at the ledger (idle, none: the pool closes what stays idle; its group's sensor decides for it, its
+#: group's run listens, reads and holds its lease for it)
 _CONNECTIONS_PER_MEMBER = 1
+#: a group's sensor, and its delivery run's lease and listener, its reader and its members' lease session
+_CONNECTIONS_PER_GROUP = 5
 #: housekeeping, checks, metrics and a replay or backfill beside the streams
 _CONNECTIONS_SHARED = 4
 
@@ -203,14 +206,13 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
                    + " over replication, one WAL sender each: "
                    + how_to_set(limits.service, "max_wal_senders", _suggest(senders_elsewhere + len(groups))))
     usable = limits.max_connections - limits.reserved_connections
-    # a group's sensor, and its delivery run's lease and listener and its reader: four connections per group
     storage = _dagster_on_server(conn, dagster)
-    needed = len(streams) * _CONNECTIONS_PER_MEMBER + 4 * len(groups) + _CONNECTIONS_SHARED + storage
+    needed = len(streams) * _CONNECTIONS_PER_MEMBER + _CONNECTIONS_PER_GROUP * len(groups) + _CONNECTIONS_SHARED + storage
     if needed > usable:
         of_dagster = f", Dagster's storage on this server {storage}" if storage else ""
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
-                   f"streams in {len(groups)} reader group(s) need up to {needed} (a connection per stream in its "
-                   f"group's delivery run, the groups' sensors, readers and leases, housekeeping{of_dagster}): "
+                   f"streams in {len(groups)} reader group(s) need up to {needed} (a connection per stream delivering "
+                   f"at once, the groups' sensors, readers and leases, housekeeping{of_dagster}): "
                    + how_to_set(limits.service, "max_connections", _suggest(needed + limits.reserved_connections)))
     return out
 

@@ -164,6 +164,7 @@ class GroupDelivery:
     _refused: str | None = None
     #: set when the group run ends: its reader stops reading and gives the group's reading up
     _reading_ends: threading.Event = field(default_factory=threading.Event)
+    _connections: locks.SharedConnections = field(init=False)  # the members' (opened by run())
 
     def run(self) -> str:
         """Host the members' runs until the group run ends; why it ended."""
@@ -171,6 +172,9 @@ class GroupDelivery:
         lease = locks.acquire_group_lease(self.database_url, self.group, self.host.run_id)
         log = self.host.log
         reader: threading.Thread | None = None
+        # the members' leases on one session, their ledger work on a pool (at most one connection each)
+        self._connections = locks.SharedConnections(self.database_url, f"pgstream group members {self.host.run_id}",
+                                                    runs=len(by_id))
         try:
             channels = {state.run_channel(stream_id): stream_id for stream_id in by_id}
             for stream_id in by_id:  # a member's batches handed over wake its run (extend_run notifies)
@@ -226,6 +230,7 @@ class GroupDelivery:
             self._reading_ends.set()
             if reader is not None:
                 reader.join(READ_SECS + 30)
+            self._connections.close()
             locks.give_up_group_lease(lease, self.group)
 
     def reading_ended(self) -> bool:
@@ -342,7 +347,8 @@ class GroupDelivery:
         error: str | None = None
         try:
             run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,
-                              order.through_batch_id, order.run_key).start(host.log)
+                              order.through_batch_id, order.run_key,
+                              connections=self._connections.for_run()).start(host.log)
             for _round in run.deliver(host):
                 pass
         except Exception as exc:

@@ -144,34 +144,38 @@ class DeliveryRun:
     run_key: str | None = None
     batches: list[state.Batch] = field(default_factory=list)
     started: float = 0.0
-    lease: psycopg.Connection | None = None
+    #: where the run holds its lease and does its ledger work (None: a connection of its own)
+    connections: locks.RunConnections | None = None
+
+    def __post_init__(self) -> None:
+        self.ledger: locks.RunConnections = self.connections or locks.OwnConnection(self.database_url)
 
     def start(self, log: Log) -> DeliveryRun:
         """Take the stream's delivery lease (waiting for a replay that holds it) and check the batches
         may run; raises :class:`DeliveryError` (the lease given up) or :class:`~..ledger.locks.LeaseTaken`."""
         stream_id = self.stream.id
         self.started = time.monotonic()
-        self.lease = lease = locks.acquire_lease(
-            self.database_url, stream_id, self.run_id,
-            lambda replay: log.info(f"stream {stream_id}: waiting for replay {replay} to end "
-                                    "(it holds the delivery lease)"))
+        self.ledger.take_lease(stream_id, self.run_id,
+                               lambda replay: log.info(f"stream {stream_id}: waiting for replay {replay} to end "
+                                                       "(it holds the delivery lease)"))
         if self.batch_id is None:
             log.info(f"stream {stream_id}: warm run, open for what commits (delivery.mode warm)")
             return self
         try:
             last = self.through_batch_id or self.batch_id
-            batches = state.batches_between(lease, stream_id, self.batch_id, last)
-            if not batches or batches[0].id != self.batch_id:
-                raise DeliveryError(f"batch {self.batch_id} of stream {stream_id} does not exist")
-            done = [b.id for b in batches if not b.status.is_open]
-            if done:
-                raise DeliveryError(f"batches {done} of stream {stream_id} are already delivered or skipped")
-            earlier = state.earlier_open(lease, stream_id, self.batch_id)
-            if earlier is not None:
-                raise DeliveryError(f"batch {self.batch_id} would overtake open batch {earlier} of stream "
-                                    f"{stream_id}; batches are delivered in order")
+            with self.ledger.connection() as conn:
+                batches = state.batches_between(conn, stream_id, self.batch_id, last)
+                if not batches or batches[0].id != self.batch_id:
+                    raise DeliveryError(f"batch {self.batch_id} of stream {stream_id} does not exist")
+                done = [b.id for b in batches if not b.status.is_open]
+                if done:
+                    raise DeliveryError(f"batches {done} of stream {stream_id} are already delivered or skipped")
+                earlier = state.earlier_open(conn, stream_id, self.batch_id)
+                if earlier is not None:
+                    raise DeliveryError(f"batch {self.batch_id} would overtake open batch {earlier} of stream "
+                                        f"{stream_id}; batches are delivered in order")
         except BaseException:
-            locks.give_up_lease(lease, stream_id)
+            self.ledger.give_up_lease(stream_id)
             raise
         self.batches = batches
         return self
@@ -189,24 +193,21 @@ class DeliveryRun:
 
     def deliver(self, host: Host) -> Generator[RoundReport, None, None]:
         """Deliver the run's batches, then (an open run) what the sensor assigns to it, round by round."""
-        stream, lease = self.stream, self.lease
-        assert lease is not None, "start() the run first"
+        stream, ledger = self.stream, self.ledger
         run_key = self.batches[0].run_key if self.batches else self.run_key
-        if not self.batches and not (run_key and state.run_is_open(lease, stream.id, run_key)):
-            # a warm run the stream no longer wants (another run is open): nothing to do
-            locks.give_up_lease(lease, stream.id)
-            host.log.info(f"stream {stream.id}: not the stream's open run; nothing to deliver")
-            return
+        with ledger.connection() as conn:
+            wanted = bool(self.batches) or bool(run_key and state.run_is_open(conn, stream.id, run_key))
+            if not wanted:  # a warm run the stream no longer wants (another run is open): nothing to do
+                ledger.give_up_lease(stream.id)
+                host.log.info(f"stream {stream.id}: not the stream's open run; nothing to deliver")
+                return
+            if host.wake is None:  # (a host that wakes the run listens for it)
+                state.listen_runs(conn, stream.id)
         run_key = run_key or ""
         # the lease is given up when the run ends (it is lost if its process dies); the sink serves every round
         # of the run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
-        with fewer_collections(), locks.holding_lease(lease, stream.id) as conn, \
-                build_sink(stream.sink) as sink:
-            if host.wake is None:  # (a host that wakes the run listens for it)
-                state.listen_runs(conn, stream.id)
-            # what the sink confirms is recorded on ``conn``: once it is broken the sink sends nothing more
-            recording = sink.go_on = locks.RecordingCheck(conn)
-            linger = Linger(host, conn, stream, run_key)
+        with fewer_collections(), _leasing(ledger, stream.id), build_sink(stream.sink) as sink:
+            linger = Linger(host, ledger, stream, run_key)
             reports = Reports(host, stream)
             batches, started = direct_round(stream, self.batches), self.started
             if batches:
@@ -220,16 +221,19 @@ class DeliveryRun:
             try:
                 while True:
                     if batches:
-                        readers = Readers(self.database_url, self.executor_url, conn, host.spark, sink)
-                        source = choose_source(stream.delivery, Owed(owed(stream, batches)), readers)
-                        try:
-                            delivered = _Round(host, conn, recording, stream, sink, batches, self.database_url,
-                                               self.executor_url).deliver(source)
-                        except state.StreamPaused:
-                            waiting = state.give_back(conn, stream.id, run_key)
-                            host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
-                                          f"{waiting_batches(waiting)} for `pgstream-dagster resume {stream.id}`")
-                            return
+                        with ledger.connection() as conn:  # (the round's: what the sink confirms is recorded on it)
+                            recording = sink.go_on = locks.RecordingCheck(conn)  # once broken, nothing more is sent
+                            readers = Readers(self.database_url, self.executor_url, conn, host.spark, sink)
+                            source = choose_source(stream.delivery, Owed(owed(stream, batches)), readers)
+                            try:
+                                delivered = _Round(host, conn, recording, ledger, stream, sink, batches,
+                                                   self.database_url, self.executor_url).deliver(source)
+                            except state.StreamPaused:
+                                waiting = state.give_back(conn, stream.id, run_key)
+                                host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
+                                              f"{waiting_batches(waiting)} for `pgstream-dagster resume "
+                                              f"{stream.id}`")
+                                return
                         done = RoundReport(batches, delivered, started, type(source).__name__)
                         reports.add(done)
                         yield done
@@ -244,6 +248,14 @@ class DeliveryRun:
                     started = time.monotonic()
             finally:
                 reports.flush()  # what was delivered before the run ended, however it ended
+
+
+@contextmanager
+def _leasing(ledger: locks.RunConnections, stream_id: int) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        ledger.give_up_lease(stream_id)
 
 
 def owed(stream: StreamConfig, batches: list[state.Batch]) -> list[Span]:
@@ -291,10 +303,12 @@ def reject_policy(stream: StreamConfig, database_url: str, token: str | None = N
 class _Round:
     """One round: ``batches`` read from a source, delivered through the run's ``sink``, each marked."""
 
-    def __init__(self, host: Host, conn: psycopg.Connection, recording: locks.RecordingCheck, stream: StreamConfig,
-                 sink: Sink, batches: list[state.Batch], database_url: str, executor_url: str) -> None:
+    def __init__(self, host: Host, conn: psycopg.Connection, recording: locks.RecordingCheck,
+                 ledger: locks.RunConnections, stream: StreamConfig, sink: Sink, batches: list[state.Batch],
+                 database_url: str, executor_url: str) -> None:
         self.host, self.conn, self.stream, self.sink, self.batches = host, conn, stream, sink, batches
         self.recording = recording  # whether ``conn`` still answers (the sink asks it before each request)
+        self.ledger = ledger  # (the lease's session: only the lease's holder is given a by_key round's token)
         # what runs on the executors (by_key tasks) connects with the executors' URL, what runs here with the runtime's
         self.database_url = executor_url if stream.delivery.ordering == "by_key" else database_url
         self.owed = owed(stream, batches)
@@ -307,6 +321,8 @@ class _Round:
         recording = self.recording
         try:
             return self._deliver(source)
+        except state.LeaseLost as exc:
+            raise DeliveryError(str(exc)) from None
         except (psycopg.Error, SinkError):
             if recording():  # the connection still answers: not what stopped the run
                 raise
@@ -324,7 +340,8 @@ class _Round:
         try:
             if isinstance(source, KeyedSource):
                 # the Spark tasks write (resume points, dead letters) with the round's delivery token only
-                token = keyprogress.issue_delivery_token(conn, stream.id, self.host.run_id)
+                with self.ledger.lease_session() as session:
+                    token = keyprogress.issue_delivery_token(session, stream.id, self.host.run_id)
                 delivered = self._by_key(source, skip, reject_policy(stream, self.database_url, token), token)
             else:
                 assert hasattr(source, "events"), f"{type(source).__name__} is no source of a delivery round"
@@ -386,7 +403,7 @@ class _Round:
     def _publishing(self) -> Iterator[None]:
         """A publish call's gate (``state.publishing``): the connection has just answered its statement, so
         the sink's first request does not ask it again (``RecordingCheck``)."""
-        with state.publishing(self.conn, self.stream.id):
+        with state.publishing(self.conn, self.stream.id, self.host.run_id):
             self.recording.answered()
             yield
 
@@ -413,7 +430,7 @@ class _Round:
                                f"partitions (delivery.parallelism {parallelism} applies from the next round)")
         progress = keyprogress.KeyProgress(self.database_url, stream.id, partitions, token=token)
         # the whole round's tasks publish holding the stream row against a pause (it waits for the round)
-        with state.publishing(conn, stream.id):
+        with state.publishing(conn, stream.id, self.host.run_id):
             result = spark.deliver_by_key(source.frame, stream.sink, stream.delivery.chunk_size, partitions,
                                           skip=skip, reject=reject, progress=progress,
                                           too_large=dead_letters(stream, self.database_url, token).too_large,
@@ -483,8 +500,8 @@ class Linger:
     replay waits for the delivery lease, however it was launched
     (:func:`~..ledger.locks.acquire_replay_lease`), or the host has a reason (:attr:`Host.stop_check`)."""
 
-    def __init__(self, host: Host, conn: psycopg.Connection, stream: StreamConfig, run_key: str) -> None:
-        self.host, self.conn, self.stream, self.run_key = host, conn, stream, run_key
+    def __init__(self, host: Host, ledger: locks.RunConnections, stream: StreamConfig, run_key: str) -> None:
+        self.host, self.ledger, self.stream, self.run_key = host, ledger, stream, run_key
         self.opened = time.monotonic()
         self._frozen = not stream.delivery.keeps_open
         #: the stream's oldest open batch before the first batch :meth:`next_batches` returned (None: none)
@@ -516,47 +533,42 @@ class Linger:
             now = time.monotonic()
             # woken by the host (or its safety interval passed), or polling on its own: look at the ledger
             look = wake is None or woken or now - polled_at >= WOKEN_POLL_SECS
-            batches: list[state.Batch] = []
-            replay = False
-            if look:
-                polled_at = now
-                # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver what
-                # was handed over, close (the lease goes to the replay when the run ends)
-                seen = state.next_assigned(self.conn, self.stream.id, self.run_key, after)
-                batches, replay, self.earlier_open = seen.batches, seen.replay_waiting, seen.earlier_open
-            if batches:
-                return batches
-            now = time.monotonic()
-            reason = None
-            if replay:
-                reason = "a replay of the stream waits for the delivery lease"
-            elif now - idle_since >= linger_secs and not warm:
-                reason = f"idle for {linger_secs:g}s"
-            elif now - self.opened >= tuning.max_run_secs:
-                reason = f"open for {tuning.max_run_secs:g}s (delivery.tuning.max_run_secs)"
-            elif look and (wake is not None or now - checked_at >= 1.0):
-                checked_at = now
-                reason = self._stop_reason()
-            if reason is not None:
-                if state.apply_run(self.conn, CloseRun(self.stream.id, self.run_key)):
-                    if linger_secs > 0:
-                        self.host.log.info(f"stream {self.stream.id}: run closed ({reason})")
-                    return []
-                continue  # the sensor assigned batches just before: deliver them first
-            if wake is not None:
-                left = WOKEN_POLL_SECS - (time.monotonic() - polled_at)
-                woken = wake(max(0.01, left if warm else min(left, linger_secs - (now - idle_since))))
-                continue
-            wait = 0.5 if warm else min(0.5, max(0.01, linger_secs - (now - idle_since)))
-            for _ in self.conn.notifies(timeout=wait, stop_after=1):
-                pass
-
-    def _stop_reason(self) -> str | None:
-        if not state.run_is_open(self.conn, self.stream.id, self.run_key):
-            return "the sensor hands it no more batches (failover or catch-up)"
-        if state.is_paused(self.conn, self.stream.id):
-            return "the stream is paused"
-        return self.host.stop_check()
+            with self.ledger.connection() as conn:  # (one for this look: given back while the run waits)
+                batches: list[state.Batch] = []
+                replay = False
+                if look:
+                    polled_at = now
+                    # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver
+                    # what was handed over, close (the lease goes to the replay when the run ends)
+                    seen = state.next_assigned(conn, self.stream.id, self.run_key, after)
+                    batches, replay, self.earlier_open = seen.batches, seen.replay_waiting, seen.earlier_open
+                if batches:
+                    return batches
+                now = time.monotonic()
+                reason = None
+                if replay:
+                    reason = "a replay of the stream waits for the delivery lease"
+                elif now - idle_since >= linger_secs and not warm:
+                    reason = f"idle for {linger_secs:g}s"
+                elif now - self.opened >= tuning.max_run_secs:
+                    reason = f"open for {tuning.max_run_secs:g}s (delivery.tuning.max_run_secs)"
+                elif look and (wake is not None or now - checked_at >= 1.0):
+                    checked_at = now
+                    reason = (state.why_close(conn, self.stream.id, self.run_key, self.host.run_id)
+                              or self.host.stop_check())
+                if reason is not None:
+                    if state.apply_run(conn, CloseRun(self.stream.id, self.run_key)):
+                        if linger_secs > 0:
+                            self.host.log.info(f"stream {self.stream.id}: run closed ({reason})")
+                        return []
+                    continue  # the sensor assigned batches just before: deliver them first
+                if wake is None:
+                    wait = 0.5 if warm else min(0.5, max(0.01, linger_secs - (now - idle_since)))
+                    for _ in conn.notifies(timeout=wait, stop_after=1):
+                        pass
+                    continue
+            left = WOKEN_POLL_SECS - (time.monotonic() - polled_at)
+            woken = wake(max(0.01, left if warm else min(left, linger_secs - (now - idle_since))))
 
 
 class Reports:

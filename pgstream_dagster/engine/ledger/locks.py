@@ -6,8 +6,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from enum import StrEnum
+from typing import Protocol
 
 import psycopg
 
@@ -60,30 +61,43 @@ class LeaseTaken(RuntimeError):
 
 def acquire_lease(database_url: str, stream_id: int, run_id: str,
                   waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
-    """A connection holding the stream's delivery lease (pgstream's lock ``delivery``, held by the
-    run id), named after the run. It lasts as long as the run's process: if the process dies, Postgres
-    drops the connection and the lease with it, which is how the sensor tells a dead run from a slow
-    one. Two runs of one stream can never deliver at the same time. While a replay of the stream holds
-    or waits for the lease (:func:`acquire_replay_lease`) the run waits for it to end (``waiting`` is
-    told who, every 10 s), holding the ``delivery_wait`` lock meanwhile (it is alive, not dead); another
-    delivery run holding the lease is :class:`LeaseTaken`."""
+    """A connection holding the stream's delivery lease (:func:`take_lease`), named after the run."""
     conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
     try:
-        told = 0.0
+        take_lease(conn, stream_id, run_id, waiting)
+        return conn
+    except BaseException:
+        conn.close()
+        raise
+
+
+def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
+               waiting: Callable[[str], None] | None = None) -> None:
+    """Take the stream's delivery lease (pgstream's lock ``delivery``, held by the run id) for ``conn``'s
+    session. It lasts as long as that session: if the run's process dies, Postgres drops the connection and
+    the lease with it, which is how the sensor tells a dead run from a slow one. Two runs of one stream can
+    never deliver at the same time. While a replay of the stream holds or waits for the lease
+    (:func:`acquire_replay_lease`) the run waits for it to end (``waiting`` is told who, every 10 s),
+    holding the ``delivery_wait`` lock meanwhile (it is alive, not dead); another delivery run holding the
+    lease is :class:`LeaseTaken`."""
+    told = 0.0
+    try:
         while True:
             replay = lock_holder(conn, REPLAY_LOCK, stream_id)
             if replay is None:
                 if not try_lock(conn, DELIVERY_LOCK, stream_id, run_id):
                     raise LeaseTaken(f"another run is delivering stream {stream_id}")
                 unlock(conn, LEASE_WAIT_LOCK, stream_id)
-                return conn
+                return
             try_lock(conn, LEASE_WAIT_LOCK, stream_id, run_id)
             if waiting is not None and time.monotonic() - told >= 10:
                 told = time.monotonic()
                 waiting(replay)
             time.sleep(LEASE_POLL_SECS)
     except BaseException:
-        conn.close()
+        if not conn.closed and not conn.broken:  # (a session hosting other runs' leases goes on: the wait ends)
+            with suppress(psycopg.Error):
+                unlock(conn, LEASE_WAIT_LOCK, stream_id)
         raise
 
 
@@ -206,13 +220,107 @@ class RecordingCheck:
             return True
 
 
-@contextmanager
-def holding_lease(conn: psycopg.Connection, stream_id: int) -> Iterator[psycopg.Connection]:
-    """``conn`` (from :func:`acquire_lease`) until the block ends, then :func:`give_up_lease`."""
-    try:
-        yield conn
-    finally:
-        give_up_lease(conn, stream_id)
+class RunConnections(Protocol):
+    """Where a delivery run holds its delivery lease and does its ledger work."""
+
+    def take_lease(self, stream_id: int, run_id: str, waiting: Callable[[str], None] | None = None) -> None:
+        """:func:`take_lease`, for the run's lease session."""
+
+    def give_up_lease(self, stream_id: int) -> None:
+        """The run ends (however it ends, short of its process dying): its lease is given up."""
+
+    def connection(self) -> AbstractContextManager[psycopg.Connection]:
+        """A connection (autocommit) for one piece of the run's ledger work: a round, a look at the ledger."""
+
+    def lease_session(self) -> AbstractContextManager[psycopg.Connection]:
+        """The session holding the run's lease (what only its holder may ask: a by_key round's token)."""
+
+
+class OwnConnection:
+    """A run alone in its process (a Dagster run of its own): one connection, named after the run, holds its
+    lease and does all its ledger work."""
+
+    def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
+        self.conn: psycopg.Connection | None = None
+
+    def take_lease(self, stream_id: int, run_id: str, waiting: Callable[[str], None] | None = None) -> None:
+        self.conn = acquire_lease(self.database_url, stream_id, run_id, waiting)
+
+    def give_up_lease(self, stream_id: int) -> None:
+        if self.conn is not None:
+            give_up_lease(self.conn, stream_id)
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        if self.conn is None:
+            raise RuntimeError("the run holds no delivery lease (take_lease first)")
+        yield self.conn
+
+    lease_session = connection
+
+
+#: how long a connection of :class:`SharedConnections`' pool stays idle before it is closed (seconds)
+POOL_IDLE_SECS = 60.0
+
+
+class SharedConnections:
+    """The connections of the runs one process hosts (a reader group's members, a thread each): every run's
+    delivery lease is held by one session of the process, named ``name`` (it lasts as long as the process,
+    which is how the sensor tells a dead run from a slow one), and their ledger work goes through a pool
+    that grows to the runs working at once and closes what stays idle ``POOL_IDLE_SECS``. A run takes a
+    connection for a round (its publish calls' pause gate included) or a look at the ledger, never more
+    than one: the pool's bound, one per run, is never waited for, so a run whose sink hangs holds back
+    no other. A run whose lease session ended (the server restarted, the connection was cut) publishes
+    nothing more: its pause gate checks the lease (``ledger.state.publishing``)."""
+
+    def __init__(self, database_url: str, name: str, runs: int) -> None:
+        from psycopg_pool import ConnectionPool
+
+        self.database_url, self.name = database_url, name
+        self._lock = threading.Lock()
+        self._session: psycopg.Connection | None = None
+        self.pool = ConnectionPool(database_url, min_size=1, max_size=max(1, runs), max_idle=POOL_IDLE_SECS,
+                                   kwargs={"autocommit": True, "application_name": name}, name=name, open=True)
+
+    @contextmanager
+    def session(self) -> Iterator[psycopg.Connection]:
+        """The lease session (a fresh one once it broke: the leases it held ended with it)."""
+        with self._lock:
+            if self._session is None or self._session.closed or self._session.broken:
+                self._session = psycopg.connect(self.database_url, autocommit=True, application_name=self.name)
+            session = self._session
+        yield session
+
+    def for_run(self) -> RunConnections:
+        return _SharedRun(self)
+
+    def close(self) -> None:
+        self.pool.close()
+        with self._lock:
+            if self._session is not None:
+                self._session.close()
+
+
+class _SharedRun:
+    """One run's share of :class:`SharedConnections`."""
+
+    def __init__(self, shared: SharedConnections) -> None:
+        self.shared = shared
+
+    def take_lease(self, stream_id: int, run_id: str, waiting: Callable[[str], None] | None = None) -> None:
+        with self.shared.session() as session:
+            take_lease(session, stream_id, run_id, waiting)
+
+    def give_up_lease(self, stream_id: int) -> None:
+        with self.shared.session() as session, suppress(psycopg.Error):
+            unlock(session, DELIVERY_LOCK, stream_id)
+
+    def connection(self) -> AbstractContextManager[psycopg.Connection]:
+        return self.shared.pool.connection()
+
+    def lease_session(self) -> AbstractContextManager[psycopg.Connection]:
+        return self.shared.session()
 
 
 #: per reader group (the lock's name is this and the group's name; key 0): its group delivery run's lease,

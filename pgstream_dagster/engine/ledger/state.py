@@ -44,7 +44,7 @@ from ..batches import (
     Warm,
 )
 from ..batches import Batch as Batch  # ledger.state.Batch: the delivery job's name for it
-from .locks import REPLAY_LOCK
+from .locks import DELIVERY_LOCK, REPLAY_LOCK
 from .recording import atomic
 
 _BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b.last_event_id, b.status, "
@@ -205,28 +205,51 @@ def run_is_open(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
     return bool(row and row[0])
 
 
-def is_paused(conn: psycopg.Connection, stream_id: int) -> bool:
-    row = conn.execute("select paused from pgstream.streams where id = %s", [stream_id]).fetchone()
-    return bool(row and row[0])
+def why_close(conn: psycopg.Connection, stream_id: int, run_key: str, run_id: str) -> str | None:
+    """Why the stream's open run ``run_key`` (of run ``run_id``) closes, in one statement (None: it stays open):
+    the sensor hands it no more batches, the stream is paused, or its delivery lease is lost."""
+    row = conn.execute("select s.open_run_key is not distinct from %s, s.paused, "
+                       "pgstream.lock_holder(%s, s.id) is not distinct from %s from pgstream.streams s where s.id = %s",
+                       [run_key, DELIVERY_LOCK, run_id, stream_id]).fetchone()
+    if row is None or not row[0]:
+        return "the sensor hands it no more batches (failover or catch-up)"
+    if row[1]:
+        return "the stream is paused"
+    return None if row[2] else lease_lost(run_id)
+
+
+def lease_lost(run_id: str) -> str:
+    return (f"run {run_id} no longer holds the stream's delivery lease (the session holding it ended: the server "
+            f"restarted or the connection was cut); it publishes nothing more, the next run resumes after the last "
+            f"confirmation recorded")
 
 
 class StreamPaused(RuntimeError):
     """The stream is paused: a run publishes nothing more of it (:func:`publishing`)."""
 
 
+class LeaseLost(RuntimeError):
+    """The run no longer holds the stream's delivery lease: it publishes nothing more (:func:`publishing`)."""
+
+
 @contextmanager
-def publishing(conn: psycopg.Connection, stream_id: int) -> Iterator[None]:
-    """A publish call of the stream's run, allowed only while the stream is not paused: the block runs in
-    a transaction on ``conn`` holding the stream row ``FOR KEY SHARE``, which ``pgstream.set_paused``
-    (``FOR UPDATE``) waits for, so a pause returns only once no publish is in flight, and every publish
-    after it sees it (:class:`StreamPaused`, raised before the block). Recording a batch (``for no key
-    update``) and inserting batches do not wait for it. The transaction only locks: its commit is not
-    waited for on disk (``synchronous_commit`` off)."""
+def publishing(conn: psycopg.Connection, stream_id: int, run_id: str) -> Iterator[None]:
+    """A publish call of the stream's run ``run_id``, allowed only while the stream is not paused and the run
+    holds its delivery lease: the block runs in a transaction on ``conn`` holding the stream row ``FOR KEY
+    SHARE``, which ``pgstream.set_paused`` (``FOR UPDATE``) waits for, so a pause returns only once no publish
+    is in flight, and every publish after it sees it (:class:`StreamPaused`, raised before the block); a run
+    whose lease session ended (its lease may be another run's now) publishes nothing (:class:`LeaseLost`).
+    Recording a batch (``for no key update``) and inserting batches do not wait for it. The transaction only
+    locks: its commit is not waited for on disk (``synchronous_commit`` off)."""
     with conn.transaction():
-        row = conn.execute("select s.paused, pg_catalog.set_config('synchronous_commit', 'off', true) "
-                           "from pgstream.streams s where s.id = %s for key share", [stream_id]).fetchone()
+        row = conn.execute("select s.paused, pgstream.lock_holder(%s, s.id) is not distinct from %s, "
+                           "pg_catalog.set_config('synchronous_commit', 'off', true) "
+                           "from pgstream.streams s where s.id = %s for key share",
+                           [DELIVERY_LOCK, run_id, stream_id]).fetchone()
         if row is None or row[0]:
             raise StreamPaused(f"stream {stream_id} is paused" if row else f"stream {stream_id} does not exist")
+        if not row[1]:
+            raise LeaseLost(f"stream {stream_id}: {lease_lost(run_id)}")
         yield
 
 
