@@ -207,7 +207,8 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
                    + how_to_set(limits.service, "max_wal_senders", _suggest(senders_elsewhere + len(groups))))
     usable = limits.max_connections - limits.reserved_connections
     storage = _dagster_on_server(conn, dagster)
-    needed = len(streams) * _CONNECTIONS_PER_MEMBER + _CONNECTIONS_PER_GROUP * len(groups) + _CONNECTIONS_SHARED + storage
+    needed = (len(streams) * _CONNECTIONS_PER_MEMBER + _CONNECTIONS_PER_GROUP * len(groups) + _CONNECTIONS_SHARED
+              + storage)
     if needed > usable:
         of_dagster = f", Dagster's storage on this server {storage}" if storage else ""
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "

@@ -173,8 +173,7 @@ class GroupDelivery:
         log = self.host.log
         reader: threading.Thread | None = None
         # the members' leases on one session, their ledger work on a pool (at most one connection each)
-        self._connections = locks.SharedConnections(self.database_url, f"pgstream group members {self.host.run_id}",
-                                                    runs=len(by_id))
+        self._connections = locks.SharedConnections(self.database_url, f"pgstream group members {self.host.run_id}")
         try:
             channels = {state.run_channel(stream_id): stream_id for stream_id in by_id}
             for stream_id in by_id:  # a member's batches handed over wake its run (extend_run notifies)

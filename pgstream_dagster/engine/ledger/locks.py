@@ -261,27 +261,29 @@ class OwnConnection:
 
 
 #: how long a connection of :class:`SharedConnections`' pool stays idle before it is closed (seconds)
-POOL_IDLE_SECS = 60.0
+POOL_IDLE_SECS = 10.0
 
 
 class SharedConnections:
     """The connections of the runs one process hosts (a reader group's members, a thread each): every run's
     delivery lease is held by one session of the process, named ``name`` (it lasts as long as the process,
-    which is how the sensor tells a dead run from a slow one), and their ledger work goes through a pool
-    that grows to the runs working at once and closes what stays idle ``POOL_IDLE_SECS``. A run takes a
-    connection for a round (its publish calls' pause gate included) or a look at the ledger, never more
-    than one: the pool's bound, one per run, is never waited for, so a run whose sink hangs holds back
-    no other. A run whose lease session ended (the server restarted, the connection was cut) publishes
-    nothing more: its pause gate checks the lease (``ledger.state.publishing``)."""
+    which is how the sensor tells a dead run from a slow one), and their ledger work goes through a pool of
+    connections. A run takes a connection for a round (its publish calls' pause gate included) or a look at
+    the ledger, never more than one, and gives it back while it waits. The pool never makes a run wait (one
+    whose sink hangs in a call holds its connection and no other run back): it opens a connection when
+    none is idle, hands out the one given back last, and closes one idle ``POOL_IDLE_SECS``, so it holds
+    about as many as the runs working at once, a few seconds after a burst (all the members starting
+    together) too. (psycopg's ``ConnectionPool`` closes one idle connection per ``max_idle`` period: a
+    hundred opened by a start would stay for many minutes.) A run whose lease session ended (the server
+    restarted, the connection was cut) publishes nothing more: its pause gate checks the lease
+    (``ledger.state.publishing``)."""
 
-    def __init__(self, database_url: str, name: str, runs: int) -> None:
-        from psycopg_pool import ConnectionPool
-
+    def __init__(self, database_url: str, name: str) -> None:
         self.database_url, self.name = database_url, name
         self._lock = threading.Lock()
         self._session: psycopg.Connection | None = None
-        self.pool = ConnectionPool(database_url, min_size=1, max_size=max(1, runs), max_idle=POOL_IDLE_SECS,
-                                   kwargs={"autocommit": True, "application_name": name}, name=name, open=True)
+        self._idle: list[tuple[float, psycopg.Connection]] = []  # given back, the last one last
+        self._closed = False
 
     @contextmanager
     def session(self) -> Iterator[psycopg.Connection]:
@@ -292,14 +294,41 @@ class SharedConnections:
             session = self._session
         yield session
 
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """A connection of the pool (autocommit) until the block ends."""
+        with self._lock:
+            now = time.monotonic()
+            stale = [c for at, c in self._idle if now - at >= POOL_IDLE_SECS]
+            self._idle = [(at, c) for at, c in self._idle if now - at < POOL_IDLE_SECS]
+            conn = self._idle.pop()[1] if self._idle else None
+        for old in stale:
+            old.close()
+        if conn is None:
+            conn = psycopg.connect(self.database_url, autocommit=True, application_name=self.name)
+        try:
+            yield conn
+        finally:
+            usable = not conn.broken and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            with self._lock:
+                if usable and not self._closed:
+                    self._idle.append((time.monotonic(), conn))
+                    conn = None
+            if conn is not None:
+                conn.close()
+
     def for_run(self) -> RunConnections:
         return _SharedRun(self)
 
     def close(self) -> None:
-        self.pool.close()
         with self._lock:
-            if self._session is not None:
-                self._session.close()
+            self._closed = True
+            idle, self._idle = self._idle, []
+            session, self._session = self._session, None
+        for _at, conn in idle:
+            conn.close()
+        if session is not None:
+            session.close()
 
 
 class _SharedRun:
@@ -317,7 +346,7 @@ class _SharedRun:
             unlock(session, DELIVERY_LOCK, stream_id)
 
     def connection(self) -> AbstractContextManager[psycopg.Connection]:
-        return self.shared.pool.connection()
+        return self.shared.connection()
 
     def lease_session(self) -> AbstractContextManager[psycopg.Connection]:
         return self.shared.session()
