@@ -350,9 +350,9 @@ def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_pu
         db_url: str, tmp_path: Path) -> None:
     """A group delivery run's members hold their leases on one session of its own and take a pooled connection
     only for a round or a look at the ledger (at most one each). That session killed (``pg_terminate_backend``,
-    as a cut connection or a server restart would end it), every member's lease is lost at once: a member
-    handed a batch publishes none of it (its pause gate checks the lease) and fails in one line, an idle one
-    closes at its next look, and another run may take their leases."""
+    as a cut connection or a server restart would end it), every member's lease is lost at once: another run
+    may take them; a member whose lease another run took publishes nothing of the batch it is handed (its
+    pause gate checks the lease) and fails in one line, an idle one closes at its next look."""
     from pgstream_dagster.engine.delivery import group as group_delivery
 
     ids = [1, 2, 3]
@@ -395,6 +395,11 @@ def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_pu
         assert 1 <= pooled <= len(ids)
 
         c.execute("select pg_terminate_backend(%s)", [sessions[0]])
+        deadline = time.monotonic() + 10
+        while locks.lease_state(c, "grp/1") is not locks.LeaseState.LOST:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        thief = locks.acquire_lease(db_url, 1, "next-1")  # another run takes stream 1's lease
         insert_events(db_url, 1, 5, start=100)
         deadline = time.monotonic() + 30
         while set(ended) != set(ids):  # 1: handed a batch, fails at its gate; 2 and 3 close at their next look
@@ -407,7 +412,8 @@ def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_pu
             "holding it ended: the server restarted or the connection was cut); it publishes nothing more, the next "
             "run resumes after the last confirmation recorded)"]
         assert len(out(1)) == 5  # nothing of the batch handed over after the session ended
-        for i in ids:
+        thief.close()
+        for i in (2, 3):
             assert locks.lease_state(c, f"grp/{i}") is locks.LeaseState.LOST
             locks.acquire_lease(db_url, i, f"next-{i}").close()  # free for another run
         stopping.set()

@@ -261,7 +261,7 @@ class OwnConnection:
 
 
 #: how long a connection of :class:`SharedConnections`' pool stays idle before it is closed (seconds)
-POOL_IDLE_SECS = 10.0
+POOL_IDLE_SECS = 60.0
 
 
 class SharedConnections:
@@ -272,11 +272,11 @@ class SharedConnections:
     the ledger, never more than one, and gives it back while it waits. The pool never makes a run wait (one
     whose sink hangs in a call holds its connection and no other run back): it opens a connection when
     none is idle, hands out the one given back last, and closes one idle ``POOL_IDLE_SECS``, so it holds
-    about as many as the runs working at once, a few seconds after a burst (all the members starting
-    together) too. (psycopg's ``ConnectionPool`` closes one idle connection per ``max_idle`` period: a
-    hundred opened by a start would stay for many minutes.) A run whose lease session ended (the server
-    restarted, the connection was cut) publishes nothing more: its pause gate checks the lease
-    (``ledger.state.publishing``)."""
+    about as many as the runs working at once within a minute of a burst (all the members starting
+    together). (psycopg's ``ConnectionPool`` closes one idle connection per ``max_idle`` period: a hundred
+    opened by a start would stay for many minutes.) A run whose lease session ended (the server restarted,
+    the connection was cut) closes at its next look (``ledger.state.why_close``) and publishes nothing once
+    another run took its lease (its pause gate: ``ledger.state.publishing``)."""
 
     def __init__(self, database_url: str, name: str) -> None:
         self.database_url, self.name = database_url, name
