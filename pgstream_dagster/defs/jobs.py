@@ -256,8 +256,10 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
             told.update(tags)
 
     def retell(run: dg.DagsterRun | None) -> None:
+        if run is None:
+            return
         with lock:
-            lost = {k: v for k, v in told.items() if run is not None and run.tags.get(k) != v}
+            lost = {k: v for k, v in told.items() if run.tags.get(k) != v}
             if lost:
                 instance.add_run_tags(run_id, lost)
 

@@ -342,7 +342,9 @@ class _SharedRun:
             take_lease(session, stream_id, run_id, waiting)
 
     def give_up_lease(self, stream_id: int) -> None:
-        with self.shared.session() as session, suppress(psycopg.Error):
+        # (as :func:`give_up_lease`: never raises, so a run's own error is the one told; a session that cannot be
+        # opened again holds nothing)
+        with suppress(psycopg.Error), self.shared.session() as session:
             unlock(session, DELIVERY_LOCK, stream_id)
 
     def connection(self) -> AbstractContextManager[psycopg.Connection]:
