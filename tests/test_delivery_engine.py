@@ -419,3 +419,61 @@ def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_pu
         stopping.set()
         thread.join(30)
         assert not thread.is_alive()
+
+
+def test_the_members_pool_bounds_the_connections_working_at_once_and_never_waits_on_one_held_long(
+        db_url: str) -> None:
+    """The members' pool hands out at most its size of connections working at once: a member that wants one more
+    waits for one to be given back (and gets that one). A connection held ``POOL_HELD_SECS`` (a sink call that
+    hangs) stops counting: the members behind it get another at once. What is given back beyond the size is
+    closed."""
+    name = "pgstream pool test"
+    pool = locks.SharedConnections(db_url, name, size=2)
+
+    def opened() -> int:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            row = c.execute("select count(*) from pg_stat_activity where application_name = %s", [name]).fetchone()
+            return int(row[0]) if row else 0
+
+    hung_in, hang = threading.Event(), threading.Event()
+
+    def hung_member() -> None:  # its sink call hangs, holding its connection
+        with pool.connection():
+            hung_in.set()
+            hang.wait(30)
+
+    hung = threading.Thread(target=hung_member, daemon=True)
+    hung.start()
+    assert hung_in.wait(10)
+    got: list[tuple[int, float]] = []
+
+    def member() -> None:
+        asked = time.monotonic()
+        with pool.connection() as conn:
+            got.append((conn.info.backend_pid, time.monotonic() - asked))
+
+    try:
+        with pool.connection() as mine:  # the second working connection: at once
+            pid = mine.info.backend_pid
+            waiting = threading.Thread(target=member, daemon=True)
+            waiting.start()
+            time.sleep(0.3)
+            assert got == []  # two working: the third waits
+        waiting.join(10)
+        assert [p for p, _w in got] == [pid] and got[0][1] >= 0.25  # it got the one given back
+        assert opened() == 2
+
+        time.sleep(max(0.0, locks.POOL_HELD_SECS - 0.3))  # the hung member's connection no longer counts
+        got.clear()
+        with pool.connection():
+            others = [threading.Thread(target=member, daemon=True)]
+            others[0].start()
+            others[0].join(10)
+            assert len(got) == 1 and got[0][1] < 0.5, got  # not waiting for the hung one
+        assert opened() == 3
+    finally:
+        hang.set()
+        hung.join(10)
+    assert opened() == 2  # what was given back beyond the pool's size is closed
+    pool.close()
+    assert opened() == 0

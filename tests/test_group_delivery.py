@@ -318,18 +318,20 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
     assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
 
 
-def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(db_url: str, tmp_path: Path) -> None:
+def test_preflight_counts_a_group_run_once_and_a_groups_pool_once(db_url: str, tmp_path: Path) -> None:
     """The limits a group delivery run leaves: one of ``max_concurrent_runs`` for the whole group (streams
     without ``reader:`` are the group ``default``'s: one run for all of them too; a line only once the groups'
-    runs and one more do not fit), and a connection per member all the same: a group too large for
-    ``max_connections`` is one line naming the setting and the value to set."""
+    runs and one more do not fit), and its members' pool of connections (at most ``POOL_SIZE`` working at
+    once) whatever the group's size: a group of more streams than ``max_connections`` fits; the server's
+    line names the setting and the value to set once the groups do not."""
     from pgstream_dagster.config import load_config
     from pgstream_dagster.engine import limits
+    from pgstream_dagster.engine.ledger.locks import POOL_SIZE
 
     with psycopg.connect(db_url) as c:
         server = limits.server_limits(c)
     usable = server.max_connections - server.reserved_connections
-    members = usable + 1  # up to a connection each (all delivering at once), their group's sensor decides
+    members = usable + 1  # more streams than connections: the group's pool serves them
     streams = [{"id": i, "reader": "big", "delivery": {"mode": "open"},
                 "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in range(1, members + 1)]
     streams += [{"id": 1000 + i, "delivery": {"mode": "open"},
@@ -343,13 +345,19 @@ def test_preflight_counts_a_group_run_once_and_a_groups_connections_per_stream(d
         "and replays: a stream without a run waits up to delivery.tuning.max_run_secs: set max_concurrent_runs = 8 "
         "under run_coordinator.config (or concurrency.runs) in dagster.yaml")
     with psycopg.connect(db_url) as c:
+        assert [p for p in limits.postgres_problems(c, config.streams) if "max_connections" in p] == []
+    # as many groups of 2 as make the connections too many: each needs its pool (2: as many as its streams),
+    # its sensor, run, lease, reader and its members' lease session; housekeeping 4
+    groups = usable // 7 + 1
+    streams = [{"id": i, "reader": f"g{(i - 1) // 2}", "delivery": {"mode": "open"},
+                "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in range(1, 2 * groups + 1)]
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, streams))
+    with psycopg.connect(db_url) as c:
         (line,) = [p for p in limits.postgres_problems(c, config.streams) if "max_connections" in p]
-    total = members + 2
-    # every stream: a connection while it delivers; each of the 2 groups: its sensor, run, lease, reader and its
-    # members' lease session; housekeeping
-    needed = total + 2 * 5 + 4
+    needed = groups * (2 + 5) + 4
     suggest = max(8, -(-(needed + server.reserved_connections) // 8) * 8)
     assert line == (
-        f"max_connections is {server.max_connections} ({usable} usable by the streams); {total} streams in 2 reader "
-        f"group(s) need up to {needed} (a connection per stream delivering at once, the groups' sensors, "
-        f"readers and leases, housekeeping): set max_connections = {suggest} in postgresql.conf and restart Postgres")
+        f"max_connections is {server.max_connections} ({usable} usable by the streams); {2 * groups} streams in "
+        f"{groups} reader group(s) need up to {needed} (a connection per stream delivering at once, {POOL_SIZE} at "
+        f"most per group, the groups' sensors, readers and leases, housekeeping): set max_connections = {suggest} "
+        f"in postgresql.conf and restart Postgres")

@@ -189,7 +189,8 @@ def test_preflight_counts_the_connections_dagsters_storage_keeps_on_the_same_ser
     # and members' lease session, housekeeping 4; Dagster: 3 per process, 3 processes and 60 runs
     assert connections_line(small_pg, 60) == [
         "max_connections is 200 (197 usable by the streams); 2 streams in 1 reader group(s) need up to 200 (a "
-        "connection per stream delivering at once, the groups' sensors, readers and leases, housekeeping, "
+        "connection per stream delivering at once, 8 at most per group, the groups' sensors, readers and leases, "
+        "housekeeping, "
         "Dagster's storage on this server 189): set max_connections = 208 in postgresql.conf and restart Postgres"]
     assert connections_line(small_pg, 59) == []  # 186 + 11 fit
     assert connections_line(pg, 60) == []  # on another server: not this one's

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import psycopg
 
 from ..config import StreamConfig, reader_groups
+from .ledger.locks import POOL_SIZE
 
-#: connections a stream holds at most: one of its group delivery run's pool, while its member run delivers a round
-#: or looks at the ledger (idle, none: the pool closes what stays idle; its group's sensor decides for it, its
-#: group's run listens, reads and holds its lease for it)
-_CONNECTIONS_PER_MEMBER = 1
+#: connections a reader group's members hold working at once (its group delivery run's pool: its size; a member
+#: whose sink call hangs holds one beside it; idle, none: the pool closes what stays idle; its group's sensor
+#: decides for it, its group's run listens, reads and holds its lease for it)
+_CONNECTIONS_PER_POOL = POOL_SIZE
 #: a group's sensor, and its delivery run's lease and listener, its reader and its members' lease session
 _CONNECTIONS_PER_GROUP = 5
 #: housekeeping, checks, metrics and a replay or backfill beside the streams
@@ -207,13 +208,14 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
                    + how_to_set(limits.service, "max_wal_senders", _suggest(senders_elsewhere + len(groups))))
     usable = limits.max_connections - limits.reserved_connections
     storage = _dagster_on_server(conn, dagster)
-    needed = (len(streams) * _CONNECTIONS_PER_MEMBER + _CONNECTIONS_PER_GROUP * len(groups) + _CONNECTIONS_SHARED
-              + storage)
+    pools = sum(min(len(members), _CONNECTIONS_PER_POOL) for members in reader_groups(streams).values())
+    needed = pools + _CONNECTIONS_PER_GROUP * len(groups) + _CONNECTIONS_SHARED + storage
     if needed > usable:
         of_dagster = f", Dagster's storage on this server {storage}" if storage else ""
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
-                   f"streams in {len(groups)} reader group(s) need up to {needed} (a connection per stream delivering "
-                   f"at once, the groups' sensors, readers and leases, housekeeping{of_dagster}): "
+                   f"streams in {len(groups)} reader group(s) need up to {needed} (a connection per stream "
+                   f"delivering at once, {_CONNECTIONS_PER_POOL} at most per group, the groups' sensors, readers and "
+                   f"leases, housekeeping{of_dagster}): "
                    + how_to_set(limits.service, "max_connections", _suggest(needed + limits.reserved_connections)))
     return out
 

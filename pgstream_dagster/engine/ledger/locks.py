@@ -262,6 +262,12 @@ class OwnConnection:
 
 #: how long a connection of :class:`SharedConnections`' pool stays idle before it is closed (seconds)
 POOL_IDLE_SECS = 60.0
+#: the connections of :class:`SharedConnections`' pool working at once: a run that wants one more waits for one
+#: to be given back (a 2-CPU host delivers no faster with more at once; see docs/limits.md)
+POOL_SIZE = 8
+#: a connection a run has held this long no longer counts toward ``POOL_SIZE`` (its sink call hangs, it waits to
+#: retry an event the sink rejected, a large round): the runs behind it do not wait for it
+POOL_HELD_SECS = 1.0
 
 
 class SharedConnections:
@@ -269,20 +275,24 @@ class SharedConnections:
     delivery lease is held by one session of the process, named ``name`` (it lasts as long as the process,
     which is how the sensor tells a dead run from a slow one), and their ledger work goes through a pool of
     connections. A run takes a connection for a round (its publish calls' pause gate included) or a look at
-    the ledger, never more than one, and gives it back while it waits. The pool never makes a run wait (one
-    whose sink hangs in a call holds its connection and no other run back): it opens a connection when
-    none is idle, hands out the one given back last, and closes one idle ``POOL_IDLE_SECS``, so it holds
-    about as many as the runs working at once within a minute of a burst (all the members starting
-    together). (psycopg's ``ConnectionPool`` closes one idle connection per ``max_idle`` period: a hundred
-    opened by a start would stay for many minutes.) A run whose lease session ended (the server restarted,
-    the connection was cut) closes at its next look (``ledger.state.why_close``) and publishes nothing once
-    another run took its lease (its pause gate: ``ledger.state.publishing``)."""
+    the ledger, never more than one, and gives it back while it waits.
 
-    def __init__(self, database_url: str, name: str) -> None:
-        self.database_url, self.name = database_url, name
+    The pool holds at most ``POOL_SIZE`` connections working at once: a run that wants one while as many are
+    out waits for one to be given back. A connection held ``POOL_HELD_SECS`` no longer counts (its run's sink
+    hangs in a call, or the run waits to retry a rejected event): the runs behind it get another one at once, so
+    one member's slow sink holds its own connection and no other member back. A connection given back is kept
+    for the next run while the pool is within its size and closed after ``POOL_IDLE_SECS`` idle. A run whose
+    lease session ended (the server restarted, the connection was cut) closes at its next look
+    (``ledger.state.why_close``) and publishes nothing once another run took its lease (its pause gate:
+    ``ledger.state.publishing``)."""
+
+    def __init__(self, database_url: str, name: str, size: int = POOL_SIZE) -> None:
+        self.database_url, self.name, self.size = database_url, name, size
         self._lock = threading.Lock()
+        self._given_back = threading.Condition(self._lock)
         self._session: psycopg.Connection | None = None
         self._idle: list[tuple[float, psycopg.Connection]] = []  # given back, the last one last
+        self._out: dict[int, float] = {}  # the connections runs hold (by id, and an opening one's), since when
         self._closed = False
 
     @contextmanager
@@ -294,26 +304,51 @@ class SharedConnections:
             session = self._session
         yield session
 
+    def _working(self, now: float) -> int:
+        """The connections out that count toward the pool's size (held less than ``POOL_HELD_SECS``)."""
+        return sum(1 for since in self._out.values() if now - since < POOL_HELD_SECS)
+
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
         """A connection of the pool (autocommit) until the block ends."""
-        with self._lock:
-            now = time.monotonic()
-            stale = [c for at, c in self._idle if now - at >= POOL_IDLE_SECS]
-            self._idle = [(at, c) for at, c in self._idle if now - at < POOL_IDLE_SECS]
-            conn = self._idle.pop()[1] if self._idle else None
+        stale: list[psycopg.Connection] = []
+        conn: psycopg.Connection | None = None
+        ticket = object()  # (the key of a connection being opened)
+        with self._given_back:
+            while True:
+                now = time.monotonic()
+                stale += [c for at, c in self._idle if now - at >= POOL_IDLE_SECS]
+                self._idle = [(at, c) for at, c in self._idle if now - at < POOL_IDLE_SECS]
+                if self._idle:
+                    conn = self._idle.pop()[1]
+                    self._out[id(conn)] = now
+                    break
+                if self._working(now) < self.size:
+                    self._out[id(ticket)] = now
+                    break
+                # until one is given back, or the oldest one out stops counting
+                self._given_back.wait(max(0.001, min(self._out.values()) + POOL_HELD_SECS - now))
         for old in stale:
             old.close()
         if conn is None:
-            conn = psycopg.connect(self.database_url, autocommit=True, application_name=self.name)
+            try:
+                conn = psycopg.connect(self.database_url, autocommit=True, application_name=self.name)
+            finally:
+                with self._given_back:
+                    since = self._out.pop(id(ticket))
+                    if conn is not None:
+                        self._out[id(conn)] = since
+                    self._given_back.notify()
         try:
             yield conn
         finally:
             usable = not conn.broken and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-            with self._lock:
-                if usable and not self._closed:
+            with self._given_back:
+                self._out.pop(id(conn), None)
+                if usable and not self._closed and len(self._idle) + self._working(time.monotonic()) < self.size:
                     self._idle.append((time.monotonic(), conn))
                     conn = None
+                self._given_back.notify()
             if conn is not None:
                 conn.close()
 
