@@ -1309,14 +1309,19 @@ def test_a_members_dropped_or_altered_table_holds_no_other_member_back(
     _end_group_runs(driver)
 
 
-def test_a_members_publish_call_that_hangs_holds_no_other_member_back(
+def test_members_whose_publish_calls_hang_hold_no_other_member_back(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    """Stream 1's webhook hangs in its first call (the run waits up to its 30 s timeout, the stream row held
-    against a pause meanwhile); streams 2 and 3, in the same default group, go on: each wave committed while the
-    call hangs is delivered within seconds, every event once, in commit order. The group's reader, which moves
-    every member's read position once a second, does not wait for the call (an update of a stream row is no
-    key update: it does not conflict with the publish's lock), nor do the other members' publishes."""
+    """The webhook of streams 1-9 hangs in its first call of each (the run waits up to its 30 s timeout, the
+    stream row held against a pause meanwhile): more members hang than the members' pool has connections working
+    at once (``POOL_SIZE``). Streams 10 and 11, in the same default group, go on: each wave committed while the
+    calls hang is delivered within seconds, every event once, in commit order. The group's reader, which moves
+    every member's read position once a second, does not wait for the calls (an update of a stream row is no
+    key update: it does not conflict with the publish's lock), nor do the other members' publishes, nor their
+    turn for a pooled connection (one held a second no longer counts)."""
+    from pgstream_dagster.engine.ledger.locks import POOL_SIZE
+
     hanging, release = Endpoint(), threading.Event()
+    hung, going = list(range(1, POOL_SIZE + 2)), [POOL_SIZE + 2, POOL_SIZE + 3]
 
     def hang(_request: int) -> None:  # every call waits until the test lets it through
         release.wait(120)
@@ -1326,38 +1331,41 @@ def test_a_members_publish_call_that_hangs_holds_no_other_member_back(
         config = write_config(tmp_path / "pgstream.yaml", db_url, [
             {"id": i, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
              "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 300}},
-             "sink": hanging.sink() if i == 1 else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
-            for i in (1, 2, 3)])
+             "sink": hanging.sink() if i in hung else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+            for i in hung + going])
         init(config)
         driver = Driver(config, instance)
 
         def deliver(want: int, secs: float) -> None:
             deadline = time.monotonic() + secs
-            while not all(len(_delivered(tmp_path, i)) >= want for i in (2, 3)):
-                assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in (2, 3)}
+            while not all(len(_delivered(tmp_path, i)) >= want for i in going):
+                assert time.monotonic() < deadline, {i: len(_delivered(tmp_path, i)) for i in going}
                 _tick(driver, DEFAULT_READER)
                 time.sleep(0.1)
 
-        for i in (1, 2, 3):
+        for i in hung + going:
             insert_events(db_url, i, 5)
-        deliver(5, 60)
-        deadline = time.monotonic() + 30
-        while not hanging.requests:
-            assert time.monotonic() < deadline
+        # (the calls time out after 30 s: the members that go on deliver, and every hung member's call hangs at once,
+        # well before)
+        deliver(5, 20)
+        deadline = time.monotonic() + 10
+        while hanging.requests < len(hung):
+            assert time.monotonic() < deadline, hanging.requests
             _tick(driver, DEFAULT_READER)
             time.sleep(0.1)
         for wave in range(1, 4):
             time.sleep(1.5)  # (the reader has moved the members' read positions since)
-            for i in (2, 3):
+            for i in going:
                 insert_events(db_url, i, 10, start=100 * wave)
             deliver(5 + 10 * wave, 10)
-        assert hanging.requests == 1 and not hanging.accepted  # stream 1's call hung throughout
-        for i in (2, 3):
+        assert hanging.requests == len(hung) and not hanging.accepted  # each hung member's call hung throughout
+        for i in going:
             assert _delivered(tmp_path, i) == _events(db_url, i), i  # every event once, in commit order
         release.set()
         deadline = time.monotonic() + 60
-        while hanging.unique() != set(_events(db_url, 1)):
-            assert time.monotonic() < deadline, (hanging.unique(), _events(db_url, 1))
+        everything = {e for i in hung for e in _events(db_url, i)}
+        while hanging.unique() != everything:
+            assert time.monotonic() < deadline, (len(hanging.unique()), len(everything))
             _tick(driver, DEFAULT_READER)
             time.sleep(0.1)
         _end_group_runs(driver)
