@@ -46,7 +46,6 @@ from pydantic import Field, model_validator
 from .base import (
     Event,
     EventPath,
-    RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
@@ -55,7 +54,6 @@ from .base import (
     import_extra,
     publish_prepared,
     redact_url,
-    route,
     scrub,
     url_secrets,
 )
@@ -368,9 +366,6 @@ class AwsBatchSink(Sink, Generic[C]):
                 raise self._error(events, self._client_problem(exc)) from None
         return self._client
 
-    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
-        return SinkError.for_events(self.type_name, events, reason, self.config.secret_values(), permanent=permanent)
-
     def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
@@ -427,11 +422,10 @@ class AwsMessageSink(AwsBatchSink[M]):
         config = self.config
         if not config.fifo and config.message_group_id is None and config.message_group_id_from is None:
             return None
-        fixed = config.message_group_id or str(event.stream_id)
-        try:
-            group, from_event = route(event, fixed, config.message_group_id_from)
-        except RoutingError as exc:  # the event's content cannot be read (EventContentError)
-            raise self._error([event], f"not sent to {self._target()}: {exc}", permanent=True) from None
+        # a RoutingError here: the event's content cannot be read (EventContentError)
+        group, from_event = self._destination(event, f"not sent to {self._target()}",
+                                              config.message_group_id or str(event.stream_id),
+                                              config.message_group_id_from)
         if not _GROUP_ID.fullmatch(group):
             # from the event (payload or metadata): the event's fault (the fixed one is validated at load)
             raise self._error([event], f"invalid MessageGroupId {group[:200]!r} (1-128 printable ASCII characters, "

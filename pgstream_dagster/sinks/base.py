@@ -16,7 +16,7 @@ from dataclasses import FrozenInstanceError
 from types import TracebackType
 from typing import Annotated, Any, ClassVar, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 __all__ = [
     "PATH_SOURCES",
@@ -386,15 +386,19 @@ def event_scalar(event: Event, path: str) -> str | None:
     as JSON text: ``42``, ``true``, like Postgres ``#>>``), or ``None`` when it is missing, null or
     empty. Raises :class:`RoutingError` when the value is an object or an array."""
     value = lookup_event(event, path)
+    text = _scalar_text(value)
+    if text is None and value is not None:
+        raise RoutingError(f"{describe_path(path)} is {type(value).__name__}, not a scalar")
+    return text or None
+
+
+def _scalar_text(value: Any) -> str | None:
+    """A JSON scalar as text: a string as it is, others as JSON text; ``None`` for null, an object or an array."""
     if isinstance(value, str):
-        return value or None
+        return value
     if isinstance(value, bool | int | float):
         return dumps(value)
-    if isinstance(value, decimal.Decimal):  # an integer too long for int (loads_event_json)
-        return str(value)
-    if value is None:
-        return None
-    raise RoutingError(f"{describe_path(path)} is {type(value).__name__}, not a scalar")
+    return str(value) if isinstance(value, decimal.Decimal) else None  # an integer too long for int
 
 
 def route_name(event: Event, fixed: str | None, path: str | None, prefix: str = "") -> str:
@@ -418,14 +422,11 @@ def route(event: Event, fixed: str | None, path: str | None, prefix: str = "") -
     """
     if path is not None:
         value = lookup_event(event, path)
-        if isinstance(value, str) and value:
-            return prefix + value, True
-        if isinstance(value, bool | int | float):
-            return prefix + dumps(value), True
-        if isinstance(value, decimal.Decimal):
-            return prefix + str(value), True
+        text = _scalar_text(value)
+        if text:
+            return prefix + text, True
         if fixed is None:
-            if value is None or value == "":
+            if text is not None or value is None:
                 found = "is missing" if value is None else "is empty"
                 if value is None and parse_event_path(path)[0] == "metadata" and event.metadata is None:
                     found += " (the event has no metadata)"
@@ -624,12 +625,9 @@ def url_secrets(url: str) -> list[str]:
     except ValueError:
         return [url]
     secrets = [url] if redact_url(url) != url else []
-    if password:
-        secrets += [password, unquote(password)]
-    if query:
-        secrets += [query, unquote(query)]
-    if fragment:
-        secrets += [fragment, unquote(fragment)]
+    for part in (password, query, fragment):
+        if part:
+            secrets += [part, unquote(part)]
     if parts.scheme in _TOKEN_PATH_SCHEMES:
         _shown, masked = _split_path(parts.path)
         if len(masked) >= _MIN_MASKED_SECRET:
@@ -717,11 +715,9 @@ class Sink(ABC):
     the run ends: between calls a sink may sit idle for a while, and must notice a connection the
     server closed meanwhile.
 
-    Permanent rejections: a :class:`SinkError` with ``permanent=True`` says the destination refused
-    the event(s) in ``event_ids`` for what they are (retrying the same bytes fails again), and that
-    every event before the first of them in the call was confirmed; the caller may then set them
-    aside (dead letters) and go on with the events after them. Each sink documents what it treats
-    as permanent; everything else (destination down, timeouts, authentication, configuration) is not.
+    Permanent rejections (:class:`SinkError` ``permanent=True``): the caller may set the rejected
+    event(s) aside (dead letters) and go on with the events after them. Each sink documents what it
+    treats as permanent.
     """
 
     type_name: ClassVar[str]
@@ -741,12 +737,8 @@ class Sink(ABC):
 
     @abstractmethod
     def publish(self, events: Sequence[Event]) -> None:
-        """Deliver ``events`` in order; return once all are confirmed, else raise :class:`SinkError`.
-
-        A permanent rejection (``SinkError.permanent``) names the first rejected event (or the events
-        of the first rejected request when the destination does not say which one) after every event
-        before it was confirmed.
-        """
+        """Deliver ``events`` in order; return once all are confirmed, else raise :class:`SinkError`
+        (a permanent one after every event before the rejected one(s) was confirmed)."""
 
     #: the sink takes each publish call's ledger positions (:meth:`publish_at`): the lake sinks, whose
     #: commits carry the last position as their idempotency token
@@ -775,6 +767,18 @@ class Sink(ABC):
         sinks with :attr:`accepts_json_lines` implement it."""
         raise NotImplementedError(f"the {self.type_name} sink does not take JSON lines")
 
+    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
+        """:meth:`SinkError.for_events` of this sink, the config's secret values masked."""
+        return SinkError.for_events(self.type_name, events, reason, self.config.secret_values(), permanent=permanent)
+
+    def _destination(self, event: Event, what: str, fixed: str | None, path: str | None,
+                     prefix: str = "") -> tuple[str, bool]:
+        """:func:`route` of ``event``; a permanent rejection ``"<what>: <why>"`` when it has no name."""
+        try:
+            return route(event, fixed, path, prefix)
+        except RoutingError as exc:
+            raise self._error([event], f"{what}: {exc}", permanent=True) from None
+
     def close(self) -> None:
         """Release connections/files. Idempotent. The default does nothing."""
         return None
@@ -782,12 +786,8 @@ class Sink(ABC):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -806,6 +806,17 @@ class SinkConfigBase(BaseModel):
     # validation errors never echo input values (they may be secrets)
     # numbers are finite (a timeout of inf/nan would never end or never start)
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True, allow_inf_nan=False)
+
+    #: destination names of the sink, each fixed (``<name>``), taken from the event (``<name>_from``,
+    #: falling back to ``<name>``) or both: at least one of the two is required
+    routed_names: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="after")
+    def _has_routed_names(self) -> Self:
+        for name in self.routed_names:
+            if getattr(self, name) is None and getattr(self, f"{name}_from") is None:
+                raise ValueError(f"set {name}, {name}_from, or both ({name} is the fallback)")
+        return self
 
     def build(self) -> Sink:
         """Instantiate the sink described by this config."""

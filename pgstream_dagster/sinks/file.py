@@ -56,7 +56,7 @@ class FileSink(Sink):
         if not events:
             return
         self._append(("\n".join(event.to_json() for event in events) + "\n").encode(),
-                     lambda reason: SinkError.for_events("file", events, reason))
+                     lambda reason: self._error(events, reason))
 
     def publish_json_lines(self, lines: bytes, count: int, first_id: int, last_id: int) -> None:
         if not count:

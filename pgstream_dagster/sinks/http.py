@@ -46,13 +46,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_before_delay,
-)
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, stop_before_delay
 
 from .base import (
     Event,
@@ -415,8 +409,7 @@ class HttpSink(Sink):
             if config.routing_key is not None and config.max_concurrency > 1:
                 lane = dumps(lookup_event(event, config.routing_key))
         except RoutingError as exc:
-            raise SinkError.for_events("http", [event], f"{self._url(None)[1]} not sent: {exc}", self._secrets,
-                                       permanent=True) from None
+            raise self._error([event], f"{self._url(None)[1]} not sent: {exc}", permanent=True) from None
         return _Route(segment, tuple(headers), from_event, lane)
 
     def _url(self, segment: str | None) -> tuple[str, str]:

@@ -33,15 +33,12 @@ from pydantic import Field, SecretStr, model_validator
 from .base import (
     Event,
     EventPath,
-    RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
     describe_events,
     import_extra,
     publish_prepared,
-    route,
-    route_name,
     scrub,
 )
 
@@ -107,11 +104,10 @@ class KafkaSinkConfig(SinkConfigBase):
     #: producer) for all its rounds, which is what the producer pool of 0.1 approximated
     reuse_producer: bool = Field(default=True, deprecated="ignored since a delivery run keeps one sink for its "
                                                           "whole life; remove it")
+    routed_names: ClassVar[tuple[str, ...]] = ("topic",)
 
     @model_validator(mode="after")
     def _valid(self) -> Self:
-        if self.topic is None and self.topic_from is None:
-            raise ValueError("set topic, topic_from, or both (topic is the fallback)")
         owned = sorted(_OWNED & (set(self.options) | set(self.secret_options)))
         if owned:
             raise ValueError(f"options {owned} are set by the sink (idempotent producer, acks=all, timeout_secs, "
@@ -292,12 +288,10 @@ class KafkaSink(Sink):
                 return remaining
 
     def _route(self, event: Event) -> tuple[str, str]:
-        config = self.config
-        try:
-            topic, from_event = route(event, config.topic, config.topic_from, config.topic_prefix)
-            key = route_name(event, str(event.stream_id), config.key_from) if config.key_from else str(event.stream_id)
-        except RoutingError as exc:
-            raise self._error([event], f"no topic: {exc}", permanent=True) from None
+        config, key = self.config, str(event.stream_id)
+        topic, from_event = self._destination(event, "no topic", config.topic, config.topic_from, config.topic_prefix)
+        if config.key_from:
+            key = self._destination(event, "no topic", key, config.key_from)[0]
         if not _TOPIC.fullmatch(topic) or topic in (".", ".."):
             # from the event: the event's fault; the fixed topic: the configuration's
             raise self._error([event], f"invalid topic {topic[:300]!r} (1-249 of a-z A-Z 0-9 . _ -)",
@@ -315,9 +309,6 @@ class KafkaSink(Sink):
                 producer.flush(0)
             except Exception as exc:  # best effort: the producer may be broken
                 log.debug("purging the kafka producer failed: %s", exc)
-
-    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
-        return SinkError.for_events("kafka", events, reason, self.config.secret_values(), permanent=permanent)
 
     def close(self) -> None:
         """Flush, then drop the producer (librdkafka destroys it with the last reference); what it

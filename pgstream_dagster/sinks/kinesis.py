@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import Field, model_validator
 
 from .aws import AwsBatchSink, AwsSinkConfigBase, EntryFailure, Prepared
-from .base import Event, EventPath, RoutingError, route
+from .base import Event, EventPath
 
 __all__ = ["KinesisSink", "KinesisSinkConfig"]
 
@@ -98,10 +98,9 @@ class KinesisSink(AwsBatchSink[KinesisSinkConfig]):
 
     def _prepare(self, event: Event) -> Prepared:
         config = self.config
-        try:
-            key, from_event = route(event, config.partition_key or str(event.id), config.partition_key_from)
-        except RoutingError as exc:  # the event's content cannot be read (EventContentError)
-            raise self._error([event], f"not sent to {self._target()}: {exc}", permanent=True) from None
+        # a RoutingError here: the event's content cannot be read (EventContentError)
+        key, from_event = self._destination(event, f"not sent to {self._target()}",
+                                            config.partition_key or str(event.id), config.partition_key_from)
         if len(key) > _MAX_KEY_CHARS:  # only a key from the event can be that long
             raise self._error([event], f"partition key {key[:100]!r}... is {len(key)} characters, more than "
                                        f"{_MAX_KEY_CHARS}", permanent=from_event)

@@ -546,7 +546,7 @@ class LakeSink(Sink):
             self.commit(stream_id, table, (positions[start], last))
             self._tokens[stream_id] = token(*last)
         if unfit is not None:
-            raise self._rejection(pending[unfit], why)
+            raise self._error([pending[unfit]], self._at(why), permanent=True)
 
     def _by_id(self, events: Sequence[Event]) -> None:
         stream_id = event_stream(events)
@@ -558,13 +558,12 @@ class LakeSink(Sink):
             if table is not None:
                 self.commit(stream_id, table, None)
             if unfit is not None:
-                raise self._rejection(missing[unfit], why)
+                raise self._error([missing[unfit]], self._at(why), permanent=True)
 
-    def _rejection(self, event: Event, why: str) -> SinkError:
-        """The permanent rejection of ``event``, whose row holds a value its typed column cannot hold."""
+    def _at(self, text: str) -> str:
+        """``text`` after the table (:meth:`where`), for messages."""
         where = self.where()
-        return SinkError.for_events(self.type_name, [event], f"{where + ': ' if where else ''}{why}",
-                                    self.config.secret_values(), permanent=True)
+        return f"{where}: {text}" if where else text
 
     def _arrow(self, stream_id: int, events: Sequence[Event]) -> tuple[pa.Table | None, int | None, str]:
         """The events as the table's rows, up to the first one with a value its typed column cannot
@@ -607,9 +606,7 @@ class LakeSink(Sink):
         except Exception as exc:  # the libraries raise their own types (IO, catalog, schema)
             self._tokens.clear()  # a commit that failed may have been made: read the token again
             self.reset()
-            where, secrets = self.where(), self.config.secret_values()
-            raise SinkError.for_events(self.type_name, events, f"{where + ': ' if where else ''}"
-                                       f"{describe_exception(exc, secrets)}", secrets) from exc
+            raise self._error(events, self._at(describe_exception(exc, self.config.secret_values()))) from exc
 
     def _import(self, library: str, *modules: str) -> Any:
         return import_extra(self.type_name, self.extra, library, *modules)

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from .base import Event, Sink, SinkConfigBase, SinkError
+from .base import Event, Sink, SinkConfigBase
 
 __all__ = ["MemorySink", "MemorySinkConfig"]
 
@@ -70,18 +70,15 @@ class MemorySink(Sink):
         name = self.config.name
         with _lock:
             if self._closed:
-                raise SinkError.for_events("memory", events, f"the sink {name!r} is closed")
+                raise self._error(events, f"the sink {name!r} is closed")
             failed = _failed_calls.get(name, 0)
             if failed < self.config.fail_times:
                 _failed_calls[name] = failed + 1
-                raise SinkError.for_events(
-                    "memory",
-                    events,
-                    f"injected failure {failed + 1} of {self.config.fail_times} (fail_times) for {name!r}",
-                )
+                raise self._error(events, f"injected failure {failed + 1} of {self.config.fail_times} (fail_times) "
+                                          f"for {name!r}")
             if _injected.get(name, 0) > 0:
                 _injected[name] -= 1
-                raise SinkError.for_events("memory", events, f"injected failure (fail_next) for {name!r}")
+                raise self._error(events, f"injected failure (fail_next) for {name!r}")
             rejected = self._first_rejected(events)
             if rejected is None:
                 _delivered.setdefault(name, []).extend(events)
@@ -92,9 +89,9 @@ class MemorySink(Sink):
             what = f"injected permanent rejection {count}" + (f" of {times} (reject_times)" if times else "")
             if self.config.reject_whole_call and len(events) > 1:
                 reason = f"{what} of event {event.id} for {name!r}; the whole call is rejected (reject_whole_call)"
-                raise SinkError.for_events("memory", events, reason, permanent=True)
+                raise self._error(events, reason, permanent=True)
             _delivered.setdefault(name, []).extend(events[:index])
-            raise SinkError.for_events("memory", [event], f"{what} for {name!r} (reject_ids)", permanent=True)
+            raise self._error([event], f"{what} for {name!r} (reject_ids)", permanent=True)
 
     def _first_rejected(self, events: Sequence[Event]) -> tuple[int, int] | None:
         """(index, rejection number) of the first event rejected this time, counting the rejection."""

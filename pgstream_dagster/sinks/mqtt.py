@@ -44,18 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from .base import (
-    Event,
-    EventPath,
-    RoutingError,
-    Sink,
-    SinkConfigBase,
-    SinkError,
-    describe_exception,
-    import_extra,
-    publish_prepared,
-    route,
-)
+from .base import Event, EventPath, Sink, SinkConfigBase, describe_exception, import_extra, publish_prepared
 
 if TYPE_CHECKING:
     from paho.mqtt.client import Client, MQTTMessageInfo
@@ -141,6 +130,7 @@ class MqttSinkConfig(SinkConfigBase):
     tls: MqttTlsConfig | None = None
     max_message_bytes: int | None = Field(default=None, ge=1)
     timeout_secs: float = Field(default=10, gt=0)
+    routed_names: ClassVar[tuple[str, ...]] = ("topic",)
 
     @field_validator("protocol", mode="before")
     @classmethod
@@ -156,8 +146,6 @@ class MqttSinkConfig(SinkConfigBase):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        if self.topic is None and self.topic_from is None:
-            raise ValueError("set topic, topic_from, or both (topic is the fallback)")
         if self.topic is not None and (problem := topic_problem(self.topic)) is not None:
             raise ValueError(f"topic {self.topic[:100]!r} {problem}")
         if self.topic_prefix and (problem := topic_problem(self.topic_prefix + "x")) is not None:
@@ -243,10 +231,7 @@ class MqttSink(Sink):
 
     def _message(self, event: Event) -> _Message:
         config = self.config
-        try:
-            topic, from_payload = route(event, config.topic, config.topic_from, config.topic_prefix)
-        except RoutingError as exc:
-            raise self._error([event], f"no topic: {exc}", permanent=True) from None
+        topic, from_payload = self._destination(event, "no topic", config.topic, config.topic_from, config.topic_prefix)
         problem = topic_problem(topic)
         if problem is not None:
             # from the payload: the event's fault; the fixed topic: the configuration's
@@ -397,9 +382,6 @@ class MqttSink(Sink):
         password = tls.keyfile_password.get_secret_value() if tls.keyfile_password is not None else None
         client.tls_set(ca_certs=tls.ca_certs, certfile=tls.certfile, keyfile=tls.keyfile, keyfile_password=password)
         client.tls_insecure_set(not tls.check_hostname)
-
-    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
-        return SinkError.for_events("mqtt", events, reason, self.config.secret_values(), permanent=permanent)
 
     # -- shutdown --------------------------------------------------------------------------------------
 

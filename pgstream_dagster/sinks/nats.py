@@ -25,14 +25,13 @@ import asyncio
 import logging
 import threading
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
 from .base import (
     Event,
     EventPath,
-    RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
@@ -40,7 +39,6 @@ from .base import (
     import_extra,
     publish_prepared,
     redact_url,
-    route,
     scrub,
     url_secrets,
 )
@@ -78,12 +76,7 @@ class NatsSinkConfig(SinkConfigBase):
     user: str | None = None
     password: SecretStr | None = None
     token: SecretStr | None = None
-
-    @model_validator(mode="after")
-    def _has_subject(self) -> Self:
-        if self.subject is None and self.subject_from is None:
-            raise ValueError("set subject, subject_from, or both (subject is the fallback)")
-        return self
+    routed_names: ClassVar[tuple[str, ...]] = ("subject",)
 
     def build(self) -> NatsSink:
         return NatsSink(self)
@@ -149,10 +142,8 @@ class NatsSink(Sink):
     def _subject_of(self, event: Event) -> tuple[str, bool]:
         """The subject of ``event`` and whether it came from the event."""
         config = self.config
-        try:
-            subject, from_event = route(event, config.subject, config.subject_from, config.subject_prefix)
-        except RoutingError as exc:
-            raise self._error([event], f"no subject: {exc}", permanent=True) from None
+        subject, from_event = self._destination(event, "no subject", config.subject, config.subject_from,
+                                                config.subject_prefix)
         if (_BAD_SUBJECT_CHARS.intersection(subject) or subject.startswith(".") or subject.endswith(".")
                 or ".." in subject):
             # from the event: the event's fault; the fixed subject: the configuration's
@@ -258,9 +249,6 @@ class NatsSink(Sink):
             "NATS client error: %s",
             scrub(describe_exception(exc), self.config.secret_values()),
         )
-
-    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
-        return SinkError.for_events("nats", events, reason, self.config.secret_values(), permanent=permanent)
 
     # -- shutdown --------------------------------------------------------------------------------------
 

@@ -239,9 +239,6 @@ class PostgresSink(Sink):
             reason += " (the table needs a primary key or unique index on id)"
         return self._error(events, reason)
 
-    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
-        return SinkError.for_events("postgres", events, reason, self.config.secret_values(), permanent=permanent)
-
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:

@@ -20,23 +20,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
-from .base import (
-    Event,
-    EventPath,
-    RoutingError,
-    Sink,
-    SinkConfigBase,
-    SinkError,
-    describe_exception,
-    import_extra,
-    publish_prepared,
-    redact_url,
-    route,
-)
+from .base import Event, EventPath, Sink, SinkConfigBase, describe_exception, import_extra, publish_prepared, redact_url
 
 if TYPE_CHECKING:
     from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
@@ -81,12 +69,7 @@ class RabbitMqSinkConfig(SinkConfigBase):
     declare_queue: str | None = None
     max_message_bytes: int | None = Field(default=None, ge=1)
     timeout_secs: float = Field(default=10, gt=0)
-
-    @model_validator(mode="after")
-    def _has_routing_key(self) -> Self:
-        if self.routing_key is None and self.routing_key_from is None:
-            raise ValueError("set routing_key, routing_key_from, or both (routing_key is the fallback)")
-        return self
+    routed_names: ClassVar[tuple[str, ...]] = ("routing_key",)
 
     def build(self) -> RabbitMqSink:
         return RabbitMqSink(self)
@@ -134,12 +117,10 @@ class RabbitMqSink(Sink):
     def _message(self, event: Event) -> _Message:
         """The route and body of ``event``; a permanent :class:`SinkError` when it cannot be sent."""
         config = self.config
-        try:
-            exchange, exchange_from_event = route(event, config.exchange, config.exchange_from)
-            routing_key, key_from_event = route(event, config.routing_key, config.routing_key_from,
-                                                config.routing_key_prefix)
-        except RoutingError as exc:
-            raise self._error([event], f"no destination: {exc}", permanent=True) from None
+        exchange, exchange_from_event = self._destination(event, "no destination", config.exchange,
+                                                          config.exchange_from)
+        routing_key, key_from_event = self._destination(event, "no destination", config.routing_key,
+                                                        config.routing_key_from, config.routing_key_prefix)
         for what, name, from_event in (("exchange", exchange, exchange_from_event),
                                        ("routing key", routing_key, key_from_event)):
             if from_event and len(name.encode()) > _SHORT_STRING_BYTES:
@@ -205,9 +186,6 @@ class RabbitMqSink(Sink):
             if no_exchange:
                 reason += " (the exchange was taken from the event)"
             raise self._error(failing, reason, permanent=too_large or no_exchange) from None
-
-    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
-        return SinkError.for_events("rabbitmq", events, reason, self.config.secret_values(), permanent=permanent)
 
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None

@@ -14,14 +14,13 @@ its data, never about the event, and are not permanent.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
 from .base import (
     Event,
     EventPath,
-    RoutingError,
     Sink,
     SinkConfigBase,
     SinkError,
@@ -30,7 +29,6 @@ from .base import (
     publish_prepared,
     redact_url,
     route,
-    route_name,
 )
 
 if TYPE_CHECKING:
@@ -65,12 +63,7 @@ class RedisSinkConfig(SinkConfigBase):
     max_message_bytes: int | None = Field(default=None, ge=1)
     timeout_secs: float = Field(default=10, gt=0)
     use_script: bool = True
-
-    @model_validator(mode="after")
-    def _has_stream(self) -> Self:
-        if self.stream is None and self.stream_from is None:
-            raise ValueError("set stream, stream_from, or both (stream is the fallback)")
-        return self
+    routed_names: ClassVar[tuple[str, ...]] = ("stream",)
 
     def build(self) -> RedisSink:
         return RedisSink(self)
@@ -158,10 +151,8 @@ class RedisSink(Sink):
         config = self.config
         stream = self._fixed_stream
         if stream is None:
-            try:
-                stream = route_name(event, config.stream, config.stream_from, config.stream_prefix)
-            except RoutingError as exc:
-                raise self._error([event], f"no stream name: {exc}", permanent=True) from None
+            stream = self._destination(event, "no stream name", config.stream, config.stream_from,
+                                       config.stream_prefix)[0]
         metadata = event.metadata_json
         entry = (stream, str(event.id), str(event.stream_id), event.created_at.isoformat(), event.payload_json,
                  metadata or "")
@@ -254,9 +245,6 @@ class RedisSink(Sink):
         text = str(exc).lower()
         return (isinstance(exc, self._redis_mod.exceptions.NoPermissionError) or text.startswith("noperm")
                 or ("unknown command" in text and "eval" in text))
-
-    def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
-        return SinkError.for_events("redis", events, reason, self.config.secret_values(), permanent=permanent)
 
     def close(self) -> None:
         self._script = None
