@@ -2,9 +2,8 @@
 
 ``SinkConfig`` is a pydantic discriminated union (on ``type``) of every sink config; ``build_sink`` turns
 a config (or a plain mapping) into a :class:`Sink`. Importing this package never imports the optional
-client libraries (redis, pika, nats-py, confluent-kafka, paho-mqtt, boto3,
-deltalake, pyiceberg): they are loaded when the matching
-sink is built.
+client libraries (redis, pika, nats-py, confluent-kafka, paho-mqtt, boto3, deltalake, pyiceberg): they
+are loaded when the matching sink is built.
 """
 
 from __future__ import annotations

@@ -117,10 +117,8 @@ def _mask_botocore_logs() -> None:
 
 
 class AwsSinkConfigBase(SinkConfigBase):
-    """Client settings of every AWS sink. Credentials are never configured here (standard chain only).
+    """Client settings of every AWS sink (``region``, ``endpoint_url`` and credentials: the module docstring).
 
-    ``region``: the AWS region (default: ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's).
-    ``endpoint_url``: another endpoint (LocalStack, moto: ``http://127.0.0.1:4566``).
     ``timeout_secs``: connect and read timeout of each HTTP request. ``max_attempts``: attempts of a
     request (botocore's standard retry mode: throttling, 5xx, connection errors) and of an entry
     that failed for a transient reason.
@@ -161,7 +159,6 @@ class AwsSinkConfigBase(SinkConfigBase):
 
     def secret_values(self) -> list[str]:
         return super().secret_values() + (url_secrets(self.endpoint_url) if self.endpoint_url else [])
-
 
 
 class AwsMessageConfigBase(AwsSinkConfigBase):
@@ -212,10 +209,8 @@ class EntryFailure:
 def message_attributes(event: Event) -> dict[str, dict[str, str]]:
     """SQS/SNS message attributes: ``pgstream-event-id`` (the idempotency key) and ``pgstream-stream-id``
     (type ``Number``: filter policies can match ranges), ``pgstream-metadata`` (JSON, when present)."""
-    attributes = {
-        "pgstream-event-id": {"DataType": "Number", "StringValue": str(event.id)},
-        "pgstream-stream-id": {"DataType": "Number", "StringValue": str(event.stream_id)},
-    }
+    attributes = {"pgstream-event-id": {"DataType": "Number", "StringValue": str(event.id)},
+                  "pgstream-stream-id": {"DataType": "Number", "StringValue": str(event.stream_id)}}
     metadata = event.metadata_json
     if metadata is not None:
         attributes["pgstream-metadata"] = {"DataType": "String", "StringValue": metadata}

@@ -12,6 +12,7 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
 from dataclasses import FrozenInstanceError
 from types import TracebackType
 from typing import Annotated, Any, ClassVar, Self, TypeVar
@@ -142,13 +143,8 @@ class Event:
 
     def as_json_dict(self) -> dict[str, Any]:
         """The event as a JSON-ready dict (``created_at`` as ISO 8601)."""
-        return {
-            "id": self.id,
-            "stream_id": self.stream_id,
-            "created_at": self.created_at.isoformat(),
-            "payload": self.payload,
-            "metadata": self.metadata,
-        }
+        return {"id": self.id, "stream_id": self.stream_id, "created_at": self.created_at.isoformat(),
+                "payload": self.payload, "metadata": self.metadata}
 
     def to_json(self) -> str:
         """``as_json_dict()`` as compact JSON text, built around the payload text without parsing it."""
@@ -403,11 +399,8 @@ def _scalar_text(value: Any) -> str | None:
 
 def route_name(event: Event, fixed: str | None, path: str | None, prefix: str = "") -> str:
     """A destination name for ``event``: ``prefix`` + the scalar at :data:`EventPath` ``path`` (payload or
-    metadata) if present, else ``fixed``.
-
-    Strings are used as they are, other scalars as JSON text (``42``, ``true``), like Postgres ``#>>``.
-    Raises :class:`RoutingError` when the path gives no usable value and there is no ``fixed`` fallback.
-    """
+    metadata; as text like :func:`event_scalar`) if present, else ``fixed``. Raises :class:`RoutingError`
+    when the path gives no usable value and there is no ``fixed`` fallback."""
     return route(event, fixed, path, prefix)[0]
 
 
@@ -441,10 +434,8 @@ def route(event: Event, fixed: str | None, path: str | None, prefix: str = "") -
 def prepare_until_rejected(events: Sequence[Event], prepare: Callable[[Event], T]) -> tuple[list[T], SinkError | None]:
     """``prepare(event)`` for each event in order until one raises a permanent :class:`SinkError` (a
     payload that cannot be routed or is too large): the prepared values of the events before it, and
-    that error (``None`` when every event was prepared). A sink publishes the prepared events, then
-    raises the error: every event before a permanently rejected one is confirmed (:class:`Sink`).
-    Other exceptions propagate.
-    """
+    that error (``None`` when every event was prepared); other exceptions propagate. A sink then
+    publishes the prepared events and raises the error (:func:`publish_prepared`)."""
     prepared: list[T] = []
     for event in events:
         try:
@@ -472,11 +463,8 @@ class MissingExtraError(SinkError, ImportError):
     """The client library of a sink is not installed (install the matching ``pgstream-dagster[extra]``)."""
 
     def __init__(self, sink: str, extra: str, library: str) -> None:
-        super().__init__(
-            f"{sink} sink: the {library!r} package is not installed; "
-            f"run `pip install pgstream-dagster[{extra}]`",
-            sink=sink,
-        )
+        super().__init__(f"{sink} sink: the {library!r} package is not installed; "
+                         f"run `pip install pgstream-dagster[{extra}]`", sink=sink)
 
 
 def import_extra(sink: str, extra: str, library: str, *modules: str) -> Any:
@@ -510,10 +498,8 @@ def scrub(text: str, secrets: Iterable[str]) -> str:
 
 def _escaped_forms(secret: str) -> set[str]:
     forms = {secret, repr(secret)[1:-1]}
-    try:
+    with suppress(UnicodeEncodeError):  # lone surrogates
         forms.add(repr(secret.encode())[2:-1])
-    except UnicodeEncodeError:  # lone surrogates
-        pass
     return {form for form in forms if form}
 
 
@@ -653,10 +639,8 @@ def conninfo_secrets(conninfo: str) -> list[str]:
     from urllib.parse import unquote, urlsplit
 
     found: list[str] = []
-    try:
+    with suppress(ValueError):
         found.append(urlsplit(conninfo).password or "")
-    except ValueError:
-        pass
     before, at, _after = conninfo.rpartition("@")
     if at:
         # the user info of a URL however malformed: after its last "/" (or "//"), password after the first ":"

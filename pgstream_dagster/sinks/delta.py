@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr
 
-from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, token
+from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, dataset_filter, token
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -77,24 +77,11 @@ class DeltaSink(LakeSink):
         version = table.transaction_version(delta_app_id(stream_id))
         return int(version) if version is not None else None
 
-    def read(self, stream_id: int, columns: Sequence[str]) -> pa.Table:
-        import pyarrow.dataset as ds
-
+    def read(self, stream_id: int, columns: Sequence[str], ids: tuple[int, int] | None = None) -> pa.Table:
         table = self._table()
         if table is None:
             return arrow_schema().empty_table().select(list(columns))
-        return table.to_pyarrow_dataset().to_table(columns=list(columns), filter=ds.field("stream_id") == stream_id)
-
-    def present_ids(self, stream_id: int, low: int, high: int) -> set[int]:
-        import pyarrow.dataset as ds
-
-        table = self._table()
-        if table is None:
-            return set()
-        dataset = table.to_pyarrow_dataset()
-        found = dataset.to_table(columns=["id"], filter=(ds.field("stream_id") == stream_id)
-                                 & (ds.field("id") >= low) & (ds.field("id") <= high))
-        return set(found.column("id").to_pylist())
+        return table.to_pyarrow_dataset().to_table(columns=list(columns), filter=dataset_filter(stream_id, ids))
 
     def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
         deltalake = self._deltalake

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -77,25 +78,16 @@ class FileSink(Sink):
             os.fsync(fd)
         except OSError as exc:
             if start is not None and self._fd is not None:
-                _truncate(self._fd, start)
+                with suppress(OSError):  # drop the partially written batch (best effort)
+                    os.ftruncate(self._fd, start)
             self.close()
             raise error(f"cannot append to {self.config.path}: {describe_exception(exc)}") from exc
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            try:
+            with suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
-
-
-def _truncate(fd: int, size: int) -> None:
-    """Drop a partially written batch (best effort)."""
-    try:
-        os.ftruncate(fd, size)
-    except OSError:
-        pass
 
 
 def fsync_path(path: Path) -> None:
@@ -106,8 +98,7 @@ def fsync_path(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)

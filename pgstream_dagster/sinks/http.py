@@ -81,14 +81,12 @@ _RETRY_AFTER_STATUSES = frozenset({429, 503})
 #: 4xx answers that are retried: the request took too long (408), too many requests (429)
 _RETRY_4XX = frozenset({408, 429})
 
-#: 4xx answers about the configuration, not about the request's content: they would reject every event,
-#: so they are not permanent rejections: credentials or signature (401, 403, 407), URL or method (404,
-#: 405, 410, 421), content type and headers sent with every request (415, 431), protocol (426)
+#: 4xx answers about the configuration, not about the request's content (they would reject every event):
+#: not permanent rejections (the module docstring says which is which)
 _CONFIG_4XX = frozenset({401, 403, 404, 405, 407, 410, 415, 421, 426, 431})
 
-#: 4xx answers about the configuration that concern the part of the request taken from the event when
-#: there is one (a path segment from ``path_from``: 404, 410; headers from ``headers_from``: 431): then
-#: they are the event's, a permanent rejection
+#: of those, the ones about a part of the request taken from the event when there is one (a ``path_from``
+#: segment: 404, 410; ``headers_from`` headers: 431): then they are the event's, a permanent rejection
 _SEGMENT_4XX = frozenset({404, 410})
 _HEADERS_4XX = frozenset({431})
 
@@ -533,18 +531,11 @@ class HttpSink(Sink):
         started = time.monotonic()
         attempts = 0
         retrying = Retrying(
-            stop=(
-                stop_after_attempt(config.max_attempts)
-                | stop_before_delay(config.max_retry_secs)
-                # tenacity types | for stop_base only; stop_any calls any callable (StopBaseT) alike
-                | (lambda _state: control.stops(request.start))  # type: ignore[operator]
-            ),
-            wait=self._wait,
-            retry=retry_if_exception(lambda exc: isinstance(exc, _Failure) and exc.retryable),
-            sleep=control.sleeper(request.start),
-            before_sleep=self._log_retry(request),
-            reraise=True,
-        )
+            # tenacity types | for stop_base only; stop_any calls any callable (StopBaseT) alike
+            stop=(stop_after_attempt(config.max_attempts) | stop_before_delay(config.max_retry_secs)
+                  | (lambda _state: control.stops(request.start))),  # type: ignore[operator]
+            wait=self._wait, retry=retry_if_exception(lambda exc: isinstance(exc, _Failure) and exc.retryable),
+            sleep=control.sleeper(request.start), before_sleep=self._log_retry(request), reraise=True)
         last: _Failure | None = None
         try:
             for attempt in retrying:
@@ -627,14 +618,8 @@ class HttpSink(Sink):
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome is not None else None
             reason = exc.reason if isinstance(exc, _Failure) else describe_exception(exc, self._secrets) if exc else "?"
-            log.warning(
-                "%s",
-                scrub(
-                    f"http sink: {describe_events(request.events)}: attempt {state.attempt_number} failed: "
-                    f"{reason}; retrying in {state.upcoming_sleep:.2f}s",
-                    self._secrets,
-                ),
-            )
+            log.warning("%s", scrub(f"http sink: {describe_events(request.events)}: attempt {state.attempt_number} "
+                                    f"failed: {reason}; retrying in {state.upcoming_sleep:.2f}s", self._secrets))
 
         return before_sleep
 
@@ -667,12 +652,8 @@ class HttpSink(Sink):
 
         if self._client is None:
             size = self.config.max_concurrency
-            self._client = httpx.Client(
-                timeout=self.config.timeout_secs,
-                follow_redirects=False,
-                verify=_tls_context(),
-                limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
-            )
+            self._client = httpx.Client(timeout=self.config.timeout_secs, follow_redirects=False, verify=_tls_context(),
+                                        limits=httpx.Limits(max_connections=size, max_keepalive_connections=size))
         return self._client
 
     def close(self) -> None:

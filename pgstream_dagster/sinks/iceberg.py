@@ -139,21 +139,13 @@ class IcebergSink(LakeSink):
             snapshot = table.snapshot_by_id(snapshot.parent_snapshot_id) if snapshot.parent_snapshot_id else None
         return None
 
-    def read(self, stream_id: int, columns: Sequence[str]) -> pa.Table:
+    def read(self, stream_id: int, columns: Sequence[str], ids: tuple[int, int] | None = None) -> pa.Table:
         table = self._table(create=False)
         if table is None:
             return arrow_schema().empty_table().select(list(columns))
-        result: pa.Table = table.scan(row_filter=f"stream_id = {int(stream_id)}",
-                                      selected_fields=tuple(columns)).to_arrow()
+        where = f"stream_id = {int(stream_id)}" + (f" and id >= {int(ids[0])} and id <= {int(ids[1])}" if ids else "")
+        result: pa.Table = table.scan(row_filter=where, selected_fields=tuple(columns)).to_arrow()
         return result
-
-    def present_ids(self, stream_id: int, low: int, high: int) -> set[int]:
-        table = self._table(create=False)
-        if table is None:
-            return set()
-        where = f"stream_id = {int(stream_id)} and id >= {int(low)} and id <= {int(high)}"
-        found = table.scan(row_filter=where, selected_fields=("id",)).to_arrow()
-        return set(found.column("id").to_pylist())
 
     def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
         target = self._table(create=True, refresh=False)

@@ -156,26 +156,17 @@ class KafkaSink(Sink):
     def _settings(self) -> dict[str, Any]:
         """The producer settings (with secret values), callbacks excepted."""
         config = self.config
-        return {
-            "client.id": "pgstream-dagster",
-            "linger.ms": 5,
-            **config.options,
-            **{k: v.get_secret_value() for k, v in config.secret_options.items()},
-            "bootstrap.servers": config.bootstrap_servers,
-            "enable.idempotence": True,
-            "acks": "all",
-            "message.timeout.ms": int(config.timeout_secs * 1000),
-        }
+        return {"client.id": "pgstream-dagster", "linger.ms": 5, **config.options,
+                **{k: v.get_secret_value() for k, v in config.secret_options.items()},
+                "bootstrap.servers": config.bootstrap_servers, "enable.idempotence": True, "acks": "all",
+                "message.timeout.ms": int(config.timeout_secs * 1000)}
 
     def _producer_for(self) -> Any:
         if self._producer is None:
             config = self.config
             self._client_error = self._fatal_error = None
-            settings: dict[str, Any] = {
-                **self._settings(),
-                "error_cb": self._on_client_error,
-                "logger": _LibrdkafkaLog(config.secret_values()),
-            }
+            settings: dict[str, Any] = {**self._settings(), "error_cb": self._on_client_error,
+                                        "logger": _LibrdkafkaLog(config.secret_values())}
             try:
                 self._producer = self._kafka.Producer(settings)
             except (self._kafka.KafkaException, TypeError, ValueError) as exc:
@@ -273,7 +264,7 @@ class KafkaSink(Sink):
             detail, within = f"; gave up on client error: {fatal}", ""
         else:
             detail = f"; last client error: {self._client_error}" if self._client_error else ""
-            timed_out = remaining or any(_timed_out(f[3]) for f in failed)
+            timed_out = remaining or any(_name(f[3]) == "_MSG_TIMED_OUT" for f in failed)
             within = f" within {self.config.timeout_secs:g}s" if timed_out else ""
         return self._error(events, f"{len(events) - len(confirmed)} of {len(events)} messages to {where} were not "
                                    f"confirmed by {self.config.bootstrap_servers}{within}{first}{detail}")
@@ -329,6 +320,14 @@ def _is_credential(key: str) -> bool:
     return name in _CREDENTIALS or any(word in name for word in _CREDENTIAL_WORDS)
 
 
+def _name(error: Any) -> str | None:
+    """The name of a ``KafkaError`` (``None`` for anything else)."""
+    try:
+        return str(error.name())
+    except AttributeError:
+        return None
+
+
 def _is_fatal(error: Any) -> bool:
     """A client error after which this producer cannot deliver: fatal for librdkafka, or an
     authentication failure (retrying with the same credentials fails the same way)."""
@@ -340,17 +339,7 @@ def _is_fatal(error: Any) -> bool:
 
 def _rejects(error: Any) -> bool:
     """A per-record error: the client or the broker refused the message itself."""
-    try:
-        return bool(error.name() in _REJECTING)
-    except AttributeError:
-        return False
-
-
-def _timed_out(error: Any) -> bool:
-    try:
-        return bool(error.name() == "_MSG_TIMED_OUT")
-    except AttributeError:
-        return False
+    return _name(error) in _REJECTING
 
 
 def _describe_kafka_error(exc: BaseException) -> str:

@@ -32,6 +32,7 @@ import math
 import re
 from abc import abstractmethod
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
@@ -62,6 +63,7 @@ __all__ = [
     "UnfitValue",
     "arrow_schema",
     "catalog_columns",
+    "dataset_filter",
     "events_table",
     "position_of",
     "token",
@@ -97,6 +99,14 @@ def token(batch_id: int, ord: int) -> int:
 def position_of(value: int) -> tuple[int, int]:
     """The ledger position ``(batch_id, ord)`` of a :func:`token`."""
     return value >> _ORD_BITS, value & ((1 << _ORD_BITS) - 1)
+
+
+def dataset_filter(stream_id: int, ids: tuple[int, int] | None) -> Any:
+    """The pyarrow dataset filter of the stream's rows (with ``ids``: of the event ids ``low..high``)."""
+    import pyarrow.dataset as ds
+
+    rows = ds.field("stream_id") == stream_id
+    return rows if ids is None else rows & (ds.field("id") >= ids[0]) & (ds.field("id") <= ids[1])
 
 
 def arrow_schema() -> pa.Schema:
@@ -146,15 +156,13 @@ def _payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.A
 
     data = "\n".join(texts).encode()
     schema = pa.schema([pa.field(key, pa.string()) for _, key in _PAYLOAD_COLUMNS])
-    try:
+    with suppress(pa.ArrowInvalid, pa.ArrowNotImplementedError):
         parsed = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(use_threads=False,
                                                                    block_size=max(len(data) + 1, 1 << 20)),
                               parse_options=pj.ParseOptions(explicit_schema=schema,
                                                             unexpected_field_behavior="ignore"))
         if parsed.num_rows == len(texts):
             return [parsed.column(key).combine_chunks() for _, key in _PAYLOAD_COLUMNS]
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        pass
     payloads = [_object(e) for e in events]
     return [pa.array([_text(p.get(key)) for p in payloads], type=pa.string()) for _, key in _PAYLOAD_COLUMNS]
 
@@ -196,15 +204,9 @@ def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = 
     ids, streams, created_at, payloads, metadata = event_columns(events)
     # a naive time is taken as UTC, an aware one converted to UTC
     created = pa.array(created_at, type=pa.timestamp("us", tz="UTC"))
-    arrays: list[pa.Array] = [
-        pa.array(ids, type=pa.int64()),
-        pa.array(streams, type=pa.int64()),
-        created,
-        pc.cast(created, pa.date32()),
-        *_payload_columns(events, payloads),
-        pa.array(payloads, type=pa.string()),
-        pa.array(metadata, type=pa.string()),
-    ]
+    arrays: list[pa.Array] = [pa.array(ids, type=pa.int64()), pa.array(streams, type=pa.int64()), created,
+                              pc.cast(created, pa.date32()), *_payload_columns(events, payloads),
+                              pa.array(payloads, type=pa.string()), pa.array(metadata, type=pa.string())]
     fields = list(arrow_schema())
     if typed and values is None:
         values, unfit, why = typed_values(events, typed)
@@ -468,18 +470,18 @@ class LakeSink(Sink):
         """The token the table holds for the stream, ``None`` when none (or no table yet)."""
 
     @abstractmethod
-    def present_ids(self, stream_id: int, low: int, high: int) -> set[int]:
-        """The event ids of the stream in ``low..high`` the table holds."""
-
-    @abstractmethod
     def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
         """Write ``table`` in one commit; with ``span`` (the ledger positions of its first and last
         event), record ``token(*span[1])`` as the stream's token in the same commit."""
 
     @abstractmethod
-    def read(self, stream_id: int, columns: Sequence[str]) -> pa.Table:
-        """The stream's rows of the table (``columns`` of them), read with the format's own reader; an
-        empty table when there is no table yet."""
+    def read(self, stream_id: int, columns: Sequence[str], ids: tuple[int, int] | None = None) -> pa.Table:
+        """The stream's rows of the table (``columns`` of them; with ``ids``, those of the event ids
+        ``low..high``), read with the format's own reader; an empty table when there is no table yet."""
+
+    def present_ids(self, stream_id: int, low: int, high: int) -> set[int]:
+        """The event ids of the stream in ``low..high`` the table holds."""
+        return set(self.read(stream_id, ["id"], (low, high)).column("id").to_pylist())
 
     def where(self) -> str:
         """The table, for messages (never a secret)."""

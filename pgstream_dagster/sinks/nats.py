@@ -127,9 +127,8 @@ class NatsSink(Sink):
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(
-                target=self._loop.run_forever, name=f"pgstream-nats-sink-{id(self):x}", daemon=True
-            )
+            self._thread = threading.Thread(target=self._loop.run_forever, name=f"pgstream-nats-sink-{id(self):x}",
+                                            daemon=True)
             self._thread.start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
@@ -170,12 +169,8 @@ class NatsSink(Sink):
         rejection: SinkError | None = None
         sent = 0
         for event, (subject, from_event) in zip(events, subjects, strict=True):
-            headers = {
-                "Nats-Msg-Id": str(event.id),
-                "Pgstream-Event-Id": str(event.id),
-                "Pgstream-Stream-Id": str(event.stream_id),
-                "Content-Type": "application/json",
-            }
+            headers = {"Nats-Msg-Id": str(event.id), "Pgstream-Event-Id": str(event.id),
+                       "Pgstream-Stream-Id": str(event.stream_id), "Content-Type": "application/json"}
             if event.metadata_json is not None:
                 headers["Pgstream-Metadata"] = event.metadata_json
             data = event.payload_json.encode()
@@ -217,19 +212,14 @@ class NatsSink(Sink):
         if self._nc is not None and not self._nc.is_closed:
             return self._nc
         self._nc = self._js = None
-        options: dict[str, Any] = {
-            "servers": list(self.config.servers),
-            "name": "pgstream-dagster",
-            "connect_timeout": self.config.timeout_secs,
-            "error_cb": self._on_error,
-            "disconnected_cb": _log_disconnected,
-        }
-        if self.config.user is not None:
-            options["user"] = self.config.user
-        if self.config.password is not None:
-            options["password"] = self.config.password.get_secret_value()
-        if self.config.token is not None:
-            options["token"] = self.config.token.get_secret_value()
+        config = self.config
+        options: dict[str, Any] = {"servers": list(config.servers), "name": "pgstream-dagster",
+                                   "connect_timeout": config.timeout_secs, "error_cb": self._on_error,
+                                   "disconnected_cb": _log_disconnected}
+        if config.user is not None:
+            options["user"] = config.user
+        options.update({key: secret.get_secret_value() for key, secret in
+                        (("password", config.password), ("token", config.token)) if secret is not None})
         # nats-py keeps retrying the initial connection; bound it by the configured timeout.
         self._connecting, self._last_error = True, None
         try:
@@ -244,11 +234,8 @@ class NatsSink(Sink):
     async def _on_error(self, exc: Exception) -> None:
         self._last_error = exc
         # failed attempts of the initial connect end up in the SinkError; later errors are worth a warning
-        log.log(
-            logging.DEBUG if self._connecting else logging.WARNING,
-            "NATS client error: %s",
-            scrub(describe_exception(exc), self.config.secret_values()),
-        )
+        log.log(logging.DEBUG if self._connecting else logging.WARNING, "NATS client error: %s",
+                scrub(describe_exception(exc), self.config.secret_values()))
 
     # -- shutdown --------------------------------------------------------------------------------------
 

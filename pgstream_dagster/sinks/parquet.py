@@ -28,7 +28,7 @@ from pydantic import Field
 
 from .base import SinkError
 from .file import fsync_path
-from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, position_of, token
+from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, dataset_filter, position_of, token
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -116,7 +116,7 @@ class ParquetSink(LakeSink):
         for tmp in root.glob("day=*/.tmp-*"):
             tmp.unlink(missing_ok=True)
 
-    def read(self, stream_id: int, columns: Sequence[str]) -> pa.Table:
+    def read(self, stream_id: int, columns: Sequence[str], ids: tuple[int, int] | None = None) -> pa.Table:
         import pyarrow as pa
         import pyarrow.dataset as ds
 
@@ -127,20 +127,8 @@ class ParquetSink(LakeSink):
         # pyarrow's reader, over every file's columns (a newer file may carry a column the older ones lack)
         schema = pa.unify_schemas([self._pq.read_schema(f) for f in files])
         dataset = ds.dataset([str(f) for f in files], schema=schema, format="parquet")
-        result: pa.Table = dataset.to_table(columns=list(columns), filter=ds.field("stream_id") == stream_id)
+        result: pa.Table = dataset.to_table(columns=list(columns), filter=dataset_filter(stream_id, ids))
         return result
-
-    def present_ids(self, stream_id: int, low: int, high: int) -> set[int]:
-        import pyarrow.dataset as ds
-
-        root = Path(self.config.path)
-        files = [str(f) for f in root.glob("day=*/stream-*.parquet")] if root.is_dir() else []
-        if not files:
-            return set()
-        dataset = ds.dataset(files, format="parquet")
-        found = dataset.to_table(columns=["id"], filter=(ds.field("stream_id") == stream_id)
-                                 & (ds.field("id") >= low) & (ds.field("id") <= high))
-        return set(found.column("id").to_pylist())
 
     def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
         import pyarrow.compute as pc

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr
@@ -153,20 +154,11 @@ class RabbitMqSink(Sink):
                 headers: dict[str, Any] = {"x-pgstream-stream-id": event.stream_id}
                 if event.metadata_json is not None:
                     headers["x-pgstream-metadata"] = event.metadata_json
-                properties = self._pika.BasicProperties(
-                    content_type="application/json",
-                    delivery_mode=2,
-                    message_id=str(event.id),
-                    timestamp=int(event.created_at.timestamp()),
-                    headers=headers,
-                )
-                channel.basic_publish(
-                    exchange=destination[0],
-                    routing_key=destination[1],
-                    body=body,
-                    properties=properties,
-                    mandatory=True,
-                )
+                properties = self._pika.BasicProperties(content_type="application/json", delivery_mode=2,
+                                                        message_id=str(event.id), headers=headers,
+                                                        timestamp=int(event.created_at.timestamp()))
+                channel.basic_publish(exchange=destination[0], routing_key=destination[1], body=body,
+                                      properties=properties, mandatory=True)
         except exceptions.UnroutableError:
             # a routing key or exchange taken from the event that no queue is bound for: the event's route
             reason = f"unroutable: no queue bound for {_describe(destination)}"
@@ -190,10 +182,8 @@ class RabbitMqSink(Sink):
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
         if connection is not None and connection.is_open:
-            try:
+            with suppress(Exception):  # closing a broken connection must not mask the original error
                 connection.close()
-            except Exception:  # closing a broken connection must not mask the original error
-                pass
 
 
 def _describe(route: tuple[str, str]) -> str:

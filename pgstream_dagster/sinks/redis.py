@@ -130,11 +130,9 @@ class RedisSink(Sink):
 
     def _conn(self) -> redis.Redis:
         if self._client is None:
-            self._client = self._redis_mod.Redis.from_url(
-                self.config.url.get_secret_value(),
-                socket_timeout=self.config.timeout_secs,
-                socket_connect_timeout=self.config.timeout_secs,
-            )
+            self._client = self._redis_mod.Redis.from_url(self.config.url.get_secret_value(),
+                                                          socket_timeout=self.config.timeout_secs,
+                                                          socket_connect_timeout=self.config.timeout_secs)
         return self._client
 
     def publish(self, events: Sequence[Event]) -> None:

@@ -1,13 +1,11 @@
 """Amazon SNS sink (extra ``aws``, library boto3): ``PublishBatch`` of up to 10 messages and
 ``max_message_bytes`` (256 KiB, SNS's limit, by default) per request, each message's acceptance checked.
 
-A topic whose ARN ends in ``.fifo`` is a FIFO topic: every message gets a ``MessageGroupId`` (the
-value at event path ``message_group_id_from``, else ``message_group_id``, else the stream id) and
+A topic whose ARN ends in ``.fifo`` is a FIFO topic: every message gets a ``MessageGroupId`` and
 ``MessageDeduplicationId`` = the event id (SNS drops an event sent again within 5 minutes). Body:
-the payload (JSON); message attributes ``pgstream-event-id``, ``pgstream-stream-id`` (Number: a
-subscription's filter policy can match them) and ``pgstream-metadata`` (String, when present); an
-SQS subscription with raw message delivery receives them as message attributes. Credentials,
-batching and the failure rule: :mod:`.aws`.
+the payload (JSON), with :func:`~.aws.message_attributes` (a subscription's filter policy can match
+them; an SQS subscription with raw message delivery receives them as message attributes).
+Credentials, groups, batching and the failure rule: :mod:`.aws`.
 
 Permanent rejections (``SinkError.permanent``), the events before it confirmed: a message larger
 than ``max_message_bytes`` (body and attributes), refused before sending; a ``MessageGroupId`` the

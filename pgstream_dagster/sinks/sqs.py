@@ -1,12 +1,10 @@
 """Amazon SQS sink (extra ``aws``, library boto3): ``SendMessageBatch`` of up to 10 messages and
 ``max_message_bytes`` (256 KiB by default) per request, each message's acceptance checked.
 
-A queue whose URL ends in ``.fifo`` is a FIFO queue: every message gets a ``MessageGroupId`` (the
-value at event path ``message_group_id_from``, else ``message_group_id``, else the stream id) and
+A queue whose URL ends in ``.fifo`` is a FIFO queue: every message gets a ``MessageGroupId`` and
 ``MessageDeduplicationId`` = the event id, so SQS drops an event sent again within its 5-minute
-deduplication window (a retried batch; a replay within 5 minutes too). Body: the payload (JSON);
-message attributes ``pgstream-event-id``, ``pgstream-stream-id`` (Number) and ``pgstream-metadata``
-(String, when present). Credentials, batching and the failure rule: :mod:`.aws`.
+deduplication window (a retried batch; a replay within 5 minutes too). Body: the payload (JSON),
+with :func:`~.aws.message_attributes`. Credentials, groups, batching and the failure rule: :mod:`.aws`.
 
 Permanent rejections (``SinkError.permanent``), the events before it confirmed: a message larger than
 ``max_message_bytes`` (body and attributes) or holding characters SQS refuses (outside ``#x9 #xA #xD
