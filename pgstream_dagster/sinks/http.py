@@ -1,10 +1,9 @@
 """HTTP / webhook sink (httpx + tenacity): signed, retried, concurrent per routing key, order kept per key.
 
 Requests carry the Standard Webhooks headers (``webhook-id``, ``webhook-timestamp`` and, with a signing
-secret, ``webhook-signature``: ``v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">``). Each request is
-retried on connection errors, timeouts, 5xx, 408 and 429 (at once the first time, then with exponential
-backoff and jitter), honouring ``Retry-After`` on 429/503, within a bounded budget (attempts and seconds);
-other 4xx fail at once.
+secret, ``webhook-signature``: :func:`sign`). Each request is retried on connection errors, timeouts, 5xx,
+408 and 429 (:meth:`HttpSink._wait`), honouring ``Retry-After`` on 429/503, within a bounded budget
+(attempts and seconds); other 4xx fail at once.
 
 Permanent rejections (``SinkError.permanent``): a 4xx answer other than those below, i.e. the receiver
 refused this request's content (400, 409, 413, 422...), and a body over ``max_body_bytes`` (refused
@@ -15,15 +14,14 @@ and 431 (content type and headers are the same for every request), 426 (needs an
 refused part of the request came from the event: a 404 or 410 on a ``path_from`` segment taken from
 the event (not ``path_default``) and a 431 on a request carrying ``headers_from`` values are
 permanent rejections of that event (a receiver refusing every route is the stream's reject-storm
-guard's to catch). A batch request
-(``mode: batch``) refused as a whole names all its events; the caller isolates the bad one by
-publishing them one at a time. With ``routing_key``, the other keys' requests that come before
-the rejected event in the call are still sent, so that every event before it is confirmed. With
-``path_from``/``headers_from``, an event whose path segment or header value cannot be sent (not a
-URL path segment, a line break or non-ASCII in a header value, an object where a scalar belongs, no
-segment and no ``path_default``, a header value over ``max_header_value_bytes``, a payload Python
-cannot parse) is a permanent rejection, found before anything is sent: the events before it are
-sent first. The message names the path and the header, never the value.
+guard's to catch). A batch request (``mode: batch``) refused as a whole names all its events; the
+caller isolates the bad one by publishing them one at a time. With ``routing_key``, the other keys'
+requests that come before the rejected event in the call are still sent, so that every event before
+it is confirmed. With ``path_from``/``headers_from``, an event whose path segment or header value
+cannot be sent (not a URL path segment, a line break or non-ASCII in a header value, an object where
+a scalar belongs, no segment and no ``path_default``, a header value over ``max_header_value_bytes``,
+a payload Python cannot parse) is a permanent rejection, found before anything is sent: the events
+before it are sent first. The message names the path and the header, never the value.
 """
 
 from __future__ import annotations
