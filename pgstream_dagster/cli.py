@@ -536,11 +536,9 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     from .exporter import serve_forever, start
 
     path = Path(args.config) if args.config else config_path()
-    if args.config or path.exists():
-        # with --database-url the file's database_url (and the variables it names) is not needed
-        settings = load_metrics_settings(path, database_url=not args.database_url)
-    else:
-        settings = MetricsSettings()
+    # with --database-url the file's database_url (and the variables it names) is not needed
+    settings = (load_metrics_settings(path, database_url=not args.database_url) if args.config or path.exists()
+                else MetricsSettings())
     metrics = settings.metrics
     secret = metrics.database_url or settings.database_url
     url = (args.database_url or (secret.get_secret_value() if secret else None)
