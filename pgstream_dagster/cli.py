@@ -16,6 +16,7 @@ import psycopg
 from . import __version__
 
 if TYPE_CHECKING:
+    from .config import PgstreamConfig
     from .engine.controls import Action
     from .engine.limits import DagsterStorage
 
@@ -38,6 +39,24 @@ def _ranged(name: str, low: int, high: int) -> Callable[[str], int]:
 
 _ID = _ranged("id", 1, 2**63 - 1)
 _COUNT = _ranged("count", 0, 2**31 - 1)
+
+
+def _fail(message: str, code: int = 1) -> int:
+    """``message`` on stderr; the command's exit status ``code``."""
+    print(message, file=sys.stderr)
+    return code
+
+
+def _connect(args: argparse.Namespace) -> psycopg.Connection:
+    """A connection to ``--database-url`` (or ``$PGSTREAM_DATABASE_URL``), autocommit."""
+    return psycopg.connect(_database_url(args), autocommit=True)
+
+
+def _config(args: argparse.Namespace) -> PgstreamConfig:
+    """``--config`` (default ``$PGSTREAM_CONFIG``) with the StreamComponents of ``--defs-folder``."""
+    from .config import load_config
+
+    return load_config(Path(args.config) if args.config else None, _defs_folder(args))  # (ConfigError: exit 1)
 
 
 def _database_url(args: argparse.Namespace) -> str:
@@ -63,7 +82,10 @@ def _defs_folder(args: argparse.Namespace) -> str | None:
     return args.defs_folder or os.environ.get("PGSTREAM_DEFS_FOLDER") or None
 
 
-def _add_defs_folder(p: argparse.ArgumentParser) -> None:
+def _add_defs_folder(p: argparse.ArgumentParser, config: bool = False) -> None:
+    """``--defs-folder`` (after ``--config`` with its default help, with ``config``)."""
+    if config:
+        p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
     p.add_argument("--defs-folder", metavar="DIR",
                    help="also the streams declared as pgstream_dagster.StreamComponent in the defs.yaml files under "
                         "DIR, the project's defs folder (default: $PGSTREAM_DEFS_FOLDER)")
@@ -73,12 +95,7 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
     from .engine.migrations import migrate
 
     url = _owner_url(args)
-    applied = migrate(url, partitions_ahead=args.days_ahead)
-    if applied:
-        for name in applied:
-            print(f"applied {name}")
-    else:
-        print("up to date")
+    print("\n".join(f"applied {name}" for name in migrate(url, partitions_ahead=args.days_ahead)) or "up to date")
     _warn_without_drift_guard(url)
     return 0
 
@@ -105,23 +122,14 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
     from .engine.migrations import TearDownRefused, tear_down
 
     if not args.yes:
-        print("error: tear-down deletes all pgstream state, undelivered events included; pass --yes",
-              file=sys.stderr)
-        return 2
+        return _fail("error: tear-down deletes all pgstream state, undelivered events included; pass --yes", 2)
     try:
         removed = tear_down(_owner_url(args), cascade=args.cascade)
     except TearDownRefused as exc:
-        print("error: tear-down would also drop these objects outside schema pgstream, which depend on it "
-              "(nothing was changed):", file=sys.stderr)
-        for obj in exc.objects:
-            print(obj, file=sys.stderr)
-        print("remove them (or their dependency on pgstream) first, or pass --cascade to drop them too",
-              file=sys.stderr)
-        return 2
-    for item in removed:
-        print(f"removed {item}")
-    if not removed:
-        print("nothing to remove")
+        return _fail("\n".join(["error: tear-down would also drop these objects outside schema pgstream, which "
+                                "depend on it (nothing was changed):", *exc.objects, "remove them (or their "
+                                "dependency on pgstream) first, or pass --cascade to drop them too"]), 2)
+    print("\n".join(f"removed {item}" for item in removed) or "nothing to remove")
     return 0
 
 
@@ -141,9 +149,7 @@ def _instance_limits() -> tuple[int | None, str, DagsterStorage | None]:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .config import load_config
-
-    config = load_config(Path(args.config) if args.config else None, _defs_folder(args))  # (ConfigError: exit 1)
+    config = _config(args)
     groups = sorted({s.reader for s in config.streams})
     print(f"{len(config.streams)} streams and {len(config.subscriptions)} subscriptions are valid "
           f"(reader groups: {', '.join(groups)})")
@@ -151,23 +157,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_preflight(args: argparse.Namespace) -> int:
-    from .config import load_config
     from .engine.bootstrap import preflight
 
-    config = load_config(Path(args.config) if args.config else None, _defs_folder(args))
-    runs, where, dagster = _instance_limits()
-    problems = preflight(config, runs, where, dagster)
-    for line in problems:
-        print(line, file=sys.stderr)
+    config = _config(args)
+    problems = preflight(config, *_instance_limits())
     if problems:
-        return 1
+        return _fail("\n".join(problems))
     checked = "" if os.environ.get("DAGSTER_HOME") else " (max_concurrent_runs not checked: DAGSTER_HOME is not set)"
     print(f"{len(config.streams)} streams fit in this server's and instance's limits{checked}")
     return 0
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from .config import load_config
     from .engine.bootstrap import init
     from .engine.limits import LimitsExceeded
 
@@ -177,13 +178,10 @@ def _cmd_init(args: argparse.Namespace) -> int:
         lines = init(Path(args.config) if args.config else None, owner_url=owner, defs_folder=_defs_folder(args),
                      max_concurrent_runs=runs, runs_where=where, dagster=dagster)
     except LimitsExceeded as exc:
-        for line in exc.lines:
-            print(line, file=sys.stderr)
-        return 1
+        return _fail(str(exc))  # (its lines)
     for line in lines:
         print(line)
-    _warn_without_drift_guard(owner or load_config(Path(args.config) if args.config else None,
-                                                   _defs_folder(args)).database_url.get_secret_value())
+    _warn_without_drift_guard(owner or _config(args).database_url.get_secret_value())
     print("ready")
     return 0
 
@@ -191,8 +189,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from .engine.status import orphaned_slots, render_orphaned_slots, render_status, stream_status
 
-    url = _database_url(args)
-    with psycopg.connect(url, autocommit=True) as conn:
+    with _connect(args) as conn:
         print(render_status(stream_status(conn, args.stream, args.batches)) +
               (render_orphaned_slots(orphaned_slots(conn)) if args.stream is None else ""))
     return 0
@@ -201,23 +198,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_consumers_list(args: argparse.Namespace) -> int:
     from .engine.status import consumers, render_consumer
 
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+    with _connect(args) as conn:
         readers = consumers(conn, args.stream)
-    for c in readers:
-        print(render_consumer(c))
-    if not readers:
-        print("no registered consumers")
+    print("\n".join(render_consumer(c) for c in readers) or "no registered consumers")
     return 0
 
 
 def _cmd_consumers_add(args: argparse.Namespace) -> int:
-    with psycopg.connect(_database_url(args), autocommit=True) as conn, conn.transaction():
+    with _connect(args) as conn, conn.transaction():
         try:
             row = conn.execute("select pgstream.register_consumer(%s, %s, %s, %s)",
                                [args.name, args.stream, args.from_start, args.retention_days]).fetchone()
         except psycopg.errors.InvalidParameterValue as exc:
-            print(f"consumers add: {exc.diag.message_primary}", file=sys.stderr)
-            return 2
+            return _fail(f"consumers add: {exc.diag.message_primary}", 2)
         token = _consumer_token(conn, args.name) if row and row[0] else None
     if token is None:
         print(f"consumer {args.name} of stream {args.stream} was registered already: nothing changed "
@@ -228,6 +221,10 @@ def _cmd_consumers_add(args: argparse.Namespace) -> int:
           f"what it has not read for up to {args.retention_days} days")
     _print_token(token)
     return 0
+
+
+def _no_consumer(args: argparse.Namespace) -> int:
+    return _fail(f"no registered consumer {args.name!r}")
 
 
 def _consumer_token(conn: psycopg.Connection, name: str) -> str | None:
@@ -242,53 +239,48 @@ def _print_token(token: str) -> None:
 
 
 def _cmd_consumers_token(args: argparse.Namespace) -> int:
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+    with _connect(args) as conn:
         token = _consumer_token(conn, args.name)
     if token is None:
-        print(f"no registered consumer {args.name!r}", file=sys.stderr)
-        return 1
+        return _no_consumer(args)
     print(f"consumer {args.name}: a new token; the last one no longer records its position")
     _print_token(token)
     return 0
 
 
 def _cmd_consumers_drop(args: argparse.Namespace) -> int:
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+    with _connect(args) as conn:
         row = conn.execute("select pgstream.drop_consumer(%s)", [args.name]).fetchone()
     if not (row and row[0]):
-        print(f"no registered consumer {args.name!r}", file=sys.stderr)
-        return 1
+        return _no_consumer(args)
     print(f"dropped consumer {args.name}: housekeeping no longer keeps events for it")
     return 0
 
 
 def _cmd_consumers_retention(args: argparse.Namespace) -> int:
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+    with _connect(args) as conn:
         try:
             row = conn.execute("select pgstream.set_consumer_retention(%s, %s)", [args.name, args.days]).fetchone()
         except psycopg.errors.InvalidParameterValue as exc:
-            print(f"consumers retention: {exc.diag.message_primary}", file=sys.stderr)
-            return 2
+            return _fail(f"consumers retention: {exc.diag.message_primary}", 2)
     if not (row and row[0]):
-        print(f"no registered consumer {args.name!r}", file=sys.stderr)
-        return 1
+        return _no_consumer(args)
     print(f"consumer {args.name}: housekeeping keeps its unread events for up to {args.days} days")
     return 0
 
 
-def _control(args: argparse.Namespace, action: Action) -> int:
+def _control(args: argparse.Namespace, action: Action, **kwargs: Any) -> int:
+    """``action`` on ``args.stream`` (its batch, or ``kwargs``: a dead letters control's)."""
     from .engine.controls import ControlError, apply_control
 
     if action == "skip_batch" and not args.yes:
-        print(f"error: skipping batch {args.batch} means its events are not delivered (they stay in "
-              "pgstream.events for a replay); pass --yes", file=sys.stderr)
-        return 2
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        return _fail(f"error: skipping batch {args.batch} means its events are not delivered (they stay in "
+                     "pgstream.events for a replay); pass --yes", 2)
+    with _connect(args) as conn:
         try:
-            print(apply_control(conn, args.stream, action, getattr(args, "batch", None)))
+            print(apply_control(conn, args.stream, action, getattr(args, "batch", None), **kwargs))
         except ControlError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+            return _fail(f"error: {exc}")
     return 0
 
 
@@ -306,7 +298,7 @@ def _operator() -> str:
 def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
     from .engine.deadletters import list_dead_letters
 
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+    with _connect(args) as conn:
         letters = list_dead_letters(conn, args.stream, None if args.all else "open", args.limit)
     which = "dead letters" if args.all else "open dead letters"
     if not letters:
@@ -322,7 +314,7 @@ def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
 def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
     from .engine.deadletters import get_dead_letter
 
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+    with _connect(args) as conn:
         d = get_dead_letter(conn, args.id)
     print(f"dead letter {d.id}: stream {d.stream_id}, event {d.event_id}, {d.status}")
     print(f"  stage: {d.stage} (" + ("the sink rejected it, or an operator set it aside" if d.stage == "deliver"
@@ -357,11 +349,10 @@ def _indented_json(text: str) -> str:
 def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    from .config import load_config
     from .engine.deadletters import redeliver
     from .engine.ledger import locks
 
-    config = load_config(Path(args.config) if args.config else None, _defs_folder(args))
+    config = _config(args)
     stream = config.stream(args.stream)
     url = args.database_url or config.database_url.get_secret_value()
     with ExitStack() as held:
@@ -379,35 +370,19 @@ def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
 
 def _cmd_dead_letters_discard(args: argparse.Namespace) -> int:
     if bool(args.ids) == args.all:
-        print("error: give dead letter ids or --all (one of them)", file=sys.stderr)
-        return 2
+        return _fail("error: give dead letter ids or --all (one of them)", 2)
     if not args.yes:
         what = "every open dead letter" if args.all else f"dead letters {', '.join(map(str, args.ids))}"
-        print(f"error: discarding {what} of stream {args.stream} means their events are never delivered; "
-              "pass --yes", file=sys.stderr)
-        return 2
-    return _dead_letter_control(args, "discard_dead_letters", dead_letter_ids=args.ids, all_dead_letters=args.all,
-                                by=_operator())
+        return _fail(f"error: discarding {what} of stream {args.stream} means their events are never delivered; "
+                     "pass --yes", 2)
+    return _control(args, "discard_dead_letters", dead_letter_ids=args.ids, all_dead_letters=args.all, by=_operator())
 
 
 def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> int:
     if not args.yes:
-        print(f"error: setting events aside means delivery goes on without them (they wait as dead letters of "
-              f"stream {args.stream}); pass --yes", file=sys.stderr)
-        return 2
-    return _dead_letter_control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
-
-
-def _dead_letter_control(args: argparse.Namespace, action: Action, **kwargs: Any) -> int:
-    from .engine.controls import ControlError, apply_control
-
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
-        try:
-            print(apply_control(conn, args.stream, action, **kwargs))
-        except ControlError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-    return 0
+        return _fail(f"error: setting events aside means delivery goes on without them (they wait as dead letters "
+                     f"of stream {args.stream}); pass --yes", 2)
+    return _control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
 
 
 def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
@@ -460,11 +435,10 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
 def _cmd_backfill_run(args: argparse.Namespace) -> int:
     from contextlib import closing
 
-    from .config import load_config
     from .engine import backfill
     from .engine.spark import open_session
 
-    config = load_config(Path(args.config) if args.config else None, _defs_folder(args))
+    config = _config(args)
     config.stream(args.stream)  # the stream must be declared
     url = args.database_url or config.database_url.get_secret_value()
     request = backfill.Request(args.stream, args.keys, table=args.table, where=args.where, from_key=args.from_key,
@@ -494,12 +468,9 @@ def _cmd_backfill_run(args: argparse.Namespace) -> int:
 def _cmd_backfill_list(args: argparse.Namespace) -> int:
     from .engine import backfill
 
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+    with _connect(args) as conn:
         found = backfill.list_backfills(conn, args.stream)
-    if not found:
-        print("no backfills")
-    for p in found:
-        print(p.line())
+    print("\n".join(p.line() for p in found) or "no backfills")
     return 0
 
 
@@ -507,10 +478,8 @@ def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> int:
     from .engine import backfill
 
     if cancel and not args.yes:
-        print(f"error: cancelling backfill {args.id} is final (a new backfill starts over); pass --yes",
-              file=sys.stderr)
-        return 2
-    with psycopg.connect(_database_url(args), autocommit=True) as conn:
+        return _fail(f"error: cancelling backfill {args.id} is final (a new backfill starts over); pass --yes", 2)
+    with _connect(args) as conn:
         before = backfill.stop(conn, args.id, cancel=cancel)
         after = backfill.progress(conn, args.id)
     print(f"backfill {args.id}: {before} -> {after.status}")
@@ -567,11 +536,9 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     from .exporter import serve_forever, start
 
     path = Path(args.config) if args.config else config_path()
-    if args.config or path.exists():
-        # with --database-url the file's database_url (and the variables it names) is not needed
-        settings = load_metrics_settings(path, database_url=not args.database_url)
-    else:
-        settings = MetricsSettings()
+    # with --database-url the file's database_url (and the variables it names) is not needed
+    settings = (load_metrics_settings(path, database_url=not args.database_url) if args.config or path.exists()
+                else MetricsSettings())
     metrics = settings.metrics
     secret = metrics.database_url or settings.database_url
     url = (args.database_url or (secret.get_secret_value() if secret else None)
@@ -604,10 +571,7 @@ def _cmd_executor_requirements(args: argparse.Namespace) -> int:
 
     sinks = list(args.sink or [])
     if args.config:
-        from .config import load_config
-
-        config = load_config(Path(args.config), _defs_folder(args))
-        sinks += [s.sink.type for s in config.streams if s.delivery.ordering == "by_key"]
+        sinks += [s.sink.type for s in _config(args).streams if s.delivery.ordering == "by_key"]
     print("\n".join(executor_requirements(sinks)))
     return 0
 
@@ -728,8 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate pgstream.yaml (and the StreamComponents of --defs-folder) without "
                                      "connecting anywhere, as strictly as init applies it: one line per problem, exit "
                                      "1 (the code location only leaves an invalid stream out; run this in CI)")
-    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
-    _add_defs_folder(p)
+    _add_defs_folder(p, config=True)
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("preflight", help="check the Postgres and Dagster limits the streams need (wal_level, "
@@ -737,8 +700,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "max_connections, the instance's max_concurrent_runs of $DAGSTER_HOME): one "
                                          "line per problem naming the setting to change (on RDS, Cloud SQL or Azure: "
                                          "the service's), exit 1")
-    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
-    _add_defs_folder(p)
+    _add_defs_folder(p, config=True)
     p.set_defaults(func=_cmd_preflight)
 
     p = sub.add_parser("status", parents=[common], help="state, failover checkpoint, backlog, slot lag and last "

@@ -78,8 +78,7 @@ class BatchConfig(_Model):
     max_fill_secs: float = Field(0.5, ge=0, le=3600,
                                  description="the group's slot reader (its sensor, or its delivery run's) records "
                                              "what waits once max_size events wait, the slot has sent everything "
-                                             "committed, "
-                                             "or the oldest waiting event committed this long ago (under "
+                                             "committed, or the oldest waiting event committed this long ago (under "
                                              "continuous traffic)")
 
 
@@ -88,9 +87,8 @@ DIRECT_MAX_EVENTS = 100_000
 
 
 #: what a ``read_slot`` key (delivery.tuning's, or delivery's) is told
-READ_SLOT_GONE = ("delivery.tuning.read_slot is no longer read: every stream's events are read by its reader "
-                  "group (the group's delivery run reads the group's slot over the replication protocol); remove "
-                  "the key")
+READ_SLOT_GONE = ("delivery.tuning.read_slot is no longer read: every stream's events are read by its reader group "
+                  "(the group's delivery run reads the group's slot over the replication protocol); remove the key")
 
 
 class DeliveryTuning(_Model):
@@ -103,12 +101,11 @@ class DeliveryTuning(_Model):
                                            "(for a run per batch: mode per_batch)")
     direct_max_events: int = Field(
         DIRECT_MAX_EVENTS, ge=0, le=1_000_000,
-        description="ordering global: a round of at most this many events is read by the "
-                    "run's own connection (5,000 at a time) instead of by Spark (a Spark job costs 0.1-0.3 s and "
-                    "about half a CPU-second); a larger backlog is delivered in rounds of this size (whole batches, at "
-                    "least one). Replays to a sink other than a file also read without Spark, 5,000 events at "
-                    "a time (0: always Spark). Mode per_batch reads every round through PySpark unless this is "
-                    "given")
+        description="ordering global: a round of at most this many events is read by the run's own connection (5,000 "
+                    "at a time) instead of by Spark (a Spark job costs 0.1-0.3 s and about half a CPU-second); a "
+                    "larger backlog is delivered in rounds of this size (whole batches, at least one). Replays to a "
+                    "sink other than a file also read without Spark, 5,000 events at a time (0: always Spark). Mode "
+                    "per_batch reads every round through PySpark unless this is given")
     max_read_bytes: int = Field(
         32 * 2**20, ge=2**20, le=2**30,
         description="bytes of events (payload and metadata as JSON text) a run or a replay reads at once and hands "
@@ -249,11 +246,9 @@ class StreamChecksConfig(_Model):
     max_retained_wal_bytes: int = Field(1024**3, ge=0, le=2**63 - 1, description="WAL the stream's slot may hold back")
 
 
-#: The prefix of the names pgstream gives a stream's objects: its publication is ``pgstream_stream_<id>``
-#: (so is the sensor that tells an invalid entry), an open run's NOTIFY channel ``pgstream_stream_<id>_runs``
-#: (a version with a slot per stream also made ``pgstream_stream_<id>_rows``). Tear-down
-#: recognises the publications by it. The default replication slot's name is the database's to derive
-#: (``pgstream.default_slot_name``, unique in the cluster): see ``engine.ledger.streams.stream_slot``.
+#: The prefix of the names pgstream gives a stream's objects: its publication ``pgstream_stream_<id>`` (so is
+#: the sensor that tells an invalid entry; tear-down recognises the publications by it), an open run's NOTIFY
+#: channel ``pgstream_stream_<id>_runs``. (Slot names: ``engine.ledger.streams.stream_slot``.)
 STREAM_NAME_PREFIX = "pgstream_stream_"
 
 
@@ -346,6 +341,11 @@ class SubscriptionConfig(_Model):
         return v.upper() if isinstance(v, str) else v
 
 
+def _none_if_empty(v: object) -> object:
+    """An empty (or blank) string given for an optional value: none."""
+    return None if isinstance(v, str) and not v.strip() else v
+
+
 def _cron(v: str) -> str:
     """A cron expression Dagster's schedules accept: what croniter parses, five fields (no seconds),
     and not a day that never comes (30 or 31 February)."""
@@ -381,10 +381,9 @@ class HousekeepingConfig(_Model):
 class ChecksConfig(_Model):
     cron: str = Field("*/5 * * * *", description="schedule of the pgstream_checks job (UTC)")
     streams_per_sec: float = Field(
-        2.0, ge=0, description="a scheduled pgstream_checks run checks at most this many streams a second (0: "
-                               "no limit), so that many streams' checks and their writes to Dagster's event log "
-                               "do not take the CPUs from the deliveries at once; checks run from the UI are "
-                               "not paced")
+        2.0, ge=0, description="a scheduled pgstream_checks run checks at most this many streams a second (0: no "
+                               "limit), so that many streams' checks and their writes to Dagster's event log do not "
+                               "take the CPUs from the deliveries at once; checks run from the UI are not paced")
 
     _valid_cron = field_validator("cron")(_cron)
 
@@ -409,10 +408,7 @@ class SparkConfig(_Model):
                           "(reads events and batches, writes by_key resume points, runs backfill chunks); default: "
                           "database_url (the runtime's), which executor hosts then hold; empty = none")
 
-    @field_validator("remote", "executor_database_url", mode="before")
-    @classmethod
-    def _empty_is_none(cls, v: object) -> object:
-        return None if isinstance(v, str) and not v.strip() else v
+    _empty_is_none = field_validator("remote", "executor_database_url", mode="before")(_none_if_empty)
 
 
 class MetricsConfig(_Model):
@@ -429,10 +425,7 @@ class MetricsConfig(_Model):
                                                                       "after this long (the scrape then reports "
                                                                       "pgstream_up 0)")
 
-    @field_validator("database_url", mode="before")
-    @classmethod
-    def _empty_is_none(cls, v: object) -> object:
-        return None if isinstance(v, str) and not v.strip() else v
+    _empty_is_none = field_validator("database_url", mode="before")(_none_if_empty)
 
 
 def _check_streams(streams: Sequence[StreamConfig]) -> None:
@@ -533,9 +526,8 @@ def reader_groups(streams: Sequence[StreamConfig]) -> dict[str, list[StreamConfi
 def streams_fingerprint(streams: Sequence[StreamConfig]) -> str:
     """A stable hash of the configuration of ``streams`` (in stream order), the same in every process that
     loads the same configuration: a reader group's delivery run is requested with its members' fingerprint
-    (run tag ``pgstream/config``) and the group's sensor asks a live run built from another configuration
-    to end. Secret values (sink credentials) are left out: they are masked, so a fingerprint in a run tag
-    tells nothing of them (a secret changed alone reaches deliveries with the next group run)."""
+    (run tag ``pgstream/config``). Secret values are masked, so a fingerprint tells nothing of them (a secret
+    changed alone reaches deliveries with the next group run)."""
     dumped = [s.model_dump(mode="json") for s in sorted(streams, key=lambda s: s.id)]
     text = json.dumps(dumped, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -715,8 +707,7 @@ def parse_stream(data: Any, source: str = "<stream>", at: str = "") -> StreamDec
 
 def with_streams(config: PgstreamConfig, declared: Sequence[StreamDeclaration], source: str) -> PgstreamConfig:
     """``config`` with the ``declared`` streams and their subscriptions added, under the checks of
-    one file: ids and slots unique. ``source`` names where the
-    streams come from, for the error."""
+    one file: ids and slots unique. ``source`` names where the streams come from, for the error."""
     if not declared:
         return config
     try:
@@ -842,11 +833,14 @@ def read_yaml(path: Path, what: str, *, single: bool = False) -> list[Any]:
 _COMPONENT_FILES = ("defs.yaml", "component.yaml")
 
 
+def _component_files(root: Path) -> list[Path]:
+    return sorted(p for name in _COMPONENT_FILES for p in root.rglob(name))
+
+
 def check_defs_yaml(folder: Path | str) -> None:
     """Read every ``defs.yaml`` (and ``component.yaml``) under ``folder`` as :func:`read_yaml` does, before
     Dagster reads them (its reader follows every alias): an alias bomb is refused at once."""
-    root = Path(folder)
-    for file in sorted(p for name in _COMPONENT_FILES for p in root.rglob(name)):
+    for file in _component_files(Path(folder)):
         read_yaml(file, "it")
 
 
@@ -869,8 +863,7 @@ def load_component_streams(folder: Path | str) -> tuple[list[StreamDeclaration],
         raise ConfigError(f"{root}: not a directory (the defs folder with the streams' defs.yaml)")
     declared: list[StreamDeclaration] = []
     sources: list[str] = []
-    files = sorted(p for name in _COMPONENT_FILES for p in root.rglob(name))
-    for file in files:
+    for file in _component_files(root):
         for doc in read_yaml(file, "it"):
             if isinstance(doc, dict) and doc.get("type") in STREAM_COMPONENT_TYPES:
                 declared.append(parse_stream(doc.get("attributes") or {}, str(file), at="attributes"))

@@ -81,11 +81,8 @@ def _describe(sub: SubscriptionConfig, origin: str) -> str:
 
 def _spec_metadata(sub: SubscriptionConfig) -> dict[str, object]:
     return {
-        "key": sub.key,
-        "stream_id": sub.stream_id,
-        "table": f"{sub.schema_name}.{sub.table_name}",
-        "operation": sub.operation,
-        "filter": sub.when_clause or "(every row)",
+        "key": sub.key, "stream_id": sub.stream_id, "table": f"{sub.schema_name}.{sub.table_name}",
+        "operation": sub.operation, "filter": sub.when_clause or "(every row)",
         "columns": dg.MetadataValue.json(list(sub.column_names)),
         "payload_extensions": dg.MetadataValue.json([e.model_dump() for e in sub.payload_extensions]),
         "event_metadata": dg.MetadataValue.json(sub.metadata or {}),
@@ -109,20 +106,14 @@ def _trigger_metadata(state: TriggerState) -> dict[str, Any]:
     }
 
 
-def _stream_subscriptions(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefinition:
+def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefinition:
+    """The stream's subscriptions multi-asset."""
     subs = declared.of_stream(stream_id)
     keys = stream_subscription_keys(stream_id, subs)
-    origin = declared.origin
-    set_key = subscription_set_key(stream_id)
-    group = subscription_group(stream_id)
-    specs = [
-        dg.AssetSpec(
-            key=keys[identity(s)], group_name=group, description=_describe(s, origin), metadata=_spec_metadata(s),
-            code_version=code_version(s), kinds={"postgres"},
-            deps=[source_table_key(s.schema_name, s.table_name)], skippable=True,
-        )
-        for s in subs
-    ]
+    origin, set_key, group = declared.origin, subscription_set_key(stream_id), subscription_group(stream_id)
+    specs = [dg.AssetSpec(key=keys[identity(s)], group_name=group, description=_describe(s, origin),
+                          metadata=_spec_metadata(s), code_version=code_version(s), kinds={"postgres"},
+                          deps=[source_table_key(s.schema_name, s.table_name)], skippable=True) for s in subs]
     specs.append(dg.AssetSpec(
         key=set_key, group_name=group, kinds={"postgres"}, skippable=True,
         code_version=set_code_version(subs),
@@ -147,12 +138,10 @@ def _stream_subscriptions(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefi
             states = {ident: trigger_state(conn, ident[1], ident[2], ident[3], modes[ident]) for ident in chosen}
         for (key, schema, table, op), action in sorted(result.changes.items()):
             context.log.info(f"{action} subscription {key!r} ({op} on {schema}.{table}, stream {stream_id})")
-        for sub in subs:
-            ident = identity(sub)
-            if ident not in chosen:
-                continue
-            yield dg.MaterializeResult(asset_key=keys[ident], metadata={
-                "action": result.changes.get(ident, "unchanged"), **_trigger_metadata(states[ident])})
+        for ident in (identity(sub) for sub in subs):
+            if ident in chosen:
+                yield dg.MaterializeResult(asset_key=keys[ident], metadata={
+                    "action": result.changes.get(ident, "unchanged"), **_trigger_metadata(states[ident])})
         if set_key in selected:
             deleted = sorted(f"{k} ({op} on {s}.{t})" for (k, s, t, op), a in result.changes.items()
                              if a == "deleted")
@@ -161,11 +150,6 @@ def _stream_subscriptions(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefi
                 "created_in_sql": result.hand_made})
 
     return _apply
-
-
-def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> dg.AssetsDefinition:
-    """The stream's subscriptions multi-asset."""
-    return _stream_subscriptions(stream_id, declared)
 
 
 def source_table_specs(config: PgstreamConfig) -> list[dg.AssetSpec]:
@@ -201,20 +185,13 @@ def events_partitions(context: dg.AssetExecutionContext, config: HousekeepingRun
     context.log.info(report.summary())
     for warning in report.warnings:
         context.log.warning(warning)
+    partitions = {"created": report.created, "dropped": report.dropped, "kept": report.kept, "busy": report.busy}
     return dg.MaterializeResult(metadata={
         "today": report.today.isoformat(),
-        "partitions_created": dg.MetadataValue.json(report.created),
-        "partitions_dropped": dg.MetadataValue.json(report.dropped),
-        "partitions_kept": dg.MetadataValue.json(report.kept),
-        "partitions_busy": dg.MetadataValue.json(report.busy),
-        "created_count": len(report.created),
-        "dropped_count": len(report.dropped),
-        "kept_count": len(report.kept),
-        "busy_count": len(report.busy),
-        "rows_dropped": report.rows_dropped,
-        "bytes_dropped": report.bytes_dropped,
-        "default_rows_deleted": report.default_rows_deleted,
-        "batches_pruned": report.batches_pruned,
+        **{f"partitions_{k}": dg.MetadataValue.json(v) for k, v in partitions.items()},
+        **{f"{k}_count": len(v) for k, v in partitions.items()},
+        "rows_dropped": report.rows_dropped, "bytes_dropped": report.bytes_dropped,
+        "default_rows_deleted": report.default_rows_deleted, "batches_pruned": report.batches_pruned,
         "warnings": dg.MetadataValue.text("\n".join(report.warnings)),
         "report": dg.MetadataValue.json(report.as_dict()),
     })

@@ -1,12 +1,9 @@
 """The backfill job (``pgstream_backfill``, one for the location): existing rows of subscribed tables
 become READ events of the stream its run config names (``stream_id``), in parallel on Spark
-(:mod:`pgstream_dagster.engine.backfill`).
-
-Launched from the Launchpad with :class:`BackfillConfig`; ``pgstream-dagster backfill`` runs the
-same engine from a shell. The run carries the tag ``pgstream/backfill`` (not ``pgstream/stream``),
-whose value becomes the stream's id when the run starts: the stream's delivery runs keep going while it
-runs, and the run queue limits how many backfills run at once. Terminating the run stops the backfill
-cleanly (chunks in flight commit; resumable); launching it again with the same selection resumes it.
+(:mod:`pgstream_dagster.engine.backfill`; ``pgstream-dagster backfill`` runs it from a shell). The run's tag
+``pgstream/backfill`` (not ``pgstream/stream``: the stream's deliveries go on) becomes the stream's id when
+it starts; the run queue limits how many backfills run at once. Terminating the run stops the backfill
+cleanly (chunks in flight commit); launching it again with the same selection resumes it.
 """
 
 import time
@@ -63,8 +60,8 @@ class BackfillConfig(dg.Config):
 def _request(stream: StreamConfig, config: BackfillConfig) -> backfill.Request:
     return backfill.Request(stream.id, config.subscriptions, table=config.table or None, where=config.where or None,
                             from_key=config.from_key or None, to_key=config.to_key or None,
-                            chunk_size=config.chunk_size,
-                            parallelism=config.parallelism, max_rows_per_sec=config.max_rows_per_sec or None,
+                            chunk_size=config.chunk_size, parallelism=config.parallelism,
+                            max_rows_per_sec=config.max_rows_per_sec or None,
                             max_backlog=config.max_backlog or None, restart=config.restart)
 
 
@@ -91,8 +88,7 @@ def _report(context: dg.OpExecutionContext, asset: dg.AssetKey | None, progress:
                                               tags={"dagster/code_version": applied}))
 
 
-@dg.op(name=BACKFILL_OP, description="Existing rows of subscribed tables become READ events of the stream "
-                                      "stream_id.")
+@dg.op(name=BACKFILL_OP, description="Existing rows of subscribed tables become READ events of the stream stream_id.")
 def backfill_rows(context: dg.OpExecutionContext, config: BackfillConfig, pgstream: dg.ResourceParam[PgstreamResource],
                   pyspark: LazyPySparkResource) -> int:
     stream = pgstream.chosen_stream(config.stream_id, "backfill")
@@ -114,8 +110,7 @@ def backfill_rows(context: dg.OpExecutionContext, config: BackfillConfig, pgstre
         try:
             with pgstream.connect() as conn:
                 backfill_id, resumed = backfill.open_backfill(conn, target, request)
-            context.log.info(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of "
-                             f"{target.describe()}")
+            context.log.info(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of {target.describe()}")
             last_report = time.monotonic()
             executor = backfill.spark_executor(spark, pgstream.executor_database_url)
             with closing(backfill.run(url, backfill_id, request, executor,
@@ -143,11 +138,9 @@ def backfill_rows(context: dg.OpExecutionContext, config: BackfillConfig, pgstre
     return written
 
 
-@dg.job(name=BACKFILL_JOB,
+@dg.job(name=BACKFILL_JOB, tags={BACKFILL_TAG: "true"}, executor_def=dg.in_process_executor,
         description="Backfill: existing rows of subscribed tables become READ events of a stream (stream_id), in "
                     "parallel key ranges on Spark, throttled, resumable (launch from the Launchpad). Its runs are "
-                    f"tagged {BACKFILL_TAG}=<stream_id> when they start.",
-        tags={BACKFILL_TAG: "true"},
-        executor_def=dg.in_process_executor)
+                    f"tagged {BACKFILL_TAG}=<stream_id> when they start.")
 def backfill_job() -> None:
     backfill_rows()

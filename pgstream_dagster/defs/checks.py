@@ -2,19 +2,14 @@
 from the UI):
 
 * on each subscription asset, ``trigger_matches`` (blocking): the subscription is in the database as
-  the YAML declares it, and its table's generated trigger exists, is enabled, carries the md5 of
-  what ``pgstream.generated_trigger`` produces now and calls the unmodified generated function, and
-  so does its copy on each partition of a partitioned table;
-* on the stream's deliveries asset: ``undelivered_age`` (oldest undelivered event younger than
-  ``streams[].checks.max_undelivered_age_secs``; the stream's slot is its reader group's, which has one
-  check, ``group_<name>_slot_retained_wal``, below), ``not_in_failover`` (``pgstream.streams.failover_since``
-  is null; WARN) and ``no_dead_letters`` (no open dead letter: an event the stream went on without waits for
-  an operator to redeliver or discard it).
+  the YAML declares it, and its table's generated trigger (and its copy on each partition) exists, is
+  enabled, carries the md5 of what ``pgstream.generated_trigger`` produces now and calls the unmodified
+  generated function;
+* on the stream's deliveries asset: ``undelivered_age``, ``not_in_failover`` (WARN) and ``no_dead_letters``.
 
 On ``pgstream/events_partitions``, the location's: ``no_orphaned_slots``, ``consumers_within_retention``, and per
-reader group ``group_<name>_slot_retained_wal`` (the group's slot, and the own slot of a member still joining,
-exists, is not lost and holds back at most the smallest ``max_retained_wal_bytes`` of its members: one check
-where a hundred members would each check the same slot, every check being a few writes to Dagster's event log).
+reader group ``group_<name>_slot_retained_wal`` (its members share the slot: one check where a hundred members
+would each check the same slot, every check being a few writes to Dagster's event log).
 """
 
 import datetime as dt
@@ -122,8 +117,7 @@ def group_wal_limit(members: Sequence[StreamConfig]) -> int:
 
 def check_group_slot(conn: psycopg.Connection, group: str, members: Sequence[StreamConfig]) -> dg.AssetCheckResult:
     """Reader group ``group``'s slot exists, is not lost and retains at most :func:`group_wal_limit` of its
-    ``members``; so does the own slot of a member not joined yet (it is drained, then dropped: one missing is
-    not a failure)."""
+    ``members``; so does the own slot of a member not joined yet (one missing is not a failure)."""
     limit = group_wal_limit(members)
     state = groups.group_state(conn, group)
     own = {m.id: m.own_slot for m in state.members if not m.joined} if state is not None else {}

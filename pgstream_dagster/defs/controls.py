@@ -2,7 +2,6 @@
 ``engine/controls.py`` (shared with the CLI), with a typed confirmation for the ones that take
 events out of delivery."""
 
-
 import dagster as dg
 from pydantic import Field
 
@@ -26,8 +25,7 @@ class StreamControlConfig(dg.Config):
     event_ids: list[int] = Field([], description="for set_aside: undelivered events of the stream's open batches "
                                                  "to set aside")
     reason: str = Field("", description="for set_aside: why (kept with the dead letters)")
-    dead_letter_ids: list[int] = Field([], description="for discard_dead_letters: the open dead letters to "
-                                                       "discard")
+    dead_letter_ids: list[int] = Field([], description="for discard_dead_letters: the open dead letters to discard")
     all_dead_letters: bool = Field(False, description="for discard_dead_letters: discard every open dead letter "
                                                       "of the stream instead of dead_letter_ids")
     confirm: str = Field("", description="type 'skip' (skip_batch), 'set aside' (set_aside) or 'discard' "

@@ -1,14 +1,12 @@
-"""The delivery job: a thin Dagster op around the engine's delivery run
-(:class:`~pgstream_dagster.engine.delivery.run.DeliveryRun`, which holds the rounds and the open run's
-linger loop, and chooses each round's source): the run of a stream in mode per_batch (one per batch, as the
-design card has it); the group delivery job hosts the open and warm runs of a reader group's members.
+"""The delivery jobs, thin Dagster ops around the engine's delivery run
+(:class:`~pgstream_dagster.engine.delivery.run.DeliveryRun`: the rounds, the open run's linger loop, each
+round's source): the delivery job runs a stream in mode per_batch (one run per batch, as the design card has
+it); the group delivery job hosts the open and warm runs of a reader group's members.
 
-``load_batches`` takes the stream's delivery lease and checks the batches may run (the sensor
-knows a run got past it); ``deliver_batches`` runs the rounds with what only Dagster has: the
-PySpark resource (started when a round first goes to Spark), a stop check (another run of the
-stream is queued) and a reporter that turns the engine's round summaries into a run log line, a
-materialization of the stream's deliveries asset and an observation of its status asset.
-Engine errors become ``dg.Failure`` s with their metadata.
+``load_batches`` takes the stream's delivery lease and checks the batches may run; ``deliver_batches`` runs
+the rounds with what only Dagster has: the PySpark resource (started when a round first goes to Spark), a stop
+check (another run of the stream is queued) and a reporter (:func:`_report`). Engine errors become
+``dg.Failure`` s with their metadata.
 """
 
 import json
@@ -137,12 +135,9 @@ def _report(context: dg.OpExecutionContext, stream: StreamConfig, s: Summary, *,
         context.log_event(materialization)
 
 
-@dg.job(
-    name=DELIVERY_JOB,
-    description="Deliver consecutive batches of a stream's events to its sink (a stream in mode per_batch; "
-                "requested by its reader group's sensor).",
-    executor_def=dg.in_process_executor,
-)
+@dg.job(name=DELIVERY_JOB, executor_def=dg.in_process_executor,
+        description="Deliver consecutive batches of a stream's events to its sink (a stream in mode per_batch; "
+                    "requested by its reader group's sensor).")
 def delivery_job() -> None:
     deliver_batches(load_batches())
 
@@ -270,10 +265,8 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
                             f"loaded it: reload the code location); the run delivers with the one it loaded")
 
     def stop_check() -> str | None:
-        """The run was asked to end (:data:`~.names.STOP_TAG`, by the group's sensor when its configuration is
-        not the code location's any more, or by hand), or Dagster no longer shows it started (the group's sensor
-        marked it failed: it took no lease within ``delivery.run_grace_secs``, and a fresh group run is requested
-        meanwhile); asked about once a second."""
+        """Why the run ends, asked about once a second: it was asked to (:data:`~.names.STOP_TAG`: by the group's
+        sensor, its configuration changed; or by hand), or the group's sensor marked it failed."""
         run = instance.get_run_by_id(run_id)
         retell(run)
         reason = run.tags.get(STOP_TAG) if run is not None else None
@@ -286,8 +279,7 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     kept = GroupStream(pgstream.database_url, application_name=f"pgstream group slot reader {run_id}")
 
     def read(conn: psycopg.Connection, secs: float) -> None:
-        """The group run's reader: the group's slot read as the group's sensor reads it (the same function), over
-        one replication connection kept open across the calls."""
+        """The group run's reader: the group's slot read as the group's sensor reads it, over ``kept``."""
         with fewer_collections():  # the reader records in bulk (as the group's sensor's tick does)
             result = consume_group(conn, group, streams, secs, kept=kept, invalid=pgstream.config.left_out,
                                    stop=delivery.reading_ended)
@@ -317,11 +309,8 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     context.log.info(f"reader group {group}: group delivery run ended ({reason})")
 
 
-@dg.job(
-    name=GROUP_DELIVERY_JOB,
-    description="Deliver the events of a reader group's streams, each stream's runs hosted in a thread of this one "
-                "run (requested by the group's sensor).",
-    executor_def=dg.in_process_executor,
-)
+@dg.job(name=GROUP_DELIVERY_JOB, executor_def=dg.in_process_executor,
+        description="Deliver the events of a reader group's streams, each stream's runs hosted in a thread of this "
+                    "one run (requested by the group's sensor).")
 def group_delivery_job() -> None:
     deliver_group()

@@ -2,24 +2,20 @@
 
 Streams come from ``pgstream.yaml`` and from ``pgstream_dagster.StreamComponent``s (a ``defs.yaml``
 in the defs folder). Each stream has the same definitions wherever it is declared
-(:func:`stream_definitions`): a sensor (none for a reader group's member: its group's sensor decides for
-it), a deliveries asset, a status asset, its subscription assets and its checks (and, for a lake sink, its
-table's asset and check). The rest is defined once (:func:`shared_definitions`): the delivery, replay, backfill,
-control, housekeeping, checks and subscriptions jobs (a run of the replay, backfill or control job names its stream
-in its run config), the housekeeping asset, the subscribed tables, the schedules, the subscriptions sensor, the
+(:func:`stream_definitions`): a deliveries asset, a status asset, its subscription assets and its checks
+(and, for a lake sink, its table's asset and check); its reader group's sensor decides for it. The rest is
+defined once (:func:`shared_definitions`): the jobs (a run of the replay, backfill or control job names its
+stream in its run config), the housekeeping asset, the subscribed tables, the schedules, the sensors, the
 executor and the resources.
 
 The configuration is read once, when the definitions are loaded: the ``pgstream`` resource holds
 ``pgstream.yaml`` plus the streams of every StreamComponent of the project, validated together
-(ids and slots unique), so the sensors, the shared delivery job and the checks all see the same
-streams, and no run reads a file.
+(ids and slots unique), so every definition sees the same streams, and no run reads a file.
 
 :func:`pgstream_location` is what ``dg.load_from_defs_folder`` loads from this folder: it finds the
-StreamComponents with ``context.component_tree.get_all_components`` (as
-:class:`StreamDeclaringComponent`s: this module does not import the component package, which imports
-it); each component builds its own stream's definitions. :func:`build_definitions` builds everything
-from a ``pgstream.yaml`` alone
-(tests, scripts).
+StreamComponents as :class:`StreamDeclaringComponent`s (this module does not import the component package,
+which imports it); each component builds its own stream's definitions. :func:`build_definitions` builds
+everything from a ``pgstream.yaml`` alone (tests, scripts).
 """
 
 from collections.abc import Sequence
@@ -65,18 +61,14 @@ class StreamDeclaringComponent(dg.Component):
 
 def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.AssetSpec:
     return dg.AssetSpec(
-        key=deliveries_asset_key(stream.id),
-        group_name="pgstream",
+        key=deliveries_asset_key(stream.id), group_name="pgstream", kinds={"postgres", "spark"}, deps=deps,
         description=f"Events of stream {stream.id} delivered to its {stream.sink.type} sink; a run's first round "
                     f"is one materialization, its later rounds one at most every "
                     f"{stream.delivery.tuning.report_every_secs:g} s (delivery.tuning.report_every_secs) and one when "
                     f"it ends.",
         metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "reader_group": stream.reader,
                   "batch_max_size": stream.batch.max_size, "ordering": stream.delivery.ordering,
-                  "mode": stream.delivery.mode},
-        kinds={"postgres", "spark"},
-        deps=deps,
-    )
+                  "mode": stream.delivery.mode})
 
 
 def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definitions:

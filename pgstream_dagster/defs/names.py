@@ -58,15 +58,13 @@ def stream_sensor_name(stream_id: int) -> str:
 
 def stream_tag(stream_id: int, database: str) -> str:
     """The value of :data:`STREAM_TAG` of stream ``stream_id`` of ``database`` (``engine.dbconn.database_key``):
-    ``1@db.internal:5432/app``. Stream ids repeat across the databases one Dagster instance serves: each
-    database's stream 1 has its own runs."""
+    ``1@db.internal:5432/app`` (stream ids repeat across the databases one Dagster instance serves)."""
     return f"{stream_id}@{database}"
 
 
 def group_tag(group: str, database: str) -> str:
-    """The value of :data:`GROUP_TAG` of reader group ``group`` of ``database`` (``engine.dbconn.database_key``):
-    ``default@db.internal:5432/app``. Two databases served by one Dagster instance can both have a group
-    ``default``: each has its own delivery run."""
+    """The value of :data:`GROUP_TAG` of reader group ``group`` of ``database``, as :func:`stream_tag`'s:
+    ``default@db.internal:5432/app``."""
     return f"{group}@{database}"
 
 
@@ -76,8 +74,7 @@ def group_sensor_name(group: str) -> str:
 
 
 def group_slot_check_name(group: str) -> str:
-    """The asset check of a reader group's slot (on ``pgstream/events_partitions``, one per group: its members
-    share the slot, so their deliveries assets carry no slot check of their own)."""
+    """The asset check of a reader group's slot (on ``pgstream/events_partitions``: its members share it)."""
     return f"group_{group}_slot_retained_wal"
 
 

@@ -2,19 +2,15 @@
 event-id range, time range and/or subscription keys, in id order, in chunks, with progress in the
 run log. One job for the location (``pgstream_replay``), the stream in its run config (``stream_id``); a run
 is tagged with its stream (``pgstream/stream``) when it starts, so the run queue holds the stream's deliveries
-behind it. Whatever launches it (``dagster job execute`` bypasses the queue), a replay holds the stream's
-delivery lease for its whole length (:func:`~..engine.ledger.locks.acquire_replay_lease`), so it never interleaves
-with the stream's deliveries. ``dry_run`` only counts (and takes no lease).
+behind it, and whatever launches it (``dagster job execute`` bypasses the queue) it holds the stream's delivery
+lease for its whole length (:func:`~..engine.ledger.locks.acquire_replay_lease`): it never interleaves with the
+stream's deliveries. ``dry_run`` only counts (and takes no lease). Replays are at-least-once by nature: the sink
+sees the events again, with the same ids as idempotency keys. The ledger is not touched.
 
-Replays are at-least-once by nature: the sink sees the events again, with the same ids as
-idempotency keys. The ledger is not touched.
-
-The same job redelivers the stream's open dead letters (``dead_letters: true`` or
-``dead_letter_ids``), in their delivery-order position, through the stream's sink
-(:func:`pgstream_dagster.engine.deadletters.redeliver`; no Spark involved): so a redelivery is queued like
-any replay and never interleaves with the stream's deliveries.
+The same job redelivers the stream's open dead letters (``dead_letters: true`` or ``dead_letter_ids``), in
+their delivery-order position, through the stream's sink (:func:`pgstream_dagster.engine.deadletters.redeliver`;
+no Spark involved), queued and leased like any replay.
 """
-
 
 import time
 from collections.abc import Generator
@@ -68,8 +64,7 @@ class ReplayConfig(dg.Config):
     to_event_id: int = Field(0, ge=0, description="last event id (inclusive; 0: through the last)")
     from_time: str = Field("", description="ISO 8601, events created at or after (UTC if no offset; empty: no "
                                            "lower bound)")
-    to_time: str = Field("", description="ISO 8601, events created before (UTC if no offset; empty: no upper "
-                                         "bound)")
+    to_time: str = Field("", description="ISO 8601, events created before (UTC if no offset; empty: no upper bound)")
     # a list default is copied for each config (pydantic), and unlike default_factory Dagster shows it
     subscription_keys: list[str] = Field([], description="only events of these subscriptions")
     all_events: bool = Field(False, description="replay every event of the stream still in pgstream.events")
@@ -126,14 +121,14 @@ def replay(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: dg.Re
     # the run's stream: the run queue holds the stream's deliveries behind it, the UI filters by it
     with pgstream.connect() as conn:
         context.instance.add_run_tags(context.run_id, {STREAM_TAG: stream_tag(stream.id, database_key(conn))})
+    letters = config.dead_letters or config.dead_letter_ids
     try:  # a bad request fails before it takes anything
-        if config.dead_letters or config.dead_letter_ids:
+        if letters:
             dead_letter_selection(config)
         else:
             selection(stream.id, config)
     except ReplayError as exc:
-        what = (f"redelivery of stream {stream.id}'s dead letters" if config.dead_letters or config.dead_letter_ids
-                else f"replay of stream {stream.id}")
+        what = f"redelivery of stream {stream.id}'s dead letters" if letters else f"replay of stream {stream.id}"
         raise dg.Failure(f"{what}: {exc}") from None
     with ExitStack() as held:
         if not config.dry_run:
@@ -143,13 +138,13 @@ def replay(context: dg.OpExecutionContext, config: ReplayConfig, pgstream: dg.Re
             held.enter_context(locks.acquire_replay_lease(
                 pgstream.database_url, stream.id, context.run_id,
                 lambda what: context.log.info(f"replay of stream {stream.id}: waiting for {what}")))
+        if letters:
+            return _redeliver_dead_letters(context, stream, config, pgstream)
         return _replay(context, stream, config, pgstream, pyspark)
 
 
 def _replay(context: dg.OpExecutionContext, stream: StreamConfig, config: ReplayConfig, pgstream: PgstreamResource,
             pyspark: LazyPySparkResource) -> int:
-    if config.dead_letters or config.dead_letter_ids:
-        return _redeliver_dead_letters(context, stream, config, pgstream)
     with build_sink(stream.sink) as sink:  # closed however the replay ends
         # where the events come from: the choice every delivery makes (engine.delivery.sources.route): JSON
         # lines rendered by Postgres for a sink that takes them, else the run's own connections unless every
@@ -248,11 +243,9 @@ def _published(context: dg.OpExecutionContext, stream: StreamConfig, source: Sou
                 yield delivery.handled
 
 
-@dg.job(name=REPLAY_JOB,
+@dg.job(name=REPLAY_JOB, tags={REPLAY_TAG: "true"}, executor_def=dg.in_process_executor,
         description="Replay events of a stream (stream_id) by id range, time range or subscription keys, or redeliver "
                     "its dead letters (launch from the Launchpad; dry_run only counts). Its runs are tagged "
-                    f"{STREAM_TAG}=<stream_id>@<host:port/database> when they start.",
-        tags={REPLAY_TAG: "true"},
-        executor_def=dg.in_process_executor)
+                    f"{STREAM_TAG}=<stream_id>@<host:port/database> when they start.")
 def replay_job() -> None:
     replay()

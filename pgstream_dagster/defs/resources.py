@@ -1,10 +1,7 @@
-"""The ``pgstream`` resource: the location's configuration, read once with the definitions, and
-connections to its database.
-
-A plain object handed to ops, sensors, assets and checks as it is (``dg.ResourceParam``): it has no
-config schema, so nothing of it appears in run config or the UI; the database URL and the sink
-credentials stay ``SecretStr`` inside it. Every definition of the location sees the same
-configuration: ``pgstream.yaml`` plus the streams declared as ``StreamComponent``s.
+"""The ``pgstream`` resource: the location's configuration (``pgstream.yaml`` plus the streams declared as
+``StreamComponent``s), read once with the definitions, and connections to its database. A plain object handed
+to ops, sensors, assets and checks as it is (``dg.ResourceParam``): it has no config schema, so nothing of it
+appears in run config or the UI; the database URL and the sink credentials stay ``SecretStr`` inside it.
 """
 
 from __future__ import annotations

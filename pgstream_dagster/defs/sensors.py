@@ -9,14 +9,11 @@ A group's tick, repeated for up to ``sensor.tick_budget_secs``:
    slot, make sure it exists and is usable (a missing or invalidated slot is recreated and every event the
    ledger does not cover is recovered from the table), let a stream that had a slot of its own join, record
    the transactions waiting as batches and advance the slot, so WAL is released whatever the sinks do;
-2. **decide**, for each member, after each slice of reading: read the streams' states in one query
-   (``ledger.state.stream_states``), look at the run each state points at (the head batch's run, or the
-   open run a pending head would be handed to) as an engine :class:`~..engine.batches.RunView` (a member
-   run whose delivery lease was lost is *dead*; a started Dagster run is dead once the session that held its
-   lease has ended, or when it has taken none ``delivery.run_grace_secs`` after it started, and is reported
-   failed at once), and let the pure :func:`~..engine.batches.decide` choose the action: wait (paused,
-   failover backoff, run busy), launch a run, hand new batches to the open run, request a lost run again,
-   fail a run (failover), leave failover once caught up;
+2. **decide**, for each member, after each slice of reading (:func:`step`): read the streams' states in one
+   query, look at the run each state points at as an engine :class:`~..engine.batches.RunView` (a dead one,
+   see :func:`_lease_view`, is reported failed at once), and let the pure :func:`~..engine.batches.decide`
+   choose the action: wait, launch a run, hand new batches to the open run, request a lost run again, fail a
+   run (failover), leave failover once caught up;
 3. **apply** it: ``ledger.state.apply`` makes the ledger's transitions; a run of a member in mode per_batch
    becomes a ``RunRequest`` (``run_key`` = stream, installation, batches, attempt: a re-evaluated tick
    requests nothing twice), the group's delivery run is requested when none is live.
@@ -25,13 +22,12 @@ Each tick also updates the cursor (per member: the last event id and LSN the led
 backlog) and observes a member's status asset when its state changed or it is due.
 """
 
-
 import datetime as dt
 import functools
 import hashlib
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,13 +78,14 @@ LOADED_AT = time.time()
 
 def _interrupted_before_load(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
     """The run was interrupted (SIGINT/SIGTERM, no termination requested) and ended before this code
-    location was loaded: stopped by the shutdown that preceded this start, not by anything of its batch.
-    One interrupted later (while this location runs: a shutdown under way, the run signalled alone)
-    backs off as any failure (a retry requested during a shutdown would fail to launch)."""
+    location was loaded: stopped by the shutdown that preceded this start, not by anything of its batch (one
+    interrupted later backs off as any failure: a retry requested during a shutdown would fail to launch)."""
     if run.tags.get(FAILURE_REASON_TAG) != _INTERRUPTED:
         return False
     record = instance.get_run_record_by_id(run.run_id)
     return record is not None and record.end_time is not None and record.end_time < LOADED_AT
+
+
 _LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
          dg.DagsterRunStatus.STARTED}
 #: how long a group's tick reads the group's slot before it decides for the members again
@@ -151,13 +148,20 @@ def _lease_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.
         return ("the database session holding its delivery lease has ended (its process died, or Postgres "
                 "restarted): it delivers nothing more"), ""
     grace = stream.delivery.run_grace_secs
+    late, doing = _not_taken(instance, run, grace, now.timestamp())
+    if not late:
+        return None, f"run {run.run_id}: {doing}"
+    return f"no delivery lease {grace:g} s after it started (delivery.run_grace_secs): its process died", ""
+
+
+def _not_taken(instance: dg.DagsterInstance, run: dg.DagsterRun, grace: float, now: float) -> tuple[bool, str]:
+    """A started run that has taken no delivery lease yet: whether ``grace`` has passed since it started
+    (it is dead), and how long ago it started."""
     record = instance.get_run_record_by_id(run.run_id)
     started = record.start_time if record else None
-    age = now.timestamp() - started if started is not None else 0.0
-    if started is None or age < grace:
-        return None, (f"run {run.run_id}: started {age:.0f} s ago, has not taken its delivery lease yet "
-                      f"(run_grace_secs {grace:g})")
-    return f"no delivery lease {grace:g} s after it started (delivery.run_grace_secs): its process died", ""
+    age = now - started if started is not None else 0.0
+    return (started is not None and age >= grace,
+            f"started {age:.0f} s ago, has not taken its delivery lease yet (run_grace_secs {grace:g})")
 
 
 def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun | None,
@@ -223,10 +227,9 @@ def _member_host(instance: dg.DagsterInstance, conn: psycopg.Connection, group: 
 
 def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
                  run_key: str, look: GroupLook | None = None) -> tuple[RunView, str | None] | None:
-    """The member run ``run_key`` of a reader group's stream, hosted by the group's delivery run: what that
-    run said of it (its member tag: running, ended, failed with the error), the group run's Dagster status
-    and, while it is started, the member's delivery lease (held: live; lost: dead, its process died). None:
-    no group run took it (yet)."""
+    """The member run ``run_key`` of a reader group's stream: what its group delivery run said of it (its member
+    tag), the group run's status and, while it is started, the member's delivery lease (lost: dead). None: no
+    group run took it (yet)."""
     found = _member_host(instance, conn, stream.reader, stream.id, run_key, look)
     if found is None:
         return None
@@ -258,22 +261,14 @@ def _waiting_member(stream: StreamConfig, run_key: str) -> tuple[RunView, str]:
     return RunView(RunStatus.LIVE, run_key), f"the delivery run of reader group {stream.reader} to take run {run_key}"
 
 
-def _report_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, view: RunView, stream: StreamConfig,
-                 log: list[str]) -> None:
-    instance.report_run_failed(run, f"pgstream: run {run.run_id} of stream {stream.id} died: {view.error}")
-    log.append(f"stream {stream.id}: run {run.run_id} died ({view.error}); marked failed")
-
-
 def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
          log: list[str], waiting: list[str] | None = None, said: dict[str, Any] | None = None,
          look: GroupLook | None = None, state: StreamState | None = None) -> dg.RunRequest | None:
     """One decision: read the stream's state, look at its run in Dagster, decide, apply; the run to
-    request, if any. ``log`` receives what the tick log should say (why nothing was launched; with
-    ``said``, what was said before, a lasting state once and then a reminder a minute:
+    request, if any. ``log`` receives what the tick log should say (with ``said``, what was said before:
     :func:`~..engine.batches.tick_notes`), ``waiting`` what the run the stream waits for is doing (for the
-    skip reason), ``look`` and ``state`` a reader group's delivery runs and leases, and the stream's state, when
-    its sensor read them once for all
-    its members. A dead run is reported failed to Dagster as soon as it is seen."""
+    skip reason); ``look`` and ``state``: what the group's sensor read once for all its members. A dead run
+    is reported failed to Dagster as soon as it is seen."""
     if state is None:
         state = ledger_state.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
@@ -292,7 +287,8 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         view, doing = _run_view(conn, instance, run, stream, now)
     action = decide(state, view, now, stream)
     if view.status is RunStatus.DEAD and run is not None:
-        _report_dead(instance, run, view, stream, log)
+        instance.report_run_failed(run, f"pgstream: run {run.run_id} of stream {stream.id} died: {view.error}")
+        log.append(f"stream {stream.id}: run {run.run_id} died ({view.error}); marked failed")
     if waiting is not None:
         waiting[:] = [f"waiting for {doing}"] if doing is not None and state.head is not None else []
     log.extend(notes(action) if said is None else tick_notes(action, said, time.time()))
@@ -329,10 +325,9 @@ OBSERVATIONS_PER_TICK = 10
 def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
                     row: dict[str, Any], cursor: dict[str, Any],
                     look: GroupLook | None = None, members: int = 0) -> dg.AssetObservation | None:
-    """An observation of the stream status asset when anything it shows changed (counts, state, the
-    open run and what became of it) or it is due (``sensor.status_every_secs``); a member of a reader group of
-    ``members`` streams: when its state changed, or it is due (every ``members / OBSERVATIONS_PER_SEC``
-    seconds at least)."""
+    """An observation of the stream status asset when anything it shows changed or it is due
+    (``sensor.status_every_secs``); a member of a reader group of ``members`` streams: when its state changed,
+    or it is due (every ``members / OBSERVATIONS_PER_SEC`` seconds at least)."""
     run_state = (open_run_state(conn, instance, row["open_run_key"], stream, look) if row.get("open_run_key")
                  else None)
     shown = [row.get(k) for k in _SEEN_STATE] + [run_state] + ([] if members else [row.get(k) for k in _SEEN_COUNTS])
@@ -356,10 +351,8 @@ LEFT_OUT_TELL_SECS = 30
 
 def left_out_sensor(stream_id: int, problem: str) -> dg.SensorDefinition:
     """The sensor of a stream whose ``streams[]`` entry is invalid (the code location left it out, the other
-    streams go on): each tick tells ``problem`` in one line, as its log's error and its skip reason, and
-    does nothing else. The stream's events wait for the entry to be fixed: its group records them meanwhile
-    (``ingest.group.unconfigured``; a stream that still has a slot of its own from an earlier version joins
-    once it is fixed, its slot keeping the WAL meanwhile)."""
+    streams go on): each tick tells ``problem`` in one line (log and skip reason), and does nothing else. The
+    stream's events wait for the entry to be fixed: its group records them meanwhile."""
     line = f"stream {stream_id} is left out: its streams[] entry is invalid: {problem}"
 
     @dg.sensor(name=stream_sensor_name(stream_id), minimum_interval_seconds=LEFT_OUT_TELL_SECS,
@@ -376,13 +369,10 @@ def left_out_sensor(stream_id: int, problem: str) -> dg.SensorDefinition:
 
 def _register_members(conn: psycopg.Connection, group: str, streams: list[StreamConfig], log: list[str],
                       left_out: dict[int, str]) -> None:
-    """The members the database does not have in the group yet are registered now, even while the group run's
-    reader holds the group's reading (one query when none is missing): the run, built from an older
-    configuration, records the new member meanwhile (``ingest.group.unconfigured``) and is asked to end (its
-    configuration is not the code location's: :func:`_ask_to_end`), and the next one hosts it. A member
-    whose registration is refused (a stream of another group, a publication by its name that another role
-    made) is left out, in one line (``log`` and ``left_out``), and the others go on; the group's reader
-    leaves it out too."""
+    """The members the database does not have in the group yet are registered now (one query when none is
+    missing), even while an older group run's reader reads: that run records them meanwhile and is asked to end
+    (:func:`_ask_to_end`); the next one hosts them. A member whose registration is refused (a stream of another
+    group, a publication by its name that another role made) is left out in one line (``log``, ``left_out``)."""
     added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     log.extend(refused.values())
     left_out.update(refused)
@@ -394,10 +384,8 @@ def _register_members(conn: psycopg.Connection, group: str, streams: list[Stream
 def _ask_to_end(instance: dg.DagsterInstance, run: dg.DagsterRun, group: str, fingerprint: str,
                 log: list[str]) -> str:
     """A live group run requested with another configuration than the code location's (its
-    :data:`~.names.CONFIG_TAG`) is asked to end, once (:data:`~.names.STOP_TAG`, which its stop check
-    reads; logged when added): its members' runs close as at ``max_run_secs`` and the group's next run,
-    requested once it has ended, is built from the code location's configuration. What the skip reason
-    adds ('' for a run of the current configuration)."""
+    :data:`~.names.CONFIG_TAG`) is asked to end, once (:data:`~.names.STOP_TAG`, logged when added): its
+    members' runs close as at ``max_run_secs``. What the skip reason adds ('' for the current configuration)."""
     if run.tags.get(CONFIG_TAG) == fingerprint:
         return ""
     if STOP_TAG not in run.tags:
@@ -411,15 +399,10 @@ def _ask_to_end(instance: dg.DagsterInstance, run: dg.DagsterRun, group: str, fi
 
 def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
                    log: list[str], left_out: dict[int, str]) -> tuple[dg.RunRequest | None, str]:
-    """The group's delivery run: the one live (queued, starting, or started and holding the group's
-    delivery lease), or one to request when a member wants a run hosted (``ledger.groups.member_runs``) and none
-    is live. A started group run whose lease was lost (its process died), or that took none
-    ``delivery.run_grace_secs`` after it started, is reported failed (the group's sensor sees its members' runs
-    dead or failed, and retries them). The run is requested with the fingerprint of the members'
-    configuration (:data:`~.names.CONFIG_TAG`); a live one of another configuration is asked to end
-    (:func:`_ask_to_end`), and the next one is requested once it has. Members the database does not have
-    in the group yet are registered first (:func:`_register_members`; those refused are left out, in
-    ``left_out``)."""
+    """The group's delivery run: the one live (queued, starting, or started and holding the group's delivery
+    lease), or one to request (with the members' :data:`~.names.CONFIG_TAG`) when none is. A started one whose
+    lease was lost, or that took none ``delivery.run_grace_secs`` after it started, is reported failed (the
+    sensor then retries its members' runs). Members are registered first (:func:`_register_members`)."""
     _register_members(conn, group, streams, log, left_out)
     fingerprint = streams_fingerprint(streams)
     grace = min(s.delivery.run_grace_secs for s in streams)
@@ -429,15 +412,10 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         doing = ""
         if run.status == dg.DagsterRunStatus.STARTED:
             state = locks.group_lease_state(conn, group, run.run_id)
-            late = False
-            doing = " (it holds the group's delivery lease)"
+            late, doing = False, " (it holds the group's delivery lease)"
             if state is locks.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
-                record = instance.get_run_record_by_id(run.run_id)
-                started = record.start_time if record else None
-                late = started is not None and time.time() - started >= grace
-                age = time.time() - started if started is not None else 0.0
-                doing = (f": started {age:.0f} s ago, has not taken its delivery lease yet (run_grace_secs "
-                         f"{grace:g})")
+                late, doing = _not_taken(instance, run, grace, time.time())
+                doing = f": {doing}"
             if state is locks.LeaseState.LOST or (state is locks.LeaseState.NOT_TAKEN and late):
                 why = ("the database session holding the group's delivery lease has ended (its process died)"
                        if state is locks.LeaseState.LOST else
@@ -523,12 +501,10 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
                     cursor: dict[str, Any], log: list[str], requests: list[dg.RunRequest],
                     observations: int = OBSERVATIONS_PER_TICK,
                     waits: dict[int, str] | None = None) -> list[dg.AssetObservation]:
-    """The decisions of every member, once each (:func:`step`: an open or warm member's runs are hosted by the
-    group delivery run; a run of a member in mode per_batch is a Dagster run of its own, added to ``requests``),
-    and the observations of their status assets (at most ``observations``; ``waits``: what the run of each
-    member in mode per_batch with a backlog is doing, for the tick's skip reason). A member still handing its
-    own slot over (it had one before it joined) has it read first (``consume``: its events are delivered
-    meanwhile). The group's newest delivery runs are read once for all of them."""
+    """The decisions of every member, once each (:func:`step`; the runs of members in mode per_batch are added
+    to ``requests``), and the observations of their status assets (at most ``observations``; ``waits``: what
+    the run of each member in mode per_batch is doing, for the skip reason). A member still handing its own
+    slot over has it read first (``consume``)."""
     state = groups.group_state(conn, group)
     joined = {m.id for m in state.members if m.joined} if state is not None else set()
     # a member the database does not have in the group was left out (its registration refused, told by the tick)
@@ -592,20 +568,9 @@ def _slot_fits(conn: psycopg.Connection, group: str) -> None:
         raise LimitsExceeded([line])
 
 
-def _unconfigured(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
-                  invalid: Mapping[int, str]) -> dict[int, str]:
-    """The group's members the configuration does not deliver (their streams[] entry invalid, or missing), each
-    told in one line (as the group's reader tells it: ``ingest.group.unconfigured``)."""
-    state = groups.group_state(conn, group)
-    return unconfigured(state, streams, invalid) if state is not None else {}
-
-
 def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
-    """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``), the one
-    sensor of all its members: each tick reads the group's one slot (while no group delivery run reads it) and
-    records each stream's transactions in its ledger, handing them to the stream's open run
-    (``engine/ingest/group.py``), decides for each member (launch, hand over, fail over, retry: the group
-    delivery run hosts what is decided) and requests the group's delivery run when none is live."""
+    """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``): its tick
+    is the module's docstring's."""
     budget = min(s.sensor.tick_budget_secs for s in streams)
     ids = sorted(s.id for s in streams)
 
@@ -688,7 +653,10 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                                     waits=waits)
                 except _TOLD_IN_ONE_LINE as exc:
                     return _told(context, exc)
-            left_out.update(_unconfigured(conn, group, streams, invalid))  # told at every tick, whoever read
+            # the members the configuration does not deliver (their streams[] entry invalid, or missing), in one
+            # line each as the group's reader tells them: told at every tick, whoever read
+            if (state := groups.group_state(conn, group)) is not None:
+                left_out.update(unconfigured(state, streams, invalid))
         for line in [*decisions, *notes_]:
             context.log.warning(line)
         group_log(context.log, group, result, noted=set(notes_))  # (a member left out: told once)

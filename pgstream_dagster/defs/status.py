@@ -22,20 +22,18 @@ def status_asset_spec(stream_id: int, deliveries_key: dg.AssetKey) -> dg.AssetSp
 
 
 def _markdown_batches(batches: list[dict[str, Any]]) -> str:
-    rows = ["| batch | kind | status | events | ids | attempts | delivered at |", "|---|---|---|---|---|---|---|"]
-    for b in batches:
-        rows.append(f"| {b['id']} | {b['kind']} | {b['status']} | {b['event_count']} | "
-                    f"{b['first_event_id']}..{b['last_event_id']} | {b['attempts']} | {b['delivered_at'] or ''} |")
-    return "\n".join(rows)
+    return "\n".join(["| batch | kind | status | events | ids | attempts | delivered at |",
+                      "|---|---|---|---|---|---|---|",
+                      *(f"| {b['id']} | {b['kind']} | {b['status']} | {b['event_count']} | {b['first_event_id']}.."
+                        f"{b['last_event_id']} | {b['attempts']} | {b['delivered_at'] or ''} |" for b in batches)])
 
 
 def _markdown_consumers(readers: list[dict[str, Any]]) -> str:
-    rows = ["| consumer | position | lag (events) | oldest unread | kept for (days) | overrun |",
-            "|---|---|---|---|---|---|"]
-    for c in readers:
-        rows.append(f"| {c['name']} | {c['batch_id']}:{c['ord']} | {c['lag_events']} | {c['oldest_unread'] or ''} | "
-                    f"{c['max_retention_days']} | {'yes' if c['overrun'] else 'no'} |")
-    return "\n".join(rows)
+    return "\n".join(["| consumer | position | lag (events) | oldest unread | kept for (days) | overrun |",
+                      "|---|---|---|---|---|---|",
+                      *(f"| {c['name']} | {c['batch_id']}:{c['ord']} | {c['lag_events']} | "
+                        f"{c['oldest_unread'] or ''} | {c['max_retention_days']} | {'yes' if c['overrun'] else 'no'} |"
+                        for c in readers)])
 
 
 def status_observation(s: dict[str, Any], open_run_state: str | None = None,
@@ -46,29 +44,25 @@ def status_observation(s: dict[str, Any], open_run_state: str | None = None,
     ``observer``: who looked (the sensor, or the delivery run after a round)."""
     now = dt.datetime.now(dt.UTC)
     oldest = s["oldest_undelivered_at"]
+    def when(key: str) -> Any:
+        return dg.MetadataValue.timestamp(s[key]) if s.get(key) else None
+
     metadata: dict[str, Any] = {
         "state": s["state"],
-        "undelivered_events": int(s["undelivered_events"]),
-        "undelivered_batches": int(s["undelivered_batches"]),
+        "undelivered_events": int(s["undelivered_events"]), "undelivered_batches": int(s["undelivered_batches"]),
         "oldest_undelivered_event_id": s["oldest_undelivered_event_id"],
         "oldest_undelivered_age_secs": round((now - oldest).total_seconds(), 1) if oldest else 0.0,
         "delivered_today": int(s["delivered_today"]),
-        "cursor_last_event_id": s.get("last_recorded_event_id"),
-        "cursor_last_lsn": s.get("last_recorded_lsn"),
+        "cursor_last_event_id": s.get("last_recorded_event_id"), "cursor_last_lsn": s.get("last_recorded_lsn"),
         "slot": f"{s['slot_name']} ({s['wal_status']})" if s["slot_exists"] else f"{s['slot_name']} (missing)",
-        "slot_lag_bytes": s["slot_lag_bytes"],
-        "slot_retained_wal_bytes": s["slot_retained_bytes"],
-        "failover_since": dg.MetadataValue.timestamp(s["failover_since"]) if s["failover_since"] else None,
-        "failover_checkpoint_event_id": s["failover_checkpoint_id"],
-        "failover_attempts": s["failover_attempts"],
-        "failover_next_retry": dg.MetadataValue.timestamp(s["failover_retry_at"]) if s["failover_retry_at"] else None,
+        "slot_lag_bytes": s["slot_lag_bytes"], "slot_retained_wal_bytes": s["slot_retained_bytes"],
+        "failover_since": when("failover_since"), "failover_checkpoint_event_id": s["failover_checkpoint_id"],
+        "failover_attempts": s["failover_attempts"], "failover_next_retry": when("failover_retry_at"),
         "failover_error": s["failover_error"],
         "open_run_key": s.get("open_run_key"),
         "open_run_state": open_run_state if s.get("open_run_key") else None,
-        "observed_by": observer,
-        "open_dead_letters": int(s.get("open_dead_letters") or 0),
-        "oldest_dead_letter_at": (dg.MetadataValue.timestamp(s["oldest_dead_letter_at"])
-                                  if s.get("oldest_dead_letter_at") else None),
+        "observed_by": observer, "open_dead_letters": int(s.get("open_dead_letters") or 0),
+        "oldest_dead_letter_at": when("oldest_dead_letter_at"),
         "last_batches": dg.MetadataValue.md(_markdown_batches(s["last_batches"])),
     }
     readers = s.get("consumers") or []
