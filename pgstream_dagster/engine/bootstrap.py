@@ -56,7 +56,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
     :class:`~.limits.LimitsExceeded` (one line per problem) before anything changes."""
     from ..config import load_config
     from .housekeeping import run_housekeeping
-    from .ingest import GroupResult, ensure_group
+    from .ingest.group import GroupResult, ensure_group
     from .migrations import migrate
     from .subscriptions import apply_subscriptions
 

@@ -1,26 +1,14 @@
-"""A reader group's reader: one slot and one publication for several streams (``streams[].reader``), so
-the WAL is decoded once for all of them (docs/architecture.md, "One reader for a group of streams").
+"""A reader group's reader: one slot and one publication for several streams (``streams[].reader``), the WAL
+decoded once for all of them (docs/architecture.md, "One reader per database"). :func:`consume_group`,
+each tick of the group's sensor (and each call of a group delivery run's reader):
 
-:func:`consume_group`, each tick of the group's sensor (and each call of a group delivery run's reader):
-
-1. **ensure** (:func:`ensure_group`): every configured member is registered (``register_missing_members``:
-   ``register_group_member`` for those the database does not have in the group yet),
-   the group's publication filters on exactly its members (``ensure_group_publication``), and the group's
-   slot exists and is usable. A slot that was dropped or invalidated (or a publication dropped by hand)
-   sets ``recovery_pending`` on the group and each joined member, is replaced, and each member records
-   from ``pgstream.events`` what its ledger does not cover (duplicates possible after an interruption,
-   losses not).
-2. **join** (:func:`join_members`): a member that still had its own slot hands over: once the
-   publication includes it and every transaction running then has ended, ``begin_join`` sets its join
-   position L (the WAL insert position) and makes the group's reader its declared reader; its own slot is
-   drained up to L here, then dropped. While one drains the group's slot is not read; one that waits for
-   older transactions is skipped in the group's slot (what of it is there ends before its L).
-3. **record**: the one recording loop (:class:`~.recorder.Recorder`) over the group's slot (the
-   sensor peeks it; a group delivery run's reader reads it over the replication protocol, one connection
-   kept open across its calls: :class:`GroupStream`), decoding each event's stream id, routing each
-   transaction by stream and recording each member's part in its ledger (with reader ``group:<name>``),
-   all in one ledger transaction that also writes what the group recorded through, handing the batches
-   to a member's open run in the same transaction.
+1. **ensure** (:func:`ensure_group`): members registered, the publication filtering on them, the slot usable
+   (a lost slot or publication is replaced, each member recovering from ``pgstream.events``);
+2. **join** (:func:`join_members`): a member that still had its own slot drains it up to its join position
+   (``begin_join``), then drops it; while one drains, the group's slot is not read;
+3. **record**: the one recording loop (:class:`~.recorder.Recorder`) over the group's slot (peeked by the
+   sensor, read over the replication protocol by the run's reader: :class:`GroupStream`), routing each
+   transaction by stream, every member's part and the hand-over to its open run in one ledger transaction.
 """
 
 from __future__ import annotations
@@ -106,20 +94,12 @@ def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Tra
         out: dict[int, list[Transaction]] = {}
         for t in txns:
             parts: dict[int, Transaction] = {}
-            for e in t.events:
-                sid = e.stream_id
-                if sid in members:
-                    part = parts.get(sid)
-                    if part is None:
-                        part = parts[sid] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
-                    part.events.append(e)
-            for u in t.unreadable:
-                sid = u.stream_id
-                if sid in members:
-                    part = parts.get(sid)
-                    if part is None:
-                        part = parts[sid] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
-                    part.unreadable.append(u)
+            for attr in ("events", "unreadable"):
+                for item in getattr(t, attr):
+                    if item.stream_id in members:
+                        if item.stream_id not in parts:
+                            parts[item.stream_id] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
+                        getattr(parts[item.stream_id], attr).append(item)
             for sid, part in parts.items():
                 out.setdefault(sid, []).append(part)
         return out

@@ -29,7 +29,6 @@ from ...config import StreamConfig
 from .. import replication, walstream
 from ..ledger import groups, recording, state, streams
 from ..replication import Transaction
-from .results import ConsumeResult
 from .source import PeekSource, SlotSource
 
 #: with the source drained, what is waiting is recorded at once, but at most this often (under
@@ -109,6 +108,22 @@ class StreamLedger:
         self.unreadable += sum(len(t.unreadable) for t in fresh)
         last = next((t.events[-1].id for t in reversed(fresh) if t.events), None)
         self.last_event_id = last if last is not None else self.last_event_id
+
+
+@dataclass
+class ConsumeResult:
+    """What a read of a joining member's own slot reports (:func:`consume`)."""
+
+    batches: list[int] = field(default_factory=list)
+    events: int = 0
+    last_event_id: int | None = None
+    last_lsn: str | None = None
+    slot_lost: bool = False
+    unreadable: int = 0  # events set aside as dead letters (stage 'read')
+    #: nothing read: the group's reader reads for the stream, it has no usable slot of its own, or another
+    #: connection held it
+    slot_busy: bool = False
+    slot: str | None = None  # the slot read (pgstream.streams.slot), or the group's
 
 
 def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> list[Transaction]:

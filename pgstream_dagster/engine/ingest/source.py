@@ -15,8 +15,10 @@ both; nothing here knows about the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 import psycopg
@@ -57,6 +59,19 @@ class SlotSource(Protocol):
     def close(self) -> None: ...
 
 
+@contextlib.contextmanager
+def _slot_errors(slot: str, *, gone: bool = True) -> Iterator[None]:
+    """Postgres' refusals of a slot as :class:`~..walstream.SlotBusy` (and, if ``gone``, ``SlotGone``)."""
+    try:
+        yield
+    except psycopg.errors.ObjectInUse:
+        raise walstream.SlotBusy(f"slot {slot} is in use by another connection") from None
+    except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject) as exc:
+        if not gone:
+            raise
+        raise walstream.SlotGone(f"slot {slot}: {str(exc).strip()[:300]}") from None
+
+
 class PeekSource:
     """:class:`SlotSource` over ``pg_logical_slot_peek_binary_changes`` on ``conn`` (autocommit).
 
@@ -86,13 +101,9 @@ class PeekSource:
         while True:
             peeked_at = dt.datetime.now(dt.UTC)
             flushed = replication.flush_lsn(self.conn)
-            try:
+            with _slot_errors(self.slot):
                 txns, rows = replication.peek_rows(self.conn, self.slot, self.publication, self.cap,
-                                                       keep_stream=self.keep_stream)
-            except psycopg.errors.ObjectInUse:
-                raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
-            except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject) as exc:
-                raise walstream.SlotGone(f"slot {self.slot}: {str(exc).strip()[:300]}") from None
+                                                   keep_stream=self.keep_stream)
             self._drained = rows < self.cap  # the peek saw everything committed before peeked_at
             if self._drained:
                 self._flushed, self._peeked_at = flushed, peeked_at
@@ -116,22 +127,16 @@ class PeekSource:
         return self._peeked_at if self._drained else None
 
     def confirm(self, lsn: int) -> None:
-        try:
+        with _slot_errors(self.slot):
             replication.advance(self.conn, self.slot, lsn)
-        except psycopg.errors.ObjectInUse:
-            raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
-        except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject) as exc:
-            raise walstream.SlotGone(f"slot {self.slot}: {str(exc).strip()[:300]}") from None
 
     def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
         if not self._drained or self._peeked_at is None:
             return None
-        try:
-            # nothing of the stream committed before the flush position of the last complete peek: skip
-            # the other tables' WAL so the next peek does not decode it again
+        # nothing of the stream committed before the flush position of the last complete peek: skip
+        # the other tables' WAL so the next peek does not decode it again
+        with _slot_errors(self.slot, gone=False):
             replication.advance_at_least(self.conn, self.slot, self._flushed)
-        except psycopg.errors.ObjectInUse:
-            raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
         return self._peeked_at
 
     def close(self) -> None:
@@ -174,10 +179,6 @@ class StreamSource:
 
     def confirm(self, lsn: int) -> None:
         self.stream.confirm(lsn)
-
-    def keepalive(self) -> None:
-        """A status update: the server does not time the connection out while the reader waits."""
-        self.stream.confirm(self.stream.confirmed)
 
     def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
         seen: dt.datetime | None = None
