@@ -1,26 +1,15 @@
-"""Backfills: the rows a table already has become events of one of its subscriptions (payload
-``tg_op: "READ"``), written to ``pgstream.events`` like every other event, so they are delivered,
-ordered, retried, failed over and replayable the same way.
+"""Backfills: the rows a table has become ``READ`` events of one of its subscriptions, written to
+``pgstream.events`` and delivered like every other event.
 
-The SQL side is ``sql/repeatable/10_backfills.sql``: a backfill's key range is split into
-partitions; a chunk reads up to ``chunk_size`` rows of one partition ``FOR SHARE`` (a concurrent
-change to one of them commits either before the read, or after the chunk's events), writes their
-events through a function owned by ``pgstream_writer`` that exists only inside that transaction
-(the subscription's code never runs as the owner, and never reaches a function the owner calls
-later) and moves the partition's cursor, in one transaction. Progress is therefore durable per
-chunk and a resumed backfill reads no row twice. A table whose row-level security would apply to
-the reading role is refused (its policies never run as the owner).
+The SQL side (``sql/repeatable/10_backfills.sql``) splits the key range into partitions; a chunk reads up to
+``chunk_size`` rows ``FOR SHARE``, writes their events through a function of ``pgstream_writer`` that exists
+only inside that transaction, and moves the partition's cursor in the same transaction: a resumed backfill
+reads no row twice. A table whose row-level security would apply to the reading role is refused.
 
-Here (no Dagster): choosing what to backfill (:func:`targets`), starting or resuming one
-(:func:`open_backfill`), running its partitions in parallel on Spark executors
-(:func:`run`, :func:`run_partition`), stopping and cancelling (:func:`stop`), and its progress
-(:func:`progress`, :class:`Progress`). The ``pgstream_backfill`` job and
-``pgstream-dagster backfill`` both call :func:`run`.
-
-Ownership: the process running a backfill holds a session-level advisory lock on it
-(``pgstream.backfill_try_lock``) for its whole run and a fresh owner token; chunks of any other
-token stop. Two runs of one backfill can never overlap, and a run that died frees the lock with
-its session, so the next launch resumes.
+Here (no Dagster): :func:`targets`, :func:`open_backfill` (start or resume), :func:`run` (the partitions in
+parallel on Spark: :func:`run_partition`; the job and the CLI both call it), :func:`stop`, :func:`progress`.
+The process running a backfill holds its session-level lock (``pgstream.backfill_try_lock``) and a fresh
+owner token (chunks of any other token stop): two runs never overlap, and a dead one frees the lock.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The batch state machine, without I/O: what a batch's status means (:class:`BatchStatus`), the
-batch model (:class:`Batch`), what the sensor reads of a stream (:class:`StreamState`, one query:
-``ledger.state.stream_state``) and sees of its run in Dagster (:class:`RunView`), and :func:`decide`,
-which turns them into one :class:`Action`. ``ledger`` (``ledger/state.py``) reads the state and applies the action
-(``ledger.state.apply``: one function per transition); ``defs/sensors.py`` asks Dagster about the run and
-turns the run to request into a ``RunRequest``.
-
-A ledger batch moves through these statuses (``pgstream.batches.status``)::
+"""The batch state machine, without I/O: :class:`BatchStatus`, :class:`Batch`, what the sensor reads of a stream
+(:class:`StreamState`, ``ledger.state.stream_state``) and sees of its run in Dagster (:class:`RunView`), and
+:func:`decide`, which turns them into one :class:`Action` (applied by ``ledger.state.apply``). A batch's status::
 
     pending --(launch, extend: assigned to a run)--> launched --(the sink confirmed it)--> delivered
     launched --(its run failed, the first open batch of the run)--> failed   (the failover checkpoint)
@@ -13,26 +8,10 @@ A ledger batch moves through these statuses (``pgstream.batches.status``)::
     failed --(launch: the probe, alone, once next_attempt_at has come)--> launched
     pending, launched, failed --(an operator: pgstream.skip_batch)--> skipped
 
-``pending``, ``launched`` and ``failed`` are *open*; ``delivered`` and ``skipped`` are done. Only the
-oldest open batch of a stream (its *head*) may start a run.
-
-With ``delivery.mode: warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
-run with no batch that becomes the stream's open run and waits for what commits, so the first event
-after a quiet spell finds a run ready.
-
-The stream's open run (``streams.open_run_key``) changes only by these transitions, the sensor's
-(:data:`Action`, from :func:`decide`, applied by ``ledger.state.apply``) and the run's own
-(:data:`RunAction`, applied by ``ledger.state.apply_run``)::
-
-    none --(Launch keep_open, Warm)--> open
-    open --(Extend)--> open, handed the batches recorded behind its own
-    open --(Launch replaces, FailRun)--> none
-    open --(the run: CloseRun, refused while a batch it was handed is not delivered)--> none
-
-Every stream reads with a reader group (``streams[].reader``): the group's reader records its batches and
-hands them to its open run (``ledger.state.extend_run``). A stream that had a slot of its own hands it over
-once, when it joins (``ledger.groups``: ``pgstream.begin_join``): its declared reader
-(``streams.slot_reader``) becomes ``group:<name>`` for good.
+``pending``, ``launched`` and ``failed`` are *open*; only the oldest open batch (the *head*) may start a run.
+With ``delivery.mode: warm`` a healthy stream with nothing open gets a run with no batch (:class:`Warm`). The
+open run (``streams.open_run_key``) changes only by the sensor's actions and the run's own :data:`RunAction`
+(``ledger.state.apply_run``): docs/architecture.md, "The open run's state machine".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""What a run's Spark needs when its executors are not this process: the package shipped to them,
-a bounded share of the cluster, no silent task retries, and which settings mean something else on
-an executor host.
-
-* :func:`package_zip`: a zip of the imported ``pgstream_dagster`` package, cached under
-  ``$PGSTREAM_CACHE_DIR`` (default ``~/.cache/pgstream-dagster``) and keyed by version and content;
-  :func:`cluster_conf` adds it to ``spark.submit.pyFiles``, so executors whose Python lacks the
-  package import it from there (they still need the third-party libraries of
-  :func:`executor_requirements`);
-* :func:`cluster_conf`: the defaults of a run on a cluster master (``spark.cores.max`` on a
-  standalone master, ``spark.task.maxFailures`` 1); the user's ``spark.conf`` wins;
-* :func:`executor_problems`: settings that name this machine (relative file paths, loopback hosts)
-  read on the executors, which the configuration refuses when the executors run elsewhere;
-* :func:`driver_python_problem`: an executors' Python given relative to their working directory (a
-  packed environment in ``spark.archives``) that the run's host cannot start.
+"""What a run's Spark needs when its executors are not this process: :func:`package_zip` (the package,
+cached under ``$PGSTREAM_CACHE_DIR`` and keyed by version and content, shipped in ``spark.submit.pyFiles``
+by :func:`cluster_conf`; the executors still need :func:`executor_requirements`), :func:`cluster_conf` (a
+bounded share of a cluster master, ``spark.task.maxFailures`` 1; the user's ``spark.conf`` wins),
+:func:`executor_problems` (settings that name this machine, refused when the executors run elsewhere) and
+:func:`driver_python_problem` (an executors' Python relative to their working directory that the run's host
+cannot start).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The runtime's connections: nothing on the login role's search path can redirect a name pgstream's
-SQL uses. A role that may create functions in a schema of that path (``public`` where it is writable,
-a schema named like the role) could otherwise shadow a built-in called with an untyped argument (a
-``public.pg_logical_slot_peek_binary_changes(text, ...)`` is a better match for a string literal than
-the built-in's ``name``) and so run its code as the runtime and feed it changes of its own. The
-session's search path is ``pg_catalog, pg_temp``; options of the URL (a role to set) are kept.
-
-libpq echoes what it cannot parse of a connection string, the password included (``missing "="
-after "postgresql//app:pw@host"``, ``invalid percent-encoded token: "pw%"``): :func:`conninfo_problem`
-says what is wrong without it, and :func:`connect` raises psycopg's error with it masked."""
+"""The runtime's connections, with ``search_path = pg_catalog, pg_temp`` (the URL's options kept): a role
+that may create functions on the login role's path could otherwise shadow a built-in called with an untyped
+argument and run its code as the runtime. libpq echoes what it cannot parse of a connection string, password
+included: :func:`conninfo_problem` says what is wrong without it, :func:`connect` masks it in the error.
+"""
 
 from __future__ import annotations
 

@@ -1,29 +1,13 @@
-"""Dead letters (``pgstream.dead_letters``): events a stream went on without. The operator surface,
-shared by the CLI, the replay and control jobs and the asset check: list, inspect, set aside,
-redeliver, discard. No Dagster here.
+"""Dead letters (``pgstream.dead_letters``), events a stream went on without: list, inspect, set aside,
+redeliver, discard, for the CLI, the replay and control jobs and the asset check. No Dagster here.
 
-A dead letter is either
-
-* stage ``deliver``: an event of a batch that the sink rejected for good (or that an operator set
-  aside); its position is ``(batch_id, ord)``, its place in the batch's commit order (1-based);
-* stage ``read``: an event the sensor could not record (it is in no batch); its position is the
-  commit LSN of its transaction.
-
-**Delivery order of dead letters** (the order :func:`redeliver` publishes them in, and the order
-:func:`list_dead_letters` lists them in): deliver-stage ones by ``(batch_id, ord)``; a read-stage one
-sits right after the last batch of its stream that starts at or before its LSN (``start_lsn <=
-lsn``: the batches holding transactions committed before it), i.e. after the deliver-stage ones of
-that batch and before those of later batches; read-stage ones after the same batch by LSN, then
-event id. With no such batch (none recorded yet, or pruned) it comes first.
-
-**Overtaken**: the number of events of the stream after a dead letter's position that have been
-delivered (delivered batches after its position, plus, for a deliver-stage one, the rest of its
-own batch once that batch is delivered; other dead letters there that were not delivered do not
-count). A dead letter is out of order by definition; this says by how much.
-
-**Redelivery waits for the stream**: a dead letter is redelivered only once every batch of the
-stream up to its position is delivered or skipped, so it never overtakes an event that was before
-it; the first one that must wait stops the redelivery (later ones wait too).
+A dead letter of stage ``deliver`` is an event of a batch the sink rejected for good (or an operator set
+aside), at ``(batch_id, ord)``; one of stage ``read`` is an event the reader could not record, at its
+transaction's commit LSN. **Delivery order** (of :func:`redeliver` and :func:`list_dead_letters`):
+deliver-stage ones by ``(batch_id, ord)``; a read-stage one right after the last batch of its stream with
+``start_lsn <= lsn`` (first if there is none), by LSN then id. **Overtaken**: how many of the stream's events
+after its position were delivered. A dead letter is redelivered only once every batch up to its position
+is delivered or skipped; the first that must wait stops the redelivery.
 """
 
 from __future__ import annotations

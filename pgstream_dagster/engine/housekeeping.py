@@ -1,18 +1,10 @@
-"""Partition and ledger housekeeping: create daily partitions ahead, drop expired ones, prune the
-batch ledger. Run by the ``pgstream_housekeeping`` schedule (``housekeeping.cron``) and once by
-``pgstream-dagster init`` at start-up, so a fresh install never lacks today's partition.
-
-The retention policy itself lives in SQL (``pgstream.expired_partitions``, ``pgstream.drop_partition``):
-it keeps partitions that hold undelivered events and says so with a WARNING, and never waits for a
-lock on ``pgstream.events`` longer than ``housekeeping.lock_timeout_ms`` (application writes queue
-behind a waiting lock request). Here each partition is dropped in its own transaction, and the
-partitions kept past retention or left for the next pass (their locks were held) are reported.
-
-Registered consumers (the Spark source, ``pgstream.consumers``) hold back the partitions and ledger
-batches they have not read, each for at most its ``max_retention_days``; a consumer whose oldest
-unread event is older than that is **overrun**: what it has not read is dropped anyway, and the pass
-reports it (``consumers_overrun``, a warning, the ``pgstream_housekeeping_consumers_overrun`` metric),
-so an abandoned consumer cannot fill the disk silently.
+"""Partition and ledger housekeeping: daily partitions ahead, expired ones dropped, the batch ledger pruned;
+run by the ``pgstream_housekeeping`` schedule and once by ``pgstream-dagster init``. The retention policy is
+SQL's (``pgstream.expired_partitions``, ``pgstream.drop_partition``: partitions holding undelivered events are
+kept, with a WARNING, and no lock on ``pgstream.events`` is waited for longer than
+``housekeeping.lock_timeout_ms``); here each partition is dropped in its own transaction and what was kept or
+left for the next pass is reported. A registered consumer holds back what it has not read for at most its
+``max_retention_days``; past that it is **overrun** (``consumers_overrun``, a warning and a metric).
 """
 
 from __future__ import annotations

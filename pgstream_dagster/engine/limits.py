@@ -1,12 +1,8 @@
-"""The Postgres and Dagster limits that can stop a stream, checked before they do (``pgstream-dagster
-preflight``, ``init``, and a group's sensor whose slot cannot be created): ``wal_level``, the runtime role's
-replication right, ``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with the
-connections Dagster's storage keeps on the same server), and the Dagster instance's
-``max_concurrent_runs`` (both given by the caller: the engine does not know Dagster).
-
-Each problem is one line naming the setting, its value, what the streams need and the value to set, where
-it is set: ``postgresql.conf``, or on a managed service (told by the role its administrator is a member
-of) the service's own setting (:func:`how_to_set`).
+"""The Postgres and Dagster limits that can stop a stream, checked before they do (``preflight``, ``init``,
+a group's sensor whose slot cannot be created): ``wal_level``, the runtime's replication right,
+``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with Dagster storage's connections) and
+``max_concurrent_runs`` (given by the caller). One line per problem, naming the setting and the value to set,
+in ``postgresql.conf`` or the managed service's own setting (:func:`how_to_set`).
 """
 
 from __future__ import annotations

@@ -1,38 +1,16 @@
-"""Install and upgrade the pgstream schema from ``sql/``, one migrator at a time.
+"""Install and upgrade the pgstream schema from ``sql/``, one migrator at a time (docs/development.md).
 
-``sql/`` holds two kinds of files, and every object is defined in exactly one of them:
+* **Versioned migrations**, ``sql/NNN_name.sql``: what has state (schema, tables, roles, privileges, data
+  changes, dropping functions that are gone). Each is applied once, in version order, in one transaction with
+  its row in ``pgstream.schema_migrations``; ``000_bootstrap.sql`` runs on every pass. An applied file must
+  keep its checksum, except the versions of :data:`RELEASED_CHECKSUMS`.
+* **Repeatable files**, ``sql/repeatable/NN_concern.sql``: every function, view and trigger, with its
+  privileges, all idempotent. After the versioned migrations each file whose checksum differs from
+  ``pgstream.schema_repeatables`` is applied, in file order, each in one transaction with its row.
 
-* **Versioned migrations**, ``sql/NNN_name.sql`` (version ``NNN``): what has state. The schema,
-  tables, types, sequences, indexes, constraints, roles, privileges on the schema, tables and
-  sequences, data changes, and the removal of functions that no longer exist (``drop function if
-  exists``). Each is applied once, in version order, in its own transaction together with its row
-  in ``pgstream.schema_migrations`` (version, name, checksum). ``000_bootstrap.sql`` creates the
-  schema and both ledgers and runs on every pass. An applied version is never run again, and its
-  file must keep its checksum (a changed file is an error), except for the versions rewritten when
-  functions moved to repeatable files: :data:`RELEASED_CHECKSUMS`.
-* **Repeatable files**, ``sql/repeatable/NN_concern.sql``: every function, view and trigger (event
-  triggers included), grouped by concern, each with its privileges next to it (``revoke ... from
-  public``, owner), so that a drop and re-create keeps them. Every statement is idempotent (``create
-  or replace``). After the versioned migrations, each file whose checksum differs from the one
-  recorded in ``pgstream.schema_repeatables`` (all of them on a fresh install) is applied, in file
-  order, each in its own transaction together with its row.
-
-The rule that keeps the two apart: **a versioned migration never creates a function, view or
-trigger and never calls a pgstream function.** On a fresh install none exists yet when it runs; on
-an upgrade it would run the previous release's code. It spells out what it needs instead
-(``011_publication_columns.sql`` names publications itself; the partial index of
-``007_failover.sql`` spells out ``pgstream.batch_is_open``). A data step that needs a pgstream
-function is an idempotent statement at the end of the repeatable file that defines the function
-(``repeatable/04_subscriptions.sql`` ends by regenerating every generated trigger that differs from
-what the current code generates). A repeatable file may use what earlier files and the versioned
-migrations define. A versioned migration that must drop a view or function to change a table
-under it comes with a change to the repeatable file that defines it, which re-creates it.
-
-Upgrading an install: the versioned migrations it lacks run first (its repeatable objects, from
-the previous release, are still in place meanwhile), then every repeatable file it has not applied
-in its current form. An install from before repeatable files (versions 000-014 applied from the
-released files) gets all of them: every function, view and trigger is replaced by its one
-definition, and ends up as on a fresh install.
+A versioned migration never creates a function, view or trigger nor calls a pgstream function (on an upgrade
+it would run the previous release's code); a data step that needs one ends the repeatable file defining it.
+An upgrade runs the versioned migrations it lacks, then every repeatable file not applied in its current form.
 """
 
 from __future__ import annotations

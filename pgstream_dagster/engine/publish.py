@@ -1,40 +1,19 @@
-"""Publishing events through a sink in the order owed: chunks, progress, vanished events and
-permanent rejections. Plain Python (no Spark, no Dagster): the delivery job and replays feed it
-rows in delivery order from the driver, ``ordering: by_key`` partitions from the executors.
+"""Publishing events through a sink in the order owed, in plain Python (no Spark, no Dagster): the delivery
+job and replays feed it rows in delivery order from the driver, ``ordering: by_key`` partitions from the
+executors. The caller owns the sink; :func:`publish` is a generator of what happened (:class:`Confirmed`,
+:class:`Progress`, :class:`BatchDone`, :class:`Finished`), suspended while the caller records each one, so
+nothing more is published before it is recorded.
 
-The caller owns the sink (a delivery run opens one for its whole life) and :func:`publish` is a
-generator of what happened, in order: :class:`Confirmed` after every publish call the sink
-confirmed (but a call that ends a batch: the :class:`BatchDone` that follows at once says it),
-:class:`Progress`, :class:`BatchDone` once a batch's last event is confirmed, and
-:class:`Finished` at the end. The generator is suspended while the caller handles an event, so
-nothing more is published until the caller has recorded it (the delivery run writes each one to
-the ledger).
-
-* **Order.** Rows carry their position ``(batch_id, ord)``; one that is not after the previous
-  one stops everything before it is published (:class:`OrderError`).
-* **Nothing vanishes unnoticed.** Given the positions a run owes (:class:`Span` per batch), a
-  position that is neither read nor set aside stops the run before anything after it is published
-  (:class:`MissingEventsError`, naming the positions): the events before it are confirmed, the
-  rest waits for the operator (set the vanished events aside, or skip the batch).
-* **Set aside.** Positions in ``skip`` (events with a dead letter) are not published and count as
-  handled.
-* **Rejections** (:class:`~pgstream_dagster.sinks.SinkError` with ``permanent``): with no
-  :class:`RejectPolicy` (``on_reject: block``) the error stops the run, as any other. With one
-  (``on_reject: dead_letter``), the rejected event is isolated (the events before it in its
-  chunk were confirmed, per the sink contract; a multi-event request the sink rejected as a whole
-  is bisected), published alone up to ``max_attempts`` times, then handed to
-  ``set_aside`` (which records the dead letter durably) and the next event goes on.
-* **Reject storms.** Before a rejected event is set aside, the sink is asked whether it still
-  takes what it took before when ``max_consecutive`` events in a row were rejected, and at the
-  call's first rejection when it confirmed nothing yet in the call: the last event it confirmed (in
-  this call, else the stream's last delivered one, :attr:`RejectPolicy.known_good`) is published
-  again, a duplicate by id (the idempotency key). Confirmed: the rejections are the events' own,
-  they go on being set aside and the count starts again. Refused for good: the sink is
-  misconfigured (it refuses everything), the run stops (:class:`RejectStormError`) and the events
-  wait instead of being set aside. With no confirmed event to send (a stream that never delivered
-  one), ``max_consecutive`` rejections in a row stop the run. Whoever writes events can make them
-  rejected, but not make the sink refuse an event it confirmed: the guard is the sink's, not the
-  writers'.
+* **Order**: a row's position ``(batch_id, ord)`` not after the previous one stops the run (:class:`OrderError`);
+  a position owed (:class:`Span`) that is neither read nor set aside stops it before anything after it is
+  published (:class:`MissingEventsError`). Positions in ``skip`` (dead letters) count as handled.
+* **Rejections** (a permanent :class:`~pgstream_dagster.sinks.SinkError`): with no :class:`RejectPolicy`
+  (``on_reject: block``) they stop the run; with one (``dead_letter``) the rejected event is isolated
+  (bisecting a request rejected as a whole), published alone up to ``max_attempts`` times, then set aside.
+* **Reject storms**: after ``max_consecutive`` rejections in a row, or at a call's first one before it
+  confirmed anything, the last event the sink confirmed (:attr:`RejectPolicy.known_good`) is published again:
+  refused for good, the sink is misconfigured and the run stops (:class:`RejectStormError`) instead of setting
+  events aside; with no such event, ``max_consecutive`` rejections in a row stop it.
 """
 
 from __future__ import annotations

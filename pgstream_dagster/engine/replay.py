@@ -1,14 +1,8 @@
-"""Replay planning: validate a replay request (``ReplayConfig`` of ``defs/replay.py``, the
-``pgstream_replay`` job) and split the selected events of ``pgstream.events`` into id
-ranges. No Dagster here: the job runs the plan.
-
-A sink that takes JSON lines (the file sink: :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`)
-is replayed without Spark by :func:`deliver_lines`: Postgres renders each event as the line the sink
-would write (:data:`EVENT_JSON_LINE`) and hands over a chunk of them as one value, so the replay
-costs about what a plain ``COPY ... TO STDOUT`` of the rows does (bench/replay.py). Other sinks get
-the events of :func:`plan`'s ranges read by the run's connections (:class:`~.delivery.sources.RangeSource`),
-or by Spark when ``delivery.tuning.direct_max_events`` is 0: the choice is
-:func:`~.delivery.sources.route`'s, as for a delivery round."""
+"""Replay planning, without Dagster: validate a request (``ReplayConfig``, the ``pgstream_replay`` job) and
+split the selected events into id ranges (:func:`plan`). A sink that takes JSON lines is replayed by
+:func:`deliver_lines`, Postgres rendering each line (:data:`EVENT_JSON_LINE`, about the cost of a ``COPY``:
+bench/replay.py); other sinks read the ranges through the source :func:`~.delivery.sources.route` picks.
+"""
 
 
 import datetime as dt

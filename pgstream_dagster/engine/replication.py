@@ -1,14 +1,7 @@
-"""Reading a stream's logical replication slot, in two ways.
-
-* The sensor *peeks* committed transactions with ``pg_logical_slot_peek_binary_changes`` (pgoutput,
-  the stream's publication), records what it read in the ledger, and only then *advances* the slot
-  with ``pg_replication_slot_advance``. Each peek and each advance decodes the WAL again from the
-  slot's ``restart_lsn``: cheap between runs, costly when repeated every tenth of a second.
-* An open delivery run *streams* (``walstream.ReplicationStream``): the replication protocol,
-  through psycopg2 (psycopg 3 has none), decodes each transaction once and sends it as it commits;
-  the reader confirms a position only after what precedes it is recorded in the ledger.
-
-Logical decoding returns transactions in commit order, whole; that order is the delivery order.
+"""Reading a logical replication slot (pgoutput; transactions whole, in commit order: the delivery order).
+A group's sensor *peeks* with ``pg_logical_slot_peek_binary_changes`` and *advances* the slot only after
+recording (each decodes the WAL again from ``restart_lsn``); a group delivery run's reader *streams*
+(``walstream.ReplicationStream``, each transaction decoded once) and confirms only what is recorded.
 """
 
 from __future__ import annotations

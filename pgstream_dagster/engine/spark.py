@@ -1,20 +1,10 @@
-"""PySpark side of delivery: Python data sources that read events from ``pgstream.events``
-(psycopg on the executors; no JDBC jar, nothing downloaded) and the two delivery strategies:
-global order from the driver, or parallel per routing key.
-
-* ``pgstream_batches``: the events of ledger batches, in commit order (``batch_id``, ``ord``);
-* ``pgstream_events``: events selected by id range / time range / subscription key, in id order
-  (replay).
-
-Both split their input into partitions of at most ``rows_per_partition`` rows, read with a
-server-side cursor; the driver pulls one partition at a time (Spark computes at most the next one
-meanwhile), so memory stays bounded whatever the size of the backlog.
-
-With ``packed`` (the ordered path), a partition is not a row per event but a row per fetch of
-``FETCH_ROWS`` events holding the fetched columns pickled together (:data:`PACKED_SCHEMA`): Spark
-then moves a few large binary values instead of converting every event to a Spark row and back
-(the driver-side ``Row`` conversion was most of the cost of a replay). Payloads stay JSON text all
-the way to the sink (:attr:`Event.payload_json`).
+"""PySpark side of delivery: Python data sources reading ``pgstream.events`` with psycopg on the executors
+(no JDBC jar) and the two strategies, global order from the driver or parallel per routing key.
+``pgstream_batches`` reads ledger batches in commit order (``batch_id``, ``ord``), ``pgstream_events`` a
+replay's selection in id order; both in partitions of at most ``rows_per_partition`` rows, the driver pulling
+one at a time, so memory stays bounded. With ``packed`` (the ordered path) a partition holds a row per fetch
+of ``FETCH_ROWS`` events pickled together (:data:`PACKED_SCHEMA`), not a Spark row per event; payloads stay
+JSON text to the sink (:attr:`Event.payload_json`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
-"""The ``pgstream`` Spark data source: a stream's events as a Spark stream whose offsets are positions
-in the ledger, and, for analysis, events with their delivery state as a batch read.
+"""The ``pgstream`` Spark data source (docs/spark-source.md, with every option): a stream's events as a
+Spark stream whose offsets are positions in the ledger, and events with their delivery state as a batch read.
 
-* ``spark.readStream.format("pgstream")`` (:class:`StreamReader`): the events of the stream's recorded
-  batches in the ledger's order (batch id, then the batch's commit order). An offset is a
-  **position** ``{"batch_id": B, "ord": O}``: everything through ordinal ``O`` of ledger batch ``B``
-  (``{"batch_id": 0, "ord": 0}``: before every batch), so a query's checkpoint names a place in the
-  ledger, and a restarted query reads from exactly there. A micro-batch is split into partitions of
-  whole or cut batches, read in parallel by the executors. Its ``commit`` records the position of a
-  **registered consumer** (``pgstream.consumers``, through ``pgstream.consumer_commit`` with the
-  consumer's token: a query moves its own consumer's position only), which housekeeping keeps events for.
-* ``spark.read.format("pgstream")`` (:class:`EventsReader`): a stream's events with the batch that
-  holds each one (its status, delivery time, attempts) and whether it is a dead letter. Its options
-  (time range, subscription keys, operations) are conditions of the query Postgres runs; with
-  ``pushFilters`` Spark's own filters on id, time, subscription key, operation and table are too
-  (:class:`PushdownEventsReader`, opt-in: see there).
+* ``spark.readStream.format("pgstream")`` (:class:`StreamReader`): the events of the recorded batches in
+  ledger order. An offset is a **position** ``{"batch_id": B, "ord": O}`` (everything through ordinal ``O``
+  of batch ``B``; ``{"batch_id": 0, "ord": 0}``: before every batch); a micro-batch is split into partitions
+  read by the executors; ``commit`` records a **registered consumer**'s position
+  (``pgstream.consumer_commit``, with its token), which housekeeping keeps events for.
+* ``spark.read.format("pgstream")`` (:class:`EventsReader`): events with their batch's status and dead-letter
+  state; its options are conditions of the query (with ``pushFilters``, Spark's filters too:
+  :class:`PushdownEventsReader`).
 
-Options (both): ``stream`` (the stream id, required), ``url`` (the database URL: the executor role's,
-``spark.executor_database_url``; Spark redacts options whose key matches ``url`` in plans and the
-UI, and no message here repeats it). Stream reader: ``consumer`` and ``consumerToken`` (required: the
-token ``pgstream-dagster consumers add`` or ``consumers token`` printed; Spark redacts options whose
-key matches ``token`` too), ``startingPosition``
-(``earliest``, ``latest``, an event id, or an ISO time), ``maxEventsPerTrigger``, ``numPartitions``,
-``rowsPerPartition``, ``failOnDataLoss``. Batch reader: ``fromTime``, ``toTime``, ``subscription``,
-``operation`` (comma-separated), ``numPartitions``, ``pushFilters``.
-
-:func:`register` registers the source on a session; the package does it where it builds its Spark
-sessions. Nothing here imports Dagster; the module is imported on the executors.
+The ``url`` and ``consumerToken`` options are redacted by Spark and repeated by no message here.
+:func:`register` registers the source on a session. No Dagster here; the module is imported on the executors.
 """
 
 from __future__ import annotations

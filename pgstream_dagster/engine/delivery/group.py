@@ -1,38 +1,16 @@
-"""A reader group's delivery run, without Dagster: one process hosting the delivery runs of the group's
-members, one :class:`~.run.DeliveryRun` per member in a thread of its own, each with its own sink, delivery
-lease, ledger connection and state machine, exactly as a run per stream has (docs/architecture.md, "Delivery
-for many streams").
+"""A reader group's delivery run, without Dagster (docs/architecture.md, "Delivery for many streams"): one
+process hosting a :class:`~.run.DeliveryRun` per member in a thread of its own, each with its own sink,
+delivery lease and state machine, as a run per stream has.
 
-The group's sensor decides for each member as for a run per stream (``batches.decide``: launch, hand over,
-fail over) and writes the member's run in the ledger (a launched head batch, an open run);
-:class:`GroupDelivery` picks up what each member wants hosted (``ledger.groups.member_runs``: one query a second for
-the whole group) and starts that member's run in a thread as *member run* ``<group run id>/<stream id>``, the
-holder of the member's delivery lease. The members' runs do not poll the ledger while idle: one ``LISTEN`` on
-their run channels and one query a second (``ledger.groups.member_signals``) wake the member whose run was handed
-batches, paused, closed or waited for by a replay (:attr:`~.run.Host.wake`). A member's run that fails (its
-sink refuses) ends its own thread only, gives its lease up and is told to the host (:attr:`GroupHost.ended`):
-the group's sensor sees it failed and puts the stream in failover; the other members go on. A run key is
-hosted once (:attr:`GroupHost.claim`, asked once for every run key wanted at a look): a retry is a new run the
-sensor decides.
-
-While the group run lives, its reader thread reads the group's slot itself, continuously
-(:attr:`GroupHost.read`: ``consume_group``, as the group's sensor does: ensure, joins, recording, batches
-handed to the members' open runs in the same transaction, but over the replication protocol: one
-replication connection kept open across the calls, pushed what commits), on a connection of its own holding
-the group's reading (``ledger.locks.claim_group_reading``, named after the run): the group's sensor, whose tick
-takes the same lock, does not read while it is held. On an error, and when the run ends, the reader closes
-its replication connection (:attr:`GroupHost.read_ends`) and gives the reading up: the sensor peeks
-meanwhile. The lock goes with the reader's session: if the run's process dies (or the reader's connection
-does), the sensor reads again at its next tick.
-
-The group run holds the group's delivery lease (``ledger.locks.acquire_group_lease``) for as long as it lives,
-so a dead group run (its process killed) is told from a live one; it ends once
-``max_run_secs`` passed (it stops taking member runs and asks its members to close: a fresh group run picks
-up configuration changes). It also ends, the same way, when
-its host's stop check gives a reason (:attr:`GroupHost.stop_check`: the group's sensor asks a run built from
-a configuration that is not the code location's any more to end), and when its reader is refused
-(:data:`REFUSALS`, e.g. ``ledger.groups.GroupChange``: the group's slot belongs to another database), with that
-line as the reason, instead of reading on with a configuration that no longer holds.
+:class:`GroupDelivery` picks up the member runs the group's sensor decided (``ledger.groups.member_runs``, one
+query a second) and starts each as member run ``<group run id>/<stream id>`` (a run key is hosted once:
+:attr:`GroupHost.claim`). Idle members are woken by one ``LISTEN`` and one query a second
+(``ledger.groups.member_signals``, :attr:`~.run.Host.wake`). A member run that fails ends its own thread only
+(:attr:`GroupHost.ended`). Its reader thread reads the group's slot while the run lives (:attr:`GroupHost.read`,
+holding the group's reading: ``ledger.locks.claim_group_reading``) and gives it up on an error and at the end
+(:attr:`GroupHost.read_ends`). The run holds the group's delivery lease (``ledger.locks.acquire_group_lease``)
+and ends after ``max_run_secs``, when its host's stop check gives a reason (:attr:`GroupHost.stop_check`) or
+when its reader is refused (:data:`REFUSALS`), with that line as the reason.
 """
 
 from __future__ import annotations

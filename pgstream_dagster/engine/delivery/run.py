@@ -1,23 +1,14 @@
-"""A delivery run, without Dagster: it delivers consecutive ledger batches of a stream, in order,
-through the stream's sink, and (modes ``open`` and ``warm``) stays open for what commits next.
+"""A delivery run, without Dagster: consecutive ledger batches of a stream delivered in order through its
+sink, staying open (modes ``open`` and ``warm``) for what commits next.
 
-:meth:`DeliveryRun.start` takes the stream's delivery lease and checks the batches may run (the
-first is the stream's oldest open batch; the range holds only the stream's open batches).
-:meth:`DeliveryRun.deliver` opens the stream's sink (one for the whole run, closed however it
-ends) and delivers round after round, each read from the source :func:`.sources.choose_source`
-picks, marking each batch delivered as soon as the sink confirmed its last event, so a run that
-fails half-way keeps the progress it made; it yields a :class:`RoundReport` per round and raises
-:class:`DeliveryError` (nothing of Dagster). While the run is the stream's open run it waits for the
-batches the group's reader hands to it (:class:`Linger`); it closes once idle
-``tuning.linger_secs`` (mode ``open``), open ``tuning.max_run_secs``, or when the stream is paused,
-no longer hands it batches (failover), a replay waits for the delivery lease, or the host says
-so (:attr:`Host.stop_check`: Dagster has another run of the stream queued).
-
-The ordered publish loop (:func:`.sources.publish_in_order`) yields what the sink confirmed; the
-run writes it to the ledger before anything more is published: ``Confirmed`` →
-``ledger.state.mark_confirmed`` (a retry resumes after it), ``BatchDone`` → ``ledger.state.mark_delivered``,
-``Progress`` → the log. The rounds are told to the host together (:class:`Summary`, at most every
-``tuning.report_every_secs`` and when the run ends) through :attr:`Host.report`.
+:meth:`DeliveryRun.start` takes the delivery lease and checks the batches (the first is the stream's oldest
+open one). :meth:`DeliveryRun.deliver` opens the sink once and delivers round after round from the source
+:func:`.sources.choose_source` picks, writing what the sink confirmed to the ledger before publishing more
+(``Confirmed`` → ``ledger.state.mark_confirmed``, ``BatchDone`` → ``ledger.state.mark_delivered``); it yields a
+:class:`RoundReport` per round and raises :class:`DeliveryError`. As the open run it waits for batches
+(:class:`Linger`) and closes when idle ``tuning.linger_secs`` (mode ``open``), open ``tuning.max_run_secs``,
+paused, in failover, waited for by a replay, or when :attr:`Host.stop_check` says so. Rounds are reported
+together (:class:`Summary`) through :attr:`Host.report`, at most every ``tuning.report_every_secs``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """One recording loop for a slot, whoever reads it: read (a :class:`~.source.SlotSource`) -> batch
-(:class:`Batching`, one rule) -> record (:func:`record_pass`, one ledger transaction) -> confirm.
-
-* A reader group's reader (``engine/ingest/group.py``: the group's sensor peeks the group's slot, the group
-  delivery run's reader reads it over the replication protocol) records for every member, as
-  ``group:<name>``, handing what it records to each member's open run in the same ledger transaction
-  (``ledger.state.extend_run``).
-* A member that still had a slot of its own (an install of a version with a slot per stream) has that
-  slot read by :func:`consume` (a :class:`~.source.PeekSource`, as ``sensor``) until the group's reader
-  takes it over (the join: ``engine/ingest/group.py``).
-
-Each checks, under the stream row's lock and before recording anything, that it is still the stream's
-declared reader (``streams.slot_reader``). The loop records a map stream id -> :class:`StreamLedger` in one
-pass (``route`` splits what was read by stream). What the ledger holds already (read again after a crash
-between recording and confirming) is dropped under the stream row's lock (:func:`unrecorded`)
-(``tests/test_ingest.py``).
+(:class:`Batching`) -> record (:func:`record_pass`, one ledger transaction) -> confirm. A reader group's reader
+records for every member as ``group:<name>``, handing each member's batches to its open run in the same
+transaction; :func:`consume` reads a joining member's own slot as ``sensor`` until the group takes it over.
+Each checks under the stream row's lock that it is the declared reader (``streams.slot_reader``); what the
+ledger holds already is dropped (:func:`unrecorded`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Where a slot's transactions come from: :class:`SlotSource`, with two backends.
-
-* :class:`PeekSource`: ``pg_logical_slot_peek_binary_changes`` on an ordinary connection (what a
-  group's sensor reads, and a joining member's own slot). Each read decodes the WAL again from the
-  slot's confirmed position, and returns only what it has not returned before;
-  :meth:`~PeekSource.confirm` advances the slot.
-* :class:`StreamSource`: the replication protocol (:class:`~..walstream.ReplicationStream`, what a
-  group delivery run's reader reads): each transaction is decoded once and arrives as it commits;
-  :meth:`~StreamSource.confirm` sends the server the position.
-
-Both confirm only what the caller says is recorded: a reader that dies before confirming gets the
-same transactions again from a new source. The recording loop (:mod:`.recorder`) is the same for
-both; nothing here knows about the ledger.
+"""Where a slot's transactions come from (:class:`SlotSource`): :class:`PeekSource`
+(``pg_logical_slot_peek_binary_changes``, the WAL decoded again at each read; :meth:`~PeekSource.confirm`
+advances the slot) or :class:`StreamSource` (the replication protocol, each transaction decoded once).
+Both confirm only what the caller recorded; nothing here knows the ledger.
 """
 
 from __future__ import annotations

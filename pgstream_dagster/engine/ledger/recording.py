@@ -1,12 +1,6 @@
-"""Recording what was read from a slot: batches (:func:`record`, whole transactions in commit order,
-waiting until they are visible), unreadable events as dead letters (stage 'read'), recovery from the
-table when a slot was lost, and how far the slot was read (``streams.consumed_through``).
-
-Invariants:
-* a transaction read from the slot is recorded in the ledger *whole*, in one database
-  transaction, before the slot is advanced past it; a crash in between re-reads it from the slot
-  and the ledger's last ``end_lsn`` makes that harmless;
-* a batch's ``event_ids`` are in commit order.
+"""Recording what was read from a slot: batches (:func:`record`: whole transactions in commit order, in one
+database transaction before the slot is advanced, once visible), unreadable events as dead letters (stage
+'read'), recovery from the table when a slot was lost, and ``streams.consumed_through``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""The stream's state and its transitions: reading a stream's state in one query (:func:`stream_state`,
-for ``batches.decide``), the batch transitions (one function and one UPDATE each: :func:`assign`,
-:func:`open_run`, :func:`clear_open_run`, :func:`release`, :func:`mark_failed`, :func:`mark_confirmed`,
-:func:`mark_delivered`, :func:`enter_failover`, :func:`leave_failover`, :func:`retry_now`,
-:func:`skip_batch`), the run operations made of them (:func:`launch`, :func:`extend_run`,
-:func:`fail_run`), who reads the stream's slot (:func:`slot_reader`, :func:`lock_slot_reader`), and the two
-ways in: :func:`apply` (the sensor's decision, a :data:`~..batches.Action`) and :func:`apply_run` (the open
-run's own transition, a :data:`~..batches.RunAction`: close). These are the only writers of
-``streams.open_run_key`` and ``streams.slot_reader`` (tests/test_architecture.py). Statuses are
-:class:`~..batches.BatchStatus` members; "open" is ``pgstream.batch_is_open(status)``.
-
-Invariants: batches of a stream are delivered in id order; a batch is ``delivered`` only once the sink
-confirmed every event; ``skipped`` only by an operator (``pgstream.skip_batch``). Both count as done;
-everything else is *open*.
+"""The stream's state and its transitions: the state in one query (:func:`stream_state`, for
+``batches.decide``), the batch transitions (one UPDATE each: :func:`assign`, :func:`open_run`,
+:func:`clear_open_run`, :func:`release`, :func:`mark_failed`, :func:`mark_confirmed`, :func:`mark_delivered`,
+:func:`enter_failover`, :func:`leave_failover`, :func:`retry_now`, :func:`skip_batch`), the run operations
+made of them (:func:`launch`, :func:`extend_run`, :func:`fail_run`), the slot's declared reader, and the two
+ways in: :func:`apply` (a :data:`~..batches.Action`) and :func:`apply_run` (a :data:`~..batches.RunAction`).
+The only writers of ``streams.open_run_key`` and ``streams.slot_reader`` (tests/test_architecture.py).
+Batches are delivered in id order; ``delivered`` (every event confirmed) and ``skipped`` (by an operator) are
+done, everything else is *open*.
 """
 
 from __future__ import annotations
