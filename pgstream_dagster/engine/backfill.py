@@ -141,13 +141,10 @@ class Progress:
 
 @dataclass(frozen=True)
 class Pace:
-    """The budget of one partition's task in one round: it returns (status ``more``) after
-    ``max_rows`` rows or ``max_secs`` seconds, so that it never holds a Spark task slot for long:
-    between rounds, other jobs of a shared Spark (a stream's delivery run on the same Spark Connect
-    server or cluster) get the slots. Within the round the task keeps ``rows_per_sec`` (its share
-    of ``max_rows_per_sec``), chunk by chunk, and before each chunk waits while stream
-    ``stream_id`` has more than ``max_backlog`` undelivered events: READ events never come in
-    bursts that live events queue behind."""
+    """One partition task's budget in one round: it returns (status ``more``) after ``max_rows`` rows or
+    ``max_secs`` seconds, giving its Spark task slot back between rounds; within the round it keeps
+    ``rows_per_sec`` and waits before each chunk while stream ``stream_id`` has more than ``max_backlog``
+    undelivered events."""
 
     max_secs: float
     max_rows: int | None = None
@@ -221,11 +218,9 @@ def unfinished(conn: psycopg.Connection, target: Target) -> dict[str, Any] | Non
 
 
 def open_backfill(conn: psycopg.Connection, target: Target, request: Request) -> tuple[int, bool]:
-    """The backfill of ``target`` to run: its unfinished one (resumed, when the request asks for
-    the same filter and range; ``restart`` cancels it instead), else a new one. Returns ``(id,
-    resumed)``. Raises :class:`BackfillError` (nothing changed) when the database refuses the
-    request: no primary key, a filter that is not one boolean expression over the row, bounds that
-    do not fit the key."""
+    """The backfill of ``target`` to run: its unfinished one (resumed if the request has the same filter
+    and range; ``restart`` cancels it), else a new one; ``(id, resumed)``. Raises :class:`BackfillError`
+    (nothing changed) when the database refuses the request (no primary key, a bad filter or bounds)."""
     where = (request.where or "").strip() or None
     with conn.transaction():
         current = unfinished(conn, target)
@@ -339,11 +334,9 @@ def _owned(conn: psycopg.Connection, backfill_id: int, token: str) -> bool:
 
 def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size: int, pace: Pace,
                   sleep: Callable[[float], None] = time.sleep) -> PartitionResult:
-    """Read partition ``part`` of a backfill chunk by chunk until it is done, the backfill stops
-    (another owner, stopped, cancelled) or this round's budget is spent (``more``). A transient
-    error (deadlock with a writer, lock timeout, lost connection) retries the chunk; any other
-    error is a row that cannot become an event: the rows before it are written one by one, and the
-    partition stops ``failed`` naming that row's key and the error (the other partitions go on)."""
+    """Read partition ``part`` chunk by chunk until it is done, the backfill stops or the round's budget is
+    spent (``more``). A transient error retries the chunk; any other is a row that cannot become an event:
+    the rows before it are written one by one and the partition stops ``failed`` naming its key."""
     result = PartitionResult(part, "stopped")
     started = time.monotonic()
     conn = _connect(url)
@@ -454,12 +447,9 @@ RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, e
 
 def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                  pace: Pace) -> list[PartitionResult]:
-    """Read ``parts`` in parallel, one Spark task each (on a cluster the executors import this module
-    from the package zip, see ``spark.ship_package``). The job's tasks read nothing through Spark:
-    each calls ``pgstream.backfill_chunk`` in a loop, and only its :class:`PartitionResult` comes back.
-    A classic session runs them as an RDD job (``parallelize`` + ``mapPartitions``): no query to
-    plan, no Arrow, about half the fixed start of a DataFrame job (bench/RESULTS.md, issue 32 item 4b);
-    Spark Connect has no RDDs, so there it is ``spark.range(n).mapInArrow``."""
+    """Read ``parts`` in parallel, one Spark task each calling ``pgstream.backfill_chunk`` in a loop (only its
+    :class:`PartitionResult` comes back): an RDD job on a classic session (no query to plan, about half a
+    DataFrame job's start: bench/RESULTS.md), ``spark.range(n).mapInArrow`` on Spark Connect (no RDDs)."""
     from .spark import executor_python_errors, ship_package
     from .spark_source import is_classic
 
@@ -504,20 +494,13 @@ def spark_executor(spark: SparkSession, url: str) -> Executor:
 def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_id: str,
         progress_secs: float = 5.0, on_stop: Callable[[], None] | None = None
         ) -> Generator[Progress | Outcome, None, None]:
-    """Run backfill ``backfill_id`` to its end in this process: take its lock (else
-    :class:`BackfillBusy`), claim it, and read its unfinished partitions in parallel through
-    ``execute``, in rounds: each partition's task works up to :data:`ROUND_SECS` (throttled:
-    :data:`THROTTLED_ROUND_SECS`) and gives its Spark slot back, so that a Spark shared with the
-    stream's deliveries (a Spark Connect server, a cluster) runs them between rounds (a round is one
-    Spark job, whose start is paid once a round).
-    Within a round each task keeps its share of ``max_rows_per_sec`` chunk by chunk (throttled
-    chunks hold at most :data:`PACED_CHUNK_SECS` of it) and waits before a chunk while the stream
-    has more than ``max_backlog`` undelivered events, so READ events never arrive in bursts that
-    live events queue behind. Yields :class:`Progress` every ``progress_secs``, then the
-    :class:`Outcome`. A subscription changed meanwhile is checked again and the partitions go on; a
-    row that cannot become an event stops its partition ``failed`` (the row named), the others go on.
-    If this generator is closed or interrupted before the end (a cancelled run, Ctrl-C), the
-    backfill is stopped (resumable) and ``on_stop`` runs (cancelling the Spark job)."""
+    """Run backfill ``backfill_id`` to its end in this process: take its lock (else :class:`BackfillBusy`),
+    claim it, and read its unfinished partitions in parallel through ``execute``, in rounds of
+    :data:`ROUND_SECS` (throttled: :data:`THROTTLED_ROUND_SECS`) so a Spark shared with deliveries runs them
+    between rounds; each task keeps its share of ``max_rows_per_sec`` (:data:`PACED_CHUNK_SECS` a chunk) and
+    the ``max_backlog`` bound. Yields :class:`Progress` every ``progress_secs``, then the :class:`Outcome`. A
+    changed subscription is checked again and the partitions go on; a bad row fails its partition only.
+    Closed or interrupted before the end, the backfill is stopped (resumable) and ``on_stop`` runs."""
     token = str(uuid.uuid4())
     session = psycopg.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
     finished = False

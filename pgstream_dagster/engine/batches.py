@@ -248,10 +248,9 @@ class FailRun:
 
 @dataclass(frozen=True)
 class Requeue:
-    """The head's run was interrupted by the instance's shutdown before this code location started (a
-    restart of `dg dev` or of the deployment): that says nothing of its batches or the sink. Its batches go
-    back to pending (``checkpoint``: the stream is in failover, the head stays its checkpoint, due now);
-    no failover is entered and none counts an attempt more. The next decision launches them again."""
+    """The head's run was interrupted by the instance's shutdown before this code location started, which
+    says nothing of its batches or the sink: they go back to pending (``checkpoint``: in failover, the head
+    stays the checkpoint, due now), no failover entered, no attempt counted."""
 
     head: Batch
     run_id: str
@@ -393,10 +392,9 @@ def failover_key(batch_id: int, retry_at: dt.datetime) -> str:
 
 
 def tick_notes(action: Action, said: dict[str, Any], now: float) -> list[str]:
-    """:func:`notes` for a sensor that decides many times a tick and ticks every few seconds: a
-    transition (a run failed, failover left) each time, a lasting state once when it
-    starts or changes, then its short form at most every :data:`REMIND_EVERY_SECS` (``now``: epoch
-    seconds) while it lasts. ``said`` remembers what was said (the sensor keeps it in its cursor)."""
+    """:func:`notes` for a sensor deciding many times a tick: a transition each time, a lasting state once
+    when it starts or changes, then its short form at most every :data:`REMIND_EVERY_SECS` (``now``: epoch
+    seconds). ``said`` remembers what was said (the sensor's cursor)."""
     state = _lasting(action)
     lines = [n for n in notes(action) if state is None or n != state.reason]
     if isinstance(action, FailRun):  # its note tells the failover it starts: the wait that follows was said

@@ -95,21 +95,16 @@ def executors_elsewhere(master: str, remote: str | None) -> bool:
 
 
 def default_cores_max(parallelism: Iterable[int]) -> int:
-    """A run's share of a standalone cluster: what its busiest stage can use. Ordered delivery and
-    replay run one Spark job of one partition at a time (the next one is computed while the driver
-    publishes the current one: 1 core); ``by_key`` publishes ``delivery.parallelism`` partitions
-    at once."""
+    """A run's share of a standalone cluster, what its busiest stage can use: 1 core for ordered delivery
+    and replay (one partition at a time), ``delivery.parallelism`` for ``by_key``."""
     return max([1, *parallelism])
 
 
 def cluster_conf(master: str, conf: dict[str, str], by_key_parallelism: Iterable[int] = (),
                  ship_package: bool = True) -> dict[str, str]:
-    """The settings pgstream adds for a cluster ``master`` to the user's ``conf`` (which wins):
-    the package zip appended to ``spark.submit.pyFiles`` (``ship_package``), ``spark.cores.max``
-    (standalone masters: a run never takes every core while it stays open) and
-    ``spark.task.maxFailures`` 1 (a failed task fails the run, whose batches the stream's failover
-    retries, instead of Spark republishing a ``by_key`` partition up to 4 times in one run).
-    Nothing for a local master."""
+    """What pgstream adds for a cluster ``master`` to the user's ``conf`` (which wins): the package zip in
+    ``spark.submit.pyFiles``, ``spark.cores.max`` (standalone masters) and ``spark.task.maxFailures`` 1 (a
+    failed task fails the run, retried by the stream's failover, not by Spark). Nothing for a local master."""
     if is_local(master):
         return {}
     out: dict[str, str] = {}
@@ -226,12 +221,9 @@ def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
 
 def driver_python_problem(python: str, cwd: Path, driver: str = "the run") -> str | None:
     """Why the Spark driver (``driver``: the run, or a Spark Connect server) could not start ``python``
-    (the Python workers' interpreter, ``spark.pyspark.python``) from its working directory ``cwd``, or
-    None. PySpark sends one interpreter with every Python function: the executors start it in their
-    working directory, where ``spark.archives`` unpacks a packed environment (``./env/bin/python``
-    with ``env.tar.gz#env``), and the driver starts it too, to plan the Python data sources. A
-    relative path missing there fails each run at its first read, far from the cause; a bare command
-    name is looked up on each host's ``PATH``."""
+    (``spark.pyspark.python``) from its working directory ``cwd``, or None: the driver starts it too, to plan
+    the Python data sources, so a path relative to the executors' directory (a packed environment in
+    ``spark.archives``) missing here fails each run at its first read. A bare name is looked up on ``PATH``."""
     if os.path.isabs(python) or "/" not in python:
         return None
     if (cwd / python).is_file() and os.access(cwd / python, os.X_OK):
@@ -274,10 +266,8 @@ def database_problem(url: str) -> str | None:
 
 
 def sink_problems(sink: object, elsewhere: bool) -> list[str]:
-    """What in a sink config (built on the executors: ``by_key``) means something else there:
-    relative file paths (an executor's working directory is its own) and an in-memory sink; with
-    ``elsewhere`` (executors on other machines) loopback hosts too. ``key: why`` each, never a value
-    (it may hold a secret)."""
+    """What in a sink config (built on the executors: ``by_key``) means something else there: relative file
+    paths, an in-memory sink and, with ``elsewhere``, loopback hosts. ``key: why`` each, never a value."""
     from pydantic import BaseModel, SecretStr
 
     problems: list[str] = []

@@ -26,10 +26,8 @@ class ControlError(RuntimeError):
 def apply_control(conn: psycopg.Connection, stream_id: int, action: Action, batch_id: int | None = None, *,
                   event_ids: Sequence[int] = (), reason: str = "", dead_letter_ids: Sequence[int] = (),
                   all_dead_letters: bool = False, by: str = "sql") -> str:
-    """Apply ``action`` to the stream and say what happened (one line, for the CLI and the run log).
-
-    ``set_aside`` takes ``event_ids`` and ``reason``; ``discard_dead_letters`` takes ``dead_letter_ids``
-    or ``all_dead_letters`` (every open dead letter of the stream), and ``by`` (who, kept with them)."""
+    """Apply ``action`` to the stream and say what happened (one line). ``set_aside`` takes ``event_ids`` and
+    ``reason``; ``discard_dead_letters`` takes ``dead_letter_ids`` or ``all_dead_letters``, and ``by``."""
     if action == "set_aside":
         try:
             n = deadletters.set_aside(conn, stream_id, event_ids, reason)

@@ -257,20 +257,13 @@ def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int]
 
 def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int] | None, by: str,
               chunk_size: int | None = None, *, dry_run: bool = False) -> RedeliveryReport:
-    """Publish the stream's open dead letters (all, or ``ids``) through its sink in delivery order,
-    ``chunk_size`` events per publish call (default: the stream's ``delivery.chunk_size``) and at most
-    ``delivery.tuning.max_read_bytes`` of payload and metadata (one at least; their payloads are read a chunk
-    at a time), marking each chunk ``redelivered`` only once the sink confirmed it.
-
-    * A dead letter with no payload or no event timestamp cannot be redelivered: it is reported and
-      left open (the others go on: waiting would not make it deliverable).
-    * A dead letter whose position the stream has not passed yet (a batch up to it is neither
-      delivered nor skipped) is not sent: it and every later one wait.
-    * On a :class:`SinkError` the error (already free of secrets) and attempts + 1 are recorded on the
-      first dead letter of the refused chunk, and redelivery stops: later ones wait, order is kept.
-
-    ``conn`` should be in autocommit mode (each confirmed chunk is marked in a transaction of its own).
-    Two redeliveries of one stream never run at once (pgstream's lock ``redelivery``)."""
+    """Publish the stream's open dead letters (all, or ``ids``) through its sink in delivery order, in chunks
+    of ``chunk_size`` events (default ``delivery.chunk_size``) and ``delivery.tuning.max_read_bytes``, marking
+    each chunk ``redelivered`` once the sink confirmed it (``conn`` in autocommit: a transaction a chunk).
+    One without a payload or timestamp is reported and left open; one whose position the stream has not
+    passed yet waits, with every later one; a :class:`SinkError` is recorded on the refused chunk's first
+    dead letter (attempts + 1) and stops the redelivery. One redelivery per stream at a time (lock
+    ``redelivery``)."""
     size = chunk_size or stream.delivery.chunk_size
     if size < 1:
         raise DeadLetterError(f"chunk_size must be at least 1, not {size}")

@@ -53,17 +53,12 @@ class HousekeepingReport:
 
 def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
                      today: dt.date | None = None) -> HousekeepingReport:
-    """One housekeeping pass for UTC day ``today`` (default: the database's UTC today).
-
-    Each step commits on its own: create partitions ahead; drop the expired ones, each in its own
-    transaction (measured, detached and dropped by ``pgstream.drop_partition``), so the ACCESS
-    EXCLUSIVE lock of a detach is held only for that statement; delete the expired rows of
-    ``events_default`` that are done with; prune delivered batches older than ``ledger_keep_days``
-    (relative to ``today``). Every lock on ``pgstream.events`` or a partition is requested with
-    ``lock_timeout_ms``, ``lock_attempts`` times: a partition whose locks stay held (an application
-    transaction that wrote an event and sits idle) is reported in ``busy`` and left for the next pass,
-    and the pass goes on: application writes never wait behind it for longer than one timeout.
-    """
+    """One housekeeping pass for UTC day ``today`` (default: the database's), each step committing on its
+    own: partitions ahead; expired ones dropped one transaction each (``pgstream.drop_partition``: a
+    detach's lock held for that statement only); expired rows of ``events_default`` deleted; delivered
+    batches older than ``ledger_keep_days`` pruned. Every lock is requested with ``lock_timeout_ms``,
+    ``lock_attempts`` times: a partition whose locks stay held is reported in ``busy`` and left for the
+    next pass, so application writes never wait behind it longer than one timeout."""
     if today is None:
         row = conn.execute("select pgstream.utc_today()").fetchone()
         assert row is not None

@@ -30,10 +30,7 @@ FETCH_ROWS = 5_000
 # stale or missing statistics of the day's partition (writers filling it, autovacuum behind) it did,
 # scanning the stream's whole day per event of the batch (measured by bench/cpu.py: one 10k batch
 # 4.74 s instead of 0.20 s); by the primary key (id, created_at) each event is one index probe.
-BATCH_QUERY = """
-select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
-       (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
-           as routing_key
+_BATCH_SPAN = """\
 from pgstream.batches b
 cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
 join pgstream.events e
@@ -42,6 +39,11 @@ join pgstream.events e
 where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
 order by o.ord
 """
+BATCH_QUERY = """
+select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
+       (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
+           as routing_key
+""" + _BATCH_SPAN
 
 #: per event of a batch span: its ordinal, id, and the bytes of its payload and of its metadata as JSON text
 #: (what reading it costs: each is rendered by the server, nothing is sent). A reader cuts what it reads
@@ -50,14 +52,7 @@ order by o.ord
 BATCH_SIZES = """
 select o.ord, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
        coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
-from pgstream.batches b
-cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
-join pgstream.events e
-  on e.id = o.id and e.stream_id + 0 = b.stream_id
- and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
-where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
-order by o.ord
-"""
+""" + _BATCH_SPAN
 
 #: :data:`BATCH_QUERY` cut at a byte budget by the server, in one pass: every event of the span comes with
 #: the bytes of its payload and metadata as JSON text, but its payload, metadata and routing key only if it
@@ -108,11 +103,9 @@ class Piece:
 
 def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: int,
         limit: int | None, rows: int | None = None) -> Iterator[Piece | tuple[int, TooLarge]]:
-    """``lo..hi`` in order as :class:`Piece` s of at most ``budget`` bytes of payload and metadata each
-    (one event at least) and at most ``rows`` positions, by the ``sizes`` of the events there
-    (``(position, id, payload bytes, metadata bytes)`` in order, as :data:`BATCH_SIZES` returns them;
-    a position without a row is in no piece's count). An event whose payload is larger than ``limit``
-    is in no piece: it comes as ``(position, TooLarge)`` in its place, never read."""
+    """``lo..hi`` in order as :class:`Piece` s of at most ``budget`` bytes (one event at least) and ``rows``
+    positions, by ``sizes`` (rows of :data:`BATCH_SIZES`; a position without one counts in no piece). An event
+    whose payload is larger than ``limit`` comes as ``(position, TooLarge)`` in its place, never read."""
     start, used = lo, 0
     for position, event_id, payload, metadata in sizes:
         if limit is not None and payload > limit:
@@ -146,10 +139,8 @@ def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budg
 
 
 def events_where(params: Mapping[str, Any]) -> str:
-    """The filter of a replay's selection (``params``: ``replay.selection``'s; shared with
-    ``replay.plan``, which counts and splits it): the stream and the id range, and the time bounds
-    and subscription keys only where ``params`` give them, so that no row evaluates a test of a
-    parameter that is not there."""
+    """The filter of a replay's selection (``params``, shared with ``replay.plan``): the stream and id range,
+    and time bounds and subscription keys only where ``params`` give them."""
     tests = ["e.stream_id = %(stream_id)s", "e.id between %(lo)s and %(hi)s"]
     if params.get("from_time") is not None:
         tests.append("e.created_at >= %(from_time)s::timestamptz")

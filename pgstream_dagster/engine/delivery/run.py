@@ -257,11 +257,9 @@ def owed(stream: StreamConfig, batches: list[state.Batch]) -> list[Span]:
 
 
 def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state.Batch]:
-    """A run's next round of ``batches``, all assigned to it (ordering global): the first of them up to
-    ``direct_max_events`` events (``DeliveryConfig.direct_max_events``; at least one batch), so
-    that it is read without Spark; the rest come in the next rounds. A backlog is then delivered in
-    rounds the run reads itself instead of a Spark job that, started while the writers take the CPUs,
-    held the stream for 1-2 minutes (bench/sustained.py)."""
+    """A run's next round of ``batches`` (ordering global): the first of them up to ``direct_max_events``
+    events (one batch at least), read without Spark; the rest come in the next rounds (a Spark job started
+    while writers take the CPUs held the stream for 1-2 minutes: bench/sustained.py)."""
     limit = stream.delivery.direct_max_events
     if stream.delivery.ordering != "global" or limit <= 0:
         return batches
@@ -358,11 +356,8 @@ class _Round:
             raise DeliveryError(f"batch {batch_id} was already marked delivered by another run")
 
     def _in_order(self, source: Any, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
-        """Global order: the publish loop yields what the sink confirmed and the run records each step in
-        the ledger before the loop publishes anything more. Returns the events handled. A round that
-        lasts logs its progress (every tenth of it, at most every ``tuning.report_every_secs``): a
-        line of the run log is a write to Dagster's event log, which a round of a few thousand events
-        delivered in a fraction of a second does not need."""
+        """Global order: the run records each step the publish loop yields before it publishes more; the
+        events handled. A long round logs its progress every tenth, at most every ``report_every_secs``."""
         stream, conn = self.stream, self.conn
         total = sum(self.expected.values())
         chunk_size = stream.delivery.chunk_size
@@ -400,10 +395,9 @@ class _Round:
 
     def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None,
                 token: str) -> int:
-        """Per routing key, on the executors (each Spark task with a sink of its own, recording what it
-        confirmed in ``pgstream.key_progress`` as it goes: a retry resumes per key); the tasks return
-        their counts per batch, and each batch is marked delivered once every task is done and the
-        counts add up. Returns the events handled."""
+        """Per routing key, on the executors (each task with its own sink, recording its confirmations in
+        ``pgstream.key_progress``); each batch is marked delivered once every task is done and the counts
+        add up. The events handled."""
         from .. import spark
 
         stream, conn, expected = self.stream, self.conn, self.expected
@@ -485,11 +479,9 @@ def _freeze_once() -> None:
 
 
 class Linger:
-    """Keeps a run open after its batches (sql/010_open_runs.sql): it waits for batches the sensor
-    assigns to it and closes once idle ``tuning.linger_secs`` (mode ``open``), open
-    ``tuning.max_run_secs``, or when the stream is paused, no longer hands it batches (failover), a
-    replay waits for the delivery lease, however it was launched
-    (:func:`~..ledger.locks.acquire_replay_lease`), or the host has a reason (:attr:`Host.stop_check`)."""
+    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for batches the sensor assigns to
+    it, until it closes (see the module; a replay waits however it was launched:
+    :func:`~..ledger.locks.acquire_replay_lease`)."""
 
     def __init__(self, host: Host, ledger: locks.RunConnections, stream: StreamConfig, run_key: str) -> None:
         self.host, self.ledger, self.stream, self.run_key = host, ledger, stream, run_key

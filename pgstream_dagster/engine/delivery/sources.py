@@ -76,10 +76,8 @@ class EventSource(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class TableSource:
-    """Route ``table``: a round small enough to read without Spark, ``spans`` read by ``conn`` (the
-    run's own connection) with the query the Spark source runs. A Spark job costs 0.1-0.3 s and about
-    half a CPU-second whatever its size (bench/cpu.py): for the few events an open run gets at a time
-    that is most of the latency and of the CPU."""
+    """Route ``table``: ``spans`` read by the run's own connection with the Spark source's query (a Spark job
+    costs 0.1-0.3 s and half a CPU-second whatever its size: bench/cpu.py)."""
 
     conn: psycopg.Connection
     spans: Sequence[Span]
@@ -121,11 +119,9 @@ class TableSource:
 
 @dataclasses.dataclass(frozen=True)
 class RangeSource:
-    """Route ``range``: a replay's selection read without Spark (``delivery.tuning.direct_max_events`` above
-    0): the id ``ranges`` of :func:`~pgstream_dagster.engine.replay.plan`, each read whole with the query the
-    Spark source runs (``params``: its filters), by a connection of its own while the caller publishes
-    the range before. The run's process publishes every event of a replay anyway (id order): Spark
-    would only add its start-up, its JVM and a copy of every row (bench/replay.py)."""
+    """Route ``range``: a replay's id ``ranges`` (:func:`~pgstream_dagster.engine.replay.plan`) read without
+    Spark, each whole with the Spark source's query (``params``), by a connection of its own while the caller
+    publishes the one before (Spark would add only its start and a copy of every row: bench/replay.py)."""
 
     database_url: str
     ranges: Sequence[tuple[int, int]]
@@ -290,16 +286,11 @@ class Readers:
 
 
 def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: Readers) -> Route:
-    """The one choice of where events are read, for a delivery round (``Owed``), a replay
-    (``Selection``) and a redelivery (``Letters``):
-
-    * a round of an ``ordering: by_key`` stream: Spark tasks per routing key;
-    * a round of an ordered stream: through Spark in mode ``per_batch`` (the design card's PySpark run
-      per batch) unless ``tuning.direct_max_events`` is given, and with ``direct_max_events`` 0; else
-      a round of at most ``direct_max_events`` events is read by the run's own connection, a larger one through Spark;
-    * a replay: JSON lines rendered by Postgres when the sink takes them, else the run's connections
-      unless ``tuning.direct_max_events`` is 0 (then Spark), in every mode;
-    * dead letters: from ``pgstream.dead_letters``."""
+    """The one choice of where events are read, for a round (``Owed``), a replay (``Selection``) and a
+    redelivery (``Letters``): ``by_key`` rounds on Spark tasks; an ordered round by the run's connection up to
+    ``tuning.direct_max_events`` events, else Spark (always Spark in mode ``per_batch`` unless
+    ``direct_max_events`` is given, and with it 0); a replay as JSON lines when the sink takes them, else by
+    the run's connections (Spark with ``direct_max_events`` 0); dead letters from ``pgstream.dead_letters``."""
     direct = delivery.direct_max_events
     if isinstance(want, Letters):
         return Route.LETTERS
@@ -369,11 +360,9 @@ def publish_in_order(source: EventSource, sink: Sink, chunk_size: int, *, skip: 
                      reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
                      too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
                      gate: Gate = contextlib.nullcontext) -> Deliveries:
-    """Global order: ``source``'s events published chunk by chunk through ``sink`` (the caller's; a run
-    keeps one for its whole life) by :func:`~..publish.publish`, whose deliveries this yields (``skip``,
-    ``reject``, ``owed``, ``too_large`` and ``chunk_bytes`` are explained there). Closing it closes the
-    source's events in the caller's thread (a reader's prefetch is waited for then, not whenever the
-    garbage collector gets to it). ``gate``: what each publish call runs in (:func:`~..publish.publish`)."""
+    """Global order: ``source``'s events published through ``sink`` (the caller's) by
+    :func:`~..publish.publish`, whose deliveries (and arguments) this passes on. Closing it closes the
+    source's events in the caller's thread (a reader's prefetch is waited for then)."""
     events = source.events()
     try:
         yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,

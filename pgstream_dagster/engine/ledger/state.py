@@ -229,13 +229,10 @@ class LeaseLost(RuntimeError):
 
 @contextmanager
 def publishing(conn: psycopg.Connection, stream_id: int, run_id: str) -> Iterator[None]:
-    """A publish call of the stream's run ``run_id``, allowed only while the stream is not paused and the run
-    holds its delivery lease: the block runs in a transaction on ``conn`` holding the stream row ``FOR KEY
-    SHARE``, which ``pgstream.set_paused`` (``FOR UPDATE``) waits for, so a pause returns only once no publish
-    is in flight, and every publish after it sees it (:class:`StreamPaused`, raised before the block); a run
-    whose lease another run took (its lease session ended) publishes nothing (:class:`LeaseLost`).
-    Recording a batch (``for no key update``) and inserting batches do not wait for it. The transaction only
-    locks: its commit is not waited for on disk (``synchronous_commit`` off)."""
+    """A publish call of the stream's run ``run_id``, in a transaction holding the stream row ``FOR KEY SHARE``
+    (``synchronous_commit`` off: it only locks), which ``pgstream.set_paused`` waits for: a pause returns once
+    no publish is in flight and every later one raises :class:`StreamPaused`; a run whose lease another run
+    took raises :class:`LeaseLost`. Recording and inserting batches do not wait for it."""
     with conn.transaction():
         # (the lease's row still names the run: the check of its session's life is left to the look between
         # rounds, :func:`why_close`, a statement per publish call cheaper; another run taking the lease renames it)
@@ -283,31 +280,24 @@ def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> No
 
 
 # --- the slot's declared reader (streams.slot_reader, sql/025_slot_reader.sql) ----------------------
-# Who reads the stream's slot: 'group:<name>' once the stream has joined its reader group (for good: a
-# trigger keeps it), 'sensor' for a stream still reading a slot of its own until it joins (an install of a
-# version with a slot per stream), whose own slot the group's sensor reads meanwhile (ingest.consume).
-# A constraint of sql/025 ties 'run:<key>' (that version's open run reading its slot) to open_run_key:
-# the open run's writers above set 'sensor' with it, which the trigger turns into the group's reader
-# for a member that has joined. Each reader checks it under the stream row's lock before it records
-# (lock_slot_reader).
+# 'group:<name>' once the stream joined its reader group (for good: a trigger turns the 'sensor' the open
+# run's writers above set into it), 'sensor' while a stream still reads a slot of its own (ingest.consume).
 
 #: the declared reader of a stream's own slot before it joins its group
 SENSOR = "sensor"
 
 
-def slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
+def slot_reader(conn: psycopg.Connection, stream_id: int, *, lock: bool = False) -> str:
     """Who reads the stream's slot now: ``group:<name>``, or :data:`SENSOR` (its own, while it joins)."""
-    row = conn.execute("select slot_reader from pgstream.streams where id = %s", [stream_id]).fetchone()
+    row = conn.execute("select slot_reader from pgstream.streams where id = %s"  # noqa: S608 - constants
+                       + (" for no key update" if lock else ""), [stream_id]).fetchone()
     return str(row[0]) if row and row[0] is not None else SENSOR
 
 
 def lock_slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
-    """:func:`slot_reader`, holding the stream row's lock until the transaction ends (as :func:`extend_run`
-    and closing a run take it; ``no key update``: batches and dead letters referencing the stream are still
-    inserted meanwhile): a reader records only while this is itself. Only inside a transaction."""
-    row = conn.execute("select slot_reader from pgstream.streams where id = %s for no key update",
-                       [stream_id]).fetchone()
-    return str(row[0]) if row and row[0] is not None else SENSOR
+    """:func:`slot_reader`, holding the stream row's lock (``no key update``, as :func:`extend_run` takes it)
+    until the transaction ends: a reader records only while this is itself. Only inside a transaction."""
+    return slot_reader(conn, stream_id, lock=True)
 
 
 def release(conn: psycopg.Connection, run_key: str, keep: int) -> None:
