@@ -217,10 +217,9 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
 
 
 def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig], where: str) -> str | None:
-    """The line saying that the streams with open runs (``delivery.mode`` open or warm; a reader group's
-    streams: one group delivery run for all of them) and one more run (housekeeping, checks, a replay) do
-    not fit in the Dagster instance's ``max_concurrent_runs`` (``None`` or negative: no limit); ``where``:
-    the instance's configuration, named in the line."""
+    """The line saying that the streams with open runs (a reader group's: one group run) and one more run do
+    not fit in the instance's ``max_concurrent_runs`` (``None`` or negative: no limit); ``where`` names its
+    configuration."""
     if max_concurrent_runs is None or max_concurrent_runs < 0:
         return None
     groups = list(reader_groups(streams))

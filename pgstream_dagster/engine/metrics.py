@@ -123,10 +123,8 @@ def families(rows: list[Row]) -> list[Metric]:
 
 
 class PgstreamCollector(Collector):
-    """A custom collector: every ``collect()`` reads the database (see the module docstring).
-
-    One connection is kept between scrapes (opened again after an error); scrapes of one exporter
-    are serialised on it."""
+    """Every ``collect()`` reads the database (see the module), on one connection kept between scrapes
+    (opened again after an error), scrapes of one exporter serialised on it."""
 
     def __init__(self, database_url: str, timeout_secs: float = 5.0,
                  log: Callable[[str], None] | None = None) -> None:

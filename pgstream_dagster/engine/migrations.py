@@ -232,15 +232,10 @@ def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, pa
 
 
 def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | None = None) -> list[str]:
-    """Apply the pending versioned migrations, then the repeatable files that changed, and create
-    today's and the next partitions.
-
-    Returns the names of the files applied, versioned ones first (``012_least_privilege.sql``,
-    ``repeatable/04_subscriptions.sql``); empty when already up to date. Each file runs in its own
-    transaction together with its ledger row: a failing file changes nothing, and the files before
-    it stay applied. Each of these transactions first takes the ledger table's lock and only then
-    looks at what is pending, so concurrent migrators apply every file once, one after the other.
-    """
+    """Apply the pending versioned migrations, then the changed repeatable files, and create today's and the
+    next partitions; the names of the files applied (``012_least_privilege.sql``,
+    ``repeatable/04_subscriptions.sql``). Each file runs in its own transaction with its ledger row, taking
+    the ledger table's lock before it looks at what is pending: concurrent migrators apply each file once."""
     migrations = discover(directory)
     repeatables = discover_repeatables(directory)
     applied: list[str] = []
@@ -344,9 +339,8 @@ DRIFT_GUARD_MISSING = ("warning: the schema-drift guard is NOT active (its event
 
 
 def install_drift_guard(superuser_url: str, directory: Path | None = None) -> None:
-    """Create the drift guard's event triggers as a superuser (or on RDS its master user, which may create
-    them), on an install whose owner is not one: the event-trigger step of ``repeatable/05_drift_guard.sql``
-    (the last statement of that file) run again. The functions they call stay the owner's. Raises
+    """Create the drift guard's event triggers as a superuser (on RDS, its master user) on an install whose
+    owner is not one: the event-trigger step of ``repeatable/05_drift_guard.sql`` run again. Raises
     :class:`MigrationError` when the role may not create event triggers or pgstream is not installed."""
     files = {r.name: r for r in discover_repeatables(directory)}
     guard = next((f for name, f in files.items() if name.endswith("_drift_guard.sql")), None)
@@ -455,10 +449,8 @@ order by 1
 
 
 def dependent_objects(conn: psycopg.Connection) -> list[str]:
-    """The objects outside schema ``pgstream`` that dropping it would drop too (a user table's column
-    of a pgstream type, a view over ``pgstream.events``, a function whose signature uses a pgstream
-    type, ...), as ``"<type> <identity>"``. pgstream's own generated triggers, event triggers and
-    publications are not listed: tear-down drops them itself."""
+    """The objects outside schema ``pgstream`` that dropping it would drop too, as ``"<type> <identity>"``
+    (pgstream's own generated triggers, event triggers and publications left out: tear-down drops them)."""
     if not _schema_exists(conn):
         return []
     return [r[0] for r in conn.execute(_DEPENDENTS).fetchall()]
@@ -474,15 +466,10 @@ def _wait_slot_released(conn: psycopg.Connection, slot: str, timeout: float = 10
 
 
 def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
-    """Remove every trace of pgstream from the database and return what was removed.
-
-    Drops the drift-guard event triggers, the generated triggers on user tables, the stream
-    publications, the ``pgstream`` schema (events included) and every slot a stream used (its
-    ``slot``, whatever it is, and any slot of this database named like a default slot:
-    ``pgstream.default_slot_pattern()``). Objects outside the
-    schema that depend on it (``dependent_objects``) make it refuse with :class:`TearDownRefused`,
-    changing nothing, unless ``cascade``: then they are dropped with the schema and listed.
-    """
+    """Remove every trace of pgstream (drift-guard event triggers, generated triggers, publications, the
+    schema, every slot a stream used or named like a default slot) and return what was removed. Objects
+    outside the schema that depend on it (:func:`dependent_objects`) make it refuse with
+    :class:`TearDownRefused`, changing nothing, unless ``cascade``: then they are dropped too and listed."""
     from psycopg import sql
 
     removed: list[str] = []

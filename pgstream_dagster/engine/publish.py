@@ -176,14 +176,11 @@ def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: fr
             reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
             too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
             gate: Gate = nullcontext) -> Deliveries:
-    """Publish ``rows`` (in the order owed) in chunks of at most ``chunk_size`` events and
-    ``chunk_bytes`` bytes of JSON text (one event at least) through ``sink`` (the caller's: it is not
-    closed here), yielding what happened (see the module docstring). A batch is reported done only
-    after the publish call that carried its last event returned. ``owed``: the spans the rows must
-    cover (a position missing from the rows and not in ``skip`` vanished). ``too_large``: records a
-    :class:`TooLarge` row as a dead letter, after the events before it were confirmed; without it such
-    a row stops the publisher (:class:`EventTooLargeError`). ``gate``: every publish call runs inside it,
-    which may refuse it by raising (a paused stream)."""
+    """Publish ``rows`` (in the order owed) through ``sink`` (the caller's, not closed here) in chunks of at
+    most ``chunk_size`` events and ``chunk_bytes`` bytes of JSON text (one event at least), yielding what
+    happened (see the module); a batch is done only once the call carrying its last event returned.
+    ``owed``: the spans the rows must cover. ``too_large``: records a :class:`TooLarge` row as a dead letter
+    (without it: :class:`EventTooLargeError`). ``gate``: what every publish call runs inside (it may raise)."""
     return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes, gate=gate).run(rows)
 
 
@@ -406,11 +403,9 @@ class _Publisher:
         yield Progress(self.handled)
 
     def _check_sink(self, event: Event, error: SinkError, *, storm: bool) -> bool:
-        """Publish the last event the sink confirmed again (a duplicate by id) before ``event`` is set
-        aside: ``storm`` after ``max_consecutive`` rejections in a row, else at the call's first
-        rejection. Raises :class:`RejectStormError` when the sink refuses it for good too, or, in a
-        storm, when there is none to send; returns whether the sink took it. A failure that is not a
-        rejection propagates."""
+        """Publish the last event the sink confirmed again before ``event`` is set aside (``storm``: after
+        ``max_consecutive`` rejections, else at the call's first); whether the sink took it. Raises
+        :class:`RejectStormError` when it refuses that one too, or in a storm when there is none to send."""
         policy = self.reject
         assert policy is not None
         probe = self.last_good

@@ -149,9 +149,8 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
 
 
 def count_note(planned: int, delivered: int) -> str | None:
-    """What happened when a replay delivered another number of events than it planned (None: the same).
-    The count is taken when the replay is planned; the events are read range by range afterwards, and the
-    last range runs to the selection's upper bound (none: the stream's newest event). So events committed
+    """What happened when a replay delivered another number of events than it planned (None: the same):
+    counted at planning, read range by range later up to the selection's upper bound, so events committed
     into the selection meanwhile are delivered too, and events deleted meanwhile (retention) are not."""
     if delivered == planned:
         return None
@@ -217,15 +216,11 @@ class Lines:
 
 def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2,
                read_bytes: int = reads.READ_BYTES) -> Generator[Counted | Lines, None, None]:
-    """The events :func:`selection`'s ``params`` select as :class:`Lines` of ``size`` events (the last
-    may hold fewer) and at most ``read_bytes`` bytes of payload and metadata (one event at least), in
-    id order, and :class:`Counted` once, as soon as the selection is counted. One session walks the
-    selected ids (:class:`IdRanges`, in a thread: it runs ahead and counts) while ``connections``
-    others read the next ranges as the caller handles the current one. Each read renders its lines
-    once and the server cuts them at ``read_bytes`` / ``_AHEAD`` bytes (one event at least), so the
-    chunks read ahead hold ``read_bytes`` in all; what comes after a cut is read next, in pieces by
-    the sizes of its events (rendered once more, for those ranges only). Nothing is parsed in
-    Python."""
+    """The events :func:`selection`'s ``params`` select, in id order, as :class:`Lines` of ``size`` events and
+    at most ``read_bytes`` bytes (one event at least), and :class:`Counted` once it is counted. One session
+    walks the ids (:class:`IdRanges`, in a thread) while ``connections`` others read the next ranges; the
+    server renders the lines and cuts them at ``read_bytes`` / ``_AHEAD`` bytes, what comes after a cut read
+    next in pieces by its events' sizes. Nothing is parsed in Python."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
     # the walk's ranges in order, then None (or the exception that ended the walk)
@@ -321,12 +316,9 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
 
 def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int, sink: Sink,
                   read_bytes: int = reads.READ_BYTES) -> Generator[Counted | int, None, None]:
-    """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: the
-    selected events in :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` calls of
-    ``chunk_size`` events and at most ``read_bytes`` bytes of payload and metadata (one event at
-    least), in order. Yields :class:`Counted` once (as soon as the walk of the selection
-    has counted it) and the events confirmed so far after each chunk. A sink error propagates (the
-    chunks before it were confirmed)."""
+    """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`, in
+    ``publish_json_lines`` calls of ``chunk_size`` events and at most ``read_bytes`` bytes (one event at
+    least), in order; yields :class:`Counted` once, then the events confirmed after each chunk."""
     if not sink.accepts_json_lines:
         raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
     done = 0

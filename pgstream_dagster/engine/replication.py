@@ -73,14 +73,10 @@ _INSERT = 0x49  # 'I'
 
 
 class PgOutputDecoder:
-    """Decodes pgoutput protocol v1 messages; keeps relation metadata across messages.
-
-    Only what the ledger needs is read from an INSERT: the ``id`` and ``created_at`` columns (their
-    positions come from the Relation message); other columns before them are stepped over without
-    decoding, the ones after are not looked at (``keep_stream``: the ``stream_id`` column too, by which a
-    reader group routes). A ``created_at`` equal to the
-    previous one is not parsed again (inline, as :func:`parse_timestamp` does). :meth:`decode` is the
-    fast path for many messages (inserts decoded inline)."""
+    """Decodes pgoutput protocol v1 messages, keeping relation metadata across them. Of an INSERT only
+    ``id`` and ``created_at`` are read (``keep_stream``: ``stream_id`` too, by which a group routes), the
+    columns before stepped over; a ``created_at`` equal to the previous one is not parsed again.
+    :meth:`decode` is the fast path for many messages."""
 
     def __init__(self, *, keep_stream: bool = False) -> None:
         # relation id (4 bytes, as in the message) -> the positions of the id, created_at and stream_id
@@ -209,12 +205,9 @@ def publication_exists(conn: psycopg.Connection, name: str) -> bool:
 
 
 def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
-    """Slot state: confirmed position, retained WAL bytes, WAL status (reserved/lost...).
-
-    A slot synchronized from the former primary to a standby since promoted (``synced``, Postgres 17+) is
-    ``lost``: it is replaced and what the ledger does not cover recovered from the table, as for a slot
-    invalidated. Its position is only as far as the standby's WAL, which may hold it past the ledger
-    transaction that recorded what it had read (asynchronous replication): events then in neither."""
+    """Slot state: confirmed position, retained WAL bytes, WAL status. A slot synced from a former primary
+    (``synced``, Postgres 17+) is ``lost``: its position may be past what the ledger recorded, so it is
+    replaced and recovered from the table, as an invalidated one."""
     row = conn.execute(
         """select confirmed_flush_lsn::text,
                   case when coalesce((pg_catalog.to_jsonb(s) operator(pg_catalog.->>) 'synced')::boolean, false)
@@ -247,10 +240,9 @@ _CREATE_FAILOVER_SLOT = ("select lsn::text from pg_catalog.pg_create_logical_rep
 
 
 def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None = None) -> str:
-    """Create the pgoutput slot; returns its consistent point. Must not run inside a transaction
-    that has written anything (Postgres requires a fresh snapshot). Postgres waits for every transaction
-    running (with a transaction id, in any database) to end first: with ``wait_secs``, at most that long,
-    then :class:`SlotCreationWaits` (any role that can write a table can keep a transaction open)."""
+    """Create the pgoutput slot, outside any transaction that wrote; returns its consistent point. Postgres
+    waits for every running transaction to end first: with ``wait_secs`` at most that long, then
+    :class:`SlotCreationWaits`."""
     # a failover slot where Postgres has them (17+): a primary's synchronized_standby_slots then holds its
     # decoding until the standby has the WAL (no event goes out that a promoted standby would lack)
     query = _CREATE_FAILOVER_SLOT if conn.info.server_version >= 170000 else _CREATE_SLOT

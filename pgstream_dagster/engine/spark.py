@@ -94,10 +94,8 @@ def partition_spans(spans: Sequence[Span], size: int) -> list[Span]:
 
 
 def group_spans(spans: Sequence[Span], size: int) -> list[list[Span]]:
-    """The pieces of :func:`partition_spans` in consecutive groups of at most ``size`` ordinals in
-    all, in delivery order: one packed partition (one Spark job) reads a whole group, so a run of
-    many small batches does not pay a Spark job per batch (bench/cpu.py: about half a CPU-second of
-    the JVM and its Python workers each, whatever the batch's size)."""
+    """The pieces of :func:`partition_spans` in consecutive groups of at most ``size`` ordinals, in delivery
+    order: a packed partition (one Spark job) reads a group, not a job per small batch (bench/cpu.py)."""
     groups: list[list[Span]] = []
     room = 0
     for piece in partition_spans(spans, size):
@@ -206,14 +204,10 @@ _ARROW_BYTES = {"spark.sql.execution.arrow.maxBytesPerBatch": str(READ_BYTES)}
 
 def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key_parallelism: Sequence[int] = (),
                ship_package: bool = True) -> dict[str, str]:
-    """Spark settings for the delivery runs: offline, UTC, the user's ``extra`` (``spark.conf``) over
-    pgstream's defaults, and on a cluster master what :func:`~pgstream_dagster.engine.cluster.cluster_conf`
-    adds (the package for the executors, a bounded share of the cluster, no task retries).
-
-    The Python workers run ``spark.pyspark.python`` if ``extra`` sets it (the executors' Python),
-    else ``$PYSPARK_PYTHON``, else this interpreter: PySpark sends the driver's ``PYSPARK_PYTHON``
-    with every Python function (data sources included), so it is set in this process's environment
-    too."""
+    """Spark settings for the delivery runs: offline, UTC, the user's ``extra`` over pgstream's defaults, and
+    on a cluster master :func:`~pgstream_dagster.engine.cluster.cluster_conf`'s. The Python workers run
+    ``spark.pyspark.python`` from ``extra``, else ``$PYSPARK_PYTHON``, else this interpreter, set in this
+    process's environment too (PySpark sends the driver's with every Python function)."""
     if remote:
         # Spark Connect: the server owns the JVM and its Python workers (pgstream_dagster.sparkserver);
         # a session may only set session settings
@@ -329,12 +323,9 @@ def register_source(spark: SparkSession, source: type[DataSource]) -> None:
 
 
 def ship_package(spark: SparkSession) -> None:
-    """Before a run's Spark reads anything. Spark Connect on a cluster master: add the package zip to
-    the session as a Python artifact, once per session, so the server's executors import the data
-    sources and sinks from it (a JVM server ignores ``spark.submit.pyFiles``); a local server's workers
-    have this environment. A classic session got the zip from ``spark.submit.pyFiles``
-    (:func:`spark_conf`); raises :class:`DriverPythonMissing` when its driver could not start the
-    workers' interpreter to plan the data sources (a relative ``spark.pyspark.python``)."""
+    """Before a run's Spark reads anything: on Spark Connect with a cluster master, add the package zip as a
+    Python artifact once per session (a JVM server ignores ``spark.submit.pyFiles``); on a classic session,
+    raise :class:`DriverPythonMissing` when its driver could not start the workers' interpreter."""
     if is_classic(spark):
         problem = driver_python_problem(str(spark.sparkContext.pythonExec), Path.cwd())
         if problem is not None:
@@ -351,15 +342,11 @@ def ship_package(spark: SparkSession) -> None:
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
                  rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False, *,
                  sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> Frames:
-    """The events of ``spans`` (what a run owes of each batch, in delivery order: see
-    :func:`~pgstream_dagster.engine.publish.owed_spans`), in partitions of at most
-    ``rows_per_partition`` events. ``packed``: in :data:`PACKED_SCHEMA` rows, as one
-    single-partition DataFrame per partition, in order (see :func:`frame_events`), a partition
-    reading consecutive spans up to ``rows_per_partition`` events (:func:`group_spans`); else one
-    partition per span (:func:`partition_spans`). With ``sizes`` (a connection), a partition also
-    holds at most ``read_bytes`` bytes of payload and metadata (one event at least), by the sizes of
-    the events (:func:`sized_spans`): the driver collects a partition whole, and an executor reads one
-    whole."""
+    """The events of ``spans`` (:func:`~pgstream_dagster.engine.publish.owed_spans`, in delivery order) in
+    partitions of at most ``rows_per_partition`` events: ``packed``, a single-partition DataFrame of
+    :data:`PACKED_SCHEMA` rows per partition of consecutive spans (:func:`group_spans`, read by
+    :func:`frame_events`), else a partition per span. With ``sizes`` (a connection) a partition also holds at
+    most ``read_bytes`` bytes (one event at least: :func:`sized_spans`)."""
     ship_package(spark)
     register_source(spark, BatchesDataSource)
 
@@ -428,23 +415,18 @@ def is_packed(df: DataFrame) -> bool:
 
 
 def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Positioned]:
-    """The events of single-partition DataFrames (as :func:`load_batches` / :func:`load_events` return
-    them packed), in order, each partition collected whole (:func:`_collected`). Closed (by the caller,
-    or when it is done), it waits for the partition being collected ahead: never left to the garbage
-    collector, which may close it in any thread at any time (in one holding the logging module's lock,
-    which py4j's threads need to finish the collect: a deadlock)."""
+    """The events of single-partition DataFrames (:func:`load_batches` / :func:`load_events`, packed), in
+    order, each collected whole (:func:`_collected`). Closed, it waits for the partition collected ahead:
+    left to the garbage collector, it could close in a thread holding the logging lock py4j needs (a
+    deadlock)."""
     with contextlib.closing(_collected(frames, prefetch)) as rows:
         yield from _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
 
 
 def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, None]:
-    """The rows of single-partition DataFrames, in order, each collected whole; ``prefetch``: the
-    next one is collected (by Spark, in a thread) while the caller consumes the current one.
-
-    Not ``toLocalIterator``: in PySpark 4 every partition it serves stays on the driver's JVM heap
-    (measured: ~4 MB retained per 4 MB partition, an OutOfMemoryError after ~200 partitions with
-    the default 1 GB heap), which a long-lived run or a large replay cannot afford;
-    ``collect()`` of one partition at a time keeps the heap flat."""
+    """The rows of single-partition DataFrames, in order, each collected whole; ``prefetch``: the next one
+    collected in a thread meanwhile. Not ``toLocalIterator``, whose partitions stay on the driver's JVM heap
+    in PySpark 4 (an OutOfMemoryError after ~200 of 4 MB with the default heap)."""
     if not frames:
         return
     with executor_python_errors(frames[0].sparkSession), \
@@ -477,10 +459,9 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                        skip: frozenset[Position], reject: RejectPolicy | None,
                        progress: KeyProgress | None, too_large: SetAsideTooLarge | None = None,
                        chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
-    """One ``by_key`` partition, on an executor: its events (Arrow record batches in :data:`SCHEMA`
-    plus ``bucket``, in commit order) published through a sink of its own; each confirmed chunk is
-    recorded in ``progress`` before the next is published, and events at or before their bucket's
-    recorded position are not published again. Yields one :data:`BY_KEY_RESULT_SCHEMA` record batch."""
+    """One ``by_key`` partition, on an executor: its events (:data:`SCHEMA` plus ``bucket``, in commit order)
+    published through a sink of its own, each confirmed chunk recorded in ``progress`` before the next, what
+    was recorded before not published again. Yields one :data:`BY_KEY_RESULT_SCHEMA` record batch."""
     import pyarrow as pa
 
     first = next(batches, None)
@@ -538,18 +519,12 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
                    skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
                    progress: KeyProgress | None = None, too_large: SetAsideTooLarge | None = None,
                    chunk_bytes: int = CHUNK_BYTES) -> KeyDeliveries:
-    """Per routing key order: repartitions by the key into ``parallelism`` partitions (for a
-    resumed round, ``progress.partitions``: the resume points hold for that partitioning), each
-    publishing its events in commit order on an executor through a sink of its own (built from
-    ``sink_config`` by :func:`~pgstream_dagster.sinks.build_sink`, as the run's, and closed when
-    the partition is done). Events of one key never reorder; keys proceed in parallel.
-    ``reject.set_aside`` and ``too_large`` run on the executors (they must be picklable).
-
-    No accumulator and no ``sparkContext``: the partitions run in ``mapInArrow`` and return their
-    counts as rows, which the driver collects, so this works on classic Spark and Spark Connect
-    alike. With ``progress`` each partition records what the sink confirmed, chunk by chunk,
-    durably, and skips what an earlier attempt recorded (see
-    :class:`~pgstream_dagster.engine.ledger.keyprogress.KeyProgress` for why the tasks write it, not the driver)."""
+    """Per routing key order: repartition by the key into ``parallelism`` partitions (resumed:
+    ``progress.partitions``), each publishing in commit order on an executor through a sink of its own built
+    from ``sink_config``; ``reject.set_aside`` and ``too_large`` run there (picklable). ``mapInArrow``
+    returning counts as rows, no accumulator: classic Spark and Spark Connect alike. With ``progress`` each
+    partition records what the sink confirmed and skips what an earlier attempt did
+    (:class:`~pgstream_dagster.engine.ledger.keyprogress.KeyProgress`)."""
     from pyspark.sql import functions as F
 
     partitions = progress.partitions if progress is not None else parallelism

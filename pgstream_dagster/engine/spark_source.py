@@ -617,11 +617,9 @@ order by e.id"""  # noqa: S608
 
 
 class PushdownEventsReader(EventsReader):
-    """:class:`EventsReader` with Spark's filters pushed down (option ``pushFilters``: true; Spark's
-    ``spark.sql.python.filterPushdown.enabled`` must be true as well). Opt-in: Spark 4.3 keeps the data
-    source of a DataFrame with the reader of its first filtered query, and a later query of the same
-    DataFrame without filters Spark can push reads with those filters (tests/test_spark_source.py shows
-    it): load a DataFrame per query when this is on."""
+    """:class:`EventsReader` with Spark's filters pushed down (option ``pushFilters`` and
+    ``spark.sql.python.filterPushdown.enabled``). Opt-in: Spark 4.3 reuses the reader of a DataFrame's first
+    filtered query for later unfiltered ones (tests/test_spark_source.py): load a DataFrame per query."""
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
         self.pushed: list[tuple[str, list[Any]]] = []  # each call replaces the last one's
@@ -663,14 +661,10 @@ def is_classic(spark: SparkSession) -> bool:
 
 
 def workers_python(spark: SparkSession) -> str:
-    """The Python workers' interpreter of a classic session's Python functions registered from now on.
-
-    PySpark sends ``$PYSPARK_PYTHON`` as read when the session's context started with every Python
-    function (this source included), else ``python3`` from ``PATH``, which may lack pyarrow and this
-    package: the source's planning then fails with "Python worker failed to connect back", the cause in
-    the JVM's log only. With ``PYSPARK_PYTHON`` unset and a local master (its workers on this host), the
-    workers run ``spark.pyspark.python`` of the session's conf if set, else this interpreter; a cluster's
-    is the operator's to set (``PYSPARK_PYTHON``: the executors' Python)."""
+    """The Python workers' interpreter of a classic session's Python functions registered from now on:
+    with ``PYSPARK_PYTHON`` unset and a local master, ``spark.pyspark.python`` of the session's conf, else
+    this interpreter (PySpark's default, ``python3`` on ``PATH``, may lack this package: the planning then
+    fails with "Python worker failed to connect back"). A cluster's is the operator's to set."""
     from .cluster import is_local
 
     context = spark.sparkContext

@@ -25,11 +25,8 @@ from ..config import PgstreamConfig, SubscriptionConfig
 MANAGED_BY = "yaml"
 
 def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> list[tuple[str, str, int]]:
-    """Make the database's YAML-managed subscriptions equal to ``config.subscriptions``.
-
-    Returns ``(action, key, stream_id)`` for every change. Raises ``psycopg.Error`` naming the
-    subscription on any invalid one; nothing is changed then.
-    """
+    """Make the database's YAML-managed subscriptions equal to ``config.subscriptions``; ``(action, key,
+    stream_id)`` for every change. An invalid one raises ``psycopg.Error`` naming it, changing nothing."""
     by_stream: dict[int, list[SubscriptionConfig]] = defaultdict(list)
     for sub in config.subscriptions:
         by_stream[sub.stream_id].append(sub)
@@ -138,10 +135,9 @@ _valid_files: dict[tuple[str, str], float] = {}
 
 def _validate_file(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int,
                    source: str) -> None:
-    """:func:`validate_all` of the file before one of its streams is applied (a bad subscription anywhere in
-    it changes nothing), once per ``FILE_VALID_SECS`` for the same file content: a run applying a file's
-    hundred streams validated its hundred subscriptions a hundred times. The stream's own subscriptions are
-    validated every time (the database may have changed since)."""
+    """:func:`validate_all` of the file before one of its streams is applied, at most once per
+    ``FILE_VALID_SECS`` for the same content (not a hundred times for a hundred streams); the stream's own
+    subscriptions are validated every time."""
     info = conn.info
     digest = hashlib.sha256(json.dumps([info.host, info.port, info.dbname, [definition(s) for s in subscriptions]],
                                        sort_keys=True, default=str).encode()).hexdigest()
@@ -164,19 +160,12 @@ class StreamApply:
 
 def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int, source: str,
                  selected: set[Identity] | None = None, remove_absent: bool = True) -> StreamApply:
-    """Apply the YAML subscriptions of one stream in one transaction through ``set_subscriptions``.
-
-    ``selected`` (default: all) are written from the YAML; the stream's other YAML-managed
-    subscriptions are passed back unchanged, so a partial apply never drops them. With
-    ``remove_absent``, YAML-managed subscriptions no longer in the YAML are deleted. Subscriptions
-    created in SQL are never touched. ``subscriptions`` are those of the file that declares the
-    stream (``source``: pgstream.yaml, or a StreamComponent's defs.yaml), all validated first: any
-    invalid subscription raises ``SubscriptionError`` and nothing changes.
-
-    A role that may not write ``pgstream.subscriptions`` (the runtime role: only the owner applies
-    subscriptions, with ``pgstream-dagster init``) writes nothing: it checks that the database already
-    holds what the YAML declares, and raises ``SubscriptionError`` naming what differs otherwise.
-    """
+    """Apply the YAML subscriptions of one stream (``subscriptions``: its file's, all validated first, any
+    invalid raising ``SubscriptionError`` with nothing changed) in one transaction through
+    ``set_subscriptions``: ``selected`` (default all) written, its other YAML-managed ones passed back
+    unchanged; ``remove_absent`` deletes those no longer declared; those created in SQL never touched. A
+    role that may not write ``pgstream.subscriptions`` (the runtime) checks instead that the database holds
+    what the YAML declares, raising ``SubscriptionError`` naming what differs."""
     if not may_write_subscriptions(conn):
         return _verify_stream(conn, subscriptions, stream_id, source, selected, remove_absent)
     _validate_file(conn, subscriptions, stream_id, source)
@@ -217,11 +206,9 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
 
 def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[SubscriptionConfig],
                declared: set[Identity], remove_absent: bool) -> int | None:
-    """When the database already holds ``written`` as the YAML declares them (and, ``remove_absent``, no
-    YAML-managed subscription of the stream that is no longer declared), the count of the stream's
-    subscriptions created by hand; else None. One read: the common case of a code location starting with
-    a hundred streams applied already (``set_subscriptions`` would find every one unchanged, after creating
-    its temporary input table)."""
+    """When the database already holds ``written`` as declared (and, ``remove_absent``, nothing undeclared),
+    the count of the stream's hand-made subscriptions, else None: one read for the common case of a code
+    location starting with its streams applied already."""
     columns = f"key, schema_name, table_name, operation::text, {_STORED_COLUMNS}"
     rows = conn.execute(f"select {columns} from pgstream.subscriptions where stream_id = %s",  # noqa: S608
                         [stream_id]).fetchall()  # (column lists, no input)

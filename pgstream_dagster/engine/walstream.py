@@ -26,14 +26,10 @@ class StreamBroken(RuntimeError):
 
 
 class ReplicationStream:
-    """The stream's slot over the replication protocol (psycopg2's ``LogicalReplicationConnection``):
-    pgoutput messages of the publication, from the slot's confirmed position on, each transaction
-    decoded once by the server and sent when it commits.
-
-    Nothing is confirmed implicitly: :meth:`confirm` moves the slot (``flush_lsn``), so a reader that
-    dies before confirming gets the same transactions again on the next start. ``wal_end`` is how far
-    the server has sent: with nothing received left unrecorded, every transaction committed before it
-    has been seen."""
+    """The slot over the replication protocol (psycopg2's ``LogicalReplicationConnection``): pgoutput
+    messages of the publication from the slot's confirmed position, each transaction sent as it commits.
+    Only :meth:`confirm` moves the slot; ``wal_end``: how far the server has sent (with nothing received
+    unrecorded, every commit before it has been seen)."""
 
     #: messages read per :meth:`read` at most (then the caller records what it has)
     MAX_MESSAGES = 20_000

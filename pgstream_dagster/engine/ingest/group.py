@@ -108,10 +108,8 @@ def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Tra
 
 
 def unconfigured(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str]) -> dict[int, str]:
-    """The members the database has in the group that the configuration does not deliver (``streams``: those it
-    does), each with its one line: its streams[] entry is invalid (``invalid``: the code location left it out),
-    or it has none (removed from pgstream.yaml, or added to the group by a newer configuration the code location
-    has not loaded yet)."""
+    """The members the database has in the group that ``streams`` does not deliver, each with its one line:
+    its entry is invalid (``invalid``), or missing (removed, or added by a configuration not loaded yet)."""
     configured = {s.id for s in streams}
     lines: dict[int, str] = {}
     for m in state.members:
@@ -130,10 +128,8 @@ def unconfigured(state: groups.Group, streams: list[StreamConfig], invalid: Mapp
 
 def _stand_ins(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str],
                result: GroupResult) -> list[StreamConfig]:
-    """The :func:`unconfigured` members, as the group records them meanwhile
-    (:func:`~...config.recording_stand_in`): their events are recorded, so the group's slot never moves past them
-    and nothing of them is lost, and no run delivers them. Told in one line each (``result.unconfigured``,
-    ``result.notes``)."""
+    """The :func:`unconfigured` members as the group records them meanwhile (:func:`~...config.recording_stand_in`:
+    recorded, so nothing of them is lost, delivered by no run), told in ``result.unconfigured`` and ``notes``."""
     lines = unconfigured(state, streams, invalid)
     result.unconfigured.update(lines)
     result.notes.extend(lines.values())
@@ -142,13 +138,10 @@ def _stand_ins(state: groups.Group, streams: list[StreamConfig], invalid: Mappin
 
 def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
                  result: GroupResult, invalid: Mapping[int, str] | None = None) -> groups.Group | None:
-    """Register the members, keep the publication's filter on them, and make sure the group's slot is
-    usable (replaced and recovered when lost). A member whose registration is refused (its publication's
-    name taken by another role, or it reads with another group) is left out, told in one line
-    (``result.left_out``, ``result.notes``), and the others go on; ``None`` when every member was left out
-    (no group to read). A stream the database has in the group that the configuration does not deliver (its
-    entry invalid or missing) is recorded all the same and told (:func:`_stand_ins`): nothing of it is skipped,
-    and the others go on."""
+    """Register the members, keep the publication's filter on them and the group's slot usable (replaced and
+    recovered when lost). A member whose registration is refused is left out, told in one line
+    (``result.left_out``, ``result.notes``); ``None`` when every member was. Members the configuration does
+    not deliver are recorded all the same and told (:func:`_stand_ins`)."""
     # one query when every member is registered (each tick, each pass of the group run's reader)
     _added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     if refused:
@@ -314,15 +307,10 @@ def join_members(conn: psycopg.Connection, group: str, state: groups.Group, stre
 
 
 class GroupStream:
-    """The group's slot over the replication protocol, for a group delivery run's reader: a
-    :class:`~.source.StreamSource` (one WAL sender; each transaction decoded once by the server and sent
-    as it commits) and the recording loop over it, opened by the first :func:`consume_group` given it
-    and kept open across the calls that follow, with what was received and not recorded yet. Opened again
-    when the slot, the ledger connection or the joined members change.
-
-    :meth:`close` lets the slot go (on an error, when the run ends or gives the group's reading up): what
-    was received and not recorded is dropped, and sent again, from the slot's confirmed position, by the
-    next reader of the slot (this one opened again, or the sensor's peek)."""
+    """The group's slot over the replication protocol for a group delivery run's reader: a
+    :class:`~.source.StreamSource` and the recording loop over it, kept open across :func:`consume_group`
+    calls with what was received and not recorded, opened again when the slot, the connection or the
+    members change. :meth:`close` lets the slot go: what was not recorded is sent again to its next reader."""
 
     def __init__(self, database_url: str, application_name: str) -> None:
         self.database_url, self.application_name = database_url, application_name
@@ -378,19 +366,12 @@ def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: d
 def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float, *,
                   mark: bool = True, kept: GroupStream | None = None,
                   invalid: Mapping[int, str] | None = None, stop: Callable[[], bool] | None = None) -> GroupResult:
-    """A tick of the group's reader (see the module): ensure, join, then record what commits on the
-    group's slot for every member until ``budget_secs`` is spent (``0``: one look).
-
-    ``kept``: read the group's slot over the replication protocol, kept open across calls (a group
-    delivery run's reader); else peek it (the group's sensor). It is closed (the slot let go) when a
-    member drains its own slot, when the slot is busy or lost, and on an error.
-
-    ``invalid``: the streams whose streams[] entry the code location left out (id -> what is wrong): those the
-    database has in the group are recorded all the same and told (:func:`_stand_ins`), as those that have no
-    entry at all.
-
-    ``stop``: with ``kept``, true once the reader is to end (its group run ends): the call returns within
-    half a second instead of at ``budget_secs`` (what was received and not recorded waits in ``kept``)."""
+    """A tick of the group's reader (see the module): ensure, join, then record for every member until
+    ``budget_secs`` is spent (``0``: one look). ``kept``: read over the replication protocol, kept across
+    calls (the group run's reader), else peek (the sensor); closed when a member drains its own slot, when
+    the slot is busy or lost, and on an error. ``invalid``: the streams whose entry the code location left
+    out (id -> why; :func:`_stand_ins`). ``stop``: with ``kept``, true once the reader is to end: the call
+    returns within half a second (what was not recorded waits in ``kept``)."""
     try:
         return _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {}, stop)
     except BaseException:

@@ -31,10 +31,9 @@ FOLLOW_CHECK_SECS = 1.0
 
 @dataclass(frozen=True)
 class Batching:
-    """The one batching rule (``batch:``): what waits is recorded once ``max_size`` events (or unreadable ones)
-    wait, or the oldest waiting
-    transaction committed ``max_fill_secs`` ago, or the source has sent everything committed so far
-    (at most every :data:`RECORD_EVERY_SECS`). Recorded, it is cut into batches of ``max_size``."""
+    """The one batching rule (``batch:``): what waits is recorded once ``max_size`` events wait, the oldest
+    committed ``max_fill_secs`` ago, or the source sent everything committed (at most every
+    :data:`RECORD_EVERY_SECS`); then cut into batches of ``max_size``."""
 
     max_size: int
     max_fill_secs: float
@@ -134,13 +133,10 @@ def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]
 def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_stream: dict[int, list[Transaction]],
                 *, standby: str | None = None, give_up: Callable[[], bool] | None = None,
                 also: Callable[[psycopg.Connection], None] | None = None) -> set[int]:
-    """Record each stream's transactions in its ledger, all in one database transaction, and hand them
-    to the stream's open run (``StreamLedger.run_key``); returns the streams whose declared reader is
-    no longer the loop's (nothing recorded for those: they must not be confirmed).
-
-    Raises ``ledger.recording.NotVisibleYet`` (nothing recorded) when ``give_up`` says stop waiting for the
-    transactions to become visible. ``also``: run in the same transaction once everything is recorded
-    (a reader group writes there what it recorded through), unless a stream was lost."""
+    """Record each stream's transactions in its ledger and hand them to its open run, in one database
+    transaction; the streams whose declared reader is no longer the loop's (nothing recorded for them: not to
+    be confirmed). Raises ``ledger.recording.NotVisibleYet`` once ``give_up`` says so. ``also``: run in the
+    same transaction once everything is recorded, unless a stream was lost."""
     lost: set[int] = set()
     done: list[tuple[StreamLedger, list[int], list[Transaction]]] = []
     with conn.transaction():
@@ -217,14 +213,10 @@ def _past(until: float) -> Callable[[], bool]:
 # --- a joining member's own slot: a peek, within the group's tick --------------------------------------
 
 def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, *, mark: bool = True) -> ConsumeResult:
-    """The read of a member's own slot while it joins its reader group (a stream that had a slot of its own,
-    from a version with a slot per stream): move what committed on it into the stream's ledger, as
-    ``sensor``, until nothing waits or ``budget_secs`` is spent, so that its events are delivered until the
-    group's reader takes it over (``engine/ingest/group.py``: the join drains that slot to its join position
-    and drops it). Registers the stream in its group first. Reads nothing (``slot_busy``) once the group's
-    reader is the stream's, or when it has no usable slot of its own (it is never created or replaced: the
-    group records what it has from the table). ``mark``: record how far the slot was read
-    (``streams.consumed_through``). Returns after a recording."""
+    """Read a member's own slot while it joins its reader group (it had one, from a version with a slot per
+    stream), registering it first: what committed is recorded as ``sensor`` until nothing waits or
+    ``budget_secs`` is spent. Reads nothing (``slot_busy``) once the group's reader is the stream's, or
+    without a usable own slot (never created or replaced). ``mark``: record ``streams.consumed_through``."""
     result = ConsumeResult()
     result.slot = groups.register_group_member(conn, stream.id, stream.reader)
     if state.slot_reader(conn, stream.id) != state.SENSOR:

@@ -64,11 +64,8 @@ def _slot_errors(slot: str, *, gone: bool = True) -> Iterator[None]:
 
 
 class PeekSource:
-    """:class:`SlotSource` over ``pg_logical_slot_peek_binary_changes`` on ``conn`` (autocommit).
-
-    Raises :class:`~..walstream.SlotBusy` when another connection still holds the slot (a reader that has
-    not seen the declared reader change yet), :class:`~..walstream.SlotGone` when the slot was dropped or
-    invalidated."""
+    """:class:`SlotSource` over ``pg_logical_slot_peek_binary_changes`` on ``conn`` (autocommit); raises
+    :class:`~..walstream.SlotBusy` (another connection holds the slot) or :class:`~..walstream.SlotGone`."""
 
     def __init__(self, conn: psycopg.Connection, slot: str, publication: str, cap: int, *,
                  keep_stream: bool = False) -> None:
@@ -135,10 +132,8 @@ class PeekSource:
 
 
 class StreamSource:
-    """:class:`SlotSource` over the replication protocol (:class:`~..walstream.ReplicationStream`).
-
-    ``keep_stream``: decode each event's stream id (a reader group's slot).
-    Raises what :class:`~..walstream.ReplicationStream` raises."""
+    """:class:`SlotSource` over :class:`~..walstream.ReplicationStream` (raising what it raises);
+    ``keep_stream``: each event's stream id decoded (a reader group's slot)."""
 
     def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,
                  max_bytes: int, keep_stream: bool = False) -> None:

@@ -115,13 +115,10 @@ def vanished(conn: psycopg.Connection, batch_ids: list[int]) -> list[tuple[int, 
 
 
 class DeadLetterWriter:
-    """Records an event the sink rejected for good as a dead letter (``on_reject: dead_letter``),
-    durably, before the next event is published; moves the batch's confirmed prefix past it so a
-    retry resumes after it. Picklable (``ordering: by_key`` calls it on Spark executors): each call
-    uses its own short connection; set-asides are rare. With ``token`` (a by_key round's delivery
-    token, :func:`~.keyprogress.issue_delivery_token`) it writes through the owner's
-    ``pgstream.set_aside_rejected``, which takes the event's payload from ``pgstream.events``: the
-    executors write no dead letter of their own making."""
+    """Records an event the sink rejected for good as a dead letter, durably, before the next is published,
+    moving the batch's confirmed prefix past it. Picklable (``by_key`` calls it on executors), a short
+    connection per call. With ``token`` (a by_key round's) it writes through the owner's
+    ``pgstream.set_aside_rejected``, which copies the payload itself: executors make no dead letter up."""
 
     def __init__(self, database_url: str, stream_id: int, sink: str, *, resumes: bool = True,
                  token: str | None = None) -> None:

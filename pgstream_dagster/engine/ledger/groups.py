@@ -53,12 +53,10 @@ def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) 
 
 def register_missing_members(conn: psycopg.Connection, group: str,
                              stream_ids: list[int]) -> tuple[list[int], dict[int, str]]:
-    """Register (:func:`register_group_member`) the streams of ``stream_ids`` the database does not have in
-    ``group`` yet: one query when every one is registered already. Returns those registered now, and those
-    refused, each with its one line (``reader group <name>: stream <id> is left out: <why>``): a stream of
-    another group, or one whose publication's name another role took (:class:`PublicationTaken`: any role
-    with CREATE on the database can, before the stream exists). A refusal changes nothing and holds no
-    other member back; the stream is tried again at the next call."""
+    """Register the streams of ``stream_ids`` the database does not have in ``group`` yet (one query when all
+    are). Returns those registered now and those refused with their one line (``reader group <name>: stream
+    <id> is left out: <why>``: another group's, or :class:`PublicationTaken`); a refusal changes nothing and
+    is tried again at the next call."""
     known = {int(r[0]) for r in conn.execute("select id from pgstream.streams where reader_group = %s", [group])}
     added: list[int] = []
     refused: dict[int, str] = {}

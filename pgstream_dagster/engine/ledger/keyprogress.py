@@ -12,21 +12,12 @@ class RunGone(RuntimeError):
 
 
 class KeyProgress:
-    """Where each Spark partition of a ``by_key`` round got to: for the round's ``partitions``
-    (the repartition count) and each bucket (``pmod(hash(routing_key), partitions)``, Spark's hash
-    partitioning of the key), the position ``(batch_id, ord)`` up to which every event of the
-    bucket is handled.
-
-    The Spark tasks write it themselves, straight to the ledger, after each chunk the sink
-    confirmed and before they publish the next one (:meth:`record`), rather than returning it to
-    the driver to record: a task's result reaches the driver only when the task ends, and when
-    one task fails Spark aborts the job and the driver gets no result of the others at all, nor
-    does it when the run process dies. Recorded by the tasks, a confirmation survives a failing
-    task, an aborted job and a dead driver; a retry (another run, or Spark retrying the task)
-    reads it back (:meth:`read`) and publishes only what comes after, so at most the chunk each
-    task had in flight is delivered twice. One small upsert per confirmed chunk, as the ordered
-    path writes ``confirmed_count``. Picklable (sent to the executors); the URL is never shown.
-    """
+    """Where each Spark partition of a ``by_key`` round got to: for the round's ``partitions`` and each bucket
+    (``pmod(hash(routing_key), partitions)``), the position ``(batch_id, ord)`` through which every event of
+    the bucket is handled. The tasks write it to the ledger themselves after each confirmed chunk
+    (:meth:`record`): a task's result reaches the driver only when it ends, and none does when a task fails
+    or the driver dies. A retry reads it back (:meth:`read`), so at most each task's chunk in flight is
+    delivered twice. Picklable; the URL is never shown."""
 
     def __init__(self, database_url: str, stream_id: int, partitions: int, token: str | None = None) -> None:
         self.database_url, self.stream_id, self.partitions = database_url, stream_id, partitions
@@ -44,14 +35,10 @@ class KeyProgress:
         return {int(b): (int(batch), int(o)) for b, batch, o in rows}
 
     def record(self, conn: psycopg.Connection, buckets: list[int], batch_id: int, ord: int) -> None:
-        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (positions only move forward),
-        written by the owner's ``pgstream.record_key_progress`` with the round's token: the executors
-        hold no write privilege on the table (one would let them LOCK it and stall every by_key run),
-        and the token names the one stream they may write for. Raises :class:`RunGone` instead when the
-        run no longer holds its delivery lease (its process died): a Spark Connect server keeps running
-        an abandoned query for minutes, and its tasks must not go on publishing beside the run that
-        replaces it. The lease is pgstream's lock row (only pgstream's roles write it), not a
-        connection's ``application_name``, which any role can give itself."""
+        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled, written by the owner's
+        ``pgstream.record_key_progress`` with the round's token (executors hold no privilege on the table).
+        Raises :class:`RunGone` once the run no longer holds its delivery lease (pgstream's lock row), so
+        tasks a Spark Connect server keeps running do not publish beside the run that replaces it."""
         row = conn.execute("select pgstream.record_key_progress(%s, %s, %s, %s, %s)",
                            [self.token, self.partitions, buckets, batch_id, ord]).fetchone()
         if not (row and row[0]):
@@ -81,10 +68,8 @@ def key_progress_partitions(conn: psycopg.Connection, stream_id: int, first_batc
 
 def clear_key_progress(conn: psycopg.Connection, stream_id: int, *, through_batch_id: int | None = None,
                        keep_partitions: int | None = None) -> None:
-    """Forget the stream's ``by_key`` resume points that lie in batches up to ``through_batch_id``
-    (delivered: no later event is at or before them), or, with ``keep_partitions``, those of any
-    other partition count (they cannot be resumed from). A resume point past the round stays: a
-    failover probe delivers the failed batch alone, and the batches after it resume from it."""
+    """Forget the stream's resume points in batches up to ``through_batch_id`` or, with ``keep_partitions``,
+    of any other partition count. One past the round stays (a failover probe delivers its batch alone)."""
     if through_batch_id is not None:
         conn.execute("delete from pgstream.key_progress where stream_id = %s and batch_id <= %s",
                      [stream_id, through_batch_id])

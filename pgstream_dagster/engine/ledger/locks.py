@@ -73,13 +73,10 @@ def acquire_lease(database_url: str, stream_id: int, run_id: str,
 
 def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
                waiting: Callable[[str], None] | None = None) -> None:
-    """Take the stream's delivery lease (pgstream's lock ``delivery``, held by the run id) for ``conn``'s
-    session. It lasts as long as that session: if the run's process dies, Postgres drops the connection and
-    the lease with it, which is how the sensor tells a dead run from a slow one. Two runs of one stream can
-    never deliver at the same time. While a replay of the stream holds or waits for the lease
-    (:func:`acquire_replay_lease`) the run waits for it to end (``waiting`` is told who, every 10 s),
-    holding the ``delivery_wait`` lock meanwhile (it is alive, not dead); another delivery run holding the
-    lease is :class:`LeaseTaken`."""
+    """Take the stream's delivery lease (lock ``delivery``, held by the run id) for ``conn``'s session, whose
+    end (the process died) drops it: two runs never deliver at once, and the sensor tells a dead run from a
+    slow one. While a replay holds or waits for it (:func:`acquire_replay_lease`) the run waits, holding
+    ``delivery_wait`` (``waiting`` told who every 10 s); another run holding it is :class:`LeaseTaken`."""
     told = 0.0
     try:
         while True:
@@ -103,14 +100,10 @@ def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
 
 def acquire_replay_lease(database_url: str, stream_id: int, holder: str,
                          waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
-    """A connection holding the stream's delivery lease for a replay named ``holder`` (its run id),
-    and the stream's ``replay`` lock: no delivery run delivers while the connection is open, whatever
-    launched the replay (the Launchpad, ``dagster job execute``, a script). It takes the ``replay``
-    lock first (after any other replay of the stream), then waits for the lease: the stream's open run
-    sees the ``replay`` lock between two rounds, stops taking batches, delivers those it was handed and
-    closes, which frees the lease; a run that starts meanwhile waits for the replay
-    (:func:`acquire_lease`). Nothing waits on the replay while it waits, so this cannot deadlock.
-    ``waiting`` is told who holds what it waits for, every 10 s. Close the connection to release both."""
+    """A connection holding the stream's ``replay`` lock (taken first, after any other replay) and then its
+    delivery lease, for replay ``holder``, whatever launched it: the open run sees the lock between rounds,
+    delivers what it was handed and closes; a run starting meanwhile waits (:func:`acquire_lease`). It cannot
+    deadlock. ``waiting`` is told who holds what it waits for every 10 s; close the connection to release."""
     conn = psycopg.connect(database_url, autocommit=True, application_name=f"pgstream replay {holder}")
     try:
         told = 0.0
@@ -147,10 +140,8 @@ class LeaseState(StrEnum):
 
 
 def lease_state(conn: psycopg.Connection, run_id: str) -> LeaseState:
-    """What became of run ``run_id``'s delivery lease (of any stream), or of its wait for it. The
-    lock's row keeps naming its holder after the holding backend ended, until another run takes the
-    lease or the holder gives it up (:func:`give_up_lease`, when a run ends however it ends, short
-    of its process dying)."""
+    """What became of run ``run_id``'s delivery lease, or its wait for it: the lock row names its holder
+    until another run takes the lease or the holder gives it up (:func:`give_up_lease`)."""
     # the lease, or the wait for it while a replay holds it (LEASE_WAIT_LOCK): a run waiting is alive
     row = conn.execute("select bool_or(pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)), count(*) "
                        "from pgstream.locks l where l.name in (%s, %s) and l.holder = %s and l.pid is not null",

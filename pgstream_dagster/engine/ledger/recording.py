@@ -29,10 +29,9 @@ def atomic(conn: psycopg.Connection) -> Iterator[None]:
 
 
 def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
-    """The end of the last transaction read from the slot and recorded. Not a recovery's: its position is
-    where its snapshot was taken, and a transaction committed before that point may not have been visible
-    to the snapshot yet (its backend still in the proc array, waiting for a synchronous standby): the slot's
-    batch keeps it, and drops what the recovery holds by id (:func:`recovered_ids_since`)."""
+    """The end of the last transaction read from the slot and recorded; not a recovery's (a transaction
+    committed before its snapshot may not have been visible to it: the slot's batch keeps such one and drops
+    what the recovery holds by id, :func:`recovered_ids_since`)."""
     row = conn.execute("select max(end_lsn)::text from pgstream.batches where stream_id = %s and kind = 'stream'",
                        [stream_id]).fetchone()
     return replication.lsn_to_int(row[0]) if row and row[0] else None
@@ -40,14 +39,9 @@ def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
 
 def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], max_size: int,
            kind: str = "stream", standby: str | None = None, give_up: Callable[[], bool] | None = None) -> list[int]:
-    """Record the events of ``txns`` (commit order) as batches of at most ``max_size``, and their
-    unreadable events as dead letters (stage 'read').
-
-    Runs in its own database transaction. Every batch carries the LSN range and commit times of
-    the transactions it covers; the last batch's ``end_lsn`` is the end of the last transaction.
-    Waits first until ``txns`` are visible (:func:`wait_until_visible`; ``standby``: the replication
-    connection that decoded them, if any; ``give_up``: when to stop waiting and raise).
-    """
+    """Record the events of ``txns`` (commit order) as batches of at most ``max_size`` carrying their LSN
+    range and commit times, and their unreadable events as dead letters (stage 'read'), in one database
+    transaction, once ``txns`` are visible (:func:`wait_until_visible`, with ``standby`` and ``give_up``)."""
     ids: list[int] = []
     events = [e for t in txns for e in t.events]
     wait_until_visible(conn, [t.xid for t in txns], standby, give_up)
@@ -98,22 +92,15 @@ class NotVisibleYet(RuntimeError):
 
 def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str | None = None,
                        give_up: Callable[[], bool] | None = None) -> None:
-    """Return once every transaction of ``xids`` (decoded from the slot, so committed) is visible to
-    the snapshots ``conn`` takes from now on (read committed: each statement's).
+    """Return once every transaction of ``xids`` (decoded, so committed) is visible to the snapshots ``conn``
+    takes from now on. Decoding hands out a transaction once its commit is flushed, a moment before its
+    backend leaves the proc array (longer with synchronous replication): a read of its events then (the batch
+    trigger's count, a dead letter's payload, a run's read) would miss rows.
 
-    Logical decoding hands out a transaction once its commit record is flushed, which is before its
-    backend leaves the proc array: for a moment (longer with synchronous replication, which waits for
-    the standby in between) its rows are invisible to new snapshots, and ``pg_xact_status`` already
-    says committed. A read of its events then (the batch trigger's count by subscription, a dead
-    letter's payload, a run reading the batch) would miss rows; after this wait none does. Every
-    later read of the batch's events comes after the recording commits, hence after this wait.
-
-    ``standby``: the application name of the replication connection that decoded them (an open
-    run's reader). Should ``synchronous_standby_names`` make it a synchronous standby, the writers
-    wait for it to confirm what it has not recorded yet while it waits for them: raises
-    :class:`ReaderIsSynchronousStandby` (the run reports it; the sensor reads the slot instead).
-    ``give_up``: once it returns true (the run stops, the sensor's tick budget is spent) raises
-    :class:`NotVisibleYet` instead of waiting on: the caller records them later, never without them."""
+    ``standby``: the application name of the replication connection that decoded them; should it be a
+    synchronous standby the writers would wait for it while it waits for them: raises
+    :class:`ReaderIsSynchronousStandby`. ``give_up``: once it returns true, raises :class:`NotVisibleYet`
+    (the caller records them later, never without them)."""
     xids = sorted({x for x in xids if x >= 3})  # 0: recovery's own snapshot; 1-2: special xids
     if not xids:
         return
@@ -169,13 +156,9 @@ def recovered_ids_since(conn: psycopg.Connection, stream_id: int, lsn: int) -> s
 
 
 def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) -> list[int]:
-    """Record every event of the stream that no batch covers yet, in id order (they are all
-    committed), as ``recovery`` batches whose ``end_lsn`` is the WAL position of the snapshot.
-
-    Events older than the stream's ``ledger_horizon`` were delivered by batches pruned since and
-    are not looked at. The anti-join is a hash join over the ledger's ids: linear, not
-    events x batches. Clears ``streams.recovery_pending`` in the same transaction.
-    """
+    """Record every event of the stream no batch covers yet (after its ``ledger_horizon``), in id order, as
+    ``recovery`` batches whose ``end_lsn`` is the snapshot's WAL position (a hash anti-join over the ledger's
+    ids), clearing ``streams.recovery_pending`` in the same transaction."""
     with conn.transaction():
         conn.execute("set transaction isolation level repeatable read")
         # fetchone() is typed optional; a select without from returns one row

@@ -367,10 +367,9 @@ def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] 
 
 
 def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
-    """Assign the stream's pending batches to the open run ``run_key`` (oldest first, while nothing
-    else is in between, up to ``max_events`` undelivered events assigned to it) and wake it up.
-    Nothing happens unless ``run_key`` is the stream's open run: the stream row's lock orders this
-    against :func:`_close_run`, so a run that closed is never handed a batch."""
+    """Assign the stream's pending batches to the open run ``run_key`` (oldest first, up to ``max_events``
+    undelivered events assigned to it) and wake it, only while it is the stream's open run: the stream row's
+    lock orders this against :func:`_close_run`, so a run that closed is never handed a batch."""
     with atomic(conn):
         row = conn.execute("select open_run_key from pgstream.streams where id = %s for no key update",
                            [stream_id]).fetchone()

@@ -48,12 +48,10 @@ def slot_holder(conn: psycopg.Connection, slot: str, stream_id: int) -> int | No
 
 
 def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | None = None) -> str:
-    """The stream row (and so its publication) exists, outside any reader group, and reads ``slot_name``
-    (``None``: its default slot), as a version with a slot per stream made it; returns that slot.
-
-    Raises :class:`SlotInUse` (nothing changed) when another stream row already reads that slot, and
-    :class:`~..replication.PublicationTaken` when a publication by its publications' names is another role's.
-    """
+    """The stream row (and its publication) exists outside any reader group and reads ``slot_name`` (``None``:
+    its default slot), as a version with a slot per stream made it; returns that slot. Raises
+    :class:`SlotInUse` (nothing changed) when another stream reads that slot, and
+    :class:`~..replication.PublicationTaken` when another role has a publication by its names."""
     try:
         with conn.transaction():
             # the owner's function (the runtime writes no stream row itself): the row exists and reads
