@@ -47,15 +47,12 @@ DEFAULT_MAX_ROWS_PER_SEC = 5000.0
 DEFAULT_MAX_BACKLOG = 20_000
 #: how often a backfill waiting for the stream's backlog looks again
 BACKLOG_WAIT_SECS = 0.5
-#: how long a partition's task works in one round before it gives its Spark task slot back (a
-#: round is one Spark job: its start is paid once a round, so an unthrottled backfill's rounds are
-#: long; the task keeps the rate and the backlog bound itself, chunk by chunk)
+#: how long a partition's task works in one round before it gives its Spark task slot back (a round is one
+#: Spark job, whose start is paid once a round)
 ROUND_SECS = 60.0
-#: the round of a throttled backfill: its tasks mostly sleep to keep the rate, so a job's start costs
-#: it nothing, and a Spark shared with deliveries gets the slots back every few seconds
+#: the round of a throttled backfill (its tasks mostly sleep: a shared Spark gets its slots back often)
 THROTTLED_ROUND_SECS = 5.0
-#: a throttled partition's chunk holds at most this many seconds of its share of the rate, so a
-#: live event never waits behind a burst of more READ events than that
+#: a throttled partition's chunk holds at most this many seconds of its share of the rate
 PACED_CHUNK_SECS = 0.25
 #: the statuses of an unfinished backfill (as backfills_one_unfinished in sql/017_backfills.sql)
 UNFINISHED = ("running", "stopped", "failed")
@@ -177,8 +174,7 @@ class Outcome:
         return self.progress.status == "done"
 
 
-# --------------------------------------------------------------------------------------------
-# Choosing and opening.
+# --- choosing and opening --------------------------------------------------------------------
 
 def targets(conn: psycopg.Connection, request: Request) -> list[Target]:
     """The (key, table) pairs the request names, each read through its INSERT subscription, else its
@@ -276,8 +272,7 @@ def stop(conn: psycopg.Connection, backfill_id: int, *, cancel: bool) -> str:
     return str(row[0])
 
 
-# --------------------------------------------------------------------------------------------
-# Progress.
+# --- progress --------------------------------------------------------------------------------
 
 def _target_of(row: dict[str, Any]) -> Target:
     return Target(int(row["stream_id"]), row["subscription_key"], row["schema_name"], row["table_name"],
@@ -304,8 +299,7 @@ def progress(conn: psycopg.Connection, backfill_id: int) -> Progress:
     return found[0]
 
 
-# --------------------------------------------------------------------------------------------
-# One partition (on a Spark executor: psycopg only).
+# --- one partition (on a Spark executor: psycopg only) ---------------------------------------
 
 def _chunk(conn: psycopg.Connection, backfill_id: int, part: int, token: str, limit: int) -> tuple[str, int, int]:
     with conn.transaction():
@@ -476,8 +470,7 @@ def cancel_spark(spark: SparkSession) -> None:
         pass
 
 
-# --------------------------------------------------------------------------------------------
-# A run.
+# --- a run -----------------------------------------------------------------------------------
 
 Executor = Callable[[int, str, Sequence[int], int, Pace], list[PartitionResult]]
 """Runs partitions: ``(backfill_id, token, parts, chunk_size, pace of each partition)``."""

@@ -150,9 +150,8 @@ class RunView:
     run_id: str = ""
     outcome: str = ""  # how it ended in Dagster's words (FAILURE, CANCELED; a dead run: FAILURE)
     error: str | None = None  # the root cause of its failure, if Dagster recorded one (dead: why it is)
-    #: it failed because its process was interrupted (SIGINT/SIGTERM: `dg dev` or its host shutting down)
-    #: with no termination requested (Dagster's failure reason ``UNEXPECTED_TERMINATION``), before the
-    #: sensor's code location started: the shutdown before a restart
+    #: it failed because its process was interrupted with no termination requested (Dagster's
+    #: ``UNEXPECTED_TERMINATION``) before the sensor's code location started: the shutdown before a restart
     interrupted: bool = False
 
 
@@ -326,8 +325,7 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
     if run.status is RunStatus.LIVE:
         return Extend(head.run_key or "")  # it may be open: hand it what was recorded behind its batches
     if run.status is RunStatus.FAILED and run.interrupted:
-        # an interrupted run says nothing about its batch or the sink (a shutdown stopped it): launched again
-        # at once, no failure counted
+        # a shutdown stopped it, which says nothing about its batch or the sink: no failure counted
         return Requeue(head, run.run_id, checkpoint=in_failover,
                        note=f"stream {sid}: run {run.run_id} was interrupted by the shutdown before this start; "
                             f"batch {head.id} is launched again (not a failure: no failover, no attempt counted)")

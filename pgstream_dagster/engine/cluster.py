@@ -24,10 +24,8 @@ from urllib.parse import urlsplit
 #: the pgstream_dagster package directory (this module is pgstream_dagster/engine/cluster.py)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
-#: Distributions the executors import (the Python data sources read with psycopg, Spark moves
-#: their rows with pyarrow; ``by_key`` builds the sinks there: pydantic, httpx, tenacity, and records
-#: its progress through the ledger module, which imports the configuration models: pyyaml, croniter).
-#: A sink's client library comes on top (:data:`SINK_EXTRAS`).
+#: Distributions the executors import (data sources: psycopg, pyarrow; ``by_key``'s sinks and progress:
+#: pydantic, httpx, tenacity, pyyaml, croniter), before a sink's client library (:data:`SINK_EXTRAS`).
 EXECUTOR_REQUIREMENTS = ("psycopg", "psycopg-binary", "pydantic", "httpx", "tenacity", "pyarrow", "pyyaml",
                          "croniter")
 
@@ -137,8 +135,7 @@ def _version() -> str:
         return "0"
 
 
-#: A cached package zip no run has used for this long is deleted (:func:`_prune`), and so is a temporary
-#: file a writer left behind.
+#: a cached package zip unused this long is deleted (:func:`_prune`), and so is a writer's leftover temporary file
 ZIP_UNUSED_SECS = 7 * 24 * 3600
 
 

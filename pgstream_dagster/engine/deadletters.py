@@ -295,8 +295,7 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
 def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadLetter], size: int, by: str,
              report: RedeliveryReport) -> None:
     sink: Sink | None = None
-    # the dead letters' source (engine.delivery.sources: chosen as every delivery's), in chunks of at most size
-    # letters and tuning.max_read_bytes of payload, each chunk's payloads read when it is due
+    # chosen as every delivery's source: chunks of at most size letters and max_read_bytes, payloads read when due
     source = choose_source(stream.delivery, Letters(letters, size), Readers("", conn=conn))
     assert isinstance(source, DeadLetterSource)
     position = 0  # letters handled before the chunk

@@ -15,9 +15,7 @@ import psycopg
 from ..config import StreamConfig, reader_groups
 from .ledger.locks import POOL_SIZE
 
-#: connections a reader group's members hold working at once (its group delivery run's pool: its size; a member
-#: whose sink call hangs holds one beside it; idle, none: the pool closes what stays idle; its group's sensor
-#: decides for it, its group's run listens, reads and holds its lease for it)
+#: connections a reader group's members hold working at once (its group delivery run's pool size)
 _CONNECTIONS_PER_POOL = POOL_SIZE
 #: a group's sensor, and its delivery run's lease and listener, its reader and its members' lease session
 _CONNECTIONS_PER_GROUP = 5

@@ -50,9 +50,8 @@ def _definitions() -> tuple[dict[str, MetricSpec], dict[str, tuple[str, str]]]:
     return metrics, histograms
 
 
-#: the view's ``metric`` -> what is exported (``metrics.yaml``, next to this module); histograms: the
-#: view's ``<key>_bucket`` (label: upper bound) and ``<key>_sum`` rows, bounds from ``bucket_bound``
-#: rows (pgstream.metric_buckets)
+#: the view's ``metric`` -> what is exported (``metrics.yaml``); histograms: ``<key>_bucket`` (label: upper
+#: bound) and ``<key>_sum`` rows, bounds from ``bucket_bound`` rows (pgstream.metric_buckets)
 METRICS, HISTOGRAMS = _definitions()
 
 UP = "pgstream_up"

@@ -30,9 +30,8 @@ from ..config import STREAM_NAME_PREFIX
 #: The NOLOGIN role that owns the generated trigger functions (sql/012_least_privilege.sql).
 WRITER_ROLE = "pgstream_writer"
 
-#: Key of the transaction-level advisory lock taken only to create the schema and its ledgers on a
-#: database that has none (``000_bootstrap.sql``); from then on migrators queue on the ledger table's
-#: lock, which no other role can take (:func:`_locked`).
+#: the transaction-level advisory lock taken only to create the schema on a database without it
+#: (``000_bootstrap.sql``); from then on migrators queue on the ledger table's lock (:func:`_locked`)
 BOOTSTRAP_LOCK_KEY = 0x70677374  # "pgst"
 
 #: How long a first install waits for :data:`BOOTSTRAP_LOCK_KEY` before it names who holds it.
@@ -41,12 +40,10 @@ BOOTSTRAP_LOCK_TIMEOUT = "60s"
 #: Where the repeatable files are, under the ``sql/`` directory.
 REPEATABLE_DIR = "repeatable"
 
-#: The checksums (sha256) of the versioned migrations as released in 0.1.0 (commit 7ed30b0, the
-#: last release whose versioned files defined functions, views and triggers), for the versions
-#: rewritten since to leave those definitions to the repeatable files. Installs in the field
-#: recorded these: an applied version is accepted with its released or its current checksum, and
-#: is never run again. Never add a version whose file is unchanged, nor change an entry.
-#: (tests/fixtures/sql-0.1-014.tar.gz holds those files; a test checks this table against it.)
+#: The sha256 of the versioned migrations as released in 0.1.0 (7ed30b0, the last release whose versioned
+#: files defined functions), for the versions rewritten since: an applied version is accepted with its
+#: released or current checksum. Never add nor change an entry (tests check it against
+#: tests/fixtures/sql-0.1-014.tar.gz).
 RELEASED_CHECKSUMS: dict[int, str] = {
     1: "ef2c8b8114b6cd70125e7c8faf9bd992c195179a38cc5f73f564b2bb1ad64093",  # 001_core.sql
     2: "9f20fc7fb1a0a47c8e80db698a6e867d58c81b07ded038f9d9c6d026732386d7",  # 002_partitions.sql
@@ -196,16 +193,13 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
             "(pg_terminate_backend) and run migrate again") from exc
 
 
-#: what every file runs under: a view binds the functions and operators it names when it is created,
-#: so with the migrator's own search_path (say ``public``, writable by every role in a database from
-#: before Postgres 15) a view could bind a role's ``||(text, bigint)`` and run it with the rights of
-#: whoever reads the view. ``set local``: until the file's transaction ends
+#: what every file runs under: a view binds the functions and operators it names when created, so the
+#: migrator's own search_path could bind a role's ``||(text, bigint)`` (until the file's transaction ends)
 _SAFE_SEARCH_PATH = "set local search_path = pg_catalog, pg_temp"
 
 
-#: a file's transaction is pgstream's own DDL (pgstream.internal_ddl, writable by the owner only): the
-#: drift guard lets it create, replace and drop functions in schema pgstream, which it refuses to
-#: everything else. Before the table exists (a fresh install) there is no guard either.
+#: a file's transaction is pgstream's own DDL (pgstream.internal_ddl, the owner's only), which the drift guard
+#: lets create, replace and drop functions in schema pgstream (no guard before the table exists)
 _INTERNAL_DDL_BEGIN = """
     select pg_catalog.to_regclass('pgstream.internal_ddl') is not null
        and pg_catalog.has_table_privilege('pgstream.internal_ddl', 'INSERT')"""
@@ -376,9 +370,8 @@ class TearDownRefused(RuntimeError):
             + "\nremove them (or their dependency on pgstream) first, or pass --cascade to drop them too")
 
 
-#: What pgstream itself puts outside its schema, and tear-down drops by name: the generated triggers
-#: (pgstream_<op>[_stmt] calling pgstream._publish_*), the drift-guard event triggers, the stream
-#: publications.
+#: what pgstream puts outside its schema, which tear-down drops by name: the generated triggers
+#: (pgstream_<op>[_stmt] calling pgstream._publish_*), the drift guard's event triggers, the publications
 _GENERATED_TRIGGER = """
     t.tgname like 'pgstream\\_%' and p.pronamespace = 'pgstream'::pg_catalog.regnamespace
     and p.proname like '\\_publish\\_%' and not t.tgisinternal"""
@@ -386,10 +379,8 @@ _OLD_DEFAULT_SLOT = rf"^{STREAM_NAME_PREFIX}[0-9]+$"  # a default slot name befo
 #: a stream's publications (the sensor's, the reader's) and a reader group's
 _OWN_PUBLICATION = rf"^({STREAM_NAME_PREFIX}[0-9]+(_rows)?|pgstream_group_[a-z][a-z0-9_]{{0,30}})$"
 
-#: Every object that ``drop schema pgstream cascade`` would drop, found the way Postgres finds
-#: them (pg_depend from the schema on, a part taking its whole: a view's rule takes the view), less
-#: what lives in the schema and what pgstream created outside it. One row per object:
-#: "<type> <identity>" of pg_identify_object, e.g. "view public.v", "table column public.t.op".
+#: every object ``drop schema pgstream cascade`` would drop (pg_depend from the schema on, a part taking its
+#: whole), less the schema's and pgstream's own, one "<type> <identity>" row each ("view public.v")
 _DEPENDENTS = f"""
 with recursive closure(classid, objid, objsubid) as (
     select 'pg_catalog.pg_namespace'::pg_catalog.regclass::pg_catalog.oid, n.oid, 0

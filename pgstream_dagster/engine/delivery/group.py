@@ -32,23 +32,17 @@ from .run import DeliveryRun, Host
 
 #: how often the group run looks at what its members want hosted when no notification woke it
 POLL_SECS = 1.0
-#: the members' reports (a materialization of each one's deliveries asset) together, at most this many a
-#: second: each is a few writes to Dagster's event log, and a hundred members reporting every
-#: ``tuning.report_every_secs`` (5 s) were a fifth of the group's database load. A member reports every
-#: ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
+#: the members' reports together, at most this many a second (each is a few writes to Dagster's event log): a
+#: member reports every ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
 REPORTS_PER_SEC = 5.0
-#: the group run's reader: how long each ``consume_group`` call reads (the reader returns within half a second
-#: once the run ends: ``reading_ended``), how long it waits before it tries again for the group's reading (the
-#: sensor's tick holds it), after a call that returned early, and after an error (its connection closed: the
-#: sensor reads meanwhile)
+#: the group run's reader: how long each ``consume_group`` call reads, and how long it waits before it tries
+#: again for the group's reading (held by the sensor's tick), after a call that returned early or an error
 READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
 READ_ERROR_SECS = 5.0
-#: what the group run's reader cannot get past with the configuration the run was built from (a stream the
-#: database has in the group that the run's configuration does not, a publication or slot not the group's,
-#: no slot free): the group run ends with its line as the reason; the group's sensor reads then, with the
-#: code location's configuration, and reports it if it stands
+#: what the group run's reader cannot get past with the configuration the run was built from: the group run
+#: ends with its line as the reason (the group's sensor reads then, with the code location's configuration)
 REFUSALS: tuple[type[Exception], ...] = (groups.GroupChange, PublicationTaken, LimitsExceeded)
 
 
@@ -95,22 +89,18 @@ class GroupHost:
     log: Log
     #: the host of one member's run (its run id given): log, Spark, reporter, stop check of its own
     member_host: Callable[[StreamConfig, str], Host]
-    #: of the member runs ``(stream id, run key)`` wanted, those this group run may host (no other run hosted
-    #: them); what it returns is recorded as hosted here. Asked once per run key, for every run key wanted at
-    #: once (a hundred members starting wait for one answer, not a hundred), before their threads start
+    #: of the member runs ``(stream id, run key)`` wanted, those this group run may host, recorded as hosted
+    #: here; asked once for every run key wanted at a look, before their threads start
     claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = _no_claim
     #: told when a member's run ended: ``error`` None when it closed, else why it failed (one line)
     ended: Callable[[int, str, str | None], None] = _no_end
     #: a reason to end the group run that only the host knows (None: none), asked about once a second
     stop_check: Callable[[], str | None] = _no_stop
-    #: reads the group's slot on the connection given for up to the seconds given (ingest's ``consume_group``:
-    #: ensure, joins, recording, batches handed to the members' open runs) and logs what it did that an
-    #: operator should see; called again and again by the run's reader thread while it holds the group's
-    #: reading. None: the run reads nothing (the group's sensor does). It may keep the group's slot open
-    #: across calls (ingest's ``GroupStream``: one replication connection while the run reads)
+    #: reads the group's slot on the connection given for up to the seconds given (``consume_group``, keeping
+    #: the slot open across calls: ``GroupStream``) and logs what an operator should see; called again and again
+    #: by the reader thread while it holds the group's reading. None: the group's sensor reads
     read: Callable[[psycopg.Connection, float], None] | None = None
-    #: the reader gives the group's reading up (an error, the run ending): what ``read`` kept open across
-    #: calls closes (the slot let go), before the group's sensor may read it
+    #: the reader gives the group's reading up: what ``read`` kept open closes (the slot let go)
     read_ends: Callable[[], None] = _nothing
 
 

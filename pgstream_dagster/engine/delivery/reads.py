@@ -26,10 +26,8 @@ ROWS_PER_PARTITION = 50_000
 FETCH_ROWS = 5_000
 
 
-# ``e.stream_id + 0``: never a condition the planner may serve with events_stream_created_idx. With
-# stale or missing statistics of the day's partition (writers filling it, autovacuum behind) it did,
-# scanning the stream's whole day per event of the batch (measured by bench/cpu.py: one 10k batch
-# 4.74 s instead of 0.20 s); by the primary key (id, created_at) each event is one index probe.
+# ``e.stream_id + 0``: never served by events_stream_created_idx, which with stale statistics scanned the
+# stream's whole day per event (bench/cpu.py: a 10k batch 4.74 s instead of 0.20 s by the primary key)
 _BATCH_SPAN = """\
 from pgstream.batches b
 cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
@@ -45,21 +43,17 @@ select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata
            as routing_key
 """ + _BATCH_SPAN
 
-#: per event of a batch span: its ordinal, id, and the bytes of its payload and of its metadata as JSON text
-#: (what reading it costs: each is rendered by the server, nothing is sent). A reader cuts what it reads
-#: at a byte budget by these (:func:`cut`), not only at a number of rows: a few thousand events of a few
-#: MiB each as text (small stored: compressed) must not be read at once
+#: per event of a batch span: its ordinal, id, and the bytes of its payload and metadata as JSON text (rendered
+#: by the server, not sent), by which a reader cuts what it reads at a byte budget (:func:`cut`)
 BATCH_SIZES = """
 select o.ord, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
        coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
 """ + _BATCH_SPAN
 
-#: :data:`BATCH_QUERY` cut at a byte budget by the server, in one pass: every event of the span comes with
-#: the bytes of its payload and metadata as JSON text, but its payload, metadata and routing key only if it
-#: ``fits``: its payload is at most ``limit`` bytes (a null limit: any) and the events that fit before it
-#: and it hold at most ``budget`` bytes (the first one that may fits whatever its size). The rest come as
-#: sizes only (:class:`.sources.TableSource` reads them next, in pieces it cuts by those sizes). The text of what
-#: fits is rendered twice (once to measure it, once to send it): cheap next to the join, which is made once
+#: :data:`BATCH_QUERY` cut at a byte budget by the server, in one pass: every event comes with its sizes, but
+#: with its payload, metadata and routing key only if it ``fits`` (payload at most ``limit`` bytes, a null
+#: limit: any; the running total at most ``budget``, the first eligible one whatever its size); the rest are
+#: read next by :class:`.sources.TableSource`, in pieces cut by their sizes
 BATCH_QUERY_BOUNDED = """
 select w.batch_id, w.ord, w.id, w.stream_id, w.created_at,
        case when w.fits then w.payload::pg_catalog.text end,

@@ -111,13 +111,11 @@ class Host:
     report: Callable[[Summary], None] = _no_report
     #: how the host names its control job (an error tells the operator to use it)
     control: str = "the control job"
-    #: waits up to the given seconds for a sign that the open run's ledger moved (batches handed to it, the
-    #: stream paused or its run closed, a replay waiting, the host stopping); true if one came. A host of many
-    #: runs (a reader group's delivery run) watches their ledger rows in one query and one ``LISTEN`` for them
-    #: all; None: the run listens on its own connection and polls the ledger about twice a second
+    #: waits up to the given seconds for a sign that the open run's ledger moved; true if one came (a reader
+    #: group's delivery run watches its members in one query and one ``LISTEN``). None: the run listens on its
+    #: own connection and polls the ledger about twice a second
     wake: Callable[[float], bool] | None = None
-    #: how often the rounds are reported at most (None: the stream's ``tuning.report_every_secs``); a host of
-    #: many runs spreads its event-log writes (a reader group's delivery run: :mod:`.group`)
+    #: how often the rounds are reported at most (None: the stream's ``tuning.report_every_secs``)
     report_every_secs: float | None = None
 
 
@@ -195,8 +193,7 @@ class DeliveryRun:
             if host.wake is None:  # (a host that wakes the run listens for it)
                 state.listen_runs(conn, stream.id)
         run_key = run_key or ""
-        # the lease is given up when the run ends (it is lost if its process dies); the sink serves every round
-        # of the run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
+        # the lease is given up when the run ends; the sink serves every round (by_key: the tasks' own sinks)
         with fewer_collections(), _leasing(ledger, stream.id), build_sink(stream.sink) as sink:
             linger = Linger(host, ledger, stream, run_key)
             reports = Reports(host, stream)
@@ -496,11 +493,9 @@ class Linger:
         delivery, tuning = self.stream.delivery, self.stream.delivery.tuning
         linger_secs, warm = delivery.linger_secs, delivery.keep_warm
         if not self._frozen:
-            # a run that stays open allocates tuples per event for long: what its process holds after
-            # the first round (the host, the Spark session) is not garbage, so the full collections stop
-            # scanning it (collections over 0.1 s: 21 s in a 2-minute sustained run before). Done here,
-            # not at start-up: the first round's events do not wait for it. Once per process: a process
-            # hosting many runs (a thread each) would otherwise stop them all for a full collection per run
+            # a run that stays open keeps what its process holds after the first round (the host, the Spark
+            # session): frozen, the full collections stop scanning it. Not at start-up (the first round's
+            # events do not wait for it); once per process (not a full collection per hosted run)
             _freeze_once()
             self._frozen = True
         idle_since = time.monotonic()
@@ -593,8 +588,7 @@ class Reports:
         first, last = self.first, self.last
         if first is None or last is None:
             return
-        # (no status read here: the group's sensor observes each member's status; a hundred members' reports
-        # asking for it every report_every_secs were the largest query load of a group's deliveries)
+        # (no status read here: the group's sensor observes each member's status)
         self.host.report(Summary(
             stream_id=self.stream.id, sink_type=self.stream.sink.type, first=first, last=last, batches=self.batches,
             rounds=self.rounds, events=self.events, kinds=sorted(self.kinds),

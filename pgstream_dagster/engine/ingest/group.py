@@ -275,9 +275,8 @@ def join_members(conn: psycopg.Connection, group: str, state: groups.Group, stre
     joining = [m for m in state.members if not m.joined]
     if not joining:
         return True
-    # the publication includes them (ensure_group_publication, committed): a transaction running now may
-    # have written before it did and so be incomplete in the group's slot; once they have all ended,
-    # every transaction ending after the join position wrote only after it (docs/architecture.md)
+    # a transaction running now may have written before the publication included them (and be incomplete in
+    # the group's slot); once all have ended, every one ending after the join position wrote after it
     if any(not m.join_begun for m in joining) and \
             not _wait_ended(conn, _running_xids(conn), min(until, time.monotonic() + JOIN_WAIT_SECS)):
         result.joining = [m.id for m in joining]
@@ -402,9 +401,8 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
         if kept is not None:
             kept.close()
         return result  # one is draining its own slot: the group's slot waits (the stream's order)
-    # a member that has not begun joining (it waits for older transactions to end) is not read here: what
-    # of it the group's slot holds ends before its join position, where its own slot (or, for a new
-    # stream, the table) gives it
+    # a member that waits for older transactions to end is not read here: what of it the group's slot holds
+    # ends before its join position (its own slot, or for a new stream the table, gives it)
     reader = groups.group_reader(group)
     joined = {m.id for m in state.members if m.joined}
     ledgers = {sid: StreamLedger(s, reader) for sid, s in by_id.items() if sid in joined}

@@ -269,8 +269,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
                 wait = max(0.05, min(wait, stream.batch.max_fill_secs - age))
             time.sleep(min(wait, remaining))
     except walstream.SlotBusy:
-        # another connection holds the slot (the join's drain, or a reader of the version before): the next
-        # tick reads again, and what was recorded is dropped as recorded (unrecorded)
+        # another connection holds the slot: the next tick reads again (what was recorded is dropped: unrecorded)
         result.slot_busy = True
     except walstream.SlotGone:
         # invalidated or dropped since the check: the join records what it had from the table

@@ -179,9 +179,8 @@ class DeadLetterWriter:
         return f"DeadLetterWriter(stream {self.stream_id}, sink {self.sink})"
 
 
-#: the stream's last confirmed event (:meth:`DeadLetterWriter.known_good`): the last event of its last
-#: delivered batches (five at most: a batch may hold nothing but dead letters and vanished events)
-#: that has no dead letter and is still in pgstream.events
+#: the stream's last confirmed event (:meth:`DeadLetterWriter.known_good`): the last event without a dead letter
+#: still in pgstream.events of its last five delivered batches (a batch may hold only dead letters)
 _KNOWN_GOOD = """
 select e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text
 from (select b.id, b.stream_id, b.event_ids, b.min_created_at, b.max_created_at from pgstream.batches b

@@ -12,10 +12,8 @@ from typing import Protocol
 
 import psycopg
 
-# --- pgstream's own locks (sql/repeatable/00_locks.sql) ----------------------------------------------
-# Rows of pgstream.locks, which only the owner can write: not advisory locks, which any role that can
-# connect could take and hold to stall a stream. A lock taken with :func:`try_lock` is held by the
-# session (backend) that took it until :func:`unlock` or until that session ends, however it ends.
+# --- pgstream's own locks (sql/repeatable/00_locks.sql): rows of pgstream.locks, which only the owner --------
+# writes (an advisory lock any role could take), held by the session that took them until unlock or its end.
 
 #: per stream (key: stream id): the open run's delivery lease; its holder is the run id
 DELIVERY_LOCK = "delivery"
@@ -425,9 +423,8 @@ def give_up_group_lease(conn: psycopg.Connection, group: str) -> None:
         conn.close()
 
 
-#: per reader group (the lock's name is this and the group's name; key 0): the reading of the group's slot.
-#: The group delivery run's reader holds it for as long as it reads (its session: freed when its process or
-#: its connection dies), the group's sensor for its tick: one reader of the group's slot at a time
+#: per reader group (name: this and the group's; key 0): the reading of the group's slot, held by the group run's
+#: reader while it reads (its session), or by the sensor for its tick: one reader at a time
 GROUP_READER_LOCK = "group_reader"
 
 

@@ -54,9 +54,7 @@ def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | Non
     :class:`~..replication.PublicationTaken` when another role has a publication by its names."""
     try:
         with conn.transaction():
-            # the owner's function (the runtime writes no stream row itself): the row exists and reads
-            # slot_name, null for its default; it locks the row only when something changes (a run may
-            # hold its lock)
+            # the owner's function: the row exists and reads slot_name (null: its default), locked only on a change
             conn.execute("select pgstream.register_stream(%s, %s)", [stream_id, slot_name])
             return stream_slot(conn, stream_id)
     except psycopg.errors.FeatureNotSupported as exc:  # a reader group's member (it may not leave)
