@@ -34,18 +34,8 @@ STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")
 #: longest error text stored with a dead letter (the SQL functions use the same limit)
 ERROR_CHARS = 2000
 
-__all__ = [
-    "DeadLetter",
-    "DeadLetterError",
-    "RedeliveryReport",
-    "count_open",
-    "discard",
-    "get_dead_letter",
-    "list_dead_letters",
-    "redeliver",
-    "redelivery_plan",
-    "set_aside",
-]
+__all__ = ["DeadLetter", "DeadLetterError", "RedeliveryReport", "count_open", "discard", "get_dead_letter",
+           "list_dead_letters", "redeliver", "redelivery_plan", "set_aside"]
 
 
 class DeadLetterError(RuntimeError):

@@ -240,8 +240,7 @@ def _positions(conn: psycopg.Connection, params: dict[str, Any]) -> pa.Table:
     return table.append_column("position", pa.array(range(table.num_rows), pa.int64()))
 
 
-# ------------------------------------------------------------------------------------------------
-# Positions in the ledger.
+# --- positions in the ledger -----------------------------------------------------------------------------
 
 def start_position(conn: psycopg.Connection, stream_id: int, starting: str) -> Position:
     """Where a new query starts (``startingPosition``): ``earliest`` (before every batch), ``latest``
@@ -478,8 +477,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {**self.__dict__, "_conn": None}
 
 
-# ------------------------------------------------------------------------------------------------
-# Batch reads: events with their delivery state.
+# --- batch reads: events with their delivery state -------------------------------------------------------
 
 #: columns a filter may be pushed down on, and their SQL
 PUSHABLE = {

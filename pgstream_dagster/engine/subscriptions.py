@@ -45,8 +45,7 @@ def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> lis
     return changes
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-stream, per-subscription application (the subscription assets) and trigger inspection.
+# --- per-stream, per-subscription application (the subscription assets) and trigger inspection -----------
 
 #: (key, schema_name, table_name, operation): a subscription's identity within its stream.
 Identity = tuple[str, str, str, str]
