@@ -406,9 +406,8 @@ def _next_key(conn: psycopg.Connection, backfill_id: int, part: int) -> str | No
 
 def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                    pace: Pace) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The ``mapInArrow`` function of a backfill's Spark job on Spark Connect: each input row
-    (``id``) is the index in ``parts`` of the partition to read; yields one
-    :class:`PartitionResult` row per partition."""
+    """The ``mapInArrow`` function of a backfill's job on Spark Connect: each input row (``id``) is the index
+    in ``parts`` of a partition to read; yields one :class:`PartitionResult` row per partition."""
 
     def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
@@ -425,9 +424,8 @@ def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int],
 
 def partition_rdd_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                        pace: Pace) -> Callable[[Iterable[int]], Iterable[dict[str, Any]]]:
-    """The ``mapPartitions`` function of a backfill's Spark job on a classic session: each input is
-    the index in ``parts`` of the partition to read; yields one :class:`PartitionResult` (as a dict)
-    per partition."""
+    """The ``mapPartitions`` function of a backfill's job on a classic session: each input is the index in
+    ``parts`` of a partition to read; yields one :class:`PartitionResult` (as a dict) per partition."""
 
     def task(indexes: Iterable[int]) -> Iterable[dict[str, Any]]:
         for index in indexes:

@@ -175,9 +175,8 @@ class RunOrder:
 
 @dataclass(frozen=True)
 class Wait:
-    """Nothing to do now; ``reason`` goes to the tick log (``None``: nothing worth saying): a state that
-    lasts (paused, failover waiting for its retry), said once when it starts or changes, then ``short``
-    at most every :data:`REMIND_EVERY_SECS` while it lasts (:func:`tick_notes`)."""
+    """Nothing to do now; ``reason`` goes to the tick log (``None``: nothing worth saying), for a lasting
+    state once, then ``short`` at most every :data:`REMIND_EVERY_SECS` while it lasts (:func:`tick_notes`)."""
 
     reason: str | None = None
     short: str | None = field(default=None, compare=False)
@@ -188,9 +187,8 @@ class Wait:
 
 @dataclass(frozen=True)
 class Launch:
-    """Assign the order's batches to a new run and request it. ``keep_open``: it becomes the stream's
-    open run (it takes the batches recorded behind its own); ``replaces``: an open run that ended
-    without closing, forgotten first."""
+    """Assign the order's batches to a new run and request it; ``keep_open``: it becomes the stream's open
+    run; ``replaces``: an open run that ended without closing, forgotten first."""
 
     order: RunOrder
     keep_open: bool
@@ -233,9 +231,8 @@ class Reissue:
 
 @dataclass(frozen=True)
 class FailRun:
-    """The head's run failed: the head becomes the failover checkpoint (retried alone at
-    ``retry_at``), the run's other batches go back to pending. ``died``: Dagster still shows the run
-    started, the sensor reports it failed first."""
+    """The head's run failed: the head becomes the failover checkpoint (retried alone at ``retry_at``), the
+    run's other batches go back to pending. ``died``: Dagster still shows it started (reported failed first)."""
 
     head: Batch
     run_id: str
@@ -272,9 +269,8 @@ Action = Wait | Launch | Warm | Extend | Reissue | FailRun | Requeue | LeaveFail
 
 @dataclass(frozen=True)
 class CloseRun:
-    """The open run ``run_key`` stops taking batches (idle for ``tuning.linger_secs``, paused, a replay
-    waits, ...): the stream has no open run. Refused (``apply_run`` is
-    false) while batches were assigned to it and not delivered: it delivers them first and tries again."""
+    """The open run ``run_key`` stops taking batches (idle, paused, a replay waits...): the stream has no open
+    run. Refused (``apply_run`` false) while batches assigned to it are not delivered: it delivers them first."""
 
     stream_id: int
     run_key: str
@@ -349,9 +345,8 @@ def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
 
 def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *,
                in_failover: bool) -> Action:
-    """Nothing is open: with ``delivery.mode: warm`` the stream keeps an open run ready. A warm run that
-    ended without closing (failed, killed) is not replaced before the next batch: that batch's run
-    replaces it (:func:`_next`), so a run that cannot start does not fail again every second."""
+    """Nothing is open: with ``delivery.mode: warm`` the stream keeps an open run ready. A warm run that ended
+    without closing is replaced by the next batch's run (:func:`_next`), not every second."""
     if not stream.delivery.keep_warm or state.paused or in_failover:
         return Wait()
     if state.open_run_key is None:

@@ -140,9 +140,8 @@ ZIP_UNUSED_SECS = 7 * 24 * 3600
 
 
 def package_zip(directory: Path | None = None) -> Path:
-    """A zip of the imported ``pgstream_dagster`` package (what the executors import), built once
-    per version and content in ``directory`` (default :func:`cache_dir`) and reused after. Each use
-    touches it; zips of other versions or contents unused for :data:`ZIP_UNUSED_SECS` are deleted."""
+    """A zip of the imported ``pgstream_dagster`` package, built once per version and content in ``directory``
+    (default :func:`cache_dir`) and touched at each use; others unused for :data:`ZIP_UNUSED_SECS` are deleted."""
     root = PACKAGE_ROOT
     files = list(_package_files(root))
     digest = hashlib.sha256()
@@ -179,9 +178,8 @@ def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Pa
 
 
 def _prune(directory: Path) -> None:
-    """Delete the package zips (and a writer's leftover temporary files) of ``directory`` that no run
-    has used for :data:`ZIP_UNUSED_SECS`: each new version or content of the package adds one. A zip
-    still in use is touched by every run that starts with it (a run's executors fetch it while it runs)."""
+    """Delete the package zips (and leftover temporary files) of ``directory`` no run has used (touched) for
+    :data:`ZIP_UNUSED_SECS`: each new version or content of the package adds one."""
     cutoff = time.time() - ZIP_UNUSED_SECS
     for path in [*directory.glob("pgstream_dagster-*.zip"), *directory.glob(".pgstream-zip-*.tmp")]:
         try:
@@ -192,9 +190,8 @@ def _prune(directory: Path) -> None:
 
 
 def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
-    """The distributions an executor's Python needs (pinned to the versions installed here, where
-    they are), plus the client libraries of ``sink_types`` (the sinks built on the executors: those
-    of ``by_key`` streams). pyspark itself comes from the Spark installation of the workers."""
+    """The distributions an executor's Python needs (pinned to the versions installed here), plus the client
+    libraries of ``sink_types`` (the sinks of ``by_key`` streams); pyspark comes from the workers' Spark."""
     names = list(EXECUTOR_REQUIREMENTS)
     extras = {SINK_EXTRAS[t] for t in sink_types if t in SINK_EXTRAS}
     if extras:

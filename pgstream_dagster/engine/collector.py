@@ -14,9 +14,8 @@ BULK_THRESHOLDS = (50_000, 20, 20)
 
 
 class _FewerCollections:
-    """:data:`BULK_THRESHOLDS` while a run delivers or a tick records, then the process's own again
-    once the last of them in the process ends (a code server evaluates several sensors at once; tests
-    and ``execute_in_process`` run several runs in one process)."""
+    """:data:`BULK_THRESHOLDS` while a run delivers or a tick records, then the process's own once the last
+    of them in the process ends (a code server evaluates several sensors at once)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -38,9 +38,8 @@ def pinned_options(database_url: str, extra: str = "") -> str:
 
 
 def database_key(conn: psycopg.Connection) -> str:
-    """The database ``conn`` is connected to, as its URL names it: ``host:port/database`` (every host of a
-    multi-host URL; never the role or the password). A Dagster instance can serve the code locations of several
-    databases: this tells one database's reader groups from another's."""
+    """The database ``conn`` is connected to as ``host:port/database`` (every host of a multi-host URL, never
+    the role or password): tells one database's reader groups from another's in a shared Dagster instance."""
     info = conninfo_to_dict(conn.info.dsn)
     host = info.get("host") or info.get("hostaddr") or "(the local socket)"
     return f"{host}:{info.get('port') or 5432}/{conn.info.dbname}"
@@ -81,9 +80,8 @@ def error_line(exc: BaseException) -> str:
 
 
 def server_gone(exc: BaseException) -> str | None:
-    """What a tick or a run says, in one line, when its server went away mid-way (a crash, a restart, a
-    failover: the connection lost, an administrator's shutdown) or is read-only (a standby, reached before
-    its promotion by a URL without ``target_session_attrs=read-write``); None for any other error."""
+    """What a tick or a run says, in one line, when its server went away mid-way (crash, restart, failover,
+    shutdown) or is read-only (a standby reached without ``target_session_attrs=read-write``); else None."""
     if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
         return f"the server is read-only (a standby?), waiting for the primary: {error_line(exc)}"
     if isinstance(exc, psycopg.OperationalError) and (exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P"))):

@@ -139,9 +139,8 @@ def _refused(exc: psycopg.Error) -> DeadLetterError:
 
 
 def set_aside(conn: psycopg.Connection, stream_id: int, event_ids: Sequence[int], reason: str) -> int:
-    """Move undelivered events of the stream's open batches into dead letters (delivery goes on
-    without them); returns how many. Refuses, changing nothing, ids that are in no open batch of the
-    stream or already dead letters."""
+    """Move undelivered events of the stream's open batches into dead letters; how many. Refuses, changing
+    nothing, ids in no open batch of the stream or already dead letters."""
     try:
         row = conn.execute("select pgstream.set_aside_events(%s, %s, %s)",
                            [stream_id, list(event_ids), reason]).fetchone()

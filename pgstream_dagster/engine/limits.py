@@ -62,9 +62,8 @@ MANAGED_SERVICES = {"rds_superuser": "rds", "cloudsqlsuperuser": "cloudsql", "az
 
 
 def managed_service(conn: psycopg.Connection) -> str | None:
-    """``rds`` (Amazon RDS and Aurora), ``cloudsql`` (Google Cloud SQL), ``azure`` (Azure Database for
-    PostgreSQL flexible server) or ``None`` (self-hosted): by the administrator's role, which the service
-    creates in the cluster."""
+    """``rds`` (RDS, Aurora), ``cloudsql``, ``azure`` (flexible server) or ``None`` (self-hosted), by the
+    administrator's role the service creates in the cluster."""
     row = conn.execute("select rolname::text from pg_catalog.pg_roles where rolname operator(pg_catalog.=) any(%s) "
                        "order by 1 limit 1", [list(MANAGED_SERVICES)]).fetchone()
     return MANAGED_SERVICES[row[0]] if row else None

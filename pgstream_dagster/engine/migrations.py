@@ -162,9 +162,8 @@ def _locked(conn: psycopg.Connection) -> None:
 
 
 def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
-    """``000_bootstrap.sql``, idempotent: behind the ledger's lock once the ledger exists; on a
-    database without it, behind a transaction-level advisory lock (nothing else to lock yet), waited for
-    :data:`BOOTSTRAP_LOCK_TIMEOUT` at most."""
+    """``000_bootstrap.sql``, idempotent, behind the ledger's lock, or on a database without the ledger
+    behind a transaction-level advisory lock waited for :data:`BOOTSTRAP_LOCK_TIMEOUT` at most."""
     def ledger_exists() -> bool:
         row = conn.execute("select pg_catalog.to_regclass('pgstream.schema_migrations') is not null").fetchone()
         return bool(row and row[0])
@@ -256,9 +255,8 @@ _T = TypeVar("_T")
 
 
 def _retried(step: Callable[[], _T]) -> _T:
-    """``step`` (one transaction), tried again a few times when it lost a race on the cluster's catalogs:
-    roles are shared by every database, so two databases migrated at once (two installs in one cluster) can
-    both create or grant the same role ("tuple concurrently updated", a duplicate role)."""
+    """``step`` (one transaction), tried again a few times when it lost a race on the cluster's catalogs (two
+    databases migrated at once both create or grant the same role: "tuple concurrently updated")."""
     for attempt in range(_RACE_ATTEMPTS):
         try:
             return step()

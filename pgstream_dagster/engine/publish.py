@@ -29,9 +29,8 @@ from ..sinks import Event, Sink, SinkError
 
 @dataclass(frozen=True)
 class TooLarge:
-    """In place of an event a reader did not read: its payload (``size`` bytes as JSON text) is larger
-    than the sink can ever take (``limit``, :meth:`~pgstream_dagster.sinks.base.Sink.max_event_bytes`).
-    The publisher sets it aside before sending anything after it (:data:`SetAsideTooLarge`)."""
+    """In place of an event not read: its payload (``size`` bytes as JSON text) is larger than the sink can
+    ever take (``limit``); set aside before anything after it is sent (:data:`SetAsideTooLarge`)."""
 
     id: int
     size: int
@@ -58,9 +57,8 @@ payload copied by the database, never read by the run), durably, before the next
 
 @dataclass(frozen=True)
 class Span:
-    """Ordinals ``first..last`` (1-based, inclusive) of ledger batch ``batch_id``, in its commit
-    order: what a run owes of a batch, and what one Spark partition reads of it. Empty when
-    ``first > last`` (an earlier attempt confirmed the whole batch)."""
+    """Ordinals ``first..last`` (1-based, inclusive) of ledger batch ``batch_id``: what a run owes of a batch,
+    what a Spark partition reads of it. Empty when ``first > last`` (an earlier attempt confirmed it all)."""
 
     batch_id: int
     first: int
@@ -347,9 +345,8 @@ class _Publisher:
             yield BatchDone(batch_id, self.counts.get(batch_id, 0))
 
     def _publish(self, events: list[Event], where: list[Position], lo: int, hi: int) -> Iterator[Delivery]:
-        """Publish ``events[lo:hi]``; with a reject policy, isolate and set aside what the sink rejects
-        for good. A request the sink refused as a whole (it names several events) is bisected: about
-        log2(n) calls find the bad event instead of one call per event."""
+        """Publish ``events[lo:hi]``; with a reject policy, isolate and set aside what the sink rejects for
+        good, bisecting a request refused as a whole (about log2(n) calls find the bad event)."""
         while lo < hi:
             try:
                 self._send(events[lo:hi] if lo or hi < len(events) else events,

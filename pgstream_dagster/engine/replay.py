@@ -110,9 +110,8 @@ _SELECTED_IDS = sql.SQL("declare pgstream_replay_ids no scroll cursor for "
 
 
 class IdRanges:
-    """The selected events in id ranges of ``size`` events each (the last may hold fewer), in order,
-    read with ``conn`` (in a transaction of its own) when iterated; :attr:`total`, the number of
-    selected events, is known once the last range has been yielded."""
+    """The selected events in id ranges of ``size`` events (the last may hold fewer), read with ``conn`` when
+    iterated; :attr:`total` is known once the last range has been yielded."""
 
     def __init__(self, conn: psycopg.Connection, params: Mapping[str, Any], size: int) -> None:
         self._conn, self._params, self._size = conn, params, size

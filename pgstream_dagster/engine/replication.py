@@ -277,9 +277,8 @@ def peek(conn: psycopg.Connection, slot: str, publication: str, max_changes: int
 
 def peek_rows(conn: psycopg.Connection, slot: str, publication: str,
               max_changes: int, *, keep_stream: bool = False) -> tuple[list[Transaction], int]:
-    """Like :func:`peek`, with the number of decoded messages: fewer than ``max_changes`` means
-    the peek reached the end of what was committed when it started. ``keep_stream``: each event's
-    stream id (a reader group's publication)."""
+    """:func:`peek` and the number of decoded messages (fewer than ``max_changes``: the end of what was
+    committed was reached); ``keep_stream``: each event's stream id."""
     messages = [data for (data,) in conn.execute(
         "select data from pg_catalog.pg_logical_slot_peek_binary_changes(%s, null, %s, "
         "'proto_version', '1', 'publication_names', %s)",

@@ -267,9 +267,8 @@ class DriverPythonMissing(RuntimeError):
 
 
 class ExecutorPythonError(RuntimeError):
-    """The executors' Python cannot run the run's tasks: it is not where they run, or it lacks a
-    module they import (pyarrow, this package, a sink's client library). One line, naming it and
-    where it is set (``PYSPARK_PYTHON`` / ``spark.pyspark.python``)."""
+    """The executors' Python cannot run the run's tasks (missing, or lacking a module they import): one line
+    naming it and where it is set (``PYSPARK_PYTHON`` / ``spark.pyspark.python``)."""
 
 
 _NO_PROGRAM = re.compile(r'Cannot run program "([^"]+)"')
@@ -277,9 +276,8 @@ _NO_MODULE = re.compile(r"No module named '([^']+)'|the '([^']+)' package is not
 
 
 def executor_python_problem(exc: BaseException, python: str | None) -> str | None:
-    """What ``exc``, raised by a Spark action, says of the executors' Python (``python``: the
-    interpreter the session gives them, ``None`` when the driver cannot tell: Spark Connect), in
-    one line; ``None`` when it says nothing of it (a failure of the tasks themselves)."""
+    """What ``exc`` of a Spark action says of the executors' Python (``python``: the one the session gives
+    them, ``None`` on Spark Connect), in one line; ``None`` when it says nothing of it."""
     if not type(exc).__module__.startswith(("pyspark", "py4j")):
         return None  # raised here, not by the executors
     text = str(exc)
@@ -297,9 +295,8 @@ def executor_python_problem(exc: BaseException, python: str | None) -> str | Non
 
 @contextlib.contextmanager
 def executor_python_errors(spark: SparkSession) -> Iterator[None]:
-    """Spark actions whose failure for want of the executors' Python, or of a module in it, raises
-    :class:`ExecutorPythonError` (one line) instead of Spark's error (a Python traceback or a Java
-    stack trace, the cause somewhere inside)."""
+    """Spark actions whose failure for want of the executors' Python (or a module in it) raises
+    :class:`ExecutorPythonError` (one line) instead of Spark's error."""
     try:
         yield
     except Exception as exc:

@@ -161,9 +161,8 @@ def _url(options: dict[str, str]) -> str:
 
 
 def connect(url: str) -> psycopg.Connection:
-    """A connection of the source, in UTC with ISO dates (the text :func:`_copy_batches` parses). A
-    failure names no part of the URL (libpq's message names the host and the user, never the password;
-    the URL itself is not repeated)."""
+    """A connection of the source, in UTC with ISO dates (what :func:`_copy_batches` parses); a failure
+    names no part of the URL."""
     import psycopg
 
     try:
@@ -207,9 +206,8 @@ def _parse_csv(data: bytes, schema: pa.Schema) -> pa.RecordBatch:
 
 def _copy_batches(conn: psycopg.Connection, query: str, params: Sequence[Any] | dict[str, Any],
                   schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """The rows of ``query`` (``schema``'s columns; ``params`` bound by psycopg on the client, as
-    literals: a COPY takes no parameters) as Arrow record batches, by one ``COPY (query) TO STDOUT`` in
-    CSV that pyarrow parses: no Python object per value."""
+    """The rows of ``query`` (``schema``'s columns; ``params`` bound on the client: a COPY takes none) as
+    Arrow record batches, by one ``COPY (query) TO STDOUT`` in CSV that pyarrow parses."""
     with conn.cursor().copy(f"copy ({query}) to stdout with (format csv, encoding 'UTF8')", params) as copy:
         rows: list[Any] = []  # each CopyData message of a COPY TO is one row
         size = 0
@@ -243,9 +241,8 @@ def _positions(conn: psycopg.Connection, params: dict[str, Any]) -> pa.Table:
 # --- positions in the ledger -----------------------------------------------------------------------------
 
 def start_position(conn: psycopg.Connection, stream_id: int, starting: str) -> Position:
-    """Where a new query starts (``startingPosition``): ``earliest`` (before every batch), ``latest``
-    (after the last recorded batch), an event id (just before that event, in its batch), or an ISO
-    time (before the first batch holding an event created at or after it)."""
+    """Where a new query starts (``startingPosition``): ``earliest``, ``latest`` (after the last recorded
+    batch), an event id (just before it) or an ISO time (before the first batch with an event from then)."""
     text = starting.strip()
     if text.lower() == "earliest":
         return BEFORE_ALL
@@ -341,9 +338,8 @@ def split_spans(spans: Sequence[SpanRead], parts: int, rows: int) -> list[list[S
 
 
 def commit_consumer(conn: psycopg.Connection, name: str, stream_id: int, position: Position, token: str) -> None:
-    """Records the position of registered consumer ``name`` whose token is ``token``; one an operator
-    has not registered (or registered for another stream), another token, or a position the ledger does
-    not hold, is a :class:`SourceError` naming it and what to do (never the token)."""
+    """Records the position of registered consumer ``name`` with ``token``; an unknown consumer, another
+    token or a position the ledger does not hold is a :class:`SourceError` saying what to do (never the token)."""
     import psycopg
 
     try:
@@ -359,9 +355,8 @@ class EventsGone(RuntimeError):
 
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """``spark.readStream.format("pgstream")``: see the module's docstring. With ``Trigger.AvailableNow``
-    it reads up to the end of the ledger when the query starts (in micro-batches of at most
-    ``maxEventsPerTrigger``), then the query stops."""
+    """``spark.readStream.format("pgstream")`` (see the module). With ``Trigger.AvailableNow`` it reads to the
+    end of the ledger as of the query's start, in micro-batches of at most ``maxEventsPerTrigger``, then stops."""
 
     def __init__(self, options: dict[str, str]) -> None:
         self.url = _url(options)
@@ -430,11 +425,9 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 for group in split_spans(spans, self.parts, self.rows)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        """The partition's events in the ledger's order, as Arrow record batches: its positions (a row a
-        span) joined in Arrow to the stream's events in their time span and id range (one COPY), then
-        sorted by position; the partition is held whole (at most ``rowsPerPartition`` events). With
-        ``failOnDataLoss``, an :class:`EventsGone` names the first span whose events are not all there
-        (a partition holds each ledger batch in one span at most)."""
+        """The partition's events in ledger order as Arrow record batches: its positions joined in Arrow to
+        the stream's events of their time span and id range (one COPY), sorted by position. With
+        ``failOnDataLoss``, :class:`EventsGone` names the first span whose events are not all there."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -571,10 +564,8 @@ class EventsReader(DataSourceReader):
         return self.params + [p for _, params in getattr(self, "pushed", []) for p in params]
 
     def query(self) -> str:
-        """The query of one partition (an id range ``lo..hi`` after the selection's parameters):
-        the selected events, the ledger batch holding each one (the first of the stream's batches that
-        overlap the partition's time span, unnested once, that holds it: one join, not a lookup per
-        event), and its dead letter."""
+        """The query of one partition (ids ``lo..hi`` after the selection's parameters): the events, the
+        ledger batch holding each (one join over the batches overlapping its time span) and its dead letter."""
         # where(): fixed SQL fragments of this module (PUSHABLE, the options'); every value is a parameter (psycopg
         # quotes it into the COPY, which takes no server-side parameters)
         return f"""/* pgstream source: events */

@@ -110,9 +110,8 @@ def _db_error(exc: psycopg.Error) -> str:
 
 def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], source: str,
                  positions: Sequence[int] | None = None) -> None:
-    """Validate the subscriptions of a file (``source``) against the database (tables, columns,
-    expressions) without writing anything. Raises ``SubscriptionError`` naming the file, the
-    subscription (its index in the file: ``positions``, default their order) and the reason."""
+    """Validate a file's subscriptions (``source``) against the database without writing anything; raises
+    ``SubscriptionError`` naming the file, the subscription (its index: ``positions``) and the reason."""
     with conn.transaction(force_rollback=True):
         for i, sub in zip(positions if positions is not None else range(len(subscriptions)), subscriptions,
                           strict=True):
@@ -344,10 +343,9 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
 
 def partition_problems(conn: psycopg.Connection, schema: str, table: str, operation: str,
                        trigger_name: str) -> tuple[str, ...]:
-    """Why partitions of a partitioned table lack their copies of its generated trigger ``trigger_name``
-    (and, for DELETE, of its TRUNCATE trigger): every partition at every level needs a trigger of the same
-    name calling the same function, enabled, with the same comment. Identified by the function the
-    table's trigger calls, never by name alone: a partition's own trigger that bears the name is reported."""
+    """Why partitions of a partitioned table lack their copies of its generated trigger ``trigger_name`` (and
+    for DELETE its TRUNCATE trigger): same name, same function, enabled, same comment at every level. Known
+    by the function the table's trigger calls: a partition's own trigger bearing the name is reported."""
     rows = conn.execute(
         """select p.relid::regclass::text, r.tgname::text, c.tgfoid::regprocedure::text, c.tgfoid = r.tgfoid,
                   c.tgenabled = 'D'

@@ -69,9 +69,8 @@ class ReplicationStream:
         return int(self._cur.wal_end or 0)
 
     def read(self, timeout: float) -> list[bytes]:
-        """The messages available now, waiting up to ``timeout`` seconds for the first; at most
-        :attr:`MAX_MESSAGES` of them, and no more once they hold ``max_bytes`` (the last one read may
-        go past it; :attr:`full` then says more may be waiting)."""
+        """The messages available now, waiting up to ``timeout`` for the first: at most :attr:`MAX_MESSAGES`,
+        none more once they hold ``max_bytes`` (:attr:`full` then says more may be waiting)."""
         messages: list[bytes] = []
         deadline = time.monotonic() + timeout
         size = 0

@@ -269,9 +269,8 @@ class GroupDelivery:
                 self._wake[stream_id].set()
 
     def _watch(self, lease: psycopg.Connection) -> None:
-        """One query for the whole group: wake each member whose ledger row moved (paused, its open run, a
-        replay waiting, a batch launched): its run looks at the ledger only then (and every
-        ``WOKEN_POLL_SECS``), instead of twice a second."""
+        """One query for the whole group: wake each member whose ledger row moved; its run looks at the
+        ledger only then (and every ``WOKEN_POLL_SECS``), not twice a second."""
         signals = groups.member_signals(lease, self.group)
         for stream_id, row in signals.items():
             if stream_id in self._wake and self._signals.get(stream_id) != row:

@@ -118,9 +118,8 @@ def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: in
 
 
 def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budget: int) -> list[tuple[Span, int]]:
-    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes of payload and metadata
-    (one event at least), with their bytes, in order: the sizes of their events come from the server
-    (:data:`BATCH_SIZES`; rendered there, nothing of the events is sent)."""
+    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes (one event at least), with their
+    bytes, in order, by the sizes the server gives (:data:`BATCH_SIZES`: nothing of the events is sent)."""
     pieces: list[tuple[Span, int]] = []
     for whole in spans:
         for span in whole.split(max(rows, 100_000)):  # (a query per 100,000 sizes at most)

@@ -170,9 +170,8 @@ class DeliveryRun:
         return self
 
     def give_back(self) -> list[int]:
-        """The run was interrupted (a shutdown) and has ended: it is no longer the stream's open run and the
-        batches it held go back to pending for the next run (``state.give_back``), on a connection of its
-        own (the lease's has ended with the run). Returns those batches."""
+        """The run was interrupted (a shutdown) and has ended: the batches it held go back to pending
+        (``state.give_back``), on a connection of its own (the lease's ended with the run); those batches."""
         run_key = self.batches[0].run_key if self.batches else self.run_key
         if not run_key:
             return []
@@ -247,9 +246,8 @@ def _leasing(ledger: locks.RunConnections, stream_id: int) -> Iterator[None]:
 
 
 def owed(stream: StreamConfig, batches: list[state.Batch]) -> list[Span]:
-    """What the run owes of ``batches``: a retry resumes after the events the sink already confirmed
-    (global order; ``by_key`` reads every event and its Spark tasks skip, per key, what an earlier attempt
-    recorded in ``pgstream.key_progress``)."""
+    """What the run owes of ``batches``: global order resumes after what the sink confirmed (``by_key`` reads
+    every event, its tasks skip what ``pgstream.key_progress`` holds)."""
     return owed_spans(batches, resume=stream.delivery.ordering == "global")
 
 
@@ -269,9 +267,8 @@ def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state
 
 
 def dead_letters(stream: StreamConfig, database_url: str, token: str | None = None) -> deadletters.DeadLetterWriter:
-    """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and an event too large
-    for the sink whatever ``on_reject`` says (it can never be delivered). ``token``: a by_key round's
-    delivery token, what its Spark tasks write with."""
+    """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and events too large for
+    the sink whatever ``on_reject`` says. ``token``: a by_key round's delivery token."""
     return deadletters.DeadLetterWriter(database_url, stream.id, stream.sink.type,
                                         resumes=stream.delivery.ordering == "global", token=token)
 
@@ -301,9 +298,8 @@ class _Round:
         self.expected = {span.batch_id: span.events for span in self.owed}
 
     def deliver(self, source: Source) -> int:
-        """The events handled (confirmed by the sink, or set aside as dead letters). Once ``conn`` is
-        broken (``recording``: Postgres restarted, the connection was cut) the run stops before the
-        sink's next request, as nothing it confirms could be recorded."""
+        """The events handled (confirmed, or set aside). Once ``conn`` is broken (``recording``) the run stops
+        before the sink's next request: nothing it confirms could be recorded."""
         recording = self.recording
         try:
             return self._deliver(source)
@@ -550,9 +546,8 @@ class Linger:
 
 
 class Reports:
-    """What the run's rounds delivered, told to the host (:class:`Summary`). The first round is
-    reported at once; later rounds of an open run together, at most every ``tuning.report_every_secs``
-    and when the run ends, so a trickle of single events does not become an event-log entry each."""
+    """What the rounds delivered, told to the host (:class:`Summary`): the first round at once, later ones
+    together at most every ``tuning.report_every_secs`` and at the end (not an event-log entry per event)."""
 
     def __init__(self, host: Host, stream: StreamConfig) -> None:
         self.host, self.stream = host, stream

@@ -164,9 +164,8 @@ class RangeSource:
 
 @dataclasses.dataclass(frozen=True)
 class SparkSource:
-    """Route ``spark``: single-partition DataFrames (packed, as :func:`..spark.load_batches` /
-    :func:`..spark.load_events` return them), collected one at a time; ``prefetch``: Spark computes the
-    next while the sink publishes the current one (``delivery.tuning.prefetch_partitions``)."""
+    """Route ``spark``: packed single-partition DataFrames (:func:`..spark.load_batches` / ``load_events``)
+    collected one at a time; ``prefetch``: the next computed meanwhile (``tuning.prefetch_partitions``)."""
 
     frames: list[DataFrame]
     prefetch: bool = True
@@ -197,9 +196,8 @@ class LinesSource:
 
 @dataclasses.dataclass(frozen=True)
 class DeadLetterSource:
-    """Route ``letters``: open dead letters (listed without their payloads), in delivery order, in
-    chunks of at most ``chunk_size`` and ``read_bytes`` bytes of payload (one at least), each chunk's
-    payloads read by ``conn`` when it is due (:meth:`chunks`)."""
+    """Route ``letters``: open dead letters in delivery order, in chunks of at most ``chunk_size`` and
+    ``read_bytes`` bytes of payload (one at least), each chunk's payloads read by ``conn`` when due."""
 
     conn: psycopg.Connection
     letters: Sequence[DeadLetter]

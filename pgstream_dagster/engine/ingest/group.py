@@ -321,9 +321,8 @@ class GroupStream:
 
     def recorder(self, conn: psycopg.Connection, group: str, slot: str, ledgers: dict[int, StreamLedger],
                  rule: Batching) -> Recorder:
-        """The recording loop over the group's slot recording into ``ledgers`` (this call's: what they
-        record is counted in them) on ``conn``: the open one, or a new one over a new replication
-        connection."""
+        """The recording loop over the group's slot into ``ledgers`` (this call's: what they record is
+        counted in them) on ``conn``: the open one, or a new one over a new replication connection."""
         key = (slot, groups.group_publication(group), frozenset(ledgers))
         recorder = self._recorder
         if recorder is None or recorder.conn is not conn or key != self._key:
@@ -346,9 +345,8 @@ class GroupStream:
 
 def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: dict[int, StreamLedger],
             until: float, result: GroupResult) -> bool:
-    """Record what waits, handed to each member's open run in the same transaction; false when nothing
-    was (they are not visible yet by ``until``; or a member's reader is no longer the group's:
-    ``result.slot_busy``)."""
+    """Record what waits, handed to each member's open run in the same transaction; false when nothing was
+    (not visible by ``until``, or a member's reader is no longer the group's: ``result.slot_busy``)."""
     # each member's open run, read at each pass: what is recorded is handed to it
     for sid, run_key in groups.open_run_keys(conn, group).items():
         if sid in ledgers:
@@ -469,9 +467,8 @@ def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig
 def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recorder: Recorder,
                   ledgers: dict[int, StreamLedger], deadline: float, until: float, result: GroupResult,
                   seen: Callable[[dt.datetime | None], None], stop: Callable[[], bool] | None = None) -> None:
-    """A group delivery run's reader: what the server sends as it commits, until ``deadline`` or ``stop()``
-    (what was received and not recorded by then waits in ``kept`` for the next call); the slot is moved past
-    other tables' WAL once a second while nothing received is unrecorded."""
+    """A group delivery run's reader: what the server sends until ``deadline`` or ``stop()`` (what is not
+    recorded by then waits in ``kept``), moving the slot past other tables' WAL once a second when idle."""
     source = kept.source
     assert source is not None
     while True:
@@ -490,9 +487,8 @@ def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recor
 
 def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True,
               noted: set[str] | None = None) -> None:
-    """What a pass of the group's reader did that an operator should see (the sensor's tick, or the group
-    delivery run's reader: ``batches`` False leaves out the batches recorded, ``noted`` the notes logged at
-    its previous pass, updated: its passes follow each other without a pause)."""
+    """What a pass of the group's reader did that an operator should see; the group run's reader passes
+    ``batches`` False (no batches listed) and ``noted``, the notes it logged last pass (updated)."""
     if result.slot_lost:
         log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
                     "replaced, and every member recovers undelivered events from pgstream.events")

@@ -79,9 +79,8 @@ class Pending:
 
 @dataclass
 class StreamLedger:
-    """Where a stream's transactions are recorded, and as whom: ``reader`` is the declared reader the
-    recording loop reads as (``group:<name>``, or ``ledger.state.SENSOR`` for a joining member's own slot);
-    ``run_key``: hand what is recorded to this open run."""
+    """Where a stream's transactions are recorded, as declared reader ``reader`` (``group:<name>``, or
+    ``ledger.state.SENSOR`` for a joining member's own slot); ``run_key``: the open run to hand them to."""
 
     stream: StreamConfig
     reader: str
@@ -116,9 +115,8 @@ class ConsumeResult:
 
 
 def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> list[Transaction]:
-    """``txns`` without what the ledger has already: transactions at or before the end LSN of the last one
-    recorded from the slot (read again after a crash between recording and confirming), and events a
-    recovery recorded (by id: a transaction before the recovery's position may not have been visible to it)."""
+    """``txns`` without what the ledger has: those ending at or before the last one recorded from the slot,
+    and events a recovery recorded (by id: it may not have seen a transaction before its position)."""
     recorded_to = recording.last_end_lsn(conn, stream_id)
     if recorded_to is not None:
         txns = [t for t in txns if t.end_lsn > recorded_to]

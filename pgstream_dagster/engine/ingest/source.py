@@ -43,9 +43,8 @@ class SlotSource(Protocol):
         """Everything before ``lsn`` is recorded: the slot may release it."""
 
     def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
-        """Nothing received is unrecorded: move the slot past what does not concern the stream (other
-        tables' WAL), and return a time before which every commit has been received (``None``: not
-        known yet), for ``streams.consumed_through``. ``conn``: a ledger connection."""
+        """Nothing received is unrecorded: move the slot past other tables' WAL and return a time before
+        which every commit was received (``None``: not known yet). ``conn``: a ledger connection."""
 
     def close(self) -> None: ...
 

@@ -148,9 +148,8 @@ class DeadLetterWriter:
                          [self.token, batch_id, ord, self.sink, error[:2000], attempts])
 
     def known_good(self) -> Event | None:
-        """The stream's last event the sink confirmed (of its last delivered batches, not a dead letter,
-        still in ``pgstream.events``), or ``None``: what the reject-storm guard sends again to tell a
-        sink that refuses everything from events that are refused for what they are."""
+        """The stream's last event the sink confirmed and still in ``pgstream.events`` (or ``None``), which
+        the reject-storm guard sends again to tell a sink that refuses everything."""
         with psycopg.connect(self.database_url, autocommit=True) as conn:
             row = conn.execute(_KNOWN_GOOD, {"stream": self.stream_id, "delivered": BatchStatus.DELIVERED}).fetchone()
         if row is None:

@@ -50,9 +50,8 @@ class KeyProgress:
 
 
 def issue_delivery_token(conn: psycopg.Connection, stream_id: int, run_id: str) -> str:
-    """A new delivery token of the stream for its round's Spark tasks (:class:`KeyProgress`,
-    :class:`~.deadletters.DeadLetterWriter`): ``conn`` is the lease connection of run ``run_id``.
-    Secret: the tasks' objects carry it, their ``repr`` never shows it."""
+    """A new delivery token of the stream for its round's Spark tasks, on run ``run_id``'s lease connection
+    ``conn``. Secret: the tasks' objects carry it, their ``repr`` never shows it."""
     row = conn.execute("select pgstream.issue_delivery_token(%s, %s)", [stream_id, run_id]).fetchone()
     assert row is not None and row[0]
     return str(row[0])

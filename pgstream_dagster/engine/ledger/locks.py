@@ -162,9 +162,8 @@ def lease_states(conn: psycopg.Connection, run_ids: list[str]) -> dict[str, Leas
 
 
 def give_up_lease(conn: psycopg.Connection, stream_id: int) -> None:
-    """A run that ends (however it ends, short of its process dying) gives its delivery lease up and
-    closes the lease's connection: only a run whose process died leaves a :attr:`LeaseState.LOST`
-    lease behind. A connection already broken gives up nothing (its backend has ended)."""
+    """A run that ends gives its delivery lease up and closes its connection (only a run whose process died
+    leaves a :attr:`LeaseState.LOST` lease); a broken connection gives up nothing (its backend has ended)."""
     try:
         if not conn.closed and not conn.broken:
             unlock(conn, DELIVERY_LOCK, stream_id)
@@ -175,9 +174,8 @@ def give_up_lease(conn: psycopg.Connection, stream_id: int) -> None:
 
 
 class RecordingCheck:
-    """Whether the run's ledger connection ``conn`` (the lease's: it records what the sink confirms)
-    still answers, asked of Postgres at most every ``every_secs``; once it does not, never again (a
-    sink calls it before each request it sends: :attr:`~..sinks.base.Sink.go_on`)."""
+    """Whether the run's ledger connection ``conn`` still answers, asked at most every ``every_secs``; once
+    not, never again (a sink asks before each request: :attr:`~..sinks.base.Sink.go_on`)."""
 
     def __init__(self, conn: psycopg.Connection, every_secs: float = 0.2) -> None:
         self.conn, self.every_secs = conn, every_secs
@@ -388,9 +386,8 @@ def _group_lock(group: str) -> str:
 
 
 def acquire_group_lease(database_url: str, group: str, run_id: str) -> psycopg.Connection:
-    """A connection holding reader group ``group``'s delivery lease for the group delivery run ``run_id``
-    (:class:`LeaseTaken`: another live run hosts the group's deliveries). As the delivery lease, it ends
-    with the run's process: that is how the group's sensor tells a dead group run from a live one."""
+    """A connection holding group ``group``'s delivery lease for group run ``run_id`` (else
+    :class:`LeaseTaken`): it ends with the run's process, so the sensor tells a dead group run."""
     conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
     try:
         if not try_lock(conn, _group_lock(group), 0, run_id):

@@ -18,9 +18,8 @@ from ..replication import DecodedEvent, Transaction
 
 @contextmanager
 def atomic(conn: psycopg.Connection) -> Iterator[None]:
-    """``conn.transaction()``, or nothing when ``conn`` is in a transaction already: the caller's
-    transaction makes the block atomic (every caller lets an error end it), and a savepoint would add
-    two round trips (SAVEPOINT, RELEASE) to each recording, on the reader's path, for nothing."""
+    """``conn.transaction()``, or nothing when ``conn`` is in a transaction already (the caller's makes the
+    block atomic; a savepoint would add two round trips to each recording)."""
     if conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
         yield
         return
@@ -125,9 +124,8 @@ def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str |
 
 
 def record_unreadable(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> int:
-    """Dead letters (stage 'read') for the events of ``txns`` the sensor could not record, with the
-    reason and the commit LSN of their transaction; the payload is copied when the row is still
-    there. Idempotent (a transaction read twice sets nothing aside twice). Returns the rows added."""
+    """Dead letters (stage 'read') for the unreadable events of ``txns``, with the reason and their commit
+    LSN, the payload copied if still there; idempotent. The rows added."""
     added = 0
     for t in txns:
         for bad in t.unreadable:

@@ -116,9 +116,8 @@ def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: 
 
 
 def launch_waiting(conn: psycopg.Connection, stream_ids: list[int]) -> bool:
-    """Whether one of ``stream_ids`` has a batch no run was ever given while nothing holds its stream back (not
-    paused, not in failover): it waits for a decision. A reader group's sensor asks it between its decisions
-    while the group delivery run's reader records (one indexed look, not a decision for every member)."""
+    """Whether one of ``stream_ids`` has a batch no run was ever given while its stream is neither paused nor
+    in failover: one indexed look the group's sensor takes between decisions."""
     row = conn.execute(
         "select exists (select 1 from pgstream.batches b join pgstream.streams s on s.id = b.stream_id "
         "where b.stream_id = any(%s) and b.status = %s and b.attempts = 0 and not s.paused "
@@ -410,9 +409,8 @@ def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
 
 
 def give_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[int]:
-    """The run ``run_key`` ends without delivering what it holds (the stream was paused,
-    :class:`StreamPaused`, or a shutdown interrupted it): it is no longer the open run and its undelivered
-    batches go back to pending, in order, for the next run; no failover entered. Returns those batches."""
+    """The run ``run_key`` ends without delivering what it holds (paused, or a shutdown): no longer the open
+    run, its undelivered batches back to pending in order, no failover entered; those batches."""
     with conn.transaction():
         conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
         ids = [int(r[0]) for r in conn.execute(
@@ -434,9 +432,8 @@ def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, re
 
 
 def requeue_run(conn: psycopg.Connection, head: Batch, run_key: str, *, checkpoint: bool) -> None:
-    """The run ``run_key`` was interrupted by the instance's shutdown (:class:`~..batches.Requeue`): it is
-    no longer the open run and its batches go back to pending, no failover entered, none counted; with
-    ``checkpoint`` (the stream is in failover) the head stays the failed checkpoint, due now."""
+    """The run ``run_key`` was interrupted by a shutdown (:class:`~..batches.Requeue`): its batches go back to
+    pending, nothing counted; ``checkpoint``: the head stays the failed checkpoint, due now."""
     with conn.transaction():
         clear_open_run(conn, head.stream_id, run_key)
         release(conn, run_key, keep=head.id if checkpoint else 0)
@@ -453,9 +450,8 @@ def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> boo
 
 
 def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | None:
-    """Carry out ``action`` (from :func:`~.batches.decide`) in the ledger; the run to request, if
-    any (a run of its own, for a stream in mode per_batch: the group's delivery run hosts open and warm
-    runs). Reporting a dead run to Dagster (``FailRun.died``) is the caller's, before this."""
+    """Carry out ``action`` (:func:`~.batches.decide`'s) in the ledger; the run to request, if any (mode
+    per_batch). Reporting a dead run to Dagster (``FailRun.died``) is the caller's, before this."""
     match action:
         case LeaveFailover(then=then):
             leave_failover(conn, stream.id)

@@ -33,9 +33,8 @@ class SlotInUse(RuntimeError):
 
 
 def stream_slot(conn: psycopg.Connection, stream_id: int) -> str:
-    """The replication slot stream ``stream_id`` reads (``pgstream.streams.slot``: its ``slot_name``, else
-    its default, a name the database derives, unique in the cluster: ``pgstream.default_slot_name``), or
-    the default a new stream row would get. The one place Python learns a slot's name."""
+    """The slot stream ``stream_id`` reads (``pgstream.streams.slot``), or the default a new stream row would
+    get (``pgstream.default_slot_name``): the one place Python learns a slot's name."""
     row = conn.execute("select pgstream.stream_slot(%s)", [stream_id]).fetchone()
     assert row is not None and row[0] is not None
     return str(row[0])
