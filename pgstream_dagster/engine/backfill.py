@@ -578,8 +578,7 @@ class _Reporter:
 
 def _wait_for_backlog(session: psycopg.Connection, request: Request, backfill_id: int, token: str,
                       reporter: _Reporter) -> Generator[Progress, None, bool]:
-    """Until the stream has at most ``max_backlog`` undelivered events; False if the backfill was
-    stopped meanwhile."""
+    """Until the stream has at most ``max_backlog`` undelivered events; False if the backfill was stopped meanwhile."""
     while request.max_backlog and _backlog(session, request.stream_id) > request.max_backlog:
         if not _owned(session, backfill_id, token):
             return False

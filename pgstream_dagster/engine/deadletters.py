@@ -115,8 +115,7 @@ select coalesce((select sum(events) from after), 0)
 
 
 def get_dead_letter(conn: psycopg.Connection, dead_letter_id: int) -> DeadLetter:
-    """Everything about one dead letter, with how many later events of its stream were delivered
-    (``overtaken``)."""
+    """Everything about one dead letter, with how many later events of its stream were delivered (``overtaken``)."""
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(_SELECT.format(payloads=_PAYLOADS) + " where d.id = %s", [dead_letter_id]).fetchone()
     if row is None:

@@ -527,8 +527,7 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
 
 
 def _stream_slots(conn: psycopg.Connection) -> set[str]:
-    """The slot of every stream row (``slot``, from migration 022 on; ``slot_name`` or the old default
-    name before)."""
+    """The slot of every stream row (``slot``, from migration 022 on; ``slot_name`` or the old default name before)."""
     if conn.execute("select to_regclass('pgstream.streams') is null").fetchone() == (True,):
         return set()
     columns = {r[0] for r in conn.execute(

@@ -132,8 +132,7 @@ def _read(url: str, query: str, params: Sequence[dict[str, Any]], packed: bool) 
 class BatchesReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.url = options[URL_OPTION]
-        # one partition per group of spans, read in order (``partitions``: the JSON of a list of
-        # lists of Span fields)
+        # one partition per group of spans, read in order (``partitions``: the JSON of a list of lists of Span fields)
         self.groups = [[Span(**fields) for fields in group] for group in json.loads(options["partitions"])]
         self.routing = routing_params(options.get("routing_key", "group_id"))
         self.packed = options.get("packed") == "true"

@@ -64,22 +64,6 @@ def _one_line(exc: BaseException, *, every_line: bool = False) -> str:
     return ("; ".join(lines) if every_line else lines[0] if lines else "")[:500] or type(exc).__name__
 
 
-def _no_claim(wanted: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    return wanted
-
-
-def _no_end(_stream_id: int, _run_key: str, _error: str | None) -> None:
-    return None
-
-
-def _no_stop() -> str | None:
-    return None
-
-
-def _nothing() -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class GroupHost:
     """What the group run needs from whoever runs it."""
@@ -91,17 +75,17 @@ class GroupHost:
     member_host: Callable[[StreamConfig, str], Host]
     #: of the member runs ``(stream id, run key)`` wanted, those this group run may host, recorded as hosted
     #: here; asked once for every run key wanted at a look, before their threads start
-    claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = _no_claim
+    claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = lambda wanted: wanted
     #: told when a member's run ended: ``error`` None when it closed, else why it failed (one line)
-    ended: Callable[[int, str, str | None], None] = _no_end
+    ended: Callable[[int, str, str | None], None] = lambda _stream_id, _run_key, _error: None
     #: a reason to end the group run that only the host knows (None: none), asked about once a second
-    stop_check: Callable[[], str | None] = _no_stop
+    stop_check: Callable[[], str | None] = lambda: None
     #: reads the group's slot on the connection given for up to the seconds given (``consume_group``, keeping
     #: the slot open across calls: ``GroupStream``) and logs what an operator should see; called again and again
     #: by the reader thread while it holds the group's reading. None: the group's sensor reads
     read: Callable[[psycopg.Connection, float], None] | None = None
     #: the reader gives the group's reading up: what ``read`` kept open closes (the slot let go)
-    read_ends: Callable[[], None] = _nothing
+    read_ends: Callable[[], None] = lambda: None
 
 
 @dataclass

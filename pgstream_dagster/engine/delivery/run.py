@@ -88,14 +88,6 @@ class Summary:
     max_lag_secs: float | None
 
 
-def _no_stop() -> str | None:
-    return None
-
-
-def _no_report(_summary: Summary) -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class Host:
     """What the run needs from whoever runs it."""
@@ -106,9 +98,9 @@ class Host:
     #: the Spark session, started when a round first goes to Spark
     spark: SparkLoader | None = None
     #: a reason to close the open run that only the host knows (None: none), asked about once a second
-    stop_check: Callable[[], str | None] = _no_stop
+    stop_check: Callable[[], str | None] = lambda: None
     #: told what the rounds delivered (:class:`Summary`)
-    report: Callable[[Summary], None] = _no_report
+    report: Callable[[Summary], None] = lambda _summary: None
     #: how the host names its control job (an error tells the operator to use it)
     control: str = "the control job"
     #: waits up to the given seconds for a sign that the open run's ledger moved; true if one came (a reader
@@ -430,8 +422,7 @@ class _Round:
 
 
 def waiting_batches(batch_ids: list[int]) -> str:
-    """What a run that closed early left waiting, as its log says it: ``batches 3..7 wait`` or ``no batch
-    waits``."""
+    """What a run that closed early left waiting, as its log says it: ``batches 3..7 wait`` or ``no batch waits``."""
     return f"batches {batch_ids[0]}..{batch_ids[-1]} wait" if batch_ids else "no batch waits"
 
 

@@ -304,8 +304,7 @@ def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: R
 
 
 def range_size(delivery: DeliveryConfig, readers: Readers) -> int:
-    """The events per id range a replay is planned in: a read of the run's connections, or a Spark
-    partition."""
+    """The events per id range a replay is planned in: a read of the run's connections, or a Spark partition."""
     chosen = route(delivery, Selection({}), readers)
     return FETCH_ROWS if chosen is Route.RANGE else delivery.tuning.rows_per_partition
 

@@ -369,25 +369,24 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
     the slot is busy or lost, and on an error. ``invalid``: the streams whose entry the code location left
     out (id -> why; :func:`_stand_ins`). ``stop``: with ``kept``, true once the reader is to end: the call
     returns within half a second (what was not recorded waits in ``kept``)."""
+    result, keep = GroupResult(), False
     try:
-        return _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {}, stop)
-    except BaseException:
-        if kept is not None:
+        keep = _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {}, stop, result)
+    finally:
+        if kept is not None and not keep:
             kept.close()
-        raise
+    return result
 
 
 def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float,
                    mark: bool, kept: GroupStream | None, invalid: Mapping[int, str],
-                   stop: Callable[[], bool] | None = None) -> GroupResult:
-    result = GroupResult()
+                   stop: Callable[[], bool] | None, result: GroupResult) -> bool:
+    """:func:`consume_group` into ``result``; whether ``kept`` stays open."""
     started = time.monotonic()
     deadline = started + budget_secs
     ensured = ensure_group(conn, group, streams, result, invalid)
     if ensured is None:
-        if kept is not None:
-            kept.close()
-        return result  # every member is left out
+        return False  # every member is left out
     state = ensured
     # (read without those left out: tried again next time; with those whose entry is invalid or missing: recorded)
     streams = [s for s in streams if s.id not in result.left_out] + [
@@ -396,18 +395,14 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     joined_all = join_members(conn, group, state, by_id, max(deadline, started + 1.0), result)
     state = groups.group_state(conn, group) or state  # (who has joined now: they are read from here on)
     if not joined_all and any(m.join_begun and not m.joined for m in state.members):
-        if kept is not None:
-            kept.close()
-        return result  # one is draining its own slot: the group's slot waits (the stream's order)
+        return False  # one is draining its own slot: the group's slot waits (the stream's order)
     # a member that waits for older transactions to end is not read here: what of it the group's slot holds
     # ends before its join position (its own slot, or for a new stream the table, gives it)
     reader = groups.group_reader(group)
     joined = {m.id for m in state.members if m.joined}
     ledgers = {sid: StreamLedger(s, reader) for sid, s in by_id.items() if sid in joined}
     if not ledgers:
-        if kept is not None:
-            kept.close()
-        return result
+        return False
     until = max(deadline, started + 1.0)  # how long a recording waits for its transactions to be visible
 
     marked = 0.0
@@ -430,14 +425,12 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     except walstream.SlotGone:
         groups.set_group_recovery_pending(conn, group, True)  # the next tick replaces it and recovers
         result.slot_lost = True
-    if kept is not None and (result.slot_busy or result.slot_lost):
-        kept.close()
     for sid, target in ledgers.items():
         if target.batches:
             result.batches.setdefault(sid, []).extend(target.batches)
             result.events[sid] = result.events.get(sid, 0) + target.events
         result.unreadable += target.unreadable
-    return result
+    return not (result.slot_busy or result.slot_lost)
 
 
 def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], slot: str,

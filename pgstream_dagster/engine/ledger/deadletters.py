@@ -94,8 +94,7 @@ class DeadLetter:
 
 
 def dead_letter_positions(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> frozenset[tuple[int, int]]:
-    """The ``(batch_id, ord)`` of the events of ``batch_ids`` that have a dead letter: delivery
-    skips them."""
+    """The ``(batch_id, ord)`` of the events of ``batch_ids`` that have a dead letter: delivery skips them."""
     rows = conn.execute("select batch_id, ord from pgstream.dead_letters where stream_id = %s and batch_id = any(%s)",
                         [stream_id, batch_ids]).fetchall()
     return frozenset((int(b), int(o)) for b, o in rows)
@@ -127,25 +126,26 @@ class DeadLetterWriter:
         self.token = token
 
     def __call__(self, batch_id: int, ord: int, event: Event, error: str, attempts: int) -> None:
-        if self.token is not None:
-            self._set_aside(batch_id, ord, error, attempts)
-            return
-        with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
-            conn.execute(
-                """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
-                                                      payload, metadata, sink, error, attempts)
-                   values (%s, %s, 'deliver', %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s)
-                   on conflict (stream_id, event_id) do nothing""",
-                [self.stream_id, event.id, batch_id, ord, event.created_at, event.payload_json,
-                 event.metadata_json, self.sink, error[:2000], attempts])
-            if self.resumes:
-                mark_confirmed(conn, batch_id, ord)
+        self._write(batch_id, ord, error, attempts,
+                    """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
+                                                          payload, metadata, sink, error, attempts)
+                       values (%s, %s, 'deliver', %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s)
+                       on conflict (stream_id, event_id) do nothing""",
+                    [self.stream_id, event.id, batch_id, ord, event.created_at, event.payload_json,
+                     event.metadata_json, self.sink, error[:2000], attempts])
 
-    def _set_aside(self, batch_id: int, ord: int, error: str, attempts: int) -> None:
-        """A by_key task's set-aside, with its round's token (by_key does not resume: nothing to confirm)."""
+    def _write(self, batch_id: int, ord: int, error: str, attempts: int, insert: str, params: list[Any]) -> None:
+        """``insert`` the dead letter and move the confirmed prefix past it, in one transaction; a by_key
+        task's (``token``) through ``pgstream.set_aside_rejected`` instead (by_key does not resume)."""
         with psycopg.connect(self.database_url, autocommit=True) as conn:
-            conn.execute("select pgstream.set_aside_rejected(%s, %s, %s, %s, %s, %s)",
-                         [self.token, batch_id, ord, self.sink, error[:2000], attempts])
+            if self.token is not None:
+                conn.execute("select pgstream.set_aside_rejected(%s, %s, %s, %s, %s, %s)",
+                             [self.token, batch_id, ord, self.sink, error[:2000], attempts])
+                return
+            with conn.transaction():
+                conn.execute(insert, params)
+                if self.resumes:
+                    mark_confirmed(conn, batch_id, ord)
 
     def known_good(self) -> Event | None:
         """The stream's last event the sink confirmed and still in ``pgstream.events`` (or ``None``), which
@@ -160,19 +160,13 @@ class DeadLetterWriter:
     def too_large(self, batch_id: int, ord: int, row: TooLarge) -> None:
         """Record an event too large for the sink (:class:`~.publish.TooLarge`): the database copies its
         payload and metadata from ``pgstream.events`` (the run never reads them); one attempt."""
-        if self.token is not None:
-            self._set_aside(batch_id, ord, row.reason, 1)
-            return
-        with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
-            conn.execute(
-                """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
-                                                      payload, metadata, sink, error, attempts)
-                   select e.stream_id, e.id, 'deliver', %s, %s, e.created_at, e.payload, e.metadata, %s, %s, 1
-                   from pgstream.events e where e.id = %s and e.stream_id = %s
-                   on conflict (stream_id, event_id) do nothing""",
-                [batch_id, ord, self.sink, row.reason[:2000], row.id, self.stream_id])
-            if self.resumes:
-                mark_confirmed(conn, batch_id, ord)
+        self._write(batch_id, ord, row.reason, 1,
+                    """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
+                                                          payload, metadata, sink, error, attempts)
+                       select e.stream_id, e.id, 'deliver', %s, %s, e.created_at, e.payload, e.metadata, %s, %s, 1
+                       from pgstream.events e where e.id = %s and e.stream_id = %s
+                       on conflict (stream_id, event_id) do nothing""",
+                    [batch_id, ord, self.sink, row.reason[:2000], row.id, self.stream_id])
 
     def __repr__(self) -> str:  # never the URL
         return f"DeadLetterWriter(stream {self.stream_id}, sink {self.sink})"
