@@ -1,15 +1,9 @@
-"""Backfills: the rows a table has become ``READ`` events of one of its subscriptions, written to
-``pgstream.events`` and delivered like every other event.
-
-The SQL side (``sql/repeatable/10_backfills.sql``) splits the key range into partitions; a chunk reads up to
-``chunk_size`` rows ``FOR SHARE``, writes their events through a function of ``pgstream_writer`` that exists
-only inside that transaction, and moves the partition's cursor in the same transaction: a resumed backfill
-reads no row twice. A table whose row-level security would apply to the reading role is refused.
-
-Here (no Dagster): :func:`targets`, :func:`open_backfill` (start or resume), :func:`run` (the partitions in
-parallel on Spark: :func:`run_partition`; the job and the CLI both call it), :func:`stop`, :func:`progress`.
-The process running a backfill holds its session-level lock (``pgstream.backfill_try_lock``) and a fresh
-owner token (chunks of any other token stop): two runs never overlap, and a dead one frees the lock.
+"""Backfills: a table's rows become ``READ`` events of a subscription, delivered like every other event. The SQL
+(``sql/repeatable/10_backfills.sql``) splits the key range into partitions; a chunk reads rows ``FOR SHARE``,
+writes their events through a function of ``pgstream_writer`` existing only in that transaction and moves the
+partition's cursor with them: a resumed backfill reads no row twice (row-level security refused). Here:
+:func:`targets`, :func:`open_backfill`, :func:`run` (partitions in parallel on Spark: :func:`run_partition`),
+:func:`stop`, :func:`progress`. A run holds the backfill's session lock and a fresh owner token: no overlap.
 """
 
 from __future__ import annotations
@@ -138,10 +132,9 @@ class Progress:
 
 @dataclass(frozen=True)
 class Pace:
-    """One partition task's budget in one round: it returns (status ``more``) after ``max_rows`` rows or
-    ``max_secs`` seconds, giving its Spark task slot back between rounds; within the round it keeps
-    ``rows_per_sec`` and waits before each chunk while stream ``stream_id`` has more than ``max_backlog``
-    undelivered events."""
+    """One partition task's budget in a round: it returns (``more``) after ``max_rows`` rows or ``max_secs``,
+    giving its Spark slot back; within it, it keeps ``rows_per_sec`` and waits before a chunk while stream
+    ``stream_id`` has more than ``max_backlog`` undelivered events."""
 
     max_secs: float
     max_rows: int | None = None
@@ -485,13 +478,11 @@ def spark_executor(spark: SparkSession, url: str) -> Executor:
 def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_id: str,
         progress_secs: float = 5.0, on_stop: Callable[[], None] | None = None
         ) -> Generator[Progress | Outcome, None, None]:
-    """Run backfill ``backfill_id`` to its end in this process: take its lock (else :class:`BackfillBusy`),
-    claim it, and read its unfinished partitions in parallel through ``execute``, in rounds of
-    :data:`ROUND_SECS` (throttled: :data:`THROTTLED_ROUND_SECS`) so a Spark shared with deliveries runs them
-    between rounds; each task keeps its share of ``max_rows_per_sec`` (:data:`PACED_CHUNK_SECS` a chunk) and
-    the ``max_backlog`` bound. Yields :class:`Progress` every ``progress_secs``, then the :class:`Outcome`. A
-    changed subscription is checked again and the partitions go on; a bad row fails its partition only.
-    Closed or interrupted before the end, the backfill is stopped (resumable) and ``on_stop`` runs."""
+    """Run backfill ``backfill_id`` to its end here: take its lock (else :class:`BackfillBusy`), claim it and
+    read its unfinished partitions in parallel through ``execute``, in rounds of :data:`ROUND_SECS`
+    (:data:`THROTTLED_ROUND_SECS`), each task keeping its share of ``max_rows_per_sec`` and the
+    ``max_backlog`` bound. Yields :class:`Progress` every ``progress_secs``, then the :class:`Outcome`; a bad
+    row fails its partition only. Closed or interrupted, it stops the backfill (resumable) and runs ``on_stop``."""
     token = str(uuid.uuid4())
     session = psycopg.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
     finished = False

@@ -1,6 +1,6 @@
-"""The batch state machine, without I/O: :class:`BatchStatus`, :class:`Batch`, what the sensor reads of a stream
-(:class:`StreamState`, ``ledger.state.stream_state``) and sees of its run in Dagster (:class:`RunView`), and
-:func:`decide`, which turns them into one :class:`Action` (applied by ``ledger.state.apply``). A batch's status::
+"""The batch state machine, without I/O: :class:`BatchStatus`, :class:`Batch`, a stream's state
+(:class:`StreamState`, ``ledger.state.stream_state``) and its run's view in Dagster (:class:`RunView`), and
+:func:`decide`, which turns them into one :class:`Action` (``ledger.state.apply``). A batch's status::
 
     pending --(launch, extend: assigned to a run)--> launched --(the sink confirmed it)--> delivered
     launched --(its run failed, the first open batch of the run)--> failed   (the failover checkpoint)
@@ -8,10 +8,9 @@
     failed --(launch: the probe, alone, once next_attempt_at has come)--> launched
     pending, launched, failed --(an operator: pgstream.skip_batch)--> skipped
 
-``pending``, ``launched`` and ``failed`` are *open*; only the oldest open batch (the *head*) may start a run.
-With ``delivery.mode: warm`` a healthy stream with nothing open gets a run with no batch (:class:`Warm`). The
-open run (``streams.open_run_key``) changes only by the sensor's actions and the run's own :data:`RunAction`
-(``ledger.state.apply_run``): docs/architecture.md, "The open run's state machine".
+Only the oldest open batch (the *head*) may start a run. The open run (``streams.open_run_key``; a *warm* run,
+:class:`Warm`, has no batch) changes only by these actions and the run's own :data:`RunAction`
+(docs/architecture.md, "The open run's state machine").
 """
 
 from __future__ import annotations

@@ -45,10 +45,9 @@ def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
 def init(config_path: Path | None = None, owner_url: str | None = None,
          defs_folder: Path | str | None = None, max_concurrent_runs: int | None = None,
          runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
-    """First :func:`preflight` (streams that do not fit raise :class:`~.limits.LimitsExceeded` before anything
-    changes); then as the owner (``owner_url``, default ``database_url``): migrate, housekeeping once, the YAML
-    subscriptions; as the runtime: the streams registered in their reader groups and the groups' slots. With
-    ``defs_folder``, also the StreamComponents declared there, and their subscriptions."""
+    """:func:`preflight` first (:class:`~.limits.LimitsExceeded` before any change); then as the owner
+    (``owner_url``): migrate, housekeeping once, the YAML subscriptions (and ``defs_folder``'s components'); as
+    the runtime: the streams registered in their reader groups and the groups' slots."""
     from ..config import load_config
     from .housekeeping import run_housekeeping
     from .ingest.group import GroupResult, ensure_group

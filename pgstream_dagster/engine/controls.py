@@ -1,9 +1,5 @@
-"""Operator controls of a stream, shared by the CLI and the Dagster UI (job
-``pgstream_stream_control``, ``defs/controls.py``): pause, resume, retry the failover checkpoint
-now, skip a batch, set events aside as dead letters, discard dead letters.
-
-Each control is one call of a ``pgstream.*`` function, so psql users get the same behaviour.
-"""
+"""Operator controls of a stream for the CLI and the UI (``defs/controls.py``): pause, resume, retry now, skip
+a batch, set events aside, discard dead letters; each one call of a ``pgstream.*`` function, as in psql."""
 
 
 from collections.abc import Sequence

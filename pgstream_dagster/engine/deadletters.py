@@ -1,13 +1,8 @@
-"""Dead letters (``pgstream.dead_letters``), events a stream went on without: list, inspect, set aside,
-redeliver, discard, for the CLI, the replay and control jobs and the asset check. No Dagster here.
-
-A dead letter of stage ``deliver`` is an event of a batch the sink rejected for good (or an operator set
-aside), at ``(batch_id, ord)``; one of stage ``read`` is an event the reader could not record, at its
-transaction's commit LSN. **Delivery order** (of :func:`redeliver` and :func:`list_dead_letters`):
-deliver-stage ones by ``(batch_id, ord)``; a read-stage one right after the last batch of its stream with
-``start_lsn <= lsn`` (first if there is none), by LSN then id. **Overtaken**: how many of the stream's events
-after its position were delivered. A dead letter is redelivered only once every batch up to its position
-is delivered or skipped; the first that must wait stops the redelivery.
+"""Dead letters (``pgstream.dead_letters``), events a stream went on without: list, show, set aside, redeliver,
+discard; no Dagster here. Stage ``deliver``: rejected or set aside from a batch, at ``(batch_id, ord)``; stage
+``read``: not recordable, at its commit LSN, right after the last batch with ``start_lsn <= lsn`` in the
+delivery order (:func:`list_dead_letters`, :func:`redeliver`). **Overtaken**: the stream's events after it
+that were delivered. One is redelivered only once every batch up to it is done (the first waiting stops it).
 """
 
 from __future__ import annotations
@@ -246,12 +241,10 @@ def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int]
 def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int] | None, by: str,
               chunk_size: int | None = None, *, dry_run: bool = False) -> RedeliveryReport:
     """Publish the stream's open dead letters (all, or ``ids``) through its sink in delivery order, in chunks
-    of ``chunk_size`` events (default ``delivery.chunk_size``) and ``delivery.tuning.max_read_bytes``, marking
-    each chunk ``redelivered`` once the sink confirmed it (``conn`` in autocommit: a transaction a chunk).
-    One without a payload or timestamp is reported and left open; one whose position the stream has not
-    passed yet waits, with every later one; a :class:`SinkError` is recorded on the refused chunk's first
-    dead letter (attempts + 1) and stops the redelivery. One redelivery per stream at a time (lock
-    ``redelivery``)."""
+    of ``chunk_size`` (default ``delivery.chunk_size``) and ``tuning.max_read_bytes``, each marked
+    ``redelivered`` once confirmed (``conn`` in autocommit). One without payload or timestamp is reported and
+    left open; one the stream has not passed yet waits, with every later one; a :class:`SinkError` is recorded
+    on the refused chunk's first letter and stops it. One at a time per stream (lock ``redelivery``)."""
     size = chunk_size or stream.delivery.chunk_size
     if size < 1:
         raise DeadLetterError(f"chunk_size must be at least 1, not {size}")

@@ -225,10 +225,9 @@ def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, pa
 
 
 def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | None = None) -> list[str]:
-    """Apply the pending versioned migrations, then the changed repeatable files, and create today's and the
-    next partitions; the names of the files applied (``012_least_privilege.sql``,
-    ``repeatable/04_subscriptions.sql``). Each file runs in its own transaction with its ledger row, taking
-    the ledger table's lock before it looks at what is pending: concurrent migrators apply each file once."""
+    """Apply the pending versioned migrations, then the changed repeatable files, and create the partitions;
+    the files applied (``012_least_privilege.sql``, ``repeatable/04_subscriptions.sql``), each in a transaction
+    with its ledger row that takes the ledger's lock first: concurrent migrators apply each file once."""
     migrations = discover(directory)
     repeatables = discover_repeatables(directory)
     applied: list[str] = []
@@ -455,10 +454,9 @@ def _wait_slot_released(conn: psycopg.Connection, slot: str, timeout: float = 10
 
 
 def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
-    """Remove every trace of pgstream (drift-guard event triggers, generated triggers, publications, the
-    schema, every slot a stream used or named like a default slot) and return what was removed. Objects
-    outside the schema that depend on it (:func:`dependent_objects`) make it refuse with
-    :class:`TearDownRefused`, changing nothing, unless ``cascade``: then they are dropped too and listed."""
+    """Remove every trace of pgstream (event and generated triggers, publications, the schema, its streams'
+    slots and any named like a default slot); what was removed. Dependent objects outside the schema make it
+    refuse (:class:`TearDownRefused`, nothing changed) unless ``cascade``: dropped too and listed."""
     from psycopg import sql
 
     removed: list[str] = []

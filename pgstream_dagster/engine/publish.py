@@ -1,19 +1,13 @@
-"""Publishing events through a sink in the order owed, in plain Python (no Spark, no Dagster): the delivery
-job and replays feed it rows in delivery order from the driver, ``ordering: by_key`` partitions from the
-executors. The caller owns the sink; :func:`publish` is a generator of what happened (:class:`Confirmed`,
-:class:`Progress`, :class:`BatchDone`, :class:`Finished`), suspended while the caller records each one, so
-nothing more is published before it is recorded.
-
-* **Order**: a row's position ``(batch_id, ord)`` not after the previous one stops the run (:class:`OrderError`);
-  a position owed (:class:`Span`) that is neither read nor set aside stops it before anything after it is
-  published (:class:`MissingEventsError`). Positions in ``skip`` (dead letters) count as handled.
-* **Rejections** (a permanent :class:`~pgstream_dagster.sinks.SinkError`): with no :class:`RejectPolicy`
-  (``on_reject: block``) they stop the run; with one (``dead_letter``) the rejected event is isolated
-  (bisecting a request rejected as a whole), published alone up to ``max_attempts`` times, then set aside.
-* **Reject storms**: after ``max_consecutive`` rejections in a row, or at a call's first one before it
-  confirmed anything, the last event the sink confirmed (:attr:`RejectPolicy.known_good`) is published again:
-  refused for good, the sink is misconfigured and the run stops (:class:`RejectStormError`) instead of setting
-  events aside; with no such event, ``max_consecutive`` rejections in a row stop it.
+"""Publishing events through a sink in the order owed, in plain Python (the delivery job and replays feed it
+rows from the driver, ``by_key`` partitions from the executors). :func:`publish` is a generator of what
+happened (:class:`Confirmed`, :class:`Progress`, :class:`BatchDone`, :class:`Finished`), suspended while the
+caller records each one. A position out of order stops it (:class:`OrderError`), one owed (:class:`Span`)
+neither read nor set aside (``skip``) too, before anything after it is published (:class:`MissingEventsError`).
+A permanent rejection stops it too, unless a :class:`RejectPolicy` (``on_reject: dead_letter``) isolates the
+event (bisecting a request rejected whole), retries it alone ``max_attempts`` times and sets it aside; after
+``max_consecutive`` rejections in a row, or a call's first before any confirmation, the last event the sink
+confirmed (:attr:`RejectPolicy.known_good`) is sent again: refused too (or none), the sink is misconfigured and
+the run stops (:class:`RejectStormError`) instead of setting events aside.
 """
 
 from __future__ import annotations
@@ -174,11 +168,10 @@ def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: fr
             reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
             too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
             gate: Gate = nullcontext) -> Deliveries:
-    """Publish ``rows`` (in the order owed) through ``sink`` (the caller's, not closed here) in chunks of at
-    most ``chunk_size`` events and ``chunk_bytes`` bytes of JSON text (one event at least), yielding what
-    happened (see the module); a batch is done only once the call carrying its last event returned.
-    ``owed``: the spans the rows must cover. ``too_large``: records a :class:`TooLarge` row as a dead letter
-    (without it: :class:`EventTooLargeError`). ``gate``: what every publish call runs inside (it may raise)."""
+    """Publish ``rows`` (in the order owed) through the caller's ``sink`` in chunks of ``chunk_size`` events and
+    ``chunk_bytes`` of JSON text (one at least), yielding what happened (see the module). ``owed``: the spans
+    the rows must cover; ``too_large``: records a :class:`TooLarge` row (else :class:`EventTooLargeError`);
+    ``gate``: what every publish call runs inside (it may raise)."""
     return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes, gate=gate).run(rows)
 
 

@@ -216,10 +216,8 @@ class Lines:
 def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2,
                read_bytes: int = reads.READ_BYTES) -> Generator[Counted | Lines, None, None]:
     """The events :func:`selection`'s ``params`` select, in id order, as :class:`Lines` of ``size`` events and
-    at most ``read_bytes`` bytes (one event at least), and :class:`Counted` once it is counted. One session
-    walks the ids (:class:`IdRanges`, in a thread) while ``connections`` others read the next ranges; the
-    server renders the lines and cuts them at ``read_bytes`` / ``_AHEAD`` bytes, what comes after a cut read
-    next in pieces by its events' sizes. Nothing is parsed in Python."""
+    ``read_bytes`` bytes (one at least), and :class:`Counted` once counted: one session walks the ids
+    (:class:`IdRanges`, a thread) while ``connections`` others read ahead, lines rendered and cut by the server."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
     # the walk's ranges in order, then None (or the exception that ended the walk)

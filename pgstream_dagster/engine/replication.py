@@ -73,10 +73,8 @@ _INSERT = 0x49  # 'I'
 
 
 class PgOutputDecoder:
-    """Decodes pgoutput protocol v1 messages, keeping relation metadata across them. Of an INSERT only
-    ``id`` and ``created_at`` are read (``keep_stream``: ``stream_id`` too, by which a group routes), the
-    columns before stepped over; a ``created_at`` equal to the previous one is not parsed again.
-    :meth:`decode` is the fast path for many messages."""
+    """Decodes pgoutput protocol v1 messages (relations kept across them): of an INSERT only ``id``,
+    ``created_at`` (parsed once per value) and with ``keep_stream`` ``stream_id``; :meth:`decode`: many at once."""
 
     def __init__(self, *, keep_stream: bool = False) -> None:
         # relation id (4 bytes, as in the message) -> the positions of the id, created_at and stream_id

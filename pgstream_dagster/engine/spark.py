@@ -204,9 +204,8 @@ _ARROW_BYTES = {"spark.sql.execution.arrow.maxBytesPerBatch": str(READ_BYTES)}
 def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key_parallelism: Sequence[int] = (),
                ship_package: bool = True) -> dict[str, str]:
     """Spark settings for the delivery runs: offline, UTC, the user's ``extra`` over pgstream's defaults, and
-    on a cluster master :func:`~pgstream_dagster.engine.cluster.cluster_conf`'s. The Python workers run
-    ``spark.pyspark.python`` from ``extra``, else ``$PYSPARK_PYTHON``, else this interpreter, set in this
-    process's environment too (PySpark sends the driver's with every Python function)."""
+    :func:`~pgstream_dagster.engine.cluster.cluster_conf`'s on a cluster; the workers' Python
+    (``spark.pyspark.python``, ``$PYSPARK_PYTHON`` or this one) set in this process's environment too."""
     if remote:
         # Spark Connect: the server owns the JVM and its Python workers (pgstream_dagster.sparkserver);
         # a session may only set session settings
@@ -338,11 +337,9 @@ def ship_package(spark: SparkSession) -> None:
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
                  rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False, *,
                  sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> Frames:
-    """The events of ``spans`` (:func:`~pgstream_dagster.engine.publish.owed_spans`, in delivery order) in
-    partitions of at most ``rows_per_partition`` events: ``packed``, a single-partition DataFrame of
-    :data:`PACKED_SCHEMA` rows per partition of consecutive spans (:func:`group_spans`, read by
-    :func:`frame_events`), else a partition per span. With ``sizes`` (a connection) a partition also holds at
-    most ``read_bytes`` bytes (one event at least: :func:`sized_spans`)."""
+    """The events of ``spans`` (:func:`~pgstream_dagster.engine.publish.owed_spans`) in partitions of at most
+    ``rows_per_partition`` events: ``packed``, one single-partition DataFrame of :data:`PACKED_SCHEMA` per group of
+    spans (:func:`group_spans`; :func:`frame_events`), else one partition per span; ``sizes``: by bytes too."""
     ship_package(spark)
     register_source(spark, BatchesDataSource)
 
@@ -411,10 +408,8 @@ def is_packed(df: DataFrame) -> bool:
 
 
 def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Positioned]:
-    """The events of single-partition DataFrames (:func:`load_batches` / :func:`load_events`, packed), in
-    order, each collected whole (:func:`_collected`). Closed, it waits for the partition collected ahead:
-    left to the garbage collector, it could close in a thread holding the logging lock py4j needs (a
-    deadlock)."""
+    """The events of single-partition DataFrames (packed), in order, each collected whole (:func:`_collected`).
+    Closed, it waits for the partition collected ahead (left to the collector, it could deadlock on py4j)."""
     with contextlib.closing(_collected(frames, prefetch)) as rows:
         yield from _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
 
@@ -516,11 +511,9 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
                    progress: KeyProgress | None = None, too_large: SetAsideTooLarge | None = None,
                    chunk_bytes: int = CHUNK_BYTES) -> KeyDeliveries:
     """Per routing key order: repartition by the key into ``parallelism`` partitions (resumed:
-    ``progress.partitions``), each publishing in commit order on an executor through a sink of its own built
-    from ``sink_config``; ``reject.set_aside`` and ``too_large`` run there (picklable). ``mapInArrow``
-    returning counts as rows, no accumulator: classic Spark and Spark Connect alike. With ``progress`` each
-    partition records what the sink confirmed and skips what an earlier attempt did
-    (:class:`~pgstream_dagster.engine.ledger.keyprogress.KeyProgress`)."""
+    ``progress.partitions``), each published in commit order on an executor through a sink built from
+    ``sink_config`` (``reject.set_aside`` and ``too_large`` picklable), counts returned as rows of
+    ``mapInArrow`` (classic and Connect); ``progress``: what the sink confirmed, per chunk (:class:`KeyProgress`)."""
     from pyspark.sql import functions as F
 
     partitions = progress.partitions if progress is not None else parallelism

@@ -650,10 +650,9 @@ def is_classic(spark: SparkSession) -> bool:
 
 
 def workers_python(spark: SparkSession) -> str:
-    """The Python workers' interpreter of a classic session's Python functions registered from now on:
-    with ``PYSPARK_PYTHON`` unset and a local master, ``spark.pyspark.python`` of the session's conf, else
-    this interpreter (PySpark's default, ``python3`` on ``PATH``, may lack this package: the planning then
-    fails with "Python worker failed to connect back"). A cluster's is the operator's to set."""
+    """The workers' interpreter of a classic session's Python functions from now on: with ``PYSPARK_PYTHON``
+    unset and a local master, the conf's ``spark.pyspark.python``, else this one (``python3`` on ``PATH`` may
+    lack this package: "Python worker failed to connect back"); a cluster's is the operator's to set."""
     from .cluster import is_local
 
     context = spark.sparkContext

@@ -1,10 +1,6 @@
-"""Applying the YAML-declared subscriptions to the database through ``pgstream.set_subscriptions``.
-
-The YAML is the source of truth for the subscriptions it manages (``managed_by = 'yaml'``);
-subscriptions created by hand in SQL are never touched. Unchanged subscriptions are not written,
-so their triggers are not recreated. Everything happens in one transaction: a bad subscription
-rolls the whole set back.
-"""
+"""Applying the YAML subscriptions through ``pgstream.set_subscriptions``: those it manages
+(``managed_by = 'yaml'``) follow the YAML, hand-made ones are never touched, unchanged ones not rewritten
+(their triggers kept), all in one transaction (a bad subscription rolls the set back)."""
 
 from __future__ import annotations
 
@@ -158,12 +154,10 @@ class StreamApply:
 
 def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int, source: str,
                  selected: set[Identity] | None = None, remove_absent: bool = True) -> StreamApply:
-    """Apply the YAML subscriptions of one stream (``subscriptions``: its file's, all validated first, any
-    invalid raising ``SubscriptionError`` with nothing changed) in one transaction through
-    ``set_subscriptions``: ``selected`` (default all) written, its other YAML-managed ones passed back
-    unchanged; ``remove_absent`` deletes those no longer declared; those created in SQL never touched. A
-    role that may not write ``pgstream.subscriptions`` (the runtime) checks instead that the database holds
-    what the YAML declares, raising ``SubscriptionError`` naming what differs."""
+    """Apply one stream's YAML subscriptions (its file's ``subscriptions``, all validated first:
+    ``SubscriptionError``, nothing changed) in one ``set_subscriptions`` transaction: ``selected`` (default all)
+    written, its other YAML-managed ones kept, ``remove_absent`` deleting the undeclared, hand-made ones never
+    touched. A role that may not write them (the runtime) checks the database holds what the YAML declares."""
     if not may_write_subscriptions(conn):
         return _verify_stream(conn, subscriptions, stream_id, source, selected, remove_absent)
     _validate_file(conn, subscriptions, stream_id, source)

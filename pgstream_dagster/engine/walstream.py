@@ -26,10 +26,9 @@ class StreamBroken(RuntimeError):
 
 
 class ReplicationStream:
-    """The slot over the replication protocol (psycopg2's ``LogicalReplicationConnection``): pgoutput
-    messages of the publication from the slot's confirmed position, each transaction sent as it commits.
-    Only :meth:`confirm` moves the slot; ``wal_end``: how far the server has sent (with nothing received
-    unrecorded, every commit before it has been seen)."""
+    """The slot over the replication protocol: pgoutput messages of the publication from the confirmed
+    position, each transaction sent as it commits; only :meth:`confirm` moves the slot. ``wal_end``: how far
+    the server has sent (nothing received unrecorded: every commit before it was seen)."""
 
     #: messages read per :meth:`read` at most (then the caller records what it has)
     MAX_MESSAGES = 20_000

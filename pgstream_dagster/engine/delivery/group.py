@@ -1,16 +1,11 @@
-"""A reader group's delivery run, without Dagster (docs/architecture.md, "Delivery for many streams"): one
-process hosting a :class:`~.run.DeliveryRun` per member in a thread of its own, each with its own sink,
-delivery lease and state machine, as a run per stream has.
-
-:class:`GroupDelivery` picks up the member runs the group's sensor decided (``ledger.groups.member_runs``, one
-query a second) and starts each as member run ``<group run id>/<stream id>`` (a run key is hosted once:
-:attr:`GroupHost.claim`). Idle members are woken by one ``LISTEN`` and one query a second
-(``ledger.groups.member_signals``, :attr:`~.run.Host.wake`). A member run that fails ends its own thread only
-(:attr:`GroupHost.ended`). Its reader thread reads the group's slot while the run lives (:attr:`GroupHost.read`,
-holding the group's reading: ``ledger.locks.claim_group_reading``) and gives it up on an error and at the end
-(:attr:`GroupHost.read_ends`). The run holds the group's delivery lease (``ledger.locks.acquire_group_lease``)
-and ends after ``max_run_secs``, when its host's stop check gives a reason (:attr:`GroupHost.stop_check`) or
-when its reader is refused (:data:`REFUSALS`), with that line as the reason.
+"""A reader group's delivery run, without Dagster (docs/architecture.md, "Delivery for many streams"): a
+:class:`~.run.DeliveryRun` per member in a thread, each with its own sink, lease and state machine.
+:class:`GroupDelivery` starts the member runs the sensor decided (``ledger.groups.member_runs``, a query a
+second; :attr:`GroupHost.claim`) as ``<group run id>/<stream id>``, wakes idle ones (one ``LISTEN``, one query
+a second) and lets a failing one end its own thread (:attr:`GroupHost.ended`). Its reader thread reads the
+group's slot holding the group's reading (:attr:`GroupHost.read`, :attr:`GroupHost.read_ends`). It holds the
+group's delivery lease and ends after ``max_run_secs``, at :attr:`GroupHost.stop_check`'s reason or a
+:data:`REFUSALS` of its reader.
 """
 
 from __future__ import annotations

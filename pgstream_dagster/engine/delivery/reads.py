@@ -1,8 +1,5 @@
-"""Reading events from ``pgstream.events``: the queries every reader runs (the run's own
-connection, the replay's, and Spark's data sources on the executors), and the byte budget a read
-is cut at (:func:`cut`). No Spark and no Dagster here: :mod:`.sources` reads with these on the
-run's connections, :mod:`..spark` inside Spark tasks.
-"""
+"""The queries every reader of ``pgstream.events`` runs (the run's connection, the replay's, Spark's data
+sources on the executors) and the byte budget a read is cut at (:func:`cut`); no Spark, no Dagster here."""
 
 from __future__ import annotations
 

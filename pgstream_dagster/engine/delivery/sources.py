@@ -285,10 +285,9 @@ class Readers:
 
 def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: Readers) -> Route:
     """The one choice of where events are read, for a round (``Owed``), a replay (``Selection``) and a
-    redelivery (``Letters``): ``by_key`` rounds on Spark tasks; an ordered round by the run's connection up to
-    ``tuning.direct_max_events`` events, else Spark (always Spark in mode ``per_batch`` unless
-    ``direct_max_events`` is given, and with it 0); a replay as JSON lines when the sink takes them, else by
-    the run's connections (Spark with ``direct_max_events`` 0); dead letters from ``pgstream.dead_letters``."""
+    redelivery (``Letters``): ``by_key`` on Spark tasks; an ordered round by the run's connection up to
+    ``tuning.direct_max_events`` (else, mode ``per_batch`` without it, or 0: Spark); a replay as JSON lines
+    when the sink takes them, else by the run's connections (0: Spark); dead letters from their table."""
     direct = delivery.direct_max_events
     if isinstance(want, Letters):
         return Route.LETTERS

@@ -138,10 +138,9 @@ def _stand_ins(state: groups.Group, streams: list[StreamConfig], invalid: Mappin
 
 def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
                  result: GroupResult, invalid: Mapping[int, str] | None = None) -> groups.Group | None:
-    """Register the members, keep the publication's filter on them and the group's slot usable (replaced and
-    recovered when lost). A member whose registration is refused is left out, told in one line
-    (``result.left_out``, ``result.notes``); ``None`` when every member was. Members the configuration does
-    not deliver are recorded all the same and told (:func:`_stand_ins`)."""
+    """Register the members, keep the publication on them and the slot usable (replaced and recovered when
+    lost). A member refused is left out, in one line (``result.left_out``, ``notes``; ``None``: all were);
+    members the configuration does not deliver are recorded and told (:func:`_stand_ins`)."""
     # one query when every member is registered (each tick, each pass of the group run's reader)
     _added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     if refused:
@@ -306,10 +305,9 @@ def join_members(conn: psycopg.Connection, group: str, state: groups.Group, stre
 
 
 class GroupStream:
-    """The group's slot over the replication protocol for a group delivery run's reader: a
-    :class:`~.source.StreamSource` and the recording loop over it, kept open across :func:`consume_group`
-    calls with what was received and not recorded, opened again when the slot, the connection or the
-    members change. :meth:`close` lets the slot go: what was not recorded is sent again to its next reader."""
+    """The group's slot over the replication protocol for a group run's reader: a :class:`~.source.StreamSource`
+    and its recording loop, kept across :func:`consume_group` calls, opened again when the slot, connection or
+    members change. :meth:`close` lets the slot go (what was not recorded goes to its next reader)."""
 
     def __init__(self, database_url: str, application_name: str) -> None:
         self.database_url, self.application_name = database_url, application_name
@@ -363,12 +361,10 @@ def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: d
 def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float, *,
                   mark: bool = True, kept: GroupStream | None = None,
                   invalid: Mapping[int, str] | None = None, stop: Callable[[], bool] | None = None) -> GroupResult:
-    """A tick of the group's reader (see the module): ensure, join, then record for every member until
-    ``budget_secs`` is spent (``0``: one look). ``kept``: read over the replication protocol, kept across
-    calls (the group run's reader), else peek (the sensor); closed when a member drains its own slot, when
-    the slot is busy or lost, and on an error. ``invalid``: the streams whose entry the code location left
-    out (id -> why; :func:`_stand_ins`). ``stop``: with ``kept``, true once the reader is to end: the call
-    returns within half a second (what was not recorded waits in ``kept``)."""
+    """A tick of the group's reader (see the module) for every member until ``budget_secs`` is spent (``0``:
+    one look). ``kept``: the replication connection kept across calls (the group run's reader), else a peek;
+    closed when a member drains its own slot, the slot is busy or lost, or on an error. ``invalid``: entries
+    the code location left out (:func:`_stand_ins`). ``stop``: true once the reader ends (back in 0.5 s)."""
     result, keep = GroupResult(), False
     try:
         keep = _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {}, stop, result)

@@ -131,10 +131,9 @@ def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]
 def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_stream: dict[int, list[Transaction]],
                 *, standby: str | None = None, give_up: Callable[[], bool] | None = None,
                 also: Callable[[psycopg.Connection], None] | None = None) -> set[int]:
-    """Record each stream's transactions in its ledger and hand them to its open run, in one database
-    transaction; the streams whose declared reader is no longer the loop's (nothing recorded for them: not to
-    be confirmed). Raises ``ledger.recording.NotVisibleYet`` once ``give_up`` says so. ``also``: run in the
-    same transaction once everything is recorded, unless a stream was lost."""
+    """Record each stream's transactions and hand them to its open run, in one database transaction; the
+    streams whose declared reader is no longer the loop's (nothing recorded: not to be confirmed).
+    ``give_up``: see ``ledger.recording.NotVisibleYet``; ``also``: run last in it, unless a stream was lost."""
     lost: set[int] = set()
     done: list[tuple[StreamLedger, list[int], list[Transaction]]] = []
     with conn.transaction():
@@ -211,10 +210,9 @@ def _past(until: float) -> Callable[[], bool]:
 # --- a joining member's own slot: a peek, within the group's tick --------------------------------------
 
 def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, *, mark: bool = True) -> ConsumeResult:
-    """Read a member's own slot while it joins its reader group (it had one, from a version with a slot per
-    stream), registering it first: what committed is recorded as ``sensor`` until nothing waits or
-    ``budget_secs`` is spent. Reads nothing (``slot_busy``) once the group's reader is the stream's, or
-    without a usable own slot (never created or replaced). ``mark``: record ``streams.consumed_through``."""
+    """Read a joining member's own slot (registering it first): what committed is recorded as ``sensor``
+    until nothing waits or ``budget_secs`` is spent; nothing (``slot_busy``) once the group reads for it or
+    without a usable own slot. ``mark``: record ``streams.consumed_through``."""
     result = ConsumeResult()
     result.slot = groups.register_group_member(conn, stream.id, stream.reader)
     if state.slot_reader(conn, stream.id) != state.SENSOR:

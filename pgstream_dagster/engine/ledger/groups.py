@@ -1,6 +1,5 @@
-"""Reader groups (``pgstream.reader_groups``, sql/027_reader_groups.sql): streams that share one slot and
-one publication, read by the group's reader (:mod:`..ingest.group`). Membership, the publication and
-the hand-over of a stream that had its own slot go through the owner's functions
+"""Reader groups (``pgstream.reader_groups``): streams sharing one slot and publication, read by the group's
+reader (:mod:`..ingest.group`). Membership, the publication and a hand-over go through the owner's functions
 (``sql/repeatable/27_reader_groups.sql``); the runtime writes only how far the group read and recorded."""
 
 from __future__ import annotations
@@ -52,10 +51,9 @@ def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) 
 
 def register_missing_members(conn: psycopg.Connection, group: str,
                              stream_ids: list[int]) -> tuple[list[int], dict[int, str]]:
-    """Register the streams of ``stream_ids`` the database does not have in ``group`` yet (one query when all
-    are). Returns those registered now and those refused with their one line (``reader group <name>: stream
-    <id> is left out: <why>``: another group's, or :class:`PublicationTaken`); a refusal changes nothing and
-    is tried again at the next call."""
+    """Register the streams of ``stream_ids`` not yet in ``group`` (one query when all are); those registered
+    and those refused, with their one line (``reader group <name>: stream <id> is left out: <why>``), which
+    changes nothing and is tried again at the next call."""
     known = {int(r[0]) for r in conn.execute("select id from pgstream.streams where reader_group = %s", [group])}
     added: list[int] = []
     refused: dict[int, str] = {}

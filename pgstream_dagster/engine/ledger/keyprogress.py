@@ -12,12 +12,10 @@ class RunGone(RuntimeError):
 
 
 class KeyProgress:
-    """Where each Spark partition of a ``by_key`` round got to: for the round's ``partitions`` and each bucket
-    (``pmod(hash(routing_key), partitions)``), the position ``(batch_id, ord)`` through which every event of
-    the bucket is handled. The tasks write it to the ledger themselves after each confirmed chunk
-    (:meth:`record`): a task's result reaches the driver only when it ends, and none does when a task fails
-    or the driver dies. A retry reads it back (:meth:`read`), so at most each task's chunk in flight is
-    delivered twice. Picklable; the URL is never shown."""
+    """Where each partition of a ``by_key`` round got to: per bucket (``pmod(hash(routing_key), partitions)``)
+    the position ``(batch_id, ord)`` through which every event is handled, written by the tasks themselves
+    after each confirmed chunk (a task's result reaches no driver when a task fails or the driver dies) and
+    read back by a retry (:meth:`read`): at most each task's chunk in flight is delivered twice. Picklable."""
 
     def __init__(self, database_url: str, stream_id: int, partitions: int, token: str | None = None) -> None:
         self.database_url, self.stream_id, self.partitions = database_url, stream_id, partitions
@@ -36,9 +34,8 @@ class KeyProgress:
 
     def record(self, conn: psycopg.Connection, buckets: list[int], batch_id: int, ord: int) -> None:
         """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled, written by the owner's
-        ``pgstream.record_key_progress`` with the round's token (executors hold no privilege on the table).
-        Raises :class:`RunGone` once the run no longer holds its delivery lease (pgstream's lock row), so
-        tasks a Spark Connect server keeps running do not publish beside the run that replaces it."""
+        ``pgstream.record_key_progress`` with the round's token. :class:`RunGone` once the run no longer holds
+        its delivery lease, so a Spark Connect server's abandoned tasks publish no more."""
         row = conn.execute("select pgstream.record_key_progress(%s, %s, %s, %s, %s)",
                            [self.token, self.partitions, buckets, batch_id, ord]).fetchone()
         if not (row and row[0]):

@@ -71,10 +71,9 @@ def acquire_lease(database_url: str, stream_id: int, run_id: str,
 
 def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
                waiting: Callable[[str], None] | None = None) -> None:
-    """Take the stream's delivery lease (lock ``delivery``, held by the run id) for ``conn``'s session, whose
-    end (the process died) drops it: two runs never deliver at once, and the sensor tells a dead run from a
-    slow one. While a replay holds or waits for it (:func:`acquire_replay_lease`) the run waits, holding
-    ``delivery_wait`` (``waiting`` told who every 10 s); another run holding it is :class:`LeaseTaken`."""
+    """Take the stream's delivery lease (lock ``delivery``, held by the run id) for ``conn``'s session, which
+    drops it if it dies: two runs never deliver at once. While a replay holds or waits for it the run waits
+    holding ``delivery_wait`` (``waiting`` told every 10 s); another run holding it: :class:`LeaseTaken`."""
     told = 0.0
     try:
         while True:
@@ -98,10 +97,9 @@ def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
 
 def acquire_replay_lease(database_url: str, stream_id: int, holder: str,
                          waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
-    """A connection holding the stream's ``replay`` lock (taken first, after any other replay) and then its
-    delivery lease, for replay ``holder``, whatever launched it: the open run sees the lock between rounds,
-    delivers what it was handed and closes; a run starting meanwhile waits (:func:`acquire_lease`). It cannot
-    deadlock. ``waiting`` is told who holds what it waits for every 10 s; close the connection to release."""
+    """A connection holding the stream's ``replay`` lock, then its delivery lease, for replay ``holder``: the
+    open run sees the lock between rounds and closes, a run starting meanwhile waits (:func:`acquire_lease`);
+    no deadlock. ``waiting`` is told who it waits for every 10 s; closing the connection releases both."""
     conn = psycopg.connect(database_url, autocommit=True, application_name=f"pgstream replay {holder}")
     try:
         told = 0.0

@@ -92,14 +92,10 @@ class NotVisibleYet(RuntimeError):
 def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str | None = None,
                        give_up: Callable[[], bool] | None = None) -> None:
     """Return once every transaction of ``xids`` (decoded, so committed) is visible to the snapshots ``conn``
-    takes from now on. Decoding hands out a transaction once its commit is flushed, a moment before its
-    backend leaves the proc array (longer with synchronous replication): a read of its events then (the batch
-    trigger's count, a dead letter's payload, a run's read) would miss rows.
-
-    ``standby``: the application name of the replication connection that decoded them; should it be a
-    synchronous standby the writers would wait for it while it waits for them: raises
-    :class:`ReaderIsSynchronousStandby`. ``give_up``: once it returns true, raises :class:`NotVisibleYet`
-    (the caller records them later, never without them)."""
+    takes from now on: decoding hands a transaction out a moment before its backend leaves the proc array
+    (longer with synchronous replication), and a read of its events then would miss rows. ``standby``: the
+    replication connection that decoded them; a synchronous standby would wait for the writers while they
+    wait for it: :class:`ReaderIsSynchronousStandby`. ``give_up`` true: :class:`NotVisibleYet`."""
     xids = sorted({x for x in xids if x >= 3})  # 0: recovery's own snapshot; 1-2: special xids
     if not xids:
         return

@@ -1,12 +1,8 @@
-"""The stream's state and its transitions: the state in one query (:func:`stream_state`, for
-``batches.decide``), the batch transitions (one UPDATE each: :func:`assign`, :func:`open_run`,
-:func:`clear_open_run`, :func:`release`, :func:`mark_failed`, :func:`mark_confirmed`, :func:`mark_delivered`,
-:func:`enter_failover`, :func:`leave_failover`, :func:`retry_now`, :func:`skip_batch`), the run operations
-made of them (:func:`launch`, :func:`extend_run`, :func:`fail_run`), the slot's declared reader, and the two
-ways in: :func:`apply` (a :data:`~..batches.Action`) and :func:`apply_run` (a :data:`~..batches.RunAction`).
-The only writers of ``streams.open_run_key`` and ``streams.slot_reader`` (tests/test_architecture.py).
-Batches are delivered in id order; ``delivered`` (every event confirmed) and ``skipped`` (by an operator) are
-done, everything else is *open*.
+"""The stream's state (:func:`stream_state`, one query for ``batches.decide``), the batch transitions (one
+UPDATE each), the run operations made of them (:func:`launch`, :func:`extend_run`, :func:`fail_run`), the
+slot's declared reader, and the two ways in: :func:`apply` (an :data:`~..batches.Action`) and
+:func:`apply_run` (a :data:`~..batches.RunAction`): the only writers of ``streams.open_run_key`` and
+``streams.slot_reader`` (tests/test_architecture.py). ``delivered`` and ``skipped`` batches are done.
 """
 
 from __future__ import annotations
@@ -228,10 +224,9 @@ class LeaseLost(RuntimeError):
 
 @contextmanager
 def publishing(conn: psycopg.Connection, stream_id: int, run_id: str) -> Iterator[None]:
-    """A publish call of the stream's run ``run_id``, in a transaction holding the stream row ``FOR KEY SHARE``
-    (``synchronous_commit`` off: it only locks), which ``pgstream.set_paused`` waits for: a pause returns once
-    no publish is in flight and every later one raises :class:`StreamPaused`; a run whose lease another run
-    took raises :class:`LeaseLost`. Recording and inserting batches do not wait for it."""
+    """A publish call of run ``run_id``, in a transaction holding the stream row ``FOR KEY SHARE`` (commit not
+    waited for), which a pause waits for: every later publish raises :class:`StreamPaused`, and one whose lease
+    another run took :class:`LeaseLost`. Recording and inserting batches do not wait for it."""
     with conn.transaction():
         # (the lease's row still names the run: the check of its session's life is left to the look between
         # rounds, :func:`why_close`, a statement per publish call cheaper; another run taking the lease renames it)

@@ -1,7 +1,6 @@
-"""Stream rows and the slot each reads (``pgstream.streams``, its ``slot``): the one place Python learns
-a slot's name. A stream reads its reader group's slot once it has joined; ``slot`` is the slot of its own it
-had before (a version with a slot per stream: :func:`ensure_stream` makes such a row), drained and dropped
-when it joins."""
+"""Stream rows and the slot each reads (``pgstream.streams.slot``): the one place Python learns a slot's name.
+A joined stream reads its group's slot; ``slot`` is the own one it had before (:func:`ensure_stream` makes such
+a row), drained and dropped when it joins."""
 
 from __future__ import annotations
 
@@ -47,10 +46,9 @@ def slot_holder(conn: psycopg.Connection, slot: str, stream_id: int) -> int | No
 
 
 def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | None = None) -> str:
-    """The stream row (and its publication) exists outside any reader group and reads ``slot_name`` (``None``:
-    its default slot), as a version with a slot per stream made it; returns that slot. Raises
-    :class:`SlotInUse` (nothing changed) when another stream reads that slot, and
-    :class:`~..replication.PublicationTaken` when another role has a publication by its names."""
+    """The stream row exists outside any reader group reading ``slot_name`` (``None``: its default), as a
+    version with a slot per stream made it; that slot. :class:`SlotInUse` (nothing changed): another stream
+    reads it; :class:`~..replication.PublicationTaken`: another role has a publication by its names."""
     try:
         with conn.transaction():
             # the owner's function: the row exists and reads slot_name (null: its default), locked only on a change
