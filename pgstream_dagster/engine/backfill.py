@@ -36,13 +36,11 @@ DEFAULT_CHUNK_SIZE = 1000
 DEFAULT_PARALLELISM = 4
 #: the default throttle: well under what a stream delivers, so live events keep flowing
 DEFAULT_MAX_ROWS_PER_SEC = 5000.0
-#: the default bound on the stream's undelivered events: a backfill waits while there are more, so
-#: a live event never queues behind more than about this many READ events
+#: a backfill waits while the stream has more undelivered events: a live event never queues behind more READ ones
 DEFAULT_MAX_BACKLOG = 20_000
 #: how often a backfill waiting for the stream's backlog looks again
 BACKLOG_WAIT_SECS = 0.5
-#: how long a partition's task works in one round before it gives its Spark task slot back (a round is one
-#: Spark job, whose start is paid once a round)
+#: how long a partition's task works in a round (one Spark job) before it gives its Spark task slot back
 ROUND_SECS = 60.0
 #: the round of a throttled backfill (its tasks mostly sleep: a shared Spark gets its slots back often)
 THROTTLED_ROUND_SECS = 5.0

@@ -84,8 +84,7 @@ class StreamState:
     paused: bool = False
     failover_since: dt.datetime | None = None
     open_run_key: str | None = None  # the run that takes every new batch while it is open
-    #: the batches a new run takes: the head and the pending batches right behind it, up to
-    #: ``delivery.max_events_per_run`` events (read while the head is pending and the stream not paused)
+    #: what a new run takes: the head and the pending batches behind it, up to ``delivery.max_events_per_run``
     next_run: tuple[int, ...] = ()
     #: when the newest delivered batch was launched (read in failover while the head is pending)
     last_delivered_launch: dt.datetime | None = None
@@ -135,8 +134,7 @@ class RunStatus(StrEnum):
 
     NOT_FOUND = "not found"  # no run has the key (the tick that requested it died first)
     LIVE = "live"  # queued, starting or started
-    #: Dagster shows it started, but the session holding its delivery lease ended (its process died), or
-    #: it took none ``delivery.run_grace_secs`` after it started
+    #: Dagster shows it started, but its lease's session ended, or it took none in ``delivery.run_grace_secs``
     DEAD = "started but dead"
     FAILED = "failed or canceled"
     SUCCEEDED = "succeeded"
@@ -179,8 +177,7 @@ class Wait:
 
     reason: str | None = None
     short: str | None = field(default=None, compare=False)
-    #: what the state is, when its reason says more than that (a failover: its batch and retry time, which a
-    #: failed run's note told already, :func:`failover_key`)
+    #: what the state is, when its reason says more (a failover: its batch and retry time, :func:`failover_key`)
     key: str | None = field(default=None, compare=False)
 
 

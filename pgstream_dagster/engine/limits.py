@@ -186,8 +186,7 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
     line = slot_problem(limits, len(existing), missing)
     if line:
         out.append(line)
-    # WAL senders other than the groups' own slot readers (told by the slot they hold: pg_stat_replication
-    # hides a connection's application_name from roles without pg_read_all_stats)
+    # WAL senders other than the groups' readers, told by the slot they hold (application_name may be hidden)
     ours = [group_slots[g] for g in groups if g in group_slots]
     row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
                        "pg_catalog.pg_replication_slots s where s.active_pid operator(pg_catalog.=) r.pid and "

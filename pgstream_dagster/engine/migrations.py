@@ -1,16 +1,10 @@
 """Install and upgrade the pgstream schema from ``sql/``, one migrator at a time (docs/development.md).
-
-* **Versioned migrations**, ``sql/NNN_name.sql``: what has state (schema, tables, roles, privileges, data
-  changes, dropping functions that are gone). Each is applied once, in version order, in one transaction with
-  its row in ``pgstream.schema_migrations``; ``000_bootstrap.sql`` runs on every pass. An applied file must
-  keep its checksum, except the versions of :data:`RELEASED_CHECKSUMS`.
-* **Repeatable files**, ``sql/repeatable/NN_concern.sql``: every function, view and trigger, with its
-  privileges, all idempotent. After the versioned migrations each file whose checksum differs from
-  ``pgstream.schema_repeatables`` is applied, in file order, each in one transaction with its row.
-
-A versioned migration never creates a function, view or trigger nor calls a pgstream function (on an upgrade
-it would run the previous release's code); a data step that needs one ends the repeatable file defining it.
-An upgrade runs the versioned migrations it lacks, then every repeatable file not applied in its current form.
+Versioned migrations (``sql/NNN_name.sql``: what has state) apply once each, in order, each in a transaction
+with its row in ``pgstream.schema_migrations``, and keep their checksum (but :data:`RELEASED_CHECKSUMS`);
+``000_bootstrap.sql`` runs every pass. Then each repeatable file (``sql/repeatable/NN_concern.sql``: every
+function, view and trigger, idempotent) whose checksum differs from ``pgstream.schema_repeatables``, in order.
+A versioned migration never creates a function, view or trigger nor calls a pgstream function (an upgrade
+would run the previous release's); a data step that needs one ends the repeatable file defining it.
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ from ..config import STREAM_NAME_PREFIX
 #: The NOLOGIN role that owns the generated trigger functions (sql/012_least_privilege.sql).
 WRITER_ROLE = "pgstream_writer"
 
-#: the transaction-level advisory lock taken only to create the schema on a database without it
-#: (``000_bootstrap.sql``); from then on migrators queue on the ledger table's lock (:func:`_locked`)
+#: the advisory lock taken only to create the schema (``000_bootstrap.sql``); then the ledger's lock (:func:`_locked`)
 BOOTSTRAP_LOCK_KEY = 0x70677374  # "pgst"
 
 #: How long a first install waits for :data:`BOOTSTRAP_LOCK_KEY` before it names who holds it.
@@ -40,10 +33,8 @@ BOOTSTRAP_LOCK_TIMEOUT = "60s"
 #: Where the repeatable files are, under the ``sql/`` directory.
 REPEATABLE_DIR = "repeatable"
 
-#: The sha256 of the versioned migrations as released in 0.1.0 (7ed30b0, the last release whose versioned
-#: files defined functions), for the versions rewritten since: an applied version is accepted with its
-#: released or current checksum. Never add nor change an entry (tests check it against
-#: tests/fixtures/sql-0.1-014.tar.gz).
+#: The sha256 of the versioned migrations rewritten since 0.1.0 (7ed30b0) as released then: an applied version
+#: is accepted with it or its current one. Never add nor change one (tests/fixtures/sql-0.1-014.tar.gz).
 RELEASED_CHECKSUMS: dict[int, str] = {
     1: "ef2c8b8114b6cd70125e7c8faf9bd992c195179a38cc5f73f564b2bb1ad64093",  # 001_core.sql
     2: "9f20fc7fb1a0a47c8e80db698a6e867d58c81b07ded038f9d9c6d026732386d7",  # 002_partitions.sql
@@ -174,8 +165,7 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
                 conn.execute(f"set local lock_timeout = '{BOOTSTRAP_LOCK_TIMEOUT}'")
                 conn.execute("select pg_catalog.pg_advisory_xact_lock(%s)", [BOOTSTRAP_LOCK_KEY])
                 conn.execute("set local lock_timeout = 0")
-            # a migrator that bootstrapped while this one waited is applying files by now: queue
-            # behind it, or this bootstrap's statements would race its DDL on the same objects
+            # a migrator that bootstrapped meanwhile is applying files: queue behind it, not race its DDL
             if ledger_exists():
                 _locked(conn)
             conn.execute(_SAFE_SEARCH_PATH)
@@ -239,15 +229,13 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
             applied.append(f"{REPEATABLE_DIR}/{r.name}")
         grants = repeatables[-1] if repeatables else None
         if grants is not None and applied and f"{REPEATABLE_DIR}/{grants.name}" not in applied:
-            # the last file holds every grant to the runtime roles (99_runtime.sql): a function an earlier
-            # file dropped and created again would come back without them
+            # the last file holds every grant to the runtime roles: a function re-created earlier needs them again
             _retried(lambda: _reapply(conn, grants))
         _retried(lambda: _partitions(conn, partitions_ahead))
     return applied
 
 
-#: what another database's migrator (roles are the cluster's) or a concurrent catalog update makes a file
-#: fail with once; the file's transaction rolled back, it is tried again
+#: what a race with another database's migrator makes a file fail with once: rolled back, tried again
 _RACES = (psycopg.errors.InternalError_, psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject)
 _RACE_ATTEMPTS = 5
 _T = TypeVar("_T")
@@ -302,15 +290,13 @@ def _reapply(conn: psycopg.Connection, grants: Repeatable) -> None:
 
 
 def _partitions(conn: psycopg.Connection, ahead: int) -> None:
-    # behind the ledger's lock too: creating a partition clones the events table's triggers, which another
-    # migrator's repeatable file may be replacing meanwhile
+    # behind the ledger's lock: a partition clones the events table's triggers, which a migrator may replace
     with conn.transaction():
         _locked(conn)
         conn.execute("select pgstream.create_partitions(%s)", [ahead])
 
 
-#: the drift guard's event triggers (sql/repeatable/05_drift_guard.sql), which only a superuser can create (and on
-#: Amazon RDS its master user)
+#: the drift guard's event triggers, which only a superuser (on Amazon RDS, its master user) can create
 DRIFT_GUARD_TRIGGERS = ("pgstream_drift_guard_alter", "pgstream_drift_guard_drop", "pgstream_drift_guard_start")
 
 
@@ -321,8 +307,7 @@ def drift_guard_installed(conn: psycopg.Connection) -> bool:
     return bool(row and row[0] == len(DRIFT_GUARD_TRIGGERS))
 
 
-#: what ``migrate`` and ``init`` say when a non-superuser owner installed pgstream (a managed service's
-#: profile): the guard is not active
+#: what ``migrate`` and ``init`` say when a non-superuser owner installed pgstream: the guard is not active
 DRIFT_GUARD_MISSING = ("warning: the schema-drift guard is NOT active (its event triggers need a superuser): a table "
                        "owner can drop, rename, disable or retype what a subscription depends on (docs/security.md, "
                        "Without the drift guard). A superuser installs it with: pgstream-dagster install-drift-guard "
@@ -346,8 +331,7 @@ def install_drift_guard(superuser_url: str, directory: Path | None = None) -> No
         if not _schema_exists(conn):
             raise MigrationError("install-drift-guard: pgstream is not installed in this database: run "
                                  "`pgstream-dagster migrate` first")
-        # tried rather than checked: RDS lets its master user (not a superuser) create event triggers; a role
-        # that may not changes nothing (the step's block catches the refusal, its drops rolled back with it)
+        # tried, not checked (RDS's master user may); a role that may not changes nothing (its block catches it)
         with conn.transaction():
             conn.execute(_SAFE_SEARCH_PATH)
             conn.execute(step)

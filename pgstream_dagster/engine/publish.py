@@ -151,8 +151,7 @@ class RejectPolicy:
     max_attempts: int = 3
     max_consecutive: int = 20
     backoff_secs: float = 0.5
-    #: the stream's last event the sink confirmed before this call, or ``None``: sent again to check the
-    #: sink after ``max_consecutive`` rejections when nothing was confirmed in the call itself
+    #: the stream's last event the sink confirmed before this call, sent again to check the sink (None: none)
     known_good: Callable[[], Event | None] | None = None
 
 
@@ -349,9 +348,7 @@ class _Publisher:
                     raise
                 rejected = exc
             else:
-                # the whole chunk in one call, and its last batch done with it: BatchDone follows at once (no
-                # request between), which records the batch delivered; its confirmation would be written and
-                # overwritten in the same breath
+                # the whole chunk in one call, its last batch done with it: the BatchDone that follows says it
                 done = lo == 0 and hi == len(events) and where[-1][0] in self.finished
                 yield from self._confirmed(events, where, lo, hi, then_done=done)
                 return

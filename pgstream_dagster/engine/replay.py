@@ -102,9 +102,8 @@ def count_selected(conn: psycopg.Connection, params: Mapping[str, Any]) -> int:
     return int(row[0]) if row else 0
 
 
-#: the selected ids in id order, walked by ``MOVE``: every size-th id is fetched (a range starts there)
-#: and the ids between are skipped inside Postgres, counted by ``MOVE``'s row count: the bounds and the
-#: count of the selection from one index scan, with nothing per row sent or computed beyond the filter
+#: the selected ids walked by ``MOVE``: every size-th id fetched (a range starts there), the ids between
+#: skipped and counted inside Postgres: bounds and count from one index scan
 _SELECTED_IDS = sql.SQL("declare pgstream_replay_ids no scroll cursor for "
                         "select e.id from pgstream.events e where {} order by e.id")
 
@@ -164,8 +163,7 @@ def count_note(planned: int, delivered: int) -> str | None:
 
 
 #: one event as :meth:`pgstream_dagster.sinks.base.Event.to_json` renders it (what the file sink writes),
-#: rendered by Postgres: ``created_at`` in UTC as Python's ``isoformat()`` writes it (microseconds only
-#: when there are any), payload and metadata as their ``jsonb`` text, as the other paths read them
+#: rendered by Postgres (``created_at`` as ``isoformat()`` writes it in UTC; payload and metadata as jsonb text)
 EVENT_JSON_LINE = """
     '{"id":' || e.id || ',"stream_id":' || e.stream_id || ',"created_at":"'
     || pg_catalog.replace(pg_catalog.to_char(pg_catalog.timezone('UTC', e.created_at), 'YYYY-MM-DD"T"HH24:MI:SS.US'),
@@ -173,10 +171,8 @@ EVENT_JSON_LINE = """
     || '+00:00","payload":' || e.payload::pg_catalog.text
     || ',"metadata":' || coalesce(e.metadata::pg_catalog.text, 'null') || '}'"""
 
-#: one chunk of the selection (an id range of :func:`plan`) as newline-terminated UTF-8 lines, in id order
-#: rendered once, and cut by the server at ``budget`` bytes of lines (the first event whatever its size):
-#: the lines that fit, and how many events of the range come after them (``cut``: read next, by their
-#: sizes). The running sum only grows, so what fits is a prefix of the range
+#: one chunk of the selection (an id range of :func:`plan`) as UTF-8 lines in id order, cut by the server at
+#: ``budget`` bytes (the first whatever its size): the lines that fit (a prefix), how many come after (``cut``)
 _LINES_QUERY = sql.SQL("""
 select pg_catalog.count(*) filter (where x.fits)::int, pg_catalog.min(x.id) filter (where x.fits),
        pg_catalog.max(x.id) filter (where x.fits),

@@ -103,9 +103,8 @@ class PgOutputDecoder:
         for data in messages:
             if data[0] == _INSERT and append is not None:
                 id_col, ts_col, stream_col, ncols = relations[data[1:5]]
-                # TupleData after 'I', relation id, 'N' and the column count: per column a kind
-                # byte, then for 't' a 4-byte length and the value; 'n' (null) carries nothing.
-                # The columns up to the last one wanted, as bytes (None: null)
+                # TupleData: per column a kind byte, then for 't' a 4-byte length and the value ('n': nothing);
+                # the columns up to the last one wanted, as bytes (None: null)
                 values: list[bytes | None] = []
                 add = values.append
                 pos = 8
@@ -241,8 +240,7 @@ def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None 
     """Create the pgoutput slot, outside any transaction that wrote; returns its consistent point. Postgres
     waits for every running transaction to end first: with ``wait_secs`` at most that long, then
     :class:`SlotCreationWaits`."""
-    # a failover slot where Postgres has them (17+): a primary's synchronized_standby_slots then holds its
-    # decoding until the standby has the WAL (no event goes out that a promoted standby would lack)
+    # a failover slot (17+): a primary's synchronized_standby_slots holds decoding until the standby has the WAL
     query = _CREATE_FAILOVER_SLOT if conn.info.server_version >= 170000 else _CREATE_SLOT
     params = [slot]
     if wait_secs is None:

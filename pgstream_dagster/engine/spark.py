@@ -65,8 +65,7 @@ BATCHES_SOURCE = "pgstream_batches"
 EVENTS_SOURCE = "pgstream_events"
 SCHEMA = ("batch_id long, ord long, id long, stream_id long, created_at timestamp, payload string, "
           "metadata string, routing_key string")
-# Spark redacts option values whose key matches spark.redaction.regex ("secret", "password", ...),
-# so the database URL never shows in plans or the Spark UI.
+# Spark redacts option values whose key matches spark.redaction.regex: the URL never shows in plans or the UI
 URL_OPTION = "secret.database_url"
 #: one row per fetch: the position of its first event, its event count, and the pickled columns
 #: (batch_ids, ords, ids, stream_ids, created_ats, payloads, metadatas) of its events, in order
@@ -207,8 +206,7 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
     :func:`~pgstream_dagster.engine.cluster.cluster_conf`'s on a cluster; the workers' Python
     (``spark.pyspark.python``, ``$PYSPARK_PYTHON`` or this one) set in this process's environment too."""
     if remote:
-        # Spark Connect: the server owns the JVM and its Python workers (pgstream_dagster.sparkserver);
-        # a session may only set session settings
+        # Spark Connect: the server owns the JVM and workers (pgstream_dagster.sparkserver); session settings only
         return {"spark.remote": remote, "spark.sql.session.timeZone": "UTC", **_ARROW_BYTES, **extra}
     python = extra.get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON") or sys.executable
     driver_python = extra.get("spark.pyspark.driver.python") or sys.executable
@@ -305,9 +303,8 @@ def executor_python_errors(spark: SparkSession) -> Iterator[None]:
         raise ExecutorPythonError(problem) from None
 
 
-#: one registration of a Python data source at a time in the process: Spark checks that the name is not taken, then
-#: registers it, and a check made while another thread registers the same source finds it taken as if another
-#: library's (DATA_SOURCE_ALREADY_EXISTS); a group delivery run's members share the process's session
+#: one registration of a Python data source at a time in the process: a check made while another thread
+#: registers the same source finds it taken (DATA_SOURCE_ALREADY_EXISTS); a group run's members share a session
 _REGISTERING = threading.Lock()
 
 
@@ -426,8 +423,7 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, 
             yield from rows
 
 
-#: what each by_key partition returns to the driver: per batch, the events it handled and, of them,
-#: those an earlier attempt had confirmed (skipped, not published again)
+#: what each by_key partition returns: per batch, the events it handled and those an earlier attempt confirmed
 BY_KEY_RESULT_SCHEMA = "batch_id long, handled long, resumed long"
 
 
@@ -490,8 +486,7 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
         for delivery in deliveries:
             if progress is None or conn is None:
                 continue
-            # every event of these buckets up to here is handled: a retry resumes after it (a call that ends a
-            # batch is said by its BatchDone, at the batch's last row here)
+            # every event of these buckets up to here is handled (a batch's end is said by its BatchDone)
             if isinstance(delivery, Confirmed):
                 position = (delivery.batch_id, delivery.ord)
             elif isinstance(delivery, BatchDone) and delivery.batch_id in last:

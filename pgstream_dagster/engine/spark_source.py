@@ -1,17 +1,10 @@
-"""The ``pgstream`` Spark data source (docs/spark-source.md, with every option): a stream's events as a
-Spark stream whose offsets are positions in the ledger, and events with their delivery state as a batch read.
-
-* ``spark.readStream.format("pgstream")`` (:class:`StreamReader`): the events of the recorded batches in
-  ledger order. An offset is a **position** ``{"batch_id": B, "ord": O}`` (everything through ordinal ``O``
-  of batch ``B``; ``{"batch_id": 0, "ord": 0}``: before every batch); a micro-batch is split into partitions
-  read by the executors; ``commit`` records a **registered consumer**'s position
-  (``pgstream.consumer_commit``, with its token), which housekeeping keeps events for.
-* ``spark.read.format("pgstream")`` (:class:`EventsReader`): events with their batch's status and dead-letter
-  state; its options are conditions of the query (with ``pushFilters``, Spark's filters too:
-  :class:`PushdownEventsReader`).
-
-The ``url`` and ``consumerToken`` options are redacted by Spark and repeated by no message here.
-:func:`register` registers the source on a session. No Dagster here; the module is imported on the executors.
+"""The ``pgstream`` Spark data source (docs/spark-source.md, with every option). ``readStream``
+(:class:`StreamReader`): the recorded batches' events in ledger order, offsets being positions
+``{"batch_id": B, "ord": O}`` (``0, 0``: before every batch), ``commit`` recording a registered consumer's
+position (``pgstream.consumer_commit``, with its token), which housekeeping keeps events for. ``read``
+(:class:`EventsReader`, :class:`PushdownEventsReader`): events with their delivery state, options (and with
+``pushFilters`` Spark's filters) as the query's conditions. Options ``url`` and ``consumerToken`` are redacted
+by Spark and repeated by no message. :func:`register` registers it; no Dagster (imported on the executors).
 """
 
 from __future__ import annotations
@@ -50,8 +43,7 @@ NAME = "pgstream"
 URL_OPTION = "url"
 NUM_PARTITIONS = 4
 ROWS_PER_PARTITION = 50_000
-#: a reader yields Arrow record batches of at most this many events, or of about this much COPY data
-#: (a batch holds one event at least, however large)
+#: a reader yields Arrow record batches of at most this many events, or about this much COPY data (one at least)
 ARROW_BATCH_ROWS = 10_000
 ARROW_BATCH_BYTES = 8 << 20
 
@@ -60,9 +52,8 @@ SCHEMA = ("id long, stream_id long, created_at timestamp, subscription string, o
                  "ord int, batch_status string, delivered_at timestamp, attempts int, dead_letter boolean, "
                  "dead_letter_status string, dead_letter_error string")
 
-#: a stream partition's spans (ordinals ``los[i]..his[i]`` of ledger batch ``batch_ids[i]``), in order: the
-#: batch id, the first ordinal and the span's event ids in the batch's commit order (a span whose batch is
-#: gone: no row)
+#: a stream partition's spans (ordinals ``los[i]..his[i]`` of batch ``batch_ids[i]``), in order: batch id, first
+#: ordinal, the span's event ids in commit order (none for a batch that is gone)
 _POSITIONS_QUERY = """/* pgstream source: positions */
 select b.id, s.lo, b.event_ids[s.lo:s.hi]
 from unnest(%(batch_ids)s::bigint[], %(los)s::int[], %(his)s::int[]) with ordinality as s(batch_id, lo, hi, n)
@@ -70,9 +61,8 @@ join pgstream.batches b on b.id = s.batch_id and b.stream_id = %(stream_id)s
 order by s.n
 """
 
-#: the stream's events in the time span of a partition's batches and the id range of its positions: a
-#: range scan as cheap as a plain COPY's (the time bounds, init plans, prune the daily partitions), joined
-#: to the positions by the reader, not by a lookup per event in Postgres
+#: the stream's events in a partition's time span and id range: a range scan as cheap as a plain COPY's,
+#: joined to the positions by the reader
 _WINDOW_QUERY = """/* pgstream source: stream */
 select e.id, e.stream_id, e.created_at, e.payload ->> 'tg_name', e.payload ->> 'tg_op',
        e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text
@@ -397,10 +387,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
         from pyspark.sql.streaming.datasource import ReadMaxRows
 
-        # ``start`` is the end of the last micro-batch, which the query's sink has committed (Spark plans
-        # the next one after writing its commit log; a restarted query re-runs an uncommitted one from
-        # its offset log without asking). Spark calls :meth:`commit` with it only once the next
-        # micro-batch is planned: an idle query's position would stay one micro-batch behind
+        # ``start`` is the end of the last micro-batch, committed by the query's sink; Spark calls :meth:`commit`
+        # only once the next one is planned: an idle query's position would stay a micro-batch behind
         self._record(Position.of(start))
         cap = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         end = next_position(self._db(), self.stream_id, Position.of(start), cap)

@@ -120,8 +120,7 @@ def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
                                         f"{sub.stream_id}): {_db_error(exc)}") from None
 
 
-#: how long a file found valid as a whole is not validated again as a whole by the next stream's apply (its
-#: own subscriptions are, every time): the streams of one file are applied one after the other by one run
+#: how long a file found valid as a whole is not validated again as a whole (its streams apply one by one)
 FILE_VALID_SECS = 60.0
 #: (file, digest of the database and the file's subscriptions) -> when it was found valid as a whole
 _valid_files: dict[tuple[str, str], float] = {}
@@ -309,9 +308,8 @@ class TriggerState:
 def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: str,
                   mode: str = "row") -> TriggerState:
     """The installed ``mode`` ('row' or 'statement') trigger of a table and operation vs its definition."""
-    # the owner's function: generating the trigger checks the subscriptions' expressions, which the
-    # runtime role does not do as itself (sql/repeatable/99_runtime.sql). The installed trigger is read
-    # from the catalog by name: the runtime has no right on the table's schema (to_regclass needs USAGE)
+    # the owner's function (it checks the expressions, which the runtime may not); the installed trigger is
+    # read from the catalog by name (the runtime has no USAGE on the table's schema for to_regclass)
     row = conn.execute(
         """select g.trigger_name, g.function_name, g.function_body, g.when_clause, g.trigger_hash
            from pgstream.expected_trigger(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s) g""",

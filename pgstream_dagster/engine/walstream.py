@@ -32,8 +32,7 @@ class ReplicationStream:
 
     #: messages read per :meth:`read` at most (then the caller records what it has)
     MAX_MESSAGES = 20_000
-    #: bytes of messages read per :meth:`read` at most (one message at least): events large as text
-    #: arrive as large messages, whatever they take stored
+    #: bytes of messages read per :meth:`read` at most (one message at least)
     MAX_BYTES = 32 * 2**20
 
     def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,

@@ -30,14 +30,12 @@ POLL_SECS = 1.0
 #: the members' reports together, at most this many a second (each is a few writes to Dagster's event log): a
 #: member reports every ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
 REPORTS_PER_SEC = 5.0
-#: the group run's reader: how long each ``consume_group`` call reads, and how long it waits before it tries
-#: again for the group's reading (held by the sensor's tick), after a call that returned early or an error
+#: the group run's reader: how long a ``consume_group`` call reads; its waits to claim the reading again
 READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
 READ_ERROR_SECS = 5.0
-#: what the group run's reader cannot get past with the configuration the run was built from: the group run
-#: ends with its line as the reason (the group's sensor reads then, with the code location's configuration)
+#: what the reader cannot get past with the run's configuration: the group run ends with its line as reason
 REFUSALS: tuple[type[Exception], ...] = (groups.GroupChange, PublicationTaken, LimitsExceeded)
 
 
@@ -68,16 +66,14 @@ class GroupHost:
     log: Log
     #: the host of one member's run (its run id given): log, Spark, reporter, stop check of its own
     member_host: Callable[[StreamConfig, str], Host]
-    #: of the member runs ``(stream id, run key)`` wanted, those this group run may host, recorded as hosted
-    #: here; asked once for every run key wanted at a look, before their threads start
+    #: of the member runs ``(stream id, run key)`` wanted, those this group run may host (recorded as its own)
     claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = lambda wanted: wanted
     #: told when a member's run ended: ``error`` None when it closed, else why it failed (one line)
     ended: Callable[[int, str, str | None], None] = lambda _stream_id, _run_key, _error: None
     #: a reason to end the group run that only the host knows (None: none), asked about once a second
     stop_check: Callable[[], str | None] = lambda: None
-    #: reads the group's slot on the connection given for up to the seconds given (``consume_group``, keeping
-    #: the slot open across calls: ``GroupStream``) and logs what an operator should see; called again and again
-    #: by the reader thread while it holds the group's reading. None: the group's sensor reads
+    #: reads the group's slot on the connection given for up to the seconds given and logs what it did, again
+    #: and again while the reader holds the group's reading. None: the group's sensor reads
     read: Callable[[psycopg.Connection, float], None] | None = None
     #: the reader gives the group's reading up: what ``read`` kept open closes (the slot let go)
     read_ends: Callable[[], None] = lambda: None

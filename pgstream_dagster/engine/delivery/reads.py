@@ -77,8 +77,7 @@ from (select z.*,
 order by w.ord
 """
 
-#: bytes of payload and metadata (JSON text) one read holds at most, unless one event is larger
-#: (``delivery.tuning.max_read_bytes``'s default)
+#: bytes of payload and metadata one read holds at most, unless one event is larger (``tuning.max_read_bytes``)
 READ_BYTES = 32 * 2**20
 
 

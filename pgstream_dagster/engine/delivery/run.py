@@ -1,14 +1,10 @@
-"""A delivery run, without Dagster: consecutive ledger batches of a stream delivered in order through its
-sink, staying open (modes ``open`` and ``warm``) for what commits next.
-
-:meth:`DeliveryRun.start` takes the delivery lease and checks the batches (the first is the stream's oldest
-open one). :meth:`DeliveryRun.deliver` opens the sink once and delivers round after round from the source
-:func:`.sources.choose_source` picks, writing what the sink confirmed to the ledger before publishing more
-(``Confirmed`` → ``ledger.state.mark_confirmed``, ``BatchDone`` → ``ledger.state.mark_delivered``); it yields a
-:class:`RoundReport` per round and raises :class:`DeliveryError`. As the open run it waits for batches
-(:class:`Linger`) and closes when idle ``tuning.linger_secs`` (mode ``open``), open ``tuning.max_run_secs``,
-paused, in failover, waited for by a replay, or when :attr:`Host.stop_check` says so. Rounds are reported
-together (:class:`Summary`) through :attr:`Host.report`, at most every ``tuning.report_every_secs``.
+"""A delivery run, without Dagster: a stream's consecutive ledger batches delivered in order through its sink,
+open (modes ``open``, ``warm``) for what commits next. :meth:`DeliveryRun.start` takes the lease and checks the
+batches; :meth:`DeliveryRun.deliver` opens the sink once and delivers round after round from
+:func:`.sources.choose_source`'s source, writing each confirmation to the ledger before publishing more
+(:class:`RoundReport` per round, :class:`DeliveryError`). Open, it waits for batches (:class:`Linger`) until
+idle ``tuning.linger_secs`` (``open``), open ``tuning.max_run_secs``, paused, in failover, a replay waiting or
+:attr:`Host.stop_check`; rounds are told through :attr:`Host.report` (:class:`Summary`).
 """
 
 from __future__ import annotations
@@ -103,9 +99,8 @@ class Host:
     report: Callable[[Summary], None] = lambda _summary: None
     #: how the host names its control job (an error tells the operator to use it)
     control: str = "the control job"
-    #: waits up to the given seconds for a sign that the open run's ledger moved; true if one came (a reader
-    #: group's delivery run watches its members in one query and one ``LISTEN``). None: the run listens on its
-    #: own connection and polls the ledger about twice a second
+    #: waits up to the given seconds for a sign that the open run's ledger moved (true if one came); None: the
+    #: run listens on its own connection and polls the ledger about twice a second
     wake: Callable[[float], bool] | None = None
     #: how often the rounds are reported at most (None: the stream's ``tuning.report_every_secs``)
     report_every_secs: float | None = None
@@ -480,9 +475,7 @@ class Linger:
         delivery, tuning = self.stream.delivery, self.stream.delivery.tuning
         linger_secs, warm = delivery.linger_secs, delivery.keep_warm
         if not self._frozen:
-            # a run that stays open keeps what its process holds after the first round (the host, the Spark
-            # session): frozen, the full collections stop scanning it. Not at start-up (the first round's
-            # events do not wait for it); once per process (not a full collection per hosted run)
+            # frozen once per process, after the first round: what the process holds stops being scanned
             _freeze_once()
             self._frozen = True
         idle_since = time.monotonic()
@@ -490,8 +483,7 @@ class Linger:
         wake = self.host.wake
         woken, polled_at = True, 0.0
         if wake is not None and self._looked and not wake(0.0):
-            # after a round, a run its host wakes looks again only once woken (batches handed over during the
-            # round woke it already) or at its safety interval: not one empty look per round
+            # a run its host wakes looks again only once woken, or at its safety interval
             woken, polled_at = False, idle_since
         self._looked = True
         while True:
@@ -503,8 +495,7 @@ class Linger:
                 replay = False
                 if look:
                     polled_at = now
-                    # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver
-                    # what was handed over, close (the lease goes to the replay when the run ends)
+                    # a replay waits for the lease: take nothing more, deliver what was handed over, close
                     seen = state.next_assigned(conn, self.stream.id, self.run_key, after)
                     batches, replay, self.earlier_open = seen.batches, seen.replay_waiting, seen.earlier_open
                 if batches:

@@ -1,22 +1,10 @@
-"""Where a delivery's events come from: one :class:`EventSource` interface, its sources, and
-**one** function that chooses the source (:func:`route`, built by :func:`choose_source`) for a
-delivery round, a replay and a dead-letter redelivery alike.
-
-=============  ==========================================================================================
-route          source
-=============  ==========================================================================================
-``table``      :class:`TableSource`: a round of at most ``direct_max_events`` events (ordering global)
-               read by the run's own connection
-``spark``      :class:`SparkSource`: packed single-partition DataFrames collected one at a time
-               (a larger ordered round, ``direct_max_events`` 0, a replay through Spark, mode ``per_batch``)
-``by_key``     :class:`KeyedSource`: a DataFrame the Spark tasks publish per routing key
-``range``      :class:`RangeSource`: a replay's id ranges read by the run's connections
-``lines``      :class:`LinesSource`: a replay to a sink that takes JSON lines rendered by Postgres
-``letters``    :class:`DeadLetterSource`: open dead letters, in delivery order
-=============  ==========================================================================================
-
-No Dagster here, and Spark only behind the host's :data:`SparkLoader` (a session is started only
-when a round goes to Spark).
+"""Where a delivery's events come from: the :class:`EventSource` interface, its sources by route (``table``:
+:class:`TableSource`, a round of at most ``direct_max_events`` read by the run's connection; ``spark``:
+:class:`SparkSource`; ``by_key``: :class:`KeyedSource`, published by the Spark tasks per routing key;
+``range``: :class:`RangeSource`, a replay read by the run's connections; ``lines``: :class:`LinesSource`, JSON
+lines rendered by Postgres; ``letters``: :class:`DeadLetterSource`), and the **one** choice among them for a
+round, a replay and a redelivery (:func:`route`, :func:`choose_source`). No Dagster; Spark only behind the
+host's :data:`SparkLoader`, started when a round first goes to Spark.
 """
 
 from __future__ import annotations
@@ -90,8 +78,7 @@ class TableSource:
     def events(self) -> Iterator[Positioned]:
         for whole in self.spans:
             for span in whole.split(FETCH_ROWS):
-                # FETCH_ROWS at a time and at most read_bytes (the server cuts), each fetched whole before
-                # anything is yielded: the caller writes the ledger on the same connection
+                # each piece fetched whole before anything is yielded: the caller writes on the same connection
                 yield from self._read(span.batch_id, span.first, span.last)
 
     def _read(self, batch_id: int, lo: int, hi: int) -> Iterator[Positioned]:

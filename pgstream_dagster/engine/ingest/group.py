@@ -1,14 +1,10 @@
-"""A reader group's reader: one slot and one publication for several streams (``streams[].reader``), the WAL
-decoded once for all of them (docs/architecture.md, "One reader per database"). :func:`consume_group`,
-each tick of the group's sensor (and each call of a group delivery run's reader):
-
-1. **ensure** (:func:`ensure_group`): members registered, the publication filtering on them, the slot usable
-   (a lost slot or publication is replaced, each member recovering from ``pgstream.events``);
-2. **join** (:func:`join_members`): a member that still had its own slot drains it up to its join position
-   (``begin_join``), then drops it; while one drains, the group's slot is not read;
-3. **record**: the one recording loop (:class:`~.recorder.Recorder`) over the group's slot (peeked by the
-   sensor, read over the replication protocol by the run's reader: :class:`GroupStream`), routing each
-   transaction by stream, every member's part and the hand-over to its open run in one ledger transaction.
+"""A reader group's reader: one slot and publication for several streams, the WAL decoded once for all
+(docs/architecture.md, "One reader per database"). :func:`consume_group`, each tick of the group's sensor and
+each call of a group run's reader: **ensure** (:func:`ensure_group`: members, publication, a usable slot, lost
+ones replaced and recovered from ``pgstream.events``), **join** (:func:`join_members`: a member with its own
+slot drains it to its join position, then drops it; the group's slot waits meanwhile), **record** (the one
+loop, :class:`~.recorder.Recorder`, over a peek or a kept replication connection, :class:`GroupStream`),
+routing each transaction by stream, every part and its hand-over to the open run in one ledger transaction.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ from ..runlog import Log
 from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, _past, record_pass
 from .source import PeekSource, StreamSource
 
-#: how long the creation of the group's slot waits for the transactions running then to end (any role that
-#: writes a table can keep one open): then the tick ends naming them (replication.SlotCreationWaits)
+#: how long creating the group's slot waits for running transactions (then ``replication.SlotCreationWaits``)
 SLOT_CREATION_WAIT_SECS = 5.0
 #: a joining member: how long a tick waits for the transactions running when its join began
 JOIN_WAIT_SECS = 2.0
@@ -54,8 +49,7 @@ class GroupResult:
     slot_busy: bool = False
     #: members whose registration was refused (stream -> its one line, also in ``notes``): not read
     left_out: dict[int, str] = field(default_factory=dict)
-    #: members whose streams[] entry is invalid (the code location left them out) or missing: recorded with the
-    #: default batching and delivered by no run until it is fixed (stream -> its one line, also in ``notes``)
+    #: members whose streams[] entry is invalid or missing: recorded, delivered by no run (stream -> its line)
     unconfigured: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -216,8 +210,7 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: groups.Member
     (with the group's reader as its declared reader); true once every one is recorded."""
     info = replication.slot_info(conn, member.own_slot)
     if info is None or info["wal_status"] == "lost":
-        # nothing to drain (a new stream, or its slot was dropped or invalidated): what it has is recorded
-        # from the table
+        # nothing to drain (a new stream, or its slot was lost): what it has is recorded from the table
         recording.set_recovery_pending(conn, stream.id)
         result.recovered[stream.id] = recording.recover_from_table(conn, stream.id, stream.batch.max_size)
         return True

@@ -21,11 +21,9 @@ from ..ledger import groups, recording, state, streams
 from ..replication import Transaction
 from .source import PeekSource, SlotSource
 
-#: with the source drained, what is waiting is recorded at once, but at most this often (under
-#: continuous traffic batches then hold what arrived in this time, up to max_size)
+#: with the source drained, what waits is recorded at once, but at most this often
 RECORD_EVERY_SECS = 0.05
-#: how often a reader over the replication protocol (a group delivery run's) confirms the server's position
-#: when nothing is pending, and records how far the slot was read
+#: how often a replication-protocol reader confirms the server's position when idle (and marks how far it read)
 FOLLOW_CHECK_SECS = 1.0
 
 
@@ -108,8 +106,7 @@ class ConsumeResult:
     last_lsn: str | None = None
     slot_lost: bool = False
     unreadable: int = 0  # events set aside as dead letters (stage 'read')
-    #: nothing read: the group's reader reads for the stream, it has no usable slot of its own, or another
-    #: connection held it
+    #: nothing read: the group reads for it, it has no usable slot of its own, or another connection held it
     slot_busy: bool = False
     slot: str | None = None  # the slot read (pgstream.streams.slot), or the group's
 
@@ -139,8 +136,7 @@ def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_s
     with conn.transaction():
         for stream_id, txns in by_stream.items():
             target = ledgers[stream_id]
-            # the declared reader, under the stream row's lock: a joining member may have been handed over
-            # since the read (the group's reader reads these again)
+            # the declared reader, under the stream row's lock (a joining member may have been handed over)
             if state.lock_slot_reader(conn, stream_id) != target.reader:
                 lost.add(stream_id)
                 continue

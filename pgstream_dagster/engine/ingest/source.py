@@ -120,8 +120,7 @@ class PeekSource:
     def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
         if not self._drained or self._peeked_at is None:
             return None
-        # nothing of the stream committed before the flush position of the last complete peek: skip
-        # the other tables' WAL so the next peek does not decode it again
+        # nothing committed before the last complete peek's flush position is unread: skip other tables' WAL
         with _slot_errors(self.slot, gone=False):
             replication.advance_at_least(self.conn, self.slot, self._flushed)
         return self._peeked_at
@@ -172,8 +171,7 @@ class StreamSource:
         if self._probe is None:
             self._probe = (dt.datetime.now(dt.UTC), replication.flush_lsn(conn))
         if not replication.publication_exists(conn, self.publication):
-            # dropped: the server skips the stream's events without an error (Postgres 18), so the slot
-            # must not move past what was received (the sensor puts it back and recovers)
+            # dropped, the server skips the events silently (Postgres 18): the slot must not move past them
             raise walstream.SlotGone(f'publication "{self.publication}" does not exist')
         self.stream.confirm(self.stream.wal_end, reply=True)  # the reply brings a fresh wal_end
         return seen

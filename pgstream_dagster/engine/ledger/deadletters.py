@@ -40,15 +40,13 @@ class DeadLetter:
     updated_at: dt.datetime
     resolved_at: dt.datetime | None
     resolved_by: str | None
-    #: the batch its position is relative to: its own (deliver) or the last one starting at or
-    #: before its LSN (read; 0 when there is none)
+    #: the batch its position is relative to: its own (deliver), or the last starting at or before its LSN (read)
     anchor_batch_id: int = 0
     #: the first batch up to its position that is neither delivered nor skipped: it waits for it
     waiting_for_batch: int | None = None
     #: delivered events of the stream after its position (only :func:`get_dead_letter` computes it)
     overtaken: int | None = None
-    #: listed without its payload (``payloads=False``): the bytes of its payload and metadata as JSON
-    #: text; ``payload_json`` is then ``""`` (or None: no payload), the payload is read when it is sent
+    #: listed without its payload: the bytes of its payload and metadata (``payload_json`` ``""``, or None)
     payload_bytes: int | None = None
 
     @property

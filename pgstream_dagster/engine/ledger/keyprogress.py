@@ -19,8 +19,7 @@ class KeyProgress:
 
     def __init__(self, database_url: str, stream_id: int, partitions: int, token: str | None = None) -> None:
         self.database_url, self.stream_id, self.partitions = database_url, stream_id, partitions
-        #: the round's delivery token (:func:`issue_delivery_token`): what the tasks write with, while
-        #: the run it was issued to holds the stream's delivery lease
+        #: the round's delivery token (:func:`issue_delivery_token`): valid while its run holds the lease
         self.token = token
 
     def connect(self) -> psycopg.Connection:

@@ -19,11 +19,9 @@ import psycopg
 DELIVERY_LOCK = "delivery"
 #: per stream: a redelivery of its dead letters
 REDELIVERY_LOCK = "redelivery"
-#: per stream: a replay, held while it waits for the delivery lease and while it delivers; an open run
-#: that sees it closes (it yields the lease to the replay), a delivery run that starts waits for it
+#: per stream: a replay, held while it waits for the lease and delivers (an open run that sees it closes)
 REPLAY_LOCK = "replay"
-#: per stream: a delivery run waiting for the lease while a replay holds it (its holder is the run id:
-#: the run is alive, not dead, although it holds no lease yet)
+#: per stream: a delivery run waiting for the lease while a replay holds it (alive, though holding no lease)
 LEASE_WAIT_LOCK = "delivery_wait"
 #: how often a run or a replay waiting for the delivery lease looks again (seconds)
 LEASE_POLL_SECS = 0.2
@@ -129,8 +127,7 @@ class LeaseState(StrEnum):
     """What became of a run's delivery lease (:func:`lease_state`)."""
 
     HELD = "held"  # a live backend of the run holds it
-    #: the run took it and the backend that held it has ended without giving it up: the run's process
-    #: died (or its connection did, with Postgres restarting): the run delivers nothing more
+    #: the backend that held it ended without giving it up: the run's process (or connection) died
     LOST = "lost"
     NOT_TAKEN = "not taken"  # no lease names the run: it has not taken one yet (or gave it up, ending)
 
@@ -374,8 +371,7 @@ class _SharedRun:
         return self.shared.session()
 
 
-#: per reader group (the lock's name is this and the group's name; key 0): its group delivery run's lease,
-#: held by the run id for as long as the run's process lives (one group delivery run at a time)
+#: per reader group (name: this and the group's; key 0): its group delivery run's lease, for its process's life
 GROUP_DELIVERY_LOCK = "group_delivery"
 
 

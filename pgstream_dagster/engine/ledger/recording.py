@@ -58,8 +58,7 @@ def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], ma
                    (stream_id, kind, event_ids, event_count, first_event_id, last_event_id, min_created_at,
                     max_created_at, start_lsn, end_lsn, first_commit_at, last_commit_at)
                    values (%s, %s, %s::bigint[], %s, %s, %s, %s, %s, %s::pg_lsn, %s::pg_lsn, %s, %s) returning id""",
-                # the ids as an array literal: psycopg dumps a list element by element in Python (6 ms per
-                # 10,000 ids, against 0.8 ms for this)
+                # an array literal: psycopg dumps a list element by element (6 ms per 10,000 ids, this 0.8)
                 [stream_id, kind, "{" + ",".join([str(e.id) for e in chunk]) + "}", len(chunk), chunk[0].id,
                  chunk[-1].id, min(created), max(created),
                  replication.int_to_lsn(first_txn.commit_lsn), replication.int_to_lsn(last_txn.end_lsn),

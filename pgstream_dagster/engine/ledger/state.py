@@ -228,8 +228,7 @@ def publishing(conn: psycopg.Connection, stream_id: int, run_id: str) -> Iterato
     waited for), which a pause waits for: every later publish raises :class:`StreamPaused`, and one whose lease
     another run took :class:`LeaseLost`. Recording and inserting batches do not wait for it."""
     with conn.transaction():
-        # (the lease's row still names the run: the check of its session's life is left to the look between
-        # rounds, :func:`why_close`, a statement per publish call cheaper; another run taking the lease renames it)
+        # (the lease session's life is checked between rounds, :func:`why_close`; another run renames the row)
         row = conn.execute("select s.paused, exists (select 1 from pgstream.locks l where l.name = %s "
                            "and l.key = s.id and l.holder = %s and l.pid is not null), "
                            "pg_catalog.set_config('synchronous_commit', 'off', true) "
