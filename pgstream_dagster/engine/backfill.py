@@ -130,9 +130,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class Pace:
-    """One partition task's budget in a round: it returns (``more``) after ``max_rows`` rows or ``max_secs``,
-    giving its Spark slot back; within it, it keeps ``rows_per_sec`` and waits before a chunk while stream
-    ``stream_id`` has more than ``max_backlog`` undelivered events."""
+    """One partition task's budget in a round (``max_rows`` rows or ``max_secs``, then ``more``: its Spark slot
+    given back), within which it keeps ``rows_per_sec`` and waits while the stream has ``max_backlog`` waiting."""
 
     max_secs: float
     max_rows: int | None = None
@@ -430,9 +429,8 @@ RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, e
 
 def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                  pace: Pace) -> list[PartitionResult]:
-    """Read ``parts`` in parallel, one Spark task each calling ``pgstream.backfill_chunk`` in a loop (only its
-    :class:`PartitionResult` comes back): an RDD job on a classic session (no query to plan, about half a
-    DataFrame job's start: bench/RESULTS.md), ``spark.range(n).mapInArrow`` on Spark Connect (no RDDs)."""
+    """Read ``parts`` in parallel, one Spark task each calling ``pgstream.backfill_chunk`` (only its
+    :class:`PartitionResult` comes back): an RDD job on a classic session, ``spark.range(n).mapInArrow`` on Connect."""
     from .spark import executor_python_errors, ship_package
     from .spark_source import is_classic
 

@@ -240,9 +240,8 @@ class FailRun:
 
 @dataclass(frozen=True)
 class Requeue:
-    """The head's run was interrupted by the instance's shutdown before this code location started, which
-    says nothing of its batches or the sink: they go back to pending (``checkpoint``: in failover, the head
-    stays the checkpoint, due now), no failover entered, no attempt counted."""
+    """The head's run was interrupted by a shutdown before this code location started (nothing said of the sink):
+    its batches go back to pending (``checkpoint``: the head stays the failover's, due now), nothing counted."""
 
     head: Batch
     run_id: str

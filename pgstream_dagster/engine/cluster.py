@@ -100,9 +100,8 @@ def default_cores_max(parallelism: Iterable[int]) -> int:
 
 def cluster_conf(master: str, conf: dict[str, str], by_key_parallelism: Iterable[int] = (),
                  ship_package: bool = True) -> dict[str, str]:
-    """What pgstream adds for a cluster ``master`` to the user's ``conf`` (which wins): the package zip in
-    ``spark.submit.pyFiles``, ``spark.cores.max`` (standalone masters) and ``spark.task.maxFailures`` 1 (a
-    failed task fails the run, retried by the stream's failover, not by Spark). Nothing for a local master."""
+    """What pgstream adds for a cluster ``master`` to the user's ``conf`` (which wins): the package zip, a bounded
+    ``spark.cores.max`` (standalone) and ``spark.task.maxFailures`` 1 (failover retries, not Spark); local: none."""
     if is_local(master):
         return {}
     out: dict[str, str] = {}

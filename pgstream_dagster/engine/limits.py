@@ -213,9 +213,8 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
 
 
 def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig], where: str) -> str | None:
-    """The line saying that the streams with open runs (a reader group's: one group run) and one more run do
-    not fit in the instance's ``max_concurrent_runs`` (``None`` or negative: no limit); ``where`` names its
-    configuration."""
+    """The line saying that the reader groups' delivery runs and one more run do not fit in ``max_concurrent_runs``
+    (``None`` or negative: no limit); ``where`` names the instance's configuration."""
     if max_concurrent_runs is None or max_concurrent_runs < 0:
         return None
     groups = list(reader_groups(streams))

@@ -315,9 +315,8 @@ DRIFT_GUARD_MISSING = ("warning: the schema-drift guard is NOT active (its event
 
 
 def install_drift_guard(superuser_url: str, directory: Path | None = None) -> None:
-    """Create the drift guard's event triggers as a superuser (on RDS, its master user) on an install whose
-    owner is not one: the event-trigger step of ``repeatable/05_drift_guard.sql`` run again. Raises
-    :class:`MigrationError` when the role may not create event triggers or pgstream is not installed."""
+    """Create the drift guard's event triggers as a superuser (RDS: its master user), the event-trigger step of
+    ``repeatable/05_drift_guard.sql`` again; :class:`MigrationError` when it may not, or pgstream is not installed."""
     files = {r.name: r for r in discover_repeatables(directory)}
     guard = next((f for name, f in files.items() if name.endswith("_drift_guard.sql")), None)
     if guard is None:

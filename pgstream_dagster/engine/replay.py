@@ -147,9 +147,8 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
 
 
 def count_note(planned: int, delivered: int) -> str | None:
-    """What happened when a replay delivered another number of events than it planned (None: the same):
-    counted at planning, read range by range later up to the selection's upper bound, so events committed
-    into the selection meanwhile are delivered too, and events deleted meanwhile (retention) are not."""
+    """What happened when a replay delivered another number of events than it planned (None: the same): events
+    committed into the selection meanwhile are delivered too, events deleted meanwhile (retention) are not."""
     if delivered == planned:
         return None
     if delivered > planned:
@@ -309,9 +308,8 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
 
 def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int, sink: Sink,
                   read_bytes: int = reads.READ_BYTES) -> Generator[Counted | int, None, None]:
-    """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`, in
-    ``publish_json_lines`` calls of ``chunk_size`` events and at most ``read_bytes`` bytes (one event at
-    least), in order; yields :class:`Counted` once, then the events confirmed after each chunk."""
+    """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`, in order, in
+    ``publish_json_lines`` calls; yields :class:`Counted` once, then the events confirmed after each chunk."""
     if not sink.accepts_json_lines:
         raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
     done = 0

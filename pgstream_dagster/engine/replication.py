@@ -202,9 +202,8 @@ def publication_exists(conn: psycopg.Connection, name: str) -> bool:
 
 
 def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
-    """Slot state: confirmed position, retained WAL bytes, WAL status. A slot synced from a former primary
-    (``synced``, Postgres 17+) is ``lost``: its position may be past what the ledger recorded, so it is
-    replaced and recovered from the table, as an invalidated one."""
+    """Slot state: confirmed position, retained WAL bytes, WAL status; a slot synced from a former primary (17+) is
+    ``lost`` (its position may be past what the ledger recorded: replaced and recovered, as an invalidated one)."""
     row = conn.execute(
         """select confirmed_flush_lsn::text,
                   case when coalesce((pg_catalog.to_jsonb(s) operator(pg_catalog.->>) 'synced')::boolean, false)
@@ -237,9 +236,8 @@ _CREATE_FAILOVER_SLOT = ("select lsn::text from pg_catalog.pg_create_logical_rep
 
 
 def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None = None) -> str:
-    """Create the pgoutput slot, outside any transaction that wrote; returns its consistent point. Postgres
-    waits for every running transaction to end first: with ``wait_secs`` at most that long, then
-    :class:`SlotCreationWaits`."""
+    """Create the pgoutput slot (outside a transaction that wrote); its consistent point. Waits for running
+    transactions to end: with ``wait_secs`` at most that long, then :class:`SlotCreationWaits`."""
     # a failover slot (17+): a primary's synchronized_standby_slots holds decoding until the standby has the WAL
     query = _CREATE_FAILOVER_SLOT if conn.info.server_version >= 170000 else _CREATE_SLOT
     params = [slot]

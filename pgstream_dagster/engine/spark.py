@@ -412,9 +412,8 @@ def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Pos
 
 
 def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, None]:
-    """The rows of single-partition DataFrames, in order, each collected whole; ``prefetch``: the next one
-    collected in a thread meanwhile. Not ``toLocalIterator``, whose partitions stay on the driver's JVM heap
-    in PySpark 4 (an OutOfMemoryError after ~200 of 4 MB with the default heap)."""
+    """The rows of single-partition DataFrames, in order, each collected whole (``prefetch``: the next meanwhile),
+    not ``toLocalIterator``, whose partitions stay on the driver's JVM heap in PySpark 4 (an OutOfMemoryError)."""
     if not frames:
         return
     with executor_python_errors(frames[0].sparkSession), \
@@ -446,9 +445,8 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                        skip: frozenset[Position], reject: RejectPolicy | None,
                        progress: KeyProgress | None, too_large: SetAsideTooLarge | None = None,
                        chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
-    """One ``by_key`` partition, on an executor: its events (:data:`SCHEMA` plus ``bucket``, in commit order)
-    published through a sink of its own, each confirmed chunk recorded in ``progress`` before the next, what
-    was recorded before not published again. Yields one :data:`BY_KEY_RESULT_SCHEMA` record batch."""
+    """One ``by_key`` partition on an executor: its events published through a sink of its own, each confirmed
+    chunk recorded in ``progress`` first (not published again); yields one :data:`BY_KEY_RESULT_SCHEMA` batch."""
     import pyarrow as pa
 
     first = next(batches, None)

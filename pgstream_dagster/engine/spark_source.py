@@ -594,9 +594,8 @@ order by e.id"""  # noqa: S608
 
 
 class PushdownEventsReader(EventsReader):
-    """:class:`EventsReader` with Spark's filters pushed down (option ``pushFilters`` and
-    ``spark.sql.python.filterPushdown.enabled``). Opt-in: Spark 4.3 reuses the reader of a DataFrame's first
-    filtered query for later unfiltered ones (tests/test_spark_source.py): load a DataFrame per query."""
+    """:class:`EventsReader` with Spark's filters pushed down (``pushFilters``; opt-in: Spark 4.3 reuses a
+    DataFrame's first filtered reader for its later queries, tests/test_spark_source.py: a DataFrame per query)."""
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
         self.pushed: list[tuple[str, list[Any]]] = []  # each call replaces the last one's

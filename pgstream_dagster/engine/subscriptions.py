@@ -128,9 +128,8 @@ _valid_files: dict[tuple[str, str], float] = {}
 
 def _validate_file(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int,
                    source: str) -> None:
-    """:func:`validate_all` of the file before one of its streams is applied, at most once per
-    ``FILE_VALID_SECS`` for the same content (not a hundred times for a hundred streams); the stream's own
-    subscriptions are validated every time."""
+    """:func:`validate_all` of the file before one of its streams is applied, at most once per ``FILE_VALID_SECS``
+    for the same content; the stream's own subscriptions are validated every time."""
     info = conn.info
     digest = hashlib.sha256(json.dumps([info.host, info.port, info.dbname, [definition(s) for s in subscriptions]],
                                        sort_keys=True, default=str).encode()).hexdigest()
@@ -197,9 +196,8 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
 
 def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[SubscriptionConfig],
                declared: set[Identity], remove_absent: bool) -> int | None:
-    """When the database already holds ``written`` as declared (and, ``remove_absent``, nothing undeclared),
-    the count of the stream's hand-made subscriptions, else None: one read for the common case of a code
-    location starting with its streams applied already."""
+    """When the database holds ``written`` as declared (and, ``remove_absent``, nothing undeclared), the count of
+    the stream's hand-made subscriptions, else None: one read when a code location starts with all applied."""
     columns = f"key, schema_name, table_name, operation::text, {_STORED_COLUMNS}"
     rows = conn.execute(f"select {columns} from pgstream.subscriptions where stream_id = %s",  # noqa: S608
                         [stream_id]).fetchall()  # (column lists, no input)

@@ -26,9 +26,8 @@ class StreamBroken(RuntimeError):
 
 
 class ReplicationStream:
-    """The slot over the replication protocol: pgoutput messages of the publication from the confirmed
-    position, each transaction sent as it commits; only :meth:`confirm` moves the slot. ``wal_end``: how far
-    the server has sent (nothing received unrecorded: every commit before it was seen)."""
+    """The slot over the replication protocol: the publication's messages from the confirmed position, each
+    transaction as it commits; only :meth:`confirm` moves the slot; ``wal_end``: how far the server has sent."""
 
     #: messages read per :meth:`read` at most (then the caller records what it has)
     MAX_MESSAGES = 20_000

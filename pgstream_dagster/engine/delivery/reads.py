@@ -93,9 +93,8 @@ class Piece:
 
 def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: int,
         limit: int | None, rows: int | None = None) -> Iterator[Piece | tuple[int, TooLarge]]:
-    """``lo..hi`` in order as :class:`Piece` s of at most ``budget`` bytes (one event at least) and ``rows``
-    positions, by ``sizes`` (rows of :data:`BATCH_SIZES`; a position without one counts in no piece). An event
-    whose payload is larger than ``limit`` comes as ``(position, TooLarge)`` in its place, never read."""
+    """``lo..hi`` as :class:`Piece` s of at most ``budget`` bytes (one event at least) and ``rows`` positions, by
+    ``sizes`` (:data:`BATCH_SIZES`); a payload over ``limit`` comes as ``(position, TooLarge)``, never read."""
     start, used = lo, 0
     for position, event_id, payload, metadata in sizes:
         if limit is not None and payload > limit:

@@ -239,9 +239,8 @@ def owed(stream: StreamConfig, batches: list[state.Batch]) -> list[Span]:
 
 
 def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state.Batch]:
-    """A run's next round of ``batches`` (ordering global): the first of them up to ``direct_max_events``
-    events (one batch at least), read without Spark; the rest come in the next rounds (a Spark job started
-    while writers take the CPUs held the stream for 1-2 minutes: bench/sustained.py)."""
+    """A run's next round of ``batches`` (ordering global): the first of them up to ``direct_max_events`` events
+    (one batch at least), read without Spark; the rest in the next rounds (bench/sustained.py)."""
     limit = stream.delivery.direct_max_events
     if stream.delivery.ordering != "global" or limit <= 0:
         return batches
@@ -375,9 +374,8 @@ class _Round:
 
     def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None,
                 token: str) -> int:
-        """Per routing key, on the executors (each task with its own sink, recording its confirmations in
-        ``pgstream.key_progress``); each batch is marked delivered once every task is done and the counts
-        add up. The events handled."""
+        """Per routing key, on the executors (each task with its own sink and ``pgstream.key_progress``); each
+        batch marked delivered once every task is done and the counts add up. The events handled."""
         from .. import spark
 
         stream, conn, expected = self.stream, self.conn, self.expected
@@ -458,9 +456,8 @@ def _freeze_once() -> None:
 
 
 class Linger:
-    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for batches the sensor assigns to
-    it, until it closes (see the module; a replay waits however it was launched:
-    :func:`~..ledger.locks.acquire_replay_lease`)."""
+    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for those the sensor assigns to it
+    until it closes (see the module; a replay waits however launched: :func:`~..ledger.locks.acquire_replay_lease`)."""
 
     def __init__(self, host: Host, ledger: locks.RunConnections, stream: StreamConfig, run_key: str) -> None:
         self.host, self.ledger, self.stream, self.run_key = host, ledger, stream, run_key

@@ -106,9 +106,8 @@ class TableSource:
 
 @dataclasses.dataclass(frozen=True)
 class RangeSource:
-    """Route ``range``: a replay's id ``ranges`` (:func:`~pgstream_dagster.engine.replay.plan`) read without
-    Spark, each whole with the Spark source's query (``params``), by a connection of its own while the caller
-    publishes the one before (Spark would add only its start and a copy of every row: bench/replay.py)."""
+    """Route ``range``: a replay's id ``ranges`` (:func:`~pgstream_dagster.engine.replay.plan`), each read whole
+    with the Spark source's query (``params``) by a connection of its own while the one before is published."""
 
     database_url: str
     ranges: Sequence[tuple[int, int]]
@@ -343,9 +342,8 @@ def publish_in_order(source: EventSource, sink: Sink, chunk_size: int, *, skip: 
                      reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
                      too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
                      gate: Gate = contextlib.nullcontext) -> Deliveries:
-    """Global order: ``source``'s events published through ``sink`` (the caller's) by
-    :func:`~..publish.publish`, whose deliveries (and arguments) this passes on. Closing it closes the
-    source's events in the caller's thread (a reader's prefetch is waited for then)."""
+    """Global order: ``source``'s events published through the caller's ``sink`` by :func:`~..publish.publish`;
+    closing it closes the source's events in the caller's thread (a reader's prefetch waited for then)."""
     events = source.events()
     try:
         yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,

@@ -30,8 +30,7 @@ FOLLOW_CHECK_SECS = 1.0
 @dataclass(frozen=True)
 class Batching:
     """The one batching rule (``batch:``): what waits is recorded once ``max_size`` events wait, the oldest
-    committed ``max_fill_secs`` ago, or the source sent everything committed (at most every
-    :data:`RECORD_EVERY_SECS`); then cut into batches of ``max_size``."""
+    committed ``max_fill_secs`` ago, or the source sent all (every :data:`RECORD_EVERY_SECS`); cut at ``max_size``."""
 
     max_size: int
     max_fill_secs: float

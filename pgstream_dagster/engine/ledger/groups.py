@@ -51,9 +51,8 @@ def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) 
 
 def register_missing_members(conn: psycopg.Connection, group: str,
                              stream_ids: list[int]) -> tuple[list[int], dict[int, str]]:
-    """Register the streams of ``stream_ids`` not yet in ``group`` (one query when all are); those registered
-    and those refused, with their one line (``reader group <name>: stream <id> is left out: <why>``), which
-    changes nothing and is tried again at the next call."""
+    """Register the streams of ``stream_ids`` not yet in ``group`` (one query when all are); those registered and
+    those refused with their one line (``reader group <name>: stream <id> is left out: <why>``), tried again later."""
     known = {int(r[0]) for r in conn.execute("select id from pgstream.streams where reader_group = %s", [group])}
     added: list[int] = []
     refused: dict[int, str] = {}

@@ -32,9 +32,8 @@ class KeyProgress:
         return {int(b): (int(batch), int(o)) for b, batch, o in rows}
 
     def record(self, conn: psycopg.Connection, buckets: list[int], batch_id: int, ord: int) -> None:
-        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled, written by the owner's
-        ``pgstream.record_key_progress`` with the round's token. :class:`RunGone` once the run no longer holds
-        its delivery lease, so a Spark Connect server's abandoned tasks publish no more."""
+        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (``pgstream.record_key_progress``, the
+        round's token); :class:`RunGone` once the run lost its lease, so abandoned tasks publish no more."""
         row = conn.execute("select pgstream.record_key_progress(%s, %s, %s, %s, %s)",
                            [self.token, self.partitions, buckets, batch_id, ord]).fetchone()
         if not (row and row[0]):

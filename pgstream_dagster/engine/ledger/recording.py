@@ -28,9 +28,8 @@ def atomic(conn: psycopg.Connection) -> Iterator[None]:
 
 
 def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
-    """The end of the last transaction read from the slot and recorded; not a recovery's (a transaction
-    committed before its snapshot may not have been visible to it: the slot's batch keeps such one and drops
-    what the recovery holds by id, :func:`recovered_ids_since`)."""
+    """The end of the last transaction read from the slot and recorded, not a recovery's (which may have missed
+    one committed before its snapshot: that one's batch drops by id what recovery holds)."""
     row = conn.execute("select max(end_lsn)::text from pgstream.batches where stream_id = %s and kind = 'stream'",
                        [stream_id]).fetchone()
     return replication.lsn_to_int(row[0]) if row and row[0] else None
@@ -38,9 +37,8 @@ def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
 
 def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], max_size: int,
            kind: str = "stream", standby: str | None = None, give_up: Callable[[], bool] | None = None) -> list[int]:
-    """Record the events of ``txns`` (commit order) as batches of at most ``max_size`` carrying their LSN
-    range and commit times, and their unreadable events as dead letters (stage 'read'), in one database
-    transaction, once ``txns`` are visible (:func:`wait_until_visible`, with ``standby`` and ``give_up``)."""
+    """Record the events of ``txns`` (commit order) as batches of at most ``max_size`` with their LSN range and
+    commit times, unreadable ones as dead letters, in one transaction once visible (:func:`wait_until_visible`)."""
     ids: list[int] = []
     events = [e for t in txns for e in t.events]
     wait_until_visible(conn, [t.xid for t in txns], standby, give_up)
@@ -149,9 +147,8 @@ def recovered_ids_since(conn: psycopg.Connection, stream_id: int, lsn: int) -> s
 
 
 def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) -> list[int]:
-    """Record every event of the stream no batch covers yet (after its ``ledger_horizon``), in id order, as
-    ``recovery`` batches whose ``end_lsn`` is the snapshot's WAL position (a hash anti-join over the ledger's
-    ids), clearing ``streams.recovery_pending`` in the same transaction."""
+    """Record every event of the stream no batch covers (after its ``ledger_horizon``), in id order, as ``recovery``
+    batches ending at the snapshot's WAL position, clearing ``streams.recovery_pending`` in the same transaction."""
     with conn.transaction():
         conn.execute("set transaction isolation level repeatable read")
         # fetchone() is typed optional; a select without from returns one row
