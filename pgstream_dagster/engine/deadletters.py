@@ -126,22 +126,21 @@ def get_dead_letter(conn: psycopg.Connection, dead_letter_id: int) -> DeadLetter
 
 # --- operator actions (thin wrappers of the SQL functions) --------------------------------------
 
-def _refused(exc: psycopg.Error) -> DeadLetterError:
-    diag = exc.diag
-    message = diag.message_primary or str(exc)
-    return DeadLetterError(f"{message} ({diag.message_hint})" if diag.message_hint else message)
+def _count(conn: psycopg.Connection, query: str, params: list[Any]) -> int:
+    """The count an SQL function returns; its refusal as a :class:`DeadLetterError` (with its hint)."""
+    try:
+        row = conn.execute(query, params).fetchone()
+    except (psycopg.errors.NoDataFound, psycopg.errors.InvalidParameterValue) as exc:
+        message = exc.diag.message_primary or str(exc)
+        raise DeadLetterError(f"{message} ({exc.diag.message_hint})" if exc.diag.message_hint else message) from None
+    assert row is not None
+    return int(row[0])
 
 
 def set_aside(conn: psycopg.Connection, stream_id: int, event_ids: Sequence[int], reason: str) -> int:
     """Move undelivered events of the stream's open batches into dead letters; how many. Refuses, changing
     nothing, ids in no open batch of the stream or already dead letters."""
-    try:
-        row = conn.execute("select pgstream.set_aside_events(%s, %s, %s)",
-                           [stream_id, list(event_ids), reason]).fetchone()
-    except (psycopg.errors.NoDataFound, psycopg.errors.InvalidParameterValue) as exc:
-        raise _refused(exc) from None
-    assert row is not None
-    return int(row[0])
+    return _count(conn, "select pgstream.set_aside_events(%s, %s, %s)", [stream_id, list(event_ids), reason])
 
 
 def discard(conn: psycopg.Connection, stream_id: int, ids: Sequence[int] | None, by: str) -> int:
@@ -149,13 +148,8 @@ def discard(conn: psycopg.Connection, stream_id: int, ids: Sequence[int] | None,
     Refuses, changing nothing, ids that are not open dead letters of the stream."""
     if ids is not None and not ids:
         raise DeadLetterError("no dead letter ids given (give ids, or discard all of the stream's)")
-    try:
-        row = conn.execute("select pgstream.discard_dead_letters(%s, %s, %s)",
-                           [stream_id, None if ids is None else list(ids), by]).fetchone()
-    except (psycopg.errors.NoDataFound, psycopg.errors.InvalidParameterValue) as exc:
-        raise _refused(exc) from None
-    assert row is not None
-    return int(row[0])
+    return _count(conn, "select pgstream.discard_dead_letters(%s, %s, %s)",
+                  [stream_id, None if ids is None else list(ids), by])
 
 
 # --- redelivery ---------------------------------------------------------------------------------

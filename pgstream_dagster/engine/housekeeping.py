@@ -10,7 +10,7 @@ left for the next pass is reported. A registered consumer holds back what it has
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
@@ -44,11 +44,7 @@ class HousekeepingReport:
                    if self.consumers_overrun else ""))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"today": self.today.isoformat(), "created": self.created, "dropped": self.dropped,
-                "kept": self.kept, "busy": self.busy, "rows_dropped": self.rows_dropped,
-                "bytes_dropped": self.bytes_dropped, "default_rows_deleted": self.default_rows_deleted,
-                "batches_pruned": self.batches_pruned, "consumers_overrun": self.consumers_overrun,
-                "warnings": self.warnings}
+        return {**asdict(self), "today": self.today.isoformat()}
 
 
 def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,

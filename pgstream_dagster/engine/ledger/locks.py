@@ -135,19 +135,14 @@ class LeaseState(StrEnum):
 def lease_state(conn: psycopg.Connection, run_id: str) -> LeaseState:
     """What became of run ``run_id``'s delivery lease, or its wait for it: the lock row names its holder
     until another run takes the lease or the holder gives it up (:func:`give_up_lease`)."""
-    # the lease, or the wait for it while a replay holds it (LEASE_WAIT_LOCK): a run waiting is alive
-    row = conn.execute("select bool_or(pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)), count(*) "
-                       "from pgstream.locks l where l.name in (%s, %s) and l.holder = %s and l.pid is not null",
-                       [DELIVERY_LOCK, LEASE_WAIT_LOCK, run_id]).fetchone()
-    if row is None or not row[1]:
-        return LeaseState.NOT_TAKEN
-    return LeaseState.HELD if row[0] else LeaseState.LOST
+    return lease_states(conn, [run_id])[run_id]
 
 
 def lease_states(conn: psycopg.Connection, run_ids: list[str]) -> dict[str, LeaseState]:
     """:func:`lease_state` of each of ``run_ids``, in one query (a reader group's sensor looks at every
     member run's lease each tick)."""
     states = dict.fromkeys(run_ids, LeaseState.NOT_TAKEN)
+    # the lease, or the wait for it while a replay holds it (LEASE_WAIT_LOCK): a run waiting is alive
     for holder, alive in conn.execute(
             "select l.holder, bool_or(pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)) "
             "from pgstream.locks l where l.name in (%s, %s) and l.holder = any(%s) and l.pid is not null "
@@ -159,11 +154,14 @@ def lease_states(conn: psycopg.Connection, run_ids: list[str]) -> dict[str, Leas
 def give_up_lease(conn: psycopg.Connection, stream_id: int) -> None:
     """A run that ends gives its delivery lease up and closes its connection (only a run whose process died
     leaves a :attr:`LeaseState.LOST` lease); a broken connection gives up nothing (its backend has ended)."""
+    _give_up(conn, DELIVERY_LOCK, stream_id)
+
+
+def _give_up(conn: psycopg.Connection, name: str, key: int) -> None:
     try:
-        if not conn.closed and not conn.broken:
-            unlock(conn, DELIVERY_LOCK, stream_id)
-    except psycopg.Error:
-        pass
+        with suppress(psycopg.Error):
+            if not conn.closed and not conn.broken:
+                unlock(conn, name, key)
     finally:
         conn.close()
 
@@ -405,13 +403,7 @@ def group_lease_state(conn: psycopg.Connection, group: str, run_id: str) -> Leas
 
 def give_up_group_lease(conn: psycopg.Connection, group: str) -> None:
     """A group delivery run that ends (short of its process dying) gives the group's lease up."""
-    try:
-        if not conn.closed and not conn.broken:
-            unlock(conn, _group_lock(group), 0)
-    except psycopg.Error:
-        pass
-    finally:
-        conn.close()
+    _give_up(conn, _group_lock(group), 0)
 
 
 #: per reader group (name: this and the group's; key 0): the reading of the group's slot, held by the group run's
