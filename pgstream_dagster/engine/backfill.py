@@ -204,9 +204,8 @@ def unfinished(conn: psycopg.Connection, target: Target) -> dict[str, Any] | Non
 
 
 def open_backfill(conn: psycopg.Connection, target: Target, request: Request) -> tuple[int, bool]:
-    """The backfill of ``target`` to run: its unfinished one (resumed if the request has the same filter
-    and range; ``restart`` cancels it), else a new one; ``(id, resumed)``. Raises :class:`BackfillError`
-    (nothing changed) when the database refuses the request (no primary key, a bad filter or bounds)."""
+    """The backfill of ``target`` to run, ``(id, resumed)``: its unfinished one (same filter and range, unless
+    ``restart`` cancels it) or a new one; :class:`BackfillError` (nothing changed) when the database refuses it."""
     where = (request.where or "").strip() or None
     with conn.transaction():
         current = unfinished(conn, target)
@@ -318,9 +317,8 @@ def _owned(conn: psycopg.Connection, backfill_id: int, token: str) -> bool:
 
 def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size: int, pace: Pace,
                   sleep: Callable[[float], None] = time.sleep) -> PartitionResult:
-    """Read partition ``part`` chunk by chunk until it is done, the backfill stops or the round's budget is
-    spent (``more``). A transient error retries the chunk; any other is a row that cannot become an event:
-    the rows before it are written one by one and the partition stops ``failed`` naming its key."""
+    """Read partition ``part`` chunk by chunk until done, stopped or out of budget (``more``), retrying transient
+    errors; a row that cannot become an event fails the partition, naming its key (the rows before it written)."""
     result = PartitionResult(part, "stopped")
     started = time.monotonic()
     conn = _connect(url)

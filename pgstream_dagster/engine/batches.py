@@ -380,9 +380,8 @@ def failover_key(batch_id: int, retry_at: dt.datetime) -> str:
 
 
 def tick_notes(action: Action, said: dict[str, Any], now: float) -> list[str]:
-    """:func:`notes` for a sensor deciding many times a tick: a transition each time, a lasting state once
-    when it starts or changes, then its short form at most every :data:`REMIND_EVERY_SECS` (``now``: epoch
-    seconds). ``said`` remembers what was said (the sensor's cursor)."""
+    """:func:`notes` for a sensor deciding many times a tick: a transition each time, a lasting state once, then
+    its short form every :data:`REMIND_EVERY_SECS` (``now``: epoch seconds); ``said``: what was said (its cursor)."""
     state = _lasting(action)
     lines = [n for n in notes(action) if state is None or n != state.reason]
     if isinstance(action, FailRun):  # its note tells the failover it starts: the wait that follows was said

@@ -45,9 +45,8 @@ def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
 def init(config_path: Path | None = None, owner_url: str | None = None,
          defs_folder: Path | str | None = None, max_concurrent_runs: int | None = None,
          runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
-    """:func:`preflight` first (:class:`~.limits.LimitsExceeded` before any change); then as the owner
-    (``owner_url``): migrate, housekeeping once, the YAML subscriptions (and ``defs_folder``'s components'); as
-    the runtime: the streams registered in their reader groups and the groups' slots."""
+    """:func:`preflight` (:class:`~.limits.LimitsExceeded` before any change); as the owner: migrate, housekeeping,
+    the subscriptions (``defs_folder``'s too); as the runtime: the streams in their groups, the groups' slots."""
     from ..config import load_config
     from .housekeeping import run_housekeeping
     from .ingest.group import GroupResult, ensure_group

@@ -213,9 +213,8 @@ def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
 
 
 def driver_python_problem(python: str, cwd: Path, driver: str = "the run") -> str | None:
-    """Why the Spark driver (``driver``: the run, or a Spark Connect server) could not start ``python`` from
-    ``cwd``, or None: it starts it too, to plan the data sources, so a path relative to the executors'
-    directory (``spark.archives``) missing here fails each run at its first read."""
+    """Why the Spark driver (the run, or a Spark Connect server) could not start ``python`` from ``cwd`` to plan
+    the data sources, or None: a path relative to the executors' directory missing here fails each first read."""
     if os.path.isabs(python) or "/" not in python:
         return None
     if (cwd / python).is_file() and os.access(cwd / python, os.X_OK):

@@ -49,10 +49,9 @@ class HousekeepingReport:
 
 def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
                      today: dt.date | None = None) -> HousekeepingReport:
-    """One housekeeping pass for UTC day ``today`` (default: the database's), each step committing on its own:
-    partitions ahead, expired ones dropped one transaction each, expired rows of ``events_default`` deleted,
-    delivered batches older than ``ledger_keep_days`` pruned. Every lock is tried with ``lock_timeout_ms``,
-    ``lock_attempts`` times; a partition whose locks stay held is left for the next pass (``busy``)."""
+    """One pass for UTC day ``today`` (default: the database's), each step committing on its own: partitions ahead,
+    expired ones dropped one transaction each, expired ``events_default`` rows deleted, old delivered batches
+    pruned; locks tried ``lock_attempts`` times for ``lock_timeout_ms``, a partition still held left (``busy``)."""
     if today is None:
         row = conn.execute("select pgstream.utc_today()").fetchone()
         assert row is not None

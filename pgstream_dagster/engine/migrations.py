@@ -215,9 +215,8 @@ def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, pa
 
 
 def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | None = None) -> list[str]:
-    """Apply the pending versioned migrations, then the changed repeatable files, and create the partitions;
-    the files applied (``012_least_privilege.sql``, ``repeatable/04_subscriptions.sql``), each in a transaction
-    with its ledger row that takes the ledger's lock first: concurrent migrators apply each file once."""
+    """Apply the pending versioned migrations, then the changed repeatable files, each with its ledger row behind
+    the ledger's lock, and create the partitions; the files applied (``repeatable/04_subscriptions.sql``, ...)."""
     migrations = discover(directory)
     repeatables = discover_repeatables(directory)
     applied: list[str] = []
@@ -437,9 +436,8 @@ def _wait_slot_released(conn: psycopg.Connection, slot: str, timeout: float = 10
 
 
 def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
-    """Remove every trace of pgstream (event and generated triggers, publications, the schema, its streams'
-    slots and any named like a default slot); what was removed. Dependent objects outside the schema make it
-    refuse (:class:`TearDownRefused`, nothing changed) unless ``cascade``: dropped too and listed."""
+    """Remove every trace of pgstream (triggers, publications, the schema, the streams' slots); what was removed.
+    Dependent objects outside it refuse it (:class:`TearDownRefused`) unless ``cascade`` (dropped too, listed)."""
     from psycopg import sql
 
     removed: list[str] = []

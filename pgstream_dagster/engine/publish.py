@@ -168,9 +168,8 @@ def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: fr
             too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
             gate: Gate = nullcontext) -> Deliveries:
     """Publish ``rows`` (in the order owed) through the caller's ``sink`` in chunks of ``chunk_size`` events and
-    ``chunk_bytes`` of JSON text (one at least), yielding what happened (see the module). ``owed``: the spans
-    the rows must cover; ``too_large``: records a :class:`TooLarge` row (else :class:`EventTooLargeError`);
-    ``gate``: what every publish call runs inside (it may raise)."""
+    ``chunk_bytes`` of JSON text (one at least), yielding what happened. ``owed``: the spans the rows must cover;
+    ``too_large``: records a :class:`TooLarge` row (else :class:`EventTooLargeError`); ``gate``: each call's."""
     return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes, gate=gate).run(rows)
 
 
@@ -390,9 +389,8 @@ class _Publisher:
         yield Progress(self.handled)
 
     def _check_sink(self, event: Event, error: SinkError, *, storm: bool) -> bool:
-        """Publish the last event the sink confirmed again before ``event`` is set aside (``storm``: after
-        ``max_consecutive`` rejections, else at the call's first); whether the sink took it. Raises
-        :class:`RejectStormError` when it refuses that one too, or in a storm when there is none to send."""
+        """Publish the sink's last confirmed event again before ``event`` is set aside (``storm``: after
+        ``max_consecutive``); whether it took it. :class:`RejectStormError` if refused too, or none in a storm."""
         policy = self.reject
         assert policy is not None
         probe = self.last_good

@@ -210,9 +210,8 @@ class Lines:
 
 def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2,
                read_bytes: int = reads.READ_BYTES) -> Generator[Counted | Lines, None, None]:
-    """The events :func:`selection`'s ``params`` select, in id order, as :class:`Lines` of ``size`` events and
-    ``read_bytes`` bytes (one at least), and :class:`Counted` once counted: one session walks the ids
-    (:class:`IdRanges`, a thread) while ``connections`` others read ahead, lines rendered and cut by the server."""
+    """The selected events in id order as :class:`Lines` of ``size`` events and ``read_bytes`` (one at least), and
+    :class:`Counted` once known: ids walked in a thread (:class:`IdRanges`), ``connections`` reading ahead."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
     # the walk's ranges in order, then None (or the exception that ended the walk)

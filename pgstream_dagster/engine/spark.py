@@ -315,9 +315,8 @@ def register_source(spark: SparkSession, source: type[DataSource]) -> None:
 
 
 def ship_package(spark: SparkSession) -> None:
-    """Before a run's Spark reads anything: on Spark Connect with a cluster master, add the package zip as a
-    Python artifact once per session (a JVM server ignores ``spark.submit.pyFiles``); on a classic session,
-    raise :class:`DriverPythonMissing` when its driver could not start the workers' interpreter."""
+    """Before a run's Spark reads: on Spark Connect with a cluster master, the package zip added as an artifact once
+    a session; classic, :class:`DriverPythonMissing` when the driver cannot start the workers' interpreter."""
     if is_classic(spark):
         problem = driver_python_problem(str(spark.sparkContext.pythonExec), Path.cwd())
         if problem is not None:
@@ -334,9 +333,8 @@ def ship_package(spark: SparkSession) -> None:
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
                  rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False, *,
                  sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> Frames:
-    """The events of ``spans`` (:func:`~pgstream_dagster.engine.publish.owed_spans`) in partitions of at most
-    ``rows_per_partition`` events: ``packed``, one single-partition DataFrame of :data:`PACKED_SCHEMA` per group of
-    spans (:func:`group_spans`; :func:`frame_events`), else one partition per span; ``sizes``: by bytes too."""
+    """The events of ``spans`` in partitions of at most ``rows_per_partition`` events (``sizes``: and bytes):
+    ``packed``, a single-partition DataFrame per group of spans (:func:`group_spans`), else one per span."""
     ship_package(spark)
     register_source(spark, BatchesDataSource)
 

@@ -413,9 +413,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 for group in split_spans(spans, self.parts, self.rows)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        """The partition's events in ledger order as Arrow record batches: its positions joined in Arrow to
-        the stream's events of their time span and id range (one COPY), sorted by position. With
-        ``failOnDataLoss``, :class:`EventsGone` names the first span whose events are not all there."""
+        """The partition's events in ledger order as Arrow record batches (positions joined to one COPY's
+        events); ``failOnDataLoss``: :class:`EventsGone` names the first span whose events are not all there."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -637,9 +636,8 @@ def is_classic(spark: SparkSession) -> bool:
 
 
 def workers_python(spark: SparkSession) -> str:
-    """The workers' interpreter of a classic session's Python functions from now on: with ``PYSPARK_PYTHON``
-    unset and a local master, the conf's ``spark.pyspark.python``, else this one (``python3`` on ``PATH`` may
-    lack this package: "Python worker failed to connect back"); a cluster's is the operator's to set."""
+    """The workers' interpreter of a classic session's Python functions: unless ``PYSPARK_PYTHON`` is set or the
+    master is a cluster, the conf's ``spark.pyspark.python``, else this one (``python3`` may lack this package)."""
     from .cluster import is_local
 
     context = spark.sparkContext

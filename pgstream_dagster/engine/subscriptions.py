@@ -333,9 +333,8 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
 
 def partition_problems(conn: psycopg.Connection, schema: str, table: str, operation: str,
                        trigger_name: str) -> tuple[str, ...]:
-    """Why partitions of a partitioned table lack their copies of its generated trigger ``trigger_name`` (and
-    for DELETE its TRUNCATE trigger): same name, same function, enabled, same comment at every level. Known
-    by the function the table's trigger calls: a partition's own trigger bearing the name is reported."""
+    """Why partitions of a partitioned table lack their copy of its generated trigger ``trigger_name`` (for DELETE,
+    its TRUNCATE one too): same name and function, enabled, same comment, known by the function it calls."""
     rows = conn.execute(
         """select p.relid::regclass::text, r.tgname::text, c.tgfoid::regprocedure::text, c.tgfoid = r.tgfoid,
                   c.tgenabled = 'D'

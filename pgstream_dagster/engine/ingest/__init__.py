@@ -1,8 +1,6 @@
-"""Ingest: move what commits on a reader group's slot into its members' ledgers, without Dagster:
-:mod:`.source` (where transactions come from: a peek, or the replication protocol), :mod:`.recorder` (the
-one recording loop and batching rule; ``consume``, a joining member's own slot until its group takes it
-over) and :mod:`.group` (a reader group's reader, ``consume_group``). Import its modules by name; the names
-below are what the definitions use."""
+"""Ingest, without Dagster: :mod:`.source` (a peek, or the replication protocol), :mod:`.recorder` (the one recording
+loop; ``consume``, a joining member's own slot), :mod:`.group` (``consume_group``, a reader group's reader). Import
+its modules by name; the names below are the definitions'."""
 
 from .group import GroupResult, GroupStream, consume_group, group_log, unconfigured
 from .recorder import consume

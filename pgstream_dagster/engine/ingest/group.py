@@ -132,9 +132,8 @@ def _stand_ins(state: groups.Group, streams: list[StreamConfig], invalid: Mappin
 
 def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
                  result: GroupResult, invalid: Mapping[int, str] | None = None) -> groups.Group | None:
-    """Register the members, keep the publication on them and the slot usable (replaced and recovered when
-    lost). A member refused is left out, in one line (``result.left_out``, ``notes``; ``None``: all were);
-    members the configuration does not deliver are recorded and told (:func:`_stand_ins`)."""
+    """Register the members, keep the publication on them and the slot usable (replaced and recovered when lost);
+    a refused member is left out in one line (``None``: all were), an unconfigured one recorded (:func:`_stand_ins`)."""
     # one query when every member is registered (each tick, each pass of the group run's reader)
     _added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     if refused:
@@ -298,9 +297,8 @@ def join_members(conn: psycopg.Connection, group: str, state: groups.Group, stre
 
 
 class GroupStream:
-    """The group's slot over the replication protocol for a group run's reader: a :class:`~.source.StreamSource`
-    and its recording loop, kept across :func:`consume_group` calls, opened again when the slot, connection or
-    members change. :meth:`close` lets the slot go (what was not recorded goes to its next reader)."""
+    """The group's slot over the replication protocol (a :class:`~.source.StreamSource` and its recording loop),
+    kept across :func:`consume_group` calls until the slot, connection or members change or :meth:`close`."""
 
     def __init__(self, database_url: str, application_name: str) -> None:
         self.database_url, self.application_name = database_url, application_name

@@ -127,9 +127,8 @@ def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]
 def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_stream: dict[int, list[Transaction]],
                 *, standby: str | None = None, give_up: Callable[[], bool] | None = None,
                 also: Callable[[psycopg.Connection], None] | None = None) -> set[int]:
-    """Record each stream's transactions and hand them to its open run, in one database transaction; the
-    streams whose declared reader is no longer the loop's (nothing recorded: not to be confirmed).
-    ``give_up``: see ``ledger.recording.NotVisibleYet``; ``also``: run last in it, unless a stream was lost."""
+    """Record each stream's transactions and hand them to its open run, in one transaction (``also`` last, unless a
+    stream was lost); the streams whose declared reader is no longer the loop's (nothing recorded, not confirmed)."""
     lost: set[int] = set()
     done: list[tuple[StreamLedger, list[int], list[Transaction]]] = []
     with conn.transaction():
@@ -205,9 +204,8 @@ def _past(until: float) -> Callable[[], bool]:
 # --- a joining member's own slot: a peek, within the group's tick --------------------------------------
 
 def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, *, mark: bool = True) -> ConsumeResult:
-    """Read a joining member's own slot (registering it first): what committed is recorded as ``sensor``
-    until nothing waits or ``budget_secs`` is spent; nothing (``slot_busy``) once the group reads for it or
-    without a usable own slot. ``mark``: record ``streams.consumed_through``."""
+    """Read a joining member's own slot (registering it first) as ``sensor`` until nothing waits or ``budget_secs``
+    is spent; nothing (``slot_busy``) once the group reads for it or without a usable own slot."""
     result = ConsumeResult()
     result.slot = groups.register_group_member(conn, stream.id, stream.reader)
     if state.slot_reader(conn, stream.id) != state.SENSOR:

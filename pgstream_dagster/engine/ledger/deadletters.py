@@ -113,8 +113,7 @@ def vanished(conn: psycopg.Connection, batch_ids: list[int]) -> list[tuple[int, 
 
 class DeadLetterWriter:
     """Records an event the sink rejected for good as a dead letter before the next is published, moving the
-    confirmed prefix past it; picklable (by_key's executors), a short connection per call. With ``token``
-    through the owner's ``pgstream.set_aside_rejected``, which copies the payload itself."""
+    confirmed prefix past it; picklable, a short connection per call; ``token``: a by_key round's, through the owner."""
 
     def __init__(self, database_url: str, stream_id: int, sink: str, *, resumes: bool = True,
                  token: str | None = None) -> None:

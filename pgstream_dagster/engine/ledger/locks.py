@@ -69,9 +69,8 @@ def acquire_lease(database_url: str, stream_id: int, run_id: str,
 
 def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
                waiting: Callable[[str], None] | None = None) -> None:
-    """Take the stream's delivery lease (lock ``delivery``, held by the run id) for ``conn``'s session, which
-    drops it if it dies: two runs never deliver at once. While a replay holds or waits for it the run waits
-    holding ``delivery_wait`` (``waiting`` told every 10 s); another run holding it: :class:`LeaseTaken`."""
+    """Take the stream's delivery lease (lock ``delivery``) for ``conn``'s session (it goes if that dies); waits,
+    holding ``delivery_wait``, while a replay holds or wants it; another run holding it: :class:`LeaseTaken`."""
     told = 0.0
     try:
         while True:
@@ -95,9 +94,8 @@ def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
 
 def acquire_replay_lease(database_url: str, stream_id: int, holder: str,
                          waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
-    """A connection holding the stream's ``replay`` lock, then its delivery lease, for replay ``holder``: the
-    open run sees the lock between rounds and closes, a run starting meanwhile waits (:func:`acquire_lease`);
-    no deadlock. ``waiting`` is told who it waits for every 10 s; closing the connection releases both."""
+    """A connection holding the stream's ``replay`` lock, then its delivery lease, for replay ``holder`` (the open
+    run closes, a new run waits: :func:`acquire_lease`); ``waiting`` told every 10 s; closing it releases both."""
     conn = psycopg.connect(database_url, autocommit=True, application_name=f"pgstream replay {holder}")
     try:
         told = 0.0

@@ -224,9 +224,8 @@ class LeaseLost(RuntimeError):
 
 @contextmanager
 def publishing(conn: psycopg.Connection, stream_id: int, run_id: str) -> Iterator[None]:
-    """A publish call of run ``run_id``, in a transaction holding the stream row ``FOR KEY SHARE`` (commit not
-    waited for), which a pause waits for: every later publish raises :class:`StreamPaused`, and one whose lease
-    another run took :class:`LeaseLost`. Recording and inserting batches do not wait for it."""
+    """A publish call of run ``run_id``, in a transaction holding the stream row ``FOR KEY SHARE`` (which a pause
+    waits for): paused, :class:`StreamPaused`; its lease taken by another run, :class:`LeaseLost`."""
     with conn.transaction():
         # (the lease session's life is checked between rounds, :func:`why_close`; another run renames the row)
         row = conn.execute("select s.paused, exists (select 1 from pgstream.locks l where l.name = %s "
@@ -360,9 +359,8 @@ def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] 
 
 
 def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
-    """Assign the stream's pending batches to the open run ``run_key`` (oldest first, up to ``max_events``
-    undelivered events assigned to it) and wake it, only while it is the stream's open run: the stream row's
-    lock orders this against :func:`_close_run`, so a run that closed is never handed a batch."""
+    """Assign the stream's pending batches (oldest first, up to ``max_events`` undelivered) to its open run
+    ``run_key`` and wake it, under the stream row's lock: a run that closed (:func:`_close_run`) is handed none."""
     with atomic(conn):
         row = conn.execute("select open_run_key from pgstream.streams where id = %s for no key update",
                            [stream_id]).fetchone()

@@ -46,9 +46,8 @@ def slot_holder(conn: psycopg.Connection, slot: str, stream_id: int) -> int | No
 
 
 def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | None = None) -> str:
-    """The stream row exists outside any reader group reading ``slot_name`` (``None``: its default), as a
-    version with a slot per stream made it; that slot. :class:`SlotInUse` (nothing changed): another stream
-    reads it; :class:`~..replication.PublicationTaken`: another role has a publication by its names."""
+    """The stream row, outside any group, reading ``slot_name`` (``None``: its default) as a version with a slot per
+    stream made it; that slot. :class:`SlotInUse`, :class:`~..replication.PublicationTaken`: nothing changed."""
     try:
         with conn.transaction():
             # the owner's function: the row exists and reads slot_name (null: its default), locked only on a change
