@@ -15,6 +15,7 @@ import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.engine import ingest, replication
+from pgstream_dagster.engine.ingest import recorder, source
 from pgstream_dagster.engine.ingest.recorder import Batching, Pending
 from pgstream_dagster.engine.ledger import groups, recording, streams
 from pgstream_dagster.engine.ledger import state as ledger_state
@@ -134,7 +135,7 @@ def test_the_sensor_backs_off_while_another_connection_still_holds_its_slot(db_u
         slot = ingest.consume_group(c, "default", [stream], 0).slot
         assert slot is not None and slot == slot_of(db_url, 1)
         insert_events(db_url, 1, 20)
-        stale = ingest.StreamSource(db_url, slot, groups.group_publication("default"), "stale reader",
+        stale = source.StreamSource(db_url, slot, groups.group_publication("default"), "stale reader",
                                     max_bytes=stream.delivery.tuning.max_read_bytes, keep_stream=True)
         try:
             result = ingest.consume_group(c, "default", [stream], 0.3)
@@ -161,14 +162,14 @@ def test_one_pass_records_several_streams_ledgers(db_url: str, tmp_path: Path) -
     insert_events(db_url, 2, 3)
     with psycopg.connect(db_url, autocommit=True) as c:
         def read(stream: StreamConfig) -> list[Transaction]:
-            return ingest.PeekSource(c, streams.stream_slot(c, stream.id), stream.publication, 1000).read(0)
+            return source.PeekSource(c, streams.stream_slot(c, stream.id), stream.publication, 1000).read(0)
 
-        ledgers = {1: ingest.StreamLedger(s1, ledger_state.SENSOR), 2: ingest.StreamLedger(s2, ledger_state.SENSOR)}
-        assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == set()
+        ledgers = {1: recorder.StreamLedger(s1, ledger_state.SENSOR), 2: recorder.StreamLedger(s2, ledger_state.SENSOR)}
+        assert recorder.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == set()
         assert _batches(db_url, 1) == [[0, 1, 2, 3], [4, 5]] and _batches(db_url, 2) == [[0, 1, 2]]
         assert (ledgers[1].events, ledgers[2].events) == (6, 3)
         # read again (nothing confirmed): what the ledgers hold is not recorded twice
-        assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == set()
+        assert recorder.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == set()
         assert len(_recorded(db_url, 1)) == 6 and len(_recorded(db_url, 2)) == 3
         # stream 2 was handed over to its reader group: stream 2 records nothing in the pass, stream 1 does
         groups.register_group_member(c, 2, "default")
@@ -177,7 +178,7 @@ def test_one_pass_records_several_streams_ledgers(db_url: str, tmp_path: Path) -
         assert ledger_state.slot_reader(c, 2) == groups.group_reader("default")
         insert_events(db_url, 1, 2, 100)
         insert_events(db_url, 2, 2, 100)
-        assert ingest.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == {2}
+        assert recorder.record_pass(c, ledgers, {1: read(s1), 2: read(s2)}) == {2}
         assert len(_recorded(db_url, 1)) == 8 and len(_recorded(db_url, 2)) == 3
 
 
@@ -191,10 +192,10 @@ def test_a_recording_pass_is_one_transaction_without_savepoints(db_url: str, tmp
     trace = tmp_path / "trace.txt"
     with psycopg.connect(db_url, autocommit=True) as c, trace.open("w") as out:
         ledger_state.open_run(c, 1, RUN_KEY)
-        txns = ingest.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)
+        txns = source.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)
         c.pgconn.trace(out.fileno())
-        target = ingest.StreamLedger(stream, ledger_state.SENSOR, run_key=RUN_KEY)
-        assert ingest.record_pass(c, {1: target}, {1: txns}) == set()
+        target = recorder.StreamLedger(stream, ledger_state.SENSOR, run_key=RUN_KEY)
+        assert recorder.record_pass(c, {1: target}, {1: txns}) == set()
         c.pgconn.untrace()
     sent = trace.read_text()
     assert "pgstream.batches" in sent and "BEGIN" in sent and "COMMIT" in sent
@@ -203,6 +204,6 @@ def test_a_recording_pass_is_one_transaction_without_savepoints(db_url: str, tmp
     with psycopg.connect(db_url, autocommit=True) as c:  # alone: a transaction of its own
         assert [b.run_key for b in ledger_state.batches_between(c, 1, 0, 10**9)] == [RUN_KEY, RUN_KEY]
         insert_events(db_url, 1, 2, 100)
-        recording.record(c, 1, ingest.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)[-1:], 4)
+        recording.record(c, 1, source.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)[-1:], 4)
         assert c.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
         assert len(_recorded(db_url, 1)) == 8

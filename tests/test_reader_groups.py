@@ -27,6 +27,8 @@ from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import group as group_reader
+from pgstream_dagster.engine.ingest import recorder
+from pgstream_dagster.engine.ingest.source import PeekSource
 from pgstream_dagster.engine.ledger import groups, locks
 from pgstream_dagster.engine.ledger import state as ledger_state
 from pgstream_dagster.engine.ledger import streams as ledger_streams
@@ -106,10 +108,10 @@ def _own_slot(conn: psycopg.Connection, stream_id: int) -> str:
 def _read_as_before(conn: psycopg.Connection, stream: StreamConfig) -> int:
     """What such a stream's own sensor did at each tick: what waits in its own slot recorded in its ledger (as
     ``sensor``), then confirmed; the events recorded."""
-    source = ingest.PeekSource(conn, ledger_streams.stream_slot(conn, stream.id), stream.publication, 100_000)
+    source = PeekSource(conn, ledger_streams.stream_slot(conn, stream.id), stream.publication, 100_000)
     txns = source.read(0)
-    target = ingest.StreamLedger(stream, ledger_state.SENSOR)
-    assert ingest.record_pass(conn, {stream.id: target}, {stream.id: txns}) == set()
+    target = recorder.StreamLedger(stream, ledger_state.SENSOR)
+    assert recorder.record_pass(conn, {stream.id: target}, {stream.id: txns}) == set()
     if txns:
         source.confirm(txns[-1].end_lsn)
     return target.events

@@ -1,26 +1,9 @@
-"""Backfills: the rows a table already has become events of one of its subscriptions (payload
-``tg_op: "READ"``), written to ``pgstream.events`` like every other event, so they are delivered,
-ordered, retried, failed over and replayable the same way.
-
-The SQL side is ``sql/repeatable/10_backfills.sql``: a backfill's key range is split into
-partitions; a chunk reads up to ``chunk_size`` rows of one partition ``FOR SHARE`` (a concurrent
-change to one of them commits either before the read, or after the chunk's events), writes their
-events through a function owned by ``pgstream_writer`` that exists only inside that transaction
-(the subscription's code never runs as the owner, and never reaches a function the owner calls
-later) and moves the partition's cursor, in one transaction. Progress is therefore durable per
-chunk and a resumed backfill reads no row twice. A table whose row-level security would apply to
-the reading role is refused (its policies never run as the owner).
-
-Here (no Dagster): choosing what to backfill (:func:`targets`), starting or resuming one
-(:func:`open_backfill`), running its partitions in parallel on Spark executors
-(:func:`run`, :func:`run_partition`), stopping and cancelling (:func:`stop`), and its progress
-(:func:`progress`, :class:`Progress`). The ``pgstream_backfill`` job and
-``pgstream-dagster backfill`` both call :func:`run`.
-
-Ownership: the process running a backfill holds a session-level advisory lock on it
-(``pgstream.backfill_try_lock``) for its whole run and a fresh owner token; chunks of any other
-token stop. Two runs of one backfill can never overlap, and a run that died frees the lock with
-its session, so the next launch resumes.
+"""Backfills: a table's rows become ``READ`` events of a subscription, delivered like every other event. The SQL
+(``sql/repeatable/10_backfills.sql``) splits the key range into partitions; a chunk reads rows ``FOR SHARE``,
+writes their events through a function of ``pgstream_writer`` existing only in that transaction and moves the
+partition's cursor with them: a resumed backfill reads no row twice (row-level security refused). Here:
+:func:`targets`, :func:`open_backfill`, :func:`run` (partitions in parallel on Spark: :func:`run_partition`),
+:func:`stop`, :func:`progress`. A run holds the backfill's session lock and a fresh owner token: no overlap.
 """
 
 from __future__ import annotations
@@ -53,20 +36,15 @@ DEFAULT_CHUNK_SIZE = 1000
 DEFAULT_PARALLELISM = 4
 #: the default throttle: well under what a stream delivers, so live events keep flowing
 DEFAULT_MAX_ROWS_PER_SEC = 5000.0
-#: the default bound on the stream's undelivered events: a backfill waits while there are more, so
-#: a live event never queues behind more than about this many READ events
+#: a backfill waits while the stream has more undelivered events: a live event never queues behind more READ ones
 DEFAULT_MAX_BACKLOG = 20_000
 #: how often a backfill waiting for the stream's backlog looks again
 BACKLOG_WAIT_SECS = 0.5
-#: how long a partition's task works in one round before it gives its Spark task slot back (a
-#: round is one Spark job: its start is paid once a round, so an unthrottled backfill's rounds are
-#: long; the task keeps the rate and the backlog bound itself, chunk by chunk)
+#: how long a partition's task works in a round (one Spark job) before it gives its Spark task slot back
 ROUND_SECS = 60.0
-#: the round of a throttled backfill: its tasks mostly sleep to keep the rate, so a job's start costs
-#: it nothing, and a Spark shared with deliveries gets the slots back every few seconds
+#: the round of a throttled backfill (its tasks mostly sleep: a shared Spark gets its slots back often)
 THROTTLED_ROUND_SECS = 5.0
-#: a throttled partition's chunk holds at most this many seconds of its share of the rate, so a
-#: live event never waits behind a burst of more READ events than that
+#: a throttled partition's chunk holds at most this many seconds of its share of the rate
 PACED_CHUNK_SECS = 0.25
 #: the statuses of an unfinished backfill (as backfills_one_unfinished in sql/017_backfills.sql)
 UNFINISHED = ("running", "stopped", "failed")
@@ -152,13 +130,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class Pace:
-    """The budget of one partition's task in one round: it returns (status ``more``) after
-    ``max_rows`` rows or ``max_secs`` seconds, so that it never holds a Spark task slot for long:
-    between rounds, other jobs of a shared Spark (a stream's delivery run on the same Spark Connect
-    server or cluster) get the slots. Within the round the task keeps ``rows_per_sec`` (its share
-    of ``max_rows_per_sec``), chunk by chunk, and before each chunk waits while stream
-    ``stream_id`` has more than ``max_backlog`` undelivered events: READ events never come in
-    bursts that live events queue behind."""
+    """One partition task's budget in a round (``max_rows`` rows or ``max_secs``, then ``more``: its Spark slot
+    given back), within which it keeps ``rows_per_sec`` and waits while the stream has ``max_backlog`` waiting."""
 
     max_secs: float
     max_rows: int | None = None
@@ -191,8 +164,7 @@ class Outcome:
         return self.progress.status == "done"
 
 
-# --------------------------------------------------------------------------------------------
-# Choosing and opening.
+# --- choosing and opening --------------------------------------------------------------------
 
 def targets(conn: psycopg.Connection, request: Request) -> list[Target]:
     """The (key, table) pairs the request names, each read through its INSERT subscription, else its
@@ -232,11 +204,8 @@ def unfinished(conn: psycopg.Connection, target: Target) -> dict[str, Any] | Non
 
 
 def open_backfill(conn: psycopg.Connection, target: Target, request: Request) -> tuple[int, bool]:
-    """The backfill of ``target`` to run: its unfinished one (resumed, when the request asks for
-    the same filter and range; ``restart`` cancels it instead), else a new one. Returns ``(id,
-    resumed)``. Raises :class:`BackfillError` (nothing changed) when the database refuses the
-    request: no primary key, a filter that is not one boolean expression over the row, bounds that
-    do not fit the key."""
+    """The backfill of ``target`` to run, ``(id, resumed)``: its unfinished one (same filter and range, unless
+    ``restart`` cancels it) or a new one; :class:`BackfillError` (nothing changed) when the database refuses it."""
     where = (request.where or "").strip() or None
     with conn.transaction():
         current = unfinished(conn, target)
@@ -292,8 +261,7 @@ def stop(conn: psycopg.Connection, backfill_id: int, *, cancel: bool) -> str:
     return str(row[0])
 
 
-# --------------------------------------------------------------------------------------------
-# Progress.
+# --- progress --------------------------------------------------------------------------------
 
 def _target_of(row: dict[str, Any]) -> Target:
     return Target(int(row["stream_id"]), row["subscription_key"], row["schema_name"], row["table_name"],
@@ -320,8 +288,7 @@ def progress(conn: psycopg.Connection, backfill_id: int) -> Progress:
     return found[0]
 
 
-# --------------------------------------------------------------------------------------------
-# One partition (on a Spark executor: psycopg only).
+# --- one partition (on a Spark executor: psycopg only) ---------------------------------------
 
 def _chunk(conn: psycopg.Connection, backfill_id: int, part: int, token: str, limit: int) -> tuple[str, int, int]:
     with conn.transaction():
@@ -350,11 +317,8 @@ def _owned(conn: psycopg.Connection, backfill_id: int, token: str) -> bool:
 
 def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size: int, pace: Pace,
                   sleep: Callable[[float], None] = time.sleep) -> PartitionResult:
-    """Read partition ``part`` of a backfill chunk by chunk until it is done, the backfill stops
-    (another owner, stopped, cancelled) or this round's budget is spent (``more``). A transient
-    error (deadlock with a writer, lock timeout, lost connection) retries the chunk; any other
-    error is a row that cannot become an event: the rows before it are written one by one, and the
-    partition stops ``failed`` naming that row's key and the error (the other partitions go on)."""
+    """Read partition ``part`` chunk by chunk until done, stopped or out of budget (``more``), retrying transient
+    errors; a row that cannot become an event fails the partition, naming its key (the rows before it written)."""
     result = PartitionResult(part, "stopped")
     started = time.monotonic()
     conn = _connect(url)
@@ -430,9 +394,8 @@ def _next_key(conn: psycopg.Connection, backfill_id: int, part: int) -> str | No
 
 def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                    pace: Pace) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The ``mapInArrow`` function of a backfill's Spark job on Spark Connect: each input row
-    (``id``) is the index in ``parts`` of the partition to read; yields one
-    :class:`PartitionResult` row per partition."""
+    """The ``mapInArrow`` function of a backfill's job on Spark Connect: each input row (``id``) is the index
+    in ``parts`` of a partition to read; yields one :class:`PartitionResult` row per partition."""
 
     def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
@@ -449,9 +412,8 @@ def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int],
 
 def partition_rdd_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                        pace: Pace) -> Callable[[Iterable[int]], Iterable[dict[str, Any]]]:
-    """The ``mapPartitions`` function of a backfill's Spark job on a classic session: each input is
-    the index in ``parts`` of the partition to read; yields one :class:`PartitionResult` (as a dict)
-    per partition."""
+    """The ``mapPartitions`` function of a backfill's job on a classic session: each input is the index in
+    ``parts`` of a partition to read; yields one :class:`PartitionResult` (as a dict) per partition."""
 
     def task(indexes: Iterable[int]) -> Iterable[dict[str, Any]]:
         for index in indexes:
@@ -465,12 +427,8 @@ RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, e
 
 def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                  pace: Pace) -> list[PartitionResult]:
-    """Read ``parts`` in parallel, one Spark task each (on a cluster the executors import this module
-    from the package zip, see ``spark.ship_package``). The job's tasks read nothing through Spark:
-    each calls ``pgstream.backfill_chunk`` in a loop, and only its :class:`PartitionResult` comes back.
-    A classic session runs them as an RDD job (``parallelize`` + ``mapPartitions``): no query to
-    plan, no Arrow, about half the fixed start of a DataFrame job (bench/RESULTS.md, issue 32 item 4b);
-    Spark Connect has no RDDs, so there it is ``spark.range(n).mapInArrow``."""
+    """Read ``parts`` in parallel, one Spark task each calling ``pgstream.backfill_chunk`` (only its
+    :class:`PartitionResult` comes back): an RDD job on a classic session, ``spark.range(n).mapInArrow`` on Connect."""
     from .spark import executor_python_errors, ship_package
     from .spark_source import is_classic
 
@@ -497,8 +455,7 @@ def cancel_spark(spark: SparkSession) -> None:
         pass
 
 
-# --------------------------------------------------------------------------------------------
-# A run.
+# --- a run -----------------------------------------------------------------------------------
 
 Executor = Callable[[int, str, Sequence[int], int, Pace], list[PartitionResult]]
 """Runs partitions: ``(backfill_id, token, parts, chunk_size, pace of each partition)``."""
@@ -515,20 +472,11 @@ def spark_executor(spark: SparkSession, url: str) -> Executor:
 def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_id: str,
         progress_secs: float = 5.0, on_stop: Callable[[], None] | None = None
         ) -> Generator[Progress | Outcome, None, None]:
-    """Run backfill ``backfill_id`` to its end in this process: take its lock (else
-    :class:`BackfillBusy`), claim it, and read its unfinished partitions in parallel through
-    ``execute``, in rounds: each partition's task works up to :data:`ROUND_SECS` (throttled:
-    :data:`THROTTLED_ROUND_SECS`) and gives its Spark slot back, so that a Spark shared with the
-    stream's deliveries (a Spark Connect server, a cluster) runs them between rounds (a round is one
-    Spark job, whose start is paid once a round).
-    Within a round each task keeps its share of ``max_rows_per_sec`` chunk by chunk (throttled
-    chunks hold at most :data:`PACED_CHUNK_SECS` of it) and waits before a chunk while the stream
-    has more than ``max_backlog`` undelivered events, so READ events never arrive in bursts that
-    live events queue behind. Yields :class:`Progress` every ``progress_secs``, then the
-    :class:`Outcome`. A subscription changed meanwhile is checked again and the partitions go on; a
-    row that cannot become an event stops its partition ``failed`` (the row named), the others go on.
-    If this generator is closed or interrupted before the end (a cancelled run, Ctrl-C), the
-    backfill is stopped (resumable) and ``on_stop`` runs (cancelling the Spark job)."""
+    """Run backfill ``backfill_id`` to its end here: take its lock (else :class:`BackfillBusy`), claim it and
+    read its unfinished partitions in parallel through ``execute``, in rounds of :data:`ROUND_SECS`
+    (:data:`THROTTLED_ROUND_SECS`), each task keeping its share of ``max_rows_per_sec`` and the
+    ``max_backlog`` bound. Yields :class:`Progress` every ``progress_secs``, then the :class:`Outcome`; a bad
+    row fails its partition only. Closed or interrupted, it stops the backfill (resumable) and runs ``on_stop``."""
     token = str(uuid.uuid4())
     session = psycopg.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
     finished = False
@@ -615,8 +563,7 @@ class _Reporter:
 
 def _wait_for_backlog(session: psycopg.Connection, request: Request, backfill_id: int, token: str,
                       reporter: _Reporter) -> Generator[Progress, None, bool]:
-    """Until the stream has at most ``max_backlog`` undelivered events; False if the backfill was
-    stopped meanwhile."""
+    """Until the stream has at most ``max_backlog`` undelivered events; False if the backfill was stopped meanwhile."""
     while request.max_backlog and _backlog(session, request.stream_id) > request.max_backlog:
         if not _owned(session, backfill_id, token):
             return False

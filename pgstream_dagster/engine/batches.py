@@ -1,11 +1,6 @@
-"""The batch state machine, without I/O: what a batch's status means (:class:`BatchStatus`), the
-batch model (:class:`Batch`), what the sensor reads of a stream (:class:`StreamState`, one query:
-``ledger.state.stream_state``) and sees of its run in Dagster (:class:`RunView`), and :func:`decide`,
-which turns them into one :class:`Action`. ``ledger`` (``ledger/state.py``) reads the state and applies the action
-(``ledger.state.apply``: one function per transition); ``defs/sensors.py`` asks Dagster about the run and
-turns the run to request into a ``RunRequest``.
-
-A ledger batch moves through these statuses (``pgstream.batches.status``)::
+"""The batch state machine, without I/O: :class:`BatchStatus`, :class:`Batch`, a stream's state
+(:class:`StreamState`, ``ledger.state.stream_state``) and its run's view in Dagster (:class:`RunView`), and
+:func:`decide`, which turns them into one :class:`Action` (``ledger.state.apply``). A batch's status::
 
     pending --(launch, extend: assigned to a run)--> launched --(the sink confirmed it)--> delivered
     launched --(its run failed, the first open batch of the run)--> failed   (the failover checkpoint)
@@ -13,26 +8,9 @@ A ledger batch moves through these statuses (``pgstream.batches.status``)::
     failed --(launch: the probe, alone, once next_attempt_at has come)--> launched
     pending, launched, failed --(an operator: pgstream.skip_batch)--> skipped
 
-``pending``, ``launched`` and ``failed`` are *open*; ``delivered`` and ``skipped`` are done. Only the
-oldest open batch of a stream (its *head*) may start a run.
-
-With ``delivery.mode: warm`` a healthy stream with nothing open gets a *warm* run (:class:`Warm`): a
-run with no batch that becomes the stream's open run and waits for what commits, so the first event
-after a quiet spell finds a run ready.
-
-The stream's open run (``streams.open_run_key``) changes only by these transitions, the sensor's
-(:data:`Action`, from :func:`decide`, applied by ``ledger.state.apply``) and the run's own
-(:data:`RunAction`, applied by ``ledger.state.apply_run``)::
-
-    none --(Launch keep_open, Warm)--> open
-    open --(Extend)--> open, handed the batches recorded behind its own
-    open --(Launch replaces, FailRun)--> none
-    open --(the run: CloseRun, refused while a batch it was handed is not delivered)--> none
-
-Every stream reads with a reader group (``streams[].reader``): the group's reader records its batches and
-hands them to its open run (``ledger.state.extend_run``). A stream that had a slot of its own hands it over
-once, when it joins (``ledger.groups``: ``pgstream.begin_join``): its declared reader
-(``streams.slot_reader``) becomes ``group:<name>`` for good.
+Only the oldest open batch (the *head*) may start a run. The open run (``streams.open_run_key``; a *warm* run,
+:class:`Warm`, has no batch) changes only by these actions and the run's own :data:`RunAction`
+(docs/architecture.md, "The open run's state machine").
 """
 
 from __future__ import annotations
@@ -106,8 +84,7 @@ class StreamState:
     paused: bool = False
     failover_since: dt.datetime | None = None
     open_run_key: str | None = None  # the run that takes every new batch while it is open
-    #: the batches a new run takes: the head and the pending batches right behind it, up to
-    #: ``delivery.max_events_per_run`` events (read while the head is pending and the stream not paused)
+    #: what a new run takes: the head and the pending batches behind it, up to ``delivery.max_events_per_run``
     next_run: tuple[int, ...] = ()
     #: when the newest delivered batch was launched (read in failover while the head is pending)
     last_delivered_launch: dt.datetime | None = None
@@ -157,8 +134,7 @@ class RunStatus(StrEnum):
 
     NOT_FOUND = "not found"  # no run has the key (the tick that requested it died first)
     LIVE = "live"  # queued, starting or started
-    #: Dagster shows it started, but the session holding its delivery lease ended (its process died), or
-    #: it took none ``delivery.run_grace_secs`` after it started
+    #: Dagster shows it started, but its lease's session ended, or it took none in ``delivery.run_grace_secs``
     DEAD = "started but dead"
     FAILED = "failed or canceled"
     SUCCEEDED = "succeeded"
@@ -171,9 +147,8 @@ class RunView:
     run_id: str = ""
     outcome: str = ""  # how it ended in Dagster's words (FAILURE, CANCELED; a dead run: FAILURE)
     error: str | None = None  # the root cause of its failure, if Dagster recorded one (dead: why it is)
-    #: it failed because its process was interrupted (SIGINT/SIGTERM: `dg dev` or its host shutting down)
-    #: with no termination requested (Dagster's failure reason ``UNEXPECTED_TERMINATION``), before the
-    #: sensor's code location started: the shutdown before a restart
+    #: it failed because its process was interrupted with no termination requested (Dagster's
+    #: ``UNEXPECTED_TERMINATION``) before the sensor's code location started: the shutdown before a restart
     interrupted: bool = False
 
 
@@ -197,22 +172,19 @@ class RunOrder:
 
 @dataclass(frozen=True)
 class Wait:
-    """Nothing to do now; ``reason`` goes to the tick log (``None``: nothing worth saying): a state that
-    lasts (paused, failover waiting for its retry), said once when it starts or changes, then ``short``
-    at most every :data:`REMIND_EVERY_SECS` while it lasts (:func:`tick_notes`)."""
+    """Nothing to do now; ``reason`` goes to the tick log (``None``: nothing worth saying), for a lasting
+    state once, then ``short`` at most every :data:`REMIND_EVERY_SECS` while it lasts (:func:`tick_notes`)."""
 
     reason: str | None = None
     short: str | None = field(default=None, compare=False)
-    #: what the state is, when its reason says more than that (a failover: its batch and retry time, which a
-    #: failed run's note told already, :func:`failover_key`)
+    #: what the state is, when its reason says more (a failover: its batch and retry time, :func:`failover_key`)
     key: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """Assign the order's batches to a new run and request it. ``keep_open``: it becomes the stream's
-    open run (it takes the batches recorded behind its own); ``replaces``: an open run that ended
-    without closing, forgotten first."""
+    """Assign the order's batches to a new run and request it; ``keep_open``: it becomes the stream's open
+    run; ``replaces``: an open run that ended without closing, forgotten first."""
 
     order: RunOrder
     keep_open: bool
@@ -255,9 +227,8 @@ class Reissue:
 
 @dataclass(frozen=True)
 class FailRun:
-    """The head's run failed: the head becomes the failover checkpoint (retried alone at
-    ``retry_at``), the run's other batches go back to pending. ``died``: Dagster still shows the run
-    started, the sensor reports it failed first."""
+    """The head's run failed: the head becomes the failover checkpoint (retried alone at ``retry_at``), the
+    run's other batches go back to pending. ``died``: Dagster still shows it started (reported failed first)."""
 
     head: Batch
     run_id: str
@@ -269,10 +240,8 @@ class FailRun:
 
 @dataclass(frozen=True)
 class Requeue:
-    """The head's run was interrupted by the instance's shutdown before this code location started (a
-    restart of `dg dev` or of the deployment): that says nothing of its batches or the sink. Its batches go
-    back to pending (``checkpoint``: the stream is in failover, the head stays its checkpoint, due now);
-    no failover is entered and none counts an attempt more. The next decision launches them again."""
+    """The head's run was interrupted by a shutdown before this code location started (nothing said of the sink):
+    its batches go back to pending (``checkpoint``: the head stays the failover's, due now), nothing counted."""
 
     head: Batch
     run_id: str
@@ -295,9 +264,8 @@ Action = Wait | Launch | Warm | Extend | Reissue | FailRun | Requeue | LeaveFail
 
 @dataclass(frozen=True)
 class CloseRun:
-    """The open run ``run_key`` stops taking batches (idle for ``tuning.linger_secs``, paused, a replay
-    waits, ...): the stream has no open run. Refused (``apply_run`` is
-    false) while batches were assigned to it and not delivered: it delivers them first and tries again."""
+    """The open run ``run_key`` stops taking batches (idle, paused, a replay waits...): the stream has no open
+    run. Refused (``apply_run`` false) while batches assigned to it are not delivered: it delivers them first."""
 
     stream_id: int
     run_key: str
@@ -348,8 +316,7 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
     if run.status is RunStatus.LIVE:
         return Extend(head.run_key or "")  # it may be open: hand it what was recorded behind its batches
     if run.status is RunStatus.FAILED and run.interrupted:
-        # an interrupted run says nothing about its batch or the sink (a shutdown stopped it): launched again
-        # at once, no failure counted
+        # a shutdown stopped it, which says nothing about its batch or the sink: no failure counted
         return Requeue(head, run.run_id, checkpoint=in_failover,
                        note=f"stream {sid}: run {run.run_id} was interrupted by the shutdown before this start; "
                             f"batch {head.id} is launched again (not a failure: no failover, no attempt counted)")
@@ -373,9 +340,8 @@ def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
 
 def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *,
                in_failover: bool) -> Action:
-    """Nothing is open: with ``delivery.mode: warm`` the stream keeps an open run ready. A warm run that
-    ended without closing (failed, killed) is not replaced before the next batch: that batch's run
-    replaces it (:func:`_next`), so a run that cannot start does not fail again every second."""
+    """Nothing is open: with ``delivery.mode: warm`` the stream keeps an open run ready. A warm run that ended
+    without closing is replaced by the next batch's run (:func:`_next`), not every second."""
     if not stream.delivery.keep_warm or state.paused or in_failover:
         return Wait()
     if state.open_run_key is None:
@@ -414,10 +380,8 @@ def failover_key(batch_id: int, retry_at: dt.datetime) -> str:
 
 
 def tick_notes(action: Action, said: dict[str, Any], now: float) -> list[str]:
-    """:func:`notes` for a sensor that decides many times a tick and ticks every few seconds: a
-    transition (a run failed, failover left) each time, a lasting state once when it
-    starts or changes, then its short form at most every :data:`REMIND_EVERY_SECS` (``now``: epoch
-    seconds) while it lasts. ``said`` remembers what was said (the sensor keeps it in its cursor)."""
+    """:func:`notes` for a sensor deciding many times a tick: a transition each time, a lasting state once, then
+    its short form every :data:`REMIND_EVERY_SECS` (``now``: epoch seconds); ``said``: what was said (its cursor)."""
     state = _lasting(action)
     lines = [n for n in notes(action) if state is None or n != state.reason]
     if isinstance(action, FailRun):  # its note tells the failover it starts: the wait that follows was said

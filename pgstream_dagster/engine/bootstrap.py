@@ -32,10 +32,8 @@ def _as(role: str, url: str) -> Iterator[None]:
 
 def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
               runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
-    """One line per Postgres or Dagster limit the streams of ``config`` do not fit in (empty: they
-    fit): ``wal_level``, ``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with
-    ``dagster``'s connections when its storage is on the same server), and ``max_concurrent_runs`` (the
-    Dagster instance's, when known; ``runs_where`` names its file)."""
+    """One line per Postgres or Dagster limit the streams of ``config`` do not fit in (empty: they fit);
+    ``dagster``: its storage's connections on the same server, ``runs_where``: the file of its limits."""
     from .limits import postgres_problems, run_problem
 
     with psycopg.connect(config.database_url.get_secret_value(), autocommit=True) as conn:
@@ -47,16 +45,11 @@ def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
 def init(config_path: Path | None = None, owner_url: str | None = None,
          defs_folder: Path | str | None = None, max_concurrent_runs: int | None = None,
          runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
-    """As the owner (``owner_url``, default ``database_url``): migrate, run housekeeping once (today's
-    partitions), apply the YAML subscriptions. As the runtime (``database_url``): register the streams in their
-    reader groups and create the groups' slots, through the runtime's API, as their sensors do. With
-    ``defs_folder``, also the streams declared as StreamComponents there, and their subscriptions.
-
-    First the limits (:func:`preflight`): streams that do not fit raise
-    :class:`~.limits.LimitsExceeded` (one line per problem) before anything changes."""
+    """:func:`preflight` (:class:`~.limits.LimitsExceeded` before any change); as the owner: migrate, housekeeping,
+    the subscriptions (``defs_folder``'s too); as the runtime: the streams in their groups, the groups' slots."""
     from ..config import load_config
     from .housekeeping import run_housekeeping
-    from .ingest import GroupResult, ensure_group
+    from .ingest.group import GroupResult, ensure_group
     from .migrations import migrate
     from .subscriptions import apply_subscriptions
 

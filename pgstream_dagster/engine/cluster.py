@@ -1,18 +1,10 @@
-"""What a run's Spark needs when its executors are not this process: the package shipped to them,
-a bounded share of the cluster, no silent task retries, and which settings mean something else on
-an executor host.
-
-* :func:`package_zip`: a zip of the imported ``pgstream_dagster`` package, cached under
-  ``$PGSTREAM_CACHE_DIR`` (default ``~/.cache/pgstream-dagster``) and keyed by version and content;
-  :func:`cluster_conf` adds it to ``spark.submit.pyFiles``, so executors whose Python lacks the
-  package import it from there (they still need the third-party libraries of
-  :func:`executor_requirements`);
-* :func:`cluster_conf`: the defaults of a run on a cluster master (``spark.cores.max`` on a
-  standalone master, ``spark.task.maxFailures`` 1); the user's ``spark.conf`` wins;
-* :func:`executor_problems`: settings that name this machine (relative file paths, loopback hosts)
-  read on the executors, which the configuration refuses when the executors run elsewhere;
-* :func:`driver_python_problem`: an executors' Python given relative to their working directory (a
-  packed environment in ``spark.archives``) that the run's host cannot start.
+"""What a run's Spark needs when its executors are not this process: :func:`package_zip` (the package,
+cached under ``$PGSTREAM_CACHE_DIR`` and keyed by version and content, shipped in ``spark.submit.pyFiles``
+by :func:`cluster_conf`; the executors still need :func:`executor_requirements`), :func:`cluster_conf` (a
+bounded share of a cluster master, ``spark.task.maxFailures`` 1; the user's ``spark.conf`` wins),
+:func:`executor_problems` (settings that name this machine, refused when the executors run elsewhere) and
+:func:`driver_python_problem` (an executors' Python relative to their working directory that the run's host
+cannot start).
 """
 
 from __future__ import annotations
@@ -32,10 +24,8 @@ from urllib.parse import urlsplit
 #: the pgstream_dagster package directory (this module is pgstream_dagster/engine/cluster.py)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
-#: Distributions the executors import (the Python data sources read with psycopg, Spark moves
-#: their rows with pyarrow; ``by_key`` builds the sinks there: pydantic, httpx, tenacity, and records
-#: its progress through the ledger module, which imports the configuration models: pyyaml, croniter).
-#: A sink's client library comes on top (:data:`SINK_EXTRAS`).
+#: Distributions the executors import (data sources: psycopg, pyarrow; ``by_key``'s sinks and progress:
+#: pydantic, httpx, tenacity, pyyaml, croniter), before a sink's client library (:data:`SINK_EXTRAS`).
 EXECUTOR_REQUIREMENTS = ("psycopg", "psycopg-binary", "pydantic", "httpx", "tenacity", "pyarrow", "pyyaml",
                          "croniter")
 
@@ -103,21 +93,15 @@ def executors_elsewhere(master: str, remote: str | None) -> bool:
 
 
 def default_cores_max(parallelism: Iterable[int]) -> int:
-    """A run's share of a standalone cluster: what its busiest stage can use. Ordered delivery and
-    replay run one Spark job of one partition at a time (the next one is computed while the driver
-    publishes the current one: 1 core); ``by_key`` publishes ``delivery.parallelism`` partitions
-    at once."""
+    """A run's share of a standalone cluster, what its busiest stage can use: 1 core for ordered delivery
+    and replay (one partition at a time), ``delivery.parallelism`` for ``by_key``."""
     return max([1, *parallelism])
 
 
 def cluster_conf(master: str, conf: dict[str, str], by_key_parallelism: Iterable[int] = (),
                  ship_package: bool = True) -> dict[str, str]:
-    """The settings pgstream adds for a cluster ``master`` to the user's ``conf`` (which wins):
-    the package zip appended to ``spark.submit.pyFiles`` (``ship_package``), ``spark.cores.max``
-    (standalone masters: a run never takes every core while it stays open) and
-    ``spark.task.maxFailures`` 1 (a failed task fails the run, whose batches the stream's failover
-    retries, instead of Spark republishing a ``by_key`` partition up to 4 times in one run).
-    Nothing for a local master."""
+    """What pgstream adds for a cluster ``master`` to the user's ``conf`` (which wins): the package zip, a bounded
+    ``spark.cores.max`` (standalone) and ``spark.task.maxFailures`` 1 (failover retries, not Spark); local: none."""
     if is_local(master):
         return {}
     out: dict[str, str] = {}
@@ -150,15 +134,13 @@ def _version() -> str:
         return "0"
 
 
-#: A cached package zip no run has used for this long is deleted (:func:`_prune`), and so is a temporary
-#: file a writer left behind.
+#: a cached package zip unused this long is deleted (:func:`_prune`), and so is a writer's leftover temporary file
 ZIP_UNUSED_SECS = 7 * 24 * 3600
 
 
 def package_zip(directory: Path | None = None) -> Path:
-    """A zip of the imported ``pgstream_dagster`` package (what the executors import), built once
-    per version and content in ``directory`` (default :func:`cache_dir`) and reused after. Each use
-    touches it; zips of other versions or contents unused for :data:`ZIP_UNUSED_SECS` are deleted."""
+    """A zip of the imported ``pgstream_dagster`` package, built once per version and content in ``directory``
+    (default :func:`cache_dir`) and touched at each use; others unused for :data:`ZIP_UNUSED_SECS` are deleted."""
     root = PACKAGE_ROOT
     files = list(_package_files(root))
     digest = hashlib.sha256()
@@ -195,9 +177,8 @@ def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Pa
 
 
 def _prune(directory: Path) -> None:
-    """Delete the package zips (and a writer's leftover temporary files) of ``directory`` that no run
-    has used for :data:`ZIP_UNUSED_SECS`: each new version or content of the package adds one. A zip
-    still in use is touched by every run that starts with it (a run's executors fetch it while it runs)."""
+    """Delete the package zips (and leftover temporary files) of ``directory`` no run has used (touched) for
+    :data:`ZIP_UNUSED_SECS`: each new version or content of the package adds one."""
     cutoff = time.time() - ZIP_UNUSED_SECS
     for path in [*directory.glob("pgstream_dagster-*.zip"), *directory.glob(".pgstream-zip-*.tmp")]:
         try:
@@ -208,9 +189,8 @@ def _prune(directory: Path) -> None:
 
 
 def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
-    """The distributions an executor's Python needs (pinned to the versions installed here, where
-    they are), plus the client libraries of ``sink_types`` (the sinks built on the executors: those
-    of ``by_key`` streams). pyspark itself comes from the Spark installation of the workers."""
+    """The distributions an executor's Python needs (pinned to the versions installed here), plus the client
+    libraries of ``sink_types`` (the sinks of ``by_key`` streams); pyspark comes from the workers' Spark."""
     names = list(EXECUTOR_REQUIREMENTS)
     extras = {SINK_EXTRAS[t] for t in sink_types if t in SINK_EXTRAS}
     if extras:
@@ -233,13 +213,8 @@ def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
 
 
 def driver_python_problem(python: str, cwd: Path, driver: str = "the run") -> str | None:
-    """Why the Spark driver (``driver``: the run, or a Spark Connect server) could not start ``python``
-    (the Python workers' interpreter, ``spark.pyspark.python``) from its working directory ``cwd``, or
-    None. PySpark sends one interpreter with every Python function: the executors start it in their
-    working directory, where ``spark.archives`` unpacks a packed environment (``./env/bin/python``
-    with ``env.tar.gz#env``), and the driver starts it too, to plan the Python data sources. A
-    relative path missing there fails each run at its first read, far from the cause; a bare command
-    name is looked up on each host's ``PATH``."""
+    """Why the Spark driver (the run, or a Spark Connect server) could not start ``python`` from ``cwd`` to plan
+    the data sources, or None: a path relative to the executors' directory missing here fails each first read."""
     if os.path.isabs(python) or "/" not in python:
         return None
     if (cwd / python).is_file() and os.access(cwd / python, os.X_OK):
@@ -282,10 +257,8 @@ def database_problem(url: str) -> str | None:
 
 
 def sink_problems(sink: object, elsewhere: bool) -> list[str]:
-    """What in a sink config (built on the executors: ``by_key``) means something else there:
-    relative file paths (an executor's working directory is its own) and an in-memory sink; with
-    ``elsewhere`` (executors on other machines) loopback hosts too. ``key: why`` each, never a value
-    (it may hold a secret)."""
+    """What in a sink config (built on the executors: ``by_key``) means something else there: relative file
+    paths, an in-memory sink and, with ``elsewhere``, loopback hosts. ``key: why`` each, never a value."""
     from pydantic import BaseModel, SecretStr
 
     problems: list[str] = []

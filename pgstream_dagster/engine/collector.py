@@ -1,13 +1,8 @@
-"""The garbage collector's thresholds while pgstream moves events in bulk: a delivery run delivering
-(``defs/jobs.py``) and a sensor tick recording (``defs/sensors.py``).
-
-Python collects its youngest generation every 700 new tracked objects (thresholds 700, 10, 10). A
-round's decoded rows and events are tracked objects that all live until the round is delivered or
-recorded, so at those thresholds the collector re-walked them every few hundred events and
-re-scanned the old generation every few seconds, freeing next to nothing: 9.0 of a run's 39.6
-CPU-seconds in a 60 s sustained run, 4.2 of 38.8 in the sensor's ticks when the runs do not stay open
-(bench/RESULTS.md, session 10). Objects without reference cycles are freed by their reference counts
-either way."""
+"""The garbage collector's thresholds while pgstream moves events in bulk (a delivery run delivering, a
+sensor tick recording): a round's rows all live until it is done, so the default thresholds (700, 10, 10)
+re-walked them every few hundred events for nothing (9.0 of a run's 39.6 CPU-seconds: bench/RESULTS.md,
+session 10). Objects without reference cycles are freed by their reference counts either way.
+"""
 
 import gc
 import threading
@@ -19,9 +14,8 @@ BULK_THRESHOLDS = (50_000, 20, 20)
 
 
 class _FewerCollections:
-    """:data:`BULK_THRESHOLDS` while a run delivers or a tick records, then the process's own again
-    once the last of them in the process ends (a code server evaluates several sensors at once; tests
-    and ``execute_in_process`` run several runs in one process)."""
+    """:data:`BULK_THRESHOLDS` while a run delivers or a tick records, then the process's own once the last
+    of them in the process ends (a code server evaluates several sensors at once)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,9 +1,5 @@
-"""Operator controls of a stream, shared by the CLI and the Dagster UI (job
-``pgstream_stream_control``, ``defs/controls.py``): pause, resume, retry the failover checkpoint
-now, skip a batch, set events aside as dead letters, discard dead letters.
-
-Each control is one call of a ``pgstream.*`` function, so psql users get the same behaviour.
-"""
+"""Operator controls of a stream for the CLI and the UI (``defs/controls.py``): pause, resume, retry now, skip
+a batch, set events aside, discard dead letters; each one call of a ``pgstream.*`` function, as in psql."""
 
 
 from collections.abc import Sequence
@@ -26,26 +22,18 @@ class ControlError(RuntimeError):
 def apply_control(conn: psycopg.Connection, stream_id: int, action: Action, batch_id: int | None = None, *,
                   event_ids: Sequence[int] = (), reason: str = "", dead_letter_ids: Sequence[int] = (),
                   all_dead_letters: bool = False, by: str = "sql") -> str:
-    """Apply ``action`` to the stream and say what happened (one line, for the CLI and the run log).
-
-    ``set_aside`` takes ``event_ids`` and ``reason``; ``discard_dead_letters`` takes ``dead_letter_ids``
-    or ``all_dead_letters`` (every open dead letter of the stream), and ``by`` (who, kept with them)."""
-    if action == "set_aside":
-        try:
-            n = deadletters.set_aside(conn, stream_id, event_ids, reason)
-        except deadletters.DeadLetterError as exc:
-            raise ControlError(str(exc)) from None
-        return (f"stream {stream_id}: {n} events set aside as open dead letters; delivery goes on without them "
-                f"(redeliver or discard them: pgstream-dagster dead-letters list {stream_id})")
-    if action == "discard_dead_letters":
-        if all_dead_letters == bool(dead_letter_ids):
-            raise ControlError("discard_dead_letters: give dead letter ids, or all of the stream's (one of them)")
-        try:
-            n = deadletters.discard(conn, stream_id, None if all_dead_letters else dead_letter_ids, by)
-        except deadletters.DeadLetterError as exc:
-            raise ControlError(str(exc)) from None
-        return f"stream {stream_id}: {n} dead letters discarded (their events will not be delivered)"
+    """Apply ``action`` to the stream and say what happened (one line). ``set_aside`` takes ``event_ids`` and
+    ``reason``; ``discard_dead_letters`` takes ``dead_letter_ids`` or ``all_dead_letters``, and ``by``."""
+    if action == "discard_dead_letters" and all_dead_letters == bool(dead_letter_ids):
+        raise ControlError("discard_dead_letters: give dead letter ids, or all of the stream's (one of them)")
     try:
+        if action == "set_aside":
+            n = deadletters.set_aside(conn, stream_id, event_ids, reason)
+            return (f"stream {stream_id}: {n} events set aside as open dead letters; delivery goes on without them "
+                    f"(redeliver or discard them: pgstream-dagster dead-letters list {stream_id})")
+        if action == "discard_dead_letters":
+            n = deadletters.discard(conn, stream_id, None if all_dead_letters else dead_letter_ids, by)
+            return f"stream {stream_id}: {n} dead letters discarded (their events will not be delivered)"
         if action in ("pause", "resume"):
             conn.execute("select pgstream.set_paused(%s, %s)", [stream_id, action == "pause"])
             return (f"stream {stream_id} paused: the slot is still consumed (WAL released), no deliveries start"
@@ -61,5 +49,7 @@ def apply_control(conn: psycopg.Connection, stream_id: int, action: Action, batc
         skipped = state.skip_batch(conn, stream_id, batch_id)
         return (f"stream {stream_id}: batch {batch_id} skipped ({skipped} events will not be delivered; they stay in "
                 f"pgstream.events and can be replayed by id range)")
+    except deadletters.DeadLetterError as exc:
+        raise ControlError(str(exc)) from None
     except psycopg.errors.NoDataFound as exc:
         raise ControlError(str(exc.diag.message_primary or exc)) from None

@@ -1,13 +1,8 @@
-"""The runtime's connections: nothing on the login role's search path can redirect a name pgstream's
-SQL uses. A role that may create functions in a schema of that path (``public`` where it is writable,
-a schema named like the role) could otherwise shadow a built-in called with an untyped argument (a
-``public.pg_logical_slot_peek_binary_changes(text, ...)`` is a better match for a string literal than
-the built-in's ``name``) and so run its code as the runtime and feed it changes of its own. The
-session's search path is ``pg_catalog, pg_temp``; options of the URL (a role to set) are kept.
-
-libpq echoes what it cannot parse of a connection string, the password included (``missing "="
-after "postgresql//app:pw@host"``, ``invalid percent-encoded token: "pw%"``): :func:`conninfo_problem`
-says what is wrong without it, and :func:`connect` raises psycopg's error with it masked."""
+"""The runtime's connections, with ``search_path = pg_catalog, pg_temp`` (the URL's options kept): a role
+that may create functions on the login role's path could otherwise shadow a built-in called with an untyped
+argument and run its code as the runtime. libpq echoes what it cannot parse of a connection string, password
+included: :func:`conninfo_problem` says what is wrong without it, :func:`connect` masks it in the error.
+"""
 
 from __future__ import annotations
 
@@ -43,9 +38,8 @@ def pinned_options(database_url: str, extra: str = "") -> str:
 
 
 def database_key(conn: psycopg.Connection) -> str:
-    """The database ``conn`` is connected to, as its URL names it: ``host:port/database`` (every host of a
-    multi-host URL; never the role or the password). A Dagster instance can serve the code locations of several
-    databases: this tells one database's reader groups from another's."""
+    """The database ``conn`` is connected to as ``host:port/database`` (every host of a multi-host URL, never
+    the role or password): tells one database's reader groups from another's in a shared Dagster instance."""
     info = conninfo_to_dict(conn.info.dsn)
     host = info.get("host") or info.get("hostaddr") or "(the local socket)"
     return f"{host}:{info.get('port') or 5432}/{conn.info.dbname}"
@@ -86,9 +80,8 @@ def error_line(exc: BaseException) -> str:
 
 
 def server_gone(exc: BaseException) -> str | None:
-    """What a tick or a run says, in one line, when its server went away mid-way (a crash, a restart, a
-    failover: the connection lost, an administrator's shutdown) or is read-only (a standby, reached before
-    its promotion by a URL without ``target_session_attrs=read-write``); None for any other error."""
+    """What a tick or a run says, in one line, when its server went away mid-way (crash, restart, failover,
+    shutdown) or is read-only (a standby reached without ``target_session_attrs=read-write``); else None."""
     if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
         return f"the server is read-only (a standby?), waiting for the primary: {error_line(exc)}"
     if isinstance(exc, psycopg.OperationalError) and (exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P"))):

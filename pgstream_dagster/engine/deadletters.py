@@ -1,29 +1,8 @@
-"""Dead letters (``pgstream.dead_letters``): events a stream went on without. The operator surface,
-shared by the CLI, the replay and control jobs and the asset check: list, inspect, set aside,
-redeliver, discard. No Dagster here.
-
-A dead letter is either
-
-* stage ``deliver``: an event of a batch that the sink rejected for good (or that an operator set
-  aside); its position is ``(batch_id, ord)``, its place in the batch's commit order (1-based);
-* stage ``read``: an event the sensor could not record (it is in no batch); its position is the
-  commit LSN of its transaction.
-
-**Delivery order of dead letters** (the order :func:`redeliver` publishes them in, and the order
-:func:`list_dead_letters` lists them in): deliver-stage ones by ``(batch_id, ord)``; a read-stage one
-sits right after the last batch of its stream that starts at or before its LSN (``start_lsn <=
-lsn``: the batches holding transactions committed before it), i.e. after the deliver-stage ones of
-that batch and before those of later batches; read-stage ones after the same batch by LSN, then
-event id. With no such batch (none recorded yet, or pruned) it comes first.
-
-**Overtaken**: the number of events of the stream after a dead letter's position that have been
-delivered (delivered batches after its position, plus, for a deliver-stage one, the rest of its
-own batch once that batch is delivered; other dead letters there that were not delivered do not
-count). A dead letter is out of order by definition; this says by how much.
-
-**Redelivery waits for the stream**: a dead letter is redelivered only once every batch of the
-stream up to its position is delivered or skipped, so it never overtakes an event that was before
-it; the first one that must wait stops the redelivery (later ones wait too).
+"""Dead letters (``pgstream.dead_letters``), events a stream went on without: list, show, set aside, redeliver,
+discard; no Dagster here. Stage ``deliver``: rejected or set aside from a batch, at ``(batch_id, ord)``; stage
+``read``: not recordable, at its commit LSN, right after the last batch with ``start_lsn <= lsn`` in the
+delivery order (:func:`list_dead_letters`, :func:`redeliver`). **Overtaken**: the stream's events after it
+that were delivered. One is redelivered only once every batch up to it is done (the first waiting stops it).
 """
 
 from __future__ import annotations
@@ -50,18 +29,8 @@ STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")
 #: longest error text stored with a dead letter (the SQL functions use the same limit)
 ERROR_CHARS = 2000
 
-__all__ = [
-    "DeadLetter",
-    "DeadLetterError",
-    "RedeliveryReport",
-    "count_open",
-    "discard",
-    "get_dead_letter",
-    "list_dead_letters",
-    "redeliver",
-    "redelivery_plan",
-    "set_aside",
-]
+__all__ = ["DeadLetter", "DeadLetterError", "RedeliveryReport", "count_open", "discard", "get_dead_letter",
+           "list_dead_letters", "redeliver", "redelivery_plan", "set_aside"]
 
 
 class DeadLetterError(RuntimeError):
@@ -141,8 +110,7 @@ select coalesce((select sum(events) from after), 0)
 
 
 def get_dead_letter(conn: psycopg.Connection, dead_letter_id: int) -> DeadLetter:
-    """Everything about one dead letter, with how many later events of its stream were delivered
-    (``overtaken``)."""
+    """Everything about one dead letter, with how many later events of its stream were delivered (``overtaken``)."""
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(_SELECT.format(payloads=_PAYLOADS) + " where d.id = %s", [dead_letter_id]).fetchone()
     if row is None:
@@ -158,23 +126,21 @@ def get_dead_letter(conn: psycopg.Connection, dead_letter_id: int) -> DeadLetter
 
 # --- operator actions (thin wrappers of the SQL functions) --------------------------------------
 
-def _refused(exc: psycopg.Error) -> DeadLetterError:
-    diag = exc.diag
-    message = diag.message_primary or str(exc)
-    return DeadLetterError(f"{message} ({diag.message_hint})" if diag.message_hint else message)
+def _count(conn: psycopg.Connection, query: str, params: list[Any]) -> int:
+    """The count an SQL function returns; its refusal as a :class:`DeadLetterError` (with its hint)."""
+    try:
+        row = conn.execute(query, params).fetchone()
+    except (psycopg.errors.NoDataFound, psycopg.errors.InvalidParameterValue) as exc:
+        message = exc.diag.message_primary or str(exc)
+        raise DeadLetterError(f"{message} ({exc.diag.message_hint})" if exc.diag.message_hint else message) from None
+    assert row is not None
+    return int(row[0])
 
 
 def set_aside(conn: psycopg.Connection, stream_id: int, event_ids: Sequence[int], reason: str) -> int:
-    """Move undelivered events of the stream's open batches into dead letters (delivery goes on
-    without them); returns how many. Refuses, changing nothing, ids that are in no open batch of the
-    stream or already dead letters."""
-    try:
-        row = conn.execute("select pgstream.set_aside_events(%s, %s, %s)",
-                           [stream_id, list(event_ids), reason]).fetchone()
-    except (psycopg.errors.NoDataFound, psycopg.errors.InvalidParameterValue) as exc:
-        raise _refused(exc) from None
-    assert row is not None
-    return int(row[0])
+    """Move undelivered events of the stream's open batches into dead letters; how many. Refuses, changing
+    nothing, ids in no open batch of the stream or already dead letters."""
+    return _count(conn, "select pgstream.set_aside_events(%s, %s, %s)", [stream_id, list(event_ids), reason])
 
 
 def discard(conn: psycopg.Connection, stream_id: int, ids: Sequence[int] | None, by: str) -> int:
@@ -182,13 +148,8 @@ def discard(conn: psycopg.Connection, stream_id: int, ids: Sequence[int] | None,
     Refuses, changing nothing, ids that are not open dead letters of the stream."""
     if ids is not None and not ids:
         raise DeadLetterError("no dead letter ids given (give ids, or discard all of the stream's)")
-    try:
-        row = conn.execute("select pgstream.discard_dead_letters(%s, %s, %s)",
-                           [stream_id, None if ids is None else list(ids), by]).fetchone()
-    except (psycopg.errors.NoDataFound, psycopg.errors.InvalidParameterValue) as exc:
-        raise _refused(exc) from None
-    assert row is not None
-    return int(row[0])
+    return _count(conn, "select pgstream.discard_dead_letters(%s, %s, %s)",
+                  [stream_id, None if ids is None else list(ids), by])
 
 
 # --- redelivery ---------------------------------------------------------------------------------
@@ -273,20 +234,11 @@ def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int]
 
 def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int] | None, by: str,
               chunk_size: int | None = None, *, dry_run: bool = False) -> RedeliveryReport:
-    """Publish the stream's open dead letters (all, or ``ids``) through its sink in delivery order,
-    ``chunk_size`` events per publish call (default: the stream's ``delivery.chunk_size``) and at most
-    ``delivery.tuning.max_read_bytes`` of payload and metadata (one at least; their payloads are read a chunk
-    at a time), marking each chunk ``redelivered`` only once the sink confirmed it.
-
-    * A dead letter with no payload or no event timestamp cannot be redelivered: it is reported and
-      left open (the others go on: waiting would not make it deliverable).
-    * A dead letter whose position the stream has not passed yet (a batch up to it is neither
-      delivered nor skipped) is not sent: it and every later one wait.
-    * On a :class:`SinkError` the error (already free of secrets) and attempts + 1 are recorded on the
-      first dead letter of the refused chunk, and redelivery stops: later ones wait, order is kept.
-
-    ``conn`` should be in autocommit mode (each confirmed chunk is marked in a transaction of its own).
-    Two redeliveries of one stream never run at once (pgstream's lock ``redelivery``)."""
+    """Publish the stream's open dead letters (all, or ``ids``) through its sink in delivery order, in chunks
+    of ``chunk_size`` (default ``delivery.chunk_size``) and ``tuning.max_read_bytes``, each marked
+    ``redelivered`` once confirmed (``conn`` in autocommit). One without payload or timestamp is reported and
+    left open; one the stream has not passed yet waits, with every later one; a :class:`SinkError` is recorded
+    on the refused chunk's first letter and stops it. One at a time per stream (lock ``redelivery``)."""
     size = chunk_size or stream.delivery.chunk_size
     if size < 1:
         raise DeadLetterError(f"chunk_size must be at least 1, not {size}")
@@ -318,8 +270,7 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
 def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadLetter], size: int, by: str,
              report: RedeliveryReport) -> None:
     sink: Sink | None = None
-    # the dead letters' source (engine.delivery.sources: chosen as every delivery's), in chunks of at most size
-    # letters and tuning.max_read_bytes of payload, each chunk's payloads read when it is due
+    # chosen as every delivery's source: chunks of at most size letters and max_read_bytes, payloads read when due
     source = choose_source(stream.delivery, Letters(letters, size), Readers("", conn=conn))
     assert isinstance(source, DeadLetterSource)
     position = 0  # letters handled before the chunk

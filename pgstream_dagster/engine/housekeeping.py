@@ -1,24 +1,16 @@
-"""Partition and ledger housekeeping: create daily partitions ahead, drop expired ones, prune the
-batch ledger. Run by the ``pgstream_housekeeping`` schedule (``housekeeping.cron``) and once by
-``pgstream-dagster init`` at start-up, so a fresh install never lacks today's partition.
-
-The retention policy itself lives in SQL (``pgstream.expired_partitions``, ``pgstream.drop_partition``):
-it keeps partitions that hold undelivered events and says so with a WARNING, and never waits for a
-lock on ``pgstream.events`` longer than ``housekeeping.lock_timeout_ms`` (application writes queue
-behind a waiting lock request). Here each partition is dropped in its own transaction, and the
-partitions kept past retention or left for the next pass (their locks were held) are reported.
-
-Registered consumers (the Spark source, ``pgstream.consumers``) hold back the partitions and ledger
-batches they have not read, each for at most its ``max_retention_days``; a consumer whose oldest
-unread event is older than that is **overrun**: what it has not read is dropped anyway, and the pass
-reports it (``consumers_overrun``, a warning, the ``pgstream_housekeeping_consumers_overrun`` metric),
-so an abandoned consumer cannot fill the disk silently.
+"""Partition and ledger housekeeping: daily partitions ahead, expired ones dropped, the batch ledger pruned;
+run by the ``pgstream_housekeeping`` schedule and once by ``pgstream-dagster init``. The retention policy is
+SQL's (``pgstream.expired_partitions``, ``pgstream.drop_partition``: partitions holding undelivered events are
+kept, with a WARNING, and no lock on ``pgstream.events`` is waited for longer than
+``housekeeping.lock_timeout_ms``); here each partition is dropped in its own transaction and what was kept or
+left for the next pass is reported. A registered consumer holds back what it has not read for at most its
+``max_retention_days``; past that it is **overrun** (``consumers_overrun``, a warning and a metric).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
@@ -52,26 +44,14 @@ class HousekeepingReport:
                    if self.consumers_overrun else ""))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"today": self.today.isoformat(), "created": self.created, "dropped": self.dropped,
-                "kept": self.kept, "busy": self.busy, "rows_dropped": self.rows_dropped,
-                "bytes_dropped": self.bytes_dropped, "default_rows_deleted": self.default_rows_deleted,
-                "batches_pruned": self.batches_pruned, "consumers_overrun": self.consumers_overrun,
-                "warnings": self.warnings}
+        return {**asdict(self), "today": self.today.isoformat()}
 
 
 def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
                      today: dt.date | None = None) -> HousekeepingReport:
-    """One housekeeping pass for UTC day ``today`` (default: the database's UTC today).
-
-    Each step commits on its own: create partitions ahead; drop the expired ones, each in its own
-    transaction (measured, detached and dropped by ``pgstream.drop_partition``), so the ACCESS
-    EXCLUSIVE lock of a detach is held only for that statement; delete the expired rows of
-    ``events_default`` that are done with; prune delivered batches older than ``ledger_keep_days``
-    (relative to ``today``). Every lock on ``pgstream.events`` or a partition is requested with
-    ``lock_timeout_ms``, ``lock_attempts`` times: a partition whose locks stay held (an application
-    transaction that wrote an event and sits idle) is reported in ``busy`` and left for the next pass,
-    and the pass goes on: application writes never wait behind it for longer than one timeout.
-    """
+    """One pass for UTC day ``today`` (default: the database's), each step committing on its own: partitions ahead,
+    expired ones dropped one transaction each, expired ``events_default`` rows deleted, old delivered batches
+    pruned; locks tried ``lock_attempts`` times for ``lock_timeout_ms``, a partition still held left (``busy``)."""
     if today is None:
         row = conn.execute("select pgstream.utc_today()").fetchone()
         assert row is not None

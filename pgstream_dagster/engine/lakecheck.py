@@ -1,11 +1,7 @@
-"""The lake tables' asset check, without Dagster: per UTC day, the events of a stream the ledger says
-were delivered (``pgstream.events``) against the events the lake table holds.
-
-Compared over a settled window ``[since, upto)`` of ``created_at``: ``since`` is the stream's oldest
-event still in ``pgstream.events`` (housekeeping drops old partitions; the table keeps them), ``upto``
-the oldest ``created_at`` of an undelivered batch (or just after the newest delivered event): what
-comes after is still on its way. Events set aside as dead letters and not redelivered are not owed
-to the table.
+"""The lake tables' asset check, without Dagster: per UTC day, the events the ledger says were delivered
+against those the lake table holds, over a settled window ``[since, upto)`` of ``created_at`` (the oldest event
+still in ``pgstream.events``; the oldest undelivered batch, or just after the newest delivered event). Dead
+letters not redelivered are not owed to the table.
 """
 
 from __future__ import annotations

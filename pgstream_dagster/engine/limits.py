@@ -1,12 +1,8 @@
-"""The Postgres and Dagster limits that can stop a stream, checked before they do (``pgstream-dagster
-preflight``, ``init``, and a group's sensor whose slot cannot be created): ``wal_level``, the runtime role's
-replication right, ``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with the
-connections Dagster's storage keeps on the same server), and the Dagster instance's
-``max_concurrent_runs`` (both given by the caller: the engine does not know Dagster).
-
-Each problem is one line naming the setting, its value, what the streams need and the value to set, where
-it is set: ``postgresql.conf``, or on a managed service (told by the role its administrator is a member
-of) the service's own setting (:func:`how_to_set`).
+"""The Postgres and Dagster limits that can stop a stream, checked before they do (``preflight``, ``init``,
+a group's sensor whose slot cannot be created): ``wal_level``, the runtime's replication right,
+``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with Dagster storage's connections) and
+``max_concurrent_runs`` (given by the caller). One line per problem, naming the setting and the value to set,
+in ``postgresql.conf`` or the managed service's own setting (:func:`how_to_set`).
 """
 
 from __future__ import annotations
@@ -19,9 +15,7 @@ import psycopg
 from ..config import StreamConfig, reader_groups
 from .ledger.locks import POOL_SIZE
 
-#: connections a reader group's members hold working at once (its group delivery run's pool: its size; a member
-#: whose sink call hangs holds one beside it; idle, none: the pool closes what stays idle; its group's sensor
-#: decides for it, its group's run listens, reads and holds its lease for it)
+#: connections a reader group's members hold working at once (its group delivery run's pool size)
 _CONNECTIONS_PER_POOL = POOL_SIZE
 #: a group's sensor, and its delivery run's lease and listener, its reader and its members' lease session
 _CONNECTIONS_PER_GROUP = 5
@@ -68,9 +62,8 @@ MANAGED_SERVICES = {"rds_superuser": "rds", "cloudsqlsuperuser": "cloudsql", "az
 
 
 def managed_service(conn: psycopg.Connection) -> str | None:
-    """``rds`` (Amazon RDS and Aurora), ``cloudsql`` (Google Cloud SQL), ``azure`` (Azure Database for
-    PostgreSQL flexible server) or ``None`` (self-hosted): by the administrator's role, which the service
-    creates in the cluster."""
+    """``rds`` (RDS, Aurora), ``cloudsql``, ``azure`` (flexible server) or ``None`` (self-hosted), by the
+    administrator's role the service creates in the cluster."""
     row = conn.execute("select rolname::text from pg_catalog.pg_roles where rolname operator(pg_catalog.=) any(%s) "
                        "order by 1 limit 1", [list(MANAGED_SERVICES)]).fetchone()
     return MANAGED_SERVICES[row[0]] if row else None
@@ -193,8 +186,7 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
     line = slot_problem(limits, len(existing), missing)
     if line:
         out.append(line)
-    # WAL senders other than the groups' own slot readers (told by the slot they hold: pg_stat_replication
-    # hides a connection's application_name from roles without pg_read_all_stats)
+    # WAL senders other than the groups' readers, told by the slot they hold (application_name may be hidden)
     ours = [group_slots[g] for g in groups if g in group_slots]
     row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
                        "pg_catalog.pg_replication_slots s where s.active_pid operator(pg_catalog.=) r.pid and "
@@ -221,10 +213,8 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
 
 
 def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig], where: str) -> str | None:
-    """The line saying that the streams with open runs (``delivery.mode`` open or warm; a reader group's
-    streams: one group delivery run for all of them) and one more run (housekeeping, checks, a replay) do
-    not fit in the Dagster instance's ``max_concurrent_runs`` (``None`` or negative: no limit); ``where``:
-    the instance's configuration, named in the line."""
+    """The line saying that the reader groups' delivery runs and one more run do not fit in ``max_concurrent_runs``
+    (``None`` or negative: no limit); ``where`` names the instance's configuration."""
     if max_concurrent_runs is None or max_concurrent_runs < 0:
         return None
     groups = list(reader_groups(streams))

@@ -1,15 +1,8 @@
-"""Prometheus metrics, computed from the database at every scrape (``pgstream-dagster metrics``).
-
-The collector keeps no count of its own: every value is read from ``pgstream.metrics``
-(sql/repeatable/09_metrics.sql) in one read-only statement, so any number of exporters agree, an
-exporter restart loses nothing and a delivery run that ends takes nothing with it. Counters are
-durable rows (``pgstream.stream_counters``) that the ledger's, dead letters' and failovers' triggers
-increment in the transaction of the change they count; ``prune_batches`` deletes batches, never
-counts. Histograms are counts per bucket in the same table.
-
-A scrape is bounded (see the view) and takes no lock a delivery waits for: it only reads, in a
-read-only transaction with ``statement_timeout`` and ``lock_timeout`` set. When the database
-cannot be read, the scrape still answers, with ``pgstream_up 0``.
+"""Prometheus metrics, read from the database at every scrape (``pgstream-dagster metrics``): every value
+comes from ``pgstream.metrics`` (sql/repeatable/09_metrics.sql) in one read-only statement, with
+``statement_timeout`` and ``lock_timeout`` set, so exporters agree and keep no count of their own (counters
+and histogram buckets are rows the ledger's triggers increment). When the database cannot be read the scrape
+still answers, with ``pgstream_up 0``.
 """
 
 from __future__ import annotations
@@ -57,9 +50,8 @@ def _definitions() -> tuple[dict[str, MetricSpec], dict[str, tuple[str, str]]]:
     return metrics, histograms
 
 
-#: the view's ``metric`` -> what is exported (``metrics.yaml``, next to this module); histograms: the
-#: view's ``<key>_bucket`` (label: upper bound) and ``<key>_sum`` rows, bounds from ``bucket_bound``
-#: rows (pgstream.metric_buckets)
+#: the view's ``metric`` -> what is exported (``metrics.yaml``); histograms: ``<key>_bucket`` (label: upper
+#: bound) and ``<key>_sum`` rows, bounds from ``bucket_bound`` rows (pgstream.metric_buckets)
 METRICS, HISTOGRAMS = _definitions()
 
 UP = "pgstream_up"
@@ -130,10 +122,8 @@ def families(rows: list[Row]) -> list[Metric]:
 
 
 class PgstreamCollector(Collector):
-    """A custom collector: every ``collect()`` reads the database (see the module docstring).
-
-    One connection is kept between scrapes (opened again after an error); scrapes of one exporter
-    are serialised on it."""
+    """Every ``collect()`` reads the database (see the module), on one connection kept between scrapes
+    (opened again after an error), scrapes of one exporter serialised on it."""
 
     def __init__(self, database_url: str, timeout_secs: float = 5.0,
                  log: Callable[[str], None] | None = None) -> None:

@@ -1,38 +1,10 @@
-"""Install and upgrade the pgstream schema from ``sql/``, one migrator at a time.
-
-``sql/`` holds two kinds of files, and every object is defined in exactly one of them:
-
-* **Versioned migrations**, ``sql/NNN_name.sql`` (version ``NNN``): what has state. The schema,
-  tables, types, sequences, indexes, constraints, roles, privileges on the schema, tables and
-  sequences, data changes, and the removal of functions that no longer exist (``drop function if
-  exists``). Each is applied once, in version order, in its own transaction together with its row
-  in ``pgstream.schema_migrations`` (version, name, checksum). ``000_bootstrap.sql`` creates the
-  schema and both ledgers and runs on every pass. An applied version is never run again, and its
-  file must keep its checksum (a changed file is an error), except for the versions rewritten when
-  functions moved to repeatable files: :data:`RELEASED_CHECKSUMS`.
-* **Repeatable files**, ``sql/repeatable/NN_concern.sql``: every function, view and trigger (event
-  triggers included), grouped by concern, each with its privileges next to it (``revoke ... from
-  public``, owner), so that a drop and re-create keeps them. Every statement is idempotent (``create
-  or replace``). After the versioned migrations, each file whose checksum differs from the one
-  recorded in ``pgstream.schema_repeatables`` (all of them on a fresh install) is applied, in file
-  order, each in its own transaction together with its row.
-
-The rule that keeps the two apart: **a versioned migration never creates a function, view or
-trigger and never calls a pgstream function.** On a fresh install none exists yet when it runs; on
-an upgrade it would run the previous release's code. It spells out what it needs instead
-(``011_publication_columns.sql`` names publications itself; the partial index of
-``007_failover.sql`` spells out ``pgstream.batch_is_open``). A data step that needs a pgstream
-function is an idempotent statement at the end of the repeatable file that defines the function
-(``repeatable/04_subscriptions.sql`` ends by regenerating every generated trigger that differs from
-what the current code generates). A repeatable file may use what earlier files and the versioned
-migrations define. A versioned migration that must drop a view or function to change a table
-under it comes with a change to the repeatable file that defines it, which re-creates it.
-
-Upgrading an install: the versioned migrations it lacks run first (its repeatable objects, from
-the previous release, are still in place meanwhile), then every repeatable file it has not applied
-in its current form. An install from before repeatable files (versions 000-014 applied from the
-released files) gets all of them: every function, view and trigger is replaced by its one
-definition, and ends up as on a fresh install.
+"""Install and upgrade the pgstream schema from ``sql/``, one migrator at a time (docs/development.md).
+Versioned migrations (``sql/NNN_name.sql``: what has state) apply once each, in order, each in a transaction
+with its row in ``pgstream.schema_migrations``, and keep their checksum (but :data:`RELEASED_CHECKSUMS`);
+``000_bootstrap.sql`` runs every pass. Then each repeatable file (``sql/repeatable/NN_concern.sql``: every
+function, view and trigger, idempotent) whose checksum differs from ``pgstream.schema_repeatables``, in order.
+A versioned migration never creates a function, view or trigger nor calls a pgstream function (an upgrade
+would run the previous release's); a data step that needs one ends the repeatable file defining it.
 """
 
 from __future__ import annotations
@@ -52,9 +24,7 @@ from ..config import STREAM_NAME_PREFIX
 #: The NOLOGIN role that owns the generated trigger functions (sql/012_least_privilege.sql).
 WRITER_ROLE = "pgstream_writer"
 
-#: Key of the transaction-level advisory lock taken only to create the schema and its ledgers on a
-#: database that has none (``000_bootstrap.sql``); from then on migrators queue on the ledger table's
-#: lock, which no other role can take (:func:`_locked`).
+#: the advisory lock taken only to create the schema (``000_bootstrap.sql``); then the ledger's lock (:func:`_locked`)
 BOOTSTRAP_LOCK_KEY = 0x70677374  # "pgst"
 
 #: How long a first install waits for :data:`BOOTSTRAP_LOCK_KEY` before it names who holds it.
@@ -63,12 +33,8 @@ BOOTSTRAP_LOCK_TIMEOUT = "60s"
 #: Where the repeatable files are, under the ``sql/`` directory.
 REPEATABLE_DIR = "repeatable"
 
-#: The checksums (sha256) of the versioned migrations as released in 0.1.0 (commit 7ed30b0, the
-#: last release whose versioned files defined functions, views and triggers), for the versions
-#: rewritten since to leave those definitions to the repeatable files. Installs in the field
-#: recorded these: an applied version is accepted with its released or its current checksum, and
-#: is never run again. Never add a version whose file is unchanged, nor change an entry.
-#: (tests/fixtures/sql-0.1-014.tar.gz holds those files; a test checks this table against it.)
+#: The sha256 of the versioned migrations rewritten since 0.1.0 (7ed30b0) as released then: an applied version
+#: is accepted with it or its current one. Never add nor change one (tests/fixtures/sql-0.1-014.tar.gz).
 RELEASED_CHECKSUMS: dict[int, str] = {
     1: "ef2c8b8114b6cd70125e7c8faf9bd992c195179a38cc5f73f564b2bb1ad64093",  # 001_core.sql
     2: "9f20fc7fb1a0a47c8e80db698a6e867d58c81b07ded038f9d9c6d026732386d7",  # 002_partitions.sql
@@ -187,9 +153,8 @@ def _locked(conn: psycopg.Connection) -> None:
 
 
 def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
-    """``000_bootstrap.sql``, idempotent: behind the ledger's lock once the ledger exists; on a
-    database without it, behind a transaction-level advisory lock (nothing else to lock yet), waited for
-    :data:`BOOTSTRAP_LOCK_TIMEOUT` at most."""
+    """``000_bootstrap.sql``, idempotent, behind the ledger's lock, or on a database without the ledger
+    behind a transaction-level advisory lock waited for :data:`BOOTSTRAP_LOCK_TIMEOUT` at most."""
     def ledger_exists() -> bool:
         row = conn.execute("select pg_catalog.to_regclass('pgstream.schema_migrations') is not null").fetchone()
         return bool(row and row[0])
@@ -200,8 +165,7 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
                 conn.execute(f"set local lock_timeout = '{BOOTSTRAP_LOCK_TIMEOUT}'")
                 conn.execute("select pg_catalog.pg_advisory_xact_lock(%s)", [BOOTSTRAP_LOCK_KEY])
                 conn.execute("set local lock_timeout = 0")
-            # a migrator that bootstrapped while this one waited is applying files by now: queue
-            # behind it, or this bootstrap's statements would race its DDL on the same objects
+            # a migrator that bootstrapped meanwhile is applying files: queue behind it, not race its DDL
             if ledger_exists():
                 _locked(conn)
             conn.execute(_SAFE_SEARCH_PATH)
@@ -218,16 +182,13 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
             "(pg_terminate_backend) and run migrate again") from exc
 
 
-#: what every file runs under: a view binds the functions and operators it names when it is created,
-#: so with the migrator's own search_path (say ``public``, writable by every role in a database from
-#: before Postgres 15) a view could bind a role's ``||(text, bigint)`` and run it with the rights of
-#: whoever reads the view. ``set local``: until the file's transaction ends
+#: what every file runs under: a view binds the functions and operators it names when created, so the
+#: migrator's own search_path could bind a role's ``||(text, bigint)`` (until the file's transaction ends)
 _SAFE_SEARCH_PATH = "set local search_path = pg_catalog, pg_temp"
 
 
-#: a file's transaction is pgstream's own DDL (pgstream.internal_ddl, writable by the owner only): the
-#: drift guard lets it create, replace and drop functions in schema pgstream, which it refuses to
-#: everything else. Before the table exists (a fresh install) there is no guard either.
+#: a file's transaction is pgstream's own DDL (pgstream.internal_ddl, the owner's only), which the drift guard
+#: lets create, replace and drop functions in schema pgstream (no guard before the table exists)
 _INTERNAL_DDL_BEGIN = """
     select pg_catalog.to_regclass('pgstream.internal_ddl') is not null
        and pg_catalog.has_table_privilege('pgstream.internal_ddl', 'INSERT')"""
@@ -254,15 +215,8 @@ def _apply(conn: psycopg.Connection, file: _SqlFile, label: str, record: str, pa
 
 
 def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | None = None) -> list[str]:
-    """Apply the pending versioned migrations, then the repeatable files that changed, and create
-    today's and the next partitions.
-
-    Returns the names of the files applied, versioned ones first (``012_least_privilege.sql``,
-    ``repeatable/04_subscriptions.sql``); empty when already up to date. Each file runs in its own
-    transaction together with its ledger row: a failing file changes nothing, and the files before
-    it stay applied. Each of these transactions first takes the ledger table's lock and only then
-    looks at what is pending, so concurrent migrators apply every file once, one after the other.
-    """
+    """Apply the pending versioned migrations, then the changed repeatable files, each with its ledger row behind
+    the ledger's lock, and create the partitions; the files applied (``repeatable/04_subscriptions.sql``, ...)."""
     migrations = discover(directory)
     repeatables = discover_repeatables(directory)
     applied: list[str] = []
@@ -274,24 +228,21 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
             applied.append(f"{REPEATABLE_DIR}/{r.name}")
         grants = repeatables[-1] if repeatables else None
         if grants is not None and applied and f"{REPEATABLE_DIR}/{grants.name}" not in applied:
-            # the last file holds every grant to the runtime roles (99_runtime.sql): a function an earlier
-            # file dropped and created again would come back without them
+            # the last file holds every grant to the runtime roles: a function re-created earlier needs them again
             _retried(lambda: _reapply(conn, grants))
         _retried(lambda: _partitions(conn, partitions_ahead))
     return applied
 
 
-#: what another database's migrator (roles are the cluster's) or a concurrent catalog update makes a file
-#: fail with once; the file's transaction rolled back, it is tried again
+#: what a race with another database's migrator makes a file fail with once: rolled back, tried again
 _RACES = (psycopg.errors.InternalError_, psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject)
 _RACE_ATTEMPTS = 5
 _T = TypeVar("_T")
 
 
 def _retried(step: Callable[[], _T]) -> _T:
-    """``step`` (one transaction), tried again a few times when it lost a race on the cluster's catalogs:
-    roles are shared by every database, so two databases migrated at once (two installs in one cluster) can
-    both create or grant the same role ("tuple concurrently updated", a duplicate role)."""
+    """``step`` (one transaction), tried again a few times when it lost a race on the cluster's catalogs (two
+    databases migrated at once both create or grant the same role: "tuple concurrently updated")."""
     for attempt in range(_RACE_ATTEMPTS):
         try:
             return step()
@@ -338,15 +289,13 @@ def _reapply(conn: psycopg.Connection, grants: Repeatable) -> None:
 
 
 def _partitions(conn: psycopg.Connection, ahead: int) -> None:
-    # behind the ledger's lock too: creating a partition clones the events table's triggers, which another
-    # migrator's repeatable file may be replacing meanwhile
+    # behind the ledger's lock: a partition clones the events table's triggers, which a migrator may replace
     with conn.transaction():
         _locked(conn)
         conn.execute("select pgstream.create_partitions(%s)", [ahead])
 
 
-#: the drift guard's event triggers (sql/repeatable/05_drift_guard.sql), which only a superuser can create (and on
-#: Amazon RDS its master user)
+#: the drift guard's event triggers, which only a superuser (on Amazon RDS, its master user) can create
 DRIFT_GUARD_TRIGGERS = ("pgstream_drift_guard_alter", "pgstream_drift_guard_drop", "pgstream_drift_guard_start")
 
 
@@ -357,8 +306,7 @@ def drift_guard_installed(conn: psycopg.Connection) -> bool:
     return bool(row and row[0] == len(DRIFT_GUARD_TRIGGERS))
 
 
-#: what ``migrate`` and ``init`` say when a non-superuser owner installed pgstream (a managed service's
-#: profile): the guard is not active
+#: what ``migrate`` and ``init`` say when a non-superuser owner installed pgstream: the guard is not active
 DRIFT_GUARD_MISSING = ("warning: the schema-drift guard is NOT active (its event triggers need a superuser): a table "
                        "owner can drop, rename, disable or retype what a subscription depends on (docs/security.md, "
                        "Without the drift guard). A superuser installs it with: pgstream-dagster install-drift-guard "
@@ -366,10 +314,8 @@ DRIFT_GUARD_MISSING = ("warning: the schema-drift guard is NOT active (its event
 
 
 def install_drift_guard(superuser_url: str, directory: Path | None = None) -> None:
-    """Create the drift guard's event triggers as a superuser (or on RDS its master user, which may create
-    them), on an install whose owner is not one: the event-trigger step of ``repeatable/05_drift_guard.sql``
-    (the last statement of that file) run again. The functions they call stay the owner's. Raises
-    :class:`MigrationError` when the role may not create event triggers or pgstream is not installed."""
+    """Create the drift guard's event triggers as a superuser (RDS: its master user), the event-trigger step of
+    ``repeatable/05_drift_guard.sql`` again; :class:`MigrationError` when it may not, or pgstream is not installed."""
     files = {r.name: r for r in discover_repeatables(directory)}
     guard = next((f for name, f in files.items() if name.endswith("_drift_guard.sql")), None)
     if guard is None:
@@ -383,8 +329,7 @@ def install_drift_guard(superuser_url: str, directory: Path | None = None) -> No
         if not _schema_exists(conn):
             raise MigrationError("install-drift-guard: pgstream is not installed in this database: run "
                                  "`pgstream-dagster migrate` first")
-        # tried rather than checked: RDS lets its master user (not a superuser) create event triggers; a role
-        # that may not changes nothing (the step's block catches the refusal, its drops rolled back with it)
+        # tried, not checked (RDS's master user may); a role that may not changes nothing (its block catches it)
         with conn.transaction():
             conn.execute(_SAFE_SEARCH_PATH)
             conn.execute(step)
@@ -404,9 +349,8 @@ class TearDownRefused(RuntimeError):
             + "\nremove them (or their dependency on pgstream) first, or pass --cascade to drop them too")
 
 
-#: What pgstream itself puts outside its schema, and tear-down drops by name: the generated triggers
-#: (pgstream_<op>[_stmt] calling pgstream._publish_*), the drift-guard event triggers, the stream
-#: publications.
+#: what pgstream puts outside its schema, which tear-down drops by name: the generated triggers
+#: (pgstream_<op>[_stmt] calling pgstream._publish_*), the drift guard's event triggers, the publications
 _GENERATED_TRIGGER = """
     t.tgname like 'pgstream\\_%' and p.pronamespace = 'pgstream'::pg_catalog.regnamespace
     and p.proname like '\\_publish\\_%' and not t.tgisinternal"""
@@ -414,10 +358,8 @@ _OLD_DEFAULT_SLOT = rf"^{STREAM_NAME_PREFIX}[0-9]+$"  # a default slot name befo
 #: a stream's publications (the sensor's, the reader's) and a reader group's
 _OWN_PUBLICATION = rf"^({STREAM_NAME_PREFIX}[0-9]+(_rows)?|pgstream_group_[a-z][a-z0-9_]{{0,30}})$"
 
-#: Every object that ``drop schema pgstream cascade`` would drop, found the way Postgres finds
-#: them (pg_depend from the schema on, a part taking its whole: a view's rule takes the view), less
-#: what lives in the schema and what pgstream created outside it. One row per object:
-#: "<type> <identity>" of pg_identify_object, e.g. "view public.v", "table column public.t.op".
+#: every object ``drop schema pgstream cascade`` would drop (pg_depend from the schema on, a part taking its
+#: whole), less the schema's and pgstream's own, one "<type> <identity>" row each ("view public.v")
 _DEPENDENTS = f"""
 with recursive closure(classid, objid, objsubid) as (
     select 'pg_catalog.pg_namespace'::pg_catalog.regclass::pg_catalog.oid, n.oid, 0
@@ -477,10 +419,8 @@ order by 1
 
 
 def dependent_objects(conn: psycopg.Connection) -> list[str]:
-    """The objects outside schema ``pgstream`` that dropping it would drop too (a user table's column
-    of a pgstream type, a view over ``pgstream.events``, a function whose signature uses a pgstream
-    type, ...), as ``"<type> <identity>"``. pgstream's own generated triggers, event triggers and
-    publications are not listed: tear-down drops them itself."""
+    """The objects outside schema ``pgstream`` that dropping it would drop too, as ``"<type> <identity>"``
+    (pgstream's own generated triggers, event triggers and publications left out: tear-down drops them)."""
     if not _schema_exists(conn):
         return []
     return [r[0] for r in conn.execute(_DEPENDENTS).fetchall()]
@@ -496,15 +436,8 @@ def _wait_slot_released(conn: psycopg.Connection, slot: str, timeout: float = 10
 
 
 def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
-    """Remove every trace of pgstream from the database and return what was removed.
-
-    Drops the drift-guard event triggers, the generated triggers on user tables, the stream
-    publications, the ``pgstream`` schema (events included) and every slot a stream used (its
-    ``slot``, whatever it is, and any slot of this database named like a default slot:
-    ``pgstream.default_slot_pattern()``). Objects outside the
-    schema that depend on it (``dependent_objects``) make it refuse with :class:`TearDownRefused`,
-    changing nothing, unless ``cascade``: then they are dropped with the schema and listed.
-    """
+    """Remove every trace of pgstream (triggers, publications, the schema, the streams' slots); what was removed.
+    Dependent objects outside it refuse it (:class:`TearDownRefused`) unless ``cascade`` (dropped too, listed)."""
     from psycopg import sql
 
     removed: list[str] = []
@@ -573,8 +506,7 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
 
 
 def _stream_slots(conn: psycopg.Connection) -> set[str]:
-    """The slot of every stream row (``slot``, from migration 022 on; ``slot_name`` or the old default
-    name before)."""
+    """The slot of every stream row (``slot``, from migration 022 on; ``slot_name`` or the old default name before)."""
     if conn.execute("select to_regclass('pgstream.streams') is null").fetchone() == (True,):
         return set()
     columns = {r[0] for r in conn.execute(

@@ -1,40 +1,13 @@
-"""Publishing events through a sink in the order owed: chunks, progress, vanished events and
-permanent rejections. Plain Python (no Spark, no Dagster): the delivery job and replays feed it
-rows in delivery order from the driver, ``ordering: by_key`` partitions from the executors.
-
-The caller owns the sink (a delivery run opens one for its whole life) and :func:`publish` is a
-generator of what happened, in order: :class:`Confirmed` after every publish call the sink
-confirmed (but a call that ends a batch: the :class:`BatchDone` that follows at once says it),
-:class:`Progress`, :class:`BatchDone` once a batch's last event is confirmed, and
-:class:`Finished` at the end. The generator is suspended while the caller handles an event, so
-nothing more is published until the caller has recorded it (the delivery run writes each one to
-the ledger).
-
-* **Order.** Rows carry their position ``(batch_id, ord)``; one that is not after the previous
-  one stops everything before it is published (:class:`OrderError`).
-* **Nothing vanishes unnoticed.** Given the positions a run owes (:class:`Span` per batch), a
-  position that is neither read nor set aside stops the run before anything after it is published
-  (:class:`MissingEventsError`, naming the positions): the events before it are confirmed, the
-  rest waits for the operator (set the vanished events aside, or skip the batch).
-* **Set aside.** Positions in ``skip`` (events with a dead letter) are not published and count as
-  handled.
-* **Rejections** (:class:`~pgstream_dagster.sinks.SinkError` with ``permanent``): with no
-  :class:`RejectPolicy` (``on_reject: block``) the error stops the run, as any other. With one
-  (``on_reject: dead_letter``), the rejected event is isolated (the events before it in its
-  chunk were confirmed, per the sink contract; a multi-event request the sink rejected as a whole
-  is bisected), published alone up to ``max_attempts`` times, then handed to
-  ``set_aside`` (which records the dead letter durably) and the next event goes on.
-* **Reject storms.** Before a rejected event is set aside, the sink is asked whether it still
-  takes what it took before when ``max_consecutive`` events in a row were rejected, and at the
-  call's first rejection when it confirmed nothing yet in the call: the last event it confirmed (in
-  this call, else the stream's last delivered one, :attr:`RejectPolicy.known_good`) is published
-  again, a duplicate by id (the idempotency key). Confirmed: the rejections are the events' own,
-  they go on being set aside and the count starts again. Refused for good: the sink is
-  misconfigured (it refuses everything), the run stops (:class:`RejectStormError`) and the events
-  wait instead of being set aside. With no confirmed event to send (a stream that never delivered
-  one), ``max_consecutive`` rejections in a row stop the run. Whoever writes events can make them
-  rejected, but not make the sink refuse an event it confirmed: the guard is the sink's, not the
-  writers'.
+"""Publishing events through a sink in the order owed, in plain Python (the delivery job and replays feed it
+rows from the driver, ``by_key`` partitions from the executors). :func:`publish` is a generator of what
+happened (:class:`Confirmed`, :class:`Progress`, :class:`BatchDone`, :class:`Finished`), suspended while the
+caller records each one. A position out of order stops it (:class:`OrderError`), one owed (:class:`Span`)
+neither read nor set aside (``skip``) too, before anything after it is published (:class:`MissingEventsError`).
+A permanent rejection stops it too, unless a :class:`RejectPolicy` (``on_reject: dead_letter``) isolates the
+event (bisecting a request rejected whole), retries it alone ``max_attempts`` times and sets it aside; after
+``max_consecutive`` rejections in a row, or a call's first before any confirmation, the last event the sink
+confirmed (:attr:`RejectPolicy.known_good`) is sent again: refused too (or none), the sink is misconfigured and
+the run stops (:class:`RejectStormError`) instead of setting events aside.
 """
 
 from __future__ import annotations
@@ -50,9 +23,8 @@ from ..sinks import Event, Sink, SinkError
 
 @dataclass(frozen=True)
 class TooLarge:
-    """In place of an event a reader did not read: its payload (``size`` bytes as JSON text) is larger
-    than the sink can ever take (``limit``, :meth:`~pgstream_dagster.sinks.base.Sink.max_event_bytes`).
-    The publisher sets it aside before sending anything after it (:data:`SetAsideTooLarge`)."""
+    """In place of an event not read: its payload (``size`` bytes as JSON text) is larger than the sink can
+    ever take (``limit``); set aside before anything after it is sent (:data:`SetAsideTooLarge`)."""
 
     id: int
     size: int
@@ -79,9 +51,8 @@ payload copied by the database, never read by the run), durably, before the next
 
 @dataclass(frozen=True)
 class Span:
-    """Ordinals ``first..last`` (1-based, inclusive) of ledger batch ``batch_id``, in its commit
-    order: what a run owes of a batch, and what one Spark partition reads of it. Empty when
-    ``first > last`` (an earlier attempt confirmed the whole batch)."""
+    """Ordinals ``first..last`` (1-based, inclusive) of ledger batch ``batch_id``: what a run owes of a batch,
+    what a Spark partition reads of it. Empty when ``first > last`` (an earlier attempt confirmed it all)."""
 
     batch_id: int
     first: int
@@ -180,8 +151,7 @@ class RejectPolicy:
     max_attempts: int = 3
     max_consecutive: int = 20
     backoff_secs: float = 0.5
-    #: the stream's last event the sink confirmed before this call, or ``None``: sent again to check the
-    #: sink after ``max_consecutive`` rejections when nothing was confirmed in the call itself
+    #: the stream's last event the sink confirmed before this call, sent again to check the sink (None: none)
     known_good: Callable[[], Event | None] | None = None
 
 
@@ -197,14 +167,9 @@ def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: fr
             reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
             too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
             gate: Gate = nullcontext) -> Deliveries:
-    """Publish ``rows`` (in the order owed) in chunks of at most ``chunk_size`` events and
-    ``chunk_bytes`` bytes of JSON text (one event at least) through ``sink`` (the caller's: it is not
-    closed here), yielding what happened (see the module docstring). A batch is reported done only
-    after the publish call that carried its last event returned. ``owed``: the spans the rows must
-    cover (a position missing from the rows and not in ``skip`` vanished). ``too_large``: records a
-    :class:`TooLarge` row as a dead letter, after the events before it were confirmed; without it such
-    a row stops the publisher (:class:`EventTooLargeError`). ``gate``: every publish call runs inside it,
-    which may refuse it by raising (a paused stream)."""
+    """Publish ``rows`` (in the order owed) through the caller's ``sink`` in chunks of ``chunk_size`` events and
+    ``chunk_bytes`` of JSON text (one at least), yielding what happened. ``owed``: the spans the rows must cover;
+    ``too_large``: records a :class:`TooLarge` row (else :class:`EventTooLargeError`); ``gate``: each call's."""
     return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes, gate=gate).run(rows)
 
 
@@ -371,9 +336,8 @@ class _Publisher:
             yield BatchDone(batch_id, self.counts.get(batch_id, 0))
 
     def _publish(self, events: list[Event], where: list[Position], lo: int, hi: int) -> Iterator[Delivery]:
-        """Publish ``events[lo:hi]``; with a reject policy, isolate and set aside what the sink rejects
-        for good. A request the sink refused as a whole (it names several events) is bisected: about
-        log2(n) calls find the bad event instead of one call per event."""
+        """Publish ``events[lo:hi]``; with a reject policy, isolate and set aside what the sink rejects for
+        good, bisecting a request refused as a whole (about log2(n) calls find the bad event)."""
         while lo < hi:
             try:
                 self._send(events[lo:hi] if lo or hi < len(events) else events,
@@ -383,9 +347,7 @@ class _Publisher:
                     raise
                 rejected = exc
             else:
-                # the whole chunk in one call, and its last batch done with it: BatchDone follows at once (no
-                # request between), which records the batch delivered; its confirmation would be written and
-                # overwritten in the same breath
+                # the whole chunk in one call, its last batch done with it: the BatchDone that follows says it
                 done = lo == 0 and hi == len(events) and where[-1][0] in self.finished
                 yield from self._confirmed(events, where, lo, hi, then_done=done)
                 return
@@ -427,11 +389,8 @@ class _Publisher:
         yield Progress(self.handled)
 
     def _check_sink(self, event: Event, error: SinkError, *, storm: bool) -> bool:
-        """Publish the last event the sink confirmed again (a duplicate by id) before ``event`` is set
-        aside: ``storm`` after ``max_consecutive`` rejections in a row, else at the call's first
-        rejection. Raises :class:`RejectStormError` when the sink refuses it for good too, or, in a
-        storm, when there is none to send; returns whether the sink took it. A failure that is not a
-        rejection propagates."""
+        """Publish the sink's last confirmed event again before ``event`` is set aside (``storm``: after
+        ``max_consecutive``); whether it took it. :class:`RejectStormError` if refused too, or none in a storm."""
         policy = self.reject
         assert policy is not None
         probe = self.last_good

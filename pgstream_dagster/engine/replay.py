@@ -1,14 +1,8 @@
-"""Replay planning: validate a replay request (``ReplayConfig`` of ``defs/replay.py``, the
-``pgstream_replay`` job) and split the selected events of ``pgstream.events`` into id
-ranges. No Dagster here: the job runs the plan.
-
-A sink that takes JSON lines (the file sink: :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`)
-is replayed without Spark by :func:`deliver_lines`: Postgres renders each event as the line the sink
-would write (:data:`EVENT_JSON_LINE`) and hands over a chunk of them as one value, so the replay
-costs about what a plain ``COPY ... TO STDOUT`` of the rows does (bench/replay.py). Other sinks get
-the events of :func:`plan`'s ranges read by the run's connections (:class:`~.delivery.sources.RangeSource`),
-or by Spark when ``delivery.tuning.direct_max_events`` is 0: the choice is
-:func:`~.delivery.sources.route`'s, as for a delivery round."""
+"""Replay planning, without Dagster: validate a request (``ReplayConfig``, the ``pgstream_replay`` job) and
+split the selected events into id ranges (:func:`plan`). A sink that takes JSON lines is replayed by
+:func:`deliver_lines`, Postgres rendering each line (:data:`EVENT_JSON_LINE`, about the cost of a ``COPY``:
+bench/replay.py); other sinks read the ranges through the source :func:`~.delivery.sources.route` picks.
+"""
 
 
 import datetime as dt
@@ -108,17 +102,15 @@ def count_selected(conn: psycopg.Connection, params: Mapping[str, Any]) -> int:
     return int(row[0]) if row else 0
 
 
-#: the selected ids in id order, walked by ``MOVE``: every size-th id is fetched (a range starts there)
-#: and the ids between are skipped inside Postgres, counted by ``MOVE``'s row count: the bounds and the
-#: count of the selection from one index scan, with nothing per row sent or computed beyond the filter
+#: the selected ids walked by ``MOVE``: every size-th id fetched (a range starts there), the ids between
+#: skipped and counted inside Postgres: bounds and count from one index scan
 _SELECTED_IDS = sql.SQL("declare pgstream_replay_ids no scroll cursor for "
                         "select e.id from pgstream.events e where {} order by e.id")
 
 
 class IdRanges:
-    """The selected events in id ranges of ``size`` events each (the last may hold fewer), in order,
-    read with ``conn`` (in a transaction of its own) when iterated; :attr:`total`, the number of
-    selected events, is known once the last range has been yielded."""
+    """The selected events in id ranges of ``size`` events (the last may hold fewer), read with ``conn`` when
+    iterated; :attr:`total` is known once the last range has been yielded."""
 
     def __init__(self, conn: psycopg.Connection, params: Mapping[str, Any], size: int) -> None:
         self._conn, self._params, self._size = conn, params, size
@@ -155,10 +147,8 @@ def plan(conn: psycopg.Connection, stream_id: int, config: ReplaySelection,
 
 
 def count_note(planned: int, delivered: int) -> str | None:
-    """What happened when a replay delivered another number of events than it planned (None: the same).
-    The count is taken when the replay is planned; the events are read range by range afterwards, and the
-    last range runs to the selection's upper bound (none: the stream's newest event). So events committed
-    into the selection meanwhile are delivered too, and events deleted meanwhile (retention) are not."""
+    """What happened when a replay delivered another number of events than it planned (None: the same): events
+    committed into the selection meanwhile are delivered too, events deleted meanwhile (retention) are not."""
     if delivered == planned:
         return None
     if delivered > planned:
@@ -172,8 +162,7 @@ def count_note(planned: int, delivered: int) -> str | None:
 
 
 #: one event as :meth:`pgstream_dagster.sinks.base.Event.to_json` renders it (what the file sink writes),
-#: rendered by Postgres: ``created_at`` in UTC as Python's ``isoformat()`` writes it (microseconds only
-#: when there are any), payload and metadata as their ``jsonb`` text, as the other paths read them
+#: rendered by Postgres (``created_at`` as ``isoformat()`` writes it in UTC; payload and metadata as jsonb text)
 EVENT_JSON_LINE = """
     '{"id":' || e.id || ',"stream_id":' || e.stream_id || ',"created_at":"'
     || pg_catalog.replace(pg_catalog.to_char(pg_catalog.timezone('UTC', e.created_at), 'YYYY-MM-DD"T"HH24:MI:SS.US'),
@@ -181,10 +170,8 @@ EVENT_JSON_LINE = """
     || '+00:00","payload":' || e.payload::pg_catalog.text
     || ',"metadata":' || coalesce(e.metadata::pg_catalog.text, 'null') || '}'"""
 
-#: one chunk of the selection (an id range of :func:`plan`) as newline-terminated UTF-8 lines, in id order
-#: rendered once, and cut by the server at ``budget`` bytes of lines (the first event whatever its size):
-#: the lines that fit, and how many events of the range come after them (``cut``: read next, by their
-#: sizes). The running sum only grows, so what fits is a prefix of the range
+#: one chunk of the selection (an id range of :func:`plan`) as UTF-8 lines in id order, cut by the server at
+#: ``budget`` bytes (the first whatever its size): the lines that fit (a prefix), how many come after (``cut``)
 _LINES_QUERY = sql.SQL("""
 select pg_catalog.count(*) filter (where x.fits)::int, pg_catalog.min(x.id) filter (where x.fits),
        pg_catalog.max(x.id) filter (where x.fits),
@@ -223,15 +210,8 @@ class Lines:
 
 def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2,
                read_bytes: int = reads.READ_BYTES) -> Generator[Counted | Lines, None, None]:
-    """The events :func:`selection`'s ``params`` select as :class:`Lines` of ``size`` events (the last
-    may hold fewer) and at most ``read_bytes`` bytes of payload and metadata (one event at least), in
-    id order, and :class:`Counted` once, as soon as the selection is counted. One session walks the
-    selected ids (:class:`IdRanges`, in a thread: it runs ahead and counts) while ``connections``
-    others read the next ranges as the caller handles the current one. Each read renders its lines
-    once and the server cuts them at ``read_bytes`` / ``_AHEAD`` bytes (one event at least), so the
-    chunks read ahead hold ``read_bytes`` in all; what comes after a cut is read next, in pieces by
-    the sizes of its events (rendered once more, for those ranges only). Nothing is parsed in
-    Python."""
+    """The selected events in id order as :class:`Lines` of ``size`` events and ``read_bytes`` (one at least), and
+    :class:`Counted` once known: ids walked in a thread (:class:`IdRanges`), ``connections`` reading ahead."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
     # the walk's ranges in order, then None (or the exception that ended the walk)
@@ -327,12 +307,8 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
 
 def deliver_lines(database_url: str, params: Mapping[str, Any], chunk_size: int, sink: Sink,
                   read_bytes: int = reads.READ_BYTES) -> Generator[Counted | int, None, None]:
-    """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`: the
-    selected events in :meth:`~pgstream_dagster.sinks.base.Sink.publish_json_lines` calls of
-    ``chunk_size`` events and at most ``read_bytes`` bytes of payload and metadata (one event at
-    least), in order. Yields :class:`Counted` once (as soon as the walk of the selection
-    has counted it) and the events confirmed so far after each chunk. A sink error propagates (the
-    chunks before it were confirmed)."""
+    """Replay through a sink that :attr:`~pgstream_dagster.sinks.base.Sink.accepts_json_lines`, in order, in
+    ``publish_json_lines`` calls; yields :class:`Counted` once, then the events confirmed after each chunk."""
     if not sink.accepts_json_lines:
         raise TypeError(f"the {sink.type_name} sink does not take JSON lines")
     done = 0

@@ -1,14 +1,7 @@
-"""Reading a stream's logical replication slot, in two ways.
-
-* The sensor *peeks* committed transactions with ``pg_logical_slot_peek_binary_changes`` (pgoutput,
-  the stream's publication), records what it read in the ledger, and only then *advances* the slot
-  with ``pg_replication_slot_advance``. Each peek and each advance decodes the WAL again from the
-  slot's ``restart_lsn``: cheap between runs, costly when repeated every tenth of a second.
-* An open delivery run *streams* (``walstream.ReplicationStream``): the replication protocol,
-  through psycopg2 (psycopg 3 has none), decodes each transaction once and sends it as it commits;
-  the reader confirms a position only after what precedes it is recorded in the ledger.
-
-Logical decoding returns transactions in commit order, whole; that order is the delivery order.
+"""Reading a logical replication slot (pgoutput; transactions whole, in commit order: the delivery order).
+A group's sensor *peeks* with ``pg_logical_slot_peek_binary_changes`` and *advances* the slot only after
+recording (each decodes the WAL again from ``restart_lsn``); a group delivery run's reader *streams*
+(``walstream.ReplicationStream``, each transaction decoded once) and confirms only what is recorded.
 """
 
 from __future__ import annotations
@@ -80,14 +73,8 @@ _INSERT = 0x49  # 'I'
 
 
 class PgOutputDecoder:
-    """Decodes pgoutput protocol v1 messages; keeps relation metadata across messages.
-
-    Only what the ledger needs is read from an INSERT: the ``id`` and ``created_at`` columns (their
-    positions come from the Relation message); other columns before them are stepped over without
-    decoding, the ones after are not looked at (``keep_stream``: the ``stream_id`` column too, by which a
-    reader group routes). A ``created_at`` equal to the
-    previous one is not parsed again (inline, as :func:`parse_timestamp` does). :meth:`decode` is the
-    fast path for many messages (inserts decoded inline)."""
+    """Decodes pgoutput protocol v1 messages (relations kept across them): of an INSERT only ``id``,
+    ``created_at`` (parsed once per value) and with ``keep_stream`` ``stream_id``; :meth:`decode`: many at once."""
 
     def __init__(self, *, keep_stream: bool = False) -> None:
         # relation id (4 bytes, as in the message) -> the positions of the id, created_at and stream_id
@@ -116,9 +103,8 @@ class PgOutputDecoder:
         for data in messages:
             if data[0] == _INSERT and append is not None:
                 id_col, ts_col, stream_col, ncols = relations[data[1:5]]
-                # TupleData after 'I', relation id, 'N' and the column count: per column a kind
-                # byte, then for 't' a 4-byte length and the value; 'n' (null) carries nothing.
-                # The columns up to the last one wanted, as bytes (None: null)
+                # TupleData: per column a kind byte, then for 't' a 4-byte length and the value ('n': nothing);
+                # the columns up to the last one wanted, as bytes (None: null)
                 values: list[bytes | None] = []
                 add = values.append
                 pos = 8
@@ -216,12 +202,8 @@ def publication_exists(conn: psycopg.Connection, name: str) -> bool:
 
 
 def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
-    """Slot state: confirmed position, retained WAL bytes, WAL status (reserved/lost...).
-
-    A slot synchronized from the former primary to a standby since promoted (``synced``, Postgres 17+) is
-    ``lost``: it is replaced and what the ledger does not cover recovered from the table, as for a slot
-    invalidated. Its position is only as far as the standby's WAL, which may hold it past the ledger
-    transaction that recorded what it had read (asynchronous replication): events then in neither."""
+    """Slot state: confirmed position, retained WAL bytes, WAL status; a slot synced from a former primary (17+) is
+    ``lost`` (its position may be past what the ledger recorded: replaced and recovered, as an invalidated one)."""
     row = conn.execute(
         """select confirmed_flush_lsn::text,
                   case when coalesce((pg_catalog.to_jsonb(s) operator(pg_catalog.->>) 'synced')::boolean, false)
@@ -254,12 +236,9 @@ _CREATE_FAILOVER_SLOT = ("select lsn::text from pg_catalog.pg_create_logical_rep
 
 
 def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None = None) -> str:
-    """Create the pgoutput slot; returns its consistent point. Must not run inside a transaction
-    that has written anything (Postgres requires a fresh snapshot). Postgres waits for every transaction
-    running (with a transaction id, in any database) to end first: with ``wait_secs``, at most that long,
-    then :class:`SlotCreationWaits` (any role that can write a table can keep a transaction open)."""
-    # a failover slot where Postgres has them (17+): a primary's synchronized_standby_slots then holds its
-    # decoding until the standby has the WAL (no event goes out that a promoted standby would lack)
+    """Create the pgoutput slot (outside a transaction that wrote); its consistent point. Waits for running
+    transactions to end: with ``wait_secs`` at most that long, then :class:`SlotCreationWaits`."""
+    # a failover slot (17+): a primary's synchronized_standby_slots holds decoding until the standby has the WAL
     query = _CREATE_FAILOVER_SLOT if conn.info.server_version >= 170000 else _CREATE_SLOT
     params = [slot]
     if wait_secs is None:
@@ -292,9 +271,8 @@ def peek(conn: psycopg.Connection, slot: str, publication: str, max_changes: int
 
 def peek_rows(conn: psycopg.Connection, slot: str, publication: str,
               max_changes: int, *, keep_stream: bool = False) -> tuple[list[Transaction], int]:
-    """Like :func:`peek`, with the number of decoded messages: fewer than ``max_changes`` means
-    the peek reached the end of what was committed when it started. ``keep_stream``: each event's
-    stream id (a reader group's publication)."""
+    """:func:`peek` and the number of decoded messages (fewer than ``max_changes``: the end of what was
+    committed was reached); ``keep_stream``: each event's stream id."""
     messages = [data for (data,) in conn.execute(
         "select data from pg_catalog.pg_logical_slot_peek_binary_changes(%s, null, %s, "
         "'proto_version', '1', 'publication_names', %s)",

@@ -1,20 +1,10 @@
-"""PySpark side of delivery: Python data sources that read events from ``pgstream.events``
-(psycopg on the executors; no JDBC jar, nothing downloaded) and the two delivery strategies:
-global order from the driver, or parallel per routing key.
-
-* ``pgstream_batches``: the events of ledger batches, in commit order (``batch_id``, ``ord``);
-* ``pgstream_events``: events selected by id range / time range / subscription key, in id order
-  (replay).
-
-Both split their input into partitions of at most ``rows_per_partition`` rows, read with a
-server-side cursor; the driver pulls one partition at a time (Spark computes at most the next one
-meanwhile), so memory stays bounded whatever the size of the backlog.
-
-With ``packed`` (the ordered path), a partition is not a row per event but a row per fetch of
-``FETCH_ROWS`` events holding the fetched columns pickled together (:data:`PACKED_SCHEMA`): Spark
-then moves a few large binary values instead of converting every event to a Spark row and back
-(the driver-side ``Row`` conversion was most of the cost of a replay). Payloads stay JSON text all
-the way to the sink (:attr:`Event.payload_json`).
+"""PySpark side of delivery: Python data sources reading ``pgstream.events`` with psycopg on the executors
+(no JDBC jar) and the two strategies, global order from the driver or parallel per routing key.
+``pgstream_batches`` reads ledger batches in commit order (``batch_id``, ``ord``), ``pgstream_events`` a
+replay's selection in id order; both in partitions of at most ``rows_per_partition`` rows, the driver pulling
+one at a time, so memory stays bounded. With ``packed`` (the ordered path) a partition holds a row per fetch
+of ``FETCH_ROWS`` events pickled together (:data:`PACKED_SCHEMA`), not a Spark row per event; payloads stay
+JSON text to the sink (:attr:`Event.payload_json`).
 """
 
 from __future__ import annotations
@@ -75,8 +65,7 @@ BATCHES_SOURCE = "pgstream_batches"
 EVENTS_SOURCE = "pgstream_events"
 SCHEMA = ("batch_id long, ord long, id long, stream_id long, created_at timestamp, payload string, "
           "metadata string, routing_key string")
-# Spark redacts option values whose key matches spark.redaction.regex ("secret", "password", ...),
-# so the database URL never shows in plans or the Spark UI.
+# Spark redacts option values whose key matches spark.redaction.regex: the URL never shows in plans or the UI
 URL_OPTION = "secret.database_url"
 #: one row per fetch: the position of its first event, its event count, and the pickled columns
 #: (batch_ids, ords, ids, stream_ids, created_ats, payloads, metadatas) of its events, in order
@@ -104,10 +93,8 @@ def partition_spans(spans: Sequence[Span], size: int) -> list[Span]:
 
 
 def group_spans(spans: Sequence[Span], size: int) -> list[list[Span]]:
-    """The pieces of :func:`partition_spans` in consecutive groups of at most ``size`` ordinals in
-    all, in delivery order: one packed partition (one Spark job) reads a whole group, so a run of
-    many small batches does not pay a Spark job per batch (bench/cpu.py: about half a CPU-second of
-    the JVM and its Python workers each, whatever the batch's size)."""
+    """The pieces of :func:`partition_spans` in consecutive groups of at most ``size`` ordinals, in delivery
+    order: a packed partition (one Spark job) reads a group, not a job per small batch (bench/cpu.py)."""
     groups: list[list[Span]] = []
     room = 0
     for piece in partition_spans(spans, size):
@@ -144,8 +131,7 @@ def _read(url: str, query: str, params: Sequence[dict[str, Any]], packed: bool) 
 class BatchesReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.url = options[URL_OPTION]
-        # one partition per group of spans, read in order (``partitions``: the JSON of a list of
-        # lists of Span fields)
+        # one partition per group of spans, read in order (``partitions``: the JSON of a list of lists of Span fields)
         self.groups = [[Span(**fields) for fields in group] for group in json.loads(options["partitions"])]
         self.routing = routing_params(options.get("routing_key", "group_id"))
         self.packed = options.get("packed") == "true"
@@ -216,17 +202,11 @@ _ARROW_BYTES = {"spark.sql.execution.arrow.maxBytesPerBatch": str(READ_BYTES)}
 
 def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key_parallelism: Sequence[int] = (),
                ship_package: bool = True) -> dict[str, str]:
-    """Spark settings for the delivery runs: offline, UTC, the user's ``extra`` (``spark.conf``) over
-    pgstream's defaults, and on a cluster master what :func:`~pgstream_dagster.engine.cluster.cluster_conf`
-    adds (the package for the executors, a bounded share of the cluster, no task retries).
-
-    The Python workers run ``spark.pyspark.python`` if ``extra`` sets it (the executors' Python),
-    else ``$PYSPARK_PYTHON``, else this interpreter: PySpark sends the driver's ``PYSPARK_PYTHON``
-    with every Python function (data sources included), so it is set in this process's environment
-    too."""
+    """Spark settings for the delivery runs: offline, UTC, the user's ``extra`` over pgstream's defaults, and
+    :func:`~pgstream_dagster.engine.cluster.cluster_conf`'s on a cluster; the workers' Python
+    (``spark.pyspark.python``, ``$PYSPARK_PYTHON`` or this one) set in this process's environment too."""
     if remote:
-        # Spark Connect: the server owns the JVM and its Python workers (pgstream_dagster.sparkserver);
-        # a session may only set session settings
+        # Spark Connect: the server owns the JVM and workers (pgstream_dagster.sparkserver); session settings only
         return {"spark.remote": remote, "spark.sql.session.timeZone": "UTC", **_ARROW_BYTES, **extra}
     python = extra.get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON") or sys.executable
     driver_python = extra.get("spark.pyspark.driver.python") or sys.executable
@@ -283,9 +263,8 @@ class DriverPythonMissing(RuntimeError):
 
 
 class ExecutorPythonError(RuntimeError):
-    """The executors' Python cannot run the run's tasks: it is not where they run, or it lacks a
-    module they import (pyarrow, this package, a sink's client library). One line, naming it and
-    where it is set (``PYSPARK_PYTHON`` / ``spark.pyspark.python``)."""
+    """The executors' Python cannot run the run's tasks (missing, or lacking a module they import): one line
+    naming it and where it is set (``PYSPARK_PYTHON`` / ``spark.pyspark.python``)."""
 
 
 _NO_PROGRAM = re.compile(r'Cannot run program "([^"]+)"')
@@ -293,9 +272,8 @@ _NO_MODULE = re.compile(r"No module named '([^']+)'|the '([^']+)' package is not
 
 
 def executor_python_problem(exc: BaseException, python: str | None) -> str | None:
-    """What ``exc``, raised by a Spark action, says of the executors' Python (``python``: the
-    interpreter the session gives them, ``None`` when the driver cannot tell: Spark Connect), in
-    one line; ``None`` when it says nothing of it (a failure of the tasks themselves)."""
+    """What ``exc`` of a Spark action says of the executors' Python (``python``: the one the session gives
+    them, ``None`` on Spark Connect), in one line; ``None`` when it says nothing of it."""
     if not type(exc).__module__.startswith(("pyspark", "py4j")):
         return None  # raised here, not by the executors
     text = str(exc)
@@ -313,9 +291,8 @@ def executor_python_problem(exc: BaseException, python: str | None) -> str | Non
 
 @contextlib.contextmanager
 def executor_python_errors(spark: SparkSession) -> Iterator[None]:
-    """Spark actions whose failure for want of the executors' Python, or of a module in it, raises
-    :class:`ExecutorPythonError` (one line) instead of Spark's error (a Python traceback or a Java
-    stack trace, the cause somewhere inside)."""
+    """Spark actions whose failure for want of the executors' Python (or a module in it) raises
+    :class:`ExecutorPythonError` (one line) instead of Spark's error."""
     try:
         yield
     except Exception as exc:
@@ -326,9 +303,8 @@ def executor_python_errors(spark: SparkSession) -> Iterator[None]:
         raise ExecutorPythonError(problem) from None
 
 
-#: one registration of a Python data source at a time in the process: Spark checks that the name is not taken, then
-#: registers it, and a check made while another thread registers the same source finds it taken as if another
-#: library's (DATA_SOURCE_ALREADY_EXISTS); a group delivery run's members share the process's session
+#: one registration of a Python data source at a time in the process: a check made while another thread
+#: registers the same source finds it taken (DATA_SOURCE_ALREADY_EXISTS); a group run's members share a session
 _REGISTERING = threading.Lock()
 
 
@@ -339,12 +315,8 @@ def register_source(spark: SparkSession, source: type[DataSource]) -> None:
 
 
 def ship_package(spark: SparkSession) -> None:
-    """Before a run's Spark reads anything. Spark Connect on a cluster master: add the package zip to
-    the session as a Python artifact, once per session, so the server's executors import the data
-    sources and sinks from it (a JVM server ignores ``spark.submit.pyFiles``); a local server's workers
-    have this environment. A classic session got the zip from ``spark.submit.pyFiles``
-    (:func:`spark_conf`); raises :class:`DriverPythonMissing` when its driver could not start the
-    workers' interpreter to plan the data sources (a relative ``spark.pyspark.python``)."""
+    """Before a run's Spark reads: on Spark Connect with a cluster master, the package zip added as an artifact once
+    a session; classic, :class:`DriverPythonMissing` when the driver cannot start the workers' interpreter."""
     if is_classic(spark):
         problem = driver_python_problem(str(spark.sparkContext.pythonExec), Path.cwd())
         if problem is not None:
@@ -361,15 +333,8 @@ def ship_package(spark: SparkSession) -> None:
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
                  rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False, *,
                  sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> Frames:
-    """The events of ``spans`` (what a run owes of each batch, in delivery order: see
-    :func:`~pgstream_dagster.engine.publish.owed_spans`), in partitions of at most
-    ``rows_per_partition`` events. ``packed``: in :data:`PACKED_SCHEMA` rows, as one
-    single-partition DataFrame per partition, in order (see :func:`frame_events`), a partition
-    reading consecutive spans up to ``rows_per_partition`` events (:func:`group_spans`); else one
-    partition per span (:func:`partition_spans`). With ``sizes`` (a connection), a partition also
-    holds at most ``read_bytes`` bytes of payload and metadata (one event at least), by the sizes of
-    the events (:func:`sized_spans`): the driver collects a partition whole, and an executor reads one
-    whole."""
+    """The events of ``spans`` in partitions of at most ``rows_per_partition`` events (``sizes``: and bytes):
+    ``packed``, a single-partition DataFrame per group of spans (:func:`group_spans`), else one per span."""
     ship_package(spark)
     register_source(spark, BatchesDataSource)
 
@@ -438,23 +403,15 @@ def is_packed(df: DataFrame) -> bool:
 
 
 def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Positioned]:
-    """The events of single-partition DataFrames (as :func:`load_batches` / :func:`load_events` return
-    them packed), in order, each partition collected whole (:func:`_collected`). Closed (by the caller,
-    or when it is done), it waits for the partition being collected ahead: never left to the garbage
-    collector, which may close it in any thread at any time (in one holding the logging module's lock,
-    which py4j's threads need to finish the collect: a deadlock)."""
+    """The events of single-partition DataFrames (packed), in order, each collected whole (:func:`_collected`).
+    Closed, it waits for the partition collected ahead (left to the collector, it could deadlock on py4j)."""
     with contextlib.closing(_collected(frames, prefetch)) as rows:
         yield from _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
 
 
 def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, None]:
-    """The rows of single-partition DataFrames, in order, each collected whole; ``prefetch``: the
-    next one is collected (by Spark, in a thread) while the caller consumes the current one.
-
-    Not ``toLocalIterator``: in PySpark 4 every partition it serves stays on the driver's JVM heap
-    (measured: ~4 MB retained per 4 MB partition, an OutOfMemoryError after ~200 partitions with
-    the default 1 GB heap), which a long-lived run or a large replay cannot afford;
-    ``collect()`` of one partition at a time keeps the heap flat."""
+    """The rows of single-partition DataFrames, in order, each collected whole (``prefetch``: the next meanwhile),
+    not ``toLocalIterator``, whose partitions stay on the driver's JVM heap in PySpark 4 (an OutOfMemoryError)."""
     if not frames:
         return
     with executor_python_errors(frames[0].sparkSession), \
@@ -463,8 +420,7 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, 
             yield from rows
 
 
-#: what each by_key partition returns to the driver: per batch, the events it handled and, of them,
-#: those an earlier attempt had confirmed (skipped, not published again)
+#: what each by_key partition returns: per batch, the events it handled and those an earlier attempt confirmed
 BY_KEY_RESULT_SCHEMA = "batch_id long, handled long, resumed long"
 
 
@@ -487,10 +443,8 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                        skip: frozenset[Position], reject: RejectPolicy | None,
                        progress: KeyProgress | None, too_large: SetAsideTooLarge | None = None,
                        chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
-    """One ``by_key`` partition, on an executor: its events (Arrow record batches in :data:`SCHEMA`
-    plus ``bucket``, in commit order) published through a sink of its own; each confirmed chunk is
-    recorded in ``progress`` before the next is published, and events at or before their bucket's
-    recorded position are not published again. Yields one :data:`BY_KEY_RESULT_SCHEMA` record batch."""
+    """One ``by_key`` partition on an executor: its events published through a sink of its own, each confirmed
+    chunk recorded in ``progress`` first (not published again); yields one :data:`BY_KEY_RESULT_SCHEMA` batch."""
     import pyarrow as pa
 
     first = next(batches, None)
@@ -528,8 +482,7 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
         for delivery in deliveries:
             if progress is None or conn is None:
                 continue
-            # every event of these buckets up to here is handled: a retry resumes after it (a call that ends a
-            # batch is said by its BatchDone, at the batch's last row here)
+            # every event of these buckets up to here is handled (a batch's end is said by its BatchDone)
             if isinstance(delivery, Confirmed):
                 position = (delivery.batch_id, delivery.ord)
             elif isinstance(delivery, BatchDone) and delivery.batch_id in last:
@@ -548,18 +501,10 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
                    skip: frozenset[Position] = frozenset(), reject: RejectPolicy | None = None,
                    progress: KeyProgress | None = None, too_large: SetAsideTooLarge | None = None,
                    chunk_bytes: int = CHUNK_BYTES) -> KeyDeliveries:
-    """Per routing key order: repartitions by the key into ``parallelism`` partitions (for a
-    resumed round, ``progress.partitions``: the resume points hold for that partitioning), each
-    publishing its events in commit order on an executor through a sink of its own (built from
-    ``sink_config`` by :func:`~pgstream_dagster.sinks.build_sink`, as the run's, and closed when
-    the partition is done). Events of one key never reorder; keys proceed in parallel.
-    ``reject.set_aside`` and ``too_large`` run on the executors (they must be picklable).
-
-    No accumulator and no ``sparkContext``: the partitions run in ``mapInArrow`` and return their
-    counts as rows, which the driver collects, so this works on classic Spark and Spark Connect
-    alike. With ``progress`` each partition records what the sink confirmed, chunk by chunk,
-    durably, and skips what an earlier attempt recorded (see
-    :class:`~pgstream_dagster.engine.ledger.keyprogress.KeyProgress` for why the tasks write it, not the driver)."""
+    """Per routing key order: repartition by the key into ``parallelism`` partitions (resumed:
+    ``progress.partitions``), each published in commit order on an executor through a sink built from
+    ``sink_config`` (``reject.set_aside`` and ``too_large`` picklable), counts returned as rows of
+    ``mapInArrow`` (classic and Connect); ``progress``: what the sink confirmed, per chunk (:class:`KeyProgress`)."""
     from pyspark.sql import functions as F
 
     partitions = progress.partitions if progress is not None else parallelism

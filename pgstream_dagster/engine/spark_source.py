@@ -1,31 +1,10 @@
-"""The ``pgstream`` Spark data source: a stream's events as a Spark stream whose offsets are positions
-in the ledger, and, for analysis, events with their delivery state as a batch read.
-
-* ``spark.readStream.format("pgstream")`` (:class:`StreamReader`): the events of the stream's recorded
-  batches in the ledger's order (batch id, then the batch's commit order). An offset is a
-  **position** ``{"batch_id": B, "ord": O}``: everything through ordinal ``O`` of ledger batch ``B``
-  (``{"batch_id": 0, "ord": 0}``: before every batch), so a query's checkpoint names a place in the
-  ledger, and a restarted query reads from exactly there. A micro-batch is split into partitions of
-  whole or cut batches, read in parallel by the executors. Its ``commit`` records the position of a
-  **registered consumer** (``pgstream.consumers``, through ``pgstream.consumer_commit`` with the
-  consumer's token: a query moves its own consumer's position only), which housekeeping keeps events for.
-* ``spark.read.format("pgstream")`` (:class:`EventsReader`): a stream's events with the batch that
-  holds each one (its status, delivery time, attempts) and whether it is a dead letter. Its options
-  (time range, subscription keys, operations) are conditions of the query Postgres runs; with
-  ``pushFilters`` Spark's own filters on id, time, subscription key, operation and table are too
-  (:class:`PushdownEventsReader`, opt-in: see there).
-
-Options (both): ``stream`` (the stream id, required), ``url`` (the database URL: the executor role's,
-``spark.executor_database_url``; Spark redacts options whose key matches ``url`` in plans and the
-UI, and no message here repeats it). Stream reader: ``consumer`` and ``consumerToken`` (required: the
-token ``pgstream-dagster consumers add`` or ``consumers token`` printed; Spark redacts options whose
-key matches ``token`` too), ``startingPosition``
-(``earliest``, ``latest``, an event id, or an ISO time), ``maxEventsPerTrigger``, ``numPartitions``,
-``rowsPerPartition``, ``failOnDataLoss``. Batch reader: ``fromTime``, ``toTime``, ``subscription``,
-``operation`` (comma-separated), ``numPartitions``, ``pushFilters``.
-
-:func:`register` registers the source on a session; the package does it where it builds its Spark
-sessions. Nothing here imports Dagster; the module is imported on the executors.
+"""The ``pgstream`` Spark data source (docs/spark-source.md, with every option). ``readStream``
+(:class:`StreamReader`): the recorded batches' events in ledger order, offsets being positions
+``{"batch_id": B, "ord": O}`` (``0, 0``: before every batch), ``commit`` recording a registered consumer's
+position (``pgstream.consumer_commit``, with its token), which housekeeping keeps events for. ``read``
+(:class:`EventsReader`, :class:`PushdownEventsReader`): events with their delivery state, options (and with
+``pushFilters`` Spark's filters) as the query's conditions. Options ``url`` and ``consumerToken`` are redacted
+by Spark and repeated by no message. :func:`register` registers it; no Dagster (imported on the executors).
 """
 
 from __future__ import annotations
@@ -64,8 +43,7 @@ NAME = "pgstream"
 URL_OPTION = "url"
 NUM_PARTITIONS = 4
 ROWS_PER_PARTITION = 50_000
-#: a reader yields Arrow record batches of at most this many events, or of about this much COPY data
-#: (a batch holds one event at least, however large)
+#: a reader yields Arrow record batches of at most this many events, or about this much COPY data (one at least)
 ARROW_BATCH_ROWS = 10_000
 ARROW_BATCH_BYTES = 8 << 20
 
@@ -74,9 +52,8 @@ SCHEMA = ("id long, stream_id long, created_at timestamp, subscription string, o
                  "ord int, batch_status string, delivered_at timestamp, attempts int, dead_letter boolean, "
                  "dead_letter_status string, dead_letter_error string")
 
-#: a stream partition's spans (ordinals ``los[i]..his[i]`` of ledger batch ``batch_ids[i]``), in order: the
-#: batch id, the first ordinal and the span's event ids in the batch's commit order (a span whose batch is
-#: gone: no row)
+#: a stream partition's spans (ordinals ``los[i]..his[i]`` of batch ``batch_ids[i]``), in order: batch id, first
+#: ordinal, the span's event ids in commit order (none for a batch that is gone)
 _POSITIONS_QUERY = """/* pgstream source: positions */
 select b.id, s.lo, b.event_ids[s.lo:s.hi]
 from unnest(%(batch_ids)s::bigint[], %(los)s::int[], %(his)s::int[]) with ordinality as s(batch_id, lo, hi, n)
@@ -84,9 +61,8 @@ join pgstream.batches b on b.id = s.batch_id and b.stream_id = %(stream_id)s
 order by s.n
 """
 
-#: the stream's events in the time span of a partition's batches and the id range of its positions: a
-#: range scan as cheap as a plain COPY's (the time bounds, init plans, prune the daily partitions), joined
-#: to the positions by the reader, not by a lookup per event in Postgres
+#: the stream's events in a partition's time span and id range: a range scan as cheap as a plain COPY's,
+#: joined to the positions by the reader
 _WINDOW_QUERY = """/* pgstream source: stream */
 select e.id, e.stream_id, e.created_at, e.payload ->> 'tg_name', e.payload ->> 'tg_op',
        e.payload ->> 'tg_table_schema', e.payload ->> 'tg_table_name', e.payload::text, e.metadata::text
@@ -175,9 +151,8 @@ def _url(options: dict[str, str]) -> str:
 
 
 def connect(url: str) -> psycopg.Connection:
-    """A connection of the source, in UTC with ISO dates (the text :func:`_copy_batches` parses). A
-    failure names no part of the URL (libpq's message names the host and the user, never the password;
-    the URL itself is not repeated)."""
+    """A connection of the source, in UTC with ISO dates (what :func:`_copy_batches` parses); a failure
+    names no part of the URL."""
     import psycopg
 
     try:
@@ -221,9 +196,8 @@ def _parse_csv(data: bytes, schema: pa.Schema) -> pa.RecordBatch:
 
 def _copy_batches(conn: psycopg.Connection, query: str, params: Sequence[Any] | dict[str, Any],
                   schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """The rows of ``query`` (``schema``'s columns; ``params`` bound by psycopg on the client, as
-    literals: a COPY takes no parameters) as Arrow record batches, by one ``COPY (query) TO STDOUT`` in
-    CSV that pyarrow parses: no Python object per value."""
+    """The rows of ``query`` (``schema``'s columns; ``params`` bound on the client: a COPY takes none) as
+    Arrow record batches, by one ``COPY (query) TO STDOUT`` in CSV that pyarrow parses."""
     with conn.cursor().copy(f"copy ({query}) to stdout with (format csv, encoding 'UTF8')", params) as copy:
         rows: list[Any] = []  # each CopyData message of a COPY TO is one row
         size = 0
@@ -254,13 +228,11 @@ def _positions(conn: psycopg.Connection, params: dict[str, Any]) -> pa.Table:
     return table.append_column("position", pa.array(range(table.num_rows), pa.int64()))
 
 
-# ------------------------------------------------------------------------------------------------
-# Positions in the ledger.
+# --- positions in the ledger -----------------------------------------------------------------------------
 
 def start_position(conn: psycopg.Connection, stream_id: int, starting: str) -> Position:
-    """Where a new query starts (``startingPosition``): ``earliest`` (before every batch), ``latest``
-    (after the last recorded batch), an event id (just before that event, in its batch), or an ISO
-    time (before the first batch holding an event created at or after it)."""
+    """Where a new query starts (``startingPosition``): ``earliest``, ``latest`` (after the last recorded
+    batch), an event id (just before it) or an ISO time (before the first batch with an event from then)."""
     text = starting.strip()
     if text.lower() == "earliest":
         return BEFORE_ALL
@@ -356,9 +328,8 @@ def split_spans(spans: Sequence[SpanRead], parts: int, rows: int) -> list[list[S
 
 
 def commit_consumer(conn: psycopg.Connection, name: str, stream_id: int, position: Position, token: str) -> None:
-    """Records the position of registered consumer ``name`` whose token is ``token``; one an operator
-    has not registered (or registered for another stream), another token, or a position the ledger does
-    not hold, is a :class:`SourceError` naming it and what to do (never the token)."""
+    """Records the position of registered consumer ``name`` with ``token``; an unknown consumer, another
+    token or a position the ledger does not hold is a :class:`SourceError` saying what to do (never the token)."""
     import psycopg
 
     try:
@@ -374,9 +345,8 @@ class EventsGone(RuntimeError):
 
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """``spark.readStream.format("pgstream")``: see the module's docstring. With ``Trigger.AvailableNow``
-    it reads up to the end of the ledger when the query starts (in micro-batches of at most
-    ``maxEventsPerTrigger``), then the query stops."""
+    """``spark.readStream.format("pgstream")`` (see the module). With ``Trigger.AvailableNow`` it reads to the
+    end of the ledger as of the query's start, in micro-batches of at most ``maxEventsPerTrigger``, then stops."""
 
     def __init__(self, options: dict[str, str]) -> None:
         self.url = _url(options)
@@ -417,10 +387,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
         from pyspark.sql.streaming.datasource import ReadMaxRows
 
-        # ``start`` is the end of the last micro-batch, which the query's sink has committed (Spark plans
-        # the next one after writing its commit log; a restarted query re-runs an uncommitted one from
-        # its offset log without asking). Spark calls :meth:`commit` with it only once the next
-        # micro-batch is planned: an idle query's position would stay one micro-batch behind
+        # ``start`` is the end of the last micro-batch, committed by the query's sink; Spark calls :meth:`commit`
+        # only once the next one is planned: an idle query's position would stay a micro-batch behind
         self._record(Position.of(start))
         cap = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         end = next_position(self._db(), self.stream_id, Position.of(start), cap)
@@ -445,11 +413,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 for group in split_spans(spans, self.parts, self.rows)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        """The partition's events in the ledger's order, as Arrow record batches: its positions (a row a
-        span) joined in Arrow to the stream's events in their time span and id range (one COPY), then
-        sorted by position; the partition is held whole (at most ``rowsPerPartition`` events). With
-        ``failOnDataLoss``, an :class:`EventsGone` names the first span whose events are not all there
-        (a partition holds each ledger batch in one span at most)."""
+        """The partition's events in ledger order as Arrow record batches (positions joined to one COPY's
+        events); ``failOnDataLoss``: :class:`EventsGone` names the first span whose events are not all there."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -492,8 +457,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {**self.__dict__, "_conn": None}
 
 
-# ------------------------------------------------------------------------------------------------
-# Batch reads: events with their delivery state.
+# --- batch reads: events with their delivery state -------------------------------------------------------
 
 #: columns a filter may be pushed down on, and their SQL
 PUSHABLE = {
@@ -587,10 +551,8 @@ class EventsReader(DataSourceReader):
         return self.params + [p for _, params in getattr(self, "pushed", []) for p in params]
 
     def query(self) -> str:
-        """The query of one partition (an id range ``lo..hi`` after the selection's parameters):
-        the selected events, the ledger batch holding each one (the first of the stream's batches that
-        overlap the partition's time span, unnested once, that holds it: one join, not a lookup per
-        event), and its dead letter."""
+        """The query of one partition (ids ``lo..hi`` after the selection's parameters): the events, the
+        ledger batch holding each (one join over the batches overlapping its time span) and its dead letter."""
         # where(): fixed SQL fragments of this module (PUSHABLE, the options'); every value is a parameter (psycopg
         # quotes it into the COPY, which takes no server-side parameters)
         return f"""/* pgstream source: events */
@@ -631,11 +593,8 @@ order by e.id"""  # noqa: S608
 
 
 class PushdownEventsReader(EventsReader):
-    """:class:`EventsReader` with Spark's filters pushed down (option ``pushFilters``: true; Spark's
-    ``spark.sql.python.filterPushdown.enabled`` must be true as well). Opt-in: Spark 4.3 keeps the data
-    source of a DataFrame with the reader of its first filtered query, and a later query of the same
-    DataFrame without filters Spark can push reads with those filters (tests/test_spark_source.py shows
-    it): load a DataFrame per query when this is on."""
+    """:class:`EventsReader` with Spark's filters pushed down (``pushFilters``; opt-in: Spark 4.3 reuses a
+    DataFrame's first filtered reader for its later queries, tests/test_spark_source.py: a DataFrame per query)."""
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
         self.pushed: list[tuple[str, list[Any]]] = []  # each call replaces the last one's
@@ -677,14 +636,8 @@ def is_classic(spark: SparkSession) -> bool:
 
 
 def workers_python(spark: SparkSession) -> str:
-    """The Python workers' interpreter of a classic session's Python functions registered from now on.
-
-    PySpark sends ``$PYSPARK_PYTHON`` as read when the session's context started with every Python
-    function (this source included), else ``python3`` from ``PATH``, which may lack pyarrow and this
-    package: the source's planning then fails with "Python worker failed to connect back", the cause in
-    the JVM's log only. With ``PYSPARK_PYTHON`` unset and a local master (its workers on this host), the
-    workers run ``spark.pyspark.python`` of the session's conf if set, else this interpreter; a cluster's
-    is the operator's to set (``PYSPARK_PYTHON``: the executors' Python)."""
+    """The workers' interpreter of a classic session's Python functions: unless ``PYSPARK_PYTHON`` is set or the
+    master is a cluster, the conf's ``spark.pyspark.python``, else this one (``python3`` may lack this package)."""
     from .cluster import is_local
 
     context = spark.sparkContext

@@ -36,9 +36,8 @@ def stream_status(conn: psycopg.Connection, stream_id: int | None = None, last: 
 
 
 def consumers(conn: psycopg.Connection, stream_id: int | None = None) -> list[dict[str, Any]]:
-    """The registered consumers (``pgstream.consumer_status``: the Spark source's queries), of every
-    stream or of ``stream_id``: name, position (batch_id, ord), lag_events, oldest_unread,
-    max_retention_days, overrun (its oldest unread event is past its bound: no longer kept)."""
+    """The registered consumers (``pgstream.consumer_status``) of every stream or of ``stream_id``: name,
+    position, lag_events, oldest_unread, max_retention_days, overrun (past its bound: no longer kept)."""
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute("select * from pgstream.consumer_status where %(s)s::bigint is null or stream_id = %(s)s "
                            "order by name", {"s": stream_id}).fetchall()
@@ -132,9 +131,8 @@ _UNDELIVERED_AGE = """with ledger as (
 
 
 def undelivered_age(conn: psycopg.Connection, stream_id: int, ledger_keep_days: int) -> tuple[Any, ...]:
-    """``(age of the oldest undelivered event in seconds or None, undelivered batches, undelivered
-    events, events waiting in the slot)``: ledger batches not delivered, plus events newer than
-    anything the ledger recorded."""
+    """``(age of the oldest undelivered event in seconds or None, undelivered batches, undelivered events,
+    events waiting in the slot)``: batches not delivered, plus events newer than the ledger recorded."""
     row = conn.execute(_UNDELIVERED_AGE, {"id": stream_id, "keep": ledger_keep_days}).fetchone()
     assert row is not None
     return row
@@ -149,9 +147,8 @@ def slot_wal(conn: psycopg.Connection, slot: str) -> tuple[Any, ...] | None:
 
 
 def orphaned_slots(conn: psycopg.Connection) -> list[dict[str, Any]]:
-    """``pgstream.orphaned_slots``: logical slots of this database named like a stream's default slot
-    (``pgstream.default_slot_pattern()``) that no stream of ``pgstream.streams`` reads, left by a deleted
-    stream or by a stream whose ``slot_name`` changed. Each keeps its WAL (``retained_bytes``) until it is dropped."""
+    """``pgstream.orphaned_slots``: this database's slots named like a stream's default slot that no stream
+    reads (its stream deleted or renamed its slot), each keeping its WAL (``retained_bytes``) until dropped."""
     rows = conn.execute("select slot_name, retained_bytes, active, wal_status from pgstream.orphaned_slots "
                         "order by slot_name").fetchall()
     return [{"slot_name": name, "retained_bytes": int(retained), "active": bool(active), "wal_status": status}

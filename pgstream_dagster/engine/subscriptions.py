@@ -1,10 +1,6 @@
-"""Applying the YAML-declared subscriptions to the database through ``pgstream.set_subscriptions``.
-
-The YAML is the source of truth for the subscriptions it manages (``managed_by = 'yaml'``);
-subscriptions created by hand in SQL are never touched. Unchanged subscriptions are not written,
-so their triggers are not recreated. Everything happens in one transaction: a bad subscription
-rolls the whole set back.
-"""
+"""Applying the YAML subscriptions through ``pgstream.set_subscriptions``: those it manages
+(``managed_by = 'yaml'``) follow the YAML, hand-made ones are never touched, unchanged ones not rewritten
+(their triggers kept), all in one transaction (a bad subscription rolls the set back)."""
 
 from __future__ import annotations
 
@@ -25,11 +21,8 @@ from ..config import PgstreamConfig, SubscriptionConfig
 MANAGED_BY = "yaml"
 
 def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> list[tuple[str, str, int]]:
-    """Make the database's YAML-managed subscriptions equal to ``config.subscriptions``.
-
-    Returns ``(action, key, stream_id)`` for every change. Raises ``psycopg.Error`` naming the
-    subscription on any invalid one; nothing is changed then.
-    """
+    """Make the database's YAML-managed subscriptions equal to ``config.subscriptions``; ``(action, key,
+    stream_id)`` for every change. An invalid one raises ``psycopg.Error`` naming it, changing nothing."""
     by_stream: dict[int, list[SubscriptionConfig]] = defaultdict(list)
     for sub in config.subscriptions:
         by_stream[sub.stream_id].append(sub)
@@ -48,8 +41,7 @@ def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> lis
     return changes
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-stream, per-subscription application (the subscription assets) and trigger inspection.
+# --- per-stream, per-subscription application (the subscription assets) and trigger inspection -----------
 
 #: (key, schema_name, table_name, operation): a subscription's identity within its stream.
 Identity = tuple[str, str, str, str]
@@ -114,9 +106,8 @@ def _db_error(exc: psycopg.Error) -> str:
 
 def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], source: str,
                  positions: Sequence[int] | None = None) -> None:
-    """Validate the subscriptions of a file (``source``) against the database (tables, columns,
-    expressions) without writing anything. Raises ``SubscriptionError`` naming the file, the
-    subscription (its index in the file: ``positions``, default their order) and the reason."""
+    """Validate a file's subscriptions (``source``) against the database without writing anything; raises
+    ``SubscriptionError`` naming the file, the subscription (its index: ``positions``) and the reason."""
     with conn.transaction(force_rollback=True):
         for i, sub in zip(positions if positions is not None else range(len(subscriptions)), subscriptions,
                           strict=True):
@@ -129,8 +120,7 @@ def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
                                         f"{sub.stream_id}): {_db_error(exc)}") from None
 
 
-#: how long a file found valid as a whole is not validated again as a whole by the next stream's apply (its
-#: own subscriptions are, every time): the streams of one file are applied one after the other by one run
+#: how long a file found valid as a whole is not validated again as a whole (its streams apply one by one)
 FILE_VALID_SECS = 60.0
 #: (file, digest of the database and the file's subscriptions) -> when it was found valid as a whole
 _valid_files: dict[tuple[str, str], float] = {}
@@ -138,10 +128,8 @@ _valid_files: dict[tuple[str, str], float] = {}
 
 def _validate_file(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int,
                    source: str) -> None:
-    """:func:`validate_all` of the file before one of its streams is applied (a bad subscription anywhere in
-    it changes nothing), once per ``FILE_VALID_SECS`` for the same file content: a run applying a file's
-    hundred streams validated its hundred subscriptions a hundred times. The stream's own subscriptions are
-    validated every time (the database may have changed since)."""
+    """:func:`validate_all` of the file before one of its streams is applied, at most once per ``FILE_VALID_SECS``
+    for the same content; the stream's own subscriptions are validated every time."""
     info = conn.info
     digest = hashlib.sha256(json.dumps([info.host, info.port, info.dbname, [definition(s) for s in subscriptions]],
                                        sort_keys=True, default=str).encode()).hexdigest()
@@ -164,19 +152,10 @@ class StreamApply:
 
 def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int, source: str,
                  selected: set[Identity] | None = None, remove_absent: bool = True) -> StreamApply:
-    """Apply the YAML subscriptions of one stream in one transaction through ``set_subscriptions``.
-
-    ``selected`` (default: all) are written from the YAML; the stream's other YAML-managed
-    subscriptions are passed back unchanged, so a partial apply never drops them. With
-    ``remove_absent``, YAML-managed subscriptions no longer in the YAML are deleted. Subscriptions
-    created in SQL are never touched. ``subscriptions`` are those of the file that declares the
-    stream (``source``: pgstream.yaml, or a StreamComponent's defs.yaml), all validated first: any
-    invalid subscription raises ``SubscriptionError`` and nothing changes.
-
-    A role that may not write ``pgstream.subscriptions`` (the runtime role: only the owner applies
-    subscriptions, with ``pgstream-dagster init``) writes nothing: it checks that the database already
-    holds what the YAML declares, and raises ``SubscriptionError`` naming what differs otherwise.
-    """
+    """Apply one stream's YAML subscriptions (its file's ``subscriptions``, all validated first:
+    ``SubscriptionError``, nothing changed) in one ``set_subscriptions`` transaction: ``selected`` (default all)
+    written, its other YAML-managed ones kept, ``remove_absent`` deleting the undeclared, hand-made ones never
+    touched. A role that may not write them (the runtime) checks the database holds what the YAML declares."""
     if not may_write_subscriptions(conn):
         return _verify_stream(conn, subscriptions, stream_id, source, selected, remove_absent)
     _validate_file(conn, subscriptions, stream_id, source)
@@ -217,11 +196,8 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
 
 def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[SubscriptionConfig],
                declared: set[Identity], remove_absent: bool) -> int | None:
-    """When the database already holds ``written`` as the YAML declares them (and, ``remove_absent``, no
-    YAML-managed subscription of the stream that is no longer declared), the count of the stream's
-    subscriptions created by hand; else None. One read: the common case of a code location starting with
-    a hundred streams applied already (``set_subscriptions`` would find every one unchanged, after creating
-    its temporary input table)."""
+    """When the database holds ``written`` as declared (and, ``remove_absent``, nothing undeclared), the count of
+    the stream's hand-made subscriptions, else None: one read when a code location starts with all applied."""
     columns = f"key, schema_name, table_name, operation::text, {_STORED_COLUMNS}"
     rows = conn.execute(f"select {columns} from pgstream.subscriptions where stream_id = %s",  # noqa: S608
                         [stream_id]).fetchall()  # (column lists, no input)
@@ -330,9 +306,8 @@ class TriggerState:
 def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: str,
                   mode: str = "row") -> TriggerState:
     """The installed ``mode`` ('row' or 'statement') trigger of a table and operation vs its definition."""
-    # the owner's function: generating the trigger checks the subscriptions' expressions, which the
-    # runtime role does not do as itself (sql/repeatable/99_runtime.sql). The installed trigger is read
-    # from the catalog by name: the runtime has no right on the table's schema (to_regclass needs USAGE)
+    # the owner's function (it checks the expressions, which the runtime may not); the installed trigger is
+    # read from the catalog by name (the runtime has no USAGE on the table's schema for to_regclass)
     row = conn.execute(
         """select g.trigger_name, g.function_name, g.function_body, g.when_clause, g.trigger_hash
            from pgstream.expected_trigger(%(schema)s, %(table)s, %(op)s::pgstream.operation_type, %(mode)s) g""",
@@ -358,10 +333,8 @@ def trigger_state(conn: psycopg.Connection, schema: str, table: str, operation: 
 
 def partition_problems(conn: psycopg.Connection, schema: str, table: str, operation: str,
                        trigger_name: str) -> tuple[str, ...]:
-    """Why partitions of a partitioned table lack their copies of its generated trigger ``trigger_name``
-    (and, for DELETE, of its TRUNCATE trigger): every partition at every level needs a trigger of the same
-    name calling the same function, enabled, with the same comment. Identified by the function the
-    table's trigger calls, never by name alone: a partition's own trigger that bears the name is reported."""
+    """Why partitions of a partitioned table lack their copy of its generated trigger ``trigger_name`` (for DELETE,
+    its TRUNCATE one too): same name and function, enabled, same comment, known by the function it calls."""
     rows = conn.execute(
         """select p.relid::regclass::text, r.tgname::text, c.tgfoid::regprocedure::text, c.tgfoid = r.tgfoid,
                   c.tgenabled = 'D'

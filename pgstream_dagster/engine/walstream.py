@@ -26,19 +26,12 @@ class StreamBroken(RuntimeError):
 
 
 class ReplicationStream:
-    """The stream's slot over the replication protocol (psycopg2's ``LogicalReplicationConnection``):
-    pgoutput messages of the publication, from the slot's confirmed position on, each transaction
-    decoded once by the server and sent when it commits.
-
-    Nothing is confirmed implicitly: :meth:`confirm` moves the slot (``flush_lsn``), so a reader that
-    dies before confirming gets the same transactions again on the next start. ``wal_end`` is how far
-    the server has sent: with nothing received left unrecorded, every transaction committed before it
-    has been seen."""
+    """The slot over the replication protocol: the publication's messages from the confirmed position, each
+    transaction as it commits; only :meth:`confirm` moves the slot; ``wal_end``: how far the server has sent."""
 
     #: messages read per :meth:`read` at most (then the caller records what it has)
     MAX_MESSAGES = 20_000
-    #: bytes of messages read per :meth:`read` at most (one message at least): events large as text
-    #: arrive as large messages, whatever they take stored
+    #: bytes of messages read per :meth:`read` at most (one message at least)
     MAX_BYTES = 32 * 2**20
 
     def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,
@@ -73,9 +66,8 @@ class ReplicationStream:
         return int(self._cur.wal_end or 0)
 
     def read(self, timeout: float) -> list[bytes]:
-        """The messages available now, waiting up to ``timeout`` seconds for the first; at most
-        :attr:`MAX_MESSAGES` of them, and no more once they hold ``max_bytes`` (the last one read may
-        go past it; :attr:`full` then says more may be waiting)."""
+        """The messages available now, waiting up to ``timeout`` for the first: at most :attr:`MAX_MESSAGES`,
+        none more once they hold ``max_bytes`` (:attr:`full` then says more may be waiting)."""
         messages: list[bytes] = []
         deadline = time.monotonic() + timeout
         size = 0

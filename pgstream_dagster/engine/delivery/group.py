@@ -1,38 +1,11 @@
-"""A reader group's delivery run, without Dagster: one process hosting the delivery runs of the group's
-members, one :class:`~.run.DeliveryRun` per member in a thread of its own, each with its own sink, delivery
-lease, ledger connection and state machine, exactly as a run per stream has (docs/architecture.md, "Delivery
-for many streams").
-
-The group's sensor decides for each member as for a run per stream (``batches.decide``: launch, hand over,
-fail over) and writes the member's run in the ledger (a launched head batch, an open run);
-:class:`GroupDelivery` picks up what each member wants hosted (``ledger.groups.member_runs``: one query a second for
-the whole group) and starts that member's run in a thread as *member run* ``<group run id>/<stream id>``, the
-holder of the member's delivery lease. The members' runs do not poll the ledger while idle: one ``LISTEN`` on
-their run channels and one query a second (``ledger.groups.member_signals``) wake the member whose run was handed
-batches, paused, closed or waited for by a replay (:attr:`~.run.Host.wake`). A member's run that fails (its
-sink refuses) ends its own thread only, gives its lease up and is told to the host (:attr:`GroupHost.ended`):
-the group's sensor sees it failed and puts the stream in failover; the other members go on. A run key is
-hosted once (:attr:`GroupHost.claim`, asked once for every run key wanted at a look): a retry is a new run the
-sensor decides.
-
-While the group run lives, its reader thread reads the group's slot itself, continuously
-(:attr:`GroupHost.read`: ``consume_group``, as the group's sensor does: ensure, joins, recording, batches
-handed to the members' open runs in the same transaction, but over the replication protocol: one
-replication connection kept open across the calls, pushed what commits), on a connection of its own holding
-the group's reading (``ledger.locks.claim_group_reading``, named after the run): the group's sensor, whose tick
-takes the same lock, does not read while it is held. On an error, and when the run ends, the reader closes
-its replication connection (:attr:`GroupHost.read_ends`) and gives the reading up: the sensor peeks
-meanwhile. The lock goes with the reader's session: if the run's process dies (or the reader's connection
-does), the sensor reads again at its next tick.
-
-The group run holds the group's delivery lease (``ledger.locks.acquire_group_lease``) for as long as it lives,
-so a dead group run (its process killed) is told from a live one; it ends once
-``max_run_secs`` passed (it stops taking member runs and asks its members to close: a fresh group run picks
-up configuration changes). It also ends, the same way, when
-its host's stop check gives a reason (:attr:`GroupHost.stop_check`: the group's sensor asks a run built from
-a configuration that is not the code location's any more to end), and when its reader is refused
-(:data:`REFUSALS`, e.g. ``ledger.groups.GroupChange``: the group's slot belongs to another database), with that
-line as the reason, instead of reading on with a configuration that no longer holds.
+"""A reader group's delivery run, without Dagster (docs/architecture.md, "Delivery for many streams"): a
+:class:`~.run.DeliveryRun` per member in a thread, each with its own sink, lease and state machine.
+:class:`GroupDelivery` starts the member runs the sensor decided (``ledger.groups.member_runs``, a query a
+second; :attr:`GroupHost.claim`) as ``<group run id>/<stream id>``, wakes idle ones (one ``LISTEN``, one query
+a second) and lets a failing one end its own thread (:attr:`GroupHost.ended`). Its reader thread reads the
+group's slot holding the group's reading (:attr:`GroupHost.read`, :attr:`GroupHost.read_ends`). It holds the
+group's delivery lease and ends after ``max_run_secs``, at :attr:`GroupHost.stop_check`'s reason or a
+:data:`REFUSALS` of its reader.
 """
 
 from __future__ import annotations
@@ -54,23 +27,15 @@ from .run import DeliveryRun, Host
 
 #: how often the group run looks at what its members want hosted when no notification woke it
 POLL_SECS = 1.0
-#: the members' reports (a materialization of each one's deliveries asset) together, at most this many a
-#: second: each is a few writes to Dagster's event log, and a hundred members reporting every
-#: ``tuning.report_every_secs`` (5 s) were a fifth of the group's database load. A member reports every
-#: ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
+#: the members' reports together, at most this many a second (each is a few writes to Dagster's event log): a
+#: member reports every ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
 REPORTS_PER_SEC = 5.0
-#: the group run's reader: how long each ``consume_group`` call reads (the reader returns within half a second
-#: once the run ends: ``reading_ended``), how long it waits before it tries again for the group's reading (the
-#: sensor's tick holds it), after a call that returned early, and after an error (its connection closed: the
-#: sensor reads meanwhile)
+#: the group run's reader: how long a ``consume_group`` call reads; its waits to claim the reading again
 READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
 READ_ERROR_SECS = 5.0
-#: what the group run's reader cannot get past with the configuration the run was built from (a stream the
-#: database has in the group that the run's configuration does not, a publication or slot not the group's,
-#: no slot free): the group run ends with its line as the reason; the group's sensor reads then, with the
-#: code location's configuration, and reports it if it stands
+#: what the reader cannot get past with the run's configuration: the group run ends with its line as reason
 REFUSALS: tuple[type[Exception], ...] = (groups.GroupChange, PublicationTaken, LimitsExceeded)
 
 
@@ -92,22 +57,6 @@ def _one_line(exc: BaseException, *, every_line: bool = False) -> str:
     return ("; ".join(lines) if every_line else lines[0] if lines else "")[:500] or type(exc).__name__
 
 
-def _no_claim(wanted: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    return wanted
-
-
-def _no_end(_stream_id: int, _run_key: str, _error: str | None) -> None:
-    return None
-
-
-def _no_stop() -> str | None:
-    return None
-
-
-def _nothing() -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class GroupHost:
     """What the group run needs from whoever runs it."""
@@ -117,23 +66,17 @@ class GroupHost:
     log: Log
     #: the host of one member's run (its run id given): log, Spark, reporter, stop check of its own
     member_host: Callable[[StreamConfig, str], Host]
-    #: of the member runs ``(stream id, run key)`` wanted, those this group run may host (no other run hosted
-    #: them); what it returns is recorded as hosted here. Asked once per run key, for every run key wanted at
-    #: once (a hundred members starting wait for one answer, not a hundred), before their threads start
-    claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = _no_claim
+    #: of the member runs ``(stream id, run key)`` wanted, those this group run may host (recorded as its own)
+    claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = lambda wanted: wanted
     #: told when a member's run ended: ``error`` None when it closed, else why it failed (one line)
-    ended: Callable[[int, str, str | None], None] = _no_end
+    ended: Callable[[int, str, str | None], None] = lambda _stream_id, _run_key, _error: None
     #: a reason to end the group run that only the host knows (None: none), asked about once a second
-    stop_check: Callable[[], str | None] = _no_stop
-    #: reads the group's slot on the connection given for up to the seconds given (ingest's ``consume_group``:
-    #: ensure, joins, recording, batches handed to the members' open runs) and logs what it did that an
-    #: operator should see; called again and again by the run's reader thread while it holds the group's
-    #: reading. None: the run reads nothing (the group's sensor does). It may keep the group's slot open
-    #: across calls (ingest's ``GroupStream``: one replication connection while the run reads)
+    stop_check: Callable[[], str | None] = lambda: None
+    #: reads the group's slot on the connection given for up to the seconds given and logs what it did, again
+    #: and again while the reader holds the group's reading. None: the group's sensor reads
     read: Callable[[psycopg.Connection, float], None] | None = None
-    #: the reader gives the group's reading up (an error, the run ending): what ``read`` kept open across
-    #: calls closes (the slot let go), before the group's sensor may read it
-    read_ends: Callable[[], None] = _nothing
+    #: the reader gives the group's reading up: what ``read`` kept open closes (the slot let go)
+    read_ends: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -301,9 +244,8 @@ class GroupDelivery:
                 self._wake[stream_id].set()
 
     def _watch(self, lease: psycopg.Connection) -> None:
-        """One query for the whole group: wake each member whose ledger row moved (paused, its open run, a
-        replay waiting, a batch launched): its run looks at the ledger only then (and every
-        ``WOKEN_POLL_SECS``), instead of twice a second."""
+        """One query for the whole group: wake each member whose ledger row moved; its run looks at the
+        ledger only then (and every ``WOKEN_POLL_SECS``), not twice a second."""
         signals = groups.member_signals(lease, self.group)
         for stream_id, row in signals.items():
             if stream_id in self._wake and self._signals.get(stream_id) != row:

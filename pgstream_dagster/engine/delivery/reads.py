@@ -1,8 +1,5 @@
-"""Reading events from ``pgstream.events``: the queries every reader runs (the run's own
-connection, the replay's, and Spark's data sources on the executors), and the byte budget a read
-is cut at (:func:`cut`). No Spark and no Dagster here: :mod:`.sources` reads with these on the
-run's connections, :mod:`..spark` inside Spark tasks.
-"""
+"""The queries every reader of ``pgstream.events`` runs (the run's connection, the replay's, Spark's data
+sources on the executors) and the byte budget a read is cut at (:func:`cut`); no Spark, no Dagster here."""
 
 from __future__ import annotations
 
@@ -26,45 +23,34 @@ ROWS_PER_PARTITION = 50_000
 FETCH_ROWS = 5_000
 
 
-# ``e.stream_id + 0``: never a condition the planner may serve with events_stream_created_idx. With
-# stale or missing statistics of the day's partition (writers filling it, autovacuum behind) it did,
-# scanning the stream's whole day per event of the batch (measured by bench/cpu.py: one 10k batch
-# 4.74 s instead of 0.20 s); by the primary key (id, created_at) each event is one index probe.
+# ``e.stream_id + 0``: never served by events_stream_created_idx, which with stale statistics scanned the
+# stream's whole day per event (bench/cpu.py: a 10k batch 4.74 s instead of 0.20 s by the primary key)
+_BATCH_SPAN = """\
+from pgstream.batches b
+cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
+join pgstream.events e
+  on e.id = o.id and e.stream_id + 0 = b.stream_id
+ and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
+where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
+order by o.ord
+"""
 BATCH_QUERY = """
 select b.id, o.ord, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
        (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
            as routing_key
-from pgstream.batches b
-cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
-join pgstream.events e
-  on e.id = o.id and e.stream_id + 0 = b.stream_id
- and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
-where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
-order by o.ord
-"""
+""" + _BATCH_SPAN
 
-#: per event of a batch span: its ordinal, id, and the bytes of its payload and of its metadata as JSON text
-#: (what reading it costs: each is rendered by the server, nothing is sent). A reader cuts what it reads
-#: at a byte budget by these (:func:`cut`), not only at a number of rows: a few thousand events of a few
-#: MiB each as text (small stored: compressed) must not be read at once
+#: per event of a batch span: its ordinal, id, and the bytes of its payload and metadata as JSON text (rendered
+#: by the server, not sent), by which a reader cuts what it reads at a byte budget (:func:`cut`)
 BATCH_SIZES = """
 select o.ord, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
        coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
-from pgstream.batches b
-cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
-join pgstream.events e
-  on e.id = o.id and e.stream_id + 0 = b.stream_id
- and e.created_at >= b.min_created_at and e.created_at <= b.max_created_at
-where b.id = %(batch_id)s and o.ord between %(lo)s and %(hi)s
-order by o.ord
-"""
+""" + _BATCH_SPAN
 
-#: :data:`BATCH_QUERY` cut at a byte budget by the server, in one pass: every event of the span comes with
-#: the bytes of its payload and metadata as JSON text, but its payload, metadata and routing key only if it
-#: ``fits``: its payload is at most ``limit`` bytes (a null limit: any) and the events that fit before it
-#: and it hold at most ``budget`` bytes (the first one that may fits whatever its size). The rest come as
-#: sizes only (:class:`.sources.TableSource` reads them next, in pieces it cuts by those sizes). The text of what
-#: fits is rendered twice (once to measure it, once to send it): cheap next to the join, which is made once
+#: :data:`BATCH_QUERY` cut at a byte budget by the server, in one pass: every event comes with its sizes, but
+#: with its payload, metadata and routing key only if it ``fits`` (payload at most ``limit`` bytes, a null
+#: limit: any; the running total at most ``budget``, the first eligible one whatever its size); the rest are
+#: read next by :class:`.sources.TableSource`, in pieces cut by their sizes
 BATCH_QUERY_BOUNDED = """
 select w.batch_id, w.ord, w.id, w.stream_id, w.created_at,
        case when w.fits then w.payload::pg_catalog.text end,
@@ -91,8 +77,7 @@ from (select z.*,
 order by w.ord
 """
 
-#: bytes of payload and metadata (JSON text) one read holds at most, unless one event is larger
-#: (``delivery.tuning.max_read_bytes``'s default)
+#: bytes of payload and metadata one read holds at most, unless one event is larger (``tuning.max_read_bytes``)
 READ_BYTES = 32 * 2**20
 
 
@@ -108,11 +93,8 @@ class Piece:
 
 def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: int,
         limit: int | None, rows: int | None = None) -> Iterator[Piece | tuple[int, TooLarge]]:
-    """``lo..hi`` in order as :class:`Piece` s of at most ``budget`` bytes of payload and metadata each
-    (one event at least) and at most ``rows`` positions, by the ``sizes`` of the events there
-    (``(position, id, payload bytes, metadata bytes)`` in order, as :data:`BATCH_SIZES` returns them;
-    a position without a row is in no piece's count). An event whose payload is larger than ``limit``
-    is in no piece: it comes as ``(position, TooLarge)`` in its place, never read."""
+    """``lo..hi`` as :class:`Piece` s of at most ``budget`` bytes (one event at least) and ``rows`` positions, by
+    ``sizes`` (:data:`BATCH_SIZES`); a payload over ``limit`` comes as ``(position, TooLarge)``, never read."""
     start, used = lo, 0
     for position, event_id, payload, metadata in sizes:
         if limit is not None and payload > limit:
@@ -131,9 +113,8 @@ def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: in
 
 
 def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budget: int) -> list[tuple[Span, int]]:
-    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes of payload and metadata
-    (one event at least), with their bytes, in order: the sizes of their events come from the server
-    (:data:`BATCH_SIZES`; rendered there, nothing of the events is sent)."""
+    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes (one event at least), with their
+    bytes, in order, by the sizes the server gives (:data:`BATCH_SIZES`: nothing of the events is sent)."""
     pieces: list[tuple[Span, int]] = []
     for whole in spans:
         for span in whole.split(max(rows, 100_000)):  # (a query per 100,000 sizes at most)
@@ -146,10 +127,8 @@ def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budg
 
 
 def events_where(params: Mapping[str, Any]) -> str:
-    """The filter of a replay's selection (``params``: ``replay.selection``'s; shared with
-    ``replay.plan``, which counts and splits it): the stream and the id range, and the time bounds
-    and subscription keys only where ``params`` give them, so that no row evaluates a test of a
-    parameter that is not there."""
+    """The filter of a replay's selection (``params``, shared with ``replay.plan``): the stream and id range,
+    and time bounds and subscription keys only where ``params`` give them."""
     tests = ["e.stream_id = %(stream_id)s", "e.id between %(lo)s and %(hi)s"]
     if params.get("from_time") is not None:
         tests.append("e.created_at >= %(from_time)s::timestamptz")

@@ -1,23 +1,10 @@
-"""A delivery run, without Dagster: it delivers consecutive ledger batches of a stream, in order,
-through the stream's sink, and (modes ``open`` and ``warm``) stays open for what commits next.
-
-:meth:`DeliveryRun.start` takes the stream's delivery lease and checks the batches may run (the
-first is the stream's oldest open batch; the range holds only the stream's open batches).
-:meth:`DeliveryRun.deliver` opens the stream's sink (one for the whole run, closed however it
-ends) and delivers round after round, each read from the source :func:`.sources.choose_source`
-picks, marking each batch delivered as soon as the sink confirmed its last event, so a run that
-fails half-way keeps the progress it made; it yields a :class:`RoundReport` per round and raises
-:class:`DeliveryError` (nothing of Dagster). While the run is the stream's open run it waits for the
-batches the group's reader hands to it (:class:`Linger`); it closes once idle
-``tuning.linger_secs`` (mode ``open``), open ``tuning.max_run_secs``, or when the stream is paused,
-no longer hands it batches (failover), a replay waits for the delivery lease, or the host says
-so (:attr:`Host.stop_check`: Dagster has another run of the stream queued).
-
-The ordered publish loop (:func:`.sources.publish_in_order`) yields what the sink confirmed; the
-run writes it to the ledger before anything more is published: ``Confirmed`` →
-``ledger.state.mark_confirmed`` (a retry resumes after it), ``BatchDone`` → ``ledger.state.mark_delivered``,
-``Progress`` → the log. The rounds are told to the host together (:class:`Summary`, at most every
-``tuning.report_every_secs`` and when the run ends) through :attr:`Host.report`.
+"""A delivery run, without Dagster: a stream's consecutive ledger batches delivered in order through its sink,
+open (modes ``open``, ``warm``) for what commits next. :meth:`DeliveryRun.start` takes the lease and checks the
+batches; :meth:`DeliveryRun.deliver` opens the sink once and delivers round after round from
+:func:`.sources.choose_source`'s source, writing each confirmation to the ledger before publishing more
+(:class:`RoundReport` per round, :class:`DeliveryError`). Open, it waits for batches (:class:`Linger`) until
+idle ``tuning.linger_secs`` (``open``), open ``tuning.max_run_secs``, paused, in failover, a replay waiting or
+:attr:`Host.stop_check`; rounds are told through :attr:`Host.report` (:class:`Summary`).
 """
 
 from __future__ import annotations
@@ -97,14 +84,6 @@ class Summary:
     max_lag_secs: float | None
 
 
-def _no_stop() -> str | None:
-    return None
-
-
-def _no_report(_summary: Summary) -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class Host:
     """What the run needs from whoever runs it."""
@@ -115,18 +94,15 @@ class Host:
     #: the Spark session, started when a round first goes to Spark
     spark: SparkLoader | None = None
     #: a reason to close the open run that only the host knows (None: none), asked about once a second
-    stop_check: Callable[[], str | None] = _no_stop
+    stop_check: Callable[[], str | None] = lambda: None
     #: told what the rounds delivered (:class:`Summary`)
-    report: Callable[[Summary], None] = _no_report
+    report: Callable[[Summary], None] = lambda _summary: None
     #: how the host names its control job (an error tells the operator to use it)
     control: str = "the control job"
-    #: waits up to the given seconds for a sign that the open run's ledger moved (batches handed to it, the
-    #: stream paused or its run closed, a replay waiting, the host stopping); true if one came. A host of many
-    #: runs (a reader group's delivery run) watches their ledger rows in one query and one ``LISTEN`` for them
-    #: all; None: the run listens on its own connection and polls the ledger about twice a second
+    #: waits up to the given seconds for a sign that the open run's ledger moved (true if one came); None: the
+    #: run listens on its own connection and polls the ledger about twice a second
     wake: Callable[[float], bool] | None = None
-    #: how often the rounds are reported at most (None: the stream's ``tuning.report_every_secs``); a host of
-    #: many runs spreads its event-log writes (a reader group's delivery run: :mod:`.group`)
+    #: how often the rounds are reported at most (None: the stream's ``tuning.report_every_secs``)
     report_every_secs: float | None = None
 
 
@@ -181,9 +157,8 @@ class DeliveryRun:
         return self
 
     def give_back(self) -> list[int]:
-        """The run was interrupted (a shutdown) and has ended: it is no longer the stream's open run and the
-        batches it held go back to pending for the next run (``state.give_back``), on a connection of its
-        own (the lease's has ended with the run). Returns those batches."""
+        """The run was interrupted (a shutdown) and has ended: the batches it held go back to pending
+        (``state.give_back``), on a connection of its own (the lease's ended with the run); those batches."""
         run_key = self.batches[0].run_key if self.batches else self.run_key
         if not run_key:
             return []
@@ -204,8 +179,7 @@ class DeliveryRun:
             if host.wake is None:  # (a host that wakes the run listens for it)
                 state.listen_runs(conn, stream.id)
         run_key = run_key or ""
-        # the lease is given up when the run ends (it is lost if its process dies); the sink serves every round
-        # of the run (by_key: the Spark tasks publish through sinks of their own) and is closed when the run ends
+        # the lease is given up when the run ends; the sink serves every round (by_key: the tasks' own sinks)
         with fewer_collections(), _leasing(ledger, stream.id), build_sink(stream.sink) as sink:
             linger = Linger(host, ledger, stream, run_key)
             reports = Reports(host, stream)
@@ -259,18 +233,14 @@ def _leasing(ledger: locks.RunConnections, stream_id: int) -> Iterator[None]:
 
 
 def owed(stream: StreamConfig, batches: list[state.Batch]) -> list[Span]:
-    """What the run owes of ``batches``: a retry resumes after the events the sink already confirmed
-    (global order; ``by_key`` reads every event and its Spark tasks skip, per key, what an earlier attempt
-    recorded in ``pgstream.key_progress``)."""
+    """What the run owes of ``batches``: global order resumes after what the sink confirmed (``by_key`` reads
+    every event, its tasks skip what ``pgstream.key_progress`` holds)."""
     return owed_spans(batches, resume=stream.delivery.ordering == "global")
 
 
 def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state.Batch]:
-    """A run's next round of ``batches``, all assigned to it (ordering global): the first of them up to
-    ``direct_max_events`` events (``DeliveryConfig.direct_max_events``; at least one batch), so
-    that it is read without Spark; the rest come in the next rounds. A backlog is then delivered in
-    rounds the run reads itself instead of a Spark job that, started while the writers take the CPUs,
-    held the stream for 1-2 minutes (bench/sustained.py)."""
+    """A run's next round of ``batches`` (ordering global): the first of them up to ``direct_max_events`` events
+    (one batch at least), read without Spark; the rest in the next rounds (bench/sustained.py)."""
     limit = stream.delivery.direct_max_events
     if stream.delivery.ordering != "global" or limit <= 0:
         return batches
@@ -283,9 +253,8 @@ def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state
 
 
 def dead_letters(stream: StreamConfig, database_url: str, token: str | None = None) -> deadletters.DeadLetterWriter:
-    """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and an event too large
-    for the sink whatever ``on_reject`` says (it can never be delivered). ``token``: a by_key round's
-    delivery token, what its Spark tasks write with."""
+    """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and events too large for
+    the sink whatever ``on_reject`` says. ``token``: a by_key round's delivery token."""
     return deadletters.DeadLetterWriter(database_url, stream.id, stream.sink.type,
                                         resumes=stream.delivery.ordering == "global", token=token)
 
@@ -315,9 +284,8 @@ class _Round:
         self.expected = {span.batch_id: span.events for span in self.owed}
 
     def deliver(self, source: Source) -> int:
-        """The events handled (confirmed by the sink, or set aside as dead letters). Once ``conn`` is
-        broken (``recording``: Postgres restarted, the connection was cut) the run stops before the
-        sink's next request, as nothing it confirms could be recorded."""
+        """The events handled (confirmed, or set aside). Once ``conn`` is broken (``recording``) the run stops
+        before the sink's next request: nothing it confirms could be recorded."""
         recording = self.recording
         try:
             return self._deliver(source)
@@ -367,11 +335,8 @@ class _Round:
             raise DeliveryError(f"batch {batch_id} was already marked delivered by another run")
 
     def _in_order(self, source: Any, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
-        """Global order: the publish loop yields what the sink confirmed and the run records each step in
-        the ledger before the loop publishes anything more. Returns the events handled. A round that
-        lasts logs its progress (every tenth of it, at most every ``tuning.report_every_secs``): a
-        line of the run log is a write to Dagster's event log, which a round of a few thousand events
-        delivered in a fraction of a second does not need."""
+        """Global order: the run records each step the publish loop yields before it publishes more; the
+        events handled. A long round logs its progress every tenth, at most every ``report_every_secs``."""
         stream, conn = self.stream, self.conn
         total = sum(self.expected.values())
         chunk_size = stream.delivery.chunk_size
@@ -409,10 +374,8 @@ class _Round:
 
     def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None,
                 token: str) -> int:
-        """Per routing key, on the executors (each Spark task with a sink of its own, recording what it
-        confirmed in ``pgstream.key_progress`` as it goes: a retry resumes per key); the tasks return
-        their counts per batch, and each batch is marked delivered once every task is done and the
-        counts add up. Returns the events handled."""
+        """Per routing key, on the executors (each task with its own sink and ``pgstream.key_progress``); each
+        batch marked delivered once every task is done and the counts add up. The events handled."""
         from .. import spark
 
         stream, conn, expected = self.stream, self.conn, self.expected
@@ -452,8 +415,7 @@ class _Round:
 
 
 def waiting_batches(batch_ids: list[int]) -> str:
-    """What a run that closed early left waiting, as its log says it: ``batches 3..7 wait`` or ``no batch
-    waits``."""
+    """What a run that closed early left waiting, as its log says it: ``batches 3..7 wait`` or ``no batch waits``."""
     return f"batches {batch_ids[0]}..{batch_ids[-1]} wait" if batch_ids else "no batch waits"
 
 
@@ -494,11 +456,8 @@ def _freeze_once() -> None:
 
 
 class Linger:
-    """Keeps a run open after its batches (sql/010_open_runs.sql): it waits for batches the sensor
-    assigns to it and closes once idle ``tuning.linger_secs`` (mode ``open``), open
-    ``tuning.max_run_secs``, or when the stream is paused, no longer hands it batches (failover), a
-    replay waits for the delivery lease, however it was launched
-    (:func:`~..ledger.locks.acquire_replay_lease`), or the host has a reason (:attr:`Host.stop_check`)."""
+    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for those the sensor assigns to it
+    until it closes (see the module; a replay waits however launched: :func:`~..ledger.locks.acquire_replay_lease`)."""
 
     def __init__(self, host: Host, ledger: locks.RunConnections, stream: StreamConfig, run_key: str) -> None:
         self.host, self.ledger, self.stream, self.run_key = host, ledger, stream, run_key
@@ -513,11 +472,7 @@ class Linger:
         delivery, tuning = self.stream.delivery, self.stream.delivery.tuning
         linger_secs, warm = delivery.linger_secs, delivery.keep_warm
         if not self._frozen:
-            # a run that stays open allocates tuples per event for long: what its process holds after
-            # the first round (the host, the Spark session) is not garbage, so the full collections stop
-            # scanning it (collections over 0.1 s: 21 s in a 2-minute sustained run before). Done here,
-            # not at start-up: the first round's events do not wait for it. Once per process: a process
-            # hosting many runs (a thread each) would otherwise stop them all for a full collection per run
+            # frozen once per process, after the first round: what the process holds stops being scanned
             _freeze_once()
             self._frozen = True
         idle_since = time.monotonic()
@@ -525,8 +480,7 @@ class Linger:
         wake = self.host.wake
         woken, polled_at = True, 0.0
         if wake is not None and self._looked and not wake(0.0):
-            # after a round, a run its host wakes looks again only once woken (batches handed over during the
-            # round woke it already) or at its safety interval: not one empty look per round
+            # a run its host wakes looks again only once woken, or at its safety interval
             woken, polled_at = False, idle_since
         self._looked = True
         while True:
@@ -538,8 +492,7 @@ class Linger:
                 replay = False
                 if look:
                     polled_at = now
-                    # a replay waits for the delivery lease (whatever launched it): take nothing more, deliver
-                    # what was handed over, close (the lease goes to the replay when the run ends)
+                    # a replay waits for the lease: take nothing more, deliver what was handed over, close
                     seen = state.next_assigned(conn, self.stream.id, self.run_key, after)
                     batches, replay, self.earlier_open = seen.batches, seen.replay_waiting, seen.earlier_open
                 if batches:
@@ -572,9 +525,8 @@ class Linger:
 
 
 class Reports:
-    """What the run's rounds delivered, told to the host (:class:`Summary`). The first round is
-    reported at once; later rounds of an open run together, at most every ``tuning.report_every_secs``
-    and when the run ends, so a trickle of single events does not become an event-log entry each."""
+    """What the rounds delivered, told to the host (:class:`Summary`): the first round at once, later ones
+    together at most every ``tuning.report_every_secs`` and at the end (not an event-log entry per event)."""
 
     def __init__(self, host: Host, stream: StreamConfig) -> None:
         self.host, self.stream = host, stream
@@ -610,8 +562,7 @@ class Reports:
         first, last = self.first, self.last
         if first is None or last is None:
             return
-        # (no status read here: the group's sensor observes each member's status; a hundred members' reports
-        # asking for it every report_every_secs were the largest query load of a group's deliveries)
+        # (no status read here: the group's sensor observes each member's status)
         self.host.report(Summary(
             stream_id=self.stream.id, sink_type=self.stream.sink.type, first=first, last=last, batches=self.batches,
             rounds=self.rounds, events=self.events, kinds=sorted(self.kinds),

@@ -1,22 +1,10 @@
-"""Where a delivery's events come from: one :class:`EventSource` interface, its sources, and
-**one** function that chooses the source (:func:`route`, built by :func:`choose_source`) for a
-delivery round, a replay and a dead-letter redelivery alike.
-
-=============  ==========================================================================================
-route          source
-=============  ==========================================================================================
-``table``      :class:`TableSource`: a round of at most ``direct_max_events`` events (ordering global)
-               read by the run's own connection
-``spark``      :class:`SparkSource`: packed single-partition DataFrames collected one at a time
-               (a larger ordered round, ``direct_max_events`` 0, a replay through Spark, mode ``per_batch``)
-``by_key``     :class:`KeyedSource`: a DataFrame the Spark tasks publish per routing key
-``range``      :class:`RangeSource`: a replay's id ranges read by the run's connections
-``lines``      :class:`LinesSource`: a replay to a sink that takes JSON lines rendered by Postgres
-``letters``    :class:`DeadLetterSource`: open dead letters, in delivery order
-=============  ==========================================================================================
-
-No Dagster here, and Spark only behind the host's :data:`SparkLoader` (a session is started only
-when a round goes to Spark).
+"""Where a delivery's events come from: the :class:`EventSource` interface, its sources by route (``table``:
+:class:`TableSource`, a round of at most ``direct_max_events`` read by the run's connection; ``spark``:
+:class:`SparkSource`; ``by_key``: :class:`KeyedSource`, published by the Spark tasks per routing key;
+``range``: :class:`RangeSource`, a replay read by the run's connections; ``lines``: :class:`LinesSource`, JSON
+lines rendered by Postgres; ``letters``: :class:`DeadLetterSource`), and the **one** choice among them for a
+round, a replay and a redelivery (:func:`route`, :func:`choose_source`). No Dagster; Spark only behind the
+host's :data:`SparkLoader`, started when a round first goes to Spark.
 """
 
 from __future__ import annotations
@@ -76,10 +64,8 @@ class EventSource(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class TableSource:
-    """Route ``table``: a round small enough to read without Spark, ``spans`` read by ``conn`` (the
-    run's own connection) with the query the Spark source runs. A Spark job costs 0.1-0.3 s and about
-    half a CPU-second whatever its size (bench/cpu.py): for the few events an open run gets at a time
-    that is most of the latency and of the CPU."""
+    """Route ``table``: ``spans`` read by the run's own connection with the Spark source's query (a Spark job
+    costs 0.1-0.3 s and half a CPU-second whatever its size: bench/cpu.py)."""
 
     conn: psycopg.Connection
     spans: Sequence[Span]
@@ -92,8 +78,7 @@ class TableSource:
     def events(self) -> Iterator[Positioned]:
         for whole in self.spans:
             for span in whole.split(FETCH_ROWS):
-                # FETCH_ROWS at a time and at most read_bytes (the server cuts), each fetched whole before
-                # anything is yielded: the caller writes the ledger on the same connection
+                # each piece fetched whole before anything is yielded: the caller writes on the same connection
                 yield from self._read(span.batch_id, span.first, span.last)
 
     def _read(self, batch_id: int, lo: int, hi: int) -> Iterator[Positioned]:
@@ -121,11 +106,8 @@ class TableSource:
 
 @dataclasses.dataclass(frozen=True)
 class RangeSource:
-    """Route ``range``: a replay's selection read without Spark (``delivery.tuning.direct_max_events`` above
-    0): the id ``ranges`` of :func:`~pgstream_dagster.engine.replay.plan`, each read whole with the query the
-    Spark source runs (``params``: its filters), by a connection of its own while the caller publishes
-    the range before. The run's process publishes every event of a replay anyway (id order): Spark
-    would only add its start-up, its JVM and a copy of every row (bench/replay.py)."""
+    """Route ``range``: a replay's id ``ranges`` (:func:`~pgstream_dagster.engine.replay.plan`), each read whole
+    with the Spark source's query (``params``) by a connection of its own while the one before is published."""
 
     database_url: str
     ranges: Sequence[tuple[int, int]]
@@ -168,9 +150,8 @@ class RangeSource:
 
 @dataclasses.dataclass(frozen=True)
 class SparkSource:
-    """Route ``spark``: single-partition DataFrames (packed, as :func:`..spark.load_batches` /
-    :func:`..spark.load_events` return them), collected one at a time; ``prefetch``: Spark computes the
-    next while the sink publishes the current one (``delivery.tuning.prefetch_partitions``)."""
+    """Route ``spark``: packed single-partition DataFrames (:func:`..spark.load_batches` / ``load_events``)
+    collected one at a time; ``prefetch``: the next computed meanwhile (``tuning.prefetch_partitions``)."""
 
     frames: list[DataFrame]
     prefetch: bool = True
@@ -201,9 +182,8 @@ class LinesSource:
 
 @dataclasses.dataclass(frozen=True)
 class DeadLetterSource:
-    """Route ``letters``: open dead letters (listed without their payloads), in delivery order, in
-    chunks of at most ``chunk_size`` and ``read_bytes`` bytes of payload (one at least), each chunk's
-    payloads read by ``conn`` when it is due (:meth:`chunks`)."""
+    """Route ``letters``: open dead letters in delivery order, in chunks of at most ``chunk_size`` and
+    ``read_bytes`` bytes of payload (one at least), each chunk's payloads read by ``conn`` when due."""
 
     conn: psycopg.Connection
     letters: Sequence[DeadLetter]
@@ -290,16 +270,10 @@ class Readers:
 
 
 def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: Readers) -> Route:
-    """The one choice of where events are read, for a delivery round (``Owed``), a replay
-    (``Selection``) and a redelivery (``Letters``):
-
-    * a round of an ``ordering: by_key`` stream: Spark tasks per routing key;
-    * a round of an ordered stream: through Spark in mode ``per_batch`` (the design card's PySpark run
-      per batch) unless ``tuning.direct_max_events`` is given, and with ``direct_max_events`` 0; else
-      a round of at most ``direct_max_events`` events is read by the run's own connection, a larger one through Spark;
-    * a replay: JSON lines rendered by Postgres when the sink takes them, else the run's connections
-      unless ``tuning.direct_max_events`` is 0 (then Spark), in every mode;
-    * dead letters: from ``pgstream.dead_letters``."""
+    """The one choice of where events are read, for a round (``Owed``), a replay (``Selection``) and a
+    redelivery (``Letters``): ``by_key`` on Spark tasks; an ordered round by the run's connection up to
+    ``tuning.direct_max_events`` (else, mode ``per_batch`` without it, or 0: Spark); a replay as JSON lines
+    when the sink takes them, else by the run's connections (0: Spark); dead letters from their table."""
     direct = delivery.direct_max_events
     if isinstance(want, Letters):
         return Route.LETTERS
@@ -315,8 +289,7 @@ def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: R
 
 
 def range_size(delivery: DeliveryConfig, readers: Readers) -> int:
-    """The events per id range a replay is planned in: a read of the run's connections, or a Spark
-    partition."""
+    """The events per id range a replay is planned in: a read of the run's connections, or a Spark partition."""
     chosen = route(delivery, Selection({}), readers)
     return FETCH_ROWS if chosen is Route.RANGE else delivery.tuning.rows_per_partition
 
@@ -369,11 +342,8 @@ def publish_in_order(source: EventSource, sink: Sink, chunk_size: int, *, skip: 
                      reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
                      too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
                      gate: Gate = contextlib.nullcontext) -> Deliveries:
-    """Global order: ``source``'s events published chunk by chunk through ``sink`` (the caller's; a run
-    keeps one for its whole life) by :func:`~..publish.publish`, whose deliveries this yields (``skip``,
-    ``reject``, ``owed``, ``too_large`` and ``chunk_bytes`` are explained there). Closing it closes the
-    source's events in the caller's thread (a reader's prefetch is waited for then, not whenever the
-    garbage collector gets to it). ``gate``: what each publish call runs in (:func:`~..publish.publish`)."""
+    """Global order: ``source``'s events published through the caller's ``sink`` by :func:`~..publish.publish`;
+    closing it closes the source's events in the caller's thread (a reader's prefetch waited for then)."""
     events = source.events()
     try:
         yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,

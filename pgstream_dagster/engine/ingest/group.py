@@ -1,26 +1,10 @@
-"""A reader group's reader: one slot and one publication for several streams (``streams[].reader``), so
-the WAL is decoded once for all of them (docs/architecture.md, "One reader for a group of streams").
-
-:func:`consume_group`, each tick of the group's sensor (and each call of a group delivery run's reader):
-
-1. **ensure** (:func:`ensure_group`): every configured member is registered (``register_missing_members``:
-   ``register_group_member`` for those the database does not have in the group yet),
-   the group's publication filters on exactly its members (``ensure_group_publication``), and the group's
-   slot exists and is usable. A slot that was dropped or invalidated (or a publication dropped by hand)
-   sets ``recovery_pending`` on the group and each joined member, is replaced, and each member records
-   from ``pgstream.events`` what its ledger does not cover (duplicates possible after an interruption,
-   losses not).
-2. **join** (:func:`join_members`): a member that still had its own slot hands over: once the
-   publication includes it and every transaction running then has ended, ``begin_join`` sets its join
-   position L (the WAL insert position) and makes the group's reader its declared reader; its own slot is
-   drained up to L here, then dropped. While one drains the group's slot is not read; one that waits for
-   older transactions is skipped in the group's slot (what of it is there ends before its L).
-3. **record**: the one recording loop (:class:`~.recorder.Recorder`) over the group's slot (the
-   sensor peeks it; a group delivery run's reader reads it over the replication protocol, one connection
-   kept open across its calls: :class:`GroupStream`), decoding each event's stream id, routing each
-   transaction by stream and recording each member's part in its ledger (with reader ``group:<name>``),
-   all in one ledger transaction that also writes what the group recorded through, handing the batches
-   to a member's open run in the same transaction.
+"""A reader group's reader: one slot and publication for several streams, the WAL decoded once for all
+(docs/architecture.md, "One reader per database"). :func:`consume_group`, each tick of the group's sensor and
+each call of a group run's reader: **ensure** (:func:`ensure_group`: members, publication, a usable slot, lost
+ones replaced and recovered from ``pgstream.events``), **join** (:func:`join_members`: a member with its own
+slot drains it to its join position, then drops it; the group's slot waits meanwhile), **record** (the one
+loop, :class:`~.recorder.Recorder`, over a peek or a kept replication connection, :class:`GroupStream`),
+routing each transaction by stream, every part and its hand-over to the open run in one ledger transaction.
 """
 
 from __future__ import annotations
@@ -40,8 +24,7 @@ from ..runlog import Log
 from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, _past, record_pass
 from .source import PeekSource, StreamSource
 
-#: how long the creation of the group's slot waits for the transactions running then to end (any role that
-#: writes a table can keep one open): then the tick ends naming them (replication.SlotCreationWaits)
+#: how long creating the group's slot waits for running transactions (then ``replication.SlotCreationWaits``)
 SLOT_CREATION_WAIT_SECS = 5.0
 #: a joining member: how long a tick waits for the transactions running when its join began
 JOIN_WAIT_SECS = 2.0
@@ -66,8 +49,7 @@ class GroupResult:
     slot_busy: bool = False
     #: members whose registration was refused (stream -> its one line, also in ``notes``): not read
     left_out: dict[int, str] = field(default_factory=dict)
-    #: members whose streams[] entry is invalid (the code location left them out) or missing: recorded with the
-    #: default batching and delivered by no run until it is fixed (stream -> its one line, also in ``notes``)
+    #: members whose streams[] entry is invalid or missing: recorded, delivered by no run (stream -> its line)
     unconfigured: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -106,20 +88,12 @@ def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Tra
         out: dict[int, list[Transaction]] = {}
         for t in txns:
             parts: dict[int, Transaction] = {}
-            for e in t.events:
-                sid = e.stream_id
-                if sid in members:
-                    part = parts.get(sid)
-                    if part is None:
-                        part = parts[sid] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
-                    part.events.append(e)
-            for u in t.unreadable:
-                sid = u.stream_id
-                if sid in members:
-                    part = parts.get(sid)
-                    if part is None:
-                        part = parts[sid] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
-                    part.unreadable.append(u)
+            for attr in ("events", "unreadable"):
+                for item in getattr(t, attr):
+                    if item.stream_id in members:
+                        if item.stream_id not in parts:
+                            parts[item.stream_id] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
+                        getattr(parts[item.stream_id], attr).append(item)
             for sid, part in parts.items():
                 out.setdefault(sid, []).append(part)
         return out
@@ -128,10 +102,8 @@ def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Tra
 
 
 def unconfigured(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str]) -> dict[int, str]:
-    """The members the database has in the group that the configuration does not deliver (``streams``: those it
-    does), each with its one line: its streams[] entry is invalid (``invalid``: the code location left it out),
-    or it has none (removed from pgstream.yaml, or added to the group by a newer configuration the code location
-    has not loaded yet)."""
+    """The members the database has in the group that ``streams`` does not deliver, each with its one line:
+    its entry is invalid (``invalid``), or missing (removed, or added by a configuration not loaded yet)."""
     configured = {s.id for s in streams}
     lines: dict[int, str] = {}
     for m in state.members:
@@ -150,10 +122,8 @@ def unconfigured(state: groups.Group, streams: list[StreamConfig], invalid: Mapp
 
 def _stand_ins(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str],
                result: GroupResult) -> list[StreamConfig]:
-    """The :func:`unconfigured` members, as the group records them meanwhile
-    (:func:`~...config.recording_stand_in`): their events are recorded, so the group's slot never moves past them
-    and nothing of them is lost, and no run delivers them. Told in one line each (``result.unconfigured``,
-    ``result.notes``)."""
+    """The :func:`unconfigured` members as the group records them meanwhile (:func:`~...config.recording_stand_in`:
+    recorded, so nothing of them is lost, delivered by no run), told in ``result.unconfigured`` and ``notes``."""
     lines = unconfigured(state, streams, invalid)
     result.unconfigured.update(lines)
     result.notes.extend(lines.values())
@@ -162,13 +132,8 @@ def _stand_ins(state: groups.Group, streams: list[StreamConfig], invalid: Mappin
 
 def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
                  result: GroupResult, invalid: Mapping[int, str] | None = None) -> groups.Group | None:
-    """Register the members, keep the publication's filter on them, and make sure the group's slot is
-    usable (replaced and recovered when lost). A member whose registration is refused (its publication's
-    name taken by another role, or it reads with another group) is left out, told in one line
-    (``result.left_out``, ``result.notes``), and the others go on; ``None`` when every member was left out
-    (no group to read). A stream the database has in the group that the configuration does not deliver (its
-    entry invalid or missing) is recorded all the same and told (:func:`_stand_ins`): nothing of it is skipped,
-    and the others go on."""
+    """Register the members, keep the publication on them and the slot usable (replaced and recovered when lost);
+    a refused member is left out in one line (``None``: all were), an unconfigured one recorded (:func:`_stand_ins`)."""
     # one query when every member is registered (each tick, each pass of the group run's reader)
     _added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     if refused:
@@ -244,8 +209,7 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: groups.Member
     (with the group's reader as its declared reader); true once every one is recorded."""
     info = replication.slot_info(conn, member.own_slot)
     if info is None or info["wal_status"] == "lost":
-        # nothing to drain (a new stream, or its slot was dropped or invalidated): what it has is recorded
-        # from the table
+        # nothing to drain (a new stream, or its slot was lost): what it has is recorded from the table
         recording.set_recovery_pending(conn, stream.id)
         result.recovered[stream.id] = recording.recover_from_table(conn, stream.id, stream.batch.max_size)
         return True
@@ -302,9 +266,8 @@ def join_members(conn: psycopg.Connection, group: str, state: groups.Group, stre
     joining = [m for m in state.members if not m.joined]
     if not joining:
         return True
-    # the publication includes them (ensure_group_publication, committed): a transaction running now may
-    # have written before it did and so be incomplete in the group's slot; once they have all ended,
-    # every transaction ending after the join position wrote only after it (docs/architecture.md)
+    # a transaction running now may have written before the publication included them (and be incomplete in
+    # the group's slot); once all have ended, every one ending after the join position wrote after it
     if any(not m.join_begun for m in joining) and \
             not _wait_ended(conn, _running_xids(conn), min(until, time.monotonic() + JOIN_WAIT_SECS)):
         result.joining = [m.id for m in joining]
@@ -334,15 +297,8 @@ def join_members(conn: psycopg.Connection, group: str, state: groups.Group, stre
 
 
 class GroupStream:
-    """The group's slot over the replication protocol, for a group delivery run's reader: a
-    :class:`~.source.StreamSource` (one WAL sender; each transaction decoded once by the server and sent
-    as it commits) and the recording loop over it, opened by the first :func:`consume_group` given it
-    and kept open across the calls that follow, with what was received and not recorded yet. Opened again
-    when the slot, the ledger connection or the joined members change.
-
-    :meth:`close` lets the slot go (on an error, when the run ends or gives the group's reading up): what
-    was received and not recorded is dropped, and sent again, from the slot's confirmed position, by the
-    next reader of the slot (this one opened again, or the sensor's peek)."""
+    """The group's slot over the replication protocol (a :class:`~.source.StreamSource` and its recording loop),
+    kept across :func:`consume_group` calls until the slot, connection or members change or :meth:`close`."""
 
     def __init__(self, database_url: str, application_name: str) -> None:
         self.database_url, self.application_name = database_url, application_name
@@ -354,9 +310,8 @@ class GroupStream:
 
     def recorder(self, conn: psycopg.Connection, group: str, slot: str, ledgers: dict[int, StreamLedger],
                  rule: Batching) -> Recorder:
-        """The recording loop over the group's slot recording into ``ledgers`` (this call's: what they
-        record is counted in them) on ``conn``: the open one, or a new one over a new replication
-        connection."""
+        """The recording loop over the group's slot into ``ledgers`` (this call's: what they record is
+        counted in them) on ``conn``: the open one, or a new one over a new replication connection."""
         key = (slot, groups.group_publication(group), frozenset(ledgers))
         recorder = self._recorder
         if recorder is None or recorder.conn is not conn or key != self._key:
@@ -379,9 +334,8 @@ class GroupStream:
 
 def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: dict[int, StreamLedger],
             until: float, result: GroupResult) -> bool:
-    """Record what waits, handed to each member's open run in the same transaction; false when nothing
-    was (they are not visible yet by ``until``; or a member's reader is no longer the group's:
-    ``result.slot_busy``)."""
+    """Record what waits, handed to each member's open run in the same transaction; false when nothing was
+    (not visible by ``until``, or a member's reader is no longer the group's: ``result.slot_busy``)."""
     # each member's open run, read at each pass: what is recorded is handed to it
     for sid, run_key in groups.open_run_keys(conn, group).items():
         if sid in ledgers:
@@ -398,38 +352,28 @@ def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: d
 def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float, *,
                   mark: bool = True, kept: GroupStream | None = None,
                   invalid: Mapping[int, str] | None = None, stop: Callable[[], bool] | None = None) -> GroupResult:
-    """A tick of the group's reader (see the module): ensure, join, then record what commits on the
-    group's slot for every member until ``budget_secs`` is spent (``0``: one look).
-
-    ``kept``: read the group's slot over the replication protocol, kept open across calls (a group
-    delivery run's reader); else peek it (the group's sensor). It is closed (the slot let go) when a
-    member drains its own slot, when the slot is busy or lost, and on an error.
-
-    ``invalid``: the streams whose streams[] entry the code location left out (id -> what is wrong): those the
-    database has in the group are recorded all the same and told (:func:`_stand_ins`), as those that have no
-    entry at all.
-
-    ``stop``: with ``kept``, true once the reader is to end (its group run ends): the call returns within
-    half a second instead of at ``budget_secs`` (what was received and not recorded waits in ``kept``)."""
+    """A tick of the group's reader (see the module) for every member until ``budget_secs`` is spent (``0``:
+    one look). ``kept``: the replication connection kept across calls (the group run's reader), else a peek;
+    closed when a member drains its own slot, the slot is busy or lost, or on an error. ``invalid``: entries
+    the code location left out (:func:`_stand_ins`). ``stop``: true once the reader ends (back in 0.5 s)."""
+    result, keep = GroupResult(), False
     try:
-        return _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {}, stop)
-    except BaseException:
-        if kept is not None:
+        keep = _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {}, stop, result)
+    finally:
+        if kept is not None and not keep:
             kept.close()
-        raise
+    return result
 
 
 def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float,
                    mark: bool, kept: GroupStream | None, invalid: Mapping[int, str],
-                   stop: Callable[[], bool] | None = None) -> GroupResult:
-    result = GroupResult()
+                   stop: Callable[[], bool] | None, result: GroupResult) -> bool:
+    """:func:`consume_group` into ``result``; whether ``kept`` stays open."""
     started = time.monotonic()
     deadline = started + budget_secs
     ensured = ensure_group(conn, group, streams, result, invalid)
     if ensured is None:
-        if kept is not None:
-            kept.close()
-        return result  # every member is left out
+        return False  # every member is left out
     state = ensured
     # (read without those left out: tried again next time; with those whose entry is invalid or missing: recorded)
     streams = [s for s in streams if s.id not in result.left_out] + [
@@ -438,19 +382,14 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     joined_all = join_members(conn, group, state, by_id, max(deadline, started + 1.0), result)
     state = groups.group_state(conn, group) or state  # (who has joined now: they are read from here on)
     if not joined_all and any(m.join_begun and not m.joined for m in state.members):
-        if kept is not None:
-            kept.close()
-        return result  # one is draining its own slot: the group's slot waits (the stream's order)
-    # a member that has not begun joining (it waits for older transactions to end) is not read here: what
-    # of it the group's slot holds ends before its join position, where its own slot (or, for a new
-    # stream, the table) gives it
+        return False  # one is draining its own slot: the group's slot waits (the stream's order)
+    # a member that waits for older transactions to end is not read here: what of it the group's slot holds
+    # ends before its join position (its own slot, or for a new stream the table, gives it)
     reader = groups.group_reader(group)
     joined = {m.id for m in state.members if m.joined}
     ledgers = {sid: StreamLedger(s, reader) for sid, s in by_id.items() if sid in joined}
     if not ledgers:
-        if kept is not None:
-            kept.close()
-        return result
+        return False
     until = max(deadline, started + 1.0)  # how long a recording waits for its transactions to be visible
 
     marked = 0.0
@@ -473,14 +412,12 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     except walstream.SlotGone:
         groups.set_group_recovery_pending(conn, group, True)  # the next tick replaces it and recovers
         result.slot_lost = True
-    if kept is not None and (result.slot_busy or result.slot_lost):
-        kept.close()
     for sid, target in ledgers.items():
         if target.batches:
             result.batches.setdefault(sid, []).extend(target.batches)
             result.events[sid] = result.events.get(sid, 0) + target.events
         result.unreadable += target.unreadable
-    return result
+    return not (result.slot_busy or result.slot_lost)
 
 
 def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], slot: str,
@@ -510,9 +447,8 @@ def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig
 def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recorder: Recorder,
                   ledgers: dict[int, StreamLedger], deadline: float, until: float, result: GroupResult,
                   seen: Callable[[dt.datetime | None], None], stop: Callable[[], bool] | None = None) -> None:
-    """A group delivery run's reader: what the server sends as it commits, until ``deadline`` or ``stop()``
-    (what was received and not recorded by then waits in ``kept`` for the next call); the slot is moved past
-    other tables' WAL once a second while nothing received is unrecorded."""
+    """A group delivery run's reader: what the server sends until ``deadline`` or ``stop()`` (what is not
+    recorded by then waits in ``kept``), moving the slot past other tables' WAL once a second when idle."""
     source = kept.source
     assert source is not None
     while True:
@@ -531,9 +467,8 @@ def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recor
 
 def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True,
               noted: set[str] | None = None) -> None:
-    """What a pass of the group's reader did that an operator should see (the sensor's tick, or the group
-    delivery run's reader: ``batches`` False leaves out the batches recorded, ``noted`` the notes logged at
-    its previous pass, updated: its passes follow each other without a pause)."""
+    """What a pass of the group's reader did that an operator should see; the group run's reader passes
+    ``batches`` False (no batches listed) and ``noted``, the notes it logged last pass (updated)."""
     if result.slot_lost:
         log.warning(f"reader group {group}: slot {result.slot} was invalidated (WAL limit) or dropped; "
                     "replaced, and every member recovers undelivered events from pgstream.events")

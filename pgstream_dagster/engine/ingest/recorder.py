@@ -1,19 +1,9 @@
 """One recording loop for a slot, whoever reads it: read (a :class:`~.source.SlotSource`) -> batch
-(:class:`Batching`, one rule) -> record (:func:`record_pass`, one ledger transaction) -> confirm.
-
-* A reader group's reader (``engine/ingest/group.py``: the group's sensor peeks the group's slot, the group
-  delivery run's reader reads it over the replication protocol) records for every member, as
-  ``group:<name>``, handing what it records to each member's open run in the same ledger transaction
-  (``ledger.state.extend_run``).
-* A member that still had a slot of its own (an install of a version with a slot per stream) has that
-  slot read by :func:`consume` (a :class:`~.source.PeekSource`, as ``sensor``) until the group's reader
-  takes it over (the join: ``engine/ingest/group.py``).
-
-Each checks, under the stream row's lock and before recording anything, that it is still the stream's
-declared reader (``streams.slot_reader``). The loop records a map stream id -> :class:`StreamLedger` in one
-pass (``route`` splits what was read by stream). What the ledger holds already (read again after a crash
-between recording and confirming) is dropped under the stream row's lock (:func:`unrecorded`)
-(``tests/test_ingest.py``).
+(:class:`Batching`) -> record (:func:`record_pass`, one ledger transaction) -> confirm. A reader group's reader
+records for every member as ``group:<name>``, handing each member's batches to its open run in the same
+transaction; :func:`consume` reads a joining member's own slot as ``sensor`` until the group takes it over.
+Each checks under the stream row's lock that it is the declared reader (``streams.slot_reader``); what the
+ledger holds already is dropped (:func:`unrecorded`).
 """
 
 from __future__ import annotations
@@ -29,23 +19,18 @@ from ...config import StreamConfig
 from .. import replication, walstream
 from ..ledger import groups, recording, state, streams
 from ..replication import Transaction
-from .results import ConsumeResult
 from .source import PeekSource, SlotSource
 
-#: with the source drained, what is waiting is recorded at once, but at most this often (under
-#: continuous traffic batches then hold what arrived in this time, up to max_size)
+#: with the source drained, what waits is recorded at once, but at most this often
 RECORD_EVERY_SECS = 0.05
-#: how often a reader over the replication protocol (a group delivery run's) confirms the server's position
-#: when nothing is pending, and records how far the slot was read
+#: how often a replication-protocol reader confirms the server's position when idle (and marks how far it read)
 FOLLOW_CHECK_SECS = 1.0
 
 
 @dataclass(frozen=True)
 class Batching:
-    """The one batching rule (``batch:``): what waits is recorded once ``max_size`` events (or unreadable ones)
-    wait, or the oldest waiting
-    transaction committed ``max_fill_secs`` ago, or the source has sent everything committed so far
-    (at most every :data:`RECORD_EVERY_SECS`). Recorded, it is cut into batches of ``max_size``."""
+    """The one batching rule (``batch:``): what waits is recorded once ``max_size`` events wait, the oldest
+    committed ``max_fill_secs`` ago, or the source sent all (every :data:`RECORD_EVERY_SECS`); cut at ``max_size``."""
 
     max_size: int
     max_fill_secs: float
@@ -91,9 +76,8 @@ class Pending:
 
 @dataclass
 class StreamLedger:
-    """Where a stream's transactions are recorded, and as whom: ``reader`` is the declared reader the
-    recording loop reads as (``group:<name>``, or ``ledger.state.SENSOR`` for a joining member's own slot);
-    ``run_key``: hand what is recorded to this open run."""
+    """Where a stream's transactions are recorded, as declared reader ``reader`` (``group:<name>``, or
+    ``ledger.state.SENSOR`` for a joining member's own slot); ``run_key``: the open run to hand them to."""
 
     stream: StreamConfig
     reader: str
@@ -111,10 +95,24 @@ class StreamLedger:
         self.last_event_id = last if last is not None else self.last_event_id
 
 
+@dataclass
+class ConsumeResult:
+    """What a read of a joining member's own slot reports (:func:`consume`)."""
+
+    batches: list[int] = field(default_factory=list)
+    events: int = 0
+    last_event_id: int | None = None
+    last_lsn: str | None = None
+    slot_lost: bool = False
+    unreadable: int = 0  # events set aside as dead letters (stage 'read')
+    #: nothing read: the group reads for it, it has no usable slot of its own, or another connection held it
+    slot_busy: bool = False
+    slot: str | None = None  # the slot read (pgstream.streams.slot), or the group's
+
+
 def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> list[Transaction]:
-    """``txns`` without what the ledger has already: transactions at or before the end LSN of the last one
-    recorded from the slot (read again after a crash between recording and confirming), and events a
-    recovery recorded (by id: a transaction before the recovery's position may not have been visible to it)."""
+    """``txns`` without what the ledger has: those ending at or before the last one recorded from the slot,
+    and events a recovery recorded (by id: it may not have seen a transaction before its position)."""
     recorded_to = recording.last_end_lsn(conn, stream_id)
     if recorded_to is not None:
         txns = [t for t in txns if t.end_lsn > recorded_to]
@@ -129,20 +127,14 @@ def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]
 def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_stream: dict[int, list[Transaction]],
                 *, standby: str | None = None, give_up: Callable[[], bool] | None = None,
                 also: Callable[[psycopg.Connection], None] | None = None) -> set[int]:
-    """Record each stream's transactions in its ledger, all in one database transaction, and hand them
-    to the stream's open run (``StreamLedger.run_key``); returns the streams whose declared reader is
-    no longer the loop's (nothing recorded for those: they must not be confirmed).
-
-    Raises ``ledger.recording.NotVisibleYet`` (nothing recorded) when ``give_up`` says stop waiting for the
-    transactions to become visible. ``also``: run in the same transaction once everything is recorded
-    (a reader group writes there what it recorded through), unless a stream was lost."""
+    """Record each stream's transactions and hand them to its open run, in one transaction (``also`` last, unless a
+    stream was lost); the streams whose declared reader is no longer the loop's (nothing recorded, not confirmed)."""
     lost: set[int] = set()
     done: list[tuple[StreamLedger, list[int], list[Transaction]]] = []
     with conn.transaction():
         for stream_id, txns in by_stream.items():
             target = ledgers[stream_id]
-            # the declared reader, under the stream row's lock: a joining member may have been handed over
-            # since the read (the group's reader reads these again)
+            # the declared reader, under the stream row's lock (a joining member may have been handed over)
             if state.lock_slot_reader(conn, stream_id) != target.reader:
                 lost.add(stream_id)
                 continue
@@ -212,14 +204,8 @@ def _past(until: float) -> Callable[[], bool]:
 # --- a joining member's own slot: a peek, within the group's tick --------------------------------------
 
 def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, *, mark: bool = True) -> ConsumeResult:
-    """The read of a member's own slot while it joins its reader group (a stream that had a slot of its own,
-    from a version with a slot per stream): move what committed on it into the stream's ledger, as
-    ``sensor``, until nothing waits or ``budget_secs`` is spent, so that its events are delivered until the
-    group's reader takes it over (``engine/ingest/group.py``: the join drains that slot to its join position
-    and drops it). Registers the stream in its group first. Reads nothing (``slot_busy``) once the group's
-    reader is the stream's, or when it has no usable slot of its own (it is never created or replaced: the
-    group records what it has from the table). ``mark``: record how far the slot was read
-    (``streams.consumed_through``). Returns after a recording."""
+    """Read a joining member's own slot (registering it first) as ``sensor`` until nothing waits or ``budget_secs``
+    is spent; nothing (``slot_busy``) once the group reads for it or without a usable own slot."""
     result = ConsumeResult()
     result.slot = groups.register_group_member(conn, stream.id, stream.reader)
     if state.slot_reader(conn, stream.id) != state.SENSOR:
@@ -272,8 +258,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
                 wait = max(0.05, min(wait, stream.batch.max_fill_secs - age))
             time.sleep(min(wait, remaining))
     except walstream.SlotBusy:
-        # another connection holds the slot (the join's drain, or a reader of the version before): the next
-        # tick reads again, and what was recorded is dropped as recorded (unrecorded)
+        # another connection holds the slot: the next tick reads again (what was recorded is dropped: unrecorded)
         result.slot_busy = True
     except walstream.SlotGone:
         # invalidated or dropped since the check: the join records what it had from the table

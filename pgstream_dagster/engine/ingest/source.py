@@ -1,22 +1,15 @@
-"""Where a slot's transactions come from: :class:`SlotSource`, with two backends.
-
-* :class:`PeekSource`: ``pg_logical_slot_peek_binary_changes`` on an ordinary connection (what a
-  group's sensor reads, and a joining member's own slot). Each read decodes the WAL again from the
-  slot's confirmed position, and returns only what it has not returned before;
-  :meth:`~PeekSource.confirm` advances the slot.
-* :class:`StreamSource`: the replication protocol (:class:`~..walstream.ReplicationStream`, what a
-  group delivery run's reader reads): each transaction is decoded once and arrives as it commits;
-  :meth:`~StreamSource.confirm` sends the server the position.
-
-Both confirm only what the caller says is recorded: a reader that dies before confirming gets the
-same transactions again from a new source. The recording loop (:mod:`.recorder`) is the same for
-both; nothing here knows about the ledger.
+"""Where a slot's transactions come from (:class:`SlotSource`): :class:`PeekSource`
+(``pg_logical_slot_peek_binary_changes``, the WAL decoded again at each read; :meth:`~PeekSource.confirm`
+advances the slot) or :class:`StreamSource` (the replication protocol, each transaction decoded once).
+Both confirm only what the caller recorded; nothing here knows the ledger.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 import psycopg
@@ -50,19 +43,28 @@ class SlotSource(Protocol):
         """Everything before ``lsn`` is recorded: the slot may release it."""
 
     def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
-        """Nothing received is unrecorded: move the slot past what does not concern the stream (other
-        tables' WAL), and return a time before which every commit has been received (``None``: not
-        known yet), for ``streams.consumed_through``. ``conn``: a ledger connection."""
+        """Nothing received is unrecorded: move the slot past other tables' WAL and return a time before
+        which every commit was received (``None``: not known yet). ``conn``: a ledger connection."""
 
     def close(self) -> None: ...
 
 
-class PeekSource:
-    """:class:`SlotSource` over ``pg_logical_slot_peek_binary_changes`` on ``conn`` (autocommit).
+@contextlib.contextmanager
+def _slot_errors(slot: str, *, gone: bool = True) -> Iterator[None]:
+    """Postgres' refusals of a slot as :class:`~..walstream.SlotBusy` (and, if ``gone``, ``SlotGone``)."""
+    try:
+        yield
+    except psycopg.errors.ObjectInUse:
+        raise walstream.SlotBusy(f"slot {slot} is in use by another connection") from None
+    except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject) as exc:
+        if not gone:
+            raise
+        raise walstream.SlotGone(f"slot {slot}: {str(exc).strip()[:300]}") from None
 
-    Raises :class:`~..walstream.SlotBusy` when another connection still holds the slot (a reader that has
-    not seen the declared reader change yet), :class:`~..walstream.SlotGone` when the slot was dropped or
-    invalidated."""
+
+class PeekSource:
+    """:class:`SlotSource` over ``pg_logical_slot_peek_binary_changes`` on ``conn`` (autocommit); raises
+    :class:`~..walstream.SlotBusy` (another connection holds the slot) or :class:`~..walstream.SlotGone`."""
 
     def __init__(self, conn: psycopg.Connection, slot: str, publication: str, cap: int, *,
                  keep_stream: bool = False) -> None:
@@ -86,13 +88,9 @@ class PeekSource:
         while True:
             peeked_at = dt.datetime.now(dt.UTC)
             flushed = replication.flush_lsn(self.conn)
-            try:
+            with _slot_errors(self.slot):
                 txns, rows = replication.peek_rows(self.conn, self.slot, self.publication, self.cap,
-                                                       keep_stream=self.keep_stream)
-            except psycopg.errors.ObjectInUse:
-                raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
-            except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject) as exc:
-                raise walstream.SlotGone(f"slot {self.slot}: {str(exc).strip()[:300]}") from None
+                                                   keep_stream=self.keep_stream)
             self._drained = rows < self.cap  # the peek saw everything committed before peeked_at
             if self._drained:
                 self._flushed, self._peeked_at = flushed, peeked_at
@@ -116,22 +114,15 @@ class PeekSource:
         return self._peeked_at if self._drained else None
 
     def confirm(self, lsn: int) -> None:
-        try:
+        with _slot_errors(self.slot):
             replication.advance(self.conn, self.slot, lsn)
-        except psycopg.errors.ObjectInUse:
-            raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
-        except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedObject) as exc:
-            raise walstream.SlotGone(f"slot {self.slot}: {str(exc).strip()[:300]}") from None
 
     def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
         if not self._drained or self._peeked_at is None:
             return None
-        try:
-            # nothing of the stream committed before the flush position of the last complete peek: skip
-            # the other tables' WAL so the next peek does not decode it again
+        # nothing committed before the last complete peek's flush position is unread: skip other tables' WAL
+        with _slot_errors(self.slot, gone=False):
             replication.advance_at_least(self.conn, self.slot, self._flushed)
-        except psycopg.errors.ObjectInUse:
-            raise walstream.SlotBusy(f"slot {self.slot} is in use by another connection") from None
         return self._peeked_at
 
     def close(self) -> None:
@@ -139,10 +130,8 @@ class PeekSource:
 
 
 class StreamSource:
-    """:class:`SlotSource` over the replication protocol (:class:`~..walstream.ReplicationStream`).
-
-    ``keep_stream``: decode each event's stream id (a reader group's slot).
-    Raises what :class:`~..walstream.ReplicationStream` raises."""
+    """:class:`SlotSource` over :class:`~..walstream.ReplicationStream` (raising what it raises);
+    ``keep_stream``: each event's stream id decoded (a reader group's slot)."""
 
     def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,
                  max_bytes: int, keep_stream: bool = False) -> None:
@@ -175,10 +164,6 @@ class StreamSource:
     def confirm(self, lsn: int) -> None:
         self.stream.confirm(lsn)
 
-    def keepalive(self) -> None:
-        """A status update: the server does not time the connection out while the reader waits."""
-        self.stream.confirm(self.stream.confirmed)
-
     def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
         seen: dt.datetime | None = None
         if self._probe is not None and self.stream.wal_end >= self._probe[1]:
@@ -186,8 +171,7 @@ class StreamSource:
         if self._probe is None:
             self._probe = (dt.datetime.now(dt.UTC), replication.flush_lsn(conn))
         if not replication.publication_exists(conn, self.publication):
-            # dropped: the server skips the stream's events without an error (Postgres 18), so the slot
-            # must not move past what was received (the sensor puts it back and recovers)
+            # dropped, the server skips the events silently (Postgres 18): the slot must not move past them
             raise walstream.SlotGone(f'publication "{self.publication}" does not exist')
         self.stream.confirm(self.stream.wal_end, reply=True)  # the reply brings a fresh wal_end
         return seen

@@ -40,15 +40,13 @@ class DeadLetter:
     updated_at: dt.datetime
     resolved_at: dt.datetime | None
     resolved_by: str | None
-    #: the batch its position is relative to: its own (deliver) or the last one starting at or
-    #: before its LSN (read; 0 when there is none)
+    #: the batch its position is relative to: its own (deliver), or the last starting at or before its LSN (read)
     anchor_batch_id: int = 0
     #: the first batch up to its position that is neither delivered nor skipped: it waits for it
     waiting_for_batch: int | None = None
     #: delivered events of the stream after its position (only :func:`get_dead_letter` computes it)
     overtaken: int | None = None
-    #: listed without its payload (``payloads=False``): the bytes of its payload and metadata as JSON
-    #: text; ``payload_json`` is then ``""`` (or None: no payload), the payload is read when it is sent
+    #: listed without its payload: the bytes of its payload and metadata (``payload_json`` ``""``, or None)
     payload_bytes: int | None = None
 
     @property
@@ -94,8 +92,7 @@ class DeadLetter:
 
 
 def dead_letter_positions(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> frozenset[tuple[int, int]]:
-    """The ``(batch_id, ord)`` of the events of ``batch_ids`` that have a dead letter: delivery
-    skips them."""
+    """The ``(batch_id, ord)`` of the events of ``batch_ids`` that have a dead letter: delivery skips them."""
     rows = conn.execute("select batch_id, ord from pgstream.dead_letters where stream_id = %s and batch_id = any(%s)",
                         [stream_id, batch_ids]).fetchall()
     return frozenset((int(b), int(o)) for b, o in rows)
@@ -115,13 +112,8 @@ def vanished(conn: psycopg.Connection, batch_ids: list[int]) -> list[tuple[int, 
 
 
 class DeadLetterWriter:
-    """Records an event the sink rejected for good as a dead letter (``on_reject: dead_letter``),
-    durably, before the next event is published; moves the batch's confirmed prefix past it so a
-    retry resumes after it. Picklable (``ordering: by_key`` calls it on Spark executors): each call
-    uses its own short connection; set-asides are rare. With ``token`` (a by_key round's delivery
-    token, :func:`~.keyprogress.issue_delivery_token`) it writes through the owner's
-    ``pgstream.set_aside_rejected``, which takes the event's payload from ``pgstream.events``: the
-    executors write no dead letter of their own making."""
+    """Records an event the sink rejected for good as a dead letter before the next is published, moving the
+    confirmed prefix past it; picklable, a short connection per call; ``token``: a by_key round's, through the owner."""
 
     def __init__(self, database_url: str, stream_id: int, sink: str, *, resumes: bool = True,
                  token: str | None = None) -> None:
@@ -130,30 +122,30 @@ class DeadLetterWriter:
         self.token = token
 
     def __call__(self, batch_id: int, ord: int, event: Event, error: str, attempts: int) -> None:
-        if self.token is not None:
-            self._set_aside(batch_id, ord, error, attempts)
-            return
-        with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
-            conn.execute(
-                """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
-                                                      payload, metadata, sink, error, attempts)
-                   values (%s, %s, 'deliver', %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s)
-                   on conflict (stream_id, event_id) do nothing""",
-                [self.stream_id, event.id, batch_id, ord, event.created_at, event.payload_json,
-                 event.metadata_json, self.sink, error[:2000], attempts])
-            if self.resumes:
-                mark_confirmed(conn, batch_id, ord)
+        self._write(batch_id, ord, error, attempts,
+                    """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
+                                                          payload, metadata, sink, error, attempts)
+                       values (%s, %s, 'deliver', %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s)
+                       on conflict (stream_id, event_id) do nothing""",
+                    [self.stream_id, event.id, batch_id, ord, event.created_at, event.payload_json,
+                     event.metadata_json, self.sink, error[:2000], attempts])
 
-    def _set_aside(self, batch_id: int, ord: int, error: str, attempts: int) -> None:
-        """A by_key task's set-aside, with its round's token (by_key does not resume: nothing to confirm)."""
+    def _write(self, batch_id: int, ord: int, error: str, attempts: int, insert: str, params: list[Any]) -> None:
+        """``insert`` the dead letter and move the confirmed prefix past it, in one transaction; a by_key
+        task's (``token``) through ``pgstream.set_aside_rejected`` instead (by_key does not resume)."""
         with psycopg.connect(self.database_url, autocommit=True) as conn:
-            conn.execute("select pgstream.set_aside_rejected(%s, %s, %s, %s, %s, %s)",
-                         [self.token, batch_id, ord, self.sink, error[:2000], attempts])
+            if self.token is not None:
+                conn.execute("select pgstream.set_aside_rejected(%s, %s, %s, %s, %s, %s)",
+                             [self.token, batch_id, ord, self.sink, error[:2000], attempts])
+                return
+            with conn.transaction():
+                conn.execute(insert, params)
+                if self.resumes:
+                    mark_confirmed(conn, batch_id, ord)
 
     def known_good(self) -> Event | None:
-        """The stream's last event the sink confirmed (of its last delivered batches, not a dead letter,
-        still in ``pgstream.events``), or ``None``: what the reject-storm guard sends again to tell a
-        sink that refuses everything from events that are refused for what they are."""
+        """The stream's last event the sink confirmed and still in ``pgstream.events`` (or ``None``), which
+        the reject-storm guard sends again to tell a sink that refuses everything."""
         with psycopg.connect(self.database_url, autocommit=True) as conn:
             row = conn.execute(_KNOWN_GOOD, {"stream": self.stream_id, "delivered": BatchStatus.DELIVERED}).fetchone()
         if row is None:
@@ -164,27 +156,20 @@ class DeadLetterWriter:
     def too_large(self, batch_id: int, ord: int, row: TooLarge) -> None:
         """Record an event too large for the sink (:class:`~.publish.TooLarge`): the database copies its
         payload and metadata from ``pgstream.events`` (the run never reads them); one attempt."""
-        if self.token is not None:
-            self._set_aside(batch_id, ord, row.reason, 1)
-            return
-        with psycopg.connect(self.database_url, autocommit=True) as conn, conn.transaction():
-            conn.execute(
-                """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
-                                                      payload, metadata, sink, error, attempts)
-                   select e.stream_id, e.id, 'deliver', %s, %s, e.created_at, e.payload, e.metadata, %s, %s, 1
-                   from pgstream.events e where e.id = %s and e.stream_id = %s
-                   on conflict (stream_id, event_id) do nothing""",
-                [batch_id, ord, self.sink, row.reason[:2000], row.id, self.stream_id])
-            if self.resumes:
-                mark_confirmed(conn, batch_id, ord)
+        self._write(batch_id, ord, row.reason, 1,
+                    """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
+                                                          payload, metadata, sink, error, attempts)
+                       select e.stream_id, e.id, 'deliver', %s, %s, e.created_at, e.payload, e.metadata, %s, %s, 1
+                       from pgstream.events e where e.id = %s and e.stream_id = %s
+                       on conflict (stream_id, event_id) do nothing""",
+                    [batch_id, ord, self.sink, row.reason[:2000], row.id, self.stream_id])
 
     def __repr__(self) -> str:  # never the URL
         return f"DeadLetterWriter(stream {self.stream_id}, sink {self.sink})"
 
 
-#: the stream's last confirmed event (:meth:`DeadLetterWriter.known_good`): the last event of its last
-#: delivered batches (five at most: a batch may hold nothing but dead letters and vanished events)
-#: that has no dead letter and is still in pgstream.events
+#: the stream's last confirmed event (:meth:`DeadLetterWriter.known_good`): the last event without a dead letter
+#: still in pgstream.events of its last five delivered batches (a batch may hold only dead letters)
 _KNOWN_GOOD = """
 select e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text
 from (select b.id, b.stream_id, b.event_ids, b.min_created_at, b.max_created_at from pgstream.batches b

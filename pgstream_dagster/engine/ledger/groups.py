@@ -1,6 +1,5 @@
-"""Reader groups (``pgstream.reader_groups``, sql/027_reader_groups.sql): streams that share one slot and
-one publication, read by the group's reader (:mod:`..ingest.group`). Membership, the publication and
-the hand-over of a stream that had its own slot go through the owner's functions
+"""Reader groups (``pgstream.reader_groups``): streams sharing one slot and publication, read by the group's
+reader (:mod:`..ingest.group`). Membership, the publication and a hand-over go through the owner's functions
 (``sql/repeatable/27_reader_groups.sql``); the runtime writes only how far the group read and recorded."""
 
 from __future__ import annotations
@@ -37,9 +36,8 @@ def _refused(exc: psycopg.Error) -> GroupChange:
 
 
 def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) -> str:
-    """The stream reads with ``group`` (``pgstream.register_group_member``): a new stream row is created
-    as a member, an existing stream without a group starts joining; returns the group's slot. Raises
-    :class:`GroupChange` (nothing changed) for a stream of another group."""
+    """The stream reads with ``group`` (``pgstream.register_group_member``: a new row is a member, one without
+    a group starts joining); the group's slot. Raises :class:`GroupChange` for another group's stream."""
     try:
         with conn.transaction():
             row = conn.execute("select pgstream.register_group_member(%s, %s)", [stream_id, group]).fetchone()
@@ -53,12 +51,8 @@ def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) 
 
 def register_missing_members(conn: psycopg.Connection, group: str,
                              stream_ids: list[int]) -> tuple[list[int], dict[int, str]]:
-    """Register (:func:`register_group_member`) the streams of ``stream_ids`` the database does not have in
-    ``group`` yet: one query when every one is registered already. Returns those registered now, and those
-    refused, each with its one line (``reader group <name>: stream <id> is left out: <why>``): a stream of
-    another group, or one whose publication's name another role took (:class:`PublicationTaken`: any role
-    with CREATE on the database can, before the stream exists). A refusal changes nothing and holds no
-    other member back; the stream is tried again at the next call."""
+    """Register the streams of ``stream_ids`` not yet in ``group`` (one query when all are); those registered and
+    those refused with their one line (``reader group <name>: stream <id> is left out: <why>``), tried again later."""
     known = {int(r[0]) for r in conn.execute("select id from pgstream.streams where reader_group = %s", [group])}
     added: list[int] = []
     refused: dict[int, str] = {}
@@ -115,9 +109,8 @@ def group_state(conn: psycopg.Connection, group: str) -> Group | None:
 
 
 def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None:
-    """The group's publication exists and filters on its members: ``'created'`` (it was missing: what
-    committed meanwhile is recovered from the table), ``'altered'`` (the members changed) or ``None``.
-    Raises :class:`GroupChange` for a publication of that name that is not the group's."""
+    """The group's publication exists and filters on its members: ``'created'`` (it was missing),
+    ``'altered'`` or ``None``. Raises :class:`GroupChange` for one of that name that is not the group's."""
     try:
         with conn.transaction():
             row = conn.execute("select pgstream.ensure_group_publication(%s)", [group]).fetchone()
@@ -127,9 +120,8 @@ def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None
 
 
 def begin_join(conn: psycopg.Connection, stream_id: int, group: str) -> int:
-    """The joining member of ``group`` hands over (``pgstream.begin_join``): its join position L, the
-    group's reader its declared reader. Refused (``ObjectNotInPrerequisiteState``) while a transaction
-    older than the publication's last change runs."""
+    """The joining member hands over (``pgstream.begin_join``): its join position L. Refused
+    (``ObjectNotInPrerequisiteState``) while a transaction older than the publication's last change runs."""
     with conn.transaction():
         row = conn.execute("select (pgstream.begin_join(%s, %s) operator(pg_catalog.-) '0/0')::bigint",
                            [stream_id, group]).fetchone()
@@ -175,9 +167,8 @@ def open_run_keys(conn: psycopg.Connection, group: str) -> dict[int, str | None]
 
 @dataclass(frozen=True)
 class MemberRun:
-    """A member's run the group's delivery run is to host: the run of its head batch (``batch_id`` ..
-    ``through_batch_id``, assigned to ``run_key``) or, with nothing launched, its open run (a warm run, or an
-    open run whose batches are delivered: ``batch_id`` None)."""
+    """A member's run the group's delivery run is to host: its head batch's (``batch_id`` ..
+    ``through_batch_id``, of ``run_key``) or, with nothing launched, its open run (``batch_id`` None)."""
 
     stream_id: int
     run_key: str
@@ -210,9 +201,8 @@ def member_runs(conn: psycopg.Connection, group: str) -> list[MemberRun]:
 
 
 def member_signals(conn: psycopg.Connection, group: str) -> dict[int, tuple[object, ...]]:
-    """What a member's open run waits on, per member, in one query for the group: paused, its open run, a
-    replay holding or waiting for its delivery lease, its newest launched batch. The group's delivery run
-    wakes a member's run when its row changed (instead of each idle run polling the ledger itself)."""
+    """Per member, in one query: paused, its open run, a replay holding or waiting for its lease, its newest
+    launched batch; the group run wakes a member's run when its row changed."""
     return {int(r[0]): tuple(r[1:]) for r in conn.execute(
         """select s.id, s.paused, s.open_run_key, pgstream.lock_holder('replay', s.id) is not null,
                   (select max(b.id) from pgstream.batches b

@@ -12,26 +12,14 @@ class RunGone(RuntimeError):
 
 
 class KeyProgress:
-    """Where each Spark partition of a ``by_key`` round got to: for the round's ``partitions``
-    (the repartition count) and each bucket (``pmod(hash(routing_key), partitions)``, Spark's hash
-    partitioning of the key), the position ``(batch_id, ord)`` up to which every event of the
-    bucket is handled.
-
-    The Spark tasks write it themselves, straight to the ledger, after each chunk the sink
-    confirmed and before they publish the next one (:meth:`record`), rather than returning it to
-    the driver to record: a task's result reaches the driver only when the task ends, and when
-    one task fails Spark aborts the job and the driver gets no result of the others at all, nor
-    does it when the run process dies. Recorded by the tasks, a confirmation survives a failing
-    task, an aborted job and a dead driver; a retry (another run, or Spark retrying the task)
-    reads it back (:meth:`read`) and publishes only what comes after, so at most the chunk each
-    task had in flight is delivered twice. One small upsert per confirmed chunk, as the ordered
-    path writes ``confirmed_count``. Picklable (sent to the executors); the URL is never shown.
-    """
+    """Where each partition of a ``by_key`` round got to: per bucket (``pmod(hash(routing_key), partitions)``)
+    the position ``(batch_id, ord)`` through which every event is handled, written by the tasks themselves
+    after each confirmed chunk (a task's result reaches no driver when a task fails or the driver dies) and
+    read back by a retry (:meth:`read`): at most each task's chunk in flight is delivered twice. Picklable."""
 
     def __init__(self, database_url: str, stream_id: int, partitions: int, token: str | None = None) -> None:
         self.database_url, self.stream_id, self.partitions = database_url, stream_id, partitions
-        #: the round's delivery token (:func:`issue_delivery_token`): what the tasks write with, while
-        #: the run it was issued to holds the stream's delivery lease
+        #: the round's delivery token (:func:`issue_delivery_token`): valid while its run holds the lease
         self.token = token
 
     def connect(self) -> psycopg.Connection:
@@ -44,14 +32,8 @@ class KeyProgress:
         return {int(b): (int(batch), int(o)) for b, batch, o in rows}
 
     def record(self, conn: psycopg.Connection, buckets: list[int], batch_id: int, ord: int) -> None:
-        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (positions only move forward),
-        written by the owner's ``pgstream.record_key_progress`` with the round's token: the executors
-        hold no write privilege on the table (one would let them LOCK it and stall every by_key run),
-        and the token names the one stream they may write for. Raises :class:`RunGone` instead when the
-        run no longer holds its delivery lease (its process died): a Spark Connect server keeps running
-        an abandoned query for minutes, and its tasks must not go on publishing beside the run that
-        replaces it. The lease is pgstream's lock row (only pgstream's roles write it), not a
-        connection's ``application_name``, which any role can give itself."""
+        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (``pgstream.record_key_progress``, the
+        round's token); :class:`RunGone` once the run lost its lease, so abandoned tasks publish no more."""
         row = conn.execute("select pgstream.record_key_progress(%s, %s, %s, %s, %s)",
                            [self.token, self.partitions, buckets, batch_id, ord]).fetchone()
         if not (row and row[0]):
@@ -63,9 +45,8 @@ class KeyProgress:
 
 
 def issue_delivery_token(conn: psycopg.Connection, stream_id: int, run_id: str) -> str:
-    """A new delivery token of the stream for its round's Spark tasks (:class:`KeyProgress`,
-    :class:`~.deadletters.DeadLetterWriter`): ``conn`` is the lease connection of run ``run_id``.
-    Secret: the tasks' objects carry it, their ``repr`` never shows it."""
+    """A new delivery token of the stream for its round's Spark tasks, on run ``run_id``'s lease connection
+    ``conn``. Secret: the tasks' objects carry it, their ``repr`` never shows it."""
     row = conn.execute("select pgstream.issue_delivery_token(%s, %s)", [stream_id, run_id]).fetchone()
     assert row is not None and row[0]
     return str(row[0])
@@ -81,10 +62,8 @@ def key_progress_partitions(conn: psycopg.Connection, stream_id: int, first_batc
 
 def clear_key_progress(conn: psycopg.Connection, stream_id: int, *, through_batch_id: int | None = None,
                        keep_partitions: int | None = None) -> None:
-    """Forget the stream's ``by_key`` resume points that lie in batches up to ``through_batch_id``
-    (delivered: no later event is at or before them), or, with ``keep_partitions``, those of any
-    other partition count (they cannot be resumed from). A resume point past the round stays: a
-    failover probe delivers the failed batch alone, and the batches after it resume from it."""
+    """Forget the stream's resume points in batches up to ``through_batch_id`` or, with ``keep_partitions``,
+    of any other partition count. One past the round stays (a failover probe delivers its batch alone)."""
     if through_batch_id is not None:
         conn.execute("delete from pgstream.key_progress where stream_id = %s and batch_id <= %s",
                      [stream_id, through_batch_id])

@@ -12,20 +12,16 @@ from typing import Protocol
 
 import psycopg
 
-# --- pgstream's own locks (sql/repeatable/00_locks.sql) ----------------------------------------------
-# Rows of pgstream.locks, which only the owner can write: not advisory locks, which any role that can
-# connect could take and hold to stall a stream. A lock taken with :func:`try_lock` is held by the
-# session (backend) that took it until :func:`unlock` or until that session ends, however it ends.
+# --- pgstream's own locks (sql/repeatable/00_locks.sql): rows of pgstream.locks, which only the owner --------
+# writes (an advisory lock any role could take), held by the session that took them until unlock or its end.
 
 #: per stream (key: stream id): the open run's delivery lease; its holder is the run id
 DELIVERY_LOCK = "delivery"
 #: per stream: a redelivery of its dead letters
 REDELIVERY_LOCK = "redelivery"
-#: per stream: a replay, held while it waits for the delivery lease and while it delivers; an open run
-#: that sees it closes (it yields the lease to the replay), a delivery run that starts waits for it
+#: per stream: a replay, held while it waits for the lease and delivers (an open run that sees it closes)
 REPLAY_LOCK = "replay"
-#: per stream: a delivery run waiting for the lease while a replay holds it (its holder is the run id:
-#: the run is alive, not dead, although it holds no lease yet)
+#: per stream: a delivery run waiting for the lease while a replay holds it (alive, though holding no lease)
 LEASE_WAIT_LOCK = "delivery_wait"
 #: how often a run or a replay waiting for the delivery lease looks again (seconds)
 LEASE_POLL_SECS = 0.2
@@ -73,13 +69,8 @@ def acquire_lease(database_url: str, stream_id: int, run_id: str,
 
 def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
                waiting: Callable[[str], None] | None = None) -> None:
-    """Take the stream's delivery lease (pgstream's lock ``delivery``, held by the run id) for ``conn``'s
-    session. It lasts as long as that session: if the run's process dies, Postgres drops the connection and
-    the lease with it, which is how the sensor tells a dead run from a slow one. Two runs of one stream can
-    never deliver at the same time. While a replay of the stream holds or waits for the lease
-    (:func:`acquire_replay_lease`) the run waits for it to end (``waiting`` is told who, every 10 s),
-    holding the ``delivery_wait`` lock meanwhile (it is alive, not dead); another delivery run holding the
-    lease is :class:`LeaseTaken`."""
+    """Take the stream's delivery lease (lock ``delivery``) for ``conn``'s session (it goes if that dies); waits,
+    holding ``delivery_wait``, while a replay holds or wants it; another run holding it: :class:`LeaseTaken`."""
     told = 0.0
     try:
         while True:
@@ -103,14 +94,8 @@ def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
 
 def acquire_replay_lease(database_url: str, stream_id: int, holder: str,
                          waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
-    """A connection holding the stream's delivery lease for a replay named ``holder`` (its run id),
-    and the stream's ``replay`` lock: no delivery run delivers while the connection is open, whatever
-    launched the replay (the Launchpad, ``dagster job execute``, a script). It takes the ``replay``
-    lock first (after any other replay of the stream), then waits for the lease: the stream's open run
-    sees the ``replay`` lock between two rounds, stops taking batches, delivers those it was handed and
-    closes, which frees the lease; a run that starts meanwhile waits for the replay
-    (:func:`acquire_lease`). Nothing waits on the replay while it waits, so this cannot deadlock.
-    ``waiting`` is told who holds what it waits for, every 10 s. Close the connection to release both."""
+    """A connection holding the stream's ``replay`` lock, then its delivery lease, for replay ``holder`` (the open
+    run closes, a new run waits: :func:`acquire_lease`); ``waiting`` told every 10 s; closing it releases both."""
     conn = psycopg.connect(database_url, autocommit=True, application_name=f"pgstream replay {holder}")
     try:
         told = 0.0
@@ -140,30 +125,22 @@ class LeaseState(StrEnum):
     """What became of a run's delivery lease (:func:`lease_state`)."""
 
     HELD = "held"  # a live backend of the run holds it
-    #: the run took it and the backend that held it has ended without giving it up: the run's process
-    #: died (or its connection did, with Postgres restarting): the run delivers nothing more
+    #: the backend that held it ended without giving it up: the run's process (or connection) died
     LOST = "lost"
     NOT_TAKEN = "not taken"  # no lease names the run: it has not taken one yet (or gave it up, ending)
 
 
 def lease_state(conn: psycopg.Connection, run_id: str) -> LeaseState:
-    """What became of run ``run_id``'s delivery lease (of any stream), or of its wait for it. The
-    lock's row keeps naming its holder after the holding backend ended, until another run takes the
-    lease or the holder gives it up (:func:`give_up_lease`, when a run ends however it ends, short
-    of its process dying)."""
-    # the lease, or the wait for it while a replay holds it (LEASE_WAIT_LOCK): a run waiting is alive
-    row = conn.execute("select bool_or(pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)), count(*) "
-                       "from pgstream.locks l where l.name in (%s, %s) and l.holder = %s and l.pid is not null",
-                       [DELIVERY_LOCK, LEASE_WAIT_LOCK, run_id]).fetchone()
-    if row is None or not row[1]:
-        return LeaseState.NOT_TAKEN
-    return LeaseState.HELD if row[0] else LeaseState.LOST
+    """What became of run ``run_id``'s delivery lease, or its wait for it: the lock row names its holder
+    until another run takes the lease or the holder gives it up (:func:`give_up_lease`)."""
+    return lease_states(conn, [run_id])[run_id]
 
 
 def lease_states(conn: psycopg.Connection, run_ids: list[str]) -> dict[str, LeaseState]:
     """:func:`lease_state` of each of ``run_ids``, in one query (a reader group's sensor looks at every
     member run's lease each tick)."""
     states = dict.fromkeys(run_ids, LeaseState.NOT_TAKEN)
+    # the lease, or the wait for it while a replay holds it (LEASE_WAIT_LOCK): a run waiting is alive
     for holder, alive in conn.execute(
             "select l.holder, bool_or(pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)) "
             "from pgstream.locks l where l.name in (%s, %s) and l.holder = any(%s) and l.pid is not null "
@@ -173,22 +150,23 @@ def lease_states(conn: psycopg.Connection, run_ids: list[str]) -> dict[str, Leas
 
 
 def give_up_lease(conn: psycopg.Connection, stream_id: int) -> None:
-    """A run that ends (however it ends, short of its process dying) gives its delivery lease up and
-    closes the lease's connection: only a run whose process died leaves a :attr:`LeaseState.LOST`
-    lease behind. A connection already broken gives up nothing (its backend has ended)."""
+    """A run that ends gives its delivery lease up and closes its connection (only a run whose process died
+    leaves a :attr:`LeaseState.LOST` lease); a broken connection gives up nothing (its backend has ended)."""
+    _give_up(conn, DELIVERY_LOCK, stream_id)
+
+
+def _give_up(conn: psycopg.Connection, name: str, key: int) -> None:
     try:
-        if not conn.closed and not conn.broken:
-            unlock(conn, DELIVERY_LOCK, stream_id)
-    except psycopg.Error:
-        pass
+        with suppress(psycopg.Error):
+            if not conn.closed and not conn.broken:
+                unlock(conn, name, key)
     finally:
         conn.close()
 
 
 class RecordingCheck:
-    """Whether the run's ledger connection ``conn`` (the lease's: it records what the sink confirms)
-    still answers, asked of Postgres at most every ``every_secs``; once it does not, never again (a
-    sink calls it before each request it sends: :attr:`~..sinks.base.Sink.go_on`)."""
+    """Whether the run's ledger connection ``conn`` still answers, asked at most every ``every_secs``; once
+    not, never again (a sink asks before each request: :attr:`~..sinks.base.Sink.go_on`)."""
 
     def __init__(self, conn: psycopg.Connection, every_secs: float = 0.2) -> None:
         self.conn, self.every_secs = conn, every_secs
@@ -389,8 +367,7 @@ class _SharedRun:
         return self.shared.session()
 
 
-#: per reader group (the lock's name is this and the group's name; key 0): its group delivery run's lease,
-#: held by the run id for as long as the run's process lives (one group delivery run at a time)
+#: per reader group (name: this and the group's; key 0): its group delivery run's lease, for its process's life
 GROUP_DELIVERY_LOCK = "group_delivery"
 
 
@@ -399,9 +376,8 @@ def _group_lock(group: str) -> str:
 
 
 def acquire_group_lease(database_url: str, group: str, run_id: str) -> psycopg.Connection:
-    """A connection holding reader group ``group``'s delivery lease for the group delivery run ``run_id``
-    (:class:`LeaseTaken`: another live run hosts the group's deliveries). As the delivery lease, it ends
-    with the run's process: that is how the group's sensor tells a dead group run from a live one."""
+    """A connection holding group ``group``'s delivery lease for group run ``run_id`` (else
+    :class:`LeaseTaken`): it ends with the run's process, so the sensor tells a dead group run."""
     conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
     try:
         if not try_lock(conn, _group_lock(group), 0, run_id):
@@ -425,18 +401,11 @@ def group_lease_state(conn: psycopg.Connection, group: str, run_id: str) -> Leas
 
 def give_up_group_lease(conn: psycopg.Connection, group: str) -> None:
     """A group delivery run that ends (short of its process dying) gives the group's lease up."""
-    try:
-        if not conn.closed and not conn.broken:
-            unlock(conn, _group_lock(group), 0)
-    except psycopg.Error:
-        pass
-    finally:
-        conn.close()
+    _give_up(conn, _group_lock(group), 0)
 
 
-#: per reader group (the lock's name is this and the group's name; key 0): the reading of the group's slot.
-#: The group delivery run's reader holds it for as long as it reads (its session: freed when its process or
-#: its connection dies), the group's sensor for its tick: one reader of the group's slot at a time
+#: per reader group (name: this and the group's; key 0): the reading of the group's slot, held by the group run's
+#: reader while it reads (its session), or by the sensor for its tick: one reader at a time
 GROUP_READER_LOCK = "group_reader"
 
 

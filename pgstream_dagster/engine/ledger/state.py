@@ -1,17 +1,8 @@
-"""The stream's state and its transitions: reading a stream's state in one query (:func:`stream_state`,
-for ``batches.decide``), the batch transitions (one function and one UPDATE each: :func:`assign`,
-:func:`open_run`, :func:`clear_open_run`, :func:`release`, :func:`mark_failed`, :func:`mark_confirmed`,
-:func:`mark_delivered`, :func:`enter_failover`, :func:`leave_failover`, :func:`retry_now`,
-:func:`skip_batch`), the run operations made of them (:func:`launch`, :func:`extend_run`,
-:func:`fail_run`), who reads the stream's slot (:func:`slot_reader`, :func:`lock_slot_reader`), and the two
-ways in: :func:`apply` (the sensor's decision, a :data:`~..batches.Action`) and :func:`apply_run` (the open
-run's own transition, a :data:`~..batches.RunAction`: close). These are the only writers of
-``streams.open_run_key`` and ``streams.slot_reader`` (tests/test_architecture.py). Statuses are
-:class:`~..batches.BatchStatus` members; "open" is ``pgstream.batch_is_open(status)``.
-
-Invariants: batches of a stream are delivered in id order; a batch is ``delivered`` only once the sink
-confirmed every event; ``skipped`` only by an operator (``pgstream.skip_batch``). Both count as done;
-everything else is *open*.
+"""The stream's state (:func:`stream_state`, one query for ``batches.decide``), the batch transitions (one
+UPDATE each), the run operations made of them (:func:`launch`, :func:`extend_run`, :func:`fail_run`), the
+slot's declared reader, and the two ways in: :func:`apply` (an :data:`~..batches.Action`) and
+:func:`apply_run` (a :data:`~..batches.RunAction`): the only writers of ``streams.open_run_key`` and
+``streams.slot_reader`` (tests/test_architecture.py). ``delivered`` and ``skipped`` batches are done.
 """
 
 from __future__ import annotations
@@ -121,9 +112,8 @@ def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: 
 
 
 def launch_waiting(conn: psycopg.Connection, stream_ids: list[int]) -> bool:
-    """Whether one of ``stream_ids`` has a batch no run was ever given while nothing holds its stream back (not
-    paused, not in failover): it waits for a decision. A reader group's sensor asks it between its decisions
-    while the group delivery run's reader records (one indexed look, not a decision for every member)."""
+    """Whether one of ``stream_ids`` has a batch no run was ever given while its stream is neither paused nor
+    in failover: one indexed look the group's sensor takes between decisions."""
     row = conn.execute(
         "select exists (select 1 from pgstream.batches b join pgstream.streams s on s.id = b.stream_id "
         "where b.stream_id = any(%s) and b.status = %s and b.attempts = 0 and not s.paused "
@@ -234,16 +224,10 @@ class LeaseLost(RuntimeError):
 
 @contextmanager
 def publishing(conn: psycopg.Connection, stream_id: int, run_id: str) -> Iterator[None]:
-    """A publish call of the stream's run ``run_id``, allowed only while the stream is not paused and the run
-    holds its delivery lease: the block runs in a transaction on ``conn`` holding the stream row ``FOR KEY
-    SHARE``, which ``pgstream.set_paused`` (``FOR UPDATE``) waits for, so a pause returns only once no publish
-    is in flight, and every publish after it sees it (:class:`StreamPaused`, raised before the block); a run
-    whose lease another run took (its lease session ended) publishes nothing (:class:`LeaseLost`).
-    Recording a batch (``for no key update``) and inserting batches do not wait for it. The transaction only
-    locks: its commit is not waited for on disk (``synchronous_commit`` off)."""
+    """A publish call of run ``run_id``, in a transaction holding the stream row ``FOR KEY SHARE`` (which a pause
+    waits for): paused, :class:`StreamPaused`; its lease taken by another run, :class:`LeaseLost`."""
     with conn.transaction():
-        # (the lease's row still names the run: the check of its session's life is left to the look between
-        # rounds, :func:`why_close`, a statement per publish call cheaper; another run taking the lease renames it)
+        # (the lease session's life is checked between rounds, :func:`why_close`; another run renames the row)
         row = conn.execute("select s.paused, exists (select 1 from pgstream.locks l where l.name = %s "
                            "and l.key = s.id and l.holder = %s and l.pid is not null), "
                            "pg_catalog.set_config('synchronous_commit', 'off', true) "
@@ -288,31 +272,24 @@ def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> No
 
 
 # --- the slot's declared reader (streams.slot_reader, sql/025_slot_reader.sql) ----------------------
-# Who reads the stream's slot: 'group:<name>' once the stream has joined its reader group (for good: a
-# trigger keeps it), 'sensor' for a stream still reading a slot of its own until it joins (an install of a
-# version with a slot per stream), whose own slot the group's sensor reads meanwhile (ingest.consume).
-# A constraint of sql/025 ties 'run:<key>' (that version's open run reading its slot) to open_run_key:
-# the open run's writers above set 'sensor' with it, which the trigger turns into the group's reader
-# for a member that has joined. Each reader checks it under the stream row's lock before it records
-# (lock_slot_reader).
+# 'group:<name>' once the stream joined its reader group (for good: a trigger turns the 'sensor' the open
+# run's writers above set into it), 'sensor' while a stream still reads a slot of its own (ingest.consume).
 
 #: the declared reader of a stream's own slot before it joins its group
 SENSOR = "sensor"
 
 
-def slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
+def slot_reader(conn: psycopg.Connection, stream_id: int, *, lock: bool = False) -> str:
     """Who reads the stream's slot now: ``group:<name>``, or :data:`SENSOR` (its own, while it joins)."""
-    row = conn.execute("select slot_reader from pgstream.streams where id = %s", [stream_id]).fetchone()
+    row = conn.execute("select slot_reader from pgstream.streams where id = %s"  # noqa: S608 - constants
+                       + (" for no key update" if lock else ""), [stream_id]).fetchone()
     return str(row[0]) if row and row[0] is not None else SENSOR
 
 
 def lock_slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
-    """:func:`slot_reader`, holding the stream row's lock until the transaction ends (as :func:`extend_run`
-    and closing a run take it; ``no key update``: batches and dead letters referencing the stream are still
-    inserted meanwhile): a reader records only while this is itself. Only inside a transaction."""
-    row = conn.execute("select slot_reader from pgstream.streams where id = %s for no key update",
-                       [stream_id]).fetchone()
-    return str(row[0]) if row and row[0] is not None else SENSOR
+    """:func:`slot_reader`, holding the stream row's lock (``no key update``, as :func:`extend_run` takes it)
+    until the transaction ends: a reader records only while this is itself. Only inside a transaction."""
+    return slot_reader(conn, stream_id, lock=True)
 
 
 def release(conn: psycopg.Connection, run_key: str, keep: int) -> None:
@@ -382,10 +359,8 @@ def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] 
 
 
 def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
-    """Assign the stream's pending batches to the open run ``run_key`` (oldest first, while nothing
-    else is in between, up to ``max_events`` undelivered events assigned to it) and wake it up.
-    Nothing happens unless ``run_key`` is the stream's open run: the stream row's lock orders this
-    against :func:`_close_run`, so a run that closed is never handed a batch."""
+    """Assign the stream's pending batches (oldest first, up to ``max_events`` undelivered) to its open run
+    ``run_key`` and wake it, under the stream row's lock: a run that closed (:func:`_close_run`) is handed none."""
     with atomic(conn):
         row = conn.execute("select open_run_key from pgstream.streams where id = %s for no key update",
                            [stream_id]).fetchone()
@@ -426,9 +401,8 @@ def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
 
 
 def give_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[int]:
-    """The run ``run_key`` ends without delivering what it holds (the stream was paused,
-    :class:`StreamPaused`, or a shutdown interrupted it): it is no longer the open run and its undelivered
-    batches go back to pending, in order, for the next run; no failover entered. Returns those batches."""
+    """The run ``run_key`` ends without delivering what it holds (paused, or a shutdown): no longer the open
+    run, its undelivered batches back to pending in order, no failover entered; those batches."""
     with conn.transaction():
         conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
         ids = [int(r[0]) for r in conn.execute(
@@ -450,9 +424,8 @@ def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, re
 
 
 def requeue_run(conn: psycopg.Connection, head: Batch, run_key: str, *, checkpoint: bool) -> None:
-    """The run ``run_key`` was interrupted by the instance's shutdown (:class:`~..batches.Requeue`): it is
-    no longer the open run and its batches go back to pending, no failover entered, none counted; with
-    ``checkpoint`` (the stream is in failover) the head stays the failed checkpoint, due now."""
+    """The run ``run_key`` was interrupted by a shutdown (:class:`~..batches.Requeue`): its batches go back to
+    pending, nothing counted; ``checkpoint``: the head stays the failed checkpoint, due now."""
     with conn.transaction():
         clear_open_run(conn, head.stream_id, run_key)
         release(conn, run_key, keep=head.id if checkpoint else 0)
@@ -469,9 +442,8 @@ def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> boo
 
 
 def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | None:
-    """Carry out ``action`` (from :func:`~.batches.decide`) in the ledger; the run to request, if
-    any (a run of its own, for a stream in mode per_batch: the group's delivery run hosts open and warm
-    runs). Reporting a dead run to Dagster (``FailRun.died``) is the caller's, before this."""
+    """Carry out ``action`` (:func:`~.batches.decide`'s) in the ledger; the run to request, if any (mode
+    per_batch). Reporting a dead run to Dagster (``FailRun.died``) is the caller's, before this."""
     match action:
         case LeaveFailover(then=then):
             leave_failover(conn, stream.id)

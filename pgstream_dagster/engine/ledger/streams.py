@@ -1,7 +1,6 @@
-"""Stream rows and the slot each reads (``pgstream.streams``, its ``slot``): the one place Python learns
-a slot's name. A stream reads its reader group's slot once it has joined; ``slot`` is the slot of its own it
-had before (a version with a slot per stream: :func:`ensure_stream` makes such a row), drained and dropped
-when it joins."""
+"""Stream rows and the slot each reads (``pgstream.streams.slot``): the one place Python learns a slot's name.
+A joined stream reads its group's slot; ``slot`` is the own one it had before (:func:`ensure_stream` makes such
+a row), drained and dropped when it joins."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ class SlotInUse(RuntimeError):
 
 
 def stream_slot(conn: psycopg.Connection, stream_id: int) -> str:
-    """The replication slot stream ``stream_id`` reads (``pgstream.streams.slot``: its ``slot_name``, else
-    its default, a name the database derives, unique in the cluster: ``pgstream.default_slot_name``), or
-    the default a new stream row would get. The one place Python learns a slot's name."""
+    """The slot stream ``stream_id`` reads (``pgstream.streams.slot``), or the default a new stream row would
+    get (``pgstream.default_slot_name``): the one place Python learns a slot's name."""
     row = conn.execute("select pgstream.stream_slot(%s)", [stream_id]).fetchone()
     assert row is not None and row[0] is not None
     return str(row[0])
@@ -48,17 +46,11 @@ def slot_holder(conn: psycopg.Connection, slot: str, stream_id: int) -> int | No
 
 
 def ensure_stream(conn: psycopg.Connection, stream_id: int, slot_name: str | None = None) -> str:
-    """The stream row (and so its publication) exists, outside any reader group, and reads ``slot_name``
-    (``None``: its default slot), as a version with a slot per stream made it; returns that slot.
-
-    Raises :class:`SlotInUse` (nothing changed) when another stream row already reads that slot, and
-    :class:`~..replication.PublicationTaken` when a publication by its publications' names is another role's.
-    """
+    """The stream row, outside any group, reading ``slot_name`` (``None``: its default) as a version with a slot per
+    stream made it; that slot. :class:`SlotInUse`, :class:`~..replication.PublicationTaken`: nothing changed."""
     try:
         with conn.transaction():
-            # the owner's function (the runtime writes no stream row itself): the row exists and reads
-            # slot_name, null for its default; it locks the row only when something changes (a run may
-            # hold its lock)
+            # the owner's function: the row exists and reads slot_name (null: its default), locked only on a change
             conn.execute("select pgstream.register_stream(%s, %s)", [stream_id, slot_name])
             return stream_slot(conn, stream_id)
     except psycopg.errors.FeatureNotSupported as exc:  # a reader group's member (it may not leave)
