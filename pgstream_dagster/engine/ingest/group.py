@@ -88,17 +88,25 @@ def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Tra
         out: dict[int, list[Transaction]] = {}
         for t in txns:
             parts: dict[int, Transaction] = {}
-            for attr in ("events", "unreadable"):
-                for item in getattr(t, attr):
-                    if item.stream_id in members:
-                        if item.stream_id not in parts:
-                            parts[item.stream_id] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
-                        getattr(parts[item.stream_id], attr).append(item)
+            for e in t.events:
+                if e.stream_id in members:
+                    _part(parts, t, e.stream_id).events.append(e)
+            for u in t.unreadable:
+                if u.stream_id in members:
+                    _part(parts, t, u.stream_id).unreadable.append(u)
             for sid, part in parts.items():
                 out.setdefault(sid, []).append(part)
         return out
 
     return split
+
+
+def _part(parts: dict[int, Transaction], t: Transaction, stream_id: int) -> Transaction:
+    """Stream ``stream_id``'s part of transaction ``t`` in ``parts`` (made at its first event)."""
+    found = parts.get(stream_id)
+    if found is None:
+        found = parts[stream_id] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
+    return found
 
 
 def unconfigured(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str]) -> dict[int, str]:
