@@ -455,6 +455,8 @@ def test_the_members_pool_bounds_the_connections_working_at_once_and_never_waits
     try:
         with pool.connection() as mine:  # the second working connection: at once
             pid = mine.info.backend_pid
+            # (a runtime connection: the search path pinned, dbconn.connect)
+            assert mine.execute("show search_path").fetchone() == ("pg_catalog,pg_temp",)
             waiting = threading.Thread(target=member, daemon=True)
             waiting.start()
             time.sleep(0.3)

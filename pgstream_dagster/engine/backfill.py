@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg.rows import dict_row
 
+from . import dbconn
+
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import SparkSession
@@ -299,7 +301,7 @@ def _chunk(conn: psycopg.Connection, backfill_id: int, part: int, token: str, li
 
 
 def _connect(url: str) -> psycopg.Connection:
-    conn = psycopg.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
+    conn = dbconn.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
     conn.execute(f"set lock_timeout = '{LOCK_TIMEOUT}'")
     return conn
 
@@ -478,7 +480,7 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
     ``max_backlog`` bound. Yields :class:`Progress` every ``progress_secs``, then the :class:`Outcome`; a bad
     row fails its partition only. Closed or interrupted, it stops the backfill (resumable) and runs ``on_stop``."""
     token = str(uuid.uuid4())
-    session = psycopg.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
+    session = dbconn.connect(url, autocommit=True, application_name="pgstream-dagster backfill")
     finished = False
     try:
         if not lock(session, backfill_id):

@@ -22,7 +22,7 @@ import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .dbconn import scrubbed_error
+from .dbconn import connect, scrubbed_error
 
 Kind = Literal["counter", "gauge"]
 
@@ -136,7 +136,7 @@ class PgstreamCollector(Collector):
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self._url, autocommit=True, application_name="pgstream metrics",
+            self._conn = connect(self._url, autocommit=True, application_name="pgstream metrics",
                                          connect_timeout=max(1, int(self._timeout)))
         return self._conn
 

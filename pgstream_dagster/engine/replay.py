@@ -19,6 +19,7 @@ import psycopg
 from psycopg import sql
 
 from ..sinks.base import Sink
+from . import dbconn
 from .delivery import reads
 
 
@@ -265,10 +266,10 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
                 yield from rest(got, piece.hi)
 
     with ExitStack() as stack:
-        ranges = IdRanges(stack.enter_context(psycopg.connect(database_url, application_name="pgstream replay",
+        ranges = IdRanges(stack.enter_context(dbconn.connect(database_url, application_name="pgstream replay",
                                                               options=options)), params, size)
         for _ in range(max(1, connections)):
-            idle.put(stack.enter_context(psycopg.connect(database_url, autocommit=True,
+            idle.put(stack.enter_context(dbconn.connect(database_url, autocommit=True,
                                                          application_name="pgstream replay", options=options)))
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, connections) + 1,
                                                       thread_name_prefix="pgstream-replay"))

@@ -27,6 +27,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..sinks import SinkConfig, build_sink
 from ..sinks.base import event_from_text
+from . import dbconn
 from .cluster import cluster_conf, driver_python_problem, is_local, package_zip
 from .delivery.reads import (
     BATCH_QUERY,
@@ -108,10 +109,9 @@ def group_spans(spans: Sequence[Span], size: int) -> list[list[Span]]:
 
 def _fetch(url: str, query: str, params: Sequence[dict[str, Any]]) -> Iterator[list[tuple[Any, ...]]]:
     """The rows of ``query`` for each of ``params`` in turn, on one connection."""
-    import psycopg
 
     # UTC: created_at comes back as an aware UTC datetime, the same on every machine
-    with psycopg.connect(url, options="-c TimeZone=UTC") as conn:
+    with dbconn.connect(url, options="-c TimeZone=UTC") as conn:
         for one in params:
             with conn.cursor(name="pgstream_read") as cur:
                 cur.execute(query, one)

@@ -155,9 +155,11 @@ def connect(url: str) -> psycopg.Connection:
     names no part of the URL."""
     import psycopg
 
+    from . import dbconn
+
     try:
-        return psycopg.connect(url, autocommit=True, options="-c TimeZone=UTC -c DateStyle=ISO",
-                               application_name="pgstream-source")
+        return dbconn.connect(url, autocommit=True, options="-c TimeZone=UTC -c DateStyle=ISO",
+                              application_name="pgstream-source")
     except psycopg.OperationalError as exc:
         raise SourceError(f"pgstream source: cannot connect to the database of option 'url': {exc}") from None
     except psycopg.ProgrammingError:

@@ -22,6 +22,7 @@ import psycopg
 
 from ...config import StreamConfig
 from ...sinks import Sink, SinkError, build_sink
+from .. import dbconn
 from ..batches import CloseRun
 from ..collector import fewer_collections
 from ..ledger import deadletters, keyprogress, locks, state
@@ -162,7 +163,7 @@ class DeliveryRun:
         run_key = self.batches[0].run_key if self.batches else self.run_key
         if not run_key:
             return []
-        with psycopg.connect(self.database_url, autocommit=True, application_name=locks.lease_name(self.run_id)) \
+        with dbconn.connect(self.database_url, autocommit=True, application_name=locks.lease_name(self.run_id)) \
                 as conn:
             return state.give_back(conn, self.stream.id, run_key)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 import psycopg
 
 from ...sinks.base import Event, Sink, event_from_text
+from .. import dbconn
 from ..ledger.deadletters import DeadLetter
 from ..publish import (
     CHUNK_BYTES,
@@ -120,11 +121,10 @@ class RangeSource:
     def events(self) -> Iterator[Positioned]:
         if not self.ranges:
             return
-        import psycopg
 
         params = {**self.params, **routing_params(self.routing_key)}
         query, sizes = events_query(params), events_sizes(params)
-        with psycopg.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
+        with dbconn.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
                              application_name="pgstream replay") as conn:
 
             def read(lo: int, hi: int) -> Callable[[], list[Positioned]]:

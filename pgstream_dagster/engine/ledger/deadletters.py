@@ -12,6 +12,7 @@ import psycopg
 
 from ...sinks import Event
 from ...sinks.base import event_from_text, excerpt, loads_event_json
+from .. import dbconn
 from ..batches import BatchStatus
 from ..publish import TooLarge
 from .state import mark_confirmed
@@ -133,7 +134,7 @@ class DeadLetterWriter:
     def _write(self, batch_id: int, ord: int, error: str, attempts: int, insert: str, params: list[Any]) -> None:
         """``insert`` the dead letter and move the confirmed prefix past it, in one transaction; a by_key
         task's (``token``) through ``pgstream.set_aside_rejected`` instead (by_key does not resume)."""
-        with psycopg.connect(self.database_url, autocommit=True) as conn:
+        with dbconn.connect(self.database_url, autocommit=True) as conn:
             if self.token is not None:
                 conn.execute("select pgstream.set_aside_rejected(%s, %s, %s, %s, %s, %s)",
                              [self.token, batch_id, ord, self.sink, error[:2000], attempts])
@@ -146,7 +147,7 @@ class DeadLetterWriter:
     def known_good(self) -> Event | None:
         """The stream's last event the sink confirmed and still in ``pgstream.events`` (or ``None``), which
         the reject-storm guard sends again to tell a sink that refuses everything."""
-        with psycopg.connect(self.database_url, autocommit=True) as conn:
+        with dbconn.connect(self.database_url, autocommit=True) as conn:
             row = conn.execute(_KNOWN_GOOD, {"stream": self.stream_id, "delivered": BatchStatus.DELIVERED}).fetchone()
         if row is None:
             return None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import psycopg
 
+from .. import dbconn
+
 Position = tuple[int, int]
 
 
@@ -23,7 +25,7 @@ class KeyProgress:
         self.token = token
 
     def connect(self) -> psycopg.Connection:
-        return psycopg.connect(self.database_url, autocommit=True, application_name="pgstream by_key task")
+        return dbconn.connect(self.database_url, autocommit=True, application_name="pgstream by_key task")
 
     def read(self, conn: psycopg.Connection) -> dict[int, Position]:
         """Per bucket: every event of it at a position up to this one is handled."""

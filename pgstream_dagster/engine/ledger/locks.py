@@ -12,6 +12,8 @@ from typing import Protocol
 
 import psycopg
 
+from .. import dbconn
+
 # --- pgstream's own locks (sql/repeatable/00_locks.sql): rows of pgstream.locks, which only the owner --------
 # writes (an advisory lock any role could take), held by the session that took them until unlock or its end.
 
@@ -58,7 +60,7 @@ class LeaseTaken(RuntimeError):
 def acquire_lease(database_url: str, stream_id: int, run_id: str,
                   waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
     """A connection holding the stream's delivery lease (:func:`take_lease`), named after the run."""
-    conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
+    conn = dbconn.connect(database_url, autocommit=True, application_name=lease_name(run_id))
     try:
         take_lease(conn, stream_id, run_id, waiting)
         return conn
@@ -96,7 +98,7 @@ def acquire_replay_lease(database_url: str, stream_id: int, holder: str,
                          waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
     """A connection holding the stream's ``replay`` lock, then its delivery lease, for replay ``holder`` (the open
     run closes, a new run waits: :func:`acquire_lease`); ``waiting`` told every 10 s; closing it releases both."""
-    conn = psycopg.connect(database_url, autocommit=True, application_name=f"pgstream replay {holder}")
+    conn = dbconn.connect(database_url, autocommit=True, application_name=f"pgstream replay {holder}")
     try:
         told = 0.0
         for name, what in ((REPLAY_LOCK, "another replay"), (DELIVERY_LOCK, "the delivery lease")):
@@ -278,7 +280,7 @@ class SharedConnections:
         """The lease session (a fresh one once it broke: the leases it held ended with it)."""
         with self._lock:
             if self._session is None or self._session.closed or self._session.broken:
-                self._session = psycopg.connect(self.database_url, autocommit=True, application_name=self.name)
+                self._session = dbconn.connect(self.database_url, autocommit=True, application_name=self.name)
             session = self._session
         yield session
 
@@ -310,7 +312,7 @@ class SharedConnections:
             old.close()
         if conn is None:
             try:
-                conn = psycopg.connect(self.database_url, autocommit=True, application_name=self.name)
+                conn = dbconn.connect(self.database_url, autocommit=True, application_name=self.name)
             finally:
                 with self._given_back:
                     since = self._out.pop(id(ticket))
@@ -378,7 +380,7 @@ def _group_lock(group: str) -> str:
 def acquire_group_lease(database_url: str, group: str, run_id: str) -> psycopg.Connection:
     """A connection holding group ``group``'s delivery lease for group run ``run_id`` (else
     :class:`LeaseTaken`): it ends with the run's process, so the sensor tells a dead group run."""
-    conn = psycopg.connect(database_url, autocommit=True, application_name=lease_name(run_id))
+    conn = dbconn.connect(database_url, autocommit=True, application_name=lease_name(run_id))
     try:
         if not try_lock(conn, _group_lock(group), 0, run_id):
             raise LeaseTaken(f"another group delivery run ({lock_holder(conn, _group_lock(group), 0)}) hosts the "
