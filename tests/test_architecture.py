@@ -127,9 +127,9 @@ def test_outside_the_ledger_the_open_run_changes_by_actions() -> None:
 
 def test_the_engine_opens_its_connections_through_dbconn() -> None:
     """The runtime's connections pin ``search_path = pg_catalog, pg_temp`` and mask a URL's password in a
-    connection error (``engine/dbconn.connect``): no engine module but the owner's installers (bootstrap,
-    migrations: they run as the owner or a superuser, the SQL they run qualifies every name) calls
-    ``psycopg.connect`` itself."""
+    connection error (``engine/dbconn.connect``): no engine module but the owner's installers (bootstrap and
+    migrations, run by an operator as the owner or a superuser; migrations pin the search path of each file's
+    transaction) calls ``psycopg.connect`` itself."""
     allowed = {"engine/dbconn.py", "engine/bootstrap.py", "engine/migrations.py"}
     direct = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "engine").rglob("*.py")
                     if str(p.relative_to(PACKAGE)) not in allowed and "psycopg.connect(" in p.read_text())
