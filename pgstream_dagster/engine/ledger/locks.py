@@ -15,7 +15,8 @@ import psycopg
 from .. import dbconn
 
 # --- pgstream's own locks (sql/repeatable/00_locks.sql): rows of pgstream.locks, which only the owner --------
-# writes (an advisory lock any role could take), held by the session that took them until unlock or its end.
+# writes (not advisory locks, which any role could take and hold to stall a stream), held by the session that
+# took them until unlock or its end.
 
 #: per stream (key: stream id): the open run's delivery lease; its holder is the run id
 DELIVERY_LOCK = "delivery"
@@ -306,8 +307,10 @@ class SharedConnections:
                 if self._working(now) < self.size:
                     self._out[id(ticket)] = now
                     break
-                # until one is given back, or the oldest one out stops counting
-                self._given_back.wait(max(0.001, min(self._out.values()) + POOL_HELD_SECS - now))
+                # until one is given back, or the oldest one that counts stops counting (one held longer counts
+                # no more: waiting on it would wake at once, again and again)
+                oldest = min(since for since in self._out.values() if now - since < POOL_HELD_SECS)
+                self._given_back.wait(max(0.001, oldest + POOL_HELD_SECS - now))
         for old in stale:
             old.close()
         if conn is None:
