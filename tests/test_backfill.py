@@ -231,6 +231,9 @@ def test_backfill_consistent_with_concurrent_changes(db_url: str, tmp_path: Path
                     next_id += 1
                     c.execute("insert into public.items values (%s, 'new', 1, 'ok')", [next_id])
                 changes[op] += 1
+                # (about 200 changes a second, whatever the host: the rows still there from the start, counted
+                # below, do not depend on how long the backfill's Spark session takes to start)
+                stop.wait(0.005)
 
     thread = threading.Thread(target=writer, daemon=True)
     thread.start()
