@@ -187,11 +187,64 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .engine.status import orphaned_slots, render_orphaned_slots, render_status, stream_status
+    from .engine.status import (
+        orphaned_slots,
+        render_orphaned_slots,
+        render_standby_slots,
+        render_status,
+        standby_slots,
+        stream_status,
+    )
 
     with _connect(args) as conn:
         print(render_status(stream_status(conn, args.stream, args.batches)) +
               (render_orphaned_slots(orphaned_slots(conn)) if args.stream is None else ""))
+    if args.stream is None:
+        said = render_standby_slots(standby_slots(_database_url(args)))
+        if said:
+            print(said.lstrip("\n"))
+    return 0
+
+
+def _cmd_reconcile(args: argparse.Namespace) -> int:
+    from .engine import reconcile
+    from .sinks import LAKE_SINK_TYPES, build_sink
+    from .sinks.lake import LakeSink
+
+    config = _config(args)
+    stream = config.stream(args.stream)
+    received: list[int] = []
+    if args.received is not None:
+        text = sys.stdin.read() if args.received == "-" else Path(args.received).read_text()
+        for number, line in enumerate(text.splitlines(), 1):
+            for word in line.replace(",", " ").split():
+                if not word.isdigit():
+                    return _fail(f"error: {args.received} line {number}: {word[:40]!r} is not an event id", 2)
+                received.append(int(word))
+    with psycopg.connect(args.database_url or config.database_url.get_secret_value(), autocommit=True) as conn:
+        ended = reconcile.ended_timelines(conn, stream.id)
+        if not ended:
+            print(f"stream {stream.id}: every event this database holds was written on its current timeline: no "
+                  "failover to reconcile")
+            return 0
+        for timeline in ended:
+            print(timeline.describe(stream.id))
+        sources: list[tuple[str, list[int]]] = []
+        if args.received is not None:
+            sources.append((f"of the {len(received)} ids in {args.received}", received))
+        if stream.sink.type in LAKE_SINK_TYPES:
+            sink = build_sink(stream.sink)
+            assert isinstance(sink, LakeSink)
+            with sink:
+                held = reconcile.lake_ids(sink, stream.id, ended)
+            sources.append((f"in its {stream.sink.type} table ({sink.where()})", held))
+        for what, ids in sources:
+            lost = reconcile.phantoms(conn, stream.id, ids, ended)
+            print(f"stream {stream.id}: {len(lost)} events {what} are missing from this database (phantoms of the "
+                  f"failover){': ' + ', '.join(map(str, lost)) if lost else ''}")
+        if not sources:
+            print(f"stream {stream.id}: its {stream.sink.type} sink cannot be read back: pass --received with the ids "
+                  "it got (the webhook-id / Idempotency-Key of each event) to list the phantoms")
     return 0
 
 
@@ -708,6 +761,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stream", type=_ID, nargs="?", help="only this stream")
     p.add_argument("--batches", type=_COUNT, default=5, help="last batches to show per stream")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("reconcile", parents=[common],
+                       help="after a failover of the primary with its standby behind: the events a stream's sink "
+                            "received that this database lacks (phantoms), read from a lake table or given")
+    p.add_argument("stream", type=_ID, help="the stream")
+    p.add_argument("--received", metavar="FILE", help="event ids the sink received, whitespace or comma separated "
+                                                      "(- : standard input)")
+    _add_defs_folder(p, config=True)
+    p.set_defaults(func=_cmd_reconcile)
 
     group = sub.add_parser("consumers", help="the registered consumers (the Spark source's streaming queries): "
                                              "add, list, drop, set how long housekeeping keeps what they have not read")

@@ -28,6 +28,7 @@ from croniter import croniter
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -346,6 +347,10 @@ def _none_if_empty(v: object) -> object:
     return None if isinstance(v, str) and not v.strip() else v
 
 
+#: an optional database URL, none when given empty
+OptionalDatabaseUrl = Annotated[DatabaseUrl | None, BeforeValidator(_none_if_empty)]
+
+
 def _cron(v: str) -> str:
     """A cron expression Dagster's schedules accept: what croniter parses, five fields (no seconds),
     and not a day that never comes (30 or 31 February)."""
@@ -357,8 +362,11 @@ def _cron(v: str) -> str:
     return v
 
 
+Cron = Annotated[str, AfterValidator(_cron)]
+
+
 class HousekeepingConfig(_Model):
-    cron: str = Field("0 3 * * *", description="schedule of the pgstream_housekeeping job (UTC)")
+    cron: Cron = Field("0 3 * * *", description="schedule of the pgstream_housekeeping job (UTC)")
     days_ahead: int = Field(7, ge=0, le=365, description="daily partitions of pgstream.events created ahead")
     retention_days: int = Field(7, ge=1, le=3650, description="days of events kept; older partitions are dropped "
                                                              "unless they hold undelivered events")
@@ -375,26 +383,22 @@ class HousekeepingConfig(_Model):
         description="attempts per partition, with a doubling pause between them; a partition whose locks stay "
                     "held is left for the next pass (reported as busy)")
 
-    _valid_cron = field_validator("cron")(_cron)
-
 
 class ChecksConfig(_Model):
-    cron: str = Field("*/5 * * * *", description="schedule of the pgstream_checks job (UTC)")
+    cron: Cron = Field("*/5 * * * *", description="schedule of the pgstream_checks job (UTC)")
     streams_per_sec: float = Field(
         2.0, ge=0, description="a scheduled pgstream_checks run checks at most this many streams a second (0: no "
                                "limit), so that many streams' checks and their writes to Dagster's event log do not "
                                "take the CPUs from the deliveries at once; checks run from the UI are not paced")
 
-    _valid_cron = field_validator("cron")(_cron)
-
 
 class SparkConfig(_Model):
     master: str = Field("local[*]", description="the runs' Spark master when Spark is needed (local[*], "
                                                 "spark://host:7077, k8s://..., yarn)")
-    remote: str | None = Field(None, pattern=r"^sc://\S+$",
-                               description="Spark Connect URL (sc://host:15002): runs use a long-lived server "
-                                           "(`pgstream-dagster spark-connect`) instead of starting Spark; overrides "
-                                           "master; empty = none")
+    remote: Annotated[str | None, BeforeValidator(_none_if_empty)] = Field(
+        None, pattern=r"^sc://\S+$", description="Spark Connect URL (sc://host:15002): runs use a long-lived server "
+                                                  "(`pgstream-dagster spark-connect`) instead of starting Spark; "
+                                                  "overrides master; empty = none")
     conf: dict[str, str] = Field(default_factory=dict, description="Spark settings of the runs' sessions (they win "
                                                                    "over pgstream's cluster defaults)")
     ship_package: bool = Field(True, description="a cluster master: add a zip of the installed pgstream_dagster "
@@ -403,12 +407,10 @@ class SparkConfig(_Model):
     host_local_settings: bool = Field(False, description="accept settings the executors read that name their own "
                                                          "host (relative file paths, loopback hosts) on a cluster "
                                                          "master: every executor host has what they name")
-    executor_database_url: DatabaseUrl | None = Field(
+    executor_database_url: OptionalDatabaseUrl = Field(
         None, description="the URL Spark executors connect with: a login role that is a member of pgstream_executor "
                           "(reads events and batches, writes by_key resume points, runs backfill chunks); default: "
                           "database_url (the runtime's), which executor hosts then hold; empty = none")
-
-    _empty_is_none = field_validator("remote", "executor_database_url", mode="before")(_none_if_empty)
 
 
 class MetricsConfig(_Model):
@@ -418,14 +420,12 @@ class MetricsConfig(_Model):
     host: str = Field("127.0.0.1", min_length=1, max_length=253, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$",
                       description="address the exporter listens on (0.0.0.0: every interface)")
     port: int = Field(9187, ge=1, le=65535, description="port the exporter listens on")
-    database_url: DatabaseUrl | None = Field(None, description="the exporter's connection (e.g. a read-only role "
+    database_url: OptionalDatabaseUrl = Field(None, description="the exporter's connection (e.g. a read-only role "
                                                              "granted SELECT on pgstream.metrics); default: "
                                                              "database_url")
     scrape_timeout_secs: float = Field(5.0, gt=0, le=300, description="a scrape's read of the database gives up "
                                                                       "after this long (the scrape then reports "
                                                                       "pgstream_up 0)")
-
-    _empty_is_none = field_validator("database_url", mode="before")(_none_if_empty)
 
 
 def _check_streams(streams: Sequence[StreamConfig]) -> None:
@@ -734,8 +734,9 @@ def _subscription_hint(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
     return f" (subscription {key!r})" if isinstance(key, str) else ""
 
 
-_SINK_TAGS = {"memory", "file", "http", "webhook", "redis", "rabbitmq", "nats", "kafka", "mqtt", "postgres",
-              "sqs", "sns", "kinesis", "delta", "iceberg", "parquet"}
+#: the sinks' ``type`` values (``http`` and ``webhook``...): the union's tags in a validation error's location
+_SINK_TAGS = {tag for sink in typing.get_args(typing.get_args(SinkConfig)[0])
+              for tag in typing.get_args(sink.model_fields["type"].annotation)}
 
 
 class MetricsSettings(BaseModel):

@@ -540,3 +540,20 @@ def test_a_streams_own_slot_is_checked_with_its_groups_until_it_has_joined(app: 
     assert not ev.passed
     assert f"stream 1's own slot {own} (not joined yet) retains" in (ev.description or "")
     assert {s["slot"] for s in values(ev.metadata)["slots"] if s["stream"] == 1} == {own}
+
+
+def test_reconcile_without_a_failover_and_with_bad_ids_says_so_in_one_line(
+        app: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``reconcile`` on a database that was never promoted has nothing to reconcile; ids it cannot read are
+    refused naming the file and line (the phantoms of a real failover: tests/test_standby_failover.py)."""
+    from pgstream_dagster.cli import main as cli_main
+
+    cfg = write_config(tmp_path / "pgstream.yaml", app, stream(), [SIGNUP])
+    init(cfg)
+    assert cli_main(["reconcile", "1", "--config", str(cfg)]) == 0
+    assert capsys.readouterr().out.strip() == ("stream 1: every event this database holds was written on its "
+                                               "current timeline: no failover to reconcile")
+    received = tmp_path / "ids.txt"
+    received.write_text("12, 13\n14 x15\n")
+    assert cli_main(["reconcile", "1", "--config", str(cfg), "--received", str(received)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {received} line 2: 'x15' is not an event id"

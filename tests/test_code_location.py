@@ -524,8 +524,8 @@ def test_the_launchpad_templates_show_what_to_type_and_subscription_runs_have_a_
     assert sensor.description is not None and "checks them as the runtime role" in sensor.description
 
 
-def test_a_database_the_sensors_cannot_reach_is_one_line_per_tick(tmp_path: Path, instance: dg.DagsterInstance,
-                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_database_the_sensors_cannot_reach_is_one_line_per_tick_logged_once(
+        tmp_path: Path, instance: dg.DagsterInstance, capfd: pytest.CaptureFixture[str]) -> None:
     """A wrong database_url (nothing listens there): the location loads (nothing connects at load), and each
     tick of the default group's sensor (stream 1 names no reader) and of a named reader group's sensor is skipped
     with one line naming the URL's role and host (never its password) and why, logged as an error: no
@@ -550,3 +550,10 @@ def test_a_database_the_sensors_cannot_reach_is_one_line_per_tick(tmp_path: Path
         assert "\n" not in message and "s3cret" not in message
         err = capfd.readouterr().err
         assert f" - ERROR - {message}" in err and "Traceback" not in err and "s3cret" not in err
+        # the next tick (the cursor carried, as the daemon does) says it again in its skip reason, and logs it no
+        # more: a long outage is one line in the log, not one a tick
+        again = sensor.evaluate_tick(dg.build_sensor_context(
+            instance=instance, sensor_name=name, cursor=result.cursor,
+            resources={"pgstream": (defs.resources or {})["pgstream"]}))
+        assert again.skip_message == message
+        assert message not in capfd.readouterr().err

@@ -17,6 +17,7 @@ import pytest
 from pgstream_dagster.config import ConfigError, load_config, load_metrics_settings
 from pgstream_dagster.engine import dbconn
 from pgstream_dagster.engine.metrics import PgstreamCollector
+from pgstream_dagster.sinks.base import connect_postgres
 
 PASSWORD = "TopSecret"
 #: (URL, what libpq says is wrong with it)
@@ -71,6 +72,9 @@ def test_a_configuration_whose_url_libpq_refuses_is_refused_without_its_password
 def test_the_runtimes_connections_never_raise_the_password(url: str, wrong: str) -> None:
     with pytest.raises(psycopg.Error) as refused:
         dbconn.connect(url, autocommit=True)
+    assert PASSWORD not in str(refused.value) and wrong in str(refused.value)
+    with pytest.raises(psycopg.Error) as refused:  # the sinks' own connections (postgres, lake typed_columns)
+        connect_postgres(url)
     assert PASSWORD not in str(refused.value) and wrong in str(refused.value)
     assert dbconn.conninfo_problem(url) is not None and PASSWORD not in (dbconn.conninfo_problem(url) or "")
 

@@ -360,10 +360,10 @@ def test_a_batch_confirmed_in_full_is_owed_nothing() -> None:
 
 
 def test_packed_partitions_group_consecutive_spans_up_to_the_partition_size() -> None:
-    from pgstream_dagster.engine.spark import group_spans
+    from pgstream_dagster.engine.spark import group_sized, partition_spans
 
     spans = [Span(1, 1, 3), Span(2, 4, 3), Span(3, 1, 2), Span(4, 1, 7), Span(5, 2, 2)]
-    groups = group_spans(spans, 5)
+    groups = group_sized([(part, 0) for part in partition_spans(spans, 5)], 5, 0)  # (load_batches without sizes)
     # in delivery order, every owed ordinal once, empty spans dropped, a long span split
     assert groups == [[Span(1, 1, 3), Span(3, 1, 2)], [Span(4, 1, 5)], [Span(4, 6, 7), Span(5, 2, 2)]]
     assert [(s.batch_id, o) for g in groups for s in g for o in range(s.first, s.last + 1)] == \

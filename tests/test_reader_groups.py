@@ -399,6 +399,39 @@ def test_a_dropped_group_slot_is_replaced_and_every_member_recovers(db_url: str,
     assert _pgstream_slots(db_url) == []
 
 
+def test_a_synchronized_slot_is_taken_only_within_what_the_ledger_recorded(db_url: str, tmp_path: Path) -> None:
+    """A promoted standby's copy of the group's slot (a failover slot) is taken when the ledger the standby holds
+    was recorded through its position, and on the timeline it was taken on it stays taken; a copy past what the
+    ledger recorded stays ``lost`` (replaced and recovered). Through a real promotion:
+    tests/test_standby_failover.py; here the copy's state is given, against a real group's row."""
+    streams = _configs(tmp_path, db_url, [1])
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, GROUP, streams, 0)
+        insert_events(db_url, 1, 3)
+        _drain(c, streams, lambda: len(_recorded(db_url, 1)) == 3)
+        state = groups.group_state(c, GROUP)
+        assert state is not None and state.recorded_through is not None
+        timeline = replication.current_timeline(c)
+        assert state.slot_lsn is not None and state.slot_timeline == timeline  # set when the group made its slot
+
+        def copy(confirmed: int) -> dict[str, object]:
+            return {"synced": True, "confirmed_flush_lsn": replication.int_to_lsn(confirmed), "wal_status": "lost",
+                    "slot_wal_status": "reserved"}
+        c.execute("update pgstream.reader_groups set slot_timeline = %s where name = %s", [timeline - 1, GROUP])
+        past = copy(state.recorded_through + 1)
+        result = group_reader.GroupResult()
+        group_reader._take_synchronized(c, GROUP, groups.group_state(c, GROUP), past, result)  # type: ignore[arg-type]
+        assert past["wal_status"] == "lost" and not result.notes
+        assert groups.group_state(c, GROUP).slot_timeline == timeline - 1  # type: ignore[union-attr]
+        within = copy(state.recorded_through)
+        group_reader._take_synchronized(c, GROUP, groups.group_state(c, GROUP), within, result)  # type: ignore[arg-type]
+        assert within["wal_status"] == "reserved" and "took the failover slot" in result.notes[0]
+        assert groups.group_state(c, GROUP).slot_timeline == timeline  # type: ignore[union-attr]
+        later = copy(state.recorded_through + 1_000_000)  # taken on this timeline: the reader's own now
+        group_reader._take_synchronized(c, GROUP, groups.group_state(c, GROUP), later, result)  # type: ignore[arg-type]
+        assert later["wal_status"] == "reserved" and len(result.notes) == 1
+
+
 def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db_url: str, tmp_path: Path) -> None:
     streams = _configs(tmp_path, db_url, [1])
     with psycopg.connect(db_url, autocommit=True) as c:

@@ -6,6 +6,7 @@ replays by id and an attempt that died between its files and its commit marker; 
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -93,6 +94,31 @@ def test_each_event_once_across_retries_other_chunks_and_replays(kind: str, tmp_
             assert position_of(int(table.properties[snapshot_property(STREAM)])) == (7, 10)
 
 
+@pytest.mark.parametrize("kind", LAKE_FORMATS)
+def test_after_a_failover_positions_handed_out_again_and_a_former_primarys_events_are_written_once(
+        kind: str, tmp_path: Path, pg: LocalPostgres) -> None:
+    """What a new primary's ledger gives a lake sink after a promotion with the standby behind: positions at or
+    before the table's token for events the table lacks (batch ids resume from what the standby replayed), and a
+    former primary's events (ids below ``ended_below``) that the table may hold already, at positions above the
+    token. Each event is in the table once. Through a real promotion: tests/test_standby_failover.py."""
+    config = lake_config(kind, tmp_path, pg)
+    old = events(30)  # the former primary's timeline (ids 1000..1029): all delivered, token (6, 5)
+    with sink_of(config) as sink:
+        assert drain(publish(sink, positioned(old, 25), 10)) == 30
+        assert position_of(sink.read_token(STREAM) or 0) == (6, 5)
+    floor = 1 << 48  # the new primary's timeline (2)
+    new = events(20, first_id=floor + 1)
+    # the new ledger: batch 6 again (other events: the new primary's), then batch 7: three events of the former
+    # primary (the standby had their rows, not their batch) and new ones
+    again = [(6, i + 1, e) for i, e in enumerate(new[:10])]
+    later = [(7, 1, old[27]), (7, 2, new[10]), (7, 3, old[28]), (7, 4, old[29])] + [
+        (7, 5 + i, e) for i, e in enumerate(new[11:])]
+    with sink_of(config) as sink:
+        assert drain(publish(sink, iter(again + later), 7, ended_below=floor)) == len(again) + len(later)
+        assert position_of(sink.read_token(STREAM) or 0) == (7, 4 + len(new[11:]))
+    assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in old + new})
+
+
 def test_a_replay_into_an_emptied_table_fills_it(tmp_path: Path, pg: LocalPostgres) -> None:
     config = lake_config("delta", tmp_path, pg)
     evs = events(30)
@@ -132,6 +158,37 @@ def test_parquet_files_of_an_attempt_killed_before_its_marker_are_replaced(
     assert duckdb.execute("select count(*), count(distinct id) from read_parquet(?, hive_partitioning=true)",
                           [files]).fetchall() == [(60, 60)]
     assert not list(Path(config["path"]).glob("**/.tmp-*"))
+
+
+def test_parquet_streams_sharing_a_directory_never_remove_each_others_writes(tmp_path: Path, pg: LocalPostgres) -> None:
+    """Reading a token changes nothing; a writer's recovery (its first write) removes its own stream's
+    leftovers and stale ones only, never the file another stream's writer (or a replay) is writing."""
+    import os
+
+    config = lake_config("parquet", tmp_path, pg)
+    root = Path(config["path"])
+    evs = events(20)
+    with sink_of(config) as sink:
+        drain(publish(sink, positioned(evs[:10], 5), 10))
+    day = next(root.glob("day=*"))
+    # as the stream's writer and another stream's are writing: their temporary files, a killed writer's of
+    # this stream, and one of a writer killed long ago
+    other = day / ".tmp-stream-4-b-inflight.parquet"
+    replay = day / ".tmp-stream-3-replay-inflight.parquet"
+    killed = day / ".tmp-stream-3-b-killed.parquet"
+    old = day / ".tmp-0123456789abcdef.parquet"
+    for file in (other, replay, killed, old):
+        file.write_bytes(b"partial")
+    long_ago = time.time() - parquet_module.STALE_TMP_SECS - 60
+    os.utime(old, (long_ago, long_ago))
+    before = sorted(p.name for p in root.rglob("*"))
+    with sink_of(config) as reader:  # another process reading the token (a check, the reconcile command)
+        assert reader.read_token(STREAM) is not None and reader.read_token(4) is None
+    assert sorted(p.name for p in root.rglob("*")) == before  # nothing written, nothing removed
+    with sink_of(config) as sink:  # the stream's next writer
+        drain(publish(sink, positioned(evs, 5), 10))
+    assert other.exists() and replay.exists() and not killed.exists() and not old.exists()
+    assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in evs})
 
 
 def test_the_token_follows_the_delivery_order() -> None:

@@ -226,7 +226,7 @@ def test_a_connection_the_broker_dropped_meanwhile_is_replaced(tmp_path: Path) -
             sub = Subscriber("a/#", port=sub_port)
             sink.publish(make_events(2))
             # another client takes the session over (same client id): the broker closes the sink's connection
-            intruder = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=sink.config.client_id or "",
+            intruder = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=config.client_id or "",
                                    protocol=mqtt.MQTTv5)
             intruder.connect("127.0.0.1", broker.port)
             intruder.loop_start()

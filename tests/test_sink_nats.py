@@ -14,6 +14,7 @@ from pydantic import SecretStr, ValidationError
 
 from pgstream_dagster.sinks import (
     Event,
+    NatsSink,
     NatsSinkConfig,
     SinkError,
     build_sink,
@@ -156,7 +157,7 @@ def test_nats_message_over_the_servers_max_payload_is_refused_before_sending(
         nats_stream: tuple[str, str], jetstream: bool) -> None:
     stream, subject = nats_stream
     events = make_events(5)
-    with NatsSinkConfig(subject=subject, jetstream=jetstream).build() as sink:
+    with NatsSink(NatsSinkConfig(subject=subject, jetstream=jetstream)) as sink:
         sink.publish(events[:1])
         assert sink._nc is not None
         max_payload = sink._nc.max_payload  # the server's (1 MiB default)

@@ -12,6 +12,7 @@ from pydantic import SecretStr, ValidationError
 
 from pgstream_dagster.sinks import (
     Event,
+    RedisSink,
     RedisSinkConfig,
     SinkError,
 )
@@ -148,7 +149,7 @@ def test_redis_max_message_bytes_rejects_a_large_entry_after_sending_the_ones_be
         assert [f[b"id"] for _, f in stream_entries(redis_client, key)] == [b"101", b"102", b"104", b"105"]
 
         redis_client.delete(key)
-        chunked = RedisSinkConfig(stream=key, max_message_bytes=1000).build()
+        chunked = RedisSink(RedisSinkConfig(stream=key, max_message_bytes=1000))
         chunked.chunk_size = 3  # type: ignore[misc]  # the 4 events before the rejected one: two transactions
         more = make_events(7, first_id=201)
         more[4] = events[2]
@@ -241,7 +242,7 @@ def test_a_server_that_refuses_scripts_gets_the_pipeline(redis_client: redis.Red
                              commands=["+@all", "-@scripting"])
     url = SecretStr(f"redis://{user}:n0script-pw@127.0.0.1:6379/0")
     try:
-        with RedisSinkConfig(url=url, stream=key).build() as sink:
+        with RedisSink(RedisSinkConfig(url=url, stream=key)) as sink:
             sink.publish(make_events(5))
             sink.publish(make_events(5, first_id=201))
             assert sink._use_script is False

@@ -170,6 +170,64 @@ def test_consumer_position_and_what_the_executor_may_do(db_url: str, stream: psy
         spark_source.StreamReader({"url": db_url, "stream": "1", "consumer": "c1"})
 
 
+def test_a_checkpoint_past_what_a_failover_kept_goes_on_from_the_consumers_position(
+        db_url: str, stream: psycopg.Connection, caplog: pytest.LogCaptureFixture) -> None:
+    """After a failover of the primary with the standby behind, the new primary's ledger lacks the batches the old
+    one recorded last and hands their ids out again for other events (its batches sequence resumes from what the
+    standby replayed). A query restarted on its checkpoint names such a position: the reader sees that the ledger no
+    longer holds the offset's event there and goes on from its consumer's position recorded in the database (the
+    standby's, replicated with the ledger): every event the new primary holds is read, some twice, none skipped.
+    The state a lagging promotion leaves is made here in one database (tests/test_standby_failover.py promotes
+    real standbys); the reader is driven as Spark's micro-batch loop calls it."""
+    insert_events(db_url, 1, 30)
+    batches = record_batches(db_url, 1, 5)  # six batches of five
+    stream.execute("select pgstream.register_consumer('lake.c', 1, true, 30)")
+    (token,) = stream.execute("select pgstream.consumer_token('lake.c')").fetchone()  # type: ignore[misc]
+    read: list[int] = []
+
+    def micro_batch(reader: spark_source.StreamReader, start: dict[str, int]) -> dict[str, int]:
+        end = reader.latestOffset(start, reader.getDefaultReadLimit())
+        for part in reader.partitions(start, end):
+            for got in reader.read(part):
+                read.extend(got.column("id").to_pylist())
+        return end
+
+    with executor_role(db_url) as url:
+        options = {"url": url, "stream": "1", "consumer": "lake.c", "consumerToken": token,
+                   "maxEventsPerTrigger": "10"}
+        reader = spark_source.StreamReader(options)
+        offsets = [reader.initialOffset()]
+        for _ in range(3):
+            offsets.append(micro_batch(reader, offsets[-1]))
+        reader.commit(offsets[-1])
+        reader.stop()
+        assert sorted(read) == sorted(i for _b, ids in batches for i in ids)
+        assert offsets[-1]["event_id"] == batches[-1][1][-1]  # the offset names the event at its position
+        # the promoted standby had replayed the ledger through batch 4 and the consumer at the third micro-batch's
+        # start; the old primary's batches 5 and 6 are gone and their ids are handed out again, four events each
+        b4 = batches[3][0]
+        stream.execute("update pgstream.consumers set batch_id = %s, ord = 5 where name = 'lake.c'", [b4])
+        stream.execute("delete from pgstream.batches where id > %s", [b4])
+        stream.execute("select setval(pg_get_serial_sequence('pgstream.batches', 'id'), %s)", [b4])
+        insert_events(db_url, 1, 7)  # written on the new primary
+        again = record_batches(db_url, 1, 4, seed=11)
+        assert again[1][0] == batches[5][0]  # the old sixth batch's id, now four other events
+        before = set(read)
+        read.clear()
+        restarted = spark_source.StreamReader(options)  # the query restarted on its checkpoint
+        start = offsets[-1]
+        while (end := micro_batch(restarted, start)) != start:
+            restarted.commit(end)
+            start = end
+        restarted.stop()
+    with psycopg.connect(db_url) as c:
+        held = {int(r[0]) for r in c.execute("select id from pgstream.events where stream_id = 1")}
+    assert held - before - set(read) == set(), "events skipped"
+    assert set(read) == {i for _b, ids in again for i in ids}  # from batch 5 on: what the standby lacked, and more
+    assert "the ledger no longer holds event" in caplog.text
+    assert "going on from consumer lake.c's position" in caplog.text
+
+
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
     from pyspark.sql import SparkSession

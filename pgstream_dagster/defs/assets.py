@@ -181,7 +181,7 @@ def events_partitions(context: dg.AssetExecutionContext, config: HousekeepingRun
                       pgstream: dg.ResourceParam[PgstreamResource]) -> dg.MaterializeResult[Any]:
     today = dt.date.fromisoformat(config.today) if config.today else None
     with pgstream.connect() as conn:
-        report = housekeeping.run_housekeeping(conn, pgstream.config.housekeeping, today)
+        report = housekeeping.run_housekeeping(conn, pgstream.config.housekeeping, today, pgstream.database_url)
     context.log.info(report.summary())
     for warning in report.warnings:
         context.log.warning(warning)

@@ -271,19 +271,23 @@ def group_slot_checks(streams: Sequence[StreamConfig]) -> list[dg.AssetChecksDef
 
 @dg.asset_check(asset=EVENTS_PARTITIONS_KEY, name=ORPHANED_SLOTS_CHECK, blocking=False,
                 description="No replication slot of this database named like a stream's default slot is left "
-                            "without a stream: a deleted stream's or a changed slot_name's old slot keeps its WAL "
-                            "until dropped.")
+                            "without a stream (a deleted stream's or a changed slot_name's old slot keeps its WAL "
+                            "until dropped), and no standby of a multi-host database_url holds a slot of pgstream's "
+                            "it did not synchronize (a former primary's, kept through pg_rewind).")
 def orphaned_slots_check(pgstream: dg.ResourceParam[PgstreamResource]) -> dg.AssetCheckResult:
     with pgstream.connect() as conn:
         slots = status.orphaned_slots(conn)
-    retained = sum(s["retained_bytes"] for s in slots)
+    on_standbys = status.standby_slots(pgstream.database_url)
+    retained = sum(s["retained_bytes"] for s in [*slots, *on_standbys])
+    said = [f"{len(slots)} slots no stream reads retain {sum(s['retained_bytes'] for s in slots)} bytes of WAL: "
+            f"{', '.join(s['slot_name'] for s in slots)}; drop each once no consumer needs it "
+            "(select pg_catalog.pg_drop_replication_slot('<name>'))"] if slots else []
+    said += [status.render_standby_slots(on_standbys).strip()] if on_standbys else []
     return dg.AssetCheckResult(
-        passed=not slots, severity=dg.AssetCheckSeverity.ERROR,
-        description=(f"{len(slots)} slots no stream reads retain {retained} bytes of WAL: "
-                     f"{', '.join(s['slot_name'] for s in slots)}; drop each once no consumer needs it "
-                     "(select pg_catalog.pg_drop_replication_slot('<name>'))" if slots
-                     else "every default-named slot of this database belongs to a stream"),
-        metadata={"slots": dg.MetadataValue.json(slots), "retained_bytes": retained},
+        passed=not said, severity=dg.AssetCheckSeverity.ERROR,
+        description="; ".join(said) or "every default-named slot of this database belongs to a stream",
+        metadata={"slots": dg.MetadataValue.json(slots), "standby_slots": dg.MetadataValue.json(on_standbys),
+                  "retained_bytes": retained},
     )
 
 

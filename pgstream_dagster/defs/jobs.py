@@ -199,7 +199,8 @@ class _Reporter:
                    "run per stream (a stream in mode per_batch has Dagster runs of its own). Ends after the shortest "
                    "delivery.tuning.max_run_secs of its streams, or when the group's sensor asks it to "
                    "end (its configuration is not the code location's any more) or its reader is refused (e.g. a "
-                   "stream added to the group by a newer configuration).")
+                   "stream added to the group by a newer configuration). Rides out the database going away (a "
+                   "restart, a failover): its members' runs stop and are hosted again once it accepts writes.")
 def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
                   pgstream: dg.ResourceParam[PgstreamResource], pyspark: LazyPySparkResource) -> None:
     group = config.group

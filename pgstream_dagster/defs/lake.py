@@ -7,6 +7,7 @@ from typing import Any
 import dagster as dg
 
 from ..config import StreamConfig
+from ..engine import reconcile
 from ..engine.lakecheck import delivered_day_counts, differences
 from ..sinks import LAKE_SINK_TYPES, SinkError, build_sink
 from ..sinks.base import describe_exception, scrub
@@ -39,27 +40,35 @@ def lake_counts_check(stream: StreamConfig) -> dg.AssetChecksDefinition:
                     description="Per UTC day, the table holds as many events of the stream as pgstream.events "
                                 "has delivered (settled days and the delivered part of the current one).")
     def _check(pgstream: dg.ResourceParam[PgstreamResource]) -> dg.AssetCheckResult:
-        with pgstream.connect() as conn:
-            owed = delivered_day_counts(conn, stream.id)
         sink = build_sink(stream.sink)
         assert isinstance(sink, LakeSink)
-        try:
-            with sink:
-                held = sink.day_counts(stream.id, owed.since, owed.upto) if owed.upto is not None else {}
-        except SinkError:
-            raise
-        except Exception as exc:  # the format's reader: name the table, never a secret
-            secrets = stream.sink.secret_values()
-            raise SinkError(scrub(f"{stream.sink.type} sink: {sink.where()}: cannot read the table "
-                                  f"({describe_exception(exc, secrets)})", secrets), sink=stream.sink.type) from None
+        with pgstream.connect() as conn:
+            owed = delivered_day_counts(conn, stream.id)
+            ended = reconcile.ended_timelines(conn, stream.id)
+            try:
+                with sink:
+                    held = sink.day_counts(stream.id, owed.since, owed.upto) if owed.upto is not None else {}
+                    from_ended = reconcile.lake_ids(sink, stream.id, ended)
+            except SinkError:
+                raise
+            except Exception as exc:  # the format's reader: name the table, never a secret
+                secrets = stream.sink.secret_values()
+                why = (f"{stream.sink.type} sink: {sink.where()}: cannot read the table "
+                       f"({describe_exception(exc, secrets)})")
+                raise SinkError(scrub(why, secrets), sink=stream.sink.type) from None
+            lost = reconcile.phantoms(conn, stream.id, from_ended, ended)
         wrong = differences(owed.counts, held)
         shown = "; ".join(f"{day}: {want} delivered, {got} in the table" for day, want, got in wrong[:10])
+        said = [f"{len(wrong)} {'day differs' if len(wrong) == 1 else 'days differ'}: {shown}"] if wrong else []
+        said += [f"{len(lost)} events in the table were written on a former primary and are missing from "
+                 f"pgstream.events (phantoms of a failover; `pgstream-dagster reconcile {stream.id}` lists them): "
+                 f"{', '.join(map(str, lost[:10]))}"] if lost else []
         return dg.AssetCheckResult(
-            passed=not wrong, severity=dg.AssetCheckSeverity.ERROR,
-            description=(f"{len(wrong)} {'day differs' if len(wrong) == 1 else 'days differ'}: {shown}" if wrong else
-                         f"{sum(owed.counts.values())} events over {len(owed.counts)} days match"),
+            passed=not said, severity=dg.AssetCheckSeverity.ERROR,
+            description="; ".join(said) or f"{sum(owed.counts.values())} events over {len(owed.counts)} days match",
             metadata={"days_compared": len(owed.counts), "events": sum(owed.counts.values()),
                       "differing_days": dg.MetadataValue.json([[str(d), w, g] for d, w, g in wrong[:100]]),
+                      "phantoms": dg.MetadataValue.json(lost[:100]),
                       "window": dg.MetadataValue.json([str(owed.since), str(owed.upto)])})
 
     return _check

@@ -164,6 +164,25 @@ def _not_taken(instance: dg.DagsterInstance, run: dg.DagsterRun, grace: float, n
             f"started {age:.0f} s ago, has not taken its delivery lease yet (run_grace_secs {grace:g})")
 
 
+#: a lease found lost is looked at again for up to this long before its run is taken for dead: a group delivery
+#: run that rode out the database's absence (a restart, a failover) takes its lease, and its members', again within
+#: a moment of the database accepting writes (engine/delivery/group.py, OUTAGE_RETRY_SECS)
+LOST_RECHECK_SECS = 2.0
+
+
+def _looked_again(look: Callable[[], dict[str, locks.LeaseState]]) -> dict[str, locks.LeaseState]:
+    """``look()`` (lease states by run id), again every 0.1 s while one is LOST, for up to
+    :data:`LOST_RECHECK_SECS`: what it says then."""
+    deadline = time.monotonic() + LOST_RECHECK_SECS
+    while locks.LeaseState.LOST in (states := look()).values() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return states
+
+
+def _group_lease(conn: psycopg.Connection, group: str, run_id: str) -> dict[str, locks.LeaseState]:
+    return {run_id: locks.group_lease_state(conn, group, run_id)}
+
+
 def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun | None,
               stream: StreamConfig, now: dt.datetime) -> tuple[RunView, str | None]:
     """What :func:`decide` needs to know of the Dagster run ``run``, and what it is doing (for the
@@ -207,7 +226,16 @@ class GroupLook:
         runs = _group_runs(instance, conn, group, limit=3)
         ids = [member_run_id(r.run_id, s.id) for r in runs if r.status == dg.DagsterRunStatus.STARTED
                for s in streams]
-        return cls(runs, locks.lease_states(conn, ids) if ids else {})
+        if not ids:
+            return cls(runs, {})
+        leases = locks.lease_states(conn, ids)
+        # members' leases lost with their group run's: it may be riding out the database's absence (it takes them
+        # again with its own); a member's lease lost under a group run holding its own is told at once
+        if locks.LeaseState.LOST in leases.values() and any(
+                locks.group_lease_state(conn, group, r.run_id) is not locks.LeaseState.HELD
+                for r in runs if r.status == dg.DagsterRunStatus.STARTED):
+            leases = _looked_again(lambda: locks.lease_states(conn, ids))
+        return cls(runs, leases)
 
 
 def _member_host(instance: dg.DagsterInstance, conn: psycopg.Connection, group: str, stream_id: int,
@@ -416,6 +444,10 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             if state is locks.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
                 late, doing = _not_taken(instance, run, grace, time.time())
                 doing = f": {doing}"
+            if state is locks.LeaseState.LOST:  # (its process died, or the database went away and is back)
+                state = _looked_again(functools.partial(_group_lease, conn, group, run.run_id))[run.run_id]
+                if state is locks.LeaseState.HELD:
+                    doing = " (it took the group's delivery lease again: it rode out the database's absence)"
             if state is locks.LeaseState.LOST or (state is locks.LeaseState.NOT_TAKEN and late):
                 why = ("the database session holding the group's delivery lease has ended (its process died)"
                        if state is locks.LeaseState.LOST else
@@ -462,10 +494,15 @@ _TOLD_IN_ONE_LINE = (LimitsExceeded, groups.GroupChange, SlotCreationWaits, Publ
 
 
 def _told(context: dg.SensorEvaluationContext, exc: Exception) -> dg.SensorResult:
-    """The tick ends with ``exc`` in one line: logged and its skip reason (:data:`_TOLD_IN_ONE_LINE`,
-    :class:`DatabaseUnreachable`)."""
-    context.log.error(str(exc))
-    return dg.SensorResult(skip_reason=str(exc))
+    """The tick ends with ``exc`` in one line (:data:`_TOLD_IN_ONE_LINE`, :class:`DatabaseUnreachable`): its
+    skip reason, and logged when the last tick did not end with the same line (the cursor's ``told``; a tick that
+    gets through drops it), so an outage or a refusal that lasts is one line in the log, not one a tick."""
+    line = str(exc)
+    cursor = json.loads(context.cursor) if context.cursor else {}
+    if cursor.get("told") != line:
+        context.log.error(line)
+    cursor["told"] = line
+    return dg.SensorResult(skip_reason=line, cursor=json.dumps(cursor, sort_keys=True, default=str))
 
 
 Tick = Callable[[dg.SensorEvaluationContext, PgstreamResource], dg.SensorResult]
@@ -588,6 +625,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         cursor.pop("streams", None)  # what cursors of earlier versions kept (now under "members")
+        cursor.pop("told", None)  # (what the last tick ended with: _told)
         invalid = pgstream.config.left_out  # streams[] entries left out of the code location: recorded, not delivered
         decisions: list[str] = []
         left_out: dict[int, str] = {}  # members whose registration was refused: not read, told in one line each
@@ -610,7 +648,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                         for line in notes_:
                             context.log.warning(line)
                         context.log.info(f"reader group {group}: group delivery run {delivery}")
-                        return dg.SensorResult(run_requests=[request], cursor=context.cursor)
+                        return dg.SensorResult(run_requests=[request],
+                                               cursor=json.dumps(cursor, sort_keys=True, default=str))
                 # one reader of the group's slot at a time: the tick reads only when the group delivery run's
                 # reader does not (it reads continuously while the run lives; its lock ends with its session).
                 # It reads in slices of DECIDE_EVERY_SECS and decides for the members after each: what it recorded

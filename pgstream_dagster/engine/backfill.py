@@ -9,6 +9,7 @@ partition's cursor with them: a resumed backfill reads no row twice (row-level s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -192,10 +193,6 @@ def _key_json(values: Sequence[KeyValue] | None) -> str | None:
     return None if values is None else json.dumps(list(values))
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
 def unfinished(conn: psycopg.Connection, target: Target) -> dict[str, Any] | None:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(
@@ -234,7 +231,7 @@ def open_backfill(conn: psycopg.Connection, target: Target, request: Request) ->
         except (psycopg.errors.RaiseException, psycopg.errors.InvalidParameterValue, psycopg.errors.NoDataFound,
                 psycopg.errors.FeatureNotSupported, psycopg.errors.UndefinedTable,
                 psycopg.errors.UniqueViolation) as exc:
-            raise BackfillError(_first_line(exc)) from None
+            raise BackfillError(dbconn.first_line(exc)) from None
     assert row is not None
     return int(row[0]), False
 
@@ -258,7 +255,7 @@ def stop(conn: psycopg.Connection, backfill_id: int, *, cancel: bool) -> str:
     try:
         row = conn.execute("select pgstream.backfill_stop(%s, %s)", (backfill_id, cancel)).fetchone()
     except psycopg.errors.NoDataFound as exc:
-        raise BackfillError(_first_line(exc)) from None
+        raise BackfillError(dbconn.first_line(exc)) from None
     assert row is not None
     return str(row[0])
 
@@ -343,14 +340,15 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
                 except _TRANSIENT as exc:
                     if attempt == CHUNK_ATTEMPTS - 1:
                         result.status = "failed"
-                        result.error = f"gave up after {CHUNK_ATTEMPTS} attempts: {_first_line(exc)}"
+                        result.error = f"gave up after {CHUNK_ATTEMPTS} attempts: {dbconn.first_line(exc)}"
                         return result
                     sleep(min(0.2 * 2 ** attempt, 5.0))
                 except psycopg.Error as exc:
                     if limit == 1:  # this row cannot become an event
                         key = _next_key(conn, backfill_id, part)
                         result.status = "failed"
-                        result.error = f"row with key {key}: {_first_line(exc)}" if key else _first_line(exc)
+                        error = dbconn.first_line(exc)
+                        result.error = f"row with key {key}: {error}" if key else error
                         return result
                     # find the row: the ones before it are written one at a time (exactly once)
                     limit, status, rows, events = 1, "read", 0, 0
@@ -443,8 +441,7 @@ def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, pa
             return [PartitionResult(**r) for r in rows]
         frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(
             partition_task(url, backfill_id, token, list(parts), chunk_size, pace), RESULT_SCHEMA)
-        return [PartitionResult(r["part"], r["status"], r["rows"], r["events"], r["chunks"], r["error"])
-                for r in frame.collect()]
+        return [PartitionResult(**r.asDict()) for r in frame.collect()]
 
 
 def cancel_spark(spark: SparkSession) -> None:
@@ -464,11 +461,7 @@ Executor = Callable[[int, str, Sequence[int], int, Pace], list[PartitionResult]]
 
 
 def spark_executor(spark: SparkSession, url: str) -> Executor:
-    def execute(backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                pace: Pace) -> list[PartitionResult]:
-        return run_on_spark(spark, url, backfill_id, token, parts, chunk_size, pace)
-
-    return execute
+    return functools.partial(run_on_spark, spark, url)
 
 
 def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_id: str,
@@ -538,7 +531,7 @@ def _claim(session: psycopg.Connection, backfill_id: int, token: str, run_id: st
         session.execute("select pgstream.backfill_claim(%s, %s::uuid, %s)", (backfill_id, token, run_id))
     except (psycopg.errors.NoDataFound, psycopg.errors.ObjectNotInPrerequisiteState,
             psycopg.errors.RaiseException, psycopg.errors.InvalidParameterValue) as exc:
-        raise BackfillError(_first_line(exc)) from None
+        raise BackfillError(dbconn.first_line(exc)) from None
 
 
 class _Reporter:

@@ -92,12 +92,6 @@ def executors_elsewhere(master: str, remote: str | None) -> bool:
     return hosts is None or not all(is_loopback(h) for h in hosts)
 
 
-def default_cores_max(parallelism: Iterable[int]) -> int:
-    """A run's share of a standalone cluster, what its busiest stage can use: 1 core for ordered delivery
-    and replay (one partition at a time), ``delivery.parallelism`` for ``by_key``."""
-    return max([1, *parallelism])
-
-
 def cluster_conf(master: str, conf: dict[str, str], by_key_parallelism: Iterable[int] = (),
                  ship_package: bool = True) -> dict[str, str]:
     """What pgstream adds for a cluster ``master`` to the user's ``conf`` (which wins): the package zip, a bounded
@@ -109,7 +103,9 @@ def cluster_conf(master: str, conf: dict[str, str], by_key_parallelism: Iterable
         files = [f for f in conf.get(PY_FILES, "").split(",") if f.strip()]
         out[PY_FILES] = ",".join([*files, str(package_zip())])
     if master.strip().startswith(("spark://", "local-cluster")) and CORES_MAX not in conf:
-        out[CORES_MAX] = str(default_cores_max(by_key_parallelism))
+        # a run's share, what its busiest stage can use: 1 core for ordered delivery and replay (a partition at a
+        # time), delivery.parallelism for by_key
+        out[CORES_MAX] = str(max([1, *by_key_parallelism]))
     if MAX_FAILURES not in conf:
         out[MAX_FAILURES] = "1"
     return out

@@ -37,24 +37,41 @@ def pinned_options(database_url: str, extra: str = "") -> str:
     return " ".join(part for part in (str(given), extra, PINNED_SEARCH_PATH) if part)
 
 
-def database_key(conn: psycopg.Connection) -> str:
-    """The database ``conn`` is connected to as ``host:port/database`` (every host of a multi-host URL, never
-    the role or password): tells one database's reader groups from another's in a shared Dagster instance."""
-    info = conninfo_to_dict(conn.info.dsn)
+class Connection(psycopg.Connection[Any]):
+    """A runtime connection (:func:`connect`) that knows which database its URL names (:func:`database_key`)."""
+
+    #: ``host:port/database`` of the URL it was opened with: every host of a multi-host URL, whichever it reached
+    database: str = ""
+
+
+def url_database(database_url: str) -> str:
+    """The database ``database_url`` names as ``host:port/database``: every host and port of a multi-host URL
+    (the same before and after a failover moved the primary between them), never the role or password."""
+    info = conninfo_to_dict(database_url)
     host = info.get("host") or info.get("hostaddr") or "(the local socket)"
-    return f"{host}:{info.get('port') or 5432}/{conn.info.dbname}"
+    return f"{host}:{info.get('port') or 5432}/{info.get('dbname') or info.get('user') or ''}"
 
 
-def connect(database_url: str, *, options: str = "", **kwargs: Any) -> psycopg.Connection:
+def database_key(conn: psycopg.Connection) -> str:
+    """The database ``conn`` is connected to as ``host:port/database`` (:func:`url_database` of the URL it was
+    opened with): tells one database's reader groups from another's in a shared Dagster instance."""
+    if isinstance(conn, Connection) and conn.database:
+        return conn.database
+    return url_database(conn.info.dsn)  # (a connection not of :func:`connect`: the host it reached)
+
+
+def connect(database_url: str, *, options: str = "", **kwargs: Any) -> Connection:
     """``psycopg.connect`` with the pinned search path (``options``: more ``-c`` settings); a failure
     raises psycopg's error with the URL's password masked."""
     try:
-        return psycopg.connect(database_url, options=pinned_options(database_url, options), **kwargs)
+        conn = Connection.connect(database_url, options=pinned_options(database_url, options), **kwargs)
     except psycopg.Error as exc:
         message = scrub_conninfo(str(exc), database_url)
         if message == str(exc):
             raise
         raise type(exc)(message) from None
+    conn.database = url_database(database_url)
+    return conn
 
 
 def describe_url(database_url: str) -> str:
@@ -75,6 +92,11 @@ def error_line(exc: BaseException) -> str:
     diag = exc.diag if isinstance(exc, psycopg.Error) else None
     if diag is not None and diag.message_primary:
         return diag.message_primary + (f" ({diag.message_hint.strip()})" if diag.message_hint else "")
+    return first_line(exc)
+
+
+def first_line(exc: BaseException) -> str:
+    """``exc``'s message's first line (its type's name when it has none)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
 

@@ -19,6 +19,7 @@ from psycopg.rows import dict_row
 from ..config import StreamConfig
 from ..sinks import Sink, SinkError
 from ..sinks.base import excerpt
+from . import dbconn
 from .batches import BatchStatus
 from .delivery.sources import DeadLetterSource, Letters, Readers, choose_source
 from .ledger import locks
@@ -131,8 +132,7 @@ def _count(conn: psycopg.Connection, query: str, params: list[Any]) -> int:
     try:
         row = conn.execute(query, params).fetchone()
     except (psycopg.errors.NoDataFound, psycopg.errors.InvalidParameterValue) as exc:
-        message = exc.diag.message_primary or str(exc)
-        raise DeadLetterError(f"{message} ({exc.diag.message_hint})" if exc.diag.message_hint else message) from None
+        raise DeadLetterError(dbconn.error_line(exc)) from None
     assert row is not None
     return int(row[0])
 

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 
 from ..config import HousekeepingConfig
+from .status import standby_slots
 
 
 @dataclass
@@ -31,6 +32,8 @@ class HousekeepingReport:
     batches_pruned: int = 0
     #: registered consumers whose unread events are past their max_retention_days (no longer kept)
     consumers_overrun: list[str] = field(default_factory=list)
+    #: pgstream's slots dropped on a standby of a multi-host URL (a former primary's: status.standby_slots)
+    standby_slots_dropped: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -41,17 +44,20 @@ class HousekeepingReport:
                 f"{busy}, deleted {self.default_rows_deleted} expired rows of events_default, "
                 f"pruned {self.batches_pruned} delivered batches"
                 + (f"; consumers past their retention bound (not kept for): {', '.join(self.consumers_overrun)}"
-                   if self.consumers_overrun else ""))
+                   if self.consumers_overrun else "")
+                + (f"; dropped a former primary's slots on its standby: {', '.join(self.standby_slots_dropped)}"
+                   if self.standby_slots_dropped else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "today": self.today.isoformat()}
 
 
 def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
-                     today: dt.date | None = None) -> HousekeepingReport:
+                     today: dt.date | None = None, database_url: str | None = None) -> HousekeepingReport:
     """One pass for UTC day ``today`` (default: the database's), each step committing on its own: partitions ahead,
     expired ones dropped one transaction each, expired ``events_default`` rows deleted, old delivered batches
-    pruned; locks tried ``lock_attempts`` times for ``lock_timeout_ms``, a partition still held left (``busy``)."""
+    pruned; locks tried ``lock_attempts`` times for ``lock_timeout_ms``, a partition still held left (``busy``).
+    With ``database_url`` (a multi-host URL), pgstream's slots its standbys hold unsynchronized are dropped."""
     if today is None:
         row = conn.execute("select pgstream.utc_today()").fetchone()
         assert row is not None
@@ -111,6 +117,13 @@ def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
                                "make_interval(days => %s - (%s::date - pgstream.utc_today())))",
                                [config.ledger_keep_days, today]).fetchone()
             report.batches_pruned = int(row[0]) if row and row[0] is not None else 0
+        if database_url is not None:
+            for slot in standby_slots(database_url, drop=True):
+                if slot["dropped"]:
+                    report.standby_slots_dropped.append(f"{slot['slot_name']} on {slot['server']}")
+                else:
+                    notices.append(f"pgstream: slot {slot['slot_name']} on standby {slot['server']}, a former "
+                                   f"primary's, could not be dropped: {slot.get('error')}")
     finally:
         conn.remove_notice_handler(on_notice)
     report.warnings = notices

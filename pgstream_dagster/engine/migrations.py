@@ -222,15 +222,18 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
     applied: list[str] = []
     with psycopg.connect(database_url, autocommit=True) as conn:
         _bootstrap(conn, migrations[0])
-        while (m := _retried(lambda: _next_migration(conn, migrations))) is not None:
+        while (m := _retried(conn, lambda: _next_migration(conn, migrations))) is not None:
             applied.append(m.path.name)
-        while (r := _retried(lambda: _next_repeatable(conn, repeatables))) is not None:
+        while (r := _retried(conn, lambda: _next_repeatable(conn, repeatables))) is not None:
             applied.append(f"{REPEATABLE_DIR}/{r.name}")
         grants = repeatables[-1] if repeatables else None
         if grants is not None and applied and f"{REPEATABLE_DIR}/{grants.name}" not in applied:
             # the last file holds every grant to the runtime roles: a function re-created earlier needs them again
-            _retried(lambda: _reapply(conn, grants))
-        _retried(lambda: _partitions(conn, partitions_ahead))
+            _retried(conn, lambda: _apply(conn, grants, f"repeatable {REPEATABLE_DIR}/{grants.name}",
+                                          "update pgstream.schema_repeatables set applied_at = now() where name = %s",
+                                          [grants.name]))
+        # (behind the ledger's lock: a partition clones the events table's triggers, which a migrator may replace)
+        _retried(conn, lambda: conn.execute("select pgstream.create_partitions(%s)", [partitions_ahead]))
     return applied
 
 
@@ -240,12 +243,15 @@ _RACE_ATTEMPTS = 5
 _T = TypeVar("_T")
 
 
-def _retried(step: Callable[[], _T]) -> _T:
-    """``step`` (one transaction), tried again a few times when it lost a race on the cluster's catalogs (two
-    databases migrated at once both create or grant the same role: "tuple concurrently updated")."""
+def _retried(conn: psycopg.Connection, step: Callable[[], _T]) -> _T:
+    """``step`` in a transaction behind the ledger's lock (:func:`_locked`), tried again a few times when it lost
+    a race on the cluster's catalogs (two databases migrated at once both create or grant the same role: "tuple
+    concurrently updated")."""
     for attempt in range(_RACE_ATTEMPTS):
         try:
-            return step()
+            with conn.transaction():
+                _locked(conn)
+                return step()
         except (MigrationError, *_RACES) as exc:
             cause = exc.__cause__ if isinstance(exc, MigrationError) else exc  # (_apply names the file)
             lost = isinstance(cause, _RACES) and (not isinstance(cause, psycopg.errors.InternalError_)
@@ -257,42 +263,24 @@ def _retried(step: Callable[[], _T]) -> _T:
 
 
 def _next_migration(conn: psycopg.Connection, migrations: list[Migration]) -> Migration | None:
-    """The next pending versioned migration, applied with its ledger row behind the ledger's lock (None: none)."""
-    with conn.transaction():
-        _locked(conn)
-        m = _pending(conn, migrations)
-        if m is not None:
-            _apply(conn, m, f"migration {m.path.name}",
-                   "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
-                   [m.version, m.name, m.checksum])
-        return m
+    """The next pending versioned migration, applied with its ledger row (None: none)."""
+    m = _pending(conn, migrations)
+    if m is not None:
+        _apply(conn, m, f"migration {m.path.name}",
+               "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
+               [m.version, m.name, m.checksum])
+    return m
 
 
 def _next_repeatable(conn: psycopg.Connection, repeatables: list[Repeatable]) -> Repeatable | None:
-    """The next changed repeatable file, applied with its ledger row behind the ledger's lock (None: none)."""
-    with conn.transaction():
-        _locked(conn)
-        r = _changed(conn, repeatables)
-        if r is not None:
-            _apply(conn, r, f"repeatable {REPEATABLE_DIR}/{r.name}",
-                   "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
-                   "on conflict (name) do update set checksum = excluded.checksum, applied_at = now()",
-                   [r.name, r.checksum])
-        return r
-
-
-def _reapply(conn: psycopg.Connection, grants: Repeatable) -> None:
-    with conn.transaction():
-        _locked(conn)
-        _apply(conn, grants, f"repeatable {REPEATABLE_DIR}/{grants.name}",
-               "update pgstream.schema_repeatables set applied_at = now() where name = %s", [grants.name])
-
-
-def _partitions(conn: psycopg.Connection, ahead: int) -> None:
-    # behind the ledger's lock: a partition clones the events table's triggers, which a migrator may replace
-    with conn.transaction():
-        _locked(conn)
-        conn.execute("select pgstream.create_partitions(%s)", [ahead])
+    """The next changed repeatable file, applied with its ledger row (None: none)."""
+    r = _changed(conn, repeatables)
+    if r is not None:
+        _apply(conn, r, f"repeatable {REPEATABLE_DIR}/{r.name}",
+               "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
+               "on conflict (name) do update set checksum = excluded.checksum, applied_at = now()",
+               [r.name, r.checksum])
+    return r
 
 
 #: the drift guard's event triggers, which only a superuser (on Amazon RDS, its master user) can create

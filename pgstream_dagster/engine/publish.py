@@ -166,11 +166,14 @@ Gate = Callable[[], AbstractContextManager[None]]
 def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: frozenset[Position] = frozenset(),
             reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
             too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
-            gate: Gate = nullcontext) -> Deliveries:
+            gate: Gate = nullcontext, ended_below: int = 0) -> Deliveries:
     """Publish ``rows`` (in the order owed) through the caller's ``sink`` in chunks of ``chunk_size`` events and
     ``chunk_bytes`` of JSON text (one at least), yielding what happened. ``owed``: the spans the rows must cover;
-    ``too_large``: records a :class:`TooLarge` row (else :class:`EventTooLargeError`); ``gate``: each call's."""
-    return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes, gate=gate).run(rows)
+    ``too_large``: records a :class:`TooLarge` row (else :class:`EventTooLargeError`); ``gate``: each call's;
+    ``ended_below``: the first event id of the database's timeline (events below it were written on a former
+    primary, which may have published them: a sink keyed by positions is given them by id, batch 0)."""
+    return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes, gate=gate,
+                      ended_below=ended_below).run(rows)
 
 
 def max_event_bytes(sink: Sink) -> int | None:
@@ -203,6 +206,7 @@ class _Publisher:
     too_large: SetAsideTooLarge | None = None
     chunk_bytes: int = CHUNK_BYTES
     gate: Gate = nullcontext
+    ended_below: int = 0  # (publish's)
     handled: int = 0  # published + set aside + skipped
     consecutive_rejects: int = 0
     last_good: Event | None = None  # the last event the sink confirmed in this call (or its known_good)
@@ -371,6 +375,8 @@ class _Publisher:
         the lake sinks key their commits by them), else ``Sink.publish``; inside the gate."""
         with self.gate():
             if getattr(self.sink, "accepts_positions", False):
+                if self.ended_below:  # a former primary's events: by id
+                    where = [(0, e.id) if e.id < self.ended_below else w for e, w in zip(events, where, strict=True)]
                 self.sink.publish_at(events, where)
             else:
                 self.sink.publish(events)

@@ -202,19 +202,42 @@ def publication_exists(conn: psycopg.Connection, name: str) -> bool:
 
 
 def slot_info(conn: psycopg.Connection, slot: str) -> dict[str, object] | None:
-    """Slot state: confirmed position, retained WAL bytes, WAL status; a slot synced from a former primary (17+) is
-    ``lost`` (its position may be past what the ledger recorded: replaced and recovered, as an invalidated one)."""
+    """Slot state: confirmed position, retained WAL bytes, WAL status; a slot synced from a former primary (17+,
+    ``synced``: a promoted standby's copy) is ``lost`` (its position may be past what the ledger recorded: replaced
+    and recovered, as an invalidated one) unless the group's reader takes it (``slot_wal_status``: its own)."""
     row = conn.execute(
-        """select confirmed_flush_lsn::text,
-                  case when coalesce((pg_catalog.to_jsonb(s) operator(pg_catalog.->>) 'synced')::boolean, false)
-                            and not pg_catalog.pg_is_in_recovery() then 'lost' else wal_status end,
+        """select confirmed_flush_lsn::text, wal_status,
+                  coalesce((pg_catalog.to_jsonb(s) operator(pg_catalog.->>) 'synced')::boolean, false)
+                      and not pg_catalog.pg_is_in_recovery(),
                   pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), restart_lsn)::bigint, active
            from pg_catalog.pg_replication_slots s
            where slot_name = %s and database = pg_catalog.current_database()""",
         [slot]).fetchone()
     if row is None:
         return None
-    return {"confirmed_flush_lsn": row[0], "wal_status": row[1], "retained_bytes": row[2], "active": row[3]}
+    return {"confirmed_flush_lsn": row[0], "wal_status": "lost" if row[2] else row[1], "slot_wal_status": row[1],
+            "synced": bool(row[2]), "retained_bytes": row[3], "active": row[4]}
+
+
+#: the WAL timeline this server writes on, in SQL (a primary's only: it fails during recovery)
+TIMELINE_SQL = ("('x' operator(pg_catalog.||) pg_catalog.substr(pg_catalog.pg_walfile_name("
+                "pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::pg_catalog.bit(32)::pg_catalog.int4")
+
+
+def current_timeline(conn: psycopg.Connection) -> int:
+    """The WAL timeline this server writes on (a promotion starts a new one; an event id carries it)."""
+    row = conn.execute(f"select {TIMELINE_SQL}").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+#: the bits of an event id below its timeline's (sql/031_event_ids_per_timeline.sql)
+TIMELINE_SHIFT = 48
+
+
+def timeline_floor(conn: psycopg.Connection) -> int:
+    """The first event id of this server's timeline: the ids below it were written on a former primary."""
+    return (current_timeline(conn) - 1) << TIMELINE_SHIFT
 
 
 def slot_database(conn: psycopg.Connection, slot: str) -> str | None:

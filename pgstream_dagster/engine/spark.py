@@ -75,7 +75,8 @@ PACKED_SCHEMA = "batch_id long, ord long, events int, data binary"
 
 def group_sized(pieces: Sequence[tuple[Span, int]], rows: int, budget: int) -> list[list[Span]]:
     """Consecutive :func:`sized_spans` pieces in groups of at most ``rows`` ordinals and ``budget``
-    bytes in all (one piece at least), in order: one packed partition each (see :func:`group_spans`)."""
+    bytes in all (one piece at least), in order: one packed partition each, a Spark job reading a group, not a
+    job per small batch (bench/cpu.py)."""
     groups: list[list[Span]] = []
     room_rows = room_bytes = 0
     for piece, size in pieces:
@@ -93,39 +94,19 @@ def partition_spans(spans: Sequence[Span], size: int) -> list[Span]:
     return [part for span in spans for part in span.split(size)]
 
 
-def group_spans(spans: Sequence[Span], size: int) -> list[list[Span]]:
-    """The pieces of :func:`partition_spans` in consecutive groups of at most ``size`` ordinals, in delivery
-    order: a packed partition (one Spark job) reads a group, not a job per small batch (bench/cpu.py)."""
-    groups: list[list[Span]] = []
-    room = 0
-    for piece in partition_spans(spans, size):
-        if not groups or piece.events > room:
-            groups.append([])
-            room = size
-        groups[-1].append(piece)
-        room -= piece.events
-    return groups
-
-
-def _fetch(url: str, query: str, params: Sequence[dict[str, Any]]) -> Iterator[list[tuple[Any, ...]]]:
-    """The rows of ``query`` for each of ``params`` in turn, on one connection."""
-
+def _read(url: str, query: str, params: Sequence[dict[str, Any]], packed: bool) -> Iterator[tuple[Any, ...]]:
+    """The rows of ``query`` for each of ``params`` in turn, on one connection (``packed``: a row per fetch)."""
     # UTC: created_at comes back as an aware UTC datetime, the same on every machine
     with dbconn.connect(url, options="-c TimeZone=UTC") as conn:
         for one in params:
             with conn.cursor(name="pgstream_read") as cur:
                 cur.execute(query, one)
                 while rows := cur.fetchmany(FETCH_ROWS):
-                    yield rows
-
-
-def _read(url: str, query: str, params: Sequence[dict[str, Any]], packed: bool) -> Iterator[tuple[Any, ...]]:
-    for rows in _fetch(url, query, params):
-        if packed:
-            columns = tuple(zip(*rows, strict=True))[:7]  # without routing_key
-            yield rows[0][0], rows[0][1], len(rows), pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
-        else:
-            yield from rows
+                    if not packed:
+                        yield from rows
+                        continue
+                    columns = tuple(zip(*rows, strict=True))[:7]  # without routing_key
+                    yield rows[0][0], rows[0][1], len(rows), pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class BatchesReader(DataSourceReader):
@@ -167,29 +148,28 @@ class EventsReader(DataSourceReader):
         yield from _read(self.url, events_query(self.params), [{**self.params, "lo": lo, "hi": hi}], self.packed)
 
 
-class BatchesDataSource(DataSource):
+class _Source(DataSource):
+    def schema(self) -> str:
+        return PACKED_SCHEMA if self.options.get("packed") == "true" else SCHEMA
+
+
+class BatchesDataSource(_Source):
     """``spark.read.format("pgstream_batches")``: the events of ledger batches, in commit order."""
 
     @classmethod
     def name(cls) -> str:
         return BATCHES_SOURCE
 
-    def schema(self) -> str:
-        return PACKED_SCHEMA if self.options.get("packed") == "true" else SCHEMA
-
     def reader(self, schema: Any) -> DataSourceReader:
         return BatchesReader(dict(self.options))
 
 
-class EventsDataSource(DataSource):
+class EventsDataSource(_Source):
     """``spark.read.format("pgstream_events")``: a stream's events by id ranges and filters, in id order."""
 
     @classmethod
     def name(cls) -> str:
         return EVENTS_SOURCE
-
-    def schema(self) -> str:
-        return PACKED_SCHEMA if self.options.get("packed") == "true" else SCHEMA
 
     def reader(self, schema: Any) -> DataSourceReader:
         return EventsReader(dict(self.options))
@@ -230,7 +210,6 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
 
 _SHIPPED: set[str] = set()
 """Spark Connect sessions that were handed the package (or found they need not be)."""
-
 
 
 def location_conf(config: PgstreamConfig) -> dict[str, str]:
@@ -334,7 +313,7 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
                  rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False, *,
                  sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> Frames:
     """The events of ``spans`` in partitions of at most ``rows_per_partition`` events (``sizes``: and bytes):
-    ``packed``, a single-partition DataFrame per group of spans (:func:`group_spans`), else one per span."""
+    ``packed``, a single-partition DataFrame per group of spans (:func:`group_sized`), else one per span."""
     ship_package(spark)
     register_source(spark, BatchesDataSource)
 
@@ -348,12 +327,11 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
 
     if sizes is not None:
         pieces = sized_spans(sizes, spans, rows_per_partition, read_bytes)
-        if packed:
-            return [frame([group]) for group in group_sized(pieces, rows_per_partition, read_bytes)]
-        return frame([[piece] for piece, _size in pieces])
+    else:  # (cut by ordinals only)
+        pieces = [(part, 0) for part in partition_spans(spans, rows_per_partition)]
     if packed:
-        return [frame([group]) for group in group_spans(spans, rows_per_partition)]
-    return frame([[part] for part in partition_spans(spans, rows_per_partition)])
+        return [frame([group]) for group in group_sized(pieces, rows_per_partition, read_bytes)]
+    return frame([[piece] for piece, _size in pieces])
 
 
 def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: list[tuple[int, int]],
@@ -401,7 +379,6 @@ def is_packed(df: DataFrame) -> bool:
     return "data" in df.columns
 
 
-
 def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Positioned]:
     """The events of single-partition DataFrames (packed), in order, each collected whole (:func:`_collected`).
     Closed, it waits for the partition collected ahead (left to the collector, it could deadlock on py4j)."""
@@ -422,8 +399,6 @@ def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, 
 
 #: what each by_key partition returns: per batch, the events it handled and those an earlier attempt confirmed
 BY_KEY_RESULT_SCHEMA = "batch_id long, handled long, resumed long"
-
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import functools
+import logging
 import math
 import os
 import sys
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from pyspark.sql.streaming.datasource import ReadLimit
 
 NAME = "pgstream"
+_log = logging.getLogger(__name__)
 URL_OPTION = "url"
 NUM_PARTITIONS = 4
 ROWS_PER_PARTITION = 50_000
@@ -81,17 +83,21 @@ class SourceError(ValueError):
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Position:
-    """Read through ordinal ``ord`` of ledger batch ``batch_id`` (``Position(0, 0)``: before every batch)."""
+    """Read through ordinal ``ord`` of ledger batch ``batch_id`` (``Position(0, 0)``: before every batch).
+    ``event_id``: the event at that position as the ledger read held it (0: not known, or ordinal 0), in the
+    offset so that a checkpoint's position is checked against the ledger it is used with (:func:`holds`)."""
 
     batch_id: int
     ord: int
+    event_id: int = dataclasses.field(default=0, compare=False)
 
     def as_offset(self) -> dict[str, int]:
-        return {"batch_id": self.batch_id, "ord": self.ord}
+        offset = {"batch_id": self.batch_id, "ord": self.ord}
+        return {**offset, "event_id": self.event_id} if self.event_id else offset
 
     @classmethod
     def of(cls, offset: dict[str, Any]) -> Position:
-        return cls(int(offset["batch_id"]), int(offset["ord"]))
+        return cls(int(offset["batch_id"]), int(offset["ord"]), int(offset.get("event_id", 0)))
 
 
 BEFORE_ALL = Position(0, 0)
@@ -239,9 +245,7 @@ def start_position(conn: psycopg.Connection, stream_id: int, starting: str) -> P
     if text.lower() == "earliest":
         return BEFORE_ALL
     if text.lower() == "latest":
-        row = conn.execute("select id, event_count from pgstream.batches where stream_id = %s order by id desc limit 1",
-                           [stream_id]).fetchone()
-        return Position(row[0], row[1]) if row else BEFORE_ALL
+        return next_position(conn, stream_id, BEFORE_ALL, None)
     if text.isdigit():
         event_id = int(text)
         row = conn.execute(
@@ -292,6 +296,25 @@ def next_position(conn: psycopg.Connection, stream_id: int, start: Position, max
     return Position(batch_id, count - (running - max_events))
 
 
+def _event_at(conn: psycopg.Connection, stream_id: int, position: Position) -> int | None:
+    row = conn.execute("select event_ids[%s] from pgstream.batches where id = %s and stream_id = %s",
+                       [position.ord, position.batch_id, stream_id]).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
+
+
+def named(conn: psycopg.Connection, stream_id: int, position: Position) -> Position:
+    """``position`` with the event the ledger holds there (for an offset)."""
+    if position.ord == 0:
+        return position
+    return dataclasses.replace(position, event_id=_event_at(conn, stream_id, position) or 0)
+
+
+def holds(conn: psycopg.Connection, stream_id: int, position: Position) -> bool:
+    """Whether the ledger holds ``position``'s event there. Not after a failover of the primary with the standby
+    behind: the new primary's ledger lacks the batches the old one recorded last and hands their ids out again."""
+    return not position.event_id or _event_at(conn, stream_id, position) == position.event_id
+
+
 def spans_between(conn: psycopg.Connection, stream_id: int, start: Position, end: Position) -> list[SpanRead]:
     """The events after ``start`` through ``end``, as spans of ledger batches in ledger order."""
     if end <= start:
@@ -334,12 +357,13 @@ def commit_consumer(conn: psycopg.Connection, name: str, stream_id: int, positio
     token or a position the ledger does not hold is a :class:`SourceError` saying what to do (never the token)."""
     import psycopg
 
+    from .dbconn import error_line
+
     try:
         conn.execute("select pgstream.consumer_commit(%s, %s, %s, %s, %s)",
                      [name, stream_id, position.batch_id, position.ord, token])
     except (psycopg.errors.InvalidParameterValue, psycopg.errors.InsufficientPrivilege) as exc:
-        hint = f" ({exc.diag.message_hint})" if exc.diag.message_hint else ""
-        raise SourceError(f"pgstream source: {exc.diag.message_primary}{hint}") from None
+        raise SourceError(f"pgstream source: {error_line(exc)}") from None
 
 
 class EventsGone(RuntimeError):
@@ -368,6 +392,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._recorded: Position | None = None
         #: Trigger.AvailableNow: the end of the ledger when the query started
         self._target: Position | None = None
+        #: offsets the ledger no longer holds -> where the query went on (:meth:`_checked`)
+        self._resumed: dict[tuple[int, int, int], Position] = {}
 
     def _db(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
@@ -376,7 +402,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict[str, int]:
         conn = self._db()
-        position = start_position(conn, self.stream_id, self.starting)
+        position = named(conn, self.stream_id, start_position(conn, self.stream_id, self.starting))
         # registered from the start: housekeeping keeps what it will read before its first commit
         self._record(position)
         return position.as_offset()
@@ -391,12 +417,36 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
         # ``start`` is the end of the last micro-batch, committed by the query's sink; Spark calls :meth:`commit`
         # only once the next one is planned: an idle query's position would stay a micro-batch behind
-        self._record(Position.of(start))
+        position = self._checked(Position.of(start))
+        self._record(position)
         cap = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        end = next_position(self._db(), self.stream_id, Position.of(start), cap)
+        end = next_position(self._db(), self.stream_id, position, cap)
         if self._target is not None:
-            end = max(Position.of(start), min(end, self._target))
-        return end.as_offset()
+            end = max(position, min(end, self._target))
+        return named(self._db(), self.stream_id, end).as_offset()
+
+    def _checked(self, position: Position) -> Position:
+        """``position``, or where the query goes on when the ledger no longer holds it (:func:`holds`): the
+        consumer's position recorded in the database, which the new primary holds with its ledger (replicated
+        together). What the query read after it is read again: at least once across such a failover."""
+        key = dataclasses.astuple(position)
+        if key in self._resumed:
+            return self._resumed[key]
+        if holds(self._db(), self.stream_id, position):
+            return position
+        row = self._db().execute("select batch_id, ord from pgstream.consumers where name = %s and stream_id = %s",
+                                 [self.consumer, self.stream_id]).fetchone()
+        recorded = BEFORE_ALL if row is None else Position(int(row[0]), int(row[1]))
+        if recorded == position:
+            return position  # (its batch pruned, the query stopped past its consumer's bound: read on from there)
+        resumed = named(self._db(), self.stream_id, recorded)
+        _log.warning(f"pgstream source: stream {self.stream_id}: the ledger no longer holds event {position.event_id} "
+                     f"at batch {position.batch_id} ordinal {position.ord}, where this query read it (a failover of "
+                     f"the primary with its standby behind): going on from consumer {self.consumer}'s position "
+                     f"recorded in the database, batch {resumed.batch_id} ordinal {resumed.ord}; what the query "
+                     "read after it is read again")
+        self._resumed[key] = resumed
+        return resumed
 
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = next_position(self._db(), self.stream_id, BEFORE_ALL, None)
@@ -410,7 +460,10 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return next_position(self._db(), self.stream_id, BEFORE_ALL, None).as_offset()
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        spans = spans_between(self._db(), self.stream_id, Position.of(start), Position.of(end))
+        first, last = self._checked(Position.of(start)), Position.of(end)
+        if not holds(self._db(), self.stream_id, last):
+            last = first  # planned on a lost ledger: nothing (the next micro-batch goes on from the consumer's)
+        spans = spans_between(self._db(), self.stream_id, first, last)
         return [InputPartition([dataclasses.astuple(s) for s in group])
                 for group in split_spans(spans, self.parts, self.rows)]
 
@@ -448,7 +501,9 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 f"set failOnDataLoss=false to go on without them")
 
     def commit(self, end: dict[str, Any]) -> None:
-        self._record(Position.of(end))
+        position = Position.of(end)
+        if holds(self._db(), self.stream_id, position):
+            self._record(position)
 
     def stop(self) -> None:
         if self._conn is not None:

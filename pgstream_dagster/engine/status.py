@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
+from . import dbconn, replication
 from .batches import BatchStatus
 
 _STREAMS = """
@@ -161,6 +163,73 @@ def render_orphaned_slots(slots: list[dict[str, Any]]) -> str:
         f"\nslot {s['slot_name']}: no stream reads it, and it retains {_bytes(s['retained_bytes'])} of WAL"
         f"{' (in use by a connection)' if s['active'] else ''}; once no consumer needs it: select "
         f"pg_catalog.pg_drop_replication_slot('{s['slot_name']}')" for s in slots)
+
+
+#: pgstream's logical slots a standby holds that it did not synchronize from the primary: the names pgstream derives
+#: (a stream's default slot, a reader group's; a custom ``slot_name`` may be another consumer's and is not listed)
+_STANDBY_SLOTS = """
+select r.slot_name::text,
+       coalesce(pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_last_wal_replay_lsn(), r.restart_lsn), 0)::bigint,
+       r.wal_status
+from pg_catalog.pg_replication_slots r
+where pg_catalog.pg_is_in_recovery()
+  and r.database operator(pg_catalog.=) pg_catalog.current_database()
+  and r.slot_type operator(pg_catalog.=) 'logical'
+  and not coalesce((pg_catalog.to_jsonb(r) operator(pg_catalog.->>) 'synced')::boolean, false)
+  and (r.slot_name::text operator(pg_catalog.~) pgstream.default_slot_pattern()
+       or r.slot_name::text in (select g.slot from pgstream.reader_groups g))
+order by 1
+"""
+
+
+def url_hosts(database_url: str) -> list[tuple[str, str]]:
+    """``(host, port)`` of each server a libpq multi-host URL names, in its order (one host: one pair)."""
+    info = conninfo_to_dict(database_url)
+    hosts = str(info.get("host") or info.get("hostaddr") or "").split(",")
+    ports = str(info.get("port") or "5432").split(",")
+    return [(host, ports[i] if len(ports) > 1 else ports[0]) for i, host in enumerate(hosts) if host]
+
+
+def standby_slots(database_url: str, *, drop: bool = False) -> list[dict[str, Any]]:
+    """pgstream's slots that the standbys of ``database_url`` (the servers of a multi-host URL in recovery) hold and
+    did not synchronize from the primary: a former primary's, kept by ``pg_rewind`` when it rejoined as a standby,
+    each retaining WAL there. pgstream reads slots on the primary only, and replaces one behind the point the ledger
+    says its slot was created at (migration 033): ``drop`` drops them. A server that does not answer is passed over
+    (the old primary is often down for a while)."""
+    found: list[dict[str, Any]] = []
+    hosts = url_hosts(database_url)
+    if len(hosts) < 2:
+        return found
+    for host, port in hosts:
+        try:
+            conn = dbconn.connect(database_url, host=host, port=port, target_session_attrs="any", connect_timeout=2,
+                                  autocommit=True)
+        except psycopg.OperationalError:
+            continue
+        with conn:
+            try:
+                rows = conn.execute(_STANDBY_SLOTS).fetchall()
+            except psycopg.Error:  # (not a server of this database's cluster: nothing of pgstream's to look at)
+                continue
+            for name, retained, wal_status in rows:
+                slot = {"server": f"{host}:{port}", "slot_name": name, "retained_bytes": int(retained),
+                        "wal_status": wal_status, "dropped": False}
+                if drop:
+                    try:
+                        replication.drop_slot(conn, name)
+                        slot["dropped"] = True
+                    except psycopg.Error as exc:  # in use, or being synchronized since the look
+                        slot["error"] = dbconn.error_line(exc)
+                found.append(slot)
+    return found
+
+
+def render_standby_slots(slots: list[dict[str, Any]]) -> str:
+    """What ``pgstream-dagster status`` and the ``no_orphaned_slots`` check say of :func:`standby_slots`."""
+    return "".join(
+        f"\nslot {s['slot_name']} on standby {s['server']}: a former primary's (not synchronized from the primary), "
+        f"it retains {_bytes(s['retained_bytes'])} of WAL there; dropped by the next housekeeping, or there: select "
+        f"pg_catalog.pg_drop_replication_slot('{s['slot_name']}')" for s in slots if not s["dropped"])
 
 
 def failover_state(conn: psycopg.Connection, stream_id: int) -> tuple[Any, ...] | None:

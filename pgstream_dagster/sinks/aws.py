@@ -1,34 +1,7 @@
 """What the Amazon sinks (``sqs``, ``sns``, ``kinesis``; extra ``aws``, library boto3) share: the AWS
 client settings, the boto3 client, and the batch loop with its per-entry failure rule.
 
-**Credentials** come only from boto3's standard chain: the environment (``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``), ``AWS_PROFILE`` and the shared config files, web
-identity, the container or instance role. A sink config holds none: a key that looks like a
-credential is refused when the configuration is read, naming the key and never the value. The
-configuration holds ``region`` (else ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's) and
-an optional ``endpoint_url`` (LocalStack, moto). botocore's own DEBUG log lines have the session
-token (``X-Amz-Security-Token``) masked.
-
-**Batches.** An :class:`AwsBatchSink` checks every event first (``_prepare``: routing, size; a
-permanent rejection sends the events before it, then raises), cuts the prepared entries into
-requests of at most ``max_batch_size`` entries and the service's byte limit, and sends them one
-request at a time. A request's answer says, per entry, whether it was accepted. The prefix before
-the first failed entry is confirmed, in order; then:
-
-* a failed entry the service refused for what it is (``_EntryFailure.permanent``: too large,
-  invalid characters) raises a permanent :class:`SinkError` naming it;
-* any other failed entry (throttled, internal error) is sent again with the rest of its request
-  after a short backoff, up to ``max_attempts`` times, then raises a :class:`SinkError` that is not
-  permanent. Entries after a failed one that the service accepted are never counted as
-  confirmed: they are sent again (their idempotency key, the event id, lets consumers and FIFO
-  deduplication drop them), and no later request is sent before the failed entry is accepted.
-
-A request refused as a whole (an error answer) is not permanent, unless the service said it is
-about the content (each sink's ``_rejects_request``: too long, invalid characters): then the
-error names the events of that request (the caller isolates the bad one by publishing them one at
-a time). Unreachable endpoints, timeouts, throttling and 5xx answers are retried by botocore
-(``max_attempts``, standard retry mode) before they fail the publish.
-"""
+Credentials, shared keys, batches and per-entry failures: docs/sinks.md, "Amazon"."""
 
 from __future__ import annotations
 
@@ -117,12 +90,7 @@ def _mask_botocore_logs() -> None:
 
 
 class AwsSinkConfigBase(SinkConfigBase):
-    """Client settings of every AWS sink (``region``, ``endpoint_url`` and credentials: the module docstring).
-
-    ``timeout_secs``: connect and read timeout of each HTTP request. ``max_attempts``: attempts of a
-    request (botocore's standard retry mode: throttling, 5xx, connection errors) and of an entry
-    that failed for a transient reason.
-    """
+    """Client settings of every AWS sink; credentials come only from boto3's standard chain."""
 
     region: str | None = Field(default=None, pattern=r"^[a-z0-9-]{1,50}$")
     endpoint_url: str | None = None
@@ -162,17 +130,7 @@ class AwsSinkConfigBase(SinkConfigBase):
 
 
 class AwsMessageConfigBase(AwsSinkConfigBase):
-    """What SQS and SNS share: FIFO message groups, the message size limit, the batch size.
-
-    ``message_group_id_from``: event path of the ``MessageGroupId`` (order per group; the payload, or
-    ``metadata:<path>`` for the metadata: :data:`~.base.EventPath`), falling
-    back to ``message_group_id``, else to the stream id (one group per stream: commit order end to
-    end). A FIFO destination always gets a group; a standard one only when either key is set
-    (fair queues). ``max_message_bytes``: a message larger than this (body and attributes, in
-    bytes) is refused before sending, a permanent rejection; a batch request stays under it too.
-    ``max_batch_size``: entries per batch request (``1`` sends one message per request: strict order
-    even when an entry fails while later ones are accepted).
-    """
+    """What SQS and SNS share: FIFO message groups, the message size limit, the batch size."""
 
     message_group_id: str | None = Field(default=None, pattern=f"^{_GROUP_ID.pattern}$")
     message_group_id_from: EventPath | None = None
@@ -227,8 +185,8 @@ C = TypeVar("C", bound=AwsSinkConfigBase)
 
 
 class AwsBatchSink(Sink, Generic[C]):
-    """An AWS sink sending batch requests (see the module docstring for the failure rule). The
-    boto3 client is created on first publish and kept for the sink's life (a delivery run's)."""
+    """An AWS sink sending batch requests (the failure rule: docs/sinks.md, "Amazon"). The boto3 client
+    is created on first publish and kept for the sink's life (a delivery run's)."""
 
     service: ClassVar[str]
     #: what an entry is called in messages

@@ -15,9 +15,12 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from dataclasses import FrozenInstanceError
 from types import TracebackType
-from typing import Annotated, Any, ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+if TYPE_CHECKING:
+    import psycopg
 
 __all__ = [
     "PATH_SOURCES",
@@ -30,6 +33,7 @@ __all__ = [
     "Sink",
     "SinkConfigBase",
     "SinkError",
+    "connect_postgres",
     "conninfo_secrets",
     "describe_events",
     "describe_exception",
@@ -245,21 +249,13 @@ def _make_event(id: int, stream_id: int, payload: dict[str, Any] | None, metadat
 
 
 class SinkError(Exception):
-    """A destination did not confirm delivery. The message names the sink, the event id(s) and the reason.
+    """A destination did not confirm delivery. The message names the sink, the event id(s) and the reason,
+    never a secret (sinks scrub them before raising).
 
-    Messages never contain secrets (header values, passwords): sinks scrub them before raising.
-
-    ``permanent`` (keyword-only, default ``False``): the destination *rejected* the event(s) in
-    ``event_ids`` for what they are, so sending the same bytes again fails the same way (a payload
-    over a size limit, an HTTP 422, a destination name taken from the event that is missing or
-    invalid). Then ``event_ids`` names the rejected event(s), ideally exactly one: the first
-    rejected event in publish order; and every event before it in the publish call was confirmed.
-    When a sink cannot tell which event of a multi-event request was rejected (an HTTP batch
-    answered 400), ``event_ids`` holds the events of that request, the first rejected request in
-    publish order: the caller re-publishes them one at a time to isolate the bad one(s). Failures
-    that are transient or concern the whole configuration (destination down, timeouts,
-    authentication, a missing topic/stream/queue) are never permanent: retrying can succeed once
-    they are fixed, and classifying them permanent would reject every event.
+    ``permanent``: the destination rejected the event(s) in ``event_ids`` for what they are: the first
+    rejected event in publish order (every event before it confirmed), or the events of the first
+    rejected request when the destination cannot say which; never a failure of the destination or the
+    configuration. The rule: docs/sinks.md, "What is retried and what is rejected".
     """
 
     def __init__(self, message: str, *, sink: str | None = None, event_ids: Sequence[int] = (),
@@ -326,11 +322,9 @@ PATH_SOURCES = ("payload", "metadata")
 
 EventPath = Annotated[str, Field(
     pattern=r"^(?:(?:payload|metadata):)?[A-Za-z_][A-Za-z0-9_-]*(?:\.[A-Za-z_][A-Za-z0-9_-]*)*$")]
-"""A dotted path into an event: into its payload (``table``, ``data.tenant``, or explicitly
-``payload:data.tenant``) or, with the prefix ``metadata:``, into its metadata (``metadata:region``,
-``metadata:route.topic``). A bare path always reads the payload, also one whose first key is
-``metadata`` (``metadata.region`` is the key ``region`` of the payload's object ``metadata``), so a
-configuration written before metadata routing keeps its meaning; ``:`` is in no bare path."""
+"""A dotted path into an event's payload (``data.tenant``, ``payload:data.tenant``) or, prefixed
+``metadata:``, its metadata; a bare path always reads the payload (``metadata.region`` too, as before
+metadata routing). docs/sinks.md, "Routing by payload or metadata"."""
 
 PayloadPath = EventPath
 """Deprecated: the 0.1 name of :data:`EventPath`, kept so that custom sinks written for 0.1 still
@@ -662,6 +656,24 @@ def scrub_conninfo(text: str, *conninfos: str | None) -> str:
     return _PASSWORD_PARAM.sub(lambda m: f"{m.group('key')}***", text)
 
 
+def connect_postgres(url: str, settings: str = "", **kwargs: Any) -> psycopg.Connection[Any]:
+    """``psycopg.connect(url, autocommit=True, **kwargs)`` whose session has ``search_path = pg_catalog,
+    pg_temp`` (nothing on the role's path can redirect a name) and ``settings`` (more ``-c``), after the
+    URL's own ``options``; a failure raises psycopg's error with the URL's password masked."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(url).get("options") or ""
+        options = " ".join(part for part in (str(given), settings, "-c search_path=pg_catalog,pg_temp") if part)
+        return psycopg.connect(url, autocommit=True, options=options, **kwargs)
+    except psycopg.Error as exc:
+        message = scrub_conninfo(str(exc), url)
+        if message == str(exc):
+            raise
+        raise type(exc)(message) from None
+
+
 #: an HTTP header name (RFC 9110 token)
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
@@ -688,20 +700,18 @@ def header_value(name: str, value: str) -> str:
     return cleaned
 
 
+#: the sink class each config class builds: ``class XSink(Sink, builds=XSinkConfig)``
+_BUILT_BY: dict[type, type[Sink]] = {}
+
+
 class Sink(ABC):
-    """Delivers events to a destination.
+    """Delivers events to a destination. A sink names the config class it is built from (``builds=``).
 
-    ``publish`` returns only once the destination confirmed every event, delivered in the given order,
-    and raises :class:`SinkError` otherwise (some events may then have been delivered: callers retry
-    the whole batch and rely on the event id being an idempotency key). A sink is used from one thread.
-    A pickled sink unpickles as a fresh sink built from the same config (connections are not shipped).
-    A delivery run keeps one sink for its whole life (every round of an open run) and closes it when
-    the run ends: between calls a sink may sit idle for a while, and must notice a connection the
-    server closed meanwhile.
-
-    Permanent rejections (:class:`SinkError` ``permanent=True``): the caller may set the rejected
-    event(s) aside (dead letters) and go on with the events after them. Each sink documents what it
-    treats as permanent.
+    ``publish`` returns only once the destination confirmed every event, in the given order, else raises
+    :class:`SinkError` (callers retry the whole batch: the event id is the idempotency key). A sink is
+    used from one thread; a delivery run keeps one for its whole life, idle between calls (it must
+    notice a connection the server closed meanwhile); a pickled sink unpickles as a fresh one built
+    from its config. The contract: docs/sinks.md, "Writing a custom sink".
     """
 
     type_name: ClassVar[str]
@@ -715,6 +725,11 @@ class Sink(ABC):
     #: once it is false, sends nothing more and raises a (not permanent) :class:`SinkError`: what it
     #: sent then could not be recorded and would be sent again by the next run (the HTTP sink does)
     go_on: Callable[[], bool] | None = None
+
+    def __init_subclass__(cls, builds: type[SinkConfigBase] | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if builds is not None:
+            _BUILT_BY[builds] = cls
 
     def __init__(self, config: SinkConfigBase) -> None:
         self.config = config
@@ -740,9 +755,7 @@ class Sink(ABC):
         """The largest payload (its JSON text, in UTF-8 bytes) this sink can ever send, or None when it
         has no limit of its own. What every message of the sink carries at least is the payload, so an
         event whose payload is larger can never be delivered: the delivery reads it only as far as its
-        size and sets it aside as a dead letter before anything is sent (never retried). A sink whose
-        destination declares a limit overrides this (SQS, SNS, Kinesis, Kafka, MQTT; HTTP, Redis and
-        RabbitMQ with ``max_body_bytes`` / ``max_message_bytes`` set)."""
+        size and sets it aside as a dead letter before anything is sent (never retried)."""
         return None
 
     def publish_json_lines(self, lines: bytes, count: int, first_id: int, last_id: int) -> None:
@@ -803,18 +816,21 @@ class SinkConfigBase(BaseModel):
         return self
 
     def build(self) -> Sink:
-        """Instantiate the sink described by this config."""
+        """Instantiate the sink described by this config: the sink class naming it (or its nearest base
+        config) in ``builds=``. A config may override it."""
+        for model in type(self).__mro__:
+            if model in _BUILT_BY:
+                return _BUILT_BY[model](self)
         raise NotImplementedError(f"{type(self).__name__} does not implement build()")
 
     def secret_values(self) -> list[str]:
-        """Plain-text secret values of this config, masked out of error messages."""
-        found: list[str] = []
-        for name in type(self).model_fields:
-            found += _secret_strings(getattr(self, name))
-        return found
+        """Plain-text secret values of this config (its nested models' too), masked out of error messages."""
+        return _secret_strings(self)
 
 
 def _secret_strings(value: Any) -> list[str]:
+    if isinstance(value, BaseModel):
+        return [s for name in type(value).model_fields for s in _secret_strings(getattr(value, name))]
     if isinstance(value, SecretStr):
         text = value.get_secret_value()
         # a connection URL's password also when libpq refuses the URL and echoes it (conninfo_secrets)

@@ -1,12 +1,6 @@
 """Delta Lake sink (the ``deltalake`` package, delta-rs: no JVM): each publish call is one Delta commit
 carrying a transaction identifier (app id ``pgstream-stream-<id>``, version: the token of the call's
-last ledger position), so a retried or replayed call is a no-op (see :mod:`.lake`).
-
-Partitioned by ``day``; a column the table lacks is added (``schema_mode: merge``).
-
-Permanent rejections: with ``typed_columns``, an event whose row holds a value its typed column cannot
-hold (see :mod:`.lake`); storage and schema failures are about the table.
-"""
+last ledger position). Docs: docs/lake/delta.md."""
 
 from __future__ import annotations
 
@@ -38,11 +32,8 @@ class DeltaSinkConfig(LakeSinkConfigBase):
         default_factory=dict, description="delta-rs storage options (credentials, endpoint) for an object store; "
                                           "values are secrets, never logged")
 
-    def build(self) -> DeltaSink:
-        return DeltaSink(self)
 
-
-class DeltaSink(LakeSink):
+class DeltaSink(LakeSink, builds=DeltaSinkConfig):
     """Appends to a Delta table; each commit records the stream's transaction version."""
 
     type_name: ClassVar[str] = "delta"

@@ -1,9 +1,5 @@
-"""File sink: appends one JSON line per event and fsyncs before ``publish`` returns.
-
-Permanent rejections: none. Any event can be written as a line; what fails (a full disk, a quota,
-permissions, a missing mount) is about the file system and can succeed once it is fixed, so every
-:class:`SinkError` of this sink has ``permanent=False``.
-"""
+"""File sink: appends one JSON line per event and fsyncs before ``publish`` returns. Permanent
+rejections: none (a full disk, a quota, permissions are the file system's and can be fixed)."""
 
 from __future__ import annotations
 
@@ -24,11 +20,8 @@ class FileSinkConfig(SinkConfigBase):
     type: Literal["file"] = "file"
     path: str
 
-    def build(self) -> FileSink:
-        return FileSink(self)
 
-
-class FileSink(Sink):
+class FileSink(Sink, builds=FileSinkConfig):
     """Appends events as JSON lines (UTF-8); the file and its parent directories are created on demand.
 
     A batch is written with unbuffered appends, then fsynced. If writing fails, the file is truncated

@@ -1,28 +1,6 @@
 """HTTP / webhook sink (httpx + tenacity): signed, retried, concurrent per routing key, order kept per key.
 
-Requests carry the Standard Webhooks headers (``webhook-id``, ``webhook-timestamp`` and, with a signing
-secret, ``webhook-signature``: :func:`sign`). Each request is retried on connection errors, timeouts, 5xx,
-408 and 429 (:meth:`HttpSink._wait`), honouring ``Retry-After`` on 429/503, within a bounded budget
-(attempts and seconds); other 4xx fail at once.
-
-Permanent rejections (``SinkError.permanent``): a 4xx answer other than those below, i.e. the receiver
-refused this request's content (400, 409, 413, 422...), and a body over ``max_body_bytes`` (refused
-before sending). Not permanent, because they say nothing about the event and would reject every
-one: 401, 403 and 407 (credentials, signature), 404, 405, 410 and 421 (wrong URL or method), 415
-and 431 (content type and headers are the same for every request), 426 (needs another protocol),
-408 and 429 (retried: time and rate); and 3xx, 5xx, timeouts and connection errors. Except when the
-refused part of the request came from the event: a 404 or 410 on a ``path_from`` segment taken from
-the event (not ``path_default``) and a 431 on a request carrying ``headers_from`` values are
-permanent rejections of that event (a receiver refusing every route is the stream's reject-storm
-guard's to catch). A batch request (``mode: batch``) refused as a whole names all its events; the
-caller isolates the bad one by publishing them one at a time. With ``routing_key``, the other keys'
-requests that come before the rejected event in the call are still sent, so that every event before
-it is confirmed. With ``path_from``/``headers_from``, an event whose path segment or header value
-cannot be sent (not a URL path segment, a line break or non-ASCII in a header value, an object where
-a scalar belongs, no segment and no ``path_default``, a header value over ``max_header_value_bytes``,
-a payload Python cannot parse) is a permanent rejection, found before anything is sent: the events
-before it are sent first. The message names the path and the header, never the value.
-"""
+Keys, headers, retries and permanent rejections: docs/sinks.md, ``http``."""
 
 from __future__ import annotations
 
@@ -80,7 +58,7 @@ _RETRY_AFTER_STATUSES = frozenset({429, 503})
 _RETRY_4XX = frozenset({408, 429})
 
 #: 4xx answers about the configuration, not about the request's content (they would reject every event):
-#: not permanent rejections (the module docstring says which is which)
+#: not permanent rejections (docs/sinks.md says which is which)
 _CONFIG_4XX = frozenset({401, 403, 404, 405, 407, 410, 415, 421, 426, 431})
 
 #: of those, the ones about a part of the request taken from the event when there is one (a ``path_from``
@@ -149,40 +127,7 @@ def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
 
 
 class HttpSinkConfig(SinkConfigBase):
-    """POST events to ``url`` (``type: http``, alias ``webhook``).
-
-    ``per_event``: one request per event; the body is the payload (``body: event``: the whole event with
-    id, stream_id, created_at, payload, metadata). ``batch``: a JSON array of up to ``max_batch_size``
-    of those, header ``X-Pgstream-Event-Ids``. The event id is the idempotency key: headers
-    ``webhook-id``, ``Idempotency-Key`` and ``X-Pgstream-Event-Id`` (a batch uses ``<first>-<last>``).
-    Any 2xx confirms. ``url`` (tokens in query strings or the path), ``headers`` values and
-    ``signing_secret`` are secrets; messages show the URL without user info and query string, and with
-    its path masked from the first segment that is not a short lower-case word (:func:`redact_url`).
-    Header names must be HTTP tokens; header values (and the URL) lose trailing whitespace such as
-    the line break of a file-mounted secret, and are refused when a control character (CR, LF...)
-    or, for header values, a non-ASCII character remains: the error names the header, never the value.
-
-    ``routing_key``: an event path (payload, or ``metadata:...``); events with the same key are sent one
-    after another in order, different keys in parallel up to ``max_concurrency``. Without it every
-    event is sent in order.
-
-    ``path_from``: an event path whose scalar is appended to the URL's path as one segment (``url``
-    ``https://h/hooks`` and ``metadata:region`` = ``eu`` post to ``https://h/hooks/eu``); it must be
-    made of letters, digits and ``. _ ~ -`` (not ``.`` or ``..``). Without a value the event goes to
-    ``path_default`` (a segment, checked when the configuration is loaded), else it is rejected.
-    ``headers_from``: header name -> event path; the header carries the scalar there (omitted when
-    the event has none), checked like ``headers`` values (no control characters, ASCII). Names must
-    be HTTP tokens, not one of ``headers`` nor a header the sink sets (``Content-Type``,
-    ``webhook-*``, ``Idempotency-Key``, ``X-Pgstream-*``) or that frames the request (``Host``,
-    ``Content-Length``...). ``mode: batch`` puts consecutive events with the same path and headers
-    in one request.
-    Each request: at most ``max_attempts`` attempts within ``max_retry_secs`` (plus one request
-    timeout); ``timeout_secs`` bounds each network operation (connect, write, read).
-
-    ``max_body_bytes``: refuse (permanently, without sending) a request whose body is larger; a batch
-    is cut before it would exceed it, so only an event too large on its own is refused. Permanent
-    rejections: see the module docstring.
-    """
+    """POST events to ``url`` (``type: http``, alias ``webhook``)."""
 
     type: Literal["http", "webhook"] = "http"
     url: SecretStr
@@ -247,9 +192,6 @@ class HttpSinkConfig(SinkConfigBase):
         if secret is not None:
             decode_signing_secret(secret.get_secret_value())
         return secret
-
-    def build(self) -> HttpSink:
-        return HttpSink(self)
 
 
 #: one event of a publish call: its position in the call, the event, its route
@@ -338,7 +280,7 @@ class _Control:
         return sleep
 
 
-class HttpSink(Sink):
+class HttpSink(Sink, builds=HttpSinkConfig):
     """A shared ``httpx.Client`` (keep-alive, one connection per lane) and a thread pool for the lanes."""
 
     type_name: ClassVar[str] = "http"

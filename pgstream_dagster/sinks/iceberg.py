@@ -1,15 +1,6 @@
-"""Apache Iceberg sink (the ``pyiceberg`` package with a SQL catalog in Postgres): each publish call
-is one append whose snapshot summary holds the token of the call's last ledger position
-(``pgstream.stream-<id>.position``, see :mod:`.lake`), and so does a table property set by the same
-commit (snapshot expiry cannot remove it); before appending, the sink reads it (else the newest
-snapshot carrying it), so a retried or replayed call is a no-op.
-
-The table (and its namespace) is created on the first write, partitioned by ``day``; a column the
-table lacks is added (``update_schema().union_by_name``).
-
-Permanent rejections: with ``typed_columns``, an event whose row holds a value its typed column cannot
-hold (see :mod:`.lake`); catalog, storage and schema failures are about the table.
-"""
+"""Apache Iceberg sink (the ``pyiceberg`` package with a SQL catalog in Postgres): each publish call is one
+append whose snapshot summary, and a table property set by the same commit, hold the token of the call's
+last ledger position (``pgstream.stream-<id>.position``). Docs: docs/lake/iceberg.md."""
 
 from __future__ import annotations
 
@@ -65,11 +56,8 @@ class IcebergSinkConfig(LakeSinkConfigBase):
             raise ValueError("catalog_url must be a postgresql:// URL (the SQL catalog lives in Postgres)")
         return value
 
-    def build(self) -> IcebergSink:
-        return IcebergSink(self)
 
-
-class IcebergSink(LakeSink):
+class IcebergSink(LakeSink, builds=IcebergSinkConfig):
     """Appends to an Iceberg table; each snapshot records the stream's last position."""
 
     type_name: ClassVar[str] = "iceberg"

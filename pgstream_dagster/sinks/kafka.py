@@ -1,24 +1,7 @@
 """Kafka sink (extra ``kafka``, library confluent-kafka): an idempotent producer, each publish
 confirmed by the broker before it returns.
 
-Order: Kafka keeps order within a partition. The message key picks the partition: by default the
-stream id (every event of a stream in one partition: commit order, end to end), or the value at
-event path ``key_from`` (order per key, keys spread over partitions). The idempotent producer
-(``enable.idempotence``, ``acks=all``) keeps that order through its own retries, and the broker
-drops the duplicates those retries would cause.
-
-Permanent rejections (``SinkError.permanent``): a message the client refuses when it is produced
-because it is larger than the producer's ``message.max.bytes`` (librdkafka's default: 1,000,000
-bytes), a delivery report with a per-record error (MSG_SIZE_TOO_LARGE: over the topic's or broker's
-``max.message.bytes``; RECORD_LIST_TOO_LARGE; INVALID_RECORD: e.g. a broker-side schema check) when
-every event before it was confirmed, and an event whose topic cannot be taken from it (missing
-from its payload or metadata with no fixed ``topic``, or not a legal topic name). The broker
-refuses a whole record batch at once, so the reports cannot tell which message was at fault: the
-error then names every consecutive refused event from the first one, and the caller isolates the
-bad one by publishing them one at a time.
-Not permanent: an unreachable broker, timeouts, authentication and other fatal client errors,
-invalid producer settings, an unknown topic (create it), and every other delivery error.
-"""
+Keys, order, producer settings and permanent rejections: docs/sinks.md, ``kafka``."""
 
 from __future__ import annotations
 
@@ -80,16 +63,7 @@ class KafkaSinkConfig(SinkConfigBase):
     ``key_from`` (falling back to the stream id). Event paths read the payload (``table``) or, with
     ``metadata:``, the metadata (``metadata:region``: :data:`~.base.EventPath`). Headers
     ``pgstream-event-id`` (the idempotency key), ``pgstream-stream-id``, ``content-type`` and, when
-    present, ``pgstream-metadata``.
-
-    ``options``: more librdkafka producer settings (``compression.type``, ``linger.ms``,
-    ``security.protocol``, ``sasl.mechanism``, ``sasl.username``, ``ssl.ca.location``...);
-    ``secret_options``: the ones that are secrets (``sasl.password``, ``ssl.key.password``), kept out
-    of logs, messages and the UI; ``options`` refuses them (every key naming a password, secret or
-    passphrase, and ``sasl.oauthbearer.config``, ``ssl.key.pem``, the private key PEMs).
-    ``timeout_secs``: a publish call fails unless the broker confirmed every message within this
-    time.
-    """
+    present, ``pgstream-metadata``."""
 
     type: Literal["kafka"] = "kafka"
     bootstrap_servers: str = Field(default="127.0.0.1:9092", min_length=1)
@@ -118,9 +92,6 @@ class KafkaSinkConfig(SinkConfigBase):
                              "logs, messages and the UI), e.g. secret_options: {sasl.password: \"${KAFKA_PASSWORD}\"}")
         return self
 
-    def build(self) -> KafkaSink:
-        return KafkaSink(self)
-
 
 class _LibrdkafkaLog:
     """librdkafka's own log lines (a refused connection is logged on every retry) at DEBUG, secrets
@@ -134,11 +105,9 @@ class _LibrdkafkaLog:
             log.debug("librdkafka: %s", scrub(msg % args if args else msg, self._secrets))
 
 
-class KafkaSink(Sink):
-    """One producer per sink, created on first publish and kept for the sink's whole life (a delivery
-    run keeps one sink for all its rounds: a new idempotent producer waits 0.5-1 s for its producer
-    id before it sends anything); replaced only after a failure (purged and dropped), flushed and
-    dropped on :meth:`close`."""
+class KafkaSink(Sink, builds=KafkaSinkConfig):
+    """One producer per sink, created on first publish and kept for the sink's life (a new idempotent
+    producer waits 0.5-1 s for its producer id); purged and dropped after a failure, flushed on :meth:`close`."""
 
     type_name: ClassVar[str] = "kafka"
     config: KafkaSinkConfig
@@ -186,7 +155,6 @@ class KafkaSink(Sink):
             self._fatal_error = self._client_error
 
     def publish(self, events: Sequence[Event]) -> None:
-        # every route first: the events before a rejected one are sent, then it is rejected
         publish_prepared(events, self._route, self._produce)
 
     def _produce(self, events: Sequence[Event], routes: Sequence[tuple[str, str]]) -> None:

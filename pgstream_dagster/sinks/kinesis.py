@@ -1,27 +1,7 @@
-"""Amazon Kinesis Data Streams sink (extra ``aws``, library boto3): ``PutRecords`` of up to
-``max_batch_size`` (500) records and 5 MiB per request, each record's acceptance checked; with
-``max_batch_size: 1``, ``PutRecord`` one record at a time with ``SequenceNumberForOrdering``.
+"""Amazon Kinesis Data Streams sink (extra ``aws``, library boto3): ``PutRecords``, each record's acceptance
+checked (``max_batch_size: 1``: ``PutRecord`` chained by ``SequenceNumberForOrdering``).
 
-Data: the whole event as JSON, ``{"id", "stream_id", "created_at", "payload", "metadata"}`` (a
-record has no headers: ``id`` is the idempotency key consumers dedupe on). Partition key: the
-value at event path ``partition_key_from`` (payload, or ``metadata:<path>``), else ``partition_key``,
-else the event id (records spread over the shards). Kinesis orders records per shard; a fixed ``partition_key`` puts a
-stream's events in one shard (commit order end to end, within one shard's throughput).
-
-Order: a record that fails stops the prefix: the records before it are confirmed, no later request
-is sent before it is accepted, and records after it that the same ``PutRecords`` call wrote are not
-counted as confirmed (they are written again after it: consumers dedupe on ``id``). For strict order
-per shard even then, set ``max_batch_size: 1``: each record is written only after the previous one
-was confirmed, chained with ``SequenceNumberForOrdering`` per partition key.
-
-Permanent rejections (``SinkError.permanent``), the events before it confirmed: a record larger than
-``max_record_bytes`` (data and partition key; 1 MiB by default) and a partition key longer than 256
-characters from the event, both refused before sending; a request refused whole with a
-``ValidationException`` about a record's size (the error names that request's events).
-Not permanent: ``ProvisionedThroughputExceededException`` and ``InternalFailure`` of a record (sent
-again up to ``max_attempts`` times first, with the records after it), KMS errors, a missing stream,
-access denied, an unreachable endpoint, timeouts, missing credentials or region.
-"""
+Keys, the record, order and permanent rejections: docs/sinks.md, ``kinesis``."""
 
 from __future__ import annotations
 
@@ -64,11 +44,8 @@ class KinesisSinkConfig(AwsSinkConfigBase):
             raise ValueError("set either stream_name or stream_arn")
         return self
 
-    def build(self) -> KinesisSink:
-        return KinesisSink(self)
 
-
-class KinesisSink(AwsBatchSink[KinesisSinkConfig]):
+class KinesisSink(AwsBatchSink[KinesisSinkConfig], builds=KinesisSinkConfig):
     type_name: ClassVar[str] = "kinesis"
     service: ClassVar[str] = "kinesis"
     entry_noun: ClassVar[str] = "record"

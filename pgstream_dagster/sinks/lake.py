@@ -1,28 +1,7 @@
 """What the lake sinks (``delta``, ``iceberg``, ``parquet``) share: the table's columns, events as an
-Arrow table, and exactly-once keyed by the ledger position.
-
-**Exactly once.** The delivery publishes a stream's events in ledger order, one publish call after the
-other, and tells the sink each event's position ``(batch_id, ord)`` (``Sink.publish_at``). A lake sink
-writes the events of a call in one commit that also records the position of its last event (its
-*token*, :func:`token`: ``batch_id * 2**32 + ord``, increasing along the delivery order): Delta's
-transaction identifier of the stream, an Iceberg snapshot property, a Parquet commit marker. Before
-writing, the sink reads the stream's token and drops the events at or before it: a call retried after
-a crash (its commit made, its confirmation not recorded), resumed with other chunk boundaries, or
-replayed from an older position is written once, the part already committed not again.
-
-A replay (``pgstream_replay``) publishes events by id, not by ledger position (batch
-``0``): the sink reads which ids of the call's id range the table already holds for the stream and
-writes only the others. Replaying a range the table has is a no-op; replaying into an emptied table
-fills it.
-
-Permanent rejections (``SinkError.permanent``), the events before it committed: with
-``typed_columns``, an event whose row holds a value its typed column cannot hold, one Postgres would
-refuse for the column's type too (70000 for a ``smallint``, a date that is none, a string for a
-``boolean``): the sink commits the events before it, then names it. A value Postgres holds and
-Arrow cannot (a date or timestamp of ``infinity``, before year 1 or after 9999) is null instead, the
-``payload`` column keeps it. What else fails (storage, the catalog, a schema the table cannot take)
-is about the table, not about one event.
-"""
+Arrow table, and exactly-once keyed by the ledger position (each commit records the :func:`token` of
+its last event; of the events at or before it, the sink writes only those whose id the table lacks). How and
+why: docs/lake.md."""
 
 from __future__ import annotations
 
@@ -44,6 +23,7 @@ from .base import (
     Sink,
     SinkConfigBase,
     SinkError,
+    connect_postgres,
     describe_exception,
     dumps,
     event_columns,
@@ -408,14 +388,7 @@ order by 1
 def catalog_columns(database_url: str, stream_id: int) -> list[TypedColumn]:
     """The columns the stream's subscriptions publish, typed from the catalog (``pg_attribute``), in
     name order; a name two tables give different types is a string column."""
-    import psycopg
-    from psycopg.conninfo import conninfo_to_dict
-
-    # nothing on the role's search path can redirect a name of the query (every one is qualified anyway);
-    # options of the URL (a role to set) are kept
-    options = f"{conninfo_to_dict(database_url).get('options') or ''} -c search_path=pg_catalog,pg_temp".strip()
-    with psycopg.connect(database_url, autocommit=True, application_name="pgstream lake sink",
-                         options=options) as conn:
+    with connect_postgres(database_url, application_name="pgstream lake sink") as conn:
         rows = conn.execute(_CATALOG_COLUMNS, [stream_id]).fetchall()
     types: dict[str, set[str]] = {}
     for name, pg_type in rows:
@@ -447,7 +420,7 @@ class LakeSinkConfigBase(SinkConfigBase):
 
 
 class LakeSink(Sink):
-    """A sink whose commits are keyed by the ledger position (see the module docstring). Subclasses
+    """A sink whose commits are keyed by the ledger position (docs/lake.md). Subclasses
     implement reading the stream's token, reading the ids present in an id range, and one commit."""
 
     type_name: ClassVar[str]
@@ -467,7 +440,13 @@ class LakeSink(Sink):
 
     @abstractmethod
     def read_token(self, stream_id: int) -> int | None:
-        """The token the table holds for the stream, ``None`` when none (or no table yet)."""
+        """The token the table holds for the stream, ``None`` when none (or no table yet); a read only (any
+        process may call it while the stream's writer writes)."""
+
+    def recover(self, stream_id: int) -> int | None:
+        """The stream's writer, before its first write: the token, once what a writer of the stream killed before
+        its commit left is undone. The default: the format's commit is atomic, nothing to undo."""
+        return self.read_token(stream_id)
 
     @abstractmethod
     def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
@@ -525,7 +504,7 @@ class LakeSink(Sink):
     def publish_at(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
         if not events:
             return
-        if positions[0][0] == 0:  # a replay: positions are event ids
+        if all(b == 0 for b, _o in positions):  # a replay: positions are event ids
             self.publish(events)
             return
         self._guard(events, lambda: self._positioned(events, positions))
@@ -533,19 +512,22 @@ class LakeSink(Sink):
     def _positioned(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
         stream_id = event_stream(events)
         if stream_id not in self._tokens:
-            self._tokens[stream_id] = self.read_token(stream_id)
+            self._tokens[stream_id] = self.recover(stream_id)
         committed = self._tokens[stream_id]
-        if committed is None:
-            start = 0
-        else:
-            start = next((i for i, (b, o) in enumerate(positions) if token(b, o) > committed), len(events))
-        if start == len(events):
-            return  # committed before: a retry or a replay of the same positions
-        pending = events[start:]
+        # by id: positions committed before (a retry, or after a failover of the primary that lost ledger batches, the
+        # same positions handed out again for other events: ledger ids are not event ids) and events at batch 0 (a
+        # former primary's, which it may have written here: the engine's ``ended_below``)
+        known = [b == 0 or (committed is not None and token(b, o) <= committed) for b, o in positions]
+        if any(known):
+            self._by_id([e for e, k in zip(events, known, strict=True) if k])
+        fresh = [i for i, k in enumerate(known) if not k]
+        if not fresh:
+            return
+        pending = [events[i] for i in fresh]
         table, unfit, why = self._arrow(stream_id, pending)
         if table is not None:
-            last = positions[start + table.num_rows - 1]
-            self.commit(stream_id, table, (positions[start], last))
+            last = positions[fresh[table.num_rows - 1]]
+            self.commit(stream_id, table, (positions[fresh[0]], last))
             self._tokens[stream_id] = token(*last)
         if unfit is not None:
             raise self._error([pending[unfit]], self._at(why), permanent=True)

@@ -22,23 +22,7 @@ _closed: dict[str, int] = {}
 
 
 class MemorySinkConfig(SinkConfigBase):
-    """Deliver into a process-global list named ``name`` (unit tests only).
-
-    ``fail_times``: the first N publish calls on this ``name`` (counted per process, across sink
-    instances, until :meth:`MemorySink.reset`) raise :class:`SinkError` without delivering anything.
-
-    Permanent rejections (simulated): a publish call holding an event whose id is in ``reject_ids``
-    delivers the events before it, then raises ``SinkError(permanent=True)`` naming that event; the
-    events after it are not delivered. ``reject_times``: reject each of those ids only the first N
-    times it is published (counted per ``name`` and id, across sink instances, until
-    :meth:`MemorySink.reset`); ``0`` rejects it every time. ``reject_whole_call``: like a destination
-    that cannot say which event of a request it refused (an HTTP batch answered 400): a call of
-    several events holding a rejected id delivers nothing and the error names every event of the
-    call (a call of that one event is rejected as above). ``fail_times`` is checked first.
-
-    :meth:`MemorySink.fail_next` breaks the sinks of a ``name`` at run time, and
-    :meth:`MemorySink.opened` / :meth:`MemorySink.closed` count the sinks built and closed.
-    """
+    """Deliver into a process-global list named ``name`` (unit tests only)."""
 
     type: Literal["memory"] = "memory"
     name: str = "default"
@@ -47,15 +31,9 @@ class MemorySinkConfig(SinkConfigBase):
     reject_times: int = Field(default=0, ge=0)
     reject_whole_call: bool = False
 
-    def build(self) -> MemorySink:
-        return MemorySink(self)
 
-
-class MemorySink(Sink):
-    """Appends events to a process-global list; read it back with :meth:`delivered`. Unit tests only.
-
-    Permanent rejections: only the simulated ones of ``reject_ids`` (see :class:`MemorySinkConfig`).
-    """
+class MemorySink(Sink, builds=MemorySinkConfig):
+    """Appends events to a process-global list; read it back with :meth:`delivered`. Unit tests only."""
 
     type_name: ClassVar[str] = "memory"
     config: MemorySinkConfig

@@ -1,36 +1,6 @@
 """MQTT sink (extra ``mqtt``, library paho-mqtt 2.x): QoS 1 publishes, each acknowledged (PUBACK).
 
-A publish call sends its messages in order on one connection (up to the client's in-flight window,
-20 unacknowledged messages, at once) and returns only once the broker acknowledged every one of
-them; the acknowledgements are checked in publish order. Retain is off. MQTT 5 (the default) carries
-the event id in the user property ``pgstream-event-id`` (the idempotency key: QoS 1 may deliver a
-message twice and a failed call is sent again whole, so consumers deduplicate on it) and lets the
-broker refuse a message with a PUBACK reason code; MQTT 3.1.1 has neither, so it requires
-``body: event`` (the id travels in the body) and a broker silently drops what it does not accept.
-
-The connection is opened by the first publish and kept for the sink's life by the client's network
-thread (keep-alive pings while the sink is idle); it never reconnects by itself: a connection the
-broker closed is noticed by the next publish, which opens a new one. A call whose connection is lost
-or stalls fails (not permanently), and the client is discarded with whatever it had not written yet
-(a new client never resends it; what was on the wire may still arrive: a duplicate).
-
-Permanent rejections (``SinkError.permanent``), the events before it acknowledged first:
-
-* a payload over ``max_message_bytes`` (not sent; keep it at or below the broker's limit, Mosquitto's
-  ``message_size_limit``, so an oversized event is refused here rather than by the broker), or too
-  large for any MQTT packet (256 MiB);
-* a topic the payload lacks (no fixed ``topic``) or makes invalid (empty, a ``+``/``#`` wildcard,
-  a NUL character, a leading ``$``, over 65,535 bytes): not sent;
-* MQTT 5: a PUBACK reason code 0x99 "payload format invalid" (about the payload itself), and the
-  other refusals (0x80 unspecified, 0x83 implementation specific, 0x87 not authorized, 0x90 topic
-  name invalid) when the topic comes from the payload. The events after the refused one in the call
-  were sent too and may have been accepted: the stream sends them again (consumers deduplicate).
-
-Not permanent: a refusal of a message sent to the fixed ``topic`` (the configuration's or the
-broker's fault: it would refuse every event), 0x97 quota exceeded and 0x91 packet identifier in use
-(whatever the topic), a connection refused or lost, a CONNACK refusal (bad user name or password,
-not authorized, server unavailable), TLS errors, and a call not acknowledged within ``timeout_secs``.
-"""
+Keys, the connection's life, refusals and permanent rejections: docs/sinks.md, ``mqtt``."""
 
 from __future__ import annotations
 
@@ -105,13 +75,7 @@ class MqttTlsConfig(BaseModel):
 
 class MqttSinkConfig(SinkConfigBase):
     """Publish each event (QoS 1, not retained) to ``topic``, or to ``topic_prefix`` + the value at
-    payload path ``topic_from`` (falling back to ``topic``).
-
-    ``body: payload`` (default) sends the payload's JSON text, ``body: event`` the whole event
-    ``{id, stream_id, created_at, payload, metadata}``. MQTT 5 adds user properties
-    ``pgstream-event-id``, ``pgstream-stream-id`` and, when present, ``pgstream-metadata``, and the
-    content type ``application/json``.
-    """
+    payload path ``topic_from`` (falling back to ``topic``)."""
 
     type: Literal["mqtt"] = "mqtt"
     host: str = Field(default="127.0.0.1", min_length=1)
@@ -163,14 +127,6 @@ class MqttSinkConfig(SinkConfigBase):
             raise ValueError("password needs username")
         return self
 
-    def build(self) -> MqttSink:
-        return MqttSink(self)
-
-    def secret_values(self) -> list[str]:
-        tls = self.tls
-        extra = [tls.keyfile_password.get_secret_value()] if tls is not None and tls.keyfile_password else []
-        return super().secret_values() + extra
-
 
 @dataclass(frozen=True)
 class _Message:
@@ -205,7 +161,7 @@ class _Connection:
             self.cond.notify_all()
 
 
-class MqttSink(Sink):
+class MqttSink(Sink, builds=MqttSinkConfig):
     """Connects on first publish; the connection (and its network thread) lives until :meth:`close` or a failure."""
 
     type_name: ClassVar[str] = "mqtt"
@@ -226,7 +182,6 @@ class MqttSink(Sink):
     # -- publishing ------------------------------------------------------------------------------------
 
     def publish(self, events: Sequence[Event]) -> None:
-        # every message first: the events before a rejected one are sent, then it is rejected
         publish_prepared(events, self._message, self._send)
 
     def _message(self, event: Event) -> _Message:

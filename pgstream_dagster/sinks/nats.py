@@ -1,23 +1,6 @@
 """NATS sink (extra ``nats``, library nats-py): JetStream publish with acks, or core NATS + flush.
 
-nats-py is asyncio-only while sinks are called synchronously, so each sink owns a private event loop
-running in a daemon thread (keeping the connection's pings and reconnects alive between publish calls);
-``publish`` submits a coroutine to it and blocks until it finishes. This also works when the caller's
-own thread already runs an event loop.
-
-Permanent rejections (``SinkError.permanent``), after the events before it were acknowledged (core
-NATS: published and flushed): a message larger than the server's ``max_payload`` (payload and
-headers; 1 MiB by default), refused before sending (a server receiving one would close the
-connection), also when the client raises ``MaxPayloadError``; a JetStream answer "message size
-exceeds maximum allowed" (the stream's ``max_msg_size``, err_code 10054) or "header size exceeds
-maximum allowed" (10097); an event whose subject cannot be taken from it (missing from its
-payload or metadata with no fixed ``subject``, or invalid: whitespace, wildcard, empty token, over
-``_MAX_SUBJECT_BYTES``: the server would close the connection on a protocol line that long); a
-subject taken from the event that no JetStream stream captures (a prefix no stream covers rejects
-every event: the stream's reject-storm guard catches that).
-Not permanent: the fixed subject that no stream captures (create or extend the stream), timeouts,
-connection and authorization errors, other JetStream errors (a full stream, no quorum).
-"""
+Keys, headers and permanent rejections: docs/sinks.md, ``nats``."""
 
 from __future__ import annotations
 
@@ -56,15 +39,7 @@ T = TypeVar("T")
 class NatsSinkConfig(SinkConfigBase):
     """Publish each event payload (JSON) to ``subject``, or to ``subject_prefix`` + the value at event path
     ``subject_from`` (falling back to ``subject``): a payload path, or ``metadata:<path>`` for the
-    event's metadata (:data:`~.base.EventPath`).
-
-    ``jetstream=True``: JetStream publish, each message acknowledged by the stream before the next one is
-    sent; header ``Nats-Msg-Id: <event id>`` lets the stream drop duplicates (within its duplicate
-    window, 2 minutes by default). A subject no stream captures raises :class:`SinkError`.
-    ``jetstream=False``: core NATS publish followed by a flush (the server received the messages; no
-    persistence, no acks). Credentials go in ``user``/``password`` or ``token`` rather than in ``servers``
-    URLs. Headers ``Pgstream-Event-Id``, ``Pgstream-Stream-Id`` and, when present, ``Pgstream-Metadata``.
-    """
+    event's metadata (:data:`~.base.EventPath`)."""
 
     type: Literal["nats"] = "nats"
     servers: list[str] = Field(default_factory=lambda: ["nats://127.0.0.1:4222"], min_length=1)
@@ -77,9 +52,6 @@ class NatsSinkConfig(SinkConfigBase):
     password: SecretStr | None = None
     token: SecretStr | None = None
     routed_names: ClassVar[tuple[str, ...]] = ("subject",)
-
-    def build(self) -> NatsSink:
-        return NatsSink(self)
 
     def secret_values(self) -> list[str]:
         return super().secret_values() + [s for server in self.servers for s in url_secrets(server)]
@@ -105,8 +77,10 @@ def _message_bytes(data: bytes, headers: dict[str, str]) -> int:
     return len(data) + _HEADER_FRAMING_BYTES + lines
 
 
-class NatsSink(Sink):
-    """Connects on first publish; the private loop thread stops on :meth:`close`."""
+class NatsSink(Sink, builds=NatsSinkConfig):
+    """Connects on first publish. nats-py is asyncio-only while sinks are called synchronously (also from a
+    thread that runs an event loop): a private loop in a daemon thread keeps the connection's pings and
+    reconnects alive between calls, and stops on :meth:`close`."""
 
     type_name: ClassVar[str] = "nats"
     config: NatsSinkConfig
@@ -135,7 +109,6 @@ class NatsSink(Sink):
     # -- publishing ------------------------------------------------------------------------------------
 
     def publish(self, events: Sequence[Event]) -> None:
-        # every subject first: the events before a rejected one are sent, then it is rejected
         publish_prepared(events, self._subject_of, lambda sent, subjects: self._run(self._publish(sent, subjects)))
 
     def _subject_of(self, event: Event) -> tuple[str, bool]:

@@ -1,24 +1,14 @@
-"""Parquet sink: files partitioned by day (``<path>/day=YYYY-MM-DD/``, hive style), one file per
-publish call and day, named by the stream and the call's first..last ledger position, each written
-to a temporary name and renamed (atomic). After a call's files the stream's commit marker
-(``<path>/_pgstream/stream-<id>.json``, the token of the last position, see :mod:`.lake`) is
-replaced the same way: the marker decides what is committed.
-
-A retry reads the marker, deletes the stream's files that start after it (an attempt killed between
-its files and its marker) and writes what comes after the marker again: each event once. Between
-such a kill and the next run, a reader of the directory may see those files; the next publish removes them.
-The marker is written (position 0) before a stream's first files; a stream's files without a marker
-(the marker removed) stop the sink with an error rather than be deleted.
-
-Permanent rejections: with ``typed_columns``, an event whose row holds a value its typed column cannot
-hold (see :mod:`.lake`); file system failures are about the directory.
-"""
+"""Parquet sink: files partitioned by day, one per publish call and day, renamed into place, then the
+stream's commit marker (``<path>/_pgstream/stream-<id>.json``) replaced: the marker decides what is
+committed. Docs: docs/lake/parquet.md."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,10 +23,13 @@ from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, dataset_filt
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["MARKER_DIR", "ParquetSink", "ParquetSinkConfig", "read_marker"]
+__all__ = ["MARKER_DIR", "STALE_TMP_SECS", "ParquetSink", "ParquetSinkConfig", "read_marker"]
 
 #: the directory of the streams' commit markers, under the sink's path
 MARKER_DIR = "_pgstream"
+
+#: a temporary file untouched this long is a killed writer's (any stream's): the next recovery deletes it
+STALE_TMP_SECS = 86400
 
 #: a delivered file: stream, first and last position (batch.ord)
 _FILE = re.compile(r"^stream-(\d+)-b(\d+)\.(\d+)-b(\d+)\.(\d+)\.parquet$")
@@ -50,9 +43,6 @@ class ParquetSinkConfig(LakeSinkConfigBase):
                                                 "subdirectories, and _pgstream/ for the commit markers")
     compression: Literal["zstd", "snappy", "gzip", "none"] = Field("zstd", description="the files' compression")
 
-    def build(self) -> ParquetSink:
-        return ParquetSink(self)
-
 
 def read_marker(path: str | Path, stream_id: int) -> int | None:
     """The token the stream's commit marker under ``path`` holds, ``None`` when there is none."""
@@ -63,6 +53,11 @@ def read_marker(path: str | Path, stream_id: int) -> int | None:
     return int(data["token"])
 
 
+def _tmp_prefix(stream_id: int, *, delivery: bool) -> str:
+    """The name a temporary file of the stream's delivery (or of a replay of it) begins with."""
+    return f".tmp-stream-{stream_id}-{'b' if delivery else 'replay'}-"
+
+
 def _replace(tmp: Path, final: Path) -> None:
     """Make ``tmp`` (written, closed) ``final``, durably."""
     fsync_path(tmp)
@@ -70,7 +65,7 @@ def _replace(tmp: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
-class ParquetSink(LakeSink):
+class ParquetSink(LakeSink, builds=ParquetSinkConfig):
     """Writes one Parquet file per publish call and day; a marker per stream records the last position."""
 
     type_name: ClassVar[str] = "parquet"
@@ -85,6 +80,9 @@ class ParquetSink(LakeSink):
         return f"directory {self.config.path}"
 
     def read_token(self, stream_id: int) -> int | None:
+        return read_marker(self.config.path, stream_id)
+
+    def recover(self, stream_id: int) -> int | None:
         committed = read_marker(self.config.path, stream_id)
         if committed is None:
             if self._stream_files(stream_id):
@@ -105,16 +103,21 @@ class ParquetSink(LakeSink):
                 if (found := _FILE.match(f.name)) and int(found.group(1)) == stream_id]
 
     def _clean(self, stream_id: int, committed: int) -> None:
-        """Delete the stream's files after the marker (written by an attempt that died before its
-        marker) and temporary files left by a crash."""
+        """Delete the stream's files after the marker (written by an attempt that died before its marker), the
+        temporary files its delivery left when killed, and any temporary file untouched for
+        :data:`STALE_TMP_SECS` (a killed replay's). Another stream's writer, or a replay of this one, may be
+        writing its own temporary files in the same directories meanwhile: those stay."""
         for file in self._stream_files(stream_id):
             found = _FILE.match(file.name)
             assert found is not None
             if token(int(found.group(2)), int(found.group(3))) > committed:
                 file.unlink()
         root = Path(self.config.path)
+        stale = time.time() - STALE_TMP_SECS
         for tmp in root.glob("day=*/.tmp-*"):
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                if tmp.name.startswith(_tmp_prefix(stream_id, delivery=True)) or tmp.stat().st_mtime < stale:
+                    tmp.unlink(missing_ok=True)
 
     def read(self, stream_id: int, columns: Sequence[str], ids: tuple[int, int] | None = None) -> pa.Table:
         import pyarrow as pa
@@ -147,7 +150,7 @@ class ParquetSink(LakeSink):
                 part = table.filter(pc.equal(days, day)).drop_columns(["day"])
                 directory = root / f"day={day.isoformat()}"
                 directory.mkdir(parents=True, exist_ok=True)
-                tmp = directory / f".tmp-{uuid.uuid4().hex}.parquet"
+                tmp = directory / f"{_tmp_prefix(stream_id, delivery=span is not None)}{uuid.uuid4().hex}.parquet"
                 self._pq.write_table(part, tmp, compression=self.config.compression)
                 written.append((tmp, directory / f"{name}.parquet"))
             for tmp, final in written:

@@ -1,29 +1,7 @@
 """Postgres table sink (psycopg, a core dependency: no extra): each publish call writes its events
 into a table of another database (or another schema) in one transaction.
 
-Rows are keyed by the event id (``on conflict (id)``): ``mode: insert`` keeps the row first written
-(``do nothing``), ``mode: upsert`` overwrites it (``do update``); either way a replay or a retried call
-writes each event once. The whole call is one ``insert ... select ... from unnest(...)`` statement,
-committed once. The table name is validated (two identifiers, ``schema.table``) and always quoted
-(``psycopg.sql.Identifier``); no other text reaches the SQL.
-
-Permanent rejections (``SinkError.permanent``): an error that concerns an event's row, i.e. a data
-exception (SQLSTATE class 22, e.g. a value out of range for a column the target derives from the
-payload) or an integrity constraint violation (class 23: a check, not-null, foreign key, exclusion
-constraint, or a unique index other than the id's, refusing the row). The call is then written
-again one event at a time in one transaction, each row in a savepoint: the rows before the first
-refused event are committed, and the error names that event (a refusal that does not recur row by
-row, such as two events of the call colliding with each other, names the later one). A trigger on
-the target that rejects a row should raise one of those SQLSTATEs (``raise exception ... using
-errcode = 'check_violation'``) to make it permanent.
-
-Not permanent: a deferred constraint that fails at commit (no single row can be blamed), connection
-and authentication errors, a missing table, schema or column, missing
-privileges, a table without a unique index on ``id`` (``on conflict`` needs it), timeouts
-(``statement_timeout``), serialization failures, deadlocks, a read-only server, disk full, and every
-other error. A connection the server closed while the sink was idle is replaced once, at once, and
-the call is written again (idempotent: it is a single transaction keyed by event id).
-"""
+Keys, the table, the SQL it runs and permanent rejections: docs/sinks.md, ``postgres``."""
 
 from __future__ import annotations
 
@@ -37,7 +15,16 @@ import psycopg
 from psycopg import sql
 from pydantic import Field, SecretStr, field_validator
 
-from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, excerpt, redact_url, scrub
+from .base import (
+    Event,
+    Sink,
+    SinkConfigBase,
+    SinkError,
+    describe_exception,
+    excerpt,
+    redact_url,
+    scrub,
+)
 
 __all__ = ["TABLE_COLUMNS", "PostgresSink", "PostgresSinkConfig"]
 
@@ -66,13 +53,7 @@ _ROW_ERROR_CLASSES = ("22", "23")
 
 class PostgresSinkConfig(SinkConfigBase):
     """Write each event as a row ``(id, stream_id, created_at, payload, metadata, received_at)`` of
-    ``table`` (``schema.table``) in the database at ``url``, one transaction per publish call.
-
-    ``mode: insert`` (default) leaves an existing row of the same id alone, ``mode: upsert`` replaces
-    its values (``received_at`` becomes the time of the last write). ``create_table: true`` creates the
-    table when it is missing (the schema must exist). ``timeout_secs`` bounds connecting and each
-    statement (``statement_timeout``).
-    """
+    ``table`` (``schema.table``) in the database at ``url``, one transaction per publish call."""
 
     type: Literal["postgres"] = "postgres"
     url: SecretStr
@@ -110,11 +91,8 @@ class PostgresSinkConfig(SinkConfigBase):
     def table_name(self) -> str:
         return self.table.split(".", 1)[1]
 
-    def build(self) -> PostgresSink:
-        return PostgresSink(self)
 
-
-class PostgresSink(Sink):
+class PostgresSink(Sink, builds=PostgresSinkConfig):
     """One connection for the sink's life, opened by the first publish; each call is one transaction."""
 
     type_name: ClassVar[str] = "postgres"
@@ -213,7 +191,8 @@ class PostgresSink(Sink):
             reason = f"cannot connect to {self._target}: {describe_exception(exc, self.config.secret_values())}"
             raise self._error(events, reason) from None
         try:
-            # every name the sink writes is qualified; nothing of the target's search_path is needed
+            # every name the sink writes is qualified; set after connecting, not as startup options, which a
+            # pooler in front of the target may refuse
             conn.execute("select pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false), "
                          "pg_catalog.set_config('statement_timeout', %s, false)", [f"{math.ceil(timeout * 1000)}ms"])
             if self.config.create_table:

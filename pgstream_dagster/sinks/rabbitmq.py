@@ -1,20 +1,6 @@
 """RabbitMQ sink (extra ``rabbitmq``, library pika): persistent messages with publisher confirms.
 
-Permanent rejections (``SinkError.permanent``): a message over the broker's ``max_message_size``
-(128 MiB by default; the broker closes the channel with 406 PRECONDITION_FAILED "message size ...
-is larger than configured max size"), a body over ``max_message_bytes`` (refused before sending),
-and an event whose exchange or routing key cannot be taken from it (missing from its payload or
-metadata with no fixed fallback, or longer than AMQP's 255 bytes). The events before it are confirmed first.
-
-A route taken from the event is the event's: an unroutable message (``mandatory``: no queue bound
-for the routing key) whose routing key or exchange came from the event, and a missing exchange
-(404) that came from the event, are permanent rejections of that event. A wrong
-``routing_key_prefix`` or a forgotten binding then rejects every event: the stream's reject-storm
-guard catches that (the broker refuses the event it confirmed before, so the stream blocks).
-
-Not permanent: the same refusals of the fixed ``routing_key``/``exchange``, a nack (a full queue
-with ``overflow: reject-publish``), authentication, connection and other channel errors.
-"""
+Keys, message properties and permanent rejections: docs/sinks.md, ``rabbitmq``."""
 
 from __future__ import annotations
 
@@ -43,22 +29,7 @@ _TOO_LARGE = re.compile(r"message size \d+ is larger than configured max size")
 
 
 class RabbitMqSinkConfig(SinkConfigBase):
-    """Publish each event payload (JSON) to an exchange with a routing key.
-
-    Messages are persistent (``delivery_mode=2``) with ``message_id`` = event id (the idempotency key),
-    ``content_type=application/json``, ``timestamp`` = event time and headers ``x-pgstream-stream-id``
-    (and ``x-pgstream-metadata`` when present). Each publish waits for the broker's confirm and is
-    ``mandatory``, so a nack or an unroutable message raises :class:`SinkError`.
-
-    Routing key: ``routing_key``, or ``routing_key_prefix`` + the value at event path ``routing_key_from``
-    (falling back to ``routing_key``). Exchange: ``exchange`` (default: the default exchange ``""``, where
-    the routing key is the queue name), or the value at event path ``exchange_from`` (falling back to
-    ``exchange``). Event paths read the payload, or the metadata with ``metadata:``
-    (:data:`~.base.EventPath`). ``declare_queue``: declare a durable queue of that name on connect.
-    ``max_message_bytes``: refuse (permanently, without sending) a larger body; set it below the
-    broker's ``max_message_size`` to keep oversized payloads off the connection. Permanent
-    rejections: see the module docstring.
-    """
+    """Publish each event payload (JSON) to an exchange with a routing key."""
 
     type: Literal["rabbitmq"] = "rabbitmq"
     url: SecretStr = SecretStr("amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -72,11 +43,8 @@ class RabbitMqSinkConfig(SinkConfigBase):
     timeout_secs: float = Field(default=10, gt=0)
     routed_names: ClassVar[tuple[str, ...]] = ("routing_key",)
 
-    def build(self) -> RabbitMqSink:
-        return RabbitMqSink(self)
 
-
-class RabbitMqSink(Sink):
+class RabbitMqSink(Sink, builds=RabbitMqSinkConfig):
     """Uses a pika ``BlockingConnection`` (opened on first publish, reopened after a failure)."""
 
     type_name: ClassVar[str] = "rabbitmq"
@@ -136,7 +104,6 @@ class RabbitMqSink(Sink):
         return (exchange, routing_key), body, (exchange_from_event, exchange_from_event or key_from_event)
 
     def publish(self, events: Sequence[Event]) -> None:
-        # every message first: the events before a rejected one are sent, then it is rejected
         publish_prepared(events, self._message, self._publish)
 
     def _publish(self, events: Sequence[Event], messages: Sequence[_Message]) -> None:

@@ -1,15 +1,7 @@
 """Redis Streams sink (extra ``redis``, library redis-py): XADD per event, a whole chunk in one call of a
 server-side script (``EVALSHA``; a pipelined MULTI/EXEC where scripts are not allowed).
 
-Permanent rejections (``SinkError.permanent``), each found before anything is sent for that event
-(the events before it are sent first): an entry larger than ``max_message_bytes``, and an event
-whose stream name cannot be taken from it (``stream_from`` missing from its payload or metadata,
-no ``stream`` fallback, a payload Python cannot parse). And WRONGTYPE for a stream name taken from
-the event (the event names a key that is not a stream): the entries before it were added, it is
-the event's route. Redis itself accepts any entry: its other errors (connection, authentication, OOM
-under ``maxmemory``, WRONGTYPE for the fixed ``stream``, READONLY replica) are about the server or
-its data, never about the event, and are not permanent.
-"""
+Keys, entry fields and permanent rejections: docs/sinks.md, ``redis``."""
 
 from __future__ import annotations
 
@@ -39,19 +31,7 @@ __all__ = ["RedisSink", "RedisSinkConfig"]
 
 class RedisSinkConfig(SinkConfigBase):
     """XADD each event to a Redis Stream; entry fields ``id`` (event id: the idempotency key consumers dedupe
-    on), ``stream_id``, ``created_at``, ``payload`` (JSON text) and, when present, ``metadata`` (JSON text).
-
-    The stream is ``stream``, or ``stream_prefix`` + the value at event path ``stream_from`` (a payload
-    path such as ``table`` or ``data.tenant``, or ``metadata:region`` for the event's metadata),
-    falling back to ``stream`` when the event has no such value.
-    ``maxlen``: trim each stream to that many entries (``MAXLEN ~`` when ``maxlen_approximate``).
-    ``max_message_bytes``: refuse (permanently, without sending) an event whose entry (field names
-    and values, in bytes) is larger; Redis has no limit of its own below 512 MB per value.
-    ``use_script``: add a chunk's entries with one call of a Lua script (EVALSHA) instead of one XADD
-    command per entry in a MULTI/EXEC pipeline: the same entries, in the same order, for a fraction of
-    the client's CPU. A server that refuses scripts (an ACL without ``@scripting``, EVALSHA renamed away)
-    gets the pipeline: the sink notices the first refusal, which runs nothing, and keeps to the pipeline.
-    """
+    on), ``stream_id``, ``created_at``, ``payload`` (JSON text) and, when present, ``metadata`` (JSON text)."""
 
     type: Literal["redis"] = "redis"
     url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
@@ -64,9 +44,6 @@ class RedisSinkConfig(SinkConfigBase):
     timeout_secs: float = Field(default=10, gt=0)
     use_script: bool = True
     routed_names: ClassVar[tuple[str, ...]] = ("stream",)
-
-    def build(self) -> RedisSink:
-        return RedisSink(self)
 
 
 #: The fields of an entry, in the order :data:`_XADD_SCRIPT` takes their values (``metadata`` last,
@@ -103,13 +80,9 @@ return n
 Entry = tuple[str, str, str, str, str, str]
 
 
-class RedisSink(Sink):
+class RedisSink(Sink, builds=RedisSinkConfig):
     """Each publish is one call of :data:`_XADD_SCRIPT` (or, without scripts, one pipelined ``MULTI;
-    XADD ...; EXEC``) per ``chunk_size`` events, in order.
-
-    Redis keeps what a failed call added before the error (e.g. WRONGTYPE), so a failed publish may have
-    added some entries: the caller retries and consumers dedupe on the ``id`` field.
-    """
+    XADD ...; EXEC``) per ``chunk_size`` events, in order; a failed call may have added some entries."""
 
     type_name: ClassVar[str] = "redis"
     config: RedisSinkConfig
@@ -136,7 +109,6 @@ class RedisSink(Sink):
         return self._client
 
     def publish(self, events: Sequence[Event]) -> None:
-        # every entry first: the events before a rejected one are sent, then it is rejected
         publish_prepared(events, self._entry, self._send)
 
     def _send(self, events: Sequence[Event], entries: list[Entry]) -> None:

@@ -1,21 +1,7 @@
-"""Amazon SNS sink (extra ``aws``, library boto3): ``PublishBatch`` of up to 10 messages and
-``max_message_bytes`` (256 KiB, SNS's limit, by default) per request, each message's acceptance checked.
+"""Amazon SNS sink (extra ``aws``, library boto3): ``PublishBatch``, each message's acceptance checked;
+the batch loop and its failure rule are :mod:`.aws`'s.
 
-A topic whose ARN ends in ``.fifo`` is a FIFO topic: every message gets a ``MessageGroupId`` and
-``MessageDeduplicationId`` = the event id (SNS drops an event sent again within 5 minutes). Body:
-the payload (JSON), with :func:`~.aws.message_attributes` (a subscription's filter policy can match
-them; an SQS subscription with raw message delivery receives them as message attributes).
-Credentials, groups, batching and the failure rule: :mod:`.aws`.
-
-Permanent rejections (``SinkError.permanent``), the events before it confirmed: a message larger
-than ``max_message_bytes`` (body and attributes), refused before sending; a ``MessageGroupId`` the
-event (payload or metadata) makes invalid; an entry the topic refused with a sender fault about its content
-(``InvalidParameter``, ``InvalidParameterValue``: e.g. "Message too long"); a request refused
-whole because its messages are too long (the error names that request's events). Not permanent: a
-missing topic, authorization and KMS errors, throttling, internal errors (an entry failing that
-way is sent again up to ``max_attempts`` times first), an unreachable endpoint, timeouts, missing
-credentials or region.
-"""
+Keys, FIFO topics and permanent rejections: docs/sinks.md, ``sns``."""
 
 from __future__ import annotations
 
@@ -42,11 +28,8 @@ class SnsSinkConfig(AwsMessageConfigBase):
     def destination(self) -> str:
         return self.topic_arn
 
-    def build(self) -> SnsSink:
-        return SnsSink(self)
 
-
-class SnsSink(AwsMessageSink[SnsSinkConfig]):
+class SnsSink(AwsMessageSink[SnsSinkConfig], builds=SnsSinkConfig):
     type_name: ClassVar[str] = "sns"
     service: ClassVar[str] = "sns"
     body_key: ClassVar[str] = "Message"

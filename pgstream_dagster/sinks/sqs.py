@@ -1,22 +1,7 @@
-"""Amazon SQS sink (extra ``aws``, library boto3): ``SendMessageBatch`` of up to 10 messages and
-``max_message_bytes`` (256 KiB by default) per request, each message's acceptance checked.
+"""Amazon SQS sink (extra ``aws``, library boto3): ``SendMessageBatch``, each message's acceptance checked;
+the batch loop and its failure rule are :mod:`.aws`'s.
 
-A queue whose URL ends in ``.fifo`` is a FIFO queue: every message gets a ``MessageGroupId`` and
-``MessageDeduplicationId`` = the event id, so SQS drops an event sent again within its 5-minute
-deduplication window (a retried batch; a replay within 5 minutes too). Body: the payload (JSON),
-with :func:`~.aws.message_attributes`. Credentials, groups, batching and the failure rule: :mod:`.aws`.
-
-Permanent rejections (``SinkError.permanent``), the events before it confirmed: a message larger than
-``max_message_bytes`` (body and attributes) or holding characters SQS refuses (outside ``#x9 #xA #xD
-#x20-#xD7FF #xE000-#xFFFD #x10000-#x10FFFF``, e.g. U+FFFF), both refused before sending; a
-``MessageGroupId`` the event (payload or metadata) makes invalid; an entry the queue refused with a sender fault about
-its content (``InvalidMessageContents``, ``MessageTooLong``, ``InvalidParameterValue``); a request
-refused whole because a message is too long or invalid (e.g. the queue's ``MaximumMessageSize`` is
-below ``max_message_bytes``): then the error names that request's events. Not permanent (retried
-by the stream): a missing queue, access denied, KMS errors, throttling, internal errors (an entry
-failing that way is sent again up to ``max_attempts`` times first), an unreachable endpoint,
-timeouts, missing credentials or region.
-"""
+Keys, FIFO queues and permanent rejections: docs/sinks.md, ``sqs``."""
 
 from __future__ import annotations
 
@@ -51,11 +36,8 @@ class SqsSinkConfig(AwsMessageConfigBase):
     def destination(self) -> str:
         return self.queue_url
 
-    def build(self) -> SqsSink:
-        return SqsSink(self)
 
-
-class SqsSink(AwsMessageSink[SqsSinkConfig]):
+class SqsSink(AwsMessageSink[SqsSinkConfig], builds=SqsSinkConfig):
     type_name: ClassVar[str] = "sqs"
     service: ClassVar[str] = "sqs"
     body_key: ClassVar[str] = "MessageBody"

@@ -213,9 +213,11 @@ grant select on pgstream.streams, pgstream.batches, pgstream.events, pgstream.ev
                 pgstream.stream_status, pgstream.orphaned_slots, pgstream.metrics, pgstream.consumers,
                 pgstream.consumer_status, pgstream.reader_groups
     to pgstream_runtime;
--- a reader group's reader: what it recorded through, how far it read, its slot's recovery
--- (engine/ingest/group.py); membership and the publication go through the functions below
-grant update (recovery_pending, consumed_through, recorded_through) on pgstream.reader_groups to pgstream_runtime;
+-- a reader group's reader: what it recorded through, how far it read, its slot's recovery, the point and
+-- timeline it created its slot at (engine/ingest/group.py); membership and the publication go through the
+-- functions below
+grant update (recovery_pending, consumed_through, recorded_through, slot_lsn, slot_timeline)
+    on pgstream.reader_groups to pgstream_runtime;
 -- the open run, the slot's declared reader, and how far the slot was read (engine/ledger); everything
 -- else of a stream row goes through register_stream, set_paused, enter_failover, leave_failover, retry_now
 grant update (open_run_key, slot_reader, consumed_through, recovery_pending) on pgstream.streams to pgstream_runtime;
@@ -298,6 +300,9 @@ grant execute on function
 grant select on pgstream.events, pgstream.batches, pgstream.key_progress, pgstream.dead_letters
     to pgstream_executor;
 grant select (id, status, owner_token) on pgstream.backfills to pgstream_executor;
+-- the Spark source goes on from its consumer's recorded position when a failover lost the ledger its
+-- checkpoint read (engine/spark_source.py StreamReader._checked)
+grant select (name, stream_id, batch_id, ord) on pgstream.consumers to pgstream_executor;
 grant execute on function
     pgstream.backfill_chunk(bigint, integer, uuid, integer),
     pgstream.backfill_next_key(bigint, integer),

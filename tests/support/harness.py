@@ -28,7 +28,7 @@ from pgstream_dagster.defs.names import (
     group_tag,
     stream_tag,
 )
-from pgstream_dagster.engine.dbconn import database_key
+from pgstream_dagster.engine.dbconn import url_database
 from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.sinks.memory import MemorySink
 
@@ -103,14 +103,12 @@ def slot_of(url: str, stream_id: int) -> str:
 def group_tag_of(url: str, group: str) -> str:
     """The value of the tag pgstream/group of the delivery runs of reader group ``group`` of the database at
     ``url`` (the tests share one Dagster instance's storage: each test's database has its own groups' runs)."""
-    with psycopg.connect(url) as conn:
-        return group_tag(group, database_key(conn))
+    return group_tag(group, url_database(url))
 
 
 def stream_tag_of(url: str, stream_id: int) -> str:
     """The value of the tag pgstream/stream of the runs of stream ``stream_id`` of the database at ``url``."""
-    with psycopg.connect(url) as conn:
-        return stream_tag(stream_id, database_key(conn))
+    return stream_tag(stream_id, url_database(url))
 
 
 def joined(url: str, stream_id: int) -> bool:
@@ -249,15 +247,20 @@ class Driver:
                 self.execute(request)
 
     def stop_group_runs(self, reason: str = "the test ends", timeout: float = 60) -> None:
-        """Ask every live group delivery run to end (tag pgstream/stop, as the group's sensor does) and wait."""
-        for runs in self.group_runs.values():
-            for run in runs:
-                if run.run_id is not None and run.thread.is_alive():
-                    self.instance.add_run_tags(run.run_id, {STOP_TAG: reason})
-        for runs in self.group_runs.values():
-            for run in runs:
-                run.thread.join(timeout)
-                assert not run.thread.is_alive(), f"a group delivery run did not end when asked: {run.described()}"
+        """Ask every live group delivery run to end (tag pgstream/stop, as the group's sensor does) and wait.
+        As the sensor, asks again while a run does not show the tag: Dagster writes a run's tags by reading the
+        run and writing it back whole, so a write of the run's own (a member's state) can put back its tags
+        from before the request."""
+        live = [run for runs in self.group_runs.values() for run in runs if run.thread.is_alive()]
+        deadline = time.monotonic() + timeout
+        while (live := [run for run in live if run.thread.is_alive()]) and time.monotonic() < deadline:
+            for run in live:
+                dagster_run = self.instance.get_run_by_id(run.run_id) if run.run_id is not None else None
+                if dagster_run is not None and STOP_TAG not in dagster_run.tags:
+                    self.instance.add_run_tags(dagster_run.run_id, {STOP_TAG: reason})
+            live[0].thread.join(1)
+        for run in live:
+            assert not run.thread.is_alive(), f"a group delivery run did not end when asked: {run.described()}"
 
     def close(self) -> None:
         self.stop_group_runs()

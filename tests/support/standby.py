@@ -4,7 +4,8 @@ promotion cannot replay), kill -9 of the primary, promotion, and a libpq multi-h
 whichever of the two accepts writes (``target_session_attrs=read-write``).
 
 The pair rolls: after :meth:`StandbyPair.fail_over` the promoted standby is the primary, and
-:meth:`StandbyPair.add_standby` makes it a new standby, so one module's tests share one ``initdb``.
+:meth:`StandbyPair.add_standby` makes it a new standby, so one module's tests share one ``initdb``;
+:meth:`StandbyPair.switch_over` keeps both servers, the old primary rewound into the new one's standby.
 """
 
 from __future__ import annotations
@@ -163,6 +164,33 @@ class StandbyPair:
             c.execute("select pg_reload_conf()")
         self.primary, self.standby = self.standby, None
         return promoted
+
+    def switch_over(self) -> int:
+        """A planned switchover: the primary shut down cleanly (its last WAL streamed to the standby first), the
+        standby promoted, and the old primary rewound (``pg_rewind``) and started as the new primary's standby,
+        with the replication slots it had (pg_rewind keeps them). Returns the WAL position the standby had
+        replayed when promoted: every slot the new primary creates lies past it, every one the old had before."""
+        old = self.primary
+        old.stop("fast")
+        assert self.standby is not None
+        with psycopg.connect(self.standby.url, autocommit=True) as c:
+            _wait("the standby to replay the shutdown", lambda: bool(c.execute(
+                "select pg_last_wal_replay_lsn() = pg_last_wal_receive_lsn()").fetchone()[0]))  # type: ignore[index]
+            (replayed,) = c.execute("select pg_last_wal_replay_lsn() - '0/0'").fetchone()  # type: ignore[misc]
+        self.promote()
+        old._run(["pg_rewind", "-D", str(old.datadir), "-R",
+                  f"--source-server=host=127.0.0.1 port={self.primary.port} user=postgres dbname=postgres"])
+        old.start()
+        self.standby = old
+        _wait("the former primary to stream as a standby", lambda: self._streaming())
+        self.catch_up()
+        return int(replayed)
+
+    def remove_standby(self) -> None:
+        """The standby stopped and deleted (the next test adds its own)."""
+        assert self.standby is not None
+        self.standby.destroy()
+        self.standby = None
 
     def fail_over(self) -> float:
         """kill -9 of the primary, then the standby promoted."""

@@ -5,7 +5,8 @@ second; :attr:`GroupHost.claim`) as ``<group run id>/<stream id>``, wakes idle o
 a second) and lets a failing one end its own thread (:attr:`GroupHost.ended`). Its reader thread reads the
 group's slot holding the group's reading (:attr:`GroupHost.read`, :attr:`GroupHost.read_ends`). It holds the
 group's delivery lease and ends after ``max_run_secs``, at :attr:`GroupHost.stop_check`'s reason or a
-:data:`REFUSALS` of its reader.
+:data:`REFUSALS` of its reader. When the database goes away (a crash, a restart, a failover) it rides the outage
+out: its members' runs stop, it waits for the database to accept writes, takes its lease again and hosts them again.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..ledger import groups, locks, state
 from ..limits import LimitsExceeded
 from ..replication import PublicationTaken
 from ..runlog import Log
-from .run import DeliveryRun, Host
+from .run import DeliveryRun, Host, LedgerConnectionBroken
 
 #: how often the group run looks at what its members want hosted when no notification woke it
 POLL_SECS = 1.0
@@ -35,8 +36,17 @@ READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
 READ_ERROR_SECS = 5.0
+#: while the database is away: how often the group run (and its reader) try to connect again
+OUTAGE_RETRY_SECS = 0.1
 #: what the reader cannot get past with the run's configuration: the group run ends with its line as reason
 REFUSALS: tuple[type[Exception], ...] = (groups.GroupChange, PublicationTaken, LimitsExceeded)
+
+
+def _database_gone(exc: BaseException) -> bool:
+    """Whether a member's run stopped because the database (or its connection to it) went away, not its sink:
+    the ledger's own error, or the round's ledger connection broken (a sink's error never is one of these)."""
+    return isinstance(exc, LedgerConnectionBroken) or (
+        isinstance(exc, psycopg.Error) and dbconn.server_gone(exc) is not None)
 
 
 def member_run_id(group_run_id: str, stream_id: int) -> str:
@@ -48,13 +58,6 @@ def member_run_id(group_run_id: str, stream_id: int) -> str:
 def reader_name(group_run_id: str) -> str:
     """How the group's reading lock names the group delivery run ``group_run_id``'s reader while it reads."""
     return f"group delivery run {group_run_id}"
-
-
-def _one_line(exc: BaseException, *, every_line: bool = False) -> str:
-    """The error in one line: its first (or, ``every_line``, all of them: one problem each, as
-    ``LimitsExceeded`` has), at most 500 characters."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return ("; ".join(lines) if every_line else lines[0] if lines else "")[:500] or type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,8 @@ class GroupDelivery:
     executor_url: str
     host: GroupHost
     max_run_secs: float
-    hosted: set[str] = field(default_factory=set)  # every run key this group run took (or refused)
+    #: every run key this group run took (or refused) since its last outage
+    hosted: set[str] = field(default_factory=set)
     errors: dict[int, str] = field(default_factory=dict)  # the last failure of each member
     _members: dict[int, _Member] = field(default_factory=dict)
     #: per member: set when its ledger row moved (``ledger.groups.member_signals``) or its run channel was notified
@@ -108,61 +112,38 @@ class GroupDelivery:
     #: set when the group run ends: its reader stops reading and gives the group's reading up
     _reading_ends: threading.Event = field(default_factory=threading.Event)
     _connections: locks.SharedConnections = field(init=False)  # the members' (opened by run())
+    #: while the database is away: why (one line); the members' runs stop and are hosted again once it is back
+    _outage: str | None = None
+    #: the member runs an outage stopped (stream id: run key), hosted again if still wanted once it is over
+    _interrupted: dict[int, str] = field(default_factory=dict)
+    _outage_line: str | None = None  # the last outage's line
+    _resumed: int = 0  # how many outages the run rode out
 
     def run(self) -> str:
         """Host the members' runs until the group run ends; why it ended."""
         by_id = {s.id: s for s in self.streams}
         lease = locks.acquire_group_lease(self.database_url, self.group, self.host.run_id)
-        log = self.host.log
         reader: threading.Thread | None = None
-        # the members' leases on one session, their ledger work on a pool (at most one connection each)
-        self._connections = locks.SharedConnections(self.database_url, f"pgstream group members {self.host.run_id}")
+        self._connections = self._members_pool()
+        for stream_id in by_id:
+            self._wake[stream_id] = threading.Event()
+        self.host.log.info(f"reader group {self.group}: group delivery run hosting streams "
+                           f"{', '.join(map(str, sorted(by_id)))}")
         try:
-            channels = {state.run_channel(stream_id): stream_id for stream_id in by_id}
-            for stream_id in by_id:  # a member's batches handed over wake its run (extend_run notifies)
-                state.listen_runs(lease, stream_id)
-                self._wake[stream_id] = threading.Event()
-            log.info(f"reader group {self.group}: group delivery run hosting streams "
-                     f"{', '.join(map(str, sorted(by_id)))}")
             reader = threading.Thread(target=self._read, daemon=True, name=f"pgstream-group-reader-{self.group}")
             reader.start()
             opened = time.monotonic()
-            checked_at = 0.0
             while True:
-                self._reap()
-                now = time.monotonic()
-                if self._stop_reason is None:
-                    if self._refused is not None:
-                        self._stop(self._refused)
-                    elif now - opened >= self.max_run_secs:
-                        self._stop(f"open for {self.max_run_secs:g}s (the shortest delivery.tuning.max_run_secs "
-                                   f"of its streams)")
-                    elif now - checked_at >= 1.0:
-                        checked_at = now
-                        reason = self.host.stop_check()
-                        if reason is not None:
-                            self._stop(reason)
-                if self._stop_reason is not None:
-                    if not self._members:
-                        return self._stop_reason
-                    self._wait(lease, channels, 0.2)
-                    continue
-                self._watch(lease)
-                # (a member in mode per_batch has Dagster runs of its own: the design card's run per batch)
-                wanted = [m for m in groups.member_runs(lease, self.group)
-                          if m.stream_id in by_id and by_id[m.stream_id].delivery.keeps_open
-                          and m.run_key not in self.hosted]
-                # (a member whose previous run is still ending waits for it)
-                starting = [m for m in wanted if m.stream_id not in self._members]
-                self.hosted.update(m.run_key for m in starting)
-                claimed = set(self.host.claim([(m.stream_id, m.run_key) for m in starting])) if starting else set()
-                for order in starting:
-                    if (order.stream_id, order.run_key) not in claimed:
-                        log.warning(f"stream {order.stream_id}: run {order.run_key} was hosted elsewhere; left to "
-                                    f"its sensor")
-                        continue
-                    self._start(by_id[order.stream_id], order)
-                self._wait(lease, channels, POLL_SECS)
+                try:
+                    return self._host(lease, by_id, opened)
+                except psycopg.Error as exc:
+                    line = dbconn.server_gone(exc)
+                    if line is None:
+                        raise
+                    taken = self._ride_out(lease, line, opened)
+                    if isinstance(taken, str):
+                        return taken
+                    lease = taken
         except BaseException:
             self._stop("the group run is ending (interrupted or failed)")
             for member in list(self._members.values()):
@@ -174,6 +155,145 @@ class GroupDelivery:
                 reader.join(READ_SECS + 30)
             self._connections.close()
             locks.give_up_group_lease(lease, self.group)
+            for stream_id, run_key in self._interrupted.items():  # stopped by an outage, not hosted again
+                self.host.ended(stream_id, run_key, self._outage_line or "the database went away")
+
+    def _host(self, lease: psycopg.Connection, by_id: dict[int, StreamConfig], opened: float) -> str:
+        """Host the members' runs on ``lease`` until the group run ends (why); a psycopg error when the
+        database goes away."""
+        log = self.host.log
+        channels = {state.run_channel(stream_id): stream_id for stream_id in by_id}
+        for stream_id in by_id:  # a member's batches handed over wake its run (extend_run notifies)
+            state.listen_runs(lease, stream_id)
+        checked_at = 0.0
+        while True:
+            self._reap()
+            now = time.monotonic()
+            if self._stop_reason is None:
+                if self._refused is not None:
+                    self._stop(self._refused)
+                elif now - opened >= self.max_run_secs:
+                    self._stop(self._open_too_long())
+                elif now - checked_at >= 1.0:
+                    checked_at = now
+                    reason = self.host.stop_check()
+                    if reason is not None:
+                        self._stop(reason)
+            if self._stop_reason is not None:
+                if not self._members:
+                    return self._stop_reason
+                self._wait(lease, channels, 0.2)
+                continue
+            self._watch(lease)
+            # (a member in mode per_batch has Dagster runs of its own: the design card's run per batch)
+            wanted = [m for m in groups.member_runs(lease, self.group)
+                      if m.stream_id in by_id and by_id[m.stream_id].delivery.keeps_open]
+            self._resume_interrupted(wanted)
+            wanted = [m for m in wanted if m.run_key not in self.hosted]
+            # (a member whose previous run is still ending waits for it)
+            starting = [m for m in wanted if m.stream_id not in self._members]
+            self.hosted.update(m.run_key for m in starting)
+            claimed = set(self.host.claim([(m.stream_id, m.run_key) for m in starting])) if starting else set()
+            for order in starting:
+                if (order.stream_id, order.run_key) not in claimed:
+                    log.warning(f"stream {order.stream_id}: run {order.run_key} was hosted elsewhere; left to "
+                                f"its sensor")
+                    continue
+                self._start(by_id[order.stream_id], order)
+            self._wait(lease, channels, POLL_SECS)
+
+    def _resume_interrupted(self, wanted: list[groups.MemberRun]) -> None:
+        """The member runs an outage stopped: hosted again when the ledger still wants them (the same run:
+        a database going away says nothing of the sink, so no failure is counted), else reported ended by it."""
+        keys = {(m.stream_id, m.run_key) for m in wanted}
+        for stream_id, run_key in list(self._interrupted.items()):
+            if stream_id in self._members:
+                continue  # (its thread is still ending)
+            del self._interrupted[stream_id]
+            if (stream_id, run_key) in keys:
+                self.hosted.discard(run_key)
+                continue
+            with self._connections.session() as session:  # (taken again by _ride_out)
+                locks.unlock(session, locks.DELIVERY_LOCK, stream_id)
+            self.host.ended(stream_id, run_key, self._outage_line or "the database went away")
+
+    def _ride_out(self, lease: psycopg.Connection, line: str, opened: float) -> psycopg.Connection | str:
+        """The database went away (``line``): the members' runs stop (what they held waits, no failure counted),
+        then, every :data:`OUTAGE_RETRY_SECS`, the run tries to take its lease again. The new lease once the
+        database accepts writes again; or why the run ends meanwhile (asked to, ``max_run_secs``, another group
+        run took the group over)."""
+        log, began = self.host.log, time.monotonic()
+        log.warning(f"reader group {self.group}: {line}; its members' runs stop, the group run goes on once the "
+                    f"database accepts writes again")
+        self._outage = self._outage_line = line
+        for event in self._wake.values():
+            event.set()
+        for member in list(self._members.values()):
+            member.thread.join(30)
+        self._reap()
+        lease.close()
+        self._connections.close()
+        if self._stop_reason is not None:  # (it was ending anyway: nothing to wait for)
+            return self._stop_reason
+        checked_at = 0.0
+        while True:
+            now = time.monotonic()
+            if now - opened >= self.max_run_secs:
+                return self._open_too_long()
+            if now - checked_at >= 1.0:
+                checked_at = now
+                if (reason := self._asked_to_end()) is not None:
+                    return reason
+            try:
+                taken = locks.acquire_group_lease(self.database_url, self.group, self.host.run_id)
+            except locks.LeaseTaken as exc:
+                return f"{exc} (it took the group over while the database was away)"
+            except psycopg.Error as exc:
+                if dbconn.server_gone(exc) is None:
+                    raise
+                time.sleep(OUTAGE_RETRY_SECS)
+                continue
+            if (reason := self._asked_to_end()) is not None:  # (e.g. the sensor marked it failed: a fresh one goes on)
+                locks.give_up_group_lease(taken, self.group)
+                return reason
+            connections = self._members_pool()
+            try:  # the stopped members' leases taken again at once (their runs take them again on this session):
+                # the group's sensor, looking now, sees them held, not lost
+                with connections.session() as session:
+                    for stream_id in self._interrupted:
+                        locks.try_lock(session, locks.DELIVERY_LOCK, stream_id,
+                                       member_run_id(self.host.run_id, stream_id))
+            except psycopg.Error as exc:
+                connections.close()
+                locks.give_up_group_lease(taken, self.group)
+                if dbconn.server_gone(exc) is None:
+                    raise
+                continue
+            self._connections = connections
+            self._outage, self._signals = None, {}
+            # the ledger it came back with may be an older one (a promoted standby that had replayed less): what it
+            # wants is hosted, the run keys this run took before the outage included (an earlier member run of a
+            # stream whose later one the new primary never heard of)
+            self.hosted.clear()
+            self._resumed += 1
+            log.info(f"reader group {self.group}: the database accepts writes again after "
+                     f"{time.monotonic() - began:.1f}s: the group delivery run goes on")
+            return taken
+
+    def _members_pool(self) -> locks.SharedConnections:
+        """The members' leases on one session, their ledger work on a pool (at most one connection each)."""
+        return locks.SharedConnections(self.database_url, f"pgstream group members {self.host.run_id}")
+
+    def _open_too_long(self) -> str:
+        return f"open for {self.max_run_secs:g}s (the shortest delivery.tuning.max_run_secs of its streams)"
+
+    def _asked_to_end(self) -> str | None:
+        """:attr:`GroupHost.stop_check` while the database is away: Dagster's storage may be on the server that went
+        away too (nothing said then)."""
+        try:
+            return self.host.stop_check()
+        except Exception:
+            return None
 
     def reading_ended(self) -> bool:
         """The group run is ending: its reader returns from the read under way (``consume_group``'s ``stop``)
@@ -205,20 +325,27 @@ class GroupDelivery:
                     if time.monotonic() - began < READ_SECS / 2:  # it returned early (a join waits, nothing joined
                         self._reading_ends.wait(READ_EARLY_SECS)  # yet, a slot lost): not a busy loop
                 except REFUSALS as exc:  # the run's configuration cannot go on: it ends (run() sees this)
-                    self._refused = _one_line(exc, every_line=True)
+                    # every line of it, one problem each (LimitsExceeded)
+                    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                    self._refused = "; ".join(lines)[:500] or type(exc).__name__
                     return
                 except Exception as exc:  # the sensor reads while this one cannot (the lock goes with the session)
-                    line = _one_line(exc)
-                    if line != told:
+                    resumed = self._resumed
+                    line = dbconn.first_line(exc)[:500]
+                    if line != told and self._outage is None:  # (riding an outage out, the group run says it)
                         log.warning(f"reader group {self.group}: the group delivery run's reader stopped ({line}); "
                                     f"the group's sensor reads meanwhile, the run tries again in "
-                                    f"{READ_ERROR_SECS:g}s")
+                                    f"{READ_ERROR_SECS:g}s (at once when the database is back from an outage)")
                         told = line
                     self.host.read_ends()  # the slot let go before the reading is
                     if conn is not None:
                         conn.close()
                         conn = None
-                    self._reading_ends.wait(READ_ERROR_SECS)
+                    waited = time.monotonic() + READ_ERROR_SECS
+                    # (the group run back from riding out an outage: the reader reads again at once)
+                    while time.monotonic() < waited and self._resumed == resumed:
+                        if self._reading_ends.wait(OUTAGE_RETRY_SECS):
+                            break
         finally:
             self.host.read_ends()
             if conn is not None:
@@ -280,12 +407,15 @@ class GroupDelivery:
         def stop_check() -> str | None:
             if self._stopping.is_set():
                 return f"the group delivery run ends ({self._stop_reason})"
+            if self._outage is not None:
+                return f"the database went away ({self._outage})"
             return base.stop_check()
 
         every = max(stream.delivery.tuning.report_every_secs, len(self.streams) / REPORTS_PER_SEC)
         host = Host(run_id, base.log, spark=base.spark, stop_check=stop_check, report=base.report,
                     control=base.control, wake=self._waker(stream.id), report_every_secs=every)
         error: str | None = None
+        interrupted = False  # the database went away: the run stops, hosted again once it is back
         try:
             run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,
                               order.through_batch_id, order.run_key,
@@ -293,9 +423,16 @@ class GroupDelivery:
             for _round in run.deliver(host):
                 pass
         except Exception as exc:
-            text = str(exc).strip()
-            error = (text.splitlines()[0] if text else type(exc).__name__)[:500]
-            self.errors[stream.id] = error
-            host.log.error(f"stream {stream.id}: member run {run_id} ({order.run_key}) failed: {error}")
+            if self._outage is not None or _database_gone(exc):
+                interrupted = True
+                host.log.warning(f"stream {stream.id}: member run {run_id} stopped ({dbconn.first_line(exc)[:500]}); "
+                                 f"hosted again once the database accepts writes")
+            else:
+                error = dbconn.first_line(exc)[:500]
+                self.errors[stream.id] = error
+                host.log.error(f"stream {stream.id}: member run {run_id} ({order.run_key}) failed: {error}")
         finally:
-            self.host.ended(stream.id, order.run_key, error)
+            if interrupted or (error is None and self._outage is not None):
+                self._interrupted[stream.id] = order.run_key  # (_resume_interrupted)
+            else:
+                self.host.ended(stream.id, order.run_key, error)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...sinks.base import event_from_text, parse_event_path
@@ -125,7 +125,6 @@ def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budg
     return pieces
 
 
-
 def events_where(params: Mapping[str, Any]) -> str:
     """The filter of a replay's selection (``params``, shared with ``replay.plan``): the stream and id range,
     and time bounds and subscription keys only where ``params`` give them."""
@@ -169,21 +168,21 @@ def routing_params(routing_key: str) -> dict[str, Any]:
     return {"routing_source": source, "path": dotted.split(".")}
 
 
-def in_turn(calls: Sequence[Callable[[], _T]], prefetch: bool = True) -> Generator[_T, None, None]:
-    """The results of ``calls``, in order, each made in a thread; ``prefetch``: the next call is
-    made while the caller consumes the current result, else once it asks for the next."""
-    if not calls:
-        return
+def in_turn(calls: Iterable[Callable[[], _T]], prefetch: bool = True) -> Generator[_T, None, None]:
+    """The results of ``calls`` (taken as they are needed), in order, each made in a thread; ``prefetch``: the
+    next call is made while the caller consumes the current result, else once it asks for the next."""
+    pending = iter(calls)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
-        ahead = pool.submit(calls[0])
-        for i in range(len(calls)):
+        call = next(pending, None)
+        ahead: Future[_T] | None = None if call is None else pool.submit(call)
+        while ahead is not None:
             result = ahead.result()
-            more = i + 1 < len(calls)
-            if more and prefetch:
-                ahead = pool.submit(calls[i + 1])
+            ahead = None
+            if prefetch and (call := next(pending, None)) is not None:
+                ahead = pool.submit(call)
             yield result
-            if more and not prefetch:
-                ahead = pool.submit(calls[i + 1])
+            if not prefetch and (call := next(pending, None)) is not None:
+                ahead = pool.submit(call)
 
 
 def positioned(rows: list[tuple[Any, ...]]) -> Iterator[Positioned]:
@@ -191,21 +190,3 @@ def positioned(rows: list[tuple[Any, ...]]) -> Iterator[Positioned]:
     for batch_id, ord_, event_id, stream_id, created, payload, metadata, _key in rows:
         yield batch_id, ord_, event_from_text(event_id, stream_id, created.astimezone(dt.UTC), payload, metadata)
 
-
-
-
-def in_turn_lazily(calls: Iterator[Callable[[], _T]]) -> Generator[_T, None, None]:
-    """:func:`in_turn` (prefetching) of calls made as they are needed."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
-        call = next(calls, None)
-        if call is None:
-            return
-        ahead = pool.submit(call)
-        while True:
-            result = ahead.result()
-            call = next(calls, None)
-            if call is not None:
-                ahead = pool.submit(call)
-            yield result
-            if call is None:
-                return

@@ -22,7 +22,7 @@ import psycopg
 
 from ...config import StreamConfig
 from ...sinks import Sink, SinkError, build_sink
-from .. import dbconn
+from .. import dbconn, replication
 from ..batches import CloseRun
 from ..collector import fewer_collections
 from ..ledger import deadletters, keyprogress, locks, state
@@ -54,6 +54,11 @@ class DeliveryError(RuntimeError):
     def __init__(self, message: str, metadata: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.metadata = metadata or {}
+
+
+class LedgerConnectionBroken(DeliveryError):
+    """The run's ledger connection broke mid-round (the database went away, or that connection): says nothing
+    of the sink."""
 
 
 @dataclass(frozen=True)
@@ -295,7 +300,7 @@ class _Round:
         except (psycopg.Error, SinkError):
             if recording():  # the connection still answers: not what stopped the run
                 raise
-            raise DeliveryError(
+            raise LedgerConnectionBroken(
                 f"stream {self.stream.id}: the run's ledger connection is broken ({recording.broken}): what the "
                 f"sink confirms can no longer be recorded, so the run stopped publishing; the next run resumes "
                 f"after the last confirmation recorded") from None
@@ -346,10 +351,13 @@ class _Round:
         every = stream.delivery.tuning.report_every_secs
         logged_at = time.monotonic()
         too_large = dead_letters(stream, self.database_url).too_large
+        # a sink keyed by ledger positions (the lake sinks) gets a former primary's events by id: after a failover
+        # the new primary's ledger holds some of them in batches the old one never had
+        ended_below = replication.timeline_floor(conn) if getattr(self.sink, "accepts_positions", False) else 0
         # each publish call holds the stream row against a pause (``state.publishing``): none after one
         with closing(publish_in_order(source, self.sink, chunk_size, skip=skip, reject=reject, owed=self.owed,
                                       too_large=too_large, chunk_bytes=stream.delivery.tuning.max_read_bytes,
-                                      gate=self._publishing)) as deliveries:
+                                      gate=self._publishing, ended_below=ended_below)) as deliveries:
             for delivery in deliveries:
                 match delivery:
                     case Confirmed(batch_id, ord):  # a retry resumes after it

@@ -42,7 +42,7 @@ from .reads import (
     cut,
     events_query,
     events_sizes,
-    in_turn_lazily,
+    in_turn,
     positioned,
     routing_params,
 )
@@ -143,7 +143,7 @@ class RangeSource:
                             yield lambda piece=piece: [(0, piece[0], piece[1])]  # type: ignore[misc]
 
             # the piece after the one being published is read meanwhile: two pieces in memory at most
-            with contextlib.closing(in_turn_lazily(reads())) as pieces:
+            with contextlib.closing(in_turn(reads())) as pieces:
                 for rows in pieces:
                     yield from rows
 
@@ -341,13 +341,13 @@ def _session(readers: Readers) -> SparkSession:
 def publish_in_order(source: EventSource, sink: Sink, chunk_size: int, *, skip: frozenset[Position] = frozenset(),
                      reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
                      too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
-                     gate: Gate = contextlib.nullcontext) -> Deliveries:
+                     gate: Gate = contextlib.nullcontext, ended_below: int = 0) -> Deliveries:
     """Global order: ``source``'s events published through the caller's ``sink`` by :func:`~..publish.publish`;
     closing it closes the source's events in the caller's thread (a reader's prefetch waited for then)."""
     events = source.events()
     try:
         yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,
-                           chunk_bytes=chunk_bytes, gate=gate)
+                           chunk_bytes=chunk_bytes, gate=gate, ended_below=ended_below)
     finally:
         close = getattr(events, "close", None)
         if close is not None:

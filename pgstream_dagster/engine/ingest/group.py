@@ -72,6 +72,13 @@ class GroupResult:
         self.left_out.update(later.left_out)
         self.notes.extend(later.notes)
 
+    def count(self, stream_id: int, target: StreamLedger) -> None:
+        """What the loop recorded into ``target``, stream ``stream_id``'s ledger."""
+        if target.batches:
+            self.batches.setdefault(stream_id, []).extend(target.batches)
+            self.events[stream_id] = self.events.get(stream_id, 0) + target.events
+        self.unreadable += target.unreadable
+
 
 def rule_of(streams: list[StreamConfig]) -> Batching:
     """One batching rule for the group's loop: the tightest of its members' (each member's batches are
@@ -160,6 +167,17 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
         # decoding skips what committed while the publication was missing: recovered from the table
         groups.set_group_recovery_pending(conn, group, True)
     info = replication.slot_info(conn, state.slot)
+    # a former primary's slot of that name, kept through a switchover and pg_rewind: not the one recorded through
+    stale = info is not None and state.slot_lsn is not None and info["confirmed_flush_lsn"] is not None \
+        and replication.lsn_to_int(str(info["confirmed_flush_lsn"])) < state.slot_lsn
+    if info is not None and stale:
+        result.notes.append(f"reader group {group}: replication slot {state.slot} is behind the point the group's "
+                            f"slot was created at ({replication.int_to_lsn(state.slot_lsn or 0)}): a former "
+                            "primary's, kept through a switchover; replaced, and every member recovers from "
+                            "pgstream.events")
+        info["wal_status"] = "lost"
+    elif info is not None and info["synced"]:
+        _take_synchronized(conn, group, state, info, result)
     pending = state.recovery_pending or result.publication == "created"
     if info is not None and info["wal_status"] != "lost" and not pending:
         return state
@@ -172,22 +190,41 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
         recording.set_recovery_pending(conn, m.id)
     if info is not None and info["wal_status"] == "lost":
         replication.drop_slot(conn, state.slot)
-        result.slot_lost = True
+        result.slot_lost = not stale  # (a stale one is told in notes)
         info = None
     if info is None:
         try:
-            replication.create_slot(conn, state.slot, wait_secs=SLOT_CREATION_WAIT_SECS)
+            created_at = replication.create_slot(conn, state.slot, wait_secs=SLOT_CREATION_WAIT_SECS)
         except psycopg.errors.ConfigurationLimitExceeded:  # all replication slots are in use
             line = limits.group_slot_problem(conn, group)
             raise limits.LimitsExceeded([line or f"reader group {group}: no replication slot is free; raise "
                                                  "max_replication_slots in postgresql.conf and restart Postgres"]
                                         ) from None
+        groups.set_group_slot(conn, group, replication.current_timeline(conn), created_at)
         result.slot_created = True
     by_id = {s.id: s for s in streams}
     for m in joined:
         result.recovered[m.id] = recording.recover_from_table(conn, m.id, by_id[m.id].batch.max_size)
     groups.set_group_recovery_pending(conn, group, False)
     return groups.group_state(conn, group) or state
+
+
+def _take_synchronized(conn: psycopg.Connection, group: str, state: groups.Group, info: dict[str, object],
+                       result: GroupResult) -> None:
+    """A promoted standby's synchronized copy of the group's slot (a failover slot, 17+) is used, ``info`` made its
+    own, when the ledger was recorded through its position (nothing before it is missing from the ledger) or it
+    was taken on this timeline already; else it stays ``lost`` (replaced and recovered from the table)."""
+    timeline = replication.current_timeline(conn)
+    confirmed = info["confirmed_flush_lsn"]
+    if state.slot_timeline != timeline:
+        if confirmed is None or state.recorded_through is None \
+                or replication.lsn_to_int(str(confirmed)) > state.recorded_through:
+            return
+        groups.set_group_slot(conn, group, timeline)
+        result.notes.append(f"reader group {group}: took the failover slot {state.slot} the promoted standby "
+                            f"synchronized (at {confirmed}, within what the ledger recorded: "
+                            f"{replication.int_to_lsn(state.recorded_through)}); nothing is recovered from the table")
+    info["wal_status"] = info["slot_wal_status"]
 
 
 def _running_xids(conn: psycopg.Connection) -> list[int]:
@@ -247,9 +284,7 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: groups.Member
     except recording.NotVisibleYet:
         return False
     finally:
-        result.batches.setdefault(stream.id, []).extend(target.batches)
-        result.events[stream.id] = result.events.get(stream.id, 0) + target.events
-        result.unreadable += target.unreadable
+        result.count(stream.id, target)
     return True
 
 
@@ -421,10 +456,7 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
         groups.set_group_recovery_pending(conn, group, True)  # the next tick replaces it and recovers
         result.slot_lost = True
     for sid, target in ledgers.items():
-        if target.batches:
-            result.batches.setdefault(sid, []).extend(target.batches)
-            result.events[sid] = result.events.get(sid, 0) + target.events
-        result.unreadable += target.unreadable
+        result.count(sid, target)
     return not (result.slot_busy or result.slot_lost)
 
 

@@ -91,7 +91,6 @@ class DeadLetter:
 # --- reading ------------------------------------------------------------------------------------
 
 
-
 def dead_letter_positions(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> frozenset[tuple[int, int]]:
     """The ``(batch_id, ord)`` of the events of ``batch_ids`` that have a dead letter: delivery skips them."""
     rows = conn.execute("select batch_id, ord from pgstream.dead_letters where stream_id = %s and batch_id = any(%s)",

@@ -94,18 +94,23 @@ class Group:
     recovery_pending: bool
     recorded_through: int | None
     members: list[Member]
+    #: the point the group's slot was created at (``None``: not known, created before migration 033)
+    slot_lsn: int | None = None
+    #: the timeline it was created or taken on (migration 034: a synchronized copy promoted later is decided again)
+    slot_timeline: int | None = None
 
 
 def group_state(conn: psycopg.Connection, group: str) -> Group | None:
     """The group's row and its members (``None``: no such group yet)."""
-    row = conn.execute("select slot, recovery_pending, (recorded_through - '0/0')::bigint from pgstream.reader_groups "
-                       "where name = %s", [group]).fetchone()
+    row = conn.execute("select slot, recovery_pending, (recorded_through - '0/0')::bigint, (slot_lsn - '0/0')::bigint, "
+                       "slot_timeline from pgstream.reader_groups where name = %s", [group]).fetchone()
     if row is None:
         return None
     members = [Member(int(r[0]), str(r[1]), None if r[2] is None else int(r[2]), str(r[3]), r[4])
                for r in conn.execute("select id, slot_reader, (join_lsn - '0/0')::bigint, slot, open_run_key "
                                      "from pgstream.streams where reader_group = %s order by id", [group])]
-    return Group(group, str(row[0]), bool(row[1]), None if row[2] is None else int(row[2]), members)
+    return Group(group, str(row[0]), bool(row[1]), None if row[2] is None else int(row[2]), members,
+                 None if row[3] is None else int(row[3]), row[4])
 
 
 def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None:
@@ -137,6 +142,13 @@ def finish_join(conn: psycopg.Connection, stream_id: int, group: str) -> None:
 
 def set_group_recovery_pending(conn: psycopg.Connection, group: str, pending: bool) -> None:
     conn.execute("update pgstream.reader_groups set recovery_pending = %s where name = %s", [pending, group])
+
+
+def set_group_slot(conn: psycopg.Connection, group: str, timeline: int, lsn: str | None = None) -> None:
+    """The group's slot was created at ``lsn`` (migration 033: a slot of its name behind it is another's) on
+    ``timeline``, or (no ``lsn``) a synchronized copy of it was taken on ``timeline`` (migration 034)."""
+    conn.execute("update pgstream.reader_groups set slot_lsn = coalesce(%s::pg_lsn, slot_lsn), slot_timeline = %s "
+                 "where name = %s", [lsn, timeline, group])
 
 
 def record_group_through(conn: psycopg.Connection, group: str, end_lsn: int) -> None:

@@ -195,7 +195,7 @@ class RecordingCheck:
             try:
                 self.conn.execute("select 1")
             except psycopg.Error as exc:
-                self.broken = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                self.broken = dbconn.first_line(exc)
                 return False
             self._asked = time.monotonic()
             return True
@@ -252,20 +252,12 @@ POOL_HELD_SECS = 1.0
 
 
 class SharedConnections:
-    """The connections of the runs one process hosts (a reader group's members, a thread each): every run's
-    delivery lease is held by one session of the process, named ``name`` (it lasts as long as the process,
-    which is how the sensor tells a dead run from a slow one), and their ledger work goes through a pool of
-    connections. A run takes a connection for a round (its publish calls' pause gate included) or a look at
-    the ledger, never more than one, and gives it back while it waits.
-
-    The pool holds at most ``POOL_SIZE`` connections working at once: a run that wants one while as many are
-    out waits for one to be given back. A connection held ``POOL_HELD_SECS`` no longer counts (its run's sink
-    hangs in a call, or the run waits to retry a rejected event): the runs behind it get another one at once, so
-    one member's slow sink holds its own connection and no other member back. A connection given back is kept
-    for the next run while the pool is within its size and closed after ``POOL_IDLE_SECS`` idle. A run whose
-    lease session ended (the server restarted, the connection was cut) closes at its next look
-    (``ledger.state.why_close``) and publishes nothing once another run took its lease (its pause gate:
-    ``ledger.state.publishing``)."""
+    """The connections of the runs one process hosts (a reader group's members, a thread each; docs/architecture.md,
+    "Connections"): every run's lease on one session named ``name`` (it ends with the process: how the sensor tells
+    a dead run from a slow one), their ledger work on a pool (see ``POOL_SIZE``, ``POOL_HELD_SECS``,
+    ``POOL_IDLE_SECS``), a connection at a time per run (a round, a look), given back while it waits. A run whose
+    lease session ended closes at its next look (``ledger.state.why_close``) and publishes nothing once another
+    run took its lease (its pause gate: ``ledger.state.publishing``)."""
 
     def __init__(self, database_url: str, name: str, size: int = POOL_SIZE) -> None:
         self.database_url, self.name, self.size = database_url, name, size

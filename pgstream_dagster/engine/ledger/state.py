@@ -35,14 +35,21 @@ from ..batches import (
     Warm,
 )
 from ..batches import Batch as Batch  # ledger.state.Batch: the delivery job's name for it
+from ..replication import TIMELINE_SQL
 from .locks import DELIVERY_LOCK, REPLAY_LOCK
 from .recording import atomic
+
+#: the stream's incarnation as run keys carry it: after a promotion, with the server's timeline (``.t2``). A
+#: promoted standby that had replayed less hands out again batch ids the former primary used, and Dagster launches
+#: a run key once (a sensor's request under a key it has seen is skipped) and finds runs by it: a key named again
+#: would stand for the former primary's run. On a standby (reading, never launching) the incarnation alone.
+_INCARNATION = ("s.incarnation::text operator(pg_catalog.||) case when pg_catalog.pg_is_in_recovery() then '' "
+                f"else coalesce(nullif('.t' operator(pg_catalog.||) ({TIMELINE_SQL})::text, '.t1'), '') end")
 
 _BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b.last_event_id, b.status, "
                   "b.attempts, b.run_key, s.incarnation, b.run_id, b.error, b.next_attempt_at, b.first_commit_at, "
                   "b.created_at, b.confirmed_count")
 _BATCH_FROM = "from pgstream.batches b join pgstream.streams s on s.id = b.stream_id"
-
 
 
 def _batch(row: dict[str, Any] | None) -> Batch | None:
@@ -53,7 +60,7 @@ def _batch(row: dict[str, Any] | None) -> Batch | None:
 
 _STATE = f"""
 select p.id as state_of, s.paused, s.failover_since, s.open_run_key,
-       s.incarnation::text as stream_incarnation, h.*,
+       {_INCARNATION} as stream_incarnation, h.*,
        case when h.status = %(pending)s and not s.paused then (
            -- what a new run takes: the head, then pending batches while the events fit
            select array_agg(r.id order by r.id) from (
@@ -96,11 +103,14 @@ def stream_states(conn: psycopg.Connection, max_events: dict[int, int]) -> dict[
     for row in rows:
         stream_id = int(row.pop("state_of"))
         stream = {k: row.pop(k) for k in _STREAM_FIELDS}
+        incarnation = str(stream["stream_incarnation"] or "")
+        # the head's run keys (RunOrder) carry the same incarnation as the stream's, the timeline's included
+        head = _batch({**row, "incarnation": incarnation}) if row["id"] is not None else None
         states[stream_id] = StreamState(
-            stream_id, head=_batch(row) if row["id"] is not None else None, paused=bool(stream["paused"]),
+            stream_id, head=head, paused=bool(stream["paused"]),
             failover_since=stream["failover_since"], open_run_key=stream["open_run_key"],
             next_run=tuple(stream["next_run"] or ()), last_delivered_launch=stream["last_delivered_launch"],
-            incarnation=str(stream["stream_incarnation"] or ""))
+            incarnation=incarnation)
     return states
 
 

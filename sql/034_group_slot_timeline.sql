@@ -1,0 +1,13 @@
+-- 034: a failover slot a promoted standby synchronized is used when the ledger covers it (issue 46).
+--
+-- On Postgres 17+ a standby with sync_replication_slots keeps a copy of the group's slot; promoted, it offers
+-- that copy (pg_replication_slots.synced stays true on the new primary). The copy is only as far as the
+-- standby's WAL, and the primary moves its slot after the ledger transaction that recorded what it read
+-- commits: the standby may hold the copy's position without that ledger commit. The group's reader uses the
+-- copy when the ledger the standby holds was recorded through its position (reader_groups.recorded_through at
+-- or past its confirmed position: nothing before it is missing from the ledger), and otherwise replaces it and
+-- recovers from the table, as for a lost slot.
+--
+-- slot_timeline: the WAL timeline on which the group's reader created its slot or took a synchronized copy
+-- as its own: a copy still marked synced on a later timeline is a newer promotion's, decided again.
+alter table pgstream.reader_groups add column if not exists slot_timeline integer;
