@@ -78,6 +78,24 @@ class RunningDemo:
         return {k: v.strip("'") for k, v in re.findall(r"^export (\w+)=(.*)$", text, re.M)}
 
 
+#: Dagster's daemon (1.13) empties its workspace before its sensor thread pool ends: a sensor tick submitted just
+#: before the shutdown whose thread starts after it fails at once with this error. It says nothing of the demo
+#: (the tick never reached the code location); any other error, or this one before the daemon's threads ended, does
+_SHUTDOWN_RACE = re.compile(
+    r"(?ms)^[^\n]*dagster\.daemon\.SensorDaemon - \S*ERROR\S* - "
+    r"\S*Sensor daemon caught an error for sensor pgstream_\w+\S*\n"
+    r"Traceback \(most recent call last\):\n(?:  [^\n]*\n)+"
+    r"dagster\._core\.errors\.DagsterCodeLocationNotFoundError: Location pgstream does not exist in workspace\n")
+
+
+def _without_dagsters_shutdown_race(output: str) -> str:
+    """``output`` without the upstream race above, where it comes after the daemon said its threads ended."""
+    ended = output.find("Daemon threads shut down.")
+    if ended < 0:
+        return output
+    return output[:ended] + _SHUTDOWN_RACE.sub("", output[ended:])
+
+
 def _wait(what: str, done: Callable[[], bool], timeout: float, demo: RunningDemo) -> None:
     deadline = time.monotonic() + timeout
     while not done():
@@ -230,7 +248,7 @@ def test_a_fresh_make_dev_stays_green_past_a_checks_tick_and_make_stop_ends_it_i
                          f"stopped Postgres (pid {pg_pid}, data in {demo.root / '.pgstream' / 'data'})"], lines
     assert demo.proc.wait(timeout=10) == 0, demo.output()[-3000:]  # ended by itself: no `make: ... Killed`
     assert took <= 15, f"make stop took {took:.1f} s: {lines}"
-    output = demo.output()
+    output = _without_dagsters_shutdown_race(demo.output())
     assert "Killed" not in output and "Traceback" not in output, output[-3000:]
     assert "reader group default: group delivery run ended (interrupted (shutdown)" in output, output[-3000:]
     survivors = [pid for pid in processes if Path(f"/proc/{pid}").exists()
