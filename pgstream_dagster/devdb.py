@@ -52,14 +52,37 @@ def free_port() -> int:
 
 
 def _demote() -> tuple[int, int] | None:
+    """As root, the user and group Postgres runs as (it refuses root): :data:`_RUN_AS`, created once."""
     if os.geteuid() != 0:
         return None
+    return _system_user(_RUN_AS)
+
+
+def _system_user(name: str) -> tuple[int, int]:
+    """The uid and gid of the user ``name``, created (no home, no login) if it does not exist. Processes that
+    start at once on a new machine (the test workers, ``make dev`` beside them) all find it missing, and
+    ``useradd`` run at once by several can each report success with a uid of its own while ``/etc/passwd``
+    keeps one (a Postgres initialised as a lost uid fails: "could not look up effective user ID"): the check
+    and the creation hold a lock of their own."""
+    import fcntl
+    import tempfile
+
+    lock = os.open(Path(tempfile.gettempdir()) / "pgstream-useradd.lock",
+                   os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        entry = pwd.getpwnam(_RUN_AS)
-    except KeyError:
-        subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", _RUN_AS], check=True)
-        entry = pwd.getpwnam(_RUN_AS)
-    return entry.pw_uid, entry.pw_gid
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            made = subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], capture_output=True,
+                                  text=True)
+            if made.returncode != 0:
+                raise RuntimeError(f"could not create the user {name} that runs the local Postgres as root: "
+                                   f"{made.stderr.strip() or f'useradd exited with {made.returncode}'}") from None
+            entry = pwd.getpwnam(name)
+        return entry.pw_uid, entry.pw_gid
+    finally:
+        os.close(lock)  # (and its lock with it)
 
 
 def _make_traversable(path: Path) -> None:

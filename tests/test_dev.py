@@ -251,3 +251,26 @@ def test_make_clean_stops_the_demo_services_before_deleting_them(demo: Demo) -> 
         psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", connect_timeout=2)
     assert _status(demo.root, demo.env) == ["Postgres:             none", "Spark Connect server: not running",
                                             "dg dev:               not running", "Prometheus exporter:  not running"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating a user takes root (as another user Postgres runs as it)")
+def test_processes_starting_together_on_a_new_machine_all_get_the_local_postgres_user() -> None:
+    """On a machine where the user the local Postgres runs as (root: a user of its own) does not exist yet, the
+    processes that start one at once (the test workers, ``make dev``) all find it missing: each gets the user,
+    none fails on the ``useradd`` another won."""
+    import pwd
+
+    name = f"pgs_race_{os.getpid()}"
+    script = ("import sys, time; from pgstream_dagster.devdb import _system_user\n"
+              "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
+              "print(*_system_user(sys.argv[1]))")
+    at = time.time() + 1.5  # (every process imported and waiting by then)
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", script, name, str(at)], cwd=repo_root(), text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(6)]
+        answers = [p.communicate(timeout=60) for p in procs]
+        assert [p.returncode for p in procs] == [0] * 6, [err for _, err in answers]
+        entry = pwd.getpwnam(name)
+        assert {out.strip() for out, _ in answers} == {f"{entry.pw_uid} {entry.pw_gid}"}
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
