@@ -47,9 +47,18 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+def _open(url: str) -> psycopg.Connection:
+    """An autocommit connection to ``url`` with the engine's pinned search path (``pg_catalog, pg_temp``: an
+    operator's command runs as the owner or a superuser, and another role's function or operator on its search
+    path must not run with those rights) and the password masked in a connection error."""
+    from .engine.dbconn import connect
+
+    return connect(url, autocommit=True)
+
+
 def _connect(args: argparse.Namespace) -> psycopg.Connection:
-    """A connection to ``--database-url`` (or ``$PGSTREAM_DATABASE_URL``), autocommit."""
-    return psycopg.connect(_database_url(args), autocommit=True)
+    """A connection to ``--database-url`` (or ``$PGSTREAM_DATABASE_URL``), autocommit (:func:`_open`)."""
+    return _open(_database_url(args))
 
 
 def _config(args: argparse.Namespace) -> PgstreamConfig:
@@ -105,7 +114,7 @@ def _warn_without_drift_guard(owner_url: str) -> None:
     non-superuser owner, as on a managed service), and what that leaves open."""
     from .engine.migrations import DRIFT_GUARD_MISSING, drift_guard_installed
 
-    with psycopg.connect(owner_url, autocommit=True) as conn:
+    with _open(owner_url) as conn:
         if not drift_guard_installed(conn):
             print(DRIFT_GUARD_MISSING, file=sys.stderr)
 
@@ -221,7 +230,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
                 if not word.isdigit():
                     return _fail(f"error: {args.received} line {number}: {word[:40]!r} is not an event id", 2)
                 received.append(int(word))
-    with psycopg.connect(args.database_url or config.database_url.get_secret_value(), autocommit=True) as conn:
+    with _open(args.database_url or config.database_url.get_secret_value()) as conn:
         ended = reconcile.ended_timelines(conn, stream.id)
         if not ended:
             print(f"stream {stream.id}: every event this database holds was written on its current timeline: no "
@@ -412,7 +421,7 @@ def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
         if not args.dry_run:  # the stream's delivery lease, as a replay holds it: never between live deliveries
             held.enter_context(locks.acquire_replay_lease(
                 url, stream.id, _operator(), lambda what: print(f"waiting for {what}", file=sys.stderr)))
-        with psycopg.connect(url, autocommit=True) as conn:
+        with _open(url) as conn:
             report = redeliver(conn, stream, args.ids or None, _operator(), args.chunk_size, dry_run=args.dry_run)
     first, *problems = report.lines()
     print(first)
@@ -498,12 +507,12 @@ def _cmd_backfill_run(args: argparse.Namespace) -> int:
                                to_key=args.to_key, chunk_size=args.chunk_size, parallelism=args.parallelism,
                                max_rows_per_sec=args.max_rows_per_sec or None, max_backlog=args.max_backlog or None,
                                restart=args.restart)
-    with psycopg.connect(url, autocommit=True) as conn:
+    with _open(url) as conn:
         chosen = backfill.targets(conn, request)
     spark = open_session(config)
     unfinished = 0
     for target in chosen:
-        with psycopg.connect(url, autocommit=True) as conn:
+        with _open(url) as conn:
             backfill_id, resumed = backfill.open_backfill(conn, target, request)
         print(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of {target.describe()}", flush=True)
         with closing(backfill.run(url, backfill_id, request, backfill.spark_executor(spark, config.executor_url),

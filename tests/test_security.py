@@ -925,6 +925,47 @@ def test_the_views_migrate_creates_bind_nothing_from_the_migrators_search_path(e
             c.execute(sql.SQL("drop role {}").format(sql.Identifier(mallory)))
 
 
+def test_the_installers_run_no_operator_of_a_role_on_the_owners_search_path(empty_db_url: str,
+                                                                           tmp_path: Path) -> None:
+    """``init``, ``migrate`` and ``tear-down`` run as the owner or a superuser. A role that may create in a
+    schema on their search path (``public``: the default before Postgres 15, and a database's owner's on
+    any version) defines ``~~(name, name)``, which an unqualified ``trigger name like 'pgstream\\_%'`` would
+    pick over the built-in ``~~(name, text)``: their connections pin ``search_path = pg_catalog, pg_temp``,
+    so it never runs; the role is no superuser afterwards, from a fresh connection."""
+    from pgstream_dagster.engine.bootstrap import init
+    from pgstream_dagster.engine.migrations import tear_down
+
+    from .support.harness import write_config
+
+    mallory = f"mallory_{next(_ids)}_{empty_db_url.rsplit('/', 1)[1]}"
+    run(empty_db_url, "grant create, usage on schema public to public", f"create role {mallory} login",
+        "create table public.t (id int primary key)")
+    try:
+        run(empty_db_url,
+            "create table public.ran (who text)", "grant insert on public.ran to public",
+            "create function public.spy(name, name) returns boolean language plpgsql as "
+            f"$$ begin insert into public.ran values (current_user); {ESCALATE.format(role=mallory)} "
+            "return $1::text operator(pg_catalog.~~) $2::text; end $$",
+            "create operator public.~~ (leftarg = name, rightarg = name, function = public.spy)", role=mallory)
+        config = write_config(tmp_path / "pgstream.yaml", empty_db_url, [{"id": 1, "sink": {"type": "memory"}}],
+                              subscriptions=[{"key": "t-insert", "schema_name": "public", "table_name": "t",
+                                              "stream_id": 1, "operation": "INSERT"}])
+        init(config)  # migrate, housekeeping, the streams, the subscription's trigger on public.t
+        run(empty_db_url, "insert into public.t values (1)")
+        tear_down(empty_db_url)  # lists every trigger of the database by name
+        with connect(empty_db_url) as c:
+            assert c.execute("select count(*) from public.ran").fetchone() == (0,)
+            assert c.execute("select count(*) from pg_namespace where nspname = 'pgstream'").fetchone() == (0,)
+        with connect(empty_db_url, mallory) as c:  # a fresh connection: what the role can do afterwards
+            assert c.execute("select rolsuper from pg_roles where rolname = current_user").fetchone() == (False,)
+        assert not is_super(empty_db_url, mallory)
+    finally:
+        with connect(empty_db_url) as c:
+            c.execute(sql.SQL("alter role {} nosuperuser").format(sql.Identifier(mallory)))
+            c.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(mallory)))
+            c.execute(sql.SQL("drop role {}").format(sql.Identifier(mallory)))
+
+
 def test_the_event_check_ignores_a_manual_roles_temporary_objects(db_url: str, manual_role: str) -> None:
     """pgstream._check_event runs as the owner: a role allowed to insert events shadows the tables and
     types it names in pg_temp, from a fresh connection, and gains nothing (the manual-event grant: conftest's

@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 
 from ..config import PgstreamConfig, reader_groups
-from .dbconn import describe_url, error_line
+from .dbconn import connect, describe_url, error_line
 from .limits import DagsterStorage, LimitsExceeded
 
 
@@ -36,7 +36,7 @@ def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
     ``dagster``: its storage's connections on the same server, ``runs_where``: the file of its limits."""
     from .limits import postgres_problems, run_problem
 
-    with psycopg.connect(config.database_url.get_secret_value(), autocommit=True) as conn:
+    with connect(config.database_url.get_secret_value(), autocommit=True) as conn:
         lines = postgres_problems(conn, config.streams, dagster)
     runs = run_problem(max_concurrent_runs, config.streams, runs_where)
     return [*lines, *([runs] if runs else [])]
@@ -65,12 +65,12 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
         raise LimitsExceeded(problems)
     with _as(owner_role, owner):
         out = [f"applied migration {m}" for m in migrate(owner, partitions_ahead=config.housekeeping.days_ahead)]
-    with _as(owner_role, owner), psycopg.connect(owner, autocommit=True) as conn:
+    with _as(owner_role, owner), connect(owner, autocommit=True) as conn:
         report = run_housekeeping(conn, config.housekeeping)
         if report.created or report.dropped or report.kept or report.busy or report.batches_pruned \
                 or report.default_rows_deleted:
             out.append(report.summary())
-    with _as(runtime, url), psycopg.connect(url, autocommit=True) as conn:
+    with _as(runtime, url), connect(url, autocommit=True) as conn:
         for group, members in reader_groups(config.streams).items():
             # registers the streams (a stream that had its own slot joins at the group sensor's first tick)
             grouped = GroupResult()
@@ -79,7 +79,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
             if grouped.slot_created:
                 out.append(f"created slot {grouped.slot} for reader group {group} (streams "
                            f"{', '.join(str(s.id) for s in members)})")
-    with _as(owner_role, owner), psycopg.connect(owner, autocommit=True) as conn:
+    with _as(owner_role, owner), connect(owner, autocommit=True) as conn:
         for action, key, stream_id in apply_subscriptions(conn, config):
             out.append(f"{action} subscription {key!r} (stream {stream_id})")
     return out

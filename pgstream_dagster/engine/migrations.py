@@ -20,6 +20,7 @@ from typing import TypeVar
 import psycopg
 
 from ..config import STREAM_NAME_PREFIX
+from . import dbconn
 
 #: The NOLOGIN role that owns the generated trigger functions (sql/012_least_privilege.sql).
 WRITER_ROLE = "pgstream_writer"
@@ -220,7 +221,7 @@ def migrate(database_url: str, *, partitions_ahead: int = 7, directory: Path | N
     migrations = discover(directory)
     repeatables = discover_repeatables(directory)
     applied: list[str] = []
-    with psycopg.connect(database_url, autocommit=True) as conn:
+    with dbconn.connect(database_url, autocommit=True) as conn:
         _bootstrap(conn, migrations[0])
         while (m := _retried(conn, lambda: _next_migration(conn, migrations))) is not None:
             applied.append(m.path.name)
@@ -313,7 +314,7 @@ def install_drift_guard(superuser_url: str, directory: Path | None = None) -> No
     if marker not in text:
         raise MigrationError(f"{guard.name}: cannot find the event-trigger step ({marker!r})")
     step = text[text.index(marker):]
-    with psycopg.connect(superuser_url, autocommit=True) as conn:
+    with dbconn.connect(superuser_url, autocommit=True) as conn:
         if not _schema_exists(conn):
             raise MigrationError("install-drift-guard: pgstream is not installed in this database: run "
                                  "`pgstream-dagster migrate` first")
@@ -429,7 +430,7 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
     from psycopg import sql
 
     removed: list[str] = []
-    with psycopg.connect(database_url, autocommit=True) as conn:
+    with dbconn.connect(database_url, autocommit=True) as conn:
         had_schema = _schema_exists(conn)
         slots: set[str] = set()
         with conn.transaction():
