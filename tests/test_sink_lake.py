@@ -177,10 +177,14 @@ def test_parquet_streams_sharing_a_directory_never_remove_each_others_writes(tmp
     replay = day / ".tmp-stream-3-replay-inflight.parquet"
     killed = day / ".tmp-stream-3-b-killed.parquet"
     old = day / ".tmp-0123456789abcdef.parquet"
-    for file in (other, replay, killed, old):
+    markers = root / parquet_module.MARKER_DIR  # the markers' own: a killed writer's, another stream's, an old one
+    killed_marker, other_marker = markers / ".tmp-stream-3-b-killed.json", markers / ".tmp-stream-4-b-inflight.json"
+    old_marker = markers / ".tmp-0123456789abcdef.json"
+    for file in (other, replay, killed, old, killed_marker, other_marker, old_marker):
         file.write_bytes(b"partial")
     long_ago = time.time() - parquet_module.STALE_TMP_SECS - 60
     os.utime(old, (long_ago, long_ago))
+    os.utime(old_marker, (long_ago, long_ago))
     before = sorted(p.name for p in root.rglob("*"))
     with sink_of(config) as reader:  # another process reading the token (a check, the reconcile command)
         assert reader.read_token(STREAM) is not None and reader.read_token(4) is None
@@ -188,6 +192,7 @@ def test_parquet_streams_sharing_a_directory_never_remove_each_others_writes(tmp
     with sink_of(config) as sink:  # the stream's next writer
         drain(publish(sink, positioned(evs, 5), 10))
     assert other.exists() and replay.exists() and not killed.exists() and not old.exists()
+    assert other_marker.exists() and not killed_marker.exists() and not old_marker.exists()
     assert lake_ids(config, STREAM) == Counter({e.id: 1 for e in evs})
 
 

@@ -74,7 +74,6 @@ class ParquetSink(LakeSink, builds=ParquetSinkConfig):
     def __init__(self, config: ParquetSinkConfig) -> None:
         super().__init__(config)
         self._pq: Any = self._import("pyarrow", "pyarrow.parquet")
-        self._cleaned: set[int] = set()
 
     def where(self) -> str:
         return f"directory {self.config.path}"
@@ -104,7 +103,7 @@ class ParquetSink(LakeSink, builds=ParquetSinkConfig):
 
     def _clean(self, stream_id: int, committed: int) -> None:
         """Delete the stream's files after the marker (written by an attempt that died before its marker), the
-        temporary files its delivery left when killed, and any temporary file untouched for
+        temporary files (data and marker) its delivery left when killed, and any temporary file untouched for
         :data:`STALE_TMP_SECS` (a killed replay's). Another stream's writer, or a replay of this one, may be
         writing its own temporary files in the same directories meanwhile: those stay."""
         for file in self._stream_files(stream_id):
@@ -114,7 +113,7 @@ class ParquetSink(LakeSink, builds=ParquetSinkConfig):
                 file.unlink()
         root = Path(self.config.path)
         stale = time.time() - STALE_TMP_SECS
-        for tmp in root.glob("day=*/.tmp-*"):
+        for tmp in [*root.glob("day=*/.tmp-*"), *root.glob(f"{MARKER_DIR}/.tmp-*")]:
             with contextlib.suppress(FileNotFoundError):
                 if tmp.name.startswith(_tmp_prefix(stream_id, delivery=True)) or tmp.stat().st_mtime < stale:
                     tmp.unlink(missing_ok=True)
@@ -165,6 +164,9 @@ class ParquetSink(LakeSink, builds=ParquetSinkConfig):
         directory = Path(self.config.path) / MARKER_DIR
         directory.mkdir(parents=True, exist_ok=True)
         batch_id, ord = position_of(new_token)
-        tmp = directory / f".tmp-{uuid.uuid4().hex}.json"
-        tmp.write_text(json.dumps({"token": new_token, "batch_id": batch_id, "ord": ord}))
-        _replace(tmp, directory / f"stream-{stream_id}.json")
+        tmp = directory / f"{_tmp_prefix(stream_id, delivery=True)}{uuid.uuid4().hex}.json"
+        try:
+            tmp.write_text(json.dumps({"token": new_token, "batch_id": batch_id, "ord": ord}))
+            _replace(tmp, directory / f"stream-{stream_id}.json")
+        finally:
+            tmp.unlink(missing_ok=True)
