@@ -904,7 +904,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .sparkserver import SparkServerError
 
         if type(exc).__module__.startswith("psycopg"):  # Postgres' message, not its PL/pgSQL CONTEXT lines
-            print(f"error: {scrubbed_error(error_line(exc), *_urls_given(args))}", file=sys.stderr)
+            line = scrubbed_error(error_line(exc), *_urls_given(args))
+            if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction |
+                          psycopg.errors.InvalidSchemaName) and "pgstream." in str(exc):
+                line += (": pgstream is not installed in this database, or not at this version: run "
+                         "`pgstream-dagster migrate` (or `init`) with the owner's URL first")
+            print(f"error: {line}", file=sys.stderr)
             return 1
         if isinstance(exc, MigrationError | ConfigError | DeadLetterError | BackfillError | SparkServerError |
                       PublicationTaken | InitError):

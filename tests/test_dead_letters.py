@@ -454,6 +454,11 @@ def test_cli_dead_letter_commands(conn: psycopg.Connection, db_url: str, ledger:
     assert '"tag": "b"' in text and "error: set aside by an operator: poison" in text
     code, _, err = cli("dead-letters", "show", "123456", *url)
     assert code == 1 and err == "error: dead letter 123456 does not exist\n"
+    # a database without pgstream (the operator's URL names the wrong one): one line that says so
+    code, _, err = cli("dead-letters", "show", "1", "--database-url", db_url.rsplit("/", 1)[0] + "/postgres")
+    assert code == 1 and err == ('error: relation "pgstream.dead_letters" does not exist: pgstream is not installed '
+                                 "in this database, or not at this version: run `pgstream-dagster migrate` (or "
+                                 "`init`) with the owner's URL first\n")
 
     code, text, _ = cli("status", "1", *url)
     assert code == 0 and "dead letters: 2 open" in text
