@@ -11,10 +11,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from ..sinks.base import scrub_conninfo
-
-#: the session setting every runtime connection gets
-PINNED_SEARCH_PATH = "-c search_path=pg_catalog,pg_temp"
+from ..sinks.base import connect_postgres, scrub_conninfo
 
 
 def conninfo_problem(database_url: str) -> str | None:
@@ -29,12 +26,6 @@ def conninfo_problem(database_url: str) -> str | None:
 def scrubbed_error(error: BaseException | str, *database_urls: str | None) -> str:
     """``error``'s message in one line, the passwords of ``database_urls`` (and any other it shows) masked."""
     return scrub_conninfo(" ".join(str(error).split()), *database_urls)
-
-
-def pinned_options(database_url: str, extra: str = "") -> str:
-    """The URL's ``options`` (kept), ``extra``, then the pinned search path (which wins)."""
-    given = conninfo_to_dict(database_url).get("options") or ""
-    return " ".join(part for part in (str(given), extra, PINNED_SEARCH_PATH) if part)
 
 
 class Connection(psycopg.Connection[Any]):
@@ -62,14 +53,8 @@ def database_key(conn: psycopg.Connection) -> str:
 
 def connect(database_url: str, *, options: str = "", **kwargs: Any) -> Connection:
     """``psycopg.connect`` with the pinned search path (``options``: more ``-c`` settings); a failure
-    raises psycopg's error with the URL's password masked."""
-    try:
-        conn = Connection.connect(database_url, options=pinned_options(database_url, options), **kwargs)
-    except psycopg.Error as exc:
-        message = scrub_conninfo(str(exc), database_url)
-        if message == str(exc):
-            raise
-        raise type(exc)(message) from None
+    raises psycopg's error with the URL's password masked (``sinks.base.connect_postgres``)."""
+    conn = connect_postgres(database_url, options, connection_class=Connection, **kwargs)
     conn.database = url_database(database_url)
     return conn
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from dataclasses import FrozenInstanceError
 from types import TracebackType
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Self, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -656,17 +656,30 @@ def scrub_conninfo(text: str, *conninfos: str | None) -> str:
     return _PASSWORD_PARAM.sub(lambda m: f"{m.group('key')}***", text)
 
 
-def connect_postgres(url: str, settings: str = "", **kwargs: Any) -> psycopg.Connection[Any]:
-    """``psycopg.connect(url, autocommit=True, **kwargs)`` whose session has ``search_path = pg_catalog,
-    pg_temp`` (nothing on the role's path can redirect a name) and ``settings`` (more ``-c``), after the
-    URL's own ``options``; a failure raises psycopg's error with the URL's password masked."""
+#: the session setting every connection pgstream opens to a pgstream database gets (last: it wins over the URL's)
+PINNED_SEARCH_PATH = "-c search_path=pg_catalog,pg_temp"
+
+_C = TypeVar("_C", bound="psycopg.Connection[Any]")
+
+
+@overload
+def connect_postgres(url: str, settings: str = "", *, connection_class: None = None,
+                     **kwargs: Any) -> psycopg.Connection[Any]: ...
+@overload
+def connect_postgres(url: str, settings: str = "", *, connection_class: type[_C], **kwargs: Any) -> _C: ...
+def connect_postgres(url: str, settings: str = "", *, connection_class: type[_C] | None = None,
+                     **kwargs: Any) -> Any:
+    """``psycopg.connect(url, **kwargs)`` (of ``connection_class``) whose session has ``search_path =
+    pg_catalog, pg_temp`` (nothing on the role's path can redirect a name) and ``settings`` (more ``-c``),
+    after the URL's own ``options``; a failure raises psycopg's error with the URL's password masked."""
     import psycopg
     from psycopg.conninfo import conninfo_to_dict
 
+    cls: Any = connection_class or psycopg.Connection
     try:
         given = conninfo_to_dict(url).get("options") or ""
-        options = " ".join(part for part in (str(given), settings, "-c search_path=pg_catalog,pg_temp") if part)
-        return psycopg.connect(url, autocommit=True, options=options, **kwargs)
+        options = " ".join(part for part in (str(given), settings, PINNED_SEARCH_PATH) if part)
+        return cls.connect(url, options=options, **kwargs)
     except psycopg.Error as exc:
         message = scrub_conninfo(str(exc), url)
         if message == str(exc):

@@ -388,7 +388,7 @@ order by 1
 def catalog_columns(database_url: str, stream_id: int) -> list[TypedColumn]:
     """The columns the stream's subscriptions publish, typed from the catalog (``pg_attribute``), in
     name order; a name two tables give different types is a string column."""
-    with connect_postgres(database_url, application_name="pgstream lake sink") as conn:
+    with connect_postgres(database_url, autocommit=True, application_name="pgstream lake sink") as conn:
         rows = conn.execute(_CATALOG_COLUMNS, [stream_id]).fetchall()
     types: dict[str, set[str]] = {}
     for name, pg_type in rows:
