@@ -67,10 +67,20 @@ def _system_user(name: str) -> tuple[int, int]:
     import fcntl
     import tempfile
 
-    lock = os.open(Path(tempfile.gettempdir()) / "pgstream-useradd.lock",
-                   os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    path = Path(tempfile.gettempdir()) / "pgstream-useradd.lock"
+    lock = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        deadline = time.monotonic() + 60  # (a user creation takes a moment: a lock held longer is not one of ours)
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"could not create the user {name} that runs the local Postgres as root: "
+                                       f"{path} has been locked for 60 s (by a process that is not creating it: "
+                                       "remove the file)") from None
+                time.sleep(0.05)
         try:
             entry = pwd.getpwnam(name)
         except KeyError:
