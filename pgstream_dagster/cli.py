@@ -206,8 +206,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     )
 
     with _connect(args) as conn:
-        print(render_status(stream_status(conn, args.stream, args.batches)) +
-              (render_orphaned_slots(orphaned_slots(conn)) if args.stream is None else ""))
+        streams = stream_status(conn, args.stream, args.batches)
+        if args.stream is not None and not streams:
+            return _fail(f"error: stream {args.stream} does not exist in this database (`pgstream-dagster status` "
+                         "lists the streams it has)")
+        print(render_status(streams) + (render_orphaned_slots(orphaned_slots(conn)) if args.stream is None else ""))
     if args.stream is None:
         said = render_standby_slots(standby_slots(_database_url(args)))
         if said:

@@ -462,6 +462,8 @@ def test_cli_dead_letter_commands(conn: psycopg.Connection, db_url: str, ledger:
 
     code, text, _ = cli("status", "1", *url)
     assert code == 0 and "dead letters: 2 open" in text
+    assert cli("status", "99", *url) == (1, "", "error: stream 99 does not exist in this database "
+                                               "(`pgstream-dagster status` lists the streams it has)\n")
 
     # redeliver: the sink from pgstream.yaml
     code, text, _ = cli("dead-letters", "redeliver", "1", str(second), "--config", str(cfg), "--dry-run")
