@@ -715,6 +715,16 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
                 _describe_commands(sub)
 
 
+def _name_the_choices(parser: argparse.ArgumentParser) -> None:
+    """A command group called without its command says which it takes (``the following arguments are required:
+    {list,add,token,drop,retention}``), not the internal name of its argument."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            action.metavar = action.metavar or "{" + ",".join(action.choices) + "}"
+            for child in action.choices.values():
+                _name_the_choices(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pgstream-dagster")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
@@ -886,6 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default=".", help="the repository to write into")
     p.set_defaults(func=_cmd_docs)
     _describe_commands(parser)
+    _name_the_choices(parser)
     # the summary names every command, from the parser itself (pgstream-dagster COMMAND --help for one)
     parser.description = (f"{__doc__} Commands: {', '.join(sub.choices)} (pgstream-dagster COMMAND --help "
                           "describes one).")

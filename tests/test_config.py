@@ -231,6 +231,20 @@ def test_cli_numbers_out_of_range_are_refused_before_any_connection(argv: list[s
     assert "must be" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "choices"), [(["consumers"], "{list,add,token,drop,retention}"),
+                                               (["dead-letters"], "{list,show,redeliver,discard,set-aside}"),
+                                               (["backfill"], "{run,list,stop,cancel}")])
+def test_a_command_group_without_its_command_names_the_ones_it_takes(argv: list[str], choices: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from pgstream_dagster.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"pgstream-dagster {argv[0]}: error: the following "
+                                                         f"arguments are required: {choices}")
+
+
 def test_sink_numbers_must_be_finite() -> None:
     from pgstream_dagster.config import ConfigError, parse_config
 
