@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import psycopg
 
@@ -450,8 +450,8 @@ def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> int:
     return _control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
 
 
-def _add_dead_letter_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
-                              common: argparse.ArgumentParser) -> None:
+def _add_dead_letter_commands(sub: argparse._SubParsersAction[_Parser],
+                              common: _Parser) -> None:
     group = sub.add_parser("dead-letters", help="list, show, redeliver, discard dead letters; set events aside")
     dl = group.add_subparsers(dest="dead_letters_command", required=True)
 
@@ -551,8 +551,8 @@ def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> int:
     return 0
 
 
-def _add_backfill_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
-                           common: argparse.ArgumentParser) -> None:
+def _add_backfill_commands(sub: argparse._SubParsersAction[_Parser],
+                           common: _Parser) -> None:
     group = sub.add_parser("backfill", help="existing rows of subscribed tables become READ events (run, list, "
                                             "stop, cancel)")
     bf = group.add_subparsers(dest="backfill_command", required=True)
@@ -715,6 +715,16 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
                 _describe_commands(sub)
 
 
+class _Parser(argparse.ArgumentParser):
+    """The command line's parser (its commands' too): argparse echoes a value it refuses (``invalid choice:
+    'postgresql://app:pw@host/db'``, a URL given where a command was expected), so a password in it is masked."""
+
+    def error(self, message: str) -> NoReturn:
+        from .sinks.base import scrub_conninfo
+
+        super().error(scrub_conninfo(message))
+
+
 def _name_the_choices(parser: argparse.ArgumentParser) -> None:
     """A command group called without its command says which it takes (``the following arguments are required:
     {list,add,token,drop,retention}``), not the internal name of its argument."""
@@ -726,14 +736,14 @@ def _name_the_choices(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pgstream-dagster")
+    parser = _Parser(prog="pgstream-dagster")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                         help="print the installed release and exit")
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--database-url", help="Postgres URL (default: $PGSTREAM_DATABASE_URL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    owner = argparse.ArgumentParser(add_help=False)
+    owner = _Parser(add_help=False)
     owner.add_argument("--database-url", help="the owner's Postgres URL (default: $PGSTREAM_OWNER_DATABASE_URL, "
                                               "else $PGSTREAM_DATABASE_URL)")
     p = sub.add_parser("migrate", parents=[owner], help="apply the sql/ migrations as the owner (idempotent)")

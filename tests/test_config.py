@@ -245,6 +245,17 @@ def test_a_command_group_without_its_command_names_the_ones_it_takes(argv: list[
                                                          f"arguments are required: {choices}")
 
 
+@pytest.mark.parametrize("url", ["postgresql://app:S3cretPw@db.internal/app", "host=db password=S3cretPw"])
+def test_a_refused_argument_is_echoed_without_its_password(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse echoes what it refuses: a URL given where a command was expected keeps its password masked."""
+    from pgstream_dagster.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["consumers", url])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "invalid choice" in err and "S3cretPw" not in err, err
+
+
 def test_sink_numbers_must_be_finite() -> None:
     from pgstream_dagster.config import ConfigError, parse_config
 
