@@ -450,8 +450,7 @@ def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> int:
     return _control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
 
 
-def _add_dead_letter_commands(sub: argparse._SubParsersAction[_Parser],
-                              common: _Parser) -> None:
+def _add_dead_letter_commands(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     group = sub.add_parser("dead-letters", help="list, show, redeliver, discard dead letters; set events aside")
     dl = group.add_subparsers(dest="dead_letters_command", required=True)
 
@@ -551,8 +550,7 @@ def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> int:
     return 0
 
 
-def _add_backfill_commands(sub: argparse._SubParsersAction[_Parser],
-                           common: _Parser) -> None:
+def _add_backfill_commands(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     group = sub.add_parser("backfill", help="existing rows of subscribed tables become READ events (run, list, "
                                             "stop, cancel)")
     bf = group.add_subparsers(dest="backfill_command", required=True)
