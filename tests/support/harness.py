@@ -143,8 +143,9 @@ def backdated(conn: psycopg.Connection, query: str, params: Any = None) -> list[
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    # lines end in "\n" only: str.splitlines() would also split inside a payload holding U+2028
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
+    # lines end in "\n" only: str.splitlines() would also split inside a payload holding U+2028. What follows
+    # the last "\n" is a line being written (the file sink appends each with its "\n"), read when it is whole
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n")[:-1] if line]
 
 
 @dataclass(frozen=True)
