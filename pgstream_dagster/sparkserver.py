@@ -14,6 +14,7 @@ Used by ``pgstream-dagster spark-connect`` (foreground, for a service manager) a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -92,9 +93,41 @@ def listening(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def _listens_itself(pid: int, port: int) -> bool | None:
+    """Whether the process ``pid`` or one below it listens on TCP ``port`` (from /proc; ``None`` without it): a
+    listener on the port may be another process's, which took the port while the server's JVM was starting."""
+    from .dev import _descendants
+
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            return None
+        for row in rows:
+            fields = row.split()  # local address (hex ip:port), remote, state (0A: listening), ..., inode
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    for member in (pid, *_descendants(pid)):
+        try:
+            fds = list(Path(f"/proc/{member}/fd").iterdir())
+        except OSError:  # (ended)
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):  # (closed since it was listed)
+                if os.readlink(fd) in wanted:
+                    return True
+    return False
+
+
 def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None = None,
           timeout: float = 120, conf: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start a server in a session of its own and wait until it accepts connections."""
+    """Start a server in a session of its own and wait until it accepts connections: its own, not another
+    process's on the same port (:class:`SparkServerError` when the port is taken)."""
+    if listening(port):
+        raise SparkServerError(f"port {port} is in use by another process: give the Spark Connect server another "
+                               "(--port, PGSTREAM_SPARK_PORT)")
     out = log.open("ab") if log is not None else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(command(port, master, conf=conf), env=environment(conf, master), stdout=out,
@@ -103,7 +136,7 @@ def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None =
         if not isinstance(out, int):  # the log file (DEVNULL is an int)
             out.close()
     deadline = time.monotonic() + timeout
-    while not listening(port):
+    while not (listening(port) and _listens_itself(proc.pid, port) is not False):
         if proc.poll() is not None:
             raise SparkServerError(f"the Spark Connect server exited with {proc.returncode} before listening on "
                                    f"port {port}" + (f"; see {log}" if log else ""))
@@ -142,8 +175,6 @@ def ensure_running(state: Path, port: int = DEFAULT_PORT, master: str = "local[*
     url = f"sc://127.0.0.1:{port}"
     if pid_file.exists() and listening(port):
         return url
-    if listening(port):
-        raise SparkServerError(f"port {port} is taken by another process: set PGSTREAM_SPARK_PORT")
     proc = start(port, master, log=state / "spark-connect.log")
     pid_file.write_text(str(proc.pid))
     return url

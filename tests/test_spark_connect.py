@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -177,3 +178,22 @@ def test_spark_source_stream_killed_and_restarted_through_spark_connect(db_url: 
     keeps running: its query goes on until the server notices, so the restart waits for nothing but
     the checkpoint) and restarted: each event exactly once (tests/support/spark_source.py)."""
     stream_exactly_once(db_url, tmp_path, {"spark.remote": connect_url})
+
+
+def test_a_port_another_process_listens_on_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The server's port taken by another process (before the start, or while its JVM starts): a listener there
+    is not the server's, so starting it is refused, saying so, instead of reported started."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(sparkserver.SparkServerError,
+                           match=rf"^port {port} is in use by another process: give the Spark Connect server another"):
+            sparkserver.start(port, "local[1]", log=tmp_path / "server.log")
+        assert sparkserver._listens_itself(os.getpid(), port) is True  # this process: the listener is its own
+        other = subprocess.Popen(["sleep", "30"])  # another process: not its
+        try:
+            assert sparkserver._listens_itself(other.pid, port) is False
+        finally:
+            other.kill()
+            other.wait()
