@@ -23,6 +23,7 @@ from pathlib import Path
 import psycopg
 
 from .sinks.base import psycopg2_url
+from .sparkserver import descendants as _descendants
 
 
 def _start_exporter(config: Path) -> str | None:
@@ -281,24 +282,6 @@ def dev_services(root: Path) -> list[str]:
         f"dg dev:               running (pid {dg_pid})" if dg_pid else "dg dev:               not running",
         _exporter(dg_pid),
     ]
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (children first found, then theirs), from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _alive(pids: list[int]) -> list[int]:

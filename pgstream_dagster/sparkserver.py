@@ -93,11 +93,27 @@ def listening(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first found, then theirs), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _listens_itself(pid: int, port: int) -> bool | None:
     """Whether the process ``pid`` or one below it listens on TCP ``port`` (from /proc; ``None`` without it): a
     listener on the port may be another process's, which took the port while the server's JVM was starting."""
-    from .dev import _descendants
-
     inodes: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -109,7 +125,7 @@ def _listens_itself(pid: int, port: int) -> bool | None:
             if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(fields[9])
     wanted = {f"socket:[{inode}]" for inode in inodes}
-    for member in (pid, *_descendants(pid)):
+    for member in (pid, *descendants(pid)):
         try:
             fds = list(Path(f"/proc/{member}/fd").iterdir())
         except OSError:  # (ended)
