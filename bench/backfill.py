@@ -170,7 +170,7 @@ def _latency(url: str, tmpdir: Path, webhook: Webhook, name: str, args: argparse
     config = write_config(tmpdir / f"{name}.yaml", url, {
         "id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"},
         "batch": {"max_size": 5000, "max_fill_secs": 0.2}, "sensor": {"tick_budget_secs": 2},
-        "delivery": {"mode": "open", "tuning": {"linger_secs": 60}, "chunk_size": 5000}})
+        "delivery": {"mode": "open", "chunk_size": 5000}})
     if with_backfill:
         _fill(url, args.latency_rows, -1)  # negative seqs: not the writer's
     spark = _spark(config)

@@ -206,7 +206,7 @@ def write_config(path: Path, url: str, stream: dict[str, Any], spark: dict[str, 
                  trigger_mode: str = "row") -> Path:
     """One stream subscribed to inserts into ``bench_orders`` (``trigger_mode`` row or statement);
     the table and subscription are created.
-    Runs do not linger unless the stream sets ``delivery.mode`` (the in-process driver runs them
+    Runs are a run per batch unless the stream sets ``delivery.mode`` (the in-process driver runs them
     between ticks); mode per_batch reads its rounds as an open run does unless ``tuning`` says."""
     delivery = {"mode": "per_batch", **stream.get("delivery", {})}
     if delivery["mode"] == "per_batch":
@@ -245,7 +245,7 @@ class Driver:
 
     ``background``: runs execute in a thread, one at a time (as the run queue allows one run per
     stream), while the ticks go on: the sensor records and hands batches to the open run
-    (``delivery.tuning.linger_secs``) at the same time, as with the daemon and a run worker. A run requested
+    (``delivery.mode: open``) at the same time, as with the daemon and a run worker. A run requested
     while another is in flight waits in a queue, and the ticks go on meanwhile, as with the daemon's
     run queue. A run key is used once, as the daemon does."""
 

@@ -34,7 +34,7 @@ Phases, one after the other (so that each process's CPU belongs to one stage):
 The machine's other work does not enter the counters (CPU time, not wall time), but it does slow
 caches and the scheduler. Prints a table and one JSON line; appends the table to bench/RESULTS.md.
 ``--overlap`` delivers while the writers write; ``--open`` also runs the delivery in a thread that
-stays open (``linger_secs`` 3) while the sensor ticks, as the daemon and a run worker do (the sensor
+stays open (``delivery.mode: open``) while the sensor ticks, as the daemon and a run worker do (the sensor
 then peeks and advances far more often); ``--statements N`` loads pg_stat_statements and lists the
 statements that took the most time during delivery.
 Row and statement mode: by default the bench runs itself twice in child processes, once with the
@@ -270,7 +270,7 @@ def deliver_phase(driver: Driver, url: str, target: int, postmaster: int, timeou
 
 
 def open_phase(driver: Driver, url: str, target: int, timeout: float, tick_secs: float) -> DeliverTotals:
-    """``--open``: the daemon's way, runs in a thread (``delivery.tuning.linger_secs``: the sensor hands new
+    """``--open``: the daemon's way, runs in a thread (``delivery.mode: open``: the sensor hands new
     batches to the open run) while this thread ticks; CPU over the whole phase (this thread = the
     sensor; the rest of this process = the runs)."""
     totals = DeliverTotals()
@@ -295,7 +295,7 @@ def open_phase(driver: Driver, url: str, target: int, timeout: float, tick_secs:
                     continue
             time.sleep(0.05 if tick_secs < 0.25 else 0.25)  # (this loop's own reads are Postgres' CPU too)
         _sample_senders(conn, senders)
-    driver.wait()  # the open run closes once idle for linger_secs
+    driver.wait()  # the group delivery run is asked to end: the open run closes
     METER.walsender_pg += sum(senders.values())
     totals.wall = time.monotonic() - started
     totals.tick_py = time.thread_time() - py0
@@ -464,7 +464,7 @@ def main() -> None:
                         help="deliver while the writers write (as in production) instead of after them; Postgres' "
                              "CPU besides the writers' backends and the decoding is then one figure")
     parser.add_argument("--open", action="store_true",
-                        help="with --overlap: runs in a thread and stay open (linger_secs 3) while the sensor "
+                        help="with --overlap: runs in a thread and stay open while the sensor "
                              "ticks, as the daemon and a run worker overlap (the sensor then peeks far more often)")
     parser.add_argument("--tick-secs", type=float, default=1.0,
                         help="--open: the sensor is evaluated at most this often (the daemon: at most every "
@@ -517,7 +517,7 @@ def main() -> None:
                       "sensor": {"tick_budget_secs": 2},
                       "delivery": {"chunk_size": args.chunk, "max_events_per_run": args.max_events_per_run,
                                    "mode": "open" if args.open else "per_batch",
-                                   "tuning": {"linger_secs": 3, "direct_max_events": args.direct_max_events}}}
+                                   "tuning": {"direct_max_events": args.direct_max_events}}}
             config_path = write_config(tmpdir / "cpu.yaml", url, stream, trigger_mode=args.trigger_mode)
             cfg = load_config(config_path).streams[0]
             with psycopg.connect(url, autocommit=True) as conn:
@@ -614,7 +614,7 @@ def main() -> None:
     after = load_after()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     d, s = result["deliver"], result["summary"]
-    driving = ("open runs in a thread, linger_secs 3, while the sensor ticks" if args.open
+    driving = ("open runs in a thread while the sensor ticks" if args.open
                else "serial: sensor tick, then the requested run")
     lines_out = [
         f"\n## CPU per stage (bench/cpu.py) {stamp}, {n:,} events{', ' + args.label if args.label else ''}",

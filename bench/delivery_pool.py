@@ -9,7 +9,7 @@ Per phase: a fresh database on a private Postgres (``wal_level=logical``), N tab
 subscription and a stream in one reader group (one slot), each stream delivering to its own path of an
 HTTP receiver in a child process (batch mode; ``/fail/<id>`` answers 500). The group's recording loop runs
 in a child process of its own (``--role reader``). Each stream's delivery is a warm open run
-(``delivery.mode warm``: open for what commits; the group's reader hands it its batches), hosted either
+(``delivery.mode open``: open for what commits; the group's reader hands it its batches), hosted either
 
 - ``process``: N child processes, one DeliveryRun each (today's run per stream, without Dagster's own
   overhead per run), or
@@ -101,7 +101,7 @@ def _serve_stream(stream: StreamConfig, url: str, stop: Path, ready: threading.E
     run_key = f"pool-{stream.id}"
     log = _Log(stream.id)
     with psycopg.connect(url, autocommit=True) as conn:
-        state.open_warm_run(conn, stream.id, run_key, reads_slot=False)
+        state.open_warm_run(conn, stream.id, run_key)
     attempt = 0
     while not stop.exists():
         attempt += 1
@@ -161,7 +161,7 @@ def _setup(pg: LocalPostgres, name: str, count: int, receiver: Webhook, tmp: Pat
     url = pg.url_for(name)
     migrate(url)
     streams = [{"id": i, "reader": GROUP, "batch": {"max_size": 100, "max_fill_secs": 0},
-                "delivery": {"mode": "warm", "tuning": {"max_run_secs": 3600, "report_every_secs": 60}},
+                "delivery": {"mode": "open", "tuning": {"max_run_secs": 3600, "report_every_secs": 60}},
                 "retry": {"initial_backoff_secs": 1, "max_backoff_secs": 1},
                 "sink": {"type": "http", "mode": "batch", "max_retry_secs": 3,
                          "url": f"{receiver.base}/{'fail' if i in failing else 'hook'}/{i}"}}

@@ -1,16 +1,17 @@
 """Latency through `dagster dev` (P4, run by hand: `make bench-latency-dev`): commit -> webhook
 receipt with the real daemon, run launcher (a run is a subprocess), Dagster's Postgres storage and
 a Spark session per run, as `make dev` runs it. Side by side in one run: mode open (the default: the
-stream's run stays open in its reader group's delivery run, handed each batch as it is recorded), mode warm,
-and mode per_batch (every batch waits for a new run: process start + Spark start), each with a Spark Connect
-server (``spark.remote``: a run opens a session on a warm server instead of starting Spark).
+stream's run stays open in its reader group's delivery run, handed each batch as it is recorded; and the
+first event after a quiet spell) and mode per_batch (every batch waits for a new run: process start + Spark
+start), each with a Spark Connect server (``spark.remote``: a run opens a session on a warm server instead
+of starting Spark).
 
 Per phase: fresh databases, `dagster dev` started with the repo's dagster.yaml and workspace.yaml;
 once the group's sensor has created the group's slot, one warm-up row (its latency is the cold start: run launch +
 Spark start), then a writer commits one row every ``--interval`` s for ``--duration`` s. Reports
 p50/p95/p99/max of receipt - commit, the number of delivery runs, and appends to bench/RESULTS.md.
 Usage: python bench/latency_dev.py [--duration 60] [--interval 0.2]
-       [--phases 120+connect,10+connect+warm,0+connect]
+       [--phases open+connect+quiet,per_batch+connect] [--quiet-secs 10]
 """
 
 from __future__ import annotations
@@ -54,17 +55,16 @@ def _wait(what: str, done: Any, timeout: float) -> float:
 
 def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: argparse.Namespace,
            base: int) -> dict[str, Any]:
-    linger = float(spec.split("+")[0])
+    mode = spec.split("+")[0]
     flags = set(spec.split("+")[1:])
-    connect, warm = "connect" in flags, "warm" in flags
-    name = f"latency_dev_{int(linger)}" + "".join(f"_{f}" for f in sorted(flags))
+    connect, quiet_spell = "connect" in flags, "quiet" in flags
+    name = f"latency_dev_{mode}" + "".join(f"_{f}" for f in sorted(flags))
     pg.create_database(name)
     pg.create_database(f"{name}_dagster")
     url = pg.url_for(name)
     migrate(url)
     stream = {"id": 1, "sink": {"type": "http", "url": webhook.url, "mode": "batch"},
-              "delivery": {"mode": "warm" if warm else "open" if linger else "per_batch",
-                           "tuning": {"linger_secs": linger} if linger else {}}}
+              "delivery": {"mode": mode}}
     server = None
     spark: dict[str, Any] = {"master": "local[2]"}
     if connect:
@@ -103,8 +103,8 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
         _wait("every event at the webhook",
               lambda: set(committed) <= {s for s, _ in webhook.received()}, args.duration + 300)
         quiet = None
-        if warm:  # the first event after a quiet spell longer than linger_secs
-            time.sleep(linger + 3)
+        if quiet_spell:  # the first event after a quiet spell
+            time.sleep(args.quiet_secs)
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute("insert into public.bench_orders (seq, customer, amount) values (%s, 'quiet', 0)",
                              [base - 2])
@@ -125,17 +125,18 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
             "ready": ready, "quiet": quiet}
 
 
-_FLAG_LABELS = {"connect": ", Spark Connect server", "warm": ", mode warm"}
+_FLAG_LABELS = {"connect": ", Spark Connect server", "quiet": ""}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=60)
     parser.add_argument("--interval", type=float, default=0.2)
-    parser.add_argument("--phases", default="120+connect,10+connect+warm,0+connect",
-                        help="delivery.tuning.linger_secs values to compare (0: mode per_batch, a run per batch); "
-                             "+connect: runs use a Spark Connect server started for the phase (spark.remote); "
-                             "+warm: delivery.mode warm, and the first event after a quiet spell > linger_secs")
+    parser.add_argument("--phases", default="open+connect+quiet,per_batch+connect",
+                        help="delivery.mode values to compare (open, per_batch: a run per batch); +connect: runs "
+                             "use a Spark Connect server started for the phase (spark.remote); +quiet: then one "
+                             "event after a quiet spell of --quiet-secs")
+    parser.add_argument("--quiet-secs", type=float, default=10)
     args = parser.parse_args()
     header = machine()
     results: dict[str, dict[str, Any]] = {}
@@ -166,8 +167,9 @@ def main() -> None:
     for spec, r in results.items():
         ratio = "baseline" if r is first else f"{first['p50'] / r['p50']:.1f}x faster than the first"
         flags = spec.split("+")[1:]
-        label = f"linger_secs {spec.split('+')[0]}" + "".join(_FLAG_LABELS[f] for f in flags)
-        quiet = f"; first event after a quiet spell > linger_secs {r['quiet']:.2f}s" if r["quiet"] is not None else ""
+        label = f"mode {spec.split('+')[0]}" + "".join(_FLAG_LABELS[f] for f in flags)
+        quiet = (f"; first event after {args.quiet_secs:g}s quiet {r['quiet']:.2f}s" if r["quiet"] is not None
+                 else "")
         lines.append(f"- {label}: p50 {r['p50'] * 1000:.0f} ms ({ratio}), p95 {r['p95'] * 1000:.0f} ms, "
                      f"p99 {r['p99'] * 1000:.0f} ms, max {r['max'] * 1000:.0f} ms over {r['events']} events "
                      f"({r['missing']} missing); {r['runs']} delivery runs; cold start (first event once the sensor "

@@ -138,7 +138,7 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
               "batch": {"max_size": args.batch_size, "max_fill_secs": args.max_fill_secs},
               "sensor": {"tick_budget_secs": 2},
               "delivery": {"chunk_size": 5000, "max_events_per_run": args.max_events_per_run,
-                           "mode": "open" if open_runs else "per_batch", "tuning": {"linger_secs": 3}}}
+                           "mode": "open" if open_runs else "per_batch"}}
     config = write_config(tmpdir / f"{name}_{mode}.yaml", url, stream, trigger_mode=args.trigger_mode)
     counter: Any = multiprocessing.Value("q", 0)
     samples: list[tuple[float, int, int]] = []
@@ -200,7 +200,7 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
                     break
             driver.paced_step(1, args.tick_secs)
         drained_at = time.time()
-        driver.wait()  # the open run closes once idle
+        driver.wait()  # the group delivery run is asked to end: the open run closes
         stop.set()
         sampler.join()
         with psycopg.connect(url, autocommit=True) as conn:
@@ -302,8 +302,7 @@ def main() -> None:
     parser.add_argument("--sinks", default="redis,webhook")
     parser.add_argument("--modes", default="serial,open",
                         help="serial: runs between ticks, mode per_batch (the first method); open: the stream's run "
-                             "open in its reader group's delivery run, in a thread while the group's sensor ticks "
-                             "(linger_secs 3)")
+                             "open in its reader group's delivery run, in a thread while the group's sensor ticks")
     parser.add_argument("--writers", type=int, default=2, help="writer processes")
     parser.add_argument("--rows", type=int, default=100, help="rows per writer transaction")
     parser.add_argument("--batch-size", type=int, default=10_000, help="batch.max_size")
@@ -369,7 +368,7 @@ def main() -> None:
              "synchronous_commit off), as fast as Postgres accepts; the stream is driven in-process (ephemeral "
              "Dagster instance, one warm Spark session local[2]): *serial* = sensor tick, then the requested run "
              "via execute_in_process, one after the other, mode per_batch; "
-             "*open* = the group delivery run in a thread while the group's sensor keeps ticking (linger_secs 3), "
+             "*open* = the group delivery run in a thread while the group's sensor keeps ticking, "
              "as the daemon and a run worker overlap; the group run reads the group's slot (replication protocol), "
              "the stream's open run reads small rounds "
              f"without Spark; batch.max_size {args.batch_size}, max_fill_secs {args.max_fill_secs}, "

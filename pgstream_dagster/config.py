@@ -87,19 +87,31 @@ class BatchConfig(_Model):
 DIRECT_MAX_EVENTS = 100_000
 
 
-#: what a ``read_slot`` key (delivery.tuning's, or delivery's) is told
-READ_SLOT_GONE = ("delivery.tuning.read_slot is no longer read: every stream's events are read by its reader group "
-                  "(the group's delivery run reads the group's slot over the replication protocol); remove the key")
+#: keys no longer read (in ``delivery`` or ``delivery.tuning``, and ``delivery.mode: warm``): what each is told
+GONE_DELIVERY_KEYS = {
+    "read_slot": "delivery.tuning.read_slot is no longer read: every stream's events are read by its reader group "
+                 "(the group's delivery run reads the group's slot over the replication protocol); remove the key",
+    "linger_secs": "delivery.tuning.linger_secs is no longer read: in mode open a stream always has a run open "
+                   "(until tuning.max_run_secs, then a fresh one); remove the key (a run per batch: delivery.mode: "
+                   "per_batch)",
+    "keep_warm": "delivery.keep_warm is no longer read: in mode open (the default) a stream always has a run open; "
+                 "remove the key",
+    "warm": "delivery.mode warm is no longer read: in mode open (the default) a stream always has a run open; write "
+            "delivery.mode: open or leave it out",
+}
+
+
+def _refuse_gone(data: Any, keys: tuple[str, ...]) -> None:
+    """Raise the line of :data:`GONE_DELIVERY_KEYS` for the first of ``keys`` that ``data`` (a mapping) has."""
+    for key in keys:
+        if isinstance(data, dict) and key in data:
+            raise ValueError(GONE_DELIVERY_KEYS[key])
 
 
 class DeliveryTuning(_Model):
     """Measured defaults of a delivery (``delivery.tuning``): how much, how long, how often; never which
     route (that is ``delivery.mode`` and ``delivery.ordering``)."""
 
-    linger_secs: float = Field(120, gt=0, le=86400,
-                               description="mode open: a run stays open this long after its last batch, and the sensor "
-                                           "hands it every new batch: fresh events skip run start-up and Spark start "
-                                           "(for a run per batch: mode per_batch)")
     direct_max_events: int = Field(
         DIRECT_MAX_EVENTS, ge=0, le=1_000_000,
         description="ordering global: a round of at most this many events is read by the run's own connection (5,000 "
@@ -132,19 +144,17 @@ class DeliveryTuning(_Model):
     @model_validator(mode="before")
     @classmethod
     def _gone_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "read_slot" in data:
-            raise ValueError(READ_SLOT_GONE)
+        _refuse_gone(data, ("read_slot", "linger_secs"))
         return data
 
 
 class DeliveryConfig(_Model):
-    mode: Literal["open", "per_batch", "warm"] = Field(
-        "open", description="open: a run stays open after its batches (tuning.linger_secs), hosted by its reader "
-                            "group's delivery run, and delivers what commits, without Spark for rounds up to "
-                            "tuning.direct_max_events; per_batch: a run per batch (or per run of batches, "
-                            "max_events_per_run), its events read by PySpark, as the design card has it; warm: open, "
-                            "and an open run is kept ready even with nothing to deliver (costs a run process per "
-                            "stream)")
+    mode: Literal["open", "per_batch"] = Field(
+        "open", description="open: the stream always has a run open, a thread of its reader group's delivery run, "
+                            "handed each batch as it is recorded and delivering it without Spark for rounds up to "
+                            "tuning.direct_max_events (a fresh run replaces it after tuning.max_run_secs); per_batch: "
+                            "a run per batch (or per run of batches, max_events_per_run), its events read by PySpark, "
+                            "as the design card has it")
     tuning: DeliveryTuning = DeliveryTuning()
     ordering: Literal["global", "by_key"] = Field(
         "global", description="global: the run's own process publishes every event in commit order (no Spark "
@@ -182,30 +192,19 @@ class DeliveryConfig(_Model):
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
-        """A key of ``tuning`` (or ``keep_warm``) given here is refused, naming where it goes."""
+        """A key no longer read is refused, and a key of ``tuning`` given here, naming where it goes."""
+        _refuse_gone(data, ("read_slot", "linger_secs", "keep_warm"))
+        if isinstance(data, dict) and data.get("mode") == "warm":
+            raise ValueError(GONE_DELIVERY_KEYS["warm"])
         for key in data if isinstance(data, dict) else ():
-            if key == "read_slot":
-                raise ValueError(READ_SLOT_GONE)
-            if key == "keep_warm" or (key in DeliveryTuning.model_fields and key not in cls.model_fields):
-                where = "mode: warm" if key == "keep_warm" else f"tuning.{key}" + (
-                    " (0: delivery.mode: per_batch)" if key == "linger_secs" else "")
-                raise ValueError(f"delivery.{key} is no longer read: write delivery.{where}")
+            if key in DeliveryTuning.model_fields and key not in cls.model_fields:
+                raise ValueError(f"delivery.{key} is no longer read: write delivery.tuning.{key}")
         return data
 
     @property
     def keeps_open(self) -> bool:
-        """Whether a run stays open after its batches (modes open and warm)."""
+        """Whether the stream always has a run open (mode open), not a run per batch."""
         return self.mode != "per_batch"
-
-    @property
-    def keep_warm(self) -> bool:
-        """Whether an open run is kept ready with nothing to deliver (mode warm)."""
-        return self.mode == "warm"
-
-    @property
-    def linger_secs(self) -> float:
-        """How long a run stays open after its last batch: 0 in mode per_batch."""
-        return self.tuning.linger_secs if self.keeps_open else 0.0
 
     @property
     def direct_max_events(self) -> int:

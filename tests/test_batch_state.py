@@ -44,13 +44,12 @@ def stream_config(mode: str = "open") -> StreamConfig:
     return StreamConfig.model_validate({
         "id": SID, "sink": {"type": "file", "path": "/dev/null"},
         "retry": {"initial_backoff_secs": 5, "max_backoff_secs": 300},
-        "delivery": {"mode": mode, "tuning": {"linger_secs": 120}}})
+        "delivery": {"mode": mode}})
 
 
-LINGER = stream_config()
-WARM = stream_config("warm")
+OPEN = stream_config()
 WARM_KEY = "pgstream-s7-inc0-warm-1772625600"  # NOW's epoch second
-NO_LINGER = stream_config("per_batch")
+PER_BATCH = stream_config("per_batch")
 
 
 def batch(status: BatchStatus, **over: Any) -> Batch:
@@ -102,107 +101,107 @@ def failed(head: Batch, after_secs: float, reason: str, outcome: str, *, died: b
 # (what happens, the stream's state, its run as Dagster shows it, the configuration, the action)
 ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
     # nothing recorded
-    ("empty stream", state(None), NO_RUN, LINGER, Wait()),
-    ("empty stream in failover: failover ends", state(None, failover_since=SINCE), NO_RUN, LINGER,
+    ("empty stream, mode per_batch", state(None), NO_RUN, PER_BATCH, Wait()),
+    ("empty stream in failover, mode per_batch: failover ends", state(None, failover_since=SINCE), NO_RUN, PER_BATCH,
      LeaveFailover(Wait(), CAUGHT_UP)),
-    # mode warm: with nothing open, an open run with no batch is kept ready
-    ("empty, mode warm, no open run: a warm run", state(None, incarnation="inc0"), NO_RUN, WARM,
+    # mode open: with nothing open, an open run with no batch (a warm run) is kept ready
+    ("empty, no open run: a warm run", state(None, incarnation="inc0"), NO_RUN, OPEN,
      Warm(WarmRun(SID, WARM_KEY))),
-    ("empty, mode warm, warm run live: wait", state(None, open_run_key=WARM_KEY), run(RunStatus.LIVE), WARM, Wait()),
-    ("empty, mode warm, warm run not made yet: request it again", state(None, open_run_key=WARM_KEY), NO_RUN, WARM,
+    ("empty, warm run live: wait", state(None, open_run_key=WARM_KEY), run(RunStatus.LIVE), OPEN, Wait()),
+    ("empty, warm run not made yet: request it again", state(None, open_run_key=WARM_KEY), NO_RUN, OPEN,
      Warm(WarmRun(SID, WARM_KEY), again=True)),
-    ("empty, mode warm, warm run failed: not replaced before the next batch",
-     state(None, open_run_key=WARM_KEY), run(RunStatus.FAILED, "FAILURE", "boom"), WARM, Wait()),
-    ("empty, mode warm, paused: nothing", state(None, paused=True), NO_RUN, WARM, Wait()),
-    ("empty, mode warm, in failover: failover ends, then a warm run", state(None, failover_since=SINCE), NO_RUN, WARM,
+    ("empty, warm run failed: not replaced before the next batch",
+     state(None, open_run_key=WARM_KEY), run(RunStatus.FAILED, "FAILURE", "boom"), OPEN, Wait()),
+    ("empty, paused: nothing", state(None, paused=True), NO_RUN, OPEN, Wait()),
+    ("empty, in failover: failover ends, then a warm run", state(None, failover_since=SINCE), NO_RUN, OPEN,
      LeaveFailover(Warm(WarmRun(SID, "pgstream-s7--warm-1772625600")), CAUGHT_UP)),
-    ("empty, open run idle (mode open): wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.LIVE), LINGER,
+    ("empty, open run idle (mode open): wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.LIVE), OPEN,
      Wait()),
     # an open run that ended without closing, nothing left: it stays the open run until the next batch's run
     # replaces it (a run that cannot start is not requested again every tick)
-    ("empty, open run died: wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.DEAD, "FAILURE"), LINGER,
+    ("empty, open run died: wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.DEAD, "FAILURE"), OPEN,
      Wait()),
     ("empty, open run succeeded without closing: wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.SUCCEEDED),
-     LINGER, Wait()),
+     OPEN, Wait()),
     # paused: nothing starts, whatever the head and its run
-    ("paused, pending head", state(PENDING, paused=True), NO_RUN, LINGER, Wait(PAUSED)),
-    ("paused, launched head (its run is not looked at)", state(LAUNCHED, paused=True), NO_RUN, LINGER,
+    ("paused, pending head", state(PENDING, paused=True), NO_RUN, OPEN, Wait(PAUSED)),
+    ("paused, launched head (its run is not looked at)", state(LAUNCHED, paused=True), NO_RUN, OPEN,
      Wait(PAUSED)),
-    ("paused, failed head due", state(FAILED_DUE, paused=True, failover_since=SINCE), NO_RUN, LINGER, Wait(PAUSED)),
+    ("paused, failed head due", state(FAILED_DUE, paused=True, failover_since=SINCE), NO_RUN, OPEN, Wait(PAUSED)),
     # pending head: a new run takes the backlog, or the open run does
-    ("pending, no open run: launch, open", state(PENDING), NO_RUN, LINGER,
+    ("pending, no open run: launch, open", state(PENDING), NO_RUN, OPEN,
      launch(PENDING, NEXT_RUN, keep_open=True)),
-    ("pending, no open run, mode per_batch: launch, not open", state(PENDING), NO_RUN, NO_LINGER,
+    ("pending, no open run, mode per_batch: launch, not open", state(PENDING), NO_RUN, PER_BATCH,
      launch(PENDING, NEXT_RUN, keep_open=False)),
-    ("pending after a failed run: the next attempt", state(PENDING_RETRIED), NO_RUN, LINGER,
+    ("pending after a failed run: the next attempt", state(PENDING_RETRIED), NO_RUN, OPEN,
      launch(PENDING_RETRIED, NEXT_RUN, keep_open=True)),
     ("pending, open run live: hand it the batches", state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.LIVE),
-     LINGER, Extend(OPEN_KEY, otherwise=launch(PENDING, NEXT_RUN, keep_open=True))),
+     OPEN, Extend(OPEN_KEY, otherwise=launch(PENDING, NEXT_RUN, keep_open=True))),
     ("pending, open run started but dead (reported failed): forget it, launch at once",
-     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.DEAD, "FAILURE"), LINGER,
+     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.DEAD, "FAILURE"), OPEN,
      launch(PENDING, NEXT_RUN, keep_open=True, replaces=OPEN_KEY)),
     ("pending, open run failed without closing: forget it, launch",
-     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.FAILED, "FAILURE", "boom"), LINGER,
+     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.FAILED, "FAILURE", "boom"), OPEN,
      launch(PENDING, NEXT_RUN, keep_open=True, replaces=OPEN_KEY)),
     ("pending, open run succeeded without closing: forget it, launch",
-     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.SUCCEEDED), LINGER,
+     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.SUCCEEDED), OPEN,
      launch(PENDING, NEXT_RUN, keep_open=True, replaces=OPEN_KEY)),
     ("pending, open run unknown to Dagster: forget it, launch",
-     state(PENDING, open_run_key=OPEN_KEY), NO_RUN, LINGER,
+     state(PENDING, open_run_key=OPEN_KEY), NO_RUN, OPEN,
      launch(PENDING, NEXT_RUN, keep_open=True, replaces=OPEN_KEY)),
     ("pending, open run canceling: forget it, launch",
-     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.OTHER), LINGER,
+     state(PENDING, open_run_key=OPEN_KEY), run(RunStatus.OTHER), OPEN,
      launch(PENDING, NEXT_RUN, keep_open=True, replaces=OPEN_KEY)),
     # pending head in failover: catch-up runs never stay open; caught up ends failover
-    ("failover, nothing delivered since: catch-up run", state(PENDING, failover_since=SINCE), NO_RUN, LINGER,
+    ("failover, nothing delivered since: catch-up run", state(PENDING, failover_since=SINCE), NO_RUN, OPEN,
      launch(PENDING, NEXT_RUN, keep_open=False)),
     ("failover, head older than the last successful launch: catch-up run",
      state(PENDING, failover_since=SINCE, last_delivered_launch=PENDING.created_at + dt.timedelta(seconds=1)),
-     NO_RUN, LINGER, launch(PENDING, NEXT_RUN, keep_open=False)),
+     NO_RUN, OPEN, launch(PENDING, NEXT_RUN, keep_open=False)),
     ("failover, head recorded after the last successful launch: failover ends, the run may stay open",
-     state(PENDING, failover_since=SINCE, last_delivered_launch=PENDING.created_at), NO_RUN, LINGER,
+     state(PENDING, failover_since=SINCE, last_delivered_launch=PENDING.created_at), NO_RUN, OPEN,
      LeaveFailover(launch(PENDING, NEXT_RUN, keep_open=True), CAUGHT_UP)),
     ("failover caught up, paused: failover ends, then the pause",
-     state(PENDING, paused=True, failover_since=SINCE, last_delivered_launch=PENDING.created_at), NO_RUN, LINGER,
+     state(PENDING, paused=True, failover_since=SINCE, last_delivered_launch=PENDING.created_at), NO_RUN, OPEN,
      LeaveFailover(Wait(PAUSED), CAUGHT_UP)),
     # failed head: the failover checkpoint, retried alone after its backoff
-    ("failed, backoff not over", state(FAILED_LATER, failover_since=SINCE), NO_RUN, LINGER,
+    ("failed, backoff not over", state(FAILED_LATER, failover_since=SINCE), NO_RUN, OPEN,
      Wait("stream 7 in failover at batch 10 (run r1: HTTP 500); retry at 12:00:30")),
-    ("failed, backoff over: the probe, alone, not open", state(FAILED_DUE, failover_since=SINCE), NO_RUN, LINGER,
+    ("failed, backoff over: the probe, alone, not open", state(FAILED_DUE, failover_since=SINCE), NO_RUN, OPEN,
      launch(FAILED_DUE, (HEAD,), keep_open=False)),
-    ("failed, made due by retry_now", state(FAILED_NOW, failover_since=SINCE), NO_RUN, LINGER,
+    ("failed, made due by retry_now", state(FAILED_NOW, failover_since=SINCE), NO_RUN, OPEN,
      launch(FAILED_NOW, (HEAD,), keep_open=False)),
-    ("failed, outside failover: the probe may stay open", state(FAILED_DUE), NO_RUN, LINGER,
+    ("failed, outside failover: the probe may stay open", state(FAILED_DUE), NO_RUN, OPEN,
      launch(FAILED_DUE, (HEAD,), keep_open=True)),
     # launched head: what became of its run
-    ("launched, run never created: request it again", state(LAUNCHED), NO_RUN, LINGER, Reissue(LAUNCHED)),
-    ("launched, run live: hand it what was recorded behind", state(LAUNCHED), run(RunStatus.LIVE), LINGER,
+    ("launched, run never created: request it again", state(LAUNCHED), NO_RUN, OPEN, Reissue(LAUNCHED)),
+    ("launched, run live: hand it what was recorded behind", state(LAUNCHED), run(RunStatus.LIVE), OPEN,
      Extend(RUN_KEY)),
     ("launched in failover (catching up), run live", state(LAUNCHED, failover_since=SINCE), run(RunStatus.LIVE),
-     LINGER, Extend(RUN_KEY)),
+     OPEN, Extend(RUN_KEY)),
     ("launched, run failed: failover, backoff of attempt 1",
-     state(LAUNCHED), run(RunStatus.FAILED, "FAILURE", "HTTP 500 from sink"), LINGER,
+     state(LAUNCHED), run(RunStatus.FAILED, "FAILURE", "HTTP 500 from sink"), OPEN,
      failed(LAUNCHED, 5, "HTTP 500 from sink", "FAILURE")),
     ("launched, run interrupted by the shutdown before this start: launched again, no failover",
      state(LAUNCHED), RunView(RunStatus.FAILED, "r1", "FAILURE", "DagsterExecutionInterruptedError", interrupted=True),
-     LINGER, Requeue(LAUNCHED, "r1", checkpoint=False,
+     OPEN, Requeue(LAUNCHED, "r1", checkpoint=False,
                      note="stream 7: run r1 was interrupted by the shutdown before this start; batch 10 is launched "
                           "again (not a failure: no failover, no attempt counted)")),
     ("launched in failover, third attempt interrupted: the checkpoint again at once, not counted",
      state(LAUNCHED_3, failover_since=SINCE), RunView(RunStatus.FAILED, "r1", "FAILURE", None, interrupted=True),
-     LINGER, Requeue(LAUNCHED_3, "r1", checkpoint=True,
+     OPEN, Requeue(LAUNCHED_3, "r1", checkpoint=True,
                      note="stream 7: run r1 was interrupted by the shutdown before this start; batch 10 is launched "
                           "again (not a failure: no failover, no attempt counted)")),
-    ("launched, run canceled (no step failed)", state(LAUNCHED), run(RunStatus.FAILED, "CANCELED"), LINGER,
+    ("launched, run canceled (no step failed)", state(LAUNCHED), run(RunStatus.FAILED, "CANCELED"), OPEN,
      failed(LAUNCHED, 5, "CANCELED", "CANCELED")),
     ("launched, third attempt failed: backoff doubled twice",
-     state(LAUNCHED_3, failover_since=SINCE), run(RunStatus.FAILED, "FAILURE", "refused"), LINGER,
+     state(LAUNCHED_3, failover_since=SINCE), run(RunStatus.FAILED, "FAILURE", "refused"), OPEN,
      failed(LAUNCHED_3, 20, "refused", "FAILURE")),
     ("launched, run died (no lease): reported, then failover",
-     state(LAUNCHED), run(RunStatus.DEAD, "FAILURE"), LINGER, failed(LAUNCHED, 5, "FAILURE", "FAILURE", died=True)),
+     state(LAUNCHED), run(RunStatus.DEAD, "FAILURE"), OPEN, failed(LAUNCHED, 5, "FAILURE", "FAILURE", died=True)),
     ("launched, run succeeded without confirming: failed, due now", state(LAUNCHED), run(RunStatus.SUCCEEDED),
-     LINGER, FailRun(LAUNCHED, "r1", "run r1 succeeded without confirming batch 10", NOW)),
-    ("launched, run canceling: wait", state(LAUNCHED), run(RunStatus.OTHER), LINGER, Wait()),
+     OPEN, FailRun(LAUNCHED, "r1", "run r1 succeeded without confirming batch 10", NOW)),
+    ("launched, run canceling: wait", state(LAUNCHED), run(RunStatus.OTHER), OPEN, Wait()),
 ]
 
 
@@ -230,7 +229,7 @@ def test_every_run_status_and_action_is_covered() -> None:
 
 @pytest.mark.parametrize(("state", "watched"), [
     (state(None), None),
-    (state(None, open_run_key=OPEN_KEY), OPEN_KEY),  # idle open run, or a warm one
+    (state(None, open_run_key=OPEN_KEY), OPEN_KEY),  # an open run with nothing left, or a warm one
     (state(None, open_run_key=OPEN_KEY, paused=True), None),
     (state(PENDING), None),
     (state(PENDING, open_run_key=OPEN_KEY), OPEN_KEY),
@@ -264,8 +263,9 @@ def test_notes() -> None:
     assert notes(by_name["failover caught up, paused: failover ends, then the pause"]) == [CAUGHT_UP, PAUSED]
     assert notes(by_name["launched, run failed: failover, backoff of attempt 1"]) == [
         "stream 7 in failover at batch 10: run r1 FAILURE (HTTP 500 from sink); retry at 12:00:05"]
-    for name in ("empty stream", "pending, no open run: launch, open", "launched, run live: hand it what was "
-                 "recorded behind", "launched, run never created: request it again",
+    for name in ("empty stream, mode per_batch", "pending, no open run: launch, open",
+                 "launched, run live: hand it what was recorded behind",
+                 "launched, run never created: request it again",
                  "launched, run succeeded without confirming: failed, due now"):
         assert notes(by_name[name]) == [], name
 
@@ -305,7 +305,7 @@ def test_a_failed_run_and_the_failover_it_starts_are_one_line() -> None:
     fail = failed(LAUNCHED, 30, "HTTP 500", "FAILURE")
     assert fail.note is not None
     head = dataclasses.replace(FAILED_LATER, next_attempt_at=fail.retry_at, error=fail.error)
-    waiting = decide(state(head, failover_since=SINCE), NO_RUN, NOW, LINGER)
+    waiting = decide(state(head, failover_since=SINCE), NO_RUN, NOW, OPEN)
     said: dict[str, Any] = {}
     t0 = 1_000_000.0
     assert [*tick_notes(fail, said, t0), *tick_notes(waiting, said, t0 + 1)] == [fail.note]

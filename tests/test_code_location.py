@@ -155,7 +155,7 @@ def test_dagster_dev_delivers_inserted_rows_to_http(databases: Databases, hook: 
         streams=[{"id": 1, "sink": {"type": "http", "url": hook.url, "mode": "per_event"},
                   "batch": {"max_size": 100, "max_fill_secs": 0.5},
                   "sensor": {"interval_secs": 1, "tick_budget_secs": 3},
-                  "delivery": {"tuning": {"linger_secs": 60}}}],
+                  "delivery": {"mode": "open"}}],
         subscriptions=[{"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
                         "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}],
     )
@@ -359,7 +359,7 @@ def test_dagster_dev_killed_whole_recovers_at_the_next_ticks(databases: Database
         streams=[{"id": 1, "sink": {"type": "http", "url": hook.url, "mode": "per_event"},
                   "batch": {"max_size": 100, "max_fill_secs": 0.2},
                   "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
-                  "delivery": {"tuning": {"linger_secs": 600}}}],  # run_grace_secs: the default, 120
+                  "delivery": {"mode": "open"}}],  # run_grace_secs: the default, 120
         subscriptions=[{"key": "users", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
                         "table_name": "users", "column_names": ["id", "email"]}],
     )
@@ -399,7 +399,7 @@ def test_dagster_dev_killed_whole_recovers_at_the_next_ticks(databases: Database
         insert(5, 0)
         wait_for("5 events at the endpoint", lambda: len(received()) >= 5, EVENTS_TIMEOUT_SECS, dev)
         held = lease()
-        assert held is not None and held[1], held  # the open member run holds the lease, lingering
+        assert held is not None and held[1], held  # the open member run holds the lease
         dead_run_id, member = str(held[0]).rsplit("/", 1)  # the member run's id: <group run id>/<stream id>
         assert member == "1", held
     finally:

@@ -36,7 +36,7 @@ STREAM_1: dict[str, Any] = {"id": 1, "sink": {"type": "memory", "name": "one"}}
 STREAM_2: dict[str, Any] = {
     "id": 2, "reader": "orders", "batch": {"max_size": 50, "max_fill_secs": 0.2},
     "sink": {"type": "http", "url": "http://127.0.0.1:9/hook", "headers": {"Authorization": "Bearer ${HOOK_TOKEN}"}},
-    "delivery": {"tuning": {"linger_secs": 30}, "on_reject": "dead_letter"}, "sensor": {"interval_secs": 2},
+    "delivery": {"mode": "open", "on_reject": "dead_letter"}, "sensor": {"interval_secs": 2},
     "checks": {"max_undelivered_age_secs": 60},
 }
 SUBS_1 = [{"key": "signup", "stream_id": 1, "operation": "INSERT", "table_name": "users", "column_names": ["id"]}]

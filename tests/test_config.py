@@ -176,8 +176,8 @@ BIG = 2**63  # one past the largest bigint
      "streams[0].retry: Value error, initial_backoff_secs (600) must not exceed max_backoff_secs (300)"),
     ("id: 1\n", "id: 1\n    batch: {max_fill_secs: .nan}\n",
      "streams[0].batch.max_fill_secs: Input should be a finite"),
-    ("id: 1\n", "id: 1\n    delivery: {tuning: {linger_secs: .inf}}\n",
-     "streams[0].delivery.tuning.linger_secs: Input should be a finite"),
+    ("id: 1\n", "id: 1\n    delivery: {tuning: {max_run_secs: .inf}}\n",
+     "streams[0].delivery.tuning.max_run_secs: Input should be a finite"),
     ("id: 1\n", "id: 1\n    sensor: {tick_budget_secs: .nan}\n",
      "streams[0].sensor.tick_budget_secs: Input should be a finite"),
     ("id: 1\n", "id: 1\n    checks: {max_undelivered_age_secs: .inf}\n",
@@ -283,16 +283,14 @@ def test_routing_key_refuses_what_a_sink_payload_path_refuses(path: str) -> None
 
 
 @pytest.mark.parametrize(("old", "where"), [
-    ("linger_secs: 0", "delivery.tuning.linger_secs (0: delivery.mode: per_batch)"),
-    ("keep_warm: true", "delivery.mode: warm"),
     *[(f"{key}: 1", f"delivery.tuning.{key}") for key in (
         "direct_max_events", "max_read_bytes", "rows_per_partition", "prefetch_partitions",
         "report_every_secs", "max_run_secs")],
 ])
 def test_a_delivery_key_that_moved_is_refused_in_one_line_naming_where_it_goes(
         tmp_path: Path, old: str, where: str) -> None:
-    """A key of delivery.tuning (or keep_warm, now a mode) written under delivery is not read: loading
-    fails in one line naming the stream, the key and what to write instead."""
+    """A key of delivery.tuning written under delivery is not read: loading fails in one line naming the
+    stream, the key and what to write instead."""
     path = tmp_path / "pgstream.yaml"
     path.write_text("database_url: postgresql://x@h/db\nstreams:\n  - id: 1\n    sink: {type: file, path: /tmp/x}\n"
                     f"    delivery: {{mode: open, {old}}}\n")
@@ -304,12 +302,35 @@ def test_a_delivery_key_that_moved_is_refused_in_one_line_naming_where_it_goes(
                          f"write {where}"), line
 
 
+@pytest.mark.parametrize(("delivery", "told"), [
+    ("{mode: warm}", "delivery.mode warm is no longer read: in mode open (the default) a stream always has a run "
+                     "open; write delivery.mode: open or leave it out"),
+    ("{keep_warm: true}", "delivery.keep_warm is no longer read: in mode open (the default) a stream always has a run "
+                          "open; remove the key"),
+    ("{linger_secs: 5}", "delivery.tuning.linger_secs is no longer read: in mode open a stream always has a run open "
+                         "(until tuning.max_run_secs, then a fresh one); remove the key (a run per batch: "
+                         "delivery.mode: per_batch)"),
+    ("{tuning: {linger_secs: 5}}", "delivery.tuning.linger_secs is no longer read"),
+    ("{tuning: {read_slot: true}}", "delivery.tuning.read_slot is no longer read"),
+])
+def test_a_delivery_key_no_longer_read_is_refused_in_one_line_saying_what_to_write(
+        tmp_path: Path, delivery: str, told: str) -> None:
+    """``mode: warm``, ``linger_secs`` and ``keep_warm`` (every open run is kept ready now) fail the load in one
+    line naming the stream and what to write instead, not a list of the modes."""
+    path = tmp_path / "pgstream.yaml"
+    path.write_text("database_url: postgresql://x@h/db\nstreams:\n  - id: 1\n    sink: {type: file, path: /tmp/x}\n"
+                    f"    delivery: {delivery}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (line,) = str(info.value).splitlines()
+    assert "pgstream.yaml: streams[0].delivery" in line and f"Value error, {told}" in line, line
+
+
 def test_the_default_mode_is_an_open_run() -> None:
     delivery = DeliveryConfig()
-    assert (delivery.mode, delivery.keeps_open, delivery.keep_warm) == ("open", True, False)
-    assert delivery.linger_secs == 120
+    assert (delivery.mode, delivery.keeps_open) == ("open", True)
     per_batch = DeliveryConfig(mode="per_batch")
-    assert (per_batch.keeps_open, per_batch.linger_secs) == (False, 0)
+    assert not per_batch.keeps_open
     # per_batch reads through PySpark (the design card) unless direct_max_events is given
     assert (delivery.direct_max_events, per_batch.direct_max_events) == (100_000, 0)
     assert DeliveryConfig.model_validate({"mode": "per_batch", "tuning": {"direct_max_events": 500}}

@@ -92,8 +92,9 @@ def _statuses(url: str) -> set[str]:
 
 def test_a_run_delivers_its_batches_in_order_marks_them_and_reports(db_url: str, tmp_path: Path) -> None:
     """A run launched with recorded batches (not the open run): read by its own connection, delivered
-    through the file sink, each batch marked delivered, the rounds reported once; it closes when idle."""
-    stream = _stream(tmp_path, db_url, tuning={"linger_secs": 0.2, "report_every_secs": 0})
+    through the file sink, each batch marked delivered, the rounds reported once; it closes then (the sensor hands
+    batches to the stream's open run, which it is not)."""
+    stream = _stream(tmp_path, db_url, tuning={"report_every_secs": 0})
     batches = _recorded(db_url, stream, 230)
     with psycopg.connect(db_url, autocommit=True) as c:
         state.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
@@ -122,7 +123,7 @@ def test_a_round_logs_its_progress_only_when_it_lasts(db_url: str, tmp_path: Pat
     """A round logs its progress (every tenth of it) at most every ``tuning.report_every_secs``: each
     line is a write to Dagster's event log, which a round delivered in a fraction of a second does
     not need (0: every tenth)."""
-    stream = _stream(tmp_path, db_url, tuning={"linger_secs": 0.2, "report_every_secs": every})
+    stream = _stream(tmp_path, db_url, tuning={"report_every_secs": every})
     batches = _recorded(db_url, stream, 230)
     with psycopg.connect(db_url, autocommit=True) as c:
         state.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=False)
@@ -199,14 +200,14 @@ def _wait(done: Callable[[], bool], timeout: float = 60) -> None:
 
 def test_one_process_hosts_a_groups_runs_in_threads_and_a_failing_sink_stops_only_its_own(
         db_url: str, tmp_path: Path) -> None:
-    """Four streams of one reader group, each delivered by a warm run of its own in a thread of this process
-    (each with its own sink, lease and ledger connection), fed by the group's recording loop: stream 4's sink
-    refuses every call, its run fails in its thread and gives its lease up, and streams 1-3 get every event
-    once, in commit order, before and after that failure."""
+    """Four streams of one reader group, each delivered by a warm run (an open run with no batch yet) of its own in a
+    thread of this process (each with its own sink, lease and ledger connection), fed by the group's recording loop:
+    stream 4's sink refuses every call, its run fails in its thread and gives its lease up, and streams 1-3 get every
+    event once, in commit order, before and after that failure."""
     ids, failing = [1, 2, 3, 4], 4
     path = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "hosted", "batch": {"max_size": 50, "max_fill_secs": 0},
-         "delivery": {"mode": "warm", "tuning": {"max_run_secs": 300}},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
          "sink": ({"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1, "max_retry_secs": 0}
                   if i == failing else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")})}
         for i in ids])
@@ -278,7 +279,7 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
     ids, failing, elsewhere = [1, 2, 3, 4, 5], 4, 5
     path = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "hosted", "batch": {"max_size": 50, "max_fill_secs": 0},
-         "delivery": {"mode": "open", "tuning": {"linger_secs": 6, "max_run_secs": 300}},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
          "sink": ({"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1, "max_retry_secs": 0}
                   if i == failing else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")})}
         for i in ids])
@@ -321,7 +322,7 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
         assert ended == {failing: ended[failing]} and "connection failed" in str(ended[failing])  # it alone ended
         assert locks.lease_state(c, "grp/5") is locks.LeaseState.NOT_TAKEN  # hosted elsewhere: left alone
         polls.clear()
-        time.sleep(1.5)  # idle (linger 6 s): the members wait to be woken
+        time.sleep(1.5)  # idle: the members wait to be woken
         assert sum(polls.values()) <= 3, polls  # a run polling on its own looks about 3 times each in 1.5 s
         for i in (1, 2, 3):
             insert_events(db_url, i, 10)
@@ -358,7 +359,7 @@ def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_pu
     ids = [1, 2, 3]
     path = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "shared", "batch": {"max_size": 50, "max_fill_secs": 0},
-         "delivery": {"mode": "warm", "tuning": {"max_run_secs": 300}},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
     streams = list(load_config(path).streams)
     ended: dict[int, str | None] = {}

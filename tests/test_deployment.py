@@ -114,7 +114,7 @@ def deployment(databases: Databases, endpoint: Endpoint, tmp_path: Path) -> Iter
         streams=[{"id": 1, "sink": endpoint.sink(), "batch": {"max_size": 100, "max_fill_secs": 0.2},
                   "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
                   "retry": {"initial_backoff_secs": 0.5, "max_backoff_secs": 2},
-                  "delivery": {"mode": "open", "tuning": {"linger_secs": 60, "max_run_secs": 600}}}],
+                  "delivery": {"mode": "open", "tuning": {"max_run_secs": 600}}}],
         subscriptions=[{"key": "users", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
                         "table_name": "users", "column_names": ["id", "email"]}])
     init(config)
@@ -189,7 +189,7 @@ def test_code_server_daemon_and_webserver_deliver_replay_and_fail_over(deploymen
     assert len(first) == 20 and endpoint.first_seen_order() == first, state()
     delivered_at = time.monotonic()
     code_server, daemon, webserver = deployed.processes
-    # the group delivery run (reader group default) hosting the stream's open run lingers, a process of the code
+    # the group delivery run (reader group default) hosting the stream's open run stays up, a process of the code
     # server's (the run launcher asked it); the daemon and the webserver, which never load the code location,
     # started none
     assert descendants(code_server.proc.pid), "no run worker under the code server"

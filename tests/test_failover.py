@@ -81,7 +81,7 @@ def test_sink_down_500_then_refused_then_back(db_url: str, tmp_path: Path, insta
     endpoint.mode = "error"
     insert_events(db_url, STREAM, 100, 100)
     first_failed = min(set(sent_ids(db_url)) - endpoint.unique())
-    # the run fails (per_batch: executed here; open, warm: the member run the group run hosts), and the tick that
+    # the run fails (per_batch: executed here; open: the member run the group run hosts), and the tick that
     # sees it failed: checkpoint + failover
     fail_into_failover(driver, db_url)
     state = stream_row(db_url)
@@ -193,7 +193,7 @@ with dg.instance_for_test(overrides={"storage": {"postgres": {"postgres_url": st
 
 class _RunProcess:
     """The run that delivers, executed in a process of its own (as the run launcher would): in mode per_batch the
-    stream's run the tick requested; in modes open and warm the group delivery run the tick requests (the driver's
+    stream's run the tick requested; in mode open the group delivery run the tick requests (the driver's
     next launch of one: ``launch``), hosting the member's runs."""
 
     def __init__(self, tmp_path: Path, driver: Driver, dagster_storage_url: str) -> None:
@@ -274,7 +274,7 @@ def test_run_process_killed_mid_delivery(db_url: str, tmp_path: Path, instance: 
                                          dagster_storage_url: str, endpoint: Endpoint,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """kill -9 of the process that delivers (and its Spark JVM): the stream's run in mode per_batch, the group
-    delivery run hosting the member's run in modes open and warm."""
+    delivery run hosting the member's run in mode open."""
     config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)])
     driver = Driver(config_path, instance)
     process = _start_slowly_in_a_process(tmp_path, driver, dagster_storage_url, endpoint, monkeypatch)
@@ -291,13 +291,13 @@ def test_run_interrupted_by_the_shutdown_closes_and_its_batches_go_on_without_ba
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, dagster_storage_url: str,
         endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run stopped by SIGINT mid-delivery (what `dg dev` shutting down, Ctrl-C or `make stop`, does to its
-    runs; in modes open and warm the group delivery run hosting the member's run, which closes once its round is
+    runs; in mode open the group delivery run hosting the member's run, which closes once its round is
     delivered): it closes instead of failing (Dagster records a success, its log says it was interrupted), the
     batches it held go back to the ledger, and
     the next tick launches them at once (not after the backoff, here 600 s): no failover, no attempt failed,
     every event delivered in order."""
     # a run takes 100 events at a time (two batches): a member's run of the group run ends after its round
-    # (open, warm), with batches left for the next run
+    # (open), with batches left for the next run
     stream = {**stream_config(endpoint, delivery={"chunk_size": 20, "run_grace_secs": 10, "max_events_per_run": 100}),
               "retry": {"initial_backoff_secs": 600, "max_backoff_secs": 600}}
     config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream])
@@ -348,8 +348,8 @@ def _tick_dropping_the_group_run(driver: Driver, monkeypatch: pytest.MonkeyPatch
 def test_sensor_restarted_and_crashing_between_steps(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                                      endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """Crash 1: whoever reads the group's slot (the sensor's peek in mode per_batch; the group delivery run's
-    reader, over the replication protocol, in modes open and warm) crashes after the ledger recorded the batches,
-    before the slot advanced. Crash 2: the tick requested a run (per_batch: the stream's; open, warm: the group
+    reader, over the replication protocol, in mode open) crashes after the ledger recorded the batches,
+    before the slot advanced. Crash 2: the tick requested a run (per_batch: the stream's; open: the group
     delivery run) but the daemon died before Dagster created it. Nothing is lost or delivered twice."""
     config_path = write_config(tmp_path / "pgstream.yaml", db_url, [stream_config(endpoint)])
     driver = Driver(config_path, instance)
@@ -481,7 +481,7 @@ def test_slot_invalidated_by_wal_limit(small_wal_url: str, tmp_path: Path, insta
     start(driver)
     insert_events(url, STREAM, 100)
     drive(driver, lambda: len(endpoint.unique()) >= 100)
-    # nothing reads the slot until the next tick: the group delivery run (open, warm) ends; the sensor (per_batch)
+    # nothing reads the slot until the next tick: the group delivery run (open) ends; the sensor (per_batch)
     # reads only when it ticks
     driver.stop_group_runs("the slot is to be invalidated")
     insert_events(url, STREAM, 150, 100)  # committed, not yet read from the slot...
@@ -603,7 +603,7 @@ def test_run_whose_lease_session_ended_is_failed_at_the_next_tick(db_url: str, t
 
     def tick_until_recorded() -> Any:
         deadline = time.monotonic() + 60
-        while True:  # (open, warm: the sensor reads the group's slot meanwhile, and hands the batch to the member)
+        while True:  # (open: the sensor reads the group's slot meanwhile, and hands the batch to the member)
             tick = driver.tick(STREAM)
             if "30 undelivered events in 1 batches" in str(tick.skip_message) or time.monotonic() > deadline:
                 return tick
@@ -649,7 +649,7 @@ def test_postgres_restart_stops_publishing_within_the_publish_call(db_url: str, 
                                                                    instance: dg.DagsterInstance,
                                                                    endpoint: Endpoint) -> None:
     """A slow receiver, one request per event, the batch in one publish call: Postgres restarts while
-    the run (per_batch: the stream's run; open, warm: the member's run in the group delivery run) waits for an
+    the run (per_batch: the stream's run; open: the member's run in the group delivery run) waits for an
     answer. The run sends nothing more once its ledger connection (which records what the sink confirms) is
     broken: it fails with an error saying so, and the next run resumes after the last confirmation recorded.
     Duplicates: what was sent in that call before the restart."""

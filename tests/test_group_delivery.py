@@ -97,7 +97,7 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_refusing_hanging_and
     streams = [{"id": i, "reader": GROUP, "batch": {"max_size": 100, "max_fill_secs": 0.2},
                 "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
                 "retry": {"initial_backoff_secs": 1, "max_backoff_secs": 2},
-                "delivery": {"mode": "open", "tuning": {"linger_secs": 120, "max_run_secs": 600},
+                "delivery": {"mode": "open", "tuning": {"max_run_secs": 600},
                              **({"on_reject": "dead_letter", "max_attempts": 1} if i == POISON else {})},
                 "sink": sinks.get(i) or {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
                for i in IDS]
@@ -244,7 +244,7 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
     def stream(i: int) -> dict[str, Any]:
         return {"id": i, "reader": "grows", "batch": {"max_size": 100, "max_fill_secs": 0.2},
                 "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
-                "delivery": {"mode": "open", "tuning": {"linger_secs": 120, "max_run_secs": 600}},
+                "delivery": {"mode": "open", "tuning": {"max_run_secs": 600}},
                 "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
 
     config_path = write_config(tmp_path / "pgstream.yaml", app, [stream(i) for i in (1, 2, 3)])

@@ -32,7 +32,7 @@ def _streams(tmp_path: Path, url: str, batch: dict[str, Any], ids: tuple[int, ..
     """The streams (each in reader group ``readers[id]``, default ``default``); ``own_slots``: each with a slot
     of its own, outside any group, as a version with a slot per stream made it."""
     config = load_config(write_config(tmp_path / "pgstream.yaml", url, [
-        {"id": i, "batch": batch, "delivery": {"mode": "open", "tuning": {"linger_secs": 60}},
+        {"id": i, "batch": batch, "delivery": {"mode": "open"},
          "reader": (readers or {}).get(i, "default"),
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids]))
     if own_slots:

@@ -92,12 +92,12 @@ def test_more_groups_than_slots_one_line_from_preflight_init_and_the_sensor_and_
         "run_coordinator:\n  module: dagster.core.run_coordinator\n  class: QueuedRunCoordinator\n"
         "  config:\n    max_concurrent_runs: 2\ntelemetry:\n  enabled: false\n")
     monkeypatch.setenv("DAGSTER_HOME", str(home))
-    lingering: dict[str, object] = {"mode": "open", "tuning": {"linger_secs": 60}}
-    assert main(["preflight", "--config", str(write_config(tmp_path / "lingering-default.yaml", url,
-                                                           _streams(tmp_path, delivery=lingering)))]) == 0
+    open_runs: dict[str, object] = {"mode": "open"}
+    assert main(["preflight", "--config", str(write_config(tmp_path / "open_runs-default.yaml", url,
+                                                           _streams(tmp_path, delivery=open_runs)))]) == 0
     assert capsys.readouterr().err.splitlines() == []
-    assert main(["preflight", "--config", str(write_config(tmp_path / "lingering.yaml", url,
-                                                           _streams(tmp_path, reader=True, delivery=lingering)))]) == 1
+    assert main(["preflight", "--config", str(write_config(tmp_path / "open_runs.yaml", url,
+                                                           _streams(tmp_path, reader=True, delivery=open_runs)))]) == 1
     assert capsys.readouterr().err.splitlines() == [SLOTS_LINE, (
         "max_concurrent_runs is 2 and 3 reader groups keep a group delivery run, plus one for housekeeping, checks "
         "and replays: a stream without a run waits up to delivery.tuning.max_run_secs: set max_concurrent_runs = 8 "

@@ -100,7 +100,7 @@ def test_the_whole_pipeline_runs_with_no_superuser_after_the_clouds_bootstrap(
     owner, runtime = _as(managed, OWNER), _as(managed, RUNTIME)
     config = write_config(tmp_path / "pgstream.yaml", runtime, [
         {"id": 1, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
-         "delivery": {"tuning": {"linger_secs": 2}},  # the run stays open and reads the slot itself
+         "delivery": {"mode": "open"},  # the run stays open and reads the slot itself
          "sink": {"type": "http", "url": http_server.url, "mode": "per_event"}}],
         [{"key": "orders", "stream_id": 1, "operation": "INSERT", "schema_name": "public", "table_name": "orders",
           "column_names": ["id", "amount"]}])

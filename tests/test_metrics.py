@@ -306,8 +306,8 @@ def test_the_status_shows_what_became_of_a_members_open_run(db_url: str, tmp_pat
     starting, waiting for its group's run (not gone: the group's live run takes every member run its ledger
     wants), then live once that run hosts it; a change of what the status shows is observed at once, nothing
     new is not observed."""
-    lingering = stream_config(endpoint, delivery={"tuning": {"linger_secs": 60, "max_run_secs": 120}})
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [lingering]), instance)
+    open_run = stream_config(endpoint, delivery={"tuning": {"max_run_secs": 120}})
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [open_run]), instance)
     tick_until(driver, STREAM, lambda: joined(db_url, STREAM))
     (group_run,) = driver.group_runs[DEFAULT_READER]
     key = "pgstream-s1-gone-b1-a1"
@@ -488,7 +488,7 @@ def _subscribed_stream(db_url: str, tmp_path: Path, *, fill_secs: float) -> Stre
     group's slot created, the stream joined)."""
     config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": fill_secs},
-         "delivery": {"tuning": {"linger_secs": 60}}, "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
+         "delivery": {"mode": "open"}, "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute(USERS)
         subscribe(c, "user-signup", columns=["id", "email"])

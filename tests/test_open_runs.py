@@ -1,7 +1,7 @@
-"""Open (lingering) delivery runs, hosted by their reader group's delivery run: while a stream's run is open the
-group's reader hands it every batch it records, no new run is requested, order and counts hold; the run
-closes when idle (a warm one stays open); a failure in a later round puts the stream into failover and loses
-nothing; a pause waits for the publish in flight; a backlog is delivered in direct rounds without Spark; the
+"""Open delivery runs, hosted by their reader group's delivery run: while a stream's run is open the group's reader
+hands it every batch it records, no new run is requested, order and counts hold; the run stays open when idle, and a
+stream with nothing open gets one before its first event; a failure in a later round puts the stream into failover and
+loses nothing; a pause waits for the publish in flight; a backlog is delivered in direct rounds without Spark; the
 group's sensor records for the members while its run's reader cannot read; close and assign never race."""
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ STREAM = 1
 GROUP = "default"
 
 
-def _config(endpoint: Endpoint, linger: float, **delivery: Any) -> dict[str, Any]:
+def _config(endpoint: Endpoint, **delivery: Any) -> dict[str, Any]:
+    """Stream 1 in mode open with the product's ``max_run_secs`` (its run stays open through the test)."""
     return {"id": STREAM, "batch": {"max_size": 20, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
             "retry": {"initial_backoff_secs": 0.2, "max_backoff_secs": 0.5},
-            "delivery": {"chunk_size": 10, "tuning": {"linger_secs": linger}, **delivery}, "sink": endpoint.sink()}
+            "delivery": {"chunk_size": 10, "mode": "open", **delivery}, "sink": endpoint.sink()}
 
 
 def _wait(done: Any, timeout: float = 60) -> None:
@@ -106,14 +107,15 @@ def _run_keys(url: str) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
-def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_path: Path,
-                                                              instance: dg.DagsterInstance,
-                                                              endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=4)]), instance)
+def test_open_run_takes_every_new_batch_and_stays_open_when_idle(db_url: str, tmp_path: Path,
+                                                                 instance: dg.DagsterInstance,
+                                                                 endpoint: Endpoint) -> None:
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint)]), instance)
     driver.tick(STREAM)  # the group's delivery run, launched
     insert_events(db_url, STREAM, 30)
     tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 30)
-    (key,) = _run_keys(db_url)
+    key = _open_run_key(db_url)  # the warm run the stream had before its first event took its batches
+    assert key is not None and _run_keys(db_url) == [key]
     latencies = []
     for wave in range(4):  # the run is open: each wave is delivered by it, no new run is requested
         insert_events(db_url, STREAM, 25, 1000 * (wave + 1))
@@ -125,8 +127,8 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
     assert _member(driver) == {"run_key": key, "state": "running", "error": None}
     with psycopg.connect(db_url) as c:
         assert f"open run: {key}" in render_status(stream_status(c, STREAM))
-    _wait(lambda: _open_run_key(db_url) is None, timeout=30)  # idle for linger_secs: it closes, not failed
-    _wait(lambda: _member(driver).get("state") == "ended", timeout=30)
+    time.sleep(1.5)  # idle: it stays open
+    assert _open_run_key(db_url) == key and _member(driver)["state"] == "running"
     sent = sent_ids(db_url)
     assert endpoint.unique() == set(sent) and endpoint.duplicates() == 0
     assert endpoint.first_seen_order() == sent  # one writer: commit order is id order
@@ -135,12 +137,12 @@ def test_open_run_takes_every_new_batch_then_closes_when_idle(db_url: str, tmp_p
                          [BatchStatus.DELIVERED]).fetchone() == (0,)
     assert max(latencies) < 5, latencies  # handed over within a tick or two, not a new run
 
-    # once closed, a new batch gets a new run (in the same group delivery run)
+    # after the quiet spell the same run takes the next batch
     insert_events(db_url, STREAM, 5, 9000)
     assert tick_until(driver, STREAM, lambda: endpoint.unique() == set(sent_ids(db_url))) == []
-    (_, again) = _run_keys(db_url)
-    assert again != key
+    assert _run_keys(db_url) == [key]
     rounds = _ended(driver)["rounds"]
+    assert _member(driver) == {"run_key": key, "state": "ended", "error": None}  # asked to end: closed, not failed
     # the first load plus one round per wave at least (reported together at most every report_every_secs)
     assert sum(m["rounds"] for m in rounds) >= 6
     assert sum(m["events"] for m in rounds) == len(sent_ids(db_url))
@@ -152,13 +154,15 @@ def test_a_members_state_put_back_by_another_processs_tag_write_is_written_again
     """Dagster writes a run's tags by reading the run and writing it back whole: another process adding a tag
     (the group's sensor asking the run to end, an operator) while a member's run ends puts its older state
     back. The group run writes its members' states again within a stop check (a second)."""
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=1)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint)]), instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 5)
     tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 5)
     run_id = _group_run(driver).run_id
     assert run_id is not None and _member(driver)["state"] == "running"
     stale = instance.get_run_by_id(run_id)  # what the other process read...
+    with psycopg.connect(db_url, autocommit=True) as c:
+        apply_control(c, STREAM, "pause")  # the member's run closes
     _wait(lambda: _member(driver).get("state") == "ended")
     storage = instance.run_storage
     with monkeypatch.context() as m:  # ... and writes back with its tag, after the member's run ended
@@ -174,7 +178,7 @@ def test_a_members_state_put_back_by_another_processs_tag_write_is_written_again
 def test_sink_failure_in_a_later_round_enters_failover_and_loses_nothing(db_url: str, tmp_path: Path,
                                                                           instance: dg.DagsterInstance,
                                                                           endpoint: Endpoint) -> None:
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=30)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint)]), instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 20)
     tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 20)
@@ -202,9 +206,9 @@ def test_pause_waits_for_the_publish_in_flight_and_nothing_is_published_after_it
     closes, not failed, its batches back to pending); after `resume` the backlog is delivered, each event
     once, in commit order."""
     config = {"id": STREAM, "batch": {"max_size": 5, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
-              "delivery": {"mode": "warm", "chunk_size": 5, "tuning": {"max_run_secs": 300}}, "sink": endpoint.sink()}
+              "delivery": {"mode": "open", "chunk_size": 5, "tuning": {"max_run_secs": 300}}, "sink": endpoint.sink()}
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [config]), instance)
-    assert driver.tick(STREAM).run_requests == []  # the warm run is the group delivery run's
+    assert driver.tick(STREAM).run_requests == []  # the stream's open run is the group delivery run's
     tick_until(driver, STREAM, lambda: _member(driver).get("state") == "running")
     insert_events(db_url, STREAM, 10)
     tick_until(driver, STREAM, lambda: len(endpoint.unique()) >= 10)
@@ -261,7 +265,7 @@ def test_a_replay_executed_in_process_takes_the_delivery_lease_from_the_open_run
     from pgstream_dagster.defs.location import build_definitions
     from pgstream_dagster.defs.names import REPLAY_JOB, REPLAY_OP
 
-    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=2)])
+    cfg = write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint)])
     driver = Driver(cfg, instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 150)
@@ -317,7 +321,7 @@ def test_a_flaky_receiver_costs_a_retry_per_failure_not_a_backoff_window(
     a random 20% (seeded) answered 500. The sink retries a failed request at once, so the flaky window
     delivers at least half as many events as the fault-free one; in the end every event arrives, first
     arrivals in commit order, and the run never failed over."""
-    stream = {**_config(endpoint, linger=3), "sink": {"type": "http", "url": endpoint.url, "timeout_secs": 30}}
+    stream = {**_config(endpoint), "sink": {"type": "http", "url": endpoint.url, "timeout_secs": 30}}
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream]), instance)
     driver.tick(STREAM)
     insert_events(db_url, STREAM, 10)
@@ -345,20 +349,19 @@ def test_a_flaky_receiver_costs_a_retry_per_failure_not_a_backoff_window(
     assert endpoint.first_seen_order() == sent_ids(db_url)  # one writer: commit order is id order
 
 
-def test_keep_warm_stream_has_an_open_run_before_its_first_event(db_url: str, tmp_path: Path,
-                                                                   instance: dg.DagsterInstance,
-                                                                   endpoint: Endpoint) -> None:
-    """Mode warm: with nothing to deliver the stream has an open run (hosted by the group's delivery run), so its
-    first event finds a run ready; idle past linger_secs it stays open; paused it closes, resumed the sensor
-    opens the next one."""
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url,
-                                 [_config(endpoint, linger=0.5, mode="warm")]), instance)
+def test_a_stream_has_an_open_run_before_its_first_event_and_after_a_pause(db_url: str, tmp_path: Path,
+                                                                           instance: dg.DagsterInstance,
+                                                                           endpoint: Endpoint) -> None:
+    """Mode open: with nothing to deliver the stream has an open run (a warm run, hosted by the group's delivery
+    run), so its first event finds a run ready; idle it stays open; paused it closes, resumed the sensor opens
+    the next one."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint)]), instance)
     assert tick_until(driver, STREAM, lambda: _member(driver).get("state") == "running") == []
     key = _open_run_key(db_url)
     assert key is not None and _member(driver)["run_key"] == key
     insert_events(db_url, STREAM, 15)
     _wait(lambda: len(endpoint.unique()) == 15)  # no tick: the group run's reader hands them to the warm run
-    time.sleep(1.5)  # idle past linger_secs: a warm run stays open
+    time.sleep(1.5)  # idle: it stays open
     insert_events(db_url, STREAM, 15, 100)
     _wait(lambda: len(endpoint.unique()) == 30)
     assert _open_run_key(db_url) == key and _run_keys(db_url) == [key]
@@ -388,7 +391,7 @@ def test_open_run_delivers_a_backlog_in_direct_rounds_without_spark(db_url: str,
         raise AssertionError("an open run loaded a round of global order through Spark")
 
     monkeypatch.setattr(spark, "load_batches", no_spark)
-    stream = {**_config(endpoint, linger=3, tuning={"linger_secs": 3, "direct_max_events": 120}),
+    stream = {**_config(endpoint, tuning={"direct_max_events": 120}),
               "batch": {"max_size": 50, "max_fill_secs": 0.2}}
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [stream]), instance)
     driver.tick(STREAM)  # the group's delivery run
@@ -436,9 +439,9 @@ def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, endpoint: Endpoint) -> None:
     """Every WAL sender taken (max_wal_senders): the group delivery run's reader cannot connect and says so in
     the run log, the group's sensor keeps recording and handing batches to the open run; once a sender is
-    free the run's reader reads the group's slot itself (it tries again every few seconds: the open run lingers
-    longer). Each event once, in commit order."""
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint, linger=60)]), instance)
+    free the run's reader reads the group's slot itself (it tries again every few seconds). Each event
+    once, in commit order."""
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(endpoint)]), instance)
     holders = _take_every_wal_sender(db_url)
     try:
         driver.tick(STREAM)  # the group's delivery run: its reader cannot open a replication connection
@@ -468,7 +471,7 @@ def test_no_free_wal_sender_the_sensor_records_for_the_run_until_one_is_free(
 
 def _stream(tmp_path: Path, url: str) -> Any:
     config = load_config(write_config(tmp_path / "pgstream.yaml", url, [
-        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"tuning": {"linger_secs": 60}},
+        {"id": STREAM, "batch": {"max_size": 100, "max_fill_secs": 0.2}, "delivery": {"mode": "open"},
          "sink": {"type": "file", "path": str(tmp_path / "out.jsonl")}}]))
     return config.streams[0]
 

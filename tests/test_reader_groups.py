@@ -333,7 +333,7 @@ def test_two_databases_served_by_one_dagster_instance_each_run_their_group_defau
     urls = {"a": db_url, "b": empty_db_url}
     configs = {name: write_config(tmp_path / f"{name}.yaml", url, [
         {"id": 1, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.2},
-         "delivery": {"mode": "open", "run_grace_secs": 5, "tuning": {"linger_secs": 30, "max_run_secs": 300}},
+         "delivery": {"mode": "open", "run_grace_secs": 5, "tuning": {"max_run_secs": 300}},
          "sink": {"type": "file", "path": str(tmp_path / f"{name}.jsonl")}}]) for name, url in urls.items()}
     for config in configs.values():
         init(config)
@@ -495,15 +495,14 @@ def _end_group_runs(driver: Driver) -> None:
 
 def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and_a_group_run(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    """Twelve streams (more than Postgres' default 10 slots) in one group: the group's sensor records for all of
-    them from one slot and requests the group's delivery run, which hosts each stream's runs (open, closing
-    after a short linger; the group run itself ends after max_run_secs and the sensor requests the next one);
-    the streams' sensors decide their runs and request no Dagster run; every event reaches its stream's sink
-    exactly once, in commit order."""
+    """Twelve streams (more than Postgres' default 10 slots) in one group: the group's sensor records for all of them
+    from one slot and requests the group's delivery run, which hosts each stream's open run (the group run itself ends
+    after max_run_secs and the sensor requests the next one); the streams' sensors decide their runs and request no
+    Dagster run; every event reaches its stream's sink exactly once, in commit order."""
     ids = list(range(1, 13))
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "all", "batch": {"max_size": 40, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.05},
-         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}  # mode open, a short linger (harness)
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}  # mode open, a short max_run_secs (harness)
         for i in ids])
     driver = Driver(config, instance)
     # one sensor for the twelve: none of a member's own
@@ -555,11 +554,11 @@ def test_a_members_open_run_reads_no_slot_and_a_failing_member_does_not_hold_the
     recording both."""
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": 1, "reader": "pair", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
-         "delivery": {"mode": "open", "tuning": {"linger_secs": 3, "max_run_secs": 60}},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 60}},
          "sink": {"type": "file", "path": str(tmp_path / "out1.jsonl")}},
         {"id": 2, "reader": "pair", "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
          "retry": {"initial_backoff_secs": 60, "max_backoff_secs": 60},
-         "delivery": {"mode": "open", "tuning": {"linger_secs": 0.3, "max_run_secs": 25}},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 25}},
          "sink": {"type": "http", "url": "http://127.0.0.1:9/refused", "timeout_secs": 1}}])
     driver = Driver(config, instance)
 
@@ -615,7 +614,7 @@ def _member(group: str, i: int, sink: Path) -> dict[str, Any]:
     """A member of ``group`` in mode open whose group run would live 5 minutes."""
     return {"id": i, "reader": group, "batch": {"max_size": 50, "max_fill_secs": 0},
             "sensor": {"tick_budget_secs": 0.1},
-            "delivery": {"mode": "open", "tuning": {"linger_secs": 1, "max_run_secs": 300}},
+            "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
             "sink": {"type": "file", "path": str(sink)}}
 
 
@@ -1296,7 +1295,7 @@ def test_a_members_dropped_or_altered_table_holds_no_other_member_back(
             c.execute(f"create table public.t{i} (id int primary key, v text, w int)")
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
-         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 300}},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids],
         subscriptions=[{"key": f"s{i}", "stream_id": i, "operation": "INSERT", "schema_name": "public",
                         "table_name": f"t{i}", "column_names": ["id", "v"]} for i in ids])
@@ -1365,7 +1364,7 @@ def test_members_whose_publish_calls_hang_hold_no_other_member_back(
     try:
         config = write_config(tmp_path / "pgstream.yaml", db_url, [
             {"id": i, "batch": {"max_size": 50, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.1},
-             "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 300}},
+             "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
              "sink": hanging.sink() if i in hung else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
             for i in hung + going])
         init(config)
@@ -1509,7 +1508,7 @@ def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: 
     config = write_config(tmp_path / "pgstream.yaml", db_url, [
         {"id": i, "reader": "live", "batch": {"max_size": 50, "max_fill_secs": 0},
          "sensor": {"tick_budget_secs": tick_budget_secs},
-         "delivery": {"mode": "open", "tuning": {"linger_secs": 30, "max_run_secs": 300}},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
     driver = Driver(config, instance)
     _tick(driver, "live")

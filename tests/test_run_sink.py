@@ -1,4 +1,4 @@
-"""A delivery run owns one sink for its whole life: every round of an open (lingering) run publishes
+"""A delivery run owns one sink for its whole life: every round of an open run publishes
 through it, and it is closed when the run ends, whether the run succeeds or fails. The stream's runs are member
 runs of its reader group's delivery run (``default``: the stream names no group)."""
 
@@ -29,10 +29,10 @@ def name() -> Iterator[str]:
     MemorySink.reset(sink)
 
 
-def _config(name: str, linger: float) -> dict[str, Any]:
+def _config(name: str) -> dict[str, Any]:
     return {"id": STREAM, "batch": {"max_size": 20, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.3},
             "retry": {"initial_backoff_secs": 0.2, "max_backoff_secs": 0.5},
-            "delivery": {"tuning": {"linger_secs": linger}, "chunk_size": 10}, "sink": {"type": "memory", "name": name}}
+            "delivery": {"mode": "open", "chunk_size": 10}, "sink": {"type": "memory", "name": name}}
 
 
 def _delivered(name: str) -> list[int]:
@@ -54,11 +54,11 @@ def _until(done: Callable[[], bool], timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-def _open_run(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, name: str, linger: float,
+def _open_run(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, name: str,
               events: int) -> tuple[Driver, Background]:
     """The stream's group delivery run (in the background), once the stream's member run in it delivered
     ``events`` events (it stays open)."""
-    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(name, linger)]), instance)
+    driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, [_config(name)]), instance)
     tick_until(driver, STREAM, lambda: joined(db_url, STREAM))
     insert_events(db_url, STREAM, events)
     tick_until(driver, STREAM, lambda: len(_delivered(name)) >= events)
@@ -68,17 +68,16 @@ def _open_run(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, name: s
 
 def test_an_open_run_delivers_every_round_through_one_sink(db_url: str, tmp_path: Path,
                                                            instance: dg.DagsterInstance, name: str) -> None:
-    driver, run = _open_run(db_url, tmp_path, instance, name, linger=4, events=30)
+    driver, run = _open_run(db_url, tmp_path, instance, name, events=30)
     for wave in range(3):  # each wave is a round of the open run
         insert_events(db_url, STREAM, 25, 1000 * (wave + 1))
         expected = len(sent_ids(db_url))
         assert tick_until(driver, STREAM, at_least(lambda: len(_delivered(name)), expected)) == []
         assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 0)  # the same sink, still open
-    # idle for linger_secs: the member run closes (its group run goes on)
-    _until(lambda: _member(instance, run).get("state") == "ended")
-    assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 1)  # closed when the run ended
-    driver.stop_group_runs()
+    driver.stop_group_runs()  # the group run is asked to end: the member's run closes, then it ends
     result = run.wait(timeout=30)
+    assert _member(instance, run).get("state") == "ended"
+    assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 1)  # closed when the run ended
     assert result.success
     rounds = run_metadata(result, "ASSET_MATERIALIZATION")
     # the first load and a round per wave at least (reported together at most every report_every_secs)
@@ -88,7 +87,7 @@ def test_an_open_run_delivers_every_round_through_one_sink(db_url: str, tmp_path
 
 def test_a_run_that_fails_in_a_later_round_closes_its_sink(db_url: str, tmp_path: Path,
                                                            instance: dg.DagsterInstance, name: str) -> None:
-    driver, run = _open_run(db_url, tmp_path, instance, name, linger=30, events=20)
+    driver, run = _open_run(db_url, tmp_path, instance, name, events=20)
     MemorySink.fail_next(name)  # the open run's next publish call fails
     insert_events(db_url, STREAM, 40, 100)
     # (not ticked: the group run's reader records the events and hands them to the open member run)
@@ -97,7 +96,7 @@ def test_a_run_that_fails_in_a_later_round_closes_its_sink(db_url: str, tmp_path
     # (no tick decided a retry yet: no other run opened a sink)
     assert (MemorySink.opened(name), MemorySink.closed(name)) == (1, 1)  # closed on failure too
     assert run.thread.is_alive()  # a member's failure does not end its group run
-    # failover: catch-up runs (which do not linger) deliver the rest, each through a sink of its own
+    # failover: catch-up runs (which close once done) deliver the rest, each through a sink of its own
     deadline = time.monotonic() + 120
     while _delivered(name) != sent_ids(db_url) or stream_row(db_url)["failover_since"] is not None \
             or MemorySink.opened(name) != MemorySink.closed(name):
@@ -137,8 +136,7 @@ def test_runs_and_ticks_collect_garbage_less_often_while_they_move_events(
     monkeypatch.setattr(jobs, "consume_group", recording(consume_group))
     before = gc.get_threshold()
     assert before != BULK_THRESHOLDS
-    driver, run = _open_run(db_url, tmp_path, instance, name, linger=0.5, events=30)
-    _until(lambda: _member(instance, run).get("state") == "ended")
+    driver, run = _open_run(db_url, tmp_path, instance, name, events=30)
     driver.stop_group_runs()
     assert run.wait(timeout=30).success
     assert published and set(published) == {BULK_THRESHOLDS}

@@ -83,9 +83,9 @@ def install(pg: LocalPostgres, template_db: str, tmp_path: Path) -> Iterator[Ins
         out = tmp_path / "sink.jsonl"
         cfg = write_config(tmp_path / "pgstream.yaml", runtime_url, [
             {"id": 1, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 1},
-             # Spark reads every round: the executors connect as the executor role; a run stays open
-             # 8 s after its last batch (its group delivery run's reader reads the slot: replication protocol)
-             "delivery": {"tuning": {"direct_max_events": 0, "linger_secs": 8}},
+             # Spark reads every round: the executors connect as the executor role; the stream's run stays
+             # open (its group delivery run's reader reads the slot: replication protocol)
+             "delivery": {"mode": "open", "tuning": {"direct_max_events": 0}},
              "sink": {"type": "file", "path": str(out)}},
             # by_key: Spark tasks publish and record their resume points as the executor role
             # (its group's delivery run, hosting both streams, stays up for the test: max_run_secs)
@@ -167,7 +167,7 @@ def test_the_whole_pipeline_runs_as_the_runtime_role(install: Install, instance:
     assert [r for r in instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(i.runtime_url, DEFAULT_READER)}))
             if '"failed"' in r.tags.get(member_tag(1), "") + r.tags.get(member_tag(2), "")] == []
 
-    # runs that end once delivered from here on (a lingering run only waits in this in-process driver)
+    # runs that end once delivered from here on (an open run only waits in this in-process driver)
     data = yaml.safe_load(i.config.read_text())
     data["streams"][0]["delivery"]["mode"] = "per_batch"
     i.config.write_text(yaml.safe_dump(data))

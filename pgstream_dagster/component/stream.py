@@ -50,7 +50,7 @@ attributes:
   sink:                                   # file, http, redis, rabbitmq, nats, kafka, mqtt, postgres (README, "Sinks")
     type: file
     path: ${{PGSTREAM_SINK_DIR:-.pgstream}}/{name}-events.jsonl
-  # delivery: {{mode: open, ordering: global, on_reject: block}}   # mode: open | per_batch | warm
+  # delivery: {{mode: open, ordering: global, on_reject: block}}   # mode: open | per_batch
   # checks: {{max_undelivered_age_secs: 900}}
   subscriptions:                          # as in pgstream.yaml; stream_id is this stream's id
     - key: {name}-insert

@@ -1,7 +1,7 @@
 """The delivery jobs, thin Dagster ops around the engine's delivery run
-(:class:`~pgstream_dagster.engine.delivery.run.DeliveryRun`: the rounds, the open run's linger loop, each
+(:class:`~pgstream_dagster.engine.delivery.run.DeliveryRun`: the rounds, the open run's wait for batches, each
 round's source): the delivery job runs a stream in mode per_batch (one run per batch, as the design card has
-it); the group delivery job hosts the open and warm runs of a reader group's members.
+it); the group delivery job hosts the open runs of a reader group's members.
 
 ``load_batches`` takes the stream's delivery lease and checks the batches may run; ``deliver_batches`` runs
 the rounds with what only Dagster has: the PySpark resource (started when a round first goes to Spark), a stop
@@ -48,7 +48,7 @@ from .resources import PgstreamResource
 
 class DeliveryRunConfig(dg.Config):
     stream_id: int
-    batch_id: int | None = None  # None: a warm run (delivery.mode warm), open for what commits next
+    batch_id: int | None = None  # None: a warm run (opened with nothing to deliver), open for what commits
     through_batch_id: int | None = None
 
 

@@ -301,7 +301,7 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
         state = ledger_state.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
     key = state.watched_run_key
-    # an open or warm run is hosted by the group's delivery run; a run in mode per_batch (or one requested
+    # an open run is hosted by the group's delivery run; a run in mode per_batch (or one requested
     # before the stream joined its group) is a Dagster run of its own
     member = _member_view(conn, instance, stream, key, look) if key else None
     run = _find_run(instance, key) if member is None else None
@@ -322,7 +322,7 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     log.extend(notes(action) if said is None else tick_notes(action, said, time.time()))
     order = ledger_state.apply(conn, stream, action)
     if order is None or stream.delivery.keeps_open:
-        return None  # an open or warm run: the group's delivery run hosts it
+        return None  # an open run: the group's delivery run hosts it
     return _request(order, database_key(conn))  # mode per_batch: a run of its own (the design card's run per batch)
 
 
@@ -462,7 +462,7 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
     hosted = {s.id for s in streams if s.delivery.keeps_open}  # (a per_batch member's runs are its own)
     wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
-    # a group with streams in modes open or warm keeps its delivery run up (a first event after a quiet spell,
+    # a group with streams in mode open keeps its delivery run up (a first event after a quiet spell,
     # or the location's start, waits for no process to start); a group of streams in mode per_batch only has
     # none (each of their runs is a Dagster run of its own: the sensor reads the group's slot)
     if not hosted:

@@ -9,7 +9,7 @@
     pending, launched, failed --(an operator: pgstream.skip_batch)--> skipped
 
 Only the oldest open batch (the *head*) may start a run. The open run (``streams.open_run_key``; a *warm* run,
-:class:`Warm`, has no batch) changes only by these actions and the run's own :data:`RunAction`
+:class:`Warm`, is one opened with no batch) changes only by these actions and the run's own :data:`RunAction`
 (docs/architecture.md, "The open run's state machine").
 """
 
@@ -121,7 +121,7 @@ class StreamState:
         if self.paused:
             return None
         if head is None:
-            return self.open_run_key  # a warm run, or an open run with nothing left to deliver
+            return self.open_run_key  # an open run with nothing left to deliver (a warm one, or one that had batches)
         if head.status is BatchStatus.LAUNCHED:
             return head.run_key or ""
         if head.status is BatchStatus.PENDING:
@@ -193,7 +193,7 @@ class Launch:
 
 @dataclass(frozen=True)
 class WarmRun:
-    """A run with no batch to request (``delivery.mode: warm``): the stream's open run ``run_key``."""
+    """A run with no batch to request (``delivery.mode: open``, nothing open): the stream's open run ``run_key``."""
 
     stream_id: int
     run_key: str
@@ -292,7 +292,7 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
         return Wait(f"stream {sid} is paused: batch {head.id} waits (`pgstream-dagster resume {sid}`)",
                     short=f"stream {sid} still paused")
     # a run stays open for new batches only on a healthy stream: catch-up runs end when done
-    keep_open = stream.delivery.linger_secs > 0 and not in_failover
+    keep_open = stream.delivery.keeps_open and not in_failover
     if head.status is BatchStatus.PENDING:
         launch = Launch(RunOrder(head, state.next_run, head.attempts + 1), keep_open)
         if state.open_run_key is None:
@@ -340,9 +340,9 @@ def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
 
 def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *,
                in_failover: bool) -> Action:
-    """Nothing is open: with ``delivery.mode: warm`` the stream keeps an open run ready. A warm run that ended
+    """Nothing is open: in ``delivery.mode: open`` the stream keeps an open run ready. A warm run that ended
     without closing is replaced by the next batch's run (:func:`_next`), not every second."""
-    if not stream.delivery.keep_warm or state.paused or in_failover:
+    if not stream.delivery.keeps_open or state.paused or in_failover:
         return Wait()
     if state.open_run_key is None:
         return Warm(WarmRun(state.stream_id, warm_run_key(state.stream_id, state.incarnation, now)))

@@ -3,7 +3,7 @@ reader group ``default`` as every stream is), what was sent and in which order t
 ``check_and_report``, which asserts that every event sent was delivered in commit order and prints the row's
 ``FAULT-MATRIX`` line.
 
-What delivers: in modes open and warm, the member's runs hosted by the group delivery run the driver launched in
+What delivers: in mode open, the member's runs hosted by the group delivery run the driver launched in
 the background (``Driver.group_runs``); in mode per_batch, Dagster runs of the stream's own that the rows execute
 (``Tick.run_requests``)."""
 
@@ -23,7 +23,7 @@ from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.ledger import groups
 
 from .endpoint import Endpoint
-from .harness import HARNESS_LINGER_SECS, Driver, slot_of
+from .harness import Driver, slot_of
 from .harness import joined as harness_joined
 
 STREAM = 1
@@ -34,7 +34,7 @@ PUBLICATION = groups.group_publication(GROUP)
 
 #: the delivery modes the fault matrix runs on (``delivery.mode``; tests/test_failover.py and
 #: tests/test_fault_integrity.py run every row on each)
-MODES = ("open", "per_batch", "warm")
+MODES = ("open", "per_batch")
 #: the mode of the rows being run (the fault files' ``delivery_mode`` fixture sets it): the product's default
 MODE = "open"
 
@@ -56,18 +56,15 @@ def stream_config(sink: Endpoint | dict[str, Any], **over: Any) -> dict[str, Any
 
 
 def mode_delivery(mode: str) -> dict[str, Any]:
-    """``delivery`` of a stream in ``mode``: an open member run closes when idle for a short linger
-    (``tuning.linger_secs``: the next batch is a run the sensor decides again); a warm one never closes when
-    idle. Both are hosted by the group delivery run, which the driver runs in the background for as long as the
-    product's ``max_run_secs`` (the test's end asks it to end)."""
-    modes: dict[str, dict[str, Any]] = {"open": {"mode": "open", "tuning": {"linger_secs": HARNESS_LINGER_SECS}},
-                                        "per_batch": {"mode": "per_batch"},
-                                        "warm": {"mode": "warm"}}
-    return modes[mode]
+    """``delivery`` of a stream in ``mode``: an open member run, always open (closed by a failure, a pause or a
+    failover, then opened again), hosted by the group delivery run, which the driver runs in the background for
+    as long as the product's ``max_run_secs`` (the test's end asks it to end); per_batch: Dagster runs of the
+    stream's own."""
+    return {"mode": mode}
 
 
 def hosted() -> bool:
-    """Whether stream 1's runs (mode :data:`MODE`) are hosted by the group delivery run (open, warm), not Dagster
+    """Whether stream 1's runs (mode :data:`MODE`) are hosted by the group delivery run (open), not Dagster
     runs of its own the rows execute (per_batch)."""
     return MODE != "per_batch"
 
@@ -148,7 +145,7 @@ def joined(url: str, stream_id: int = STREAM) -> bool:
 
 def start(driver: Driver, streams: tuple[int, ...] = (STREAM,), timeout: float = 120) -> None:
     """Tick until the streams have joined their group (the group's slot made): what commits from now on is read
-    from the slot. (In modes open and warm the first tick requests the group delivery run, whose reader joins
+    from the slot. (In mode open the first tick requests the group delivery run, whose reader joins
     them.)"""
     url = database_url(driver)
     deadline = time.monotonic() + timeout
@@ -201,9 +198,9 @@ def _delivered_batches(url: str) -> dict[int, str]:
 
 def tick_failing_until(driver: Driver, done: Callable[[], bool], what: str, timeout: float = 300) -> None:
     """With the sink down: tick until ``done``; every run fails. A run executed here (mode per_batch) must fail;
-    the member runs the group delivery run hosts (open, warm) are seen through what the product shows: each one
-    that ended meanwhile is failed (its tag in the group run, with its error), unless it delivered nothing (an
-    idle run closing: a warm one, or any once the group run ends)."""
+    the member runs the group delivery run hosts (open) are seen through what the product shows: each one
+    that ended meanwhile is failed (its tag in the group run, with its error), unless it delivered nothing (a
+    warm run closing, or any once the group run ends)."""
     url = database_url(driver)
     before = set(member_runs(driver))
     delivered_before = set(_delivered_batches(url))

@@ -36,7 +36,7 @@ from pgstream_dagster.sinks.memory import MemorySink
 def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
                  subscriptions: list[dict[str, Any]] | None = None, spark: dict[str, Any] | None = None) -> Path:
     """``streams`` as in pgstream.yaml; a stream that says nothing of its mode gets the product's default
-    (``delivery.mode: open``) with a short linger (:data:`HARNESS_LINGER_SECS`)."""
+    (``delivery.mode: open``) with a short ``max_run_secs`` (:data:`HARNESS_MAX_RUN_SECS`)."""
     streams = [{**s, "delivery": _product_default_unless_said(s.get("delivery", {}))} for s in streams]
     path.write_text(yaml.safe_dump({"database_url": database_url, "streams": streams,
                                     "subscriptions": subscriptions or [],
@@ -44,22 +44,18 @@ def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
     return path
 
 
-#: an open run's idle linger in the tests (``delivery.tuning.linger_secs``; the product's is 120 s) and how
-#: long it takes new batches (``tuning.max_run_secs``; the product's 1800 s): the in-process driver executes
-#: a run before it ticks again, so a run waits out its linger before the next tick, and one that a writer
-#: keeps busy would never hand back to the test
-HARNESS_LINGER_SECS = 0.3
+#: how long an open run takes new batches in the tests (``delivery.tuning.max_run_secs``; the product's 1800 s):
+#: the group delivery run ends after it and the sensor requests a fresh one, as the product does, only sooner
 HARNESS_MAX_RUN_SECS = 2.0
 
 
 def _product_default_unless_said(delivery: dict[str, Any]) -> dict[str, Any]:
-    """A stream's ``delivery`` with the product's default mode (open: the run stays open and reads the
-    slot) and a short linger, unless it says otherwise."""
+    """A stream's ``delivery`` with the product's default mode (open: the stream always has a run open, hosted
+    by its group's delivery run) and a short ``max_run_secs``, unless it names its mode or ``max_run_secs``."""
     tuning = delivery.get("tuning", {})
-    if "mode" in delivery or "linger_secs" in tuning:
+    if "mode" in delivery or "max_run_secs" in tuning:
         return delivery
-    return {**delivery, "tuning": {"linger_secs": HARNESS_LINGER_SECS, "max_run_secs": HARNESS_MAX_RUN_SECS,
-                                   **tuning}}
+    return {**delivery, "tuning": {"max_run_secs": HARNESS_MAX_RUN_SECS, **tuning}}
 
 
 def replay_through_spark(config: Path, stream_id: int, instance: dg.DagsterInstance) -> tuple[bool, list[int]]:

@@ -82,7 +82,7 @@ def main() -> None:
     out = tmp / "out.jsonl"
     delivery: dict[str, Any] = {"chunk_size": 500, **spec.get("delivery", {})}
     if mode == "open":  # hosted by the reader group's delivery run (in a thread of this process)
-        delivery["tuning"] = {"linger_secs": 30}
+        delivery["mode"] = "open"  # (the product's max_run_secs: the run stays open through the measurement)
     elif mode == "run":  # a Dagster run of its own (mode per_batch), reading without Spark as an open run does
         delivery.update(mode="per_batch", tuning={"direct_max_events": DIRECT_MAX_EVENTS})
     cfg = write_config(tmp / "pgstream.yaml", db_url, [

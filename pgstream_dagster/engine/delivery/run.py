@@ -1,10 +1,10 @@
 """A delivery run, without Dagster: a stream's consecutive ledger batches delivered in order through its sink,
-open (modes ``open``, ``warm``) for what commits next. :meth:`DeliveryRun.start` takes the lease and checks the
+open (mode ``open``) for what commits next. :meth:`DeliveryRun.start` takes the lease and checks the
 batches; :meth:`DeliveryRun.deliver` opens the sink once and delivers round after round from
 :func:`.sources.choose_source`'s source, writing each confirmation to the ledger before publishing more
-(:class:`RoundReport` per round, :class:`DeliveryError`). Open, it waits for batches (:class:`Linger`) until
-idle ``tuning.linger_secs`` (``open``), open ``tuning.max_run_secs``, paused, in failover, a replay waiting or
-:attr:`Host.stop_check`; rounds are told through :attr:`Host.report` (:class:`Summary`).
+(:class:`RoundReport` per round, :class:`DeliveryError`). Open, it waits for batches (:class:`OpenRun`) until
+open ``tuning.max_run_secs``, paused, in failover, a replay waiting or :attr:`Host.stop_check`; rounds are told
+through :attr:`Host.report` (:class:`Summary`).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class Host:
 @dataclass
 class DeliveryRun:
     """A run of ``stream``: ``batch_id`` .. ``through_batch_id`` (``batch_id`` None: a warm run, mode
-    ``warm``, open for what commits; ``run_key``: the open run it is, when it has no batch)."""
+    ``open`` with nothing open, open for what commits; ``run_key``: the open run it is, when it has no batch)."""
 
     stream: StreamConfig
     database_url: str
@@ -141,7 +141,7 @@ class DeliveryRun:
                                lambda replay: log.info(f"stream {stream_id}: waiting for replay {replay} to end "
                                                        "(it holds the delivery lease)"))
         if self.batch_id is None:
-            log.info(f"stream {stream_id}: warm run, open for what commits (delivery.mode warm)")
+            log.info(f"stream {stream_id}: open run, ready for what commits")
             return self
         try:
             last = self.through_batch_id or self.batch_id
@@ -187,7 +187,7 @@ class DeliveryRun:
         run_key = run_key or ""
         # the lease is given up when the run ends; the sink serves every round (by_key: the tasks' own sinks)
         with fewer_collections(), _leasing(ledger, stream.id), build_sink(stream.sink) as sink:
-            linger = Linger(host, ledger, stream, run_key)
+            open_run = OpenRun(host, ledger, stream, run_key)
             reports = Reports(host, stream)
             batches, started = direct_round(stream, self.batches), self.started
             if batches:
@@ -218,10 +218,10 @@ class DeliveryRun:
                         reports.add(done)
                         yield done
                         after = batches[-1].id
-                    batches = direct_round(stream, linger.next_batches(after))
+                    batches = direct_round(stream, open_run.next_batches(after))
                     if not batches:
                         break
-                    earlier = linger.earlier_open  # (of the first batch handed over, read with it)
+                    earlier = open_run.earlier_open  # (of the first batch handed over, read with it)
                     if earlier is not None:  # only what is next in line is handed over; never overtake
                         raise DeliveryError(f"batch {batches[0].id} would overtake open batch {earlier} of "
                                             f"stream {stream.id}")
@@ -464,9 +464,10 @@ def _freeze_once() -> None:
         _frozen_process.set()
 
 
-class Linger:
-    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for those the sensor assigns to it
-    until it closes (see the module; a replay waits however launched: :func:`~..ledger.locks.acquire_replay_lease`)."""
+class OpenRun:
+    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for those handed to it until it closes
+    (see the module; a replay waits however launched: :func:`~..ledger.locks.acquire_replay_lease`). A run of mode
+    per_batch, or a catch-up run, closes once nothing more was handed to it."""
 
     def __init__(self, host: Host, ledger: locks.RunConnections, stream: StreamConfig, run_key: str) -> None:
         self.host, self.ledger, self.stream, self.run_key = host, ledger, stream, run_key
@@ -478,19 +479,17 @@ class Linger:
 
     def next_batches(self, after: int) -> list[state.Batch]:
         """The batches assigned to the run after batch ``after``; empty once the run is closed."""
-        delivery, tuning = self.stream.delivery, self.stream.delivery.tuning
-        linger_secs, warm = delivery.linger_secs, delivery.keep_warm
+        stays, max_run_secs = self.stream.delivery.keeps_open, self.stream.delivery.tuning.max_run_secs
         if not self._frozen:
             # frozen once per process, after the first round: what the process holds stops being scanned
             _freeze_once()
             self._frozen = True
-        idle_since = time.monotonic()
         checked_at = 0.0
         wake = self.host.wake
         woken, polled_at = True, 0.0
         if wake is not None and self._looked and not wake(0.0):
             # a run its host wakes looks again only once woken, or at its safety interval
-            woken, polled_at = False, idle_since
+            woken, polled_at = False, time.monotonic()
         self._looked = True
         while True:
             now = time.monotonic()
@@ -510,27 +509,25 @@ class Linger:
                 reason = None
                 if replay:
                     reason = "a replay of the stream waits for the delivery lease"
-                elif now - idle_since >= linger_secs and not warm:
-                    reason = f"idle for {linger_secs:g}s"
-                elif now - self.opened >= tuning.max_run_secs:
-                    reason = f"open for {tuning.max_run_secs:g}s (delivery.tuning.max_run_secs)"
+                elif not stays:
+                    reason = "its batches are delivered (delivery.mode per_batch)"
+                elif now - self.opened >= max_run_secs:
+                    reason = f"open for {max_run_secs:g}s (delivery.tuning.max_run_secs)"
                 elif look and (wake is not None or now - checked_at >= 1.0):
                     checked_at = now
                     reason = (state.why_close(conn, self.stream.id, self.run_key, self.host.run_id)
                               or self.host.stop_check())
                 if reason is not None:
                     if state.apply_run(conn, CloseRun(self.stream.id, self.run_key)):
-                        if linger_secs > 0:
+                        if stays:
                             self.host.log.info(f"stream {self.stream.id}: run closed ({reason})")
                         return []
                     continue  # the sensor assigned batches just before: deliver them first
                 if wake is None:
-                    wait = 0.5 if warm else min(0.5, max(0.01, linger_secs - (now - idle_since)))
-                    for _ in conn.notifies(timeout=wait, stop_after=1):
+                    for _ in conn.notifies(timeout=0.5, stop_after=1):
                         pass
                     continue
-            left = WOKEN_POLL_SECS - (time.monotonic() - polled_at)
-            woken = wake(max(0.01, left if warm else min(left, linger_secs - (now - idle_since))))
+            woken = wake(max(0.01, WOKEN_POLL_SECS - (time.monotonic() - polled_at)))
 
 
 class Reports:
