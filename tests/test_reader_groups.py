@@ -740,6 +740,10 @@ def test_a_member_without_an_entry_is_recorded_and_told_and_the_others_are_deliv
     assert len(_runs(driver, "refused")) == 2 and not old.thread.is_alive()
 
     driver.reload(write_config(tmp_path / "pgstream3.yaml", db_url, [members[1], members[3]]))
+    # the run of the configuration with stream 2's entry is asked to end (until then it may deliver what commits)
+    (_, second) = _runs(driver, "refused")
+    tick_until(lambda: not second.thread.is_alive() and len(_runs(driver, "refused")) == 3,
+               "the run with stream 2's entry ended, the next one started")
     for i in (1, 2, 3):
         insert_events(db_url, i, 5, start=200)
     removed = ("reader group refused: stream 2 is in the group in the database but has no streams[] entry")

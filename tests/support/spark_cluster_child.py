@@ -44,10 +44,13 @@ def main() -> None:
     cfg = write_config(tmp / "pgstream.yaml", db_url, [
         {"id": GLOBAL, "batch": {"max_size": 400, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
          # every round through Spark (by default the run reads rounds of global order itself)
-         "delivery": {"chunk_size": 100, "tuning": {"rows_per_partition": 300, "direct_max_events": 0}},
+         "delivery": {"chunk_size": 100, "mode": "open",
+                      "tuning": {"rows_per_partition": 300, "direct_max_events": 0, "max_run_secs": 600}},
          "sink": {"type": "file", "path": str(out)}},
         {"id": BY_KEY, "batch": {"max_size": 1000, "max_fill_secs": 0}, "sensor": {"tick_budget_secs": 0.5},
-         "delivery": {"ordering": "by_key", "routing_key": "group_id", "parallelism": 2, "chunk_size": 10},
+         # (one group run throughout: stream 2's first member run is the open run its batches are handed to)
+         "delivery": {"ordering": "by_key", "routing_key": "group_id", "parallelism": 2, "chunk_size": 10,
+                      "mode": "open", "tuning": {"max_run_secs": 600}},
          "retry": {"initial_backoff_secs": 0, "max_backoff_secs": 0},
          "sink": endpoint.sink()}],
         spark={"master": spec["master"], "conf": spec["conf"]})

@@ -370,11 +370,12 @@ def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] 
 
 def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
     """Assign the stream's pending batches (oldest first, up to ``max_events`` undelivered) to its open run
-    ``run_key`` and wake it, under the stream row's lock: a run that closed (:func:`_close_run`) is handed none."""
+    ``run_key`` and wake it, under the stream row's lock: a run that closed (:func:`_close_run`), or one of a
+    paused stream (it closes at its next look), is handed none."""
     with atomic(conn):
-        row = conn.execute("select open_run_key from pgstream.streams where id = %s for no key update",
+        row = conn.execute("select open_run_key, paused from pgstream.streams where id = %s for no key update",
                            [stream_id]).fetchone()
-        if row is None or row[0] is None or row[0] != run_key:
+        if row is None or row[0] is None or row[0] != run_key or row[1]:
             return []
         rows = conn.execute(
             """select id, event_count, status, run_key from pgstream.batches
