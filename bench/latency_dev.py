@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -102,15 +103,16 @@ def _phase(spec: str, pg: LocalPostgres, tmpdir: Path, webhook: Webhook, args: a
         committed = {int(k): v for k, v in json.loads(out.read_text()).items()}
         _wait("every event at the webhook",
               lambda: set(committed) <= {s for s, _ in webhook.received()}, args.duration + 300)
-        quiet = None
-        if quiet_spell:  # the first event after a quiet spell
+        quiet: list[float] = []
+        for k in range(args.quiet_rounds if quiet_spell else 0):  # the first event after a quiet spell, each round
+            seq = base - 2 - k
             time.sleep(args.quiet_secs)
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute("insert into public.bench_orders (seq, customer, amount) values (%s, 'quiet', 0)",
-                             [base - 2])
+                             [seq])
                 committed_at = time.time()
-            _wait("the event after a quiet spell", lambda: any(s == base - 2 for s, _ in webhook.received()), 300)
-            quiet = next(t for s, t in webhook.received() if s == base - 2) - committed_at
+            _wait("the event after a quiet spell", lambda seq=seq: any(s == seq for s, _ in webhook.received()), 300)
+            quiet.append(next(t for s, t in webhook.received() if s == seq) - committed_at)
         with psycopg.connect(dagster_url.replace("+psycopg2", ""), autocommit=True) as conn:
             (runs,) = conn.execute("select count(*) from runs where pipeline_name in ('pgstream_delivery', "
                                    "'pgstream_group_delivery')").fetchone()
@@ -137,6 +139,7 @@ def main() -> None:
                              "use a Spark Connect server started for the phase (spark.remote); +quiet: then one "
                              "event after a quiet spell of --quiet-secs")
     parser.add_argument("--quiet-secs", type=float, default=10)
+    parser.add_argument("--quiet-rounds", type=int, default=1, help="+quiet: quiet spells, one event after each")
     args = parser.parse_args()
     header = machine()
     results: dict[str, dict[str, Any]] = {}
@@ -168,8 +171,8 @@ def main() -> None:
         ratio = "baseline" if r is first else f"{first['p50'] / r['p50']:.1f}x faster than the first"
         flags = spec.split("+")[1:]
         label = f"mode {spec.split('+')[0]}" + "".join(_FLAG_LABELS[f] for f in flags)
-        quiet = (f"; first event after {args.quiet_secs:g}s quiet {r['quiet']:.2f}s" if r["quiet"] is not None
-                 else "")
+        quiet = (f"; first event after {args.quiet_secs:g}s quiet: median {statistics.median(r['quiet']):.3f}s of "
+                 f"{len(r['quiet'])} ({', '.join(f'{q:.3f}' for q in r['quiet'])})" if r["quiet"] else "")
         lines.append(f"- {label}: p50 {r['p50'] * 1000:.0f} ms ({ratio}), p95 {r['p95'] * 1000:.0f} ms, "
                      f"p99 {r['p99'] * 1000:.0f} ms, max {r['max'] * 1000:.0f} ms over {r['events']} events "
                      f"({r['missing']} missing); {r['runs']} delivery runs; cold start (first event once the sensor "

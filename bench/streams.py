@@ -510,6 +510,18 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         result.update(events=len(committed), missing=len(committed) - len(lat), p50=_pct(lat, 0.5),
                       p99=_pct(lat, 0.99))
         result["cpu_per_event_ms"] = 1000 * result["cpu_secs"] / max(1, len(lat))
+        if args.idle:  # what the streams cost with nothing to deliver, once every event was delivered
+            time.sleep(args.idle_after)
+            dev_pids, pg_pids = list(descendants(dev.proc.pid)), _postgres_pids(pg)
+            idle_before, idle_parents = _cpu([*dev_pids, *pg_pids]), _parents([*dev_pids, *pg_pids])
+            time.sleep(args.idle)
+            pg_pids = sorted(set(pg_pids) | set(_postgres_pids(pg)))
+            idle = _spent(idle_before, _cpu([*list(descendants(dev.proc.pid)), *pg_pids]), idle_parents)
+            result["idle_cpu_per_sec"] = sum(idle.values()) / args.idle
+            result["idle_cpu_secs_by_role"] = _by_role(idle, set(pg_pids))
+            with psycopg.connect(url, autocommit=True) as conn:
+                result["idle_open_runs"] = conn.execute(
+                    "select count(*) from pgstream.streams where open_run_key is not null").fetchone()[0]  # type: ignore[index]
         with psycopg.connect(dagster_url.replace("+psycopg2", ""), autocommit=True) as conn:
             result["runs"] = conn.execute("select count(*) from runs where pipeline_name = 'pgstream_delivery'"
                                           ).fetchone()[0]  # type: ignore[index]
@@ -566,6 +578,11 @@ def main() -> None:
     parser.add_argument("--storage", default="pooled",
                         help="Dagster's storage, comma-separated for one phase each, in this order: pooled (the "
                              "repository's dagster.yaml), dagster-postgres (a connection per storage call)")
+    parser.add_argument("--idle", type=float, default=0,
+                        help="after the window has drained and --idle-after more seconds, measure the CPU of every "
+                             "process for this many seconds with nothing written (0: not measured)")
+    parser.add_argument("--idle-after", type=float, default=130,
+                        help="seconds without events before the idle measurement starts")
     parser.add_argument("--profile", action="store_true",
                         help="sample the code server and run workers with py-spy during the window")
     args = parser.parse_args()
@@ -616,6 +633,10 @@ def main() -> None:
             f"{r.get('group_runs', 0)} group delivery runs; CPU-s by process: "
             f"{', '.join(f'{k} {v}' for k, v in r.get('cpu_secs_by_role', {}).items())}; timeline (s after the "
             f"location loaded): {json.dumps(r.get('timeline', {}))}"
+            + (f"; idle ({args.idle:g}s from {args.idle_after:g}s after the window drained, "
+               f"{r['idle_open_runs']} open runs): {r['idle_cpu_per_sec']:.3f} CPU-s per second, by process "
+               f"{', '.join(f'{k} {v}' for k, v in r['idle_cpu_secs_by_role'].items())} CPU-s"
+               if "idle_cpu_per_sec" in r else "")
             + (f"; misses: {', '.join(misses)}" if misses else "; meets the goals"))
     append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
