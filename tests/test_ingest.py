@@ -182,6 +182,25 @@ def test_one_pass_records_several_streams_ledgers(db_url: str, tmp_path: Path) -
         assert len(_recorded(db_url, 1)) == 8 and len(_recorded(db_url, 2)) == 3
 
 
+def test_a_member_without_an_entry_is_recorded_pending_whatever_open_run_key_it_was_left_with(
+        db_url: str, tmp_path: Path) -> None:
+    """Stream 2 had a run open when its group run was killed (its ``open_run_key`` left set) and its entry was
+    then removed from pgstream.yaml: the group's reader records its events for it (a stand-in) and hands them to
+    no run (its batches wait, pending, for a run of a configuration that has it); stream 1's go to its open run."""
+    s1, _s2 = _streams(tmp_path, db_url, {"max_size": 10, "max_fill_secs": 0}, ids=(1, 2), own_slots=False)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, "default", [s1, _s2], 0)  # both joined the group, its slot made
+        for sid in (1, 2):
+            assert ledger_state.open_warm_run(c, sid, f"killed-{sid}")
+        insert_events(db_url, 1, 5)
+        insert_events(db_url, 2, 5)
+        while len(_recorded(db_url, 1)) < 5 or len(_recorded(db_url, 2)) < 5:
+            ingest.consume_group(c, "default", [s1], 0.2)  # stream 2's entry gone: a stand-in
+        statuses = dict(c.execute("select stream_id, array_agg(distinct status::text) from pgstream.batches "
+                                  "group by stream_id").fetchall())
+    assert statuses == {1: ["launched"], 2: ["pending"]}, statuses
+
+
 def test_a_recording_pass_is_one_transaction_without_savepoints(db_url: str, tmp_path: Path) -> None:
     """The reader's recording pass (the batches, then the hand-over to the open run) is one database
     transaction: the ledger functions it calls take the caller's transaction, without a SAVEPOINT and

@@ -379,9 +379,10 @@ def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: d
             until: float, result: GroupResult) -> bool:
     """Record what waits, handed to each member's open run in the same transaction; false when nothing was
     (not visible by ``until``, or a member's reader is no longer the group's: ``result.slot_busy``)."""
-    # each member's open run, read at each pass: what is recorded is handed to it
+    # each member's open run, read at each pass: what is recorded is handed to it (not a stand-in's: no run of
+    # this configuration delivers it, and its key is a run that ended without closing, its group run killed)
     for sid, run_key in groups.open_run_keys(conn, group).items():
-        if sid in ledgers:
+        if sid in ledgers and ledgers[sid].stream.sink is not None:
             ledgers[sid].run_key = run_key
     try:
         if not recorder.record(give_up=_past(until)):
