@@ -196,8 +196,8 @@ def test_a_member_without_an_entry_is_recorded_pending_whatever_open_run_key_it_
         insert_events(db_url, 2, 5)
         while len(_recorded(db_url, 1)) < 5 or len(_recorded(db_url, 2)) < 5:
             ingest.consume_group(c, "default", [s1], 0.2)  # stream 2's entry gone: a stand-in
-        statuses = dict(c.execute("select stream_id, array_agg(distinct status::text) from pgstream.batches "
-                                  "group by stream_id").fetchall())
+        statuses: dict[int, list[str]] = dict(c.execute(
+            "select stream_id, array_agg(distinct status::text) from pgstream.batches group by stream_id").fetchall())
     assert statuses == {1: ["launched"], 2: ["pending"]}, statuses
 
 
