@@ -186,10 +186,11 @@ def stop(proc: subprocess.Popen[bytes] | int, timeout: float = 20) -> None:
 
 def ensure_running(state: Path, port: int = DEFAULT_PORT, master: str = "local[*]") -> str:
     """A server for ``make dev``: reuse the one recorded in ``state/spark-connect.pid`` if it still
-    listens, else start one in the background. Returns its ``sc://`` URL."""
+    listens on the port itself, else start one in the background. Returns its ``sc://`` URL."""
     pid_file = state / "spark-connect.pid"
     url = f"sc://127.0.0.1:{port}"
-    if pid_file.exists() and listening(port):
+    pid = recorded_pid(state)
+    if pid is not None and listening(port) and _listens_itself(pid, port) is not False:
         return url
     proc = start(port, master, log=state / "spark-connect.log")
     pid_file.write_text(str(proc.pid))

@@ -191,9 +191,14 @@ def test_a_port_another_process_listens_on_is_refused_in_one_line(tmp_path: Path
                            match=rf"^port {port} is in use by another process: give the Spark Connect server another"):
             sparkserver.start(port, "local[1]", log=tmp_path / "server.log")
         assert sparkserver._listens_itself(os.getpid(), port) is True  # this process: the listener is its own
-        other = subprocess.Popen(["sleep", "30"])  # another process: not its
+        other = subprocess.Popen(["sleep", "30"], start_new_session=True)  # another process: not its
         try:
             assert sparkserver._listens_itself(other.pid, port) is False
+            # make dev's server recorded as that live process, the port another's: not reused, refused the same way
+            (tmp_path / "spark-connect.pid").write_text(str(other.pid))
+            assert sparkserver.recorded_pid(tmp_path) == other.pid
+            with pytest.raises(sparkserver.SparkServerError, match=rf"^port {port} is in use by another process"):
+                sparkserver.ensure_running(tmp_path, port, "local[1]")
         finally:
             other.kill()
             other.wait()
