@@ -11,7 +11,7 @@ once the group's sensor has created the group's slot, one warm-up row (its laten
 Spark start), then a writer commits one row every ``--interval`` s for ``--duration`` s. Reports
 p50/p95/p99/max of receipt - commit, the number of delivery runs, and appends to bench/RESULTS.md.
 Usage: python bench/latency_dev.py [--duration 60] [--interval 0.2]
-       [--phases open+connect+quiet,per_batch+connect] [--quiet-secs 10]
+       [--phases open+connect+quiet,per_batch+connect] [--quiet-secs 10] [--quiet-rounds 1]
 """
 
 from __future__ import annotations

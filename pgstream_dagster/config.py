@@ -103,9 +103,10 @@ GONE_DELIVERY_KEYS = {
 
 def _refuse_gone(data: Any, keys: tuple[str, ...]) -> None:
     """Raise the line of :data:`GONE_DELIVERY_KEYS` for the first of ``keys`` that ``data`` (a mapping) has."""
-    for key in keys:
-        if isinstance(data, dict) and key in data:
-            raise ValueError(GONE_DELIVERY_KEYS[key])
+    if isinstance(data, dict):
+        for key in keys:
+            if key in data:
+                raise ValueError(GONE_DELIVERY_KEYS[key])
 
 
 class DeliveryTuning(_Model):
@@ -193,10 +194,12 @@ class DeliveryConfig(_Model):
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
         """A key no longer read is refused, and a key of ``tuning`` given here, naming where it goes."""
+        if not isinstance(data, dict):
+            return data
         _refuse_gone(data, ("read_slot", "linger_secs", "keep_warm"))
-        if isinstance(data, dict) and data.get("mode") == "warm":
+        if data.get("mode") == "warm":
             raise ValueError(GONE_DELIVERY_KEYS["warm"])
-        for key in data if isinstance(data, dict) else ():
+        for key in data:
             if key in DeliveryTuning.model_fields and key not in cls.model_fields:
                 raise ValueError(f"delivery.{key} is no longer read: write delivery.tuning.{key}")
         return data
