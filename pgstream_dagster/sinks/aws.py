@@ -38,9 +38,6 @@ __all__ = [
     "AwsSinkConfigBase",
     "EntryFailure",
     "Prepared",
-    "batch_outcomes",
-    "message_attributes",
-    "message_size",
 ]
 
 log = logging.getLogger(__name__)
@@ -137,15 +134,6 @@ class AwsMessageConfigBase(AwsSinkConfigBase):
     max_message_bytes: int = Field(default=262_144, ge=1024, le=1_048_576)
     max_batch_size: int = Field(default=10, ge=1, le=10)
 
-    def destination(self) -> str:
-        """The queue URL or topic ARN."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement destination()")
-
-    @property
-    def fifo(self) -> bool:
-        """A FIFO queue or topic: its name ends in ``.fifo`` (AWS requires it)."""
-        return self.destination().endswith(".fifo")
-
 
 @dataclass(frozen=True)
 class Prepared:
@@ -162,23 +150,6 @@ class EntryFailure:
     code: str
     message: str
     permanent: bool
-
-
-def message_attributes(event: Event) -> dict[str, dict[str, str]]:
-    """SQS/SNS message attributes: ``pgstream-event-id`` (the idempotency key) and ``pgstream-stream-id``
-    (type ``Number``: filter policies can match ranges), ``pgstream-metadata`` (JSON, when present)."""
-    attributes = {"pgstream-event-id": {"DataType": "Number", "StringValue": str(event.id)},
-                  "pgstream-stream-id": {"DataType": "Number", "StringValue": str(event.stream_id)}}
-    metadata = event.metadata_json
-    if metadata is not None:
-        attributes["pgstream-metadata"] = {"DataType": "String", "StringValue": metadata}
-    return attributes
-
-
-def message_size(body: str, attributes: dict[str, dict[str, str]]) -> int:
-    """The size SQS and SNS compare with their limit: the body and every attribute's name, type and value."""
-    return len(body.encode()) + sum(len(name.encode()) + len(value["DataType"].encode())
-                                    + len(value["StringValue"].encode()) for name, value in attributes.items())
 
 
 C = TypeVar("C", bound=AwsSinkConfigBase)
@@ -218,15 +189,10 @@ class AwsBatchSink(Sink, Generic[C]):
     def _rejects_request(self, code: str, message: str) -> bool:
         """Whether a request refused as a whole was refused for its content (too long, invalid characters)."""
 
-    @property
     @abstractmethod
-    def _batch_size(self) -> int:
-        """Entries per request at most."""
-
-    @property
-    @abstractmethod
-    def _request_bytes(self) -> int:
-        """The service's limit of one request's entries, in bytes (``Prepared.size`` summed)."""
+    def _limits(self) -> tuple[int, int]:
+        """Entries per request at most, and the service's limit of one request's entries in bytes
+        (``Prepared.size`` summed)."""
 
     # -- the batch loop --------------------------------------------------------------------------------
 
@@ -234,11 +200,12 @@ class AwsBatchSink(Sink, Generic[C]):
         publish_prepared(events, self._prepare, self._send_all)
 
     def _send_all(self, events: Sequence[Event], prepared: list[Prepared]) -> None:
+        batch_size, request_bytes = self._limits()
         start = 0
         while start < len(events):
             end, total = start, 0
-            while end < len(events) and end - start < self._batch_size and \
-                    (end == start or total + prepared[end].size <= self._request_bytes):
+            while end < len(events) and end - start < batch_size and \
+                    (end == start or total + prepared[end].size <= request_bytes):
                 total += prepared[end].size
                 end += 1
             self._send_request(events, prepared, start, end)
@@ -333,21 +300,30 @@ M = TypeVar("M", bound=AwsMessageConfigBase)
 
 class AwsMessageSink(AwsBatchSink[M]):
     """What the SQS and SNS sinks share: the payload as the body, the pgstream attributes, FIFO group and
-    deduplication ids, the size limit of a message and of a batch."""
+    deduplication ids, the size limit of a message and of a batch, the batch call and its answer."""
 
     #: the entry key of the body (``MessageBody``, ``Message``)
     body_key: ClassVar[str]
+    #: the config key of the queue URL or topic ARN, and what it is called in messages (``queue``, ``topic``)
+    address_key: ClassVar[tuple[str, str]]
+    #: the batch call: the client's method, its address argument and its entries argument
+    batch_call: ClassVar[tuple[str, str, str]]
+    #: per-entry error codes (sender fault) that refuse the message itself
+    rejecting_codes: ClassVar[frozenset[str]]
+
+    def __init__(self, config: M) -> None:
+        super().__init__(config)
+        self._address: str = getattr(config, self.address_key[0])
+        self._fifo = self._address.endswith(".fifo")  # a FIFO queue or topic (AWS requires the suffix)
 
     def max_event_bytes(self) -> int | None:
         return self.config.max_message_bytes  # the body is the payload (attributes come on top)
 
-    @property
-    def _batch_size(self) -> int:
-        return self.config.max_batch_size
+    def _limits(self) -> tuple[int, int]:
+        return self.config.max_batch_size, self.config.max_message_bytes  # a message's limit is a whole batch's
 
-    @property
-    def _request_bytes(self) -> int:
-        return self.config.max_message_bytes  # the limit of a message and of a whole batch
+    def _target(self) -> str:
+        return f"{self.address_key[1]} {self._address}"  # no user info or query string (validated): nothing to hide
 
     def _check(self, event: Event, body: str, attributes: dict[str, dict[str, str]]) -> None:
         """More checks of a message before it is sent (a permanent :class:`SinkError`); none by default."""
@@ -355,14 +331,20 @@ class AwsMessageSink(AwsBatchSink[M]):
     def _prepare(self, event: Event) -> Prepared:
         config = self.config
         body = event.payload_json
-        attributes = message_attributes(event)
+        # pgstream-event-id (the idempotency key) and pgstream-stream-id are Numbers: filter policies can match ranges
+        attributes = {"pgstream-event-id": {"DataType": "Number", "StringValue": str(event.id)},
+                      "pgstream-stream-id": {"DataType": "Number", "StringValue": str(event.stream_id)}}
+        if event.metadata_json is not None:
+            attributes["pgstream-metadata"] = {"DataType": "String", "StringValue": event.metadata_json}
         entry: dict[str, Any] = {self.body_key: body, "MessageAttributes": attributes}
         group = self._group_id(event)
         if group is not None:
             entry["MessageGroupId"] = group
-        if config.fifo:
+        if self._fifo:
             entry["MessageDeduplicationId"] = str(event.id)
-        size = message_size(body, attributes)
+        # what SQS and SNS compare with their limit: the body and every attribute's name, type and value
+        size = len(body.encode()) + sum(len(name.encode()) + len(value["DataType"].encode())
+                                        + len(value["StringValue"].encode()) for name, value in attributes.items())
         if size > config.max_message_bytes:
             raise self._error([event], f"not sent to {self._target()}: the message is {size} bytes with its "
                                        f"attributes, more than max_message_bytes ({config.max_message_bytes})",
@@ -373,7 +355,7 @@ class AwsMessageSink(AwsBatchSink[M]):
     def _group_id(self, event: Event) -> str | None:
         """The ``MessageGroupId`` of ``event`` (``None``: a standard destination without group settings)."""
         config = self.config
-        if not config.fifo and config.message_group_id is None and config.message_group_id_from is None:
+        if not self._fifo and config.message_group_id is None and config.message_group_id_from is None:
             return None
         # a RoutingError here: the event's content cannot be read (EventContentError)
         group, from_event = self._destination(event, f"not sent to {self._target()}",
@@ -385,17 +367,18 @@ class AwsMessageSink(AwsBatchSink[M]):
                                        "no space)", permanent=from_event)
         return group
 
-
-def batch_outcomes(count: int, response: dict[str, Any], rejecting: frozenset[str]) -> list[EntryFailure | None]:
-    """The answer per entry of an SQS ``SendMessageBatch`` or SNS ``PublishBatch`` (entries ``Id`` ``0..count-1``):
-    ``Successful`` ones are accepted, ``Failed`` ones failed (permanently for a sender fault whose code is in
-    ``rejecting``), one in neither list failed."""
-    outcomes: list[EntryFailure | None] = [EntryFailure("NoResult", "the answer does not mention this entry", False)
-                                           ] * count
-    for ok in response.get("Successful") or []:
-        outcomes[int(ok["Id"])] = None
-    for failed in response.get("Failed") or []:
-        code = str(failed.get("Code", ""))
-        outcomes[int(failed["Id"])] = EntryFailure(code, str(failed.get("Message", "")),
-                                                   bool(failed.get("SenderFault")) and code in rejecting)
-    return outcomes
+    def _send(self, client: Any, entries: list[dict[str, Any]]) -> list[EntryFailure | None]:
+        """One batch call (entries ``Id`` ``0..n-1``): ``Successful`` entries are accepted, ``Failed`` ones
+        failed (permanently for a sender fault in :attr:`rejecting_codes`), one in neither list failed."""
+        method, address_arg, entries_arg = self.batch_call
+        response = getattr(client, method)(**{address_arg: self._address,
+                                               entries_arg: [{"Id": str(i), **e} for i, e in enumerate(entries)]})
+        outcomes: list[EntryFailure | None] = [EntryFailure("NoResult", "the answer does not mention this entry",
+                                                            False)] * len(entries)
+        for ok in response.get("Successful") or []:
+            outcomes[int(ok["Id"])] = None
+        for failed in response.get("Failed") or []:
+            code = str(failed.get("Code", ""))
+            outcomes[int(failed["Id"])] = EntryFailure(code, str(failed.get("Message", "")),
+                                                       bool(failed.get("SenderFault")) and code in self.rejecting_codes)
+        return outcomes

@@ -58,13 +58,8 @@ class KinesisSink(AwsBatchSink[KinesisSinkConfig], builds=KinesisSinkConfig):
         #: ``max_batch_size: 1``: the sequence number of the last record written per partition key
         self._last_sequence: dict[str, str] = {}
 
-    @property
-    def _batch_size(self) -> int:
-        return self.config.max_batch_size
-
-    @property
-    def _request_bytes(self) -> int:
-        return _REQUEST_BYTES
+    def _limits(self) -> tuple[int, int]:
+        return self.config.max_batch_size, _REQUEST_BYTES
 
     def _stream(self) -> dict[str, str]:
         config = self.config

@@ -5,16 +5,13 @@ Keys, FIFO topics and permanent rejections: docs/sinks.md, ``sns``."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from .aws import AwsMessageConfigBase, AwsMessageSink, EntryFailure, batch_outcomes
+from .aws import AwsMessageConfigBase, AwsMessageSink
 
 __all__ = ["SnsSink", "SnsSinkConfig"]
-
-#: per-entry error codes (sender fault) that refuse the message itself
-_REJECTING_CODES = frozenset({"InvalidParameter", "InvalidParameterValue"})
 
 
 class SnsSinkConfig(AwsMessageConfigBase):
@@ -25,23 +22,15 @@ class SnsSinkConfig(AwsMessageConfigBase):
     type: Literal["sns"] = "sns"
     topic_arn: str = Field(pattern=r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:[0-9]{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?$")
 
-    def destination(self) -> str:
-        return self.topic_arn
-
 
 class SnsSink(AwsMessageSink[SnsSinkConfig], builds=SnsSinkConfig):
     type_name: ClassVar[str] = "sns"
     service: ClassVar[str] = "sns"
     body_key: ClassVar[str] = "Message"
-
-    def _target(self) -> str:
-        return f"topic {self.config.topic_arn}"
-
-    def _send(self, client: Any, entries: list[dict[str, Any]]) -> list[EntryFailure | None]:
-        response = client.publish_batch(TopicArn=self.config.topic_arn,
-                                        PublishBatchRequestEntries=[{"Id": str(i), **e} for i, e in enumerate(entries)])
-        return batch_outcomes(len(entries), response, _REJECTING_CODES)
+    address_key: ClassVar[tuple[str, str]] = ("topic_arn", "topic")
+    batch_call: ClassVar[tuple[str, str, str]] = ("publish_batch", "TopicArn", "PublishBatchRequestEntries")
+    rejecting_codes: ClassVar[frozenset[str]] = frozenset({"InvalidParameter", "InvalidParameterValue"})
 
     def _rejects_request(self, code: str, message: str) -> bool:
         text = message.lower()
-        return code == "BatchRequestTooLong" or (code in _REJECTING_CODES and "too long" in text)
+        return code == "BatchRequestTooLong" or (code in self.rejecting_codes and "too long" in text)

@@ -6,20 +6,17 @@ Keys, FIFO queues and permanent rejections: docs/sinks.md, ``sqs``."""
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from .aws import AwsMessageConfigBase, AwsMessageSink, EntryFailure, batch_outcomes
+from .aws import AwsMessageConfigBase, AwsMessageSink
 from .base import Event
 
 __all__ = ["SqsSink", "SqsSinkConfig"]
 
 #: characters SQS refuses in a message body or a String attribute value
 _INVALID_CHARS = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
-
-#: per-entry error codes (sender fault) that refuse the message itself
-_REJECTING_CODES = frozenset({"InvalidMessageContents", "MessageTooLong", "InvalidParameterValue"})
 
 #: whole-request error codes about a message's content
 _REJECTING_REQUEST_CODES = frozenset({"InvalidMessageContents", "MessageTooLong", "BatchRequestTooLong"})
@@ -33,17 +30,15 @@ class SqsSinkConfig(AwsMessageConfigBase):
     type: Literal["sqs"] = "sqs"
     queue_url: str = Field(pattern=r"^https?://[^/?#@\s]+/[0-9]{1,12}/[A-Za-z0-9_-]{1,80}(\.fifo)?$")
 
-    def destination(self) -> str:
-        return self.queue_url
-
 
 class SqsSink(AwsMessageSink[SqsSinkConfig], builds=SqsSinkConfig):
     type_name: ClassVar[str] = "sqs"
     service: ClassVar[str] = "sqs"
     body_key: ClassVar[str] = "MessageBody"
-
-    def _target(self) -> str:
-        return f"queue {self.config.queue_url}"  # no user info or query string (validated): nothing to hide
+    address_key: ClassVar[tuple[str, str]] = ("queue_url", "queue")
+    batch_call: ClassVar[tuple[str, str, str]] = ("send_message_batch", "QueueUrl", "Entries")
+    rejecting_codes: ClassVar[frozenset[str]] = frozenset({"InvalidMessageContents", "MessageTooLong",
+                                                           "InvalidParameterValue"})
 
     def _check(self, event: Event, body: str, attributes: dict[str, dict[str, str]]) -> None:
         for what, text in [("the body", body)] + [(f"attribute {name}", value["StringValue"])
@@ -52,11 +47,6 @@ class SqsSink(AwsMessageSink[SqsSinkConfig], builds=SqsSinkConfig):
             if found is not None:
                 raise self._error([event], f"not sent to {self._target()}: {what} holds U+{ord(found.group()):04X} "
                                            f"at character {found.start()}, which SQS does not accept", permanent=True)
-
-    def _send(self, client: Any, entries: list[dict[str, Any]]) -> list[EntryFailure | None]:
-        response = client.send_message_batch(QueueUrl=self.config.queue_url,
-                                             Entries=[{"Id": str(i), **e} for i, e in enumerate(entries)])
-        return batch_outcomes(len(entries), response, _REJECTING_CODES)
 
     def _rejects_request(self, code: str, message: str) -> bool:
         text = message.lower()
