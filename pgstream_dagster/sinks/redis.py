@@ -55,22 +55,17 @@ FIELDS = ("id", "stream_id", "created_at", "payload", "metadata")
 #: event has none: JSON text is never empty). Returns the number of entries added. Like the pipeline, it
 #: stops at nothing but an error (WRONGTYPE, OOM, READONLY), which leaves the entries before it added.
 _XADD_SCRIPT = """
-local maxlen, mode, n = ARGV[1], ARGV[2], 0
+local fields, head, n = {'id', 'stream_id', 'created_at', 'payload', 'metadata'}, {'*'}, 0
+if ARGV[1] ~= '' then
+  head = {'MAXLEN', ARGV[2], ARGV[1], '*'}
+end
 for i = 3, #ARGV, 6 do
-  local key, meta = KEYS[tonumber(ARGV[i])], ARGV[i + 5]
-  if maxlen == '' and meta == '' then
-    redis.call('XADD', key, '*', 'id', ARGV[i + 1], 'stream_id', ARGV[i + 2], 'created_at', ARGV[i + 3],
-               'payload', ARGV[i + 4])
-  elseif maxlen == '' then
-    redis.call('XADD', key, '*', 'id', ARGV[i + 1], 'stream_id', ARGV[i + 2], 'created_at', ARGV[i + 3],
-               'payload', ARGV[i + 4], 'metadata', meta)
-  elseif meta == '' then
-    redis.call('XADD', key, 'MAXLEN', mode, maxlen, '*', 'id', ARGV[i + 1], 'stream_id', ARGV[i + 2],
-               'created_at', ARGV[i + 3], 'payload', ARGV[i + 4])
-  else
-    redis.call('XADD', key, 'MAXLEN', mode, maxlen, '*', 'id', ARGV[i + 1], 'stream_id', ARGV[i + 2],
-               'created_at', ARGV[i + 3], 'payload', ARGV[i + 4], 'metadata', meta)
+  local args = {KEYS[tonumber(ARGV[i])], unpack(head)}
+  for f = 1, ARGV[i + 5] == '' and 4 or 5 do  -- metadata only when the event has some
+    args[#args + 1] = fields[f]
+    args[#args + 1] = ARGV[i + f]
   end
+  redis.call('XADD', unpack(args))
   n = n + 1
 end
 return n
