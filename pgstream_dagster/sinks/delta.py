@@ -44,19 +44,16 @@ class DeltaSink(LakeSink, builds=DeltaSinkConfig):
         self._deltalake: Any = self._import("deltalake", "deltalake")
         #: the table the commits go to, kept open between them (each commit advances it; a failure drops it)
         self._target: Any = None
+        self._options = {k: v.get_secret_value() for k, v in config.storage_options.items()} or None
 
     def where(self) -> str:
         return f"table {self.config.path}"
 
-    def _options(self) -> dict[str, str] | None:
-        options = {k: v.get_secret_value() for k, v in self.config.storage_options.items()}
-        return options or None
-
     def _table(self) -> Any:
         deltalake = self._deltalake
-        if not deltalake.DeltaTable.is_deltatable(self.config.path, storage_options=self._options()):
+        if not deltalake.DeltaTable.is_deltatable(self.config.path, storage_options=self._options):
             return None
-        return deltalake.DeltaTable(self.config.path, storage_options=self._options())
+        return deltalake.DeltaTable(self.config.path, storage_options=self._options)
 
     def reset(self) -> None:
         self._target = None  # a failed commit (a concurrent writer, an outage): open the table again
@@ -82,7 +79,7 @@ class DeltaSink(LakeSink, builds=DeltaSinkConfig):
         target = self._target
         deltalake.write_deltalake(self.config.path if target is None else target, table, mode="append",
                                   partition_by=["day"], schema_mode="merge",
-                                  storage_options=self._options() if target is None else None,
+                                  storage_options=self._options if target is None else None,
                                   commit_properties=properties)
         if target is None:  # the table's first commit (by this sink): the next ones go to it, open
             self._target = self._table()

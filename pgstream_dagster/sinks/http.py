@@ -103,14 +103,11 @@ class _RedactUrls(logging.Filter):
 _httpx_log = logging.getLogger("httpx")
 if not any(isinstance(f, _RedactUrls) for f in _httpx_log.filters):
     _httpx_log.addFilter(_RedactUrls())
-_SECRET_PREFIX = "whsec_"
 
 
 def decode_signing_secret(secret: str) -> bytes:
     """The HMAC key of a Standard Webhooks secret ``whsec_<base64>`` (the prefix is optional)."""
-    text = secret.strip()
-    if text.startswith(_SECRET_PREFIX):
-        text = text[len(_SECRET_PREFIX) :]
+    text = secret.strip().removeprefix("whsec_")
     try:
         key = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):

@@ -299,10 +299,8 @@ def _name(error: Any) -> str | None:
 def _is_fatal(error: Any) -> bool:
     """A client error after which this producer cannot deliver: fatal for librdkafka, or an
     authentication failure (retrying with the same credentials fails the same way)."""
-    try:
-        return bool(error.fatal()) or error.name() in _FAIL_FAST
-    except AttributeError:  # not a KafkaError
-        return False
+    name = _name(error)  # None: not a KafkaError
+    return name is not None and (name in _FAIL_FAST or bool(error.fatal()))
 
 
 def _rejects(error: Any) -> bool:

@@ -83,14 +83,6 @@ class PostgresSinkConfig(SinkConfigBase):
                              "write to a schema of your own")
         return value
 
-    @property
-    def schema_name(self) -> str:
-        return self.table.split(".", 1)[0]
-
-    @property
-    def table_name(self) -> str:
-        return self.table.split(".", 1)[1]
-
 
 class PostgresSink(Sink, builds=PostgresSinkConfig):
     """One connection for the sink's life, opened by the first publish; each call is one transaction."""
@@ -102,7 +94,7 @@ class PostgresSink(Sink, builds=PostgresSinkConfig):
         super().__init__(config)
         self._conn: psycopg.Connection[Any] | None = None
         self._target = f"table {config.table} at {redact_url(config.url.get_secret_value())}"
-        self._table = sql.Identifier(config.schema_name, config.table_name)
+        self._table = sql.Identifier(*config.table.split("."))  # schema.table: one dot (validated)
         self._insert = self._statement()
 
     def _statement(self) -> sql.Composed:
