@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = [
-    "LAKE_COLUMNS",
     "LakeSink",
     "LakeSinkConfigBase",
     "Span",
@@ -56,19 +55,9 @@ Span = tuple[tuple[int, int], tuple[int, int]]
 #: a position's ordinal takes the low 32 bits of a token (a ledger batch holds at most 1,000,000 events)
 _ORD_BITS = 32
 
-#: the columns of every lake table, in order: (name, Arrow type name, description)
-LAKE_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("id", "int64", "the event id (pgstream.events.id): unique per event"),
-    ("stream_id", "int64", "the stream"),
-    ("created_at", "timestamp[us, UTC]", "when the event was written (pgstream.events.created_at)"),
-    ("day", "date32", "created_at's UTC date: the partition"),
-    ("operation", "string", "the payload's tg_op: INSERT, UPDATE, DELETE, TRUNCATE or READ (a backfill)"),
-    ("schema_name", "string", "the payload's tg_table_schema"),
-    ("table_name", "string", "the payload's tg_table_name"),
-    ("subscription", "string", "the payload's tg_name: the subscription's key"),
-    ("payload", "string", "the payload as JSON text, as delivered to every other sink"),
-    ("metadata", "string", "the metadata as JSON text (null when there is none)"),
-)
+#: the payload's keys the event columns take (column name, payload key)
+_PAYLOAD_COLUMNS = (("operation", "tg_op"), ("schema_name", "tg_table_schema"), ("table_name", "tg_table_name"),
+                    ("subscription", "tg_name"))
 
 
 def token(batch_id: int, ord: int) -> int:
@@ -90,12 +79,13 @@ def dataset_filter(stream_id: int, ids: tuple[int, int] | None) -> Any:
 
 
 def arrow_schema() -> pa.Schema:
-    """The Arrow schema of :data:`LAKE_COLUMNS` (every column nullable, as the table formats read them)."""
+    """The columns of every lake table, in order (docs/lake.md, "Columns"); every column nullable, as the
+    table formats read them."""
     import pyarrow as pa
 
-    types = {"int64": pa.int64(), "timestamp[us, UTC]": pa.timestamp("us", tz="UTC"), "date32": pa.date32(),
-             "string": pa.string()}
-    return pa.schema([pa.field(name, types[kind]) for name, kind, _ in LAKE_COLUMNS])
+    return pa.schema([("id", pa.int64()), ("stream_id", pa.int64()), ("created_at", pa.timestamp("us", tz="UTC")),
+                      ("day", pa.date32()), *[(name, pa.string()) for name, _key in _PAYLOAD_COLUMNS],
+                      ("payload", pa.string()), ("metadata", pa.string())])
 
 
 def _object(event: Event) -> dict[str, Any]:
@@ -117,11 +107,6 @@ def _row(event: Event) -> dict[str, Any] | None:
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
-
-
-#: the payload's keys the event columns take (column name, payload key)
-_PAYLOAD_COLUMNS = (("operation", "tg_op"), ("schema_name", "tg_table_schema"), ("table_name", "tg_table_name"),
-                    ("subscription", "tg_name"))
 
 
 def _payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.Array]:
@@ -425,8 +410,6 @@ class LakeSink(Sink):
 
     type_name: ClassVar[str]
     accepts_positions: ClassVar[bool] = True
-    #: the pip extra and library named when the client library is missing
-    extra: ClassVar[str] = "lake"
 
     def __init__(self, config: SinkConfigBase) -> None:
         super().__init__(config)
@@ -593,4 +576,4 @@ class LakeSink(Sink):
             raise self._error(events, self._at(describe_exception(exc, self.config.secret_values()))) from exc
 
     def _import(self, library: str, *modules: str) -> Any:
-        return import_extra(self.type_name, self.extra, library, *modules)
+        return import_extra(self.type_name, "lake", library, *modules)
