@@ -445,9 +445,9 @@ class LakeSink(Sink):
         """The event ids of the stream in ``low..high`` the table holds."""
         return set(self.read(stream_id, ["id"], (low, high)).column("id").to_pylist())
 
+    @abstractmethod
     def where(self) -> str:
         """The table, for messages (never a secret)."""
-        return ""
 
     def reset(self) -> None:
         """Forget what the sink holds of the table (after a failure). The default holds nothing."""
@@ -529,8 +529,7 @@ class LakeSink(Sink):
 
     def _at(self, text: str) -> str:
         """``text`` after the table (:meth:`where`), for messages."""
-        where = self.where()
-        return f"{where}: {text}" if where else text
+        return f"{self.where()}: {text}"
 
     def _arrow(self, stream_id: int, events: Sequence[Event]) -> tuple[pa.Table | None, int | None, str]:
         """The events as the table's rows, up to the first one with a value its typed column cannot

@@ -94,22 +94,18 @@ class ParquetSink(LakeSink, builds=ParquetSinkConfig):
         self._clean(stream_id, committed)
         return committed
 
-    def _stream_files(self, stream_id: int) -> list[Path]:
-        root = Path(self.config.path)
-        if not root.is_dir():
-            return []
-        return [f for f in root.glob(f"day=*/stream-{stream_id}-b*.parquet")
-                if (found := _FILE.match(f.name)) and int(found.group(1)) == stream_id]
+    def _stream_files(self, stream_id: int) -> dict[Path, int]:
+        """The stream's delivered files, each with the token of its first position."""
+        found = [(f, _FILE.match(f.name)) for f in Path(self.config.path).glob(f"day=*/stream-{stream_id}-b*.parquet")]
+        return {f: token(int(m.group(2)), int(m.group(3))) for f, m in found if m and int(m.group(1)) == stream_id}
 
     def _clean(self, stream_id: int, committed: int) -> None:
         """Delete the stream's files after the marker (written by an attempt that died before its marker), the
         temporary files (data and marker) its delivery left when killed, and any temporary file untouched for
         :data:`STALE_TMP_SECS` (a killed replay's). Another stream's writer, or a replay of this one, may be
         writing its own temporary files in the same directories meanwhile: those stay."""
-        for file in self._stream_files(stream_id):
-            found = _FILE.match(file.name)
-            assert found is not None
-            if token(int(found.group(2)), int(found.group(3))) > committed:
+        for file, first in self._stream_files(stream_id).items():
+            if first > committed:
                 file.unlink()
         root = Path(self.config.path)
         stale = time.time() - STALE_TMP_SECS
@@ -122,8 +118,7 @@ class ParquetSink(LakeSink, builds=ParquetSinkConfig):
         import pyarrow as pa
         import pyarrow.dataset as ds
 
-        root = Path(self.config.path)
-        files = sorted(root.glob("day=*/stream-*.parquet")) if root.is_dir() else []
+        files = sorted(Path(self.config.path).glob("day=*/stream-*.parquet"))
         if not files:
             return arrow_schema().empty_table().select(list(columns))
         # pyarrow's reader, over every file's columns (a newer file may carry a column the older ones lack)
