@@ -157,12 +157,11 @@ def typed_values(events: Sequence[Event], typed: Sequence[TypedColumn]) -> tuple
     return arrays, first, why
 
 
-def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = None,
-                 values: Sequence[pa.Array] | None = None) -> pa.Table:
+def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] = (),
+                 values: Sequence[pa.Array] = ()) -> pa.Table:
     """``events`` as an Arrow table of :func:`arrow_schema`, built a column at a time (no Python
-    object per event but the JSON reader's input), plus the ``typed`` columns (their
-    :func:`typed_values` for ``events`` when given; :class:`UnfitValue` when an event has one that
-    does not fit)."""
+    object per event but the JSON reader's input), plus the ``typed`` columns holding ``values``
+    (their :func:`typed_values` for ``events``)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -173,11 +172,7 @@ def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] | None = 
                               pc.cast(created, pa.date32()), *_payload_columns(events, payloads),
                               pa.array(payloads, type=pa.string()), pa.array(metadata, type=pa.string())]
     fields = list(arrow_schema())
-    if typed and values is None:
-        values, unfit, why = typed_values(events, typed)
-        if unfit is not None:
-            raise UnfitValue(f"event {events[unfit].id}: {why}")
-    for column, array in zip(typed or (), values or (), strict=True):
+    for column, array in zip(typed, values, strict=True):
         arrays.append(array)
         fields.append(pa.field(column.name, column.arrow_type()))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
@@ -460,18 +455,12 @@ class LakeSink(Sink):
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        table = self.read(stream_id, ["created_at"])
-        created = table.column("created_at")
+        created = self.read(stream_id, ["created_at"]).column("created_at")
         if since is not None:
-            table = table.filter(pc.greater_equal(created, pa.scalar(since, type=created.type)))
-            created = table.column("created_at")
+            created = created.filter(pc.greater_equal(created, pa.scalar(since, type=created.type)))
         if upto is not None:
-            table = table.filter(pc.less(created, pa.scalar(upto, type=created.type)))
-        if not table.num_rows:
-            return {}
-        days = pc.cast(table.column("created_at"), "date32")
-        counted = pc.value_counts(days)
-        return {row["values"]: row["counts"] for row in counted.to_pylist()}
+            created = created.filter(pc.less(created, pa.scalar(upto, type=created.type)))
+        return {row["values"]: row["counts"] for row in pc.value_counts(pc.cast(created, "date32")).to_pylist()}
 
     def ids(self, stream_id: int) -> list[int]:
         """The stream's event ids in the table, in no particular order, duplicates included."""
