@@ -157,9 +157,9 @@ C = TypeVar("C", bound=AwsSinkConfigBase)
 
 class AwsBatchSink(Sink, Generic[C]):
     """An AWS sink sending batch requests (the failure rule: docs/sinks.md, "Amazon"). The boto3 client
-    is created on first publish and kept for the sink's life (a delivery run's)."""
+    is created on first publish and kept for the sink's life (a delivery run's); its service is the
+    sink's type (``sqs``, ``sns``, ``kinesis``)."""
 
-    service: ClassVar[str]
     #: what an entry is called in messages
     entry_noun: ClassVar[str] = "message"
     config: C
@@ -281,7 +281,7 @@ class AwsBatchSink(Sink, Generic[C]):
                 user_agent_extra="pgstream-dagster")
             try:
                 session = self._boto3.session.Session(region_name=config.region)
-                self._client = session.client(self.service, endpoint_url=config.endpoint_url, config=settings)
+                self._client = session.client(self.type_name, endpoint_url=config.endpoint_url, config=settings)
             except self._botocore.exceptions.BotoCoreError as exc:
                 raise self._error(events, self._client_problem(exc)) from None
         return self._client
@@ -292,7 +292,7 @@ class AwsBatchSink(Sink, Generic[C]):
             try:
                 client.close()
             except Exception as exc:  # best effort
-                log.debug("closing the %s client failed: %s", self.service, exc)
+                log.debug("closing the %s client failed: %s", self.type_name, exc)
 
 
 M = TypeVar("M", bound=AwsMessageConfigBase)

@@ -727,6 +727,7 @@ class Sink(ABC):
     from its config. The contract: docs/sinks.md, "Writing a custom sink".
     """
 
+    #: the sink's name in messages: its config's ``type`` unless the class sets it
     type_name: ClassVar[str]
     config: SinkConfigBase
     #: the sink takes events as the JSON lines of :meth:`Event.to_json` (:meth:`publish_json_lines`): a
@@ -743,6 +744,8 @@ class Sink(ABC):
         super().__init_subclass__(**kwargs)
         if builds is not None:
             _BUILT_BY[builds] = cls
+            if "type_name" not in cls.__dict__:
+                cls.type_name = builds.model_fields["type"].default
 
     def __init__(self, config: SinkConfigBase) -> None:
         self.config = config

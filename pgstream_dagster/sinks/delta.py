@@ -5,7 +5,7 @@ last ledger position). Docs: docs/lake/delta.md."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, SecretStr
 
@@ -36,7 +36,6 @@ class DeltaSinkConfig(LakeSinkConfigBase):
 class DeltaSink(LakeSink, builds=DeltaSinkConfig):
     """Appends to a Delta table; each commit records the stream's transaction version."""
 
-    type_name: ClassVar[str] = "delta"
     config: DeltaSinkConfig
 
     def __init__(self, config: DeltaSinkConfig) -> None:

@@ -28,7 +28,6 @@ class FileSink(Sink, builds=FileSinkConfig):
     back to its previous size (best effort) so it only ever holds whole lines.
     """
 
-    type_name: ClassVar[str] = "file"
     config: FileSinkConfig
     accepts_json_lines: ClassVar[bool] = True
 

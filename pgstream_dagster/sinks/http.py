@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -280,7 +280,6 @@ class _Control:
 class HttpSink(Sink, builds=HttpSinkConfig):
     """A shared ``httpx.Client`` (keep-alive, one connection per lane) and a thread pool for the lanes."""
 
-    type_name: ClassVar[str] = "http"
     config: HttpSinkConfig
 
     def max_event_bytes(self) -> int | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
@@ -60,7 +60,6 @@ class IcebergSinkConfig(LakeSinkConfigBase):
 class IcebergSink(LakeSink, builds=IcebergSinkConfig):
     """Appends to an Iceberg table; each snapshot records the stream's last position."""
 
-    type_name: ClassVar[str] = "iceberg"
     config: IcebergSinkConfig
 
     def __init__(self, config: IcebergSinkConfig) -> None:

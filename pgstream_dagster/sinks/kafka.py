@@ -109,7 +109,6 @@ class KafkaSink(Sink, builds=KafkaSinkConfig):
     """One producer per sink, created on first publish and kept for the sink's life (a new idempotent
     producer waits 0.5-1 s for its producer id); purged and dropped after a failure, flushed on :meth:`close`."""
 
-    type_name: ClassVar[str] = "kafka"
     config: KafkaSinkConfig
 
     def max_event_bytes(self) -> int | None:

@@ -46,8 +46,6 @@ class KinesisSinkConfig(AwsSinkConfigBase):
 
 
 class KinesisSink(AwsBatchSink[KinesisSinkConfig], builds=KinesisSinkConfig):
-    type_name: ClassVar[str] = "kinesis"
-    service: ClassVar[str] = "kinesis"
     entry_noun: ClassVar[str] = "record"
 
     def max_event_bytes(self) -> int | None:

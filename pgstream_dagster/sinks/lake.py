@@ -403,7 +403,6 @@ class LakeSink(Sink):
     """A sink whose commits are keyed by the ledger position (docs/lake.md). Subclasses
     implement reading the stream's token, reading the ids present in an id range, and one commit."""
 
-    type_name: ClassVar[str]
     accepts_positions: ClassVar[bool] = True
 
     def __init__(self, config: SinkConfigBase) -> None:

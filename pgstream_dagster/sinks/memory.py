@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -35,7 +35,6 @@ class MemorySinkConfig(SinkConfigBase):
 class MemorySink(Sink, builds=MemorySinkConfig):
     """Appends events to a process-global list; read it back with :meth:`delivered`. Unit tests only."""
 
-    type_name: ClassVar[str] = "memory"
     config: MemorySinkConfig
 
     def __init__(self, config: MemorySinkConfig) -> None:

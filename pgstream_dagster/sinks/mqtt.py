@@ -164,7 +164,6 @@ class _Connection:
 class MqttSink(Sink, builds=MqttSinkConfig):
     """Connects on first publish; the connection (and its network thread) lives until :meth:`close` or a failure."""
 
-    type_name: ClassVar[str] = "mqtt"
     config: MqttSinkConfig
     #: messages published before waiting for their acknowledgements (packet ids are 16-bit: a window
     #: must stay far below 65,535 so that no id is reused while its acknowledgement is remembered)

@@ -82,7 +82,6 @@ class NatsSink(Sink, builds=NatsSinkConfig):
     thread that runs an event loop): a private loop in a daemon thread keeps the connection's pings and
     reconnects alive between calls, and stops on :meth:`close`."""
 
-    type_name: ClassVar[str] = "nats"
     config: NatsSinkConfig
 
     def __init__(self, config: NatsSinkConfig) -> None:

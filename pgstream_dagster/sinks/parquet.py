@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
@@ -68,7 +68,6 @@ def _replace(tmp: Path, final: Path) -> None:
 class ParquetSink(LakeSink, builds=ParquetSinkConfig):
     """Writes one Parquet file per publish call and day; a marker per stream records the last position."""
 
-    type_name: ClassVar[str] = "parquet"
     config: ParquetSinkConfig
 
     def __init__(self, config: ParquetSinkConfig) -> None:

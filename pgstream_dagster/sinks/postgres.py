@@ -9,7 +9,7 @@ import logging
 import math
 import re
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import psycopg
 from psycopg import sql
@@ -87,7 +87,6 @@ class PostgresSinkConfig(SinkConfigBase):
 class PostgresSink(Sink, builds=PostgresSinkConfig):
     """One connection for the sink's life, opened by the first publish; each call is one transaction."""
 
-    type_name: ClassVar[str] = "postgres"
     config: PostgresSinkConfig
 
     def __init__(self, config: PostgresSinkConfig) -> None:

@@ -47,7 +47,6 @@ class RabbitMqSinkConfig(SinkConfigBase):
 class RabbitMqSink(Sink, builds=RabbitMqSinkConfig):
     """Uses a pika ``BlockingConnection`` (opened on first publish, reopened after a failure)."""
 
-    type_name: ClassVar[str] = "rabbitmq"
     config: RabbitMqSinkConfig
 
     def max_event_bytes(self) -> int | None:

@@ -79,7 +79,6 @@ class RedisSink(Sink, builds=RedisSinkConfig):
     """Each publish is one call of :data:`_XADD_SCRIPT` (or, without scripts, one pipelined ``MULTI;
     XADD ...; EXEC``) per ``chunk_size`` events, in order; a failed call may have added some entries."""
 
-    type_name: ClassVar[str] = "redis"
     config: RedisSinkConfig
     chunk_size: ClassVar[int] = 10_000
 

@@ -24,8 +24,6 @@ class SnsSinkConfig(AwsMessageConfigBase):
 
 
 class SnsSink(AwsMessageSink[SnsSinkConfig], builds=SnsSinkConfig):
-    type_name: ClassVar[str] = "sns"
-    service: ClassVar[str] = "sns"
     body_key: ClassVar[str] = "Message"
     address_key: ClassVar[tuple[str, str]] = ("topic_arn", "topic")
     batch_call: ClassVar[tuple[str, str, str]] = ("publish_batch", "TopicArn", "PublishBatchRequestEntries")

@@ -32,8 +32,6 @@ class SqsSinkConfig(AwsMessageConfigBase):
 
 
 class SqsSink(AwsMessageSink[SqsSinkConfig], builds=SqsSinkConfig):
-    type_name: ClassVar[str] = "sqs"
-    service: ClassVar[str] = "sqs"
     body_key: ClassVar[str] = "MessageBody"
     address_key: ClassVar[tuple[str, str]] = ("queue_url", "queue")
     batch_call: ClassVar[tuple[str, str, str]] = ("send_message_batch", "QueueUrl", "Entries")
