@@ -105,10 +105,6 @@ def _row(event: Event) -> dict[str, Any] | None:
     return row if isinstance(row, dict) else None
 
 
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
 def _payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.Array]:
     """The columns of :data:`_PAYLOAD_COLUMNS`, parsed from the payloads' JSON text (``texts``) by Arrow's
     JSON reader in one pass over the call (C++, nested values skipped; one block, in this thread); a
@@ -129,7 +125,8 @@ def _payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.A
         if parsed.num_rows == len(texts):
             return [parsed.column(key).combine_chunks() for _, key in _PAYLOAD_COLUMNS]
     payloads = [_object(e) for e in events]
-    return [pa.array([_text(p.get(key)) for p in payloads], type=pa.string()) for _, key in _PAYLOAD_COLUMNS]
+    return [pa.array([v if isinstance(v := p.get(key), str) else None for p in payloads], type=pa.string())
+            for _, key in _PAYLOAD_COLUMNS]
 
 
 class UnfitValue(ValueError):

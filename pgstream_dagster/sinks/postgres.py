@@ -187,17 +187,14 @@ class PostgresSink(Sink, builds=PostgresSinkConfig):
             conn.execute("select pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false), "
                          "pg_catalog.set_config('statement_timeout', %s, false)", [f"{math.ceil(timeout * 1000)}ms"])
             if self.config.create_table:
-                conn.execute(self._create_table())
+                columns = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(name), sql.SQL(definition))
+                                             for name, definition in TABLE_COLUMNS)
+                conn.execute(sql.SQL("create table if not exists {} ({})").format(self._table, columns))
         except psycopg.Error as exc:
             conn.close()
             raise self._failed(events, exc) from None
         self._conn = conn
         return conn
-
-    def _create_table(self) -> sql.Composed:
-        columns = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(name), sql.SQL(definition))
-                                     for name, definition in TABLE_COLUMNS)
-        return sql.SQL("create table if not exists {} ({})").format(self._table, columns)
 
     # -- errors ----------------------------------------------------------------------------------------
 
