@@ -330,8 +330,6 @@ PayloadPath = EventPath
 """Deprecated: the 0.1 name of :data:`EventPath`, kept so that custom sinks written for 0.1 still
 import; the built-in sinks use ``EventPath``."""
 
-_MISSING: Any = object()
-
 
 @functools.lru_cache(maxsize=1024)
 def parse_event_path(path: str) -> tuple[str, str]:
@@ -358,9 +356,7 @@ def lookup_path(payload: Any, path: str) -> Any:
     for part in path.split("."):
         if not isinstance(value, dict):
             return None
-        value = value.get(part, _MISSING)
-        if value is _MISSING:
-            return None
+        value = value.get(part)
     return value
 
 
