@@ -222,12 +222,10 @@ class AwsBatchSink(Sink, Generic[C]):
                 raise self._request_error(events, lo, end, exc) from None
             except self._botocore.exceptions.BotoCoreError as exc:
                 raise self._error(events[lo:], self._client_problem(exc)) from None
-            failed = next((i for i, outcome in enumerate(outcomes) if outcome is not None), None)
+            failed = next(((i, outcome) for i, outcome in enumerate(outcomes) if outcome is not None), None)
             if failed is None:
                 return
-            first = lo + failed  # the entries before it are confirmed
-            failure = outcomes[failed]
-            assert failure is not None
+            first, failure = lo + failed[0], failed[1]  # the entries before it are confirmed
             answer = f"{failure.code}: {excerpt(failure.message)}"
             if failure.permanent:
                 raise self._error([events[first]], f"{self._target()} refused the {self.entry_noun}: {answer}",
