@@ -292,7 +292,7 @@ def _number(text: str) -> int | decimal.Decimal:
         return decimal.Decimal(text)
 
 
-def loads_event_json(text: str, event_id: int | None = None, what: str = "payload") -> Any:
+def loads_event_json(text: str, event_id: int, what: str = "payload") -> Any:
     """Parse an event's JSON text (as read from Postgres, which accepts what Python may not).
 
     An integer longer than Python converts to ``int`` stays an exact number (a
@@ -311,10 +311,9 @@ def loads_event_json(text: str, event_id: int | None = None, what: str = "payloa
             error = exc
     except RecursionError as exc:
         error = exc
-    what_event = f"event {event_id}'s {what}" if event_id is not None else f"the event's {what}"
     reason = ("is nested deeper than Python can parse" if isinstance(error, RecursionError)
               else f"is not JSON Python can parse ({type(error).__name__})")
-    raise EventContentError(f"{what_event} {reason}") from None
+    raise EventContentError(f"event {event_id}'s {what} {reason}") from None
 
 
 #: the sources an :data:`EventPath` may name with a prefix (``metadata:region``); none means the payload

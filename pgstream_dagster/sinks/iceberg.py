@@ -90,11 +90,11 @@ class IcebergSink(LakeSink, builds=IcebergSinkConfig):
     def reset(self) -> None:
         self._loaded = None  # a failed commit (a concurrent writer, an outage): load the table again
 
-    def _table(self, create: bool, refresh: bool = True) -> Any:
-        """The table (``None`` when missing and not ``create``); its metadata read again with ``refresh``
-        (the sink's own appends keep it current: a commit needs no refresh, a stale one fails and resets)."""
+    def _table(self, create: bool) -> Any:
+        """The table to read (its metadata read again; ``None`` when missing) or, with ``create``, to commit
+        to (the sink's own appends keep it current: a commit needs no refresh, a stale one fails and resets)."""
         if self._loaded is not None:
-            if refresh:
+            if not create:
                 self._loaded.refresh()
             return self._loaded
         catalog = self.catalog()
@@ -135,7 +135,7 @@ class IcebergSink(LakeSink, builds=IcebergSinkConfig):
         return result
 
     def commit(self, stream_id: int, table: pa.Table, span: Span | None) -> None:
-        target = self._table(create=True, refresh=False)
+        target = self._table(create=True)
         names = {f.name for f in target.schema().fields}
         if any(name not in names for name in table.column_names):
             with target.update_schema() as update:
