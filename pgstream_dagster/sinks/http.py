@@ -415,17 +415,14 @@ class HttpSink(Sink, builds=HttpSinkConfig):
         headers = {name: value.get_secret_value() for name, value in self.config.headers.items()}
         headers.update(route.headers)
         headers["Content-Type"] = "application/json"
+        msg_id = str(events[0].id) if len(events) == 1 else f"{events[0].id}-{events[-1].id}"
         if self.config.mode == "per_event":
-            event = events[0]
-            msg_id = str(event.id)
-            body = body_of(event)
+            body = body_of(events[0])
             headers["X-Pgstream-Event-Id"] = msg_id
-            headers["X-Pgstream-Stream-Id"] = str(event.stream_id)
         else:
-            msg_id = str(events[0].id) if len(events) == 1 else f"{events[0].id}-{events[-1].id}"
             body = "[" + ",".join(body_of(event) for event in events) + "]"
             headers["X-Pgstream-Event-Ids"] = ",".join(str(event.id) for event in events)
-            headers["X-Pgstream-Stream-Id"] = str(events[0].stream_id)
+        headers["X-Pgstream-Stream-Id"] = str(events[0].stream_id)
         headers["Idempotency-Key"] = msg_id
         headers["webhook-id"] = msg_id
         url, target = self._url(route.segment)
