@@ -113,18 +113,9 @@ class IcebergSink(LakeSink, builds=IcebergSinkConfig):
         table = self._table(create=False)
         if table is None:
             return None
-        key = snapshot_property(stream_id)
-        value = table.properties.get(key)  # set by the same commit as the snapshot: survives snapshot expiry
-        if value is not None:
-            return int(value)
-        snapshot = table.current_snapshot()
-        while snapshot is not None:
-            summary = snapshot.summary
-            value = summary.additional_properties.get(key) if summary is not None else None
-            if value is not None:
-                return int(value)
-            snapshot = table.snapshot_by_id(snapshot.parent_snapshot_id) if snapshot.parent_snapshot_id else None
-        return None
+        # set by each of the stream's commits with its snapshot (docs/lake/iceberg.md): snapshot expiry cannot remove it
+        value = table.properties.get(snapshot_property(stream_id))
+        return int(value) if value is not None else None
 
     def read(self, stream_id: int, columns: Sequence[str], ids: tuple[int, int] | None = None) -> pa.Table:
         table = self._table(create=False)
