@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import email.utils
+import functools
 import hashlib
 import hmac
 import logging
@@ -80,7 +81,8 @@ _OWN_HEADERS = frozenset({
 })
 
 
-#: request URLs (and their redacted form) kept per path segment
+#: request URLs (and their redacted form) kept per path segment, the most recent ones (a segment per tenant
+#: must not grow it without bound)
 _URL_CACHE = 1024
 
 
@@ -294,7 +296,7 @@ class HttpSink(Sink, builds=HttpSinkConfig):
         # events are read before sending (their route, their lane): a content Python cannot parse is then
         # a permanent rejection of that event, found before anything after it is sent
         self._prepared = self._routed or (config.routing_key is not None and config.max_concurrency > 1)
-        self._urls: dict[str | None, tuple[str, str]] = {}  # segment -> (url, target)
+        self._url = functools.lru_cache(maxsize=_URL_CACHE)(self._url_of)
         secret = config.signing_secret
         self._key = decode_signing_secret(secret.get_secret_value()) if secret is not None else None
 
@@ -346,18 +348,13 @@ class HttpSink(Sink, builds=HttpSinkConfig):
             raise self._error([event], f"{self._url(None)[1]} not sent: {exc}", permanent=True) from None
         return _Route(segment, tuple(headers), from_event, lane)
 
-    def _url(self, segment: str | None) -> tuple[str, str]:
-        """(URL, ``POST <redacted URL>``) of a request to the configured URL plus ``segment``."""
-        found = self._urls.get(segment)
-        if found is None:
-            url = self.config.url.get_secret_value()
-            if segment is not None:
-                parts = urlsplit(url)
-                url = urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + segment))
-            if len(self._urls) >= _URL_CACHE:  # a segment per tenant must not grow it without bound
-                self._urls.clear()
-            found = self._urls[segment] = (url, f"POST {redact_url(url)}")
-        return found
+    def _url_of(self, segment: str | None) -> tuple[str, str]:
+        """(URL, ``POST <redacted URL>``) of a request to the configured URL plus ``segment`` (cached: ``_url``)."""
+        url = self.config.url.get_secret_value()
+        if segment is not None:
+            parts = urlsplit(url)
+            url = urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + segment))
+        return url, f"POST {redact_url(url)}"
 
     def _publish(self, events: Sequence[Event], routes: Sequence[_Route]) -> None:
         lanes = self._lanes(events, routes)
