@@ -630,38 +630,27 @@ def _validated(model: type[_M], data: Any, source: str, at: str = "",
         raise ConfigError("\n".join(problems)) from None
 
 
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a value of type ``annotation`` holds: itself, a list's items, a union's members (each once)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    if typing.get_origin(annotation) in (list, typing.Annotated, typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found.extend(m for m in models_in(arg) if m not in found)
+    return found
+
+
 def _allowed_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:
-    """The keys the model at ``loc`` of ``model`` takes (None: not a model found there), for an unknown key."""
-    current: Any = model
+    """The keys the model at ``loc`` of ``model`` takes (None: not one model found there), for an unknown key."""
+    models = [model]
     for part in loc:
-        current = _inner(current, part)
-        if current is None:
-            return None
-    if not (isinstance(current, type) and issubclass(current, BaseModel)):
-        return None
-    return [f.alias or name for name, f in current.model_fields.items()]
-
-
-def _inner(tp: Any, part: int | str) -> Any:
-    """What ``part`` (a key, an index, a sink's type tag) of a value of type ``tp`` is."""
-    if typing.get_origin(tp) is typing.Annotated:
-        tp = typing.get_args(tp)[0]
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        members = [a for a in args if a is not type(None)]
         if isinstance(part, str) and part in _SINK_TAGS:  # a sink's tag: the member whose type it is
-            return next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel) and "type" in
-                         m.model_fields and part in typing.get_args(m.model_fields["type"].annotation)), None)
-        found = [x for x in (_inner(m, part) for m in members) if x is not None]
-        return found[0] if len(found) == 1 else None
-    if isinstance(part, int):
-        return args[0] if origin in (list, tuple, Sequence) and args else None
-    if origin is dict:
-        return args[1] if len(args) == 2 else None
-    if isinstance(tp, type) and issubclass(tp, BaseModel):
-        fields = {f.alias or n: f for n, f in tp.model_fields.items()}
-        return fields[part].annotation if part in fields else None
-    return None
+            models = [m for m in models if part in typing.get_args(m.model_fields["type"].annotation)]
+        elif isinstance(part, str):  # (an index is into a list: its items' models are the list's)
+            models = [m for current in models for name, f in current.model_fields.items() if (f.alias or name) == part
+                      for m in models_in(f.annotation)]
+    return [f.alias or name for name, f in models[0].model_fields.items()] if len(models) == 1 else None
 
 
 def parse_config(data: Any, source: str = "<config>", *, leave_out_invalid: bool = False) -> PgstreamConfig:

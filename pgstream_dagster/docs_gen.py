@@ -30,6 +30,8 @@ import psycopg
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
+from .config import models_in
+
 REFERENCE_DIR = Path("docs") / "reference"
 NONE = "\N{EN DASH}"  # an empty cell
 COMMAND = "make docs-reference"  # runs `pgstream-dagster docs`
@@ -99,22 +101,11 @@ def _range(field: FieldInfo) -> str:
     return ", ".join(parts)
 
 
-def _models(annotation: Any) -> list[type[BaseModel]]:
-    """The models a field holds (one, a list's, or the members of a union)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    found: list[type[BaseModel]] = []
-    if typing.get_origin(annotation) in (list, typing.Annotated, typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found.extend(m for m in _models(arg) if m not in found)
-    return found
-
-
 def _rows(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, str, str, str, str]]:
     nested: list[tuple[str, type[BaseModel]]] = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
-        models = _models(field.annotation)
+        models = models_in(field.annotation)
         is_list = typing.get_origin(field.annotation) is list
         if len(models) > 1:  # the sink union: one section per type
             yield (key, "object: one of the sink types below (`type` selects it)", "required", "",
@@ -143,7 +134,7 @@ def _summary(model: type[BaseModel]) -> str:
 def configuration_page() -> str:
     from .config import PgstreamConfig, StreamConfig
 
-    sinks = _models(StreamConfig.model_fields["sink"].annotation)
+    sinks = models_in(StreamConfig.model_fields["sink"].annotation)
     parts = [HEADER.format(source="the pydantic models of pgstream_dagster/config.py"),
              "# Configuration reference\n\n",
              "Every key of `pgstream.yaml` (path from `$PGSTREAM_CONFIG`, default `./pgstream.yaml`). "
