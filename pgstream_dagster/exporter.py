@@ -36,14 +36,18 @@ class Exporter:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return metrics_url(self.host, self.port)
 
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(5)
         self.collector.close()
+
+
+def metrics_url(host: str, port: int) -> str:
+    """The URL of an exporter listening on ``host:port`` (an IPv6 address bracketed)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
 def start(database_url: str, host: str, port: int, timeout_secs: float = 5.0) -> Exporter:

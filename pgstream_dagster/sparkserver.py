@@ -111,6 +111,22 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def socket_inodes(pids: list[int]) -> set[str]:
+    """The inodes of the sockets the processes ``pids`` hold (from /proc; none of a process that ended)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:  # (ended)
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):  # (closed since it was listed)
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    return inodes
+
+
 def _listens_itself(pid: int, port: int) -> bool | None:
     """Whether the process ``pid`` or one below it listens on TCP ``port`` (from /proc; ``None`` without it): a
     listener on the port may be another process's, which took the port while the server's JVM was starting."""
@@ -124,17 +140,7 @@ def _listens_itself(pid: int, port: int) -> bool | None:
             fields = row.split()  # local address (hex ip:port), remote, state (0A: listening), ..., inode
             if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(fields[9])
-    wanted = {f"socket:[{inode}]" for inode in inodes}
-    for member in (pid, *descendants(pid)):
-        try:
-            fds = list(Path(f"/proc/{member}/fd").iterdir())
-        except OSError:  # (ended)
-            continue
-        for fd in fds:
-            with contextlib.suppress(OSError):  # (closed since it was listed)
-                if os.readlink(fd) in wanted:
-                    return True
-    return False
+    return bool(inodes & socket_inodes([pid, *descendants(pid)]))
 
 
 def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None = None,
