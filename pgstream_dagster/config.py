@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
 from croniter import croniter
@@ -66,9 +66,35 @@ DatabaseUrl = Annotated[SecretStr, AfterValidator(_libpq_parses)]
 MAX_STREAM_ID = 2**63 - 1
 
 
+#: keys no longer read (``warm``: the value of ``delivery.mode``): what each is told
+GONE_KEYS = {
+    "read_slot": "delivery.tuning.read_slot is no longer read: every stream's events are read by its reader group "
+                 "(the group's delivery run reads the group's slot over the replication protocol); remove the key",
+    "linger_secs": "delivery.tuning.linger_secs is no longer read: in mode open a stream always has a run open "
+                   "(until tuning.max_run_secs, then a fresh one); remove the key (a run per batch: delivery.mode: "
+                   "per_batch)",
+    "keep_warm": "delivery.keep_warm is no longer read: in mode open (the default) a stream always has a run open; "
+                 "remove the key",
+    "warm": "delivery.mode warm is no longer read: in mode open (the default) a stream always has a run open; write "
+            "delivery.mode: open or leave it out",
+    "slot_name": "streams[].slot_name is no longer read: every stream reads its reader group's slot; give a stream "
+                 "a reader group of its own (reader: <name>) for a slot of its own",
+}
+
+
 class _Model(BaseModel):
     # every float is finite: they reach time arithmetic (timedelta, backoff) and SQL
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    #: the keys of :data:`GONE_KEYS` the model refuses, each with its line
+    _gone: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gone_keys(cls, data: Any) -> Any:
+        for key in cls._gone if isinstance(data, dict) else ():
+            if key in data:
+                raise ValueError(GONE_KEYS[key])
+        return data
 
 
 class BatchConfig(_Model):
@@ -85,28 +111,6 @@ class BatchConfig(_Model):
 
 #: ``delivery.tuning.direct_max_events``'s default
 DIRECT_MAX_EVENTS = 100_000
-
-
-#: keys no longer read (in ``delivery`` or ``delivery.tuning``, and ``delivery.mode: warm``): what each is told
-GONE_DELIVERY_KEYS = {
-    "read_slot": "delivery.tuning.read_slot is no longer read: every stream's events are read by its reader group "
-                 "(the group's delivery run reads the group's slot over the replication protocol); remove the key",
-    "linger_secs": "delivery.tuning.linger_secs is no longer read: in mode open a stream always has a run open "
-                   "(until tuning.max_run_secs, then a fresh one); remove the key (a run per batch: delivery.mode: "
-                   "per_batch)",
-    "keep_warm": "delivery.keep_warm is no longer read: in mode open (the default) a stream always has a run open; "
-                 "remove the key",
-    "warm": "delivery.mode warm is no longer read: in mode open (the default) a stream always has a run open; write "
-            "delivery.mode: open or leave it out",
-}
-
-
-def _refuse_gone(data: Any, keys: tuple[str, ...]) -> None:
-    """Raise the line of :data:`GONE_DELIVERY_KEYS` for the first of ``keys`` that ``data`` (a mapping) has."""
-    if isinstance(data, dict):
-        for key in keys:
-            if key in data:
-                raise ValueError(GONE_DELIVERY_KEYS[key])
 
 
 class DeliveryTuning(_Model):
@@ -142,11 +146,7 @@ class DeliveryTuning(_Model):
                                 description="an open run takes no new batch after this long (a fresh run picks "
                                             "up configuration changes)")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _gone_keys(cls, data: Any) -> Any:
-        _refuse_gone(data, ("read_slot", "linger_secs"))
-        return data
+    _gone = ("read_slot", "linger_secs")
 
 
 class DeliveryConfig(_Model):
@@ -190,15 +190,16 @@ class DeliveryConfig(_Model):
                                               "failed and its batches retried. A run whose lease's database "
                                               "session has ended (process killed) is dead at once")
 
+    _gone = ("read_slot", "linger_secs", "keep_warm")
+
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
-        """A key no longer read is refused, and a key of ``tuning`` given here, naming where it goes."""
+        """Mode warm, no longer read, is refused, and a key of ``tuning`` given here, naming where it goes."""
         if not isinstance(data, dict):
             return data
-        _refuse_gone(data, ("read_slot", "linger_secs", "keep_warm"))
         if data.get("mode") == "warm":
-            raise ValueError(GONE_DELIVERY_KEYS["warm"])
+            raise ValueError(GONE_KEYS["warm"])
         for key in data:
             if key in DeliveryTuning.model_fields and key not in cls.model_fields:
                 raise ValueError(f"delivery.{key} is no longer read: write delivery.tuning.{key}")
@@ -283,13 +284,7 @@ class StreamConfig(_Model):
                     "repeating an event (its slot is drained, then dropped); leaving a group, or moving to another, "
                     "is refused (one-line error naming the stream)")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _gone_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "slot_name" in data:
-            raise ValueError("streams[].slot_name is no longer read: every stream reads its reader group's slot; "
-                             "give a stream a reader group of its own (reader: <name>) for a slot of its own")
-        return data
+    _gone = ("slot_name",)
 
     @model_validator(mode="after")
     def _lake_needs_global_order(self) -> StreamConfig:
