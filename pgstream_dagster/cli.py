@@ -8,6 +8,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack, closing, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -404,8 +405,6 @@ def _indented_json(text: str) -> str:
 
 
 def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
-    from contextlib import ExitStack
-
     from .engine.deadletters import redeliver
     from .engine.ledger import locks
 
@@ -484,8 +483,6 @@ def _add_dead_letter_commands(sub: argparse._SubParsersAction[_Parser], common: 
 
 
 def _cmd_backfill_run(args: argparse.Namespace) -> int:
-    from contextlib import closing
-
     from .engine import backfill
     from .engine.spark import open_session
 
@@ -667,11 +664,8 @@ def _cmd_spark_connect(args: argparse.Namespace) -> int:
 def _cmd_docs(args: argparse.Namespace) -> int:
     from . import docs_gen
 
-    if args.database_url:
-        changed = docs_gen.write(Path(args.root), args.database_url, build_parser())
-    else:
-        with docs_gen.scratch_database() as url:
-            changed = docs_gen.write(Path(args.root), url, build_parser())
+    with nullcontext(args.database_url) if args.database_url else docs_gen.scratch_database() as url:
+        changed = docs_gen.write(Path(args.root), url, build_parser())
     for path in changed:
         print(f"wrote {path}")
     print(f"{len(changed)} page(s) changed")

@@ -71,10 +71,7 @@ def _type_name(annotation: Any) -> str:
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
-    if field.default_factory is not None:
-        value: Any = field.default_factory()  # type: ignore[call-arg]
-    else:
-        value = field.default
+    value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "(below)"
     if value is None:
