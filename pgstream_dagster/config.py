@@ -425,13 +425,6 @@ class MetricsConfig(_Model):
                                                                       "pgstream_up 0)")
 
 
-def _check_streams(streams: Sequence[StreamConfig]) -> None:
-    ids = [s.id for s in streams]
-    dupes = sorted({i for i in ids if ids.count(i) > 1})
-    if dupes:
-        raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
-
-
 def _check_cluster(config: PgstreamConfig) -> None:
     """On a cluster, settings read by the executors that name this machine are refused: the
     database URL (the executors read pgstream.events) if they may run elsewhere, and the sink of a
@@ -547,11 +540,14 @@ class PgstreamConfig(_Model):
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> PgstreamConfig:
-        _check_streams(self.streams)
+        ids = [s.id for s in self.streams]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
         _check_cluster(self)
         left_out = sorted((info.context or {}).get(LEFT_OUT, ()))
         # a left-out stream's subscriptions stay: its events go on being written (and recorded)
-        _check_subscriptions([s.id for s in self.streams] + left_out, self.subscriptions)
+        _check_subscriptions(ids + left_out, self.subscriptions)
         return self
 
     @property
@@ -739,10 +735,9 @@ def load_metrics_settings(path: Path | str, *, database_url: bool = True) -> Met
     block of the configuration file at ``path``."""
     p = Path(path)
     data = read_yaml(p, "the pgstream configuration", single=True)[0]
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
-    wanted = {k: data[k] for k in ("database_url", "metrics") if k in data and (database_url or k == "metrics")}
-    return _validated(MetricsSettings, wanted, str(p))
+    if isinstance(data, dict):  # (anything else is refused as the configuration is)
+        data = {k: data[k] for k in ("database_url", "metrics") if k in data and (database_url or k == "metrics")}
+    return _validated(MetricsSettings, data, str(p))
 
 
 #: the values (mappings, sequences, scalars) a YAML document may hold once its aliases are followed: a

@@ -157,13 +157,12 @@ def _usage(parser: argparse.ArgumentParser) -> str:
     return formatter.format_help().strip()
 
 
-def _commands(parser: argparse.ArgumentParser, help_text: str) -> Iterator[tuple[argparse.ArgumentParser, str]]:
-    yield parser, help_text
+def _commands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
-            for name, sub in action.choices.items():
-                yield from _commands(sub, helps.get(name, ""))
+            for sub in action.choices.values():
+                yield from _commands(sub)
 
 
 def cli_page(root_parser: argparse.ArgumentParser) -> str:
@@ -173,12 +172,13 @@ def cli_page(root_parser: argparse.ArgumentParser) -> str:
              "`pgstream-dagster` is installed with the package. A command that fails prints one line, "
              "`error: ...`, on stderr and exits 1. See [Operations](../operations.md) for when to use "
              "each.\n"]
-    for parser, help_text in _commands(root_parser, ""):
+    for parser in _commands(root_parser):
         if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions) and parser.prog != \
                 "pgstream-dagster":
             continue  # a group (dead-letters, backfill): its commands follow
         parts.append(f"\n## `{parser.prog}`\n\n")
-        text = " ".join((help_text or parser.description or "").split()).rstrip(".")  # the root: its summary
+        # a command's description is its help (its line in its group's list); the root's, its summary
+        text = " ".join((parser.description or "").split()).rstrip(".")
         if text:
             parts.append(f"{text[0].upper()}{text[1:]}.\n\n")
         parts.append(f"```text\n{_usage(parser)}\n```\n\n")
