@@ -15,15 +15,6 @@ from typing import Any
 from .config import ConfigError
 
 
-def _prometheus() -> Any:
-    try:
-        import prometheus_client
-    except ImportError:
-        raise ConfigError("the metrics exporter needs prometheus-client: pip install 'pgstream-dagster[metrics]'"
-                          ) from None
-    return prometheus_client
-
-
 @dataclass
 class Exporter:
     """A running exporter: its HTTP server (in a thread) and its collector."""
@@ -52,7 +43,11 @@ def metrics_url(host: str, port: int) -> str:
 
 def start(database_url: str, host: str, port: int, timeout_secs: float = 5.0) -> Exporter:
     """Serve ``/metrics`` on ``host:port`` in a background thread (``port`` 0: any free port)."""
-    prometheus_client = _prometheus()
+    try:
+        import prometheus_client
+    except ImportError:
+        raise ConfigError("the metrics exporter needs prometheus-client: pip install 'pgstream-dagster[metrics]'"
+                          ) from None
     from .engine.dbconn import conninfo_problem
     from .engine.metrics import PgstreamCollector
 
