@@ -177,7 +177,7 @@ def prepare_dev(root: Path, spark_server: bool = True) -> bool:
             pg = ensure_running(datadir)
             outcome.append(("initialised and started" if fresh else "running" if was_running else "started")
                            + f" on port {pg.port}")
-        with progress.step("roles and databases") as outcome:
+        with progress.step("roles and databases"):
             pg.create_database("dagster")
             urls = demo_roles(pg.url, "pgstream")
             superuser_url = pg.url_for("pgstream")
@@ -187,8 +187,7 @@ def prepare_dev(root: Path, spark_server: bool = True) -> bool:
         os.environ.setdefault("DAGSTER_POSTGRES_URL", psycopg2_url(pg.url_for("dagster")))
     if not os.environ.get("DAGSTER_POSTGRES_URL"):
         raise SystemExit("error: set DAGSTER_POSTGRES_URL (a database for Dagster's own storage)")
-    url = os.environ["PGSTREAM_DATABASE_URL"]
-    owner_url = os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or url
+    owner_url = os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or os.environ["PGSTREAM_DATABASE_URL"]
     if demo:
         os.environ["PGSTREAM_CONFIG"] = str(root / "pgstream.yaml")
         os.environ.setdefault("PGSTREAM_DEMO_SINK", str(state / "demo-events.jsonl"))
