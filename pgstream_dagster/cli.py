@@ -200,23 +200,17 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .engine.status import (
-        orphaned_slots,
-        render_orphaned_slots,
-        render_standby_slots,
-        render_status,
-        standby_slots,
-        stream_status,
-    )
+    from .engine import status
 
     with _connect(args) as conn:
-        streams = stream_status(conn, args.stream, args.batches)
+        streams = status.stream_status(conn, args.stream, args.batches)
         if args.stream is not None and not streams:
             raise _Refused(f"error: stream {args.stream} does not exist in this database (`pgstream-dagster status` "
                            "lists the streams it has)")
-        print(render_status(streams) + (render_orphaned_slots(orphaned_slots(conn)) if args.stream is None else ""))
+        orphans = status.render_orphaned_slots(status.orphaned_slots(conn)) if args.stream is None else ""
+        print(status.render_status(streams) + orphans)
     if args.stream is None:
-        said = render_standby_slots(standby_slots(_database_url(args)))
+        said = status.render_standby_slots(status.standby_slots(_database_url(args)))
         if said:
             print(said.lstrip("\n"))
     return 0
@@ -869,35 +863,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return exc.code
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
-        from .config import ConfigError
-        from .engine.backfill import BackfillError
-        from .engine.bootstrap import InitError
+        from . import config, sparkserver
+        from .engine import backfill, bootstrap, deadletters, migrations, replication
         from .engine.dbconn import error_line, scrubbed_error
-        from .engine.deadletters import DeadLetterError
-        from .engine.migrations import MigrationError
-        from .engine.replication import PublicationTaken
-        from .sparkserver import SparkServerError
 
+        # the connection strings the command may have used, masked in the line
+        urls = [getattr(args, "database_url", None), os.environ.get("PGSTREAM_DATABASE_URL"),
+                os.environ.get("PGSTREAM_OWNER_DATABASE_URL")]
         if type(exc).__module__.startswith("psycopg"):  # Postgres' message, not its PL/pgSQL CONTEXT lines
-            line = scrubbed_error(error_line(exc), *_urls_given(args))
+            line = scrubbed_error(error_line(exc), *urls)
             if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction |
                           psycopg.errors.InvalidSchemaName) and "pgstream." in str(exc):
                 line += (": pgstream is not installed in this database, or not at this version: run "
                          "`pgstream-dagster migrate` (or `init`) with the owner's URL first")
-            print(f"error: {line}", file=sys.stderr)
-            return 1
-        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | BackfillError | SparkServerError |
-                      PublicationTaken | InitError):
-            # libpq echoes a connection string it cannot parse, the password included
-            print(f"error: {scrubbed_error(exc, *_urls_given(args))}", file=sys.stderr)
-            return 1
-        raise
-
-
-def _urls_given(args: argparse.Namespace) -> list[str | None]:
-    """The connection strings the command may have used: ``--database-url`` and the environment's."""
-    return [getattr(args, "database_url", None), os.environ.get("PGSTREAM_DATABASE_URL"),
-            os.environ.get("PGSTREAM_OWNER_DATABASE_URL")]
+        elif isinstance(exc, migrations.MigrationError | config.ConfigError | deadletters.DeadLetterError |
+                        backfill.BackfillError | sparkserver.SparkServerError | replication.PublicationTaken |
+                        bootstrap.InitError):
+            line = scrubbed_error(exc, *urls)  # libpq echoes a connection string it cannot parse, the password too
+        else:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
