@@ -435,47 +435,6 @@ def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> int:
     return _control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
 
 
-def _add_dead_letter_commands(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
-    dl = _group(sub, "dead-letters", "list, show, redeliver, discard dead letters; set events aside")
-
-    p = _command(dl, "list", _cmd_dead_letters_list, "open dead letters (all streams, or STREAM), in delivery order",
-                 common)
-    p.add_argument("stream", type=_ID, nargs="?", help="only this stream")
-    p.add_argument("--all", action="store_true", help="also redelivered and discarded ones")
-    p.add_argument("--limit", type=_COUNT, default=100, help="show at most N (default 100)")
-
-    p = _command(dl, "show", _cmd_dead_letters_show, "everything about one dead letter: payload, error, position, how "
-                                                     "many later events overtook it", common)
-    p.add_argument("id", type=_ID, help="the dead letter's id (dead-letters list shows them)")
-
-    p = _command(dl, "redeliver", _cmd_dead_letters_redeliver,
-                 "publish open dead letters of STREAM (all, or the IDs) through its sink, in delivery order; stops at "
-                 "the first one the sink refuses", common)
-    p.add_argument("stream", type=_ID, help="the stream whose dead letters to redeliver")
-    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="only these dead letters (default: all open)")
-    p.add_argument("--config", help="pgstream.yaml with the stream's sink (default: $PGSTREAM_CONFIG or "
-                                    "./pgstream.yaml); its database_url unless --database-url is given")
-    p.add_argument("--chunk-size", type=_COUNT, default=None, help="events per publish call (default: the stream's "
-                                                                "delivery.chunk_size)")
-    p.add_argument("--dry-run", action="store_true", help="list what would be redelivered, send nothing")
-    _add_defs_folder(p)
-
-    p = _command(dl, "discard", _cmd_dead_letters_discard, "give up on open dead letters of STREAM (IDs, or --all)",
-                 common)
-    p.add_argument("stream", type=_ID, help="the stream whose dead letters to discard")
-    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="the open dead letters to discard (or --all)")
-    p.add_argument("--all", action="store_true", help="every open dead letter of the stream")
-    p.add_argument("--yes", action="store_true", help="confirm: their events are never delivered")
-
-    p = _command(dl, "set-aside", _cmd_dead_letters_set_aside,
-                 "make undelivered events of STREAM's open batches dead letters: delivery goes on without them", common)
-    p.add_argument("stream", type=_ID, help="the stream the events belong to")
-    p.add_argument("event_ids", type=_ID, nargs="+", metavar="EVENT_ID",
-                   help="undelivered events of the stream's open batches")
-    p.add_argument("--reason", required=True, help="why (kept with the dead letters)")
-    p.add_argument("--yes", action="store_true", help="confirm: delivery goes on without these events")
-
-
 def _cmd_backfill_run(args: argparse.Namespace) -> int:
     from .engine import backfill
     from .engine.spark import open_session
@@ -526,44 +485,6 @@ def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> int:
         after = backfill.progress(conn, args.id)
     print(f"backfill {args.id}: {before} -> {after.status}")
     return 0
-
-
-def _add_backfill_commands(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
-    bf = _group(sub, "backfill", "existing rows of subscribed tables become READ events (run, list, stop, cancel)")
-    p = _command(bf, "run", _cmd_backfill_run,
-                 "backfill subscriptions of STREAM in the foreground, in parallel on Spark (the stream's spark "
-                 "settings); resumes an unfinished backfill of the same selection; Ctrl-C stops it (resumable)", common)
-    p.add_argument("stream", type=_ID, help="the stream whose subscriptions to backfill")
-    p.add_argument("keys", nargs="+", metavar="KEY", help="subscription keys")
-    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml); its "
-                                    "database_url unless --database-url is given")
-    p.add_argument("--table", help="schema.table: only this table of the subscriptions")
-    p.add_argument("--where", help="only rows for which this boolean SQL expression over the row (new.<column>) "
-                                   "is true")
-    p.add_argument("--from", dest="from_key", nargs="+", metavar="VALUE",
-                   help="first primary key (inclusive), one value per key column")
-    p.add_argument("--to", dest="to_key", nargs="+", metavar="VALUE",
-                   help="last primary key (inclusive), one value per key column")
-    p.add_argument("--chunk-size", type=_ranged("chunk size", 1, 100_000), default=1000,
-                   help="rows per chunk: one transaction, rows locked FOR SHARE meanwhile (1-100000)")
-    p.add_argument("--parallelism", type=_ranged("parallelism", 1, 1024), default=4,
-                   help="key-range partitions read at once (Spark tasks), fixed when a backfill starts (1-1024)")
-    p.add_argument("--max-rows-per-sec", type=float, default=5000.0, help="throttle (0: none; default 5000)")
-    p.add_argument("--max-backlog", type=_ranged("max backlog", 0, 10**9), default=20_000,
-                   help="wait while the stream has more undelivered events than this (0: never; default 20000)")
-    p.add_argument("--restart", action="store_true", help="cancel an unfinished backfill of the same subscription "
-                                                          "and table and start over")
-    p.add_argument("--progress-secs", type=float, default=5.0, help="seconds between progress lines")
-    _add_defs_folder(p)
-    p = _command(bf, "list", _cmd_backfill_list, "backfills (of STREAM), newest first, with their progress", common)
-    p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
-    p = _command(bf, "stop", lambda a: _cmd_backfill_stop(a, cancel=False),
-                 "stop a backfill wherever it runs (resumable)", common)
-    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
-    p = _command(bf, "cancel", lambda a: _cmd_backfill_stop(a, cancel=True),
-                 "cancel a backfill for good (the rows it read stay delivered)", common)
-    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
-    p.add_argument("--yes", action="store_true", help="confirm: the backfill cannot be resumed")
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:
@@ -798,8 +719,80 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("batch", type=_ID, help="the undelivered batch's id (status STREAM lists them)")
             p.add_argument("--yes", action="store_true", help="confirm: the batch's events are not delivered")
 
-    _add_dead_letter_commands(sub, common)
-    _add_backfill_commands(sub, common)
+    dl = _group(sub, "dead-letters", "list, show, redeliver, discard dead letters; set events aside")
+
+    p = _command(dl, "list", _cmd_dead_letters_list, "open dead letters (all streams, or STREAM), in delivery order",
+                 common)
+    p.add_argument("stream", type=_ID, nargs="?", help="only this stream")
+    p.add_argument("--all", action="store_true", help="also redelivered and discarded ones")
+    p.add_argument("--limit", type=_COUNT, default=100, help="show at most N (default 100)")
+
+    p = _command(dl, "show", _cmd_dead_letters_show, "everything about one dead letter: payload, error, position, how "
+                                                     "many later events overtook it", common)
+    p.add_argument("id", type=_ID, help="the dead letter's id (dead-letters list shows them)")
+
+    p = _command(dl, "redeliver", _cmd_dead_letters_redeliver,
+                 "publish open dead letters of STREAM (all, or the IDs) through its sink, in delivery order; stops at "
+                 "the first one the sink refuses", common)
+    p.add_argument("stream", type=_ID, help="the stream whose dead letters to redeliver")
+    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="only these dead letters (default: all open)")
+    p.add_argument("--config", help="pgstream.yaml with the stream's sink (default: $PGSTREAM_CONFIG or "
+                                    "./pgstream.yaml); its database_url unless --database-url is given")
+    p.add_argument("--chunk-size", type=_COUNT, default=None, help="events per publish call (default: the stream's "
+                                                                "delivery.chunk_size)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be redelivered, send nothing")
+    _add_defs_folder(p)
+
+    p = _command(dl, "discard", _cmd_dead_letters_discard, "give up on open dead letters of STREAM (IDs, or --all)",
+                 common)
+    p.add_argument("stream", type=_ID, help="the stream whose dead letters to discard")
+    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="the open dead letters to discard (or --all)")
+    p.add_argument("--all", action="store_true", help="every open dead letter of the stream")
+    p.add_argument("--yes", action="store_true", help="confirm: their events are never delivered")
+
+    p = _command(dl, "set-aside", _cmd_dead_letters_set_aside,
+                 "make undelivered events of STREAM's open batches dead letters: delivery goes on without them", common)
+    p.add_argument("stream", type=_ID, help="the stream the events belong to")
+    p.add_argument("event_ids", type=_ID, nargs="+", metavar="EVENT_ID",
+                   help="undelivered events of the stream's open batches")
+    p.add_argument("--reason", required=True, help="why (kept with the dead letters)")
+    p.add_argument("--yes", action="store_true", help="confirm: delivery goes on without these events")
+
+    bf = _group(sub, "backfill", "existing rows of subscribed tables become READ events (run, list, stop, cancel)")
+    p = _command(bf, "run", _cmd_backfill_run,
+                 "backfill subscriptions of STREAM in the foreground, in parallel on Spark (the stream's spark "
+                 "settings); resumes an unfinished backfill of the same selection; Ctrl-C stops it (resumable)", common)
+    p.add_argument("stream", type=_ID, help="the stream whose subscriptions to backfill")
+    p.add_argument("keys", nargs="+", metavar="KEY", help="subscription keys")
+    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml); its "
+                                    "database_url unless --database-url is given")
+    p.add_argument("--table", help="schema.table: only this table of the subscriptions")
+    p.add_argument("--where", help="only rows for which this boolean SQL expression over the row (new.<column>) "
+                                   "is true")
+    p.add_argument("--from", dest="from_key", nargs="+", metavar="VALUE",
+                   help="first primary key (inclusive), one value per key column")
+    p.add_argument("--to", dest="to_key", nargs="+", metavar="VALUE",
+                   help="last primary key (inclusive), one value per key column")
+    p.add_argument("--chunk-size", type=_ranged("chunk size", 1, 100_000), default=1000,
+                   help="rows per chunk: one transaction, rows locked FOR SHARE meanwhile (1-100000)")
+    p.add_argument("--parallelism", type=_ranged("parallelism", 1, 1024), default=4,
+                   help="key-range partitions read at once (Spark tasks), fixed when a backfill starts (1-1024)")
+    p.add_argument("--max-rows-per-sec", type=float, default=5000.0, help="throttle (0: none; default 5000)")
+    p.add_argument("--max-backlog", type=_ranged("max backlog", 0, 10**9), default=20_000,
+                   help="wait while the stream has more undelivered events than this (0: never; default 20000)")
+    p.add_argument("--restart", action="store_true", help="cancel an unfinished backfill of the same subscription "
+                                                          "and table and start over")
+    p.add_argument("--progress-secs", type=float, default=5.0, help="seconds between progress lines")
+    _add_defs_folder(p)
+    p = _command(bf, "list", _cmd_backfill_list, "backfills (of STREAM), newest first, with their progress", common)
+    p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
+    p = _command(bf, "stop", lambda a: _cmd_backfill_stop(a, cancel=False),
+                 "stop a backfill wherever it runs (resumable)", common)
+    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
+    p = _command(bf, "cancel", lambda a: _cmd_backfill_stop(a, cancel=True),
+                 "cancel a backfill for good (the rows it read stay delivered)", common)
+    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
+    p.add_argument("--yes", action="store_true", help="confirm: the backfill cannot be resumed")
 
     p = _command(sub, "metrics", _cmd_metrics, "serve Prometheus metrics of every stream on /metrics, read from the "
                                                "database at each scrape", common)
