@@ -173,8 +173,7 @@ def cli_page(root_parser: argparse.ArgumentParser) -> str:
              "`error: ...`, on stderr and exits 1. See [Operations](../operations.md) for when to use "
              "each.\n"]
     for parser in _commands(root_parser):
-        if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions) and parser.prog != \
-                "pgstream-dagster":
+        if parser is not root_parser and any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
             continue  # a group (dead-letters, backfill): its commands follow
         parts.append(f"\n## `{parser.prog}`\n\n")
         # a command's description is its help (its line in its group's list); the root's, its summary
