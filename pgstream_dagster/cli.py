@@ -8,6 +8,8 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack, closing, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -41,10 +43,12 @@ _ID = _ranged("id", 1, 2**63 - 1)
 _COUNT = _ranged("count", 0, 2**31 - 1)
 
 
-def _fail(message: str, code: int = 1) -> int:
-    """``message`` on stderr; the command's exit status ``code``."""
-    print(message, file=sys.stderr)
-    return code
+class _Refused(Exception):
+    """A command's refusal: its message on stderr, its exit status ``code`` (:func:`main`)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _open(url: str) -> psycopg.Connection:
@@ -131,13 +135,13 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
     from .engine.migrations import TearDownRefused, tear_down
 
     if not args.yes:
-        return _fail("error: tear-down deletes all pgstream state, undelivered events included; pass --yes", 2)
+        raise _Refused("error: tear-down deletes all pgstream state, undelivered events included; pass --yes", 2)
     try:
         removed = tear_down(_owner_url(args), cascade=args.cascade)
     except TearDownRefused as exc:
-        return _fail("\n".join(["error: tear-down would also drop these objects outside schema pgstream, which "
-                                "depend on it (nothing was changed):", *exc.objects, "remove them (or their "
-                                "dependency on pgstream) first, or pass --cascade to drop them too"]), 2)
+        raise _Refused("\n".join(["error: tear-down would also drop these objects outside schema pgstream, which "
+                                  "depend on it (nothing was changed):", *exc.objects, "remove them (or their "
+                                  "dependency on pgstream) first, or pass --cascade to drop them too"]), 2) from None
     print("\n".join(f"removed {item}" for item in removed) or "nothing to remove")
     return 0
 
@@ -171,7 +175,7 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     config = _config(args)
     problems = preflight(config, *_instance_limits())
     if problems:
-        return _fail("\n".join(problems))
+        raise _Refused("\n".join(problems))
     checked = "" if os.environ.get("DAGSTER_HOME") else " (max_concurrent_runs not checked: DAGSTER_HOME is not set)"
     print(f"{len(config.streams)} streams fit in this server's and instance's limits{checked}")
     return 0
@@ -187,7 +191,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
         lines = init(Path(args.config) if args.config else None, owner_url=owner, defs_folder=_defs_folder(args),
                      max_concurrent_runs=runs, runs_where=where, dagster=dagster)
     except LimitsExceeded as exc:
-        return _fail(str(exc))  # (its lines)
+        raise _Refused(str(exc)) from None  # (its lines)
     for line in lines:
         print(line)
     _warn_without_drift_guard(owner or _config(args).database_url.get_secret_value())
@@ -196,23 +200,17 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .engine.status import (
-        orphaned_slots,
-        render_orphaned_slots,
-        render_standby_slots,
-        render_status,
-        standby_slots,
-        stream_status,
-    )
+    from .engine import status
 
     with _connect(args) as conn:
-        streams = stream_status(conn, args.stream, args.batches)
+        streams = status.stream_status(conn, args.stream, args.batches)
         if args.stream is not None and not streams:
-            return _fail(f"error: stream {args.stream} does not exist in this database (`pgstream-dagster status` "
-                         "lists the streams it has)")
-        print(render_status(streams) + (render_orphaned_slots(orphaned_slots(conn)) if args.stream is None else ""))
+            raise _Refused(f"error: stream {args.stream} does not exist in this database (`pgstream-dagster status` "
+                           "lists the streams it has)")
+        orphans = status.render_orphaned_slots(status.orphaned_slots(conn)) if args.stream is None else ""
+        print(status.render_status(streams) + orphans)
     if args.stream is None:
-        said = render_standby_slots(standby_slots(_database_url(args)))
+        said = status.render_standby_slots(status.standby_slots(_database_url(args)))
         if said:
             print(said.lstrip("\n"))
     return 0
@@ -231,7 +229,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
         for number, line in enumerate(text.splitlines(), 1):
             for word in line.replace(",", " ").split():
                 if not word.isdigit():
-                    return _fail(f"error: {args.received} line {number}: {word[:40]!r} is not an event id", 2)
+                    raise _Refused(f"error: {args.received} line {number}: {word[:40]!r} is not an event id", 2)
                 received.append(int(word))
     with _open(args.database_url or config.database_url.get_secret_value()) as conn:
         ended = reconcile.ended_timelines(conn, stream.id)
@@ -270,13 +268,10 @@ def _cmd_consumers_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_consumers_add(args: argparse.Namespace) -> int:
-    with _connect(args) as conn, conn.transaction():
-        try:
-            row = conn.execute("select pgstream.register_consumer(%s, %s, %s, %s)",
-                               [args.name, args.stream, args.from_start, args.retention_days]).fetchone()
-        except psycopg.errors.InvalidParameterValue as exc:
-            return _fail(f"consumers add: {exc.diag.message_primary}", 2)
-        token = _consumer_token(conn, args.name) if row and row[0] else None
+    # one statement: the token is issued only to a consumer this registers, in its transaction
+    token = _consumer_call(args, "add", "select case when pgstream.register_consumer(%s, %s, %s, %s) then "
+                           "pgstream.consumer_token(%s) end", args.stream, args.from_start, args.retention_days,
+                           args.name)
     if token is None:
         print(f"consumer {args.name} of stream {args.stream} was registered already: nothing changed "
               f"(`pgstream-dagster consumers token {args.name}` issues a new token)")
@@ -288,13 +283,17 @@ def _cmd_consumers_add(args: argparse.Namespace) -> int:
     return 0
 
 
-def _no_consumer(args: argparse.Namespace) -> int:
-    return _fail(f"no registered consumer {args.name!r}")
-
-
-def _consumer_token(conn: psycopg.Connection, name: str) -> str | None:
-    row = conn.execute("select pgstream.consumer_token(%s)", [name]).fetchone()
-    return None if row is None or row[0] is None else str(row[0])
+def _consumer_call(args: argparse.Namespace, command: str, query: str, *params: object, found: bool = False) -> Any:
+    """The value of ``query``, a consumer function of schema pgstream given ``args.name`` and ``params``: a value
+    the function refuses is exit 2; with ``found``, a consumer the database does not have (null, false) exit 1."""
+    with _connect(args) as conn:
+        try:
+            row = conn.execute(query, [args.name, *params]).fetchone()
+        except psycopg.errors.InvalidParameterValue as exc:
+            raise _Refused(f"consumers {command}: {exc.diag.message_primary}", 2) from None
+    if found and not (row and row[0]):
+        raise _Refused(f"no registered consumer {args.name!r}")
+    return row[0] if row else None
 
 
 def _print_token(token: str) -> None:
@@ -304,32 +303,20 @@ def _print_token(token: str) -> None:
 
 
 def _cmd_consumers_token(args: argparse.Namespace) -> int:
-    with _connect(args) as conn:
-        token = _consumer_token(conn, args.name)
-    if token is None:
-        return _no_consumer(args)
+    token = _consumer_call(args, "token", "select pgstream.consumer_token(%s)", found=True)
     print(f"consumer {args.name}: a new token; the last one no longer records its position")
     _print_token(token)
     return 0
 
 
 def _cmd_consumers_drop(args: argparse.Namespace) -> int:
-    with _connect(args) as conn:
-        row = conn.execute("select pgstream.drop_consumer(%s)", [args.name]).fetchone()
-    if not (row and row[0]):
-        return _no_consumer(args)
+    _consumer_call(args, "drop", "select pgstream.drop_consumer(%s)", found=True)
     print(f"dropped consumer {args.name}: housekeeping no longer keeps events for it")
     return 0
 
 
 def _cmd_consumers_retention(args: argparse.Namespace) -> int:
-    with _connect(args) as conn:
-        try:
-            row = conn.execute("select pgstream.set_consumer_retention(%s, %s)", [args.name, args.days]).fetchone()
-        except psycopg.errors.InvalidParameterValue as exc:
-            return _fail(f"consumers retention: {exc.diag.message_primary}", 2)
-    if not (row and row[0]):
-        return _no_consumer(args)
+    _consumer_call(args, "retention", "select pgstream.set_consumer_retention(%s, %s)", args.days, found=True)
     print(f"consumer {args.name}: housekeeping keeps its unread events for up to {args.days} days")
     return 0
 
@@ -339,13 +326,13 @@ def _control(args: argparse.Namespace, action: Action, **kwargs: Any) -> int:
     from .engine.controls import ControlError, apply_control
 
     if action == "skip_batch" and not args.yes:
-        return _fail(f"error: skipping batch {args.batch} means its events are not delivered (they stay in "
-                     "pgstream.events for a replay); pass --yes", 2)
+        raise _Refused(f"error: skipping batch {args.batch} means its events are not delivered (they stay in "
+                       "pgstream.events for a replay); pass --yes", 2)
     with _connect(args) as conn:
         try:
             print(apply_control(conn, args.stream, action, getattr(args, "batch", None), **kwargs))
         except ControlError as exc:
-            return _fail(f"error: {exc}")
+            raise _Refused(f"error: {exc}") from None
     return 0
 
 
@@ -412,8 +399,6 @@ def _indented_json(text: str) -> str:
 
 
 def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
-    from contextlib import ExitStack
-
     from .engine.deadletters import redeliver
     from .engine.ledger import locks
 
@@ -435,70 +420,22 @@ def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
 
 def _cmd_dead_letters_discard(args: argparse.Namespace) -> int:
     if bool(args.ids) == args.all:
-        return _fail("error: give dead letter ids or --all (one of them)", 2)
+        raise _Refused("error: give dead letter ids or --all (one of them)", 2)
     if not args.yes:
         what = "every open dead letter" if args.all else f"dead letters {', '.join(map(str, args.ids))}"
-        return _fail(f"error: discarding {what} of stream {args.stream} means their events are never delivered; "
-                     "pass --yes", 2)
+        raise _Refused(f"error: discarding {what} of stream {args.stream} means their events are never delivered; "
+                       "pass --yes", 2)
     return _control(args, "discard_dead_letters", dead_letter_ids=args.ids, all_dead_letters=args.all, by=_operator())
 
 
 def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> int:
     if not args.yes:
-        return _fail(f"error: setting events aside means delivery goes on without them (they wait as dead letters "
-                     f"of stream {args.stream}); pass --yes", 2)
+        raise _Refused(f"error: setting events aside means delivery goes on without them (they wait as dead letters "
+                       f"of stream {args.stream}); pass --yes", 2)
     return _control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
 
 
-def _add_dead_letter_commands(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
-    group = sub.add_parser("dead-letters", help="list, show, redeliver, discard dead letters; set events aside")
-    dl = group.add_subparsers(dest="dead_letters_command", required=True)
-
-    p = dl.add_parser("list", parents=[common], help="open dead letters (all streams, or STREAM), in delivery order")
-    p.add_argument("stream", type=_ID, nargs="?", help="only this stream")
-    p.add_argument("--all", action="store_true", help="also redelivered and discarded ones")
-    p.add_argument("--limit", type=_COUNT, default=100, help="show at most N (default 100)")
-    p.set_defaults(func=_cmd_dead_letters_list)
-
-    p = dl.add_parser("show", parents=[common], help="everything about one dead letter: payload, error, position, "
-                                                     "how many later events overtook it")
-    p.add_argument("id", type=_ID, help="the dead letter's id (dead-letters list shows them)")
-    p.set_defaults(func=_cmd_dead_letters_show)
-
-    p = dl.add_parser("redeliver", parents=[common],
-                      help="publish open dead letters of STREAM (all, or the IDs) through its sink, in delivery "
-                           "order; stops at the first one the sink refuses")
-    p.add_argument("stream", type=_ID, help="the stream whose dead letters to redeliver")
-    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="only these dead letters (default: all open)")
-    p.add_argument("--config", help="pgstream.yaml with the stream's sink (default: $PGSTREAM_CONFIG or "
-                                    "./pgstream.yaml); its database_url unless --database-url is given")
-    p.add_argument("--chunk-size", type=_COUNT, default=None, help="events per publish call (default: the stream's "
-                                                                "delivery.chunk_size)")
-    p.add_argument("--dry-run", action="store_true", help="list what would be redelivered, send nothing")
-    _add_defs_folder(p)
-    p.set_defaults(func=_cmd_dead_letters_redeliver)
-
-    p = dl.add_parser("discard", parents=[common], help="give up on open dead letters of STREAM (IDs, or --all)")
-    p.add_argument("stream", type=_ID, help="the stream whose dead letters to discard")
-    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="the open dead letters to discard (or --all)")
-    p.add_argument("--all", action="store_true", help="every open dead letter of the stream")
-    p.add_argument("--yes", action="store_true", help="confirm: their events are never delivered")
-    p.set_defaults(func=_cmd_dead_letters_discard)
-
-    p = dl.add_parser("set-aside", parents=[common],
-                      help="make undelivered events of STREAM's open batches dead letters: delivery goes on "
-                           "without them")
-    p.add_argument("stream", type=_ID, help="the stream the events belong to")
-    p.add_argument("event_ids", type=_ID, nargs="+", metavar="EVENT_ID",
-                   help="undelivered events of the stream's open batches")
-    p.add_argument("--reason", required=True, help="why (kept with the dead letters)")
-    p.add_argument("--yes", action="store_true", help="confirm: delivery goes on without these events")
-    p.set_defaults(func=_cmd_dead_letters_set_aside)
-
-
 def _cmd_backfill_run(args: argparse.Namespace) -> int:
-    from contextlib import closing
-
     from .engine import backfill
     from .engine.spark import open_session
 
@@ -542,55 +479,12 @@ def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> int:
     from .engine import backfill
 
     if cancel and not args.yes:
-        return _fail(f"error: cancelling backfill {args.id} is final (a new backfill starts over); pass --yes", 2)
+        raise _Refused(f"error: cancelling backfill {args.id} is final (a new backfill starts over); pass --yes", 2)
     with _connect(args) as conn:
         before = backfill.stop(conn, args.id, cancel=cancel)
         after = backfill.progress(conn, args.id)
     print(f"backfill {args.id}: {before} -> {after.status}")
     return 0
-
-
-def _add_backfill_commands(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
-    group = sub.add_parser("backfill", help="existing rows of subscribed tables become READ events (run, list, "
-                                            "stop, cancel)")
-    bf = group.add_subparsers(dest="backfill_command", required=True)
-    p = bf.add_parser("run", parents=[common],
-                      help="backfill subscriptions of STREAM in the foreground, in parallel on Spark (the stream's "
-                           "spark settings); resumes an unfinished backfill of the same selection; Ctrl-C stops it "
-                           "(resumable)")
-    p.add_argument("stream", type=_ID, help="the stream whose subscriptions to backfill")
-    p.add_argument("keys", nargs="+", metavar="KEY", help="subscription keys")
-    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml); its "
-                                    "database_url unless --database-url is given")
-    p.add_argument("--table", help="schema.table: only this table of the subscriptions")
-    p.add_argument("--where", help="only rows for which this boolean SQL expression over the row (new.<column>) "
-                                   "is true")
-    p.add_argument("--from", dest="from_key", nargs="+", metavar="VALUE",
-                   help="first primary key (inclusive), one value per key column")
-    p.add_argument("--to", dest="to_key", nargs="+", metavar="VALUE",
-                   help="last primary key (inclusive), one value per key column")
-    p.add_argument("--chunk-size", type=_ranged("chunk size", 1, 100_000), default=1000,
-                   help="rows per chunk: one transaction, rows locked FOR SHARE meanwhile (1-100000)")
-    p.add_argument("--parallelism", type=_ranged("parallelism", 1, 1024), default=4,
-                   help="key-range partitions read at once (Spark tasks), fixed when a backfill starts (1-1024)")
-    p.add_argument("--max-rows-per-sec", type=float, default=5000.0, help="throttle (0: none; default 5000)")
-    p.add_argument("--max-backlog", type=_ranged("max backlog", 0, 10**9), default=20_000,
-                   help="wait while the stream has more undelivered events than this (0: never; default 20000)")
-    p.add_argument("--restart", action="store_true", help="cancel an unfinished backfill of the same subscription "
-                                                          "and table and start over")
-    p.add_argument("--progress-secs", type=float, default=5.0, help="seconds between progress lines")
-    _add_defs_folder(p)
-    p.set_defaults(func=_cmd_backfill_run)
-    p = bf.add_parser("list", parents=[common], help="backfills (of STREAM), newest first, with their progress")
-    p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
-    p.set_defaults(func=_cmd_backfill_list)
-    p = bf.add_parser("stop", parents=[common], help="stop a backfill wherever it runs (resumable)")
-    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
-    p.set_defaults(func=lambda a: _cmd_backfill_stop(a, cancel=False))
-    p = bf.add_parser("cancel", parents=[common], help="cancel a backfill for good (the rows it read stay delivered)")
-    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
-    p.add_argument("--yes", action="store_true", help="confirm: the backfill cannot be resumed")
-    p.set_defaults(func=lambda a: _cmd_backfill_stop(a, cancel=True))
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:
@@ -685,11 +579,8 @@ def _cmd_spark_connect(args: argparse.Namespace) -> int:
 def _cmd_docs(args: argparse.Namespace) -> int:
     from . import docs_gen
 
-    if args.database_url:
-        changed = docs_gen.write(Path(args.root), args.database_url, build_parser())
-    else:
-        with docs_gen.scratch_database() as url:
-            changed = docs_gen.write(Path(args.root), url, build_parser())
+    with nullcontext(args.database_url) if args.database_url else docs_gen.scratch_database() as url:
+        changed = docs_gen.write(Path(args.root), url, build_parser())
     for path in changed:
         print(f"wrote {path}")
     print(f"{len(changed)} page(s) changed")
@@ -703,16 +594,6 @@ def _key_value(item: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def _describe_commands(parser: argparse.ArgumentParser) -> None:
-    """Each command's help (its line in the list of its group) is also what ``COMMAND --help`` opens with."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            helps = {choice.dest: choice.help for choice in action._choices_actions}
-            for name, sub in action.choices.items():
-                sub.description = sub.description or helps.get(name)
-                _describe_commands(sub)
-
-
 class _Parser(argparse.ArgumentParser):
     """The command line's parser (its commands' too): argparse echoes a value it refuses (``invalid choice:
     'postgresql://app:pw@host/db'``, a URL given where a command was expected), so a password in it is masked."""
@@ -723,14 +604,20 @@ class _Parser(argparse.ArgumentParser):
         super().error(scrub_conninfo(message))
 
 
-def _name_the_choices(parser: argparse.ArgumentParser) -> None:
-    """A command group called without its command says which it takes (``the following arguments are required:
-    {list,add,token,drop,retention}``), not the internal name of its argument."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            action.metavar = action.metavar or "{" + ",".join(action.choices) + "}"
-            for child in action.choices.values():
-                _name_the_choices(child)
+def _command(sub: argparse._SubParsersAction[_Parser], name: str, func: Callable[[argparse.Namespace], int] | None,
+             text: str, *parents: _Parser) -> _Parser:
+    """The command ``name``, run by ``func``: ``text``, its line in its group's list, is also what ``COMMAND
+    --help`` opens with."""
+    p = sub.add_parser(name, parents=list(parents), help=text, description=text)
+    if func is not None:
+        p.set_defaults(func=func)
+    return p
+
+
+def _group(sub: argparse._SubParsersAction[_Parser], name: str, text: str) -> argparse._SubParsersAction[_Parser]:
+    """A group of commands. Its subparsers have no ``dest``: called without its command, argparse names the ones
+    it takes (``the following arguments are required: {list,add,token,drop,retention}``)."""
+    return _command(sub, name, None, text).add_subparsers(required=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -739,130 +626,186 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the installed release and exit")
     common = _Parser(add_help=False)
     common.add_argument("--database-url", help="Postgres URL (default: $PGSTREAM_DATABASE_URL)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(required=True)
 
     owner = _Parser(add_help=False)
     owner.add_argument("--database-url", help="the owner's Postgres URL (default: $PGSTREAM_OWNER_DATABASE_URL, "
                                               "else $PGSTREAM_DATABASE_URL)")
-    p = sub.add_parser("migrate", parents=[owner], help="apply the sql/ migrations as the owner (idempotent)")
+    p = _command(sub, "migrate", _cmd_migrate, "apply the sql/ migrations as the owner (idempotent)", owner)
     p.add_argument("--days-ahead", type=_ranged("days", 0, 365), default=7, help="daily partitions to create ahead")
-    p.set_defaults(func=_cmd_migrate)
 
-    p = sub.add_parser("install-drift-guard",
-                       help="create the schema-drift guard's event triggers as a superuser (--database-url), on an "
-                            "install whose owner is not one (on Amazon RDS, as the master user)")
+    p = _command(sub, "install-drift-guard", _cmd_install_drift_guard,
+                 "create the schema-drift guard's event triggers as a superuser (--database-url), on an install "
+                 "whose owner is not one (on Amazon RDS, as the master user)")
     p.add_argument("--database-url", required=True,
                    help="a superuser's Postgres URL of the pgstream database (on Amazon RDS: the master user's; "
                         "required, no default: only a superuser may create event triggers, and neither the owner's "
                         "nor the runtime's URL is one)")
-    p.set_defaults(func=_cmd_install_drift_guard)
 
-    p = sub.add_parser("tear-down", parents=[owner],
-                       help="remove the pgstream schema, generated triggers, publications and slots")
+    p = _command(sub, "tear-down", _cmd_tear_down,
+                 "remove the pgstream schema, generated triggers, publications and slots", owner)
     p.add_argument("--yes", action="store_true", help="confirm: all events are deleted")
     p.add_argument("--cascade", action="store_true",
                    help="also drop the objects outside schema pgstream that depend on it (listed without it)")
-    p.set_defaults(func=_cmd_tear_down)
 
-    p = sub.add_parser("init", help="migrate and apply the YAML subscriptions as the owner; register the streams in "
-                                    "their reader groups and create the groups' slots as the runtime (database_url)")
+    p = _command(sub, "init", _cmd_init, "migrate and apply the YAML subscriptions as the owner; register the streams "
+                                         "in their reader groups and create the groups' slots as the runtime "
+                                         "(database_url)")
     p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
     p.add_argument("--owner-database-url", help="the owner's Postgres URL (default: $PGSTREAM_OWNER_DATABASE_URL, "
                                                 "else database_url of pgstream.yaml)")
     _add_defs_folder(p)
-    p.set_defaults(func=_cmd_init)
 
-    p = sub.add_parser("check", help="validate pgstream.yaml (and the StreamComponents of --defs-folder) without "
-                                     "connecting anywhere, as strictly as init applies it: one line per problem, exit "
-                                     "1 (the code location only leaves an invalid stream out; run this in CI)")
+    p = _command(sub, "check", _cmd_check, "validate pgstream.yaml (and the StreamComponents of --defs-folder) "
+                                           "without connecting anywhere, as strictly as init applies it: one line per "
+                                           "problem, exit 1 (the code location only leaves an invalid stream out; run "
+                                           "this in CI)")
     _add_defs_folder(p, config=True)
-    p.set_defaults(func=_cmd_check)
 
-    p = sub.add_parser("preflight", help="check the Postgres and Dagster limits the streams need (wal_level, "
-                                         "database_url's replication right, max_replication_slots, max_wal_senders, "
-                                         "max_connections, the instance's max_concurrent_runs of $DAGSTER_HOME): one "
-                                         "line per problem naming the setting to change (on RDS, Cloud SQL or Azure: "
-                                         "the service's), exit 1")
+    p = _command(sub, "preflight", _cmd_preflight,
+                 "check the Postgres and Dagster limits the streams need (wal_level, database_url's replication "
+                 "right, max_replication_slots, max_wal_senders, max_connections, the instance's max_concurrent_runs "
+                 "of $DAGSTER_HOME): one line per problem naming the setting to change (on RDS, Cloud SQL or Azure: "
+                 "the service's), exit 1")
     _add_defs_folder(p, config=True)
-    p.set_defaults(func=_cmd_preflight)
 
-    p = sub.add_parser("status", parents=[common], help="state, failover checkpoint, backlog, slot lag and last "
-                                                        "batches of every stream")
+    p = _command(sub, "status", _cmd_status, "state, failover checkpoint, backlog, slot lag and last batches of every "
+                                             "stream", common)
     p.add_argument("stream", type=_ID, nargs="?", help="only this stream")
     p.add_argument("--batches", type=_COUNT, default=5, help="last batches to show per stream")
-    p.set_defaults(func=_cmd_status)
 
-    p = sub.add_parser("reconcile", parents=[common],
-                       help="after a failover of the primary with its standby behind: the events a stream's sink "
-                            "received that this database lacks (phantoms), read from a lake table or given")
+    p = _command(sub, "reconcile", _cmd_reconcile,
+                 "after a failover of the primary with its standby behind: the events a stream's sink received that "
+                 "this database lacks (phantoms), read from a lake table or given", common)
     p.add_argument("stream", type=_ID, help="the stream")
     p.add_argument("--received", metavar="FILE", help="event ids the sink received, whitespace or comma separated "
                                                       "(- : standard input)")
     _add_defs_folder(p, config=True)
-    p.set_defaults(func=_cmd_reconcile)
 
-    group = sub.add_parser("consumers", help="the registered consumers (the Spark source's streaming queries): "
-                                             "add, list, drop, set how long housekeeping keeps what they have not read")
-    consumer_sub = group.add_subparsers(dest="consumers_command", required=True)
-    p = consumer_sub.add_parser("list", parents=[common], help="position, lag and bound of each consumer")
+    consumer = _group(sub, "consumers", "the registered consumers (the Spark source's streaming queries): add, list, "
+                                        "drop, set how long housekeeping keeps what they have not read")
+    p = _command(consumer, "list", _cmd_consumers_list, "position, lag and bound of each consumer", common)
     p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
-    p.set_defaults(func=_cmd_consumers_list)
-    p = consumer_sub.add_parser("add", parents=[common],
-                                help="register a consumer (a streaming query's consumer option) and print its "
-                                     "token (its consumerToken option): the query records its position with it, "
-                                     "and housekeeping keeps what it has not read")
+    p = _command(consumer, "add", _cmd_consumers_add,
+                 "register a consumer (a streaming query's consumer option) and print its token (its consumerToken "
+                 "option): the query records its position with it, and housekeeping keeps what it has not read",
+                 common)
     p.add_argument("name", help="the consumer's name (1-100 letters, digits, _ . : -)")
     p.add_argument("stream", type=_ID, help="the stream it reads")
     p.add_argument("--from-start", action="store_true",
                    help="start before every batch the stream's ledger has (default: at its end)")
     p.add_argument("--retention-days", type=int, default=30, help="1-3650 (default 30)")
-    p.set_defaults(func=_cmd_consumers_add)
-    p = consumer_sub.add_parser("token", parents=[common],
-                                help="issue a consumer a new token (its query's consumerToken option); the last "
-                                     "one stops working")
+    p = _command(consumer, "token", _cmd_consumers_token, "issue a consumer a new token (its query's consumerToken "
+                                                          "option); the last one stops working", common)
     p.add_argument("name", help="the consumer's name")
-    p.set_defaults(func=_cmd_consumers_token)
-    p = consumer_sub.add_parser("drop", parents=[common], help="forget a consumer (an abandoned query): "
-                                                              "housekeeping stops keeping events for it")
+    p = _command(consumer, "drop", _cmd_consumers_drop, "forget a consumer (an abandoned query): housekeeping stops "
+                                                        "keeping events for it", common)
     p.add_argument("name", help="the consumer's name (the source's consumer option)")
-    p.set_defaults(func=_cmd_consumers_drop)
-    p = consumer_sub.add_parser("retention", parents=[common],
-                                help="days housekeeping keeps what a consumer has not read (default 30)")
+    p = _command(consumer, "retention", _cmd_consumers_retention,
+                 "days housekeeping keeps what a consumer has not read (default 30)", common)
     p.add_argument("name", help="the consumer's name")
     p.add_argument("days", type=int, help="1-3650")
-    p.set_defaults(func=_cmd_consumers_retention)
 
-    controls = (
+    controls: tuple[tuple[str, Action, str], ...] = (
         ("pause", "pause", "stop starting deliveries (the slot keeps being consumed, so WAL is still released)"),
         ("resume", "resume", "start deliveries again"),
         ("retry-now", "retry_now", "retry the failover checkpoint now instead of after the backoff"),
         ("skip", "skip_batch", "give up on an undelivered batch (its events stay in the table for a replay)"),
     )
     for name, action, text in controls:
-        p = sub.add_parser(name, parents=[common], help=text)
+        p = _command(sub, name, partial(_control, action=action), text, common)
         p.add_argument("stream", type=_ID, help="the stream's id")
         if action == "skip_batch":
             p.add_argument("batch", type=_ID, help="the undelivered batch's id (status STREAM lists them)")
             p.add_argument("--yes", action="store_true", help="confirm: the batch's events are not delivered")
-        p.set_defaults(func=lambda a, _action=action: _control(a, _action))
 
-    _add_dead_letter_commands(sub, common)
-    _add_backfill_commands(sub, common)
+    dl = _group(sub, "dead-letters", "list, show, redeliver, discard dead letters; set events aside")
 
-    p = sub.add_parser("metrics", parents=[common],
-                       help="serve Prometheus metrics of every stream on /metrics, read from the database at each "
-                            "scrape")
+    p = _command(dl, "list", _cmd_dead_letters_list, "open dead letters (all streams, or STREAM), in delivery order",
+                 common)
+    p.add_argument("stream", type=_ID, nargs="?", help="only this stream")
+    p.add_argument("--all", action="store_true", help="also redelivered and discarded ones")
+    p.add_argument("--limit", type=_COUNT, default=100, help="show at most N (default 100)")
+
+    p = _command(dl, "show", _cmd_dead_letters_show, "everything about one dead letter: payload, error, position, how "
+                                                     "many later events overtook it", common)
+    p.add_argument("id", type=_ID, help="the dead letter's id (dead-letters list shows them)")
+
+    p = _command(dl, "redeliver", _cmd_dead_letters_redeliver,
+                 "publish open dead letters of STREAM (all, or the IDs) through its sink, in delivery order; stops at "
+                 "the first one the sink refuses", common)
+    p.add_argument("stream", type=_ID, help="the stream whose dead letters to redeliver")
+    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="only these dead letters (default: all open)")
+    p.add_argument("--config", help="pgstream.yaml with the stream's sink (default: $PGSTREAM_CONFIG or "
+                                    "./pgstream.yaml); its database_url unless --database-url is given")
+    p.add_argument("--chunk-size", type=_COUNT, default=None, help="events per publish call (default: the stream's "
+                                                                "delivery.chunk_size)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be redelivered, send nothing")
+    _add_defs_folder(p)
+
+    p = _command(dl, "discard", _cmd_dead_letters_discard, "give up on open dead letters of STREAM (IDs, or --all)",
+                 common)
+    p.add_argument("stream", type=_ID, help="the stream whose dead letters to discard")
+    p.add_argument("ids", type=_ID, nargs="*", metavar="ID", help="the open dead letters to discard (or --all)")
+    p.add_argument("--all", action="store_true", help="every open dead letter of the stream")
+    p.add_argument("--yes", action="store_true", help="confirm: their events are never delivered")
+
+    p = _command(dl, "set-aside", _cmd_dead_letters_set_aside,
+                 "make undelivered events of STREAM's open batches dead letters: delivery goes on without them", common)
+    p.add_argument("stream", type=_ID, help="the stream the events belong to")
+    p.add_argument("event_ids", type=_ID, nargs="+", metavar="EVENT_ID",
+                   help="undelivered events of the stream's open batches")
+    p.add_argument("--reason", required=True, help="why (kept with the dead letters)")
+    p.add_argument("--yes", action="store_true", help="confirm: delivery goes on without these events")
+
+    bf = _group(sub, "backfill", "existing rows of subscribed tables become READ events (run, list, stop, cancel)")
+    p = _command(bf, "run", _cmd_backfill_run,
+                 "backfill subscriptions of STREAM in the foreground, in parallel on Spark (the stream's spark "
+                 "settings); resumes an unfinished backfill of the same selection; Ctrl-C stops it (resumable)", common)
+    p.add_argument("stream", type=_ID, help="the stream whose subscriptions to backfill")
+    p.add_argument("keys", nargs="+", metavar="KEY", help="subscription keys")
+    p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml); its "
+                                    "database_url unless --database-url is given")
+    p.add_argument("--table", help="schema.table: only this table of the subscriptions")
+    p.add_argument("--where", help="only rows for which this boolean SQL expression over the row (new.<column>) "
+                                   "is true")
+    p.add_argument("--from", dest="from_key", nargs="+", metavar="VALUE",
+                   help="first primary key (inclusive), one value per key column")
+    p.add_argument("--to", dest="to_key", nargs="+", metavar="VALUE",
+                   help="last primary key (inclusive), one value per key column")
+    p.add_argument("--chunk-size", type=_ranged("chunk size", 1, 100_000), default=1000,
+                   help="rows per chunk: one transaction, rows locked FOR SHARE meanwhile (1-100000)")
+    p.add_argument("--parallelism", type=_ranged("parallelism", 1, 1024), default=4,
+                   help="key-range partitions read at once (Spark tasks), fixed when a backfill starts (1-1024)")
+    p.add_argument("--max-rows-per-sec", type=float, default=5000.0, help="throttle (0: none; default 5000)")
+    p.add_argument("--max-backlog", type=_ranged("max backlog", 0, 10**9), default=20_000,
+                   help="wait while the stream has more undelivered events than this (0: never; default 20000)")
+    p.add_argument("--restart", action="store_true", help="cancel an unfinished backfill of the same subscription "
+                                                          "and table and start over")
+    p.add_argument("--progress-secs", type=float, default=5.0, help="seconds between progress lines")
+    _add_defs_folder(p)
+    p = _command(bf, "list", _cmd_backfill_list, "backfills (of STREAM), newest first, with their progress", common)
+    p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
+    p = _command(bf, "stop", lambda a: _cmd_backfill_stop(a, cancel=False),
+                 "stop a backfill wherever it runs (resumable)", common)
+    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
+    p = _command(bf, "cancel", lambda a: _cmd_backfill_stop(a, cancel=True),
+                 "cancel a backfill for good (the rows it read stay delivered)", common)
+    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
+    p.add_argument("--yes", action="store_true", help="confirm: the backfill cannot be resumed")
+
+    p = _command(sub, "metrics", _cmd_metrics, "serve Prometheus metrics of every stream on /metrics, read from the "
+                                               "database at each scrape", common)
     p.add_argument("--config", help="pgstream.yaml, for its metrics block and database_url (default: "
                                     "$PGSTREAM_CONFIG or ./pgstream.yaml when it exists)")
     p.add_argument("--host", default=None, help="address to listen on (default: metrics.host, 127.0.0.1)")
     p.add_argument("--port", type=_ranged("port", 0, 65535), default=None,
                    help="port to listen on (default: metrics.port, 9187; 0: any free port)")
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)  # make dev's exporter
-    p.set_defaults(func=_cmd_metrics)
 
-    p = sub.add_parser("dev", help="the local demo, what make dev runs: a Postgres in .pgstream/, the roles, "
-                                   "migrations, the demo's table and stream, a Spark Connect server, the Prometheus "
-                                   "exporter and dg dev")
+    p = _command(sub, "dev", _cmd_dev, "the local demo, what make dev runs: a Postgres in .pgstream/, the roles, "
+                                       "migrations, the demo's table and stream, a Spark Connect server, the "
+                                       "Prometheus exporter and dg dev")
     p.add_argument("--port", type=_ranged("port", 1, 65535), default=3000, help="the port of the Dagster UI (dg dev)")
     p.add_argument("--no-spark-server", action="store_true",
                    help="runs start their own Spark instead of using a Spark Connect server kept in .pgstream/ (a "
@@ -874,10 +817,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "exporter) and whether each runs")
     services.add_argument("--stop", action="store_true",
                         help="stop the services of make dev (what make stop and make clean run); the data stays")
-    p.set_defaults(func=_cmd_dev)
 
-    p = sub.add_parser("spark-connect", help="run a Spark Connect server for the runs (spark.remote) in the "
-                                             "foreground, from PySpark's own jars")
+    p = _command(sub, "spark-connect", _cmd_spark_connect, "run a Spark Connect server for the runs (spark.remote) in "
+                                                           "the foreground, from PySpark's own jars")
     p.add_argument("--port", type=_ranged("port", 1, 65535), default=15002,
                    help="the port to listen on (spark.remote: sc://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1",
@@ -887,24 +829,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conf", action="append", metavar="KEY=VALUE",
                    help="a Spark setting of the server (repeatable), e.g. spark.pyspark.python=/opt/venv/bin/python")
     p.add_argument("--stop", action="store_true", help="stop the server make dev started in .pgstream/")
-    p.set_defaults(func=_cmd_spark_connect)
 
-    p = sub.add_parser("executor-requirements",
-                       help="the pip requirements of the executors' Python on a Spark cluster (pinned to the "
-                            "versions installed here), with the client libraries of by_key sinks")
+    p = _command(sub, "executor-requirements", _cmd_executor_requirements,
+                 "the pip requirements of the executors' Python on a Spark cluster (pinned to the versions installed "
+                 "here), with the client libraries of by_key sinks")
     p.add_argument("--sink", action="append", metavar="TYPE", help="a sink type built on the executors (repeatable)")
     p.add_argument("--config", help="add the sink types of this pgstream.yaml's by_key streams")
     _add_defs_folder(p)
-    p.set_defaults(func=_cmd_executor_requirements)
 
-    p = sub.add_parser("docs", help="write the generated reference pages under docs/reference/ (configuration, CLI, "
-                                    "metrics, and the SQL objects of a freshly migrated database)")
+    p = _command(sub, "docs", _cmd_docs, "write the generated reference pages under docs/reference/ (configuration, "
+                                         "CLI, metrics, and the SQL objects of a freshly migrated database)")
     p.add_argument("--database-url", help="a freshly migrated database to read the SQL objects from (default: "
                                           "one migrated on a throw-away local Postgres)")
     p.add_argument("--root", default=".", help="the repository to write into")
-    p.set_defaults(func=_cmd_docs)
-    _describe_commands(parser)
-    _name_the_choices(parser)
     # the summary names every command, from the parser itself (pgstream-dagster COMMAND --help for one)
     parser.description = (f"{__doc__} Commands: {', '.join(sub.choices)} (pgstream-dagster COMMAND --help "
                           "describes one).")
@@ -915,36 +852,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except _Refused as exc:
+        print(exc, file=sys.stderr)
+        return exc.code
     except Exception as exc:  # a clear one-line error, not a traceback, for operators
-        from .config import ConfigError
-        from .engine.backfill import BackfillError
-        from .engine.bootstrap import InitError
+        from . import config, sparkserver
+        from .engine import backfill, bootstrap, deadletters, migrations, replication
         from .engine.dbconn import error_line, scrubbed_error
-        from .engine.deadletters import DeadLetterError
-        from .engine.migrations import MigrationError
-        from .engine.replication import PublicationTaken
-        from .sparkserver import SparkServerError
 
+        # the connection strings the command may have used, masked in the line
+        urls = [getattr(args, "database_url", None), os.environ.get("PGSTREAM_DATABASE_URL"),
+                os.environ.get("PGSTREAM_OWNER_DATABASE_URL")]
         if type(exc).__module__.startswith("psycopg"):  # Postgres' message, not its PL/pgSQL CONTEXT lines
-            line = scrubbed_error(error_line(exc), *_urls_given(args))
+            line = scrubbed_error(error_line(exc), *urls)
             if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction |
                           psycopg.errors.InvalidSchemaName) and "pgstream." in str(exc):
                 line += (": pgstream is not installed in this database, or not at this version: run "
                          "`pgstream-dagster migrate` (or `init`) with the owner's URL first")
-            print(f"error: {line}", file=sys.stderr)
-            return 1
-        if isinstance(exc, MigrationError | ConfigError | DeadLetterError | BackfillError | SparkServerError |
-                      PublicationTaken | InitError):
-            # libpq echoes a connection string it cannot parse, the password included
-            print(f"error: {scrubbed_error(exc, *_urls_given(args))}", file=sys.stderr)
-            return 1
-        raise
-
-
-def _urls_given(args: argparse.Namespace) -> list[str | None]:
-    """The connection strings the command may have used: ``--database-url`` and the environment's."""
-    return [getattr(args, "database_url", None), os.environ.get("PGSTREAM_DATABASE_URL"),
-            os.environ.get("PGSTREAM_OWNER_DATABASE_URL")]
+        elif isinstance(exc, migrations.MigrationError | config.ConfigError | deadletters.DeadLetterError |
+                        backfill.BackfillError | sparkserver.SparkServerError | replication.PublicationTaken |
+                        bootstrap.InitError):
+            line = scrubbed_error(exc, *urls)  # libpq echoes a connection string it cannot parse, the password too
+        else:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
 from croniter import croniter
@@ -66,9 +66,35 @@ DatabaseUrl = Annotated[SecretStr, AfterValidator(_libpq_parses)]
 MAX_STREAM_ID = 2**63 - 1
 
 
+#: keys no longer read (``warm``: the value of ``delivery.mode``): what each is told
+GONE_KEYS = {
+    "read_slot": "delivery.tuning.read_slot is no longer read: every stream's events are read by its reader group "
+                 "(the group's delivery run reads the group's slot over the replication protocol); remove the key",
+    "linger_secs": "delivery.tuning.linger_secs is no longer read: in mode open a stream always has a run open "
+                   "(until tuning.max_run_secs, then a fresh one); remove the key (a run per batch: delivery.mode: "
+                   "per_batch)",
+    "keep_warm": "delivery.keep_warm is no longer read: in mode open (the default) a stream always has a run open; "
+                 "remove the key",
+    "warm": "delivery.mode warm is no longer read: in mode open (the default) a stream always has a run open; write "
+            "delivery.mode: open or leave it out",
+    "slot_name": "streams[].slot_name is no longer read: every stream reads its reader group's slot; give a stream "
+                 "a reader group of its own (reader: <name>) for a slot of its own",
+}
+
+
 class _Model(BaseModel):
     # every float is finite: they reach time arithmetic (timedelta, backoff) and SQL
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    #: the keys of :data:`GONE_KEYS` the model refuses, each with its line
+    _gone: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gone_keys(cls, data: Any) -> Any:
+        for key in cls._gone if isinstance(data, dict) else ():
+            if key in data:
+                raise ValueError(GONE_KEYS[key])
+        return data
 
 
 class BatchConfig(_Model):
@@ -85,28 +111,6 @@ class BatchConfig(_Model):
 
 #: ``delivery.tuning.direct_max_events``'s default
 DIRECT_MAX_EVENTS = 100_000
-
-
-#: keys no longer read (in ``delivery`` or ``delivery.tuning``, and ``delivery.mode: warm``): what each is told
-GONE_DELIVERY_KEYS = {
-    "read_slot": "delivery.tuning.read_slot is no longer read: every stream's events are read by its reader group "
-                 "(the group's delivery run reads the group's slot over the replication protocol); remove the key",
-    "linger_secs": "delivery.tuning.linger_secs is no longer read: in mode open a stream always has a run open "
-                   "(until tuning.max_run_secs, then a fresh one); remove the key (a run per batch: delivery.mode: "
-                   "per_batch)",
-    "keep_warm": "delivery.keep_warm is no longer read: in mode open (the default) a stream always has a run open; "
-                 "remove the key",
-    "warm": "delivery.mode warm is no longer read: in mode open (the default) a stream always has a run open; write "
-            "delivery.mode: open or leave it out",
-}
-
-
-def _refuse_gone(data: Any, keys: tuple[str, ...]) -> None:
-    """Raise the line of :data:`GONE_DELIVERY_KEYS` for the first of ``keys`` that ``data`` (a mapping) has."""
-    if isinstance(data, dict):
-        for key in keys:
-            if key in data:
-                raise ValueError(GONE_DELIVERY_KEYS[key])
 
 
 class DeliveryTuning(_Model):
@@ -142,11 +146,7 @@ class DeliveryTuning(_Model):
                                 description="an open run takes no new batch after this long (a fresh run picks "
                                             "up configuration changes)")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _gone_keys(cls, data: Any) -> Any:
-        _refuse_gone(data, ("read_slot", "linger_secs"))
-        return data
+    _gone = ("read_slot", "linger_secs")
 
 
 class DeliveryConfig(_Model):
@@ -190,15 +190,16 @@ class DeliveryConfig(_Model):
                                               "failed and its batches retried. A run whose lease's database "
                                               "session has ended (process killed) is dead at once")
 
+    _gone = ("read_slot", "linger_secs", "keep_warm")
+
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
-        """A key no longer read is refused, and a key of ``tuning`` given here, naming where it goes."""
+        """Mode warm, no longer read, is refused, and a key of ``tuning`` given here, naming where it goes."""
         if not isinstance(data, dict):
             return data
-        _refuse_gone(data, ("read_slot", "linger_secs", "keep_warm"))
         if data.get("mode") == "warm":
-            raise ValueError(GONE_DELIVERY_KEYS["warm"])
+            raise ValueError(GONE_KEYS["warm"])
         for key in data:
             if key in DeliveryTuning.model_fields and key not in cls.model_fields:
                 raise ValueError(f"delivery.{key} is no longer read: write delivery.tuning.{key}")
@@ -283,13 +284,7 @@ class StreamConfig(_Model):
                     "repeating an event (its slot is drained, then dropped); leaving a group, or moving to another, "
                     "is refused (one-line error naming the stream)")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _gone_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "slot_name" in data:
-            raise ValueError("streams[].slot_name is no longer read: every stream reads its reader group's slot; "
-                             "give a stream a reader group of its own (reader: <name>) for a slot of its own")
-        return data
+    _gone = ("slot_name",)
 
     @model_validator(mode="after")
     def _lake_needs_global_order(self) -> StreamConfig:
@@ -430,13 +425,6 @@ class MetricsConfig(_Model):
                                                                       "pgstream_up 0)")
 
 
-def _check_streams(streams: Sequence[StreamConfig]) -> None:
-    ids = [s.id for s in streams]
-    dupes = sorted({i for i in ids if ids.count(i) > 1})
-    if dupes:
-        raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
-
-
 def _check_cluster(config: PgstreamConfig) -> None:
     """On a cluster, settings read by the executors that name this machine are refused: the
     database URL (the executors read pgstream.events) if they may run elsewhere, and the sink of a
@@ -552,11 +540,14 @@ class PgstreamConfig(_Model):
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> PgstreamConfig:
-        _check_streams(self.streams)
+        ids = [s.id for s in self.streams]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
         _check_cluster(self)
         left_out = sorted((info.context or {}).get(LEFT_OUT, ()))
         # a left-out stream's subscriptions stay: its events go on being written (and recorded)
-        _check_subscriptions([s.id for s in self.streams] + left_out, self.subscriptions)
+        _check_subscriptions(ids + left_out, self.subscriptions)
         return self
 
     @property
@@ -630,38 +621,27 @@ def _validated(model: type[_M], data: Any, source: str, at: str = "",
         raise ConfigError("\n".join(problems)) from None
 
 
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a value of type ``annotation`` holds: itself, a list's items, a union's members (each once)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    if typing.get_origin(annotation) in (list, typing.Annotated, typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found.extend(m for m in models_in(arg) if m not in found)
+    return found
+
+
 def _allowed_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:
-    """The keys the model at ``loc`` of ``model`` takes (None: not a model found there), for an unknown key."""
-    current: Any = model
+    """The keys the model at ``loc`` of ``model`` takes (None: not one model found there), for an unknown key."""
+    models = [model]
     for part in loc:
-        current = _inner(current, part)
-        if current is None:
-            return None
-    if not (isinstance(current, type) and issubclass(current, BaseModel)):
-        return None
-    return [f.alias or name for name, f in current.model_fields.items()]
-
-
-def _inner(tp: Any, part: int | str) -> Any:
-    """What ``part`` (a key, an index, a sink's type tag) of a value of type ``tp`` is."""
-    if typing.get_origin(tp) is typing.Annotated:
-        tp = typing.get_args(tp)[0]
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        members = [a for a in args if a is not type(None)]
         if isinstance(part, str) and part in _SINK_TAGS:  # a sink's tag: the member whose type it is
-            return next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel) and "type" in
-                         m.model_fields and part in typing.get_args(m.model_fields["type"].annotation)), None)
-        found = [x for x in (_inner(m, part) for m in members) if x is not None]
-        return found[0] if len(found) == 1 else None
-    if isinstance(part, int):
-        return args[0] if origin in (list, tuple, Sequence) and args else None
-    if origin is dict:
-        return args[1] if len(args) == 2 else None
-    if isinstance(tp, type) and issubclass(tp, BaseModel):
-        fields = {f.alias or n: f for n, f in tp.model_fields.items()}
-        return fields[part].annotation if part in fields else None
-    return None
+            models = [m for m in models if part in typing.get_args(m.model_fields["type"].annotation)]
+        elif isinstance(part, str):  # (an index is into a list: its items' models are the list's)
+            models = [m for current in models for name, f in current.model_fields.items() if (f.alias or name) == part
+                      for m in models_in(f.annotation)]
+    return [f.alias or name for name, f in models[0].model_fields.items()] if len(models) == 1 else None
 
 
 def parse_config(data: Any, source: str = "<config>", *, leave_out_invalid: bool = False) -> PgstreamConfig:
@@ -755,10 +735,9 @@ def load_metrics_settings(path: Path | str, *, database_url: bool = True) -> Met
     block of the configuration file at ``path``."""
     p = Path(path)
     data = read_yaml(p, "the pgstream configuration", single=True)[0]
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
-    wanted = {k: data[k] for k in ("database_url", "metrics") if k in data and (database_url or k == "metrics")}
-    return _validated(MetricsSettings, wanted, str(p))
+    if isinstance(data, dict):  # (anything else is refused as the configuration is)
+        data = {k: data[k] for k in ("database_url", "metrics") if k in data and (database_url or k == "metrics")}
+    return _validated(MetricsSettings, data, str(p))
 
 
 #: the values (mappings, sequences, scalars) a YAML document may hold once its aliases are followed: a

@@ -24,6 +24,7 @@ import psycopg
 
 from .sinks.base import psycopg2_url
 from .sparkserver import descendants as _descendants
+from .sparkserver import socket_inodes
 
 
 def _start_exporter(config: Path) -> str | None:
@@ -31,38 +32,30 @@ def _start_exporter(config: Path) -> str | None:
     ends with ``dg dev`` (same process group for Ctrl-C, and it exits when its parent is gone).
     Returns its URL."""
     from .config import load_metrics_settings
+    from .exporter import metrics_url
 
     metrics = load_metrics_settings(config).metrics
     if not metrics.enabled:
         return None
     subprocess.Popen([sys.executable, "-m", "pgstream_dagster.cli", "metrics", "--config", str(config),
                       "--exit-with-parent"])
-    url = _exporter_url(config)
+    url = metrics_url(metrics.host, metrics.port)
     print(f"Prometheus exporter: {url} (metrics.enabled: false in {config.name} to go without)")
     return url
 
 
-def _exporter_url(config: Path) -> str:
-    """Where the exporter of ``make dev`` serves, as ``metrics`` of ``config`` sets it."""
-    from .config import load_metrics_settings
-
-    metrics = load_metrics_settings(config, database_url=False).metrics
-    host = f"[{metrics.host}]" if ":" in metrics.host else metrics.host
-    return f"http://{host}:{metrics.port}/metrics"
-
-
 def _exporter(dg_pid: int | None) -> str:
     """The status line of the Prometheus exporter of ``make dev``: a child of ``dg dev`` (it exits with it)."""
-    from .config import ConfigError
+    from .config import ConfigError, load_metrics_settings
+    from .exporter import metrics_url
 
     for pid in _descendants(dg_pid) if dg_pid is not None else []:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
+        cmdline = _cmdline(pid).split(b"\0")
         if cmdline[1:4] == [b"-m", b"pgstream_dagster.cli", b"metrics"]:
             try:
-                where = f" on {_exporter_url(Path(os.fsdecode(cmdline[cmdline.index(b'--config') + 1])))}"
+                config = Path(os.fsdecode(cmdline[cmdline.index(b"--config") + 1]))
+                metrics = load_metrics_settings(config, database_url=False).metrics
+                where = f" on {metrics_url(metrics.host, metrics.port)}"
             except (ValueError, IndexError, ConfigError):
                 where = ""
             return f"Prometheus exporter:  running (pid {pid}){where}"
@@ -184,7 +177,7 @@ def prepare_dev(root: Path, spark_server: bool = True) -> bool:
             pg = ensure_running(datadir)
             outcome.append(("initialised and started" if fresh else "running" if was_running else "started")
                            + f" on port {pg.port}")
-        with progress.step("roles and databases") as outcome:
+        with progress.step("roles and databases"):
             pg.create_database("dagster")
             urls = demo_roles(pg.url, "pgstream")
             superuser_url = pg.url_for("pgstream")
@@ -194,8 +187,7 @@ def prepare_dev(root: Path, spark_server: bool = True) -> bool:
         os.environ.setdefault("DAGSTER_POSTGRES_URL", psycopg2_url(pg.url_for("dagster")))
     if not os.environ.get("DAGSTER_POSTGRES_URL"):
         raise SystemExit("error: set DAGSTER_POSTGRES_URL (a database for Dagster's own storage)")
-    url = os.environ["PGSTREAM_DATABASE_URL"]
-    owner_url = os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or url
+    owner_url = os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or os.environ["PGSTREAM_DATABASE_URL"]
     if demo:
         os.environ["PGSTREAM_CONFIG"] = str(root / "pgstream.yaml")
         os.environ.setdefault("PGSTREAM_DEMO_SINK", str(state / "demo-events.jsonl"))
@@ -252,13 +244,21 @@ def _postgres_pid(datadir: Path) -> int | None:
     return pid
 
 
+def _cmdline(pid: int) -> bytes:
+    """The command line of the process ``pid``, its arguments NUL-separated (empty: it ended)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _dg_dev_pid(state: Path) -> int | None:
     """The pid of the ``dg dev`` that ``make dev`` started (``state/dg-dev.pid``), if it still runs."""
     try:
         pid = int((state / "dg-dev.pid").read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return None
+    cmdline = _cmdline(pid).split(b"\0")
     return pid if any(part.endswith(b"/dg") for part in cmdline[:2]) and b"dev" in cmdline else None
 
 
@@ -289,42 +289,17 @@ def _alive(pids: list[int]) -> list[int]:
     alive = []
     for pid in pids:
         try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-        except (OSError, IndexError):
-            pass
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # (ended)
             continue
-        except PermissionError:
-            pass
-        alive.append(pid)
+        if state != "Z":
+            alive.append(pid)
     return alive
 
 
 def _with_args(pids: list[int], *parts: bytes) -> list[int]:
     """Of ``pids``, the processes whose command line holds every one of ``parts``."""
-    found = []
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if all(part in cmdline for part in parts):
-            found.append(pid)
-    return found
-
-
-def _run_workers(pids: list[int]) -> list[int]:
-    """Of ``pids``, Dagster's run workers: the processes a code server started for its runs
-    (``multiprocessing`` children of ``dagster api grpc``)."""
-    return _with_args(pids, b"multiprocessing.spawn", b"--multiprocessing-fork")
-
-
-def _daemons(pids: list[int]) -> list[int]:
-    """Of ``pids``, the Dagster daemon ``dg dev`` runs."""
-    return _with_args(pids, b"dagster._daemon", b"run")
+    return [pid for pid in pids if all(part in _cmdline(pid) for part in parts)]
 
 
 def _signal_and_wait(pids: list[int], sig: int, until: float) -> bool:
@@ -342,11 +317,9 @@ def _signal_and_wait(pids: list[int], sig: int, until: float) -> bool:
 
 def _name(pid: int) -> str:
     """A process's command, short (for a line saying what had to be killed)."""
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+    words = [a.decode(errors="replace") for a in _cmdline(pid).split(b"\0") if a and not a.startswith(b"{")][:4]
+    if not words:
         return str(pid)
-    words = [a.decode(errors="replace") for a in args if a and not a.startswith(b"{")][:4]
     return f"{pid} ({' '.join(Path(words[0]).name if i == 0 else w for i, w in enumerate(words))[:60]})"
 
 
@@ -376,8 +349,11 @@ def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 8.0) -> 
     # `dg dev` first: its daemon ends the tick under way (a sensor's tick budget) and requests nothing more; then
     # the runs, which the code server waits for (an open run would wait for its max_run_secs)
     _signal_and_wait([pid], signal.SIGINT, time.monotonic() + 0.2)
-    _signal_and_wait(_daemons(tree), 0, time.monotonic() + budget * 0.6)
-    _signal_and_wait(_run_workers(tree + tree_of(pid)), signal.SIGINT, until)
+    _signal_and_wait(_with_args(tree, b"dagster._daemon", b"run"), 0, time.monotonic() + budget * 0.6)
+    # Dagster's run workers: the processes a code server started for its runs (multiprocessing children of
+    # `dagster api grpc`)
+    _signal_and_wait(_with_args(tree + tree_of(pid), b"multiprocessing.spawn", b"--multiprocessing-fork"),
+                     signal.SIGINT, until)
     _signal_and_wait([pid], 0, until)  # (a second SIGINT would cut its shutdown short)
     # what `dg dev` leaves to end by itself, its runs over (a code server ends once its heartbeats stop, up to
     # 45 s later): asked to end now (SIGTERM, a few seconds for a code server on a loaded host); SIGKILL only for
@@ -392,13 +368,7 @@ def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 8.0) -> 
 def _unix_sockets(pids: list[int]) -> set[Path]:
     """The paths of the Unix sockets the processes ``pids`` hold (Dagster's code servers listen on some in
     the temporary directory), from /proc."""
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
-        except OSError:
-            continue
-        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    inodes = socket_inodes(pids)
     try:
         table = Path("/proc/net/unix").read_text().splitlines()[1:]
     except OSError:

@@ -117,11 +117,9 @@ class LocalPostgres:
     def url_for(self, dbname: str) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
 
-    def _run(self, args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    def _run(self, args: list[str]) -> subprocess.CompletedProcess[str]:
         ids = _demote()
-        extra: dict[str, Any] = {}
-        if ids is not None:
-            extra = {"user": ids[0], "group": ids[1], "extra_groups": []}
+        extra: dict[str, Any] = {"user": ids[0], "group": ids[1], "extra_groups": []} if ids is not None else {}
         return subprocess.run(
             [str(_bin_dir() / args[0]), *args[1:]],
             check=True,
@@ -129,7 +127,6 @@ class LocalPostgres:
             text=True,
             cwd="/",
             **extra,
-            **kw,
         )
 
     def init(self) -> None:

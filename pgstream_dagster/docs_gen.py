@@ -30,6 +30,8 @@ import psycopg
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
+from .config import models_in
+
 REFERENCE_DIR = Path("docs") / "reference"
 NONE = "\N{EN DASH}"  # an empty cell
 COMMAND = "make docs-reference"  # runs `pgstream-dagster docs`
@@ -69,10 +71,7 @@ def _type_name(annotation: Any) -> str:
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
-    if field.default_factory is not None:
-        value: Any = field.default_factory()  # type: ignore[call-arg]
-    else:
-        value = field.default
+    value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "(below)"
     if value is None:
@@ -99,22 +98,11 @@ def _range(field: FieldInfo) -> str:
     return ", ".join(parts)
 
 
-def _models(annotation: Any) -> list[type[BaseModel]]:
-    """The models a field holds (one, a list's, or the members of a union)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    found: list[type[BaseModel]] = []
-    if typing.get_origin(annotation) in (list, typing.Annotated, typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found.extend(m for m in _models(arg) if m not in found)
-    return found
-
-
 def _rows(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, str, str, str, str]]:
     nested: list[tuple[str, type[BaseModel]]] = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
-        models = _models(field.annotation)
+        models = models_in(field.annotation)
         is_list = typing.get_origin(field.annotation) is list
         if len(models) > 1:  # the sink union: one section per type
             yield (key, "object: one of the sink types below (`type` selects it)", "required", "",
@@ -143,7 +131,7 @@ def _summary(model: type[BaseModel]) -> str:
 def configuration_page() -> str:
     from .config import PgstreamConfig, StreamConfig
 
-    sinks = _models(StreamConfig.model_fields["sink"].annotation)
+    sinks = models_in(StreamConfig.model_fields["sink"].annotation)
     parts = [HEADER.format(source="the pydantic models of pgstream_dagster/config.py"),
              "# Configuration reference\n\n",
              "Every key of `pgstream.yaml` (path from `$PGSTREAM_CONFIG`, default `./pgstream.yaml`). "
@@ -169,13 +157,12 @@ def _usage(parser: argparse.ArgumentParser) -> str:
     return formatter.format_help().strip()
 
 
-def _commands(parser: argparse.ArgumentParser, help_text: str) -> Iterator[tuple[argparse.ArgumentParser, str]]:
-    yield parser, help_text
+def _commands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
-            for name, sub in action.choices.items():
-                yield from _commands(sub, helps.get(name, ""))
+            for sub in action.choices.values():
+                yield from _commands(sub)
 
 
 def cli_page(root_parser: argparse.ArgumentParser) -> str:
@@ -185,12 +172,12 @@ def cli_page(root_parser: argparse.ArgumentParser) -> str:
              "`pgstream-dagster` is installed with the package. A command that fails prints one line, "
              "`error: ...`, on stderr and exits 1. See [Operations](../operations.md) for when to use "
              "each.\n"]
-    for parser, help_text in _commands(root_parser, ""):
-        if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions) and parser.prog != \
-                "pgstream-dagster":
+    for parser in _commands(root_parser):
+        if parser is not root_parser and any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
             continue  # a group (dead-letters, backfill): its commands follow
         parts.append(f"\n## `{parser.prog}`\n\n")
-        text = " ".join((help_text or parser.description or "").split()).rstrip(".")  # the root: its summary
+        # a command's description is its help (its line in its group's list); the root's, its summary
+        text = " ".join((parser.description or "").split()).rstrip(".")
         if text:
             parts.append(f"{text[0].upper()}{text[1:]}.\n\n")
         parts.append(f"```text\n{_usage(parser)}\n```\n\n")

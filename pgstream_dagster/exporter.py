@@ -15,15 +15,6 @@ from typing import Any
 from .config import ConfigError
 
 
-def _prometheus() -> Any:
-    try:
-        import prometheus_client
-    except ImportError:
-        raise ConfigError("the metrics exporter needs prometheus-client: pip install 'pgstream-dagster[metrics]'"
-                          ) from None
-    return prometheus_client
-
-
 @dataclass
 class Exporter:
     """A running exporter: its HTTP server (in a thread) and its collector."""
@@ -36,8 +27,7 @@ class Exporter:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return metrics_url(self.host, self.port)
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -46,9 +36,18 @@ class Exporter:
         self.collector.close()
 
 
+def metrics_url(host: str, port: int) -> str:
+    """The URL of an exporter listening on ``host:port`` (an IPv6 address bracketed)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
 def start(database_url: str, host: str, port: int, timeout_secs: float = 5.0) -> Exporter:
     """Serve ``/metrics`` on ``host:port`` in a background thread (``port`` 0: any free port)."""
-    prometheus_client = _prometheus()
+    try:
+        import prometheus_client
+    except ImportError:
+        raise ConfigError("the metrics exporter needs prometheus-client: pip install 'pgstream-dagster[metrics]'"
+                          ) from None
     from .engine.dbconn import conninfo_problem
     from .engine.metrics import PgstreamCollector
 

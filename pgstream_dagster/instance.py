@@ -52,15 +52,6 @@ DEFAULT_MAX_OVERFLOW = -1
 DEFAULT_POOL_RECYCLE_SECS = 3600
 
 
-def storage_url(postgres_url: str) -> str:
-    """The storage's URL on psycopg2; another driver raises one line saying what to write (no password)."""
-    try:
-        return psycopg2_url(postgres_url)
-    except ValueError as exc:
-        raise dg.DagsterInvariantViolationError(
-            f"Dagster storage postgres_url (DAGSTER_POSTGRES_URL) {exc}") from None
-
-
 class PooledPostgresStorage(DagsterPostgresStorage):
     """``DagsterPostgresStorage`` whose storages keep a small connection pool in each process."""
 
@@ -68,7 +59,11 @@ class PooledPostgresStorage(DagsterPostgresStorage):
                  inst_data: ConfigurableClassData | None = None, pool_size: int = DEFAULT_POOL_SIZE,
                  max_overflow: int = DEFAULT_MAX_OVERFLOW,
                  pool_recycle_secs: int = DEFAULT_POOL_RECYCLE_SECS, token_provider: Any = None) -> None:
-        postgres_url = storage_url(postgres_url)
+        try:  # on psycopg2; another driver: one line saying what to write (no password)
+            postgres_url = psycopg2_url(postgres_url)
+        except ValueError as exc:
+            raise dg.DagsterInvariantViolationError(
+                f"Dagster storage postgres_url (DAGSTER_POSTGRES_URL) {exc}") from None
         super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)
         for storage in (self._run_storage, self._event_log_storage, self._schedule_storage):
             storage._engine.dispose()  # (the NullPool engine holds no connection: nothing is closed)

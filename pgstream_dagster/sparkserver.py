@@ -111,6 +111,22 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def socket_inodes(pids: list[int]) -> set[str]:
+    """The inodes of the sockets the processes ``pids`` hold (from /proc; none of a process that ended)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:  # (ended)
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):  # (closed since it was listed)
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    return inodes
+
+
 def _listens_itself(pid: int, port: int) -> bool | None:
     """Whether the process ``pid`` or one below it listens on TCP ``port`` (from /proc; ``None`` without it): a
     listener on the port may be another process's, which took the port while the server's JVM was starting."""
@@ -124,17 +140,7 @@ def _listens_itself(pid: int, port: int) -> bool | None:
             fields = row.split()  # local address (hex ip:port), remote, state (0A: listening), ..., inode
             if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(fields[9])
-    wanted = {f"socket:[{inode}]" for inode in inodes}
-    for member in (pid, *descendants(pid)):
-        try:
-            fds = list(Path(f"/proc/{member}/fd").iterdir())
-        except OSError:  # (ended)
-            continue
-        for fd in fds:
-            with contextlib.suppress(OSError):  # (closed since it was listed)
-                if os.readlink(fd) in wanted:
-                    return True
-    return False
+    return bool(inodes & socket_inodes([pid, *descendants(pid)]))
 
 
 def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None = None,
@@ -144,13 +150,9 @@ def start(port: int = DEFAULT_PORT, master: str = "local[*]", log: Path | None =
     if listening(port):
         raise SparkServerError(f"port {port} is in use by another process: give the Spark Connect server another "
                                "(--port, PGSTREAM_SPARK_PORT)")
-    out = log.open("ab") if log is not None else subprocess.DEVNULL
-    try:
+    with log.open("ab") if log is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
         proc = subprocess.Popen(command(port, master, conf=conf), env=environment(conf, master), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    finally:
-        if not isinstance(out, int):  # the log file (DEVNULL is an int)
-            out.close()
     deadline = time.monotonic() + timeout
     while not (listening(port) and _listens_itself(proc.pid, port) is not False):
         if proc.poll() is not None:
@@ -201,7 +203,7 @@ def recorded_pid(state: Path) -> int | None:
     """The pid of the server ``make dev`` started (``state/spark-connect.pid``) if its process group
     is still alive."""
     try:
-        pid = int((state / "spark-connect.pid").read_text().strip() or 0)
+        pid = int((state / "spark-connect.pid").read_text())
     except (OSError, ValueError):
         return None
     if pid <= 0:
@@ -217,12 +219,8 @@ def recorded_pid(state: Path) -> int | None:
 
 def stop_recorded(state: Path) -> bool:
     """Stop the server ``make dev`` started (``state/spark-connect.pid``); true if one was running."""
-    pid_file = state / "spark-connect.pid"
-    if not pid_file.exists():
-        return False
-    pid = int(pid_file.read_text().strip() or 0)
-    pid_file.unlink()
-    if pid <= 0:
-        return False
-    stop(pid)
-    return True
+    pid = recorded_pid(state)
+    (state / "spark-connect.pid").unlink(missing_ok=True)
+    if pid is not None:
+        stop(pid)
+    return pid is not None
