@@ -200,8 +200,9 @@ def ensure_running(state: Path, port: int = DEFAULT_PORT, master: str = "local[*
 
 
 def recorded_pid(state: Path) -> int | None:
-    """The pid of the server ``make dev`` started (``state/spark-connect.pid``) if its process group
-    is still alive."""
+    """The pid of the server ``make dev`` started (``state/spark-connect.pid``) if its process group is still
+    alive and still the server: a pid the system gave to another process since (another user's, or one whose
+    command line does not name :data:`SERVER_CLASS`) is not, and is never signalled."""
     try:
         pid = int((state / "spark-connect.pid").read_text())
     except (OSError, ValueError):
@@ -210,11 +211,13 @@ def recorded_pid(state: Path) -> int | None:
         return None
     try:
         os.killpg(pid, 0)
-    except PermissionError:
-        return pid
-    except OSError:
+    except OSError:  # (ended, or another user's)
         return None
-    return pid
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # the leader ended, its group (the server's workers) not; or no /proc to look at
+        return pid
+    return pid if SERVER_CLASS.encode() in cmdline else None
 
 
 def stop_recorded(state: Path) -> bool:

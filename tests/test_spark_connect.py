@@ -45,7 +45,7 @@ def _loopback(ip: str) -> bool:
     return (mapped or address).is_loopback
 
 
-def test_the_server_listens_on_the_loopback_only(connect_url: str) -> None:
+def test_the_server_listens_on_the_loopback_only(connect_url: str, tmp_path: Path) -> None:
     """The server on a local master (what `make dev` starts): its Connect port, the driver's RPC and block
     manager and whatever its Python workers open listen on 127.0.0.1, none on another interface (no UI)."""
     port = int(connect_url.rsplit(":", 1)[1])
@@ -55,6 +55,9 @@ def test_the_server_listens_on_the_loopback_only(connect_url: str) -> None:
                  for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
     assert len({lport for _pid, _ip, lport in listening}) >= 3, listening  # Connect, driver RPC, block manager
     assert [x for x in listening if not _loopback(x[1])] == [], listening
+    (state := tmp_path / "state").mkdir()  # the server recorded as make dev records its own: taken for the server
+    (state / "spark-connect.pid").write_text(str(os.getpgid(pid)))
+    assert sparkserver.recorded_pid(state) == os.getpgid(pid)
 
 
 def _child_env(dagster_storage_url: str) -> dict[str, str]:
@@ -194,11 +197,15 @@ def test_a_port_another_process_listens_on_is_refused_in_one_line(tmp_path: Path
         other = subprocess.Popen(["sleep", "30"], start_new_session=True)  # another process: not its
         try:
             assert sparkserver._listens_itself(other.pid, port) is False
-            # make dev's server recorded as that live process, the port another's: not reused, refused the same way
+            # make dev's server recorded as that live process (its pid given to another since), the port another's:
+            # not taken for the server, so neither reused nor stopped: starting one is refused the same way
             (tmp_path / "spark-connect.pid").write_text(str(other.pid))
-            assert sparkserver.recorded_pid(tmp_path) == other.pid
+            assert sparkserver.recorded_pid(tmp_path) is None
             with pytest.raises(sparkserver.SparkServerError, match=rf"^port {port} is in use by another process"):
                 sparkserver.ensure_running(tmp_path, port, "local[1]")
+            (tmp_path / "spark-connect.pid").write_text(str(other.pid))
+            assert sparkserver.stop_recorded(tmp_path) is False
+            assert other.poll() is None  # not signalled
         finally:
             other.kill()
             other.wait()
