@@ -281,12 +281,12 @@ def _waiting_member(stream: StreamConfig, run_key: str) -> tuple[RunView, str]:
 
 
 def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig, log: list[str],
-         waiting: list[str], said: dict[str, Any], look: GroupLook, state: StreamState | None) -> dg.RunRequest | None:
+         said: dict[str, Any], look: GroupLook, state: StreamState | None) -> tuple[dg.RunRequest | None, str | None]:
     """One decision: read the stream's state (unless given), look at its run in Dagster, decide, apply; the run to
-    request, if any. ``log`` receives what the tick log should say (with ``said``, what was said before:
-    :func:`~..engine.batches.tick_notes`), ``waiting`` what the run the stream waits for is doing (for the
-    skip reason); ``look`` and ``state``: what the group's sensor read once for all its members. A dead run
-    is reported failed to Dagster as soon as it is seen."""
+    request, if any, and what the run the stream waits for is doing (for the skip reason). ``log`` receives what
+    the tick log should say (with ``said``, what was said before: :func:`~..engine.batches.tick_notes`); ``look``
+    and ``state``: what the group's sensor read once for all its members. A dead run is reported failed to Dagster
+    as soon as it is seen."""
     if state is None:
         state = ledger_state.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
@@ -307,12 +307,13 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     if view.status is RunStatus.DEAD and run is not None:
         instance.report_run_failed(run, f"pgstream: run {run.run_id} of stream {stream.id} died: {view.error}")
         log.append(f"stream {stream.id}: run {run.run_id} died ({view.error}); marked failed")
-    waiting[:] = [f"waiting for {doing}"] if doing is not None and state.head is not None else []
+    waiting = f"waiting for {doing}" if doing is not None and state.head is not None else None
     log.extend(tick_notes(action, said, time.time()))
     order = ledger_state.apply(conn, stream, action)
     if order is None or stream.delivery.keeps_open:
-        return None  # an open run: the group's delivery run hosts it
-    return _request(order, database_key(conn))  # mode per_batch: a run of its own (the design card's run per batch)
+        return None, waiting  # an open run: the group's delivery run hosts it
+    # mode per_batch: a run of its own (the design card's run per batch)
+    return _request(order, database_key(conn)), waiting
 
 
 def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str, stream: StreamConfig,
@@ -503,7 +504,7 @@ def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> 
 
 def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
                     cursor: dict[str, Any], log: list[str], requests: list[dg.RunRequest], observations: int,
-                    waits: dict[int, str]) -> list[dg.AssetObservation]:
+                    waits: dict[int, str | None]) -> list[dg.AssetObservation]:
     """The decisions of every member, once each (:func:`step`; the runs of members in mode per_batch are added
     to ``requests``), and the observations of their status assets (at most ``observations``; ``waits``: what
     the run of each member in mode per_batch is doing, for the skip reason). A member still handing its own
@@ -526,14 +527,10 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
             consume(conn, stream, JOINING_READ_SECS)
         mine = members.setdefault(str(stream.id), {})
         # (a joining member's own slot was just read: its state read again)
-        waiting: list[str] = []
-        request = step(conn, instance, stream, log, waiting, said=mine.setdefault("said", {}), look=look,
-                       state=states[stream.id] if stream.id in joined else None)
+        request, waiting = step(conn, instance, stream, log, said=mine.setdefault("said", {}), look=look,
+                                state=states[stream.id] if stream.id in joined else None)
         if not stream.delivery.keeps_open:  # (a run of its own: the group run's are told)
-            if waiting:
-                waits[stream.id] = waiting[0]
-            else:
-                waits.pop(stream.id, None)
+            waits[stream.id] = waiting
         if request is not None:
             requests.append(request)
     by_id = {s.id: s for s in streams}
@@ -624,7 +621,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             # its members are all in mode per_batch, which keeps none; the tick reads its whole budget.)
             result, observed = GroupResult(), list[dg.AssetObservation]()
             own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
-            waits: dict[int, str] = {}  # what the runs of members in mode per_batch are doing
+            waits: dict[int, str | None] = {}  # what the runs of members in mode per_batch are doing
 
             def decide() -> None:
                 observed.extend(_decide_members(conn, context.instance, group, streams, cursor, decisions, own_runs,
@@ -679,7 +676,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                    cursor=new_cursor, asset_events=observed)
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
                 if reading is None else f"read nothing: {reading} reads the group's slot")
-        why = "".join(f"; stream {sid} {line}" for sid, line in sorted(waits.items()))
+        why = "".join(f"; stream {sid} {line}" for sid, line in sorted(waits.items()) if line)
         return dg.SensorResult(skip_reason=dg.SkipReason(
             f"{read}{joining}{left}; {pending} undelivered events in {batches} batches{why}; {delivery}"),
             cursor=new_cursor, asset_events=observed)
