@@ -53,10 +53,6 @@ def source_table_key(schema: str, table: str) -> dg.AssetKey:
     return dg.AssetKey(["postgres", schema, table])
 
 
-def subscription_group(stream_id: int) -> str:
-    return f"stream_{stream_id}_subscriptions"
-
-
 def subscription_set_key(stream_id: int) -> dg.AssetKey:
     return dg.AssetKey(["pgstream", f"stream_{stream_id}", "subscription_set"])
 
@@ -110,7 +106,7 @@ def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> dg.Asset
     """The stream's subscriptions multi-asset."""
     subs = declared.of_stream(stream_id)
     keys = stream_subscription_keys(stream_id, subs)
-    origin, set_key, group = declared.origin, subscription_set_key(stream_id), subscription_group(stream_id)
+    origin, set_key, group = declared.origin, subscription_set_key(stream_id), f"stream_{stream_id}_subscriptions"
     specs = [dg.AssetSpec(key=keys[identity(s)], group_name=group, description=_describe(s, origin),
                           metadata=_spec_metadata(s), code_version=code_version(s), kinds={"postgres"},
                           deps=[source_table_key(s.schema_name, s.table_name)], skippable=True) for s in subs]

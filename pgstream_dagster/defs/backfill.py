@@ -65,14 +65,6 @@ def _request(stream: StreamConfig, config: BackfillConfig) -> backfill.Request:
                             max_backlog=config.max_backlog or None, restart=config.restart)
 
 
-def _metadata(progress: backfill.Progress) -> dict[str, Any]:
-    return {"backfill_id": progress.id, "status": progress.status, "rows_total": progress.rows_total,
-            "rows_read": progress.rows_read, "events_written": progress.events_written,
-            "partitions_done": f"{progress.partitions_done}/{progress.partitions}",
-            "rows_per_sec": round(progress.rows_per_sec), "table": progress.target.schema_name + "." +
-            progress.target.table_name, **({"error": progress.error} if progress.error else {})}
-
-
 def _report(context: dg.OpExecutionContext, asset: dg.AssetKey | None, progress: backfill.Progress,
             description: str) -> None:
     """Progress as a materialization of the subscription's asset. It carries the code version of the
@@ -80,11 +72,16 @@ def _report(context: dg.OpExecutionContext, asset: dg.AssetKey | None, progress:
     which requests YAML edits, sees the same state as before; an asset never materialized gets an observation."""
     if asset is None:
         return
+    metadata: dict[str, Any] = {
+        "backfill_id": progress.id, "status": progress.status, "rows_total": progress.rows_total,
+        "rows_read": progress.rows_read, "events_written": progress.events_written,
+        "partitions_done": f"{progress.partitions_done}/{progress.partitions}",
+        "rows_per_sec": round(progress.rows_per_sec), "table": progress.target.schema_name + "." +
+        progress.target.table_name, **({"error": progress.error} if progress.error else {})}
     applied = context.instance.get_latest_materialization_code_versions([asset]).get(asset)
-    if applied is None:
-        context.log_event(dg.AssetObservation(asset_key=asset, description=description, metadata=_metadata(progress)))
-        return
-    context.log_event(dg.AssetMaterialization(asset_key=asset, description=description, metadata=_metadata(progress),
+    context.log_event(dg.AssetObservation(asset_key=asset, description=description, metadata=metadata)
+                      if applied is None else
+                      dg.AssetMaterialization(asset_key=asset, description=description, metadata=metadata,
                                               tags={"dagster/code_version": applied}))
 
 

@@ -212,16 +212,13 @@ def stream_checks(stream: StreamConfig, subs: Sequence[SubscriptionConfig]) -> d
                                description="The subscription is applied and its generated trigger exists, is "
                                            "enabled and matches its definition.")
              for s in subs]
-    specs.append(dg.AssetCheckSpec(UNDELIVERED_AGE_CHECK, asset=deliveries,
-                                   description=f"Oldest undelivered event younger than "
-                                               f"{stream.checks.max_undelivered_age_secs:.0f}s."))
     # (the stream's slot is its reader group's: checked once, for every member, by group_slot_check)
-    specs += [
-        dg.AssetCheckSpec(FAILOVER_CHECK, asset=deliveries, description="The stream is not in failover."),
-        dg.AssetCheckSpec(DEAD_LETTERS_CHECK, asset=deliveries,
-                          description="No open dead letter: every event the stream went on without (rejected by "
-                                      "the sink, unreadable, set aside) was redelivered or discarded."),
-    ]
+    specs += [dg.AssetCheckSpec(name, asset=deliveries, description=said) for name, said in (
+        (UNDELIVERED_AGE_CHECK, f"Oldest undelivered event younger than "
+                                f"{stream.checks.max_undelivered_age_secs:.0f}s."),
+        (FAILOVER_CHECK, "The stream is not in failover."),
+        (DEAD_LETTERS_CHECK, "No open dead letter: every event the stream went on without (rejected by the sink, "
+                             "unreadable, set aside) was redelivered or discarded."))]
 
     @dg.multi_asset_check(name=checks_op_name(stream.id), specs=specs, can_subset=True,
                           description=f"Health of stream {stream.id}: subscription triggers, backlog, slot, failover, "

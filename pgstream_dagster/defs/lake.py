@@ -15,9 +15,6 @@ from ..sinks.lake import LakeSink
 from .names import LAKE_COUNTS_CHECK, deliveries_asset_key, lake_table_asset_key
 from .resources import PgstreamResource
 
-#: the Dagster kind shown for each lake sink's table
-_KINDS = {"delta": "delta", "iceberg": "iceberg", "parquet": "parquet"}
-
 
 def _where(stream: StreamConfig) -> str:
     sink: Any = stream.sink
@@ -30,7 +27,7 @@ def lake_table_spec(stream: StreamConfig) -> dg.AssetSpec:
         description=f"The {stream.sink.type} table stream {stream.id} delivers to ({_where(stream)}): one row per "
                     f"event, written exactly once (commits keyed by the ledger position).",
         metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "table": _where(stream)},
-        kinds={_KINDS[stream.sink.type]})
+        kinds={stream.sink.type})  # (the format: delta, iceberg, parquet)
 
 
 def lake_counts_check(stream: StreamConfig) -> dg.AssetChecksDefinition:

@@ -51,9 +51,9 @@ class PgstreamResource:
         """What Spark executors connect with (``spark.executor_database_url``, default ``database_url``)."""
         return self.config.executor_url
 
-    def connect(self, *, autocommit: bool = True) -> psycopg.Connection:
+    def connect(self) -> psycopg.Connection:
         # the search path pinned to pg_catalog, pg_temp (engine/dbconn.py)
-        return dbconn.connect(self.database_url, autocommit=autocommit, application_name="pgstream-dagster")
+        return dbconn.connect(self.database_url, autocommit=True, application_name="pgstream-dagster")
 
 
 class PgstreamSparkResource(LazyPySparkResource):

@@ -64,8 +64,9 @@ def missed_while_down(due: dt.datetime | None, loaded_at: float, now: float) -> 
     return None
 
 
-def checks_schedule(config: PgstreamConfig) -> dg.ScheduleDefinition:
-    """``pgstream_checks``: every asset check at ``checks.cron``, no catch-up after downtime."""
+def schedules(config: PgstreamConfig) -> list[dg.ScheduleDefinition]:
+    """``pgstream_housekeeping``, and ``pgstream_checks``: every asset check at ``checks.cron``, no catch-up after
+    downtime."""
 
     @dg.schedule(name=CHECKS_JOB, job=checks_job, cron_schedule=config.checks.cron, execution_timezone="UTC",
                  default_status=dg.DefaultScheduleStatus.RUNNING,
@@ -75,15 +76,11 @@ def checks_schedule(config: PgstreamConfig) -> dg.ScheduleDefinition:
         why = missed_while_down(context.scheduled_execution_time, sensors.LOADED_AT, time.time())
         return dg.SkipReason(why) if why is not None else dg.RunRequest(tags={SCHEDULED_CHECKS_TAG: "true"})
 
-    return _checks
-
-
-def schedules(config: PgstreamConfig) -> list[dg.ScheduleDefinition]:
     return [
         dg.ScheduleDefinition(name=HOUSEKEEPING_JOB, job=housekeeping_job, cron_schedule=config.housekeeping.cron,
                               execution_timezone="UTC", default_status=dg.DefaultScheduleStatus.RUNNING,
                               description="Partition and ledger housekeeping (housekeeping.cron)."),
-        checks_schedule(config),
+        _checks,
     ]
 
 

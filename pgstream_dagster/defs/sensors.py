@@ -36,7 +36,7 @@ import psycopg
 
 from ..config import StreamConfig, reader_groups, streams_fingerprint
 from ..engine import limits, replication
-from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, decide, notes, tick_notes
+from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, decide, tick_notes
 from ..engine.collector import fewer_collections
 from ..engine.dbconn import database_key, describe_url, error_line, server_gone
 from ..engine.delivery.group import member_run_id
@@ -135,25 +135,6 @@ def _find_run(instance: dg.DagsterInstance, run_key: str | None) -> dg.DagsterRu
     return runs[0] if runs else None
 
 
-def _lease_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun,
-                stream: StreamConfig, now: dt.datetime) -> tuple[str | None, str]:
-    """A run Dagster shows started, by its delivery lease: (why it is dead, or None; what it is doing).
-    Dead at once when the backend that held its lease has ended (its process died, or Postgres
-    restarted under it: it can record nothing more); one that has not taken its lease yet is given
-    ``delivery.run_grace_secs`` from its start."""
-    state = locks.lease_state(conn, run.run_id)
-    if state is locks.LeaseState.HELD:
-        return None, f"run {run.run_id} (it holds the delivery lease)"
-    if state is locks.LeaseState.LOST:
-        return ("the database session holding its delivery lease has ended (its process died, or Postgres "
-                "restarted): it delivers nothing more"), ""
-    grace = stream.delivery.run_grace_secs
-    late, doing = _not_taken(instance, run, grace, now.timestamp())
-    if not late:
-        return None, f"run {run.run_id}: {doing}"
-    return f"no delivery lease {grace:g} s after it started (delivery.run_grace_secs): its process died", ""
-
-
 def _not_taken(instance: dg.DagsterInstance, run: dg.DagsterRun, grace: float, now: float) -> tuple[bool, str]:
     """A started run that has taken no delivery lease yet: whether ``grace`` has passed since it started
     (it is dead), and how long ago it started."""
@@ -190,10 +171,22 @@ def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.Da
     if run is None:
         return NO_RUN, None
     if run.status == dg.DagsterRunStatus.STARTED:
-        dead, doing = _lease_view(conn, instance, run, stream, now)
-        if dead is not None:  # reported failed by step()
-            return RunView(RunStatus.DEAD, run.run_id, dg.DagsterRunStatus.FAILURE.value, dead), None
-        return RunView(RunStatus.LIVE, run.run_id), doing
+        # by its delivery lease: dead at once when the backend that held it has ended (its process died, or
+        # Postgres restarted under it: it can record nothing more); one that has not taken it yet is given
+        # delivery.run_grace_secs from its start. A dead one is reported failed by step().
+        state = locks.lease_state(conn, run.run_id)
+        if state is locks.LeaseState.HELD:
+            return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id} (it holds the delivery lease)"
+        if state is locks.LeaseState.LOST:
+            dead = ("the database session holding its delivery lease has ended (its process died, or Postgres "
+                    "restarted): it delivers nothing more")
+        else:
+            grace = stream.delivery.run_grace_secs
+            late, doing = _not_taken(instance, run, grace, now.timestamp())
+            if not late:
+                return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id}: {doing}"
+            dead = f"no delivery lease {grace:g} s after it started (delivery.run_grace_secs): its process died"
+        return RunView(RunStatus.DEAD, run.run_id, dg.DagsterRunStatus.FAILURE.value, dead), None
     if run.status in _LIVE:
         return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
     if run.status in _FAILED:
@@ -239,13 +232,12 @@ class GroupLook:
 
 
 def _member_host(instance: dg.DagsterInstance, conn: psycopg.Connection, group: str, stream_id: int,
-                 run_key: str, look: GroupLook | None = None) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
+                 run_key: str, look: GroupLook) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
     """The group delivery run that took member run ``run_key`` of stream ``stream_id``, and its member tag:
-    the newest group runs first (nearly always one of them: ``look.runs``, when the caller read them already
-    for all the group's members), then the older ones."""
-    for limit in (3, 100):
-        runs = look.runs if limit == 3 and look is not None else _group_runs(instance, conn, group, limit=limit)
-        for run in runs:
+    the newest group runs first (nearly always one of them: ``look.runs``, read once for all the group's
+    members), then the older ones."""
+    for newest in (True, False):
+        for run in look.runs if newest else _group_runs(instance, conn, group, limit=100):
             raw = run.tags.get(member_tag(stream_id))
             member = json.loads(raw) if raw else {}
             if member.get("run_key") == run_key:
@@ -254,7 +246,7 @@ def _member_host(instance: dg.DagsterInstance, conn: psycopg.Connection, group: 
 
 
 def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-                 run_key: str, look: GroupLook | None = None) -> tuple[RunView, str | None] | None:
+                 run_key: str, look: GroupLook) -> tuple[RunView, str | None] | None:
     """The member run ``run_key`` of a reader group's stream: what its group delivery run said of it (its member
     tag), the group run's status and, while it is started, the member's delivery lease (lost: dead). None: no
     group run took it (yet)."""
@@ -268,8 +260,7 @@ def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream:
     if member.get("state") == "ended":
         return RunView(RunStatus.SUCCEEDED, member_id), None
     if run.status == dg.DagsterRunStatus.STARTED:
-        state = (look.leases[member_id] if look is not None and member_id in look.leases
-                 else locks.lease_state(conn, member_id))
+        state = look.leases[member_id] if member_id in look.leases else locks.lease_state(conn, member_id)
         if state is locks.LeaseState.LOST:
             return RunView(RunStatus.DEAD, member_id, dg.DagsterRunStatus.FAILURE.value,
                            "the database session holding its delivery lease has ended (the group delivery run's "
@@ -289,14 +280,13 @@ def _waiting_member(stream: StreamConfig, run_key: str) -> tuple[RunView, str]:
     return RunView(RunStatus.LIVE, run_key), f"the delivery run of reader group {stream.reader} to take run {run_key}"
 
 
-def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-         log: list[str], waiting: list[str] | None = None, said: dict[str, Any] | None = None,
-         look: GroupLook | None = None, state: StreamState | None = None) -> dg.RunRequest | None:
-    """One decision: read the stream's state, look at its run in Dagster, decide, apply; the run to
-    request, if any. ``log`` receives what the tick log should say (with ``said``, what was said before:
-    :func:`~..engine.batches.tick_notes`), ``waiting`` what the run the stream waits for is doing (for the
-    skip reason); ``look`` and ``state``: what the group's sensor read once for all its members. A dead run
-    is reported failed to Dagster as soon as it is seen."""
+def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig, log: list[str],
+         said: dict[str, Any], look: GroupLook, state: StreamState | None) -> tuple[dg.RunRequest | None, str | None]:
+    """One decision: read the stream's state (unless given), look at its run in Dagster, decide, apply; the run to
+    request, if any, and what the run the stream waits for is doing (for the skip reason). ``log`` receives what
+    the tick log should say (with ``said``, what was said before: :func:`~..engine.batches.tick_notes`); ``look``
+    and ``state``: what the group's sensor read once for all its members. A dead run is reported failed to Dagster
+    as soon as it is seen."""
     if state is None:
         state = ledger_state.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
@@ -317,20 +307,19 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     if view.status is RunStatus.DEAD and run is not None:
         instance.report_run_failed(run, f"pgstream: run {run.run_id} of stream {stream.id} died: {view.error}")
         log.append(f"stream {stream.id}: run {run.run_id} died ({view.error}); marked failed")
-    if waiting is not None:
-        waiting[:] = [f"waiting for {doing}"] if doing is not None and state.head is not None else []
-    log.extend(notes(action) if said is None else tick_notes(action, said, time.time()))
+    waiting = f"waiting for {doing}" if doing is not None and state.head is not None else None
+    log.extend(tick_notes(action, said, time.time()))
     order = ledger_state.apply(conn, stream, action)
     if order is None or stream.delivery.keeps_open:
-        return None  # an open run: the group's delivery run hosts it
-    return _request(order, database_key(conn))  # mode per_batch: a run of its own (the design card's run per batch)
+        return None, waiting  # an open run: the group's delivery run hosts it
+    # mode per_batch: a run of its own (the design card's run per batch)
+    return _request(order, database_key(conn)), waiting
 
 
 def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_key: str, stream: StreamConfig,
-                   look: GroupLook | None = None) -> str:
+                   look: GroupLook) -> str:
     """What became of the stream's open run (its member run in the group's delivery run), for the status
-    asset: ``live`` (it holds the delivery lease), ``starting`` (not delivering yet), or ``gone`` with why
-    (``look``: the group's newest delivery runs, when the caller read them)."""
+    asset: ``live`` (it holds the delivery lease), ``starting`` (not delivering yet), or ``gone`` with why."""
     view, doing = _member_view(conn, instance, stream, run_key, look) or _waiting_member(stream, run_key)
     if view.status is RunStatus.LIVE:
         held = doing is not None and "holds the delivery lease" in doing
@@ -338,10 +327,8 @@ def open_run_state(conn: psycopg.Connection, instance: dg.DagsterInstance, run_k
     return f"gone: member run {view.run_id} {view.status.value}" + (f" ({view.error})" if view.error else "")
 
 
-#: what the status asset shows that a new observation must not wait for: the state, and the counts (a reader
-#: group's member: the state only, its counts when due)
+#: what the status asset shows that a new observation must not wait for: the state (the counts wait until due)
 _SEEN_STATE = ("state", "open_dead_letters", "open_run_key", "failover_attempts", "wal_status")
-_SEEN_COUNTS = ("last_recorded_event_id", "undelivered_events", "undelivered_batches", "delivered_today")
 #: a reader group's sensor observes its members' changed counts at most this many times a second together (each
 #: observation is a few writes to Dagster's event log; the state, when it changes, at once): a member's counts
 #: are observed every ``max(sensor.status_every_secs, members / OBSERVATIONS_PER_SEC)`` seconds
@@ -351,25 +338,22 @@ OBSERVATIONS_PER_TICK = 10
 
 
 def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
-                    row: dict[str, Any], cursor: dict[str, Any],
-                    look: GroupLook | None = None, members: int = 0) -> dg.AssetObservation | None:
-    """An observation of the stream status asset when anything it shows changed or it is due
-    (``sensor.status_every_secs``); a member of a reader group of ``members`` streams: when its state changed,
-    or it is due (every ``members / OBSERVATIONS_PER_SEC`` seconds at least)."""
+                    row: dict[str, Any], cursor: dict[str, Any], look: GroupLook,
+                    members: int) -> dg.AssetObservation | None:
+    """An observation of the stream status asset, a member of a reader group of ``members`` streams, when its
+    state changed or it is due (``sensor.status_every_secs``, every ``members / OBSERVATIONS_PER_SEC`` seconds at
+    least)."""
     run_state = (open_run_state(conn, instance, row["open_run_key"], stream, look) if row.get("open_run_key")
                  else None)
-    shown = [row.get(k) for k in _SEEN_STATE] + [run_state] + ([] if members else [row.get(k) for k in _SEEN_COUNTS])
     # (a digest: a group's cursor holds one per member)
-    seen = hashlib.sha1(json.dumps(shown, default=str).encode()).hexdigest()
+    seen = hashlib.sha1(json.dumps([*(row.get(k) for k in _SEEN_STATE), run_state], default=str).encode()).hexdigest()
     every = max(stream.sensor.status_every_secs, members / OBSERVATIONS_PER_SEC)
     due = time.time() - float(cursor.get("status_at", 0)) >= every
     if not due and cursor.get("status_seen") == seen:
         return None
     # a group's members each at their own phase of the period (not a hundred observations in one tick)
-    cursor["status_at"] = time.time() - (every * ((stream.id * 0.618) % 1.0) if members else 0.0)
+    cursor["status_at"] = time.time() - every * ((stream.id * 0.618) % 1.0)
     cursor["status_seen"] = seen
-    for old in ("status_state", "status_dead_letters"):  # what cursors of earlier versions kept
-        cursor.pop(old, None)
     return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, run_state)
 
 
@@ -395,20 +379,6 @@ def left_out_sensor(stream_id: int, problem: str) -> dg.SensorDefinition:
 
 # --- a reader group's sensor ------------------------------------------------------------------------
 
-def _register_members(conn: psycopg.Connection, group: str, streams: list[StreamConfig], log: list[str],
-                      left_out: dict[int, str]) -> None:
-    """The members the database does not have in the group yet are registered now (one query when none is
-    missing), even while an older group run's reader reads: that run records them meanwhile and is asked to end
-    (:func:`_ask_to_end`); the next one hosts them. A member whose registration is refused (a stream of another
-    group, a publication by its name that another role made) is left out in one line (``log``, ``left_out``)."""
-    added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
-    log.extend(refused.values())
-    left_out.update(refused)
-    if added:
-        log.append(f"reader group {group}: stream(s) {', '.join(map(str, added))} registered; they join at the "
-                   f"group reader's next pass")
-
-
 def _ask_to_end(instance: dg.DagsterInstance, run: dg.DagsterRun, group: str, fingerprint: str,
                 log: list[str]) -> str:
     """A live group run requested with another configuration than the code location's (its
@@ -430,8 +400,18 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     """The group's delivery run: the one live (queued, starting, or started and holding the group's delivery
     lease), or one to request (with the members' :data:`~.names.CONFIG_TAG`) when none is. A started one whose
     lease was lost, or that took none ``delivery.run_grace_secs`` after it started, is reported failed (the
-    sensor then retries its members' runs). Members are registered first (:func:`_register_members`)."""
-    _register_members(conn, group, streams, log, left_out)
+    sensor then retries its members' runs).
+
+    The members the database does not have in the group yet are registered first (one query when none is
+    missing), even while an older group run's reader reads: that run records them meanwhile and is asked to end
+    (:func:`_ask_to_end`); the next one hosts them. A member whose registration is refused (a stream of another
+    group, a publication by its name that another role made) is left out in one line (``log``, ``left_out``)."""
+    added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
+    log.extend(refused.values())
+    left_out.update(refused)
+    if added:
+        log.append(f"reader group {group}: stream(s) {', '.join(map(str, added))} registered; they join at the "
+                   f"group reader's next pass")
     fingerprint = streams_fingerprint(streams)
     grace = min(s.delivery.run_grace_secs for s in streams)
     for run in _group_runs(instance, conn, group, limit=5):
@@ -475,29 +455,14 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
 
 
-class DatabaseUnreachable(RuntimeError):
-    """The sensor cannot connect to ``database_url``: its tick says so in one line (:func:`_told`)."""
-
-
-def _connect(pgstream: PgstreamResource) -> psycopg.Connection:
-    """The tick's connection; a database that cannot be reached (a wrong URL, Postgres down) is
-    :class:`DatabaseUnreachable`, naming the URL's role and host (never the URL) and Postgres' message."""
-    try:
-        return pgstream.connect()
-    except psycopg.OperationalError as exc:
-        raise DatabaseUnreachable(f"cannot connect to the database ({describe_url(pgstream.database_url)}, from "
-                                  f"database_url): {error_line(exc)}") from None
-
-
 #: what a group's tick tells in one line (its skip reason), without a traceback
 _TOLD_IN_ONE_LINE = (LimitsExceeded, groups.GroupChange, SlotCreationWaits, PublicationTaken)
 
 
-def _told(context: dg.SensorEvaluationContext, exc: Exception) -> dg.SensorResult:
-    """The tick ends with ``exc`` in one line (:data:`_TOLD_IN_ONE_LINE`, :class:`DatabaseUnreachable`): its
-    skip reason, and logged when the last tick did not end with the same line (the cursor's ``told``; a tick that
-    gets through drops it), so an outage or a refusal that lasts is one line in the log, not one a tick."""
-    line = str(exc)
+def _told(context: dg.SensorEvaluationContext, line: str) -> dg.SensorResult:
+    """The tick ends with ``line``: its skip reason, and logged when the last tick did not end with the same line
+    (the cursor's ``told``; a tick that gets through drops it), so an outage or a refusal that lasts is one line in
+    the log, not one a tick."""
     cursor = json.loads(context.cursor) if context.cursor else {}
     if cursor.get("told") != line:
         context.log.error(line)
@@ -508,19 +473,22 @@ def _told(context: dg.SensorEvaluationContext, exc: Exception) -> dg.SensorResul
 Tick = Callable[[dg.SensorEvaluationContext, PgstreamResource], dg.SensorResult]
 
 
-def _waits_for_the_database(tick: Tick) -> Tick:
-    """A tick whose server goes away mid-way (the primary crashed or is failing over) or is read-only ends
-    with that in one line (:func:`~..engine.dbconn.server_gone`), as a database it cannot connect to does
-    (:class:`DatabaseUnreachable`): no traceback; the next tick tries again."""
+def _tells_in_one_line(tick: Tick) -> Tick:
+    """A tick refused (:data:`_TOLD_IN_ONE_LINE`), that cannot connect to the database (a wrong URL, Postgres
+    down), or whose server goes away mid-way (the primary crashed or is failing over) or is read-only
+    (:func:`~..engine.dbconn.server_gone`) ends with that in one line (:func:`_told`; the database by the URL's role
+    and host, never the URL): no traceback; the next tick tries again."""
     @functools.wraps(tick)
     def waiting(context: dg.SensorEvaluationContext, pgstream: PgstreamResource) -> dg.SensorResult:
         try:
             return tick(context, pgstream)
+        except _TOLD_IN_ONE_LINE as exc:
+            return _told(context, str(exc))
         except psycopg.Error as exc:
             line = server_gone(exc)
             if line is None:
                 raise
-            return _told(context, DatabaseUnreachable(f"{describe_url(pgstream.database_url)}: {line}"))
+            return _told(context, f"{describe_url(pgstream.database_url)}: {line}")
     return waiting
 
 
@@ -535,9 +503,8 @@ def _launch_waits(conn: psycopg.Connection, ids: list[int], deadline: float) -> 
 
 
 def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
-                    cursor: dict[str, Any], log: list[str], requests: list[dg.RunRequest],
-                    observations: int = OBSERVATIONS_PER_TICK,
-                    waits: dict[int, str] | None = None) -> list[dg.AssetObservation]:
+                    cursor: dict[str, Any], log: list[str], requests: list[dg.RunRequest], observations: int,
+                    waits: dict[int, str | None]) -> list[dg.AssetObservation]:
     """The decisions of every member, once each (:func:`step`; the runs of members in mode per_batch are added
     to ``requests``), and the observations of their status assets (at most ``observations``; ``waits``: what
     the run of each member in mode per_batch is doing, for the skip reason). A member still handing its own
@@ -560,14 +527,10 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
             consume(conn, stream, JOINING_READ_SECS)
         mine = members.setdefault(str(stream.id), {})
         # (a joining member's own slot was just read: its state read again)
-        waiting: list[str] = []
-        request = step(conn, instance, stream, log, waiting, said=mine.setdefault("said", {}), look=look,
-                       state=states[stream.id] if stream.id in joined else None)
-        if waits is not None and not stream.delivery.keeps_open:  # (a run of its own: the group run's are told)
-            if waiting:
-                waits[stream.id] = waiting[0]
-            else:
-                waits.pop(stream.id, None)
+        request, waiting = step(conn, instance, stream, log, said=mine.setdefault("said", {}), look=look,
+                                state=states[stream.id] if stream.id in joined else None)
+        if not stream.delivery.keeps_open:  # (a run of its own: the group run's are told)
+            waits[stream.id] = waiting
         if request is not None:
             requests.append(request)
     by_id = {s.id: s for s in streams}
@@ -621,7 +584,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                     f"batches, decides each stream's runs, in order, and requests the group's delivery run (one "
                     f"process hosting their runs) when none is live.",
     )
-    @_waits_for_the_database
+    @_tells_in_one_line
     def _sensor(context: dg.SensorEvaluationContext, pgstream: dg.ResourceParam[PgstreamResource]) -> dg.SensorResult:
         cursor = json.loads(context.cursor) if context.cursor else {}
         cursor.pop("streams", None)  # what cursors of earlier versions kept (now under "members")
@@ -630,68 +593,64 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         decisions: list[str] = []
         left_out: dict[int, str] = {}  # members whose registration was refused: not read, told in one line each
         try:
-            connection = _connect(pgstream)
-        except DatabaseUnreachable as exc:
-            return _told(context, exc)
+            connection = pgstream.connect()
+        except psycopg.OperationalError as exc:
+            return _told(context, f"cannot connect to the database ({describe_url(pgstream.database_url)}, from "
+                                  f"database_url): {error_line(exc)}")
         with connection as conn:
-            try:
-                live = any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5))
-                if not live:
-                    # the group run's process takes seconds to start: requested first, and this tick ends (the
-                    # next one reads and decides meanwhile, or the run's reader reads once it is up)
-                    notes_: list[str] = []
-                    request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
-                    if request is not None:
-                        # a group whose slot cannot be created: the tick says why (its run's reader would be
-                        # refused at once, and every tick would request another)
-                        _slot_fits(conn, group)
-                        for line in notes_:
-                            context.log.warning(line)
-                        context.log.info(f"reader group {group}: group delivery run {delivery}")
-                        return dg.SensorResult(run_requests=[request],
-                                               cursor=json.dumps(cursor, sort_keys=True, default=str))
-                # one reader of the group's slot at a time: the tick reads only when the group delivery run's
-                # reader does not (it reads continuously while the run lives; its lock ends with its session).
-                # It reads in slices of DECIDE_EVERY_SECS and decides for the members after each: what it recorded
-                # is handed to the members' runs within a second, not at the end of the budget, and the group
-                # run's reader, once up, takes the reading over between slices. (Here without a live group run:
-                # its members are all in mode per_batch, which keeps none; the tick reads its whole budget.)
-                result, observed = GroupResult(), list[dg.AssetObservation]()
-                own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
-                waits: dict[int, str] = {}  # what the runs of members in mode per_batch are doing
-                deadline = time.monotonic() + budget
-                while True:
-                    reading = None
-                    if locks.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
-                        try:
-                            with fewer_collections():  # the tick records in bulk
-                                result.add(consume_group(conn, group, streams,
-                                                         min(DECIDE_EVERY_SECS, max(0.0, deadline - time.monotonic())),
-                                                         invalid=invalid))
-                        finally:
-                            locks.release_group_reading(conn, group)
-                    else:
-                        reading = locks.group_reading_holder(conn, group) or "a session that is ending"
-                    observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                own_runs, observations=OBSERVATIONS_PER_TICK - len(observed),
-                                                waits=waits)
-                    if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
-                        break
-            except _TOLD_IN_ONE_LINE as exc:
-                return _told(context, exc)
+            live = any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5))
+            if not live:
+                # the group run's process takes seconds to start: requested first, and this tick ends (the
+                # next one reads and decides meanwhile, or the run's reader reads once it is up)
+                notes_: list[str] = []
+                request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
+                if request is not None:
+                    # a group whose slot cannot be created: the tick says why (its run's reader would be
+                    # refused at once, and every tick would request another)
+                    _slot_fits(conn, group)
+                    for line in notes_:
+                        context.log.warning(line)
+                    context.log.info(f"reader group {group}: group delivery run {delivery}")
+                    return dg.SensorResult(run_requests=[request],
+                                           cursor=json.dumps(cursor, sort_keys=True, default=str))
+            # one reader of the group's slot at a time: the tick reads only when the group delivery run's
+            # reader does not (it reads continuously while the run lives; its lock ends with its session).
+            # It reads in slices of DECIDE_EVERY_SECS and decides for the members after each: what it recorded
+            # is handed to the members' runs within a second, not at the end of the budget, and the group
+            # run's reader, once up, takes the reading over between slices. (Here without a live group run:
+            # its members are all in mode per_batch, which keeps none; the tick reads its whole budget.)
+            result, observed = GroupResult(), list[dg.AssetObservation]()
+            own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
+            waits: dict[int, str | None] = {}  # what the runs of members in mode per_batch are doing
+
+            def decide() -> None:
+                observed.extend(_decide_members(conn, context.instance, group, streams, cursor, decisions, own_runs,
+                                                OBSERVATIONS_PER_TICK - len(observed), waits))
+
+            deadline = time.monotonic() + budget
+            while True:
+                reading = None
+                if locks.claim_group_reading(conn, group, f"sensor {group_sensor_name(group)}"):
+                    try:
+                        with fewer_collections():  # the tick records in bulk
+                            result.add(consume_group(conn, group, streams,
+                                                     min(DECIDE_EVERY_SECS, max(0.0, deadline - time.monotonic())),
+                                                     invalid=invalid))
+                    finally:
+                        locks.release_group_reading(conn, group)
+                else:
+                    reading = locks.group_reading_holder(conn, group) or "a session that is ending"
+                decide()
+                if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
+                    break
             notes_ = []
             request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
             # the group run's reader records: a batch it records for a member without a run waits for a decision,
             # taken when the tick sees one waiting (within LAUNCH_LOOK_SECS, not at the next tick); after the
             # group's run was seen to (members registered, a run of another configuration asked to end)
             if request is None and reading is not None:
-                try:
-                    while _launch_waits(conn, ids, deadline):
-                        observed += _decide_members(conn, context.instance, group, streams, cursor, decisions,
-                                                    own_runs, observations=OBSERVATIONS_PER_TICK - len(observed),
-                                                    waits=waits)
-                except _TOLD_IN_ONE_LINE as exc:
-                    return _told(context, exc)
+                while _launch_waits(conn, ids, deadline):
+                    decide()
             # the members the configuration does not deliver (their streams[] entry invalid, or missing), in one
             # line each as the group's reader tells them: told at every tick, whoever read
             if (state := groups.group_state(conn, group)) is not None:
@@ -717,7 +676,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                    cursor=new_cursor, asset_events=observed)
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
                 if reading is None else f"read nothing: {reading} reads the group's slot")
-        why = "".join(f"; stream {sid} {line}" for sid, line in sorted(waits.items()))
+        why = "".join(f"; stream {sid} {line}" for sid, line in sorted(waits.items()) if line)
         return dg.SensorResult(skip_reason=dg.SkipReason(
             f"{read}{joining}{left}; {pending} undelivered events in {batches} batches{why}; {delivery}"),
             cursor=new_cursor, asset_events=observed)

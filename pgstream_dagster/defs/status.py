@@ -36,12 +36,10 @@ def _markdown_consumers(readers: list[dict[str, Any]]) -> str:
                         for c in readers)])
 
 
-def status_observation(s: dict[str, Any], open_run_state: str | None = None,
-                       observer: str = "sensor") -> dg.AssetObservation:
-    """The stream's status row (``stream_status``) as an observation of its status asset (its cursor:
+def status_observation(s: dict[str, Any], open_run_state: str | None = None) -> dg.AssetObservation:
+    """The stream's status row (``stream_status``) as its reader group's sensor observes it (its cursor:
     the last event id and LSN the ledger recorded, whoever read the slot);
-    ``open_run_state``: what became of the open run (live, starting, gone: see the sensor);
-    ``observer``: who looked (the sensor, or the delivery run after a round)."""
+    ``open_run_state``: what became of the open run (live, starting, gone: see the sensor)."""
     now = dt.datetime.now(dt.UTC)
     oldest = s["oldest_undelivered_at"]
     def when(key: str) -> Any:
@@ -61,7 +59,7 @@ def status_observation(s: dict[str, Any], open_run_state: str | None = None,
         "failover_error": s["failover_error"],
         "open_run_key": s.get("open_run_key"),
         "open_run_state": open_run_state if s.get("open_run_key") else None,
-        "observed_by": observer, "open_dead_letters": int(s.get("open_dead_letters") or 0),
+        "observed_by": "sensor", "open_dead_letters": int(s.get("open_dead_letters") or 0),
         "oldest_dead_letter_at": when("oldest_dead_letter_at"),
         "last_batches": dg.MetadataValue.md(_markdown_batches(s["last_batches"])),
     }
