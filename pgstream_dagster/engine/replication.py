@@ -287,15 +287,11 @@ def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None 
     return str(row[0])
 
 
-def peek(conn: psycopg.Connection, slot: str, publication: str, max_changes: int) -> list[Transaction]:
-    """Committed transactions waiting in the slot, in commit order (does not consume them)."""
-    return peek_rows(conn, slot, publication, max_changes)[0]
-
-
 def peek_rows(conn: psycopg.Connection, slot: str, publication: str,
               max_changes: int, *, keep_stream: bool = False) -> tuple[list[Transaction], int]:
-    """:func:`peek` and the number of decoded messages (fewer than ``max_changes``: the end of what was
-    committed was reached); ``keep_stream``: each event's stream id."""
+    """Committed transactions waiting in the slot, in commit order (not consumed), and the number of decoded
+    messages (fewer than ``max_changes``: the end of what was committed was reached); ``keep_stream``: each
+    event's stream id."""
     messages = [data for (data,) in conn.execute(
         "select data from pg_catalog.pg_logical_slot_peek_binary_changes(%s, null, %s, "
         "'proto_version', '1', 'publication_names', %s)",

@@ -135,7 +135,7 @@ def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_s
         for stream_id, txns in by_stream.items():
             target = ledgers[stream_id]
             # the declared reader, under the stream row's lock (a joining member may have been handed over)
-            if state.lock_slot_reader(conn, stream_id) != target.reader:
+            if state.slot_reader(conn, stream_id, lock=True) != target.reader:
                 lost.add(stream_id)
                 continue
             # what the ledger holds already (read again: not confirmed yet) is recorded once

@@ -119,11 +119,6 @@ def replay_waiting(conn: psycopg.Connection, stream_id: int) -> bool:
     return lock_holder(conn, REPLAY_LOCK, stream_id) is not None
 
 
-def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:
-    """Whether run ``run_id``'s process holds a delivery lease (of any stream) and is alive."""
-    return lease_state(conn, run_id) is LeaseState.HELD
-
-
 class LeaseState(StrEnum):
     """What became of a run's delivery lease (:func:`lease_state`)."""
 
