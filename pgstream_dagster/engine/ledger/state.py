@@ -446,9 +446,9 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
             return apply(conn, stream, then)
         case Wait():
             return None
-        case Warm(run=run, again=again):
+        case Warm(run_key=key, again=again):
             if not again:
-                open_warm_run(conn, stream.id, run.run_key)
+                open_warm_run(conn, stream.id, key)
             return None
         case Launch(order=order, keep_open=keep_open, replaces=replaces):
             launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces)
