@@ -83,12 +83,6 @@ class GroupHost:
 
 
 @dataclass
-class _Member:
-    run: groups.MemberRun
-    thread: threading.Thread
-
-
-@dataclass
 class GroupDelivery:
     """The delivery run of reader group ``group`` (its members: ``streams``)."""
 
@@ -100,8 +94,7 @@ class GroupDelivery:
     max_run_secs: float
     #: every run key this group run took (or refused) since its last outage
     hosted: set[str] = field(default_factory=set)
-    errors: dict[int, str] = field(default_factory=dict)  # the last failure of each member
-    _members: dict[int, _Member] = field(default_factory=dict)
+    _members: dict[int, threading.Thread] = field(default_factory=dict)  # (their threads)
     #: per member: set when its ledger row moved (``ledger.groups.member_signals``) or its run channel was notified
     _wake: dict[int, threading.Event] = field(default_factory=dict)
     _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
@@ -146,8 +139,8 @@ class GroupDelivery:
                     lease = taken
         except BaseException:
             self._stop("the group run is ending (interrupted or failed)")
-            for member in list(self._members.values()):
-                member.thread.join(30)
+            for thread in list(self._members.values()):
+                thread.join(30)
             raise
         finally:
             self._reading_ends.set()
@@ -228,8 +221,8 @@ class GroupDelivery:
         self._outage = self._outage_line = line
         for event in self._wake.values():
             event.set()
-        for member in list(self._members.values()):
-            member.thread.join(30)
+        for thread in list(self._members.values()):
+            thread.join(30)
         self._reap()
         lease.close()
         self._connections.close()
@@ -390,13 +383,13 @@ class GroupDelivery:
         return wake
 
     def _reap(self) -> None:
-        for stream_id in [s for s, m in self._members.items() if not m.thread.is_alive()]:
+        for stream_id in [s for s, m in self._members.items() if not m.is_alive()]:
             del self._members[stream_id]
 
     def _start(self, stream: StreamConfig, order: groups.MemberRun) -> None:
         thread = threading.Thread(target=self._member, args=(stream, order), daemon=True,
                                   name=f"pgstream-member-{stream.id}")
-        self._members[stream.id] = _Member(order, thread)
+        self._members[stream.id] = thread
         thread.start()
 
     def _member(self, stream: StreamConfig, order: groups.MemberRun) -> None:
@@ -429,7 +422,6 @@ class GroupDelivery:
                                  f"hosted again once the database accepts writes")
             else:
                 error = dbconn.first_line(exc)[:500]
-                self.errors[stream.id] = error
                 host.log.error(f"stream {stream.id}: member run {run_id} ({order.run_key}) failed: {error}")
         finally:
             if interrupted or (error is None and self._outage is not None):
