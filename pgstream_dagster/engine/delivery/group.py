@@ -98,8 +98,7 @@ class GroupDelivery:
     #: per member: set when its ledger row moved (``ledger.groups.member_signals``) or its run channel was notified
     _wake: dict[int, threading.Event] = field(default_factory=dict)
     _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
-    _stopping: threading.Event = field(default_factory=threading.Event)
-    _stop_reason: str | None = None
+    _stop_reason: str | None = None  # (set once: the members' runs close)
     #: set by the reader when it met one of :data:`REFUSALS`: the group run ends with this line as the reason
     _refused: str | None = None
     #: set when the group run ends: its reader stops reading and gives the group's reading up
@@ -192,7 +191,10 @@ class GroupDelivery:
                     log.warning(f"stream {order.stream_id}: run {order.run_key} was hosted elsewhere; left to "
                                 f"its sensor")
                     continue
-                self._start(by_id[order.stream_id], order)
+                thread = threading.Thread(target=self._member, args=(by_id[order.stream_id], order), daemon=True,
+                                          name=f"pgstream-member-{order.stream_id}")
+                self._members[order.stream_id] = thread
+                thread.start()
             self._wait(lease, channels, POLL_SECS)
 
     def _resume_interrupted(self, wanted: list[groups.MemberRun]) -> None:
@@ -350,7 +352,6 @@ class GroupDelivery:
 
     def _stop(self, reason: str) -> None:
         self._stop_reason = reason
-        self._stopping.set()
         for event in self._wake.values():
             event.set()
         self.host.log.info(f"reader group {self.group}: the group delivery run ends ({reason}); its members' runs "
@@ -386,20 +387,14 @@ class GroupDelivery:
         for stream_id in [s for s, m in self._members.items() if not m.is_alive()]:
             del self._members[stream_id]
 
-    def _start(self, stream: StreamConfig, order: groups.MemberRun) -> None:
-        thread = threading.Thread(target=self._member, args=(stream, order), daemon=True,
-                                  name=f"pgstream-member-{stream.id}")
-        self._members[stream.id] = thread
-        thread.start()
-
     def _member(self, stream: StreamConfig, order: groups.MemberRun) -> None:
         """One member's run, in its own thread: its failure ends only this thread."""
         run_id = member_run_id(self.host.run_id, stream.id)
         base = self.host.member_host(stream, run_id)
 
         def stop_check() -> str | None:
-            if self._stopping.is_set():
-                return f"the group delivery run ends ({self._stop_reason})"
+            if (reason := self._stop_reason) is not None:
+                return f"the group delivery run ends ({reason})"
             if self._outage is not None:
                 return f"the database went away ({self._outage})"
             return base.stop_check()
