@@ -253,16 +253,12 @@ class SlotCreationWaits(RuntimeError):
     point where none is): one line naming their backends. Nothing was created; try again later."""
 
 
-_CREATE_SLOT = "select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput')"
-_CREATE_FAILOVER_SLOT = ("select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput', "
-                         "failover => true)")
-
-
 def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None = None) -> str:
     """Create the pgoutput slot (outside a transaction that wrote); its consistent point. Waits for running
     transactions to end: with ``wait_secs`` at most that long, then :class:`SlotCreationWaits`."""
     # a failover slot (17+): a primary's synchronized_standby_slots holds decoding until the standby has the WAL
-    query = _CREATE_FAILOVER_SLOT if conn.info.server_version >= 170000 else _CREATE_SLOT
+    failover = ", failover => true" if conn.info.server_version >= 170000 else ""
+    query = f"select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput'{failover})"  # noqa: S608
     params = [slot]
     if wait_secs is None:
         row = conn.execute(query, params).fetchone()

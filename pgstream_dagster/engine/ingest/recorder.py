@@ -69,12 +69,11 @@ class Pending:
     def oldest_commit(self) -> dt.datetime | None:
         return next((t.commit_time for t in self.txns if t.events or t.unreadable), None)
 
-    def take(self, count: int) -> list[Transaction]:
-        taken, rest = self.txns[:count], self.txns[count:]
-        self.txns = []
-        self.waiting = 0
+    def drop(self, count: int) -> None:
+        """The first ``count`` transactions were recorded."""
+        rest = self.txns[count:]
+        self.txns, self.waiting = [], 0
         self.add(rest)
-        return taken
 
 
 @dataclass
@@ -183,7 +182,7 @@ class Recorder:
                            also=None if through is None else lambda conn: through(conn, end))
         if lost:
             return False
-        self.pending.take(count)
+        self.pending.drop(count)
         self.source.confirm(txns[-1].end_lsn)
         self.recorded_at = time.monotonic()
         return True
