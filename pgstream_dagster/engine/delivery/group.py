@@ -407,7 +407,7 @@ class GroupDelivery:
         try:
             run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,
                               order.through_batch_id, order.run_key,
-                              connections=self._connections.for_run()).start(host.log)
+                              connections=self._connections).start(host.log)
             for _round in run.deliver(host):
                 pass
         except Exception as exc:

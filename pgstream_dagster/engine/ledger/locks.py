@@ -322,8 +322,18 @@ class SharedConnections:
             if conn is not None:
                 conn.close()
 
-    def for_run(self) -> RunConnections:
-        return _SharedRun(self)
+    # (the :class:`RunConnections` of every run it hosts)
+    def take_lease(self, stream_id: int, run_id: str, waiting: Callable[[str], None] | None = None) -> None:
+        with self.session() as session:
+            take_lease(session, stream_id, run_id, waiting)
+
+    def give_up_lease(self, stream_id: int) -> None:
+        # (as :func:`give_up_lease`: never raises, so a run's own error is the one told; a session that cannot be
+        # opened again holds nothing)
+        with suppress(psycopg.Error), self.session() as session:
+            unlock(session, DELIVERY_LOCK, stream_id)
+
+    lease_session = session
 
     def close(self) -> None:
         with self._lock:
@@ -334,29 +344,6 @@ class SharedConnections:
             conn.close()
         if session is not None:
             session.close()
-
-
-class _SharedRun:
-    """One run's share of :class:`SharedConnections`."""
-
-    def __init__(self, shared: SharedConnections) -> None:
-        self.shared = shared
-
-    def take_lease(self, stream_id: int, run_id: str, waiting: Callable[[str], None] | None = None) -> None:
-        with self.shared.session() as session:
-            take_lease(session, stream_id, run_id, waiting)
-
-    def give_up_lease(self, stream_id: int) -> None:
-        # (as :func:`give_up_lease`: never raises, so a run's own error is the one told; a session that cannot be
-        # opened again holds nothing)
-        with suppress(psycopg.Error), self.shared.session() as session:
-            unlock(session, DELIVERY_LOCK, stream_id)
-
-    def connection(self) -> AbstractContextManager[psycopg.Connection]:
-        return self.shared.connection()
-
-    def lease_session(self) -> AbstractContextManager[psycopg.Connection]:
-        return self.shared.session()
 
 
 #: per reader group (name: this and the group's; key 0): its group delivery run's lease, for its process's life
