@@ -408,10 +408,9 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     """:func:`consume_group` into ``result``; whether ``kept`` stays open."""
     started = time.monotonic()
     deadline = started + budget_secs
-    ensured = ensure_group(conn, group, streams, result, invalid)
-    if ensured is None:
+    state = ensure_group(conn, group, streams, result, invalid)
+    if state is None:
         return False  # every member is left out
-    state = ensured
     # (read without those left out: tried again next time; with those whose entry is invalid or missing: recorded)
     streams = [s for s in streams if s.id not in result.left_out] + [
         recording_stand_in(sid, group) for sid in result.unconfigured]
