@@ -311,7 +311,8 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
         for i in ids:  # what the members' sensors decide: a warm run each (the group's reader hands them batches)
             assert state.open_warm_run(c, i, f"warm-{i}")
         insert_events(db_url, failing, 5)
-        while not state.assigned_after(c, f"warm-{failing}", 0):  # handed to its run: its sink refuses them
+        # handed to its run: its sink refuses them
+        while not state.next_assigned(c, failing, f"warm-{failing}", 0).batches:
             ingest.consume_group(c, "hosted", streams, 0.05)
         thread = threading.Thread(target=lambda: outcome.append(delivery.run()), daemon=True)
         thread.start()

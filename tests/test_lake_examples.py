@@ -17,13 +17,13 @@ import pytest
 from pgstream_dagster.config import load_config
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine.bootstrap import init
-from pgstream_dagster.engine.publish import drain, publish
+from pgstream_dagster.engine.publish import publish
 from pgstream_dagster.sinks import Event, build_sink
 from pgstream_dagster.sinks.base import psycopg2_url
 from pgstream_dagster.sinks.lake import token
 
 from .support.dagster_dev import repo_root
-from .support.sinks import unique
+from .support.sinks import drain, unique
 
 PAGES = sorted(p.stem for p in (repo_root() / "docs" / "lake").glob("*.md"))
 CATALOG_PLACEHOLDER = "postgresql+psycopg2://lake:…@db:5432/lake_catalog"

@@ -552,7 +552,7 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
         assert not ledger_state.apply_run(c, CloseRun(STREAM, "run-a"))  # batches assigned and not delivered
         for b in (first, second):
             ledger_state.mark_delivered(c, b, "r")
-        assert [b.id for b in ledger_state.assigned_after(c, "run-a", first)] == []
+        assert ledger_state.next_assigned(c, STREAM, "run-a", first).batches == []
         assert ledger_state.apply_run(c, CloseRun(STREAM, "run-a"))
         batch(3)
         assert ledger_state.extend_run(c, STREAM, "run-a", 1000) == []  # closed: never handed a batch again
@@ -609,7 +609,8 @@ def test_the_delivery_lease_goes_to_a_waiting_replay_and_back_without_deadlock(d
         replay = take("replay", lambda: locks.acquire_replay_lease(db_url, STREAM, "replay-1"))
         until(lambda: locks.replay_waiting(observer, STREAM))
         second = take("run-2", lambda: locks.acquire_lease(db_url, STREAM, "run-2"))
-        until(lambda: locks.lease_alive(observer, "run-2"))  # waiting, and alive for the sensor
+        # waiting, and alive for the sensor
+        until(lambda: locks.lease_state(observer, "run-2") is locks.LeaseState.HELD)
         assert locks.lock_holder(observer, locks.DELIVERY_LOCK, STREAM) == "run-1"
         assert replay.is_alive() and second.is_alive()
         first.close()  # the open run closed: the lease goes to the replay, not to the run waiting

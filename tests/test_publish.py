@@ -22,11 +22,12 @@ from pgstream_dagster.engine.publish import (
     RejectPolicy,
     RejectStormError,
     Span,
-    drain,
     owed_spans,
     publish,
 )
 from pgstream_dagster.sinks import Event, Sink, SinkError
+
+from .support.sinks import drain
 
 NOW = dt.datetime(2026, 11, 23, tzinfo=dt.UTC)
 

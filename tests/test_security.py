@@ -773,7 +773,8 @@ def test_an_application_role_can_neither_take_nor_hold_pgstreams_locks(
             lease = locks.acquire_lease(db_url, 1, "r2")
             try:
                 assert locks.lock_holder(owner, locks.DELIVERY_LOCK, 1) == "r2"
-                assert not locks.lease_alive(owner, "r1") and locks.lease_alive(owner, "r2")
+                held = locks.LeaseState.HELD
+                assert locks.lease_state(owner, "r1") is not held and locks.lease_state(owner, "r2") is held
             finally:
                 lease.close()
             assert locks.try_lock(owner, locks.REDELIVERY_LOCK, 1)

@@ -17,12 +17,13 @@ from pydantic import ValidationError
 
 from pgstream_dagster.config import ConfigError, parse_stream
 from pgstream_dagster.devdb import LocalPostgres
-from pgstream_dagster.engine.publish import Positioned, drain, publish
+from pgstream_dagster.engine.publish import Positioned, publish
 from pgstream_dagster.sinks import Event, SinkError, build_sink
 from pgstream_dagster.sinks import parquet as parquet_module
 from pgstream_dagster.sinks.lake import LakeSink, position_of, token
 
 from .support.lake import LAKE_FORMATS, lake_config, lake_ids
+from .support.sinks import drain
 
 STREAM = 3
 START = dt.datetime(2026, 11, 26, 22, 0, tzinfo=dt.UTC)

@@ -13,8 +13,10 @@ from pyspark.sql import SparkSession
 
 from pgstream_dagster.engine import spark
 from pgstream_dagster.engine.delivery.sources import SparkSource, publish_in_order
-from pgstream_dagster.engine.publish import Span, drain
+from pgstream_dagster.engine.publish import Span
 from pgstream_dagster.sinks.file import FileSinkConfig
+
+from .support.sinks import drain
 
 
 def _heap_used_mb(session: SparkSession) -> float:

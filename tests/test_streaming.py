@@ -62,7 +62,7 @@ def test_decoder_returns_transactions_in_commit_order(db_url: str) -> None:
     second.close()
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("insert into pgstream.events (payload, stream_id) values ('{}', 2)")  # other stream: filtered
-        txns = replication.peek(c, slot_of(db_url, 1), "pgstream_stream_1", 100)
+        txns = replication.peek_rows(c, slot_of(db_url, 1), "pgstream_stream_1", 100)[0]
         ids = [e.id for t in txns for e in t.events]
         assert ids == [high, low]
         created: dict[Any, Any] = dict(c.execute("select id, created_at from pgstream.events "
@@ -70,7 +70,7 @@ def test_decoder_returns_transactions_in_commit_order(db_url: str) -> None:
         assert [e.created_at for t in txns for e in t.events] == [created[high], created[low]]
         assert txns[0].commit_lsn < txns[1].commit_lsn
         replication.advance(c, slot_of(db_url, 1), txns[-1].end_lsn)
-        assert [t for t in replication.peek(c, slot_of(db_url, 1), "pgstream_stream_1", 100) if t.events] == []
+        assert [t for t in replication.peek_rows(c, slot_of(db_url, 1), "pgstream_stream_1", 100)[0] if t.events] == []
 
 
 def _relation(rel_id: int, columns: list[str]) -> bytes:
@@ -143,7 +143,7 @@ def test_tick_records_batches_and_rerun_requests_nothing_twice(db_url: str, tmp_
         rows = c.execute("select id, event_count, status from pgstream.batches order by id").fetchall()
         assert rows == [(1, 10, BatchStatus.LAUNCHED), (2, 10, BatchStatus.LAUNCHED), (3, 5, BatchStatus.LAUNCHED)]
         # WAL released at once: nothing left in the slot
-        assert [t for t in replication.peek(c, slot_of(db_url, 1), PUBLICATION, 100) if t.events] == []
+        assert [t for t in replication.peek_rows(c, slot_of(db_url, 1), PUBLICATION, 100)[0] if t.events] == []
     # re-evaluating (the same cursor, as after a crash of the tick) asks for the same run key only
     driver.cursors[DEFAULT_READER] = before
     again = driver.tick(1)

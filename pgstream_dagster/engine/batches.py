@@ -192,19 +192,12 @@ class Launch:
 
 
 @dataclass(frozen=True)
-class WarmRun:
-    """A run with no batch to request (``delivery.mode: open``, nothing open): the stream's open run ``run_key``."""
-
-    stream_id: int
-    run_key: str
-
-
-@dataclass(frozen=True)
 class Warm:
-    """Nothing is open and nothing runs: make ``run.run_key`` the stream's open run and request it.
-    ``again``: the ledger has it already (the tick that requested it died before Dagster made it)."""
+    """Nothing is open and nothing runs (``delivery.mode: open``): make ``run_key``, a run with no batch, the
+    stream's open run and request it. ``again``: the ledger has it already (the tick that requested it died
+    before Dagster made it)."""
 
-    run: WarmRun
+    run_key: str
     again: bool = False
 
 
@@ -345,9 +338,9 @@ def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: Strea
     if not stream.delivery.keeps_open or state.paused or in_failover:
         return Wait()
     if state.open_run_key is None:
-        return Warm(WarmRun(state.stream_id, warm_run_key(state.stream_id, state.incarnation, now)))
+        return Warm(warm_run_key(state.stream_id, state.incarnation, now))
     if run.status is RunStatus.NOT_FOUND:
-        return Warm(WarmRun(state.stream_id, state.open_run_key), again=True)
+        return Warm(state.open_run_key, again=True)
     return Wait()
 
 

@@ -187,15 +187,6 @@ class EventTooLargeError(SinkError):
     """An event is larger than the sink can ever take and there is nowhere to set it aside."""
 
 
-def drain(deliveries: Iterable[Delivery]) -> int:
-    """Run ``deliveries`` to the end; the events handled."""
-    handled = 0
-    for delivery in deliveries:
-        if isinstance(delivery, Finished):
-            handled = delivery.handled
-    return handled
-
-
 @dataclass
 class _Publisher:
     sink: Sink

@@ -50,10 +50,10 @@ def ended_timelines(conn: psycopg.Connection, stream_id: int) -> list[EndedTimel
 
 
 def phantoms(conn: psycopg.Connection, stream_id: int, received: Iterable[int],
-             ended: list[EndedTimeline] | None = None) -> list[int]:
-    """Of ``received`` (event ids a sink of the stream got), those of an ended timeline, not older than the oldest
-    event of it held here, that ``pgstream.events`` lacks: in id order."""
-    spans = [(t.first_id, t.range_end) for t in (ended if ended is not None else ended_timelines(conn, stream_id))]
+             ended: list[EndedTimeline]) -> list[int]:
+    """Of ``received`` (event ids a sink of the stream got), those of an ``ended`` timeline (:func:`ended_timelines`),
+    not older than the oldest event of it held here, that ``pgstream.events`` lacks: in id order."""
+    spans = [(t.first_id, t.range_end) for t in ended]
     candidates = sorted({i for i in received if any(lo <= i <= hi for lo, hi in spans)})
     if not candidates:
         return []

@@ -253,16 +253,12 @@ class SlotCreationWaits(RuntimeError):
     point where none is): one line naming their backends. Nothing was created; try again later."""
 
 
-_CREATE_SLOT = "select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput')"
-_CREATE_FAILOVER_SLOT = ("select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput', "
-                         "failover => true)")
-
-
 def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None = None) -> str:
     """Create the pgoutput slot (outside a transaction that wrote); its consistent point. Waits for running
     transactions to end: with ``wait_secs`` at most that long, then :class:`SlotCreationWaits`."""
     # a failover slot (17+): a primary's synchronized_standby_slots holds decoding until the standby has the WAL
-    query = _CREATE_FAILOVER_SLOT if conn.info.server_version >= 170000 else _CREATE_SLOT
+    failover = ", failover => true" if conn.info.server_version >= 170000 else ""
+    query = f"select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput'{failover})"  # noqa: S608
     params = [slot]
     if wait_secs is None:
         row = conn.execute(query, params).fetchone()
@@ -287,15 +283,11 @@ def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None 
     return str(row[0])
 
 
-def peek(conn: psycopg.Connection, slot: str, publication: str, max_changes: int) -> list[Transaction]:
-    """Committed transactions waiting in the slot, in commit order (does not consume them)."""
-    return peek_rows(conn, slot, publication, max_changes)[0]
-
-
 def peek_rows(conn: psycopg.Connection, slot: str, publication: str,
               max_changes: int, *, keep_stream: bool = False) -> tuple[list[Transaction], int]:
-    """:func:`peek` and the number of decoded messages (fewer than ``max_changes``: the end of what was
-    committed was reached); ``keep_stream``: each event's stream id."""
+    """Committed transactions waiting in the slot, in commit order (not consumed), and the number of decoded
+    messages (fewer than ``max_changes``: the end of what was committed was reached); ``keep_stream``: each
+    event's stream id."""
     messages = [data for (data,) in conn.execute(
         "select data from pg_catalog.pg_logical_slot_peek_binary_changes(%s, null, %s, "
         "'proto_version', '1', 'publication_names', %s)",

@@ -46,8 +46,6 @@ class ReplicationStream:
             raise ConnectionError(f"cannot open a replication connection: {str(exc).strip()[:300]}") from None
         self._cur: psycopg2.extras.ReplicationCursor = self._conn.cursor()
         self.confirmed = 0
-        self.publication = publication
-        self.application_name = application_name
         try:
             self._cur.start_replication(slot_name=slot, decode=False, status_interval=10, options={
                 "proto_version": "1", "publication_names": publication})

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pgstream_dagster.devdb import free_port
+from pgstream_dagster.engine.publish import Deliveries, Finished
 from pgstream_dagster.sinks import (
     Event,
 )
@@ -24,6 +25,15 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 NATS_URL = "nats://127.0.0.1:4222"
 BASE_TIME = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def drain(deliveries: Deliveries) -> int:
+    """Run a publish loop to the end; the events handled."""
+    handled = 0
+    for delivery in deliveries:
+        if isinstance(delivery, Finished):
+            handled = delivery.handled
+    return handled
 
 
 def make_events(n: int, *, first_id: int = 101, stream_id: int = 7) -> list[Event]:

@@ -83,12 +83,6 @@ class GroupHost:
 
 
 @dataclass
-class _Member:
-    run: groups.MemberRun
-    thread: threading.Thread
-
-
-@dataclass
 class GroupDelivery:
     """The delivery run of reader group ``group`` (its members: ``streams``)."""
 
@@ -100,13 +94,11 @@ class GroupDelivery:
     max_run_secs: float
     #: every run key this group run took (or refused) since its last outage
     hosted: set[str] = field(default_factory=set)
-    errors: dict[int, str] = field(default_factory=dict)  # the last failure of each member
-    _members: dict[int, _Member] = field(default_factory=dict)
+    _members: dict[int, threading.Thread] = field(default_factory=dict)  # (their threads)
     #: per member: set when its ledger row moved (``ledger.groups.member_signals``) or its run channel was notified
     _wake: dict[int, threading.Event] = field(default_factory=dict)
     _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
-    _stopping: threading.Event = field(default_factory=threading.Event)
-    _stop_reason: str | None = None
+    _stop_reason: str | None = None  # (set once: the members' runs close)
     #: set by the reader when it met one of :data:`REFUSALS`: the group run ends with this line as the reason
     _refused: str | None = None
     #: set when the group run ends: its reader stops reading and gives the group's reading up
@@ -146,8 +138,8 @@ class GroupDelivery:
                     lease = taken
         except BaseException:
             self._stop("the group run is ending (interrupted or failed)")
-            for member in list(self._members.values()):
-                member.thread.join(30)
+            for thread in list(self._members.values()):
+                thread.join(30)
             raise
         finally:
             self._reading_ends.set()
@@ -199,7 +191,10 @@ class GroupDelivery:
                     log.warning(f"stream {order.stream_id}: run {order.run_key} was hosted elsewhere; left to "
                                 f"its sensor")
                     continue
-                self._start(by_id[order.stream_id], order)
+                thread = threading.Thread(target=self._member, args=(by_id[order.stream_id], order), daemon=True,
+                                          name=f"pgstream-member-{order.stream_id}")
+                self._members[order.stream_id] = thread
+                thread.start()
             self._wait(lease, channels, POLL_SECS)
 
     def _resume_interrupted(self, wanted: list[groups.MemberRun]) -> None:
@@ -228,8 +223,8 @@ class GroupDelivery:
         self._outage = self._outage_line = line
         for event in self._wake.values():
             event.set()
-        for member in list(self._members.values()):
-            member.thread.join(30)
+        for thread in list(self._members.values()):
+            thread.join(30)
         self._reap()
         lease.close()
         self._connections.close()
@@ -357,7 +352,6 @@ class GroupDelivery:
 
     def _stop(self, reason: str) -> None:
         self._stop_reason = reason
-        self._stopping.set()
         for event in self._wake.values():
             event.set()
         self.host.log.info(f"reader group {self.group}: the group delivery run ends ({reason}); its members' runs "
@@ -390,14 +384,8 @@ class GroupDelivery:
         return wake
 
     def _reap(self) -> None:
-        for stream_id in [s for s, m in self._members.items() if not m.thread.is_alive()]:
+        for stream_id in [s for s, m in self._members.items() if not m.is_alive()]:
             del self._members[stream_id]
-
-    def _start(self, stream: StreamConfig, order: groups.MemberRun) -> None:
-        thread = threading.Thread(target=self._member, args=(stream, order), daemon=True,
-                                  name=f"pgstream-member-{stream.id}")
-        self._members[stream.id] = _Member(order, thread)
-        thread.start()
 
     def _member(self, stream: StreamConfig, order: groups.MemberRun) -> None:
         """One member's run, in its own thread: its failure ends only this thread."""
@@ -405,8 +393,8 @@ class GroupDelivery:
         base = self.host.member_host(stream, run_id)
 
         def stop_check() -> str | None:
-            if self._stopping.is_set():
-                return f"the group delivery run ends ({self._stop_reason})"
+            if (reason := self._stop_reason) is not None:
+                return f"the group delivery run ends ({reason})"
             if self._outage is not None:
                 return f"the database went away ({self._outage})"
             return base.stop_check()
@@ -419,7 +407,7 @@ class GroupDelivery:
         try:
             run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,
                               order.through_batch_id, order.run_key,
-                              connections=self._connections.for_run()).start(host.log)
+                              connections=self._connections).start(host.log)
             for _round in run.deliver(host):
                 pass
         except Exception as exc:
@@ -429,7 +417,6 @@ class GroupDelivery:
                                  f"hosted again once the database accepts writes")
             else:
                 error = dbconn.first_line(exc)[:500]
-                self.errors[stream.id] = error
                 host.log.error(f"stream {stream.id}: member run {run_id} ({order.run_key}) failed: {error}")
         finally:
             if interrupted or (error is None and self._outage is not None):

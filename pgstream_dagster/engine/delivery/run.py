@@ -33,7 +33,6 @@ from ..publish import (
     MissingEventsError,
     Progress,
     RejectPolicy,
-    Span,
     owed_spans,
 )
 from ..runlog import Log
@@ -204,10 +203,11 @@ class DeliveryRun:
                         with ledger.connection() as conn:  # (the round's: what the sink confirms is recorded on it)
                             recording = sink.go_on = locks.RecordingCheck(conn)  # once broken, nothing more is sent
                             readers = Readers(self.database_url, self.executor_url, conn, host.spark, sink)
-                            source = choose_source(stream.delivery, Owed(owed(stream, batches)), readers)
+                            round_ = _Round(host, conn, recording, ledger, stream, sink, batches, self.database_url,
+                                            self.executor_url)
+                            source = choose_source(stream.delivery, Owed(round_.owed), readers)
                             try:
-                                delivered = _Round(host, conn, recording, ledger, stream, sink, batches,
-                                                   self.database_url, self.executor_url).deliver(source)
+                                delivered = round_.deliver(source)
                             except state.StreamPaused:
                                 waiting = state.give_back(conn, stream.id, run_key)
                                 host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
@@ -236,12 +236,6 @@ def _leasing(ledger: locks.RunConnections, stream_id: int) -> Iterator[None]:
         yield
     finally:
         ledger.give_up_lease(stream_id)
-
-
-def owed(stream: StreamConfig, batches: list[state.Batch]) -> list[Span]:
-    """What the run owes of ``batches``: global order resumes after what the sink confirmed (``by_key`` reads
-    every event, its tasks skip what ``pgstream.key_progress`` holds)."""
-    return owed_spans(batches, resume=stream.delivery.ordering == "global")
 
 
 def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state.Batch]:
@@ -286,7 +280,9 @@ class _Round:
         self.ledger = ledger  # (the lease's session: only the lease's holder is given a by_key round's token)
         # what runs on the executors (by_key tasks) connects with the executors' URL, what runs here with the runtime's
         self.database_url = executor_url if stream.delivery.ordering == "by_key" else database_url
-        self.owed = owed(stream, batches)
+        # what the run owes of them: global order resumes after what the sink confirmed (``by_key`` reads every
+        # event, its tasks skip what ``pgstream.key_progress`` holds)
+        self.owed = owed_spans(batches, resume=stream.delivery.ordering == "global")
         self.expected = {span.batch_id: span.events for span in self.owed}
 
     def deliver(self, source: Source) -> int:

@@ -80,13 +80,6 @@ class GroupResult:
         self.unreadable += target.unreadable
 
 
-def rule_of(streams: list[StreamConfig]) -> Batching:
-    """One batching rule for the group's loop: the tightest of its members' (each member's batches are
-    still cut at its own ``batch.max_size``)."""
-    return Batching(min(s.batch.max_size for s in streams), min(s.batch.max_fill_secs for s in streams),
-                    min(s.delivery.tuning.max_read_bytes for s in streams))
-
-
 def route(members: set[int]) -> Callable[[list[Transaction]], dict[int, list[Transaction]]]:
     """Split each transaction by its events' stream: a transaction touching two members becomes one
     transaction of each (same xid and positions), recorded in both in the same ledger transaction."""
@@ -394,15 +387,15 @@ def _record(conn: psycopg.Connection, group: str, recorder: Recorder, ledgers: d
 
 
 def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float, *,
-                  mark: bool = True, kept: GroupStream | None = None,
-                  invalid: Mapping[int, str] | None = None, stop: Callable[[], bool] | None = None) -> GroupResult:
+                  kept: GroupStream | None = None, invalid: Mapping[int, str] | None = None,
+                  stop: Callable[[], bool] | None = None) -> GroupResult:
     """A tick of the group's reader (see the module) for every member until ``budget_secs`` is spent (``0``:
     one look). ``kept``: the replication connection kept across calls (the group run's reader), else a peek;
     closed when a member drains its own slot, the slot is busy or lost, or on an error. ``invalid``: entries
     the code location left out (:func:`_stand_ins`). ``stop``: true once the reader ends (back in 0.5 s)."""
     result, keep = GroupResult(), False
     try:
-        keep = _consume_group(conn, group, streams, budget_secs, mark, kept, invalid or {}, stop, result)
+        keep = _consume_group(conn, group, streams, budget_secs, kept, invalid or {}, stop, result)
     finally:
         if kept is not None and not keep:
             kept.close()
@@ -410,15 +403,14 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
 
 
 def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig], budget_secs: float,
-                   mark: bool, kept: GroupStream | None, invalid: Mapping[int, str],
-                   stop: Callable[[], bool] | None, result: GroupResult) -> bool:
+                   kept: GroupStream | None, invalid: Mapping[int, str], stop: Callable[[], bool] | None,
+                   result: GroupResult) -> bool:
     """:func:`consume_group` into ``result``; whether ``kept`` stays open."""
     started = time.monotonic()
     deadline = started + budget_secs
-    ensured = ensure_group(conn, group, streams, result, invalid)
-    if ensured is None:
+    state = ensure_group(conn, group, streams, result, invalid)
+    if state is None:
         return False  # every member is left out
-    state = ensured
     # (read without those left out: tried again next time; with those whose entry is invalid or missing: recorded)
     streams = [s for s in streams if s.id not in result.left_out] + [
         recording_stand_in(sid, group) for sid in result.unconfigured]
@@ -440,14 +432,14 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
 
     def seen(through: dt.datetime | None) -> None:
         nonlocal marked
-        if through is not None and mark and time.monotonic() - marked >= 1.0:
+        if through is not None and time.monotonic() - marked >= 1.0:
             marked = time.monotonic()
             groups.mark_group_consumed(conn, group, through)
             groups.mark_members_consumed(conn, group, through)
 
     try:
         if kept is not None:
-            _follow_group(conn, group, kept, kept.recorder(conn, group, state.slot, ledgers, rule_of(streams)),
+            _follow_group(conn, group, kept, kept.recorder(conn, group, state.slot, ledgers, Batching.of(streams)),
                           ledgers, deadline, until, result, seen, stop)
         else:
             _peek_group(conn, group, streams, state.slot, ledgers, deadline, until, result, seen)
@@ -467,7 +459,7 @@ def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig
     """The group's sensor: peek the group's slot every :data:`POLL_SECS` until ``deadline``."""
     source = PeekSource(conn, slot, groups.group_publication(group),
                         max(max(s.batch.max_size for s in streams) * 4, 100_000), keep_stream=True)
-    recorder = Recorder(conn, source, ledgers, rule_of(streams), route=route(set(ledgers)),
+    recorder = Recorder(conn, source, ledgers, Batching.of(streams), route=route(set(ledgers)),
                         recorded_through=lambda c, lsn: groups.record_group_through(c, group, lsn))
     while True:
         recorder.read(0)

@@ -37,8 +37,11 @@ class Batching:
     max_bytes: int
 
     @classmethod
-    def of(cls, stream: StreamConfig) -> Batching:
-        return cls(stream.batch.max_size, stream.batch.max_fill_secs, stream.delivery.tuning.max_read_bytes)
+    def of(cls, streams: list[StreamConfig]) -> Batching:
+        """The tightest rule of ``streams`` (a reader group's loop: each member's batches are still cut at its
+        own ``batch.max_size``)."""
+        return cls(min(s.batch.max_size for s in streams), min(s.batch.max_fill_secs for s in streams),
+                   min(s.delivery.tuning.max_read_bytes for s in streams))
 
     def due(self, pending: Pending, *, drained: bool, now: dt.datetime, since_record: float) -> bool:
         if not pending.txns:
@@ -66,12 +69,11 @@ class Pending:
     def oldest_commit(self) -> dt.datetime | None:
         return next((t.commit_time for t in self.txns if t.events or t.unreadable), None)
 
-    def take(self, count: int) -> list[Transaction]:
-        taken, rest = self.txns[:count], self.txns[count:]
-        self.txns = []
-        self.waiting = 0
+    def drop(self, count: int) -> None:
+        """The first ``count`` transactions were recorded."""
+        rest = self.txns[count:]
+        self.txns, self.waiting = [], 0
         self.add(rest)
-        return taken
 
 
 @dataclass
@@ -85,26 +87,18 @@ class StreamLedger:
     batches: list[int] = field(default_factory=list)
     events: int = 0
     unreadable: int = 0
-    last_event_id: int | None = None
 
     def counted(self, ids: list[int], fresh: list[Transaction]) -> None:
         self.batches += ids
         self.events += sum(len(t.events) for t in fresh)
         self.unreadable += sum(len(t.unreadable) for t in fresh)
-        last = next((t.events[-1].id for t in reversed(fresh) if t.events), None)
-        self.last_event_id = last if last is not None else self.last_event_id
 
 
 @dataclass
 class ConsumeResult:
     """What a read of a joining member's own slot reports (:func:`consume`)."""
 
-    batches: list[int] = field(default_factory=list)
     events: int = 0
-    last_event_id: int | None = None
-    last_lsn: str | None = None
-    slot_lost: bool = False
-    unreadable: int = 0  # events set aside as dead letters (stage 'read')
     #: nothing read: the group reads for it, it has no usable slot of its own, or another connection held it
     slot_busy: bool = False
     slot: str | None = None  # the slot read (pgstream.streams.slot), or the group's
@@ -135,7 +129,7 @@ def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_s
         for stream_id, txns in by_stream.items():
             target = ledgers[stream_id]
             # the declared reader, under the stream row's lock (a joining member may have been handed over)
-            if state.lock_slot_reader(conn, stream_id) != target.reader:
+            if state.slot_reader(conn, stream_id, lock=True) != target.reader:
                 lost.add(stream_id)
                 continue
             # what the ledger holds already (read again: not confirmed yet) is recorded once
@@ -170,7 +164,6 @@ class Recorder:
         self.route = route
         self.pending = Pending()
         self.recorded_at = 0.0  # monotonic
-        self.last_lsn: int | None = None  # the end of the last transaction confirmed
 
     def read(self, timeout: float) -> None:
         self.pending.add(self.source.read(timeout))
@@ -189,9 +182,8 @@ class Recorder:
                            also=None if through is None else lambda conn: through(conn, end))
         if lost:
             return False
-        self.pending.take(count)
+        self.pending.drop(count)
         self.source.confirm(txns[-1].end_lsn)
-        self.last_lsn = txns[-1].end_lsn
         self.recorded_at = time.monotonic()
         return True
 
@@ -203,7 +195,7 @@ def _past(until: float) -> Callable[[], bool]:
 
 # --- a joining member's own slot: a peek, within the group's tick --------------------------------------
 
-def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, *, mark: bool = True) -> ConsumeResult:
+def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float) -> ConsumeResult:
     """Read a joining member's own slot (registering it first) as ``sensor`` until nothing waits or ``budget_secs``
     is spent; nothing (``slot_busy``) once the group reads for it or without a usable own slot."""
     result = ConsumeResult()
@@ -220,13 +212,13 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
     deadline = started + budget_secs
     source = PeekSource(conn, slot, stream.publication, max(stream.batch.max_size * 4, 100_000))
     target = StreamLedger(stream, state.SENSOR)
-    recorder = Recorder(conn, source, {stream.id: target}, Batching.of(stream))
+    recorder = Recorder(conn, source, {stream.id: target}, Batching.of([stream]))
     try:
         while True:
             recorder.read(0)
             if not recorder.pending.txns:
                 seen = source.skip_idle(conn)
-                if seen is not None and mark:
+                if seen is not None:
                     recording.mark_consumed(conn, stream.id, seen)
                 break
             if recorder.due():
@@ -237,11 +229,10 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
                         break
                 except recording.NotVisibleYet:
                     break  # nothing recorded, the slot not advanced: the next tick reads them again
-                result.last_lsn = replication.int_to_lsn(recorder.last_lsn or 0)
                 if source.drained:
                     # (not skip_idle: advancing past other tables' WAL decodes it again, once per batch)
                     seen = source.seen_through
-                    if seen is not None and (mark or target.batches):
+                    if seen is not None:
                         recording.mark_consumed(conn, stream.id, seen)
                 elif time.monotonic() < deadline:
                     continue  # more waits behind the peek's cap
@@ -249,7 +240,7 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
             remaining = deadline - time.monotonic()
             oldest = recorder.pending.oldest_commit
             if remaining <= 0:
-                if oldest is not None and mark:
+                if oldest is not None:
                     recording.mark_consumed(conn, stream.id, oldest)
                 break
             wait = 0.2
@@ -263,9 +254,5 @@ def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float, 
     except walstream.SlotGone:
         # invalidated or dropped since the check: the join records what it had from the table
         recording.set_recovery_pending(conn, stream.id)
-        result.slot_lost = True
-    result.batches += target.batches
-    result.events += target.events
-    result.unreadable += target.unreadable
-    result.last_event_id = target.last_event_id
+    result.events = target.events
     return result

@@ -24,9 +24,6 @@ PEEK_POLL_SECS = 0.2
 class SlotSource(Protocol):
     """Committed transactions of one slot (one publication), in commit order, each once."""
 
-    slot: str
-    publication: str
-
     def read(self, timeout: float) -> list[Transaction]:
         """The transactions committed since the last read (not confirmed, not returned before),
         waiting up to ``timeout`` seconds for the first."""
@@ -135,7 +132,7 @@ class StreamSource:
 
     def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,
                  max_bytes: int, keep_stream: bool = False) -> None:
-        self.slot, self.publication, self.application_name = slot, publication, application_name
+        self.publication = publication
         self.stream = walstream.ReplicationStream(database_url, slot, publication, application_name,
                                                   max_bytes=max_bytes)
         self.decoder = replication.PgOutputDecoder(keep_stream=keep_stream)
@@ -148,10 +145,6 @@ class StreamSource:
     @property
     def in_transaction(self) -> bool:
         return self.decoder.in_transaction
-
-    @property
-    def confirmed(self) -> int:
-        return self.stream.confirmed
 
     def read(self, timeout: float) -> list[Transaction]:
         messages = self.stream.read(timeout)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from enum import StrEnum
-from typing import Protocol
+from typing import TypeAlias
 
 import psycopg
 
@@ -119,11 +119,6 @@ def replay_waiting(conn: psycopg.Connection, stream_id: int) -> bool:
     return lock_holder(conn, REPLAY_LOCK, stream_id) is not None
 
 
-def lease_alive(conn: psycopg.Connection, run_id: str) -> bool:
-    """Whether run ``run_id``'s process holds a delivery lease (of any stream) and is alive."""
-    return lease_state(conn, run_id) is LeaseState.HELD
-
-
 class LeaseState(StrEnum):
     """What became of a run's delivery lease (:func:`lease_state`)."""
 
@@ -201,20 +196,10 @@ class RecordingCheck:
             return True
 
 
-class RunConnections(Protocol):
-    """Where a delivery run holds its delivery lease and does its ledger work."""
-
-    def take_lease(self, stream_id: int, run_id: str, waiting: Callable[[str], None] | None = None) -> None:
-        """:func:`take_lease`, for the run's lease session."""
-
-    def give_up_lease(self, stream_id: int) -> None:
-        """The run ends (however it ends, short of its process dying): its lease is given up."""
-
-    def connection(self) -> AbstractContextManager[psycopg.Connection]:
-        """A connection (autocommit) for one piece of the run's ledger work: a round, a look at the ledger."""
-
-    def lease_session(self) -> AbstractContextManager[psycopg.Connection]:
-        """The session holding the run's lease (what only its holder may ask: a by_key round's token)."""
+#: where a delivery run holds its delivery lease (``take_lease``; ``give_up_lease`` however the run ends, short of
+#: its process dying; ``lease_session``: for what only the lease's holder may ask, a by_key round's token) and does
+#: its ledger work (``connection``: autocommit, for one round or one look at the ledger)
+RunConnections: TypeAlias = "OwnConnection | SharedConnections"
 
 
 class OwnConnection:
@@ -327,8 +312,18 @@ class SharedConnections:
             if conn is not None:
                 conn.close()
 
-    def for_run(self) -> RunConnections:
-        return _SharedRun(self)
+    # (the :class:`RunConnections` of every run it hosts)
+    def take_lease(self, stream_id: int, run_id: str, waiting: Callable[[str], None] | None = None) -> None:
+        with self.session() as session:
+            take_lease(session, stream_id, run_id, waiting)
+
+    def give_up_lease(self, stream_id: int) -> None:
+        # (as :func:`give_up_lease`: never raises, so a run's own error is the one told; a session that cannot be
+        # opened again holds nothing)
+        with suppress(psycopg.Error), self.session() as session:
+            unlock(session, DELIVERY_LOCK, stream_id)
+
+    lease_session = session
 
     def close(self) -> None:
         with self._lock:
@@ -339,29 +334,6 @@ class SharedConnections:
             conn.close()
         if session is not None:
             session.close()
-
-
-class _SharedRun:
-    """One run's share of :class:`SharedConnections`."""
-
-    def __init__(self, shared: SharedConnections) -> None:
-        self.shared = shared
-
-    def take_lease(self, stream_id: int, run_id: str, waiting: Callable[[str], None] | None = None) -> None:
-        with self.shared.session() as session:
-            take_lease(session, stream_id, run_id, waiting)
-
-    def give_up_lease(self, stream_id: int) -> None:
-        # (as :func:`give_up_lease`: never raises, so a run's own error is the one told; a session that cannot be
-        # opened again holds nothing)
-        with suppress(psycopg.Error), self.shared.session() as session:
-            unlock(session, DELIVERY_LOCK, stream_id)
-
-    def connection(self) -> AbstractContextManager[psycopg.Connection]:
-        return self.shared.connection()
-
-    def lease_session(self) -> AbstractContextManager[psycopg.Connection]:
-        return self.shared.session()
 
 
 #: per reader group (name: this and the group's; key 0): its group delivery run's lease, for its process's life

@@ -186,11 +186,6 @@ def set_recovery_pending(conn: psycopg.Connection, stream_id: int) -> None:
     conn.execute("update pgstream.streams set recovery_pending = true where id = %s", [stream_id])
 
 
-def recovery_pending(conn: psycopg.Connection, stream_id: int) -> bool:
-    row = conn.execute("select recovery_pending from pgstream.streams where id = %s", [stream_id]).fetchone()
-    return bool(row and row[0])
-
-
 def mark_consumed(conn: psycopg.Connection, stream_id: int, through: dt.datetime) -> None:
     """Everything committed before ``through`` has been read from the slot (see retention)."""
     conn.execute("update pgstream.streams set consumed_through = greatest(consumed_through, %s) where id = %s",

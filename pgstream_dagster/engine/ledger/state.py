@@ -11,7 +11,7 @@ import datetime as dt
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, assert_never
+from typing import assert_never
 
 import psycopg
 from psycopg import sql
@@ -50,10 +50,6 @@ _BATCH_COLUMNS = ("b.id, b.stream_id, b.kind, b.event_count, b.first_event_id, b
                   "b.attempts, b.run_key, s.incarnation, b.run_id, b.error, b.next_attempt_at, b.first_commit_at, "
                   "b.created_at, b.confirmed_count")
 _BATCH_FROM = "from pgstream.batches b join pgstream.streams s on s.id = b.stream_id"
-
-
-def _batch(row: dict[str, Any] | None) -> Batch | None:
-    return Batch(**row) if row else None
 
 
 # --- the stream's state: one read per decision (engine/batches.py decides) ------------------------
@@ -105,7 +101,7 @@ def stream_states(conn: psycopg.Connection, max_events: dict[int, int]) -> dict[
         stream = {k: row.pop(k) for k in _STREAM_FIELDS}
         incarnation = str(stream["stream_incarnation"] or "")
         # the head's run keys (RunOrder) carry the same incarnation as the stream's, the timeline's included
-        head = _batch({**row, "incarnation": incarnation}) if row["id"] is not None else None
+        head = Batch(**{**row, "incarnation": incarnation}) if row["id"] is not None else None
         states[stream_id] = StreamState(
             stream_id, head=head, paused=bool(stream["paused"]),
             failover_since=stream["failover_since"], open_run_key=stream["open_run_key"],
@@ -157,14 +153,6 @@ def run_batch_ids(conn: psycopg.Connection, head: Batch) -> list[int]:
         [head.stream_id, head.run_key, BatchStatus.LAUNCHED]).fetchall()] or [head.id]
 
 
-def assigned_after(conn: psycopg.Connection, run_key: str, after_batch_id: int) -> list[Batch]:
-    """Batches assigned to the run ``run_key`` since it loaded ``after_batch_id``, in order."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        return [Batch(**r) for r in cur.execute(
-            f"select {_BATCH_COLUMNS} {_BATCH_FROM} where b.run_key = %s and b.id > %s and b.status = %s "
-            "order by b.id", [run_key, after_batch_id, BatchStatus.LAUNCHED]).fetchall()]
-
-
 @dataclass(frozen=True)
 class Assigned:
     """What an open run sees when it looks at the ledger (:func:`next_assigned`)."""
@@ -178,8 +166,9 @@ class Assigned:
 
 
 def next_assigned(conn: psycopg.Connection, stream_id: int, run_key: str, after_batch_id: int) -> Assigned:
-    """:func:`assigned_after`, whether a replay waits (``locks.replay_waiting``) and :func:`earlier_open`
-    of the first batch assigned, in one statement: an open run's look at the ledger between rounds."""
+    """The batches assigned to run ``run_key`` since it loaded ``after_batch_id`` (in order), whether a replay
+    waits (``locks.replay_waiting``) and :func:`earlier_open` of the first of them, in one statement: an open
+    run's look at the ledger between rounds."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
             f"""with mine as (select {_BATCH_COLUMNS} {_BATCH_FROM}
@@ -290,16 +279,12 @@ SENSOR = "sensor"
 
 
 def slot_reader(conn: psycopg.Connection, stream_id: int, *, lock: bool = False) -> str:
-    """Who reads the stream's slot now: ``group:<name>``, or :data:`SENSOR` (its own, while it joins)."""
+    """Who reads the stream's slot now: ``group:<name>``, or :data:`SENSOR` (its own, while it joins); ``lock``
+    (only inside a transaction): holding the stream row's lock (``no key update``, as :func:`extend_run` takes it)
+    until the transaction ends: a reader records only while this is itself."""
     row = conn.execute("select slot_reader from pgstream.streams where id = %s"  # noqa: S608 - constants
                        + (" for no key update" if lock else ""), [stream_id]).fetchone()
     return str(row[0]) if row and row[0] is not None else SENSOR
-
-
-def lock_slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
-    """:func:`slot_reader`, holding the stream row's lock (``no key update``, as :func:`extend_run` takes it)
-    until the transaction ends: a reader records only while this is itself. Only inside a transaction."""
-    return slot_reader(conn, stream_id, lock=True)
 
 
 def release(conn: psycopg.Connection, run_key: str, keep: int) -> None:
@@ -461,9 +446,9 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
             return apply(conn, stream, then)
         case Wait():
             return None
-        case Warm(run=run, again=again):
+        case Warm(run_key=key, again=again):
             if not again:
-                open_warm_run(conn, stream.id, run.run_key)
+                open_warm_run(conn, stream.id, key)
             return None
         case Launch(order=order, keep_open=keep_open, replaces=replaces):
             launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces)
