@@ -122,31 +122,6 @@ def discover_repeatables(directory: Path | None = None) -> list[Repeatable]:
     return found
 
 
-def _pending(conn: psycopg.Connection, migrations: list[Migration]) -> Migration | None:
-    """The first versioned migration not applied yet (refusing one changed after it was applied)."""
-    applied: dict[int, str] = dict(conn.execute("select version, checksum from pgstream.schema_migrations").fetchall())
-    for m in migrations:
-        if m.version == 0:
-            continue
-        if m.version in applied:
-            if applied[m.version] not in (m.checksum, RELEASED_CHECKSUMS.get(m.version)):
-                raise MigrationError(
-                    f"migration {m.path.name} was changed after it was applied "
-                    f"(checksum {applied[m.version][:12]} in the database, {m.checksum[:12]} on disk)"
-                )
-            continue
-        return m
-    return None
-
-
-def _changed(conn: psycopg.Connection, repeatables: list[Repeatable]) -> Repeatable | None:
-    """The first repeatable file whose checksum differs from the one it was last applied with."""
-    if not repeatables:  # a directory of released files, from before repeatable files
-        return None
-    applied: dict[str, str] = dict(conn.execute("select name, checksum from pgstream.schema_repeatables").fetchall())
-    return next((r for r in repeatables if applied.get(r.name) != r.checksum), None)
-
-
 def _locked(conn: psycopg.Connection) -> None:
     """Queue behind any other migrator until this transaction ends: the ledger table's own lock, which
     only its owner can take (an advisory lock could be held by any role that can connect)."""
@@ -264,18 +239,30 @@ def _retried(conn: psycopg.Connection, step: Callable[[], _T]) -> _T:
 
 
 def _next_migration(conn: psycopg.Connection, migrations: list[Migration]) -> Migration | None:
-    """The next pending versioned migration, applied with its ledger row (None: none)."""
-    m = _pending(conn, migrations)
-    if m is not None:
-        _apply(conn, m, f"migration {m.path.name}",
-               "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
-               [m.version, m.name, m.checksum])
-    return m
+    """The first versioned migration not applied yet, applied with its ledger row (None: none), refusing one changed
+    after it was applied."""
+    applied: dict[int, str] = dict(conn.execute("select version, checksum from pgstream.schema_migrations").fetchall())
+    for m in migrations[1:]:  # (000_bootstrap.sql: _bootstrap)
+        if m.version not in applied:
+            _apply(conn, m, f"migration {m.path.name}",
+                   "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
+                   [m.version, m.name, m.checksum])
+            return m
+        if applied[m.version] not in (m.checksum, RELEASED_CHECKSUMS.get(m.version)):
+            raise MigrationError(
+                f"migration {m.path.name} was changed after it was applied "
+                f"(checksum {applied[m.version][:12]} in the database, {m.checksum[:12]} on disk)"
+            )
+    return None
 
 
 def _next_repeatable(conn: psycopg.Connection, repeatables: list[Repeatable]) -> Repeatable | None:
-    """The next changed repeatable file, applied with its ledger row (None: none)."""
-    r = _changed(conn, repeatables)
+    """The first repeatable file whose checksum differs from the one it was last applied with, applied with its
+    ledger row (None: none)."""
+    if not repeatables:  # a directory of released files, from before repeatable files
+        return None
+    applied: dict[str, str] = dict(conn.execute("select name, checksum from pgstream.schema_repeatables").fetchall())
+    r = next((r for r in repeatables if applied.get(r.name) != r.checksum), None)
     if r is not None:
         _apply(conn, r, f"repeatable {REPEATABLE_DIR}/{r.name}",
                "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
@@ -367,19 +354,17 @@ with recursive closure(classid, objid, objsubid) as (
     where d.deptype <> 'e'
 ), described as (
     select c.classid, c.objid, c.objsubid, i.type, i.identity,
-           coalesce(i.schema, case c.classid
+           coalesce(i.schema, (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_class r
+                               where r.oid = case c.classid  -- a trigger, rule, default or policy: its table's
                when 'pg_catalog.pg_trigger'::pg_catalog.regclass then
-                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_trigger t
-                    join pg_catalog.pg_class r on r.oid = t.tgrelid where t.oid = c.objid)
+                   (select t.tgrelid from pg_catalog.pg_trigger t where t.oid = c.objid)
                when 'pg_catalog.pg_rewrite'::pg_catalog.regclass then
-                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_rewrite w
-                    join pg_catalog.pg_class r on r.oid = w.ev_class where w.oid = c.objid)
+                   (select w.ev_class from pg_catalog.pg_rewrite w where w.oid = c.objid)
                when 'pg_catalog.pg_attrdef'::pg_catalog.regclass then
-                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_attrdef a
-                    join pg_catalog.pg_class r on r.oid = a.adrelid where a.oid = c.objid)
+                   (select a.adrelid from pg_catalog.pg_attrdef a where a.oid = c.objid)
                when 'pg_catalog.pg_policy'::pg_catalog.regclass then
-                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_policy p
-                    join pg_catalog.pg_class r on r.oid = p.polrelid where p.oid = c.objid)
+                   (select p.polrelid from pg_catalog.pg_policy p where p.oid = c.objid)
+           end), case c.classid
                when 'pg_catalog.pg_default_acl'::pg_catalog.regclass then
                    (select a.defaclnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_default_acl a
                     where a.oid = c.objid)
