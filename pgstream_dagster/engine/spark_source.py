@@ -116,8 +116,8 @@ class SpanRead:
         return self.hi - self.lo + 1
 
 
-def _option(options: dict[str, str], name: str, default: str | None = None, what: str = "") -> str:
-    value = options.get(name, options.get(name.lower(), default))
+def _option(options: dict[str, str], name: str, what: str = "") -> str:
+    value = options.get(name, options.get(name.lower()))
     if value is None or not str(value).strip():
         raise SourceError(f"pgstream source: option {name!r} is required{what}")
     return str(value).strip()
@@ -149,11 +149,7 @@ def _bool_option(options: dict[str, str], name: str, default: bool) -> bool:
 
 
 def _url(options: dict[str, str]) -> str:
-    url = options.get(URL_OPTION)
-    if not url:
-        raise SourceError("pgstream source: option 'url' is required (the database URL of the executor role, "
-                          "spark.executor_database_url)")
-    return url
+    return _option(options, URL_OPTION, " (the database URL of the executor role, spark.executor_database_url)")
 
 
 def connect(url: str) -> psycopg.Connection:
