@@ -65,16 +65,14 @@ def definition(sub: SubscriptionConfig) -> dict[str, Any]:
             "trigger_mode": sub.trigger_mode, "emit_truncate": sub.emit_truncate}
 
 
+#: the fields :func:`definition` gained later, with their defaults
+_ADDED_LATER: dict[str, Any] = {"trigger_mode": "row", "metadata_extensions": [], "emit_truncate": False}
+
+
 def code_version(sub: SubscriptionConfig) -> str:
     """A digest of everything that defines the subscription: changes iff its trigger code may change."""
-    d = definition(sub)
-    # the defaults: digests from before these fields existed stay valid
-    if d["trigger_mode"] == "row":
-        del d["trigger_mode"]
-    if not d["metadata_extensions"]:
-        del d["metadata_extensions"]
-    if not d["emit_truncate"]:
-        del d["emit_truncate"]
+    # without the fields added later when they hold their defaults: digests from before them stay valid
+    d = {k: v for k, v in definition(sub).items() if _ADDED_LATER.get(k, ...) != v}
     text = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -169,11 +167,9 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     with conn.transaction():
         # set_subscriptions' own lock, taken before we read what to keep (re-entrant in this transaction)
         conn.execute("select pgstream.lock_for_transaction('regenerate')")
-        rows = conn.execute("select key, schema_name, table_name, operation::text, managed_by is not distinct from %s "
-                            "from pgstream.subscriptions where stream_id = %s", [MANAGED_BY, stream_id]).fetchall()
-        current = {(r[0], r[1], r[2], r[3]) for r in rows if r[4]}
-        keep = [list(c) for c in sorted(current)
-                if c not in written_ids and (c in declared or not remove_absent)]
+        stored = _stored_rows(conn, stream_id)
+        keep = [list(c) for c, row in sorted(stored.items()) if row["managed_by"] == MANAGED_BY
+                and c not in written_ids and (c in declared or not remove_absent)]
         try:
             changed = conn.execute(
                 """select action, key, schema_name, table_name, operation::text
@@ -190,25 +186,32 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
             ).fetchall()
         except psycopg.Error as exc:
             raise SubscriptionError(f"{source}: stream {stream_id}: {_db_error(exc)}") from None
-    return StreamApply(changes={(r[1], r[2], r[3], r[4]): r[0] for r in changed},
-                       hand_made=sum(1 for r in rows if not r[4]))
+    return StreamApply(changes={(r[1], r[2], r[3], r[4]): r[0] for r in changed}, hand_made=_hand_made(stored))
 
 
 def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[SubscriptionConfig],
                declared: set[Identity], remove_absent: bool) -> int | None:
     """When the database holds ``written`` as declared (and, ``remove_absent``, nothing undeclared), the count of
     the stream's hand-made subscriptions, else None: one read when a code location starts with all applied."""
-    columns = f"key, schema_name, table_name, operation::text, {_STORED_COLUMNS}"
-    rows = conn.execute(f"select {columns} from pgstream.subscriptions where stream_id = %s",  # noqa: S608
-                        [stream_id]).fetchall()  # (column lists, no input)
-    stored = {(r[0], r[1], r[2], r[3]): _stored(r[4:]) for r in rows}
+    stored = _stored_rows(conn, stream_id)
     for sub in written:
         row = stored.get(identity(sub))
         if row is None or row["managed_by"] != MANAGED_BY or differences(sub, row):
             return None
     if remove_absent and any(v["managed_by"] == MANAGED_BY and k not in declared for k, v in stored.items()):
         return None
-    return sum(1 for v in stored.values() if v["managed_by"] != MANAGED_BY)
+    return _hand_made(stored)
+
+
+def _stored_rows(conn: psycopg.Connection, stream_id: int) -> dict[Identity, dict[str, Any]]:
+    """The stream's stored subscriptions (:func:`stored_definition` of each)."""
+    rows = conn.execute(f"select key, schema_name, table_name, operation::text, {_STORED_COLUMNS} "  # noqa: S608
+                        "from pgstream.subscriptions where stream_id = %s", [stream_id]).fetchall()  # (no input)
+    return {(r[0], r[1], r[2], r[3]): _stored(r[4:]) for r in rows}
+
+
+def _hand_made(stored: dict[Identity, dict[str, Any]]) -> int:
+    return sum(1 for row in stored.values() if row["managed_by"] != MANAGED_BY)
 
 
 def table_exists(conn: psycopg.Connection, schema: str, table: str) -> bool:
@@ -230,33 +233,33 @@ def _verify_stream(conn: psycopg.Connection, subscriptions: Sequence[Subscriptio
     ``SubscriptionError`` unless the stream's stored YAML subscriptions are those of the YAML."""
     yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
     declared = {identity(s) for s in yaml_subs}
+    stored = _stored_rows(conn, stream_id)
     problems: list[str] = []
     for sub in yaml_subs:
         if selected is not None and identity(sub) not in selected:
             continue
-        stored = stored_definition(conn, stream_id, identity(sub))
-        if stored is None and not table_exists(conn, sub.schema_name, sub.table_name):
+        row = stored.get(identity(sub))
+        if row is None and not table_exists(conn, sub.schema_name, sub.table_name):
             problems.append(f"{sub.key!r} ({sub.operation}): table {sub.schema_name}.{sub.table_name} does not exist")
-        elif stored is None:
+        elif row is None:
             problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) is missing")
-        elif stored["managed_by"] != MANAGED_BY:
+        elif row["managed_by"] != MANAGED_BY:
             problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) was created by hand")
-        elif diff := differences(sub, stored):
+        elif diff := differences(sub, row):
             problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}): "
                             f"{', '.join(diff)} differ")
-    rows = conn.execute("select key, schema_name, table_name, operation::text, managed_by is not distinct from %s "
-                        "from pgstream.subscriptions where stream_id = %s", [MANAGED_BY, stream_id]).fetchall()
     if remove_absent:
-        problems += [f"{r[0]!r} ({r[3]} on {r[1]}.{r[2]}) is no longer declared" for r in rows
-                     if r[4] and (r[0], r[1], r[2], r[3]) not in declared]
+        problems += [f"{k!r} ({op} on {schema}.{table}) is no longer declared"
+                     for (k, schema, table, op), row in stored.items()
+                     if row["managed_by"] == MANAGED_BY and (k, schema, table, op) not in declared]
     if problems:
-        row = conn.execute("select current_user::text").fetchone()
-        role = row[0] if row else "?"
+        user = conn.execute("select current_user::text").fetchone()
+        role = user[0] if user else "?"
         raise SubscriptionError(
             f"{source}: stream {stream_id}: role {role} may not write pgstream.subscriptions (only the owner "
             f"applies them: run `pgstream-dagster init` with the owner's URL) and the database differs from the "
             f"YAML: {'; '.join(problems)}")
-    return StreamApply(changes={}, hand_made=sum(1 for r in rows if not r[4]))
+    return StreamApply(changes={}, hand_made=_hand_made(stored))
 
 
 @dataclass(frozen=True)
@@ -365,15 +368,16 @@ def partition_problems(conn: psycopg.Connection, schema: str, table: str, operat
     return tuple(out)
 
 
-#: the stored columns :func:`differences` compares (and ``managed_by``), in the order :func:`_stored` reads them
-_STORED_COLUMNS = ("when_clause, column_names, metadata, payload_extensions, managed_by, trigger_mode, "
-                   "metadata_extensions, emit_truncate")
+#: the stored columns :func:`differences` compares, in its order, and ``managed_by``
+_STORED_FIELDS = ("when_clause", "column_names", "metadata", "payload_extensions", "metadata_extensions",
+                  "trigger_mode", "emit_truncate", "managed_by")
+_STORED_COLUMNS = ", ".join(_STORED_FIELDS)
 
 
 def _stored(row: Sequence[Any]) -> dict[str, Any]:
     """A subscription row's ``_STORED_COLUMNS``, normalised like ``definition``."""
-    return {"when_clause": row[0], "column_names": list(row[1]), "metadata": row[2], "payload_extensions": row[3],
-            "managed_by": row[4], "trigger_mode": row[5], "metadata_extensions": row[6], "emit_truncate": row[7]}
+    stored = dict(zip(_STORED_FIELDS, row, strict=True))
+    return {**stored, "column_names": list(stored["column_names"])}
 
 
 def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity) -> dict[str, Any] | None:
@@ -389,6 +393,4 @@ def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:
     """Fields where the stored subscription differs from the YAML (as ``set_subscriptions`` stores it)."""
     want = definition(sub)
     want["when_clause"] = (sub.when_clause or "").strip() or None
-    return [f for f in ("when_clause", "column_names", "metadata", "payload_extensions", "metadata_extensions",
-                        "trigger_mode", "emit_truncate")
-            if stored[f] != want[f]]
+    return [f for f in _STORED_FIELDS[:-1] if stored[f] != want[f]]
