@@ -392,55 +392,39 @@ def _next_key(conn: psycopg.Connection, backfill_id: int, part: int) -> str | No
     return row[0] if row else None
 
 
-def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                   pace: Pace) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The ``mapInArrow`` function of a backfill's job on Spark Connect: each input row (``id``) is the index
-    in ``parts`` of a partition to read; yields one :class:`PartitionResult` row per partition."""
-
-    def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import pyarrow as pa
-
-        for batch in batches:
-            for index in batch.column("id").to_pylist():
-                done = run_partition(url, backfill_id, parts[index], token, chunk_size, pace)
-                yield pa.RecordBatch.from_pylist([asdict(done)], schema=pa.schema(
-                    [("part", pa.int32()), ("status", pa.string()), ("rows", pa.int64()), ("events", pa.int64()),
-                     ("chunks", pa.int64()), ("error", pa.string())]))
-
-    return task
-
-
-def partition_rdd_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                       pace: Pace) -> Callable[[Iterable[int]], Iterable[dict[str, Any]]]:
-    """The ``mapPartitions`` function of a backfill's job on a classic session: each input is the index in
-    ``parts`` of a partition to read; yields one :class:`PartitionResult` (as a dict) per partition."""
-
-    def task(indexes: Iterable[int]) -> Iterable[dict[str, Any]]:
-        for index in indexes:
-            yield asdict(run_partition(url, backfill_id, parts[index], token, chunk_size, pace))
-
-    return task
-
-
 RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, error string"
 
 
 def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                  pace: Pace) -> list[PartitionResult]:
     """Read ``parts`` in parallel, one Spark task each calling ``pgstream.backfill_chunk`` (only its
-    :class:`PartitionResult` comes back): an RDD job on a classic session, ``spark.range(n).mapInArrow`` on Connect."""
+    :class:`PartitionResult` comes back): an RDD job on a classic session, ``spark.range(n).mapInArrow`` on Connect,
+    each task reading the partitions whose indexes in ``parts`` it gets."""
     from .spark import executor_python_errors, ship_package
     from .spark_source import is_classic
+
+    parts = list(parts)
+
+    def task(indexes: Iterable[int]) -> Iterator[dict[str, Any]]:
+        for index in indexes:
+            yield asdict(run_partition(url, backfill_id, parts[index], token, chunk_size, pace))
+
+    def arrow_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        for batch in batches:
+            for done in task(batch.column("id").to_pylist()):
+                yield pa.RecordBatch.from_pylist([done], schema=pa.schema(
+                    [("part", pa.int32()), ("status", pa.string()), ("rows", pa.int64()), ("events", pa.int64()),
+                     ("chunks", pa.int64()), ("error", pa.string())]))
 
     ship_package(spark)
     with executor_python_errors(spark):
         if is_classic(spark):
-            task = partition_rdd_task(url, backfill_id, token, list(parts), chunk_size, pace)
             rows: list[dict[str, Any]] = (spark.sparkContext.parallelize(range(len(parts)), len(parts))
                                           .mapPartitions(task).collect())
             return [PartitionResult(**r) for r in rows]
-        frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(
-            partition_task(url, backfill_id, token, list(parts), chunk_size, pace), RESULT_SCHEMA)
+        frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(arrow_task, RESULT_SCHEMA)
         return [PartitionResult(**r.asDict()) for r in frame.collect()]
 
 
