@@ -192,7 +192,7 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
     driver_python = extra.get("spark.pyspark.driver.python") or sys.executable
     os.environ["PYSPARK_PYTHON"] = python
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", driver_python)
-    conf = {
+    return {
         "spark.app.name": "pgstream-delivery",
         "spark.ui.enabled": "false",
         "spark.sql.session.timeZone": "UTC",
@@ -201,11 +201,10 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
         "spark.sql.shuffle.partitions": "8",
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
         **_ARROW_BYTES,
+        "spark.master": master,
+        **extra,
+        **cluster_conf(master, extra, by_key_parallelism, ship_package=ship_package),
     }
-    conf["spark.master"] = master
-    conf.update(extra)
-    conf.update(cluster_conf(master, extra, by_key_parallelism, ship_package=ship_package))
-    return conf
 
 
 _SHIPPED: set[str] = set()
@@ -375,15 +374,11 @@ def _packed_events(rows: Iterator[Any]) -> Iterator[Positioned]:
             yield batch_ids[i], ords[i], event_from_text(ids[i], stream_ids[i], created[i], payloads[i], metadatas[i])
 
 
-def is_packed(df: DataFrame) -> bool:
-    return "data" in df.columns
-
-
 def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Positioned]:
     """The events of single-partition DataFrames (packed), in order, each collected whole (:func:`_collected`).
     Closed, it waits for the partition collected ahead (left to the collector, it could deadlock on py4j)."""
     with contextlib.closing(_collected(frames, prefetch)) as rows:
-        yield from _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
+        yield from _packed_events(rows) if frames and "data" in frames[0].columns else _row_events(rows)
 
 
 def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, None]:
