@@ -69,29 +69,25 @@ def managed_service(conn: psycopg.Connection) -> str | None:
     return MANAGED_SERVICES[row[0]] if row else None
 
 
+#: per managed service (:func:`managed_service`; ``None``: self-hosted): how its administrator sets a server setting
+#: that takes a restart (``{named}``: ``setting = value``), its own setting for ``wal_level = logical``, and how
+#: the administrator gives ``{role}`` the right to read replication slots
+_SERVICE_STEPS: dict[str | None, tuple[str, str | None, str]] = {
+    "rds": ("set {named} in the DB parameter group (Aurora: the DB cluster parameter group) and reboot the instance",
+            "rds.logical_replication = 1", "as the master user (rds_superuser): grant rds_replication to {role}"),
+    "cloudsql": ("set the database flag {named} and restart the instance", "cloudsql.logical_decoding = on",
+                 "as a cloudsqlsuperuser (the postgres user): alter role {role} with replication"),
+    "azure": ("set the server parameter {named} and restart the server", None,
+              "as the administrator (azure_pg_admin): alter role {role} with replication"),
+    None: ("set {named} in postgresql.conf and restart Postgres", None,
+           "as a superuser: alter role {role} replication"),
+}
+
+
 def how_to_set(service: str | None, setting: str, value: object) -> str:
-    """The words that tell how to set ``setting`` to ``value`` on ``service`` (:func:`managed_service`): a
-    server setting that takes a restart. ``wal_level = logical`` is its own setting on RDS and Cloud SQL."""
-    if service == "rds":
-        named = "rds.logical_replication = 1" if setting == "wal_level" else f"{setting} = {value}"
-        return f"set {named} in the DB parameter group (Aurora: the DB cluster parameter group) and reboot the instance"
-    if service == "cloudsql":
-        named = "cloudsql.logical_decoding = on" if setting == "wal_level" else f"{setting} = {value}"
-        return f"set the database flag {named} and restart the instance"
-    if service == "azure":
-        return f"set the server parameter {setting} = {value} and restart the server"
-    return f"set {setting} = {value} in postgresql.conf and restart Postgres"
-
-
-def _grant_replication(service: str | None, role: str) -> str:
-    """How the administrator gives ``role`` the right to read replication slots on ``service``."""
-    if service == "rds":
-        return f"as the master user (rds_superuser): grant rds_replication to {role}"
-    if service == "cloudsql":
-        return f"as a cloudsqlsuperuser (the postgres user): alter role {role} with replication"
-    if service == "azure":
-        return f"as the administrator (azure_pg_admin): alter role {role} with replication"
-    return f"as a superuser: alter role {role} replication"
+    """The words that tell how to set ``setting`` to ``value`` on ``service`` (:func:`managed_service`)."""
+    how, logical, _grant = _SERVICE_STEPS[service]
+    return how.format(named=logical if logical and setting == "wal_level" else f"{setting} = {value}")
 
 
 @dataclass(frozen=True)
@@ -164,7 +160,7 @@ def replication_problem(conn: psycopg.Connection, service: str | None) -> str | 
     if row is None or row[1]:
         return None
     return (f"role {row[0]} (database_url) may not read replication slots and the reader groups' sensors and "
-            f"delivery runs read their slots as it: {_grant_replication(service, row[0])}")
+            f"delivery runs read their slots as it: {_SERVICE_STEPS[service][2].format(role=row[0])}")
 
 
 def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
