@@ -252,6 +252,11 @@ def database_problem(url: str) -> str | None:
     return None
 
 
+#: per sink type, its fields that are file paths, and those that name hosts without a URL (``host[:port],...``)
+_PATH_FIELDS = {"file": ("sink.path",), "mqtt": ("sink.tls.ca_certs", "sink.tls.certfile", "sink.tls.keyfile")}
+_HOST_FIELDS = {"mqtt": ("sink.host",), "kafka": ("sink.bootstrap_servers",)}
+
+
 def sink_problems(sink: object, elsewhere: bool) -> list[str]:
     """What in a sink config (built on the executors: ``by_key``) means something else there: relative file
     paths, an in-memory sink and, with ``elsewhere``, loopback hosts. ``key: why`` each, never a value."""
@@ -261,7 +266,6 @@ def sink_problems(sink: object, elsewhere: bool) -> list[str]:
     kind = getattr(sink, "type", "")
     if kind == "memory":
         return ["sink.type: memory: the events would stay in the executors' memory"]
-    relative = "a relative path is relative to each executor's working directory"
     loopback = "a loopback host means each executor's own host"
 
     def check(key: str, value: object) -> None:
@@ -276,32 +280,21 @@ def sink_problems(sink: object, elsewhere: bool) -> list[str]:
         elif isinstance(value, list | tuple):
             for i, v in enumerate(value):
                 check(f"{key}[{i}]", v)
-        elif isinstance(value, str) and elsewhere:
-            host = _url_host(value)
-            if host is not None and is_loopback(host):
+        elif not isinstance(value, str):
+            return
+        elif key in _PATH_FIELDS.get(kind, ()):
+            if value and not os.path.isabs(value):
+                problems.append(f"{key}: a relative path is relative to each executor's working directory")
+        elif not elsewhere:
+            return
+        elif key in _HOST_FIELDS.get(kind, ()):
+            if any(is_loopback(_host_of(host)) for host in value.split(",") if host.strip()):
                 problems.append(f"{key}: {loopback}")
-            elif kind == "postgres" and key == "sink.url" and host is None:
-                problem = database_problem(value)
-                if problem:
-                    problems.append(f"{key}: {problem}")
+        elif (host := _url_host(value)) is not None and is_loopback(host):
+            problems.append(f"{key}: {loopback}")
+        elif kind == "postgres" and key == "sink.url" and host is None and (problem := database_problem(value)):
+            problems.append(f"{key}: {problem}")
 
-    for name in type(sink).model_fields if isinstance(sink, BaseModel) else ():
-        value = getattr(sink, name)
-        key = f"sink.{name}"
-        if kind == "file" and name == "path":
-            if not os.path.isabs(str(value)):
-                problems.append(f"{key}: {relative}")
-        elif kind == "mqtt" and name == "tls":
-            for tls_name in ("ca_certs", "certfile", "keyfile"):
-                path = getattr(value, tls_name, None)
-                if path and not os.path.isabs(path):
-                    problems.append(f"{key}.{tls_name}: {relative}")
-        elif kind == "mqtt" and name == "host":
-            if elsewhere and is_loopback(str(value)):
-                problems.append(f"{key}: {loopback}")
-        elif kind == "kafka" and name == "bootstrap_servers":
-            if elsewhere and any(is_loopback(_host_of(s)) for s in str(value).split(",") if s.strip()):
-                problems.append(f"{key}: {loopback}")
-        else:
-            check(key, value)
+    if isinstance(sink, BaseModel):
+        check("sink", sink)
     return problems
