@@ -97,11 +97,8 @@ def families(rows: list[Row]) -> list[Metric]:
         if spec.kind == "counter" and spec.label is None and spec.per_stream:
             got = {(s, ""): got.get((s, ""), 0.0) for s in streams}
         labels = (["stream"] if spec.per_stream else []) + ([spec.label] if spec.label else [])
-        family: CounterMetricFamily | GaugeMetricFamily
-        if spec.kind == "counter":
-            family = CounterMetricFamily(spec.name, spec.help, labels=labels)
-        else:
-            family = GaugeMetricFamily(spec.name, spec.help, labels=labels)
+        family = (CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily)(spec.name, spec.help,
+                                                                                        labels=labels)
         for (stream_id, label), value in sorted(got.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
             family.add_metric(([str(stream_id)] if spec.per_stream else []) + ([label] if spec.label else []), value)
         out.append(family)
@@ -137,7 +134,7 @@ class PgstreamCollector(Collector):
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
             self._conn = connect(self._url, autocommit=True, application_name="pgstream metrics",
-                                         connect_timeout=max(1, int(self._timeout)))
+                                 connect_timeout=max(1, int(self._timeout)))
         return self._conn
 
     def collect(self) -> Iterator[Metric]:
