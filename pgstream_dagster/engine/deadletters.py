@@ -253,15 +253,14 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
                 report.waiting = [d.id for d in report.planned[i:] if d.undeliverable is None]
                 report.undeliverable += [(d.id, why) for d in report.planned[i:] if (why := d.undeliverable)]
                 break
-            why = letter.undeliverable
-            if why is not None:
+            if (why := letter.undeliverable) is not None:
                 report.undeliverable.append((letter.id, why))
             else:
                 sendable.append(letter)
-        if dry_run or not sendable:
-            report.redelivered = [d.id for d in sendable] if dry_run else []
-            return report
-        _publish(conn, stream, sendable, size, by, report)
+        if dry_run:
+            report.redelivered = [d.id for d in sendable]
+        elif sendable:
+            _publish(conn, stream, sendable, size, by, report)
         return report
     finally:
         locks.unlock(conn, locks.REDELIVERY_LOCK, stream.id)
