@@ -289,11 +289,10 @@ DRIFT_GUARD_MISSING = ("warning: the schema-drift guard is NOT active (its event
                        "--database-url <superuser URL>")
 
 
-def install_drift_guard(superuser_url: str, directory: Path | None = None) -> None:
+def install_drift_guard(superuser_url: str) -> None:
     """Create the drift guard's event triggers as a superuser (RDS: its master user), the event-trigger step of
     ``repeatable/05_drift_guard.sql`` again; :class:`MigrationError` when it may not, or pgstream is not installed."""
-    files = {r.name: r for r in discover_repeatables(directory)}
-    guard = next((f for name, f in files.items() if name.endswith("_drift_guard.sql")), None)
+    guard = next((r for r in discover_repeatables() if r.name.endswith("_drift_guard.sql")), None)
     if guard is None:
         raise MigrationError("cannot find the drift guard's repeatable file")
     marker = "-- The event triggers"
@@ -400,8 +399,8 @@ def dependent_objects(conn: psycopg.Connection) -> list[str]:
     return [r[0] for r in conn.execute(_DEPENDENTS).fetchall()]
 
 
-def _wait_slot_released(conn: psycopg.Connection, slot: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_slot_released(conn: psycopg.Connection, slot: str) -> None:
+    deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
         row = conn.execute("select active_pid from pg_replication_slots where slot_name = %s", [slot]).fetchone()
         if row is None or row[0] is None:
