@@ -262,11 +262,6 @@ def stop(conn: psycopg.Connection, backfill_id: int, *, cancel: bool) -> str:
 
 # --- progress --------------------------------------------------------------------------------
 
-def _target_of(row: dict[str, Any]) -> Target:
-    return Target(int(row["stream_id"]), row["subscription_key"], row["schema_name"], row["table_name"],
-                  str(row["operation"]))
-
-
 def list_backfills(conn: psycopg.Connection, stream_id: int | None = None, *,
                    backfill_id: int | None = None) -> list[Progress]:
     """Backfills (of a stream, or one), newest first."""
@@ -275,8 +270,10 @@ def list_backfills(conn: psycopg.Connection, stream_id: int | None = None, *,
             "select * from pgstream.backfill_progress where (%s::bigint is null or stream_id = %s) "
             "and (%s::bigint is null or id = %s) order by id desc",
             (stream_id, stream_id, backfill_id, backfill_id)).fetchall()
-    return [Progress(int(r["id"]), _target_of(r), r["status"], int(r["rows_total"] or 0), int(r["rows_read"]),
-                     int(r["events_written"]), int(r["partitions"]), int(r["partitions_done"]), r["error"])
+    return [Progress(int(r["id"]), Target(int(r["stream_id"]), r["subscription_key"], r["schema_name"],
+                                          r["table_name"], str(r["operation"])),
+                     r["status"], int(r["rows_total"] or 0), int(r["rows_read"]), int(r["events_written"]),
+                     int(r["partitions"]), int(r["partitions_done"]), r["error"])
             for r in rows]
 
 

@@ -17,7 +17,7 @@ import re
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -111,23 +111,10 @@ def cluster_conf(master: str, conf: dict[str, str], by_key_parallelism: Iterable
     return out
 
 
-def _package_files(root: Path) -> Iterator[Path]:
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix in _ZIP_SUFFIXES:
-            yield path
-
-
 def cache_dir() -> Path:
     base = os.environ.get("PGSTREAM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pgstream-dagster")
     return Path(base)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pgstream-dagster")
-    except importlib.metadata.PackageNotFoundError:
-        return "0"
 
 
 #: a cached package zip unused this long is deleted (:func:`_prune`), and so is a writer's leftover temporary file
@@ -137,23 +124,27 @@ ZIP_UNUSED_SECS = 7 * 24 * 3600
 def package_zip(directory: Path | None = None) -> Path:
     """A zip of the imported ``pgstream_dagster`` package, built once per version and content in ``directory``
     (default :func:`cache_dir`) and touched at each use; others unused for :data:`ZIP_UNUSED_SECS` are deleted."""
-    root = PACKAGE_ROOT
-    files = list(_package_files(root))
+    files = [path for path in sorted(PACKAGE_ROOT.rglob("*"))
+             if path.is_file() and "__pycache__" not in path.parts and path.suffix in _ZIP_SUFFIXES]
     digest = hashlib.sha256()
     for path in files:
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.relative_to(PACKAGE_ROOT).as_posix().encode() + b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")
-    name = f"pgstream_dagster-{_version()}-{digest.hexdigest()[:16]}.zip"
-    if directory is not None:
-        return _write_zip(root, files, directory, name)
     try:
-        return _write_zip(root, files, cache_dir(), name)
+        version = importlib.metadata.version("pgstream-dagster")
+    except importlib.metadata.PackageNotFoundError:
+        version = "0"
+    name = f"pgstream_dagster-{version}-{digest.hexdigest()[:16]}.zip"
+    if directory is not None:
+        return _write_zip(files, directory, name)
+    try:
+        return _write_zip(files, cache_dir(), name)
     except OSError:  # a read-only home (a container): the temporary directory instead
-        return _write_zip(root, files, Path(tempfile.gettempdir()) / f"pgstream-dagster-{os.getuid()}", name)
+        return _write_zip(files, Path(tempfile.gettempdir()) / f"pgstream-dagster-{os.getuid()}", name)
 
 
-def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Path:
+def _write_zip(files: list[Path], target_dir: Path, name: str) -> Path:
     target = target_dir / name
     if target.exists():
         os.utime(target)  # in use: see _prune
@@ -164,7 +155,7 @@ def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Pa
     try:
         with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as zf:
             for path in files:
-                zf.write(path, "pgstream_dagster/" + path.relative_to(root).as_posix())
+                zf.write(path, "pgstream_dagster/" + path.relative_to(PACKAGE_ROOT).as_posix())
         os.replace(tmp, target)  # atomic: a concurrent run sees the whole zip or none
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

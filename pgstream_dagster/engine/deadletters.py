@@ -212,11 +212,6 @@ def _ids(ids: Sequence[int]) -> str:
     return shown + (f", ... ({len(ids)} in all)" if len(ids) > 50 else "")
 
 
-def _array(ids: Sequence[int]) -> str:
-    """Ids as the SQL functions show them in their errors: ``{3,5}``."""
-    return "{" + ",".join(map(str, ids)) + "}"
-
-
 def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int] | None = None) -> list[DeadLetter]:
     """The stream's open dead letters (all, or ``ids``) in delivery order, without their payloads (their
     sizes: :attr:`DeadLetter.payload_bytes`). Ids that are not open dead letters of the stream are refused."""
@@ -228,7 +223,9 @@ def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int]
     wanted = set(ids)
     wrong = sorted(wanted - {d.id for d in letters})
     if wrong:
-        raise DeadLetterError(f"dead letters {_array(wrong)} are not open dead letters of stream {stream_id}")
+        # (the ids as the SQL functions show them in their errors: {3,5})
+        raise DeadLetterError(f"dead letters {{{','.join(map(str, wrong))}}} are not open dead letters of stream "
+                              f"{stream_id}")
     return [d for d in letters if d.id in wanted]
 
 

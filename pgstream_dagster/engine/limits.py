@@ -42,13 +42,6 @@ def _server(host: str, port: int) -> tuple[str, int]:
     return ("local" if host in _LOCAL or host.startswith("/") else host.lower(), port)
 
 
-def _dagster_on_server(conn: psycopg.Connection, dagster: DagsterStorage | None) -> int:
-    """The connections ``dagster`` keeps on the server of ``conn`` (0: elsewhere or none)."""
-    if dagster is None or _server(conn.info.host, conn.info.port) != _server(dagster.host, dagster.port):
-        return 0
-    return dagster.connections
-
-
 class LimitsExceeded(RuntimeError):
     """Limits the streams do not fit in: one line each (``lines``)."""
 
@@ -119,12 +112,6 @@ def _suggest(needed: int) -> int:
     return max(8, -(-needed // 8) * 8)
 
 
-def _names(groups: Sequence[str]) -> str:
-    """Who needs the slots: reader groups (one slot per group)."""
-    names = " and ".join(f"reader group {g}" for g in groups)
-    return f"{names} need{'s' if len(groups) == 1 else ''} {'one' if len(groups) == 1 else len(groups)} more"
-
-
 def group_slot_names(conn: psycopg.Connection) -> dict[str, str]:
     """Each reader group's slot name (``pgstream.reader_groups``; none before the group's first tick)."""
     if conn.execute("select pg_catalog.to_regclass('pgstream.reader_groups') is not null").fetchone() != (True,):
@@ -145,7 +132,9 @@ def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[str]) -> s
     if len(missing) <= max(free, 0):
         return None
     short = list(missing[max(free, 0):])
-    return (f"max_replication_slots is {limits.max_replication_slots} and {in_use} are in use; {_names(short)}: "
+    names = " and ".join(f"reader group {g}" for g in short)
+    need = "needs one" if len(short) == 1 else f"need {len(short)}"
+    return (f"max_replication_slots is {limits.max_replication_slots} and {in_use} are in use; {names} {need} more: "
             + how_to_set(limits.service, "max_replication_slots", _suggest(in_use + len(missing))))
 
 
@@ -195,7 +184,9 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
                    + " over replication, one WAL sender each: "
                    + how_to_set(limits.service, "max_wal_senders", _suggest(senders_elsewhere + len(groups))))
     usable = limits.max_connections - limits.reserved_connections
-    storage = _dagster_on_server(conn, dagster)
+    # the connections Dagster's storage keeps on this server (0: elsewhere or none)
+    storage = (dagster.connections if dagster is not None
+               and _server(conn.info.host, conn.info.port) == _server(dagster.host, dagster.port) else 0)
     pools = sum(min(len(members), _CONNECTIONS_PER_POOL) for members in reader_groups(streams).values())
     needed = pools + _CONNECTIONS_PER_GROUP * len(groups) + _CONNECTIONS_SHARED + storage
     if needed > usable:

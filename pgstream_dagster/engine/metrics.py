@@ -58,10 +58,6 @@ UP = "pgstream_up"
 SCRAPE_DURATION = "pgstream_scrape_duration_seconds"
 
 
-def _label_value(value: float) -> str:
-    return "+Inf" if math.isinf(value) else f"{value:g}"
-
-
 @dataclass(frozen=True)
 class Row:
     metric: str
@@ -112,7 +108,7 @@ def families(rows: list[Row]) -> list[Metric]:
             cumulative, buckets = 0.0, []
             for bound in le:
                 cumulative += per_bound.get(bound, 0.0)
-                buckets.append((_label_value(bound), cumulative))
+                buckets.append(("+Inf" if math.isinf(bound) else f"{bound:g}", cumulative))
             family_h.add_metric([str(stream_id)], buckets, sums.get((stream_id, ""), 0.0))
         out.append(family_h)
     return out
