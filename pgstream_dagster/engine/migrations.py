@@ -391,14 +391,6 @@ order by 1
 """  # noqa: S608 - constants only
 
 
-def dependent_objects(conn: psycopg.Connection) -> list[str]:
-    """The objects outside schema ``pgstream`` that dropping it would drop too, as ``"<type> <identity>"``
-    (pgstream's own generated triggers, event triggers and publications left out: tear-down drops them)."""
-    if not _schema_exists(conn):
-        return []
-    return [r[0] for r in conn.execute(_DEPENDENTS).fetchall()]
-
-
 def _wait_slot_released(conn: psycopg.Connection, slot: str) -> None:
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
@@ -416,9 +408,8 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
     removed: list[str] = []
     with dbconn.connect(database_url, autocommit=True) as conn:
         had_schema = _schema_exists(conn)
-        slots: set[str] = set()
         with conn.transaction():
-            dependents = dependent_objects(conn)
+            dependents = [r[0] for r in conn.execute(_DEPENDENTS).fetchall()] if had_schema else []
             if dependents and not cascade:
                 raise TearDownRefused(dependents)
             slots = _stream_slots(conn) if had_schema else set()

@@ -182,14 +182,6 @@ order by 1
 """
 
 
-def url_hosts(database_url: str) -> list[tuple[str, str]]:
-    """``(host, port)`` of each server a libpq multi-host URL names, in its order (one host: one pair)."""
-    info = conninfo_to_dict(database_url)
-    hosts = str(info.get("host") or info.get("hostaddr") or "").split(",")
-    ports = str(info.get("port") or "5432").split(",")
-    return [(host, ports[i] if len(ports) > 1 else ports[0]) for i, host in enumerate(hosts) if host]
-
-
 def standby_slots(database_url: str, *, drop: bool = False) -> list[dict[str, Any]]:
     """pgstream's slots that the standbys of ``database_url`` (the servers of a multi-host URL in recovery) hold and
     did not synchronize from the primary: a former primary's, kept by ``pg_rewind`` when it rejoined as a standby,
@@ -197,7 +189,10 @@ def standby_slots(database_url: str, *, drop: bool = False) -> list[dict[str, An
     says its slot was created at (migration 033): ``drop`` drops them. A server that does not answer is passed over
     (the old primary is often down for a while)."""
     found: list[dict[str, Any]] = []
-    hosts = url_hosts(database_url)
+    info = conninfo_to_dict(database_url)  # each server the multi-host URL names, in its order
+    ports = str(info.get("port") or "5432").split(",")
+    hosts = [(host, ports[i] if len(ports) > 1 else ports[0])
+             for i, host in enumerate(str(info.get("host") or info.get("hostaddr") or "").split(",")) if host]
     if len(hosts) < 2:
         return found
     for host, port in hosts:

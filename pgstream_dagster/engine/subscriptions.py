@@ -154,7 +154,8 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     ``SubscriptionError``, nothing changed) in one ``set_subscriptions`` transaction: ``selected`` (default all)
     written, its other YAML-managed ones kept, ``remove_absent`` deleting the undeclared, hand-made ones never
     touched. A role that may not write them (the runtime) checks the database holds what the YAML declares."""
-    if not may_write_subscriptions(conn):
+    row = conn.execute("select pg_catalog.has_table_privilege('pgstream.subscriptions', 'INSERT')").fetchone()
+    if not (row and row[0]):  # the owner may write them; never the runtime
         return _verify_stream(conn, subscriptions, stream_id, source, selected, remove_absent)
     _validate_file(conn, subscriptions, stream_id, source)
     yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
@@ -218,12 +219,6 @@ def table_exists(conn: psycopg.Connection, schema: str, table: str) -> bool:
     """Whether ``schema.table`` exists (read from the catalog: whatever the role's privileges on it)."""
     row = conn.execute("select exists (select 1 from pg_catalog.pg_class c join pg_catalog.pg_namespace n "
                        "on n.oid = c.relnamespace where n.nspname = %s and c.relname = %s)", [schema, table]).fetchone()
-    return bool(row and row[0])
-
-
-def may_write_subscriptions(conn: psycopg.Connection) -> bool:
-    """Whether the connection's role may write ``pgstream.subscriptions`` (the owner; never the runtime)."""
-    row = conn.execute("select pg_catalog.has_table_privilege('pgstream.subscriptions', 'INSERT')").fetchone()
     return bool(row and row[0])
 
 
