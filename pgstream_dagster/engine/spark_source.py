@@ -221,14 +221,12 @@ def _positions(conn: psycopg.Connection, params: dict[str, Any]) -> pa.Table:
     import pyarrow as pa
 
     rows = conn.execute(_POSITIONS_QUERY, params).fetchall()
-    ids = [pa.array(events, pa.int64()) for _batch_id, _lo, events in rows]
-    table = pa.table({
-        "id": pa.concat_arrays([*ids, pa.array([], pa.int64())]),
-        "batch_id": pa.concat_arrays([pa.nulls(len(events), pa.int64()).fill_null(batch_id)
-                                      for (batch_id, _lo, _e), events in zip(rows, ids, strict=True)]
-                                     + [pa.array([], pa.int64())]),
-        "ord": pa.concat_arrays([pa.array(range(lo, lo + len(events)), pa.int32()) for _b, lo, events in rows]
-                                + [pa.array([], pa.int32())])})
+    table = pa.table({  # a chunk per span
+        "id": pa.chunked_array([pa.array(events, pa.int64()) for _b, _lo, events in rows], pa.int64()),
+        "batch_id": pa.chunked_array([pa.nulls(len(events), pa.int64()).fill_null(batch_id)
+                                      for batch_id, _lo, events in rows], pa.int64()),
+        "ord": pa.chunked_array([pa.array(range(lo, lo + len(events)), pa.int32()) for _b, lo, events in rows],
+                                pa.int32())})
     return table.append_column("position", pa.array(range(table.num_rows), pa.int64()))
 
 
@@ -378,8 +376,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             f" (consumer {self.consumer}'s token: `pgstream-dagster consumers add` printed it, "
             f"`pgstream-dagster consumers token {self.consumer}` issues a new one)"))
         self.starting = options.get("startingPosition", options.get("startingposition", "earliest"))
-        cap = _int_option(options, "maxEventsPerTrigger", 0, 0)
-        self.max_events = cap or None
+        self.max_events = _int_option(options, "maxEventsPerTrigger", 0, 0) or None
         self.parts = _int_option(options, "numPartitions", NUM_PARTITIONS, 1)
         self.rows = _int_option(options, "rowsPerPartition", ROWS_PER_PARTITION, 1)
         self.fail_on_data_loss = _bool_option(options, "failOnDataLoss", True)
@@ -671,9 +668,7 @@ class PgstreamDataSource(DataSource):
 
     def reader(self, schema: Any) -> DataSourceReader:
         options = dict(self.options)
-        if _bool_option(options, "pushFilters", False):
-            return PushdownEventsReader(options)
-        return EventsReader(options)
+        return (PushdownEventsReader if _bool_option(options, "pushFilters", False) else EventsReader)(options)
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
         return StreamReader(dict(self.options))
