@@ -249,24 +249,6 @@ _NO_PROGRAM = re.compile(r'Cannot run program "([^"]+)"')
 _NO_MODULE = re.compile(r"No module named '([^']+)'|the '([^']+)' package is not installed")
 
 
-def executor_python_problem(exc: BaseException, python: str | None) -> str | None:
-    """What ``exc`` of a Spark action says of the executors' Python (``python``: the one the session gives
-    them, ``None`` on Spark Connect), in one line; ``None`` when it says nothing of it."""
-    if not type(exc).__module__.startswith(("pyspark", "py4j")):
-        return None  # raised here, not by the executors
-    text = str(exc)
-    where = f"PYSPARK_PYTHON / spark.pyspark.python{f': {python}' if python else ''}"
-    requirements = "what `pgstream-dagster executor-requirements --config pgstream.yaml` lists"
-    if found := _NO_PROGRAM.search(text):
-        return (f"the Spark executors' Python {found.group(1)!r} is not where the executors run ({where}): "
-                f"point it at a Python that has {requirements}")
-    if found := _NO_MODULE.search(text):
-        module = found.group(1) or found.group(2)
-        return (f"the Spark executors' Python ({where}) cannot import {module!r}: install {requirements} "
-                f"into it, or point PYSPARK_PYTHON at one that has them")
-    return None
-
-
 @contextlib.contextmanager
 def executor_python_errors(spark: SparkSession) -> Iterator[None]:
     """Spark actions whose failure for want of the executors' Python (or a module in it) raises
@@ -274,11 +256,22 @@ def executor_python_errors(spark: SparkSession) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
+        if not type(exc).__module__.startswith(("pyspark", "py4j")):
+            raise  # raised here, not by the executors
+        # the Python the session gives the executors (None on Spark Connect)
         python = str(spark.sparkContext.pythonExec) if is_classic(spark) else None
-        problem = executor_python_problem(exc, python)
-        if problem is None:
-            raise
-        raise ExecutorPythonError(problem) from None
+        where = f"PYSPARK_PYTHON / spark.pyspark.python{f': {python}' if python else ''}"
+        requirements = "what `pgstream-dagster executor-requirements --config pgstream.yaml` lists"
+        if found := _NO_PROGRAM.search(str(exc)):
+            raise ExecutorPythonError(
+                f"the Spark executors' Python {found.group(1)!r} is not where the executors run ({where}): "
+                f"point it at a Python that has {requirements}") from None
+        if found := _NO_MODULE.search(str(exc)):
+            module = found.group(1) or found.group(2)
+            raise ExecutorPythonError(
+                f"the Spark executors' Python ({where}) cannot import {module!r}: install {requirements} "
+                f"into it, or point PYSPARK_PYTHON at one that has them") from None
+        raise
 
 
 #: one registration of a Python data source at a time in the process: a check made while another thread
