@@ -98,13 +98,9 @@ def sql_dir() -> Path:
 
 
 def discover(directory: Path | None = None) -> list[Migration]:
-    found: list[Migration] = []
-    for path in sorted((directory or sql_dir()).glob("*.sql")):
-        m = _FILE.match(path.name)
-        if m:
-            found.append(Migration(path, int(m.group(1)), m.group(2)))
-    versions = [m.version for m in found]
-    if len(versions) != len(set(versions)):
+    found = [Migration(path, int(m.group(1)), m.group(2)) for path in sorted((directory or sql_dir()).glob("*.sql"))
+             if (m := _FILE.match(path.name))]
+    if len({m.version for m in found}) != len(found):
         raise MigrationError(f"duplicate migration versions in {directory or sql_dir()}")
     return found
 
@@ -116,8 +112,7 @@ def discover_repeatables(directory: Path | None = None) -> list[Repeatable]:
     misnamed = [r.name for r in found if not _REPEATABLE_FILE.match(r.name)]
     if misnamed:
         raise MigrationError(f"repeatable files must be named NN_name.sql: {', '.join(misnamed)}")
-    numbers = [r.name[:2] for r in found]
-    if len(numbers) != len(set(numbers)):
+    if len({r.name[:2] for r in found}) != len(found):
         raise MigrationError(f"duplicate repeatable file numbers in {(directory or sql_dir()) / REPEATABLE_DIR}")
     return found
 
