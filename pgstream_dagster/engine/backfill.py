@@ -398,7 +398,7 @@ def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, pa
     :class:`PartitionResult` comes back): an RDD job on a classic session, ``spark.range(n).mapInArrow`` on Connect,
     each task reading the partitions whose indexes in ``parts`` it gets."""
     from .spark import executor_python_errors, ship_package
-    from .spark_source import is_classic
+    from .spark_source import arrow_schema, is_classic
 
     parts = list(parts)
 
@@ -411,9 +411,7 @@ def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, pa
 
         for batch in batches:
             for done in task(batch.column("id").to_pylist()):
-                yield pa.RecordBatch.from_pylist([done], schema=pa.schema(
-                    [("part", pa.int32()), ("status", pa.string()), ("rows", pa.int64()), ("events", pa.int64()),
-                     ("chunks", pa.int64()), ("error", pa.string())]))
+                yield pa.RecordBatch.from_pylist([done], schema=arrow_schema(RESULT_SCHEMA))
 
     ship_package(spark)
     with executor_python_errors(spark):

@@ -50,7 +50,7 @@ from .publish import (
     Span,
     publish,
 )
-from .spark_source import is_classic
+from .spark_source import arrow_schema, is_classic
 
 if TYPE_CHECKING:
     import psycopg
@@ -457,7 +457,7 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                 recorded = position
     yield pa.RecordBatch.from_pylist(
         [{"batch_id": b, "handled": n, "resumed": resumed.get(b, 0)} for b, n in handled.items()],
-        schema=pa.schema([("batch_id", pa.int64()), ("handled", pa.int64()), ("resumed", pa.int64())]))
+        schema=arrow_schema(BY_KEY_RESULT_SCHEMA))
 
 
 def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int, *,

@@ -172,12 +172,12 @@ _ARROW_TYPES = {"long": "int64", "int": "int32", "string": "string", "boolean": 
 
 
 @functools.cache
-def arrow_schema() -> pa.Schema:
-    """:data:`SCHEMA` as the Arrow schema PySpark takes a reader's record batches in (timestamps:
-    microseconds in UTC)."""
+def arrow_schema(ddl: str = SCHEMA) -> pa.Schema:
+    """A schema of Spark's DDL (:data:`SCHEMA`; a ``long``, ``int``, ``string``, ``boolean`` or ``timestamp`` each)
+    as the Arrow schema PySpark takes record batches in (timestamps: microseconds in UTC)."""
     import pyarrow as pa
 
-    fields = [column.split() for column in SCHEMA.split(",")]
+    fields = [column.split() for column in ddl.split(",")]
     return pa.schema([(name, pa.timestamp("us", tz="UTC") if kind == "timestamp" else getattr(pa, _ARROW_TYPES[kind])())
                       for name, kind in fields])
 
