@@ -8,8 +8,7 @@ import hashlib
 import json
 import re
 import time
-from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,13 +22,10 @@ MANAGED_BY = "yaml"
 def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> list[tuple[str, str, int]]:
     """Make the database's YAML-managed subscriptions equal to ``config.subscriptions``; ``(action, key,
     stream_id)`` for every change. An invalid one raises ``psycopg.Error`` naming it, changing nothing."""
-    by_stream: dict[int, list[SubscriptionConfig]] = defaultdict(list)
-    for sub in config.subscriptions:
-        by_stream[sub.stream_id].append(sub)
     changes: list[tuple[str, str, int]] = []
     with conn.transaction():
         for stream in config.streams:
-            subs = by_stream.get(stream.id, [])
+            subs = [s for s in config.subscriptions if s.stream_id == stream.id]
             # jsonb_populate_record, not a row(...) constructor: robust to columns added to the table
             rows = conn.execute(
                 """select action, key from pgstream.set_subscriptions(%s,
@@ -102,13 +98,11 @@ def _db_error(exc: psycopg.Error) -> str:
     return diag.message_primary or str(exc).strip().splitlines()[0]
 
 
-def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], source: str,
-                 positions: Sequence[int] | None = None) -> None:
-    """Validate a file's subscriptions (``source``) against the database without writing anything; raises
-    ``SubscriptionError`` naming the file, the subscription (its index: ``positions``) and the reason."""
+def validate_all(conn: psycopg.Connection, numbered: Iterable[tuple[int, SubscriptionConfig]], source: str) -> None:
+    """Validate subscriptions of a file (``source``; each with its index there) against the database without writing
+    anything; raises ``SubscriptionError`` naming the file, the subscription and the reason."""
     with conn.transaction(force_rollback=True):
-        for i, sub in zip(positions if positions is not None else range(len(subscriptions)), subscriptions,
-                          strict=True):
+        for i, sub in numbered:
             try:
                 with conn.transaction():
                     conn.execute("select pgstream.validate_subscription("
@@ -133,10 +127,9 @@ def _validate_file(conn: psycopg.Connection, subscriptions: Sequence[Subscriptio
                                        sort_keys=True, default=str).encode()).hexdigest()
     now = time.monotonic()
     if now - _valid_files.get((source, digest), -FILE_VALID_SECS) < FILE_VALID_SECS:
-        own = [(i, s) for i, s in enumerate(subscriptions) if s.stream_id == stream_id]
-        validate_all(conn, [s for _i, s in own], source, positions=[i for i, _s in own])
+        validate_all(conn, [(i, s) for i, s in enumerate(subscriptions) if s.stream_id == stream_id], source)
         return
-    validate_all(conn, subscriptions, source)
+    validate_all(conn, enumerate(subscriptions), source)
     _valid_files[(source, digest)] = now
 
 
