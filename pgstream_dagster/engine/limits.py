@@ -156,21 +156,17 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
                       dagster: DagsterStorage | None = None) -> list[str]:
     """One line per Postgres limit the streams do not fit in (empty: they all fit)."""
     limits = server_limits(conn)
-    out: list[str] = []
+    out: list[str | None] = []  # (None: fits)
     if limits.wal_level != "logical":
         out.append(f"wal_level is {limits.wal_level}; the streams' slots need logical decoding: "
                    + how_to_set(limits.service, "wal_level", "logical"))
-    line = replication_problem(conn, limits.service)
-    if line:
-        out.append(line)
+    out.append(replication_problem(conn, limits.service))
     # every stream reads with its reader group: one slot, one WAL sender (the group delivery run's reader) per group
     existing = {str(r[0]) for r in conn.execute("select slot_name from pg_catalog.pg_replication_slots")}
     group_slots = group_slot_names(conn)
     groups = list(reader_groups(streams))
     missing = [g for g in groups if group_slots.get(g) not in existing]
-    line = slot_problem(limits, len(existing), missing)
-    if line:
-        out.append(line)
+    out.append(slot_problem(limits, len(existing), missing))
     # WAL senders other than the groups' readers, told by the slot they hold (application_name may be hidden)
     ours = [group_slots[g] for g in groups if g in group_slots]
     row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
@@ -196,7 +192,7 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
                    f"delivering at once, {_CONNECTIONS_PER_POOL} at most per group, the groups' sensors, readers and "
                    f"leases, housekeeping{of_dagster}): "
                    + how_to_set(limits.service, "max_connections", _suggest(needed + limits.reserved_connections)))
-    return out
+    return [line for line in out if line]
 
 
 def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig], where: str) -> str | None:
