@@ -575,30 +575,29 @@ def _time_option(options: dict[str, str], name: str) -> dt.datetime | None:
 class EventsReader(DataSourceReader):
     """``spark.read.format("pgstream")``: see the module's docstring."""
 
+    #: Spark's filters pushed down (:class:`PushdownEventsReader`), each a condition and its parameters
+    pushed: list[tuple[str, list[Any]]] = []
+
     def __init__(self, options: dict[str, str]) -> None:
         self.url = _url(options)
         self.stream_id = _int_option(options, "stream", None, 1)
         self.parts = _int_option(options, "numPartitions", NUM_PARTITIONS, 1)
-        self.conditions: list[str] = ["e.stream_id = %s"]
-        self.params: list[Any] = [self.stream_id]
+        #: the options' conditions, as :attr:`pushed`
+        self.selected: list[tuple[str, list[Any]]] = [("e.stream_id = %s", [self.stream_id])]
         if (from_time := _time_option(options, "fromTime")) is not None:
-            self._add("e.created_at >= %s", [from_time])
+            self.selected.append(("e.created_at >= %s", [from_time]))
         if (to_time := _time_option(options, "toTime")) is not None:
-            self._add("e.created_at < %s", [to_time])
+            self.selected.append(("e.created_at < %s", [to_time]))
         if (keys := _csv(options, "subscription")) is not None:
-            self._add(f"{PUSHABLE['subscription']} = any(%s)", [keys])
+            self.selected.append((f"{PUSHABLE['subscription']} = any(%s)", [keys]))
         if (ops := _csv(options, "operation")) is not None:
-            self._add(f"{PUSHABLE['operation']} = any(%s)", [[op.upper() for op in ops]])
-
-    def _add(self, condition: str, params: list[Any]) -> None:
-        self.conditions.append(condition)
-        self.params.extend(params)
+            self.selected.append((f"{PUSHABLE['operation']} = any(%s)", [[op.upper() for op in ops]]))
 
     def where(self) -> str:
-        return " and ".join(self.conditions + [c for c, _ in getattr(self, "pushed", [])])
+        return " and ".join(condition for condition, _ in self.selected + self.pushed)
 
     def selection(self) -> list[Any]:
-        return self.params + [p for _, params in getattr(self, "pushed", []) for p in params]
+        return [p for _, params in self.selected + self.pushed for p in params]
 
     def query(self) -> str:
         """The query of one partition (ids ``lo..hi`` after the selection's parameters): the events, the
@@ -647,7 +646,7 @@ class PushdownEventsReader(EventsReader):
     DataFrame's first filtered reader for its later queries, tests/test_spark_source.py: a DataFrame per query)."""
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
-        self.pushed: list[tuple[str, list[Any]]] = []  # each call replaces the last one's
+        self.pushed = []  # each call replaces the last one's
         for flt in filters:
             pushed = pushed_condition(flt)
             if pushed is None:
