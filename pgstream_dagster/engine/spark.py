@@ -19,7 +19,7 @@ import pickle
 import re
 import sys
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -121,10 +121,8 @@ class BatchesReader(DataSourceReader):
         return [InputPartition(group) for group in self.groups]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        group = partition.value
-        assert isinstance(group, list) and all(isinstance(span, Span) for span in group)
-        yield from _read(self.url, BATCH_QUERY, [{**self.routing, "batch_id": span.batch_id,
-                                                   "lo": span.first, "hi": span.last} for span in group], self.packed)
+        yield from _read(self.url, BATCH_QUERY, [{**self.routing, "batch_id": span.batch_id, "lo": span.first,
+                                                   "hi": span.last} for span in partition.value], self.packed)
 
 
 class EventsReader(DataSourceReader):
@@ -368,21 +366,16 @@ def _packed_events(rows: Iterator[Any]) -> Iterator[Positioned]:
 
 
 def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Positioned]:
-    """The events of single-partition DataFrames (packed), in order, each collected whole (:func:`_collected`).
-    Closed, it waits for the partition collected ahead (left to the collector, it could deadlock on py4j)."""
-    with contextlib.closing(_collected(frames, prefetch)) as rows:
-        yield from _packed_events(rows) if frames and "data" in frames[0].columns else _row_events(rows)
-
-
-def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, None]:
-    """The rows of single-partition DataFrames, in order, each collected whole (``prefetch``: the next meanwhile),
-    not ``toLocalIterator``, whose partitions stay on the driver's JVM heap in PySpark 4 (an OutOfMemoryError)."""
+    """The events of single-partition DataFrames (packed), in order, each collected whole (``prefetch``: the next
+    meanwhile), not ``toLocalIterator``, whose partitions stay on the driver's JVM heap in PySpark 4 (an
+    OutOfMemoryError). Closed, it waits for the partition collected ahead (left to the collector, it could deadlock
+    on py4j)."""
     if not frames:
         return
     with executor_python_errors(frames[0].sparkSession), \
             contextlib.closing(in_turn([frame.collect for frame in frames], prefetch)) as collected:
-        for rows in collected:
-            yield from rows
+        rows = itertools.chain.from_iterable(collected)
+        yield from _packed_events(rows) if "data" in frames[0].columns else _row_events(rows)
 
 
 #: what each by_key partition returns: per batch, the events it handled and those an earlier attempt confirmed
