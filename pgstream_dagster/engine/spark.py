@@ -436,8 +436,6 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                     chunk_bytes=chunk_bytes)))
         recorded: Position = (0, 0)
         for delivery in deliveries:
-            if progress is None or conn is None:
-                continue
             # every event of these buckets up to here is handled (a batch's end is said by its BatchDone)
             if isinstance(delivery, Confirmed):
                 position = (delivery.batch_id, delivery.ord)
@@ -445,7 +443,7 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                 position = (delivery.batch_id, last[delivery.batch_id])
             else:
                 continue
-            if position > recorded:
+            if progress is not None and conn is not None and position > recorded:
                 progress.record(conn, sorted(buckets), *position)
                 recorded = position
     yield pa.RecordBatch.from_pylist(
@@ -474,8 +472,6 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
                   .repartition(partitions, "routing_key").sortWithinPartitions("batch_id", "ord")
                   .mapInArrow(publish_partition, BY_KEY_RESULT_SCHEMA).collect())
     handled: dict[int, int] = {}
-    resumed = 0
     for row in rows:
         handled[row["batch_id"]] = handled.get(row["batch_id"], 0) + int(row["handled"])
-        resumed += int(row["resumed"])
-    return KeyDeliveries(handled, resumed)
+    return KeyDeliveries(handled, sum(int(row["resumed"]) for row in rows))
