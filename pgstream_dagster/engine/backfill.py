@@ -8,6 +8,7 @@ partition's cursor with them: a resumed backfill reads no row twice (row-level s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -371,13 +372,11 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
 def _backlog_below(conn: psycopg.Connection, pace: Pace, started: float, sleep: Callable[[float], None]) -> bool:
     """Until the stream has at most ``pace.max_backlog`` undelivered events; False if the round's
     time is over first. A lost connection ends the wait: the chunk reconnects and retries."""
-    try:
+    with contextlib.suppress(*_TRANSIENT):
         while _backlog(conn, pace.stream_id) > (pace.max_backlog or 0):
             if time.monotonic() - started >= pace.max_secs:
                 return False
             sleep(BACKLOG_WAIT_SECS)
-    except _TRANSIENT:
-        return True
     return True
 
 
@@ -424,13 +423,11 @@ def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, pa
 
 
 def cancel_spark(spark: SparkSession) -> None:
-    try:
+    with contextlib.suppress(Exception):  # best effort: the tasks stop at their next chunk anyway
         if hasattr(spark, "interruptAll") and not hasattr(spark, "sparkContext"):
             spark.interruptAll()
         else:
             spark.sparkContext.cancelAllJobs()
-    except Exception:  # best effort: the tasks stop at their next chunk anyway
-        pass
 
 
 # --- a run -----------------------------------------------------------------------------------

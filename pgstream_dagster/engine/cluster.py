@@ -9,6 +9,7 @@ cannot start).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import ipaddress
@@ -168,11 +169,9 @@ def _prune(directory: Path) -> None:
     :data:`ZIP_UNUSED_SECS`: each new version or content of the package adds one."""
     cutoff = time.time() - ZIP_UNUSED_SECS
     for path in [*directory.glob("pgstream_dagster-*.zip"), *directory.glob(".pgstream-zip-*.tmp")]:
-        try:
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to delete
             if path.stat().st_mtime < cutoff:
                 path.unlink()
-        except OSError:  # gone meanwhile, or not ours to delete
-            continue
 
 
 def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:

@@ -9,6 +9,7 @@ would run the previous release's); a data step that needs one ends the repeatabl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import time
@@ -455,12 +456,10 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
             removed.append(f"replication slot {slot}")
         # the role is the cluster's: it stays while pgstream in another database uses it
         if had_schema and conn.execute("select 1 from pg_roles where rolname = %s", [WRITER_ROLE]).fetchone():
-            try:
+            with contextlib.suppress(psycopg.errors.DependentObjectsStillExist, psycopg.errors.InsufficientPrivilege):
                 with conn.transaction():
                     conn.execute(sql.SQL("drop role {}").format(sql.Identifier(WRITER_ROLE)))
                 removed.append(f"role {WRITER_ROLE}")
-            except (psycopg.errors.DependentObjectsStillExist, psycopg.errors.InsufficientPrivilege):
-                pass
     return removed
 
 
