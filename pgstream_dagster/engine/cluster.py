@@ -220,21 +220,16 @@ def _url_host(value: str) -> str | None:
         return None
 
 
-def _conninfo_hosts(url: str) -> list[str]:
-    """The hosts a libpq connection string names ('' for a Unix socket: this machine's)."""
+def database_problem(url: str) -> str | None:
+    """Why the executors cannot use ``url`` (they read pgstream.events with it), or None."""
     from psycopg.conninfo import conninfo_to_dict
 
     try:
         info = conninfo_to_dict(url)
     except Exception:  # an invalid URL fails at connect time with psycopg's own message
-        return []
-    host = str(info.get("host") or info.get("hostaddr") or "")
-    return [h for h in host.split(",")] if host else [""]
-
-
-def database_problem(url: str) -> str | None:
-    """Why the executors cannot use ``url`` (they read pgstream.events with it), or None."""
-    hosts = _conninfo_hosts(url)
+        return None
+    # the hosts it names ('' for a Unix socket: this machine's)
+    hosts = str(info.get("host") or info.get("hostaddr") or "").split(",")
     if any(h == "" or h.startswith("/") for h in hosts):
         return "names a Unix socket (no host): each executor would connect to a Postgres on its own host"
     if any(is_loopback(h) for h in hosts):
