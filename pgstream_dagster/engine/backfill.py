@@ -134,11 +134,10 @@ class Progress:
 
 @dataclass(frozen=True)
 class Pace:
-    """One partition task's budget in a round (``max_rows`` rows or ``max_secs``, then ``more``: its Spark slot
-    given back), within which it keeps ``rows_per_sec`` and waits while the stream has ``max_backlog`` waiting."""
+    """One partition task's budget in a round (``max_secs``, then ``more``: its Spark slot given back), within
+    which it keeps ``rows_per_sec`` and waits while the stream has ``max_backlog`` waiting."""
 
     max_secs: float
-    max_rows: int | None = None
     rows_per_sec: float | None = None
     max_backlog: int | None = None
     stream_id: int = 0
@@ -324,8 +323,6 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
         if pace.rows_per_sec:
             limit = max(1, min(chunk_size, int(pace.rows_per_sec * PACED_CHUNK_SECS)))
         while True:
-            if pace.max_rows is not None:
-                limit = max(1, min(limit, pace.max_rows - result.rows))
             if pace.max_backlog and not _backlog_below(conn, pace, started, sleep):
                 result.status = "more"  # the round's time went by waiting
                 return result
@@ -361,8 +358,7 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
                 due = min(started + result.rows / pace.rows_per_sec, started + pace.max_secs)
                 while (left := due - time.monotonic()) > 0:
                     sleep(min(left, 0.5))
-            if (time.monotonic() - started >= pace.max_secs
-                    or (pace.max_rows is not None and result.rows >= pace.max_rows)):
+            if time.monotonic() - started >= pace.max_secs:
                 result.status = "more"
                 return result
     finally:
