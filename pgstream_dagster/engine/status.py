@@ -65,11 +65,11 @@ def last_batches(conn: psycopg.Connection, stream_id: int, last: int) -> list[di
 def _bytes(n: float | None) -> str:
     if n is None:
         return "?"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
+    for unit in ("B", "kB", "MB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} GB"
 
 
 def render_status(streams: list[dict[str, Any]]) -> str:
