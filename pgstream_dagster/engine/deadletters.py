@@ -182,12 +182,11 @@ class RedeliveryReport:
         s = self.stream_id
         if not self.planned:
             return [f"stream {s}: no open dead letters to redeliver"]
-        ids = [d.id for d in self.planned]
         if self.dry_run:
-            out = [f"stream {s}: would redeliver {len(self.redelivered)} of {len(ids)} open dead letters, in this "
-                   f"order: {_ids(self.redelivered)}"]
+            out = [f"stream {s}: would redeliver {len(self.redelivered)} of {len(self.planned)} open dead letters, in "
+                   f"this order: {_ids(self.redelivered)}"]
         else:
-            out = [f"stream {s}: redelivered {len(self.redelivered)} of {len(ids)} dead letters"
+            out = [f"stream {s}: redelivered {len(self.redelivered)} of {len(self.planned)} dead letters"
                    + (f": {_ids(self.redelivered)}" if self.redelivered else "")]
         for letter_id, why in self.undeliverable:
             out.append(f"dead letter {letter_id} cannot be redelivered: {why}; it stays open (discard it)")
