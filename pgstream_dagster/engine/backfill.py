@@ -469,17 +469,15 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
                         rows_per_sec=request.max_rows_per_sec / len(parts) if request.max_rows_per_sec else None,
                         max_backlog=request.max_backlog, stream_id=request.stream_id)
             done = yield from _execute(backfill_id, token, parts, request.chunk_size, pace, execute, reporter)
-            for r in done:
-                total = results.setdefault(r.part, PartitionResult(r.part, r.status))
-                total.status, total.error = r.status, r.error
-                total.rows, total.events, total.chunks = total.rows + r.rows, total.events + r.events, \
-                    total.chunks + r.chunks
+            for r in done:  # its last status and error, its counts summed over the rounds
+                before = results.get(r.part)
+                results[r.part] = r if before is None else dataclasses.replace(
+                    r, rows=before.rows + r.rows, events=before.events + r.events, chunks=before.chunks + r.chunks)
             statuses = {r.status for r in done}
             if "stopped" in statuses or "gone" in statuses:
                 break
             if "changed" in statuses:
                 _claim(session, backfill_id, token, run_id)  # the subscription changed: checked again
-                continue
         outcome = [dataclasses.replace(r, status="stopped") if r.status == "more" else r for r in results.values()]
         failed = [r for r in outcome if r.status in ("failed", "gone")]
         error = "; ".join(f"partition {r.part}: {r.error or 'its subscription was deleted'}" for r in failed) or None
