@@ -198,10 +198,11 @@ def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[Subsc
 
 
 def _stored_rows(conn: psycopg.Connection, stream_id: int) -> dict[Identity, dict[str, Any]]:
-    """The stream's stored subscriptions (:func:`stored_definition` of each)."""
-    rows = conn.execute(f"select key, schema_name, table_name, operation::text, {_STORED_COLUMNS} "  # noqa: S608
+    """The stream's stored subscriptions: their :data:`_STORED_FIELDS`, as ``definition`` has them."""
+    columns = ", ".join(_STORED_FIELDS)
+    rows = conn.execute(f"select key, schema_name, table_name, operation::text, {columns} "  # noqa: S608
                         "from pgstream.subscriptions where stream_id = %s", [stream_id]).fetchall()  # (no input)
-    return {(r[0], r[1], r[2], r[3]): _stored(r[4:]) for r in rows}
+    return {(r[0], r[1], r[2], r[3]): dict(zip(_STORED_FIELDS, r[4:], strict=True)) for r in rows}
 
 
 def _hand_made(stored: dict[Identity, dict[str, Any]]) -> int:
@@ -359,22 +360,11 @@ def partition_problems(conn: psycopg.Connection, schema: str, table: str, operat
 #: the stored columns :func:`differences` compares, in its order, and ``managed_by``
 _STORED_FIELDS = ("when_clause", "column_names", "metadata", "payload_extensions", "metadata_extensions",
                   "trigger_mode", "emit_truncate", "managed_by")
-_STORED_COLUMNS = ", ".join(_STORED_FIELDS)
-
-
-def _stored(row: Sequence[Any]) -> dict[str, Any]:
-    """A subscription row's ``_STORED_COLUMNS``, normalised like ``definition``."""
-    stored = dict(zip(_STORED_FIELDS, row, strict=True))
-    return {**stored, "column_names": list(stored["column_names"])}
 
 
 def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity) -> dict[str, Any] | None:
     """The subscription row as stored (normalised like ``definition``), or None."""
-    row = conn.execute(
-        f"select {_STORED_COLUMNS} from pgstream.subscriptions "  # noqa: S608  (column list, no input)
-        "where stream_id = %s and key = %s and schema_name = %s and table_name = %s and operation::text = %s",
-        [stream_id, *ident]).fetchone()
-    return _stored(row) if row is not None else None
+    return _stored_rows(conn, stream_id).get(ident)
 
 
 def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:
