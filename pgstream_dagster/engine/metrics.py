@@ -22,7 +22,7 @@ import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .dbconn import connect, scrubbed_error
+from .dbconn import connect, first_line, scrubbed_error
 
 Kind = Literal["counter", "gauge"]
 
@@ -143,8 +143,7 @@ class PgstreamCollector(Collector):
                 self.last_error = None
             except psycopg.Error as exc:
                 # libpq echoes a connection string it cannot parse, the password included
-                first_line = (str(exc).strip().splitlines() or [""])[0]
-                error = f"{type(exc).__name__}: {scrubbed_error(first_line, self._url)}"
+                error = f"{type(exc).__name__}: {scrubbed_error(first_line(exc), self._url)}"
                 if error != self.last_error:  # once per kind of failure, not at every scrape
                     self._log(f"pgstream metrics: cannot read the database ({error}); reporting {UP} 0")
                 self.last_error = error
