@@ -16,6 +16,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from ..config import PgstreamConfig, SubscriptionConfig
+from .dbconn import first_line
 
 MANAGED_BY = "yaml"
 
@@ -94,8 +95,7 @@ def asset_name(sub: SubscriptionConfig, siblings: list[SubscriptionConfig]) -> s
 
 
 def _db_error(exc: psycopg.Error) -> str:
-    diag = exc.diag
-    return diag.message_primary or str(exc).strip().splitlines()[0]
+    return exc.diag.message_primary or first_line(exc)
 
 
 def validate_all(conn: psycopg.Connection, numbered: Iterable[tuple[int, SubscriptionConfig]], source: str) -> None:
