@@ -87,11 +87,8 @@ def render_status(streams: list[dict[str, Any]]) -> str:
         lines.append(f"  delivered today: {s['delivered_today']}; last recorded event "
                      f"{s['last_recorded_event_id'] or '-'}; {slot}")
         open_letters = int(s.get("open_dead_letters") or 0)
-        if open_letters:
-            lines.append(f"  dead letters: {open_letters} open (oldest since {s['oldest_dead_letter_at']}): "
-                         f"pgstream-dagster dead-letters list {s['id']}")
-        else:
-            lines.append("  dead letters: none open")
+        lines.append(f"  dead letters: {open_letters} open (oldest since {s['oldest_dead_letter_at']}): "
+                     f"pgstream-dagster dead-letters list {s['id']}" if open_letters else "  dead letters: none open")
         declared = str(s.get("declared_reader") or "")
         if declared.startswith("group:"):
             lines.append(f"  read by reader group {declared.removeprefix('group:')} (its sensor "
