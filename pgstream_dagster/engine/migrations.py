@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import psycopg
+from psycopg import sql
 
 from ..config import STREAM_NAME_PREFIX
 from . import dbconn
@@ -399,8 +400,6 @@ def _wait_slot_released(conn: psycopg.Connection, slot: str) -> None:
 def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
     """Remove every trace of pgstream (triggers, publications, the schema, the streams' slots); what was removed.
     Dependent objects outside it refuse it (:class:`TearDownRefused`) unless ``cascade`` (dropped too, listed)."""
-    from psycopg import sql
-
     removed: list[str] = []
     with dbconn.connect(database_url, autocommit=True) as conn:
         had_schema = _schema_exists(conn)
