@@ -50,7 +50,7 @@ from .publish import (
     Span,
     publish,
 )
-from .spark_source import arrow_schema, is_classic
+from .spark_source import arrow_schema, is_classic, register
 
 if TYPE_CHECKING:
     import psycopg
@@ -223,12 +223,8 @@ def open_session(config: PgstreamConfig) -> SparkSession:
     benches), with ``format("pgstream")`` registered (:mod:`.spark_source`)."""
     from pyspark.sql import SparkSession
 
-    from .spark_source import register
-
-    builder = SparkSession.builder
-    for key, value in location_conf(config).items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    settings: dict[str, Any] = location_conf(config)
+    spark = SparkSession.builder.config(map=settings).getOrCreate()
     register(spark)
     return spark
 
