@@ -682,21 +682,15 @@ def is_classic(spark: SparkSession) -> bool:
     return not type(spark).__module__.startswith("pyspark.sql.connect")
 
 
-def workers_python(spark: SparkSession) -> str:
-    """The workers' interpreter of a classic session's Python functions: unless ``PYSPARK_PYTHON`` is set or the
-    master is a cluster, the conf's ``spark.pyspark.python``, else this one (``python3`` may lack this package)."""
+def register(spark: SparkSession) -> None:
+    """Register ``format("pgstream")`` on ``spark`` (local, a cluster, or Spark Connect). A classic session's Python
+    workers run, unless ``PYSPARK_PYTHON`` is set or the master is a cluster, the conf's ``spark.pyspark.python``,
+    else this interpreter (``python3`` may lack this package)."""
     from .cluster import is_local
 
-    context = spark.sparkContext
-    if (context.pythonExec == PYSPARK_DEFAULT_PYTHON and not os.environ.get("PYSPARK_PYTHON")
-            and is_local(context.master or "")):
-        context.pythonExec = context.getConf().get("spark.pyspark.python") or sys.executable
-    return str(context.pythonExec)
-
-
-def register(spark: SparkSession) -> None:
-    """Register ``format("pgstream")`` on ``spark`` (local, a cluster, or Spark Connect); on a classic
-    session, with the Python workers :func:`workers_python` says."""
     if is_classic(spark):
-        workers_python(spark)
+        context = spark.sparkContext
+        if (context.pythonExec == PYSPARK_DEFAULT_PYTHON and not os.environ.get("PYSPARK_PYTHON")
+                and is_local(context.master or "")):
+            context.pythonExec = context.getConf().get("spark.pyspark.python") or sys.executable
     spark.dataSource.register(PgstreamDataSource)
