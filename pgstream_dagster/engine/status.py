@@ -148,10 +148,9 @@ def slot_wal(conn: psycopg.Connection, slot: str) -> tuple[Any, ...] | None:
 def orphaned_slots(conn: psycopg.Connection) -> list[dict[str, Any]]:
     """``pgstream.orphaned_slots``: this database's slots named like a stream's default slot that no stream
     reads (its stream deleted or renamed its slot), each keeping its WAL (``retained_bytes``) until dropped."""
-    rows = conn.execute("select slot_name, retained_bytes, active, wal_status from pgstream.orphaned_slots "
-                        "order by slot_name").fetchall()
-    return [{"slot_name": name, "retained_bytes": int(retained), "active": bool(active), "wal_status": status}
-            for name, retained, active, status in rows]
+    with conn.cursor(row_factory=dict_row) as cur:  # (retained_bytes bigint, active boolean)
+        return cur.execute("select slot_name, retained_bytes, active, wal_status from pgstream.orphaned_slots "
+                           "order by slot_name").fetchall()
 
 
 def render_orphaned_slots(slots: list[dict[str, Any]]) -> str:
