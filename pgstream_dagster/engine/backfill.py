@@ -8,6 +8,7 @@ partition's cursor with them: a resumed backfill reads no row twice (row-level s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -133,11 +134,10 @@ class Progress:
 
 @dataclass(frozen=True)
 class Pace:
-    """One partition task's budget in a round (``max_rows`` rows or ``max_secs``, then ``more``: its Spark slot
-    given back), within which it keeps ``rows_per_sec`` and waits while the stream has ``max_backlog`` waiting."""
+    """One partition task's budget in a round (``max_secs``, then ``more``: its Spark slot given back), within
+    which it keeps ``rows_per_sec`` and waits while the stream has ``max_backlog`` waiting."""
 
     max_secs: float
-    max_rows: int | None = None
     rows_per_sec: float | None = None
     max_backlog: int | None = None
     stream_id: int = 0
@@ -262,11 +262,6 @@ def stop(conn: psycopg.Connection, backfill_id: int, *, cancel: bool) -> str:
 
 # --- progress --------------------------------------------------------------------------------
 
-def _target_of(row: dict[str, Any]) -> Target:
-    return Target(int(row["stream_id"]), row["subscription_key"], row["schema_name"], row["table_name"],
-                  str(row["operation"]))
-
-
 def list_backfills(conn: psycopg.Connection, stream_id: int | None = None, *,
                    backfill_id: int | None = None) -> list[Progress]:
     """Backfills (of a stream, or one), newest first."""
@@ -275,8 +270,10 @@ def list_backfills(conn: psycopg.Connection, stream_id: int | None = None, *,
             "select * from pgstream.backfill_progress where (%s::bigint is null or stream_id = %s) "
             "and (%s::bigint is null or id = %s) order by id desc",
             (stream_id, stream_id, backfill_id, backfill_id)).fetchall()
-    return [Progress(int(r["id"]), _target_of(r), r["status"], int(r["rows_total"] or 0), int(r["rows_read"]),
-                     int(r["events_written"]), int(r["partitions"]), int(r["partitions_done"]), r["error"])
+    return [Progress(int(r["id"]), Target(int(r["stream_id"]), r["subscription_key"], r["schema_name"],
+                                          r["table_name"], str(r["operation"])),
+                     r["status"], int(r["rows_total"] or 0), int(r["rows_read"]), int(r["events_written"]),
+                     int(r["partitions"]), int(r["partitions_done"]), r["error"])
             for r in rows]
 
 
@@ -326,8 +323,6 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
         if pace.rows_per_sec:
             limit = max(1, min(chunk_size, int(pace.rows_per_sec * PACED_CHUNK_SECS)))
         while True:
-            if pace.max_rows is not None:
-                limit = max(1, min(limit, pace.max_rows - result.rows))
             if pace.max_backlog and not _backlog_below(conn, pace, started, sleep):
                 result.status = "more"  # the round's time went by waiting
                 return result
@@ -363,8 +358,7 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
                 due = min(started + result.rows / pace.rows_per_sec, started + pace.max_secs)
                 while (left := due - time.monotonic()) > 0:
                     sleep(min(left, 0.5))
-            if (time.monotonic() - started >= pace.max_secs
-                    or (pace.max_rows is not None and result.rows >= pace.max_rows)):
+            if time.monotonic() - started >= pace.max_secs:
                 result.status = "more"
                 return result
     finally:
@@ -374,13 +368,11 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
 def _backlog_below(conn: psycopg.Connection, pace: Pace, started: float, sleep: Callable[[float], None]) -> bool:
     """Until the stream has at most ``pace.max_backlog`` undelivered events; False if the round's
     time is over first. A lost connection ends the wait: the chunk reconnects and retries."""
-    try:
+    with contextlib.suppress(*_TRANSIENT):
         while _backlog(conn, pace.stream_id) > (pace.max_backlog or 0):
             if time.monotonic() - started >= pace.max_secs:
                 return False
             sleep(BACKLOG_WAIT_SECS)
-    except _TRANSIENT:
-        return True
     return True
 
 
@@ -392,66 +384,46 @@ def _next_key(conn: psycopg.Connection, backfill_id: int, part: int) -> str | No
     return row[0] if row else None
 
 
-def partition_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                   pace: Pace) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The ``mapInArrow`` function of a backfill's job on Spark Connect: each input row (``id``) is the index
-    in ``parts`` of a partition to read; yields one :class:`PartitionResult` row per partition."""
-
-    def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import pyarrow as pa
-
-        for batch in batches:
-            for index in batch.column("id").to_pylist():
-                done = run_partition(url, backfill_id, parts[index], token, chunk_size, pace)
-                yield pa.RecordBatch.from_pylist([asdict(done)], schema=pa.schema(
-                    [("part", pa.int32()), ("status", pa.string()), ("rows", pa.int64()), ("events", pa.int64()),
-                     ("chunks", pa.int64()), ("error", pa.string())]))
-
-    return task
-
-
-def partition_rdd_task(url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
-                       pace: Pace) -> Callable[[Iterable[int]], Iterable[dict[str, Any]]]:
-    """The ``mapPartitions`` function of a backfill's job on a classic session: each input is the index in
-    ``parts`` of a partition to read; yields one :class:`PartitionResult` (as a dict) per partition."""
-
-    def task(indexes: Iterable[int]) -> Iterable[dict[str, Any]]:
-        for index in indexes:
-            yield asdict(run_partition(url, backfill_id, parts[index], token, chunk_size, pace))
-
-    return task
-
-
 RESULT_SCHEMA = "part int, status string, rows long, events long, chunks long, error string"
 
 
 def run_on_spark(spark: SparkSession, url: str, backfill_id: int, token: str, parts: Sequence[int], chunk_size: int,
                  pace: Pace) -> list[PartitionResult]:
     """Read ``parts`` in parallel, one Spark task each calling ``pgstream.backfill_chunk`` (only its
-    :class:`PartitionResult` comes back): an RDD job on a classic session, ``spark.range(n).mapInArrow`` on Connect."""
+    :class:`PartitionResult` comes back): an RDD job on a classic session, ``spark.range(n).mapInArrow`` on Connect,
+    each task reading the partitions whose indexes in ``parts`` it gets."""
     from .spark import executor_python_errors, ship_package
-    from .spark_source import is_classic
+    from .spark_source import arrow_schema, is_classic
+
+    parts = list(parts)
+
+    def task(indexes: Iterable[int]) -> Iterator[dict[str, Any]]:
+        for index in indexes:
+            yield asdict(run_partition(url, backfill_id, parts[index], token, chunk_size, pace))
+
+    def arrow_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        for batch in batches:
+            for done in task(batch.column("id").to_pylist()):
+                yield pa.RecordBatch.from_pylist([done], schema=arrow_schema(RESULT_SCHEMA))
 
     ship_package(spark)
     with executor_python_errors(spark):
         if is_classic(spark):
-            task = partition_rdd_task(url, backfill_id, token, list(parts), chunk_size, pace)
             rows: list[dict[str, Any]] = (spark.sparkContext.parallelize(range(len(parts)), len(parts))
                                           .mapPartitions(task).collect())
             return [PartitionResult(**r) for r in rows]
-        frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(
-            partition_task(url, backfill_id, token, list(parts), chunk_size, pace), RESULT_SCHEMA)
+        frame = spark.range(0, len(parts), 1, len(parts)).mapInArrow(arrow_task, RESULT_SCHEMA)
         return [PartitionResult(**r.asDict()) for r in frame.collect()]
 
 
 def cancel_spark(spark: SparkSession) -> None:
-    try:
+    with contextlib.suppress(Exception):  # best effort: the tasks stop at their next chunk anyway
         if hasattr(spark, "interruptAll") and not hasattr(spark, "sparkContext"):
             spark.interruptAll()
         else:
             spark.sparkContext.cancelAllJobs()
-    except Exception:  # best effort: the tasks stop at their next chunk anyway
-        pass
 
 
 # --- a run -----------------------------------------------------------------------------------
@@ -497,17 +469,15 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
                         rows_per_sec=request.max_rows_per_sec / len(parts) if request.max_rows_per_sec else None,
                         max_backlog=request.max_backlog, stream_id=request.stream_id)
             done = yield from _execute(backfill_id, token, parts, request.chunk_size, pace, execute, reporter)
-            for r in done:
-                total = results.setdefault(r.part, PartitionResult(r.part, r.status))
-                total.status, total.error = r.status, r.error
-                total.rows, total.events, total.chunks = total.rows + r.rows, total.events + r.events, \
-                    total.chunks + r.chunks
+            for r in done:  # its last status and error, its counts summed over the rounds
+                before = results.get(r.part)
+                results[r.part] = r if before is None else dataclasses.replace(
+                    r, rows=before.rows + r.rows, events=before.events + r.events, chunks=before.chunks + r.chunks)
             statuses = {r.status for r in done}
             if "stopped" in statuses or "gone" in statuses:
                 break
             if "changed" in statuses:
                 _claim(session, backfill_id, token, run_id)  # the subscription changed: checked again
-                continue
         outcome = [dataclasses.replace(r, status="stopped") if r.status == "more" else r for r in results.values()]
         failed = [r for r in outcome if r.status in ("failed", "gone")]
         error = "; ".join(f"partition {r.part}: {r.error or 'its subscription was deleted'}" for r in failed) or None

@@ -11,7 +11,7 @@ import psycopg
 
 from ..config import PgstreamConfig, reader_groups
 from .dbconn import connect, describe_url, error_line
-from .limits import DagsterStorage, LimitsExceeded
+from .limits import DagsterStorage, LimitsExceeded, postgres_problems, run_problem
 
 
 class InitError(RuntimeError):
@@ -34,8 +34,6 @@ def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
               runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
     """One line per Postgres or Dagster limit the streams of ``config`` do not fit in (empty: they fit);
     ``dagster``: its storage's connections on the same server, ``runs_where``: the file of its limits."""
-    from .limits import postgres_problems, run_problem
-
     with connect(config.database_url.get_secret_value(), autocommit=True) as conn:
         lines = postgres_problems(conn, config.streams, dagster)
     runs = run_problem(max_concurrent_runs, config.streams, runs_where)

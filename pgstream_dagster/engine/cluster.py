@@ -9,6 +9,7 @@ cannot start).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import ipaddress
@@ -17,7 +18,7 @@ import re
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -111,23 +112,10 @@ def cluster_conf(master: str, conf: dict[str, str], by_key_parallelism: Iterable
     return out
 
 
-def _package_files(root: Path) -> Iterator[Path]:
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix in _ZIP_SUFFIXES:
-            yield path
-
-
 def cache_dir() -> Path:
     base = os.environ.get("PGSTREAM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pgstream-dagster")
     return Path(base)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pgstream-dagster")
-    except importlib.metadata.PackageNotFoundError:
-        return "0"
 
 
 #: a cached package zip unused this long is deleted (:func:`_prune`), and so is a writer's leftover temporary file
@@ -137,23 +125,27 @@ ZIP_UNUSED_SECS = 7 * 24 * 3600
 def package_zip(directory: Path | None = None) -> Path:
     """A zip of the imported ``pgstream_dagster`` package, built once per version and content in ``directory``
     (default :func:`cache_dir`) and touched at each use; others unused for :data:`ZIP_UNUSED_SECS` are deleted."""
-    root = PACKAGE_ROOT
-    files = list(_package_files(root))
+    files = [path for path in sorted(PACKAGE_ROOT.rglob("*"))
+             if path.is_file() and "__pycache__" not in path.parts and path.suffix in _ZIP_SUFFIXES]
     digest = hashlib.sha256()
     for path in files:
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.relative_to(PACKAGE_ROOT).as_posix().encode() + b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")
-    name = f"pgstream_dagster-{_version()}-{digest.hexdigest()[:16]}.zip"
-    if directory is not None:
-        return _write_zip(root, files, directory, name)
     try:
-        return _write_zip(root, files, cache_dir(), name)
+        version = importlib.metadata.version("pgstream-dagster")
+    except importlib.metadata.PackageNotFoundError:
+        version = "0"
+    name = f"pgstream_dagster-{version}-{digest.hexdigest()[:16]}.zip"
+    if directory is not None:
+        return _write_zip(files, directory, name)
+    try:
+        return _write_zip(files, cache_dir(), name)
     except OSError:  # a read-only home (a container): the temporary directory instead
-        return _write_zip(root, files, Path(tempfile.gettempdir()) / f"pgstream-dagster-{os.getuid()}", name)
+        return _write_zip(files, Path(tempfile.gettempdir()) / f"pgstream-dagster-{os.getuid()}", name)
 
 
-def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Path:
+def _write_zip(files: list[Path], target_dir: Path, name: str) -> Path:
     target = target_dir / name
     if target.exists():
         os.utime(target)  # in use: see _prune
@@ -164,7 +156,7 @@ def _write_zip(root: Path, files: list[Path], target_dir: Path, name: str) -> Pa
     try:
         with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as zf:
             for path in files:
-                zf.write(path, "pgstream_dagster/" + path.relative_to(root).as_posix())
+                zf.write(path, "pgstream_dagster/" + path.relative_to(PACKAGE_ROOT).as_posix())
         os.replace(tmp, target)  # atomic: a concurrent run sees the whole zip or none
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -177,11 +169,9 @@ def _prune(directory: Path) -> None:
     :data:`ZIP_UNUSED_SECS`: each new version or content of the package adds one."""
     cutoff = time.time() - ZIP_UNUSED_SECS
     for path in [*directory.glob("pgstream_dagster-*.zip"), *directory.glob(".pgstream-zip-*.tmp")]:
-        try:
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to delete
             if path.stat().st_mtime < cutoff:
                 path.unlink()
-        except OSError:  # gone meanwhile, or not ours to delete
-            continue
 
 
 def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
@@ -230,26 +220,26 @@ def _url_host(value: str) -> str | None:
         return None
 
 
-def _conninfo_hosts(url: str) -> list[str]:
-    """The hosts a libpq connection string names ('' for a Unix socket: this machine's)."""
+def database_problem(url: str) -> str | None:
+    """Why the executors cannot use ``url`` (they read pgstream.events with it), or None."""
     from psycopg.conninfo import conninfo_to_dict
 
     try:
         info = conninfo_to_dict(url)
     except Exception:  # an invalid URL fails at connect time with psycopg's own message
-        return []
-    host = str(info.get("host") or info.get("hostaddr") or "")
-    return [h for h in host.split(",")] if host else [""]
-
-
-def database_problem(url: str) -> str | None:
-    """Why the executors cannot use ``url`` (they read pgstream.events with it), or None."""
-    hosts = _conninfo_hosts(url)
+        return None
+    # the hosts it names ('' for a Unix socket: this machine's)
+    hosts = str(info.get("host") or info.get("hostaddr") or "").split(",")
     if any(h == "" or h.startswith("/") for h in hosts):
         return "names a Unix socket (no host): each executor would connect to a Postgres on its own host"
     if any(is_loopback(h) for h in hosts):
         return "names a loopback host: each executor would connect to a Postgres on its own host"
     return None
+
+
+#: per sink type, its fields that are file paths, and those that name hosts without a URL (``host[:port],...``)
+_PATH_FIELDS = {"file": ("sink.path",), "mqtt": ("sink.tls.ca_certs", "sink.tls.certfile", "sink.tls.keyfile")}
+_HOST_FIELDS = {"mqtt": ("sink.host",), "kafka": ("sink.bootstrap_servers",)}
 
 
 def sink_problems(sink: object, elsewhere: bool) -> list[str]:
@@ -261,7 +251,6 @@ def sink_problems(sink: object, elsewhere: bool) -> list[str]:
     kind = getattr(sink, "type", "")
     if kind == "memory":
         return ["sink.type: memory: the events would stay in the executors' memory"]
-    relative = "a relative path is relative to each executor's working directory"
     loopback = "a loopback host means each executor's own host"
 
     def check(key: str, value: object) -> None:
@@ -276,32 +265,21 @@ def sink_problems(sink: object, elsewhere: bool) -> list[str]:
         elif isinstance(value, list | tuple):
             for i, v in enumerate(value):
                 check(f"{key}[{i}]", v)
-        elif isinstance(value, str) and elsewhere:
-            host = _url_host(value)
-            if host is not None and is_loopback(host):
+        elif not isinstance(value, str):
+            return
+        elif key in _PATH_FIELDS.get(kind, ()):
+            if value and not os.path.isabs(value):
+                problems.append(f"{key}: a relative path is relative to each executor's working directory")
+        elif not elsewhere:
+            return
+        elif key in _HOST_FIELDS.get(kind, ()):
+            if any(is_loopback(_host_of(host)) for host in value.split(",") if host.strip()):
                 problems.append(f"{key}: {loopback}")
-            elif kind == "postgres" and key == "sink.url" and host is None:
-                problem = database_problem(value)
-                if problem:
-                    problems.append(f"{key}: {problem}")
+        elif (host := _url_host(value)) is not None and is_loopback(host):
+            problems.append(f"{key}: {loopback}")
+        elif kind == "postgres" and key == "sink.url" and host is None and (problem := database_problem(value)):
+            problems.append(f"{key}: {problem}")
 
-    for name in type(sink).model_fields if isinstance(sink, BaseModel) else ():
-        value = getattr(sink, name)
-        key = f"sink.{name}"
-        if kind == "file" and name == "path":
-            if not os.path.isabs(str(value)):
-                problems.append(f"{key}: {relative}")
-        elif kind == "mqtt" and name == "tls":
-            for tls_name in ("ca_certs", "certfile", "keyfile"):
-                path = getattr(value, tls_name, None)
-                if path and not os.path.isabs(path):
-                    problems.append(f"{key}.{tls_name}: {relative}")
-        elif kind == "mqtt" and name == "host":
-            if elsewhere and is_loopback(str(value)):
-                problems.append(f"{key}: {loopback}")
-        elif kind == "kafka" and name == "bootstrap_servers":
-            if elsewhere and any(is_loopback(_host_of(s)) for s in str(value).split(",") if s.strip()):
-                problems.append(f"{key}: {loopback}")
-        else:
-            check(key, value)
+    if isinstance(sink, BaseModel):
+        check("sink", sink)
     return problems

@@ -182,12 +182,11 @@ class RedeliveryReport:
         s = self.stream_id
         if not self.planned:
             return [f"stream {s}: no open dead letters to redeliver"]
-        ids = [d.id for d in self.planned]
         if self.dry_run:
-            out = [f"stream {s}: would redeliver {len(self.redelivered)} of {len(ids)} open dead letters, in this "
-                   f"order: {_ids(self.redelivered)}"]
+            out = [f"stream {s}: would redeliver {len(self.redelivered)} of {len(self.planned)} open dead letters, in "
+                   f"this order: {_ids(self.redelivered)}"]
         else:
-            out = [f"stream {s}: redelivered {len(self.redelivered)} of {len(ids)} dead letters"
+            out = [f"stream {s}: redelivered {len(self.redelivered)} of {len(self.planned)} dead letters"
                    + (f": {_ids(self.redelivered)}" if self.redelivered else "")]
         for letter_id, why in self.undeliverable:
             out.append(f"dead letter {letter_id} cannot be redelivered: {why}; it stays open (discard it)")
@@ -212,11 +211,6 @@ def _ids(ids: Sequence[int]) -> str:
     return shown + (f", ... ({len(ids)} in all)" if len(ids) > 50 else "")
 
 
-def _array(ids: Sequence[int]) -> str:
-    """Ids as the SQL functions show them in their errors: ``{3,5}``."""
-    return "{" + ",".join(map(str, ids)) + "}"
-
-
 def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int] | None = None) -> list[DeadLetter]:
     """The stream's open dead letters (all, or ``ids``) in delivery order, without their payloads (their
     sizes: :attr:`DeadLetter.payload_bytes`). Ids that are not open dead letters of the stream are refused."""
@@ -228,7 +222,9 @@ def redelivery_plan(conn: psycopg.Connection, stream_id: int, ids: Sequence[int]
     wanted = set(ids)
     wrong = sorted(wanted - {d.id for d in letters})
     if wrong:
-        raise DeadLetterError(f"dead letters {_array(wrong)} are not open dead letters of stream {stream_id}")
+        # (the ids as the SQL functions show them in their errors: {3,5})
+        raise DeadLetterError(f"dead letters {{{','.join(map(str, wrong))}}} are not open dead letters of stream "
+                              f"{stream_id}")
     return [d for d in letters if d.id in wanted]
 
 
@@ -253,15 +249,14 @@ def redeliver(conn: psycopg.Connection, stream: StreamConfig, ids: Sequence[int]
                 report.waiting = [d.id for d in report.planned[i:] if d.undeliverable is None]
                 report.undeliverable += [(d.id, why) for d in report.planned[i:] if (why := d.undeliverable)]
                 break
-            why = letter.undeliverable
-            if why is not None:
+            if (why := letter.undeliverable) is not None:
                 report.undeliverable.append((letter.id, why))
             else:
                 sendable.append(letter)
-        if dry_run or not sendable:
-            report.redelivered = [d.id for d in sendable] if dry_run else []
-            return report
-        _publish(conn, stream, sendable, size, by, report)
+        if dry_run:
+            report.redelivered = [d.id for d in sendable]
+        elif sendable:
+            _publish(conn, stream, sendable, size, by, report)
         return report
     finally:
         locks.unlock(conn, locks.REDELIVERY_LOCK, stream.id)

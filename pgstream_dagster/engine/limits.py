@@ -42,13 +42,6 @@ def _server(host: str, port: int) -> tuple[str, int]:
     return ("local" if host in _LOCAL or host.startswith("/") else host.lower(), port)
 
 
-def _dagster_on_server(conn: psycopg.Connection, dagster: DagsterStorage | None) -> int:
-    """The connections ``dagster`` keeps on the server of ``conn`` (0: elsewhere or none)."""
-    if dagster is None or _server(conn.info.host, conn.info.port) != _server(dagster.host, dagster.port):
-        return 0
-    return dagster.connections
-
-
 class LimitsExceeded(RuntimeError):
     """Limits the streams do not fit in: one line each (``lines``)."""
 
@@ -69,29 +62,25 @@ def managed_service(conn: psycopg.Connection) -> str | None:
     return MANAGED_SERVICES[row[0]] if row else None
 
 
+#: per managed service (:func:`managed_service`; ``None``: self-hosted): how its administrator sets a server setting
+#: that takes a restart (``{named}``: ``setting = value``), its own setting for ``wal_level = logical``, and how
+#: the administrator gives ``{role}`` the right to read replication slots
+_SERVICE_STEPS: dict[str | None, tuple[str, str | None, str]] = {
+    "rds": ("set {named} in the DB parameter group (Aurora: the DB cluster parameter group) and reboot the instance",
+            "rds.logical_replication = 1", "as the master user (rds_superuser): grant rds_replication to {role}"),
+    "cloudsql": ("set the database flag {named} and restart the instance", "cloudsql.logical_decoding = on",
+                 "as a cloudsqlsuperuser (the postgres user): alter role {role} with replication"),
+    "azure": ("set the server parameter {named} and restart the server", None,
+              "as the administrator (azure_pg_admin): alter role {role} with replication"),
+    None: ("set {named} in postgresql.conf and restart Postgres", None,
+           "as a superuser: alter role {role} replication"),
+}
+
+
 def how_to_set(service: str | None, setting: str, value: object) -> str:
-    """The words that tell how to set ``setting`` to ``value`` on ``service`` (:func:`managed_service`): a
-    server setting that takes a restart. ``wal_level = logical`` is its own setting on RDS and Cloud SQL."""
-    if service == "rds":
-        named = "rds.logical_replication = 1" if setting == "wal_level" else f"{setting} = {value}"
-        return f"set {named} in the DB parameter group (Aurora: the DB cluster parameter group) and reboot the instance"
-    if service == "cloudsql":
-        named = "cloudsql.logical_decoding = on" if setting == "wal_level" else f"{setting} = {value}"
-        return f"set the database flag {named} and restart the instance"
-    if service == "azure":
-        return f"set the server parameter {setting} = {value} and restart the server"
-    return f"set {setting} = {value} in postgresql.conf and restart Postgres"
-
-
-def _grant_replication(service: str | None, role: str) -> str:
-    """How the administrator gives ``role`` the right to read replication slots on ``service``."""
-    if service == "rds":
-        return f"as the master user (rds_superuser): grant rds_replication to {role}"
-    if service == "cloudsql":
-        return f"as a cloudsqlsuperuser (the postgres user): alter role {role} with replication"
-    if service == "azure":
-        return f"as the administrator (azure_pg_admin): alter role {role} with replication"
-    return f"as a superuser: alter role {role} replication"
+    """The words that tell how to set ``setting`` to ``value`` on ``service`` (:func:`managed_service`)."""
+    how, logical, _grant = _SERVICE_STEPS[service]
+    return how.format(named=logical if logical and setting == "wal_level" else f"{setting} = {value}")
 
 
 @dataclass(frozen=True)
@@ -123,12 +112,6 @@ def _suggest(needed: int) -> int:
     return max(8, -(-needed // 8) * 8)
 
 
-def _names(groups: Sequence[str]) -> str:
-    """Who needs the slots: reader groups (one slot per group)."""
-    names = " and ".join(f"reader group {g}" for g in groups)
-    return f"{names} need{'s' if len(groups) == 1 else ''} {'one' if len(groups) == 1 else len(groups)} more"
-
-
 def group_slot_names(conn: psycopg.Connection) -> dict[str, str]:
     """Each reader group's slot name (``pgstream.reader_groups``; none before the group's first tick)."""
     if conn.execute("select pg_catalog.to_regclass('pgstream.reader_groups') is not null").fetchone() != (True,):
@@ -149,7 +132,9 @@ def slot_problem(limits: ServerLimits, in_use: int, missing: Sequence[str]) -> s
     if len(missing) <= max(free, 0):
         return None
     short = list(missing[max(free, 0):])
-    return (f"max_replication_slots is {limits.max_replication_slots} and {in_use} are in use; {_names(short)}: "
+    names = " and ".join(f"reader group {g}" for g in short)
+    need = "needs one" if len(short) == 1 else f"need {len(short)}"
+    return (f"max_replication_slots is {limits.max_replication_slots} and {in_use} are in use; {names} {need} more: "
             + how_to_set(limits.service, "max_replication_slots", _suggest(in_use + len(missing))))
 
 
@@ -164,28 +149,24 @@ def replication_problem(conn: psycopg.Connection, service: str | None) -> str | 
     if row is None or row[1]:
         return None
     return (f"role {row[0]} (database_url) may not read replication slots and the reader groups' sensors and "
-            f"delivery runs read their slots as it: {_grant_replication(service, row[0])}")
+            f"delivery runs read their slots as it: {_SERVICE_STEPS[service][2].format(role=row[0])}")
 
 
 def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
                       dagster: DagsterStorage | None = None) -> list[str]:
     """One line per Postgres limit the streams do not fit in (empty: they all fit)."""
     limits = server_limits(conn)
-    out: list[str] = []
+    out: list[str | None] = []  # (None: fits)
     if limits.wal_level != "logical":
         out.append(f"wal_level is {limits.wal_level}; the streams' slots need logical decoding: "
                    + how_to_set(limits.service, "wal_level", "logical"))
-    line = replication_problem(conn, limits.service)
-    if line:
-        out.append(line)
+    out.append(replication_problem(conn, limits.service))
     # every stream reads with its reader group: one slot, one WAL sender (the group delivery run's reader) per group
     existing = {str(r[0]) for r in conn.execute("select slot_name from pg_catalog.pg_replication_slots")}
     group_slots = group_slot_names(conn)
     groups = list(reader_groups(streams))
     missing = [g for g in groups if group_slots.get(g) not in existing]
-    line = slot_problem(limits, len(existing), missing)
-    if line:
-        out.append(line)
+    out.append(slot_problem(limits, len(existing), missing))
     # WAL senders other than the groups' readers, told by the slot they hold (application_name may be hidden)
     ours = [group_slots[g] for g in groups if g in group_slots]
     row = conn.execute("select count(*) from pg_catalog.pg_stat_replication r where not exists (select 1 from "
@@ -199,7 +180,9 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
                    + " over replication, one WAL sender each: "
                    + how_to_set(limits.service, "max_wal_senders", _suggest(senders_elsewhere + len(groups))))
     usable = limits.max_connections - limits.reserved_connections
-    storage = _dagster_on_server(conn, dagster)
+    # the connections Dagster's storage keeps on this server (0: elsewhere or none)
+    storage = (dagster.connections if dagster is not None
+               and _server(conn.info.host, conn.info.port) == _server(dagster.host, dagster.port) else 0)
     pools = sum(min(len(members), _CONNECTIONS_PER_POOL) for members in reader_groups(streams).values())
     needed = pools + _CONNECTIONS_PER_GROUP * len(groups) + _CONNECTIONS_SHARED + storage
     if needed > usable:
@@ -209,7 +192,7 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
                    f"delivering at once, {_CONNECTIONS_PER_POOL} at most per group, the groups' sensors, readers and "
                    f"leases, housekeeping{of_dagster}): "
                    + how_to_set(limits.service, "max_connections", _suggest(needed + limits.reserved_connections)))
-    return out
+    return [line for line in out if line]
 
 
 def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig], where: str) -> str | None:

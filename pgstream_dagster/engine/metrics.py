@@ -22,7 +22,7 @@ import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .dbconn import connect, scrubbed_error
+from .dbconn import connect, first_line, scrubbed_error
 
 Kind = Literal["counter", "gauge"]
 
@@ -56,10 +56,6 @@ METRICS, HISTOGRAMS = _definitions()
 
 UP = "pgstream_up"
 SCRAPE_DURATION = "pgstream_scrape_duration_seconds"
-
-
-def _label_value(value: float) -> str:
-    return "+Inf" if math.isinf(value) else f"{value:g}"
 
 
 @dataclass(frozen=True)
@@ -97,11 +93,8 @@ def families(rows: list[Row]) -> list[Metric]:
         if spec.kind == "counter" and spec.label is None and spec.per_stream:
             got = {(s, ""): got.get((s, ""), 0.0) for s in streams}
         labels = (["stream"] if spec.per_stream else []) + ([spec.label] if spec.label else [])
-        family: CounterMetricFamily | GaugeMetricFamily
-        if spec.kind == "counter":
-            family = CounterMetricFamily(spec.name, spec.help, labels=labels)
-        else:
-            family = GaugeMetricFamily(spec.name, spec.help, labels=labels)
+        family = (CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily)(spec.name, spec.help,
+                                                                                        labels=labels)
         for (stream_id, label), value in sorted(got.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
             family.add_metric(([str(stream_id)] if spec.per_stream else []) + ([label] if spec.label else []), value)
         out.append(family)
@@ -115,7 +108,7 @@ def families(rows: list[Row]) -> list[Metric]:
             cumulative, buckets = 0.0, []
             for bound in le:
                 cumulative += per_bound.get(bound, 0.0)
-                buckets.append((_label_value(bound), cumulative))
+                buckets.append(("+Inf" if math.isinf(bound) else f"{bound:g}", cumulative))
             family_h.add_metric([str(stream_id)], buckets, sums.get((stream_id, ""), 0.0))
         out.append(family_h)
     return out
@@ -137,7 +130,7 @@ class PgstreamCollector(Collector):
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
             self._conn = connect(self._url, autocommit=True, application_name="pgstream metrics",
-                                         connect_timeout=max(1, int(self._timeout)))
+                                 connect_timeout=max(1, int(self._timeout)))
         return self._conn
 
     def collect(self) -> Iterator[Metric]:
@@ -150,8 +143,7 @@ class PgstreamCollector(Collector):
                 self.last_error = None
             except psycopg.Error as exc:
                 # libpq echoes a connection string it cannot parse, the password included
-                first_line = (str(exc).strip().splitlines() or [""])[0]
-                error = f"{type(exc).__name__}: {scrubbed_error(first_line, self._url)}"
+                error = f"{type(exc).__name__}: {scrubbed_error(first_line(exc), self._url)}"
                 if error != self.last_error:  # once per kind of failure, not at every scrape
                     self._log(f"pgstream metrics: cannot read the database ({error}); reporting {UP} 0")
                 self.last_error = error

@@ -9,6 +9,7 @@ would run the previous release's); a data step that needs one ends the repeatabl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import psycopg
+from psycopg import sql
 
 from ..config import STREAM_NAME_PREFIX
 from . import dbconn
@@ -98,13 +100,9 @@ def sql_dir() -> Path:
 
 
 def discover(directory: Path | None = None) -> list[Migration]:
-    found: list[Migration] = []
-    for path in sorted((directory or sql_dir()).glob("*.sql")):
-        m = _FILE.match(path.name)
-        if m:
-            found.append(Migration(path, int(m.group(1)), m.group(2)))
-    versions = [m.version for m in found]
-    if len(versions) != len(set(versions)):
+    found = [Migration(path, int(m.group(1)), m.group(2)) for path in sorted((directory or sql_dir()).glob("*.sql"))
+             if (m := _FILE.match(path.name))]
+    if len({m.version for m in found}) != len(found):
         raise MigrationError(f"duplicate migration versions in {directory or sql_dir()}")
     return found
 
@@ -116,35 +114,9 @@ def discover_repeatables(directory: Path | None = None) -> list[Repeatable]:
     misnamed = [r.name for r in found if not _REPEATABLE_FILE.match(r.name)]
     if misnamed:
         raise MigrationError(f"repeatable files must be named NN_name.sql: {', '.join(misnamed)}")
-    numbers = [r.name[:2] for r in found]
-    if len(numbers) != len(set(numbers)):
+    if len({r.name[:2] for r in found}) != len(found):
         raise MigrationError(f"duplicate repeatable file numbers in {(directory or sql_dir()) / REPEATABLE_DIR}")
     return found
-
-
-def _pending(conn: psycopg.Connection, migrations: list[Migration]) -> Migration | None:
-    """The first versioned migration not applied yet (refusing one changed after it was applied)."""
-    applied: dict[int, str] = dict(conn.execute("select version, checksum from pgstream.schema_migrations").fetchall())
-    for m in migrations:
-        if m.version == 0:
-            continue
-        if m.version in applied:
-            if applied[m.version] not in (m.checksum, RELEASED_CHECKSUMS.get(m.version)):
-                raise MigrationError(
-                    f"migration {m.path.name} was changed after it was applied "
-                    f"(checksum {applied[m.version][:12]} in the database, {m.checksum[:12]} on disk)"
-                )
-            continue
-        return m
-    return None
-
-
-def _changed(conn: psycopg.Connection, repeatables: list[Repeatable]) -> Repeatable | None:
-    """The first repeatable file whose checksum differs from the one it was last applied with."""
-    if not repeatables:  # a directory of released files, from before repeatable files
-        return None
-    applied: dict[str, str] = dict(conn.execute("select name, checksum from pgstream.schema_repeatables").fetchall())
-    return next((r for r in repeatables if applied.get(r.name) != r.checksum), None)
 
 
 def _locked(conn: psycopg.Connection) -> None:
@@ -264,18 +236,30 @@ def _retried(conn: psycopg.Connection, step: Callable[[], _T]) -> _T:
 
 
 def _next_migration(conn: psycopg.Connection, migrations: list[Migration]) -> Migration | None:
-    """The next pending versioned migration, applied with its ledger row (None: none)."""
-    m = _pending(conn, migrations)
-    if m is not None:
-        _apply(conn, m, f"migration {m.path.name}",
-               "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
-               [m.version, m.name, m.checksum])
-    return m
+    """The first versioned migration not applied yet, applied with its ledger row (None: none), refusing one changed
+    after it was applied."""
+    applied: dict[int, str] = dict(conn.execute("select version, checksum from pgstream.schema_migrations").fetchall())
+    for m in migrations[1:]:  # (000_bootstrap.sql: _bootstrap)
+        if m.version not in applied:
+            _apply(conn, m, f"migration {m.path.name}",
+                   "insert into pgstream.schema_migrations (version, name, checksum) values (%s, %s, %s)",
+                   [m.version, m.name, m.checksum])
+            return m
+        if applied[m.version] not in (m.checksum, RELEASED_CHECKSUMS.get(m.version)):
+            raise MigrationError(
+                f"migration {m.path.name} was changed after it was applied "
+                f"(checksum {applied[m.version][:12]} in the database, {m.checksum[:12]} on disk)"
+            )
+    return None
 
 
 def _next_repeatable(conn: psycopg.Connection, repeatables: list[Repeatable]) -> Repeatable | None:
-    """The next changed repeatable file, applied with its ledger row (None: none)."""
-    r = _changed(conn, repeatables)
+    """The first repeatable file whose checksum differs from the one it was last applied with, applied with its
+    ledger row (None: none)."""
+    if not repeatables:  # a directory of released files, from before repeatable files
+        return None
+    applied: dict[str, str] = dict(conn.execute("select name, checksum from pgstream.schema_repeatables").fetchall())
+    r = next((r for r in repeatables if applied.get(r.name) != r.checksum), None)
     if r is not None:
         _apply(conn, r, f"repeatable {REPEATABLE_DIR}/{r.name}",
                "insert into pgstream.schema_repeatables (name, checksum) values (%s, %s) "
@@ -302,11 +286,10 @@ DRIFT_GUARD_MISSING = ("warning: the schema-drift guard is NOT active (its event
                        "--database-url <superuser URL>")
 
 
-def install_drift_guard(superuser_url: str, directory: Path | None = None) -> None:
+def install_drift_guard(superuser_url: str) -> None:
     """Create the drift guard's event triggers as a superuser (RDS: its master user), the event-trigger step of
     ``repeatable/05_drift_guard.sql`` again; :class:`MigrationError` when it may not, or pgstream is not installed."""
-    files = {r.name: r for r in discover_repeatables(directory)}
-    guard = next((f for name, f in files.items() if name.endswith("_drift_guard.sql")), None)
+    guard = next((r for r in discover_repeatables() if r.name.endswith("_drift_guard.sql")), None)
     if guard is None:
         raise MigrationError("cannot find the drift guard's repeatable file")
     marker = "-- The event triggers"
@@ -367,19 +350,17 @@ with recursive closure(classid, objid, objsubid) as (
     where d.deptype <> 'e'
 ), described as (
     select c.classid, c.objid, c.objsubid, i.type, i.identity,
-           coalesce(i.schema, case c.classid
+           coalesce(i.schema, (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_class r
+                               where r.oid = case c.classid  -- a trigger, rule, default or policy: its table's
                when 'pg_catalog.pg_trigger'::pg_catalog.regclass then
-                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_trigger t
-                    join pg_catalog.pg_class r on r.oid = t.tgrelid where t.oid = c.objid)
+                   (select t.tgrelid from pg_catalog.pg_trigger t where t.oid = c.objid)
                when 'pg_catalog.pg_rewrite'::pg_catalog.regclass then
-                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_rewrite w
-                    join pg_catalog.pg_class r on r.oid = w.ev_class where w.oid = c.objid)
+                   (select w.ev_class from pg_catalog.pg_rewrite w where w.oid = c.objid)
                when 'pg_catalog.pg_attrdef'::pg_catalog.regclass then
-                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_attrdef a
-                    join pg_catalog.pg_class r on r.oid = a.adrelid where a.oid = c.objid)
+                   (select a.adrelid from pg_catalog.pg_attrdef a where a.oid = c.objid)
                when 'pg_catalog.pg_policy'::pg_catalog.regclass then
-                   (select r.relnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_policy p
-                    join pg_catalog.pg_class r on r.oid = p.polrelid where p.oid = c.objid)
+                   (select p.polrelid from pg_catalog.pg_policy p where p.oid = c.objid)
+           end), case c.classid
                when 'pg_catalog.pg_default_acl'::pg_catalog.regclass then
                    (select a.defaclnamespace::pg_catalog.regnamespace::text from pg_catalog.pg_default_acl a
                     where a.oid = c.objid)
@@ -407,16 +388,8 @@ order by 1
 """  # noqa: S608 - constants only
 
 
-def dependent_objects(conn: psycopg.Connection) -> list[str]:
-    """The objects outside schema ``pgstream`` that dropping it would drop too, as ``"<type> <identity>"``
-    (pgstream's own generated triggers, event triggers and publications left out: tear-down drops them)."""
-    if not _schema_exists(conn):
-        return []
-    return [r[0] for r in conn.execute(_DEPENDENTS).fetchall()]
-
-
-def _wait_slot_released(conn: psycopg.Connection, slot: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_slot_released(conn: psycopg.Connection, slot: str) -> None:
+    deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
         row = conn.execute("select active_pid from pg_replication_slots where slot_name = %s", [slot]).fetchone()
         if row is None or row[0] is None:
@@ -427,14 +400,11 @@ def _wait_slot_released(conn: psycopg.Connection, slot: str, timeout: float = 10
 def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
     """Remove every trace of pgstream (triggers, publications, the schema, the streams' slots); what was removed.
     Dependent objects outside it refuse it (:class:`TearDownRefused`) unless ``cascade`` (dropped too, listed)."""
-    from psycopg import sql
-
     removed: list[str] = []
     with dbconn.connect(database_url, autocommit=True) as conn:
         had_schema = _schema_exists(conn)
-        slots: set[str] = set()
         with conn.transaction():
-            dependents = dependent_objects(conn)
+            dependents = [r[0] for r in conn.execute(_DEPENDENTS).fetchall()] if had_schema else []
             if dependents and not cascade:
                 raise TearDownRefused(dependents)
             slots = _stream_slots(conn) if had_schema else set()
@@ -485,12 +455,10 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
             removed.append(f"replication slot {slot}")
         # the role is the cluster's: it stays while pgstream in another database uses it
         if had_schema and conn.execute("select 1 from pg_roles where rolname = %s", [WRITER_ROLE]).fetchone():
-            try:
+            with contextlib.suppress(psycopg.errors.DependentObjectsStillExist, psycopg.errors.InsufficientPrivilege):
                 with conn.transaction():
                     conn.execute(sql.SQL("drop role {}").format(sql.Identifier(WRITER_ROLE)))
                 removed.append(f"role {WRITER_ROLE}")
-            except (psycopg.errors.DependentObjectsStillExist, psycopg.errors.InsufficientPrivilege):
-                pass
     return removed
 
 

@@ -185,8 +185,9 @@ from (select y.id, y.line,
       from (select e.id, {line} as line from pgstream.events e where {where} order by e.id) y
       window w as (order by y.id rows between unbounded preceding and current row)) x""")
 
-#: chunks read ahead (by two connections) while the sink takes the current one
+#: chunks read ahead (by _READERS connections) while the sink takes the current one
 _AHEAD = 3
+_READERS = 2
 
 
 @dataclass(frozen=True)
@@ -209,10 +210,10 @@ class Lines:
     cut: int = 0
 
 
-def read_lines(database_url: str, params: Mapping[str, Any], size: int, connections: int = 2,
-               read_bytes: int = reads.READ_BYTES) -> Generator[Counted | Lines, None, None]:
+def read_lines(database_url: str, params: Mapping[str, Any], size: int, read_bytes: int = reads.READ_BYTES
+               ) -> Generator[Counted | Lines, None, None]:
     """The selected events in id order as :class:`Lines` of ``size`` events and ``read_bytes`` (one at least), and
-    :class:`Counted` once known: ids walked in a thread (:class:`IdRanges`), ``connections`` reading ahead."""
+    :class:`Counted` once known: ids walked in a thread (:class:`IdRanges`), two connections reading ahead."""
     idle: SimpleQueue[psycopg.Connection] = SimpleQueue()
     options = "-c TimeZone=UTC -c client_encoding=UTF8"
     # the walk's ranges in order, then None (or the exception that ended the walk)
@@ -268,10 +269,10 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, connecti
     with ExitStack() as stack:
         ranges = IdRanges(stack.enter_context(dbconn.connect(database_url, application_name="pgstream replay",
                                                               options=options)), params, size)
-        for _ in range(max(1, connections)):
+        for _ in range(_READERS):
             idle.put(stack.enter_context(dbconn.connect(database_url, autocommit=True,
                                                          application_name="pgstream replay", options=options)))
-        pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, connections) + 1,
+        pool = stack.enter_context(ThreadPoolExecutor(max_workers=_READERS + 1,
                                                       thread_name_prefix="pgstream-replay"))
         stack.callback(stop.set)  # runs before the pool waits for the walk: it stops at its next range
         pool.submit(walk, ranges)

@@ -19,7 +19,7 @@ import pickle
 import re
 import sys
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -50,7 +50,7 @@ from .publish import (
     Span,
     publish,
 )
-from .spark_source import is_classic
+from .spark_source import arrow_schema, is_classic, register
 
 if TYPE_CHECKING:
     import psycopg
@@ -121,10 +121,8 @@ class BatchesReader(DataSourceReader):
         return [InputPartition(group) for group in self.groups]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        group = partition.value
-        assert isinstance(group, list) and all(isinstance(span, Span) for span in group)
-        yield from _read(self.url, BATCH_QUERY, [{**self.routing, "batch_id": span.batch_id,
-                                                   "lo": span.first, "hi": span.last} for span in group], self.packed)
+        yield from _read(self.url, BATCH_QUERY, [{**self.routing, "batch_id": span.batch_id, "lo": span.first,
+                                                   "hi": span.last} for span in partition.value], self.packed)
 
 
 class EventsReader(DataSourceReader):
@@ -192,7 +190,7 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
     driver_python = extra.get("spark.pyspark.driver.python") or sys.executable
     os.environ["PYSPARK_PYTHON"] = python
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", driver_python)
-    conf = {
+    return {
         "spark.app.name": "pgstream-delivery",
         "spark.ui.enabled": "false",
         "spark.sql.session.timeZone": "UTC",
@@ -201,11 +199,10 @@ def spark_conf(master: str, remote: str | None, extra: dict[str, str], *, by_key
         "spark.sql.shuffle.partitions": "8",
         "spark.driver.extraJavaOptions": "-Dio.netty.tryReflectionSetAccessible=true",
         **_ARROW_BYTES,
+        "spark.master": master,
+        **extra,
+        **cluster_conf(master, extra, by_key_parallelism, ship_package=ship_package),
     }
-    conf["spark.master"] = master
-    conf.update(extra)
-    conf.update(cluster_conf(master, extra, by_key_parallelism, ship_package=ship_package))
-    return conf
 
 
 _SHIPPED: set[str] = set()
@@ -226,12 +223,8 @@ def open_session(config: PgstreamConfig) -> SparkSession:
     benches), with ``format("pgstream")`` registered (:mod:`.spark_source`)."""
     from pyspark.sql import SparkSession
 
-    from .spark_source import register
-
-    builder = SparkSession.builder
-    for key, value in location_conf(config).items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    settings: dict[str, Any] = location_conf(config)
+    spark = SparkSession.builder.config(map=settings).getOrCreate()
     register(spark)
     return spark
 
@@ -250,24 +243,6 @@ _NO_PROGRAM = re.compile(r'Cannot run program "([^"]+)"')
 _NO_MODULE = re.compile(r"No module named '([^']+)'|the '([^']+)' package is not installed")
 
 
-def executor_python_problem(exc: BaseException, python: str | None) -> str | None:
-    """What ``exc`` of a Spark action says of the executors' Python (``python``: the one the session gives
-    them, ``None`` on Spark Connect), in one line; ``None`` when it says nothing of it."""
-    if not type(exc).__module__.startswith(("pyspark", "py4j")):
-        return None  # raised here, not by the executors
-    text = str(exc)
-    where = f"PYSPARK_PYTHON / spark.pyspark.python{f': {python}' if python else ''}"
-    requirements = "what `pgstream-dagster executor-requirements --config pgstream.yaml` lists"
-    if found := _NO_PROGRAM.search(text):
-        return (f"the Spark executors' Python {found.group(1)!r} is not where the executors run ({where}): "
-                f"point it at a Python that has {requirements}")
-    if found := _NO_MODULE.search(text):
-        module = found.group(1) or found.group(2)
-        return (f"the Spark executors' Python ({where}) cannot import {module!r}: install {requirements} "
-                f"into it, or point PYSPARK_PYTHON at one that has them")
-    return None
-
-
 @contextlib.contextmanager
 def executor_python_errors(spark: SparkSession) -> Iterator[None]:
     """Spark actions whose failure for want of the executors' Python (or a module in it) raises
@@ -275,11 +250,22 @@ def executor_python_errors(spark: SparkSession) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
+        if not type(exc).__module__.startswith(("pyspark", "py4j")):
+            raise  # raised here, not by the executors
+        # the Python the session gives the executors (None on Spark Connect)
         python = str(spark.sparkContext.pythonExec) if is_classic(spark) else None
-        problem = executor_python_problem(exc, python)
-        if problem is None:
-            raise
-        raise ExecutorPythonError(problem) from None
+        where = f"PYSPARK_PYTHON / spark.pyspark.python{f': {python}' if python else ''}"
+        requirements = "what `pgstream-dagster executor-requirements --config pgstream.yaml` lists"
+        if found := _NO_PROGRAM.search(str(exc)):
+            raise ExecutorPythonError(
+                f"the Spark executors' Python {found.group(1)!r} is not where the executors run ({where}): "
+                f"point it at a Python that has {requirements}") from None
+        if found := _NO_MODULE.search(str(exc)):
+            module = found.group(1) or found.group(2)
+            raise ExecutorPythonError(
+                f"the Spark executors' Python ({where}) cannot import {module!r}: install {requirements} "
+                f"into it, or point PYSPARK_PYTHON at one that has them") from None
+        raise
 
 
 #: one registration of a Python data source at a time in the process: a check made while another thread
@@ -375,26 +361,17 @@ def _packed_events(rows: Iterator[Any]) -> Iterator[Positioned]:
             yield batch_ids[i], ords[i], event_from_text(ids[i], stream_ids[i], created[i], payloads[i], metadatas[i])
 
 
-def is_packed(df: DataFrame) -> bool:
-    return "data" in df.columns
-
-
 def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Positioned]:
-    """The events of single-partition DataFrames (packed), in order, each collected whole (:func:`_collected`).
-    Closed, it waits for the partition collected ahead (left to the collector, it could deadlock on py4j)."""
-    with contextlib.closing(_collected(frames, prefetch)) as rows:
-        yield from _packed_events(rows) if frames and is_packed(frames[0]) else _row_events(rows)
-
-
-def _collected(frames: list[DataFrame], prefetch: bool) -> Generator[Any, None, None]:
-    """The rows of single-partition DataFrames, in order, each collected whole (``prefetch``: the next meanwhile),
-    not ``toLocalIterator``, whose partitions stay on the driver's JVM heap in PySpark 4 (an OutOfMemoryError)."""
+    """The events of single-partition DataFrames (packed), in order, each collected whole (``prefetch``: the next
+    meanwhile), not ``toLocalIterator``, whose partitions stay on the driver's JVM heap in PySpark 4 (an
+    OutOfMemoryError). Closed, it waits for the partition collected ahead (left to the collector, it could deadlock
+    on py4j)."""
     if not frames:
         return
     with executor_python_errors(frames[0].sparkSession), \
             contextlib.closing(in_turn([frame.collect for frame in frames], prefetch)) as collected:
-        for rows in collected:
-            yield from rows
+        rows = itertools.chain.from_iterable(collected)
+        yield from _packed_events(rows) if "data" in frames[0].columns else _row_events(rows)
 
 
 #: what each by_key partition returns: per batch, the events it handled and those an earlier attempt confirmed
@@ -455,8 +432,6 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                     chunk_bytes=chunk_bytes)))
         recorded: Position = (0, 0)
         for delivery in deliveries:
-            if progress is None or conn is None:
-                continue
             # every event of these buckets up to here is handled (a batch's end is said by its BatchDone)
             if isinstance(delivery, Confirmed):
                 position = (delivery.batch_id, delivery.ord)
@@ -464,12 +439,12 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                 position = (delivery.batch_id, last[delivery.batch_id])
             else:
                 continue
-            if position > recorded:
+            if progress is not None and conn is not None and position > recorded:
                 progress.record(conn, sorted(buckets), *position)
                 recorded = position
     yield pa.RecordBatch.from_pylist(
         [{"batch_id": b, "handled": n, "resumed": resumed.get(b, 0)} for b, n in handled.items()],
-        schema=pa.schema([("batch_id", pa.int64()), ("handled", pa.int64()), ("resumed", pa.int64())]))
+        schema=arrow_schema(BY_KEY_RESULT_SCHEMA))
 
 
 def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, parallelism: int, *,
@@ -493,8 +468,6 @@ def deliver_by_key(df: DataFrame, sink_config: SinkConfig, chunk_size: int, para
                   .repartition(partitions, "routing_key").sortWithinPartitions("batch_id", "ord")
                   .mapInArrow(publish_partition, BY_KEY_RESULT_SCHEMA).collect())
     handled: dict[int, int] = {}
-    resumed = 0
     for row in rows:
         handled[row["batch_id"]] = handled.get(row["batch_id"], 0) + int(row["handled"])
-        resumed += int(row["resumed"])
-    return KeyDeliveries(handled, resumed)
+    return KeyDeliveries(handled, sum(int(row["resumed"]) for row in rows))

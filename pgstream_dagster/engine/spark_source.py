@@ -116,8 +116,8 @@ class SpanRead:
         return self.hi - self.lo + 1
 
 
-def _option(options: dict[str, str], name: str, default: str | None = None, what: str = "") -> str:
-    value = options.get(name, options.get(name.lower(), default))
+def _option(options: dict[str, str], name: str, what: str = "") -> str:
+    value = options.get(name, options.get(name.lower()))
     if value is None or not str(value).strip():
         raise SourceError(f"pgstream source: option {name!r} is required{what}")
     return str(value).strip()
@@ -149,11 +149,7 @@ def _bool_option(options: dict[str, str], name: str, default: bool) -> bool:
 
 
 def _url(options: dict[str, str]) -> str:
-    url = options.get(URL_OPTION)
-    if not url:
-        raise SourceError("pgstream source: option 'url' is required (the database URL of the executor role, "
-                          "spark.executor_database_url)")
-    return url
+    return _option(options, URL_OPTION, " (the database URL of the executor role, spark.executor_database_url)")
 
 
 def connect(url: str) -> psycopg.Connection:
@@ -176,12 +172,12 @@ _ARROW_TYPES = {"long": "int64", "int": "int32", "string": "string", "boolean": 
 
 
 @functools.cache
-def arrow_schema() -> pa.Schema:
-    """:data:`SCHEMA` as the Arrow schema PySpark takes a reader's record batches in (timestamps:
-    microseconds in UTC)."""
+def arrow_schema(ddl: str = SCHEMA) -> pa.Schema:
+    """A schema of Spark's DDL (:data:`SCHEMA`; a ``long``, ``int``, ``string``, ``boolean`` or ``timestamp`` each)
+    as the Arrow schema PySpark takes record batches in (timestamps: microseconds in UTC)."""
     import pyarrow as pa
 
-    fields = [column.split() for column in SCHEMA.split(",")]
+    fields = [column.split() for column in ddl.split(",")]
     return pa.schema([(name, pa.timestamp("us", tz="UTC") if kind == "timestamp" else getattr(pa, _ARROW_TYPES[kind])())
                       for name, kind in fields])
 
@@ -225,14 +221,12 @@ def _positions(conn: psycopg.Connection, params: dict[str, Any]) -> pa.Table:
     import pyarrow as pa
 
     rows = conn.execute(_POSITIONS_QUERY, params).fetchall()
-    ids = [pa.array(events, pa.int64()) for _batch_id, _lo, events in rows]
-    table = pa.table({
-        "id": pa.concat_arrays([*ids, pa.array([], pa.int64())]),
-        "batch_id": pa.concat_arrays([pa.nulls(len(events), pa.int64()).fill_null(batch_id)
-                                      for (batch_id, _lo, _e), events in zip(rows, ids, strict=True)]
-                                     + [pa.array([], pa.int64())]),
-        "ord": pa.concat_arrays([pa.array(range(lo, lo + len(events)), pa.int32()) for _b, lo, events in rows]
-                                + [pa.array([], pa.int32())])})
+    table = pa.table({  # a chunk per span
+        "id": pa.chunked_array([pa.array(events, pa.int64()) for _b, _lo, events in rows], pa.int64()),
+        "batch_id": pa.chunked_array([pa.nulls(len(events), pa.int64()).fill_null(batch_id)
+                                      for batch_id, _lo, events in rows], pa.int64()),
+        "ord": pa.chunked_array([pa.array(range(lo, lo + len(events)), pa.int32()) for _b, lo, events in rows],
+                                pa.int32())})
     return table.append_column("position", pa.array(range(table.num_rows), pa.int64()))
 
 
@@ -382,8 +376,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             f" (consumer {self.consumer}'s token: `pgstream-dagster consumers add` printed it, "
             f"`pgstream-dagster consumers token {self.consumer}` issues a new one)"))
         self.starting = options.get("startingPosition", options.get("startingposition", "earliest"))
-        cap = _int_option(options, "maxEventsPerTrigger", 0, 0)
-        self.max_events = cap or None
+        self.max_events = _int_option(options, "maxEventsPerTrigger", 0, 0) or None
         self.parts = _int_option(options, "numPartitions", NUM_PARTITIONS, 1)
         self.rows = _int_option(options, "rowsPerPartition", ROWS_PER_PARTITION, 1)
         self.fail_on_data_loss = _bool_option(options, "failOnDataLoss", True)
@@ -582,30 +575,29 @@ def _time_option(options: dict[str, str], name: str) -> dt.datetime | None:
 class EventsReader(DataSourceReader):
     """``spark.read.format("pgstream")``: see the module's docstring."""
 
+    #: Spark's filters pushed down (:class:`PushdownEventsReader`), each a condition and its parameters
+    pushed: list[tuple[str, list[Any]]] = []
+
     def __init__(self, options: dict[str, str]) -> None:
         self.url = _url(options)
         self.stream_id = _int_option(options, "stream", None, 1)
         self.parts = _int_option(options, "numPartitions", NUM_PARTITIONS, 1)
-        self.conditions: list[str] = ["e.stream_id = %s"]
-        self.params: list[Any] = [self.stream_id]
+        #: the options' conditions, as :attr:`pushed`
+        self.selected: list[tuple[str, list[Any]]] = [("e.stream_id = %s", [self.stream_id])]
         if (from_time := _time_option(options, "fromTime")) is not None:
-            self._add("e.created_at >= %s", [from_time])
+            self.selected.append(("e.created_at >= %s", [from_time]))
         if (to_time := _time_option(options, "toTime")) is not None:
-            self._add("e.created_at < %s", [to_time])
+            self.selected.append(("e.created_at < %s", [to_time]))
         if (keys := _csv(options, "subscription")) is not None:
-            self._add(f"{PUSHABLE['subscription']} = any(%s)", [keys])
+            self.selected.append((f"{PUSHABLE['subscription']} = any(%s)", [keys]))
         if (ops := _csv(options, "operation")) is not None:
-            self._add(f"{PUSHABLE['operation']} = any(%s)", [[op.upper() for op in ops]])
-
-    def _add(self, condition: str, params: list[Any]) -> None:
-        self.conditions.append(condition)
-        self.params.extend(params)
+            self.selected.append((f"{PUSHABLE['operation']} = any(%s)", [[op.upper() for op in ops]]))
 
     def where(self) -> str:
-        return " and ".join(self.conditions + [c for c, _ in getattr(self, "pushed", [])])
+        return " and ".join(condition for condition, _ in self.selected + self.pushed)
 
     def selection(self) -> list[Any]:
-        return self.params + [p for _, params in getattr(self, "pushed", []) for p in params]
+        return [p for _, params in self.selected + self.pushed for p in params]
 
     def query(self) -> str:
         """The query of one partition (ids ``lo..hi`` after the selection's parameters): the events, the
@@ -654,7 +646,7 @@ class PushdownEventsReader(EventsReader):
     DataFrame's first filtered reader for its later queries, tests/test_spark_source.py: a DataFrame per query)."""
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
-        self.pushed: list[tuple[str, list[Any]]] = []  # each call replaces the last one's
+        self.pushed = []  # each call replaces the last one's
         for flt in filters:
             pushed = pushed_condition(flt)
             if pushed is None:
@@ -675,9 +667,7 @@ class PgstreamDataSource(DataSource):
 
     def reader(self, schema: Any) -> DataSourceReader:
         options = dict(self.options)
-        if _bool_option(options, "pushFilters", False):
-            return PushdownEventsReader(options)
-        return EventsReader(options)
+        return (PushdownEventsReader if _bool_option(options, "pushFilters", False) else EventsReader)(options)
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
         return StreamReader(dict(self.options))
@@ -692,21 +682,15 @@ def is_classic(spark: SparkSession) -> bool:
     return not type(spark).__module__.startswith("pyspark.sql.connect")
 
 
-def workers_python(spark: SparkSession) -> str:
-    """The workers' interpreter of a classic session's Python functions: unless ``PYSPARK_PYTHON`` is set or the
-    master is a cluster, the conf's ``spark.pyspark.python``, else this one (``python3`` may lack this package)."""
+def register(spark: SparkSession) -> None:
+    """Register ``format("pgstream")`` on ``spark`` (local, a cluster, or Spark Connect). A classic session's Python
+    workers run, unless ``PYSPARK_PYTHON`` is set or the master is a cluster, the conf's ``spark.pyspark.python``,
+    else this interpreter (``python3`` may lack this package)."""
     from .cluster import is_local
 
-    context = spark.sparkContext
-    if (context.pythonExec == PYSPARK_DEFAULT_PYTHON and not os.environ.get("PYSPARK_PYTHON")
-            and is_local(context.master or "")):
-        context.pythonExec = context.getConf().get("spark.pyspark.python") or sys.executable
-    return str(context.pythonExec)
-
-
-def register(spark: SparkSession) -> None:
-    """Register ``format("pgstream")`` on ``spark`` (local, a cluster, or Spark Connect); on a classic
-    session, with the Python workers :func:`workers_python` says."""
     if is_classic(spark):
-        workers_python(spark)
+        context = spark.sparkContext
+        if (context.pythonExec == PYSPARK_DEFAULT_PYTHON and not os.environ.get("PYSPARK_PYTHON")
+                and is_local(context.master or "")):
+            context.pythonExec = context.getConf().get("spark.pyspark.python") or sys.executable
     spark.dataSource.register(PgstreamDataSource)

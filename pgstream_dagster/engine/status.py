@@ -65,11 +65,11 @@ def last_batches(conn: psycopg.Connection, stream_id: int, last: int) -> list[di
 def _bytes(n: float | None) -> str:
     if n is None:
         return "?"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
+    for unit in ("B", "kB", "MB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} GB"
 
 
 def render_status(streams: list[dict[str, Any]]) -> str:
@@ -87,11 +87,8 @@ def render_status(streams: list[dict[str, Any]]) -> str:
         lines.append(f"  delivered today: {s['delivered_today']}; last recorded event "
                      f"{s['last_recorded_event_id'] or '-'}; {slot}")
         open_letters = int(s.get("open_dead_letters") or 0)
-        if open_letters:
-            lines.append(f"  dead letters: {open_letters} open (oldest since {s['oldest_dead_letter_at']}): "
-                         f"pgstream-dagster dead-letters list {s['id']}")
-        else:
-            lines.append("  dead letters: none open")
+        lines.append(f"  dead letters: {open_letters} open (oldest since {s['oldest_dead_letter_at']}): "
+                     f"pgstream-dagster dead-letters list {s['id']}" if open_letters else "  dead letters: none open")
         declared = str(s.get("declared_reader") or "")
         if declared.startswith("group:"):
             lines.append(f"  read by reader group {declared.removeprefix('group:')} (its sensor "
@@ -151,10 +148,9 @@ def slot_wal(conn: psycopg.Connection, slot: str) -> tuple[Any, ...] | None:
 def orphaned_slots(conn: psycopg.Connection) -> list[dict[str, Any]]:
     """``pgstream.orphaned_slots``: this database's slots named like a stream's default slot that no stream
     reads (its stream deleted or renamed its slot), each keeping its WAL (``retained_bytes``) until dropped."""
-    rows = conn.execute("select slot_name, retained_bytes, active, wal_status from pgstream.orphaned_slots "
-                        "order by slot_name").fetchall()
-    return [{"slot_name": name, "retained_bytes": int(retained), "active": bool(active), "wal_status": status}
-            for name, retained, active, status in rows]
+    with conn.cursor(row_factory=dict_row) as cur:  # (retained_bytes bigint, active boolean)
+        return cur.execute("select slot_name, retained_bytes, active, wal_status from pgstream.orphaned_slots "
+                           "order by slot_name").fetchall()
 
 
 def render_orphaned_slots(slots: list[dict[str, Any]]) -> str:
@@ -182,14 +178,6 @@ order by 1
 """
 
 
-def url_hosts(database_url: str) -> list[tuple[str, str]]:
-    """``(host, port)`` of each server a libpq multi-host URL names, in its order (one host: one pair)."""
-    info = conninfo_to_dict(database_url)
-    hosts = str(info.get("host") or info.get("hostaddr") or "").split(",")
-    ports = str(info.get("port") or "5432").split(",")
-    return [(host, ports[i] if len(ports) > 1 else ports[0]) for i, host in enumerate(hosts) if host]
-
-
 def standby_slots(database_url: str, *, drop: bool = False) -> list[dict[str, Any]]:
     """pgstream's slots that the standbys of ``database_url`` (the servers of a multi-host URL in recovery) hold and
     did not synchronize from the primary: a former primary's, kept by ``pg_rewind`` when it rejoined as a standby,
@@ -197,7 +185,10 @@ def standby_slots(database_url: str, *, drop: bool = False) -> list[dict[str, An
     says its slot was created at (migration 033): ``drop`` drops them. A server that does not answer is passed over
     (the old primary is often down for a while)."""
     found: list[dict[str, Any]] = []
-    hosts = url_hosts(database_url)
+    info = conninfo_to_dict(database_url)  # each server the multi-host URL names, in its order
+    ports = str(info.get("port") or "5432").split(",")
+    hosts = [(host, ports[i] if len(ports) > 1 else ports[0])
+             for i, host in enumerate(str(info.get("host") or info.get("hostaddr") or "").split(",")) if host]
     if len(hosts) < 2:
         return found
     for host, port in hosts:

@@ -8,8 +8,7 @@ import hashlib
 import json
 import re
 import time
-from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,19 +16,17 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from ..config import PgstreamConfig, SubscriptionConfig
+from .dbconn import first_line
 
 MANAGED_BY = "yaml"
 
 def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> list[tuple[str, str, int]]:
     """Make the database's YAML-managed subscriptions equal to ``config.subscriptions``; ``(action, key,
     stream_id)`` for every change. An invalid one raises ``psycopg.Error`` naming it, changing nothing."""
-    by_stream: dict[int, list[SubscriptionConfig]] = defaultdict(list)
-    for sub in config.subscriptions:
-        by_stream[sub.stream_id].append(sub)
     changes: list[tuple[str, str, int]] = []
     with conn.transaction():
         for stream in config.streams:
-            subs = by_stream.get(stream.id, [])
+            subs = [s for s in config.subscriptions if s.stream_id == stream.id]
             # jsonb_populate_record, not a row(...) constructor: robust to columns added to the table
             rows = conn.execute(
                 """select action, key from pgstream.set_subscriptions(%s,
@@ -65,16 +62,14 @@ def definition(sub: SubscriptionConfig) -> dict[str, Any]:
             "trigger_mode": sub.trigger_mode, "emit_truncate": sub.emit_truncate}
 
 
+#: the fields :func:`definition` gained later, with their defaults
+_ADDED_LATER: dict[str, Any] = {"trigger_mode": "row", "metadata_extensions": [], "emit_truncate": False}
+
+
 def code_version(sub: SubscriptionConfig) -> str:
     """A digest of everything that defines the subscription: changes iff its trigger code may change."""
-    d = definition(sub)
-    # the defaults: digests from before these fields existed stay valid
-    if d["trigger_mode"] == "row":
-        del d["trigger_mode"]
-    if not d["metadata_extensions"]:
-        del d["metadata_extensions"]
-    if not d["emit_truncate"]:
-        del d["emit_truncate"]
+    # without the fields added later when they hold their defaults: digests from before them stay valid
+    d = {k: v for k, v in definition(sub).items() if _ADDED_LATER.get(k, ...) != v}
     text = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -100,17 +95,14 @@ def asset_name(sub: SubscriptionConfig, siblings: list[SubscriptionConfig]) -> s
 
 
 def _db_error(exc: psycopg.Error) -> str:
-    diag = exc.diag
-    return diag.message_primary or str(exc).strip().splitlines()[0]
+    return exc.diag.message_primary or first_line(exc)
 
 
-def validate_all(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], source: str,
-                 positions: Sequence[int] | None = None) -> None:
-    """Validate a file's subscriptions (``source``) against the database without writing anything; raises
-    ``SubscriptionError`` naming the file, the subscription (its index: ``positions``) and the reason."""
+def validate_all(conn: psycopg.Connection, numbered: Iterable[tuple[int, SubscriptionConfig]], source: str) -> None:
+    """Validate subscriptions of a file (``source``; each with its index there) against the database without writing
+    anything; raises ``SubscriptionError`` naming the file, the subscription and the reason."""
     with conn.transaction(force_rollback=True):
-        for i, sub in zip(positions if positions is not None else range(len(subscriptions)), subscriptions,
-                          strict=True):
+        for i, sub in numbered:
             try:
                 with conn.transaction():
                     conn.execute("select pgstream.validate_subscription("
@@ -135,10 +127,9 @@ def _validate_file(conn: psycopg.Connection, subscriptions: Sequence[Subscriptio
                                        sort_keys=True, default=str).encode()).hexdigest()
     now = time.monotonic()
     if now - _valid_files.get((source, digest), -FILE_VALID_SECS) < FILE_VALID_SECS:
-        own = [(i, s) for i, s in enumerate(subscriptions) if s.stream_id == stream_id]
-        validate_all(conn, [s for _i, s in own], source, positions=[i for i, _s in own])
+        validate_all(conn, [(i, s) for i, s in enumerate(subscriptions) if s.stream_id == stream_id], source)
         return
-    validate_all(conn, subscriptions, source)
+    validate_all(conn, enumerate(subscriptions), source)
     _valid_files[(source, digest)] = now
 
 
@@ -156,7 +147,8 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     ``SubscriptionError``, nothing changed) in one ``set_subscriptions`` transaction: ``selected`` (default all)
     written, its other YAML-managed ones kept, ``remove_absent`` deleting the undeclared, hand-made ones never
     touched. A role that may not write them (the runtime) checks the database holds what the YAML declares."""
-    if not may_write_subscriptions(conn):
+    row = conn.execute("select pg_catalog.has_table_privilege('pgstream.subscriptions', 'INSERT')").fetchone()
+    if not (row and row[0]):  # the owner may write them; never the runtime
         return _verify_stream(conn, subscriptions, stream_id, source, selected, remove_absent)
     _validate_file(conn, subscriptions, stream_id, source)
     yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
@@ -169,11 +161,9 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     with conn.transaction():
         # set_subscriptions' own lock, taken before we read what to keep (re-entrant in this transaction)
         conn.execute("select pgstream.lock_for_transaction('regenerate')")
-        rows = conn.execute("select key, schema_name, table_name, operation::text, managed_by is not distinct from %s "
-                            "from pgstream.subscriptions where stream_id = %s", [MANAGED_BY, stream_id]).fetchall()
-        current = {(r[0], r[1], r[2], r[3]) for r in rows if r[4]}
-        keep = [list(c) for c in sorted(current)
-                if c not in written_ids and (c in declared or not remove_absent)]
+        stored = _stored_rows(conn, stream_id)
+        keep = [list(c) for c, row in sorted(stored.items()) if row["managed_by"] == MANAGED_BY
+                and c not in written_ids and (c in declared or not remove_absent)]
         try:
             changed = conn.execute(
                 """select action, key, schema_name, table_name, operation::text
@@ -190,25 +180,33 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
             ).fetchall()
         except psycopg.Error as exc:
             raise SubscriptionError(f"{source}: stream {stream_id}: {_db_error(exc)}") from None
-    return StreamApply(changes={(r[1], r[2], r[3], r[4]): r[0] for r in changed},
-                       hand_made=sum(1 for r in rows if not r[4]))
+    return StreamApply(changes={(r[1], r[2], r[3], r[4]): r[0] for r in changed}, hand_made=_hand_made(stored))
 
 
 def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[SubscriptionConfig],
                declared: set[Identity], remove_absent: bool) -> int | None:
     """When the database holds ``written`` as declared (and, ``remove_absent``, nothing undeclared), the count of
     the stream's hand-made subscriptions, else None: one read when a code location starts with all applied."""
-    columns = f"key, schema_name, table_name, operation::text, {_STORED_COLUMNS}"
-    rows = conn.execute(f"select {columns} from pgstream.subscriptions where stream_id = %s",  # noqa: S608
-                        [stream_id]).fetchall()  # (column lists, no input)
-    stored = {(r[0], r[1], r[2], r[3]): _stored(r[4:]) for r in rows}
+    stored = _stored_rows(conn, stream_id)
     for sub in written:
         row = stored.get(identity(sub))
         if row is None or row["managed_by"] != MANAGED_BY or differences(sub, row):
             return None
     if remove_absent and any(v["managed_by"] == MANAGED_BY and k not in declared for k, v in stored.items()):
         return None
-    return sum(1 for v in stored.values() if v["managed_by"] != MANAGED_BY)
+    return _hand_made(stored)
+
+
+def _stored_rows(conn: psycopg.Connection, stream_id: int) -> dict[Identity, dict[str, Any]]:
+    """The stream's stored subscriptions: their :data:`_STORED_FIELDS`, as ``definition`` has them."""
+    columns = ", ".join(_STORED_FIELDS)
+    rows = conn.execute(f"select key, schema_name, table_name, operation::text, {columns} "  # noqa: S608
+                        "from pgstream.subscriptions where stream_id = %s", [stream_id]).fetchall()  # (no input)
+    return {(r[0], r[1], r[2], r[3]): dict(zip(_STORED_FIELDS, r[4:], strict=True)) for r in rows}
+
+
+def _hand_made(stored: dict[Identity, dict[str, Any]]) -> int:
+    return sum(1 for row in stored.values() if row["managed_by"] != MANAGED_BY)
 
 
 def table_exists(conn: psycopg.Connection, schema: str, table: str) -> bool:
@@ -218,45 +216,39 @@ def table_exists(conn: psycopg.Connection, schema: str, table: str) -> bool:
     return bool(row and row[0])
 
 
-def may_write_subscriptions(conn: psycopg.Connection) -> bool:
-    """Whether the connection's role may write ``pgstream.subscriptions`` (the owner; never the runtime)."""
-    row = conn.execute("select pg_catalog.has_table_privilege('pgstream.subscriptions', 'INSERT')").fetchone()
-    return bool(row and row[0])
-
-
 def _verify_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int,
                    source: str, selected: set[Identity] | None, remove_absent: bool) -> StreamApply:
     """:func:`apply_stream` for a role that may not write subscriptions: nothing changes; raises
     ``SubscriptionError`` unless the stream's stored YAML subscriptions are those of the YAML."""
     yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
     declared = {identity(s) for s in yaml_subs}
+    stored = _stored_rows(conn, stream_id)
     problems: list[str] = []
     for sub in yaml_subs:
         if selected is not None and identity(sub) not in selected:
             continue
-        stored = stored_definition(conn, stream_id, identity(sub))
-        if stored is None and not table_exists(conn, sub.schema_name, sub.table_name):
+        row = stored.get(identity(sub))
+        if row is None and not table_exists(conn, sub.schema_name, sub.table_name):
             problems.append(f"{sub.key!r} ({sub.operation}): table {sub.schema_name}.{sub.table_name} does not exist")
-        elif stored is None:
+        elif row is None:
             problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) is missing")
-        elif stored["managed_by"] != MANAGED_BY:
+        elif row["managed_by"] != MANAGED_BY:
             problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) was created by hand")
-        elif diff := differences(sub, stored):
+        elif diff := differences(sub, row):
             problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}): "
                             f"{', '.join(diff)} differ")
-    rows = conn.execute("select key, schema_name, table_name, operation::text, managed_by is not distinct from %s "
-                        "from pgstream.subscriptions where stream_id = %s", [MANAGED_BY, stream_id]).fetchall()
     if remove_absent:
-        problems += [f"{r[0]!r} ({r[3]} on {r[1]}.{r[2]}) is no longer declared" for r in rows
-                     if r[4] and (r[0], r[1], r[2], r[3]) not in declared]
+        problems += [f"{k!r} ({op} on {schema}.{table}) is no longer declared"
+                     for (k, schema, table, op), row in stored.items()
+                     if row["managed_by"] == MANAGED_BY and (k, schema, table, op) not in declared]
     if problems:
-        row = conn.execute("select current_user::text").fetchone()
-        role = row[0] if row else "?"
+        user = conn.execute("select current_user::text").fetchone()
+        role = user[0] if user else "?"
         raise SubscriptionError(
             f"{source}: stream {stream_id}: role {role} may not write pgstream.subscriptions (only the owner "
             f"applies them: run `pgstream-dagster init` with the owner's URL) and the database differs from the "
             f"YAML: {'; '.join(problems)}")
-    return StreamApply(changes={}, hand_made=sum(1 for r in rows if not r[4]))
+    return StreamApply(changes={}, hand_made=_hand_made(stored))
 
 
 @dataclass(frozen=True)
@@ -365,30 +357,18 @@ def partition_problems(conn: psycopg.Connection, schema: str, table: str, operat
     return tuple(out)
 
 
-#: the stored columns :func:`differences` compares (and ``managed_by``), in the order :func:`_stored` reads them
-_STORED_COLUMNS = ("when_clause, column_names, metadata, payload_extensions, managed_by, trigger_mode, "
-                   "metadata_extensions, emit_truncate")
-
-
-def _stored(row: Sequence[Any]) -> dict[str, Any]:
-    """A subscription row's ``_STORED_COLUMNS``, normalised like ``definition``."""
-    return {"when_clause": row[0], "column_names": list(row[1]), "metadata": row[2], "payload_extensions": row[3],
-            "managed_by": row[4], "trigger_mode": row[5], "metadata_extensions": row[6], "emit_truncate": row[7]}
+#: the stored columns :func:`differences` compares, in its order, and ``managed_by``
+_STORED_FIELDS = ("when_clause", "column_names", "metadata", "payload_extensions", "metadata_extensions",
+                  "trigger_mode", "emit_truncate", "managed_by")
 
 
 def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity) -> dict[str, Any] | None:
     """The subscription row as stored (normalised like ``definition``), or None."""
-    row = conn.execute(
-        f"select {_STORED_COLUMNS} from pgstream.subscriptions "  # noqa: S608  (column list, no input)
-        "where stream_id = %s and key = %s and schema_name = %s and table_name = %s and operation::text = %s",
-        [stream_id, *ident]).fetchone()
-    return _stored(row) if row is not None else None
+    return _stored_rows(conn, stream_id).get(ident)
 
 
 def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:
     """Fields where the stored subscription differs from the YAML (as ``set_subscriptions`` stores it)."""
     want = definition(sub)
     want["when_clause"] = (sub.when_clause or "").strip() or None
-    return [f for f in ("when_clause", "column_names", "metadata", "payload_extensions", "metadata_extensions",
-                        "trigger_mode", "emit_truncate")
-            if stored[f] != want[f]]
+    return [f for f in _STORED_FIELDS[:-1] if stored[f] != want[f]]
