@@ -197,11 +197,15 @@ def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[Subsc
     return _hand_made(stored)
 
 
-def _stored_rows(conn: psycopg.Connection, stream_id: int) -> dict[Identity, dict[str, Any]]:
-    """The stream's stored subscriptions: their :data:`_STORED_FIELDS`, as ``definition`` has them."""
+def _stored_rows(conn: psycopg.Connection, stream_id: int,
+                 ident: Identity | None = None) -> dict[Identity, dict[str, Any]]:
+    """The stream's stored subscriptions (``ident``'s only: one row by its key, not the whole stream): their
+    :data:`_STORED_FIELDS`, as ``definition`` has them."""
     columns = ", ".join(_STORED_FIELDS)
+    one = " and (key, schema_name, table_name, operation::text) = (%s, %s, %s, %s)" if ident is not None else ""
     rows = conn.execute(f"select key, schema_name, table_name, operation::text, {columns} "  # noqa: S608
-                        "from pgstream.subscriptions where stream_id = %s", [stream_id]).fetchall()  # (no input)
+                        f"from pgstream.subscriptions where stream_id = %s{one}",  # (column lists, no input)
+                        [stream_id, *(ident or ())]).fetchall()
     return {(r[0], r[1], r[2], r[3]): dict(zip(_STORED_FIELDS, r[4:], strict=True)) for r in rows}
 
 
@@ -364,7 +368,7 @@ _STORED_FIELDS = ("when_clause", "column_names", "metadata", "payload_extensions
 
 def stored_definition(conn: psycopg.Connection, stream_id: int, ident: Identity) -> dict[str, Any] | None:
     """The subscription row as stored (normalised like ``definition``), or None."""
-    return _stored_rows(conn, stream_id).get(ident)
+    return _stored_rows(conn, stream_id, ident).get(ident)
 
 
 def differences(sub: SubscriptionConfig, stored: dict[str, Any]) -> list[str]:
