@@ -43,14 +43,12 @@ from pgstream_dagster.devdb import ensure_running
 
 try:
     from pgstream_dagster.engine import ingest, replication
-    from pgstream_dagster.engine.ledger import streams
     from pgstream_dagster.engine.migrations import migrate
     from pgstream_dagster.engine.subscriptions import apply_subscriptions
 except ImportError:  # a --ref from before pgstream_dagster/engine/ (the worker runs that tree)
     from pgstream_dagster.migrations import migrate
     from pgstream_dagster.subscriptions import apply_subscriptions
 
-    from pgstream_dagster import ledger as streams  # type: ignore[no-redef]
     from pgstream_dagster import replication
     from pgstream_dagster import sensors as ingest
 
@@ -88,6 +86,9 @@ def _worker(url: str, stream_id: int, events: int, max_size: int) -> None:
 
 def _setup(url: str, config: Path, versions: dict[int, tuple[str, Path]]) -> None:
     """One INSERT subscription on ``bench_orders`` per stream, a slot per stream."""
+    sys.path.insert(0, str(ROOT))  # tests.support; only here: a --worker must import its own tree's package
+    from tests.support.legacy_streams import ensure_stream
+
     config.write_text(yaml.safe_dump({
         "database_url": url,
         "streams": [{"id": i, "sink": {"type": "file", "path": "/dev/null"}} for i in versions],
@@ -98,7 +99,7 @@ def _setup(url: str, config: Path, versions: dict[int, tuple[str, Path]]) -> Non
         conn.execute(TABLE_SQL)
         apply_subscriptions(conn, load_config(config))
         for stream_id, (_, tree) in versions.items():
-            slot = streams.ensure_stream(conn, stream_id)
+            slot = ensure_stream(conn, stream_id)
             if tree != ROOT and not (tree / "sql" / "022_lock_timeouts_and_slot_names.sql").exists():
                 slot = f"pgstream_stream_{stream_id}"  # a baseline before 022 reads the default name of its time
             replication.create_slot(conn, slot)

@@ -30,6 +30,7 @@ from pgstream_dagster.engine.migrations import WRITER_ROLE
 
 from .support.dagster_instance import postgres_instance
 from .support.harness import backdated, slot_of, values, write_config
+from .support.legacy_streams import ensure_stream
 
 SIGNUP = {"key": "user-signup", "stream_id": 1, "operation": "INSERT", "schema_name": "public",
           "table_name": "users", "when_clause": "new.verified", "column_names": ["id", "email"]}
@@ -528,7 +529,7 @@ def test_a_streams_own_slot_is_checked_with_its_groups_until_it_has_joined(app: 
     subs = [{**SIGNUP, "stream_id": i, "key": f"signup-{i}"} for i in (1, 2)]
     with psycopg.connect(app, autocommit=True) as c:  # an install of before every stream was in a group: a slot each
         for i in (1, 2):
-            replication.create_slot(c, ledger_streams.ensure_stream(c, i))
+            replication.create_slot(c, ensure_stream(c, i))
     own = slot_of(app, 1)
     grouped = [{**s, "reader": "team", "checks": {"max_retained_wal_bytes": 64 * 1024}} for s in alone]
     cfg = write_config(tmp_path / "grouped.yaml", app, grouped, subs)

@@ -21,10 +21,10 @@ from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.ingest import consume, consume_group
 from pgstream_dagster.engine.ledger import streams
-from pgstream_dagster.engine.ledger.streams import SlotInUse
 from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, tear_down
 
 from .support.harness import event_ids, insert_events, slot_of, write_config
+from .support.legacy_streams import SlotInUse, ensure_stream
 from .support.releases import released_sql
 
 MEMORY = {"type": "memory"}
@@ -165,14 +165,14 @@ def test_a_copied_database_reads_slots_of_its_own(db_url: str, pg: LocalPostgres
     stream rows with the original's default slot names. The copy has another oid: it derives its own
     names the first time it looks, and creates its slots next to the original's."""
     with psycopg.connect(db_url, autocommit=True) as c:
-        original = streams.ensure_stream(c, 5)
+        original = ensure_stream(c, 5)
     copy = f"{_dbname(db_url)}_copy"
     with psycopg.connect(pg.url, autocommit=True) as c:
         c.execute(f"create database {copy} template {_dbname(db_url)}")
     try:
         with psycopg.connect(pg.url_for(copy), autocommit=True) as c:
             assert c.execute("select slot from pgstream.streams where id = 5").fetchone() == (original,)
-            mine = streams.ensure_stream(c, 5)
+            mine = ensure_stream(c, 5)
             assert mine != original and mine.startswith("pgstream_stream_5_d")
             assert c.execute("select slot from pgstream.streams where id = 5").fetchone() == (mine,)
             replication.create_slot(c, mine)
@@ -188,17 +188,17 @@ def test_a_copied_database_reads_slots_of_its_own(db_url: str, pg: LocalPostgres
 def test_a_new_stream_whose_default_slot_is_taken_is_refused(conn: psycopg.Connection) -> None:
     conn.execute("create table public.users (id serial primary key, email text)")
     slot2 = streams.stream_slot(conn, 2)  # what stream 2 would read, before it exists
-    streams.ensure_stream(conn, 1, slot2)  # stream 1 reads a slot named like stream 2's default
+    ensure_stream(conn, 1, slot2)  # stream 1 reads a slot named like stream 2's default
     with pytest.raises(psycopg.errors.UniqueViolation, match=f"stream 2: slot {slot2} is already used by stream 1"):
         conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
                      "values ('a', 2, 'INSERT', 'users', '{id}')")
     with pytest.raises(SlotInUse, match=f"stream 2: slot {slot2} is already used by stream 1"):
-        streams.ensure_stream(conn, 2)
+        ensure_stream(conn, 2)
     assert conn.execute("select id from pgstream.streams").fetchall() == [(1,)]
     assert conn.execute("select count(*) from pgstream.subscriptions").fetchone() == (0,)
     # a stream created with its own slot name is fine, and so is the largest stream id
-    streams.ensure_stream(conn, 2, "users_slot")
-    streams.ensure_stream(conn, 2**63 - 1, None)
+    ensure_stream(conn, 2, "users_slot")
+    ensure_stream(conn, 2**63 - 1, None)
     assert conn.execute("select id, coalesce(slot_name, '-') from pgstream.streams order by 1").fetchall() == [
         (1, slot2), (2, "users_slot"), (2**63 - 1, "-")]
     assert len(streams.stream_slot(conn, 2**63 - 1)) <= 63  # a slot name's limit
@@ -301,8 +301,8 @@ def _install_with_user_objects(conn: psycopg.Connection) -> None:
     conn.execute("create table public.users (id serial primary key, email text)")
     conn.execute("insert into pgstream.subscriptions (key, stream_id, operation, table_name, column_names) "
                  "values ('a', 1, 'INSERT', 'users', '{id}')")  # a generated trigger: pgstream's own
-    streams.ensure_stream(conn, 1, "orders_cdc")  # a custom slot name
-    streams.ensure_stream(conn, 2, None)
+    ensure_stream(conn, 1, "orders_cdc")  # a custom slot name
+    ensure_stream(conn, 2, None)
     for slot in ("orders_cdc", "pgstream_stream_2", "pgstream_peer"):  # pgstream_peer: not ours
         conn.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [slot])
     conn.execute("insert into public.users (email) values ('a')")
@@ -378,7 +378,7 @@ def test_tear_down_cascade_drops_and_lists_them_and_every_slot_of_a_stream(conn:
 
 
 def test_tear_down_without_dependents_needs_no_cascade(conn: psycopg.Connection, db_url: str) -> None:
-    streams.ensure_stream(conn, 7, "custom_slot")
+    ensure_stream(conn, 7, "custom_slot")
     conn.execute("select pg_create_logical_replication_slot('custom_slot', 'pgoutput')")
     removed = tear_down(db_url)
     assert "replication slot custom_slot" in removed and "publication pgstream_stream_7" in removed

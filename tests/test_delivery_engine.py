@@ -21,11 +21,11 @@ from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
 from pgstream_dagster.engine.delivery.sources import Owed, Readers, Route, Selection, route
 from pgstream_dagster.engine.ledger import locks, state
-from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.engine.publish import Span
 from pgstream_dagster.engine.status import stream_status
 
 from .support.harness import insert_events, read_jsonl, write_config
+from .support.legacy_streams import ensure_stream
 
 STREAM = 1
 RUN_KEY = "engine-run"
@@ -68,7 +68,7 @@ def _insert(c: psycopg.Connection, n: int, start: int = 0) -> list[int]:
 def _recorded(url: str, stream: StreamConfig, n: int) -> list[state.Batch]:
     """The stream with its slot, ``n`` events recorded in batches by the sensor's read (nothing delivered)."""
     with psycopg.connect(url, autocommit=True) as c:
-        replication.create_slot(c, ledger_streams.ensure_stream(c, STREAM))
+        replication.create_slot(c, ensure_stream(c, STREAM))
         _insert(c, n)
         while sum(b.event_count for b in state.batches_between(c, STREAM, 0, 10**9)) < n:
             ingest.consume(c, stream, 0.5)

@@ -22,6 +22,7 @@ from pgstream_dagster.engine.ledger import state as ledger_state
 from pgstream_dagster.engine.replication import DecodedEvent, Transaction
 
 from .support.harness import insert_events, slot_of, write_config
+from .support.legacy_streams import ensure_stream
 
 RUN_KEY = "test-run"
 NOW = dt.datetime(2026, 3, 4, 12, 0, 0, tzinfo=dt.UTC)
@@ -38,7 +39,7 @@ def _streams(tmp_path: Path, url: str, batch: dict[str, Any], ids: tuple[int, ..
     if own_slots:
         with psycopg.connect(url, autocommit=True) as c:
             for stream in config.streams:
-                replication.create_slot(c, streams.ensure_stream(c, stream.id))
+                replication.create_slot(c, ensure_stream(c, stream.id))
     return list(config.streams)
 
 

@@ -47,6 +47,7 @@ from .support.harness import (
     stream_tag_of,
     write_config,
 )
+from .support.legacy_streams import SlotInUse, ensure_stream
 
 GROUP = "shared"
 
@@ -100,7 +101,7 @@ def _pgstream_slots(url: str) -> list[str]:
 def _own_slot(conn: psycopg.Connection, stream_id: int) -> str:
     """Stream ``stream_id`` as a version with a slot per stream left it: its row, outside any group, and its own
     slot (created now); the slot's name."""
-    slot = ledger_streams.ensure_stream(conn, stream_id)
+    slot = ensure_stream(conn, stream_id)
     replication.create_slot(conn, slot)
     return slot
 
@@ -147,7 +148,7 @@ def test_twelve_streams_share_one_slot_and_each_ledger_gets_its_events_once_in_c
         # slot while it joins (the group's sensor reads it, ingest.consume) creates none (there would be room
         # for 4 only)
         for i in ids[:6]:
-            ledger_streams.ensure_stream(c, i)
+            ensure_stream(c, i)
         insert_events(url, 2, 3)
         for s in streams:
             assert ingest.consume(c, s, 0.1).slot_busy
@@ -278,7 +279,7 @@ def test_a_stream_with_its_own_slot_joins_without_losing_or_repeating_an_event(d
         # leaving the group (a slot of its own again, as the version before registered it) is refused, naming the
         # stream, and changes nothing
         with pytest.raises(groups.GroupChange, match="stream 1 reads with reader group shared: leaving a group"):
-            ledger_streams.ensure_stream(c, 1)
+            ensure_stream(c, 1)
         with pytest.raises(groups.GroupChange, match="stream 1 reads with reader group shared, not other"):
             groups.register_group_member(c, 1, "other")
         assert ledger_state.slot_reader(c, 1) == groups.group_reader(GROUP) and len(_pgstream_slots(db_url)) == 1
@@ -436,7 +437,7 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
     streams = _configs(tmp_path, db_url, [1])
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, GROUP, streams, 0)
-        ledger_streams.ensure_stream(c, 2)  # a stream not in a group yet (its row only)
+        ensure_stream(c, 2)  # a stream not in a group yet (its row only)
         # the application's role (and so every tenant's) may call none of them; no grant to public either
         for fn in ("register_group_member(bigint, text)", "ensure_group_publication(text)", "begin_join(bigint, text)",
                    "finish_join(bigint, text)", "group_slot_name(text)"):
@@ -973,7 +974,7 @@ def test_a_runtime_calling_the_hand_over_out_of_order_is_refused_and_the_join_lo
         assert f"not drained to its join position {join_lsn} yet" in str(behind)
         # the trigger keeps a joined member's reader, whatever the runtime sets, and lets only begin_join hand
         # a joining member over (stream 3 joins: its reader set by hand would skip draining its own slot)
-        ledger_streams.ensure_stream(c, 3)  # a stream's row, before it gets reader:
+        ensure_stream(c, 3)  # a stream's row, before it gets reader:
         with _as(db_url, runtime) as h:
             h.execute("select pgstream.register_group_member(3, 'shared')")
         skipped = _refused(db_url, runtime, "update pgstream.streams set slot_reader = 'group:shared' where id = 3")
@@ -1008,9 +1009,9 @@ def test_a_publication_by_the_groups_name_or_another_roles_locks_do_not_take_the
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, "other", _configs(tmp_path, db_url, [8], group={8: "other"}), 0)
         taken = _group_slot(db_url)
-        with pytest.raises(ledger_streams.SlotInUse,
+        with pytest.raises(SlotInUse,
                            match=f"stream 9: slot {taken} is already used by reader group other " r"\(its slot\)"):
-            ledger_streams.ensure_stream(c, 9, taken)
+            ensure_stream(c, 9, taken)
         assert c.execute("select count(*) from pgstream.streams where id = 9").fetchone() == (0,)
     squat = _configs(tmp_path, db_url, [7], group={7: "squat"})
     with psycopg.connect(db_url, autocommit=True) as c:
@@ -1093,7 +1094,7 @@ def test_shadows_in_pg_temp_and_the_search_path_change_nothing_the_group_functio
         c.execute(f"grant create on schema public to {runtime}")
         c.execute("create table public.ran (what text)")
         c.execute("grant insert on public.ran to public")
-        ledger_streams.ensure_stream(c, 2)
+        ensure_stream(c, 2)
     with _as(db_url, runtime) as h:
         h.execute("set search_path = pg_temp, public, pg_catalog")
         for name in ("text", "pg_lsn", "int8"):
@@ -1139,7 +1140,7 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
         h.execute("create publication pgstream_stream_8_rows for table public.orders")
     with psycopg.connect(db_url, autocommit=True) as c:
         with pytest.raises(replication.PublicationTaken) as refused:
-            ledger_streams.ensure_stream(c, 7)
+            ensure_stream(c, 7)
         assert str(refused.value) == (f"stream 7: publication pgstream_stream_7 is not the stream's (owner {owner}, "
                                       "or it publishes more than pgstream.events): drop it")
         with pytest.raises(replication.PublicationTaken, match="publication pgstream_stream_8_rows is not the stream"):
@@ -1155,7 +1156,7 @@ def test_a_publication_by_a_streams_name_made_by_another_role_is_refused_and_rea
         # the operator drops the other role's publications: the streams get their own
         for name in ("pgstream_stream_7", "pgstream_stream_8_rows"):
             c.execute(f"drop publication {name}")
-        ledger_streams.ensure_stream(c, 7)
+        ensure_stream(c, 7)
         groups.register_group_member(c, 8, "squat")
         rows = c.execute("select p.pubname, r.prrelid::regclass::text from pg_publication p join pg_publication_rel r "
                          "on r.prpubid = p.oid where p.pubname in ('pgstream_stream_7', 'pgstream_stream_8_rows') "
