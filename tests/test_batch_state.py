@@ -91,9 +91,9 @@ PAUSED = "stream 7 is paused: batch 10 waits (`pgstream-dagster resume 7`)"
 CAUGHT_UP = "stream 7 caught up: failover over"
 
 
-def failed(head: Batch, after_secs: float, reason: str, outcome: str, *, died: bool = False) -> FailRun:
+def failed(head: Batch, after_secs: float, reason: str, outcome: str) -> FailRun:
     retry_at = NOW + dt.timedelta(seconds=after_secs)
-    return FailRun(head, "r1", f"run r1: {reason}", retry_at, died=died,
+    return FailRun(head, f"run r1: {reason}", retry_at,
                    note=f"stream 7 in failover at batch 10: run r1 {outcome} ({reason}); retry at {retry_at:%H:%M:%S}")
 
 
@@ -183,12 +183,12 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
      failed(LAUNCHED, 5, "HTTP 500 from sink", "FAILURE")),
     ("launched, run interrupted by the shutdown before this start: launched again, no failover",
      state(LAUNCHED), RunView(RunStatus.FAILED, "r1", "FAILURE", "DagsterExecutionInterruptedError", interrupted=True),
-     OPEN, Requeue(LAUNCHED, "r1", checkpoint=False,
+     OPEN, Requeue(LAUNCHED, checkpoint=False,
                      note="stream 7: run r1 was interrupted by the shutdown before this start; batch 10 is launched "
                           "again (not a failure: no failover, no attempt counted)")),
     ("launched in failover, third attempt interrupted: the checkpoint again at once, not counted",
      state(LAUNCHED_3, failover_since=SINCE), RunView(RunStatus.FAILED, "r1", "FAILURE", None, interrupted=True),
-     OPEN, Requeue(LAUNCHED_3, "r1", checkpoint=True,
+     OPEN, Requeue(LAUNCHED_3, checkpoint=True,
                      note="stream 7: run r1 was interrupted by the shutdown before this start; batch 10 is launched "
                           "again (not a failure: no failover, no attempt counted)")),
     ("launched, run canceled (no step failed)", state(LAUNCHED), run(RunStatus.FAILED, "CANCELED"), OPEN,
@@ -197,9 +197,9 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
      state(LAUNCHED_3, failover_since=SINCE), run(RunStatus.FAILED, "FAILURE", "refused"), OPEN,
      failed(LAUNCHED_3, 20, "refused", "FAILURE")),
     ("launched, run died (no lease): reported, then failover",
-     state(LAUNCHED), run(RunStatus.DEAD, "FAILURE"), OPEN, failed(LAUNCHED, 5, "FAILURE", "FAILURE", died=True)),
+     state(LAUNCHED), run(RunStatus.DEAD, "FAILURE"), OPEN, failed(LAUNCHED, 5, "FAILURE", "FAILURE")),
     ("launched, run succeeded without confirming: failed, due now", state(LAUNCHED), run(RunStatus.SUCCEEDED),
-     OPEN, FailRun(LAUNCHED, "r1", "run r1 succeeded without confirming batch 10", NOW)),
+     OPEN, FailRun(LAUNCHED, "run r1 succeeded without confirming batch 10", NOW)),
     ("launched, run canceling: wait", state(LAUNCHED), run(RunStatus.OTHER), OPEN, Wait()),
 ]
 

@@ -441,12 +441,12 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             return None, f"group delivery run {run.run_id}{doing}{ending}"
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
     hosted = {s.id for s in streams if s.delivery.keeps_open}  # (a per_batch member's runs are its own)
-    wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
     # a group with streams in mode open keeps its delivery run up (a first event after a quiet spell,
     # or the location's start, waits for no process to start); a group of streams in mode per_batch only has
     # none (each of their runs is a Dagster run of its own: the sensor reads the group's slot)
     if not hosted:
         return None, "its streams (mode per_batch) have runs of their own"
+    wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
     key = f"pgstream-group-{group}-{int(time.time())}"
     members = ", ".join(str(m.stream_id) for m in wanted)
     return dg.RunRequest(run_key=key, job_name=GROUP_DELIVERY_JOB,

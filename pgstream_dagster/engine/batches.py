@@ -221,13 +221,11 @@ class Reissue:
 @dataclass(frozen=True)
 class FailRun:
     """The head's run failed: the head becomes the failover checkpoint (retried alone at ``retry_at``), the
-    run's other batches go back to pending. ``died``: Dagster still shows it started (reported failed first)."""
+    run's other batches go back to pending."""
 
     head: Batch
-    run_id: str
     error: str
     retry_at: dt.datetime
-    died: bool = False
     note: str | None = None  # for the tick log
 
 
@@ -237,7 +235,6 @@ class Requeue:
     its batches go back to pending (``checkpoint``: the head stays the failover's, due now), nothing counted."""
 
     head: Batch
-    run_id: str
     checkpoint: bool = False
     note: str | None = None  # for the tick log
 
@@ -310,18 +307,18 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
         return Extend(head.run_key or "")  # it may be open: hand it what was recorded behind its batches
     if run.status is RunStatus.FAILED and run.interrupted:
         # a shutdown stopped it, which says nothing about its batch or the sink: no failure counted
-        return Requeue(head, run.run_id, checkpoint=in_failover,
+        return Requeue(head, checkpoint=in_failover,
                        note=f"stream {sid}: run {run.run_id} was interrupted by the shutdown before this start; "
                             f"batch {head.id} is launched again (not a failure: no failover, no attempt counted)")
     if run.status in (RunStatus.FAILED, RunStatus.DEAD):
         retry_at = now + dt.timedelta(seconds=backoff_secs(stream, head.attempts))
         reason = run.error or run.outcome
-        return FailRun(head, run.run_id, f"run {run.run_id}: {reason}", retry_at, died=run.status is RunStatus.DEAD,
+        return FailRun(head, f"run {run.run_id}: {reason}", retry_at,
                        note=f"stream {sid} in failover at batch {head.id}: run {run.run_id} {run.outcome} "
                             f"({reason}); retry at {retry_at:%H:%M:%S}")
     if run.status is RunStatus.SUCCEEDED:
         # a successful run delivers all its batches; a success without it is an inconsistency
-        return FailRun(head, run.run_id, f"run {run.run_id} succeeded without confirming batch {head.id}", now)
+        return FailRun(head, f"run {run.run_id} succeeded without confirming batch {head.id}", now)
     return Wait()
 
 

@@ -359,7 +359,7 @@ class HttpSink(Sink, builds=HttpSinkConfig):
     def _publish(self, events: Sequence[Event], routes: Sequence[_Route]) -> None:
         lanes = self._lanes(events, routes)
         control = _Control()
-        if len(lanes) == 1 or self.config.max_concurrency == 1:
+        if len(lanes) == 1:
             results = [self._send_lane(lane, control) for lane in lanes]
         else:
             if self._pool is None:

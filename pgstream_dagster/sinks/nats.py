@@ -213,7 +213,7 @@ class NatsSink(Sink, builds=NatsSinkConfig):
 
     def close(self) -> None:
         loop, thread = self._loop, self._thread
-        if loop is None:
+        if loop is None or thread is None:
             return
         try:
             if self._nc is not None:
@@ -221,8 +221,7 @@ class NatsSink(Sink, builds=NatsSinkConfig):
         finally:
             self._loop = self._thread = None
             loop.call_soon_threadsafe(loop.stop)
-            if thread is not None:
-                thread.join(timeout=self.config.timeout_secs)
+            thread.join(timeout=self.config.timeout_secs)
             if not loop.is_running():
                 loop.close()
 

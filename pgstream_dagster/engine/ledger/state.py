@@ -439,7 +439,7 @@ def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> boo
 
 def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | None:
     """Carry out ``action`` (:func:`~.batches.decide`'s) in the ledger; the run to request, if any (mode
-    per_batch). Reporting a dead run to Dagster (``FailRun.died``) is the caller's, before this."""
+    per_batch). Reporting a dead run to Dagster is the caller's, before this."""
     match action:
         case LeaveFailover(then=then):
             leave_failover(conn, stream.id)
