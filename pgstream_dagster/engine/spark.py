@@ -21,7 +21,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 
     from ..config import PgstreamConfig
     from .ledger.keyprogress import KeyProgress
+
+Frames: TypeAlias = "DataFrame | list[DataFrame]"
+"""What :func:`load_batches` returns: one DataFrame, or (packed) one single-partition DataFrame per partition."""
 
 BATCHES_SOURCE = "pgstream_batches"
 EVENTS_SOURCE = "pgstream_events"
@@ -294,7 +297,7 @@ def ship_package(spark: SparkSession) -> None:
 
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
                  rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False, *,
-                 sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> DataFrame | list[DataFrame]:
+                 sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> Frames:
     """The events of ``spans`` in partitions of at most ``rows_per_partition`` events (``sizes``: and bytes):
     ``packed``, a single-partition DataFrame per group of spans (:func:`group_sized`), else one per span."""
     ship_package(spark)
