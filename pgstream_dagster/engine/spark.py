@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from .ledger.keyprogress import KeyProgress
 
 Frames: TypeAlias = "DataFrame | list[DataFrame]"
-"""What :func:`load_batches` returns: one DataFrame, or (packed) one single-partition DataFrame per partition."""
+"""What the loaders return: one DataFrame, or (packed) one single-partition DataFrame per partition."""
 
 BATCHES_SOURCE = "pgstream_batches"
 EVENTS_SOURCE = "pgstream_events"
@@ -136,38 +136,38 @@ class EventsReader(DataSourceReader):
             "keys": json.loads(options["keys"]) if options.get("keys") else None,
             **routing_params(options.get("routing_key", "group_id")),
         }
+        self.packed = options.get("packed") == "true"
 
     def partitions(self) -> list[InputPartition]:
         return [InputPartition(r) for r in self.ranges]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         lo, hi = partition.value
-        yield from _read(self.url, events_query(self.params), [{**self.params, "lo": lo, "hi": hi}], True)
+        yield from _read(self.url, events_query(self.params), [{**self.params, "lo": lo, "hi": hi}], self.packed)
 
 
-class BatchesDataSource(DataSource):
+class _Source(DataSource):
+    def schema(self) -> str:
+        return PACKED_SCHEMA if self.options.get("packed") == "true" else SCHEMA
+
+
+class BatchesDataSource(_Source):
     """``spark.read.format("pgstream_batches")``: the events of ledger batches, in commit order."""
 
     @classmethod
     def name(cls) -> str:
         return BATCHES_SOURCE
 
-    def schema(self) -> str:
-        return PACKED_SCHEMA if self.options.get("packed") == "true" else SCHEMA
-
     def reader(self, schema: Any) -> DataSourceReader:
         return BatchesReader(dict(self.options))
 
 
-class EventsDataSource(DataSource):
+class EventsDataSource(_Source):
     """``spark.read.format("pgstream_events")``: a stream's events by id ranges and filters, in id order."""
 
     @classmethod
     def name(cls) -> str:
         return EVENTS_SOURCE
-
-    def schema(self) -> str:
-        return PACKED_SCHEMA
 
     def reader(self, schema: Any) -> DataSourceReader:
         return EventsReader(dict(self.options))
@@ -322,20 +322,25 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
 
 def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: list[tuple[int, int]],
                 routing_key: str, from_time: str | None = None, to_time: str | None = None,
-                keys: list[str] | None = None) -> list[DataFrame]:
-    """A stream's events with ids in ``ranges`` passing the filters, in :data:`PACKED_SCHEMA` rows: a
-    single-partition DataFrame per range, in order."""
+                keys: list[str] | None = None, packed: bool = False) -> Frames:
+    """A stream's events with ids in ``ranges`` (one partition each, in order) passing the filters;
+    ``packed``: in :data:`PACKED_SCHEMA` rows, one single-partition DataFrame per range."""
     ship_package(spark)
     register_source(spark, EventsDataSource)
-    return [spark.read.format(EVENTS_SOURCE)
-            .option(URL_OPTION, database_url)
-            .option("stream_id", str(stream_id))
-            .option("ranges", json.dumps([selected]))
-            .option("from_time", from_time or "")
-            .option("to_time", to_time or "")
-            .option("keys", json.dumps(keys) if keys else "")
-            .option("routing_key", routing_key)
-            .load() for selected in ranges]
+
+    def frame(selected: list[tuple[int, int]]) -> DataFrame:
+        return (spark.read.format(EVENTS_SOURCE)
+                .option(URL_OPTION, database_url)
+                .option("stream_id", str(stream_id))
+                .option("ranges", json.dumps(selected))
+                .option("from_time", from_time or "")
+                .option("to_time", to_time or "")
+                .option("keys", json.dumps(keys) if keys else "")
+                .option("routing_key", routing_key)
+                .option("packed", "true" if packed else "false")
+                .load())
+
+    return [frame([r]) for r in ranges] if packed else frame(ranges)
 
 
 def _row_events(rows: Iterator[Any]) -> Iterator[Positioned]:

@@ -314,7 +314,8 @@ def choose_source(delivery: DeliveryConfig, want: Owed | Selection | Letters, re
             _session(readers), readers.executor_url, params["stream_id"], list(want.ranges), delivery.routing_key,
             from_time=params["from_time"].isoformat() if params.get("from_time") else None,
             to_time=params["to_time"].isoformat() if params.get("to_time") else None,
-            keys=params.get("keys") or None)
+            keys=params.get("keys") or None, packed=True)
+        assert isinstance(loaded, list)  # packed: one single-partition DataFrame per id range
         return SparkSource(loaded, delivery.tuning.prefetch_partitions)
     if chosen is Route.TABLE:
         assert readers.conn is not None
