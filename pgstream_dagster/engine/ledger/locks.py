@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from enum import StrEnum
-from typing import TypeAlias
+from typing import Protocol
 
 import psycopg
 
@@ -196,10 +196,20 @@ class RecordingCheck:
             return True
 
 
-#: where a delivery run holds its delivery lease (``take_lease``; ``give_up_lease`` however the run ends, short of
-#: its process dying; ``lease_session``: for what only the lease's holder may ask, a by_key round's token) and does
-#: its ledger work (``connection``: autocommit, for one round or one look at the ledger)
-RunConnections: TypeAlias = "OwnConnection | SharedConnections"
+class RunConnections(Protocol):
+    """Where a delivery run holds its delivery lease and does its ledger work."""
+
+    def take_lease(self, stream_id: int, run_id: str, waiting: Callable[[str], None] | None = None) -> None:
+        """:func:`take_lease`, for the run's lease session."""
+
+    def give_up_lease(self, stream_id: int) -> None:
+        """The run ends (however it ends, short of its process dying): its lease is given up."""
+
+    def connection(self) -> AbstractContextManager[psycopg.Connection]:
+        """A connection (autocommit) for one piece of the run's ledger work: a round, a look at the ledger."""
+
+    def lease_session(self) -> AbstractContextManager[psycopg.Connection]:
+        """The session holding the run's lease (what only its holder may ask: a by_key round's token)."""
 
 
 class OwnConnection:
