@@ -86,20 +86,43 @@ def create_topic(broker: str, partitions: int = 1) -> str:
     return name
 
 
-def read_topic(broker: str, topic: str, partitions: int, expected: int, timeout: float = 30) -> list[Any]:
+def read_topic(broker: str, topic: str, partitions: int, expected: int, timeout: float = 60) -> list[Any]:
     """Every message of ``topic`` (explicit assignment, no consumer group), per partition in order
-    (consumer groups did not deliver within 20 s on Tansu)."""
-    consumer = Consumer({"bootstrap.servers": broker, "group.id": unique("reader"), "enable.auto.commit": False})
-    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    (consumer groups did not deliver within 20 s on Tansu). A consumer that fetches nothing for
+    5 s while messages are missing is replaced by one starting where it stopped; a shortfall prints what the
+    broker holds (its high watermarks) to the test's output."""
     messages: list[Any] = []
+    next_offsets = dict.fromkeys(range(partitions), 0)
     deadline = time.monotonic() + timeout
+
+    def consumer_from_next() -> Any:
+        consumer = Consumer({"bootstrap.servers": broker, "group.id": unique("reader"), "enable.auto.commit": False})
+        consumer.assign([TopicPartition(topic, p, o) for p, o in next_offsets.items()])
+        return consumer
+
+    def take(batch: list[Any]) -> None:
+        for message in batch:
+            assert message.error() is None, message.error()
+            messages.append(message)
+            next_offsets[message.partition()] = message.offset() + 1
+
+    consumer = consumer_from_next()
     try:
+        fetched_at = time.monotonic()
         while len(messages) < expected and time.monotonic() < deadline:
-            for message in consumer.consume(1000, 0.5):
-                assert message.error() is None, message.error()
-                messages.append(message)
+            batch = consumer.consume(1000, 0.5)
+            take(batch)
+            if batch:
+                fetched_at = time.monotonic()
+            elif time.monotonic() - fetched_at > 5:
+                consumer.close()
+                consumer, fetched_at = consumer_from_next(), time.monotonic()
         time.sleep(0.5)  # anything beyond what was expected (a duplicate) would arrive now
-        messages += [m for m in consumer.consume(1000, 0.5) if m.error() is None]
+        take([m for m in consumer.consume(1000, 0.5) if m.error() is None])
+        if len(messages) < expected:
+            marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5) for p in range(partitions)}
+            print(f"read_topic: {len(messages)} of {expected} messages of {topic} read in {timeout:g}s; the broker's "
+                  f"(low, high) watermarks per partition: {marks}; next offsets read: {next_offsets}")
     finally:
         consumer.close()
     return messages

@@ -173,6 +173,7 @@ class Driver:
         self.results: list[dg.ExecuteInProcessResult] = []
         self.observations: list[dg.AssetObservation] = []  # of the stream status assets
         self.group_runs: dict[str, list[Background]] = {}  # per reader group, in launch order
+        self.last_skip: str | None = None  # the last tick's skip message
         Driver.made.append(self)
 
     def group_of(self, stream_id: int) -> str:
@@ -200,6 +201,7 @@ class Driver:
                                       sensor_name=sensor.name, resources={"pgstream": resources["pgstream"]})
         result = sensor.evaluate_tick(ctx)
         self.cursors[group] = result.cursor
+        self.last_skip = result.skip_message
         self.observations += [e for e in result.asset_events or [] if isinstance(e, dg.AssetObservation)]
         own: list[dg.RunRequest] = []
         for request in result.run_requests or []:
@@ -238,7 +240,7 @@ class Driver:
         deadline = time.monotonic() + timeout
         while not done():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"stream {stream_id} did not finish in {timeout}s")
+                raise TimeoutError(f"stream {stream_id} did not finish in {timeout}s\n{self.described(stream_id)}")
             tick = self.tick(stream_id)
             for request in tick.run_requests or []:
                 self.execute(request)
@@ -261,6 +263,25 @@ class Driver:
 
     def close(self) -> None:
         self.stop_group_runs()
+
+    def described(self, stream_id: int) -> str:
+        """Why a test waited in vain on the stream: its ledger row, its batches not delivered, the last ticks'
+        outcome and every group run this driver launched (what each of its threads is doing)."""
+        url = (self.defs.resources or {})["pgstream"].database_url
+        lines = []
+        with psycopg.connect(url, autocommit=True) as conn:
+            stream = conn.execute("select paused, failover_since, open_run_key, slot_reader, reader_group "
+                                  "from pgstream.streams where id = %s", [stream_id]).fetchone()
+            lines.append(f"stream {stream_id}: paused, failover_since, open_run_key, slot_reader, group = {stream}")
+            for row in conn.execute("select id, status, run_key, attempts, error from pgstream.batches "
+                                    "where stream_id = %s and status <> 'delivered' order by id limit 20",
+                                    [stream_id]):
+                lines.append(f"  batch {row}")
+            for row in conn.execute("select name, key, holder from pgstream.locks where key = %s", [stream_id]):
+                lines.append(f"  lock {row}")
+        lines.append(f"last tick: {self.last_skip}")
+        lines += [run.described() for runs in self.group_runs.values() for run in runs if run.thread.is_alive()]
+        return "\n".join(lines)
 
 
 class Background:
@@ -310,7 +331,7 @@ def tick_until(driver: Driver, stream_id: int, done: Callable[[], bool], timeout
     requests: list[dg.RunRequest] = []
     deadline = time.monotonic() + timeout
     while not done():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out\n{driver.described(stream_id)}"
         requests += driver.tick(stream_id).run_requests or []
     return requests
 
