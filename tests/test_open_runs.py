@@ -6,6 +6,7 @@ group's sensor records for the members while its run's reader cannot read; close
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import threading
 import time
@@ -17,10 +18,10 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pgstream_dagster.config import load_config
+from pgstream_dagster.config import StreamConfig, load_config
 from pgstream_dagster.defs.names import member_tag
 from pgstream_dagster.engine import ingest, migrations, spark
-from pgstream_dagster.engine.batches import BatchStatus, CloseRun
+from pgstream_dagster.engine.batches import BatchStatus, CloseRun, Extend, Launch, RunStatus, RunView, decide
 from pgstream_dagster.engine.controls import apply_control
 from pgstream_dagster.engine.delivery import sources
 from pgstream_dagster.engine.ledger import locks
@@ -580,6 +581,42 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
 def _close(url: str, run_key: str) -> bool:
     with psycopg.connect(url, autocommit=True) as c:
         return ledger_state.apply_run(c, CloseRun(STREAM, run_key))
+
+
+def test_a_decision_the_group_reader_overtook_changes_nothing(db_url: str) -> None:
+    """The sensor decides from what it read (the stream's open warm run, a batch waiting); the group's reader then
+    hands the batch and one more to the open run before the decision is applied. The sensor's launch must then do
+    nothing: taking the first batch for a new run would leave the second with the warm run, which no host runs any
+    more once the new run is the stream's open one (stream stalled). The open run delivers both."""
+    stream = StreamConfig.model_validate({"id": STREAM, "sink": {"type": "file", "path": "/dev/null"}})
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select pgstream.ensure_stream(%s)", [STREAM])
+        insert_events(db_url, STREAM, 2)
+        assert ledger_state.open_warm_run(c, STREAM, "warm-w")
+        first, second = (_pending_batch(c, event_id) for event_id in (1, 2))
+        seen = ledger_state.stream_state(c, STREAM, 1000)
+        decided = decide(seen, RunView(RunStatus.LIVE, "warm-w"), dt.datetime.now(dt.UTC), stream)
+        assert isinstance(decided, Extend) and isinstance(decided.otherwise, Launch)  # (launch if it closed)
+
+        assert ledger_state.extend_run(c, STREAM, "warm-w", 1000) == [first, second]  # the reader, meanwhile
+        assert ledger_state.apply(c, stream, decided) is None
+        rows = c.execute("select id, status, run_key from pgstream.batches where stream_id = %s order by id",
+                         [STREAM]).fetchall()
+        assert rows == [(first, "launched", "warm-w"), (second, "launched", "warm-w")]
+        assert stream_row(db_url)["open_run_key"] == "warm-w"
+        # a run kept open never replaces another open run than the one it was decided to replace
+        third = _pending_batch(c, 2)
+        assert not ledger_state.launch(c, STREAM, [third], "run-b", keep_open=True)
+        assert not ledger_state.launch(c, STREAM, [third], "run-b", keep_open=True, replaces="run-gone")
+        assert ledger_state.launch(c, STREAM, [third], "run-b", keep_open=True, replaces="warm-w")
+        assert stream_row(db_url)["open_run_key"] == "run-b"
+
+
+def _pending_batch(c: psycopg.Connection, event_id: int) -> int:
+    (bid,) = c.execute("insert into pgstream.batches (stream_id, event_ids, event_count, first_event_id, "
+                       "last_event_id, min_created_at, max_created_at) values (%s, %s, 1, %s, %s, now(), now()) "
+                       "returning id", [STREAM, [event_id], event_id, event_id]).fetchone() or ()
+    return int(bid)
 
 
 def test_the_delivery_lease_goes_to_a_waiting_replay_and_back_without_deadlock(db_url: str) -> None:

@@ -277,8 +277,9 @@ class Driver:
                                     "where stream_id = %s and status <> 'delivered' order by id limit 20",
                                     [stream_id]):
                 lines.append(f"  batch {row}")
-            for row in conn.execute("select name, key, holder from pgstream.locks where key = %s", [stream_id]):
-                lines.append(f"  lock {row}")
+            for row in conn.execute("select name, pgstream.lock_holder(name, key) from pgstream.locks "
+                                    "where key = %s and pgstream.lock_holder(name, key) is not null", [stream_id]):
+                lines.append(f"  lock {row[0]} held by {row[1]!r}")
         lines.append(f"last tick: {self.last_skip}")
         lines += [run.described() for runs in self.group_runs.values() for run in runs if run.thread.is_alive()]
         return "\n".join(lines)

@@ -342,15 +342,28 @@ def skip_batch(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int:
 # --- runs: transitions composed ---------------------------------------------------------------------
 
 def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] | list[int], run_key: str, *,
-           keep_open: bool, replaces: str | None = None) -> None:
+           keep_open: bool, replaces: str | None = None) -> bool:
     """Assign ``batch_ids`` to the new run ``run_key``; ``keep_open``: it becomes the stream's open
-    run; ``replaces``: an open run that ended without closing, forgotten first."""
+    run; ``replaces``: an open run that ended without closing, forgotten first. Under the stream row's lock (as
+    :func:`extend_run` and a run's close): nothing is done (false) when the ledger moved since the decision, a
+    batch no longer waiting (the group's reader handed it to the open run meanwhile) or, for a run kept open,
+    another open run than ``replaces``; the next tick decides again."""
     with conn.transaction():
+        row = conn.execute("select open_run_key from pgstream.streams where id = %s for no key update",
+                           [stream_id]).fetchone()
+        if row is None or (keep_open and row[0] is not None and row[0] != replaces):
+            return False
+        (waiting,) = conn.execute(  # type: ignore[misc]  # (count(*) returns one row)
+            "select count(*) from pgstream.batches where stream_id = %s and id = any(%s) and status in (%s, %s)",
+            [stream_id, list(batch_ids), BatchStatus.PENDING, BatchStatus.FAILED]).fetchone()
+        if waiting != len(set(batch_ids)):
+            return False
         if replaces is not None:
             clear_open_run(conn, stream_id, replaces)
         assign(conn, batch_ids, run_key)
         if keep_open:
             open_run(conn, stream_id, run_key)
+    return True
 
 
 def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
@@ -451,8 +464,8 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
                 open_warm_run(conn, stream.id, key)
             return None
         case Launch(order=order, keep_open=keep_open, replaces=replaces):
-            launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces)
-            return order
+            launched = launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces)
+            return order if launched else None
         case Extend(run_key=key, otherwise=otherwise):
             # empty when the run closed meanwhile: then a new run, if the head needs one
             if extend_run(conn, stream.id, key, stream.delivery.max_events_per_run) or otherwise is None:
