@@ -47,7 +47,7 @@ def stream_config(mode: str = "open") -> StreamConfig:
 
 
 OPEN = stream_config()
-WARM_KEY = "pgstream-s7-inc0-warm-1772625600"  # NOW's epoch second
+WARM_KEY = "pgstream-s7-inc0-warm-1772625600000000"  # NOW's epoch microsecond
 PER_BATCH = stream_config("per_batch")
 
 
@@ -107,13 +107,11 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
     ("empty, no open run: a warm run", state(None, incarnation="inc0"), NO_RUN, OPEN,
      Warm(WARM_KEY)),
     ("empty, warm run live: wait", state(None, open_run_key=WARM_KEY), run(RunStatus.LIVE), OPEN, Wait()),
-    ("empty, warm run not made yet: request it again", state(None, open_run_key=WARM_KEY), NO_RUN, OPEN,
-     Warm(WARM_KEY, again=True)),
     ("empty, warm run failed: not replaced before the next batch",
      state(None, open_run_key=WARM_KEY), run(RunStatus.FAILED, "FAILURE", "boom"), OPEN, Wait()),
     ("empty, paused: nothing", state(None, paused=True), NO_RUN, OPEN, Wait()),
     ("empty, in failover: failover ends, then a warm run", state(None, failover_since=SINCE), NO_RUN, OPEN,
-     LeaveFailover(Warm("pgstream-s7--warm-1772625600"), CAUGHT_UP)),
+     LeaveFailover(Warm("pgstream-s7--warm-1772625600000000"), CAUGHT_UP)),
     ("empty, open run idle (mode open): wait", state(None, open_run_key=OPEN_KEY), run(RunStatus.LIVE), OPEN,
      Wait()),
     # an open run that ended without closing, nothing left: it stays the open run until the next batch's run
@@ -207,6 +205,14 @@ ROWS: list[tuple[str, StreamState, RunView, StreamConfig, Action]] = [
 @pytest.mark.parametrize(("state", "run", "stream", "expected"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_decide(state: StreamState, run: RunView, stream: StreamConfig, expected: Action) -> None:
     assert decide(state, run, NOW, stream) == expected
+
+
+def test_a_warm_run_made_again_within_the_second_has_its_own_key() -> None:
+    """A group delivery run hosts a run key once: the warm run made after one closed, in the same second, must
+    not carry the closed one's key (it would wait for a host for good)."""
+    closed = decide(state(None, incarnation="inc0"), NO_RUN, NOW, OPEN)
+    again = decide(state(None, incarnation="inc0"), NO_RUN, NOW + dt.timedelta(milliseconds=300), OPEN)
+    assert isinstance(closed, Warm) and isinstance(again, Warm) and closed.run_key != again.run_key
 
 
 def test_every_status_is_covered() -> None:

@@ -194,11 +194,9 @@ class Launch:
 @dataclass(frozen=True)
 class Warm:
     """Nothing is open and nothing runs (``delivery.mode: open``): make ``run_key``, a run with no batch, the
-    stream's open run and request it. ``again``: the ledger has it already (the tick that requested it died
-    before Dagster made it)."""
+    stream's open run (the group's delivery run hosts it)."""
 
     run_key: str
-    again: bool = False
 
 
 @dataclass(frozen=True)
@@ -276,7 +274,7 @@ def decide(state: StreamState, run: RunView, now: dt.datetime, stream: StreamCon
 def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *, in_failover: bool) -> Action:
     head = state.head
     if head is None:
-        return _keep_warm(state, run, now, stream, in_failover=in_failover)
+        return _keep_warm(state, now, stream, in_failover=in_failover)
     sid = state.stream_id
     if state.paused:
         return Wait(f"stream {sid} is paused: batch {head.id} waits (`pgstream-dagster resume {sid}`)",
@@ -323,12 +321,12 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
 
 
 def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
-    """The key of a warm run requested at ``now``: a tick evaluated again within the second asks for
-    the same run; a second warm run, should one start, finds another open run and ends at once."""
-    return f"pgstream-s{stream_id}-{incarnation}-warm-{int(now.timestamp())}"
+    """The key of a warm run requested at ``now``, to the microsecond: a group delivery run hosts a run key once, so
+    a key made again after its run closed (within the same second) would be left waiting for a host."""
+    return f"pgstream-s{stream_id}-{incarnation}-warm-{round(now.timestamp() * 1_000_000)}"
 
 
-def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig, *,
+def _keep_warm(state: StreamState, now: dt.datetime, stream: StreamConfig, *,
                in_failover: bool) -> Action:
     """Nothing is open: in ``delivery.mode: open`` the stream keeps an open run ready. A warm run that ended
     without closing is replaced by the next batch's run (:func:`_next`), not every second."""
@@ -336,8 +334,6 @@ def _keep_warm(state: StreamState, run: RunView, now: dt.datetime, stream: Strea
         return Wait()
     if state.open_run_key is None:
         return Warm(warm_run_key(state.stream_id, state.incarnation, now))
-    if run.status is RunStatus.NOT_FOUND:
-        return Warm(state.open_run_key, again=True)
     return Wait()
 
 

@@ -459,9 +459,8 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
             return apply(conn, stream, then)
         case Wait():
             return None
-        case Warm(run_key=key, again=again):
-            if not again:
-                open_warm_run(conn, stream.id, key)
+        case Warm(run_key=key):
+            open_warm_run(conn, stream.id, key)
             return None
         case Launch(order=order, keep_open=keep_open, replaces=replaces):
             launched = launch(conn, stream.id, order.batch_ids, order.run_key, keep_open=keep_open, replaces=replaces)
