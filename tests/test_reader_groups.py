@@ -903,8 +903,6 @@ def two_groups(pg: LocalPostgres, tmp_path_factory: pytest.TempPathFactory) -> I
     ("select pgstream.finish_join(%s, %s)", [9, GROUP], "finish_join: stream 9 is not a member of reader group shared"),
     ("select pgstream.begin_join(%s::text::bigint, %s)", ["1; select 1", GROUP],
      "invalid input syntax for type bigint"),
-    ("select pgstream.register_stream(%s, (select slot from pgstream.reader_groups where name = 'shared'))", [5],
-     "register_stream: stream 5: slot pgstream_g_shared_d"),
 ])
 def test_the_group_functions_refuse_crafted_arguments_in_one_line_and_change_nothing(
         two_groups: tuple[str, dict[str, str]], statement: str, params: list[Any], message: str) -> None:

@@ -274,9 +274,9 @@ $$;
 revoke all on function pgstream.ensure_stream(bigint) from public;
 
 -- The stream row for stream p_stream_id reading slot p_slot (null: its default slot): created when
--- missing (and so its publications), its slot_name set when it differs. Runs as the owner: the runtime role registers
--- the streams of its configuration at each tick (engine/ledger.py ensure_stream) and may write no
--- other column of pgstream.streams this way. A slot another stream reads is refused
+-- missing (and so its publications), its slot_name set when it differs. The owner's only (the runtime
+-- registers a stream through register_group_member): a stream reading a slot of its own, as a release
+-- before reader groups made it. A slot another stream reads is refused
 -- (unique_violation on streams_slot_key, which the caller names), and so is a reader group's slot
 -- (reader_groups_slot_key).
 create or replace function pgstream.register_stream(p_stream_id bigint, p_slot text)

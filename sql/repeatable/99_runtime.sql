@@ -219,7 +219,7 @@ grant select on pgstream.streams, pgstream.batches, pgstream.events, pgstream.ev
 grant update (recovery_pending, consumed_through, recorded_through, slot_lsn, slot_timeline)
     on pgstream.reader_groups to pgstream_runtime;
 -- the open run, the slot's declared reader, and how far the slot was read (engine/ledger); everything
--- else of a stream row goes through register_stream, set_paused, enter_failover, leave_failover, retry_now
+-- else of a stream row goes through register_group_member, set_paused, enter_failover, leave_failover, retry_now
 grant update (open_run_key, slot_reader, consumed_through, recovery_pending) on pgstream.streams to pgstream_runtime;
 -- recording batches and their transitions
 grant insert (stream_id, kind, event_ids, event_count, first_event_id, last_event_id, min_created_at,
@@ -243,13 +243,10 @@ grant insert (today, partitions_created, partitions_dropped, partitions_kept, pa
 
 -- pgstream_runtime: functions. SECURITY DEFINER (run as the owner, each validating its input):
 grant execute on function
-    pgstream.register_stream(bigint, text),
     pgstream.register_group_member(bigint, text),
     pgstream.ensure_group_publication(text),
     pgstream.begin_join(bigint, text),
     pgstream.finish_join(bigint, text),
-    pgstream.ensure_stream(bigint),
-    pgstream.ensure_publications(bigint),
     pgstream.enter_failover(bigint, bigint, text, timestamptz),
     pgstream.leave_failover(bigint),
     pgstream.retry_now(bigint),
@@ -286,8 +283,7 @@ grant execute on function
     pgstream.lock_holder(text, bigint),
     pgstream.backend_alive(integer, timestamptz, oid),
     pgstream.backfill_try_lock(bigint),
-    pgstream.backfill_unlock(bigint),
-    pgstream.slot_holder(text, bigint)
+    pgstream.backfill_unlock(bigint)
     to pgstream_runtime;
 
 -- ---------------------------------------------------------------------------------------------
