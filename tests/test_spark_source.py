@@ -81,6 +81,10 @@ def test_bad_options_are_named_and_the_url_is_never_shown(db_url: str, stream: p
             StreamReader(options)
     with pytest.raises(SourceError, match="option 'fromTime' must be an ISO time, got 'monday'"):
         EventsReader({**base, "fromTime": "monday"})
+    # a blank option is an absent one, whatever its kind: its default
+    assert StreamReader({**base, "failOnDataLoss": " ", "maxEventsPerTrigger": ""}).fail_on_data_loss is True
+    reader = spark_source.PgstreamDataSource({**base, "pushFilters": " "}).reader(None)
+    assert not isinstance(reader, spark_source.PushdownEventsReader)
     # a wrong password: the message names the failure, never the URL or its password
     secret = "s3cret-Pa55word"
     bad = db_url.replace("postgres@", f"nobody:{secret}@")

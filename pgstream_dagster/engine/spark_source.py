@@ -140,7 +140,7 @@ def _int_option(options: dict[str, str], name: str, default: int | None, minimum
 
 def _bool_option(options: dict[str, str], name: str, default: bool) -> bool:
     raw = options.get(name, options.get(name.lower()))
-    if raw is None:
+    if raw is None or not str(raw).strip():  # (blank: absent, as every other option)
         return default
     text = str(raw).strip().lower()
     if text not in ("true", "false"):
