@@ -17,7 +17,7 @@ import pytest
 from pgstream_dagster.config import ConfigError, load_config, load_metrics_settings
 from pgstream_dagster.engine import dbconn
 from pgstream_dagster.engine.metrics import PgstreamCollector
-from pgstream_dagster.sinks.base import connect_postgres
+from pgstream_dagster.sinks.base import connect_postgres, scrub_conninfo
 
 PASSWORD = "TopSecret"
 #: (URL, what libpq says is wrong with it)
@@ -92,3 +92,15 @@ def test_a_lake_sinks_database_url_libpq_refuses_fails_without_its_password(url:
         sink.publish_at([event], [(1, 1)])
     assert PASSWORD not in str(failed.value) and not failed.value.permanent
     assert wrong.split('"')[0] in str(failed.value)  # what libpq says is wrong
+
+
+@pytest.mark.parametrize(("text", "conninfo", "shown"), [
+    (f"x postgresql://app:{PASSWORD}@h/db", f"postgresql://app:{PASSWORD}@h/db", "x postgresql://app:***@h/db"),
+    (f"x postgresql://app:{PASSWORD}@h/db", None, "x postgresql://app:***@h/db"),
+    ('"postgres://app:Top:Secret@h:5432/db" y', None, '"postgres://app:***@h:5432/db" y'),
+    (f"missing \"=\" after \"postgresql//app:{PASSWORD}@h/db\"", None, 'missing "=" after "postgresql//app:***@h/db"'),
+])
+def test_a_masked_url_keeps_its_scheme_and_role(text: str, conninfo: str | None, shown: str) -> None:
+    """What is wrong stays readable: the scheme and the role name of a URL survive its password's masking,
+    whether the password was known (the configured URL) or found by its place (``user:password@``)."""
+    assert scrub_conninfo(text, conninfo) == shown

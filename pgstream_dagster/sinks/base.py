@@ -614,7 +614,7 @@ def url_secrets(url: str) -> list[str]:
 
 
 #: a ``user:password@`` in text (a connection URL, well-formed or not: ``postgresql//app:pw@host``)
-_USERINFO = re.compile(r"(?P<user>(?:^|[\s\"'(/])[^\s:/@\"'()]*):(?P<password>[^\s@\"']*)@")
+_USERINFO = re.compile(r"(?P<user>(?:^|[\s\"'(/])[^\s:/@\"'()]*):(?P<password>[^\s@\"'/]*)@")
 #: a ``password=...`` (``sslpassword``) of a key=value connection string or a URL's query
 _PASSWORD_PARAM = re.compile(r"(?P<key>\b(?:ssl)?password\s*=\s*)(?P<value>'(?:[^'\\]|\\.)*'|[^\s&'\"]+)",
                              re.IGNORECASE)
