@@ -323,12 +323,13 @@ def _name(pid: int) -> str:
     return f"{pid} ({' '.join(Path(words[0]).name if i == 0 else w for i, w in enumerate(words))[:60]})"
 
 
-def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 8.0) -> list[str]:
-    """Stop ``dg dev`` within ``budget`` seconds, in order: ``dg dev`` as Ctrl-C stops it (SIGINT: its daemon
-    ends its tick, its webserver stops), then, once the daemon has ended, its run workers interrupted as
-    Dagster interrupts a run (SIGINT: a delivery run closes, gives its batches back and ends, not fails),
-    which the code server waits for before it ends; whatever of its tree is left then gets SIGTERM, and
-    SIGKILL if that is not enough.
+def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 15.0) -> list[str]:
+    """Stop ``dg dev`` within ``budget`` seconds (it takes 6-8 s on a quiet host, its Python exiting after "Dagster
+    services shut down"; longer on a loaded one, where cutting it short with SIGTERM kills ``make dev``), in
+    order: ``dg dev`` as Ctrl-C stops it (SIGINT: its daemon ends its tick, its webserver stops), then, once
+    the daemon has ended, its run workers interrupted as Dagster interrupts a run (SIGINT: a delivery run
+    closes, gives its batches back and ends, not fails), which the code server waits for before it ends;
+    whatever of its tree is left then gets SIGTERM, and SIGKILL if that is not enough.
     The process group ``keep_group`` (the Spark Connect server ``make dev`` started before it became ``dg
     dev``: a child of it, in a session of its own) is left alone. Returns the processes that had to be
     killed (SIGKILL)."""

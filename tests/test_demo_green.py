@@ -227,8 +227,8 @@ def test_a_fresh_make_dev_stays_green_past_a_checks_tick_and_make_stop_ends_it_i
 
     # make stop: in order (dg dev as Ctrl-C stops it: its group run interrupted as Dagster interrupts a run, which
     # closes its members' runs, they give their batches back, and ends; then Spark Connect and Postgres), nothing
-    # left behind. It takes 6-8 s on
-    # a quiet host; the bound here is looser, as another test process shares the suite's two CPUs
+    # left behind. It takes 6-8 s on a quiet host; dg dev gets 15 s to end by itself (then SIGTERM, which the
+    # check of `make dev`'s own end below would catch), as another test process shares the suite's two CPUs
     owner_url = demo.exported()["PGSTREAM_OWNER_DATABASE_URL"]
     # (on a loaded host the queued run coordinator launches a minute's checks run late, beside the next one: a run
     # worker still starting when make stop comes is interrupted in its imports and killed; wait until none is)
@@ -247,7 +247,7 @@ def test_a_fresh_make_dev_stays_green_past_a_checks_tick_and_make_stop_ends_it_i
     assert lines[1:] == [f"stopped the Spark Connect server (pid {spark_pid})",
                          f"stopped Postgres (pid {pg_pid}, data in {demo.root / '.pgstream' / 'data'})"], lines
     assert demo.proc.wait(timeout=10) == 0, demo.output()[-3000:]  # ended by itself: no `make: ... Killed`
-    assert took <= 15, f"make stop took {took:.1f} s: {lines}"
+    assert took <= 25, f"make stop took {took:.1f} s: {lines}"  # (dg dev's budget, 15 s, then SIGTERM)
     output = _without_dagsters_shutdown_race(demo.output())
     assert "Killed" not in output and "Traceback" not in output, output[-3000:]
     assert "reader group default: group delivery run ended (interrupted (shutdown)" in output, output[-3000:]
