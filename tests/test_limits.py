@@ -194,3 +194,28 @@ def test_preflight_counts_the_connections_dagsters_storage_keeps_on_the_same_ser
         "Dagster's storage on this server 189): set max_connections = 208 in postgresql.conf and restart Postgres"]
     assert connections_line(small_pg, 59) == []  # 186 + 11 fit
     assert connections_line(pg, 60) == []  # on another server: not this one's
+
+
+def test_a_connection_refused_for_a_limit_is_named_in_one_line_and_is_no_outage(db_url: str) -> None:
+    """A role's CONNECTION LIMIT reached: the runtime's connection fails in one line naming the limit and the
+    setting to change, never the password; not taken for the server going away (a group run's member fails
+    over with backoff instead of being hosted again every second, the group run does not ride an outage out)."""
+    from pgstream_dagster.engine import dbconn
+    from pgstream_dagster.engine.delivery.group import _database_gone
+
+    role = f"limited_{time.monotonic_ns() % 10**9}"
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(f"create role {role} login password 'Pw-{role}' connection limit 0")
+    try:
+        url = db_url.replace("postgres@", f"{role}:Pw-{role}@", 1)
+        with pytest.raises(dbconn.ConnectionLimit) as refused:
+            dbconn.connect(url)
+        line = str(refused.value)
+        assert line.startswith(f"Postgres refused a connection of role {role} at "), line
+        assert f'too many connections for role "{role}": raise the role\'s limit (ALTER ROLE ... CONNECTION LIMIT n)' \
+            in line, line
+        assert "\n" not in line and f"Pw-{role}" not in line
+        assert dbconn.server_gone(refused.value) is None and not _database_gone(refused.value)
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute(f"drop role {role}")

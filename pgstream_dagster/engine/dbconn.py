@@ -51,10 +51,36 @@ def database_key(conn: psycopg.Connection) -> str:
     return url_database(conn.info.dsn)  # (a connection not of :func:`connect`: the host it reached)
 
 
+class ConnectionLimit(psycopg.OperationalError):
+    """Postgres refused a connection for a connection limit (:func:`connect`): one line naming the limit and the
+    setting to change. Not the server going away (:func:`server_gone`): what asked waits for no failover."""
+
+
+#: what Postgres says when it refuses a connection for a limit (libpq gives no SQLSTATE then), and what to change
+_CONNECTION_LIMITS = (
+    ("too many connections for role", "raise the role's limit (ALTER ROLE ... CONNECTION LIMIT n)"),
+    ("too many connections for database", "raise the database's limit (ALTER DATABASE ... CONNECTION LIMIT n)"),
+    ("too many clients already", "raise max_connections in postgresql.conf and restart Postgres "
+                                 "(`pgstream-dagster preflight` counts what pgstream needs)"),
+    ("remaining connection slots are reserved", "raise max_connections in postgresql.conf and restart Postgres "
+                                                "(`pgstream-dagster preflight` counts what pgstream needs)"),
+)
+
+
 def connect(database_url: str, *, options: str = "", **kwargs: Any) -> Connection:
     """``psycopg.connect`` with the pinned search path (``options``: more ``-c`` settings); a failure
-    raises psycopg's error with the URL's password masked (``sinks.base.connect_postgres``)."""
-    conn = connect_postgres(database_url, options, connection_class=Connection, **kwargs)
+    raises psycopg's error with the URL's password masked (``sinks.base.connect_postgres``), a refusal for a
+    connection limit :class:`ConnectionLimit`."""
+    try:
+        conn = connect_postgres(database_url, options, connection_class=Connection, **kwargs)
+    except psycopg.OperationalError as exc:
+        said = " ".join(str(exc).split())
+        for text, change in _CONNECTION_LIMITS:
+            if text in said:
+                detail = said[said.index("FATAL:") + 6:].strip() if "FATAL:" in said else said
+                raise ConnectionLimit(f"Postgres refused a connection of {describe_url(database_url)}: {detail}: "
+                                      f"{change}") from None
+        raise
     conn.database = url_database(database_url)
     return conn
 
@@ -89,6 +115,8 @@ def first_line(exc: BaseException) -> str:
 def server_gone(exc: BaseException) -> str | None:
     """What a tick or a run says, in one line, when its server went away mid-way (crash, restart, failover,
     shutdown) or is read-only (a standby reached without ``target_session_attrs=read-write``); else None."""
+    if isinstance(exc, ConnectionLimit):
+        return None
     if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
         return f"the server is read-only (a standby?), waiting for the primary: {error_line(exc)}"
     if isinstance(exc, psycopg.OperationalError) and (exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P"))):
