@@ -56,14 +56,14 @@ class ConnectionLimit(psycopg.OperationalError):
     setting to change. Not the server going away (:func:`server_gone`): what asked waits for no failover."""
 
 
+_MAX_CONNECTIONS = ("raise max_connections in postgresql.conf and restart Postgres (`pgstream-dagster preflight` "
+                    "counts what pgstream needs)")
 #: what Postgres says when it refuses a connection for a limit (libpq gives no SQLSTATE then), and what to change
 _CONNECTION_LIMITS = (
     ("too many connections for role", "raise the role's limit (ALTER ROLE ... CONNECTION LIMIT n)"),
     ("too many connections for database", "raise the database's limit (ALTER DATABASE ... CONNECTION LIMIT n)"),
-    ("too many clients already", "raise max_connections in postgresql.conf and restart Postgres "
-                                 "(`pgstream-dagster preflight` counts what pgstream needs)"),
-    ("remaining connection slots are reserved", "raise max_connections in postgresql.conf and restart Postgres "
-                                                "(`pgstream-dagster preflight` counts what pgstream needs)"),
+    ("too many clients already", _MAX_CONNECTIONS),
+    ("remaining connection slots are reserved", _MAX_CONNECTIONS),
 )
 
 
@@ -74,7 +74,7 @@ def connect(database_url: str, *, options: str = "", **kwargs: Any) -> Connectio
     try:
         conn = connect_postgres(database_url, options, connection_class=Connection, **kwargs)
     except psycopg.OperationalError as exc:
-        said = " ".join(str(exc).split())
+        said = scrubbed_error(exc, database_url)
         for text, change in _CONNECTION_LIMITS:
             if text in said:
                 detail = said[said.index("FATAL:") + 6:].strip() if "FATAL:" in said else said
