@@ -1,14 +1,15 @@
 """Recording benchmark (P1's first stage, run by hand: `make bench-record`): how fast the sensor
-moves committed events from the slot into the ledger (``engine.ingest.consume``: peek + pgoutput decoding
-+ ledger insert + slot advance), for the code of this tree and of git ``--baselines``, side by side
+moves committed events from the slot into the ledger (a peek of ``engine.ingest.consume_group``: peek +
+pgoutput decoding + ledger insert + slot advance), for the code of this tree and of git ``--baselines``, side by side
 in one run.
 
 Each version is a package tree of its own (``git archive`` of the ref into a temporary directory)
-and reads a stream of its own, with its own slot, in one private Postgres (wal_level=logical,
+and reads a stream of its own, with its own slot (this tree: a reader group of its own; a version with
+``ingest.consume``, the stream's own slot as it read it), in one private Postgres (wal_level=logical,
 fsync off). A table with one INSERT subscription per stream (real triggers) gets ``--events`` rows
 per round in transactions of ``--rows`` rows, so every stream has the same events waiting in the
 same WAL. Then each version, in a child process of its own (``PYTHONPATH`` = its tree), runs
-``consume`` until it recorded all of them; only that is timed. The order of the versions rotates
+its reader until it recorded all of them; only that is timed. The order of the versions rotates
 per round. A baseline without sql/011 gets the publication of every column, as it had.
 Appends medians, ratios and the raw rounds to bench/RESULTS.md.
 Usage: python bench/record.py [--events 200000] [--rows 100] [--rounds 3] [--max-size 1000]
@@ -65,19 +66,32 @@ def _tree(ref: str, into: Path) -> Path:
     return into
 
 
-def _stream(stream_id: int, max_size: int) -> StreamConfig:
+def _group(stream_id: int) -> str:
+    """The reader group of this tree's stream (a group of one: its own slot)."""
+    return f"record{stream_id}"
+
+
+def _stream(stream_id: int, max_size: int, *, grouped: bool) -> StreamConfig:
     return StreamConfig.model_validate({"id": stream_id, "sink": {"type": "file", "path": "/dev/null"},
-                                        "batch": {"max_size": max_size, "max_fill_secs": 0}})
+                                        "batch": {"max_size": max_size, "max_fill_secs": 0},
+                                        **({"reader": _group(stream_id)} if grouped else {})})
+
+
+def _read(conn: psycopg.Connection, stream: StreamConfig) -> int:
+    """One read of the stream's slot by the version's reader; the events it recorded."""
+    if hasattr(ingest, "consume"):  # a version whose streams read slots of their own
+        return int(ingest.consume(conn, stream, 0).events)
+    return sum(ingest.consume_group(conn, _group(stream.id), [stream], 0).events.values())
 
 
 def _worker(url: str, stream_id: int, events: int, max_size: int) -> None:
     """Child process: record ``events`` events of the stream; prints the time it took (JSON)."""
-    stream = _stream(stream_id, max_size)
+    stream = _stream(stream_id, max_size, grouped=not hasattr(ingest, "consume"))
     with psycopg.connect(url, autocommit=True) as conn:
         started = time.perf_counter()
         recorded = 0
         while recorded < events:
-            recorded += ingest.consume(conn, stream, 0).events
+            recorded += _read(conn, stream)
             if time.perf_counter() - started > 600:
                 raise RuntimeError(f"only {recorded} of {events} events recorded in 600s")
         secs = time.perf_counter() - started
@@ -85,7 +99,7 @@ def _worker(url: str, stream_id: int, events: int, max_size: int) -> None:
 
 
 def _setup(url: str, config: Path, versions: dict[int, tuple[str, Path]]) -> None:
-    """One INSERT subscription on ``bench_orders`` per stream, a slot per stream."""
+    """One INSERT subscription on ``bench_orders`` per stream, a slot per stream (this tree's: its group's)."""
     sys.path.insert(0, str(ROOT))  # tests.support; only here: a --worker must import its own tree's package
     from tests.support.legacy_streams import ensure_stream
 
@@ -99,6 +113,9 @@ def _setup(url: str, config: Path, versions: dict[int, tuple[str, Path]]) -> Non
         conn.execute(TABLE_SQL)
         apply_subscriptions(conn, load_config(config))
         for stream_id, (_, tree) in versions.items():
+            if tree == ROOT:  # its reader group, slot and publication
+                ingest.consume_group(conn, _group(stream_id), [_stream(stream_id, 1000, grouped=True)], 0)
+                continue
             slot = ensure_stream(conn, stream_id)
             if tree != ROOT and not (tree / "sql" / "022_lock_timeouts_and_slot_names.sql").exists():
                 slot = f"pgstream_stream_{stream_id}"  # a baseline before 022 reads the default name of its time
@@ -172,11 +189,12 @@ def main() -> None:
     lines = [f"\n## Recording (P1) {stamp}, {args.events:,} events per stream per round, {args.rounds} rounds, "
              f"batch.max_size {args.max_size:,}",
              f"Machine: {header}. Method: bench/record.py; each version a package tree of its own (git archive) "
-             f"reading a stream of its own (own slot, own publication: every column for a version before sql/011) "
+             f"reading a stream of its own (own slot, own publication: every column for a version before sql/011; "
+             "this tree's a reader group of one) "
              f"in one private Postgres (fsync off); a table with one INSERT subscription per stream (real triggers, "
              f"~250-byte payloads), {args.rows} rows per transaction, so every stream has the same events in the "
-             "same WAL; time for ingest.consume, in a child process per version, to peek, decode, record and "
-             "advance all of them; order rotated per round; medians.",
+             "same WAL; time for the version's reader (peeks), in a child process per version, to peek, decode, "
+             "record and advance all of them; order rotated per round; medians.",
              f"- {versions[1][0]}: {now:.2f}s = {args.events / now:,.0f} events/s "
              f"(rounds {', '.join(f'{t:.2f}' for t in timings[1])})"]
     for i in ids[1:]:

@@ -19,7 +19,7 @@ from pgstream_dagster.config import DEFAULT_READER, load_config
 from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import replication
 from pgstream_dagster.engine.bootstrap import init
-from pgstream_dagster.engine.ingest import consume, consume_group
+from pgstream_dagster.engine.ingest import consume_group
 from pgstream_dagster.engine.ledger import streams
 from pgstream_dagster.engine.migrations import MigrationError, TearDownRefused, migrate, tear_down
 
@@ -65,16 +65,20 @@ def test_a_stream_cannot_be_pointed_at_another_streams_slot_and_changes_nothing(
     assert len(err) == 1 and "streams[1]: Value error, streams[].slot_name is no longer read" in err[0], err
     assert _streams_and_slots(db_url) == before
 
-    # stream 2 reads its reader group's slot (the default group's): a read for it (the group's sensor reads a
-    # member's own slot until it has joined) never reads stream 1's, and changes nothing
+    # stream 2 is a member of its reader group (the default group): the group's reads for it never read stream
+    # 1's slot, and its registration changes nothing of stream 1
     stream2 = load_config(v1).stream(2)
     with psycopg.connect(db_url, autocommit=True) as conn:
-        read = consume(conn, stream2, 0.1)
-        assert read.slot != slot1 and read.events == 0
+        read = consume_group(conn, stream2.reader, [stream2], 0.1)
+        assert read.slot != slot1 and read.left_out == {}
         # and the database refuses it whoever writes
         with pytest.raises(psycopg.errors.UniqueViolation, match="streams_slot_key"):
             conn.execute("update pgstream.streams set slot_name = %s where id = 2", [slot1])
-    assert _streams_and_slots(db_url) == before
+    after = _streams_and_slots(db_url)
+    # the same rows, slots and publications; each stream's events recorded in its own ledger only
+    assert [after[k] for k in ("streams", "publications")] == [before[k] for k in ("streams", "publications")]
+    assert [s[0] for s in after["slots"]] == [s[0] for s in before["slots"]]
+    assert after["batches"] == [(1, event_ids(db_url, 1)), (2, event_ids(db_url, 2))]
 
 
 def _dbname(url: str) -> str:
@@ -141,10 +145,8 @@ def test_an_install_of_release_0_1_joins_the_default_group_and_loses_or_repeats_
         assert streams.stream_slot(c, 1) == "pgstream_stream_1"  # what 0.1 read
         insert_events(empty_db_url, 1, 2, start=10)  # written after the upgrade, before the join
         deadline = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=60)
-        while True:  # the group's sensor's ticks: a member still joining has its own slot read first
+        while True:  # the group's sensor's ticks
             assert dt.datetime.now(dt.UTC) < deadline, "stream 1 did not join"
-            for member in members:
-                consume(c, member, 0.2)
             consume_group(c, DEFAULT_READER, members, 0.2)
             joined = c.execute("select count(*) from pgstream.streams where slot_reader = %s",
                                [f"group:{DEFAULT_READER}"]).fetchone()

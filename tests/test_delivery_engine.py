@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from pgstream_dagster.config import StreamConfig, load_config
-from pgstream_dagster.engine import ingest, replication, spark
+from pgstream_dagster.engine import ingest, spark
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary
 from pgstream_dagster.engine.delivery.sources import Owed, Readers, Route, Selection, route
@@ -25,7 +25,6 @@ from pgstream_dagster.engine.publish import Span
 from pgstream_dagster.engine.status import stream_status
 
 from .support.harness import insert_events, read_jsonl, write_config
-from .support.legacy_streams import ensure_stream
 
 STREAM = 1
 RUN_KEY = "engine-run"
@@ -66,12 +65,13 @@ def _insert(c: psycopg.Connection, n: int, start: int = 0) -> list[int]:
 
 
 def _recorded(url: str, stream: StreamConfig, n: int) -> list[state.Batch]:
-    """The stream with its slot, ``n`` events recorded in batches by the sensor's read (nothing delivered)."""
+    """The stream in its reader group, ``n`` events recorded in batches by the group sensor's read (nothing
+    delivered)."""
     with psycopg.connect(url, autocommit=True) as c:
-        replication.create_slot(c, ensure_stream(c, STREAM))
+        ingest.consume_group(c, stream.reader, [stream], 0)
         _insert(c, n)
         while sum(b.event_count for b in state.batches_between(c, STREAM, 0, 10**9)) < n:
-            ingest.consume(c, stream, 0.5)
+            ingest.consume_group(c, stream.reader, [stream], 0.5)
         return state.batches_between(c, STREAM, 0, 10**9)
 
 

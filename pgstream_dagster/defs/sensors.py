@@ -40,7 +40,7 @@ from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, 
 from ..engine.collector import fewer_collections
 from ..engine.dbconn import database_key, describe_url, error_line, server_gone
 from ..engine.delivery.group import member_run_id
-from ..engine.ingest import GroupResult, consume, consume_group, group_log, unconfigured
+from ..engine.ingest import GroupResult, consume_group, group_log, unconfigured
 from ..engine.ledger import groups, locks
 from ..engine.ledger import state as ledger_state
 from ..engine.limits import LimitsExceeded
@@ -94,8 +94,6 @@ DECIDE_EVERY_SECS = 1.0
 #: a decision (one indexed query; a member without a run gets its first batch's run within this, not at the next
 #: tick)
 LAUNCH_LOOK_SECS = 0.5
-#: a reader group's member still handing its own slot over: how long the group's tick reads that slot for it
-JOINING_READ_SECS = 0.5
 
 
 def _request(order: RunOrder, database: str) -> dg.RunRequest:
@@ -507,8 +505,7 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
                     waits: dict[int, str | None]) -> list[dg.AssetObservation]:
     """The decisions of every member, once each (:func:`step`; the runs of members in mode per_batch are added
     to ``requests``), and the observations of their status assets (at most ``observations``; ``waits``: what
-    the run of each member in mode per_batch is doing, for the skip reason). A member still handing its own
-    slot over has it read first (``consume``)."""
+    the run of each member in mode per_batch is doing, for the skip reason)."""
     state = groups.group_state(conn, group)
     joined = {m.id for m in state.members if m.joined} if state is not None else set()
     # a member the database does not have in the group was left out (its registration refused, told by the tick)
@@ -523,10 +520,7 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     for stream in streams:
         if stream_tag(stream.id, database) in asked:
             continue
-        if stream.id not in joined:
-            consume(conn, stream, JOINING_READ_SECS)
         mine = members.setdefault(str(stream.id), {})
-        # (a joining member's own slot was just read: its state read again)
         request, waiting = step(conn, instance, stream, log, said=mine.setdefault("said", {}), look=look,
                                 state=states[stream.id] if stream.id in joined else None)
         if not stream.delivery.keeps_open:  # (a run of its own: the group run's are told)

@@ -21,7 +21,7 @@ from .. import limits, replication, walstream
 from ..ledger import groups, recording
 from ..replication import Transaction
 from ..runlog import Log
-from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, _past, record_pass
+from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, record_pass
 from .source import PeekSource, StreamSource
 
 #: how long creating the group's slot waits for running transactions (then ``replication.SlotCreationWaits``)
@@ -107,6 +107,11 @@ def _part(parts: dict[int, Transaction], t: Transaction, stream_id: int) -> Tran
     if found is None:
         found = parts[stream_id] = Transaction(t.xid, t.commit_lsn, t.end_lsn, t.commit_time)
     return found
+
+
+def _past(until: float) -> Callable[[], bool]:
+    """Whether ``time.monotonic()`` is past ``until``."""
+    return lambda: time.monotonic() > until
 
 
 def unconfigured(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str]) -> dict[int, str]:

@@ -1,9 +1,9 @@
 """One recording loop for a slot, whoever reads it: read (a :class:`~.source.SlotSource`) -> batch
 (:class:`Batching`) -> record (:func:`record_pass`, one ledger transaction) -> confirm. A reader group's reader
 records for every member as ``group:<name>``, handing each member's batches to its open run in the same
-transaction; :func:`consume` reads a joining member's own slot as ``sensor`` until the group takes it over.
-Each checks under the stream row's lock that it is the declared reader (``streams.slot_reader``); what the
-ledger holds already is dropped (:func:`unrecorded`).
+transaction (a joining member's own slot is drained the same way, ``ingest.group``). Each checks under the
+stream row's lock that it is the declared reader (``streams.slot_reader``); what the ledger holds already is
+dropped (:func:`unrecorded`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 import psycopg
 
 from ...config import StreamConfig
-from .. import replication, walstream
-from ..ledger import groups, recording, state, streams
+from ..ledger import recording, state
 from ..replication import Transaction
-from .source import PeekSource, SlotSource
+from .source import SlotSource
 
 #: with the source drained, what waits is recorded at once, but at most this often
 RECORD_EVERY_SECS = 0.05
@@ -78,8 +77,8 @@ class Pending:
 
 @dataclass
 class StreamLedger:
-    """Where a stream's transactions are recorded, as declared reader ``reader`` (``group:<name>``, or
-    ``ledger.state.SENSOR`` for a joining member's own slot); ``run_key``: the open run to hand them to."""
+    """Where a stream's transactions are recorded, as declared reader ``reader`` (``group:<name>``);
+    ``run_key``: the open run to hand them to."""
 
     stream: StreamConfig
     reader: str
@@ -92,16 +91,6 @@ class StreamLedger:
         self.batches += ids
         self.events += sum(len(t.events) for t in fresh)
         self.unreadable += sum(len(t.unreadable) for t in fresh)
-
-
-@dataclass
-class ConsumeResult:
-    """What a read of a joining member's own slot reports (:func:`consume`)."""
-
-    events: int = 0
-    #: nothing read: the group reads for it, it has no usable slot of its own, or another connection held it
-    slot_busy: bool = False
-    slot: str | None = None  # the slot read (pgstream.streams.slot), or the group's
 
 
 def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> list[Transaction]:
@@ -186,73 +175,3 @@ class Recorder:
         self.source.confirm(txns[-1].end_lsn)
         self.recorded_at = time.monotonic()
         return True
-
-
-def _past(until: float) -> Callable[[], bool]:
-    """Whether ``time.monotonic()`` is past ``until``."""
-    return lambda: time.monotonic() > until
-
-
-# --- a joining member's own slot: a peek, within the group's tick --------------------------------------
-
-def consume(conn: psycopg.Connection, stream: StreamConfig, budget_secs: float) -> ConsumeResult:
-    """Read a joining member's own slot (registering it first) as ``sensor`` until nothing waits or ``budget_secs``
-    is spent; nothing (``slot_busy``) once the group reads for it or without a usable own slot."""
-    result = ConsumeResult()
-    result.slot = groups.register_group_member(conn, stream.id, stream.reader)
-    if state.slot_reader(conn, stream.id) != state.SENSOR:
-        result.slot_busy = True  # the group's reader reads for it
-        return result
-    slot = result.slot = streams.stream_slot(conn, stream.id)
-    info = replication.slot_info(conn, slot)
-    if info is None or info["wal_status"] == "lost":
-        result.slot_busy = True
-        return result
-    started = time.monotonic()
-    deadline = started + budget_secs
-    source = PeekSource(conn, slot, stream.publication, max(stream.batch.max_size * 4, 100_000))
-    target = StreamLedger(stream, state.SENSOR)
-    recorder = Recorder(conn, source, {stream.id: target}, Batching.of([stream]))
-    try:
-        while True:
-            recorder.read(0)
-            if not recorder.pending.txns:
-                seen = source.skip_idle(conn)
-                if seen is not None:
-                    recording.mark_consumed(conn, stream.id, seen)
-                break
-            if recorder.due():
-                try:
-                    # waits until they are visible, up to the tick's budget (one second at least)
-                    if not recorder.record(give_up=_past(max(deadline, started + 1.0))):
-                        result.slot_busy = True  # handed over to the group since the read: the join drains them
-                        break
-                except recording.NotVisibleYet:
-                    break  # nothing recorded, the slot not advanced: the next tick reads them again
-                if source.drained:
-                    # (not skip_idle: advancing past other tables' WAL decodes it again, once per batch)
-                    seen = source.seen_through
-                    if seen is not None:
-                        recording.mark_consumed(conn, stream.id, seen)
-                elif time.monotonic() < deadline:
-                    continue  # more waits behind the peek's cap
-                break
-            remaining = deadline - time.monotonic()
-            oldest = recorder.pending.oldest_commit
-            if remaining <= 0:
-                if oldest is not None:
-                    recording.mark_consumed(conn, stream.id, oldest)
-                break
-            wait = 0.2
-            if oldest is not None:
-                age = (dt.datetime.now(dt.UTC) - oldest).total_seconds()
-                wait = max(0.05, min(wait, stream.batch.max_fill_secs - age))
-            time.sleep(min(wait, remaining))
-    except walstream.SlotBusy:
-        # another connection holds the slot: the next tick reads again (what was recorded is dropped: unrecorded)
-        result.slot_busy = True
-    except walstream.SlotGone:
-        # invalidated or dropped since the check: the join records what it had from the table
-        recording.set_recovery_pending(conn, stream.id)
-    result.events = target.events
-    return result

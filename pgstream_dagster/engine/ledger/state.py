@@ -272,7 +272,7 @@ def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> No
 
 # --- the slot's declared reader (streams.slot_reader, sql/025_slot_reader.sql) ----------------------
 # 'group:<name>' once the stream joined its reader group (for good: a trigger turns the 'sensor' the open
-# run's writers above set into it), 'sensor' while a stream still reads a slot of its own (ingest.consume).
+# run's writers above set into it), 'sensor' while a stream's own slot is not handed over yet (ingest.group).
 
 #: the declared reader of a stream's own slot before it joins its group
 SENSOR = "sensor"
