@@ -1,11 +1,10 @@
 """Recording what was read from a slot: batches (:func:`record`: whole transactions in commit order, in one
 database transaction before the slot is advanced, once visible), unreadable events as dead letters (stage
-'read'), recovery from the table when a slot was lost, and ``streams.consumed_through``.
+'read'), recovery from the table when a slot was lost (a group's members' ``consumed_through``: ``ledger.groups``).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -184,9 +183,3 @@ def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) 
 
 def set_recovery_pending(conn: psycopg.Connection, stream_id: int) -> None:
     conn.execute("update pgstream.streams set recovery_pending = true where id = %s", [stream_id])
-
-
-def mark_consumed(conn: psycopg.Connection, stream_id: int, through: dt.datetime) -> None:
-    """Everything committed before ``through`` has been read from the slot (see retention)."""
-    conn.execute("update pgstream.streams set consumed_through = greatest(consumed_through, %s) where id = %s",
-                 [through, stream_id])
