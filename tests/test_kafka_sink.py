@@ -539,10 +539,12 @@ def test_a_sink_keeps_its_producer_for_its_whole_life_and_drops_a_failed_one(bro
     failing.close()
 
 
-def test_reuse_producer_of_0_1_configs_is_accepted_and_ignored() -> None:
-    """A pgstream.yaml written for 0.1 still loads: the producer pool is gone, the key is ignored."""
-    config = parse_sink_config({"type": "kafka", "bootstrap_servers": "127.0.0.1:9", "topic": "t",
-                                "reuse_producer": False})
-    assert isinstance(config, KafkaSinkConfig)
+def test_reuse_producer_of_0_1_configs_is_refused_in_one_line() -> None:
+    """The key of 0.1's producer pool is refused, saying to remove it; a misspelt key is refused too."""
+    with pytest.raises(ValidationError, match="reuse_producer is no longer read: a delivery run keeps one sink") \
+            as refused:
+        parse_sink_config({"type": "kafka", "bootstrap_servers": "127.0.0.1:9", "topic": "t",
+                           "reuse_producer": False})
+    assert refused.value.error_count() == 1
     with pytest.raises(ValidationError, match="reuse_producr"):
         parse_sink_config({"type": "kafka", "bootstrap_servers": "127.0.0.1:9", "topic": "t", "reuse_producr": 1})

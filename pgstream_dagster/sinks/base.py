@@ -28,7 +28,6 @@ __all__ = [
     "EventContentError",
     "EventPath",
     "MissingExtraError",
-    "PayloadPath",
     "RoutingError",
     "Sink",
     "SinkConfigBase",
@@ -324,10 +323,6 @@ EventPath = Annotated[str, Field(
 """A dotted path into an event's payload (``data.tenant``, ``payload:data.tenant``) or, prefixed
 ``metadata:``, its metadata; a bare path always reads the payload (``metadata.region`` too, as before
 metadata routing). docs/sinks.md, "Routing by payload or metadata"."""
-
-PayloadPath = EventPath
-"""Deprecated: the 0.1 name of :data:`EventPath`, kept so that custom sinks written for 0.1 still
-import; the built-in sinks use ``EventPath``."""
 
 
 @functools.lru_cache(maxsize=1024)

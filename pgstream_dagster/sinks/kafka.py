@@ -74,11 +74,15 @@ class KafkaSinkConfig(SinkConfigBase):
     timeout_secs: float = Field(default=30, gt=0)
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     secret_options: dict[str, SecretStr] = Field(default_factory=dict)
-    #: accepted and ignored, so that configs written for 0.1 still load: a run keeps one sink (and its
-    #: producer) for all its rounds, which is what the producer pool of 0.1 approximated
-    reuse_producer: bool = Field(default=True, deprecated="ignored since a delivery run keeps one sink for its "
-                                                          "whole life; remove it")
     routed_names: ClassVar[tuple[str, ...]] = ("topic",)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gone(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "reuse_producer" in data:  # (0.1's producer pool)
+            raise ValueError("reuse_producer is no longer read: a delivery run keeps one sink, and its producer, "
+                             "for its whole life; remove it")
+        return data
 
     @model_validator(mode="after")
     def _valid(self) -> Self:
