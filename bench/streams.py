@@ -474,6 +474,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         result["dagster_writes"] = _dagster_writes(dagster_url.replace("+psycopg2", ""), start)
         dev_pids = list(descendants(dev.proc.pid))
         result["processes"] = len(dev_pids)
+        result["processes_by_role"] = dict(collections.Counter(_role(pid) for pid in dev_pids).most_common())
         result["rss_bytes"] = _rss(dev_pids)
         # (a backend started in the window and still there counts whole; one that ended, in the postmaster's)
         pg_pids = sorted(set(pg_pids) | set(_postgres_pids(pg)))
@@ -625,7 +626,8 @@ def main() -> None:
             f"{len(r['never_delivered'])} never delivered; window from {r.get('settled_secs', 0):.1f}s (start-up "
             f"runs ended); p50 {r['p50'] * 1000:.0f} ms, p99 {r['p99'] * 1000:.0f} ms "
             f"over {r['events']} events ({r['missing']} missing; p99 of each 5 s of commits: "
-            f"{' '.join(f'{x:.2f}' for x in r.get('p99_by_5s', []))} s); {r['processes']} processes, "
+            f"{' '.join(f'{x:.2f}' for x in r.get('p99_by_5s', []))} s); {r['processes']} processes ("
+            f"{', '.join(f'{k} {v}' for k, v in r.get('processes_by_role', {}).items())}), "
             f"RSS {r['rss_bytes'] / GiB:.2f} GiB; CPU {r['cpu_per_event_ms']:.1f} ms per event{ratio}; "
             f"{r['slots']} slots, {r['wal_senders']} WAL senders, {r.get('connections', '?')} connections at the end "
             f"(at most {r.get('connections_peak', '?')} at once); "
