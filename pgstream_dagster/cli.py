@@ -603,6 +603,22 @@ class _Parser(argparse.ArgumentParser):
 
         super().error(scrub_conninfo(message))
 
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        """A command's option it does not take is named (argparse read the value after it as the command's next
+        argument and refused that instead: ``status --config x.yaml`` said ``id must be an integer, got 'x.yaml'``)."""
+        if self._subparsers is None:  # a command (a group's options are its commands')
+            taken = [o for o in self._option_string_actions if o.startswith("--")]
+            for token in args if args is not None else sys.argv[1:]:
+                if token == "--":
+                    break
+                name = token.split("=", 1)[0]
+                if name.startswith("--") and not any(o.startswith(name) for o in taken):
+                    options = [o for o in taken if o != "--help"]
+                    self.error(f"unknown option {name}: this command takes "
+                               + (f"{', '.join(options)} (--help describes them)" if options else "no options"))
+        return super().parse_known_args(args, namespace)
+
 
 def _command(sub: argparse._SubParsersAction[_Parser], name: str, func: Callable[[argparse.Namespace], int] | None,
              text: str, *parents: _Parser) -> _Parser:

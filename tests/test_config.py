@@ -245,6 +245,30 @@ def test_a_command_group_without_its_command_names_the_ones_it_takes(argv: list[
                                                          f"arguments are required: {choices}")
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (["status", "--config", "pgstream.yaml"],
+     "pgstream-dagster status: error: unknown option --config: this command takes --database-url, --batches "
+     "(--help describes them)"),
+    (["dead-letters", "show", "1", "7", "--confg=x.yaml"],
+     "pgstream-dagster dead-letters show: error: unknown option --confg: this command takes --database-url "
+     "(--help describes them)"),
+    (["executor-requirements", "--database-url", "postgresql://app:S3cretPw@db/app"],
+     "pgstream-dagster executor-requirements: error: unknown option --database-url: this command takes --sink, "
+     "--config, --defs-folder (--help describes them)")])
+def test_an_option_the_command_does_not_take_is_named(argv: list[str], line: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Not the value after it, which argparse read as the command's next argument (``status --config x.yaml``
+    was told ``id must be an integer, got 'x.yaml'``); an option's prefix still works (``--data`` for
+    ``--database-url``), and so does a value after ``--``."""
+    from pgstream_dagster.cli import build_parser, main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == line
+    assert build_parser().parse_args(["status", "--data", "postgresql://db/app", "3"]).stream == 3
+    assert build_parser().parse_args(["backfill", "run", "1", "k", "--", "--a-key"]).keys == ["k", "--a-key"]
+
+
 @pytest.mark.parametrize("url", ["postgresql://app:S3cretPw@db.internal/app", "host=db password=S3cretPw"])
 def test_a_refused_argument_is_echoed_without_its_password(url: str, capsys: pytest.CaptureFixture[str]) -> None:
     """argparse echoes what it refuses: a URL given where a command was expected keeps its password masked."""
