@@ -290,9 +290,9 @@ def _consumer_call(args: argparse.Namespace, command: str, query: str, *params: 
         try:
             row = conn.execute(query, [args.name, *params]).fetchone()
         except psycopg.errors.InvalidParameterValue as exc:
-            raise _Refused(f"consumers {command}: {exc.diag.message_primary}", 2) from None
+            raise _Refused(f"error: consumers {command}: {exc.diag.message_primary}", 2) from None
     if found and not (row and row[0]):
-        raise _Refused(f"no registered consumer {args.name!r}")
+        raise _Refused(f"error: no registered consumer {args.name!r}")
     return row[0] if row else None
 
 

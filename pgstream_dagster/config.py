@@ -860,6 +860,9 @@ def load_config(path: Path | str | None = None, defs_folder: Path | str | None =
     ``leave_out_invalid``: as the code location reads it (:func:`parse_config`); else (the CLI) any invalid
     entry refuses the file."""
     p = Path(path) if path is not None else config_path()
+    if path is None and not p.exists():
+        where = "$PGSTREAM_CONFIG" if "PGSTREAM_CONFIG" in os.environ else "the default, in the current directory"
+        raise ConfigError(f"{p}: no such file ({where}): pass --config FILE or set PGSTREAM_CONFIG")
     if defs_folder is not None:
         declared, sources = load_component_streams(defs_folder)
         return with_streams(load_config(p, leave_out_invalid=leave_out_invalid), declared,

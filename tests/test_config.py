@@ -60,9 +60,19 @@ def test_bad_config_names_file_key_and_reason(tmp_path: Path, monkeypatch: pytes
     assert "s3cr3t" not in str(err.value)
 
 
-def test_missing_file(tmp_path: Path) -> None:
+def test_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="cannot read the pgstream configuration"):
         load_config(tmp_path / "nope.yaml")
+    # no path given: where it looked, and the two ways to name the file
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PGSTREAM_CONFIG", raising=False)
+    with pytest.raises(ConfigError) as default:
+        load_config()
+    assert str(default.value) == ("pgstream.yaml: no such file (the default, in the current directory): pass "
+                                  "--config FILE or set PGSTREAM_CONFIG")
+    monkeypatch.setenv("PGSTREAM_CONFIG", str(tmp_path / "gone.yaml"))
+    with pytest.raises(ConfigError, match=r"gone.yaml: no such file \(\$PGSTREAM_CONFIG\): pass --config FILE"):
+        load_config()
 
 
 def test_a_file_mounted_header_secret_loses_its_trailing_line_break(tmp_path: Path,
