@@ -24,7 +24,7 @@ from pgstream_dagster.engine.ledger import locks, state
 from pgstream_dagster.engine.publish import Span
 from pgstream_dagster.engine.status import stream_status
 
-from .support.harness import insert_events, read_jsonl, write_config
+from .support.harness import event_ids, insert_events, read_jsonl, write_config
 
 STREAM = 1
 RUN_KEY = "engine-run"
@@ -115,6 +115,35 @@ def test_a_run_delivers_its_batches_in_order_marks_them_and_reports(db_url: str,
     with psycopg.connect(db_url) as c:
         (status,) = stream_status(c, STREAM)
     assert int(status["undelivered_events"]) == 0
+
+
+def test_an_open_run_handed_more_than_a_round_takes_the_rest_at_once_not_when_next_woken(db_url: str,
+                                                                                        tmp_path: Path) -> None:
+    """A backlog handed to an open run beyond ``tuning.direct_max_events``: round after round, each taking the next
+    of the batches handed over already; it waits for a sign from its host (``Host.wake``: a batch handed over, or
+    the safety poll, 5 s later) only once none is left (it waited for one after every round: a backlog went at one
+    round per 5 s)."""
+    stream = _stream(tmp_path, db_url, tuning={"direct_max_events": 100, "report_every_secs": 0})
+    batches = _recorded(db_url, stream, 230)  # batches of 50: two a round
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert state.launch(c, STREAM, [b.id for b in batches], RUN_KEY, keep_open=True)
+    waits: list[tuple[float, int]] = []  # (the wait asked for, the events delivered then)
+
+    def wake(timeout: float) -> bool:
+        delivered = len(_ids(tmp_path)) if (tmp_path / "out.jsonl").exists() else 0
+        waits.append((timeout, delivered))
+        if delivered == 230:
+            return True  # a sign: the run looks, and its host's stop check closes it
+        time.sleep(min(timeout, 0.05))
+        return False
+
+    log = Log()
+    host = Host("engine-test", log, wake=wake,
+                stop_check=lambda: "the test ends" if len(_ids(tmp_path)) == 230 else None)
+    rounds = list(_run(stream, db_url, batches, log, run_key=RUN_KEY).deliver(host))
+    assert [len(r.batches) for r in rounds] == [2, 2, 1] and _ids(tmp_path) == event_ids(db_url, STREAM)
+    assert [w for w in waits if w[0] > 0 and w[1] < 230] == [], waits  # no wait while batches were handed over
+    assert _statuses(db_url) == {BatchStatus.DELIVERED}
 
 
 @pytest.mark.parametrize("every, lines", [(0, True), (5, False)])

@@ -196,7 +196,7 @@ class DeliveryRun:
                         if len(self.batches) > len(batches) else "")
                 host.log.info(f"stream {stream.id}: {len(batches)} batches {batches[0].id}..{batches[-1].id}, "
                               f"{total} events ({kinds}){rest}")
-            after = 0
+            after, more = 0, len(batches) < len(self.batches)
             try:
                 while True:
                     if batches:
@@ -218,7 +218,9 @@ class DeliveryRun:
                         reports.add(done)
                         yield done
                         after = batches[-1].id
-                    batches = direct_round(stream, open_run.next_batches(after))
+                    handed = open_run.next_batches(after, more=more)
+                    batches = direct_round(stream, handed)
+                    more = len(batches) < len(handed)  # the rest was handed over already: the next round's
                     if not batches:
                         break
                     earlier = open_run.earlier_open  # (of the first batch handed over, read with it)
@@ -473,8 +475,10 @@ class OpenRun:
         self.earlier_open: int | None = None
         self._looked = False
 
-    def next_batches(self, after: int) -> list[state.Batch]:
-        """The batches assigned to the run after batch ``after``; empty once the run is closed."""
+    def next_batches(self, after: int, *, more: bool = False) -> list[state.Batch]:
+        """The batches assigned to the run after batch ``after``; empty once the run is closed. ``more``: some
+        were assigned already (the last round took part of what it was handed): looked up at once, not once
+        woken."""
         stays, max_run_secs = self.stream.delivery.keeps_open, self.stream.delivery.tuning.max_run_secs
         if not self._frozen:
             # frozen once per process, after the first round: what the process holds stops being scanned
@@ -483,7 +487,7 @@ class OpenRun:
         checked_at = 0.0
         wake = self.host.wake
         woken, polled_at = True, 0.0
-        if wake is not None and self._looked and not wake(0.0):
+        if wake is not None and self._looked and not more and not wake(0.0):
             # a run its host wakes looks again only once woken, or at its safety interval
             woken, polled_at = False, time.monotonic()
         self._looked = True
