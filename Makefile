@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-kafka bench-redis bench-lake bench-cpu bench-streams bench-group-reader bench-delivery-pool bench-spark-source bench-backfill bench-cold-start bench-snapshot bench-failover clean
+.PHONY: dev stop test docs docs-reference lint bench bench-replay bench-write bench-sustained bench-latency bench-latency-dev bench-record bench-backlog bench-kafka bench-redis bench-lake bench-cpu bench-streams bench-group-reader bench-delivery-pool bench-spark-source bench-backfill bench-cold-start bench-snapshot bench-failover clean
 
 # reinstalled only when pyproject.toml changed (the stamp); says so, as it takes minutes on a fresh clone
 $(STAMP): pyproject.toml
@@ -73,6 +73,9 @@ bench-failover: $(STAMP)
 
 bench-record: $(STAMP)
 	$(BIN)/python bench/record.py
+
+bench-backlog: $(STAMP)
+	$(BIN)/python bench/backlog.py
 
 bench-kafka: $(STAMP)
 	$(BIN)/python bench/kafka.py
