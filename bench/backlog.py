@@ -1,5 +1,8 @@
-"""Catch-up after an outage (run by hand: `make bench-backlog`): how fast an open run delivers a backlog that was
-recorded while its sink was down, for the code of this tree and of git ``--baselines``, side by side in one run.
+"""A backlog handed to an open run at once (run by hand: `make bench-backlog`): how fast the run delivers more than
+a round (``tuning.direct_max_events``) of what it was handed, as after a sink outage when a stream's
+``delivery.max_events_per_run`` is raised above a round (its default, 100,000, is one round: such a run is handed
+the next round once the last is delivered), for the code of this tree and of git ``--baselines``, side by side in
+one run.
 
 Without Dagster: the delivery engine (:class:`~pgstream_dagster.engine.delivery.run.DeliveryRun`) hosted as a
 group delivery run hosts a member's run (a ``Host.wake`` that waits for a sign, none coming while the backlog is
@@ -54,7 +57,8 @@ def _stream(stream_id: int, out: Path) -> StreamConfig:
     from pgstream_dagster.config import StreamConfig
 
     return StreamConfig.model_validate({"id": stream_id, "reader": GROUP, "sink": {"type": "file", "path": str(out)},
-                                        "batch": {"max_size": 1000, "max_fill_secs": 0}})
+                                        "batch": {"max_size": 1000, "max_fill_secs": 0},
+                                        "delivery": {"max_events_per_run": 1_000_000}})
 
 
 class _Log:
@@ -174,13 +178,13 @@ def main() -> None:
         finally:
             pg.destroy()
     now = statistics.median(timings[1])
-    lines_out = [f"\n## Catch-up of a backlog through an open run (bench/backlog.py) "
+    lines_out = [f"\n## A backlog handed to an open run at once (bench/backlog.py) "
                  f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {args.events:,} events, {args.rounds} rounds",
                  f"Command: `make bench-backlog` (bench/backlog.py --events {args.events} --rounds {args.rounds} "
                  f"--baselines {args.baselines}). Machine: {header}. Method: per round and version, the version's "
-                 "stream gets the backlog (manual events, ~200-byte payloads) recorded by its reader group (batches "
-                 "of 1,000), all handed to one open run, delivered to a file by the delivery engine in a child "
-                 "process (PYTHONPATH = the version's tree), hosted as a group run hosts a member (its wake waits "
+                 "stream (delivery.max_events_per_run 1,000,000) gets the backlog (manual events, ~200-byte "
+                 "payloads) recorded by its reader group (batches of 1,000), all handed to one open run, "
+                 "delivered to a file by the delivery engine in a child process (PYTHONPATH = the version's tree), hosted as a group run hosts a member (its wake waits "
                  "for a sign, none coming until all is delivered), the product's direct_max_events (100,000 a "
                  "round); timed from the run's start to its last round; order rotated per round; medians.",
                  f"- {versions[1][0]}: {now:.2f}s = {args.events / now:,.0f} events/s "
