@@ -184,9 +184,10 @@ def main() -> None:
                  f"--baselines {args.baselines}). Machine: {header}. Method: per round and version, the version's "
                  "stream (delivery.max_events_per_run 1,000,000) gets the backlog (manual events, ~200-byte "
                  "payloads) recorded by its reader group (batches of 1,000), all handed to one open run, "
-                 "delivered to a file by the delivery engine in a child process (PYTHONPATH = the version's tree), hosted as a group run hosts a member (its wake waits "
-                 "for a sign, none coming until all is delivered), the product's direct_max_events (100,000 a "
-                 "round); timed from the run's start to its last round; order rotated per round; medians.",
+                 "delivered to a file by the delivery engine in a child process (PYTHONPATH = the version's tree), "
+                 "hosted as a group run hosts a member (its wake waits for a sign, none coming until all is "
+                 "delivered), the product's direct_max_events (100,000 a round); timed from the run's start to "
+                 "its last round; order rotated per round; medians.",
                  f"- {versions[1][0]}: {now:.2f}s = {args.events / now:,.0f} events/s "
                  f"(rounds {', '.join(f'{t:.2f}' for t in timings[1])})"]
     for i in ids[1:]:
