@@ -18,13 +18,10 @@ Usage: python bench/backlog.py [--events 500000] [--rounds 3] [--baselines 3d4ed
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -37,20 +34,11 @@ if TYPE_CHECKING:
     from pgstream_dagster.config import StreamConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_results, commit, machine
+from common import append_results, commit, machine, package_tree, versions_lines
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GROUP = "backlog"
-
-
-def _tree(ref: str, into: Path) -> Path:
-    """The package and its sql/ as of git ``ref``."""
-    archive = subprocess.run(["git", "archive", ref, "pgstream_dagster", "sql"], cwd=ROOT, check=True,
-                             capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    return into
 
 
 def _stream(stream_id: int, out: Path) -> StreamConfig:
@@ -147,7 +135,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pgstream-backlog-") as tmp:
         versions: dict[int, tuple[str, Path]] = {1: (f"current ({commit()})", ROOT)}
         for i, ref in enumerate(refs, start=2):
-            versions[i] = (ref, _tree(ref, Path(tmp) / f"tree-{i}"))
+            versions[i] = (ref, package_tree(ref, Path(tmp) / f"tree-{i}", "pgstream_dagster", "sql"))
         timings: dict[int, list[float]] = {i: [] for i in versions}
         pg = ensure_running(Path(tmp) / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off"})
         try:
@@ -177,7 +165,6 @@ def main() -> None:
                       flush=True)
         finally:
             pg.destroy()
-    now = statistics.median(timings[1])
     lines_out = [f"\n## A backlog handed to an open run at once (bench/backlog.py) "
                  f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {args.events:,} events, {args.rounds} rounds",
                  f"Command: `make bench-backlog` (bench/backlog.py --events {args.events} --rounds {args.rounds} "
@@ -187,13 +174,8 @@ def main() -> None:
                  "delivered to a file by the delivery engine in a child process (PYTHONPATH = the version's tree), "
                  "hosted as a group run hosts a member (its wake waits for a sign, none coming until all is "
                  "delivered), the product's direct_max_events (100,000 a round); timed from the run's start to "
-                 "its last round; order rotated per round; medians.",
-                 f"- {versions[1][0]}: {now:.2f}s = {args.events / now:,.0f} events/s "
-                 f"(rounds {', '.join(f'{t:.2f}' for t in timings[1])})"]
-    for i in ids[1:]:
-        old = statistics.median(timings[i])
-        lines_out.append(f"- baseline {versions[i][0]}: {old:.2f}s = {args.events / old:,.0f} events/s; current "
-                         f"takes {now / old:.2f}x its time (rounds {', '.join(f'{t:.2f}' for t in timings[i])})")
+                 "its last round; order rotated per round; medians."]
+    lines_out += versions_lines(versions, timings, args.events)
     append_results("\n".join(lines_out) + "\n")
     print("\n".join(lines_out))
 

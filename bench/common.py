@@ -7,6 +7,7 @@ ended by SIGTERM (``timeout``) unwinds as on Ctrl-C: the Postgres and ``dg dev``
 from __future__ import annotations
 
 import collections
+import io
 import json
 import multiprocessing
 import os
@@ -15,6 +16,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import urllib.request
@@ -51,6 +53,29 @@ signal.signal(signal.SIGTERM, _unwind)  # the benchmark's finally blocks stop wh
 TABLE_SQL = """create table if not exists public.bench_orders (
     id bigserial primary key, seq bigint not null, customer text not null, amount numeric not null,
     committed_at double precision)"""
+
+
+def package_tree(ref: str, into: Path, *paths: str) -> Path:
+    """``paths`` of the repository (all of it when none) as of git ``ref``, written under ``into``: another
+    version's package for a bench to run side by side with this tree's (``PYTHONPATH`` = ``into``)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, *paths], capture_output=True,
+                             check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def versions_lines(versions: dict[int, tuple[str, Path]], timings: dict[int, list[float]], events: int) -> list[str]:
+    """A result's lines for this tree's version (key 1) and each baseline: median seconds, events per second, the
+    baseline's ratio to this tree's time, every round."""
+    now = statistics.median(timings[1])
+    lines = [f"- {versions[1][0]}: {now:.2f}s = {events / now:,.0f} events/s "
+             f"(rounds {', '.join(f'{t:.2f}' for t in timings[1])})"]
+    for i in list(versions)[1:]:
+        old = statistics.median(timings[i])
+        lines.append(f"- baseline {versions[i][0]}: {old:.2f}s = {events / old:,.0f} events/s; current takes "
+                     f"{now / old:.2f}x its time (rounds {', '.join(f'{t:.2f}' for t in timings[i])})")
+    return lines
 
 
 def append_results(text: str) -> None:

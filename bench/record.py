@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import io
 import json
 import os
-import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +33,7 @@ import yaml
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TABLE_SQL, append_results, machine
+from common import TABLE_SQL, append_results, machine, package_tree, versions_lines
 
 import pgstream_dagster
 from pgstream_dagster.config import StreamConfig, load_config
@@ -55,15 +52,6 @@ except ImportError:  # a --ref from before pgstream_dagster/engine/ (the worker 
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-
-
-def _tree(ref: str, into: Path) -> Path:
-    """The package and its sql/ as of git ``ref``."""
-    archive = subprocess.run(["git", "archive", ref, "pgstream_dagster", "sql"], cwd=ROOT, check=True,
-                             capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    return into
 
 
 def _group(stream_id: int) -> str:
@@ -160,7 +148,7 @@ def main() -> None:
         versions: dict[int, tuple[str, Path]] = {1: (f"current ({commit}{', uncommitted changes' if dirty else ''})",
                                                      ROOT)}
         for i, ref in enumerate(refs, start=2):
-            versions[i] = (ref, _tree(ref, Path(tmp) / f"tree-{i}"))
+            versions[i] = (ref, package_tree(ref, Path(tmp) / f"tree-{i}", "pgstream_dagster", "sql"))
         timings: dict[int, list[float]] = {i: [] for i in versions}
         pg = ensure_running(Path(tmp) / "pg", extra_settings={"fsync": "off", "synchronous_commit": "off"})
         try:
@@ -184,7 +172,6 @@ def main() -> None:
                 print(f"round {rnd}: " + ", ".join(f"{versions[i][0]} {timings[i][-1]:.2f}s" for i in ids), flush=True)
         finally:
             pg.destroy()
-    now = statistics.median(timings[1])
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"\n## Recording (P1) {stamp}, {args.events:,} events per stream per round, {args.rounds} rounds, "
              f"batch.max_size {args.max_size:,}",
@@ -194,13 +181,8 @@ def main() -> None:
              f"in one private Postgres (fsync off); a table with one INSERT subscription per stream (real triggers, "
              f"~250-byte payloads), {args.rows} rows per transaction, so every stream has the same events in the "
              "same WAL; time for the version's reader (peeks), in a child process per version, to peek, decode, "
-             "record and advance all of them; order rotated per round; medians.",
-             f"- {versions[1][0]}: {now:.2f}s = {args.events / now:,.0f} events/s "
-             f"(rounds {', '.join(f'{t:.2f}' for t in timings[1])})"]
-    for i in ids[1:]:
-        old = statistics.median(timings[i])
-        lines.append(f"- baseline {versions[i][0]}: {old:.2f}s = {args.events / old:,.0f} events/s; current is "
-                     f"{old / now:.2f}x faster (rounds {', '.join(f'{t:.2f}' for t in timings[i])})")
+             "record and advance all of them; order rotated per round; medians."]
+    lines += versions_lines(versions, timings, args.events)
     append_results("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine
+from common import ROOT, machine, package_tree
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,13 +67,6 @@ def _measure(tree: Path, counts: list[int], workdir: Path) -> list[dict[str, flo
     return result
 
 
-def _tree(ref: str, into: Path) -> Path:
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    return into
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", default="1,10,100", help="stream counts, comma-separated")
@@ -87,7 +78,7 @@ def main() -> None:
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         refs = [ref for ref in args.baselines.split(",") if ref]
-        versions = [("this tree", ROOT), *((ref, _tree(ref, Path(tmp) / ref)) for ref in refs)]
+        versions = [("this tree", ROOT), *((ref, package_tree(ref, Path(tmp) / ref)) for ref in refs)]
         for name, tree in versions:
             work = Path(tmp) / f"work-{len(lines)}"
             work.mkdir()
