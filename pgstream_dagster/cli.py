@@ -864,6 +864,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the commands that run as the owner of schema pgstream (the others as a login member of pgstream_runtime)
+_OWNER_COMMANDS = frozenset({"_cmd_migrate", "_cmd_init", "_cmd_tear_down", "_cmd_install_drift_guard"})
+
+
+def _privilege_advice(args: argparse.Namespace, url: str | None) -> str:
+    """What a refused privilege on pgstream's objects means for the command: the role to connect as."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        role = str(conninfo_to_dict(url).get("user") or "") if url else ""
+    except psycopg.ProgrammingError:
+        role = ""
+    role = role or "the login role"
+    if getattr(args.func, "__name__", "") in _OWNER_COMMANDS:
+        return (f": this command runs as the owner of schema pgstream, not as {role}: pass the owner's URL "
+                "(docs/security.md, Roles)")
+    grantee = role if role != "the login role" else "<role>"
+    return (f": connected as {role}; connect as a login member of pgstream_runtime (as a superuser: grant "
+            f"pgstream_runtime to {grantee}) or as the owner (docs/security.md, Roles)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -885,6 +906,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           psycopg.errors.InvalidSchemaName) and "pgstream." in str(exc):
                 line += (": pgstream is not installed in this database, or not at this version: run "
                          "`pgstream-dagster migrate` (or `init`) with the owner's URL first")
+            elif isinstance(exc, psycopg.errors.InsufficientPrivilege) and "pgstream" in str(exc):
+                line += _privilege_advice(args, next((u for u in urls if u), None))
         elif isinstance(exc, migrations.MigrationError | config.ConfigError | deadletters.DeadLetterError |
                         backfill.BackfillError | sparkserver.SparkServerError | replication.PublicationTaken |
                         bootstrap.InitError):

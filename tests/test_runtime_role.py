@@ -501,3 +501,31 @@ def test_the_runtime_needs_no_right_on_the_application_schema(install: Install, 
     assert ("app/orders/orders", TRIGGER_CHECK) in evaluations or any(n == TRIGGER_CHECK for _, n in evaluations)
     failed = {k: e.description for k, e in evaluations.items() if not e.passed}
     assert not failed and checked.success
+
+
+def test_a_command_refused_a_privilege_on_pgstream_says_which_role_to_connect_as(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A login role with no pgstream role: an operator's command says it connected as that role and which one to use
+    (the runtime's, or the owner's for an owner's command), in the one error line, and changes nothing."""
+    from psycopg.conninfo import make_conninfo
+
+    stranger = f"stranger_{abs(hash(db_url)) % 10**8}"
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(sql.SQL("create role {} login").format(sql.Identifier(stranger)))
+    try:
+        url = make_conninfo(db_url, user=stranger)
+        assert cli_main(["pause", "1", "--database-url", url]) == 1
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: permission denied for schema pgstream: connected as {stranger}; connect as a login member of "
+            f"pgstream_runtime (as a superuser: grant pgstream_runtime to {stranger}) or as the owner "
+            "(docs/security.md, Roles)"]
+        assert cli_main(["migrate", "--database-url", url]) == 1
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.endswith(f": this command runs as the owner of schema pgstream, not as {stranger}: pass the "
+                             "owner's URL (docs/security.md, Roles)"), line
+        with psycopg.connect(db_url) as c:
+            assert c.execute("select paused from pgstream.streams").fetchall() == []
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute(sql.SQL("drop owned by {}").format(sql.Identifier(stranger)))
+            c.execute(sql.SQL("drop role {}").format(sql.Identifier(stranger)))
