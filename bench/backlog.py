@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,7 +32,7 @@ if TYPE_CHECKING:
     from pgstream_dagster.config import StreamConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_results, commit, machine, package_tree, versions_lines
+from common import append_results, commit, machine, package_tree, version_worker, versions_lines
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -151,11 +149,7 @@ def main() -> None:
                 for stream_id in order:
                     tree = versions[stream_id][1]
                     out = Path(tmp) / f"out-{stream_id}-{rnd}.jsonl"
-                    child = subprocess.run([sys.executable, __file__, "--worker", url, str(stream_id), str(out)],
-                                           env={**os.environ, "PYTHONPATH": str(tree)}, check=True,
-                                           capture_output=True, text=True)
-                    result = json.loads(child.stdout.strip().splitlines()[-1])
-                    assert Path(result["package"]) == tree / "pgstream_dagster", result
+                    result = version_worker(__file__, tree, url, str(stream_id), str(out))
                     assert result["events"] == args.events, result
                     lines = sum(1 for _ in out.open("rb"))
                     assert lines == args.events, f"{versions[stream_id][0]}: {lines} of {args.events} delivered"

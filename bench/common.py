@@ -65,6 +65,16 @@ def package_tree(ref: str, into: Path, *paths: str) -> Path:
     return into
 
 
+def version_worker(script: str, tree: Path, *argv: str) -> dict[str, Any]:
+    """``script --worker ARGV`` run by the version of the package at ``tree`` (``PYTHONPATH``): the JSON its last
+    line prints, which names the package it imported (checked to be ``tree``'s)."""
+    child = subprocess.run([sys.executable, script, "--worker", *argv], env={**os.environ, "PYTHONPATH": str(tree)},
+                           check=True, capture_output=True, text=True)
+    result: dict[str, Any] = json.loads(child.stdout.strip().splitlines()[-1])
+    assert Path(result["package"]) == tree / "pgstream_dagster", result
+    return result
+
+
 def versions_lines(versions: dict[int, tuple[str, Path]], timings: dict[int, list[float]], events: int) -> list[str]:
     """A result's lines for this tree's version (key 1) and each baseline: median seconds, events per second, the
     baseline's ratio to this tree's time, every round."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import yaml
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TABLE_SQL, append_results, machine, package_tree, versions_lines
+from common import TABLE_SQL, append_results, machine, package_tree, version_worker, versions_lines
 
 import pgstream_dagster
 from pgstream_dagster.config import StreamConfig, load_config
@@ -162,12 +161,8 @@ def main() -> None:
                 order = ids[rnd % len(ids):] + ids[:rnd % len(ids)]
                 for stream_id in order:
                     tree = versions[stream_id][1]
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--worker", url, str(stream_id), "--events", str(args.events),
-                         "--max-size", str(args.max_size)],
-                        env={**os.environ, "PYTHONPATH": str(tree)}, check=True, capture_output=True, text=True)
-                    result = json.loads(out.stdout.strip().splitlines()[-1])
-                    assert Path(result["package"]) == tree / "pgstream_dagster", result
+                    result = version_worker(__file__, tree, url, str(stream_id), "--events", str(args.events),
+                                            "--max-size", str(args.max_size))
                     timings[stream_id].append(result["secs"])
                 print(f"round {rnd}: " + ", ".join(f"{versions[i][0]} {timings[i][-1]:.2f}s" for i in ids), flush=True)
         finally:
