@@ -865,7 +865,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: the commands that run as the owner of schema pgstream (the others as a login member of pgstream_runtime)
-_OWNER_COMMANDS = frozenset({"_cmd_migrate", "_cmd_init", "_cmd_tear_down", "_cmd_install_drift_guard"})
+_OWNER_COMMANDS = frozenset({_cmd_migrate, _cmd_init, _cmd_tear_down, _cmd_install_drift_guard})
 
 
 def _privilege_advice(args: argparse.Namespace, url: str | None) -> str:
@@ -876,13 +876,11 @@ def _privilege_advice(args: argparse.Namespace, url: str | None) -> str:
         role = str(conninfo_to_dict(url).get("user") or "") if url else ""
     except psycopg.ProgrammingError:
         role = ""
-    role = role or "the login role"
-    if getattr(args.func, "__name__", "") in _OWNER_COMMANDS:
-        return (f": this command runs as the owner of schema pgstream, not as {role}: pass the owner's URL "
-                "(docs/security.md, Roles)")
-    grantee = role if role != "the login role" else "<role>"
-    return (f": connected as {role}; connect as a login member of pgstream_runtime (as a superuser: grant "
-            f"pgstream_runtime to {grantee}) or as the owner (docs/security.md, Roles)")
+    if args.func in _OWNER_COMMANDS:
+        return (f": this command runs as the owner of schema pgstream, not as {role or 'the login role'}: pass the "
+                "owner's URL (docs/security.md, Roles)")
+    return (f": connected as {role or 'the login role'}; connect as a login member of pgstream_runtime (as a "
+            f"superuser: grant pgstream_runtime to {role or '<role>'}) or as the owner (docs/security.md, Roles)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
