@@ -63,8 +63,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def _writer(url: str, until: float, rows: int, counter: Any, cpus: set[int] | None = None,
-            out: Any = None) -> None:
-    """Insert ``rows`` rows per transaction until ``until`` (wall clock); ``cpus``: only on these;
+            out: Any = None, rate: float = 0.0) -> None:
+    """Insert ``rows`` rows per transaction until ``until`` (wall clock), at ``rate`` rows a second (0: as
+    fast as Postgres accepts; a writer behind its pace catches up without sleeping); ``cpus``: only on these;
     ``out``: gets (this process' CPU, its backend's CPU) in seconds, once done."""
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -72,7 +73,11 @@ def _writer(url: str, until: float, rows: int, counter: Any, cpus: set[int] | No
     with psycopg.connect(url, autocommit=True) as conn:
         backend = conn.info.backend_pid
         backend0, own0 = sched_secs(backend), time.process_time()
+        began = time.time()
         while time.time() < until:
+            if rate and (ahead := began + seq / rate - time.time()) > 0:
+                time.sleep(min(ahead, max(0.0, until - time.time())))
+                continue
             conn.execute("insert into public.bench_orders (seq, customer, amount) "
                          "select g, 'c-' || (g %% 1000), g * 1.5 from generate_series(%s::bigint, %s::bigint) g",
                          [seq, seq + rows - 1])
@@ -125,7 +130,9 @@ gc.callbacks.append(_gc_timer)
 
 
 def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespace,
-           webhook: Webhook | None) -> dict[str, Any]:
+           webhook: Webhook | None, rate: float = 0.0) -> dict[str, Any]:
+    """One sink and mode: the writers (at ``rate`` events a second together, 0: flat out) for the window, the
+    stream delivering meanwhile, then the drain."""
     sink: dict[str, Any]
     if name == "redis":
         sink = {"type": "redis", "url": "redis://127.0.0.1:6379/0",
@@ -155,7 +162,7 @@ def _phase(name: str, mode: str, url: str, tmpdir: Path, args: argparse.Namespac
         started = time.time()
         until = started + args.duration
         writers = [multiprocessing.Process(target=_writer, args=(url, until, args.rows, counter, args.database_cpus,
-                                                                 cpu_out))
+                                                                 cpu_out, rate / args.writers))
                    for _ in range(args.writers)]
         for w in writers:
             w.start()
@@ -319,6 +326,9 @@ def main() -> None:
                         help="the sensor is evaluated at most this often (the daemon: at most every "
                              "sensor.interval_secs, 1 s by default, and every 5 s at most; before 2026-11-27 the "
                              "bench ticked every 0.05 s)")
+    parser.add_argument("--pace", type=float, default=0.0,
+                        help="the writers insert at this fraction of the rate they reached alone just before (0: as "
+                             "fast as Postgres accepts): e.g. 0.5, half their solo rate")
     parser.add_argument("--split", action="store_true",
                         help="the pipeline's Python (sensor, runs, Spark) on the last CPU, Postgres (the WAL sender "
                              "and ledger included) and the writers on the others: its own core")
@@ -346,7 +356,8 @@ def main() -> None:
                 url = pg.url_for(f"sustained_{name}_{mode}")
                 migrate(url)
                 r = results[f"{name} ({mode})"] = _phase(name, mode, url, tmpdir, args,
-                                                         webhook if name == "webhook" else None)
+                                                         webhook if name == "webhook" else None,
+                                                         args.pace * alone[-1])
                 print(f"{name} ({mode}): written {r['written'] / r['window']:,.0f} events/s, delivered "
                       f"{r['delivered_in_window'] / r['window']:,.0f} events/s in the window; drained in "
                       f"{r['drain_secs']:.1f}s; {r['runs']} runs ({r['failed']} failed){_gc_note(r['gc_pauses'])}; "
@@ -360,12 +371,16 @@ def main() -> None:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     import pgstream_dagster
     label = f", {args.label}" if args.label else ""
-    lines = [f"\n## Sustained (P1) {stamp}, {args.duration:.0f}s of writing per sink{label}"
+    pace = f", writers at {args.pace:g}x their solo rate" if args.pace else ""
+    lines = [f"\n## Sustained (P1) {stamp}, {args.duration:.0f}s of writing per sink{pace}{label}"
              f"{' (split CPUs)' if args.split else ''}, package {Path(pgstream_dagster.__file__).parent}",
              f"Machine: {header}. Method: bench/sustained.py; {args.writers} writer processes inserting "
              f"{args.rows} rows per transaction into a table with a real INSERT subscription "
              f"({args.trigger_mode} mode; Postgres fsync off, "
-             "synchronous_commit off), as fast as Postgres accepts; the stream is driven in-process (ephemeral "
+             "synchronous_commit off), "
+             + (f"paced to {args.pace:g}x the rate the writers alone reached just before each phase (a writer behind "
+                "its pace catches up)" if args.pace else "as fast as Postgres accepts") +
+             "; the stream is driven in-process (ephemeral "
              "Dagster instance, one warm Spark session local[2]): *serial* = sensor tick, then the requested run "
              "via execute_in_process, one after the other, mode per_batch; "
              "*open* = the group delivery run in a thread while the group's sensor keeps ticking, "

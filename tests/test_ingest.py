@@ -14,11 +14,13 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import StreamConfig, load_config
-from pgstream_dagster.engine import ingest, replication
+from pgstream_dagster.engine import handoff, ingest, replication
+from pgstream_dagster.engine.delivery.sources import TableSource
 from pgstream_dagster.engine.ingest import recorder, source
 from pgstream_dagster.engine.ingest.recorder import Batching, Pending
 from pgstream_dagster.engine.ledger import groups, recording, streams
 from pgstream_dagster.engine.ledger import state as ledger_state
+from pgstream_dagster.engine.publish import Span, TooLarge
 from pgstream_dagster.engine.replication import DecodedEvent, Transaction
 
 from .support.harness import insert_events, slot_of, write_config
@@ -151,6 +153,100 @@ def test_the_sensor_backs_off_while_another_connection_still_holds_its_slot(db_u
 
         _wait(ticked)
     assert sorted(_recorded(db_url, 1)) == _recorded(db_url, 1) and len(set(_recorded(db_url, 1))) == 20
+
+
+def _event_row(item: Any) -> tuple[Any, ...]:
+    batch_id, ord_, event = item
+    if isinstance(event, TooLarge):
+        return batch_id, ord_, "too large", event.id, event.size
+    return batch_id, ord_, event.id, event.stream_id, event.created_at, event.payload_json, event.metadata_json
+
+
+def test_a_group_runs_reader_hands_what_it_records_to_its_members_in_memory_as_the_table_reads_it(
+        db_url: str, tmp_path: Path) -> None:
+    """The group run's reader keeps each event's payload and metadata text with the batches it records for a member
+    it hosts (engine/handoff.py): taken from there, every event is the one a round reads back from pgstream.events
+    (JSON of every shape, unicode and escapes, metadata null or not, a payload over the sink's limit as TooLarge).
+    A batch with a payload over KEEP_ROW_BYTES is left to the table, a member in mode per_batch (its runs are
+    Dagster runs of their own) gets nothing kept, and a publication of an earlier version (no payload column) is
+    given the columns at the reader's next pass."""
+    config = load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": 1, "batch": {"max_size": 40, "max_fill_secs": 0}, "delivery": {"mode": "open"},
+         "sink": {"type": "file", "path": str(tmp_path / "out1.jsonl")}},
+        {"id": 2, "batch": {"max_size": 40, "max_fill_secs": 0}, "delivery": {"mode": "per_batch"},
+         "sink": {"type": "file", "path": str(tmp_path / "out2.jsonl")}}]))
+    streams_ = list(config.streams)
+    kept = handoff.Handoff()
+    reader = ingest.GroupStream(db_url, "pgstream group slot reader t", handoff=kept)
+    publication = groups.group_publication("default")
+    try:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            ingest.consume_group(c, "default", streams_, 0, kept=reader)  # the group's slot, the streams joined
+            # as an earlier version made it: no payload, no metadata
+            c.execute(f"alter publication {publication} set table pgstream.events (id, stream_id, created_at) "
+                      "where (stream_id in (1, 2))")
+            ingest.consume_group(c, "default", streams_, 0, kept=reader)
+            assert c.execute("select attnames from pg_publication_tables where pubname = %s",
+                             [publication]).fetchone() == (["id", "payload", "metadata", "stream_id", "created_at"],)
+            c.execute("""insert into pgstream.events (payload, metadata, stream_id) values
+                ('{"s": "h\u00e9llo \\"q\\" \\\\ \\n\u2603", "n": null, "a": [1, 2.50, true], "o": {"x": {"y": []}}}',
+                 null, 1),
+                ('{"big": 12345678901234567890.000, "e": 1e-7}', '{"m": "x", "k": [null]}', 1),
+                ('"just a string"', '{}', 1),
+                ('[1, 2, 3]', null, 1)""")
+            c.execute("insert into pgstream.events (payload, stream_id) select jsonb_build_object('n', g, 'pad', "
+                      "repeat('x', g)), 1 from generate_series(1, 200) g")
+            c.execute("insert into pgstream.events (payload, stream_id) select jsonb_build_object('n', g), 2 "
+                      "from generate_series(1, 30) g")
+            c.execute("insert into pgstream.events (payload, stream_id) values "
+                      "(jsonb_build_object('huge', repeat('y', %s)), 1)", [replication.KEEP_ROW_BYTES + 10])
+            _wait(lambda: ingest.consume_group(c, "default", streams_, 0.3, kept=reader) is not None
+                  and len(_recorded(db_url, 1)) == 205 and len(_recorded(db_url, 2)) == 30)
+            batches = c.execute("select id, stream_id, event_count, (select max(id) from pgstream.events "
+                                "where stream_id = 1) = any(event_ids) from pgstream.batches order by id").fetchall()
+        with psycopg.connect(db_url, autocommit=True) as c:
+            compared = too_large = 0
+            for batch_id, stream_id, count, huge in batches:
+                taken = kept.take(batch_id, 1, count, event_bytes=150)
+                if stream_id == 2 or huge:
+                    assert taken is None, (batch_id, stream_id)
+                    continue
+                read = list(TableSource(c, [Span(batch_id, 1, count)], "", event_bytes=150).events())
+                assert taken is not None and [_event_row(t) for t in taken] == [_event_row(r) for r in read]
+                compared += count
+                too_large += sum(isinstance(e, TooLarge) for _b, _o, e in taken)
+            left = sum(count for _b, stream_id, count, huge in batches if huge)
+            assert compared == 205 - left and left >= 1 and too_large >= 50 and kept.events == 0
+    finally:
+        reader.close()
+
+
+def test_the_hand_off_is_bounded_drops_a_rolled_back_recording_and_what_no_run_took() -> None:
+    """The hand-off keeps whole batches within its bounds (a batch that does not fit is left to the table), drops
+    batches whose recording rolled back (discard), those of a stream delivered another way (forget: through
+    Spark) and those no run took within KEEP_SECS."""
+    at = dt.datetime(2026, 3, 4, 12, tzinfo=dt.UTC)
+
+    def txn(ids: range, stream: int = 1) -> Transaction:
+        return Transaction(1, events=[DecodedEvent(i, at, stream, f'{{"n": {i}}}', None) for i in ids])
+
+    kept = handoff.Handoff(max_events=25)
+    assert kept.put(1, [10, 11], [txn(range(1, 21))], 10) == [10, 11]
+    assert kept.put(1, [12], [txn(range(21, 31))], 10) == []  # 30 events > 25: read from the table
+    assert kept.put(2, [13], [txn(range(31, 36), 2)], 10) == [13]
+    kept.discard([11])
+    assert kept.take(11, 1, 10) is None and kept.events == 15
+    kept.forget(1, 10)
+    assert kept.take(10, 1, 10) is None and kept.take(13, 2, 3) is not None
+    assert kept.put(1, [14], [txn(range(36, 37))], 10) == [14]
+    original = handoff.KEEP_SECS
+    handoff.KEEP_SECS = 0.0
+    try:
+        time.sleep(0.01)
+        assert kept.put(1, [15], [Transaction(1, events=[DecodedEvent(40, at, 1, None, None)])], 10) == []
+        assert kept.events == 0 and kept.take(14, 1, 1) is None  # expired meanwhile
+    finally:
+        handoff.KEEP_SECS = original
 
 
 def test_one_pass_records_several_streams_ledgers(db_url: str, tmp_path: Path) -> None:

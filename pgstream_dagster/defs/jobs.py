@@ -25,6 +25,7 @@ from ..engine.collector import fewer_collections
 from ..engine.dbconn import connect, database_key, server_gone
 from ..engine.delivery.group import GroupDelivery, GroupHost
 from ..engine.delivery.run import DeliveryError, DeliveryRun, Host, Summary, waiting_batches
+from ..engine.handoff import Handoff
 from ..engine.ingest import GroupStream, consume_group, group_log
 from ..engine.ledger import locks
 from .lake import lake_materializations
@@ -277,7 +278,9 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
 
     noted: set[str] = set()
     # the group's slot over the replication protocol, kept open across the reader's calls (one WAL sender)
-    kept = GroupStream(pgstream.database_url, application_name=f"pgstream group slot reader {run_id}")
+    handoff = Handoff()  # what the reader records, handed to the members' runs in memory
+    kept = GroupStream(pgstream.database_url, application_name=f"pgstream group slot reader {run_id}",
+                       handoff=handoff)
 
     def read(conn: psycopg.Connection, secs: float) -> None:
         """The group run's reader: the group's slot read as the group's sensor reads it, over ``kept``."""
@@ -289,7 +292,7 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read,
                      read_ends=kept.close)
     delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
-                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams))
+                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams), handoff=handoff)
     try:
         reason = delivery.run()
     except locks.LeaseTaken as exc:

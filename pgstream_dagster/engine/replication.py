@@ -22,6 +22,17 @@ class DecodedEvent(NamedTuple):
     created_at: dt.datetime
     #: with ``PgOutputDecoder(keep_stream=True)`` (a reader group's publication): the event's stream
     stream_id: int | None = None
+    #: with ``keep_rows`` and a publication that carries them: the payload's text (``payload::text``; None: not
+    #: kept, as for a payload over :data:`KEEP_ROW_BYTES`) and the metadata's (None: null, or not kept)
+    payload: str | None = None
+    metadata: str | None = None
+
+
+#: a payload (or metadata) longer than this is not kept with its event (``keep_rows``): read from the table
+KEEP_ROW_BYTES = 2**20
+#: bytes of text the decoder keeps until told they were recorded (:meth:`PgOutputDecoder.recorded`); beyond, its
+#: events come without their text (read from the table): what a reader holds stays bounded whatever the payloads
+KEEP_BUDGET_BYTES = 64 * 2**20
 
 
 class Unreadable(NamedTuple):
@@ -74,14 +85,18 @@ _INSERT = 0x49  # 'I'
 
 class PgOutputDecoder:
     """Decodes pgoutput protocol v1 messages (relations kept across them): of an INSERT only ``id``,
-    ``created_at`` (parsed once per value) and with ``keep_stream`` ``stream_id``; :meth:`decode`: many at once."""
+    ``created_at`` (parsed once per value), with ``keep_stream`` ``stream_id`` and with ``keep_rows`` the
+    payload's and metadata's text when the publication carries them; :meth:`decode`: many at once."""
 
-    def __init__(self, *, keep_stream: bool = False) -> None:
-        # relation id (4 bytes, as in the message) -> the positions of the id, created_at and stream_id
-        # columns (-1 unless keep_stream), and how many columns to read (up to the last of them)
-        self._relations: dict[bytes, tuple[int, int, int, int]] = {}
+    def __init__(self, *, keep_stream: bool = False, keep_rows: bool = False) -> None:
+        # relation id (4 bytes, as in the message) -> the positions of the id, created_at, stream_id, payload and
+        # metadata columns (-1: not read), and how many columns to read (up to the last of them)
+        self._relations: dict[bytes, tuple[int, int, int, int, int, int]] = {}
         #: keep each event's stream_id (DecodedEvent.stream_id): a reader group routes by it
         self._keep_stream = keep_stream
+        #: keep each event's payload and metadata text (a group run hands them to its members: engine.handoff)
+        self._keep_rows = keep_rows
+        self._kept_bytes = 0  # (since the last recording: KEEP_BUDGET_BYTES)
         self._current: Transaction | None = None
         self._last_ts: tuple[bytes, dt.datetime] = (b"", _PG_EPOCH)
 
@@ -102,7 +117,7 @@ class PgOutputDecoder:
         new_tuple = tuple.__new__
         for data in messages:
             if data[0] == _INSERT and append is not None:
-                id_col, ts_col, stream_col, ncols = relations[data[1:5]]
+                id_col, ts_col, stream_col, payload_col, metadata_col, ncols = relations[data[1:5]]
                 # TupleData: per column a kind byte, then for 't' a 4-byte length and the value ('n': nothing);
                 # the columns up to the last one wanted, as bytes (None: null)
                 values: list[bytes | None] = []
@@ -129,13 +144,25 @@ class PgOutputDecoder:
                         stream = None if raw_sid is None else int(raw_sid)
                         unreadable(unreadable_timestamp(event_id, raw)._replace(stream_id=stream))  # type: ignore[misc]
                         continue
-                if stream_col < 0:
-                    append(new_tuple(DecodedEvent, (event_id, last[1], None)))
-                    continue
-                raw_stream = values[stream_col]
-                if raw_stream is not None and raw_stream != last_stream[0]:
-                    last_stream = (raw_stream, int(raw_stream))
-                append(new_tuple(DecodedEvent, (event_id, last[1], last_stream[1] if raw_stream is not None else None)))
+                stream = None
+                if stream_col >= 0 and (raw_stream := values[stream_col]) is not None:
+                    if raw_stream != last_stream[0]:
+                        last_stream = (raw_stream, int(raw_stream))
+                    stream = last_stream[1]
+                payload: str | None = None
+                metadata: str | None = None
+                if payload_col >= 0 and (raw_payload := values[payload_col]) is not None \
+                        and len(raw_payload) <= KEEP_ROW_BYTES and self._kept_bytes < KEEP_BUDGET_BYTES:
+                    raw_meta = values[metadata_col]
+                    self._kept_bytes += len(raw_payload) + (len(raw_meta) if raw_meta is not None else 0)
+                    try:
+                        payload = raw_payload.decode()
+                        metadata = None if raw_meta is None else raw_meta.decode()
+                    except UnicodeDecodeError:  # (the server's encoding is not UTF-8: read from the table)
+                        payload = metadata = None
+                    if raw_meta is not None and len(raw_meta) > KEEP_ROW_BYTES:
+                        payload = metadata = None
+                append(new_tuple(DecodedEvent, (event_id, last[1], stream, payload, metadata)))
             else:
                 txn = self.feed(data)
                 if txn is not None:
@@ -144,6 +171,10 @@ class PgOutputDecoder:
                 unreadable = self._current.unreadable.append if self._current is not None else None
         self._last_ts = last
         return txns
+
+    def recorded(self) -> None:
+        """What was decoded so far is recorded: texts are kept again, up to :data:`KEEP_BUDGET_BYTES`."""
+        self._kept_bytes = 0
 
     def feed(self, data: bytes) -> Transaction | None:
         """Consume one message; returns the transaction when its COMMIT arrives."""
@@ -182,9 +213,11 @@ class PgOutputDecoder:
         missing = set(wanted) - set(names)
         if missing:
             raise ValueError(f"the publication does not carry column(s) {sorted(missing)} of pgstream.events")
+        if self._keep_rows and {"payload", "metadata"} <= set(names):  # (an older publication carries neither)
+            wanted += ["payload", "metadata"]
         cols = {name: names.index(name) for name in wanted}
         self._relations[data[1:5]] = (cols["id"], cols["created_at"], cols.get("stream_id", -1),
-                                      max(cols.values()) + 1)
+                                      cols.get("payload", -1), cols.get("metadata", -1), max(cols.values()) + 1)
 
 
 class PublicationTaken(RuntimeError):
@@ -283,17 +316,33 @@ def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None 
     return str(row[0])
 
 
+#: messages (and bytes of them) of a peek decoded at a time
+PEEK_CHUNK = 1_000
+PEEK_CHUNK_BYTES = 2**20
+
+
 def peek_rows(conn: psycopg.Connection, slot: str, publication: str,
               max_changes: int, *, keep_stream: bool = False) -> tuple[list[Transaction], int]:
     """Committed transactions waiting in the slot, in commit order (not consumed), and the number of decoded
     messages (fewer than ``max_changes``: the end of what was committed was reached); ``keep_stream``: each
     event's stream id."""
-    messages = [data for (data,) in conn.execute(
-        "select data from pg_catalog.pg_logical_slot_peek_binary_changes(%s, null, %s, "
-        "'proto_version', '1', 'publication_names', %s)",
-        [slot, max_changes, publication], binary=True).fetchall()]
-    # empty transactions are kept: they still move the slot forward
-    return PgOutputDecoder(keep_stream=keep_stream).decode(messages), len(messages)
+    decoder, txns, count = PgOutputDecoder(keep_stream=keep_stream), list[Transaction](), 0
+    chunk: list[bytes] = []
+    size = 0
+    # a row at a time, decoded in chunks as they come: the publication carries each event's payload (for the group
+    # run's reader), and this process holds a chunk of at most PEEK_CHUNK messages or bytes, not the whole peek
+    with conn.cursor(binary=True) as cur:
+        for (data,) in cur.stream("select data from pg_catalog.pg_logical_slot_peek_binary_changes(%s, null, %s, "
+                                  "'proto_version', '1', 'publication_names', %s)", [slot, max_changes, publication]):
+            chunk.append(data)
+            size += len(data)
+            if len(chunk) >= PEEK_CHUNK or size >= PEEK_CHUNK_BYTES:
+                count += len(chunk)
+                txns += decoder.decode(chunk)  # (empty transactions are kept: they still move the slot forward)
+                chunk, size = [], 0
+    count += len(chunk)
+    txns += decoder.decode(chunk)
+    return txns, count
 
 
 def drop_slot(conn: psycopg.Connection, slot: str) -> None:

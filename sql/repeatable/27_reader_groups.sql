@@ -20,7 +20,8 @@ as $$
 $$;
 revoke all on function pgstream.group_slot_name(text) from public;
 
--- The group's publication: pgstream_group_<name>, over pgstream.events (id, stream_id, created_at),
+-- The group's publication: pgstream_group_<name>, over pgstream.events (id, payload, metadata, stream_id,
+-- created_at: a group run hands what its reader records to its members' runs without reading it back),
 -- insert only, through the partition root, with the row filter stream_id in (<its members>).
 create or replace function pgstream.group_publication_name(p_group text)
 returns text language sql immutable
@@ -125,7 +126,8 @@ revoke all on function pgstream.register_group_member(bigint, text) from public;
 
 -- The group's publication exists and its row filter names exactly the group's members (joined and
 -- joining): created when missing ('created': what committed meanwhile was not decoded, the members
--- recover from the table), altered when the members changed ('altered'), else null. A publication of
+-- recover from the table), altered when the members changed ('altered'), else null (its columns set
+-- when an earlier version's publication lacks payload and metadata: the same rows). A publication of
 -- that name that is not the owner's, or publishes anything but pgstream.events, is refused (any role
 -- with CREATE on the database may create one by that name before the group exists).
 create or replace function pgstream.ensure_group_publication(p_group text)
@@ -150,7 +152,7 @@ begin
       from pg_catalog.pg_publication p where p.pubname operator(pg_catalog.=) v_name;
     if v_owner is null then
         execute pg_catalog.format(
-            'create publication %I for table pgstream.events (id, stream_id, created_at) '
+            'create publication %I for table pgstream.events (id, payload, metadata, stream_id, created_at) '
             'where (stream_id in (%s)) with (publish = %L, publish_via_partition_root = true)',
             v_name, v_filter, 'insert');
         update pgstream.reader_groups set members = v_members, changed_xmax = pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())
@@ -162,11 +164,18 @@ begin
             'than pgstream.events): drop it', p_group, v_name, v_owner using errcode = 'duplicate_object';
     end if;
     if v_members operator(pg_catalog.=) v_had then
+        if not exists (select from pg_catalog.pg_publication_tables t
+                       where t.pubname operator(pg_catalog.=) v_name
+                         and t.attnames operator(pg_catalog.@>) array['payload', 'metadata']::pg_catalog.name[]) then
+            execute pg_catalog.format(
+                'alter publication %I set table pgstream.events (id, payload, metadata, stream_id, created_at) '
+                'where (stream_id in (%s))', v_name, v_filter);
+        end if;
         return null;
     end if;
     execute pg_catalog.format(
-        'alter publication %I set table pgstream.events (id, stream_id, created_at) where (stream_id in (%s))',
-        v_name, v_filter);
+        'alter publication %I set table pgstream.events (id, payload, metadata, stream_id, created_at) '
+        'where (stream_id in (%s))', v_name, v_filter);
     update pgstream.reader_groups set members = v_members, changed_xmax = pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())
      where name operator(pg_catalog.=) p_group;
     return 'altered';

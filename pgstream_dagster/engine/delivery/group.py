@@ -20,6 +20,7 @@ import psycopg
 
 from ...config import StreamConfig
 from .. import dbconn
+from ..handoff import Handoff
 from ..ledger import groups, locks, state
 from ..limits import LimitsExceeded
 from ..replication import PublicationTaken
@@ -92,6 +93,8 @@ class GroupDelivery:
     executor_url: str
     host: GroupHost
     max_run_secs: float
+    #: what the group's reader (``host.read``) records for the members, taken by their runs in memory
+    handoff: Handoff | None = None
     #: every run key this group run took (or refused) since its last outage
     hosted: set[str] = field(default_factory=set)
     _members: dict[int, threading.Thread] = field(default_factory=dict)  # (their threads)
@@ -407,7 +410,7 @@ class GroupDelivery:
         try:
             run = DeliveryRun(stream, self.database_url, self.executor_url, run_id, order.batch_id,
                               order.through_batch_id, order.run_key,
-                              connections=self._connections).start(host.log)
+                              connections=self._connections, handoff=self.handoff).start(host.log)
             for _round in run.deliver(host):
                 pass
         except Exception as exc:

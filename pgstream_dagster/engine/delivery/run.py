@@ -25,6 +25,7 @@ from ...sinks import Sink, SinkError, build_sink
 from .. import dbconn, replication
 from ..batches import CloseRun
 from ..collector import fewer_collections
+from ..handoff import Handoff
 from ..ledger import deadletters, keyprogress, locks, state
 from ..publish import (
     BatchDone,
@@ -127,6 +128,8 @@ class DeliveryRun:
     started: float = 0.0
     #: where the run holds its lease and does its ledger work (None: a connection of its own)
     connections: locks.RunConnections | None = None
+    #: what its group run's reader recorded for it, in memory (``engine.handoff``; None: every round is read)
+    handoff: Handoff | None = None
 
     def __post_init__(self) -> None:
         self.ledger: locks.RunConnections = self.connections or locks.OwnConnection(self.database_url)
@@ -202,7 +205,8 @@ class DeliveryRun:
                     if batches:
                         with ledger.connection() as conn:  # (the round's: what the sink confirms is recorded on it)
                             recording = sink.go_on = locks.RecordingCheck(conn)  # once broken, nothing more is sent
-                            readers = Readers(self.database_url, self.executor_url, conn, host.spark, sink)
+                            readers = Readers(self.database_url, self.executor_url, conn, host.spark, sink,
+                                              self.handoff)
                             round_ = _Round(host, conn, recording, ledger, stream, sink, batches, self.database_url,
                                             self.executor_url)
                             source = choose_source(stream.delivery, Owed(round_.owed), readers)
@@ -216,8 +220,10 @@ class DeliveryRun:
                                 return
                         done = RoundReport(batches, delivered, started, type(source).__name__)
                         reports.add(done)
-                        yield done
                         after = batches[-1].id
+                        if self.handoff is not None:  # (a round not read from it: through Spark)
+                            self.handoff.forget(stream.id, after)
+                        yield done
                     handed = open_run.next_batches(after, more=more)
                     batches = direct_round(stream, handed)
                     more = len(batches) < len(handed)  # the rest was handed over already: the next round's

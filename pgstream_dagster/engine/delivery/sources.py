@@ -20,6 +20,7 @@ import psycopg
 
 from ...sinks.base import Event, Sink, event_from_text
 from .. import dbconn
+from ..handoff import Handoff
 from ..ledger.deadletters import DeadLetter
 from ..publish import (
     CHUNK_BYTES,
@@ -66,7 +67,8 @@ class EventSource(Protocol):
 @dataclasses.dataclass(frozen=True)
 class TableSource:
     """Route ``table``: ``spans`` read by the run's own connection with the Spark source's query (a Spark job
-    costs 0.1-0.3 s and half a CPU-second whatever its size: bench/cpu.py)."""
+    costs 0.1-0.3 s and half a CPU-second whatever its size: bench/cpu.py); a span the group run's reader
+    handed over in memory (``handoff``, :mod:`..handoff`) is taken from there instead."""
 
     conn: psycopg.Connection
     spans: Sequence[Span]
@@ -75,9 +77,15 @@ class TableSource:
     read_bytes: int = READ_BYTES
     #: an event whose payload is larger is not read (:class:`~..publish.TooLarge`): the sink's ``max_event_bytes()``
     event_bytes: int | None = None
+    handoff: Handoff | None = None
 
     def events(self) -> Iterator[Positioned]:
         for whole in self.spans:
+            kept = (self.handoff.take(whole.batch_id, whole.first, whole.last, self.event_bytes)
+                    if self.handoff is not None else None)
+            if kept is not None:
+                yield from kept
+                continue
             for span in whole.split(FETCH_ROWS):
                 # each piece fetched whole before anything is yielded: the caller writes on the same connection
                 yield from self._read(span.batch_id, span.first, span.last)
@@ -267,6 +275,8 @@ class Readers:
     spark: SparkLoader | None = None
     #: the sink the events go to: whether it takes JSON lines, the largest event it takes
     sink: Sink | None = None
+    #: what the group run's reader recorded, in memory (a round takes its batches from there first)
+    handoff: Handoff | None = None
 
 
 def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: Readers) -> Route:
@@ -319,7 +329,7 @@ def choose_source(delivery: DeliveryConfig, want: Owed | Selection | Letters, re
         return SparkSource(loaded, delivery.tuning.prefetch_partitions)
     if chosen is Route.TABLE:
         assert readers.conn is not None
-        return TableSource(readers.conn, want.spans, delivery.routing_key, read_bytes, limit)
+        return TableSource(readers.conn, want.spans, delivery.routing_key, read_bytes, limit, readers.handoff)
     from .. import spark
 
     frames = spark.load_batches(_session(readers), readers.executor_url, want.spans, delivery.routing_key,

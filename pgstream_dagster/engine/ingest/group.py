@@ -18,6 +18,7 @@ import psycopg
 
 from ...config import StreamConfig, recording_stand_in
 from .. import limits, replication, walstream
+from ..handoff import Handoff
 from ..ledger import groups, recording
 from ..replication import Transaction
 from ..runlog import Log
@@ -339,10 +340,11 @@ def join_members(conn: psycopg.Connection, group: str, state: groups.Group, stre
 
 class GroupStream:
     """The group's slot over the replication protocol (a :class:`~.source.StreamSource` and its recording loop),
-    kept across :func:`consume_group` calls until the slot, connection or members change or :meth:`close`."""
+    kept across :func:`consume_group` calls until the slot, connection or members change or :meth:`close`;
+    ``handoff``: where what it records for the members the group run hosts goes in memory (their runs take it)."""
 
-    def __init__(self, database_url: str, application_name: str) -> None:
-        self.database_url, self.application_name = database_url, application_name
+    def __init__(self, database_url: str, application_name: str, handoff: Handoff | None = None) -> None:
+        self.database_url, self.application_name, self.handoff = database_url, application_name, handoff
         self.source: StreamSource | None = None
         self._recorder: Recorder | None = None
         self._key: tuple[str, str, frozenset[int]] | None = None
@@ -358,7 +360,7 @@ class GroupStream:
         if recorder is None or recorder.conn is not conn or key != self._key:
             self.close()
             self.source = StreamSource(self.database_url, slot, key[1], self.application_name,
-                                       max_bytes=rule.max_bytes, keep_stream=True)
+                                       max_bytes=rule.max_bytes, keep_stream=True, keep_rows=self.handoff is not None)
             recorder = self._recorder = Recorder(
                 conn, self.source, ledgers, rule, standby=self.application_name, route=route(set(ledgers)),
                 recorded_through=lambda c, lsn: groups.record_group_through(c, group, lsn))
@@ -428,7 +430,11 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     # ends before its join position (its own slot, or for a new stream the table, gives it)
     reader = groups.group_reader(group)
     joined = {m.id for m in state.members if m.joined}
-    ledgers = {sid: StreamLedger(s, reader) for sid, s in by_id.items() if sid in joined}
+    # what the group run's reader records for a member it hosts (not one in mode per_batch, nor a stand-in) is
+    # handed to the member's run in memory as well
+    handoff = kept.handoff if kept is not None else None
+    ledgers = {sid: StreamLedger(s, reader, handoff=handoff if s.sink is not None and s.delivery.keeps_open else None)
+               for sid, s in by_id.items() if sid in joined}
     if not ledgers:
         return False
     until = max(deadline, started + 1.0)  # how long a recording waits for its transactions to be visible

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from ...config import StreamConfig
+from ..handoff import Handoff
 from ..ledger import recording, state
 from ..replication import Transaction
 from .source import SlotSource
@@ -83,6 +84,8 @@ class StreamLedger:
     stream: StreamConfig
     reader: str
     run_key: str | None = None
+    #: where its runs take what is recorded in memory (a group run's members), else None
+    handoff: Handoff | None = None
     batches: list[int] = field(default_factory=list)
     events: int = 0
     unreadable: int = 0
@@ -114,23 +117,31 @@ def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_s
     stream was lost); the streams whose declared reader is no longer the loop's (nothing recorded, not confirmed)."""
     lost: set[int] = set()
     done: list[tuple[StreamLedger, list[int], list[Transaction]]] = []
-    with conn.transaction():
-        for stream_id, txns in by_stream.items():
-            target = ledgers[stream_id]
-            # the declared reader, under the stream row's lock (a joining member may have been handed over)
-            if state.slot_reader(conn, stream_id, lock=True) != target.reader:
-                lost.add(stream_id)
-                continue
-            # what the ledger holds already (read again: not confirmed yet) is recorded once
-            fresh = [t for t in unrecorded(conn, stream_id, txns) if t.events or t.unreadable]
-            if fresh:
-                ids = recording.record(conn, stream_id, fresh, target.stream.batch.max_size, standby=standby,
-                                       give_up=give_up)
-                done.append((target, ids, fresh))
-            if target.run_key is not None:
-                state.extend_run(conn, stream_id, target.run_key, target.stream.delivery.max_events_per_run)
-        if also is not None and not lost:
-            also(conn)
+    handed: list[tuple[Handoff, list[int]]] = []  # (dropped again if the transaction does not commit)
+    try:
+        with conn.transaction():
+            for stream_id, txns in by_stream.items():
+                target = ledgers[stream_id]
+                # the declared reader, under the stream row's lock (a joining member may have been handed over)
+                if state.slot_reader(conn, stream_id, lock=True) != target.reader:
+                    lost.add(stream_id)
+                    continue
+                # what the ledger holds already (read again: not confirmed yet) is recorded once
+                fresh = [t for t in unrecorded(conn, stream_id, txns) if t.events or t.unreadable]
+                if fresh:
+                    max_size = target.stream.batch.max_size
+                    ids = recording.record(conn, stream_id, fresh, max_size, standby=standby, give_up=give_up)
+                    done.append((target, ids, fresh))
+                    if target.handoff is not None:  # before the commit that wakes its run
+                        handed.append((target.handoff, target.handoff.put(stream_id, ids, fresh, max_size)))
+                if target.run_key is not None:
+                    state.extend_run(conn, stream_id, target.run_key, target.stream.delivery.max_events_per_run)
+            if also is not None and not lost:
+                also(conn)
+    except BaseException:
+        for handoff, ids in handed:
+            handoff.discard(ids)
+        raise
     for target, ids, fresh in done:
         target.counted(ids, fresh)
     return lost

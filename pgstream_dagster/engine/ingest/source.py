@@ -128,14 +128,15 @@ class PeekSource:
 
 class StreamSource:
     """:class:`SlotSource` over :class:`~..walstream.ReplicationStream` (raising what it raises);
-    ``keep_stream``: each event's stream id decoded (a reader group's slot)."""
+    ``keep_stream``: each event's stream id decoded (a reader group's slot); ``keep_rows``: its payload and
+    metadata text too (a group run hands them to its members)."""
 
     def __init__(self, database_url: str, slot: str, publication: str, application_name: str, *,
-                 max_bytes: int, keep_stream: bool = False) -> None:
+                 max_bytes: int, keep_stream: bool = False, keep_rows: bool = False) -> None:
         self.publication = publication
         self.stream = walstream.ReplicationStream(database_url, slot, publication, application_name,
                                                   max_bytes=max_bytes)
-        self.decoder = replication.PgOutputDecoder(keep_stream=keep_stream)
+        self.decoder = replication.PgOutputDecoder(keep_stream=keep_stream, keep_rows=keep_rows)
         self._probe: tuple[dt.datetime, int] | None = None  # (a time, the WAL flushed then)
 
     @property
@@ -156,6 +157,7 @@ class StreamSource:
 
     def confirm(self, lsn: int) -> None:
         self.stream.confirm(lsn)
+        self.decoder.recorded()  # (confirmed once recorded)
 
     def skip_idle(self, conn: psycopg.Connection) -> dt.datetime | None:
         seen: dt.datetime | None = None

@@ -1,0 +1,113 @@
+"""What a group delivery run's reader recorded, handed to its members' runs in memory.
+
+The reader decodes each event from the WAL with its payload and metadata (the group's publication carries them:
+the text the WAL holds is what ``payload::text`` returns) and records the batches in the ledger, putting their
+events here in the recording transaction (dropped again if it rolls back); a member's run that delivers one of
+them takes it instead of reading it back from ``pgstream.events`` (:class:`~.delivery.sources.TableSource`).
+What is not here (a batch recorded by the sensor, recovered from the table, or put when the hand-off was full;
+a run that restarted) is read from the table: this only saves work, the ledger stays the source of truth.
+
+One per group run, bounded for all its members together (events and bytes); what no run took within
+:data:`KEEP_SECS` is dropped (a paused member, one whose round went to Spark)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from collections.abc import Sequence
+
+from ..sinks.base import event_from_text
+from .publish import Positioned, TooLarge
+from .replication import DecodedEvent, Transaction
+
+#: events and bytes (of payload and metadata text) kept at most for a whole group
+MAX_EVENTS = 200_000
+MAX_BYTES = 128 * 2**20
+#: a batch no run took within this many seconds is dropped
+KEEP_SECS = 60.0
+
+
+class Handoff:
+    """Events of recorded batches, by batch id, until a member's run takes them. Thread-safe: the group's reader
+    puts, the members' threads take."""
+
+    def __init__(self, max_events: int = MAX_EVENTS, max_bytes: int = MAX_BYTES) -> None:
+        self.max_events, self.max_bytes = max_events, max_bytes
+        #: batch id -> (stream id, events with their text, bytes, when put)
+        self._batches: dict[int, tuple[int, list[DecodedEvent], int, float]] = {}
+        self._events = self._bytes = 0
+        self._lock = threading.Lock()
+        #: events taken from here, and spans asked for that were not here (read from the table)
+        self.taken = self.missed = 0
+
+    def put(self, stream_id: int, batch_ids: Sequence[int], txns: Sequence[Transaction], max_size: int) -> list[int]:
+        """The events of the stream's batches ``batch_ids`` just recorded from ``txns`` (batch ``batch_ids[i]`` holds
+        events ``i * max_size`` to ``(i + 1) * max_size`` of the transactions' events in order, as
+        ``ledger.recording.record`` cuts them); the batch ids kept (not all when full, or when an event came
+        without its text)."""
+        events = [e for t in txns for e in t.events]
+        kept: list[int] = []
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            for i, batch_id in enumerate(batch_ids):
+                chunk = events[i * max_size:(i + 1) * max_size]
+                if not chunk or any(e.payload is None for e in chunk):
+                    continue
+                size = sum([len(e.payload or "") + len(e.metadata or "") for e in chunk])
+                if self._events + len(chunk) > self.max_events or self._bytes + size > self.max_bytes:
+                    break  # full: these and the later ones are read from the table
+                self._batches[batch_id] = (stream_id, chunk, size, now)
+                self._events += len(chunk)
+                self._bytes += size
+                kept.append(batch_id)
+        return kept
+
+    def discard(self, batch_ids: Sequence[int]) -> None:
+        """Drop these batches (their recording rolled back)."""
+        with self._lock:
+            self._drop([b for b in batch_ids if b in self._batches])
+
+    def take(self, batch_id: int, first: int, last: int, event_bytes: int | None = None) -> list[Positioned] | None:
+        """Ordinals ``first`` to ``last`` of the batch as events (the batch is then forgotten), or ``None`` when it
+        is not here. A payload larger than ``event_bytes`` bytes (the sink's limit) comes as :class:`TooLarge`."""
+        with self._lock:
+            entry = self._batches.get(batch_id)
+            if entry is not None:
+                self._drop([batch_id])
+        if entry is None or not 1 <= first <= last <= len(entry[1]):
+            self.missed += 1
+            return None
+        utc = dt.UTC
+        taken: list[Positioned] = []
+        for ord_, e in enumerate(entry[1][first - 1:last], start=first):
+            payload = e.payload
+            assert payload is not None  # (put keeps no batch with an event without its text)
+            if event_bytes is not None and len(payload) * 4 > event_bytes \
+                    and (size := len(payload.encode())) > event_bytes:
+                taken.append((batch_id, ord_, TooLarge(e.id, size, event_bytes)))
+                continue
+            taken.append((batch_id, ord_, event_from_text(e.id, entry[0], e.created_at.astimezone(utc), payload,
+                                                          e.metadata)))
+        self.taken += len(taken)
+        return taken
+
+    def forget(self, stream_id: int, through_batch_id: int) -> None:
+        """Drop the stream's batches up to ``through_batch_id`` (delivered another way: through Spark)."""
+        with self._lock:
+            self._drop([b for b, entry in self._batches.items() if entry[0] == stream_id and b <= through_batch_id])
+
+    @property
+    def events(self) -> int:
+        """Events kept now."""
+        return self._events
+
+    def _expire(self, now: float) -> None:
+        self._drop([b for b, entry in self._batches.items() if now - entry[3] > KEEP_SECS])
+
+    def _drop(self, batch_ids: list[int]) -> None:
+        for batch_id in batch_ids:
+            _stream, events, size, _at = self._batches.pop(batch_id)
+            self._events -= len(events)
+            self._bytes -= size
