@@ -120,6 +120,38 @@ def test_decoder_reads_id_and_created_at_wherever_the_relation_puts_them() -> No
         replication.PgOutputDecoder().decode([begin, _relation(1, ["id", "created_at"]), _insert(1, ["1", None])])
 
 
+def test_decoder_keeps_payload_and_metadata_text_within_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With keep_rows, an INSERT's payload and metadata come as the text the WAL carries (a relation without them,
+    an earlier version's publication: none); a payload over KEEP_ROW_BYTES, or one decoded once KEEP_BUDGET_BYTES
+    were kept since the last recording, comes without (read from the table); recorded() makes room again."""
+    monkeypatch.setattr(replication, "KEEP_ROW_BYTES", 20)
+    monkeypatch.setattr(replication, "KEEP_BUDGET_BYTES", 25)
+    begin = b"B" + struct.pack("!qqI", 100, 0, 7)
+    commit = b"C" + struct.pack("!bqqq", 0, 100, 120, 0)
+    ts = "2026-11-22 10:00:00+00"
+    decoder = replication.PgOutputDecoder(keep_stream=True, keep_rows=True)
+    (txn,) = decoder.decode([
+        begin, _relation(1, ["id", "payload", "metadata", "stream_id", "created_at"]),
+        _insert(1, ["1", '{"a": "\u00e9"}', None, "3", ts]),  # 11 bytes kept
+        _insert(1, ["2", '{"big": "' + "x" * 30 + '"}', '{"m": 1}', "3", ts]),  # over KEEP_ROW_BYTES
+        _insert(1, ["3", '{"b": 2}', '{"m": 1}', "3", ts]),  # 16 bytes kept: 27 in all
+        _insert(1, ["4", '{"c": 3}', None, "3", ts]),  # the budget is spent
+        _relation(2, ["id", "stream_id", "created_at"]),  # an earlier version's publication
+        _insert(2, ["5", "3", ts]),
+        commit])
+    assert [(e.id, e.stream_id, e.payload, e.metadata) for e in txn.events] == [
+        (1, 3, '{"a": "\u00e9"}', None), (2, 3, None, None), (3, 3, '{"b": 2}', '{"m": 1}'), (4, 3, None, None),
+        (5, 3, None, None)]
+    decoder.recorded()
+    (again,) = decoder.decode([begin, _insert(1, ["6", '{"d": 4}', None, "3", ts]), commit])
+    assert [(e.id, e.payload) for e in again.events] == [(6, '{"d": 4}')]
+    # without keep_rows (the sensor's peek) nothing is kept
+    (peeked,) = replication.PgOutputDecoder(keep_stream=True).decode(
+        [begin, _relation(1, ["id", "payload", "metadata", "stream_id", "created_at"]),
+         _insert(1, ["1", "{}", None, "3", ts]), commit])
+    assert [(e.id, e.payload) for e in peeked.events] == [(1, None)]
+
+
 def test_tick_records_batches_and_rerun_requests_nothing_twice(db_url: str, tmp_path: Path,
                                                                instance: dg.DagsterInstance) -> None:
     """A stream in mode per_batch (a Dagster run of its own per decision, requested by its group's sensor, which

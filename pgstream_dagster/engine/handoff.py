@@ -21,7 +21,7 @@ from ..sinks.base import event_from_text
 from .publish import Positioned, TooLarge
 from .replication import DecodedEvent, Transaction
 
-#: events and bytes (of payload and metadata text) kept at most for a whole group
+#: events, and characters of payload and metadata text, kept at most for a whole group
 MAX_EVENTS = 200_000
 MAX_BYTES = 128 * 2**20
 #: a batch no run took within this many seconds is dropped
