@@ -245,6 +245,7 @@ def test_the_hand_off_is_bounded_drops_a_rolled_back_recording_and_what_no_run_t
         time.sleep(0.01)
         assert kept.put(1, [15], [Transaction(1, events=[DecodedEvent(40, at, 1, None, None)])], 10) == []
         assert kept.events == 0 and kept.take(14, 1, 1) is None  # expired meanwhile
+        assert kept._streams == {}  # (nothing of them left behind)
     finally:
         handoff.KEEP_SECS = original
 

@@ -12,6 +12,7 @@ One per group run, bounded for all its members together (events and bytes); what
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import threading
 import time
@@ -34,8 +35,10 @@ class Handoff:
 
     def __init__(self, max_events: int = MAX_EVENTS, max_bytes: int = MAX_BYTES) -> None:
         self.max_events, self.max_bytes = max_events, max_bytes
-        #: batch id -> (stream id, events with their text, bytes, when put)
+        #: batch id -> (stream id, events with their text, characters, when put), in the order put (oldest first)
         self._batches: dict[int, tuple[int, list[DecodedEvent], int, float]] = {}
+        #: per stream, its batch ids in the order put (some may be gone: taken, discarded, expired)
+        self._streams: dict[int, collections.deque[int]] = {}
         self._events = self._bytes = 0
         self._lock = threading.Lock()
         #: events taken from here, and spans asked for that were not here (read from the table)
@@ -59,6 +62,7 @@ class Handoff:
                 if self._events + len(chunk) > self.max_events or self._bytes + size > self.max_bytes:
                     break  # full: these and the later ones are read from the table
                 self._batches[batch_id] = (stream_id, chunk, size, now)
+                self._streams.setdefault(stream_id, collections.deque()).append(batch_id)
                 self._events += len(chunk)
                 self._bytes += size
                 kept.append(batch_id)
@@ -76,6 +80,7 @@ class Handoff:
             entry = self._batches.get(batch_id)
             if entry is not None:
                 self._drop([batch_id])
+                self._trim(entry[0])
         if entry is None or not 1 <= first <= last <= len(entry[1]):
             self.missed += 1
             return None
@@ -96,7 +101,12 @@ class Handoff:
     def forget(self, stream_id: int, through_batch_id: int) -> None:
         """Drop the stream's batches up to ``through_batch_id`` (delivered another way: through Spark)."""
         with self._lock:
-            self._drop([b for b, entry in self._batches.items() if entry[0] == stream_id and b <= through_batch_id])
+            ids = self._streams.get(stream_id)
+            while ids and ids[0] <= through_batch_id:  # (batch ids grow in the order put)
+                batch_id = ids.popleft()
+                if batch_id in self._batches:
+                    self._drop([batch_id])
+            self._trim(stream_id)
 
     @property
     def events(self) -> int:
@@ -104,7 +114,23 @@ class Handoff:
         return self._events
 
     def _expire(self, now: float) -> None:
-        self._drop([b for b, entry in self._batches.items() if now - entry[3] > KEEP_SECS])
+        old: list[int] = []
+        for batch_id, entry in self._batches.items():  # oldest first: up to the first one young enough
+            if now - entry[3] <= KEEP_SECS:
+                break
+            old.append(batch_id)
+        streams = {self._batches[b][0] for b in old}
+        self._drop(old)
+        for stream_id in streams:
+            self._trim(stream_id)
+
+    def _trim(self, stream_id: int) -> None:
+        """The stream's oldest batch ids that are gone (taken, expired) are not kept for a forget that may not come."""
+        ids = self._streams.get(stream_id)
+        while ids and ids[0] not in self._batches:
+            ids.popleft()
+        if ids is not None and not ids:
+            del self._streams[stream_id]
 
     def _drop(self, batch_ids: list[int]) -> None:
         for batch_id in batch_ids:
