@@ -429,8 +429,9 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
         # the application's role (and so every tenant's) may call none of them; no grant to public either
         for fn in ("register_group_member(bigint, text)", "ensure_group_publication(text)", "begin_join(bigint, text)",
                    "finish_join(bigint, text)", "group_slot_name(text)"):
-            assert c.execute("select has_function_privilege('pgstream_writer', %s, 'execute')",
-                             [f"pgstream.{fn}"]).fetchone() == (False,), fn
+            for role in ("pgstream_writer", "pgstream_executor"):  # (the executor: every Spark host's credential)
+                assert c.execute("select has_function_privilege(%s, %s, 'execute')",
+                                 [role, f"pgstream.{fn}"]).fetchone() == (False,), (role, fn)
             assert c.execute("select coalesce(bool_or(a.grantee = 0), false) from pg_proc p, aclexplode(p.proacl) a "
                              "where p.oid = %s::regprocedure", [f"pgstream.{fn}"]).fetchone() == (False,), fn
         c.execute("create role hostile_tenant login")
@@ -448,14 +449,19 @@ def test_group_functions_belong_to_the_owner_and_membership_cannot_be_written(db
                 # ... nor by declaring the group its reader (only begin_join may; the constraint: only a member's)
                 with pytest.raises(psycopg.errors.InsufficientPrivilege, match=r"only pgstream\.begin_join hands"):
                     h.execute("update pgstream.streams set slot_reader = 'group:shared' where id = 2")
-                # nor by altering the group's publication
-                with pytest.raises(psycopg.errors.InsufficientPrivilege):
-                    h.execute("alter publication pgstream_group_shared set table pgstream.events where (true)")
+                # nor by altering the group's publication (its rows, or its columns: the payloads its run hands over)
+                for statement in ("alter publication pgstream_group_shared set table pgstream.events where (true)",
+                                  "alter publication pgstream_group_shared set table pgstream.events "
+                                  "(id, stream_id, created_at) where (true)"):
+                    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                        h.execute(statement)
         finally:
             c.execute("drop owned by hostile_tenant")
             c.execute("drop role hostile_tenant")
         assert c.execute("select reader_group from pgstream.streams where id = 2").fetchone() == (None,)
         assert c.execute("select members from pgstream.reader_groups").fetchone() == ([1],)
+        assert c.execute("select attnames from pg_publication_tables where pubname = 'pgstream_group_shared'"
+                         ).fetchone() == (["id", "payload", "metadata", "stream_id", "created_at"],)
 
 
 # --- end to end through Dagster ---------------------------------------------------------------------

@@ -41,8 +41,6 @@ class Handoff:
         self._streams: dict[int, collections.deque[int]] = {}
         self._events = self._bytes = 0
         self._lock = threading.Lock()
-        #: events taken from here, and spans asked for that were not here (read from the table)
-        self.taken = self.missed = 0
 
     def put(self, stream_id: int, batch_ids: Sequence[int], txns: Sequence[Transaction], max_size: int) -> list[int]:
         """The events of the stream's batches ``batch_ids`` just recorded from ``txns`` (batch ``batch_ids[i]`` holds
@@ -82,7 +80,6 @@ class Handoff:
                 self._drop([batch_id])
                 self._trim(entry[0])
         if entry is None or not 1 <= first <= last <= len(entry[1]):
-            self.missed += 1
             return None
         utc = dt.UTC
         taken: list[Positioned] = []
@@ -95,7 +92,6 @@ class Handoff:
                 continue
             taken.append((batch_id, ord_, event_from_text(e.id, entry[0], e.created_at.astimezone(utc), payload,
                                                           e.metadata)))
-        self.taken += len(taken)
         return taken
 
     def forget(self, stream_id: int, through_batch_id: int) -> None:

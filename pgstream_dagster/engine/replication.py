@@ -151,16 +151,14 @@ class PgOutputDecoder:
                     stream = last_stream[1]
                 payload: str | None = None
                 metadata: str | None = None
-                if payload_col >= 0 and (raw_payload := values[payload_col]) is not None \
-                        and len(raw_payload) <= KEEP_ROW_BYTES and self._kept_bytes < KEEP_BUDGET_BYTES:
-                    raw_meta = values[metadata_col]
+                if payload_col >= 0 and self._kept_bytes < KEEP_BUDGET_BYTES \
+                        and (raw_payload := values[payload_col]) is not None and len(raw_payload) <= KEEP_ROW_BYTES \
+                        and ((raw_meta := values[metadata_col]) is None or len(raw_meta) <= KEEP_ROW_BYTES):
                     self._kept_bytes += len(raw_payload) + (len(raw_meta) if raw_meta is not None else 0)
                     try:
                         payload = raw_payload.decode()
                         metadata = None if raw_meta is None else raw_meta.decode()
                     except UnicodeDecodeError:  # (the server's encoding is not UTF-8: read from the table)
-                        payload = metadata = None
-                    if raw_meta is not None and len(raw_meta) > KEEP_ROW_BYTES:
                         payload = metadata = None
                 append(new_tuple(DecodedEvent, (event_id, last[1], stream, payload, metadata)))
             else:

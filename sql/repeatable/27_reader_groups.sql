@@ -142,6 +142,8 @@ declare
     v_name    text := pgstream.group_publication_name(p_group);
     v_filter  text;
     v_owner   text;
+    -- the group run's reader hands payload and metadata to its members' runs (engine/handoff.py)
+    v_columns constant text := 'id, payload, metadata, stream_id, created_at';
 begin
     v_had := (pgstream._group_call('ensure_group_publication', p_group, '{}', true)).members;
     select coalesce(pg_catalog.array_agg(s.id order by s.id), '{}') into v_members
@@ -152,9 +154,9 @@ begin
       from pg_catalog.pg_publication p where p.pubname operator(pg_catalog.=) v_name;
     if v_owner is null then
         execute pg_catalog.format(
-            'create publication %I for table pgstream.events (id, payload, metadata, stream_id, created_at) '
+            'create publication %I for table pgstream.events (%s) '
             'where (stream_id in (%s)) with (publish = %L, publish_via_partition_root = true)',
-            v_name, v_filter, 'insert');
+            v_name, v_columns, v_filter, 'insert');
         update pgstream.reader_groups set members = v_members, changed_xmax = pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())
          where name operator(pg_catalog.=) p_group;
         return 'created';
@@ -163,19 +165,18 @@ begin
         raise exception 'pgstream: reader group %: publication % is not the group''s (owner %, or it publishes more '
             'than pgstream.events): drop it', p_group, v_name, v_owner using errcode = 'duplicate_object';
     end if;
-    if v_members operator(pg_catalog.=) v_had then
-        if not exists (select from pg_catalog.pg_publication_tables t
-                       where t.pubname operator(pg_catalog.=) v_name
-                         and t.attnames operator(pg_catalog.@>) array['payload', 'metadata']::pg_catalog.name[]) then
-            execute pg_catalog.format(
-                'alter publication %I set table pgstream.events (id, payload, metadata, stream_id, created_at) '
-                'where (stream_id in (%s))', v_name, v_filter);
-        end if;
+    if v_members operator(pg_catalog.=) v_had
+       and exists (select from pg_catalog.pg_publication_tables t
+                   where t.pubname operator(pg_catalog.=) v_name
+                     and t.attnames operator(pg_catalog.@>) array['payload', 'metadata']::pg_catalog.name[]) then
         return null;
     end if;
-    execute pg_catalog.format(
-        'alter publication %I set table pgstream.events (id, payload, metadata, stream_id, created_at) '
-        'where (stream_id in (%s))', v_name, v_filter);
+    -- the members changed, or an earlier version's publication lacks payload and metadata (the same rows)
+    execute pg_catalog.format('alter publication %I set table pgstream.events (%s) where (stream_id in (%s))',
+                              v_name, v_columns, v_filter);
+    if v_members operator(pg_catalog.=) v_had then
+        return null;
+    end if;
     update pgstream.reader_groups set members = v_members, changed_xmax = pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())
      where name operator(pg_catalog.=) p_group;
     return 'altered';
