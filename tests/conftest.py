@@ -50,27 +50,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest in file order
 
 
-def _no_logging_reconfiguration_per_run() -> None:
-    """Dagster calls ``logging.config.dictConfig`` each time it builds a run's or step's log manager (to read
-    the handlers of ``python_logs`` in dagster.yaml, even when there are none), and ``dictConfig`` closes
-    every handler of the process while it holds logging's module lock. The tests run several runs in
-    threads of one process (in-process runs, sensors, replays): a thread inside a handler (writing a
-    Dagster event to the event log, whose SQLAlchemy logger then waits for the module lock) and a run
-    starting in another thread deadlock (cpython#96727). A run worker in production hosts one run, so it
-    does not happen there. With no handlers configured, skip the reconfiguration (what it returns is
-    the same: no handlers)."""
-    original = dg.DagsterInstance.get_yaml_python_handlers
-
-    def yaml_python_handlers(self: dg.DagsterInstance) -> list:  # type: ignore[type-arg]
-        if not self.get_python_log_dagster_handler_config():
-            return []
-        return list(original(self))
-
-    dg.DagsterInstance.get_yaml_python_handlers = yaml_python_handlers  # type: ignore[method-assign,assignment]
-
-
-_no_logging_reconfiguration_per_run()
-
 TEMPLATE = "pgstream_template"
 _counter = itertools.count()
 

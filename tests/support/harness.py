@@ -33,6 +33,29 @@ from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.sinks.memory import MemorySink
 
 
+def _no_logging_reconfiguration_per_run() -> None:
+    """Dagster calls ``logging.config.dictConfig`` each time it builds a run's or step's log manager (to read
+    the handlers of ``python_logs`` in dagster.yaml, even when there are none), and ``dictConfig`` closes
+    every handler of the process while it holds logging's module lock. The tests run several runs in
+    threads of one process (in-process runs, sensors, replays): a thread inside a handler (writing a
+    Dagster event to the event log, whose SQLAlchemy logger then waits for the module lock) and a run
+    starting in another thread deadlock (cpython#96727). A run worker in production hosts one run, so it
+    does not happen there. With no handlers configured, skip the reconfiguration (what it returns is
+    the same: no handlers). Applied when this module is imported: by the test process (conftest) and by every
+    child process that hosts runs in threads (tests/support/*_child.py, through :class:`Driver`)."""
+    original = dg.DagsterInstance.get_yaml_python_handlers
+
+    def yaml_python_handlers(self: dg.DagsterInstance) -> list:  # type: ignore[type-arg]
+        if not self.get_python_log_dagster_handler_config():
+            return []
+        return list(original(self))
+
+    dg.DagsterInstance.get_yaml_python_handlers = yaml_python_handlers  # type: ignore[method-assign,assignment]
+
+
+_no_logging_reconfiguration_per_run()
+
+
 def write_config(path: Path, database_url: str, streams: list[dict[str, Any]],
                  subscriptions: list[dict[str, Any]] | None = None, spark: dict[str, Any] | None = None) -> Path:
     """``streams`` as in pgstream.yaml; a stream that says nothing of its mode gets the product's default

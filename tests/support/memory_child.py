@@ -15,6 +15,7 @@ Writes SPEC_JSON.out.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import re
@@ -76,8 +77,15 @@ def _ids(path: Path) -> list[int]:
     return ids
 
 
+#: the child's own deadline (seconds): past it, every thread's stack goes to SPEC_JSON.stacks and the child exits,
+#: before the test's timeout, so a child that hangs says where
+HANG_SECS = 480
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    stacks = Path(sys.argv[1] + ".stacks").open("w")  # (open until the process ends)
+    faulthandler.dump_traceback_later(HANG_SECS, exit=True, file=stacks)
     tmp, db_url, mode = Path(spec["tmp"]), spec["db_url"], spec["mode"]
     out = tmp / "out.jsonl"
     delivery: dict[str, Any] = {"chunk_size": 500, **spec.get("delivery", {})}
