@@ -162,20 +162,40 @@ def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
                                 start_new_session=True)
 
 
+#: what the master's log says once it listens: its URL, then its web UI's (the port it bound: a port asked for
+#: and taken meanwhile by another process is replaced by the next one, which only the log tells)
+_MASTER_AT = re.compile(r"Starting Spark master at (spark://\S+)")
+_MASTER_UI_AT = re.compile(r"Bound MasterWebUI to \S+, and started at http://[^:/\s]+:(\d+)")
+
+
 def start_cluster(base: Path, workers: int = 2, cores: int = 1, memory: str = "1g",
                   timeout: float = 90) -> SparkCluster:
     """A master and ``workers`` workers (``cores`` and ``memory`` each) on 127.0.0.1, waiting until
-    every worker is registered."""
+    every worker is registered. The workers start once the master's log says where it listens."""
     python = make_executor_python(base)
     home = spark_home()
     env = {**_clean_env(), "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_DAEMON_MEMORY": "256m",
            "PYSPARK_PYTHON": str(python)}
     spark_class = str(Path(home) / "bin" / "spark-class")
-    port, webui_port = free_port(), free_port()
-    cluster = SparkCluster(f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{webui_port}", python, base)
+    cluster = SparkCluster("", "", python, base)
+    deadline = time.monotonic() + timeout
+
+    def waiting(what: str) -> None:
+        for proc in cluster.procs:
+            assert proc.poll() is None, f"a Spark daemon exited with {proc.returncode}; see {base}/*.log"
+        assert time.monotonic() < deadline, f"the Spark cluster did not come up in {timeout:.0f}s ({what}); see {base}"
+        time.sleep(0.3)
+
     try:
-        cluster.procs.append(_spawn([spark_class, MASTER_CLASS, "--host", "127.0.0.1", "--port", str(port),
-                                     "--webui-port", str(webui_port)], base / "master.log", env))
+        master_log = base / "master.log"
+        cluster.procs.append(_spawn([spark_class, MASTER_CLASS, "--host", "127.0.0.1", "--port", str(free_port()),
+                                     "--webui-port", str(free_port())], master_log, env))
+        while not (cluster.master_url and cluster.webui):
+            text = master_log.read_text(errors="replace")
+            if (url := _MASTER_AT.search(text)) and (ui := _MASTER_UI_AT.search(text)):
+                cluster.master_url, cluster.webui = url.group(1), f"http://127.0.0.1:{ui.group(1)}"
+            else:
+                waiting("the master's URLs not in its log")
         for i in range(workers):
             work = base / f"worker-{i}" / "work"
             work.mkdir(parents=True)
@@ -183,18 +203,14 @@ def start_cluster(base: Path, workers: int = 2, cores: int = 1, memory: str = "1
                 [spark_class, WORKER_CLASS, "--host", "127.0.0.1", "--cores", str(cores), "--memory", memory,
                  "--webui-port", str(free_port()), "--work-dir", str(work), cluster.master_url],
                 base / f"worker-{i}.log", {**env, "SPARK_WORKER_DIR": str(work)}))
-        deadline = time.monotonic() + timeout
         while True:
-            for proc in cluster.procs:
-                assert proc.poll() is None, f"a Spark daemon exited with {proc.returncode}; see {base}/*.log"
             try:
                 alive = [w for w in cluster.state().get("workers", []) if w.get("state") == "ALIVE"]
                 if len(alive) == workers:
                     return cluster
             except (OSError, ValueError):  # not listening yet, or an empty answer while the UI starts
                 pass
-            assert time.monotonic() < deadline, f"the Spark cluster did not come up in {timeout:.0f}s; see {base}"
-            time.sleep(0.3)
+            waiting(f"{workers} workers registered")
     except BaseException:
         cluster.stop()
         raise
