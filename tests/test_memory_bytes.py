@@ -38,8 +38,9 @@ def _child(tmp_path: Path, db_url: str, storage: str, mode: str, **delivery: Any
                                 "events": EVENTS, "mib": MIB, "mode": mode, "delivery": delivery}))
     done = subprocess.run([sys.executable, "-m", "tests.support.memory_child", str(spec)],
                           cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
-    stacks = Path(str(spec) + ".stacks").read_text()  # (written only by a child that hung: where each thread was)
-    assert done.returncode == 0, stacks + done.stderr[-3000:]
+    # where each thread was, written only by a child that hung (no file: one that failed before it opened it)
+    stacks = Path(str(spec) + ".stacks")
+    assert done.returncode == 0, (stacks.read_text() if stacks.exists() else "") + done.stderr[-3000:]
     measured: dict[str, Any] = json.loads(Path(str(spec) + ".out").read_text())
     return measured
 
