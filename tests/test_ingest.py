@@ -6,6 +6,7 @@ reader (``pgstream.streams.slot_reader``)."""
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -324,3 +325,36 @@ def test_a_recording_pass_is_one_transaction_without_savepoints(db_url: str, tmp
         recording.record(c, 1, source.PeekSource(c, slot_of(db_url, 1), stream.publication, 1000).read(0)[-1:], 4)
         assert c.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
         assert len(_recorded(db_url, 1)) == 8
+
+
+def test_recovery_from_the_table_takes_its_snapshot_again_when_the_streams_row_changed_under_it(
+        db_url: str, tmp_path: Path) -> None:
+    """Another session updates the stream's row while recovery reads the table (as a member's run does when a
+    group's reader recovers a new member): the update commits after recovery's snapshot, so recovery's own update
+    of the row fails to serialize; recovery reads again in a new snapshot and records every event once, instead of
+    stopping the group's reader for its retry interval (a CI failure: the member's first events waited seconds)."""
+    _streams(tmp_path, db_url, {"max_size": 4, "max_fill_secs": 0})
+    insert_events(db_url, 1, 6)
+    result: dict[str, Any] = {}
+    with psycopg.connect(db_url, autocommit=True) as other, psycopg.connect(db_url, autocommit=True) as c:
+        pid = c.info.backend_pid
+        other.execute("begin")
+        other.execute("update pgstream.streams set recovery_pending = true where id = 1")
+
+        def recover() -> None:
+            try:
+                result["batches"] = recording.recover_from_table(c, 1, 4)
+            except Exception as exc:  # the assertion below shows it
+                result["error"] = exc
+
+        thread = threading.Thread(target=recover)
+        thread.start()
+        with psycopg.connect(db_url, autocommit=True) as watch:
+            _wait(lambda: watch.execute("select wait_event_type from pg_stat_activity where pid = %s",
+                                        [pid]).fetchone() == ("Lock",))
+        other.execute("commit")  # recovery's snapshot is older than this update: its own update cannot serialize
+        thread.join(30)
+        assert not thread.is_alive() and "error" not in result, result
+        assert len(result["batches"]) == 2
+        assert c.execute("select recovery_pending from pgstream.streams where id = 1").fetchone() == (False,)
+    assert _batches(db_url, 1) == [[0, 1, 2, 3], [4, 5]]

@@ -145,9 +145,26 @@ def recovered_ids_since(conn: psycopg.Connection, stream_id: int, lsn: int) -> s
     return {int(r[0]) for r in rows}
 
 
+RECOVERY_ATTEMPTS = 5
+
+
 def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) -> list[int]:
     """Record every event of the stream no batch covers (after its ``ledger_horizon``), in id order, as ``recovery``
-    batches ending at the snapshot's WAL position, clearing ``streams.recovery_pending`` in the same transaction."""
+    batches ending at the snapshot's WAL position, clearing ``streams.recovery_pending`` in the same transaction.
+    Its snapshot is taken again when the stream's row changed under it (another session's update, committed while
+    this one read: a serialization failure), up to :data:`RECOVERY_ATTEMPTS` times."""
+    attempt = 1
+    while True:
+        try:
+            return _recover_from_table(conn, stream_id, max_size)
+        except psycopg.errors.SerializationFailure:
+            if attempt >= RECOVERY_ATTEMPTS:
+                raise
+            time.sleep(0.05 * attempt)
+            attempt += 1
+
+
+def _recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) -> list[int]:
     with conn.transaction():
         conn.execute("set transaction isolation level repeatable read")
         # fetchone() is typed optional; a select without from returns one row
