@@ -8,6 +8,7 @@ import hashlib
 import re
 import shutil
 import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -469,7 +470,7 @@ def test_concurrent_migrators_apply_each_migration_once(empty_db_url: str) -> No
         t.start()
     for t in threads:
         t.join()
-    assert not errors
+    assert not errors, ["".join(traceback.format_exception(e)) for e in errors]
     applied = [name for r in results for name in r]
     assert len(applied) == len(set(applied)) == (len([m for m in discover() if m.version > 0])
                                                  + len(discover_repeatables()))

@@ -132,17 +132,21 @@ def _bootstrap(conn: psycopg.Connection, bootstrap: Migration) -> None:
         row = conn.execute("select pg_catalog.to_regclass('pgstream.schema_migrations') is not null").fetchone()
         return bool(row and row[0])
 
+    def step() -> None:
+        if not ledger_exists():
+            conn.execute(f"set local lock_timeout = '{BOOTSTRAP_LOCK_TIMEOUT}'")
+            conn.execute("select pg_catalog.pg_advisory_xact_lock(%s)", [BOOTSTRAP_LOCK_KEY])
+            conn.execute("set local lock_timeout = 0")
+        # a migrator that bootstrapped meanwhile is applying files: queue behind it, not race its DDL (the look-up
+        # after the wait may still miss its ledger, from this session's catalog caches: then the race is lost and
+        # the transaction tried again, which sees it)
+        if ledger_exists():
+            _locked(conn)
+        conn.execute(_SAFE_SEARCH_PATH)
+        conn.execute(bootstrap.sql)
+
     try:
-        with conn.transaction():
-            if not ledger_exists():
-                conn.execute(f"set local lock_timeout = '{BOOTSTRAP_LOCK_TIMEOUT}'")
-                conn.execute("select pg_catalog.pg_advisory_xact_lock(%s)", [BOOTSTRAP_LOCK_KEY])
-                conn.execute("set local lock_timeout = 0")
-            # a migrator that bootstrapped meanwhile is applying files: queue behind it, not race its DDL
-            if ledger_exists():
-                _locked(conn)
-            conn.execute(_SAFE_SEARCH_PATH)
-            conn.execute(bootstrap.sql)
+        _retried(conn, step, locked=False)
     except psycopg.errors.LockNotAvailable as exc:
         holders = conn.execute(
             "select l.pid, a.usename from pg_catalog.pg_locks l left join pg_catalog.pg_stat_activity a using (pid) "
@@ -216,14 +220,15 @@ _RACE_ATTEMPTS = 5
 _T = TypeVar("_T")
 
 
-def _retried(conn: psycopg.Connection, step: Callable[[], _T]) -> _T:
-    """``step`` in a transaction behind the ledger's lock (:func:`_locked`), tried again a few times when it lost
-    a race on the cluster's catalogs (two databases migrated at once both create or grant the same role: "tuple
-    concurrently updated")."""
+def _retried(conn: psycopg.Connection, step: Callable[[], _T], *, locked: bool = True) -> _T:
+    """``step`` in a transaction behind the ledger's lock (:func:`_locked`; ``locked=False``: ``step`` takes its
+    own), tried again a few times when it lost a race on the catalogs (two databases migrated at once both create
+    or grant the same role: "tuple concurrently updated")."""
     for attempt in range(_RACE_ATTEMPTS):
         try:
             with conn.transaction():
-                _locked(conn)
+                if locked:
+                    _locked(conn)
                 return step()
         except (MigrationError, *_RACES) as exc:
             cause = exc.__cause__ if isinstance(exc, MigrationError) else exc  # (_apply names the file)
