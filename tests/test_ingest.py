@@ -358,3 +358,16 @@ def test_recovery_from_the_table_takes_its_snapshot_again_when_the_streams_row_c
         assert len(result["batches"]) == 2
         assert c.execute("select recovery_pending from pgstream.streams where id = 1").fetchone() == (False,)
     assert _batches(db_url, 1) == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_a_batchs_event_ids_are_stored_uncompressed(db_url: str, tmp_path: Path) -> None:
+    """A batch of thousands of events keeps its ids as they are (out of line, not compressed): pglz cost the
+    reader's ledger session about 1 us an id on every insert (sql/035)."""
+    (stream,) = _streams(tmp_path, db_url, {"max_size": 5000, "max_fill_secs": 0})
+    insert_events(db_url, 1, 3000)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        txns = source.PeekSource(c, slot_of(db_url, 1), stream.publication, 10_000).read(0)
+        (batch_id,) = recording.record(c, 1, txns, 5000)
+        row = c.execute("select event_count, pg_catalog.pg_column_compression(event_ids), "
+                        "pg_catalog.pg_column_size(event_ids) from pgstream.batches where id = %s", [batch_id]).fetchone()
+    assert row is not None and row[:2] == (3000, None) and row[2] >= 3000 * 8, row  # (compressed: about 10 kB)
