@@ -369,5 +369,6 @@ def test_a_batchs_event_ids_are_stored_uncompressed(db_url: str, tmp_path: Path)
         txns = source.PeekSource(c, slot_of(db_url, 1), stream.publication, 10_000).read(0)
         (batch_id,) = recording.record(c, 1, txns, 5000)
         row = c.execute("select event_count, pg_catalog.pg_column_compression(event_ids), "
-                        "pg_catalog.pg_column_size(event_ids) from pgstream.batches where id = %s", [batch_id]).fetchone()
+                        "pg_catalog.pg_column_size(event_ids) from pgstream.batches where id = %s",
+                        [batch_id]).fetchone()
     assert row is not None and row[:2] == (3000, None) and row[2] >= 3000 * 8, row  # (compressed: about 10 kB)
