@@ -6,4 +6,6 @@
 -- as they are; a third of that backend's CPU under a sustained write load), and every read of the batch paid
 -- for decompressing them. EXTERNAL keeps a large array out of line in the TOAST table, uncompressed: 8 bytes an
 -- id on disk instead of about 3.3, while the batch lives. Rows written before keep their compressed form.
+-- Only the column's storage setting changes (no rewrite), under an ACCESS EXCLUSIVE lock on pgstream.batches
+-- held for a moment (it waits for the transactions using the table, as the reader's recording).
 alter table pgstream.batches alter column event_ids set storage external;
