@@ -14,6 +14,12 @@ Results are appended to bench/RESULTS.md.
 A batch read ``spark.read.format("pgstream")`` of the same events (two partitions, ``noop`` sink) follows
 each stream pass (``--no-batch-read``: not).
 
+Spark's own floor, in the same run (``--no-floor``: not): the rows the source reads, written once to Parquet files
+(a file per partition of each micro-batch, as the source's own ``read`` returned them outside Spark), streamed
+again into ``noop`` with the same micro-batches, partitions and trigger by (1) a Python data source that only
+hands those files' Arrow batches over (Spark's Python data source API with no database: the least any such source
+costs) and (2) Spark's own Parquet file source (``maxFilesPerTrigger`` a micro-batch's files).
+
 Usage: python bench/spark_source.py [N] [--passes 3] [--max-events 50000] [--no-batch-read]
 """
 
@@ -27,8 +33,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_results, machine
@@ -36,7 +44,7 @@ from common import append_results, machine
 from pgstream_dagster.devdb import ensure_running
 from pgstream_dagster.engine.migrations import migrate
 from pgstream_dagster.engine.spark import spark_conf
-from pgstream_dagster.engine.spark_source import register
+from pgstream_dagster.engine.spark_source import SCHEMA, StreamReader, register
 
 HERE = Path(__file__).resolve().parent
 BATCH = 10_000
@@ -81,6 +89,90 @@ def _stream(spark: object, url: str, tmp: Path, i: int, max_events: int, n: int)
             sum(d.get("triggerExecution", 0) for d in durations) / 1000)
 
 
+class _Prebuilt(DataSource):
+    """A streaming source handing over Arrow record batches read from Parquet files ``<path>/<micro-batch>/*``, a
+    micro-batch a directory, a partition a file: Spark's Python data source API with no database."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "pgstream_bench_prebuilt"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        return _PrebuiltReader(self.options["path"])
+
+
+class _PrebuiltReader(DataSourceStreamReader):
+    def __init__(self, path: str) -> None:
+        self.batches = sorted(Path(path).iterdir(), key=lambda d: int(d.name))
+
+    def initialOffset(self) -> dict[str, int]:
+        return {"n": 0}
+
+    def getDefaultReadLimit(self) -> Any:
+        from pyspark.sql.streaming.datasource import ReadMaxRows
+
+        return ReadMaxRows(1)  # (a micro-batch a directory: the offset counts directories)
+
+    def latestOffset(self, start: dict[str, int], limit: Any) -> dict[str, int]:
+        return {"n": min(start["n"] + 1, len(self.batches))}
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[InputPartition]:
+        return [InputPartition(str(f)) for d in self.batches[start["n"]:end["n"]] for f in sorted(d.iterdir())]
+
+    def read(self, partition: InputPartition) -> Any:
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(partition.value).to_batches()
+
+    def commit(self, end: dict[str, int]) -> None:
+        pass
+
+
+def _prebuild(url: str, token: str, consumer: str, max_events: int, out: Path) -> int:
+    """The source's own micro-batches and partitions of the stream, read outside Spark by its reader and written
+    as Parquet files (``out/<micro-batch>/<partition>.parquet``); how many micro-batches."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    reader = StreamReader({"url": url, "stream": "1", "consumer": consumer, "consumerToken": token,
+                           "startingPosition": "earliest", "numPartitions": "2"})
+    start, n = reader.initialOffset(), 0
+    while (end := reader.latestOffset(start, ReadMaxRows(max_events))) != start:
+        (out / str(n)).mkdir(parents=True)
+        for i, partition in enumerate(reader.partitions(start, end)):
+            pq.write_table(pa.Table.from_batches(list(reader.read(partition))), out / str(n) / f"{i}.parquet")
+        start, n = end, n + 1
+    reader.stop()
+    return n
+
+
+def _floor(spark: Any, source: Path, tmp: Path, i: int, parquet: bool, n: int) -> float:
+    """Seconds of a pass of the prebuilt rows through Spark alone: the Python data source, or Spark's Parquet."""
+    started = time.monotonic()
+    if parquet:
+        files = sorted(source.rglob("*.parquet"), key=lambda f: (int(f.parent.name), f.name))
+        flat = tmp / f"flat-{i}"
+        flat.mkdir()
+        for k, f in enumerate(files):  # Spark's file source takes files in the order of their times, then names
+            (flat / f"{k:06}.parquet").symlink_to(f)
+        per = len(files) // len(list(source.iterdir()))
+        frame = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", per).parquet(str(flat))
+    else:
+        frame = spark.readStream.format("pgstream_bench_prebuilt").option("path", str(source)).load()
+    query = (frame.writeStream.format("noop").option("checkpointLocation", str(tmp / f"floor-{i}-{parquet}"))
+             .trigger(processingTime="0 seconds").start())
+    query.processAllAvailable()
+    elapsed = time.monotonic() - started
+    rows = sum(int(p["numInputRows"]) for p in query.recentProgress)
+    query.stop()
+    assert rows == n, f"the floor query read {rows} rows, not {n}"
+    return elapsed
+
+
 def _batch_read(spark: object, url: str, n: int) -> float:
     started = time.monotonic()
     df = (spark.read.format("pgstream").option("url", url).option("stream", "1")  # type: ignore[attr-defined]
@@ -97,6 +189,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--max-events", type=int, default=50_000)
     parser.add_argument("--no-batch-read", action="store_true", help="leave out the batch read passes")
+    parser.add_argument("--no-floor", action="store_true", help="leave out Spark's floor (the prebuilt rows' passes)")
     args = parser.parse_args()
     n = args.n
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -135,7 +228,17 @@ def main() -> None:
             spark = builder.getOrCreate()
             register(spark)
             _stream(spark, url, tmpdir, 0, args.max_events, n)  # warm-up: the session's first query (not counted)
-            copies, streams, reads, triggers, batch_reads = [], [], [], [], []
+            copies, streams, reads, triggers, batch_reads, floors, parquets = [], [], [], [], [], [], []
+            prebuilt, micro = tmpdir / "prebuilt", 0
+            if not args.no_floor:
+                spark.dataSource.register(_Prebuilt)
+                with psycopg.connect(url, autocommit=True) as c:
+                    c.execute("select pgstream.register_consumer('bench-floor', 1, true)")
+                    token = c.execute("select pgstream.consumer_token('bench-floor')").fetchone()
+                assert token is not None
+                micro = _prebuild(url, token[0], "bench-floor", args.max_events, prebuilt)
+                _floor(spark, prebuilt, tmpdir, 0, False, n)  # warm-up, both ways
+                _floor(spark, prebuilt, tmpdir, 0, True, n)
             for i in range(1, args.passes + 1):
                 copies.append(_copy(url, tmpdir / "copy.tsv"))
                 elapsed, read, trigger = _stream(spark, url, tmpdir, i, args.max_events, n)
@@ -144,6 +247,9 @@ def main() -> None:
                 triggers.append(trigger)
                 if not args.no_batch_read:
                     batch_reads.append(_batch_read(spark, url, n))
+                if not args.no_floor:
+                    floors.append(_floor(spark, prebuilt, tmpdir, i, False, n))
+                    parquets.append(_floor(spark, prebuilt, tmpdir, i, True, n))
                 print(f"pass {i}: COPY {n / copies[-1]:,.0f} events/s, stream {n / streams[-1]:,.0f} events/s")
             spark.stop()
         finally:
@@ -171,6 +277,15 @@ def main() -> None:
         text += (f"- batch read (spark.read.format(\"pgstream\"), numPartitions 2, noop sink, after each stream pass): "
                  f"{rate:,.0f} events/s (median {statistics.median(batch_reads):.2f}s, {min(batch_reads):.2f}-"
                  f"{max(batch_reads):.2f}s), {rate / copy_rate:.2f}x COPY\n")
+    if floors:
+        floor_rate, parquet_rate = n / statistics.median(floors), n / statistics.median(parquets)
+        text += (f"- Spark's floor, the same {micro} micro-batches of prebuilt rows (Parquet files of what the source "
+                 f"read, no database): through a Python data source that only hands them over {floor_rate:,.0f} "
+                 f"events/s (median {statistics.median(floors):.2f}s, {min(floors):.2f}-{max(floors):.2f}s), "
+                 f"{floor_rate / copy_rate:.2f}x COPY; through Spark's own Parquet file source {parquet_rate:,.0f} "
+                 f"events/s (median {statistics.median(parquets):.2f}s, {min(parquets):.2f}-{max(parquets):.2f}s), "
+                 f"{parquet_rate / copy_rate:.2f}x COPY; the pgstream source takes "
+                 f"{statistics.median(streams) / statistics.median(floors):.2f}x the Python floor's time\n")
     print(text)
     append_results(text)
 

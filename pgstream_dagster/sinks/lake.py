@@ -105,7 +105,7 @@ def _row(event: Event) -> dict[str, Any] | None:
     return row if isinstance(row, dict) else None
 
 
-def _payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.Array]:
+def payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.Array]:
     """The columns of :data:`_PAYLOAD_COLUMNS`, parsed from the payloads' JSON text (``texts``) by Arrow's
     JSON reader in one pass over the call (C++, nested values skipped; one block, in this thread); a
     payload it cannot take (one of these keys not a string) sends the events through Python's parser
@@ -166,7 +166,7 @@ def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] = (),
     # a naive time is taken as UTC, an aware one converted to UTC
     created = pa.array(created_at, type=pa.timestamp("us", tz="UTC"))
     arrays: list[pa.Array] = [pa.array(ids, type=pa.int64()), pa.array(streams, type=pa.int64()), created,
-                              pc.cast(created, pa.date32()), *_payload_columns(events, payloads),
+                              pc.cast(created, pa.date32()), *payload_columns(events, payloads),
                               pa.array(payloads, type=pa.string()), pa.array(metadata, type=pa.string())]
     fields = list(arrow_schema())
     for column, array in zip(typed, values, strict=True):
