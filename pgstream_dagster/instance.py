@@ -24,15 +24,34 @@ and closed after ``pool_recycle_secs``. The webserver replaces it with its own p
 The URL may be ``postgresql://``, ``postgres://`` or ``postgresql+psycopg2://``: all run on psycopg2,
 which dagster-postgres' statements need (on psycopg 3, SQLAlchemy 2.1's default for ``postgresql://``,
 every event write fails on its ``NOTIFY``). Any other driver is refused when the instance loads.
+
+:class:`FileComputeLogManager` keeps each run's stdout and stderr in files, as Dagster's local compute log
+manager does (the UI's run page shows them), without copying them back to the run process's own stdout and
+stderr: Dagster's does that through a ``tail -F`` and a Python watcher for each of the two, four processes a
+run (a group delivery run and a checks run: eight beside the location's own six).
+
+``dagster.yaml``::
+
+    compute_logs:
+      module: pgstream_dagster.instance
+      class: FileComputeLogManager
+      # config: {base_dir: ...}   # default: the instance's storage directory, as Dagster's
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, cast
 
 import dagster as dg
+from dagster._core.execution.compute_logs import redirect_to_file
+from dagster._core.instance.ref import compute_logs_directory
+from dagster._core.storage.compute_log_manager import CapturedLogContext, ComputeIOType
+from dagster._core.storage.local_compute_log_manager import IO_TYPE_EXTENSION, LocalComputeLogManager
 from dagster._serdes import ConfigurableClassData
+from dagster._utils import ensure_file, touch_file
 from dagster_postgres import DagsterPostgresStorage
 from dagster_postgres.utils import (
     create_pg_engine,
@@ -92,3 +111,41 @@ class PooledPostgresStorage(DagsterPostgresStorage):
                    max_overflow=config_value.get("max_overflow", DEFAULT_MAX_OVERFLOW),
                    pool_recycle_secs=config_value.get("pool_recycle_secs", DEFAULT_POOL_RECYCLE_SECS),
                    token_provider=get_token_provider_from_config(config_value))
+
+
+class FileComputeLogManager(LocalComputeLogManager):
+    """Dagster's ``LocalComputeLogManager`` (a run's stdout and stderr in files under ``base_dir``, read by the UI)
+    without its mirroring of them to the run process's own output (a ``tail -F`` and a watcher process for each).
+    Without ``base_dir``: the instance's ``storage`` directory, as Dagster's default (a run launched from another
+    process's instance gets that instance's, whatever its own environment)."""
+
+    def __init__(self, base_dir: str | None = None, polling_timeout: float | None = None,
+                 inst_data: ConfigurableClassData | None = None) -> None:
+        super().__init__(base_dir or "", polling_timeout, inst_data=inst_data)
+        self._configured = base_dir is not None
+
+    def register_instance(self, instance: dg.DagsterInstance) -> None:
+        super().register_instance(instance)
+        if not self._configured:
+            self._base_dir = compute_logs_directory(instance.root_directory)
+
+    @classmethod
+    def config_type(cls) -> dict[str, dg.Field]:
+        return {"base_dir": dg.Field(dg.StringSource, is_required=False,
+                                     description="where the files go (default: the instance's storage directory)"),
+                "polling_timeout": dg.Field(dg.Float, is_required=False)}
+
+    @classmethod
+    def from_config_value(cls, inst_data: ConfigurableClassData | None,
+                          config_value: Mapping[str, Any]) -> FileComputeLogManager:
+        return cls(config_value.get("base_dir"), config_value.get("polling_timeout"), inst_data=inst_data)
+
+    @contextmanager
+    def capture_logs(self, log_key: Sequence[str]) -> Iterator[CapturedLogContext]:
+        out = self.get_captured_local_path(log_key, IO_TYPE_EXTENSION[ComputeIOType.STDOUT])
+        err = self.get_captured_local_path(log_key, IO_TYPE_EXTENSION[ComputeIOType.STDERR])
+        ensure_file(out)
+        ensure_file(err)
+        with redirect_to_file(sys.stdout, out), redirect_to_file(sys.stderr, err):
+            yield CapturedLogContext(log_key)
+        touch_file(self.complete_artifact_path(log_key))  # type: ignore[no-untyped-call]  # (the capture ended)

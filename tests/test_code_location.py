@@ -44,6 +44,7 @@ from pgstream_dagster.devdb import free_port
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.bootstrap import init
 from pgstream_dagster.engine.migrations import migrate
+from pgstream_dagster.instance import FileComputeLogManager
 
 from .support.dagster_dev import (
     READY_TIMEOUT_SECS,
@@ -332,6 +333,20 @@ def _backfill_cancelled_and_resumed(dev: Any, app: str, instance: dg.DagsterInst
                              "where payload->>'tg_op' = 'READ'").fetchone()
     assert backfill_state()[0] == "done" and reads is not None and verified is not None
     assert reads[0] == reads[1] == verified[0]  # every verified user once, across the cancel
+    _output_kept_for_the_ui(instance, second)
+
+
+def _output_kept_for_the_ui(instance: dg.DagsterInstance, run_id: str) -> None:
+    """The run's stdout and stderr are kept in files (dagster.yaml's FileComputeLogManager), complete once it
+    ended, and read back through the compute log manager as the UI's run page reads them."""
+    manager = instance.compute_log_manager
+    assert isinstance(manager, FileComputeLogManager), manager
+    keys = sorted({p.stem for p in Path(manager._base_dir, run_id, "compute_logs").glob("*.err")})
+    assert keys, f"no compute log of run {run_id}"
+    key = [run_id, "compute_logs", keys[0]]
+    assert manager.is_capture_complete(key)
+    stderr = manager.get_log_data(key).stderr or b""
+    assert b"backfill" in stderr.lower(), stderr[:2000]  # what the run logged (Dagster's console handler: stderr)
 
 
 TICKS_QUERY = """

@@ -160,7 +160,7 @@ def _insert(app: str, n: int, start: int) -> None:
 
 
 def test_code_server_daemon_and_webserver_deliver_replay_and_fail_over(deployment: tuple[Deployment, str],
-                                                                        endpoint: Endpoint) -> None:
+                                                                        endpoint: Endpoint, tmp_path: Path) -> None:
     deployed, app = deployment
     started = time.monotonic()
 
@@ -211,6 +211,10 @@ def test_code_server_daemon_and_webserver_deliver_replay_and_fail_over(deploymen
                   lambda: f"replay {replay_status()}; {state()}")
     assert replay_status() == "SUCCESS", state()
     assert endpoint.accepted[20:] == first[5:15], state()  # the range again, in order, nothing else
+    # its output kept where the webserver that launched it reads it (the code server that started its process has
+    # no DAGSTER_HOME): the launcher's storage directory, complete
+    logs = tmp_path / "dagster_home" / "storage" / run_id / "compute_logs"
+    assert list(logs.glob("*.err")) and list(logs.glob("*.complete")), sorted(logs.parent.rglob("*"))
     replayed_at = time.monotonic()
 
     # 3. the endpoint fails: the stream goes to failover and nothing is lost; it recovers when the endpoint does

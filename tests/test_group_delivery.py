@@ -67,10 +67,17 @@ def _parent(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
+def _stdout(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""
+
+
 def _run_worker(root: int, run_id: str) -> int:
-    """The process of run ``run_id`` among ``root``'s descendants: the parent of the ``tail`` processes that
-    capture its compute logs (``<home>/storage/<run id>/compute_logs``)."""
-    (worker,) = {_parent(pid) for pid in descendants(root) if f"/storage/{run_id}/compute_logs" in _cmdline(pid)}
+    """The process of run ``run_id`` among ``root``'s descendants: the one whose stdout is the run's compute log
+    file (``<home>/storage/<run id>/compute_logs/*.out``: dagster.yaml's ``FileComputeLogManager``)."""
+    (worker,) = {pid for pid in descendants(root) if f"/storage/{run_id}/compute_logs/" in _stdout(pid)}
     assert "python" in _cmdline(worker) and worker != root, _cmdline(worker)
     return worker
 
@@ -183,6 +190,10 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_refusing_hanging_and
             # sees its lease lost and replaces the run, which takes its members back
             (group_run,) = runs(GROUP_DELIVERY_JOB, dg.DagsterRunStatus.STARTED)
             worker = _run_worker(dev.proc.pid, group_run.run_id)
+            # its output in files only (the UI reads them), no process copying it back (tail -F, watchers)
+            helpers = [_cmdline(pid) for pid in descendants(dev.proc.pid)
+                       if "tail -F" in _cmdline(pid) or "watch_orphans" in _cmdline(pid)]
+            assert not helpers, helpers
             print("killing", worker, _cmdline(worker)[:200])
             os.kill(worker, signal.SIGKILL)
             killed = time.monotonic()
