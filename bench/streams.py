@@ -63,9 +63,12 @@ GiB = 2**30
 
 
 def _config(path: Path, url: str, receivers: Webhook, count: int, group: str | None,
-            checks: dict[str, Any] | None = None) -> None:
+            checks: dict[str, Any] | None = None, max_run_secs: float | None = None) -> None:
     streams: list[dict[str, Any]] = [{"id": i, "sink": {"type": "http", "url": f"{receivers.base}/hook/{i}",
                                                         "mode": "batch"}} for i in range(1, count + 1)]
+    if max_run_secs is not None:  # (the group delivery run ends after it and the next one starts: its hand-over)
+        for stream in streams:
+            stream["delivery"] = {"tuning": {"max_run_secs": max_run_secs}}
     if group:  # a group named (without: the database's default group)
         for stream in streams:
             stream["reader"] = group
@@ -400,7 +403,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
     receivers = Webhook()
     config = tmpdir / f"{name}.yaml"
     checks = {k: v for k, v in (("cron", args.checks_cron), ("streams_per_sec", args.checks_rate)) if v is not None}
-    _config(config, url, receivers, count, args.group or None, checks)
+    _config(config, url, receivers, count, args.group or None, checks, args.max_run_secs)
     home = tmpdir / f"{name}_home"
     home.mkdir()
     shutil.copy(HERE.parent / "dagster.yaml", home / "dagster.yaml")
@@ -509,7 +512,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
                 buckets.setdefault(int((v - start) // 5), []).append(got[k] - v)
         result["p99_by_5s"] = [round(_pct(buckets[b], 0.99), 2) for b in sorted(buckets)]
         result.update(events=len(committed), missing=len(committed) - len(lat), p50=_pct(lat, 0.5),
-                      p99=_pct(lat, 0.99))
+                      p99=_pct(lat, 0.99), max=max(lat, default=0.0))
         result["cpu_per_event_ms"] = 1000 * result["cpu_secs"] / max(1, len(lat))
         if args.idle:  # what the streams cost with nothing to deliver, once every event was delivered
             time.sleep(args.idle_after)
@@ -576,6 +579,9 @@ def main() -> None:
     parser.add_argument("--checks-cron", help="checks.cron of the streams' configuration ('* * * * *': a checks run "
                                               "in every minute of the window)")
     parser.add_argument("--checks-rate", type=float, help="checks.streams_per_sec (0: no pacing)")
+    parser.add_argument("--max-run-secs", type=float,
+                        help="every stream's delivery.tuning.max_run_secs (the group delivery run is replaced that "
+                             "often)")
     parser.add_argument("--storage", default="pooled",
                         help="Dagster's storage, comma-separated for one phase each, in this order: pooled (the "
                              "repository's dagster.yaml), dagster-postgres (a connection per storage call)")
@@ -611,7 +617,8 @@ def main() -> None:
     lines = [f"\n## Many streams through `dg dev` {stamp}, commit {commit}",
              f"Machine: {header}; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}. "
              f"Method: bench/streams.py; one row a second on every stream's table for {args.duration:.0f}s; "
-             f"Postgres {'defaults' if args.postgres_defaults else 'devdb settings'} for slots and WAL senders; "
+             + (f"every stream's delivery.tuning.max_run_secs {args.max_run_secs:g}; " if args.max_run_secs else "")
+             + f"Postgres {'defaults' if args.postgres_defaults else 'devdb settings'} for slots and WAL senders; "
              + (f"every stream in reader group {args.group!r}." if args.group else "no reader: key (group default).")]
     failed = False
     for r in results:
@@ -624,7 +631,8 @@ def main() -> None:
             f"location loaded {r['location_secs']:.1f}s after start; first event "
             f"{f'p50 {_pct(firsts, 0.5):.1f}s, max {max(firsts):.1f}s' if firsts else 'none'}, "
             f"{len(r['never_delivered'])} never delivered; window from {r.get('settled_secs', 0):.1f}s (start-up "
-            f"runs ended); p50 {r['p50'] * 1000:.0f} ms, p99 {r['p99'] * 1000:.0f} ms "
+            f"runs ended); p50 {r['p50'] * 1000:.0f} ms, p99 {r['p99'] * 1000:.0f} ms, "
+            f"max {r.get('max', 0) * 1000:.0f} ms "
             f"over {r['events']} events ({r['missing']} missing; p99 of each 5 s of commits: "
             f"{' '.join(f'{x:.2f}' for x in r.get('p99_by_5s', []))} s); {r['processes']} processes ("
             f"{', '.join(f'{k} {v}' for k, v in r.get('processes_by_role', {}).items())}), "
