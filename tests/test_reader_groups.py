@@ -547,7 +547,8 @@ def test_the_tick_that_requests_the_group_run_decides_its_members_runs_for_it_to
     _tick(driver, "first")
     assert len(_runs(driver, "first")) == 1  # requested by this tick
     with psycopg.connect(db_url) as c:
-        keys = dict(c.execute("select id, open_run_key from pgstream.streams order by id").fetchall())
+        rows = c.execute("select id, open_run_key from pgstream.streams order by id").fetchall()
+    keys: dict[int, str | None] = dict(rows)
     assert keys.keys() == {1, 2} and all(keys.values()), keys  # decided in the same tick
 
     def hosted() -> dict[int, str]:
