@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import DEFAULT_READER, StreamConfig, load_config, streams_fingerprint
-from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, GROUP_TAG, STREAM_TAG, member_tag, stream_sensor_name
+from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, GROUP_TAG, STREAM_TAG, stream_sensor_name
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
@@ -531,44 +531,6 @@ def test_twelve_grouped_streams_deliver_every_event_once_through_the_sensors_and
     # the group's cursor shows each stream's last recorded event
     shown = json.loads(driver.cursors["all"] or "{}")["members"]
     assert {int(k): v["last_event_id"] for k, v in shown.items()} == {i: _events(db_url, i)[-1] for i in ids}
-    _end_group_runs(driver)
-
-
-def test_the_tick_that_requests_the_group_run_decides_its_members_runs_for_it_to_host_at_once(
-        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
-    """A group without a live delivery run: the tick that requests one decides each member's run first (an open
-    run for a member in mode open, batches or not), so the run hosts them as soon as it is up, not a tick later;
-    what commits then is delivered by them with no other tick of the sensor."""
-    config = write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": i, "reader": "first", "batch": {"max_size": 40, "max_fill_secs": 0},
-         "sensor": {"tick_budget_secs": 0.05}, "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
-         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in (1, 2)])
-    driver = Driver(config, instance)
-    _tick(driver, "first")
-    assert len(_runs(driver, "first")) == 1  # requested by this tick
-    with psycopg.connect(db_url) as c:
-        rows = c.execute("select id, open_run_key from pgstream.streams order by id").fetchall()
-    keys: dict[int, str | None] = dict(rows)
-    assert keys.keys() == {1, 2} and all(keys.values()), keys  # decided in the same tick
-
-    def hosted() -> dict[int, str]:
-        (run,) = instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB,
-                                                 tags={GROUP_TAG: group_tag_of(db_url, "first")}))
-        return {i: json.loads(run.tags[member_tag(i)])["run_key"] for i in (1, 2) if member_tag(i) in run.tags}
-
-    def delivered(i: int) -> list[int]:
-        path = tmp_path / f"out{i}.jsonl"
-        return [e["id"] for e in read_jsonl(path)] if path.exists() else []
-
-    deadline = time.monotonic() + 60
-    while hosted() != keys:  # taken by the group run, no other tick of the sensor
-        assert time.monotonic() < deadline, (hosted(), keys)
-        time.sleep(0.2)
-    for i in (1, 2):
-        insert_events(db_url, i, 5)
-    while not all(delivered(i) == _events(db_url, i) and delivered(i) for i in (1, 2)):
-        assert time.monotonic() < deadline, {i: delivered(i) for i in (1, 2)}
-        time.sleep(0.2)
     _end_group_runs(driver)
 
 

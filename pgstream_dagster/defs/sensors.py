@@ -562,13 +562,6 @@ def _slot_fits(conn: psycopg.Connection, group: str) -> None:
         raise LimitsExceeded([line])
 
 
-def _log_own_runs(context: dg.SensorEvaluationContext, runs: list[dg.RunRequest]) -> None:
-    """One line for each run a member in mode per_batch gets (a Dagster run of its own)."""
-    for run in runs:
-        stream_id = run.run_config["ops"]["load_batches"]["config"]["stream_id"]
-        context.log.info(f"stream {stream_id}: run {run.run_key} requested (mode per_batch)")
-
-
 def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
     """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``): its tick
     is the module's docstring's."""
@@ -601,24 +594,18 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         with connection as conn:
             live = any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5))
             if not live:
-                # the group run's process takes seconds to start: requested at once, after one decision for each
-                # member (what the ledger holds: the run finds its members' runs decided when it starts, not a
-                # tick later), and this tick ends (the next one reads and decides meanwhile, or the run's reader
-                # reads once it is up)
+                # the group run's process takes seconds to start: requested first, and this tick ends (the
+                # next one reads and decides meanwhile, or the run's reader reads once it is up)
                 notes_: list[str] = []
                 request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
                 if request is not None:
                     # a group whose slot cannot be created: the tick says why (its run's reader would be
                     # refused at once, and every tick would request another)
                     _slot_fits(conn, group)
-                    own: list[dg.RunRequest] = []  # (runs of members in mode per_batch)
-                    observed_now = _decide_members(conn, context.instance, group, streams, cursor, decisions, own,
-                                                   OBSERVATIONS_PER_TICK, {})
-                    for line in [*decisions, *notes_]:
+                    for line in notes_:
                         context.log.warning(line)
                     context.log.info(f"reader group {group}: group delivery run {delivery}")
-                    _log_own_runs(context, own)
-                    return dg.SensorResult(run_requests=[request, *own], asset_events=observed_now,
+                    return dg.SensorResult(run_requests=[request],
                                            cursor=json.dumps(cursor, sort_keys=True, default=str))
             # one reader of the group's slot at a time: the tick reads only when the group delivery run's
             # reader does not (it reads continuously while the run lives; its lock ends with its session).
@@ -676,7 +663,9 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
         if request is not None or own_runs:
             if request is not None:
                 context.log.info(f"reader group {group}: group delivery run {delivery}")
-            _log_own_runs(context, own_runs)
+            for run in own_runs:
+                stream_id = run.run_config["ops"]["load_batches"]["config"]["stream_id"]
+                context.log.info(f"stream {stream_id}: run {run.run_key} requested (mode per_batch)")
             return dg.SensorResult(run_requests=[*own_runs, *([request] if request is not None else [])],
                                    cursor=new_cursor, asset_events=observed)
         read = (f"recorded {recorded} events for {sum(1 for b in result.batches.values() if b)} of {len(ids)} streams"
