@@ -122,11 +122,10 @@ class FileComputeLogManager(LocalComputeLogManager):
     def __init__(self, base_dir: str | None = None, polling_timeout: float | None = None,
                  inst_data: ConfigurableClassData | None = None) -> None:
         super().__init__(base_dir or "", polling_timeout, inst_data=inst_data)
-        self._configured = base_dir is not None
 
     def register_instance(self, instance: dg.DagsterInstance) -> None:
         super().register_instance(instance)
-        if not self._configured:
+        if not self._base_dir:  # (none configured)
             self._base_dir = compute_logs_directory(instance.root_directory)
 
     @classmethod

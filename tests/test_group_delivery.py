@@ -62,11 +62,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _parent(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
 def _stdout(pid: int) -> str:
     try:
         return os.readlink(f"/proc/{pid}/fd/1")
