@@ -4,16 +4,11 @@ import warnings
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-# Loading a defs folder (dg.ComponentTree, the Components API our code location and StreamComponent use)
-# makes Dagster call two of its own preview functions for each plain Python module of the folder
-# (load_definitions_from_module(s), dagster/components/core/defs_module.py) and snapshot every registered
-# component, its own preview SparkDeclarativePipelineScaffolder included: five dagster PreviewWarnings
-# in every process that loads the code location or our component registry (`dg` commands, the code
-# server, each run), about Dagster's code, none about ours. Ignored by these names only (a preview API
-# we call ourselves still warns); here, as `dg` imports this package (registry_modules) before its
-# snapshot, and without importing Dagster. Likewise a BetaWarning about `owners`, which Dagster passes itself
-# (SensorDefinition.with_updated_jobs, as it binds the resources of a sensor's jobs: a reader group's sensor
-# targets two jobs) though no sensor of ours has owners.
+# Dagster warns about its own preview/beta APIs when it loads a defs folder (load_definitions_from_module(s) for each
+# plain module, its SparkDeclarativePipelineScaffolder in the component snapshot) and when it binds a sensor's jobs
+# (`owners`, which it passes itself: no sensor of ours has owners), in every process that loads the code location or our
+# component registry: none about our code. Ignored by these messages only (a preview API we call still warns); here, as
+# `dg` imports this package (registry_modules) before its snapshot, and without importing Dagster.
 for _preview in ("Function `load_definitions_from_module` is currently in preview",
                  "Function `load_definitions_from_modules` is currently in preview",
                  "Class `SparkDeclarativePipelineScaffolder` is currently in preview",

@@ -91,7 +91,6 @@ def _owner_url(args: argparse.Namespace) -> str:
 
 
 def _defs_folder(args: argparse.Namespace) -> str | None:
-    """``--defs-folder`` or ``$PGSTREAM_DEFS_FOLDER``: where StreamComponents' defs.yaml files are."""
     return args.defs_folder or os.environ.get("PGSTREAM_DEFS_FOLDER") or None
 
 
@@ -104,13 +103,12 @@ def _add_defs_folder(p: argparse.ArgumentParser, config: bool = False) -> None:
                         "DIR, the project's defs folder (default: $PGSTREAM_DEFS_FOLDER)")
 
 
-def _cmd_migrate(args: argparse.Namespace) -> int:
+def _cmd_migrate(args: argparse.Namespace) -> None:
     from .engine.migrations import migrate
 
     url = _owner_url(args)
     print("\n".join(f"applied {name}" for name in migrate(url, partitions_ahead=args.days_ahead)) or "up to date")
     _warn_without_drift_guard(url)
-    return 0
 
 
 def _warn_without_drift_guard(owner_url: str) -> None:
@@ -123,15 +121,14 @@ def _warn_without_drift_guard(owner_url: str) -> None:
             print(DRIFT_GUARD_MISSING, file=sys.stderr)
 
 
-def _cmd_install_drift_guard(args: argparse.Namespace) -> int:
+def _cmd_install_drift_guard(args: argparse.Namespace) -> None:
     from .engine.migrations import DRIFT_GUARD_TRIGGERS, install_drift_guard
 
     install_drift_guard(args.database_url)
     print(f"the schema-drift guard is active (event triggers {', '.join(DRIFT_GUARD_TRIGGERS)})")
-    return 0
 
 
-def _cmd_tear_down(args: argparse.Namespace) -> int:
+def _cmd_tear_down(args: argparse.Namespace) -> None:
     from .engine.migrations import TearDownRefused, tear_down
 
     if not args.yes:
@@ -143,7 +140,6 @@ def _cmd_tear_down(args: argparse.Namespace) -> int:
                                   "depend on it (nothing was changed):", *exc.objects, "remove them (or their "
                                   "dependency on pgstream) first, or pass --cascade to drop them too"]), 2) from None
     print("\n".join(f"removed {item}" for item in removed) or "nothing to remove")
-    return 0
 
 
 def _instance_limits() -> tuple[int | None, str, DagsterStorage | None]:
@@ -161,15 +157,13 @@ def _instance_limits() -> tuple[int | None, str, DagsterStorage | None]:
         return runs, str(Path(home) / "dagster.yaml"), storage_connections(instance, runs)
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
+def _cmd_check(args: argparse.Namespace) -> None:
     config = _config(args)
-    groups = sorted({s.reader for s in config.streams})
     print(f"{len(config.streams)} streams and {len(config.subscriptions)} subscriptions are valid "
-          f"(reader groups: {', '.join(groups)})")
-    return 0
+          f"(reader groups: {', '.join(sorted({s.reader for s in config.streams}))})")
 
 
-def _cmd_preflight(args: argparse.Namespace) -> int:
+def _cmd_preflight(args: argparse.Namespace) -> None:
     from .engine.bootstrap import preflight
 
     config = _config(args)
@@ -178,10 +172,9 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
         raise _Refused("\n".join(problems))
     checked = "" if os.environ.get("DAGSTER_HOME") else " (max_concurrent_runs not checked: DAGSTER_HOME is not set)"
     print(f"{len(config.streams)} streams fit in this server's and instance's limits{checked}")
-    return 0
 
 
-def _cmd_init(args: argparse.Namespace) -> int:
+def _cmd_init(args: argparse.Namespace) -> None:
     from .engine.bootstrap import init
     from .engine.limits import LimitsExceeded
 
@@ -196,10 +189,9 @@ def _cmd_init(args: argparse.Namespace) -> int:
         print(line)
     _warn_without_drift_guard(owner or _config(args).database_url.get_secret_value())
     print("ready")
-    return 0
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
+def _cmd_status(args: argparse.Namespace) -> None:
     from .engine import status
 
     with _connect(args) as conn:
@@ -213,10 +205,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         said = status.render_standby_slots(status.standby_slots(_database_url(args)))
         if said:
             print(said.lstrip("\n"))
-    return 0
 
 
-def _cmd_reconcile(args: argparse.Namespace) -> int:
+def _cmd_reconcile(args: argparse.Namespace) -> None:
     from .engine import reconcile
     from .sinks import LAKE_SINK_TYPES, build_sink
     from .sinks.lake import LakeSink
@@ -236,7 +227,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
         if not ended:
             print(f"stream {stream.id}: every event this database holds was written on its current timeline: no "
                   "failover to reconcile")
-            return 0
+            return
         for timeline in ended:
             print(timeline.describe(stream.id))
         sources: list[tuple[str, list[int]]] = []
@@ -255,19 +246,17 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
         if not sources:
             print(f"stream {stream.id}: its {stream.sink.type} sink cannot be read back: pass --received with the ids "
                   "it got (the webhook-id / Idempotency-Key of each event) to list the phantoms")
-    return 0
 
 
-def _cmd_consumers_list(args: argparse.Namespace) -> int:
+def _cmd_consumers_list(args: argparse.Namespace) -> None:
     from .engine.status import consumers, render_consumer
 
     with _connect(args) as conn:
         readers = consumers(conn, args.stream)
     print("\n".join(render_consumer(c) for c in readers) or "no registered consumers")
-    return 0
 
 
-def _cmd_consumers_add(args: argparse.Namespace) -> int:
+def _cmd_consumers_add(args: argparse.Namespace) -> None:
     # one statement: the token is issued only to a consumer this registers, in its transaction
     token = _consumer_call(args, "add", "select case when pgstream.register_consumer(%s, %s, %s, %s) then "
                            "pgstream.consumer_token(%s) end", args.stream, args.from_start, args.retention_days,
@@ -275,12 +264,11 @@ def _cmd_consumers_add(args: argparse.Namespace) -> int:
     if token is None:
         print(f"consumer {args.name} of stream {args.stream} was registered already: nothing changed "
               f"(`pgstream-dagster consumers token {args.name}` issues a new token)")
-        return 0
+        return
     start = "before every batch the stream's ledger has" if args.from_start else "at the end of the stream's ledger"
     print(f"registered consumer {args.name} of stream {args.stream}, its position {start}: housekeeping keeps "
           f"what it has not read for up to {args.retention_days} days")
     _print_token(token)
-    return 0
 
 
 def _consumer_call(args: argparse.Namespace, command: str, query: str, *params: object, found: bool = False) -> Any:
@@ -302,26 +290,23 @@ def _print_token(token: str) -> None:
           f"password):\n{token}")
 
 
-def _cmd_consumers_token(args: argparse.Namespace) -> int:
+def _cmd_consumers_token(args: argparse.Namespace) -> None:
     token = _consumer_call(args, "token", "select pgstream.consumer_token(%s)", found=True)
     print(f"consumer {args.name}: a new token; the last one no longer records its position")
     _print_token(token)
-    return 0
 
 
-def _cmd_consumers_drop(args: argparse.Namespace) -> int:
+def _cmd_consumers_drop(args: argparse.Namespace) -> None:
     _consumer_call(args, "drop", "select pgstream.drop_consumer(%s)", found=True)
     print(f"dropped consumer {args.name}: housekeeping no longer keeps events for it")
-    return 0
 
 
-def _cmd_consumers_retention(args: argparse.Namespace) -> int:
+def _cmd_consumers_retention(args: argparse.Namespace) -> None:
     _consumer_call(args, "retention", "select pgstream.set_consumer_retention(%s, %s)", args.days, found=True)
     print(f"consumer {args.name}: housekeeping keeps its unread events for up to {args.days} days")
-    return 0
 
 
-def _control(args: argparse.Namespace, action: Action, **kwargs: Any) -> int:
+def _control(args: argparse.Namespace, action: Action, **kwargs: Any) -> None:
     """``action`` on ``args.stream`` (its batch, or ``kwargs``: a dead letters control's)."""
     from .engine.controls import ControlError, apply_control
 
@@ -333,7 +318,6 @@ def _control(args: argparse.Namespace, action: Action, **kwargs: Any) -> int:
             print(apply_control(conn, args.stream, action, getattr(args, "batch", None), **kwargs))
         except ControlError as exc:
             raise _Refused(f"error: {exc}") from None
-    return 0
 
 
 def _operator() -> str:
@@ -347,7 +331,7 @@ def _operator() -> str:
     return f"cli {user}"
 
 
-def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
+def _cmd_dead_letters_list(args: argparse.Namespace) -> None:
     from .engine.deadletters import list_dead_letters
 
     with _connect(args) as conn:
@@ -355,15 +339,14 @@ def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
     which = "dead letters" if args.all else "open dead letters"
     if not letters:
         print(f"no {which}" + (f" in stream {args.stream}" if args.stream is not None else ""))
-        return 0
+        return
     for letter in letters:
         print(letter.describe())
     if len(letters) == args.limit:
         print(f"(first {args.limit} {which}; --limit N for more)")
-    return 0
 
 
-def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
+def _cmd_dead_letters_show(args: argparse.Namespace) -> None:
     from .engine.deadletters import get_dead_letter
 
     with _connect(args) as conn:
@@ -384,7 +367,6 @@ def _cmd_dead_letters_show(args: argparse.Namespace) -> int:
         print(f"  cannot be redelivered: {d.undeliverable}; discard it")
     print("  payload: " + ("-" if d.payload_json is None else _indented_json(d.payload_json)))
     print(f"  metadata: {d.metadata_json or '-'}")
-    return 0
 
 
 def _indented_json(text: str) -> str:
@@ -418,21 +400,21 @@ def _cmd_dead_letters_redeliver(args: argparse.Namespace) -> int:
     return 0 if report.complete else 1
 
 
-def _cmd_dead_letters_discard(args: argparse.Namespace) -> int:
+def _cmd_dead_letters_discard(args: argparse.Namespace) -> None:
     if bool(args.ids) == args.all:
         raise _Refused("error: give dead letter ids or --all (one of them)", 2)
     if not args.yes:
         what = "every open dead letter" if args.all else f"dead letters {', '.join(map(str, args.ids))}"
         raise _Refused(f"error: discarding {what} of stream {args.stream} means their events are never delivered; "
                        "pass --yes", 2)
-    return _control(args, "discard_dead_letters", dead_letter_ids=args.ids, all_dead_letters=args.all, by=_operator())
+    _control(args, "discard_dead_letters", dead_letter_ids=args.ids, all_dead_letters=args.all, by=_operator())
 
 
-def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> int:
+def _cmd_dead_letters_set_aside(args: argparse.Namespace) -> None:
     if not args.yes:
         raise _Refused(f"error: setting events aside means delivery goes on without them (they wait as dead letters "
                        f"of stream {args.stream}); pass --yes", 2)
-    return _control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
+    _control(args, "set_aside", event_ids=args.event_ids, reason=args.reason)
 
 
 def _cmd_backfill_run(args: argparse.Namespace) -> int:
@@ -466,16 +448,15 @@ def _cmd_backfill_run(args: argparse.Namespace) -> int:
     return 0 if unfinished == 0 else 1
 
 
-def _cmd_backfill_list(args: argparse.Namespace) -> int:
+def _cmd_backfill_list(args: argparse.Namespace) -> None:
     from .engine import backfill
 
     with _connect(args) as conn:
         found = backfill.list_backfills(conn, args.stream)
     print("\n".join(p.line() for p in found) or "no backfills")
-    return 0
 
 
-def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> int:
+def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> None:
     from .engine import backfill
 
     if cancel and not args.yes:
@@ -484,11 +465,9 @@ def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> int:
         before = backfill.stop(conn, args.id, cancel=cancel)
         after = backfill.progress(conn, args.id)
     print(f"backfill {args.id}: {before} -> {after.status}")
-    return 0
 
 
-def _cmd_metrics(args: argparse.Namespace) -> int:
-    """Serve Prometheus metrics until interrupted (see engine/metrics.py)."""
+def _cmd_metrics(args: argparse.Namespace) -> None:
     from .config import MetricsSettings, config_path, load_metrics_settings
     from .exporter import serve_forever, start
 
@@ -506,7 +485,6 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     exporter = start(url, args.host or metrics.host, metrics.port if args.port is None else args.port,
                      metrics.scrape_timeout_secs)
     serve_forever(exporter, lambda line: print(line, flush=True), exit_with_parent=args.exit_with_parent)
-    return 0
 
 
 def _cmd_dev(args: argparse.Namespace) -> int:
@@ -522,15 +500,13 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     return run_dev(port=args.port, root=root, spark_server=not args.no_spark_server)
 
 
-def _cmd_executor_requirements(args: argparse.Namespace) -> int:
-    """What the executors' Python needs on a Spark cluster, one pip requirement a line."""
+def _cmd_executor_requirements(args: argparse.Namespace) -> None:
     from .engine.cluster import executor_requirements
 
     sinks = list(args.sink or [])
     if args.config:
         sinks += [s.sink.type for s in _config(args).streams if s.delivery.ordering == "by_key"]
     print("\n".join(executor_requirements(sinks)))
-    return 0
 
 
 class _Terminated(BaseException):
@@ -538,9 +514,8 @@ class _Terminated(BaseException):
 
 
 def _cmd_spark_connect(args: argparse.Namespace) -> int:
-    """Run a Spark Connect server in the foreground until interrupted (Ctrl-C) or terminated
-    (SIGTERM, SIGHUP): either way its whole process group (the JVM and its Python workers) is
-    stopped before this process exits."""
+    """Run a Spark Connect server in the foreground until interrupted (Ctrl-C) or terminated (SIGTERM, SIGHUP): either
+    way its whole process group (the JVM and its Python workers) is stopped before this process exits."""
     import signal
     import subprocess
 
@@ -576,7 +551,7 @@ def _cmd_spark_connect(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _cmd_docs(args: argparse.Namespace) -> int:
+def _cmd_docs(args: argparse.Namespace) -> None:
     from . import docs_gen
 
     with nullcontext(args.database_url) if args.database_url else docs_gen.scratch_database() as url:
@@ -584,7 +559,6 @@ def _cmd_docs(args: argparse.Namespace) -> int:
     for path in changed:
         print(f"wrote {path}")
     print(f"{len(changed)} page(s) changed")
-    return 0
 
 
 def _key_value(item: str) -> tuple[str, str]:
@@ -620,10 +594,10 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
-def _command(sub: argparse._SubParsersAction[_Parser], name: str, func: Callable[[argparse.Namespace], int] | None,
-             text: str, *parents: _Parser) -> _Parser:
-    """The command ``name``, run by ``func``: ``text``, its line in its group's list, is also what ``COMMAND
-    --help`` opens with."""
+def _command(sub: argparse._SubParsersAction[_Parser], name: str,
+             func: Callable[[argparse.Namespace], int | None] | None, text: str, *parents: _Parser) -> _Parser:
+    """The command ``name``, run by ``func`` (its exit status; ``None``: 0): ``text``, its line in its group's list,
+    is also what ``COMMAND --help`` opens with."""
     p = sub.add_parser(name, parents=list(parents), help=text, description=text)
     if func is not None:
         p.set_defaults(func=func)
@@ -886,7 +860,7 @@ def _privilege_advice(args: argparse.Namespace, url: str | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        return int(args.func(args) or 0)
     except _Refused as exc:
         print(exc, file=sys.stderr)
         return exc.code

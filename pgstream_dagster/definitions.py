@@ -1,11 +1,7 @@
-"""The Dagster code location (``workspace.yaml``, ``[tool.dagster]`` and ``[tool.dg]`` point here).
-
-It loads the defs folder ``pgstream_dagster/defs/``: ``pgstream.yaml`` (``$PGSTREAM_CONFIG``,
-default ``./pgstream.yaml``) and the shared definitions (``defs/location.py``), and every
-``pgstream_dagster.StreamComponent`` declared in a ``defs.yaml`` below it.
-
-This is what ``dg.load_from_defs_folder`` does, given the defs module itself instead of a path to
-search for ``pyproject.toml``: an installed wheel has no ``pyproject.toml`` beside the package.
+"""The Dagster code location (``workspace.yaml``, ``[tool.dagster]`` and ``[tool.dg]`` point here): the defs folder
+``pgstream_dagster/defs/`` (``pgstream.yaml``, the shared definitions of ``defs/location.py``, every
+``pgstream_dagster.StreamComponent`` of a ``defs.yaml`` below it), loaded as ``dg.load_from_defs_folder`` does but
+from the defs module itself: an installed wheel has no ``pyproject.toml`` beside the package to search for.
 """
 
 from pathlib import Path

@@ -1,15 +1,13 @@
-"""``make dev``: a working local demo in one command.
-
-Starts (once) a Postgres with ``wal_level=logical`` under ``.pgstream/`` unless
-``PGSTREAM_DATABASE_URL`` is set, and a Spark Connect server for the runs unless
-``PGSTREAM_SPARK_REMOTE`` is set (``--no-spark-server``: runs start their own Spark); creates the
-``pgstream`` and ``dagster`` databases, migrates, creates the demo schema, applies
-``pgstream.yaml``, starts the Prometheus exporter (``metrics.enabled``) and runs ``dg dev``.
+"""``make dev``: a working local demo in one command. Starts (once) a Postgres with ``wal_level=logical`` under
+``.pgstream/`` unless ``PGSTREAM_DATABASE_URL`` is set and a Spark Connect server unless ``PGSTREAM_SPARK_REMOTE``
+is set (``--no-spark-server``: runs start their own Spark); creates the databases and roles, migrates, creates the
+demo schema, applies ``pgstream.yaml``, starts the Prometheus exporter (``metrics.enabled``) and runs ``dg dev``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shlex
 import signal
@@ -28,9 +26,8 @@ from .sparkserver import socket_inodes
 
 
 def _start_exporter(config: Path) -> str | None:
-    """Start ``pgstream-dagster metrics`` beside ``dg dev`` (unless ``metrics.enabled`` is false); it
-    ends with ``dg dev`` (same process group for Ctrl-C, and it exits when its parent is gone).
-    Returns its URL."""
+    """Start ``pgstream-dagster metrics`` beside ``dg dev`` (unless ``metrics.enabled`` is false); it ends with ``dg
+    dev`` (same process group for Ctrl-C, and it exits when its parent is gone). Returns its URL."""
     from .config import load_metrics_settings
     from .exporter import metrics_url
 
@@ -70,10 +67,9 @@ DEMO_EXECUTOR = "pgstream_demo_executor"
 
 
 def demo_roles(superuser_url: str, database: str) -> dict[str, str]:
-    """As a superuser: the demo's three login roles (owner: no attribute, a member of pgstream_writer;
-    runtime: REPLICATION, a member of pgstream_runtime; executor: a member of pgstream_executor), the
-    NOLOGIN group roles they join, and ``database`` owned by the owner. Idempotent. Returns each
-    role's URL for ``database``."""
+    """As a superuser: the demo's three login roles (owner: no attribute, a member of pgstream_writer; runtime:
+    REPLICATION, a member of pgstream_runtime; executor: a member of pgstream_executor), the NOLOGIN group roles they
+    join, and ``database`` owned by the owner. Idempotent. Returns each role's URL for ``database``."""
     from psycopg import sql
 
     def role_url(role: str) -> str:
@@ -136,8 +132,7 @@ class _Progress:
 #: the repository's Dagster instance configuration, copied into ``$DAGSTER_HOME/dagster.yaml``
 INSTANCE_TEMPLATE = "dagster.yaml"
 
-#: ``.pgstream/env``: the environment of ``make dev``'s demo, for a second shell (``. .pgstream/env``)
-ENV_FILE = "env"
+#: the environment of ``make dev``'s demo, in ``.pgstream/env`` for a second shell (``. .pgstream/env``)
 ENV_KEYS = ("PGSTREAM_DATABASE_URL", "PGSTREAM_OWNER_DATABASE_URL", "PGSTREAM_EXECUTOR_DATABASE_URL",
             "PGSTREAM_CONFIG", "PGSTREAM_DEMO_SINK", "PGSTREAM_SPARK_REMOTE", "DAGSTER_POSTGRES_URL", "DAGSTER_HOME")
 
@@ -145,7 +140,7 @@ ENV_KEYS = ("PGSTREAM_DATABASE_URL", "PGSTREAM_OWNER_DATABASE_URL", "PGSTREAM_EX
 def write_env_file(state: Path) -> Path:
     """Write the demo's environment as ``export`` lines to ``state/env`` (owner-only: the URLs are
     credentials on another install)."""
-    path = state / ENV_FILE
+    path = state / "env"
     lines = ["# the environment of `make dev`'s demo: `. .pgstream/env` in another shell"]
     lines += [f"export {key}={shlex.quote(os.environ[key])}" for key in ENV_KEYS if os.environ.get(key)]
     path.write_text("\n".join(lines) + "\n")
@@ -302,17 +297,13 @@ def _with_args(pids: list[int], *parts: bytes) -> list[int]:
     return [pid for pid in pids if all(part in _cmdline(pid) for part in parts)]
 
 
-def _signal_and_wait(pids: list[int], sig: int, until: float) -> bool:
-    """Send ``sig`` (0: none) to ``pids`` and wait until they ended or ``until`` (monotonic); true if they
-    ended."""
+def _signal_and_wait(pids: list[int], sig: int, until: float) -> None:
+    """Send ``sig`` (0: none) to ``pids`` and wait until they ended or ``until`` (monotonic)."""
     for pid in _alive(pids) if sig else []:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
     while _alive(pids) and time.monotonic() < until:
         time.sleep(0.1)
-    return not _alive(pids)
 
 
 def _name(pid: int) -> str:
@@ -324,41 +315,33 @@ def _name(pid: int) -> str:
 
 
 def _stop_tree(pid: int, keep_group: int | None = None, budget: float = 15.0) -> list[str]:
-    """Stop ``dg dev`` within ``budget`` seconds (it takes 6-8 s on a quiet host, its Python exiting after "Dagster
-    services shut down"; longer on a loaded one, where cutting it short with SIGTERM kills ``make dev``), in
-    order: ``dg dev`` as Ctrl-C stops it (SIGINT: its daemon ends its tick, its webserver stops), then, once
-    the daemon has ended, its run workers interrupted as Dagster interrupts a run (SIGINT: a delivery run
-    closes, gives its batches back and ends, not fails), which the code server waits for before it ends;
-    whatever of its tree is left then gets SIGTERM, and SIGKILL if that is not enough.
-    The process group ``keep_group`` (the Spark Connect server ``make dev`` started before it became ``dg
-    dev``: a child of it, in a session of its own) is left alone. Returns the processes that had to be
-    killed (SIGKILL)."""
+    """Stop ``dg dev`` and its tree within ``budget`` seconds (6-8 s on a quiet host, its Python exiting after
+    "Dagster services shut down"; longer on a loaded one, where cutting it short with SIGTERM kills ``make dev``),
+    in the order below. The process group ``keep_group`` (the Spark Connect server ``make dev`` started before it
+    became ``dg dev``: a child of it, in a session of its own) is left alone. Returns what had to be SIGKILLed."""
 
     def tree_of(root: int) -> list[int]:
         found = []
         for child in _descendants(root):
-            try:
-                if keep_group is not None and os.getpgid(child) == keep_group:
-                    continue
-            except ProcessLookupError:
-                continue
-            found.append(child)
+            with contextlib.suppress(ProcessLookupError):  # (ended)
+                if keep_group is None or os.getpgid(child) != keep_group:
+                    found.append(child)
         return found
 
     tree = [pid, *tree_of(pid)]
     until = time.monotonic() + budget
-    # `dg dev` first: its daemon ends the tick under way (a sensor's tick budget) and requests nothing more; then
-    # the runs, which the code server waits for (an open run would wait for its max_run_secs)
+    # `dg dev` first, as Ctrl-C stops it (SIGINT): its daemon ends the tick under way (a sensor's tick budget) and
+    # requests nothing more, its webserver stops; then the runs, which the code server waits for (an open run would
+    # wait for its max_run_secs)
     _signal_and_wait([pid], signal.SIGINT, time.monotonic() + 0.2)
     _signal_and_wait(_with_args(tree, b"dagster._daemon", b"run"), 0, time.monotonic() + budget * 0.6)
-    # Dagster's run workers: the processes a code server started for its runs (multiprocessing children of
-    # `dagster api grpc`)
+    # Dagster's run workers (multiprocessing children of `dagster api grpc`), interrupted as Dagster interrupts a
+    # run (SIGINT: a delivery run gives its batches back and ends, not fails)
     _signal_and_wait(_with_args(tree + tree_of(pid), b"multiprocessing.spawn", b"--multiprocessing-fork"),
                      signal.SIGINT, until)
     _signal_and_wait([pid], 0, until)  # (a second SIGINT would cut its shutdown short)
     # what `dg dev` leaves to end by itself, its runs over (a code server ends once its heartbeats stop, up to
-    # 45 s later): asked to end now (SIGTERM, a few seconds for a code server on a loaded host); SIGKILL only for
-    # what does not
+    # 45 s later): SIGTERM now (a few seconds for a code server on a loaded host), SIGKILL only for what does not
     _signal_and_wait(tree + tree_of(pid), signal.SIGTERM, max(until, time.monotonic() + 3.0))
     left = _alive(tree + tree_of(pid))
     names = [_name(p) for p in left]
@@ -396,10 +379,9 @@ def _remove_leftovers(root: Path, sockets: set[Path]) -> None:
 
 
 def stop_dev(root: Path) -> list[str]:
-    """Stop ``make dev``'s services under ``root``, in order: ``dg dev`` as Ctrl-C does (its runs close
-    first, then the daemon, webserver and code server; the exporter exits with it), then the Spark Connect
-    server and the local Postgres together; then what ``dg dev`` left (sockets, an empty ``logs/``). Returns what
-    was stopped, one line each."""
+    """Stop ``make dev``'s services under ``root``, in order: ``dg dev`` as Ctrl-C does (its runs close first, then the
+    daemon, webserver and code server; the exporter exits with it), then the Spark Connect server and the local Postgres
+    together; then what ``dg dev`` left (sockets, an empty ``logs/``). Returns what was stopped, one line each."""
     from . import sparkserver
     from .devdb import LocalPostgres
 
@@ -417,15 +399,14 @@ def stop_dev(root: Path) -> list[str]:
     # the runs over, nothing uses the Spark Connect server or Postgres any more: both stop at once (a JVM takes
     # a second or two to end)
     spark_pid = sparkserver.recorded_pid(state)
-    spark = concurrent.futures.ThreadPoolExecutor(1)
-    spark_stopped = spark.submit(sparkserver.stop_recorded, state)
     datadir = state / "data"
     pg_pid = _postgres_pid(datadir)
-    if pg_pid is not None:
-        LocalPostgres(datadir, 0, {}).stop("fast")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        spark_stopped = pool.submit(sparkserver.stop_recorded, state)
+        if pg_pid is not None:
+            LocalPostgres(datadir, 0, {}).stop("fast")
     if spark_stopped.result() and spark_pid is not None:
         stopped.append(f"stopped the Spark Connect server (pid {spark_pid})")
-    spark.shutdown()
     if pg_pid is not None:
         stopped.append(f"stopped Postgres (pid {pg_pid}, data in {datadir})")
     return stopped
@@ -450,8 +431,7 @@ def run_dev(port: int = 3000, root: Path | None = None, spark_server: bool = Tru
           "`pgstream-dagster dev --status` lists them.")
     print(f"ready in {time.monotonic() - started:.1f} s; starting `dg dev` (the UI answers on "
           f"http://127.0.0.1:{port} once the code location is loaded)", flush=True)
-    state = root / ".pgstream"
-    (state / "dg-dev.pid").write_text(str(os.getpid()))  # execv keeps the pid: `dev --status/--stop` find it
+    (root / ".pgstream" / "dg-dev.pid").write_text(str(os.getpid()))  # for dev --status/--stop (execv keeps the pid)
     # `dg dev` (dagster-dg-cli): `dagster dev` is superseded by it and says so at every start
     dg = Path(sys.executable).with_name("dg")
     os.execv(str(dg), [str(dg), "dev", "--workspace", str(root / "workspace.yaml"),

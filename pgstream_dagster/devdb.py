@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
+from psycopg import sql
+
 _RUN_AS = "embedded_postgres"
 
 #: Server settings every pgstream Postgres needs; tests add durability shortcuts on top.
@@ -59,11 +62,10 @@ def _demote() -> tuple[int, int] | None:
 
 
 def _system_user(name: str) -> tuple[int, int]:
-    """The uid and gid of the user ``name``, created (no home, no login) if it does not exist. Processes that
-    start at once on a new machine (the test workers, ``make dev`` beside them) all find it missing, and
-    ``useradd`` run at once by several can each report success with a uid of its own while ``/etc/passwd``
-    keeps one (a Postgres initialised as a lost uid fails: "could not look up effective user ID"): the check
-    and the creation hold a lock of their own."""
+    """The uid and gid of the user ``name``, created (no home, no login) if it does not exist. Processes that start at
+    once on a new machine (the test workers, ``make dev`` beside them) all find it missing, and ``useradd`` run at once
+    by several can each report success with a uid of its own while ``/etc/passwd`` keeps one (a Postgres initialised as
+    a lost uid fails: "could not look up effective user ID"): the check and the creation hold a lock of their own."""
     import fcntl
     import tempfile
 
@@ -120,14 +122,8 @@ class LocalPostgres:
     def _run(self, args: list[str]) -> subprocess.CompletedProcess[str]:
         ids = _demote()
         extra: dict[str, Any] = {"user": ids[0], "group": ids[1], "extra_groups": []} if ids is not None else {}
-        return subprocess.run(
-            [str(_bin_dir() / args[0]), *args[1:]],
-            check=True,
-            capture_output=True,
-            text=True,
-            cwd="/",
-            **extra,
-        )
+        return subprocess.run([str(_bin_dir() / args[0]), *args[1:]], check=True, capture_output=True, text=True,
+                              cwd="/", **extra)
 
     def init(self) -> None:
         if (self.datadir / "PG_VERSION").exists():
@@ -163,9 +159,6 @@ class LocalPostgres:
         return True
 
     def create_database(self, name: str) -> None:
-        import psycopg
-        from psycopg import sql
-
         with psycopg.connect(self.url, autocommit=True) as conn:
             exists = conn.execute("select 1 from pg_database where datname = %s", [name]).fetchone()
             if not exists:
@@ -192,8 +185,6 @@ def ensure_running(datadir: Path, port: int | None = None,
     deadline = time.monotonic() + 30
     while True:
         try:
-            import psycopg
-
             psycopg.connect(pg.url, connect_timeout=2).close()
             return pg
         except Exception:

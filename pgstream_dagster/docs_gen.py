@@ -1,15 +1,8 @@
-"""The reference pages of the documentation site, generated from the code (``pgstream-dagster docs``).
-
-* ``docs/reference/configuration.md``: every key of ``pgstream.yaml`` from the pydantic models of
-  ``config.py`` (type, default, range, description; the descriptions also reach the Dagster UI);
-* ``docs/reference/cli.md``: every command and option of ``cli.build_parser()``;
-* ``docs/reference/metrics.md``: every exported metric of ``engine/metrics.yaml``;
-* ``docs/reference/sql.md``: the tables, views and functions of schema ``pgstream`` as the catalog of
-  a migrated database has them, with what ``pgstream_runtime``, ``pgstream_executor`` and
-  ``pgstream_writer`` may do with each.
-
-``tests/test_docs.py`` generates them again in memory and fails, naming the command, when a committed
-page differs.
+"""The reference pages under ``docs/reference/``, generated from the code (``pgstream-dagster docs``): every key
+of ``pgstream.yaml`` (the pydantic models of ``config.py``), every CLI command and option (``cli.build_parser()``),
+every metric (``engine/metrics.yaml``), and the SQL objects of a migrated database with what ``pgstream_runtime``,
+``pgstream_executor`` and ``pgstream_writer`` may do with each. ``tests/test_docs.py`` fails, naming the command,
+when a committed page differs.
 """
 
 from __future__ import annotations

@@ -1,41 +1,16 @@
-"""Dagster's instance storage on Postgres, with a connection pool in every process.
+"""Dagster instance plug-ins, configured in ``dagster.yaml`` (docs/operations.md describes both).
 
-``dagster-postgres`` opens a new database connection for every storage call outside the webserver
-(SQLAlchemy ``NullPool``): every event a run or a sensor writes, every run or tick read. At 100 streams
-that is thousands of connections a minute, each a Postgres backend started for one statement, and
-their start-up cost more Postgres CPU than the events' own statements (``bench/streams.py``).
-:class:`PooledPostgresStorage` is ``dagster_postgres.DagsterPostgresStorage`` with each of its three
-storages (runs, event log, schedules) keeping up to ``pool_size`` idle connections per process,
-checked before each use (``pool_pre_ping``: a restarted Postgres costs one failed ping, not an error),
-and closed after ``pool_recycle_secs``. The webserver replaces it with its own pool, as with
-``dagster-postgres``.
+:class:`PooledPostgresStorage` is ``dagster_postgres.DagsterPostgresStorage`` whose three storages (runs, event
+log, schedules) each keep a small pool of connections in every process: dagster-postgres opens one for every
+storage call outside the webserver (SQLAlchemy ``NullPool``), which at 100 streams cost Postgres more CPU than
+the events' own statements (``bench/streams.py``). The URL may be ``postgresql://``, ``postgres://`` or
+``postgresql+psycopg2://``: all run on psycopg2, which dagster-postgres' statements need (on psycopg 3,
+SQLAlchemy 2.1's default for ``postgresql://``, every event write fails on its ``NOTIFY``); any other driver is
+refused when the instance loads.
 
-``dagster.yaml``::
-
-    storage:
-      custom:
-        module: pgstream_dagster.instance
-        class: PooledPostgresStorage
-        config:
-          postgres_url:
-            env: DAGSTER_POSTGRES_URL
-          pool_size: 1   # idle connections kept per storage and process (3 per process)
-
-The URL may be ``postgresql://``, ``postgres://`` or ``postgresql+psycopg2://``: all run on psycopg2,
-which dagster-postgres' statements need (on psycopg 3, SQLAlchemy 2.1's default for ``postgresql://``,
-every event write fails on its ``NOTIFY``). Any other driver is refused when the instance loads.
-
-:class:`FileComputeLogManager` keeps each run's stdout and stderr in files, as Dagster's local compute log
-manager does (the UI's run page shows them), without copying them back to the run process's own stdout and
-stderr: Dagster's does that through a ``tail -F`` and a Python watcher for each of the two, four processes a
-run (a group delivery run and a checks run: eight beside the location's own six).
-
-``dagster.yaml``::
-
-    compute_logs:
-      module: pgstream_dagster.instance
-      class: FileComputeLogManager
-      # config: {base_dir: ...}   # default: the instance's storage directory, as Dagster's
+:class:`FileComputeLogManager` keeps each run's stdout and stderr in files for the UI, as Dagster's local compute
+log manager does, without also copying them to the run process's own output (Dagster's ``tail -F`` and Python
+watcher for each: four processes a run).
 """
 
 from __future__ import annotations
@@ -106,18 +81,16 @@ class PooledPostgresStorage(DagsterPostgresStorage):
     @classmethod
     def from_config_value(cls, inst_data: ConfigurableClassData | None,
                           config_value: Mapping[str, Any]) -> PooledPostgresStorage:
+        pool = {key: config_value[key] for key in ("pool_size", "max_overflow", "pool_recycle_secs")
+                if key in config_value}
         return cls(pg_url_from_config(config_value), config_value.get("should_autocreate_tables", True), inst_data,
-                   pool_size=config_value.get("pool_size", DEFAULT_POOL_SIZE),
-                   max_overflow=config_value.get("max_overflow", DEFAULT_MAX_OVERFLOW),
-                   pool_recycle_secs=config_value.get("pool_recycle_secs", DEFAULT_POOL_RECYCLE_SECS),
-                   token_provider=get_token_provider_from_config(config_value))
+                   token_provider=get_token_provider_from_config(config_value), **pool)
 
 
 class FileComputeLogManager(LocalComputeLogManager):
-    """Dagster's ``LocalComputeLogManager`` (a run's stdout and stderr in files under ``base_dir``, read by the UI)
-    without its mirroring of them to the run process's own output (a ``tail -F`` and a watcher process for each).
-    Without ``base_dir``: the instance's ``storage`` directory, as Dagster's default (a run launched from another
-    process's instance gets that instance's, whatever its own environment)."""
+    """Dagster's ``LocalComputeLogManager`` without the copy to the run's own output. Without ``base_dir``: the
+    instance's ``storage`` directory, as Dagster's default (a run launched from another process's instance gets
+    that instance's, whatever its own environment)."""
 
     def __init__(self, base_dir: str | None = None, polling_timeout: float | None = None,
                  inst_data: ConfigurableClassData | None = None) -> None:

@@ -1,15 +1,11 @@
-"""A Spark Connect server for the delivery and replay runs (``spark.remote`` in pgstream.yaml).
+"""A Spark Connect server for the delivery and replay runs (``spark.remote`` in pgstream.yaml), run by
+``pgstream-dagster spark-connect`` (foreground) or ``make dev`` (background, kept under ``.pgstream/``).
 
-Each Dagster run is a process of its own; with a local Spark it starts a JVM and Spark's Python
-workers before its first event (10-35 s on 2 CPUs). A long-lived Spark Connect server keeps both
-warm: a run then only opens a session (~0.3 s). The server comes with PySpark (its jars and
-``spark-submit``); nothing is downloaded. Its Python workers run this interpreter (or
-``spark.pyspark.python`` of its conf), so with a local master they import pgstream-dagster's data
-sources from the same environment; on a cluster master (``--master spark://...``) each run hands the
-package to its session (:func:`pgstream_dagster.engine.spark.ship_package`).
-
-Used by ``pgstream-dagster spark-connect`` (foreground, for a service manager) and ``make dev``
-(in the background, kept under ``.pgstream/`` like the local Postgres).
+Each Dagster run is a process of its own, which with a local Spark starts a JVM and Spark's Python workers before
+its first event (10-35 s on 2 CPUs); with the server kept warm a run only opens a session (~0.3 s). It comes with
+PySpark (nothing is downloaded). Its Python workers run this interpreter (or ``spark.pyspark.python`` of its
+conf), so a local master imports the data sources from the same environment; on a cluster master each run ships
+the package to its session (:func:`pgstream_dagster.engine.spark.ship_package`).
 """
 
 from __future__ import annotations
@@ -189,14 +185,11 @@ def stop(proc: subprocess.Popen[bytes] | int, timeout: float = 20) -> None:
 def ensure_running(state: Path, port: int = DEFAULT_PORT, master: str = "local[*]") -> str:
     """A server for ``make dev``: reuse the one recorded in ``state/spark-connect.pid`` if it still
     listens on the port itself, else start one in the background. Returns its ``sc://`` URL."""
-    pid_file = state / "spark-connect.pid"
-    url = f"sc://127.0.0.1:{port}"
     pid = recorded_pid(state)
-    if pid is not None and listening(port) and _listens_itself(pid, port) is not False:
-        return url
-    proc = start(port, master, log=state / "spark-connect.log")
-    pid_file.write_text(str(proc.pid))
-    return url
+    if pid is None or not listening(port) or _listens_itself(pid, port) is False:
+        proc = start(port, master, log=state / "spark-connect.log")
+        (state / "spark-connect.pid").write_text(str(proc.pid))
+    return f"sc://127.0.0.1:{port}"
 
 
 def recorded_pid(state: Path) -> int | None:

@@ -1,17 +1,13 @@
 """``pgstream_dagster.StreamComponent``: a stream and its subscriptions declared in a ``defs.yaml``.
 
-Its attributes are a stream of ``pgstream.yaml`` plus ``subscriptions``
-(:class:`~pgstream_dagster.config.StreamDeclaration`), validated by the same models with the same
-messages; ``${VAR}`` / ``${VAR:-default}`` are read from the environment as in ``pgstream.yaml``.
-The component builds the stream's definitions; the shared ones (delivery job, resources, ...) come
-from :func:`pgstream_dagster.defs.location.pgstream_location`, whose resource holds every
-component's stream: it finds the components as :class:`~..defs.location.StreamDeclaringComponent`s
-and never imports this package (the component sits above the definitions: import-linter contract).
+Its attributes, a stream of ``pgstream.yaml`` plus ``subscriptions``
+(:class:`~pgstream_dagster.config.StreamDeclaration`), are validated by the same models with the same messages
+(``${VAR}`` read as there). The shared definitions (:func:`pgstream_dagster.defs.location.pgstream_location`)
+find the components as :class:`~..defs.location.StreamDeclaringComponent`s and never import this package.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -103,13 +99,7 @@ class StreamComponent(StreamDeclaringComponent):
 
     @classmethod
     def load(cls, attributes: BaseModel | None, context: dg.ComponentLoadContext) -> StreamComponent:
-        source = _defs_yaml(context.path)
+        path = context.path
+        source = next((str(path / n) for n in ("defs.yaml", "component.yaml") if (path / n).is_file()), str(path))
         data: dict[str, Any] = attributes.model_dump() if attributes is not None else {}
         return cls(parse_stream(data, source, at="attributes"), source)
-
-
-def _defs_yaml(path: Path) -> str:
-    for name in ("defs.yaml", "component.yaml"):
-        if (path / name).is_file():
-            return str(path / name)
-    return str(path)
