@@ -282,12 +282,9 @@ def _alive(pids: list[int]) -> list[int]:
     """Of ``pids``, those still running (an exited process its parent has not reaped yet, a zombie, is not)."""
     alive = []
     for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):  # (ended)
-            continue
-        if state != "Z":
-            alive.append(pid)
+        with contextlib.suppress(OSError, IndexError):  # (ended)
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(pid)
     return alive
 
 
@@ -367,11 +364,9 @@ def _remove_leftovers(root: Path, sockets: set[Path]) -> None:
 
     temp = Path(tempfile.gettempdir()).resolve()
     for path in sockets:
-        try:
+        with contextlib.suppress(OSError):
             if path.resolve().is_relative_to(temp) and stat.S_ISSOCK(path.lstat().st_mode):
                 path.unlink()
-        except OSError:
-            continue
     logs = root / "logs"
     if logs.is_dir() and not any(logs.iterdir()):
         logs.rmdir()

@@ -9,7 +9,6 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 from .config import ConfigError
@@ -69,11 +68,7 @@ def serve_forever(exporter: Exporter, log: Callable[[str], None] = print, *, exi
     one is gone, as for the exporter ``make dev`` starts beside ``dg dev``), then stop the exporter."""
     stop = threading.Event()
     parent = os.getppid()
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, lambda _sig, _frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     log(f"serving Prometheus metrics on {exporter.url}")
     try:
         while not stop.wait(1.0 if exit_with_parent else 3600):

@@ -92,11 +92,9 @@ def descendants(pid: int) -> list[int]:
     """The processes below ``pid`` (children first found, then theirs), from /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        with contextlib.suppress(OSError):  # (ended)
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
     found: list[int] = []
     todo = [pid]
     while todo:

@@ -1,6 +1,4 @@
-"""``pgstream_dagster.StreamComponent``: a stream and its subscriptions declared in a ``defs.yaml``
-(``type: pgstream_dagster.StreamComponent``). It sits above the definitions (``pgstream_dagster.defs``),
-which find it as a :class:`~pgstream_dagster.defs.location.StreamDeclaringComponent` and never import it."""
+"""``pgstream_dagster.StreamComponent`` (:mod:`.stream`): a stream and its subscriptions declared in a ``defs.yaml``."""
 
 from .stream import StreamComponent, StreamScaffolder, StreamScaffoldParams
 
