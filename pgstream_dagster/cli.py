@@ -249,8 +249,7 @@ def _cmd_consumers_list(args: argparse.Namespace) -> None:
     from .engine.status import consumers, render_consumer
 
     with _connect(args) as conn:
-        readers = consumers(conn, args.stream)
-    print("\n".join(render_consumer(c) for c in readers) or "no registered consumers")
+        print("\n".join(render_consumer(c) for c in consumers(conn, args.stream)) or "no registered consumers")
 
 
 def _cmd_consumers_add(args: argparse.Namespace) -> None:
@@ -449,8 +448,7 @@ def _cmd_backfill_list(args: argparse.Namespace) -> None:
     from .engine import backfill
 
     with _connect(args) as conn:
-        found = backfill.list_backfills(conn, args.stream)
-    print("\n".join(p.line() for p in found) or "no backfills")
+        print("\n".join(p.line() for p in backfill.list_backfills(conn, args.stream)) or "no backfills")
 
 
 def _cmd_backfill_stop(args: argparse.Namespace, cancel: bool) -> None:
