@@ -3,10 +3,11 @@
 :class:`PooledPostgresStorage` is ``dagster_postgres.DagsterPostgresStorage`` whose three storages (runs, event
 log, schedules) each keep a small pool of connections in every process: dagster-postgres opens one for every
 storage call outside the webserver (SQLAlchemy ``NullPool``), which at 100 streams cost Postgres more CPU than
-the events' own statements (``bench/streams.py``). The URL may be ``postgresql://``, ``postgres://`` or
-``postgresql+psycopg2://``: all run on psycopg2, which dagster-postgres' statements need (on psycopg 3,
-SQLAlchemy 2.1's default for ``postgresql://``, every event write fails on its ``NOTIFY``); any other driver is
-refused when the instance loads.
+the events' own statements (``bench/streams.py``). A pooled connection is checked before each use (a restarted
+Postgres costs one failed ping, not an error); the webserver keeps its own pool, as with dagster-postgres. The URL
+may be ``postgresql://``, ``postgres://`` or ``postgresql+psycopg2://``: all run on psycopg2, which
+dagster-postgres' statements need (on psycopg 3, SQLAlchemy 2.1's default for ``postgresql://``, every event write
+fails on its ``NOTIFY``); any other driver is refused when the instance loads.
 
 :class:`FileComputeLogManager` keeps each run's stdout and stderr in files for the UI, as Dagster's local compute
 log manager does, without also copying them to the run process's own output (Dagster's ``tail -F`` and Python
