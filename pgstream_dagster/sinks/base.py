@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     import psycopg
 
 __all__ = [
-    "PATH_SOURCES",
     "Event",
     "EventContentError",
     "EventPath",
@@ -46,7 +45,6 @@ __all__ = [
     "import_extra",
     "loads_event_json",
     "lookup_event",
-    "lookup_path",
     "parse_event_path",
     "prepare_until_rejected",
     "publish_prepared",
@@ -291,9 +289,6 @@ def loads_event_json(text: str, event_id: int, what: str = "payload") -> Any:
         raise EventContentError(f"event {event_id}'s {what} {reason}") from None
 
 
-#: the sources an :data:`EventPath` may name with a prefix (``metadata:region``); none means the payload
-PATH_SOURCES = ("payload", "metadata")
-
 EventPath = Annotated[str, Field(
     pattern=r"^(?:(?:payload|metadata):)?[A-Za-z_][A-Za-z0-9_-]*(?:\.[A-Za-z_][A-Za-z0-9_-]*)*$")]
 """A dotted path into an event's payload (``data.tenant``, ``payload:data.tenant``, and a bare
@@ -307,7 +302,7 @@ def parse_event_path(path: str) -> tuple[str, str]:
     source, colon, rest = path.partition(":")
     if not colon:
         return "payload", path
-    if source not in PATH_SOURCES or not rest:
+    if source not in ("payload", "metadata") or not rest:
         raise ValueError(f"event path {path!r}: write <path> or payload:<path> for the payload, "
                          "metadata:<path> for the metadata")
     return source, rest
@@ -319,20 +314,16 @@ def describe_path(path: str) -> str:
     return f"{source} path {dotted!r}"
 
 
-def lookup_path(payload: Any, path: str) -> Any:
-    """The value at dotted ``path`` in ``payload``, or ``None`` when any step is missing or not an object."""
-    value = payload
-    for part in path.split("."):
+def lookup_event(event: Event, path: str) -> Any:
+    """The value at :data:`EventPath` ``path`` of ``event``, or ``None`` when any step is missing or not an
+    object (or there is no metadata)."""
+    source, dotted = parse_event_path(path)
+    value = event.payload if source == "payload" else event.metadata
+    for part in dotted.split("."):
         if not isinstance(value, dict):
             return None
         value = value.get(part)
     return value
-
-
-def lookup_event(event: Event, path: str) -> Any:
-    """:func:`lookup_path` in the payload, or in the metadata for ``metadata:...`` (``None`` without metadata)."""
-    source, dotted = parse_event_path(path)
-    return lookup_path(event.payload if source == "payload" else event.metadata, dotted)
 
 
 def event_scalar(event: Event, path: str) -> str | None:

@@ -398,16 +398,15 @@ class HttpSink(Sink, builds=HttpSinkConfig):
     def _request(self, items: Sequence[_Item]) -> _Request:
         events = [event for _position, event, _route in items]
         route = items[0][2]
-        body_of = self._body_of
         headers = {name: value.get_secret_value() for name, value in self.config.headers.items()}
         headers.update(route.headers)
         headers["Content-Type"] = "application/json"
         msg_id = str(events[0].id) if len(events) == 1 else f"{events[0].id}-{events[-1].id}"
         if self.config.mode == "per_event":
-            body = body_of(events[0])
+            body = self._body_of(events[0])
             headers["X-Pgstream-Event-Id"] = msg_id
         else:
-            body = "[" + ",".join(body_of(event) for event in events) + "]"
+            body = "[" + ",".join(map(self._body_of, events)) + "]"
             headers["X-Pgstream-Event-Ids"] = ",".join(str(event.id) for event in events)
         headers["X-Pgstream-Stream-Id"] = str(events[0].stream_id)
         headers["Idempotency-Key"] = msg_id

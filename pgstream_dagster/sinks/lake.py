@@ -174,9 +174,6 @@ def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] = (),
 
 _UNSAFE = re.compile(r"[^0-9A-Za-z_]")
 
-#: a typed column's name: the table column's, after this prefix (``id`` is the event's)
-TYPED_PREFIX = "row_"
-
 #: Postgres types (``format_type``, without a modifier) and the Arrow type of their column; any other
 #: type (numeric: exact digits; json, arrays, ranges, enums...) is a string column of its JSON text
 _ARROW_TYPES = {
@@ -211,7 +208,7 @@ class TypedColumn:
     def name(self) -> str:
         """``row_<column>``, any character other than a letter, digit or ``_`` as ``_`` (Delta refuses
         spaces, commas, semicolons, braces, parentheses and ``=`` in column names)."""
-        return TYPED_PREFIX + _UNSAFE.sub("_", self.column)
+        return "row_" + _UNSAFE.sub("_", self.column)  # prefixed: ``id`` is the event's
 
     @property
     def kind(self) -> str:
@@ -274,13 +271,12 @@ class TypedColumn:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        kinds = set(map(type, values))
-        kinds.discard(type(None))
+        kinds = set(map(type, values)) - {type(None)}
         kind = self.kind
         try:
-            if kind.startswith("int") and kinds <= {int}:  # out of range raises (bool, Decimal, str: one by one)
-                return pa.array(values, type=self.arrow_type())
-            if (kind == "bool" and kinds <= {bool}) or (kind == "string" and kinds <= {str}):
+            # an integer out of range raises (bool, Decimal, str: one by one)
+            if ((kind.startswith("int") and kinds <= {int}) or (kind == "bool" and kinds <= {bool})
+                    or (kind == "string" and kinds <= {str})):
                 return pa.array(values, type=self.arrow_type())
             if kind.startswith("float") and kinds <= {float, int}:  # an integer past 2**53 raises
                 numbers = pa.array(values, type=pa.float64())
@@ -457,12 +453,10 @@ class LakeSink(Sink):
             self._guard(events, lambda: self._by_id(events))
 
     def publish_at(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
-        if not events:
-            return
-        if all(b == 0 for b, _o in positions):  # a replay: positions are event ids
+        if all(b == 0 for b, _o in positions):  # a replay (or no events): positions are event ids
             self.publish(events)
-            return
-        self._guard(events, lambda: self._positioned(events, positions))
+        elif events:
+            self._guard(events, lambda: self._positioned(events, positions))
 
     def _positioned(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
         stream_id = event_stream(events)
