@@ -156,9 +156,8 @@ C = TypeVar("C", bound=AwsSinkConfigBase)
 
 
 class AwsBatchSink(Sink, Generic[C]):
-    """An AWS sink sending batch requests (the failure rule: docs/sinks.md, "Amazon"). The boto3 client
-    is created on first publish and kept for the sink's life (a delivery run's); its service is the
-    sink's type (``sqs``, ``sns``, ``kinesis``)."""
+    """An AWS sink sending batch requests (the failure rule: docs/sinks.md, "Amazon"). The boto3 client of
+    the sink's type (its service) is created on first publish and kept for the sink's life."""
 
     #: what an entry is called in messages
     entry_noun: ClassVar[str] = "message"
@@ -170,8 +169,6 @@ class AwsBatchSink(Sink, Generic[C]):
         self._botocore = import_extra(self.type_name, "aws", "boto3", "botocore", "botocore.config",
                                       "botocore.exceptions")
         self._client: Any = None
-
-    # -- what each sink defines ------------------------------------------------------------------------
 
     @abstractmethod
     def _prepare(self, event: Event) -> Prepared:
@@ -191,10 +188,7 @@ class AwsBatchSink(Sink, Generic[C]):
 
     @abstractmethod
     def _limits(self) -> tuple[int, int]:
-        """Entries per request at most, and the service's limit of one request's entries in bytes
-        (``Prepared.size`` summed)."""
-
-    # -- the batch loop --------------------------------------------------------------------------------
+        """Entries per request at most, and the limit of a request's ``Prepared.size`` summed."""
 
     def publish(self, events: Sequence[Event]) -> None:
         publish_prepared(events, self._prepare, self._send_all)

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     import psycopg
 
 __all__ = [
-    "PATH_SOURCES",
     "Event",
     "EventContentError",
     "EventPath",
@@ -46,7 +45,6 @@ __all__ = [
     "import_extra",
     "loads_event_json",
     "lookup_event",
-    "lookup_path",
     "parse_event_path",
     "prepare_until_rejected",
     "publish_prepared",
@@ -58,10 +56,7 @@ __all__ = [
     "url_secrets",
 ]
 
-_EXCERPT_CHARS = 200
-
 T = TypeVar("T")
-
 
 _UNSET: Any = object()
 
@@ -151,11 +146,8 @@ class Event:
 
     def to_json(self) -> str:
         """``as_json_dict()`` as compact JSON text, built around the payload text without parsing it."""
-        # the slots first: the properties serialise a dict given without text (once), the common case
-        # (text read from Postgres) needs no call
-        payload = self._payload_json
-        if payload is None:
-            payload = self.payload_json
+        # the slots first: the common case (text read from Postgres) needs no property call
+        payload = self._payload_json or self.payload_json  # JSON text is never empty
         metadata = self._metadata_json
         if metadata is None and self._metadata is not None:
             metadata = self.metadata_json
@@ -179,9 +171,9 @@ class Event:
     __hash__ = None  # type: ignore[assignment]  # payloads are dicts, like the former frozen dataclass
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_make_event, (self.id, self.stream_id, None if self._payload is _UNSET else self._payload,
-                              None if self._metadata is _UNSET else self._metadata, self.created_at,
-                              self._payload_json, self._metadata_json))
+        return (functools.partial(Event, payload_json=self._payload_json, metadata_json=self._metadata_json),
+                (self.id, self.stream_id, None if self._payload is _UNSET else self._payload,
+                 None if self._metadata is _UNSET else self._metadata, self.created_at))
 
     def __repr__(self) -> str:
         return (f"Event(id={self.id!r}, stream_id={self.stream_id!r}, payload={self.payload!r}, "
@@ -197,9 +189,8 @@ _set_id, _set_stream_id, _set_created_at, _set_payload, _set_payload_json, _set_
 
 def event_from_text(id: int, stream_id: int, created_at: dt.datetime, payload_json: str,
                     metadata_json: str | None) -> Event:
-    """``Event(id, stream_id, created_at=created_at, payload_json=..., metadata_json=...)``, built
-    without ``__init__``'s checks (the caller passes text read from Postgres): what the delivery
-    path builds for every event, at less than half the cost."""
+    """``Event(..., payload_json=..., metadata_json=...)`` without ``__init__``'s checks (the caller passes
+    text read from Postgres): what the delivery path builds for every event, at less than half the cost."""
     event = _new_object(Event)
     _set_id(event, id)
     _set_stream_id(event, stream_id)
@@ -217,9 +208,8 @@ _slot_getters = tuple(operator.attrgetter(name)
 
 def event_columns(events: Sequence[Event]) -> tuple[list[int], list[int], list[dt.datetime], list[str],
                                                     list[str | None]]:
-    """The events' ids, stream ids, creation times, payload texts and metadata texts (``None``: no
-    metadata), one list each, read from the slots without a Python call per event (the lake sinks'
-    Arrow columns); the text of an event built from a dict is made here, once."""
+    """The events' ids, stream ids, creation times, payload and metadata texts (``None``: no metadata),
+    a list each, read from the slots without a Python call per event (the lake sinks' Arrow columns)."""
     get_id, get_stream, get_created, get_payload_json, get_metadata, get_metadata_json = _slot_getters
     payloads: list[Any] = list(map(get_payload_json, events))
     if None in payloads:  # built from a dict
@@ -233,18 +223,11 @@ def event_columns(events: Sequence[Event]) -> tuple[list[int], list[int], list[d
 
 
 def event_stream(events: Sequence[Event]) -> int:
-    """The one stream of ``events`` (not empty), read from their slots; ``ValueError`` when they
-    belong to several."""
+    """The one stream of ``events`` (not empty); ``ValueError`` when they belong to several."""
     streams = list(map(_slot_getters[1], events))
     if streams.count(streams[0]) != len(streams):
         raise ValueError("the events of one publish call belong to several streams")
     return int(streams[0])
-
-
-def _make_event(id: int, stream_id: int, payload: dict[str, Any] | None, metadata: dict[str, Any] | None,
-                created_at: dt.datetime, payload_json: str | None, metadata_json: str | None) -> Event:
-    return Event(id, stream_id, payload, metadata, created_at, payload_json=payload_json,
-                 metadata_json=metadata_json)
 
 
 class SinkError(Exception):
@@ -277,14 +260,12 @@ class RoutingError(ValueError):
 
 
 class EventContentError(RoutingError):
-    """An event's payload or metadata text cannot be parsed in Python (nesting deeper than the
-    interpreter's recursion limit, invalid JSON). A :class:`RoutingError`: every sink that reads
-    the event to route it turns it into a permanent rejection of that one event."""
+    """An event's payload or metadata text cannot be parsed in Python (too deeply nested, invalid JSON): a
+    :class:`RoutingError`, which every sink routing the event turns into a permanent rejection of it."""
 
 
 def _number(text: str) -> int | decimal.Decimal:
-    """A JSON integer: an ``int``, or a :class:`decimal.Decimal` (exact, any length) when it has
-    more digits than Python converts to ``int`` (``sys.get_int_max_str_digits()``, 4,300 by default)."""
+    """A JSON integer: an ``int``, or an exact :class:`decimal.Decimal` past ``sys.get_int_max_str_digits()``."""
     try:
         return int(text)
     except ValueError:
@@ -292,37 +273,26 @@ def _number(text: str) -> int | decimal.Decimal:
 
 
 def loads_event_json(text: str, event_id: int, what: str = "payload") -> Any:
-    """Parse an event's JSON text (as read from Postgres, which accepts what Python may not).
-
-    An integer longer than Python converts to ``int`` stays an exact number (a
-    :class:`decimal.Decimal`; :func:`event_scalar` and :func:`route` give its digits). Text that still
-    cannot be parsed (nesting deeper than the recursion limit, invalid JSON) raises
-    :class:`EventContentError` naming the event, never the content.
-    """
+    """Parse an event's JSON text (as read from Postgres, which accepts what Python may not): an integer
+    longer than Python converts to ``int`` stays exact (:func:`_number`); text that still cannot be parsed
+    raises :class:`EventContentError` naming the event, never the content."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        error: BaseException = exc
-    except ValueError:  # an integer over the int conversion limit: parse again, keeping it exact
         try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:  # an integer over the int conversion limit: parse again, keeping it exact
             return json.loads(text, parse_int=_number)
-        except (ValueError, RecursionError) as exc:
-            error = exc
-    except RecursionError as exc:
-        error = exc
-    reason = ("is nested deeper than Python can parse" if isinstance(error, RecursionError)
-              else f"is not JSON Python can parse ({type(error).__name__})")
-    raise EventContentError(f"event {event_id}'s {what} {reason}") from None
+    except (ValueError, RecursionError) as exc:
+        reason = ("is nested deeper than Python can parse" if isinstance(exc, RecursionError)
+                  else f"is not JSON Python can parse ({type(exc).__name__})")
+        raise EventContentError(f"event {event_id}'s {what} {reason}") from None
 
-
-#: the sources an :data:`EventPath` may name with a prefix (``metadata:region``); none means the payload
-PATH_SOURCES = ("payload", "metadata")
 
 EventPath = Annotated[str, Field(
     pattern=r"^(?:(?:payload|metadata):)?[A-Za-z_][A-Za-z0-9_-]*(?:\.[A-Za-z_][A-Za-z0-9_-]*)*$")]
-"""A dotted path into an event's payload (``data.tenant``, ``payload:data.tenant``) or, prefixed
-``metadata:``, its metadata; a bare path always reads the payload (``metadata.region`` too, as before
-metadata routing). docs/sinks.md, "Routing by payload or metadata"."""
+"""A dotted path into an event's payload (``data.tenant``, ``payload:data.tenant``, and a bare
+``metadata.region`` too) or, prefixed ``metadata:``, its metadata. docs/sinks.md, "Routing by payload or metadata"."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -332,7 +302,7 @@ def parse_event_path(path: str) -> tuple[str, str]:
     source, colon, rest = path.partition(":")
     if not colon:
         return "payload", path
-    if source not in PATH_SOURCES or not rest:
+    if source not in ("payload", "metadata") or not rest:
         raise ValueError(f"event path {path!r}: write <path> or payload:<path> for the payload, "
                          "metadata:<path> for the metadata")
     return source, rest
@@ -344,21 +314,16 @@ def describe_path(path: str) -> str:
     return f"{source} path {dotted!r}"
 
 
-def lookup_path(payload: Any, path: str) -> Any:
-    """The value at dotted ``path`` in ``payload``, or ``None`` when any step is missing or not an object."""
-    value = payload
-    for part in path.split("."):
+def lookup_event(event: Event, path: str) -> Any:
+    """The value at :data:`EventPath` ``path`` of ``event``, or ``None`` when any step is missing or not an
+    object (or there is no metadata)."""
+    source, dotted = parse_event_path(path)
+    value = event.payload if source == "payload" else event.metadata
+    for part in dotted.split("."):
         if not isinstance(value, dict):
             return None
         value = value.get(part)
     return value
-
-
-def lookup_event(event: Event, path: str) -> Any:
-    """The value at :data:`EventPath` ``path`` of ``event`` (its payload, or its metadata for
-    ``metadata:...``), or ``None`` when any step is missing or not an object (or there is no metadata)."""
-    source, dotted = parse_event_path(path)
-    return lookup_path(event.payload if source == "payload" else event.metadata, dotted)
 
 
 def event_scalar(event: Event, path: str) -> str | None:
@@ -382,20 +347,17 @@ def _scalar_text(value: Any) -> str | None:
 
 
 def route_name(event: Event, fixed: str | None, path: str | None, prefix: str = "") -> str:
-    """A destination name for ``event``: ``prefix`` + the scalar at :data:`EventPath` ``path`` (payload or
-    metadata; as text like :func:`event_scalar`) if present, else ``fixed``. Raises :class:`RoutingError`
-    when the path gives no usable value and there is no ``fixed`` fallback."""
+    """``prefix`` + the scalar at ``path`` (as :func:`event_scalar` gives it) if present, else ``fixed``;
+    :class:`RoutingError` when neither gives a name."""
     return route(event, fixed, path, prefix)[0]
 
 
 def route(event: Event, fixed: str | None, path: str | None, prefix: str = "") -> tuple[str, bool]:
-    """:func:`route_name` and whether the name came from the event (its payload or metadata; ``False``:
-    the fixed name).
+    """:func:`route_name` and whether the name came from the event (``False``: the fixed name).
 
-    A name taken from the event that the destination cannot accept is the event's fault (a
-    permanent rejection); the same problem with the fixed name is the configuration's. Metadata
-    counts as the event's: it is stored with the event (computed by the subscription's
-    ``metadata_extensions`` when it was written), so sending it again fails the same way.
+    A name taken from the event that the destination cannot accept is the event's fault (a permanent
+    rejection), the fixed name's the configuration's. Metadata counts as the event's: it is stored with
+    the event, so sending it again fails the same way.
     """
     if path is not None:
         value = lookup_event(event, path)
@@ -416,10 +378,8 @@ def route(event: Event, fixed: str | None, path: str | None, prefix: str = "") -
 
 
 def prepare_until_rejected(events: Sequence[Event], prepare: Callable[[Event], T]) -> tuple[list[T], SinkError | None]:
-    """``prepare(event)`` for each event in order until one raises a permanent :class:`SinkError` (a
-    payload that cannot be routed or is too large): the prepared values of the events before it, and
-    that error (``None`` when every event was prepared); other exceptions propagate. A sink then
-    publishes the prepared events and raises the error (:func:`publish_prepared`)."""
+    """``prepare(event)`` for each event in order until one raises a permanent :class:`SinkError`: the
+    prepared values of the events before it, and that error (``None``: none); other exceptions propagate."""
     prepared: list[T] = []
     for event in events:
         try:
@@ -433,9 +393,8 @@ def prepare_until_rejected(events: Sequence[Event], prepare: Callable[[Event], T
 
 def publish_prepared(events: Sequence[Event], prepare: Callable[[Event], T],
                      send: Callable[[Sequence[Event], list[T]], None]) -> None:
-    """A sink's ``publish`` for destinations that check each event before sending: ``prepare``
-    every event (:func:`prepare_until_rejected`), ``send`` the events before the first permanently
-    rejected one with their prepared values, then raise that rejection."""
+    """A sink's ``publish``: :func:`prepare_until_rejected`, ``send`` the events before the first
+    permanently rejected one with their prepared values, then raise that rejection."""
     prepared, rejection = prepare_until_rejected(events, prepare)
     if prepared:
         send(events[: len(prepared)], prepared)
@@ -487,7 +446,7 @@ def _escaped_forms(secret: str) -> set[str]:
     return {form for form in forms if form}
 
 
-def excerpt(text: str, limit: int = _EXCERPT_CHARS) -> str:
+def excerpt(text: str, limit: int = 200) -> str:
     """A one-line, length-limited excerpt of ``text`` for error messages."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
@@ -546,11 +505,8 @@ def _split_path(path: str) -> tuple[str, str]:
 
 def redact_url(url: str) -> str:
     """``url`` for messages: ``scheme://host:port/path`` without user info, query string and fragment.
-
-    For http(s) and ws(s) URLs the path is shown up to the first segment that is not a plain word
-    (a short lower-case word or ``v1``), the rest is ``***``: webhook tokens live in the path
-    (``https://hooks.slack.com/services/***``, ``https://discord.com/api/webhooks/***``).
-    """
+    An http(s) or ws(s) path is shown up to its first segment that is not a plain word, the rest is
+    ``***``: webhook tokens live in the path (``https://hooks.slack.com/services/***``)."""
     from urllib.parse import urlsplit, urlunsplit
 
     try:
@@ -616,10 +572,9 @@ _PASSWORD_PARAM = re.compile(r"(?P<key>\b(?:ssl)?password\s*=\s*)(?P<value>'(?:[
 
 
 def conninfo_secrets(conninfo: str) -> list[str]:
-    """The passwords a libpq connection string holds, for :func:`scrub`: a URL's (also when the URL is
-    malformed, so that libpq refuses it and echoes it: ``postgresql//app:pw@host``, a raw ``%`` in the
-    password), ``password=`` and ``sslpassword=`` values (key=value pairs or a URL's query), each as
-    written and percent-decoded. The host, user and database are not secrets."""
+    """The passwords of a libpq connection string for :func:`scrub`, as written and percent-decoded: a
+    URL's (also a malformed one, which libpq echoes: ``postgresql//app:pw@host``, a raw ``%`` in the
+    password) and ``password=``/``sslpassword=`` values. The host, user and database are not secrets."""
     from urllib.parse import unquote, urlsplit
 
     found: list[str] = []
@@ -637,10 +592,9 @@ def conninfo_secrets(conninfo: str) -> list[str]:
 
 
 def scrub_conninfo(text: str, *conninfos: str | None) -> str:
-    """``text`` (a libpq or psycopg message: libpq echoes what it cannot parse of a connection string)
-    with the passwords of ``conninfos`` masked (:func:`conninfo_secrets`), and any other
-    ``user:password@`` or ``password=...`` it holds: what is wrong stays readable
-    (``missing "=" after "postgresql//app:***@host/db"``)."""
+    """``text`` (a libpq message, which echoes what it cannot parse of a connection string) with the
+    passwords of ``conninfos`` and any other ``user:password@`` or ``password=...`` masked: what is wrong
+    stays readable (``missing "=" after "postgresql//app:***@host/db"``)."""
     text = scrub(text, [s for conninfo in conninfos if conninfo for s in conninfo_secrets(conninfo)])
     text = _USERINFO.sub(lambda m: f"{m.group('user')}:***@" if m.group("password") != "***" else m.group(0), text)
     return _PASSWORD_PARAM.sub(lambda m: f"{m.group('key')}***", text)
@@ -684,10 +638,9 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 def header_value(name: str, value: str) -> str:
     """A configured header ``value`` ready to send, or :class:`ValueError` naming the header, never the value.
 
-    Trailing whitespace (a file-mounted secret's ``\\n`` or ``\\r\\n``, spaces, tabs) and leading spaces
-    and tabs are stripped (RFC 9110: they are not part of a field value). What remains must be printable
-    ASCII, spaces and tabs: a CR, LF or other control character inside the value is refused (it would
-    split or break the request), and so is a non-ASCII character (the HTTP client sends ASCII only).
+    Trailing whitespace (a file-mounted secret's ``\\n``) and leading spaces and tabs are stripped (RFC
+    9110: not part of a field value). What remains must be printable ASCII, spaces and tabs: a CR, LF or
+    other control character would split or break the request, and the HTTP client sends ASCII only.
     ``name`` must be an HTTP token.
     """
     if not _HEADER_NAME.fullmatch(name):
@@ -750,24 +703,19 @@ class Sink(ABC):
     accepts_positions: ClassVar[bool] = False
 
     def publish_at(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
-        """:meth:`publish` with each event's place in the delivery order: ``positions[i]`` is
-        ``(batch_id, ord)`` of ``events[i]`` (its ledger batch and 1-based ordinal in it), strictly
-        increasing; a replay's events come with batch ``0`` (they are not ledger positions). The
-        publisher calls it instead of :meth:`publish` for a sink with :attr:`accepts_positions`; the
-        default ignores the positions."""
+        """:meth:`publish` with each event's ledger position ``(batch_id, ord)`` (1-based ordinal),
+        strictly increasing; a replay's events come with batch ``0``. Called instead of :meth:`publish`
+        for a sink with :attr:`accepts_positions`; the default ignores the positions."""
         self.publish(events)
 
     def max_event_bytes(self) -> int | None:
-        """The largest payload (its JSON text, in UTF-8 bytes) this sink can ever send, or None when it
-        has no limit of its own. What every message of the sink carries at least is the payload, so an
-        event whose payload is larger can never be delivered: the delivery reads it only as far as its
-        size and sets it aside as a dead letter before anything is sent (never retried)."""
+        """The largest payload (JSON text, UTF-8 bytes) this sink can ever send, None for no limit of its
+        own: the delivery sets a larger event aside as a dead letter before anything is sent."""
         return None
 
     def publish_json_lines(self, lines: bytes, count: int, first_id: int, last_id: int) -> None:
-        """Deliver ``count`` events given as ``lines``: each event's :meth:`Event.to_json` in UTF-8 and a
-        newline, in order, ids ``first_id``..``last_id``. The same contract as :meth:`publish`; only
-        sinks with :attr:`accepts_json_lines` implement it."""
+        """:meth:`publish` of ``count`` events (ids ``first_id``..``last_id``) given as their
+        :meth:`Event.to_json` lines in UTF-8; only sinks with :attr:`accepts_json_lines` implement it."""
         raise NotImplementedError(f"the {self.type_name} sink does not take JSON lines")
 
     def _error(self, events: Sequence[Event], reason: str, *, permanent: bool = False) -> SinkError:
@@ -801,10 +749,8 @@ class Sink(ABC):
 
 
 class SinkConfigBase(BaseModel):
-    """Base of every sink config: immutable, strict about unknown keys, picklable.
-
-    Subclasses declare a ``type: Literal[...]`` discriminator and keep secrets in ``SecretStr`` fields.
-    """
+    """Base of every sink config: immutable, strict about unknown keys, picklable. Subclasses declare a
+    ``type: Literal[...]`` discriminator and keep secrets in ``SecretStr`` fields."""
 
     # validation errors never echo input values (they may be secrets)
     # numbers are finite (a timeout of inf/nan would never end or never start)
@@ -822,8 +768,7 @@ class SinkConfigBase(BaseModel):
         return self
 
     def build(self) -> Sink:
-        """Instantiate the sink described by this config: the sink class naming it (or its nearest base
-        config) in ``builds=``. A config may override it."""
+        """The sink class naming this config (or its nearest base config) in ``builds=``, built."""
         for model in type(self).__mro__:
             if model in _BUILT_BY:
                 return _BUILT_BY[model](self)

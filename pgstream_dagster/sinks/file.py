@@ -22,11 +22,9 @@ class FileSinkConfig(SinkConfigBase):
 
 
 class FileSink(Sink, builds=FileSinkConfig):
-    """Appends events as JSON lines (UTF-8); the file and its parent directories are created on demand.
-
-    A batch is written with unbuffered appends, then fsynced. If writing fails, the file is truncated
-    back to its previous size (best effort) so it only ever holds whole lines.
-    """
+    """Appends events as JSON lines (UTF-8), creating the file and its directories on demand. A batch is
+    written with unbuffered appends, then fsynced; a failed one is truncated away (best effort), so that
+    the file only ever holds whole lines."""
 
     config: FileSinkConfig
     accepts_json_lines: ClassVar[bool] = True

@@ -16,7 +16,7 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -79,7 +79,6 @@ _OWN_HEADERS = frozenset({
     "idempotency-key", "webhook-id", "webhook-timestamp", "webhook-signature", "x-pgstream-event-id",
     "x-pgstream-event-ids", "x-pgstream-stream-id",
 })
-
 
 #: request URLs (and their redacted form) kept per path segment, the most recent ones (a segment per tenant
 #: must not grow it without bound)
@@ -221,9 +220,6 @@ class _Route:
     lane: str = ""
 
 
-_UNROUTED = _Route()
-
-
 @dataclass
 class _Request:
     events: Sequence[Event]
@@ -269,14 +265,10 @@ class _Control:
                 self._aborted = True
             self._cond.notify_all()
 
-    def sleeper(self, start: int) -> Callable[[float], None]:
+    def sleep(self, start: int, secs: float) -> None:
         """tenacity's sleep for a request at ``start``: wakes early when the request must stop."""
-
-        def sleep(secs: float) -> None:
-            with self._cond:
-                self._cond.wait_for(lambda: self.stops(start), timeout=secs)
-
-        return sleep
+        with self._cond:
+            self._cond.wait_for(lambda: self.stops(start), timeout=secs)
 
 
 class HttpSink(Sink, builds=HttpSinkConfig):
@@ -300,15 +292,13 @@ class HttpSink(Sink, builds=HttpSinkConfig):
         secret = config.signing_secret
         self._key = decode_signing_secret(secret.get_secret_value()) if secret is not None else None
 
-    # -- publishing --------------------------------------------------------------------------------------
-
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
             return
         if self._prepared:  # every event's route first: a rejected one is sent after those before it
             publish_prepared(events, self._route, self._publish)
         else:
-            self._publish(events, [_UNROUTED] * len(events))
+            self._publish(events, [_Route()] * len(events))
 
     def _route(self, event: Event) -> _Route:
         """The path segment and headers ``event`` is sent with; a permanent :class:`SinkError` when they
@@ -408,16 +398,15 @@ class HttpSink(Sink, builds=HttpSinkConfig):
     def _request(self, items: Sequence[_Item]) -> _Request:
         events = [event for _position, event, _route in items]
         route = items[0][2]
-        body_of = self._body_of
         headers = {name: value.get_secret_value() for name, value in self.config.headers.items()}
         headers.update(route.headers)
         headers["Content-Type"] = "application/json"
         msg_id = str(events[0].id) if len(events) == 1 else f"{events[0].id}-{events[-1].id}"
         if self.config.mode == "per_event":
-            body = body_of(events[0])
+            body = self._body_of(events[0])
             headers["X-Pgstream-Event-Id"] = msg_id
         else:
-            body = "[" + ",".join(body_of(event) for event in events) + "]"
+            body = "[" + ",".join(map(self._body_of, events)) + "]"
             headers["X-Pgstream-Event-Ids"] = ",".join(str(event.id) for event in events)
         headers["X-Pgstream-Stream-Id"] = str(events[0].stream_id)
         headers["Idempotency-Key"] = msg_id
@@ -465,7 +454,8 @@ class HttpSink(Sink, builds=HttpSinkConfig):
             stop=(stop_after_attempt(config.max_attempts) | stop_before_delay(config.max_retry_secs)
                   | (lambda _state: control.stops(request.start))),  # type: ignore[operator]
             wait=self._wait, retry=retry_if_exception(lambda exc: isinstance(exc, _Failure) and exc.retryable),
-            sleep=control.sleeper(request.start), before_sleep=self._log_retry(request), reraise=True)
+            sleep=functools.partial(control.sleep, request.start),
+            before_sleep=functools.partial(self._log_retry, request), reraise=True)
         last: _Failure | None = None
         try:
             for attempt in retrying:
@@ -498,17 +488,17 @@ class HttpSink(Sink, builds=HttpSinkConfig):
         headers["webhook-timestamp"] = str(timestamp)
         if self._key is not None:
             headers["webhook-signature"] = sign(self._key, request.msg_id, timestamp, request.body)
-        secrets = self._secrets
         try:
             response = self._http().post(request.url, content=request.body, headers=headers)
         except httpx.TimeoutException as exc:
             reason = f"{request.target} timed out after {self.config.timeout_secs:g}s ({type(exc).__name__})"
             raise _Failure(reason, retryable=True) from None
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            reason = f"{request.target} connection failed: {describe_exception(exc, secrets)}"
+            reason = f"{request.target} connection failed: {describe_exception(exc, self._secrets)}"
             raise _Failure(reason, retryable=True) from None
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise _Failure(f"{request.target} failed: {describe_exception(exc, secrets)}", retryable=False) from None
+            raise _Failure(f"{request.target} failed: {describe_exception(exc, self._secrets)}",
+                           retryable=False) from None
         except UnicodeEncodeError:
             # httpx encodes header values as ASCII; the config refuses others, this guards unvalidated ones
             # (model_construct): the exception carries the whole value, so none of it is shown
@@ -544,14 +534,11 @@ class HttpSink(Sink, builds=HttpSinkConfig):
         backoff: float = config.initial_backoff_secs * 2.0 ** (state.attempt_number - 2)
         return min(config.max_backoff_secs, backoff + random.uniform(0, config.initial_backoff_secs))
 
-    def _log_retry(self, request: _Request) -> Callable[[RetryCallState], None]:
-        def before_sleep(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome is not None else None
-            reason = exc.reason if isinstance(exc, _Failure) else describe_exception(exc, self._secrets) if exc else "?"
-            log.warning("%s", scrub(f"http sink: {describe_events(request.events)}: attempt {state.attempt_number} "
-                                    f"failed: {reason}; retrying in {state.upcoming_sleep:.2f}s", self._secrets))
-
-        return before_sleep
+    def _log_retry(self, request: _Request, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        reason = exc.reason if isinstance(exc, _Failure) else describe_exception(exc, self._secrets) if exc else "?"
+        log.warning("%s", scrub(f"http sink: {describe_events(request.events)}: attempt {state.attempt_number} "
+                                f"failed: {reason}; retrying in {state.upcoming_sleep:.2f}s", self._secrets))
 
     def _summarize(self, events: Sequence[Event], failures: list[_LaneResult], confirmed: list[int]) -> SinkError:
         """The publish call's error: a permanent rejection when the earliest failed request (in call order)
@@ -600,10 +587,9 @@ _tls: ssl.SSLContext | None = None
 
 
 def _tls_context() -> ssl.SSLContext:
-    """The process's TLS context for the sinks' clients, built once (httpx's default: certifi's CAs, or
-    ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``): building one loads the CA bundle, 25 ms of CPU, which a
-    reader group's run hosting a hundred webhook members paid a hundred times as they started. An
-    ``SSLContext`` is safe to share between threads."""
+    """The process's TLS context for the sinks' clients (httpx's default: certifi's CAs, or ``SSL_CERT_FILE``
+    / ``SSL_CERT_DIR``), built once: building one loads the CA bundle, 25 ms of CPU per sink of a reader
+    group's run. An ``SSLContext`` is safe to share between threads."""
     global _tls
     with _tls_lock:
         if _tls is None:
@@ -624,6 +610,4 @@ def _retry_after(value: str | None) -> float | None:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - time.time())
+    return max(0.0, when.timestamp() - time.time()) if when.tzinfo is not None else None

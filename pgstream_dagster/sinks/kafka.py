@@ -5,6 +5,7 @@ Keys, order, producer settings and permanent rejections: docs/sinks.md, ``kafka`
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -59,11 +60,9 @@ _DEFAULT_MESSAGE_MAX_BYTES = 1_000_000
 
 class KafkaSinkConfig(SinkConfigBase):
     """Produce each event payload (JSON) to ``topic``, or to ``topic_prefix`` + the value at event path
-    ``topic_from`` (falling back to ``topic``). Key: the stream id, or the value at event path
-    ``key_from`` (falling back to the stream id). Event paths read the payload (``table``) or, with
-    ``metadata:``, the metadata (``metadata:region``: :data:`~.base.EventPath`). Headers
-    ``pgstream-event-id`` (the idempotency key), ``pgstream-stream-id``, ``content-type`` and, when
-    present, ``pgstream-metadata``."""
+    ``topic_from`` (falling back to ``topic``), keyed by the value at event path ``key_from``, else the
+    stream id. Headers ``pgstream-event-id`` (the idempotency key), ``pgstream-stream-id``,
+    ``content-type`` and, when present, ``pgstream-metadata``."""
 
     type: Literal["kafka"] = "kafka"
     bootstrap_servers: str = Field(default="127.0.0.1:9092", min_length=1)
@@ -166,13 +165,11 @@ class KafkaSink(Sink, builds=KafkaSinkConfig):
         failures: list[tuple[int, Event, str, Any]] = []  # position, event, topic, error
         confirmed: set[int] = set()
 
-        def delivered(position: int, event: Event, topic: str) -> Any:
-            def callback(error: Any, _message: Any) -> None:
-                if error is None:
-                    confirmed.add(position)
-                else:
-                    failures.append((position, event, topic, error))
-            return callback
+        def delivered(position: int, event: Event, topic: str, error: Any, _message: Any) -> None:
+            if error is None:
+                confirmed.add(position)
+            else:
+                failures.append((position, event, topic, error))
 
         refused: SinkError | None = None  # produce() refused a message for what it is (too large)
         for position, (event, (topic, key)) in enumerate(zip(events, routes, strict=True)):
@@ -184,13 +181,13 @@ class KafkaSink(Sink, builds=KafkaSinkConfig):
             while True:
                 try:
                     producer.produce(topic, value=event.payload_json.encode(), key=key.encode(), headers=headers,
-                                     on_delivery=delivered(position, event, topic))
+                                     on_delivery=functools.partial(delivered, position, event, topic))
                     break
                 except BufferError:  # the local queue is full: let deliveries drain it
                     producer.poll(0.1)
                 except self._kafka.KafkaException as exc:
                     if _rejects(exc.args[0] if exc.args else None):
-                        limit = self._settings().get("message.max.bytes", _DEFAULT_MESSAGE_MAX_BYTES)
+                        limit = self.max_event_bytes()
                         refused = self._error([event], f"not sent to topic {topic!r}: {_describe_kafka_error(exc)} "
                                                        f"(the producer's message.max.bytes is {limit})", permanent=True)
                         break

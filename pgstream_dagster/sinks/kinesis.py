@@ -86,17 +86,12 @@ class KinesisSink(AwsBatchSink[KinesisSinkConfig], builds=KinesisSinkConfig):
             for entry in entries:  # one: a failure raises (ClientError), nothing after it is sent
                 self._put_one(client, entry)
             return [None] * len(entries)
-        response = client.put_records(Records=entries, **self._stream())
-        records = response.get("Records") or []
-        outcomes: list[EntryFailure | None] = []
-        for i in range(len(entries)):
-            record = records[i] if i < len(records) else {"ErrorCode": "NoResult",
-                                                          "ErrorMessage": "the answer does not mention this record"}
-            code = record.get("ErrorCode")
-            # every per-record error is about the stream, not the record (throughput, internal, KMS)
-            outcomes.append(None if code is None else EntryFailure(str(code), str(record.get("ErrorMessage", "")),
-                                                                   False))
-        return outcomes
+        records = (client.put_records(Records=entries, **self._stream()).get("Records") or [])[: len(entries)]
+        records += [{"ErrorCode": "NoResult", "ErrorMessage": "the answer does not mention this record"}] * (
+            len(entries) - len(records))
+        # every per-record error is about the stream, not the record (throughput, internal, KMS)
+        return [EntryFailure(str(r["ErrorCode"]), str(r.get("ErrorMessage", "")), False)
+                if r.get("ErrorCode") is not None else None for r in records]
 
     def _put_one(self, client: Any, entry: dict[str, Any]) -> None:
         key = entry["PartitionKey"]

@@ -106,10 +106,9 @@ def _row(event: Event) -> dict[str, Any] | None:
 
 
 def payload_columns(events: Sequence[Event], texts: Sequence[str]) -> list[pa.Array]:
-    """The columns of :data:`_PAYLOAD_COLUMNS`, parsed from the payloads' JSON text (``texts``) by Arrow's
-    JSON reader in one pass over the call (C++, nested values skipped; one block, in this thread); a
-    payload it cannot take (one of these keys not a string) sends the events through Python's parser
-    instead, where such a value is null."""
+    """The columns of :data:`_PAYLOAD_COLUMNS`, parsed from the payloads' JSON ``texts`` by Arrow's JSON
+    reader in one pass (one block, in this thread); when it cannot take a payload (one of these keys not a
+    string), by Python's parser, where such a value is null."""
     import io
 
     import pyarrow as pa
@@ -134,9 +133,8 @@ class UnfitValue(ValueError):
 
 
 def typed_values(events: Sequence[Event], typed: Sequence[TypedColumn]) -> tuple[list[pa.Array], int | None, str]:
-    """Each ``typed`` column's values for ``events`` as an Arrow array (converted a column at a time,
-    :meth:`TypedColumn.array`), up to the first event with a value its column cannot hold: ``(arrays,
-    index of that event, why)``, ``(arrays, None, "")`` when every event fits."""
+    """Each ``typed`` column's values for ``events`` as an Arrow array (:meth:`TypedColumn.array`), up to
+    the first event with a value its column cannot hold: ``(arrays, its index or None, why)``."""
     rows = [_row(e) for e in events]
     first: int | None = None
     why = ""
@@ -156,9 +154,8 @@ def typed_values(events: Sequence[Event], typed: Sequence[TypedColumn]) -> tuple
 
 def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] = (),
                  values: Sequence[pa.Array] = ()) -> pa.Table:
-    """``events`` as an Arrow table of :func:`arrow_schema`, built a column at a time (no Python
-    object per event but the JSON reader's input), plus the ``typed`` columns holding ``values``
-    (their :func:`typed_values` for ``events``)."""
+    """``events`` as an Arrow table of :func:`arrow_schema`, built a column at a time, plus the ``typed``
+    columns holding ``values`` (their :func:`typed_values`)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -176,9 +173,6 @@ def events_table(events: Sequence[Event], typed: Sequence[TypedColumn] = (),
 
 
 _UNSAFE = re.compile(r"[^0-9A-Za-z_]")
-
-#: a typed column's name: the table column's, after this prefix (``id`` is the event's)
-TYPED_PREFIX = "row_"
 
 #: Postgres types (``format_type``, without a modifier) and the Arrow type of their column; any other
 #: type (numeric: exact digits; json, arrays, ranges, enums...) is a string column of its JSON text
@@ -214,7 +208,7 @@ class TypedColumn:
     def name(self) -> str:
         """``row_<column>``, any character other than a letter, digit or ``_`` as ``_`` (Delta refuses
         spaces, commas, semicolons, braces, parentheses and ``=`` in column names)."""
-        return TYPED_PREFIX + _UNSAFE.sub("_", self.column)
+        return "row_" + _UNSAFE.sub("_", self.column)  # prefixed: ``id`` is the event's
 
     @property
     def kind(self) -> str:
@@ -228,10 +222,9 @@ class TypedColumn:
                 "timestamp": pa.timestamp("us"), "timestamptz": pa.timestamp("us", tz="UTC")}[self.kind]
 
     def convert(self, value: Any) -> Any:
-        """The JSON value of the payload as this column's Python value. A value Postgres holds in the
-        column's type and Arrow cannot (a date of infinity, after year 9999) is None (the payload keeps
-        it); one the type cannot hold at all (out of range, not a number, not a date) raises
-        :class:`UnfitValue`, naming the column and why, never the value."""
+        """The payload's JSON value as this column's Python value: None when Arrow cannot hold it (a date
+        of infinity, after year 9999: the payload keeps it), :class:`UnfitValue` (naming the column and why,
+        never the value) when the type cannot (out of range, not a number, not a date)."""
         if value is None:
             return None
         kind = self.kind
@@ -256,11 +249,9 @@ class TypedColumn:
         return value if isinstance(value, str) else dumps(value)
 
     def array(self, values: Sequence[Any]) -> tuple[pa.Array, int | None, str]:
-        """The JSON ``values`` of the payloads as this column's Arrow array, up to the first one the
-        column cannot hold: ``(array, its index, why)``, ``(array, None, "")`` when all fit. A column
-        whose values are all of the kind Arrow converts the way :meth:`convert` would (integers in
-        range, finite numbers, booleans, strings, plain dates) is converted at once; any other is
-        converted a value at a time by :meth:`convert`."""
+        """The payloads' JSON ``values`` as this column's Arrow array, up to the first one the column
+        cannot hold: ``(array, its index or None, why)``; converted at once (:meth:`_at_once`) when it can,
+        else a value at a time by :meth:`convert`."""
         import pyarrow as pa
 
         fast = self._at_once(values)
@@ -275,19 +266,17 @@ class TypedColumn:
         return pa.array(converted, type=self.arrow_type()), None, ""
 
     def _at_once(self, values: Sequence[Any]) -> pa.Array | None:
-        """``values`` converted by Arrow in one call when they are all of one kind on which it agrees
-        with :meth:`convert`; ``None`` when not, or when one does not fit (then :meth:`convert` finds
-        which and why)."""
+        """``values`` converted by Arrow in one call when they are all of a kind on which it agrees with
+        :meth:`convert`; ``None`` when not, or when one does not fit (:meth:`convert` then finds which)."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        kinds = set(map(type, values))
-        kinds.discard(type(None))
+        kinds = set(map(type, values)) - {type(None)}
         kind = self.kind
         try:
-            if kind.startswith("int") and kinds <= {int}:  # out of range raises (bool, Decimal, str: one by one)
-                return pa.array(values, type=self.arrow_type())
-            if (kind == "bool" and kinds <= {bool}) or (kind == "string" and kinds <= {str}):
+            # an integer out of range raises (bool, Decimal, str: one by one)
+            if ((kind.startswith("int") and kinds <= {int}) or (kind == "bool" and kinds <= {bool})
+                    or (kind == "string" and kinds <= {str})):
                 return pa.array(values, type=self.arrow_type())
             if kind.startswith("float") and kinds <= {float, int}:  # an integer past 2**53 raises
                 numbers = pa.array(values, type=pa.float64())
@@ -397,8 +386,7 @@ class LakeSinkConfigBase(SinkConfigBase):
 
 
 class LakeSink(Sink):
-    """A sink whose commits are keyed by the ledger position (docs/lake.md). Subclasses
-    implement reading the stream's token, reading the ids present in an id range, and one commit."""
+    """A sink whose commits are keyed by the ledger position (docs/lake.md)."""
 
     accepts_positions: ClassVar[bool] = True
 
@@ -409,8 +397,6 @@ class LakeSink(Sink):
         #: per stream (typed_columns): the typed columns known, in the order they joined the table
         self._typed: dict[int, list[TypedColumn]] = {}
         self._untyped: dict[int, set[str]] = {}
-
-    # --- what a format implements ---------------------------------------------------------------
 
     @abstractmethod
     def read_token(self, stream_id: int) -> int | None:
@@ -442,7 +428,6 @@ class LakeSink(Sink):
 
     def reset(self) -> None:
         """Forget what the sink holds of the table (after a failure). The default holds nothing."""
-        return None
 
     def day_counts(self, stream_id: int, since: dt.datetime | None = None,
                    upto: dt.datetime | None = None) -> dict[dt.date, int]:
@@ -462,20 +447,16 @@ class LakeSink(Sink):
         """The stream's event ids in the table, in no particular order, duplicates included."""
         return [int(v) for v in self.read(stream_id, ["id"]).column("id").to_pylist()]
 
-    # --- the Sink contract ----------------------------------------------------------------------
-
     def publish(self, events: Sequence[Event]) -> None:
         """Events without ledger positions (a replay, a probe): written unless the table has their id."""
         if events:
             self._guard(events, lambda: self._by_id(events))
 
     def publish_at(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
-        if not events:
-            return
-        if all(b == 0 for b, _o in positions):  # a replay: positions are event ids
+        if all(b == 0 for b, _o in positions):  # a replay (or no events): positions are event ids
             self.publish(events)
-            return
-        self._guard(events, lambda: self._positioned(events, positions))
+        elif events:
+            self._guard(events, lambda: self._positioned(events, positions))
 
     def _positioned(self, events: Sequence[Event], positions: Sequence[tuple[int, int]]) -> None:
         stream_id = event_stream(events)
@@ -513,24 +494,18 @@ class LakeSink(Sink):
                 raise self._error([missing[unfit]], self._at(why), permanent=True)
 
     def _at(self, text: str) -> str:
-        """``text`` after the table (:meth:`where`), for messages."""
         return f"{self.where()}: {text}"
 
     def _arrow(self, stream_id: int, events: Sequence[Event]) -> tuple[pa.Table | None, int | None, str]:
         """The events as the table's rows, up to the first one with a value its typed column cannot
-        hold: ``(rows, its index, why)`` (rows ``None`` when it is the first). With typed_columns, the
-        catalog is read again when an event carries a column not known yet (a subscription gained a
-        column): the new column is added."""
+        hold: ``(rows or None, its index, why)``. With typed_columns, the catalog is read again when an
+        event carries a column not known yet (a subscription gained one)."""
         config: Any = self.config
         if not config.typed_columns:
             return events_table(events), None, ""
         known = self._typed.get(stream_id)
         names = {c.column for c in known} if known is not None else set()
-        seen: set[str] = set()
-        for event in events:
-            row = _row(event)
-            if row is not None:
-                seen.update(row)
+        seen = {name for row in map(_row, events) if row is not None for name in row}
         ignored = self._untyped.setdefault(stream_id, set())
         if known is None or seen - names - ignored:
             columns = known or []

@@ -104,9 +104,7 @@ class MqttSinkConfig(SinkConfigBase):
     @field_validator("tls", mode="before")
     @classmethod
     def _tls_flag(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            return {} if value else None
-        return value
+        return ({} if value else None) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -178,8 +176,6 @@ class MqttSink(Sink, builds=MqttSinkConfig):
         self._conn: _Connection | None = None
         self._target = f"{config.host}:{config.port}"
 
-    # -- publishing ------------------------------------------------------------------------------------
-
     def publish(self, events: Sequence[Event]) -> None:
         publish_prepared(events, self._message, self._send)
 
@@ -215,8 +211,7 @@ class MqttSink(Sink, builds=MqttSinkConfig):
 
     def _send(self, events: Sequence[Event], messages: list[_Message]) -> None:
         for start in range(0, len(events), self.window):
-            end = min(start + self.window, len(events))
-            self._send_window(events[start:end], messages[start:end])
+            self._send_window(events[start : start + self.window], messages[start : start + self.window])
 
     def _send_window(self, events: Sequence[Event], messages: Sequence[_Message]) -> None:
         conn = self._connected(events)
@@ -272,8 +267,6 @@ class MqttSink(Sink, builds=MqttSinkConfig):
                     self._discard()
                 raise self._error([event] if permanent else events[i:], text, permanent=permanent)
 
-    # -- the connection --------------------------------------------------------------------------------
-
     def _connected(self, events: Sequence[Event]) -> _Connection:
         conn = self._conn
         if conn is not None:
@@ -281,9 +274,8 @@ class MqttSink(Sink, builds=MqttSinkConfig):
                 return conn
             log.info("mqtt sink: the connection to %s was closed (%s); reconnecting", self._target, conn.lost)
             self._discard()
-        conn = self._connect(events)
-        self._conn = conn
-        return conn
+        self._conn = self._connect(events)
+        return self._conn
 
     def _connect(self, events: Sequence[Event]) -> _Connection:
         mqtt, config = self._mqtt, self.config
@@ -308,8 +300,11 @@ class MqttSink(Sink, builds=MqttSinkConfig):
             props.SessionExpiryInterval = config.session_expiry_secs
             connect.update(clean_start=config.clean_session, properties=props)
         try:
-            if config.tls is not None:
-                self._set_tls(client, config.tls)
+            if (tls := config.tls) is not None:
+                secret = tls.keyfile_password
+                client.tls_set(ca_certs=tls.ca_certs, certfile=tls.certfile, keyfile=tls.keyfile,
+                               keyfile_password=secret.get_secret_value() if secret is not None else None)
+                client.tls_insecure_set(not tls.check_hostname)
             client.connect(config.host, config.port, **connect)
         except (OSError, ValueError) as exc:  # refused, unreachable, TLS handshake, bad certificate files
             self._stop(client)
@@ -331,13 +326,6 @@ class MqttSink(Sink, builds=MqttSinkConfig):
             raise self._error(events, f"cannot connect to the MQTT broker at {self._target}: {why}")
         log.info("mqtt sink: connected to %s as client %r (MQTT %s)", self._target, client_id, config.protocol)
         return conn
-
-    def _set_tls(self, client: Client, tls: MqttTlsConfig) -> None:
-        password = tls.keyfile_password.get_secret_value() if tls.keyfile_password is not None else None
-        client.tls_set(ca_certs=tls.ca_certs, certfile=tls.certfile, keyfile=tls.keyfile, keyfile_password=password)
-        client.tls_insecure_set(not tls.check_hostname)
-
-    # -- shutdown --------------------------------------------------------------------------------------
 
     def _discard(self) -> None:
         conn, self._conn = self._conn, None

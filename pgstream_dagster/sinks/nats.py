@@ -95,8 +95,6 @@ class NatsSink(Sink, builds=NatsSinkConfig):
         self._last_error: Exception | None = None
         self._target = ", ".join(redact_url(server) for server in config.servers)
 
-    # -- the private loop ------------------------------------------------------------------------------
-
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
@@ -104,8 +102,6 @@ class NatsSink(Sink, builds=NatsSinkConfig):
                                             daemon=True)
             self._thread.start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    # -- publishing ------------------------------------------------------------------------------------
 
     def publish(self, events: Sequence[Event]) -> None:
         publish_prepared(events, self._subject_of, lambda sent, subjects: self._run(self._publish(sent, subjects)))
@@ -130,12 +126,11 @@ class NatsSink(Sink, builds=NatsSinkConfig):
         try:
             nc = await self._connected()
         except errors as exc:
-            servers = self._target
             if isinstance(exc, asyncio.TimeoutError):
                 last = f"; last error: {describe_exception(self._last_error)}" if self._last_error else ""
-                reason = f"cannot connect to NATS ({servers}) within {self.config.timeout_secs:g}s{last}"
+                reason = f"cannot connect to NATS ({self._target}) within {self.config.timeout_secs:g}s{last}"
             else:
-                reason = f"cannot connect to NATS ({servers}): {describe_exception(exc)}"
+                reason = f"cannot connect to NATS ({self._target}): {describe_exception(exc)}"
             raise self._error(events, reason) from None
         timeout = self.config.timeout_secs
         rejection: SinkError | None = None
@@ -208,8 +203,6 @@ class NatsSink(Sink, builds=NatsSinkConfig):
         # failed attempts of the initial connect end up in the SinkError; later errors are worth a warning
         log.log(logging.DEBUG if self._connecting else logging.WARNING, "NATS client error: %s",
                 scrub(describe_exception(exc), self.config.secret_values()))
-
-    # -- shutdown --------------------------------------------------------------------------------------
 
     def close(self) -> None:
         loop, thread = self._loop, self._thread

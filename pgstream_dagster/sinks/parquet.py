@@ -99,10 +99,9 @@ class ParquetSink(LakeSink, builds=ParquetSinkConfig):
         return {f: token(int(m.group(2)), int(m.group(3))) for f, m in found if m and int(m.group(1)) == stream_id}
 
     def _clean(self, stream_id: int, committed: int) -> None:
-        """Delete the stream's files after the marker (written by an attempt that died before its marker), the
-        temporary files (data and marker) its delivery left when killed, and any temporary file untouched for
-        :data:`STALE_TMP_SECS` (a killed replay's). Another stream's writer, or a replay of this one, may be
-        writing its own temporary files in the same directories meanwhile: those stay."""
+        """Delete the stream's files after the marker (an attempt that died before its marker), the temporary
+        files its delivery left when killed, and any untouched for :data:`STALE_TMP_SECS` (a killed replay's).
+        Another stream's writer, or a replay of this one, may be writing its own meanwhile: those stay."""
         for file, first in self._stream_files(stream_id).items():
             if first > committed:
                 file.unlink()

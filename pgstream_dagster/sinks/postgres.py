@@ -15,16 +15,7 @@ import psycopg
 from psycopg import sql
 from pydantic import Field, SecretStr, field_validator
 
-from .base import (
-    Event,
-    Sink,
-    SinkConfigBase,
-    SinkError,
-    describe_exception,
-    excerpt,
-    redact_url,
-    scrub,
-)
+from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, excerpt, redact_url, scrub
 
 __all__ = ["TABLE_COLUMNS", "PostgresSink", "PostgresSinkConfig"]
 
@@ -115,8 +106,6 @@ class PostgresSink(Sink, builds=PostgresSinkConfig):
             "on conflict ({id}) {conflict}"
         ).format(table=self._table, columns=columns, id=sql.Identifier("id"), conflict=conflict)
 
-    # -- publishing ------------------------------------------------------------------------------------
-
     def publish(self, events: Sequence[Event]) -> None:
         if not events:
             return
@@ -168,8 +157,6 @@ class PostgresSink(Sink, builds=PostgresSinkConfig):
         if rejection is not None:
             raise rejection
 
-    # -- the connection --------------------------------------------------------------------------------
-
     def _connected(self, events: Sequence[Event]) -> psycopg.Connection[Any]:
         if self._conn is not None and not self._conn.closed:
             return self._conn
@@ -195,8 +182,6 @@ class PostgresSink(Sink, builds=PostgresSinkConfig):
             raise self._failed(events, exc) from None
         self._conn = conn
         return conn
-
-    # -- errors ----------------------------------------------------------------------------------------
 
     def _failed(self, events: Sequence[Event], exc: psycopg.Error) -> SinkError:
         reason = f"writing to {self._target} failed: {_describe_sql_error(exc, self.config.secret_values())}"

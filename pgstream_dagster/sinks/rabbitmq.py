@@ -71,9 +71,7 @@ class RabbitMqSink(Sink, builds=RabbitMqSinkConfig):
                     return self._channel
                 self.close()
         params = self._pika.URLParameters(self.config.url.get_secret_value())
-        params.socket_timeout = self.config.timeout_secs
-        params.stack_timeout = self.config.timeout_secs
-        params.blocked_connection_timeout = self.config.timeout_secs
+        params.socket_timeout = params.stack_timeout = params.blocked_connection_timeout = self.config.timeout_secs
         self._connection = self._pika.BlockingConnection(params)
         channel = self._connection.channel()
         channel.confirm_delivery()

@@ -107,8 +107,7 @@ class RedisSink(Sink, builds=RedisSinkConfig):
 
     def _send(self, events: Sequence[Event], entries: list[Entry]) -> None:
         for start in range(0, len(entries), self.chunk_size):
-            end = min(start + self.chunk_size, len(entries))
-            self._publish_chunk(events[start:end], entries[start:end])
+            self._publish_chunk(events[start : start + self.chunk_size], entries[start : start + self.chunk_size])
 
     def _entry(self, event: Event) -> Entry:
         """The stream and fields of ``event``; a permanent :class:`SinkError` when it cannot be sent."""
@@ -117,9 +116,8 @@ class RedisSink(Sink, builds=RedisSinkConfig):
         if stream is None:
             stream = self._destination(event, "no stream name", config.stream, config.stream_from,
                                        config.stream_prefix)[0]
-        metadata = event.metadata_json
         entry = (stream, str(event.id), str(event.stream_id), event.created_at.isoformat(), event.payload_json,
-                 metadata or "")
+                 event.metadata_json or "")
         limit = config.max_message_bytes
         if limit is not None:
             size = sum(len(name) + len(value.encode()) for name, value in zip(FIELDS, entry[1:], strict=True)
@@ -185,11 +183,7 @@ class RedisSink(Sink, builds=RedisSinkConfig):
         keys: dict[str, int] = {}
         args: list[str | int] = [self._maxlen, "~" if self.config.maxlen_approximate else "="]
         for stream, *values in entries:
-            index = keys.get(stream)
-            if index is None:
-                index = keys[stream] = len(keys) + 1
-            args.append(index)
-            args += values
+            args += [keys.setdefault(stream, len(keys) + 1), *values]  # the stream's 1-based index in KEYS
         return int(self._script(keys=list(keys), args=args, client=client))
 
     def _pipelined(self, entries: Sequence[Entry]) -> int:

@@ -30,5 +30,4 @@ class SnsSink(AwsMessageSink[SnsSinkConfig], builds=SnsSinkConfig):
     rejecting_codes: ClassVar[frozenset[str]] = frozenset({"InvalidParameter", "InvalidParameterValue"})
 
     def _rejects_request(self, code: str, message: str) -> bool:
-        text = message.lower()
-        return code == "BatchRequestTooLong" or (code in self.rejecting_codes and "too long" in text)
+        return code == "BatchRequestTooLong" or (code in self.rejecting_codes and "too long" in message.lower())
