@@ -66,12 +66,6 @@ class Pending:
     def oldest_commit(self) -> dt.datetime | None:
         return next((t.commit_time for t in self.txns if t.events or t.unreadable), None)
 
-    def drop(self, count: int) -> None:
-        """The first ``count`` transactions were recorded."""
-        rest = self.txns[count:]
-        self.txns, self.waiting = [], 0
-        self.add(rest)
-
 
 @dataclass
 class StreamLedger:
@@ -177,7 +171,7 @@ class Recorder:
         if record_pass(self.conn, self.ledgers, self.route(txns), standby=self.standby, give_up=give_up,
                        also=None if through is None else lambda conn: through(conn, end)):
             return False  # a stream was lost
-        self.pending.drop(len(txns))
+        self.pending = Pending()  # (all of it was recorded)
         self.source.confirm(end)
         self.recorded_at = time.monotonic()
         return True
