@@ -13,30 +13,25 @@ from contextlib import contextmanager
 BULK_THRESHOLDS = (50_000, 20, 20)
 
 
-class _FewerCollections:
+_lock = threading.Lock()
+_holders = 0  # the blocks in the process inside fewer_collections()
+_before = gc.get_threshold()  # the process's own thresholds
+
+
+@contextmanager
+def fewer_collections() -> Iterator[None]:
     """:data:`BULK_THRESHOLDS` while a run delivers or a tick records, then the process's own once the last
     of them in the process ends (a code server evaluates several sensors at once)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._before = gc.get_threshold()
-
-    @contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self._lock:
-            if not self._holders:
-                self._before = gc.get_threshold()
-                gc.set_threshold(*BULK_THRESHOLDS)
-            self._holders += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holders -= 1
-                if not self._holders:
-                    gc.set_threshold(*self._before)
-
-
-#: ``with fewer_collections(): ...``
-fewer_collections = _FewerCollections()
+    global _holders, _before
+    with _lock:
+        if not _holders:
+            _before = gc.get_threshold()
+            gc.set_threshold(*BULK_THRESHOLDS)
+        _holders += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _holders -= 1
+            if not _holders:
+                gc.set_threshold(*_before)

@@ -1,7 +1,6 @@
 """Operator controls of a stream for the CLI and the UI (``defs/controls.py``): pause, resume, retry now, skip
 a batch, set events aside, discard dead letters; each one call of a ``pgstream.*`` function, as in psql."""
 
-
 from collections.abc import Sequence
 from typing import Literal
 

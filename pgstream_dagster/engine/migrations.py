@@ -33,7 +33,6 @@ BOOTSTRAP_LOCK_KEY = 0x70677374  # "pgst"
 #: How long a first install waits for :data:`BOOTSTRAP_LOCK_KEY` before it names who holds it.
 BOOTSTRAP_LOCK_TIMEOUT = "60s"
 
-#: Where the repeatable files are, under the ``sql/`` directory.
 REPEATABLE_DIR = "repeatable"
 
 #: The sha256 of the versioned migrations rewritten since 0.1.0 (7ed30b0) as released then: an applied version
@@ -100,22 +99,23 @@ def sql_dir() -> Path:
 
 
 def discover(directory: Path | None = None) -> list[Migration]:
-    found = [Migration(path, int(m.group(1)), m.group(2)) for path in sorted((directory or sql_dir()).glob("*.sql"))
+    directory = directory or sql_dir()
+    found = [Migration(path, int(m.group(1)), m.group(2)) for path in sorted(directory.glob("*.sql"))
              if (m := _FILE.match(path.name))]
     if len({m.version for m in found}) != len(found):
-        raise MigrationError(f"duplicate migration versions in {directory or sql_dir()}")
+        raise MigrationError(f"duplicate migration versions in {directory}")
     return found
 
 
 def discover_repeatables(directory: Path | None = None) -> list[Repeatable]:
     """The repeatable files of ``<directory>/repeatable/``, in the order they are applied (none for
     a directory without one, such as a release from before repeatable files)."""
-    found = [Repeatable(p, p.name) for p in sorted(((directory or sql_dir()) / REPEATABLE_DIR).glob("*.sql"))]
-    misnamed = [r.name for r in found if not _REPEATABLE_FILE.match(r.name)]
-    if misnamed:
+    directory = (directory or sql_dir()) / REPEATABLE_DIR
+    found = [Repeatable(p, p.name) for p in sorted(directory.glob("*.sql"))]
+    if misnamed := [r.name for r in found if not _REPEATABLE_FILE.match(r.name)]:
         raise MigrationError(f"repeatable files must be named NN_name.sql: {', '.join(misnamed)}")
     if len({r.name[:2] for r in found}) != len(found):
-        raise MigrationError(f"duplicate repeatable file numbers in {(directory or sql_dir()) / REPEATABLE_DIR}")
+        raise MigrationError(f"duplicate repeatable file numbers in {directory}")
     return found
 
 
@@ -251,10 +251,8 @@ def _next_migration(conn: psycopg.Connection, migrations: list[Migration]) -> Mi
                    [m.version, m.name, m.checksum])
             return m
         if applied[m.version] not in (m.checksum, RELEASED_CHECKSUMS.get(m.version)):
-            raise MigrationError(
-                f"migration {m.path.name} was changed after it was applied "
-                f"(checksum {applied[m.version][:12]} in the database, {m.checksum[:12]} on disk)"
-            )
+            raise MigrationError(f"migration {m.path.name} was changed after it was applied "
+                                 f"(checksum {applied[m.version][:12]} in the database, {m.checksum[:12]} on disk)")
     return None
 
 
@@ -415,43 +413,34 @@ def tear_down(database_url: str, *, cascade: bool = False) -> list[str]:
             slots = _stream_slots(conn) if had_schema else set()
             default_slot = _default_slot_pattern(conn) if had_schema else _OLD_DEFAULT_SLOT
             # the drift guard goes first (dropping an event trigger fires none), so nothing below meets it
-            for (name,) in conn.execute(
-                "select evtname from pg_event_trigger where evtname like 'pgstream\\_%' order by 1"
-            ).fetchall():
+            for (name,) in conn.execute("select evtname from pg_event_trigger where evtname like 'pgstream\\_%' "
+                                        "order by 1").fetchall():
                 conn.execute(sql.SQL("drop event trigger {}").format(sql.Identifier(name)))
                 removed.append(f"event trigger {name}")
-            rows = conn.execute(
-                f"""
+            rows = conn.execute(f"""
                 select t.tgname, n.nspname, c.relname
                 from pg_trigger t
                 join pg_class c on c.oid = t.tgrelid
                 join pg_namespace n on n.oid = c.relnamespace
                 join pg_proc p on p.oid = t.tgfoid
                 where n.nspname <> 'pgstream' and {_GENERATED_TRIGGER}
-                order by 2, 3, 1
-                """  # noqa: S608 - a constant
-            ).fetchall() if had_schema else []
+                order by 2, 3, 1""").fetchall() if had_schema else []  # noqa: S608 - a constant
             for tgname, schema, table in rows:
-                conn.execute(
-                    sql.SQL("drop trigger {} on {}.{}").format(
-                        sql.Identifier(tgname), sql.Identifier(schema), sql.Identifier(table)
-                    )
-                )
+                conn.execute(sql.SQL("drop trigger {} on {}.{}").format(
+                    sql.Identifier(tgname), sql.Identifier(schema), sql.Identifier(table)))
                 removed.append(f"trigger {tgname} on {schema}.{table}")
-            for (pub,) in conn.execute(
-                "select pubname from pg_publication where pubname ~ %s order by 1", [_OWN_PUBLICATION]
-            ).fetchall():
+            for (pub,) in conn.execute("select pubname from pg_publication where pubname ~ %s order by 1",
+                                       [_OWN_PUBLICATION]).fetchall():
                 conn.execute(sql.SQL("drop publication {}").format(sql.Identifier(pub)))
                 removed.append(f"publication {pub}")
             if had_schema:
                 conn.execute("drop schema pgstream cascade")
                 removed.append("schema pgstream (events, streams, subscriptions, functions)")
                 removed += [f"{obj} (it depended on schema pgstream)" for obj in dependents]
-        for slot, pid in conn.execute(
-            "select slot_name, active_pid from pg_replication_slots "
-            "where (slot_name = any(%s) or slot_name ~ %s) "
-            "and database = current_database() order by 1", [sorted(slots), default_slot]
-        ).fetchall():
+        for slot, pid in conn.execute("select slot_name, active_pid from pg_replication_slots "
+                                      "where (slot_name = any(%s) or slot_name ~ %s) "
+                                      "and database = current_database() order by 1",
+                                      [sorted(slots), default_slot]).fetchall():
             if pid is not None:
                 # a group delivery run's reader (a walsender) holds it: ended, it lets go of the slot within moments
                 conn.execute("select pg_terminate_backend(%s, 10000)", [pid])

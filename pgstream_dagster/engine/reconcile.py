@@ -1,12 +1,9 @@
 """After a failover of the primary with its standby behind: which events a sink received that this database lacks.
-
-An event id carries the WAL timeline it was written on (migration 031: ``(timeline - 1) * 2**48 +`` the sequence's
-value), and every promotion starts a new timeline. The events a former primary committed that its standby had not
-received when it was promoted are on an ended timeline and missing here; the ones that went out before it died are
-*phantoms*: the sink has them, this database never will. An id of an ended timeline this database lacks, not older
-than the oldest event of that timeline it holds for the stream (older ones may have been dropped by housekeeping),
-is one. Sequence gaps (a rolled-back insert) are ids no sink ever received, so they are never listed.
-"""
+An event id carries its WAL timeline (migration 031: ``(timeline - 1) * 2**48 +`` the sequence's value); what a former
+primary committed that its standby had not received is on an ended timeline, missing here, and what of it went out
+before it died is a *phantom*: an id of an ended timeline this database lacks, not older than the oldest event of that
+timeline it holds for the stream (older ones may have gone with housekeeping). Sequence gaps (a rolled-back insert)
+are ids no sink ever received, so they are never listed."""
 
 from __future__ import annotations
 

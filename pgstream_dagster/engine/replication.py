@@ -65,9 +65,9 @@ def parse_timestamp(text: str) -> dt.datetime | None:
         return None
 
 
-def unreadable_timestamp(event_id: int, raw: str) -> Unreadable:
+def unreadable_timestamp(event_id: int, raw: str, stream_id: int | None = None) -> Unreadable:
     return Unreadable(event_id, raw, f"created_at {raw[:60]!r} cannot be represented by clients (years 1-9999 "
-                                     "only): the event was not recorded in a batch")
+                                     "only): the event was not recorded in a batch", stream_id)
 
 
 def lsn_to_int(lsn: str) -> int:
@@ -92,7 +92,6 @@ class PgOutputDecoder:
         # relation id (4 bytes, as in the message) -> the positions of the id, created_at, stream_id, payload and
         # metadata columns (-1: not read), and how many columns to read (up to the last of them)
         self._relations: dict[bytes, tuple[int, int, int, int, int, int]] = {}
-        #: keep each event's stream_id (DecodedEvent.stream_id): a reader group routes by it
         self._keep_stream = keep_stream
         #: keep each event's payload and metadata text (a group run hands them to its members: engine.handoff)
         self._keep_rows = keep_rows
@@ -135,20 +134,18 @@ class PgOutputDecoder:
                 if raw_id is None or raw_ts is None:
                     raise ValueError("an event without id or created_at in the WAL")
                 event_id = int(raw_id)
-                if last[0] != raw_ts:
-                    try:
-                        last = (raw_ts, from_iso(raw_ts.decode()))
-                    except ValueError:  # infinity, years after 9999, BC
-                        raw = raw_ts.decode(errors="replace")
-                        raw_sid = values[stream_col] if stream_col >= 0 else None
-                        stream = None if raw_sid is None else int(raw_sid)
-                        unreadable(unreadable_timestamp(event_id, raw)._replace(stream_id=stream))  # type: ignore[misc]
-                        continue
                 stream = None
                 if stream_col >= 0 and (raw_stream := values[stream_col]) is not None:
                     if raw_stream != last_stream[0]:
                         last_stream = (raw_stream, int(raw_stream))
                     stream = last_stream[1]
+                if last[0] != raw_ts:
+                    try:
+                        last = (raw_ts, from_iso(raw_ts.decode()))
+                    except ValueError:  # infinity, years after 9999, BC
+                        raw = raw_ts.decode(errors="replace")
+                        unreadable(unreadable_timestamp(event_id, raw, stream))  # type: ignore[misc]
+                        continue
                 payload: str | None = None
                 metadata: str | None = None
                 if payload_col >= 0 and self._kept_bytes < KEEP_BUDGET_BYTES \
@@ -290,15 +287,14 @@ def create_slot(conn: psycopg.Connection, slot: str, *, wait_secs: float | None 
     # a failover slot (17+): a primary's synchronized_standby_slots holds decoding until the standby has the WAL
     failover = ", failover => true" if conn.info.server_version >= 170000 else ""
     query = f"select lsn::text from pg_catalog.pg_create_logical_replication_slot(%s, 'pgoutput'{failover})"  # noqa: S608
-    params = [slot]
     if wait_secs is None:
-        row = conn.execute(query, params).fetchone()
+        row = conn.execute(query, [slot]).fetchone()
     else:
         try:
             with conn.transaction():
                 conn.execute("select pg_catalog.set_config('statement_timeout', %s, true)",
                              [f"{max(1, int(wait_secs * 1000))}ms"])
-                row = conn.execute(query, params).fetchone()
+                row = conn.execute(query, [slot]).fetchone()
         except psycopg.errors.QueryCanceled:
             holders = conn.execute(
                 "select l.pid, coalesce(a.usename::pg_catalog.text, '?') from pg_catalog.pg_locks l "

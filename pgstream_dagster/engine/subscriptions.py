@@ -8,7 +8,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,8 +37,6 @@ def apply_subscriptions(conn: psycopg.Connection, config: PgstreamConfig) -> lis
             changes += [(a, k, stream.id) for a, k in rows]
     return changes
 
-
-# --- per-stream, per-subscription application (the subscription assets) and trigger inspection -----------
 
 #: (key, schema_name, table_name, operation): a subscription's identity within its stream.
 Identity = tuple[str, str, str, str]
@@ -148,20 +146,29 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     written, its other YAML-managed ones kept, ``remove_absent`` deleting the undeclared, hand-made ones never
     touched. A role that may not write them (the runtime) checks the database holds what the YAML declares."""
     row = conn.execute("select pg_catalog.has_table_privilege('pgstream.subscriptions', 'INSERT')").fetchone()
-    if not (row and row[0]):  # the owner may write them; never the runtime
-        return _verify_stream(conn, subscriptions, stream_id, source, selected, remove_absent)
-    _validate_file(conn, subscriptions, stream_id, source)
+    owner = bool(row and row[0])  # the owner may write them; never the runtime
+    if owner:
+        _validate_file(conn, subscriptions, stream_id, source)
     yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
     declared = {identity(s) for s in yaml_subs}
     written = [s for s in yaml_subs if selected is None or identity(s) in selected]
+    stored = _stored_rows(conn, stream_id)
+    if not owner:
+        if problems := list(_problems(conn, stored, written, declared, remove_absent)):
+            user = conn.execute("select current_user::text").fetchone()
+            raise SubscriptionError(
+                f"{source}: stream {stream_id}: role {user[0] if user else '?'} may not write pgstream.subscriptions "
+                f"(only the owner applies them: run `pgstream-dagster init` with the owner's URL) and the database "
+                f"differs from the YAML: {'; '.join(problems)}")
+        return StreamApply(changes={}, hand_made=_hand_made(stored))
+    if next(_problems(conn, stored, written, declared, remove_absent), None) is None:
+        # set_subscriptions would change nothing (a code location starting with all applied): no write, no lock
+        return StreamApply(changes={}, hand_made=_hand_made(stored))
     written_ids = {identity(s) for s in written}
-    unchanged = _unchanged(conn, stream_id, written, declared, remove_absent)
-    if unchanged is not None:  # what set_subscriptions would find unchanged: nothing to write, no lock to take
-        return StreamApply(changes={}, hand_made=unchanged)
     with conn.transaction():
         # set_subscriptions' own lock, taken before we read what to keep (re-entrant in this transaction)
         conn.execute("select pgstream.lock_for_transaction('regenerate')")
-        stored = _stored_rows(conn, stream_id)
+        stored = _stored_rows(conn, stream_id)  # (again, under the lock)
         keep = [list(c) for c, row in sorted(stored.items()) if row["managed_by"] == MANAGED_BY
                 and c not in written_ids and (c in declared or not remove_absent)]
         try:
@@ -183,18 +190,25 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     return StreamApply(changes={(r[1], r[2], r[3], r[4]): r[0] for r in changed}, hand_made=_hand_made(stored))
 
 
-def _unchanged(conn: psycopg.Connection, stream_id: int, written: Sequence[SubscriptionConfig],
-               declared: set[Identity], remove_absent: bool) -> int | None:
-    """When the database holds ``written`` as declared (and, ``remove_absent``, nothing undeclared), the count of
-    the stream's hand-made subscriptions, else None: one read when a code location starts with all applied."""
-    stored = _stored_rows(conn, stream_id)
+def _problems(conn: psycopg.Connection, stored: dict[Identity, dict[str, Any]], written: Sequence[SubscriptionConfig],
+              declared: set[Identity], remove_absent: bool) -> Iterator[str]:
+    """How the ``stored`` subscriptions differ from ``written`` as declared (and, ``remove_absent``, which
+    undeclared YAML-managed ones they hold), one line each; none: ``set_subscriptions`` would change nothing."""
     for sub in written:
         row = stored.get(identity(sub))
-        if row is None or row["managed_by"] != MANAGED_BY or differences(sub, row):
-            return None
-    if remove_absent and any(v["managed_by"] == MANAGED_BY and k not in declared for k, v in stored.items()):
-        return None
-    return _hand_made(stored)
+        named = f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name})"
+        if row is None and not table_exists(conn, sub.schema_name, sub.table_name):
+            yield f"{sub.key!r} ({sub.operation}): table {sub.schema_name}.{sub.table_name} does not exist"
+        elif row is None:
+            yield f"{named} is missing"
+        elif row["managed_by"] != MANAGED_BY:
+            yield f"{named} was created by hand"
+        elif diff := differences(sub, row):
+            yield f"{named}: {', '.join(diff)} differ"
+    if remove_absent:
+        yield from (f"{k!r} ({op} on {schema}.{table}) is no longer declared"
+                    for (k, schema, table, op), row in stored.items()
+                    if row["managed_by"] == MANAGED_BY and (k, schema, table, op) not in declared)
 
 
 def _stored_rows(conn: psycopg.Connection, stream_id: int,
@@ -218,41 +232,6 @@ def table_exists(conn: psycopg.Connection, schema: str, table: str) -> bool:
     row = conn.execute("select exists (select 1 from pg_catalog.pg_class c join pg_catalog.pg_namespace n "
                        "on n.oid = c.relnamespace where n.nspname = %s and c.relname = %s)", [schema, table]).fetchone()
     return bool(row and row[0])
-
-
-def _verify_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionConfig], stream_id: int,
-                   source: str, selected: set[Identity] | None, remove_absent: bool) -> StreamApply:
-    """:func:`apply_stream` for a role that may not write subscriptions: nothing changes; raises
-    ``SubscriptionError`` unless the stream's stored YAML subscriptions are those of the YAML."""
-    yaml_subs = [s for s in subscriptions if s.stream_id == stream_id]
-    declared = {identity(s) for s in yaml_subs}
-    stored = _stored_rows(conn, stream_id)
-    problems: list[str] = []
-    for sub in yaml_subs:
-        if selected is not None and identity(sub) not in selected:
-            continue
-        row = stored.get(identity(sub))
-        if row is None and not table_exists(conn, sub.schema_name, sub.table_name):
-            problems.append(f"{sub.key!r} ({sub.operation}): table {sub.schema_name}.{sub.table_name} does not exist")
-        elif row is None:
-            problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) is missing")
-        elif row["managed_by"] != MANAGED_BY:
-            problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}) was created by hand")
-        elif diff := differences(sub, row):
-            problems.append(f"{sub.key!r} ({sub.operation} on {sub.schema_name}.{sub.table_name}): "
-                            f"{', '.join(diff)} differ")
-    if remove_absent:
-        problems += [f"{k!r} ({op} on {schema}.{table}) is no longer declared"
-                     for (k, schema, table, op), row in stored.items()
-                     if row["managed_by"] == MANAGED_BY and (k, schema, table, op) not in declared]
-    if problems:
-        user = conn.execute("select current_user::text").fetchone()
-        role = user[0] if user else "?"
-        raise SubscriptionError(
-            f"{source}: stream {stream_id}: role {role} may not write pgstream.subscriptions (only the owner "
-            f"applies them: run `pgstream-dagster init` with the owner's URL) and the database differs from the "
-            f"YAML: {'; '.join(problems)}")
-    return StreamApply(changes={}, hand_made=_hand_made(stored))
 
 
 @dataclass(frozen=True)

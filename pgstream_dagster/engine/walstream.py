@@ -69,13 +69,8 @@ class ReplicationStream:
         messages: list[bytes] = []
         deadline = time.monotonic() + timeout
         size = 0
-        self.full = False
-        while len(messages) < self.MAX_MESSAGES:
-            if size >= self.max_bytes:
-                self.full = True
-                break
-            message = self._read_one()
-            if message is not None:
+        while len(messages) < self.MAX_MESSAGES and size < self.max_bytes:
+            if (message := self._read_one()) is not None:
                 messages.append(message)
                 size += len(message)
                 continue
@@ -86,8 +81,7 @@ class ReplicationStream:
                 select.select([self._cur], [], [], remaining)
             except (OSError, ValueError) as exc:  # the connection closed under it
                 raise StreamBroken(str(exc)) from None
-        if len(messages) >= self.MAX_MESSAGES:
-            self.full = True
+        self.full = len(messages) >= self.MAX_MESSAGES or size >= self.max_bytes
         return messages
 
     def _read_one(self) -> bytes | None:

@@ -1,14 +1,13 @@
 """A reader group's reader: one slot and publication for several streams, the WAL decoded once for all
-(docs/architecture.md, "One reader per database"). :func:`consume_group`, each tick of the group's sensor and
-each call of a group run's reader: **ensure** (:func:`ensure_group`: members, publication, a usable slot, lost
-ones replaced and recovered from ``pgstream.events``), **join** (:func:`join_members`: a member with its own
-slot drains it to its join position, then drops it; the group's slot waits meanwhile), **record** (the one
-loop, :class:`~.recorder.Recorder`, over a peek or a kept replication connection, :class:`GroupStream`),
-routing each transaction by stream, every part and its hand-over to the open run in one ledger transaction.
-"""
+(docs/architecture.md, "One reader per database"). :func:`consume_group` (a sensor tick, a group run's reader
+call): **ensure** (:func:`ensure_group`: members, publication, a usable slot, a lost one replaced and recovered
+from ``pgstream.events``), **join** (:func:`join_members`: a member drains its own slot to its join position,
+then drops it; the group's slot waits meanwhile), **record** (:class:`~.recorder.Recorder`, over a peek or a
+kept :class:`GroupStream`): each transaction split by stream, recorded and handed over in one transaction."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 from collections.abc import Callable, Mapping
@@ -111,7 +110,6 @@ def _part(parts: dict[int, Transaction], t: Transaction, stream_id: int) -> Tran
 
 
 def _past(until: float) -> Callable[[], bool]:
-    """Whether ``time.monotonic()`` is past ``until``."""
     return lambda: time.monotonic() > until
 
 
@@ -134,20 +132,11 @@ def unconfigured(state: groups.Group, streams: list[StreamConfig], invalid: Mapp
     return lines
 
 
-def _stand_ins(state: groups.Group, streams: list[StreamConfig], invalid: Mapping[int, str],
-               result: GroupResult) -> list[StreamConfig]:
-    """The :func:`unconfigured` members as the group records them meanwhile (:func:`~...config.recording_stand_in`:
-    recorded, so nothing of them is lost, delivered by no run), told in ``result.unconfigured`` and ``notes``."""
-    lines = unconfigured(state, streams, invalid)
-    result.unconfigured.update(lines)
-    result.notes.extend(lines.values())
-    return [recording_stand_in(sid, state.name) for sid in lines]
-
-
 def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig],
                  result: GroupResult, invalid: Mapping[int, str] | None = None) -> groups.Group | None:
     """Register the members, keep the publication on them and the slot usable (replaced and recovered when lost);
-    a refused member is left out in one line (``None``: all were), an unconfigured one recorded (:func:`_stand_ins`)."""
+    a refused member is left out in one line (``None``: all were); an :func:`unconfigured` one is recorded as a
+    stand-in (:func:`~...config.recording_stand_in`: nothing of it is lost, no run delivers it), told in notes."""
     # one query when every member is registered (each tick, each pass of the group run's reader)
     _added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     if refused:
@@ -159,7 +148,10 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
     result.publication = groups.ensure_group_publication(conn, group)
     state = groups.group_state(conn, group)
     assert state is not None  # registered above
-    streams = streams + _stand_ins(state, streams, invalid or {}, result)
+    lines = unconfigured(state, streams, invalid or {})
+    result.unconfigured.update(lines)
+    result.notes.extend(lines.values())
+    streams = streams + [recording_stand_in(sid, group) for sid in lines]
     result.slot = state.slot
     joined = [m for m in state.members if m.joined]
     if result.publication == "created":
@@ -195,10 +187,9 @@ def ensure_group(conn: psycopg.Connection, group: str, streams: list[StreamConfi
         try:
             created_at = replication.create_slot(conn, state.slot, wait_secs=SLOT_CREATION_WAIT_SECS)
         except psycopg.errors.ConfigurationLimitExceeded:  # all replication slots are in use
-            line = limits.group_slot_problem(conn, group)
-            raise limits.LimitsExceeded([line or f"reader group {group}: no replication slot is free; raise "
-                                                 "max_replication_slots in postgresql.conf and restart Postgres"]
-                                        ) from None
+            raise limits.LimitsExceeded([limits.group_slot_problem(conn, group) or (
+                f"reader group {group}: no replication slot is free; raise max_replication_slots in "
+                "postgresql.conf and restart Postgres")]) from None
         groups.set_group_slot(conn, group, replication.current_timeline(conn), created_at)
         result.slot_created = True
     by_id = {s.id: s for s in streams}
@@ -290,12 +281,10 @@ def _drain(conn: psycopg.Connection, stream: StreamConfig, member: groups.Member
 def _drop_own_slot(conn: psycopg.Connection, slot: str) -> None:
     """A joined member's own slot goes (an earlier reader's connection may still hold it a moment: the
     next tick drops it)."""
-    try:
+    with contextlib.suppress(psycopg.errors.ObjectInUse, psycopg.errors.UndefinedObject):
         conn.execute("select pg_catalog.pg_drop_replication_slot(slot_name) from pg_catalog.pg_replication_slots "
                      "where slot_name operator(pg_catalog.=) %s and database operator(pg_catalog.=) "
                      "pg_catalog.current_database() and not active", [slot])
-    except (psycopg.errors.ObjectInUse, psycopg.errors.UndefinedObject):
-        pass
 
 
 def join_members(conn: psycopg.Connection, group: str, state: groups.Group, streams: dict[int, StreamConfig],
@@ -399,7 +388,7 @@ def consume_group(conn: psycopg.Connection, group: str, streams: list[StreamConf
     """A tick of the group's reader (see the module) for every member until ``budget_secs`` is spent (``0``:
     one look). ``kept``: the replication connection kept across calls (the group run's reader), else a peek;
     closed when a member drains its own slot, the slot is busy or lost, or on an error. ``invalid``: entries
-    the code location left out (:func:`_stand_ins`). ``stop``: true once the reader ends (back in 0.5 s)."""
+    the code location left out (:func:`ensure_group`). ``stop``: true once the reader ends (back in 0.5 s)."""
     result, keep = GroupResult(), False
     try:
         keep = _consume_group(conn, group, streams, budget_secs, kept, invalid or {}, stop, result)
@@ -415,6 +404,7 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     """:func:`consume_group` into ``result``; whether ``kept`` stays open."""
     started = time.monotonic()
     deadline = started + budget_secs
+    until = max(deadline, started + 1.0)  # how long a recording waits for its transactions to be visible
     state = ensure_group(conn, group, streams, result, invalid)
     if state is None:
         return False  # every member is left out
@@ -422,7 +412,7 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
     streams = [s for s in streams if s.id not in result.left_out] + [
         recording_stand_in(sid, group) for sid in result.unconfigured]
     by_id = {s.id: s for s in streams}
-    joined_all = join_members(conn, group, state, by_id, max(deadline, started + 1.0), result)
+    joined_all = join_members(conn, group, state, by_id, until, result)
     state = groups.group_state(conn, group) or state  # (who has joined now: they are read from here on)
     if not joined_all and any(m.join_begun and not m.joined for m in state.members):
         return False  # one is draining its own slot: the group's slot waits (the stream's order)
@@ -437,7 +427,6 @@ def _consume_group(conn: psycopg.Connection, group: str, streams: list[StreamCon
                for sid, s in by_id.items() if sid in joined}
     if not ledgers:
         return False
-    until = max(deadline, started + 1.0)  # how long a recording waits for its transactions to be visible
 
     marked = 0.0
 
@@ -521,11 +510,9 @@ def group_log(log: Log, group: str, result: GroupResult, *, batches: bool = True
                     "again; events committed meanwhile are recovered from pgstream.events")
     if result.slot_created:
         recovered = sum(len(b) for b in result.recovered.values())
-        log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the "
-                 "table")
+        log.info(f"reader group {group}: created slot {result.slot}; recovered {recovered} batches from the table")
     for sid in result.joined:
-        log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and "
-                 "dropped)")
+        log.info(f"reader group {group}: stream {sid} joined (its own slot, if it had one, drained and dropped)")
     for sid, recorded in sorted(result.batches.items()):
         if recorded and batches:
             log.info(f"stream {sid}: recorded batches {recorded} ({result.events.get(sid, 0)} events)")

@@ -1,10 +1,7 @@
 """One recording loop for a slot, whoever reads it: read (a :class:`~.source.SlotSource`) -> batch
-(:class:`Batching`) -> record (:func:`record_pass`, one ledger transaction) -> confirm. A reader group's reader
-records for every member as ``group:<name>``, handing each member's batches to its open run in the same
-transaction (a joining member's own slot is drained the same way, ``ingest.group``). Each checks under the
-stream row's lock that it is the declared reader (``streams.slot_reader``); what the ledger holds already is
-dropped (:func:`unrecorded`).
-"""
+(:class:`Batching`) -> record (:func:`record_pass`: as ``group:<name>``, each member's batches handed to its open
+run in the same transaction; the declared reader checked under the stream row's lock; what the ledger holds
+already dropped, :func:`unrecorded`) -> confirm. A joining member's own slot is drained the same way."""
 
 from __future__ import annotations
 
@@ -68,12 +65,6 @@ class Pending:
     @property
     def oldest_commit(self) -> dt.datetime | None:
         return next((t.commit_time for t in self.txns if t.events or t.unreadable), None)
-
-    def drop(self, count: int) -> None:
-        """The first ``count`` transactions were recorded."""
-        rest = self.txns[count:]
-        self.txns, self.waiting = [], 0
-        self.add(rest)
 
 
 @dataclass
@@ -175,14 +166,12 @@ class Recorder:
     def record(self, *, give_up: Callable[[], bool] | None = None) -> bool:
         """Record what waits, then confirm it to the source; false, with nothing recorded or confirmed, once
         the loop is no longer the declared reader of a stream."""
-        count = len(self.pending.txns)
         txns = self.pending.txns
         through, end = self.recorded_through, txns[-1].end_lsn
-        lost = record_pass(self.conn, self.ledgers, self.route(txns), standby=self.standby, give_up=give_up,
-                           also=None if through is None else lambda conn: through(conn, end))
-        if lost:
-            return False
-        self.pending.drop(count)
-        self.source.confirm(txns[-1].end_lsn)
+        if record_pass(self.conn, self.ledgers, self.route(txns), standby=self.standby, give_up=give_up,
+                       also=None if through is None else lambda conn: through(conn, end)):
+            return False  # a stream was lost
+        self.pending = Pending()  # (all of it was recorded)
+        self.source.confirm(end)
         self.recorded_at = time.monotonic()
         return True

@@ -148,12 +148,7 @@ class StreamSource:
         return self.decoder.in_transaction
 
     def read(self, timeout: float) -> list[Transaction]:
-        messages = self.stream.read(timeout)
-        if not messages:
-            return []
-        txns = self.decoder.decode(messages)
-        del messages  # (the rows kept are copies: the messages go before more are read)
-        return txns
+        return self.decoder.decode(self.stream.read(timeout))
 
     def confirm(self, lsn: int) -> None:
         self.stream.confirm(lsn)
