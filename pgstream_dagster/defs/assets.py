@@ -1,14 +1,12 @@
-"""Assets: the YAML subscriptions (one multi-asset per stream), their source tables, and the
-partition housekeeping of ``pgstream.events``.
+"""Assets: the YAML subscriptions (one multi-asset per stream), their source tables, and the partition housekeeping
+of ``pgstream.events``.
 
-Each subscription of ``pgstream.yaml`` is an asset ``pgstream/stream_<id>/subscriptions/<name>``
-whose code version is a digest of its definition. The ``pgstream_subscriptions`` sensor
-(``schedules.py``) requests a run of the ``pgstream_subscriptions`` job for those never materialized
-(new) or materialized with another code version (edited), so YAML edits are applied without anyone
-clicking. Applying goes through ``pgstream.set_subscriptions`` (one call per stream,
-one transaction): unchanged subscriptions never recreate their trigger, and a subset materialization
-passes the stream's other subscriptions back unchanged. The stream's ``subscription_set`` asset
-(code version = which subscriptions the YAML declares) removes the ones deleted from the YAML.
+Each subscription of ``pgstream.yaml`` is an asset ``pgstream/stream_<id>/subscriptions/<name>`` whose code version is
+a digest of its definition: the ``pgstream_subscriptions`` sensor (``schedules.py``) requests a run for those new or
+edited. Applying goes through ``pgstream.set_subscriptions`` (one call per stream, one transaction): unchanged
+subscriptions never recreate their trigger, and a subset materialization passes the stream's other subscriptions back
+unchanged. The stream's ``subscription_set`` asset (code version = which subscriptions the YAML declares) removes the
+ones deleted from the YAML.
 """
 
 import datetime as dt
@@ -38,8 +36,8 @@ from .resources import PgstreamResource
 
 @dataclass(frozen=True)
 class DeclaredIn:
-    """Where streams' subscriptions are declared: every subscription of that file, validated
-    together when one of its streams is applied, and the file (named in errors)."""
+    """Where streams' subscriptions are declared: every subscription of that file, validated together when one of
+    its streams is applied, and the file (named in errors)."""
 
     subscriptions: Sequence[SubscriptionConfig]
     source: str  # the file's path
@@ -149,8 +147,7 @@ def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> dg.Asset
 
 
 def source_table_specs(config: PgstreamConfig) -> list[dg.AssetSpec]:
-    """The tables the subscriptions of every stream watch (external assets, defined once: two
-    streams may watch one table)."""
+    """The tables the subscriptions of every stream watch (external assets, defined once: two streams may watch one)."""
     return [dg.AssetSpec(key=source_table_key(schema, table), group_name="postgres", kinds={"postgres"},
                          description=f"Table {schema}.{table}: its changes feed pgstream subscriptions.")
             for schema, table in sorted({(s.schema_name, s.table_name) for s in config.subscriptions})]

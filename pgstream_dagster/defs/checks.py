@@ -1,15 +1,12 @@
-"""Asset checks, one multi-asset check per stream (run by the ``pgstream_checks`` schedule, or ad hoc
-from the UI):
+"""Asset checks, one multi-asset check per stream (run by the ``pgstream_checks`` schedule, or from the UI):
 
-* on each subscription asset, ``trigger_matches`` (blocking): the subscription is in the database as
-  the YAML declares it, and its table's generated trigger (and its copy on each partition) exists, is
-  enabled, carries the md5 of what ``pgstream.generated_trigger`` produces now and calls the unmodified
-  generated function;
+* on each subscription asset, ``trigger_matches`` (blocking): the subscription is in the database as the YAML declares
+  it, and its table's generated trigger (and its copy on each partition) exists, is enabled, carries the md5 of what
+  ``pgstream.generated_trigger`` produces now and calls the unmodified generated function;
 * on the stream's deliveries asset: ``undelivered_age``, ``not_in_failover`` (WARN) and ``no_dead_letters``.
 
-On ``pgstream/events_partitions``, the location's: ``no_orphaned_slots``, ``consumers_within_retention``, and per
-reader group ``group_<name>_slot_retained_wal`` (its members share the slot: one check where a hundred members
-would each check the same slot, every check being a few writes to Dagster's event log).
+On ``pgstream/events_partitions``: ``no_orphaned_slots``, ``consumers_within_retention``, and per reader group
+``group_<name>_slot_retained_wal`` (one check for the slot its members share: each check is a few event-log writes).
 """
 
 import datetime as dt

@@ -1,13 +1,11 @@
 """Automation: the housekeeping and checks schedules, and the subscriptions job with its sensor.
 
-* ``pgstream_housekeeping`` (``housekeeping.cron``, UTC): materializes ``pgstream/events_partitions``
-  (partitions ahead, expired partitions dropped, ledger pruned);
-* ``pgstream_checks`` (``checks.cron``, UTC): runs every asset check of the location; a tick that was
-  due while Dagster or this code location was down is not caught up when it comes back (the next tick
-  runs the checks): at a restart it would compete with the streams' first delivery runs;
-* ``pgstream_subscriptions``: the job of the subscription assets, and its sensor (running by default), which
-  requests a run of the new, edited and removed subscriptions of pgstream.yaml without anyone clicking: the run
-  applies them as the owner, or checks them as the runtime role (``engine.subscriptions.apply_stream``).
+* ``pgstream_housekeeping`` (``housekeeping.cron``, UTC): materializes ``pgstream/events_partitions``;
+* ``pgstream_checks`` (``checks.cron``, UTC): every asset check of the location; a tick due while Dagster or this code
+  location was down is not caught up (at a restart it would compete with the streams' first delivery runs);
+* ``pgstream_subscriptions``: the job of the subscription assets, and its sensor, which requests a run of the new,
+  edited and removed subscriptions of pgstream.yaml: the run applies them as the owner, or checks them as the runtime
+  role (``engine.subscriptions.apply_stream``).
 """
 
 import datetime as dt
