@@ -100,18 +100,14 @@ def _request(order: RunOrder, database: str) -> dg.RunRequest:
     if len(batch_ids) > 1:
         config["through_batch_id"] = batch_ids[-1]
     return dg.RunRequest(
-        run_key=order.run_key,
-        job_name=DELIVERY_JOB,
-        run_config={"ops": {"load_batches": {"config": config}}},
+        run_key=order.run_key, job_name=DELIVERY_JOB, run_config={"ops": {"load_batches": {"config": config}}},
         tags={STREAM_TAG: stream_tag(head.stream_id, database), BATCH_TAG: str(head.id),
-              ATTEMPT_TAG: str(order.attempt), BATCHES_TAG: str(len(batch_ids))},
-    )
+              ATTEMPT_TAG: str(order.attempt), BATCHES_TAG: str(len(batch_ids))})
 
 
 def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None:
     """The error of the run's failed step (e.g. the sink's answer), for status and the UI."""
-    records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE, limit=1).records
-    for record in records:
+    for record in instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE, limit=1).records:
         event = record.event_log_entry.dagster_event
         data = event.step_failure_data if event else None
         error = data.error if data is not None else None
@@ -175,9 +171,8 @@ def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.Da
     if run.status in _LIVE:
         return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
     if run.status in _FAILED:
-        interrupted = _interrupted_before_load(instance, run)
         return (RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id),
-                        interrupted=interrupted), None)
+                        interrupted=_interrupted_before_load(instance, run)), None)
     if run.status == dg.DagsterRunStatus.SUCCESS:
         return RunView(RunStatus.SUCCEEDED, run.run_id), None
     return RunView(RunStatus.OTHER, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
@@ -322,9 +317,8 @@ OBSERVATIONS_PER_TICK = 10
 def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
                     row: dict[str, Any], cursor: dict[str, Any], look: GroupLook,
                     members: int) -> dg.AssetObservation | None:
-    """An observation of the stream status asset, a member of a reader group of ``members`` streams, when its
-    state changed or it is due (``sensor.status_every_secs``, every ``members / OBSERVATIONS_PER_SEC`` seconds at
-    least)."""
+    """An observation of the stream status asset, a member of a reader group of ``members`` streams, when its state
+    changed or it is due (``sensor.status_every_secs``, at least ``members / OBSERVATIONS_PER_SEC`` seconds)."""
     run_state = (open_run_state(conn, instance, row["open_run_key"], stream, look) if row.get("open_run_key")
                  else None)
     # (a digest: a group's cursor holds one per member)
@@ -422,15 +416,13 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             return None, f"group delivery run {run.run_id}{doing}{ending}"
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
     hosted = {s.id for s in streams if s.delivery.keeps_open}  # (a per_batch member's runs are its own)
-    # a group with streams in mode open keeps its delivery run up (a first event after a quiet spell,
-    # or the location's start, waits for no process to start); a group of streams in mode per_batch only has
-    # none (each of their runs is a Dagster run of its own: the sensor reads the group's slot)
+    # a group with streams in mode open keeps its delivery run up (a first event after a quiet spell, or the
+    # location's start, waits for no process to start); one of streams in mode per_batch only has none
     if not hosted:
         return None, "its streams (mode per_batch) have runs of their own"
     wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
-    key = f"pgstream-group-{group}-{int(time.time())}"
     members = ", ".join(str(m.stream_id) for m in wanted)
-    return dg.RunRequest(run_key=key, job_name=GROUP_DELIVERY_JOB,
+    return dg.RunRequest(run_key=f"pgstream-group-{group}-{int(time.time())}", job_name=GROUP_DELIVERY_JOB,
                          run_config={"ops": {"deliver_group": {"config": {"group": group}}}},
                          tags={GROUP_TAG: group_tag(group, database_key(conn)), CONFIG_TAG: fingerprint}), (
         f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
