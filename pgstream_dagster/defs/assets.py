@@ -128,14 +128,13 @@ def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> dg.Asset
                                       remove_absent=set_key in selected)
             except SubscriptionError as exc:
                 raise dg.Failure(description=str(exc), metadata={"file": declared.source}) from None
-            modes = {identity(s): s.trigger_mode for s in subs}
-            states = {ident: trigger_state(conn, ident[1], ident[2], ident[3], modes[ident]) for ident in chosen}
+            states = {identity(s): trigger_state(conn, s.schema_name, s.table_name, s.operation, s.trigger_mode)
+                      for s in subs if identity(s) in chosen}  # (in the order of subs)
         for (key, schema, table, op), action in sorted(result.changes.items()):
             context.log.info(f"{action} subscription {key!r} ({op} on {schema}.{table}, stream {stream_id})")
-        for ident in (identity(sub) for sub in subs):
-            if ident in chosen:
-                yield dg.MaterializeResult(asset_key=keys[ident], metadata={
-                    "action": result.changes.get(ident, "unchanged"), **_trigger_metadata(states[ident])})
+        for ident, state in states.items():
+            yield dg.MaterializeResult(asset_key=keys[ident], metadata={
+                "action": result.changes.get(ident, "unchanged"), **_trigger_metadata(state)})
         if set_key in selected:
             deleted = sorted(f"{k} ({op} on {s}.{t})" for (k, s, t, op), a in result.changes.items()
                              if a == "deleted")

@@ -13,6 +13,7 @@ import datetime as dt
 import os
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import suppress
 from typing import Any
 
 import dagster as dg
@@ -51,10 +52,8 @@ def _background() -> None:
     """A scheduled checks run's process goes to the background: its niceness raised to
     :data:`CHECKS_NICENESS` (never lowered; where the platform has none, nothing)."""
     if hasattr(os, "setpriority"):
-        try:
+        with suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), CHECKS_NICENESS))
-        except OSError:
-            pass
 
 
 TRIGGER_CHECK = "trigger_matches"

@@ -71,9 +71,8 @@ class ReplayConfig(dg.Config):
                                                              "delivery.chunk_size)")
     dead_letters: bool = Field(False, description="instead of events from the table: redeliver every open dead "
                                                   "letter of the stream, in delivery order (dry_run lists them)")
-    dead_letter_ids: list[int] = Field([],
-                                       description="instead of events from the table: redeliver these open dead "
-                                                   "letters of the stream, in delivery order")
+    dead_letter_ids: list[int] = Field([], description="instead of events from the table: redeliver these open dead "
+                                                       "letters of the stream, in delivery order")
 
 
 def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig, config: ReplayConfig,

@@ -142,8 +142,7 @@ def subscriptions_sensor(config: PgstreamConfig, job: "UnresolvedAssetJobDefinit
         repository = context.repository_def
         if repository is None:
             raise dg.DagsterInvariantViolationError(f"{SUBSCRIPTIONS_SENSOR}: evaluated without its repository")
-        graph = repository.asset_graph
-        current = {key: graph.get(key).code_version for key in keys}
+        current = {key: repository.asset_graph.get(key).code_version for key in keys}
         instance = context.instance
         if instance.get_runs_count(dg.RunsFilter(job_name=SUBSCRIPTIONS_JOB, statuses=_UNFINISHED)):
             return dg.SkipReason(f"a {SUBSCRIPTIONS_JOB} run is in progress")

@@ -506,10 +506,9 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     observed: list[dg.AssetObservation] = []
     rows = [r for r in stream_status(conn, None, last=0) if int(r["id"]) in by_id]  # the tick's one read of them
     for row in rows:
-        mine = members[str(row["id"])]
-        mine["last_event_id"], mine["last_lsn"] = row["last_recorded_event_id"], row["last_recorded_lsn"]
-        mine["undelivered_batches"] = int(row["undelivered_batches"])
-        mine["undelivered_events"] = int(row["undelivered_events"])
+        members[str(row["id"])].update(
+            last_event_id=row["last_recorded_event_id"], last_lsn=row["last_recorded_lsn"],
+            undelivered_batches=int(row["undelivered_batches"]), undelivered_events=int(row["undelivered_events"]))
     # at most OBSERVATIONS_PER_TICK, the members observed longest ago first (the others at the next ticks): the
     # daemon stores what a tick returns before the group's next tick starts, and a hundred observations at
     # once (the first tick, or many states changing together) held the members' decisions for seconds
@@ -566,8 +565,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             return _told(context, f"cannot connect to the database ({describe_url(pgstream.database_url)}, from "
                                   f"database_url): {error_line(exc)}")
         with connection as conn:
-            live = any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5))
-            if not live:
+            if not any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5)):
                 # the group run's process takes seconds to start: requested first, and this tick ends (the
                 # next one reads and decides meanwhile, or the run's reader reads once it is up)
                 notes_: list[str] = []
