@@ -545,8 +545,7 @@ class PgstreamConfig(_Model):
 
     @property
     def left_out(self) -> dict[int, str]:
-        """Streams left out of the code location because their ``streams[]`` entry is invalid: id → what is
-        wrong, in one line."""
+        """Streams left out of the code location (their ``streams[]`` entry invalid): id → what is wrong in one line."""
         return dict(self._left_out)
 
     @property
@@ -568,12 +567,10 @@ def _substitute(value: Any, path: str, source: str) -> Any:
         return [_substitute(v, f"{path}[{i}]", source) for i, v in enumerate(value)]
     if isinstance(value, str):
         def repl(m: re.Match[str]) -> str:
-            name, default = m.group(1), m.group(2)
-            if name in os.environ:
-                return os.environ[name]
-            if default is not None:
-                return default
-            raise ConfigError(f"{source}: {path}: environment variable {name} is not set")
+            found = os.environ.get(m.group(1), m.group(2))
+            if found is None:
+                raise ConfigError(f"{source}: {path}: environment variable {m.group(1)} is not set")
+            return found
 
         return _VAR.sub(repl, value)
     return value
