@@ -68,14 +68,11 @@ DEAD_LETTERS_SHOWN = 20
 
 def check_subscription(conn: psycopg.Connection, sub: SubscriptionConfig, key: dg.AssetKey) -> dg.AssetCheckResult:
     """The subscription is stored as declared and its trigger matches its generated definition."""
-    problems: list[str] = []
     stored = stored_definition(conn, sub.stream_id, identity(sub))
-    if stored is None:
-        problems.append("the subscription is not in pgstream.subscriptions (not applied yet?)")
-    else:
-        problems += [f"{field} differs from pgstream.yaml (not applied yet?)" for field in differences(sub, stored)]
     state = trigger_state(conn, sub.schema_name, sub.table_name, sub.operation, sub.trigger_mode)
-    problems += state.problems() if stored is not None else []
+    problems = (["the subscription is not in pgstream.subscriptions (not applied yet?)"] if stored is None else
+                [f"{field} differs from pgstream.yaml (not applied yet?)" for field in differences(sub, stored)]
+                + state.problems())
     return dg.AssetCheckResult(
         asset_key=key, check_name=TRIGGER_CHECK, passed=not problems, severity=dg.AssetCheckSeverity.ERROR,
         description="; ".join(problems) or f"{state.trigger_name} on {sub.schema_name}.{sub.table_name} matches",
