@@ -153,14 +153,10 @@ def member_state(run_key: str, state: str, error: str | None = None) -> str:
 def _hosted_by_other_group_runs(instance: dg.DagsterInstance, tag: str, run_id: str) -> set[tuple[int, str]]:
     """The member runs (stream id, run key) the group's other delivery runs took: runs that ended or died
     (one group delivery run at a time), so read once when a group run starts."""
-    taken: set[tuple[int, str]] = set()
-    for run in instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: tag}), limit=100):
-        if run.run_id == run_id:
-            continue
-        for key, value in run.tags.items():
-            if key.startswith(MEMBER_TAG_PREFIX):
-                taken.add((int(key.removeprefix(MEMBER_TAG_PREFIX)), str(json.loads(value).get("run_key"))))
-    return taken
+    runs = instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: tag}), limit=100)
+    return {(int(key.removeprefix(MEMBER_TAG_PREFIX)), str(json.loads(value).get("run_key")))
+            for run in runs if run.run_id != run_id
+            for key, value in run.tags.items() if key.startswith(MEMBER_TAG_PREFIX)}
 
 
 class _Reporter:

@@ -32,7 +32,6 @@ def status_observation(s: dict[str, Any], open_run_state: str | None = None) -> 
     """The stream's status row (``stream_status``) as its reader group's sensor observes it (its cursor:
     the last event id and LSN the ledger recorded, whoever read the slot);
     ``open_run_state``: what became of the open run (live, starting, gone: see the sensor)."""
-    now = dt.datetime.now(dt.UTC)
     oldest = s["oldest_undelivered_at"]
     def when(key: str) -> Any:
         return dg.MetadataValue.timestamp(s[key]) if s.get(key) else None
@@ -41,7 +40,7 @@ def status_observation(s: dict[str, Any], open_run_state: str | None = None) -> 
         "state": s["state"],
         "undelivered_events": int(s["undelivered_events"]), "undelivered_batches": int(s["undelivered_batches"]),
         "oldest_undelivered_event_id": s["oldest_undelivered_event_id"],
-        "oldest_undelivered_age_secs": round((now - oldest).total_seconds(), 1) if oldest else 0.0,
+        "oldest_undelivered_age_secs": round((dt.datetime.now(dt.UTC) - oldest).total_seconds(), 1) if oldest else 0.0,
         "delivered_today": int(s["delivered_today"]),
         "cursor_last_event_id": s.get("last_recorded_event_id"), "cursor_last_lsn": s.get("last_recorded_lsn"),
         "slot": f"{s['slot_name']} ({s['wal_status']})" if s["slot_exists"] else f"{s['slot_name']} (missing)",
