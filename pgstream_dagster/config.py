@@ -1,14 +1,10 @@
 """``pgstream.yaml``: streams, their batching and sink, subscriptions, housekeeping.
 
-The file is read from ``$PGSTREAM_CONFIG`` (default ``./pgstream.yaml``). ``${VAR}`` and
-``${VAR:-default}`` are replaced from the environment in every string value. Every error names the
-file, the key and what is wrong. Secrets (database URL, sink credentials, header values) are
-``SecretStr`` and never printed.
-
-A stream may also be declared on its own, with its subscriptions (:class:`StreamDeclaration`, the
-attributes of a ``pgstream_dagster.StreamComponent`` in a ``defs.yaml``): :func:`parse_stream`
-validates it with the same models and reports errors the same way, and :func:`with_streams` adds
-such streams to a configuration under the same checks (ids and slots unique) as the streams of one file.
+Read from ``$PGSTREAM_CONFIG`` (default ``./pgstream.yaml``); ``${VAR}`` and ``${VAR:-default}`` are replaced from
+the environment in every string value. Every error names the file, the key and what is wrong. Secrets (database URL,
+sink credentials, header values) are ``SecretStr`` and never printed. A stream declared on its own (a
+``StreamComponent``'s attributes: :class:`StreamDeclaration`) is validated by :func:`parse_stream` with the same
+models and messages, and added by :func:`with_streams` under the same checks (ids and slots unique).
 """
 
 from __future__ import annotations
@@ -300,7 +296,6 @@ class StreamConfig(_Model):
         return stream_object_name(self.id)
 
 
-
 class Extension(_Model):
     """A value computed per event: ``json_path`` (``a.b``) set to the SQL ``expression`` over ``new``/``old``
     (a payload extension, or a metadata extension)."""
@@ -351,9 +346,7 @@ OptionalDatabaseUrl = Annotated[DatabaseUrl | None, BeforeValidator(_none_if_emp
 def _cron(v: str) -> str:
     """A cron expression Dagster's schedules accept: what croniter parses, five fields (no seconds),
     and not a day that never comes (30 or 31 February)."""
-    if not croniter.is_valid(v):
-        raise ValueError(f"not a valid cron expression: {v!r}")
-    fields = croniter.expand(v)[0]
+    fields = croniter.expand(v)[0] if croniter.is_valid(v) else []
     if len(fields) != 5 or (fields[3] == [2] and fields[2] in ([30], [31])):
         raise ValueError(f"not a valid cron expression: {v!r}")
     return v
@@ -552,8 +545,7 @@ class PgstreamConfig(_Model):
 
     @property
     def left_out(self) -> dict[int, str]:
-        """Streams left out of the code location because their ``streams[]`` entry is invalid: id → what is
-        wrong, in one line."""
+        """Streams left out of the code location (their ``streams[]`` entry invalid): id → what is wrong in one line."""
         return dict(self._left_out)
 
     @property
@@ -575,12 +567,10 @@ def _substitute(value: Any, path: str, source: str) -> Any:
         return [_substitute(v, f"{path}[{i}]", source) for i, v in enumerate(value)]
     if isinstance(value, str):
         def repl(m: re.Match[str]) -> str:
-            name, default = m.group(1), m.group(2)
-            if name in os.environ:
-                return os.environ[name]
-            if default is not None:
-                return default
-            raise ConfigError(f"{source}: {path}: environment variable {name} is not set")
+            found = os.environ.get(m.group(1), m.group(2))
+            if found is None:
+                raise ConfigError(f"{source}: {path}: environment variable {m.group(1)} is not set")
+            return found
 
         return _VAR.sub(repl, value)
     return value
@@ -669,14 +659,12 @@ def _leave_out_invalid(data: Any, source: str) -> tuple[list[Any], dict[int, str
     ids = [e.get("id") for e in entries if isinstance(e, dict)]
     for i, entry in enumerate(entries):
         sid = entry.get("id") if isinstance(entry, dict) else None
-        if not isinstance(sid, int) or isinstance(sid, bool) or ids.count(sid) > 1:
-            kept.append(entry)
-            continue
-        try:
-            _validated(StreamConfig, entry, source, f"streams[{i}]")
-        except ConfigError as exc:
-            left_out[sid] = "; ".join(line for line in str(exc).splitlines() if line)
-            continue
+        if isinstance(sid, int) and not isinstance(sid, bool) and ids.count(sid) == 1:
+            try:
+                _validated(StreamConfig, entry, source, f"streams[{i}]")
+            except ConfigError as exc:
+                left_out[sid] = "; ".join(line for line in str(exc).splitlines() if line)
+                continue
         kept.append(entry)
     return kept, left_out
 
@@ -692,17 +680,13 @@ def with_streams(config: PgstreamConfig, declared: Sequence[StreamDeclaration], 
     one file: ids and slots unique. ``source`` names where the streams come from, for the error."""
     if not declared:
         return config
-    try:
-        merged = PgstreamConfig.model_validate({
-            **dict(config),
-            "streams": [*config.streams, *(d.stream for d in declared)],
-            "subscriptions": [*config.subscriptions, *(s for d in declared for s in d.subscriptions)],
-        }, context={LEFT_OUT: set(config.left_out)})
-        merged._left_out = config.left_out
-        return merged
-    except ValidationError as exc:
-        raise ConfigError("\n".join(f"{source}: {_location(tuple(e['loc']))}: {e['msg']}" for e in exc.errors())
-                          ) from None
+    merged = _validated(PgstreamConfig, {
+        **dict(config),
+        "streams": [*config.streams, *(d.stream for d in declared)],
+        "subscriptions": [*config.subscriptions, *(s for d in declared for s in d.subscriptions)],
+    }, source, context={LEFT_OUT: set(config.left_out)})
+    merged._left_out = config.left_out
+    return merged
 
 
 def _subscription_hint(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
@@ -811,12 +795,9 @@ def read_yaml(path: Path, what: str, *, single: bool = False) -> list[Any]:
     return (documents or [None]) if single else documents
 
 
-#: the files of a defs folder that declare components
-_COMPONENT_FILES = ("defs.yaml", "component.yaml")
-
-
 def _component_files(root: Path) -> list[Path]:
-    return sorted(p for name in _COMPONENT_FILES for p in root.rglob(name))
+    """The files of a defs folder that declare components."""
+    return sorted(p for name in ("defs.yaml", "component.yaml") for p in root.rglob(name))
 
 
 def check_defs_yaml(folder: Path | str) -> None:

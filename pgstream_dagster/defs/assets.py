@@ -1,14 +1,12 @@
-"""Assets: the YAML subscriptions (one multi-asset per stream), their source tables, and the
-partition housekeeping of ``pgstream.events``.
+"""Assets: the YAML subscriptions (one multi-asset per stream), their source tables, and the partition housekeeping
+of ``pgstream.events``.
 
-Each subscription of ``pgstream.yaml`` is an asset ``pgstream/stream_<id>/subscriptions/<name>``
-whose code version is a digest of its definition. The ``pgstream_subscriptions`` sensor
-(``schedules.py``) requests a run of the ``pgstream_subscriptions`` job for those never materialized
-(new) or materialized with another code version (edited), so YAML edits are applied without anyone
-clicking. Applying goes through ``pgstream.set_subscriptions`` (one call per stream,
-one transaction): unchanged subscriptions never recreate their trigger, and a subset materialization
-passes the stream's other subscriptions back unchanged. The stream's ``subscription_set`` asset
-(code version = which subscriptions the YAML declares) removes the ones deleted from the YAML.
+Each subscription of ``pgstream.yaml`` is an asset ``pgstream/stream_<id>/subscriptions/<name>`` whose code version is
+a digest of its definition: the ``pgstream_subscriptions`` sensor (``schedules.py``) requests a run for those new or
+edited. Applying goes through ``pgstream.set_subscriptions`` (one call per stream, one transaction): unchanged
+subscriptions never recreate their trigger, and a subset materialization passes the stream's other subscriptions back
+unchanged. The stream's ``subscription_set`` asset (code version = which subscriptions the YAML declares) removes the
+ones deleted from the YAML.
 """
 
 import datetime as dt
@@ -38,8 +36,8 @@ from .resources import PgstreamResource
 
 @dataclass(frozen=True)
 class DeclaredIn:
-    """Where streams' subscriptions are declared: every subscription of that file, validated
-    together when one of its streams is applied, and the file (named in errors)."""
+    """Where streams' subscriptions are declared: every subscription of that file, validated together when one of
+    its streams is applied, and the file (named in errors)."""
 
     subscriptions: Sequence[SubscriptionConfig]
     source: str  # the file's path
@@ -130,14 +128,13 @@ def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> dg.Asset
                                       remove_absent=set_key in selected)
             except SubscriptionError as exc:
                 raise dg.Failure(description=str(exc), metadata={"file": declared.source}) from None
-            modes = {identity(s): s.trigger_mode for s in subs}
-            states = {ident: trigger_state(conn, ident[1], ident[2], ident[3], modes[ident]) for ident in chosen}
+            states = {identity(s): trigger_state(conn, s.schema_name, s.table_name, s.operation, s.trigger_mode)
+                      for s in subs if identity(s) in chosen}  # (in the order of subs)
         for (key, schema, table, op), action in sorted(result.changes.items()):
             context.log.info(f"{action} subscription {key!r} ({op} on {schema}.{table}, stream {stream_id})")
-        for ident in (identity(sub) for sub in subs):
-            if ident in chosen:
-                yield dg.MaterializeResult(asset_key=keys[ident], metadata={
-                    "action": result.changes.get(ident, "unchanged"), **_trigger_metadata(states[ident])})
+        for ident, state in states.items():
+            yield dg.MaterializeResult(asset_key=keys[ident], metadata={
+                "action": result.changes.get(ident, "unchanged"), **_trigger_metadata(state)})
         if set_key in selected:
             deleted = sorted(f"{k} ({op} on {s}.{t})" for (k, s, t, op), a in result.changes.items()
                              if a == "deleted")
@@ -149,8 +146,7 @@ def stream_subscription_assets(stream_id: int, declared: DeclaredIn) -> dg.Asset
 
 
 def source_table_specs(config: PgstreamConfig) -> list[dg.AssetSpec]:
-    """The tables the subscriptions of every stream watch (external assets, defined once: two
-    streams may watch one table)."""
+    """The tables the subscriptions of every stream watch (external assets, defined once: two streams may watch one)."""
     return [dg.AssetSpec(key=source_table_key(schema, table), group_name="postgres", kinds={"postgres"},
                          description=f"Table {schema}.{table}: its changes feed pgstream subscriptions.")
             for schema, table in sorted({(s.schema_name, s.table_name) for s in config.subscriptions})]

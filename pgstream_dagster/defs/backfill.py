@@ -1,9 +1,8 @@
-"""The backfill job (``pgstream_backfill``, one for the location): existing rows of subscribed tables
-become READ events of the stream its run config names (``stream_id``), in parallel on Spark
-(:mod:`pgstream_dagster.engine.backfill`; ``pgstream-dagster backfill`` runs it from a shell). The run's tag
-``pgstream/backfill`` (not ``pgstream/stream``: the stream's deliveries go on) becomes the stream's id when
-it starts; the run queue limits how many backfills run at once. Terminating the run stops the backfill
-cleanly (chunks in flight commit); launching it again with the same selection resumes it.
+"""The backfill job (``pgstream_backfill``, one for the location): existing rows of subscribed tables become READ
+events of the stream its run config names (``stream_id``), in parallel on Spark (:mod:`~..engine.backfill`;
+``pgstream-dagster backfill`` runs it from a shell). The run's tag ``pgstream/backfill`` (not ``pgstream/stream``: the
+stream's deliveries go on) becomes the stream's id when it starts; the run queue limits how many backfills run at
+once. Terminating the run stops the backfill cleanly (chunks in flight commit); launching it again resumes it.
 """
 
 import time
@@ -15,7 +14,6 @@ import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 from pydantic import Field
 
-from ..config import StreamConfig
 from ..engine import backfill
 from .assets import subscription_keys
 from .names import BACKFILL_JOB, BACKFILL_OP, BACKFILL_TAG
@@ -57,19 +55,11 @@ class BackfillConfig(dg.Config):
     progress_secs: float = Field(5.0, gt=0, description="seconds between progress lines in the run log")
 
 
-def _request(stream: StreamConfig, config: BackfillConfig) -> backfill.Request:
-    return backfill.Request(stream.id, config.subscriptions, table=config.table or None, where=config.where or None,
-                            from_key=config.from_key or None, to_key=config.to_key or None,
-                            chunk_size=config.chunk_size, parallelism=config.parallelism,
-                            max_rows_per_sec=config.max_rows_per_sec or None,
-                            max_backlog=config.max_backlog or None, restart=config.restart)
-
-
 def _report(context: dg.OpExecutionContext, asset: dg.AssetKey | None, progress: backfill.Progress,
             description: str) -> None:
-    """Progress as a materialization of the subscription's asset. It carries the code version of the
-    asset's latest materialization (the definition applied), so the ``pgstream_subscriptions`` sensor,
-    which requests YAML edits, sees the same state as before; an asset never materialized gets an observation."""
+    """Progress as a materialization of the subscription's asset, with the code version of its latest one (the
+    definition applied), so the ``pgstream_subscriptions`` sensor sees the same state as before; an asset never
+    materialized gets an observation."""
     if asset is None:
         return
     metadata: dict[str, Any] = {
@@ -93,9 +83,12 @@ def backfill_rows(context: dg.OpExecutionContext, config: BackfillConfig, pgstre
     context.instance.add_run_tags(context.run_id, {BACKFILL_TAG: str(stream.id)})
     # the asset of each YAML subscription of the stream, by identity: its progress is reported there
     assets = subscription_keys(pgstream.config, stream.id)
-    url = pgstream.database_url
     try:
-        request = _request(stream, config)
+        request = backfill.Request(
+            stream.id, config.subscriptions, table=config.table or None, where=config.where or None,
+            from_key=config.from_key or None, to_key=config.to_key or None, chunk_size=config.chunk_size,
+            parallelism=config.parallelism, max_rows_per_sec=config.max_rows_per_sec or None,
+            max_backlog=config.max_backlog or None, restart=config.restart)
         with pgstream.connect() as conn:
             chosen = backfill.targets(conn, request)
     except backfill.BackfillError as exc:
@@ -110,7 +103,7 @@ def backfill_rows(context: dg.OpExecutionContext, config: BackfillConfig, pgstre
             context.log.info(f"{'resuming' if resumed else 'starting'} backfill {backfill_id} of {target.describe()}")
             last_report = time.monotonic()
             executor = backfill.spark_executor(spark, pgstream.executor_database_url)
-            with closing(backfill.run(url, backfill_id, request, executor,
+            with closing(backfill.run(pgstream.database_url, backfill_id, request, executor,
                                       run_id=context.run_id, progress_secs=config.progress_secs,
                                       on_stop=partial(backfill.cancel_spark, spark))) as steps:
                 for step in steps:

@@ -1,21 +1,19 @@
-"""Asset checks, one multi-asset check per stream (run by the ``pgstream_checks`` schedule, or ad hoc
-from the UI):
+"""Asset checks, one multi-asset check per stream (run by the ``pgstream_checks`` schedule, or from the UI):
 
-* on each subscription asset, ``trigger_matches`` (blocking): the subscription is in the database as
-  the YAML declares it, and its table's generated trigger (and its copy on each partition) exists, is
-  enabled, carries the md5 of what ``pgstream.generated_trigger`` produces now and calls the unmodified
-  generated function;
+* on each subscription asset, ``trigger_matches`` (blocking): the subscription is in the database as the YAML declares
+  it, and its table's generated trigger (and its copy on each partition) exists, is enabled, carries the md5 of what
+  ``pgstream.generated_trigger`` produces now and calls the unmodified generated function;
 * on the stream's deliveries asset: ``undelivered_age``, ``not_in_failover`` (WARN) and ``no_dead_letters``.
 
-On ``pgstream/events_partitions``, the location's: ``no_orphaned_slots``, ``consumers_within_retention``, and per
-reader group ``group_<name>_slot_retained_wal`` (its members share the slot: one check where a hundred members
-would each check the same slot, every check being a few writes to Dagster's event log).
+On ``pgstream/events_partitions``: ``no_orphaned_slots``, ``consumers_within_retention``, and per reader group
+``group_<name>_slot_retained_wal`` (one check for the slot its members share: each check is a few event-log writes).
 """
 
 import datetime as dt
 import os
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import suppress
 from typing import Any
 
 import dagster as dg
@@ -54,10 +52,8 @@ def _background() -> None:
     """A scheduled checks run's process goes to the background: its niceness raised to
     :data:`CHECKS_NICENESS` (never lowered; where the platform has none, nothing)."""
     if hasattr(os, "setpriority"):
-        try:
+        with suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), CHECKS_NICENESS))
-        except OSError:
-            pass
 
 
 TRIGGER_CHECK = "trigger_matches"
@@ -72,14 +68,11 @@ DEAD_LETTERS_SHOWN = 20
 
 def check_subscription(conn: psycopg.Connection, sub: SubscriptionConfig, key: dg.AssetKey) -> dg.AssetCheckResult:
     """The subscription is stored as declared and its trigger matches its generated definition."""
-    problems: list[str] = []
     stored = stored_definition(conn, sub.stream_id, identity(sub))
-    if stored is None:
-        problems.append("the subscription is not in pgstream.subscriptions (not applied yet?)")
-    else:
-        problems += [f"{field} differs from pgstream.yaml (not applied yet?)" for field in differences(sub, stored)]
     state = trigger_state(conn, sub.schema_name, sub.table_name, sub.operation, sub.trigger_mode)
-    problems += state.problems() if stored is not None else []
+    problems = (["the subscription is not in pgstream.subscriptions (not applied yet?)"] if stored is None else
+                [f"{field} differs from pgstream.yaml (not applied yet?)" for field in differences(sub, stored)]
+                + state.problems())
     return dg.AssetCheckResult(
         asset_key=key, check_name=TRIGGER_CHECK, passed=not problems, severity=dg.AssetCheckSeverity.ERROR,
         description="; ".join(problems) or f"{state.trigger_name} on {sub.schema_name}.{sub.table_name} matches",

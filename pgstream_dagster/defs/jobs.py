@@ -1,11 +1,7 @@
-"""The delivery jobs, thin Dagster ops around the engine's delivery run
-(:class:`~pgstream_dagster.engine.delivery.run.DeliveryRun`: the rounds, the open run's wait for batches, each
-round's source): the delivery job runs a stream in mode per_batch (one run per batch, as the design card has
-it); the group delivery job hosts the open runs of a reader group's members.
-
-``load_batches`` takes the stream's delivery lease and checks the batches may run; ``deliver_batches`` runs
-the rounds with what only Dagster has: the PySpark resource (started when a round first goes to Spark), a stop
-check (another run of the stream is queued) and a reporter (:func:`_report`). Engine errors become
+"""The delivery jobs, thin Dagster ops around the engine's delivery run (:class:`~..engine.delivery.run.DeliveryRun`):
+the delivery job runs a stream in mode per_batch (a run per batch, as the design card has it); the group delivery job
+hosts the open runs of a reader group's members. The ops hand the engine what only Dagster has: the PySpark resource
+(started when a round first goes to Spark), a stop check and a reporter (:func:`_report`). Engine errors become
 ``dg.Failure`` s with their metadata.
 """
 
@@ -157,20 +153,15 @@ def member_state(run_key: str, state: str, error: str | None = None) -> str:
 def _hosted_by_other_group_runs(instance: dg.DagsterInstance, tag: str, run_id: str) -> set[tuple[int, str]]:
     """The member runs (stream id, run key) the group's other delivery runs took: runs that ended or died
     (one group delivery run at a time), so read once when a group run starts."""
-    taken: set[tuple[int, str]] = set()
-    for run in instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: tag}), limit=100):
-        if run.run_id == run_id:
-            continue
-        for key, value in run.tags.items():
-            if key.startswith(MEMBER_TAG_PREFIX):
-                taken.add((int(key.removeprefix(MEMBER_TAG_PREFIX)), str(json.loads(value).get("run_key"))))
-    return taken
+    runs = instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB, tags={GROUP_TAG: tag}), limit=100)
+    return {(int(key.removeprefix(MEMBER_TAG_PREFIX)), str(json.loads(value).get("run_key")))
+            for run in runs if run.run_id != run_id
+            for key, value in run.tags.items() if key.startswith(MEMBER_TAG_PREFIX)}
 
 
 class _Reporter:
-    """Writes the members' reports (materializations) to Dagster's event log from one
-    thread of its own, in order: a member's delivery loop only queues them, so a hundred members do not wait
-    for each other's event-log writes."""
+    """Writes the members' reports (materializations) to Dagster's event log from a thread of its own, in order: a
+    member's delivery loop only queues them, so a hundred members do not wait for each other's event-log writes."""
 
     def __init__(self, context: dg.OpExecutionContext) -> None:
         self.context = context

@@ -1,21 +1,17 @@
 """The code location's definitions.
 
-Streams come from ``pgstream.yaml`` and from ``pgstream_dagster.StreamComponent``s (a ``defs.yaml``
-in the defs folder). Each stream has the same definitions wherever it is declared
-(:func:`stream_definitions`): a deliveries asset, a status asset, its subscription assets and its checks
-(and, for a lake sink, its table's asset and check); its reader group's sensor decides for it. The rest is
-defined once (:func:`shared_definitions`): the jobs (a run of the replay, backfill or control job names its
-stream in its run config), the housekeeping asset, the subscribed tables, the schedules, the sensors, the
-executor and the resources.
+Streams come from ``pgstream.yaml`` and from ``pgstream_dagster.StreamComponent``s (a ``defs.yaml`` in the defs
+folder), each with the same definitions wherever declared (:func:`stream_definitions`): deliveries and status assets,
+subscription assets, checks (and a lake sink's table asset and check); its reader group's sensor decides for it. The
+rest is defined once (:func:`shared_definitions`): the jobs (a replay, backfill or control run names its stream in its
+run config), the housekeeping asset, the subscribed tables, the schedules, sensors, executor and resources.
 
-The configuration is read once, when the definitions are loaded: the ``pgstream`` resource holds
-``pgstream.yaml`` plus the streams of every StreamComponent of the project, validated together
-(ids and slots unique), so every definition sees the same streams, and no run reads a file.
-
-:func:`pgstream_location` is what ``dg.load_from_defs_folder`` loads from this folder: it finds the
-StreamComponents as :class:`StreamDeclaringComponent`s (this module does not import the component package,
-which imports it); each component builds its own stream's definitions. :func:`build_definitions` builds
-everything from a ``pgstream.yaml`` alone (tests, scripts).
+The configuration is read once, at load: the ``pgstream`` resource holds ``pgstream.yaml`` plus every
+StreamComponent's stream, validated together (ids and slots unique), so every definition sees the same streams and no
+run reads a file. :func:`pgstream_location` is what ``dg.load_from_defs_folder`` loads: it finds the StreamComponents
+as :class:`StreamDeclaringComponent`s (this module does not import the component package, which imports it), each of
+which builds its own stream's definitions; :func:`build_definitions` builds everything from a ``pgstream.yaml`` alone
+(tests, scripts).
 """
 
 from collections.abc import Sequence
@@ -120,8 +116,7 @@ def location_definitions(path: Path, components: Sequence[StreamDeclaringCompone
 
 
 def build_definitions(path: Path | None = None) -> dg.Definitions:
-    """Everything of a ``pgstream.yaml`` (default ``$PGSTREAM_CONFIG``): its streams and the shared
-    definitions."""
+    """Everything of a ``pgstream.yaml`` (default ``$PGSTREAM_CONFIG``): its streams and the shared definitions."""
     return location_definitions((path or config_path()).resolve())
 
 

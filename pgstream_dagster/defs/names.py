@@ -17,11 +17,9 @@ RUN_KEY_TAG = "dagster/run_key"
 #: a backfill run: ``true`` when launched, the stream id from when the run starts (the run config names it); never
 #: pgstream/stream, so deliveries go on meanwhile
 BACKFILL_TAG = "pgstream/backfill"
-#: a reader group's delivery run (value: :func:`group_tag`, the group and its database): one at a time per group
-#: (dagster.yaml)
+#: a reader group's delivery run (value :func:`group_tag`, group and database): one at a time per group (dagster.yaml)
 GROUP_TAG = "pgstream/group"
-#: a reader group's delivery run: the fingerprint of its members' configuration it was requested with
-#: (``config.streams_fingerprint``)
+#: a group delivery run: its members' configuration's fingerprint it was requested with (``streams_fingerprint``)
 CONFIG_TAG = "pgstream/config"
 #: a reader group's delivery run asked to end (value: why), added once by the group's sensor when the
 #: run's configuration is not the code location's any more; the run's stop check ends it gracefully

@@ -1,15 +1,13 @@
-"""Replay: re-deliver a stream's events from ``pgstream.events`` through its sink, selected by
-event-id range, time range and/or subscription keys, in id order, in chunks, with progress in the
-run log. One job for the location (``pgstream_replay``), the stream in its run config (``stream_id``); a run
-is tagged with its stream (``pgstream/stream``) when it starts, so the run queue holds the stream's deliveries
-behind it, and whatever launches it (``dagster job execute`` bypasses the queue) it holds the stream's delivery
-lease for its whole length (:func:`~..engine.ledger.locks.acquire_replay_lease`): it never interleaves with the
-stream's deliveries. ``dry_run`` only counts (and takes no lease). Replays are at-least-once by nature: the sink
-sees the events again, with the same ids as idempotency keys. The ledger is not touched.
-
-The same job redelivers the stream's open dead letters (``dead_letters: true`` or ``dead_letter_ids``), in
-their delivery-order position, through the stream's sink (:func:`pgstream_dagster.engine.deadletters.redeliver`;
-no Spark involved), queued and leased like any replay.
+"""Replay: re-deliver a stream's events from ``pgstream.events`` through its sink, selected by event-id range, time
+range and/or subscription keys, in id order, in chunks, with progress in the run log. One job for the location
+(``pgstream_replay``), the stream in its run config (``stream_id``). A run is tagged with its stream
+(``pgstream/stream``) when it starts, so the run queue holds the stream's deliveries behind it, and whatever launches
+it (``dagster job execute`` bypasses the queue) it holds the stream's delivery lease throughout
+(:func:`~..engine.ledger.locks.acquire_replay_lease`): it never interleaves with them. ``dry_run`` only counts (no
+lease). Replays are at-least-once: the sink sees the events again, with the same ids as idempotency keys; the ledger
+is not touched. The same job redelivers the stream's open dead letters (``dead_letters: true`` or
+``dead_letter_ids``) in their delivery-order position (:func:`~..engine.deadletters.redeliver`, no Spark), queued and
+leased like any replay.
 """
 
 import time
@@ -73,9 +71,8 @@ class ReplayConfig(dg.Config):
                                                              "delivery.chunk_size)")
     dead_letters: bool = Field(False, description="instead of events from the table: redeliver every open dead "
                                                   "letter of the stream, in delivery order (dry_run lists them)")
-    dead_letter_ids: list[int] = Field([],
-                                       description="instead of events from the table: redeliver these open dead "
-                                                   "letters of the stream, in delivery order")
+    dead_letter_ids: list[int] = Field([], description="instead of events from the table: redeliver these open dead "
+                                                       "letters of the stream, in delivery order")
 
 
 def _redeliver_dead_letters(context: dg.OpExecutionContext, stream: StreamConfig, config: ReplayConfig,

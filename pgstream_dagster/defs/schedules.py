@@ -1,13 +1,11 @@
 """Automation: the housekeeping and checks schedules, and the subscriptions job with its sensor.
 
-* ``pgstream_housekeeping`` (``housekeeping.cron``, UTC): materializes ``pgstream/events_partitions``
-  (partitions ahead, expired partitions dropped, ledger pruned);
-* ``pgstream_checks`` (``checks.cron``, UTC): runs every asset check of the location; a tick that was
-  due while Dagster or this code location was down is not caught up when it comes back (the next tick
-  runs the checks): at a restart it would compete with the streams' first delivery runs;
-* ``pgstream_subscriptions``: the job of the subscription assets, and its sensor (running by default), which
-  requests a run of the new, edited and removed subscriptions of pgstream.yaml without anyone clicking: the run
-  applies them as the owner, or checks them as the runtime role (``engine.subscriptions.apply_stream``).
+* ``pgstream_housekeeping`` (``housekeeping.cron``, UTC): materializes ``pgstream/events_partitions``;
+* ``pgstream_checks`` (``checks.cron``, UTC): every asset check of the location; a tick due while Dagster or this code
+  location was down is not caught up (at a restart it would compete with the streams' first delivery runs);
+* ``pgstream_subscriptions``: the job of the subscription assets, and its sensor, which requests a run of the new,
+  edited and removed subscriptions of pgstream.yaml: the run applies them as the owner, or checks them as the runtime
+  role (``engine.subscriptions.apply_stream``).
 """
 
 import datetime as dt
@@ -144,8 +142,7 @@ def subscriptions_sensor(config: PgstreamConfig, job: "UnresolvedAssetJobDefinit
         repository = context.repository_def
         if repository is None:
             raise dg.DagsterInvariantViolationError(f"{SUBSCRIPTIONS_SENSOR}: evaluated without its repository")
-        graph = repository.asset_graph
-        current = {key: graph.get(key).code_version for key in keys}
+        current = {key: repository.asset_graph.get(key).code_version for key in keys}
         instance = context.instance
         if instance.get_runs_count(dg.RunsFilter(job_name=SUBSCRIPTIONS_JOB, statuses=_UNFINISHED)):
             return dg.SkipReason(f"a {SUBSCRIPTIONS_JOB} run is in progress")

@@ -1,25 +1,23 @@
-"""One sensor per reader group (``streams[].reader``; a stream that names none is in group ``default``) for
-all its members: it records what commits on the group's slot as each member's ledger batches and decides the
-members' delivery runs, one at a time per stream, in order; the group's delivery run hosts them (a member in
-mode per_batch has Dagster runs of its own).
+"""One sensor per reader group (``streams[].reader``, default ``default``) for all its members: it records what
+commits on the group's slot as each member's ledger batches and decides the members' delivery runs, one at a time per
+stream, in order; the group's delivery run hosts them (a member in mode per_batch has Dagster runs of its own).
 
 A group's tick, repeated for up to ``sensor.tick_budget_secs``:
 
-1. **ingest** (``engine/ingest/group.py``): while the group delivery run's reader does not read the group's
-   slot, make sure it exists and is usable (a missing or invalidated slot is recreated and every event the
-   ledger does not cover is recovered from the table), let a stream that had a slot of its own join, record
-   the transactions waiting as batches and advance the slot, so WAL is released whatever the sinks do;
-2. **decide**, for each member, after each slice of reading (:func:`step`): read the streams' states in one
-   query, look at the run each state points at as an engine :class:`~..engine.batches.RunView` (a dead one,
-   see :func:`_lease_view`, is reported failed at once), and let the pure :func:`~..engine.batches.decide`
-   choose the action: wait, launch a run, hand new batches to the open run, request a lost run again, fail a
-   run (failover), leave failover once caught up;
-3. **apply** it: ``ledger.state.apply`` makes the ledger's transitions; a run of a member in mode per_batch
-   becomes a ``RunRequest`` (``run_key`` = stream, installation, batches, attempt: a re-evaluated tick
-   requests nothing twice), the group's delivery run is requested when none is live.
+1. **ingest** (``engine/ingest/group.py``), while the group delivery run's reader does not: make sure the group's slot
+   exists and is usable (a missing or invalidated one is recreated, what the ledger does not cover recovered from the
+   table), let a stream that had a slot of its own join, record the waiting transactions as batches and advance the
+   slot, so WAL is released whatever the sinks do;
+2. **decide**, for each member, after each slice of reading (:func:`step`): the streams' states in one query, the run
+   each points at as a :class:`~..engine.batches.RunView` (a dead one is reported failed at once), and the pure
+   :func:`~..engine.batches.decide` chooses: wait, launch a run, hand new batches to the open run, request a lost run
+   again, fail a run (failover), leave failover once caught up;
+3. **apply** it (``ledger.state.apply``): a run of a member in mode per_batch becomes a ``RunRequest`` (``run_key`` =
+   stream, installation, batches, attempt: a re-evaluated tick requests nothing twice); the group's delivery run is
+   requested when none is live.
 
-Each tick also updates the cursor (per member: the last event id and LSN the ledger recorded, and the
-backlog) and observes a member's status asset when its state changed or it is due.
+Each tick also updates the cursor (per member: the last event id and LSN recorded, the backlog) and observes a
+member's status asset when its state changed or it is due.
 """
 
 import datetime as dt
@@ -68,6 +66,8 @@ from .resources import PgstreamResource
 from .status import status_observation
 
 _FAILED = {dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
+_LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
+         dg.DagsterRunStatus.STARTED}
 #: the run tag and value Dagster sets on a run whose process was interrupted (SIGINT/SIGTERM) with no
 #: termination requested (dagster._core.storage.tags.RUN_FAILURE_REASON_TAG, RunFailureReason)
 FAILURE_REASON_TAG = "dagster/failure_reason"
@@ -86,36 +86,28 @@ def _interrupted_before_load(instance: dg.DagsterInstance, run: dg.DagsterRun) -
     return record is not None and record.end_time is not None and record.end_time < LOADED_AT
 
 
-_LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
-         dg.DagsterRunStatus.STARTED}
 #: how long a group's tick reads the group's slot before it decides for the members again
 DECIDE_EVERY_SECS = 1.0
-#: while the group delivery run's reader records, how often a group's tick looks for a member's batch waiting for
-#: a decision (one indexed query; a member without a run gets its first batch's run within this, not at the next
-#: tick)
+#: while the group delivery run's reader records, how often a group's tick looks for a member's batch waiting for a
+#: decision (one indexed query): a member without a run gets its first batch's run within this, not at the next tick
 LAUNCH_LOOK_SECS = 0.5
 
 
 def _request(order: RunOrder, database: str) -> dg.RunRequest:
-    """The Dagster run of a member in mode per_batch (the design card's run per batch) of ``database``
-    (``database_key``)."""
+    """The Dagster run of a member in mode per_batch (the design card's run per batch) of ``database``."""
     head, batch_ids = order.head, order.batch_ids
     config: dict[str, int] = {"stream_id": head.stream_id, "batch_id": batch_ids[0]}
     if len(batch_ids) > 1:
         config["through_batch_id"] = batch_ids[-1]
     return dg.RunRequest(
-        run_key=order.run_key,
-        job_name=DELIVERY_JOB,
-        run_config={"ops": {"load_batches": {"config": config}}},
+        run_key=order.run_key, job_name=DELIVERY_JOB, run_config={"ops": {"load_batches": {"config": config}}},
         tags={STREAM_TAG: stream_tag(head.stream_id, database), BATCH_TAG: str(head.id),
-              ATTEMPT_TAG: str(order.attempt), BATCHES_TAG: str(len(batch_ids))},
-    )
+              ATTEMPT_TAG: str(order.attempt), BATCHES_TAG: str(len(batch_ids))})
 
 
 def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None:
     """The error of the run's failed step (e.g. the sink's answer), for status and the UI."""
-    records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE, limit=1).records
-    for record in records:
+    for record in instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE, limit=1).records:
         event = record.event_log_entry.dagster_event
         data = event.step_failure_data if event else None
         error = data.error if data is not None else None
@@ -124,13 +116,6 @@ def run_failure_message(instance: dg.DagsterInstance, run_id: str) -> str | None
         if error is not None and error.message.strip():
             return error.message.strip().splitlines()[0][:500]
     return None
-
-
-def _find_run(instance: dg.DagsterInstance, run_key: str | None) -> dg.DagsterRun | None:
-    if run_key is None:
-        return None
-    runs = instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1)
-    return runs[0] if runs else None
 
 
 def _not_taken(instance: dg.DagsterInstance, run: dg.DagsterRun, grace: float, now: float) -> tuple[bool, str]:
@@ -150,8 +135,7 @@ LOST_RECHECK_SECS = 2.0
 
 
 def _looked_again(look: Callable[[], dict[str, locks.LeaseState]]) -> dict[str, locks.LeaseState]:
-    """``look()`` (lease states by run id), again every 0.1 s while one is LOST, for up to
-    :data:`LOST_RECHECK_SECS`: what it says then."""
+    """``look()`` (lease states by run id), again every 0.1 s while one is LOST, up to :data:`LOST_RECHECK_SECS`."""
     deadline = time.monotonic() + LOST_RECHECK_SECS
     while locks.LeaseState.LOST in (states := look()).values() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -164,8 +148,7 @@ def _group_lease(conn: psycopg.Connection, group: str, run_id: str) -> dict[str,
 
 def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.DagsterRun | None,
               stream: StreamConfig, now: dt.datetime) -> tuple[RunView, str | None]:
-    """What :func:`decide` needs to know of the Dagster run ``run``, and what it is doing (for the
-    tick's skip reason)."""
+    """What :func:`decide` needs to know of the Dagster run ``run``, and what it is doing (for the skip reason)."""
     if run is None:
         return NO_RUN, None
     if run.status == dg.DagsterRunStatus.STARTED:
@@ -188,9 +171,8 @@ def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.Da
     if run.status in _LIVE:
         return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
     if run.status in _FAILED:
-        interrupted = _interrupted_before_load(instance, run)
         return (RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id),
-                        interrupted=interrupted), None)
+                        interrupted=_interrupted_before_load(instance, run)), None)
     if run.status == dg.DagsterRunStatus.SUCCESS:
         return RunView(RunStatus.SUCCEEDED, run.run_id), None
     return RunView(RunStatus.OTHER, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
@@ -231,9 +213,8 @@ class GroupLook:
 
 def _member_host(instance: dg.DagsterInstance, conn: psycopg.Connection, group: str, stream_id: int,
                  run_key: str, look: GroupLook) -> tuple[dg.DagsterRun, dict[str, Any]] | None:
-    """The group delivery run that took member run ``run_key`` of stream ``stream_id``, and its member tag:
-    the newest group runs first (nearly always one of them: ``look.runs``, read once for all the group's
-    members), then the older ones."""
+    """The group delivery run that took member run ``run_key`` of stream ``stream_id``, and its member tag: the
+    newest group runs first (``look.runs``, read once for all members: nearly always one of them), then older ones."""
     for newest in (True, False):
         for run in look.runs if newest else _group_runs(instance, conn, group, limit=100):
             raw = run.tags.get(member_tag(stream_id))
@@ -245,9 +226,8 @@ def _member_host(instance: dg.DagsterInstance, conn: psycopg.Connection, group: 
 
 def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
                  run_key: str, look: GroupLook) -> tuple[RunView, str | None] | None:
-    """The member run ``run_key`` of a reader group's stream: what its group delivery run said of it (its member
-    tag), the group run's status and, while it is started, the member's delivery lease (lost: dead). None: no
-    group run took it (yet)."""
+    """The member run ``run_key`` of a reader group's stream: what its group delivery run's member tag says, the group
+    run's status and, while it is started, the member's delivery lease (lost: dead). None: no group run took it yet."""
     found = _member_host(instance, conn, stream.reader, stream.id, run_key, look)
     if found is None:
         return None
@@ -273,18 +253,16 @@ def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream:
 
 
 def _waiting_member(stream: StreamConfig, run_key: str) -> tuple[RunView, str]:
-    """A member run no group run took yet: it waits for the group's delivery run (the group's sensor
-    requests one when none is live)."""
+    """A member run no group run took yet: it waits for the group's delivery run (requested when none is live)."""
     return RunView(RunStatus.LIVE, run_key), f"the delivery run of reader group {stream.reader} to take run {run_key}"
 
 
 def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig, log: list[str],
          said: dict[str, Any], look: GroupLook, state: StreamState | None) -> tuple[dg.RunRequest | None, str | None]:
     """One decision: read the stream's state (unless given), look at its run in Dagster, decide, apply; the run to
-    request, if any, and what the run the stream waits for is doing (for the skip reason). ``log`` receives what
-    the tick log should say (with ``said``, what was said before: :func:`~..engine.batches.tick_notes`); ``look``
-    and ``state``: what the group's sensor read once for all its members. A dead run is reported failed to Dagster
-    as soon as it is seen."""
+    request, if any, and what the run the stream waits for is doing (for the skip reason). ``log`` gets the tick log's
+    lines (``said``: what was said before, :func:`~..engine.batches.tick_notes`); ``look`` and ``state``: read once
+    for all the group's members. A dead run is reported failed to Dagster as soon as it is seen."""
     if state is None:
         state = ledger_state.stream_state(conn, stream.id, stream.delivery.max_events_per_run)
     now = dt.datetime.now(dt.UTC)
@@ -292,7 +270,8 @@ def step(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamC
     # an open run is hosted by the group's delivery run; a run in mode per_batch (or one requested
     # before the stream joined its group) is a Dagster run of its own
     member = _member_view(conn, instance, stream, key, look) if key else None
-    run = _find_run(instance, key) if member is None else None
+    runs = instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1) if member is None and key else []
+    run = runs[0] if runs else None
     if member is not None:
         view, doing = member
     elif run is None and stream.delivery.keeps_open and key:
@@ -338,9 +317,8 @@ OBSERVATIONS_PER_TICK = 10
 def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stream: StreamConfig,
                     row: dict[str, Any], cursor: dict[str, Any], look: GroupLook,
                     members: int) -> dg.AssetObservation | None:
-    """An observation of the stream status asset, a member of a reader group of ``members`` streams, when its
-    state changed or it is due (``sensor.status_every_secs``, every ``members / OBSERVATIONS_PER_SEC`` seconds at
-    least)."""
+    """An observation of the stream status asset, a member of a reader group of ``members`` streams, when its state
+    changed or it is due (``sensor.status_every_secs``, at least ``members / OBSERVATIONS_PER_SEC`` seconds)."""
     run_state = (open_run_state(conn, instance, row["open_run_key"], stream, look) if row.get("open_run_key")
                  else None)
     # (a digest: a group's cursor holds one per member)
@@ -395,15 +373,14 @@ def _ask_to_end(instance: dg.DagsterInstance, run: dg.DagsterRun, group: str, fi
 
 def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, streams: list[StreamConfig],
                    log: list[str], left_out: dict[int, str]) -> tuple[dg.RunRequest | None, str]:
-    """The group's delivery run: the one live (queued, starting, or started and holding the group's delivery
-    lease), or one to request (with the members' :data:`~.names.CONFIG_TAG`) when none is. A started one whose
-    lease was lost, or that took none ``delivery.run_grace_secs`` after it started, is reported failed (the
-    sensor then retries its members' runs).
+    """The group's delivery run: the one live (queued, starting, or started and holding the group's delivery lease),
+    or one to request (with the members' :data:`~.names.CONFIG_TAG`). A started one whose lease was lost, or that took
+    none ``delivery.run_grace_secs`` after it started, is reported failed (the sensor then retries its members' runs).
 
-    The members the database does not have in the group yet are registered first (one query when none is
-    missing), even while an older group run's reader reads: that run records them meanwhile and is asked to end
-    (:func:`_ask_to_end`); the next one hosts them. A member whose registration is refused (a stream of another
-    group, a publication by its name that another role made) is left out in one line (``log``, ``left_out``)."""
+    Members the database does not have in the group yet are registered first (one query when none is missing), even
+    while an older group run's reader reads: it records them meanwhile and is asked to end (:func:`_ask_to_end`); the
+    next one hosts them. A member whose registration is refused (a stream of another group, a publication by its name
+    that another role made) is left out in one line (``log``, ``left_out``)."""
     added, refused = groups.register_missing_members(conn, group, [s.id for s in streams])
     log.extend(refused.values())
     left_out.update(refused)
@@ -439,15 +416,13 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             return None, f"group delivery run {run.run_id}{doing}{ending}"
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
     hosted = {s.id for s in streams if s.delivery.keeps_open}  # (a per_batch member's runs are its own)
-    # a group with streams in mode open keeps its delivery run up (a first event after a quiet spell,
-    # or the location's start, waits for no process to start); a group of streams in mode per_batch only has
-    # none (each of their runs is a Dagster run of its own: the sensor reads the group's slot)
+    # a group with streams in mode open keeps its delivery run up (a first event after a quiet spell, or the
+    # location's start, waits for no process to start); one of streams in mode per_batch only has none
     if not hosted:
         return None, "its streams (mode per_batch) have runs of their own"
     wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
-    key = f"pgstream-group-{group}-{int(time.time())}"
     members = ", ".join(str(m.stream_id) for m in wanted)
-    return dg.RunRequest(run_key=key, job_name=GROUP_DELIVERY_JOB,
+    return dg.RunRequest(run_key=f"pgstream-group-{group}-{int(time.time())}", job_name=GROUP_DELIVERY_JOB,
                          run_config={"ops": {"deliver_group": {"config": {"group": group}}}},
                          tags={GROUP_TAG: group_tag(group, database_key(conn)), CONFIG_TAG: fingerprint}), (
         f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
@@ -472,10 +447,10 @@ Tick = Callable[[dg.SensorEvaluationContext, PgstreamResource], dg.SensorResult]
 
 
 def _tells_in_one_line(tick: Tick) -> Tick:
-    """A tick refused (:data:`_TOLD_IN_ONE_LINE`), that cannot connect to the database (a wrong URL, Postgres
-    down), or whose server goes away mid-way (the primary crashed or is failing over) or is read-only
-    (:func:`~..engine.dbconn.server_gone`) ends with that in one line (:func:`_told`; the database by the URL's role
-    and host, never the URL): no traceback; the next tick tries again."""
+    """A tick refused (:data:`_TOLD_IN_ONE_LINE`), that cannot connect (a wrong URL, Postgres down), or whose server
+    goes away mid-way (crashed, failing over) or is read-only (:func:`~..engine.dbconn.server_gone`) ends with that in
+    one line (:func:`_told`; the database by the URL's role and host, never the URL): no traceback; the next tick
+    tries again."""
     @functools.wraps(tick)
     def waiting(context: dg.SensorEvaluationContext, pgstream: PgstreamResource) -> dg.SensorResult:
         try:
@@ -531,10 +506,9 @@ def _decide_members(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     observed: list[dg.AssetObservation] = []
     rows = [r for r in stream_status(conn, None, last=0) if int(r["id"]) in by_id]  # the tick's one read of them
     for row in rows:
-        mine = members[str(row["id"])]
-        mine["last_event_id"], mine["last_lsn"] = row["last_recorded_event_id"], row["last_recorded_lsn"]
-        mine["undelivered_batches"] = int(row["undelivered_batches"])
-        mine["undelivered_events"] = int(row["undelivered_events"])
+        members[str(row["id"])].update(
+            last_event_id=row["last_recorded_event_id"], last_lsn=row["last_recorded_lsn"],
+            undelivered_batches=int(row["undelivered_batches"]), undelivered_events=int(row["undelivered_events"]))
     # at most OBSERVATIONS_PER_TICK, the members observed longest ago first (the others at the next ticks): the
     # daemon stores what a tick returns before the group's next tick starts, and a hundred observations at
     # once (the first tick, or many states changing together) held the members' decisions for seconds
@@ -563,8 +537,7 @@ def _slot_fits(conn: psycopg.Connection, group: str) -> None:
 
 
 def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition:
-    """The sensor of reader group ``group`` (its ``streams``: every stream with ``reader: <group>``): its tick
-    is the module's docstring's."""
+    """The sensor of reader group ``group`` (``streams``: its members); its tick is the module docstring's."""
     budget = min(s.sensor.tick_budget_secs for s in streams)
     ids = sorted(s.id for s in streams)
 
@@ -592,27 +565,22 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             return _told(context, f"cannot connect to the database ({describe_url(pgstream.database_url)}, from "
                                   f"database_url): {error_line(exc)}")
         with connection as conn:
-            live = any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5))
-            if not live:
+            if not any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5)):
                 # the group run's process takes seconds to start: requested first, and this tick ends (the
                 # next one reads and decides meanwhile, or the run's reader reads once it is up)
                 notes_: list[str] = []
                 request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
                 if request is not None:
-                    # a group whose slot cannot be created: the tick says why (its run's reader would be
-                    # refused at once, and every tick would request another)
                     _slot_fits(conn, group)
                     for line in notes_:
                         context.log.warning(line)
                     context.log.info(f"reader group {group}: group delivery run {delivery}")
                     return dg.SensorResult(run_requests=[request],
                                            cursor=json.dumps(cursor, sort_keys=True, default=str))
-            # one reader of the group's slot at a time: the tick reads only when the group delivery run's
-            # reader does not (it reads continuously while the run lives; its lock ends with its session).
-            # It reads in slices of DECIDE_EVERY_SECS and decides for the members after each: what it recorded
-            # is handed to the members' runs within a second, not at the end of the budget, and the group
-            # run's reader, once up, takes the reading over between slices. (Here without a live group run:
-            # its members are all in mode per_batch, which keeps none; the tick reads its whole budget.)
+            # one reader of the group's slot at a time: the tick reads only when the group run's reader does not
+            # (its lock ends with its session), in slices of DECIDE_EVERY_SECS, deciding for the members after each:
+            # what it recorded is handed on within a second, and the group run's reader, once up, takes the reading
+            # over between slices. (Without a live group run, its members all in mode per_batch: the whole budget.)
             result, observed = GroupResult(), list[dg.AssetObservation]()
             own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
             waits: dict[int, str | None] = {}  # what the runs of members in mode per_batch are doing
