@@ -1,10 +1,7 @@
 """A delivery run, without Dagster: a stream's consecutive ledger batches delivered in order through its sink,
-open (mode ``open``) for what commits next. :meth:`DeliveryRun.start` takes the lease and checks the
-batches; :meth:`DeliveryRun.deliver` opens the sink once and delivers round after round from
-:func:`.sources.choose_source`'s source, writing each confirmation to the ledger before publishing more
-(:class:`RoundReport` per round, :class:`DeliveryError`). Open, it waits for batches (:class:`OpenRun`) until
-open ``tuning.max_run_secs``, paused, in failover, a replay waiting or :attr:`Host.stop_check`; rounds are told
-through :attr:`Host.report` (:class:`Summary`).
+round after round (each confirmation written to the ledger before more is published), then, mode ``open``, what
+commits next (:class:`OpenRun`) until ``tuning.max_run_secs``, a pause, failover, a replay or
+:attr:`Host.stop_check`; rounds are told through :attr:`Host.report` (:class:`Summary`).
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,19 +54,17 @@ class DeliveryError(RuntimeError):
 
 
 class LedgerConnectionBroken(DeliveryError):
-    """The run's ledger connection broke mid-round (the database went away, or that connection): says nothing
-    of the sink."""
+    """The run's ledger connection broke mid-round: says nothing of the sink."""
 
 
 @dataclass(frozen=True)
 class RoundReport:
-    """One round delivered: its batches, the events handled (confirmed, or set aside), and when its
-    read started (``time.monotonic()``)."""
+    """One round delivered: its batches, the events handled (confirmed or set aside), when its read started
+    (``time.monotonic()``) and the class of the source it was read from."""
 
     batches: list[state.Batch]
     delivered: int
     started: float
-    #: the source it was read from (:class:`.sources.Route`'s value)
     route: str
 
 
@@ -92,9 +87,8 @@ class Summary:
 
 @dataclass(frozen=True)
 class Host:
-    """What the run needs from whoever runs it."""
+    """What the run needs from whoever runs it; ``run_id`` marks its batches and names its connections."""
 
-    #: the run's id (what marks its batches, names its connections)
     run_id: str
     log: Log
     #: the Spark session, started when a round first goes to Spark
@@ -114,8 +108,7 @@ class Host:
 
 @dataclass
 class DeliveryRun:
-    """A run of ``stream``: ``batch_id`` .. ``through_batch_id`` (``batch_id`` None: a warm run, mode
-    ``open`` with nothing open, open for what commits; ``run_key``: the open run it is, when it has no batch)."""
+    """A run of ``stream``: ``batch_id`` .. ``through_batch_id``, or (None) a warm run: the open run ``run_key``."""
 
     stream: StreamConfig
     database_url: str
@@ -135,8 +128,8 @@ class DeliveryRun:
         self.ledger: locks.RunConnections = self.connections or locks.OwnConnection(self.database_url)
 
     def start(self, log: Log) -> DeliveryRun:
-        """Take the stream's delivery lease (waiting for a replay that holds it) and check the batches
-        may run; raises :class:`DeliveryError` (the lease given up) or :class:`~..ledger.locks.LeaseTaken`."""
+        """Take the stream's delivery lease (waiting for a replay that holds it) and check the batches may run;
+        raises :class:`DeliveryError` (the lease given up) or :class:`~..ledger.locks.LeaseTaken`."""
         stream_id = self.stream.id
         self.started = time.monotonic()
         self.ledger.take_lease(stream_id, self.run_id,
@@ -146,9 +139,8 @@ class DeliveryRun:
             log.info(f"stream {stream_id}: open run, ready for what commits")
             return self
         try:
-            last = self.through_batch_id or self.batch_id
             with self.ledger.connection() as conn:
-                batches = state.batches_between(conn, stream_id, self.batch_id, last)
+                batches = state.batches_between(conn, stream_id, self.batch_id, self.through_batch_id or self.batch_id)
                 if not batches or batches[0].id != self.batch_id:
                     raise DeliveryError(f"batch {self.batch_id} of stream {stream_id} does not exist")
                 done = [b.id for b in batches if not b.status.is_open]
@@ -165,13 +157,11 @@ class DeliveryRun:
         return self
 
     def give_back(self) -> list[int]:
-        """The run was interrupted (a shutdown) and has ended: the batches it held go back to pending
-        (``state.give_back``), on a connection of its own (the lease's ended with the run); those batches."""
+        """After a shutdown ended the run: the batches it held go back to pending, on a connection of its own."""
         run_key = self.batches[0].run_key if self.batches else self.run_key
         if not run_key:
             return []
-        with dbconn.connect(self.database_url, autocommit=True, application_name=locks.lease_name(self.run_id)) \
-                as conn:
+        with dbconn.connect(self.database_url, autocommit=True, application_name=locks.lease_name(self.run_id)) as conn:
             return state.give_back(conn, self.stream.id, run_key)
 
     def deliver(self, host: Host) -> Generator[RoundReport, None, None]:
@@ -188,7 +178,9 @@ class DeliveryRun:
                 state.listen_runs(conn, stream.id)
         run_key = run_key or ""
         # the lease is given up when the run ends; the sink serves every round (by_key: the tasks' own sinks)
-        with fewer_collections(), _leasing(ledger, stream.id), build_sink(stream.sink) as sink:
+        with fewer_collections(), ExitStack() as leasing:
+            leasing.callback(ledger.give_up_lease, stream.id)
+            sink = leasing.enter_context(build_sink(stream.sink))
             open_run = OpenRun(host, ledger, stream, run_key)
             reports = Reports(host, stream)
             batches, started = direct_round(stream, self.batches), self.started
@@ -238,17 +230,9 @@ class DeliveryRun:
                 reports.flush()  # what was delivered before the run ended, however it ended
 
 
-@contextmanager
-def _leasing(ledger: locks.RunConnections, stream_id: int) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        ledger.give_up_lease(stream_id)
-
-
 def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state.Batch]:
-    """A run's next round of ``batches`` (ordering global): the first of them up to ``direct_max_events`` events
-    (one batch at least), read without Spark; the rest in the next rounds (bench/sustained.py)."""
+    """The first of ``batches`` up to ``direct_max_events`` events (one at least; ordering global): a round read
+    without Spark, the rest in the next rounds (bench/sustained.py)."""
     limit = stream.delivery.direct_max_events
     if stream.delivery.ordering != "global" or limit <= 0:
         return batches
@@ -261,8 +245,7 @@ def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state
 
 
 def dead_letters(stream: StreamConfig, database_url: str, token: str | None = None) -> deadletters.DeadLetterWriter:
-    """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and events too large for
-    the sink whatever ``on_reject`` says. ``token``: a by_key round's delivery token."""
+    """What ``on_reject: dead_letter`` sets aside, and events too large for the sink whatever ``on_reject`` says."""
     return deadletters.DeadLetterWriter(database_url, stream.id, stream.sink.type,
                                         resumes=stream.delivery.ordering == "global", token=token)
 
@@ -296,16 +279,15 @@ class _Round:
     def deliver(self, source: Source) -> int:
         """The events handled (confirmed, or set aside). Once ``conn`` is broken (``recording``) the run stops
         before the sink's next request: nothing it confirms could be recorded."""
-        recording = self.recording
         try:
             return self._deliver(source)
         except state.LeaseLost as exc:
             raise DeliveryError(str(exc)) from None
         except (psycopg.Error, SinkError):
-            if recording():  # the connection still answers: not what stopped the run
+            if self.recording():  # the connection still answers: not what stopped the run
                 raise
             raise LedgerConnectionBroken(
-                f"stream {self.stream.id}: the run's ledger connection is broken ({recording.broken}): what the "
+                f"stream {self.stream.id}: the run's ledger connection is broken ({self.recording.broken}): what the "
                 f"sink confirms can no longer be recorded, so the run stopped publishing; the next run resumes "
                 f"after the last confirmation recorded") from None
 
@@ -337,7 +319,6 @@ class _Round:
         return delivered
 
     def _mark_delivered(self, batch_id: int, handled: int) -> None:
-        """Every event the run owed of the batch was handled: mark it delivered."""
         if handled != self.expected[batch_id]:
             raise DeliveryError(f"batch {batch_id}: {self.expected[batch_id]} events were owed but {handled} "
                                 f"were handled; refusing to mark it delivered")
@@ -348,12 +329,10 @@ class _Round:
         """Global order: the run records each step the publish loop yields before it publishes more; the
         events handled. A long round logs its progress every tenth, at most every ``report_every_secs``."""
         stream, conn = self.stream, self.conn
-        total = sum(self.expected.values())
-        chunk_size = stream.delivery.chunk_size
+        total, chunk_size = sum(self.expected.values()), stream.delivery.chunk_size
         step = max(chunk_size, total // 10)
         next_log, delivered = step, 0
-        every = stream.delivery.tuning.report_every_secs
-        logged_at = time.monotonic()
+        every, logged_at = stream.delivery.tuning.report_every_secs, time.monotonic()
         too_large = dead_letters(stream, self.database_url).too_large
         # a sink keyed by ledger positions (the lake sinks) gets a former primary's events by id: after a failover
         # the new primary's ledger holds some of them in batches the old one never had
@@ -379,8 +358,7 @@ class _Round:
 
     @contextmanager
     def _publishing(self) -> Iterator[None]:
-        """A publish call's gate (``state.publishing``): the connection has just answered its statement, so
-        the sink's first request does not ask it again (``RecordingCheck``)."""
+        """A publish call's gate (``state.publishing``): the connection has just answered (``RecordingCheck``)."""
         with state.publishing(self.conn, self.stream.id, self.host.run_id):
             self.recording.answered()
             yield
@@ -451,15 +429,13 @@ def vanished_error(conn: psycopg.Connection, stream_id: int, batch_ids: list[int
 #: a run its host wakes (:attr:`Host.wake`) still looks at the ledger this often (what the host does not watch)
 WOKEN_POLL_SECS = 5.0
 
-
 _freeze_lock = threading.Lock()
 #: set once a run of this process froze what the process holds
 _frozen_process = threading.Event()
 
 
 def _freeze_once() -> None:
-    """A full collection, then what survives it is left out of later ones (``gc.freeze``): the first
-    time a run of this process goes idle, not again for each run."""
+    """A full collection, then what survives it is left out of later ones (``gc.freeze``): once a process."""
     with _freeze_lock:
         if _frozen_process.is_set():
             return
@@ -470,8 +446,7 @@ def _freeze_once() -> None:
 
 class OpenRun:
     """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for those handed to it until it closes
-    (see the module; a replay waits however launched: :func:`~..ledger.locks.acquire_replay_lease`). A run of mode
-    per_batch, or a catch-up run, closes once nothing more was handed to it."""
+    (see the module); a run of mode per_batch, or a catch-up run, closes once nothing more was handed to it."""
 
     def __init__(self, host: Host, ledger: locks.RunConnections, stream: StreamConfig, run_key: str) -> None:
         self.host, self.ledger, self.stream, self.run_key = host, ledger, stream, run_key
@@ -482,9 +457,8 @@ class OpenRun:
         self._looked = False
 
     def next_batches(self, after: int, *, more: bool = False) -> list[state.Batch]:
-        """The batches assigned to the run after batch ``after``; empty once the run is closed. ``more``: some
-        were assigned already (the last round took part of what it was handed): looked up at once, not once
-        woken."""
+        """The batches assigned to the run after batch ``after``; empty once the run is closed. ``more``: the last
+        round took part of what it was handed: looked up at once, not once woken."""
         stays, max_run_secs = self.stream.delivery.keeps_open, self.stream.delivery.tuning.max_run_secs
         if not self._frozen:
             # frozen once per process, after the first round: what the process holds stops being scanned
@@ -537,8 +511,7 @@ class OpenRun:
 
 
 class Reports:
-    """What the rounds delivered, told to the host (:class:`Summary`): the first round at once, later ones
-    together at most every ``tuning.report_every_secs`` and at the end (not an event-log entry per event)."""
+    """What the rounds delivered: the first at once, later ones together every ``report_every_secs``, the end."""
 
     def __init__(self, host: Host, stream: StreamConfig) -> None:
         self.host, self.stream = host, stream
