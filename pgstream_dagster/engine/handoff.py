@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -101,12 +102,8 @@ class Handoff:
     def events(self) -> int:  # kept now
         return self._events
 
-    def _expire(self, now: float) -> None:
-        old: list[int] = []
-        for batch_id, entry in self._batches.items():  # oldest first: up to the first one young enough
-            if now - entry[3] <= KEEP_SECS:
-                break
-            old.append(batch_id)
+    def _expire(self, now: float) -> None:  # oldest first: up to the first one young enough
+        old = list(itertools.takewhile(lambda b: now - self._batches[b][3] > KEEP_SECS, self._batches))
         streams = {self._batches[b][0] for b in old}
         self._drop(old)
         for stream_id in streams:

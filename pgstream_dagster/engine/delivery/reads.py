@@ -24,10 +24,9 @@ FETCH_ROWS = 5_000
 
 
 # A batch's events, each looked up by its id on the primary key (id, created_at) in a subquery planned on its own
-# (``offset 0``: not flattened into a join), whatever the statistics say. Joined, a day partition not analyzed yet
-# (a new day, or one filled faster than autovacuum analyzes it) was scanned whole and hashed for every read: 10.6 s
-# for 5,000 events of a 2M-event day instead of 0.05 s (bench/sustained.py, statement mode: delivery stalled until
-# autovacuum's analyze). ``e.stream_id + 0``: never served by events_stream_created_idx, which with stale statistics
+# (``offset 0``: not flattened into a join) whatever the statistics say: joined, a day partition not analyzed yet
+# was scanned whole and hashed for every read (10.6 s for 5,000 events of a 2M-event day instead of 0.05 s:
+# bench/sustained.py). ``e.stream_id + 0``: never served by events_stream_created_idx, which with stale statistics
 # scanned the stream's whole day per event (bench/cpu.py: a 10k batch 4.74 s instead of 0.20 s).
 _BATCH_EVENTS = """\
 from pgstream.batches b

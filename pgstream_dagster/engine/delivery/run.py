@@ -271,8 +271,7 @@ class _Round:
         self.ledger = ledger  # (the lease's session: only the lease's holder is given a by_key round's token)
         # what runs on the executors (by_key tasks) connects with the executors' URL, what runs here with the runtime's
         self.database_url = executor_url if stream.delivery.ordering == "by_key" else database_url
-        # what the run owes of them: global order resumes after what the sink confirmed (``by_key`` reads every
-        # event, its tasks skip what ``pgstream.key_progress`` holds)
+        # global order resumes after what the sink confirmed (by_key tasks skip what ``key_progress`` holds)
         self.owed = owed_spans(batches, resume=stream.delivery.ordering == "global")
         self.expected = {span.batch_id: span.events for span in self.owed}
 
@@ -334,8 +333,8 @@ class _Round:
         next_log, delivered = step, 0
         every, logged_at = stream.delivery.tuning.report_every_secs, time.monotonic()
         too_large = dead_letters(stream, self.database_url).too_large
-        # a sink keyed by ledger positions (the lake sinks) gets a former primary's events by id: after a failover
-        # the new primary's ledger holds some of them in batches the old one never had
+        # a sink keyed by ledger positions (the lakes) gets a former primary's events by id: after a failover the
+        # new primary's ledger holds some of them in batches the old one never had
         ended_below = replication.timeline_floor(conn) if getattr(self.sink, "accepts_positions", False) else 0
         # each publish call holds the stream row against a pause (``state.publishing``): none after one
         with closing(publish_in_order(source, self.sink, chunk_size, skip=skip, reject=reject, owed=self.owed,
@@ -464,8 +463,7 @@ class OpenRun:
             # frozen once per process, after the first round: what the process holds stops being scanned
             _freeze_once()
             self._frozen = True
-        checked_at = 0.0
-        wake = self.host.wake
+        wake, checked_at = self.host.wake, 0.0
         woken, polled_at = True, 0.0
         if wake is not None and self._looked and not more and not wake(0.0):
             # a run its host wakes looks again only once woken, or at its safety interval
@@ -528,7 +526,6 @@ class Reports:
 
     def add(self, done: RoundReport) -> None:
         batches = done.batches
-        now = dt.datetime.now(dt.UTC)
         if self.first is None:
             self.first, self.started = batches[0], done.started
         self.last = batches[-1]
@@ -537,7 +534,7 @@ class Reports:
         self.events += done.delivered
         self.rounds += 1
         if batches[0].first_commit_at is not None:
-            lag = (now - batches[0].first_commit_at).total_seconds()
+            lag = (dt.datetime.now(dt.UTC) - batches[0].first_commit_at).total_seconds()
             self.max_lag = lag if self.max_lag is None else max(self.max_lag, lag)
         every = self.host.report_every_secs or self.stream.delivery.tuning.report_every_secs
         if time.monotonic() - self.reported_at >= every:

@@ -98,11 +98,10 @@ def group_state(conn: psycopg.Connection, group: str) -> Group | None:
                        "slot_timeline from pgstream.reader_groups where name = %s", [group]).fetchone()
     if row is None:
         return None
-    members = [Member(int(r[0]), str(r[1]), None if r[2] is None else int(r[2]), str(r[3]), r[4])
+    members = [Member(int(r[0]), str(r[1]), r[2], str(r[3]), r[4])  # (bigint: an int or None)
                for r in conn.execute("select id, slot_reader, (join_lsn - '0/0')::bigint, slot, open_run_key "
                                      "from pgstream.streams where reader_group = %s order by id", [group])]
-    return Group(group, str(row[0]), bool(row[1]), None if row[2] is None else int(row[2]), members,
-                 None if row[3] is None else int(row[3]), row[4])
+    return Group(group, str(row[0]), bool(row[1]), row[2], members, row[3], row[4])
 
 
 def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None:

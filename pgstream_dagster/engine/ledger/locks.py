@@ -284,8 +284,8 @@ class SharedConnections:
                 if self._working(now) < self.size:
                     self._out[id(ticket)] = now
                     break
-                # until one is given back, or the oldest one that counts stops counting (one held longer counts
-                # no more: waiting on it would wake at once, again and again)
+                # until one is given back, or the oldest one that counts stops counting (not on one that no longer
+                # counts: the wait would wake at once, again and again)
                 oldest = min(since for since in self._out.values() if now - since < POOL_HELD_SECS)
                 self._given_back.wait(max(0.001, oldest + POOL_HELD_SECS - now))
         for old in stale:
@@ -318,8 +318,7 @@ class SharedConnections:
             take_lease(session, stream_id, run_id, waiting)
 
     def give_up_lease(self, stream_id: int) -> None:
-        # (as :func:`give_up_lease`: never raises, so a run's own error is the one told; a session that cannot be
-        # opened again holds nothing)
+        # (never raises, as give_up_lease: the run's own error is the one told; a session not opened holds nothing)
         with suppress(psycopg.Error), self.session() as session:
             unlock(session, DELIVERY_LOCK, stream_id)
 

@@ -260,9 +260,8 @@ def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> No
                  "where id = %s and open_run_key = %s", [SENSOR, stream_id, run_key])
 
 
-# --- the slot's declared reader (streams.slot_reader, sql/025_slot_reader.sql): 'group:<name>' once the stream
-# joined its reader group (for good: a trigger turns the 'sensor' the writers above set into it), :data:`SENSOR`
-# while its own slot is not handed over yet (ingest.group).
+# --- the slot's declared reader (sql/025_slot_reader.sql): 'group:<name>' once the stream joined its reader group
+# (for good: a trigger turns the writers' 'sensor' into it), :data:`SENSOR` while its own slot is not handed over
 SENSOR = "sensor"
 
 
