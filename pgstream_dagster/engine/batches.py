@@ -10,8 +10,7 @@
 
 Only the oldest open batch (the *head*) may start a run. The open run (``streams.open_run_key``; a *warm* run,
 :class:`Warm`, is one opened with no batch) changes only by these actions and the run's own :data:`RunAction`
-(docs/architecture.md, "The open run's state machine").
-"""
+(docs/architecture.md, "The open run's state machine")."""
 
 from __future__ import annotations
 
@@ -320,8 +319,7 @@ def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
 
 
 def _keep_warm(state: StreamState, now: dt.datetime, stream: StreamConfig, *, in_failover: bool) -> Action:
-    """Nothing is open: in mode ``open`` the stream keeps an open run ready. A warm run that ended without
-    closing is replaced by the next batch's run (:func:`_next`), not every second."""
+    """Mode ``open``: an open run kept ready (one that ended without closing: replaced by the next batch's run)."""
     if stream.delivery.keeps_open and not state.paused and not in_failover and state.open_run_key is None:
         return Warm(warm_run_key(state.stream_id, state.incarnation, now))
     return Wait()

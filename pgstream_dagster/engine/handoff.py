@@ -1,10 +1,7 @@
-"""What a group delivery run's reader recorded, handed to its members' runs in memory.
-
-The reader decodes each event from the WAL with its payload and metadata (the text ``payload::text`` returns) and
-puts the batches it records here (dropped again if the recording rolls back); a member's run takes them instead of
-reading them back from ``pgstream.events``. What is not here (recorded by the sensor or recovery, put when full, a
-run that restarted) is read from the table: this only saves work, the ledger stays the source of truth. One per
-group run, bounded for all its members together; what no run took within :data:`KEEP_SECS` is dropped."""
+"""What a group delivery run's reader recorded (each event decoded from the WAL with the text ``payload::text``
+returns), handed to its members' runs in memory instead of being read back from ``pgstream.events``. What is not
+here (recorded by the sensor or recovery, put when full, a run that restarted) is read from the table: this only
+saves work, the ledger stays the source of truth. Bounded per group run; what no run took in :data:`KEEP_SECS` goes."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ from .replication import DecodedEvent, Transaction
 #: events, and characters of payload and metadata text, kept at most for a whole group
 MAX_EVENTS = 200_000
 MAX_BYTES = 128 * 2**20
-#: a batch no run took within this many seconds is dropped
-KEEP_SECS = 60.0
+KEEP_SECS = 60.0  # a batch no run took within this many seconds is dropped
 
 
 class Handoff:

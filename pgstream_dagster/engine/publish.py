@@ -1,10 +1,9 @@
-"""Publishing events through a sink in the order owed, in plain Python (runs and replays feed it rows from the
-driver, ``by_key`` partitions from the executors): :func:`publish` yields what happened, suspended while the caller
-records each step. A position out of order (:class:`OrderError`), or one owed neither read nor set aside
-(:class:`MissingEventsError`), stops it before anything after it is published; so does a permanent rejection, unless
-a :class:`RejectPolicy` isolates the event (bisecting), retries it alone and sets it aside. After ``max_consecutive``
-rejections in a row, or a call's first, the sink's last confirmed event is sent again: refused too (or none), the
-sink is misconfigured and the run stops (:class:`RejectStormError`) instead of setting events aside.
+"""Publishing events through a sink in the order owed, in plain Python: :func:`publish` yields what happened,
+suspended while the caller records each step. A position out of order (:class:`OrderError`), or one owed neither
+read nor set aside (:class:`MissingEventsError`), stops it before anything after it is published; so does a permanent
+rejection, unless a :class:`RejectPolicy` isolates the event (bisecting), retries it and sets it aside. After
+``max_consecutive`` rejections in a row, or a call's first, the sink's last confirmed event is sent again: refused
+too (or none), the sink is misconfigured and the run stops (:class:`RejectStormError`) instead of setting events aside.
 """
 
 from __future__ import annotations
@@ -362,8 +361,7 @@ class _Publisher:
         yield Progress(self.handled)
 
     def _check_sink(self, event: Event, error: SinkError, *, storm: bool) -> bool:
-        """Whether the sink takes its last confirmed event again (:class:`RejectStormError`: refused, or none in a
-        storm of ``max_consecutive``)."""
+        """Whether the sink took its last good event again (:class:`RejectStormError`: refused; none in a storm)."""
         policy = self.reject
         assert policy is not None
         probe = self.last_good

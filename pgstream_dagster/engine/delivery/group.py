@@ -1,10 +1,7 @@
 """A reader group's delivery run, without Dagster (docs/architecture.md, "Delivery for many streams"): a
-:class:`~.run.DeliveryRun` per member in a thread, each with its own sink, lease and state machine, started as the
-sensor decided (``ledger.groups.member_runs``) and woken when its ledger row moves; a reader thread reads the group's
-slot while it holds the group's reading. It holds the group's delivery lease and ends after ``max_run_secs``, at
-:attr:`GroupHost.stop_check`'s reason or a :data:`REFUSALS` of its reader. When the database goes away it rides the
-outage out: its members' runs stop, and once the database accepts writes it takes its lease again and hosts them.
-"""
+:class:`~.run.DeliveryRun` per member in a thread, as the sensor decided, and a reader thread on the group's slot.
+It ends after ``max_run_secs``, at :attr:`GroupHost.stop_check`'s reason or a :data:`REFUSALS` of its reader, and
+rides a database outage out: its members' runs stop, and are hosted again once the database accepts writes."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ from ..replication import PublicationTaken
 from ..runlog import Log
 from .run import DeliveryRun, Host, LedgerConnectionBroken
 
-#: how often the group run looks at what its members want hosted when no notification woke it
-POLL_SECS = 1.0
+POLL_SECS = 1.0  # how often the group run looks at what its members want hosted when no notification woke it
 #: the members' reports together, at most this many a second (each is a few writes to Dagster's event log): a
 #: member reports every ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
 REPORTS_PER_SEC = 5.0
@@ -35,8 +31,7 @@ READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
 READ_ERROR_SECS = 5.0
-#: while the database is away: how often the group run (and its reader) try to connect again
-OUTAGE_RETRY_SECS = 0.1
+OUTAGE_RETRY_SECS = 0.1  # while the database is away: how often the group run (and its reader) try to connect again
 #: what the reader cannot get past with the run's configuration: the group run ends with its line as reason
 REFUSALS: tuple[type[Exception], ...] = (groups.GroupChange, PublicationTaken, LimitsExceeded)
 
@@ -64,13 +59,11 @@ class GroupHost:
     claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = lambda wanted: wanted
     #: told when a member's run ended: ``error`` None when it closed, else why it failed (one line)
     ended: Callable[[int, str, str | None], None] = lambda _stream_id, _run_key, _error: None
-    #: a reason to end the group run that only the host knows (None: none), asked about once a second
-    stop_check: Callable[[], str | None] = lambda: None
+    stop_check: Callable[[], str | None] = lambda: None  # a reason to end only the host knows (asked once a second)
     #: reads the group's slot on the connection given for up to the seconds given and logs what it did, again
     #: and again while the reader holds the group's reading. None: the group's sensor reads
     read: Callable[[psycopg.Connection, float], None] | None = None
-    #: the reader gives the group's reading up: what ``read`` kept open closes (the slot let go)
-    read_ends: Callable[[], None] = lambda: None
+    read_ends: Callable[[], None] = lambda: None  # the reader gives the reading up: what ``read`` kept open closes
 
 
 @dataclass
@@ -83,24 +76,17 @@ class GroupDelivery:
     executor_url: str
     host: GroupHost
     max_run_secs: float
-    #: what the group's reader (``host.read``) records for the members, taken by their runs in memory
-    handoff: Handoff | None = None
-    #: every run key this group run took (or refused) since its last outage
-    hosted: set[str] = field(default_factory=set)
+    handoff: Handoff | None = None  # what the group's reader records for the members, taken by their runs
+    hosted: set[str] = field(default_factory=set)  # every run key taken (or refused) since the last outage
     _members: dict[int, threading.Thread] = field(default_factory=dict)  # (their threads)
-    #: per member: set when its ledger row moved (``groups.member_signals``) or its run channel was notified
-    _wake: dict[int, threading.Event] = field(default_factory=dict)
+    _wake: dict[int, threading.Event] = field(default_factory=dict)  # per member: set when its row moved
     _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
     _stop_reason: str | None = None  # (set once: the members' runs close)
-    #: set by the reader when it met one of :data:`REFUSALS`: the group run ends with this line as the reason
-    _refused: str | None = None
-    #: set when the group run ends: its reader stops reading and gives the group's reading up
-    _reading_ends: threading.Event = field(default_factory=threading.Event)
+    _refused: str | None = None  # set by the reader at one of REFUSALS: the group run ends with this line
+    _reading_ends: threading.Event = field(default_factory=threading.Event)  # the group run ends: its reader stops
     _connections: locks.SharedConnections = field(init=False)  # the members' (opened by run())
-    #: while the database is away: why (one line); the members' runs stop and are hosted again once it is back
-    _outage: str | None = None
-    #: the member runs an outage stopped (stream id: run key), hosted again if still wanted once it is over
-    _interrupted: dict[int, str] = field(default_factory=dict)
+    _outage: str | None = None  # while the database is away: why (one line)
+    _interrupted: dict[int, str] = field(default_factory=dict)  # stream id: the run key an outage stopped
     _outage_line: str | None = None  # the last outage's line
     _resumed: int = 0  # how many outages the run rode out
 

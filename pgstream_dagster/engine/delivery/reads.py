@@ -17,10 +17,8 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-#: events per Spark partition (``delivery.rows_per_partition``'s default)
-ROWS_PER_PARTITION = 50_000
-#: rows per server-side cursor FETCH, and per packed row
-FETCH_ROWS = 5_000
+ROWS_PER_PARTITION = 50_000  # events per Spark partition (``delivery.rows_per_partition``'s default)
+FETCH_ROWS = 5_000  # rows per server-side cursor FETCH, and per packed row
 
 
 # A batch's events, each looked up by its id on the primary key (id, created_at) in a subquery planned on its own
@@ -79,14 +77,12 @@ from (select z.*,
 order by w.ord
 """  # noqa: S608 (constant fragments; every value a parameter)
 
-#: bytes of payload and metadata one read holds at most, unless one event is larger (``tuning.max_read_bytes``)
-READ_BYTES = 32 * 2**20
+READ_BYTES = 32 * 2**20  # bytes of payload and metadata one read holds at most, unless one event is larger
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """Positions ``lo..hi`` (ordinals of a batch, or event ids) to read at once, within the byte budget; ``size``:
-    the bytes of payload and metadata of its events."""
+    """Positions ``lo..hi`` (ordinals, or event ids) to read at once, within the byte budget (``size`` bytes)."""
 
     lo: int
     hi: int
@@ -127,8 +123,7 @@ def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budg
 
 
 def events_where(params: Mapping[str, Any]) -> str:
-    """The filter of a replay's selection (``params``, shared with ``replay.plan``): the stream and id range, and
-    time bounds and subscription keys where ``params`` give them."""
+    """The filter of a replay's selection (``params``, shared with ``replay.plan``)."""
     tests = ["e.stream_id = %(stream_id)s", "e.id between %(lo)s and %(hi)s"]
     if params.get("from_time") is not None:
         tests.append("e.created_at >= %(from_time)s::timestamptz")

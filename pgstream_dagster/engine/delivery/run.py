@@ -1,8 +1,7 @@
 """A delivery run, without Dagster: a stream's consecutive ledger batches delivered in order through its sink,
 round after round (each confirmation written to the ledger before more is published), then, mode ``open``, what
 commits next (:class:`OpenRun`) until ``tuning.max_run_secs``, a pause, failover, a replay or
-:attr:`Host.stop_check`; rounds are told through :attr:`Host.report` (:class:`Summary`).
-"""
+:attr:`Host.stop_check`; rounds are told through :attr:`Host.report` (:class:`Summary`)."""
 
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ class Summary:
     events: int
     kinds: list[str]
     duration_secs: float
-    #: the slowest round's first batch: commit -> delivered
-    max_lag_secs: float | None
+    max_lag_secs: float | None  # the slowest round's first batch: commit -> delivered
 
 
 @dataclass(frozen=True)
@@ -91,19 +89,13 @@ class Host:
 
     run_id: str
     log: Log
-    #: the Spark session, started when a round first goes to Spark
-    spark: SparkLoader | None = None
-    #: a reason to close the open run that only the host knows (None: none), asked about once a second
-    stop_check: Callable[[], str | None] = lambda: None
-    #: told what the rounds delivered (:class:`Summary`)
-    report: Callable[[Summary], None] = lambda _summary: None
-    #: how the host names its control job (an error tells the operator to use it)
-    control: str = "the control job"
-    #: waits up to the given seconds for a sign that the open run's ledger moved (true if one came); None: the
-    #: run listens on its own connection and polls the ledger about twice a second
+    spark: SparkLoader | None = None  # the Spark session, started when a round first goes to Spark
+    stop_check: Callable[[], str | None] = lambda: None  # a reason to close only the host knows (asked once a second)
+    report: Callable[[Summary], None] = lambda _summary: None  # told what the rounds delivered (:class:`Summary`)
+    control: str = "the control job"  # how the host names its control job (an error tells the operator to use it)
+    #: waits up to the given seconds for a sign the ledger moved (true: one came); None: the run listens and polls
     wake: Callable[[float], bool] | None = None
-    #: how often the rounds are reported at most (None: the stream's ``tuning.report_every_secs``)
-    report_every_secs: float | None = None
+    report_every_secs: float | None = None  # reported at most this often (None: ``tuning.report_every_secs``)
 
 
 @dataclass
@@ -119,10 +111,8 @@ class DeliveryRun:
     run_key: str | None = None
     batches: list[state.Batch] = field(default_factory=list)
     started: float = 0.0
-    #: where the run holds its lease and does its ledger work (None: a connection of its own)
-    connections: locks.RunConnections | None = None
-    #: what its group run's reader recorded for it, in memory (``engine.handoff``; None: every round is read)
-    handoff: Handoff | None = None
+    connections: locks.RunConnections | None = None  # where it holds its lease and does ledger work (None: its own)
+    handoff: Handoff | None = None  # what its group run's reader recorded for it (None: every round is read)
 
     def __post_init__(self) -> None:
         self.ledger: locks.RunConnections = self.connections or locks.OwnConnection(self.database_url)
@@ -325,8 +315,7 @@ class _Round:
             raise DeliveryError(f"batch {batch_id} was already marked delivered by another run")
 
     def _in_order(self, source: Any, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
-        """Global order: the run records each step the publish loop yields before it publishes more; the
-        events handled. A long round logs its progress every tenth, at most every ``report_every_secs``."""
+        """Global order: each step recorded before more is published; the events handled (progress logged)."""
         stream, conn = self.stream, self.conn
         total, chunk_size = sum(self.expected.values()), stream.delivery.chunk_size
         step = max(chunk_size, total // 10)
@@ -364,8 +353,7 @@ class _Round:
 
     def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None,
                 token: str) -> int:
-        """Per routing key, on the executors (each task with its own sink and ``pgstream.key_progress``); each
-        batch marked delivered once every task is done and the counts add up. The events handled."""
+        """Per routing key, on the executors; each batch marked delivered once the tasks' counts add up."""
         from .. import spark
 
         stream, conn, expected = self.stream, self.conn, self.expected
@@ -425,12 +413,10 @@ def vanished_error(conn: psycopg.Connection, stream_id: int, batch_ids: list[int
         metadata={"vanished_event_ids": ids[:1000]})
 
 
-#: a run its host wakes (:attr:`Host.wake`) still looks at the ledger this often (what the host does not watch)
-WOKEN_POLL_SECS = 5.0
+WOKEN_POLL_SECS = 5.0  # a run its host wakes still looks at the ledger this often (what the host does not watch)
 
 _freeze_lock = threading.Lock()
-#: set once a run of this process froze what the process holds
-_frozen_process = threading.Event()
+_frozen_process = threading.Event()  # set once a run of this process froze what the process holds
 
 
 def _freeze_once() -> None:
@@ -444,15 +430,13 @@ def _freeze_once() -> None:
 
 
 class OpenRun:
-    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for those handed to it until it closes
-    (see the module); a run of mode per_batch, or a catch-up run, closes once nothing more was handed to it."""
+    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for those handed to it until it closes."""
 
     def __init__(self, host: Host, ledger: locks.RunConnections, stream: StreamConfig, run_key: str) -> None:
         self.host, self.ledger, self.stream, self.run_key = host, ledger, stream, run_key
         self.opened = time.monotonic()
         self._frozen = not stream.delivery.keeps_open
-        #: the stream's oldest open batch before the first batch :meth:`next_batches` returned (None: none)
-        self.earlier_open: int | None = None
+        self.earlier_open: int | None = None  # the oldest open batch before the first next_batches returned
         self._looked = False
 
     def next_batches(self, after: int, *, more: bool = False) -> list[state.Batch]:

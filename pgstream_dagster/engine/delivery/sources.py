@@ -1,7 +1,5 @@
 """Where a delivery's events come from: a source per :class:`Route`, and the **one** choice among them for a round,
-a replay and a redelivery (:func:`route`, :func:`choose_source`). No Dagster; Spark only behind the host's
-:data:`SparkLoader`, started when a round first goes to Spark.
-"""
+a replay and a redelivery (:func:`route`, :func:`choose_source`). No Dagster; Spark only behind :data:`SparkLoader`."""
 
 from __future__ import annotations
 
@@ -67,10 +65,8 @@ class TableSource:
     conn: psycopg.Connection
     spans: Sequence[Span]
     routing_key: str
-    #: bytes of payload and metadata one read holds at most (one event at least): ``delivery.tuning.max_read_bytes``
-    read_bytes: int = READ_BYTES
-    #: an event whose payload is larger is not read (:class:`~..publish.TooLarge`): the sink's ``max_event_bytes()``
-    event_bytes: int | None = None
+    read_bytes: int = READ_BYTES  # one read's bytes at most (one event at least): ``tuning.max_read_bytes``
+    event_bytes: int | None = None  # a larger payload is not read (``TooLarge``): the sink's ``max_event_bytes()``
     handoff: Handoff | None = None
 
     def events(self) -> Iterator[Positioned]:
@@ -177,8 +173,7 @@ class LinesSource:
 
 @dataclasses.dataclass(frozen=True)
 class DeadLetterSource:
-    """Route ``letters``: open dead letters in delivery order, in chunks of at most ``chunk_size`` and
-    ``read_bytes`` (one at least), each chunk's payloads read by ``conn`` when due."""
+    """Route ``letters``: open dead letters in chunks of at most ``chunk_size`` and ``read_bytes`` (one at least)."""
 
     conn: psycopg.Connection
     letters: Sequence[DeadLetter]
@@ -251,16 +246,11 @@ class Readers:
     """What the host can read with; ``database_url``: the runtime's (the run's own reads)."""
 
     database_url: str
-    #: what Spark executors connect with
-    executor_url: str = ""
-    #: the run's own connection: a delivery round is read on it (without it every round goes to Spark)
-    conn: psycopg.Connection | None = None
-    #: the host's Spark session, started when first needed
-    spark: SparkLoader | None = None
-    #: the sink the events go to: whether it takes JSON lines, the largest event it takes
-    sink: Sink | None = None
-    #: what the group run's reader recorded, in memory (a round takes its batches from there first)
-    handoff: Handoff | None = None
+    executor_url: str = ""  # what Spark executors connect with
+    conn: psycopg.Connection | None = None  # the run's own: a round is read on it (else every round goes to Spark)
+    spark: SparkLoader | None = None  # the host's Spark session, started when first needed
+    sink: Sink | None = None  # the sink the events go to: whether it takes JSON lines, the largest event it takes
+    handoff: Handoff | None = None  # what the group run's reader recorded (a round takes its batches there first)
 
 
 def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: Readers) -> Route:

@@ -16,8 +16,7 @@ from ..batches import BatchStatus
 from ..publish import TooLarge
 from .state import mark_confirmed
 
-#: a dead letter's status (``pgstream.dead_letters.status``)
-Status = Literal["open", "redelivered", "discarded"]
+Status = Literal["open", "redelivered", "discarded"]  # a dead letter's status (``pgstream.dead_letters.status``)
 
 
 @dataclass(frozen=True)
@@ -42,12 +41,9 @@ class DeadLetter:
     resolved_by: str | None
     #: the batch its position is relative to: its own (deliver), or the last starting at or before its LSN (read)
     anchor_batch_id: int = 0
-    #: the first batch up to its position that is neither delivered nor skipped: it waits for it
-    waiting_for_batch: int | None = None
-    #: delivered events of the stream after its position (only :func:`get_dead_letter` computes it)
-    overtaken: int | None = None
-    #: listed without its payload: the bytes of its payload and metadata (``payload_json`` ``""``, or None)
-    payload_bytes: int | None = None
+    waiting_for_batch: int | None = None  # the first open batch up to its position: it waits for it
+    overtaken: int | None = None  # delivered events after its position (only ``get_dead_letter`` computes it)
+    payload_bytes: int | None = None  # listed without its payload: its bytes (``payload_json`` ``""``, or None)
 
     @property
     def payload(self) -> Any:

@@ -11,8 +11,7 @@ import psycopg
 
 from ..replication import PublicationTaken
 
-#: a member's declared reader: ``group:<name>`` (streams.slot_reader)
-GROUP_PREFIX = "group:"
+GROUP_PREFIX = "group:"  # a member's declared reader: ``group:<name>`` (streams.slot_reader)
 
 
 def group_reader(group: str) -> str:  # the declared reader of its members once they have joined
@@ -32,8 +31,7 @@ def _refused(exc: psycopg.Error) -> GroupChange:
 
 
 def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) -> str:
-    """The stream reads with ``group`` (a new row is a member, one without a group starts joining); the group's
-    slot. Raises :class:`GroupChange` for another group's stream."""
+    """The stream reads with ``group`` (a new row joins at once); the group's slot. :class:`GroupChange`: refused."""
     try:
         with conn.transaction():
             row = conn.execute("select pgstream.register_group_member(%s, %s)", [stream_id, group]).fetchone()
@@ -86,8 +84,7 @@ class Group:
     recovery_pending: bool
     recorded_through: int | None
     members: list[Member]
-    #: the point the group's slot was created at (``None``: not known, created before migration 033)
-    slot_lsn: int | None = None
+    slot_lsn: int | None = None  # where the group's slot was created (None: not known, before migration 033)
     #: the timeline it was created or taken on (migration 034: a synchronized copy promoted later is decided again)
     slot_timeline: int | None = None
 
@@ -168,8 +165,7 @@ def open_run_keys(conn: psycopg.Connection, group: str) -> dict[int, str | None]
 
 @dataclass(frozen=True)
 class MemberRun:
-    """A member's run the group's delivery run is to host: its head batch's (``batch_id`` .. ``through_batch_id``)
-    or, with nothing launched, its open run (``batch_id`` None)."""
+    """A member's run to host: its launched head's (``batch_id`` .. ``through_batch_id``), or its open run's."""
 
     stream_id: int
     run_key: str

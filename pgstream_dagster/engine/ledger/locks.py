@@ -1,5 +1,4 @@
-"""pgstream's own locks (``pgstream.locks``, sql/repeatable/00_locks.sql) and what is built on them: the
-delivery lease of a run or a replay, and what became of it."""
+"""pgstream's own locks (sql/repeatable/00_locks.sql) and what is built on them: the delivery lease and its fate."""
 
 from __future__ import annotations
 
@@ -17,16 +16,11 @@ from .. import dbconn
 # rows of pgstream.locks, which only the owner writes (not advisory locks, which any role could take and hold to
 # stall a stream), held by the session that took them until unlock or its end
 
-#: per stream (key: stream id): the open run's delivery lease; its holder is the run id
-DELIVERY_LOCK = "delivery"
-#: per stream: a redelivery of its dead letters
-REDELIVERY_LOCK = "redelivery"
-#: per stream: a replay, held while it waits for the lease and delivers (an open run that sees it closes)
-REPLAY_LOCK = "replay"
-#: per stream: a delivery run waiting for the lease while a replay holds it (alive, though holding no lease)
-LEASE_WAIT_LOCK = "delivery_wait"
-#: how often a run or a replay waiting for the delivery lease looks again (seconds)
-LEASE_POLL_SECS = 0.2
+DELIVERY_LOCK = "delivery"  # per stream (key: stream id): the open run's delivery lease; its holder is the run id
+REDELIVERY_LOCK = "redelivery"  # per stream: a redelivery of its dead letters
+REPLAY_LOCK = "replay"  # per stream: a replay, while it waits for the lease and delivers (an open run closes)
+LEASE_WAIT_LOCK = "delivery_wait"  # per stream: a run waiting for the lease while a replay holds it (alive)
+LEASE_POLL_SECS = 0.2  # how often a run or a replay waiting for the delivery lease looks again (seconds)
 
 
 def try_lock(conn: psycopg.Connection, name: str, key: int, holder: str | None = None) -> bool:
@@ -229,8 +223,7 @@ class OwnConnection:
     lease_session = connection
 
 
-#: how long a connection of :class:`SharedConnections`' pool stays idle before it is closed (seconds)
-POOL_IDLE_SECS = 60.0
+POOL_IDLE_SECS = 60.0  # how long a connection of the pool stays idle before it is closed
 #: the connections of the pool working at once: a run that wants one more waits for one to be given back (100
 #: trickling streams delivered as fast with 8 as with one each: bench/RESULTS.md)
 POOL_SIZE = 8
@@ -240,11 +233,10 @@ POOL_HELD_SECS = 1.0
 
 
 class SharedConnections:
-    """The connections of the runs one process hosts (a reader group's members; docs/architecture.md,
-    "Connections"): every run's lease on one session named ``name`` (it ends with the process: how the sensor tells
-    a dead run from a slow one), their ledger work on a pool, a connection at a time per run, given back while it
-    waits. A run whose lease session ended closes at its next look (``ledger.state.why_close``) and publishes
-    nothing once another run took its lease (``ledger.state.publishing``)."""
+    """The connections of the runs one process hosts (docs/architecture.md, "Connections"): every run's lease on
+    one session named ``name`` (it ends with the process: how the sensor tells a dead run from a slow one), their
+    ledger work on a pool, a connection at a time per run. A run whose lease session ended closes at its next look
+    (``state.why_close``) and publishes nothing once another run took its lease (``state.publishing``)."""
 
     def __init__(self, database_url: str, name: str, size: int = POOL_SIZE) -> None:
         self.database_url, self.name, self.size = database_url, name, size

@@ -1,5 +1,4 @@
-"""Recording what was read from a slot: batches (:func:`record`), unreadable events as dead letters (stage 'read'),
-recovery from the table when a slot was lost."""
+"""Recording what was read from a slot: batches, unreadable events as dead letters, recovery from the table."""
 
 from __future__ import annotations
 
@@ -141,10 +140,9 @@ RECOVERY_ATTEMPTS = 5
 
 
 def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) -> list[int]:
-    """Record every event of the stream no batch covers (after its ``ledger_horizon``), in id order, as ``recovery``
-    batches ending at the snapshot's WAL position, clearing ``streams.recovery_pending`` in the same transaction.
-    Its snapshot is taken again when the stream's row changed under it (a serialization failure), up to
-    :data:`RECOVERY_ATTEMPTS` times."""
+    """Record every event of the stream no batch covers (after its ``ledger_horizon``) as ``recovery`` batches ending
+    at the snapshot's WAL position, clearing ``streams.recovery_pending`` in the same transaction; taken again
+    when the stream's row changed under it (a serialization failure), up to :data:`RECOVERY_ATTEMPTS` times."""
     for attempt in range(1, RECOVERY_ATTEMPTS):
         try:
             return _recover_from_table(conn, stream_id, max_size)

@@ -1,8 +1,7 @@
 """The stream's state (:func:`stream_state`, one query for ``batches.decide``), the batch transitions (one UPDATE
 each), the run operations made of them, the slot's declared reader, and the two ways in: :func:`apply` (an
 :data:`~..batches.Action`) and :func:`apply_run` (a :data:`~..batches.RunAction`): the only writers of
-``streams.open_run_key`` and ``streams.slot_reader`` (tests/test_architecture.py).
-"""
+``streams.open_run_key`` and ``streams.slot_reader`` (tests/test_architecture.py)."""
 
 from __future__ import annotations
 
@@ -149,9 +148,8 @@ def run_batch_ids(conn: psycopg.Connection, head: Batch) -> list[int]:
 
 @dataclass(frozen=True)
 class Assigned:
-    """What an open run sees when it looks at the ledger (:func:`next_assigned`): the batches assigned to it after
-    the one it loaded last, whether a replay holds or waits for the lease (it takes nothing more), and the
-    stream's oldest open batch before the first of ``batches`` (it must not overtake it)."""
+    """What an open run sees (:func:`next_assigned`): the batches assigned to it after the one it loaded last, a
+    replay waiting for the lease (it takes no more), the oldest open batch before them (it must not overtake it)."""
 
     batches: list[Batch]
     replay_waiting: bool
@@ -310,10 +308,9 @@ def skip_batch(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int:
 
 def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] | list[int], run_key: str, *,
            keep_open: bool, replaces: str | None = None) -> bool:
-    """:class:`~..batches.Launch` ``batch_ids`` as run ``run_key``, under the stream row's lock (as :func:`extend_run`
-    and a run's close): nothing is done (false) when the ledger moved since the decision, a batch no longer
-    waiting (the group's reader handed it to the open run meanwhile) or, for a run kept open, another open run
-    than ``replaces``; the next tick decides again."""
+    """:class:`~..batches.Launch` ``batch_ids`` as run ``run_key``, under the stream row's lock: nothing is done
+    (false) when the ledger moved since the decision (a batch no longer waiting, for a run kept open another open
+    run than ``replaces``); the next tick decides again."""
     with conn.transaction():
         row = conn.execute("select open_run_key from pgstream.streams where id = %s for no key update",
                            [stream_id]).fetchone()
@@ -333,9 +330,8 @@ def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] 
 
 
 def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
-    """Assign the stream's pending batches (oldest first, up to ``max_events`` undelivered) to its open run
-    ``run_key`` and wake it, under the stream row's lock: a run that closed (:func:`_close_run`), or one of a
-    paused stream (it closes at its next look), is handed none."""
+    """Assign the pending batches (up to ``max_events`` undelivered) to the open run ``run_key`` and wake it, under
+    the stream row's lock: a run that closed (:func:`_close_run`), or of a paused stream, is handed none."""
     with atomic(conn):
         row = conn.execute("select open_run_key, paused from pgstream.streams where id = %s for no key update",
                            [stream_id]).fetchone()
@@ -375,8 +371,7 @@ def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
 
 
 def give_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[int]:
-    """The run ``run_key`` ends without delivering what it holds (paused, or a shutdown): no longer the open
-    run, its undelivered batches back to pending in order, no failover entered; those batches."""
+    """The run ``run_key`` ends without delivering what it holds (paused, a shutdown): its batches back to pending."""
     with conn.transaction():
         conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
         ids = [int(r[0]) for r in conn.execute(
