@@ -117,13 +117,9 @@ class StreamState:
         head = self.head
         if self.paused:
             return None
-        if head is None:
-            return self.open_run_key  # an open run with nothing left to deliver (a warm one, or one that had batches)
-        if head.status is BatchStatus.LAUNCHED:
-            return head.run_key or ""
-        if head.status is BatchStatus.PENDING:
+        if head is None or head.status is BatchStatus.PENDING:  # (no head: an open run with nothing left to deliver)
             return self.open_run_key
-        return None
+        return (head.run_key or "") if head.status is BatchStatus.LAUNCHED else None
 
 
 class RunStatus(StrEnum):

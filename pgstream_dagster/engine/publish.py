@@ -408,9 +408,8 @@ class _Publisher:
             yield from self._confirmed([event], [position], 0, 1)
             return
         storm = self.consecutive_rejects + 1 >= policy.max_consecutive
-        if storm or self.last_good is None:
-            if self._check_sink(event, error, storm=storm):
-                self.consecutive_rejects = 0  # the sink takes what it took before: the rejections are the events'
+        if (storm or self.last_good is None) and self._check_sink(event, error, storm=storm):
+            self.consecutive_rejects = 0  # the sink takes what it took before: the rejections are the events'
         policy.set_aside(position[0], position[1], event, str(error), policy.max_attempts)
         self.consecutive_rejects += 1
         self.handled += 1

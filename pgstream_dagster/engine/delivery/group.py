@@ -107,8 +107,7 @@ class GroupDelivery:
                 try:
                     return self._host(lease, by_id, opened)
                 except psycopg.Error as exc:
-                    line = dbconn.server_gone(exc)
-                    if line is None:
+                    if (line := dbconn.server_gone(exc)) is None:
                         raise
                     taken = self._ride_out(lease, line, opened)
                     if isinstance(taken, str):
@@ -145,8 +144,7 @@ class GroupDelivery:
                     self._stop(self._open_too_long())
                 elif now - checked_at >= 1.0:
                     checked_at = now
-                    reason = self.host.stop_check()
-                    if reason is not None:
+                    if (reason := self.host.stop_check()) is not None:
                         self._stop(reason)
             if self._stop_reason is not None:
                 if not self._members:
@@ -324,8 +322,7 @@ class GroupDelivery:
     def _wait(self, lease: psycopg.Connection, channels: dict[str, int], secs: float) -> None:
         """Up to ``secs``, waking each member whose run channel is notified (batches handed to its run)."""
         for notify in lease.notifies(timeout=secs):
-            stream_id = channels.get(notify.channel)
-            if stream_id is not None:
+            if (stream_id := channels.get(notify.channel)) is not None:
                 self._wake[stream_id].set()
 
     def _watch(self, lease: psycopg.Connection) -> None:

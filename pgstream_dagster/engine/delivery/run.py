@@ -133,11 +133,9 @@ class DeliveryRun:
                 batches = state.batches_between(conn, stream_id, self.batch_id, self.through_batch_id or self.batch_id)
                 if not batches or batches[0].id != self.batch_id:
                     raise DeliveryError(f"batch {self.batch_id} of stream {stream_id} does not exist")
-                done = [b.id for b in batches if not b.status.is_open]
-                if done:
+                if done := [b.id for b in batches if not b.status.is_open]:
                     raise DeliveryError(f"batches {done} of stream {stream_id} are already delivered or skipped")
-                earlier = state.earlier_open(conn, stream_id, self.batch_id)
-                if earlier is not None:
+                if (earlier := state.earlier_open(conn, stream_id, self.batch_id)) is not None:
                     raise DeliveryError(f"batch {self.batch_id} would overtake open batch {earlier} of stream "
                                         f"{stream_id}; batches are delivered in order")
         except BaseException:
@@ -174,14 +172,13 @@ class DeliveryRun:
             open_run = OpenRun(host, ledger, stream, run_key)
             reports = Reports(host, stream)
             batches, started = direct_round(stream, self.batches), self.started
+            after, more = 0, len(batches) < len(self.batches)
             if batches:
                 total = sum(b.event_count for b in batches)
                 kinds = ", ".join(sorted({b.kind for b in batches}))
-                rest = (f"; the other {len(self.batches) - len(batches)} batches in the next rounds"
-                        if len(self.batches) > len(batches) else "")
+                rest = f"; the other {len(self.batches) - len(batches)} batches in the next rounds" if more else ""
                 host.log.info(f"stream {stream.id}: {len(batches)} batches {batches[0].id}..{batches[-1].id}, "
                               f"{total} events ({kinds}){rest}")
-            after, more = 0, len(batches) < len(self.batches)
             try:
                 while True:
                     if batches:
@@ -211,8 +208,7 @@ class DeliveryRun:
                     more = len(batches) < len(handed)  # the rest was handed over already: the next round's
                     if not batches:
                         break
-                    earlier = open_run.earlier_open  # (of the first batch handed over, read with it)
-                    if earlier is not None:  # only what is next in line is handed over; never overtake
+                    if (earlier := open_run.earlier_open) is not None:  # (read with the batches): never overtake
                         raise DeliveryError(f"batch {batches[0].id} would overtake open batch {earlier} of "
                                             f"stream {stream.id}")
                     started = time.monotonic()
@@ -300,8 +296,7 @@ class _Round:
         missing, dead = state.round_outcome(conn, stream.id, batch_ids)
         if missing:
             raise DeliveryError(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
-        set_aside = dead - len(skip)  # (the round skipped those set aside before it)
-        if set_aside:
+        if set_aside := dead - len(skip):  # (the round skipped those set aside before it)
             self.host.log.warning(
                 f"stream {stream.id}: {set_aside} events were rejected by the sink or larger than it can ever take "
                 f"and set aside as dead letters (pgstream-dagster dead-letters list {stream.id})")

@@ -330,6 +330,5 @@ def publish_in_order(source: EventSource, sink: Sink, chunk_size: int, *, skip: 
         yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,
                            chunk_bytes=chunk_bytes, gate=gate, ended_below=ended_below)
     finally:
-        close = getattr(events, "close", None)
-        if close is not None:
+        if (close := getattr(events, "close", None)) is not None:
             close()

@@ -15,7 +15,6 @@ from .. import dbconn
 
 # rows of pgstream.locks, which only the owner writes (not advisory locks, which any role could take and hold to
 # stall a stream), held by the session that took them until unlock or its end
-
 DELIVERY_LOCK = "delivery"  # per stream (key: stream id): the open run's delivery lease; its holder is the run id
 REDELIVERY_LOCK = "redelivery"  # per stream: a redelivery of its dead letters
 REPLAY_LOCK = "replay"  # per stream: a replay, while it waits for the lease and delivers (an open run closes)
@@ -70,8 +69,7 @@ def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
     told = 0.0
     try:
         while True:
-            replay = lock_holder(conn, REPLAY_LOCK, stream_id)
-            if replay is None:
+            if (replay := lock_holder(conn, REPLAY_LOCK, stream_id)) is None:
                 if not try_lock(conn, DELIVERY_LOCK, stream_id, run_id):
                     raise LeaseTaken(f"another run is delivering stream {stream_id}")
                 unlock(conn, LEASE_WAIT_LOCK, stream_id)

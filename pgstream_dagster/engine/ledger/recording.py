@@ -173,8 +173,7 @@ def _recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int)
             return []
         txn = Transaction(xid=0, commit_lsn=replication.lsn_to_int(lsn), end_lsn=replication.lsn_to_int(lsn))
         for event_id, created in rows:
-            parsed = replication.parse_timestamp(created)
-            if parsed is None:
+            if (parsed := replication.parse_timestamp(created)) is None:
                 txn.unreadable.append(replication.unreadable_timestamp(int(event_id), created))
             else:
                 txn.events.append(DecodedEvent(int(event_id), parsed))
