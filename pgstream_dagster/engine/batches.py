@@ -176,8 +176,7 @@ class Wait:
 
 @dataclass(frozen=True)
 class Launch:
-    """Assign the order's batches to a new run and request it; ``keep_open``: it becomes the stream's open run;
-    ``replaces``: an open run that ended without closing, forgotten first."""
+    """A new run of the order's batches; ``replaces``: an open run that ended without closing, forgotten first."""
 
     order: RunOrder
     keep_open: bool

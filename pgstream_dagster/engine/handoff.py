@@ -62,8 +62,7 @@ class Handoff:
             self._drop([b for b in batch_ids if b in self._batches])
 
     def take(self, batch_id: int, first: int, last: int, event_bytes: int | None = None) -> list[Positioned] | None:
-        """Ordinals ``first`` to ``last`` of the batch (then forgotten), or ``None`` when it is not here; a payload
-        larger than ``event_bytes`` (the sink's limit) comes as :class:`TooLarge`."""
+        """Ordinals ``first`` to ``last`` of the batch (then forgotten), or ``None``; too large: :class:`TooLarge`."""
         with self._lock:
             entry = self._batches.get(batch_id)
             if entry is not None:

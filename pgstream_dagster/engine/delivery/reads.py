@@ -158,8 +158,7 @@ def routing_params(routing_key: str) -> dict[str, Any]:
 
 
 def in_turn(calls: Iterable[Callable[[], _T]], prefetch: bool = True) -> Generator[_T, None, None]:
-    """The results of ``calls`` (taken as needed), in order, each made in a thread; ``prefetch``: the next call is
-    made while the caller consumes the current result, else once it asks for the next."""
+    """The results of ``calls``, in order, each made in a thread; ``prefetch``: the next one while this one is used."""
     pending = iter(calls)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
         call = next(pending, None)

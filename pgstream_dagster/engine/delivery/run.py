@@ -58,8 +58,7 @@ class LedgerConnectionBroken(DeliveryError):
 
 @dataclass(frozen=True)
 class RoundReport:
-    """One round delivered: its batches, the events handled (confirmed or set aside), when its read started
-    (``time.monotonic()``) and the class of the source it was read from."""
+    """One round delivered: its batches, the events handled, when its read started, its source's class."""
 
     batches: list[state.Batch]
     delivered: int
@@ -194,8 +193,7 @@ class DeliveryRun:
                             except state.StreamPaused:
                                 waiting = state.give_back(conn, stream.id, run_key)
                                 host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
-                                              f"{waiting_batches(waiting)} for `pgstream-dagster resume "
-                                              f"{stream.id}`")
+                                              f"{waiting_batches(waiting)} for `pgstream-dagster resume {stream.id}`")
                                 return
                         done = RoundReport(batches, delivered, started, type(source).__name__)
                         reports.add(done)
@@ -217,8 +215,7 @@ class DeliveryRun:
 
 
 def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state.Batch]:
-    """The first of ``batches`` up to ``direct_max_events`` events (one at least; ordering global): a round read
-    without Spark, the rest in the next rounds (bench/sustained.py)."""
+    """The first ``batches`` up to ``direct_max_events`` events (one at least; ordering global; bench/sustained.py)."""
     limit = stream.delivery.direct_max_events
     if stream.delivery.ordering != "global" or limit <= 0:
         return batches

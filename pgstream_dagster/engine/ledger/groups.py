@@ -102,8 +102,8 @@ def group_state(conn: psycopg.Connection, group: str) -> Group | None:
 
 
 def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None:
-    """The group's publication exists and filters on its members: ``'created'``, ``'altered'`` or ``None``.
-    Raises :class:`GroupChange` for one of that name that is not the group's."""
+    """The group's publication exists and filters on its members: ``'created'``, ``'altered'`` or ``None``
+    (:class:`GroupChange`: its name is another publication's)."""
     try:
         with conn.transaction():
             row = conn.execute("select pgstream.ensure_group_publication(%s)", [group]).fetchone()

@@ -171,10 +171,9 @@ def next_assigned(conn: psycopg.Connection, stream_id: int, run_key: str, after_
                 order by m.id""",  # noqa: S608  (column lists, no input)
             {"run": run_key, "after": after_batch_id, "launched": BatchStatus.LAUNCHED, "replay": REPLAY_LOCK,
              "stream": stream_id}).fetchall()
-    replay, earlier = bool(rows[0]["replay"]), rows[0]["earlier"]
     batches = [Batch(**{k: v for k, v in r.items() if k not in ("replay", "earlier")}) for r in rows
                if r["id"] is not None]
-    return Assigned(batches, replay, int(earlier) if earlier is not None else None)
+    return Assigned(batches, bool(rows[0]["replay"]), rows[0]["earlier"])  # (earlier: a bigint, or null)
 
 
 def run_is_open(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
