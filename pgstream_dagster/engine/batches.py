@@ -10,8 +10,7 @@
 
 Only the oldest open batch (the *head*) may start a run. The open run (``streams.open_run_key``; a *warm* run,
 :class:`Warm`, is one opened with no batch) changes only by these actions and the run's own :data:`RunAction`
-(docs/architecture.md, "The open run's state machine").
-"""
+(docs/architecture.md, "The open run's state machine")."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ def backoff_secs(stream: StreamConfig, attempts: int) -> float:
 
 
 def run_key(stream_id: int, incarnation: str, batch_ids: tuple[int, ...], attempt: int) -> str:
-    """The run key of a delivery run: stream, installation, batches, attempt (Dagster launches a run
-    key once, so a re-evaluated tick requests nothing twice)."""
+    """Dagster launches a run key once, so a re-evaluated tick requests nothing twice."""
     span = f"b{batch_ids[0]}" if len(batch_ids) == 1 else f"b{batch_ids[0]}-{batch_ids[-1]}"
     return f"pgstream-s{stream_id}-{incarnation}-{span}-a{attempt}"
 
@@ -92,10 +90,11 @@ class StreamState:
 
     def __post_init__(self) -> None:
         head = self.head
-        if head is not None and not head.status.is_open:
+        if head is None:
+            return
+        if not head.status.is_open:
             raise ValueError(f"batch {head.id} is {head.status}: a stream's head is an open batch")
-        if head is not None and head.status is BatchStatus.PENDING and not self.paused and \
-                self.next_run[:1] != (head.id,):
+        if head.status is BatchStatus.PENDING and not self.paused and self.next_run[:1] != (head.id,):
             raise ValueError(f"the next run of stream {self.stream_id} must start at its head, batch {head.id}")
 
     @property
@@ -104,29 +103,23 @@ class StreamState:
 
     @property
     def caught_up(self) -> bool:
-        """Failover is over once every batch that existed when the last successful run was
-        requested has been delivered: what is left is fresh, not backlog."""
+        """Failover is over once every batch that existed when the last successful run was requested has been
+        delivered: what is left is fresh, not backlog."""
         head = self.head
         if head is None:
             return True
-        if head.status is not BatchStatus.PENDING:
-            return False
-        return self.last_delivered_launch is not None and head.created_at >= self.last_delivered_launch
+        return head.status is BatchStatus.PENDING and self.last_delivered_launch is not None \
+            and head.created_at >= self.last_delivered_launch
 
     @property
     def watched_run_key(self) -> str | None:
-        """The run :func:`decide` needs a :class:`RunView` of (``None``: none): the head's run, or the
-        open run a pending head would be handed to."""
+        """The run :func:`decide` needs a :class:`RunView` of: the head's, or the open run a pending head goes to."""
         head = self.head
         if self.paused:
             return None
-        if head is None:
-            return self.open_run_key  # an open run with nothing left to deliver (a warm one, or one that had batches)
-        if head.status is BatchStatus.LAUNCHED:
-            return head.run_key or ""
-        if head.status is BatchStatus.PENDING:
+        if head is None or head.status is BatchStatus.PENDING:  # (no head: an open run with nothing left to deliver)
             return self.open_run_key
-        return None
+        return (head.run_key or "") if head.status is BatchStatus.LAUNCHED else None
 
 
 class RunStatus(StrEnum):
@@ -172,8 +165,8 @@ class RunOrder:
 
 @dataclass(frozen=True)
 class Wait:
-    """Nothing to do now; ``reason`` goes to the tick log (``None``: nothing worth saying), for a lasting
-    state once, then ``short`` at most every :data:`REMIND_EVERY_SECS` while it lasts (:func:`tick_notes`)."""
+    """Nothing to do now; ``reason`` goes to the tick log (``None``: nothing worth saying), for a lasting state
+    once, then ``short`` at most every :data:`REMIND_EVERY_SECS` while it lasts (:func:`tick_notes`)."""
 
     reason: str | None = None
     short: str | None = field(default=None, compare=False)
@@ -183,8 +176,7 @@ class Wait:
 
 @dataclass(frozen=True)
 class Launch:
-    """Assign the order's batches to a new run and request it; ``keep_open``: it becomes the stream's open
-    run; ``replaces``: an open run that ended without closing, forgotten first."""
+    """A new run of the order's batches; ``replaces``: an open run that ended without closing, forgotten first."""
 
     order: RunOrder
     keep_open: bool
@@ -193,16 +185,14 @@ class Launch:
 
 @dataclass(frozen=True)
 class Warm:
-    """Nothing is open and nothing runs (``delivery.mode: open``): make ``run_key``, a run with no batch, the
-    stream's open run (the group's delivery run hosts it)."""
+    """Nothing is open and nothing runs (mode ``open``): make ``run_key``, a run with no batch, the open run."""
 
     run_key: str
 
 
 @dataclass(frozen=True)
 class Extend:
-    """Hand the open run ``run_key`` the pending batches behind its own; ``otherwise``: what to do if
-    it closed meanwhile (it takes nothing then)."""
+    """Hand the open run ``run_key`` the pending batches behind its own; ``otherwise``: what to do if it closed."""
 
     run_key: str
     otherwise: Launch | None = None
@@ -210,16 +200,15 @@ class Extend:
 
 @dataclass(frozen=True)
 class Reissue:
-    """The head's run was never created (the tick that requested it died before Dagster made it):
-    request it again under the same run key, with the batches assigned to it."""
+    """The head's run was never created (the tick that requested it died first): request it again, same run key."""
 
     head: Batch
 
 
 @dataclass(frozen=True)
 class FailRun:
-    """The head's run failed: the head becomes the failover checkpoint (retried alone at ``retry_at``), the
-    run's other batches go back to pending."""
+    """The head's run failed: the head becomes the failover checkpoint (retried alone at ``retry_at``), the run's
+    other batches go back to pending (they were not refused)."""
 
     head: Batch
     error: str
@@ -230,7 +219,7 @@ class FailRun:
 @dataclass(frozen=True)
 class Requeue:
     """The head's run was interrupted by a shutdown before this code location started (nothing said of the sink):
-    its batches go back to pending (``checkpoint``: the head stays the failover's, due now), nothing counted."""
+    its batches go back to pending, nothing counted (``checkpoint``: the head stays the failover's, due now)."""
 
     head: Batch
     checkpoint: bool = False
@@ -252,8 +241,8 @@ Action = Wait | Launch | Warm | Extend | Reissue | FailRun | Requeue | LeaveFail
 
 @dataclass(frozen=True)
 class CloseRun:
-    """The open run ``run_key`` stops taking batches (idle, paused, a replay waits...): the stream has no open
-    run. Refused (``apply_run`` false) while batches assigned to it are not delivered: it delivers them first."""
+    """The open run ``run_key`` stops taking batches (idle, paused, a replay waits...). Refused (``apply_run``
+    false) while batches assigned to it are not delivered: it delivers them first."""
 
     stream_id: int
     run_key: str
@@ -263,8 +252,7 @@ RunAction = CloseRun
 
 
 def decide(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConfig) -> Action:
-    """What the sensor does next for the stream: ``run`` is the view of ``state.watched_run_key``
-    (:data:`NO_RUN` when that is ``None``)."""
+    """What the sensor does next: ``run`` views ``state.watched_run_key`` (:data:`NO_RUN` when that is None)."""
     if state.in_failover and state.caught_up:
         return LeaveFailover(_next(state, run, now, stream, in_failover=False),
                              note=f"stream {state.stream_id} caught up: failover over")
@@ -321,18 +309,13 @@ def _next(state: StreamState, run: RunView, now: dt.datetime, stream: StreamConf
 
 
 def warm_run_key(stream_id: int, incarnation: str, now: dt.datetime) -> str:
-    """The key of a warm run requested at ``now``, to the microsecond: a group delivery run hosts a run key once, so
-    a key made again after its run closed (within the same second) would be left waiting for a host."""
+    """To the microsecond: a group run hosts a run key once, so one made again would be left without a host."""
     return f"pgstream-s{stream_id}-{incarnation}-warm-{round(now.timestamp() * 1_000_000)}"
 
 
-def _keep_warm(state: StreamState, now: dt.datetime, stream: StreamConfig, *,
-               in_failover: bool) -> Action:
-    """Nothing is open: in ``delivery.mode: open`` the stream keeps an open run ready. A warm run that ended
-    without closing is replaced by the next batch's run (:func:`_next`), not every second."""
-    if not stream.delivery.keeps_open or state.paused or in_failover:
-        return Wait()
-    if state.open_run_key is None:
+def _keep_warm(state: StreamState, now: dt.datetime, stream: StreamConfig, *, in_failover: bool) -> Action:
+    """Mode ``open``: an open run kept ready (one that ended without closing: replaced by the next batch's run)."""
+    if stream.delivery.keeps_open and not state.paused and not in_failover and state.open_run_key is None:
         return Warm(warm_run_key(state.stream_id, state.incarnation, now))
     return Wait()
 
@@ -366,8 +349,8 @@ def failover_key(batch_id: int, retry_at: dt.datetime) -> str:
 
 
 def tick_notes(action: Action, said: dict[str, Any], now: float) -> list[str]:
-    """:func:`notes` for a sensor deciding many times a tick: a transition each time, a lasting state once, then
-    its short form every :data:`REMIND_EVERY_SECS` (``now``: epoch seconds); ``said``: what was said (its cursor)."""
+    """:func:`notes` for a sensor deciding many times: a transition each time, a lasting state once, then its short
+    form every :data:`REMIND_EVERY_SECS` (``now``: epoch seconds); ``said``: what was said (its cursor)."""
     state = _lasting(action)
     lines = [n for n in notes(action) if state is None or n != state.reason]
     if isinstance(action, FailRun):  # its note tells the failover it starts: the wait that follows was said

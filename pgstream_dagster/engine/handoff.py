@@ -1,19 +1,13 @@
-"""What a group delivery run's reader recorded, handed to its members' runs in memory.
-
-The reader decodes each event from the WAL with its payload and metadata (the group's publication carries them:
-the text the WAL holds is what ``payload::text`` returns) and records the batches in the ledger, putting their
-events here in the recording transaction (dropped again if it rolls back); a member's run that delivers one of
-them takes it instead of reading it back from ``pgstream.events`` (:class:`~.delivery.sources.TableSource`).
-What is not here (a batch recorded by the sensor, recovered from the table, or put when the hand-off was full;
-a run that restarted) is read from the table: this only saves work, the ledger stays the source of truth.
-
-One per group run, bounded for all its members together (events and bytes); what no run took within
-:data:`KEEP_SECS` is dropped (a paused member, one whose round went to Spark)."""
+"""What a group delivery run's reader recorded (each event decoded from the WAL with the text ``payload::text``
+returns), handed to its members' runs in memory instead of being read back from ``pgstream.events``. What is not
+here (recorded by the sensor or recovery, put when full, a run that restarted) is read from the table: this only
+saves work, the ledger stays the source of truth. Bounded per group run; what no run took in :data:`KEEP_SECS` goes."""
 
 from __future__ import annotations
 
 import collections
 import datetime as dt
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -25,13 +19,11 @@ from .replication import DecodedEvent, Transaction
 #: events, and characters of payload and metadata text, kept at most for a whole group
 MAX_EVENTS = 200_000
 MAX_BYTES = 128 * 2**20
-#: a batch no run took within this many seconds is dropped
-KEEP_SECS = 60.0
+KEEP_SECS = 60.0  # a batch no run took within this many seconds is dropped
 
 
 class Handoff:
-    """Events of recorded batches, by batch id, until a member's run takes them. Thread-safe: the group's reader
-    puts, the members' threads take."""
+    """Events of recorded batches, by batch id, until a member's run takes them. Thread-safe."""
 
     def __init__(self, max_events: int = MAX_EVENTS, max_bytes: int = MAX_BYTES) -> None:
         self.max_events, self.max_bytes = max_events, max_bytes
@@ -43,10 +35,8 @@ class Handoff:
         self._lock = threading.Lock()
 
     def put(self, stream_id: int, batch_ids: Sequence[int], txns: Sequence[Transaction], max_size: int) -> list[int]:
-        """The events of the stream's batches ``batch_ids`` just recorded from ``txns`` (batch ``batch_ids[i]`` holds
-        events ``i * max_size`` to ``(i + 1) * max_size`` of the transactions' events in order, as
-        ``ledger.recording.record`` cuts them); the batch ids kept (not all when full, or when an event came
-        without its text)."""
+        """The events of the stream's batches ``batch_ids`` just recorded from ``txns``, cut in ``max_size`` as
+        ``ledger.recording.record`` cuts them; the batch ids kept (not all when full, or an event without text)."""
         events = [e for t in txns for e in t.events]
         kept: list[int] = []
         now = time.monotonic()
@@ -72,8 +62,7 @@ class Handoff:
             self._drop([b for b in batch_ids if b in self._batches])
 
     def take(self, batch_id: int, first: int, last: int, event_bytes: int | None = None) -> list[Positioned] | None:
-        """Ordinals ``first`` to ``last`` of the batch as events (the batch is then forgotten), or ``None`` when it
-        is not here. A payload larger than ``event_bytes`` bytes (the sink's limit) comes as :class:`TooLarge`."""
+        """Ordinals ``first`` to ``last`` of the batch (then forgotten), or ``None``; too large: :class:`TooLarge`."""
         with self._lock:
             entry = self._batches.get(batch_id)
             if entry is not None:
@@ -105,23 +94,18 @@ class Handoff:
             self._trim(stream_id)
 
     @property
-    def events(self) -> int:
-        """Events kept now."""
+    def events(self) -> int:  # kept now
         return self._events
 
-    def _expire(self, now: float) -> None:
-        old: list[int] = []
-        for batch_id, entry in self._batches.items():  # oldest first: up to the first one young enough
-            if now - entry[3] <= KEEP_SECS:
-                break
-            old.append(batch_id)
+    def _expire(self, now: float) -> None:  # oldest first: up to the first one young enough
+        old = list(itertools.takewhile(lambda b: now - self._batches[b][3] > KEEP_SECS, self._batches))
         streams = {self._batches[b][0] for b in old}
         self._drop(old)
         for stream_id in streams:
             self._trim(stream_id)
 
     def _trim(self, stream_id: int) -> None:
-        """The stream's oldest batch ids that are gone (taken, expired) are not kept for a forget that may not come."""
+        """Drop the stream's oldest batch ids that are gone (taken, expired): a forget may not come."""
         ids = self._streams.get(stream_id)
         while ids and ids[0] not in self._batches:
             ids.popleft()

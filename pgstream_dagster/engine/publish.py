@@ -1,13 +1,9 @@
-"""Publishing events through a sink in the order owed, in plain Python (the delivery job and replays feed it
-rows from the driver, ``by_key`` partitions from the executors). :func:`publish` is a generator of what
-happened (:class:`Confirmed`, :class:`Progress`, :class:`BatchDone`, :class:`Finished`), suspended while the
-caller records each one. A position out of order stops it (:class:`OrderError`), one owed (:class:`Span`)
-neither read nor set aside (``skip``) too, before anything after it is published (:class:`MissingEventsError`).
-A permanent rejection stops it too, unless a :class:`RejectPolicy` (``on_reject: dead_letter``) isolates the
-event (bisecting a request rejected whole), retries it alone ``max_attempts`` times and sets it aside; after
-``max_consecutive`` rejections in a row, or a call's first before any confirmation, the last event the sink
-confirmed (:attr:`RejectPolicy.known_good`) is sent again: refused too (or none), the sink is misconfigured and
-the run stops (:class:`RejectStormError`) instead of setting events aside.
+"""Publishing events through a sink in the order owed, in plain Python: :func:`publish` yields what happened,
+suspended while the caller records each step. A position out of order (:class:`OrderError`), or one owed neither
+read nor set aside (:class:`MissingEventsError`), stops it before anything after it is published; so does a permanent
+rejection, unless a :class:`RejectPolicy` isolates the event (bisecting), retries it and sets it aside. After
+``max_consecutive`` rejections in a row, or a call's first, the sink's last confirmed event is sent again: refused
+too (or none), the sink is misconfigured and the run stops (:class:`RejectStormError`) instead of setting events aside.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ from ..sinks import Event, Sink, SinkError
 
 @dataclass(frozen=True)
 class TooLarge:
-    """In place of an event not read: its payload (``size`` bytes as JSON text) is larger than the sink can
-    ever take (``limit``); set aside before anything after it is sent (:data:`SetAsideTooLarge`)."""
+    """In place of an event not read: its payload (``size`` bytes as JSON text) is over the sink's ``limit``."""
 
     id: int
     size: int
@@ -39,14 +34,11 @@ class TooLarge:
 Position = tuple[int, int]
 """``(batch_id, ord)``: an event's place in the delivery order (ledger batch, 1-based ordinal in it)."""
 Positioned = tuple[int, int, "Event | TooLarge"]
-"""``(batch_id, ord, event)``: an event and its place in the delivery order (or what stands for an event too
-large for the sink, :class:`TooLarge`)."""
+"""``(batch_id, ord, event)``: an event (or a :class:`TooLarge` in its place) at its place in the delivery order."""
 SetAside = Callable[[int, int, Event, str, int], None]
-"""``(batch_id, ord, event, error, attempts)``: record the event as a dead letter, durably, before
-the next event is published."""
+"""``(batch_id, ord, event, error, attempts)``: record the event as a dead letter, durably, before the next is sent."""
 SetAsideTooLarge = Callable[[int, int, TooLarge], None]
-"""``(batch_id, ord, too_large)``: record an event too large for the sink as a dead letter (its
-payload copied by the database, never read by the run), durably, before the next event is published."""
+"""``(batch_id, ord, too_large)``: as :data:`SetAside`, the payload copied by the database (never read by the run)."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +71,7 @@ class BatchProgress(Protocol):
 
 
 def owed_spans(batches: Iterable[BatchProgress], *, resume: bool) -> list[Span]:
-    """What a run owes of ``batches``, one span each, in delivery order: every event, or with
-    ``resume`` (ordered delivery) the events after the prefix an earlier attempt confirmed."""
+    """One span per batch: every event, or (``resume``) those after the prefix an earlier attempt confirmed."""
     return [Span(b.id, (b.confirmed_count if resume else 0) + 1, b.event_count) for b in batches]
 
 
@@ -88,8 +79,7 @@ def owed_spans(batches: Iterable[BatchProgress], *, resume: bool) -> list[Span]:
 
 @dataclass(frozen=True)
 class Confirmed:
-    """Every position owed up to ``(batch_id, ord)`` is handled (the sink confirmed it, or it was set
-    aside): a retry of the batch may resume after ``ord``."""
+    """Every position owed up to ``(batch_id, ord)`` is handled: a retry of the batch may resume after ``ord``."""
 
     batch_id: int
     ord: int
@@ -112,15 +102,14 @@ class Progress:
 
 @dataclass(frozen=True)
 class Finished:
-    """Every row was handled: ``handled`` events in all. Always the last event."""
+    """Every row was handled: ``handled`` events in all. Always the last."""
 
     handled: int
 
 
 Delivery: TypeAlias = Confirmed | BatchDone | Progress | Finished
-"""What :func:`publish` yields."""
+#: a publish loop: close it to stop it (nothing more is published)
 Deliveries: TypeAlias = Generator[Delivery, None, None]
-"""A publish loop: close it to stop it (nothing more is published)."""
 
 
 class OrderError(RuntimeError):
@@ -128,8 +117,7 @@ class OrderError(RuntimeError):
 
 
 class MissingEventsError(RuntimeError):
-    """Events the ledger owes are no longer in ``pgstream.events``: nothing after the first one is
-    published. ``positions``: the ``(batch_id, ord)`` of the missing events found."""
+    """Events the ledger owes (``positions``) are gone from ``pgstream.events``: nothing after the first is sent."""
 
     def __init__(self, positions: list[Position]) -> None:
         shown = ", ".join(f"batch {b} #{o}" for b, o in positions[:20])
@@ -139,8 +127,7 @@ class MissingEventsError(RuntimeError):
 
 
 class RejectStormError(SinkError):
-    """``max_consecutive`` events in a row were rejected and the sink also refused an event it had
-    confirmed before (or none was ever confirmed): the sink, not the events, is at fault."""
+    """Rejections in a row, and the sink refused an event it confirmed before (or none): the sink is at fault."""
 
 
 @dataclass(frozen=True)
@@ -157,8 +144,6 @@ class RejectPolicy:
 
 #: bytes of payload and metadata (JSON text) in one publish call at most, unless one event is larger
 CHUNK_BYTES = 32 * 2**20
-
-
 #: what each publish call runs in (a delivery run's: the stream is not paused, :func:`~.ledger.state.publishing`)
 Gate = Callable[[], AbstractContextManager[None]]
 
@@ -172,13 +157,11 @@ def publish(sink: Sink, rows: Iterable[Positioned], chunk_size: int, *, skip: fr
     ``too_large``: records a :class:`TooLarge` row (else :class:`EventTooLargeError`); ``gate``: each call's;
     ``ended_below``: the first event id of the database's timeline (events below it were written on a former
     primary, which may have published them: a sink keyed by positions is given them by id, batch 0)."""
-    return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes, gate=gate,
-                      ended_below=ended_below).run(rows)
+    return _Publisher(sink, chunk_size, skip, reject, owed, too_large, chunk_bytes, gate, ended_below).run(rows)
 
 
 def max_event_bytes(sink: Sink) -> int | None:
-    """The sink's :meth:`~pgstream_dagster.sinks.base.Sink.max_event_bytes` (None for a sink written
-    before it, not derived from :class:`~pgstream_dagster.sinks.base.Sink`)."""
+    """The sink's ``max_event_bytes()`` (None for a sink not derived from ``sinks.base.Sink``)."""
     limit = getattr(sink, "max_event_bytes", None)
     return limit() if limit is not None else None
 
@@ -218,10 +201,8 @@ class _Publisher:
             self.next_ord = self.owed[0].first if self.owed else 0
 
     def run(self, rows: Iterable[Positioned]) -> Deliveries:
-        owed = self.owed
+        owed, skip, counts = self.owed, self.skip, self.counts
         last: Position | None = None
-        skip = self.skip
-        counts = self.counts
         for batch_id, ord, event in rows:
             position = (batch_id, ord)
             if last is not None and position <= last:
@@ -244,8 +225,7 @@ class _Publisher:
             if event.__class__ is TooLarge:
                 yield from self._set_aside_too_large(position, event)
                 continue
-            text = event.payload_json  # type: ignore[union-attr]  # (an Event)
-            limit = self.limit
+            text, limit = event.payload_json, self.limit  # type: ignore[union-attr]  # (an Event)
             if limit is not None and len(text) * 4 > limit:  # (UTF-8: at most 4 bytes a character)
                 # read by a reader that could not check it (Spark): set aside, never sent
                 payload_bytes = len(text) if len(text) > limit else len(text.encode())
@@ -266,8 +246,7 @@ class _Publisher:
         yield from self._flush()
         yield Finished(self.handled)
 
-    def _advance(self) -> None:
-        """Move to the next position owed."""
+    def _advance(self) -> None:  # to the next position owed
         assert self.owed is not None
         if self.next_ord < self.owed[self.oi].last:
             self.next_ord += 1
@@ -280,8 +259,7 @@ class _Publisher:
             self.finished.append(self.current)
 
     def _account(self, upto: Position | None) -> list[Position]:
-        """Walk the owed positions up to ``upto`` (the row just read; None: to the end). Each one
-        passed over without a row must be set aside (``skip``), else it vanished: returns those."""
+        """Walk the owed positions up to ``upto`` (None: the end); those passed over, not set aside, vanished."""
         assert self.owed is not None
         missing: list[Position] = []
         counts = self.counts
@@ -299,8 +277,8 @@ class _Publisher:
             if position in self.skip:
                 self.handled += 1
                 counts[position[0]] = counts.get(position[0], 0) + 1
-                continue
-            missing.append(position)
+            else:
+                missing.append(position)
         else:
             if upto is not None:
                 raise OrderError(f"row {upto} is not a position this run owes")
@@ -331,8 +309,7 @@ class _Publisher:
             yield BatchDone(batch_id, self.counts.get(batch_id, 0))
 
     def _publish(self, events: list[Event], where: list[Position], lo: int, hi: int) -> Iterator[Delivery]:
-        """Publish ``events[lo:hi]``; with a reject policy, isolate and set aside what the sink rejects for
-        good, bisecting a request refused as a whole (about log2(n) calls find the bad event)."""
+        """Publish ``events[lo:hi]``; with a reject policy, isolate what the sink rejects for good by bisecting."""
         while lo < hi:
             try:
                 self._send(events[lo:hi] if lo or hi < len(events) else events,
@@ -362,8 +339,7 @@ class _Publisher:
             lo = end
 
     def _send(self, events: Sequence[Event], where: Sequence[Position]) -> None:
-        """One publish call: with the events' positions for a sink that takes them (``Sink.publish_at``:
-        the lake sinks key their commits by them), else ``Sink.publish``; inside the gate."""
+        """One publish call, inside the gate: with the events' positions for a sink that takes them (the lakes)."""
         with self.gate():
             if getattr(self.sink, "accepts_positions", False):
                 if self.ended_below:  # a former primary's events: by id
@@ -374,8 +350,7 @@ class _Publisher:
 
     def _confirmed(self, events: Sequence[Event], where: Sequence[Position], start: int,
                    end: int, *, then_done: bool = False) -> Iterator[Delivery]:
-        """What the sink confirmed of ``events[start:end]``; ``then_done``: the batch of the last one is
-        done at once (:meth:`_flush`'s ``BatchDone``, no request sent between), which says it instead."""
+        """The sink confirmed ``events[start:end]``; ``then_done``: the ``BatchDone`` that follows says it."""
         if end <= start:
             return
         self.handled += end - start
@@ -386,8 +361,7 @@ class _Publisher:
         yield Progress(self.handled)
 
     def _check_sink(self, event: Event, error: SinkError, *, storm: bool) -> bool:
-        """Publish the sink's last confirmed event again before ``event`` is set aside (``storm``: after
-        ``max_consecutive``); whether it took it. :class:`RejectStormError` if refused too, or none in a storm."""
+        """Whether the sink took its last good event again (:class:`RejectStormError`: refused; none in a storm)."""
         policy = self.reject
         assert policy is not None
         probe = self.last_good
@@ -421,9 +395,7 @@ class _Publisher:
         policy = self.reject
         assert policy is not None
         error: SinkError = first_error
-        attempts = 0
         for attempt in range(1, policy.max_attempts + 1):
-            attempts = attempt
             if attempt > 1:
                 time.sleep(min(policy.backoff_secs * 2 ** (attempt - 2), 30.0))
             try:
@@ -436,10 +408,9 @@ class _Publisher:
             yield from self._confirmed([event], [position], 0, 1)
             return
         storm = self.consecutive_rejects + 1 >= policy.max_consecutive
-        if storm or self.last_good is None:
-            if self._check_sink(event, error, storm=storm):
-                self.consecutive_rejects = 0  # the sink takes what it took before: the rejections are the events'
-        policy.set_aside(position[0], position[1], event, str(error), attempts)
+        if (storm or self.last_good is None) and self._check_sink(event, error, storm=storm):
+            self.consecutive_rejects = 0  # the sink takes what it took before: the rejections are the events'
+        policy.set_aside(position[0], position[1], event, str(error), policy.max_attempts)
         self.consecutive_rejects += 1
         self.handled += 1
         yield Confirmed(*position)

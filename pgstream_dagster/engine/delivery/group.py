@@ -1,19 +1,14 @@
 """A reader group's delivery run, without Dagster (docs/architecture.md, "Delivery for many streams"): a
-:class:`~.run.DeliveryRun` per member in a thread, each with its own sink, lease and state machine.
-:class:`GroupDelivery` starts the member runs the sensor decided (``ledger.groups.member_runs``, a query a
-second; :attr:`GroupHost.claim`) as ``<group run id>/<stream id>``, wakes idle ones (one ``LISTEN``, one query
-a second) and lets a failing one end its own thread (:attr:`GroupHost.ended`). Its reader thread reads the
-group's slot holding the group's reading (:attr:`GroupHost.read`, :attr:`GroupHost.read_ends`). It holds the
-group's delivery lease and ends after ``max_run_secs``, at :attr:`GroupHost.stop_check`'s reason or a
-:data:`REFUSALS` of its reader. When the database goes away (a crash, a restart, a failover) it rides the outage
-out: its members' runs stop, it waits for the database to accept writes, takes its lease again and hosts them again.
-"""
+:class:`~.run.DeliveryRun` per member in a thread, as the sensor decided, and a reader thread on the group's slot.
+It ends after ``max_run_secs``, at :attr:`GroupHost.stop_check`'s reason or a :data:`REFUSALS` of its reader, and
+rides a database outage out: its members' runs stop, and are hosted again once the database accepts writes."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 import psycopg
@@ -27,8 +22,7 @@ from ..replication import PublicationTaken
 from ..runlog import Log
 from .run import DeliveryRun, Host, LedgerConnectionBroken
 
-#: how often the group run looks at what its members want hosted when no notification woke it
-POLL_SECS = 1.0
+POLL_SECS = 1.0  # how often the group run looks at what its members want hosted when no notification woke it
 #: the members' reports together, at most this many a second (each is a few writes to Dagster's event log): a
 #: member reports every ``max(report_every_secs, members / REPORTS_PER_SEC)`` seconds (100 members: every 20 s)
 REPORTS_PER_SEC = 5.0
@@ -37,35 +31,26 @@ READ_SECS = 5.0
 READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
 READ_ERROR_SECS = 5.0
-#: while the database is away: how often the group run (and its reader) try to connect again
-OUTAGE_RETRY_SECS = 0.1
+OUTAGE_RETRY_SECS = 0.1  # while the database is away: how often the group run (and its reader) try to connect again
 #: what the reader cannot get past with the run's configuration: the group run ends with its line as reason
 REFUSALS: tuple[type[Exception], ...] = (groups.GroupChange, PublicationTaken, LimitsExceeded)
 
 
 def _database_gone(exc: BaseException) -> bool:
-    """Whether a member's run stopped because the database (or its connection to it) went away, not its sink:
-    the ledger's own error, or the round's ledger connection broken (a sink's error never is one of these)."""
+    """Whether a member's run stopped because the database (or its connection to it) went away, not its sink."""
     return isinstance(exc, LedgerConnectionBroken) or (
         isinstance(exc, psycopg.Error) and dbconn.server_gone(exc) is not None)
 
 
 def member_run_id(group_run_id: str, stream_id: int) -> str:
-    """The run id of a member's delivery run hosted by group delivery run ``group_run_id``: it holds the
-    member's delivery lease (the group's sensor reads what became of it with ``ledger.locks.lease_states``)."""
+    """The run id of a member's delivery run hosted by group run ``group_run_id`` (its delivery lease's holder)."""
     return f"{group_run_id}/{stream_id}"
-
-
-def reader_name(group_run_id: str) -> str:
-    """How the group's reading lock names the group delivery run ``group_run_id``'s reader while it reads."""
-    return f"group delivery run {group_run_id}"
 
 
 @dataclass(frozen=True)
 class GroupHost:
-    """What the group run needs from whoever runs it."""
+    """What the group run needs from whoever runs it; its member runs are ``<run_id>/<stream id>``."""
 
-    #: the group run's id (its member runs are ``<run_id>/<stream id>``)
     run_id: str
     log: Log
     #: the host of one member's run (its run id given): log, Spark, reporter, stop check of its own
@@ -74,13 +59,11 @@ class GroupHost:
     claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = lambda wanted: wanted
     #: told when a member's run ended: ``error`` None when it closed, else why it failed (one line)
     ended: Callable[[int, str, str | None], None] = lambda _stream_id, _run_key, _error: None
-    #: a reason to end the group run that only the host knows (None: none), asked about once a second
-    stop_check: Callable[[], str | None] = lambda: None
+    stop_check: Callable[[], str | None] = lambda: None  # a reason to end only the host knows (asked once a second)
     #: reads the group's slot on the connection given for up to the seconds given and logs what it did, again
     #: and again while the reader holds the group's reading. None: the group's sensor reads
     read: Callable[[psycopg.Connection, float], None] | None = None
-    #: the reader gives the group's reading up: what ``read`` kept open closes (the slot let go)
-    read_ends: Callable[[], None] = lambda: None
+    read_ends: Callable[[], None] = lambda: None  # the reader gives the reading up: what ``read`` kept open closes
 
 
 @dataclass
@@ -93,24 +76,17 @@ class GroupDelivery:
     executor_url: str
     host: GroupHost
     max_run_secs: float
-    #: what the group's reader (``host.read``) records for the members, taken by their runs in memory
-    handoff: Handoff | None = None
-    #: every run key this group run took (or refused) since its last outage
-    hosted: set[str] = field(default_factory=set)
+    handoff: Handoff | None = None  # what the group's reader records for the members, taken by their runs
+    hosted: set[str] = field(default_factory=set)  # every run key taken (or refused) since the last outage
     _members: dict[int, threading.Thread] = field(default_factory=dict)  # (their threads)
-    #: per member: set when its ledger row moved (``ledger.groups.member_signals``) or its run channel was notified
-    _wake: dict[int, threading.Event] = field(default_factory=dict)
+    _wake: dict[int, threading.Event] = field(default_factory=dict)  # per member: set when its row moved
     _signals: dict[int, tuple[object, ...]] = field(default_factory=dict)
     _stop_reason: str | None = None  # (set once: the members' runs close)
-    #: set by the reader when it met one of :data:`REFUSALS`: the group run ends with this line as the reason
-    _refused: str | None = None
-    #: set when the group run ends: its reader stops reading and gives the group's reading up
-    _reading_ends: threading.Event = field(default_factory=threading.Event)
+    _refused: str | None = None  # set by the reader at one of REFUSALS: the group run ends with this line
+    _reading_ends: threading.Event = field(default_factory=threading.Event)  # the group run ends: its reader stops
     _connections: locks.SharedConnections = field(init=False)  # the members' (opened by run())
-    #: while the database is away: why (one line); the members' runs stop and are hosted again once it is back
-    _outage: str | None = None
-    #: the member runs an outage stopped (stream id: run key), hosted again if still wanted once it is over
-    _interrupted: dict[int, str] = field(default_factory=dict)
+    _outage: str | None = None  # while the database is away: why (one line)
+    _interrupted: dict[int, str] = field(default_factory=dict)  # stream id: the run key an outage stopped
     _outage_line: str | None = None  # the last outage's line
     _resumed: int = 0  # how many outages the run rode out
 
@@ -120,8 +96,7 @@ class GroupDelivery:
         lease = locks.acquire_group_lease(self.database_url, self.group, self.host.run_id)
         reader: threading.Thread | None = None
         self._connections = self._members_pool()
-        for stream_id in by_id:
-            self._wake[stream_id] = threading.Event()
+        self._wake.update({stream_id: threading.Event() for stream_id in by_id})
         self.host.log.info(f"reader group {self.group}: group delivery run hosting streams "
                            f"{', '.join(map(str, sorted(by_id)))}")
         try:
@@ -132,8 +107,7 @@ class GroupDelivery:
                 try:
                     return self._host(lease, by_id, opened)
                 except psycopg.Error as exc:
-                    line = dbconn.server_gone(exc)
-                    if line is None:
+                    if (line := dbconn.server_gone(exc)) is None:
                         raise
                     taken = self._ride_out(lease, line, opened)
                     if isinstance(taken, str):
@@ -154,8 +128,7 @@ class GroupDelivery:
                 self.host.ended(stream_id, run_key, self._outage_line or "the database went away")
 
     def _host(self, lease: psycopg.Connection, by_id: dict[int, StreamConfig], opened: float) -> str:
-        """Host the members' runs on ``lease`` until the group run ends (why); a psycopg error when the
-        database goes away."""
+        """Host the members' runs until the group run ends (why); a psycopg error when the database goes away."""
         log = self.host.log
         channels = {state.run_channel(stream_id): stream_id for stream_id in by_id}
         for stream_id in by_id:  # a member's batches handed over wake its run (extend_run notifies)
@@ -171,8 +144,7 @@ class GroupDelivery:
                     self._stop(self._open_too_long())
                 elif now - checked_at >= 1.0:
                     checked_at = now
-                    reason = self.host.stop_check()
-                    if reason is not None:
+                    if (reason := self.host.stop_check()) is not None:
                         self._stop(reason)
             if self._stop_reason is not None:
                 if not self._members:
@@ -201,8 +173,7 @@ class GroupDelivery:
             self._wait(lease, channels, POLL_SECS)
 
     def _resume_interrupted(self, wanted: list[groups.MemberRun]) -> None:
-        """The member runs an outage stopped: hosted again when the ledger still wants them (the same run:
-        a database going away says nothing of the sink, so no failure is counted), else reported ended by it."""
+        """The runs an outage stopped: hosted again (no failure counted) if still wanted, else reported ended."""
         keys = {(m.stream_id, m.run_key) for m in wanted}
         for stream_id, run_key in list(self._interrupted.items()):
             if stream_id in self._members:
@@ -216,10 +187,7 @@ class GroupDelivery:
             self.host.ended(stream_id, run_key, self._outage_line or "the database went away")
 
     def _ride_out(self, lease: psycopg.Connection, line: str, opened: float) -> psycopg.Connection | str:
-        """The database went away (``line``): the members' runs stop (what they held waits, no failure counted),
-        then, every :data:`OUTAGE_RETRY_SECS`, the run tries to take its lease again. The new lease once the
-        database accepts writes again; or why the run ends meanwhile (asked to, ``max_run_secs``, another group
-        run took the group over)."""
+        """The database went away: the members' runs stop; the new lease once it is back, or why the run ends."""
         log, began = self.host.log, time.monotonic()
         log.warning(f"reader group {self.group}: {line}; its members' runs stop, the group run goes on once the "
                     f"database accepts writes again")
@@ -255,8 +223,7 @@ class GroupDelivery:
                 locks.give_up_group_lease(taken, self.group)
                 return reason
             connections = self._members_pool()
-            try:  # the stopped members' leases taken again at once (their runs take them again on this session):
-                # the group's sensor, looking now, sees them held, not lost
+            try:  # the stopped members' leases taken again at once: the group's sensor sees them held, not lost
                 with connections.session() as session:
                     for stream_id in self._interrupted:
                         locks.try_lock(session, locks.DELIVERY_LOCK, stream_id,
@@ -269,9 +236,8 @@ class GroupDelivery:
                 continue
             self._connections = connections
             self._outage, self._signals = None, {}
-            # the ledger it came back with may be an older one (a promoted standby that had replayed less): what it
-            # wants is hosted, the run keys this run took before the outage included (an earlier member run of a
-            # stream whose later one the new primary never heard of)
+            # the ledger it came back with may be older (a promoted standby that had replayed less): what it wants is
+            # hosted, run keys this run took before the outage included
             self.hosted.clear()
             self._resumed += 1
             log.info(f"reader group {self.group}: the database accepts writes again after "
@@ -279,28 +245,23 @@ class GroupDelivery:
             return taken
 
     def _members_pool(self) -> locks.SharedConnections:
-        """The members' leases on one session, their ledger work on a pool (at most one connection each)."""
         return locks.SharedConnections(self.database_url, f"pgstream group members {self.host.run_id}")
 
     def _open_too_long(self) -> str:
         return f"open for {self.max_run_secs:g}s (the shortest delivery.tuning.max_run_secs of its streams)"
 
     def _asked_to_end(self) -> str | None:
-        """:attr:`GroupHost.stop_check` while the database is away: Dagster's storage may be on the server that went
-        away too (nothing said then)."""
-        try:
+        """:attr:`GroupHost.stop_check` while the database is away (Dagster's storage may be away too: None)."""
+        with suppress(Exception):
             return self.host.stop_check()
-        except Exception:
-            return None
+        return None
 
     def reading_ended(self) -> bool:
-        """The group run is ending: its reader returns from the read under way (``consume_group``'s ``stop``)
-        within half a second, not at its end (:data:`READ_SECS`), so a shutdown does not wait for it."""
+        """The group run is ending (``consume_group``'s ``stop``: a shutdown does not wait for the read under way)."""
         return self._reading_ends.is_set()
 
     def _read(self) -> None:
-        """The group run's reader (its own thread and connection): while it holds the group's reading, it
-        reads the group's slot continuously; whenever the group's sensor holds it (its tick), it waits."""
+        """The group run's reader: it reads the group's slot while it holds the group's reading (else the sensor)."""
         log, read = self.host.log, self.host.read
         if read is None:
             return
@@ -312,7 +273,7 @@ class GroupDelivery:
                     if conn is None:
                         conn = dbconn.connect(self.database_url, autocommit=True,
                                               application_name=f"pgstream group reader {self.host.run_id}")
-                    if not locks.claim_group_reading(conn, self.group, reader_name(self.host.run_id)):
+                    if not locks.claim_group_reading(conn, self.group, f"group delivery run {self.host.run_id}"):
                         self._reading_ends.wait(READ_RETRY_SECS)
                         continue
                     if told is not None:
@@ -347,10 +308,8 @@ class GroupDelivery:
         finally:
             self.host.read_ends()
             if conn is not None:
-                try:
+                with suppress(psycopg.Error):
                     locks.release_group_reading(conn, self.group)
-                except psycopg.Error:
-                    pass
                 conn.close()
 
     def _stop(self, reason: str) -> None:
@@ -363,13 +322,11 @@ class GroupDelivery:
     def _wait(self, lease: psycopg.Connection, channels: dict[str, int], secs: float) -> None:
         """Up to ``secs``, waking each member whose run channel is notified (batches handed to its run)."""
         for notify in lease.notifies(timeout=secs):
-            stream_id = channels.get(notify.channel)
-            if stream_id is not None:
+            if (stream_id := channels.get(notify.channel)) is not None:
                 self._wake[stream_id].set()
 
     def _watch(self, lease: psycopg.Connection) -> None:
-        """One query for the whole group: wake each member whose ledger row moved; its run looks at the
-        ledger only then (and every ``WOKEN_POLL_SECS``), not twice a second."""
+        """Wake each member whose ledger row moved (one query): its run looks at the ledger only then."""
         signals = groups.member_signals(lease, self.group)
         for stream_id, row in signals.items():
             if stream_id in self._wake and self._signals.get(stream_id) != row:
@@ -387,8 +344,7 @@ class GroupDelivery:
         return wake
 
     def _reap(self) -> None:
-        for stream_id in [s for s, m in self._members.items() if not m.is_alive()]:
-            del self._members[stream_id]
+        self._members = {s: m for s, m in self._members.items() if m.is_alive()}
 
     def _member(self, stream: StreamConfig, order: groups.MemberRun) -> None:
         """One member's run, in its own thread: its failure ends only this thread."""

@@ -1,5 +1,5 @@
-"""The queries every reader of ``pgstream.events`` runs (the run's connection, the replay's, Spark's data
-sources on the executors) and the byte budget a read is cut at (:func:`cut`); no Spark, no Dagster here."""
+"""The queries every reader of ``pgstream.events`` runs (the run's connection, the replay's, Spark's data sources on
+the executors) and the byte budget a read is cut at (:func:`cut`); no Spark, no Dagster here."""
 
 from __future__ import annotations
 
@@ -17,17 +17,14 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-#: events per Spark partition (``delivery.rows_per_partition``'s default)
-ROWS_PER_PARTITION = 50_000
-#: rows per server-side cursor FETCH, and per packed row
-FETCH_ROWS = 5_000
+ROWS_PER_PARTITION = 50_000  # events per Spark partition (``delivery.rows_per_partition``'s default)
+FETCH_ROWS = 5_000  # rows per server-side cursor FETCH, and per packed row
 
 
 # A batch's events, each looked up by its id on the primary key (id, created_at) in a subquery planned on its own
-# (``offset 0``: not flattened into a join), whatever the statistics say. Joined, a day partition not analyzed yet
-# (a new day, or one filled faster than autovacuum analyzes it) was scanned whole and hashed for every read: 10.6 s
-# for 5,000 events of a 2M-event day instead of 0.05 s (bench/sustained.py, statement mode: delivery stalled until
-# autovacuum's analyze). ``e.stream_id + 0``: never served by events_stream_created_idx, which with stale statistics
+# (``offset 0``: not flattened into a join) whatever the statistics say: joined, a day partition not analyzed yet
+# was scanned whole and hashed for every read (10.6 s for 5,000 events of a 2M-event day instead of 0.05 s:
+# bench/sustained.py). ``e.stream_id + 0``: never served by events_stream_created_idx, which with stale statistics
 # scanned the stream's whole day per event (bench/cpu.py: a 10k batch 4.74 s instead of 0.20 s).
 _BATCH_EVENTS = """\
 from pgstream.batches b
@@ -55,10 +52,9 @@ select o.ord, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
        coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
 """ + _BATCH_SPAN
 
-#: :data:`BATCH_QUERY` cut at a byte budget by the server, in one pass: every event comes with its sizes, but
-#: with its payload, metadata and routing key only if it ``fits`` (payload at most ``limit`` bytes, a null
-#: limit: any; the running total at most ``budget``, the first eligible one whatever its size); the rest are
-#: read next by :class:`.sources.TableSource`, in pieces cut by their sizes
+#: :data:`BATCH_QUERY` cut at a byte budget by the server, in one pass: every event comes with its sizes, but with
+#: its payload and metadata only if it ``fits`` (payload at most ``limit`` bytes, a null limit: any; the running
+#: total at most ``budget``, the first eligible one whatever its size); the rest are read next, in pieces
 BATCH_QUERY_BOUNDED = """
 select w.batch_id, w.ord, w.id, w.stream_id, w.created_at,
        case when w.fits then w.payload::pg_catalog.text end,
@@ -81,17 +77,15 @@ from (select z.*,
 order by w.ord
 """  # noqa: S608 (constant fragments; every value a parameter)
 
-#: bytes of payload and metadata one read holds at most, unless one event is larger (``tuning.max_read_bytes``)
-READ_BYTES = 32 * 2**20
+READ_BYTES = 32 * 2**20  # bytes of payload and metadata one read holds at most, unless one event is larger
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """Positions ``lo..hi`` (ordinals of a batch, or event ids) to read at once: within the byte budget."""
+    """Positions ``lo..hi`` (ordinals, or event ids) to read at once, within the byte budget (``size`` bytes)."""
 
     lo: int
     hi: int
-    #: bytes of payload and metadata of its events
     size: int = 0
 
 
@@ -117,8 +111,7 @@ def cut(sizes: Iterable[tuple[int, int, int, int]], lo: int, hi: int, budget: in
 
 
 def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budget: int) -> list[tuple[Span, int]]:
-    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes (one event at least), with their
-    bytes, in order, by the sizes the server gives (:data:`BATCH_SIZES`: nothing of the events is sent)."""
+    """``spans`` in pieces of at most ``rows`` ordinals and ``budget`` bytes (one event at least), with their bytes."""
     pieces: list[tuple[Span, int]] = []
     for whole in spans:
         for span in whole.split(max(rows, 100_000)):  # (a query per 100,000 sizes at most)
@@ -130,8 +123,7 @@ def sized_spans(conn: psycopg.Connection, spans: Sequence[Span], rows: int, budg
 
 
 def events_where(params: Mapping[str, Any]) -> str:
-    """The filter of a replay's selection (``params``, shared with ``replay.plan``): the stream and id range,
-    and time bounds and subscription keys only where ``params`` give them."""
+    """The filter of a replay's selection (``params``, shared with ``replay.plan``)."""
     tests = ["e.stream_id = %(stream_id)s", "e.id between %(lo)s and %(hi)s"]
     if params.get("from_time") is not None:
         tests.append("e.created_at >= %(from_time)s::timestamptz")
@@ -144,37 +136,29 @@ def events_where(params: Mapping[str, Any]) -> str:
 
 def events_query(params: Mapping[str, Any]) -> str:
     """The events of a replay's selection (:func:`events_where`), a range of ids at a time."""
-    return """
-select 0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
+    return _select_events("""0::bigint, e.id, e.id, e.stream_id, e.created_at, e.payload::text, e.metadata::text,
        (case when %(routing_source)s::text = 'metadata' then e.metadata else e.payload end) #>> %(path)s::text[]
-           as routing_key
-from pgstream.events e
-where """ + events_where(params) + """
-order by e.id
-"""
+           as routing_key""", params)
 
 
 def events_sizes(params: Mapping[str, Any]) -> str:
     """:data:`BATCH_SIZES` for a replay's selection: positions are event ids."""
-    return """
-select e.id, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
-       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)
-from pgstream.events e
-where """ + events_where(params) + """
-order by e.id
-"""
+    return _select_events("""e.id, e.id, pg_catalog.octet_length(e.payload::pg_catalog.text),
+       coalesce(pg_catalog.octet_length(e.metadata::pg_catalog.text), 0)""", params)
+
+
+def _select_events(columns: str, params: Mapping[str, Any]) -> str:
+    return "\nselect " + columns + "\nfrom pgstream.events e\nwhere " + events_where(params) + "\norder by e.id\n"
 
 
 def routing_params(routing_key: str) -> dict[str, Any]:
-    """The query parameters of the routing key (``delivery.routing_key``, an event path): the column it
-    reads (payload, or metadata for ``metadata:...``) and its path."""
+    """The query parameters of ``delivery.routing_key``: the column it reads (payload, metadata) and its path."""
     source, dotted = parse_event_path(routing_key)
     return {"routing_source": source, "path": dotted.split(".")}
 
 
 def in_turn(calls: Iterable[Callable[[], _T]], prefetch: bool = True) -> Generator[_T, None, None]:
-    """The results of ``calls`` (taken as they are needed), in order, each made in a thread; ``prefetch``: the
-    next call is made while the caller consumes the current result, else once it asks for the next."""
+    """The results of ``calls``, in order, each made in a thread; ``prefetch``: the next one while this one is used."""
     pending = iter(calls)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgstream-prefetch") as pool:
         call = next(pending, None)

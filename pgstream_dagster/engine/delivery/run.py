@@ -1,11 +1,7 @@
 """A delivery run, without Dagster: a stream's consecutive ledger batches delivered in order through its sink,
-open (mode ``open``) for what commits next. :meth:`DeliveryRun.start` takes the lease and checks the
-batches; :meth:`DeliveryRun.deliver` opens the sink once and delivers round after round from
-:func:`.sources.choose_source`'s source, writing each confirmation to the ledger before publishing more
-(:class:`RoundReport` per round, :class:`DeliveryError`). Open, it waits for batches (:class:`OpenRun`) until
-open ``tuning.max_run_secs``, paused, in failover, a replay waiting or :attr:`Host.stop_check`; rounds are told
-through :attr:`Host.report` (:class:`Summary`).
-"""
+round after round (each confirmation written to the ledger before more is published), then, mode ``open``, what
+commits next (:class:`OpenRun`) until ``tuning.max_run_secs``, a pause, failover, a replay or
+:attr:`Host.stop_check`; rounds are told through :attr:`Host.report` (:class:`Summary`)."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,19 +53,16 @@ class DeliveryError(RuntimeError):
 
 
 class LedgerConnectionBroken(DeliveryError):
-    """The run's ledger connection broke mid-round (the database went away, or that connection): says nothing
-    of the sink."""
+    """The run's ledger connection broke mid-round: says nothing of the sink."""
 
 
 @dataclass(frozen=True)
 class RoundReport:
-    """One round delivered: its batches, the events handled (confirmed, or set aside), and when its
-    read started (``time.monotonic()``)."""
+    """One round delivered: its batches, the events handled, when its read started, its source's class."""
 
     batches: list[state.Batch]
     delivered: int
     started: float
-    #: the source it was read from (:class:`.sources.Route`'s value)
     route: str
 
 
@@ -86,36 +79,27 @@ class Summary:
     events: int
     kinds: list[str]
     duration_secs: float
-    #: the slowest round's first batch: commit -> delivered
-    max_lag_secs: float | None
+    max_lag_secs: float | None  # the slowest round's first batch: commit -> delivered
 
 
 @dataclass(frozen=True)
 class Host:
-    """What the run needs from whoever runs it."""
+    """What the run needs from whoever runs it; ``run_id`` marks its batches and names its connections."""
 
-    #: the run's id (what marks its batches, names its connections)
     run_id: str
     log: Log
-    #: the Spark session, started when a round first goes to Spark
-    spark: SparkLoader | None = None
-    #: a reason to close the open run that only the host knows (None: none), asked about once a second
-    stop_check: Callable[[], str | None] = lambda: None
-    #: told what the rounds delivered (:class:`Summary`)
-    report: Callable[[Summary], None] = lambda _summary: None
-    #: how the host names its control job (an error tells the operator to use it)
-    control: str = "the control job"
-    #: waits up to the given seconds for a sign that the open run's ledger moved (true if one came); None: the
-    #: run listens on its own connection and polls the ledger about twice a second
+    spark: SparkLoader | None = None  # the Spark session, started when a round first goes to Spark
+    stop_check: Callable[[], str | None] = lambda: None  # a reason to close only the host knows (asked once a second)
+    report: Callable[[Summary], None] = lambda _summary: None  # told what the rounds delivered (:class:`Summary`)
+    control: str = "the control job"  # how the host names its control job (an error tells the operator to use it)
+    #: waits up to the given seconds for a sign the ledger moved (true: one came); None: the run listens and polls
     wake: Callable[[float], bool] | None = None
-    #: how often the rounds are reported at most (None: the stream's ``tuning.report_every_secs``)
-    report_every_secs: float | None = None
+    report_every_secs: float | None = None  # reported at most this often (None: ``tuning.report_every_secs``)
 
 
 @dataclass
 class DeliveryRun:
-    """A run of ``stream``: ``batch_id`` .. ``through_batch_id`` (``batch_id`` None: a warm run, mode
-    ``open`` with nothing open, open for what commits; ``run_key``: the open run it is, when it has no batch)."""
+    """A run of ``stream``: ``batch_id`` .. ``through_batch_id``, or (None) a warm run: the open run ``run_key``."""
 
     stream: StreamConfig
     database_url: str
@@ -126,17 +110,15 @@ class DeliveryRun:
     run_key: str | None = None
     batches: list[state.Batch] = field(default_factory=list)
     started: float = 0.0
-    #: where the run holds its lease and does its ledger work (None: a connection of its own)
-    connections: locks.RunConnections | None = None
-    #: what its group run's reader recorded for it, in memory (``engine.handoff``; None: every round is read)
-    handoff: Handoff | None = None
+    connections: locks.RunConnections | None = None  # where it holds its lease and does ledger work (None: its own)
+    handoff: Handoff | None = None  # what its group run's reader recorded for it (None: every round is read)
 
     def __post_init__(self) -> None:
         self.ledger: locks.RunConnections = self.connections or locks.OwnConnection(self.database_url)
 
     def start(self, log: Log) -> DeliveryRun:
-        """Take the stream's delivery lease (waiting for a replay that holds it) and check the batches
-        may run; raises :class:`DeliveryError` (the lease given up) or :class:`~..ledger.locks.LeaseTaken`."""
+        """Take the stream's delivery lease (waiting for a replay that holds it) and check the batches may run;
+        raises :class:`DeliveryError` (the lease given up) or :class:`~..ledger.locks.LeaseTaken`."""
         stream_id = self.stream.id
         self.started = time.monotonic()
         self.ledger.take_lease(stream_id, self.run_id,
@@ -146,16 +128,13 @@ class DeliveryRun:
             log.info(f"stream {stream_id}: open run, ready for what commits")
             return self
         try:
-            last = self.through_batch_id or self.batch_id
             with self.ledger.connection() as conn:
-                batches = state.batches_between(conn, stream_id, self.batch_id, last)
+                batches = state.batches_between(conn, stream_id, self.batch_id, self.through_batch_id or self.batch_id)
                 if not batches or batches[0].id != self.batch_id:
                     raise DeliveryError(f"batch {self.batch_id} of stream {stream_id} does not exist")
-                done = [b.id for b in batches if not b.status.is_open]
-                if done:
+                if done := [b.id for b in batches if not b.status.is_open]:
                     raise DeliveryError(f"batches {done} of stream {stream_id} are already delivered or skipped")
-                earlier = state.earlier_open(conn, stream_id, self.batch_id)
-                if earlier is not None:
+                if (earlier := state.earlier_open(conn, stream_id, self.batch_id)) is not None:
                     raise DeliveryError(f"batch {self.batch_id} would overtake open batch {earlier} of stream "
                                         f"{stream_id}; batches are delivered in order")
         except BaseException:
@@ -165,13 +144,11 @@ class DeliveryRun:
         return self
 
     def give_back(self) -> list[int]:
-        """The run was interrupted (a shutdown) and has ended: the batches it held go back to pending
-        (``state.give_back``), on a connection of its own (the lease's ended with the run); those batches."""
+        """After a shutdown ended the run: the batches it held go back to pending, on a connection of its own."""
         run_key = self.batches[0].run_key if self.batches else self.run_key
         if not run_key:
             return []
-        with dbconn.connect(self.database_url, autocommit=True, application_name=locks.lease_name(self.run_id)) \
-                as conn:
+        with dbconn.connect(self.database_url, autocommit=True, application_name=locks.lease_name(self.run_id)) as conn:
             return state.give_back(conn, self.stream.id, run_key)
 
     def deliver(self, host: Host) -> Generator[RoundReport, None, None]:
@@ -188,18 +165,19 @@ class DeliveryRun:
                 state.listen_runs(conn, stream.id)
         run_key = run_key or ""
         # the lease is given up when the run ends; the sink serves every round (by_key: the tasks' own sinks)
-        with fewer_collections(), _leasing(ledger, stream.id), build_sink(stream.sink) as sink:
+        with fewer_collections(), ExitStack() as leasing:
+            leasing.callback(ledger.give_up_lease, stream.id)
+            sink = leasing.enter_context(build_sink(stream.sink))
             open_run = OpenRun(host, ledger, stream, run_key)
             reports = Reports(host, stream)
             batches, started = direct_round(stream, self.batches), self.started
+            after, more = 0, len(batches) < len(self.batches)
             if batches:
                 total = sum(b.event_count for b in batches)
                 kinds = ", ".join(sorted({b.kind for b in batches}))
-                rest = (f"; the other {len(self.batches) - len(batches)} batches in the next rounds"
-                        if len(self.batches) > len(batches) else "")
+                rest = f"; the other {len(self.batches) - len(batches)} batches in the next rounds" if more else ""
                 host.log.info(f"stream {stream.id}: {len(batches)} batches {batches[0].id}..{batches[-1].id}, "
                               f"{total} events ({kinds}){rest}")
-            after, more = 0, len(batches) < len(self.batches)
             try:
                 while True:
                     if batches:
@@ -215,8 +193,7 @@ class DeliveryRun:
                             except state.StreamPaused:
                                 waiting = state.give_back(conn, stream.id, run_key)
                                 host.log.info(f"stream {stream.id} paused: the run stopped publishing and closed; "
-                                              f"{waiting_batches(waiting)} for `pgstream-dagster resume "
-                                              f"{stream.id}`")
+                                              f"{waiting_batches(waiting)} for `pgstream-dagster resume {stream.id}`")
                                 return
                         done = RoundReport(batches, delivered, started, type(source).__name__)
                         reports.add(done)
@@ -229,8 +206,7 @@ class DeliveryRun:
                     more = len(batches) < len(handed)  # the rest was handed over already: the next round's
                     if not batches:
                         break
-                    earlier = open_run.earlier_open  # (of the first batch handed over, read with it)
-                    if earlier is not None:  # only what is next in line is handed over; never overtake
+                    if (earlier := open_run.earlier_open) is not None:  # (read with the batches): never overtake
                         raise DeliveryError(f"batch {batches[0].id} would overtake open batch {earlier} of "
                                             f"stream {stream.id}")
                     started = time.monotonic()
@@ -238,17 +214,8 @@ class DeliveryRun:
                 reports.flush()  # what was delivered before the run ended, however it ended
 
 
-@contextmanager
-def _leasing(ledger: locks.RunConnections, stream_id: int) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        ledger.give_up_lease(stream_id)
-
-
 def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state.Batch]:
-    """A run's next round of ``batches`` (ordering global): the first of them up to ``direct_max_events`` events
-    (one batch at least), read without Spark; the rest in the next rounds (bench/sustained.py)."""
+    """The first ``batches`` up to ``direct_max_events`` events (one at least; ordering global; bench/sustained.py)."""
     limit = stream.delivery.direct_max_events
     if stream.delivery.ordering != "global" or limit <= 0:
         return batches
@@ -261,8 +228,7 @@ def direct_round(stream: StreamConfig, batches: list[state.Batch]) -> list[state
 
 
 def dead_letters(stream: StreamConfig, database_url: str, token: str | None = None) -> deadletters.DeadLetterWriter:
-    """The stream's dead-letter writer: what ``on_reject: dead_letter`` sets aside, and events too large for
-    the sink whatever ``on_reject`` says. ``token``: a by_key round's delivery token."""
+    """What ``on_reject: dead_letter`` sets aside, and events too large for the sink whatever ``on_reject`` says."""
     return deadletters.DeadLetterWriter(database_url, stream.id, stream.sink.type,
                                         resumes=stream.delivery.ordering == "global", token=token)
 
@@ -288,24 +254,22 @@ class _Round:
         self.ledger = ledger  # (the lease's session: only the lease's holder is given a by_key round's token)
         # what runs on the executors (by_key tasks) connects with the executors' URL, what runs here with the runtime's
         self.database_url = executor_url if stream.delivery.ordering == "by_key" else database_url
-        # what the run owes of them: global order resumes after what the sink confirmed (``by_key`` reads every
-        # event, its tasks skip what ``pgstream.key_progress`` holds)
+        # global order resumes after what the sink confirmed (by_key tasks skip what ``key_progress`` holds)
         self.owed = owed_spans(batches, resume=stream.delivery.ordering == "global")
         self.expected = {span.batch_id: span.events for span in self.owed}
 
     def deliver(self, source: Source) -> int:
         """The events handled (confirmed, or set aside). Once ``conn`` is broken (``recording``) the run stops
         before the sink's next request: nothing it confirms could be recorded."""
-        recording = self.recording
         try:
             return self._deliver(source)
         except state.LeaseLost as exc:
             raise DeliveryError(str(exc)) from None
         except (psycopg.Error, SinkError):
-            if recording():  # the connection still answers: not what stopped the run
+            if self.recording():  # the connection still answers: not what stopped the run
                 raise
             raise LedgerConnectionBroken(
-                f"stream {self.stream.id}: the run's ledger connection is broken ({recording.broken}): what the "
+                f"stream {self.stream.id}: the run's ledger connection is broken ({self.recording.broken}): what the "
                 f"sink confirms can no longer be recorded, so the run stopped publishing; the next run resumes "
                 f"after the last confirmation recorded") from None
 
@@ -329,15 +293,13 @@ class _Round:
         missing, dead = state.round_outcome(conn, stream.id, batch_ids)
         if missing:
             raise DeliveryError(f"batches {missing} had no events in pgstream.events; refusing to mark them delivered")
-        set_aside = dead - len(skip)  # (the round skipped those set aside before it)
-        if set_aside:
+        if set_aside := dead - len(skip):  # (the round skipped those set aside before it)
             self.host.log.warning(
                 f"stream {stream.id}: {set_aside} events were rejected by the sink or larger than it can ever take "
                 f"and set aside as dead letters (pgstream-dagster dead-letters list {stream.id})")
         return delivered
 
     def _mark_delivered(self, batch_id: int, handled: int) -> None:
-        """Every event the run owed of the batch was handled: mark it delivered."""
         if handled != self.expected[batch_id]:
             raise DeliveryError(f"batch {batch_id}: {self.expected[batch_id]} events were owed but {handled} "
                                 f"were handled; refusing to mark it delivered")
@@ -345,18 +307,15 @@ class _Round:
             raise DeliveryError(f"batch {batch_id} was already marked delivered by another run")
 
     def _in_order(self, source: Any, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None) -> int:
-        """Global order: the run records each step the publish loop yields before it publishes more; the
-        events handled. A long round logs its progress every tenth, at most every ``report_every_secs``."""
+        """Global order: each step recorded before more is published; the events handled (progress logged)."""
         stream, conn = self.stream, self.conn
-        total = sum(self.expected.values())
-        chunk_size = stream.delivery.chunk_size
+        total, chunk_size = sum(self.expected.values()), stream.delivery.chunk_size
         step = max(chunk_size, total // 10)
         next_log, delivered = step, 0
-        every = stream.delivery.tuning.report_every_secs
-        logged_at = time.monotonic()
+        every, logged_at = stream.delivery.tuning.report_every_secs, time.monotonic()
         too_large = dead_letters(stream, self.database_url).too_large
-        # a sink keyed by ledger positions (the lake sinks) gets a former primary's events by id: after a failover
-        # the new primary's ledger holds some of them in batches the old one never had
+        # a sink keyed by ledger positions (the lakes) gets a former primary's events by id: after a failover the
+        # new primary's ledger holds some of them in batches the old one never had
         ended_below = replication.timeline_floor(conn) if getattr(self.sink, "accepts_positions", False) else 0
         # each publish call holds the stream row against a pause (``state.publishing``): none after one
         with closing(publish_in_order(source, self.sink, chunk_size, skip=skip, reject=reject, owed=self.owed,
@@ -379,16 +338,14 @@ class _Round:
 
     @contextmanager
     def _publishing(self) -> Iterator[None]:
-        """A publish call's gate (``state.publishing``): the connection has just answered its statement, so
-        the sink's first request does not ask it again (``RecordingCheck``)."""
+        """A publish call's gate (``state.publishing``): the connection has just answered (``RecordingCheck``)."""
         with state.publishing(self.conn, self.stream.id, self.host.run_id):
             self.recording.answered()
             yield
 
     def _by_key(self, source: KeyedSource, skip: frozenset[tuple[int, int]], reject: RejectPolicy | None,
                 token: str) -> int:
-        """Per routing key, on the executors (each task with its own sink and ``pgstream.key_progress``); each
-        batch marked delivered once every task is done and the counts add up. The events handled."""
+        """Per routing key, on the executors; each batch marked delivered once the tasks' counts add up."""
         from .. import spark
 
         stream, conn, expected = self.stream, self.conn, self.expected
@@ -448,18 +405,14 @@ def vanished_error(conn: psycopg.Connection, stream_id: int, batch_ids: list[int
         metadata={"vanished_event_ids": ids[:1000]})
 
 
-#: a run its host wakes (:attr:`Host.wake`) still looks at the ledger this often (what the host does not watch)
-WOKEN_POLL_SECS = 5.0
-
+WOKEN_POLL_SECS = 5.0  # a run its host wakes still looks at the ledger this often (what the host does not watch)
 
 _freeze_lock = threading.Lock()
-#: set once a run of this process froze what the process holds
-_frozen_process = threading.Event()
+_frozen_process = threading.Event()  # set once a run of this process froze what the process holds
 
 
 def _freeze_once() -> None:
-    """A full collection, then what survives it is left out of later ones (``gc.freeze``): the first
-    time a run of this process goes idle, not again for each run."""
+    """A full collection, then what survives it is left out of later ones (``gc.freeze``): once a process."""
     with _freeze_lock:
         if _frozen_process.is_set():
             return
@@ -469,29 +422,24 @@ def _freeze_once() -> None:
 
 
 class OpenRun:
-    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for those handed to it until it closes
-    (see the module; a replay waits however launched: :func:`~..ledger.locks.acquire_replay_lease`). A run of mode
-    per_batch, or a catch-up run, closes once nothing more was handed to it."""
+    """Keeps a run open after its batches (sql/010_open_runs.sql), waiting for those handed to it until it closes."""
 
     def __init__(self, host: Host, ledger: locks.RunConnections, stream: StreamConfig, run_key: str) -> None:
         self.host, self.ledger, self.stream, self.run_key = host, ledger, stream, run_key
         self.opened = time.monotonic()
         self._frozen = not stream.delivery.keeps_open
-        #: the stream's oldest open batch before the first batch :meth:`next_batches` returned (None: none)
-        self.earlier_open: int | None = None
+        self.earlier_open: int | None = None  # the oldest open batch before the first next_batches returned
         self._looked = False
 
     def next_batches(self, after: int, *, more: bool = False) -> list[state.Batch]:
-        """The batches assigned to the run after batch ``after``; empty once the run is closed. ``more``: some
-        were assigned already (the last round took part of what it was handed): looked up at once, not once
-        woken."""
+        """The batches assigned to the run after batch ``after``; empty once the run is closed. ``more``: the last
+        round took part of what it was handed: looked up at once, not once woken."""
         stays, max_run_secs = self.stream.delivery.keeps_open, self.stream.delivery.tuning.max_run_secs
         if not self._frozen:
             # frozen once per process, after the first round: what the process holds stops being scanned
             _freeze_once()
             self._frozen = True
-        checked_at = 0.0
-        wake = self.host.wake
+        wake, checked_at = self.host.wake, 0.0
         woken, polled_at = True, 0.0
         if wake is not None and self._looked and not more and not wake(0.0):
             # a run its host wakes looks again only once woken, or at its safety interval
@@ -537,8 +485,7 @@ class OpenRun:
 
 
 class Reports:
-    """What the rounds delivered, told to the host (:class:`Summary`): the first round at once, later ones
-    together at most every ``tuning.report_every_secs`` and at the end (not an event-log entry per event)."""
+    """What the rounds delivered: the first at once, later ones together every ``report_every_secs``, the end."""
 
     def __init__(self, host: Host, stream: StreamConfig) -> None:
         self.host, self.stream = host, stream
@@ -555,7 +502,6 @@ class Reports:
 
     def add(self, done: RoundReport) -> None:
         batches = done.batches
-        now = dt.datetime.now(dt.UTC)
         if self.first is None:
             self.first, self.started = batches[0], done.started
         self.last = batches[-1]
@@ -564,7 +510,7 @@ class Reports:
         self.events += done.delivered
         self.rounds += 1
         if batches[0].first_commit_at is not None:
-            lag = (now - batches[0].first_commit_at).total_seconds()
+            lag = (dt.datetime.now(dt.UTC) - batches[0].first_commit_at).total_seconds()
             self.max_lag = lag if self.max_lag is None else max(self.max_lag, lag)
         every = self.host.report_every_secs or self.stream.delivery.tuning.report_every_secs
         if time.monotonic() - self.reported_at >= every:

@@ -1,11 +1,5 @@
-"""Where a delivery's events come from: the :class:`EventSource` interface, its sources by route (``table``:
-:class:`TableSource`, a round of at most ``direct_max_events`` read by the run's connection; ``spark``:
-:class:`SparkSource`; ``by_key``: :class:`KeyedSource`, published by the Spark tasks per routing key;
-``range``: :class:`RangeSource`, a replay read by the run's connections; ``lines``: :class:`LinesSource`, JSON
-lines rendered by Postgres; ``letters``: :class:`DeadLetterSource`), and the **one** choice among them for a
-round, a replay and a redelivery (:func:`route`, :func:`choose_source`). No Dagster; Spark only behind the
-host's :data:`SparkLoader`, started when a round first goes to Spark.
-"""
+"""Where a delivery's events come from: a source per :class:`Route`, and the **one** choice among them for a round,
+a replay and a redelivery (:func:`route`, :func:`choose_source`). No Dagster; Spark only behind :data:`SparkLoader`."""
 
 from __future__ import annotations
 
@@ -58,25 +52,21 @@ SparkLoader: TypeAlias = "Callable[[], SparkSession]"
 
 
 class EventSource(Protocol):
-    """Events in delivery order, each with its position ``(batch_id, ord)`` (a replay: ``(0, id)``),
-    or a :class:`~..publish.TooLarge` in place of one that is never read."""
+    """Events in delivery order at their positions (a replay: ``(0, id)``), or a ``TooLarge`` in one's place."""
 
     def events(self) -> Iterator[Positioned]: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class TableSource:
-    """Route ``table``: ``spans`` read by the run's own connection with the Spark source's query (a Spark job
-    costs 0.1-0.3 s and half a CPU-second whatever its size: bench/cpu.py); a span the group run's reader
-    handed over in memory (``handoff``, :mod:`..handoff`) is taken from there instead."""
+    """Route ``table``: ``spans`` (a round of at most ``direct_max_events``) read by the run's own connection (a
+    Spark job costs 0.1-0.3 s and half a CPU-second whatever its size: bench/cpu.py), or taken from ``handoff``."""
 
     conn: psycopg.Connection
     spans: Sequence[Span]
     routing_key: str
-    #: bytes of payload and metadata one read holds at most (one event at least): ``delivery.tuning.max_read_bytes``
-    read_bytes: int = READ_BYTES
-    #: an event whose payload is larger is not read (:class:`~..publish.TooLarge`): the sink's ``max_event_bytes()``
-    event_bytes: int | None = None
+    read_bytes: int = READ_BYTES  # one read's bytes at most (one event at least): ``tuning.max_read_bytes``
+    event_bytes: int | None = None  # a larger payload is not read (``TooLarge``): the sink's ``max_event_bytes()``
     handoff: Handoff | None = None
 
     def events(self) -> Iterator[Positioned]:
@@ -115,21 +105,18 @@ class TableSource:
 
 @dataclasses.dataclass(frozen=True)
 class RangeSource:
-    """Route ``range``: a replay's id ``ranges`` (:func:`~pgstream_dagster.engine.replay.plan`), each read whole
-    with the Spark source's query (``params``) by a connection of its own while the one before is published."""
+    """Route ``range``: a replay's id ``ranges``, each read by a connection of its own while one is published."""
 
     database_url: str
     ranges: Sequence[tuple[int, int]]
     params: dict[str, Any]
     routing_key: str
-    #: as :class:`TableSource`'s: a range is read in pieces of at most this many bytes (one event at least)
-    read_bytes: int = READ_BYTES
+    read_bytes: int = READ_BYTES  # (as TableSource's)
     event_bytes: int | None = None
 
     def events(self) -> Iterator[Positioned]:
         if not self.ranges:
             return
-
         params = {**self.params, **routing_params(self.routing_key)}
         query, sizes = events_query(params), events_sizes(params)
         with dbconn.connect(self.database_url, autocommit=True, options="-c TimeZone=UTC",
@@ -139,8 +126,7 @@ class RangeSource:
                 return lambda: list(positioned(conn.execute(query, {**params, "lo": lo, "hi": hi}).fetchall()))
 
             def reads() -> Iterator[Callable[[], list[Positioned]]]:
-                """A read per range, or per piece of it within the byte budget (psycopg serialises the
-                sizes query with the read of the piece before, made meanwhile)."""
+                """A read per piece of a range within the byte budget (the next sizes query waits for it)."""
                 for lo, hi in self.ranges:
                     pieces = list(cut(conn.execute(sizes, {**params, "lo": lo, "hi": hi}).fetchall(), lo, hi,
                                       self.read_bytes, self.event_bytes))
@@ -158,8 +144,7 @@ class RangeSource:
 
 @dataclasses.dataclass(frozen=True)
 class SparkSource:
-    """Route ``spark``: packed single-partition DataFrames (:func:`..spark.load_batches` / ``load_events``)
-    collected one at a time; ``prefetch``: the next computed meanwhile (``tuning.prefetch_partitions``)."""
+    """Route ``spark``: packed single-partition DataFrames collected one at a time (``prefetch``: the next too)."""
 
     frames: list[DataFrame]
     prefetch: bool = True
@@ -172,16 +157,14 @@ class SparkSource:
 
 @dataclasses.dataclass(frozen=True)
 class KeyedSource:
-    """Route ``by_key``: one DataFrame the Spark tasks publish, per routing key
-    (:func:`..spark.deliver_by_key`); nothing comes to the driver but counts."""
+    """Route ``by_key``: one DataFrame the Spark tasks publish per routing key; only counts come to the driver."""
 
     frame: DataFrame
 
 
 @dataclasses.dataclass(frozen=True)
 class LinesSource:
-    """Route ``lines``: a replay to a sink that takes JSON lines (the file sink): Postgres renders each
-    event as the line the sink writes (:func:`..replay.deliver_lines`), nothing is parsed in Python."""
+    """Route ``lines``: a replay to a sink that takes JSON lines (the file sink), rendered by Postgres."""
 
     database_url: str
     params: dict[str, Any]
@@ -190,8 +173,7 @@ class LinesSource:
 
 @dataclasses.dataclass(frozen=True)
 class DeadLetterSource:
-    """Route ``letters``: open dead letters in delivery order, in chunks of at most ``chunk_size`` and
-    ``read_bytes`` bytes of payload (one at least), each chunk's payloads read by ``conn`` when due."""
+    """Route ``letters``: open dead letters in chunks of at most ``chunk_size`` and ``read_bytes`` (one at least)."""
 
     conn: psycopg.Connection
     letters: Sequence[DeadLetter]
@@ -211,7 +193,6 @@ class DeadLetterSource:
             start = end
 
     def _events(self, letters: list[DeadLetter]) -> list[Event]:
-        """The events of ``letters`` (listed without their payloads), their payloads read now."""
         if all(d.payload_bytes is None and d.payload_json for d in letters):  # listed with their payloads
             return [d.event() for d in letters]
         texts = {row[0]: row[1:] for row in self.conn.execute(
@@ -235,7 +216,7 @@ class Route(StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class Owed:
-    """A delivery round: what the run owes of its batches, in order (:func:`~..publish.owed_spans`)."""
+    """A delivery round: what the run owes of its batches, in order."""
 
     spans: Sequence[Span]
 
@@ -246,8 +227,7 @@ class Owed:
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    """A replay: the query parameters of :func:`~..replay.selection` and the id ranges of
-    :func:`~..replay.plan` (sized by :func:`range_size`; a ``lines`` replay walks them itself)."""
+    """A replay: the parameters of ``replay.selection`` and the id ranges of ``replay.plan`` (:func:`range_size`)."""
 
     params: dict[str, Any]
     ranges: Sequence[tuple[int, int]] = ()
@@ -263,27 +243,20 @@ class Letters:
 
 @dataclasses.dataclass(frozen=True)
 class Readers:
-    """What the host can read with."""
+    """What the host can read with; ``database_url``: the runtime's (the run's own reads)."""
 
-    #: the runtime's URL (the run's own reads)
     database_url: str
-    #: what Spark executors connect with
-    executor_url: str = ""
-    #: the run's own connection: a delivery round is read on it (without it every round goes to Spark)
-    conn: psycopg.Connection | None = None
-    #: the host's Spark session, started when first needed
-    spark: SparkLoader | None = None
-    #: the sink the events go to: whether it takes JSON lines, the largest event it takes
-    sink: Sink | None = None
-    #: what the group run's reader recorded, in memory (a round takes its batches from there first)
-    handoff: Handoff | None = None
+    executor_url: str = ""  # what Spark executors connect with
+    conn: psycopg.Connection | None = None  # the run's own: a round is read on it (else every round goes to Spark)
+    spark: SparkLoader | None = None  # the host's Spark session, started when first needed
+    sink: Sink | None = None  # the sink the events go to: whether it takes JSON lines, the largest event it takes
+    handoff: Handoff | None = None  # what the group run's reader recorded (a round takes its batches there first)
 
 
 def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: Readers) -> Route:
-    """The one choice of where events are read, for a round (``Owed``), a replay (``Selection``) and a
-    redelivery (``Letters``): ``by_key`` on Spark tasks; an ordered round by the run's connection up to
-    ``tuning.direct_max_events`` (else, mode ``per_batch`` without it, or 0: Spark); a replay as JSON lines
-    when the sink takes them, else by the run's connections (0: Spark); dead letters from their table."""
+    """Where a round (``Owed``), a replay (``Selection``) or a redelivery (``Letters``) is read: ``by_key`` on Spark
+    tasks; an ordered round by the run's connection up to ``tuning.direct_max_events`` (else, or 0: Spark); a
+    replay as JSON lines when the sink takes them, else by the run's connections (0: Spark)."""
     direct = delivery.direct_max_events
     if isinstance(want, Letters):
         return Route.LETTERS
@@ -300,8 +273,7 @@ def route(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: R
 
 def range_size(delivery: DeliveryConfig, readers: Readers) -> int:
     """The events per id range a replay is planned in: a read of the run's connections, or a Spark partition."""
-    chosen = route(delivery, Selection({}), readers)
-    return FETCH_ROWS if chosen is Route.RANGE else delivery.tuning.rows_per_partition
+    return FETCH_ROWS if route(delivery, Selection({}), readers) is Route.RANGE else delivery.tuning.rows_per_partition
 
 
 def choose_source(delivery: DeliveryConfig, want: Owed | Selection | Letters, readers: Readers) -> Source:
@@ -352,13 +324,11 @@ def publish_in_order(source: EventSource, sink: Sink, chunk_size: int, *, skip: 
                      reject: RejectPolicy | None = None, owed: Sequence[Span] | None = None,
                      too_large: SetAsideTooLarge | None = None, chunk_bytes: int = CHUNK_BYTES,
                      gate: Gate = contextlib.nullcontext, ended_below: int = 0) -> Deliveries:
-    """Global order: ``source``'s events published through the caller's ``sink`` by :func:`~..publish.publish`;
-    closing it closes the source's events in the caller's thread (a reader's prefetch waited for then)."""
+    """``publish`` of ``source``'s events; closing it closes them in the caller's thread (a prefetch waited for)."""
     events = source.events()
     try:
         yield from publish(sink, events, chunk_size, skip=skip, reject=reject, owed=owed, too_large=too_large,
                            chunk_bytes=chunk_bytes, gate=gate, ended_below=ended_below)
     finally:
-        close = getattr(events, "close", None)
-        if close is not None:
+        if (close := getattr(events, "close", None)) is not None:
             close()

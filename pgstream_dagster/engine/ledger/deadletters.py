@@ -1,6 +1,5 @@
-"""Dead letters in the ledger (sql/014_event_integrity.sql): a row of ``pgstream.dead_letters``
-(:class:`DeadLetter`), what delivery skips, events no longer in the table, and the writer that sets a
-rejected event aside. The operator's side (list, redeliver, discard) is ``engine/deadletters.py``."""
+"""Dead letters in the ledger (sql/014_event_integrity.sql): a row (:class:`DeadLetter`), what delivery skips, events
+no longer in the table, and the writer that sets a rejected event aside (the operator's side: engine/deadletters.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from ..batches import BatchStatus
 from ..publish import TooLarge
 from .state import mark_confirmed
 
-#: a dead letter's status (``pgstream.dead_letters.status``)
-Status = Literal["open", "redelivered", "discarded"]
+Status = Literal["open", "redelivered", "discarded"]  # a dead letter's status (``pgstream.dead_letters.status``)
 
 
 @dataclass(frozen=True)
@@ -43,12 +41,9 @@ class DeadLetter:
     resolved_by: str | None
     #: the batch its position is relative to: its own (deliver), or the last starting at or before its LSN (read)
     anchor_batch_id: int = 0
-    #: the first batch up to its position that is neither delivered nor skipped: it waits for it
-    waiting_for_batch: int | None = None
-    #: delivered events of the stream after its position (only :func:`get_dead_letter` computes it)
-    overtaken: int | None = None
-    #: listed without its payload: the bytes of its payload and metadata (``payload_json`` ``""``, or None)
-    payload_bytes: int | None = None
+    waiting_for_batch: int | None = None  # the first open batch up to its position: it waits for it
+    overtaken: int | None = None  # delivered events after its position (only ``get_dead_letter`` computes it)
+    payload_bytes: int | None = None  # listed without its payload: its bytes (``payload_json`` ``""``, or None)
 
     @property
     def payload(self) -> Any:
@@ -88,9 +83,6 @@ class DeadLetter:
                 f"{self.created_at:%Y-%m-%d %H:%M:%S%z}{resolved}: {excerpt(self.error, 120)}")
 
 
-# --- reading ------------------------------------------------------------------------------------
-
-
 def dead_letter_positions(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> frozenset[tuple[int, int]]:
     """The ``(batch_id, ord)`` of the events of ``batch_ids`` that have a dead letter: delivery skips them."""
     rows = conn.execute("select batch_id, ord from pgstream.dead_letters where stream_id = %s and batch_id = any(%s)",
@@ -99,8 +91,7 @@ def dead_letter_positions(conn: psycopg.Connection, stream_id: int, batch_ids: l
 
 
 def vanished(conn: psycopg.Connection, batch_ids: list[int]) -> list[tuple[int, int, int]]:
-    """``(batch_id, ord, event_id)`` of the events of ``batch_ids`` that are no longer in
-    ``pgstream.events`` (the join the delivery loader uses), in delivery order."""
+    """``(batch_id, ord, event_id)`` of the events of ``batch_ids`` no longer in ``pgstream.events``, in order."""
     return [(int(b), int(o), int(e)) for b, o, e in conn.execute(
         """select b.id, o.ord, o.id from pgstream.batches b
            cross join lateral unnest(b.event_ids) with ordinality as o(id, ord)
@@ -131,8 +122,7 @@ class DeadLetterWriter:
                      event.metadata_json, self.sink, error[:2000], attempts])
 
     def _write(self, batch_id: int, ord: int, error: str, attempts: int, insert: str, params: list[Any]) -> None:
-        """``insert`` the dead letter and move the confirmed prefix past it, in one transaction; a by_key
-        task's (``token``) through ``pgstream.set_aside_rejected`` instead (by_key does not resume)."""
+        """``insert`` it and move the confirmed prefix past it; a by_key task's through ``set_aside_rejected``."""
         with dbconn.connect(self.database_url, autocommit=True) as conn:
             if self.token is not None:
                 conn.execute("select pgstream.set_aside_rejected(%s, %s, %s, %s, %s, %s)",
@@ -144,8 +134,7 @@ class DeadLetterWriter:
                     mark_confirmed(conn, batch_id, ord)
 
     def known_good(self) -> Event | None:
-        """The stream's last event the sink confirmed and still in ``pgstream.events`` (or ``None``), which
-        the reject-storm guard sends again to tell a sink that refuses everything."""
+        """The stream's last event the sink confirmed still in ``pgstream.events`` (the reject-storm guard's)."""
         with dbconn.connect(self.database_url, autocommit=True) as conn:
             row = conn.execute(_KNOWN_GOOD, {"stream": self.stream_id, "delivered": BatchStatus.DELIVERED}).fetchone()
         if row is None:
@@ -154,8 +143,7 @@ class DeadLetterWriter:
         return event_from_text(event_id, stream_id, created_at.astimezone(dt.UTC), payload, metadata)
 
     def too_large(self, batch_id: int, ord: int, row: TooLarge) -> None:
-        """Record an event too large for the sink (:class:`~.publish.TooLarge`): the database copies its
-        payload and metadata from ``pgstream.events`` (the run never reads them); one attempt."""
+        """Record an event too large for the sink: the database copies its payload (the run never reads it)."""
         self._write(batch_id, ord, row.reason, 1,
                     """insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, event_created_at,
                                                           payload, metadata, sink, error, attempts)

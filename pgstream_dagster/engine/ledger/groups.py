@@ -1,6 +1,6 @@
-"""Reader groups (``pgstream.reader_groups``): streams sharing one slot and publication, read by the group's
-reader (:mod:`..ingest.group`). Membership, the publication and a hand-over go through the owner's functions
-(``sql/repeatable/27_reader_groups.sql``); the runtime writes only how far the group read and recorded."""
+"""Reader groups (``pgstream.reader_groups``): streams sharing one slot and publication (:mod:`..ingest.group`).
+Membership, the publication and a hand-over go through the owner's functions (sql/repeatable/27_reader_groups.sql);
+the runtime writes only how far the group read and recorded."""
 
 from __future__ import annotations
 
@@ -11,33 +11,27 @@ import psycopg
 
 from ..replication import PublicationTaken
 
-#: a member's declared reader: ``group:<name>`` (streams.slot_reader)
-GROUP_PREFIX = "group:"
+GROUP_PREFIX = "group:"  # a member's declared reader: ``group:<name>`` (streams.slot_reader)
 
 
-def group_reader(group: str) -> str:
-    """The declared reader of the members of ``group`` once they have joined."""
+def group_reader(group: str) -> str:  # the declared reader of its members once they have joined
     return f"{GROUP_PREFIX}{group}"
 
 
-def group_publication(group: str) -> str:
-    """The group's publication (``pgstream.group_publication_name``)."""
+def group_publication(group: str) -> str:  # (pgstream.group_publication_name)
     return f"pgstream_group_{group}"
 
 
 class GroupChange(RuntimeError):
-    """A stream was to leave its reader group, or move to another (not supported), or the group's
-    publication name is taken by another publication: one line naming it."""
+    """A stream was to leave or change its reader group (not supported), or the group's publication name is taken."""
 
 
 def _refused(exc: psycopg.Error) -> GroupChange:
-    message = (exc.diag.message_primary or str(exc)).removeprefix("pgstream: ")
-    return GroupChange(message)
+    return GroupChange((exc.diag.message_primary or str(exc)).removeprefix("pgstream: "))
 
 
 def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) -> str:
-    """The stream reads with ``group`` (``pgstream.register_group_member``: a new row is a member, one without
-    a group starts joining); the group's slot. Raises :class:`GroupChange` for another group's stream."""
+    """The stream reads with ``group`` (a new row joins at once); the group's slot. :class:`GroupChange`: refused."""
     try:
         with conn.transaction():
             row = conn.execute("select pgstream.register_group_member(%s, %s)", [stream_id, group]).fetchone()
@@ -51,26 +45,22 @@ def register_group_member(conn: psycopg.Connection, stream_id: int, group: str) 
 
 def register_missing_members(conn: psycopg.Connection, group: str,
                              stream_ids: list[int]) -> tuple[list[int], dict[int, str]]:
-    """Register the streams of ``stream_ids`` not yet in ``group`` (one query when all are); those registered and
-    those refused with their one line (``reader group <name>: stream <id> is left out: <why>``), tried again later."""
+    """Register the streams not yet in ``group``; those registered, and those refused with their one line."""
     known = {int(r[0]) for r in conn.execute("select id from pgstream.streams where reader_group = %s", [group])}
     added: list[int] = []
     refused: dict[int, str] = {}
     for stream_id in (i for i in stream_ids if i not in known):
         try:
             register_group_member(conn, stream_id, group)
+            added.append(stream_id)
         except (GroupChange, PublicationTaken) as exc:
             why = str(exc).removeprefix(f"stream {stream_id}: ")
             refused[stream_id] = f"reader group {group}: stream {stream_id} is left out: {why}"
-            continue
-        added.append(stream_id)
     return added, refused
 
 
 @dataclass(frozen=True)
-class Member:
-    """A stream of a group, as the database has it."""
-
+class Member:  # a stream of a group, as the database has it
     id: int
     slot_reader: str
     join_lsn: int | None  # while it hands over from its own slot (pgstream.begin_join); 0: a new stream
@@ -94,8 +84,7 @@ class Group:
     recovery_pending: bool
     recorded_through: int | None
     members: list[Member]
-    #: the point the group's slot was created at (``None``: not known, created before migration 033)
-    slot_lsn: int | None = None
+    slot_lsn: int | None = None  # where the group's slot was created (None: not known, before migration 033)
     #: the timeline it was created or taken on (migration 034: a synchronized copy promoted later is decided again)
     slot_timeline: int | None = None
 
@@ -106,16 +95,15 @@ def group_state(conn: psycopg.Connection, group: str) -> Group | None:
                        "slot_timeline from pgstream.reader_groups where name = %s", [group]).fetchone()
     if row is None:
         return None
-    members = [Member(int(r[0]), str(r[1]), None if r[2] is None else int(r[2]), str(r[3]), r[4])
+    members = [Member(int(r[0]), str(r[1]), r[2], str(r[3]), r[4])  # (bigint: an int or None)
                for r in conn.execute("select id, slot_reader, (join_lsn - '0/0')::bigint, slot, open_run_key "
                                      "from pgstream.streams where reader_group = %s order by id", [group])]
-    return Group(group, str(row[0]), bool(row[1]), None if row[2] is None else int(row[2]), members,
-                 None if row[3] is None else int(row[3]), row[4])
+    return Group(group, str(row[0]), bool(row[1]), row[2], members, row[3], row[4])
 
 
 def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None:
-    """The group's publication exists and filters on its members: ``'created'`` (it was missing),
-    ``'altered'`` or ``None``. Raises :class:`GroupChange` for one of that name that is not the group's."""
+    """The group's publication exists and filters on its members: ``'created'``, ``'altered'`` or ``None``
+    (:class:`GroupChange`: its name is another publication's)."""
     try:
         with conn.transaction():
             row = conn.execute("select pgstream.ensure_group_publication(%s)", [group]).fetchone()
@@ -125,8 +113,8 @@ def ensure_group_publication(conn: psycopg.Connection, group: str) -> str | None
 
 
 def begin_join(conn: psycopg.Connection, stream_id: int, group: str) -> int:
-    """The joining member hands over (``pgstream.begin_join``): its join position L. Refused
-    (``ObjectNotInPrerequisiteState``) while a transaction older than the publication's last change runs."""
+    """The joining member hands over: its join position L. Refused (``ObjectNotInPrerequisiteState``) while a
+    transaction older than the publication's last change runs."""
     with conn.transaction():
         row = conn.execute("select (pgstream.begin_join(%s, %s) operator(pg_catalog.-) '0/0')::bigint",
                            [stream_id, group]).fetchone()
@@ -135,8 +123,7 @@ def begin_join(conn: psycopg.Connection, stream_id: int, group: str) -> int:
 
 
 def finish_join(conn: psycopg.Connection, stream_id: int, group: str) -> None:
-    """The stream's own slot was drained to (and confirmed at) its join position, or is gone (recovered
-    from the table): it has joined ``group``."""
+    """The stream's own slot was drained to its join position, or is gone (recovered from the table)."""
     conn.execute("select pgstream.finish_join(%s, %s)", [stream_id, group])
 
 
@@ -164,8 +151,7 @@ def mark_group_consumed(conn: psycopg.Connection, group: str, through: dt.dateti
 
 
 def mark_members_consumed(conn: psycopg.Connection, group: str, through: dt.datetime) -> None:
-    """Everything committed before ``through`` has been read for each joined member (its
-    ``streams.consumed_through``, which partition retention reads)."""
+    """As :func:`mark_group_consumed`, for each joined member (``streams.consumed_through``: partition retention)."""
     conn.execute("update pgstream.streams set consumed_through = greatest(consumed_through, %s) "
                  "where reader_group = %s and slot_reader = 'group:' || reader_group and join_lsn is null "
                  "and consumed_through is distinct from greatest(consumed_through, %s)", [through, group, through])
@@ -179,8 +165,7 @@ def open_run_keys(conn: psycopg.Connection, group: str) -> dict[int, str | None]
 
 @dataclass(frozen=True)
 class MemberRun:
-    """A member's run the group's delivery run is to host: its head batch's (``batch_id`` ..
-    ``through_batch_id``, of ``run_key``) or, with nothing launched, its open run (``batch_id`` None)."""
+    """A member's run to host: its launched head's (``batch_id`` .. ``through_batch_id``), or its open run's."""
 
     stream_id: int
     run_key: str
@@ -189,8 +174,7 @@ class MemberRun:
 
 
 def member_runs(conn: psycopg.Connection, group: str) -> list[MemberRun]:
-    """The runs the group's members want hosted now (:class:`MemberRun`), in stream order: the stream
-    sensors decide them (a launched head, an open run); the group's delivery run hosts them."""
+    """The runs the group's members want hosted now (a launched head, an open run), in stream order."""
     rows = conn.execute(
         """select s.id, s.open_run_key, h.run_key, r.first_id, r.last_id
            from pgstream.streams s
@@ -213,8 +197,7 @@ def member_runs(conn: psycopg.Connection, group: str) -> list[MemberRun]:
 
 
 def member_signals(conn: psycopg.Connection, group: str) -> dict[int, tuple[object, ...]]:
-    """Per member, in one query: paused, its open run, a replay holding or waiting for its lease, its newest
-    launched batch; the group run wakes a member's run when its row changed."""
+    """Per member: paused, its open run, a replay holding or waiting for its lease, its newest launched batch."""
     return {int(r[0]): tuple(r[1:]) for r in conn.execute(
         """select s.id, s.paused, s.open_run_key, pgstream.lock_holder('replay', s.id) is not null,
                   (select max(b.id) from pgstream.batches b

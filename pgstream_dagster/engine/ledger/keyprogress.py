@@ -14,28 +14,24 @@ class RunGone(RuntimeError):
 
 
 class KeyProgress:
-    """Where each partition of a ``by_key`` round got to: per bucket (``pmod(hash(routing_key), partitions)``)
-    the position ``(batch_id, ord)`` through which every event is handled, written by the tasks themselves
-    after each confirmed chunk (a task's result reaches no driver when a task fails or the driver dies) and
-    read back by a retry (:meth:`read`): at most each task's chunk in flight is delivered twice. Picklable."""
+    """Where each partition of a ``by_key`` round got to: per bucket (``pmod(hash(routing_key), partitions)``) the
+    position through which every event is handled, written by the tasks after each confirmed chunk (a failed task's
+    result reaches no driver) and read back by a retry: each task's chunk in flight is sent twice at most. Picklable."""
 
     def __init__(self, database_url: str, stream_id: int, partitions: int, token: str | None = None) -> None:
         self.database_url, self.stream_id, self.partitions = database_url, stream_id, partitions
-        #: the round's delivery token (:func:`issue_delivery_token`): valid while its run holds the lease
-        self.token = token
+        self.token = token  # the round's (issue_delivery_token): valid while its run holds the lease
 
     def connect(self) -> psycopg.Connection:
         return dbconn.connect(self.database_url, autocommit=True, application_name="pgstream by_key task")
 
-    def read(self, conn: psycopg.Connection) -> dict[int, Position]:
-        """Per bucket: every event of it at a position up to this one is handled."""
+    def read(self, conn: psycopg.Connection) -> dict[int, Position]:  # per bucket
         rows = conn.execute("select bucket, batch_id, ord from pgstream.key_progress "
                             "where stream_id = %s and partitions = %s", [self.stream_id, self.partitions]).fetchall()
         return {int(b): (int(batch), int(o)) for b, batch, o in rows}
 
     def record(self, conn: psycopg.Connection, buckets: list[int], batch_id: int, ord: int) -> None:
-        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled (``pgstream.record_key_progress``, the
-        round's token); :class:`RunGone` once the run lost its lease, so abandoned tasks publish no more."""
+        """Every event of ``buckets`` up to ``(batch_id, ord)`` is handled; :class:`RunGone` once the lease is lost."""
         row = conn.execute("select pgstream.record_key_progress(%s, %s, %s, %s, %s)",
                            [self.token, self.partitions, buckets, batch_id, ord]).fetchone()
         if not (row and row[0]):
@@ -47,16 +43,14 @@ class KeyProgress:
 
 
 def issue_delivery_token(conn: psycopg.Connection, stream_id: int, run_id: str) -> str:
-    """A new delivery token of the stream for its round's Spark tasks, on run ``run_id``'s lease connection
-    ``conn``. Secret: the tasks' objects carry it, their ``repr`` never shows it."""
+    """A round's delivery token, on run ``run_id``'s lease connection. Secret: never in a task object's ``repr``."""
     row = conn.execute("select pgstream.issue_delivery_token(%s, %s)", [stream_id, run_id]).fetchone()
     assert row is not None and row[0]
     return str(row[0])
 
 
 def key_progress_partitions(conn: psycopg.Connection, stream_id: int, first_batch_id: int) -> int | None:
-    """The partition count of an interrupted ``by_key`` attempt at the batches from ``first_batch_id``
-    on (its resume points hold only for the same partitioning); None when there is none."""
+    """The partition count of an interrupted ``by_key`` attempt at the batches from ``first_batch_id`` on."""
     row = conn.execute("select partitions from pgstream.key_progress where stream_id = %s and batch_id >= %s "
                        "order by updated_at desc limit 1", [stream_id, first_batch_id]).fetchone()
     return int(row[0]) if row else None

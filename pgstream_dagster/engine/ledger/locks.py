@@ -1,5 +1,4 @@
-"""pgstream's own locks (``pgstream.locks``, sql/repeatable/00_locks.sql) and what is built on them: the
-delivery lease of a run or a replay, and what became of it."""
+"""pgstream's own locks (sql/repeatable/00_locks.sql) and what is built on them: the delivery lease and its fate."""
 
 from __future__ import annotations
 
@@ -14,25 +13,18 @@ import psycopg
 
 from .. import dbconn
 
-# --- pgstream's own locks (sql/repeatable/00_locks.sql): rows of pgstream.locks, which only the owner --------
-# writes (not advisory locks, which any role could take and hold to stall a stream), held by the session that
-# took them until unlock or its end.
-
-#: per stream (key: stream id): the open run's delivery lease; its holder is the run id
-DELIVERY_LOCK = "delivery"
-#: per stream: a redelivery of its dead letters
-REDELIVERY_LOCK = "redelivery"
-#: per stream: a replay, held while it waits for the lease and delivers (an open run that sees it closes)
-REPLAY_LOCK = "replay"
-#: per stream: a delivery run waiting for the lease while a replay holds it (alive, though holding no lease)
-LEASE_WAIT_LOCK = "delivery_wait"
-#: how often a run or a replay waiting for the delivery lease looks again (seconds)
-LEASE_POLL_SECS = 0.2
+# rows of pgstream.locks, which only the owner writes (not advisory locks, which any role could take and hold to
+# stall a stream), held by the session that took them until unlock or its end
+DELIVERY_LOCK = "delivery"  # per stream (key: stream id): the open run's delivery lease; its holder is the run id
+REDELIVERY_LOCK = "redelivery"  # per stream: a redelivery of its dead letters
+REPLAY_LOCK = "replay"  # per stream: a replay, while it waits for the lease and delivers (an open run closes)
+LEASE_WAIT_LOCK = "delivery_wait"  # per stream: a run waiting for the lease while a replay holds it (alive)
+LEASE_POLL_SECS = 0.2  # how often a run or a replay waiting for the delivery lease looks again (seconds)
 
 
 def try_lock(conn: psycopg.Connection, name: str, key: int, holder: str | None = None) -> bool:
-    """Take pgstream's lock ``(name, key)`` for ``conn``'s session (false: another live session holds
-    it). ``conn`` must be in autocommit mode: the lock is a row that must be committed at once."""
+    """Take pgstream's lock ``(name, key)`` for ``conn``'s session (false: another live session holds it);
+    ``conn`` in autocommit mode: the lock is a row that must be committed at once."""
     if not conn.autocommit:
         raise ValueError("try_lock needs a connection in autocommit mode")
     row = conn.execute("select pgstream.try_lock(%s, %s, %s)", [name, key, holder]).fetchone()
@@ -77,8 +69,7 @@ def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
     told = 0.0
     try:
         while True:
-            replay = lock_holder(conn, REPLAY_LOCK, stream_id)
-            if replay is None:
+            if (replay := lock_holder(conn, REPLAY_LOCK, stream_id)) is None:
                 if not try_lock(conn, DELIVERY_LOCK, stream_id, run_id):
                     raise LeaseTaken(f"another run is delivering stream {stream_id}")
                 unlock(conn, LEASE_WAIT_LOCK, stream_id)
@@ -98,7 +89,7 @@ def take_lease(conn: psycopg.Connection, stream_id: int, run_id: str,
 def acquire_replay_lease(database_url: str, stream_id: int, holder: str,
                          waiting: Callable[[str], None] | None = None) -> psycopg.Connection:
     """A connection holding the stream's ``replay`` lock, then its delivery lease, for replay ``holder`` (the open
-    run closes, a new run waits: :func:`acquire_lease`); ``waiting`` told every 10 s; closing it releases both."""
+    run closes, a new run waits); ``waiting`` told every 10 s; closing it releases both."""
     conn = dbconn.connect(database_url, autocommit=True, application_name=f"pgstream replay {holder}")
     try:
         told = 0.0
@@ -123,20 +114,17 @@ class LeaseState(StrEnum):
     """What became of a run's delivery lease (:func:`lease_state`)."""
 
     HELD = "held"  # a live backend of the run holds it
-    #: the backend that held it ended without giving it up: the run's process (or connection) died
-    LOST = "lost"
+    LOST = "lost"  # the backend that held it ended without giving it up: the run's process (or connection) died
     NOT_TAKEN = "not taken"  # no lease names the run: it has not taken one yet (or gave it up, ending)
 
 
 def lease_state(conn: psycopg.Connection, run_id: str) -> LeaseState:
-    """What became of run ``run_id``'s delivery lease, or its wait for it: the lock row names its holder
-    until another run takes the lease or the holder gives it up (:func:`give_up_lease`)."""
+    """What became of run ``run_id``'s delivery lease, or its wait for it (its row names it until given up)."""
     return lease_states(conn, [run_id])[run_id]
 
 
 def lease_states(conn: psycopg.Connection, run_ids: list[str]) -> dict[str, LeaseState]:
-    """:func:`lease_state` of each of ``run_ids``, in one query (a reader group's sensor looks at every
-    member run's lease each tick)."""
+    """:func:`lease_state` of each of ``run_ids``, in one query."""
     states = dict.fromkeys(run_ids, LeaseState.NOT_TAKEN)
     # the lease, or the wait for it while a replay holds it (LEASE_WAIT_LOCK): a run waiting is alive
     for holder, alive in conn.execute(
@@ -163,8 +151,7 @@ def _give_up(conn: psycopg.Connection, name: str, key: int) -> None:
 
 
 class RecordingCheck:
-    """Whether the run's ledger connection ``conn`` still answers, asked at most every ``every_secs``; once
-    not, never again (a sink asks before each request: :attr:`~..sinks.base.Sink.go_on`)."""
+    """Whether the run's ledger connection still answers (``Sink.go_on``), asked every ``every_secs`` at most."""
 
     def __init__(self, conn: psycopg.Connection, every_secs: float = 0.2) -> None:
         self.conn, self.every_secs = conn, every_secs
@@ -173,8 +160,7 @@ class RecordingCheck:
         self._lock = threading.Lock()
 
     def answered(self) -> None:
-        """A statement on the connection has just returned (the publish call's gate): the sink's next request
-        does not ask again before ``every_secs``."""
+        """A statement on the connection has just returned: the sink's next request does not ask again soon."""
         with self._lock:
             if self.broken is None:
                 self._asked = time.monotonic()
@@ -213,8 +199,7 @@ class RunConnections(Protocol):
 
 
 class OwnConnection:
-    """A run alone in its process (a Dagster run of its own): one connection, named after the run, holds its
-    lease and does all its ledger work."""
+    """A run alone in its process: one connection, named after the run, holds its lease and does its ledger work."""
 
     def __init__(self, database_url: str) -> None:
         self.database_url = database_url
@@ -236,23 +221,20 @@ class OwnConnection:
     lease_session = connection
 
 
-#: how long a connection of :class:`SharedConnections`' pool stays idle before it is closed (seconds)
-POOL_IDLE_SECS = 60.0
-#: the connections of :class:`SharedConnections`' pool working at once: a run that wants one more waits for one
-#: to be given back (100 trickling streams delivered as fast with 8 as with one each: bench/RESULTS.md)
+POOL_IDLE_SECS = 60.0  # how long a connection of the pool stays idle before it is closed
+#: the connections of the pool working at once: a run that wants one more waits for one to be given back (100
+#: trickling streams delivered as fast with 8 as with one each: bench/RESULTS.md)
 POOL_SIZE = 8
-#: a connection a run has held this long no longer counts toward ``POOL_SIZE`` (its sink call hangs, it waits to
-#: retry an event the sink rejected, a large round): the runs behind it do not wait for it
+#: a connection a run has held this long no longer counts toward ``POOL_SIZE`` (its sink call hangs, a retry
+#: waits, a large round): the runs behind it do not wait for it
 POOL_HELD_SECS = 1.0
 
 
 class SharedConnections:
-    """The connections of the runs one process hosts (a reader group's members, a thread each; docs/architecture.md,
-    "Connections"): every run's lease on one session named ``name`` (it ends with the process: how the sensor tells
-    a dead run from a slow one), their ledger work on a pool (see ``POOL_SIZE``, ``POOL_HELD_SECS``,
-    ``POOL_IDLE_SECS``), a connection at a time per run (a round, a look), given back while it waits. A run whose
-    lease session ended closes at its next look (``ledger.state.why_close``) and publishes nothing once another
-    run took its lease (its pause gate: ``ledger.state.publishing``)."""
+    """The connections of the runs one process hosts (docs/architecture.md, "Connections"): every run's lease on
+    one session named ``name`` (it ends with the process: how the sensor tells a dead run from a slow one), their
+    ledger work on a pool, a connection at a time per run. A run whose lease session ended closes at its next look
+    (``state.why_close``) and publishes nothing once another run took its lease (``state.publishing``)."""
 
     def __init__(self, database_url: str, name: str, size: int = POOL_SIZE) -> None:
         self.database_url, self.name, self.size = database_url, name, size
@@ -272,13 +254,11 @@ class SharedConnections:
             session = self._session
         yield session
 
-    def _working(self, now: float) -> int:
-        """The connections out that count toward the pool's size (held less than ``POOL_HELD_SECS``)."""
+    def _working(self, now: float) -> int:  # the connections out held less than POOL_HELD_SECS
         return sum(1 for since in self._out.values() if now - since < POOL_HELD_SECS)
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
-        """A connection of the pool (autocommit) until the block ends."""
         stale: list[psycopg.Connection] = []
         conn: psycopg.Connection | None = None
         ticket = object()  # (the key of a connection being opened)
@@ -294,8 +274,8 @@ class SharedConnections:
                 if self._working(now) < self.size:
                     self._out[id(ticket)] = now
                     break
-                # until one is given back, or the oldest one that counts stops counting (one held longer counts
-                # no more: waiting on it would wake at once, again and again)
+                # until one is given back, or the oldest one that counts stops counting (not on one that no longer
+                # counts: the wait would wake at once, again and again)
                 oldest = min(since for since in self._out.values() if now - since < POOL_HELD_SECS)
                 self._given_back.wait(max(0.001, oldest + POOL_HELD_SECS - now))
         for old in stale:
@@ -328,8 +308,7 @@ class SharedConnections:
             take_lease(session, stream_id, run_id, waiting)
 
     def give_up_lease(self, stream_id: int) -> None:
-        # (as :func:`give_up_lease`: never raises, so a run's own error is the one told; a session that cannot be
-        # opened again holds nothing)
+        # (never raises, as give_up_lease: the run's own error is the one told; a session not opened holds nothing)
         with suppress(psycopg.Error), self.session() as session:
             unlock(session, DELIVERY_LOCK, stream_id)
 
@@ -348,15 +327,16 @@ class SharedConnections:
 
 #: per reader group (name: this and the group's; key 0): its group delivery run's lease, for its process's life
 GROUP_DELIVERY_LOCK = "group_delivery"
+#: per reader group: the reading of its slot, by the group run's reader while it reads or the sensor for its tick
+GROUP_READER_LOCK = "group_reader"
 
 
-def _group_lock(group: str) -> str:
-    return f"{GROUP_DELIVERY_LOCK}:{group}"
+def _group_lock(group: str, name: str = GROUP_DELIVERY_LOCK) -> str:
+    return f"{name}:{group}"
 
 
 def acquire_group_lease(database_url: str, group: str, run_id: str) -> psycopg.Connection:
-    """A connection holding group ``group``'s delivery lease for group run ``run_id`` (else
-    :class:`LeaseTaken`): it ends with the run's process, so the sensor tells a dead group run."""
+    """A connection holding group ``group``'s delivery lease for group run ``run_id`` (else :class:`LeaseTaken`)."""
     conn = dbconn.connect(database_url, autocommit=True, application_name=lease_name(run_id))
     try:
         if not try_lock(conn, _group_lock(group), 0, run_id):
@@ -383,27 +363,17 @@ def give_up_group_lease(conn: psycopg.Connection, group: str) -> None:
     _give_up(conn, _group_lock(group), 0)
 
 
-#: per reader group (name: this and the group's; key 0): the reading of the group's slot, held by the group run's
-#: reader while it reads (its session), or by the sensor for its tick: one reader at a time
-GROUP_READER_LOCK = "group_reader"
-
-
-def _group_reader_lock(group: str) -> str:
-    return f"{GROUP_READER_LOCK}:{group}"
-
-
 def claim_group_reading(conn: psycopg.Connection, group: str, holder: str) -> bool:
-    """Take the reading of reader group ``group``'s slot for ``conn``'s session (autocommit), naming
-    ``holder`` (false: another live session reads it)."""
-    return try_lock(conn, _group_reader_lock(group), 0, holder)
+    """Take the reading of reader group ``group``'s slot for ``conn``'s session (false: another live one reads it)."""
+    return try_lock(conn, _group_lock(group, GROUP_READER_LOCK), 0, holder)
 
 
 def release_group_reading(conn: psycopg.Connection, group: str) -> None:
     """Give the reading of :func:`claim_group_reading` up (a connection already broken holds nothing)."""
     if not conn.closed and not conn.broken:
-        unlock(conn, _group_reader_lock(group), 0)
+        unlock(conn, _group_lock(group, GROUP_READER_LOCK), 0)
 
 
 def group_reading_holder(conn: psycopg.Connection, group: str) -> str | None:
     """Who reads reader group ``group``'s slot now (:func:`claim_group_reading`), or None."""
-    return lock_holder(conn, _group_reader_lock(group), 0)
+    return lock_holder(conn, _group_lock(group, GROUP_READER_LOCK), 0)

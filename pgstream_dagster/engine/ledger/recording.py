@@ -1,7 +1,4 @@
-"""Recording what was read from a slot: batches (:func:`record`: whole transactions in commit order, in one
-database transaction before the slot is advanced, once visible), unreadable events as dead letters (stage
-'read'), recovery from the table when a slot was lost (a group's members' ``consumed_through``: ``ledger.groups``).
-"""
+"""Recording what was read from a slot: batches, unreadable events as dead letters, recovery from the table."""
 
 from __future__ import annotations
 
@@ -17,8 +14,7 @@ from ..replication import DecodedEvent, Transaction
 
 @contextmanager
 def atomic(conn: psycopg.Connection) -> Iterator[None]:
-    """``conn.transaction()``, or nothing when ``conn`` is in a transaction already (the caller's makes the
-    block atomic; a savepoint would add two round trips to each recording)."""
+    """``conn.transaction()``, or nothing in one already (a savepoint would add two round trips a recording)."""
     if conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
         yield
         return
@@ -36,15 +32,12 @@ def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
 
 def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], max_size: int,
            kind: str = "stream", standby: str | None = None, give_up: Callable[[], bool] | None = None) -> list[int]:
-    """Record the events of ``txns`` (commit order) as batches of at most ``max_size`` with their LSN range and
-    commit times, unreadable ones as dead letters, in one transaction once visible (:func:`wait_until_visible`)."""
+    """Record the events of ``txns`` (whole transactions, commit order) as batches of at most ``max_size``,
+    unreadable ones as dead letters, in one transaction (before the slot is advanced) once visible."""
     ids: list[int] = []
     events = [e for t in txns for e in t.events]
     wait_until_visible(conn, [t.xid for t in txns], standby, give_up)
-    # the transaction of each position where a chunk may start or end
-    txn_at: list[Transaction] = []
-    for t in txns:
-        txn_at.extend([t] * len(t.events))
+    txn_at = [t for t in txns for _e in t.events]  # the transaction of each position
     with atomic(conn):
         for start in range(0, len(events), max_size):
             chunk = events[start:start + max_size]
@@ -90,8 +83,8 @@ def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str |
     """Return once every transaction of ``xids`` (decoded, so committed) is visible to the snapshots ``conn``
     takes from now on: decoding hands a transaction out a moment before its backend leaves the proc array
     (longer with synchronous replication), and a read of its events then would miss rows. ``standby``: the
-    replication connection that decoded them; a synchronous standby would wait for the writers while they
-    wait for it: :class:`ReaderIsSynchronousStandby`. ``give_up`` true: :class:`NotVisibleYet`."""
+    replication connection that decoded them (a synchronous standby would wait for the writers while they wait
+    for it: :class:`ReaderIsSynchronousStandby`); ``give_up`` true: :class:`NotVisibleYet`."""
     xids = sorted({x for x in xids if x >= 3})  # 0: recovery's own snapshot; 1-2: special xids
     if not xids:
         return
@@ -116,8 +109,7 @@ def wait_until_visible(conn: psycopg.Connection, xids: list[int], standby: str |
 
 
 def record_unreadable(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> int:
-    """Dead letters (stage 'read') for the unreadable events of ``txns``, with the reason and their commit
-    LSN, the payload copied if still there; idempotent. The rows added."""
+    """Dead letters (stage 'read') for the unreadable events of ``txns``, idempotent; the rows added."""
     added = 0
     for t in txns:
         for bad in t.unreadable:
@@ -135,8 +127,7 @@ def record_unreadable(conn: psycopg.Connection, stream_id: int, txns: list[Trans
 
 
 def recovered_ids_since(conn: psycopg.Connection, stream_id: int, lsn: int) -> set[int]:
-    """Event ids recorded by recovery batches whose snapshot reaches past ``lsn``: a slot
-    transaction committed before that point may already be in them."""
+    """Event ids of recovery batches whose snapshot reaches past ``lsn`` (a slot transaction before it may be in)."""
     rows = conn.execute(
         "select unnest(event_ids) from pgstream.batches where stream_id = %s and kind = 'recovery' "
         "and end_lsn >= %s::pg_lsn",
@@ -149,19 +140,15 @@ RECOVERY_ATTEMPTS = 5
 
 
 def recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) -> list[int]:
-    """Record every event of the stream no batch covers (after its ``ledger_horizon``), in id order, as ``recovery``
-    batches ending at the snapshot's WAL position, clearing ``streams.recovery_pending`` in the same transaction.
-    Its snapshot is taken again when the stream's row changed under it (another session's update, committed while
-    this one read: a serialization failure), up to :data:`RECOVERY_ATTEMPTS` times."""
-    attempt = 1
-    while True:
+    """Record every event of the stream no batch covers (after its ``ledger_horizon``) as ``recovery`` batches ending
+    at the snapshot's WAL position, clearing ``streams.recovery_pending`` in the same transaction; taken again
+    when the stream's row changed under it (a serialization failure), up to :data:`RECOVERY_ATTEMPTS` times."""
+    for attempt in range(1, RECOVERY_ATTEMPTS):
         try:
             return _recover_from_table(conn, stream_id, max_size)
         except psycopg.errors.SerializationFailure:
-            if attempt >= RECOVERY_ATTEMPTS:
-                raise
             time.sleep(0.05 * attempt)
-            attempt += 1
+    return _recover_from_table(conn, stream_id, max_size)
 
 
 def _recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int) -> list[int]:
@@ -186,8 +173,7 @@ def _recover_from_table(conn: psycopg.Connection, stream_id: int, max_size: int)
             return []
         txn = Transaction(xid=0, commit_lsn=replication.lsn_to_int(lsn), end_lsn=replication.lsn_to_int(lsn))
         for event_id, created in rows:
-            parsed = replication.parse_timestamp(created)
-            if parsed is None:
+            if (parsed := replication.parse_timestamp(created)) is None:
                 txn.unreadable.append(replication.unreadable_timestamp(int(event_id), created))
             else:
                 txn.events.append(DecodedEvent(int(event_id), parsed))

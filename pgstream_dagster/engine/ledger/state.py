@@ -1,9 +1,7 @@
-"""The stream's state (:func:`stream_state`, one query for ``batches.decide``), the batch transitions (one
-UPDATE each), the run operations made of them (:func:`launch`, :func:`extend_run`, :func:`fail_run`), the
-slot's declared reader, and the two ways in: :func:`apply` (an :data:`~..batches.Action`) and
-:func:`apply_run` (a :data:`~..batches.RunAction`): the only writers of ``streams.open_run_key`` and
-``streams.slot_reader`` (tests/test_architecture.py). ``delivered`` and ``skipped`` batches are done.
-"""
+"""The stream's state (:func:`stream_state`, one query for ``batches.decide``), the batch transitions (one UPDATE
+each), the run operations made of them, the slot's declared reader, and the two ways in: :func:`apply` (an
+:data:`~..batches.Action`) and :func:`apply_run` (a :data:`~..batches.RunAction`): the only writers of
+``streams.open_run_key`` and ``streams.slot_reader`` (tests/test_architecture.py)."""
 
 from __future__ import annotations
 
@@ -39,10 +37,9 @@ from ..replication import TIMELINE_SQL
 from .locks import DELIVERY_LOCK, REPLAY_LOCK
 from .recording import atomic
 
-#: the stream's incarnation as run keys carry it: after a promotion, with the server's timeline (``.t2``). A
-#: promoted standby that had replayed less hands out again batch ids the former primary used, and Dagster launches
-#: a run key once (a sensor's request under a key it has seen is skipped) and finds runs by it: a key named again
-#: would stand for the former primary's run. On a standby (reading, never launching) the incarnation alone.
+#: the stream's incarnation as run keys carry it: after a promotion, with the server's timeline (``.t2``): a promoted
+#: standby that had replayed less hands out again the former primary's batch ids, and Dagster launches a run key
+#: once and finds runs by it. On a standby (reading, never launching) the incarnation alone.
 _INCARNATION = ("s.incarnation::text operator(pg_catalog.||) case when pg_catalog.pg_is_in_recovery() then '' "
                 f"else coalesce(nullif('.t' operator(pg_catalog.||) ({TIMELINE_SQL})::text, '.t1'), '') end")
 
@@ -83,14 +80,12 @@ _STREAM_FIELDS = ("paused", "failover_since", "open_run_key", "next_run", "last_
 
 
 def stream_state(conn: psycopg.Connection, stream_id: int, max_events: int) -> StreamState:
-    """The stream's state for :func:`~.batches.decide`, in one query; ``max_events``:
-    ``delivery.max_events_per_run`` (what a new run may take)."""
+    """The stream's state for :func:`~.batches.decide`; ``max_events``: ``delivery.max_events_per_run``."""
     return stream_states(conn, {stream_id: max_events})[stream_id]
 
 
 def stream_states(conn: psycopg.Connection, max_events: dict[int, int]) -> dict[int, StreamState]:
-    """:func:`stream_state` of each stream of ``max_events`` (stream id -> its ``delivery.max_events_per_run``),
-    in one query (a reader group's sensor decides for every member each tick)."""
+    """:func:`stream_state` of each stream of ``max_events`` (stream id -> its ``max_events_per_run``)."""
     ids = list(max_events)
     states = {sid: StreamState(sid) for sid in ids}  # (a stream without a row yet: nothing to decide)
     with conn.cursor(row_factory=dict_row) as cur:
@@ -118,8 +113,7 @@ def batches_between(conn: psycopg.Connection, stream_id: int, first: int, last: 
 
 
 def launch_waiting(conn: psycopg.Connection, stream_ids: list[int]) -> bool:
-    """Whether one of ``stream_ids`` has a batch no run was ever given while its stream is neither paused nor
-    in failover: one indexed look the group's sensor takes between decisions."""
+    """Whether a stream of ``stream_ids`` neither paused nor in failover has a batch no run was ever given."""
     row = conn.execute(
         "select exists (select 1 from pgstream.batches b join pgstream.streams s on s.id = b.stream_id "
         "where b.stream_id = any(%s) and b.status = %s and b.attempts = 0 and not s.paused "
@@ -128,8 +122,7 @@ def launch_waiting(conn: psycopg.Connection, stream_ids: list[int]) -> bool:
 
 
 def round_outcome(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]) -> tuple[list[int], int]:
-    """After a round of ``batch_ids``: those not delivered (in order), and how many dead letters their
-    events have (the round set aside that many, minus those it skipped), in one statement."""
+    """After a round: the batches of it not delivered (in order), and how many dead letters their events have."""
     row = conn.execute(
         "select array(select id from pgstream.batches where id = any(%(ids)s) and status <> %(delivered)s "
         "order by id), (select count(*) from pgstream.dead_letters "
@@ -155,20 +148,16 @@ def run_batch_ids(conn: psycopg.Connection, head: Batch) -> list[int]:
 
 @dataclass(frozen=True)
 class Assigned:
-    """What an open run sees when it looks at the ledger (:func:`next_assigned`)."""
+    """What an open run sees (:func:`next_assigned`): the batches assigned to it after the one it loaded last, a
+    replay waiting for the lease (it takes no more), the oldest open batch before them (it must not overtake it)."""
 
-    #: the batches assigned to it after the one it loaded last, in order
     batches: list[Batch]
-    #: a replay holds or waits for the stream's delivery lease (the run takes nothing more)
     replay_waiting: bool
-    #: the stream's oldest open batch before the first of ``batches`` (None: none; the run must not overtake it)
     earlier_open: int | None
 
 
 def next_assigned(conn: psycopg.Connection, stream_id: int, run_key: str, after_batch_id: int) -> Assigned:
-    """The batches assigned to run ``run_key`` since it loaded ``after_batch_id`` (in order), whether a replay
-    waits (``locks.replay_waiting``) and :func:`earlier_open` of the first of them, in one statement: an open
-    run's look at the ledger between rounds."""
+    """:class:`Assigned` to run ``run_key`` since it loaded ``after_batch_id``, in one statement."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
             f"""with mine as (select {_BATCH_COLUMNS} {_BATCH_FROM}
@@ -182,10 +171,9 @@ def next_assigned(conn: psycopg.Connection, stream_id: int, run_key: str, after_
                 order by m.id""",  # noqa: S608  (column lists, no input)
             {"run": run_key, "after": after_batch_id, "launched": BatchStatus.LAUNCHED, "replay": REPLAY_LOCK,
              "stream": stream_id}).fetchall()
-    replay, earlier = bool(rows[0]["replay"]), rows[0]["earlier"]
     batches = [Batch(**{k: v for k, v in r.items() if k not in ("replay", "earlier")}) for r in rows
                if r["id"] is not None]
-    return Assigned(batches, replay, int(earlier) if earlier is not None else None)
+    return Assigned(batches, bool(rows[0]["replay"]), rows[0]["earlier"])  # (earlier: a bigint, or null)
 
 
 def run_is_open(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
@@ -223,8 +211,8 @@ class LeaseLost(RuntimeError):
 
 @contextmanager
 def publishing(conn: psycopg.Connection, stream_id: int, run_id: str) -> Iterator[None]:
-    """A publish call of run ``run_id``, in a transaction holding the stream row ``FOR KEY SHARE`` (which a pause
-    waits for): paused, :class:`StreamPaused`; its lease taken by another run, :class:`LeaseLost`."""
+    """A publish call of run ``run_id``, in a transaction holding the stream row ``FOR KEY SHARE`` (a pause waits
+    for it): paused, :class:`StreamPaused`; its lease taken by another run, :class:`LeaseLost`."""
     with conn.transaction():
         # (the lease session's life is checked between rounds, :func:`why_close`; another run renames the row)
         row = conn.execute("select s.paused, exists (select 1 from pgstream.locks l where l.name = %s "
@@ -245,7 +233,6 @@ def run_channel(stream_id: int) -> str:
 
 
 def listen_runs(conn: psycopg.Connection, stream_id: int) -> None:
-    """LISTEN on the stream's :func:`run_channel` (an open run waits there for batches)."""
     conn.execute(sql.SQL("listen {}").format(sql.Identifier(run_channel(stream_id))))
 
 
@@ -259,7 +246,7 @@ def assign(conn: psycopg.Connection, batch_ids: tuple[int, ...] | list[int], run
 
 
 def open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
-    """The run ``run_key`` becomes the stream's open run: :func:`extend_run` hands it new batches."""
+    """The run ``run_key`` becomes the stream's open run."""
     conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s where id = %s",
                  [run_key, SENSOR, stream_id])
 
@@ -270,18 +257,14 @@ def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> No
                  "where id = %s and open_run_key = %s", [SENSOR, stream_id, run_key])
 
 
-# --- the slot's declared reader (streams.slot_reader, sql/025_slot_reader.sql) ----------------------
-# 'group:<name>' once the stream joined its reader group (for good: a trigger turns the 'sensor' the open
-# run's writers above set into it), 'sensor' while a stream's own slot is not handed over yet (ingest.group).
-
-#: the declared reader of a stream's own slot before it joins its group
+# --- the slot's declared reader (sql/025_slot_reader.sql): 'group:<name>' once the stream joined its reader group
+# (for good: a trigger turns the writers' 'sensor' into it), :data:`SENSOR` while its own slot is not handed over
 SENSOR = "sensor"
 
 
 def slot_reader(conn: psycopg.Connection, stream_id: int, *, lock: bool = False) -> str:
-    """Who reads the stream's slot now: ``group:<name>``, or :data:`SENSOR` (its own, while it joins); ``lock``
-    (only inside a transaction): holding the stream row's lock (``no key update``, as :func:`extend_run` takes it)
-    until the transaction ends: a reader records only while this is itself."""
+    """Who reads the stream's slot now; ``lock`` (only inside a transaction): holding the stream row's lock
+    (``no key update``, as :func:`extend_run` takes it) until it ends: a reader records only while this is itself."""
     row = conn.execute("select slot_reader from pgstream.streams where id = %s"  # noqa: S608 - constants
                        + (" for no key update" if lock else ""), [stream_id]).fetchone()
     return str(row[0]) if row and row[0] is not None else SENSOR
@@ -291,13 +274,6 @@ def release(conn: psycopg.Connection, run_key: str, keep: int) -> None:
     """launched -> pending: the batches of the run ``run_key`` other than ``keep`` wait for another run."""
     conn.execute("update pgstream.batches set status = %s, run_key = null where run_key = %s and status = %s "
                  "and id <> %s", [BatchStatus.PENDING, run_key, BatchStatus.LAUNCHED, keep])
-
-
-def mark_failed(conn: psycopg.Connection, batch_id: int, error: str, retry_at: dt.datetime) -> None:
-    """open -> failed: the batch is retried, alone, at ``retry_at``."""
-    conn.execute("update pgstream.batches set status = %s, error = %s, next_attempt_at = %s "
-                 "where id = %s and pgstream.batch_is_open(status)", [BatchStatus.FAILED, error[:2000], retry_at,
-                                                                      batch_id])
 
 
 def mark_confirmed(conn: psycopg.Connection, batch_id: int, count: int) -> None:
@@ -314,26 +290,14 @@ def mark_delivered(conn: psycopg.Connection, batch_id: int, run_id: str) -> bool
     return row is not None
 
 
-def enter_failover(conn: psycopg.Connection, head: Batch, error: str, retry_at: dt.datetime) -> None:
-    """The stream is in failover with ``head`` as its checkpoint (or stays in it: one more attempt)."""
-    conn.execute("select pgstream.enter_failover(%s, %s, %s, %s)", [head.stream_id, head.id, error, retry_at])
-
-
-def leave_failover(conn: psycopg.Connection, stream_id: int) -> None:
-    """The stream caught up: its failover ends."""
-    conn.execute("select pgstream.leave_failover(%s)", [stream_id])
-
-
 def retry_now(conn: psycopg.Connection, stream_id: int) -> int | None:
-    """The stream's failed batch is due now instead of after its backoff; its id (``None``: none).
-    Raises ``psycopg.errors.NoDataFound`` for a stream that does not exist."""
+    """The stream's failed batch is due now; its id (``None``: none). ``NoDataFound``: no such stream."""
     row = conn.execute("select pgstream.retry_now(%s)", [stream_id]).fetchone()
     return int(row[0]) if row and row[0] is not None else None
 
 
 def skip_batch(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int:
-    """open -> skipped (an operator gave up on it); the events it held. Raises
-    ``psycopg.errors.NoDataFound`` unless it is an open batch of the stream."""
+    """open -> skipped (an operator gave up on it); the events it held. ``NoDataFound``: no open batch of it."""
     row = conn.execute("select pgstream.skip_batch(%s, %s)", [stream_id, batch_id]).fetchone()
     assert row is not None
     return int(row[0])
@@ -343,11 +307,9 @@ def skip_batch(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int:
 
 def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] | list[int], run_key: str, *,
            keep_open: bool, replaces: str | None = None) -> bool:
-    """Assign ``batch_ids`` to the new run ``run_key``; ``keep_open``: it becomes the stream's open
-    run; ``replaces``: an open run that ended without closing, forgotten first. Under the stream row's lock (as
-    :func:`extend_run` and a run's close): nothing is done (false) when the ledger moved since the decision, a
-    batch no longer waiting (the group's reader handed it to the open run meanwhile) or, for a run kept open,
-    another open run than ``replaces``; the next tick decides again."""
+    """:class:`~..batches.Launch` ``batch_ids`` as run ``run_key``, under the stream row's lock: nothing is done
+    (false) when the ledger moved since the decision (a batch no longer waiting, for a run kept open another open
+    run than ``replaces``); the next tick decides again."""
     with conn.transaction():
         row = conn.execute("select open_run_key from pgstream.streams where id = %s for no key update",
                            [stream_id]).fetchone()
@@ -367,9 +329,8 @@ def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] 
 
 
 def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
-    """Assign the stream's pending batches (oldest first, up to ``max_events`` undelivered) to its open run
-    ``run_key`` and wake it, under the stream row's lock: a run that closed (:func:`_close_run`), or one of a
-    paused stream (it closes at its next look), is handed none."""
+    """Assign the pending batches (up to ``max_events`` undelivered) to the open run ``run_key`` and wake it, under
+    the stream row's lock: a run that closed (:func:`_close_run`), or of a paused stream, is handed none."""
     with atomic(conn):
         row = conn.execute("select open_run_key, paused from pgstream.streams where id = %s for no key update",
                            [stream_id]).fetchone()
@@ -396,8 +357,7 @@ def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_event
 
 
 def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
-    """The run ``run_key`` stops taking batches: true unless batches were assigned to it and not
-    delivered yet (then it must deliver them first and try again)."""
+    """The run ``run_key`` stops taking batches: true unless batches assigned to it are not delivered yet."""
     with conn.transaction():
         conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
         # a statement after the lock: sees every assignment committed before it was granted
@@ -410,8 +370,7 @@ def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
 
 
 def give_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[int]:
-    """The run ``run_key`` ends without delivering what it holds (paused, or a shutdown): no longer the open
-    run, its undelivered batches back to pending in order, no failover entered; those batches."""
+    """The run ``run_key`` ends without delivering what it holds (paused, a shutdown): its batches back to pending."""
     with conn.transaction():
         conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
         ids = [int(r[0]) for r in conn.execute(
@@ -423,18 +382,19 @@ def give_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[in
 
 
 def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, retry_at: dt.datetime) -> None:
-    """A delivery run failed: its first undelivered batch waits for ``retry_at`` and the stream
-    enters failover; the run's other batches go back to pending (they were not refused)."""
+    """:class:`~..batches.FailRun`: ``head`` (open -> failed) is retried alone at ``retry_at``, the stream enters
+    failover with it as its checkpoint (or stays in it: one more attempt)."""
     with conn.transaction():
         clear_open_run(conn, head.stream_id, run_key)
         release(conn, run_key, keep=head.id)
-        mark_failed(conn, head.id, error, retry_at)
-        enter_failover(conn, head, error, retry_at)
+        conn.execute("update pgstream.batches set status = %s, error = %s, next_attempt_at = %s "
+                     "where id = %s and pgstream.batch_is_open(status)", [BatchStatus.FAILED, error[:2000], retry_at,
+                                                                          head.id])
+        conn.execute("select pgstream.enter_failover(%s, %s, %s, %s)", [head.stream_id, head.id, error, retry_at])
 
 
 def requeue_run(conn: psycopg.Connection, head: Batch, run_key: str, *, checkpoint: bool) -> None:
-    """The run ``run_key`` was interrupted by a shutdown (:class:`~..batches.Requeue`): its batches go back to
-    pending, nothing counted; ``checkpoint``: the head stays the failed checkpoint, due now."""
+    """:class:`~..batches.Requeue` the run ``run_key`` (interrupted by a shutdown)."""
     with conn.transaction():
         clear_open_run(conn, head.stream_id, run_key)
         release(conn, run_key, keep=head.id if checkpoint else 0)
@@ -451,11 +411,10 @@ def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> boo
 
 
 def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | None:
-    """Carry out ``action`` (:func:`~.batches.decide`'s) in the ledger; the run to request, if any (mode
-    per_batch). Reporting a dead run to Dagster is the caller's, before this."""
+    """Carry out ``action``; the run to request, if any (reporting a dead run to Dagster is the caller's, first)."""
     match action:
-        case LeaveFailover(then=then):
-            leave_failover(conn, stream.id)
+        case LeaveFailover(then=then):  # the stream caught up
+            conn.execute("select pgstream.leave_failover(%s)", [stream.id])
             return apply(conn, stream, then)
         case Wait():
             return None
@@ -483,8 +442,7 @@ def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> Run
 
 
 def apply_run(conn: psycopg.Connection, action: RunAction) -> bool:
-    """Carry out the open run's own transition ``action`` in the ledger (its delivery loop closes it); false
-    when it is refused (see the action)."""
+    """Carry out the open run's own transition ``action`` in the ledger; false when it is refused."""
     match action:
         case CloseRun(stream_id=stream_id, run_key=key):
             return _close_run(conn, stream_id, key)

@@ -7,8 +7,7 @@ import psycopg
 
 
 def stream_slot(conn: psycopg.Connection, stream_id: int) -> str:
-    """The slot stream ``stream_id`` reads (``pgstream.streams.slot``), or the default a new stream row would
-    get (``pgstream.default_slot_name``): the one place Python learns a slot's name."""
+    """The slot the stream reads, or the default a new stream row would get (``pgstream.default_slot_name``)."""
     row = conn.execute("select pgstream.stream_slot(%s)", [stream_id]).fetchone()
     assert row is not None and row[0] is not None
     return str(row[0])
